@@ -1,0 +1,3 @@
+from onnxkv.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Compiled kernels (filled in by the kernels work)."""

@@ -1,0 +1,1 @@
+"""Allocators (filled in by the allocator work)."""

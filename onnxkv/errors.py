@@ -1,0 +1,35 @@
+"""Exception types shared by every onnxkv package.
+
+This module imports nothing from onnxkv so that every layer (``alloc``,
+``cache``, ``plan``, ``runtime``) can raise and catch the same classes.
+"""
+
+from __future__ import annotations
+
+
+class OnnxkvError(Exception):
+    """Base class of every error onnxkv raises on purpose."""
+
+
+class ModelError(OnnxkvError, ValueError):
+    """The model file or graph is malformed or uses something onnxkv cannot run."""
+
+
+class UnsupportedOperatorError(ModelError):
+    """An operator in an unknown domain (or without any implementation) was found at load time."""
+
+
+class InputError(OnnxkvError, ValueError):
+    """A feed, argument or option given by the caller is invalid."""
+
+
+class OperatorError(OnnxkvError, RuntimeError):
+    """An operator failed while running; the message names the node and operator."""
+
+
+class OutOfMemory(OnnxkvError, MemoryError):
+    """An allocator could not satisfy a request; nothing was allocated or written."""
+
+
+class CacheCapacityError(OnnxkvError, ValueError):
+    """A KV cache would grow past its fixed capacity; nothing was written."""
