@@ -1,0 +1,150 @@
+"""Operator registry: one kernel class per (domain, op_type, since_version).
+
+A *kernel object* is built once per node when a :class:`~onnxkv.plan.plan.Plan`
+is made, and called for every run.  Contract of a kernel class:
+
+* ``__init__(self, node: onnx.NodeProto, ctx: BuildContext)`` parses and
+  validates the node's attributes (raise :class:`onnxkv.errors.ModelError`
+  naming the node for anything it cannot run).
+* ``run(self, inputs: list, rt: RunContext) -> Sequence``: ``inputs`` holds one
+  NumPy array per node input position (``None`` for an omitted optional
+  input); it returns one value per node output (``None`` allowed for an
+  unused optional output).  Inputs are read-only for the kernel unless the
+  contract of a later issue says otherwise.
+* Outputs are fresh arrays, except that a class which sets ``view_inputs`` to
+  a tuple of input positions may return outputs sharing memory with those
+  inputs (Reshape, Squeeze, Identity, ...).  The plan uses that declaration to
+  keep the underlying buffers alive as long as any view is.
+* Outputs written by a kernel into memory it asked for with
+  ``rt.empty(index, shape, dtype)`` come from the session's allocator where
+  the plan owns the value's lifetime.
+
+Ops register with :func:`register`; :func:`lookup` picks the implementation
+with the highest ``since`` not above the model's opset for that domain.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from onnxkv.errors import ModelError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from onnxkv.plan.context import RunContext
+
+__all__ = ["Op", "BuildContext", "register", "lookup", "registered_ops", "DOMAIN_ALIASES"]
+
+#: Domain spellings that mean the default ONNX domain.
+DOMAIN_ALIASES = {"": "", "ai.onnx": ""}
+
+
+class BuildContext:
+    """What a kernel may know about the model while it is being built.
+
+    Attributes:
+        opsets: domain -> opset version imported by the model.
+        constants: name -> NumPy array for every initializer and Constant
+            output known before the run (read-only arrays).
+        present_outputs: names of graph outputs that carry a KV cache
+            (``present.*``); kernels producing them count storage events.
+        past_inputs: names of graph inputs that carry a KV cache (``past*``).
+    """
+
+    def __init__(
+        self,
+        opsets: dict[str, int],
+        constants: dict[str, np.ndarray] | None = None,
+        present_outputs: frozenset[str] = frozenset(),
+        past_inputs: frozenset[str] = frozenset(),
+    ) -> None:
+        self.opsets = opsets
+        self.constants = constants if constants is not None else {}
+        self.present_outputs = present_outputs
+        self.past_inputs = past_inputs
+
+    def opset(self, domain: str = "") -> int:
+        return self.opsets.get(DOMAIN_ALIASES.get(domain, domain), 0)
+
+    @staticmethod
+    def attributes(node: onnx.NodeProto) -> dict[str, Any]:
+        """Attribute name -> Python value (bytes decoded to str, tensors to NumPy)."""
+        out: dict[str, Any] = {}
+        for a in node.attribute:
+            v = helper.get_attribute_value(a)
+            if isinstance(v, bytes):
+                v = v.decode("utf-8")
+            elif isinstance(v, onnx.TensorProto):
+                v = onnx.numpy_helper.to_array(v)
+            elif isinstance(v, list) and v and isinstance(v[0], bytes):
+                v = [s.decode("utf-8") for s in v]
+            out[a.name] = v
+        return out
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of ``name`` if it is known at build time (initializer/Constant)."""
+        return self.constants.get(name)
+
+
+class Op:
+    """Base class of kernel objects (see the module docstring for the contract)."""
+
+    #: Input positions whose storage the outputs may share (views).
+    view_inputs: tuple[int, ...] = ()
+    #: Set by :func:`register`.
+    domain: str = ""
+    op_type: str = ""
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        self.node = node
+        self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
+        self.attrs = ctx.attributes(node)
+
+    def run(self, inputs: list, rt: RunContext) -> Sequence[Any]:  # pragma: no cover
+        raise NotImplementedError(f"{type(self).__name__}.run")
+
+    def error(self, message: str) -> ModelError:
+        """A ModelError naming this node and operator."""
+        return ModelError(f"{self.op_type} node '{self.name}': {message}")
+
+
+_REGISTRY: dict[tuple[str, str], list[tuple[int, type[Op]]]] = {}
+
+
+def register(op_type: str, domain: str = "", since: int = 1) -> Callable[[type[Op]], type[Op]]:
+    """Class decorator registering a kernel for ``domain::op_type`` from opset ``since``."""
+    domain = DOMAIN_ALIASES.get(domain, domain)
+
+    def deco(cls: type[Op]) -> type[Op]:
+        versions = _REGISTRY.setdefault((domain, op_type), [])
+        if any(v == since for v, _ in versions):
+            raise RuntimeError(f"operator {domain}::{op_type} since {since} registered twice")
+        bisect.insort(versions, (since, cls), key=lambda t: t[0])
+        if not cls.op_type:
+            cls.op_type = op_type
+            cls.domain = domain
+        return cls
+
+    return deco
+
+
+def lookup(domain: str, op_type: str, opset_version: int) -> type[Op] | None:
+    """The registered class for this operator at this opset, or None."""
+    versions = _REGISTRY.get((DOMAIN_ALIASES.get(domain, domain), op_type))
+    if not versions:
+        return None
+    chosen = None
+    for since, cls in versions:
+        if since <= opset_version or opset_version == 0:
+            chosen = cls
+    return chosen
+
+
+def registered_ops() -> list[tuple[str, str, int]]:
+    """(domain, op_type, since) of every registered kernel, sorted."""
+    return sorted((d, t, s) for (d, t), vs in _REGISTRY.items() for s, _ in vs)
