@@ -1,2 +1,55 @@
-"""onnxkv: a KV-cache runtime for ONNX decoder models."""
+"""onnxkv: a KV-cache runtime for ONNX decoder models.
+
+Public API::
+
+    import onnxkv
+    model = onnxkv.load("model_dir_or_file")         # recognise the cache convention
+    session = onnxkv.Session(model, threads=2, events=True)
+    outputs = session.run({"input_ids": ..., ...})    # stateless, like onnxruntime
+    result = onnxkv.generate(session, input_ids, max_new_tokens=32)
+    print(session.events.summary())
+    onnxkv.show_config()
+"""
+
 __version__ = "0.1.0"
+
+from onnxkv import _kernels  # noqa: E402,F401  (a readable ImportError if the build is broken)
+from onnxkv._config import config, show_config  # noqa: E402
+from onnxkv.alloc import Allocator, AllocatorStats, ArenaAllocator, SystemAllocator  # noqa: E402
+from onnxkv.errors import (  # noqa: E402
+    CacheCapacityError,
+    InputError,
+    ModelError,
+    OnnxkvError,
+    OperatorError,
+    OutOfMemory,
+    UnsupportedOperatorError,
+)
+from onnxkv.events import Event, EventLog  # noqa: E402
+from onnxkv.generate import GenerationResult, generate  # noqa: E402
+from onnxkv.model import Model, load  # noqa: E402
+from onnxkv.runtime import Session  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "config",
+    "show_config",
+    "load",
+    "Model",
+    "Session",
+    "generate",
+    "GenerationResult",
+    "Event",
+    "EventLog",
+    "Allocator",
+    "AllocatorStats",
+    "ArenaAllocator",
+    "SystemAllocator",
+    "OnnxkvError",
+    "ModelError",
+    "UnsupportedOperatorError",
+    "InputError",
+    "OperatorError",
+    "OutOfMemory",
+    "CacheCapacityError",
+]

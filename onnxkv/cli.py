@@ -1,1 +1,159 @@
-"""(in progress)"""
+"""The ``onnxkv`` command: ``generate``, ``inspect`` and ``config``.
+
+With no MODEL, ``generate`` and ``inspect`` use the embedded default model (a
+tiny byte-level Llama trained on English text), so ``onnxkv generate
+--prompt "The "`` prints readable text on a fresh install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+
+import numpy as np
+from onnx import helper
+
+import onnxkv
+from onnxkv.models import embedded
+
+__all__ = ["main"]
+
+
+def _model_arg(value: str | None) -> str:
+    return str(embedded.embedded_model_dir()) if value is None else value
+
+
+def _prompt_ids(args, model) -> tuple[np.ndarray, bool]:
+    """Prompt ids and whether the model is treated as byte-level (for printing text)."""
+    byte_level = model.vocab_size is not None and model.vocab_size >= 256 and (
+        args.model is None or args.byte_level)
+    if args.prompt_ids is not None and args.prompt is not None:
+        raise SystemExit("onnxkv generate: give --prompt or --prompt-ids, not both")
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"onnxkv generate: --prompt-ids must be comma-separated ints, got {args.prompt_ids!r}")
+        return np.array([ids], dtype=np.int64), byte_level
+    text = args.prompt if args.prompt is not None else "The "
+    if model.vocab_size is not None and model.vocab_size < 256:
+        raise SystemExit("onnxkv generate: --prompt needs a byte-level model (vocabulary ≥ 256); use --prompt-ids")
+    bos = model.bos_token_id is not None and model.bos_token_id >= 256
+    ids = [model.bos_token_id] if bos else []
+    ids += list(text.encode("utf-8"))
+    return np.array([ids], dtype=np.int64), True
+
+
+class _Progress:
+    """A one-line progress display on stderr for runs of more than a few tokens."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = total
+        self.enabled = enabled and total >= 16
+        self.t0 = time.perf_counter()
+
+    def __call__(self, step: int, tokens: np.ndarray) -> None:
+        if self.enabled and (step % 4 == 0 or step + 1 == self.total):
+            rate = (step + 1) / max(time.perf_counter() - self.t0, 1e-9)
+            print(f"\r  generating {step + 1}/{self.total} tokens ({rate:.1f} tok/s)", end="", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+def _cmd_generate(args) -> int:
+    import psutil
+
+    model = onnxkv.load(_model_arg(args.model))
+    sess = onnxkv.Session(model, threads=args.threads, events=True)
+    ids, byte_level = _prompt_ids(args, model)
+    progress = _Progress(args.max_new_tokens, not args.quiet)
+    res = onnxkv.generate(sess, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, callback=progress)
+    progress.close()
+    new = res.tokens[0].tolist()
+    print("ids:", " ".join(str(t) for t in new))
+    if byte_level:
+        prompt_text = embedded.decode(ids[0].tolist())
+        print("text:", prompt_text + embedded.decode(new))
+    t = sess.events.totals()
+    mb = 1 / (1 << 20)
+    rss = psutil.Process().memory_info().rss
+    print(f"speed: {res.tokens_per_second:.1f} tokens/s decode, prefill {res.prefill_seconds * 1e3:.1f} ms, "
+          f"{len(new)} tokens, threads {sess.threads}")
+    print(f"memory: rss {rss * mb:.1f} MB, allocated {t['allocated_bytes'] * mb:.1f} MB in {t['allocations']} "
+          f"allocations, KV copied {t['prefix_copied_bytes'] * mb:.2f} MB prefix + "
+          f"{t['append_copied_bytes'] * mb:.2f} MB append")
+    if args.events:
+        sess.events.to_json(args.events)
+        print(f"events: {len(sess.events)} records written to {args.events}")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    model = onnxkv.load(_model_arg(args.model))
+    sess = onnxkv.Session(model, threads=1)
+    print(f"model: {model.path or '<in-memory>'}")
+    print(model.convention.describe())
+    g = model.proto.graph
+    opsets = ", ".join(f"{o.domain or 'ai.onnx'}:{o.version}" for o in model.proto.opset_import)
+    print(f"opsets: {opsets}")
+    print(f"nodes: {len(g.node)} in the graph, {len(sess.plan.nodes)} in the plan "
+          f"({sess.plan.folded_nodes} folded at build time)")
+    counts = collections.Counter((n.domain or "ai.onnx", n.op_type) for n in g.node)
+    print("operators:")
+    for (dom, op), c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {c:5d}  {dom}::{op}")
+    fb = sess.fallback_nodes
+    print(f"fallback nodes (onnx.reference): {len(fb)}" + ("" if not fb else ": " + ", ".join(fb[:20])))
+    print("inputs:")
+    for gi in sess.plan.inputs:
+        print(f"  {gi.name}: {gi.dtype} {list(gi.shape) if gi.shape is not None else '?'}")
+    print("outputs:")
+    for o in g.output:
+        tt = o.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tt.shape.dim]
+        print(f"  {o.name}: {np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))} {dims}")
+    if model.genai_config is not None:
+        print(f"genai_config: max_length={model.max_length} vocab={model.vocab_size} "
+              f"bos={model.bos_token_id} eos={model.eos_token_id} pad={model.pad_token_id}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="onnxkv", description="KV-cache runtime for ONNX decoder models.")
+    p.add_argument("--version", action="version", version=f"onnxkv {onnxkv.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate tokens (default model: the embedded byte-level model)")
+    g.add_argument("model", nargs="?", help=".onnx file or GenAI model folder (default: embedded model)")
+    g.add_argument("--prompt", help="prompt text (byte-level models); default 'The '")
+    g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    g.add_argument("--byte-level", action="store_true", help="treat MODEL's ids 0-255 as bytes when printing text")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--events", metavar="FILE.json", help="write the storage event log as JSON")
+    g.add_argument("--quiet", action="store_true", help="no progress display")
+    g.set_defaults(func=_cmd_generate)
+    i = sub.add_parser("inspect", help="show the cache convention, operators, fallbacks and I/O of a model")
+    i.add_argument("model", nargs="?", help=".onnx file or GenAI model folder (default: embedded model)")
+    i.set_defaults(func=_cmd_inspect)
+    c = sub.add_parser("config", help="print version, OpenMP, threads and SIMD path")
+    c.set_defaults(func=lambda a: (onnxkv.show_config(), 0)[1])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (onnxkv.OnnxkvError, FileNotFoundError) as e:
+        print(f"onnxkv {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -44,7 +44,7 @@ class RunContext:
         self.step = step
 
     def empty(self, index: int, shape, dtype) -> np.ndarray:
-        return self._plan_alloc(self._node, index, shape, np.dtype(dtype))
+        return self._plan_alloc(self, index, shape, np.dtype(dtype))
 
     def count(self, **counters: int) -> None:
         if self.recording:

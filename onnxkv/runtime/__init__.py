@@ -1,1 +1,5 @@
+"""Sessions (and, later, per-request states)."""
 
+from onnxkv.runtime.session import Session
+
+__all__ = ["Session"]

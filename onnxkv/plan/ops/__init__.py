@@ -1,1 +1,3 @@
+"""Operator implementations; importing this package registers them all."""
 
+from onnxkv.plan.ops import activation, elementwise, matmul, norm, reduce, shape  # noqa: F401

@@ -1,0 +1,165 @@
+"""Building a decoder's feeds step by step, as each model family needs them.
+
+A :class:`FeedBuilder` turns a batch of prompts (left-padded, HF style, with
+an attention mask) into the inputs of the first run, and after every run
+into the inputs of the next one, threading the cache from ``present.*``
+outputs to ``past.*`` inputs as ordinary tensors.
+
+Layouts by family:
+
+* ``concat`` / ``attention`` (HF-style graphs): the prompt is fed
+  left-padded; ``attention_mask`` grows by one column per step;
+  ``position_ids = cumsum(mask) - 1`` (1 on pads, as transformers does).
+* ``group_query_attention`` (GenAI graphs): GroupQueryAttention derives
+  ``seqlens_k`` from the number of ones in ``attention_mask`` and expects each
+  row's tokens *first* (right padding), so the prompt is re-laid out
+  right-padded; the logits of row b are read at its own last token.
+* ``tensor_scatter`` (static cache of fixed capacity): the cache is allocated
+  once at capacity; ``write_indices`` and ``nonpad_kv_seqlen`` say where each
+  row writes and how much of it is valid (right padding).
+* ``none``: no cache; the whole sequence is fed every step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxkv.errors import InputError
+
+__all__ = ["FeedBuilder"]
+
+
+class FeedBuilder:
+    """Feeds for one generation.
+
+    Args:
+        plan_inputs: the plan's :class:`~onnxkv.plan.plan.GraphInput` list.
+        model: the :class:`~onnxkv.model.Model`.
+        prompt: int64 [B, L] left-padded prompt ids.
+        lengths: int64 [B] number of real tokens per row.
+        pad_id: id written into padding positions.
+    """
+
+    def __init__(self, plan_inputs, model, prompt: np.ndarray, lengths: np.ndarray, pad_id: int) -> None:
+        self.model = model
+        self.conv = model.convention
+        self.io = model.io
+        self.kind = self.conv.kind
+        self.dtypes = {g.name: g.dtype for g in plan_inputs}
+        self.shapes = {g.name: g.shape for g in plan_inputs}
+        self.batch, self.prompt_len = prompt.shape
+        self.lengths = lengths.astype(np.int64)
+        self.pad_id = pad_id
+        self.prompt = prompt
+        self.right_padded = self.kind in ("group_query_attention", "tensor_scatter")
+        self.total = 0  # columns of the attention mask / tokens fed so far
+        self.history = prompt.copy()  # used when there is no cache
+        known = {self.io.input_ids, self.io.attention_mask, self.io.position_ids, *self.conv.past_inputs}
+        known.discard(None)
+        if self.kind == "tensor_scatter":
+            known.update(n for n in self.dtypes if n in ("write_indices", "nonpad_kv_seqlen")
+                         or n.startswith("write_indices") or n.startswith("nonpad_kv_seqlen"))
+        required = [g.name for g in plan_inputs if not g.has_default and g.name not in known]
+        if required:
+            raise InputError(f"generate: the model needs inputs generate cannot make: {required}")
+        if self.io.input_ids is None:
+            raise InputError("generate: the model has no 'input_ids' input")
+
+    # -- helpers -------------------------------------------------------
+    def _cast(self, name: str, value: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(value.astype(self.dtypes[name], copy=False))
+
+    def _empty_past(self, name: str) -> np.ndarray:
+        shape = self.shapes.get(name)
+        kv = self.conv.kv_heads or (shape[1] if shape and isinstance(shape[1], int) else None)
+        hs = self.conv.head_size or (shape[3] if shape and isinstance(shape[3], int) else None)
+        if kv is None or hs is None:
+            raise InputError(f"generate: cannot tell the KV heads / head size of '{name}' from the model")
+        length = self.conv.capacity if self.kind == "tensor_scatter" else 0
+        return np.zeros((self.batch, kv, length, hs), dtype=self.dtypes[name])
+
+    # -- steps ---------------------------------------------------------
+    def first(self) -> tuple[dict, np.ndarray]:
+        """Feeds of the prefill run and, per row, the logits position to read."""
+        B, L = self.batch, self.prompt_len
+        feeds: dict[str, np.ndarray] = {}
+        if self.kind == "none":
+            return self._full_sequence_feeds(), np.full(B, L - 1)
+        if self.right_padded:
+            ids = np.full((B, L), self.pad_id, dtype=np.int64)
+            mask = np.zeros((B, L), dtype=np.int64)
+            for b in range(B):
+                n = int(self.lengths[b])
+                ids[b, :n] = self.prompt[b, L - n:]
+                mask[b, :n] = 1
+            read = self.lengths - 1
+            pos = np.where(mask == 1, np.arange(L)[None, :], 0)
+        else:
+            ids = self.prompt
+            mask = (np.arange(L)[None, :] >= (L - self.lengths)[:, None]).astype(np.int64)
+            pos = np.cumsum(mask, axis=1) - 1
+            pos = np.where(mask == 0, 1, pos)
+            read = np.full(B, L - 1)
+        self.total = L
+        self.mask = mask
+        feeds[self.io.input_ids] = self._cast(self.io.input_ids, ids)
+        if self.io.attention_mask:
+            feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
+        if self.io.position_ids:
+            feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
+        for name in self.conv.past_inputs:
+            feeds[name] = self._empty_past(name)
+        if self.kind == "tensor_scatter":
+            self._scatter_feeds(feeds, np.zeros(B, np.int64), self.lengths)
+        return feeds, read
+
+    def next(self, tokens: np.ndarray, outputs: dict) -> dict:
+        """Feeds of the run that consumes ``tokens`` [B] given the previous run's outputs."""
+        B = self.batch
+        if self.kind == "none":
+            self.history = np.concatenate([self.history, tokens[:, None]], axis=1)
+            return self._full_sequence_feeds()
+        feeds: dict[str, np.ndarray] = {self.io.input_ids: self._cast(self.io.input_ids, tokens[:, None])}
+        if self.right_padded:
+            valid = self.mask.sum(axis=1)  # tokens already in the cache per row
+            new_col = np.zeros((B, 1), dtype=np.int64)
+            self.mask = np.concatenate([self.mask, new_col], axis=1)
+            self.mask[np.arange(B), valid] = 1
+            pos = valid[:, None]
+        else:
+            self.mask = np.concatenate([self.mask, np.ones((B, 1), dtype=np.int64)], axis=1)
+            pos = (self.mask.sum(axis=1) - 1)[:, None]
+            valid = None
+        self.total += 1
+        if self.io.attention_mask:
+            feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, self.mask)
+        if self.io.position_ids:
+            feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
+        for layer in self.conv.layers:
+            feeds[layer.past_key] = outputs[layer.present_key]
+            feeds[layer.past_value] = outputs[layer.present_value]
+        if self.kind == "tensor_scatter":
+            self._scatter_feeds(feeds, valid, valid + 1)
+        return feeds
+
+    def _full_sequence_feeds(self) -> dict:
+        ids = self.history
+        B, L = ids.shape
+        mask = (np.arange(L)[None, :] >= (self.prompt_len - self.lengths)[:, None]).astype(np.int64)
+        feeds = {self.io.input_ids: self._cast(self.io.input_ids, ids)}
+        if self.io.attention_mask:
+            feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
+        if self.io.position_ids:
+            pos = np.where(mask == 0, 1, np.cumsum(mask, axis=1) - 1)
+            feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
+        return feeds
+
+    def _scatter_feeds(self, feeds: dict, write_at: np.ndarray, valid_after: np.ndarray) -> None:
+        cap = self.conv.capacity
+        if cap is not None and int(valid_after.max()) > cap:
+            raise InputError(f"generate: static cache capacity {cap} exceeded (need {int(valid_after.max())})")
+        for name in self.dtypes:
+            if name.startswith("write_indices"):
+                feeds[name] = self._cast(name, write_at)
+            elif name.startswith("nonpad_kv_seqlen"):
+                feeds[name] = self._cast(name, valid_after)

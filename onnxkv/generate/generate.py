@@ -1,0 +1,192 @@
+"""``onnxkv.generate``: greedy and sampled generation over a Session."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onnxkv.errors import InputError
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.generate.sampling import SamplingConfig, select_next
+
+__all__ = ["generate", "GenerationResult"]
+
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` returns.
+
+    Attributes:
+        sequences: int64 [B, L + n]: the prompts as given (left-padded) then
+            the new tokens; rows that finished early are filled with the pad id.
+        tokens: int64 [B, n]: only the new tokens.
+        prompt_lengths: int64 [B]: real (unpadded) prompt length per row.
+        finished: bool [B]: rows that emitted an EOS.
+        prefill_seconds / decode_seconds: wall time of the first run and of the rest.
+        step_seconds: wall time of every decode run.
+    """
+
+    sequences: np.ndarray
+    tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    finished: np.ndarray
+    prefill_seconds: float
+    decode_seconds: float
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens (all rows) per second of decode time (0 if no decode run)."""
+        n = self.tokens.shape[0] * max(0, self.tokens.shape[1] - 1)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def _as_session(session_or_model, threads: int | None):
+    from onnxkv.runtime.session import Session
+
+    if isinstance(session_or_model, Session):
+        return session_or_model
+    return Session(session_or_model, threads=threads)
+
+
+def _check_prompt(input_ids, attention_mask, vocab: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ids = np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None, :]
+    if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+        raise InputError(f"generate: input_ids must be [batch, length] with length ≥ 1, got shape {ids.shape}")
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"generate: input_ids must be integers, got dtype {ids.dtype}")
+    ids = ids.astype(np.int64)
+    if attention_mask is None:
+        mask = np.ones_like(ids)
+    else:
+        mask = np.asarray(attention_mask)
+        if mask.ndim == 1:
+            mask = mask[None, :]
+        if mask.shape != ids.shape:
+            raise InputError(f"generate: attention_mask shape {mask.shape} differs from input_ids {ids.shape}")
+        if mask.dtype.kind not in "iub" or not np.isin(mask, (0, 1)).all():
+            raise InputError("generate: attention_mask must hold only 0 and 1")
+        mask = mask.astype(np.int64)
+    # Left padding: once a row has a 1, it has no 0 after it.
+    started = np.cumsum(mask, axis=1) > 0
+    if np.any(started & (mask == 0)):
+        rows = np.nonzero(np.any(started & (mask == 0), axis=1))[0].tolist()
+        raise InputError(f"generate: rows {rows} of attention_mask are right-padded or have holes; "
+                         "prompts must be left-padded (zeros first)")
+    lengths = mask.sum(axis=1)
+    if np.any(lengths == 0):
+        raise InputError(f"generate: rows {np.nonzero(lengths == 0)[0].tolist()} have no tokens")
+    real = ids[mask == 1]
+    if real.size and (real.min() < 0 or (vocab is not None and real.max() >= vocab)):
+        raise InputError(f"generate: input_ids must be in [0, {vocab}), got min {real.min()}, max {real.max()}")
+    return ids, mask, lengths
+
+
+def _eos_list(eos_token_id, default: list[int], vocab: int | None) -> list[int]:
+    if eos_token_id is None:
+        eos = list(default)
+    elif isinstance(eos_token_id, (int, np.integer)) and not isinstance(eos_token_id, bool):
+        eos = [int(eos_token_id)]
+    else:
+        try:
+            eos = [int(e) for e in eos_token_id]
+        except TypeError:
+            raise InputError(f"generate: eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}") from None
+    for e in eos:
+        if e < 0 or (vocab is not None and e >= vocab):
+            raise InputError(f"generate: eos_token_id {e} is outside the vocabulary [0, {vocab})")
+    return eos
+
+
+def generate(
+    session_or_model,
+    input_ids,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    attention_mask=None,
+    threads: int | None = None,
+    callback: Callable[[int, np.ndarray], None] | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after each prompt row.
+
+    Args:
+        session_or_model: a :class:`~onnxkv.Session`, or anything
+            :class:`~onnxkv.Session` accepts (then a session is built with ``threads``).
+        input_ids: int [B, L] or [L] prompt ids, left-padded when rows differ in length.
+        max_new_tokens: how many tokens to generate at most (≥ 0).
+        temperature, top_k, top_p, seed: sampling (temperature 0 = greedy);
+            the same seed gives the same tokens.
+        eos_token_id: id(s) that end a row (default: the model's genai_config);
+            generation stops when every row has ended.
+        pad_token_id: id written after a row ended and into padding
+            (default: the model's pad id, else the first EOS, else 0).
+        attention_mask: 0/1 [B, L]; zeros mark left padding.
+        callback: called after each new token as ``callback(step, tokens[B])``.
+
+    Raises:
+        InputError: bad arguments (the message names the argument and value).
+    """
+    sess = _as_session(session_or_model, threads)
+    model = sess.model
+    vocab = model.vocab_size
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise InputError(f"generate: max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+    sampling = SamplingConfig(temperature, top_k, top_p, seed)
+    ids, mask, lengths = _check_prompt(input_ids, attention_mask, vocab)
+    eos = _eos_list(eos_token_id, model.eos_token_id, vocab)
+    if pad_token_id is None:
+        pad_token_id = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
+    if not isinstance(pad_token_id, (int, np.integer)) or pad_token_id < 0 or (vocab is not None and pad_token_id >= vocab):
+        raise InputError(f"generate: pad_token_id {pad_token_id!r} is outside the vocabulary [0, {vocab})")
+    B, L = ids.shape
+    if model.max_length is not None and L + max_new_tokens > model.max_length:
+        raise InputError(f"generate: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"max_length {model.max_length}")
+    ids = np.where(mask == 1, ids, pad_token_id)
+
+    builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, int(pad_token_id))
+    fetch = [model.io.logits, *model.convention.present_outputs]
+    eos_arr = np.array(eos, dtype=np.int64)
+    finished = np.zeros(B, dtype=bool)
+    new_tokens: list[np.ndarray] = []
+    step_seconds: list[float] = []
+    prefill = 0.0
+    if max_new_tokens > 0:
+        feeds, read = builder.first()
+        t0 = time.perf_counter()
+        out = sess.run(feeds, fetch)
+        prefill = time.perf_counter() - t0
+        for step in range(max_new_tokens):
+            logits = out[model.io.logits]
+            if logits.ndim == 3:
+                logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]
+            tok = select_next(logits, sampling)
+            tok = np.where(finished, pad_token_id, tok)
+            new_tokens.append(tok)
+            if eos_arr.size:
+                finished |= np.isin(tok, eos_arr)
+            if callback is not None:
+                callback(step, tok)
+            if finished.all() or step == max_new_tokens - 1:
+                break
+            feeds = builder.next(tok, out)
+            t0 = time.perf_counter()
+            out = sess.run(feeds, fetch)
+            step_seconds.append(time.perf_counter() - t0)
+    tokens = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((B, 0), dtype=np.int64)
+    return GenerationResult(np.concatenate([ids, tokens], axis=1), tokens, lengths, finished,
+                            prefill, float(sum(step_seconds)), step_seconds)

@@ -1,0 +1,166 @@
+"""Recognising how a decoder graph threads its KV cache.
+
+A *cache convention* says which graph inputs carry the past keys/values,
+which outputs carry the present ones, and which operator joins them:
+
+* ``group_query_attention`` -- ONNX Runtime GenAI builder graphs:
+  ``com.microsoft.GroupQueryAttention`` reads ``past_key_values.N.key/value``
+  and writes ``present.N.key/value`` (inputs 3/4, outputs 1/2);
+* ``attention`` -- ONNX opset-23/24 ``Attention`` with ``past_key`` /
+  ``past_value`` (inputs 4/5) and ``present_key`` / ``present_value``;
+* ``tensor_scatter`` -- opset-24 static caches: ``TensorScatter(past, update,
+  write_indices) -> present`` of fixed capacity;
+* ``concat`` -- plain exports where ``past -> Concat -> present``;
+* ``none`` -- no recognised cache (the model still runs).
+
+This module imports only ``onnx``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+__all__ = ["CacheLayer", "CacheConvention", "recognize_cache"]
+
+KINDS = ("group_query_attention", "attention", "tensor_scatter", "concat", "none")
+
+
+@dataclass(frozen=True)
+class CacheLayer:
+    """One layer's cache values: graph input and output names, and the joining node."""
+
+    index: int
+    past_key: str
+    past_value: str
+    present_key: str
+    present_value: str
+    nodes: tuple[str, ...]
+
+
+@dataclass
+class CacheConvention:
+    """How the graph threads its cache (see the module docstring)."""
+
+    kind: str
+    layers: list[CacheLayer] = field(default_factory=list)
+    num_heads: int | None = None
+    kv_heads: int | None = None
+    head_size: int | None = None
+    capacity: int | None = None
+    attributes: dict = field(default_factory=dict)
+
+    @property
+    def past_inputs(self) -> list[str]:
+        return [n for layer in self.layers for n in (layer.past_key, layer.past_value)]
+
+    @property
+    def present_outputs(self) -> list[str]:
+        return [n for layer in self.layers for n in (layer.present_key, layer.present_value)]
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return "cache: none recognised (the KV cache, if any, is not threaded as past/present pairs)"
+        parts = [f"cache: {self.kind}", f"layers={len(self.layers)}"]
+        for k in ("num_heads", "kv_heads", "head_size", "capacity"):
+            v = getattr(self, k)
+            if v is not None:
+                parts.append(f"{k}={v}")
+        parts.extend(f"{k}={v}" for k, v in sorted(self.attributes.items()))
+        first = self.layers[0]
+        parts.append(f"names={first.past_key}->{first.present_key}")
+        return " ".join(parts)
+
+
+def _layer_number(name: str, fallback: int) -> int:
+    m = re.findall(r"\d+", name)
+    return int(m[0]) if m else fallback
+
+
+def _static_dim(vi: onnx.ValueInfoProto | None, axis: int) -> int | None:
+    if vi is None or not vi.type.tensor_type.HasField("shape"):
+        return None
+    dims = vi.type.tensor_type.shape.dim
+    if axis >= len(dims) or not dims[axis].HasField("dim_value"):
+        return None
+    return int(dims[axis].dim_value)
+
+
+def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
+    """Find the past/present pairs of ``model`` and the operator family joining them."""
+    g = model.graph
+    inputs = {i.name: i for i in g.input}
+    outputs = {o.name: o for o in g.output}
+    found: list[tuple] = []
+    attrs: dict = {}
+    num_heads = kv_heads = None
+
+    for n in g.node:
+        if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft":
+            ins, outs = list(n.input) + [""] * 9, list(n.output) + [""] * 3
+            if ins[3] in inputs and outs[1] in outputs:
+                found.append(("group_query_attention", ins[3], ins[4], outs[1], outs[2], n.name))
+                a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+                num_heads, kv_heads = a.get("num_heads"), a.get("kv_num_heads")
+                for k in ("do_rotary", "rotary_interleaved", "local_window_size", "softcap"):
+                    if k in a:
+                        attrs[k] = a[k]
+        elif n.op_type == "Attention" and n.domain in ("", "ai.onnx"):
+            ins, outs = list(n.input) + [""] * 7, list(n.output) + [""] * 4
+            if ins[4] in inputs and outs[1] in outputs:
+                found.append(("attention", ins[4], ins[5], outs[1], outs[2], n.name))
+                a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+                num_heads, kv_heads = a.get("q_num_heads", num_heads), a.get("kv_num_heads", kv_heads)
+                if ins[6]:
+                    attrs["nonpad_kv_seqlen"] = True
+    kinds = {f[0] for f in found}
+
+    if not found:
+        scatter: list[tuple[str, str, str]] = []
+        concat: list[tuple[str, str, str]] = []
+        for n in g.node:
+            if n.op_type == "TensorScatter" and n.input and n.input[0] in inputs and n.output[0] in outputs:
+                scatter.append((n.input[0], n.output[0], n.name))
+            elif n.op_type == "Concat" and n.output[0] in outputs:
+                pasts = [x for x in n.input if x in inputs]
+                if pasts:
+                    concat.append((pasts[0], n.output[0], n.name))
+        for kind, singles in (("tensor_scatter", scatter), ("concat", concat)):
+            if singles:
+                kinds = {kind}
+                found = _pair_singles(kind, singles)
+                break
+
+    if not found:
+        return CacheConvention("none")
+    if len(kinds) > 1:
+        raise onnx.checker.ValidationError(f"graph mixes cache conventions {sorted(kinds)}")
+    layers = []
+    for i, (kind, pk, pv, ok, ov, node) in enumerate(found):
+        layers.append(CacheLayer(_layer_number(pk, i), pk, pv, ok, ov, tuple(x for x in node.split("|") if x)))
+    layers.sort(key=lambda layer: layer.index)
+    kind = found[0][0]
+    first = inputs[layers[0].past_key]
+    head_size = _static_dim(first, 3)
+    kv = _static_dim(first, 1) or kv_heads
+    capacity = _static_dim(first, 2) if kind == "tensor_scatter" else None
+    return CacheConvention(kind, layers, num_heads, kv, head_size, capacity, attrs)
+
+
+def _pair_singles(kind: str, singles: list[tuple[str, str, str]]) -> list[tuple]:
+    """Pair key and value entries (by 'key'/'value' in the names, else in order)."""
+    keys = [s for s in singles if "key" in s[0].lower() or re.search(r"\.k(\b|_|$)", s[0])]
+    values = [s for s in singles if s not in keys]
+    if len(keys) != len(values):
+        keys, values = singles[0::2], singles[1::2]
+    by_layer = {_layer_number(v[0], i): v for i, v in enumerate(values)}
+    out = []
+    for i, k in enumerate(keys):
+        v = by_layer.get(_layer_number(k[0], i), values[i] if i < len(values) else None)
+        if v is None:
+            continue
+        out.append((kind, k[0], v[0], k[1], v[1], f"{k[2]}|{v[2]}"))
+    return out

@@ -1,0 +1,68 @@
+"""Softmax / LogSoftmax (kernel over the last axis), Gelu, and FastGelu/QuickGelu."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxkv import _kernels as K
+from onnxkv.plan.ops._util import normalize_axis
+from onnxkv.plan.registry import BuildContext, Op, register
+
+
+def _softmax_np(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(x - m)
+    s = np.sum(e, axis=axis, keepdims=True)
+    return e / s
+
+
+@register("Softmax", since=13)
+class Softmax(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        axis = normalize_axis(self.attrs.get("axis", -1), x.ndim, f"Softmax '{self.name}'")
+        if axis == x.ndim - 1 and x.dtype == np.float32 and x.flags.c_contiguous and x.size:
+            out = rt.empty(0, x.shape, x.dtype)
+            n = x.shape[-1]
+            K.softmax(x.reshape(-1, n), out.reshape(-1, n))
+            return (out,)
+        return (_softmax_np(x, axis).astype(x.dtype, copy=False),)
+
+
+@register("LogSoftmax", since=13)
+class LogSoftmax(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        axis = normalize_axis(self.attrs.get("axis", -1), x.ndim, f"LogSoftmax '{self.name}'")
+        m = np.max(x, axis=axis, keepdims=True)
+        y = x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
+        return (y.astype(x.dtype, copy=False),)
+
+
+@register("Gelu", since=20)
+class Gelu(Op):
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self.approx = self.attrs.get("approximate", "none")
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        if self.approx == "tanh":
+            y = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+        else:
+            from math import erf
+
+            y = 0.5 * x * (1 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2)))
+        return (y.astype(x.dtype, copy=False),)
+
+
+@register("QuickGelu", domain="com.microsoft")
+class QuickGelu(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        alpha = float(self.attrs.get("alpha", 1.702))
+        out = rt.empty(0, x.shape, x.dtype)
+        K.sigmoid((alpha * x).reshape(-1), out.reshape(-1))
+        np.multiply(out, x, out=out)
+        return (out,)

@@ -1,0 +1,306 @@
+"""Shape and data-movement operators: Shape, Reshape, Transpose, (Un)Squeeze,
+Flatten, Concat, Split, Slice, Gather, GatherND, GatherElements, Expand, Tile,
+Range, Identity, Constant, ConstantOfShape, Size, Trilu.
+
+Operators that can return a view of their data input declare
+``view_inputs = (0,)``.  Axes given as inputs (opset ≥ 13) or attributes
+(older opsets) are both accepted.  A Concat whose output is a KV-cache graph
+output (``present.*``) counts its copies: the bytes of the past input as
+``prefix_copied_bytes`` and the new tokens as ``append_copied_bytes``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
+from onnxkv.plan.registry import BuildContext, Op, register
+
+
+@register("Shape")
+class Shape(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        shape = inputs[0].shape
+        start = self.attrs.get("start", 0)
+        end = self.attrs.get("end", None)
+        return (np.array(shape[start:end] if end is not None else shape[start:], dtype=np.int64),)
+
+
+@register("Size")
+class Size(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        return (np.array(inputs[0].size, dtype=np.int64),)
+
+
+@register("Identity")
+class Identity(Op):
+    view_inputs = (0,)
+
+    def run(self, inputs: list, rt) -> tuple:
+        return (inputs[0],)
+
+
+@register("Reshape")
+class Reshape(Op):
+    view_inputs = (0,)
+
+    def run(self, inputs: list, rt) -> tuple:
+        x, shape = inputs
+        dims = int_list(shape)
+        if not self.attrs.get("allowzero", 0):
+            dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+        try:
+            return (x.reshape(dims),)
+        except ValueError as e:
+            raise ValueError(f"Reshape node '{self.name}': cannot reshape {x.shape} to {dims}") from e
+
+
+@register("Flatten")
+class Flatten(Op):
+    view_inputs = (0,)
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        axis = normalize_axis(self.attrs.get("axis", 1), x.ndim + 1, f"Flatten '{self.name}'")
+        lead = int(np.prod(x.shape[:axis], dtype=np.int64))
+        return (x.reshape(lead, -1) if x.size else x.reshape(lead, int(np.prod(x.shape[axis:], dtype=np.int64))),)
+
+
+@register("Transpose")
+class Transpose(Op):
+    """Transpose materialised contiguously (kernels downstream want C order)."""
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        perm = self.attrs.get("perm") or list(range(x.ndim))[::-1]
+        src = x.transpose(perm)
+        out = rt.empty(0, src.shape, x.dtype)
+        np.copyto(out, src)
+        return (out,)
+
+
+class _AxesOp(Op):
+    """Base for ops taking axes as attribute (old opsets) or optional input 1."""
+
+    def axes(self, inputs: list) -> list[int] | None:
+        if len(inputs) > 1 and inputs[1] is not None:
+            return int_list(inputs[1])
+        return self.attrs.get("axes")
+
+
+@register("Squeeze")
+class Squeeze(_AxesOp):
+    view_inputs = (0,)
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        axes = self.axes(inputs)
+        if axes is None:
+            return (x.reshape([d for d in x.shape if d != 1]),)
+        axes = normalize_axes(axes, x.ndim, f"Squeeze '{self.name}'")
+        for a in axes:
+            if x.shape[a] != 1:
+                raise ValueError(f"Squeeze node '{self.name}': dim {a} of shape {x.shape} is not 1")
+        return (x.reshape([d for i, d in enumerate(x.shape) if i not in axes]),)
+
+
+@register("Unsqueeze")
+class Unsqueeze(_AxesOp):
+    view_inputs = (0,)
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        axes = self.axes(inputs)
+        rank = x.ndim + len(axes)
+        axes = sorted(normalize_axes(axes, rank, f"Unsqueeze '{self.name}'"))
+        shape = list(x.shape)
+        for a in axes:
+            shape.insert(a, 1)
+        return (x.reshape(shape),)
+
+
+@register("Concat")
+class Concat(Op):
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attrs["axis"])
+        self.is_cache = node.output[0] in ctx.present_outputs
+
+    def run(self, inputs: list, rt) -> tuple:
+        xs = [x for x in inputs if x is not None]
+        axis = normalize_axis(self.axis, xs[0].ndim, f"Concat '{self.name}'")
+        shape = list(xs[0].shape)
+        shape[axis] = sum(x.shape[axis] for x in xs)
+        out = rt.empty(0, shape, xs[0].dtype)
+        np.concatenate(xs, axis=axis, out=out)
+        if self.is_cache and rt.recording:
+            rt.count(prefix_copied_bytes=xs[0].nbytes, append_copied_bytes=sum(x.nbytes for x in xs[1:]))
+        return (out,)
+
+
+@register("Split")
+class Split(Op):
+    view_inputs = (0,)
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        axis = normalize_axis(self.attrs.get("axis", 0), x.ndim, f"Split '{self.name}'")
+        if len(inputs) > 1 and inputs[1] is not None:
+            sizes = int_list(inputs[1])
+        elif "split" in self.attrs:
+            sizes = list(self.attrs["split"])
+        else:
+            n = self.attrs.get("num_outputs", len(self.node.output))
+            chunk = -(-x.shape[axis] // n)
+            sizes = [min(chunk, x.shape[axis] - i * chunk) for i in range(n)]
+        if sum(sizes) != x.shape[axis]:
+            raise ValueError(f"Split node '{self.name}': sizes {sizes} do not sum to dim {x.shape[axis]}")
+        bounds = np.cumsum([0] + sizes)
+        index = [slice(None)] * x.ndim
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            index[axis] = slice(int(lo), int(hi))
+            outs.append(x[tuple(index)])
+        return outs
+
+
+@register("Slice", since=10)
+class Slice(Op):
+    view_inputs = (0,)
+
+    def run(self, inputs: list, rt) -> tuple:
+        x, starts, ends = inputs[0], int_list(inputs[1]), int_list(inputs[2])
+        axes = int_list(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else list(range(len(starts)))
+        steps = int_list(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else [1] * len(starts)
+        index = [slice(None)] * x.ndim
+        for s, e, a, st in zip(starts, ends, axes, steps):
+            a = normalize_axis(a, x.ndim, f"Slice '{self.name}'")
+            dim = x.shape[a]
+            if st == 0:
+                raise ValueError(f"Slice node '{self.name}': step 0 on axis {a}")
+            # Clamp like ONNX: INT64 extremes mean "to the end".
+            s = max(-dim - 1, min(dim, s))
+            e = max(-dim - 1, min(dim, e))
+            if st > 0:
+                s = max(0, s + dim if s < 0 else s)
+                e = max(0, e + dim if e < 0 else e)
+            else:
+                s = s + dim if s < 0 else min(s, dim - 1)
+                e = e + dim if e < 0 else e
+                if e < 0:
+                    e = None
+            index[a] = slice(s, e, st)
+        return (x[tuple(index)],)
+
+
+@register("Gather")
+class Gather(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x, idx = inputs
+        axis = normalize_axis(self.attrs.get("axis", 0), x.ndim, f"Gather '{self.name}'")
+        dim = x.shape[axis]
+        if idx.size and (idx.min() < -dim or idx.max() >= dim):
+            raise IndexError(f"Gather node '{self.name}': index out of range [-{dim}, {dim}) "
+                             f"(got min {idx.min()}, max {idx.max()})")
+        if axis == 0 and idx.ndim <= 2 and x.ndim == 2:
+            out = rt.empty(0, idx.shape + x.shape[1:], x.dtype)
+            np.take(x, idx, axis=0, out=out, mode="wrap")
+            return (out,)
+        return (np.take(x, idx, axis=axis),)
+
+
+@register("GatherElements")
+class GatherElements(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x, idx = inputs
+        axis = normalize_axis(self.attrs.get("axis", 0), x.ndim, f"GatherElements '{self.name}'")
+        idx = np.where(idx < 0, idx + x.shape[axis], idx)
+        return (np.take_along_axis(x, idx, axis=axis),)
+
+
+@register("GatherND")
+class GatherND(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x, idx = inputs
+        b = self.attrs.get("batch_dims", 0)
+        k = idx.shape[-1]
+        idx = np.where(idx < 0, idx + np.array(x.shape[b:b + k]), idx)
+        if b == 0:
+            return (x[tuple(np.moveaxis(idx, -1, 0))],)
+        batch_shape = x.shape[:b]
+        nb = int(np.prod(batch_shape, dtype=np.int64))
+        xb = x.reshape((nb,) + x.shape[b:])
+        ib = idx.reshape((nb,) + idx.shape[b:])
+        outs = [xb[i][tuple(np.moveaxis(ib[i], -1, 0))] for i in range(nb)]
+        return (np.stack(outs).reshape(idx.shape[:-1] + x.shape[b + k:]),)
+
+
+@register("Expand")
+class Expand(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x, shape = inputs
+        target = np.broadcast_shapes(x.shape, tuple(int_list(shape)))
+        out = rt.empty(0, target, x.dtype)
+        np.copyto(out, x)
+        return (out,)
+
+
+@register("Tile")
+class Tile(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        return (np.tile(inputs[0], int_list(inputs[1])),)
+
+
+@register("Range")
+class Range(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        start, limit, delta = (np.asarray(v).reshape(()) for v in inputs)
+        if delta == 0:
+            raise ValueError(f"Range node '{self.name}': delta is 0")
+        return (np.arange(start, limit, delta, dtype=start.dtype),)
+
+
+@register("Constant")
+class Constant(Op):
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        a = self.attrs
+        if "value" in a:
+            v = a["value"]
+        elif "value_float" in a:
+            v = np.array(a["value_float"], dtype=np.float32)
+        elif "value_floats" in a:
+            v = np.array(a["value_floats"], dtype=np.float32)
+        elif "value_int" in a:
+            v = np.array(a["value_int"], dtype=np.int64)
+        elif "value_ints" in a:
+            v = np.array(a["value_ints"], dtype=np.int64)
+        elif "value_string" in a or "value_strings" in a:
+            v = np.array(a.get("value_string", a.get("value_strings")), dtype=object)
+        else:
+            raise self.error(f"unsupported Constant attributes {sorted(a)}")
+        self.value = np.asarray(v)
+
+    def run(self, inputs: list, rt) -> tuple:
+        return (self.value,)
+
+
+@register("ConstantOfShape")
+class ConstantOfShape(Op):
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        v = self.attrs.get("value")
+        self.value = np.zeros(1, np.float32) if v is None else np.asarray(v).reshape(-1)
+
+    def run(self, inputs: list, rt) -> tuple:
+        out = rt.empty(0, tuple(int_list(inputs[0])), self.value.dtype)
+        out.fill(self.value[0])
+        return (out,)
+
+
+@register("Trilu")
+class Trilu(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        k = int(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else 0
+        return ((np.triu if self.attrs.get("upper", 1) else np.tril)(x, k),)
+

@@ -1,0 +1,434 @@
+"""The execution plan: built once per model and options, run as a plain loop.
+
+A :class:`Plan` holds the nodes in topological order, one kernel object per
+node, integer value slots (no name lookups while running), a release list per
+node (values dropped after their last use) and a free list per node (buffers
+returned to the allocator once no view of them can be read any more).
+
+Buffer lifetime: outputs a kernel obtains with ``rt.empty`` come from the
+plan's allocator unless the value (or anything that may be a view of it)
+reaches the caller.  Views are known statically from each kernel class's
+``view_inputs``; values joined by possible views form one *storage class*,
+freed after the last use of any member.
+
+Constant folding: nodes whose inputs are all known at build time are run once
+while the plan is built, and their outputs become constants.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxkv.errors import InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
+from onnxkv.events import EventLog
+from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.fallback import FallbackOp, has_fallback
+from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
+
+__all__ = ["Plan", "GraphInput", "unsupported_nodes"]
+
+#: Operators that must never be folded at build time.
+_NON_DETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """A graph input the caller may feed: name, NumPy dtype, static shape (None = dynamic dim)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int | str | None, ...] | None
+    has_default: bool
+
+
+def _dims(vi: onnx.ValueInfoProto) -> tuple | None:
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
+
+
+def _opsets(model: onnx.ModelProto) -> dict[str, int]:
+    return {DOMAIN_ALIASES.get(o.domain, o.domain): o.version for o in model.opset_import}
+
+
+def _topological(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
+    """Nodes in an order where every input is produced before it is read."""
+    producers: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for o in n.output:
+            if o:
+                producers[o] = i
+    deps = [{producers[x] for x in _node_reads(n) if x in producers and x not in known} for n in nodes]
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    pending = [len(d) for d in deps]
+    ready = [i for i, p in enumerate(pending) if p == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):
+        stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if i not in set(order)]
+        raise ModelError(f"graph has a cycle or reads values never produced; stuck nodes: {stuck[:8]}")
+    return [nodes[i] for i in order]
+
+
+def _node_reads(node: onnx.NodeProto) -> list[str]:
+    """Every value a node reads: its inputs plus names its subgraphs capture."""
+    reads = [x for x in node.input if x]
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            reads.extend(_captures(g))
+    return reads
+
+
+def _captures(graph: onnx.GraphProto) -> list[str]:
+    local = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    out: list[str] = []
+    for n in graph.node:
+        out.extend(x for x in _node_reads(n) if x not in local)
+        local.update(n.output)
+    return out
+
+
+def unsupported_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Nodes with neither a kernel nor an ``onnx.reference`` fallback."""
+    opsets = _opsets(model)
+    bad = []
+    for n in model.graph.node:
+        dom = DOMAIN_ALIASES.get(n.domain, n.domain)
+        if lookup(dom, n.op_type, opsets.get(dom, 0)) is None and not has_fallback(dom, n.op_type, opsets.get(dom, 0)):
+            bad.append(n)
+    return bad
+
+
+class Plan:
+    """Nodes, kernels, slots and release lists for one model; see the module docstring.
+
+    Args:
+        model: the ONNX model (already checked and loaded with external data).
+        allocator: object of the :class:`onnxkv.alloc.Allocator` protocol for
+            temporaries.
+        present_outputs / past_inputs: cache value names (for storage counters).
+
+    A plan is immutable after construction and may be run from one thread at
+    a time per :class:`RunContext`; ``run`` allocates its own slot list.
+    """
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        allocator,
+        present_outputs: Iterable[str] = (),
+        past_inputs: Iterable[str] = (),
+    ) -> None:
+        graph = model.graph
+        self.allocator = allocator
+        self.opsets = _opsets(model)
+        bad = unsupported_nodes(model)
+        if bad:
+            listed = ", ".join(f"'{n.name or n.output[0]}' ({n.domain or 'ai.onnx'}::{n.op_type})" for n in bad[:10])
+            raise UnsupportedOperatorError(
+                f"{len(bad)} node(s) use operators onnxkv has no implementation for: {listed}"
+                + (" ..." if len(bad) > 10 else "")
+            )
+        if any(i.HasField("data_location") and i.data_location == onnx.TensorProto.EXTERNAL and not i.raw_data
+               for i in graph.initializer):
+            raise ModelError("initializers with external data were not loaded; load the model with onnxkv.load")
+
+        slot_of: dict[str, int] = {}
+
+        def slot(name: str) -> int:
+            if name not in slot_of:
+                slot_of[name] = len(slot_of)
+            return slot_of[name]
+
+        constants: dict[str, np.ndarray] = {}
+        for init in graph.initializer:
+            arr = numpy_helper.to_array(init)
+            arr = np.ascontiguousarray(arr)
+            arr.flags.writeable = False
+            constants[init.name] = arr
+        if len(graph.sparse_initializer):
+            raise ModelError("sparse initializers are not supported")
+
+        self.inputs: list[GraphInput] = []
+        for vi in graph.input:
+            elem = vi.type.tensor_type.elem_type
+            if not elem:
+                raise ModelError(f"graph input '{vi.name}' is not a tensor")
+            self.inputs.append(GraphInput(vi.name, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)),
+                                          _dims(vi), vi.name in constants))
+        self.output_names = [o.name for o in graph.output]
+        known = set(constants) | {i.name for i in self.inputs}
+        nodes = _topological(list(graph.node), known)
+
+        self.build_context = BuildContext(self.opsets, constants, frozenset(present_outputs), frozenset(past_inputs))
+        self.fallback_nodes: list[str] = []
+        kernels: list[Op] = []
+        kept_nodes: list[onnx.NodeProto] = []
+        for node in nodes:
+            kernel = self._make_kernel(node)
+            if self._foldable(node, constants):
+                self._fold(node, kernel, constants)
+                continue
+            kernels.append(kernel)
+            kept_nodes.append(node)
+        self.nodes = kept_nodes
+        self.kernels = kernels
+        self.folded_nodes = len(nodes) - len(kept_nodes)
+
+        for name in constants:
+            slot(name)
+        for gi in self.inputs:
+            slot(gi.name)
+        in_idx, out_idx = [], []
+        for node in kept_nodes:
+            in_idx.append(tuple(slot(x) if x else -1 for x in node.input))
+            out_idx.append(tuple(slot(x) if x else -1 for x in node.output))
+        for name in self.output_names:
+            if name not in slot_of:
+                raise ModelError(f"graph output '{name}' is never produced")
+        self.n_slots = len(slot_of)
+        self.slot_of = slot_of
+        self.in_idx = in_idx
+        self.out_idx = out_idx
+        self.input_slots = [slot_of[g.name] for g in self.inputs]
+        self.output_slots = [slot_of[n] for n in self.output_names]
+
+        template: list = [None] * self.n_slots
+        for name, arr in constants.items():
+            template[slot_of[name]] = arr
+        self._template = template
+        self._plan_lifetimes(kept_nodes, set(constants))
+        self._steps = [(k.run, i, o) for k, i, o in zip(kernels, in_idx, out_idx)]
+
+    # -- build helpers -------------------------------------------------
+    def _make_kernel(self, node: onnx.NodeProto) -> Op:
+        dom = DOMAIN_ALIASES.get(node.domain, node.domain)
+        cls = lookup(dom, node.op_type, self.opsets.get(dom, 0))
+        if cls is None:
+            self.fallback_nodes.append(node.name or node.output[0])
+            return FallbackOp(node, self.build_context)
+        return cls(node, self.build_context)
+
+    @staticmethod
+    def _foldable(node: onnx.NodeProto, constants: dict) -> bool:
+        if node.op_type in _NON_DETERMINISTIC or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                                       for a in node.attribute):
+            return False
+        return all((not x) or x in constants for x in node.input)
+
+    def _fold(self, node: onnx.NodeProto, kernel: Op, constants: dict) -> None:
+        rt = RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), False, -1)
+        try:
+            outs = kernel.run([constants[x] if x else None for x in node.input], rt)
+        except OnnxkvError:
+            raise
+        except Exception as e:
+            raise ModelError(f"{node.op_type} node '{node.name}' failed on constant inputs: {e}") from e
+        for name, val in zip(node.output, outs):
+            if name and val is not None:
+                arr = np.array(val, copy=True)
+                arr.flags.writeable = False
+                constants[name] = arr
+        if kernel.__class__ is FallbackOp and (node.name or node.output[0]) in self.fallback_nodes:
+            self.fallback_nodes.remove(node.name or node.output[0])
+
+    def _plan_lifetimes(self, nodes: list[onnx.NodeProto], constant_names: set[str]) -> None:
+        n = len(nodes)
+        never = n + 1
+        last_use = [-1] * self.n_slots
+        for k in range(n):
+            for s in self.out_idx[k]:
+                if s >= 0:
+                    last_use[s] = max(last_use[s], k)
+            for s in self.in_idx[k]:
+                if s >= 0:
+                    last_use[s] = k
+            for name in _node_reads(nodes[k]):
+                if name in self.slot_of and name not in nodes[k].input:
+                    last_use[self.slot_of[name]] = k
+        pinned = set(self.output_slots) | set(self.input_slots) | {self.slot_of[c] for c in constant_names}
+        for s in pinned:
+            last_use[s] = never
+
+        # Storage classes: union of values that may share memory through views.
+        parent = list(range(self.n_slots))
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for k, kernel in enumerate(self.kernels):
+            for pos in kernel.view_inputs:
+                if pos < len(self.in_idx[k]) and self.in_idx[k][pos] >= 0:
+                    for o in self.out_idx[k]:
+                        if o >= 0:
+                            parent[find(o)] = find(self.in_idx[k][pos])
+        class_end: dict[int, int] = {}
+        for s in range(self.n_slots):
+            r = find(s)
+            class_end[r] = max(class_end.get(r, -1), last_use[s])
+        # A value may use the allocator if its storage class never reaches the caller.
+        self.persistent = [class_end[find(s)] >= never for s in range(self.n_slots)]
+        release: list[list[int]] = [[] for _ in range(n)]
+        frees: list[list[int]] = [[] for _ in range(n)]
+        for s in range(self.n_slots):
+            if 0 <= last_use[s] < never:
+                release[last_use[s]].append(s)
+            end = class_end[find(s)]
+            if 0 <= end < never:
+                frees[end].append(s)
+        self.release = [tuple(r) for r in release]
+        self.frees = [tuple(f) for f in frees]
+
+    # -- running -------------------------------------------------------
+    def bind_inputs(self, feeds: Mapping[str, np.ndarray]) -> list:
+        """Validate feeds against the graph inputs; return the initial slot list."""
+        slots = self._template.copy()
+        known = self.slot_of
+        for name in feeds:
+            if name not in known or all(g.name != name for g in self.inputs):
+                expected = ", ".join(g.name for g in self.inputs)
+                raise InputError(f"Session.run: unknown input '{name}'; the model's inputs are: {expected}")
+        for g, s in zip(self.inputs, self.input_slots):
+            if g.name not in feeds:
+                if g.has_default:
+                    continue
+                raise InputError(f"Session.run: missing input '{g.name}' (dtype {g.dtype}, shape {g.shape})")
+            v = feeds[g.name]
+            if not isinstance(v, np.ndarray):
+                v = np.asarray(v)
+            if v.dtype != g.dtype:
+                raise InputError(f"Session.run: input '{g.name}' has dtype {v.dtype}, expected {g.dtype}")
+            if g.shape is not None:
+                if v.ndim != len(g.shape):
+                    raise InputError(f"Session.run: input '{g.name}' has shape {v.shape}, expected rank {len(g.shape)} {g.shape}")
+                for have, want in zip(v.shape, g.shape):
+                    if isinstance(want, int) and want > 0 and have != want:
+                        raise InputError(f"Session.run: input '{g.name}' has shape {v.shape}, expected {g.shape}")
+            slots[s] = np.ascontiguousarray(v)
+        return slots
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None,
+            events: EventLog | None = None, step: int = 0) -> dict[str, np.ndarray]:
+        """Run every node once and return the requested graph outputs (all by default)."""
+        if output_names is None:
+            out_slots = self.output_slots
+            output_names = self.output_names
+        else:
+            out_slots = []
+            for name in output_names:
+                if name not in self.output_names:
+                    raise InputError(f"Session.run: unknown output '{name}'; outputs are: {', '.join(self.output_names)}")
+                out_slots.append(self.slot_of[name])
+        slots = self.bind_inputs(feeds)
+        bufs: dict[int, object] = {}
+        recording = events is not None and events.enabled
+        rt = RunContext(self._allocator_for(bufs), recording, step)
+        try:
+            if recording:
+                self._run_recording(slots, bufs, rt, events, step)
+            else:
+                self._run_plain(slots, bufs, rt)
+        finally:
+            free = self.allocator.free
+            for b in bufs.values():
+                free(b)
+            bufs.clear()
+        return {name: slots[s] for name, s in zip(output_names, out_slots)}
+
+    def _allocator_for(self, bufs: dict):
+        persistent = self.persistent
+        out_idx = self.out_idx
+        allocator = self.allocator
+
+        def alloc(rt: RunContext, index: int, shape, dtype: np.dtype) -> np.ndarray:
+            s = out_idx[rt._node][index]
+            shape = tuple(int(d) for d in shape)
+            nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+            if rt.recording:
+                c = rt.counters
+                c["allocations"] = c.get("allocations", 0) + 1
+                c["allocated_bytes"] = c.get("allocated_bytes", 0) + nbytes
+            if s < 0 or persistent[s]:
+                return np.empty(shape, dtype)
+            old = bufs.pop(s, None)
+            if old is not None:
+                allocator.free(old)
+            buf = allocator.allocate(nbytes, 64)
+            bufs[s] = buf
+            return buf.view(dtype, shape)
+
+        return alloc
+
+    def _run_plain(self, slots: list, bufs: dict, rt: RunContext) -> None:
+        free = self.allocator.free
+        k = 0
+        try:
+            for k, (run, ins, outs) in enumerate(self._steps):
+                rt._node = k
+                results = run([slots[i] if i >= 0 else None for i in ins], rt)
+                for s, v in zip(outs, results):
+                    if s >= 0:
+                        slots[s] = v
+                for s in self.release[k]:
+                    slots[s] = None
+                for s in self.frees[k]:
+                    b = bufs.pop(s, None)
+                    if b is not None:
+                        free(b)
+        except OnnxkvError:
+            raise
+        except Exception as e:
+            node = self.nodes[k]
+            raise OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}") from e
+
+    def _run_recording(self, slots: list, bufs: dict, rt: RunContext, events: EventLog, step: int) -> None:
+        allocator = self.allocator
+        free = allocator.free
+        k = 0
+        try:
+            for k, (run, ins, outs) in enumerate(self._steps):
+                rt._node = k
+                rt.counters = {}
+                t0 = time.perf_counter()
+                results = run([slots[i] if i >= 0 else None for i in ins], rt)
+                dt = time.perf_counter() - t0
+                for s, v in zip(outs, results):
+                    if s >= 0:
+                        slots[s] = v
+                st = allocator.stats()
+                node = self.nodes[k]
+                events.record(step, node.name or node.output[0], node.op_type, "execute", seconds=dt,
+                              committed=st.committed, live=st.live, peak=st.peak, **rt.counters)
+                for s in self.release[k]:
+                    slots[s] = None
+                for s in self.frees[k]:
+                    b = bufs.pop(s, None)
+                    if b is not None:
+                        free(b)
+        except OnnxkvError:
+            raise
+        except Exception as e:
+            node = self.nodes[k]
+            raise OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}") from e

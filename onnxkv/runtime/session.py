@@ -1,0 +1,80 @@
+"""``Session``: a loaded model, its plan, allocator, thread setting and event log."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+
+from onnxkv._threads import ThreadControl
+from onnxkv.alloc import as_allocator
+from onnxkv.events import EventLog
+from onnxkv.model import Model, load
+from onnxkv.plan.plan import Plan
+
+__all__ = ["Session"]
+
+
+class Session:
+    """A model ready to run, stateless like ``onnxruntime.InferenceSession``.
+
+    Args:
+        model: a path (``.onnx`` file or GenAI folder), a :class:`Model` or a ModelProto.
+        threads: threads for the OpenMP kernels *and* the BLAS under NumPy
+            (one setting, applied around every run); None = the cores this
+            process may use.
+        allocator: an :class:`onnxkv.alloc.Allocator` for the plan's temporaries
+            (None = :class:`~onnxkv.alloc.SystemAllocator`).
+        events: record an :class:`~onnxkv.events.EventLog` (``session.events``).
+
+    The plan is built once here.  ``run`` may be called any number of times;
+    each call is independent.  One session must not run from two threads at once.
+    """
+
+    def __init__(self, model: str | os.PathLike | Model | onnx.ModelProto, threads: int | None = None,
+                 allocator=None, events: bool = False) -> None:
+        self.model = model if isinstance(model, Model) else load(model)
+        self.allocator = as_allocator(allocator)
+        self.events = EventLog(enabled=bool(events))
+        self._threads = ThreadControl(threads)
+        conv = self.model.convention
+        self.plan = Plan(self.model.proto, self.allocator, present_outputs=conv.present_outputs,
+                         past_inputs=conv.past_inputs)
+        self._step = 0
+
+    @property
+    def threads(self) -> int:
+        return self._threads.threads
+
+    @property
+    def input_names(self) -> list[str]:
+        return [g.name for g in self.plan.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.plan.output_names)
+
+    @property
+    def fallback_nodes(self) -> list[str]:
+        """Names of nodes run by ``onnx.reference`` fallbacks."""
+        return list(self.plan.fallback_nodes)
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the model on ``feeds`` (input name -> array) and return the outputs by name.
+
+        Raises:
+            InputError: unknown/missing inputs, wrong dtype or shape.
+            OperatorError: a node failed (the message names it).
+        """
+        step = self._step
+        with self._threads:
+            out = self.plan.run(feeds, output_names, self.events if self.events.enabled else None, step)
+        self._step += 1
+        return out
+
+    def __repr__(self) -> str:
+        src = self.model.path or "<in-memory model>"
+        return (f"Session({src}, nodes={len(self.plan.nodes)}, threads={self.threads}, "
+                f"{self.model.convention.describe()})")
