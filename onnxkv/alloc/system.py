@@ -20,15 +20,16 @@ class SystemBuffer:
     ``free`` keep the bytes alive but must not be used after it.
     """
 
-    __slots__ = ("_owner", "_raw")
+    __slots__ = ("_owner", "_raw", "_nbytes")
 
-    def __init__(self, owner: SystemAllocator, raw: np.ndarray) -> None:
+    def __init__(self, owner: SystemAllocator, raw: np.ndarray, nbytes: int) -> None:
         self._owner = owner
-        self._raw: np.ndarray | None = raw
+        self._raw: np.ndarray | None = raw  # at least one byte, so its address is meaningful
+        self._nbytes = nbytes
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._raw is None else int(self._raw.size)
+        return self._nbytes
 
     @property
     def address(self) -> int:
@@ -36,7 +37,7 @@ class SystemBuffer:
 
     def view(self, dtype: npt.DTypeLike, shape: int | tuple[int, ...]) -> np.ndarray:
         """Writable C-contiguous ``dtype[shape]`` array over this buffer's bytes."""
-        return byte_view(self._live_raw(), dtype, shape)
+        return byte_view(self._live_raw()[: self._nbytes], dtype, shape)
 
     def _live_raw(self) -> np.ndarray:
         if self._raw is None:
@@ -44,8 +45,8 @@ class SystemBuffer:
         return self._raw
 
     def __repr__(self) -> str:
-        state = "freed" if self._raw is None else f"nbytes={self.nbytes} address={self.address:#x}"
-        return f"<SystemBuffer {state}>"
+        state = " freed" if self._raw is None else f" address={self.address:#x}"
+        return f"<SystemBuffer nbytes={self._nbytes}{state}>"
 
 
 class SystemAllocator:
@@ -69,11 +70,11 @@ class SystemAllocator:
         n = check_nbytes(nbytes)
         a = check_alignment(alignment)
         try:
-            whole = np.empty(n + a - 1, dtype=np.uint8)
+            whole = np.empty(max(n, 1) + a - 1, dtype=np.uint8)
         except (MemoryError, ValueError) as exc:
             raise OutOfMemory(f"{self!r}: cannot allocate {n} bytes aligned to {a}: {exc}") from None
         start = -whole.__array_interface__["data"][0] % a
-        buffer = SystemBuffer(self, whole[start : start + n])
+        buffer = SystemBuffer(self, whole[start : start + max(n, 1)], n)
         with self._lock:
             self._live[id(buffer)] = buffer
             self._live_bytes += n
