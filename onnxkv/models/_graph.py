@@ -66,3 +66,21 @@ FLOAT = TensorProto.FLOAT
 INT64 = TensorProto.INT64
 INT32 = TensorProto.INT32
 BOOL = TensorProto.BOOL
+
+
+def causal_padding_mask(g: GraphBuilder, input_ids: str, attention_mask: str) -> str:
+    """Boolean ``[batch, 1, seq, total]`` mask: query ``i`` sees key ``j`` iff
+    ``attention_mask[b, j] == 1`` and ``j <= total - seq + i`` (queries are the last ``seq`` keys)."""
+    base = "/model/attn_mask"
+    seq = g.node("Gather", [g.node("Shape", [input_ids], f"{base}/Shape_ids"), g.constant(1)], f"{base}/Gather_seq",
+                 axis=0)
+    total = g.node("Gather", [g.node("Shape", [attention_mask], f"{base}/Shape_mask"), g.constant(1)],
+                   f"{base}/Gather_total", axis=0)
+    keys = g.node("Range", [g.constant(0), total, g.constant(1)], f"{base}/Range_keys")              # [T]
+    first = g.node("Sub", [total, seq], f"{base}/Sub")
+    queries = g.node("Range", [first, total, g.constant(1)], f"{base}/Range_queries")               # [S]
+    queries = g.node("Unsqueeze", [queries, g.constant([1])], f"{base}/Unsqueeze_queries")          # [S, 1]
+    causal = g.node("LessOrEqual", [keys, queries], f"{base}/LessOrEqual")                        # [S, T]
+    padding = g.node("Cast", [attention_mask], f"{base}/Cast", to=BOOL)
+    padding = g.node("Unsqueeze", [padding, g.constant([1, 2])], f"{base}/Unsqueeze_padding")      # [B, 1, 1, T]
+    return g.node("And", [padding, causal], f"{base}/And")                                        # [B, 1, S, T]
