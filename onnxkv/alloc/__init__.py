@@ -1,1 +1,27 @@
-"""Allocators (filled in by the allocator work)."""
+"""Allocators: the :class:`Allocator` protocol, system and arena allocators.
+
+``SystemAllocator`` takes memory on demand from NumPy; ``ArenaAllocator``
+carves buffers from one region reserved up front and never grows. Any object
+with ``allocate``/``free``/``stats`` (see :mod:`onnxkv.alloc.protocol`) can be
+used instead; :func:`as_allocator` accepts it.
+"""
+
+from onnxkv.errors import OutOfMemory
+
+from .arena import ArenaAllocator, ArenaBuffer
+from .protocol import Allocator, AllocatorStats, Buffer
+from .resolve import as_allocator, check_allocator
+from .system import SystemAllocator, SystemBuffer
+
+__all__ = [
+    "Allocator",
+    "AllocatorStats",
+    "ArenaAllocator",
+    "ArenaBuffer",
+    "Buffer",
+    "OutOfMemory",
+    "SystemAllocator",
+    "SystemBuffer",
+    "as_allocator",
+    "check_allocator",
+]
