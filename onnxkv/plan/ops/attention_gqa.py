@@ -44,7 +44,8 @@ Semantics:
   values are unspecified, as in ORT.
 * **Masking.** Query ``s`` of row ``b`` has absolute position
   ``p = past_b + s`` and sees keys ``j <= p``, ``j < total_b`` and, when
-  ``local_window_size = W > 0``, ``j >= p - W``.  Scores are
+  ``local_window_size = W > 0``, ``j > p - W`` (the ``W`` most recent
+  positions, the query's own included; ORT 1.32 CPU).  Scores are
   ``scale * q·k`` (``scale = 0`` means ``1/sqrt(D)``), then
   ``softcap * tanh(score / softcap)`` when ``softcap > 0``, then
   ``attention_bias``, then softmax (with ``exp(head_sink[h])`` added to the
@@ -108,7 +109,8 @@ class GroupQueryAttention(Op):
         self.do_rotary = bool(a.get("do_rotary", 0))
         self.interleaved = bool(a.get("rotary_interleaved", 0))
         window = int(a.get("local_window_size", -1))
-        self.window = window if window > 0 else -1
+        # ORT keeps the W most recent keys; the kernel's window counts keys before the query.
+        self.window = window - 1 if window > 0 else -1
         self.smooth_softmax = bool(a.get("smooth_softmax", 0))
         self._reject_attr("qk_output", 0, "output_qk (qk_output != 0) is not supported")
         self._reject_attr("causal", 1, "non-causal (causal=0) attention is not supported")
