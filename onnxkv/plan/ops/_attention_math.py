@@ -1,0 +1,163 @@
+"""Attention arithmetic shared by the attention-family operators.
+
+Two entry points:
+
+* :func:`causal_attention` — positions-based masking (causal, sliding window,
+  per-row valid length and start), the case the streaming kernel
+  ``onnxkv._kernels.attention`` covers.  It dispatches to that kernel when
+  the build has it and to :func:`dense_attention` otherwise.
+* :func:`dense_attention` — arbitrary additive bias (``-inf`` = masked), attention
+  sinks and the intermediate score matrices some operators expose.  NumPy.
+
+Shapes: ``q`` [B, Hq, Sq, D]; ``k`` [B, Hkv, T, D]; ``v`` [B, Hkv, T, Dv] with
+``Hq % Hkv == 0`` (query head ``h`` reads KV head ``h // (Hq // Hkv)``).  A query
+row with no visible key produces zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+try:  # compiled fast path (branch wt-kernels)
+    from onnxkv._kernels import attention as _attention_kernel
+except ImportError:  # pragma: no cover - depends on the build
+    _attention_kernel = None
+
+__all__ = ["Scores", "causal_attention", "dense_attention", "position_bias"]
+
+
+@dataclass
+class Scores:
+    """Intermediate [B, Hq, Sq, T] matrices of :func:`dense_attention` (when asked for).
+
+    ``raw``: scale * q·k; ``capped``: after softcap; ``biased``: after adding the
+    bias; ``probs``: after softmax (fully masked rows zeroed).
+    """
+
+    raw: np.ndarray
+    capped: np.ndarray
+    biased: np.ndarray
+    probs: np.ndarray
+
+
+def position_bias(
+    kv_len: np.ndarray,
+    q_pos: np.ndarray,
+    total: int,
+    window: int,
+    kv_start: np.ndarray | None = None,
+    dtype: np.dtype = np.dtype(np.float32),
+) -> np.ndarray:
+    """Additive [B, 1, Sq, total] bias (0 visible, -inf masked) of the kernel's mask rule.
+
+    Query at absolute position ``p = q_pos[b, s]`` sees key ``j`` iff
+    ``kv_start[b] <= j < kv_len[b]``, ``j <= p`` and (``window >= 0``) ``j >= p - window``.
+    """
+    j = np.arange(total)[None, None, :]
+    p = q_pos[:, :, None].astype(np.int64)
+    visible = (j < kv_len[:, None, None]) & (j <= p)
+    if kv_start is not None:
+        visible &= j >= kv_start[:, None, None]
+    if window >= 0:
+        visible &= j >= p - window
+    return np.where(visible, dtype.type(0), dtype.type(-np.inf))[:, None]
+
+
+def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
+    """[B, Hkv, T, D] -> [B, Hq, T, D] by repeating each KV head for its query group."""
+    group = hq // x.shape[1]
+    return x if group == 1 else np.repeat(x, group, axis=1)
+
+
+def dense_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    bias: np.ndarray | None,
+    scale: float,
+    softcap: float = 0.0,
+    sink: np.ndarray | None = None,
+    softmax_dtype: np.dtype | None = None,
+    keep_scores: bool = False,
+) -> tuple[np.ndarray, Scores | None]:
+    """Softmax attention with an additive bias, in the order scale -> softcap -> bias -> softmax.
+
+    ``bias`` broadcasts to [B, Hq, Sq, T]; ``-inf`` entries are masked, and a row
+    whose bias is ``-inf`` everywhere yields zero probabilities and output.
+    ``sink`` [Hq] adds ``exp(sink[h])`` to the softmax denominator (attention
+    sink / smooth softmax; the running maximum includes the sink).
+    ``softmax_dtype`` selects the softmax precision (default: ``q.dtype``).
+    Returns (output [B, Hq, Sq, Dv] in ``q.dtype``, scores or None).
+    """
+    hq = q.shape[1]
+    kk = _expand_kv(k, hq)
+    vv = _expand_kv(v, hq)
+    raw = np.matmul(q, kk.swapaxes(-1, -2)) * q.dtype.type(scale)
+    capped = raw
+    if softcap > 0:
+        capped = np.tanh(raw / q.dtype.type(softcap)) * q.dtype.type(softcap)
+    biased = capped if bias is None else capped + bias
+    x = biased.astype(softmax_dtype or q.dtype, copy=False)
+    m = np.max(x, axis=-1, keepdims=True)
+    if sink is not None:
+        sink_col = sink.astype(x.dtype).reshape(1, hq, 1, 1)
+        m = np.maximum(m, sink_col)
+    dead = np.isneginf(m)
+    m = np.where(dead, 0, m)
+    e = np.exp(x - m)
+    denom = np.sum(e, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + np.exp(sink_col - m)
+    probs = np.where(dead | (denom == 0), 0, e / np.where(denom == 0, 1, denom))
+    if bias is not None:
+        masked_row = np.isneginf(np.max(np.broadcast_to(bias, biased.shape), axis=-1, keepdims=True))
+        probs = np.where(masked_row, 0, probs)
+    probs = probs.astype(q.dtype, copy=False)
+    out = np.matmul(probs, vv)
+    scores = Scores(raw, capped, biased, probs) if keep_scores else None
+    return out, scores
+
+
+def causal_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    kv_len: np.ndarray,
+    q_pos: np.ndarray,
+    scale: float,
+    softcap: float,
+    window: int,
+    out: np.ndarray,
+    kv_start: np.ndarray | None = None,
+) -> np.ndarray:
+    """Positions-masked attention into ``out`` [B, Hq, Sq, D] (see :func:`position_bias`).
+
+    ``k``/``v`` may be longer than every ``kv_len`` (capacity buffers); only the
+    first ``kv_len[b]`` positions are read.  Float32 inputs use the compiled
+    streaming kernel when available.  Returns ``out``.
+    """
+    kv_len = np.ascontiguousarray(kv_len, dtype=np.int32)
+    q_pos = np.ascontiguousarray(q_pos, dtype=np.int32)
+    if kv_start is not None:
+        kv_start = np.ascontiguousarray(kv_start, dtype=np.int32)
+    if _attention_kernel is not None and q.dtype == np.float32 and k.dtype == np.float32:
+        _attention_kernel(
+            np.ascontiguousarray(q),
+            np.ascontiguousarray(k),
+            np.ascontiguousarray(v),
+            kv_len,
+            q_pos,
+            float(scale),
+            float(softcap),
+            int(window),
+            out,
+            kv_start,
+        )
+        return out
+    total = int(kv_len.max(initial=0))
+    bias = position_bias(kv_len, q_pos, total, window, kv_start, q.dtype)
+    res, _ = dense_attention(q, k[:, :, :total], v[:, :, :total], bias, scale, softcap)
+    out[...] = res
+    return out

@@ -1,0 +1,360 @@
+"""``com.microsoft::GroupQueryAttention`` with ONNX Runtime CPU semantics (ORT 1.32).
+
+Inputs (position: name, shape, dtype T = float32/float16, M = int32):
+
+0. ``query`` [B, S, Hq*D], or packed QKV [B, S, (Hq + 2*Hkv)*D] when ``key`` and
+   ``value`` are omitted;
+1. ``key``, 2. ``value`` [B, S, Hkv*D] (both or neither);
+3. ``past_key``, 4. ``past_value`` [B, Hkv, P, D] (BNSH, both or neither;
+   ``P`` may be 0);
+5. ``seqlens_k`` [B] M: valid total length of each batch row minus one;
+6. ``total_sequence_length`` scalar M: the batch maximum of the total length;
+7. ``cos_cache``, 8. ``sin_cache`` [max_pos, rot/2] (``do_rotary=1``);
+9. ``position_ids`` [B, S] int64 (optional, rotary positions);
+10. ``attention_bias`` [B|1, Hq|1, S, total_sequence_length] (optional, added
+    after softcap);
+11. ``head_sink`` [Hq] (optional, attention sink per query head).
+
+Inputs 12-16 (quantized caches, Q/K RMS norm, ``query_seqlens``) are rejected.
+
+Outputs: ``output`` [B, S, Hq*D]; ``present_key``/``present_value``
+[B, Hkv, L, D].
+
+Semantics:
+
+* **Prompt vs token generation.** The call is a *first prompt* when
+  ``S == total_sequence_length``; then every row's past length is 0.  Else,
+  ``S == 1`` is token generation and ``S > 1`` a *subsequent prompt* (chunked
+  prefill, ``B == 1`` only).  In both, row ``b`` has
+  ``total_b = seqlens_k[b] + 1`` tokens after the step and
+  ``past_b = total_b - S`` tokens before it.
+* **Present length** (past buffer not shared with present, the only mode of
+  this tensor path): ``L = max(total_sequence_length, P)``.  ``present`` is
+  zero-filled, rows ``[0, past_b)`` are copied from ``past``, and the ``S`` new
+  rows are written at ``[past_b, past_b + S)``.  On the first prompt all ``S``
+  rows are written, right padding included (as ORT does).
+  *Shared-buffer mode* (a later issue: ``past_key`` and ``present_key`` are the
+  same ``[B, Hkv, max_len, D]`` buffer, as GenAI binds them): ``L = P`` (the
+  capacity), nothing is zero-filled or copied and only the ``S`` new rows are
+  written in place at ``past_b``.
+* **Right padding.** Batch rows shorter than the longest are right padded;
+  ``seqlens_k`` gives each row's valid length.  Key ``j`` is visible to row
+  ``b`` only if ``j < total_b``.  Query rows at or beyond ``total_b`` (padding
+  of a first prompt) are computed like a query at that position but their
+  values are unspecified, as in ORT.
+* **Masking.** Query ``s`` of row ``b`` has absolute position
+  ``p = past_b + s`` and sees keys ``j <= p``, ``j < total_b`` and, when
+  ``local_window_size = W > 0``, ``j > p - W`` (the ``W`` most recent
+  positions, the query's own included; ORT 1.32 CPU).  Scores are
+  ``scale * q·k`` (``scale = 0`` means ``1/sqrt(D)``), then
+  ``softcap * tanh(score / softcap)`` when ``softcap > 0``, then
+  ``attention_bias``, then softmax (with ``exp(head_sink[h])`` added to the
+  denominator when a sink is given; ``smooth_softmax=1`` without
+  ``head_sink`` is a sink of 0).
+* **Rotary** (``do_rotary=1``) is applied to Q and K (not V) before the cache
+  append, on ``rot = 2 * cos_cache.shape[1]`` leading channels, at position
+  ``p`` above — i.e. ``s`` on a first prompt and ``seqlens_k[b] + 1 - S + s``
+  otherwise.  With ``position_ids``: the first prompt uses
+  ``position_ids[0, 0] + s`` for every row, other calls use ``position_ids``.
+* Storage counters per present output: one allocation of its size,
+  ``prefix_copied_bytes = sum_b past_b * Hkv * D * itemsize`` and
+  ``append_copied_bytes = B * S * Hkv * D * itemsize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+
+from onnxkv.errors import InputError
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._attention_math import causal_attention, dense_attention, position_bias
+from onnxkv.plan.ops.rotary import check_positions, rotate
+from onnxkv.plan.registry import BuildContext, Op, register
+
+__all__ = ["GroupQueryAttention"]
+
+_INPUTS = (
+    "query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+    "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink",
+    "k_scale", "v_scale", "q_norm_weight", "k_norm_weight", "query_seqlens",
+)  # fmt: skip
+_SUPPORTED_INPUTS = 12
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+@register("GroupQueryAttention", domain="com.microsoft")
+class GroupQueryAttention(Op):
+    """Kernel object of one GroupQueryAttention node (see the module docstring)."""
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        a = self.attrs
+        self.num_heads = int(a.get("num_heads", 0))
+        self.kv_num_heads = int(a.get("kv_num_heads", 0))
+        if self.num_heads <= 0 or self.kv_num_heads <= 0:
+            raise self.error(
+                f"num_heads and kv_num_heads must be positive, got {self.num_heads} and {self.kv_num_heads}"
+            )
+        if self.num_heads % self.kv_num_heads:
+            raise self.error(
+                f"num_heads={self.num_heads} must be a multiple of kv_num_heads={self.kv_num_heads}"
+            )
+        self.scale = float(a.get("scale", 0.0))
+        self.softcap = float(a.get("softcap", 0.0))
+        if self.softcap < 0:
+            raise self.error(f"softcap must be >= 0, got {self.softcap}")
+        self.do_rotary = bool(a.get("do_rotary", 0))
+        self.interleaved = bool(a.get("rotary_interleaved", 0))
+        window = int(a.get("local_window_size", -1))
+        # ORT keeps the W most recent keys; the kernel's window counts keys before the query.
+        self.window = window - 1 if window > 0 else -1
+        self.smooth_softmax = bool(a.get("smooth_softmax", 0))
+        self._reject_attr("qk_output", 0, "output_qk (qk_output != 0) is not supported")
+        self._reject_attr("causal", 1, "non-causal (causal=0) attention is not supported")
+        self._reject_attr("sliding_window_cache", 0, "window-sized caches (sliding_window_cache=1) are not supported")
+        for name in ("k_quant_type", "v_quant_type"):
+            if str(a.get(name, "NONE")).upper() != "NONE":
+                raise self.error(f"quantized KV cache ({name}={a[name]!r}) is not supported")
+        for pos in range(_SUPPORTED_INPUTS, len(node.input)):
+            if node.input[pos]:
+                raise self.error(f"input '{_INPUTS[pos] if pos < len(_INPUTS) else pos}' is not supported")
+        if len(node.output) > 3 and node.output[3]:
+            raise self.error("output 'output_qk' is not supported")
+        self.has_present = tuple(i < len(node.output) and bool(node.output[i]) for i in (1, 2))
+
+    def _reject_attr(self, name: str, default: int, message: str) -> None:
+        if int(self.attrs.get(name, default)) != default:
+            raise self.error(message)
+
+    def _input_error(self, message: str) -> InputError:
+        return InputError(f"{self.op_type} node '{self.name}': {message}")
+
+    # -- run --------------------------------------------------------------------------------
+
+    def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray | None]:
+        inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
+        query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
+        cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]
+        hq, hkv = self.num_heads, self.kv_num_heads
+
+        q, k, v = self._split_qkv(query, key, value)
+        b, s, d = q.shape[0], q.shape[2], q.shape[3]
+        dtype = query.dtype
+        past_len = self._check_past(past_key, past_value, b, d, dtype)
+        total = self._scalar_total(total_seqlen)
+        first_prompt = s == total
+        if not first_prompt and s > 1 and b != 1:
+            raise self._input_error(
+                f"batch_size must be 1 when sequence_length={s} > 1 differs from total_sequence_length={total}"
+            )
+        present_len = max(total, past_len)
+        kv_len, past_lens = self._lengths(seqlens_k, b, s, total, past_len, first_prompt)
+        q_pos = (past_lens[:, None] + np.arange(s)[None, :]).astype(np.int64)
+
+        if self.do_rotary:
+            q, k = self._rotary(q, k, cos, sin, position_ids, q_pos, first_prompt)
+
+        present_k = self._present(rt, 1, past_key, k, past_lens, present_len)
+        present_v = self._present(rt, 2, past_value, v, past_lens, present_len)
+
+        out = np.empty((b, hq, s, d), np.float32)
+        sink = self._sink(head_sink)
+        qf, kf, vf = (t.astype(np.float32, copy=False) for t in (q, present_k, present_v))
+        scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
+        if attn_bias is None and sink is None:
+            causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out)
+        else:
+            bias = position_bias(kv_len, q_pos, total, self.window)
+            if attn_bias is not None:
+                bias = bias + self._check_bias(attn_bias, b, s, total)
+            out[...], _ = dense_attention(qf, kf[:, :, :total], vf[:, :, :total], bias, scale, self.softcap, sink)
+
+        output = rt.empty(0, (b, s, hq * d), dtype)
+        output.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
+        return (
+            output,
+            present_k if self.has_present[0] else None,
+            present_v if self.has_present[1] else None,
+        )
+
+    def _split_qkv(
+        self, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q [B, Hq, S, D], K and V [B, Hkv, S, D] views of the (possibly packed) inputs."""
+        hq, hkv = self.num_heads, self.kv_num_heads
+        if query.ndim != 3:
+            raise self._input_error(f"query must be 3-D [batch, seq, hidden], got shape {query.shape}")
+        if query.dtype not in _FLOATS:
+            raise self._input_error(f"query must be float32 or float16, got {query.dtype}")
+        b, s, hidden = query.shape
+        if (key is None) != (value is None):
+            raise self._input_error("key and value must be both present or both absent (packed QKV)")
+        if key is None:
+            heads = hq + 2 * hkv
+            if hidden % heads:
+                raise self._input_error(
+                    f"packed QKV hidden size {hidden} is not a multiple of num_heads + 2*kv_num_heads={heads}"
+                )
+            d = hidden // heads
+            qkv = query.reshape(b, s, heads, d).transpose(0, 2, 1, 3)
+            return qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+        if hidden % hq:
+            raise self._input_error(f"query hidden size {hidden} is not a multiple of num_heads={hq}")
+        d = hidden // hq
+        for name, t in (("key", key), ("value", value)):
+            if t.shape != (b, s, hkv * d):
+                raise self._input_error(
+                    f"{name} must have shape {(b, s, hkv * d)} ([batch, seq, kv_num_heads*head_size]), "
+                    f"got {t.shape}"
+                )
+            if t.dtype != query.dtype:
+                raise self._input_error(f"{name} dtype {t.dtype} differs from query dtype {query.dtype}")
+        return (
+            query.reshape(b, s, hq, d).transpose(0, 2, 1, 3),
+            key.reshape(b, s, hkv, d).transpose(0, 2, 1, 3),
+            value.reshape(b, s, hkv, d).transpose(0, 2, 1, 3),
+        )
+
+    def _check_past(
+        self, past_key: np.ndarray | None, past_value: np.ndarray | None, b: int, d: int, dtype: np.dtype
+    ) -> int:
+        """Validate the past buffers; return their sequence length P (0 when absent)."""
+        if (past_key is None) != (past_value is None):
+            raise self._input_error("past_key and past_value must be both present or both absent")
+        if past_key is None:
+            return 0
+        want = (b, self.kv_num_heads, past_key.shape[2] if past_key.ndim == 4 else -1, d)
+        for name, t in (("past_key", past_key), ("past_value", past_value)):
+            if t.ndim != 4 or t.shape != want:
+                raise self._input_error(
+                    f"{name} must be [batch, kv_num_heads, past_len, head_size]={want}, got {t.shape}"
+                )
+            if t.dtype != dtype:
+                raise self._input_error(f"{name} dtype {t.dtype} differs from query dtype {dtype}")
+        return past_key.shape[2]
+
+    def _scalar_total(self, total_seqlen: np.ndarray | None) -> int:
+        if total_seqlen is None or np.size(total_seqlen) != 1:
+            raise self._input_error("total_sequence_length must be a scalar (one int32 element)")
+        total = int(np.asarray(total_seqlen).reshape(()))
+        if total < 1:
+            raise self._input_error(f"total_sequence_length must be >= 1, got {total}")
+        return total
+
+    def _lengths(
+        self, seqlens_k: np.ndarray | None, b: int, s: int, total: int, past_len: int, first_prompt: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per-row (``total_b``, ``past_b``) as int64 [B] after validating ``seqlens_k``."""
+        if seqlens_k is None or np.shape(seqlens_k) != (b,):
+            raise self._input_error(
+                f"seqlens_k must have shape ({b},), got {None if seqlens_k is None else np.shape(seqlens_k)}"
+            )
+        totals = np.asarray(seqlens_k, dtype=np.int64) + 1
+        if first_prompt:
+            low, high = 1, s
+            bad = (totals < low) | (totals > high)
+            expected = f"in [0, {s - 1}] on a first prompt of {s} tokens"
+        else:
+            bad = (totals < s) | (totals - s > past_len) | (totals > total)
+            expected = (
+                f"in [{s - 1}, {min(total, past_len + s) - 1}] "
+                f"(total_sequence_length={total}, past length {past_len}, {s} new tokens)"
+            )
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise self._input_error(f"seqlens_k[{row}]={int(totals[row]) - 1} out of range: expected {expected}")
+        return totals, (np.zeros(b, np.int64) if first_prompt else totals - s)
+
+    def _rotary(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        cos: np.ndarray | None,
+        sin: np.ndarray | None,
+        position_ids: np.ndarray | None,
+        q_pos: np.ndarray,
+        first_prompt: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rotated copies of Q and K ([B, H, S, D] each)."""
+        if cos is None or sin is None:
+            raise self._input_error("do_rotary=1 needs cos_cache and sin_cache")
+        d = q.shape[3]
+        if cos.ndim != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > d or cos.dtype != q.dtype:
+            raise self._input_error(
+                f"cos_cache/sin_cache must be equal [max_pos, rot/2] {q.dtype} arrays with rot <= head_size={d}, "
+                f"got {cos.shape} {cos.dtype} and {sin.shape} {sin.dtype}"
+            )
+        positions = q_pos
+        if position_ids is not None:
+            pid = np.asarray(position_ids, dtype=np.int64)
+            b, s = q_pos.shape
+            if first_prompt:
+                positions = pid.reshape(-1)[:1] + np.zeros((b, 1), np.int64) + np.arange(s)
+            elif pid.shape == (b, s):
+                positions = pid
+            else:
+                raise self._input_error(f"position_ids must have shape {(b, s)}, got {pid.shape}")
+        check_positions(self, positions, cos.shape[0])
+        rotated = []
+        for t in (q, k):
+            x = t.transpose(0, 2, 1, 3)  # [B, S, H, D]
+            out = np.empty(x.shape, t.dtype)
+            rotate(x, cos, sin, positions, self.interleaved, out)
+            rotated.append(out.transpose(0, 2, 1, 3))
+        return rotated[0], rotated[1]
+
+    def _present(
+        self,
+        rt: RunContext,
+        index: int,
+        past: np.ndarray | None,
+        new: np.ndarray,
+        past_lens: np.ndarray,
+        present_len: int,
+    ) -> np.ndarray:
+        """Build present ``index`` (1 key, 2 value): zeros, past prefix, then the new rows."""
+        b, hkv, s, d = new.shape
+        wanted = self.has_present[index - 1]
+        shape = (b, hkv, present_len, d)
+        present = rt.empty(index, shape, new.dtype) if wanted else np.empty(shape, new.dtype)
+        present.fill(0)
+        for row in range(b):
+            p = int(past_lens[row])
+            if p:
+                present[row, :, :p] = past[row, :, :p]
+            present[row, :, p : p + s] = new[row]
+        if wanted:
+            item = new.dtype.itemsize
+            rt.count(
+                allocations=1,
+                allocated_bytes=present.nbytes,
+                prefix_copied_bytes=int(past_lens.sum()) * hkv * d * item,
+                append_copied_bytes=b * s * hkv * d * item,
+            )
+        return present
+
+    def _sink(self, head_sink: np.ndarray | None) -> np.ndarray | None:
+        if head_sink is not None:
+            if np.shape(head_sink) != (self.num_heads,):
+                raise self._input_error(
+                    f"head_sink must have shape ({self.num_heads},), got {np.shape(head_sink)}"
+                )
+            return np.asarray(head_sink, np.float32)
+        return np.zeros(self.num_heads, np.float32) if self.smooth_softmax else None
+
+    def _check_bias(self, bias: np.ndarray, b: int, s: int, total: int) -> np.ndarray:
+        shape = bias.shape
+        if (
+            bias.ndim != 4
+            or shape[0] not in (1, b)
+            or shape[1] not in (1, self.num_heads)
+            or shape[2] != s
+            or shape[3] < total
+        ):
+            raise self._input_error(
+                f"attention_bias must be [batch|1, num_heads|1, {s}, >= {total}], got {shape}"
+            )
+        return bias[..., :total].astype(np.float32, copy=False)

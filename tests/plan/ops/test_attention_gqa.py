@@ -1,0 +1,189 @@
+"""com.microsoft::GroupQueryAttention against ONNX Runtime's CPU kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxkv.errors import InputError, ModelError
+from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
+
+from _attn_harness import build_op, make_model, run_op, run_ort
+
+pytest.importorskip("onnxruntime")
+
+TOL = 1e-5
+OPSETS = {"": 21, "com.microsoft": 1}
+
+
+def _inputs(
+    rng: np.random.Generator,
+    b: int,
+    s: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    past: int | None,
+    seqlens_k: list[int],
+    total: int,
+    rotary: bool = False,
+    packed: bool = False,
+    **extra: np.ndarray,
+) -> dict[str, np.ndarray | None]:
+    def f(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q, k, v = f(b, s, hq * d), f(b, s, hkv * d), f(b, s, hkv * d)
+    if packed:
+        q, k, v = np.concatenate([q, k, v], axis=-1), None, None
+    cos = sin = None
+    if rotary:
+        angles = rng.uniform(0, 2 * np.pi, (total + 8, d // 2)).astype(np.float32)
+        cos, sin = np.cos(angles), np.sin(angles)
+    ins = {
+        "query": q,
+        "key": k,
+        "value": v,
+        "past_key": None if past is None else f(b, hkv, past, d),
+        "past_value": None if past is None else f(b, hkv, past, d),
+        "seqlens_k": np.array(seqlens_k, np.int32),
+        "total_sequence_length": np.array(total, np.int32),
+        "cos_cache": cos,
+        "sin_cache": sin,
+        "position_ids": None,
+        "attention_bias": None,
+        "head_sink": None,
+    }
+    ins.update(extra)
+    return ins
+
+
+def _model(ins, hq: int, hkv: int, **attrs):
+    return make_model(
+        "GroupQueryAttention", ins, ["output", "present_key", "present_value"], OPSETS,
+        domain="com.microsoft", num_heads=hq, kv_num_heads=hkv, **attrs,
+    )  # fmt: skip
+
+
+def _compare(ins, hq: int, hkv: int, **attrs):
+    model = _model(ins, hq, hkv, **attrs)
+    want = run_ort(model, ins)
+    got, rt = run_op(GroupQueryAttention, model, ins)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
+    return got, rt
+
+
+CASES = [
+    # id, (b, s, hq, hkv, d, past, seqlens_k, total), attrs, rotary
+    ("prompt-mha-b1", (1, 7, 4, 4, 32, None, [6], 7), {}, False),
+    ("prompt-gqa-b2-padded", (2, 6, 8, 2, 64, None, [5, 2], 6), {}, False),
+    ("prompt-mqa-b2-empty-past", (2, 5, 4, 1, 80, 0, [4, 3], 5), {}, False),
+    ("prompt-rotary", (2, 6, 4, 2, 32, None, [5, 3], 6), {"do_rotary": 1}, True),
+    ("prompt-rotary-interleaved", (2, 6, 4, 2, 64, None, [5, 5], 6), {"do_rotary": 1, "rotary_interleaved": 1}, True),
+    ("prompt-window-softcap", (1, 9, 4, 2, 32, None, [8], 9), {"local_window_size": 3, "softcap": 1.5}, False),
+    ("decode-mha-b1", (1, 1, 4, 4, 32, 5, [5], 6), {}, False),
+    ("decode-gqa-b2", (2, 1, 8, 2, 64, 9, [9, 4], 10), {"do_rotary": 1}, True),
+    ("decode-mqa-b2-80", (2, 1, 4, 1, 80, 6, [2, 6], 7), {"do_rotary": 1, "rotary_interleaved": 1}, True),
+    ("decode-window", (2, 1, 4, 2, 32, 9, [9, 5], 10), {"local_window_size": 4}, False),
+    ("decode-softcap-scale", (2, 1, 4, 2, 32, 4, [4, 1], 5), {"softcap": 2.0, "scale": 0.3}, False),
+    ("chunked-prefill", (1, 3, 4, 2, 32, 4, [6], 7), {"do_rotary": 1}, True),
+    ("decode-capacity-past", (2, 1, 4, 2, 32, 12, [3, 7], 8), {}, False),
+]
+
+
+@pytest.mark.parametrize("dims,attrs,rotary", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_matches_ort(dims, attrs, rotary):
+    rng = np.random.default_rng(abs(hash(str(dims))) % 2**32)
+    b, s, hq, hkv, d, past, seqlens_k, total = dims
+    ins = _inputs(rng, b, s, hq, hkv, d, past, seqlens_k, total, rotary=rotary)
+    _compare(ins, hq, hkv, **attrs)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_packed_qkv(rotary):
+    rng = np.random.default_rng(3)
+    ins = _inputs(rng, 2, 1, 4, 2, 32, 6, [6, 2], 7, rotary=rotary, packed=True)
+    _compare(ins, 4, 2, do_rotary=int(rotary))
+
+
+def test_position_ids():
+    rng = np.random.default_rng(4)
+    prompt = _inputs(rng, 2, 5, 4, 2, 32, None, [4, 2], 5, rotary=True,
+                     position_ids=np.array([[3, 4, 5, 6, 7], [0, 1, 2, 0, 0]], np.int64))  # fmt: skip
+    _compare(prompt, 4, 2, do_rotary=1)
+    decode = _inputs(rng, 2, 1, 4, 2, 32, 6, [6, 3], 7, rotary=True,
+                     position_ids=np.array([[11], [2]], np.int64))  # fmt: skip
+    _compare(decode, 4, 2, do_rotary=1)
+
+
+def test_attention_bias_and_head_sink():
+    rng = np.random.default_rng(5)
+    bias = (3 * rng.standard_normal((2, 4, 1, 7))).astype(np.float32)
+    sink = rng.standard_normal(4).astype(np.float32)
+    ins = _inputs(rng, 2, 1, 4, 2, 32, 6, [6, 3], 7, attention_bias=bias, head_sink=sink)
+    _compare(ins, 4, 2, softcap=2.0, local_window_size=3)
+    prompt = _inputs(rng, 1, 5, 4, 2, 32, None, [4], 5,
+                     attention_bias=rng.standard_normal((1, 1, 5, 5)).astype(np.float32))  # fmt: skip
+    _compare(prompt, 4, 2)
+
+
+def test_smooth_softmax():
+    rng = np.random.default_rng(6)
+    ins = _inputs(rng, 2, 1, 4, 2, 32, 6, [6, 3], 7)
+    _compare(ins, 4, 2, smooth_softmax=1)
+
+
+def test_storage_counters():
+    rng = np.random.default_rng(7)
+    b, hkv, d, past = 2, 2, 32, 6
+    ins = _inputs(rng, b, 1, 4, hkv, d, past, [6, 3], 7)
+    got, rt = _compare(ins, 4, hkv)
+    row = hkv * d * 4
+    present = got[1].nbytes
+    assert present == b * hkv * 7 * d * 4
+    assert rt.counters == {
+        "allocations": 2,
+        "allocated_bytes": 2 * present,
+        "prefix_copied_bytes": 2 * (6 + 3) * row,
+        "append_copied_bytes": 2 * b * 1 * row,
+    }
+    prompt = _inputs(rng, b, 5, 4, hkv, d, None, [4, 2], 5)
+    _, rt = _compare(prompt, 4, hkv)
+    assert rt.counters["prefix_copied_bytes"] == 0
+    assert rt.counters["append_copied_bytes"] == 2 * b * 5 * row
+
+
+def test_errors_at_build():
+    rng = np.random.default_rng(8)
+    ins = _inputs(rng, 1, 1, 4, 2, 32, 3, [3], 4)
+    with pytest.raises(ModelError, match="multiple of kv_num_heads=3"):
+        build_op(GroupQueryAttention, _model(ins, 4, 3))
+    with pytest.raises(ModelError, match="qk_output"):
+        build_op(GroupQueryAttention, _model(ins, 4, 2, qk_output=1))
+    with pytest.raises(ModelError, match="sliding_window_cache"):
+        build_op(GroupQueryAttention, _model(ins, 4, 2, sliding_window_cache=1, local_window_size=2))
+    with pytest.raises(ModelError, match="causal=0"):
+        build_op(GroupQueryAttention, _model(ins, 4, 2, causal=0))
+
+
+def test_errors_at_run():
+    rng = np.random.default_rng(9)
+    ins = _inputs(rng, 2, 1, 4, 2, 32, 3, [3, 5], 4)  # row 1 claims 6 tokens, past holds 3
+    with pytest.raises(InputError, match=r"seqlens_k\[1\]=5 out of range"):
+        run_op(GroupQueryAttention, _model(ins, 4, 2), ins)
+    ins = _inputs(rng, 2, 1, 4, 2, 32, 3, [3, -1], 4)
+    with pytest.raises(InputError, match=r"seqlens_k\[1\]=-1 out of range"):
+        run_op(GroupQueryAttention, _model(ins, 4, 2), ins)
+    ins = _inputs(rng, 1, 1, 4, 2, 32, 3, [3], 4)
+    ins["query"] = ins["query"][0]
+    with pytest.raises(InputError, match="query must be 3-D"):
+        run_op(GroupQueryAttention, _model(ins, 4, 2), ins)
+    ins = _inputs(rng, 1, 1, 4, 2, 32, 3, [3], 4)
+    ins["past_key"] = ins["past_key"][0]
+    with pytest.raises(InputError, match="past_key must be"):
+        run_op(GroupQueryAttention, _model(ins, 4, 2), ins)
+    ins = _inputs(rng, 2, 3, 4, 2, 32, 3, [5, 5], 6)
+    with pytest.raises(InputError, match="batch_size must be 1"):
+        run_op(GroupQueryAttention, _model(ins, 4, 2), ins)
