@@ -11,8 +11,8 @@ import pytest
 from onnx.defs import OpSchema
 
 from onnxkv.models.builders import (
-    FAMILIES, MICRO, SMALL, TINY, DecoderConfig, build_attention_model, build_model, default_position_ids, genai_config, random_weights,
-    reference_forward, save_genai_folder,
+    FAMILIES, MICRO, SMALL, TINY, DecoderConfig, build_attention_model, build_model, default_position_ids,
+    genai_config, random_weights, reference_forward, save_genai_folder,
 )
 
 ort = pytest.importorskip("onnxruntime")
