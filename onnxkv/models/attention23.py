@@ -14,9 +14,10 @@ attention is ``Attention(q_num_heads, kv_num_heads)`` on 3-D Q/K/V with a boolea
 ``attn_mask`` [batch, 1, seq, total] built from ``attention_mask`` (padding) and a
 Range/LessOrEqual causal band (ONNX Runtime 1.32 does not broadcast the query axis of
 ``attn_mask``, so the mask is full size and ``is_causal`` stays 0).
-``present = Concat(past, new)`` happens inside the operator. ``opset=24`` builds the same graph under opset 24: Attention-24 rejects
-``nonpad_kv_seqlen`` together with ``past_key``, so that input belongs to the
-TensorScatter form (``tensorscatter.py``).
+``present = Concat(past, new)`` happens inside the operator. ``opset=24`` builds the same
+graph under opset 24: Attention-24 (spec, ONNX Runtime and ``onnx.reference``) rejects
+``nonpad_kv_seqlen`` together with ``past_key``, so that input belongs to the TensorScatter
+form (``tensorscatter.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def standard_decoder(g: GraphBuilder, cfg: DecoderConfig, w: DecoderWeights, inp
     x = g.node("Gather", [g.initializer("model.embed_tokens.weight", w.embed), input_ids], "/model/embed_tokens/Gather")
 
     def matmul(h: str, weight: np.ndarray, prefix: str) -> str:
-        return g.node("MatMul", [h, g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)], f"{prefix}/MatMul")
+        wname = g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)
+        return g.node("MatMul", [h, wname], f"{prefix}/MatMul")
 
     def rms(h: str, weight: np.ndarray, prefix: str) -> str:
         wname = g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)
@@ -83,7 +85,7 @@ def build_attention_model(cfg: DecoderConfig, weights: DecoderWeights | None = N
     """Build the ``Attention`` (opset 23 or 24) decoder with past/present inputs and outputs."""
     if opset not in (23, 24):
         raise ValueError(f"opset must be 23 or 24, got {opset}")
-    w = weights or random_weights(cfg, seed)
+    w = weights if weights is not None else random_weights(cfg, seed)
     g = GraphBuilder("main_graph")
     kv_shape = ["batch_size", cfg.num_kv_heads, "past_sequence_length", cfg.head_size]
     input_ids = g.input("input_ids", INT64, ["batch_size", "sequence_length"])

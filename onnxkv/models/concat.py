@@ -32,7 +32,7 @@ OPSET = 18
 
 def build_concat_model(cfg: DecoderConfig, weights: DecoderWeights | None = None, seed: int = 0) -> onnx.ModelProto:
     """Build the Concat-cache decoder (weights default to ``random_weights(cfg, seed)``)."""
-    w = weights or random_weights(cfg, seed)
+    w = weights if weights is not None else random_weights(cfg, seed)
     g = GraphBuilder("main_graph")
     kv_shape = ["batch_size", cfg.num_kv_heads, "past_sequence_length", cfg.head_size]
     input_ids = g.input("input_ids", INT64, ["batch_size", "sequence_length"])
@@ -64,7 +64,8 @@ def build_concat_model(cfg: DecoderConfig, weights: DecoderWeights | None = None
                               g.node("Mul", [rotated, sin], f"{prefix}/Mul_sin")], f"{prefix}/Add")
 
     def matmul(h: str, weight: np.ndarray, prefix: str) -> str:
-        return g.node("MatMul", [h, g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)], f"{prefix}/MatMul")
+        wname = g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)
+        return g.node("MatMul", [h, wname], f"{prefix}/MatMul")
 
     def rms(h: str, weight: np.ndarray, prefix: str) -> str:
         var = g.node("ReduceMean", [g.node("Pow", [h, g.constant(2.0, np.float32)], f"{prefix}/Pow"), last],
@@ -95,7 +96,8 @@ def build_concat_model(cfg: DecoderConfig, weights: DecoderWeights | None = None
         k = rotate(split_heads(matmul(h, lw.k_proj, f"{attn}/k_proj"), cfg.num_kv_heads, f"{attn}/k"),
                    f"{attn}/k_rotary")
         v = split_heads(matmul(h, lw.v_proj, f"{attn}/v_proj"), cfg.num_kv_heads, f"{attn}/v")
-        k = g.node("Concat", [f"past_key_values.{i}.key", k], f"{attn}/Concat_key", outputs=[f"present.{i}.key"], axis=2)
+        k = g.node("Concat", [f"past_key_values.{i}.key", k], f"{attn}/Concat_key", outputs=[f"present.{i}.key"],
+                   axis=2)
         v = g.node("Concat", [f"past_key_values.{i}.value", v], f"{attn}/Concat_value", outputs=[f"present.{i}.value"],
                    axis=2)
         k_t = g.node("Transpose", [repeat_kv(k, f"{attn}/repeat_key")], f"{attn}/Transpose_key", perm=[0, 1, 3, 2])

@@ -36,7 +36,7 @@ OPSET = 22  # what the GenAI builder imports for the default domain
 
 def build_gqa_model(cfg: DecoderConfig, weights: DecoderWeights | None = None, seed: int = 0) -> onnx.ModelProto:
     """Build the GroupQueryAttention decoder (weights default to ``random_weights(cfg, seed)``)."""
-    w = weights or random_weights(cfg, seed)
+    w = weights if weights is not None else random_weights(cfg, seed)
     g = GraphBuilder("main_graph")
     kv_shape = ["batch_size", cfg.num_kv_heads, "past_sequence_length", cfg.head_size]
     input_ids = g.input("input_ids", INT64, ["batch_size", "sequence_length"])
@@ -65,7 +65,8 @@ def build_gqa_model(cfg: DecoderConfig, weights: DecoderWeights | None = None, s
         name = g.initializer(prefix[1:].replace("/", ".") + ".MatMul.weight", weight)
         return g.node("MatMul", [x, name], f"{prefix}/MatMul", outputs=[output] if output else 1)
 
-    def norm(i: int, where: str, weight: np.ndarray, root: str, skip: str | None, last: bool = False) -> tuple[str, str]:
+    def norm(i: int, where: str, weight: np.ndarray, root: str, skip: str | None,
+             last: bool = False) -> tuple[str, str]:
         """Returns (normalized, residual sum); the first norm has no skip input."""
         wname = g.initializer(f"model.layers.{i}.{where}_layernorm.weight", weight)
         out0, out3 = f"/model/layers.{i}/{where}_layernorm/output_0", f"/model/layers.{i}/{where}_layernorm/output_3"

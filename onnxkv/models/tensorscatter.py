@@ -40,7 +40,7 @@ OPSET = 24
 def build_tensorscatter_model(cfg: DecoderConfig, weights: DecoderWeights | None = None,
                               seed: int = 0) -> onnx.ModelProto:
     """Build the fixed-capacity (``cfg.max_length``) TensorScatter decoder."""
-    w = weights or random_weights(cfg, seed)
+    w = weights if weights is not None else random_weights(cfg, seed)
     g = GraphBuilder("main_graph")
     cache_shape = ["batch_size", cfg.num_kv_heads, cfg.max_length, cfg.head_size]
     input_ids = g.input("input_ids", INT64, ["batch_size", "sequence_length"])

@@ -11,8 +11,8 @@ import pytest
 from onnx.defs import OpSchema
 
 from onnxkv.models.builders import (
-    FAMILIES, MICRO, SMALL, TINY, DecoderConfig, build_attention_model, build_model, default_position_ids, genai_config, random_weights,
-    reference_forward, save_genai_folder,
+    FAMILIES, MICRO, SMALL, TINY, DecoderConfig, build_attention_model, build_model, default_position_ids,
+    genai_config, random_weights, reference_forward, save_genai_folder,
 )
 
 ort = pytest.importorskip("onnxruntime")
@@ -52,31 +52,35 @@ def register_simplified_layer_norm() -> None:
 class Runner:
     """Drives one graph form the way a generator would and returns per-row valid logits.
 
-    ``left``: prompts left-padded, ``attention_mask`` grows by one column per step,
-    ``position_ids = cumsum(mask) - 1``, past starts empty (attention, concat).
-    ``right``: prompts right-padded, ``attention_mask`` row ``r`` is ``len_r`` ones and the
-    new token lands in slot ``len_r`` (gqa; ``shared`` starts from a max_length buffer).
-    ``static``: like ``left`` over a fixed ``max_length`` cache with ``write_indices`` (tensorscatter).
+    ``padding="left"``: prompts left-padded, ``attention_mask`` grows by one column per
+    step, ``position_ids = max(cumsum(mask) - 1, 0)`` (attention, concat, tensorscatter).
+    ``padding="right"``: row ``r`` of ``attention_mask`` is ``len_r`` ones and its new token
+    lands in cache slot ``len_r`` (required by gqa; also works for tensorscatter).
+    gqa gets no ``position_ids``; tensorscatter gets ``write_indices`` (first slot written
+    this step) and a cache / ``attention_mask`` of ``max_length`` slots; ``shared`` starts
+    gqa from a ``max_length`` buffer (GenAI's past_present_share_buffer).
     """
 
-    def __init__(self, family: str, weights, session=None, shared: bool = False) -> None:
-        self.family = family
-        self.style = {"gqa": "right", "tensorscatter": "static"}.get(family, "left")
-        model = build_model(family, CFG, weights=weights)
+    def __init__(self, family: str, weights, session=None, padding: str | None = None, shared: bool = False) -> None:
+        self.padding = padding or ("right" if family == "gqa" else "left")
+        self.static = family == "tensorscatter"
+        self.positions = family != "gqa"
+        self.capacity = CFG.max_length if self.static or shared else 0
         if session is None:
             options = ort.SessionOptions()
             options.log_severity_level = 3  # TensorScatter warns that it copies past to present
+            model = build_model(family, CFG, weights=weights)
             session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         self.session = session
-        self.shared = shared
 
     def run(self, ids: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": ids, "attention_mask": self.mask}
-        if self.style == "static":
+        if self.static:
             feeds["attention_mask"] = np.pad(self.mask, ((0, 0), (0, CFG.max_length - self.mask.shape[1])))
-            feeds["write_indices"] = np.full(len(ids), self.mask.shape[1] - ids.shape[1], dtype=np.int64)
-        if self.style != "right":
-            feeds["position_ids"] = default_position_ids(self.mask, ids.shape[1])
+            feeds["write_indices"] = self.write
+        if self.positions:
+            feeds["position_ids"] = self.write[:, None] + np.arange(ids.shape[1]) \
+                if self.padding == "right" else default_position_ids(self.mask, ids.shape[1])
         for i, (k, v) in enumerate(self.past):
             feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"] = k, v
         outs = self.session.run(None, feeds)
@@ -86,31 +90,32 @@ class Runner:
     def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
         batch, width = len(prompts), max(map(len, prompts))
         self.lens = np.array([len(p) for p in prompts])
+        self.write = np.zeros(batch, dtype=np.int64)
         pad = [[CFG.pad_token_id] * (width - len(p)) for p in prompts]
-        ids = [p + q for p, q in zip(prompts, pad)] if self.style == "right" else [q + p for p, q in zip(prompts, pad)]
-        real = (np.arange(width) < self.lens[:, None]) if self.style == "right" else \
-            (np.arange(width) >= width - self.lens[:, None])
+        right = self.padding == "right"
+        ids = [p + q if right else q + p for p, q in zip(prompts, pad)]
+        real = np.arange(width) < self.lens[:, None] if right else np.arange(width) >= width - self.lens[:, None]
         self.mask = real.astype(np.int64)
-        capacity = CFG.max_length if self.style == "static" or self.shared else 0
-        empty = np.zeros((batch, CFG.num_kv_heads, capacity, CFG.head_size), np.float32)
+        empty = np.zeros((batch, CFG.num_kv_heads, self.capacity, CFG.head_size), np.float32)
         self.past = [(empty, empty)] * CFG.num_layers
         logits = self.run(np.array(ids, dtype=np.int64))
-        if self.style == "right":
-            return [logits[r, :n] for r, n in enumerate(self.lens)]
-        return [logits[r, width - n:] for r, n in enumerate(self.lens)]
+        return [logits[r, :n] if right else logits[r, width - n:] for r, n in enumerate(self.lens)]
 
     def step(self, next_tokens: list[int]) -> np.ndarray:
-        self.lens = self.lens + 1
-        if self.style == "right":
+        if self.padding == "right":
+            self.write = self.lens.astype(np.int64)
+            self.lens = self.lens + 1
             self.mask = (np.arange(self.lens.max()) < self.lens[:, None]).astype(np.int64)
         else:
+            self.write = np.full(len(next_tokens), self.mask.shape[1], dtype=np.int64)
+            self.lens = self.lens + 1
             self.mask = np.concatenate([self.mask, np.ones((len(next_tokens), 1), np.int64)], axis=1)
         return self.run(np.array(next_tokens, dtype=np.int64)[:, None])[:, 0]
 
     def cache(self, layer: int, kind: int, row: int) -> np.ndarray:
         """Row ``row``'s cached keys (``kind`` 0) or values (1) of real tokens, [kv_heads, n, head]."""
         cached = self.past[layer][kind][row]
-        if self.style == "right":
+        if self.padding == "right":
             return cached[:, : self.lens[row]]
         return cached[:, np.flatnonzero(self.mask[row])]
 
@@ -153,6 +158,10 @@ def test_gqa_shared_buffer_matches_reference(weights):
     runner = Runner("gqa", weights, shared=True)
     check_against_reference(runner, weights, 2)
     assert runner.past[0][0].shape[2] == CFG.max_length
+
+
+def test_tensorscatter_right_padding_with_ragged_write_indices(weights):
+    check_against_reference(Runner("tensorscatter", weights, padding="right"), weights, 2)
 
 
 def test_attention_opset24_matches_reference(weights):
