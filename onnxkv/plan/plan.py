@@ -162,7 +162,8 @@ class Plan:
         constants: dict[str, np.ndarray] = {}
         for init in graph.initializer:
             arr = numpy_helper.to_array(init)
-            arr = np.ascontiguousarray(arr)
+            if not arr.flags.c_contiguous:
+                arr = arr.copy(order="C")
             arr.flags.writeable = False
             constants[init.name] = arr
         if len(graph.sparse_initializer):
@@ -326,7 +327,7 @@ class Plan:
                 for have, want in zip(v.shape, g.shape):
                     if isinstance(want, int) and want > 0 and have != want:
                         raise InputError(f"Session.run: input '{g.name}' has shape {v.shape}, expected {g.shape}")
-            slots[s] = np.ascontiguousarray(v)
+            slots[s] = v if v.flags.c_contiguous else v.copy(order="C")
         return slots
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None,

@@ -1,0 +1,238 @@
+"""Standard operators: onnxkv's kernels against onnx.reference on random data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+from onnxkv import Session
+
+RNG = np.random.default_rng(1234)
+F = np.float32
+
+
+def one_node(op, inputs, n_out=1, domain="", opset=21, **attrs):
+    """A model with one node whose inputs are graph inputs (None = omitted)."""
+    names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
+    outs = [f"y{i}" for i in range(n_out)]
+    node = helper.make_node(op, names, outs, domain=domain, **attrs)
+    g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+            for n, v in zip(names, inputs) if n]
+    g_out = [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outs]
+    imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(helper.make_graph([node], "g", g_in, g_out), opset_imports=imports)
+    feeds = {n: v for n, v in zip(names, inputs) if n}
+    return model, feeds
+
+
+def check(op, inputs, n_out=1, atol=1e-6, opset=21, **attrs):
+    model, feeds = one_node(op, inputs, n_out, opset=opset, **attrs)
+    got = Session(model, threads=1).run(feeds)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    for i, w in enumerate(want):
+        g = got[f"y{i}"]
+        assert g.shape == np.asarray(w).shape, (op, i, g.shape, np.asarray(w).shape)
+        assert g.dtype == np.asarray(w).dtype, (op, i, g.dtype, np.asarray(w).dtype)
+        np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5, err_msg=op)
+
+
+def r(*shape, dtype=F):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div", "Max", "Min"])
+@pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((1, 4), (3, 1)), ((5,), ())])
+def test_binary_broadcast(op, shapes):
+    a, b = r(*shapes[0]), r(*shapes[1])
+    if op == "Div":
+        b = np.where(np.abs(b) < 0.1, 1.0, b).astype(F)
+    check(op, [a, b])
+
+
+@pytest.mark.parametrize("op", ["Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"])
+def test_compare(op):
+    a = RNG.integers(-3, 3, (4, 5)).astype(np.int64)
+    b = RNG.integers(-3, 3, (5,)).astype(np.int64)
+    check(op, [a, b])
+
+
+@pytest.mark.parametrize("op", ["And", "Or", "Xor"])
+def test_logic(op):
+    check(op, [RNG.random((3, 4)) > 0.5, RNG.random((3, 4)) > 0.5])
+
+
+def test_integer_div_truncates():
+    a = np.array([7, -7, 9, -9], dtype=np.int64)
+    b = np.array([2, 2, -4, -4], dtype=np.int64)
+    check("Div", [a, b])
+
+
+@pytest.mark.parametrize("op", ["Neg", "Abs", "Exp", "Sin", "Cos", "Tanh", "Floor", "Ceil", "Sigmoid", "Relu", "Sign"])
+def test_unary(op):
+    check(op, [r(3, 7)], atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["Sqrt", "Log", "Reciprocal"])
+def test_unary_positive(op):
+    check(op, [np.abs(r(4, 5)) + 0.1], atol=1e-5)
+
+
+def test_pow_and_not_and_where():
+    check("Pow", [np.abs(r(3, 4)) + 0.1, np.array(2.0, F)])
+    check("Pow", [np.abs(r(3, 4)) + 0.1, np.array(0.5, F)])
+    check("Not", [RNG.random((3, 4)) > 0.5])
+    check("Where", [RNG.random((3, 1)) > 0.5, r(3, 4), r(4)])
+
+
+@pytest.mark.parametrize("to", [TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL])
+def test_cast(to):
+    check("Cast", [r(3, 4) * 3], to=to)
+
+
+def test_shape_ops():
+    x = r(2, 3, 4)
+    check("Shape", [x])
+    check("Shape", [x], start=1)
+    check("Shape", [x], start=-2, end=-1)
+    check("Reshape", [x, np.array([0, -1], np.int64)])
+    check("Reshape", [x, np.array([4, 6], np.int64)])
+    check("Transpose", [x], perm=[2, 0, 1])
+    check("Transpose", [x])
+    check("Squeeze", [r(2, 1, 3, 1), np.array([1, 3], np.int64)])
+    check("Squeeze", [r(2, 1, 3, 1)])
+    check("Unsqueeze", [x, np.array([0, -1], np.int64)])
+    check("Flatten", [x], axis=2)
+    check("Concat", [x, r(2, 5, 4)], axis=1)
+    check("Concat", [x, r(2, 3, 1)], axis=-1)
+    check("Expand", [r(3, 1), np.array([2, 3, 4], np.int64)])
+    check("Tile", [x, np.array([1, 2, 1], np.int64)])
+    check("Identity", [x])
+    check("Size", [x])
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", [
+    ([0], [2], [1], [1]),
+    ([1, 0], [3, 4], [1, 2], [1, 2]),
+    ([-1], [-4], [2], [-1]),
+    ([0], [np.iinfo(np.int64).max], [0], [1]),
+    ([2], [np.iinfo(np.int64).min], [1], [-1]),
+    ([-100], [100], [2], [1]),
+])
+def test_slice(starts, ends, axes, steps):
+    x = r(3, 4, 5)
+    check("Slice", [x, np.array(starts, np.int64), np.array(ends, np.int64), np.array(axes, np.int64),
+                    np.array(steps, np.int64)])
+
+
+def test_split_gather():
+    x = r(6, 4)
+    check("Split", [x, np.array([2, 4], np.int64)], n_out=2, axis=0)
+    check("Split", [x], n_out=2, axis=1, num_outputs=2, opset=18)
+    check("Gather", [x, np.array([[0, 5], [-1, 2]], np.int64)], axis=0)
+    check("Gather", [r(2, 3, 4), np.array(1, np.int64)], axis=1)
+    check("GatherElements", [r(3, 4), RNG.integers(0, 3, (2, 4)).astype(np.int64)], axis=0)
+    check("GatherND", [r(3, 4, 5), np.array([[0, 1], [2, 3]], np.int64)])
+    check("GatherND", [r(2, 4, 5), np.array([[1], [3]], np.int64)], batch_dims=1)
+
+
+def test_range_constantofshape_trilu():
+    check("Range", [np.array(2, np.int64), np.array(11, np.int64), np.array(3, np.int64)])
+    check("Range", [np.array(0.5, F), np.array(3.0, F), np.array(0.5, F)])
+    check("ConstantOfShape", [np.array([2, 3], np.int64)], value=helper.make_tensor("v", TensorProto.INT64, [1], [7]))
+    check("Trilu", [r(4, 4), np.array(1, np.int64)], upper=0)
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce(op, keepdims):
+    x = r(3, 4, 5)
+    check(op, [x, np.array([1], np.int64)], keepdims=keepdims, atol=1e-5)
+    check(op, [x, np.array([-1, 0], np.int64)], keepdims=keepdims, atol=1e-5)
+    check(op, [x], keepdims=keepdims, atol=1e-4)
+
+
+def test_argmax_softmax():
+    x = r(3, 4, 5)
+    check("ArgMax", [x], axis=2, keepdims=0)
+    check("ArgMin", [x], axis=1, keepdims=1)
+    check("Softmax", [x * 5], axis=-1)
+    check("Softmax", [x], axis=1)
+    check("LogSoftmax", [x], axis=-1, atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes", [((4, 8), (8, 3)), ((2, 5, 8), (8, 6)), ((2, 3, 4, 5), (2, 3, 5, 6)),
+                                    ((3, 4, 5), (5,)), ((5,), (5, 2))])
+def test_matmul(shapes):
+    check("MatMul", [r(*shapes[0]), r(*shapes[1])], atol=1e-5)
+
+
+def test_gemm_layernorm():
+    check("Gemm", [r(3, 4), r(5, 4), r(5)], transB=1, alpha=0.5, beta=2.0, atol=1e-5)
+    check("LayerNormalization", [r(3, 8), r(8), r(8)], n_out=1, axis=-1, epsilon=1e-5, atol=1e-5)
+
+
+def test_rms_normalization_23():
+    x, g = r(2, 3, 16), r(16)
+    model, feeds = one_node("RMSNormalization", [x, g], opset=23, epsilon=1e-6)
+    got = Session(model, threads=1).run(feeds)["y0"]
+    want = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * g
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _skip_norm_model(x, skip, g):
+    """SkipSimplifiedLayerNormalization with outputs 0 (normalised) and 3 (sum) only."""
+    elem = helper.np_dtype_to_tensor_dtype(x.dtype)
+    node = helper.make_node("SkipSimplifiedLayerNormalization", ["x0", "x1", "x2"], ["y0", "", "", "y3"],
+                            domain="com.microsoft", epsilon=1e-6)
+    g_in = [helper.make_tensor_value_info(n, elem, v.shape) for n, v in zip(["x0", "x1", "x2"], [x, skip, g])]
+    g_out = [helper.make_tensor_value_info(n, elem, x.shape) for n in ("y0", "y3")]
+    model = helper.make_model(helper.make_graph([node], "g", g_in, g_out),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return model, {"x0": x, "x1": skip, "x2": g}
+
+
+def test_skip_simplified_layer_norm_float64_against_numpy():
+    x, skip, g = r(2, 5, 32, dtype=np.float64), r(2, 5, 32, dtype=np.float64), r(32, dtype=np.float64)
+    model, feeds = _skip_norm_model(x, skip, g)
+    got = Session(model, threads=1).run(feeds)
+    s = x + skip
+    np.testing.assert_allclose(got["y3"], s, atol=1e-12)
+    np.testing.assert_allclose(got["y0"], s / np.sqrt(np.mean(s * s, -1, keepdims=True) + 1e-6) * g, atol=1e-10)
+
+
+def test_ms_norms_against_onnxruntime():
+    ort = pytest.importorskip("onnxruntime")
+    x, skip, g = r(2, 5, 32), r(2, 5, 32), r(32)
+    model, feeds = _skip_norm_model(x, skip, g)
+    got = Session(model, threads=1).run(feeds)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(got["y0"], want[0], atol=1e-5)
+    np.testing.assert_allclose(got["y3"], want[1], atol=1e-6)
+    node = helper.make_node("SimplifiedLayerNormalization", ["x0", "x1"], ["y0"], epsilon=1e-6, axis=-1)
+    model = helper.make_model(
+        helper.make_graph([node], "g", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, x.shape),
+                                        helper.make_tensor_value_info("x1", TensorProto.FLOAT, g.shape)],
+                          [helper.make_tensor_value_info("y0", TensorProto.FLOAT, x.shape)]),
+        opset_imports=[helper.make_opsetid("", 21)])
+    got = Session(model, threads=1).run({"x0": x, "x1": g})["y0"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x0": x, "x1": g})
+    np.testing.assert_allclose(got, want[0], atol=1e-5)
+
+
+def test_fallback_runs_long_tail_operator():
+    x = r(2, 3)
+    model, feeds = one_node("HardSigmoid", [x], alpha=0.3, beta=0.4)
+    sess = Session(model, threads=1)
+    assert sess.fallback_nodes, "HardSigmoid should use the onnx.reference fallback"
+    np.testing.assert_allclose(sess.run(feeds)["y0"], np.clip(0.3 * x + 0.4, 0, 1), atol=1e-6)
+
+
+def test_operator_failure_names_node():
+    from onnxkv import OperatorError
+
+    model, feeds = one_node("Reshape", [r(2, 3), np.array([4, 4], np.int64)])
+    model.graph.node[0].name = "my_reshape"
+    with pytest.raises(OperatorError, match="my_reshape"):
+        Session(model, threads=1).run(feeds)
