@@ -1,0 +1,118 @@
+/* onnxkv/_kernels/attention.h -- streaming (online-softmax) attention.
+ *
+ * Layouts (C-contiguous float32):
+ *   q, out [B, Hq, Sq, D];  k, v [B, Hkv, Cap, D];  kv_len, kv_start [B] int32;
+ *   q_pos [B, Sq] int32.
+ * Query token t of batch b at absolute position p = q_pos[b, t] sees keys j with
+ *   max(kv_start[b], p - window (if window >= 0)) <= j <= p  and  j < kv_len[b].
+ * Scores: s = scale * dot(q, k_j); if softcap > 0: s = softcap * tanh(s / softcap).
+ * A row with no visible key outputs zeros.
+ */
+#ifndef ONNXKV_ATTENTION_H
+#define ONNXKV_ATTENTION_H
+
+#include "simd.h"
+#include <stdlib.h>
+
+#define OKV_BK 64      /* keys per streamed block */
+#define OKV_MAX_TQ 64  /* max query tokens per work unit */
+
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    const int32_t *kv_len, *q_pos, *kv_start;
+    int64_t B, Hq, Hkv, Sq, Cap, D;
+    float scale, softcap;
+    int64_t window;
+} okv_attn_args;
+
+#define OKV_SFX _scalar
+#define OKV_ATTR
+#include "attention_impl.h"
+#undef OKV_SFX
+#undef OKV_ATTR
+
+#if OKV_X86_SIMD
+#define OKV_SFX _avx2
+#define OKV_ATTR OKV_AVX2
+#include "attention_impl.h"
+#undef OKV_SFX
+#undef OKV_ATTR
+#endif
+
+/* Floats of workspace one work unit of R rows needs. */
+static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) { return R * (D + OKV_BK + 2); }
+
+static void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
+                          int64_t c1, float *ws, float *part, int simd) {
+#if OKV_X86_SIMD
+    if (simd) { okv_attn_unit_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return; }
+#endif
+    (void)simd;
+    okv_attn_unit_scalar(a, b, hk, t0, t1, c0, c1, ws, part);
+}
+
+/* Union [lo, hi) of the keys visible to any query token of batch b. */
+static void okv_attn_range(const okv_attn_args *a, int64_t b, int64_t *lo, int64_t *hi) {
+    const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
+    int64_t L = INT64_MAX, H = INT64_MIN, t;
+    for (t = 0; t < a->Sq; t++) {
+        int64_t p = a->q_pos[b * a->Sq + t], l = kvs, h = p + 1;
+        if (a->window >= 0 && p - a->window > l) l = p - a->window;
+        if (kvl < h) h = kvl;
+        if (l < h) {
+            if (l < L) L = l;
+            if (h > H) H = h;
+        }
+    }
+    if (L >= H) { L = 0; H = 0; }
+    *lo = L; *hi = H;
+}
+
+/* Work unit i of a cache-split run: group u = i / nchunks, chunk c = i % nchunks
+ * of that batch's visible key range; writes the partial state to
+ * parts + i * R*(D+2) (R = G*Sq). */
+static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts,
+                                int simd) {
+    const int64_t G = a->Hq / a->Hkv, R = G * a->Sq, u = i / nchunks, c = i % nchunks, b = u / a->Hkv;
+    int64_t lo, hi, cs, c0, c1;
+    okv_attn_range(a, b, &lo, &hi);
+    cs = (hi - lo + nchunks - 1) / nchunks;
+    c0 = lo + c * cs;
+    c1 = c0 + cs;
+    if (c1 > hi) c1 = hi;
+    if (c0 > c1) c0 = c1;
+    okv_attn_unit(a, b, u % a->Hkv, 0, a->Sq, c0, c1, ws, parts + i * R * (a->D + 2), simd);
+}
+
+/* Merge nchunks partial states of one (b, hk) group (R = G*Sq rows) and write
+ * the normalised result.  parts: [nchunks][R][D+2] as written by okv_attn_unit. */
+static void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const float *parts, int64_t nchunks) {
+    const int64_t D = a->D, G = a->Hq / a->Hkv, Sq = a->Sq, R = G * Sq;
+    int64_t r, c, i;
+    for (r = 0; r < R; r++) {
+        int64_t g = r / Sq, t = r % Sq;
+        float *o = a->out + ((b * a->Hq + hk * G + g) * Sq + t) * D;
+        float M = -INFINITY, L = 0.f;
+        for (c = 0; c < nchunks; c++) {
+            float m = parts[(c * R + r) * (D + 2)];
+            if (m > M) M = m;
+        }
+        memset(o, 0, (size_t)D * sizeof(float));
+        if (M == -INFINITY) continue;
+        for (c = 0; c < nchunks; c++) {
+            const float *pr = parts + (c * R + r) * (D + 2);
+            float w;
+            if (pr[0] == -INFINITY || pr[1] == 0.f) continue;
+            w = expf(pr[0] - M);
+            L += pr[1] * w;
+            for (i = 0; i < D; i++) o[i] += w * pr[2 + i];
+        }
+        if (L > 0.f) {
+            float inv = 1.f / L;
+            for (i = 0; i < D; i++) o[i] *= inv;
+        }
+    }
+}
+
+#endif /* ONNXKV_ATTENTION_H */

@@ -1,0 +1,178 @@
+"""Streaming (online-softmax) attention over a KV cache, float32.
+
+Decode (Sq = 1) and prefill (Sq > 1, causal) share one kernel.  All query heads
+of a KV group are processed together: each K/V block is read once per work unit
+and used by every query row of the group.  Running max, sum and accumulator are
+float32; no score vector of cache length is materialised and the cache is never
+gathered.  Parallel over batch x KV heads x query tiles; when batch x KV heads
+does not fill the threads and Sq is small, each group is split along the cache
+into chunks whose (max, sum, acc) states are merged exactly.
+"""
+from libc.stdint cimport int32_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.math cimport isfinite
+from cython.parallel cimport prange
+
+import numpy as np
+
+from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from . import _validate as V
+
+cdef extern from "attention.h" nogil:
+    ctypedef struct okv_attn_args:
+        const float *q
+        const float *k
+        const float *v
+        float *out
+        const int32_t *kv_len
+        const int32_t *q_pos
+        const int32_t *kv_start
+        int64_t B, Hq, Hkv, Sq, Cap, D
+        float scale, softcap
+        int64_t window
+    int OKV_BK
+    int OKV_MAX_TQ
+    int64_t okv_attn_ws_floats(int64_t R, int64_t D)
+    void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
+                       int64_t c1, float *ws, float *part, int simd)
+    void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const float *parts, int64_t nchunks)
+    void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts, int simd)
+    int okv_thread_num()
+
+DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
+DEF SPLIT_MAX_ROWS = 256
+
+
+cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
+    cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, ntiles = (a.Sq + tq - 1) // tq
+    cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(G * tq, a.D)
+    cdef float *ws
+    if ntask < nt:
+        nt = <int>ntask
+    ws = <float *>malloc(<size_t>(wsz * nt) * sizeof(float))
+    if ws == NULL:
+        return -1
+    for i in prange(ntask, num_threads=nt, schedule='dynamic'):
+        u = i // ntiles
+        t0 = (i % ntiles) * tq
+        t1 = t0 + tq
+        if t1 > a.Sq:
+            t1 = a.Sq
+        okv_attn_unit(a, u // a.Hkv, u % a.Hkv, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz, NULL, simd)
+    free(ws)
+    return 0
+
+
+cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept nogil:
+    cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, R = G * a.Sq
+    cdef int64_t ntask = units * nchunks, i, u
+    cdef int64_t wsz = okv_attn_ws_floats(R, a.D), psz = R * (a.D + 2)
+    cdef float *ws
+    cdef float *parts
+    ws = <float *>malloc(<size_t>(wsz * nt) * sizeof(float))
+    parts = <float *>malloc(<size_t>(psz * ntask) * sizeof(float))
+    if ws == NULL or parts == NULL:
+        free(ws)
+        free(parts)
+        return -1
+    for i in prange(ntask, num_threads=nt, schedule='dynamic'):
+        okv_attn_split_task(a, i, nchunks, ws + okv_thread_num() * wsz, parts, simd)
+    for u in prange(units, num_threads=nt if units >= nt else <int>units, schedule='static'):
+        okv_attn_merge(a, u // a.Hkv, u % a.Hkv, parts + u * nchunks * psz, nchunks)
+    free(ws)
+    free(parts)
+    return 0
+
+
+def _check_values(name, arr, lo, hi):
+    if arr.size:
+        mn, mx = int(arr.min()), int(arr.max())
+        if mn < lo or mx > hi:
+            raise ValueError(f"{name}: values must be in [{lo}, {hi}], got range [{mn}, {mx}]")
+
+
+def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None):
+    """Causal streaming attention of q over the cached keys/values; writes ``out``.
+
+    q, out   [B, Hq, Sq, D] float32, C-contiguous (out must not overlap q, k, v)
+    k, v     [B, Hkv, Cap, D] float32; only positions < kv_len[b] are read
+    kv_len   [B] int32 in [0, Cap]
+    q_pos    [B, Sq] int32: absolute position p of each query token; it sees keys
+             j with kv_start[b] <= j <= p, j < kv_len[b] and, if window >= 0,
+             j >= p - window
+    kv_start [B] int32 in [0, Cap] or None (all zeros): left padding
+    scale    float multiplying q.k; softcap > 0: s = softcap*tanh(s/softcap); 0 = off
+    window   int >= -1 (-1 = unlimited)
+    Hq must be a multiple of Hkv (MHA, GQA, MQA).  A query row with no visible
+    key gets zeros.  Every check raises ValueError naming the argument before
+    anything is written.
+    """
+    V.array("q", q, (V.F32,), ndim=4)
+    B, Hq, Sq, D = q.shape
+    V.array("k", k, (V.F32,), ndim=4)
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k: expected shape [{B}, Hkv, Cap, {D}], got {k.shape}")
+    Hkv, Cap = k.shape[1], k.shape[2]
+    V.array("v", v, (V.F32,), shape=k.shape)
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"k: number of KV heads {Hkv} must divide the number of query heads {Hq}")
+    V.array("kv_len", kv_len, (V.I32,), shape=(B,))
+    V.array("q_pos", q_pos, (V.I32,), shape=(B, Sq))
+    if kv_start is not None:
+        V.array("kv_start", kv_start, (V.I32,), shape=(B,))
+    V.array("out", out, (V.F32,), shape=q.shape, writeable=True)
+    V.no_overlap("out", out, q, "q")
+    V.no_overlap("out", out, k, "k")
+    V.no_overlap("out", out, v, "v")
+    _check_values("kv_len", kv_len, 0, Cap)
+    if kv_start is not None:
+        _check_values("kv_start", kv_start, 0, Cap)
+    scale = float(scale)
+    if not isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    softcap = float(softcap)
+    if not (isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap: must be finite and >= 0, got {softcap}")
+    window = int(window)
+    if window < -1:
+        raise ValueError(f"window: must be >= -1, got {window}")
+    if out.size == 0:
+        return
+
+    cdef const float[:, :, :, ::1] qv = q
+    cdef const float[:, :, :, ::1] kv = k
+    cdef const float[:, :, :, ::1] vv = v
+    cdef float[:, :, :, ::1] ov = out
+    cdef const int32_t[::1] lv = kv_len
+    cdef const int32_t[:, ::1] pv = q_pos
+    cdef const int32_t[::1] sv
+    cdef okv_attn_args a
+    a.q = &qv[0, 0, 0, 0]
+    a.out = &ov[0, 0, 0, 0]
+    a.k = &kv[0, 0, 0, 0] if kv.size else NULL
+    a.v = &vv[0, 0, 0, 0] if vv.size else NULL
+    a.kv_len = &lv[0]
+    a.q_pos = &pv[0, 0]
+    a.kv_start = NULL
+    if kv_start is not None:
+        sv = kv_start
+        a.kv_start = &sv[0]
+    a.B, a.Hq, a.Hkv, a.Sq, a.Cap, a.D = B, Hq, Hkv, Sq, Cap, D
+    a.scale = scale
+    a.softcap = softcap
+    a.window = window
+
+    cdef int nt = okv_threads(), simd = okv_simd(), rc
+    cdef int64_t G = Hq // Hkv, units = B * Hkv, tq, nchunks = 1
+    maxlen = int(kv_len.max())
+    if units < nt and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:
+        nchunks = min((nt + units - 1) // units, max(1, maxlen // (2 * OKV_BK)))
+    if nchunks > 1:
+        with nogil:
+            rc = _split(&a, nchunks, nt, simd)
+    else:
+        tq = max(1, min(Sq, OKV_MAX_TQ, ROW_BUDGET // G))
+        with nogil:
+            rc = _tiles(&a, tq, nt, simd)
+    if rc != 0:
+        raise MemoryError("attention: could not allocate the workspace")

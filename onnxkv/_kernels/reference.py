@@ -1,0 +1,109 @@
+"""NumPy reference twins of the compiled kernels (same signatures, same contracts).
+
+They are slow and allocate freely; they exist to define the expected results in
+tests and as the baseline in benchmarks.  Each writes into ``out`` like its
+compiled twin.  Computation is in float64 for float32 inputs where it matters,
+then cast to the output dtype.
+"""
+import numpy as np
+
+
+def _acc_dtype(x):
+    return np.float64
+
+
+def rms_norm(x, gamma, eps, out):
+    xd = x.astype(np.float64)
+    ms = np.mean(xd * xd, axis=-1, keepdims=True)
+    out[...] = (xd / np.sqrt(ms + eps) * gamma).astype(out.dtype)
+
+
+def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
+    s = x + skip
+    if bias is not None:
+        s = s + bias
+    s = s.astype(x.dtype)
+    if sum_out is not None:
+        sum_out[...] = s
+    rms_norm(s, gamma, eps, out)
+
+
+def softmax(x, out):
+    """Row softmax; a row of all -inf gives zeros (the kernels' documented rule)."""
+    xd = x.astype(np.float64)
+    m = np.max(xd, axis=-1, keepdims=True) if xd.shape[-1] else np.zeros(xd.shape[:-1] + (1,))
+    dead = np.isneginf(m)
+    m = np.where(dead, 0.0, m)
+    e = np.exp(xd - m)
+    s = np.sum(e, axis=-1, keepdims=True)
+    r = np.where(dead, 0.0, e / np.where(dead, 1.0, s))
+    out[...] = r.astype(out.dtype)
+
+
+def _sigmoid(x):
+    xd = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-xd))
+
+
+def sigmoid(x, out):
+    out[...] = _sigmoid(x).astype(out.dtype)
+
+
+def silu(x, out):
+    out[...] = (x.astype(np.float64) * _sigmoid(x)).astype(out.dtype)
+
+
+def silu_mul(gate, up, out):
+    out[...] = (gate.astype(np.float64) * _sigmoid(gate) * up).astype(out.dtype)
+
+
+def rotary_embedding(x, cos, sin, positions, interleaved, out):
+    positions = np.asarray(positions)
+    if positions.size and (positions.min() < 0 or positions.max() >= cos.shape[0]):
+        raise ValueError("positions: out of range")
+    half = cos.shape[1]
+    r = 2 * half
+    c = cos[positions][:, :, None, :].astype(np.float64)   # [B, S, 1, half]
+    s = sin[positions][:, :, None, :].astype(np.float64)
+    xd = x.astype(np.float64)
+    res = xd.copy()
+    if interleaved:
+        x1, x2 = xd[..., 0:r:2], xd[..., 1:r:2]
+        res[..., 0:r:2] = x1 * c - x2 * s
+        res[..., 1:r:2] = x2 * c + x1 * s
+    else:
+        x1, x2 = xd[..., :half], xd[..., half:r]
+        res[..., :half] = x1 * c - x2 * s
+        res[..., half:r] = x2 * c + x1 * s
+    out[...] = res.astype(out.dtype)
+
+
+def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None):
+    """Masked softmax attention with explicit score matrices (float64 math)."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Cap = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if kv_start is None:
+        kv_start = np.zeros(B, np.int32)
+    res = np.zeros((B, Hq, Sq, D), np.float64)
+    j = np.arange(Cap)
+    for b in range(B):
+        p = q_pos[b].astype(np.int64)[:, None]                  # [Sq, 1]
+        mask = (j[None, :] <= p) & (j[None, :] < kv_len[b]) & (j[None, :] >= kv_start[b])
+        if window >= 0:
+            mask &= j[None, :] >= p - window
+        for h in range(Hq):
+            kh = k[b, h // G].astype(np.float64)
+            vh = v[b, h // G].astype(np.float64)
+            s = (q[b, h].astype(np.float64) @ kh.T) * scale     # [Sq, Cap]
+            if softcap > 0:
+                s = softcap * np.tanh(s / softcap)
+            s = np.where(mask, s, -np.inf)
+            m = s.max(axis=-1, keepdims=True)
+            dead = np.isneginf(m)
+            e = np.exp(s - np.where(dead, 0.0, m))
+            den = e.sum(axis=-1, keepdims=True)
+            w = np.where(dead, 0.0, e / np.where(dead, 1.0, den))
+            res[b, h] = w @ vh
+    out[...] = res.astype(out.dtype)

@@ -1,0 +1,497 @@
+/* onnxkv/_kernels/simd.h -- vector primitives for the onnxkv kernels.
+ *
+ * Every primitive has a portable scalar version (`*_scalar`) and, on x86 with
+ * GCC/Clang, an AVX2+FMA+F16C version (`*_avx2`) written with intrinsics inside
+ * functions marked __attribute__((target("avx2,fma,f16c"))).  Nothing here is
+ * compiled with global -mavx2/-march flags: the AVX2 code is only *executed*
+ * when okv_cpu_simd_ok() says the CPU (and OS) support it, and the caller
+ * passes the decision as the `simd` flag of the dispatching wrappers.
+ *
+ * Scalar and AVX2 paths agree to float32 rounding (they sum in a different
+ * order).  float64 kernels use the scalar path only (the compiler may still
+ * auto-vectorise with the baseline ISA).
+ */
+#ifndef ONNXKV_SIMD_H
+#define ONNXKV_SIMD_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+static int okv_openmp_enabled(void) { return 1; }
+static int okv_omp_num_procs(void) { return omp_get_num_procs(); }
+static int okv_thread_num(void) { return omp_get_thread_num(); }
+#else
+static int okv_openmp_enabled(void) { return 0; }
+static int okv_omp_num_procs(void) { return 1; }
+static int okv_thread_num(void) { return 0; }
+#endif
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define OKV_X86_SIMD 1
+#include <immintrin.h>
+#define OKV_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define OKV_X86_SIMD 0
+#endif
+
+/* ------------------------------------------------------------------ */
+/* CPU detection                                                        */
+/* ------------------------------------------------------------------ */
+
+static int okv_simd_compiled(void) { return OKV_X86_SIMD; }
+
+/* Fills flags[0..6] with avx, avx2, fma, f16c, avx512f, sse4.2, popcnt. */
+static void okv_cpu_flags(int *flags) {
+    int i;
+    for (i = 0; i < 7; i++) flags[i] = 0;
+#if OKV_X86_SIMD
+    __builtin_cpu_init();
+    flags[0] = __builtin_cpu_supports("avx") != 0;
+    flags[1] = __builtin_cpu_supports("avx2") != 0;
+    flags[2] = __builtin_cpu_supports("fma") != 0;
+    flags[3] = 0;
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11)
+    flags[3] = __builtin_cpu_supports("f16c") != 0;
+#else
+    flags[3] = flags[1]; /* every AVX2 CPU shipped has F16C */
+#endif
+    flags[4] = __builtin_cpu_supports("avx512f") != 0;
+    flags[5] = __builtin_cpu_supports("sse4.2") != 0;
+    flags[6] = __builtin_cpu_supports("popcnt") != 0;
+#endif
+}
+
+/* 1 when the AVX2+FMA+F16C path can run on this machine. */
+static int okv_cpu_simd_ok(void) {
+    int f[7];
+    okv_cpu_flags(f);
+    return f[0] && f[1] && f[2] && f[3];
+}
+
+/* ------------------------------------------------------------------ */
+/* Scalar primitives (float32)                                          */
+/* ------------------------------------------------------------------ */
+
+static inline float okv_dot_f32_scalar(const float *a, const float *b, int64_t n) {
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += a[i] * b[i];
+        s1 += a[i + 1] * b[i + 1];
+        s2 += a[i + 2] * b[i + 2];
+        s3 += a[i + 3] * b[i + 3];
+    }
+    for (; i < n; i++) s0 += a[i] * b[i];
+    return (s0 + s1) + (s2 + s3);
+}
+
+/* y += a * x */
+static inline void okv_axpy_f32_scalar(float a, const float *x, float *y, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* y *= a */
+static inline void okv_scal_f32_scalar(float a, float *y, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++) y[i] *= a;
+}
+
+static inline float okv_max_f32_scalar(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int64_t i;
+    for (i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* x[i] = exp(x[i] - m); returns the sum.  exp(-inf) = 0. */
+static inline float okv_exp_sub_sum_f32_scalar(float *x, float m, int64_t n) {
+    float s = 0.f;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        float e = expf(x[i] - m);
+        x[i] = e;
+        s += e;
+    }
+    return s;
+}
+
+static inline float okv_sumsq_f32_scalar(const float *x, int64_t n) {
+    return okv_dot_f32_scalar(x, x, n);
+}
+
+/* out = x * s * g */
+static inline void okv_scale_mul_f32_scalar(const float *x, float s, const float *g, float *out, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++) out[i] = x[i] * s * g[i];
+}
+
+/* out = x + y (+ b if b != NULL) */
+static inline void okv_add3_f32_scalar(const float *x, const float *y, const float *b, float *out, int64_t n) {
+    int64_t i;
+    if (b) for (i = 0; i < n; i++) out[i] = x[i] + y[i] + b[i];
+    else   for (i = 0; i < n; i++) out[i] = x[i] + y[i];
+}
+
+static inline float okv_sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+
+/* mode 0: sigmoid(x); 1: x*sigmoid(x); 2: x*sigmoid(x)*up */
+static inline void okv_act_f32_scalar(int mode, const float *x, const float *up, float *out, int64_t n) {
+    int64_t i;
+    if (mode == 0)      for (i = 0; i < n; i++) out[i] = okv_sigmoidf(x[i]);
+    else if (mode == 1) for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoidf(x[i]);
+    else                for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoidf(x[i]) * up[i];
+}
+
+/* Rotary embedding of one head row.  half = rotary_dim / 2; c, s = cos/sin rows. */
+static inline void okv_rope_half_f32_scalar(const float *x, const float *c, const float *s, float *out, int64_t half) {
+    int64_t i;
+    for (i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[half + i];
+        out[i] = x1 * c[i] - x2 * s[i];
+        out[half + i] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+static inline void okv_rope_inter_f32_scalar(const float *x, const float *c, const float *s, float *out, int64_t half) {
+    int64_t i;
+    for (i = 0; i < half; i++) {
+        float x1 = x[2 * i], x2 = x[2 * i + 1];
+        out[2 * i] = x1 * c[i] - x2 * s[i];
+        out[2 * i + 1] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Scalar primitives (float64) -- no SIMD path                          */
+/* ------------------------------------------------------------------ */
+
+static inline double okv_sumsq_f64(const double *x, int64_t n) {
+    double s0 = 0., s1 = 0., s2 = 0., s3 = 0.;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += x[i] * x[i]; s1 += x[i + 1] * x[i + 1];
+        s2 += x[i + 2] * x[i + 2]; s3 += x[i + 3] * x[i + 3];
+    }
+    for (; i < n; i++) s0 += x[i] * x[i];
+    return (s0 + s1) + (s2 + s3);
+}
+
+static inline void okv_scale_mul_f64(const double *x, double s, const double *g, double *out, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++) out[i] = x[i] * s * g[i];
+}
+
+static inline void okv_add3_f64(const double *x, const double *y, const double *b, double *out, int64_t n) {
+    int64_t i;
+    if (b) for (i = 0; i < n; i++) out[i] = x[i] + y[i] + b[i];
+    else   for (i = 0; i < n; i++) out[i] = x[i] + y[i];
+}
+
+static inline double okv_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+static inline void okv_act_f64(int mode, const double *x, const double *up, double *out, int64_t n) {
+    int64_t i;
+    if (mode == 0)      for (i = 0; i < n; i++) out[i] = okv_sigmoid(x[i]);
+    else if (mode == 1) for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoid(x[i]);
+    else                for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoid(x[i]) * up[i];
+}
+
+static inline void okv_softmax_row_f64(const double *x, double *out, int64_t n) {
+    double m = -INFINITY, s = 0.;
+    int64_t i;
+    for (i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    if (m == -INFINITY) { for (i = 0; i < n; i++) out[i] = 0.; return; }
+    for (i = 0; i < n; i++) { double e = exp(x[i] - m); out[i] = e; s += e; }
+    s = 1.0 / s;
+    for (i = 0; i < n; i++) out[i] *= s;
+}
+
+/* ------------------------------------------------------------------ */
+/* AVX2 + FMA + F16C primitives (float32)                               */
+/* ------------------------------------------------------------------ */
+#if OKV_X86_SIMD
+
+OKV_AVX2 static inline float okv_hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+OKV_AVX2 static inline float okv_hmax256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_max_ps(lo, hi);
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp(x) for 8 floats (Cephes polynomial, ~1 ulp on the normal range).
+ * x < -87.3 gives 0, x > 88.37 saturates to ~FLT_MAX*... (not inf).  NaN inputs
+ * are not propagated. */
+OKV_AVX2 static inline __m256 okv_exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+    const __m256 lo = _mm256_set1_ps(-87.3365447505531f);
+    __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_min_ps(x, hi);
+    x = _mm256_max_ps(x, lo);
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_cvttps_epi32(fx);
+    e = _mm256_add_epi32(e, _mm256_set1_epi32(127));
+    e = _mm256_slli_epi32(e, 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_and_ps(y, keep);
+}
+
+/* mask for the first r (0..7) lanes */
+OKV_AVX2 static inline __m256i okv_tailmask(int64_t r) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), idx);
+}
+
+OKV_AVX2 static inline float okv_dot_f32_avx2(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8)
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    if (i < n) {
+        __m256i m = okv_tailmask(n - i);
+        s1 = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), s1);
+    }
+    return okv_hsum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+}
+
+OKV_AVX2 static inline void okv_axpy_f32_avx2(float a, const float *x, float *y, int64_t n) {
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i + 8, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8)));
+    }
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+OKV_AVX2 static inline void okv_scal_f32_avx2(float a, float *y, int64_t n) {
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(va, _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] *= a;
+}
+
+OKV_AVX2 static inline float okv_max_f32_avx2(const float *x, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    float r;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    r = okv_hmax256(m);
+    for (; i < n; i++) r = x[i] > r ? x[i] : r;
+    return r;
+}
+
+OKV_AVX2 static inline float okv_exp_sub_sum_f32_avx2(float *x, float m, int64_t n) {
+    __m256 vm = _mm256_set1_ps(m), s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = okv_exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, e);
+        s = _mm256_add_ps(s, e);
+    }
+    if (i < n) {
+        __m256i mk = okv_tailmask(n - i);
+        __m256 e = okv_exp256(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), vm));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(mk));
+        _mm256_maskstore_ps(x + i, mk, e);
+        s = _mm256_add_ps(s, e);
+    }
+    return okv_hsum256(s);
+}
+
+OKV_AVX2 static inline float okv_sumsq_f32_avx2(const float *x, int64_t n) {
+    return okv_dot_f32_avx2(x, x, n);
+}
+
+OKV_AVX2 static inline void okv_scale_mul_f32_avx2(const float *x, float s, const float *g, float *out, int64_t n) {
+    __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs), _mm256_loadu_ps(g + i)));
+    for (; i < n; i++) out[i] = x[i] * s * g[i];
+}
+
+OKV_AVX2 static inline void okv_add3_f32_avx2(const float *x, const float *y, const float *b, float *out, int64_t n) {
+    int64_t i = 0;
+    if (b) {
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)),
+                                                    _mm256_loadu_ps(b + i)));
+        for (; i < n; i++) out[i] = x[i] + y[i] + b[i];
+    } else {
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        for (; i < n; i++) out[i] = x[i] + y[i];
+    }
+}
+
+OKV_AVX2 static inline __m256 okv_sigmoid256(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    __m256 e = okv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_div_ps(one, _mm256_add_ps(one, e));
+}
+
+OKV_AVX2 static inline void okv_act_f32_avx2(int mode, const float *x, const float *up, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 vx = _mm256_loadu_ps(x + i);
+        __m256 r = okv_sigmoid256(vx);
+        if (mode >= 1) r = _mm256_mul_ps(r, vx);
+        if (mode == 2) r = _mm256_mul_ps(r, _mm256_loadu_ps(up + i));
+        _mm256_storeu_ps(out + i, r);
+    }
+    if (i < n) okv_act_f32_scalar(mode, x + i, up ? up + i : NULL, out + i, n - i);
+}
+
+OKV_AVX2 static inline void okv_rope_half_f32_avx2(const float *x, const float *c, const float *s, float *out, int64_t half) {
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+        __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+        __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
+        __m256 o1 = _mm256_fnmadd_ps(x2, vs, _mm256_mul_ps(x1, vc));
+        __m256 o2 = _mm256_fmadd_ps(x1, vs, _mm256_mul_ps(x2, vc));
+        _mm256_storeu_ps(out + i, o1);
+        _mm256_storeu_ps(out + half + i, o2);
+    }
+    for (; i < half; i++) {
+        float x1 = x[i], x2 = x[half + i];
+        out[i] = x1 * c[i] - x2 * s[i];
+        out[half + i] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+OKV_AVX2 static inline void okv_rope_inter_f32_avx2(const float *x, const float *c, const float *s, float *out, int64_t half) {
+    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    int64_t i = 0;
+    for (; i + 4 <= half; i += 4) {
+        __m256 vx = _mm256_loadu_ps(x + 2 * i);
+        __m256 vc = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(c + i)), dup);
+        __m256 vs = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + i)), dup);
+        __m256 sw = _mm256_permute_ps(vx, 0xB1); /* swap pairs */
+        /* even: x0*c - x1*s ; odd: x1*c + x0*s */
+        _mm256_storeu_ps(out + 2 * i, _mm256_fmaddsub_ps(vx, vc, _mm256_mul_ps(sw, vs)));
+    }
+    for (; i < half; i++) {
+        float x1 = x[2 * i], x2 = x[2 * i + 1];
+        out[2 * i] = x1 * c[i] - x2 * s[i];
+        out[2 * i + 1] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+OKV_AVX2 static inline void okv_softmax_row_f32_avx2(const float *x, float *out, int64_t n) {
+    float m = okv_max_f32_avx2(x, n), s;
+    if (m == -INFINITY) { memset(out, 0, (size_t)n * sizeof(float)); return; }
+    if (out != x) memcpy(out, x, (size_t)n * sizeof(float));
+    s = okv_exp_sub_sum_f32_avx2(out, m, n);
+    okv_scal_f32_avx2(1.f / s, out, n);
+}
+
+OKV_AVX2 static inline void okv_rms_row_f32_avx2(const float *x, const float *g, float eps, float *out, int64_t n) {
+    float ms = okv_sumsq_f32_avx2(x, n) / (float)n;
+    okv_scale_mul_f32_avx2(x, 1.f / sqrtf(ms + eps), g, out, n);
+}
+
+#endif /* OKV_X86_SIMD */
+
+static inline void okv_softmax_row_f32_scalar(const float *x, float *out, int64_t n) {
+    float m = okv_max_f32_scalar(x, n), s;
+    if (m == -INFINITY) { memset(out, 0, (size_t)n * sizeof(float)); return; }
+    if (out != x) memcpy(out, x, (size_t)n * sizeof(float));
+    s = okv_exp_sub_sum_f32_scalar(out, m, n);
+    okv_scal_f32_scalar(1.f / s, out, n);
+}
+
+static inline void okv_rms_row_f32_scalar(const float *x, const float *g, float eps, float *out, int64_t n) {
+    float ms = okv_sumsq_f32_scalar(x, n) / (float)n;
+    okv_scale_mul_f32_scalar(x, 1.f / sqrtf(ms + eps), g, out, n);
+}
+
+/* ------------------------------------------------------------------ */
+/* Dispatching row kernels (simd = 1 selects the AVX2 path)             */
+/* ------------------------------------------------------------------ */
+#if OKV_X86_SIMD
+#define OKV_DISPATCH(simd, call_avx2, call_scalar) do { if (simd) { call_avx2; } else { call_scalar; } } while (0)
+#else
+#define OKV_DISPATCH(simd, call_avx2, call_scalar) do { (void)(simd); call_scalar; } while (0)
+#endif
+
+static void okv_rms_row_f32(const float *x, const float *g, float eps, float *out, int64_t n, int simd) {
+    OKV_DISPATCH(simd, okv_rms_row_f32_avx2(x, g, eps, out, n), okv_rms_row_f32_scalar(x, g, eps, out, n));
+}
+
+static void okv_rms_row_f64(const double *x, const double *g, double eps, double *out, int64_t n) {
+    double ms = okv_sumsq_f64(x, n) / (double)n;
+    okv_scale_mul_f64(x, 1.0 / sqrt(ms + eps), g, out, n);
+}
+
+/* s = x + skip (+ bias) -> sum_out (optional); out = rms_norm(s) * g.  Row-wise,
+ * safe when out == x or out == skip; sum_out must not overlap out. */
+static void okv_skip_rms_row_f32(const float *x, const float *skip, const float *bias, const float *g, float eps,
+                                 float *out, float *sum_out, int64_t n, int simd) {
+    OKV_DISPATCH(simd, okv_add3_f32_avx2(x, skip, bias, out, n), okv_add3_f32_scalar(x, skip, bias, out, n));
+    if (sum_out) memcpy(sum_out, out, (size_t)n * sizeof(float));
+    okv_rms_row_f32(out, g, eps, out, n, simd);
+}
+
+static void okv_skip_rms_row_f64(const double *x, const double *skip, const double *bias, const double *g, double eps,
+                                 double *out, double *sum_out, int64_t n) {
+    okv_add3_f64(x, skip, bias, out, n);
+    if (sum_out) memcpy(sum_out, out, (size_t)n * sizeof(double));
+    okv_rms_row_f64(out, g, eps, out, n);
+}
+
+static void okv_softmax_row_f32(const float *x, float *out, int64_t n, int simd) {
+    OKV_DISPATCH(simd, okv_softmax_row_f32_avx2(x, out, n), okv_softmax_row_f32_scalar(x, out, n));
+}
+
+static void okv_act_f32(int mode, const float *x, const float *up, float *out, int64_t n, int simd) {
+    OKV_DISPATCH(simd, okv_act_f32_avx2(mode, x, up, out, n), okv_act_f32_scalar(mode, x, up, out, n));
+}
+
+/* One head row of rotary embedding: rotates the first 2*half dims, copies the
+ * rest (head_size - 2*half) when out != x. */
+static void okv_rope_row_f32(const float *x, const float *c, const float *s, float *out, int64_t half,
+                             int64_t head_size, int interleaved, int simd) {
+    if (interleaved)
+        OKV_DISPATCH(simd, okv_rope_inter_f32_avx2(x, c, s, out, half), okv_rope_inter_f32_scalar(x, c, s, out, half));
+    else
+        OKV_DISPATCH(simd, okv_rope_half_f32_avx2(x, c, s, out, half), okv_rope_half_f32_scalar(x, c, s, out, half));
+    if (out != x && head_size > 2 * half)
+        memcpy(out + 2 * half, x + 2 * half, (size_t)(head_size - 2 * half) * sizeof(float));
+}
+
+#endif /* ONNXKV_SIMD_H */

@@ -1,0 +1,50 @@
+"""Row softmax (float32 / float64).
+
+Numerically stable (subtracts the row max).  ``-inf`` entries give 0; a row
+that is entirely ``-inf`` gives all zeros (NumPy would give NaN; the reference
+twin in ``reference.py`` implements the same rule).  NaN / +inf inputs are not
+supported (results unspecified).
+"""
+from libc.stdint cimport int64_t
+from cython.parallel cimport prange
+
+from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from . import _validate as V
+
+cdef extern from "simd.h" nogil:
+    void okv_softmax_row_f32(const float *x, float *out, int64_t n, int simd)
+    void okv_softmax_row_f64(const double *x, double *out, int64_t n)
+
+ctypedef fused real:
+    float
+    double
+
+DEF PAR_MIN = 16384
+
+
+cdef void _softmax(const real[:, ::1] x, real[:, ::1] out) noexcept nogil:
+    cdef Py_ssize_t r, rows = x.shape[0], n = x.shape[1]
+    cdef int simd = okv_simd()
+    cdef int nt = okv_threads() if rows * n >= PAR_MIN and rows > 1 else 1
+    for r in prange(rows, num_threads=nt, schedule='static'):
+        if real is float:
+            okv_softmax_row_f32(&x[r, 0], &out[r, 0], n, simd)
+        else:
+            okv_softmax_row_f64(&x[r, 0], &out[r, 0], n)
+
+
+def softmax(x, out):
+    """out[r] = exp(x[r] - max(x[r])) / sum(...), over the last axis.
+
+    x, out: [rows, n] float32 or float64, C-contiguous, same dtype; ``out`` may be
+    ``x`` (in place).  A row of all -inf gives zeros.
+    """
+    V.array("x", x, (V.F32, V.F64), ndim=2)
+    V.array("out", out, (x.dtype,), shape=x.shape, writeable=True)
+    V.no_overlap("out", out, x, "x", allow_identical=True)
+    if x.size == 0:
+        return
+    if x.dtype == V.F32:
+        _softmax[float](x, out)
+    else:
+        _softmax[double](x, out)
