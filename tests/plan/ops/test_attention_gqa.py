@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -95,7 +97,7 @@ CASES = [
 
 @pytest.mark.parametrize("dims,attrs,rotary", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_matches_ort(dims, attrs, rotary):
-    rng = np.random.default_rng(abs(hash(str(dims))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr(dims).encode()))
     b, s, hq, hkv, d, past, seqlens_k, total = dims
     ins = _inputs(rng, b, s, hq, hkv, d, past, seqlens_k, total, rotary=rotary)
     _compare(ins, hq, hkv, **attrs)

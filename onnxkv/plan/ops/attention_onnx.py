@@ -1,0 +1,292 @@
+"""ONNX ``Attention`` (opsets 23 and 24), following ``onnx.reference`` (onnx 1.23 with its errata).
+
+Inputs: ``Q`` [B, Hq, Sq, D] or [B, Sq, Hq*D]; ``K`` [B, Hkv, Skv, D] or
+[B, Skv, Hkv*D]; ``V`` [B, Hkv, Skv, Dv] or [B, Skv, Hkv*Dv] (3-D inputs need
+``q_num_heads``/``kv_num_heads``); ``attn_mask`` (bool: True = attend, or
+additive float) broadcastable to [B, Hq, Sq, T] whose last dimension may be
+shorter than ``T`` (the missing columns are masked); ``past_key``/``past_value``
+[B, Hkv, P, D|Dv] (both or neither); opset 24: ``nonpad_kv_seqlen`` [B] int64
+(valid key count per row, not combinable with a past).  ``T = P + Skv``.
+
+Outputs: ``Y`` (layout of ``Q``, head size Dv); ``present_key``/``present_value``
+= concat(past, new) along the sequence axis, [B, Hkv, T, D|Dv];
+``qk_matmul_output`` [B, Hq, Sq, T] per ``qk_matmul_output_mode``: 0 = scaled
+Q·K, 1 = after softcap, 2 = after softcap and mask (``-inf`` where masked),
+3 = softmax probabilities.  Mode 0 follows the operator spec and ONNX Runtime
+(Q·K before softcap); ``onnx.reference`` 1.23 returns the softcapped scores
+there.
+
+Scores are ``scale * Q·K`` (default ``1/sqrt(D)``), then softcap, then the
+bias from the mask, causal rule and padding, then softmax (in
+``softmax_precision`` when given).  Query head ``h`` reads KV head
+``h // (Hq // Hkv)``.  ``is_causal=1``: query ``i`` sees key ``j`` iff
+``j <= i + offset`` with ``offset = P`` with a past, ``nonpad_kv_seqlen[b] - Sq``
+with ``nonpad_kv_seqlen`` alone, else 0.  A row with no visible key gives zeros.
+
+Without a mask or score output, float32 runs through the streaming kernel;
+everything else through NumPy.  Storage counters per present output: one
+allocation of its size, ``prefix_copied_bytes`` = bytes of the past,
+``append_copied_bytes`` = bytes of the new K (or V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from onnxkv.errors import InputError
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._attention_math import causal_attention, dense_attention
+from onnxkv.plan.registry import BuildContext, Op, register
+
+__all__ = ["Attention23", "Attention24"]
+
+_ATTRIBUTES = {
+    "is_causal", "kv_num_heads", "q_num_heads", "qk_matmul_output_mode", "scale", "softcap", "softmax_precision",
+}  # fmt: skip
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_SOFTMAX_DTYPES = {
+    TensorProto.FLOAT16: np.dtype(np.float16),
+    TensorProto.FLOAT: np.dtype(np.float32),
+    TensorProto.DOUBLE: np.dtype(np.float64),
+}
+
+
+@register("Attention", since=23)
+class Attention23(Op):
+    """Kernel object of one ONNX Attention node (see the module docstring)."""
+
+    has_nonpad = False
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        a = self.attrs
+        unknown = sorted(set(a) - _ATTRIBUTES)
+        if unknown:
+            raise self.error(f"unsupported attribute(s) {unknown} for opset {ctx.opset('')}")
+        self.is_causal = bool(a.get("is_causal", 0))
+        self.q_heads = int(a.get("q_num_heads", 0))
+        self.kv_heads = int(a.get("kv_num_heads", 0))
+        if self.q_heads < 0 or self.kv_heads < 0:
+            raise self.error(f"q_num_heads/kv_num_heads must be positive, got {self.q_heads}/{self.kv_heads}")
+        if self.q_heads and self.kv_heads and self.q_heads % self.kv_heads:
+            raise self.error(f"q_num_heads={self.q_heads} must be a multiple of kv_num_heads={self.kv_heads}")
+        self.mode = int(a.get("qk_matmul_output_mode", 0))
+        if self.mode not in (0, 1, 2, 3):
+            raise self.error(f"qk_matmul_output_mode must be 0, 1, 2 or 3, got {self.mode}")
+        self.scale = a.get("scale")
+        self.softcap = float(a.get("softcap", 0.0))
+        if self.softcap < 0:
+            raise self.error(f"softcap must be >= 0, got {self.softcap}")
+        precision = a.get("softmax_precision")
+        if precision is not None and precision not in _SOFTMAX_DTYPES:
+            raise self.error(
+                f"softmax_precision {TensorProto.DataType.Name(precision) if precision in TensorProto.DataType.values() else precision} "
+                "is not supported (FLOAT16, FLOAT or DOUBLE)"
+            )
+        self.softmax_dtype = _SOFTMAX_DTYPES.get(precision) if precision is not None else None
+        outs = list(node.output) + [""] * (4 - len(node.output))
+        self.want = tuple(bool(o) for o in outs[:4])
+        if self.want[1] != self.want[2]:
+            raise self.error("present_key and present_value must be requested together")
+
+    def _input_error(self, message: str) -> InputError:
+        return InputError(f"{self.op_type} node '{self.name}': {message}")
+
+    # -- run --------------------------------------------------------------------------------
+
+    def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray | None]:
+        inputs = list(inputs) + [None] * (7 - len(inputs))
+        q_in, k_in, v_in, mask, past_k, past_v = inputs[:6]
+        nonpad = inputs[6] if self.has_nonpad else None
+        q, k, v = self._to_bnsh(q_in, k_in, v_in)
+        b, hq, sq, d = q.shape
+        past_len = self._check_past(past_k, past_v, k, v)
+        if nonpad is not None:
+            if past_k is not None:
+                raise self._input_error("nonpad_kv_seqlen cannot be combined with past_key/past_value")
+            nonpad = np.asarray(nonpad, np.int64)
+            if nonpad.shape != (b,) or nonpad.min(initial=0) < 0 or nonpad.max(initial=0) > k.shape[2]:
+                raise self._input_error(
+                    f"nonpad_kv_seqlen must be [{b}] with values in [0, {k.shape[2]}], "
+                    f"got shape {nonpad.shape} values {nonpad.tolist()}"
+                )
+
+        if past_k is not None or self.want[1]:
+            present_k = self._present(rt, 1, past_k, k)
+            present_v = self._present(rt, 2, past_v, v)
+        else:
+            present_k, present_v = k, v
+        total = present_k.shape[2]
+        scale = float(self.scale) if self.scale is not None else 1.0 / np.sqrt(d)
+
+        offsets = self._causal_offsets(b, sq, past_len, nonpad)
+        kv_len = nonpad if nonpad is not None else np.full(b, total, np.int64)
+        fast = (
+            mask is None
+            and not self.want[3]
+            and q.dtype == np.float32
+            and self.softmax_dtype in (None, np.dtype(np.float32))
+        )
+        qk = None
+        if fast:
+            y = np.empty((b, hq, sq, v.shape[3]), np.float32)
+            if self.is_causal:
+                q_pos = offsets[:, None] + np.arange(sq)[None, :]
+            else:
+                q_pos = np.broadcast_to(np.int64(total), (b, sq))
+            causal_attention(q, present_k, present_v, kv_len, q_pos, scale, self.softcap, -1, y)
+        else:
+            bias = self._bias(mask, b, hq, sq, total, offsets, nonpad, q.dtype)
+            y, scores = dense_attention(
+                q, present_k, present_v, bias, scale, self.softcap,
+                softmax_dtype=self.softmax_dtype, keep_scores=self.want[3],
+            )  # fmt: skip
+            if scores is not None:
+                qk = (scores.raw, scores.capped, scores.biased, scores.probs)[self.mode].astype(q.dtype, copy=False)
+
+        y_out = self._output(rt, y, q_in.ndim)
+        outs: list[np.ndarray | None] = [y_out, None, None, None]
+        if self.want[1]:
+            outs[1], outs[2] = present_k, present_v
+        if self.want[3]:
+            outs[3] = rt.empty(3, qk.shape, q.dtype)
+            outs[3][...] = qk
+        return outs
+
+    def _to_bnsh(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q/K/V as [B, H, S, D] views, shapes and head counts validated."""
+        if q.ndim != k.ndim or q.ndim != v.ndim or q.ndim not in (3, 4):
+            raise self._input_error(
+                f"Q, K and V must all be 3-D or all 4-D, got shapes {q.shape}, {k.shape}, {v.shape}"
+            )
+        for name, t in (("Q", q), ("K", k), ("V", v)):
+            if t.dtype not in _FLOATS:
+                raise self._input_error(f"{name} must be float16/float32/float64, got {t.dtype}")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            raise self._input_error(f"Q, K and V must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if q.ndim == 3:
+            hq, hkv = self.q_heads, self.kv_heads
+            if not hq or not hkv:
+                raise self._input_error("3-D inputs need the q_num_heads and kv_num_heads attributes")
+            for name, t, h in (("Q", q, hq), ("K", k, hkv), ("V", v, hkv)):
+                if t.shape[2] % h:
+                    raise self._input_error(f"{name} hidden size {t.shape[2]} is not a multiple of {h} heads")
+            q = q.reshape(q.shape[0], q.shape[1], hq, -1).transpose(0, 2, 1, 3)
+            k = k.reshape(k.shape[0], k.shape[1], hkv, -1).transpose(0, 2, 1, 3)
+            v = v.reshape(v.shape[0], v.shape[1], hkv, -1).transpose(0, 2, 1, 3)
+        b, hq, _, d = q.shape
+        if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+            raise self._input_error(f"K {k.shape} and V {v.shape} do not match Q {q.shape} (as [B, H, S, D])")
+        if k.shape[3] != d:
+            raise self._input_error(f"K head size {k.shape[3]} differs from Q head size {d}")
+        if hq % k.shape[1]:
+            raise self._input_error(f"query heads {hq} must be a multiple of key/value heads {k.shape[1]}")
+        return q, k, v
+
+    def _check_past(self, past_k: np.ndarray | None, past_v: np.ndarray | None, k: np.ndarray, v: np.ndarray) -> int:
+        if (past_k is None) != (past_v is None):
+            raise self._input_error("past_key and past_value must be both present or both absent")
+        if past_k is None:
+            return 0
+        b, h = k.shape[:2]
+        for name, past, new in (("past_key", past_k, k), ("past_value", past_v, v)):
+            if past.ndim != 4 or past.shape[:2] != (b, h) or past.shape[3] != new.shape[3]:
+                raise self._input_error(
+                    f"{name} must be [{b}, {h}, past_len, {new.shape[3]}], got {past.shape}"
+                )
+            if past.dtype != new.dtype:
+                raise self._input_error(f"{name} dtype {past.dtype} differs from {new.dtype}")
+        if past_k.shape[2] != past_v.shape[2]:
+            raise self._input_error(f"past_key {past_k.shape} and past_value {past_v.shape} lengths differ")
+        return past_k.shape[2]
+
+    def _present(self, rt: RunContext, index: int, past: np.ndarray | None, new: np.ndarray) -> np.ndarray:
+        """concat(past, new) on axis 2; as output ``index`` (storage counted) when requested."""
+        b, h, s, d = new.shape
+        p = 0 if past is None else past.shape[2]
+        shape = (b, h, p + s, d)
+        if not self.want[index]:
+            return np.concatenate([past, new], axis=2)
+        present = rt.empty(index, shape, new.dtype)
+        if p:
+            present[:, :, :p] = past
+        present[:, :, p:] = new
+        rt.count(
+            allocations=1,
+            allocated_bytes=present.nbytes,
+            prefix_copied_bytes=0 if past is None else past.nbytes,
+            append_copied_bytes=new.nbytes,
+        )
+        return present
+
+    def _causal_offsets(self, b: int, sq: int, past_len: int, nonpad: np.ndarray | None) -> np.ndarray:
+        """Per-row causal offset (int64 [B]); see the module docstring."""
+        if nonpad is not None and past_len == 0:
+            return nonpad - sq
+        return np.full(b, past_len, np.int64)
+
+    def _bias(
+        self,
+        mask: np.ndarray | None,
+        b: int,
+        hq: int,
+        sq: int,
+        total: int,
+        offsets: np.ndarray,
+        nonpad: np.ndarray | None,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        """Additive bias broadcastable to [B, Hq, Sq, T] (``-inf`` = masked)."""
+        neg = dtype.type(-np.inf)
+        bias = np.zeros((1, 1, 1, total), dtype)
+        if mask is not None:
+            m = np.asarray(mask)
+            if m.ndim < 1 or m.shape[-1] > total:
+                raise self._input_error(f"attn_mask last dimension must be at most {total}, got shape {m.shape}")
+            pad = total - m.shape[-1]
+            if m.dtype == np.bool_:
+                m = np.where(m, dtype.type(0), neg)
+            elif m.dtype.kind == "f":
+                m = m.astype(dtype, copy=False)
+            else:
+                raise self._input_error(f"attn_mask must be bool or float, got {m.dtype}")
+            if pad:
+                m = np.concatenate([m, np.full(m.shape[:-1] + (pad,), neg, dtype)], axis=-1)
+            try:
+                np.broadcast_shapes(m.shape, (b, hq, sq, total))
+            except ValueError:
+                raise self._input_error(
+                    f"attn_mask shape {np.shape(mask)} does not broadcast to {(b, hq, sq, total)}"
+                ) from None
+            bias = bias + m
+        j = np.arange(total)[None, None, None, :]
+        if self.is_causal:
+            i = np.arange(sq)[None, None, :, None]
+            bias = bias + np.where(j <= i + offsets[:, None, None, None], dtype.type(0), neg)
+        if nonpad is not None:
+            bias = bias + np.where(j < nonpad[:, None, None, None], dtype.type(0), neg)
+        return bias
+
+    def _output(self, rt: RunContext, y: np.ndarray, ndim: int) -> np.ndarray:
+        """Y in the input layout ([B, H, S, Dv] or [B, S, H*Dv])."""
+        b, h, s, dv = y.shape
+        if ndim == 4:
+            out = rt.empty(0, y.shape, y.dtype)
+            out[...] = y
+        else:
+            out = rt.empty(0, (b, s, h * dv), y.dtype)
+            out.reshape(b, s, h, dv)[...] = y.transpose(0, 2, 1, 3)
+        return out
+
+
+@register("Attention", since=24)
+class Attention24(Attention23):
+    """ONNX Attention-24: Attention-23 plus the ``nonpad_kv_seqlen`` input."""
+
+    has_nonpad = True

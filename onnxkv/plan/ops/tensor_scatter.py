@@ -1,0 +1,94 @@
+"""ONNX ``TensorScatter`` (opset 24): write a sequence update into a fixed-size cache.
+
+Inputs: ``past_cache`` [B, D1, ..., max_len (at ``axis``), ..., Dn] of any dtype;
+``update`` of the same shape except ``seq_len <= max_len`` at ``axis``;
+``write_indices`` [B] int64 (optional, zeros when absent).  Attributes:
+``axis`` (default -2, never the batch axis 0), ``mode`` ``"linear"`` (requires
+``0 <= write_indices[b]`` and ``write_indices[b] + seq_len <= max_len``) or
+``"circular"`` (positions taken modulo ``max_len``).
+
+Output ``present_cache``: a copy of ``past_cache`` where, for every batch row
+``b`` and update step ``s``, sequence position ``write_indices[b] + s`` (mod
+``max_len`` when circular) holds ``update[b, ..., s, ...]``.
+
+This tensor path copies: storage counters are one allocation of the output's
+size, ``prefix_copied_bytes`` = bytes of ``past_cache`` and
+``append_copied_bytes`` = bytes of ``update``.  (Writing in place into an
+aliased cache is a later issue.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+
+from onnxkv.errors import InputError
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.registry import BuildContext, Op, register
+
+__all__ = ["TensorScatter"]
+
+
+@register("TensorScatter", since=24)
+class TensorScatter(Op):
+    """Kernel object of one TensorScatter node (see the module docstring)."""
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attrs.get("axis", -2))
+        self.mode = str(self.attrs.get("mode", "linear"))
+        if self.mode not in ("linear", "circular"):
+            raise self.error(f"mode must be 'linear' or 'circular', got {self.mode!r}")
+        if self.axis == 0:
+            raise self.error("axis must not be 0 (the batch axis)")
+
+    def _input_error(self, message: str) -> InputError:
+        return InputError(f"{self.op_type} node '{self.name}': {message}")
+
+    def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
+        past, update = inputs[0], inputs[1]
+        indices = inputs[2] if len(inputs) > 2 else None
+        rank = past.ndim
+        if rank < 2 or not -rank <= self.axis < rank or self.axis % rank == 0:
+            raise self._input_error(f"axis={self.axis} is not a non-batch axis of past_cache with shape {past.shape}")
+        axis = self.axis % rank
+        if update.ndim != rank or any(
+            u != p for i, (u, p) in enumerate(zip(update.shape, past.shape)) if i != axis
+        ) or update.shape[axis] > past.shape[axis]:
+            raise self._input_error(
+                f"update shape {update.shape} must equal past_cache shape {past.shape} except at axis {axis}, "
+                f"where it may not exceed {past.shape[axis]}"
+            )
+        if update.dtype != past.dtype:
+            raise self._input_error(f"update dtype {update.dtype} differs from past_cache dtype {past.dtype}")
+        batch, max_len, seq = past.shape[0], past.shape[axis], update.shape[axis]
+        if indices is None:
+            starts = np.zeros(batch, np.int64)
+        else:
+            starts = np.asarray(indices, np.int64)
+            if starts.shape != (batch,):
+                raise self._input_error(f"write_indices must have shape ({batch},), got {starts.shape}")
+        if self.mode == "linear":
+            bad = (starts < 0) | (starts + seq > max_len)
+            if bad.any():
+                row = int(np.flatnonzero(bad)[0])
+                raise self._input_error(
+                    f"write_indices[{row}]={int(starts[row])} with {seq} update steps exceeds the cache: "
+                    f"linear mode needs 0 <= index and index + {seq} <= {max_len}"
+                )
+
+        present = rt.empty(0, past.shape, past.dtype)
+        present[...] = past
+        steps = np.arange(seq, dtype=np.int64)
+        for b in range(batch):
+            positions = (starts[b] + steps) % max_len if self.mode == "circular" else starts[b] + steps
+            np.moveaxis(present[b], axis - 1, 0)[positions] = np.moveaxis(update[b], axis - 1, 0)
+        rt.count(
+            allocations=1,
+            allocated_bytes=present.nbytes,
+            prefix_copied_bytes=past.nbytes,
+            append_copied_bytes=update.nbytes,
+        )
+        return (present,)

@@ -1,0 +1,35 @@
+"""Fixtures for the kernel tests: thread count (1, 2) and SIMD path (on, off)."""
+import numpy as np
+import pytest
+
+import onnxkv._kernels as K
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
+def threads(request):
+    old = K.get_num_threads()
+    K.set_num_threads(request.param)
+    yield request.param
+    K.set_num_threads(old)
+
+
+@pytest.fixture(params=[True, False], ids=["simd", "scalar"])
+def simd(request):
+    K.set_simd_enabled(request.param)
+    yield request.param
+    K.set_simd_enabled(True)
+
+
+def rand(rng, shape, dtype=np.float32, scale=1.0):
+    """Seeded normal data, never zeros."""
+    a = rng.standard_normal(shape) * scale
+    return np.ascontiguousarray(a.astype(dtype))
+
+
+TOL = {np.dtype(np.float32): dict(rtol=1e-5, atol=1e-5), np.dtype(np.float64): dict(rtol=1e-12, atol=1e-12)}
+
+
+def assert_close(got, want, dtype=None, scale=1.0):
+    tol = dict(TOL[np.dtype(dtype or got.dtype)])
+    tol["atol"] = tol["atol"] * scale
+    np.testing.assert_allclose(got, want, **tol)

@@ -1,0 +1,58 @@
+import numpy as np
+import pytest
+
+import onnxkv._kernels as K
+from onnxkv._kernels import reference as R
+
+from .conftest import assert_close, rand
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 33), (2, 4096), (64, 1000)])
+@pytest.mark.parametrize("scale", [1.0, 50.0])
+def test_softmax(shape, dtype, scale, threads, simd):
+    rng = np.random.default_rng(11)
+    x = rand(rng, shape, dtype, scale)
+    out, want = np.full_like(x, np.nan), np.empty_like(x)
+    K.softmax(x, out)
+    R.softmax(x, want)
+    assert_close(out, want)
+    np.testing.assert_allclose(out.sum(axis=-1), 1.0, rtol=1e-5)
+
+
+def test_softmax_neg_inf(threads, simd):
+    rng = np.random.default_rng(12)
+    x = rand(rng, (6, 37), scale=5.0)
+    x[0, ::3] = -np.inf          # some masked entries
+    x[1, :] = -np.inf            # fully masked row -> zeros
+    x[2, 1:] = -np.inf           # a single survivor -> one-hot
+    out, want = np.full_like(x, np.nan), np.empty_like(x)
+    K.softmax(x, out)
+    R.softmax(x, want)
+    assert_close(out, want)
+    assert np.all(out[0, ::3] == 0.0)
+    assert np.all(out[1] == 0.0)
+    assert out[2, 0] == 1.0 and np.all(out[2, 1:] == 0.0)
+
+
+def test_softmax_in_place(simd):
+    rng = np.random.default_rng(13)
+    x = rand(rng, (3, 100))
+    want = np.empty_like(x)
+    R.softmax(x, want)
+    K.softmax(x, x)
+    assert_close(x, want)
+
+
+def test_softmax_bad_args():
+    x = np.ones((2, 5), np.float32)
+    out = np.full((2, 5), 7.0, np.float32)
+    with pytest.raises(ValueError, match="out"):
+        K.softmax(x, out[:, :4])
+    with pytest.raises(ValueError, match="out"):
+        K.softmax(x, out.astype(np.float64))
+    with pytest.raises(ValueError, match="x"):
+        K.softmax(np.ones(5, np.float32), out)
+    with pytest.raises(ValueError, match="out"):
+        K.softmax(x, np.full((2, 5), 7.0, np.float32).T.copy().T)
+    assert np.all(out == 7.0)

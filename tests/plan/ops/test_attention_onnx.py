@@ -1,0 +1,166 @@
+"""ONNX Attention (23, 24) against onnx.reference, and ONNX Runtime where it runs the case."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+from _attn_harness import build_op, make_model, run_op, run_ort, run_reference
+from onnxkv.errors import InputError, ModelError
+from onnxkv.plan.ops.attention_onnx import Attention23, Attention24
+
+TOL = 1e-5
+OUTPUTS = ["Y", "present_key", "present_value", "qk"]
+
+
+def _f(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _inputs(rng, b, hq, hkv, sq, skv, d, past=None, dv=None, three_d=False, mask=None, nonpad=None):
+    dv = dv or d
+    if three_d:
+        q, k, v = _f(rng, b, sq, hq * d), _f(rng, b, skv, hkv * d), _f(rng, b, skv, hkv * dv)
+    else:
+        q, k, v = _f(rng, b, hq, sq, d), _f(rng, b, hkv, skv, d), _f(rng, b, hkv, skv, dv)
+    ins = {
+        "Q": q,
+        "K": k,
+        "V": v,
+        "attn_mask": mask,
+        "past_key": None if past is None else _f(rng, b, hkv, past, d),
+        "past_value": None if past is None else _f(rng, b, hkv, past, dv),
+    }
+    if nonpad is not None:
+        ins["nonpad_kv_seqlen"] = np.asarray(nonpad, np.int64)
+    return ins
+
+
+def _ort_infinities(a: np.ndarray) -> np.ndarray:
+    """ORT writes masked scores as the lowest finite float; onnx.reference (and onnxkv) as -inf."""
+    return np.where(a <= np.finfo(a.dtype).min, -np.inf, a) if a.dtype.kind == "f" else a
+
+
+def _compare(ins, opset=23, outputs=3, ort=True, reference=True, **attrs):
+    names = OUTPUTS[:outputs]
+    if outputs > 1 and ins["past_key"] is None:
+        names = [names[0], "", ""] + names[3:]
+    model = make_model("Attention", ins, names, {"": opset}, **attrs)
+    cls = Attention24 if opset >= 24 else Attention23
+    got, rt = run_op(cls, model, ins)
+    got = [g for g in got if g is not None]
+    oracles = [run_reference(model, ins)] if reference else []
+    if ort:
+        oracles.append([_ort_infinities(a) for a in run_ort(model, ins)])
+    for want in oracles:
+        assert len(want) == len(got)
+        for w, g in zip(want, got):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
+    return got, rt
+
+
+def test_mha_4d_prompt_no_mask():
+    _compare(_inputs(np.random.default_rng(0), 2, 4, 4, 5, 5, 32))
+
+
+@pytest.mark.parametrize("d", [32, 64, 80])
+def test_causal_gqa_prompt(d):
+    _compare(_inputs(np.random.default_rng(d), 2, 8, 2, 6, 6, d), is_causal=1)
+
+
+def test_causal_decode_with_past_mqa():
+    _compare(_inputs(np.random.default_rng(1), 2, 4, 1, 1, 1, 32, past=7), is_causal=1)
+
+
+def test_causal_chunk_with_past_3d():
+    ins = _inputs(np.random.default_rng(2), 2, 4, 2, 3, 3, 64, past=5, three_d=True)
+    _compare(ins, is_causal=1, q_num_heads=4, kv_num_heads=2)
+
+
+def test_value_head_size_differs_softcap_scale():
+    ins = _inputs(np.random.default_rng(3), 1, 4, 2, 4, 4, 32, past=2, dv=16, three_d=True)
+    _compare(ins, is_causal=1, q_num_heads=4, kv_num_heads=2, softcap=1.5, scale=0.2)
+
+
+def test_bool_mask_short_broadcast_with_causal():
+    rng = np.random.default_rng(4)
+    mask = rng.random((3, 6)) > 0.3  # [Sq, T - 2]: last two key columns padded as masked
+    _compare(_inputs(rng, 2, 4, 2, 3, 3, 32, past=5, mask=mask), is_causal=1, ort=False)  # ORT needs a full mask
+
+
+def test_float_mask_and_fully_masked_row():
+    rng = np.random.default_rng(5)
+    mask = rng.standard_normal((2, 1, 4, 4)).astype(np.float32)
+    mask[1, 0, 2, :] = -np.inf  # one row sees nothing -> zeros
+    _compare(_inputs(rng, 2, 4, 2, 4, 4, 32, mask=mask), softcap=2.0)
+    bool_mask = rng.random((2, 4, 4, 4)) > 0.5
+    bool_mask[0, 1, 3] = False
+    _compare(_inputs(rng, 2, 4, 2, 4, 4, 32, mask=bool_mask), is_causal=1, ort=False)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+def test_qk_matmul_output_modes(mode):
+    rng = np.random.default_rng(6 + mode)
+    mask = rng.standard_normal((1, 1, 2, 7)).astype(np.float32)
+    ins = _inputs(rng, 2, 4, 2, 2, 2, 32, past=5, mask=mask)
+    # onnx.reference returns the softcapped scores in mode 0; the spec and ORT return Q·K itself.
+    _compare(ins, outputs=4, is_causal=1, softcap=3.0, qk_matmul_output_mode=mode, reference=mode != 0)
+    _compare(ins, outputs=4, is_causal=1, qk_matmul_output_mode=mode)
+
+
+def test_softmax_precision_double():
+    ins = _inputs(np.random.default_rng(10), 1, 2, 2, 3, 3, 32, mask=np.ones((3, 3), bool))
+    _compare(ins, softmax_precision=TensorProto.DOUBLE, ort=False)
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_nonpad_kv_seqlen_static_cache(causal):
+    rng = np.random.default_rng(11 + causal)
+    # Static cache of 8 slots; row 0 holds 6 valid keys, row 1 holds 2 (< Sq: leading rows see nothing).
+    ins = _inputs(rng, 2, 4, 2, 3, 8, 32, nonpad=[6, 2])
+    _compare(ins, opset=24, is_causal=causal, ort=False)
+    mask = rng.random((3, 8)) > 0.2
+    ins = _inputs(rng, 2, 4, 2, 3, 8, 32, mask=mask, nonpad=[8, 4])
+    _compare(ins, opset=24, is_causal=causal, ort=False)
+
+
+def test_storage_counters():
+    rng = np.random.default_rng(13)
+    ins = _inputs(rng, 2, 4, 2, 1, 1, 32, past=6)
+    got, rt = _compare(ins, is_causal=1)
+    past_bytes = ins["past_key"].nbytes
+    new_bytes = ins["K"].nbytes
+    assert rt.counters == {
+        "allocations": 2,
+        "allocated_bytes": got[1].nbytes + got[2].nbytes,
+        "prefix_copied_bytes": 2 * past_bytes,
+        "append_copied_bytes": 2 * new_bytes,
+    }
+
+
+def test_errors():
+    rng = np.random.default_rng(14)
+    ins = _inputs(rng, 1, 4, 2, 2, 2, 32, three_d=True)
+    model = make_model("Attention", ins, ["Y"], {"": 23}, q_num_heads=4, kv_num_heads=3)
+    with pytest.raises(ModelError, match="multiple of kv_num_heads=3"):
+        build_op(Attention23, model)
+    model = make_model("Attention", ins, ["Y"], {"": 23})
+    with pytest.raises(InputError, match="q_num_heads and kv_num_heads"):
+        run_op(Attention23, model, ins)
+    bad = dict(ins, Q=ins["Q"][0])
+    model = make_model("Attention", bad, ["Y"], {"": 23}, q_num_heads=4, kv_num_heads=2)
+    with pytest.raises(InputError, match="must all be 3-D or all 4-D"):
+        run_op(Attention23, model, bad)
+    gqa = _inputs(rng, 1, 3, 2, 2, 2, 32)
+    model = make_model("Attention", gqa, ["Y"], {"": 23})
+    with pytest.raises(InputError, match="multiple of key/value heads 2"):
+        run_op(Attention23, model, gqa)
+    both = _inputs(rng, 1, 2, 2, 1, 1, 32, past=3, nonpad=[3])
+    model = make_model("Attention", both, ["Y", "pk", "pv"], {"": 24})
+    with pytest.raises(InputError, match="nonpad_kv_seqlen cannot be combined"):
+        run_op(Attention24, model, both)
+    model = make_model("Attention", ins, ["Y"], {"": 25}, left_window_size=2)
+    with pytest.raises(ModelError, match="left_window_size"):
+        build_op(Attention24, model)
