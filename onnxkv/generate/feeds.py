@@ -57,8 +57,9 @@ class FeedBuilder:
         known = {self.io.input_ids, self.io.attention_mask, self.io.position_ids, *self.conv.past_inputs}
         known.discard(None)
         if self.kind == "tensor_scatter":
-            known.update(n for n in self.dtypes if n in ("write_indices", "nonpad_kv_seqlen")
-                         or n.startswith("write_indices") or n.startswith("nonpad_kv_seqlen"))
+            if self.conv.capacity is None:
+                raise InputError("generate: the static (TensorScatter) cache has no fixed capacity in the model")
+            known.update(n for n in self.dtypes if n.startswith(("write_indices", "nonpad_kv_seqlen")))
         required = [g.name for g in plan_inputs if not g.has_default and g.name not in known]
         if required:
             raise InputError(f"generate: the model needs inputs generate cannot make: {required}")
@@ -103,6 +104,9 @@ class FeedBuilder:
         self.total = L
         self.mask = mask
         feeds[self.io.input_ids] = self._cast(self.io.input_ids, ids)
+        if self.kind == "tensor_scatter":
+            pos = np.broadcast_to(np.arange(L), (B, L))
+            mask = self._static_mask(self.lengths)
         if self.io.attention_mask:
             feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
         if self.io.position_ids:
@@ -131,8 +135,9 @@ class FeedBuilder:
             pos = (self.mask.sum(axis=1) - 1)[:, None]
             valid = None
         self.total += 1
+        mask = self._static_mask(valid + 1) if self.kind == "tensor_scatter" else self.mask
         if self.io.attention_mask:
-            feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, self.mask)
+            feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
         if self.io.position_ids:
             feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
         for layer in self.conv.layers:
@@ -154,10 +159,14 @@ class FeedBuilder:
             feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
         return feeds
 
-    def _scatter_feeds(self, feeds: dict, write_at: np.ndarray, valid_after: np.ndarray) -> None:
+    def _static_mask(self, valid: np.ndarray) -> np.ndarray:
+        """[B, capacity] mask with ones on each row's first ``valid[b]`` cache slots."""
         cap = self.conv.capacity
-        if cap is not None and int(valid_after.max()) > cap:
-            raise InputError(f"generate: static cache capacity {cap} exceeded (need {int(valid_after.max())})")
+        if int(valid.max()) > cap:
+            raise InputError(f"generate: static cache capacity {cap} exceeded (need {int(valid.max())})")
+        return (np.arange(cap)[None, :] < valid[:, None]).astype(np.int64)
+
+    def _scatter_feeds(self, feeds: dict, write_at: np.ndarray, valid_after: np.ndarray) -> None:
         for name in self.dtypes:
             if name.startswith("write_indices"):
                 feeds[name] = self._cast(name, write_at)

@@ -1,3 +1,14 @@
 """Operator implementations; importing this package registers them all."""
 
-from onnxkv.plan.ops import activation, elementwise, matmul, norm, reduce, shape  # noqa: F401
+from onnxkv.plan.ops import (  # noqa: F401
+    activation,
+    attention_gqa,
+    attention_onnx,
+    elementwise,
+    matmul,
+    norm,
+    reduce,
+    rotary,
+    shape,
+    tensor_scatter,
+)
