@@ -1,0 +1,136 @@
+"""The Plan: slots, constant folding, buffer lifetimes through views, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxkv import ArenaAllocator, InputError, ModelError, Session, SystemAllocator, UnsupportedOperatorError
+from onnxkv.models.builders import MICRO, build_model
+
+
+def _vi(name, shape, elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=21):
+    return helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                             opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_constant_subgraphs_are_folded_at_build_time():
+    w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    nodes = [
+        helper.make_node("Mul", ["w", "w"], ["w2"]),          # constant
+        helper.make_node("Transpose", ["w2"], ["w2t"]),       # constant
+        helper.make_node("MatMul", ["x", "w2t"], ["y"]),      # depends on x
+    ]
+    m = _model(nodes, [_vi("x", [4, 3])], [_vi("y", [4, 2])], [w])
+    sess = Session(m, threads=1)
+    assert sess.plan.folded_nodes == 2 and len(sess.plan.nodes) == 1
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    wv = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(sess.run({"x": x})["y"], x @ (wv * wv).T, rtol=1e-6)
+
+
+def test_views_keep_arena_buffers_alive_until_their_last_use():
+    # a = x + 1 (arena buffer); b = Reshape(a) (view); c = Transpose(x) uses the
+    # arena after a's own last use; d = b * 2 reads the view afterwards.
+    nodes = [
+        helper.make_node("Add", ["x", "one"], ["a"]),
+        helper.make_node("Reshape", ["a", "shape"], ["b"]),
+        helper.make_node("Neg", ["x"], ["c"]),
+        helper.make_node("Mul", ["c", "c"], ["c2"]),
+        helper.make_node("Mul", ["b", "two"], ["d"]),
+        helper.make_node("Add", ["d", "c2"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.array(1, np.float32), "one"),
+             numpy_helper.from_array(np.array(2, np.float32), "two"),
+             numpy_helper.from_array(np.array([6], np.int64), "shape")]
+    m = _model(nodes, [_vi("x", [6])], [_vi("y", [6])], inits)
+    arena = ArenaAllocator(1 << 16)
+    sess = Session(m, threads=1, allocator=arena)
+    x = np.arange(6, dtype=np.float32)
+    y = sess.run({"x": x})["y"]
+    np.testing.assert_allclose(y, (x + 1) * 2 + x * x)
+    st = arena.stats()
+    assert st.live == 0 and st.allocations > 0 and st.allocations == st.frees
+
+
+def test_graph_outputs_never_come_from_the_allocator():
+    m = build_model("gqa", MICRO, seed=0)
+    arena = ArenaAllocator(1 << 22)
+    sess = Session(m, threads=1, allocator=arena)
+    feeds = {"input_ids": np.array([[1, 2, 3]]), "attention_mask": np.ones((1, 3), np.int64)}
+    for i in range(MICRO.num_layers):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kv}"] = np.zeros((1, MICRO.num_kv_heads, 0, MICRO.head_size), np.float32)
+    out = sess.run(feeds)
+    before = {k: v.copy() for k, v in out.items()}
+    sess.run(feeds)  # reuses the arena: must not overwrite returned outputs
+    for k in out:
+        np.testing.assert_array_equal(out[k], before[k])
+    assert arena.stats().live == 0
+
+
+def test_unknown_operator_is_rejected_naming_nodes():
+    m = _model([helper.make_node("NoSuchOp", ["x"], ["y"], name="mystery")], [_vi("x", [2])], [_vi("y", [2])])
+    with pytest.raises(UnsupportedOperatorError, match="mystery"):
+        Session(m)
+
+
+def test_cycles_are_rejected():
+    nodes = [helper.make_node("Neg", ["b"], ["a"]), helper.make_node("Neg", ["a"], ["b"])]
+    m = _model(nodes, [_vi("x", [2])], [_vi("b", [2])])
+    with pytest.raises(ModelError, match="cycle"):
+        Session(m)
+
+
+def test_feed_validation_errors():
+    m = _model([helper.make_node("Neg", ["x"], ["y"])], [_vi("x", [2, 3])], [_vi("y", [2, 3])])
+    sess = Session(m, threads=1)
+    with pytest.raises(InputError, match="missing input 'x'"):
+        sess.run({})
+    with pytest.raises(InputError, match="dtype float64"):
+        sess.run({"x": np.zeros((2, 3))})
+    with pytest.raises(InputError, match=r"shape \(2, 4\)"):
+        sess.run({"x": np.zeros((2, 4), np.float32)})
+    with pytest.raises(InputError, match="unknown input 'z'"):
+        sess.run({"x": np.zeros((2, 3), np.float32), "z": np.zeros(1)})
+    with pytest.raises(InputError, match="unknown output"):
+        sess.run({"x": np.zeros((2, 3), np.float32)}, ["nope"])
+
+
+def test_failed_run_returns_every_buffer():
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Reshape", ["a", "s"], ["y"])]
+    m = _model(nodes, [_vi("x", [4]), _vi("s", [2], TensorProto.INT64)], [_vi("y", None)])
+    arena = ArenaAllocator(1 << 12)
+    sess = Session(m, threads=1, allocator=arena)
+    with pytest.raises(Exception, match="Reshape"):
+        sess.run({"x": np.ones(4, np.float32), "s": np.array([3, 3])})
+    assert arena.stats().live == 0
+    assert sess.run({"x": np.ones(4, np.float32), "s": np.array([2, 2])})["y"].shape == (2, 2)
+
+
+def test_user_allocator_object_is_used():
+    class Counting(SystemAllocator):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def allocate(self, nbytes, alignment=64):
+            self.calls += 1
+            return super().allocate(nbytes, alignment)
+
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Mul", ["a", "a"], ["y"])]
+    m = _model(nodes, [_vi("x", [4])], [_vi("y", [4])])
+    alloc = Counting()
+    sess = Session(m, threads=1, allocator=alloc)
+    np.testing.assert_allclose(sess.run({"x": np.ones(4, np.float32)})["y"], 4.0)
+    assert alloc.calls == 1  # 'a' is a temporary; 'y' reaches the caller
+
+
+def test_bad_allocator_is_rejected():
+    with pytest.raises(TypeError):
+        Session(build_model("gqa", MICRO), allocator=object())
