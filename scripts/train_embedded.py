@@ -153,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", choices=sorted(PRESETS), default="main")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--time-limit", type=float, default=30 * 60, help="seconds; training stops early past this")
+    ap.add_argument("--time-limit", type=float, default=30 * 60, help="wall-time budget in seconds; the LR schedule follows max(step, time) progress and training stops when the budget is used")
     ap.add_argument("--work", default="/tmp/onnxkv_train", help="scratch folder for HF checkpoints")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -193,20 +193,25 @@ def main() -> None:
                                 lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8)
         steps, warmup = cfg["steps"], cfg["warmup"]
 
-        def lr_at(s: int) -> float:
+        def lr_at(s: int, elapsed: float = 0.0) -> float:
+            # Cosine decay over "progress" = max(step fraction, time fraction):
+            # on a quiet machine the step count binds (deterministic run); on a
+            # busy one the time budget does and the schedule still completes.
             if s < warmup:
                 return cfg["lr"] * (s + 1) / warmup
-            t = (s - warmup) / max(1, steps - warmup)
-            return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+            t = max((s - warmup) / max(1, steps - warmup), elapsed / args.time_limit)
+            return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
         rng = np.random.default_rng(args.seed)
         model.train()
         t0 = time.time()
         ema = None
         done = 0
+        lr = 0.0
         for s in range(steps):
+            lr = lr_at(s, time.time() - t0)
             for g in opt.param_groups:
-                g["lr"] = lr_at(s)
+                g["lr"] = lr
             starts = rng.integers(0, len(train) - seq_len - 1, batch)
             x = torch.from_numpy(np.stack([train[i:i + seq_len + 1] for i in starts]))
             logits = model(input_ids=x[:, :-1]).logits
@@ -219,13 +224,13 @@ def main() -> None:
             ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
             el = time.time() - t0
             if s % 50 == 0 or s == steps - 1:
-                print(f"step {s:5d} lr {lr_at(s):.2e} loss {loss.item():.4f} ema {ema:.4f} "
+                print(f"step {s:5d} lr {lr:.2e} loss {loss.item():.4f} ema {ema:.4f} "
                       f"bpb {ema / math.log(2):.3f} elapsed {el:.0f}s", flush=True)
             if s % 500 == 0 and s > 0:
                 bpb, mp = evaluate(model, val, seq_len)
                 print(f"  val bpb {bpb:.4f} mean max-prob {mp:.3f}", flush=True)
-            if el > args.time_limit:
-                print(f"time limit reached after {done} steps", flush=True)
+            if el > args.time_limit and s >= warmup:
+                print(f"time budget used up after {done} steps", flush=True)
                 break
         train_time = time.time() - t0
         bpb, mp = evaluate(model, val, seq_len, n_windows=256)

@@ -3,9 +3,9 @@
 Two entry points:
 
 * :func:`causal_attention` — positions-based masking (causal, sliding window,
-  per-row valid length and start), the case the streaming kernel
-  ``onnxkv._kernels.attention`` covers.  It dispatches to that kernel when
-  the build has it and to :func:`dense_attention` otherwise.
+  per-row valid length), the case the streaming kernel
+  ``onnxkv._kernels.attention`` covers.  It runs that kernel for float32 with
+  equal K and V head sizes, and :func:`dense_attention` otherwise.
 * :func:`dense_attention` — arbitrary additive bias (``-inf`` = masked), attention
   sinks and the intermediate score matrices some operators expose.  NumPy.
 
@@ -20,10 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-try:  # compiled fast path (branch wt-kernels)
-    from onnxkv._kernels import attention as _attention_kernel
-except ImportError:  # pragma: no cover - depends on the build
-    _attention_kernel = None
+from onnxkv._kernels import attention as _attention_kernel
 
 __all__ = ["Scores", "causal_attention", "dense_attention", "position_bias"]
 
@@ -47,19 +44,16 @@ def position_bias(
     q_pos: np.ndarray,
     total: int,
     window: int,
-    kv_start: np.ndarray | None = None,
     dtype: np.dtype = np.dtype(np.float32),
 ) -> np.ndarray:
     """Additive [B, 1, Sq, total] bias (0 visible, -inf masked) of the kernel's mask rule.
 
     Query at absolute position ``p = q_pos[b, s]`` sees key ``j`` iff
-    ``kv_start[b] <= j < kv_len[b]``, ``j <= p`` and (``window >= 0``) ``j >= p - window``.
+    ``j < kv_len[b]``, ``j <= p`` and (``window >= 0``) ``j >= p - window``.
     """
     j = np.arange(total)[None, None, :]
     p = q_pos[:, :, None].astype(np.int64)
     visible = (j < kv_len[:, None, None]) & (j <= p)
-    if kv_start is not None:
-        visible &= j >= kv_start[:, None, None]
     if window >= 0:
         visible &= j >= p - window
     return np.where(visible, dtype.type(0), dtype.type(-np.inf))[:, None]
@@ -130,19 +124,20 @@ def causal_attention(
     softcap: float,
     window: int,
     out: np.ndarray,
-    kv_start: np.ndarray | None = None,
 ) -> np.ndarray:
     """Positions-masked attention into ``out`` [B, Hq, Sq, D] (see :func:`position_bias`).
 
     ``k``/``v`` may be longer than every ``kv_len`` (capacity buffers); only the
-    first ``kv_len[b]`` positions are read.  Float32 inputs use the compiled
-    streaming kernel when available.  Returns ``out``.
+    first ``kv_len[b]`` positions are read.  Float32 inputs with ``Dv == D`` and
+    a C-contiguous ``out`` use the compiled streaming kernel.  Returns ``out``.
     """
     kv_len = np.ascontiguousarray(kv_len, dtype=np.int32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int32)
-    if kv_start is not None:
-        kv_start = np.ascontiguousarray(kv_start, dtype=np.int32)
-    if _attention_kernel is not None and q.dtype == np.float32 and k.dtype == np.float32:
+    if (
+        q.dtype == k.dtype == v.dtype == out.dtype == np.float32
+        and v.shape[3] == q.shape[3]
+        and out.flags.c_contiguous
+    ):
         _attention_kernel(
             np.ascontiguousarray(q),
             np.ascontiguousarray(k),
@@ -153,11 +148,10 @@ def causal_attention(
             float(softcap),
             int(window),
             out,
-            kv_start,
         )
         return out
     total = int(kv_len.max(initial=0))
-    bias = position_bias(kv_len, q_pos, total, window, kv_start, q.dtype)
+    bias = position_bias(kv_len, q_pos, total, window, q.dtype)
     res, _ = dense_attention(q, k[:, :, :total], v[:, :, :total], bias, scale, softcap)
     out[...] = res
     return out

@@ -157,8 +157,8 @@ class GroupQueryAttention(Op):
         if self.do_rotary:
             q, k = self._rotary(q, k, cos, sin, position_ids, q_pos, first_prompt)
 
-        present_k = self._present(rt, 1, past_key, k, past_lens, present_len)
-        present_v = self._present(rt, 2, past_value, v, past_lens, present_len)
+        present_k = self._present(rt, 1, past_key, k, past_lens, present_len, dtype)
+        present_v = self._present(rt, 2, past_value, v, past_lens, present_len, dtype)
 
         out = np.empty((b, hq, s, d), np.float32)
         sink = self._sink(head_sink)
@@ -278,7 +278,7 @@ class GroupQueryAttention(Op):
         q_pos: np.ndarray,
         first_prompt: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Rotated copies of Q and K ([B, H, S, D] each)."""
+        """Rotated float32 copies of Q and K ([B, H, S, D] each); float16 is rotated in float32."""
         if cos is None or sin is None:
             raise self._input_error("do_rotary=1 needs cos_cache and sin_cache")
         d = q.shape[3]
@@ -298,10 +298,11 @@ class GroupQueryAttention(Op):
             else:
                 raise self._input_error(f"position_ids must have shape {(b, s)}, got {pid.shape}")
         check_positions(self, positions, cos.shape[0])
+        cos, sin = cos.astype(np.float32, copy=False), sin.astype(np.float32, copy=False)
         rotated = []
         for t in (q, k):
-            x = t.transpose(0, 2, 1, 3)  # [B, S, H, D]
-            out = np.empty(x.shape, t.dtype)
+            x = t.transpose(0, 2, 1, 3).astype(np.float32, copy=False)  # [B, S, H, D]
+            out = np.empty(x.shape, np.float32)
             rotate(x, cos, sin, positions, self.interleaved, out)
             rotated.append(out.transpose(0, 2, 1, 3))
         return rotated[0], rotated[1]
@@ -314,12 +315,13 @@ class GroupQueryAttention(Op):
         new: np.ndarray,
         past_lens: np.ndarray,
         present_len: int,
+        dtype: np.dtype,
     ) -> np.ndarray:
-        """Build present ``index`` (1 key, 2 value): zeros, past prefix, then the new rows."""
+        """Build present ``index`` (1 key, 2 value) of ``dtype``: zeros, past prefix, then the new rows."""
         b, hkv, s, d = new.shape
         wanted = self.has_present[index - 1]
         shape = (b, hkv, present_len, d)
-        present = rt.empty(index, shape, new.dtype) if wanted else np.empty(shape, new.dtype)
+        present = rt.empty(index, shape, dtype) if wanted else np.empty(shape, dtype)
         present.fill(0)
         for row in range(b):
             p = int(past_lens[row])
@@ -327,7 +329,7 @@ class GroupQueryAttention(Op):
                 present[row, :, :p] = past[row, :, :p]
             present[row, :, p : p + s] = new[row]
         if wanted:
-            item = new.dtype.itemsize
+            item = present.itemsize
             rt.count(
                 allocations=1,
                 allocated_bytes=present.nbytes,

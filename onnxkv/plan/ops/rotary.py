@@ -9,9 +9,9 @@ are copied unchanged.
 * interleaved (GPT-J): pairs are ``(x[2i], x[2i + 1])``;
 
 and each pair becomes ``(x1*cos - x2*sin, x1*sin + x2*cos)`` with ``cos``/``sin``
-gathered at the token's position.  When the compiled kernel
-``onnxkv._kernels.rotary_embedding`` is available it does the work for float32
-inputs with 2-D caches; otherwise NumPy does.
+gathered at the token's position.  The compiled kernel
+``onnxkv._kernels.rotary_embedding`` does the work for float32 inputs with
+2-D caches; NumPy does the rest (float16/bfloat16, per-token 3-D caches).
 """
 
 from __future__ import annotations
@@ -25,10 +25,7 @@ from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.registry import BuildContext, Op, register
 
-try:  # compiled fast path (branch wt-kernels)
-    from onnxkv._kernels import rotary_embedding as _rotary_kernel
-except ImportError:  # pragma: no cover - depends on the build
-    _rotary_kernel = None
+from onnxkv._kernels import rotary_embedding as _rotary_kernel
 
 __all__ = ["rotate", "RotaryEmbeddingMS", "RotaryEmbedding23"]
 
@@ -50,20 +47,22 @@ def rotate(
     half = cos.shape[-1]
     rot = 2 * half
     if (
-        _rotary_kernel is not None
-        and positions is not None
+        positions is not None
         and x.dtype == np.float32
         and cos.dtype == np.float32
         and sin.dtype == np.float32
     ):
+        dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
         _rotary_kernel(
             np.ascontiguousarray(x),
             np.ascontiguousarray(cos),
             np.ascontiguousarray(sin),
             np.ascontiguousarray(positions, dtype=np.int64),
             bool(interleaved),
-            out,
+            dst,
         )
+        if dst is not out:
+            out[...] = dst
         return out
     if positions is not None:
         c = cos[positions][:, :, None, :]  # [B, S, 1, half]

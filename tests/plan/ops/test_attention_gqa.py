@@ -189,3 +189,14 @@ def test_errors_at_run():
     ins = _inputs(rng, 2, 3, 4, 2, 32, 3, [5, 5], 6)
     with pytest.raises(InputError, match="batch_size must be 1"):
         run_op(GroupQueryAttention, _model(ins, 4, 2), ins)
+
+
+def test_float16_rotary_decode():
+    rng = np.random.default_rng(10)
+    ins = _inputs(rng, 2, 1, 4, 2, 32, 5, [5, 2], 6, rotary=True)
+    ins = {n: a.astype(np.float16) if a is not None and a.dtype == np.float32 else a for n, a in ins.items()}
+    model = _model(ins, 4, 2, do_rotary=1)
+    got, _ = run_op(GroupQueryAttention, model, ins)
+    for w, g in zip(run_ort(model, ins), got):
+        assert g.dtype == w.dtype == np.float16
+        np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), atol=2e-3, rtol=0)  # ~1 ulp
