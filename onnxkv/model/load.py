@@ -110,6 +110,14 @@ def _apply_genai_config(m: Model, cfg: dict) -> None:
     eos = mc.get("eos_token_id")
     m.eos_token_id = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
     m.pad_token_id = mc.get("pad_token_id")
+    dec = mc.get("decoder", {})
+    conv = m.convention
+    if conv.head_size is None and dec.get("head_size"):
+        conv.head_size = int(dec["head_size"])
+    if conv.kv_heads is None and dec.get("num_key_value_heads"):
+        conv.kv_heads = int(dec["num_key_value_heads"])
+    if conv.num_heads is None and dec.get("num_attention_heads"):
+        conv.num_heads = int(dec["num_attention_heads"])
 
 
 def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
