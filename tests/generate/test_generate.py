@@ -1,0 +1,106 @@
+"""onnxkv.generate: greedy/sampled decoding, EOS and padding, argument errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxkv
+from onnxkv import InputError
+from onnxkv.generate.sampling import SamplingConfig, probabilities, select_next
+from onnxkv.models.builders import MICRO, build_model
+
+
+@pytest.fixture(scope="module", params=["gqa", "attention", "concat", "tensorscatter"])
+def session(request):
+    return onnxkv.Session(build_model(request.param, MICRO, seed=11), threads=1)
+
+
+def test_left_padded_batch_equals_rows_alone(session):
+    rows = [[5, 9, 2, 7, 1, 8], [4, 4, 6]]
+    L = max(map(len, rows))
+    ids = np.array([[0] * (L - len(r)) + r for r in rows])
+    mask = np.array([[0] * (L - len(r)) + [1] * len(r) for r in rows])
+    batch = onnxkv.generate(session, ids, 12, attention_mask=mask, eos_token_id=[])
+    for b, r in enumerate(rows):
+        alone = onnxkv.generate(session, np.array([r]), 12, eos_token_id=[])
+        np.testing.assert_array_equal(batch.tokens[b], alone.tokens[0])
+
+
+def test_sampling_is_repeatable_with_a_seed(session):
+    ids = np.array([[1, 2, 3]])
+    a = onnxkv.generate(session, ids, 10, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_token_id=[])
+    b = onnxkv.generate(session, ids, 10, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_token_id=[])
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    c = [onnxkv.generate(session, ids, 10, temperature=5.0, seed=s, eos_token_id=[]).tokens for s in range(4)]
+    assert any(not np.array_equal(c[0], x) for x in c[1:])
+
+
+def test_eos_stops_rows_and_pads_them(session):
+    ids = np.array([[1, 2, 3], [3, 2, 1]])
+    free = onnxkv.generate(session, ids, 8, eos_token_id=[])
+    eos = int(free.tokens[0, 2])  # make row 0's third token the EOS
+    res = onnxkv.generate(session, ids, 8, eos_token_id=eos, pad_token_id=0)
+    assert res.finished[0]
+    np.testing.assert_array_equal(res.tokens[0, :3], free.tokens[0, :3])
+    assert (res.tokens[0, 3:] == 0).all()
+    assert res.sequences.shape == (2, 3 + res.tokens.shape[1])
+
+
+def test_generation_stops_when_every_row_ended(session):
+    ids = np.array([[1, 2, 3]])
+    first = int(onnxkv.generate(session, ids, 1).tokens[0, 0])
+    res = onnxkv.generate(session, ids, 20, eos_token_id=first)
+    assert res.tokens.shape == (1, 1) and res.finished.all()
+
+
+def test_result_reports_timing(session):
+    res = onnxkv.generate(session, np.array([[1, 2]]), 5, eos_token_id=[])
+    assert res.new_tokens == 5 and len(res.step_seconds) == 4
+    assert res.tokens_per_second > 0 and res.prefill_seconds > 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"seed": -3}, "seed"),
+    ({"eos_token_id": MICRO.vocab_size}, "outside the vocabulary"),
+    ({"pad_token_id": -1}, "pad_token_id"),
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"max_new_tokens": 10_000}, "max_length"),
+])
+def test_bad_arguments(kwargs, match):
+    sess = onnxkv.Session(build_model("gqa", MICRO), threads=1)
+    sess.model.max_length = MICRO.max_length  # as a genai_config.json would set it
+    args = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(InputError, match=match):
+        onnxkv.generate(sess, np.array([[1, 2]]), **args)
+
+
+def test_bad_prompts():
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
+    with pytest.raises(InputError, match="integers"):
+        onnxkv.generate(sess, np.array([[1.0, 2.0]]), 2)
+    with pytest.raises(InputError, match="right-padded"):
+        onnxkv.generate(sess, np.array([[1, 2, 0]]), 2, attention_mask=np.array([[1, 1, 0]]))
+    with pytest.raises(InputError, match="no tokens"):
+        onnxkv.generate(sess, np.array([[1, 2]]), 2, attention_mask=np.array([[0, 0]]))
+    with pytest.raises(InputError, match=r"\[0, 97\)"):
+        onnxkv.generate(sess, np.array([[1, 500]]), 2)
+    with pytest.raises(InputError, match="shape"):
+        onnxkv.generate(sess, np.array([[1, 2]]), 2, attention_mask=np.array([[1, 1, 1]]))
+
+
+def test_sampling_filters():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    p = probabilities(logits, SamplingConfig(temperature=1.0, top_k=2))
+    np.testing.assert_allclose(p, [[0.625, 0.375, 0, 0]])
+    p = probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.7))
+    np.testing.assert_allclose(p, [[0.625, 0.375, 0, 0]])
+    p = probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.3))
+    np.testing.assert_allclose(p, [[1, 0, 0, 0]])
+    assert select_next(logits, SamplingConfig()).tolist() == [0]
+    draws = [int(select_next(logits, SamplingConfig(1.0, seed=s))[0]) for s in range(200)]
+    assert abs(draws.count(0) / 200 - 0.5) < 0.12

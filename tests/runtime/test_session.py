@@ -1,0 +1,93 @@
+"""Session: statelessness, thread setting, events, show_config."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+import onnxkv
+from onnxkv import InputError, _kernels
+from onnxkv.models.builders import MICRO, build_model
+
+
+def _feeds(batch=1, length=4):
+    f = {"input_ids": np.arange(1, length + 1)[None].repeat(batch, 0).astype(np.int64),
+         "attention_mask": np.ones((batch, length), np.int64),
+         "position_ids": np.arange(length)[None].repeat(batch, 0).astype(np.int64)}
+    for i in range(MICRO.num_layers):
+        for kv in ("key", "value"):
+            f[f"past_key_values.{i}.{kv}"] = np.zeros((batch, MICRO.num_kv_heads, 0, MICRO.head_size), np.float32)
+    return f
+
+
+def test_run_is_stateless_and_thread_count_does_not_change_results():
+    m = build_model("concat", MICRO)
+    one = onnxkv.Session(m, threads=1).run(_feeds(2))
+    s2 = onnxkv.Session(m, threads=2)
+    two_a, two_b = s2.run(_feeds(2)), s2.run(_feeds(2))
+    for k in one:
+        np.testing.assert_allclose(one[k], two_a[k], atol=1e-5)
+        np.testing.assert_array_equal(two_a[k], two_b[k])
+
+
+def test_threads_apply_during_run_and_are_restored():
+    from threadpoolctl import threadpool_info
+
+    before = _kernels.get_num_threads()
+    seen = {}
+
+    class Spy(onnxkv.SystemAllocator):
+        def allocate(self, nbytes, alignment=64):
+            seen["omp"] = _kernels.get_num_threads()
+            seen["blas"] = [i["num_threads"] for i in threadpool_info()]
+            return super().allocate(nbytes, alignment)
+
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1, allocator=Spy())
+    sess.run(_feeds())
+    assert seen["omp"] == 1 and all(n == 1 for n in seen["blas"])
+    assert _kernels.get_num_threads() == before
+    with pytest.raises(InputError, match="threads"):
+        onnxkv.Session(build_model("concat", MICRO), threads=0)
+
+
+def test_event_log_counts_cache_copies_and_exports_json(tmp_path):
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1, events=True)
+    res = onnxkv.generate(sess, np.array([[1, 2, 3, 4]]), 3, eos_token_id=[])
+    assert res.tokens.shape == (1, 3)
+    log = sess.events
+    assert log.steps() == [0, 1, 2]
+    assert sum(1 for e in log if e.step == 0) == len(sess.plan.nodes)
+    kv_row = MICRO.num_kv_heads * MICRO.head_size * 4  # one token of K (or V) in bytes, batch 1
+    layers = MICRO.num_layers
+    t0, t2 = log.totals(0), log.totals(2)
+    assert t0["prefix_copied_bytes"] == 0 and t0["append_copied_bytes"] == 2 * layers * 4 * kv_row
+    # Step 2 feeds a past of 5 tokens: the tensor path copies it all again (the cost the next issue removes).
+    assert t2["prefix_copied_bytes"] == 2 * layers * 5 * kv_row and t2["append_copied_bytes"] == 2 * layers * kv_row
+    assert t2["allocations"] > 0 and t2["allocated_bytes"] > 0
+    data = json.loads(log.to_json(str(tmp_path / "ev.json")))
+    assert len(data["events"]) == len(log) and data["totals"]["prefix_copied_bytes"] == log.totals()["prefix_copied_bytes"]
+    assert json.loads((tmp_path / "ev.json").read_text()) == data
+    table = log.summary()
+    assert table.splitlines()[0].split()[0] == "step" and len(table.splitlines()) == 4
+
+
+def test_events_off_records_nothing():
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
+    sess.run(_feeds())
+    assert len(sess.events) == 0
+
+
+def test_show_config_prints_versions_openmp_threads_simd():
+    buf = io.StringIO()
+    onnxkv.show_config(file=buf)
+    text = buf.getvalue()
+    for key in ("onnxkv:", "openmp:", "threads:", "simd:"):
+        assert key in text
+    assert onnxkv.config()["simd"] in ("avx2+fma+f16c", "scalar")
+
+
+def test_repr_names_the_convention():
+    assert "concat" in repr(onnxkv.Session(build_model("concat", MICRO), threads=1))
