@@ -44,7 +44,7 @@ def position_bias(
     q_pos: np.ndarray,
     total: int,
     window: int,
-    dtype: np.dtype = np.dtype(np.float32),
+    dtype: type[np.floating] = np.float32,
 ) -> np.ndarray:
     """Additive [B, 1, Sq, total] bias (0 visible, -inf masked) of the kernel's mask rule.
 
@@ -56,7 +56,7 @@ def position_bias(
     visible = (j < kv_len[:, None, None]) & (j <= p)
     if window >= 0:
         visible &= j >= p - window
-    return np.where(visible, dtype.type(0), dtype.type(-np.inf))[:, None]
+    return np.where(visible, np.zeros((), dtype), np.array(-np.inf, dtype))[:, None]
 
 
 def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
@@ -133,11 +133,7 @@ def causal_attention(
     """
     kv_len = np.ascontiguousarray(kv_len, dtype=np.int32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int32)
-    if (
-        q.dtype == k.dtype == v.dtype == out.dtype == np.float32
-        and v.shape[3] == q.shape[3]
-        and out.flags.c_contiguous
-    ):
+    if q.dtype == k.dtype == v.dtype == out.dtype == np.float32 and v.shape[3] == q.shape[3] and out.flags.c_contiguous:
         _attention_kernel(
             np.ascontiguousarray(q),
             np.ascontiguousarray(k),

@@ -99,9 +99,7 @@ class GroupQueryAttention(Op):
                 f"num_heads and kv_num_heads must be positive, got {self.num_heads} and {self.kv_num_heads}"
             )
         if self.num_heads % self.kv_num_heads:
-            raise self.error(
-                f"num_heads={self.num_heads} must be a multiple of kv_num_heads={self.kv_num_heads}"
-            )
+            raise self.error(f"num_heads={self.num_heads} must be a multiple of kv_num_heads={self.kv_num_heads}")
         self.scale = float(a.get("scale", 0.0))
         self.softcap = float(a.get("softcap", 0.0))
         if self.softcap < 0:
@@ -138,7 +136,7 @@ class GroupQueryAttention(Op):
         inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
         cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]
-        hq, hkv = self.num_heads, self.kv_num_heads
+        hq = self.num_heads
 
         q, k, v = self._split_qkv(query, key, value)
         b, s, d = q.shape[0], q.shape[2], q.shape[3]
@@ -207,8 +205,7 @@ class GroupQueryAttention(Op):
         for name, t in (("key", key), ("value", value)):
             if t.shape != (b, s, hkv * d):
                 raise self._input_error(
-                    f"{name} must have shape {(b, s, hkv * d)} ([batch, seq, kv_num_heads*head_size]), "
-                    f"got {t.shape}"
+                    f"{name} must have shape {(b, s, hkv * d)} ([batch, seq, kv_num_heads*head_size]), got {t.shape}"
                 )
             if t.dtype != query.dtype:
                 raise self._input_error(f"{name} dtype {t.dtype} differs from query dtype {query.dtype}")
@@ -341,9 +338,7 @@ class GroupQueryAttention(Op):
     def _sink(self, head_sink: np.ndarray | None) -> np.ndarray | None:
         if head_sink is not None:
             if np.shape(head_sink) != (self.num_heads,):
-                raise self._input_error(
-                    f"head_sink must have shape ({self.num_heads},), got {np.shape(head_sink)}"
-                )
+                raise self._input_error(f"head_sink must have shape ({self.num_heads},), got {np.shape(head_sink)}")
             return np.asarray(head_sink, np.float32)
         return np.zeros(self.num_heads, np.float32) if self.smooth_softmax else None
 
@@ -356,7 +351,5 @@ class GroupQueryAttention(Op):
             or shape[2] != s
             or shape[3] < total
         ):
-            raise self._input_error(
-                f"attention_bias must be [batch|1, num_heads|1, {s}, >= {total}], got {shape}"
-            )
+            raise self._input_error(f"attention_bias must be [batch|1, num_heads|1, {s}, >= {total}], got {shape}")
         return bias[..., :total].astype(np.float32, copy=False)

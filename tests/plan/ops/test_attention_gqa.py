@@ -6,11 +6,10 @@ import zlib
 
 import numpy as np
 import pytest
+from _attn_harness import build_op, make_model, run_op, run_ort
 
 from onnxkv.errors import InputError, ModelError
 from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
-
-from _attn_harness import build_op, make_model, run_op, run_ort
 
 pytest.importorskip("onnxruntime")
 

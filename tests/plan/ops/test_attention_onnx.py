@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _attn_harness import build_op, make_model, run_op, run_ort, run_reference
 from onnx import TensorProto
 
-from _attn_harness import build_op, make_model, run_op, run_ort, run_reference
 from onnxkv.errors import InputError, ModelError
 from onnxkv.plan.ops.attention_onnx import Attention23, Attention24
 
