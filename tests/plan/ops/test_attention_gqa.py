@@ -91,6 +91,7 @@ CASES = [
     ("decode-softcap-scale", (2, 1, 4, 2, 32, 4, [4, 1], 5), {"softcap": 2.0, "scale": 0.3}, False),
     ("chunked-prefill", (1, 3, 4, 2, 32, 4, [6], 7), {"do_rotary": 1}, True),
     ("decode-capacity-past", (2, 1, 4, 2, 32, 12, [3, 7], 8), {}, False),
+    ("prompt-capacity-past", (2, 5, 4, 2, 32, 12, [4, 2], 5), {"do_rotary": 1}, True),
 ]
 
 

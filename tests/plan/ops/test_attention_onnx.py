@@ -120,10 +120,10 @@ def test_nonpad_kv_seqlen_static_cache(causal):
     rng = np.random.default_rng(11 + causal)
     # Static cache of 8 slots; row 0 holds 6 valid keys, row 1 holds 2 (< Sq: leading rows see nothing).
     ins = _inputs(rng, 2, 4, 2, 3, 8, 32, nonpad=[6, 2])
-    _compare(ins, opset=24, is_causal=causal, ort=False)
+    _compare(ins, opset=24, is_causal=causal)
     mask = rng.random((3, 8)) > 0.2
     ins = _inputs(rng, 2, 4, 2, 3, 8, 32, mask=mask, nonpad=[8, 4])
-    _compare(ins, opset=24, is_causal=causal, ort=False)
+    _compare(ins, opset=24, is_causal=causal)
 
 
 def test_storage_counters():
