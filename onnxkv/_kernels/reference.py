@@ -87,23 +87,25 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     if kv_start is None:
         kv_start = np.zeros(B, np.int32)
     res = np.zeros((B, Hq, Sq, D), np.float64)
-    j = np.arange(Cap)
     for b in range(B):
-        p = q_pos[b].astype(np.int64)[:, None]                  # [Sq, 1]
+        n = int(kv_len[b])                                       # keys >= kv_len are never read
+        j = np.arange(n)
+        p = q_pos[b].astype(np.int64)[:, None]                   # [Sq, 1]
         mask = (j[None, :] <= p) & (j[None, :] < kv_len[b]) & (j[None, :] >= kv_start[b])
         if window >= 0:
             mask &= j[None, :] >= p - window
-        for h in range(Hq):
-            kh = k[b, h // G].astype(np.float64)
-            vh = v[b, h // G].astype(np.float64)
-            s = (q[b, h].astype(np.float64) @ kh.T) * scale     # [Sq, Cap]
-            if softcap > 0:
-                s = softcap * np.tanh(s / softcap)
-            s = np.where(mask, s, -np.inf)
-            m = s.max(axis=-1, keepdims=True)
-            dead = np.isneginf(m)
-            e = np.exp(s - np.where(dead, 0.0, m))
-            den = e.sum(axis=-1, keepdims=True)
-            w = np.where(dead, 0.0, e / np.where(dead, 1.0, den))
-            res[b, h] = w @ vh
+        mask = np.tile(mask, (G, 1))                             # rows ordered (g, t)
+        kb = k[b, :, :n].astype(np.float64)                      # [Hkv, n, D]
+        vb = v[b, :, :n].astype(np.float64)
+        qb = q[b].astype(np.float64).reshape(Hkv, G * Sq, D)
+        s = (qb @ kb.transpose(0, 2, 1)) * scale                 # [Hkv, G*Sq, n]
+        if softcap > 0:
+            s = softcap * np.tanh(s / softcap)
+        s = np.where(mask[None], s, -np.inf)
+        m = s.max(axis=-1, keepdims=True) if n else np.full(s.shape[:-1] + (1,), -np.inf)
+        dead = np.isneginf(m)
+        e = np.exp(s - np.where(dead, 0.0, m))
+        den = e.sum(axis=-1, keepdims=True)
+        w = np.where(dead, 0.0, e / np.where(dead, 1.0, den))
+        res[b] = (w @ vb).reshape(Hq, Sq, D)
     out[...] = res.astype(out.dtype)
