@@ -39,9 +39,10 @@ Semantics:
   written in place at ``past_b``.
 * **Right padding.** Batch rows shorter than the longest are right padded;
   ``seqlens_k`` gives each row's valid length.  Key ``j`` is visible to row
-  ``b`` only if ``j < total_b``.  Query rows at or beyond ``total_b`` (padding
-  of a first prompt) are computed like a query at that position but their
-  values are unspecified, as in ORT.
+  ``b`` only if ``j < total_b``.  Padding query rows of a first prompt
+  (``s >= total_b``) are computed by the same rule as every other row (they
+  see all valid keys inside the window), which reproduces ORT; callers ignore
+  them.
 * **Masking.** Query ``s`` of row ``b`` has absolute position
   ``p = past_b + s`` and sees keys ``j <= p``, ``j < total_b`` and, when
   ``local_window_size = W > 0``, ``j > p - W`` (the ``W`` most recent
