@@ -9,6 +9,7 @@ import pytest
 from _attn_harness import build_op, make_model, run_op, run_ort
 
 from onnxkv.errors import InputError, ModelError
+from onnxkv.plan.ops._attention_math import causal_attention
 from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
 
 pytest.importorskip("onnxruntime")
@@ -200,3 +201,19 @@ def test_float16_rotary_decode():
     for w, g in zip(run_ort(model, ins), got):
         assert g.dtype == w.dtype == np.float16
         np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), atol=2e-3, rtol=0)  # ~1 ulp
+
+
+def test_numpy_path_matches_streaming_kernel():
+    """The NumPy fallback of causal_attention (non-float32) agrees with the compiled kernel."""
+    rng = np.random.default_rng(11)
+    b, hq, hkv, sq, cap, d = 2, 4, 2, 3, 9, 32
+    q = rng.standard_normal((b, hq, sq, d)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, cap, d)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, cap, d)).astype(np.float32)
+    kv_len = np.array([9, 4], np.int32)
+    q_pos = np.array([[6, 7, 8], [1, 2, 3]], np.int32)
+    for window, softcap in ((-1, 0.0), (2, 1.5)):
+        fast = causal_attention(q, k, v, kv_len, q_pos, 0.2, softcap, window, np.empty_like(q))
+        slow = np.empty(q.shape, np.float64)
+        causal_attention(*(t.astype(np.float64) for t in (q, k, v)), kv_len, q_pos, 0.2, softcap, window, slow)
+        np.testing.assert_allclose(fast, slow, atol=TOL, rtol=0)

@@ -164,3 +164,14 @@ def test_errors():
     model = make_model("Attention", ins, ["Y"], {"": 25}, left_window_size=2)
     with pytest.raises(ModelError, match="left_window_size"):
         build_op(Attention24, model)
+
+
+def test_float16_inputs():
+    rng = np.random.default_rng(15)
+    ins = _inputs(rng, 2, 4, 2, 3, 3, 32, past=4)
+    ins = {n: a.astype(np.float16) if a is not None else None for n, a in ins.items()}
+    model = make_model("Attention", ins, OUTPUTS[:3], {"": 23}, is_causal=1)
+    got, _ = run_op(Attention23, model, ins)
+    for g, w in zip(got, run_reference(model, ins)):
+        assert g.dtype == w.dtype == np.float16
+        np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), atol=5e-3, rtol=0)
