@@ -93,7 +93,7 @@ def dense_attention(
     if softcap > 0:
         capped = np.tanh(raw / q.dtype.type(softcap)) * q.dtype.type(softcap)
     biased = capped if bias is None else capped + bias
-    x = biased.astype(softmax_dtype or q.dtype, copy=False)
+    x = biased.astype(q.dtype if softmax_dtype is None else softmax_dtype, copy=False)
     m = np.max(x, axis=-1, keepdims=True)
     if sink is not None:
         sink_col = sink.astype(x.dtype).reshape(1, hq, 1, 1)
