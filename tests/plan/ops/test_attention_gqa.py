@@ -169,6 +169,11 @@ def test_errors_at_build():
         build_op(GroupQueryAttention, _model(ins, 4, 2, sliding_window_cache=1, local_window_size=2))
     with pytest.raises(ModelError, match="causal=0"):
         build_op(GroupQueryAttention, _model(ins, 4, 2, causal=0))
+    with pytest.raises(ModelError, match="quantized KV cache"):
+        build_op(GroupQueryAttention, _model(ins, 4, 2, k_quant_type="PER_TENSOR"))
+    quantized = dict(ins, k_scale=np.ones(1, np.float32))
+    with pytest.raises(ModelError, match="input 'k_scale' is not supported"):
+        build_op(GroupQueryAttention, _model(quantized, 4, 2))
 
 
 def test_errors_at_run():
