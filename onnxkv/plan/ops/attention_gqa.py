@@ -173,11 +173,8 @@ class GroupQueryAttention(Op):
 
         output = rt.empty(0, (b, s, hq * d), dtype)
         output.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
-        return (
-            output,
-            present_k if self.has_present[0] else None,
-            present_v if self.has_present[1] else None,
-        )
+        outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
+        return outs[: len(self.node.output)]
 
     def _split_qkv(
         self, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None

@@ -155,7 +155,7 @@ class Attention23(Op):
         if self.want[3]:
             outs[3] = rt.empty(3, qk.shape, q.dtype)
             outs[3][...] = qk
-        return outs
+        return outs[: len(self.node.output)]
 
     def _to_bnsh(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q/K/V as [B, H, S, D] views, shapes and head counts validated."""

@@ -49,6 +49,7 @@ def _compare(ins, opset=23, outputs=3, ort=True, reference=True, **attrs):
     model = make_model("Attention", ins, names, {"": opset}, **attrs)
     cls = Attention24 if opset >= 24 else Attention23
     got, rt = run_op(cls, model, ins)
+    assert len(got) == len(model.graph.node[0].output)
     got = [g for g in got if g is not None]
     oracles = [run_reference(model, ins)] if reference else []
     if ort:
