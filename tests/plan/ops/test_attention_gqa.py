@@ -222,3 +222,14 @@ def test_numpy_path_matches_streaming_kernel():
         slow = np.empty(q.shape, np.float64)
         causal_attention(*(t.astype(np.float64) for t in (q, k, v)), kv_len, q_pos, 0.2, softcap, window, slow)
         np.testing.assert_allclose(fast, slow, atol=TOL, rtol=0)
+
+
+def test_output_only_counts_nothing():
+    rng = np.random.default_rng(12)
+    ins = _inputs(rng, 2, 1, 4, 2, 32, 5, [5, 2], 6)
+    model = make_model(
+        "GroupQueryAttention", ins, ["output"], OPSETS, domain="com.microsoft", num_heads=4, kv_num_heads=2
+    )
+    got, rt = run_op(GroupQueryAttention, model, ins)
+    assert len(got) == 1 and rt.counters == {}
+    np.testing.assert_allclose(got[0], run_ort(model, ins)[0], atol=TOL, rtol=0)
