@@ -57,6 +57,9 @@ Semantics:
   ``p`` above — i.e. ``s`` on a first prompt and ``seqlens_k[b] + 1 - S + s``
   otherwise.  With ``position_ids``: the first prompt uses
   ``position_ids[0, 0] + s`` for every row, other calls use ``position_ids``.
+* Without ``present_key``/``present_value`` outputs the result is the same
+  (past + new keys are attended; nothing is counted).  ORT's CPU kernel
+  then reads only the new keys, which is not meaningful with a past.
 * Storage counters per present output: one allocation of its size,
   ``prefix_copied_bytes = sum_b past_b * Hkv * D * itemsize`` and
   ``append_copied_bytes = B * S * Hkv * D * itemsize``.
