@@ -14,7 +14,7 @@
 #include "simd.h"
 #include <stdlib.h>
 
-#define OKV_BK 64      /* keys per streamed block */
+#define OKV_BK 32      /* keys per streamed block */
 #define OKV_MAX_TQ 64  /* max query tokens per work unit */
 
 typedef struct {

@@ -58,12 +58,9 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                 if (a0 >= a1) continue;
                 s = sc + r * OKV_BK;
                 accr = acc + r * D;
-                for (j = a0; j < a1; j++) {
-                    const float *krow = a->k + ((b * a->Hkv + hk) * a->Cap + j) * D;
-                    float v = OKV_F(okv_dot_f32)(qrow, krow, D) * scale;
-                    if (softcap > 0.f) v = softcap * tanhf(v / softcap);
-                    s[j - a0] = v;
-                }
+                OKV_F(okv_scores_f32)(qrow, a->k + ((b * a->Hkv + hk) * a->Cap + a0) * D, a1 - a0, D, scale, s);
+                if (softcap > 0.f)
+                    for (j = 0; j < a1 - a0; j++) s[j] = softcap * tanhf(s[j] / softcap);
                 bm = OKV_F(okv_max_f32)(s, a1 - a0);
                 mnew = bm > mx[r] ? bm : mx[r];
                 if (mnew > mx[r]) {
@@ -75,10 +72,7 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                     mx[r] = mnew;
                 }
                 sm[r] += OKV_F(okv_exp_sub_sum_f32)(s, mnew, a1 - a0);
-                for (j = a0; j < a1; j++) {
-                    const float *vrow = a->v + ((b * a->Hkv + hk) * a->Cap + j) * D;
-                    OKV_F(okv_axpy_f32)(s[j - a0], vrow, accr, D);
-                }
+                OKV_F(okv_pv_f32)(s, a->v + ((b * a->Hkv + hk) * a->Cap + a0) * D, a1 - a0, D, accr);
             }
         }
     }

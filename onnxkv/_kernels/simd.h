@@ -166,6 +166,18 @@ static inline void okv_rope_inter_f32_scalar(const float *x, const float *c, con
     }
 }
 
+/* s[j] = scale * dot(q, k + j*D) for j < n (keys are rows of D floats). */
+static inline void okv_scores_f32_scalar(const float *q, const float *k, int64_t n, int64_t D, float scale, float *s) {
+    int64_t j;
+    for (j = 0; j < n; j++) s[j] = okv_dot_f32_scalar(q, k + j * D, D) * scale;
+}
+
+/* acc[0:D] += sum_j p[j] * v[j*D : j*D+D] */
+static inline void okv_pv_f32_scalar(const float *p, const float *v, int64_t n, int64_t D, float *acc) {
+    int64_t j;
+    for (j = 0; j < n; j++) okv_axpy_f32_scalar(p[j], v + j * D, acc, D);
+}
+
 /* ------------------------------------------------------------------ */
 /* Scalar primitives (float64) -- no SIMD path                          */
 /* ------------------------------------------------------------------ */
@@ -284,6 +296,91 @@ OKV_AVX2 static inline float okv_dot_f32_avx2(const float *a, const float *b, in
         s1 = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), s1);
     }
     return okv_hsum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+}
+
+/* 8 keys at a time: one q load feeds 8 FMAs, one transposing reduction
+ * replaces 8 horizontal sums. */
+OKV_AVX2 static inline void okv_scores_f32_avx2(const float *q, const float *k, int64_t n, int64_t D, float scale,
+                                                float *s) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const int64_t Dv = D & ~(int64_t)7;
+    const __m256i tm = okv_tailmask(D - Dv);
+    int64_t j = 0, i, u;
+    for (; j + 8 <= n; j += 8) {
+        const float *kj = k + j * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        __m256 a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps(), a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+        for (i = 0; i < Dv; i += 8) {
+            __m256 vq = _mm256_loadu_ps(q + i);
+            a0 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kj + i), a0);
+            a1 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kj + D + i), a1);
+            a2 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kj + 2 * D + i), a2);
+            a3 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kj + 3 * D + i), a3);
+            a4 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kj + 4 * D + i), a4);
+            a5 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kj + 5 * D + i), a5);
+            a6 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kj + 6 * D + i), a6);
+            a7 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(kj + 7 * D + i), a7);
+        }
+        if (Dv < D) {
+            __m256 vq = _mm256_maskload_ps(q + Dv, tm);
+            a0 = _mm256_fmadd_ps(vq, _mm256_maskload_ps(kj + Dv, tm), a0);
+            a1 = _mm256_fmadd_ps(vq, _mm256_maskload_ps(kj + D + Dv, tm), a1);
+            a2 = _mm256_fmadd_ps(vq, _mm256_maskload_ps(kj + 2 * D + Dv, tm), a2);
+            a3 = _mm256_fmadd_ps(vq, _mm256_maskload_ps(kj + 3 * D + Dv, tm), a3);
+            a4 = _mm256_fmadd_ps(vq, _mm256_maskload_ps(kj + 4 * D + Dv, tm), a4);
+            a5 = _mm256_fmadd_ps(vq, _mm256_maskload_ps(kj + 5 * D + Dv, tm), a5);
+            a6 = _mm256_fmadd_ps(vq, _mm256_maskload_ps(kj + 6 * D + Dv, tm), a6);
+            a7 = _mm256_fmadd_ps(vq, _mm256_maskload_ps(kj + 7 * D + Dv, tm), a7);
+        }
+        {
+            __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+            __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+            __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+            __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(r, vscale));
+        }
+    }
+    for (u = j; u < n; u++) s[u] = okv_dot_f32_avx2(q, k + u * D, D) * scale;
+}
+
+/* acc[0:D] += sum_j p[j] * v[j*D : j*D+D]; acc is kept in registers 64 floats
+ * at a time while the keys stream by. */
+OKV_AVX2 static inline void okv_pv_f32_avx2(const float *p, const float *v, int64_t n, int64_t D, float *acc) {
+    int64_t i = 0, j;
+    for (; i + 64 <= D; i += 64) {
+        __m256 c0 = _mm256_loadu_ps(acc + i), c1 = _mm256_loadu_ps(acc + i + 8);
+        __m256 c2 = _mm256_loadu_ps(acc + i + 16), c3 = _mm256_loadu_ps(acc + i + 24);
+        __m256 c4 = _mm256_loadu_ps(acc + i + 32), c5 = _mm256_loadu_ps(acc + i + 40);
+        __m256 c6 = _mm256_loadu_ps(acc + i + 48), c7 = _mm256_loadu_ps(acc + i + 56);
+        for (j = 0; j < n; j++) {
+            const float *vj = v + j * D + i;
+            __m256 pj = _mm256_broadcast_ss(p + j);
+            c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), c0);
+            c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), c1);
+            c2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), c2);
+            c3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), c3);
+            c4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 32), c4);
+            c5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 40), c5);
+            c6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 48), c6);
+            c7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 56), c7);
+        }
+        _mm256_storeu_ps(acc + i, c0); _mm256_storeu_ps(acc + i + 8, c1);
+        _mm256_storeu_ps(acc + i + 16, c2); _mm256_storeu_ps(acc + i + 24, c3);
+        _mm256_storeu_ps(acc + i + 32, c4); _mm256_storeu_ps(acc + i + 40, c5);
+        _mm256_storeu_ps(acc + i + 48, c6); _mm256_storeu_ps(acc + i + 56, c7);
+    }
+    for (; i + 8 <= D; i += 8) {
+        __m256 c0 = _mm256_loadu_ps(acc + i);
+        for (j = 0; j < n; j++) c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + j * D + i), c0);
+        _mm256_storeu_ps(acc + i, c0);
+    }
+    if (i < D) {
+        const __m256i tm = okv_tailmask(D - i);
+        __m256 c0 = _mm256_maskload_ps(acc + i, tm);
+        for (j = 0; j < n; j++)
+            c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_maskload_ps(v + j * D + i, tm), c0);
+        _mm256_maskstore_ps(acc + i, tm, c0);
+    }
 }
 
 OKV_AVX2 static inline void okv_axpy_f32_avx2(float a, const float *x, float *y, int64_t n) {

@@ -44,7 +44,7 @@ def position_bias(
     q_pos: np.ndarray,
     total: int,
     window: int,
-    dtype: np.dtype = np.dtype(np.float32),
+    dtype: type[np.floating] = np.float32,
 ) -> np.ndarray:
     """Additive [B, 1, Sq, total] bias (0 visible, -inf masked) of the kernel's mask rule.
 
@@ -56,7 +56,7 @@ def position_bias(
     visible = (j < kv_len[:, None, None]) & (j <= p)
     if window >= 0:
         visible &= j >= p - window
-    return np.where(visible, dtype.type(0), dtype.type(-np.inf))[:, None]
+    return np.where(visible, np.zeros((), dtype), np.array(-np.inf, dtype))[:, None]
 
 
 def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
@@ -93,7 +93,7 @@ def dense_attention(
     if softcap > 0:
         capped = np.tanh(raw / q.dtype.type(softcap)) * q.dtype.type(softcap)
     biased = capped if bias is None else capped + bias
-    x = biased.astype(softmax_dtype or q.dtype, copy=False)
+    x = biased.astype(q.dtype if softmax_dtype is None else softmax_dtype, copy=False)
     m = np.max(x, axis=-1, keepdims=True)
     if sink is not None:
         sink_col = sink.astype(x.dtype).reshape(1, hq, 1, 1)
@@ -133,11 +133,7 @@ def causal_attention(
     """
     kv_len = np.ascontiguousarray(kv_len, dtype=np.int32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int32)
-    if (
-        q.dtype == k.dtype == v.dtype == out.dtype == np.float32
-        and v.shape[3] == q.shape[3]
-        and out.flags.c_contiguous
-    ):
+    if q.dtype == k.dtype == v.dtype == out.dtype == np.float32 and v.shape[3] == q.shape[3] and out.flags.c_contiguous:
         _attention_kernel(
             np.ascontiguousarray(q),
             np.ascontiguousarray(k),

@@ -39,9 +39,10 @@ Semantics:
   written in place at ``past_b``.
 * **Right padding.** Batch rows shorter than the longest are right padded;
   ``seqlens_k`` gives each row's valid length.  Key ``j`` is visible to row
-  ``b`` only if ``j < total_b``.  Query rows at or beyond ``total_b`` (padding
-  of a first prompt) are computed like a query at that position but their
-  values are unspecified, as in ORT.
+  ``b`` only if ``j < total_b``.  Padding query rows of a first prompt
+  (``s >= total_b``) are computed by the same rule as every other row (they
+  see all valid keys inside the window), which reproduces ORT; callers ignore
+  them.
 * **Masking.** Query ``s`` of row ``b`` has absolute position
   ``p = past_b + s`` and sees keys ``j <= p``, ``j < total_b`` and, when
   ``local_window_size = W > 0``, ``j > p - W`` (the ``W`` most recent
@@ -56,6 +57,9 @@ Semantics:
   ``p`` above — i.e. ``s`` on a first prompt and ``seqlens_k[b] + 1 - S + s``
   otherwise.  With ``position_ids``: the first prompt uses
   ``position_ids[0, 0] + s`` for every row, other calls use ``position_ids``.
+* Without ``present_key``/``present_value`` outputs the result is the same
+  (past + new keys are attended; nothing is counted).  ORT's CPU kernel
+  then reads only the new keys, which is not meaningful with a past.
 * Storage counters per present output: one allocation of its size,
   ``prefix_copied_bytes = sum_b past_b * Hkv * D * itemsize`` and
   ``append_copied_bytes = B * S * Hkv * D * itemsize``.
@@ -99,9 +103,7 @@ class GroupQueryAttention(Op):
                 f"num_heads and kv_num_heads must be positive, got {self.num_heads} and {self.kv_num_heads}"
             )
         if self.num_heads % self.kv_num_heads:
-            raise self.error(
-                f"num_heads={self.num_heads} must be a multiple of kv_num_heads={self.kv_num_heads}"
-            )
+            raise self.error(f"num_heads={self.num_heads} must be a multiple of kv_num_heads={self.kv_num_heads}")
         self.scale = float(a.get("scale", 0.0))
         self.softcap = float(a.get("softcap", 0.0))
         if self.softcap < 0:
@@ -138,7 +140,7 @@ class GroupQueryAttention(Op):
         inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
         cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]
-        hq, hkv = self.num_heads, self.kv_num_heads
+        hq = self.num_heads
 
         q, k, v = self._split_qkv(query, key, value)
         b, s, d = q.shape[0], q.shape[2], q.shape[3]
@@ -174,11 +176,8 @@ class GroupQueryAttention(Op):
 
         output = rt.empty(0, (b, s, hq * d), dtype)
         output.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
-        return (
-            output,
-            present_k if self.has_present[0] else None,
-            present_v if self.has_present[1] else None,
-        )
+        outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
+        return outs[: len(self.node.output)]
 
     def _split_qkv(
         self, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None
@@ -207,8 +206,7 @@ class GroupQueryAttention(Op):
         for name, t in (("key", key), ("value", value)):
             if t.shape != (b, s, hkv * d):
                 raise self._input_error(
-                    f"{name} must have shape {(b, s, hkv * d)} ([batch, seq, kv_num_heads*head_size]), "
-                    f"got {t.shape}"
+                    f"{name} must have shape {(b, s, hkv * d)} ([batch, seq, kv_num_heads*head_size]), got {t.shape}"
                 )
             if t.dtype != query.dtype:
                 raise self._input_error(f"{name} dtype {t.dtype} differs from query dtype {query.dtype}")
@@ -341,9 +339,7 @@ class GroupQueryAttention(Op):
     def _sink(self, head_sink: np.ndarray | None) -> np.ndarray | None:
         if head_sink is not None:
             if np.shape(head_sink) != (self.num_heads,):
-                raise self._input_error(
-                    f"head_sink must have shape ({self.num_heads},), got {np.shape(head_sink)}"
-                )
+                raise self._input_error(f"head_sink must have shape ({self.num_heads},), got {np.shape(head_sink)}")
             return np.asarray(head_sink, np.float32)
         return np.zeros(self.num_heads, np.float32) if self.smooth_softmax else None
 
@@ -356,7 +352,5 @@ class GroupQueryAttention(Op):
             or shape[2] != s
             or shape[3] < total
         ):
-            raise self._input_error(
-                f"attention_bias must be [batch|1, num_heads|1, {s}, >= {total}], got {shape}"
-            )
+            raise self._input_error(f"attention_bias must be [batch|1, num_heads|1, {s}, >= {total}], got {shape}")
         return bias[..., :total].astype(np.float32, copy=False)

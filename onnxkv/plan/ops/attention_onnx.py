@@ -155,11 +155,9 @@ class Attention23(Op):
         if self.want[3]:
             outs[3] = rt.empty(3, qk.shape, q.dtype)
             outs[3][...] = qk
-        return outs
+        return outs[: len(self.node.output)]
 
-    def _to_bnsh(
-        self, q: np.ndarray, k: np.ndarray, v: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _to_bnsh(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q/K/V as [B, H, S, D] views, shapes and head counts validated."""
         if q.ndim != k.ndim or q.ndim != v.ndim or q.ndim not in (3, 4):
             raise self._input_error(
@@ -197,9 +195,7 @@ class Attention23(Op):
         b, h = k.shape[:2]
         for name, past, new in (("past_key", past_k, k), ("past_value", past_v, v)):
             if past.ndim != 4 or past.shape[:2] != (b, h) or past.shape[3] != new.shape[3]:
-                raise self._input_error(
-                    f"{name} must be [{b}, {h}, past_len, {new.shape[3]}], got {past.shape}"
-                )
+                raise self._input_error(f"{name} must be [{b}, {h}, past_len, {new.shape[3]}], got {past.shape}")
             if past.dtype != new.dtype:
                 raise self._input_error(f"{name} dtype {past.dtype} differs from {new.dtype}")
         if past_k.shape[2] != past_v.shape[2]:

@@ -21,13 +21,12 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
+from onnxkv._kernels import rotary_embedding as _rotary_kernel
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.registry import BuildContext, Op, register
 
-from onnxkv._kernels import rotary_embedding as _rotary_kernel
-
-__all__ = ["rotate", "RotaryEmbeddingMS", "RotaryEmbedding23"]
+__all__ = ["RotaryEmbedding23", "RotaryEmbeddingMS", "rotate"]
 
 
 def rotate(
@@ -46,12 +45,7 @@ def rotate(
     """
     half = cos.shape[-1]
     rot = 2 * half
-    if (
-        positions is not None
-        and x.dtype == np.float32
-        and cos.dtype == np.float32
-        and sin.dtype == np.float32
-    ):
+    if positions is not None and x.dtype == np.float32 and cos.dtype == np.float32 and sin.dtype == np.float32:
         dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
         _rotary_kernel(
             np.ascontiguousarray(x),

@@ -54,9 +54,11 @@ class TensorScatter(Op):
         if rank < 2 or not -rank <= self.axis < rank or self.axis % rank == 0:
             raise self._input_error(f"axis={self.axis} is not a non-batch axis of past_cache with shape {past.shape}")
         axis = self.axis % rank
-        if update.ndim != rank or any(
-            u != p for i, (u, p) in enumerate(zip(update.shape, past.shape)) if i != axis
-        ) or update.shape[axis] > past.shape[axis]:
+        if (
+            update.ndim != rank
+            or any(u != p for i, (u, p) in enumerate(zip(update.shape, past.shape)) if i != axis)
+            or update.shape[axis] > past.shape[axis]
+        ):
             raise self._input_error(
                 f"update shape {update.shape} must equal past_cache shape {past.shape} except at axis {axis}, "
                 f"where it may not exceed {past.shape[axis]}"

@@ -6,11 +6,11 @@ import zlib
 
 import numpy as np
 import pytest
+from _attn_harness import build_op, make_model, run_op, run_ort
 
 from onnxkv.errors import InputError, ModelError
+from onnxkv.plan.ops._attention_math import causal_attention
 from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
-
-from _attn_harness import build_op, make_model, run_op, run_ort
 
 pytest.importorskip("onnxruntime")
 
@@ -92,6 +92,7 @@ CASES = [
     ("decode-softcap-scale", (2, 1, 4, 2, 32, 4, [4, 1], 5), {"softcap": 2.0, "scale": 0.3}, False),
     ("chunked-prefill", (1, 3, 4, 2, 32, 4, [6], 7), {"do_rotary": 1}, True),
     ("decode-capacity-past", (2, 1, 4, 2, 32, 12, [3, 7], 8), {}, False),
+    ("prompt-capacity-past", (2, 5, 4, 2, 32, 12, [4, 2], 5), {"do_rotary": 1}, True),
 ]
 
 
@@ -168,6 +169,11 @@ def test_errors_at_build():
         build_op(GroupQueryAttention, _model(ins, 4, 2, sliding_window_cache=1, local_window_size=2))
     with pytest.raises(ModelError, match="causal=0"):
         build_op(GroupQueryAttention, _model(ins, 4, 2, causal=0))
+    with pytest.raises(ModelError, match="quantized KV cache"):
+        build_op(GroupQueryAttention, _model(ins, 4, 2, k_quant_type="PER_TENSOR"))
+    quantized = dict(ins, k_scale=np.ones(1, np.float32))
+    with pytest.raises(ModelError, match="input 'k_scale' is not supported"):
+        build_op(GroupQueryAttention, _model(quantized, 4, 2))
 
 
 def test_errors_at_run():
@@ -200,3 +206,31 @@ def test_float16_rotary_decode():
     for w, g in zip(run_ort(model, ins), got):
         assert g.dtype == w.dtype == np.float16
         np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), atol=2e-3, rtol=0)  # ~1 ulp
+
+
+def test_numpy_path_matches_streaming_kernel():
+    """The NumPy fallback of causal_attention (non-float32) agrees with the compiled kernel."""
+    rng = np.random.default_rng(11)
+    b, hq, hkv, sq, cap, d = 2, 4, 2, 3, 9, 32
+    q = rng.standard_normal((b, hq, sq, d)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, cap, d)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, cap, d)).astype(np.float32)
+    kv_len = np.array([9, 4], np.int32)
+    q_pos = np.array([[6, 7, 8], [1, 2, 3]], np.int32)
+    for window, softcap in ((-1, 0.0), (2, 1.5)):
+        fast = causal_attention(q, k, v, kv_len, q_pos, 0.2, softcap, window, np.empty_like(q))
+        slow = np.empty(q.shape, np.float64)
+        causal_attention(*(t.astype(np.float64) for t in (q, k, v)), kv_len, q_pos, 0.2, softcap, window, slow)
+        np.testing.assert_allclose(fast, slow, atol=TOL, rtol=0)
+
+
+def test_output_only_counts_nothing():
+    """Without present outputs the result is the same; ORT's CPU kernel then skips the past (not a reference)."""
+    rng = np.random.default_rng(12)
+    ins = _inputs(rng, 2, 1, 4, 2, 32, 5, [5, 2], 6)
+    model = make_model(
+        "GroupQueryAttention", ins, ["output"], OPSETS, domain="com.microsoft", num_heads=4, kv_num_heads=2
+    )
+    got, rt = run_op(GroupQueryAttention, model, ins)
+    assert len(got) == 1 and rt.counters == {}
+    np.testing.assert_allclose(got[0], run_ort(_model(ins, 4, 2), ins)[0], atol=TOL, rtol=0)

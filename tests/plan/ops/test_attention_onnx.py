@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _attn_harness import build_op, make_model, run_op, run_ort, run_reference
 from onnx import TensorProto
 
-from _attn_harness import build_op, make_model, run_op, run_ort, run_reference
 from onnxkv.errors import InputError, ModelError
 from onnxkv.plan.ops.attention_onnx import Attention23, Attention24
 
@@ -49,6 +49,7 @@ def _compare(ins, opset=23, outputs=3, ort=True, reference=True, **attrs):
     model = make_model("Attention", ins, names, {"": opset}, **attrs)
     cls = Attention24 if opset >= 24 else Attention23
     got, rt = run_op(cls, model, ins)
+    assert len(got) == len(model.graph.node[0].output)
     got = [g for g in got if g is not None]
     oracles = [run_reference(model, ins)] if reference else []
     if ort:
@@ -120,10 +121,10 @@ def test_nonpad_kv_seqlen_static_cache(causal):
     rng = np.random.default_rng(11 + causal)
     # Static cache of 8 slots; row 0 holds 6 valid keys, row 1 holds 2 (< Sq: leading rows see nothing).
     ins = _inputs(rng, 2, 4, 2, 3, 8, 32, nonpad=[6, 2])
-    _compare(ins, opset=24, is_causal=causal, ort=False)
+    _compare(ins, opset=24, is_causal=causal)
     mask = rng.random((3, 8)) > 0.2
     ins = _inputs(rng, 2, 4, 2, 3, 8, 32, mask=mask, nonpad=[8, 4])
-    _compare(ins, opset=24, is_causal=causal, ort=False)
+    _compare(ins, opset=24, is_causal=causal)
 
 
 def test_storage_counters():
@@ -164,3 +165,14 @@ def test_errors():
     model = make_model("Attention", ins, ["Y"], {"": 25}, left_window_size=2)
     with pytest.raises(ModelError, match="left_window_size"):
         build_op(Attention24, model)
+
+
+def test_float16_inputs():
+    rng = np.random.default_rng(15)
+    ins = _inputs(rng, 2, 4, 2, 3, 3, 32, past=4)
+    ins = {n: a.astype(np.float16) if a is not None else None for n, a in ins.items()}
+    model = make_model("Attention", ins, OUTPUTS[:3], {"": 23}, is_causal=1)
+    got, _ = run_op(Attention23, model, ins)
+    for g, w in zip(got, run_reference(model, ins)):
+        assert g.dtype == w.dtype == np.float16
+        np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), atol=5e-3, rtol=0)

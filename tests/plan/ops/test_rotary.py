@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from _attn_harness import build_op, make_model, run_op, run_ort, run_reference
+
 from onnxkv.errors import InputError, ModelError
 from onnxkv.plan.ops.rotary import RotaryEmbedding23, RotaryEmbeddingMS
 
@@ -41,7 +41,12 @@ def test_ms_matches_ort(shape, pos_shape, attrs):
     rot = attrs.get("rotary_embedding_dim", head)
     cos, sin = _caches(rng, 16, rot // 2)
     pos = rng.integers(0, 10, pos_shape).astype(np.int64)
-    ins = {"input": rng.standard_normal(shape).astype(np.float32), "position_ids": pos, "cos_cache": cos, "sin_cache": sin}
+    ins = {
+        "input": rng.standard_normal(shape).astype(np.float32),
+        "position_ids": pos,
+        "cos_cache": cos,
+        "sin_cache": sin,
+    }
     model = make_model("RotaryEmbedding", ins, ["y"], MS_OPSETS, domain="com.microsoft", **attrs)
     got, _ = run_op(RotaryEmbeddingMS, model, ins)
     _check(got, run_ort(model, ins))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from _attn_harness import build_op, make_model, run_op, run_reference
+
 from onnxkv.errors import InputError, ModelError
 from onnxkv.plan.ops.tensor_scatter import TensorScatter
 
