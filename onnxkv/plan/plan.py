@@ -31,6 +31,7 @@ from onnxkv.events import EventLog
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
+from onnxkv.plan.fusion import fuse_silu_gate
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
 
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
@@ -126,6 +127,7 @@ class Plan:
         allocator: object of the :class:`onnxkv.alloc.Allocator` protocol for
             temporaries.
         present_outputs / past_inputs: cache value names (for storage counters).
+        fuse: apply the fusions of :mod:`onnxkv.plan.fusion` (results are unchanged).
 
     A plan is immutable after construction and may be run from one thread at
     a time per :class:`RunContext`; ``run`` allocates its own slot list.
@@ -137,6 +139,7 @@ class Plan:
         allocator,
         present_outputs: Iterable[str] = (),
         past_inputs: Iterable[str] = (),
+        fuse: bool = True,
     ) -> None:
         graph = model.graph
         self.allocator = allocator
@@ -179,6 +182,9 @@ class Plan:
         self.output_names = [o.name for o in graph.output]
         known = set(constants) | {i.name for i in self.inputs}
         nodes = _topological(list(graph.node), known)
+        if fuse:
+            subgraph_reads = {x for n in nodes for x in _node_reads(n)} - {x for n in nodes for x in n.input}
+            nodes = fuse_silu_gate(nodes, {o.name for o in graph.output} | subgraph_reads)
 
         self.build_context = BuildContext(self.opsets, constants, frozenset(present_outputs), frozenset(past_inputs))
         self.fallback_nodes: list[str] = []

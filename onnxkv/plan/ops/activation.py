@@ -66,3 +66,17 @@ class QuickGelu(Op):
         K.sigmoid((alpha * x).reshape(-1), out.reshape(-1))
         np.multiply(out, x, out=out)
         return (out,)
+
+
+@register("SiluMul", domain="ai.onnxkv")
+class SiluMul(Op):
+    """Fused SwiGLU gate: ``gate * sigmoid(gate) * up`` (made by :mod:`onnxkv.plan.fusion`)."""
+
+    def run(self, inputs: list, rt) -> tuple:
+        gate, up = inputs
+        if gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in (np.float32, np.float64) \
+                and gate.flags.c_contiguous and up.flags.c_contiguous:
+            out = rt.empty(0, gate.shape, gate.dtype)
+            K.silu_mul(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+            return (out,)
+        return ((gate / (1 + np.exp(-gate)) * up).astype(gate.dtype, copy=False),)
