@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnxkv.events import COUNTER_FIELDS
+
 __all__ = ["RunContext", "STORAGE_COUNTERS"]
 
 #: Counters a kernel may add to the storage event of the node it runs.
-STORAGE_COUNTERS = (
-    "allocations",
-    "allocated_bytes",
-    "prefix_copied_bytes",
-    "append_copied_bytes",
-    "cow_copied_bytes",
-    "reuse_count",
-    "dequantized_bytes",
-    "workspace_peak_bytes",
-)
+STORAGE_COUNTERS = COUNTER_FIELDS
 
 
 class RunContext:

@@ -388,6 +388,10 @@ class Plan:
 
         return alloc
 
+    def _node_failure(self, k: int, e: Exception) -> OperatorError:
+        node = self.nodes[k]
+        return OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}")
+
     def _run_plain(self, slots: list, bufs: dict, rt: RunContext) -> None:
         free = self.allocator.free
         k = 0
@@ -407,8 +411,7 @@ class Plan:
         except OnnxkvError:
             raise
         except Exception as e:
-            node = self.nodes[k]
-            raise OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}") from e
+            raise self._node_failure(k, e) from e
 
     def _run_recording(self, slots: list, bufs: dict, rt: RunContext, events: EventLog, step: int) -> None:
         allocator = self.allocator
@@ -437,5 +440,4 @@ class Plan:
         except OnnxkvError:
             raise
         except Exception as e:
-            node = self.nodes[k]
-            raise OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}") from e
+            raise self._node_failure(k, e) from e
