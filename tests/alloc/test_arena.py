@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import gc
 import random
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import onnxkv.alloc
 from onnxkv.alloc import ArenaAllocator, OutOfMemory
 
 G = 64  # default granule
@@ -395,4 +400,87 @@ def test_two_threads_no_corruption():
     assert not errors
     s = arena.stats()
     assert s.live == 0 and s.allocations == s.frees > 2000
+    assert arena.largest_free_block == arena.capacity
+
+
+CHURN_PYX = textwrap.dedent(
+    """
+    # cython: language_level=3
+    from libc.stdint cimport uint64_t
+    from libc.string cimport memset
+    from onnxkv.alloc._arena cimport ARENA_OK, ArenaCore, ArenaHandle, arena_allocate, arena_free
+
+    def churn(ArenaCore core, uint64_t seed, Py_ssize_t steps):
+        # Allocate, fill, check and free through the C API without the GIL; return the error count.
+        cdef ArenaHandle held[16]
+        cdef unsigned char fills[16]
+        cdef Py_ssize_t count = 0, k, i, bad = 0
+        cdef uint64_t state = seed, alignment
+        cdef size_t b
+        cdef unsigned char* base = <unsigned char*>core.arena.base
+        with nogil:
+            for i in range(steps + 16):
+                state = state * 6364136223846793005ULL + 1442695040888963407ULL
+                if count > 0 and (count == 16 or i >= steps or (state >> 33) & 1):
+                    k = <Py_ssize_t>((state >> 40) % <uint64_t>count)
+                    for b in range(held[k].size):
+                        bad += base[held[k].offset + b] != fills[k]
+                    bad += arena_free(&core.arena, held[k]) != ARENA_OK
+                    count -= 1
+                    held[k] = held[count]
+                    fills[k] = fills[count]
+                elif i < steps:
+                    alignment = 64 << ((state >> 50) & 3)
+                    if arena_allocate(&core.arena, (state >> 20) % 2000, alignment, &held[count]) == ARENA_OK:
+                        fills[count] = <unsigned char>((seed * 31 + i) | 1)
+                        memset(base + held[count].offset, fills[count], held[count].size)
+                        count += 1
+        return bad
+    """
+)
+
+BUILD_PY = textwrap.dedent(
+    """
+    import sys
+    from Cython.Build import cythonize
+    from setuptools import setup
+    setup(ext_modules=cythonize(["churn.pyx"], include_path=[sys.argv[1]], quiet=True),
+          script_args=["build_ext", "--inplace", "-q"])
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def churn(tmp_path_factory):
+    """A small Cython module driving the arena through its nogil C API (``_arena.pxd``)."""
+    pytest.importorskip("Cython")
+    pytest.importorskip("setuptools")
+    where = tmp_path_factory.mktemp("churn")
+    (where / "churn.pyx").write_text(CHURN_PYX)
+    (where / "build.py").write_text(BUILD_PY)
+    include = Path(onnxkv.alloc.__file__).parents[2]  # the folder holding onnxkv/alloc/_arena.pxd
+    subprocess.run([sys.executable, "build.py", str(include)], cwd=where, check=True, capture_output=True)
+    sys.path.insert(0, str(where))
+    try:
+        import churn as module
+    finally:
+        sys.path.remove(str(where))
+    return module.churn
+
+
+def test_two_threads_through_the_nogil_c_api(churn):
+    arena = ArenaAllocator(1 << 16)
+    results: list[int] = []
+    threads = [
+        threading.Thread(target=lambda s=s: results.append(churn(arena._core, s, 200_000)), daemon=True)
+        for s in (1, 2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "C API threads hung: free lists corrupted?"
+    assert results == [0, 0]  # no byte of a held block was overwritten, every free succeeded
+    s = arena.stats()
+    assert s.live == 0 and s.allocations == s.frees > 100_000
     assert arena.largest_free_block == arena.capacity
