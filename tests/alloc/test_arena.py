@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,13 @@ def snapshot(bufs) -> list[bytes]:
 
 @pytest.mark.parametrize(
     "capacity, alignment, error",
-    [(0, 64, "positive multiple"), (1000, 64, "multiple of 64"), (4096, 32, ">= 64"),
-     (4096, 96, "power of two"), (-64, 64, ">= 0")],
+    [
+        (0, 64, "positive multiple"),
+        (1000, 64, "multiple of 64"),
+        (4096, 32, ">= 64"),
+        (4096, 96, "power of two"),
+        (-64, 64, ">= 0"),
+    ],
 )
 def test_construction_checks(capacity, alignment, error):
     with pytest.raises(ValueError, match=error):
@@ -78,7 +84,7 @@ def test_views_are_writable_and_independent():
         assert v.flags.writeable and v.flags.c_contiguous
         assert np.all(v == i + 1)
     spans = sorted((b.offset, b.offset + block_bytes(b.nbytes)) for b in bufs)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in pairwise(spans))
 
 
 def test_stats_count_block_bytes():
@@ -109,6 +115,7 @@ def test_first_allocations_are_packed_from_offset_zero():
 def test_reuse_after_free_gives_same_offset():
     arena = ArenaAllocator(1 << 16)
     a, b, c = arena.allocate(256), arena.allocate(512), arena.allocate(256)
+    assert (a.offset, b.offset, c.offset) == (0, 256, 768)
     off = b.offset
     arena.free(b)
     again = arena.allocate(512)
@@ -341,7 +348,7 @@ class ArenaMachine(RuleBasedStateMachine):
     @invariant()
     def no_overlap_and_contents_kept(self) -> None:
         spans = sorted((b.offset, b.offset + block_bytes(b.nbytes)) for b, _ in self.live.values())
-        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        assert all(end <= start for (_, end), (start, _) in pairwise(spans))
         assert all(0 <= start and end <= self.CAPACITY for start, end in spans)
         for buf, fill in self.live.values():
             assert np.all(buf.view(np.uint8, buf.nbytes) == fill)
@@ -350,7 +357,12 @@ class ArenaMachine(RuleBasedStateMachine):
     def stats_match_model(self) -> None:
         s = self.arena.stats()
         assert (s.committed, s.live, s.peak, s.allocations, s.frees) == (
-            self.CAPACITY, self.model_live, self.model_peak, self.allocations, self.frees)
+            self.CAPACITY,
+            self.model_live,
+            self.model_peak,
+            self.allocations,
+            self.frees,
+        )
         assert self.arena.largest_free_block <= self.CAPACITY - self.model_live
 
     def teardown(self) -> None:
