@@ -143,8 +143,10 @@ def test_coalescing_on_both_sides():
     arena.free(a)
     arena.free(c)
     assert arena.largest_free_block == 256
+    assert arena._core.stats()["free_blocks"] == 2
     arena.free(b)  # merges with a and c
     assert arena.largest_free_block == 768
+    assert arena._core.stats()["free_blocks"] == 1
     whole = arena.allocate(768)
     assert whole.offset == 0
     arena.free(d)
@@ -193,14 +195,16 @@ def test_out_of_memory_is_deterministic_and_changes_nothing():
         assert arena.allocate(largest).nbytes == largest
 
 
-@pytest.mark.parametrize("nbytes", [(1 << 14) + 1, 1 << 40, 1 << 80])
-def test_out_of_memory_for_requests_beyond_capacity(nbytes):
+@pytest.mark.parametrize(
+    "nbytes, alignment", [((1 << 14) + 1, 64), (1 << 40, 64), (1 << 80, 64), (64, 1 << 40), (64, 1 << 90)]
+)
+def test_out_of_memory_for_requests_beyond_capacity(nbytes, alignment):
     arena = ArenaAllocator(1 << 14)
     keep = arena.allocate(100)
     keep.view(np.uint8, 100)[:] = 9
     before = arena.stats()
-    with pytest.raises(OutOfMemory, match=f"cannot allocate {nbytes} bytes"):
-        arena.allocate(nbytes)
+    with pytest.raises(OutOfMemory, match=f"cannot allocate {nbytes} bytes aligned to {alignment}"):
+        arena.allocate(nbytes, alignment)
     assert arena.stats() == before
     assert np.all(keep.view(np.uint8, 100) == 9)
 
@@ -230,6 +234,7 @@ def test_fragmentation():
     s = arena.stats()
     assert s.live == 8 * 256
     assert arena.largest_free_block == 256  # half the arena is free, in 8 holes
+    assert arena._core.stats()["free_blocks"] == 8
     with pytest.raises(OutOfMemory, match="largest free block 256 bytes"):
         arena.allocate(257)
     holes = sorted(arena.allocate(200).offset for _ in range(8))
@@ -364,6 +369,9 @@ class ArenaMachine(RuleBasedStateMachine):
             self.frees,
         )
         assert self.arena.largest_free_block <= self.CAPACITY - self.model_live
+        core = self.arena._core.stats()
+        assert core["live_blocks"] == len(self.live)
+        assert core["free_blocks"] <= core["live_blocks"] + 1  # no two free blocks are adjacent
 
     def teardown(self) -> None:
         for buf, _ in self.live.values():
