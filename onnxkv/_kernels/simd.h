@@ -9,7 +9,8 @@
  *
  * Scalar and AVX2 paths agree to float32 rounding (they sum in a different
  * order).  float64 kernels use the scalar path only (the compiler may still
- * auto-vectorise with the baseline ISA).
+ * auto-vectorise with the baseline ISA).  Define OKV_NO_SIMD to compile the
+ * scalar path only (also automatic on non-x86 targets and non-GNU compilers).
  */
 #ifndef ONNXKV_SIMD_H
 #define ONNXKV_SIMD_H
@@ -30,7 +31,7 @@ static int okv_omp_num_procs(void) { return 1; }
 static int okv_thread_num(void) { return 0; }
 #endif
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if !defined(OKV_NO_SIMD) && (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define OKV_X86_SIMD 1
 #include <immintrin.h>
 #define OKV_AVX2 __attribute__((target("avx2,fma,f16c")))
