@@ -41,6 +41,7 @@ cdef extern from "attention.h" nogil:
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256
+DEF PAR_MIN_WORK = 1 << 18  # multiply-adds below which one thread is used
 
 
 cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
@@ -165,6 +166,8 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     cdef int nt = okv_threads(), simd = okv_simd(), rc
     cdef int64_t G = Hq // Hkv, units = B * Hkv, tq, nchunks = 1
     maxlen = int(kv_len.max())
+    if B * Hq * Sq * max(maxlen, 1) * D < PAR_MIN_WORK:
+        nt = 1          # too small to amortise waking the thread team
     if units < nt and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:
         nchunks = min((nt + units - 1) // units, max(1, maxlen // (2 * OKV_BK)))
     if nchunks > 1:

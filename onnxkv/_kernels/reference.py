@@ -109,3 +109,12 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
         w = np.where(dead, 0.0, e / np.where(dead, 1.0, den))
         res[b] = (w @ vb).reshape(Hq, Sq, D)
     out[...] = res.astype(out.dtype)
+
+
+def f16_to_f32(x, out):
+    out[...] = x.astype(np.float32)
+
+
+def f32_to_f16(x, out):
+    with np.errstate(over="ignore"):
+        out[...] = x.astype(np.float16)

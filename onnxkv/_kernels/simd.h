@@ -9,7 +9,8 @@
  *
  * Scalar and AVX2 paths agree to float32 rounding (they sum in a different
  * order).  float64 kernels use the scalar path only (the compiler may still
- * auto-vectorise with the baseline ISA).
+ * auto-vectorise with the baseline ISA).  Define OKV_NO_SIMD to compile the
+ * scalar path only (also automatic on non-x86 targets and non-GNU compilers).
  */
 #ifndef ONNXKV_SIMD_H
 #define ONNXKV_SIMD_H
@@ -30,7 +31,7 @@ static int okv_omp_num_procs(void) { return 1; }
 static int okv_thread_num(void) { return 0; }
 #endif
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if !defined(OKV_NO_SIMD) && (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define OKV_X86_SIMD 1
 #include <immintrin.h>
 #define OKV_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -538,6 +539,57 @@ static inline void okv_rms_row_f32_scalar(const float *x, const float *g, float 
 }
 
 /* ------------------------------------------------------------------ */
+/* IEEE half <-> float conversion (scalar: bit tricks after M. Dukhan's  */
+/* FP16 library, round to nearest even; AVX2 path: F16C)                */
+/* ------------------------------------------------------------------ */
+static inline uint32_t okv_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float okv_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float okv_h2f_scalar(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = okv_bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = okv_bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    return okv_bits_f32(sign | (two_w < (1u << 27) ? okv_f32_bits(denormalized) : okv_f32_bits(normalized)));
+}
+
+static inline uint16_t okv_f2h_scalar(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = okv_f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u, bits, nonsign;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = okv_bits_f32((bias >> 1) + 0x07800000u) + base;
+    bits = okv_f32_bits(base);
+    nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+static inline void okv_h2f_row_scalar(const uint16_t *x, float *out, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++) out[i] = okv_h2f_scalar(x[i]);
+}
+
+static inline void okv_f2h_row_scalar(const float *x, uint16_t *out, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++) out[i] = okv_f2h_scalar(x[i]);
+}
+
+#if OKV_X86_SIMD
+OKV_AVX2 static inline void okv_h2f_row_avx2(const uint16_t *x, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+    for (; i < n; i++) out[i] = okv_h2f_scalar(x[i]);
+}
+
+OKV_AVX2 static inline void okv_f2h_row_avx2(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) out[i] = okv_f2h_scalar(x[i]);
+}
+#endif
+
+/* ------------------------------------------------------------------ */
 /* Dispatching row kernels (simd = 1 selects the AVX2 path)             */
 /* ------------------------------------------------------------------ */
 #if OKV_X86_SIMD
@@ -589,6 +641,14 @@ static void okv_rope_row_f32(const float *x, const float *c, const float *s, flo
         OKV_DISPATCH(simd, okv_rope_half_f32_avx2(x, c, s, out, half), okv_rope_half_f32_scalar(x, c, s, out, half));
     if (out != x && head_size > 2 * half)
         memcpy(out + 2 * half, x + 2 * half, (size_t)(head_size - 2 * half) * sizeof(float));
+}
+
+static void okv_h2f_row(const uint16_t *x, float *out, int64_t n, int simd) {
+    OKV_DISPATCH(simd, okv_h2f_row_avx2(x, out, n), okv_h2f_row_scalar(x, out, n));
+}
+
+static void okv_f2h_row(const float *x, uint16_t *out, int64_t n, int simd) {
+    OKV_DISPATCH(simd, okv_f2h_row_avx2(x, out, n), okv_f2h_row_scalar(x, out, n));
 }
 
 #endif /* ONNXKV_SIMD_H */

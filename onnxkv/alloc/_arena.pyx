@@ -371,16 +371,17 @@ cdef class ArenaCore:
     def granule(self) -> int:
         return self.arena.granule
 
-    def allocate(self, nbytes: int, size_t alignment) -> tuple:
+    def allocate(self, nbytes: int, alignment: int) -> tuple:
         """Lease ``nbytes`` (an int >= 0) at ``alignment`` (a power of two).
         Raises ``OutOfMemory`` (and changes nothing) if no free block fits."""
         cdef ArenaHandle h
         cdef int status = ARENA_NO_SPACE
-        cdef size_t n
-        if nbytes <= self.arena.capacity:
+        cdef size_t n, align
+        if nbytes <= self.arena.capacity and alignment <= ((<size_t>-1) >> 1) + 1:
             n = nbytes
+            align = alignment
             with nogil:
-                status = arena_allocate(&self.arena, n, alignment, &h)
+                status = arena_allocate(&self.arena, n, align, &h)
         if status == ARENA_OK:
             return (h.block, h.generation, h.offset, h.size)
         s = self.stats()

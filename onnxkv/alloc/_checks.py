@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +34,7 @@ def check_alignment(alignment: object) -> int:
     return a
 
 
-def byte_view(raw: np.ndarray, dtype: npt.DTypeLike, shape: int | tuple[int, ...]) -> np.ndarray:
+def byte_view(raw: np.ndarray, dtype: npt.DTypeLike, shape: int | Sequence[int]) -> np.ndarray:
     """View the leading bytes of the 1-D uint8 array ``raw`` as ``dtype[shape]``.
 
     The result shares memory with ``raw`` (no copy), is writable when ``raw``
@@ -43,7 +44,7 @@ def byte_view(raw: np.ndarray, dtype: npt.DTypeLike, shape: int | tuple[int, ...
     dt = np.dtype(dtype)
     if dt.hasobject or dt.itemsize == 0:
         raise TypeError(f"cannot view raw bytes as dtype {dt}")
-    if isinstance(shape, (tuple, list)):
+    if isinstance(shape, Sequence):
         dims = tuple(_as_int(d, "shape entry") for d in shape)
     else:
         dims = (_as_int(shape, "shape"),)

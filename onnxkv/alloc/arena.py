@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from ._arena import ArenaCore
 from ._checks import byte_view, check_alignment, check_nbytes
-from .protocol import AllocatorStats
+from .protocol import AllocatorStats, Buffer
 
 
 class ArenaBuffer:
@@ -104,7 +104,7 @@ class ArenaAllocator:
         a = check_alignment(alignment)
         return ArenaBuffer(self, self._core.allocate(n, a), n)
 
-    def free(self, buffer: ArenaBuffer) -> None:
+    def free(self, buffer: Buffer) -> None:
         """Take back a live buffer of this arena; ``ValueError`` otherwise (nothing changes)."""
         if not isinstance(buffer, ArenaBuffer) or buffer._owner is not self:
             raise ValueError(f"{self!r}: foreign buffer {buffer!r} was not allocated here")

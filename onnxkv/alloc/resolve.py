@@ -14,8 +14,7 @@ def check_allocator(obj: object) -> Allocator:
     missing = [name for name in _REQUIRED if not callable(getattr(obj, name, None))]
     if missing:
         raise TypeError(
-            f"{type(obj).__name__} object is not an allocator: "
-            f"missing callable {', '.join(missing)}"
+            f"{type(obj).__name__} object is not an allocator: missing callable {', '.join(missing)}"
         )
     return obj  # type: ignore[return-value]
 

@@ -10,7 +10,7 @@ import numpy.typing as npt
 from onnxkv.errors import OutOfMemory
 
 from ._checks import byte_view, check_alignment, check_nbytes
-from .protocol import AllocatorStats
+from .protocol import AllocatorStats, Buffer
 
 
 class SystemBuffer:
@@ -82,16 +82,17 @@ class SystemAllocator:
             self._allocations += 1
         return buffer
 
-    def free(self, buffer: SystemBuffer) -> None:
+    def free(self, buffer: Buffer) -> None:
         """Take back a live buffer of this allocator; ``ValueError`` otherwise."""
         with self._lock:
-            if self._live.get(id(buffer)) is not buffer:
+            live = self._live.get(id(buffer))
+            if live is not buffer:
                 kind = "double free" if getattr(buffer, "_owner", None) is self else "foreign buffer"
                 raise ValueError(f"{self!r}: {kind}: {buffer!r} is not live in this allocator")
             del self._live[id(buffer)]
-            self._live_bytes -= buffer.nbytes
+            self._live_bytes -= live.nbytes
             self._frees += 1
-            buffer._raw = None
+            live._raw = None
 
     def stats(self) -> AllocatorStats:
         """Snapshot of the accounting; ``committed == live``."""

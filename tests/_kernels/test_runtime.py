@@ -52,7 +52,7 @@ def test_openmp_flag():
 def test_public_api_names():
     for name in ["set_num_threads", "get_num_threads", "openmp_enabled", "simd_path", "set_simd_enabled",
                  "cpu_features", "rms_norm", "skip_rms_norm", "softmax", "silu_mul", "sigmoid", "silu",
-                 "rotary_embedding", "attention"]:
+                 "rotary_embedding", "attention", "f16_to_f32", "f32_to_f16"]:
         assert callable(getattr(K, name)), name
         assert name in K.__all__
 

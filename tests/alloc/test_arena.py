@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import gc
 import random
+import subprocess
+import sys
+import textwrap
 import threading
+from itertools import pairwise
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import onnxkv.alloc
 from onnxkv.alloc import ArenaAllocator, OutOfMemory
 
 G = 64  # default granule
@@ -41,8 +47,13 @@ def snapshot(bufs) -> list[bytes]:
 
 @pytest.mark.parametrize(
     "capacity, alignment, error",
-    [(0, 64, "positive multiple"), (1000, 64, "multiple of 64"), (4096, 32, ">= 64"),
-     (4096, 96, "power of two"), (-64, 64, ">= 0")],
+    [
+        (0, 64, "positive multiple"),
+        (1000, 64, "multiple of 64"),
+        (4096, 32, ">= 64"),
+        (4096, 96, "power of two"),
+        (-64, 64, ">= 0"),
+    ],
 )
 def test_construction_checks(capacity, alignment, error):
     with pytest.raises(ValueError, match=error):
@@ -73,7 +84,7 @@ def test_views_are_writable_and_independent():
         assert v.flags.writeable and v.flags.c_contiguous
         assert np.all(v == i + 1)
     spans = sorted((b.offset, b.offset + block_bytes(b.nbytes)) for b in bufs)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in pairwise(spans))
 
 
 def test_stats_count_block_bytes():
@@ -104,6 +115,7 @@ def test_first_allocations_are_packed_from_offset_zero():
 def test_reuse_after_free_gives_same_offset():
     arena = ArenaAllocator(1 << 16)
     a, b, c = arena.allocate(256), arena.allocate(512), arena.allocate(256)
+    assert (a.offset, b.offset, c.offset) == (0, 256, 768)
     off = b.offset
     arena.free(b)
     again = arena.allocate(512)
@@ -131,8 +143,10 @@ def test_coalescing_on_both_sides():
     arena.free(a)
     arena.free(c)
     assert arena.largest_free_block == 256
+    assert arena._core.stats()["free_blocks"] == 2
     arena.free(b)  # merges with a and c
     assert arena.largest_free_block == 768
+    assert arena._core.stats()["free_blocks"] == 1
     whole = arena.allocate(768)
     assert whole.offset == 0
     arena.free(d)
@@ -181,14 +195,16 @@ def test_out_of_memory_is_deterministic_and_changes_nothing():
         assert arena.allocate(largest).nbytes == largest
 
 
-@pytest.mark.parametrize("nbytes", [(1 << 14) + 1, 1 << 40, 1 << 80])
-def test_out_of_memory_for_requests_beyond_capacity(nbytes):
+@pytest.mark.parametrize(
+    "nbytes, alignment", [((1 << 14) + 1, 64), (1 << 40, 64), (1 << 80, 64), (64, 1 << 40), (64, 1 << 90)]
+)
+def test_out_of_memory_for_requests_beyond_capacity(nbytes, alignment):
     arena = ArenaAllocator(1 << 14)
     keep = arena.allocate(100)
     keep.view(np.uint8, 100)[:] = 9
     before = arena.stats()
-    with pytest.raises(OutOfMemory, match=f"cannot allocate {nbytes} bytes"):
-        arena.allocate(nbytes)
+    with pytest.raises(OutOfMemory, match=f"cannot allocate {nbytes} bytes aligned to {alignment}"):
+        arena.allocate(nbytes, alignment)
     assert arena.stats() == before
     assert np.all(keep.view(np.uint8, 100) == 9)
 
@@ -218,6 +234,7 @@ def test_fragmentation():
     s = arena.stats()
     assert s.live == 8 * 256
     assert arena.largest_free_block == 256  # half the arena is free, in 8 holes
+    assert arena._core.stats()["free_blocks"] == 8
     with pytest.raises(OutOfMemory, match="largest free block 256 bytes"):
         arena.allocate(257)
     holes = sorted(arena.allocate(200).offset for _ in range(8))
@@ -336,7 +353,7 @@ class ArenaMachine(RuleBasedStateMachine):
     @invariant()
     def no_overlap_and_contents_kept(self) -> None:
         spans = sorted((b.offset, b.offset + block_bytes(b.nbytes)) for b, _ in self.live.values())
-        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        assert all(end <= start for (_, end), (start, _) in pairwise(spans))
         assert all(0 <= start and end <= self.CAPACITY for start, end in spans)
         for buf, fill in self.live.values():
             assert np.all(buf.view(np.uint8, buf.nbytes) == fill)
@@ -345,8 +362,16 @@ class ArenaMachine(RuleBasedStateMachine):
     def stats_match_model(self) -> None:
         s = self.arena.stats()
         assert (s.committed, s.live, s.peak, s.allocations, s.frees) == (
-            self.CAPACITY, self.model_live, self.model_peak, self.allocations, self.frees)
+            self.CAPACITY,
+            self.model_live,
+            self.model_peak,
+            self.allocations,
+            self.frees,
+        )
         assert self.arena.largest_free_block <= self.CAPACITY - self.model_live
+        core = self.arena._core.stats()
+        assert core["live_blocks"] == len(self.live)
+        assert core["free_blocks"] <= core["live_blocks"] + 1  # no two free blocks are adjacent
 
     def teardown(self) -> None:
         for buf, _ in self.live.values():
@@ -395,4 +420,87 @@ def test_two_threads_no_corruption():
     assert not errors
     s = arena.stats()
     assert s.live == 0 and s.allocations == s.frees > 2000
+    assert arena.largest_free_block == arena.capacity
+
+
+CHURN_PYX = textwrap.dedent(
+    """
+    # cython: language_level=3
+    from libc.stdint cimport uint64_t
+    from libc.string cimport memset
+    from onnxkv.alloc._arena cimport ARENA_OK, ArenaCore, ArenaHandle, arena_allocate, arena_free
+
+    def churn(ArenaCore core, uint64_t seed, Py_ssize_t steps):
+        # Allocate, fill, check and free through the C API without the GIL; return the error count.
+        cdef ArenaHandle held[16]
+        cdef unsigned char fills[16]
+        cdef Py_ssize_t count = 0, k, i, bad = 0
+        cdef uint64_t state = seed, alignment
+        cdef size_t b
+        cdef unsigned char* base = <unsigned char*>core.arena.base
+        with nogil:
+            for i in range(steps + 16):
+                state = state * 6364136223846793005ULL + 1442695040888963407ULL
+                if count > 0 and (count == 16 or i >= steps or (state >> 33) & 1):
+                    k = <Py_ssize_t>((state >> 40) % <uint64_t>count)
+                    for b in range(held[k].size):
+                        bad += base[held[k].offset + b] != fills[k]
+                    bad += arena_free(&core.arena, held[k]) != ARENA_OK
+                    count -= 1
+                    held[k] = held[count]
+                    fills[k] = fills[count]
+                elif i < steps:
+                    alignment = 64 << ((state >> 50) & 3)
+                    if arena_allocate(&core.arena, (state >> 20) % 2000, alignment, &held[count]) == ARENA_OK:
+                        fills[count] = <unsigned char>((seed * 31 + i) | 1)
+                        memset(base + held[count].offset, fills[count], held[count].size)
+                        count += 1
+        return bad
+    """
+)
+
+BUILD_PY = textwrap.dedent(
+    """
+    import sys
+    from Cython.Build import cythonize
+    from setuptools import setup
+    setup(ext_modules=cythonize(["churn.pyx"], include_path=[sys.argv[1]], quiet=True),
+          script_args=["build_ext", "--inplace", "-q"])
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def churn(tmp_path_factory):
+    """A small Cython module driving the arena through its nogil C API (``_arena.pxd``)."""
+    pytest.importorskip("Cython")
+    pytest.importorskip("setuptools")
+    where = tmp_path_factory.mktemp("churn")
+    (where / "churn.pyx").write_text(CHURN_PYX)
+    (where / "build.py").write_text(BUILD_PY)
+    include = Path(onnxkv.alloc.__file__).parents[2]  # the folder holding onnxkv/alloc/_arena.pxd
+    subprocess.run([sys.executable, "build.py", str(include)], cwd=where, check=True, capture_output=True)
+    sys.path.insert(0, str(where))
+    try:
+        import churn as module
+    finally:
+        sys.path.remove(str(where))
+    return module.churn
+
+
+def test_two_threads_through_the_nogil_c_api(churn):
+    arena = ArenaAllocator(1 << 16)
+    results: list[int] = []
+    threads = [
+        threading.Thread(target=lambda s=s: results.append(churn(arena._core, s, 200_000)), daemon=True)
+        for s in (1, 2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "C API threads hung: free lists corrupted?"
+    assert results == [0, 0]  # no byte of a held block was overwritten, every free succeeded
+    s = arena.stats()
+    assert s.live == 0 and s.allocations == s.frees > 100_000
     assert arena.largest_free_block == arena.capacity

@@ -187,7 +187,7 @@ def test_view_after_free_raises(allocator):
     with pytest.raises(ValueError, match="freed"):
         buf.view(np.uint8, 8)
     with pytest.raises(ValueError, match="freed"):
-        buf.address
+        _ = buf.address
 
 
 def test_double_free_names_the_allocator(allocator):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -81,9 +82,14 @@ def test_random_sequence_matches_model():
             allocations += 1
         s = alloc.stats()
         assert (s.committed, s.live, s.peak, s.allocations, s.frees) == (
-            model_live, model_live, model_peak, allocations, frees)
+            model_live,
+            model_live,
+            model_peak,
+            allocations,
+            frees,
+        )
     spans = sorted((b.address, b.address + b.nbytes) for b, _ in live)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in pairwise(spans))
 
 
 def test_threads_share_one_allocator():
@@ -93,7 +99,7 @@ def test_threads_share_one_allocator():
     def work(seed: int) -> None:
         try:
             rng = random.Random(seed)
-            for i in range(2000):
+            for _ in range(2000):
                 buf = alloc.allocate(rng.randrange(1, 512))
                 buf.view(np.uint8, buf.nbytes)[:] = seed
                 assert np.all(buf.view(np.uint8, buf.nbytes) == seed)

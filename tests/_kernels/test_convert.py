@@ -1,0 +1,54 @@
+import numpy as np
+import pytest
+
+import onnxkv._kernels as K
+from onnxkv._kernels import reference as R
+
+
+def _specials():
+    return np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.99, 65520.0, 1e6, -1e6,
+                     6.1035156e-05, 6.0e-08, 5.96e-08, 2.98e-08, 2.99e-08, 1e-10, -3.0e-06,
+                     1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 0.1, -7.33], np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 4096, 200001])
+def test_f32_to_f16_matches_numpy(n, threads, simd):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * rng.choice([1e-6, 1e-3, 1.0, 1e3, 1e5], n)).astype(np.float32)
+    if n >= 33:
+        x[:21] = _specials()
+    out, want = np.full(n, 7, np.float16), np.empty(n, np.float16)
+    K.f32_to_f16(x, out)
+    R.f32_to_f16(x, want)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(out.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 65536, 200001])
+def test_f16_to_f32_matches_numpy(n, threads, simd):
+    bits = np.arange(n, dtype=np.uint32) % 65536          # every half value (incl. subnormals, inf, nan)
+    x = bits.astype(np.uint16).view(np.float16).reshape(-1)
+    out, want = np.full(n, 7, np.float32), np.empty(n, np.float32)
+    K.f16_to_f32(x, out)
+    R.f16_to_f32(x, want)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(out.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+
+
+def test_convert_nd_and_bad_args():
+    x = np.linspace(-3, 3, 24, dtype=np.float32).reshape(2, 3, 4)
+    h = np.empty((2, 3, 4), np.float16)
+    K.f32_to_f16(x, h)
+    back = np.empty_like(x)
+    K.f16_to_f32(h, back)
+    np.testing.assert_allclose(back, x, rtol=1e-3)
+    out = np.full((2, 3, 4), 5, np.float16)
+    with pytest.raises(ValueError, match="out"):
+        K.f32_to_f16(x, out[:1])
+    with pytest.raises(ValueError, match="x"):
+        K.f32_to_f16(x.astype(np.float64), out)
+    with pytest.raises(ValueError, match="out"):
+        K.f16_to_f32(h, out)
+    assert np.all(out == 5)
