@@ -33,3 +33,11 @@ class OutOfMemory(OnnxkvError, MemoryError):
 
 class CacheCapacityError(OnnxkvError, ValueError):
     """A KV cache would grow past its fixed capacity; nothing was written."""
+
+
+class StateError(OnnxkvError, RuntimeError):
+    """A state was used wrongly: closed, busy with another call, or fed a bound input."""
+
+
+class Cancelled(OnnxkvError):
+    """A run was cancelled through its :class:`onnxkv.Cancellation` token; nothing was published."""

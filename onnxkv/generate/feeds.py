@@ -38,9 +38,12 @@ class FeedBuilder:
         prompt: int64 [B, L] left-padded prompt ids.
         lengths: int64 [B] number of real tokens per row.
         pad_id: id written into padding positions.
+        thread_cache: feed ``past.*`` from the previous ``present.*`` outputs
+            (tensor path); False when a state supplies the cache.
     """
 
-    def __init__(self, plan_inputs, model, prompt: np.ndarray, lengths: np.ndarray, pad_id: int) -> None:
+    def __init__(self, plan_inputs, model, prompt: np.ndarray, lengths: np.ndarray, pad_id: int,
+                 thread_cache: bool = True) -> None:
         self.model = model
         self.conv = model.convention
         self.io = model.io
@@ -51,6 +54,7 @@ class FeedBuilder:
         self.lengths = lengths.astype(np.int64)
         self.pad_id = pad_id
         self.prompt = prompt
+        self.thread_cache = thread_cache
         self.right_padded = self.kind in ("group_query_attention", "tensor_scatter")
         self.total = 0  # columns of the attention mask / tokens fed so far
         self.history = prompt.copy()  # used when there is no cache
@@ -111,8 +115,9 @@ class FeedBuilder:
             feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
         if self.io.position_ids:
             feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
-        for name in self.conv.past_inputs:
-            feeds[name] = self._empty_past(name)
+        if self.thread_cache:
+            for name in self.conv.past_inputs:
+                feeds[name] = self._empty_past(name)
         if self.kind == "tensor_scatter":
             self._scatter_feeds(feeds, np.zeros(B, np.int64), self.lengths)
         return feeds, read
@@ -140,9 +145,10 @@ class FeedBuilder:
             feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
         if self.io.position_ids:
             feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
-        for layer in self.conv.layers:
-            feeds[layer.past_key] = outputs[layer.present_key]
-            feeds[layer.past_value] = outputs[layer.present_value]
+        if self.thread_cache:
+            for layer in self.conv.layers:
+                feeds[layer.past_key] = outputs[layer.present_key]
+                feeds[layer.past_value] = outputs[layer.present_value]
         if self.kind == "tensor_scatter":
             self._scatter_feeds(feeds, valid, valid + 1)
         return feeds

@@ -120,6 +120,8 @@ def generate(
     attention_mask=None,
     threads: int | None = None,
     callback: Callable[[int, np.ndarray], None] | None = None,
+    cache: str = "auto",
+    capacity: int | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt row.
 
@@ -136,6 +138,10 @@ def generate(
             (default: the model's pad id, else the first EOS, else 0).
         attention_mask: 0/1 [B, L]; zeros mark left padding.
         callback: called after each new token as ``callback(step, tokens[B])``.
+        cache: ``"auto"`` runs a recognised cache in place on a persistent
+            state (nothing of cache size copied per token); ``"tensor"``
+            threads it through the graph as tensors (past -> present).
+        capacity: fixed cache capacity for the in-place path (None: grows).
 
     Raises:
         InputError: bad arguments (the message names the argument and value).
@@ -158,8 +164,18 @@ def generate(
                          f"max_length {model.max_length}")
     ids = np.where(mask == 1, ids, pad_token_id)
 
-    builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, int(pad_token_id))
-    fetch = [model.io.logits, *model.convention.present_outputs]
+    if cache not in ("auto", "tensor"):
+        raise InputError(f"generate: cache must be 'auto' or 'tensor', got {cache!r}")
+    in_place = cache == "auto" and bool(sess.bindings)
+    builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, int(pad_token_id), thread_cache=not in_place)
+    if in_place:
+        state = sess.new_state(capacity=capacity, initial_capacity=max(32, L + min(max_new_tokens, 256)))
+        fetch = [model.io.logits]
+        run = state.run
+    else:
+        state = None
+        fetch = [model.io.logits, *model.convention.present_outputs]
+        run = sess.run
     eos_arr = np.array(eos, dtype=np.int64)
     finished = np.zeros(B, dtype=bool)
     new_tokens: list[np.ndarray] = []
@@ -168,7 +184,7 @@ def generate(
     if max_new_tokens > 0:
         feeds, read = builder.first()
         t0 = time.perf_counter()
-        out = sess.run(feeds, fetch)
+        out = run(feeds, fetch)
         prefill = time.perf_counter() - t0
         for step in range(max_new_tokens):
             logits = out[model.io.logits]
@@ -185,8 +201,10 @@ def generate(
                 break
             feeds = builder.next(tok, out)
             t0 = time.perf_counter()
-            out = sess.run(feeds, fetch)
+            out = run(feeds, fetch)
             step_seconds.append(time.perf_counter() - t0)
+    if state is not None:
+        state.close()
     tokens = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((B, 0), dtype=np.int64)
     return GenerationResult(np.concatenate([ids, tokens], axis=1), tokens, lengths, finished,
                             prefill, float(sum(step_seconds)), step_seconds)

@@ -22,22 +22,48 @@ class RunContext:
     (graph outputs, or views of them) get ordinary NumPy memory.  The kernel
     must write every element it returns.
 
+    ``caches`` maps bound past inputs to their persistent
+    :class:`~onnxkv.cache.contiguous.CacheTensor` when the run belongs to a
+    state (None for a stateless run); kernels bound to a cache write through
+    :meth:`cache_write`.
+
     ``count(**counters)`` adds storage counters (names in
     :data:`STORAGE_COUNTERS`) to the current node's event; it costs nothing
     when the event log is off.
     """
 
-    __slots__ = ("_plan_alloc", "_node", "counters", "recording", "step")
+    __slots__ = ("_plan_alloc", "_node", "counters", "recording", "step", "caches", "cache_events")
 
-    def __init__(self, plan_alloc, recording: bool, step: int) -> None:
+    def __init__(self, plan_alloc, recording: bool, step: int, caches: dict | None = None) -> None:
         self._plan_alloc = plan_alloc
         self._node = 0
         self.recording = recording
         self.counters: dict[str, int] = {}
         self.step = step
+        self.caches = caches
+        self.cache_events: list = []
 
     def empty(self, index: int, shape, dtype) -> np.ndarray:
         return self._plan_alloc(self, index, shape, np.dtype(dtype))
+
+    def in_place(self, past: str) -> bool:
+        """True when this run binds the graph input ``past`` to a persistent cache."""
+        return self.caches is not None and past in self.caches
+
+    def cache_write(self, past: str, new: np.ndarray, starts, length: int) -> np.ndarray:
+        """Write ``new`` [B, H, S, D] into the cache bound to ``past`` in place.
+
+        Row ``b`` is written at ``starts[b]`` (or ``starts`` for all rows); the
+        cache's valid length becomes ``length`` when the run is committed.
+        Returns the zero-copy view ``[:, :, :length]`` of the cache (the
+        present value).  Growth and appended bytes are recorded as a
+        ``cache_write`` event of this node when the event log is on.
+        """
+        cache = self.caches[past]
+        cost = cache.write(new, starts, length)
+        if self.recording:
+            self.cache_events.append((past, cost))
+        return cache.view(length)
 
     def count(self, **counters: int) -> None:
         if self.recording:

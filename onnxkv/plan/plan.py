@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnxkv.errors import InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
+from onnxkv.errors import Cancelled, InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
 from onnxkv.events import EventLog
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.context import RunContext
@@ -128,6 +128,8 @@ class Plan:
             temporaries.
         present_outputs / past_inputs: cache value names (for storage counters).
         fuse: apply the fusions of :mod:`onnxkv.plan.fusion` (results are unchanged).
+        bindings: :class:`~onnxkv.model.rewrite.CacheBinding` s whose nodes write
+            in place when a state supplies caches to :meth:`run`.
 
     A plan is immutable after construction and may be run from one thread at
     a time per :class:`RunContext`; ``run`` allocates its own slot list.
@@ -140,6 +142,7 @@ class Plan:
         present_outputs: Iterable[str] = (),
         past_inputs: Iterable[str] = (),
         fuse: bool = True,
+        bindings: Iterable = (),
     ) -> None:
         graph = model.graph
         self.allocator = allocator
@@ -186,7 +189,12 @@ class Plan:
             subgraph_reads = {x for n in nodes for x in _node_reads(n)} - {x for n in nodes for x in n.input}
             nodes = fuse_silu_gate(nodes, {o.name for o in graph.output} | subgraph_reads)
 
-        self.build_context = BuildContext(self.opsets, constants, frozenset(present_outputs), frozenset(past_inputs))
+        self.bindings = list(bindings)
+        by_node: dict[str, list] = {}
+        for b in self.bindings:
+            by_node.setdefault(b.node, []).append(b)
+        self.build_context = BuildContext(self.opsets, constants, frozenset(present_outputs), frozenset(past_inputs),
+                                          by_node)
         self.fallback_nodes: list[str] = []
         kernels: list[Op] = []
         kept_nodes: list[onnx.NodeProto] = []
@@ -309,7 +317,7 @@ class Plan:
         self.frees = [tuple(f) for f in frees]
 
     # -- running -------------------------------------------------------
-    def bind_inputs(self, feeds: Mapping[str, np.ndarray]) -> list:
+    def bind_inputs(self, feeds: Mapping[str, np.ndarray], views: Mapping | None = None) -> list:
         """Validate feeds against the graph inputs; return the initial slot list."""
         slots = self._template.copy()
         known = self.slot_of
@@ -333,12 +341,19 @@ class Plan:
                 for have, want in zip(v.shape, g.shape):
                     if isinstance(want, int) and want > 0 and have != want:
                         raise InputError(f"Session.run: input '{g.name}' has shape {v.shape}, expected {g.shape}")
-            slots[s] = v if v.flags.c_contiguous else v.copy(order="C")
+            slots[s] = v if v.flags.c_contiguous or (views and g.name in views) else v.copy(order="C")
         return slots
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None,
-            events: EventLog | None = None, step: int = 0) -> dict[str, np.ndarray]:
-        """Run every node once and return the requested graph outputs (all by default)."""
+            events: EventLog | None = None, step: int = 0, caches: dict | None = None,
+            cache_allocator=None, cancel=None) -> dict[str, np.ndarray]:
+        """Run every node once and return the requested graph outputs (all by default).
+
+        ``caches`` (past input name -> CacheTensor) makes bound nodes write in
+        place; their past feeds are the caches' zero-copy views.  Staged cache
+        lengths are committed or discarded by the caller (the state).
+        ``cancel`` (an object with a ``cancelled`` flag) is checked between nodes.
+        """
         if output_names is None:
             out_slots = self.output_slots
             output_names = self.output_names
@@ -348,15 +363,15 @@ class Plan:
                 if name not in self.output_names:
                     raise InputError(f"Session.run: unknown output '{name}'; outputs are: {', '.join(self.output_names)}")
                 out_slots.append(self.slot_of[name])
-        slots = self.bind_inputs(feeds)
+        slots = self.bind_inputs(feeds, caches)
         bufs: dict[int, object] = {}
         recording = events is not None and events.enabled
-        rt = RunContext(self._allocator_for(bufs), recording, step)
+        rt = RunContext(self._allocator_for(bufs), recording, step, caches)
         try:
             if recording:
-                self._run_recording(slots, bufs, rt, events, step)
+                self._run_recording(slots, bufs, rt, events, step, cache_allocator, cancel)
             else:
-                self._run_plain(slots, bufs, rt)
+                self._run_plain(slots, bufs, rt, cancel)
         finally:
             free = self.allocator.free
             for b in bufs.values():
@@ -392,12 +407,14 @@ class Plan:
         node = self.nodes[k]
         return OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}")
 
-    def _run_plain(self, slots: list, bufs: dict, rt: RunContext) -> None:
+    def _run_plain(self, slots: list, bufs: dict, rt: RunContext, cancel=None) -> None:
         free = self.allocator.free
         k = 0
         try:
             for k, (run, ins, outs) in enumerate(self._steps):
                 rt._node = k
+                if cancel is not None and cancel.cancelled:
+                    raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
                 results = run([slots[i] if i >= 0 else None for i in ins], rt)
                 for s, v in zip(outs, results):
                     if s >= 0:
@@ -413,13 +430,16 @@ class Plan:
         except Exception as e:
             raise self._node_failure(k, e) from e
 
-    def _run_recording(self, slots: list, bufs: dict, rt: RunContext, events: EventLog, step: int) -> None:
+    def _run_recording(self, slots: list, bufs: dict, rt: RunContext, events: EventLog, step: int,
+                       cache_allocator=None, cancel=None) -> None:
         allocator = self.allocator
         free = allocator.free
         k = 0
         try:
             for k, (run, ins, outs) in enumerate(self._steps):
                 rt._node = k
+                if cancel is not None and cancel.cancelled:
+                    raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
                 rt.counters = {}
                 t0 = time.perf_counter()
                 results = run([slots[i] if i >= 0 else None for i in ins], rt)
@@ -431,6 +451,13 @@ class Plan:
                 node = self.nodes[k]
                 events.record(step, node.name or node.output[0], node.op_type, "execute", seconds=dt,
                               committed=st.committed, live=st.live, peak=st.peak, **rt.counters)
+                if rt.cache_events:
+                    cst = cache_allocator.stats()
+                    for past, cost in rt.cache_events:
+                        events.record(step, node.name or node.output[0], node.op_type, "cache_write",
+                                      committed=cst.committed, live=cst.live, peak=cst.peak,
+                                      extra={"cache": past}, **vars(cost))
+                    rt.cache_events.clear()
                 for s in self.release[k]:
                     slots[s] = None
                 for s in self.frees[k]:

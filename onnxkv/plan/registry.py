@@ -54,6 +54,8 @@ class BuildContext:
         present_outputs: names of graph outputs that carry a KV cache
             (``present.*``); kernels producing them count storage events.
         past_inputs: names of graph inputs that carry a KV cache (``past*``).
+        bindings: node name -> the :class:`~onnxkv.model.rewrite.CacheBinding`
+            s that node may serve in place (when a state runs the plan).
     """
 
     def __init__(
@@ -62,11 +64,13 @@ class BuildContext:
         constants: dict[str, np.ndarray] | None = None,
         present_outputs: frozenset[str] = frozenset(),
         past_inputs: frozenset[str] = frozenset(),
+        bindings: dict[str, list] | None = None,
     ) -> None:
         self.opsets = opsets
         self.constants = constants if constants is not None else {}
         self.present_outputs = present_outputs
         self.past_inputs = past_inputs
+        self.bindings = bindings or {}
 
     def opset(self, domain: str = "") -> int:
         return self.opsets.get(DOMAIN_ALIASES.get(domain, domain), 0)
@@ -85,6 +89,10 @@ class BuildContext:
                 v = [s.decode("utf-8") for s in v]
             out[a.name] = v
         return out
+
+    def bindings_for(self, node: onnx.NodeProto) -> dict[str, object]:
+        """``past`` input name -> binding, for the cache values this node serves in place."""
+        return {b.past: b for b in self.bindings.get(node.name or node.output[0], [])}
 
     def constant(self, name: str) -> np.ndarray | None:
         """The value of ``name`` if it is known at build time (initializer/Constant)."""

@@ -12,7 +12,9 @@ from onnxkv._threads import ThreadControl
 from onnxkv.alloc import as_allocator
 from onnxkv.events import EventLog
 from onnxkv.model import Model, load
+from onnxkv.model.rewrite import inplace_bindings
 from onnxkv.plan.plan import Plan
+from onnxkv.runtime.state import State
 
 __all__ = ["Session"]
 
@@ -40,8 +42,10 @@ class Session:
         self.events = EventLog(enabled=bool(events))
         self._threads = ThreadControl(threads)
         conv = self.model.convention
+        #: Past/present pairs that a state runs in place (empty: tensor path only).
+        self.bindings = inplace_bindings(self.model.proto, conv)
         self.plan = Plan(self.model.proto, self.allocator, present_outputs=conv.present_outputs,
-                         past_inputs=conv.past_inputs)
+                         past_inputs=conv.past_inputs, bindings=self.bindings)
         self._step = 0
 
     @property
@@ -68,11 +72,20 @@ class Session:
             InputError: unknown/missing inputs, wrong dtype or shape.
             OperatorError: a node failed (the message names it).
         """
+        return self._run_plan(feeds, output_names)
+
+    def _run_plan(self, feeds, output_names, caches=None, cache_allocator=None, cancel=None) -> dict:
         step = self._step
-        with self._threads:
-            out = self.plan.run(feeds, output_names, self.events if self.events.enabled else None, step)
         self._step += 1
-        return out
+        with self._threads:
+            return self.plan.run(feeds, output_names, self.events if self.events.enabled else None, step,
+                                 caches, cache_allocator, cancel)
+
+    def new_state(self, initial=None, capacity: int | None = None, initial_capacity: int = 32,
+                  allocator=None) -> State:
+        """A persistent per-request :class:`~onnxkv.runtime.state.State` (see there)."""
+        return State(self, initial=initial, capacity=capacity, initial_capacity=initial_capacity,
+                     allocator=allocator)
 
     def __repr__(self) -> str:
         src = self.model.path or "<in-memory model>"

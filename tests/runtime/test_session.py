@@ -53,9 +53,9 @@ def test_threads_apply_during_run_and_are_restored():
         onnxkv.Session(build_model("concat", MICRO), threads=0)
 
 
-def test_event_log_counts_cache_copies_and_exports_json(tmp_path):
+def test_event_log_counts_tensor_path_cache_copies_and_exports_json(tmp_path):
     sess = onnxkv.Session(build_model("concat", MICRO), threads=1, events=True)
-    res = onnxkv.generate(sess, np.array([[1, 2, 3, 4]]), 3, eos_token_id=[])
+    res = onnxkv.generate(sess, np.array([[1, 2, 3, 4]]), 3, eos_token_id=[], cache="tensor")
     assert res.tokens.shape == (1, 3)
     log = sess.events
     assert log.steps() == [0, 1, 2]

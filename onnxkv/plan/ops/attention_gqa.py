@@ -33,10 +33,10 @@ Semantics:
   zero-filled, rows ``[0, past_b)`` are copied from ``past``, and the ``S`` new
   rows are written at ``[past_b, past_b + S)``.  On the first prompt all ``S``
   rows are written, right padding included (as ORT does).
-  *Shared-buffer mode* (a later issue: ``past_key`` and ``present_key`` are the
-  same ``[B, Hkv, max_len, D]`` buffer, as GenAI binds them): ``L = P`` (the
-  capacity), nothing is zero-filled or copied and only the ``S`` new rows are
-  written in place at ``past_b``.
+  *Shared-buffer mode* (when a state binds the past to its persistent cache,
+  as GenAI binds past and present to one buffer): nothing is zero-filled or
+  copied; only the ``S`` new rows are written in place at ``past_b`` and the
+  present is a zero-copy view ``[:, :, :L]`` of the cache.
 * **Right padding.** Batch rows shorter than the longest are right padded;
   ``seqlens_k`` gives each row's valid length.  Key ``j`` is visible to row
   ``b`` only if ``j < total_b``.  Padding query rows of a first prompt
@@ -126,6 +126,7 @@ class GroupQueryAttention(Op):
         if len(node.output) > 3 and node.output[3]:
             raise self.error("output 'output_qk' is not supported")
         self.has_present = tuple(i < len(node.output) and bool(node.output[i]) for i in (1, 2))
+        self.bound = bool(ctx.bindings_for(node))
 
     def _reject_attr(self, name: str, default: int, message: str) -> None:
         if int(self.attrs.get(name, default)) != default:
@@ -159,12 +160,19 @@ class GroupQueryAttention(Op):
         if self.do_rotary:
             q, k = self._rotary(q, k, cos, sin, position_ids, q_pos, first_prompt)
 
-        present_k = self._present(rt, 1, past_key, k, past_lens, present_len, dtype)
-        present_v = self._present(rt, 2, past_value, v, past_lens, present_len, dtype)
+        if self.bound and rt.in_place(self.node.input[3]):
+            # Shared-buffer mode: new rows go straight into the state's caches at past_b.
+            present_k = rt.cache_write(self.node.input[3], k, past_lens, present_len)
+            present_v = rt.cache_write(self.node.input[4], v, past_lens, present_len)
+            keys, values = rt.caches[self.node.input[3]].buffer, rt.caches[self.node.input[4]].buffer
+        else:
+            present_k = self._present(rt, 1, past_key, k, past_lens, present_len, dtype)
+            present_v = self._present(rt, 2, past_value, v, past_lens, present_len, dtype)
+            keys, values = present_k, present_v
 
         out = np.empty((b, hq, s, d), np.float32)
         sink = self._sink(head_sink)
-        qf, kf, vf = (t.astype(np.float32, copy=False) for t in (q, present_k, present_v))
+        qf, kf, vf = (t.astype(np.float32, copy=False) for t in (q, keys, values))
         scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
         if attn_bias is None and sink is None:
             causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out)

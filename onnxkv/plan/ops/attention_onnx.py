@@ -92,6 +92,7 @@ class Attention23(Op):
         self.want = tuple(bool(o) for o in outs[:4])
         if self.want[1] != self.want[2]:
             raise self.error("present_key and present_value must be requested together")
+        self.bound = bool(ctx.bindings_for(node))
 
     def _input_error(self, message: str) -> InputError:
         return InputError(f"{self.op_type} node '{self.name}': {message}")
@@ -115,11 +116,19 @@ class Attention23(Op):
                     f"got shape {nonpad.shape} values {nonpad.tolist()}"
                 )
 
-        if past_k is not None or self.want[1]:
+        keys = values = None
+        if self.bound and rt.in_place(self.node.input[4]):
+            # In place: append after the past in the state's caches; present is a view.
+            present_k = rt.cache_write(self.node.input[4], k, past_len, past_len + k.shape[2])
+            present_v = rt.cache_write(self.node.input[5], v, past_len, past_len + v.shape[2])
+            keys, values = rt.caches[self.node.input[4]].buffer, rt.caches[self.node.input[5]].buffer
+        elif past_k is not None or self.want[1]:
             present_k = self._present(rt, 1, past_k, k)
             present_v = self._present(rt, 2, past_v, v)
         else:
             present_k, present_v = k, v
+        if keys is None:
+            keys, values = present_k, present_v
         total = present_k.shape[2]
         scale = float(self.scale) if self.scale is not None else 1.0 / np.sqrt(d)
 
@@ -138,7 +147,7 @@ class Attention23(Op):
                 q_pos = offsets[:, None] + np.arange(sq)[None, :]
             else:
                 q_pos = np.broadcast_to(np.int64(total), (b, sq))
-            causal_attention(q, present_k, present_v, kv_len, q_pos, scale, self.softcap, -1, y)
+            causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y)
         else:
             bias = self._bias(mask, b, hq, sq, total, offsets, nonpad, q.dtype)
             y, scores = dense_attention(

@@ -7,6 +7,8 @@ Operators that can return a view of their data input declare
 (older opsets) are both accepted.  A Concat whose output is a KV-cache graph
 output (``present.*``) counts its copies: the bytes of the past input as
 ``prefix_copied_bytes`` and the new tokens as ``append_copied_bytes``.
+When a state binds that past to a persistent cache, the Concat becomes an
+in-place append and its output a zero-copy view of the valid cache.
 """
 
 from __future__ import annotations
@@ -124,8 +126,14 @@ class Concat(Op):
         super().__init__(node, ctx)
         self.axis = int(self.attrs["axis"])
         self.is_cache = node.output[0] in ctx.present_outputs
+        self.bound_past = node.input[0] if ctx.bindings_for(node) else None
 
     def run(self, inputs: list, rt) -> tuple:
+        if self.bound_past is not None and rt.in_place(self.bound_past):
+            # In place: append the new positions to the state's cache; readers get a view.
+            past, new = inputs
+            length = past.shape[2]
+            return (rt.cache_write(self.bound_past, new, length, length + new.shape[2]),)
         xs = [x for x in inputs if x is not None]
         axis = normalize_axis(self.axis, xs[0].ndim, f"Concat '{self.name}'")
         shape = list(xs[0].shape)

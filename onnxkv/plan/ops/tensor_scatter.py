@@ -43,6 +43,7 @@ class TensorScatter(Op):
             raise self.error(f"mode must be 'linear' or 'circular', got {self.mode!r}")
         if self.axis == 0:
             raise self.error("axis must not be 0 (the batch axis)")
+        self.bound_past = node.input[0] if ctx.bindings_for(node) else None
 
     def _input_error(self, message: str) -> InputError:
         return InputError(f"{self.op_type} node '{self.name}': {message}")
@@ -81,6 +82,9 @@ class TensorScatter(Op):
                     f"linear mode needs 0 <= index and index + {seq} <= {max_len}"
                 )
 
+        if self.bound_past is not None and rt.in_place(self.bound_past):
+            # In place: the update goes straight into the state's static cache.
+            return (rt.cache_write(self.bound_past, update, starts, max_len),)
         present = rt.empty(0, past.shape, past.dtype)
         present[...] = past
         steps = np.arange(seq, dtype=np.int64)

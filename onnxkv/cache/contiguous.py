@@ -1,0 +1,159 @@
+"""Contiguous, persistent, in-place KV cache storage.
+
+A :class:`CacheTensor` holds one cache value (the keys *or* the values of one
+layer) as ``[batch, kv_heads, capacity, head_size]`` in a buffer from the
+state's persistent allocator.  ``length`` is the number of positions that are
+valid (the view a standard model sees as its ``past``); positions at and
+after ``length`` hold garbage.
+
+Writes only ever touch positions ``>= start`` of the rows being written, and
+the new length is *staged*: the owning state commits it after the whole run
+succeeded, or discards it.  So a failed run leaves every valid byte as it was.
+
+Capacity is fixed (``growable=False``: overflow raises
+:class:`~onnxkv.errors.CacheCapacityError` before anything is written) or
+grows geometrically, doubling until it fits (the valid prefix is copied once
+per growth; the copy is reported to the caller for the event log).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxkv.errors import CacheCapacityError
+
+__all__ = ["CacheTensor", "WriteCost"]
+
+
+@dataclass
+class WriteCost:
+    """Bytes one cache action allocated and copied (for the event log)."""
+
+    allocations: int = 0
+    allocated_bytes: int = 0
+    prefix_copied_bytes: int = 0
+    append_copied_bytes: int = 0
+
+
+class CacheTensor:
+    """One persistent cache value; see the module docstring.
+
+    Args:
+        name: the graph input it feeds (``past_key_values.N.key``).
+        shape: ``(batch, kv_heads, head_size)``.
+        dtype: element type.
+        allocator: persistent allocator (``allocate``/``free``/``stats``).
+        capacity: initial capacity in positions (> 0).
+        growable: grow geometrically past ``capacity`` instead of raising.
+        max_capacity: never grow past this (None = unbounded).
+
+    Ownership: the state owning this object is the only writer.  ``view()``
+    and ``buffer`` are handed to kernels of that state's runs only.
+    """
+
+    def __init__(self, name: str, shape: tuple[int, int, int], dtype, allocator, capacity: int,
+                 growable: bool = True, max_capacity: int | None = None) -> None:
+        if capacity < 1:
+            raise CacheCapacityError(f"cache '{name}': capacity must be at least 1, got {capacity}")
+        self.name = name
+        self.batch, self.heads, self.head_size = (int(x) for x in shape)
+        self.dtype = np.dtype(dtype)
+        self.allocator = allocator
+        self.growable = growable
+        self.max_capacity = max_capacity
+        self.length = 0
+        self.staged: int | None = None
+        self.growths = 0
+        self._buf, self.buffer = self._allocate(capacity)
+
+    # -- storage ---------------------------------------------------------
+    def _allocate(self, capacity: int):
+        nbytes = self.batch * self.heads * capacity * self.head_size * self.dtype.itemsize
+        buf = self.allocator.allocate(nbytes, 64)
+        return buf, buf.view(self.dtype, (self.batch, self.heads, capacity, self.head_size))
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Committed bytes of this cache value (its whole capacity)."""
+        return self.buffer.nbytes
+
+    def view(self, length: int | None = None) -> np.ndarray:
+        """Zero-copy view ``buffer[:, :, :length]`` (default: the valid length)."""
+        return self.buffer[:, :, : self.length if length is None else length]
+
+    def release(self) -> None:
+        """Return the storage to the allocator (the object is unusable after)."""
+        if self._buf is not None:
+            self.allocator.free(self._buf)
+            self._buf = None
+            self.buffer = None
+
+    # -- writes ------------------------------------------------------------
+    def reserve(self, needed: int) -> WriteCost:
+        """Make room for ``needed`` positions, growing geometrically if allowed.
+
+        Raises :class:`CacheCapacityError` (nothing changed) when the cache is
+        fixed or would pass ``max_capacity``.
+        """
+        cap = self.capacity
+        if needed <= cap:
+            return WriteCost()
+        if not self.growable:
+            raise CacheCapacityError(
+                f"cache '{self.name}': {needed} positions needed, fixed capacity is {cap}")
+        new_cap = cap
+        while new_cap < needed:
+            new_cap *= 2
+        if self.max_capacity is not None:
+            if needed > self.max_capacity:
+                raise CacheCapacityError(
+                    f"cache '{self.name}': {needed} positions needed, max capacity is {self.max_capacity}")
+            new_cap = min(new_cap, self.max_capacity)
+        new_buf, arr = self._allocate(new_cap)  # OutOfMemory here leaves everything as it was
+        valid = max(self.length, self.staged or 0)
+        arr[:, :, :valid] = self.buffer[:, :, :valid]
+        self.allocator.free(self._buf)
+        self._buf, self.buffer = new_buf, arr
+        self.growths += 1
+        return WriteCost(1, arr.nbytes, self.batch * self.heads * valid * self.head_size * self.dtype.itemsize, 0)
+
+    def write(self, new: np.ndarray, starts: np.ndarray | int, length: int) -> WriteCost:
+        """Write ``new`` [B, H, S, D] at positions ``starts[b] ...`` of each row; stage ``length``.
+
+        ``starts`` is one int for every row or an int array [B].  Returns the
+        cost: growth (if any) plus the appended bytes.
+        """
+        b, h, s, d = new.shape
+        if (b, h, d) != (self.batch, self.heads, self.head_size):
+            raise CacheCapacityError(
+                f"cache '{self.name}': update of shape {new.shape} does not fit "
+                f"[{self.batch}, {self.heads}, capacity, {self.head_size}]")
+        if np.isscalar(starts) or np.ndim(starts) == 0:
+            start = int(starts)
+            cost = self.reserve(max(start + s, length))
+            self.buffer[:, :, start:start + s] = new
+        else:
+            starts = np.asarray(starts, np.int64)
+            cost = self.reserve(max(int((starts + s).max()), length))
+            for row in range(b):
+                p = int(starts[row])
+                self.buffer[row, :, p:p + s] = new[row]
+        cost.append_copied_bytes += new.nbytes
+        self.staged = length
+        return cost
+
+    def commit(self) -> None:
+        """Publish the staged length (after a successful run)."""
+        if self.staged is not None:
+            self.length = self.staged
+            self.staged = None
+
+    def discard(self) -> None:
+        """Forget the staged length (after a failed run)."""
+        self.staged = None

@@ -1,0 +1,293 @@
+"""Persistent per-request state: caches that live across runs, updated in place.
+
+``state = session.new_state(...)`` then ``state.run(feeds)`` for every step of
+one request.  Every past input the plan binds (see
+:mod:`onnxkv.model.rewrite`) is fed from the state's persistent
+:class:`~onnxkv.cache.contiguous.CacheTensor`: the nodes joining past and
+present write only the new positions, in place; nothing of cache size is
+allocated or copied per token.
+
+Atomicity: writes go only to positions past each row's valid length and the
+new lengths are staged; they are committed together after the whole run
+succeeded.  A failed or cancelled run discards them, leaving every valid byte
+and every length exactly as before, so the call can be retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from onnxkv.alloc import as_allocator
+from onnxkv.cache.contiguous import CacheTensor
+from onnxkv.errors import CacheCapacityError, InputError, StateError
+
+__all__ = ["State", "Cancellation"]
+
+
+class Cancellation:
+    """A token to cancel a running :meth:`State.run` from another thread.
+
+    The plan checks it between nodes; a cancelled run raises
+    :class:`~onnxkv.errors.Cancelled` and publishes nothing.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+class State:
+    """One request's persistent values (see the module docstring).
+
+    Args:
+        session: the :class:`~onnxkv.Session` whose plan runs.
+        initial: optional past input name -> array [B, H, L, D] to start from
+            (copied in); every bound past must be given, with one length.
+        capacity: fixed capacity in positions (overflow raises
+            :class:`~onnxkv.errors.CacheCapacityError`); None = grow
+            geometrically from ``initial_capacity``.
+        initial_capacity: first capacity of growable caches.
+        allocator: persistent allocator for the caches (default: a
+            :class:`~onnxkv.alloc.SystemAllocator`), separate from the
+            session's allocator for temporaries.
+
+    One state per request; many states per session.  Two states never share
+    writable storage.  Calls on one state must not overlap (a second
+    concurrent call raises :class:`~onnxkv.errors.StateError`).
+    """
+
+    def __init__(self, session, initial: Mapping[str, np.ndarray] | None = None, capacity: int | None = None,
+                 initial_capacity: int = 32, allocator=None) -> None:
+        for name, v in (("capacity", capacity), ("initial_capacity", initial_capacity)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise InputError(f"new_state: {name} must be a positive int, got {v!r}")
+        self.session = session
+        self.bindings = list(session.bindings)
+        self.capacity = None if capacity is None else int(capacity)
+        self.initial_capacity = int(initial_capacity)
+        self.allocator = as_allocator(allocator)
+        self.steps = 0
+        self._caches: dict[str, CacheTensor] | None = None
+        self._busy = threading.Lock()
+        self._closed = False
+        conv = session.model.convention
+        self._static = conv.kind == "tensor_scatter"
+        self._static_capacity = conv.capacity
+        self._graph_inputs = {g.name: g for g in session.plan.inputs}
+        if initial is not None:
+            self.reset(initial)
+
+    # -- properties --------------------------------------------------------
+    @property
+    def bound_inputs(self) -> list[str]:
+        return [b.past for b in self.bindings]
+
+    @property
+    def values(self) -> dict[str, np.ndarray]:
+        """Read-only zero-copy views of the valid cache contents, by past input name."""
+        out = {}
+        for name, c in (self._caches or {}).items():
+            v = c.view()
+            v.flags.writeable = False
+            out[name] = v
+        return out
+
+    @property
+    def length(self) -> int:
+        """Valid positions in the caches (0 before the first run)."""
+        return 0 if not self._caches else next(iter(self._caches.values())).length
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of cache storage this state holds (whole capacities)."""
+        return sum(c.nbytes for c in (self._caches or {}).values())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- cache management --------------------------------------------------
+    def _geometry(self, name: str, batch: int) -> tuple[tuple[int, int, int], np.dtype]:
+        g = self._graph_inputs[name]
+        conv = self.session.model.convention
+        dims = g.shape or (None,) * 4
+        heads = dims[1] if isinstance(dims[1], int) else conv.kv_heads
+        head = dims[3] if isinstance(dims[3], int) else conv.head_size
+        if heads is None or head is None:
+            raise StateError(f"State: cannot tell the KV heads / head size of '{name}' from the model")
+        return (batch, heads, head), g.dtype
+
+    def _new_cache(self, name: str, batch: int, length: int = 0) -> CacheTensor:
+        shape, dtype = self._geometry(name, batch)
+        if self._static:
+            c = CacheTensor(name, shape, dtype, self.allocator, self._static_capacity, growable=False)
+            c.buffer[...] = 0
+            c.length = self._static_capacity
+            return c
+        cap = self.capacity if self.capacity is not None else max(self.initial_capacity, length)
+        if length > cap:
+            raise CacheCapacityError(f"State: initial length {length} exceeds the fixed capacity {cap}")
+        return CacheTensor(name, shape, dtype, self.allocator, cap, growable=self.capacity is None)
+
+    def _ensure_caches(self, batch: int) -> dict[str, CacheTensor]:
+        if self._caches is None:
+            caches = {}
+            try:
+                for b in self.bindings:
+                    caches[b.past] = self._new_cache(b.past, batch)
+            except Exception:
+                for c in caches.values():
+                    c.release()
+                raise
+            self._caches = caches
+        else:
+            have = next(iter(self._caches.values())).batch if self._caches else batch
+            if have != batch:
+                raise InputError(f"State.run: batch size {batch} differs from the state's {have}; reset the state first")
+        return self._caches
+
+    def _release(self) -> None:
+        for c in (self._caches or {}).values():
+            c.release()
+        self._caches = None
+
+    def reset(self, initial: Mapping[str, np.ndarray] | None = None) -> None:
+        """Drop the caches (back to empty), or start from ``initial`` contents (copied)."""
+        self._check_open("reset")
+        with self._exclusive("reset"):
+            if initial is None:
+                self._release()
+                self.steps = 0
+                return
+            missing = [n for n in self.bound_inputs if n not in initial]
+            unknown = [n for n in initial if n not in self.bound_inputs]
+            if missing or unknown:
+                raise InputError(f"State.reset: initial must give exactly the bound inputs {self.bound_inputs}; "
+                                 f"missing {missing}, unknown {unknown}")
+            arrays = {n: np.asarray(a) for n, a in initial.items()}
+            lengths = {a.shape[2] if a.ndim == 4 else None for a in arrays.values()}
+            batches = {a.shape[0] if a.ndim == 4 else None for a in arrays.values()}
+            if None in lengths or len(lengths) != 1 or len(batches) != 1:
+                raise InputError("State.reset: initial arrays must be [batch, heads, length, head_size] "
+                                 "with one batch size and one length")
+            length, batch = lengths.pop(), batches.pop()
+            new: dict[str, CacheTensor] = {}
+            try:
+                for name, a in arrays.items():
+                    c = self._new_cache(name, batch, length)
+                    if a.shape[1:] != (c.heads, a.shape[2], c.head_size) or a.dtype != c.dtype:
+                        raise InputError(f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
+                                         f"[{batch}, {c.heads}, L, {c.head_size}] {c.dtype}")
+                    c.buffer[:, :, :length] = a
+                    c.length = c.capacity if self._static else length
+                    new[name] = c
+            except Exception:
+                for c in new.values():
+                    c.release()
+                raise
+            self._release()
+            self._caches = new
+            self.steps = 0
+
+    def close(self) -> None:
+        """Release the caches; the state cannot be used afterwards."""
+        if not self._closed:
+            with self._exclusive("close"):
+                self._release()
+                self._closed = True
+
+    def __enter__(self) -> State:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self, api: str) -> None:
+        if self._closed:
+            raise StateError(f"State.{api}: the state is closed")
+
+    @contextlib.contextmanager
+    def _exclusive(self, api: str) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            raise StateError(f"State.{api}: another call is running on this state (calls must not overlap)")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    # -- running -------------------------------------------------------------
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None,
+            cancel: Cancellation | None = None) -> dict[str, np.ndarray]:
+        """Run one step: bound past inputs come from the state, the caller feeds the rest.
+
+        Returns the requested outputs (default: every output that is not a
+        bound present).  A bound present asked for by name is exported as a
+        copy of the valid cache (counted as an ``export`` event).
+
+        Raises:
+            StateError: the state is closed, busy, or a bound input was fed.
+            InputError / OperatorError / CacheCapacityError / Cancelled: the
+                run failed; the state is unchanged.
+        """
+        self._check_open("run")
+        bound = set(self.bound_inputs)
+        fed = sorted(bound & set(feeds))
+        if fed:
+            raise StateError(f"State.run: {fed} are bound to the state's caches and must not be fed")
+        presents = {b.present: b.past for b in self.bindings}
+        if output_names is None:
+            output_names = [n for n in self.session.output_names if n not in presents]
+        with self._exclusive("run"):
+            batch = self._batch(feeds)
+            caches = self._ensure_caches(batch)
+            full = dict(feeds)
+            for name, c in caches.items():
+                full[name] = c.view()
+            try:
+                out = self.session._run_plan(full, output_names, caches, self.allocator, cancel)
+            except BaseException:
+                for c in caches.values():
+                    c.discard()
+                raise
+            for c in caches.values():
+                c.commit()
+            self.steps += 1
+            for name in output_names:
+                if name in presents:
+                    out[name] = self._export(name, out[name])
+            return out
+
+    def _export(self, present: str, value: np.ndarray) -> np.ndarray:
+        copy = np.array(value, copy=True)
+        log = self.session.events
+        if log.enabled:
+            st = self.allocator.stats()
+            log.record(self.session._step - 1, present, "export", "export", allocations=1,
+                       allocated_bytes=copy.nbytes, prefix_copied_bytes=copy.nbytes,
+                       committed=st.committed, live=st.live, peak=st.peak)
+        return copy
+
+    def _batch(self, feeds: Mapping[str, np.ndarray]) -> int:
+        ids = self.session.model.io.input_ids
+        if ids and ids in feeds:
+            return int(np.shape(feeds[ids])[0])
+        for v in feeds.values():
+            if np.ndim(v) >= 1:
+                return int(np.shape(v)[0])
+        raise InputError("State.run: cannot tell the batch size from the feeds")
+
+    def __del__(self) -> None:
+        try:
+            self._release()
+        except Exception:
+            pass
