@@ -1,0 +1,256 @@
+"""Persistent states with in-place caches: parity with the tensor path,
+counted costs, atomic publication, isolation and every error case."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import onnxkv
+from onnxkv import CacheCapacityError, OperatorError
+from onnxkv.errors import Cancelled, StateError
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.models.builders import MICRO, build_model
+from onnxkv.runtime.state import Cancellation
+
+FAMILIES = ["gqa", "attention", "concat", "tensorscatter"]
+KV_ROW = MICRO.num_kv_heads * MICRO.head_size * 4  # bytes of one position of K (or V), one sequence
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def session(request):
+    return onnxkv.Session(build_model(request.param, MICRO, seed=21), threads=1, events=True)
+
+
+def _builders(session, prompt, in_place):
+    lengths = np.full(prompt.shape[0], prompt.shape[1])
+    return FeedBuilder(session.plan.inputs, session.model, prompt, lengths, 0, thread_cache=not in_place)
+
+
+def _drive(session, prompt, steps, state=None):
+    """Logits of prefill + ``steps`` greedy steps, and the final presents (tensor path) or state values."""
+    model = session.model
+    b = _builders(session, prompt, state is not None)
+    feeds, _ = b.first()
+    fetch = [model.io.logits] + ([] if state is not None else model.convention.present_outputs)
+    run = state.run if state is not None else session.run
+    logits = []
+    out = run(feeds, fetch)
+    for _ in range(steps):
+        logits.append(out[model.io.logits][:, -1].copy())
+        tok = np.argmax(out[model.io.logits][:, -1], axis=-1).astype(np.int64)
+        feeds = b.next(tok, out)
+        out = run(feeds, fetch)
+    logits.append(out[model.io.logits][:, -1].copy())
+    return logits, out, b
+
+
+def test_in_place_matches_tensor_path(session):
+    prompt = np.random.default_rng(0).integers(0, MICRO.vocab_size, (2, 7))
+    want, tensor_out, _ = _drive(session, prompt, 16)
+    state = session.new_state(initial_capacity=4)
+    got, _, _ = _drive(session, prompt, 16, state)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w, g)
+    conv = session.model.convention
+    for layer in conv.layers:
+        np.testing.assert_array_equal(state.values[layer.past_key], tensor_out[layer.present_key])
+        np.testing.assert_array_equal(state.values[layer.past_value], tensor_out[layer.present_value])
+    state.close()
+
+
+def test_counted_costs_over_64_decode_steps(session):
+    batch = 2
+    prompt = np.random.default_rng(1).integers(0, MICRO.vocab_size, (batch, 5))
+    static = session.model.convention.kind == "tensor_scatter"
+    state = session.new_state(initial_capacity=8)
+    session.events.clear()
+    _drive(session, prompt, 64, state)
+    by_step: dict[int, list] = {}
+    for e in session.events:
+        if e.action == "cache_write":
+            by_step.setdefault(e.step, []).append(e)
+    steps = sorted(by_step)
+    assert len(steps) == 65
+    growths = 0
+    for i, s in enumerate(steps[1:], start=1):
+        valid_before = 5 + i - 1  # positions in the cache before decode step i
+        for e in by_step[s]:
+            assert e.append_copied_bytes == batch * KV_ROW  # one token of K or V for every sequence
+            if e.allocations:
+                # exactly one copy of the valid prefix per growth
+                growths += 1
+                assert e.allocations == 1 and e.prefix_copied_bytes == batch * KV_ROW * valid_before
+            else:
+                assert e.prefix_copied_bytes == 0 and e.allocated_bytes == 0
+        assert sum(e.append_copied_bytes for e in by_step[s]) == MICRO.num_layers * 2 * batch * KV_ROW
+    # capacity 8 -> 16 -> 32 -> 64 -> 128 for 5 + 64 positions: 4 growths of each of the 4 cache values
+    assert growths == (0 if static else 4 * 2 * MICRO.num_layers)
+    assert state.committed_bytes == sum(c.nbytes for c in state._caches.values())
+    state.close()
+
+
+def test_fixed_capacity_overflow_is_an_error_and_state_unchanged():
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
+    state = sess.new_state(capacity=6)
+    prompt = np.array([[1, 2, 3, 4, 5]])
+    b = _builders(sess, prompt, True)
+    feeds, _ = b.first()
+    out = state.run(feeds)
+    feeds = b.next(np.array([7]), out)
+    state.run(feeds)  # 6 positions: fits exactly
+    before = {k: v.copy() for k, v in state.values.items()}
+    feeds = b.next(np.array([8]), out)
+    with pytest.raises(CacheCapacityError, match="fixed capacity is 6"):
+        state.run(feeds)
+    assert state.length == 6
+    for k, v in state.values.items():
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_failed_run_leaves_state_byte_identical_and_retryable():
+    sess = onnxkv.Session(build_model("gqa", MICRO), threads=1)
+    prompt = np.array([[3, 1, 4, 1]])
+    ref_state = sess.new_state()
+    ref, _, _ = _drive(sess, prompt, 2, ref_state)
+
+    state = sess.new_state()
+    b = _builders(sess, prompt, True)
+    feeds, _ = b.first()
+    out = state.run(feeds)
+    tok = np.argmax(out["logits"][:, -1], axis=-1)
+    good = b.next(tok, out)
+    bad = dict(good, input_ids=np.array([[MICRO.vocab_size + 5]]))  # Gather index out of range
+    before = {k: v.copy() for k, v in state.values.items()}
+    with pytest.raises(OperatorError, match="Gather"):
+        state.run(bad)
+    assert state.length == 4
+    for k, v in state.values.items():
+        np.testing.assert_array_equal(v, before[k])
+    out = state.run(good)  # retry succeeds as if nothing had happened
+    np.testing.assert_array_equal(out["logits"][:, -1], ref[1])
+
+
+def test_cancellation_publishes_nothing():
+    sess = onnxkv.Session(build_model("attention", MICRO), threads=1)
+    state = sess.new_state()
+    b = _builders(sess, np.array([[1, 2, 3]]), True)
+    feeds, _ = b.first()
+    token = Cancellation()
+    token.cancel()
+    with pytest.raises(Cancelled, match="cancelled"):
+        state.run(feeds, cancel=token)
+    assert state.length == 0
+    state.run(feeds, cancel=Cancellation())
+    assert state.length == 3
+
+
+def test_overlapping_calls_are_rejected():
+    sess_holder = {}
+
+    class Reentrant(onnxkv.SystemAllocator):
+        def allocate(self, nbytes, alignment=64):
+            st = sess_holder.get("state")
+            if st is not None and not sess_holder.get("tried"):
+                sess_holder["tried"] = True
+                with pytest.raises(StateError, match="must not overlap"):
+                    st.run(sess_holder["feeds"])
+            return super().allocate(nbytes, alignment)
+
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1, allocator=Reentrant())
+    state = sess.new_state()
+    feeds, _ = _builders(sess, np.array([[1, 2]]), True).first()
+    sess_holder.update(state=state, feeds=feeds)
+    state.run(feeds)
+    assert sess_holder["tried"] and state.length == 2
+
+
+def test_bound_inputs_closed_state_and_bad_arguments():
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
+    state = sess.new_state()
+    feeds, _ = _builders(sess, np.array([[1, 2]]), True).first()
+    with pytest.raises(StateError, match="bound to the state"):
+        state.run(dict(feeds, **{"past_key_values.0.key": np.zeros((1, 2, 0, 16), np.float32)}))
+    state.close()
+    with pytest.raises(StateError, match="closed"):
+        state.run(feeds)
+    with pytest.raises(onnxkv.InputError, match="capacity"):
+        sess.new_state(capacity=0)
+    s2 = sess.new_state()
+    s2.run(feeds)
+    feeds3, _ = _builders(sess, np.array([[1, 2], [3, 4]]), True).first()
+    with pytest.raises(onnxkv.InputError, match="batch size 2"):
+        s2.run(feeds3)
+
+
+def test_states_are_isolated_and_values_read_only():
+    sess = onnxkv.Session(build_model("gqa", MICRO), threads=1)
+    a, b = sess.new_state(), sess.new_state()
+    fa, _ = _builders(sess, np.array([[1, 2, 3]]), True).first()
+    fb, _ = _builders(sess, np.array([[9, 8, 7]]), True).first()
+    a.run(fa)
+    snap = {k: v.copy() for k, v in a.values.items()}
+    b.run(fb)
+    for k in snap:
+        np.testing.assert_array_equal(a.values[k], snap[k])
+        assert not np.shares_memory(a._caches[k].buffer, b._caches[k].buffer)
+    v = next(iter(a.values.values()))
+    with pytest.raises(ValueError):
+        v[...] = 0
+
+
+def test_reset_from_initial_continues_like_the_tensor_path():
+    sess = onnxkv.Session(build_model("attention", MICRO), threads=1)
+    prompt = np.array([[5, 6, 7, 8]])
+    _, out, builder = _drive(sess, prompt, 0)
+    conv = sess.model.convention
+    initial = {}
+    for layer in conv.layers:
+        initial[layer.past_key] = out[layer.present_key]
+        initial[layer.past_value] = out[layer.present_value]
+    tok = np.argmax(out["logits"][:, -1], axis=-1)
+    feeds = builder.next(tok, out)
+    want = sess.run(feeds)["logits"]
+    state = sess.new_state(initial=initial)
+    assert state.length == 4
+    got = state.run({k: v for k, v in feeds.items() if k not in conv.past_inputs})["logits"]
+    np.testing.assert_array_equal(got, want)
+    state.reset()
+    assert state.length == 0 and state.committed_bytes == 0
+
+
+def test_present_is_exported_only_when_asked_and_counted():
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1, events=True)
+    state = sess.new_state()
+    feeds, _ = _builders(sess, np.array([[1, 2, 3]]), True).first()
+    out = state.run(feeds)
+    assert set(out) == {"logits"}
+    b = _builders(sess, np.array([[1, 2, 3]]), True)
+    b.first()
+    out2 = state.run(b.next(np.array([4]), out), ["logits", "present.0.key"])
+    pk = out2["present.0.key"]
+    assert pk.shape == (1, MICRO.num_kv_heads, 4, MICRO.head_size)
+    np.testing.assert_array_equal(pk, state.values["past_key_values.0.key"])
+    assert not np.shares_memory(pk, state._caches["past_key_values.0.key"].buffer)
+    exports = [e for e in sess.events if e.action == "export"]
+    assert len(exports) == 1 and exports[0].prefix_copied_bytes == pk.nbytes
+
+
+def test_concurrent_states_on_one_session():
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
+    prompts = [np.array([[i + 1, i + 2, i + 3]]) for i in range(4)]
+    want = [onnxkv.generate(sess, p, 6, eos_token_id=[], cache="tensor").tokens for p in prompts]
+    got = [None] * 4
+
+    def work(i):
+        got[i] = onnxkv.generate(sess, prompts[i], 6, eos_token_id=[]).tokens
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w, g)
