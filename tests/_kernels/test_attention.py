@@ -197,3 +197,14 @@ def test_out_overlapping_inputs_rejected():
     big = np.zeros((1, 2, 4, 8), np.float32)
     with pytest.raises(ValueError, match="out"):
         K.attention(q, big, v, kl, qp, 1.0, 0.0, -1, big[:, :, :1])
+
+
+def test_empty_cache_and_empty_query():
+    q = np.ones((2, 4, 3, 16), np.float32)
+    k = np.empty((2, 2, 0, 16), np.float32)
+    out = np.full_like(q, np.nan)
+    K.attention(q, k, k.copy(), np.zeros(2, np.int32), np.zeros((2, 3), np.int32), 1.0, 0.0, -1, out)
+    assert np.all(out == 0.0)
+    q0 = np.empty((2, 4, 0, 16), np.float32)
+    K.attention(q0, np.ones((2, 2, 5, 16), np.float32), np.ones((2, 2, 5, 16), np.float32),
+                np.full(2, 5, np.int32), np.empty((2, 0), np.int32), 1.0, 0.0, -1, np.empty_like(q0))
