@@ -63,6 +63,7 @@ __all__ = [
     "set_persistent_bindings",
     "get_persistent_bindings",
     "describe_node",
+    "alias_value_names",
 ]
 
 NODE_OUTPUT_ALIAS = 1000
@@ -206,6 +207,21 @@ def get_output_alias(node: onnx.NodeProto) -> list[OutputAlias]:
             raise ContractError(f"{label}: output_alias kind {kind} is unknown (expected 1 = MUST_ALIAS)")
         aliases.append(OutputAlias(output_index, input_index, _KIND_NAMES[kind]))
     return aliases
+
+
+def alias_value_names(node: onnx.NodeProto, alias: OutputAlias, index: int | None = None) -> tuple[str, str]:
+    """The (output, input) value names ``alias`` links on ``node``; ContractError when either is missing.
+
+    ``index`` (the node's position in its graph) only improves the message.
+    """
+    label = describe_node(node, index)
+    if alias.output_index >= len(node.output) or not node.output[alias.output_index]:
+        raise ContractError(f"{label}: output_alias names output {alias.output_index}, but the node has no such "
+                            f"output (outputs: {list(node.output)})")
+    if alias.input_index >= len(node.input) or not node.input[alias.input_index]:
+        raise ContractError(f"{label}: output_alias names input {alias.input_index}, but the node has no such "
+                            f"input (inputs: {list(node.input)})")
+    return node.output[alias.output_index], node.input[alias.input_index]
 
 
 # -- ValueInfoProto.access and alias_of ---------------------------------------------------------
