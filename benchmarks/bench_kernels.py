@@ -229,35 +229,46 @@ def decode_cases(rng, contexts, threads, repeat):
     return results
 
 
+def run(threads, repeat, args):
+    K.set_num_threads(threads)
+    try:
+        from threadpoolctl import threadpool_limits
+        limiter = threadpool_limits(limits=threads)
+    except Exception:
+        limiter = None
+    rng = np.random.default_rng(0)
+    res = {"threads": {"kernels": K.get_num_threads(), "openmp": K.openmp_enabled(), "simd_path": K.simd_path(),
+                       "blas_limit": threads if limiter is not None else None, "ort_intra_op": threads},
+           "cases": []}
+    if hasattr(os, "getloadavg"):
+        res["loadavg_at_start"] = os.getloadavg()
+    try:
+        for name, shapes, kern, ref in kernel_cases(rng, args.quick):
+            r = measure({"onnxkv_simd": with_simd(True, kern), "onnxkv_scalar": with_simd(False, kern),
+                         "numpy_reference": ref}, repeat)
+            res["cases"].append({"kernel": name, "shapes": shapes, "results": r})
+        res["cases"] += decode_cases(rng, args.contexts, threads, repeat)
+    finally:
+        if limiter is not None:
+            limiter.restore_original_limits()
+    for case in res["cases"]:
+        med = {k: v["median_s"] for k, v in case["results"].items()}
+        case["median_summary_ms"] = {k: round(v * 1e3, 4) for k, v in med.items()}
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--threads", type=int, default=K.get_num_threads())
+    ap.add_argument("--threads", type=int, nargs="*", default=sorted({1, K.get_num_threads()}),
+                    help="thread counts to measure, one run each (default: 1 and all cores)")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
     ap.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])
     args = ap.parse_args(argv)
     repeat = 5 if args.quick else args.repeat
-    K.set_num_threads(args.threads)
-    try:
-        from threadpoolctl import threadpool_limits
-        limiter = threadpool_limits(limits=args.threads)
-    except Exception:
-        limiter = None
-    rng = np.random.default_rng(0)
-    doc = {
-        "machine": machine(), "versions": versions(),
-        "threads": {"kernels": K.get_num_threads(), "openmp": K.openmp_enabled(), "simd_path": K.simd_path(),
-                    "blas_limit": args.threads if limiter is not None else None},
-        "cases": [],
-    }
-    for name, shapes, kern, ref in kernel_cases(rng, args.quick):
-        res = measure({"onnxkv_simd": with_simd(True, kern), "onnxkv_scalar": with_simd(False, kern),
-                       "numpy_reference": ref}, repeat)
-        doc["cases"].append({"kernel": name, "shapes": shapes, "results": res})
-    doc["cases"] += decode_cases(rng, args.contexts, args.threads, repeat)
-    for case in doc["cases"]:
-        med = {k: v["median_s"] for k, v in case["results"].items()}
-        case["median_summary_ms"] = {k: round(v * 1e3, 4) for k, v in med.items()}
+    doc = {"machine": machine(), "versions": versions(), "runs": []}
+    for threads in args.threads:
+        doc["runs"].append(run(threads, repeat, args))
     if hasattr(os, "getloadavg"):
         doc["machine"]["loadavg_at_end"] = os.getloadavg()
     json.dump(doc, sys.stdout, indent=1)

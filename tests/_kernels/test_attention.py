@@ -197,3 +197,33 @@ def test_out_overlapping_inputs_rejected():
     big = np.zeros((1, 2, 4, 8), np.float32)
     with pytest.raises(ValueError, match="out"):
         K.attention(q, big, v, kl, qp, 1.0, 0.0, -1, big[:, :, :1])
+
+
+def test_empty_cache_and_empty_query():
+    q = np.ones((2, 4, 3, 16), np.float32)
+    k = np.empty((2, 2, 0, 16), np.float32)
+    out = np.full_like(q, np.nan)
+    K.attention(q, k, k.copy(), np.zeros(2, np.int32), np.zeros((2, 3), np.int32), 1.0, 0.0, -1, out)
+    assert np.all(out == 0.0)
+    q0 = np.empty((2, 4, 0, 16), np.float32)
+    K.attention(q0, np.ones((2, 2, 5, 16), np.float32), np.ones((2, 2, 5, 16), np.float32),
+                np.full(2, 5, np.int32), np.empty((2, 0), np.int32), 1.0, 0.0, -1, np.empty_like(q0))
+
+
+def test_read_only_inputs_accepted():
+    """Caches and weights may be read-only (e.g. memory-mapped); only out must be writeable."""
+    rng = np.random.default_rng(21)
+    q, k, v = make(rng, 1, 4, 2, 2, 40, 32)
+    kv_len = np.array([40], np.int32)
+    q_pos = decode_positions(kv_len, 2)
+    for a in (q, k, v, kv_len, q_pos):
+        a.flags.writeable = False
+    check(q, k, v, kv_len, q_pos, 0.3, combos=[(1, True)])
+    x = rand(rng, (3, 8))
+    g = rand(rng, (8,))
+    x.flags.writeable = False
+    g.flags.writeable = False
+    out, want = np.empty_like(x), np.empty_like(x)
+    K.rms_norm(x, g, 1e-6, out)
+    R.rms_norm(x, g, 1e-6, want)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
