@@ -125,7 +125,8 @@ def _refine(own: _Type, merged: _Type) -> _Type:
     """``merged`` for one member, keeping the member's own symbol where the class has none."""
     if merged.dims is None or own.dims is None:
         return merged
-    return _Type(merged.elem_type, tuple(own_dim if dim is None else dim for own_dim, dim in zip(own.dims, merged.dims)))
+    dims = tuple(own_dim if dim is None else dim for own_dim, dim in zip(own.dims, merged.dims))
+    return _Type(merged.elem_type, dims)
 
 
 def _merge(members: list[str], types: dict[str, _Type]) -> _Type:

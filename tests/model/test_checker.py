@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import onnx
 import pytest
 from onnx import TensorProto, helper
 
@@ -156,7 +155,8 @@ def test_bound_input_without_use():
 # -- binding names ------------------------------------------------------------------------------
 
 def test_binding_input_must_be_a_graph_input():
-    fails(concat_model(bindings={"new": "present"}), "persistent binding 'new' <- 'present': 'new' is not a graph input")
+    fails(concat_model(bindings={"new": "present"}),
+          "persistent binding 'new' <- 'present': 'new' is not a graph input")
 
 
 def test_binding_output_must_exist():
