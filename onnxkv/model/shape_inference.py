@@ -259,7 +259,12 @@ def _axis(t: _Type | None, axis: int) -> int | None:
 
 
 def _constant_max(graph: onnx.GraphProto, name: str) -> int | None:
-    """The largest element of the constant integer tensor ``name`` (initializer or Constant), or None."""
+    """The largest element of the constant integer tensor ``name`` (initializer or Constant), or None.
+
+    An initializer that is also a graph input is only a default and does not count.
+    """
+    if any(value_info.name == name for value_info in graph.input):
+        return None
     for tensor in graph.initializer:
         if tensor.name == name and tensor.data_location != onnx.TensorProto.EXTERNAL:
             return _max_int(numpy_helper.to_array(tensor))
