@@ -64,6 +64,7 @@ __all__ = [
     "get_persistent_bindings",
     "describe_node",
     "alias_value_names",
+    "has_declarations",
 ]
 
 NODE_OUTPUT_ALIAS = 1000
@@ -141,10 +142,20 @@ def _read(message: Message, numbers: frozenset[int], label: str) -> list[_wire.F
 
 def _write(message: Message, numbers: frozenset[int], fields: list[_wire.Field]) -> None:
     """Replace the onnxkv fields ``numbers`` of ``message`` by ``fields``."""
-    if any(item.field_number in numbers for item in UnknownFieldSet(message)):
+    if _has_fields(message, numbers):
         message.ParseFromString(_wire.strip_fields(message.SerializeToString(), numbers))
     if fields:
         message.MergeFromString(_wire.encode_fields(fields))
+
+
+def has_declarations(message: onnx.NodeProto | onnx.ValueInfoProto | onnx.GraphProto) -> bool:
+    """Whether ``message`` carries any onnxkv field (well-formed or not)."""
+    numbers = {onnx.NodeProto: _NODE_FIELDS, onnx.ValueInfoProto: _VALUE_FIELDS, onnx.GraphProto: _GRAPH_FIELDS}
+    return _has_fields(message, numbers[type(message)])
+
+
+def _has_fields(message: Message, numbers: frozenset[int]) -> bool:
+    return any(item.field_number in numbers for item in UnknownFieldSet(message))
 
 
 def _expect(item: _wire.Field, wire_type: int, label: str, what: str) -> int | bytes:
