@@ -27,7 +27,10 @@ as writable in place.  A persistent binding ``input <- output`` feeds the
 output of one run as that input of the next.  :func:`onnxkv.model.checker.check_model`
 enforces the rules; this module only stores and reads.
 
-Setters replace the onnxkv fields of a message and keep everything else.
+Getters read protobuf's unknown-field set of the message itself (the
+``google.protobuf.unknown_fields`` module), so looking up a graph's bindings
+never serialises its weights.  Setters replace the onnxkv fields of a message
+and keep everything else, including other tools' unknown fields.
 When a message already carries onnxkv fields, replacing them re-parses that
 message: references to its sub-messages taken before the call (for example
 ``node = graph.node[0]`` before ``set_persistent_bindings(graph, ...)``) then
