@@ -117,16 +117,22 @@ def _read_field(view: memoryview, pos: int) -> tuple[int, int, int | memoryview,
         size = _FIXED_SIZE[wire_type]
         return number, wire_type, _take(view, pos, size), pos + size
     if wire_type == SGROUP:
-        body = pos
+        body, open_groups = pos, [number]
         while True:
             if pos >= len(view):
                 raise ValueError(f"unterminated group {number}")
-            inner, inner_type, _, after = _read_field(view, pos)
-            if inner_type == EGROUP:
-                if inner != number:
-                    raise ValueError(f"group {number} closed by end-group tag {inner}")
-                return number, wire_type, view[body:pos], after
-            pos = after
+            end = pos
+            tag, pos = decode_varint(view, pos)
+            inner, inner_type = tag >> 3, tag & 7
+            if inner_type == SGROUP:
+                open_groups.append(inner)
+            elif inner_type == EGROUP:
+                if inner != open_groups.pop():
+                    raise ValueError(f"group closed by end-group tag {inner}")
+                if not open_groups:
+                    return number, wire_type, view[body:end], pos
+            else:
+                pos = _read_field(view, end)[3]
     if wire_type == EGROUP:
         return number, wire_type, view[pos:pos], pos
     raise ValueError(f"unknown wire type {wire_type} for field {number}")

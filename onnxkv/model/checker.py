@@ -28,20 +28,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import onnx
-from google.protobuf.unknown_fields import UnknownFieldSet
-
 from onnxkv.model.contract import (
     Access,
     Contract,
     ContractError,
     alias_value_names,
     describe_node,
+    has_declarations,
 )
 from onnxkv.model.shape_inference import infer_shapes
 
 __all__ = ["check_model"]
-
-_FIRST_ONNXKV_FIELD = 1000
 
 
 def check_model(model: onnx.ModelProto) -> Contract:
@@ -92,7 +89,7 @@ def _check_no_subgraph_declarations(graph: onnx.GraphProto) -> None:
                 messages += [(f"value {vi.name!r}", vi)
                              for vi in [*subgraph.input, *subgraph.output, *subgraph.value_info]]
                 for what, message in messages:
-                    if any(item.field_number >= _FIRST_ONNXKV_FIELD for item in UnknownFieldSet(message)):
+                    if has_declarations(message):
                         raise ContractError(f"{what} in subgraph {attribute.name!r} of "
                                             f"{describe_node(node, node_index)} carries onnxkv declarations; "
                                             "they are only allowed on the main graph")

@@ -27,7 +27,10 @@ as writable in place.  A persistent binding ``input <- output`` feeds the
 output of one run as that input of the next.  :func:`onnxkv.model.checker.check_model`
 enforces the rules; this module only stores and reads.
 
-Setters replace the onnxkv fields of a message and keep everything else.
+Getters read protobuf's unknown-field set of the message itself (the
+``google.protobuf.unknown_fields`` module), so looking up a graph's bindings
+never serialises its weights.  Setters replace the onnxkv fields of a message
+and keep everything else, including other tools' unknown fields.
 When a message already carries onnxkv fields, replacing them re-parses that
 message: references to its sub-messages taken before the call (for example
 ``node = graph.node[0]`` before ``set_persistent_bindings(graph, ...)``) then
@@ -64,6 +67,7 @@ __all__ = [
     "get_persistent_bindings",
     "describe_node",
     "alias_value_names",
+    "has_declarations",
 ]
 
 NODE_OUTPUT_ALIAS = 1000
@@ -141,10 +145,20 @@ def _read(message: Message, numbers: frozenset[int], label: str) -> list[_wire.F
 
 def _write(message: Message, numbers: frozenset[int], fields: list[_wire.Field]) -> None:
     """Replace the onnxkv fields ``numbers`` of ``message`` by ``fields``."""
-    if any(item.field_number in numbers for item in UnknownFieldSet(message)):
+    if _has_fields(message, numbers):
         message.ParseFromString(_wire.strip_fields(message.SerializeToString(), numbers))
     if fields:
         message.MergeFromString(_wire.encode_fields(fields))
+
+
+def has_declarations(message: onnx.NodeProto | onnx.ValueInfoProto | onnx.GraphProto) -> bool:
+    """Whether ``message`` carries any onnxkv field (well-formed or not)."""
+    numbers = {onnx.NodeProto: _NODE_FIELDS, onnx.ValueInfoProto: _VALUE_FIELDS, onnx.GraphProto: _GRAPH_FIELDS}
+    return _has_fields(message, numbers[type(message)])
+
+
+def _has_fields(message: Message, numbers: frozenset[int]) -> bool:
+    return any(item.field_number in numbers for item in UnknownFieldSet(message))
 
 
 def _expect(item: _wire.Field, wire_type: int, label: str, what: str) -> int | bytes:

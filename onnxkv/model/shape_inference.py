@@ -125,7 +125,8 @@ def _refine(own: _Type, merged: _Type) -> _Type:
     """``merged`` for one member, keeping the member's own symbol where the class has none."""
     if merged.dims is None or own.dims is None:
         return merged
-    return _Type(merged.elem_type, tuple(own_dim if dim is None else dim for own_dim, dim in zip(own.dims, merged.dims)))
+    dims = tuple(own_dim if dim is None else dim for own_dim, dim in zip(own.dims, merged.dims))
+    return _Type(merged.elem_type, dims)
 
 
 def _merge(members: list[str], types: dict[str, _Type]) -> _Type:
@@ -258,7 +259,12 @@ def _axis(t: _Type | None, axis: int) -> int | None:
 
 
 def _constant_max(graph: onnx.GraphProto, name: str) -> int | None:
-    """The largest element of the constant integer tensor ``name`` (initializer or Constant), or None."""
+    """The largest element of the constant integer tensor ``name`` (initializer or Constant), or None.
+
+    An initializer that is also a graph input is only a default and does not count.
+    """
+    if any(value_info.name == name for value_info in graph.input):
+        return None
     for tensor in graph.initializer:
         if tensor.name == name and tensor.data_location != onnx.TensorProto.EXTERNAL:
             return _max_int(numpy_helper.to_array(tensor))

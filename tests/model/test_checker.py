@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import onnx
 import pytest
 from onnx import TensorProto, helper
 
@@ -156,7 +155,8 @@ def test_bound_input_without_use():
 # -- binding names ------------------------------------------------------------------------------
 
 def test_binding_input_must_be_a_graph_input():
-    fails(concat_model(bindings={"new": "present"}), "persistent binding 'new' <- 'present': 'new' is not a graph input")
+    fails(concat_model(bindings={"new": "present"}),
+          "persistent binding 'new' <- 'present': 'new' is not a graph input")
 
 
 def test_binding_output_must_exist():
@@ -315,3 +315,11 @@ def test_declarations_inside_subgraphs_are_rejected():
     model = model_of([outer], [vi("cond", [], TensorProto.BOOL), vi("x", [1])], [vi("z", [1])])
     fails(model, "node 'inner' (Identity) in subgraph 'then_branch' of node 'branch' (If) carries onnxkv "
                  "declarations; they are only allowed on the main graph")
+
+
+def test_foreign_fields_inside_subgraphs_are_not_declarations():
+    body = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "body", [], [vi("y", [1])])
+    body.node[0].MergeFromString(_wire.encode_fields([_wire.Field(1500, _wire.LEN, b"theirs")]))
+    body.MergeFromString(_wire.encode_fields([_wire.Field(1001, _wire.VARINT, 1)]))
+    outer = helper.make_node("If", ["cond"], ["z"], name="branch", then_branch=body, else_branch=body)
+    check_model(model_of([outer], [vi("cond", [], TensorProto.BOOL), vi("x", [1])], [vi("z", [1])]))

@@ -101,8 +101,14 @@ def test_groups_are_skipped_whole():
     assert _wire.decode_fields(_wire.strip_fields(data, frozenset({7}))) == [_wire.Field(2, _wire.VARINT, 9)]
 
 
+def test_deeply_nested_groups_do_not_recurse():
+    depth = 5000
+    data = _wire.encode_varint(5 << 3 | 3) * depth + _wire.encode_varint(5 << 3 | 4) * depth
+    assert [f.number for f in _wire.decode_fields(data + b"\x10\x01")] == [5, 2]
+
+
 @pytest.mark.parametrize("data", [b"\x08", b"\x12\x05ab", b"\x0f", b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
-                                  b"\x1b\x08\x01", b"\x1c"])
+                                  b"\x1b\x08\x01", b"\x1c", b"\x1b\x24"])
 def test_malformed_wire_data_is_rejected(data):
     with pytest.raises(ValueError):
         _wire.decode_fields(data)

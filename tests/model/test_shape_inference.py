@@ -141,3 +141,9 @@ def test_external_weights_are_typed_without_being_read(tmp_path):
     for loaded in (onnx.load(path, load_external_data=False), onnx.load(path)):
         shapes = infer_shapes(loaded)
         assert shapes["y"] == ("n", 48) and shapes["weight"] == (64, 48)
+
+
+def test_an_overridable_initializer_is_not_a_constant_position():
+    model = update_model(position=100)
+    model.graph.input.append(vi("position", [], TensorProto.INT64))
+    infer_shapes(model)
