@@ -18,17 +18,22 @@ from onnxkv._config import config, show_config  # noqa: E402
 from onnxkv.alloc import Allocator, AllocatorStats, ArenaAllocator, SystemAllocator  # noqa: E402
 from onnxkv.errors import (  # noqa: E402
     CacheCapacityError,
+    Cancelled,
+    ContractError,
     InputError,
     ModelError,
     OnnxkvError,
     OperatorError,
     OutOfMemory,
+    StateError,
     UnsupportedOperatorError,
 )
 from onnxkv.events import Event, EventLog  # noqa: E402
 from onnxkv.generate import GenerationResult, generate  # noqa: E402
 from onnxkv.model import Model, load  # noqa: E402
-from onnxkv.runtime import Session  # noqa: E402
+from onnxkv import contract  # noqa: E402
+from onnxkv.contract import check_model  # noqa: E402
+from onnxkv.runtime import Cancellation, Session, State  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -37,6 +42,10 @@ __all__ = [
     "load",
     "Model",
     "Session",
+    "State",
+    "Cancellation",
+    "contract",
+    "check_model",
     "generate",
     "GenerationResult",
     "Event",
@@ -52,4 +61,7 @@ __all__ = [
     "OperatorError",
     "OutOfMemory",
     "CacheCapacityError",
+    "ContractError",
+    "StateError",
+    "Cancelled",
 ]

@@ -19,6 +19,10 @@ class UnsupportedOperatorError(ModelError):
     """An operator in an unknown domain (or without any implementation) was found at load time."""
 
 
+class ContractError(ModelError):
+    """The model's serialised alias/persistence contract is malformed or violated."""
+
+
 class InputError(OnnxkvError, ValueError):
     """A feed, argument or option given by the caller is invalid."""
 

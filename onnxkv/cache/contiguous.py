@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxkv.cache import bound
 from onnxkv.errors import CacheCapacityError
 
 __all__ = ["CacheTensor", "WriteCost"]
@@ -72,7 +73,9 @@ class CacheTensor:
     def _allocate(self, capacity: int):
         nbytes = self.batch * self.heads * capacity * self.head_size * self.dtype.itemsize
         buf = self.allocator.allocate(nbytes, 64)
-        return buf, buf.view(self.dtype, (self.batch, self.heads, capacity, self.head_size))
+        arr = buf.view(self.dtype, (self.batch, self.heads, capacity, self.head_size))
+        bound.register(id(buf), arr)
+        return buf, arr
 
     @property
     def capacity(self) -> int:
@@ -90,6 +93,7 @@ class CacheTensor:
     def release(self) -> None:
         """Return the storage to the allocator (the object is unusable after)."""
         if self._buf is not None:
+            bound.unregister(id(self._buf))
             self.allocator.free(self._buf)
             self._buf = None
             self.buffer = None
@@ -118,6 +122,7 @@ class CacheTensor:
         new_buf, arr = self._allocate(new_cap)  # OutOfMemory here leaves everything as it was
         valid = max(self.length, self.staged or 0)
         arr[:, :, :valid] = self.buffer[:, :, :valid]
+        bound.unregister(id(self._buf))
         self.allocator.free(self._buf)
         self._buf, self.buffer = new_buf, arr
         self.growths += 1

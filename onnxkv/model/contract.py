@@ -48,7 +48,7 @@ import onnx
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from onnxkv.errors import ModelError
+from onnxkv.errors import ContractError
 from onnxkv.model import _wire
 
 __all__ = [
@@ -82,10 +82,6 @@ _GRAPH_FIELDS = frozenset({GRAPH_PERSISTENT_BINDINGS})
 MUST_ALIAS = "MUST_ALIAS"
 _KIND_CODES = {MUST_ALIAS: 1}
 _KIND_NAMES = {code: name for name, code in _KIND_CODES.items()}
-
-
-class ContractError(ModelError):
-    """A contract declaration is malformed or violates a rule; the message names the node/value."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from onnx import numpy_helper
 
 from onnxkv.errors import Cancelled, InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
 from onnxkv.events import EventLog
+from onnxkv.model.contract import get_output_alias
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
@@ -231,6 +232,10 @@ class Plan:
         for name, arr in constants.items():
             template[slot_of[name]] = arr
         self._template = template
+        self.must_alias = [self._aliases(node, kernel, constants) for node, kernel in zip(kept_nodes, kernels)]
+        #: Graph inputs written in place (MUST_ALIAS): fed as given, never copied.
+        self.aliased_inputs = frozenset(node.input[i] for node, pairs in zip(kept_nodes, self.must_alias)
+                                        for _, i in pairs) & {g.name for g in self.inputs}
         self._plan_lifetimes(kept_nodes, set(constants))
         self._steps = [(k.run, i, o) for k, i, o in zip(kernels, in_idx, out_idx)]
 
@@ -242,6 +247,29 @@ class Plan:
             self.fallback_nodes.append(node.name or node.output[0])
             return FallbackOp(node, self.build_context)
         return cls(node, self.build_context)
+
+    @staticmethod
+    def _aliases(node: onnx.NodeProto, kernel: Op, constants: dict) -> tuple[tuple[int, int], ...]:
+        """(output, input) positions declared MUST_ALIAS by the contract or the kernel class."""
+        pairs = {(a.output_index, a.input_index) for a in get_output_alias(node)}
+        pairs.update(getattr(kernel, "must_alias", ()))
+        for o, i in pairs:
+            if i >= len(node.input) or o >= len(node.output):
+                raise ModelError(f"{node.op_type} node '{node.name}': MUST_ALIAS ({o} <- {i}) names a missing "
+                                 "input or output")
+            if node.input[i] in constants:
+                raise ModelError(f"{node.op_type} node '{node.name}': MUST_ALIAS input '{node.input[i]}' is an "
+                                 "initializer; aliased storage must be writable")
+        return tuple(sorted(pairs))
+
+    def _check_aliases(self, k: int, inputs: list, results) -> None:
+        node = self.nodes[k]
+        for o, i in self.must_alias[k]:
+            a, b = results[o], inputs[i]
+            if a is None or b is None or a.shape != b.shape or \
+                    a.__array_interface__["data"][0] != b.__array_interface__["data"][0]:
+                raise OperatorError(f"{node.op_type} node '{node.name}': output '{node.output[o]}' must alias input "
+                                    f"'{node.input[i]}' (MUST_ALIAS) but the kernel returned other storage")
 
     @staticmethod
     def _foldable(node: onnx.NodeProto, constants: dict) -> bool:
@@ -294,7 +322,7 @@ class Plan:
             return x
 
         for k, kernel in enumerate(self.kernels):
-            for pos in kernel.view_inputs:
+            for pos in set(kernel.view_inputs) | {i for _, i in self.must_alias[k]}:
                 if pos < len(self.in_idx[k]) and self.in_idx[k][pos] >= 0:
                     for o in self.out_idx[k]:
                         if o >= 0:
@@ -341,7 +369,8 @@ class Plan:
                 for have, want in zip(v.shape, g.shape):
                     if isinstance(want, int) and want > 0 and have != want:
                         raise InputError(f"Session.run: input '{g.name}' has shape {v.shape}, expected {g.shape}")
-            slots[s] = v if v.flags.c_contiguous or (views and g.name in views) else v.copy(order="C")
+            keep = v.flags.c_contiguous or (views and g.name in views) or g.name in self.aliased_inputs
+            slots[s] = v if keep else v.copy(order="C")
         return slots
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None,
@@ -409,13 +438,17 @@ class Plan:
 
     def _run_plain(self, slots: list, bufs: dict, rt: RunContext, cancel=None) -> None:
         free = self.allocator.free
+        must_alias = self.must_alias
         k = 0
         try:
             for k, (run, ins, outs) in enumerate(self._steps):
                 rt._node = k
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
-                results = run([slots[i] if i >= 0 else None for i in ins], rt)
+                args = [slots[i] if i >= 0 else None for i in ins]
+                results = run(args, rt)
+                if must_alias[k]:
+                    self._check_aliases(k, args, results)
                 for s, v in zip(outs, results):
                     if s >= 0:
                         slots[s] = v
@@ -434,6 +467,7 @@ class Plan:
                        cache_allocator=None, cancel=None) -> None:
         allocator = self.allocator
         free = allocator.free
+        must_alias = self.must_alias
         k = 0
         try:
             for k, (run, ins, outs) in enumerate(self._steps):
@@ -442,8 +476,11 @@ class Plan:
                     raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
                 rt.counters = {}
                 t0 = time.perf_counter()
-                results = run([slots[i] if i >= 0 else None for i in ins], rt)
+                args = [slots[i] if i >= 0 else None for i in ins]
+                results = run(args, rt)
                 dt = time.perf_counter() - t0
+                if must_alias[k]:
+                    self._check_aliases(k, args, results)
                 for s, v in zip(outs, results):
                     if s >= 0:
                         slots[s] = v

@@ -12,6 +12,8 @@ from onnxkv._threads import ThreadControl
 from onnxkv.alloc import as_allocator
 from onnxkv.events import EventLog
 from onnxkv.model import Model, load
+from onnxkv.model.checker import check_model
+from onnxkv.model.contract import Contract
 from onnxkv.model.rewrite import inplace_bindings
 from onnxkv.plan.plan import Plan
 from onnxkv.runtime.state import State
@@ -42,8 +44,13 @@ class Session:
         self.events = EventLog(enabled=bool(events))
         self._threads = ThreadControl(threads)
         conv = self.model.convention
+        contract = Contract.from_model(self.model.proto)
+        if contract.output_aliases or contract.access or contract.alias_of or contract.persistent_bindings:
+            check_model(self.model.proto)
+        #: Persistent bindings declared by the model's contract (input <- output).
+        self.declared_bindings = dict(contract.persistent_bindings)
         #: Past/present pairs that a state runs in place (empty: tensor path only).
-        self.bindings = inplace_bindings(self.model.proto, conv)
+        self.bindings = [] if self.declared_bindings else inplace_bindings(self.model.proto, conv)
         self.plan = Plan(self.model.proto, self.allocator, present_outputs=conv.present_outputs,
                          past_inputs=conv.past_inputs, bindings=self.bindings)
         self._step = 0

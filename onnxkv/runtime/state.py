@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from onnxkv.alloc import as_allocator
+from onnxkv.cache import bound
 from onnxkv.cache.contiguous import CacheTensor
 from onnxkv.errors import CacheCapacityError, InputError, StateError
 
@@ -78,6 +79,8 @@ class State:
         self.allocator = as_allocator(allocator)
         self.steps = 0
         self._caches: dict[str, CacheTensor] | None = None
+        self.declared = dict(session.declared_bindings)
+        self._values: dict[str, tuple] = {}  # declared input -> (buffer, array)
         self._busy = threading.Lock()
         self._closed = False
         conv = session.model.convention
@@ -90,16 +93,18 @@ class State:
     # -- properties --------------------------------------------------------
     @property
     def bound_inputs(self) -> list[str]:
-        return [b.past for b in self.bindings]
+        return [b.past for b in self.bindings] + list(self.declared)
 
     @property
     def values(self) -> dict[str, np.ndarray]:
         """Read-only zero-copy views of the valid cache contents, by past input name."""
         out = {}
         for name, c in (self._caches or {}).items():
-            v = c.view()
+            out[name] = c.view()
+        for name, (_, arr) in self._values.items():
+            out[name] = arr.view()
+        for v in out.values():
             v.flags.writeable = False
-            out[name] = v
         return out
 
     @property
@@ -109,8 +114,8 @@ class State:
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of cache storage this state holds (whole capacities)."""
-        return sum(c.nbytes for c in (self._caches or {}).values())
+        """Bytes of persistent storage this state holds (whole cache capacities)."""
+        return sum(c.nbytes for c in (self._caches or {}).values()) + sum(a.nbytes for _, a in self._values.values())
 
     @property
     def closed(self) -> bool:
@@ -160,6 +165,34 @@ class State:
         for c in (self._caches or {}).values():
             c.release()
         self._caches = None
+        for name in list(self._values):
+            self._drop_value(name)
+
+    # -- declared persistent values (GraphProto.persistent_bindings) -------
+    def _store(self, name: str, array: np.ndarray) -> None:
+        """Copy ``array`` into fresh persistent storage held as value ``name``."""
+        buf = self.allocator.allocate(array.nbytes, 64)
+        arr = buf.view(array.dtype, array.shape)
+        arr[...] = array
+        self._drop_value(name)
+        bound.register(id(buf), arr)
+        self._values[name] = (buf, arr)
+
+    def _drop_value(self, name: str) -> None:
+        held = self._values.pop(name, None)
+        if held is not None:
+            bound.unregister(id(held[0]))
+            self.allocator.free(held[0])
+
+    def _ensure_values(self) -> None:
+        for name in self.declared:
+            if name in self._values:
+                continue
+            g = self._graph_inputs[name]
+            if g.shape is None or not all(isinstance(d, int) for d in g.shape):
+                raise StateError(f"State: persistent input '{name}' has no static shape {g.shape}; "
+                                 "give its first value with new_state(initial=...)")
+            self._store(name, np.zeros(g.shape, g.dtype))
 
     def reset(self, initial: Mapping[str, np.ndarray] | None = None) -> None:
         """Drop the caches (back to empty), or start from ``initial`` contents (copied)."""
@@ -175,6 +208,15 @@ class State:
                 raise InputError(f"State.reset: initial must give exactly the bound inputs {self.bound_inputs}; "
                                  f"missing {missing}, unknown {unknown}")
             arrays = {n: np.asarray(a) for n, a in initial.items()}
+            if self.declared:
+                self._release()
+                for name, a in arrays.items():
+                    g = self._graph_inputs[name]
+                    if a.dtype != g.dtype:
+                        raise InputError(f"State.reset: initial '{name}' has dtype {a.dtype}, expected {g.dtype}")
+                    self._store(name, a)
+                self.steps = 0
+                return
             lengths = {a.shape[2] if a.ndim == 4 else None for a in arrays.values()}
             batches = {a.shape[0] if a.ndim == 4 else None for a in arrays.values()}
             if None in lengths or len(lengths) != 1 or len(batches) != 1:
@@ -246,7 +288,11 @@ class State:
             raise StateError(f"State.run: {fed} are bound to the state's caches and must not be fed")
         presents = {b.present: b.past for b in self.bindings}
         if output_names is None:
-            output_names = [n for n in self.session.output_names if n not in presents]
+            output_names = [n for n in self.session.output_names
+                            if n not in presents and n not in self.declared.values()]
+        if self.declared:
+            with self._exclusive("run"):
+                return self._run_declared(feeds, output_names, cancel)
         with self._exclusive("run"):
             batch = self._batch(feeds)
             caches = self._ensure_caches(batch)
@@ -266,6 +312,24 @@ class State:
                 if name in presents:
                     out[name] = self._export(name, out[name])
             return out
+
+    def _run_declared(self, feeds, output_names: list[str], cancel) -> dict[str, np.ndarray]:
+        """Run with contract-declared persistent bindings; publish outputs after success."""
+        self._ensure_values()
+        full = dict(feeds)
+        for name, (_, arr) in self._values.items():
+            full[name] = arr
+        fetch = list(dict.fromkeys(list(output_names) + list(self.declared.values())))
+        own = {name: arr for name, (_, arr) in self._values.items()}
+        out = self.session._run_plan(full, fetch, own, self.allocator, cancel)
+        for name, produced in self.declared.items():
+            value = out[produced]
+            mine = self._values[name][1]
+            if not (value.shape == mine.shape and
+                    value.__array_interface__["data"][0] == mine.__array_interface__["data"][0]):
+                self._store(name, value)  # not written in place: publish the new value
+        self.steps += 1
+        return {n: (np.array(out[n]) if n in self.declared.values() else out[n]) for n in output_names}
 
     def _export(self, present: str, value: np.ndarray) -> np.ndarray:
         copy = np.array(value, copy=True)

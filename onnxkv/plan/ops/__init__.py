@@ -4,6 +4,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     activation,
     attention_gqa,
     attention_onnx,
+    cache_update,
     elementwise,
     matmul,
     norm,
