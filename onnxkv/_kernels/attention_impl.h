@@ -7,7 +7,9 @@
  * A work unit is (batch b, kv head hk, query tokens [t0, t1), keys [c0, c1)).
  * The G = Hq/Hkv query heads of the group and the nt = t1-t0 query tokens form
  * R = G*nt rows; keys are streamed in blocks of OKV_BK, each K/V block is read
- * from memory once and used by all R rows (online softmax per row).
+ * from memory once and used by all R rows (online softmax per row).  Within a
+ * block, heads g and g+1 of the same token see the same keys and are scored /
+ * accumulated together so that each K/V vector load feeds two rows.
  *
  * ws: float workspace of at least R*(D + OKV_BK + 2) floats.
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
