@@ -7,7 +7,9 @@
  * A work unit is (batch b, kv head hk, query tokens [t0, t1), keys [c0, c1)).
  * The G = Hq/Hkv query heads of the group and the nt = t1-t0 query tokens form
  * R = G*nt rows; keys are streamed in blocks of OKV_BK, each K/V block is read
- * from memory once and used by all R rows (online softmax per row).
+ * from memory once and used by all R rows (online softmax per row).  Within a
+ * block, heads g and g+1 of the same token see the same keys and are scored /
+ * accumulated together so that each K/V vector load feeds two rows.
  *
  * ws: float workspace of at least R*(D + OKV_BK + 2) floats.
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
@@ -18,6 +20,27 @@
 #define OKV_CAT(a, b) OKV_CAT_(a, b)
 #define OKV_F(name) OKV_CAT(name, OKV_SFX)
 
+/* Online-softmax step for one row over n fresh scores s: applies the softcap,
+ * rescales (acc, sum) to the new running max and turns s into weights. */
+OKV_ATTR static inline void OKV_F(okv_attn_update)(float *s, int64_t n, float softcap, float *mx, float *sm,
+                                                   float *acc, int64_t D) {
+    float bm, mnew;
+    int64_t j;
+    if (softcap > 0.f)
+        for (j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] / softcap);
+    bm = OKV_F(okv_max_f32)(s, n);
+    mnew = bm > *mx ? bm : *mx;
+    if (mnew > *mx) {
+        if (*mx != -INFINITY) {
+            float alpha = expf(*mx - mnew);
+            OKV_F(okv_scal_f32)(alpha, acc, D);
+            *sm *= alpha;
+        }
+        *mx = mnew;
+    }
+    *sm += OKV_F(okv_exp_sub_sum_f32)(s, mnew, n);
+}
+
 OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1,
                                           int64_t c0, int64_t c1, float *ws, float *part) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, nt = t1 - t0, R = G * nt;
@@ -27,7 +50,7 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
     float *mx = sc + R * OKV_BK;      /* R */
     float *sm = mx + R;               /* R */
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
-    int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j;
+    int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0;
     const float scale = a->scale, softcap = a->softcap;
 
     for (t = 0; t < nt; t++) {
@@ -48,31 +71,27 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
 
     for (j0 = jlo; j0 < jhi; j0 += OKV_BK) {
         int64_t j1 = j0 + OKV_BK < jhi ? j0 + OKV_BK : jhi;
-        for (g = 0; g < G; g++) {
-            const int64_t hq = hk * G + g;
-            for (t = 0; t < nt; t++) {
-                int64_t a0 = lo[t] > j0 ? lo[t] : j0, a1 = hi[t] < j1 ? hi[t] : j1;
-                const float *qrow = a->q + ((b * a->Hq + hq) * a->Sq + t0 + t) * D;
-                float *s, *accr, bm, mnew;
-                r = g * nt + t;
-                if (a0 >= a1) continue;
-                s = sc + r * OKV_BK;
-                accr = acc + r * D;
-                OKV_F(okv_scores_f32)(qrow, a->k + ((b * a->Hkv + hk) * a->Cap + a0) * D, a1 - a0, D, scale, s);
-                if (softcap > 0.f)
-                    for (j = 0; j < a1 - a0; j++) s[j] = softcap * tanhf(s[j] / softcap);
-                bm = OKV_F(okv_max_f32)(s, a1 - a0);
-                mnew = bm > mx[r] ? bm : mx[r];
-                if (mnew > mx[r]) {
-                    if (mx[r] != -INFINITY) {
-                        float alpha = expf(mx[r] - mnew);
-                        OKV_F(okv_scal_f32)(alpha, accr, D);
-                        sm[r] *= alpha;
-                    }
-                    mx[r] = mnew;
+        for (t = 0; t < nt; t++) {
+            const int64_t a0 = lo[t] > j0 ? lo[t] : j0, a1 = hi[t] < j1 ? hi[t] : j1, n = a1 - a0;
+            const float *kb, *vb;
+            if (a0 >= a1) continue;
+            kb = a->k + ((b * a->Hkv + hk) * a->Cap + a0) * D;
+            vb = a->v + ((b * a->Hkv + hk) * a->Cap + a0) * D;
+            /* heads g and g+1 see the same keys: score and accumulate them in pairs */
+            for (g = 0; g < G; g += 2) {
+                const int64_t r0 = g * nt + t, r1 = (g + 1) * nt + t;
+                const float *q0 = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + t) * D;
+                float *s0 = sc + r0 * OKV_BK, *s1 = sc + r1 * OKV_BK;
+                if (g + 1 < G) {
+                    OKV_F(okv_scores2_f32)(q0, q0 + a->Sq * D, kb, n, D, scale, s0, s1);
+                    OKV_F(okv_attn_update)(s0, n, softcap, mx + r0, sm + r0, acc + r0 * D, D);
+                    OKV_F(okv_attn_update)(s1, n, softcap, mx + r1, sm + r1, acc + r1 * D, D);
+                    OKV_F(okv_pv2_f32)(s0, s1, vb, n, D, acc + r0 * D, acc + r1 * D);
+                } else {
+                    OKV_F(okv_scores_f32)(q0, kb, n, D, scale, s0);
+                    OKV_F(okv_attn_update)(s0, n, softcap, mx + r0, sm + r0, acc + r0 * D, D);
+                    OKV_F(okv_pv_f32)(s0, vb, n, D, acc + r0 * D);
                 }
-                sm[r] += OKV_F(okv_exp_sub_sum_f32)(s, mnew, a1 - a0);
-                OKV_F(okv_pv_f32)(s, a->v + ((b * a->Hkv + hk) * a->Cap + a0) * D, a1 - a0, D, accr);
             }
         }
     }

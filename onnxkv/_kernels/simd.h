@@ -179,6 +179,19 @@ static inline void okv_pv_f32_scalar(const float *p, const float *v, int64_t n, 
     for (j = 0; j < n; j++) okv_axpy_f32_scalar(p[j], v + j * D, acc, D);
 }
 
+/* Two query rows against the same keys (the AVX2 version shares the K/V loads). */
+static inline void okv_scores2_f32_scalar(const float *q0, const float *q1, const float *k, int64_t n, int64_t D,
+                                          float scale, float *s0, float *s1) {
+    okv_scores_f32_scalar(q0, k, n, D, scale, s0);
+    okv_scores_f32_scalar(q1, k, n, D, scale, s1);
+}
+
+static inline void okv_pv2_f32_scalar(const float *p0, const float *p1, const float *v, int64_t n, int64_t D,
+                                      float *acc0, float *acc1) {
+    okv_pv_f32_scalar(p0, v, n, D, acc0);
+    okv_pv_f32_scalar(p1, v, n, D, acc1);
+}
+
 /* ------------------------------------------------------------------ */
 /* Scalar primitives (float64) -- no SIMD path                          */
 /* ------------------------------------------------------------------ */
@@ -346,7 +359,8 @@ OKV_AVX2 static inline void okv_scores_f32_avx2(const float *q, const float *k, 
 
 /* acc[0:D] += sum_j p[j] * v[j*D : j*D+D]; acc is kept in registers 64 floats
  * at a time while the keys stream by. */
-OKV_AVX2 static inline void okv_pv_f32_avx2(const float *p, const float *v, int64_t n, int64_t D, float *acc) {
+OKV_AVX2 static inline void okv_pvs_f32_avx2(const float *p, const float *v, int64_t n, int64_t D, int64_t S,
+                                             float *acc) {
     int64_t i = 0, j;
     for (; i + 64 <= D; i += 64) {
         __m256 c0 = _mm256_loadu_ps(acc + i), c1 = _mm256_loadu_ps(acc + i + 8);
@@ -354,7 +368,7 @@ OKV_AVX2 static inline void okv_pv_f32_avx2(const float *p, const float *v, int6
         __m256 c4 = _mm256_loadu_ps(acc + i + 32), c5 = _mm256_loadu_ps(acc + i + 40);
         __m256 c6 = _mm256_loadu_ps(acc + i + 48), c7 = _mm256_loadu_ps(acc + i + 56);
         for (j = 0; j < n; j++) {
-            const float *vj = v + j * D + i;
+            const float *vj = v + j * S + i;
             __m256 pj = _mm256_broadcast_ss(p + j);
             c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), c0);
             c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), c1);
@@ -372,15 +386,88 @@ OKV_AVX2 static inline void okv_pv_f32_avx2(const float *p, const float *v, int6
     }
     for (; i + 8 <= D; i += 8) {
         __m256 c0 = _mm256_loadu_ps(acc + i);
-        for (j = 0; j < n; j++) c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + j * D + i), c0);
+        for (j = 0; j < n; j++) c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + j * S + i), c0);
         _mm256_storeu_ps(acc + i, c0);
     }
     if (i < D) {
         const __m256i tm = okv_tailmask(D - i);
         __m256 c0 = _mm256_maskload_ps(acc + i, tm);
         for (j = 0; j < n; j++)
-            c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_maskload_ps(v + j * D + i, tm), c0);
+            c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_maskload_ps(v + j * S + i, tm), c0);
         _mm256_maskstore_ps(acc + i, tm, c0);
+    }
+}
+
+OKV_AVX2 static inline void okv_pv_f32_avx2(const float *p, const float *v, int64_t n, int64_t D, float *acc) {
+    okv_pvs_f32_avx2(p, v, n, D, D, acc);
+}
+
+/* Two rows x 4 keys per step: 6 loads feed 8 FMAs. */
+OKV_AVX2 static inline void okv_scores2_f32_avx2(const float *q0, const float *q1, const float *k, int64_t n,
+                                                 int64_t D, float scale, float *s0, float *s1) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const int64_t Dv = D & ~(int64_t)7;
+    const __m256i tm = okv_tailmask(D - Dv);
+    int64_t j = 0, i, u;
+    for (; j + 4 <= n; j += 4) {
+        const float *kj = k + j * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+        for (i = 0; i < Dv; i += 8) {
+            __m256 x0 = _mm256_loadu_ps(q0 + i), x1 = _mm256_loadu_ps(q1 + i), kk;
+            kk = _mm256_loadu_ps(kj + i);         a0 = _mm256_fmadd_ps(x0, kk, a0); b0 = _mm256_fmadd_ps(x1, kk, b0);
+            kk = _mm256_loadu_ps(kj + D + i);     a1 = _mm256_fmadd_ps(x0, kk, a1); b1 = _mm256_fmadd_ps(x1, kk, b1);
+            kk = _mm256_loadu_ps(kj + 2 * D + i); a2 = _mm256_fmadd_ps(x0, kk, a2); b2 = _mm256_fmadd_ps(x1, kk, b2);
+            kk = _mm256_loadu_ps(kj + 3 * D + i); a3 = _mm256_fmadd_ps(x0, kk, a3); b3 = _mm256_fmadd_ps(x1, kk, b3);
+        }
+        if (Dv < D) {
+            __m256 x0 = _mm256_maskload_ps(q0 + Dv, tm), x1 = _mm256_maskload_ps(q1 + Dv, tm), kk;
+            kk = _mm256_maskload_ps(kj + Dv, tm);         a0 = _mm256_fmadd_ps(x0, kk, a0); b0 = _mm256_fmadd_ps(x1, kk, b0);
+            kk = _mm256_maskload_ps(kj + D + Dv, tm);     a1 = _mm256_fmadd_ps(x0, kk, a1); b1 = _mm256_fmadd_ps(x1, kk, b1);
+            kk = _mm256_maskload_ps(kj + 2 * D + Dv, tm); a2 = _mm256_fmadd_ps(x0, kk, a2); b2 = _mm256_fmadd_ps(x1, kk, b2);
+            kk = _mm256_maskload_ps(kj + 3 * D + Dv, tm); a3 = _mm256_fmadd_ps(x0, kk, a3); b3 = _mm256_fmadd_ps(x1, kk, b3);
+        }
+        {
+            __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+            __m256 t2 = _mm256_hadd_ps(b0, b1), t3 = _mm256_hadd_ps(b2, b3);
+            __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+            __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+            r = _mm256_mul_ps(r, vscale);
+            _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(r));
+            _mm_storeu_ps(s1 + j, _mm256_extractf128_ps(r, 1));
+        }
+    }
+    for (u = j; u < n; u++) {
+        s0[u] = okv_dot_f32_avx2(q0, k + u * D, D) * scale;
+        s1[u] = okv_dot_f32_avx2(q1, k + u * D, D) * scale;
+    }
+}
+
+/* acc0 += p0 @ V, acc1 += p1 @ V sharing the V loads (32 columns per pass). */
+OKV_AVX2 static inline void okv_pv2_f32_avx2(const float *p0, const float *p1, const float *v, int64_t n, int64_t D,
+                                             float *acc0, float *acc1) {
+    int64_t i = 0, j;
+    for (; i + 32 <= D; i += 32) {
+        __m256 c0 = _mm256_loadu_ps(acc0 + i), c1 = _mm256_loadu_ps(acc0 + i + 8);
+        __m256 c2 = _mm256_loadu_ps(acc0 + i + 16), c3 = _mm256_loadu_ps(acc0 + i + 24);
+        __m256 d0 = _mm256_loadu_ps(acc1 + i), d1 = _mm256_loadu_ps(acc1 + i + 8);
+        __m256 d2 = _mm256_loadu_ps(acc1 + i + 16), d3 = _mm256_loadu_ps(acc1 + i + 24);
+        for (j = 0; j < n; j++) {
+            const float *vj = v + j * D + i;
+            __m256 w0 = _mm256_broadcast_ss(p0 + j), w1 = _mm256_broadcast_ss(p1 + j), vv;
+            vv = _mm256_loadu_ps(vj);      c0 = _mm256_fmadd_ps(w0, vv, c0); d0 = _mm256_fmadd_ps(w1, vv, d0);
+            vv = _mm256_loadu_ps(vj + 8);  c1 = _mm256_fmadd_ps(w0, vv, c1); d1 = _mm256_fmadd_ps(w1, vv, d1);
+            vv = _mm256_loadu_ps(vj + 16); c2 = _mm256_fmadd_ps(w0, vv, c2); d2 = _mm256_fmadd_ps(w1, vv, d2);
+            vv = _mm256_loadu_ps(vj + 24); c3 = _mm256_fmadd_ps(w0, vv, c3); d3 = _mm256_fmadd_ps(w1, vv, d3);
+        }
+        _mm256_storeu_ps(acc0 + i, c0); _mm256_storeu_ps(acc0 + i + 8, c1);
+        _mm256_storeu_ps(acc0 + i + 16, c2); _mm256_storeu_ps(acc0 + i + 24, c3);
+        _mm256_storeu_ps(acc1 + i, d0); _mm256_storeu_ps(acc1 + i + 8, d1);
+        _mm256_storeu_ps(acc1 + i + 16, d2); _mm256_storeu_ps(acc1 + i + 24, d3);
+    }
+    if (i < D) {
+        okv_pvs_f32_avx2(p0, v + i, n, D - i, D, acc0 + i);   /* remaining columns, row stride D */
+        okv_pvs_f32_avx2(p1, v + i, n, D - i, D, acc1 + i);
     }
 }
 
