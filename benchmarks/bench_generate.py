@@ -1,19 +1,32 @@
-"""Decode speed of onnxkv vs ONNX Runtime on the same GenAI-style model files.
+"""End-to-end decode speed and memory: onnxkv vs ONNX Runtime (and ONNX Runtime GenAI).
 
-For each model size (tiny, small) and prompt length (128, 1024): prefill, then
-``--new-tokens`` greedy decode steps; both runtimes get identical feeds from
-the same loop (KV cache threaded as tensors: past -> present), the same
-thread count, and are timed per token in the same process, alternating.
-Also reports onnxkv's Python dispatch overhead per node on the tiny model
-(the plan loop with every kernel replaced by its recorded result).
+Models are built by ``onnxkv.models`` (random weights, same weights in every
+graph form) into a temporary folder; every engine reads the same files.
+Engines, each measured in its own subprocess (so peak RSS is its own), one
+after the other in the same run, with the same thread count:
 
-Usage: python benchmarks/bench_generate.py [--threads 2] [--sizes tiny,small]
-       [--prompts 128,1024] [--new-tokens 32] [--out result.json]
+* ``onnxkv``         -- in-place persistent cache (``Session.new_state``);
+* ``onnxkv-tensor``  -- onnxkv with the cache threaded as tensors (past -> present);
+* ``ort``            -- ``onnxruntime.InferenceSession`` on the same file, cache
+                        threaded as tensors by the same loop;
+* ``ort-genai``      -- ONNX Runtime GenAI with ``past_present_share_buffer``
+                        (GroupQueryAttention models only; skipped if not installed).
+
+Prints JSON: machine, versions, threads, shapes, raw per-token samples,
+medians, peak RSS, onnxkv's event-log totals, ratios to each peer.  Also
+reports onnxkv's Python dispatch overhead per node on the tiny model.
+
+Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
+       [--cases small-gqa:128,small-gqa:1024,...] [--engines onnxkv,ort,ort-genai] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,27 +37,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, median, versions  # noqa: E402
 
-import onnxkv  # noqa: E402
-from onnxkv.generate.feeds import FeedBuilder  # noqa: E402
-from onnxkv.models.builders import SMALL, TINY, build_model, save_genai_folder  # noqa: E402
-
-SIZES = {"tiny": TINY, "small": SMALL}
+DEFAULT_CASES = "tiny-gqa:128,tiny-gqa:1024,small-gqa:128,small-gqa:1024,small-gqa:4096,small-concat:4096"
+DEFAULT_ENGINES = "onnxkv,onnxkv-tensor,ort,ort-genai"
 
 
-def ort_session(path: Path, threads: int):
-    import onnxruntime as ort
+# -- worker side ---------------------------------------------------------------------------------
+def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: bool):
+    from onnxkv.generate.feeds import FeedBuilder
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
-def decode_samples(run, session, prompt: np.ndarray, new_tokens: int) -> tuple[float, list[float], list[int]]:
-    """Prefill seconds, per-token decode seconds and greedy tokens for one runtime."""
     model = session.model
-    fetch = [model.io.logits, *model.convention.present_outputs]
-    b = FeedBuilder(session.plan.inputs, model, prompt, np.array([prompt.shape[1]]), 0)
+    fetch = [model.io.logits] + (model.convention.present_outputs if thread_cache else [])
+    b = FeedBuilder(session.plan.inputs, model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=thread_cache)
     feeds, _ = b.first()
     t0 = time.perf_counter()
     out = run(feeds, fetch)
@@ -60,16 +63,90 @@ def decode_samples(run, session, prompt: np.ndarray, new_tokens: int) -> tuple[f
     return prefill, samples, tokens
 
 
-def dispatch_overhead(session: onnxkv.Session, prompt_len: int = 16, repeats: int = 200) -> dict:
+def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int, threads: int) -> dict:
+    import onnxkv
+
+    prompt = np.random.default_rng(prompt_len).integers(0, vocab, (1, prompt_len))
+    result: dict = {}
+    if engine == "ort-genai":
+        import onnxruntime_genai as og
+
+        model = og.Model(path)
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=prompt_len + new_tokens + 1, do_sample=False)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(prompt)
+        prefill = time.perf_counter() - t0
+        samples = []
+        for _ in range(new_tokens):
+            t0 = time.perf_counter()
+            gen.generate_next_token()
+            samples.append(time.perf_counter() - t0)
+        seq = list(gen.get_sequence(0))
+        tokens = [int(t) for t in seq[prompt_len:prompt_len + new_tokens + 1]]
+    else:
+        sess = onnxkv.Session(path, threads=threads)
+        if engine == "onnxkv":
+            state = sess.new_state(initial_capacity=prompt_len + new_tokens + 1)
+            run, thread_cache = state.run, False
+        elif engine == "onnxkv-tensor":
+            run, thread_cache = sess.run, True
+        else:
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+            peer = ort.InferenceSession(str(sess.model.path), so, providers=["CPUExecutionProvider"])
+            run = lambda f, o: dict(zip(o, peer.run(o, f)))  # noqa: E731
+            thread_cache = True
+        _feed_loop(sess, prompt[:, :8], 2, run if engine != "onnxkv" else sess.new_state().run, thread_cache)
+        prefill, samples, tokens = _feed_loop(sess, prompt, new_tokens, run, thread_cache)
+        if engine == "onnxkv":
+            result["state_committed_bytes"] = state.committed_bytes
+            state.close()
+            # Event-log totals of a separate short run (recording would perturb the timing above).
+            ev_sess = onnxkv.Session(path, threads=threads, events=True)
+            ev_state = ev_sess.new_state(initial_capacity=prompt_len + 9)
+            _feed_loop(ev_sess, prompt, 8, ev_state.run, False)
+            log = ev_sess.events
+            decode_steps = log.steps()[1:]
+            per_step = [log.totals(s) for s in decode_steps]
+            result["events_per_decode_step"] = {
+                k: per_step[-1][k] for k in ("allocations", "allocated_bytes", "prefix_copied_bytes",
+                                             "append_copied_bytes", "cow_copied_bytes")}
+            cache = [e for e in log if e.action == "cache_write" and e.step == decode_steps[-1]]
+            result["events_cache_writes_per_decode_step"] = {
+                "allocations": sum(e.allocations for e in cache),
+                "prefix_copied_bytes": sum(e.prefix_copied_bytes for e in cache),
+                "append_copied_bytes": sum(e.append_copied_bytes for e in cache)}
+        elif engine == "onnxkv-tensor":
+            ev_sess = onnxkv.Session(path, threads=threads, events=True)
+            _feed_loop(ev_sess, prompt, 8, ev_sess.run, True)
+            t = ev_sess.events.totals(ev_sess.events.steps()[-1])
+            result["events_per_decode_step"] = {
+                k: t[k] for k in ("allocations", "allocated_bytes", "prefix_copied_bytes", "append_copied_bytes")}
+    result.update({
+        "prefill_s": prefill, "per_token_s": samples, "median_token_s": median(samples), "tokens": tokens,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    })
+    return result
+
+
+# -- orchestrator side -------------------------------------------------------------------------
+def dispatch_overhead(folder: Path, threads: int, repeats: int = 200) -> dict:
     """µs per node of the plan loop alone: kernels replaced by their recorded outputs."""
-    plan = session.plan
-    model = session.model
-    b = FeedBuilder(plan.inputs, model, np.arange(1, prompt_len + 1)[None], np.array([prompt_len]), 0)
+    import onnxkv
+    from onnxkv.generate.feeds import FeedBuilder
+
+    session = onnxkv.Session(folder, threads=threads)
+    plan, model = session.plan, session.model
+    b = FeedBuilder(plan.inputs, model, np.arange(1, 17)[None], np.array([16]), 0)
     feeds, _ = b.first()
     out = session.run(feeds)
     feeds = b.next(np.array([1]), out)
-    recorded = []
-    original = plan._steps
+    recorded, original = [], plan._steps
 
     def recorder(run):
         def rec(ins, rt):
@@ -93,51 +170,96 @@ def dispatch_overhead(session: onnxkv.Session, prompt_len: int = 16, repeats: in
     return {"nodes": n, "samples_s": times, "median_run_s": median(times), "us_per_node": median(times) / n * 1e6}
 
 
+def build(tmp: Path, size: str, family: str, max_length: int, threads: int) -> tuple[Path, int]:
+    from dataclasses import replace
+
+    from onnxkv.models.builders import SMALL, TINY, build_model, save_genai_folder
+
+    cfg = replace({"tiny": TINY, "small": SMALL}[size], max_length=max_length)
+    folder = tmp / f"{size}-{family}"
+    if folder.exists():
+        return folder, cfg.vocab_size
+    model = build_model(family, cfg, seed=0)
+    if family == "gqa":
+        save_genai_folder(model, cfg, folder)
+        cfg_path = folder / "genai_config.json"
+        gc = json.loads(cfg_path.read_text())
+        gc["model"]["decoder"]["session_options"] = {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
+                                                     "log_id": "onnxruntime-genai", "provider_options": []}
+        gc["search"]["past_present_share_buffer"] = True
+        cfg_path.write_text(json.dumps(gc, indent=1))
+    else:
+        import onnx
+
+        folder.mkdir(parents=True)
+        onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    return folder, cfg.vocab_size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sizes", default="tiny,small")
-    ap.add_argument("--prompts", default="128,1024")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--cases", default=DEFAULT_CASES)
+    ap.add_argument("--engines", default=DEFAULT_ENGINES)
     ap.add_argument("--out")
+    ap.add_argument("--worker", nargs=6, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        e, p, n, v, new, t = args.worker
+        print(json.dumps(worker(e, p, int(n), int(v), int(new), int(t))))
+        return
     import onnxruntime
 
+    try:
+        import onnxruntime_genai
+
+        genai_version = onnxruntime_genai.__version__
+    except ImportError:
+        genai_version = None
+    engines = args.engines.split(",")
     results = []
-    overhead = None
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes.split(","):
-            cfg = SIZES[size]
-            folder = Path(tmp) / size
-            save_genai_folder(build_model("gqa", cfg, seed=0), cfg, folder)
-            kv = onnxkv.Session(folder, threads=args.threads)
-            ort_sess = ort_session(folder / "model.onnx", args.threads)
-            if size == "tiny":
-                overhead = dispatch_overhead(kv)
-            for plen in (int(p) for p in args.prompts.split(",")):
-                prompt = np.random.default_rng(plen).integers(0, cfg.vocab_size, (1, plen))
-                # Warm both once, then measure alternating runtimes.
-                decode_samples(kv.run, kv, prompt[:, :8], 2)
-                decode_samples(lambda f, o: dict(zip(o, ort_sess.run(o, f))), kv, prompt[:, :8], 2)
-                p_kv, s_kv, t_kv = decode_samples(kv.run, kv, prompt, args.new_tokens)
-                p_ort, s_ort, t_ort = decode_samples(lambda f, o: dict(zip(o, ort_sess.run(o, f))), kv, prompt,
-                                                     args.new_tokens)
-                results.append({
-                    "model": size, "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_layers", "num_heads",
-                                                                            "num_kv_heads", "intermediate_size",
-                                                                            "vocab_size")},
-                    "prompt": plen, "new_tokens": args.new_tokens, "batch": 1,
-                    "onnxkv": {"prefill_s": p_kv, "per_token_s": s_kv, "median_token_s": median(s_kv)},
-                    "onnxruntime": {"prefill_s": p_ort, "per_token_s": s_ort, "median_token_s": median(s_ort)},
-                    "ratio_onnxkv_over_ort": median(s_kv) / median(s_ort),
-                    "same_tokens": t_kv == t_ort,
-                })
-                print(f"# {size} prompt {plen}: onnxkv {median(s_kv) * 1e3:.2f} ms/token, "
-                      f"ORT {median(s_ort) * 1e3:.2f} ms/token, ratio {median(s_kv) / median(s_ort):.2f}",
-                      file=sys.stderr)
-    emit({"benchmark": "generate", "machine": machine(), "versions": {**versions(), "onnxruntime": onnxruntime.__version__},
-          "threads": args.threads, "cache": "tensor path (past -> present)", "results": results,
-          "dispatch_overhead_tiny": overhead}, args.out)
+        tmp = Path(tmp)
+        tiny, _ = build(tmp, "tiny", "gqa", 2048, args.threads)
+        overhead = dispatch_overhead(tiny, args.threads)
+        print(f"# dispatch overhead: {overhead['us_per_node']:.2f} µs/node over {overhead['nodes']} nodes",
+              file=sys.stderr)
+        for case in args.cases.split(","):
+            name, plen = case.split(":")
+            size, family = name.split("-")
+            plen = int(plen)
+            folder, vocab = build(tmp, size, family, max(2048, plen + args.new_tokens + 64), args.threads)
+            entry = {"model": size, "graph": family, "prompt": plen, "new_tokens": args.new_tokens, "batch": 1,
+                     "engines": {}}
+            for engine in engines:
+                if engine == "ort-genai" and (family != "gqa" or genai_version is None):
+                    continue
+                cmd = [sys.executable, __file__, "--worker", engine, str(folder), str(plen), str(vocab),
+                       str(args.new_tokens), str(args.threads)]
+                env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if proc.returncode != 0:
+                    entry["engines"][engine] = {"error": proc.stderr.strip().splitlines()[-1:]}
+                    print(f"# {case} {engine}: FAILED {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                    continue
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                entry["engines"][engine] = r
+                print(f"# {case} {engine}: {r['median_token_s'] * 1e3:.2f} ms/token, prefill {r['prefill_s']:.2f} s, "
+                      f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+            kv = entry["engines"].get("onnxkv", {})
+            for peer in ("ort", "ort-genai", "onnxkv-tensor"):
+                p = entry["engines"].get(peer, {})
+                if "median_token_s" in kv and "median_token_s" in p:
+                    entry[f"ratio_onnxkv_over_{peer}"] = kv["median_token_s"] / p["median_token_s"]
+                    entry[f"rss_ratio_onnxkv_over_{peer}"] = kv["peak_rss_bytes"] / p["peak_rss_bytes"]
+            if "tokens" in kv and "tokens" in entry["engines"].get("ort", {}):
+                entry["same_tokens_as_ort"] = kv["tokens"][:8] == entry["engines"]["ort"]["tokens"][:8]
+            results.append(entry)
+    emit({"benchmark": "generate", "machine": machine(),
+          "versions": {**versions(), "onnxruntime": onnxruntime.__version__, "onnxruntime_genai": genai_version},
+          "threads": args.threads, "results": results, "dispatch_overhead_tiny": overhead}, args.out)
 
 
 if __name__ == "__main__":
