@@ -30,6 +30,7 @@ from onnxkv.errors import Cancelled, InputError, ModelError, OnnxkvError, Operat
 from onnxkv.events import EventLog
 from onnxkv.model.contract import get_output_alias
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
+from onnxkv.plan.buffers import RunBuffers
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.fusion import fuse_silu_gate
@@ -393,7 +394,7 @@ class Plan:
                     raise InputError(f"Session.run: unknown output '{name}'; outputs are: {', '.join(self.output_names)}")
                 out_slots.append(self.slot_of[name])
         slots = self.bind_inputs(feeds, caches)
-        bufs: dict[int, object] = {}
+        bufs = RunBuffers(self.allocator)
         recording = events is not None and events.enabled
         rt = RunContext(self._allocator_for(bufs), recording, step, caches)
         try:
@@ -402,33 +403,31 @@ class Plan:
             else:
                 self._run_plain(slots, bufs, rt, cancel)
         finally:
-            free = self.allocator.free
-            for b in bufs.values():
-                free(b)
-            bufs.clear()
+            bufs.close()
         return {name: slots[s] for name, s in zip(output_names, out_slots)}
 
-    def _allocator_for(self, bufs: dict):
+    def _allocator_for(self, bufs: RunBuffers):
         persistent = self.persistent
         out_idx = self.out_idx
-        allocator = self.allocator
 
         def alloc(rt: RunContext, index: int, shape, dtype: np.dtype) -> np.ndarray:
             s = out_idx[rt._node][index]
             shape = tuple(int(d) for d in shape)
-            nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+            nbytes = dtype.itemsize
+            for d in shape:
+                nbytes *= d
+            if s < 0 or persistent[s]:
+                arr, reused = np.empty(shape, dtype), False
+            else:
+                arr, reused = bufs.take(s, nbytes, dtype, shape)
             if rt.recording:
                 c = rt.counters
-                c["allocations"] = c.get("allocations", 0) + 1
-                c["allocated_bytes"] = c.get("allocated_bytes", 0) + nbytes
-            if s < 0 or persistent[s]:
-                return np.empty(shape, dtype)
-            old = bufs.pop(s, None)
-            if old is not None:
-                allocator.free(old)
-            buf = allocator.allocate(nbytes, 64)
-            bufs[s] = buf
-            return buf.view(dtype, shape)
+                if reused:
+                    c["reuse_count"] = c.get("reuse_count", 0) + 1
+                else:
+                    c["allocations"] = c.get("allocations", 0) + 1
+                    c["allocated_bytes"] = c.get("allocated_bytes", 0) + nbytes
+            return arr
 
         return alloc
 
@@ -436,8 +435,8 @@ class Plan:
         node = self.nodes[k]
         return OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}")
 
-    def _run_plain(self, slots: list, bufs: dict, rt: RunContext, cancel=None) -> None:
-        free = self.allocator.free
+    def _run_plain(self, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
+        release = bufs.release
         must_alias = self.must_alias
         k = 0
         try:
@@ -455,18 +454,16 @@ class Plan:
                 for s in self.release[k]:
                     slots[s] = None
                 for s in self.frees[k]:
-                    b = bufs.pop(s, None)
-                    if b is not None:
-                        free(b)
+                    release(s)
         except OnnxkvError:
             raise
         except Exception as e:
             raise self._node_failure(k, e) from e
 
-    def _run_recording(self, slots: list, bufs: dict, rt: RunContext, events: EventLog, step: int,
+    def _run_recording(self, slots: list, bufs: RunBuffers, rt: RunContext, events: EventLog, step: int,
                        cache_allocator=None, cancel=None) -> None:
         allocator = self.allocator
-        free = allocator.free
+        release = bufs.release
         must_alias = self.must_alias
         k = 0
         try:
@@ -498,9 +495,7 @@ class Plan:
                 for s in self.release[k]:
                     slots[s] = None
                 for s in self.frees[k]:
-                    b = bufs.pop(s, None)
-                    if b is not None:
-                        free(b)
+                    release(s)
         except OnnxkvError:
             raise
         except Exception as e:
