@@ -248,7 +248,7 @@ class EventLog:
         """
         try:
             from matplotlib.figure import Figure
-            from matplotlib.ticker import MaxNLocator
+            from matplotlib.ticker import FuncFormatter, MaxNLocator
         except ImportError as e:
             raise ImportError("EventLog.plot needs matplotlib: pip install onnxkv[plot]") from e
         rows = self.per_step()
@@ -267,21 +267,24 @@ class EventLog:
         fig = Figure(figsize=(9.0, 8.0), layout="constrained")
         ax_held, ax_moved, ax_allocs = fig.subplots(3, 1, sharex=True, height_ratios=(3, 3, 1.6))
 
-        held_keys = (("cache_committed_bytes", "cache committed", "C0", "-"),
-                     ("cache_live_bytes", "cache live", "C1", "-"),
-                     ("temp_live_max_bytes", "temporaries: largest live in step", "C2", "-"),
-                     ("temp_peak_bytes", "temporaries: allocator peak so far", "C2", "--"))
+        # (key, label, colour, line style, width): committed is drawn wide and pale so that
+        # live, which often equals it, stays visible on top.
+        held_keys = (("cache_committed_bytes", "cache committed", "C0", "-", 5.0),
+                     ("cache_live_bytes", "cache live", "C1", "-", 1.5),
+                     ("temp_live_max_bytes", "temporaries: largest live in step", "C2", "-", 1.5),
+                     ("temp_peak_bytes", "temporaries: allocator peak so far", "C2", "--", 1.5))
         held_max = max((r[k] or 0) for r in rows for k, *_ in held_keys)
         unit, scale = _unit(held_max)
-        for key, label, color, style in held_keys:
+        for key, label, color, style, width in held_keys:
             ys = series(key, scale)
             if all(math.isnan(y) for y in ys):
                 label += " (not recorded)"
-            ax_held.plot(steps, ys, style, color=color, label=label, marker="o" if markers else None,
+            ax_held.plot(steps, ys, style, color=color, label=label, linewidth=width,
+                         alpha=0.45 if width > 2 else 1.0, marker="o" if markers and width <= 2 else None,
                          markersize=3)
         ax_held.set_ylabel(f"bytes held ({unit})")
         ax_held.set_ylim(bottom=0)
-        ax_held.set_title("held after the step", loc="left", fontsize="medium")
+        ax_held.set_title("held: caches after the step, temporaries during it", loc="left", fontsize="medium")
 
         moved_keys = (("allocated_bytes", "allocated", "C3"),
                       ("append_copied_bytes", "append copied", "C4"),
@@ -298,6 +301,8 @@ class EventLog:
             ax_moved.plot(steps, ys, color=color, label=label, marker="o" if markers else None, markersize=3)
         if log_moved:
             ax_moved.set_yscale("log")
+            plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+            ax_moved.yaxis.set_major_formatter(plain)
         else:
             ax_moved.set_ylim(bottom=0)
         ax_moved.set_ylabel(f"bytes per step ({unit})")
