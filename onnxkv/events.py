@@ -278,7 +278,7 @@ class EventLog:
         for key, label, color, style, width in held_keys:
             ys = series(key, scale)
             if all(math.isnan(y) for y in ys):
-                label += " (not recorded)"
+                label += " (no cache write logged)"
             ax_held.plot(steps, ys, style, color=color, label=label, linewidth=width,
                          alpha=0.45 if width > 2 else 1.0, marker="o" if markers and width <= 2 else None,
                          markersize=3)
