@@ -89,6 +89,8 @@ class EventLog:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._events: list[Event] = []
+        #: Where :meth:`from_json` read the log from (``None`` for a recorded log).
+        self.source: str | None = None
 
     def append(self, event: Event) -> None:
         self._events.append(event)
@@ -190,7 +192,10 @@ class EventLog:
         return [asdict(e) for e in self._events]
 
     def to_json(self, path: str | None = None, indent: int | None = None) -> str:
-        """The events as JSON (a list of objects); also written to ``path`` if given."""
+        """The log as JSON, ``{"events": [...], "totals": {...}}``; also written to ``path`` if given.
+
+        :meth:`from_json` reads it back.
+        """
         text = json.dumps({"events": self.to_dicts(), "totals": self.totals()}, indent=indent)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
@@ -319,7 +324,7 @@ class EventLog:
             ax.grid(True, which="major", alpha=0.3)
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
         if title is None:
-            src = getattr(self, "source", None)
+            src = self.source
             title = f"onnxkv memory per step: {len(rows)} steps, {len(self._events)} events"
             if src and not src.startswith("<"):
                 title += f"\n{os.path.basename(src)}"
