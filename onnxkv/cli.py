@@ -1,4 +1,4 @@
-"""The ``onnxkv`` command: ``generate``, ``inspect`` and ``config``.
+"""The ``onnxkv`` command: ``generate``, ``inspect``, ``report`` and ``config``.
 
 With no MODEL, ``generate`` and ``inspect`` use the embedded default model (a
 tiny byte-level Llama trained on English text), so ``onnxkv generate
@@ -124,6 +124,46 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    import importlib.util
+
+    from onnxkv.events import EventLog
+
+    try:
+        log = EventLog.from_json(args.events)
+    except (OSError, ValueError) as e:
+        print(f"onnxkv report: error: {e}", file=sys.stderr)
+        return 2
+    rows = log.per_step()
+    print(f"events: {len(log)} records in {len(rows)} steps from {args.events}")
+    if rows:
+        print(log.summary())
+        t = log.totals()
+        mb = 1 / (1 << 20)
+        print(f"total: {t['allocations']} allocations, {t['allocated_bytes'] * mb:.3f} MiB allocated, copied "
+              f"{t['prefix_copied_bytes'] * mb:.3f} MiB prefix + {t['append_copied_bytes'] * mb:.3f} MiB append + "
+              f"{t['cow_copied_bytes'] * mb:.3f} MiB copy-on-write")
+    try:
+        have_mpl = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):
+        have_mpl = False
+    if args.output is None:
+        if not have_mpl:
+            print("onnxkv report: note: matplotlib is not installed, table only "
+                  "(pip install onnxkv[plot] to draw it with -o FILE.png)", file=sys.stderr)
+        return 0
+    if not rows:
+        print("onnxkv report: error: the log holds no events, nothing to draw", file=sys.stderr)
+        return 2
+    try:
+        log.plot(args.output, title=args.title)
+    except (ImportError, OSError, ValueError) as e:
+        print(f"onnxkv report: error: cannot write {args.output}: {e}", file=sys.stderr)
+        return 2
+    print(f"figure: {args.output}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="onnxkv", description="KV-cache runtime for ONNX decoder models.")
     p.add_argument("--version", action="version", version=f"onnxkv {onnxkv.__version__}")
@@ -145,6 +185,12 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="show the cache convention, operators, fallbacks and I/O of a model")
     i.add_argument("model", nargs="?", help=".onnx file or GenAI model folder (default: embedded model)")
     i.set_defaults(func=_cmd_inspect)
+    r = sub.add_parser("report", help="per-step memory table (and figure) of a log from generate --events")
+    r.add_argument("events", metavar="RUN.json", help="event log written by 'onnxkv generate --events'")
+    r.add_argument("-o", "--output", metavar="FIGURE", help="also draw the figure (.png, .svg, .pdf; needs "
+                   "matplotlib: pip install onnxkv[plot])")
+    r.add_argument("--title", help="figure title (default: step and event counts and the log's file name)")
+    r.set_defaults(func=_cmd_report)
     c = sub.add_parser("config", help="print version, OpenMP, threads and SIMD path")
     c.set_defaults(func=lambda a: (onnxkv.show_config(), 0)[1])
     return p
