@@ -3,9 +3,22 @@
 ``fuse_silu_gate`` turns the SwiGLU gate of Llama-style MLPs,
 ``Mul(Mul(g, Sigmoid(g)), u)`` (either operand order), into one
 ``ai.onnxkv::SiluMul(g, u)`` node run by the compiled ``silu_mul`` kernel:
-one pass over memory instead of three, and two nodes fewer to dispatch.  A
-pattern is fused only when the intermediate values have no other reader and
-are not graph outputs, so results are unchanged.
+one pass over memory instead of three, and two nodes fewer to dispatch.
+
+``fuse_repeat_kv_matmul`` removes the ``repeat_kv`` of grouped-query attention
+in exported graphs: ``MatMul(Q, [Mul(., s)] Transpose(Reshape(Expand(
+Unsqueeze(K)))))`` and ``MatMul(P, Reshape(Expand(Unsqueeze(V))))`` become one
+``ai.onnxkv::RepeatKvMatMul`` that multiplies each group of query heads with its
+shared KV head directly (no copy of the cache per query head, no transpose).
+Shape nodes reading the repeated V get ``ai.onnxkv::RepeatKvShape``, which
+computes the same shape without building the tensor.
+The fused node receives the original axes/shape tensors and checks at run time
+that they describe a repeat along the head axis; otherwise it computes the
+original expression exactly.
+
+A pattern is fused only when the intermediate values have no other reader and
+are not graph outputs, so results are unchanged (up to float rounding where a
+scalar scale moves from K to the product).
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ from collections import defaultdict
 import onnx
 from onnx import helper
 
-__all__ = ["fuse_silu_gate", "FUSED_DOMAIN"]
+__all__ = ["fuse_silu_gate", "fuse_repeat_kv_matmul", "FUSED_DOMAIN"]
 
 FUSED_DOMAIN = "ai.onnxkv"
 
@@ -60,4 +73,90 @@ def fuse_silu_gate(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onn
         drop.update((i, j))
         replace[k] = helper.make_node("SiluMul", [gate, up], [m2.output[0]], name=m2.name or m2.output[0],
                                       domain=FUSED_DOMAIN)
+    return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
+
+
+def _readers(nodes: list[onnx.NodeProto]) -> dict[str, list[int]]:
+    readers: dict[str, list[int]] = defaultdict(list)
+    for i, n in enumerate(nodes):
+        for x in n.input:
+            if x:
+                readers[x].append(i)
+    return readers
+
+
+def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` with repeat_kv + MatMul chains replaced by RepeatKvMatMul nodes (see the module docstring)."""
+    readers = _readers(nodes)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+
+    def single(value: str, reader: int) -> int | None:
+        """The producer of ``value`` if ``reader`` is its only reader and it is not protected."""
+        if value in protected or readers.get(value) != [reader]:
+            return None
+        return producer.get(value)
+
+    def op(i: int | None, op_type: str) -> bool:
+        return i is not None and nodes[i].op_type == op_type and nodes[i].domain in ("", "ai.onnx")
+
+    drop: set[int] = set()
+    replace: dict[int, onnx.NodeProto] = {}
+    for m, mm in enumerate(nodes):
+        if mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or m in drop:
+            continue
+        chain: list[int] = []
+        scale = ""
+        shape_readers: list[int] = []
+        cur = single(mm.input[1], m)
+        transpose = False
+        if cur is None and mm.input[1] not in protected:
+            # The repeated V may also be read by Shape nodes (torch exports): they get its shape computed.
+            others = [r for r in readers.get(mm.input[1], []) if r != m]
+            if others and all(op(r, "Shape") for r in others):
+                shape_readers = others
+                cur = producer.get(mm.input[1])
+        if op(cur, "Mul"):
+            mul = nodes[cur]
+            # Mul(Transpose(...), scalar) in either operand order.
+            t_in = next((x for x in mul.input if op(producer.get(x), "Transpose")), None)
+            if t_in is None:
+                continue
+            scale = mul.input[1] if mul.input[0] == t_in else mul.input[0]
+            chain.append(cur)
+            cur = single(t_in, cur)
+        if op(cur, "Transpose") and not shape_readers:
+            perm = next((list(a.ints) for a in nodes[cur].attribute if a.name == "perm"), None)
+            if perm != [0, 1, 3, 2]:
+                continue
+            transpose = True
+            chain.append(cur)
+            cur = single(nodes[cur].input[0], cur)
+        elif scale:
+            continue
+        if not op(cur, "Reshape"):
+            continue
+        reshape = nodes[cur]
+        chain.append(cur)
+        cur = single(reshape.input[0], cur)
+        if not op(cur, "Expand"):
+            continue
+        expand = nodes[cur]
+        chain.append(cur)
+        cur = single(expand.input[0], cur)
+        if not op(cur, "Unsqueeze") or len(nodes[cur].input) != 2:
+            continue
+        unsq = nodes[cur]
+        chain.append(cur)
+        if any(i in drop or i in replace for i in chain + shape_readers):
+            continue
+        drop.update(chain)
+        for r in shape_readers:
+            attrs = {a.name: a.i for a in nodes[r].attribute if a.name in ("start", "end")}
+            replace[r] = helper.make_node("RepeatKvShape", [unsq.input[0], unsq.input[1], expand.input[1],
+                                                            reshape.input[1]], list(nodes[r].output),
+                                          name=nodes[r].name or nodes[r].output[0], domain=FUSED_DOMAIN, **attrs)
+        replace[m] = helper.make_node(
+            "RepeatKvMatMul",
+            [mm.input[0], unsq.input[0], unsq.input[1], expand.input[1], reshape.input[1], scale],
+            [mm.output[0]], name=mm.name or mm.output[0], domain=FUSED_DOMAIN, transpose_b=int(transpose))
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]

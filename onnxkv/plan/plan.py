@@ -33,7 +33,7 @@ from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.buffers import RunBuffers
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
-from onnxkv.plan.fusion import fuse_silu_gate
+from onnxkv.plan.fusion import fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
 
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
@@ -189,7 +189,8 @@ class Plan:
         nodes = _topological(list(graph.node), known)
         if fuse:
             subgraph_reads = {x for n in nodes for x in _node_reads(n)} - {x for n in nodes for x in n.input}
-            nodes = fuse_silu_gate(nodes, {o.name for o in graph.output} | subgraph_reads)
+            protected = {o.name for o in graph.output} | subgraph_reads
+            nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
 
         self.bindings = list(bindings)
         by_node: dict[str, list] = {}

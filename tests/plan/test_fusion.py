@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper
 
 from onnxkv import Session
@@ -47,3 +48,71 @@ def test_builder_and_exported_models_fuse_every_layer():
         sess = Session(model, threads=1)
         assert sum(n.op_type == "SiluMul" for n in sess.plan.nodes) == 2, model
         assert not any(n.op_type == "Sigmoid" for n in sess.plan.nodes)
+
+
+def test_repeat_kv_matmuls_are_fused_in_exported_graphs():
+    for model in (build_model("concat", MICRO), DATA / "torch_tiny_llama" / "model.onnx"):
+        sess = Session(model, threads=1)
+        assert sum(n.op_type == "RepeatKvMatMul" for n in sess.plan.nodes) == 2 * MICRO.num_layers, model
+        # no node copies the cache per query head any more
+        presents = {f"present.{i}.{kv}" for i in range(MICRO.num_layers) for kv in ("key", "value")}
+        assert all(n.op_type in ("RepeatKvMatMul", "RepeatKvShape", "Shape", "Concat") or not presents & set(n.input)
+                   for n in sess.plan.nodes)
+
+
+def _repeat_model(transpose: bool, expand_shape, with_scale: bool):
+    from onnx import numpy_helper
+
+    nodes = [helper.make_node("Unsqueeze", ["k", "axes"], ["ku"]),
+             helper.make_node("Expand", ["ku", "eshape"], ["ke"]),
+             helper.make_node("Reshape", ["ke", "rshape"], ["kr"])]
+    rhs = "kr"
+    if transpose:
+        nodes.append(helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]))
+        rhs = "kt"
+        if with_scale:
+            nodes.append(helper.make_node("Mul", ["kt", "scale"], ["ks"]))
+            rhs = "ks"
+    nodes.append(helper.make_node("MatMul", ["a", rhs], ["y"]))
+    inits = [numpy_helper.from_array(np.array([2], np.int64), "axes"),
+             numpy_helper.from_array(np.array(expand_shape, np.int64), "eshape"),
+             numpy_helper.from_array(np.array([0, 6, -1, 8], np.int64), "rshape"),
+             numpy_helper.from_array(np.array(0.3, np.float32), "scale")]
+    a_shape = [1, 6, 5, 8] if transpose else [1, 6, 5, 7]
+    vi = [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_shape),
+          helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, 2, 7, 8])]
+    g = helper.make_graph(nodes, "g", vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("transpose,with_scale", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("expand_shape", [[1, 1, 3, 1, 1], [1, 2, 3, 7, 8]])
+def test_repeat_kv_matmul_matches_the_literal_graph(transpose, with_scale, expand_shape):
+    from onnx.reference import ReferenceEvaluator
+
+    m = _repeat_model(transpose, expand_shape, with_scale)
+    rng = np.random.default_rng(3)
+    feeds = {"a": rng.standard_normal([1, 6, 5, 8] if transpose else [1, 6, 5, 7]).astype(np.float32),
+             "k": rng.standard_normal((1, 2, 7, 8)).astype(np.float32)}
+    sess = Session(m, threads=1)
+    assert [n.op_type for n in sess.plan.nodes] == ["RepeatKvMatMul"]
+    want = ReferenceEvaluator(m).run(None, feeds)[0]
+    np.testing.assert_allclose(sess.run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_repeat_kv_matmul_falls_back_when_the_shapes_are_not_a_head_repeat():
+    from onnx.reference import ReferenceEvaluator
+
+    # Repeat along a different layout: reshape to [1, 6, -1, 8] after expanding the *time* axis is not a
+    # head repeat; the fused node must evaluate the literal expression.
+    m = _repeat_model(False, [1, 2, 3, 7, 8], False)
+    m.graph.initializer[2].CopyFrom(__import__("onnx").numpy_helper.from_array(np.array([1, 6, 7, 8], np.int64),
+                                                                                 "rshape"))
+    m.graph.initializer[0].CopyFrom(__import__("onnx").numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    m.graph.initializer[1].CopyFrom(__import__("onnx").numpy_helper.from_array(np.array([1, 3, 2, 7, 8], np.int64),
+                                                                                 "eshape"))
+    rng = np.random.default_rng(4)
+    feeds = {"a": rng.standard_normal((1, 6, 5, 7)).astype(np.float32),
+             "k": rng.standard_normal((1, 2, 7, 8)).astype(np.float32)}
+    want = ReferenceEvaluator(m).run(None, feeds)[0]
+    np.testing.assert_allclose(Session(m, threads=1).run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
