@@ -1,8 +1,9 @@
 """Decode-sized float32 matmul: out[M, N] = x[M, K] @ w[K, N] (+ bias[N]).
 
 ONNX MatMul layout (w row-major [K, N]).  Built for small M (batch x new
-tokens): the OpenMP threads split N into blocks of columns and each block
-computes all M rows, so the weight matrix is read once per call.  This keeps
+tokens): the OpenMP threads split N into column segments and each segment
+computes all M rows, streaming its slice of every weight row in order, so the
+weight matrix is read once per call.  This keeps
 BLAS (and its own thread pool) off the decode path.  Larger M is correct but
 not the target.
 """
@@ -13,9 +14,9 @@ from onnxkv._kernels._runtime cimport okv_threads, okv_simd
 from . import _validate as V
 
 cdef extern from "matmul.h" nogil:
-    int OKV_MM_NB
-    void okv_matmul_block_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
-                              const float *bias, float *out, int64_t n0, int64_t nb, int simd)
+    int64_t okv_matmul_plan(int64_t M, int64_t N, int nt, int64_t *width)
+    void okv_matmul_seg_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                            const float *bias, float *out, int64_t n0, int64_t nb, int simd)
 
 DEF PAR_MIN = 1 << 16   # M*K*N below this runs on one thread
 
@@ -23,26 +24,26 @@ DEF PAR_MIN = 1 << 16   # M*K*N below this runs on one thread
 cdef void _matmul(const float[:, ::1] x, const float[:, ::1] w, const float *bias,
                   float[:, ::1] out) noexcept nogil:
     cdef int64_t M = x.shape[0], K = x.shape[1], N = w.shape[1]
-    cdef int64_t NB = OKV_MM_NB
-    cdef int64_t nblocks = (N + NB - 1) // NB, b, n0, nb
+    cdef int64_t width = 0, nseg, s, n0, nb
     cdef int simd = okv_simd()
     cdef int nt = okv_threads()
-    if M * K * N < PAR_MIN or nblocks < 2:
+    if M * K * N < PAR_MIN:
         nt = 1
-    elif nt > nblocks:
-        nt = <int>nblocks
+    nseg = okv_matmul_plan(M, N, nt, &width)
+    if nt > nseg:
+        nt = <int>nseg
     if nt == 1:
-        for b in range(nblocks):
-            n0 = b * NB
-            nb = N - n0 if N - n0 < NB else NB
-            okv_matmul_block_f32(&x[0, 0], M, K, &w[0, 0], N, bias, &out[0, 0], n0, nb, simd)
+        for s in range(nseg):
+            n0 = s * width
+            nb = N - n0 if N - n0 < width else width
+            okv_matmul_seg_f32(&x[0, 0], M, K, &w[0, 0], N, bias, &out[0, 0], n0, nb, simd)
         return
-    for b in prange(nblocks, num_threads=nt, schedule='static'):
-        n0 = b * NB
+    for s in prange(nseg, num_threads=nt, schedule='static'):
+        n0 = s * width
         nb = N - n0
-        if nb > NB:
-            nb = NB
-        okv_matmul_block_f32(&x[0, 0], M, K, &w[0, 0], N, bias, &out[0, 0], n0, nb, simd)
+        if nb > width:
+            nb = width
+        okv_matmul_seg_f32(&x[0, 0], M, K, &w[0, 0], N, bias, &out[0, 0], n0, nb, simd)
 
 
 def matmul_rows(x, w, out, bias=None):
