@@ -8,18 +8,21 @@ raw samples (seconds), median and min per engine, effective GB/s (weight bytes
 / median time) and the max abs difference of each engine against the float64
 reference.
 
-Engines are measured in blocks (``--inner`` calls each) taking turns for
-``--rounds`` rounds, with a pause between blocks: every engine keeps its own
-busy-waiting thread pool (OpenMP, BLAS, ORT), and interleaving single calls
-would measure the pools fighting for the cores rather than the kernels.  On a
-shared machine medians move with the load of other jobs (load averages are
+Every engine keeps its own busy-waiting thread pool (OpenMP, OpenBLAS, ORT);
+measured in one process, the pool of the engine timed last keeps spinning
+and fights the next engine for the cores.  So each (engine, threads) runs in
+its own subprocess, ``--inner`` back-to-back calls per case after warm-up, and
+``--rounds`` rounds alternate the engines so machine noise hits them alike.  On
+a shared machine medians move with the load of other jobs (load averages are
 recorded at the start and end).
 
-    python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 4] [--rounds 5] [--inner 10] [--out FILE]
+    python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 4] [--rounds 3] [--inner 20] [--out FILE]
 """
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -83,20 +86,41 @@ def ort_runner(sess, x, out):
     return run
 
 
-def measure(variants, rounds, inner, pause):
-    for fn in variants.values():
-        for _ in range(3):
-            fn()
-    samples = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            time.sleep(pause)
-            fn()  # wake this engine's pool
-            for _ in range(inner):
-                t = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - t)
-    return samples
+def worker(engine, threads, shapes, Ms, inner, seed):
+    """Runs in a subprocess: one engine, one thread count, every case; returns
+    {case_key: {"samples_s": [...], "max_abs_err": e}}."""
+    from threadpoolctl import threadpool_limits
+
+    K.set_num_threads(threads)
+    res = {}
+    with threadpool_limits(limits=threads, user_api="blas"):
+        for spec in shapes:
+            Kd, N = (int(v) for v in spec.lower().split("x"))
+            rng = np.random.default_rng([seed, Kd, N])
+            w = rng.standard_normal((Kd, N)).astype(np.float32)
+            sess = ort_session(w, threads) if engine == "onnxruntime" else None
+            for M in Ms:
+                x = rng.standard_normal((M, Kd)).astype(np.float32)
+                out = np.empty((M, N), np.float32)
+                if engine == "onnxkv":
+                    def fn():
+                        K.matmul_rows(x, w, out)
+                elif engine == "numpy_blas":
+                    def fn():
+                        np.matmul(x, w, out=out)
+                else:
+                    fn = ort_runner(sess, x, out)
+                for _ in range(3):
+                    fn()
+                s = []
+                for _ in range(inner):
+                    t = time.perf_counter()
+                    fn()
+                    s.append(time.perf_counter() - t)
+                want = np.empty((M, N), np.float32)
+                R.matmul_rows(x, w, want)
+                res[f"{spec}/{M}"] = {"samples_s": s, "max_abs_err": float(np.max(np.abs(out - want)))}
+    return res
 
 
 def main():
@@ -104,69 +128,64 @@ def main():
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--M", type=int, nargs="*", default=[1, 4])
     ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES], help="KxN weight shapes")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--inner", type=int, default=10)
-    ap.add_argument("--pause", type=float, default=0.05, help="seconds between engine blocks")
-    ap.add_argument("--no-ort", action="store_true")
+    ap.add_argument("--engines", nargs="*", default=["onnxkv", "numpy_blas", "onnxruntime"])
+    ap.add_argument("--rounds", type=int, default=3, help="subprocess rounds per engine and thread count")
+    ap.add_argument("--inner", type=int, default=20, help="timed calls per case per round")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
 
-    from threadpoolctl import threadpool_limits
+    if args.worker:
+        json.dump(worker(args.worker, args.threads[0], args.shapes, args.M, args.inner, args.seed), sys.stdout)
+        return
 
-    rng = np.random.default_rng(0)
     doc = {"benchmark": "matmul_rows", "machine": machine(), "versions": versions(),
            "cpu_features": K.cpu_features(),
            "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-           "method": {"rounds": args.rounds, "inner": args.inner, "pause_s": args.pause,
+           "method": {"rounds": args.rounds, "inner": args.inner,
+                      "isolation": "each engine runs in its own subprocess (its thread pool alone in the "
+                                   "process); rounds alternate engines; calls back to back after 3 warm-up calls",
                       "gbps": "weight bytes / median seconds"},
-           "cases": []}
-    old_threads = K.get_num_threads()
-    try:
+           "errors": [], "cases": []}
+    samples = {}   # (threads, case, engine) -> list
+    errs = {}
+    for _ in range(args.rounds):
         for threads in args.threads:
-            K.set_num_threads(threads)
-            for spec in args.shapes:
-                Kd, N = (int(v) for v in spec.lower().split("x"))
-                w = rng.standard_normal((Kd, N)).astype(np.float32)
-                sess = None
-                if not args.no_ort:
-                    try:
-                        sess = ort_session(w, threads)
-                    except Exception as e:  # onnxruntime missing
-                        doc.setdefault("ort_error", f"{type(e).__name__}: {e}")
-                for M in args.M:
-                    x = rng.standard_normal((M, Kd)).astype(np.float32)
-                    outs = {name: np.empty((M, N), np.float32) for name in ("onnxkv", "numpy_blas", "onnxruntime")}
-
-                    def blas(o=outs["numpy_blas"]):
-                        np.matmul(x, w, out=o)
-                    variants = {
-                        "onnxkv": lambda o=outs["onnxkv"]: K.matmul_rows(x, w, o),
-                        "numpy_blas": blas,
-                    }
-                    if sess is not None:
-                        variants["onnxruntime"] = ort_runner(sess, x, outs["onnxruntime"])
-                    with threadpool_limits(limits=threads, user_api="blas"):
-                        samples = measure(variants, args.rounds, args.inner, args.pause)
-                    want = np.empty((M, N), np.float32)
-                    R.matmul_rows(x, w, want)
-                    case = {"threads": threads, "shapes": {"x": [M, Kd], "w": [Kd, N], "out": [M, N]},
-                            "weight_bytes": int(w.nbytes), "engines": {}}
-                    for name, s in samples.items():
-                        med = statistics.median(s)
-                        case["engines"][name] = {
-                            "samples_s": s, "median_s": med, "min_s": min(s),
-                            "gbps_median": w.nbytes / med / 1e9, "gbps_best": w.nbytes / min(s) / 1e9,
-                            "max_abs_err": float(np.max(np.abs(outs[name] - want))),
-                        }
+            for engine in args.engines:
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--threads", str(threads),
+                       "--inner", str(args.inner), "--seed", str(args.seed), "--M", *map(str, args.M),
+                       "--shapes", *args.shapes]
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                if p.returncode != 0:
+                    doc["errors"].append({"engine": engine, "threads": threads, "stderr": p.stderr[-2000:]})
+                    continue
+                for key, r in json.loads(p.stdout).items():
+                    samples.setdefault((threads, key, engine), []).extend(r["samples_s"])
+                    errs[(threads, key, engine)] = max(errs.get((threads, key, engine), 0.0), r["max_abs_err"])
+    for threads in args.threads:
+        for spec in args.shapes:
+            Kd, N = (int(v) for v in spec.lower().split("x"))
+            for M in args.M:
+                key = f"{spec}/{M}"
+                case = {"threads": threads, "shapes": {"x": [M, Kd], "w": [Kd, N], "out": [M, N]},
+                        "weight_bytes": Kd * N * 4, "engines": {}}
+                for engine in args.engines:
+                    s = samples.get((threads, key, engine))
+                    if not s:
+                        continue
+                    med = statistics.median(s)
+                    case["engines"][engine] = {
+                        "samples_s": s, "median_s": med, "min_s": min(s),
+                        "gbps_median": Kd * N * 4 / med / 1e9, "gbps_best": Kd * N * 4 / min(s) / 1e9,
+                        "max_abs_err": errs[(threads, key, engine)]}
+                if "onnxkv" in case["engines"]:
                     base = case["engines"]["onnxkv"]["median_s"]
-                    case["speedup_vs_onnxkv"] = {n: e["median_s"] / base for n, e in case["engines"].items()}
-                    doc["cases"].append(case)
-                    print(f"# t{threads} {Kd}x{N} M{M}: " + "  ".join(
-                        f"{n} {e['median_s'] * 1e3:.3f}ms {e['gbps_median']:.1f}GB/s"
-                        for n, e in case["engines"].items()), file=sys.stderr, flush=True)
-                del sess
-    finally:
-        K.set_num_threads(old_threads)
+                    case["time_ratio_vs_onnxkv"] = {n: e["median_s"] / base for n, e in case["engines"].items()}
+                doc["cases"].append(case)
+                print(f"# t{threads} {spec} M{M}: " + "  ".join(
+                    f"{n} {e['median_s'] * 1e3:.3f}ms {e['gbps_median']:.1f}GB/s"
+                    for n, e in case["engines"].items()), file=sys.stderr, flush=True)
     doc["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     doc["summary"] = [
         {"threads": c["threads"], "M": c["shapes"]["x"][0], "KxN": "x".join(map(str, c["shapes"]["w"])),
