@@ -8,8 +8,10 @@
  * Inside a segment the weight rows are streamed in order, four at a time (four
  * sequential streams the hardware prefetchers follow), and the out segment
  * itself is the accumulator: per 8 columns, four weight vectors are loaded once
- * and FMA'd into every row of out (row pairs with their x values held in
- * registers).  The segment width is capped so the M out rows plus four weight
+ * and FMA'd into every row of out, in groups of 4, 2 and 1 rows whose x
+ * values are broadcast once per step (the compiler may keep some of the 16
+ * broadcasts of a 4-row group on the stack; they then feed the FMAs as memory
+ * operands).  The segment width is capped so the M out rows plus four weight
  * row slices stay in L1.  Walking whole rows avoids the large-stride column
  * walks that alias into a few L1 sets when N*4 is a multiple of 4 KB.
  *
@@ -71,7 +73,7 @@ static void okv_matmul_seg_f32_scalar(const float *x, int64_t M, int64_t K, cons
 OKV_AVX2 static inline __attribute__((always_inline)) void
 okv_mm_step_avx2(const int KS, const int MR, const float *x, int64_t ldx, const float *w, int64_t ldw, float *c,
                  int64_t ldc, int64_t nb, __m256i tm) {
-    __m256 xb[2][4], wv[4], acc;
+    __m256 xb[4][4], wv[4], acc;
     int64_t j;
     int r, i;
     for (r = 0; r < MR; r++)
@@ -104,13 +106,14 @@ OKV_AVX2 static void okv_matmul_seg_f32_avx2(const float *x, int64_t M, int64_t 
     okv_matmul_init_seg(M, N, bias, out, n0, nb);
     for (; k + 4 <= K; k += 4) {
         const float *wk = w + k * N + n0;
-        for (m = 0; m + 2 <= M; m += 2) okv_mm_step_avx2(4, 2, x + m * K + k, K, wk, N, c + m * N, N, nb, tm);
+        for (m = 0; m + 4 <= M; m += 4) okv_mm_step_avx2(4, 4, x + m * K + k, K, wk, N, c + m * N, N, nb, tm);
+        if (m + 2 <= M) { okv_mm_step_avx2(4, 2, x + m * K + k, K, wk, N, c + m * N, N, nb, tm); m += 2; }
         if (m < M) okv_mm_step_avx2(4, 1, x + m * K + k, K, wk, N, c + m * N, N, nb, tm);
     }
     for (; k < K; k++) {
         const float *wk = w + k * N + n0;
-        for (m = 0; m + 2 <= M; m += 2) okv_mm_step_avx2(1, 2, x + m * K + k, K, wk, N, c + m * N, N, nb, tm);
-        if (m < M) okv_mm_step_avx2(1, 1, x + m * K + k, K, wk, N, c + m * N, N, nb, tm);
+        for (m = 0; m + 4 <= M; m += 4) okv_mm_step_avx2(1, 4, x + m * K + k, K, wk, N, c + m * N, N, nb, tm);
+        for (; m < M; m++) okv_mm_step_avx2(1, 1, x + m * K + k, K, wk, N, c + m * N, N, nb, tm);
     }
 }
 
