@@ -21,6 +21,7 @@ _MODULES = {
     "rotary": ("rotary_embedding",),
     "attention": ("attention",),
     "convert": ("f16_to_f32", "f32_to_f16"),
+    "matmul": ("matmul_rows",),
 }
 
 __all__ = [name for names in _MODULES.values() for name in names]

@@ -118,3 +118,11 @@ def f16_to_f32(x, out):
 def f32_to_f16(x, out):
     with np.errstate(over="ignore"):
         out[...] = x.astype(np.float16)
+
+
+def matmul_rows(x, w, out, bias=None):
+    """out = x @ w (+ bias), computed in float64."""
+    r = x.astype(np.float64) @ w.astype(np.float64)
+    if bias is not None:
+        r = r + bias
+    out[...] = r.astype(out.dtype)

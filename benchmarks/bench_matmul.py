@@ -1,0 +1,199 @@
+"""Benchmark onnxkv's decode matmul (``onnxkv._kernels.matmul_rows``) against
+NumPy's matmul (BLAS, thread count set with threadpoolctl) and ONNX Runtime's
+MatMul (a one-node model, weight as initializer, intra-op threads set), for
+decode-sized x [M, K] @ W [K, N].
+
+Prints one JSON document: machine, versions, and per (threads, shape, M) the
+raw samples (seconds), median and min per engine, effective GB/s (weight bytes
+/ median time) and the max abs difference of each engine against the float64
+reference.
+
+Every engine keeps its own busy-waiting thread pool (OpenMP, OpenBLAS, ORT);
+measured in one process, the pool of the engine timed last keeps spinning
+and fights the next engine for the cores.  So each (engine, threads) runs in
+its own subprocess, ``--inner`` back-to-back calls per case after warm-up, and
+``--rounds`` rounds alternate the engines so machine noise hits them alike.  On
+a shared machine medians move with the load of other jobs (load averages are
+recorded at the start and end).
+
+    python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 4] [--rounds 3] [--inner 20] [--out FILE]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import emit, machine  # noqa: E402
+
+import onnxkv._kernels as K  # noqa: E402
+from onnxkv._kernels import reference as R  # noqa: E402
+
+SHAPES = [(1024, 1024), (1024, 2816), (2816, 1024), (1024, 8000)]
+
+
+def versions():
+    v = {"python": sys.version.split()[0], "numpy": np.__version__}
+    for mod in ("onnxkv", "onnxruntime", "onnx", "threadpoolctl"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception:
+            v[mod] = None
+    v["onnxkv_simd_path"] = K.simd_path()
+    v["onnxkv_openmp"] = K.openmp_enabled()
+    try:
+        from threadpoolctl import threadpool_info
+        v["blas"] = [{k: i.get(k) for k in ("internal_api", "version", "threading_layer", "architecture",
+                                             "num_threads")} for i in threadpool_info() if i.get("user_api") == "blas"]
+    except Exception:
+        v["blas"] = None
+    return v
+
+
+def ort_session(w, threads):
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    Kd, N = w.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "matmul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", Kd])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])],
+        initializer=[numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def ort_runner(sess, x, out):
+    io = sess.io_binding()
+    io.bind_cpu_input("x", x)
+    io.bind_output("y", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+
+    def run():
+        sess.run_with_iobinding(io)
+    return run
+
+
+def worker(engine, threads, shapes, Ms, inner, seed):
+    """Runs in a subprocess: one engine, one thread count, every case; returns
+    {case_key: {"samples_s": [...], "max_abs_err": e}}."""
+    from threadpoolctl import threadpool_limits
+
+    K.set_num_threads(threads)
+    res = {}
+    with threadpool_limits(limits=threads, user_api="blas"):
+        for spec in shapes:
+            Kd, N = (int(v) for v in spec.lower().split("x"))
+            rng = np.random.default_rng([seed, Kd, N])
+            w = rng.standard_normal((Kd, N)).astype(np.float32)
+            sess = ort_session(w, threads) if engine == "onnxruntime" else None
+            for M in Ms:
+                x = rng.standard_normal((M, Kd)).astype(np.float32)
+                out = np.empty((M, N), np.float32)
+                if engine == "onnxkv":
+                    def fn():
+                        K.matmul_rows(x, w, out)
+                elif engine == "numpy_blas":
+                    def fn():
+                        np.matmul(x, w, out=out)
+                else:
+                    fn = ort_runner(sess, x, out)
+                for _ in range(3):
+                    fn()
+                s = []
+                for _ in range(inner):
+                    t = time.perf_counter()
+                    fn()
+                    s.append(time.perf_counter() - t)
+                want = np.empty((M, N), np.float32)
+                R.matmul_rows(x, w, want)
+                res[f"{spec}/{M}"] = {"samples_s": s, "max_abs_err": float(np.max(np.abs(out - want)))}
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
+    ap.add_argument("--M", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES], help="KxN weight shapes")
+    ap.add_argument("--engines", nargs="*", default=["onnxkv", "numpy_blas", "onnxruntime"])
+    ap.add_argument("--rounds", type=int, default=3, help="subprocess rounds per engine and thread count")
+    ap.add_argument("--inner", type=int, default=20, help="timed calls per case per round")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args()
+
+    if args.worker:
+        json.dump(worker(args.worker, args.threads[0], args.shapes, args.M, args.inner, args.seed), sys.stdout)
+        return
+
+    doc = {"benchmark": "matmul_rows", "machine": machine(), "versions": versions(),
+           "cpu_features": K.cpu_features(),
+           "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+           "method": {"rounds": args.rounds, "inner": args.inner,
+                      "isolation": "each engine runs in its own subprocess (its thread pool alone in the "
+                                   "process); rounds alternate engines; calls back to back after 3 warm-up calls",
+                      "gbps": "weight bytes / median seconds"},
+           "errors": [], "cases": []}
+    samples = {}   # (threads, case, engine) -> list
+    errs = {}
+    for _ in range(args.rounds):
+        for threads in args.threads:
+            for engine in args.engines:
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--threads", str(threads),
+                       "--inner", str(args.inner), "--seed", str(args.seed), "--M", *map(str, args.M),
+                       "--shapes", *args.shapes]
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                if p.returncode != 0:
+                    doc["errors"].append({"engine": engine, "threads": threads, "stderr": p.stderr[-2000:]})
+                    continue
+                for key, r in json.loads(p.stdout).items():
+                    samples.setdefault((threads, key, engine), []).extend(r["samples_s"])
+                    errs[(threads, key, engine)] = max(errs.get((threads, key, engine), 0.0), r["max_abs_err"])
+    for threads in args.threads:
+        for spec in args.shapes:
+            Kd, N = (int(v) for v in spec.lower().split("x"))
+            for M in args.M:
+                key = f"{spec}/{M}"
+                case = {"threads": threads, "shapes": {"x": [M, Kd], "w": [Kd, N], "out": [M, N]},
+                        "weight_bytes": Kd * N * 4, "engines": {}}
+                for engine in args.engines:
+                    s = samples.get((threads, key, engine))
+                    if not s:
+                        continue
+                    med = statistics.median(s)
+                    case["engines"][engine] = {
+                        "samples_s": s, "median_s": med, "min_s": min(s),
+                        "gbps_median": Kd * N * 4 / med / 1e9, "gbps_best": Kd * N * 4 / min(s) / 1e9,
+                        "max_abs_err": errs[(threads, key, engine)]}
+                if "onnxkv" in case["engines"]:
+                    base = case["engines"]["onnxkv"]["median_s"]
+                    case["time_ratio_vs_onnxkv"] = {n: e["median_s"] / base for n, e in case["engines"].items()}
+                doc["cases"].append(case)
+                print(f"# t{threads} {spec} M{M}: " + "  ".join(
+                    f"{n} {e['median_s'] * 1e3:.3f}ms {e['gbps_median']:.1f}GB/s"
+                    for n, e in case["engines"].items()), file=sys.stderr, flush=True)
+    doc["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    doc["summary"] = [
+        {"threads": c["threads"], "M": c["shapes"]["x"][0], "KxN": "x".join(map(str, c["shapes"]["w"])),
+         **{f"{n}_median_ms": round(e["median_s"] * 1e3, 4) for n, e in c["engines"].items()},
+         **{f"{n}_gbps": round(e["gbps_median"], 2) for n, e in c["engines"].items()}}
+        for c in doc["cases"]]
+    emit(doc, args.out)
+
+
+if __name__ == "__main__":
+    main()

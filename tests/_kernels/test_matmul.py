@@ -1,0 +1,130 @@
+import numpy as np
+import pytest
+
+import onnxkv._kernels as K
+from onnxkv._kernels import reference as R
+
+from .conftest import rand
+
+MS = [1, 2, 3, 8, 17]
+KN = [(1, 1), (7, 33), (33, 7), (256, 1024), (1024, 256), (33, 2816), (1024, 2816), (2816, 65), (256, 1)]
+
+
+def check(x, w, bias=None):
+    M, Kd = x.shape
+    N = w.shape[1]
+    out, want = np.full((M, N), np.nan, np.float32), np.empty((M, N), np.float32)
+    K.matmul_rows(x, w, out, bias)
+    R.matmul_rows(x, w, want, bias)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(max(Kd, 1)))
+
+
+@pytest.mark.parametrize("kn", KN, ids=lambda kn: f"K{kn[0]}xN{kn[1]}")
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_matmul_rows(M, kn, with_bias, threads, simd):
+    Kd, N = kn
+    rng = np.random.default_rng(M * 100003 + Kd * 101 + N)
+    x, w = rand(rng, (M, Kd)), rand(rng, (Kd, N))
+    bias = rand(rng, (N,)) if with_bias else None
+    check(x, w, bias)
+
+
+@pytest.mark.parametrize("M", [4, 5, 6, 7, 9, 16, 31, 64, 70])
+@pytest.mark.parametrize("N", [8, 63, 64, 65, 129, 200, 1025, 2049])
+def test_matmul_rows_row_groups_and_tails(M, N, threads, simd):
+    """Odd and even row counts (row pairs + a single row), column tails, one or
+    several column segments (segment width depends on M and the thread count)."""
+    rng = np.random.default_rng(M * 1000 + N)
+    Kd = 299  # 4-row k steps plus a remainder
+    check(rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,)))
+
+
+def test_matmul_rows_exact_small_integers(simd):
+    """Small integers sum exactly in float32 whatever the order: bit-exact result."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 4, (5, 515)).astype(np.float32)
+    w = rng.integers(-3, 4, (515, 77)).astype(np.float32)
+    b = rng.integers(-3, 4, 77).astype(np.float32)
+    out = np.empty((5, 77), np.float32)
+    K.matmul_rows(x, w, out, b)
+    np.testing.assert_array_equal(out, x.astype(np.float64) @ w + b)
+
+
+def test_matmul_rows_threads_agree(simd):
+    """1 and 2 threads split columns, not sums: identical results."""
+    # (segment widths differ between 1 and 2 threads; each column's sum order does not)
+    rng = np.random.default_rng(3)
+    x, w, b = rand(rng, (3, 1024)), rand(rng, (1024, 1000)), rand(rng, (1000,))
+    outs = []
+    old = K.get_num_threads()
+    try:
+        for nt in (1, 2):
+            K.set_num_threads(nt)
+            o = np.empty((3, 1000), np.float32)
+            K.matmul_rows(x, w, o, b)
+            outs.append(o)
+    finally:
+        K.set_num_threads(old)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_matmul_rows_readonly_inputs_and_empty():
+    rng = np.random.default_rng(1)
+    x, w, b = rand(rng, (2, 9)), rand(rng, (9, 5)), rand(rng, (5,))
+    for a in (x, w, b):
+        a.flags.writeable = False
+    check(x, w, b)
+    # K == 0: out = bias (or 0); M == 0 / N == 0: nothing to do
+    out = np.full((2, 5), np.nan, np.float32)
+    K.matmul_rows(np.empty((2, 0), np.float32), np.empty((0, 5), np.float32), out, b)
+    np.testing.assert_array_equal(out, np.broadcast_to(b, (2, 5)))
+    K.matmul_rows(np.empty((2, 0), np.float32), np.empty((0, 5), np.float32), out)
+    np.testing.assert_array_equal(out, 0)
+    K.matmul_rows(np.empty((0, 9), np.float32), w, np.empty((0, 5), np.float32))
+    K.matmul_rows(x, np.empty((9, 0), np.float32), np.empty((2, 0), np.float32))
+
+
+def test_matmul_rows_bad_args():
+    f = np.float32
+    x, w, b = np.ones((2, 8), f), np.ones((8, 4), f), np.ones(4, f)
+    out = np.full((2, 4), 3.0, f)
+    cases = [
+        ("x", lambda: K.matmul_rows(x.astype(np.float64), w, out)),
+        ("x", lambda: K.matmul_rows(np.ones(8, f), w, out)),
+        ("x", lambda: K.matmul_rows(np.ones((2, 16), f)[:, ::2], w, out)),
+        ("x", lambda: K.matmul_rows([[1.0] * 8] * 2, w, out)),
+        ("x", lambda: K.matmul_rows(x.astype(">f4"), w, out)),
+        ("w", lambda: K.matmul_rows(x, np.ones((7, 4), f), out)),
+        ("w", lambda: K.matmul_rows(x, np.ones((8, 4), np.float16), out)),
+        ("w", lambda: K.matmul_rows(x, np.asfortranarray(np.ones((8, 4), f)), out)),
+        ("w", lambda: K.matmul_rows(x, np.ones((8, 4, 1), f), out)),
+        ("bias", lambda: K.matmul_rows(x, w, out, np.ones(5, f))),
+        ("bias", lambda: K.matmul_rows(x, w, out, np.ones(4, np.float64))),
+        ("bias", lambda: K.matmul_rows(x, w, out, np.ones((1, 4), f))),
+        ("out", lambda: K.matmul_rows(x, w, np.ones((2, 5), f))),
+        ("out", lambda: K.matmul_rows(x, w, np.ones((2, 4), np.float64))),
+        ("out", lambda: K.matmul_rows(x, w, np.ones((2, 8), f)[:, ::2])),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=name):
+            call()
+    assert np.all(out == 3.0)
+    # overlap with each input: out left unchanged
+    buf = np.arange(40, dtype=f)
+    xo, oo = buf[:16].reshape(2, 8), buf[8:16].reshape(2, 4)
+    before = buf.copy()
+    with pytest.raises(ValueError, match="out: must not overlap x"):
+        K.matmul_rows(xo, w, oo)
+    wo = buf[:32].reshape(8, 4)
+    with pytest.raises(ValueError, match="out: must not overlap w"):
+        K.matmul_rows(x, wo, buf[24:32].reshape(2, 4))
+    bo = buf[32:36]
+    with pytest.raises(ValueError, match="out: must not overlap bias"):
+        K.matmul_rows(x, w, buf[32:40].reshape(2, 4), bo)
+    np.testing.assert_array_equal(buf, before)
+    ro = np.zeros((2, 4), f)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out"):
+        K.matmul_rows(x, w, ro)
+    assert np.all(ro == 0)
