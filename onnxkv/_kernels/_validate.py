@@ -38,13 +38,12 @@ def same_dtype(name, a, ref, ref_name):
 
 def no_overlap(name, a, other, other_name, allow_identical=False):
     """Reject ``a`` overlapping ``other`` unless (optionally) it is exactly the same memory."""
-    if other is None or a is None:
+    if other is None or a is None or not np.may_share_memory(a, other):
         return
     if allow_identical and identical(a, other):
         return
-    if np.may_share_memory(a, other):
-        extra = " (only exact aliasing is allowed)" if allow_identical else ""
-        raise ValueError(f"{name}: must not overlap {other_name}{extra}")
+    extra = " (only exact aliasing is allowed)" if allow_identical else ""
+    raise ValueError(f"{name}: must not overlap {other_name}{extra}")
 
 
 def identical(a, b):
