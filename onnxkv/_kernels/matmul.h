@@ -28,7 +28,7 @@ static inline int64_t okv_mm_min(int64_t a, int64_t b) { return a < b ? a : b; }
  * segments ceil(N / width).  With nt > 1 the segment count is a multiple of nt
  * when N allows, so a static schedule balances. */
 static int64_t okv_matmul_plan(int64_t M, int64_t N, int nt, int64_t *width) {
-    int64_t cap = M <= 4 ? 1024 : (M <= 8 ? 512 : 256);
+    int64_t cap = M <= 1 ? 4096 : (M <= 4 ? 1024 : (M <= 8 ? 512 : 256));
     int64_t nseg = (N + cap - 1) / cap, w;
     if (nt > 1) nseg = ((nseg + nt - 1) / nt) * nt;
     w = (N + nseg - 1) / nseg;

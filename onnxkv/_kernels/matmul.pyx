@@ -3,9 +3,10 @@
 ONNX MatMul layout (w row-major [K, N]).  Built for small M (batch x new
 tokens): the OpenMP threads split N into column segments and each segment
 computes all M rows, streaming its slice of every weight row in order, so the
-weight matrix is read once per call.  This keeps
-BLAS (and its own thread pool) off the decode path.  Larger M is correct but
-not the target.
+weight matrix is read once per call.  Running in the kernels' OpenMP pool, it
+keeps BLAS (and its own busy-waiting thread pool) off the decode path.  Larger
+M is correct but not the target.  Each output column is summed in the same
+order whatever the thread count, so results do not depend on it.
 """
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange

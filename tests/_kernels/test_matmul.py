@@ -128,3 +128,11 @@ def test_matmul_rows_bad_args():
     with pytest.raises(ValueError, match="out"):
         K.matmul_rows(x, w, ro)
     assert np.all(ro == 0)
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 9])
+def test_matmul_rows_wide(M, threads, simd):
+    """N wider than every segment cap (several segments even on one thread)."""
+    rng = np.random.default_rng(M + 11)
+    N, Kd = 8197, 37
+    check(rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,)))
