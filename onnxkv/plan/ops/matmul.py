@@ -1,10 +1,19 @@
-"""MatMul and Gemm through NumPy's BLAS (thread count set by the session)."""
+"""MatMul and Gemm.
+
+Decode-sized products (at most ``SMALL_M`` rows against a 2-D float32 weight)
+run in the compiled ``matmul_rows`` kernel, inside onnxkv's own OpenMP pool;
+larger ones go to NumPy's BLAS.  Both use the session's thread setting.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from onnxkv import _kernels as K
 from onnxkv.plan.ops._util import broadcast_shape
+
+#: Up to this many rows a MatMul with a 2-D float32 weight uses the compiled kernel.
+SMALL_M = 16
 from onnxkv.plan.registry import Op, register
 
 
@@ -18,7 +27,11 @@ class MatMul(Op):
             if a.shape[-1] != b.shape[0]:
                 raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and {b.shape} do not align")
             out = rt.empty(0, a.shape[:-1] + (b.shape[1],), np.result_type(a, b))
-            np.matmul(a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, b.shape[1]))
+            rows = a.size // a.shape[-1] if a.shape[-1] else 0
+            if rows <= SMALL_M and a.dtype == b.dtype == np.float32 and b.flags.c_contiguous:
+                K.matmul_rows(a.reshape(-1, a.shape[-1]), b, out.reshape(-1, b.shape[1]))
+            else:
+                np.matmul(a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, b.shape[1]))
             return (out,)
         if a.ndim >= 2 and b.ndim >= 2:
             batch = broadcast_shape(np.empty(a.shape[:-2], np.int8), np.empty(b.shape[:-2], np.int8))
