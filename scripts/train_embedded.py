@@ -44,8 +44,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 264
 
 PRESETS = {
-    "main": dict(hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, intermediate=512,
-                 seq_len=256, batch=24, steps=2800, lr=3e-3, warmup=100, out="embedded"),
+    # Sized for the compute a shared 2-core machine gives in ~35 minutes
+    # (a larger model, e.g. hidden 192 / intermediate 512, fits 8 MB but
+    # undertrains in that time).
+    "main": dict(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384,
+                 seq_len=256, batch=16, steps=4000, lr=3e-3, warmup=100, out="embedded"),
     "draft": dict(hidden=96, layers=2, heads=3, kv_heads=1, head_dim=32, intermediate=256,
                   seq_len=256, batch=24, steps=1500, lr=4e-3, warmup=60, out="embedded_draft"),
 }
