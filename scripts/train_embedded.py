@@ -276,6 +276,7 @@ def main() -> None:
     print("ort == torch greedy:", same)
     summary.update(onnx_bytes=dir_size(dst), greedy_match=same, sample=("The " + decode(torch_ids)))
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    (dst / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     if not same:
         raise SystemExit("greedy mismatch between torch and onnxruntime")
