@@ -47,21 +47,35 @@ def _prompt_ids(args, model) -> tuple[np.ndarray, bool]:
 
 
 class _Progress:
-    """A one-line progress display on stderr for runs of more than a few tokens."""
+    """Progress on stderr for runs of 16 tokens or more.
+
+    On a terminal one line is rewritten every few tokens; otherwise (logs,
+    pipes) a line is printed at each quarter of the run.
+    """
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total = total
         self.enabled = enabled and total >= 16
+        self.tty = sys.stderr.isatty()
         self.t0 = time.perf_counter()
+        self.next_quarter = 1
 
     def __call__(self, step: int, tokens: np.ndarray) -> None:
-        if self.enabled and (step % 4 == 0 or step + 1 == self.total):
-            rate = (step + 1) / max(time.perf_counter() - self.t0, 1e-9)
-            print(f"\r  generating {step + 1}/{self.total} tokens ({rate:.1f} tok/s)", end="", file=sys.stderr,
-                  flush=True)
+        if not self.enabled:
+            return
+        done = step + 1
+        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        text = f"  generating {done}/{self.total} tokens ({rate:.1f} tok/s)"
+        if self.tty:
+            if step % 4 == 0 or done == self.total:
+                print("\r" + text, end="", file=sys.stderr, flush=True)
+        elif done * 4 >= self.next_quarter * self.total:
+            print(text, file=sys.stderr, flush=True)
+            while done * 4 >= self.next_quarter * self.total:
+                self.next_quarter += 1
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.tty:
             print(file=sys.stderr)
 
 
