@@ -139,16 +139,20 @@ class CacheTensor:
             raise CacheCapacityError(
                 f"cache '{self.name}': update of shape {new.shape} does not fit "
                 f"[{self.batch}, {self.heads}, capacity, {self.head_size}]")
-        if np.isscalar(starts) or np.ndim(starts) == 0:
+        if not isinstance(starts, np.ndarray) or starts.ndim == 0:
             start = int(starts)
             cost = self.reserve(max(start + s, length))
             self.buffer[:, :, start:start + s] = new
         else:
-            starts = np.asarray(starts, np.int64)
-            cost = self.reserve(max(int((starts + s).max()), length))
-            for row in range(b):
-                p = int(starts[row])
-                self.buffer[row, :, p:p + s] = new[row]
+            first = int(starts[0])
+            if b == 1 or (starts == first).all():
+                cost = self.reserve(max(first + s, length))
+                self.buffer[:, :, first:first + s] = new
+            else:
+                cost = self.reserve(max(int(starts.max()) + s, length))
+                for row in range(b):
+                    p = int(starts[row])
+                    self.buffer[row, :, p:p + s] = new[row]
         cost.append_copied_bytes += new.nbytes
         self.staged = length
         return cost

@@ -259,17 +259,18 @@ class GroupQueryAttention(Op):
                 f"seqlens_k must have shape ({b},), got {None if seqlens_k is None else np.shape(seqlens_k)}"
             )
         totals = np.asarray(seqlens_k, dtype=np.int64) + 1
+        lo, hi = int(totals.min()), int(totals.max())
         if first_prompt:
-            low, high = 1, s
-            bad = (totals < low) | (totals > high)
+            ok = lo >= 1 and hi <= s
             expected = f"in [0, {s - 1}] on a first prompt of {s} tokens"
         else:
-            bad = (totals < s) | (totals - s > past_len) | (totals > total)
+            ok = lo >= s and hi - s <= past_len and hi <= total
             expected = (
                 f"in [{s - 1}, {min(total, past_len + s) - 1}] "
                 f"(total_sequence_length={total}, past length {past_len}, {s} new tokens)"
             )
-        if bad.any():
+        if not ok:
+            bad = (totals < (1 if first_prompt else s)) | (totals > (s if first_prompt else min(total, past_len + s)))
             row = int(np.flatnonzero(bad)[0])
             raise self._input_error(f"seqlens_k[{row}]={int(totals[row]) - 1} out of range: expected {expected}")
         return totals, (np.zeros(b, np.int64) if first_prompt else totals - s)
