@@ -1,12 +1,18 @@
 /* onnxkv/_kernels/attention.h -- streaming (online-softmax) attention.
  *
- * Layouts (C-contiguous float32):
- *   q, out [B, Hq, Sq, D];  k, v [B, Hkv, Cap, D];  kv_len, kv_start [B] int32;
+ * Layouts (C-contiguous):
+ *   q, out [B, Hq, Sq, D] float32;  k, v [B, Hkv, Cap, D] float32, float16 or
+ *   bfloat16 (kv_type; K and V share it);  kv_len, kv_start [B] int32;
  *   q_pos [B, Sq] int32.
  * Query token t of batch b at absolute position p = q_pos[b, t] sees keys j with
  *   max(kv_start[b], p - window (if window >= 0)) <= j <= p  and  j < kv_len[b].
  * Scores: s = scale * dot(q, k_j); if softcap > 0: s = softcap * tanh(s / softcap).
  * A row with no visible key outputs zeros.
+ *
+ * FLOAT16 / BFLOAT16 elements are converted to float32 in the load step of the
+ * inner loops (F16C vcvtph2ps / zero-extend + shift left 16 on the AVX2 path,
+ * the bit-exact scalar conversions of simd.h on the scalar path); all math
+ * (scores, running max, sum, accumulator) is float32.
  */
 #ifndef ONNXKV_ATTENTION_H
 #define ONNXKV_ATTENTION_H
@@ -16,26 +22,98 @@
 
 #define OKV_BK 32      /* keys per streamed block */
 #define OKV_MAX_TQ 64  /* max query tokens per work unit */
+#define OKV_RG 8       /* query rows sharing one K/V row load (one row group) */
+
+#define OKV_KV_F32 0
+#define OKV_KV_F16 1
+#define OKV_KV_BF16 2
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;
     float *out;
     const int32_t *kv_len, *q_pos, *kv_start;
     int64_t B, Hq, Hkv, Sq, Cap, D;
     float scale, softcap;
     int64_t window;
+    int kv_type;   /* OKV_KV_F32, OKV_KV_F16 or OKV_KV_BF16 */
 } okv_attn_args;
 
+#if defined(__GNUC__) || defined(__clang__)
+#define OKV_INLINE static inline __attribute__((always_inline))
+#else
+#define OKV_INLINE static inline
+#endif
+
+/* One instantiation of attention_impl.h per (instruction set, K/V element type).
+ * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p): one element as
+ * float; OKV_LD8(p): 8 elements as __m256 (AVX2 only). */
 #define OKV_SFX _scalar
 #define OKV_ATTR
+
+#define OKV_KT f32
+#define OKV_KT_T float
+#define OKV_LD1(p) (*(p))
 #include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+
+#define OKV_KT f16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p) okv_h2f_scalar(*(p))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+
+#define OKV_KT bf16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p) okv_bf2f_scalar(*(p))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+
 #undef OKV_SFX
 #undef OKV_ATTR
 
 #if OKV_X86_SIMD
 #define OKV_SFX _avx2
 #define OKV_ATTR OKV_AVX2
+#define OKV_SIMD_BODY 1
+
+#define OKV_KT f32
+#define OKV_KT_T float
+#define OKV_LD1(p) (*(p))
+#define OKV_LD8(p) _mm256_loadu_ps(p)
 #include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+
+#define OKV_KT f16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p) okv_h2f_scalar(*(p))
+#define OKV_LD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+
+#define OKV_KT bf16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p) okv_bf2f_scalar(*(p))
+#define OKV_LD8(p) okv_bf16x8_to_ps(p)
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+
+#undef OKV_SIMD_BODY
 #undef OKV_SFX
 #undef OKV_ATTR
 #endif
@@ -46,10 +124,20 @@ static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) { return R * (D +
 static void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
                           int64_t c1, float *ws, float *part, int simd) {
 #if OKV_X86_SIMD
-    if (simd) { okv_attn_unit_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return; }
+    if (simd) {
+        switch (a->kv_type) {
+        case OKV_KV_F16: okv_attn_unit_f16_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
+        case OKV_KV_BF16: okv_attn_unit_bf16_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
+        default: okv_attn_unit_f32_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
+        }
+    }
 #endif
     (void)simd;
-    okv_attn_unit_scalar(a, b, hk, t0, t1, c0, c1, ws, part);
+    switch (a->kv_type) {
+    case OKV_KV_F16: okv_attn_unit_f16_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
+    case OKV_KV_BF16: okv_attn_unit_bf16_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
+    default: okv_attn_unit_f32_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
+    }
 }
 
 /* Union [lo, hi) of the keys visible to any query token of batch b. */

@@ -1,4 +1,5 @@
-"""Streaming (online-softmax) attention over a KV cache, float32.
+"""Streaming (online-softmax) attention over a KV cache (float32 math; float32,
+float16 or bfloat16 K/V caches converted in the load step).
 
 Decode (Sq = 1) and prefill (Sq > 1, causal) share one kernel.  All query heads
 of a KV group are processed together: each K/V block is read once per work unit
@@ -8,7 +9,7 @@ gathered.  Parallel over batch x KV heads x query tiles; when batch x KV heads
 does not fill the threads and Sq is small, each group is split along the cache
 into chunks whose (max, sum, acc) states are merged exactly.
 """
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint16_t
 from libc.stdlib cimport malloc, free
 from libc.math cimport isfinite
 from cython.parallel cimport prange
@@ -21,8 +22,8 @@ from . import _validate as V
 cdef extern from "attention.h" nogil:
     ctypedef struct okv_attn_args:
         const float *q
-        const float *k
-        const float *v
+        const void *k
+        const void *v
         float *out
         const int32_t *kv_len
         const int32_t *q_pos
@@ -30,7 +31,11 @@ cdef extern from "attention.h" nogil:
         int64_t B, Hq, Hkv, Sq, Cap, D
         float scale, softcap
         int64_t window
+        int kv_type
     int OKV_BK
+    int OKV_KV_F32
+    int OKV_KV_F16
+    int OKV_KV_BF16
     int OKV_MAX_TQ
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
     void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
@@ -92,11 +97,42 @@ def _check_values(name, arr, lo, hi):
             raise ValueError(f"{name}: values must be in [{lo}, {hi}], got range [{mn}, {mx}]")
 
 
-def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None):
+_KV_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+
+def _kv_type(k, kv_dtype):
+    """Resolve the K/V element type; returns (name, storage dtype)."""
+    if kv_dtype is None:
+        if k.dtype == np.float32:
+            return "float32"
+        if k.dtype == np.float16:
+            return "float16"
+        if k.dtype == np.uint16:
+            raise ValueError("k: uint16 arrays are only accepted as bfloat16 bit patterns with "
+                             "kv_dtype='bfloat16'")
+        raise ValueError(f"k: dtype {k.dtype} is not supported (expected float32, float16, or uint16 "
+                         "with kv_dtype='bfloat16')")
+    name = kv_dtype if isinstance(kv_dtype, str) else None
+    if name is None:
+        try:
+            name = np.dtype(kv_dtype).name
+        except TypeError:
+            name = str(kv_dtype)
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_dtype: must be None, 'float32', 'float16' or 'bfloat16', got {kv_dtype!r}")
+    return name
+
+
+def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None, *, kv_dtype=None):
     """Causal streaming attention of q over the cached keys/values; writes ``out``.
 
     q, out   [B, Hq, Sq, D] float32, C-contiguous (out must not overlap q, k, v)
-    k, v     [B, Hkv, Cap, D] float32; only positions < kv_len[b] are read
+    k, v     [B, Hkv, Cap, D], same dtype: float32, float16, or bfloat16 stored as
+             uint16 bit patterns (upper half of the float32 bits) -- bfloat16 has
+             no NumPy dtype, so uint16 arrays are accepted only with the explicit
+             keyword ``kv_dtype="bfloat16"``.  Only positions < kv_len[b] are read.
+             FLOAT16/BFLOAT16 are converted to float32 in the load step (F16C /
+             shift left 16); all math is float32.
     kv_len   [B] int32 in [0, Cap]
     q_pos    [B, Sq] int32: absolute position p of each query token; it sees keys
              j with kv_start[b] <= j <= p, j < kv_len[b] and, if window >= 0,
@@ -104,17 +140,26 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     kv_start [B] int32 in [0, Cap] or None (all zeros): left padding
     scale    float multiplying q.k; softcap > 0: s = softcap*tanh(s/softcap); 0 = off
     window   int >= -1 (-1 = unlimited)
+    kv_dtype None (infer float32/float16 from k.dtype), "float32", "float16" or
+             "bfloat16" (k, v must then be uint16); keyword only.
     Hq must be a multiple of Hkv (MHA, GQA, MQA).  A query row with no visible
     key gets zeros.  Every check raises ValueError naming the argument before
     anything is written.
     """
     V.array("q", q, (V.F32,), ndim=4)
     B, Hq, Sq, D = q.shape
-    V.array("k", k, (V.F32,), ndim=4)
+    if not isinstance(k, np.ndarray):
+        raise ValueError(f"k: expected a numpy.ndarray, got {type(k).__name__}")
+    kvname = _kv_type(k, kv_dtype)
+    kvdt = _KV_DTYPES[kvname]
+    V.array("k", k, (kvdt,), ndim=4)
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k: expected shape [{B}, Hkv, Cap, {D}], got {k.shape}")
     Hkv, Cap = k.shape[1], k.shape[2]
-    V.array("v", v, (V.F32,), shape=k.shape)
+    if isinstance(v, np.ndarray) and v.dtype != kvdt:
+        raise ValueError(f"v: dtype {v.dtype} does not match k dtype {k.dtype} (K and V must share the "
+                         "element type)")
+    V.array("v", v, (kvdt,), shape=k.shape)
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"k: number of KV heads {Hkv} must divide the number of query heads {Hq}")
     V.array("kv_len", kv_len, (V.I32,), shape=(B,))
@@ -141,8 +186,10 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
         return
 
     cdef const float[:, :, :, ::1] qv = q
-    cdef const float[:, :, :, ::1] kv = k
-    cdef const float[:, :, :, ::1] vv = v
+    cdef const float[:, :, :, ::1] kv
+    cdef const float[:, :, :, ::1] vv
+    cdef const uint16_t[:, :, :, ::1] kh
+    cdef const uint16_t[:, :, :, ::1] vh
     cdef float[:, :, :, ::1] ov = out
     cdef const int32_t[::1] lv = kv_len
     cdef const int32_t[:, ::1] pv = q_pos
@@ -150,8 +197,22 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     cdef okv_attn_args a
     a.q = &qv[0, 0, 0, 0]
     a.out = &ov[0, 0, 0, 0]
-    a.k = &kv[0, 0, 0, 0] if kv.size else NULL
-    a.v = &vv[0, 0, 0, 0] if vv.size else NULL
+    a.k = NULL
+    a.v = NULL
+    if kvname == "float32":
+        a.kv_type = OKV_KV_F32
+        if k.size:
+            kv = k
+            vv = v
+            a.k = &kv[0, 0, 0, 0]
+            a.v = &vv[0, 0, 0, 0]
+    else:
+        a.kv_type = OKV_KV_F16 if kvname == "float16" else OKV_KV_BF16
+        if k.size:
+            kh = k.view(np.uint16)
+            vh = v.view(np.uint16)
+            a.k = &kh[0, 0, 0, 0]
+            a.v = &vh[0, 0, 0, 0]
     a.kv_len = &lv[0]
     a.q_pos = &pv[0, 0]
     a.kv_start = NULL
