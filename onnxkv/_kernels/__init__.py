@@ -20,7 +20,7 @@ _MODULES = {
     "activation": ("sigmoid", "silu", "silu_mul"),
     "rotary": ("rotary_embedding",),
     "attention": ("attention",),
-    "convert": ("f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16"),
+    "convert": ("f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16", "read_sum"),
 }
 
 __all__ = [name for names in _MODULES.values() for name in names]

@@ -16,12 +16,14 @@ from onnxkv._kernels._runtime cimport okv_threads, okv_simd
 from . import _validate as V
 
 import numpy as np
+from libc.stdlib cimport malloc, free
 
 cdef extern from "simd.h" nogil:
     void okv_h2f_row(const uint16_t *x, float *out, int64_t n, int simd)
     void okv_f2h_row(const float *x, uint16_t *out, int64_t n, int simd)
     void okv_bf2f_row(const uint16_t *x, float *out, int64_t n, int simd)
     void okv_f2bf_row(const float *x, uint16_t *out, int64_t n, int simd)
+    double okv_read_sum_f32(const float *x, int64_t n, int simd)
 
 DEF CHUNK = 65536
 
@@ -116,3 +118,34 @@ def f32_to_bf16(x, out):
     if x.size == 0:
         return
     _f2bf(x.reshape(-1), out.reshape(-1))
+
+
+DEF READ_CHUNK = 262144   # floats (1 MiB) per OpenMP task of read_sum
+
+
+def read_sum(x):
+    """Sum of a float32 array (float64 result of float32 partial sums), read with
+    the kernels' threads and SIMD path.  A memory read-bandwidth probe for the
+    benchmarks (bytes / time of a large array); not meant for accurate sums."""
+    V.array("x", x, (V.F32,))
+    if x.size == 0:
+        return 0.0
+    cdef const float[::1] xv = x.reshape(-1)
+    cdef Py_ssize_t n = xv.shape[0], nchunks = (n + READ_CHUNK - 1) // READ_CHUNK, c, i0, m
+    cdef int simd = okv_simd()
+    cdef int nt = okv_threads() if nchunks > 1 else 1
+    cdef double *part = <double *>malloc(nchunks * sizeof(double))
+    cdef double total = 0.0
+    if part == NULL:
+        raise MemoryError("read_sum: could not allocate")
+    with nogil:
+        for c in prange(nchunks, num_threads=nt, schedule='static'):
+            i0 = c * READ_CHUNK
+            m = n - i0
+            if m > READ_CHUNK:
+                m = READ_CHUNK
+            part[c] = okv_read_sum_f32(&xv[i0], m, simd)
+        for c in range(nchunks):
+            total += part[c]
+    free(part)
+    return total

@@ -704,6 +704,41 @@ static void okv_f2h_row(const float *x, uint16_t *out, int64_t n, int simd) {
     OKV_DISPATCH(simd, okv_f2h_row_avx2(x, out, n), okv_f2h_row_scalar(x, out, n));
 }
 
+/* Sum of n floats with independent accumulators: a memory read-bandwidth probe
+ * (benchmarks compare the attention kernels' K/V read rate against it). */
+static inline double okv_read_sum_f32_scalar(const float *x, int64_t n) {
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int64_t i = 0;
+    int u;
+    for (; i + 8 <= n; i += 8)
+        for (u = 0; u < 8; u++) s[u] += x[i + u];
+    for (; i < n; i++) s[0] += x[i];
+    return ((double)s[0] + s[1] + s[2] + s[3]) + ((double)s[4] + s[5] + s[6] + s[7]);
+}
+
+#if OKV_X86_SIMD
+OKV_AVX2 static inline double okv_read_sum_f32_avx2(const float *x, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(x + i));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(x + i + 8));
+        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(x + i + 16));
+        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(x + i + 24));
+    }
+    return (double)okv_hsum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)))
+           + okv_read_sum_f32_scalar(x + i, n - i);
+}
+#endif
+
+static double okv_read_sum_f32(const float *x, int64_t n, int simd) {
+#if OKV_X86_SIMD
+    if (simd) return okv_read_sum_f32_avx2(x, n);
+#endif
+    (void)simd;
+    return okv_read_sum_f32_scalar(x, n);
+}
+
 static void okv_bf2f_row(const uint16_t *x, float *out, int64_t n, int simd) {
     OKV_DISPATCH(simd, okv_bf2f_row_avx2(x, out, n), okv_bf2f_row_scalar(x, out, n));
 }

@@ -105,3 +105,11 @@ def test_bf16_nd_and_bad_args():
     with pytest.raises(ValueError, match="x"):
         K.bf16_to_f32(b.view(np.float16), back)
     assert np.all(out == 5)
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 262144 * 3 + 17])
+def test_read_sum(n, threads, simd):
+    x = np.random.default_rng(n).integers(-8, 9, n).astype(np.float32)   # exact small integers
+    assert K.read_sum(x) == float(x.astype(np.int64).sum())
+    with pytest.raises(ValueError, match="x"):
+        K.read_sum(x.astype(np.float64))
