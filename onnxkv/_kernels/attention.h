@@ -118,8 +118,15 @@ typedef struct {
 #undef OKV_ATTR
 #endif
 
-/* Floats of workspace one work unit of R rows needs. */
-static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) { return R * (D + OKV_BK + 2); }
+/* Floats of workspace one work unit of R rows needs, rounded up to whole
+ * 64-byte lines so that per-thread workspaces never share a cache line. */
+static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) { return (R * (D + OKV_BK + 2) + 15) & ~(int64_t)15; }
+
+/* Floats of one partial state block (R rows of max, sum, acc[D]), whole lines. */
+static inline int64_t okv_attn_part_floats(int64_t R, int64_t D) { return (R * (D + 2) + 15) & ~(int64_t)15; }
+
+/* 64-byte aligned pointer inside a block allocated with 16 spare floats. */
+static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
 static void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
                           int64_t c1, float *ws, float *part, int simd) {
@@ -159,7 +166,7 @@ static void okv_attn_range(const okv_attn_args *a, int64_t b, int64_t *lo, int64
 
 /* Work unit i of a cache-split run: group u = i / nchunks, chunk c = i % nchunks
  * of that batch's visible key range; writes the partial state to
- * parts + i * R*(D+2) (R = G*Sq). */
+ * parts + i * okv_attn_part_floats(R, D) (R = G*Sq). */
 static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts,
                                 int simd) {
     const int64_t G = a->Hq / a->Hkv, R = G * a->Sq, u = i / nchunks, c = i % nchunks, b = u / a->Hkv;
@@ -170,11 +177,12 @@ static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchun
     c1 = c0 + cs;
     if (c1 > hi) c1 = hi;
     if (c0 > c1) c0 = c1;
-    okv_attn_unit(a, b, u % a->Hkv, 0, a->Sq, c0, c1, ws, parts + i * R * (a->D + 2), simd);
+    okv_attn_unit(a, b, u % a->Hkv, 0, a->Sq, c0, c1, ws, parts + i * okv_attn_part_floats(R, a->D), simd);
 }
 
 /* Merge nchunks partial states of one (b, hk) group (R = G*Sq rows) and write
- * the normalised result.  parts: [nchunks][R][D+2] as written by okv_attn_unit. */
+ * the normalised result.  parts: nchunks blocks of okv_attn_part_floats(R, D)
+ * floats, each [R][D+2] as written by okv_attn_unit. */
 static void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const float *parts, int64_t nchunks) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, Sq = a->Sq, R = G * Sq;
     int64_t r, c, i;
@@ -183,13 +191,13 @@ static void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const 
         float *o = a->out + ((b * a->Hq + hk * G + g) * Sq + t) * D;
         float M = -INFINITY, L = 0.f;
         for (c = 0; c < nchunks; c++) {
-            float m = parts[(c * R + r) * (D + 2)];
+            float m = parts[c * okv_attn_part_floats(R, D) + r * (D + 2)];
             if (m > M) M = m;
         }
         memset(o, 0, (size_t)D * sizeof(float));
         if (M == -INFINITY) continue;
         for (c = 0; c < nchunks; c++) {
-            const float *pr = parts + (c * R + r) * (D + 2);
+            const float *pr = parts + c * okv_attn_part_floats(R, D) + r * (D + 2);
             float w;
             if (pr[0] == -INFINITY || pr[1] == 0.f) continue;
             w = expf(pr[0] - M);

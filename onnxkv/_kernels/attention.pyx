@@ -38,6 +38,8 @@ cdef extern from "attention.h" nogil:
     int OKV_KV_BF16
     int OKV_MAX_TQ
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
+    int64_t okv_attn_part_floats(int64_t R, int64_t D)
+    float *okv_align64(float *p)
     void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
                        int64_t c1, float *ws, float *part, int simd)
     void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const float *parts, int64_t nchunks)
@@ -52,12 +54,14 @@ DEF PAR_MIN_WORK = 1 << 18  # multiply-adds below which one thread is used
 cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
     cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, ntiles = (a.Sq + tq - 1) // tq
     cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(G * tq, a.D)
+    cdef float *ws0
     cdef float *ws
     if ntask < nt:
         nt = <int>ntask
-    ws = <float *>malloc(<size_t>(wsz * nt) * sizeof(float))
-    if ws == NULL:
+    ws0 = <float *>malloc(<size_t>(wsz * nt + 16) * sizeof(float))
+    if ws0 == NULL:
         return -1
+    ws = okv_align64(ws0)
     for i in prange(ntask, num_threads=nt, schedule='dynamic'):
         u = i // ntiles
         t0 = (i % ntiles) * tq
@@ -65,28 +69,32 @@ cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
         if t1 > a.Sq:
             t1 = a.Sq
         okv_attn_unit(a, u // a.Hkv, u % a.Hkv, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz, NULL, simd)
-    free(ws)
+    free(ws0)
     return 0
 
 
 cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept nogil:
     cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, R = G * a.Sq
     cdef int64_t ntask = units * nchunks, i, u
-    cdef int64_t wsz = okv_attn_ws_floats(R, a.D), psz = R * (a.D + 2)
+    cdef int64_t wsz = okv_attn_ws_floats(R, a.D), psz = okv_attn_part_floats(R, a.D)
+    cdef float *ws0
+    cdef float *parts0
     cdef float *ws
     cdef float *parts
-    ws = <float *>malloc(<size_t>(wsz * nt) * sizeof(float))
-    parts = <float *>malloc(<size_t>(psz * ntask) * sizeof(float))
-    if ws == NULL or parts == NULL:
-        free(ws)
-        free(parts)
+    ws0 = <float *>malloc(<size_t>(wsz * nt + 16) * sizeof(float))
+    parts0 = <float *>malloc(<size_t>(psz * ntask + 16) * sizeof(float))
+    if ws0 == NULL or parts0 == NULL:
+        free(ws0)
+        free(parts0)
         return -1
+    ws = okv_align64(ws0)
+    parts = okv_align64(parts0)
     for i in prange(ntask, num_threads=nt, schedule='dynamic'):
         okv_attn_split_task(a, i, nchunks, ws + okv_thread_num() * wsz, parts, simd)
     for u in prange(units, num_threads=nt if units >= nt else <int>units, schedule='static'):
         okv_attn_merge(a, u // a.Hkv, u % a.Hkv, parts + u * nchunks * psz, nchunks)
-    free(ws)
-    free(parts)
+    free(ws0)
+    free(parts0)
     return 0
 
 

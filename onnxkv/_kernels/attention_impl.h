@@ -36,9 +36,10 @@
  * {1, 2, 4, 8}; 8/NRP keys per step so that 8 accumulators are live and one
  * transposing reduction yields 8 dot products). */
 OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
-                                            float scale, float *s, const int NRP) {
+                                            float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
+                                            int64_t npf, const int NRP) {
     const int KJ = 8 / NRP;
-    const int64_t Dv = D & ~(int64_t)7;
+    const int64_t Dv = D & ~(int64_t)7, rowb = D * (int64_t)sizeof(OKV_KT_T);
     int64_t j, i, d;
     int kk, r;
     float tmp[8];
@@ -46,6 +47,17 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
         const OKV_KT_T *kp[8];
         __m256 acc[8];
         for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * D;
+        /* software prefetch of the next block's K and V rows: the streams cross
+         * a 4 KiB page every few rows, where the hardware prefetcher restarts. */
+        for (kk = 0; kk < KJ; kk++)
+            if (j + kk < npf) {
+                const char *pk = (const char *)(pfk + (j + kk) * D), *pv = (const char *)(pfv + (j + kk) * D);
+                int64_t o;
+                for (o = 0; o < rowb; o += 64) {
+                    _mm_prefetch(pk + o, _MM_HINT_T0);
+                    _mm_prefetch(pv + o, _MM_HINT_T0);
+                }
+            }
         for (r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (i = 0; i < Dv; i += 8) {
             __m256 kv[8], qv[8];
@@ -73,14 +85,15 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
 }
 
 OKV_ATTR static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
-                                        float scale, float *s) {
+                                        float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
+                                        int64_t npf) {
     const float *q8[8];
     int r;
     for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
-    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, 1);
-    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, 2);
-    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, 4);
-    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, 8);
+    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, 1);
+    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, 2);
+    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, 4);
+    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, 8);
 }
 
 /* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
@@ -140,9 +153,10 @@ OKV_ATTR static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *
 #else
 /* ---- scalar: each K element converted once, used by all nr rows. */
 static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
-                               float scale, float *s) {
+                               float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv, int64_t npf) {
     int64_t j, d;
     int r;
+    (void)pfk; (void)pfv; (void)npf;
     for (j = 0; j < n; j++) {
         const OKV_KT_T *kj = k + j * D;
         float a0[OKV_RG], a1[OKV_RG];
@@ -229,7 +243,10 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
             }
             if (u0 >= u1) continue;
             n = u1 - u0;
-            OKV_F(okv_qk_rows)(qr, nr, kb + u0 * D, n, D, scale, sc);
+            {   /* prefetch the next block (first row group only) */
+                int64_t npf = rg == 0 && j1 < jhi ? (j1 + OKV_BK < jhi ? OKV_BK : jhi - j1) : 0;
+                OKV_F(okv_qk_rows)(qr, nr, kb + u0 * D, n, D, scale, sc, kb + j1 * D, vb + j1 * D, npf);
+            }
             for (i = 0; i < nr; i++) {
                 int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0, a1 = hi[tt] < u1 ? hi[tt] : u1;
                 float *s = sc + i * OKV_BK, bm, mnew;
