@@ -37,6 +37,7 @@ typedef struct {
     float scale, softcap;
     int64_t window;
     int kv_type;   /* OKV_KV_F32, OKV_KV_F16 or OKV_KV_BF16 */
+    int prefetch;  /* 1: software-prefetch the next K/V block (default) */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)

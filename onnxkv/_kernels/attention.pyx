@@ -32,6 +32,7 @@ cdef extern from "attention.h" nogil:
         float scale, softcap
         int64_t window
         int kv_type
+        int prefetch
     int OKV_BK
     int OKV_KV_F32
     int OKV_KV_F16
@@ -48,6 +49,7 @@ cdef extern from "attention.h" nogil:
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256
+DEF SPLIT_MIN_KEYS = 1024
 DEF PAR_MIN_WORK = 1 << 18  # multiply-adds below which one thread is used
 
 
@@ -96,6 +98,28 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept no
     free(ws0)
     free(parts0)
     return 0
+
+
+cdef int _prefetch = 2
+cdef int _split_tasks = 0    # min. tasks per thread for long caches (0: split only to fill threads)
+
+
+def _set_split_tasks(n):
+    """Private tuning switch for benchmarks: minimum number of cache-split tasks
+    per thread for long caches (0 disables that split).  Returns the old value."""
+    global _split_tasks
+    old = _split_tasks
+    _split_tasks = max(0, int(n))
+    return old
+
+
+def _set_prefetch(flag):
+    """Private switch for benchmarks: software prefetch of the next K/V block
+    (0: off, 1: into L1, 2: into L2 (default), n >= 3: into L2, n-1 blocks ahead).  Returns the previous setting."""
+    global _prefetch
+    old = _prefetch
+    _prefetch = int(flag)
+    return old
 
 
 def _check_values(name, arr, lo, hi):
@@ -231,14 +255,21 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     a.scale = scale
     a.softcap = softcap
     a.window = window
+    a.prefetch = _prefetch
 
     cdef int nt = okv_threads(), simd = okv_simd(), rc
     cdef int64_t G = Hq // Hkv, units = B * Hkv, tq, nchunks = 1
     maxlen = int(kv_len.max())
     if B * Hq * Sq * max(maxlen, 1) * D < PAR_MIN_WORK:
         nt = 1          # too small to amortise waking the thread team
-    if units < nt and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:
-        nchunks = min((nt + units - 1) // units, max(1, maxlen // (2 * OKV_BK)))
+    if nt > 1 and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:
+        if units < nt:      # fill the threads
+            nchunks = min((nt + units - 1) // units, max(1, maxlen // (2 * OKV_BK)))
+        # long caches: at least _split_tasks tasks per thread (chunks of
+        # >= SPLIT_MIN_KEYS keys) so the dynamic schedule balances threads that
+        # run at different speeds (shared cores, one thread starting late)
+        if _split_tasks > 0:
+            nchunks = max(nchunks, min((_split_tasks * nt + units - 1) // units, maxlen // SPLIT_MIN_KEYS))
     if nchunks > 1:
         with nogil:
             rc = _split(&a, nchunks, nt, simd)

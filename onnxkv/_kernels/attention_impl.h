@@ -37,7 +37,7 @@
  * transposing reduction yields 8 dot products). */
 OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
                                             float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
-                                            int64_t npf, const int NRP) {
+                                            int64_t npf, int pfhint, const int NRP) {
     const int KJ = 8 / NRP;
     const int64_t Dv = D & ~(int64_t)7, rowb = D * (int64_t)sizeof(OKV_KT_T);
     int64_t j, i, d;
@@ -53,10 +53,16 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
             if (j + kk < npf) {
                 const char *pk = (const char *)(pfk + (j + kk) * D), *pv = (const char *)(pfv + (j + kk) * D);
                 int64_t o;
-                for (o = 0; o < rowb; o += 64) {
-                    _mm_prefetch(pk + o, _MM_HINT_T0);
-                    _mm_prefetch(pv + o, _MM_HINT_T0);
-                }
+                if (pfhint >= 2)
+                    for (o = 0; o < rowb; o += 64) {
+                        _mm_prefetch(pk + o, _MM_HINT_T1);
+                        _mm_prefetch(pv + o, _MM_HINT_T1);
+                    }
+                else
+                    for (o = 0; o < rowb; o += 64) {
+                        _mm_prefetch(pk + o, _MM_HINT_T0);
+                        _mm_prefetch(pv + o, _MM_HINT_T0);
+                    }
             }
         for (r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (i = 0; i < Dv; i += 8) {
@@ -86,14 +92,14 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
 
 OKV_ATTR static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
                                         float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
-                                        int64_t npf) {
+                                        int64_t npf, int pfhint) {
     const float *q8[8];
     int r;
     for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
-    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, 1);
-    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, 2);
-    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, 4);
-    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, 8);
+    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 1);
+    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 2);
+    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 4);
+    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 8);
 }
 
 /* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
@@ -153,10 +159,11 @@ OKV_ATTR static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *
 #else
 /* ---- scalar: each K element converted once, used by all nr rows. */
 static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
-                               float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv, int64_t npf) {
+                               float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv, int64_t npf,
+                               int pfhint) {
     int64_t j, d;
     int r;
-    (void)pfk; (void)pfv; (void)npf;
+    (void)pfk; (void)pfv; (void)npf; (void)pfhint;
     for (j = 0; j < n; j++) {
         const OKV_KT_T *kj = k + j * D;
         float a0[OKV_RG], a1[OKV_RG];
@@ -243,9 +250,11 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
             }
             if (u0 >= u1) continue;
             n = u1 - u0;
-            {   /* prefetch the next block (first row group only) */
-                int64_t npf = rg == 0 && j1 < jhi ? (j1 + OKV_BK < jhi ? OKV_BK : jhi - j1) : 0;
-                OKV_F(okv_qk_rows)(qr, nr, kb + u0 * D, n, D, scale, sc, kb + j1 * D, vb + j1 * D, npf);
+            {   /* prefetch the K/V block pfd blocks ahead (first row group only) */
+                const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
+                int64_t npf = a->prefetch && rg == 0 && p0 < jhi ? (p0 + OKV_BK < jhi ? OKV_BK : jhi - p0) : 0;
+                OKV_F(okv_qk_rows)(qr, nr, kb + u0 * D, n, D, scale, sc, kb + p0 * D, vb + p0 * D, npf,
+                                   a->prefetch);
             }
             for (i = 0; i < nr; i++) {
                 int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0, a1 = hi[tt] < u1 ? hi[tt] : u1;
