@@ -38,7 +38,8 @@ import time
 
 import numpy as np
 
-import onnxkv._kernels as K
+_OMP_WAIT_POLICY_BEFORE_IMPORT = os.environ.get("OMP_WAIT_POLICY")
+import onnxkv._kernels as K  # noqa: E402  (sets OMP_WAIT_POLICY=PASSIVE unless set)
 from onnxkv._kernels import reference as R
 
 HQ, HKV, D, B = 32, 8, 128, 1
@@ -308,7 +309,11 @@ def main(argv=None):
                       "contexts": args.contexts, "threads": args.threads, "repeat": args.repeat,
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, "
                               "past/present bound to the same buffer via IOBinding (float32)",
-                      "onnxkv": "onnxkv._kernels.attention (float32 on the same buffer; float16/bfloat16 copies)"},
+                      "onnxkv": "onnxkv._kernels.attention (float32 on the same buffer; float16/bfloat16 copies)",
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                      "omp_wait_policy_set_by_user": _OMP_WAIT_POLICY_BEFORE_IMPORT is not None,
+                      "ort_session_options": {"intra_op_num_threads": "= threads", "inter_op_num_threads": 1,
+                                              "execution_mode": "ORT_SEQUENTIAL", "spinning": "default"}},
            "runs": []}
     rng = np.random.default_rng(0)
     old = K.get_num_threads()

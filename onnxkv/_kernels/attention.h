@@ -37,7 +37,8 @@ typedef struct {
     float scale, softcap;
     int64_t window;
     int kv_type;   /* OKV_KV_F32, OKV_KV_F16 or OKV_KV_BF16 */
-    int prefetch;  /* 1: software-prefetch the next K/V block (default) */
+    int prefetch;  /* software prefetch of the next K/V block: 0 off, 1 into L1, 2 into L2 */
+    int prefill_rg; /* row-group width (1..8) of work units with several query tokens */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)

@@ -33,6 +33,7 @@ cdef extern from "attention.h" nogil:
         int64_t window
         int kv_type
         int prefetch
+        int prefill_rg
     int OKV_BK
     int OKV_KV_F32
     int OKV_KV_F16
@@ -101,6 +102,7 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept no
 
 
 cdef int _prefetch = 2
+cdef int _prefill_rg = 4     # row-group width of prefill work units
 cdef int _split_tasks = 0    # min. tasks per thread for long caches (0: split only to fill threads)
 
 
@@ -110,6 +112,15 @@ def _set_split_tasks(n):
     global _split_tasks
     old = _split_tasks
     _split_tasks = max(0, int(n))
+    return old
+
+
+def _set_prefill_rg(n):
+    """Private tuning switch: query rows per row group in prefill work units
+    (1..8).  Returns the old value."""
+    global _prefill_rg
+    old = _prefill_rg
+    _prefill_rg = min(8, max(1, int(n)))
     return old
 
 
@@ -256,6 +267,7 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     a.softcap = softcap
     a.window = window
     a.prefetch = _prefetch
+    a.prefill_rg = _prefill_rg
 
     cdef int nt = okv_threads(), simd = okv_simd(), rc
     cdef int64_t G = Hq // Hkv, units = B * Hkv, tq, nchunks = 1

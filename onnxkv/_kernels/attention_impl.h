@@ -76,8 +76,15 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
             __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
             __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
             __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-            _mm256_storeu_ps(tmp, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                                _mm256_permute2f128_ps(u0, u1, 0x31)));
+            __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+            if (Dv == D && j + KJ <= n) {   /* common case: constant-trip scatter of the scaled sums */
+                _mm256_storeu_ps(tmp, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+                for (kk = 0; kk < KJ; kk++)
+                    for (r = 0; r < NRP; r++)
+                        if (r < nr) s[r * OKV_BK + j + kk] = tmp[kk * NRP + r];
+                continue;
+            }
+            _mm256_storeu_ps(tmp, sum);
         }
         for (kk = 0; kk < KJ; kk++) {
             if (j + kk >= n) break;
@@ -212,6 +219,10 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
     int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j;
     const float scale = a->scale, softcap = a->softcap;
+    /* Row-group width: decode shares each K/V load among up to 8 query heads;
+     * prefill (compute bound, K/V blocks already in L1) uses groups of 4 rows,
+     * which need fewer loads per multiply-add (2 K + 4 q loads per 8 FMAs). */
+    const int64_t rgw = nt > 1 && R > 4 ? a->prefill_rg : OKV_RG;
 
     for (t = 0; t < nt; t++) {
         int64_t p = a->q_pos[b * a->Sq + t0 + t];
@@ -232,8 +243,8 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
     for (j0 = jlo; j0 < jhi; j0 += OKV_BK) {
         const int64_t j1 = j0 + OKV_BK < jhi ? j0 + OKV_BK : jhi;
         int64_t rg;
-        for (rg = 0; rg < R; rg += OKV_RG) {
-            const int nr = (int)(R - rg < OKV_RG ? R - rg : OKV_RG);
+        for (rg = 0; rg < R; rg += rgw) {
+            const int nr = (int)(R - rg < rgw ? R - rg : rgw);
             const float *qr[OKV_RG];
             float *accr[OKV_RG];
             int64_t u0 = j1, u1 = j0, n;
