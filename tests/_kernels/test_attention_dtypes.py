@@ -220,3 +220,27 @@ def test_dtype_arguments():
     out = np.empty_like(q)
     K.attention(q, kf, kf, kl, qp, 0.3, 0.0, -1, out, kv_dtype="float32")
     K.attention(q, kf.astype(np.float16), kf.astype(np.float16), kl, qp, 0.3, 0.0, -1, out, kv_dtype=np.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_private_tuning_switches_keep_results(dtype):
+    """The benchmark-only switches (prefill row-group width, prefetch mode,
+    extra cache split) change the schedule, never the result."""
+    import sys
+    A = sys.modules["onnxkv._kernels.attention"]
+    rng = np.random.default_rng(17)
+    q, k, v = make(rng, dtype, 1, 12, 4, 9, 3000, 64)
+    qd, kd, vd = make(rng, dtype, 1, 8, 2, 1, 3000, 80)
+    kv_len = np.array([2990], np.int32)
+    old = (A._set_prefill_rg(4), A._set_prefetch(2), A._set_split_tasks(0))
+    try:
+        for rg, pf, st in [(1, 0, 0), (3, 1, 8), (8, 3, 2)]:
+            A._set_prefill_rg(rg)
+            A._set_prefetch(pf)
+            A._set_split_tasks(st)
+            check(dtype, q, k, v, kv_len, decode_positions(kv_len, 9), 0.125, combos=[(2, True), (1, False)])
+            check(dtype, qd, kd, vd, kv_len, decode_positions(kv_len, 1), 0.11, combos=[(2, True), (2, False)])
+    finally:
+        A._set_prefill_rg(old[0])
+        A._set_prefetch(old[1])
+        A._set_split_tasks(old[2])
