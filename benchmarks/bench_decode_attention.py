@@ -96,13 +96,16 @@ def versions() -> dict:
 
 # ---------------------------------------------------------------- timing
 
-def measure(variants: dict, repeat: int, warmup: int = 2) -> dict:
+def measure(variants: dict, repeat: int, warmup: int = 2, flush=None) -> dict:
+    """Interleaved rounds; ``flush`` (optional) runs untimed before every sample."""
     for fn in variants.values():
         for _ in range(warmup):
             fn()
     samples = {name: [] for name in variants}
     for _ in range(repeat):
         for name, fn in variants.items():
+            if flush is not None:
+                flush()
             t = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t)
@@ -164,12 +167,18 @@ def gqa_model(scale: float) -> bytes:
     return model.SerializeToString()
 
 
-def ort_session(threads: int, scale: float):
+def ort_session(threads: int, scale: float, allow_spinning: bool):
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # ORT's intra-op workers spin-wait after each run by default.  Measured
+    # interleaved with onnxkv, the spinning worker occupies a core while the
+    # onnxkv kernel runs (2-thread onnxkv ~1.7x slower right after an ORT run on
+    # a 2-core machine) without making ORT itself faster, so it is off by default
+    # here (--ort-allow-spinning turns it back on).
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
     return ort.InferenceSession(gqa_model(scale), so, providers=["CPUExecutionProvider"])
 
 
@@ -193,7 +202,22 @@ def ort_shared_binding(sess, q, knew, vnew, kbuf, vbuf, ctx, out):
 
 # ---------------------------------------------------------------- cases
 
-def run_context(ctx: int, cap: int, threads: int, repeat: int, sess, rng) -> dict:
+def hot_read_bandwidth(nbytes: int, threads: int, runs: int = 7) -> float:
+    """Best read rate (bytes/s) of an array of nbytes read again and again: the
+    reference for kernels whose K/V working set stays in a large last-level
+    cache between decode steps."""
+    a = np.ones(max(nbytes // 4, 1 << 16), np.float32)
+    K.set_num_threads(threads)
+    K.read_sum(a)
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        K.read_sum(a)
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best
+
+
+def run_context(ctx: int, cap: int, threads: int, repeat: int, sess, rng, flush=None) -> dict:
     scale = D ** -0.5
     q4 = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
     kbuf = rng.standard_normal((B, HKV, cap, D)).astype(np.float32)
@@ -236,10 +260,14 @@ def run_context(ctx: int, cap: int, threads: int, repeat: int, sess, rng) -> dic
     K.set_num_threads(threads)
     if hasattr(os, "getloadavg"):
         case["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
-    case["results"] = measure(variants, repeat)
+    case["results"] = measure(variants, repeat, flush=flush)
+    case["cache_flushed_before_each_sample"] = flush is not None
+    case["hot_read_GBps_same_bytes_f32"] = hot_read_bandwidth(2 * B * HKV * ctx * D * 4, threads) / 1e9
+    case["hot_read_GBps_same_bytes_16bit"] = hot_read_bandwidth(2 * B * HKV * ctx * D * 2, threads) / 1e9
     for name, r in case["results"].items():
         r["kv_bytes"] = kv_bytes[name]
         r["kv_read_GBps"] = kv_bytes[name] / r["median_s"] / 1e9
+        r["kv_read_GBps_best"] = kv_bytes[name] / r["min_s"] / 1e9
     return case
 
 
@@ -253,11 +281,17 @@ def summarise(doc: dict) -> list:
             ctx = case["shapes"]["ctx"]
             ort = res.get("ort_gqa_shared_buffer_f32")
             for name, r in res.items():
-                r["fraction_of_read_bandwidth"] = r["kv_read_GBps"] / bw[t]
+                r["fraction_of_read_bandwidth"] = r["kv_read_GBps"] / bw[t]              # median time
+                r["fraction_of_read_bandwidth_best"] = r["kv_read_GBps_best"] / bw[t]    # fastest sample
+                hot = case["hot_read_GBps_same_bytes_f32" if r["kv_bytes"] == 2 * B * HKV * ctx * D * 4
+                           else "hot_read_GBps_same_bytes_16bit"]
+                r["fraction_of_hot_read_bandwidth_same_bytes"] = r["kv_read_GBps"] / hot
                 if ort is not None and name != "ort_gqa_shared_buffer_f32":
                     r["speedup_vs_ort_shared_buffer"] = ort["median_s"] / r["median_s"]
+                    r["speedup_vs_ort_shared_buffer_best"] = ort["min_s"] / r["min_s"]
             parts = [f"{name}={r['median_s'] * 1e3:.3f}ms ({r['kv_read_GBps']:.1f} GB/s, "
-                     f"{100 * r['fraction_of_read_bandwidth']:.0f}% bw"
+                     f"{100 * r['fraction_of_read_bandwidth']:.0f}% dram-bw, "
+                     f"{100 * r['fraction_of_hot_read_bandwidth_same_bytes']:.0f}% same-size-bw"
                      + (f", {r['speedup_vs_ort_shared_buffer']:.2f}x ORT" if "speedup_vs_ort_shared_buffer" in r
                         else "") + ")"
                      for name, r in res.items()]
@@ -271,17 +305,28 @@ def summarise(doc: dict) -> list:
         bar = {"ctx": ctx, "dtype": dtype, "threads": t,
                "speedup_vs_ort_shared_buffer": r.get("speedup_vs_ort_shared_buffer"),
                "min_speedup": min_speedup,
-               "fraction_of_read_bandwidth": r["fraction_of_read_bandwidth"], "min_fraction": min_bw}
+               "fraction_of_read_bandwidth": r["fraction_of_read_bandwidth"], "min_fraction": min_bw,
+               "fraction_of_hot_read_bandwidth_same_bytes": r["fraction_of_hot_read_bandwidth_same_bytes"],
+               "cache_flushed_before_each_sample": case["cache_flushed_before_each_sample"],
+               "judged_on": "medians (best-sample figures alongside for reference)",
+               "speedup_vs_ort_shared_buffer_best": r.get("speedup_vs_ort_shared_buffer_best"),
+               "fraction_of_read_bandwidth_best": r["fraction_of_read_bandwidth_best"]}
         ok_s = bar["speedup_vs_ort_shared_buffer"] is not None and bar["speedup_vs_ort_shared_buffer"] >= min_speedup
-        ok_b = min_bw is None or bar["fraction_of_read_bandwidth"] >= min_bw
+        # judged against the smaller of the two references: the DRAM probe (1 GiB)
+        # and a probe re-reading a same-size array (large L3 can hold the cache)
+        ok_b = min_bw is None or min(bar["fraction_of_read_bandwidth"],
+                                     bar["fraction_of_hot_read_bandwidth_same_bytes"]) >= min_bw
         bar["speedup_met"] = bool(ok_s)
         bar["bandwidth_met"] = None if min_bw is None else bool(ok_b)
         bar["met"] = bool(ok_s and ok_b)
         bars.append(bar)
         lines.append(f"BAR ctx={ctx} {dtype} threads={t}: speedup "
                      f"{bar['speedup_vs_ort_shared_buffer'] or float('nan'):.2f}x (need {min_speedup}), "
-                     f"{100 * bar['fraction_of_read_bandwidth']:.0f}% of read bw"
-                     + (f" (need {100 * min_bw:.0f}%)" if min_bw else "") + f" -> {'MET' if bar['met'] else 'NOT MET'}")
+                     f"{100 * bar['fraction_of_read_bandwidth']:.0f}% of dram read bw, "
+                     f"{100 * bar['fraction_of_hot_read_bandwidth_same_bytes']:.0f}% of same-size read bw"
+                     + (f" (need {100 * min_bw:.0f}%)" if min_bw else "") + f" -> {'MET' if bar['met'] else 'NOT MET'}"
+                     + f"  [best samples: {bar['speedup_vs_ort_shared_buffer_best'] or float('nan'):.2f}x, "
+                     f"{100 * bar['fraction_of_read_bandwidth_best']:.0f}% bw]")
     doc["bars"] = bars
     return lines
 
@@ -296,6 +341,13 @@ def main(argv=None):
     ap.add_argument("--bw-gib", type=float, default=1.0, help="array size of the bandwidth probe (GiB)")
     ap.add_argument("--bw-runs", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="fewer rounds, smaller bandwidth probe")
+    ap.add_argument("--ort-allow-spinning", action="store_true",
+                    help="keep ORT's spin-waiting intra-op workers (they steal a core from the interleaved "
+                         "onnxkv runs on small machines)")
+    ap.add_argument("--cold", action="store_true",
+                    help="read a --flush-mib buffer (untimed) before every sample so K/V come from DRAM "
+                         "(default: warm, K/V may stay in a large last-level cache between calls)")
+    ap.add_argument("--flush-mib", type=float, default=1536.0)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     if args.quick:
@@ -307,13 +359,15 @@ def main(argv=None):
     doc = {"benchmark": "decode_attention", "machine": machine(), "versions": versions(),
            "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "new_tokens": 1, "capacity": cap,
                       "contexts": args.contexts, "threads": args.threads, "repeat": args.repeat,
+                      "cold_cache": args.cold, "flush_mib": args.flush_mib if args.cold else None,
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, "
                               "past/present bound to the same buffer via IOBinding (float32)",
                       "onnxkv": "onnxkv._kernels.attention (float32 on the same buffer; float16/bfloat16 copies)",
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                       "omp_wait_policy_set_by_user": _OMP_WAIT_POLICY_BEFORE_IMPORT is not None,
                       "ort_session_options": {"intra_op_num_threads": "= threads", "inter_op_num_threads": 1,
-                                              "execution_mode": "ORT_SEQUENTIAL", "spinning": "default"}},
+                                              "execution_mode": "ORT_SEQUENTIAL",
+                                              "session.intra_op.allow_spinning": int(args.ort_allow_spinning)}},
            "runs": []}
     rng = np.random.default_rng(0)
     old = K.get_num_threads()
@@ -322,14 +376,18 @@ def main(argv=None):
             run = {"threads": threads, "onnxkv_threads": threads, "ort_intra_op_num_threads": threads}
             run["bandwidth"] = read_bandwidth(threads, args.bw_gib, args.bw_runs)
             try:
-                sess = ort_session(threads, D ** -0.5)
+                sess = ort_session(threads, D ** -0.5, args.ort_allow_spinning)
             except Exception as e:  # onnxruntime missing or the op unsupported
                 sess = None
                 run["ort_error"] = f"{type(e).__name__}: {e}"
             run["cases"] = []
+            flush = None
+            if args.cold:
+                junk = np.ones(int(args.flush_mib * (1 << 20)) // 4, np.float32)
+                flush = lambda: K.read_sum(junk)   # noqa: E731
             for ctx in args.contexts:
                 rep = args.repeat if ctx < 8192 else max(5, (args.repeat * 2) // 3)
-                run["cases"].append(run_context(ctx, cap, threads, rep, sess, rng))
+                run["cases"].append(run_context(ctx, cap, threads, rep, sess, rng, flush))
                 print(f"  done threads={threads} ctx={ctx}", file=sys.stderr)
             doc["runs"].append(run)
     finally:
