@@ -19,8 +19,8 @@ One new token, 32 query heads, 8 KV heads, head size 128, batch 1, contexts
 
 Prints one JSON document on stdout (machine, versions, threads, shapes, raw
 samples in seconds, medians, ratios, bandwidth fractions, bars) and a short
-summary on stderr.  Variants are measured interleaved, round by round, so that
-machine noise hits them alike.  Timing is noisy on shared machines: read the
+summary on stderr.  All variants at all thread counts are measured interleaved,
+round by round, so that machine noise hits them alike.  Timing is noisy on shared machines: read the
 raw samples and the load average recorded with them.
 
     python benchmarks/bench_decode_attention.py [--threads 1 2] [--contexts ...]
@@ -111,6 +111,27 @@ def measure(variants: dict, repeat: int, warmup: int = 2, flush=None) -> dict:
             samples[name].append(time.perf_counter() - t)
     return {name: {"samples_s": s, "median_s": statistics.median(s), "min_s": min(s)}
             for name, s in samples.items()}
+
+
+def read_bandwidth_multi(threads_list, gib: float, runs: int) -> dict:
+    """read_bandwidth for each thread count, the runs interleaved across counts."""
+    res = {t: None for t in threads_list}
+    for _ in range(runs):
+        for t in threads_list:
+            r = read_bandwidth(t, gib, 1)
+            if res[t] is None:
+                res[t] = r
+            else:
+                for key in ("compiled_read_samples_s", "numpy_sum_samples_s"):
+                    if key in r:
+                        res[t][key] += r[key]
+    for t, r in res.items():
+        r["runs"] = len(r["compiled_read_samples_s"])
+        r["compiled_read_best_GBps"] = r["array_bytes"] / min(r["compiled_read_samples_s"]) / 1e9
+        if "numpy_sum_samples_s" in r:
+            r["numpy_sum_best_GBps"] = r["array_bytes"] / min(r["numpy_sum_samples_s"]) / 1e9
+        r["best_GBps"] = max(r["compiled_read_best_GBps"], r.get("numpy_sum_best_GBps", 0.0))
+    return res
 
 
 def read_bandwidth(threads: int, gib: float, runs: int) -> dict:
@@ -217,7 +238,10 @@ def hot_read_bandwidth(nbytes: int, threads: int, runs: int = 7) -> float:
     return a.nbytes / best
 
 
-def run_context(ctx: int, cap: int, threads: int, repeat: int, sess, rng, flush=None) -> dict:
+def run_context(ctx: int, cap: int, threads_list, repeat: int, sessions: dict, rng, flush=None) -> dict:
+    """Measures every variant at every thread count, interleaved sample by
+    sample (so that machine noise, e.g. a co-tenant taking a core for a while,
+    hits 1 and 2 threads and onnxkv and ORT alike).  Returns {threads: case}."""
     scale = D ** -0.5
     q4 = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
     kbuf = rng.standard_normal((B, HKV, cap, D)).astype(np.float32)
@@ -227,48 +251,56 @@ def run_context(ctx: int, cap: int, threads: int, repeat: int, sess, rng, flush=
     kv_len = np.array([ctx], np.int32)
     q_pos = np.array([[ctx - 1]], np.int32)
     out = np.empty_like(q4)
-    case = {"shapes": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "Sq": 1, "ctx": ctx, "capacity": cap,
-                       "layout": "BNSH [B, Hkv, capacity, D]"},
-            "threads": threads}
-    variants = {}
-    kv_bytes = {}
-
-    if sess is not None:
-        q3 = np.ascontiguousarray(q4.transpose(0, 2, 1, 3).reshape(B, 1, HQ * D))
-        ort_out = np.empty((B, 1, HQ * D), np.float32)
-        io = ort_shared_binding(sess, q3, knew, vnew, kbuf, vbuf, ctx, ort_out)
-        kbuf[:, :, ctx - 1] = 0.0                   # ORT must write the new token in place
-        sess.run_with_iobinding(io)
-        shared = bool(np.array_equal(kbuf[:, :, ctx - 1].reshape(B, 1, HKV * D), knew))
-        case["ort_present_shares_past_buffer"] = shared
-        variants["ort_gqa_shared_buffer_f32"] = lambda: sess.run_with_iobinding(io)
-        kv_bytes["ort_gqa_shared_buffer_f32"] = 2 * B * HKV * ctx * D * 4
-        K.set_num_threads(threads)
-        K.attention(q4, kbuf, vbuf, kv_len, q_pos, scale, 0.0, -1, out)
-        ref = ort_out.reshape(B, 1, HQ, D).transpose(0, 2, 1, 3)
-        case["max_abs_diff_onnxkv_vs_ort"] = float(np.max(np.abs(ref - out)))
-
     k16, v16 = kbuf.astype(np.float16), vbuf.astype(np.float16)
     kbf, vbf = R.bf16_from_f32(kbuf), R.bf16_from_f32(vbuf)
-    variants["onnxkv_f32"] = lambda: K.attention(q4, kbuf, vbuf, kv_len, q_pos, scale, 0.0, -1, out)
-    variants["onnxkv_f16"] = lambda: K.attention(q4, k16, v16, kv_len, q_pos, scale, 0.0, -1, out)
-    variants["onnxkv_bf16"] = lambda: K.attention(q4, kbf, vbf, kv_len, q_pos, scale, 0.0, -1, out,
-                                                  kv_dtype="bfloat16")
-    kv_bytes["onnxkv_f32"] = 2 * B * HKV * ctx * D * 4
-    kv_bytes["onnxkv_f16"] = kv_bytes["onnxkv_bf16"] = 2 * B * HKV * ctx * D * 2
+    q3 = np.ascontiguousarray(q4.transpose(0, 2, 1, 3).reshape(B, 1, HQ * D))
+    ort_out = np.empty((B, 1, HQ * D), np.float32)
+    f32_bytes = 2 * B * HKV * ctx * D * 4
+    kv_bytes = {"ort_gqa_shared_buffer_f32": f32_bytes, "onnxkv_f32": f32_bytes,
+                "onnxkv_f16": f32_bytes // 2, "onnxkv_bf16": f32_bytes // 2}
+    cases, variants = {}, {}
 
-    K.set_num_threads(threads)
-    if hasattr(os, "getloadavg"):
-        case["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
-    case["results"] = measure(variants, repeat, flush=flush)
-    case["cache_flushed_before_each_sample"] = flush is not None
-    case["hot_read_GBps_same_bytes_f32"] = hot_read_bandwidth(2 * B * HKV * ctx * D * 4, threads) / 1e9
-    case["hot_read_GBps_same_bytes_16bit"] = hot_read_bandwidth(2 * B * HKV * ctx * D * 2, threads) / 1e9
-    for name, r in case["results"].items():
-        r["kv_bytes"] = kv_bytes[name]
-        r["kv_read_GBps"] = kv_bytes[name] / r["median_s"] / 1e9
-        r["kv_read_GBps_best"] = kv_bytes[name] / r["min_s"] / 1e9
-    return case
+    def on(t, fn):
+        def run():
+            K.set_num_threads(t)
+            fn()
+        return run
+
+    for t in threads_list:
+        case = {"shapes": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "Sq": 1, "ctx": ctx, "capacity": cap,
+                           "layout": "BNSH [B, Hkv, capacity, D]"},
+                "threads": t}
+        sess = sessions.get(t)
+        if sess is not None:
+            io = ort_shared_binding(sess, q3, knew, vnew, kbuf, vbuf, ctx, ort_out)
+            kbuf[:, :, ctx - 1] = 0.0                   # ORT must write the new token in place
+            sess.run_with_iobinding(io)
+            case["ort_present_shares_past_buffer"] = bool(
+                np.array_equal(kbuf[:, :, ctx - 1].reshape(B, 1, HKV * D), knew))
+            variants[(t, "ort_gqa_shared_buffer_f32")] = (lambda sess=sess, io=io: sess.run_with_iobinding(io))
+            K.set_num_threads(t)
+            K.attention(q4, kbuf, vbuf, kv_len, q_pos, scale, 0.0, -1, out)
+            ref = ort_out.reshape(B, 1, HQ, D).transpose(0, 2, 1, 3)
+            case["max_abs_diff_onnxkv_vs_ort"] = float(np.max(np.abs(ref - out)))
+        variants[(t, "onnxkv_f32")] = on(t, lambda: K.attention(q4, kbuf, vbuf, kv_len, q_pos, scale, 0.0, -1, out))
+        variants[(t, "onnxkv_f16")] = on(t, lambda: K.attention(q4, k16, v16, kv_len, q_pos, scale, 0.0, -1, out))
+        variants[(t, "onnxkv_bf16")] = on(t, lambda: K.attention(q4, kbf, vbf, kv_len, q_pos, scale, 0.0, -1, out,
+                                                                 kv_dtype="bfloat16"))
+        cases[t] = case
+
+    loadavg = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    results = measure(variants, repeat, flush=flush)
+    for t, case in cases.items():
+        case["loadavg_before"] = loadavg
+        case["cache_flushed_before_each_sample"] = flush is not None
+        case["hot_read_GBps_same_bytes_f32"] = hot_read_bandwidth(f32_bytes, t) / 1e9
+        case["hot_read_GBps_same_bytes_16bit"] = hot_read_bandwidth(f32_bytes // 2, t) / 1e9
+        case["results"] = {name: r for (tt, name), r in results.items() if tt == t}
+        for name, r in case["results"].items():
+            r["kv_bytes"] = kv_bytes[name]
+            r["kv_read_GBps"] = kv_bytes[name] / r["median_s"] / 1e9
+            r["kv_read_GBps_best"] = kv_bytes[name] / r["min_s"] / 1e9
+    return cases
 
 
 def summarise(doc: dict) -> list:
@@ -372,24 +404,26 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     old = K.get_num_threads()
     try:
-        for threads in args.threads:
-            run = {"threads": threads, "onnxkv_threads": threads, "ort_intra_op_num_threads": threads}
-            run["bandwidth"] = read_bandwidth(threads, args.bw_gib, args.bw_runs)
+        runs = {t: {"threads": t, "onnxkv_threads": t, "ort_intra_op_num_threads": t, "cases": []}
+                for t in args.threads}
+        bws = read_bandwidth_multi(args.threads, args.bw_gib, args.bw_runs)
+        sessions = {}
+        for t in args.threads:
+            runs[t]["bandwidth"] = bws[t]
             try:
-                sess = ort_session(threads, D ** -0.5, args.ort_allow_spinning)
+                sessions[t] = ort_session(t, D ** -0.5, args.ort_allow_spinning)
             except Exception as e:  # onnxruntime missing or the op unsupported
-                sess = None
-                run["ort_error"] = f"{type(e).__name__}: {e}"
-            run["cases"] = []
-            flush = None
-            if args.cold:
-                junk = np.ones(int(args.flush_mib * (1 << 20)) // 4, np.float32)
-                flush = lambda: K.read_sum(junk)   # noqa: E731
-            for ctx in args.contexts:
-                rep = args.repeat if ctx < 8192 else max(5, (args.repeat * 2) // 3)
-                run["cases"].append(run_context(ctx, cap, threads, rep, sess, rng, flush))
-                print(f"  done threads={threads} ctx={ctx}", file=sys.stderr)
-            doc["runs"].append(run)
+                runs[t]["ort_error"] = f"{type(e).__name__}: {e}"
+        flush = None
+        if args.cold:
+            junk = np.ones(int(args.flush_mib * (1 << 20)) // 4, np.float32)
+            flush = lambda: K.read_sum(junk)   # noqa: E731
+        for ctx in args.contexts:
+            rep = args.repeat if ctx < 8192 else max(5, (args.repeat * 2) // 3)
+            for t, case in run_context(ctx, cap, args.threads, rep, sessions, rng, flush).items():
+                runs[t]["cases"].append(case)
+            print(f"  done ctx={ctx}", file=sys.stderr)
+        doc["runs"] = [runs[t] for t in args.threads]
     finally:
         K.set_num_threads(old)
     if hasattr(os, "getloadavg"):
