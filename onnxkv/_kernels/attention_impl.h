@@ -66,11 +66,12 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
             }
         for (r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (i = 0; i < Dv; i += 8) {
-            __m256 kv[8], qv[8];
+            __m256 kv[8];
             for (kk = 0; kk < KJ; kk++) kv[kk] = OKV_LD8(kp[kk] + i);
-            for (r = 0; r < NRP; r++) qv[r] = _mm256_loadu_ps(qr[r] + i);
-            for (kk = 0; kk < KJ; kk++)
-                for (r = 0; r < NRP; r++) acc[kk * NRP + r] = _mm256_fmadd_ps(qv[r], kv[kk], acc[kk * NRP + r]);
+            for (r = 0; r < NRP; r++) {          /* one q chunk live at a time */
+                const __m256 qv = _mm256_loadu_ps(qr[r] + i);
+                for (kk = 0; kk < KJ; kk++) acc[kk * NRP + r] = _mm256_fmadd_ps(qv, kv[kk], acc[kk * NRP + r]);
+            }
         }
         {
             __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
