@@ -9,13 +9,16 @@
  * A work unit is (batch b, kv head hk, query tokens [t0, t1), keys [c0, c1)).
  * The G = Hq/Hkv query heads of the group and the nt = t1-t0 query tokens form
  * R = G*nt rows (r = g*nt + t).  Keys are streamed in blocks of OKV_BK; inside a
- * block the rows are taken in row groups of up to OKV_RG = 8, and for each row
- * group every K row and every V row of the block is loaded (and converted to
- * float32) exactly once in registers and used by all rows of the group: the
+ * block the rows are taken in row groups (up to OKV_RG = 8 rows for decode,
+ * a->prefill_rg = 4 rows when the unit has several query tokens), and for each
+ * row group every K row and every V row of the block is loaded (and converted
+ * to float32) exactly once in registers and used by all rows of the group: the
  * q.k dot products of all rows share one K load, the p*v axpys of all rows
  * share one V load.  Decode (Sq = 1) with G <= 8 is one row group, so each K/V
- * byte is read and converted once per token.  Online softmax per row (running
- * max, sum and accumulator in float32).
+ * byte is read from memory and converted once per token; with G > 8 or in
+ * prefill, further row groups re-read the block from L1.  The next block is
+ * software-prefetched (into L2 by default) while the current one is scored.
+ * Online softmax per row (running max, sum and accumulator in float32).
  *
  * ws: float workspace of at least R*(D + OKV_BK + 2) floats.
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
