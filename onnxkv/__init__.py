@@ -13,13 +13,6 @@ Public API::
 
 __version__ = "0.1.0"
 
-import os as _os
-
-# OpenMP threads that busy-wait after a kernel steal the cores BLAS threads need
-# (and vice versa) on small machines; wait passively unless the user chose otherwise.
-# This must happen before the OpenMP runtime starts, i.e. before _kernels loads.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from onnxkv import _kernels  # noqa: E402,F401  (a readable ImportError if the build is broken)
 from onnxkv._config import config, show_config  # noqa: E402
 from onnxkv.alloc import Allocator, AllocatorStats, ArenaAllocator, SystemAllocator  # noqa: E402

@@ -8,9 +8,24 @@ argument) before writing anything.  Every kernel has a NumPy reference twin in
 
 Run-time switches: :func:`set_num_threads` / :func:`get_num_threads` (OpenMP
 threads of every kernel), :func:`set_simd_enabled` / :func:`simd_path` (AVX2 or
-scalar path), :func:`openmp_enabled`, :func:`cpu_features`.
+scalar path), :func:`openmp_enabled`, :func:`cpu_features`.  Importing this
+package sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it
+(see the comment below).
 """
 import importlib as _importlib
+import os as _os
+
+# OpenMP wait policy.  Spin-waiting worker threads (libgomp's default) are
+# pathological when the cores are shared with other processes: a worker that
+# spins at the end-of-region barrier or waits for a time slice on a busy core
+# turns a 0.3 ms decode step into 10-20 ms, and 2 threads become slower than 1.
+# PASSIVE (workers sleep on a futex between regions, costing a wake-up of a few
+# microseconds per kernel call) is the robust default for an inference runtime.
+# The OpenMP runtime reads this once, when it is loaded -- i.e. when the first
+# compiled module below is imported -- so it is set before them; an explicit
+# OMP_WAIT_POLICY in the environment is respected.  Process-global: it also
+# applies to other libgomp users loaded later into the same process.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _MODULES = {
     "_runtime": ("set_num_threads", "get_num_threads", "openmp_enabled", "simd_path",
@@ -20,7 +35,7 @@ _MODULES = {
     "activation": ("sigmoid", "silu", "silu_mul"),
     "rotary": ("rotary_embedding",),
     "attention": ("attention",),
-    "convert": ("f16_to_f32", "f32_to_f16"),
+    "convert": ("f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16", "read_sum"),
     "matmul": ("matmul_rows",),
 }
 
@@ -39,4 +54,4 @@ for _mod, _names in _MODULES.items():
     for _n in _names:
         globals()[_n] = getattr(_m, _n)
 
-del _importlib, _mod, _names, _m, _n
+del _importlib, _os, _mod, _names, _m, _n

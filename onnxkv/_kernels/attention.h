@@ -1,12 +1,18 @@
 /* onnxkv/_kernels/attention.h -- streaming (online-softmax) attention.
  *
- * Layouts (C-contiguous float32):
- *   q, out [B, Hq, Sq, D];  k, v [B, Hkv, Cap, D];  kv_len, kv_start [B] int32;
+ * Layouts (C-contiguous):
+ *   q, out [B, Hq, Sq, D] float32;  k, v [B, Hkv, Cap, D] float32, float16 or
+ *   bfloat16 (kv_type; K and V share it);  kv_len, kv_start [B] int32;
  *   q_pos [B, Sq] int32.
  * Query token t of batch b at absolute position p = q_pos[b, t] sees keys j with
  *   max(kv_start[b], p - window (if window >= 0)) <= j <= p  and  j < kv_len[b].
  * Scores: s = scale * dot(q, k_j); if softcap > 0: s = softcap * tanh(s / softcap).
  * A row with no visible key outputs zeros.
+ *
+ * FLOAT16 / BFLOAT16 elements are converted to float32 in the load step of the
+ * inner loops (F16C vcvtph2ps / zero-extend + shift left 16 on the AVX2 path,
+ * the bit-exact scalar conversions of simd.h on the scalar path); all math
+ * (scores, running max, sum, accumulator) is float32.
  */
 #ifndef ONNXKV_ATTENTION_H
 #define ONNXKV_ATTENTION_H
@@ -16,40 +22,131 @@
 
 #define OKV_BK 32      /* keys per streamed block */
 #define OKV_MAX_TQ 64  /* max query tokens per work unit */
+#define OKV_RG 8       /* query rows sharing one K/V row load (one row group) */
+
+#define OKV_KV_F32 0
+#define OKV_KV_F16 1
+#define OKV_KV_BF16 2
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;
     float *out;
     const int32_t *kv_len, *q_pos, *kv_start;
     int64_t B, Hq, Hkv, Sq, Cap, D;
     float scale, softcap;
     int64_t window;
+    int kv_type;   /* OKV_KV_F32, OKV_KV_F16 or OKV_KV_BF16 */
+    int prefetch;  /* software prefetch of the next K/V block: 0 off, 1 into L1, 2 into L2 */
+    int prefill_rg; /* row-group width (1..8) of work units with several query tokens */
 } okv_attn_args;
 
+#if defined(__GNUC__) || defined(__clang__)
+#define OKV_INLINE static inline __attribute__((always_inline))
+#else
+#define OKV_INLINE static inline
+#endif
+
+/* One instantiation of attention_impl.h per (instruction set, K/V element type).
+ * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p): one element as
+ * float; OKV_LD8(p): 8 elements as __m256 (AVX2 only). */
 #define OKV_SFX _scalar
 #define OKV_ATTR
+
+#define OKV_KT f32
+#define OKV_KT_T float
+#define OKV_LD1(p) (*(p))
 #include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+
+#define OKV_KT f16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p) okv_h2f_scalar(*(p))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+
+#define OKV_KT bf16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p) okv_bf2f_scalar(*(p))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+
 #undef OKV_SFX
 #undef OKV_ATTR
 
 #if OKV_X86_SIMD
 #define OKV_SFX _avx2
 #define OKV_ATTR OKV_AVX2
+#define OKV_SIMD_BODY 1
+
+#define OKV_KT f32
+#define OKV_KT_T float
+#define OKV_LD1(p) (*(p))
+#define OKV_LD8(p) _mm256_loadu_ps(p)
 #include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+
+#define OKV_KT f16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p) okv_h2f_scalar(*(p))
+#define OKV_LD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+
+#define OKV_KT bf16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p) okv_bf2f_scalar(*(p))
+#define OKV_LD8(p) okv_bf16x8_to_ps(p)
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+
+#undef OKV_SIMD_BODY
 #undef OKV_SFX
 #undef OKV_ATTR
 #endif
 
-/* Floats of workspace one work unit of R rows needs. */
-static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) { return R * (D + OKV_BK + 2); }
+/* Floats of workspace one work unit of R rows needs, rounded up to whole
+ * 64-byte lines so that per-thread workspaces never share a cache line. */
+static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) { return (R * (D + OKV_BK + 2) + 15) & ~(int64_t)15; }
+
+/* Floats of one partial state block (R rows of max, sum, acc[D]), whole lines. */
+static inline int64_t okv_attn_part_floats(int64_t R, int64_t D) { return (R * (D + 2) + 15) & ~(int64_t)15; }
+
+/* 64-byte aligned pointer inside a block allocated with 16 spare floats. */
+static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
 static void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
                           int64_t c1, float *ws, float *part, int simd) {
 #if OKV_X86_SIMD
-    if (simd) { okv_attn_unit_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return; }
+    if (simd) {
+        switch (a->kv_type) {
+        case OKV_KV_F16: okv_attn_unit_f16_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
+        case OKV_KV_BF16: okv_attn_unit_bf16_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
+        default: okv_attn_unit_f32_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
+        }
+    }
 #endif
     (void)simd;
-    okv_attn_unit_scalar(a, b, hk, t0, t1, c0, c1, ws, part);
+    switch (a->kv_type) {
+    case OKV_KV_F16: okv_attn_unit_f16_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
+    case OKV_KV_BF16: okv_attn_unit_bf16_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
+    default: okv_attn_unit_f32_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
+    }
 }
 
 /* Union [lo, hi) of the keys visible to any query token of batch b. */
@@ -71,7 +168,7 @@ static void okv_attn_range(const okv_attn_args *a, int64_t b, int64_t *lo, int64
 
 /* Work unit i of a cache-split run: group u = i / nchunks, chunk c = i % nchunks
  * of that batch's visible key range; writes the partial state to
- * parts + i * R*(D+2) (R = G*Sq). */
+ * parts + i * okv_attn_part_floats(R, D) (R = G*Sq). */
 static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts,
                                 int simd) {
     const int64_t G = a->Hq / a->Hkv, R = G * a->Sq, u = i / nchunks, c = i % nchunks, b = u / a->Hkv;
@@ -82,11 +179,12 @@ static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchun
     c1 = c0 + cs;
     if (c1 > hi) c1 = hi;
     if (c0 > c1) c0 = c1;
-    okv_attn_unit(a, b, u % a->Hkv, 0, a->Sq, c0, c1, ws, parts + i * R * (a->D + 2), simd);
+    okv_attn_unit(a, b, u % a->Hkv, 0, a->Sq, c0, c1, ws, parts + i * okv_attn_part_floats(R, a->D), simd);
 }
 
 /* Merge nchunks partial states of one (b, hk) group (R = G*Sq rows) and write
- * the normalised result.  parts: [nchunks][R][D+2] as written by okv_attn_unit. */
+ * the normalised result.  parts: nchunks blocks of okv_attn_part_floats(R, D)
+ * floats, each [R][D+2] as written by okv_attn_unit. */
 static void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const float *parts, int64_t nchunks) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, Sq = a->Sq, R = G * Sq;
     int64_t r, c, i;
@@ -95,13 +193,13 @@ static void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const 
         float *o = a->out + ((b * a->Hq + hk * G + g) * Sq + t) * D;
         float M = -INFINITY, L = 0.f;
         for (c = 0; c < nchunks; c++) {
-            float m = parts[(c * R + r) * (D + 2)];
+            float m = parts[c * okv_attn_part_floats(R, D) + r * (D + 2)];
             if (m > M) M = m;
         }
         memset(o, 0, (size_t)D * sizeof(float));
         if (M == -INFINITY) continue;
         for (c = 0; c < nchunks; c++) {
-            const float *pr = parts + (c * R + r) * (D + 2);
+            const float *pr = parts + c * okv_attn_part_floats(R, D) + r * (D + 2);
             float w;
             if (pr[0] == -INFINITY || pr[1] == 0.f) continue;
             w = expf(pr[0] - M);

@@ -1,4 +1,5 @@
-"""Streaming (online-softmax) attention over a KV cache, float32.
+"""Streaming (online-softmax) attention over a KV cache (float32 math; float32,
+float16 or bfloat16 K/V caches converted in the load step).
 
 Decode (Sq = 1) and prefill (Sq > 1, causal) share one kernel.  All query heads
 of a KV group are processed together: each K/V block is read once per work unit
@@ -8,7 +9,7 @@ gathered.  Parallel over batch x KV heads x query tiles; when batch x KV heads
 does not fill the threads and Sq is small, each group is split along the cache
 into chunks whose (max, sum, acc) states are merged exactly.
 """
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint16_t
 from libc.stdlib cimport malloc, free
 from libc.math cimport isfinite
 from cython.parallel cimport prange
@@ -21,8 +22,8 @@ from . import _validate as V
 cdef extern from "attention.h" nogil:
     ctypedef struct okv_attn_args:
         const float *q
-        const float *k
-        const float *v
+        const void *k
+        const void *v
         float *out
         const int32_t *kv_len
         const int32_t *q_pos
@@ -30,9 +31,17 @@ cdef extern from "attention.h" nogil:
         int64_t B, Hq, Hkv, Sq, Cap, D
         float scale, softcap
         int64_t window
+        int kv_type
+        int prefetch
+        int prefill_rg
     int OKV_BK
+    int OKV_KV_F32
+    int OKV_KV_F16
+    int OKV_KV_BF16
     int OKV_MAX_TQ
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
+    int64_t okv_attn_part_floats(int64_t R, int64_t D)
+    float *okv_align64(float *p)
     void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
                        int64_t c1, float *ws, float *part, int simd)
     void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const float *parts, int64_t nchunks)
@@ -41,18 +50,21 @@ cdef extern from "attention.h" nogil:
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256
+DEF SPLIT_MIN_KEYS = 1024
 DEF PAR_MIN_WORK = 1 << 18  # multiply-adds below which one thread is used
 
 
 cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
     cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, ntiles = (a.Sq + tq - 1) // tq
     cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(G * tq, a.D)
+    cdef float *ws0
     cdef float *ws
     if ntask < nt:
         nt = <int>ntask
-    ws = <float *>malloc(<size_t>(wsz * nt) * sizeof(float))
-    if ws == NULL:
+    ws0 = <float *>malloc(<size_t>(wsz * nt + 16) * sizeof(float))
+    if ws0 == NULL:
         return -1
+    ws = okv_align64(ws0)
     for i in prange(ntask, num_threads=nt, schedule='dynamic'):
         u = i // ntiles
         t0 = (i % ntiles) * tq
@@ -60,29 +72,65 @@ cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
         if t1 > a.Sq:
             t1 = a.Sq
         okv_attn_unit(a, u // a.Hkv, u % a.Hkv, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz, NULL, simd)
-    free(ws)
+    free(ws0)
     return 0
 
 
 cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept nogil:
     cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, R = G * a.Sq
     cdef int64_t ntask = units * nchunks, i, u
-    cdef int64_t wsz = okv_attn_ws_floats(R, a.D), psz = R * (a.D + 2)
+    cdef int64_t wsz = okv_attn_ws_floats(R, a.D), psz = okv_attn_part_floats(R, a.D)
+    cdef float *ws0
+    cdef float *parts0
     cdef float *ws
     cdef float *parts
-    ws = <float *>malloc(<size_t>(wsz * nt) * sizeof(float))
-    parts = <float *>malloc(<size_t>(psz * ntask) * sizeof(float))
-    if ws == NULL or parts == NULL:
-        free(ws)
-        free(parts)
+    ws0 = <float *>malloc(<size_t>(wsz * nt + 16) * sizeof(float))
+    parts0 = <float *>malloc(<size_t>(psz * ntask + 16) * sizeof(float))
+    if ws0 == NULL or parts0 == NULL:
+        free(ws0)
+        free(parts0)
         return -1
+    ws = okv_align64(ws0)
+    parts = okv_align64(parts0)
     for i in prange(ntask, num_threads=nt, schedule='dynamic'):
         okv_attn_split_task(a, i, nchunks, ws + okv_thread_num() * wsz, parts, simd)
     for u in prange(units, num_threads=nt if units >= nt else <int>units, schedule='static'):
         okv_attn_merge(a, u // a.Hkv, u % a.Hkv, parts + u * nchunks * psz, nchunks)
-    free(ws)
-    free(parts)
+    free(ws0)
+    free(parts0)
     return 0
+
+
+cdef int _prefetch = 2
+cdef int _prefill_rg = 4     # row-group width of prefill work units
+cdef int _split_tasks = 0    # min. tasks per thread for long caches (0: split only to fill threads)
+
+
+def _set_split_tasks(n):
+    """Private tuning switch for benchmarks: minimum number of cache-split tasks
+    per thread for long caches (0 disables that split).  Returns the old value."""
+    global _split_tasks
+    old = _split_tasks
+    _split_tasks = max(0, int(n))
+    return old
+
+
+def _set_prefill_rg(n):
+    """Private tuning switch: query rows per row group in prefill work units
+    (1..8).  Returns the old value."""
+    global _prefill_rg
+    old = _prefill_rg
+    _prefill_rg = min(8, max(1, int(n)))
+    return old
+
+
+def _set_prefetch(flag):
+    """Private switch for benchmarks: software prefetch of the next K/V block
+    (0: off, 1: into L1, 2: into L2 (default), n >= 3: into L2, n-1 blocks ahead).  Returns the previous setting."""
+    global _prefetch
+    old = _prefetch
+    _prefetch = int(flag)
+    return old
 
 
 def _check_values(name, arr, lo, hi):
@@ -92,11 +140,42 @@ def _check_values(name, arr, lo, hi):
             raise ValueError(f"{name}: values must be in [{lo}, {hi}], got range [{mn}, {mx}]")
 
 
-def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None):
+_KV_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+
+def _kv_type(k, kv_dtype):
+    """Resolve the K/V element type; returns (name, storage dtype)."""
+    if kv_dtype is None:
+        if k.dtype == np.float32:
+            return "float32"
+        if k.dtype == np.float16:
+            return "float16"
+        if k.dtype == np.uint16:
+            raise ValueError("k: uint16 arrays are only accepted as bfloat16 bit patterns with "
+                             "kv_dtype='bfloat16'")
+        raise ValueError(f"k: dtype {k.dtype} is not supported (expected float32, float16, or uint16 "
+                         "with kv_dtype='bfloat16')")
+    name = kv_dtype if isinstance(kv_dtype, str) else None
+    if name is None:
+        try:
+            name = np.dtype(kv_dtype).name
+        except TypeError:
+            name = str(kv_dtype)
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_dtype: must be None, 'float32', 'float16' or 'bfloat16', got {kv_dtype!r}")
+    return name
+
+
+def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None, *, kv_dtype=None):
     """Causal streaming attention of q over the cached keys/values; writes ``out``.
 
     q, out   [B, Hq, Sq, D] float32, C-contiguous (out must not overlap q, k, v)
-    k, v     [B, Hkv, Cap, D] float32; only positions < kv_len[b] are read
+    k, v     [B, Hkv, Cap, D], same dtype: float32, float16, or bfloat16 stored as
+             uint16 bit patterns (upper half of the float32 bits) -- bfloat16 has
+             no NumPy dtype, so uint16 arrays are accepted only with the explicit
+             keyword ``kv_dtype="bfloat16"``.  Only positions < kv_len[b] are read.
+             FLOAT16/BFLOAT16 are converted to float32 in the load step (F16C /
+             shift left 16); all math is float32.
     kv_len   [B] int32 in [0, Cap]
     q_pos    [B, Sq] int32: absolute position p of each query token; it sees keys
              j with kv_start[b] <= j <= p, j < kv_len[b] and, if window >= 0,
@@ -104,17 +183,26 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     kv_start [B] int32 in [0, Cap] or None (all zeros): left padding
     scale    float multiplying q.k; softcap > 0: s = softcap*tanh(s/softcap); 0 = off
     window   int >= -1 (-1 = unlimited)
+    kv_dtype None (infer float32/float16 from k.dtype), "float32", "float16" or
+             "bfloat16" (k, v must then be uint16); keyword only.
     Hq must be a multiple of Hkv (MHA, GQA, MQA).  A query row with no visible
     key gets zeros.  Every check raises ValueError naming the argument before
     anything is written.
     """
     V.array("q", q, (V.F32,), ndim=4)
     B, Hq, Sq, D = q.shape
-    V.array("k", k, (V.F32,), ndim=4)
+    if not isinstance(k, np.ndarray):
+        raise ValueError(f"k: expected a numpy.ndarray, got {type(k).__name__}")
+    kvname = _kv_type(k, kv_dtype)
+    kvdt = _KV_DTYPES[kvname]
+    V.array("k", k, (kvdt,), ndim=4)
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k: expected shape [{B}, Hkv, Cap, {D}], got {k.shape}")
     Hkv, Cap = k.shape[1], k.shape[2]
-    V.array("v", v, (V.F32,), shape=k.shape)
+    if isinstance(v, np.ndarray) and v.dtype != kvdt:
+        raise ValueError(f"v: dtype {v.dtype} does not match k dtype {k.dtype} (K and V must share the "
+                         "element type)")
+    V.array("v", v, (kvdt,), shape=k.shape)
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"k: number of KV heads {Hkv} must divide the number of query heads {Hq}")
     V.array("kv_len", kv_len, (V.I32,), shape=(B,))
@@ -141,8 +229,10 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
         return
 
     cdef const float[:, :, :, ::1] qv = q
-    cdef const float[:, :, :, ::1] kv = k
-    cdef const float[:, :, :, ::1] vv = v
+    cdef const float[:, :, :, ::1] kv
+    cdef const float[:, :, :, ::1] vv
+    cdef const uint16_t[:, :, :, ::1] kh
+    cdef const uint16_t[:, :, :, ::1] vh
     cdef float[:, :, :, ::1] ov = out
     cdef const int32_t[::1] lv = kv_len
     cdef const int32_t[:, ::1] pv = q_pos
@@ -150,8 +240,22 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     cdef okv_attn_args a
     a.q = &qv[0, 0, 0, 0]
     a.out = &ov[0, 0, 0, 0]
-    a.k = &kv[0, 0, 0, 0] if kv.size else NULL
-    a.v = &vv[0, 0, 0, 0] if vv.size else NULL
+    a.k = NULL
+    a.v = NULL
+    if kvname == "float32":
+        a.kv_type = OKV_KV_F32
+        if k.size:
+            kv = k
+            vv = v
+            a.k = &kv[0, 0, 0, 0]
+            a.v = &vv[0, 0, 0, 0]
+    else:
+        a.kv_type = OKV_KV_F16 if kvname == "float16" else OKV_KV_BF16
+        if k.size:
+            kh = k.view(np.uint16)
+            vh = v.view(np.uint16)
+            a.k = &kh[0, 0, 0, 0]
+            a.v = &vh[0, 0, 0, 0]
     a.kv_len = &lv[0]
     a.q_pos = &pv[0, 0]
     a.kv_start = NULL
@@ -162,14 +266,22 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     a.scale = scale
     a.softcap = softcap
     a.window = window
+    a.prefetch = _prefetch
+    a.prefill_rg = _prefill_rg
 
     cdef int nt = okv_threads(), simd = okv_simd(), rc
     cdef int64_t G = Hq // Hkv, units = B * Hkv, tq, nchunks = 1
     maxlen = int(kv_len.max())
     if B * Hq * Sq * max(maxlen, 1) * D < PAR_MIN_WORK:
         nt = 1          # too small to amortise waking the thread team
-    if units < nt and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:
-        nchunks = min((nt + units - 1) // units, max(1, maxlen // (2 * OKV_BK)))
+    if nt > 1 and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:
+        if units < nt:      # fill the threads
+            nchunks = min((nt + units - 1) // units, max(1, maxlen // (2 * OKV_BK)))
+        # long caches: at least _split_tasks tasks per thread (chunks of
+        # >= SPLIT_MIN_KEYS keys) so the dynamic schedule balances threads that
+        # run at different speeds (shared cores, one thread starting late)
+        if _split_tasks > 0:
+            nchunks = max(nchunks, min((_split_tasks * nt + units - 1) // units, maxlen // SPLIT_MIN_KEYS))
     if nchunks > 1:
         with nogil:
             rc = _split(&a, nchunks, nt, simd)

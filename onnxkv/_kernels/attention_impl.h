@@ -1,15 +1,24 @@
 /* onnxkv/_kernels/attention_impl.h -- body of one attention work unit.
  *
- * Included twice by attention.h: once with OKV_SFX = _scalar and once (x86)
- * with OKV_SFX = _avx2 and OKV_ATTR = the avx2/fma/f16c target attribute, so
- * the primitives inline into a single function per instruction set.
+ * Included once per (instruction set, K/V element type) by attention.h with
+ *   OKV_SFX   _scalar | _avx2          OKV_ATTR  target attribute (or empty)
+ *   OKV_KT    f32 | f16 | bf16         OKV_KT_T  float | uint16_t
+ *   OKV_LD1(p) one element as float    OKV_LD8(p) 8 elements as __m256 (AVX2)
+ *   OKV_SIMD_BODY defined for the AVX2 instantiations.
  *
  * A work unit is (batch b, kv head hk, query tokens [t0, t1), keys [c0, c1)).
  * The G = Hq/Hkv query heads of the group and the nt = t1-t0 query tokens form
- * R = G*nt rows; keys are streamed in blocks of OKV_BK, each K/V block is read
- * from memory once and used by all R rows (online softmax per row).  Within a
- * block, heads g and g+1 of the same token see the same keys and are scored /
- * accumulated together so that each K/V vector load feeds two rows.
+ * R = G*nt rows (r = g*nt + t).  Keys are streamed in blocks of OKV_BK; inside a
+ * block the rows are taken in row groups (up to OKV_RG = 8 rows for decode,
+ * a->prefill_rg = 4 rows when the unit has several query tokens), and for each
+ * row group every K row and every V row of the block is loaded (and converted
+ * to float32) exactly once in registers and used by all rows of the group: the
+ * q.k dot products of all rows share one K load, the p*v axpys of all rows
+ * share one V load.  Decode (Sq = 1) with G <= 8 is one row group, so each K/V
+ * byte is read from memory and converted once per token; with G > 8 or in
+ * prefill, further row groups re-read the block from L1.  The next block is
+ * software-prefetched (into L2 by default) while the current one is scored.
+ * Online softmax per row (running max, sum and accumulator in float32).
  *
  * ws: float workspace of at least R*(D + OKV_BK + 2) floats.
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
@@ -18,40 +27,206 @@
  */
 #define OKV_CAT_(a, b) a##b
 #define OKV_CAT(a, b) OKV_CAT_(a, b)
-#define OKV_F(name) OKV_CAT(name, OKV_SFX)
+#define OKV_CAT3_(a, b, c) a##_##b##c
+#define OKV_CAT3(a, b, c) OKV_CAT3_(a, b, c)
+/* name + instruction set (dtype independent primitives of simd.h) */
+#define OKV_I(name) OKV_CAT(name, OKV_SFX)
+/* name + element type + instruction set */
+#define OKV_F(name) OKV_CAT3(name, OKV_KT, OKV_SFX)
 
-/* Online-softmax step for one row over n fresh scores s: applies the softcap,
- * rescales (acc, sum) to the new running max and turns s into weights. */
-OKV_ATTR static inline void OKV_F(okv_attn_update)(float *s, int64_t n, float softcap, float *mx, float *sm,
-                                                   float *acc, int64_t D) {
-    float bm, mnew;
-    int64_t j;
-    if (softcap > 0.f)
-        for (j = 0; j < n; j++) s[j] = softcap * tanhf(s[j] / softcap);
-    bm = OKV_F(okv_max_f32)(s, n);
-    mnew = bm > *mx ? bm : *mx;
-    if (mnew > *mx) {
-        if (*mx != -INFINITY) {
-            float alpha = expf(*mx - mnew);
-            OKV_F(okv_scal_f32)(alpha, acc, D);
-            *sm *= alpha;
+#ifdef OKV_SIMD_BODY
+/* ---- AVX2: scores of nr <= 8 rows against n keys (rows padded to NRP in
+ * {1, 2, 4, 8}; 8/NRP keys per step so that 8 accumulators are live and one
+ * transposing reduction yields 8 dot products). */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                                            float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
+                                            int64_t npf, int pfhint, const int NRP) {
+    const int KJ = 8 / NRP;
+    const int64_t Dv = D & ~(int64_t)7, rowb = D * (int64_t)sizeof(OKV_KT_T);
+    int64_t j, i, d;
+    int kk, r;
+    float tmp[8];
+    for (j = 0; j < n; j += KJ) {
+        const OKV_KT_T *kp[8];
+        __m256 acc[8];
+        for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * D;
+        /* software prefetch of the next block's K and V rows: the streams cross
+         * a 4 KiB page every few rows, where the hardware prefetcher restarts. */
+        for (kk = 0; kk < KJ; kk++)
+            if (j + kk < npf) {
+                const char *pk = (const char *)(pfk + (j + kk) * D), *pv = (const char *)(pfv + (j + kk) * D);
+                int64_t o;
+                if (pfhint >= 2)
+                    for (o = 0; o < rowb; o += 64) {
+                        _mm_prefetch(pk + o, _MM_HINT_T1);
+                        _mm_prefetch(pv + o, _MM_HINT_T1);
+                    }
+                else
+                    for (o = 0; o < rowb; o += 64) {
+                        _mm_prefetch(pk + o, _MM_HINT_T0);
+                        _mm_prefetch(pv + o, _MM_HINT_T0);
+                    }
+            }
+        for (r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (i = 0; i < Dv; i += 8) {
+            __m256 kv[8];
+            for (kk = 0; kk < KJ; kk++) kv[kk] = OKV_LD8(kp[kk] + i);
+            for (r = 0; r < NRP; r++) {          /* one q chunk live at a time */
+                const __m256 qv = _mm256_loadu_ps(qr[r] + i);
+                for (kk = 0; kk < KJ; kk++) acc[kk * NRP + r] = _mm256_fmadd_ps(qv, kv[kk], acc[kk * NRP + r]);
+            }
         }
-        *mx = mnew;
+        {
+            __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+            __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+            __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+            __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+            if (Dv == D && j + KJ <= n) {   /* common case: constant-trip scatter of the scaled sums */
+                _mm256_storeu_ps(tmp, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+                for (kk = 0; kk < KJ; kk++)
+                    for (r = 0; r < NRP; r++)
+                        if (r < nr) s[r * OKV_BK + j + kk] = tmp[kk * NRP + r];
+                continue;
+            }
+            _mm256_storeu_ps(tmp, sum);
+        }
+        for (kk = 0; kk < KJ; kk++) {
+            if (j + kk >= n) break;
+            for (r = 0; r < nr; r++) {
+                float x = tmp[kk * NRP + r];
+                for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk] + d);
+                s[r * OKV_BK + j + kk] = x * scale;
+            }
+        }
     }
-    *sm += OKV_F(okv_exp_sub_sum_f32)(s, mnew, n);
 }
+
+OKV_ATTR static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                                        float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
+                                        int64_t npf, int pfhint) {
+    const float *q8[8];
+    int r;
+    for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
+    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 1);
+    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 2);
+    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 4);
+    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 8);
+}
+
+/* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
+ * 8-float chunks per pass: NR*NC accumulators in registers, each V chunk loaded
+ * and converted once and used by every row. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
+                                            float *const *accr, int64_t i0, int64_t i1, const int NR, const int NC) {
+    int64_t i, j;
+    int r, c;
+    for (i = i0; i + 8 * NC <= i1; i += 8 * NC) {
+        __m256 acc[8][8];
+        for (r = 0; r < NR; r++)
+            for (c = 0; c < NC; c++) acc[r][c] = _mm256_loadu_ps(accr[r] + i + 8 * c);
+        for (j = 0; j < n; j++) {
+            const OKV_KT_T *vj = v + j * D + i;
+            __m256 vv[8];
+            for (c = 0; c < NC; c++) vv[c] = OKV_LD8(vj + 8 * c);
+            for (r = 0; r < NR; r++) {
+                __m256 pr = _mm256_broadcast_ss(p + r * OKV_BK + j);
+                for (c = 0; c < NC; c++) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+            }
+        }
+        for (r = 0; r < NR; r++)
+            for (c = 0; c < NC; c++) _mm256_storeu_ps(accr[r] + i + 8 * c, acc[r][c]);
+    }
+}
+
+OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
+                                          float *const *accr, const int NR, const int NC) {
+    const int64_t Dv = D & ~(int64_t)7, Dw = Dv - Dv % (8 * NC);
+    int64_t j, d;
+    int r;
+    OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, NR, NC);
+    if (Dw < Dv) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dv, NR, 1);
+    if (Dv < D)
+        for (j = 0; j < n; j++)
+            for (d = Dv; d < D; d++) {
+                float x = OKV_LD1(v + j * D + d);
+                for (r = 0; r < NR; r++) accr[r][d] += p[r * OKV_BK + j] * x;
+            }
+}
+
+OKV_ATTR static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D,
+                                        float *const *accr) {
+    switch (nr) {
+    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, 1, 8); break;
+    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, 2, 4); break;
+    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, 3, 2); break;
+    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, 4, 2); break;
+    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, 5, 1); break;
+    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, 6, 1); break;
+    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, 7, 1); break;
+    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, 8, 1); break;
+    }
+}
+
+#else
+/* ---- scalar: each K element converted once, used by all nr rows. */
+static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                               float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv, int64_t npf,
+                               int pfhint) {
+    int64_t j, d;
+    int r;
+    (void)pfk; (void)pfv; (void)npf; (void)pfhint;
+    for (j = 0; j < n; j++) {
+        const OKV_KT_T *kj = k + j * D;
+        float a0[OKV_RG], a1[OKV_RG];
+        for (r = 0; r < nr; r++) { a0[r] = 0.f; a1[r] = 0.f; }
+        for (d = 0; d + 2 <= D; d += 2) {
+            const float x0 = OKV_LD1(kj + d), x1 = OKV_LD1(kj + d + 1);
+            for (r = 0; r < nr; r++) {
+                a0[r] += qr[r][d] * x0;
+                a1[r] += qr[r][d + 1] * x1;
+            }
+        }
+        if (d < D) {
+            const float x0 = OKV_LD1(kj + d);
+            for (r = 0; r < nr; r++) a0[r] += qr[r][d] * x0;
+        }
+        for (r = 0; r < nr; r++) s[r * OKV_BK + j] = (a0[r] + a1[r]) * scale;
+    }
+}
+
+/* each V element converted once, used by all nr rows */
+static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D, float *const *accr) {
+    int64_t j, d;
+    int r;
+    for (j = 0; j < n; j++) {
+        const OKV_KT_T *vj = v + j * D;
+        float pj[OKV_RG];
+        for (r = 0; r < nr; r++) pj[r] = p[r * OKV_BK + j];
+        for (d = 0; d < D; d++) {
+            const float x = OKV_LD1(vj + d);
+            for (r = 0; r < nr; r++) accr[r][d] += pj[r] * x;
+        }
+    }
+}
+#endif
 
 OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1,
                                           int64_t c0, int64_t c1, float *ws, float *part) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, nt = t1 - t0, R = G * nt;
     const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
+    const OKV_KT_T *kb = (const OKV_KT_T *)a->k + (b * a->Hkv + hk) * a->Cap * D;
+    const OKV_KT_T *vb = (const OKV_KT_T *)a->v + (b * a->Hkv + hk) * a->Cap * D;
     float *acc = ws;                  /* R*D */
-    float *sc = acc + R * D;          /* R*OKV_BK */
+    float *sc = acc + R * D;          /* OKV_RG*OKV_BK used (R*OKV_BK reserved) */
     float *mx = sc + R * OKV_BK;      /* R */
     float *sm = mx + R;               /* R */
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
-    int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0;
+    int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j;
     const float scale = a->scale, softcap = a->softcap;
+    /* Row-group width: decode shares each K/V load among up to 8 query heads;
+     * prefill (compute bound, K/V blocks already in L1) uses groups of 4 rows,
+     * which need fewer loads per multiply-add (2 K + 4 q loads per 8 FMAs). */
+    const int64_t rgw = nt > 1 && R > 4 ? a->prefill_rg : OKV_RG;
 
     for (t = 0; t < nt; t++) {
         int64_t p = a->q_pos[b * a->Sq + t0 + t];
@@ -70,29 +245,56 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
     for (r = 0; r < R; r++) { mx[r] = -INFINITY; sm[r] = 0.f; }
 
     for (j0 = jlo; j0 < jhi; j0 += OKV_BK) {
-        int64_t j1 = j0 + OKV_BK < jhi ? j0 + OKV_BK : jhi;
-        for (t = 0; t < nt; t++) {
-            const int64_t a0 = lo[t] > j0 ? lo[t] : j0, a1 = hi[t] < j1 ? hi[t] : j1, n = a1 - a0;
-            const float *kb, *vb;
-            if (a0 >= a1) continue;
-            kb = a->k + ((b * a->Hkv + hk) * a->Cap + a0) * D;
-            vb = a->v + ((b * a->Hkv + hk) * a->Cap + a0) * D;
-            /* heads g and g+1 see the same keys: score and accumulate them in pairs */
-            for (g = 0; g < G; g += 2) {
-                const int64_t r0 = g * nt + t, r1 = (g + 1) * nt + t;
-                const float *q0 = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + t) * D;
-                float *s0 = sc + r0 * OKV_BK, *s1 = sc + r1 * OKV_BK;
-                if (g + 1 < G) {
-                    OKV_F(okv_scores2_f32)(q0, q0 + a->Sq * D, kb, n, D, scale, s0, s1);
-                    OKV_F(okv_attn_update)(s0, n, softcap, mx + r0, sm + r0, acc + r0 * D, D);
-                    OKV_F(okv_attn_update)(s1, n, softcap, mx + r1, sm + r1, acc + r1 * D, D);
-                    OKV_F(okv_pv2_f32)(s0, s1, vb, n, D, acc + r0 * D, acc + r1 * D);
-                } else {
-                    OKV_F(okv_scores_f32)(q0, kb, n, D, scale, s0);
-                    OKV_F(okv_attn_update)(s0, n, softcap, mx + r0, sm + r0, acc + r0 * D, D);
-                    OKV_F(okv_pv_f32)(s0, vb, n, D, acc + r0 * D);
+        const int64_t j1 = j0 + OKV_BK < jhi ? j0 + OKV_BK : jhi;
+        int64_t rg;
+        for (rg = 0; rg < R; rg += rgw) {
+            const int nr = (int)(R - rg < rgw ? R - rg : rgw);
+            const float *qr[OKV_RG];
+            float *accr[OKV_RG];
+            int64_t u0 = j1, u1 = j0, n;
+            int i;
+            for (i = 0; i < nr; i++) {
+                int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > j0 ? lo[tt] : j0, a1 = hi[tt] < j1 ? hi[tt] : j1;
+                g = rr / nt;
+                qr[i] = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + tt) * D;
+                accr[i] = acc + rr * D;
+                if (a0 < a1) {
+                    if (a0 < u0) u0 = a0;
+                    if (a1 > u1) u1 = a1;
                 }
             }
+            if (u0 >= u1) continue;
+            n = u1 - u0;
+            {   /* prefetch the K/V block pfd blocks ahead (first row group only) */
+                const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
+                int64_t npf = a->prefetch && rg == 0 && p0 < jhi ? (p0 + OKV_BK < jhi ? OKV_BK : jhi - p0) : 0;
+                OKV_F(okv_qk_rows)(qr, nr, kb + u0 * D, n, D, scale, sc, kb + p0 * D, vb + p0 * D, npf,
+                                   a->prefetch);
+            }
+            for (i = 0; i < nr; i++) {
+                int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0, a1 = hi[tt] < u1 ? hi[tt] : u1;
+                float *s = sc + i * OKV_BK, bm, mnew;
+                if (a0 >= a1) {               /* nothing visible in this block: p = 0 */
+                    memset(s, 0, (size_t)n * sizeof(float));
+                    continue;
+                }
+                for (j = u0; j < a0; j++) s[j - u0] = -INFINITY;
+                for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
+                if (softcap > 0.f)
+                    for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
+                bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
+                mnew = bm > mx[rr] ? bm : mx[rr];
+                if (mnew > mx[rr]) {
+                    if (mx[rr] != -INFINITY) {
+                        float alpha = expf(mx[rr] - mnew);
+                        OKV_I(okv_scal_f32)(alpha, accr[i], D);
+                        sm[rr] *= alpha;
+                    }
+                    mx[rr] = mnew;
+                }
+                sm[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
+            }
+            OKV_F(okv_pv_rows)(sc, nr, vb + u0 * D, n, D, accr);
         }
     }
 
@@ -120,3 +322,4 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
 }
 
 #undef OKV_F
+#undef OKV_I

@@ -1,8 +1,13 @@
-"""float16 <-> float32 conversion (IEEE binary16, round to nearest even).
+"""float16 / bfloat16 <-> float32 conversion (round to nearest even).
 
-The AVX2 path uses F16C (vcvtph2ps / vcvtps2ph); the scalar path is exact bit
-manipulation with the same results (NaN payloads aside).  Arrays of any shape,
-C-contiguous, processed flat.  Used when loading/storing FLOAT16 cache pages.
+float16 is IEEE binary16: the AVX2 path uses F16C (vcvtph2ps / vcvtps2ph); the
+scalar path is exact bit manipulation with the same results (NaN payloads
+aside).  bfloat16 has no NumPy dtype and is stored as ``uint16`` bit patterns
+(the upper 16 bits of the float32): widening is exact (shift left 16);
+narrowing rounds to nearest even, overflow gives +-inf and NaN stays a (quiet)
+NaN -- identical on the AVX2 and scalar paths and to
+``reference.bf16_from_f32``.  Arrays of any shape, C-contiguous, processed
+flat.  Used when loading/storing FLOAT16 / BFLOAT16 cache pages.
 """
 from libc.stdint cimport int64_t, uint16_t
 from cython.parallel cimport prange
@@ -11,10 +16,14 @@ from onnxkv._kernels._runtime cimport okv_threads, okv_simd
 from . import _validate as V
 
 import numpy as np
+from libc.stdlib cimport malloc, free
 
 cdef extern from "simd.h" nogil:
     void okv_h2f_row(const uint16_t *x, float *out, int64_t n, int simd)
     void okv_f2h_row(const float *x, uint16_t *out, int64_t n, int simd)
+    void okv_bf2f_row(const uint16_t *x, float *out, int64_t n, int simd)
+    void okv_f2bf_row(const float *x, uint16_t *out, int64_t n, int simd)
+    double okv_read_sum_f32(const float *x, int64_t n, int simd)
 
 DEF CHUNK = 65536
 
@@ -43,6 +52,30 @@ cdef void _f2h(const float[::1] x, uint16_t[::1] out) noexcept nogil:
         okv_f2h_row(&x[i0], &out[i0], m, simd)
 
 
+cdef void _bf2f(const uint16_t[::1] x, float[::1] out) noexcept nogil:
+    cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
+    cdef int simd = okv_simd()
+    cdef int nt = okv_threads() if nchunks > 1 else 1
+    for c in prange(nchunks, num_threads=nt, schedule='static'):
+        i0 = c * CHUNK
+        m = n - i0
+        if m > CHUNK:
+            m = CHUNK
+        okv_bf2f_row(&x[i0], &out[i0], m, simd)
+
+
+cdef void _f2bf(const float[::1] x, uint16_t[::1] out) noexcept nogil:
+    cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
+    cdef int simd = okv_simd()
+    cdef int nt = okv_threads() if nchunks > 1 else 1
+    for c in prange(nchunks, num_threads=nt, schedule='static'):
+        i0 = c * CHUNK
+        m = n - i0
+        if m > CHUNK:
+            m = CHUNK
+        okv_f2bf_row(&x[i0], &out[i0], m, simd)
+
+
 def f16_to_f32(x, out):
     """out[...] = x as float32.  x: float16, out: float32 of the same shape."""
     V.array("x", x, (np.dtype(np.float16),))
@@ -62,3 +95,57 @@ def f32_to_f16(x, out):
     if x.size == 0:
         return
     _f2h(x.reshape(-1), out.reshape(-1).view(np.uint16))
+
+
+def bf16_to_f32(x, out):
+    """out[...] = x widened to float32 (exact).  x: uint16 array of bfloat16 bit
+    patterns, out: float32 of the same shape."""
+    V.array("x", x, (np.dtype(np.uint16),))
+    V.array("out", out, (V.F32,), shape=x.shape, writeable=True)
+    V.no_overlap("out", out, x, "x")
+    if x.size == 0:
+        return
+    _bf2f(x.reshape(-1), out.reshape(-1))
+
+
+def f32_to_bf16(x, out):
+    """out[...] = x rounded to bfloat16 (nearest even; overflow gives +-inf; NaN
+    stays NaN), stored as uint16 bit patterns.  x: float32, out: uint16 of the
+    same shape."""
+    V.array("x", x, (V.F32,))
+    V.array("out", out, (np.dtype(np.uint16),), shape=x.shape, writeable=True)
+    V.no_overlap("out", out, x, "x")
+    if x.size == 0:
+        return
+    _f2bf(x.reshape(-1), out.reshape(-1))
+
+
+DEF READ_CHUNK = 262144   # floats (1 MiB) per OpenMP task of read_sum
+
+
+def read_sum(x):
+    """Sum of a float32 array (float64 result of float32 partial sums), read with
+    the kernels' threads and SIMD path.  A memory read-bandwidth probe for the
+    benchmarks (bytes / time of a large array); not meant for accurate sums."""
+    V.array("x", x, (V.F32,))
+    if x.size == 0:
+        return 0.0
+    cdef const float[::1] xv = x.reshape(-1)
+    cdef Py_ssize_t n = xv.shape[0], nchunks = (n + READ_CHUNK - 1) // READ_CHUNK, c, i0, m
+    cdef int simd = okv_simd()
+    cdef int nt = okv_threads() if nchunks > 1 else 1
+    cdef double *part = <double *>malloc(nchunks * sizeof(double))
+    cdef double total = 0.0
+    if part == NULL:
+        raise MemoryError("read_sum: could not allocate")
+    with nogil:
+        for c in prange(nchunks, num_threads=nt, schedule='static'):
+            i0 = c * READ_CHUNK
+            m = n - i0
+            if m > READ_CHUNK:
+                m = READ_CHUNK
+            part[c] = okv_read_sum_f32(&xv[i0], m, simd)
+        for c in range(nchunks):
+            total += part[c]
+    free(part)
+    return total

@@ -79,8 +79,25 @@ def rotary_embedding(x, cos, sin, positions, interleaved, out):
     out[...] = res.astype(out.dtype)
 
 
-def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None):
-    """Masked softmax attention with explicit score matrices (float64 math)."""
+def kv_to_f32(x, kv_dtype=None):
+    """K/V cache values as float32: float32 as is, float16 widened, and uint16
+    bfloat16 bit patterns (only with kv_dtype="bfloat16") widened exactly."""
+    if kv_dtype is not None and not isinstance(kv_dtype, str):
+        kv_dtype = np.dtype(kv_dtype).name
+    if kv_dtype == "bfloat16":
+        if x.dtype != np.uint16:
+            raise ValueError("k: kv_dtype='bfloat16' needs uint16 bit patterns")
+        return f32_from_bf16(x)
+    if x.dtype == np.uint16:
+        raise ValueError("k: uint16 arrays are only accepted with kv_dtype='bfloat16'")
+    return x.astype(np.float32)
+
+
+def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None, *, kv_dtype=None):
+    """Masked softmax attention with explicit score matrices (float64 math).
+    FLOAT16/BFLOAT16 caches are converted to float32 first (kv_to_f32)."""
+    k = kv_to_f32(k, kv_dtype)
+    v = kv_to_f32(v, kv_dtype)
     B, Hq, Sq, D = q.shape
     Hkv, Cap = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -126,3 +143,29 @@ def matmul_rows(x, w, out, bias=None):
     if bias is not None:
         r = r + bias
     out[...] = r.astype(out.dtype)
+
+
+def f32_from_bf16(u):
+    """bfloat16 bit patterns (uint16) -> float32 (exact: the bits become the
+    upper half of the float32)."""
+    u = np.asarray(u, dtype=np.uint16)
+    return (u.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def bf16_from_f32(x):
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even;
+    overflow gives +-inf, NaN stays NaN (quiet bit set)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = np.where(nan, (u >> 16) | 0x40, r)
+    return r.astype(np.uint16)
+
+
+def bf16_to_f32(x, out):
+    out[...] = f32_from_bf16(x)
+
+
+def f32_to_bf16(x, out):
+    out[...] = bf16_from_f32(x)

@@ -660,7 +660,60 @@ static inline void okv_f2h_row_scalar(const float *x, uint16_t *out, int64_t n) 
     for (i = 0; i < n; i++) out[i] = okv_f2h_scalar(x[i]);
 }
 
+/* bfloat16 <-> float: widening is exact (bits << 16); narrowing rounds to
+ * nearest even, NaN stays NaN (quiet bit set), overflow gives +-inf. */
+static inline float okv_bf2f_scalar(uint16_t h) { return okv_bits_f32((uint32_t)h << 16); }
+
+static inline uint16_t okv_f2bf_scalar(float f) {
+    const uint32_t u = okv_f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void okv_bf2f_row_scalar(const uint16_t *x, float *out, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++) out[i] = okv_bf2f_scalar(x[i]);
+}
+
+static inline void okv_f2bf_row_scalar(const float *x, uint16_t *out, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++) out[i] = okv_f2bf_scalar(x[i]);
+}
+
 #if OKV_X86_SIMD
+/* 8 bfloat16 -> 8 float (zero-extend, shift left 16). */
+OKV_AVX2 static inline __m256 okv_bf16x8_to_ps(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+OKV_AVX2 static inline void okv_bf2f_row_avx2(const uint16_t *x, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, okv_bf16x8_to_ps(x + i));
+    for (; i < n; i++) out[i] = okv_bf2f_scalar(x[i]);
+}
+
+OKV_AVX2 static inline void okv_f2bf_row_avx2(const float *x, uint16_t *out, int64_t n) {
+    const __m256i one = _mm256_set1_epi32(1), rnd = _mm256_set1_epi32(0x7FFF);
+    const __m256i absm = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i qnan = _mm256_set1_epi32(0x0040);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i u0 = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+        __m256i u1 = _mm256_castps_si256(_mm256_loadu_ps(x + i + 8));
+        __m256i r0 = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u0, rnd),
+                                                        _mm256_and_si256(_mm256_srli_epi32(u0, 16), one)), 16);
+        __m256i r1 = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u1, rnd),
+                                                        _mm256_and_si256(_mm256_srli_epi32(u1, 16), one)), 16);
+        __m256i n0 = _mm256_cmpgt_epi32(_mm256_and_si256(u0, absm), inf);
+        __m256i n1 = _mm256_cmpgt_epi32(_mm256_and_si256(u1, absm), inf);
+        r0 = _mm256_blendv_epi8(r0, _mm256_or_si256(_mm256_srli_epi32(u0, 16), qnan), n0);
+        r1 = _mm256_blendv_epi8(r1, _mm256_or_si256(_mm256_srli_epi32(u1, 16), qnan), n1);
+        /* packus works per 128-bit lane: fix the order with a 64-bit permute */
+        _mm256_storeu_si256((__m256i *)(out + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xD8));
+    }
+    for (; i < n; i++) out[i] = okv_f2bf_scalar(x[i]);
+}
+
 OKV_AVX2 static inline void okv_h2f_row_avx2(const uint16_t *x, float *out, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -736,6 +789,49 @@ static void okv_h2f_row(const uint16_t *x, float *out, int64_t n, int simd) {
 
 static void okv_f2h_row(const float *x, uint16_t *out, int64_t n, int simd) {
     OKV_DISPATCH(simd, okv_f2h_row_avx2(x, out, n), okv_f2h_row_scalar(x, out, n));
+}
+
+/* Sum of n floats with independent accumulators: a memory read-bandwidth probe
+ * (benchmarks compare the attention kernels' K/V read rate against it). */
+static inline double okv_read_sum_f32_scalar(const float *x, int64_t n) {
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int64_t i = 0;
+    int u;
+    for (; i + 8 <= n; i += 8)
+        for (u = 0; u < 8; u++) s[u] += x[i + u];
+    for (; i < n; i++) s[0] += x[i];
+    return ((double)s[0] + s[1] + s[2] + s[3]) + ((double)s[4] + s[5] + s[6] + s[7]);
+}
+
+#if OKV_X86_SIMD
+OKV_AVX2 static inline double okv_read_sum_f32_avx2(const float *x, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(x + i));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(x + i + 8));
+        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(x + i + 16));
+        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(x + i + 24));
+    }
+    return (double)okv_hsum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)))
+           + okv_read_sum_f32_scalar(x + i, n - i);
+}
+#endif
+
+static double okv_read_sum_f32(const float *x, int64_t n, int simd) {
+#if OKV_X86_SIMD
+    if (simd) return okv_read_sum_f32_avx2(x, n);
+#endif
+    (void)simd;
+    return okv_read_sum_f32_scalar(x, n);
+}
+
+static void okv_bf2f_row(const uint16_t *x, float *out, int64_t n, int simd) {
+    OKV_DISPATCH(simd, okv_bf2f_row_avx2(x, out, n), okv_bf2f_row_scalar(x, out, n));
+}
+
+static void okv_f2bf_row(const float *x, uint16_t *out, int64_t n, int simd) {
+    OKV_DISPATCH(simd, okv_f2bf_row_avx2(x, out, n), okv_f2bf_row_scalar(x, out, n));
 }
 
 #endif /* ONNXKV_SIMD_H */

@@ -88,3 +88,9 @@ def test_missing_compiled_module_message(monkeypatch):
     assert "onnxkv._kernels.attention" in msg
     assert "pip install ." in msg
     assert "C compiler" in msg
+
+
+def test_openmp_wait_policy_default():
+    """Importing the kernels sets a passive OpenMP wait policy unless the user set one."""
+    import os
+    assert os.environ.get("OMP_WAIT_POLICY")
