@@ -91,6 +91,19 @@ def test_missing_compiled_module_message(monkeypatch):
 
 
 def test_openmp_wait_policy_default():
-    """Importing the kernels sets a passive OpenMP wait policy unless the user set one."""
+    """Importing the kernels bounds OpenMP's spin-wait unless the user chose a policy."""
     import os
-    assert os.environ.get("OMP_WAIT_POLICY")
+    assert os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT") == "50000"
+
+
+def test_openmp_wait_policy_respects_the_user():
+    """An explicit OMP_WAIT_POLICY is kept and no spin count is imposed (fresh interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    code = "import os, onnxkv._kernels; print(os.environ['OMP_WAIT_POLICY'], os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
+    assert out.stdout.split() == ["PASSIVE", "None"], out.stderr
