@@ -42,6 +42,15 @@ DEFAULT_ENGINES = "onnxkv,onnxkv-tensor,ort,ort-genai"
 
 
 # -- worker side ---------------------------------------------------------------------------------
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM; unlike ru_maxrss it is not inherited across fork+exec)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: bool):
     from onnxkv.generate.feeds import FeedBuilder
 
@@ -129,7 +138,7 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
                 k: t[k] for k in ("allocations", "allocated_bytes", "prefix_copied_bytes", "append_copied_bytes")}
     result.update({
         "prefill_s": prefill, "per_token_s": samples, "median_token_s": median(samples), "tokens": tokens,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss(),
     })
     return result
 
