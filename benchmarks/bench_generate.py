@@ -185,7 +185,7 @@ def build(tmp: Path, size: str, family: str, max_length: int, threads: int) -> t
     from onnxkv.models.builders import SMALL, TINY, build_model, save_genai_folder
 
     cfg = replace({"tiny": TINY, "small": SMALL}[size], max_length=max_length)
-    folder = tmp / f"{size}-{family}"
+    folder = tmp / f"{size}-{family}-{max_length}"
     if folder.exists():
         return folder, cfg.vocab_size
     model = build_model(family, cfg, seed=0)
@@ -239,7 +239,8 @@ def main() -> None:
             name, plen = case.split(":")
             size, family = name.split("-")
             plen = int(plen)
-            folder, vocab = build(tmp, size, family, max(2048, plen + args.new_tokens + 64), args.threads)
+            max_length = 2048 if plen + args.new_tokens + 64 <= 2048 else 8192
+            folder, vocab = build(tmp, size, family, max_length, args.threads)
             entry = {"model": size, "graph": family, "prompt": plen, "new_tokens": args.new_tokens, "batch": 1,
                      "engines": {}}
             for engine in engines:

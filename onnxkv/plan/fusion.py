@@ -8,7 +8,8 @@ one pass over memory instead of three, and two nodes fewer to dispatch.
 ``fuse_repeat_kv_matmul`` removes the ``repeat_kv`` of grouped-query attention
 in exported graphs: ``MatMul(Q, [Mul(., s)] Transpose(Reshape(Expand(
 Unsqueeze(K)))))`` and ``MatMul(P, Reshape(Expand(Unsqueeze(V))))`` become one
-``ai.onnxkv::RepeatKvMatMul`` that multiplies each group of query heads with its
+``ai.onnxkv::RepeatKvMatMul`` (absorbing a following ``Mul`` by the attention
+scale) that multiplies each group of query heads with its
 shared KV head directly (no copy of the cache per query head, no transpose).
 Shape nodes reading the repeated V get ``ai.onnxkv::RepeatKvShape``, which
 computes the same shape without building the tensor.
@@ -149,6 +150,15 @@ def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         chain.append(cur)
         if any(i in drop or i in replace for i in chain + shape_readers):
             continue
+        # A scalar Mul right after the product (attention scale) is applied in place.
+        out_name, post = mm.output[0], ""
+        after = readers.get(out_name, [])
+        if transpose and out_name not in protected and len(after) == 1 and op(after[0], "Mul") \
+                and after[0] not in drop and after[0] not in replace:
+            mul = nodes[after[0]]
+            post = mul.input[1] if mul.input[0] == out_name else mul.input[0]
+            drop.add(after[0])
+            out_name = mul.output[0]
         drop.update(chain)
         for r in shape_readers:
             attrs = {a.name: a.i for a in nodes[r].attribute if a.name in ("start", "end")}
@@ -157,6 +167,6 @@ def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> l
                                           name=nodes[r].name or nodes[r].output[0], domain=FUSED_DOMAIN, **attrs)
         replace[m] = helper.make_node(
             "RepeatKvMatMul",
-            [mm.input[0], unsq.input[0], unsq.input[1], expand.input[1], reshape.input[1], scale],
-            [mm.output[0]], name=mm.name or mm.output[0], domain=FUSED_DOMAIN, transpose_b=int(transpose))
+            [mm.input[0], unsq.input[0], unsq.input[1], expand.input[1], reshape.input[1], scale, post],
+            [out_name], name=mm.name or mm.output[0], domain=FUSED_DOMAIN, transpose_b=int(transpose))
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]

@@ -18,7 +18,10 @@ from onnxkv.model.rewrite import inplace_bindings
 from onnxkv.plan.plan import Plan
 from onnxkv.runtime.state import State
 
-__all__ = ["Session"]
+__all__ = ["Session", "DECODE_ROWS"]
+
+#: Runs feeding at most this many tokens keep BLAS single-threaded (see onnxkv._threads).
+DECODE_ROWS = 16
 
 
 class Session:
@@ -84,7 +87,9 @@ class Session:
     def _run_plan(self, feeds, output_names, caches=None, cache_allocator=None, cancel=None) -> dict:
         step = self._step
         self._step += 1
-        with self._threads:
+        ids = feeds.get(self.model.io.input_ids) if self.model.io.input_ids else None
+        decode = ids is not None and np.size(ids) <= DECODE_ROWS
+        with self._threads(1 if decode else None):
             return self.plan.run(feeds, output_names, self.events if self.events.enabled else None, step,
                                  caches, cache_allocator, cancel)
 

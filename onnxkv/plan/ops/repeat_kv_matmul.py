@@ -8,8 +8,9 @@ Made by :func:`onnxkv.plan.fusion.fuse_repeat_kv_matmul` from
 where ``R(X) = Reshape(Expand(Unsqueeze(X, axes), expand_shape), reshape_shape)``
 repeats each of the ``H`` KV heads ``n`` times.  Inputs: ``A`` [B, H*n, S, *],
 ``X`` [B, H, T, D] (typically a zero-copy view of the cache), ``axes``,
-``expand_shape``, ``reshape_shape``, optional scalar ``s``.  Output: the
-MatMul result.  When the shape tensors describe exactly that repeat, the
+``expand_shape``, ``reshape_shape``, optional scalar ``s``, optional
+``post`` (a ``Mul`` that followed the product, applied to the result).
+Output: the MatMul result (times ``post``).  When the shape tensors describe exactly that repeat, the
 product is computed group by group (``A`` viewed as [B, H, n*S, *]) against
 ``X`` itself: the cache is read once, never copied per query head or
 transposed.  Otherwise the original expression is evaluated literally.
@@ -88,6 +89,16 @@ class RepeatKvMatMul(Op):
     def run(self, inputs: list, rt) -> tuple:
         a, x, axes, eshape, rshape = inputs[:5]
         scale = inputs[5] if len(inputs) > 5 else None
+        post = inputs[6] if len(inputs) > 6 else None
+        (y,) = self._product(a, x, axes, eshape, rshape, scale, rt)
+        if post is None:
+            return (y,)
+        if post.size == 1 and post.dtype == y.dtype and y.flags.writeable:  # y is this node's own result
+            y *= post.reshape(())
+            return (y,)
+        return (np.multiply(y, post),)
+
+    def _product(self, a, x, axes, eshape, rshape, scale, rt) -> tuple:
         n = self._is_repeat(x, axes, eshape, rshape)
         if n and a.ndim == 4 and a.shape[0] == x.shape[0] and a.shape[1] == x.shape[1] * n and a.dtype == x.dtype:
             b, h = x.shape[0], x.shape[1]
