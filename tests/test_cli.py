@@ -53,11 +53,13 @@ def test_errors_are_reported_not_raised(genai_dir, tmp_path, capsys):
 
 @pytest.mark.skipif(not (embedded.embedded_model_dir() / "genai_config.json").exists(),
                     reason="embedded model not built")
-def test_embedded_default_prints_text():
+def test_embedded_default_prints_text(tmp_path):
+    # Run outside the source tree so the installed package (with its compiled kernels) is imported.
     r = subprocess.run([sys.executable, "-m", "onnxkv", "generate", "--prompt", "The ", "--max-new-tokens", "24",
-                        "--quiet"], capture_output=True, text=True, timeout=120)
+                        "--quiet"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     text = [line for line in r.stdout.splitlines() if line.startswith("text:")][0]
     assert text.startswith("text: The ") and len(text) > len("text: The ") + 5
-    r = subprocess.run([sys.executable, "-m", "onnxkv", "inspect"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "onnxkv", "inspect"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
     assert r.returncode == 0 and "group_query_attention" in r.stdout
