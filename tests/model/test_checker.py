@@ -65,7 +65,7 @@ def concat_model(extra_nodes=(), extra_outputs=(), bindings=None):
                     bindings or {"past": "present"})
 
 
-def fails(model, message):
+def expect_contract_error(model, message):
     with pytest.raises(ContractError, match=re.escape(message)):
         check_model(model)
 
@@ -116,7 +116,7 @@ def test_builder_models_with_bindings_pass(family):
 # -- bound inputs: exactly one use --------------------------------------------------------------
 
 def test_bound_input_with_a_second_node_use():
-    fails(concat_model([helper.make_node("Shape", ["past"], ["past_shape"], name="peek")],
+    expect_contract_error(concat_model([helper.make_node("Shape", ["past"], ["past_shape"], name="peek")],
                        [vi("past_shape", [4], TensorProto.INT64)]),
           "persistent binding 'past' <- 'present': bound input 'past' must have exactly one use, but has 2: "
           "node 'append' (Concat) input 0, node 'peek' (Shape) input 0")
@@ -125,12 +125,12 @@ def test_bound_input_with_a_second_node_use():
 def test_bound_input_used_twice_by_one_node():
     model = concat_model()
     model.graph.node[0].input.append("past")
-    fails(model, "bound input 'past' must have exactly one use, but has 2: node 'append' (Concat) input 0, "
+    expect_contract_error(model, "bound input 'past' must have exactly one use, but has 2: node 'append' (Concat) input 0, "
                  "node 'append' (Concat) input 2")
 
 
 def test_bound_input_that_is_also_a_graph_output():
-    fails(concat_model(extra_outputs=[vi("past", [1, 2, "past_len", 4])]),
+    expect_contract_error(concat_model(extra_outputs=[vi("past", [1, 2, "past_len", 4])]),
           "bound input 'past' must have exactly one use, but has 2: node 'append' (Concat) input 0, graph output")
 
 
@@ -142,38 +142,38 @@ def test_bound_input_captured_by_a_subgraph():
     model = concat_model([helper.make_node("If", ["cond"], ["picked"], name="branch", then_branch=branch,
                                            else_branch=other)])
     model.graph.initializer.append(cond)
-    fails(model, "bound input 'past' must have exactly one use, but has 2: node 'append' (Concat) input 0, "
+    expect_contract_error(model, "bound input 'past' must have exactly one use, but has 2: node 'append' (Concat) input 0, "
                  "subgraph 'then_branch' of node 'branch' (If)")
 
 
 def test_bound_input_without_use():
     model = model_of([helper.make_node("Identity", ["new_kv"], ["present"], name="copy")],
                      [vi("past"), vi("new_kv")], [vi("present")], (), {"past": "present"})
-    fails(model, "persistent binding 'past' <- 'present': bound input 'past' must have exactly one use, but has 0")
+    expect_contract_error(model, "persistent binding 'past' <- 'present': bound input 'past' must have exactly one use, but has 0")
 
 
 # -- binding names ------------------------------------------------------------------------------
 
 def test_binding_input_must_be_a_graph_input():
-    fails(concat_model(bindings={"new": "present"}),
+    expect_contract_error(concat_model(bindings={"new": "present"}),
           "persistent binding 'new' <- 'present': 'new' is not a graph input")
 
 
 def test_binding_output_must_exist():
-    fails(concat_model(bindings={"past": "nowhere"}),
+    expect_contract_error(concat_model(bindings={"past": "nowhere"}),
           "persistent binding 'past' <- 'nowhere': 'nowhere' is neither a graph output nor a node output")
 
 
 def test_bound_input_must_not_be_an_initializer():
     model = concat_model()
     model.graph.initializer.append(helper.make_tensor("past", F32, [1, 2, 1, 4], [0.0] * 8))
-    fails(model, "persistent binding 'past' <- 'present': input 'past' is an initializer")
+    expect_contract_error(model, "persistent binding 'past' <- 'present': input 'past' is an initializer")
 
 
 def test_an_output_feeds_one_input_only():
     nodes = [helper.make_node("Add", ["a", "b"], ["sum"], name="add")]
     model = model_of(nodes, [vi("a"), vi("b")], [vi("sum")], (), {"a": "sum", "b": "sum"})
-    fails(model, "persistent binding 'b' <- 'sum': output 'sum' is already bound to input 'a'")
+    expect_contract_error(model, "persistent binding 'b' <- 'sum': output 'sum' is already bound to input 'a'")
 
 
 # -- output_alias -------------------------------------------------------------------------------
@@ -188,26 +188,26 @@ def test_alias_indices_must_exist(alias, message):
     model = cache_update_model()
     set_output_alias(model.graph.node[0], [alias])
     set_alias_of(value(model, "present"), None)
-    fails(model, message)
+    expect_contract_error(model, message)
 
 
 def test_alias_input_must_not_be_empty():
     model = cache_update_model()
     model.graph.node[0].input[0] = ""
-    fails(model, "output_alias names input 0, but the node has no such input (inputs: ['', 'new_kv', 'position'])")
+    expect_contract_error(model, "output_alias names input 0, but the node has no such input (inputs: ['', 'new_kv', 'position'])")
 
 
 def test_an_output_is_aliased_once():
     model = cache_update_model()
     entry = _wire.encode_fields([_wire.Field(1, 0, 0), _wire.Field(2, 0, 1), _wire.Field(3, 0, 1)])
     model.graph.node[0].MergeFromString(_wire.encode_fields([_wire.Field(1000, _wire.LEN, entry)]))
-    fails(model, "node 'update' (ai.onnxkv::CacheUpdate): output 0 is declared in output_alias twice")
+    expect_contract_error(model, "node 'update' (ai.onnxkv::CacheUpdate): output 0 is declared in output_alias twice")
 
 
 def test_an_input_backs_one_output_only():
     split = helper.make_node("KvSplit", ["kv"], ["k", "v"], name="split", domain="ai.onnxkv")
     set_output_alias(split, [OutputAlias(0, 0), OutputAlias(1, 0)])
-    fails(model_of([split], [vi("kv")], [vi("k"), vi("v")]),
+    expect_contract_error(model_of([split], [vi("kv")], [vi("k"), vi("v")]),
           "node 'split' (ai.onnxkv::KvSplit): outputs 0 and 1 both alias input 0")
 
 
@@ -215,18 +215,18 @@ def test_alias_input_must_not_be_an_initializer():
     node = helper.make_node("Relu", ["weight"], ["activated"], name="inplace_relu")
     set_output_alias(node, [OutputAlias(0, 0)])
     model = model_of([node], [], [vi("activated", [2])], [helper.make_tensor("weight", F32, [2], [1.0, -1.0])])
-    fails(model, "node 'inplace_relu' (Relu): MUST_ALIAS input 'weight' is an initializer")
+    expect_contract_error(model, "node 'inplace_relu' (Relu): MUST_ALIAS input 'weight' is an initializer")
 
 
 def test_alias_input_must_not_be_read_only():
     model = cache_update_model()
     set_access(model.graph.input[0], Access.READ_ONLY)
-    fails(model, "node 'update' (ai.onnxkv::CacheUpdate): MUST_ALIAS input 'past' is a READ_ONLY graph input")
+    expect_contract_error(model, "node 'update' (ai.onnxkv::CacheUpdate): MUST_ALIAS input 'past' is a READ_ONLY graph input")
 
 
 def test_alias_input_must_not_be_shared():
     model = cache_update_model(extra_nodes=[helper.make_node("Shape", ["past"], ["past_shape"], name="peek")])
-    fails(model, "node 'update' (ai.onnxkv::CacheUpdate): MUST_ALIAS input 'past' is shared; the aliasing node must "
+    expect_contract_error(model, "node 'update' (ai.onnxkv::CacheUpdate): MUST_ALIAS input 'past' is shared; the aliasing node must "
                  "be its only use, but it has 2: node 'update' (ai.onnxkv::CacheUpdate) input 0, node 'peek' (Shape) "
                  "input 0")
 
@@ -235,7 +235,7 @@ def test_unnamed_nodes_are_named_by_position_and_outputs():
     model = cache_update_model()
     model.graph.node[0].name = ""
     set_access(model.graph.input[0], Access.READ_ONLY)
-    fails(model, "node #0 (ai.onnxkv::CacheUpdate -> ['present']): MUST_ALIAS input 'past' is a READ_ONLY graph input")
+    expect_contract_error(model, "node #0 (ai.onnxkv::CacheUpdate -> ['present']): MUST_ALIAS input 'past' is a READ_ONLY graph input")
 
 
 # -- alias_of -----------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_unnamed_nodes_are_named_by_position_and_outputs():
 def test_alias_of_must_agree_with_output_alias():
     model = cache_update_model()
     set_alias_of(value(model, "present"), "new_kv")
-    fails(model, "value 'present' declares alias_of 'new_kv', but the output_alias of node 'update' "
+    expect_contract_error(model, "value 'present' declares alias_of 'new_kv', but the output_alias of node 'update' "
                  "(ai.onnxkv::CacheUpdate) links it to input 'past'")
 
 
@@ -251,14 +251,14 @@ def test_alias_of_needs_an_output_alias():
     model = cache_update_model()
     model.graph.value_info.append(vi("out", None))
     set_alias_of(model.graph.value_info[0], "present")
-    fails(model, "value 'out' declares alias_of 'present', but node 'attend' (Identity) declares no output_alias "
+    expect_contract_error(model, "value 'out' declares alias_of 'present', but node 'attend' (Identity) declares no output_alias "
                  "for its output 0")
 
 
 def test_alias_of_only_on_node_outputs():
     model = cache_update_model()
     set_alias_of(model.graph.input[1], "past")
-    fails(model, "value 'new_kv' declares alias_of 'past' but is not a node output")
+    expect_contract_error(model, "value 'new_kv' declares alias_of 'past' but is not a node output")
 
 
 def test_alias_cycles_are_rejected():
@@ -266,7 +266,7 @@ def test_alias_cycles_are_rejected():
     second = helper.make_node("Identity", ["x"], ["y"], name="second")
     for node in (first, second):
         set_output_alias(node, [OutputAlias(0, 0)])
-    fails(model_of([first, second], [], []), "alias cycle: 'x' -> 'y' -> 'x'")
+    expect_contract_error(model_of([first, second], [], []), "alias cycle: 'x' -> 'y' -> 'x'")
 
 
 # -- access -------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def test_alias_cycles_are_rejected():
 def test_read_write_only_on_graph_inputs():
     model = cache_update_model()
     set_access(value(model, "out"), Access.READ_WRITE)
-    fails(model, "value 'out' is declared READ_WRITE but is not a graph input")
+    expect_contract_error(model, "value 'out' is declared READ_WRITE but is not a graph input")
 
 
 def test_read_write_not_on_initializers():
@@ -282,7 +282,7 @@ def test_read_write_not_on_initializers():
     model.graph.input.append(vi("scale", [1]))
     model.graph.initializer.append(helper.make_tensor("scale", F32, [1], [1.0]))
     set_access(model.graph.input[-1], Access.READ_WRITE)
-    fails(model, "value 'scale' is declared READ_WRITE but is an initializer")
+    expect_contract_error(model, "value 'scale' is declared READ_WRITE but is an initializer")
 
 
 # -- types and capacity (through shape inference) -----------------------------------------------
@@ -296,11 +296,11 @@ def test_read_write_not_on_initializers():
                                   "but dim 2 is 8 vs 9"),
 ])
 def test_alias_partners_must_be_compatible(present, message):
-    fails(cache_update_model(present=present), message)
+    expect_contract_error(cache_update_model(present=present), message)
 
 
 def test_capacity_overflow_names_the_node():
-    fails(cache_update_model(position=8), "node 'update' (ai.onnxkv::CacheUpdate): position 8 + update length 1 "
+    expect_contract_error(cache_update_model(position=8), "node 'update' (ai.onnxkv::CacheUpdate): position 8 + update length 1 "
                                           "of 'new_kv' exceeds the capacity 8 of cache 'past'")
 
 
@@ -313,7 +313,7 @@ def test_declarations_inside_subgraphs_are_rejected():
     plain = helper.make_graph([helper.make_node("Identity", ["x"], ["w"])], "plain", [], [vi("w", [1])])
     outer = helper.make_node("If", ["cond"], ["z"], name="branch", then_branch=body, else_branch=plain)
     model = model_of([outer], [vi("cond", [], TensorProto.BOOL), vi("x", [1])], [vi("z", [1])])
-    fails(model, "node 'inner' (Identity) in subgraph 'then_branch' of node 'branch' (If) carries onnxkv "
+    expect_contract_error(model, "node 'inner' (Identity) in subgraph 'then_branch' of node 'branch' (If) carries onnxkv "
                  "declarations; they are only allowed on the main graph")
 
 

@@ -67,7 +67,7 @@ def _model(ins, hq: int, hkv: int, **attrs):
     )  # fmt: skip
 
 
-def _compare(ins, hq: int, hkv: int, **attrs):
+def _check_against_peers(ins, hq: int, hkv: int, **attrs):
     model = _model(ins, hq, hkv, **attrs)
     want = run_ort(model, ins)
     got, rt = run_op(GroupQueryAttention, model, ins)
@@ -101,24 +101,24 @@ def test_matches_ort(dims, attrs, rotary):
     rng = np.random.default_rng(zlib.crc32(repr(dims).encode()))
     b, s, hq, hkv, d, past, seqlens_k, total = dims
     ins = _inputs(rng, b, s, hq, hkv, d, past, seqlens_k, total, rotary=rotary)
-    _compare(ins, hq, hkv, **attrs)
+    _check_against_peers(ins, hq, hkv, **attrs)
 
 
 @pytest.mark.parametrize("rotary", [False, True])
 def test_packed_qkv(rotary):
     rng = np.random.default_rng(3)
     ins = _inputs(rng, 2, 1, 4, 2, 32, 6, [6, 2], 7, rotary=rotary, packed=True)
-    _compare(ins, 4, 2, do_rotary=int(rotary))
+    _check_against_peers(ins, 4, 2, do_rotary=int(rotary))
 
 
 def test_position_ids():
     rng = np.random.default_rng(4)
     prompt = _inputs(rng, 2, 5, 4, 2, 32, None, [4, 2], 5, rotary=True,
                      position_ids=np.array([[3, 4, 5, 6, 7], [0, 1, 2, 0, 0]], np.int64))  # fmt: skip
-    _compare(prompt, 4, 2, do_rotary=1)
+    _check_against_peers(prompt, 4, 2, do_rotary=1)
     decode = _inputs(rng, 2, 1, 4, 2, 32, 6, [6, 3], 7, rotary=True,
                      position_ids=np.array([[11], [2]], np.int64))  # fmt: skip
-    _compare(decode, 4, 2, do_rotary=1)
+    _check_against_peers(decode, 4, 2, do_rotary=1)
 
 
 def test_attention_bias_and_head_sink():
@@ -126,23 +126,23 @@ def test_attention_bias_and_head_sink():
     bias = (3 * rng.standard_normal((2, 4, 1, 7))).astype(np.float32)
     sink = rng.standard_normal(4).astype(np.float32)
     ins = _inputs(rng, 2, 1, 4, 2, 32, 6, [6, 3], 7, attention_bias=bias, head_sink=sink)
-    _compare(ins, 4, 2, softcap=2.0, local_window_size=3)
+    _check_against_peers(ins, 4, 2, softcap=2.0, local_window_size=3)
     prompt = _inputs(rng, 1, 5, 4, 2, 32, None, [4], 5,
                      attention_bias=rng.standard_normal((1, 1, 5, 5)).astype(np.float32))  # fmt: skip
-    _compare(prompt, 4, 2)
+    _check_against_peers(prompt, 4, 2)
 
 
 def test_smooth_softmax():
     rng = np.random.default_rng(6)
     ins = _inputs(rng, 2, 1, 4, 2, 32, 6, [6, 3], 7)
-    _compare(ins, 4, 2, smooth_softmax=1)
+    _check_against_peers(ins, 4, 2, smooth_softmax=1)
 
 
 def test_storage_counters():
     rng = np.random.default_rng(7)
     b, hkv, d, past = 2, 2, 32, 6
     ins = _inputs(rng, b, 1, 4, hkv, d, past, [6, 3], 7)
-    got, rt = _compare(ins, 4, hkv)
+    got, rt = _check_against_peers(ins, 4, hkv)
     row = hkv * d * 4
     present = got[1].nbytes
     assert present == b * hkv * 7 * d * 4
@@ -153,7 +153,7 @@ def test_storage_counters():
         "append_copied_bytes": 2 * b * 1 * row,
     }
     prompt = _inputs(rng, b, 5, 4, hkv, d, None, [4, 2], 5)
-    _, rt = _compare(prompt, 4, hkv)
+    _, rt = _check_against_peers(prompt, 4, hkv)
     assert rt.counters["prefix_copied_bytes"] == 0
     assert rt.counters["append_copied_bytes"] == 2 * b * 5 * row
 

@@ -42,7 +42,7 @@ def _ort_infinities(a: np.ndarray) -> np.ndarray:
     return np.where(a <= np.finfo(a.dtype).min, -np.inf, a) if a.dtype.kind == "f" else a
 
 
-def _compare(ins, opset=23, outputs=3, ort=True, reference=True, **attrs):
+def _check_against_peers(ins, opset=23, outputs=3, ort=True, reference=True, **attrs):
     names = OUTPUTS[:outputs]
     if outputs > 1 and ins["past_key"] is None:
         names = [names[0], "", ""] + names[3:]
@@ -63,42 +63,42 @@ def _compare(ins, opset=23, outputs=3, ort=True, reference=True, **attrs):
 
 
 def test_mha_4d_prompt_no_mask():
-    _compare(_inputs(np.random.default_rng(0), 2, 4, 4, 5, 5, 32))
+    _check_against_peers(_inputs(np.random.default_rng(0), 2, 4, 4, 5, 5, 32))
 
 
 @pytest.mark.parametrize("d", [32, 64, 80])
 def test_causal_gqa_prompt(d):
-    _compare(_inputs(np.random.default_rng(d), 2, 8, 2, 6, 6, d), is_causal=1)
+    _check_against_peers(_inputs(np.random.default_rng(d), 2, 8, 2, 6, 6, d), is_causal=1)
 
 
 def test_causal_decode_with_past_mqa():
-    _compare(_inputs(np.random.default_rng(1), 2, 4, 1, 1, 1, 32, past=7), is_causal=1)
+    _check_against_peers(_inputs(np.random.default_rng(1), 2, 4, 1, 1, 1, 32, past=7), is_causal=1)
 
 
 def test_causal_chunk_with_past_3d():
     ins = _inputs(np.random.default_rng(2), 2, 4, 2, 3, 3, 64, past=5, three_d=True)
-    _compare(ins, is_causal=1, q_num_heads=4, kv_num_heads=2)
+    _check_against_peers(ins, is_causal=1, q_num_heads=4, kv_num_heads=2)
 
 
 def test_value_head_size_differs_softcap_scale():
     ins = _inputs(np.random.default_rng(3), 1, 4, 2, 4, 4, 32, past=2, dv=16, three_d=True)
-    _compare(ins, is_causal=1, q_num_heads=4, kv_num_heads=2, softcap=1.5, scale=0.2)
+    _check_against_peers(ins, is_causal=1, q_num_heads=4, kv_num_heads=2, softcap=1.5, scale=0.2)
 
 
 def test_bool_mask_short_broadcast_with_causal():
     rng = np.random.default_rng(4)
     mask = rng.random((3, 6)) > 0.3  # [Sq, T - 2]: last two key columns padded as masked
-    _compare(_inputs(rng, 2, 4, 2, 3, 3, 32, past=5, mask=mask), is_causal=1, ort=False)  # ORT needs a full mask
+    _check_against_peers(_inputs(rng, 2, 4, 2, 3, 3, 32, past=5, mask=mask), is_causal=1, ort=False)  # ORT needs a full mask
 
 
 def test_float_mask_and_fully_masked_row():
     rng = np.random.default_rng(5)
     mask = rng.standard_normal((2, 1, 4, 4)).astype(np.float32)
     mask[1, 0, 2, :] = -np.inf  # one row sees nothing -> zeros
-    _compare(_inputs(rng, 2, 4, 2, 4, 4, 32, mask=mask), softcap=2.0)
+    _check_against_peers(_inputs(rng, 2, 4, 2, 4, 4, 32, mask=mask), softcap=2.0)
     bool_mask = rng.random((2, 4, 4, 4)) > 0.5
     bool_mask[0, 1, 3] = False
-    _compare(_inputs(rng, 2, 4, 2, 4, 4, 32, mask=bool_mask), is_causal=1, ort=False)
+    _check_against_peers(_inputs(rng, 2, 4, 2, 4, 4, 32, mask=bool_mask), is_causal=1, ort=False)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 3])
@@ -107,13 +107,13 @@ def test_qk_matmul_output_modes(mode):
     mask = rng.standard_normal((1, 1, 2, 7)).astype(np.float32)
     ins = _inputs(rng, 2, 4, 2, 2, 2, 32, past=5, mask=mask)
     # onnx.reference returns the softcapped scores in mode 0; the spec and ORT return Q·K itself.
-    _compare(ins, outputs=4, is_causal=1, softcap=3.0, qk_matmul_output_mode=mode, reference=mode != 0)
-    _compare(ins, outputs=4, is_causal=1, qk_matmul_output_mode=mode)
+    _check_against_peers(ins, outputs=4, is_causal=1, softcap=3.0, qk_matmul_output_mode=mode, reference=mode != 0)
+    _check_against_peers(ins, outputs=4, is_causal=1, qk_matmul_output_mode=mode)
 
 
 def test_softmax_precision_double():
     ins = _inputs(np.random.default_rng(10), 1, 2, 2, 3, 3, 32, mask=np.ones((3, 3), bool))
-    _compare(ins, softmax_precision=TensorProto.DOUBLE, ort=False)
+    _check_against_peers(ins, softmax_precision=TensorProto.DOUBLE, ort=False)
 
 
 @pytest.mark.parametrize("causal", [0, 1])
@@ -121,16 +121,16 @@ def test_nonpad_kv_seqlen_static_cache(causal):
     rng = np.random.default_rng(11 + causal)
     # Static cache of 8 slots; row 0 holds 6 valid keys, row 1 holds 2 (< Sq: leading rows see nothing).
     ins = _inputs(rng, 2, 4, 2, 3, 8, 32, nonpad=[6, 2])
-    _compare(ins, opset=24, is_causal=causal)
+    _check_against_peers(ins, opset=24, is_causal=causal)
     mask = rng.random((3, 8)) > 0.2
     ins = _inputs(rng, 2, 4, 2, 3, 8, 32, mask=mask, nonpad=[8, 4])
-    _compare(ins, opset=24, is_causal=causal)
+    _check_against_peers(ins, opset=24, is_causal=causal)
 
 
 def test_storage_counters():
     rng = np.random.default_rng(13)
     ins = _inputs(rng, 2, 4, 2, 1, 1, 32, past=6)
-    got, rt = _compare(ins, is_causal=1)
+    got, rt = _check_against_peers(ins, is_causal=1)
     past_bytes = ins["past_key"].nbytes
     new_bytes = ins["K"].nbytes
     assert rt.counters == {

@@ -10,7 +10,7 @@ from onnxkv.errors import InputError, ModelError
 from onnxkv.plan.ops.tensor_scatter import TensorScatter
 
 
-def _compare(past, update, indices=None, **attrs):
+def _check_against_peers(past, update, indices=None, **attrs):
     ins = {"past_cache": past, "update": update, "write_indices": indices}
     model = make_model("TensorScatter", ins, ["present_cache"], {"": 24}, **attrs)
     (got,), rt = run_op(TensorScatter, model, ins)
@@ -29,14 +29,14 @@ def _compare(past, update, indices=None, **attrs):
 def test_prefill_without_indices():
     rng = np.random.default_rng(0)
     past = rng.standard_normal((2, 3, 8, 16)).astype(np.float32)
-    _compare(past, rng.standard_normal((2, 3, 5, 16)).astype(np.float32))
+    _check_against_peers(past, rng.standard_normal((2, 3, 5, 16)).astype(np.float32))
 
 
 def test_decode_linear_per_row_indices():
     rng = np.random.default_rng(1)
     past = rng.standard_normal((2, 2, 8, 32)).astype(np.float32)
     update = rng.standard_normal((2, 2, 1, 32)).astype(np.float32)
-    _compare(past, update, np.array([7, 3], np.int64), mode="linear")
+    _check_against_peers(past, update, np.array([7, 3], np.int64), mode="linear")
 
 
 @pytest.mark.parametrize("axis", [1, 2, -3])
@@ -46,13 +46,13 @@ def test_circular_and_other_axes(axis):
     shape = list(past.shape)
     shape[axis] = 3
     update = rng.standard_normal(shape).astype(np.float32)
-    _compare(past, update, np.array([5, 1], np.int64), mode="circular", axis=axis)
+    _check_against_peers(past, update, np.array([5, 1], np.int64), mode="circular", axis=axis)
 
 
 def test_integer_cache_dtype():
     past = np.arange(2 * 4 * 3, dtype=np.int32).reshape(2, 4, 3)
     update = -np.ones((2, 2, 3), np.int32)
-    _compare(past, update, np.array([0, 2], np.int64), axis=1)
+    _check_against_peers(past, update, np.array([0, 2], np.int64), axis=1)
 
 
 def test_errors():
