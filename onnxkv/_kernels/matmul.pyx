@@ -3,12 +3,14 @@
 ONNX MatMul layout (w row-major [K, N]).  Built for small M (batch x new
 tokens): the OpenMP threads split N into column segments and each segment
 computes all M rows, streaming its slice of every weight row in order, so the
-weight matrix is read once per call.  Running in the kernels' OpenMP pool, it
+weight matrix is read once per call.  A single row with a long K is split
+along K instead (two contiguous halves of the weights, summed at the end).  Running in the kernels' OpenMP pool, it
 keeps BLAS (and its own busy-waiting thread pool) off the decode path.  Larger
 M is correct but not the target.  Each output column is summed in the same
 order whatever the thread count, so results do not depend on it.
 """
 from libc.stdint cimport int64_t
+from libc.stdlib cimport free, malloc
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
@@ -20,6 +22,47 @@ cdef extern from "matmul.h" nogil:
                             const float *bias, float *out, int64_t n0, int64_t nb, int simd)
 
 DEF PAR_MIN = 1 << 16   # M*K*N below this runs on one thread
+DEF SPLIT_K_MIN = 256    # one-row products with K at least this are split in two halves of K
+
+
+cdef int _one_row_split_k(const float[:, ::1] x, const float[:, ::1] w, const float *bias,
+                          float[:, ::1] out, int nt, int simd) noexcept nogil:
+    """One row (decode, batch 1): the two halves of K are streamed by different
+    threads, each a contiguous half of the weight matrix (a column split makes
+    both threads walk every weight row, which streams worse), then summed.  The
+    split is the same for any thread count, so results do not depend on it.
+    Returns 0, or -1 if the partial buffer could not be allocated."""
+    cdef int64_t K = x.shape[1], N = w.shape[1]
+    cdef int64_t half = (K // 2 + 3) & ~(<int64_t>3)
+    cdef int64_t width = 0, nseg, s, n0, nb, k0, kn, n
+    cdef int part
+    cdef float *tmp = <float *>malloc(<size_t>N * sizeof(float))
+    cdef float *dst
+    cdef const float *b
+    if tmp == NULL:
+        return -1
+    nseg = okv_matmul_plan(1, N, 1, &width)
+    for part in prange(2, num_threads=2 if nt > 1 else 1, schedule='static'):
+        if part == 0:
+            dst = &out[0, 0]
+            b = bias
+            k0 = 0
+            kn = half
+        else:
+            dst = tmp
+            b = NULL
+            k0 = half
+            kn = K - half
+        for s in range(nseg):
+            n0 = s * width
+            nb = N - n0
+            if nb > width:
+                nb = width
+            okv_matmul_seg_f32(&x[0, k0], 1, kn, &w[k0, 0], N, b, dst, n0, nb, simd)
+    for n in range(N):
+        out[0, n] += tmp[n]
+    free(tmp)
+    return 0
 
 
 cdef void _matmul(const float[:, ::1] x, const float[:, ::1] w, const float *bias,
@@ -30,6 +73,8 @@ cdef void _matmul(const float[:, ::1] x, const float[:, ::1] w, const float *bia
     cdef int nt = okv_threads()
     if M * K * N < PAR_MIN:
         nt = 1
+    if M == 1 and K >= SPLIT_K_MIN and _one_row_split_k(x, w, bias, out, nt, simd) == 0:
+        return
     nseg = okv_matmul_plan(M, N, nt, &width)
     if nt > nseg:
         nt = <int>nseg
