@@ -12,7 +12,10 @@ def ort_session(model) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    # A model read from a file may keep its weights in external data (memory-mapped by onnxkv, not in
+    # the proto): ORT then reads the same file.
+    source = str(model.path) if model.path is not None else model.proto.SerializeToString()
+    return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
 
 
 def step_feeds(session, prompt: np.ndarray, mask: np.ndarray | None = None, pad: int = 0) -> FeedBuilder:

@@ -14,7 +14,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
+import onnx.external_data_helper
 
 from onnxkv.errors import ModelError, UnsupportedOperatorError
 from onnxkv.model.convention import CacheConvention, recognize_cache
@@ -41,7 +43,9 @@ class Model:
     """A loaded decoder model.
 
     Attributes:
-        proto: the ONNX model with external data loaded (do not mutate).
+        proto: the ONNX model (do not mutate).  Initializers stored as
+            external data are *not* copied into it: they are memory-mapped
+            read-only from their files and held in ``external``.
         path: the file it was read from (None for an in-memory model).
         convention: how the graph threads its KV cache.
         io: names of input_ids / attention_mask / position_ids / logits.
@@ -49,6 +53,8 @@ class Model:
         max_length, vocab_size, bos_token_id, eos_token_id, pad_token_id:
             generation settings from genai_config (None when unknown);
             ``eos_token_id`` is a list.
+        external: initializer name -> read-only array mapped from its
+            external data file (zero-copy: the weights are in memory once).
     """
 
     proto: onnx.ModelProto
@@ -61,6 +67,7 @@ class Model:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
+    external: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def inputs(self) -> list[onnx.ValueInfoProto]:
@@ -69,6 +76,34 @@ class Model:
     @property
     def outputs(self) -> list[onnx.ValueInfoProto]:
         return list(self.proto.graph.output)
+
+
+def _map_external_data(proto: onnx.ModelProto, folder: Path) -> dict[str, np.ndarray]:
+    """Memory-map every external initializer of a numeric type; load the rest into the proto."""
+    mapped: dict[str, np.ndarray] = {}
+    for init in proto.graph.initializer:
+        if init.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in init.external_data}
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
+        except (KeyError, TypeError, ValueError):
+            dtype = None
+        location = folder / info.get("location", "")
+        if dtype is None or dtype.kind not in "fiub" or not location.is_file() or not dtype.isnative:
+            onnx.external_data_helper.load_external_data_for_tensor(init, str(folder))
+            init.data_location = onnx.TensorProto.DEFAULT
+            continue
+        shape = tuple(int(d) for d in init.dims)
+        offset = int(info.get("offset", 0))
+        count = int(np.prod(shape, dtype=np.int64))
+        length = int(info.get("length", count * dtype.itemsize))
+        if length != count * dtype.itemsize or offset + length > location.stat().st_size:
+            raise ModelError(f"load: external data of initializer '{init.name}' in {location} has "
+                             f"{length} bytes at offset {offset}, expected {count * dtype.itemsize} within the file")
+        mapped[init.name] = np.memmap(location, dtype=dtype, mode="r", offset=offset, shape=shape) if count else \
+            np.zeros(shape, dtype)
+    return mapped
 
 
 def _check_domains(model: onnx.ModelProto) -> None:
@@ -130,6 +165,7 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
     """
     cfg = None
     file: Path | None = None
+    external: dict[str, np.ndarray] = {}
     if isinstance(path, onnx.ModelProto):
         proto = path
     else:
@@ -158,7 +194,10 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
             if (p.parent / "genai_config.json").exists():
                 cfg = json.loads((p.parent / "genai_config.json").read_text(encoding="utf-8"))
         try:
-            proto = onnx.load(str(file), load_external_data=True)
+            proto = onnx.load(str(file), load_external_data=False)
+            external = _map_external_data(proto, file.parent)
+        except ModelError:
+            raise
         except Exception as e:
             raise ModelError(f"load: cannot read ONNX model {file}: {e}") from e
     if not proto.graph.node:
@@ -168,7 +207,7 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
         conv = recognize_cache(proto)
     except onnx.checker.ValidationError as e:
         raise ModelError(f"load: {e}") from e
-    m = Model(proto, file, conv, _find_io(proto, conv, cfg), cfg)
+    m = Model(proto, file, conv, _find_io(proto, conv, cfg), cfg, external=external)
     if cfg is not None:
         _apply_genai_config(m, cfg)
     if m.vocab_size is None and m.io.logits:

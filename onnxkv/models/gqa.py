@@ -166,9 +166,13 @@ def genai_config(cfg: DecoderConfig, filename: str = "model.onnx") -> dict:
 
 
 def save_genai_folder(model: onnx.ModelProto, cfg: DecoderConfig, path: str | os.PathLike) -> None:
-    """Write ``model.onnx`` and ``genai_config.json`` into the folder ``path`` (created if needed)."""
+    """Write ``model.onnx`` (weights in ``model.onnx.data``, as the GenAI builder does) and
+    ``genai_config.json`` into the folder ``path`` (created if needed).  ``model`` is not modified."""
     os.makedirs(path, exist_ok=True)
-    onnx.save(model, os.path.join(path, "model.onnx"))
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    onnx.save(copy, os.path.join(path, "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
     with open(os.path.join(path, "genai_config.json"), "w", encoding="utf-8") as f:
         json.dump(genai_config(cfg), f, indent=4)
         f.write("\n")

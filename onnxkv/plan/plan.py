@@ -132,6 +132,8 @@ class Plan:
         fuse: apply the fusions of :mod:`onnxkv.plan.fusion` (results are unchanged).
         bindings: :class:`~onnxkv.model.rewrite.CacheBinding` s whose nodes write
             in place when a state supplies caches to :meth:`run`.
+        external: initializer name -> array for initializers kept outside the
+            proto (memory-mapped external data, see :func:`onnxkv.load`).
 
     A plan is immutable after construction and may be run from one thread at
     a time per :class:`RunContext`; ``run`` allocates its own slot list.
@@ -145,6 +147,7 @@ class Plan:
         past_inputs: Iterable[str] = (),
         fuse: bool = True,
         bindings: Iterable = (),
+        external: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         graph = model.graph
         self.allocator = allocator
@@ -156,8 +159,8 @@ class Plan:
                 f"{len(bad)} node(s) use operators onnxkv has no implementation for: {listed}"
                 + (" ..." if len(bad) > 10 else "")
             )
-        if any(i.HasField("data_location") and i.data_location == onnx.TensorProto.EXTERNAL and not i.raw_data
-               for i in graph.initializer):
+        external = external or {}
+        if any(i.data_location == onnx.TensorProto.EXTERNAL and i.name not in external for i in graph.initializer):
             raise ModelError("initializers with external data were not loaded; load the model with onnxkv.load")
 
         slot_of: dict[str, int] = {}
@@ -169,7 +172,7 @@ class Plan:
 
         constants: dict[str, np.ndarray] = {}
         for init in graph.initializer:
-            arr = numpy_helper.to_array(init)
+            arr = external[init.name] if init.name in external else numpy_helper.to_array(init)
             if not arr.flags.c_contiguous:
                 arr = arr.copy(order="C")
             arr.flags.writeable = False

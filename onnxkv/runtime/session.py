@@ -55,7 +55,7 @@ class Session:
         #: Past/present pairs that a state runs in place (empty: tensor path only).
         self.bindings = [] if self.declared_bindings else inplace_bindings(self.model.proto, conv)
         self.plan = Plan(self.model.proto, self.allocator, present_outputs=conv.present_outputs,
-                         past_inputs=conv.past_inputs, bindings=self.bindings)
+                         past_inputs=conv.past_inputs, bindings=self.bindings, external=self.model.external)
         self._step = 0
 
     @property

@@ -53,7 +53,13 @@ def test_external_data_is_loaded(tmp_path):
     onnx.save(saved, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location="m.onnx.data", size_threshold=0)
     assert (tmp_path / "m.onnx.data").exists()
-    a = onnxkv.Session(onnxkv.load(path), threads=1)
+    loaded = onnxkv.load(path)
+    # weights are memory-mapped from the data file, not copied into the proto
+    assert set(loaded.external) == {i.name for i in proto.graph.initializer}
+    w = next(iter(loaded.external.values()))
+    assert isinstance(w, np.memmap) and not w.flags.writeable
+    assert all(not i.raw_data for i in loaded.proto.graph.initializer)
+    a = onnxkv.Session(loaded, threads=1)
     b = onnxkv.Session(proto, threads=1)
     feeds = {"input_ids": np.array([[1, 2]]), "attention_mask": np.ones((1, 2), np.int64),
              "position_ids": np.array([[0, 1]])}
