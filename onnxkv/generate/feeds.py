@@ -123,24 +123,30 @@ class FeedBuilder:
         return feeds, read
 
     def next(self, tokens: np.ndarray, outputs: dict) -> dict:
-        """Feeds of the run that consumes ``tokens`` [B] given the previous run's outputs."""
+        """Feeds of the run that consumes ``tokens`` ([B] or [B, S]) given the previous run's outputs.
+
+        Several tokens per row continue a prompt in chunks (rows must then
+        share one length unless S is 1).
+        """
         B = self.batch
+        tokens = tokens[:, None] if tokens.ndim == 1 else tokens
+        S = tokens.shape[1]
         if self.kind == "none":
-            self.history = np.concatenate([self.history, tokens[:, None]], axis=1)
+            self.history = np.concatenate([self.history, tokens], axis=1)
             return self._full_sequence_feeds()
-        feeds: dict[str, np.ndarray] = {self.io.input_ids: self._cast(self.io.input_ids, tokens[:, None])}
+        feeds: dict[str, np.ndarray] = {self.io.input_ids: self._cast(self.io.input_ids, tokens)}
+        steps = np.arange(S)[None, :]
         if self.right_padded:
             valid = self.mask.sum(axis=1)  # tokens already in the cache per row
-            new_col = np.zeros((B, 1), dtype=np.int64)
-            self.mask = np.concatenate([self.mask, new_col], axis=1)
-            self.mask[np.arange(B), valid] = 1
-            pos = valid[:, None]
+            self.mask = np.concatenate([self.mask, np.zeros((B, S), dtype=np.int64)], axis=1)
+            self.mask[np.arange(B)[:, None], valid[:, None] + steps] = 1
+            pos = valid[:, None] + steps
         else:
-            self.mask = np.concatenate([self.mask, np.ones((B, 1), dtype=np.int64)], axis=1)
-            pos = (self.mask.sum(axis=1) - 1)[:, None]
+            self.mask = np.concatenate([self.mask, np.ones((B, S), dtype=np.int64)], axis=1)
+            pos = (self.mask.sum(axis=1) - S)[:, None] + steps
             valid = None
-        self.total += 1
-        mask = self._static_mask(valid + 1) if self.kind == "tensor_scatter" else self.mask
+        self.total += S
+        mask = self._static_mask(valid + S) if self.kind == "tensor_scatter" else self.mask
         if self.io.attention_mask:
             feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
         if self.io.position_ids:
@@ -150,7 +156,7 @@ class FeedBuilder:
                 feeds[layer.past_key] = outputs[layer.present_key]
                 feeds[layer.past_value] = outputs[layer.present_value]
         if self.kind == "tensor_scatter":
-            self._scatter_feeds(feeds, valid, valid + 1)
+            self._scatter_feeds(feeds, valid, valid + S)
         return feeds
 
     def _full_sequence_feeds(self) -> dict:

@@ -122,6 +122,7 @@ def generate(
     callback: Callable[[int, np.ndarray], None] | None = None,
     cache: str = "auto",
     capacity: int | None = None,
+    prefill_chunk: int | None = 512,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt row.
 
@@ -142,6 +143,9 @@ def generate(
             state (nothing of cache size copied per token); ``"tensor"``
             threads it through the graph as tensors (past -> present).
         capacity: fixed cache capacity for the in-place path (None: grows).
+        prefill_chunk: on the in-place path, a single unpadded prompt longer than
+            this is fed in chunks of this many tokens (the same result with
+            far smaller temporaries); None feeds it whole.
 
     Raises:
         InputError: bad arguments (the message names the argument and value).
@@ -166,8 +170,14 @@ def generate(
 
     if cache not in ("auto", "tensor"):
         raise InputError(f"generate: cache must be 'auto' or 'tensor', got {cache!r}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer))
+                                      or prefill_chunk < 1):
+        raise InputError(f"generate: prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
     in_place = cache == "auto" and bool(sess.bindings)
-    builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, int(pad_token_id), thread_cache=not in_place)
+    chunked = in_place and prefill_chunk is not None and B == 1 and L > prefill_chunk
+    first_len = int(prefill_chunk) if chunked else L
+    builder = FeedBuilder(sess.plan.inputs, model, ids[:, :first_len], np.minimum(lengths, first_len),
+                          int(pad_token_id), thread_cache=not in_place)
     if in_place:
         state = sess.new_state(capacity=capacity, initial_capacity=max(32, L + min(max_new_tokens, 256)))
         fetch = [model.io.logits]
@@ -185,6 +195,10 @@ def generate(
         feeds, read = builder.first()
         t0 = time.perf_counter()
         out = run(feeds, fetch)
+        for c0 in range(first_len, L if chunked else 0, first_len):
+            chunk = ids[:, c0:c0 + first_len]
+            out = run(builder.next(chunk, out), fetch)
+            read = np.array([chunk.shape[1] - 1])
         prefill = time.perf_counter() - t0
         for step in range(max_new_tokens):
             logits = out[model.io.logits]

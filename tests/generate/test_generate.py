@@ -104,3 +104,13 @@ def test_sampling_filters():
     assert select_next(logits, SamplingConfig()).tolist() == [0]
     draws = [int(select_next(logits, SamplingConfig(1.0, seed=s))[0]) for s in range(200)]
     assert abs(draws.count(0) / 200 - 0.5) < 0.12
+
+
+def test_chunked_prefill_gives_the_same_tokens(session):
+    prompt = np.random.default_rng(7).integers(3, MICRO.vocab_size, (1, 45))
+    whole = onnxkv.generate(session, prompt, 10, eos_token_id=[], prefill_chunk=None)
+    for chunk in (16, 44):
+        chunked = onnxkv.generate(session, prompt, 10, eos_token_id=[], prefill_chunk=chunk)
+        np.testing.assert_array_equal(chunked.tokens, whole.tokens)
+    with pytest.raises(InputError, match="prefill_chunk"):
+        onnxkv.generate(session, prompt, 2, prefill_chunk=0)
