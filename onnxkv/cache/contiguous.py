@@ -10,6 +10,11 @@ Writes only ever touch positions ``>= start`` of the rows being written, and
 the new length is *staged*: the owning state commits it after the whole run
 succeeded, or discards it.  So a failed run leaves every valid byte as it was.
 
+Storage may be narrower than the model's element type: ``storage="float16"``
+or ``"bfloat16"`` (bf16 kept as uint16 bit patterns) halves the bytes held and
+read; writes convert (round to nearest even) and the attention kernel converts
+back in its load step.
+
 Capacity is fixed (``growable=False``: overflow raises
 :class:`~onnxkv.errors.CacheCapacityError` before anything is written) or
 grows geometrically, doubling until it fits (the valid prefix is copied once
@@ -22,10 +27,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxkv import _kernels
 from onnxkv.cache import bound
 from onnxkv.errors import CacheCapacityError
 
 __all__ = ["CacheTensor", "WriteCost"]
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """float -> bfloat16 bit patterns (uint16), round to nearest even (compiled kernel)."""
+    src = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(src.shape, np.uint16)
+    _kernels.f32_to_bf16(src, out)
+    return out
 
 
 @dataclass
@@ -55,12 +69,16 @@ class CacheTensor:
     """
 
     def __init__(self, name: str, shape: tuple[int, int, int], dtype, allocator, capacity: int,
-                 growable: bool = True, max_capacity: int | None = None) -> None:
+                 growable: bool = True, max_capacity: int | None = None, storage: str | None = None) -> None:
         if capacity < 1:
             raise CacheCapacityError(f"cache '{name}': capacity must be at least 1, got {capacity}")
         self.name = name
         self.batch, self.heads, self.head_size = (int(x) for x in shape)
-        self.dtype = np.dtype(dtype)
+        if storage not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"cache '{name}': storage must be None, 'float32', 'float16' or 'bfloat16', got {storage!r}")
+        #: Name of the stored format ("bfloat16" is held as uint16 bit patterns).
+        self.storage = storage or np.dtype(dtype).name
+        self.dtype = np.dtype(np.uint16) if self.storage == "bfloat16" else np.dtype(self.storage)
         self.allocator = allocator
         self.growable = growable
         self.max_capacity = max_capacity
@@ -85,6 +103,15 @@ class CacheTensor:
     def nbytes(self) -> int:
         """Committed bytes of this cache value (its whole capacity)."""
         return self.buffer.nbytes
+
+    def as_float32(self, length: int | None = None) -> np.ndarray:
+        """A float32 copy of ``view(length)`` (converting from the stored format)."""
+        v = self.view(length)
+        if self.storage == "bfloat16":
+            out = np.empty(v.shape, np.float32)
+            _kernels.bf16_to_f32(np.ascontiguousarray(v), out)
+            return out
+        return v.astype(np.float32)
 
     def view(self, length: int | None = None) -> np.ndarray:
         """Zero-copy view ``buffer[:, :, :length]`` (default: the valid length)."""
@@ -139,6 +166,8 @@ class CacheTensor:
             raise CacheCapacityError(
                 f"cache '{self.name}': update of shape {new.shape} does not fit "
                 f"[{self.batch}, {self.heads}, capacity, {self.head_size}]")
+        if self.storage == "bfloat16":
+            new = _to_bf16(new)
         if not isinstance(starts, np.ndarray) or starts.ndim == 0:
             start = int(starts)
             cost = self.reserve(max(start + s, length))
@@ -153,7 +182,7 @@ class CacheTensor:
                 for row in range(b):
                     p = int(starts[row])
                     self.buffer[row, :, p:p + s] = new[row]
-        cost.append_copied_bytes += new.nbytes
+        cost.append_copied_bytes += b * h * s * d * self.dtype.itemsize
         self.staged = length
         return cost
 

@@ -123,6 +123,7 @@ def generate(
     cache: str = "auto",
     capacity: int | None = None,
     prefill_chunk: int | None = 512,
+    cache_dtype: str | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt row.
 
@@ -143,6 +144,8 @@ def generate(
             state (nothing of cache size copied per token); ``"tensor"``
             threads it through the graph as tensors (past -> present).
         capacity: fixed cache capacity for the in-place path (None: grows).
+        cache_dtype: on the in-place path, store the cache as ``"float16"`` or
+            ``"bfloat16"`` (see :meth:`Session.new_state`).
         prefill_chunk: on the in-place path, a single unpadded prompt longer than
             this is fed in chunks of this many tokens (the same result with
             far smaller temporaries); None feeds it whole.
@@ -170,6 +173,9 @@ def generate(
 
     if cache not in ("auto", "tensor"):
         raise InputError(f"generate: cache must be 'auto' or 'tensor', got {cache!r}")
+    if cache_dtype is not None and (cache != "auto" or not sess.bindings):
+        raise InputError(f"generate: cache_dtype={cache_dtype!r} needs the in-place cache (cache='auto' on a model "
+                         "with a recognised cache)")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer))
                                       or prefill_chunk < 1):
         raise InputError(f"generate: prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
@@ -179,7 +185,8 @@ def generate(
     builder = FeedBuilder(sess.plan.inputs, model, ids[:, :first_len], np.minimum(lengths, first_len),
                           int(pad_token_id), thread_cache=not in_place)
     if in_place:
-        state = sess.new_state(capacity=capacity, initial_capacity=max(32, L + min(max_new_tokens, 256)))
+        state = sess.new_state(capacity=capacity, initial_capacity=max(32, L + min(max_new_tokens, 256)),
+                               cache_dtype=cache_dtype)
         fetch = [model.io.logits]
         run = state.run
     else:

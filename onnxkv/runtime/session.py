@@ -94,10 +94,10 @@ class Session:
                                  caches, cache_allocator, cancel)
 
     def new_state(self, initial=None, capacity: int | None = None, initial_capacity: int = 32,
-                  allocator=None) -> State:
+                  allocator=None, cache_dtype: str | None = None) -> State:
         """A persistent per-request :class:`~onnxkv.runtime.state.State` (see there)."""
         return State(self, initial=initial, capacity=capacity, initial_capacity=initial_capacity,
-                     allocator=allocator)
+                     allocator=allocator, cache_dtype=cache_dtype)
 
     def __repr__(self) -> str:
         src = self.model.path or "<in-memory model>"

@@ -61,6 +61,10 @@ class State:
         allocator: persistent allocator for the caches (default: a
             :class:`~onnxkv.alloc.SystemAllocator`), separate from the
             session's allocator for temporaries.
+        cache_dtype: store the caches as ``"float16"`` or ``"bfloat16"`` instead of
+            the model's type (half the bytes held and read per token; values are
+            rounded to nearest even on append; GroupQueryAttention models only).
+            ``values`` then shows the stored format (bfloat16 as uint16 bits).
 
     One state per request; many states per session.  Two states never share
     writable storage.  Calls on one state must not overlap (a second
@@ -68,7 +72,7 @@ class State:
     """
 
     def __init__(self, session, initial: Mapping[str, np.ndarray] | None = None, capacity: int | None = None,
-                 initial_capacity: int = 32, allocator=None) -> None:
+                 initial_capacity: int = 32, allocator=None, cache_dtype: str | None = None) -> None:
         for name, v in (("capacity", capacity), ("initial_capacity", initial_capacity)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise InputError(f"new_state: {name} must be a positive int, got {v!r}")
@@ -77,6 +81,14 @@ class State:
         self.capacity = None if capacity is None else int(capacity)
         self.initial_capacity = int(initial_capacity)
         self.allocator = as_allocator(allocator)
+        if cache_dtype not in (None, "float32", "float16", "bfloat16"):
+            raise InputError(f"new_state: cache_dtype must be None, 'float32', 'float16' or 'bfloat16', "
+                             f"got {cache_dtype!r}")
+        if cache_dtype is not None and session.model.convention.kind != "group_query_attention":
+            raise InputError(f"new_state: cache_dtype={cache_dtype!r} needs a GroupQueryAttention model (its cache "
+                             f"is read only by the attention kernel); this model's cache is "
+                             f"'{session.model.convention.kind}'")
+        self.cache_dtype = cache_dtype
         self.steps = 0
         self._caches: dict[str, CacheTensor] | None = None
         self.declared = dict(session.declared_bindings)
@@ -142,7 +154,8 @@ class State:
         cap = self.capacity if self.capacity is not None else max(self.initial_capacity, length)
         if length > cap:
             raise CacheCapacityError(f"State: initial length {length} exceeds the fixed capacity {cap}")
-        return CacheTensor(name, shape, dtype, self.allocator, cap, growable=self.capacity is None)
+        return CacheTensor(name, shape, dtype, self.allocator, cap, growable=self.capacity is None,
+                           storage=self.cache_dtype)
 
     def _ensure_caches(self, batch: int) -> dict[str, CacheTensor]:
         if self._caches is None:
@@ -227,12 +240,13 @@ class State:
             try:
                 for name, a in arrays.items():
                     c = self._new_cache(name, batch, length)
-                    if a.shape[1:] != (c.heads, a.shape[2], c.head_size) or a.dtype != c.dtype:
-                        raise InputError(f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
-                                         f"[{batch}, {c.heads}, L, {c.head_size}] {c.dtype}")
-                    c.buffer[:, :, :length] = a
-                    c.length = c.capacity if self._static else length
                     new[name] = c
+                    want = self._graph_inputs[name].dtype
+                    if a.shape[1:] != (c.heads, a.shape[2], c.head_size) or a.dtype != want:
+                        raise InputError(f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
+                                         f"[{batch}, {c.heads}, L, {c.head_size}] {want}")
+                    c.write(a, 0, c.capacity if self._static else length)
+                    c.commit()
             except Exception:
                 for c in new.values():
                     c.release()
@@ -310,7 +324,7 @@ class State:
             self.steps += 1
             for name in output_names:
                 if name in presents:
-                    out[name] = self._export(name, out[name])
+                    out[name] = self._export(name, out[name], caches[presents[name]])
             return out
 
     def _run_declared(self, feeds, output_names: list[str], cancel) -> dict[str, np.ndarray]:
@@ -331,8 +345,12 @@ class State:
         self.steps += 1
         return {n: (np.array(out[n]) if n in self.declared.values() else out[n]) for n in output_names}
 
-    def _export(self, present: str, value: np.ndarray) -> np.ndarray:
-        copy = np.array(value, copy=True)
+    def _export(self, present: str, value: np.ndarray, cache: CacheTensor | None = None) -> np.ndarray:
+        model_dtype = self._graph_inputs[cache.name].dtype if cache is not None else value.dtype
+        if cache is not None and value.dtype != model_dtype:
+            copy = cache.as_float32(value.shape[2]).astype(model_dtype, copy=False)
+        else:
+            copy = np.array(value, copy=True)
         log = self.session.events
         if log.enabled:
             st = self.allocator.stats()

@@ -254,3 +254,36 @@ def test_concurrent_states_on_one_session():
         t.join()
     for w, g in zip(want, got):
         np.testing.assert_array_equal(w, g)
+
+
+@pytest.mark.parametrize("cache_dtype,tol", [("float16", 2e-2), ("bfloat16", 1e-1)])
+def test_narrow_cache_storage_halves_the_bytes_and_stays_close(cache_dtype, tol):
+    sess = onnxkv.Session(build_model("gqa", MICRO, seed=5), threads=1, events=True)
+    prompt = np.random.default_rng(3).integers(0, MICRO.vocab_size, (2, 9))
+    want, _, _ = _drive(sess, prompt, 12)
+    wide = sess.new_state(initial_capacity=32)
+    _drive(sess, prompt, 12, wide)
+    narrow = sess.new_state(initial_capacity=32, cache_dtype=cache_dtype)
+    sess.events.clear()
+    got, _, _ = _drive(sess, prompt, 12, narrow)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=tol, rtol=0)
+    assert narrow.committed_bytes * 2 == wide.committed_bytes
+    stored = next(iter(narrow.values.values()))
+    assert stored.dtype == (np.float16 if cache_dtype == "float16" else np.uint16)
+    writes = [e for e in sess.events if e.action == "cache_write" and e.step == max(x.step for x in sess.events)]
+    assert all(e.append_copied_bytes == 2 * MICRO.num_kv_heads * MICRO.head_size * 2 for e in writes)
+    # an exported present comes back in the model's type
+    b = _builders(sess, prompt, True)
+    s3 = sess.new_state(cache_dtype=cache_dtype)
+    f, _ = b.first()
+    out = s3.run(f, ["logits", "present.0.key"])
+    assert out["present.0.key"].dtype == np.float32 and out["present.0.key"].shape[2] == 9
+
+
+def test_narrow_cache_needs_a_gqa_model():
+    sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
+    with pytest.raises(onnxkv.InputError, match="GroupQueryAttention"):
+        sess.new_state(cache_dtype="float16")
+    with pytest.raises(onnxkv.InputError, match="cache_dtype"):
+        onnxkv.Session(build_model("gqa", MICRO), threads=1).new_state(cache_dtype="int8")

@@ -124,16 +124,21 @@ def causal_attention(
     softcap: float,
     window: int,
     out: np.ndarray,
+    kv_dtype: str | None = None,
 ) -> np.ndarray:
     """Positions-masked attention into ``out`` [B, Hq, Sq, D] (see :func:`position_bias`).
 
     ``k``/``v`` may be longer than every ``kv_len`` (capacity buffers); only the
-    first ``kv_len[b]`` positions are read.  Float32 inputs with ``Dv == D`` and
-    a C-contiguous ``out`` use the compiled streaming kernel.  Returns ``out``.
+    first ``kv_len[b]`` positions are read.  Float32 queries with ``Dv == D`` and
+    a C-contiguous ``out`` use the compiled streaming kernel, which reads float32,
+    float16 or (``kv_dtype="bfloat16"``, uint16 bit patterns) bfloat16 K/V and
+    converts them in its load step.  Returns ``out``.
     """
     kv_len = np.ascontiguousarray(kv_len, dtype=np.int32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int32)
-    if q.dtype == k.dtype == v.dtype == out.dtype == np.float32 and v.shape[3] == q.shape[3] and out.flags.c_contiguous:
+    narrow = kv_dtype == "bfloat16" or k.dtype == np.float16
+    if q.dtype == out.dtype == np.float32 and k.dtype == v.dtype and (k.dtype == np.float32 or narrow) \
+            and v.shape[3] == q.shape[3] and out.flags.c_contiguous:
         _attention_kernel(
             np.ascontiguousarray(q),
             np.ascontiguousarray(k),
@@ -144,8 +149,11 @@ def causal_attention(
             float(softcap),
             int(window),
             out,
+            kv_dtype=kv_dtype,
         )
         return out
+    if kv_dtype == "bfloat16":
+        raise ValueError("bfloat16 K/V need the compiled kernel (float32 queries, Dv == D)")
     total = int(kv_len.max(initial=0))
     bias = position_bias(kv_len, q_pos, total, window, q.dtype)
     res, _ = dense_attention(q, k[:, :, :total], v[:, :, :total], bias, scale, softcap)

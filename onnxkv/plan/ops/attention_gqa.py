@@ -146,7 +146,9 @@ class GroupQueryAttention(Op):
         q, k, v = self._split_qkv(query, key, value)
         b, s, d = q.shape[0], q.shape[2], q.shape[3]
         dtype = query.dtype
-        past_len = self._check_past(past_key, past_value, b, d, dtype)
+        in_place = self.bound and rt.in_place(self.node.input[3])
+        # A state's cache may be stored narrower (float16/bfloat16) than the model's type.
+        past_len = self._check_past(past_key, past_value, b, d, past_key.dtype if in_place else dtype)
         total = self._scalar_total(total_seqlen)
         first_prompt = s == total
         if not first_prompt and s > 1 and b != 1:
@@ -160,11 +162,15 @@ class GroupQueryAttention(Op):
         if self.do_rotary:
             q, k = self._rotary(q, k, cos, sin, position_ids, q_pos, first_prompt)
 
-        if self.bound and rt.in_place(self.node.input[3]):
+        kv_dtype = None
+        if in_place:
             # Shared-buffer mode: new rows go straight into the state's caches at past_b.
             present_k = rt.cache_write(self.node.input[3], k, past_lens, present_len)
             present_v = rt.cache_write(self.node.input[4], v, past_lens, present_len)
-            keys, values = rt.caches[self.node.input[3]].buffer, rt.caches[self.node.input[4]].buffer
+            ck, cv = rt.caches[self.node.input[3]], rt.caches[self.node.input[4]]
+            keys, values = ck.buffer, cv.buffer
+            if ck.storage == "bfloat16":
+                kv_dtype = "bfloat16"
         else:
             present_k = self._present(rt, 1, past_key, k, past_lens, present_len, dtype)
             present_v = self._present(rt, 2, past_value, v, past_lens, present_len, dtype)
@@ -172,11 +178,16 @@ class GroupQueryAttention(Op):
 
         out = np.empty((b, hq, s, d), np.float32)
         sink = self._sink(head_sink)
-        qf, kf, vf = (t.astype(np.float32, copy=False) for t in (q, keys, values))
+        qf = q.astype(np.float32, copy=False)
+        narrow = kv_dtype is not None or (in_place and keys.dtype == np.float16)
+        kf, vf = (keys, values) if narrow else (t.astype(np.float32, copy=False) for t in (keys, values))
         scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
         if attn_bias is None and sink is None:
-            causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out)
+            causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out, kv_dtype)
         else:
+            if narrow:
+                kf = rt.caches[self.node.input[3]].as_float32(total)
+                vf = rt.caches[self.node.input[4]].as_float32(total)
             bias = position_bias(kv_len, q_pos, total, self.window)
             if attn_bias is not None:
                 bias = bias + self._check_bias(attn_bias, b, s, total)
