@@ -7,6 +7,8 @@ after the other in the same run, with the same thread count:
 
 * ``onnxkv``         -- in-place persistent cache (``Session.new_state``), prompt
                         fed in chunks of 512 tokens like ``onnxkv.generate``;
+* ``onnxkv-f16``     -- the same with the cache stored as float16 (``cache_dtype``;
+                        GroupQueryAttention models, opt-in: not in the default set);
 * ``onnxkv-tensor``  -- onnxkv with the cache threaded as tensors (past -> present);
 * ``ort``            -- ``onnxruntime.InferenceSession`` on the same file, cache
                         threaded as tensors by the same loop;
@@ -103,8 +105,9 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
         tokens = [int(t) for t in seq[prompt_len:prompt_len + new_tokens + 1]]
     else:
         sess = onnxkv.Session(path, threads=threads)
-        if engine == "onnxkv":
-            state = sess.new_state(initial_capacity=prompt_len + new_tokens + 1)
+        if engine in ("onnxkv", "onnxkv-f16"):
+            state = sess.new_state(initial_capacity=prompt_len + new_tokens + 1,
+                                   cache_dtype="float16" if engine == "onnxkv-f16" else None)
             run, thread_cache = state.run, False
         elif engine == "onnxkv-tensor":
             run, thread_cache = sess.run, True
@@ -117,8 +120,9 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             peer = ort.InferenceSession(str(sess.model.path), so, providers=["CPUExecutionProvider"])
             run = lambda f, o: dict(zip(o, peer.run(o, f)))  # noqa: E731
             thread_cache = True
-        _feed_loop(sess, prompt[:, :8], 2, run if engine != "onnxkv" else sess.new_state().run, thread_cache)
-        chunk = PREFILL_CHUNK if engine == "onnxkv" else None
+        _feed_loop(sess, prompt[:, :8], 2, sess.new_state().run if engine.startswith("onnxkv-f") or
+                   engine == "onnxkv" else run, thread_cache)
+        chunk = PREFILL_CHUNK if engine in ("onnxkv", "onnxkv-f16") else None
         prefill, samples, tokens = _feed_loop(sess, prompt, new_tokens, run, thread_cache, chunk)
         result["peak_rss_bytes"] = peak_rss()  # before the event-log session below maps the weights again
         if engine == "onnxkv":
@@ -251,7 +255,8 @@ def main() -> None:
             entry = {"model": size, "graph": family, "prompt": plen, "new_tokens": args.new_tokens, "batch": 1,
                      "engines": {}}
             for engine in engines:
-                if engine == "ort-genai" and (family != "gqa" or genai_version is None):
+                if (engine == "ort-genai" and genai_version is None) or (engine in ("ort-genai", "onnxkv-f16")
+                                                                         and family != "gqa"):
                     continue
                 cmd = [sys.executable, __file__, "--worker", engine, str(folder), str(plen), str(vocab),
                        str(args.new_tokens), str(args.threads)]
@@ -266,7 +271,7 @@ def main() -> None:
                 print(f"# {case} {engine}: {r['median_token_s'] * 1e3:.2f} ms/token, prefill {r['prefill_s']:.2f} s, "
                       f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
             kv = entry["engines"].get("onnxkv", {})
-            for peer in ("ort", "ort-genai", "onnxkv-tensor"):
+            for peer in ("ort", "ort-genai", "onnxkv-tensor", "onnxkv-f16"):
                 p = entry["engines"].get(peer, {})
                 if "median_token_s" in kv and "median_token_s" in p:
                     entry[f"ratio_onnxkv_over_{peer}"] = kv["median_token_s"] / p["median_token_s"]
