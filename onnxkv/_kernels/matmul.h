@@ -98,12 +98,42 @@ okv_mm_step_avx2(const int KS, const int MR, const float *x, int64_t ldx, const 
     }
 }
 
+/* One row (M = 1): eight weight rows per step, so the out segment (in L1) is
+ * loaded and stored once per 8 FMAs, and each of the eight row streams is
+ * software-prefetched OKV_GEMV_PF bytes ahead. */
+#define OKV_GEMV_PF 512
+OKV_AVX2 static void okv_gemv_seg_avx2(const float *x, int64_t K, const float *w, int64_t N,
+                                       float *c, int64_t nb, __m256i tm, int64_t *k_done) {
+    int64_t k = 0, j;
+    int i;
+    for (; k + 8 <= K; k += 8) {
+        const float *wk = w + k * N;
+        __m256 xb[8];
+        for (i = 0; i < 8; i++) xb[i] = _mm256_broadcast_ss(x + k + i);
+        for (j = 0; j + 8 <= nb; j += 8) {
+            __m256 acc = _mm256_loadu_ps(c + j);
+            if ((j & 15) == 0)
+                for (i = 0; i < 8; i++)
+                    _mm_prefetch((const char *)(wk + i * N + j) + OKV_GEMV_PF, _MM_HINT_T0);
+            for (i = 0; i < 8; i++) acc = _mm256_fmadd_ps(xb[i], _mm256_loadu_ps(wk + i * N + j), acc);
+            _mm256_storeu_ps(c + j, acc);
+        }
+        if (j < nb) {
+            __m256 acc = _mm256_maskload_ps(c + j, tm);
+            for (i = 0; i < 8; i++) acc = _mm256_fmadd_ps(xb[i], _mm256_maskload_ps(wk + i * N + j, tm), acc);
+            _mm256_maskstore_ps(c + j, tm, acc);
+        }
+    }
+    *k_done = k;
+}
+
 OKV_AVX2 static void okv_matmul_seg_f32_avx2(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                                              const float *bias, float *out, int64_t n0, int64_t nb) {
     const __m256i tm = okv_tailmask(nb & 7);
     float *c = out + n0;
     int64_t k = 0, m;
     okv_matmul_init_seg(M, N, bias, out, n0, nb);
+    if (M == 1) okv_gemv_seg_avx2(x, K, w + n0, N, c, nb, tm, &k);
     for (; k + 4 <= K; k += 4) {
         const float *wk = w + k * N + n0;
         for (m = 0; m + 4 <= M; m += 4) okv_mm_step_avx2(4, 4, x + m * K + k, K, wk, N, c + m * N, N, nb, tm);
