@@ -54,6 +54,35 @@ def versions(*extra: str) -> dict:
     return out
 
 
+def gqa_decode_model(hq: int, hkv: int, d: int, scale: float) -> bytes:
+    """A one-node ``com.microsoft.GroupQueryAttention`` model (the ONNX Runtime peer of
+    the attention benchmarks): query/key/value [B, S, H*D], past/present [B, Hkv, *, D]."""
+    from onnx import TensorProto, helper
+
+    f = TensorProto.FLOAT
+    node = helper.make_node(
+        "GroupQueryAttention",
+        ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
+        ["output", "present_key", "present_value"],
+        domain="com.microsoft", num_heads=hq, kv_num_heads=hkv, scale=scale)
+    graph = helper.make_graph(
+        [node], "gqa_decode",
+        [helper.make_tensor_value_info("query", f, ["B", "S", hq * d]),
+         helper.make_tensor_value_info("key", f, ["B", "S", hkv * d]),
+         helper.make_tensor_value_info("value", f, ["B", "S", hkv * d]),
+         helper.make_tensor_value_info("past_key", f, ["B", hkv, "P", d]),
+         helper.make_tensor_value_info("past_value", f, ["B", hkv, "P", d]),
+         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])],
+        [helper.make_tensor_value_info("output", f, ["B", "S", hq * d]),
+         helper.make_tensor_value_info("present_key", f, ["B", hkv, "T", d]),
+         helper.make_tensor_value_info("present_value", f, ["B", hkv, "T", d])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
 def median(xs) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

@@ -38,8 +38,11 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_model, gqa_decode_model  # noqa: E402
+
 _OMP_WAIT_POLICY_BEFORE_IMPORT = os.environ.get("OMP_WAIT_POLICY")
-import onnxkv._kernels as K  # noqa: E402  (sets OMP_WAIT_POLICY=PASSIVE unless set)
+import onnxkv._kernels as K  # noqa: E402  (bounds OpenMP's spin-wait unless a policy is set)
 from onnxkv._kernels import reference as R
 
 HQ, HKV, D, B = 32, 8, 128, 1
@@ -51,15 +54,6 @@ BARS = [  # (context, dtype, threads, min speedup vs ORT shared buffer, min frac
 
 # ---------------------------------------------------------------- machine
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def machine() -> dict:
@@ -163,29 +157,7 @@ def read_bandwidth(threads: int, gib: float, runs: int) -> dict:
 # ---------------------------------------------------------------- ONNX Runtime
 
 def gqa_model(scale: float) -> bytes:
-    from onnx import TensorProto, helper
-    f = TensorProto.FLOAT
-    node = helper.make_node(
-        "GroupQueryAttention",
-        ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
-        ["output", "present_key", "present_value"],
-        domain="com.microsoft", num_heads=HQ, kv_num_heads=HKV, scale=scale)
-    graph = helper.make_graph(
-        [node], "gqa_decode",
-        [helper.make_tensor_value_info("query", f, ["B", "S", HQ * D]),
-         helper.make_tensor_value_info("key", f, ["B", "S", HKV * D]),
-         helper.make_tensor_value_info("value", f, ["B", "S", HKV * D]),
-         helper.make_tensor_value_info("past_key", f, ["B", HKV, "P", D]),
-         helper.make_tensor_value_info("past_value", f, ["B", HKV, "P", D]),
-         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
-         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])],
-        [helper.make_tensor_value_info("output", f, ["B", "S", HQ * D]),
-         helper.make_tensor_value_info("present_key", f, ["B", HKV, "P", D]),
-         helper.make_tensor_value_info("present_value", f, ["B", HKV, "P", D])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return gqa_decode_model(HQ, HKV, D, scale)
 
 
 def ort_session(threads: int, scale: float, allow_spinning: bool):
@@ -418,6 +390,7 @@ def main(argv=None):
                               "past/present bound to the same buffer via IOBinding (float32)",
                       "onnxkv": "onnxkv._kernels.attention (float32 on the same buffer; float16/bfloat16 copies)",
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                      "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
                       "omp_wait_policy_set_by_user": _OMP_WAIT_POLICY_BEFORE_IMPORT is not None,
                       "ort_session_options": {"intra_op_num_threads": "= threads", "inter_op_num_threads": 1,
                                               "execution_mode": "ORT_SEQUENTIAL",

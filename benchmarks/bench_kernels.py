@@ -16,19 +16,13 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_model, gqa_decode_model  # noqa: E402
+
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def machine():
@@ -134,31 +128,6 @@ def kernel_cases(rng, quick):
         (lambda: R.attention(q, k, v, kl, qp, D ** -0.5, 0.0, -1, ao))
 
 
-def gqa_model(Hq, Hkv, D, scale):
-    import onnx
-    from onnx import TensorProto, helper
-    f = TensorProto.FLOAT
-    node = helper.make_node(
-        "GroupQueryAttention",
-        ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
-        ["output", "present_key", "present_value"],
-        domain="com.microsoft", num_heads=Hq, kv_num_heads=Hkv, scale=scale)
-    graph = helper.make_graph(
-        [node], "gqa",
-        [helper.make_tensor_value_info("query", f, ["B", "S", Hq * D]),
-         helper.make_tensor_value_info("key", f, ["B", "S", Hkv * D]),
-         helper.make_tensor_value_info("value", f, ["B", "S", Hkv * D]),
-         helper.make_tensor_value_info("past_key", f, ["B", Hkv, "P", D]),
-         helper.make_tensor_value_info("past_value", f, ["B", Hkv, "P", D]),
-         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
-         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])],
-        [helper.make_tensor_value_info("output", f, ["B", "S", Hq * D]),
-         helper.make_tensor_value_info("present_key", f, ["B", Hkv, "T", D]),
-         helper.make_tensor_value_info("present_value", f, ["B", Hkv, "T", D])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
-    return model.SerializeToString()
 
 
 def decode_cases(rng, contexts, threads, repeat):
@@ -170,7 +139,7 @@ def decode_cases(rng, contexts, threads, repeat):
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        sess = ort.InferenceSession(gqa_model(Hq, Hkv, D, scale), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(gqa_decode_model(Hq, Hkv, D, scale), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime missing or op unsupported
         sess, ort_error = None, f"{type(e).__name__}: {e}"
     results = []
