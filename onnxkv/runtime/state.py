@@ -255,6 +255,26 @@ class State:
             self._caches = new
             self.steps = 0
 
+    def truncate(self, length: int) -> None:
+        """Drop every cached position at and after ``length`` (speculative decoding's rollback).
+
+        Only the valid lengths change: no payload byte is copied or freed for a
+        contiguous cache (the positions are overwritten by later appends).
+        ``length`` must be in ``[0, state.length]``.  Static (TensorScatter)
+        caches and contract-declared values cannot be truncated.
+        """
+        self._check_open("truncate")
+        with self._exclusive("truncate"):
+            if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+                raise InputError(f"State.truncate: length must be an int, got {length!r}")
+            if self.declared or self._static:
+                raise StateError("State.truncate: this state's values are not a growing KV cache "
+                                 f"({'declared persistent bindings' if self.declared else 'static TensorScatter cache'})")
+            if not 0 <= length <= self.length:
+                raise InputError(f"State.truncate: length must be in [0, {self.length}], got {length}")
+            for c in (self._caches or {}).values():
+                c.length = int(length)
+
     def close(self) -> None:
         """Release the caches; the state cannot be used afterwards."""
         if not self._closed:

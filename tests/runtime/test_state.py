@@ -287,3 +287,30 @@ def test_narrow_cache_needs_a_gqa_model():
         sess.new_state(cache_dtype="float16")
     with pytest.raises(onnxkv.InputError, match="cache_dtype"):
         onnxkv.Session(build_model("gqa", MICRO), threads=1).new_state(cache_dtype="int8")
+
+
+
+def test_truncate_rolls_back_and_replays_identically(session):
+    prompt = np.random.default_rng(5).integers(0, MICRO.vocab_size, (1, 7))
+    state = session.new_state()
+    b = _builders(session, prompt, True)
+    feeds, _ = b.first()
+    logits = session.model.io.logits
+    out = state.run(feeds, [logits])
+    if session.model.convention.kind == "tensor_scatter":
+        with pytest.raises(StateError, match="static"):
+            state.truncate(3)
+        state.close()
+        return
+    f1 = b.next(np.array([11]), out)
+    first = state.run(f1, [logits])[logits].copy()
+    assert state.length == 8
+    state.truncate(7)
+    assert state.length == 7
+    again = state.run(f1, [logits])[logits]
+    np.testing.assert_array_equal(first, again)
+    with pytest.raises(onnxkv.InputError, match="truncate"):
+        state.truncate(9)
+    with pytest.raises(onnxkv.InputError, match="truncate"):
+        state.truncate(-1)
+    state.close()
