@@ -50,6 +50,7 @@ class WriteCost:
     allocated_bytes: int = 0
     prefix_copied_bytes: int = 0
     append_copied_bytes: int = 0
+    cow_copied_bytes: int = 0
 
 
 class CacheTensor:

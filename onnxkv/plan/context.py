@@ -23,8 +23,9 @@ class RunContext:
     must write every element it returns.
 
     ``caches`` maps bound past inputs to their persistent
-    :class:`~onnxkv.cache.contiguous.CacheTensor` when the run belongs to a
-    state (None for a stateless run); kernels bound to a cache write through
+    :class:`~onnxkv.cache.contiguous.CacheTensor` or
+    :class:`~onnxkv.cache.paged.PagedPlane` when the run belongs to a state
+    (None for a stateless run); kernels bound to a cache write through
     :meth:`cache_write`.
 
     ``count(**counters)`` adds storage counters (names in
@@ -50,20 +51,32 @@ class RunContext:
         """True when this run binds the graph input ``past`` to a persistent cache."""
         return self.caches is not None and past in self.caches
 
-    def cache_write(self, past: str, new: np.ndarray, starts, length: int) -> np.ndarray:
+    def cache_write(self, past: str, new: np.ndarray, starts, length: int, materialize: bool = False) -> np.ndarray:
         """Write ``new`` [B, H, S, D] into the cache bound to ``past`` in place.
 
         Row ``b`` is written at ``starts[b]`` (or ``starts`` for all rows); the
         cache's valid length becomes ``length`` when the run is committed.
-        Returns the zero-copy view ``[:, :, :length]`` of the cache (the
-        present value).  Growth and appended bytes are recorded as a
-        ``cache_write`` event of this node when the event log is on.
+        Returns the present value ``[:, :, :length]``: a zero-copy view of a
+        contiguous cache.  A paged cache has no contiguous view: it returns a
+        zero-byte placeholder of the right shape (for kernels that read the
+        pages themselves), or with ``materialize=True`` a gathered copy for
+        tensor consumers (counted as ``prefix_copied_bytes``).  Growth,
+        copy-on-write and appended bytes are recorded as a ``cache_write``
+        event of this node when the event log is on.
         """
         cache = self.caches[past]
         cost = cache.write(new, starts, length)
+        if getattr(cache, "paged", False):
+            present = cache.gather(length) if materialize else cache.placeholder(length)
+            if materialize:
+                cost.prefix_copied_bytes += present.nbytes
+                cost.allocations += 1
+                cost.allocated_bytes += present.nbytes
+        else:
+            present = cache.view(length)
         if self.recording:
             self.cache_events.append((past, cost))
-        return cache.view(length)
+        return present
 
     def count(self, **counters: int) -> None:
         if self.recording:

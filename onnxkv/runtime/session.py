@@ -94,10 +94,16 @@ class Session:
                                  caches, cache_allocator, cancel)
 
     def new_state(self, initial=None, capacity: int | None = None, initial_capacity: int = 32,
-                  allocator=None, cache_dtype: str | None = None) -> State:
-        """A persistent per-request :class:`~onnxkv.runtime.state.State` (see there)."""
+                  allocator=None, cache_dtype: str | None = None, cache: str = "contiguous",
+                  block_size: int = 16, max_pages: int | None = None) -> State:
+        """A persistent per-request :class:`~onnxkv.runtime.state.State` (see there).
+
+        ``cache="paged"`` stores the caches in pages of ``block_size`` tokens
+        (at most ``max_pages`` live) with copy-on-write fork/reorder/checkpoint/truncate.
+        """
         return State(self, initial=initial, capacity=capacity, initial_capacity=initial_capacity,
-                     allocator=allocator, cache_dtype=cache_dtype)
+                     allocator=allocator, cache_dtype=cache_dtype, cache=cache, block_size=block_size,
+                     max_pages=max_pages)
 
     def __repr__(self) -> str:
         src = self.model.path or "<in-memory model>"

@@ -11,6 +11,14 @@ Atomicity: writes go only to positions past each row's valid length and the
 new lengths are staged; they are committed together after the whole run
 succeeded.  A failed or cancelled run discards them, leaving every valid byte
 and every length exactly as before, so the call can be retried.
+
+``cache="paged"`` keeps the caches in pages of ``block_size`` tokens from a
+reference-counted :class:`~onnxkv.cache.paged.BlockPool` (see
+:mod:`onnxkv.cache.paged`): :meth:`State.fork`, :meth:`State.reorder`,
+:meth:`State.checkpoint` / :meth:`State.restore` and :meth:`State.truncate`
+then change page tables only, and a write into a shared page copies that page
+first (copy-on-write).  Models with a ``local_window_size`` evict pages that
+left the window after every run.
 """
 
 from __future__ import annotations
@@ -24,9 +32,12 @@ import numpy as np
 from onnxkv.alloc import as_allocator
 from onnxkv.cache import bound
 from onnxkv.cache.contiguous import CacheTensor
+from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
 from onnxkv.errors import CacheCapacityError, InputError, StateError
 
-__all__ = ["State", "Cancellation"]
+__all__ = ["State", "Cancellation", "Checkpoint"]
+
+_CACHES = ("contiguous", "paged")
 
 
 class Cancellation:
@@ -47,6 +58,35 @@ class Cancellation:
         return self._event.is_set()
 
 
+class Checkpoint:
+    """A paged state's cache contents at one moment, held by page references (no copy).
+
+    Made by :meth:`State.checkpoint`; :meth:`State.restore` returns the state
+    to it (any number of times).  Holding a checkpoint keeps its pages
+    alive; :meth:`release` (or garbage collection) drops them.
+    """
+
+    def __init__(self, state: State, table: PageTable, steps: int) -> None:
+        self._state = state
+        self.table: PageTable | None = table
+        self.steps = steps
+
+    @property
+    def length(self) -> int:
+        return 0 if self.table is None or not self.table.batch else int(self.table.lengths.max())
+
+    def release(self) -> None:
+        if self.table is not None:
+            self.table.release()
+            self.table = None
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
 class State:
     """One request's persistent values (see the module docstring).
 
@@ -65,6 +105,13 @@ class State:
             the model's type (half the bytes held and read per token; values are
             rounded to nearest even on append; GroupQueryAttention models only).
             ``values`` then shows the stored format (bfloat16 as uint16 bits).
+        cache: ``"contiguous"`` (one buffer per cache value, grown geometrically)
+            or ``"paged"`` (pages of ``block_size`` tokens with copy-on-write;
+            ``capacity`` then caps the positions per sequence).
+        block_size: tokens per page (paged).
+        max_pages: at most this many pages live in the pool (paged; None =
+            unbounded); running out raises :class:`~onnxkv.errors.OutOfMemory`
+            before anything is written.
 
     One state per request; many states per session.  Two states never share
     writable storage.  Calls on one state must not overlap (a second
@@ -72,7 +119,11 @@ class State:
     """
 
     def __init__(self, session, initial: Mapping[str, np.ndarray] | None = None, capacity: int | None = None,
-                 initial_capacity: int = 32, allocator=None, cache_dtype: str | None = None) -> None:
+                 initial_capacity: int = 32, allocator=None, cache_dtype: str | None = None,
+                 cache: str = "contiguous", block_size: int = 16, max_pages: int | None = None,
+                 _pool: BlockPool | None = None) -> None:
+        if cache not in _CACHES:
+            raise InputError(f"new_state: cache must be one of {_CACHES}, got {cache!r}")
         for name, v in (("capacity", capacity), ("initial_capacity", initial_capacity)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise InputError(f"new_state: {name} must be a positive int, got {v!r}")
@@ -99,6 +150,14 @@ class State:
         self._static = conv.kind == "tensor_scatter"
         self._static_capacity = conv.capacity
         self._graph_inputs = {g.name: g for g in session.plan.inputs}
+        self.cache = cache
+        self._paged: PagedCache | None = None
+        self._pool: BlockPool | None = None
+        self._window: int | None = None
+        if cache == "paged":
+            self._pool = _pool if _pool is not None else self._new_pool(block_size, max_pages)
+            self._window = self._model_window()
+            self._needs_data = self._pasts_read_elsewhere()
         if initial is not None:
             self.reset(initial)
 
@@ -108,11 +167,23 @@ class State:
         return [b.past for b in self.bindings] + list(self.declared)
 
     @property
+    def paged(self) -> bool:
+        return self.cache == "paged"
+
+    @property
+    def pool(self) -> BlockPool | None:
+        """The page pool of a paged state (shared with its forks), else None."""
+        return self._pool
+
+    @property
     def values(self) -> dict[str, np.ndarray]:
-        """Read-only zero-copy views of the valid cache contents, by past input name."""
+        """Read-only views of the valid cache contents, by past input name.
+
+        Zero-copy for contiguous caches; a paged cache is gathered into copies.
+        """
         out = {}
         for name, c in (self._caches or {}).items():
-            out[name] = c.view()
+            out[name] = c.gather() if self.paged else c.view()
         for name, (_, arr) in self._values.items():
             out[name] = arr.view()
         for v in out.values():
@@ -121,12 +192,30 @@ class State:
 
     @property
     def length(self) -> int:
-        """Valid positions in the caches (0 before the first run)."""
+        """Valid positions in the caches (the longest row; 0 before the first run)."""
         return 0 if not self._caches else next(iter(self._caches.values())).length
 
     @property
+    def lengths(self) -> np.ndarray:
+        """Valid positions per batch row (int64 [B]; a contiguous cache has one length for all rows)."""
+        if self._paged is not None:
+            return self._paged.table.lengths.copy()
+        return np.full(self.batch, self.length, np.int64)
+
+    @property
+    def batch(self) -> int:
+        """Rows (sequences) of the caches (0 before the first run)."""
+        return 0 if not self._caches else next(iter(self._caches.values())).batch
+
+    @property
     def committed_bytes(self) -> int:
-        """Bytes of persistent storage this state holds (whole cache capacities)."""
+        """Bytes of persistent storage this state holds.
+
+        Contiguous: whole cache capacities.  Paged: every page its tables
+        reference, once (pages shared with forks or checkpoints included).
+        """
+        if self._paged is not None:
+            return self._paged.table.unique_pages() * self._pool.page_bytes
         return sum(c.nbytes for c in (self._caches or {}).values()) + sum(a.nbytes for _, a in self._values.values())
 
     @property
@@ -157,7 +246,63 @@ class State:
         return CacheTensor(name, shape, dtype, self.allocator, cap, growable=self.capacity is None,
                            storage=self.cache_dtype)
 
-    def _ensure_caches(self, batch: int) -> dict[str, CacheTensor]:
+    # -- paged cache ---------------------------------------------------------
+    def _new_pool(self, block_size: int, max_pages: int | None) -> BlockPool:
+        if self.declared or not self.bindings:
+            raise InputError("new_state: cache='paged' needs a model whose past/present pairs onnxkv runs in place "
+                             f"(this model's cache is '{self.session.model.convention.kind}' with "
+                             f"{'declared persistent bindings' if self.declared else 'no in-place binding'})")
+        planes = []
+        for b in self.bindings:
+            (_, heads, head), dtype = self._geometry(b.past, 1)
+            planes.append(PlaneSpec(b.past, heads, head, self.cache_dtype or np.dtype(dtype).name, np.dtype(dtype).name))
+        return BlockPool(planes, block_size, self.allocator, max_pages)
+
+    def _model_window(self) -> int | None:
+        """Keys before a query that GroupQueryAttention's ``local_window_size`` keeps visible (None: all)."""
+        windows = set()
+        for node in self.session.model.proto.graph.node:
+            if node.op_type == "GroupQueryAttention":
+                w = next((a.i for a in node.attribute if a.name == "local_window_size"), -1)
+                windows.add(w - 1 if w > 0 else None)
+        return windows.pop() if len(windows) == 1 else None
+
+    def _pasts_read_elsewhere(self) -> set[str]:
+        """Bound pasts whose data a node other than the joining node reads (they are fed gathered copies)."""
+        joiner = {b.past: b.node for b in self.bindings}
+        out = set()
+        for node in self.session.model.proto.graph.node:
+            if node.op_type == "Shape":
+                continue
+            for x in node.input:
+                if x in joiner and joiner[x] != (node.name or node.output[0]):
+                    out.add(x)
+        return out
+
+    def _new_paged(self, batch: int) -> PagedCache:
+        static = self._static_capacity if self._static else None
+        cache = PagedCache(self._pool, PageTable(self._pool, batch), static_length=static,
+                           max_tokens=static if self._static else self.capacity)
+        if self._static:
+            try:
+                for plane in cache.planes.values():
+                    plane.write(np.zeros((batch, plane.heads, static, plane.head_size), np.float32), 0, static)
+                cache.commit()
+            except Exception:
+                cache.discard()
+                cache.table.release()
+                raise
+        return cache
+
+    def _ensure_caches(self, batch: int) -> dict:
+        if self.paged:
+            if self._paged is None:
+                self._paged = self._new_paged(batch)
+                self._caches = self._paged.planes
+            elif self._paged.table.batch != batch:
+                raise InputError(f"State.run: batch size {batch} differs from the state's {self._paged.table.batch}; "
+                                 "reorder or reset the state first")
+            return self._caches
         if self._caches is None:
             caches = {}
             try:
@@ -175,8 +320,13 @@ class State:
         return self._caches
 
     def _release(self) -> None:
-        for c in (self._caches or {}).values():
-            c.release()
+        if self._paged is not None:
+            self._paged.discard()
+            self._paged.table.release()
+            self._paged = None
+        else:
+            for c in (self._caches or {}).values():
+                c.release()
         self._caches = None
         for name in list(self._values):
             self._drop_value(name)
@@ -236,6 +386,9 @@ class State:
                 raise InputError("State.reset: initial arrays must be [batch, heads, length, head_size] "
                                  "with one batch size and one length")
             length, batch = lengths.pop(), batches.pop()
+            if self.paged:
+                self._reset_paged(arrays, batch, length)
+                return
             new: dict[str, CacheTensor] = {}
             try:
                 for name, a in arrays.items():
@@ -258,8 +411,9 @@ class State:
     def truncate(self, length: int) -> None:
         """Drop every cached position at and after ``length`` (speculative decoding's rollback).
 
-        Only the valid lengths change: no payload byte is copied or freed for a
-        contiguous cache (the positions are overwritten by later appends).
+        Only the valid lengths change: no payload byte is copied (a contiguous
+        cache's positions are overwritten by later appends; a paged cache
+        frees the pages wholly past ``length``).
         ``length`` must be in ``[0, state.length]``.  Static (TensorScatter)
         caches and contract-declared values cannot be truncated.
         """
@@ -272,8 +426,119 @@ class State:
                                  f"({'declared persistent bindings' if self.declared else 'static TensorScatter cache'})")
             if not 0 <= length <= self.length:
                 raise InputError(f"State.truncate: length must be in [0, {self.length}], got {length}")
+            if self._paged is not None:
+                table = self._paged.table
+                if self._window is not None and int(table.first.max(initial=0)) > max(0, length - self._window):
+                    raise StateError(f"State.truncate: positions below {int(table.first.max())} were evicted by the "
+                                     f"sliding window; cannot go back to length {length}")
+                freed = table.truncate(int(length))
+                self._log("truncate", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0,
+                          extra={"pages_freed": freed})
+                return
             for c in (self._caches or {}).values():
                 c.length = int(length)
+
+    def _reset_paged(self, arrays: dict, batch: int, length: int) -> None:
+        cache = PagedCache(self._pool, PageTable(self._pool, batch),
+                           max_tokens=self._static_capacity if self._static else self.capacity)
+        try:
+            for name, a in arrays.items():
+                plane = cache.planes[name]
+                want = self._graph_inputs[name].dtype
+                if a.shape != (batch, plane.heads, length, plane.head_size) or a.dtype != want:
+                    raise InputError(f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
+                                     f"[{batch}, {plane.heads}, {length}, {plane.head_size}] {want}")
+                plane.write(a, 0, length)
+            if self._static:
+                cache.static_length = length
+                cache._staged_lengths[:] = length
+            cache.commit()
+        except Exception:
+            cache.discard()
+            cache.table.release()
+            raise
+        self._release()
+        self._paged, self._caches = cache, cache.planes
+        self.steps = 0
+
+    # -- copy-on-write operations (paged) -------------------------------------
+    def _require_paged(self, api: str) -> PagedCache:
+        self._check_open(api)
+        if not self.paged:
+            raise StateError(f"State.{api}: needs a paged state (session.new_state(cache='paged')); "
+                             f"this state's cache is '{self.cache}'")
+        if self._paged is None:
+            raise StateError(f"State.{api}: the state holds no cache yet (run it first)")
+        return self._paged
+
+    def _log(self, action: str, **counters: int) -> None:
+        log = self.session.events
+        if log.enabled:
+            st = self.allocator.stats()
+            log.record(max(self.session._step - 1, 0), "", "", action, committed=st.committed, live=st.live,
+                       peak=st.peak, **counters)
+
+    def fork(self, n: int = 1) -> list[State]:
+        """``n`` new states sharing every page of this one (copy-on-write); no payload byte is copied.
+
+        Each fork continues independently; the first write into a shared page
+        copies that page only (``cow_copied_bytes``).
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise InputError(f"State.fork: n must be a positive int, got {n!r}")
+        with self._exclusive("fork"):
+            cache = self._require_paged("fork")
+            out = []
+            for _ in range(int(n)):
+                st = State(self.session, capacity=self.capacity, initial_capacity=self.initial_capacity,
+                           allocator=self.allocator, cache_dtype=self.cache_dtype, cache="paged", _pool=self._pool)
+                st._paged = PagedCache(self._pool, cache.table.share(), cache.static_length, cache.max_tokens)
+                st._caches = st._paged.planes
+                st.steps = self.steps
+                out.append(st)
+            self._log("fork", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+            return out
+
+    def reorder(self, indices) -> None:
+        """Row ``i`` becomes old row ``indices[i]`` (beam search); ``len(indices)`` may differ from the batch.
+
+        Page tables are permuted and reference counts adjusted; no payload
+        byte is copied.
+        """
+        with self._exclusive("reorder"):
+            cache = self._require_paged("reorder")
+            idx = np.asarray(indices)
+            if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
+                raise InputError(f"State.reorder: indices must be a non-empty 1-D int array, got {indices!r}")
+            b = cache.table.batch
+            if idx.min() < 0 or idx.max() >= b:
+                raise InputError(f"State.reorder: indices must be in [0, {b}), got {idx.tolist()}")
+            new = cache.table.share(idx)
+            cache.table.release()
+            cache.table = new
+            self._log("reorder", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+
+    def checkpoint(self) -> Checkpoint:
+        """The cache contents now, held by page references (no copy); see :meth:`restore`."""
+        with self._exclusive("checkpoint"):
+            cache = self._require_paged("checkpoint")
+            cp = Checkpoint(self, cache.table.share(), self.steps)
+            self._log("checkpoint", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+            return cp
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Return the caches to ``checkpoint`` (made by this state, not released); no payload copy."""
+        with self._exclusive("restore"):
+            cache = self._require_paged("restore")
+            if not isinstance(checkpoint, Checkpoint) or checkpoint._state is not self:
+                raise InputError("State.restore: the checkpoint was not made by this state")
+            if checkpoint.table is None:
+                raise StateError("State.restore: the checkpoint was released")
+            new = checkpoint.table.share()
+            cache.table.release()
+            cache.table = new
+            self.steps = checkpoint.steps
+            self._log("restore", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
 
     def close(self) -> None:
         """Release the caches; the state cannot be used afterwards."""
@@ -332,7 +597,10 @@ class State:
             caches = self._ensure_caches(batch)
             full = dict(feeds)
             for name, c in caches.items():
-                full[name] = c.view()
+                if self.paged:
+                    full[name] = c.gather() if name in self._needs_data else c.placeholder(c.length)
+                else:
+                    full[name] = c.view()
             try:
                 out = self.session._run_plan(full, output_names, caches, self.allocator, cancel)
             except BaseException:
@@ -342,6 +610,10 @@ class State:
             for c in caches.values():
                 c.commit()
             self.steps += 1
+            if self._paged is not None and self._window is not None:
+                freed = self._paged.table.evict(self._window)
+                if freed:
+                    self._log("evict", allocations=0, extra={"pages_freed": freed})
             for name in output_names:
                 if name in presents:
                     out[name] = self._export(name, out[name], caches[presents[name]])
@@ -365,9 +637,11 @@ class State:
         self.steps += 1
         return {n: (np.array(out[n]) if n in self.declared.values() else out[n]) for n in output_names}
 
-    def _export(self, present: str, value: np.ndarray, cache: CacheTensor | None = None) -> np.ndarray:
+    def _export(self, present: str, value: np.ndarray, cache=None) -> np.ndarray:
         model_dtype = self._graph_inputs[cache.name].dtype if cache is not None else value.dtype
-        if cache is not None and value.dtype != model_dtype:
+        if self.paged and cache is not None:
+            copy = cache.as_float32(value.shape[2]).astype(model_dtype, copy=False)
+        elif cache is not None and value.dtype != model_dtype:
             copy = cache.as_float32(value.shape[2]).astype(model_dtype, copy=False)
         else:
             copy = np.array(value, copy=True)

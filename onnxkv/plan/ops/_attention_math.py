@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxkv import _kernels
 from onnxkv._kernels import attention as _attention_kernel
 
-__all__ = ["Scores", "causal_attention", "dense_attention", "position_bias"]
+__all__ = ["Scores", "causal_attention", "paged_causal_attention", "dense_attention", "position_bias"]
 
 
 @dataclass
@@ -63,6 +64,21 @@ def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
     """[B, Hkv, T, D] -> [B, Hq, T, D] by repeating each KV head for its query group."""
     group = hq // x.shape[1]
     return x if group == 1 else np.repeat(x, group, axis=1)
+
+
+def paged_causal_attention(q: np.ndarray, keys, values, kv_len: np.ndarray, q_pos: np.ndarray, scale: float,
+                           softcap: float, window: int, out: np.ndarray) -> np.ndarray:
+    """:func:`causal_attention` over the pages of a paged cache (no gather).
+
+    ``keys``/``values`` are the :class:`~onnxkv.cache.paged.PagedPlane` s of
+    one layer (same page tables); ``q`` float32 [B, Hq, Sq, D].  Returns ``out``.
+    """
+    _kernels.paged_attention(
+        np.ascontiguousarray(q, dtype=np.float32), keys.ptrs, values.ptrs, keys.tables, keys.block_size, keys.heads,
+        np.ascontiguousarray(kv_len, dtype=np.int32), np.ascontiguousarray(q_pos, dtype=np.int32), float(scale),
+        float(softcap), int(window), out, kv_dtype=keys.storage,
+    )
+    return out
 
 
 def dense_attention(

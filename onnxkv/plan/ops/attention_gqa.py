@@ -74,7 +74,7 @@ import onnx
 
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.ops._attention_math import causal_attention, dense_attention, position_bias
+from onnxkv.plan.ops._attention_math import causal_attention, dense_attention, paged_causal_attention, position_bias
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -163,27 +163,33 @@ class GroupQueryAttention(Op):
             q, k = self._rotary(q, k, cos, sin, position_ids, q_pos, first_prompt)
 
         kv_dtype = None
+        ck = cv = None
         if in_place:
             # Shared-buffer mode: new rows go straight into the state's caches at past_b.
             present_k = rt.cache_write(self.node.input[3], k, past_lens, present_len)
             present_v = rt.cache_write(self.node.input[4], v, past_lens, present_len)
             ck, cv = rt.caches[self.node.input[3]], rt.caches[self.node.input[4]]
-            keys, values = ck.buffer, cv.buffer
+            paged = getattr(ck, "paged", False)
+            keys, values = (None, None) if paged else (ck.buffer, cv.buffer)
             if ck.storage == "bfloat16":
                 kv_dtype = "bfloat16"
         else:
             present_k = self._present(rt, 1, past_key, k, past_lens, present_len, dtype)
             present_v = self._present(rt, 2, past_value, v, past_lens, present_len, dtype)
             keys, values = present_k, present_v
+            paged = False
 
         out = np.empty((b, hq, s, d), np.float32)
         sink = self._sink(head_sink)
         qf = q.astype(np.float32, copy=False)
-        narrow = kv_dtype is not None or (in_place and keys.dtype == np.float16)
+        narrow = paged or kv_dtype is not None or (in_place and keys.dtype == np.float16)
         kf, vf = (keys, values) if narrow else (t.astype(np.float32, copy=False) for t in (keys, values))
         scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
         if attn_bias is None and sink is None:
-            causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out, kv_dtype)
+            if paged:
+                paged_causal_attention(qf, ck, cv, kv_len, q_pos, scale, self.softcap, self.window, out)
+            else:
+                causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out, kv_dtype)
         else:
             if narrow:
                 kf = rt.caches[self.node.input[3]].as_float32(total)

@@ -39,7 +39,7 @@ from onnx import TensorProto
 
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.ops._attention_math import causal_attention, dense_attention
+from onnxkv.plan.ops._attention_math import causal_attention, dense_attention, paged_causal_attention
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["Attention23", "Attention24"]
@@ -117,11 +117,25 @@ class Attention23(Op):
                 )
 
         keys = values = None
+        paged = False
+        fast = (
+            mask is None
+            and not self.want[3]
+            and q.dtype == np.float32
+            and self.softmax_dtype in (None, np.dtype(np.float32))
+        )
         if self.bound and rt.in_place(self.node.input[4]):
-            # In place: append after the past in the state's caches; present is a view.
-            present_k = rt.cache_write(self.node.input[4], k, past_len, past_len + k.shape[2])
-            present_v = rt.cache_write(self.node.input[5], v, past_len, past_len + v.shape[2])
-            keys, values = rt.caches[self.node.input[4]].buffer, rt.caches[self.node.input[5]].buffer
+            # In place: append after the past in the state's caches; present is a view (contiguous),
+            # or the kernel reads the pages (paged; gathered only for the dense path).
+            ck, cv = rt.caches[self.node.input[4]], rt.caches[self.node.input[5]]
+            paged = getattr(ck, "paged", False)
+            gather = paged and not fast
+            present_k = rt.cache_write(self.node.input[4], k, past_len, past_len + k.shape[2], materialize=gather)
+            present_v = rt.cache_write(self.node.input[5], v, past_len, past_len + v.shape[2], materialize=gather)
+            if not paged:
+                keys, values = ck.buffer, cv.buffer
+            elif fast:
+                keys, values = ck, cv
         elif past_k is not None or self.want[1]:
             present_k = self._present(rt, 1, past_k, k)
             present_v = self._present(rt, 2, past_v, v)
@@ -134,12 +148,6 @@ class Attention23(Op):
 
         offsets = self._causal_offsets(b, sq, past_len, nonpad)
         kv_len = nonpad if nonpad is not None else np.full(b, total, np.int64)
-        fast = (
-            mask is None
-            and not self.want[3]
-            and q.dtype == np.float32
-            and self.softmax_dtype in (None, np.dtype(np.float32))
-        )
         qk = None
         if fast:
             y = np.empty((b, hq, sq, v.shape[3]), np.float32)
@@ -147,7 +155,10 @@ class Attention23(Op):
                 q_pos = offsets[:, None] + np.arange(sq)[None, :]
             else:
                 q_pos = np.broadcast_to(np.int64(total), (b, sq))
-            causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y)
+            if paged:
+                paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y)
+            else:
+                causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y)
         else:
             bias = self._bias(mask, b, hq, sq, total, offsets, nonpad, q.dtype)
             y, scores = dense_attention(

@@ -133,7 +133,7 @@ class Concat(Op):
             # In place: append the new positions to the state's cache; readers get a view.
             past, new = inputs
             length = past.shape[2]
-            return (rt.cache_write(self.bound_past, new, length, length + new.shape[2]),)
+            return (rt.cache_write(self.bound_past, new, length, length + new.shape[2], materialize=True),)
         xs = [x for x in inputs if x is not None]
         axis = normalize_axis(self.axis, xs[0].ndim, f"Concat '{self.name}'")
         shape = list(xs[0].shape)

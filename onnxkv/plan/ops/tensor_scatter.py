@@ -84,7 +84,7 @@ class TensorScatter(Op):
 
         if self.bound_past is not None and rt.in_place(self.bound_past):
             # In place: the update goes straight into the state's static cache.
-            return (rt.cache_write(self.bound_past, update, starts, max_len),)
+            return (rt.cache_write(self.bound_past, update, starts, max_len, materialize=True),)
         present = rt.empty(0, past.shape, past.dtype)
         present[...] = past
         steps = np.arange(seq, dtype=np.int64)

@@ -1,0 +1,205 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Page-table core: reference counts, the free list and copy-on-write decisions.
+
+Everything here works on flat ``int32`` arrays and the inner functions need
+no GIL (their C declarations are in ``_pagecore.pxd`` for other Cython
+modules):
+
+* ``refs[p]`` is the number of references to physical page ``p`` (page
+  tables of states and checkpoints); 0 means the page is free.
+* The free list is a stack of page ids whose count is 0.  ``reserve`` pops,
+  ``decref`` pushes the pages whose count reaches 0 and reports them so the
+  Python face (:class:`onnxkv.cache.paged.BlockPool`) returns their storage
+  to the allocator.
+* A page table row maps logical block ``i`` (tokens ``[i*bs, (i+1)*bs)``) to a
+  page id, or ``-1`` (never allocated, or evicted).  ``pages_needed`` decides
+  for a range of logical blocks about to be written which need a fresh page
+  (``-1``) and which need a copy-on-write (shared: count > 1).
+
+:class:`PageCore` owns the arrays.  It is not thread-safe: its owner (a
+``BlockPool``) serialises calls.
+"""
+from libc.stdint cimport int32_t, int64_t
+
+import numpy as np
+
+#: Action codes of :meth:`PageCore.pages_needed`.
+KEEP = 0
+FRESH = 1
+COPY = 2
+
+
+cdef int64_t okv_pages_needed(const int32_t *refs, const int32_t *row, int64_t first_block,
+                              int64_t last_block, int32_t *action) noexcept nogil:
+    """action[i - first_block] for blocks first..last-1: KEEP (exclusive), FRESH (-1) or COPY (shared)."""
+    cdef int64_t i, n = 0
+    cdef int32_t p
+    for i in range(first_block, last_block):
+        p = row[i]
+        if p < 0:
+            action[i - first_block] = 1
+            n += 1
+        elif refs[p] > 1:
+            action[i - first_block] = 2
+            n += 1
+        else:
+            action[i - first_block] = 0
+    return n
+
+
+cdef void okv_incref(int32_t *refs, const int32_t *ids, int64_t n) noexcept nogil:
+    cdef int64_t i
+    for i in range(n):
+        if ids[i] >= 0:
+            refs[ids[i]] += 1
+
+
+cdef int64_t okv_decref(int32_t *refs, int32_t *free_stack, int64_t *n_free, const int32_t *ids,
+                        int64_t n, int32_t *freed) noexcept nogil:
+    """Drop one reference per id (-1 skipped); push and report pages reaching 0."""
+    cdef int64_t i, k = 0
+    cdef int32_t p
+    for i in range(n):
+        p = ids[i]
+        if p >= 0:
+            refs[p] -= 1
+            if refs[p] == 0:
+                free_stack[n_free[0]] = p
+                n_free[0] += 1
+                freed[k] = p
+                k += 1
+    return k
+
+
+cdef class PageCore:
+    """Reference counts and free list of up to ``max_pages`` pages (None: unbounded, grows).
+
+    ``capacity`` is the current number of page ids; ids are ``0 .. capacity-1``.
+    """
+
+    cdef int32_t[::1] _refs
+    cdef int32_t[::1] _stack
+    cdef int64_t _n_free
+    cdef readonly int64_t capacity
+    cdef readonly object max_pages
+
+    def __init__(self, int64_t initial=64, max_pages=None):
+        if max_pages is not None:
+            if max_pages < 1:
+                raise ValueError(f"PageCore: max_pages must be >= 1, got {max_pages}")
+            initial = min(initial, max_pages)
+        if initial < 1:
+            raise ValueError(f"PageCore: initial capacity must be >= 1, got {initial}")
+        self.max_pages = max_pages
+        self.capacity = 0
+        self._refs = np.zeros(0, np.int32)
+        self._stack = np.zeros(0, np.int32)
+        self._n_free = 0
+        self._grow(initial)
+
+    cdef _grow(self, int64_t new_cap):
+        cdef int64_t old = self.capacity, i
+        refs = np.zeros(new_cap, np.int32)
+        refs[:old] = np.asarray(self._refs)
+        stack = np.zeros(new_cap, np.int32)
+        stack[:self._n_free] = np.asarray(self._stack)[:self._n_free]
+        # New ids go on the stack so the lowest is popped first.
+        for i in range(new_cap - 1, old - 1, -1):
+            stack[self._n_free] = i
+            self._n_free += 1
+        self._refs = refs
+        self._stack = stack
+        self.capacity = new_cap
+
+    @property
+    def free_pages(self) -> int:
+        """Ids available without growing (for a bounded pool: all it will ever have)."""
+        if self.max_pages is None:
+            return self._n_free
+        return self._n_free + (self.max_pages - self.capacity)
+
+    @property
+    def live_pages(self) -> int:
+        return self.capacity - self._n_free
+
+    def refs(self):
+        """A read-only view of the reference counts [capacity]."""
+        a = np.asarray(self._refs)
+        a.flags.writeable = False
+        return a
+
+    def reserve(self, int64_t n):
+        """Pop ``n`` ids (count 1 each), or return None (nothing changed) if a bounded pool has too few."""
+        cdef int64_t i, need
+        cdef int32_t p
+        if n < 0:
+            raise ValueError(f"PageCore.reserve: n must be >= 0, got {n}")
+        if self.max_pages is not None and n > self.free_pages:
+            return None
+        if n > self._n_free:
+            need = self.capacity + (n - self._n_free)
+            grown = max(need, 2 * self.capacity)
+            if self.max_pages is not None:
+                grown = min(grown, self.max_pages)
+            self._grow(grown)
+        out = np.empty(n, np.int32)
+        cdef int32_t[::1] o = out
+        with nogil:
+            for i in range(n):
+                self._n_free -= 1
+                p = self._stack[self._n_free]
+                self._refs[p] = 1
+                o[i] = p
+        return out
+
+    def incref(self, ids):
+        """Add one reference to every id >= 0 of ``ids`` (int32, any shape)."""
+        cdef int32_t[::1] a = self._checked(ids, "incref")
+        if a.shape[0]:
+            with nogil:
+                okv_incref(&self._refs[0], &a[0], a.shape[0])
+
+    def decref(self, ids):
+        """Drop one reference per id >= 0; return the ids that became free (int32 array)."""
+        cdef int32_t[::1] a = self._checked(ids, "decref")
+        cdef int64_t k = 0
+        freed = np.empty(a.shape[0], np.int32)
+        cdef int32_t[::1] f = freed
+        if a.shape[0]:
+            with nogil:
+                k = okv_decref(&self._refs[0], &self._stack[0], &self._n_free, &a[0], a.shape[0], &f[0])
+        return freed[:k]
+
+    def pages_needed(self, row, int64_t first_block, int64_t last_block):
+        """Action per logical block ``first_block .. last_block-1`` of ``row`` (KEEP/FRESH/COPY), and how many need a page."""
+        cdef int32_t[::1] r = np.ascontiguousarray(row, np.int32)
+        if first_block < 0 or last_block > r.shape[0] or first_block > last_block:
+            raise ValueError(f"PageCore.pages_needed: blocks [{first_block}, {last_block}) outside a row of "
+                             f"{r.shape[0]}")
+        action = np.zeros(last_block - first_block, np.int32)
+        cdef int32_t[::1] act = action
+        cdef int64_t n = 0
+        if last_block > first_block:
+            self._checked(r, "pages_needed")
+            with nogil:
+                n = okv_pages_needed(&self._refs[0], &r[0], first_block, last_block, &act[0])
+        return action, n
+
+    cdef int32_t[::1] _checked(self, ids, str api):
+        a = np.ascontiguousarray(ids, np.int32).reshape(-1)
+        if a.size:
+            hi = int(a.max())
+            if hi >= self.capacity:
+                raise ValueError(f"PageCore.{api}: page id {hi} out of range [0, {self.capacity})")
+            live = a[a >= 0]
+            if api != "incref" and api != "pages_needed" and live.size:
+                counts = np.asarray(self._refs)[live]
+                need = np.bincount(live, minlength=self.capacity)[live]
+                if (counts < need).any():
+                    bad = int(live[np.flatnonzero(counts < need)[0]])
+                    raise ValueError(f"PageCore.{api}: page {bad} has {int(np.asarray(self._refs)[bad])} "
+                                     f"reference(s), fewer than the {int(np.bincount(live)[bad])} dropped")
+            if api == "incref" and live.size and (np.asarray(self._refs)[live] <= 0).any():
+                bad = int(live[np.flatnonzero(np.asarray(self._refs)[live] <= 0)[0]])
+                raise ValueError(f"PageCore.incref: page {bad} is free")
+        return a

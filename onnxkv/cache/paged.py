@@ -1,0 +1,543 @@
+"""Paged KV cache: a reference-counted page pool, page tables and copy-on-write.
+
+Layout.  A cache is split into *planes*, one per past input a state binds
+(the keys of layer 0, the values of layer 0, ...).  Physical page ``p`` is one
+page id for the whole model: it owns one payload of ``[kv_heads, block_size,
+head_size]`` elements per plane (head-major: one KV head's tokens are
+contiguous), each allocated separately from the pool's allocator when the id
+is handed out and returned to it when the id's reference count drops to 0.
+``BlockPool.ptrs[plane]`` holds the payload addresses by page id (0 when
+free); the paged attention kernel reads pages through them.
+
+A :class:`PageTable` holds, for a batch of sequences (rows), ``tables`` int32
+``[B, M]`` (logical block ``i`` of row ``b`` covers tokens ``[i*bs, (i+1)*bs)``;
+-1 = no page: never written, or evicted by a sliding window) and ``lengths``
+int64 ``[B]``.  Every page id in a table holds one reference.  States,
+forks and checkpoints are page tables: forking, reordering, checkpointing and
+truncating change tables and reference counts only (no payload byte moves).
+
+Writes (:class:`PagedCache`).  A run stages a private copy of the committed
+table.  Before the first byte of a run is written, every logical block the
+run writes gets a page it owns alone: a fresh page where there was none, a
+copy of the shared page (that page only, its valid tokens only, counted as
+``cow_copied_bytes``) where the page is referenced elsewhere.  All pages come
+from one :meth:`BlockPool.allocate` call, so pool exhaustion raises
+:class:`~onnxkv.errors.OutOfMemory` before anything is written.  Commit
+publishes the staged table and drops the replaced pages' references;
+discard frees the run's new pages: the committed table never changed.
+
+The reference counts and free list live in :mod:`onnxkv.cache._pagecore`
+(Cython, flat int32 arrays, GIL-free inner functions).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxkv import _kernels
+from onnxkv.alloc import as_allocator
+from onnxkv.cache._pagecore import PageCore
+from onnxkv.cache.contiguous import WriteCost
+from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, StateError
+
+__all__ = ["PlaneSpec", "BlockPool", "PageTable", "PagedCache", "PagedPlane", "live_pools"]
+
+_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+_pools: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_pools() -> list[BlockPool]:
+    """Every :class:`BlockPool` still alive (for audits)."""
+    return list(_pools)
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    """One plane of a paged cache: the past input it feeds and its page geometry.
+
+    ``storage`` is the stored element type ("float32", "float16" or
+    "bfloat16"; bfloat16 is held as uint16 bit patterns); ``model_dtype`` the
+    element type the model feeds and reads.
+    """
+
+    name: str
+    heads: int
+    head_size: int
+    storage: str
+    model_dtype: str = "float32"
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _STORAGE[self.storage]
+
+    def page_bytes(self, block_size: int) -> int:
+        return self.heads * block_size * self.head_size * self.dtype.itemsize
+
+
+class BlockPool:
+    """Pages of ``block_size`` tokens for every plane, reference counted.
+
+    Args:
+        planes: the planes every page id holds a payload for.
+        block_size: tokens per page (>= 1).
+        allocator: persistent allocator the payloads come from.
+        max_pages: at most this many page ids live at once (None: unbounded).
+
+    Ownership: page tables (:class:`PageTable`) hold references; a page's
+    payload may be written only by a holder of its only reference.  Calls
+    are serialised by an internal lock.
+    """
+
+    def __init__(self, planes: list[PlaneSpec], block_size: int = 16, allocator=None,
+                 max_pages: int | None = None) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise InputError(f"BlockPool: block_size must be a positive int, got {block_size!r}")
+        if max_pages is not None and (isinstance(max_pages, bool) or not isinstance(max_pages, (int, np.integer))
+                                      or max_pages < 1):
+            raise InputError(f"BlockPool: max_pages must be None or a positive int, got {max_pages!r}")
+        if not planes:
+            raise InputError("BlockPool: at least one plane is needed")
+        for p in planes:
+            if p.storage not in _STORAGE:
+                raise InputError(f"BlockPool: plane '{p.name}' storage must be one of {sorted(_STORAGE)}, "
+                                 f"got {p.storage!r}")
+        self.planes = list(planes)
+        self.plane_index = {p.name: i for i, p in enumerate(self.planes)}
+        self.block_size = int(block_size)
+        self.allocator = as_allocator(allocator)
+        self.max_pages = None if max_pages is None else int(max_pages)
+        self.core = PageCore(64 if max_pages is None else min(64, int(max_pages)), self.max_pages)
+        self._bufs: list[list] = [[] for _ in self.planes]
+        self.pages: list[list] = [[] for _ in self.planes]
+        self.ptrs: list[np.ndarray] = [np.zeros(0, np.uint64) for _ in self.planes]
+        self._holders: weakref.WeakSet = weakref.WeakSet()
+        self._lock = threading.RLock()
+        self._sync_capacity()
+        _pools.add(self)
+
+    # -- geometry ------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page id over all planes."""
+        return sum(p.page_bytes(self.block_size) for p in self.planes)
+
+    @property
+    def live_pages(self) -> int:
+        return self.core.live_pages
+
+    @property
+    def free_pages(self) -> int:
+        """Page ids that can still be handed out (for max_pages=None: before the id table grows)."""
+        return self.core.free_pages
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of payload held by live pages."""
+        return self.live_pages * self.page_bytes
+
+    def refcount(self, page: int) -> int:
+        return int(self.core.refs()[page])
+
+    def _sync_capacity(self) -> None:
+        cap = self.core.capacity
+        for i in range(len(self.planes)):
+            grow = cap - len(self.pages[i])
+            if grow > 0:
+                self._bufs[i].extend([None] * grow)
+                self.pages[i].extend([None] * grow)
+                ptrs = np.zeros(cap, np.uint64)
+                ptrs[: len(self.ptrs[i])] = self.ptrs[i]
+                self.ptrs[i] = ptrs
+
+    # -- references ------------------------------------------------------------
+    def allocate(self, n: int) -> np.ndarray:
+        """Hand out ``n`` fresh page ids (one reference each), payloads allocated.
+
+        Raises :class:`~onnxkv.errors.OutOfMemory` with nothing changed when
+        the pool has fewer than ``n`` free ids or the allocator fails.
+        """
+        with self._lock:
+            ids = self.core.reserve(int(n))
+            if ids is None:
+                raise OutOfMemory(f"BlockPool: {n} page(s) needed but only {self.core.free_pages} of "
+                                  f"max_pages={self.max_pages} are free (block_size={self.block_size})")
+            self._sync_capacity()
+            done: list[tuple[int, int]] = []
+            try:
+                for p in ids.tolist():
+                    for i, spec in enumerate(self.planes):
+                        buf = self.allocator.allocate(spec.page_bytes(self.block_size), 64)
+                        arr = buf.view(spec.dtype, (spec.heads, self.block_size, spec.head_size))
+                        self._bufs[i][p], self.pages[i][p] = buf, arr
+                        self.ptrs[i][p] = arr.__array_interface__["data"][0]
+                        done.append((i, p))
+            except Exception as e:
+                for i, p in done:
+                    self._free_payload(i, p)
+                self.core.decref(ids)
+                if isinstance(e, OutOfMemory):
+                    raise
+                raise OutOfMemory(f"BlockPool: allocating {n} page(s) failed: {e}") from e
+            return ids
+
+    def _free_payload(self, i: int, p: int) -> None:
+        buf = self._bufs[i][p]
+        if buf is not None:
+            self.allocator.free(buf)
+        self._bufs[i][p] = self.pages[i][p] = None
+        self.ptrs[i][p] = 0
+
+    def incref(self, ids: np.ndarray) -> None:
+        """One more reference to every id >= 0 (ids must be live)."""
+        with self._lock:
+            self.core.incref(ids)
+
+    def decref(self, ids: np.ndarray) -> int:
+        """Drop one reference per id >= 0; free payloads reaching 0; return pages freed."""
+        with self._lock:
+            freed = self.core.decref(ids)
+            for p in freed.tolist():
+                for i in range(len(self.planes)):
+                    self._free_payload(i, p)
+            return len(freed)
+
+    def copy_page(self, src: int, dst: int, tokens: int) -> int:
+        """Copy the first ``tokens`` positions of every head of page ``src`` into ``dst`` (all planes).
+
+        Returns the bytes copied.  ``dst`` must be held exclusively by the caller.
+        """
+        if tokens <= 0:
+            return 0
+        n = 0
+        for i in range(len(self.planes)):
+            a, b = self.pages[i][src], self.pages[i][dst]
+            b[:, :tokens] = a[:, :tokens]
+            n += a[:, :tokens].nbytes
+        return n
+
+    # -- audit ---------------------------------------------------------------
+    def register(self, holder: PageTable) -> None:
+        self._holders.add(holder)
+
+    def audit(self) -> None:
+        """Check the pool is whole: counts equal live holders' references, payloads exactly on live ids.
+
+        Raises :class:`~onnxkv.errors.StateError` naming the first mismatch.
+        """
+        with self._lock:
+            refs = self.core.refs()
+            held = [h.held_ids() for h in list(self._holders)]
+            ids = np.concatenate(held) if held else np.zeros(0, np.int32)
+            want = np.bincount(ids, minlength=len(refs)) if ids.size else np.zeros(len(refs), np.int64)
+            bad = np.flatnonzero(want != refs)
+            if bad.size:
+                p = int(bad[0])
+                raise StateError(f"BlockPool.audit: page {p} has {int(refs[p])} reference(s) but live page tables "
+                                 f"hold {int(want[p])} ({bad.size} page(s) differ)")
+            for i in range(len(self.planes)):
+                has = self.ptrs[i][: len(refs)] != 0
+                if (has != (refs > 0)).any():
+                    p = int(np.flatnonzero(has != (refs > 0))[0])
+                    raise StateError(f"BlockPool.audit: page {p} plane '{self.planes[i].name}' payload "
+                                     f"{'held' if has[p] else 'missing'} with {int(refs[p])} reference(s)")
+            if self.core.live_pages != int((refs > 0).sum()):
+                raise StateError(f"BlockPool.audit: {self.core.live_pages} live ids but "
+                                 f"{int((refs > 0).sum())} referenced pages")
+
+
+class PageTable:
+    """Page tables and valid lengths of a batch of sequences; see the module docstring.
+
+    ``tables`` int32 [B, M] and ``lengths`` int64 [B] are owned by this
+    object; every id in ``tables`` holds one reference in ``pool``.
+    ``first`` int64 [B] is the first position still held (> 0 after sliding
+    window eviction).
+    """
+
+    def __init__(self, pool: BlockPool, batch: int) -> None:
+        self.pool = pool
+        self.tables = np.full((batch, 0), -1, np.int32)
+        self.lengths = np.zeros(batch, np.int64)
+        self.first = np.zeros(batch, np.int64)
+        pool.register(self)
+
+    @property
+    def batch(self) -> int:
+        return self.tables.shape[0]
+
+    def held_ids(self) -> np.ndarray:
+        t = self.tables
+        return t[t >= 0]
+
+    def share(self, rows: np.ndarray | None = None) -> PageTable:
+        """A new table holding rows ``rows`` (default all) of this one, sharing their pages."""
+        sel = np.arange(self.batch) if rows is None else np.asarray(rows, np.int64)
+        out = PageTable(self.pool, len(sel))
+        out.tables = self.tables[sel].copy()
+        out.lengths = self.lengths[sel].copy()
+        out.first = self.first[sel].copy()
+        self.pool.incref(out.held_ids())
+        return out
+
+    def release(self) -> None:
+        """Drop every reference (pages nobody else holds are freed)."""
+        ids = self.held_ids()
+        self.tables = np.full((self.batch, 0), -1, np.int32)
+        self.lengths[:] = 0
+        self.first[:] = 0
+        self.pool.decref(ids)
+
+    def truncate(self, length: int) -> int:
+        """Keep positions ``< length`` of every row; drop pages wholly past it; return pages released."""
+        bs = self.pool.block_size
+        keep = -(-int(length) // bs)
+        drop = self.tables[:, keep:]
+        ids = drop[drop >= 0]
+        self.tables = self.tables[:, :keep].copy()
+        self.lengths = np.minimum(self.lengths, length)
+        self.first = np.minimum(self.first, self.lengths)
+        return self.pool.decref(ids) if ids.size else 0
+
+    def evict(self, window: int) -> int:
+        """Drop pages no future query can see: all tokens below ``lengths[b] - window``. Returns pages released."""
+        bs = self.pool.block_size
+        released = []
+        for b in range(self.batch):
+            lo = int(self.lengths[b]) - window  # smallest position the next query may read
+            n = max(0, lo) // bs  # blocks wholly below it
+            row = self.tables[b, :n]
+            gone = row[row >= 0]
+            if gone.size:
+                released.append(gone.copy())
+                row[:] = -1
+            self.first[b] = max(int(self.first[b]), n * bs)
+        return self.pool.decref(np.concatenate(released)) if released else 0
+
+    def unique_pages(self) -> int:
+        return int(np.unique(self.held_ids()).size)
+
+
+class PagedCache:
+    """One state's paged cache: a committed :class:`PageTable` and a run's staged edits.
+
+    Args:
+        pool: the :class:`BlockPool` (shared by forks of the state).
+        table: the committed table (owned).
+        static_length: for static (TensorScatter) caches, the fixed length.
+
+    A run calls :meth:`write` through the planes (:class:`PagedPlane`); the
+    state then calls :meth:`commit` or :meth:`discard`.
+    """
+
+    def __init__(self, pool: BlockPool, table: PageTable, static_length: int | None = None,
+                 max_tokens: int | None = None) -> None:
+        self.pool = pool
+        self.table = table
+        self.static_length = static_length
+        self.max_tokens = max_tokens
+        self._staged: np.ndarray | None = None
+        self._staged_lengths: np.ndarray | None = None
+        self._new: list[np.ndarray] = []
+        self._replaced: list[int] = []
+        self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
+
+    @property
+    def tables(self) -> np.ndarray:
+        """The tables the current run reads (staged if the run wrote, else committed)."""
+        return self._staged if self._staged is not None else self.table.tables
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._staged_lengths if self._staged_lengths is not None else self.table.lengths
+
+    # -- staging ---------------------------------------------------------------
+    def prepare(self, starts: np.ndarray, s: int) -> WriteCost:
+        """Give every block that rows write at ``starts[b] .. starts[b]+s-1`` a page they own alone.
+
+        Allocates all fresh and copy-on-write pages in one pool call before
+        changing anything (OutOfMemory leaves the staging as it was).
+        """
+        pool, bs = self.pool, self.pool.block_size
+        if self._staged is None:
+            self._staged = self.table.tables.copy()
+            self._staged_lengths = self.table.lengths.copy()
+        hi = int((starts + s).max()) if s else 0
+        if self.max_tokens is not None and hi > self.max_tokens:
+            raise CacheCapacityError(f"paged cache: {hi} positions needed, fixed capacity is {self.max_tokens}")
+        if int(starts.min(initial=0)) < 0:
+            raise InputError(f"paged cache: write position {int(starts.min())} is negative")
+        tables = self._staged
+        need_m = -(-hi // bs)
+        if need_m > tables.shape[1]:
+            grown = np.full((tables.shape[0], need_m), -1, np.int32)
+            grown[:, : tables.shape[1]] = tables
+            tables = self._staged = grown
+        plan = []
+        total = 0
+        for b in range(tables.shape[0]):
+            lo_blk, hi_blk = int(starts[b]) // bs, -(-(int(starts[b]) + s) // bs)
+            action, n = pool.core.pages_needed(tables[b], lo_blk, hi_blk)
+            if n:
+                plan.append((b, lo_blk, action))
+                total += n
+        cost = WriteCost()
+        if not total:
+            return cost
+        ids = pool.allocate(total)  # the only step that can fail: nothing changed before it
+        self._new.append(ids)
+        committed = self.table.lengths
+        k = 0
+        for b, lo_blk, action in plan:
+            for j in np.flatnonzero(action).tolist():
+                blk = lo_blk + j
+                new = int(ids[k])
+                k += 1
+                old = int(tables[b, blk])
+                if action[j] == 2:  # copy on write: this page only, its valid tokens only
+                    valid = min(bs, max(0, int(committed[b]) - blk * bs))
+                    cost.cow_copied_bytes += pool.copy_page(old, new, valid)
+                    self._replaced.append(old)  # only committed pages are shared: drop it at commit
+                tables[b, blk] = new
+        cost.allocations += total * len(pool.planes)
+        cost.allocated_bytes += total * pool.page_bytes
+        return cost
+
+    def write(self, plane: int, new: np.ndarray, starts, length: int) -> WriteCost:
+        """Write ``new`` [B, H, S, D] at positions ``starts[b]...`` of plane ``plane``; stage lengths."""
+        spec = self.pool.planes[plane]
+        b, h, s, d = new.shape
+        if (b, h, d) != (self.table.batch, spec.heads, spec.head_size):
+            raise InputError(f"paged cache '{spec.name}': update of shape {new.shape} does not fit "
+                             f"[{self.table.batch}, {spec.heads}, S, {spec.head_size}]")
+        starts = np.broadcast_to(np.asarray(starts, np.int64), (b,))
+        cost = self.prepare(starts, s)
+        if spec.storage == "bfloat16":
+            src = np.ascontiguousarray(new, dtype=np.float32)
+            conv = np.empty(src.shape, np.uint16)
+            _kernels.f32_to_bf16(src, conv)
+            new = conv
+        bs = self.pool.block_size
+        pages = self.pool.pages[plane]
+        tables = self._staged
+        for row in range(b):
+            p0 = int(starts[row])
+            t = 0
+            while t < s:
+                pos = p0 + t
+                blk, off = divmod(pos, bs)
+                n = min(bs - off, s - t)
+                pages[int(tables[row, blk])][:, off:off + n] = new[row, :, t:t + n]
+                t += n
+        cost.append_copied_bytes += b * h * s * d * spec.dtype.itemsize
+        self._staged_lengths[:] = starts + s if self.static_length is None else self.static_length
+        return cost
+
+    def commit(self) -> None:
+        """Publish the staged tables and lengths; drop references of pages replaced by copies."""
+        if self._staged is None:
+            return
+        self.table.tables = self._staged
+        self.table.lengths = self._staged_lengths
+        replaced = np.array(self._replaced, np.int32)
+        self._staged = self._staged_lengths = None
+        self._new, self._replaced = [], []
+        if replaced.size:
+            self.pool.decref(replaced)
+
+    def discard(self) -> None:
+        """Forget the run: free its new pages; the committed table is untouched."""
+        new = self._new
+        self._staged = self._staged_lengths = None
+        self._new, self._replaced = [], []
+        for ids in new:
+            self.pool.decref(ids)
+
+    # -- reads -----------------------------------------------------------------
+    def gather(self, plane: int, length: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """A contiguous copy ``[B, H, length, D]`` of plane ``plane`` (stored element type).
+
+        Positions a row does not hold (never written, or evicted) are zero.
+        """
+        spec = self.pool.planes[plane]
+        bs = self.pool.block_size
+        tables = self.tables
+        out = np.zeros((tables.shape[0], spec.heads, length, spec.head_size), spec.dtype)
+        pages = self.pool.pages[plane]
+        for b in range(tables.shape[0]):
+            for blk in range(min(tables.shape[1], -(-length // bs))):
+                p = int(tables[b, blk])
+                if p >= 0:
+                    n = min(bs, length - blk * bs)
+                    out[b, :, blk * bs: blk * bs + n] = pages[p][:, :n]
+        return out
+
+
+class PagedPlane:
+    """What a run's kernels see of one plane (one past input) of a :class:`PagedCache`.
+
+    Same write protocol as :class:`~onnxkv.cache.contiguous.CacheTensor`
+    (``write``/``commit``/``discard``), plus the page addresses and tables
+    the paged attention kernel reads.
+    """
+
+    paged = True
+
+    def __init__(self, cache: PagedCache, index: int) -> None:
+        self.cache = cache
+        self.index = index
+        self.spec = cache.pool.planes[index]
+        self.name = self.spec.name
+        self.storage = self.spec.storage
+        self.heads = self.spec.heads
+        self.head_size = self.spec.head_size
+
+    @property
+    def batch(self) -> int:
+        return self.cache.table.batch
+
+    @property
+    def length(self) -> int:
+        lengths = self.cache.lengths
+        return int(lengths.max()) if lengths.size else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.pool.block_size
+
+    @property
+    def ptrs(self) -> np.ndarray:
+        return self.cache.pool.ptrs[self.index]
+
+    @property
+    def tables(self) -> np.ndarray:
+        return self.cache.tables
+
+    def write(self, new: np.ndarray, starts, length: int) -> WriteCost:
+        return self.cache.write(self.index, new, starts, length)
+
+    def placeholder(self, length: int) -> np.ndarray:
+        """A zero-byte stand-in of the present/past value ``[B, H, length, D]`` (nothing may read it)."""
+        zero = np.zeros((), np.dtype(self.spec.model_dtype))
+        return np.broadcast_to(zero, (self.batch, self.heads, int(length), self.head_size))
+
+    def gather(self, length: int | None = None) -> np.ndarray:
+        """A contiguous copy of the valid cache in the stored type (the price of a tensor consumer)."""
+        return self.cache.gather(self.index, self.length if length is None else int(length))
+
+    def as_float32(self, length: int | None = None) -> np.ndarray:
+        g = self.gather(length)
+        if self.storage == "bfloat16":
+            out = np.empty(g.shape, np.float32)
+            _kernels.bf16_to_f32(np.ascontiguousarray(g), out)
+            return out
+        return g.astype(np.float32)
+
+    def commit(self) -> None:
+        self.cache.commit()
+
+    def discard(self) -> None:
+        self.cache.discard()

@@ -1,0 +1,191 @@
+"""BlockPool / PageTable / PagedCache: reference counts, copy-on-write, exhaustion."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxkv.alloc import ArenaAllocator
+from onnxkv.cache._pagecore import PageCore
+from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec, live_pools
+from onnxkv.errors import InputError, OutOfMemory
+
+H, D = 2, 8
+
+
+def _pool(block_size=4, max_pages=None, storage="float32", allocator=None):
+    planes = [PlaneSpec("k", H, D, storage), PlaneSpec("v", H, D, storage)]
+    return BlockPool(planes, block_size, allocator, max_pages)
+
+
+def _rand(rng, b, s):
+    return rng.standard_normal((b, H, s, D)).astype(np.float32)
+
+
+def test_core_reserve_incref_decref_and_free_list():
+    core = PageCore(4, None)
+    ids = core.reserve(6)  # grows past the initial 4 ids
+    assert len(set(ids.tolist())) == 6 and core.capacity >= 6 and core.live_pages == 6
+    core.incref(ids[:2])
+    freed = core.decref(ids)
+    assert sorted(freed.tolist()) == sorted(ids[2:].tolist())
+    assert core.live_pages == 2
+    assert (core.refs()[ids[:2]] == 1).all()
+    again = core.reserve(4)  # recycled ids come back from the free list
+    assert set(again.tolist()) == set(ids[2:].tolist())
+
+
+def test_core_bounded_pool_refuses_without_change():
+    core = PageCore(4, 5)
+    assert core.reserve(6) is None
+    assert core.live_pages == 0 and core.free_pages == 5
+    assert core.reserve(5) is not None and core.free_pages == 0
+
+
+def test_core_rejects_bad_ids():
+    core = PageCore(4, None)
+    ids = core.reserve(1)
+    with pytest.raises(ValueError, match="out of range"):
+        core.incref(np.array([99], np.int32))
+    with pytest.raises(ValueError, match="fewer than"):
+        core.decref(np.array([ids[0], ids[0]], np.int32))
+    with pytest.raises(ValueError, match="free"):
+        core.incref(np.array([3], np.int32))
+
+
+def test_core_pages_needed_marks_fresh_and_shared():
+    core = PageCore(8, None)
+    ids = core.reserve(3)
+    core.incref(ids[1:2])  # page ids[1] is shared
+    row = np.array([ids[0], ids[1], -1, ids[2]], np.int32)
+    action, n = core.pages_needed(row, 0, 4)
+    assert action.tolist() == [0, 2, 1, 0] and n == 2
+
+
+def test_pool_allocates_and_frees_payloads_with_the_allocator():
+    arena = ArenaAllocator(1 << 20)
+    pool = _pool(allocator=arena)
+    ids = pool.allocate(3)
+    assert pool.live_pages == 3
+    assert arena.stats().live == 3 * pool.page_bytes
+    assert all(pool.ptrs[i][p] != 0 for i in range(2) for p in ids)
+    pool.decref(ids)
+    assert arena.stats().live == 0 and pool.live_pages == 0
+    assert all(pool.ptrs[i][p] == 0 for i in range(2) for p in ids)
+
+
+def test_pool_exhaustion_raises_out_of_memory_and_changes_nothing():
+    pool = _pool(max_pages=2)
+    pool.allocate(1)
+    with pytest.raises(OutOfMemory, match="max_pages=2"):
+        pool.allocate(2)
+    assert pool.live_pages == 1
+
+
+def test_allocator_failure_rolls_back_every_page():
+    pool = _pool(allocator=ArenaAllocator(4096))  # room for a few pages only
+    per = pool.page_bytes
+    with pytest.raises(OutOfMemory):
+        pool.allocate(4096 // per + 2)
+    assert pool.live_pages == 0 and pool.allocator.stats().live == 0
+
+
+def test_pool_arguments_are_checked():
+    with pytest.raises(InputError, match="block_size"):
+        _pool(block_size=0)
+    with pytest.raises(InputError, match="max_pages"):
+        _pool(max_pages=0)
+    with pytest.raises(InputError, match="storage"):
+        _pool(storage="int8")
+
+
+def test_write_gather_round_trip_across_page_boundaries():
+    rng = np.random.default_rng(0)
+    pool = _pool(block_size=4)
+    cache = PagedCache(pool, PageTable(pool, 2))
+    a = _rand(rng, 2, 7)
+    cache.write(0, a, 0, 7)
+    cache.commit()
+    b = _rand(rng, 2, 3)
+    cache.write(0, b, np.array([7, 7]), 10)
+    cache.commit()
+    got = cache.gather(0, 10)
+    np.testing.assert_array_equal(got, np.concatenate([a, b], axis=2))
+    assert cache.table.lengths.tolist() == [10, 10]
+    assert pool.live_pages == 6  # 2 rows x 3 blocks of 4 tokens
+    cache.table.release()
+    pool.audit()
+    assert pool.live_pages == 0
+
+
+def test_discard_frees_new_pages_and_keeps_committed_bytes():
+    rng = np.random.default_rng(1)
+    pool = _pool(block_size=4)
+    cache = PagedCache(pool, PageTable(pool, 1))
+    a = _rand(rng, 1, 6)
+    cache.write(0, a, 0, 6)
+    cache.commit()
+    before = cache.gather(0, 6).copy()
+    live = pool.live_pages
+    cache.write(0, _rand(rng, 1, 8), 6, 14)
+    assert pool.live_pages > live
+    cache.discard()
+    assert pool.live_pages == live
+    np.testing.assert_array_equal(cache.gather(0, 6), before)
+    assert cache.table.lengths.tolist() == [6]
+    cache.table.release()
+
+
+def test_copy_on_write_copies_only_the_shared_partial_page():
+    rng = np.random.default_rng(2)
+    pool = _pool(block_size=4)
+    base = PagedCache(pool, PageTable(pool, 1))
+    prompt = _rand(rng, 1, 10)  # blocks 0, 1 full, block 2 holds 2 tokens
+    for plane in (0, 1):
+        base.write(plane, prompt, 0, 10)
+    base.commit()
+    fork = PagedCache(pool, base.table.share())
+    assert pool.live_pages == 3
+    new = _rand(rng, 1, 1)
+    cost = fork.write(0, new, 10, 11)
+    # one page copied (its 2 valid tokens, both planes), one page allocated
+    assert cost.cow_copied_bytes == 2 * H * 2 * D * 4
+    assert cost.allocations == 2 and pool.live_pages == 4
+    fork.write(1, new, 10, 11)
+    fork.commit()
+    np.testing.assert_array_equal(base.gather(0, 10), prompt)
+    np.testing.assert_array_equal(fork.gather(0, 11)[:, :, :10], prompt)
+    np.testing.assert_array_equal(fork.gather(0, 11)[:, :, 10:], new)
+    # the full pages stay shared
+    assert (base.table.tables[0, :2] == fork.table.tables[0, :2]).all()
+    assert base.table.tables[0, 2] != fork.table.tables[0, 2]
+    fork.table.release()
+    base.table.release()
+    pool.audit()
+    assert pool.live_pages == 0
+
+
+def test_truncate_and_evict_release_pages():
+    rng = np.random.default_rng(3)
+    pool = _pool(block_size=4)
+    t = PageTable(pool, 1)
+    cache = PagedCache(pool, t)
+    cache.write(0, _rand(rng, 1, 16), 0, 16)
+    cache.commit()
+    assert pool.live_pages == 4
+    assert t.truncate(9) == 1  # block 3 (tokens 12..15) dropped, block 2 keeps token 8
+    assert t.lengths.tolist() == [9] and pool.live_pages == 3
+    assert t.evict(window=2) == 1  # next query at 9 sees >= 7: block 0 (0..3) goes, block 1 (4..7) stays
+    assert t.tables[0].tolist()[0] == -1 and t.first.tolist() == [4]
+    pool.audit()
+    t.release()
+    assert pool.live_pages == 0
+
+
+def test_audit_detects_leaked_references():
+    pool = _pool()
+    ids = pool.allocate(2)  # held by nobody
+    with pytest.raises(Exception, match="audit"):
+        pool.audit()
+    pool.decref(ids)
+    pool.audit()
+    assert pool in live_pools()

@@ -1,0 +1,299 @@
+"""Paged states: parity with contiguous caches, copy-on-write operations, exhaustion, eviction."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxkv
+from onnxkv.errors import Cancelled, InputError, OutOfMemory, StateError
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.models.builders import MICRO, build_model
+from onnxkv.runtime.state import Cancellation
+
+FAMILIES = ["gqa", "attention", "concat", "tensorscatter"]
+PLANES = 2 * MICRO.num_layers
+PAGE_PLANE_BYTES = MICRO.num_kv_heads * MICRO.head_size * 4  # one token of one plane
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def session(request):
+    return onnxkv.Session(build_model(request.param, MICRO, seed=21), threads=1, events=True)
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return onnxkv.Session(build_model("gqa", MICRO, seed=4), threads=1, events=True)
+
+
+class Driver:
+    """Feeds a state step by step and records the last-position logits."""
+
+    def __init__(self, session, state, prompt):
+        self.session, self.state = session, state
+        self.logits_name = session.model.io.logits
+        self.b = FeedBuilder(session.plan.inputs, session.model, prompt, np.full(prompt.shape[0], prompt.shape[1]),
+                             0, thread_cache=False)
+        feeds, _ = self.b.first()
+        self.out = state.run(feeds, [self.logits_name])
+
+    @property
+    def last(self):
+        return self.out[self.logits_name][:, -1].copy()
+
+    def step(self, tokens):
+        self.out = self.state.run(self.b.next(np.asarray(tokens, np.int64), self.out), [self.logits_name])
+        return self.last
+
+    def greedy(self, n):
+        got = [self.last]
+        for _ in range(n):
+            got.append(self.step(np.argmax(got[-1], axis=-1)))
+        return got
+
+
+def _events(session, action):
+    return [e for e in session.events if e.action == action]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_matches_contiguous_for_every_family(session, block_size):
+    prompt = np.random.default_rng(0).integers(0, MICRO.vocab_size, (2, 7))
+    with session.new_state() as ref_state, session.new_state(cache="paged", block_size=block_size) as st:
+        want = Driver(session, ref_state, prompt).greedy(18)
+        got = Driver(session, st, prompt).greedy(18)
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        for name, v in ref_state.values.items():
+            np.testing.assert_allclose(st.values[name], v, rtol=0, atol=0)
+        assert st.pool.live_pages > 0
+    assert st.pool.live_pages == 0
+
+
+def test_paged_exports_present_like_contiguous(gqa):
+    prompt = np.random.default_rng(1).integers(0, MICRO.vocab_size, (1, 5))
+    present = gqa.model.convention.present_outputs[0]
+    outs = []
+    for cache in ("contiguous", "paged"):
+        with gqa.new_state(cache=cache, block_size=4) as st:
+            b = FeedBuilder(gqa.plan.inputs, gqa.model, prompt, np.array([5]), 0, thread_cache=False)
+            feeds, _ = b.first()
+            outs.append(st.run(feeds, [present])[present])
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_fork_shares_pages_and_diverges_by_copy_on_write(gqa):
+    prompt = np.random.default_rng(2).integers(0, MICRO.vocab_size, (1, 6))
+    st = gqa.new_state(cache="paged", block_size=4)
+    d = Driver(gqa, st, prompt)
+    live = st.pool.live_pages
+    gqa.events.clear()
+    forks = st.fork(2)
+    assert st.pool.live_pages == live  # fork copies nothing
+    (ev,) = _events(gqa, "fork")
+    assert ev.cow_copied_bytes == 0 and ev.prefix_copied_bytes == 0 and ev.allocations == 0
+    drivers = []
+    for f, tok in zip(forks, (3, 9)):
+        fd = Driver.__new__(Driver)
+        fd.session, fd.state, fd.logits_name = gqa, f, d.logits_name
+        fd.b = FeedBuilder(gqa.plan.inputs, gqa.model, prompt, np.array([6]), 0, thread_cache=False)
+        fd.b.first()
+        fd.out = d.out
+        gqa.events.clear()
+        fd.step([tok])
+        cow = sum(e.cow_copied_bytes for e in _events(gqa, "cache_write"))
+        # the shared partial page (6 % 4 = 2 valid tokens) is copied once per plane; full pages never
+        assert cow == PLANES * 2 * PAGE_PLANE_BYTES
+        drivers.append((fd, tok))
+    # each fork equals a fresh contiguous run of the same tokens
+    for fd, tok in drivers:
+        with gqa.new_state() as ref:
+            rd = Driver(gqa, ref, prompt)
+            np.testing.assert_allclose(fd.last, rd.step([tok]), rtol=1e-5, atol=1e-5)
+    # the original still sees only its prompt
+    with gqa.new_state() as ref:
+        rd = Driver(gqa, ref, prompt)
+        np.testing.assert_allclose(d.step([5]), rd.step([5]), rtol=1e-5, atol=1e-5)
+    for f in forks:
+        f.close()
+    st.close()
+    assert st.pool.live_pages == 0
+
+
+def test_reorder_expands_beams_without_copies_and_bounds_committed_bytes(gqa):
+    k, bs = 4, 4
+    prompt = np.random.default_rng(3).integers(0, MICRO.vocab_size, (1, 9))
+    st = gqa.new_state(cache="paged", block_size=bs)
+    d = Driver(gqa, st, prompt)
+    gqa.events.clear()
+    st.reorder(np.zeros(k, np.int64))
+    _permute(d.b, np.zeros(k, np.int64))
+    d.out = {d.logits_name: np.repeat(d.out[d.logits_name], k, axis=0)}
+    (ev,) = _events(gqa, "reorder")
+    assert ev.cow_copied_bytes == 0 and ev.prefix_copied_bytes == 0
+    assert st.batch == k
+    rng = np.random.default_rng(4)
+    generated = 0
+    for step in range(6):
+        toks = rng.integers(0, MICRO.vocab_size, k)
+        gqa.events.clear()
+        d.step(toks)
+        generated += 1
+        cow = sum(e.cow_copied_bytes for e in _events(gqa, "cache_write"))
+        assert cow <= k * bs * PAGE_PLANE_BYTES * PLANES  # at most one page per beam and plane
+        idx = rng.integers(0, k, k)
+        st.reorder(idx)
+        _permute(d.b, idx)
+        per_token = PAGE_PLANE_BYTES * PLANES
+        assert st.committed_bytes <= (9 + k * generated + k * bs) * per_token
+    st.close()
+
+
+def _permute(b, idx):
+    """Follow a reorder in the feed builder's per-row bookkeeping."""
+    b.mask = b.mask[idx]
+    b.lengths = b.lengths[idx]
+    b.batch = len(idx)
+
+
+def test_checkpoint_restore_replays_identically(session):
+    prompt = np.random.default_rng(5).integers(0, MICRO.vocab_size, (1, 5))
+    st = session.new_state(cache="paged", block_size=4)
+    d = Driver(session, st, prompt)
+    cp = st.checkpoint()
+    mask = d.b.mask.copy()
+    total = d.b.total
+    first = [d.step([t]) for t in (1, 2, 3)]
+    st.restore(cp)
+    assert st.length == (session.model.convention.capacity if session.model.convention.kind == "tensor_scatter" else 5)
+    d.b.mask, d.b.total = mask, total
+    again = [d.step([t]) for t in (1, 2, 3)]
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    cp.release()
+    with pytest.raises(StateError, match="released"):
+        st.restore(cp)
+    st.close()
+
+
+def test_truncate_paged_frees_pages_and_copies_nothing(gqa):
+    prompt = np.random.default_rng(6).integers(0, MICRO.vocab_size, (1, 15))
+    st = gqa.new_state(cache="paged", block_size=4)
+    d = Driver(gqa, st, prompt)
+    mask, total = d.b.mask.copy(), d.b.total
+    want = d.step([7])
+    assert st.pool.live_pages == 4
+    gqa.events.clear()
+    st.truncate(6)
+    (ev,) = _events(gqa, "truncate")
+    assert ev.cow_copied_bytes == 0 and ev.prefix_copied_bytes == 0 and ev.extra["pages_freed"] == 2
+    assert st.pool.live_pages == 2 and st.length == 6
+    st.close()
+    # replay after truncation matches: truncate to the prompt and feed the same token
+    st = gqa.new_state(cache="paged", block_size=4)
+    d = Driver(gqa, st, prompt)
+    d.step([9])
+    st.truncate(15)
+    d.b.mask, d.b.total = mask, total
+    np.testing.assert_allclose(d.step([7]), want, rtol=1e-5, atol=1e-5)
+    st.close()
+
+
+def test_pool_exhaustion_leaves_the_state_unchanged(gqa):
+    prompt = np.random.default_rng(7).integers(0, MICRO.vocab_size, (1, 8))
+    st = gqa.new_state(cache="paged", block_size=4, max_pages=2)
+    d = Driver(gqa, st, prompt)  # exactly 2 pages
+    before = {k: v.copy() for k, v in st.values.items()}
+    feeds = d.b.next(np.array([1]), d.out)
+    with pytest.raises(OutOfMemory, match="max_pages=2"):
+        st.run(feeds, [d.logits_name])
+    assert st.length == 8 and st.pool.live_pages == 2
+    for k, v in st.values.items():
+        np.testing.assert_array_equal(v, before[k])
+    st.close()
+
+
+def test_cancelled_run_leaves_the_paged_state_unchanged(gqa):
+    prompt = np.random.default_rng(8).integers(0, MICRO.vocab_size, (1, 8))
+    st = gqa.new_state(cache="paged", block_size=4)
+    d = Driver(gqa, st, prompt)
+    live = st.pool.live_pages
+    before = {k: v.copy() for k, v in st.values.items()}
+    c = Cancellation()
+    c.cancel()
+    with pytest.raises(Cancelled):
+        st.run(d.b.next(np.array([1]), d.out), [d.logits_name], cancel=c)
+    assert st.pool.live_pages == live and st.length == 8
+    for k, v in st.values.items():
+        np.testing.assert_array_equal(v, before[k])
+    st.close()
+
+
+def _windowed(window):
+    model = build_model("gqa", MICRO, seed=9)
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            for a in node.attribute:
+                if a.name == "local_window_size":
+                    a.i = window
+    return onnxkv.Session(onnxkv.load(model), threads=1, events=True)
+
+
+def test_sliding_window_evicts_pages_and_keeps_outputs():
+    s = _windowed(6)
+    prompt = np.random.default_rng(9).integers(0, MICRO.vocab_size, (1, 10))
+    with s.new_state() as ref, s.new_state(cache="paged", block_size=2) as st:
+        want = Driver(s, ref, prompt).greedy(20)
+        d = Driver(s, st, prompt)
+        got = d.greedy(20)
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        # 30 tokens, window 6: only the pages that may still be read are held
+        assert st.pool.live_pages <= 6 // 2 + 2
+        assert any(e.action == "evict" for e in s.events)
+        with pytest.raises(StateError, match="evicted"):
+            st.truncate(3)
+
+
+def test_narrow_paged_cache_matches_narrow_contiguous(gqa):
+    prompt = np.random.default_rng(10).integers(0, MICRO.vocab_size, (1, 6))
+    for dt in ("float16", "bfloat16"):
+        with gqa.new_state(cache_dtype=dt) as ref, gqa.new_state(cache="paged", cache_dtype=dt, block_size=4) as st:
+            want = Driver(gqa, ref, prompt).greedy(6)
+            got = Driver(gqa, st, prompt).greedy(6)
+            for w, g in zip(want, got):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_operations_check_their_arguments(gqa):
+    with gqa.new_state() as st:
+        with pytest.raises(StateError, match="paged"):
+            st.reorder([0])
+        with pytest.raises(StateError, match="paged"):
+            st.checkpoint()
+    with pytest.raises(InputError, match="cache must be"):
+        gqa.new_state(cache="ring")
+    st = gqa.new_state(cache="paged")
+    with pytest.raises(StateError, match="run it first"):
+        st.fork()
+    Driver(gqa, st, np.array([[1, 2, 3]]))
+    with pytest.raises(InputError, match=r"in \[0, 1\)"):
+        st.reorder([1])
+    with pytest.raises(InputError, match="1-D int"):
+        st.reorder([])
+    with pytest.raises(InputError, match="positive int"):
+        st.fork(0)
+    other = gqa.new_state(cache="paged")
+    Driver(gqa, other, np.array([[1, 2, 3]]))
+    with pytest.raises(InputError, match="not made by this state"):
+        st.restore(other.checkpoint())
+    other.close()
+    st.close()
+
+
+def test_fixed_capacity_caps_positions_per_sequence(gqa):
+    st = gqa.new_state(cache="paged", capacity=4, block_size=2)
+    with pytest.raises(onnxkv.CacheCapacityError, match="fixed capacity is 4"):
+        Driver(gqa, st, np.array([[1, 2, 3, 4, 5]]))
+    assert st.length == 0 and st.pool.live_pages == 0
+    st.close()
