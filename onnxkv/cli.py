@@ -87,7 +87,8 @@ def _cmd_generate(args) -> int:
     ids, byte_level = _prompt_ids(args, model)
     progress = _Progress(args.max_new_tokens, not args.quiet)
     res = onnxkv.generate(sess, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, callback=progress)
+                          top_p=args.top_p, seed=args.seed, callback=progress, cache=args.cache,
+                          block_size=args.block_size)
     progress.close()
     new = res.tokens[0].tolist()
     print("ids:", " ".join(str(t) for t in new))
@@ -101,7 +102,7 @@ def _cmd_generate(args) -> int:
           f"{len(new)} tokens, threads {sess.threads}")
     print(f"memory: rss {rss * mb:.1f} MB, allocated {t['allocated_bytes'] * mb:.1f} MB in {t['allocations']} "
           f"allocations, KV copied {t['prefix_copied_bytes'] * mb:.2f} MB prefix + "
-          f"{t['append_copied_bytes'] * mb:.2f} MB append")
+          f"{t['append_copied_bytes'] * mb:.2f} MB append, {t['cow_copied_bytes'] * mb:.2f} MB copy-on-write")
     if args.events:
         sess.events.to_json(args.events)
         print(f"events: {len(sess.events)} records written to {args.events}")
@@ -193,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--cache", choices=["auto", "paged", "tensor"], default="auto",
+                   help="KV cache: in place (auto), paged with copy-on-write (paged), or graph tensors (tensor)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per page with --cache paged")
     g.add_argument("--events", metavar="FILE.json", help="write the storage event log as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress display")
     g.set_defaults(func=_cmd_generate)

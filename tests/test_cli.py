@@ -33,6 +33,16 @@ def test_generate_prints_ids_speed_memory_and_writes_events(genai_dir, tmp_path,
     assert data["events"] and "prefix_copied_bytes" in data["totals"]
 
 
+def test_generate_with_a_paged_cache_prints_the_same_tokens(genai_dir, capsys):
+    args = ["generate", str(genai_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--threads", "1", "--quiet"]
+    assert main(args) == 0
+    want = capsys.readouterr().out.splitlines()[0]
+    assert main(args + ["--cache", "paged", "--block-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == want
+    assert "copy-on-write" in out
+
+
 def test_inspect_reports_convention_ops_fallbacks_io(genai_dir, capsys):
     assert main(["inspect", str(genai_dir)]) == 0
     out = capsys.readouterr().out

@@ -343,6 +343,7 @@ class PagedCache:
         self._staged_lengths: np.ndarray | None = None
         self._new: list[np.ndarray] = []
         self._replaced: list[int] = []
+        self._prepared: tuple | None = None
         self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
 
     @property
@@ -361,6 +362,9 @@ class PagedCache:
         Allocates all fresh and copy-on-write pages in one pool call before
         changing anything (OutOfMemory leaves the staging as it was).
         """
+        key = (starts.tobytes(), s)
+        if key == self._prepared:  # the other planes of the same write: pages are in place
+            return WriteCost()
         pool, bs = self.pool, self.pool.block_size
         if self._staged is None:
             self._staged = self.table.tables.copy()
@@ -386,6 +390,7 @@ class PagedCache:
                 total += n
         cost = WriteCost()
         if not total:
+            self._prepared = key
             return cost
         ids = pool.allocate(total)  # the only step that can fail: nothing changed before it
         self._new.append(ids)
@@ -404,6 +409,7 @@ class PagedCache:
                 tables[b, blk] = new
         cost.allocations += total * len(pool.planes)
         cost.allocated_bytes += total * pool.page_bytes
+        self._prepared = key
         return cost
 
     def write(self, plane: int, new: np.ndarray, starts, length: int) -> WriteCost:
@@ -443,7 +449,7 @@ class PagedCache:
         self.table.tables = self._staged
         self.table.lengths = self._staged_lengths
         replaced = np.array(self._replaced, np.int32)
-        self._staged = self._staged_lengths = None
+        self._staged = self._staged_lengths = self._prepared = None
         self._new, self._replaced = [], []
         if replaced.size:
             self.pool.decref(replaced)
@@ -451,7 +457,7 @@ class PagedCache:
     def discard(self) -> None:
         """Forget the run: free its new pages; the committed table is untouched."""
         new = self._new
-        self._staged = self._staged_lengths = None
+        self._staged = self._staged_lengths = self._prepared = None
         self._new, self._replaced = [], []
         for ids in new:
             self.pool.decref(ids)

@@ -124,6 +124,7 @@ def generate(
     capacity: int | None = None,
     prefill_chunk: int | None = 512,
     cache_dtype: str | None = None,
+    block_size: int = 16,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt row.
 
@@ -141,8 +142,10 @@ def generate(
         attention_mask: 0/1 [B, L]; zeros mark left padding.
         callback: called after each new token as ``callback(step, tokens[B])``.
         cache: ``"auto"`` runs a recognised cache in place on a persistent
-            state (nothing of cache size copied per token); ``"tensor"``
-            threads it through the graph as tensors (past -> present).
+            state (nothing of cache size copied per token); ``"paged"`` does
+            the same with a paged cache of ``block_size``-token pages (see
+            :meth:`Session.new_state`); ``"tensor"`` threads it through the
+            graph as tensors (past -> present).
         capacity: fixed cache capacity for the in-place path (None: grows).
         cache_dtype: on the in-place path, store the cache as ``"float16"`` or
             ``"bfloat16"`` (see :meth:`Session.new_state`).
@@ -171,22 +174,26 @@ def generate(
                          f"max_length {model.max_length}")
     ids = np.where(mask == 1, ids, pad_token_id)
 
-    if cache not in ("auto", "tensor"):
-        raise InputError(f"generate: cache must be 'auto' or 'tensor', got {cache!r}")
-    if cache_dtype is not None and (cache != "auto" or not sess.bindings):
-        raise InputError(f"generate: cache_dtype={cache_dtype!r} needs the in-place cache (cache='auto' on a model "
-                         "with a recognised cache)")
+    if cache not in ("auto", "paged", "tensor"):
+        raise InputError(f"generate: cache must be 'auto', 'paged' or 'tensor', got {cache!r}")
+    if cache == "paged" and not sess.bindings:
+        raise InputError("generate: cache='paged' needs a model with a recognised in-place cache; this model's is "
+                         f"'{model.convention.kind}'")
+    if cache_dtype is not None and (cache == "tensor" or not sess.bindings):
+        raise InputError(f"generate: cache_dtype={cache_dtype!r} needs the in-place cache (cache='auto' or 'paged' "
+                         "on a model with a recognised cache)")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer))
                                       or prefill_chunk < 1):
         raise InputError(f"generate: prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
-    in_place = cache == "auto" and bool(sess.bindings)
+    in_place = cache != "tensor" and bool(sess.bindings)
     chunked = in_place and prefill_chunk is not None and B == 1 and L > prefill_chunk
     first_len = int(prefill_chunk) if chunked else L
     builder = FeedBuilder(sess.plan.inputs, model, ids[:, :first_len], np.minimum(lengths, first_len),
                           int(pad_token_id), thread_cache=not in_place)
     if in_place:
+        paged = {"cache": "paged", "block_size": block_size} if cache == "paged" else {}
         state = sess.new_state(capacity=capacity, initial_capacity=max(32, L + min(max_new_tokens, 256)),
-                               cache_dtype=cache_dtype)
+                               cache_dtype=cache_dtype, **paged)
         fetch = [model.io.logits]
         run = state.run
     else:

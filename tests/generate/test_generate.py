@@ -114,3 +114,15 @@ def test_chunked_prefill_gives_the_same_tokens(session):
         np.testing.assert_array_equal(chunked.tokens, whole.tokens)
     with pytest.raises(InputError, match="prefill_chunk"):
         onnxkv.generate(session, prompt, 2, prefill_chunk=0)
+
+
+def test_paged_cache_gives_the_same_tokens(session):
+    rows = [[5, 9, 2, 7, 1, 8], [4, 4, 6]]
+    L = max(map(len, rows))
+    ids = np.array([[0] * (L - len(r)) + r for r in rows])
+    mask = np.array([[0] * (L - len(r)) + [1] * len(r) for r in rows])
+    want = onnxkv.generate(session, ids, 20, attention_mask=mask, eos_token_id=[])
+    got = onnxkv.generate(session, ids, 20, attention_mask=mask, eos_token_id=[], cache="paged", block_size=4)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    with pytest.raises(InputError, match="'auto', 'paged' or 'tensor'"):
+        onnxkv.generate(session, ids, 2, cache="pages")
