@@ -380,6 +380,11 @@ class PagedCache:
             grown = np.full((tables.shape[0], need_m), -1, np.int32)
             grown[:, : tables.shape[1]] = tables
             tables = self._staged = grown
+        with pool._lock:  # forks in other threads must not change counts between the decision and the copy
+            return self._stage_pages(tables, starts, s, key)
+
+    def _stage_pages(self, tables: np.ndarray, starts: np.ndarray, s: int, key: tuple) -> WriteCost:
+        pool, bs = self.pool, self.pool.block_size
         plan = []
         total = 0
         for b in range(tables.shape[0]):
