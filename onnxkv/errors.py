@@ -6,6 +6,20 @@ This module imports nothing from onnxkv so that every layer (``alloc``,
 
 from __future__ import annotations
 
+__all__ = [
+    "OnnxkvError",
+    "ModelError",
+    "UnsupportedOperatorError",
+    "ContractError",
+    "InputError",
+    "SerializationError",
+    "OperatorError",
+    "OutOfMemory",
+    "CacheCapacityError",
+    "StateError",
+    "Cancelled",
+]
+
 
 class OnnxkvError(Exception):
     """Base class of every error onnxkv raises on purpose."""
@@ -25,6 +39,10 @@ class ContractError(ModelError):
 
 class InputError(OnnxkvError, ValueError):
     """A feed, argument or option given by the caller is invalid."""
+
+
+class SerializationError(InputError):
+    """A serialised KV cache is malformed, truncated or of another format, or a snapshot to write breaks a rule."""
 
 
 class OperatorError(OnnxkvError, RuntimeError):

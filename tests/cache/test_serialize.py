@@ -1,0 +1,536 @@
+"""PagedCacheProto serialisation: round trips, files, the schema file, and a corpus of broken inputs.
+
+Broken inputs are generated here from valid encodings: every truncation,
+single-byte flips at every offset (of the file, and of the body re-framed with
+a correct header so the protobuf parser and the semantic checks see them),
+and hand-made semantic corruptions, each of which must raise
+SerializationError with a message naming its problem.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import pickle
+import re
+import struct
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from google.protobuf import descriptor_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onnxkv.cache.serialize import (
+    MAGIC,
+    VERSION,
+    BlockRecord,
+    CacheSnapshot,
+    LayerSpec,
+    PagedCacheProto,
+    PagePayload,
+    SequenceRecord,
+    decode,
+    encode,
+    load,
+    save,
+    validate,
+)
+from onnxkv.errors import InputError, SerializationError
+
+FORMATS = ("float32", "float16", "bfloat16")
+HEADER = 24  # magic, uint32 version, uint32 CRC-32, uint64 body length (paged_cache.proto)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _page(rng: np.random.Generator, fmt: str, shape: tuple[int, int, int]) -> PagePayload:
+    """Random elements of ``fmt``; float32 pages carry some NaN and Inf (they are data)."""
+    if fmt == "bfloat16":
+        return PagePayload(fmt, rng.integers(0, 2**16, size=shape, dtype=np.uint16))
+    data = rng.standard_normal(shape).astype(fmt)
+    if fmt == "float32" and data.size >= 3:
+        data.flat[rng.choice(data.size, 2, replace=False)] = [np.nan, -np.inf]
+    return PagePayload(fmt, data)
+
+
+def _snapshot(rng: np.random.Generator, block_size: int, heads: list[tuple[int, int]],
+              sequences: list[tuple[int, int]], omit_evicted: bool = False, model_dtype: str = "float32",
+              formats: tuple[str, ...] = FORMATS) -> CacheSnapshot:
+    """A valid snapshot: layers of (kv_heads, head_size), sequences of (length, first_position), shuffled blocks."""
+    layers = [LayerSpec(f"past_key_values.{i}.key", f"past_key_values.{i}.value", h, d, model_dtype)
+              for i, (h, d) in enumerate(heads)]
+    records = []
+    for length, first in sequences:
+        blocks = []
+        for li, spec in enumerate(layers):
+            lowest = first // block_size * block_size if omit_evicted else 0
+            for start in range(lowest, length, block_size):
+                n = min(block_size, length - start)
+                shape = (spec.kv_heads, n, spec.head_size)
+                blocks.append(BlockRecord(li, start, n, _page(rng, rng.choice(formats), shape),
+                                          _page(rng, rng.choice(formats), shape)))
+        records.append(SequenceRecord(length, [blocks[k] for k in rng.permutation(len(blocks))], first))
+    return CacheSnapshot(block_size, layers, records, model_signature=f"model-{rng.integers(1 << 30)}")
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def _assert_same(got: CacheSnapshot, want: CacheSnapshot) -> None:
+    """Field by field and array by array (bitwise), independent of PagePayload.__eq__."""
+    assert (got.block_size, got.model_signature, got.layers) == (want.block_size, want.model_signature, want.layers)
+    assert len(got.sequences) == len(want.sequences)
+    for gs, ws in zip(got.sequences, want.sequences):
+        assert (gs.length, gs.first_position, len(gs.blocks)) == (ws.length, ws.first_position, len(ws.blocks))
+        for gb, wb in zip(gs.blocks, ws.blocks):
+            assert (gb.layer, gb.start, gb.length) == (wb.layer, wb.start, wb.length)
+            for gp, wp in ((gb.key, wb.key), (gb.value, wb.value)):
+                assert gp.format == wp.format and gp.scale is None and gp.zero_point is None
+                assert gp.data.dtype == wp.data.dtype and gp.data.shape == wp.data.shape
+                np.testing.assert_array_equal(_bits(gp.data), _bits(wp.data))
+
+
+def _frame(body: bytes, version: int = VERSION) -> bytes:
+    """The documented header, written independently of the module, around ``body``."""
+    return struct.pack("<8sIIQ", MAGIC, version, zlib.crc32(body), len(body)) + body
+
+
+def _decode_or_none(blob: bytes) -> CacheSnapshot | None:
+    """The corpus rule: a valid snapshot that survives a round trip, or SerializationError (None)."""
+    try:
+        snapshot = decode(blob)
+    except SerializationError:
+        return None
+    validate(snapshot)
+    assert decode(encode(snapshot)) == snapshot
+    return snapshot
+
+
+def _small(seed: int = 5) -> CacheSnapshot:
+    """A tiny valid snapshot whose file is short enough to corrupt at every byte."""
+    return _snapshot(np.random.default_rng(seed), 2, [(1, 2)], [(3, 0)])
+
+
+def _base() -> CacheSnapshot:
+    """Block size 4, two layers of 2 heads x 3; sequence 0 has 10 positions (blocks 0, 4, 8 per layer, in that
+    order, layer 0 first), sequence 1 has 7 positions with first_position 5 (one block per layer at 4)."""
+    rng = np.random.default_rng(77)
+    layers = [LayerSpec(f"past_key_values.{i}.key", f"past_key_values.{i}.value", 2, 3, "float16") for i in (0, 1)]
+
+    def blocks(length: int, lowest: int) -> list[BlockRecord]:
+        return [BlockRecord(li, s, min(4, length - s), _page(rng, FORMATS[(li + s) % 3], (2, min(4, length - s), 3)),
+                            _page(rng, "float16", (2, min(4, length - s), 3)))
+                for li in (0, 1) for s in range(lowest, length, 4)]
+
+    return CacheSnapshot(4, layers, [SequenceRecord(10, blocks(10, 0)), SequenceRecord(7, blocks(7, 4), 5)], "sig")
+
+
+def _base_proto() -> PagedCacheProto:
+    proto = PagedCacheProto()
+    proto.ParseFromString(encode(_base())[HEADER:])
+    return proto
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_size=st.integers(1, 6),
+       heads=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 5)), min_size=1, max_size=3),
+       sequences=st.lists(st.tuples(st.integers(0, 17), st.floats(0, 1)), min_size=1, max_size=3),
+       omit_evicted=st.booleans(), model_dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_round_trip_random_snapshots(block_size, heads, sequences, omit_evicted, model_dtype, seed):
+    seqs = [(length, int(fraction * length)) for length, fraction in sequences]
+    snapshot = _snapshot(np.random.default_rng(seed), block_size, heads, seqs, omit_evicted, model_dtype)
+    validate(snapshot)
+    got = decode(encode(snapshot))
+    _assert_same(got, snapshot)
+    assert got == snapshot
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_single_format_bits_and_arrays(fmt):
+    snapshot = _snapshot(np.random.default_rng(3), 3, [(2, 4), (1, 8)], [(8, 0), (5, 0)], formats=(fmt,))
+    blob = encode(snapshot)
+    assert blob[:8] == MAGIC and blob == _frame(blob[HEADER:])
+    got = decode(blob)
+    _assert_same(got, snapshot)
+    page = got.sequences[0].blocks[0].key
+    assert page.data.dtype == {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[fmt]
+    assert not page.data.flags.writeable
+    # payloads are little-endian C-order element bytes
+    first = snapshot.sequences[0].blocks[0].key.data
+    assert first.astype(first.dtype.newbyteorder("<")).tobytes() in blob
+
+
+def test_big_endian_and_strided_inputs_encode_like_native():
+    snapshot = _small()
+    page = snapshot.sequences[0].blocks[0].key
+    swapped = PagePayload(page.format, page.data.astype(page.data.dtype.newbyteorder(">")))
+    wide = np.empty(page.data.shape[:2] + (2 * page.data.shape[2],), page.data.dtype)
+    wide[..., ::2] = page.data
+    strided = PagePayload(page.format, wide[..., ::2])
+    blob = encode(snapshot)
+    for variant in (swapped, strided):
+        snapshot.sequences[0].blocks[0].key = variant
+        assert encode(snapshot) == blob
+    assert decode(blob).sequences[0].blocks[0].key == page
+
+
+def test_payload_equality_is_bitwise():
+    data = np.random.default_rng(4).standard_normal((2, 3, 4)).astype(np.float32)
+    data[0, 0, 0], data[0, 0, 1] = np.nan, 0.0
+    page = PagePayload("float32", data)
+    assert page == PagePayload("float32", data.copy())  # the same NaN bits
+    negative_nan, negative_zero = data.copy(), data.copy()
+    negative_nan[0, 0, 0] = -np.float32(np.nan)
+    negative_zero[0, 0, 1] = -0.0
+    assert page != PagePayload("float32", negative_nan) and page != PagePayload("float32", negative_zero)
+    assert page != PagePayload("float16", data.astype(np.float16))
+    assert page != PagePayload("float32", data, scale=np.ones(2, np.float32))
+
+
+def test_bytes_like_inputs_and_wrong_type():
+    blob = encode(_small())
+    assert decode(bytearray(blob)) == decode(memoryview(blob)) == decode(blob)
+    with pytest.raises(SerializationError, match="decode: expected bytes, got str"):
+        decode(blob.decode("latin-1"))
+
+
+def test_save_and_load(tmp_path):
+    snapshot = _snapshot(np.random.default_rng(11), 4, [(2, 3)], [(9, 0), (6, 2)], omit_evicted=True)
+    path = tmp_path / "cache.okv"
+    save(snapshot, path)
+    assert path.read_bytes() == encode(snapshot)
+    _assert_same(load(path), snapshot)
+    _assert_same(load(str(path)), snapshot)
+    assert [p.name for p in tmp_path.iterdir()] == ["cache.okv"]  # no temporary left behind
+
+
+def test_save_invalid_snapshot_writes_nothing(tmp_path):
+    path = tmp_path / "cache.okv"
+    save(_small(1), path)
+    before = path.read_bytes()
+    bad = _small(2)
+    bad.block_size = 0
+    with pytest.raises(SerializationError, match=r"encode: block_size must be in \[1, "):
+        save(bad, path)
+    with pytest.raises(SerializationError):
+        save(bad, tmp_path / "other.okv")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.okv"]
+
+
+def test_load_names_the_file(tmp_path):
+    path = tmp_path / "broken.okv"
+    path.write_bytes(encode(_small())[:-1])
+    with pytest.raises(SerializationError, match=r"load\('.*broken\.okv'\): truncated input"):
+        load(path)
+    assert issubclass(SerializationError, InputError)
+
+
+# --------------------------------------------------------------------------- the .proto file
+
+
+def _parse_proto_text(text: str) -> tuple[str, dict[str, set[tuple[str, int, str, bool]]]]:
+    package = re.search(r"^package\s+([\w.]+);", text, re.M).group(1)
+    text = re.sub(r"//[^\n]*", "", text)
+    messages = {}
+    for name, body in re.findall(r"message\s+(\w+)\s*\{(.*?)\}", text, re.S):
+        messages[name] = {(field, int(number), type_name, bool(repeated))
+                          for repeated, type_name, field, number
+                          in re.findall(r"(repeated\s+)?(\w+)\s+(\w+)\s*=\s*(\d+)\s*;", body)}
+    return package, messages
+
+
+def _descriptor_fields() -> tuple[str, dict[str, set[tuple[str, int, str, bool]]]]:
+    """The schema of the file descriptor the module built, read back as a FileDescriptorProto."""
+    fdp = descriptor_pb2.FileDescriptorProto()
+    PagedCacheProto.DESCRIPTOR.file.CopyToProto(fdp)
+    F = descriptor_pb2.FieldDescriptorProto
+    scalar = {F.TYPE_INT64: "int64", F.TYPE_STRING: "string", F.TYPE_BYTES: "bytes"}
+    messages = {m.name: {(f.name, f.number, f.type_name.rsplit(".", 1)[-1] if f.type == F.TYPE_MESSAGE
+                          else scalar[f.type], f.label == F.LABEL_REPEATED) for f in m.field}
+                for m in fdp.message_type}
+    assert fdp.syntax == "proto3"
+    return fdp.package, messages
+
+
+def test_proto_file_matches_module_descriptor():
+    text = (importlib.resources.files("onnxkv.cache") / "paged_cache.proto").read_text()
+    assert 'syntax = "proto3";' in text
+    package, messages = _parse_proto_text(text)
+    assert set(messages) == {"PagedCacheProto", "LayerProto", "SequenceProto", "BlockProto", "PageProto"}
+    assert (package, messages) == _descriptor_fields()
+    assert f'"{MAGIC.decode()}"' in text and f"(currently {VERSION})" in text
+
+
+# --------------------------------------------------------------------------- corpus of broken inputs
+
+
+def test_every_truncation_is_rejected():
+    blob = encode(_small())
+    assert len(blob) < 400
+    for n in range(len(blob)):
+        with pytest.raises(SerializationError, match="truncated input"):
+            decode(blob[:n])
+    with pytest.raises(SerializationError, match="1 trailing bytes"):
+        decode(blob + b"\0")
+
+
+def test_every_single_byte_flip_of_the_file_is_rejected():
+    """The header checks and the CRC-32 catch every single-byte change of a file."""
+    blob = encode(_small())
+    for offset in range(len(blob)):
+        for mask in (0x01, 0x80, 0xFF):
+            corrupt = bytearray(blob)
+            corrupt[offset] ^= mask
+            with pytest.raises(SerializationError, match="magic|version|truncated|trailing|checksum"):
+                decode(bytes(corrupt))
+
+
+def _body_corpus(seed: int) -> list[bytes]:
+    """Every truncation and three single-byte flips at every offset of a small body, and random bodies, re-framed."""
+    snapshot = _snapshot(np.random.default_rng(seed), 2, [(1, 2), (2, 1)], [(3, 1), (2, 0)], omit_evicted=True)
+    body = encode(snapshot)[HEADER:]
+    corpus = [_frame(body[:n]) for n in range(len(body))]
+    for offset in range(len(body)):
+        for mask in (0x01, 0x10, 0xFF):
+            corrupt = bytearray(body)
+            corrupt[offset] ^= mask
+            corpus.append(_frame(bytes(corrupt)))
+    rng = np.random.default_rng(seed)
+    return corpus + [_frame(rng.bytes(int(n))) for n in rng.integers(0, 64, 200)]
+
+
+def _outcomes(corpus: list[bytes]) -> list[int | None]:
+    """Per input: None if rejected, else the CRC-32 of its decoded snapshot re-encoded."""
+    snapshots = [_decode_or_none(blob) for blob in corpus]
+    return [None if snapshot is None else zlib.crc32(encode(snapshot)) for snapshot in snapshots]
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_body_flips_and_truncations_never_escape(seed):
+    """Re-framed with a correct header, every corrupt body decodes to a valid snapshot or raises SerializationError."""
+    outcomes = _outcomes(_body_corpus(seed))
+    decoded = sum(o is not None for o in outcomes)
+    # flips inside float payloads decode (they are data); structural ones are rejected
+    assert 0 < decoded < len(outcomes) // 2
+
+
+_CHILD = """
+import json, pickle, sys, zlib
+from google.protobuf.internal import api_implementation
+from onnxkv.cache.serialize import decode, encode
+from onnxkv.errors import SerializationError
+
+assert api_implementation.Type() == "python", api_implementation.Type()
+outcomes = []
+for blob in pickle.load(open(sys.argv[1], "rb")):
+    try:
+        outcomes.append(zlib.crc32(encode(decode(blob))))
+    except SerializationError:
+        outcomes.append(None)
+print(json.dumps(outcomes))
+"""
+
+
+def test_pure_python_protobuf_agrees_on_the_corpus(tmp_path):
+    """The pure-Python protobuf parser (another exception vocabulary) accepts and rejects exactly the same inputs."""
+    corpus = _body_corpus(5)[::2]
+    (tmp_path / "corpus.pkl").write_bytes(pickle.dumps(corpus))
+    env = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "corpus.pkl")], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == _outcomes(corpus)
+
+
+def _mutate(edit: Callable[[PagedCacheProto], None]) -> bytes:
+    proto = _base_proto()
+    edit(proto)
+    return _frame(proto.SerializeToString())
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    return bytes([number << 3 | wire_type]) + payload
+
+
+def _at(proto: PagedCacheProto, path: str):
+    """The sub-message at dotted ``path`` (integers index repeated fields)."""
+    for part in path.split("."):
+        proto = proto[int(part)] if part.isdigit() else getattr(proto, part)
+    return proto
+
+
+def _set(path: str, value) -> Callable[[PagedCacheProto], None]:
+    """An edit setting the field at dotted ``path``."""
+    parent, _, name = path.rpartition(".")
+    return lambda proto: setattr(_at(proto, parent) if parent else proto, name, value)
+
+
+def _clear(path: str, name: str) -> Callable[[PagedCacheProto], None]:
+    """An edit clearing field ``name`` of the sub-message at ``path``."""
+    return lambda proto: _at(proto, path).ClearField(name)
+
+
+def _delete_block(seq: int, index: int) -> Callable[[PagedCacheProto], None]:
+    def edit(proto):
+        del proto.sequences[seq].blocks[index]
+    return edit
+
+
+def _duplicate_block(proto):
+    proto.sequences[0].blocks.add().CopyFrom(proto.sequences[0].blocks[1])
+
+
+def _drop_layer_blocks(proto):
+    blocks = [b for b in proto.sequences[0].blocks if b.layer == 0]
+    del proto.sequences[0].blocks[:]
+    proto.sequences[0].blocks.extend(blocks)
+
+
+def _valid_body() -> bytes:
+    return encode(_base())[HEADER:]
+
+
+# Each entry: (id, corrupt file bytes, regex the message must match).  Sequence 0 block 1 is layer 0 at start 4.
+SEMANTIC = [
+    ("bad magic", lambda: b"ONNXKVXX" + encode(_base())[8:], r"decode: not an onnxkv paged cache: bad magic"),
+    ("header version", lambda: _frame(_valid_body(), version=2), r"unsupported file format version 2"),
+    ("checksum", lambda: encode(_base())[:12] + b"\0\0\0\0" + encode(_base())[16:], r"checksum mismatch"),
+    ("protobuf garbage", lambda: _frame(b"\x0a\xff\xff\xff\xff\x0f"), r"not a valid PagedCacheProto message"),
+    ("unknown field", lambda: _frame(_valid_body() + _field(15, 0, b"\x01")), r"unknown fields"),
+    ("repeated singular field", lambda: _frame(_valid_body() + _field(2, 0, b"\x04")), r"repeated singular"),
+    ("message version", lambda: _mutate(_set("version", 7)), r"PagedCacheProto\.version is 7, expected 1"),
+    ("unknown format", lambda: _mutate(_set("sequences.0.blocks.1.key.format", "int8")),
+     r"sequence 0 block 1: key page has unknown format 'int8'"),
+    ("block_size 0", lambda: _mutate(_set("block_size", 0)), r"decode: block_size must be in \[1, \d+\], got 0"),
+    ("negative block_size", lambda: _mutate(_set("block_size", -4)), r"block_size must be in \[1, \d+\], got -4"),
+    ("layer out of range", lambda: _mutate(_set("sequences.0.blocks.1.layer", 2)),
+     r"sequence 0 block 1: layer index 2 is out of range: the snapshot has 2 layers"),
+    ("negative layer", lambda: _mutate(_set("sequences.1.blocks.0.layer", -1)), r"layer index -1 is out of range"),
+    ("unaligned start", lambda: _mutate(_set("sequences.0.blocks.1.start", 5)),
+     r"block 1: start 5 is not a multiple of block_size 4"),
+    ("negative start", lambda: _mutate(_set("sequences.0.blocks.1.start", -4)), r"start must be in \[0, \d+\], got -4"),
+    ("zero block length", lambda: _mutate(_set("sequences.0.blocks.1.length", 0)), r"length must be in \[1, 4\], got 0"),
+    ("block longer than block_size", lambda: _mutate(_set("sequences.0.blocks.1.length", 5)),
+     r"length must be in \[1, 4\], got 5"),
+    ("payload too short", lambda: _mutate(_set("sequences.0.blocks.1.value.data", b"\0" * 47)),
+     r"value page holds 47 data bytes, expected 48 = kv_heads 2 \* length 4 \* head_size 3 \* 2 bytes \(float16\)"),
+    ("payload vs block length", lambda: _mutate(_set("sequences.0.blocks.2.length", 1)),
+     r"key page holds \d+ data bytes"),
+    ("missing key", lambda: _mutate(_clear("sequences.0.blocks.1", "key")),
+     r"sequence 0 block 1: missing key page"),
+    ("missing value", lambda: _mutate(_clear("sequences.1.blocks.0", "value")), r"sequence 1 block 0: missing value"),
+    ("scale on float page", lambda: _mutate(_set("sequences.0.blocks.1.key.scale", b"\0\0\x80?")),
+     r"key page of format '\w+' carries quantization parameters"),
+    ("zero_point on float page", lambda: _mutate(_set("sequences.0.blocks.0.value.zero_point", b"\x01")),
+     r"value page .* carries quantization parameters"),
+    ("scale_dims on float page", lambda: _mutate(lambda p: p.sequences[0].blocks[0].key.scale_dims.append(2)),
+     r"key page .* carries quantization parameters"),
+    ("gap", lambda: _mutate(_delete_block(0, 1)), r"sequence 0: layer 0: positions \[4, 8\) are not covered"),
+    ("duplicate block", lambda: _mutate(_duplicate_block), r"layer 0: blocks 1 and 6 both start at 4 \(duplicate"),
+    ("length beyond blocks", lambda: _mutate(_set("sequences.0.length", 12)),
+     r"sequence 0: layer 0: positions \[10, 12\) are not covered"),
+    ("block beyond length", lambda: _mutate(_set("sequences.0.length", 9)),
+     r"layer 0: block 2 covers \[8, 10\), past the sequence length 9"),
+    ("negative sequence length", lambda: _mutate(_set("sequences.1.length", -7)),
+     r"sequence 1: length must be in \[0, \d+\], got -7"),
+    ("first_position past length", lambda: _mutate(_set("sequences.0.first_position", 11)),
+     r"sequence 0: first_position must be in \[0, 10\], got 11"),
+    ("negative first_position", lambda: _mutate(_set("sequences.1.first_position", -1)), r"first_position .* got -1"),
+    ("evicted too much", lambda: _mutate(_set("sequences.1.first_position", 3)),
+     r"sequence 1: layer 0: positions \[3, 4\) are not covered \(its first block starts at 4\)"),
+    ("layer without blocks", lambda: _mutate(_drop_layer_blocks),
+     r"layer 1 has no blocks: positions \[0, 10\) are not covered"),
+    ("no layers", lambda: _mutate(lambda p: p.ClearField("layers")), r"layers must be a non-empty list"),
+    ("no sequences", lambda: _mutate(lambda p: p.ClearField("sequences")), r"sequences must be a non-empty list"),
+    ("zero kv_heads", lambda: _mutate(_set("layers.1.kv_heads", 0)), r"layer 1: kv_heads must be in \[1, \d+\], got 0"),
+    ("negative head_size", lambda: _mutate(_set("layers.0.head_size", -3)), r"layer 0: head_size .* got -3"),
+    ("layer dtype", lambda: _mutate(_set("layers.0.dtype", "int8")), r"layer 0: dtype must be one of .*got 'int8'"),
+    ("duplicate input name", lambda: _mutate(_set("layers.1.value_name", "past_key_values.0.key")),
+     r"layer 1: value_name 'past_key_values\.0\.key' is already the key_name of layer 0"),
+    ("empty input name", lambda: _mutate(_set("layers.0.key_name", "")), r"layer 0: key_name must not be empty"),
+]
+
+
+@pytest.mark.parametrize("make, pattern", [case[1:] for case in SEMANTIC], ids=[case[0] for case in SEMANTIC])
+def test_semantic_corruption_is_named(make, pattern):
+    assert decode(encode(_base())) == _base()  # the base is valid: the corruption is what fails
+    with pytest.raises(SerializationError, match=pattern):
+        decode(make())
+
+
+# --------------------------------------------------------------------------- snapshot rules (encode refuses)
+
+
+def _breaks(edit: Callable[[CacheSnapshot], None]) -> CacheSnapshot:
+    snapshot = _base()
+    edit(snapshot)
+    return snapshot
+
+
+def _shorten_first_block(s: CacheSnapshot) -> None:
+    block = s.sequences[0].blocks[0]
+    block.length = 3
+    block.key = PagePayload(block.key.format, block.key.data[:, :3])
+    block.value = PagePayload(block.value.format, block.value.data[:, :3])
+
+
+def _page_of(s: CacheSnapshot) -> PagePayload:
+    return s.sequences[0].blocks[1].key
+
+
+INVALID = [
+    ("not full before last", _shorten_first_block,
+     r"encode: sequence 0: layer 0: block 0 at start 0 holds 3 positions but is not the layer's last block"),
+    ("dtype mismatch", lambda s: setattr(_page_of(s), "data", _page_of(s).data.view(np.int16)),
+     r"block 1: key page of format '\w+' must hold \w+ elements, got int16 \(dtype mismatch\)"),
+    ("float16 data as float32", lambda s: setattr(s.sequences[0].blocks[1], "value",
+                                                  PagePayload("float32", s.sequences[0].blocks[1].value.data)),
+     r"value page of format 'float32' must hold float32 elements, got float16"),
+    ("shape", lambda s: setattr(_page_of(s), "data", _page_of(s).data[:1]),
+     r"key page data has shape \(1, 4, 3\), expected \(2, 4, 3\)"),
+    ("not an array", lambda s: setattr(_page_of(s), "data", [1.0]), r"key page data must be a numpy array, got list"),
+    ("scale on float page", lambda s: setattr(_page_of(s), "scale", np.ones(2, np.float32)),
+     r"key page of float format '\w+' must not have a scale"),
+    ("missing value", lambda s: setattr(s.sequences[1].blocks[0], "value", None), r"sequence 1 block 0: missing value"),
+    ("bool layer index", lambda s: setattr(s.sequences[0].blocks[0], "layer", True),
+     r"layer index must be an integer, got bool"),
+    ("start too large for int64", lambda s: setattr(s.sequences[0].blocks[0], "start", 2**64),
+     r"start must be in \[0, 9223372036854775807\]"),
+    ("signature not UTF-8", lambda s: setattr(s, "model_signature", "bad\udc80"), r"model_signature .* not encodable"),
+    ("sequence type", lambda s: s.sequences.append((3, [])), r"sequence 2: expected a SequenceRecord, got tuple"),
+    ("layers not a list", lambda s: setattr(s, "layers", tuple(s.layers)), r"layers must be a non-empty list"),
+]
+
+
+@pytest.mark.parametrize("edit, pattern", [case[1:] for case in INVALID], ids=[case[0] for case in INVALID])
+def test_invalid_snapshot_is_not_encoded(edit, pattern):
+    snapshot = _breaks(edit)
+    with pytest.raises(SerializationError, match=pattern.replace("encode:", "validate:")):
+        validate(snapshot)
+    with pytest.raises(SerializationError, match=pattern):
+        encode(snapshot)
+
+
+def test_numpy_integers_and_evicted_blocks_are_accepted():
+    snapshot = _base()
+    snapshot.block_size = np.int64(4)
+    snapshot.sequences[0].blocks[0].start = np.int32(0)
+    # sequence 1 may also keep the block wholly below first_position 5
+    full = _snapshot(np.random.default_rng(9), 4, [(2, 3), (2, 3)], [(7, 5)])
+    snapshot.sequences[1] = full.sequences[0]
+    validate(snapshot)
+    got = decode(encode(snapshot))
+    assert got == snapshot and isinstance(got.block_size, int) and len(got.sequences[1].blocks) == 4
