@@ -25,6 +25,7 @@ from onnxkv.errors import (  # noqa: E402
     OnnxkvError,
     OperatorError,
     OutOfMemory,
+    SerializationError,
     StateError,
     UnsupportedOperatorError,
 )
@@ -33,7 +34,7 @@ from onnxkv.generate import GenerationResult, generate  # noqa: E402
 from onnxkv.model import Model, load  # noqa: E402
 from onnxkv import contract  # noqa: E402
 from onnxkv.contract import check_model  # noqa: E402
-from onnxkv.runtime import Cancellation, Session, State  # noqa: E402
+from onnxkv.runtime import Cancellation, Checkpoint, Session, State  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -43,6 +44,7 @@ __all__ = [
     "Model",
     "Session",
     "State",
+    "Checkpoint",
     "Cancellation",
     "contract",
     "check_model",
@@ -60,6 +62,7 @@ __all__ = [
     "InputError",
     "OperatorError",
     "OutOfMemory",
+    "SerializationError",
     "CacheCapacityError",
     "ContractError",
     "StateError",

@@ -1,6 +1,6 @@
 """Sessions and per-request states."""
 
 from onnxkv.runtime.session import Session
-from onnxkv.runtime.state import Cancellation, State
+from onnxkv.runtime.state import Cancellation, Checkpoint, State
 
-__all__ = ["Session", "State", "Cancellation"]
+__all__ = ["Session", "State", "Checkpoint", "Cancellation"]

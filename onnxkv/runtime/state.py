@@ -24,6 +24,8 @@ left the window after every run.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import threading
 from collections.abc import Iterator, Mapping
 
@@ -32,7 +34,9 @@ import numpy as np
 from onnxkv.alloc import as_allocator
 from onnxkv.cache import bound
 from onnxkv.cache.contiguous import CacheTensor
+from onnxkv.cache import serialize
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
+from onnxkv.cache.snapshot import paged_from_snapshot, take_snapshot
 from onnxkv.errors import CacheCapacityError, InputError, StateError
 
 __all__ = ["State", "Cancellation", "Checkpoint"]
@@ -539,6 +543,54 @@ class State:
             cache.table = new
             self.steps = checkpoint.steps
             self._log("restore", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+
+    # -- serialisation (paged) ----------------------------------------------------
+    def _layer_pairs(self) -> list[tuple[str, str]]:
+        pairs: dict[int, dict[str, str]] = {}
+        for b in self.bindings:
+            pairs.setdefault(b.layer, {})[b.role] = b.past
+        return [(p["key"], p["value"]) for _, p in sorted(pairs.items())]
+
+    def _signature(self) -> str:
+        conv = self.session.model.convention
+        shapes = ";".join(f"{g.name}:{g.dtype}:{g.shape}" for g in self.session.plan.inputs)
+        return hashlib.sha256(f"{conv.kind}|{shapes}".encode()).hexdigest()
+
+    def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
+        """Serialise the committed cache as a ``PagedCacheProto`` (see :mod:`onnxkv.cache.serialize`).
+
+        Returns the bytes (and writes them to ``path`` if given).  Paged states only.
+        """
+        with self._exclusive("save_cache"):
+            cache = self._require_paged("save_cache")
+            data = serialize.encode(take_snapshot(cache, self._layer_pairs(), self._signature()))
+        if path is not None:
+            with open(path, "wb") as f:
+                f.write(data)
+        return data
+
+    def load_cache(self, source: bytes | str | os.PathLike) -> None:
+        """Replace the caches by a saved cache (bytes or a file from :meth:`save_cache`); all or nothing.
+
+        The next run continues exactly where the saved state stopped.  Raises
+        :class:`~onnxkv.errors.SerializationError` for malformed data and
+        :class:`~onnxkv.errors.InputError` for a cache of another model or
+        block size; the state is then unchanged.
+        """
+        self._check_open("load_cache")
+        if not self.paged:
+            raise StateError(f"State.load_cache: needs a paged state (session.new_state(cache='paged')); this "
+                             f"state's cache is '{self.cache}'")
+        snap = serialize.decode(source if isinstance(source, (bytes, bytearray)) else open(source, "rb").read())
+        if snap.model_signature != self._signature():
+            raise InputError("State.load_cache: the saved cache belongs to another model (signature mismatch)")
+        with self._exclusive("load_cache"):
+            cache = paged_from_snapshot(snap, self._pool, self._layer_pairs(),
+                                        self._static_capacity if self._static else self.capacity)
+            cache.static_length = self._static_capacity if self._static else None
+            self._release()
+            self._paged, self._caches = cache, cache.planes
+            self.steps = 0
 
     def close(self) -> None:
         """Release the caches; the state cannot be used afterwards."""

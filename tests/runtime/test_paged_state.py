@@ -297,3 +297,59 @@ def test_fixed_capacity_caps_positions_per_sequence(gqa):
         Driver(gqa, st, np.array([[1, 2, 3, 4, 5]]))
     assert st.length == 0 and st.pool.live_pages == 0
     st.close()
+
+
+def test_saved_cache_resumes_with_identical_next_logits(session, tmp_path):
+    prompt = np.random.default_rng(11).integers(0, MICRO.vocab_size, (2, 7))
+    st = session.new_state(cache="paged", block_size=4)
+    d = Driver(session, st, prompt)
+    d.step([3, 4])
+    path = tmp_path / "cache.okvc"
+    data = st.save_cache(path)
+    assert path.read_bytes() == data
+    saved_lengths = st.lengths.tolist()
+    feeds = d.b.next(np.array([5, 6]), d.out)
+    want = st.run(feeds, [d.logits_name])[d.logits_name]
+    with session.new_state(cache="paged", block_size=4) as resumed:
+        resumed.load_cache(path)
+        assert resumed.lengths.tolist() == saved_lengths
+        got = resumed.run(feeds, [d.logits_name])[d.logits_name]
+        np.testing.assert_array_equal(got, want)
+    st.close()
+
+
+def test_load_cache_rejects_bad_input_and_leaves_the_state_unchanged(gqa):
+    st = gqa.new_state(cache="paged", block_size=4)
+    Driver(gqa, st, np.array([[1, 2, 3, 4, 5]]))
+    data = st.save_cache()
+    target = gqa.new_state(cache="paged", block_size=4)
+    Driver(gqa, target, np.array([[7, 8]]))
+    before = {k: v.copy() for k, v in target.values.items()}
+    with pytest.raises(onnxkv.errors.SerializationError):
+        target.load_cache(data[:-7])
+    other_block = gqa.new_state(cache="paged", block_size=8)
+    with pytest.raises(InputError, match="block_size=4"):
+        other_block.load_cache(data)
+    other_model = onnxkv.Session(build_model("attention", MICRO, seed=1), threads=1).new_state(cache="paged", block_size=4)
+    with pytest.raises(InputError, match="another model"):
+        other_model.load_cache(data)
+    for k, v in target.values.items():
+        np.testing.assert_array_equal(v, before[k])
+    with gqa.new_state() as contiguous:
+        with pytest.raises(StateError, match="paged"):
+            contiguous.load_cache(data)
+    for s in (st, target, other_block, other_model):
+        s.close()
+
+
+def test_sliding_window_state_round_trips():
+    s = _windowed(6)
+    prompt = np.random.default_rng(12).integers(0, MICRO.vocab_size, (1, 10))
+    with s.new_state(cache="paged", block_size=2) as st, s.new_state(cache="paged", block_size=2) as back:
+        d = Driver(s, st, prompt)
+        d.greedy(8)
+        assert int(st._paged.table.first[0]) > 0  # pages were evicted
+        back.load_cache(st.save_cache())
+        feeds = d.b.next(np.array([1]), d.out)
+        np.testing.assert_array_equal(back.run(feeds, [d.logits_name])[d.logits_name],
+                                      st.run(feeds, [d.logits_name])[d.logits_name])
