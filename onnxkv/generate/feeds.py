@@ -184,3 +184,29 @@ class FeedBuilder:
                 feeds[name] = self._cast(name, write_at)
             elif name.startswith("nonpad_kv_seqlen"):
                 feeds[name] = self._cast(name, valid_after)
+
+    def rewind(self, total: int) -> None:
+        """Forget every fed position at and after ``total`` (speculative decoding's rollback).
+
+        Drops the attention-mask columns (and, for a model without a cache, the
+        token history) past ``total`` fed positions and sets :attr:`total` to it,
+        so the next :meth:`next` continues from position ``total``; pair it with
+        ``State.truncate(total)`` on the state that holds the cache.  Exact when
+        the rows share one length (batch 1 or an unpadded batch), like
+        ``State.truncate``.  ``total`` must be in ``[0, fed]`` (``[prompt length,
+        fed]`` without a cache), where ``fed`` counts the positions fed so far.
+
+        Raises:
+            InputError: ``total`` is not an int in that range.
+        """
+        fed = self.history.shape[1] if self.kind == "none" else self.total
+        low = self.prompt_len if self.kind == "none" else 0
+        if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or not low <= total <= fed:
+            raise InputError(f"FeedBuilder.rewind: total must be an int in [{low}, {fed}], got {total!r}")
+        if total == fed:
+            return
+        if self.kind == "none":
+            self.history = self.history[:, :total]
+        else:
+            self.mask = self.mask[:, :total]
+            self.total = int(total)

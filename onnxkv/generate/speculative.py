@@ -1,0 +1,349 @@
+"""``onnxkv.speculative_generate``: speculative decoding with a draft model or prompt lookup.
+
+Each step proposes up to ``num_draft_tokens`` tokens cheaply, then the target
+model scores ``[last accepted token] + proposal`` in one multi-token run of its
+persistent state.  The accepted prefix of the proposal stays in the caches;
+the rest is dropped with ``State.truncate`` (lengths only, no payload copy)
+and :meth:`FeedBuilder.rewind <onnxkv.generate.feeds.FeedBuilder.rewind>`.
+
+Proposals come from
+
+* a **draft model** (same vocabulary): it runs autoregressively on its own
+  state, catching up first on the tokens it has not seen (the target's
+  correction or bonus token of the previous step);
+* **prompt lookup** (no draft): the tokens that followed the most recent
+  earlier occurrence of the last ``prompt_lookup_ngram`` tokens, falling back
+  to shorter n-grams down to 1; no match proposes nothing (a plain one-token
+  target step).
+
+Greedy decoding accepts a proposed token when it is the target's argmax, so
+the output is token-identical to greedy :func:`onnxkv.generate`.  Sampling
+uses the standard rejection rule (:func:`accept_or_resample`), which makes
+every emitted token distributed exactly as the target's warped distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxkv.errors import InputError
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.generate.generate import _as_session, _check_prompt, _eos_list
+from onnxkv.generate.sampling import SamplingConfig, probabilities
+
+__all__ = ["speculative_generate", "SpeculativeResult", "accept_or_resample", "prompt_lookup"]
+
+API = "speculative_generate"
+
+
+@dataclass
+class SpeculativeResult:
+    """What :func:`speculative_generate` returns.
+
+    Attributes:
+        sequences: int64 [1, L + new_tokens]: the prompt then the new tokens.
+        new_tokens: number of tokens generated (≤ max_new_tokens; fewer after an EOS).
+        proposed: draft tokens the target verified.
+        accepted: of those, the ones the target accepted.
+        target_runs / draft_runs: runs of each model's state (prefill included).
+        seconds: wall time from the first run to the last token (prefill included).
+    """
+
+    sequences: np.ndarray
+    new_tokens: int
+    proposed: int
+    accepted: int
+    target_runs: int
+    draft_runs: int
+    seconds: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / proposed (0.0 when nothing was proposed)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """new_tokens / seconds (0.0 when nothing ran)."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One index drawn from the (unnormalised, non-negative) weights ``p`` [V]."""
+    cum = np.cumsum(p)
+    return min(int((cum < rng.random() * cum[-1]).sum()), p.shape[0] - 1)
+
+
+def accept_or_resample(p: np.ndarray, q: np.ndarray, x: int, rng: np.random.Generator) -> tuple[bool, int]:
+    """The speculative rejection rule for one proposed token.
+
+    ``x`` was drawn from the draft distribution ``q`` [V]; ``p`` [V] is the
+    target distribution at the same position (both float, summing to 1).
+    ``x`` is accepted with probability ``min(1, p[x] / q[x])``; otherwise a
+    token is drawn from ``normalize(max(0, p - q))``.  Either way the returned
+    token is distributed as ``p``.  Uses one or two draws of ``rng``.
+
+    Returns:
+        (accepted, token): ``token == x`` when accepted.
+    """
+    if rng.random() * q[x] < p[x]:
+        return True, int(x)
+    residual = np.maximum(p - q, 0.0)
+    return False, _draw(residual if residual.sum() > 0 else p, rng)
+
+
+def prompt_lookup(tokens: np.ndarray, ngram: int, k: int) -> np.ndarray:
+    """Up to ``k`` tokens that followed the most recent earlier occurrence of the last n-gram.
+
+    Tries n = ``ngram`` down to 1: the last n tokens of ``tokens`` (int64 [T])
+    are searched at every earlier start; the latest match proposes the tokens
+    after it (at least one, at most ``k``).  Returns int64 [0] when no n-gram
+    matches or ``k`` is 0.
+    """
+    T = tokens.shape[0]
+    for n in range(min(ngram, T - 1), 0, -1):
+        if k < 1:
+            break
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:T - 1], n)
+        hits = np.flatnonzero((windows == tokens[T - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].copy()
+    return np.zeros(0, dtype=np.int64)
+
+
+def _int_arg(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InputError(f"{API}: {name} must be an int ≥ {low}, got {value!r}")
+    return int(value)
+
+
+def _check_model(sess, role: str) -> None:
+    """The model must keep a truncatable in-place cache on a state."""
+    kind = sess.model.convention.kind
+    if kind == "tensor_scatter" or not sess.bindings:
+        raise InputError(f"{API}: the {role} model's cache convention is '{kind}'; speculative decoding rolls "
+                         "rejected tokens back with State.truncate, which needs a growing in-place KV cache "
+                         "(a static TensorScatter cache, declared persistent bindings or no cache cannot be truncated)")
+
+
+def _logit_rows(out: dict, sess, count: int, role: str) -> np.ndarray:
+    """The last ``count`` positions' logits of a batch-1 run as float [count, V]."""
+    x = out[sess.model.io.logits]
+    if x.ndim == 2:
+        x = x[:, None, :]
+    if x.shape[1] < count:
+        raise InputError(f"{API}: the {role} model returned logits for {x.shape[1]} position(s) of a "
+                         f"{count}-token run; verification needs the logits of every fed position")
+    return x[0, x.shape[1] - count:]
+
+
+class _Stepper:
+    """One model's state, feed builder and run counter for a batch-1 sequence."""
+
+    def __init__(self, sess, prompt: np.ndarray, cache: str, options: dict) -> None:
+        self.sess = sess
+        self.builder = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0,
+                                   thread_cache=False)
+        self.state = sess.new_state(**options) if cache == "contiguous" else sess.new_state(cache=cache, **options)
+        self.fetch = [sess.model.io.logits]
+        self.runs = 0
+
+    @property
+    def length(self) -> int:
+        return self.builder.total
+
+    def prefill(self) -> dict:
+        feeds, _ = self.builder.first()
+        self.runs += 1
+        return self.state.run(feeds, self.fetch)
+
+    def feed(self, tokens: np.ndarray) -> dict:
+        """Run ``tokens`` (int64 [S]) after the cached positions."""
+        self.runs += 1
+        return self.state.run(self.builder.next(tokens[None, :], None), self.fetch)
+
+    def truncate(self, length: int) -> None:
+        """Keep at most the first ``length`` positions (cache and feed bookkeeping)."""
+        if length < self.length:
+            self.state.truncate(length)
+            self.builder.rewind(length)
+
+
+def speculative_generate(
+    target,
+    input_ids,
+    draft=None,
+    num_draft_tokens: int = 4,
+    max_new_tokens: int = 32,
+    prompt_lookup_ngram: int = 3,
+    eos_token_id: int | list[int] | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    threads: int | None = None,
+    cache: str = "contiguous",
+    callback: Callable[[int, np.ndarray], None] | None = None,
+    state_options: Mapping | None = None,
+) -> SpeculativeResult:
+    """Generate up to ``max_new_tokens`` tokens after one prompt with speculative decoding.
+
+    Args:
+        target: the model whose distribution is sampled: a :class:`~onnxkv.Session`
+            or anything :class:`~onnxkv.Session` accepts (built with ``threads``).
+        input_ids: int [1, L] or [L] prompt ids (batch 1 only).
+        draft: a smaller model of the same vocabulary (Session, Model or path)
+            that proposes tokens; None proposes by prompt lookup.
+        num_draft_tokens: tokens proposed per step at most (≥ 1); never more
+            than the remaining budget minus one.
+        max_new_tokens: exact number of tokens generated unless an EOS comes first (≥ 0).
+        prompt_lookup_ngram: longest n-gram matched by prompt lookup (≥ 1).
+        eos_token_id: id(s) that end generation (default: the target's genai_config);
+            the EOS is emitted, nothing after it.
+        do_sample: False = greedy (output identical to greedy :func:`onnxkv.generate`);
+            True = sample with ``temperature`` (> 0), ``top_k`` (0 = off) and
+            ``top_p`` warping applied to target and draft distributions alike,
+            from a NumPy Generator seeded by ``seed`` (repeatable).
+        cache: ``"contiguous"`` or ``"paged"``: the states' cache layout.
+        callback: called after each new token as ``callback(step, tokens[1])``.
+        state_options: extra keyword arguments of ``Session.new_state`` for both
+            states (e.g. ``{"capacity": 256}``).
+
+    Returns:
+        A :class:`SpeculativeResult`.
+
+    Raises:
+        InputError: bad arguments, a batch larger than 1, a draft whose logits
+            width differs from the target's, or a model whose cache cannot be
+            truncated (static TensorScatter caches).
+    """
+    tsess = _as_session(target, threads)
+    dsess = None if draft is None else _as_session(draft, threads)
+    model = tsess.model
+    vocab = model.vocab_size
+    max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 0)
+    num_draft_tokens = _int_arg("num_draft_tokens", num_draft_tokens, 1)
+    ngram = _int_arg("prompt_lookup_ngram", prompt_lookup_ngram, 1)
+    top_k = _int_arg("top_k", top_k, 0)
+    if do_sample and not temperature > 0:
+        raise InputError(f"{API}: temperature must be > 0 when do_sample=True, got {temperature!r}")
+    cfg = SamplingConfig(temperature if do_sample else 0.0, top_k or None, top_p, seed, api=API)
+    ids, _, _ = _check_prompt(input_ids, None, vocab)
+    if ids.shape[0] != 1:
+        raise InputError(f"{API}: only batch 1 is supported, got input_ids of shape {ids.shape}")
+    eos = set(_eos_list(eos_token_id, model.eos_token_id, vocab))
+    if cache not in ("contiguous", "paged"):
+        raise InputError(f"{API}: cache must be 'contiguous' or 'paged', got {cache!r}")
+    L = ids.shape[1]
+    for role, s in (("target", tsess), ("draft", dsess)):
+        if s is None:
+            continue
+        _check_model(s, role)
+        if s.model.max_length is not None and L + max_new_tokens > s.model.max_length:
+            raise InputError(f"{API}: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the {role} "
+                             f"model's max_length {s.model.max_length}")
+    options = {"initial_capacity": L + max_new_tokens + 1} if cache == "contiguous" else {}
+    options.update(state_options or {})
+
+    seq = list(ids[0].tolist())
+    proposed = accepted = 0
+    if max_new_tokens == 0:
+        return SpeculativeResult(ids.copy(), 0, 0, 0, 0, 0, 0.0)
+    tgt = _Stepper(tsess, ids, cache, options)
+    drf = None
+    try:
+        drf = None if dsess is None else _Stepper(dsess, ids, cache, options)
+        t0 = time.perf_counter()
+        last = _logit_rows(tgt.prefill(), tsess, 1, "target")[0]
+        if drf is not None:
+            width = _logit_rows(drf.prefill(), dsess, 1, "draft").shape[-1]
+            if width != last.shape[-1]:
+                raise InputError(f"{API}: the draft model's logits have width {width}, the target's "
+                                 f"{last.shape[-1]}; the draft must share the target's vocabulary")
+
+        def pick(logits: np.ndarray) -> int:
+            if cfg.greedy:
+                return int(np.argmax(logits))
+            return _draw(probabilities(logits[None], cfg)[0], cfg.rng)
+
+        def emit(token: int) -> bool:
+            """Append ``token``; True when generation is over."""
+            seq.append(token)
+            step = len(seq) - L - 1
+            if callback is not None:
+                callback(step, np.array([token], dtype=np.int64))
+            return token in eos or step == max_new_tokens - 1
+
+        done = emit(pick(last))
+        while not done:
+            k = min(num_draft_tokens, L + max_new_tokens - len(seq) - 1)
+            if drf is None:
+                proposal = prompt_lookup(np.array(seq, dtype=np.int64), ngram, k)
+                qs = None
+            else:
+                proposal, qs = _propose(drf, dsess, seq, k, cfg, eos)
+            # The target caches seq[:-1]; seq[-1] is verified together with the proposal.
+            chunk = np.array([seq[-1], *proposal.tolist()], dtype=np.int64)
+            rows = _logit_rows(tgt.feed(chunk), tsess, chunk.shape[0], "target")
+            proposed += proposal.shape[0]
+            for i, x in enumerate(proposal.tolist()):
+                if cfg.greedy:
+                    token = int(np.argmax(rows[i]))
+                    ok = token == x
+                else:
+                    p = probabilities(rows[i][None], cfg)[0]
+                    if qs is None:
+                        q = np.zeros_like(p)
+                        q[x] = 1.0
+                    else:
+                        q = qs[i]
+                    ok, token = accept_or_resample(p, q, x, cfg.rng)
+                accepted += ok
+                done = emit(token)
+                if done or not ok:
+                    break
+            else:
+                done = emit(pick(rows[-1]))
+            if not done:  # keep seq[:-1]: the accepted tokens; drop the rejected ones (and the draft's)
+                tgt.truncate(len(seq) - 1)
+                if drf is not None:
+                    drf.truncate(len(seq) - 1)
+        seconds = time.perf_counter() - t0
+    finally:
+        tgt.state.close()
+        if drf is not None:
+            drf.state.close()
+    return SpeculativeResult(np.array([seq], dtype=np.int64), len(seq) - L, proposed, accepted,
+                             tgt.runs, 0 if drf is None else drf.runs, seconds)
+
+
+def _propose(drf: _Stepper, dsess, seq: list[int], k: int, cfg: SamplingConfig,
+             eos: set[int]) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """Run the draft on the tokens of ``seq`` it has not cached, then ``k - 1`` more single tokens.
+
+    Returns the proposal (int64 [≤ k]; it stops after an EOS) and, when
+    sampling, each proposed token's draft distribution (float64 [V]).
+    """
+    tokens: list[int] = []
+    dists: list[np.ndarray] | None = None if cfg.greedy else []
+    if k < 1:
+        return np.zeros(0, dtype=np.int64), dists
+    pending = np.array(seq[drf.length:], dtype=np.int64)
+    while True:
+        logits = _logit_rows(drf.feed(pending), dsess, 1, "draft")
+        if cfg.greedy:
+            x = int(np.argmax(logits[0]))
+        else:
+            q = probabilities(logits, cfg)[0]
+            x = _draw(q, cfg.rng)
+            dists.append(q)
+        tokens.append(x)
+        if len(tokens) == k or x in eos:
+            return np.array(tokens, dtype=np.int64), dists
+        pending = np.array([x], dtype=np.int64)
