@@ -27,13 +27,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from onnxkv.errors import InputError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.generate import _as_session, _check_prompt, _eos_list
-from onnxkv.generate.sampling import SamplingConfig, probabilities
+from onnxkv.generate.sampling import SamplingConfig, probabilities, select_next
+
+if TYPE_CHECKING:
+    import os
+
+    import onnx
+
+    from onnxkv.model.load import Model
+    from onnxkv.runtime.session import Session
 
 __all__ = ["speculative_generate", "SpeculativeResult", "accept_or_resample", "prompt_lookup"]
 
@@ -149,7 +158,7 @@ class _Stepper:
         self.sess = sess
         self.builder = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0,
                                    thread_cache=False)
-        self.state = sess.new_state(**options) if cache == "contiguous" else sess.new_state(cache=cache, **options)
+        self.state = sess.new_state(cache=cache, **options)
         self.fetch = [sess.model.io.logits]
         self.runs = 0
 
@@ -175,9 +184,9 @@ class _Stepper:
 
 
 def speculative_generate(
-    target,
-    input_ids,
-    draft=None,
+    target: Session | Model | onnx.ModelProto | str | os.PathLike,
+    input_ids: np.ndarray | list[int],
+    draft: Session | Model | onnx.ModelProto | str | os.PathLike | None = None,
     num_draft_tokens: int = 4,
     max_new_tokens: int = 32,
     prompt_lookup_ngram: int = 3,
@@ -267,11 +276,6 @@ def speculative_generate(
                 raise InputError(f"{API}: the draft model's logits have width {width}, the target's "
                                  f"{last.shape[-1]}; the draft must share the target's vocabulary")
 
-        def pick(logits: np.ndarray) -> int:
-            if cfg.greedy:
-                return int(np.argmax(logits))
-            return _draw(probabilities(logits[None], cfg)[0], cfg.rng)
-
         def emit(token: int) -> bool:
             """Append ``token``; True when generation is over."""
             seq.append(token)
@@ -280,7 +284,7 @@ def speculative_generate(
                 callback(step, np.array([token], dtype=np.int64))
             return token in eos or step == max_new_tokens - 1
 
-        done = emit(pick(last))
+        done = emit(int(select_next(last[None], cfg)[0]))
         while not done:
             k = min(num_draft_tokens, L + max_new_tokens - len(seq) - 1)
             if drf is None:
@@ -309,7 +313,7 @@ def speculative_generate(
                 if done or not ok:
                     break
             else:
-                done = emit(pick(rows[-1]))
+                done = emit(int(select_next(rows[-1:], cfg)[0]))  # all accepted: the bonus token
             if not done:  # keep seq[:-1]: the accepted tokens; drop the rejected ones (and the draft's)
                 tgt.truncate(len(seq) - 1)
                 if drf is not None:

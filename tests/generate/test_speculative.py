@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 
 import onnxkv
-from onnxkv import InputError
+from onnxkv import InputError, _kernels
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.speculative import accept_or_resample, prompt_lookup, speculative_generate
 from onnxkv.models import embedded
 from onnxkv.models.builders import MICRO, build_model
 from onnxkv.runtime.state import State
 
-#: The one guard for paged states (the lead removes it once cache="paged" is on main).
-PAGED = pytest.mark.skipif(not hasattr(State, "reorder"), reason="paged states are not on main yet")
+#: The one guard for paged states (remove it once the paged attention kernel is on main).
+PAGED = pytest.mark.skipif(not (hasattr(State, "reorder") and hasattr(_kernels, "paged_attention")),
+                           reason="paged states / the paged attention kernel are not on main yet")
 CACHES = ["contiguous", pytest.param("paged", marks=PAGED)]
 FAMILIES = ["gqa", "attention", "concat"]
 
@@ -216,6 +217,9 @@ def test_sampling_is_repeatable_and_valid(pair, mode):
     assert a.new_tokens == 24 and (a.sequences >= 0).all() and (a.sequences < MICRO.vocab_size).all()
     others = [speculative_generate(target, ids, seed=s, **kw).sequences for s in range(6, 9)]
     assert any(not np.array_equal(a.sequences, o) for o in others)
+    one = speculative_generate(target, ids, seed=5, **{**kw, "max_new_tokens": 1})
+    plain = onnxkv.generate(target, ids, 1, temperature=0.9, top_k=40, top_p=0.95, seed=5, eos_token_id=[])
+    np.testing.assert_array_equal(one.sequences, plain.sequences)  # the first token is drawn as generate draws it
     if mode == "self":
         assert a.acceptance_rate > 0.9  # p == q up to rounding: almost every proposal is accepted
 
