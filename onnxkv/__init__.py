@@ -30,7 +30,7 @@ from onnxkv.errors import (  # noqa: E402
     UnsupportedOperatorError,
 )
 from onnxkv.events import Event, EventLog  # noqa: E402
-from onnxkv.generate import GenerationResult, generate  # noqa: E402
+from onnxkv.generate import GenerationResult, SpeculativeResult, generate, speculative_generate  # noqa: E402
 from onnxkv.model import Model, load  # noqa: E402
 from onnxkv import contract  # noqa: E402
 from onnxkv.contract import check_model  # noqa: E402
@@ -50,6 +50,8 @@ __all__ = [
     "check_model",
     "generate",
     "GenerationResult",
+    "speculative_generate",
+    "SpeculativeResult",
     "Event",
     "EventLog",
     "Allocator",

@@ -1,6 +1,8 @@
-"""Generation: sampling and greedy/sampled decoding (beam search and speculative decoding come later)."""
+"""Generation: greedy/sampled decoding, beam search and speculative decoding."""
 
 from onnxkv.generate.generate import GenerationResult, generate
 from onnxkv.generate.sampling import SamplingConfig, select_next
+from onnxkv.generate.speculative import SpeculativeResult, speculative_generate
 
-__all__ = ["generate", "GenerationResult", "SamplingConfig", "select_next"]
+__all__ = ["generate", "GenerationResult", "SamplingConfig", "select_next", "speculative_generate",
+           "SpeculativeResult"]
