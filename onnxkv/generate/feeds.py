@@ -159,6 +159,29 @@ class FeedBuilder:
             self._scatter_feeds(feeds, valid, valid + S)
         return feeds
 
+    def select_rows(self, indices) -> None:
+        """Make row ``i`` of every later feed continue old row ``indices[i]`` (beam search).
+
+        ``indices``: int [N], N ≥ 1, each in ``[0, batch)``; N may differ from
+        the batch (``np.repeat(np.arange(B), k)`` expands B rows to k beams
+        each).  Every piece of per-row bookkeeping (prompt, lengths, mask,
+        history, batch) is gathered alike; the cache itself is the caller's
+        (a state's ``reorder`` or the presents fed to :meth:`next`).
+        """
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu":
+            raise InputError(f"FeedBuilder.select_rows: indices must be a non-empty 1-D int array, got "
+                             f"shape {idx.shape} dtype {idx.dtype}")
+        if idx.min() < 0 or idx.max() >= self.batch:
+            raise InputError(f"FeedBuilder.select_rows: indices must be in [0, {self.batch}), got min "
+                             f"{idx.min()}, max {idx.max()}")
+        self.batch = int(idx.size)
+        self.prompt = self.prompt[idx]
+        self.lengths = self.lengths[idx]
+        self.history = self.history[idx]
+        if hasattr(self, "mask"):
+            self.mask = self.mask[idx]
+
     def _full_sequence_feeds(self) -> dict:
         ids = self.history
         B, L = ids.shape

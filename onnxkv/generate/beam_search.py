@@ -1,0 +1,420 @@
+"""``onnxkv.beam_search``: beam search with Hugging Face transformers' semantics.
+
+Two parts, kept apart:
+
+* :class:`BeamScorer` -- the scoring rules of transformers' (5.x, vectorised)
+  ``generate(num_beams=k, do_sample=False)`` for decoder-only models, on
+  log-probability tables only (no model): running beams, finished hypotheses,
+  length penalty, ``early_stopping`` True / False / ``"never"``, finalisation.
+* :func:`beam_search` -- the model driver.  It prefills the prompt once with
+  batch B, expands every row to k beams and, every step, makes row ``i`` of
+  the cache continue the beam the scorer chose for it (``beam_idx``) before
+  running the k*B new tokens.  ``cache="paged"`` does that with
+  ``State.reorder`` (page tables are permuted, beams share pages
+  copy-on-write); ``cache="tensor"`` threads the cache as tensors and gathers
+  them with ``np.take`` every step, as transformers does (a copy per beam).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onnxkv.errors import InputError
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.generate.generate import _as_session, _check_prompt, _eos_list
+
+__all__ = ["beam_search", "BeamSearchResult", "BeamScorer", "log_softmax"]
+
+#: transformers' "minus infinity" for beam scores (added, in float32).
+NEG = np.float32(-1.0e9)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 log-softmax over the last axis, computed as torch does on the CPU
+    (``(x - max) - log(sum(exp(x - max)))``, all in float32)."""
+    x = np.asarray(logits, dtype=np.float32)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float32))
+
+
+def _top(x: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the ``n`` largest entries of every row, best first; ties go to the lower index."""
+    return np.argsort(-x, axis=-1, kind="stable")[:, :n]
+
+
+class BeamScorer:
+    """transformers' beam-search bookkeeping for ``batch`` rows of ``num_beams`` beams.
+
+    Args:
+        batch: B, prompt rows.
+        num_beams: k beams per row.
+        max_new_tokens: generation stops after this many tokens (every
+            candidate of the last step counts as finished).
+        length_penalty: a finished hypothesis of ``n`` generated tokens
+            (its EOS included, the prompt excluded) scores ``sum_logprobs / n ** length_penalty``.
+        early_stopping: ``True`` stops as soon as every row holds k finished
+            hypotheses; ``False`` also stops when the best running beam, scored at
+            its current length, cannot beat the worst finished one; ``"never"``
+            does the same with the best length possible (``max_new_tokens``) when
+            ``length_penalty > 0``.
+        eos_token_id: ids that finish a hypothesis.
+        pad_token_id: written after a hypothesis' end in :meth:`finalize`.
+
+    Each step, :meth:`process` takes the log-probabilities of the k*B running
+    beams (row ``b*k + j`` is beam j of prompt row b) and returns, for each of
+    the k*B beams of the next step, its new token and the global row it
+    continues.  Scores are float32 and follow transformers' arithmetic
+    (``-1e9`` penalties are added, not masked).  Of the
+    ``max(2, 1 + len(eos)) * k`` best candidates of a row, an EOS candidate ranked
+    ``>= k`` is dropped; ties go to the lower candidate index.
+    """
+
+    def __init__(self, batch: int, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
+                 early_stopping: bool | str = False, eos_token_id: Sequence[int] = (), pad_token_id: int = 0) -> None:
+        self.batch, self.num_beams, self.max_new_tokens = int(batch), int(num_beams), int(max_new_tokens)
+        self.length_penalty = float(length_penalty)
+        self.early_stopping = early_stopping
+        self.eos = np.asarray(list(eos_token_id), dtype=np.int64)
+        self.pad_token_id = int(pad_token_id)
+        B, k, n = self.batch, self.num_beams, self.max_new_tokens
+        self.keep = max(2, 1 + self.eos.size) * k
+        self.step = 0  # tokens generated so far
+        self.running = np.full((B, k, n), self.pad_token_id, dtype=np.int64)
+        self.running_scores = np.zeros((B, k), dtype=np.float32)
+        self.running_scores[:, 1:] = NEG
+        self.finished = np.full((B, k, n), self.pad_token_id, dtype=np.int64)
+        self.finished_scores = np.full((B, k), NEG, dtype=np.float32)
+        self.finished_lengths = np.zeros((B, k), dtype=np.int64)
+        self.is_finished = np.zeros((B, k), dtype=bool)
+        self.improvable = np.ones(B, dtype=bool)  # transformers' is_early_stop_heuristic_unsatisfied
+        self.done = False
+
+    def process(self, log_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Advance one step.
+
+        Args:
+            log_probs: float [B*k, V] log-probabilities of the next token per running beam.
+
+        Returns:
+            ``(tokens, beam_idx)``: int64 [B*k] each; beam ``i`` of the next step is
+            old row ``beam_idx[i]`` (a global row, ``b*k + j``) followed by ``tokens[i]``.
+            :attr:`done` tells whether the search has ended.
+
+        Raises:
+            InputError: wrong shape, fewer than ``keep`` candidates, or called after the end.
+        """
+        B, k, t = self.batch, self.num_beams, self.step
+        lp = np.asarray(log_probs, dtype=np.float32)
+        if self.done:
+            raise InputError("beam_search: BeamScorer.process called after the search ended")
+        if lp.ndim != 2 or lp.shape[0] != B * k:
+            raise InputError(f"beam_search: log_probs must be [{B * k}, vocab], got shape {lp.shape}")
+        V = lp.shape[1]
+        if k * V < self.keep:
+            raise InputError(f"beam_search: num_beams * vocab = {k * V} is below the {self.keep} candidates "
+                             "beam search keeps per row (max(2, 1 + len(eos_token_id)) * num_beams)")
+        acc = (lp.reshape(B, k, V) + self.running_scores[:, :, None]).reshape(B, k * V)
+        cand = _top(acc, self.keep)
+        cand_scores = np.take_along_axis(acc, cand, axis=1)
+        src, tokens = cand // V, cand % V
+        cand_seqs = np.take_along_axis(self.running, src[:, :, None], axis=1)
+        cand_seqs[:, :, t] = tokens
+        hits = np.isin(tokens, self.eos) | (t + 1 >= self.max_new_tokens)
+
+        # Running beams: the k best candidates that did not finish.
+        run_scores = cand_scores + hits.astype(np.float32) * NEG
+        nxt = _top(run_scores, k)
+        self.running = np.take_along_axis(cand_seqs, nxt[:, :, None], axis=1)
+        self.running_scores = np.take_along_axis(run_scores, nxt, axis=1)
+        beam_idx = (np.take_along_axis(src, nxt, axis=1) + np.arange(B)[:, None] * k).reshape(-1)
+
+        # Finished hypotheses: merge the top-k candidates that just finished.
+        just = hits & (np.arange(self.keep) < k)[None, :]
+        fin = cand_scores / np.float32((t + 1) ** self.length_penalty)
+        full = self.is_finished.all(axis=1) & (self.early_stopping is True)
+        fin = fin + full[:, None].astype(np.float32) * NEG
+        fin = fin + (~self.improvable)[:, None].astype(np.float32) * NEG
+        fin = fin + (~just).astype(np.float32) * NEG
+        merged_scores = np.concatenate([self.finished_scores, fin], axis=1)
+        sel = _top(merged_scores, k)
+        self.finished_scores = np.take_along_axis(merged_scores, sel, axis=1)
+        self.finished = np.take_along_axis(np.concatenate([self.finished, cand_seqs], axis=1), sel[:, :, None], axis=1)
+        lengths = np.concatenate([self.finished_lengths, np.full((B, self.keep), t + 1, np.int64)], axis=1)
+        self.finished_lengths = np.take_along_axis(lengths, sel, axis=1)
+        self.is_finished = np.take_along_axis(np.concatenate([self.is_finished, just], axis=1), sel, axis=1)
+
+        self.step = t + 1
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_len = self.max_new_tokens
+        else:
+            best_len = self.step
+        best = self.running_scores[:, 0] / np.float32(best_len ** self.length_penalty)
+        worst = np.where(self.is_finished, self.finished_scores.min(axis=1, keepdims=True), NEG)
+        self.improvable &= np.any(best[:, None] > worst, axis=1)
+        all_full = bool(self.is_finished.all()) and self.early_stopping is True
+        self.done = not (bool(self.improvable.any()) and not all_full and not bool(hits.all()))
+        return self.running[:, :, t].reshape(-1).copy(), beam_idx
+
+    def finalize(self, num_return_sequences: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The best ``num_return_sequences`` hypotheses of every row, best first.
+
+        Returns:
+            ``(tokens, scores, lengths)``: int64 [B*n, G] generated tokens (padded
+            with ``pad_token_id`` after each hypothesis' end; G is the longest
+            returned hypothesis), float32 [B*n] length-penalised scores, int64 [B*n]
+            generated lengths.  Row ``b*n + i`` is row b's i-th best.
+        """
+        n = int(num_return_sequences)
+        lengths = self.finished_lengths[:, :n].reshape(-1)
+        width = int(lengths.max()) if lengths.size else 0
+        tokens = self.finished[:, :n, :width].reshape(-1, width)
+        return tokens.copy(), self.finished_scores[:, :n].reshape(-1).copy(), lengths.copy()
+
+
+@dataclass
+class BeamSearchResult:
+    """What :func:`beam_search` returns.
+
+    Attributes:
+        sequences: int64 [B*n, L + G]: row ``b*n + i`` is prompt row b (as given,
+            left padding included) followed by its i-th best hypothesis, padded
+            with the pad id after its end (n = ``num_return_sequences``, G the
+            longest returned hypothesis).
+        sequences_scores: float32 [B*n]: ``sum_logprobs / generated_length ** length_penalty``.
+        prompt_seconds: wall time of the prefill run and the expansion to k beams per row.
+        step_seconds: wall time of every decode step (scoring, cache reorder, feeds and the run).
+        reorder_copied_bytes: per decode step, cache bytes the beam reorder copied
+            (``np.take`` of the presents for ``cache="tensor"``; for ``"paged"``, the copy
+            counters of events logged by ``State.reorder``, None without an event log).
+        cache_copied_bytes: per decode step, ``prefix_copied_bytes + cow_copied_bytes``
+            of the step's run in the session's event log (None when it is off).
+        committed_bytes: per decode step, cache bytes held after the step
+            (``State.committed_bytes``, or the presents' bytes for ``"tensor"``).
+        prompt_copied_bytes: bytes the expansion to k beams copied (like ``reorder_copied_bytes``).
+        num_beams: k.
+    """
+
+    sequences: np.ndarray
+    sequences_scores: np.ndarray
+    prompt_seconds: float
+    step_seconds: list[float]
+    reorder_copied_bytes: list[int] | None
+    cache_copied_bytes: list[int] | None
+    committed_bytes: list[int]
+    prompt_copied_bytes: int | None
+    num_beams: int
+    batch: int = field(default=1)
+
+    @property
+    def decode_seconds(self) -> float:
+        return float(sum(self.step_seconds))
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Beam tokens (k*B per step) run per second of decode time (0 without a decode step)."""
+        n = self.batch * self.num_beams * len(self.step_seconds)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def copied_bytes(self) -> list[int] | None:
+        """Per decode step, all cache bytes copied (reorder + run); None when not known."""
+        if self.reorder_copied_bytes is None or self.cache_copied_bytes is None:
+            return None
+        return [a + b for a, b in zip(self.reorder_copied_bytes, self.cache_copied_bytes)]
+
+
+class _PagedBeams:
+    """``cache="paged"``: one paged state; a reorder permutes page tables."""
+
+    def __init__(self, session, block_size: int) -> None:
+        self.state = session.new_state(cache="paged", block_size=block_size)
+        self.fetch = [session.model.io.logits]
+
+    def run(self, feeds: dict) -> dict:
+        return self.state.run(feeds, self.fetch)
+
+    def reorder(self, out: dict, indices: np.ndarray) -> tuple[dict, int | None]:
+        self.state.reorder(indices)
+        return out, None
+
+    def committed_bytes(self, out: dict) -> int:
+        return int(self.state.committed_bytes)
+
+    def close(self) -> None:
+        self.state.close()
+
+
+class _TensorBeams:
+    """``cache="tensor"``: stateless runs; a reorder gathers every present with ``np.take``."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+        self.presents = list(session.model.convention.present_outputs)
+        self.fetch = [session.model.io.logits, *self.presents]
+
+    def run(self, feeds: dict) -> dict:
+        return self.session.run(feeds, self.fetch)
+
+    def reorder(self, out: dict, indices: np.ndarray) -> tuple[dict, int]:
+        moved = {name: np.take(out[name], indices, axis=0) for name in self.presents}
+        return moved, sum(a.nbytes for a in moved.values())
+
+    def committed_bytes(self, out: dict) -> int:
+        return sum(int(out[name].nbytes) for name in self.presents)
+
+    def close(self) -> None:
+        pass
+
+
+def _renamed(fn, *args):
+    """Call a shared :mod:`onnxkv.generate.generate` check, its errors naming ``beam_search``."""
+    try:
+        return fn(*args)
+    except InputError as e:
+        raise InputError(str(e).replace("generate:", "beam_search:", 1)) from None
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InputError(f"beam_search: {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _copies(events, start: int, stop: int, fields: tuple[str, ...]) -> int:
+    return sum(getattr(events[i], f) for i in range(start, stop) for f in fields)
+
+
+def beam_search(
+    session_or_model,
+    input_ids,
+    num_beams: int,
+    max_new_tokens: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    eos_token_id: int | list[int] | None = None,
+    num_return_sequences: int = 1,
+    attention_mask=None,
+    pad_token_id: int | None = None,
+    threads: int | None = None,
+    cache: str = "paged",
+    block_size: int = 16,
+    callback: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+) -> BeamSearchResult:
+    """Beam search, as transformers' ``generate(num_beams=..., do_sample=False)`` does it.
+
+    Args:
+        session_or_model: a :class:`~onnxkv.Session`, or anything it accepts
+            (then a session is built with ``threads``).
+        input_ids: int [B, L] or [L] prompt ids, left-padded when rows differ in length.
+        num_beams: k ≥ 1 beams per prompt row.
+        max_new_tokens: at most this many generated tokens (≥ 1).
+        length_penalty: exponent of the generated length dividing a hypothesis' log-probability.
+        early_stopping: ``True``, ``False`` or ``"never"`` (see :class:`BeamScorer`).
+        eos_token_id: id(s) ending a hypothesis (default: the model's).
+        num_return_sequences: hypotheses returned per row, 1 ≤ n ≤ k.
+        attention_mask: 0/1 [B, L]; zeros mark left padding.
+        pad_token_id: fills the prompt's padding and every hypothesis after its
+            end (default: the model's pad id, else the first EOS, else 0).
+        cache: ``"paged"`` (prefill once on a paged state, beams share its pages,
+            ``State.reorder`` per step) or ``"tensor"`` (caches as tensors,
+            gathered per beam with ``np.take`` per step).
+        block_size: tokens per page with ``cache="paged"``.
+        callback: called after every step as ``callback(step, tokens, beam_idx)``
+            with the k*B running beams' new tokens and the rows they continue.
+
+    Returns:
+        A :class:`BeamSearchResult`.  With the session's event log on
+        (``Session(..., events=True)``) it also carries the copy counters.
+
+    Raises:
+        InputError: a bad argument (the message names it and its value).
+    """
+    sess = _renamed(_as_session, session_or_model, threads)
+    model = sess.model
+    vocab = model.vocab_size
+    k = _positive_int("num_beams", num_beams)
+    max_new = _positive_int("max_new_tokens", max_new_tokens)
+    n_ret = _positive_int("num_return_sequences", num_return_sequences)
+    if n_ret > k:
+        raise InputError(f"beam_search: num_return_sequences {n_ret} exceeds num_beams {k}")
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float, np.integer, np.floating)):
+        raise InputError(f"beam_search: length_penalty must be a number, got {length_penalty!r}")
+    if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
+        raise InputError(f"beam_search: early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if cache not in ("paged", "tensor"):
+        raise InputError(f"beam_search: cache must be 'paged' or 'tensor', got {cache!r}")
+    block = _positive_int("block_size", block_size)
+    if cache == "paged" and not sess.bindings:
+        raise InputError(f"beam_search: cache='paged' needs a model whose KV cache onnxkv runs in place; this "
+                         f"model's cache is '{model.convention.kind}' (use cache='tensor')")
+    ids, mask, lengths = _renamed(_check_prompt, input_ids, attention_mask, vocab)
+    eos = _renamed(_eos_list, eos_token_id, model.eos_token_id, vocab)
+    if pad_token_id is None:
+        pad_token_id = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
+    if (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)) or pad_token_id < 0
+            or (vocab is not None and pad_token_id >= vocab)):
+        raise InputError(f"beam_search: pad_token_id {pad_token_id!r} is outside the vocabulary [0, {vocab})")
+    B, L = ids.shape
+    if model.max_length is not None and L + max_new > model.max_length:
+        raise InputError(f"beam_search: prompt length {L} + max_new_tokens {max_new} exceeds the model's "
+                         f"max_length {model.max_length}")
+    scorer = BeamScorer(B, k, max_new, length_penalty, early_stopping, eos, int(pad_token_id))
+    if vocab is not None and k * vocab < scorer.keep:
+        raise InputError(f"beam_search: num_beams {k} * vocab {vocab} is below the {scorer.keep} candidates "
+                         "beam search keeps per row")
+    ids = np.where(mask == 1, ids, pad_token_id)
+
+    builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, int(pad_token_id), thread_cache=cache == "tensor")
+    beams = _PagedBeams(sess, block) if cache == "paged" else _TensorBeams(sess)
+    log = sess.events if sess.events.enabled else None
+    logits_name = model.io.logits
+    step_seconds: list[float] = []
+    reorder_copied: list[int] | None = [] if cache == "tensor" or log is not None else None
+    cache_copied: list[int] | None = [] if log is not None else None
+    committed: list[int] = []
+    try:
+        feeds, read = builder.first()
+        t0 = time.perf_counter()
+        out = beams.run(feeds)
+        logits = out[logits_name]
+        logits = logits[np.arange(B), read] if logits.ndim == 3 else logits
+        expand = np.repeat(np.arange(B), k)
+        n0 = len(log) if log is not None else 0
+        out, prompt_copied = beams.reorder(out, expand)
+        builder.select_rows(expand)
+        if log is not None and prompt_copied is None:
+            prompt_copied = _copies(log, n0, len(log), ("prefix_copied_bytes", "append_copied_bytes",
+                                                        "cow_copied_bytes"))
+        prompt_seconds = time.perf_counter() - t0
+        log_probs = log_softmax(logits)[expand]
+        while True:
+            t0 = time.perf_counter()
+            tokens, beam_idx = scorer.process(log_probs)
+            if callback is not None:
+                callback(scorer.step - 1, tokens, beam_idx)
+            if scorer.done:
+                break
+            n0 = len(log) if log is not None else 0
+            out, moved = beams.reorder(out, beam_idx)
+            builder.select_rows(beam_idx)
+            n1 = len(log) if log is not None else 0
+            out = beams.run(builder.next(tokens, out))
+            step_seconds.append(time.perf_counter() - t0)
+            log_probs = log_softmax(out[logits_name][:, -1] if out[logits_name].ndim == 3 else out[logits_name])
+            if reorder_copied is not None:
+                reorder_copied.append(moved if moved is not None else
+                                      _copies(log, n0, n1, ("prefix_copied_bytes", "append_copied_bytes",
+                                                            "cow_copied_bytes")))
+            if cache_copied is not None:
+                cache_copied.append(_copies(log, n1, len(log), ("prefix_copied_bytes", "cow_copied_bytes")))
+            committed.append(beams.committed_bytes(out))
+    finally:
+        beams.close()
+    gen, scores, _ = scorer.finalize(n_ret)
+    sequences = np.concatenate([np.repeat(ids, n_ret, axis=0), gen], axis=1)
+    return BeamSearchResult(sequences, scores, prompt_seconds, step_seconds, reorder_copied, cache_copied,
+                            committed, prompt_copied, k, B)
