@@ -83,6 +83,18 @@ def gqa_decode_model(hq: int, hkv: int, d: int, scale: float) -> bytes:
     return model.SerializeToString()
 
 
+def run_worker(script: str, args: list, threads: int) -> dict:
+    """Run ``script --worker *args`` in a fresh process (OMP_NUM_THREADS=threads) and return the
+    JSON object on its last stdout line, or ``{"error": [last stderr line]}`` if it failed."""
+    import subprocess
+
+    cmd = [sys.executable, script, "--worker", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def median(xs) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

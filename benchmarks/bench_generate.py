@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine, median, versions  # noqa: E402
+from _common import emit, machine, median, run_worker, versions  # noqa: E402
 
 DEFAULT_CASES = "tiny-gqa:128,tiny-gqa:1024,small-gqa:128,small-gqa:1024,small-gqa:4096,small-concat:4096"
 DEFAULT_ENGINES = "onnxkv,onnxkv-tensor,ort,ort-genai"
@@ -258,16 +256,11 @@ def main() -> None:
                 if (engine == "ort-genai" and genai_version is None) or (engine in ("ort-genai", "onnxkv-f16")
                                                                          and family != "gqa"):
                     continue
-                cmd = [sys.executable, __file__, "--worker", engine, str(folder), str(plen), str(vocab),
-                       str(args.new_tokens), str(args.threads)]
-                env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                if proc.returncode != 0:
-                    entry["engines"][engine] = {"error": proc.stderr.strip().splitlines()[-1:]}
-                    print(f"# {case} {engine}: FAILED {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-                    continue
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                r = run_worker(__file__, [engine, folder, plen, vocab, args.new_tokens, args.threads], args.threads)
                 entry["engines"][engine] = r
+                if "error" in r:
+                    print(f"# {case} {engine}: FAILED {r['error']}", file=sys.stderr)
+                    continue
                 print(f"# {case} {engine}: {r['median_token_s'] * 1e3:.2f} ms/token, prefill {r['prefill_s']:.2f} s, "
                       f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
             kv = entry["engines"].get("onnxkv", {})

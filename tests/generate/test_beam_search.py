@@ -16,7 +16,7 @@ from _beam_helpers import full_logprobs, reference_beam_search
 
 import onnxkv
 from onnxkv import InputError
-from onnxkv.generate.beam_search import BeamScorer, beam_search, log_softmax
+from onnxkv.generate.beam_search import BeamScorer, _top, beam_search, log_softmax
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
 from onnxkv.runtime.state import State
@@ -158,6 +158,12 @@ def test_scorer_matches_reference_on_random_tables():
         np.testing.assert_allclose(scores, [w[0] for w in want], rtol=1e-5)
 
 
+def test_top_candidates_break_ties_by_lower_index():
+    x = np.random.default_rng(8).integers(0, 4, (3, 50)).astype(np.float32)  # many ties
+    for n in (1, 7, 50):
+        np.testing.assert_array_equal(_top(x, n), np.argsort(-x, axis=1, kind="stable")[:, :n])
+
+
 def test_log_softmax_is_float32_and_normalised():
     x = np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32) * 8
     y = log_softmax(x)
@@ -218,17 +224,21 @@ def _bytes_per_token(session) -> int:
     return 2 * len(conv.layers) * conv.kv_heads * conv.head_size * 4
 
 
+@pytest.mark.parametrize("name", sorted(FIXTURES))
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_beams_share_pages_and_copy_at_most_a_page_per_beam(block_size, paged):
-    session = onnxkv.Session(FIXTURES["genai"], threads=2, events=True)
+def test_paged_beams_share_pages_and_copy_at_most_a_page_per_beam(name, block_size, paged):
+    session = onnxkv.Session(FIXTURES[name], threads=2, events=True)
     res = _fixture_search(session, paged, block_size=block_size)
     np.testing.assert_array_equal(res.sequences, REF["beam_sequences"])
-    conv, k, L = session.model.convention, SETTINGS["num_beams"], REF["beam_prompt_ids"].size
-    page = block_size * conv.kv_heads * conv.head_size * 4
-    writes = [e for e in session.events if e.action == "cache_write"]
-    assert writes and all(e.cow_copied_bytes <= k * page for e in writes)
-    assert res.prompt_copied_bytes == 0 and res.reorder_copied_bytes == [0] * len(res.step_seconds)
+    k, L = SETTINGS["num_beams"], REF["beam_prompt_ids"].size
     per_token = _bytes_per_token(session)
+    page = block_size * per_token  # one page of every layer's keys and values
+    log = session.events
+    cow = [sum(e.cow_copied_bytes for e in log if e.action == "cache_write" and e.step == s) for s in log.steps()]
+    assert len(cow) == len(res.step_seconds) + 1 and max(cow) > 0
+    assert all(c <= k * page for c in cow)
+    assert res.prompt_copied_bytes == 0 and res.reorder_copied_bytes == [0] * len(res.step_seconds)
+    assert any(e.action == "reorder" for e in log)
     shared, tail = L // block_size * block_size, L % block_size
     for i, committed in enumerate(res.committed_bytes):
         generated = i + 1
@@ -293,6 +303,15 @@ def test_callback_sees_every_step(micro):
     assert res.sequences.shape == (1, 7)
 
 
+def test_one_new_token_returns_the_k_most_likely_tokens(micro, cache):
+    res = beam_search(micro, np.array([5, 6, 7]), 3, 1, eos_token_id=[], num_return_sequences=3, cache=cache)
+    lp = full_logprobs(micro, [5, 6, 7])
+    best = np.argsort(-lp, kind="stable")[:3]
+    np.testing.assert_array_equal(res.sequences[:, 3], best)
+    np.testing.assert_allclose(res.sequences_scores, lp[best], atol=1e-4)
+    assert res.step_seconds == [] and res.committed_bytes == [] and res.tokens_per_second == 0.0
+
+
 # -- argument errors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_beams=0), r"num_beams.*0"),
@@ -321,3 +340,6 @@ def test_scorer_rejects_too_small_vocab_and_wrong_shapes():
         scorer.process(np.zeros((2, 9)))
     with pytest.raises(InputError, match=r"beam_search: num_beams \* vocab = 3"):
         scorer.process(np.zeros((3, 1)))
+    with pytest.raises(InputError, match="beam_search: .*NaN"):
+        scorer.process(np.full((3, 9), np.nan))
+    assert scorer.step == 0 and not scorer.done
