@@ -295,7 +295,14 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
+#: Event counters of payload bytes copied: any copy at all (reorders), and the copies a run makes
+#: of cached positions (growth / concatenation of the past, copy-on-write; not the appended tokens).
+_ALL_COPIES = ("prefix_copied_bytes", "append_copied_bytes", "cow_copied_bytes")
+_RUN_COPIES = ("prefix_copied_bytes", "cow_copied_bytes")
+
+
 def _copies(events, start: int, stop: int, fields: tuple[str, ...]) -> int:
+    """Sum of ``fields`` over events ``start:stop`` of an :class:`~onnxkv.events.EventLog`."""
     return sum(getattr(events[i], f) for i in range(start, stop) for f in fields)
 
 
@@ -398,13 +405,12 @@ def beam_search(
         out, prompt_copied = beams.reorder(out, expand)
         builder.select_rows(expand)
         if log is not None and prompt_copied is None:
-            prompt_copied = _copies(log, n0, len(log), ("prefix_copied_bytes", "append_copied_bytes",
-                                                        "cow_copied_bytes"))
+            prompt_copied = _copies(log, n0, len(log), _ALL_COPIES)
         prompt_seconds = time.perf_counter() - t0
-        log_probs = log_softmax(logits)[expand]
+        logits = logits[expand]
         while True:
             t0 = time.perf_counter()
-            tokens, beam_idx = scorer.process(log_probs)
+            tokens, beam_idx = scorer.process(log_softmax(logits))
             if callback is not None:
                 callback(scorer.step - 1, tokens, beam_idx)
             if scorer.done:
@@ -414,14 +420,12 @@ def beam_search(
             builder.select_rows(beam_idx)
             n1 = len(log) if log is not None else 0
             out = beams.run(builder.next(tokens, out))
+            logits = out[logits_name][:, -1] if out[logits_name].ndim == 3 else out[logits_name]
             step_seconds.append(time.perf_counter() - t0)
-            log_probs = log_softmax(out[logits_name][:, -1] if out[logits_name].ndim == 3 else out[logits_name])
             if reorder_copied is not None:
-                reorder_copied.append(moved if moved is not None else
-                                      _copies(log, n0, n1, ("prefix_copied_bytes", "append_copied_bytes",
-                                                            "cow_copied_bytes")))
+                reorder_copied.append(moved if moved is not None else _copies(log, n0, n1, _ALL_COPIES))
             if cache_copied is not None:
-                cache_copied.append(_copies(log, n1, len(log), ("prefix_copied_bytes", "cow_copied_bytes")))
+                cache_copied.append(_copies(log, n1, len(log), _RUN_COPIES))
             committed.append(beams.committed_bytes(out))
     finally:
         beams.close()

@@ -15,7 +15,7 @@ import pytest
 from _beam_helpers import full_logprobs, reference_beam_search
 
 import onnxkv
-from onnxkv import InputError
+from onnxkv import InputError, _kernels
 from onnxkv.generate.beam_search import BeamScorer, _top, beam_search, log_softmax
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
@@ -30,9 +30,10 @@ EOS = 4
 
 @pytest.fixture
 def paged() -> str:
-    """``"paged"``; the one place that waits for paged states (State.reorder) to land on main."""
-    if not hasattr(State, "reorder"):
-        pytest.skip("paged states (State.reorder) are not on this branch yet")
+    """``"paged"``; the one place that waits for paged states (State.reorder) and the paged
+    attention kernel (GroupQueryAttention over pages) to land on main."""
+    if not (hasattr(State, "reorder") and hasattr(_kernels, "paged_attention")):
+        pytest.skip("paged states or the paged attention kernel are not on this branch yet")
     return "paged"
 
 
@@ -250,7 +251,7 @@ def test_paged_beams_share_pages_and_copy_at_most_a_page_per_beam(name, block_si
 
 
 # -- drivers on builder models -----------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["gqa", "attention", "concat"])
+@pytest.fixture(scope="module", params=["gqa", "attention", "concat", "tensorscatter"])
 def micro(request):
     return onnxkv.Session(build_model(request.param, MICRO, seed=7), threads=1)
 
