@@ -161,8 +161,14 @@ def main() -> None:
             results.append(entry)
     emit({"benchmark": "beam_search", "machine": machine(),
           "versions": vers,
-          "threads": args.threads, "bar": "onnxkv 4-beam decode at prompt 1024 >= 4x faster per token than "
-                                          "ONNX Runtime GenAI num_beams=4", "results": results}, args.out)
+          "threads": args.threads,
+          "bar": "onnxkv 4-beam decode at prompt 1024 >= 4x faster per token than ONNX Runtime GenAI num_beams=4",
+          "per_token": "one decode step over all beams; onnxkv: BeamSearchResult.step_seconds (scoring, reorder, "
+                       "feeds, run); ort-genai: generate_next_token calls after the first (the first only selects "
+                       "from the prompt's logits computed by append_tokens = prefill_s)",
+          "genai_search_options": {"num_beams": args.beams, "num_return_sequences": 1, "max_length": "prompt+new",
+                                   "min_length": "prompt+new", "early_stopping": False, "do_sample": False},
+          "results": results}, args.out)
 
 
 if __name__ == "__main__":
