@@ -30,7 +30,14 @@ from onnxkv.errors import (  # noqa: E402
     UnsupportedOperatorError,
 )
 from onnxkv.events import Event, EventLog  # noqa: E402
-from onnxkv.generate import GenerationResult, SpeculativeResult, generate, speculative_generate  # noqa: E402
+from onnxkv.generate import (  # noqa: E402
+    BeamSearchResult,
+    GenerationResult,
+    SpeculativeResult,
+    beam_search,
+    generate,
+    speculative_generate,
+)
 from onnxkv.model import Model, load  # noqa: E402
 from onnxkv import contract  # noqa: E402
 from onnxkv.contract import check_model  # noqa: E402
@@ -50,6 +57,8 @@ __all__ = [
     "check_model",
     "generate",
     "GenerationResult",
+    "beam_search",
+    "BeamSearchResult",
     "speculative_generate",
     "SpeculativeResult",
     "Event",
