@@ -49,3 +49,67 @@ def no_overlap(name, a, other, other_name, allow_identical=False):
 def identical(a, b):
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
             and a.shape == b.shape and a.dtype == b.dtype)
+
+
+U64 = np.dtype(np.uint64)
+I32_MAX = int(np.iinfo(np.int32).max)
+
+
+def positive_int(name, x):
+    """``x`` as a Python int >= 1 (``TypeError`` if it is not an integer)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < 1:
+        raise ValueError(f"{name}: must be >= 1, got {x}")
+    return int(x)
+
+
+def as_int32(name, a, lo, hi, shape):
+    """Check an int32/int64 array of ``shape`` with values in [lo, hi]; return it as int32."""
+    array(name, a, (I32, I64), shape=shape)
+    if a.size:
+        mn, mx = int(a.min()), int(a.max())
+        if mn < lo or mx > hi:
+            raise ValueError(f"{name}: values must be in [{lo}, {hi}], got range [{mn}, {mx}]")
+    return np.ascontiguousarray(a, dtype=I32)
+
+
+def paged_blocks_read(kv_len, q_pos, window, block_size, n_blocks):
+    """bool [B, n_blocks]: which logical blocks of each row hold a key that some
+    query token of the call sees (query at position p sees keys j with
+    j < kv_len[b], j <= p and, if window >= 0, j >= p - window).  These are
+    exactly the block table entries a paged attention call reads.  Vectorised:
+    O(B*Sq + B*n_blocks)."""
+    B = q_pos.shape[0]
+    p = q_pos.astype(np.int64)
+    lo = np.maximum(p - window, 0) if window >= 0 else np.zeros_like(p)
+    hi = np.minimum(p + 1, np.asarray(kv_len, np.int64)[:, None])
+    seen = lo < hi
+    rows = np.broadcast_to(np.arange(B)[:, None], p.shape)[seen]
+    diff = np.zeros((B, n_blocks + 1), np.int64)
+    np.add.at(diff, (rows, lo[seen] // block_size), 1)
+    np.add.at(diff, (rows, (hi[seen] - 1) // block_size + 1), -1)
+    return np.cumsum(diff[:, :n_blocks], axis=1) > 0
+
+
+def page_tables(block_tables, read, block_size, pages, alignment=64):
+    """Check the block table entries selected by the bool mask ``read`` [B, M]:
+    each must be a page id in [0, P) whose address in every table of ``pages``
+    ({name: uint64 [P] addresses}) is nonzero and a multiple of ``alignment``."""
+    P = len(next(iter(pages.values())))
+    ids = block_tables[read]
+    bad = (ids < 0) | (ids >= P)
+    if bad.any():
+        b, i = np.argwhere(read)[np.argmax(bad)]
+        raise ValueError(f"block_tables: row {b}, block {i} (keys [{i * block_size}, {(i + 1) * block_size})) "
+                         f"holds visible keys but its entry is {int(block_tables[b, i])} "
+                         f"(expected a page id in [0, {P}))")
+    for name, addr in pages.items():
+        a = addr[ids]
+        bad = (a == 0) | (a % alignment != 0)
+        if bad.any():
+            k = int(np.argmax(bad))
+            b, i = np.argwhere(read)[k]
+            what = "0 (no page)" if a[k] == 0 else f"{int(a[k]):#x}, not {alignment}-byte aligned"
+            raise ValueError(f"{name}: page {int(ids[k])} (block_tables row {b}, block {i}) is read but its "
+                             f"address is {what}")

@@ -1,9 +1,18 @@
-/* onnxkv/_kernels/attention.h -- streaming (online-softmax) attention.
+/* onnxkv/_kernels/attention.h -- streaming (online-softmax) attention over a
+ * contiguous or a paged KV cache.
  *
  * Layouts (C-contiguous):
- *   q, out [B, Hq, Sq, D] float32;  k, v [B, Hkv, Cap, D] float32, float16 or
- *   bfloat16 (kv_type; K and V share it);  kv_len, kv_start [B] int32;
- *   q_pos [B, Sq] int32.
+ *   q, out [B, Hq, Sq, D] float32;  kv_len, kv_start [B] int32;  q_pos [B, Sq] int32.
+ *   K/V elements are float32, float16 or bfloat16 (kv_type; K and V share it).
+ *   Contiguous (block_tables == NULL): k, v [B, Hkv, Cap, D].
+ *   Paged (block_tables != NULL): logical block i of batch b (keys [i*bs, (i+1)*bs))
+ *     lives in page block_tables[b*M + i]; k_pages[id] / v_pages[id] are the
+ *     addresses of that page's K / V data [Hkv, bs, D] (head-major).  Cap = M*bs.
+ *     Only the entries of blocks holding a key visible to some query of the
+ *     call are read (the caller checks them).
+ * Key addressing is by page (okv_kv_page, okv_attn_page): a contiguous cache is
+ * one page [0, Cap) per (b, hk).  Work units stream keys in tiles that never
+ * straddle a page, so a per-page element format could be dispatched per tile.
  * Query token t of batch b at absolute position p = q_pos[b, t] sees keys j with
  *   max(kv_start[b], p - window (if window >= 0)) <= j <= p  and  j < kv_len[b].
  * Scores: s = scale * dot(q, k_j); if softcap > 0: s = softcap * tanh(s / softcap).
@@ -30,7 +39,10 @@
 
 typedef struct {
     const float *q;
-    const void *k, *v;
+    const void *k, *v;              /* contiguous caches (block_tables == NULL) */
+    const uint64_t *k_pages, *v_pages; /* paged: page addresses */
+    const int32_t *block_tables;    /* paged: [B, M] page ids, NULL for contiguous */
+    int64_t M, bs;                  /* paged: blocks per row, keys per block */
     float *out;
     const int32_t *kv_len, *q_pos, *kv_start;
     int64_t B, Hq, Hkv, Sq, Cap, D;
@@ -46,6 +58,49 @@ typedef struct {
 #else
 #define OKV_INLINE static inline
 #endif
+
+/* The K/V data of one KV head in one page: keys [start, end) at k, v, token
+ * stride D elements.  (A per-page format -- quantized with scale and zero
+ * point -- would be described here and dispatched on in the unit's load step.) */
+typedef struct {
+    const void *k, *v;
+    int64_t start, end;
+} okv_kv_page;
+
+/* The page holding key j of (b, hk); esz: bytes per element.  Contiguous caches
+ * are one page [0, Cap).  Paged: reads one block table entry (that of key j). */
+OKV_INLINE okv_kv_page okv_attn_page(const okv_attn_args *a, int64_t b, int64_t hk, int64_t j, size_t esz) {
+    okv_kv_page pg;
+    if (a->block_tables) {
+        const int64_t blk = j / a->bs;
+        const int32_t id = a->block_tables[b * a->M + blk];
+        const size_t off = (size_t)(hk * a->bs * a->D) * esz;
+        pg.k = (const char *)(uintptr_t)a->k_pages[id] + off;
+        pg.v = (const char *)(uintptr_t)a->v_pages[id] + off;
+        pg.start = blk * a->bs;
+        pg.end = pg.start + a->bs;
+    } else {
+        const size_t off = (size_t)((b * a->Hkv + hk) * a->Cap * a->D) * esz;
+        pg.k = (const char *)a->k + off;
+        pg.v = (const char *)a->v + off;
+        pg.start = 0;
+        pg.end = a->Cap;
+    }
+    return pg;
+}
+
+/* Smallest key >= j that some of the n query tokens sees (token t sees
+ * [lo[t], hi[t])); INT64_MAX if none.  Keys no token sees are skipped, so the
+ * pages (and block table entries) holding only such keys are never read. */
+OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n, int64_t j) {
+    int64_t best = INT64_MAX, t;
+    for (t = 0; t < n; t++)
+        if (hi[t] > j && lo[t] < hi[t]) {
+            const int64_t x = lo[t] > j ? lo[t] : j;
+            if (x < best) best = x;
+        }
+    return best;
+}
 
 /* One instantiation of attention_impl.h per (instruction set, K/V element type).
  * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p): one element as
@@ -177,6 +232,10 @@ static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchun
     cs = (hi - lo + nchunks - 1) / nchunks;
     c0 = lo + c * cs;
     c1 = c0 + cs;
+    if (a->block_tables) {   /* inner chunk edges on page boundaries */
+        if (c > 0) c0 = (c0 + a->bs - 1) / a->bs * a->bs;
+        c1 = (c1 + a->bs - 1) / a->bs * a->bs;
+    }
     if (c1 > hi) c1 = hi;
     if (c0 > c1) c0 = c1;
     okv_attn_unit(a, b, u % a->Hkv, 0, a->Sq, c0, c1, ws, parts + i * okv_attn_part_floats(R, a->D), simd);

@@ -9,7 +9,7 @@ gathered.  Parallel over batch x KV heads x query tiles; when batch x KV heads
 does not fill the threads and Sq is small, each group is split along the cache
 into chunks whose (max, sum, acc) states are merged exactly.
 """
-from libc.stdint cimport int32_t, int64_t, uint16_t
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
 from libc.stdlib cimport malloc, free
 from libc.math cimport isfinite
 from cython.parallel cimport prange
@@ -24,6 +24,10 @@ cdef extern from "attention.h" nogil:
         const float *q
         const void *k
         const void *v
+        const uint64_t *k_pages
+        const uint64_t *v_pages
+        const int32_t *block_tables
+        int64_t M, bs
         float *out
         const int32_t *kv_len
         const int32_t *q_pos
@@ -155,6 +159,11 @@ def _kv_type(k, kv_dtype):
                              "kv_dtype='bfloat16'")
         raise ValueError(f"k: dtype {k.dtype} is not supported (expected float32, float16, or uint16 "
                          "with kv_dtype='bfloat16')")
+    return _kv_name(kv_dtype)
+
+
+def _kv_name(kv_dtype):
+    """Resolve an explicit kv_dtype (a name or a NumPy dtype) to 'float32', 'float16' or 'bfloat16'."""
     name = kv_dtype if isinstance(kv_dtype, str) else None
     if name is None:
         try:
@@ -164,6 +173,20 @@ def _kv_type(k, kv_dtype):
     if name not in _KV_DTYPES:
         raise ValueError(f"kv_dtype: must be None, 'float32', 'float16' or 'bfloat16', got {kv_dtype!r}")
     return name
+
+
+def _scalars(scale, softcap, window):
+    """Checked (scale, softcap, window) as (float, float, int)."""
+    scale = float(scale)
+    if not isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    softcap = float(softcap)
+    if not (isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap: must be finite and >= 0, got {softcap}")
+    window = int(window)
+    if window < -1:
+        raise ValueError(f"window: must be >= -1, got {window}")
+    return scale, softcap, window
 
 
 def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None, *, kv_dtype=None):
@@ -216,15 +239,7 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     _check_values("kv_len", kv_len, 0, Cap)
     if kv_start is not None:
         _check_values("kv_start", kv_start, 0, Cap)
-    scale = float(scale)
-    if not isfinite(scale):
-        raise ValueError(f"scale: must be finite, got {scale}")
-    softcap = float(softcap)
-    if not (isfinite(softcap) and softcap >= 0.0):
-        raise ValueError(f"softcap: must be finite and >= 0, got {softcap}")
-    window = int(window)
-    if window < -1:
-        raise ValueError(f"window: must be >= -1, got {window}")
+    scale, softcap, window = _scalars(scale, softcap, window)
     if out.size == 0:
         return
 
@@ -242,6 +257,11 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     a.out = &ov[0, 0, 0, 0]
     a.k = NULL
     a.v = NULL
+    a.k_pages = NULL
+    a.v_pages = NULL
+    a.block_tables = NULL
+    a.M = 0
+    a.bs = 0
     if kvname == "float32":
         a.kv_type = OKV_KV_F32
         if k.size:
@@ -266,12 +286,18 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     a.scale = scale
     a.softcap = softcap
     a.window = window
+    _run(&a, int(kv_len.max()), "attention")
+
+
+cdef _run(okv_attn_args *a, int64_t maxlen, str api):
+    """Run the work units of a fully described call: query tiles of whole
+    (b, KV head) groups, or cache-split chunks merged exactly when the groups
+    do not fill the threads.  maxlen: the longest kv_len."""
     a.prefetch = _prefetch
     a.prefill_rg = _prefill_rg
-
     cdef int nt = okv_threads(), simd = okv_simd(), rc
+    cdef int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, Sq = a.Sq, D = a.D
     cdef int64_t G = Hq // Hkv, units = B * Hkv, tq, nchunks = 1
-    maxlen = int(kv_len.max())
     if B * Hq * Sq * max(maxlen, 1) * D < PAR_MIN_WORK:
         nt = 1          # too small to amortise waking the thread team
     if nt > 1 and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:
@@ -284,10 +310,105 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
             nchunks = max(nchunks, min((_split_tasks * nt + units - 1) // units, maxlen // SPLIT_MIN_KEYS))
     if nchunks > 1:
         with nogil:
-            rc = _split(&a, nchunks, nt, simd)
+            rc = _split(a, nchunks, nt, simd)
     else:
         tq = max(1, min(Sq, OKV_MAX_TQ, ROW_BUDGET // G))
         with nogil:
-            rc = _tiles(&a, tq, nt, simd)
+            rc = _tiles(a, tq, nt, simd)
     if rc != 0:
-        raise MemoryError("attention: could not allocate the workspace")
+        raise MemoryError(f"{api}: could not allocate the workspace")
+
+
+_KV_TYPES = {"float32": OKV_KV_F32, "float16": OKV_KV_F16, "bfloat16": OKV_KV_BF16}
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
+                    window, out, *, kv_dtype=None):
+    """Causal streaming attention of q over a paged KV cache; writes ``out``.
+
+    Same math, masking and result as :func:`attention` on the same keys laid out
+    contiguously (without kv_start), but K/V are read page by page through the
+    block tables: no gather of the logical cache, no temporary of its length.
+
+    q, out       [B, Hq, Sq, D] float32, C-contiguous; out is written fully and
+                 must not overlap q or any page (pages are not checked for that)
+    k_pages,     uint64 [P] each: addresses of the K (V) pages, e.g.
+    v_pages      ``arr.__array_interface__['data'][0]``; 0 = no page.  Page p
+                 holds [kv_heads, block_size, D] elements of the cache type,
+                 C-contiguous (one head's block_size tokens contiguous),
+                 64-byte aligned.  The caller keeps every page alive and
+                 unmodified for the duration of the call.
+    block_tables int32 [B, M]: logical block i of row b (keys [i*bs, (i+1)*bs))
+                 -> page id in [0, P), or -1.  Only the entries of blocks that
+                 hold a key visible to some query of the call are read; all
+                 others (past kv_len, wholly outside every query's window) may
+                 be -1 and their pages are never touched.
+    block_size   int >= 1 (bs): keys per page
+    kv_heads     int >= 1 dividing Hq (MHA, GQA, MQA)
+    kv_len       [B] int32 or int64 in [0, M*bs]
+    q_pos        [B, Sq] int32 or int64 (int32 range): absolute position p of
+                 each query token; it sees keys j with j <= p, j < kv_len[b] and,
+                 if window >= 0, j >= p - window
+    scale, softcap, window: as in :func:`attention`
+    kv_dtype     None or "float32" (float32 pages), "float16", "bfloat16"
+                 (uint16 bit patterns); keyword only.
+    Every check (shapes, dtypes, and for every row the table entries the call
+    reads: page ids in range, nonzero 64-byte aligned addresses) raises
+    ValueError (TypeError for a non-integer block_size / kv_heads) naming the
+    argument before anything is written.
+    """
+    V.array("q", q, (V.F32,), ndim=4)
+    B, Hq, Sq, D = q.shape
+    kvname = "float32" if kv_dtype is None else _kv_name(kv_dtype)
+    V.array("k_pages", k_pages, (V.U64,), ndim=1)
+    V.array("v_pages", v_pages, (V.U64,), shape=k_pages.shape)
+    V.array("block_tables", block_tables, (V.I32,), ndim=2)
+    if block_tables.shape[0] != B:
+        raise ValueError(f"block_tables: expected shape [{B}, M], got {block_tables.shape}")
+    M = block_tables.shape[1]
+    bs = V.positive_int("block_size", block_size)
+    Hkv = V.positive_int("kv_heads", kv_heads)
+    if Hq % Hkv != 0:
+        raise ValueError(f"kv_heads: {Hkv} must divide the number of query heads {Hq}")
+    kv_len32 = V.as_int32("kv_len", kv_len, 0, min(M * bs, V.I32_MAX), (B,))
+    q_pos32 = V.as_int32("q_pos", q_pos, -V.I32_MAX - 1, V.I32_MAX, (B, Sq))
+    V.array("out", out, (V.F32,), shape=q.shape, writeable=True)
+    V.no_overlap("out", out, q, "q")
+    scale, softcap, window = _scalars(scale, softcap, window)
+    read = V.paged_blocks_read(kv_len32, q_pos32, window, bs, M)
+    V.page_tables(block_tables, read, bs, {"k_pages": k_pages, "v_pages": v_pages})
+    if out.size == 0:
+        return
+
+    cdef const float[:, :, :, ::1] qv = q
+    cdef float[:, :, :, ::1] ov = out
+    cdef const int32_t[::1] lv = kv_len32
+    cdef const int32_t[:, ::1] pv = q_pos32
+    cdef const uint64_t[::1] kp
+    cdef const uint64_t[::1] vp
+    cdef const int32_t[:, ::1] tv
+    cdef okv_attn_args a
+    a.q = &qv[0, 0, 0, 0]
+    a.out = &ov[0, 0, 0, 0]
+    a.k = NULL
+    a.v = NULL
+    a.k_pages = NULL
+    a.v_pages = NULL
+    if k_pages.size:
+        kp = k_pages
+        vp = v_pages
+        a.k_pages = &kp[0]
+        a.v_pages = &vp[0]
+    # a non-NULL table marks the call as paged even when it has no columns
+    tv = block_tables if M else np.full((B, 1), -1, np.int32)
+    a.block_tables = &tv[0, 0]
+    a.M, a.bs = M, bs
+    a.kv_type = _KV_TYPES[kvname]
+    a.kv_len = &lv[0]
+    a.q_pos = &pv[0, 0]
+    a.kv_start = NULL
+    a.B, a.Hq, a.Hkv, a.Sq, a.Cap, a.D = B, Hq, Hkv, Sq, M * bs, D
+    a.scale = scale
+    a.softcap = softcap
+    a.window = window
+    _run(&a, int(kv_len32.max()), "paged_attention")

@@ -8,7 +8,10 @@
  *
  * A work unit is (batch b, kv head hk, query tokens [t0, t1), keys [c0, c1)).
  * The G = Hq/Hkv query heads of the group and the nt = t1-t0 query tokens form
- * R = G*nt rows (r = g*nt + t).  Keys are streamed in blocks of OKV_BK; inside a
+ * R = G*nt rows (r = g*nt + t).  Keys are streamed in blocks (tiles) of up to
+ * OKV_BK keys that never straddle a page (okv_attn_page; a contiguous cache is
+ * one page) and start at a key some token of the unit sees, so keys and pages
+ * no token sees are skipped and their page table entries never read; inside a
  * block the rows are taken in row groups (up to OKV_RG = 8 rows for decode,
  * a->prefill_rg = 4 rows when the unit has several query tokens), and for each
  * row group every K row and every V row of the block is loaded (and converted
@@ -17,7 +20,8 @@
  * share one V load.  Decode (Sq = 1) with G <= 8 is one row group, so each K/V
  * byte is read from memory and converted once per token; with G > 8 or in
  * prefill, further row groups re-read the block from L1.  The next block is
- * software-prefetched (into L2 by default) while the current one is scored.
+ * software-prefetched (into L2 by default, through its own page) while the
+ * current one is scored.
  * Online softmax per row (running max, sum and accumulator in float32).
  *
  * ws: float workspace of at least R*(D + OKV_BK + 2) floats.
@@ -214,14 +218,14 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                                           int64_t c0, int64_t c1, float *ws, float *part) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, nt = t1 - t0, R = G * nt;
     const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
-    const OKV_KT_T *kb = (const OKV_KT_T *)a->k + (b * a->Hkv + hk) * a->Cap * D;
-    const OKV_KT_T *vb = (const OKV_KT_T *)a->v + (b * a->Hkv + hk) * a->Cap * D;
+    const size_t esz = sizeof(OKV_KT_T);
+    okv_kv_page pg, pf;               /* page of the current tile, page of the prefetched tile */
     float *acc = ws;                  /* R*D */
     float *sc = acc + R * D;          /* OKV_RG*OKV_BK used (R*OKV_BK reserved) */
     float *mx = sc + R * OKV_BK;      /* R */
     float *sm = mx + R;               /* R */
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
-    int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j;
+    int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j1, j;
     const float scale = a->scale, softcap = a->softcap;
     /* Row-group width: decode shares each K/V load among up to 8 query heads;
      * prefill (compute bound, K/V blocks already in L1) uses groups of 4 rows,
@@ -244,9 +248,31 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
     memset(acc, 0, (size_t)(R * D) * sizeof(float));
     for (r = 0; r < R; r++) { mx[r] = -INFINITY; sm[r] = 0.f; }
 
-    for (j0 = jlo; j0 < jhi; j0 += OKV_BK) {
-        const int64_t j1 = j0 + OKV_BK < jhi ? j0 + OKV_BK : jhi;
-        int64_t rg;
+    pg.start = pg.end = pf.start = pf.end = INT64_MIN;
+    /* Tiles of up to OKV_BK keys inside one page, each starting at a key some
+     * token sees: keys (and pages) no token sees are skipped. */
+    for (j0 = okv_next_seen(lo, hi, nt, jlo); j0 < jhi; j0 = okv_next_seen(lo, hi, nt, j1)) {
+        int64_t rg, npf = 0;
+        const OKV_KT_T *kt, *vt, *pfk = NULL, *pfv = NULL;
+        if (j0 >= pg.end || j0 < pg.start)
+            pg = j0 >= pf.start && j0 < pf.end ? pf : okv_attn_page(a, b, hk, j0, esz);
+        j1 = j0 + OKV_BK;
+        if (j1 > pg.end) j1 = pg.end;
+        if (j1 > jhi) j1 = jhi;
+        kt = (const OKV_KT_T *)pg.k + (j0 - pg.start) * D;    /* key j of the tile at kt + (j - j0)*D */
+        vt = (const OKV_KT_T *)pg.v + (j0 - pg.start) * D;
+        if (a->prefetch) {   /* the tile pfd tiles ahead, if some token sees its first key */
+            const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
+            if (p0 < jhi && okv_next_seen(lo, hi, nt, p0) == p0) {
+                if (p0 >= pf.end || p0 < pf.start)
+                    pf = p0 >= pg.start && p0 < pg.end ? pg : okv_attn_page(a, b, hk, p0, esz);
+                npf = OKV_BK;
+                if (npf > pf.end - p0) npf = pf.end - p0;
+                if (npf > jhi - p0) npf = jhi - p0;
+                pfk = (const OKV_KT_T *)pf.k + (p0 - pf.start) * D;
+                pfv = (const OKV_KT_T *)pf.v + (p0 - pf.start) * D;
+            }
+        }
         for (rg = 0; rg < R; rg += rgw) {
             const int nr = (int)(R - rg < rgw ? R - rg : rgw);
             const float *qr[OKV_RG];
@@ -265,12 +291,9 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
             }
             if (u0 >= u1) continue;
             n = u1 - u0;
-            {   /* prefetch the K/V block pfd blocks ahead (first row group only) */
-                const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
-                int64_t npf = a->prefetch && rg == 0 && p0 < jhi ? (p0 + OKV_BK < jhi ? OKV_BK : jhi - p0) : 0;
-                OKV_F(okv_qk_rows)(qr, nr, kb + u0 * D, n, D, scale, sc, kb + p0 * D, vb + p0 * D, npf,
-                                   a->prefetch);
-            }
+            /* prefetch of the next tile by the first row group only */
+            OKV_F(okv_qk_rows)(qr, nr, kt + (u0 - j0) * D, n, D, scale, sc, pfk, pfv, rg == 0 ? npf : 0,
+                               a->prefetch);
             for (i = 0; i < nr; i++) {
                 int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0, a1 = hi[tt] < u1 ? hi[tt] : u1;
                 float *s = sc + i * OKV_BK, bm, mnew;
@@ -294,7 +317,7 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                 }
                 sm[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
             }
-            OKV_F(okv_pv_rows)(sc, nr, vb + u0 * D, n, D, accr);
+            OKV_F(okv_pv_rows)(sc, nr, vt + (u0 - j0) * D, n, D, accr);
         }
     }
 

@@ -169,3 +169,36 @@ def bf16_to_f32(x, out):
 
 def f32_to_bf16(x, out):
     out[...] = bf16_from_f32(x)
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
+                    window, out, *, kv_dtype=None):
+    """NumPy twin of the compiled ``paged_attention`` (same arguments, same result).
+
+    NumPy cannot dereference addresses, so ``k_pages`` / ``v_pages`` are the
+    pages themselves: sequences indexed by page id (a list, or an ndarray
+    [P, kv_heads, block_size, D]) whose entries are arrays [kv_heads, block_size,
+    D] of the cache storage dtype (uint16 bit patterns for kv_dtype="bfloat16"),
+    or None for "no page".  Each row's blocks holding a key visible to some
+    query (``_validate.paged_blocks_read``) are gathered into a contiguous
+    float32 cache -- the other blocks stay zero and are never looked at -- and
+    :func:`attention` computes the result.  A read block whose entry is not a
+    page raises ValueError.
+    """
+    from ._validate import paged_blocks_read
+
+    B, Hq, Sq, D = q.shape
+    M, bs = block_tables.shape[1], int(block_size)
+    read = paged_blocks_read(kv_len, q_pos, int(window), bs, M)
+    for b in range(B):
+        nblk = -(-int(kv_len[b]) // bs)
+        kc = np.zeros((1, kv_heads, nblk * bs, D), np.float32)
+        vc = np.zeros_like(kc)
+        for i in np.flatnonzero(read[b]):
+            pid = int(block_tables[b, i])
+            if not 0 <= pid < len(k_pages) or k_pages[pid] is None or v_pages[pid] is None:
+                raise ValueError(f"block_tables: row {b}, block {i} is read but maps to no page ({pid})")
+            kc[0, :, i * bs:(i + 1) * bs] = kv_to_f32(k_pages[pid], kv_dtype)
+            vc[0, :, i * bs:(i + 1) * bs] = kv_to_f32(v_pages[pid], kv_dtype)
+        attention(q[b:b + 1], kc, vc, np.asarray(kv_len[b:b + 1]), np.asarray(q_pos[b:b + 1]), scale, softcap,
+                  window, out[b:b + 1])
