@@ -1,0 +1,225 @@
+"""Decode attention over a paged KV cache: onnxkv paged vs onnxkv contiguous vs
+ONNX Runtime com.microsoft.GroupQueryAttention.
+
+One new token (Sq = 1), batch 1, 32 query heads, 8 KV heads, head size 128,
+contexts 4096 and 16384 (by default), threads from --threads (default 2).
+
+* onnxkv contiguous: ``onnxkv._kernels.attention`` over K/V [1, 8, ctx, 128].
+* onnxkv paged: ``onnxkv._kernels.paged_attention`` over the same values copied
+  into pages of block_size tokens ([8, block_size, 128] each, block sizes 16
+  (the bar), 32 and 64).  Every page is its own 64-byte aligned allocation
+  (onnxkv.alloc.SystemAllocator: one NumPy array per page) and the block table
+  maps the logical blocks to a shuffled order of the pages, so the kernel
+  reads scattered memory as a real paged cache would.
+* onnxkv paged, arena: the same with the pages of the first block size carved
+  from one onnxkv.alloc.ArenaAllocator region (still shuffled): separates the
+  cost of scattered small allocations (TLB, no huge pages) from the kernel's.
+* Both in float32 and float16.
+* ONNX Runtime: the one-node GroupQueryAttention model of _common with past and
+  present bound to the same float32 buffer (bench_decode_attention's shared
+  buffer mode), intra_op_num_threads = threads.
+
+All variants at all thread counts are measured interleaved, round by round
+(bench_decode_attention.measure).  Prints one JSON document (machine, versions,
+threads, shapes, raw samples in seconds, medians, paged/contiguous ratios,
+speedups vs ORT, the bar) and a summary on stderr.  The bar: paged (block size
+16) float32 median <= 1.1x contiguous at 16384 tokens with 2 threads.
+
+    python benchmarks/bench_paged_decode.py [--threads 2] [--contexts 4096 16384]
+        [--block-sizes 16 32 64] [--repeat N] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import emit, machine, versions  # noqa: E402
+from bench_decode_attention import B, D, HKV, HQ, measure, ort_session, ort_shared_binding  # noqa: E402
+
+import onnxkv._kernels as K  # noqa: E402
+from onnxkv.alloc import ArenaAllocator, SystemAllocator  # noqa: E402
+
+BAR = {"ctx": 16384, "threads": 2, "block_size": 16, "dtype": "float32", "max_ratio_paged_over_contiguous": 1.1}
+DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
+class PagedCopy:
+    """K/V [1, Hkv, ctx, D] copied into individually allocated pages of bs tokens
+    whose physical order is a random permutation of the logical blocks."""
+
+    def __init__(self, k, v, bs, rng, alloc):
+        _, hkv, ctx, d = k.shape
+        m = -(-ctx // bs)
+        self.table = rng.permutation(m).astype(np.int32)[None, :]
+        self.buffers = []
+        addrs = {"k": np.zeros(m, np.uint64), "v": np.zeros(m, np.uint64)}
+        for i in range(m):      # logical block i lives in page table[0, i]
+            pid = int(self.table[0, i])
+            n = min(bs, ctx - i * bs)
+            for name, src in (("k", k), ("v", v)):
+                buf = alloc.allocate(hkv * bs * d * src.itemsize, 64)
+                page = buf.view(src.dtype, (hkv, bs, d))
+                page[:, :n] = src[0, :, i * bs:i * bs + n]
+                page[:, n:] = 0
+                addrs[name][pid] = buf.address
+                self.buffers.append(buf)
+        self.k_addr, self.v_addr, self.bs = addrs["k"], addrs["v"], bs
+
+
+def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng) -> dict:
+    """All variants at all thread counts, interleaved; returns {threads: case}."""
+    scale = D ** -0.5
+    q = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
+    kf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
+    vf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
+    kv_len = np.array([ctx], np.int32)
+    q_pos = np.array([[ctx - 1]], np.int32)
+    out = np.empty_like(q)
+    alloc = SystemAllocator()
+    caches, paged = {}, {}
+    bs0 = block_sizes[0]
+    for dt, npdt in DTYPES.items():
+        caches[dt] = (kf.astype(npdt), vf.astype(npdt))
+        for bs in block_sizes:
+            paged[(dt, bs)] = PagedCopy(*caches[dt], bs, rng, alloc)
+        page_bytes = HKV * bs0 * D * np.dtype(npdt).itemsize
+        arena = ArenaAllocator(2 * -(-ctx // bs0) * -(-page_bytes // 64) * 64)
+        paged[(dt, "arena")] = PagedCopy(*caches[dt], bs0, rng, arena)
+    kv_bytes = {dt: 2 * HKV * ctx * D * np.dtype(npdt).itemsize for dt, npdt in DTYPES.items()}
+
+    def contiguous(dt):
+        k, v = caches[dt]
+        return lambda: K.attention(q, k, v, kv_len, q_pos, scale, 0.0, -1, out)
+
+    def paged_call(dt, bs):
+        pc = paged[(dt, bs)]
+        kvd = "float16" if dt == "f16" else "float32"
+        return lambda: K.paged_attention(q, pc.k_addr, pc.v_addr, pc.table, pc.bs, HKV, kv_len, q_pos, scale,
+                                         0.0, -1, out, kv_dtype=kvd)
+
+    def on(t, fn):
+        def run():
+            K.set_num_threads(t)
+            fn()
+        return run
+
+    cases, variants = {}, {}
+    for t in threads_list:
+        case = {"threads": t,
+                "shapes": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "Sq": 1, "ctx": ctx, "block_sizes": block_sizes,
+                           "contiguous_layout": "[B, Hkv, ctx, D]",
+                           "page_layout": "[Hkv, block_size, D], one aligned allocation per page, shuffled"},
+                "max_abs_diff_paged_vs_contiguous": {}}
+        K.set_num_threads(t)
+        for dt in DTYPES:
+            want = np.empty_like(q)
+            contiguous(dt)()
+            want[...] = out
+            variants[(t, f"onnxkv_contiguous_{dt}")] = on(t, contiguous(dt))
+            for bs in block_sizes + ["arena"]:
+                name = f"{dt}_bs{bs}" if bs != "arena" else f"arena_{dt}_bs{bs0}"
+                paged_call(dt, bs)()
+                case["max_abs_diff_paged_vs_contiguous"][name] = float(np.max(np.abs(out - want)))
+                variants[(t, f"onnxkv_paged_{name}")] = on(t, paged_call(dt, bs))
+        sess = sessions.get(t)
+        if sess is not None:
+            kbuf, vbuf = kf.copy(), vf.copy()
+            knew = np.ascontiguousarray(kbuf[:, :, ctx - 1].reshape(B, 1, HKV * D))
+            vnew = np.ascontiguousarray(vbuf[:, :, ctx - 1].reshape(B, 1, HKV * D))
+            q3 = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, 1, HQ * D))
+            ort_out = np.empty((B, 1, HQ * D), np.float32)
+            io = ort_shared_binding(sess, q3, knew, vnew, kbuf, vbuf, ctx, ort_out)
+            io._buffers = (kbuf, vbuf, q3, ort_out)      # keep the bound arrays alive with the binding
+            sess.run_with_iobinding(io)
+            ref = ort_out.reshape(B, 1, HQ, D).transpose(0, 2, 1, 3)
+            contiguous("f32")()
+            case["max_abs_diff_onnxkv_vs_ort"] = float(np.max(np.abs(ref - out)))
+            variants[(t, "ort_gqa_shared_buffer_f32")] = (lambda sess=sess, io=io: sess.run_with_iobinding(io))
+        cases[t] = case
+
+    loadavg = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    results = measure(variants, repeat)
+    for t, case in cases.items():
+        case["loadavg_before"] = loadavg
+        res = case["results"] = {name: r for (tt, name), r in results.items() if tt == t}
+        ratios, ort = {}, res.get("ort_gqa_shared_buffer_f32")
+        for name, r in res.items():
+            dt = "f16" if name.endswith("f16") or "_f16_" in name else "f32"
+            r["kv_bytes"] = kv_bytes[dt]
+            r["kv_read_GBps"] = kv_bytes[dt] / r["median_s"] / 1e9
+            if ort is not None and name.startswith("onnxkv"):
+                r["speedup_vs_ort_shared_buffer"] = ort["median_s"] / r["median_s"]
+        for dt in DTYPES:
+            for name in [f"{dt}_bs{bs}" for bs in block_sizes] + [f"arena_{dt}_bs{bs0}"]:
+                p, c = res[f"onnxkv_paged_{name}"], res[f"onnxkv_contiguous_{dt}"]
+                ratios[name] = {"median": p["median_s"] / c["median_s"], "best": p["min_s"] / c["min_s"]}
+        case["paged_over_contiguous"] = ratios
+    return cases
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="*", default=[2])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384])
+    ap.add_argument("--block-sizes", type=int, nargs="*", default=[16, 32, 64])
+    ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
+    ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args(argv)
+
+    doc = {"benchmark": "paged_decode_attention", "machine": machine(), "versions": versions("onnxruntime"),
+           "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "Sq": 1, "contexts": args.contexts,
+                      "block_sizes": args.block_sizes, "threads": args.threads, "repeat": args.repeat,
+                      "dtypes": list(DTYPES), "bar": BAR,
+                      "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
+                              "bound to the same float32 buffer via IOBinding"},
+           "runs": []}
+    rng = np.random.default_rng(0)
+    old = K.get_num_threads()
+    try:
+        runs = {t: {"threads": t, "cases": []} for t in args.threads}
+        sessions = {}
+        for t in args.threads:
+            if args.no_ort:
+                continue
+            try:
+                sessions[t] = ort_session(t, D ** -0.5, False)
+            except Exception as e:  # onnxruntime missing or the op unsupported
+                runs[t]["ort_error"] = f"{type(e).__name__}: {e}"
+        for ctx in args.contexts:
+            for t, case in run_context(ctx, args.threads, args.block_sizes, args.repeat, sessions, rng).items():
+                runs[t]["cases"].append(case)
+            print(f"  done ctx={ctx}", file=sys.stderr)
+        doc["runs"] = [runs[t] for t in args.threads]
+    finally:
+        K.set_num_threads(old)
+
+    lines = []
+    for run in doc["runs"]:
+        for case in run["cases"]:
+            res = case["results"]
+            parts = [f"{name}={r['median_s'] * 1e3:.3f}ms" for name, r in res.items()]
+            ratios = [f"{k}={v['median']:.3f}" for k, v in case["paged_over_contiguous"].items()]
+            lines.append(f"threads={run['threads']} ctx={case['shapes']['ctx']}: " + ", ".join(parts)
+                         + "\n  paged/contiguous (median): " + ", ".join(ratios))
+            if case["threads"] == BAR["threads"] and case["shapes"]["ctx"] == BAR["ctx"]:
+                ratio = case["paged_over_contiguous"]["f32_bs16"]["median"]
+                doc["bar_result"] = {**BAR, "ratio_median": ratio,
+                                     "ratio_best": case["paged_over_contiguous"]["f32_bs16"]["best"],
+                                     "met": ratio <= BAR["max_ratio_paged_over_contiguous"]}
+                lines.append(f"BAR paged/contiguous f32 bs16 ctx={BAR['ctx']} threads={BAR['threads']}: "
+                             f"{ratio:.3f} (need <= {BAR['max_ratio_paged_over_contiguous']}) -> "
+                             + ("MET" if doc["bar_result"]["met"] else "NOT MET"))
+    if hasattr(os, "getloadavg"):
+        doc["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    emit(doc, args.out)
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
