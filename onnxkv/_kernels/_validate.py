@@ -85,11 +85,12 @@ def paged_blocks_read(kv_len, q_pos, window, block_size, n_blocks):
     lo = np.maximum(p - window, 0) if window >= 0 else np.zeros_like(p)
     hi = np.minimum(p + 1, np.asarray(kv_len, np.int64)[:, None])
     seen = lo < hi
-    rows = np.broadcast_to(np.arange(B)[:, None], p.shape)[seen]
-    diff = np.zeros((B, n_blocks + 1), np.int64)
-    np.add.at(diff, (rows, lo[seen] // block_size), 1)
-    np.add.at(diff, (rows, (hi[seen] - 1) // block_size + 1), -1)
-    return np.cumsum(diff[:, :n_blocks], axis=1) > 0
+    base = (np.arange(B, dtype=np.int64) * (n_blocks + 1))[:, None]
+    first = (base + lo // block_size)[seen]                 # first block of each token's range
+    after = (base + (hi - 1) // block_size + 1)[seen]       # one past its last block
+    size = B * (n_blocks + 1)
+    diff = np.bincount(first, minlength=size) - np.bincount(after, minlength=size)
+    return np.cumsum(diff.reshape(B, n_blocks + 1)[:, :n_blocks], axis=1) > 0
 
 
 def page_tables(block_tables, read, block_size, pages, alignment=64):
@@ -98,17 +99,17 @@ def page_tables(block_tables, read, block_size, pages, alignment=64):
     ({name: uint64 [P] addresses}) is nonzero and a multiple of ``alignment``."""
     P = len(next(iter(pages.values())))
     ids = block_tables[read]
-    bad = (ids < 0) | (ids >= P)
-    if bad.any():
-        b, i = np.argwhere(read)[np.argmax(bad)]
+    if ids.size == 0:
+        return
+    if ids.min() < 0 or ids.max() >= P:
+        b, i = np.argwhere(read)[np.argmax((ids < 0) | (ids >= P))]
         raise ValueError(f"block_tables: row {b}, block {i} (keys [{i * block_size}, {(i + 1) * block_size})) "
                          f"holds visible keys but its entry is {int(block_tables[b, i])} "
                          f"(expected a page id in [0, {P}))")
     for name, addr in pages.items():
         a = addr[ids]
-        bad = (a == 0) | (a % alignment != 0)
-        if bad.any():
-            k = int(np.argmax(bad))
+        if not a.all() or (a & np.uint64(alignment - 1)).any():
+            k = int(np.argmax((a == 0) | (a % alignment != 0)))
             b, i = np.argwhere(read)[k]
             what = "0 (no page)" if a[k] == 0 else f"{int(a[k]):#x}, not {alignment}-byte aligned"
             raise ValueError(f"{name}: page {int(ids[k])} (block_tables row {b}, block {i}) is read but its "

@@ -1,5 +1,7 @@
-"""Streaming (online-softmax) attention over a KV cache (float32 math; float32,
-float16 or bfloat16 K/V caches converted in the load step).
+"""Streaming (online-softmax) attention over a contiguous (attention) or paged
+(paged_attention) KV cache (float32 math; float32, float16 or bfloat16 K/V
+converted in the load step).  Both share one C implementation: work units read
+K/V through per-page base pointers (a contiguous cache is one page).
 
 Decode (Sq = 1) and prefill (Sq > 1, causal) share one kernel.  All query heads
 of a KV group are processed together: each K/V block is read once per work unit
@@ -243,50 +245,61 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     if out.size == 0:
         return
 
-    cdef const float[:, :, :, ::1] qv = q
     cdef const float[:, :, :, ::1] kv
     cdef const float[:, :, :, ::1] vv
     cdef const uint16_t[:, :, :, ::1] kh
     cdef const uint16_t[:, :, :, ::1] vh
+    cdef const int32_t[::1] sv
+    cdef okv_attn_args a
+    _init_args(&a, q, out, kv_len, q_pos, Hkv, Cap, scale, softcap, window, _KV_TYPES[kvname])
+    if k.size:
+        if kvname == "float32":
+            kv = k
+            vv = v
+            a.k = &kv[0, 0, 0, 0]
+            a.v = &vv[0, 0, 0, 0]
+        else:
+            kh = k.view(np.uint16)
+            vh = v.view(np.uint16)
+            a.k = &kh[0, 0, 0, 0]
+            a.v = &vh[0, 0, 0, 0]
+    if kv_start is not None:
+        sv = kv_start
+        a.kv_start = &sv[0]
+    _run(&a, int(kv_len.max()), "attention")
+
+
+_KV_TYPES = {"float32": OKV_KV_F32, "float16": OKV_KV_F16, "bfloat16": OKV_KV_BF16}
+
+
+cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64_t Cap, float scale, float softcap,
+                     int64_t window, int kv_type):
+    """Fill the fields every call has from checked, non-empty arguments (q, out
+    [B, Hq, Sq, D] float32; kv_len [B], q_pos [B, Sq] int32); the K/V source
+    (contiguous k/v or page tables) and kv_start are left NULL.  The pointers
+    stay valid while the caller holds the arrays."""
+    cdef const float[:, :, :, ::1] qv = q
     cdef float[:, :, :, ::1] ov = out
     cdef const int32_t[::1] lv = kv_len
     cdef const int32_t[:, ::1] pv = q_pos
-    cdef const int32_t[::1] sv
-    cdef okv_attn_args a
     a.q = &qv[0, 0, 0, 0]
     a.out = &ov[0, 0, 0, 0]
+    a.kv_len = &lv[0]
+    a.q_pos = &pv[0, 0]
     a.k = NULL
     a.v = NULL
     a.k_pages = NULL
     a.v_pages = NULL
     a.block_tables = NULL
+    a.kv_start = NULL
     a.M = 0
     a.bs = 0
-    if kvname == "float32":
-        a.kv_type = OKV_KV_F32
-        if k.size:
-            kv = k
-            vv = v
-            a.k = &kv[0, 0, 0, 0]
-            a.v = &vv[0, 0, 0, 0]
-    else:
-        a.kv_type = OKV_KV_F16 if kvname == "float16" else OKV_KV_BF16
-        if k.size:
-            kh = k.view(np.uint16)
-            vh = v.view(np.uint16)
-            a.k = &kh[0, 0, 0, 0]
-            a.v = &vh[0, 0, 0, 0]
-    a.kv_len = &lv[0]
-    a.q_pos = &pv[0, 0]
-    a.kv_start = NULL
-    if kv_start is not None:
-        sv = kv_start
-        a.kv_start = &sv[0]
-    a.B, a.Hq, a.Hkv, a.Sq, a.Cap, a.D = B, Hq, Hkv, Sq, Cap, D
+    a.B, a.Hq, a.Sq, a.D = q.shape
+    a.Hkv, a.Cap = Hkv, Cap
     a.scale = scale
     a.softcap = softcap
     a.window = window
-    _run(&a, int(kv_len.max()), "attention")
+    a.kv_type = kv_type
 
 
 cdef _run(okv_attn_args *a, int64_t maxlen, str api):
@@ -317,9 +330,6 @@ cdef _run(okv_attn_args *a, int64_t maxlen, str api):
             rc = _tiles(a, tq, nt, simd)
     if rc != 0:
         raise MemoryError(f"{api}: could not allocate the workspace")
-
-
-_KV_TYPES = {"float32": OKV_KV_F32, "float16": OKV_KV_F16, "bfloat16": OKV_KV_BF16}
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
@@ -380,20 +390,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     if out.size == 0:
         return
 
-    cdef const float[:, :, :, ::1] qv = q
-    cdef float[:, :, :, ::1] ov = out
-    cdef const int32_t[::1] lv = kv_len32
-    cdef const int32_t[:, ::1] pv = q_pos32
     cdef const uint64_t[::1] kp
     cdef const uint64_t[::1] vp
     cdef const int32_t[:, ::1] tv
     cdef okv_attn_args a
-    a.q = &qv[0, 0, 0, 0]
-    a.out = &ov[0, 0, 0, 0]
-    a.k = NULL
-    a.v = NULL
-    a.k_pages = NULL
-    a.v_pages = NULL
+    _init_args(&a, q, out, kv_len32, q_pos32, Hkv, M * bs, scale, softcap, window, _KV_TYPES[kvname])
     if k_pages.size:
         kp = k_pages
         vp = v_pages
@@ -403,12 +404,4 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     tv = block_tables if M else np.full((B, 1), -1, np.int32)
     a.block_tables = &tv[0, 0]
     a.M, a.bs = M, bs
-    a.kv_type = _KV_TYPES[kvname]
-    a.kv_len = &lv[0]
-    a.q_pos = &pv[0, 0]
-    a.kv_start = NULL
-    a.B, a.Hq, a.Hkv, a.Sq, a.Cap, a.D = B, Hq, Hkv, Sq, M * bs, D
-    a.scale = scale
-    a.softcap = softcap
-    a.window = window
     _run(&a, int(kv_len32.max()), "paged_attention")

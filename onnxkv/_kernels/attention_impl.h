@@ -41,9 +41,10 @@
 #define OKV_F(name) OKV_CAT3(name, OKV_KT, OKV_SFX)
 
 #ifdef OKV_SIMD_BODY
-/* ---- AVX2: scores of nr <= 8 rows against n keys (rows padded to NRP in
- * {1, 2, 4, 8}; 8/NRP keys per step so that 8 accumulators are live and one
- * transposing reduction yields 8 dot products). */
+/* ---- AVX2: scores of nr <= 8 rows against the n keys at row pointers k[0..n)
+ * (rows padded to NRP in {1, 2, 4, 8}; 8/NRP keys per step so that 8
+ * accumulators are live and one transposing reduction yields 8 dot products).
+ * pfk/pfv[0..npf): K/V rows to prefetch. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *const *k, int64_t n,
                                             int64_t D, float scale, float *s, const OKV_KT_T *const *pfk,
                                             const OKV_KT_T *const *pfv, int64_t npf, int pfhint, const int NRP) {
@@ -119,7 +120,7 @@ OKV_ATTR static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OK
     else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 8);
 }
 
-/* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
+/* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v[j][i0:i1] for NR rows, NC
  * 8-float chunks per pass: NR*NC accumulators in registers, each V chunk loaded
  * and converted once and used by every row. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *const *v, int64_t n,
@@ -174,7 +175,7 @@ OKV_ATTR static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *
 }
 
 #else
-/* ---- scalar: each K element converted once, used by all nr rows. */
+/* ---- scalar: each K element (row pointers k[0..n)) converted once, used by all nr rows. */
 static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *const *k, int64_t n, int64_t D,
                                float scale, float *s, const OKV_KT_T *const *pfk, const OKV_KT_T *const *pfv,
                                int64_t npf, int pfhint) {
@@ -200,7 +201,7 @@ static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *c
     }
 }
 
-/* each V element converted once, used by all nr rows */
+/* each V element (row pointers v[0..n)) converted once, used by all nr rows */
 static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *const *v, int64_t n, int64_t D,
                                float *const *accr) {
     int64_t j, d;
