@@ -51,6 +51,7 @@ typedef struct {
     int kv_type;   /* OKV_KV_F32, OKV_KV_F16 or OKV_KV_BF16 */
     int prefetch;  /* software prefetch of the next K/V block: 0 off, 1 into L1, 2 into L2 */
     int prefill_rg; /* row-group width (1..8) of work units with several query tokens */
+    int64_t hpu;    /* KV heads per work unit: 1, or Hkv (paged decode: a unit reads whole pages) */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -185,22 +186,26 @@ static inline int64_t okv_attn_part_floats(int64_t R, int64_t D) { return (R * (
 /* 64-byte aligned pointer inside a block allocated with 16 spare floats. */
 static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
-static void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
-                          int64_t c1, float *ws, float *part, int simd) {
+/* Work unit (b, KV heads [hk0, hk0+a->hpu), query tokens [t0, t1), keys [c0, c1)); see attention_impl.h.
+ * ws: okv_attn_ws_floats(hpu*G*(t1-t0), D) floats.  part (or NULL): head hk0+h's
+ * partial state block at part + h*pstride. */
+static void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
+                          int64_t c1, float *ws, float *part, int64_t pstride, int simd) {
+    const int64_t nh = a->hpu;
 #if OKV_X86_SIMD
     if (simd) {
         switch (a->kv_type) {
-        case OKV_KV_F16: okv_attn_unit_f16_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
-        case OKV_KV_BF16: okv_attn_unit_bf16_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
-        default: okv_attn_unit_f32_avx2(a, b, hk, t0, t1, c0, c1, ws, part); return;
+        case OKV_KV_F16: okv_attn_unit_f16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
+        case OKV_KV_BF16: okv_attn_unit_bf16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
+        default: okv_attn_unit_f32_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
         }
     }
 #endif
     (void)simd;
     switch (a->kv_type) {
-    case OKV_KV_F16: okv_attn_unit_f16_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
-    case OKV_KV_BF16: okv_attn_unit_bf16_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
-    default: okv_attn_unit_f32_scalar(a, b, hk, t0, t1, c0, c1, ws, part); return;
+    case OKV_KV_F16: okv_attn_unit_f16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
+    case OKV_KV_BF16: okv_attn_unit_bf16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
+    default: okv_attn_unit_f32_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
     }
 }
 
@@ -221,12 +226,14 @@ static void okv_attn_range(const okv_attn_args *a, int64_t b, int64_t *lo, int64
     *lo = L; *hi = H;
 }
 
-/* Work unit i of a cache-split run: group u = i / nchunks, chunk c = i % nchunks
- * of that batch's visible key range; writes the partial state to
- * parts + i * okv_attn_part_floats(R, D) (R = G*Sq). */
+/* Work unit i of a cache-split run: unit u = i / nchunks (batch b, KV heads
+ * [hk0, hk0 + hpu)), chunk c = i % nchunks of that batch's visible key range;
+ * writes the partial state of (b, hk) to parts + ((b*Hkv + hk)*nchunks + c) *
+ * okv_attn_part_floats(R, D) (R = G*Sq), the layout okv_attn_merge reads. */
 static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts,
                                 int simd) {
-    const int64_t G = a->Hq / a->Hkv, R = G * a->Sq, u = i / nchunks, c = i % nchunks, b = u / a->Hkv;
+    const int64_t G = a->Hq / a->Hkv, R = G * a->Sq, u = i / nchunks, c = i % nchunks, upb = a->Hkv / a->hpu;
+    const int64_t b = u / upb, hk0 = (u % upb) * a->hpu, psz = okv_attn_part_floats(R, a->D);
     int64_t lo, hi, cs, c0, c1;
     okv_attn_range(a, b, &lo, &hi);
     cs = (hi - lo + nchunks - 1) / nchunks;
@@ -238,7 +245,8 @@ static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchun
     }
     if (c1 > hi) c1 = hi;
     if (c0 > c1) c0 = c1;
-    okv_attn_unit(a, b, u % a->Hkv, 0, a->Sq, c0, c1, ws, parts + i * okv_attn_part_floats(R, a->D), simd);
+    okv_attn_unit(a, b, hk0, 0, a->Sq, c0, c1, ws, parts + ((b * a->Hkv + hk0) * nchunks + c) * psz, nchunks * psz,
+                  simd);
 }
 
 /* Merge nchunks partial states of one (b, hk) group (R = G*Sq rows) and write

@@ -40,6 +40,7 @@ cdef extern from "attention.h" nogil:
         int kv_type
         int prefetch
         int prefill_rg
+        int64_t hpu
     int OKV_BK
     int OKV_KV_F32
     int OKV_KV_F16
@@ -48,8 +49,8 @@ cdef extern from "attention.h" nogil:
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
     int64_t okv_attn_part_floats(int64_t R, int64_t D)
     float *okv_align64(float *p)
-    void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1, int64_t c0,
-                       int64_t c1, float *ws, float *part, int simd)
+    void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
+                       int64_t c1, float *ws, float *part, int64_t pstride, int simd)
     void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const float *parts, int64_t nchunks)
     void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts, int simd)
     int okv_thread_num()
@@ -58,11 +59,12 @@ DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256
 DEF SPLIT_MIN_KEYS = 1024
 DEF PAR_MIN_WORK = 1 << 18  # multiply-adds below which one thread is used
+DEF MULTI_HEAD_MAX_FLOATS = 1 << 14  # paged units take all KV heads if Hq*Sq*D (their accumulators) fits
 
 
 cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
-    cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, ntiles = (a.Sq + tq - 1) // tq
-    cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(G * tq, a.D)
+    cdef int64_t G = a.Hq // a.Hkv, upb = a.Hkv // a.hpu, units = a.B * upb, ntiles = (a.Sq + tq - 1) // tq
+    cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(a.hpu * G * tq, a.D)
     cdef float *ws0
     cdef float *ws
     if ntask < nt:
@@ -77,21 +79,22 @@ cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
         t1 = t0 + tq
         if t1 > a.Sq:
             t1 = a.Sq
-        okv_attn_unit(a, u // a.Hkv, u % a.Hkv, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz, NULL, simd)
+        okv_attn_unit(a, u // upb, (u % upb) * a.hpu, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz, NULL, 0,
+                      simd)
     free(ws0)
     return 0
 
 
 cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept nogil:
     cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, R = G * a.Sq
-    cdef int64_t ntask = units * nchunks, i, u
-    cdef int64_t wsz = okv_attn_ws_floats(R, a.D), psz = okv_attn_part_floats(R, a.D)
+    cdef int64_t ntask = a.B * (a.Hkv // a.hpu) * nchunks, i, u
+    cdef int64_t wsz = okv_attn_ws_floats(a.hpu * R, a.D), psz = okv_attn_part_floats(R, a.D)
     cdef float *ws0
     cdef float *parts0
     cdef float *ws
     cdef float *parts
     ws0 = <float *>malloc(<size_t>(wsz * nt + 16) * sizeof(float))
-    parts0 = <float *>malloc(<size_t>(psz * ntask + 16) * sizeof(float))
+    parts0 = <float *>malloc(<size_t>(psz * units * nchunks + 16) * sizeof(float))
     if ws0 == NULL or parts0 == NULL:
         free(ws0)
         free(parts0)
@@ -300,17 +303,23 @@ cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64
     a.softcap = softcap
     a.window = window
     a.kv_type = kv_type
+    a.hpu = 1
 
 
 cdef _run(okv_attn_args *a, int64_t maxlen, str api):
     """Run the work units of a fully described call: query tiles of whole
-    (b, KV head) groups, or cache-split chunks merged exactly when the groups
-    do not fill the threads.  maxlen: the longest kv_len."""
+    (b, KV head) groups (all KV heads of b in one unit for paged decode), or
+    cache-split chunks merged exactly when the units do not fill the threads.
+    maxlen: the longest kv_len."""
     a.prefetch = _prefetch
     a.prefill_rg = _prefill_rg
     cdef int nt = okv_threads(), simd = okv_simd(), rc
     cdef int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, Sq = a.Sq, D = a.D
-    cdef int64_t G = Hq // Hkv, units = B * Hkv, tq, nchunks = 1
+    cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1
+    # Paged decode: one unit takes every KV head of its keys, so it reads each
+    # page (all heads, head-major) front to back instead of one short run per head.
+    a.hpu = Hkv if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS else 1
+    units = B * (Hkv // a.hpu)
     if B * Hq * Sq * max(maxlen, 1) * D < PAR_MIN_WORK:
         nt = 1          # too small to amortise waking the thread team
     if nt > 1 and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:

@@ -6,9 +6,11 @@
  *   OKV_LD1(p) one element as float    OKV_LD8(p) 8 elements as __m256 (AVX2)
  *   OKV_SIMD_BODY defined for the AVX2 instantiations.
  *
- * A work unit is (batch b, kv head hk, query tokens [t0, t1), keys [c0, c1)).
- * The G = Hq/Hkv query heads of the group and the nt = t1-t0 query tokens form
- * R = G*nt rows (r = g*nt + t).  Keys are streamed in blocks (tiles) of up to
+ * A work unit is (batch b, kv heads [hk0, hk0+nh), query tokens [t0, t1), keys
+ * [c0, c1)).  Per KV head hk, the G = Hq/Hkv query heads of the group and the
+ * nt = t1-t0 query tokens form R = G*nt rows (r = g*nt + t); the heads are
+ * taken one after the other inside each block (a multi-head unit reads a
+ * page's heads in memory order, front to back).  Keys are streamed in blocks (tiles) of up to
  * OKV_BK keys, addressed through per-key row pointers gathered page by page
  * (okv_tile_rows / okv_attn_page; a contiguous cache is one page), so small
  * pages still give full tiles.  A tile starts at a key some token of the unit
@@ -26,10 +28,11 @@
  * current one is scored.
  * Online softmax per row (running max, sum and accumulator in float32).
  *
- * ws: float workspace of at least R*(D + OKV_BK + 2) floats.
+ * ws: float workspace of at least nh*R*(D + OKV_BK + 2) floats.
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
- * part != NULL: write the unnormalised partial state per row as
- *               part[r*(D+2) + 0] = running max, [1] = sum, [2..] = acc.
+ * part != NULL: write the unnormalised partial state per row of head hk0+h as
+ *               part[h*pstride + r*(D+2) + 0] = running max, [1] = sum,
+ *               [2..] = acc.
  */
 #define OKV_CAT_(a, b) a##b
 #define OKV_CAT(a, b) OKV_CAT_(a, b)
@@ -247,20 +250,24 @@ OKV_ATTR static int64_t OKV_F(okv_tile_rows)(const okv_attn_args *a, int64_t b, 
     return j;
 }
 
-OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1,
-                                          int64_t c0, int64_t c1, float *ws, float *part) {
-    const int64_t D = a->D, G = a->Hq / a->Hkv, nt = t1 - t0, R = G * nt;
+OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, int64_t t0,
+                                          int64_t t1, int64_t c0, int64_t c1, float *ws, float *part,
+                                          int64_t pstride) {
+    const int64_t D = a->D, G = a->Hq / a->Hkv, nt = t1 - t0, R = G * nt, RT = nh * R;
     const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
+    /* elements from one KV head's row of a key to the next head's: inside a page, or in the contiguous cache */
+    const int64_t hstr = (a->block_tables ? a->bs : a->Cap) * D;
     okv_kv_page pg;                   /* the page looked up last */
-    /* K/V row pointers of the current tile and of the prefetched one */
-    const OKV_KT_T *rows[4][OKV_BK], **kr = rows[0], **vr = rows[1], **pk = rows[2], **pv = rows[3];
+    /* K/V row pointers of the current tile (head hk0), of the prefetched tile,
+     * and of the current tile for heads hk0 + h (two buffers, alternating) */
+    const OKV_KT_T *rows[8][OKV_BK], **kr = rows[0], **vr = rows[1], **pk = rows[2], **pv = rows[3];
     int64_t nx0 = INT64_MIN, nx1 = INT64_MIN;   /* keys [nx0, nx1) of the prefetched tile */
-    float *acc = ws;                  /* R*D */
-    float *sc = acc + R * D;          /* OKV_RG*OKV_BK used (R*OKV_BK reserved) */
-    float *mx = sc + R * OKV_BK;      /* R */
-    float *sm = mx + R;               /* R */
+    float *acc = ws;                  /* RT*D */
+    float *sc = acc + RT * D;         /* OKV_RG*OKV_BK used (RT*OKV_BK reserved) */
+    float *mx = sc + RT * OKV_BK;     /* RT */
+    float *sm = mx + RT;              /* RT */
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
-    int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j1, j;
+    int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j1, j, h;
     const float scale = a->scale, softcap = a->softcap;
     /* Row-group width: decode shares each K/V load among up to 8 query heads;
      * prefill (compute bound, K/V blocks already in L1) uses groups of 4 rows,
@@ -270,110 +277,134 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
     for (t = 0; t < nt; t++) {
         int64_t p = a->q_pos[b * a->Sq + t0 + t];
         int64_t l = kvs > c0 ? kvs : c0;
-        int64_t h = p + 1;
+        int64_t e = p + 1;
         if (a->window >= 0 && p - a->window > l) l = p - a->window;
-        if (kvl < h) h = kvl;
-        if (c1 < h) h = c1;
-        lo[t] = l; hi[t] = h;
-        if (l < h) {
+        if (kvl < e) e = kvl;
+        if (c1 < e) e = c1;
+        lo[t] = l; hi[t] = e;
+        if (l < e) {
             if (l < jlo) jlo = l;
-            if (h > jhi) jhi = h;
+            if (e > jhi) jhi = e;
         }
     }
-    memset(acc, 0, (size_t)(R * D) * sizeof(float));
-    for (r = 0; r < R; r++) { mx[r] = -INFINITY; sm[r] = 0.f; }
+    memset(acc, 0, (size_t)(RT * D) * sizeof(float));
+    for (r = 0; r < RT; r++) { mx[r] = -INFINITY; sm[r] = 0.f; }
 
     pg.start = pg.end = INT64_MIN;
     /* Tiles of up to OKV_BK keys, each starting at a key some token sees; a
      * tile spans pages (okv_tile_rows) but enters a further page only at a key
      * some token sees, so keys and pages no token sees are skipped. */
     for (j0 = okv_next_seen(lo, hi, nt, jlo); j0 < jhi; j0 = okv_next_seen(lo, hi, nt, j1)) {
-        int64_t rg, npf = 0;
+        int64_t npf = 0;
         const OKV_KT_T **sw;
         if (nx1 > j0 && nx0 == j0) {      /* the tile prefetched last time */
             sw = kr; kr = pk; pk = sw;
             sw = vr; vr = pv; pv = sw;
             j1 = nx1;
         } else {
-            j1 = OKV_F(okv_tile_rows)(a, b, hk, j0, jhi, lo, hi, nt, &pg, kr, vr);
+            j1 = OKV_F(okv_tile_rows)(a, b, hk0, j0, jhi, lo, hi, nt, &pg, kr, vr);
         }
         nx0 = nx1 = INT64_MIN;
         if (a->prefetch) {   /* rows of the tile pfd tiles ahead, if some token sees its first key */
             const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
             if (p0 < jhi && okv_next_seen(lo, hi, nt, p0) == p0) {
-                const int64_t p1 = OKV_F(okv_tile_rows)(a, b, hk, p0, jhi, lo, hi, nt, &pg, pk, pv);
+                const int64_t p1 = OKV_F(okv_tile_rows)(a, b, hk0, p0, jhi, lo, hi, nt, &pg, pk, pv);
                 npf = p1 - p0;
                 if (pfd == 1) { nx0 = p0; nx1 = p1; }
             }
         }
-        for (rg = 0; rg < R; rg += rgw) {
-            const int nr = (int)(R - rg < rgw ? R - rg : rgw);
-            const float *qr[OKV_RG];
-            float *accr[OKV_RG];
-            int64_t u0 = j1, u1 = j0, n;
-            int i;
-            for (i = 0; i < nr; i++) {
-                int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > j0 ? lo[tt] : j0, a1 = hi[tt] < j1 ? hi[tt] : j1;
-                g = rr / nt;
-                qr[i] = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + tt) * D;
-                accr[i] = acc + rr * D;
-                if (a0 < a1) {
-                    if (a0 < u0) u0 = a0;
-                    if (a1 > u1) u1 = a1;
+        /* The heads in memory order: in a page, head hk0+h+1's rows follow
+         * head hk0+h's, so a multi-head unit reads each page front to back.
+         * While head h is scored, head h+1's rows of this tile are prefetched
+         * (after the last head: head hk0's rows of the next tile). */
+        for (h = 0; h < nh; h++) {
+            const int64_t hk = hk0 + h;
+            const OKV_KT_T **kh = h ? rows[4 + 2 * (h & 1)] : kr, **vh = h ? rows[5 + 2 * (h & 1)] : vr;
+            const OKV_KT_T **fk = pk, **fv = pv;
+            float *acch = acc + h * R * D, *mxh = mx + h * R, *smh = sm + h * R;
+            int64_t rg, nf = npf;
+            if (h + 1 < nh) {
+                fk = rows[4 + 2 * ((h + 1) & 1)];
+                fv = rows[5 + 2 * ((h + 1) & 1)];
+                for (j = 0; j < j1 - j0; j++) {
+                    fk[j] = kr[j] + (h + 1) * hstr;
+                    fv[j] = vr[j] + (h + 1) * hstr;
                 }
+                nf = a->prefetch ? j1 - j0 : 0;
             }
-            if (u0 >= u1) continue;
-            n = u1 - u0;
-            /* prefetch of the next tile by the first row group only */
-            OKV_F(okv_qk_rows)(qr, nr, kr + (u0 - j0), n, D, scale, sc, pk, pv, rg == 0 ? npf : 0, a->prefetch);
-            for (i = 0; i < nr; i++) {
-                int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0, a1 = hi[tt] < u1 ? hi[tt] : u1;
-                float *s = sc + i * OKV_BK, bm, mnew;
-                if (a0 >= a1) {               /* nothing visible in this block: p = 0 */
-                    memset(s, 0, (size_t)n * sizeof(float));
-                    continue;
-                }
-                for (j = u0; j < a0; j++) s[j - u0] = -INFINITY;
-                for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
-                if (softcap > 0.f)
-                    for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
-                bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
-                mnew = bm > mx[rr] ? bm : mx[rr];
-                if (mnew > mx[rr]) {
-                    if (mx[rr] != -INFINITY) {
-                        float alpha = expf(mx[rr] - mnew);
-                        OKV_I(okv_scal_f32)(alpha, accr[i], D);
-                        sm[rr] *= alpha;
+            for (rg = 0; rg < R; rg += rgw) {
+                const int nr = (int)(R - rg < rgw ? R - rg : rgw);
+                const float *qr[OKV_RG];
+                float *accr[OKV_RG];
+                int64_t u0 = j1, u1 = j0, n;
+                int i;
+                for (i = 0; i < nr; i++) {
+                    int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > j0 ? lo[tt] : j0;
+                    int64_t a1 = hi[tt] < j1 ? hi[tt] : j1;
+                    g = rr / nt;
+                    qr[i] = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + tt) * D;
+                    accr[i] = acch + rr * D;
+                    if (a0 < a1) {
+                        if (a0 < u0) u0 = a0;
+                        if (a1 > u1) u1 = a1;
                     }
-                    mx[rr] = mnew;
                 }
-                sm[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
+                if (u0 >= u1) continue;
+                n = u1 - u0;
+                /* the prefetch by the first row group only */
+                OKV_F(okv_qk_rows)(qr, nr, kh + (u0 - j0), n, D, scale, sc, fk, fv, rg == 0 ? nf : 0,
+                                   a->prefetch);
+                for (i = 0; i < nr; i++) {
+                    int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0;
+                    int64_t a1 = hi[tt] < u1 ? hi[tt] : u1;
+                    float *s = sc + i * OKV_BK, bm, mnew;
+                    if (a0 >= a1) {               /* nothing visible in this block: p = 0 */
+                        memset(s, 0, (size_t)n * sizeof(float));
+                        continue;
+                    }
+                    for (j = u0; j < a0; j++) s[j - u0] = -INFINITY;
+                    for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
+                    if (softcap > 0.f)
+                        for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
+                    bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
+                    mnew = bm > mxh[rr] ? bm : mxh[rr];
+                    if (mnew > mxh[rr]) {
+                        if (mxh[rr] != -INFINITY) {
+                            float alpha = expf(mxh[rr] - mnew);
+                            OKV_I(okv_scal_f32)(alpha, accr[i], D);
+                            smh[rr] *= alpha;
+                        }
+                        mxh[rr] = mnew;
+                    }
+                    smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
+                }
+                OKV_F(okv_pv_rows)(sc, nr, vh + (u0 - j0), n, D, accr);
             }
-            OKV_F(okv_pv_rows)(sc, nr, vr + (u0 - j0), n, D, accr);
         }
     }
 
-    for (g = 0; g < G; g++) {
-        const int64_t hq = hk * G + g;
-        for (t = 0; t < nt; t++) {
-            r = g * nt + t;
-            if (part) {
-                float *pr = part + r * (D + 2);
-                pr[0] = mx[r];
-                pr[1] = sm[r];
-                memcpy(pr + 2, acc + r * D, (size_t)D * sizeof(float));
-            } else {
-                float *o = a->out + ((b * a->Hq + hq) * a->Sq + t0 + t) * D;
-                if (sm[r] > 0.f) {
-                    float inv = 1.f / sm[r];
-                    int64_t i;
-                    for (i = 0; i < D; i++) o[i] = acc[r * D + i] * inv;
+    for (h = 0; h < nh; h++)
+        for (g = 0; g < G; g++) {
+            const int64_t hq = (hk0 + h) * G + g;
+            for (t = 0; t < nt; t++) {
+                const int64_t rs = h * R + g * nt + t;   /* state row */
+                if (part) {
+                    float *pr = part + h * pstride + (g * nt + t) * (D + 2);
+                    pr[0] = mx[rs];
+                    pr[1] = sm[rs];
+                    memcpy(pr + 2, acc + rs * D, (size_t)D * sizeof(float));
                 } else {
-                    memset(o, 0, (size_t)D * sizeof(float));
+                    float *o = a->out + ((b * a->Hq + hq) * a->Sq + t0 + t) * D;
+                    if (sm[rs] > 0.f) {
+                        float inv = 1.f / sm[rs];
+                        int64_t i;
+                        for (i = 0; i < D; i++) o[i] = acc[rs * D + i] * inv;
+                    } else {
+                        memset(o, 0, (size_t)D * sizeof(float));
+                    }
                 }
             }
         }
-    }
 }
 
 #undef OKV_F

@@ -179,6 +179,15 @@ def test_cache_split_merge(bs, threads, simd):
     run("float32", (2, 1), 64, bs, [5000], 4, seed=bs + 1, window=1000, skip_unread=True)
 
 
+@pytest.mark.parametrize("window,Sq", [(-1, 1), (300, 1), (90, 3)])
+def test_one_row_all_heads_split_across_threads(window, Sq, threads, simd):
+    """B = 1, GQA: one work unit per cache chunk reads every KV head of its
+    pages; with 2 threads the chunks' states are merged per head."""
+    out = run("float32", "gqa", 128, 16, [5000], Sq, seed=window + 7, window=window, softcap=20.0,
+              skip_unread=window >= 0)
+    assert np.isfinite(out).all()
+
+
 def test_kv_len_and_q_pos_int32_or_int64():
     rng = np.random.default_rng(11)
     q = rand(rng, (2, 32, 2, 64))
