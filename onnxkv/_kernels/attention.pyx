@@ -60,6 +60,9 @@ DEF SPLIT_MAX_ROWS = 256
 DEF SPLIT_MIN_KEYS = 1024
 DEF PAR_MIN_WORK = 1 << 18  # multiply-adds below which one thread is used
 DEF MULTI_HEAD_MAX_FLOATS = 1 << 14  # paged units take all KV heads if Hq*Sq*D (their accumulators) fits
+DEF MULTI_HEAD_TASKS = 4     # cache chunks per thread for multi-head units
+DEF SERIAL_MERGE_FLOATS = 1 << 18  # partial-state floats up to which the split merge runs on one thread
+DEF MULTI_HEAD_MIN_KEYS = 512
 
 
 cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
@@ -103,8 +106,14 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept no
     parts = okv_align64(parts0)
     for i in prange(ntask, num_threads=nt, schedule='dynamic'):
         okv_attn_split_task(a, i, nchunks, ws + okv_thread_num() * wsz, parts, simd)
-    for u in prange(units, num_threads=nt if units >= nt else <int>units, schedule='static'):
-        okv_attn_merge(a, u // a.Hkv, u % a.Hkv, parts + u * nchunks * psz, nchunks)
+    if units * nchunks * psz <= SERIAL_MERGE_FLOATS:
+        # small merge: on this thread, sparing a second wake-up of the team
+        # (costly when a co-tenant holds one of the cores)
+        for u in range(units):
+            okv_attn_merge(a, u // a.Hkv, u % a.Hkv, parts + u * nchunks * psz, nchunks)
+    else:
+        for u in prange(units, num_threads=nt if units >= nt else <int>units, schedule='static'):
+            okv_attn_merge(a, u // a.Hkv, u % a.Hkv, parts + u * nchunks * psz, nchunks)
     free(ws0)
     free(parts0)
     return 0
@@ -121,6 +130,18 @@ def _set_split_tasks(n):
     global _split_tasks
     old = _split_tasks
     _split_tasks = max(0, int(n))
+    return old
+
+
+cdef int _paged_heads = 0    # KV heads per paged decode work unit (0: all)
+
+
+def _set_paged_heads(n):
+    """Private tuning switch for benchmarks: KV heads per work unit of paged
+    decode (0: all; else the largest divisor of Hkv <= n).  Returns the old value."""
+    global _paged_heads
+    old = _paged_heads
+    _paged_heads = max(0, int(n))
     return old
 
 
@@ -318,7 +339,9 @@ cdef _run(okv_attn_args *a, int64_t maxlen, str api):
     cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1
     # Paged decode: one unit takes every KV head of its keys, so it reads each
     # page (all heads, head-major) front to back instead of one short run per head.
-    a.hpu = Hkv if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS else 1
+    a.hpu = 1
+    if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
+        a.hpu = Hkv if _paged_heads <= 0 else max(h for h in range(1, min(_paged_heads, Hkv) + 1) if Hkv % h == 0)
     units = B * (Hkv // a.hpu)
     if B * Hq * Sq * max(maxlen, 1) * D < PAR_MIN_WORK:
         nt = 1          # too small to amortise waking the thread team
@@ -330,6 +353,8 @@ cdef _run(okv_attn_args *a, int64_t maxlen, str api):
         # run at different speeds (shared cores, one thread starting late)
         if _split_tasks > 0:
             nchunks = max(nchunks, min((_split_tasks * nt + units - 1) // units, maxlen // SPLIT_MIN_KEYS))
+        if a.hpu > 1:   # few multi-head units: several chunks per thread for the dynamic schedule to balance
+            nchunks = max(nchunks, min((MULTI_HEAD_TASKS * nt + units - 1) // units, maxlen // MULTI_HEAD_MIN_KEYS))
     if nchunks > 1:
         with nogil:
             rc = _split(a, nchunks, nt, simd)

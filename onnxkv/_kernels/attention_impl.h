@@ -10,13 +10,12 @@
  * [c0, c1)).  Per KV head hk, the G = Hq/Hkv query heads of the group and the
  * nt = t1-t0 query tokens form R = G*nt rows (r = g*nt + t); the heads are
  * taken one after the other inside each block (a multi-head unit reads a
- * page's heads in memory order, front to back).  Keys are streamed in blocks (tiles) of up to
- * OKV_BK keys, addressed through per-key row pointers gathered page by page
- * (okv_tile_rows / okv_attn_page; a contiguous cache is one page), so small
- * pages still give full tiles.  A tile starts at a key some token of the unit
- * sees and enters a further page only at such a key: keys and pages no token
- * sees are skipped and their page table entries never read.  Inside a
- * block the rows are taken in row groups (up to OKV_RG = 8 rows for decode,
+ * page's heads in memory order, front to back).  Keys are streamed in blocks
+ * (tiles) of up to OKV_BK keys that never straddle a page (okv_attn_page: one
+ * page lookup per page; a contiguous cache is one page) and start at a key
+ * some token of the unit sees, so keys and pages no token sees are skipped and
+ * their page table entries never read.  A per-page element format would be
+ * dispatched per tile.  Inside a block the rows are taken in row groups (up to OKV_RG = 8 rows for decode,
  * a->prefill_rg = 4 rows when the unit has several query tokens), and for each
  * row group every K row and every V row of the block is loaded (and converted
  * to float32) exactly once in registers and used by all rows of the group: the
@@ -44,13 +43,12 @@
 #define OKV_F(name) OKV_CAT3(name, OKV_KT, OKV_SFX)
 
 #ifdef OKV_SIMD_BODY
-/* ---- AVX2: scores of nr <= 8 rows against the n keys at row pointers k[0..n)
- * (rows padded to NRP in {1, 2, 4, 8}; 8/NRP keys per step so that 8
- * accumulators are live and one transposing reduction yields 8 dot products).
- * pfk/pfv[0..npf): K/V rows to prefetch. */
-OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *const *k, int64_t n,
-                                            int64_t D, float scale, float *s, const OKV_KT_T *const *pfk,
-                                            const OKV_KT_T *const *pfv, int64_t npf, int pfhint, const int NRP) {
+/* ---- AVX2: scores of nr <= 8 rows against n keys (rows padded to NRP in
+ * {1, 2, 4, 8}; 8/NRP keys per step so that 8 accumulators are live and one
+ * transposing reduction yields 8 dot products). */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                                            float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
+                                            int64_t npf, int pfhint, const int NRP) {
     const int KJ = 8 / NRP;
     const int64_t Dv = D & ~(int64_t)7, rowb = D * (int64_t)sizeof(OKV_KT_T);
     int64_t j, i, d;
@@ -59,12 +57,12 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
     for (j = 0; j < n; j += KJ) {
         const OKV_KT_T *kp[8];
         __m256 acc[8];
-        for (kk = 0; kk < KJ; kk++) kp[kk] = k[j + kk < n ? j + kk : n - 1];
+        for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * D;
         /* software prefetch of the next block's K and V rows: the streams cross
          * a 4 KiB page every few rows, where the hardware prefetcher restarts. */
         for (kk = 0; kk < KJ; kk++)
             if (j + kk < npf) {
-                const char *pk = (const char *)pfk[j + kk], *pv = (const char *)pfv[j + kk];
+                const char *pk = (const char *)(pfk + (j + kk) * D), *pv = (const char *)(pfv + (j + kk) * D);
                 int64_t o;
                 if (pfhint >= 2)
                     for (o = 0; o < rowb; o += 64) {
@@ -111,9 +109,9 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
     }
 }
 
-OKV_ATTR static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *const *k, int64_t n,
-                                        int64_t D, float scale, float *s, const OKV_KT_T *const *pfk,
-                                        const OKV_KT_T *const *pfv, int64_t npf, int pfhint) {
+OKV_ATTR static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                                        float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
+                                        int64_t npf, int pfhint) {
     const float *q8[8];
     int r;
     for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
@@ -123,10 +121,10 @@ OKV_ATTR static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OK
     else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 8);
 }
 
-/* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v[j][i0:i1] for NR rows, NC
+/* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
  * 8-float chunks per pass: NR*NC accumulators in registers, each V chunk loaded
  * and converted once and used by every row. */
-OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *const *v, int64_t n,
+OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
                                             float *const *accr, int64_t i0, int64_t i1, const int NR, const int NC) {
     int64_t i, j;
     int r, c;
@@ -135,7 +133,7 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *cons
         for (r = 0; r < NR; r++)
             for (c = 0; c < NC; c++) acc[r][c] = _mm256_loadu_ps(accr[r] + i + 8 * c);
         for (j = 0; j < n; j++) {
-            const OKV_KT_T *vj = v[j] + i;
+            const OKV_KT_T *vj = v + j * D + i;
             __m256 vv[8];
             for (c = 0; c < NC; c++) vv[c] = OKV_LD8(vj + 8 * c);
             for (r = 0; r < NR; r++) {
@@ -148,22 +146,22 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *cons
     }
 }
 
-OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *const *v, int64_t n, int64_t D,
+OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
                                           float *const *accr, const int NR, const int NC) {
     const int64_t Dv = D & ~(int64_t)7, Dw = Dv - Dv % (8 * NC);
     int64_t j, d;
     int r;
-    OKV_F(okv_pv_tile)(p, v, n, accr, 0, Dw, NR, NC);
-    if (Dw < Dv) OKV_F(okv_pv_tile)(p, v, n, accr, Dw, Dv, NR, 1);
+    OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, NR, NC);
+    if (Dw < Dv) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dv, NR, 1);
     if (Dv < D)
         for (j = 0; j < n; j++)
             for (d = Dv; d < D; d++) {
-                float x = OKV_LD1(v[j] + d);
+                float x = OKV_LD1(v + j * D + d);
                 for (r = 0; r < NR; r++) accr[r][d] += p[r * OKV_BK + j] * x;
             }
 }
 
-OKV_ATTR static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *const *v, int64_t n, int64_t D,
+OKV_ATTR static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D,
                                         float *const *accr) {
     switch (nr) {
     case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, 1, 8); break;
@@ -178,15 +176,15 @@ OKV_ATTR static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *
 }
 
 #else
-/* ---- scalar: each K element (row pointers k[0..n)) converted once, used by all nr rows. */
-static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *const *k, int64_t n, int64_t D,
-                               float scale, float *s, const OKV_KT_T *const *pfk, const OKV_KT_T *const *pfv,
-                               int64_t npf, int pfhint) {
+/* ---- scalar: each K element converted once, used by all nr rows. */
+static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                               float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv, int64_t npf,
+                               int pfhint) {
     int64_t j, d;
     int r;
     (void)pfk; (void)pfv; (void)npf; (void)pfhint;
     for (j = 0; j < n; j++) {
-        const OKV_KT_T *kj = k[j];
+        const OKV_KT_T *kj = k + j * D;
         float a0[OKV_RG], a1[OKV_RG];
         for (r = 0; r < nr; r++) { a0[r] = 0.f; a1[r] = 0.f; }
         for (d = 0; d + 2 <= D; d += 2) {
@@ -204,13 +202,12 @@ static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *c
     }
 }
 
-/* each V element (row pointers v[0..n)) converted once, used by all nr rows */
-static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *const *v, int64_t n, int64_t D,
-                               float *const *accr) {
+/* each V element converted once, used by all nr rows */
+static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D, float *const *accr) {
     int64_t j, d;
     int r;
     for (j = 0; j < n; j++) {
-        const OKV_KT_T *vj = v[j];
+        const OKV_KT_T *vj = v + j * D;
         float pj[OKV_RG];
         for (r = 0; r < nr; r++) pj[r] = p[r * OKV_BK + j];
         for (d = 0; d < D; d++) {
@@ -221,47 +218,16 @@ static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *const *v,
 }
 #endif
 
-/* Row pointers kr[i], vr[i] of keys j0+i of one tile: from j0 (a key some
- * token sees) up to OKV_BK keys, not past jhi, continuing into a further page
- * only if some token sees that page's first key (otherwise the tile ends
- * there).  *pg caches the page looked up last.  Returns the tile's end key.
- * (Pages of a per-page quantized format would end a tile where the format
- * changes and hand their scale/zero point to the load step with the rows.) */
-OKV_ATTR static int64_t OKV_F(okv_tile_rows)(const okv_attn_args *a, int64_t b, int64_t hk, int64_t j0, int64_t jhi,
-                                             const int64_t *lo, const int64_t *hi, int64_t nt, okv_kv_page *pg,
-                                             const OKV_KT_T **kr, const OKV_KT_T **vr) {
-    const int64_t D = a->D, jend = j0 + OKV_BK < jhi ? j0 + OKV_BK : jhi;
-    int64_t j = j0;
-    while (j < jend) {
-        const OKV_KT_T *kb, *vb;
-        int64_t e;
-        if (j >= pg->end || j < pg->start) {
-            if (j > j0 && okv_next_seen(lo, hi, nt, j) != j) break;
-            *pg = okv_attn_page(a, b, hk, j, sizeof(OKV_KT_T));
-        }
-        e = pg->end < jend ? pg->end : jend;
-        kb = (const OKV_KT_T *)pg->k + (j - pg->start) * D;
-        vb = (const OKV_KT_T *)pg->v + (j - pg->start) * D;
-        for (; j < e; j++, kb += D, vb += D) {
-            kr[j - j0] = kb;
-            vr[j - j0] = vb;
-        }
-    }
-    return j;
-}
-
 OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, int64_t t0,
                                           int64_t t1, int64_t c0, int64_t c1, float *ws, float *part,
                                           int64_t pstride) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, nt = t1 - t0, R = G * nt, RT = nh * R;
     const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
-    /* elements from one KV head's row of a key to the next head's: inside a page, or in the contiguous cache */
+    /* elements from one KV head's row of a key to the next head's: inside a
+     * page, or in the contiguous cache */
     const int64_t hstr = (a->block_tables ? a->bs : a->Cap) * D;
-    okv_kv_page pg;                   /* the page looked up last */
-    /* K/V row pointers of the current tile (head hk0), of the prefetched tile,
-     * and of the current tile for heads hk0 + h (two buffers, alternating) */
-    const OKV_KT_T *rows[8][OKV_BK], **kr = rows[0], **vr = rows[1], **pk = rows[2], **pv = rows[3];
-    int64_t nx0 = INT64_MIN, nx1 = INT64_MIN;   /* keys [nx0, nx1) of the prefetched tile */
+    const size_t esz = sizeof(OKV_KT_T);
+    okv_kv_page pg, pf;               /* page of the current tile, page of the prefetched tile */
     float *acc = ws;                  /* RT*D */
     float *sc = acc + RT * D;         /* OKV_RG*OKV_BK used (RT*OKV_BK reserved) */
     float *mx = sc + RT * OKV_BK;     /* RT */
@@ -290,48 +256,42 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
     memset(acc, 0, (size_t)(RT * D) * sizeof(float));
     for (r = 0; r < RT; r++) { mx[r] = -INFINITY; sm[r] = 0.f; }
 
-    pg.start = pg.end = INT64_MIN;
-    /* Tiles of up to OKV_BK keys, each starting at a key some token sees; a
-     * tile spans pages (okv_tile_rows) but enters a further page only at a key
-     * some token sees, so keys and pages no token sees are skipped. */
+    pg.start = pg.end = pf.start = pf.end = INT64_MIN;
+    /* Tiles of up to OKV_BK keys inside one page, each starting at a key some
+     * token sees: keys (and pages) no token sees are skipped. */
     for (j0 = okv_next_seen(lo, hi, nt, jlo); j0 < jhi; j0 = okv_next_seen(lo, hi, nt, j1)) {
         int64_t npf = 0;
-        const OKV_KT_T **sw;
-        if (nx1 > j0 && nx0 == j0) {      /* the tile prefetched last time */
-            sw = kr; kr = pk; pk = sw;
-            sw = vr; vr = pv; pv = sw;
-            j1 = nx1;
-        } else {
-            j1 = OKV_F(okv_tile_rows)(a, b, hk0, j0, jhi, lo, hi, nt, &pg, kr, vr);
-        }
-        nx0 = nx1 = INT64_MIN;
-        if (a->prefetch) {   /* rows of the tile pfd tiles ahead, if some token sees its first key */
+        const OKV_KT_T *kt, *vt, *pfk = NULL, *pfv = NULL;
+        if (j0 >= pg.end || j0 < pg.start)
+            pg = j0 >= pf.start && j0 < pf.end ? pf : okv_attn_page(a, b, hk0, j0, esz);
+        j1 = j0 + OKV_BK;
+        if (j1 > pg.end) j1 = pg.end;
+        if (j1 > jhi) j1 = jhi;
+        kt = (const OKV_KT_T *)pg.k + (j0 - pg.start) * D;    /* head hk0, key j at kt + (j - j0)*D */
+        vt = (const OKV_KT_T *)pg.v + (j0 - pg.start) * D;
+        if (a->prefetch) {   /* the tile pfd tiles ahead, if some token sees its first key */
             const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
             if (p0 < jhi && okv_next_seen(lo, hi, nt, p0) == p0) {
-                const int64_t p1 = OKV_F(okv_tile_rows)(a, b, hk0, p0, jhi, lo, hi, nt, &pg, pk, pv);
-                npf = p1 - p0;
-                if (pfd == 1) { nx0 = p0; nx1 = p1; }
+                if (p0 >= pf.end || p0 < pf.start)
+                    pf = p0 >= pg.start && p0 < pg.end ? pg : okv_attn_page(a, b, hk0, p0, esz);
+                npf = OKV_BK;
+                if (npf > pf.end - p0) npf = pf.end - p0;
+                if (npf > jhi - p0) npf = jhi - p0;
+                pfk = (const OKV_KT_T *)pf.k + (p0 - pf.start) * D;
+                pfv = (const OKV_KT_T *)pf.v + (p0 - pf.start) * D;
             }
         }
         /* The heads in memory order: in a page, head hk0+h+1's rows follow
          * head hk0+h's, so a multi-head unit reads each page front to back.
          * While head h is scored, head h+1's rows of this tile are prefetched
-         * (after the last head: head hk0's rows of the next tile). */
+         * (after the last head: the next tile's). */
         for (h = 0; h < nh; h++) {
-            const int64_t hk = hk0 + h;
-            const OKV_KT_T **kh = h ? rows[4 + 2 * (h & 1)] : kr, **vh = h ? rows[5 + 2 * (h & 1)] : vr;
-            const OKV_KT_T **fk = pk, **fv = pv;
+            const int64_t hk = hk0 + h, last = h + 1 == nh;
+            const OKV_KT_T *kh = kt + h * hstr, *vh = vt + h * hstr;
+            const OKV_KT_T *fk = last ? pfk : kh + hstr, *fv = last ? pfv : vh + hstr;
+            const int64_t nf = last ? npf : a->prefetch ? j1 - j0 : 0;
             float *acch = acc + h * R * D, *mxh = mx + h * R, *smh = sm + h * R;
-            int64_t rg, nf = npf;
-            if (h + 1 < nh) {
-                fk = rows[4 + 2 * ((h + 1) & 1)];
-                fv = rows[5 + 2 * ((h + 1) & 1)];
-                for (j = 0; j < j1 - j0; j++) {
-                    fk[j] = kr[j] + (h + 1) * hstr;
-                    fv[j] = vr[j] + (h + 1) * hstr;
-                }
-                nf = a->prefetch ? j1 - j0 : 0;
-            }
+            int64_t rg;
             for (rg = 0; rg < R; rg += rgw) {
                 const int nr = (int)(R - rg < rgw ? R - rg : rgw);
                 const float *qr[OKV_RG];
@@ -352,7 +312,7 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                 if (u0 >= u1) continue;
                 n = u1 - u0;
                 /* the prefetch by the first row group only */
-                OKV_F(okv_qk_rows)(qr, nr, kh + (u0 - j0), n, D, scale, sc, fk, fv, rg == 0 ? nf : 0,
+                OKV_F(okv_qk_rows)(qr, nr, kh + (u0 - j0) * D, n, D, scale, sc, fk, fv, rg == 0 ? nf : 0,
                                    a->prefetch);
                 for (i = 0; i < nr; i++) {
                     int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0;
@@ -378,7 +338,7 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                     }
                     smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                 }
-                OKV_F(okv_pv_rows)(sc, nr, vh + (u0 - j0), n, D, accr);
+                OKV_F(okv_pv_rows)(sc, nr, vh + (u0 - j0) * D, n, D, accr);
             }
         }
     }

@@ -9,6 +9,7 @@ query sees are mapped to -1 or to pages full of NaN: a kernel that read them
 would fail the comparison (NaN values) or read out of bounds.
 """
 import functools
+import sys
 
 import numpy as np
 import pytest
@@ -186,6 +187,20 @@ def test_one_row_all_heads_split_across_threads(window, Sq, threads, simd):
     out = run("float32", "gqa", 128, 16, [5000], Sq, seed=window + 7, window=window, softcap=20.0,
               skip_unread=window >= 0)
     assert np.isfinite(out).all()
+
+
+def test_many_split_chunks_merged_in_parallel():
+    """The private split switch (several cache chunks per thread) on a prefill
+    of 16 tokens: per-head units, a partial state large enough for the merge to
+    run on the whole team."""
+    A = sys.modules["onnxkv._kernels.attention"]
+    old, old_threads = A._set_split_tasks(8), K.get_num_threads()
+    try:
+        K.set_num_threads(2)
+        run("float16", (32, 2), 128, 16, [8192], 16, seed=3)
+    finally:
+        A._set_split_tasks(old)
+        K.set_num_threads(old_threads)
 
 
 def test_kv_len_and_q_pos_int32_or_int64():
