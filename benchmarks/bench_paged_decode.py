@@ -12,8 +12,8 @@ contexts 4096 and 16384 (by default), threads from --threads (default 2).
   maps the logical blocks to a shuffled order of the pages, so the kernel
   reads scattered memory as a real paged cache would.
 * onnxkv paged, arena: the same with the pages of the first block size carved
-  from one onnxkv.alloc.ArenaAllocator region (still shuffled): separates the
-  cost of scattered small allocations (TLB, no huge pages) from the kernel's.
+  from one onnxkv.alloc.ArenaAllocator region (still shuffled): one region
+  instead of a heap allocation per page.
 * Control: onnxkv contiguous float32 on K/V placed in an anonymous mmap
   (4 KiB pages: NumPy asks for transparent huge pages only for its own large
   arrays) -- the same small-page TLB cost the individually allocated pages pay.
@@ -25,11 +25,14 @@ contexts 4096 and 16384 (by default), threads from --threads (default 2).
 All variants at all thread counts are measured interleaved, round by round
 (bench_decode_attention.measure).  Prints one JSON document (machine, versions,
 threads, shapes, raw samples in seconds, medians, paged/contiguous ratios,
-speedups vs ORT, the bar) and a summary on stderr.  The bar: paged (block size
-16) float32 median <= 1.1x contiguous at 16384 tokens with 2 threads.
+speedups vs ORT, the bar) and a summary on stderr.  paged_over_contiguous
+holds each paged variant's median (and best) time over the contiguous one of
+the same dtype, and the float32 ones over the small-page control.  The bar:
+paged (block size 16) float32 median <= 1.1x contiguous at 16384 tokens with
+2 threads.
 
     python benchmarks/bench_paged_decode.py [--threads 2] [--contexts 4096 16384]
-        [--block-sizes 16 32 64] [--repeat N] [--out FILE]
+        [--block-sizes 16 32 64] [--repeat N] [--no-ort] [--out FILE]
 """
 from __future__ import annotations
 

@@ -11,8 +11,10 @@
  *     Only the entries of blocks holding a key visible to some query of the
  *     call are read (the caller checks them).
  * Key addressing is by page (okv_kv_page, okv_attn_page): a contiguous cache is
- * one page [0, Cap) per (b, hk).  Work units stream keys in tiles of row
- * pointers gathered page by page (attention_impl.h), one page lookup per page.
+ * one page [0, Cap) per (b, hk).  Work units stream keys in tiles that never
+ * straddle a page, one page lookup per page (attention_impl.h); a work unit
+ * covers hpu KV heads (paged decode: all of them, so that it reads each page
+ * front to back).
  * Query token t of batch b at absolute position p = q_pos[b, t] sees keys j with
  *   max(kv_start[b], p - window (if window >= 0)) <= j <= p  and  j < kv_len[b].
  * Scores: s = scale * dot(q, k_j); if softcap > 0: s = softcap * tanh(s / softcap).

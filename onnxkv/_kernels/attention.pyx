@@ -9,7 +9,10 @@ and used by every query row of the group.  Running max, sum and accumulator are
 float32; no score vector of cache length is materialised and the cache is never
 gathered.  Parallel over batch x KV heads x query tiles; when batch x KV heads
 does not fill the threads and Sq is small, each group is split along the cache
-into chunks whose (max, sum, acc) states are merged exactly.
+into chunks whose (max, sum, acc) states are merged exactly.  Paged decode
+(Hq*Sq*D <= 16384) runs one unit per batch row and cache chunk over all KV
+heads, reading each page (head-major) front to back: one short run per head
+and page would leave the hardware prefetchers restarting every few KiB.
 """
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
 from libc.stdlib cimport malloc, free
