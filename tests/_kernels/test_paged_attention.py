@@ -203,6 +203,18 @@ def test_many_split_chunks_merged_in_parallel():
         K.set_num_threads(old_threads)
 
 
+@pytest.mark.parametrize("heads_per_unit", [1, 2, 3, 0])
+def test_heads_per_unit_switch_keeps_results(heads_per_unit, threads):
+    """The private switch for the KV heads of a paged decode work unit (0: all;
+    3 -> 2, the largest divisor of 8 below) changes the schedule only."""
+    A = sys.modules["onnxkv._kernels.attention"]
+    old = A._set_paged_heads(heads_per_unit)
+    try:
+        run("bfloat16", "gqa", 64, 24, [3000], 1, seed=9, window=700, skip_unread=True)
+    finally:
+        A._set_paged_heads(old)
+
+
 def test_kv_len_and_q_pos_int32_or_int64():
     rng = np.random.default_rng(11)
     q = rand(rng, (2, 32, 2, 64))
