@@ -15,8 +15,9 @@
  * page lookup per page; a contiguous cache is one page) and start at a key
  * some token of the unit sees, so keys and pages no token sees are skipped and
  * their page table entries never read.  A per-page element format would be
- * dispatched per tile.  Inside a block the rows are taken in row groups (up to OKV_RG = 8 rows for decode,
- * a->prefill_rg = 4 rows when the unit has several query tokens), and for each
+ * dispatched per tile.  Inside a block the rows are taken in row groups (up
+ * to OKV_RG = 8 rows for decode, a->prefill_rg = 4 rows when the unit has
+ * several query tokens), and for each
  * row group every K row and every V row of the block is loaded (and converted
  * to float32) exactly once in registers and used by all rows of the group: the
  * q.k dot products of all rows share one K load, the p*v axpys of all rows
