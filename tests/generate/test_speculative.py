@@ -8,17 +8,13 @@ import numpy as np
 import pytest
 
 import onnxkv
-from onnxkv import InputError, _kernels
+from onnxkv import InputError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.speculative import accept_or_resample, prompt_lookup, speculative_generate
 from onnxkv.models import embedded
 from onnxkv.models.builders import MICRO, build_model
-from onnxkv.runtime.state import State
 
-#: The one guard for paged states (remove it once the paged attention kernel is on main).
-PAGED = pytest.mark.skipif(not (hasattr(State, "reorder") and hasattr(_kernels, "paged_attention")),
-                           reason="paged states / the paged attention kernel are not on main yet")
-CACHES = ["contiguous", pytest.param("paged", marks=PAGED)]
+CACHES = ["contiguous", "paged"]
 FAMILIES = ["gqa", "attention", "concat"]
 
 
