@@ -19,13 +19,15 @@ after the node that the output is the input's storage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from onnxkv.cache import bound
 from onnxkv.errors import CacheCapacityError, InputError
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["CacheUpdate"]
+__all__ = ["CacheUpdate", "check_writable_target"]
 
 
 def _partial_view(array: np.ndarray) -> bool:
@@ -37,6 +39,26 @@ def _partial_view(array: np.ndarray) -> bool:
         return False
     return root.nbytes != array.nbytes or \
         root.__array_interface__["data"][0] != array.__array_interface__["data"][0]
+
+
+def check_writable_target(cache: np.ndarray, name: str, rt, fail: Callable[[str], Exception]) -> None:
+    """Raise ``fail(message)`` unless ``cache`` (input ``name``) may be written in place (MUST_ALIAS).
+
+    Accepted: a writable C-contiguous array that is either the running state's
+    own storage for ``name`` (``rt.caches``) or an array owning its whole buffer
+    that no state has bound.
+    """
+    if not cache.flags.writeable:
+        raise fail(f"cache '{name}' is read-only; MUST_ALIAS needs writable storage")
+    own = rt.caches is not None and name in rt.caches
+    if not own:
+        if bound.is_bound(cache):
+            raise fail(f"cache '{name}' is storage bound to a state")
+        if _partial_view(cache):
+            raise fail(f"cache '{name}' is a view of part of other storage (shared); "
+                       "pass an array that owns its memory")
+    if not cache.flags.c_contiguous:
+        raise fail(f"cache '{name}' must be C-contiguous")
 
 
 @register("CacheUpdate", domain="ai.onnxkv")
@@ -64,17 +86,7 @@ class CacheUpdate(Op):
             raise self._fail(f"values shape {values.shape} does not fit cache shape {cache.shape}")
         if values.dtype != cache.dtype:
             raise self._fail(f"values dtype {values.dtype} differs from cache dtype {cache.dtype}")
-        if not cache.flags.writeable:
-            raise self._fail(f"cache '{self.cache_name}' is read-only; MUST_ALIAS needs writable storage")
-        own = rt.caches is not None and self.cache_name in rt.caches
-        if not own:
-            if bound.is_bound(cache):
-                raise self._fail(f"cache '{self.cache_name}' is storage bound to a state")
-            if _partial_view(cache):
-                raise self._fail(f"cache '{self.cache_name}' is a view of part of other storage (shared); "
-                                 "pass an array that owns its memory")
-        if not cache.flags.c_contiguous:
-            raise self._fail(f"cache '{self.cache_name}' must be C-contiguous")
+        check_writable_target(cache, self.cache_name, rt, self._fail)
         pos = np.asarray(position)
         if pos.dtype.kind not in "iu" or pos.ndim > 1 or (pos.ndim == 1 and pos.shape != (b,)):
             raise self._fail(f"position must be an int scalar or [{b}] ints, got {pos.dtype} {pos.shape}")

@@ -1,0 +1,299 @@
+"""Paged KV caches stated explicitly in the graph: ``ai.onnxkv::PagedCacheUpdate`` and ``ai.rt::PagedAttention``.
+
+A paged cache is an ordinary tensor of pages plus a *block table*
+``[B, M]`` (int32/int64) mapping logical block ``i`` of row ``b`` (tokens
+``[i*bs, (i+1)*bs)``) to a page index.  Inside a page the layout is head-major
+(one head's ``bs`` tokens are contiguous).  Logical position ``t`` of row ``b``
+lives at page ``table[b, t // bs]``, offset ``t % bs``.
+
+``PagedCacheUpdate(cache, page_id, values, position) -> updated_cache``
+
+* ``cache`` [P, H, bs, D]: the pages; output 0 is ``MUST_ALIAS`` of input 0
+  (written in place and returned, never allocated or copied).
+* ``page_id`` [B, M] int32/int64: the block table.
+* ``values`` [B, H, S, D], the cache's element type: the new tokens.
+* ``position`` int scalar (all rows) or [B]: row ``b``'s tokens go to logical
+  positions ``position[b] .. position[b] + S - 1``.
+* attribute ``block_size`` (required) = ``bs``.
+
+``PagedAttention(Q, K, V, past, block_table, seqlens_k) -> (Y, present)``
+
+* ``Q`` [B, S, Hq*D]; ``K``/``V`` [B, S, Hkv*D] (the new tokens), float32 or
+  float16, one dtype for all.
+* ``past`` [P, 2, Hkv, bs, D] of Q's dtype: index 0 keys, 1 values; output 1
+  (``present``) is ``MUST_ALIAS`` of input 3.
+* ``block_table`` [B, M] int32/int64; ``seqlens_k`` [B] ints: tokens already in
+  the cache per row.
+* attributes: ``num_heads`` (Hq), ``kv_num_heads`` (Hkv), ``block_size`` (bs),
+  ``max_tokens`` (capacity per row, ``<= M*bs``), ``is_causal`` (default 1),
+  ``left_window_size`` (default -1 = none), ``scale`` (default / 0:
+  ``1/sqrt(D)``), ``softcap`` (default 0 = off).
+* The new K/V are written into the pages at positions
+  ``seqlens_k[b] .. seqlens_k[b] + S - 1``; then query ``s`` of row ``b``, at
+  position ``p = seqlens_k[b] + s``, attends over keys ``j < seqlens_k[b] + S``
+  with ``j <= p`` (``is_causal=1``) and ``j >= p - left_window_size`` (when
+  ``>= 0``).  ``is_causal=0`` (every query sees every key of its row) cannot be
+  combined with a window.  Scores: ``scale * q.k``, then
+  ``softcap * tanh(score / softcap)``, then softmax (float32 math).
+  ``Y`` [B, S, Hq*D] has Q's dtype.
+
+Both kernels validate everything before writing a byte: shapes and dtypes,
+that the cache may be written in place (not read-only, not part of a larger
+buffer, not bound to another state, C-contiguous; an initializer cache is a
+ModelError at build time), ``position``/``seqlens_k >= 0``, capacity
+(:class:`~onnxkv.errors.CacheCapacityError`), every block-table entry the call
+reads or writes in ``[0, P)``, and that no two (row, token) writes hit the same
+physical slot.  Attention reads the pages in place through
+``onnxkv._kernels.paged_attention`` when every page is 64-byte aligned and
+otherwise gathers only the blocks that hold visible keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx
+
+from onnxkv.errors import CacheCapacityError, InputError
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._attention_math import causal_attention
+from onnxkv.plan.ops.cache_update import check_writable_target
+from onnxkv.plan.registry import BuildContext, Op, register
+
+__all__ = ["PagedCacheUpdate", "PagedAttention"]
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+_TABLE_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def _block_table(table: np.ndarray, name: str, batch: int, fail: Callable[[str], Exception]) -> np.ndarray:
+    """The block table as int64 [B, M] after checking its dtype and shape (entries are checked on use)."""
+    table = np.asarray(table)
+    if table.dtype not in _TABLE_TYPES or table.ndim != 2 or table.shape[0] != batch or table.shape[1] < 1:
+        raise fail(f"block table '{name}' must be int32/int64 [{batch}, max_blocks >= 1], "
+                   f"got {table.dtype} {table.shape}")
+    return table.astype(np.int64, copy=False)
+
+
+def _check_pages(table: np.ndarray, name: str, first: np.ndarray, end: np.ndarray, num_pages: int,
+                 fail: Callable[[str], Exception]) -> None:
+    """Every entry ``table[b, i]`` for ``first[b] <= i < end[b]`` must be a page index in ``[0, num_pages)``."""
+    blocks = np.arange(table.shape[1])[None, :]
+    used = (blocks >= first[:, None]) & (blocks < end[:, None])
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        row, block = (int(x) for x in np.argwhere(bad)[0])
+        raise fail(f"block table '{name}'[{row}, {block}] = {int(table[row, block])} is not a page index in "
+                   f"[0, {num_pages}) (row {row} uses logical blocks {int(first[row])}..{int(end[row]) - 1})")
+
+
+def _write_slots(table: np.ndarray, name: str, starts: np.ndarray, count: int, block_size: int,
+                 fail: Callable[[str], Exception]) -> tuple[np.ndarray, np.ndarray]:
+    """(page [B*S], offset [B*S]) of each row's tokens ``starts[b] .. starts[b] + count - 1``.
+
+    The table entries must already be valid pages; raises ``fail`` when two
+    (row, token) writes land in the same physical slot.
+    """
+    positions = starts[:, None] + np.arange(count)[None, :]
+    pages = np.take_along_axis(table, positions // block_size, axis=1).reshape(-1)
+    offsets = (positions % block_size).reshape(-1)
+    slots = pages * block_size + offsets
+    order = np.argsort(slots, kind="stable")
+    same = np.flatnonzero(slots[order][1:] == slots[order][:-1])
+    if same.size:
+        a, b = (divmod(int(order[i]), count) for i in (same[0], same[0] + 1))
+        raise fail(f"rows {a[0]} and {b[0]} write logical positions {int(positions[a])} and {int(positions[b])} "
+                   f"to the same physical slot (page {int(pages[order[same[0]]])}, offset "
+                   f"{int(offsets[order[same[0]]])}) through block table '{name}'")
+    return pages, offsets
+
+
+def _starts(values: np.ndarray, name: str, batch: int, scalar_ok: bool, fail: Callable[[str], Exception]) -> np.ndarray:
+    """Per-row start positions as int64 [B] (an int scalar broadcasts when ``scalar_ok``), each >= 0."""
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iu" or arr.ndim > 1 or (arr.ndim == 1 and arr.shape != (batch,)) or \
+            (arr.ndim == 0 and not scalar_ok):
+        expected = f"an int scalar or [{batch}] ints" if scalar_ok else f"[{batch}] ints"
+        raise fail(f"'{name}' must be {expected}, got {arr.dtype} {arr.shape}")
+    starts = np.broadcast_to(arr.astype(np.int64), (batch,))
+    if starts.min(initial=0) < 0:
+        raise fail(f"'{name}' must be >= 0, got {arr.tolist()}")
+    return starts
+
+
+@register("PagedCacheUpdate", domain="ai.onnxkv")
+class PagedCacheUpdate(Op):
+    """Kernel object of one PagedCacheUpdate node (see the module docstring)."""
+
+    view_inputs = (0,)
+    must_alias = ((0, 0),)
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        if len(node.input) != 4 or len(node.output) != 1 or not all(node.input):
+            raise self.error("expects inputs (cache, page_id, values, position) and one output")
+        if ctx.constant(node.input[0]) is not None:
+            raise self.error(f"cache input '{node.input[0]}' is an initializer; MUST_ALIAS needs writable storage")
+        self.block_size = int(self.attrs.get("block_size", 0))
+        if self.block_size <= 0:
+            raise self.error(f"attribute block_size is required and must be positive, got {self.block_size}")
+        self.cache_name, self.table_name, self.values_name, self.position_name = node.input
+
+    def _fail(self, message: str) -> InputError:
+        return InputError(f"PagedCacheUpdate node '{self.name}': {message}")
+
+    def run(self, inputs: list, rt: RunContext) -> tuple[np.ndarray]:
+        cache, page_id, values, position = inputs
+        if cache.ndim != 4 or cache.shape[2] != self.block_size:
+            raise self._fail(f"cache '{self.cache_name}' must be [num_pages, heads, block_size={self.block_size}, "
+                             f"head_size], got {cache.shape}")
+        num_pages, heads, bs, d = cache.shape
+        if values.ndim != 4 or values.shape[1] != heads or values.shape[3] != d:
+            raise self._fail(f"values '{self.values_name}' shape {values.shape} does not fit cache shape "
+                             f"{cache.shape} (expected [batch, {heads}, new, {d}])")
+        if values.dtype != cache.dtype:
+            raise self._fail(f"values '{self.values_name}' dtype {values.dtype} differs from cache dtype {cache.dtype}")
+        check_writable_target(cache, self.cache_name, rt, self._fail)
+        b, _, s, _ = values.shape
+        table = _block_table(page_id, self.table_name, b, self._fail)
+        starts = _starts(position, self.position_name, b, True, self._fail)
+        max_tokens = table.shape[1] * bs
+        end = starts + s
+        if int(end.max(initial=0)) > max_tokens:
+            row = int(np.argmax(end))
+            raise CacheCapacityError(
+                f"PagedCacheUpdate node '{self.name}': '{self.position_name}'[{row}] = {int(starts[row])} + {s} new "
+                f"tokens exceeds max_tokens = {max_tokens} ({table.shape[1]} blocks of {bs}) of '{self.table_name}'")
+        if s == 0:
+            return (cache,)
+        _check_pages(table, self.table_name, starts // bs, (end - 1) // bs + 1, num_pages, self._fail)
+        pages, offsets = _write_slots(table, self.table_name, starts, s, bs, self._fail)
+        cache[pages, :, offsets] = values.transpose(0, 2, 1, 3).reshape(b * s, heads, d)
+        rt.count(append_copied_bytes=values.nbytes)
+        return (cache,)
+
+
+@register("PagedAttention", domain="ai.rt")
+class PagedAttention(Op):
+    """Kernel object of one PagedAttention node (see the module docstring)."""
+
+    view_inputs = (3,)
+    must_alias = ((1, 3),)
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        if len(node.input) != 6 or not all(node.input) or len(node.output) != 2 or not node.output[1]:
+            raise self.error("expects inputs (Q, K, V, past, block_table, seqlens_k) and outputs (Y, present)")
+        if ctx.constant(node.input[3]) is not None:
+            raise self.error(f"past input '{node.input[3]}' is an initializer; MUST_ALIAS needs writable storage")
+        a = self.attrs
+        self.num_heads = int(a.get("num_heads", 0))
+        self.kv_num_heads = int(a.get("kv_num_heads", 0))
+        self.block_size = int(a.get("block_size", 0))
+        self.max_tokens = int(a.get("max_tokens", 0))
+        for attr in ("num_heads", "kv_num_heads", "block_size", "max_tokens"):
+            if getattr(self, attr) <= 0:
+                raise self.error(f"attribute {attr} is required and must be positive, got {getattr(self, attr)}")
+        if self.num_heads % self.kv_num_heads:
+            raise self.error(f"num_heads={self.num_heads} must be a multiple of kv_num_heads={self.kv_num_heads}")
+        self.is_causal = int(a.get("is_causal", 1))
+        self.window = int(a.get("left_window_size", -1))
+        if self.is_causal not in (0, 1):
+            raise self.error(f"is_causal must be 0 or 1, got {self.is_causal}")
+        if self.window < -1:
+            raise self.error(f"left_window_size must be >= -1 (-1 = no window), got {self.window}")
+        if not self.is_causal and self.window >= 0:
+            raise self.error(f"left_window_size={self.window} needs is_causal=1 (a non-causal query sees every key)")
+        self.scale = float(a.get("scale", 0.0))
+        self.softcap = float(a.get("softcap", 0.0))
+        if self.softcap < 0:
+            raise self.error(f"softcap must be >= 0, got {self.softcap}")
+        self.past_name = node.input[3]
+
+    def _fail(self, message: str) -> InputError:
+        return InputError(f"PagedAttention node '{self.name}': {message}")
+
+    def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
+        query, key, value, past, block_table, seqlens_k = inputs
+        q, k, v = self._split(query, key, value)
+        b, hq, s, d = q.shape
+        hkv, bs = self.kv_num_heads, self.block_size
+        want = (past.shape[0] if past.ndim == 5 else -1, 2, hkv, bs, d)
+        if past.shape != want:
+            raise self._fail(f"past '{self.past_name}' must be [num_pages, 2, kv_num_heads, block_size, head_size]="
+                             f"{list(want)}, got {past.shape}")
+        if past.dtype != query.dtype:
+            raise self._fail(f"past '{self.past_name}' dtype {past.dtype} differs from Q dtype {query.dtype}")
+        check_writable_target(past, self.past_name, rt, self._fail)
+        names = self.node.input
+        table = _block_table(block_table, names[4], b, self._fail)
+        if self.max_tokens > table.shape[1] * bs:
+            raise self._fail(f"max_tokens={self.max_tokens} exceeds the {table.shape[1]} blocks of {bs} tokens of "
+                             f"block table '{names[4]}'")
+        past_lens = _starts(seqlens_k, names[5], b, False, self._fail)
+        kv_len = past_lens + s
+        if int(kv_len.max(initial=0)) > self.max_tokens:
+            row = int(np.argmax(kv_len))
+            raise CacheCapacityError(f"PagedAttention node '{self.name}': '{names[5]}'[{row}] = {int(past_lens[row])} "
+                                     f"+ {s} new tokens exceeds max_tokens = {self.max_tokens}")
+        first = self._first_visible(past_lens) // bs
+        _check_pages(table, names[4], first, (kv_len + bs - 1) // bs, past.shape[0], self._fail)
+        if s:
+            pages, offsets = _write_slots(table, names[4], past_lens, s, bs, self._fail)
+            for index, new in ((0, k), (1, v)):
+                past[:, index][pages, :, offsets] = new.transpose(0, 2, 1, 3).reshape(b * s, hkv, d)
+            rt.count(append_copied_bytes=k.nbytes + v.nbytes)
+
+        q_pos = past_lens[:, None] + np.arange(s)[None, :]
+        if not self.is_causal:
+            q_pos = np.broadcast_to((kv_len - 1)[:, None], (b, s))
+        out = np.empty((b, hq, s, d), np.float32)
+        scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
+        self._attend(q.astype(np.float32), past, table, first, kv_len, q_pos, scale, out)
+        y = rt.empty(0, (b, s, hq * d), query.dtype)
+        y.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
+        return y, past
+
+    def _split(self, query: np.ndarray, key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Q [B, Hq, S, D], K and V [B, Hkv, S, D] views after checking shapes and dtypes."""
+        hq, hkv = self.num_heads, self.kv_num_heads
+        names = self.node.input
+        if query.ndim != 3 or query.shape[2] % hq:
+            raise self._fail(f"Q '{names[0]}' must be [batch, seq, num_heads*head_size] with num_heads={hq}, "
+                             f"got {query.shape}")
+        if query.dtype not in _FLOATS:
+            raise self._fail(f"Q '{names[0]}' must be float32 or float16, got {query.dtype}")
+        b, s, hidden = query.shape
+        d = hidden // hq
+        for name, t in ((names[1], key), (names[2], value)):
+            if t.shape != (b, s, hkv * d):
+                raise self._fail(f"'{name}' must be [batch, seq, kv_num_heads*head_size]={[b, s, hkv * d]}, "
+                                 f"got {list(t.shape)}")
+            if t.dtype != query.dtype:
+                raise self._fail(f"'{name}' dtype {t.dtype} differs from Q dtype {query.dtype}")
+        return (query.reshape(b, s, hq, d).transpose(0, 2, 1, 3),
+                key.reshape(b, s, hkv, d).transpose(0, 2, 1, 3),
+                value.reshape(b, s, hkv, d).transpose(0, 2, 1, 3))
+
+    def _first_visible(self, past_lens: np.ndarray) -> np.ndarray:
+        """Per row, the first key position any query of this call sees."""
+        if self.window < 0:
+            return np.zeros_like(past_lens)
+        return np.maximum(past_lens - self.window, 0)
+
+    def _attend(self, q: np.ndarray, past: np.ndarray, table: np.ndarray, first: np.ndarray, kv_len: np.ndarray,
+                q_pos: np.ndarray, scale: float, out: np.ndarray) -> None:
+        """Attention of float32 ``q`` over the visible blocks of ``past`` into ``out`` [B, Hq, S, D]."""
+        bs = self.block_size
+        nblocks = int(((kv_len + bs - 1) // bs).max(initial=0))
+        lo = int(first.min(initial=0))
+        # Entries a row does not read (before its window, past its length) may hold anything: they are
+        # gathered as page 0 and masked by the window / kv_len.
+        blocks = np.arange(lo, nblocks)[None, :]
+        used = (blocks >= first[:, None]) & (blocks < ((kv_len + bs - 1) // bs)[:, None])
+        ids = np.where(used, table[:, lo:nblocks], 0)
+        keys = past[ids, 0].transpose(0, 2, 1, 3, 4).reshape(q.shape[0], self.kv_num_heads, ids.shape[1] * bs,
+                                                             past.shape[4])
+        values = past[ids, 1].transpose(0, 2, 1, 3, 4).reshape(keys.shape)
+        causal_attention(q, keys, values, kv_len - lo * bs, q_pos - lo * bs, scale, self.softcap, self.window, out)
