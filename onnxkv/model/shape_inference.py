@@ -19,6 +19,15 @@ node with a constant position, ``position + new <= capacity`` is checked where
 the dims are known integers.  Violations raise :class:`ContractError` naming
 the values or the node.
 
+The paged-cache operators always write in place, declared or not
+(:data:`OPERATOR_ALIASES`): ``ai.onnxkv::PagedCacheUpdate``'s
+``updated_cache`` is one class with its ``cache`` and ``ai.rt::PagedAttention``'s
+``present`` with its ``past``.  ``PagedAttention``'s ``Y`` gets ``Q``'s type and
+shape, and known dims are checked against the attributes: ``block_size`` is
+dim 2 of the ``cache`` [P, H, bs, D] / dim 3 of the ``past`` [P, 2, Hkv, bs, D],
+``past`` has 2 in dim 1 and ``kv_num_heads`` in dim 2, and
+``max_tokens <= max_blocks * block_size`` for the ``block_table`` [B, max_blocks].
+
 Large initializers are handed to ONNX as typed graph inputs, so inference
 never copies a model's weights; operators in domains without an opset import
 are tolerated (their outputs are left to the alias classes).
@@ -35,7 +44,7 @@ from onnx import helper, numpy_helper
 from onnxkv.errors import ModelError
 from onnxkv.model.contract import Contract, ContractError, alias_value_names, describe_node
 
-__all__ = ["infer_shapes"]
+__all__ = ["OPERATOR_ALIASES", "infer_shapes"]
 
 Dim = int | str | None
 
@@ -43,6 +52,13 @@ Dim = int | str | None
 _DATA_PROP_LIMIT = 1024
 #: Rounds of (ONNX inference, class merge) before giving up on reaching a fixed point.
 _MAX_ROUNDS = 16
+
+#: (domain, op_type) -> (output index, input index) pairs an operator always writes in place
+#: (MUST_ALIAS whether or not the node declares it).
+OPERATOR_ALIASES: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
+    ("ai.onnxkv", "PagedCacheUpdate"): ((0, 0),),
+    ("ai.rt", "PagedAttention"): ((1, 3),),
+}
 
 
 @dataclass(frozen=True)
@@ -59,7 +75,8 @@ def infer_shapes(model: onnx.ModelProto) -> dict[str, tuple[Dim, ...]]:
     Returns value name -> dims (an int, a symbolic name, or None when unknown)
     for every value whose rank is known.  Raises ContractError on conflicting
     types within an alias class, on an alias declaration that names a missing
-    node input/output, and on a CacheUpdate that would overflow its cache;
+    node input/output, on a CacheUpdate that would overflow its cache and on
+    paged-cache operators whose known dims contradict their attributes;
     ModelError when ONNX shape inference itself fails.
     """
     classes = _alias_classes(model, Contract.from_model(model))
@@ -68,11 +85,13 @@ def infer_shapes(model: onnx.ModelProto) -> dict[str, tuple[Dim, ...]]:
     for _ in range(_MAX_ROUNDS):
         types = _onnx_types(light, model.graph)
         learned = _merge_classes(classes, types)
+        learned.update(_attention_outputs(model.graph, {**types, **learned}))
         if not learned:
             break
         types.update(learned)
         _declare(light.graph, learned)
     _check_capacity(model.graph, types)
+    _check_paged(model.graph, types)
     return {name: t.dims for name, t in types.items() if t.dims is not None}
 
 
@@ -98,6 +117,11 @@ def _alias_classes(model: onnx.ModelProto, contract: Contract) -> list[list[str]
         for alias in aliases:
             output_name, input_name = alias_value_names(node, alias, index)
             union(output_name, input_name)
+    for node in graph.node:
+        for output_index, input_index in OPERATOR_ALIASES.get((node.domain, node.op_type), ()):
+            if output_index < len(node.output) and node.output[output_index] and input_index < len(node.input) \
+                    and node.input[input_index]:
+                union(node.output[output_index], node.input[input_index])
     for name, target in contract.alias_of.items():
         union(name, target)
     for input_name, output_name in contract.persistent_bindings.items():
@@ -281,3 +305,52 @@ def _max_int(array: np.ndarray) -> int | None:
     if array.size == 0 or array.dtype.kind not in "iu":
         return None
     return int(array.max())
+
+
+# -- paged-cache operators ----------------------------------------------------------------------
+
+def _attention_outputs(graph: onnx.GraphProto, types: dict[str, _Type]) -> dict[str, _Type]:
+    """``Y`` of each ``ai.rt::PagedAttention`` takes ``Q``'s type where that is more precise than Y's own."""
+    learned: dict[str, _Type] = {}
+    for node in graph.node:
+        if (node.domain, node.op_type) != ("ai.rt", "PagedAttention") or not node.input or not node.output \
+                or not node.output[0] or node.input[0] not in types:
+            continue
+        q, own = types[node.input[0]], types.get(node.output[0], _Type())
+        if q.dims is not None and own.dims is not None and len(q.dims) != len(own.dims):
+            continue  # the kernel rejects the rank at run time
+        refined = _refine(own, _Type(q.elem_type or own.elem_type, own.dims if q.dims is None else q.dims))
+        if refined != own:
+            learned[node.output[0]] = refined
+    return learned
+
+
+def _check_paged(graph: onnx.GraphProto, types: dict[str, _Type]) -> None:
+    """Known dims of paged-cache operator inputs must agree with the node's attributes."""
+    for index, node in enumerate(graph.node):
+        key = (node.domain, node.op_type)
+        if key not in OPERATOR_ALIASES:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        label = describe_node(node, index)
+        if key == ("ai.onnxkv", "PagedCacheUpdate"):
+            if node.input:
+                _expect(label, node.input[0], types, 2, attrs.get("block_size"), "block_size")
+            continue
+        if len(node.input) < 5:
+            continue
+        past, table = node.input[3], node.input[4]
+        _expect(label, past, types, 1, 2, "K/V index (2)")
+        _expect(label, past, types, 2, attrs.get("kv_num_heads"), "kv_num_heads")
+        _expect(label, past, types, 3, attrs.get("block_size"), "block_size")
+        blocks, block_size, max_tokens = _axis(types.get(table), 1), attrs.get("block_size"), attrs.get("max_tokens")
+        if blocks is not None and block_size is not None and max_tokens is not None \
+                and max_tokens > blocks * block_size:
+            raise ContractError(f"{label}: max_tokens={max_tokens} exceeds the {blocks} blocks of {block_size} tokens "
+                                f"of block table {table!r}")
+
+
+def _expect(label: str, name: str, types: dict[str, _Type], axis: int, want: int | None, what: str) -> None:
+    have = _axis(types.get(name), axis)
+    if have is not None and want is not None and have != want:
+        raise ContractError(f"{label}: dim {axis} of {name!r} is {have}, but {what} is {want}")

@@ -56,6 +56,7 @@ import numpy as np
 import onnx
 
 from onnxkv.errors import CacheCapacityError, InputError
+from onnxkv.model.shape_inference import OPERATOR_ALIASES
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._attention_math import causal_attention
 from onnxkv.plan.ops.cache_update import check_writable_target
@@ -127,7 +128,7 @@ class PagedCacheUpdate(Op):
     """Kernel object of one PagedCacheUpdate node (see the module docstring)."""
 
     view_inputs = (0,)
-    must_alias = ((0, 0),)
+    must_alias = OPERATOR_ALIASES[("ai.onnxkv", "PagedCacheUpdate")]
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
@@ -179,7 +180,7 @@ class PagedAttention(Op):
     """Kernel object of one PagedAttention node (see the module docstring)."""
 
     view_inputs = (3,)
-    must_alias = ((1, 3),)
+    must_alias = OPERATOR_ALIASES[("ai.rt", "PagedAttention")]
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnxkv
-from onnxkv import CacheCapacityError, InputError, ModelError
+from onnxkv import CacheCapacityError, ContractError, InputError, ModelError
 from onnxkv.model.contract import Access, OutputAlias, get_output_alias, set_access, set_output_alias
 
 P, H, BS, D = 10, 2, 4, 8
@@ -19,7 +19,7 @@ def vi(name, elem_type, shape):
     return helper.make_tensor_value_info(name, elem_type, shape)
 
 
-def update_model(block_size=BS, dtype=np.float32, types=None):
+def update_model(block_size=BS, dtype=np.float32, types=None, cache_shape=(P, H, BS, D)):
     """``present = PagedCacheUpdate(past, table, new, pos)`` with the contract's MUST_ALIAS declared.
 
     ``types`` overrides the declared element type of inputs by name (to reach the operator's own checks).
@@ -29,9 +29,9 @@ def update_model(block_size=BS, dtype=np.float32, types=None):
     node = helper.make_node("PagedCacheUpdate", ["past", "table", "new", "pos"], ["present"], domain="ai.onnxkv",
                             name="update", block_size=block_size)
     g = helper.make_graph([node], "paged_update",
-                          [vi("past", t, [P, H, BS, D]), vi("table", types.get("table", TensorProto.INT64), ["B", "M"]),
+                          [vi("past", t, list(cache_shape)), vi("table", types.get("table", TensorProto.INT64), ["B", "M"]),
                            vi("new", types.get("new", t), ["B", "H", "S", "D"]), vi("pos", TensorProto.INT64, None)],
-                          [vi("present", t, [P, H, BS, D])])
+                          [vi("present", t, list(cache_shape))])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)])
     set_output_alias(m.graph.node[0], [OutputAlias(0, 0)])
     set_access(m.graph.input[0], Access.READ_WRITE)
@@ -151,9 +151,12 @@ def test_update_rejects_unusable_storage_and_mismatched_values_before_writing():
     with pytest.raises(InputError, match="view of part of other storage"):
         sess.run(dict(feeds, past=np.concatenate([past, past])[:P]))
     np.testing.assert_array_equal(past, before)
-    # the block_size attribute must describe the cache's pages
+    # the block_size attribute must describe the cache's pages: at build time when the dims are declared ...
+    with pytest.raises(ContractError, match="dim 2 of 'past' is 4, but block_size is 2"):
+        onnxkv.Session(update_model(block_size=2), threads=1)
+    # ... and at run time otherwise
     with pytest.raises(InputError, match=r"block_size=2"):
-        onnxkv.Session(update_model(block_size=2), threads=1).run(feeds)
+        onnxkv.Session(update_model(block_size=2, cache_shape=["P", H, "bs", D]), threads=1).run(feeds)
     np.testing.assert_array_equal(past, before)
 
 
