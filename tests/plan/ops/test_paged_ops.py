@@ -10,6 +10,7 @@ from onnx import TensorProto, helper
 import onnxkv
 from onnxkv import CacheCapacityError, ContractError, InputError, ModelError
 from onnxkv.model.contract import Access, OutputAlias, get_output_alias, set_access, set_output_alias
+from onnxkv.models.paged import PagedConfig, build_paged_model, paged_weights
 
 P, H, BS, D = 10, 2, 4, 8
 TYPES = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
@@ -339,3 +340,116 @@ def test_models_survive_an_onnx_save_load_round_trip(tmp_path):
     got = onnxkv.Session(str(path), threads=1).run(feeds)
     np.testing.assert_array_equal(got["Y"], expected["Y"])
     np.testing.assert_array_equal(got["present"], expected["present"])
+
+
+# -- the paged decoder model (onnxkv.models.paged) in a persistent state ------------------------------------------
+
+def reference_decoder(weights, hidden, logical, seqlens, cfg):
+    """Float64 forward of :func:`build_paged_model`; appends each layer's new K/V to ``logical[layer][row]``."""
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+    b, s, _ = hidden.shape
+    x = hidden.astype(np.float64)
+    for layer, w in enumerate(weights):
+        q, k, v = (x @ getattr(w, name).astype(np.float64) for name in ("q_proj", "k_proj", "v_proj"))
+        y = np.empty((b, s, hq * d))
+        for row in range(b):
+            new = np.stack([k[row].reshape(s, hkv, d), v[row].reshape(s, hkv, d)], axis=1)
+            logical[layer][row] = np.concatenate([logical[layer][row], new])
+            kv = logical[layer][row]
+            y[row] = reference_attention(q[row].reshape(s, hq, d), kv[:, 0], kv[:, 1], int(seqlens[row]),
+                                         1 / np.sqrt(d), cfg.softcap, cfg.left_window_size,
+                                         bool(cfg.is_causal)).reshape(s, hq * d)
+        x = x + y @ w.o_proj.astype(np.float64)
+    return x
+
+
+@pytest.mark.parametrize("config", [
+    {},
+    {"num_layers": 2, "left_window_size": 5, "dtype": "float16"},
+    {"num_layers": 2, "softcap": 3.0, "block_size": 2, "max_blocks": 12, "num_kv_heads": 1},
+    {"is_causal": 0},
+], ids=["fp32", "fp16-window", "softcap-mqa-small-pages", "non-causal"])
+def test_paged_model_state_writes_in_place_and_matches_dense_reference(config):
+    cfg = PagedConfig(num_pages=30, **config)
+    weights = paged_weights(cfg, seed=3)
+    sess = onnxkv.Session(build_paged_model(cfg, weights), threads=1)
+    assert sess.declared_bindings == {f"past.{i}": f"present.{i}" for i in range(cfg.num_layers)}
+    rng = np.random.default_rng(9)
+    batch = 2
+    table = shuffled_table(rng, batch, cfg.max_blocks, cfg.num_pages).astype(np.int32)
+    logical = [[np.zeros((0, 2, cfg.num_kv_heads, cfg.head_size)) for _ in range(batch)]
+               for _ in range(cfg.num_layers)]
+    seqlens = np.zeros(batch, np.int32)
+    tol = 2e-2 if cfg.dtype == "float16" else 1e-4
+    with sess.new_state() as state:
+        storage = None
+        for s in (6, 1, 1, 4, 1):  # prefill, decode, decode, a chunk, decode
+            hidden = rng.standard_normal((batch, s, cfg.hidden_size)).astype(cfg.dtype)
+            out = state.run({"hidden": hidden, "block_table": table, "seqlens_k": seqlens})
+            assert set(out) == {"output"}
+            want = reference_decoder(weights, hidden, logical, seqlens, cfg)
+            np.testing.assert_allclose(out["output"].astype(np.float64), want, rtol=tol, atol=tol)
+            seqlens = seqlens + s
+            held = [state._values[f"past.{i}"][1] for i in range(cfg.num_layers)]
+            storage = storage or held
+            assert all(a is b for a, b in zip(held, storage))  # the same pages every step, never re-published
+        for i in range(cfg.num_layers):
+            pages = storage[i]
+            for row in range(batch):
+                bs = cfg.block_size
+                got = np.stack([pages[table[row, t // bs], :, :, t % bs] for t in range(int(seqlens[row]))])
+                np.testing.assert_allclose(got.astype(np.float64), logical[i][row], rtol=tol, atol=tol)
+
+
+def gqa_twin(cfg, weights):
+    """The same decoder with GroupQueryAttention over contiguous [1, Hkv, T, D] past/present tensors."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(cfg.dtype))
+    nodes, inits, inputs, outputs = [], [], [vi("hidden", elem, [1, "seq", cfg.hidden_size]),
+                                           vi("seqlens_k", TensorProto.INT32, [1]),
+                                           vi("total", TensorProto.INT32, [])], []
+    x = "hidden"
+    for i, w in enumerate(weights):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            inits.append(onnx.numpy_helper.from_array(getattr(w, name), f"{name}.{i}"))
+        for name in ("q", "k", "v"):
+            nodes.append(helper.make_node("MatMul", [x, f"{name}_proj.{i}"], [f"{name}.{i}"]))
+        kv = [1, cfg.num_kv_heads, "T", cfg.head_size]
+        inputs += [vi(f"past_key.{i}", elem, kv), vi(f"past_value.{i}", elem, kv)]
+        outputs += [vi(f"present_key.{i}", elem, kv), vi(f"present_value.{i}", elem, kv)]
+        window = cfg.left_window_size + 1 if cfg.left_window_size >= 0 else -1
+        nodes.append(helper.make_node(
+            "GroupQueryAttention", [f"q.{i}", f"k.{i}", f"v.{i}", f"past_key.{i}", f"past_value.{i}", "seqlens_k",
+                                    "total"], [f"y.{i}", f"present_key.{i}", f"present_value.{i}"],
+            domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
+            local_window_size=window, softcap=float(cfg.softcap)))
+        nodes.append(helper.make_node("MatMul", [f"y.{i}", f"o_proj.{i}"], [f"o.{i}"]))
+        nodes.append(helper.make_node("Add", [x, f"o.{i}"], [f"x.{i}"]))
+        x = f"x.{i}"
+    nodes.append(helper.make_node("Identity", [x], ["output"]))
+    outputs.insert(0, vi("output", elem, [1, "seq", cfg.hidden_size]))
+    graph = helper.make_graph(nodes, "gqa_twin", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_paged_model_matches_the_group_query_attention_twin(dtype):
+    cfg = PagedConfig(num_layers=2, left_window_size=4, num_pages=16, dtype=dtype)
+    weights = paged_weights(cfg, seed=5)
+    paged = onnxkv.Session(build_paged_model(cfg, weights), threads=1)
+    twin = onnxkv.Session(gqa_twin(cfg, weights), threads=1)
+    rng = np.random.default_rng(10)
+    table = rng.permutation(cfg.num_pages)[None, : cfg.max_blocks].astype(np.int32)  # shuffled pages, one row
+    past = {f"past_{kind}.{i}": np.zeros((1, cfg.num_kv_heads, 0, cfg.head_size), dtype)
+            for i in range(cfg.num_layers) for kind in ("key", "value")}
+    total = 0
+    tol = 1e-2 if dtype == "float16" else 1e-5
+    with paged.new_state() as state:
+        for s in (7, 1, 1, 1, 3):
+            hidden = rng.standard_normal((1, s, cfg.hidden_size)).astype(dtype)
+            got = state.run({"hidden": hidden, "block_table": table, "seqlens_k": np.array([total], np.int32)})
+            total += s
+            ref = twin.run({"hidden": hidden, "seqlens_k": np.array([total - 1], np.int32),
+                            "total": np.array(total, np.int32), **past})
+            past = {name: ref[name.replace("past", "present")] for name in past}
+            np.testing.assert_allclose(got["output"].astype(np.float32), ref["output"].astype(np.float32),
+                                       rtol=tol, atol=tol)
