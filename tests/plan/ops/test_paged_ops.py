@@ -30,7 +30,8 @@ def update_model(block_size=BS, dtype=np.float32, types=None, cache_shape=(P, H,
     node = helper.make_node("PagedCacheUpdate", ["past", "table", "new", "pos"], ["present"], domain="ai.onnxkv",
                             name="update", block_size=block_size)
     g = helper.make_graph([node], "paged_update",
-                          [vi("past", t, list(cache_shape)), vi("table", types.get("table", TensorProto.INT64), ["B", "M"]),
+                          [vi("past", t, list(cache_shape)),
+                           vi("table", types.get("table", TensorProto.INT64), ["B", "M"]),
                            vi("new", types.get("new", t), ["B", "H", "S", "D"]), vi("pos", TensorProto.INT64, None)],
                           [vi("present", t, list(cache_shape))])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)])
@@ -55,7 +56,8 @@ def attention_model(hq=4, hkv=H, block_size=BS, max_tokens=24, dtype=np.float32,
                            vi("past", types.get("past", t), ["P", "two", "Hkv", "bs", "D"]),
                            vi("table", types.get("table", TensorProto.INT32), ["B", "M"]),
                            vi("seqlens", TensorProto.INT32, ["B"])],
-                          [vi("Y", t, ["B", "S", hq * D]), vi("present", types.get("past", t), ["P", "two", "Hkv", "bs", "D"])])
+                          [vi("Y", t, ["B", "S", hq * D]),
+                           vi("present", types.get("past", t), ["P", "two", "Hkv", "bs", "D"])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.rt", 1)])
     set_output_alias(m.graph.node[0], [OutputAlias(1, 3)])
     set_access(m.graph.input[3], Access.READ_WRITE)
@@ -67,14 +69,23 @@ def shuffled_table(rng, batch, max_blocks, num_pages):
     return rng.permutation(num_pages)[: batch * max_blocks].reshape(batch, max_blocks)
 
 
+def assert_rejected_before_writing(sess, feeds, error, match, label):
+    """Running ``feeds`` raises ``error`` naming ``label``; every byte of ``feeds["past"]`` is unchanged."""
+    before = feeds["past"].copy()
+    with pytest.raises(error, match=match) as info:
+        sess.run(feeds)
+    assert label in str(info.value)
+    np.testing.assert_array_equal(feeds["past"], before)
+
+
 # -- PagedCacheUpdate ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("table_type", [np.int32, np.int64])
 def test_update_writes_each_token_to_its_page_slot_in_place(dtype, table_type):
     rng = np.random.default_rng(1)
-    sess = onnxkv.Session(update_model(dtype=dtype, types={"table": helper.np_dtype_to_tensor_dtype(np.dtype(table_type))}),
-                          threads=1)
+    table_elem = helper.np_dtype_to_tensor_dtype(np.dtype(table_type))
+    sess = onnxkv.Session(update_model(dtype=dtype, types={"table": table_elem}), threads=1)
     cache = rng.standard_normal((P, H, BS, D)).astype(dtype)
     table = shuffled_table(rng, 2, 3, P).astype(table_type)
     new = rng.standard_normal((2, H, 5, D)).astype(dtype)
@@ -114,7 +125,8 @@ def _update_feeds(rng, **over):
     ({"table": np.array([[4, 10, 7], [0, 9, 2]], np.int64)}, InputError, r"'table'\[0, 1\] = 10 is not a page index"),
     ({"table": np.array([[4, 1, 7], [-1, -1, 2]], np.int64)}, InputError, r"'table'\[1, 1\] = -1"),
     ({"pos": np.array([2, -1], np.int64)}, InputError, "'pos' must be >= 0"),
-    ({"pos": np.array([10, 5], np.int64)}, CacheCapacityError, r"'pos'\[0\] = 10 \+ 3 new tokens exceeds max_tokens = 12"),
+    ({"pos": np.array([10, 5], np.int64)}, CacheCapacityError,
+     r"'pos'\[0\] = 10 \+ 3 new tokens exceeds max_tokens = 12"),
     ({"table": np.array([[4, 1, 7], [0, 4, 2]], np.int64)}, InputError,
      r"rows 0 and 1 write logical positions 2 and 6 to the same physical slot \(page 4, offset 2\)"),
     ({"table": np.array([[4, 1, 7]], np.int64)}, InputError, r"must be int32/int64 \[2, max_blocks"),
@@ -123,12 +135,8 @@ def _update_feeds(rng, **over):
         "position-shape"])
 def test_update_rejections_leave_every_byte_of_the_cache_unchanged(over, error, match):
     sess = onnxkv.Session(update_model(), threads=1)
-    feeds = _update_feeds(np.random.default_rng(2), **over)
-    before = feeds["past"].copy()
-    with pytest.raises(error, match=match) as info:
-        sess.run(feeds)
-    assert "PagedCacheUpdate node 'update'" in str(info.value)
-    np.testing.assert_array_equal(feeds["past"], before)
+    assert_rejected_before_writing(sess, _update_feeds(np.random.default_rng(2), **over), error, match,
+                                   "PagedCacheUpdate node 'update'")
 
 
 def test_update_rejects_unusable_storage_and_mismatched_values_before_writing():
@@ -274,12 +282,8 @@ def _attention_feeds(rng, **over):
         "past-shape", "k-shape", "seqlens-shape"])
 def test_attention_rejections_leave_every_byte_of_the_cache_unchanged(over, error, match):
     sess = onnxkv.Session(attention_model(), threads=1)
-    feeds = _attention_feeds(np.random.default_rng(5), **over)
-    before = feeds["past"].copy()
-    with pytest.raises(error, match=match) as info:
-        sess.run(feeds)
-    assert "PagedAttention node 'attn'" in str(info.value)
-    np.testing.assert_array_equal(feeds["past"], before)
+    assert_rejected_before_writing(sess, _attention_feeds(np.random.default_rng(5), **over), error, match,
+                                   "PagedAttention node 'attn'")
 
 
 @pytest.mark.parametrize("name, elem_type, array, match", [
@@ -289,11 +293,8 @@ def test_attention_rejections_leave_every_byte_of_the_cache_unchanged(over, erro
 ])
 def test_attention_rejects_mismatched_dtypes_before_writing(name, elem_type, array, match):
     sess = onnxkv.Session(attention_model(types={name: elem_type}), threads=1)
-    feeds = _attention_feeds(np.random.default_rng(8), **{name: array})
-    before = feeds["past"].copy()
-    with pytest.raises(InputError, match=match):
-        sess.run(feeds)
-    np.testing.assert_array_equal(feeds["past"], before)
+    assert_rejected_before_writing(sess, _attention_feeds(np.random.default_rng(8), **{name: array}), InputError,
+                                   match, "PagedAttention node 'attn'")
 
 
 def test_attention_rejects_unusable_storage_before_writing():
@@ -428,7 +429,8 @@ def gqa_twin(cfg, weights):
     nodes.append(helper.make_node("Identity", [x], ["output"]))
     outputs.insert(0, vi("output", elem, [1, "seq", cfg.hidden_size]))
     graph = helper.make_graph(nodes, "gqa_twin", inputs, outputs, inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
