@@ -369,7 +369,8 @@ def reference_decoder(weights, hidden, logical, seqlens, cfg):
     {"num_layers": 2, "left_window_size": 5, "dtype": "float16"},
     {"num_layers": 2, "softcap": 3.0, "block_size": 2, "max_blocks": 12, "num_kv_heads": 1},
     {"is_causal": 0},
-], ids=["fp32", "fp16-window", "softcap-mqa-small-pages", "non-causal"])
+    {"num_kv_heads": 1, "block_size": 2, "max_blocks": 12, "left_window_size": 3, "dtype": "float16"},
+], ids=["fp32", "fp16-window", "softcap-mqa-small-pages", "non-causal", "fp16-pages-below-64-bytes"])
 def test_paged_model_state_writes_in_place_and_matches_dense_reference(config):
     cfg = PagedConfig(num_pages=30, **config)
     weights = paged_weights(cfg, seed=3)
