@@ -77,16 +77,21 @@ def _block_table(table: np.ndarray, name: str, batch: int, fail: Callable[[str],
     return table.astype(np.int64, copy=False)
 
 
-def _check_pages(table: np.ndarray, name: str, first: np.ndarray, end: np.ndarray, num_pages: int,
+def _blocks_used(first: np.ndarray, end: np.ndarray, max_blocks: int) -> np.ndarray:
+    """Bool [B, max_blocks]: row ``b`` uses logical blocks ``first[b] <= i < end[b]``."""
+    blocks = np.arange(max_blocks)[None, :]
+    return (blocks >= first[:, None]) & (blocks < end[:, None])
+
+
+def _check_pages(table: np.ndarray, name: str, used: np.ndarray, num_pages: int,
                  fail: Callable[[str], Exception]) -> None:
-    """Every entry ``table[b, i]`` for ``first[b] <= i < end[b]`` must be a page index in ``[0, num_pages)``."""
-    blocks = np.arange(table.shape[1])[None, :]
-    used = (blocks >= first[:, None]) & (blocks < end[:, None])
+    """Every used entry of ``table`` (``used`` from :func:`_blocks_used`) must be a page index in ``[0, num_pages)``."""
     bad = used & ((table < 0) | (table >= num_pages))
     if bad.any():
         row, block = (int(x) for x in np.argwhere(bad)[0])
+        blocks = np.flatnonzero(used[row])
         raise fail(f"block table '{name}'[{row}, {block}] = {int(table[row, block])} is not a page index in "
-                   f"[0, {num_pages}) (row {row} uses logical blocks {int(first[row])}..{int(end[row]) - 1})")
+                   f"[0, {num_pages}) (row {row} uses logical blocks {int(blocks[0])}..{int(blocks[-1])})")
 
 
 def _write_slots(table: np.ndarray, name: str, starts: np.ndarray, count: int, block_size: int,
@@ -168,7 +173,8 @@ class PagedCacheUpdate(Op):
                 f"tokens exceeds max_tokens = {max_tokens} ({table.shape[1]} blocks of {bs}) of '{self.table_name}'")
         if s == 0:
             return (cache,)
-        _check_pages(table, self.table_name, starts // bs, (end - 1) // bs + 1, num_pages, self._fail)
+        used = _blocks_used(starts // bs, (end - 1) // bs + 1, table.shape[1])
+        _check_pages(table, self.table_name, used, num_pages, self._fail)
         pages, offsets = _write_slots(table, self.table_name, starts, s, bs, self._fail)
         cache[pages, :, offsets] = values.transpose(0, 2, 1, 3).reshape(b * s, heads, d)
         rt.count(append_copied_bytes=values.nbytes)
@@ -236,23 +242,24 @@ class PagedAttention(Op):
         kv_len = past_lens + s
         if int(kv_len.max(initial=0)) > self.max_tokens:
             row = int(np.argmax(kv_len))
-            raise CacheCapacityError(f"PagedAttention node '{self.name}': '{names[5]}'[{row}] = {int(past_lens[row])} "
-                                     f"+ {s} new tokens exceeds max_tokens = {self.max_tokens}")
-        first = self._first_visible(past_lens) // bs
-        _check_pages(table, names[4], first, (kv_len + bs - 1) // bs, past.shape[0], self._fail)
-        if s:
-            pages, offsets = _write_slots(table, names[4], past_lens, s, bs, self._fail)
-            for index, new in ((0, k), (1, v)):
-                past[:, index][pages, :, offsets] = new.transpose(0, 2, 1, 3).reshape(b * s, hkv, d)
-            rt.count(append_copied_bytes=k.nbytes + v.nbytes)
+            raise CacheCapacityError(f"PagedAttention node '{self.name}': '{names[5]}'[{row}] = "
+                                     f"{int(past_lens[row])} + {s} new tokens exceeds max_tokens = {self.max_tokens}")
+        used = _blocks_used(self._first_visible(past_lens) // bs, (kv_len + bs - 1) // bs, table.shape[1])
+        _check_pages(table, names[4], used, past.shape[0], self._fail)
+        y = rt.empty(0, (b, s, hq * d), query.dtype)
+        if s == 0:
+            return y, past
+        pages, offsets = _write_slots(table, names[4], past_lens, s, bs, self._fail)
+        for index, new in ((0, k), (1, v)):
+            past[:, index][pages, :, offsets] = new.transpose(0, 2, 1, 3).reshape(b * s, hkv, d)
+        rt.count(append_copied_bytes=k.nbytes + v.nbytes)
 
         q_pos = past_lens[:, None] + np.arange(s)[None, :]
         if not self.is_causal:
             q_pos = np.broadcast_to((kv_len - 1)[:, None], (b, s))
         out = np.empty((b, hq, s, d), np.float32)
         scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
-        self._attend(q.astype(np.float32), past, table, first, kv_len, q_pos, scale, out)
-        y = rt.empty(0, (b, s, hq * d), query.dtype)
+        self._attend(q.astype(np.float32), past, table, used, kv_len, q_pos, scale, out)
         y.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
         return y, past
 
@@ -283,18 +290,18 @@ class PagedAttention(Op):
             return np.zeros_like(past_lens)
         return np.maximum(past_lens - self.window, 0)
 
-    def _attend(self, q: np.ndarray, past: np.ndarray, table: np.ndarray, first: np.ndarray, kv_len: np.ndarray,
+    def _attend(self, q: np.ndarray, past: np.ndarray, table: np.ndarray, used: np.ndarray, kv_len: np.ndarray,
                 q_pos: np.ndarray, scale: float, out: np.ndarray) -> None:
-        """Attention of float32 ``q`` over the visible blocks of ``past`` into ``out`` [B, Hq, S, D]."""
+        """Attention of float32 ``q`` over the ``used`` blocks of ``past`` into ``out`` [B, Hq, S, D].
+
+        The used blocks are gathered into a contiguous [B, Hkv, T, D] copy, starting at the first block
+        any row uses; blocks a row does not use are gathered as page 0 and masked by the window / kv_len.
+        """
         bs = self.block_size
-        nblocks = int(((kv_len + bs - 1) // bs).max(initial=0))
-        lo = int(first.min(initial=0))
-        # Entries a row does not read (before its window, past its length) may hold anything: they are
-        # gathered as page 0 and masked by the window / kv_len.
-        blocks = np.arange(lo, nblocks)[None, :]
-        used = (blocks >= first[:, None]) & (blocks < ((kv_len + bs - 1) // bs)[:, None])
-        ids = np.where(used, table[:, lo:nblocks], 0)
-        keys = past[ids, 0].transpose(0, 2, 1, 3, 4).reshape(q.shape[0], self.kv_num_heads, ids.shape[1] * bs,
-                                                             past.shape[4])
-        values = past[ids, 1].transpose(0, 2, 1, 3, 4).reshape(keys.shape)
+        columns = np.flatnonzero(used.any(axis=0))
+        lo, hi = (int(columns[0]), int(columns[-1]) + 1) if columns.size else (0, 0)
+        ids = np.where(used, table, 0)[:, lo:hi]
+        shape = (q.shape[0], self.kv_num_heads, (hi - lo) * bs, past.shape[4])
+        keys = past[ids, 0].transpose(0, 2, 1, 3, 4).reshape(shape)
+        values = past[ids, 1].transpose(0, 2, 1, 3, 4).reshape(shape)
         causal_attention(q, keys, values, kv_len - lo * bs, q_pos - lo * bs, scale, self.softcap, self.window, out)

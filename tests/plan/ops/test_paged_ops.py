@@ -312,6 +312,21 @@ def test_attention_rejects_unusable_storage_before_writing():
     np.testing.assert_array_equal(shared[:P], past)
 
 
+def test_zero_new_tokens_write_nothing():
+    rng = np.random.default_rng(11)
+    feeds = _attention_feeds(rng)
+    for name in ("Q", "K", "V"):
+        feeds[name] = feeds[name][:, :0].copy()
+    before = feeds["past"].copy()
+    out = onnxkv.Session(attention_model(), threads=1).run(feeds)
+    assert out["Y"].shape == (2, 0, 4 * D)
+    np.testing.assert_array_equal(feeds["past"], before)
+    update = _update_feeds(rng, new=np.zeros((2, H, 0, D), np.float32))
+    before = update["past"].copy()
+    onnxkv.Session(update_model(), threads=1).run(update)
+    np.testing.assert_array_equal(update["past"], before)
+
+
 @pytest.mark.parametrize("attrs, match", [
     ({"is_causal": 0, "left_window_size": 2}, "needs is_causal=1"),
     ({"num_heads": 3}, "multiple of kv_num_heads"),
