@@ -43,9 +43,9 @@ buffer, not bound to another state, C-contiguous; an initializer cache is a
 ModelError at build time), ``position``/``seqlens_k >= 0``, capacity
 (:class:`~onnxkv.errors.CacheCapacityError`), every block-table entry the call
 reads or writes in ``[0, P)``, and that no two (row, token) writes hit the same
-physical slot.  Attention reads the pages in place through
-``onnxkv._kernels.paged_attention`` when every page is 64-byte aligned and
-otherwise gathers only the blocks that hold visible keys.
+physical slot.  Attention gathers only the blocks that hold visible keys
+into a contiguous copy and runs :func:`~onnxkv.plan.ops._attention_math.causal_attention`
+over it (the compiled streaming kernel for float32/float16 pages).
 """
 
 from __future__ import annotations
