@@ -43,9 +43,10 @@ buffer, not bound to another state, C-contiguous; an initializer cache is a
 ModelError at build time), ``position``/``seqlens_k >= 0``, capacity
 (:class:`~onnxkv.errors.CacheCapacityError`), every block-table entry the call
 reads or writes in ``[0, P)``, and that no two (row, token) writes hit the same
-physical slot.  Attention gathers only the blocks that hold visible keys
-into a contiguous copy and runs :func:`~onnxkv.plan.ops._attention_math.causal_attention`
-over it (the compiled streaming kernel for float32/float16 pages).
+physical slot.  Attention reads the pages in place through
+``onnxkv._kernels.paged_attention`` when every page is 64-byte aligned (no
+gather); otherwise it gathers only the blocks that hold visible keys into a
+contiguous copy for :func:`~onnxkv.plan.ops._attention_math.causal_attention`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnx
 
+from onnxkv import _kernels
 from onnxkv.errors import CacheCapacityError, InputError
 from onnxkv.model.shape_inference import OPERATOR_ALIASES
 from onnxkv.plan.context import RunContext
@@ -66,6 +68,8 @@ __all__ = ["PagedCacheUpdate", "PagedAttention"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 _TABLE_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+#: Page alignment the paged attention kernel needs to read pages in place.
+_PAGE_ALIGNMENT = 64
 
 
 def _block_table(table: np.ndarray, name: str, batch: int, fail: Callable[[str], Exception]) -> np.ndarray:
@@ -294,12 +298,24 @@ class PagedAttention(Op):
                 q_pos: np.ndarray, scale: float, out: np.ndarray) -> None:
         """Attention of float32 ``q`` over the ``used`` blocks of ``past`` into ``out`` [B, Hq, S, D].
 
-        The used blocks are gathered into a contiguous [B, Hkv, T, D] copy, starting at the first block
-        any row uses; blocks a row does not use are gathered as page 0 and masked by the window / kv_len.
+        When every page half (K or V) is 64-byte aligned -- a state's storage is, when a half is a multiple
+        of 64 bytes -- the streaming kernel reads the pages in place through the block table (unused
+        entries passed as -1).  Otherwise the used blocks are gathered into a contiguous [B, Hkv, T, D]
+        copy from the first block any row uses; blocks a row does not use are gathered as page 0 and
+        masked by the window / kv_len.
         """
         bs = self.block_size
+        base = past.__array_interface__["data"][0]
+        if base % _PAGE_ALIGNMENT == 0 and past.strides[1] % _PAGE_ALIGNMENT == 0:
+            k_pages = np.uint64(base) + np.arange(past.shape[0], dtype=np.uint64) * np.uint64(past.strides[0])
+            _kernels.paged_attention(
+                np.ascontiguousarray(q), k_pages, k_pages + np.uint64(past.strides[1]),
+                np.where(used, table, -1).astype(np.int32), bs, self.kv_num_heads, kv_len.astype(np.int32),
+                np.ascontiguousarray(q_pos, dtype=np.int32), float(scale), self.softcap, self.window, out,
+                kv_dtype=past.dtype.name)
+            return
         columns = np.flatnonzero(used.any(axis=0))
-        lo, hi = (int(columns[0]), int(columns[-1]) + 1) if columns.size else (0, 0)
+        lo, hi = int(columns[0]), int(columns[-1]) + 1
         ids = np.where(used, table, 0)[:, lo:hi]
         shape = (q.shape[0], self.kv_num_heads, (hi - lo) * bs, past.shape[4])
         keys = past[ids, 0].transpose(0, 2, 1, 3, 4).reshape(shape)
