@@ -31,7 +31,7 @@ from onnxkv import _kernels
 from onnxkv.cache import bound
 from onnxkv.errors import CacheCapacityError
 
-__all__ = ["CacheTensor", "WriteCost"]
+__all__ = ["CacheTensor", "WriteCost", "stored_to_float32"]
 
 
 def _to_bf16(x: np.ndarray) -> np.ndarray:
@@ -40,6 +40,15 @@ def _to_bf16(x: np.ndarray) -> np.ndarray:
     out = np.empty(src.shape, np.uint16)
     _kernels.f32_to_bf16(src, out)
     return out
+
+
+def stored_to_float32(v: np.ndarray, storage: str) -> np.ndarray:
+    """A float32 copy of cache elements stored as ``storage`` (bfloat16 as uint16 bit patterns)."""
+    if storage == "bfloat16":
+        out = np.empty(v.shape, np.float32)
+        _kernels.bf16_to_f32(np.ascontiguousarray(v), out)
+        return out
+    return v.astype(np.float32)
 
 
 @dataclass
@@ -107,12 +116,7 @@ class CacheTensor:
 
     def as_float32(self, length: int | None = None) -> np.ndarray:
         """A float32 copy of ``view(length)`` (converting from the stored format)."""
-        v = self.view(length)
-        if self.storage == "bfloat16":
-            out = np.empty(v.shape, np.float32)
-            _kernels.bf16_to_f32(np.ascontiguousarray(v), out)
-            return out
-        return v.astype(np.float32)
+        return stored_to_float32(self.view(length), self.storage)
 
     def view(self, length: int | None = None) -> np.ndarray:
         """Zero-copy view ``buffer[:, :, :length]`` (default: the valid length)."""

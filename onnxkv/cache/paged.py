@@ -41,7 +41,7 @@ import numpy as np
 from onnxkv import _kernels
 from onnxkv.alloc import as_allocator
 from onnxkv.cache._pagecore import PageCore
-from onnxkv.cache.contiguous import WriteCost
+from onnxkv.cache.contiguous import WriteCost, stored_to_float32
 from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, StateError
 
 __all__ = ["PlaneSpec", "BlockPool", "PageTable", "PagedCache", "PagedPlane", "live_pools"]
@@ -540,12 +540,8 @@ class PagedPlane:
         return self.cache.gather(self.index, self.length if length is None else int(length))
 
     def as_float32(self, length: int | None = None) -> np.ndarray:
-        g = self.gather(length)
-        if self.storage == "bfloat16":
-            out = np.empty(g.shape, np.float32)
-            _kernels.bf16_to_f32(np.ascontiguousarray(g), out)
-            return out
-        return g.astype(np.float32)
+        """A float32 copy of :meth:`gather` (converting from the stored format)."""
+        return stored_to_float32(self.gather(length), self.storage)
 
     def commit(self) -> None:
         self.cache.commit()
