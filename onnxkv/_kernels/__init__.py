@@ -40,6 +40,7 @@ _MODULES = {
     "attention": ("attention", "paged_attention"),
     "convert": ("f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16", "read_sum"),
     "matmul": ("matmul_rows",),
+    "quant": ("quantize_page", "dequantize_page"),
 }
 
 __all__ = [name for names in _MODULES.values() for name in names]

@@ -202,3 +202,50 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
             vc[0, :, i * bs:(i + 1) * bs] = kv_to_f32(v_pages[pid], kv_dtype)
         attention(q[b:b + 1], kc, vc, np.asarray(kv_len[b:b + 1]), np.asarray(q_pos[b:b + 1]), scale, softcap,
                   window, out[b:b + 1])
+
+
+# Integer page formats (ONNX element type code -> bits, lowest code, highest code).
+_QFORMATS = {2: (8, 0, 255), 3: (8, -128, 127), 21: (4, 0, 15), 22: (4, -8, 7), 25: (2, 0, 3), 26: (2, -2, 1)}
+
+
+def _qlayout(fmt_code, heads, head_size, group):
+    """(bits, qmin, qmax, header bytes, bytes per token row) of an integer page."""
+    if fmt_code not in _QFORMATS:
+        raise ValueError(f"fmt_code: {fmt_code} is not an integer page format (expected one of {list(_QFORMATS)})")
+    bits, qmin, qmax = _QFORMATS[fmt_code]
+    if head_size * bits % 8:
+        raise ValueError(f"head_size: {head_size} * {bits} bits is not a multiple of 8")
+    return bits, qmin, qmax, -(-heads * group * 8 // 64) * 64, head_size * bits // 8
+
+
+def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0):
+    """NumPy twin of the compiled ``quantize_page``: q = saturate(rint(x / scale)
+    + zero_point) in float32 (``np.rint`` rounds half to even; NaN gives the
+    lowest code), packed low bits first; writes the header and the code bytes of
+    tokens t0 .. t0+n only."""
+    H, n, D = x.shape
+    G = int(group)
+    bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G)
+    v = np.rint(x / scale.reshape(H, 1, G)) + zero_point.reshape(H, 1, G)
+    v = np.minimum(np.where(v >= qmin, v, np.float32(qmin)), np.float32(qmax))
+    per = 8 // bits
+    q = (v.astype(np.int64) & ((1 << bits) - 1)).reshape(H, n, row, per)
+    packed = np.bitwise_or.reduce(q << (np.arange(per) * bits), axis=-1).astype(np.uint8)
+    out_page[:hb] = 0
+    out_page[:4 * H * G] = scale.view(np.uint8)
+    out_page[4 * H * G:8 * H * G] = zero_point.view(np.uint8)
+    out_page[hb:hb + H * block_size * row].reshape(H, block_size, row)[:, t0:t0 + n] = packed
+
+
+def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens, out):
+    """NumPy twin of the compiled ``dequantize_page``: out = (q - zero_point) *
+    scale in float32 for tokens 0 .. tokens of every head."""
+    H, D, G = int(heads), int(head_size), int(group)
+    bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G)
+    per = 8 // bits
+    codes = page[hb:hb + H * block_size * row].reshape(H, block_size, row)[:, :tokens].astype(np.int64)
+    q = ((codes[..., None] >> (np.arange(per) * bits)) & ((1 << bits) - 1)).reshape(H, tokens, D)
+    if qmin < 0:
+        q = np.where(q > qmax, q - (1 << bits), q)
+    hdr = page[:8 * H * G].copy().view(np.float32)
+    out[...] = (q.astype(np.float32) - hdr[H * G:].reshape(H, 1, G)) * hdr[:H * G].reshape(H, 1, G)

@@ -1,0 +1,222 @@
+/* onnxkv/_kernels/quant.h -- integer KV page formats: quantize / dequantize rows.
+ *
+ * Layout contract (shared with the fused attention kernel; see the page format
+ * table in the design notes): a quantized page of H heads, bs tokens and head
+ * size D is
+ *   header: float32 scale[H*G], float32 zero_point[H*G] (index h*G + g; G = 1
+ *           per head or G = D per channel), zero padded to a multiple of 64 bytes
+ *           (okv_q_header_bytes);
+ *   codes:  head-major, token-major inside a head; one token row holds D codes
+ *           packed low bits first into okv_q_row_bytes(fmt, D) bytes (signed
+ *           codes two's complement in their bit width); token t of head h starts
+ *           at header + (h*bs + t) * row_bytes.
+ * Formats are ONNX TensorProto element codes: UINT8 2, INT8 3, UINT4 21, INT4 22,
+ * UINT2 25, INT2 26.  D * bits must be a multiple of 8.
+ *
+ * Quantize (ONNX QuantizeLinear): q = saturate(rint(x / scale) + zp) with
+ * round-half-to-even, float32 division and saturation to [qmin, qmax] done in
+ * float (+-inf saturate; NaN gives qmin).  Dequantize: (q - zp) * scale in
+ * float32 (q - zp is exact, then one rounded product: no FMA).  The AVX2 and
+ * scalar paths give bit-identical results, equal to the NumPy twins.
+ *
+ * Row API (one token of one head; `scale`/`zp` point at the head's first header
+ * entry, i.e. header + h*G; per_channel != 0 reads scale[c]/zp[c] per channel c,
+ * otherwise scale[0]/zp[0] for all channels):
+ *   okv_quant_row(x, fmt, scale, zp, per_channel, codes, D, simd)
+ *   okv_dequant_row(codes, fmt, scale, zp, per_channel, out, D, simd)
+ * Format helpers: okv_q_bits, okv_q_signed, okv_q_qmin, okv_q_qmax (0 bits =
+ * not an integer format), okv_q_row_bytes, okv_q_header_bytes.
+ * Code helpers for hand-written loops: okv_q_get(row, fmt, c) returns code c of
+ * a packed row as an int (sign-extended for signed formats).
+ */
+#ifndef ONNXKV_QUANT_H
+#define ONNXKV_QUANT_H
+
+#include "simd.h"
+
+/* ------------------------------------------------------------------ */
+/* Format table                                                          */
+/* ------------------------------------------------------------------ */
+
+/* Bits per code of an integer format code, 0 for anything else. */
+static inline int okv_q_bits(int fmt) {
+    switch (fmt) {
+    case 2: case 3: return 8;
+    case 21: case 22: return 4;
+    case 25: case 26: return 2;
+    default: return 0;
+    }
+}
+
+static inline int okv_q_signed(int fmt) { return fmt == 3 || fmt == 22 || fmt == 26; }
+
+static inline int okv_q_qmin(int fmt) {
+    int b = okv_q_bits(fmt);
+    return okv_q_signed(fmt) ? -(1 << (b - 1)) : 0;
+}
+
+static inline int okv_q_qmax(int fmt) {
+    int b = okv_q_bits(fmt);
+    return okv_q_signed(fmt) ? (1 << (b - 1)) - 1 : (1 << b) - 1;
+}
+
+/* Bytes of one token row of D codes (D * bits must be a multiple of 8). */
+static inline int64_t okv_q_row_bytes(int fmt, int64_t D) { return D * okv_q_bits(fmt) / 8; }
+
+/* Header bytes of a page with H heads and G groups per head (64-byte multiple). */
+static inline int64_t okv_q_header_bytes(int64_t H, int64_t G) { return (H * G * 8 + 63) / 64 * 64; }
+
+/* Code c of a packed row, sign-extended for signed formats. */
+static inline int okv_q_get(const uint8_t *row, int fmt, int64_t c) {
+    int b = okv_q_bits(fmt);
+    int per = 8 / b;
+    int u = (row[c / per] >> ((int)(c % per) * b)) & ((1 << b) - 1);
+    if (okv_q_signed(fmt) && u >= (1 << (b - 1))) u -= 1 << b;
+    return u;
+}
+
+/* ------------------------------------------------------------------ */
+/* Scalar rows                                                          */
+/* ------------------------------------------------------------------ */
+
+static inline int okv_q_code_scalar(float x, float s, float z, float lo, float hi) {
+    float v = nearbyintf(x / s) + z;
+    if (!(v >= lo)) v = lo;   /* NaN -> qmin */
+    if (v > hi) v = hi;
+    return (int)v;
+}
+
+/* Quantizes codes c0 <= c < D of a row (c0 * bits is a multiple of 8). */
+static inline void okv_quant_row_scalar(const float *x, int fmt, const float *scale, const float *zp,
+                                        int per_channel, uint8_t *codes, int64_t c0, int64_t D) {
+    const int b = okv_q_bits(fmt), per = 8 / b, mask = (1 << b) - 1;
+    const float lo = (float)okv_q_qmin(fmt), hi = (float)okv_q_qmax(fmt);
+    int64_t c = c0;
+    while (c < D) {
+        int byte = 0, k;
+        for (k = 0; k < per; k++, c++) {
+            int64_t g = per_channel ? c : 0;
+            byte |= (okv_q_code_scalar(x[c], scale[g], zp[g], lo, hi) & mask) << (k * b);
+        }
+        codes[(c - 1) / per] = (uint8_t)byte;
+    }
+}
+
+static inline void okv_dequant_row_scalar(const uint8_t *codes, int fmt, const float *scale, const float *zp,
+                                          int per_channel, float *out, int64_t c0, int64_t D) {
+    int64_t c;
+    for (c = c0; c < D; c++) {
+        int64_t g = per_channel ? c : 0;
+        out[c] = ((float)okv_q_get(codes, fmt, c) - zp[g]) * scale[g];
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* AVX2 rows                                                            */
+/* ------------------------------------------------------------------ */
+#if OKV_X86_SIMD
+
+/* 8 codes (as int32, masked to the format's bits) of x[c..c+8). */
+OKV_AVX2 static inline __m256i okv_q_codes8(const float *x, __m256 s, __m256 z, __m256 lo, __m256 hi, __m256i mask) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_add_ps(v, z);
+    v = _mm256_max_ps(v, lo);   /* NaN -> lo (max returns its second operand) */
+    v = _mm256_min_ps(v, hi);
+    return _mm256_and_si256(_mm256_cvtps_epi32(v), mask);
+}
+
+OKV_AVX2 static inline void okv_quant_row_avx2(const float *x, int fmt, const float *scale, const float *zp,
+                                               int per_channel, uint8_t *codes, int64_t D) {
+    const int b = okv_q_bits(fmt);
+    const __m256 lo = _mm256_set1_ps((float)okv_q_qmin(fmt)), hi = _mm256_set1_ps((float)okv_q_qmax(fmt));
+    const __m256i mask = _mm256_set1_epi32((1 << b) - 1);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 s = _mm256_set1_ps(scale[0]), z = _mm256_set1_ps(zp[0]);
+    int64_t c = 0;
+    for (; c + 32 <= D; c += 32) {
+        __m256i q[4], bytes;
+        int k;
+        for (k = 0; k < 4; k++) {
+            if (per_channel) {
+                s = _mm256_loadu_ps(scale + c + 8 * k);
+                z = _mm256_loadu_ps(zp + c + 8 * k);
+            }
+            q[k] = okv_q_codes8(x + c + 8 * k, s, z, lo, hi, mask);
+        }
+        /* 32 codes -> 32 bytes in channel order (packs work per 128-bit lane). */
+        bytes = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, order);
+        if (b == 8) {
+            _mm256_storeu_si256((__m256i *)(codes + c), bytes);
+        } else if (b == 4) {
+            /* byte pairs -> c_even | c_odd << 4 in 16-bit lanes, then narrow to bytes */
+            __m256i w = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+            w = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+            _mm_storeu_si128((__m128i *)(codes + c / 2), _mm256_castsi256_si128(w));
+        } else {
+            /* byte quads -> c0 | c1 << 2 | c2 << 4 | c3 << 6 in 32-bit lanes, then narrow */
+            __m256i w = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401));
+            w = _mm256_madd_epi16(w, _mm256_set1_epi32(0x00100001));
+            w = _mm256_packus_epi32(w, w);
+            w = _mm256_packus_epi16(w, w);
+            w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+            _mm_storel_epi64((__m128i *)(codes + c / 4), _mm256_castsi256_si128(w));
+        }
+    }
+    okv_quant_row_scalar(x, fmt, scale, zp, per_channel, codes, c, D);
+}
+
+/* 8 codes c..c+8 of a packed row as int32 (sign-extended for signed formats). */
+OKV_AVX2 static inline __m256i okv_q_load8(const uint8_t *codes, int fmt, int64_t c) {
+    const int b = okv_q_bits(fmt), sgn = okv_q_signed(fmt);
+    __m256i v;
+    if (b == 8) {
+        __m128i raw = _mm_loadl_epi64((const __m128i *)(codes + c));
+        return sgn ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+    }
+    if (b == 4) {
+        uint32_t w;
+        memcpy(&w, codes + c / 2, 4);
+        v = _mm256_sllv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
+        return sgn ? _mm256_srai_epi32(v, 28) : _mm256_srli_epi32(v, 28);
+    }
+    {
+        uint16_t w;
+        memcpy(&w, codes + c / 4, 2);
+        v = _mm256_sllv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16));
+        return sgn ? _mm256_srai_epi32(v, 30) : _mm256_srli_epi32(v, 30);
+    }
+}
+
+OKV_AVX2 static inline void okv_dequant_row_avx2(const uint8_t *codes, int fmt, const float *scale, const float *zp,
+                                                 int per_channel, float *out, int64_t D) {
+    __m256 s = _mm256_set1_ps(scale[0]), z = _mm256_set1_ps(zp[0]);
+    int64_t c = 0;
+    for (; c + 8 <= D; c += 8) {
+        if (per_channel) {
+            s = _mm256_loadu_ps(scale + c);
+            z = _mm256_loadu_ps(zp + c);
+        }
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(okv_q_load8(codes, fmt, c)), z), s));
+    }
+    okv_dequant_row_scalar(codes, fmt, scale, zp, per_channel, out, c, D);
+}
+#endif
+
+/* ------------------------------------------------------------------ */
+/* Dispatching rows (simd = 1 selects the AVX2 path)                    */
+/* ------------------------------------------------------------------ */
+
+static inline void okv_quant_row(const float *x, int fmt, const float *scale, const float *zp, int per_channel,
+                                 uint8_t *codes, int64_t D, int simd) {
+    OKV_DISPATCH(simd, okv_quant_row_avx2(x, fmt, scale, zp, per_channel, codes, D),
+                 okv_quant_row_scalar(x, fmt, scale, zp, per_channel, codes, 0, D));
+}
+
+static inline void okv_dequant_row(const uint8_t *codes, int fmt, const float *scale, const float *zp,
+                                   int per_channel, float *out, int64_t D, int simd) {
+    OKV_DISPATCH(simd, okv_dequant_row_avx2(codes, fmt, scale, zp, per_channel, out, D),
+                 okv_dequant_row_scalar(codes, fmt, scale, zp, per_channel, out, 0, D));
+}
+
+#endif /* ONNXKV_QUANT_H */

@@ -1,0 +1,199 @@
+"""Quantize float32 K/V rows into an integer page and dequantize them back.
+
+A quantized page of ``heads`` H, ``block_size`` bs and ``head_size`` D holds a
+header -- float32 ``scale[H*G]`` then float32 ``zero_point[H*G]`` (index h*G + g,
+G = ``group``: 1 per head, or D per channel), zero padded to a multiple of 64
+bytes -- followed by the codes: head-major, token-major inside a head, each
+token's D codes packed low bits first into D*bits/8 bytes (signed codes two's
+complement).  Format codes are ONNX element types: 2 uint8, 3 int8, 21 uint4,
+22 int4, 25 uint2, 26 int2; D*bits must be a multiple of 8.  The C row helpers
+live in ``quant.h`` (shared with the fused attention kernel).
+
+Quantization is ONNX QuantizeLinear: q = saturate(rint(x / scale) + zp), round
+half to even, float32 division, saturation to the format's code range (+-inf
+saturate, NaN gives the lowest code).  Dequantization is (q - zp) * scale in
+float32.  AVX2 and scalar paths are bit-identical to each other and to
+``reference.quantize_page`` / ``reference.dequantize_page``.  Parallel over the
+H * tokens rows when the page is large enough.
+"""
+from libc.stdint cimport int64_t, uint8_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memset
+from libc.float cimport FLT_MAX
+from cython.parallel cimport prange
+
+import numpy as np
+
+from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from . import _validate as V
+
+cdef extern from "quant.h" nogil:
+    int okv_q_bits(int fmt)
+    int okv_q_qmin(int fmt)
+    int okv_q_qmax(int fmt)
+    int64_t okv_q_row_bytes(int fmt, int64_t D)
+    int64_t okv_q_header_bytes(int64_t H, int64_t G)
+    void okv_quant_row(const float *x, int fmt, const float *scale, const float *zp, int per_channel,
+                       uint8_t *codes, int64_t D, int simd)
+    void okv_dequant_row(const uint8_t *codes, int fmt, const float *scale, const float *zp, int per_channel,
+                         float *out, int64_t D, int simd)
+
+DEF PAR_MIN = 16384   # elements of a call below which one thread does all rows
+
+_FORMATS = "2 uint8, 3 int8, 21 uint4, 22 int4, 25 uint2, 26 int2"
+U8 = np.dtype(np.uint8)
+
+
+def _int(name, x, lo):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise ValueError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < lo:
+        raise ValueError(f"{name}: must be >= {lo}, got {x}")
+    return int(x)
+
+
+def _layout(fmt_code, head_size, group):
+    """Check the format code, D*bits % 8 and the group; return (fmt, bits)."""
+    fmt = _int("fmt_code", fmt_code, 0)
+    bits = okv_q_bits(fmt) if fmt < 256 else 0
+    if bits == 0:
+        raise ValueError(f"fmt_code: {fmt_code} is not an integer page format (expected one of {_FORMATS})")
+    if head_size * bits % 8:
+        raise ValueError(f"head_size: {head_size} codes of {bits} bits do not fill whole bytes "
+                         f"(format {fmt} needs head_size * {bits} to be a multiple of 8)")
+    g = _int("group", group, 1)
+    if g != 1 and g != head_size:
+        raise ValueError(f"group: must be 1 (per head) or head_size {head_size} (per channel), got {g}")
+    return fmt, bits
+
+
+def _page(name, page, nbytes, writeable):
+    V.array(name, page, (U8,), ndim=1, writeable=writeable)
+    if page.shape[0] < nbytes:
+        raise ValueError(f"{name}: page of {page.shape[0]} bytes is too small (layout needs {nbytes} bytes)")
+
+
+cdef Py_ssize_t _first_bad_scale(const float[::1] s) noexcept nogil:
+    """Index of the first scale that is not finite and > 0, or -1."""
+    cdef Py_ssize_t i
+    for i in range(s.shape[0]):
+        if not (s[i] > 0 and s[i] <= FLT_MAX):
+            return i
+    return -1
+
+
+cdef Py_ssize_t _first_bad_zero_point(const float[::1] z, float qmin, float qmax) noexcept nogil:
+    """Index of the first zero point that is not an integer in [qmin, qmax], or -1."""
+    cdef Py_ssize_t i
+    for i in range(z.shape[0]):
+        if not (z[i] >= qmin and z[i] <= qmax and z[i] == <float><int>z[i]):
+            return i
+    return -1
+
+
+def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0):
+    """Quantize ``x`` into tokens ``t0 .. t0+n`` of a page and write its header.
+
+    x: float32 [H, n, D] (C-contiguous; t0 + n <= block_size).  fmt_code: an
+    integer format code (2, 3, 21, 22, 25, 26).  scale, zero_point: float32
+    [H*G] with G = ``group`` (1 or D); scale finite and > 0, zero_point integer
+    valued inside the code range.  out_page: writeable uint8 [>= page bytes], the
+    whole page payload (header + H * block_size * D*bits/8 code bytes).
+
+    Writes the whole header (scale, zero_point, zero padding) and the code bytes
+    of tokens t0 .. t0+n of every head; every other token's bytes are left
+    untouched (so a partly filled page can be appended to).  All arguments are
+    checked (``ValueError`` naming the argument) before anything is written.
+    """
+    V.array("x", x, (V.F32,), ndim=3)
+    H, n, D = x.shape
+    _int("x.shape[0] (heads)", H, 1)
+    _int("x.shape[2] (head_size)", D, 1)
+    fmt, bits = _layout(fmt_code, D, group)
+    G = int(group)
+    bs = _int("block_size", block_size, 1)
+    t = _int("t0", t0, 0)
+    if t + n > bs:
+        raise ValueError(f"t0: tokens t0={t} .. {t + n} of x (n={n}) do not fit a page of block_size {bs}")
+    qmin, qmax = okv_q_qmin(fmt), okv_q_qmax(fmt)
+    V.array("scale", scale, (V.F32,), shape=(H * G,))
+    V.array("zero_point", zero_point, (V.F32,), shape=(H * G,))
+    i = _first_bad_scale(scale)
+    if i >= 0:
+        raise ValueError(f"scale: every scale must be finite and > 0, got scale[{i}] = {scale[i]}")
+    i = _first_bad_zero_point(zero_point, qmin, qmax)
+    if i >= 0:
+        raise ValueError(f"zero_point: every zero point must be an integer in [{qmin}, {qmax}] for format {fmt}, "
+                         f"got zero_point[{i}] = {zero_point[i]}")
+    hb = okv_q_header_bytes(H, G)
+    row = okv_q_row_bytes(fmt, D)
+    _page("out_page", out_page, hb + H * bs * row, True)
+    for other, oname in ((x, "x"), (scale, "scale"), (zero_point, "zero_point")):
+        V.no_overlap("out_page", out_page, other, oname)
+
+    cdef const float[:, :, ::1] xv = x
+    cdef const float[::1] sv = scale
+    cdef const float[::1] zv = zero_point
+    cdef uint8_t[::1] pv = out_page
+    cdef uint8_t *base = &pv[0]
+    cdef int64_t cH = H, cn = n, cD = D, cG = G, cbs = bs, ct0 = t, chb = hb, crow = row
+    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd()
+    cdef Py_ssize_t r, rows = cH * cn
+    cdef int64_t h, tok
+    cdef int nt = okv_threads() if rows * cD >= PAR_MIN else 1
+    with nogil:
+        memcpy(base, &sv[0], cH * cG * sizeof(float))
+        memcpy(base + cH * cG * sizeof(float), &zv[0], cH * cG * sizeof(float))
+        memset(base + 2 * cH * cG * sizeof(float), 0, chb - 2 * cH * cG * sizeof(float))
+        for r in prange(rows, num_threads=nt, schedule='static'):
+            h = r // cn
+            tok = r - h * cn
+            okv_quant_row(&xv[h, tok, 0], cfmt, &sv[h * cG], &zv[h * cG], per_channel,
+                          base + chb + (h * cbs + ct0 + tok) * crow, cD, simd)
+
+
+def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens, out):
+    """Dequantize tokens 0 .. tokens of every head of a page into ``out``.
+
+    page: uint8 [>= page bytes], a page payload written by :func:`quantize_page`
+    (header scale/zero_point read from it as stored; no check of their values).
+    fmt_code, group: as for :func:`quantize_page`.  heads, block_size, head_size:
+    the page's H, bs, D.  tokens: 0 <= tokens <= block_size.  out: writeable
+    float32 [H, tokens, D], not overlapping ``page``; receives (q - zp) * scale.
+    """
+    H = _int("heads", heads, 1)
+    bs = _int("block_size", block_size, 1)
+    D = _int("head_size", head_size, 1)
+    fmt, bits = _layout(fmt_code, D, group)
+    G = int(group)
+    n = _int("tokens", tokens, 0)
+    if n > bs:
+        raise ValueError(f"tokens: {n} exceeds block_size {bs}")
+    hb = okv_q_header_bytes(H, G)
+    row = okv_q_row_bytes(fmt, D)
+    _page("page", page, hb + H * bs * row, False)
+    V.array("out", out, (V.F32,), shape=(H, n, D), writeable=True)
+    V.no_overlap("out", out, page, "page")
+    if n == 0:
+        return
+
+    cdef const uint8_t[::1] pv = page
+    cdef float[:, :, ::1] ov = out
+    cdef const uint8_t *base = &pv[0]
+    cdef int64_t cH = H, cn = n, cD = D, cG = G, cbs = bs, chb = hb, crow = row
+    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd()
+    cdef Py_ssize_t r, rows = cH * cn
+    cdef int64_t h, tok
+    cdef int nt = okv_threads() if rows * cD >= PAR_MIN else 1
+    # The header is copied out: a caller's page array need not be 4-byte aligned.
+    cdef float *hdr = <float *>malloc(2 * cH * cG * sizeof(float))
+    if hdr == NULL:
+        raise MemoryError("dequantize_page: could not allocate the header copy")
+    with nogil:
+        memcpy(hdr, base, 2 * cH * cG * sizeof(float))
+        for r in prange(rows, num_threads=nt, schedule='static'):
+            h = r // cn
+            tok = r - h * cn
+            okv_dequant_row(base + chb + (h * cbs + tok) * crow, cfmt, hdr + h * cG, hdr + cH * cG + h * cG,
+                            per_channel, &ov[h, tok, 0], cD, simd)
+    free(hdr)
