@@ -27,7 +27,9 @@
  * Format helpers: okv_q_bits, okv_q_signed, okv_q_qmin, okv_q_qmax (0 bits =
  * not an integer format), okv_q_row_bytes, okv_q_header_bytes.
  * Code helpers for hand-written loops: okv_q_get(row, fmt, c) returns code c of
- * a packed row as an int (sign-extended for signed formats).
+ * a packed row as an int (sign-extended for signed formats); on x86 the AVX2
+ * function okv_q_load8(row, fmt, c) returns codes c..c+8 (c a multiple of 8) as
+ * __m256i int32 lanes.
  */
 #ifndef ONNXKV_QUANT_H
 #define ONNXKV_QUANT_H
