@@ -1,12 +1,20 @@
-"""Benchmark onnxkv's decode matmul (``onnxkv._kernels.matmul_rows``) against
-NumPy's matmul (BLAS, thread count set with threadpoolctl) and ONNX Runtime's
-MatMul (a one-node model, weight as initializer, intra-op threads set), for
-decode-sized x [M, K] @ W [K, N].
+"""Benchmark onnxkv's decode matmuls against NumPy's matmul (BLAS, thread
+count set with threadpoolctl) and ONNX Runtime's MatMul (a one-node model,
+weight as initializer, intra-op threads set), for decode-sized x [M, K] @ W
+[K, N] on the weight shapes of the SMALL decoder (onnxkv.models.config).
+
+Engines: ``onnxkv_packed`` (``matmul_packed`` on ``pack_weight`` panels, what
+a MatMul with an initializer weight runs; AVX-512 tiles where the CPU has
+them), ``onnxkv_packed_avx2`` (the same, AVX2 tiles only), ``onnxkv_rows``
+(``matmul_rows`` on the row-major weight, the path of run-time weights),
+``numpy_blas`` and ``onnxruntime``.
 
 Prints one JSON document: machine, versions, and per (threads, shape, M) the
 raw samples (seconds), median and min per engine, effective GB/s (weight bytes
 / median time) and the max abs difference of each engine against the float64
-reference.
+reference.  ``step_estimate`` adds up, per (threads, M, engine), the medians
+of every weight product of one SMALL decode step (per layer q, k, v, o, gate,
+up, down; then lm_head) when all its shapes were measured.
 
 Every engine keeps its own busy-waiting thread pool (OpenMP, OpenBLAS, ORT);
 measured in one process, the pool of the engine timed last keeps spinning
@@ -16,7 +24,7 @@ its own subprocess, ``--inner`` back-to-back calls per case after warm-up, and
 a shared machine medians move with the load of other jobs (load averages are
 recorded at the start and end).
 
-    python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 4] [--rounds 3] [--inner 20] [--out FILE]
+    python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 2 4 8 16] [--rounds 3] [--inner 20] [--out FILE]
 """
 import argparse
 import json
@@ -32,9 +40,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import emit, machine  # noqa: E402
 
 import onnxkv._kernels as K  # noqa: E402
+from onnxkv._kernels import matmul as MM  # noqa: E402
 from onnxkv._kernels import reference as R  # noqa: E402
+from onnxkv.models.config import SMALL  # noqa: E402
 
-SHAPES = [(1024, 1024), (1024, 2816), (2816, 1024), (1024, 8000)]
+_H, _KV, _I = SMALL.hidden_size, SMALL.num_kv_heads * (SMALL.head_size or SMALL.hidden_size // SMALL.num_heads), \
+    SMALL.intermediate_size
+#: (K, N) -> how many products of that shape one SMALL decode step runs.
+STEP = {(_H, _H): 2 * SMALL.num_layers, (_H, _KV): 2 * SMALL.num_layers, (_H, _I): 2 * SMALL.num_layers,
+        (_I, _H): SMALL.num_layers}
+STEP[(_H, SMALL.vocab_size)] = STEP.get((_H, SMALL.vocab_size), 0) + 1
+SHAPES = list(STEP)
+ENGINES = ["onnxkv_packed", "onnxkv_packed_avx2", "onnxkv_rows", "numpy_blas", "onnxruntime"]
 
 
 def versions():
@@ -45,6 +62,7 @@ def versions():
         except Exception:
             v[mod] = None
     v["onnxkv_simd_path"] = K.simd_path()
+    v["onnxkv_packed_avx512"] = MM.set_packed_avx512(True)
     v["onnxkv_openmp"] = K.openmp_enabled()
     try:
         from threadpoolctl import threadpool_info
@@ -99,10 +117,16 @@ def worker(engine, threads, shapes, Ms, inner, seed):
             rng = np.random.default_rng([seed, Kd, N])
             w = rng.standard_normal((Kd, N)).astype(np.float32)
             sess = ort_session(w, threads) if engine == "onnxruntime" else None
+            wp = MM.pack_weight(w) if engine.startswith("onnxkv_packed") else None
             for M in Ms:
                 x = rng.standard_normal((M, Kd)).astype(np.float32)
                 out = np.empty((M, N), np.float32)
-                if engine == "onnxkv":
+                if engine.startswith("onnxkv_packed"):
+                    MM.set_packed_avx512(engine == "onnxkv_packed")
+
+                    def fn():
+                        MM.matmul_packed(x, wp, out)
+                elif engine == "onnxkv_rows":
                     def fn():
                         K.matmul_rows(x, w, out)
                 elif engine == "numpy_blas":
@@ -126,9 +150,9 @@ def worker(engine, threads, shapes, Ms, inner, seed):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
-    ap.add_argument("--M", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--M", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES], help="KxN weight shapes")
-    ap.add_argument("--engines", nargs="*", default=["onnxkv", "numpy_blas", "onnxruntime"])
+    ap.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES)
     ap.add_argument("--rounds", type=int, default=3, help="subprocess rounds per engine and thread count")
     ap.add_argument("--inner", type=int, default=20, help="timed calls per case per round")
     ap.add_argument("--seed", type=int, default=0)
@@ -179,9 +203,10 @@ def main():
                         "samples_s": s, "median_s": med, "min_s": min(s),
                         "gbps_median": Kd * N * 4 / med / 1e9, "gbps_best": Kd * N * 4 / min(s) / 1e9,
                         "max_abs_err": errs[(threads, key, engine)]}
-                if "onnxkv" in case["engines"]:
-                    base = case["engines"]["onnxkv"]["median_s"]
-                    case["time_ratio_vs_onnxkv"] = {n: e["median_s"] / base for n, e in case["engines"].items()}
+                if args.engines[0] in case["engines"]:
+                    base = case["engines"][args.engines[0]]["median_s"]
+                    case[f"time_ratio_vs_{args.engines[0]}"] = {n: e["median_s"] / base
+                                                                for n, e in case["engines"].items()}
                 doc["cases"].append(case)
                 print(f"# t{threads} {spec} M{M}: " + "  ".join(
                     f"{n} {e['median_s'] * 1e3:.3f}ms {e['gbps_median']:.1f}GB/s"
@@ -192,7 +217,29 @@ def main():
          **{f"{n}_median_ms": round(e["median_s"] * 1e3, 4) for n, e in c["engines"].items()},
          **{f"{n}_gbps": round(e["gbps_median"], 2) for n, e in c["engines"].items()}}
         for c in doc["cases"]]
+    doc["step_estimate"] = step_estimate(doc["cases"], args)
+    for row in doc["step_estimate"]:
+        print(f"# step t{row['threads']} M{row['M']}: " + "  ".join(
+            f"{n} {ms:.2f}ms" for n, ms in row["median_ms"].items()), file=sys.stderr, flush=True)
     emit(doc, args.out)
+
+
+def step_estimate(cases, args):
+    """Per (threads, M): sum over the shapes of one SMALL decode step of count x median, per engine."""
+    measured = {(c["threads"], c["shapes"]["x"][0], tuple(c["shapes"]["w"])): c["engines"] for c in cases}
+    rows = []
+    for threads in args.threads:
+        for M in args.M:
+            per = {}
+            for engine in args.engines:
+                parts = [measured.get((threads, M, shape), {}).get(engine) for shape in STEP]
+                if all(parts):
+                    per[engine] = sum(n * p["median_s"] for n, p in zip(STEP.values(), parts)) * 1e3
+            if per:
+                rows.append({"threads": threads, "M": M, "products": {"x".join(map(str, k)): n
+                                                                        for k, n in STEP.items()},
+                             "median_ms": per})
+    return rows
 
 
 if __name__ == "__main__":

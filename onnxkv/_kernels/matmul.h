@@ -161,15 +161,18 @@ static void okv_matmul_seg_f32(const float *x, int64_t M, int64_t K, const float
 /* ------------------------------------------------------------------ */
 /* Panel p holds columns 16p .. 16p+15 of w; its row k is the 64-byte line
  * w[k, 16p:16p+16] (zero past column N in the last panel), so a panel is one
- * contiguous K x 64-byte block.  A register tile of up to OKV_MMP_MR rows x 16
- * columns keeps its accumulators in registers (2 YMM per row) while the panel
- * streams in order, one line per k, and each x value is broadcast once from
- * L1: weights are read from memory once per call whatever M is, and no
- * accumulator goes through memory inside a k-chunk.  With more than one row
+ * contiguous K x 64-byte block.  A register tile of rows x 16 columns (up to
+ * OKV_MMP_MR rows with 2 YMM accumulators per row, or OKV_MMP_MR512 rows with
+ * one ZMM each) keeps its accumulators in registers while the panel streams
+ * in order, one line per k, and each x value is broadcast from L1: weights
+ * are read from memory once per call whatever M is, and no accumulator goes
+ * through memory inside a k-chunk.  With more than one row
  * tile the k range is cut into chunks of OKV_MMP_KC (a 16 KB panel slice
  * that stays in L1 for the next row tiles); out holds the partial sums
  * between chunks.  Callers split the panels into contiguous ranges (one per
- * thread), so every thread streams one contiguous region. */
+ * thread), so every thread streams one contiguous region; each output
+ * element is summed in the same order whatever the thread count.  Scalar,
+ * AVX2 and AVX-512 tiles (chosen at run time) share this structure. */
 #define OKV_MMP_NR 16
 #define OKV_MMP_MR 6
 #define OKV_MMP_KC 256
@@ -218,7 +221,7 @@ static void okv_mmp_tile_scalar(int mr, const float *x, int64_t ldx, const float
 
 #if OKV_X86_SIMD
 /* Distance of the software prefetch ahead of the panel line being read. */
-#define OKV_MMP_PF (16 * 64)
+#define OKV_MMP_PF (32 * 64)
 
 /* AVX2 tile, MR rows (a constant at every call site: the accumulators stay in
  * registers).  One and two rows also keep a second accumulator set for odd k,

@@ -1,13 +1,20 @@
 """Decode-sized float32 matmul: out[M, N] = x[M, K] @ w[K, N] (+ bias[N]).
 
-ONNX MatMul layout (w row-major [K, N]).  Built for small M (batch x new
-tokens): the OpenMP threads split N into column segments and each segment
-computes all M rows, streaming its slice of every weight row in order, so the
-weight matrix is read once per call.  A single row with a long K is split
-along K instead (two contiguous halves of the weights, summed at the end).  Running in the kernels' OpenMP pool, it
-keeps BLAS (and its own busy-waiting thread pool) off the decode path.  Larger
-M is correct but not the target.  Each output column is summed in the same
-order whatever the thread count, so results do not depend on it.
+Two entry points, both for small M (batch x new tokens) and run in the
+kernels' OpenMP pool (keeping BLAS and its busy-waiting threads off the decode
+path); larger M is correct but not the target.  Each output element is summed
+in the same order whatever the thread count, so results do not depend on it.
+
+* ``matmul_rows``: ONNX MatMul layout (w row-major [K, N]), for weights known
+  only at run time.  The threads split N into column segments and each segment
+  computes all M rows, streaming its slice of every weight row in order, so the
+  weight matrix is read once per call.  A single row with a long K is split
+  along K instead (two contiguous halves of the weights, summed at the end).
+* ``pack_weight`` / ``matmul_packed``: constant weights packed once into
+  16-column panels ([ceil(N/16), K, 16], see matmul.h); register-tiled
+  (rows x 16) products with the accumulators in registers, the threads taking
+  contiguous ranges of panels.  AVX-512 tiles where the CPU has AVX-512F
+  (``set_packed_avx512`` switches to the AVX2 tiles), AVX2, or scalar.
 """
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
@@ -112,24 +119,32 @@ def matmul_rows(x, w, out, bias=None):
     M, K = x.shape
     if w.shape[0] != K:
         raise ValueError(f"w: expected {K} rows (x.shape[1]), got shape {w.shape}")
-    N = w.shape[1]
+    V.array("out", out, (V.F32,), shape=(M, w.shape[1]), writeable=True)
+    if _check_bias_overlap_empty(x, w, "w", out, bias):
+        _matmul(x, w, _data_or_null(bias), out)
+
+
+def _check_bias_overlap_empty(x, w, w_name, out, bias):
+    """Checks of ``bias`` and of ``out`` overlapping an input, once x, w and out
+    passed theirs; then the products with nothing to sum (M or N zero: no
+    write; K zero: out = bias or 0).  Returns True when the kernel must run."""
+    N = out.shape[1]
     if bias is not None:
         V.array("bias", bias, (V.F32,), shape=(N,))
-    V.array("out", out, (V.F32,), shape=(M, N), writeable=True)
     V.no_overlap("out", out, x, "x")
-    V.no_overlap("out", out, w, "w")
+    V.no_overlap("out", out, w, w_name)
     V.no_overlap("out", out, bias, "bias")
-    if M == 0 or N == 0:
-        return
-    if K == 0:
+    if out.shape[0] == 0 or N == 0:
+        return False
+    if x.shape[1] == 0:
         out[...] = 0.0 if bias is None else bias
-        return
-    cdef const float[::1] bv
-    cdef const float *bp = NULL
-    if bias is not None:
-        bv = bias
-        bp = &bv[0]
-    _matmul(x, w, bp, out)
+        return False
+    return True
+
+
+cdef const float *_data_or_null(const float[::1] a):
+    """First element of a (the caller keeps the array alive), or NULL for None."""
+    return NULL if a is None else &a[0]
 
 
 #: Columns per panel of the packed weight layout (``pack_weight``).
@@ -231,19 +246,5 @@ def matmul_packed(x, wp, out, bias=None):
     if out.shape[0] != M or wp.shape[0] != (N + PANEL - 1) // PANEL:
         raise ValueError(f"out: expected shape ({M}, N) with ceil(N / {PANEL}) == {wp.shape[0]} "
                          f"(wp.shape[0]), got {out.shape}")
-    if bias is not None:
-        V.array("bias", bias, (V.F32,), shape=(N,))
-    V.no_overlap("out", out, x, "x")
-    V.no_overlap("out", out, wp, "wp")
-    V.no_overlap("out", out, bias, "bias")
-    if M == 0 or N == 0:
-        return
-    if Kd == 0:
-        out[...] = 0.0 if bias is None else bias
-        return
-    cdef const float[::1] bv
-    cdef const float *bp = NULL
-    if bias is not None:
-        bv = bias
-        bp = &bv[0]
-    _matmul_packed(x, wp, bp, out)
+    if _check_bias_overlap_empty(x, wp, "wp", out, bias):
+        _matmul_packed(x, wp, _data_or_null(bias), out)

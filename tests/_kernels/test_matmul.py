@@ -57,17 +57,23 @@ def test_matmul_rows_threads_agree(simd):
     # (segment widths differ between 1 and 2 threads; each column's sum order does not)
     rng = np.random.default_rng(3)
     x, w, b = rand(rng, (3, 1024)), rand(rng, (1024, 1000)), rand(rng, (1000,))
+    one, two = outputs_by_threads(lambda o: K.matmul_rows(x, w, o, b), (3, 1000))
+    np.testing.assert_array_equal(one, two)
+
+
+def outputs_by_threads(call, shape):
+    """[out with 1 thread, out with 2 threads] of call(out) for a fresh float32 out each time."""
     outs = []
     old = K.get_num_threads()
     try:
         for nt in (1, 2):
             K.set_num_threads(nt)
-            o = np.empty((3, 1000), np.float32)
-            K.matmul_rows(x, w, o, b)
+            o = np.empty(shape, np.float32)
+            call(o)
             outs.append(o)
     finally:
         K.set_num_threads(old)
-    np.testing.assert_array_equal(outs[0], outs[1])
+    return outs
 
 
 def test_matmul_rows_readonly_inputs_and_empty():
@@ -210,17 +216,8 @@ def test_matmul_packed_threads_agree(isa):
     rng = np.random.default_rng(4)
     x, w, b = rand(rng, (5, 1024)), rand(rng, (1024, 1000)), rand(rng, (1000,))
     wp = MM.pack_weight(w)
-    outs = []
-    old = K.get_num_threads()
-    try:
-        for nt in (1, 2):
-            K.set_num_threads(nt)
-            o = np.empty((5, 1000), np.float32)
-            MM.matmul_packed(x, wp, o, b)
-            outs.append(o)
-    finally:
-        K.set_num_threads(old)
-    np.testing.assert_array_equal(outs[0], outs[1])
+    one, two = outputs_by_threads(lambda o: MM.matmul_packed(x, wp, o, b), (5, 1000))
+    np.testing.assert_array_equal(one, two)
 
 
 def test_matmul_packed_empty():

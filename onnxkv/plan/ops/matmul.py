@@ -7,8 +7,8 @@ own reference to the initializer stays, but for a weight mapped from external
 data (``np.memmap``) the pages read while packing are released again, so the
 weights are resident once.  Products against the packed weight with at most
 ``BLAS_M`` rows run in the compiled ``matmul_packed`` kernel (onnxkv's OpenMP
-pool); larger ones (long prefills) unpack the weight into a temporary [K, N]
-array for the call and use NumPy's BLAS.
+pool); larger ones (long prefills) use NumPy's BLAS, unpacking the weight
+``BLAS_COLS`` columns at a time into a temporary [K, BLAS_COLS] array.
 
 Other 2-D float32 weights (computed at run time) use the ``matmul_rows``
 kernel for at most ``SMALL_M`` rows and BLAS above.  All paths use the
@@ -31,6 +31,8 @@ from onnxkv.plan.registry import BuildContext, Op, register
 SMALL_M = 16
 #: Up to this many rows a MatMul with a packed (initializer) weight uses ``matmul_packed``.
 BLAS_M = 256
+#: Columns of the packed weight unpacked at a time for a BLAS product (a multiple of 16).
+BLAS_COLS = 2048
 
 
 def _release_pages(w: np.ndarray) -> None:
@@ -64,12 +66,17 @@ class MatMul(Op):
             self._n = w.shape[1]
             _release_pages(w)
 
-    def _unpacked(self) -> np.ndarray:
-        """A temporary [K, N] copy of the packed weight (a view of a [K, 16 P] buffer)."""
+    def _blas(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out [M, N] = x [M, K] @ w through BLAS, w unpacked BLAS_COLS columns at a time."""
         p, k, nr = self.packed.shape
-        w = np.empty((k, p * nr), np.float32)
-        np.copyto(w.reshape(k, p, nr), self.packed.transpose(1, 0, 2))
-        return w[:, : self._n]
+        step = BLAS_COLS // nr
+        tmp = np.empty((k, min(p, step), nr), np.float32)
+        flat = tmp.reshape(k, -1)
+        for p0 in range(0, p, step):
+            p1 = min(p, p0 + step)
+            n0, n1 = p0 * nr, min(self._n, p1 * nr)
+            np.copyto(tmp[:, : p1 - p0], self.packed[p0:p1].transpose(1, 0, 2))
+            np.matmul(x, flat[:, : n1 - n0], out=out[:, n0:n1])
 
     def _run_packed(self, a: np.ndarray, rt) -> np.ndarray:
         k = self.packed.shape[1]
@@ -79,7 +86,7 @@ class MatMul(Op):
         if x.shape[0] <= BLAS_M:
             matmul_packed(x, self.packed, o)
         else:
-            np.matmul(x, self._unpacked(), out=o)
+            self._blas(x, o)
         return out
 
     def run(self, inputs: list, rt) -> tuple:

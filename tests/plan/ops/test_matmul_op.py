@@ -9,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
 from onnxkv import Session
+from onnxkv.plan.ops import matmul as matmul_op
 from onnxkv.plan.ops.matmul import BLAS_M, MatMul
 
 F = np.float32
@@ -77,3 +78,13 @@ def test_external_weight_packed_from_memmap(tmp_path):
         x = rng.standard_normal((M, 300)).astype(F)
         np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w),
                                    rtol=1e-5, atol=1e-4)
+
+
+def test_many_rows_unpack_in_column_chunks(monkeypatch):
+    """Above BLAS_M rows the weight is unpacked a few panels at a time (last chunk partial)."""
+    monkeypatch.setattr(matmul_op, "BLAS_COLS", 32)
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((40, 100)).astype(F)
+    session = Session(weight_model(w), threads=1)
+    x = rng.standard_normal((BLAS_M + 3, 40)).astype(F)
+    np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w), rtol=1e-5, atol=1e-4)
