@@ -1,12 +1,22 @@
-"""Benchmark onnxkv's decode matmul (``onnxkv._kernels.matmul_rows``) against
-NumPy's matmul (BLAS, thread count set with threadpoolctl) and ONNX Runtime's
-MatMul (a one-node model, weight as initializer, intra-op threads set), for
-decode-sized x [M, K] @ W [K, N].
+"""Benchmark onnxkv's decode matmuls against NumPy's matmul (BLAS, thread
+count set with threadpoolctl) and ONNX Runtime's MatMul (MatMul nodes with
+initializer weights, intra-op threads set), for decode-sized x [M, K] @ W
+[K, N] on the weight shapes of the SMALL decoder (onnxkv.models.config).
+
+Engines: ``onnxkv_packed`` (``matmul_packed`` on ``pack_weight`` panels, what
+a MatMul with an initializer weight runs; AVX-512 tiles where the CPU has
+them), ``onnxkv_packed_avx2`` (the same, AVX2 tiles only), ``onnxkv_rows``
+(``matmul_rows`` on the row-major weight, the path of run-time weights),
+``numpy_blas`` and ``onnxruntime``.
 
 Prints one JSON document: machine, versions, and per (threads, shape, M) the
 raw samples (seconds), median and min per engine, effective GB/s (weight bytes
 / median time) and the max abs difference of each engine against the float64
-reference.
+reference.  The "step" case times every weight product of one SMALL decode
+step (per layer q, k, v, o, gate, up, down; then lm_head) back to back on
+distinct weights (~400 MB: they stream from memory, as in a real step; ONNX
+Runtime runs them as one model).  ``step_estimate`` adds up, per (threads, M,
+engine), the single-shape medians of the same products (weights hot in cache).
 
 Every engine keeps its own busy-waiting thread pool (OpenMP, OpenBLAS, ORT);
 measured in one process, the pool of the engine timed last keeps spinning
@@ -16,7 +26,8 @@ its own subprocess, ``--inner`` back-to-back calls per case after warm-up, and
 a shared machine medians move with the load of other jobs (load averages are
 recorded at the start and end).
 
-    python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 4] [--rounds 3] [--inner 20] [--out FILE]
+    python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 2 4 8 16] [--shapes 1024x1024 ... step]
+                                      [--rounds 3] [--inner 20] [--out FILE]
 """
 import argparse
 import json
@@ -32,9 +43,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import emit, machine  # noqa: E402
 
 import onnxkv._kernels as K  # noqa: E402
+from onnxkv._kernels import matmul as MM  # noqa: E402
 from onnxkv._kernels import reference as R  # noqa: E402
+from onnxkv.models.config import SMALL  # noqa: E402
 
-SHAPES = [(1024, 1024), (1024, 2816), (2816, 1024), (1024, 8000)]
+_H, _KV, _I = SMALL.hidden_size, SMALL.num_kv_heads * (SMALL.head_size or SMALL.hidden_size // SMALL.num_heads), \
+    SMALL.intermediate_size
+#: (K, N) -> how many products of that shape one SMALL decode step runs.
+STEP = {(_H, _H): 2 * SMALL.num_layers, (_H, _KV): 2 * SMALL.num_layers, (_H, _I): 2 * SMALL.num_layers,
+        (_I, _H): SMALL.num_layers}
+STEP[(_H, SMALL.vocab_size)] = STEP.get((_H, SMALL.vocab_size), 0) + 1
+SHAPES = list(STEP)
+ENGINES = ["onnxkv_packed", "onnxkv_packed_avx2", "onnxkv_rows", "numpy_blas", "onnxruntime"]
 
 
 def versions():
@@ -45,6 +65,7 @@ def versions():
         except Exception:
             v[mod] = None
     v["onnxkv_simd_path"] = K.simd_path()
+    v["onnxkv_packed_avx512"] = MM.set_packed_avx512(True)
     v["onnxkv_openmp"] = K.openmp_enabled()
     try:
         from threadpoolctl import threadpool_info
@@ -55,17 +76,27 @@ def versions():
     return v
 
 
-def ort_session(w, threads):
+def weight_shapes(spec):
+    """[(K, N), ...] of a case: one product for "KxN"; for "step", every weight
+    product of one SMALL decode step (per layer q, k, v, o, gate, up, down, then
+    lm_head)."""
+    if spec == "step":
+        return [shape for shape, n in STEP.items() for _ in range(n)]
+    return [tuple(int(v) for v in spec.lower().split("x"))]
+
+
+def ort_session(ws, threads):
+    """One MatMul node per weight (initializers), input x<K> per distinct K, output y<i>."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    Kd, N = w.shape
+    ks = sorted({w.shape[0] for w in ws})
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], "matmul",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", Kd])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])],
-        initializer=[numpy_helper.from_array(w, "w")])
+        [helper.make_node("MatMul", [f"x{w.shape[0]}", f"w{i}"], [f"y{i}"]) for i, w in enumerate(ws)], "matmul",
+        [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, ["M", k]) for k in ks],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["M", w.shape[1]]) for i, w in enumerate(ws)],
+        initializer=[numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model)
@@ -76,40 +107,63 @@ def ort_session(w, threads):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def ort_runner(sess, x, out):
+def ort_runner(sess, xs, outs):
     io = sess.io_binding()
-    io.bind_cpu_input("x", x)
-    io.bind_output("y", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+    for k, x in xs.items():
+        io.bind_cpu_input(f"x{k}", x)
+    for i, out in enumerate(outs):
+        io.bind_output(f"y{i}", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
 
     def run():
         sess.run_with_iobinding(io)
     return run
 
 
-def worker(engine, threads, shapes, Ms, inner, seed):
+def runner(engine, threads, ws, xs, outs, prepared):
+    """A function computing outs[i] = xs[K] @ ws[i] for every weight with ``engine``."""
+    if engine.startswith("onnxkv_packed"):
+        MM.set_packed_avx512(engine == "onnxkv_packed")
+
+        def fn():
+            for wp, out in zip(prepared, outs):
+                MM.matmul_packed(xs[wp.shape[1]], wp, out)
+    elif engine == "onnxkv_rows":
+        def fn():
+            for w, out in zip(ws, outs):
+                K.matmul_rows(xs[w.shape[0]], w, out)
+    elif engine == "numpy_blas":
+        def fn():
+            for w, out in zip(ws, outs):
+                np.matmul(xs[w.shape[0]], w, out=out)
+    else:
+        fn = ort_runner(prepared, xs, outs)
+    return fn
+
+
+def worker(engine, threads, specs, Ms, inner, seed):
     """Runs in a subprocess: one engine, one thread count, every case; returns
-    {case_key: {"samples_s": [...], "max_abs_err": e}}."""
+    {case_key: {"samples_s": [...], "max_abs_err": e}}.  A case's weights are
+    distinct arrays (a "step" case holds ~400 MB, more than the caches, so its
+    weights stream from memory as in a real decode step)."""
     from threadpoolctl import threadpool_limits
 
     K.set_num_threads(threads)
     res = {}
     with threadpool_limits(limits=threads, user_api="blas"):
-        for spec in shapes:
-            Kd, N = (int(v) for v in spec.lower().split("x"))
-            rng = np.random.default_rng([seed, Kd, N])
-            w = rng.standard_normal((Kd, N)).astype(np.float32)
-            sess = ort_session(w, threads) if engine == "onnxruntime" else None
+        for spec in specs:
+            shapes = weight_shapes(spec)
+            rng = np.random.default_rng([seed, len(shapes), *shapes[0]])
+            ws = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+            if engine == "onnxruntime":
+                prepared = ort_session(ws, threads)
+            elif engine.startswith("onnxkv_packed"):
+                prepared = [MM.pack_weight(w) for w in ws]
+            else:
+                prepared = None
             for M in Ms:
-                x = rng.standard_normal((M, Kd)).astype(np.float32)
-                out = np.empty((M, N), np.float32)
-                if engine == "onnxkv":
-                    def fn():
-                        K.matmul_rows(x, w, out)
-                elif engine == "numpy_blas":
-                    def fn():
-                        np.matmul(x, w, out=out)
-                else:
-                    fn = ort_runner(sess, x, out)
+                xs = {k: rng.standard_normal((M, k), dtype=np.float32) for k in sorted({w.shape[0] for w in ws})}
+                outs = [np.empty((M, w.shape[1]), np.float32) for w in ws]
+                fn = runner(engine, threads, ws, xs, outs, prepared)
                 for _ in range(3):
                     fn()
                 s = []
@@ -117,18 +171,22 @@ def worker(engine, threads, shapes, Ms, inner, seed):
                     t = time.perf_counter()
                     fn()
                     s.append(time.perf_counter() - t)
-                want = np.empty((M, N), np.float32)
-                R.matmul_rows(x, w, want)
-                res[f"{spec}/{M}"] = {"samples_s": s, "max_abs_err": float(np.max(np.abs(out - want)))}
+                err = 0.0
+                for w, out in zip(ws, outs):
+                    want = np.empty_like(out)
+                    R.matmul_rows(xs[w.shape[0]], w, want)
+                    err = max(err, float(np.max(np.abs(out - want))))
+                res[f"{spec}/{M}"] = {"samples_s": s, "max_abs_err": err}
     return res
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
-    ap.add_argument("--M", type=int, nargs="*", default=[1, 4])
-    ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES], help="KxN weight shapes")
-    ap.add_argument("--engines", nargs="*", default=["onnxkv", "numpy_blas", "onnxruntime"])
+    ap.add_argument("--M", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES] + ["step"],
+                    help="KxN weight shapes, or 'step' (all weights of one SMALL decode step)")
+    ap.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES)
     ap.add_argument("--rounds", type=int, default=3, help="subprocess rounds per engine and thread count")
     ap.add_argument("--inner", type=int, default=20, help="timed calls per case per round")
     ap.add_argument("--seed", type=int, default=0)
@@ -140,7 +198,7 @@ def main():
         json.dump(worker(args.worker, args.threads[0], args.shapes, args.M, args.inner, args.seed), sys.stdout)
         return
 
-    doc = {"benchmark": "matmul_rows", "machine": machine(), "versions": versions(),
+    doc = {"benchmark": "matmul", "machine": machine(), "versions": versions(),
            "cpu_features": K.cpu_features(),
            "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
            "method": {"rounds": args.rounds, "inner": args.inner,
@@ -165,11 +223,16 @@ def main():
                     errs[(threads, key, engine)] = max(errs.get((threads, key, engine), 0.0), r["max_abs_err"])
     for threads in args.threads:
         for spec in args.shapes:
-            Kd, N = (int(v) for v in spec.lower().split("x"))
+            shapes = weight_shapes(spec)
+            nbytes = sum(k * n * 4 for k, n in shapes)
             for M in args.M:
                 key = f"{spec}/{M}"
-                case = {"threads": threads, "shapes": {"x": [M, Kd], "w": [Kd, N], "out": [M, N]},
-                        "weight_bytes": Kd * N * 4, "engines": {}}
+                if spec == "step":
+                    desc = {"x": [M, "K"], "products": {f"{k}x{n}": c for (k, n), c in STEP.items()}}
+                else:
+                    desc = {"x": [M, shapes[0][0]], "w": list(shapes[0]), "out": [M, shapes[0][1]]}
+                case = {"threads": threads, "case": spec, "M": M, "shapes": desc, "weight_bytes": nbytes,
+                        "engines": {}}
                 for engine in args.engines:
                     s = samples.get((threads, key, engine))
                     if not s:
@@ -177,22 +240,45 @@ def main():
                     med = statistics.median(s)
                     case["engines"][engine] = {
                         "samples_s": s, "median_s": med, "min_s": min(s),
-                        "gbps_median": Kd * N * 4 / med / 1e9, "gbps_best": Kd * N * 4 / min(s) / 1e9,
+                        "gbps_median": nbytes / med / 1e9, "gbps_best": nbytes / min(s) / 1e9,
                         "max_abs_err": errs[(threads, key, engine)]}
-                if "onnxkv" in case["engines"]:
-                    base = case["engines"]["onnxkv"]["median_s"]
-                    case["time_ratio_vs_onnxkv"] = {n: e["median_s"] / base for n, e in case["engines"].items()}
+                if args.engines[0] in case["engines"]:
+                    base = case["engines"][args.engines[0]]["median_s"]
+                    case[f"time_ratio_vs_{args.engines[0]}"] = {n: e["median_s"] / base
+                                                                for n, e in case["engines"].items()}
                 doc["cases"].append(case)
                 print(f"# t{threads} {spec} M{M}: " + "  ".join(
                     f"{n} {e['median_s'] * 1e3:.3f}ms {e['gbps_median']:.1f}GB/s"
                     for n, e in case["engines"].items()), file=sys.stderr, flush=True)
     doc["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     doc["summary"] = [
-        {"threads": c["threads"], "M": c["shapes"]["x"][0], "KxN": "x".join(map(str, c["shapes"]["w"])),
+        {"threads": c["threads"], "M": c["M"], "case": c["case"],
          **{f"{n}_median_ms": round(e["median_s"] * 1e3, 4) for n, e in c["engines"].items()},
          **{f"{n}_gbps": round(e["gbps_median"], 2) for n, e in c["engines"].items()}}
         for c in doc["cases"]]
+    doc["step_estimate"] = step_estimate(doc["cases"], args)
+    for row in doc["step_estimate"]:
+        print(f"# step t{row['threads']} M{row['M']}: " + "  ".join(
+            f"{n} {ms:.2f}ms" for n, ms in row["median_ms"].items()), file=sys.stderr, flush=True)
     emit(doc, args.out)
+
+
+def step_estimate(cases, args):
+    """Per (threads, M): sum over the shapes of one SMALL decode step of count x median, per engine."""
+    measured = {(c["threads"], c["M"], c["case"]): c["engines"] for c in cases}
+    rows = []
+    for threads in args.threads:
+        for M in args.M:
+            per = {}
+            for engine in args.engines:
+                parts = [measured.get((threads, M, f"{k}x{n}"), {}).get(engine) for k, n in STEP]
+                if all(parts):
+                    per[engine] = sum(n * p["median_s"] for n, p in zip(STEP.values(), parts)) * 1e3
+            if per:
+                rows.append({"threads": threads, "M": M, "products": {"x".join(map(str, k)): n
+                                                                        for k, n in STEP.items()},
+                             "median_ms": per})
+    return rows
 
 
 if __name__ == "__main__":

@@ -156,4 +156,245 @@ static void okv_matmul_seg_f32(const float *x, int64_t M, int64_t K, const float
                  okv_matmul_seg_f32_scalar(x, M, K, w, N, bias, out, n0, nb));
 }
 
+/* ------------------------------------------------------------------ */
+/* Packed weights: wp[P][K][16], P = ceil(N / 16)                       */
+/* ------------------------------------------------------------------ */
+/* Panel p holds columns 16p .. 16p+15 of w; its row k is the 64-byte line
+ * w[k, 16p:16p+16] (zero past column N in the last panel), so a panel is one
+ * contiguous K x 64-byte block.  A register tile of rows x 16 columns (up to
+ * OKV_MMP_MR rows with 2 YMM accumulators per row, or OKV_MMP_MR512 rows with
+ * one ZMM each) keeps its accumulators in registers while the panel streams
+ * in order, one line per k, and each x value is broadcast from L1: weights
+ * are read from memory once per call whatever M is, and no accumulator goes
+ * through memory inside a k-chunk.  With more than one row
+ * tile the k range is cut into chunks of OKV_MMP_KC (a 16 KB panel slice
+ * that stays in L1 for the next row tiles); out holds the partial sums
+ * between chunks.  Callers split the panels into contiguous ranges (one per
+ * thread), so every thread streams one contiguous region; each output
+ * element is summed in the same order whatever the thread count.  Scalar,
+ * AVX2 and AVX-512 tiles (chosen at run time) share this structure. */
+#define OKV_MMP_NR 16
+#define OKV_MMP_MR 6
+#define OKV_MMP_KC 256
+
+static inline int64_t okv_mmp_panels(int64_t N) { return (N + OKV_MMP_NR - 1) / OKV_MMP_NR; }
+
+/* Rows [k0, k1) of every panel of wp from w [K, N] (row-major).  Blocks of 16
+ * rows are read sequentially and written as 16 consecutive lines per panel. */
+static void okv_mmp_pack_rows(const float *w, int64_t K, int64_t N, float *wp, int64_t k0, int64_t k1) {
+    const int64_t P = okv_mmp_panels(N);
+    int64_t kb, k, p, n0, nb;
+    for (kb = k0; kb < k1; kb += 16) {
+        int64_t ke = okv_mm_min(kb + 16, k1);
+        for (p = 0; p < P; p++) {
+            n0 = p * OKV_MMP_NR;
+            nb = okv_mm_min(OKV_MMP_NR, N - n0);
+            for (k = kb; k < ke; k++) {
+                float *d = wp + (p * K + k) * OKV_MMP_NR;
+                memcpy(d, w + k * N + n0, (size_t)nb * sizeof(float));
+                if (nb < OKV_MMP_NR) memset(d + nb, 0, (size_t)(OKV_MMP_NR - nb) * sizeof(float));
+            }
+        }
+    }
+}
+
+/* Scalar tile: c[r, 0:nb] (+)= x[r, 0:kn] @ panel[0:kn, 0:nb] for r < mr.
+ * first: start from bias (or 0) instead of the partial sums in c. */
+static void okv_mmp_tile_scalar(int mr, const float *x, int64_t ldx, const float *wp, int64_t kn, float *c,
+                                int64_t ldc, int64_t nb, int first, const float *bias) {
+    float acc[OKV_MMP_MR][OKV_MMP_NR];
+    int64_t k, j;
+    int r;
+    for (r = 0; r < mr; r++)
+        for (j = 0; j < OKV_MMP_NR; j++)
+            acc[r][j] = j >= nb ? 0.0f : (!first ? c[r * ldc + j] : (bias ? bias[j] : 0.0f));
+    for (k = 0; k < kn; k++) {
+        const float *wk = wp + k * OKV_MMP_NR;
+        for (r = 0; r < mr; r++) {
+            const float a = x[r * ldx + k];
+            for (j = 0; j < OKV_MMP_NR; j++) acc[r][j] += a * wk[j];
+        }
+    }
+    for (r = 0; r < mr; r++)
+        for (j = 0; j < nb; j++) c[r * ldc + j] = acc[r][j];
+}
+
+#if OKV_X86_SIMD
+/* Distance of the software prefetch ahead of the panel line being read. */
+#define OKV_MMP_PF (32 * 64)
+
+/* AVX2 tile, MR rows (a constant at every call site: the accumulators stay in
+ * registers).  One and two rows also keep a second accumulator set for odd k,
+ * so enough independent FMA chains are in flight to hide the FMA latency. */
+OKV_AVX2 static inline __attribute__((always_inline)) void
+okv_mmp_tile_avx2(const int MR, const float *x, int64_t ldx, const float *wp, int64_t kn, float *c, int64_t ldc,
+                  __m256i m0, __m256i m1, int first, const float *bias) {
+    __m256 a[OKV_MMP_MR][2], b[2][2];
+    int64_t k = 0;
+    int r;
+    for (r = 0; r < MR; r++) {
+        if (!first) {
+            a[r][0] = _mm256_maskload_ps(c + r * ldc, m0);
+            a[r][1] = _mm256_maskload_ps(c + r * ldc + 8, m1);
+        } else if (bias) {
+            a[r][0] = _mm256_maskload_ps(bias, m0);
+            a[r][1] = _mm256_maskload_ps(bias + 8, m1);
+        } else {
+            a[r][0] = a[r][1] = _mm256_setzero_ps();
+        }
+    }
+    if (MR <= 2) {
+        for (r = 0; r < MR; r++) b[r][0] = b[r][1] = _mm256_setzero_ps();
+        for (; k + 2 <= kn; k += 2) {
+            const float *wk = wp + k * OKV_MMP_NR;
+            const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+            const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
+            _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
+            _mm_prefetch((const char *)wk + OKV_MMP_PF + 64, _MM_HINT_T0);
+            for (r = 0; r < MR; r++) {
+                const __m256 xe = _mm256_broadcast_ss(x + r * ldx + k), xo = _mm256_broadcast_ss(x + r * ldx + k + 1);
+                a[r][0] = _mm256_fmadd_ps(xe, w0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(xe, w1, a[r][1]);
+                b[r][0] = _mm256_fmadd_ps(xo, w2, b[r][0]);
+                b[r][1] = _mm256_fmadd_ps(xo, w3, b[r][1]);
+            }
+        }
+        for (r = 0; r < MR; r++) {
+            a[r][0] = _mm256_add_ps(a[r][0], b[r][0]);
+            a[r][1] = _mm256_add_ps(a[r][1], b[r][1]);
+        }
+    }
+    for (; k < kn; k++) {
+        const float *wk = wp + k * OKV_MMP_NR;
+        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
+        for (r = 0; r < MR; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+            a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xb, w1, a[r][1]);
+        }
+    }
+    for (r = 0; r < MR; r++) {
+        _mm256_maskstore_ps(c + r * ldc, m0, a[r][0]);
+        _mm256_maskstore_ps(c + r * ldc + 8, m1, a[r][1]);
+    }
+}
+
+OKV_AVX2 static void okv_mmp_tile_avx2_any(int mr, const float *x, int64_t ldx, const float *wp, int64_t kn,
+                                           float *c, int64_t ldc, int64_t nb, int first, const float *bias) {
+    const __m256i m0 = okv_tailmask(okv_mm_min(nb, 8)), m1 = okv_tailmask(nb - 8);
+    switch (mr) {
+    case 1: okv_mmp_tile_avx2(1, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
+    case 2: okv_mmp_tile_avx2(2, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
+    case 3: okv_mmp_tile_avx2(3, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
+    case 4: okv_mmp_tile_avx2(4, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
+    case 5: okv_mmp_tile_avx2(5, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
+    default: okv_mmp_tile_avx2(6, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
+    }
+}
+
+/* AVX-512 tile: one ZMM accumulator per row (MR <= OKV_MMP_MR512, x values
+ * as embedded broadcasts).  Fewer than eight rows also keep U accumulator sets
+ * for k mod U, so at least about eight FMA chains are in flight. */
+#define OKV_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define OKV_MMP_MR512 16
+
+OKV_AVX512 static inline __attribute__((always_inline)) void
+okv_mmp_tile_avx512(const int MR, const int U, const float *x, int64_t ldx, const float *wp, int64_t kn, float *c,
+                    int64_t ldc, __mmask16 m, int first, const float *bias) {
+    __m512 a[4][OKV_MMP_MR512];
+    int64_t k = 0;
+    int r, u;
+    for (r = 0; r < MR; r++) {
+        a[0][r] = !first ? _mm512_maskz_loadu_ps(m, c + r * ldc)
+                         : (bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps());
+        for (u = 1; u < U; u++) a[u][r] = _mm512_setzero_ps();
+    }
+    for (; k + U <= kn; k += U)
+        for (u = 0; u < U; u++) {
+            const float *wk = wp + (k + u) * OKV_MMP_NR;
+            const __m512 w = _mm512_loadu_ps(wk);
+            _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
+            for (r = 0; r < MR; r++) a[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + u]), w, a[u][r]);
+        }
+    for (; k < kn; k++) {
+        const __m512 w = _mm512_loadu_ps(wp + k * OKV_MMP_NR);
+        for (r = 0; r < MR; r++) a[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a[0][r]);
+    }
+    for (r = 0; r < MR; r++) {
+        for (u = 1; u < U; u++) a[0][r] = _mm512_add_ps(a[0][r], a[u][r]);
+        _mm512_mask_storeu_ps(c + r * ldc, m, a[0][r]);
+    }
+}
+
+#define OKV_MMP_T512(MR, U) okv_mmp_tile_avx512(MR, U, x, ldx, wp, kn, c, ldc, m, first, bias); break
+OKV_AVX512 static void okv_mmp_tile_avx512_any(int mr, const float *x, int64_t ldx, const float *wp, int64_t kn,
+                                               float *c, int64_t ldc, int64_t nb, int first, const float *bias) {
+    const __mmask16 m = (__mmask16)((1u << nb) - 1u);
+    switch (mr) {
+    case 1: OKV_MMP_T512(1, 4);
+    case 2: OKV_MMP_T512(2, 4);
+    case 3: OKV_MMP_T512(3, 4);
+    case 4: OKV_MMP_T512(4, 2);
+    case 5: OKV_MMP_T512(5, 2);
+    case 6: OKV_MMP_T512(6, 2);
+    case 7: OKV_MMP_T512(7, 2);
+    case 8: OKV_MMP_T512(8, 1);
+    case 9: OKV_MMP_T512(9, 1);
+    case 10: OKV_MMP_T512(10, 1);
+    case 11: OKV_MMP_T512(11, 1);
+    case 12: OKV_MMP_T512(12, 1);
+    case 13: OKV_MMP_T512(13, 1);
+    case 14: OKV_MMP_T512(14, 1);
+    case 15: OKV_MMP_T512(15, 1);
+    default: OKV_MMP_T512(16, 1);
+    }
+}
+#undef OKV_MMP_T512
+#endif /* OKV_X86_SIMD */
+
+/* Instruction sets of okv_matmul_packed_f32 (``isa``). */
+enum { OKV_MMP_SCALAR = 0, OKV_MMP_AVX2 = 1, OKV_MMP_AVX512 = 2 };
+
+/* 1 if this build and CPU can run the AVX-512 tiles (the AVX2 ones are covered
+ * by okv_simd()). */
+static int okv_mmp_avx512_usable(void) {
+#if OKV_X86_SIMD
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+#else
+    return 0;
+#endif
+}
+
+/* Panels [p0, p1) of out [M, N] = x [M, K] @ w (+ bias), w packed as wp
+ * [ceil(N/16)][K][16]; all M rows, in tiles of at most 6 (scalar, AVX2) or 16
+ * (AVX-512) rows.  isa: OKV_MMP_* (the caller checked the CPU). */
+static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+                                  const float *bias, float *out, int64_t p0, int64_t p1, int isa) {
+    const int64_t mrmax = isa == OKV_MMP_AVX512 ? OKV_MMP_MR512 : OKV_MMP_MR;
+    const int64_t kc = M <= mrmax ? K : OKV_MMP_KC;
+    int64_t p, k0, m, n0, nb, kn;
+    int mr;
+    for (p = p0; p < p1; p++) {
+        const float *panel = wp + p * K * OKV_MMP_NR;
+        n0 = p * OKV_MMP_NR;
+        nb = okv_mm_min(OKV_MMP_NR, N - n0);
+        for (k0 = 0; k0 < K; k0 += kc) {
+            kn = okv_mm_min(kc, K - k0);
+            for (m = 0; m < M; m += mr) {
+                const float *xt = x + m * K + k0, *wt = panel + k0 * OKV_MMP_NR, *bt = bias ? bias + n0 : NULL;
+                float *ct = out + m * N + n0;
+                mr = (int)okv_mm_min(mrmax, M - m);
+#if OKV_X86_SIMD
+                if (isa == OKV_MMP_AVX512) okv_mmp_tile_avx512_any(mr, xt, K, wt, kn, ct, N, nb, k0 == 0, bt);
+                else if (isa == OKV_MMP_AVX2) okv_mmp_tile_avx2_any(mr, xt, K, wt, kn, ct, N, nb, k0 == 0, bt);
+                else
+#endif
+                okv_mmp_tile_scalar(mr, xt, K, wt, kn, ct, N, nb, k0 == 0, bt);
+            }
+        }
+    }
+}
+
 #endif /* ONNXKV_MATMUL_H */

@@ -1,25 +1,40 @@
 """Decode-sized float32 matmul: out[M, N] = x[M, K] @ w[K, N] (+ bias[N]).
 
-ONNX MatMul layout (w row-major [K, N]).  Built for small M (batch x new
-tokens): the OpenMP threads split N into column segments and each segment
-computes all M rows, streaming its slice of every weight row in order, so the
-weight matrix is read once per call.  A single row with a long K is split
-along K instead (two contiguous halves of the weights, summed at the end).  Running in the kernels' OpenMP pool, it
-keeps BLAS (and its own busy-waiting thread pool) off the decode path.  Larger
-M is correct but not the target.  Each output column is summed in the same
-order whatever the thread count, so results do not depend on it.
+Two entry points, both for small M (batch x new tokens) and run in the
+kernels' OpenMP pool (keeping BLAS and its busy-waiting threads off the decode
+path); larger M is correct but not the target.  Each output element is summed
+in the same order whatever the thread count, so results do not depend on it.
+
+* ``matmul_rows``: ONNX MatMul layout (w row-major [K, N]), for weights known
+  only at run time.  The threads split N into column segments and each segment
+  computes all M rows, streaming its slice of every weight row in order, so the
+  weight matrix is read once per call.  A single row with a long K is split
+  along K instead (two contiguous halves of the weights, summed at the end).
+* ``pack_weight`` / ``matmul_packed``: constant weights packed once into
+  16-column panels ([ceil(N/16), K, 16], see matmul.h); register-tiled
+  (rows x 16) products with the accumulators in registers, the threads taking
+  contiguous ranges of panels.  AVX-512 tiles where the CPU has AVX-512F
+  (``set_packed_avx512`` switches to the AVX2 tiles), AVX2, or scalar.
 """
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+import numpy as np
+
 from . import _validate as V
 
 cdef extern from "matmul.h" nogil:
     int64_t okv_matmul_plan(int64_t M, int64_t N, int nt, int64_t *width)
     void okv_matmul_seg_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                             const float *bias, float *out, int64_t n0, int64_t nb, int simd)
+    int64_t okv_mmp_panels(int64_t N)
+    void okv_mmp_pack_rows(const float *w, int64_t K, int64_t N, float *wp, int64_t k0, int64_t k1)
+    void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+                               const float *bias, float *out, int64_t p0, int64_t p1, int isa)
+    int okv_mmp_avx512_usable()
+    int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
 
 DEF PAR_MIN = 1 << 16   # M*K*N below this runs on one thread
 DEF SPLIT_K_MIN = 256    # one-row products with K at least this are split in two halves of K
@@ -104,21 +119,132 @@ def matmul_rows(x, w, out, bias=None):
     M, K = x.shape
     if w.shape[0] != K:
         raise ValueError(f"w: expected {K} rows (x.shape[1]), got shape {w.shape}")
-    N = w.shape[1]
+    V.array("out", out, (V.F32,), shape=(M, w.shape[1]), writeable=True)
+    if _check_bias_overlap_empty(x, w, "w", out, bias):
+        _matmul(x, w, _data_or_null(bias), out)
+
+
+def _check_bias_overlap_empty(x, w, w_name, out, bias):
+    """Checks of ``bias`` and of ``out`` overlapping an input, once x, w and out
+    passed theirs; then the products with nothing to sum (M or N zero: no
+    write; K zero: out = bias or 0).  Returns True when the kernel must run."""
+    N = out.shape[1]
     if bias is not None:
         V.array("bias", bias, (V.F32,), shape=(N,))
-    V.array("out", out, (V.F32,), shape=(M, N), writeable=True)
     V.no_overlap("out", out, x, "x")
-    V.no_overlap("out", out, w, "w")
+    V.no_overlap("out", out, w, w_name)
     V.no_overlap("out", out, bias, "bias")
-    if M == 0 or N == 0:
-        return
-    if K == 0:
+    if out.shape[0] == 0 or N == 0:
+        return False
+    if x.shape[1] == 0:
         out[...] = 0.0 if bias is None else bias
+        return False
+    return True
+
+
+cdef const float *_data_or_null(const float[::1] a):
+    """First element of a (the caller keeps the array alive), or NULL for None."""
+    return NULL if a is None else &a[0]
+
+
+#: Columns per panel of the packed weight layout (``pack_weight``).
+PANEL = 16
+
+cdef int _avx512_usable = okv_mmp_avx512_usable()
+cdef int _avx512 = _avx512_usable
+
+
+def set_packed_avx512(enabled: bool) -> bool:
+    """Let ``matmul_packed`` use its AVX-512 tiles (when the CPU has AVX-512F)
+    or only the AVX2 ones (to test and compare both on one machine).  The
+    global SIMD switch (``set_simd_enabled``) still selects the scalar path.
+    Returns whether the AVX-512 tiles are now in use."""
+    global _avx512
+    _avx512 = _avx512_usable if enabled else 0
+    return bool(_avx512)
+
+
+cdef inline int _packed_isa() noexcept nogil:
+    if not okv_simd():
+        return OKV_MMP_SCALAR
+    return OKV_MMP_AVX512 if _avx512 else OKV_MMP_AVX2
+
+
+cdef void _pack(const float[:, ::1] w, float[:, :, ::1] wp) noexcept nogil:
+    cdef int64_t K = w.shape[0], N = w.shape[1]
+    cdef int64_t nblk = (K + 15) // 16, t, b0, b1
+    cdef int nt = okv_threads()
+    if K * N < PAR_MIN:
+        nt = 1
+    if nt > nblk:
+        nt = <int>nblk
+    for t in prange(nt, num_threads=nt, schedule='static'):
+        b0 = nblk * t // nt
+        b1 = nblk * (t + 1) // nt
+        okv_mmp_pack_rows(&w[0, 0], K, N, &wp[0, 0, 0], b0 * 16, K if b1 * 16 > K else b1 * 16)
+
+
+def pack_weight(w):
+    """The packed layout of a MatMul weight, for ``matmul_packed``.
+
+    w: [K, N] float32, C-contiguous, native byte order (ONNX MatMul layout).
+    Returns a new float32 array wp [P, K, 16] with P = ceil(N / 16): wp[p, k, j]
+    is w[k, 16 p + j], zero where 16 p + j >= N.  Each panel wp[p] is one
+    contiguous block and the array starts on a 64-byte boundary (every wp[p, k]
+    is one cache line).  The caller owns the result; w is only read.  Raises
+    ValueError naming ``w`` for a bad argument.
+    """
+    V.array("w", w, (V.F32,), ndim=2)
+    Kd, N = w.shape
+    P = (N + PANEL - 1) // PANEL
+    n = P * Kd * PANEL
+    buf = np.empty(n + PANEL, np.float32)
+    off = (-buf.ctypes.data % 64) // 4
+    wp = buf[off:off + n].reshape(P, Kd, PANEL)
+    if n:
+        _pack(w, wp)
+    return wp
+
+
+cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
+                         float[:, ::1] out) noexcept nogil:
+    cdef int64_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
+    cdef int64_t P = wp.shape[0], t
+    cdef int isa = _packed_isa()
+    cdef int nt = okv_threads()
+    if M * K * N < PAR_MIN:
+        nt = 1
+    if nt > P:
+        nt = <int>P
+    if nt == 1:
+        okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], 0, P, isa)
         return
-    cdef const float[::1] bv
-    cdef const float *bp = NULL
-    if bias is not None:
-        bv = bias
-        bp = &bv[0]
-    _matmul(x, w, bp, out)
+    for t in prange(nt, num_threads=nt, schedule='static'):
+        okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], P * t // nt, P * (t + 1) // nt,
+                              isa)
+
+
+def matmul_packed(x, wp, out, bias=None):
+    """out = x @ w (+ bias) with w given packed by ``pack_weight``; float32.
+
+    x: [M, K]; wp: [ceil(N / 16), K, 16] (``pack_weight(w)`` of w [K, N]); out:
+    [M, N]; bias: optional [N]; all float32, C-contiguous, native byte order.
+    ``out`` must not overlap x, wp or bias.  Any M is correct; the kernel is
+    built for few rows (the weights are read once per call and each thread
+    streams a contiguous range of panels).  Each output element is summed in
+    the same order whatever the thread count.  Raises ValueError naming the
+    argument before writing.
+    """
+    V.array("x", x, (V.F32,), ndim=2)
+    V.array("wp", wp, (V.F32,), ndim=3)
+    M, Kd = x.shape
+    if wp.shape[1:] != (Kd, PANEL):
+        raise ValueError(f"wp: expected shape (P, {Kd}, {PANEL}) (pack_weight of a [{Kd}, N] weight), "
+                         f"got {wp.shape}")
+    V.array("out", out, (V.F32,), ndim=2, writeable=True)
+    N = out.shape[1]
+    if out.shape[0] != M or wp.shape[0] != (N + PANEL - 1) // PANEL:
+        raise ValueError(f"out: expected shape ({M}, N) with ceil(N / {PANEL}) == {wp.shape[0]} "
+                         f"(wp.shape[0]), got {out.shape}")
+    if _check_bias_overlap_empty(x, wp, "wp", out, bias):
+        _matmul_packed(x, wp, _data_or_null(bias), out)

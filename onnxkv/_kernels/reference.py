@@ -145,6 +145,22 @@ def matmul_rows(x, w, out, bias=None):
     out[...] = r.astype(out.dtype)
 
 
+def pack_weight(w, panel=16):
+    """w [K, N] -> [ceil(N / panel), K, panel]: wp[p, k, j] = w[k, panel * p + j], zero past N."""
+    k, n = w.shape
+    p = -(-n // panel)
+    padded = np.zeros((k, p * panel), w.dtype)
+    padded[:, :n] = w
+    return np.ascontiguousarray(padded.reshape(k, p, panel).transpose(1, 0, 2))
+
+
+def matmul_packed(x, wp, out, bias=None):
+    """out = x @ w (+ bias) for wp = pack_weight(w), w [K, out.shape[1]]; float64 sums."""
+    n = out.shape[1]
+    w = wp.transpose(1, 0, 2).reshape(wp.shape[1], -1)[:, :n]
+    matmul_rows(x, w, out, bias)
+
+
 def f32_from_bf16(u):
     """bfloat16 bit patterns (uint16) -> float32 (exact: the bits become the
     upper half of the float32)."""

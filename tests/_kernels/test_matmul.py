@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 import onnxkv._kernels as K
+from onnxkv._kernels import matmul as MM
 from onnxkv._kernels import reference as R
 
 from .conftest import rand
@@ -56,17 +57,23 @@ def test_matmul_rows_threads_agree(simd):
     # (segment widths differ between 1 and 2 threads; each column's sum order does not)
     rng = np.random.default_rng(3)
     x, w, b = rand(rng, (3, 1024)), rand(rng, (1024, 1000)), rand(rng, (1000,))
+    one, two = outputs_by_threads(lambda o: K.matmul_rows(x, w, o, b), (3, 1000))
+    np.testing.assert_array_equal(one, two)
+
+
+def outputs_by_threads(call, shape):
+    """[out with 1 thread, out with 2 threads] of call(out) for a fresh float32 out each time."""
     outs = []
     old = K.get_num_threads()
     try:
         for nt in (1, 2):
             K.set_num_threads(nt)
-            o = np.empty((3, 1000), np.float32)
-            K.matmul_rows(x, w, o, b)
+            o = np.empty(shape, np.float32)
+            call(o)
             outs.append(o)
     finally:
         K.set_num_threads(old)
-    np.testing.assert_array_equal(outs[0], outs[1])
+    return outs
 
 
 def test_matmul_rows_readonly_inputs_and_empty():
@@ -136,3 +143,126 @@ def test_matmul_rows_wide(M, threads, simd):
     rng = np.random.default_rng(M + 11)
     N, Kd = 8197, 37
     check(rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,)))
+
+
+# -- packed weights (pack_weight / matmul_packed) -------------------------------------------------
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa(request):
+    """Tiles used by matmul_packed: AVX-512 (skipped where the CPU lacks it), AVX2, scalar."""
+    K.set_simd_enabled(request.param != "scalar")
+    if MM.set_packed_avx512(request.param == "avx512") != (request.param == "avx512"):
+        pytest.skip("CPU without AVX-512F")
+    yield request.param
+    K.set_simd_enabled(True)
+    MM.set_packed_avx512(True)
+
+
+def check_packed(x, w, bias=None):
+    M, Kd = x.shape
+    N = w.shape[1]
+    wp = MM.pack_weight(w)
+    out, want = np.full((M, N), np.nan, np.float32), np.empty((M, N), np.float32)
+    MM.matmul_packed(x, wp, out, bias)
+    R.matmul_packed(x, R.pack_weight(w), want, bias)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(max(Kd, 1)))
+
+
+@pytest.mark.parametrize("Kd,N", [(1, 7), (7, 1), (15, 17), (17, 15), (100, 1023), (1023, 100), (33, 16)])
+def test_pack_weight(Kd, N):
+    """Same values as the NumPy twin (padding zero), each panel line on a 64-byte boundary."""
+    rng = np.random.default_rng(Kd * 7 + N)
+    w = rand(rng, (Kd, N))
+    w.flags.writeable = False
+    wp = MM.pack_weight(w)
+    assert wp.shape == (-(-N // 16), Kd, 16) and wp.dtype == np.float32 and wp.flags.c_contiguous
+    assert wp.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(wp, R.pack_weight(w))
+
+
+@pytest.mark.parametrize("Kd,N", [(1, 7), (7, 1), (15, 17), (17, 15), (100, 1023), (1023, 100)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("M", range(1, 17))
+def test_matmul_packed(M, Kd, N, threads, isa):
+    rng = np.random.default_rng([M, Kd, N])
+    x, w, b = rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,))
+    check_packed(x, w)
+    check_packed(x, w, b)
+
+
+@pytest.mark.parametrize("M", [17, 23, 40, 70])
+@pytest.mark.parametrize("Kd", [255, 600])
+def test_matmul_packed_many_rows(M, Kd, threads, isa):
+    """More rows than one register tile: k-chunks (partial sums kept in out) and row-tile tails."""
+    rng = np.random.default_rng([M, Kd])
+    N = 50
+    check_packed(rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,)))
+
+
+def test_matmul_packed_exact_small_integers(isa):
+    """Small integers sum exactly in float32 whatever the order: bit-exact result."""
+    rng = np.random.default_rng(8)
+    for M in (1, 4, 19):
+        x = rng.integers(-3, 4, (M, 515)).astype(np.float32)
+        w = rng.integers(-3, 4, (515, 77)).astype(np.float32)
+        b = rng.integers(-3, 4, 77).astype(np.float32)
+        out = np.empty((M, 77), np.float32)
+        MM.matmul_packed(x, MM.pack_weight(w), out, b)
+        np.testing.assert_array_equal(out, x.astype(np.float64) @ w + b)
+
+
+def test_matmul_packed_threads_agree(isa):
+    """1 and 2 threads split panels, not sums: identical results."""
+    rng = np.random.default_rng(4)
+    x, w, b = rand(rng, (5, 1024)), rand(rng, (1024, 1000)), rand(rng, (1000,))
+    wp = MM.pack_weight(w)
+    one, two = outputs_by_threads(lambda o: MM.matmul_packed(x, wp, o, b), (5, 1000))
+    np.testing.assert_array_equal(one, two)
+
+
+def test_matmul_packed_empty():
+    rng = np.random.default_rng(2)
+    b = rand(rng, (5,))
+    out = np.full((2, 5), np.nan, np.float32)
+    MM.matmul_packed(np.empty((2, 0), np.float32), MM.pack_weight(np.empty((0, 5), np.float32)), out, b)
+    np.testing.assert_array_equal(out, np.broadcast_to(b, (2, 5)))
+    MM.matmul_packed(np.empty((2, 0), np.float32), MM.pack_weight(np.empty((0, 5), np.float32)), out)
+    np.testing.assert_array_equal(out, 0)
+    wp = MM.pack_weight(rand(rng, (9, 5)))
+    MM.matmul_packed(np.empty((0, 9), np.float32), wp, np.empty((0, 5), np.float32))
+    MM.matmul_packed(rand(rng, (2, 9)), MM.pack_weight(np.empty((9, 0), np.float32)), np.empty((2, 0), np.float32))
+
+
+def test_matmul_packed_bad_args():
+    f = np.float32
+    x, b = np.ones((2, 8), f), np.ones(20, f)
+    wp = MM.pack_weight(np.ones((8, 20), f))
+    out = np.full((2, 20), 3.0, f)
+    cases = [
+        ("x", lambda: MM.matmul_packed(x.astype(np.float64), wp, out)),
+        ("x", lambda: MM.matmul_packed(np.ones(8, f), wp, out)),
+        ("wp", lambda: MM.matmul_packed(x, np.ones((8, 20), f), out)),
+        ("wp", lambda: MM.matmul_packed(x, MM.pack_weight(np.ones((7, 20), f)), out)),
+        ("wp", lambda: MM.matmul_packed(x, np.ones((2, 8, 8), f), out)),
+        ("out", lambda: MM.matmul_packed(x, wp, np.ones((2, 33), f))),
+        ("out", lambda: MM.matmul_packed(x, wp, np.ones((2, 16), f))),
+        ("out", lambda: MM.matmul_packed(x, wp, np.ones((3, 20), f))),
+        ("out", lambda: MM.matmul_packed(x, wp, np.ones((2, 20), np.float64))),
+        ("bias", lambda: MM.matmul_packed(x, wp, out, np.ones(21, f))),
+        ("bias", lambda: MM.matmul_packed(x, wp, out, b.astype(np.float64))),
+        ("w", lambda: MM.pack_weight(np.ones((8, 20), np.float64))),
+        ("w", lambda: MM.pack_weight(np.ones(8, f))),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=name):
+            call()
+    assert np.all(out == 3.0)
+    buf = np.arange(40, dtype=f)
+    with pytest.raises(ValueError, match="out: must not overlap x"):
+        MM.matmul_packed(buf[:16].reshape(2, 8), wp, buf[:40].reshape(2, 20))
+    np.testing.assert_array_equal(buf, np.arange(40, dtype=f))
+    ro = np.zeros((2, 20), f)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out"):
+        MM.matmul_packed(x, wp, ro)
+    assert np.all(ro == 0)

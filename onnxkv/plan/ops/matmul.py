@@ -1,28 +1,98 @@
 """MatMul and Gemm.
 
-Decode-sized products (at most ``SMALL_M`` rows against a 2-D float32 weight)
-run in the compiled ``matmul_rows`` kernel, inside onnxkv's own OpenMP pool;
-larger ones go to NumPy's BLAS.  Both use the session's thread setting.
+A MatMul whose weight (input 1) is a 2-D float32 initializer packs it once,
+when the kernel object is built, into the panel layout of
+``onnxkv._kernels.matmul.pack_weight`` and keeps only that copy: the plan's
+own reference to the initializer stays, but for a weight mapped from external
+data (``np.memmap``) the pages read while packing are released again, so the
+weights are resident once.  Products against the packed weight with at most
+``BLAS_M`` rows run in the compiled ``matmul_packed`` kernel (onnxkv's OpenMP
+pool); larger ones (long prefills) use NumPy's BLAS, unpacking the weight
+``BLAS_COLS`` columns at a time into a temporary [K, BLAS_COLS] array.
+
+Other 2-D float32 weights (computed at run time) use the ``matmul_rows``
+kernel for at most ``SMALL_M`` rows and BLAS above.  All paths use the
+session's thread setting.
 """
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
+import onnx
 
 from onnxkv import _kernels as K
+from onnxkv._kernels.matmul import matmul_packed, pack_weight
 from onnxkv.plan.ops._util import broadcast_shape
+from onnxkv.plan.registry import BuildContext, Op, register
 
-#: Up to this many rows a MatMul with a 2-D float32 weight uses the compiled kernel.
+#: Up to this many rows a MatMul with a run-time 2-D float32 weight uses ``matmul_rows``.
 SMALL_M = 16
-from onnxkv.plan.registry import Op, register
+#: Up to this many rows a MatMul with a packed (initializer) weight uses ``matmul_packed``.
+BLAS_M = 256
+#: Columns of the packed weight unpacked at a time for a BLAS product (a multiple of 16).
+BLAS_COLS = 2048
+
+
+def _release_pages(w: np.ndarray) -> None:
+    """Drop this process's resident pages of ``w`` if it is a read-only file
+    mapping (its packed copy replaces it for the op; any later reader faults
+    the pages back in from the file).  Anything else is left alone."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    mapping = getattr(w, "_mmap", None)
+    if isinstance(w, np.memmap) and w.mode == "r" and advice is not None and hasattr(mapping, "madvise"):
+        mapping.madvise(advice)
 
 
 @register("MatMul")
 class MatMul(Op):
-    """ONNX MatMul (numpy.matmul semantics); 2-D weights use one GEMM over all rows."""
+    """ONNX MatMul (numpy.matmul semantics); 2-D weights use one GEMM over all rows.
+
+    Attributes:
+        packed: the packed weight ([ceil(N/16), K, 16] float32, owned by this
+            object, read-only) when input 1 is a non-empty 2-D float32
+            initializer, else None.
+    """
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        w = ctx.constant(node.input[1]) if len(node.input) > 1 else None
+        self.packed: np.ndarray | None = None
+        self._n = 0
+        if isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32 and w.size:
+            self.packed = pack_weight(np.ascontiguousarray(w))
+            self.packed.flags.writeable = False
+            self._n = w.shape[1]
+            _release_pages(w)
+
+    def _blas(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out [M, N] = x [M, K] @ w through BLAS, w unpacked BLAS_COLS columns at a time."""
+        p, k, nr = self.packed.shape
+        step = BLAS_COLS // nr
+        tmp = np.empty((k, min(p, step), nr), np.float32)
+        flat = tmp.reshape(k, -1)
+        for p0 in range(0, p, step):
+            p1 = min(p, p0 + step)
+            n0, n1 = p0 * nr, min(self._n, p1 * nr)
+            np.copyto(tmp[:, : p1 - p0], self.packed[p0:p1].transpose(1, 0, 2))
+            np.matmul(x, flat[:, : n1 - n0], out=out[:, n0:n1])
+
+    def _run_packed(self, a: np.ndarray, rt) -> np.ndarray:
+        k = self.packed.shape[1]
+        out = rt.empty(0, a.shape[:-1] + (self._n,), np.float32)
+        x = np.ascontiguousarray(a).reshape(-1, k)
+        o = out.reshape(-1, self._n)
+        if x.shape[0] <= BLAS_M:
+            matmul_packed(x, self.packed, o)
+        else:
+            self._blas(x, o)
+        return out
 
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
+        if self.packed is not None and a.dtype == np.float32 and a.ndim >= 1 and a.shape[-1] == self.packed.shape[1]:
+            return (self._run_packed(a, rt),)
         if a.ndim >= 2 and b.ndim == 2 and a.flags.c_contiguous:
             if a.shape[-1] != b.shape[0]:
                 raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and {b.shape} do not align")

@@ -1,0 +1,90 @@
+"""MatMul with an initializer weight: packed once at build time, same results as np.matmul."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxkv
+from onnxkv import Session
+from onnxkv.plan.ops import matmul as matmul_op
+from onnxkv.plan.ops.matmul import BLAS_M, MatMul
+
+F = np.float32
+
+
+def weight_model(w: np.ndarray, x_rank: int = 2) -> onnx.ModelProto:
+    """y = MatMul(x, w) with w an initializer and x of rank x_rank (last dim symbolic)."""
+    dims = ["B", "S", "K"][-x_rank:]
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def matmul_kernel(session: Session) -> MatMul:
+    (kernel,) = [k for k in session.plan.kernels if isinstance(k, MatMul)]
+    return kernel
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("Kd,N", [(64, 100), (33, 16), (100, 7)])
+def test_initializer_weight_is_packed(Kd, N, threads):
+    rng = np.random.default_rng([Kd, N])
+    w = rng.standard_normal((Kd, N)).astype(F)
+    session = Session(weight_model(w), threads=threads)
+    kernel = matmul_kernel(session)
+    assert kernel.packed is not None and kernel.packed.shape == (-(-N // 16), Kd, 16)
+    for M in [*range(1, 17), 17, 40, BLAS_M + 1]:
+        x = rng.standard_normal((M, Kd)).astype(F)
+        got = session.run({"x": x})["y"]
+        assert got.shape == (M, N) and got.dtype == F
+        np.testing.assert_allclose(got, np.matmul(x.astype(np.float64), w), rtol=1e-5, atol=1e-4)
+
+
+def test_batched_and_vector_inputs():
+    """Leading batch dims are flattened into rows; a 1-D input gives a 1-D result."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((24, 40)).astype(F)
+    x3 = rng.standard_normal((3, 5, 24)).astype(F)
+    got = Session(weight_model(w, x_rank=3), threads=1).run({"x": x3})["y"]
+    np.testing.assert_allclose(got, np.matmul(x3, w), rtol=1e-5, atol=1e-5)
+    x1 = rng.standard_normal(24).astype(F)
+    got = Session(weight_model(w, x_rank=1), threads=1).run({"x": x1})["y"]
+    assert got.shape == (40,)
+    np.testing.assert_allclose(got, np.matmul(x1, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_rows_still_raise():
+    w = np.random.default_rng(6).standard_normal((8, 4)).astype(F)
+    session = Session(weight_model(w), threads=1)
+    with pytest.raises(onnxkv.errors.OperatorError, match=r"shapes \(2, 9\) and \(8, 4\) do not align"):
+        session.run({"x": np.ones((2, 9), F)})
+
+
+def test_external_weight_packed_from_memmap(tmp_path):
+    """A weight mapped from external data is packed; results match np.matmul."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((300, 70)).astype(F)
+    path = tmp_path / "m.onnx"
+    onnx.save(weight_model(w), str(path), save_as_external_data=True, location="m.data", size_threshold=0)
+    model = onnxkv.load(path)
+    session = Session(model, threads=1)
+    assert matmul_kernel(session).packed is not None
+    for M in (1, 4, 16):
+        x = rng.standard_normal((M, 300)).astype(F)
+        np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_many_rows_unpack_in_column_chunks(monkeypatch):
+    """Above BLAS_M rows the weight is unpacked a few panels at a time (last chunk partial)."""
+    monkeypatch.setattr(matmul_op, "BLAS_COLS", 32)
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((40, 100)).astype(F)
+    session = Session(weight_model(w), threads=1)
+    x = rng.standard_normal((BLAS_M + 3, 40)).astype(F)
+    np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w), rtol=1e-5, atol=1e-4)
