@@ -214,6 +214,7 @@ class Plan:
         self.nodes = kept_nodes
         self.kernels = kernels
         self.folded_nodes = len(nodes) - len(kept_nodes)
+        self._drop_absorbed(constants)
 
         for name in constants:
             slot(name)
@@ -245,6 +246,17 @@ class Plan:
         self._steps = [(k.run, i, o) for k, i, o in zip(kernels, in_idx, out_idx)]
 
     # -- build helpers -------------------------------------------------
+    def _drop_absorbed(self, constants: dict) -> None:
+        """Forget constants every reader captured at build time (``Op.absorbed_inputs``): kept as None."""
+        absorbed: dict[str, bool] = {}
+        for node, kernel in zip(self.nodes, self.kernels):
+            for pos, x in enumerate(node.input):
+                if x in constants:
+                    absorbed[x] = absorbed.get(x, True) and pos in kernel.absorbed_inputs
+        for name, all_readers in absorbed.items():
+            if all_readers and name not in self.output_names:
+                constants[name] = None
+
     def _make_kernel(self, node: onnx.NodeProto) -> Op:
         dom = DOMAIN_ALIASES.get(node.domain, node.domain)
         cls = lookup(dom, node.op_type, self.opsets.get(dom, 0))

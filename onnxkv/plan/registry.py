@@ -102,6 +102,9 @@ class BuildContext:
 class Op:
     """Base class of kernel objects (see the module docstring for the contract)."""
 
+    #: Input positions whose build-time constant the kernel captured (e.g. a packed weight): the
+    #: plan drops its own copy when every reader absorbs it, and passes None for them at run time.
+    absorbed_inputs: tuple[int, ...] = ()
     #: Input positions whose storage the outputs may share (views).
     view_inputs: tuple[int, ...] = ()
     #: Set by :func:`register`.

@@ -64,6 +64,7 @@ class MatMul(Op):
             self.packed = pack_weight(np.ascontiguousarray(w))
             self.packed.flags.writeable = False
             self._n = w.shape[1]
+            self.absorbed_inputs = (1,)  # the plan may drop its own copy of the weight
             _release_pages(w)
 
     def _blas(self, x: np.ndarray, out: np.ndarray) -> None:
@@ -91,7 +92,10 @@ class MatMul(Op):
 
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
-        if self.packed is not None and a.dtype == np.float32 and a.ndim >= 1 and a.shape[-1] == self.packed.shape[1]:
+        if self.packed is not None:
+            if a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != self.packed.shape[1]:
+                raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and ({self.packed.shape[1]}, {self._n}) "
+                                 f"do not align (A must be float32 [..., {self.packed.shape[1]}], got {a.dtype})")
             return (self._run_packed(a, rt),)
         if a.ndim >= 2 and b.ndim == 2 and a.flags.c_contiguous:
             if a.shape[-1] != b.shape[0]:

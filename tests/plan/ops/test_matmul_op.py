@@ -88,3 +88,28 @@ def test_many_rows_unpack_in_column_chunks(monkeypatch):
     session = Session(weight_model(w), threads=1)
     x = rng.standard_normal((BLAS_M + 3, 40)).astype(F)
     np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w), rtol=1e-5, atol=1e-4)
+
+
+def test_plan_drops_its_copy_of_an_absorbed_weight():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((32, 24)).astype(F)
+    session = Session(weight_model(w), threads=1)
+    plan = session.plan
+    assert plan._template[plan.slot_of["w"]] is None  # only the packed copy remains
+    x = rng.standard_normal((3, 32)).astype(F)
+    np.testing.assert_allclose(session.run({"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)
+    with pytest.raises(onnxkv.OperatorError, match="do not align"):
+        session.run({"x": rng.standard_normal((3, 31)).astype(F)})
+
+
+def test_a_weight_read_elsewhere_is_kept():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((8, 8)).astype(F)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), helper.make_node("Add", ["y", "w"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 8])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                              initializer=[numpy_helper.from_array(w, "w")])
+    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), threads=1)
+    assert session.plan._template[session.plan.slot_of["w"]] is not None
+    x = rng.standard_normal((8, 8)).astype(F)
+    np.testing.assert_allclose(session.run({"x": x})["z"], x @ w + w, rtol=1e-5, atol=1e-5)
