@@ -114,3 +114,38 @@ def page_tables(block_tables, read, block_size, pages, alignment=64):
             what = "0 (no page)" if a[k] == 0 else f"{int(a[k]):#x}, not {alignment}-byte aligned"
             raise ValueError(f"{name}: page {int(ids[k])} (block_tables row {b}, block {i}) is read but its "
                              f"address is {what}")
+
+
+U8 = np.dtype(np.uint8)
+# bits per element of the page formats (ONNX TensorProto element type codes):
+# float32, float16, bfloat16, uint8, int8, uint4, int4, uint2, int2
+FORMAT_BITS = {1: 32, 10: 16, 16: 16, 2: 8, 3: 8, 21: 4, 22: 4, 25: 2, 26: 2}
+FLOAT_FORMATS = frozenset((1, 10, 16))
+
+
+def page_formats(name, formats, n_pages, head_size):
+    """Check a per-page format table: uint8 [n_pages] of FORMAT_BITS codes, each
+    present format packing a token's head_size codes into whole bytes
+    (head_size * bits % 8 == 0)."""
+    array(name, formats, (U8,), shape=(n_pages,))
+    present = np.unique(formats)
+    for code in present.tolist():
+        if code not in FORMAT_BITS:
+            page = int(np.argmax(formats == code))
+            raise ValueError(f"{name}: page {page} has format code {code}, expected one of "
+                             f"{sorted(FORMAT_BITS)} (ONNX element types float32, uint8, int8, float16, "
+                             "bfloat16, uint4, int4, uint2, int2)")
+        if head_size * FORMAT_BITS[code] % 8:
+            raise ValueError(f"{name}: format code {code} ({FORMAT_BITS[code]} bits) needs head_size * bits to be "
+                             f"a multiple of 8, got head_size {head_size}")
+    return formats
+
+
+def scale_group(name, group, head_size):
+    """Check a quantized plane's scale groups per head: 1 (per-head) or head_size (per-channel)."""
+    if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(group).__name__}")
+    if group not in (1, head_size):
+        raise ValueError(f"{name}: must be 1 (per-head scales) or the head size {head_size} (per-channel), "
+                         f"got {group}")
+    return int(group)

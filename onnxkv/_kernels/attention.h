@@ -24,6 +24,13 @@
  * inner loops (F16C vcvtph2ps / zero-extend + shift left 16 on the AVX2 path,
  * the bit-exact scalar conversions of simd.h on the scalar path); all math
  * (scores, running max, sum, accumulator) is float32.
+ *
+ * Per-page formats (paged only, k_fmt / v_fmt != NULL): page id p of the K
+ * (V) plane has the format k_fmt[p] (v_fmt[p]), an ONNX element type code of
+ * the quantized page layout (float32, float16, bfloat16, uint8, int8, uint4,
+ * int4, uint2, int2; attention_quant.h), with kG (vG) scale groups per head.
+ * Each tile is loaded by its page's format: codes are dequantized,
+ * (q - zp) * scale, in the load step -- no float copy of a page exists.
  */
 #ifndef ONNXKV_ATTENTION_H
 #define ONNXKV_ATTENTION_H
@@ -54,6 +61,8 @@ typedef struct {
     int prefetch;  /* software prefetch of the next K/V block: 0 off, 1 into L1, 2 into L2 */
     int prefill_rg; /* row-group width (1..8) of work units with several query tokens */
     int64_t hpu;    /* KV heads per work unit: 1, or Hkv (paged decode: a unit reads whole pages) */
+    const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
+    int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -62,13 +71,33 @@ typedef struct {
 #define OKV_INLINE static inline
 #endif
 
-/* The K/V data of one KV head in one page: keys [start, end) at k, v, token
- * stride D elements.  (A per-page format -- quantized with scale and zero
- * point -- would be described here and dispatched on in the unit's load step.) */
+/* The K/V data of one KV head (hk) in one page: keys [start, end), key start
+ * of head hk at k (v), kst (vst) bytes from one key's row to the next, khs
+ * (vhs) bytes from head hk's rows to head hk+1's.  kf, vf: the formats
+ * (OKV_FMT_* codes; only set by okv_attn_qpage).  Quantized pages: ksc, kzp
+ * (vsc, vzp) point at head hk's scales / zero points in the page header;
+ * NULL for float pages. */
 typedef struct {
-    const void *k, *v;
-    int64_t start, end;
+    const char *k, *v;
+    int64_t start, end, kst, vst, khs, vhs;
+    int kf, vf;
+    const float *ksc, *kzp, *vsc, *vzp;
 } okv_kv_page;
+
+/* Dequantization parameters of one head of a quantized page: s, z its
+ * scales / zero points (kG or vG of them); s1, z1 = s[0], z[0]. */
+typedef struct {
+    const float *s, *z;
+    float s1, z1;
+} okv_dq;
+
+/* Rows a tile function software-prefetches while it works: n rows of K at k
+ * (ks bytes apart) and of V at v (vs bytes apart); hint 2: into L2, else L1. */
+typedef struct {
+    const char *k, *v;
+    int64_t ks, vs, n;
+    int hint;
+} okv_pf;
 
 /* The page holding key j of (b, hk); esz: bytes per element.  Contiguous caches
  * are one page [0, Cap).  Paged: reads one block table entry (that of key j). */
@@ -82,13 +111,16 @@ OKV_INLINE okv_kv_page okv_attn_page(const okv_attn_args *a, int64_t b, int64_t 
         pg.v = (const char *)(uintptr_t)a->v_pages[id] + off;
         pg.start = blk * a->bs;
         pg.end = pg.start + a->bs;
+        pg.khs = pg.vhs = a->bs * a->D * (int64_t)esz;
     } else {
         const size_t off = (size_t)((b * a->Hkv + hk) * a->Cap * a->D) * esz;
         pg.k = (const char *)a->k + off;
         pg.v = (const char *)a->v + off;
         pg.start = 0;
         pg.end = a->Cap;
+        pg.khs = pg.vhs = a->Cap * a->D * (int64_t)esz;
     }
+    pg.kst = pg.vst = a->D * (int64_t)esz;
     return pg;
 }
 
@@ -106,14 +138,17 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 }
 
 /* One instantiation of attention_impl.h per (instruction set, K/V element type).
- * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p): one element as
- * float; OKV_LD8(p): 8 elements as __m256 (AVX2 only). */
+ * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p, d): element d of
+ * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 only).
+ * Then attention_quant.h: the quantized formats' tile functions and the unit
+ * of per-page formats. */
 #define OKV_SFX _scalar
 #define OKV_ATTR
+#define OKV_RS(D) (D)
 
 #define OKV_KT f32
 #define OKV_KT_T float
-#define OKV_LD1(p) (*(p))
+#define OKV_LD1(p, d) ((p)[d])
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_KT_T
@@ -121,7 +156,7 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 
 #define OKV_KT f16
 #define OKV_KT_T uint16_t
-#define OKV_LD1(p) okv_h2f_scalar(*(p))
+#define OKV_LD1(p, d) okv_h2f_scalar((p)[d])
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_KT_T
@@ -129,11 +164,14 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 
 #define OKV_KT bf16
 #define OKV_KT_T uint16_t
-#define OKV_LD1(p) okv_bf2f_scalar(*(p))
+#define OKV_LD1(p, d) okv_bf2f_scalar((p)[d])
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_KT_T
 #undef OKV_LD1
+#undef OKV_RS
+
+#include "attention_quant.h"
 
 #undef OKV_SFX
 #undef OKV_ATTR
@@ -142,11 +180,12 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 #define OKV_SFX _avx2
 #define OKV_ATTR OKV_AVX2
 #define OKV_SIMD_BODY 1
+#define OKV_RS(D) (D)
 
 #define OKV_KT f32
 #define OKV_KT_T float
-#define OKV_LD1(p) (*(p))
-#define OKV_LD8(p) _mm256_loadu_ps(p)
+#define OKV_LD1(p, d) ((p)[d])
+#define OKV_LD8(p, i) _mm256_loadu_ps((p) + (i))
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_KT_T
@@ -155,8 +194,8 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 
 #define OKV_KT f16
 #define OKV_KT_T uint16_t
-#define OKV_LD1(p) okv_h2f_scalar(*(p))
-#define OKV_LD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define OKV_LD1(p, d) okv_h2f_scalar((p)[d])
+#define OKV_LD8(p, i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + (i))))
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_KT_T
@@ -165,13 +204,16 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 
 #define OKV_KT bf16
 #define OKV_KT_T uint16_t
-#define OKV_LD1(p) okv_bf2f_scalar(*(p))
-#define OKV_LD8(p) okv_bf16x8_to_ps(p)
+#define OKV_LD1(p, d) okv_bf2f_scalar((p)[d])
+#define OKV_LD8(p, i) okv_bf16x8_to_ps((p) + (i))
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_KT_T
 #undef OKV_LD1
 #undef OKV_LD8
+#undef OKV_RS
+
+#include "attention_quant.h"
 
 #undef OKV_SIMD_BODY
 #undef OKV_SFX
@@ -190,24 +232,27 @@ static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63
 
 /* Work unit (b, KV heads [hk0, hk0+a->hpu), query tokens [t0, t1), keys [c0, c1)); see attention_impl.h.
  * ws: okv_attn_ws_floats(hpu*G*(t1-t0), D) floats.  part (or NULL): head hk0+h's
- * partial state block at part + h*pstride. */
-static void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
-                          int64_t c1, float *ws, float *part, int64_t pstride, int simd) {
+ * partial state block at part + h*pstride.  Returns the bytes of quantized
+ * codes and header entries it loaded (0 without per-page formats). */
+static int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
+                             int64_t c1, float *ws, float *part, int64_t pstride, int simd) {
     const int64_t nh = a->hpu;
 #if OKV_X86_SIMD
     if (simd) {
+        if (a->k_fmt) return okv_attn_unit_mixed_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
         switch (a->kv_type) {
-        case OKV_KV_F16: okv_attn_unit_f16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
-        case OKV_KV_BF16: okv_attn_unit_bf16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
-        default: okv_attn_unit_f32_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
+        case OKV_KV_F16: return okv_attn_unit_f16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+        case OKV_KV_BF16: return okv_attn_unit_bf16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+        default: return okv_attn_unit_f32_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
         }
     }
 #endif
     (void)simd;
+    if (a->k_fmt) return okv_attn_unit_mixed_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
     switch (a->kv_type) {
-    case OKV_KV_F16: okv_attn_unit_f16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
-    case OKV_KV_BF16: okv_attn_unit_bf16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
-    default: okv_attn_unit_f32_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); return;
+    case OKV_KV_F16: return okv_attn_unit_f16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+    case OKV_KV_BF16: return okv_attn_unit_bf16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+    default: return okv_attn_unit_f32_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
     }
 }
 
@@ -231,9 +276,10 @@ static void okv_attn_range(const okv_attn_args *a, int64_t b, int64_t *lo, int64
 /* Work unit i of a cache-split run: unit u = i / nchunks (batch b, KV heads
  * [hk0, hk0 + hpu)), chunk c = i % nchunks of that batch's visible key range;
  * writes the partial state of (b, hk) to parts + ((b*Hkv + hk)*nchunks + c) *
- * okv_attn_part_floats(R, D) (R = G*Sq), the layout okv_attn_merge reads. */
-static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts,
-                                int simd) {
+ * okv_attn_part_floats(R, D) (R = G*Sq), the layout okv_attn_merge reads.
+ * Returns okv_attn_unit's count of quantized bytes loaded. */
+static int64_t okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts,
+                                   int simd) {
     const int64_t G = a->Hq / a->Hkv, R = G * a->Sq, u = i / nchunks, c = i % nchunks, upb = a->Hkv / a->hpu;
     const int64_t b = u / upb, hk0 = (u % upb) * a->hpu, psz = okv_attn_part_floats(R, a->D);
     int64_t lo, hi, cs, c0, c1;
@@ -247,8 +293,8 @@ static void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchun
     }
     if (c1 > hi) c1 = hi;
     if (c0 > c1) c0 = c1;
-    okv_attn_unit(a, b, hk0, 0, a->Sq, c0, c1, ws, parts + ((b * a->Hkv + hk0) * nchunks + c) * psz, nchunks * psz,
-                  simd);
+    return okv_attn_unit(a, b, hk0, 0, a->Sq, c0, c1, ws, parts + ((b * a->Hkv + hk0) * nchunks + c) * psz,
+                         nchunks * psz, simd);
 }
 
 /* Merge nchunks partial states of one (b, hk) group (R = G*Sq rows) and write

@@ -14,7 +14,7 @@ into chunks whose (max, sum, acc) states are merged exactly.  Paged decode
 heads, reading each page (head-major) front to back: one short run per head
 and page would leave the hardware prefetchers restarting every few KiB.
 """
-from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport malloc, free
 from libc.math cimport isfinite
 from cython.parallel cimport prange
@@ -44,6 +44,9 @@ cdef extern from "attention.h" nogil:
         int prefetch
         int prefill_rg
         int64_t hpu
+        const uint8_t *k_fmt
+        const uint8_t *v_fmt
+        int64_t kG, vG
     int OKV_BK
     int OKV_KV_F32
     int OKV_KV_F16
@@ -52,10 +55,11 @@ cdef extern from "attention.h" nogil:
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
     int64_t okv_attn_part_floats(int64_t R, int64_t D)
     float *okv_align64(float *p)
-    void okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
-                       int64_t c1, float *ws, float *part, int64_t pstride, int simd)
+    int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
+                          int64_t c1, float *ws, float *part, int64_t pstride, int simd)
     void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const float *parts, int64_t nchunks)
-    void okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts, int simd)
+    int64_t okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts,
+                                int simd)
     int okv_thread_num()
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
@@ -68,14 +72,17 @@ DEF SERIAL_MERGE_FLOATS = 1 << 18  # partial-state floats up to which the split 
 DEF MULTI_HEAD_MIN_KEYS = 512
 
 
-cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
+cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd, int64_t *stats) noexcept nogil:
+    """Query tiles of whole units; stats[0] += quantized bytes loaded,
+    stats[1] = bytes of workspace allocated."""
     cdef int64_t G = a.Hq // a.Hkv, upb = a.Hkv // a.hpu, units = a.B * upb, ntiles = (a.Sq + tq - 1) // tq
-    cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(a.hpu * G * tq, a.D)
+    cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(a.hpu * G * tq, a.D), nb = 0
     cdef float *ws0
     cdef float *ws
     if ntask < nt:
         nt = <int>ntask
-    ws0 = <float *>malloc(<size_t>(wsz * nt + 16) * sizeof(float))
+    stats[1] = (wsz * nt + 16) * sizeof(float)
+    ws0 = <float *>malloc(<size_t>stats[1])
     if ws0 == NULL:
         return -1
     ws = okv_align64(ws0)
@@ -85,14 +92,17 @@ cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd) noexcept nogil:
         t1 = t0 + tq
         if t1 > a.Sq:
             t1 = a.Sq
-        okv_attn_unit(a, u // upb, (u % upb) * a.hpu, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz, NULL, 0,
-                      simd)
+        nb += okv_attn_unit(a, u // upb, (u % upb) * a.hpu, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz, NULL,
+                            0, simd)
+    stats[0] += nb
     free(ws0)
     return 0
 
 
-cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept nogil:
-    cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, R = G * a.Sq
+cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd, int64_t *stats) noexcept nogil:
+    """Cache-split chunks merged exactly; stats as in _tiles (the workspace
+    includes the partial states)."""
+    cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, R = G * a.Sq, nb = 0
     cdef int64_t ntask = a.B * (a.Hkv // a.hpu) * nchunks, i, u
     cdef int64_t wsz = okv_attn_ws_floats(a.hpu * R, a.D), psz = okv_attn_part_floats(R, a.D)
     cdef float *ws0
@@ -101,6 +111,7 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept no
     cdef float *parts
     ws0 = <float *>malloc(<size_t>(wsz * nt + 16) * sizeof(float))
     parts0 = <float *>malloc(<size_t>(psz * units * nchunks + 16) * sizeof(float))
+    stats[1] = (wsz * nt + psz * units * nchunks + 32) * sizeof(float)
     if ws0 == NULL or parts0 == NULL:
         free(ws0)
         free(parts0)
@@ -108,7 +119,8 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd) noexcept no
     ws = okv_align64(ws0)
     parts = okv_align64(parts0)
     for i in prange(ntask, num_threads=nt, schedule='dynamic'):
-        okv_attn_split_task(a, i, nchunks, ws + okv_thread_num() * wsz, parts, simd)
+        nb += okv_attn_split_task(a, i, nchunks, ws + okv_thread_num() * wsz, parts, simd)
+    stats[0] += nb
     if units * nchunks * psz <= SERIAL_MERGE_FLOATS:
         # small merge: on this thread, sparing a second wake-up of the team
         # (costly when a co-tenant holds one of the cores)
@@ -328,16 +340,22 @@ cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64
     a.window = window
     a.kv_type = kv_type
     a.hpu = 1
+    a.k_fmt = NULL
+    a.v_fmt = NULL
+    a.kG = 1
+    a.vG = 1
 
 
-cdef _run(okv_attn_args *a, int64_t maxlen, str api):
+cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
     """Run the work units of a fully described call: query tiles of whole
     (b, KV head) groups (all KV heads of b in one unit for paged decode), or
     cache-split chunks merged exactly when the units do not fill the threads.
-    maxlen: the longest kv_len."""
+    maxlen: the longest kv_len.  Returns {"dequantized_bytes": quantized codes
+    and header bytes loaded, "workspace_peak_bytes": workspace allocated}."""
     a.prefetch = _prefetch
     a.prefill_rg = _prefill_rg
     cdef int nt = okv_threads(), simd = okv_simd(), rc
+    cdef int64_t stats[2]
     cdef int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, Sq = a.Sq, D = a.D
     cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1
     # Paged decode: one unit takes every KV head of its keys, so it reads each
@@ -358,19 +376,25 @@ cdef _run(okv_attn_args *a, int64_t maxlen, str api):
             nchunks = max(nchunks, min((_split_tasks * nt + units - 1) // units, maxlen // SPLIT_MIN_KEYS))
         if a.hpu > 1:   # few multi-head units: several chunks per thread for the dynamic schedule to balance
             nchunks = max(nchunks, min((MULTI_HEAD_TASKS * nt + units - 1) // units, maxlen // MULTI_HEAD_MIN_KEYS))
+    stats[0] = 0
+    stats[1] = 0
     if nchunks > 1:
         with nogil:
-            rc = _split(a, nchunks, nt, simd)
+            rc = _split(a, nchunks, nt, simd, stats)
     else:
         tq = max(1, min(Sq, OKV_MAX_TQ, ROW_BUDGET // G))
         with nogil:
-            rc = _tiles(a, tq, nt, simd)
+            rc = _tiles(a, tq, nt, simd, stats)
     if rc != 0:
         raise MemoryError(f"{api}: could not allocate the workspace")
+    return {"dequantized_bytes": int(stats[0]), "workspace_peak_bytes": int(stats[1])}
+
+
+_FORMAT_CODES = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                    window, out, *, kv_dtype=None):
+                    window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1):
     """Causal streaming attention of q over a paged KV cache; writes ``out``.
 
     Same math, masking and result as :func:`attention` on the same keys laid out
@@ -399,10 +423,28 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     scale, softcap, window: as in :func:`attention`
     kv_dtype     None or "float32" (float32 pages), "float16", "bfloat16"
                  (uint16 bit patterns); keyword only.
-    Every check (shapes, dtypes, and for every row the table entries the call
-    reads: page ids in range, nonzero 64-byte aligned addresses) raises
-    ValueError (TypeError for a non-integer block_size / kv_heads) naming the
-    argument before anything is written.
+    k_formats,   None (every page of that plane is kv_dtype) or uint8 [P]: the
+    v_formats    format of each page id, an ONNX element type code -- 1
+                 float32, 10 float16, 16 bfloat16, 2 uint8, 3 int8, 21 uint4,
+                 22 int4, 25 uint2, 26 int2 -- with the quantized page layout
+                 (docs: a header of float32 scale[kv_heads*G] and
+                 zero_point[kv_heads*G] padded to 64 bytes, then per head and
+                 token D codes packed low bits first; value = (code - zp) *
+                 scale).  Formats may differ from page to page and between K
+                 and V; each tile is dequantized in the load step of its
+                 page's format (no float copy of any page).  Every present
+                 format needs D*bits % 8 == 0.  Keyword only.
+    k_group,     G of the quantized pages of that plane: 1 (one scale / zero
+    v_group      point per head) or D (per head and channel).  Keyword only.
+    Every check (shapes, dtypes, format codes, groups, and for every row the
+    table entries the call reads: page ids in range, nonzero 64-byte aligned
+    addresses) raises ValueError (TypeError for a non-integer block_size /
+    kv_heads / group) naming the argument before anything is written.
+
+    Returns {"dequantized_bytes": bytes of quantized codes and header entries
+    the work units loaded (each once per unit; 0 without quantized pages),
+    "workspace_peak_bytes": bytes of the per-thread workspaces (and partial
+    states of a cache split) the call allocated} -- for the event log.
     """
     V.array("q", q, (V.F32,), ndim=4)
     B, Hq, Sq, D = q.shape
@@ -424,14 +466,31 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     scale, softcap, window = _scalars(scale, softcap, window)
     read = V.paged_blocks_read(kv_len32, q_pos32, window, bs, M)
     V.page_tables(block_tables, read, bs, {"k_pages": k_pages, "v_pages": v_pages})
+    per_page = k_formats is not None or v_formats is not None
+    if per_page:
+        P = k_pages.shape[0]
+        fmts = {}
+        for name, f in (("k_formats", k_formats), ("v_formats", v_formats)):
+            fmts[name] = (np.full(P, _FORMAT_CODES[kvname], np.uint8) if f is None
+                          else V.page_formats(name, f, P, D))
+        kG = V.scale_group("k_group", k_group, D)
+        vG = V.scale_group("v_group", v_group, D)
     if out.size == 0:
-        return
+        return {"dequantized_bytes": 0, "workspace_peak_bytes": 0}
 
     cdef const uint64_t[::1] kp
     cdef const uint64_t[::1] vp
     cdef const int32_t[:, ::1] tv
+    cdef const uint8_t[::1] kfv
+    cdef const uint8_t[::1] vfv
     cdef okv_attn_args a
     _init_args(&a, q, out, kv_len32, q_pos32, Hkv, M * bs, scale, softcap, window, _KV_TYPES[kvname])
+    if per_page and P:
+        kfv = fmts["k_formats"]
+        vfv = fmts["v_formats"]
+        a.k_fmt = &kfv[0]
+        a.v_fmt = &vfv[0]
+        a.kG, a.vG = kG, vG
     if k_pages.size:
         kp = k_pages
         vp = v_pages
@@ -441,4 +500,4 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     tv = block_tables if M else np.full((B, 1), -1, np.int32)
     a.block_tables = &tv[0, 0]
     a.M, a.bs = M, bs
-    _run(&a, int(kv_len32.max()), "paged_attention")
+    return _run(&a, int(kv_len32.max()), "paged_attention")

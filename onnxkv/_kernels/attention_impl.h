@@ -1,10 +1,20 @@
 /* onnxkv/_kernels/attention_impl.h -- body of one attention work unit.
  *
- * Included once per (instruction set, K/V element type) by attention.h with
+ * Included once per (instruction set, K/V element format) by attention.h and
+ * attention_quant.h with
  *   OKV_SFX   _scalar | _avx2          OKV_ATTR  target attribute (or empty)
- *   OKV_KT    f32 | f16 | bf16         OKV_KT_T  float | uint16_t
- *   OKV_LD1(p) one element as float    OKV_LD8(p) 8 elements as __m256 (AVX2)
+ *   OKV_KT    f32 | f16 | bf16 | quantized format + scale mode (attention_quant.h) | mixed
+ *   OKV_KT_T  storage unit: float | uint16_t | uint8_t (packed codes)
+ *   OKV_RS(D) storage units from one token's row to the next (D, or D*bits/8 bytes)
+ *   OKV_LD1(p, d) element d of the row at p as float32 (dequantized with *dq)
+ *   OKV_LD8(p, i) elements i..i+7 of the row at p as __m256 (AVX2 only; i % 8 == 0)
+ *   OKV_DQ_INIT   (optional) locals the loaders of a quantized format use, from dq
  *   OKV_SIMD_BODY defined for the AVX2 instantiations.
+ *   OKV_TILES_ONLY: only the tile functions (okv_qk_rows, okv_pv_rows), no unit.
+ *   OKV_MIXED: only the unit, for per-page formats: every tile dispatches to the
+ *     tile functions of its page's format (okv_qk_fmt / okv_pv_fmt of
+ *     attention_quant.h) and the unit returns the bytes of quantized codes and
+ *     header entries it loaded.
  *
  * A work unit is (batch b, kv heads [hk0, hk0+nh), query tokens [t0, t1), keys
  * [c0, c1)).  Per KV head hk, the G = Hq/Hkv query heads of the group and the
@@ -14,8 +24,9 @@
  * (tiles) of up to OKV_BK keys that never straddle a page (okv_attn_page: one
  * page lookup per page; a contiguous cache is one page) and start at a key
  * some token of the unit sees, so keys and pages no token sees are skipped and
- * their page table entries never read.  A per-page element format would be
- * dispatched per tile.  Inside a block the rows are taken in row groups (up
+ * their page table entries never read.  With per-page formats (OKV_MIXED) the
+ * page's format, read once per page by okv_attn_qpage, selects the tile
+ * loader of every tile of that page.  Inside a block the rows are taken in row groups (up
  * to OKV_RG = 8 rows for decode, a->prefill_rg = 4 rows when the unit has
  * several query tokens), and for each
  * row group every K row and every V row of the block is loaded (and converted
@@ -28,7 +39,11 @@
  * current one is scored.
  * Online softmax per row (running max, sum and accumulator in float32).
  *
+ * K/V tile functions take dq (scale / zero point of the head in a quantized
+ * page; unused for float formats) and pf (the rows to software-prefetch).
  * ws: float workspace of at least nh*R*(D + OKV_BK + 2) floats.
+ * Returns the bytes of quantized codes and header entries loaded (OKV_MIXED;
+ * 0 for the single-format units).
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
  * part != NULL: write the unnormalised partial state per row of head hk0+h as
  *               part[h*pstride + r*(D+2) + 0] = running max, [1] = sum,
@@ -43,43 +58,46 @@
 /* name + element type + instruction set */
 #define OKV_F(name) OKV_CAT3(name, OKV_KT, OKV_SFX)
 
+#ifndef OKV_MIXED
+#ifndef OKV_DQ_INIT
+#define OKV_DQ_DEFAULT
+#define OKV_DQ_INIT (void)dq;
+#endif
 #ifdef OKV_SIMD_BODY
 /* ---- AVX2: scores of nr <= 8 rows against n keys (rows padded to NRP in
  * {1, 2, 4, 8}; 8/NRP keys per step so that 8 accumulators are live and one
  * transposing reduction yields 8 dot products). */
 OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
-                                            float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
-                                            int64_t npf, int pfhint, const int NRP) {
+                                            float scale, float *s, const okv_dq *dq, const okv_pf *pf,
+                                            const int NRP) {
     const int KJ = 8 / NRP;
-    const int64_t Dv = D & ~(int64_t)7, rowb = D * (int64_t)sizeof(OKV_KT_T);
+    const int64_t Dv = D & ~(int64_t)7, npf = pf->n;
     int64_t j, i, d;
     int kk, r;
     float tmp[8];
+    OKV_DQ_INIT
     for (j = 0; j < n; j += KJ) {
         const OKV_KT_T *kp[8];
         __m256 acc[8];
-        for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * D;
+        for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
         /* software prefetch of the next block's K and V rows: the streams cross
          * a 4 KiB page every few rows, where the hardware prefetcher restarts. */
         for (kk = 0; kk < KJ; kk++)
             if (j + kk < npf) {
-                const char *pk = (const char *)(pfk + (j + kk) * D), *pv = (const char *)(pfv + (j + kk) * D);
+                const char *pk = pf->k + (j + kk) * pf->ks, *pv = pf->v + (j + kk) * pf->vs;
                 int64_t o;
-                if (pfhint >= 2)
-                    for (o = 0; o < rowb; o += 64) {
-                        _mm_prefetch(pk + o, _MM_HINT_T1);
-                        _mm_prefetch(pv + o, _MM_HINT_T1);
-                    }
-                else
-                    for (o = 0; o < rowb; o += 64) {
-                        _mm_prefetch(pk + o, _MM_HINT_T0);
-                        _mm_prefetch(pv + o, _MM_HINT_T0);
-                    }
+                if (pf->hint >= 2) {
+                    for (o = 0; o < pf->ks; o += 64) _mm_prefetch(pk + o, _MM_HINT_T1);
+                    for (o = 0; o < pf->vs; o += 64) _mm_prefetch(pv + o, _MM_HINT_T1);
+                } else {
+                    for (o = 0; o < pf->ks; o += 64) _mm_prefetch(pk + o, _MM_HINT_T0);
+                    for (o = 0; o < pf->vs; o += 64) _mm_prefetch(pv + o, _MM_HINT_T0);
+                }
             }
         for (r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (i = 0; i < Dv; i += 8) {
             __m256 kv[8];
-            for (kk = 0; kk < KJ; kk++) kv[kk] = OKV_LD8(kp[kk] + i);
+            for (kk = 0; kk < KJ; kk++) kv[kk] = OKV_LD8(kp[kk], i);
             for (r = 0; r < NRP; r++) {          /* one q chunk live at a time */
                 const __m256 qv = _mm256_loadu_ps(qr[r] + i);
                 for (kk = 0; kk < KJ; kk++) acc[kk * NRP + r] = _mm256_fmadd_ps(qv, kv[kk], acc[kk * NRP + r]);
@@ -103,7 +121,7 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
             if (j + kk >= n) break;
             for (r = 0; r < nr; r++) {
                 float x = tmp[kk * NRP + r];
-                for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk] + d);
+                for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk], d);
                 s[r * OKV_BK + j + kk] = x * scale;
             }
         }
@@ -111,32 +129,33 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
 }
 
 OKV_ATTR static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
-                                        float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv,
-                                        int64_t npf, int pfhint) {
+                                        float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
     const float *q8[8];
     int r;
     for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
-    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 1);
-    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 2);
-    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 4);
-    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, pfk, pfv, npf, pfhint, 8);
+    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 1);
+    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 2);
+    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 4);
+    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 8);
 }
 
 /* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
  * 8-float chunks per pass: NR*NC accumulators in registers, each V chunk loaded
  * and converted once and used by every row. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
-                                            float *const *accr, int64_t i0, int64_t i1, const int NR, const int NC) {
+                                            float *const *accr, int64_t i0, int64_t i1, const okv_dq *dq,
+                                            const int NR, const int NC) {
     int64_t i, j;
     int r, c;
+    OKV_DQ_INIT
     for (i = i0; i + 8 * NC <= i1; i += 8 * NC) {
         __m256 acc[8][8];
         for (r = 0; r < NR; r++)
             for (c = 0; c < NC; c++) acc[r][c] = _mm256_loadu_ps(accr[r] + i + 8 * c);
         for (j = 0; j < n; j++) {
-            const OKV_KT_T *vj = v + j * D + i;
+            const OKV_KT_T *vj = v + j * OKV_RS(D);
             __m256 vv[8];
-            for (c = 0; c < NC; c++) vv[c] = OKV_LD8(vj + 8 * c);
+            for (c = 0; c < NC; c++) vv[c] = OKV_LD8(vj, i + 8 * c);
             for (r = 0; r < NR; r++) {
                 __m256 pr = _mm256_broadcast_ss(p + r * OKV_BK + j);
                 for (c = 0; c < NC; c++) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
@@ -148,55 +167,56 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, i
 }
 
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
-                                          float *const *accr, const int NR, const int NC) {
+                                          float *const *accr, const okv_dq *dq, const int NR, const int NC) {
     const int64_t Dv = D & ~(int64_t)7, Dw = Dv - Dv % (8 * NC);
     int64_t j, d;
     int r;
-    OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, NR, NC);
-    if (Dw < Dv) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dv, NR, 1);
+    OKV_DQ_INIT
+    OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, dq, NR, NC);
+    if (Dw < Dv) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dv, dq, NR, 1);
     if (Dv < D)
         for (j = 0; j < n; j++)
             for (d = Dv; d < D; d++) {
-                float x = OKV_LD1(v + j * D + d);
+                float x = OKV_LD1(v + j * OKV_RS(D), d);
                 for (r = 0; r < NR; r++) accr[r][d] += p[r * OKV_BK + j] * x;
             }
 }
 
 OKV_ATTR static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D,
-                                        float *const *accr) {
+                                        float *const *accr, const okv_dq *dq) {
     switch (nr) {
-    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, 1, 8); break;
-    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, 2, 4); break;
-    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, 3, 2); break;
-    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, 4, 2); break;
-    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, 5, 1); break;
-    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, 6, 1); break;
-    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, 7, 1); break;
-    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, 8, 1); break;
+    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, 8); break;
+    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, 4); break;
+    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, 2); break;
+    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, 2); break;
+    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, 1); break;
+    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, 1); break;
+    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, 1); break;
+    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, 1); break;
     }
 }
 
 #else
 /* ---- scalar: each K element converted once, used by all nr rows. */
 static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
-                               float scale, float *s, const OKV_KT_T *pfk, const OKV_KT_T *pfv, int64_t npf,
-                               int pfhint) {
+                               float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
     int64_t j, d;
     int r;
-    (void)pfk; (void)pfv; (void)npf; (void)pfhint;
+    (void)pf;
+    OKV_DQ_INIT
     for (j = 0; j < n; j++) {
-        const OKV_KT_T *kj = k + j * D;
+        const OKV_KT_T *kj = k + j * OKV_RS(D);
         float a0[OKV_RG], a1[OKV_RG];
         for (r = 0; r < nr; r++) { a0[r] = 0.f; a1[r] = 0.f; }
         for (d = 0; d + 2 <= D; d += 2) {
-            const float x0 = OKV_LD1(kj + d), x1 = OKV_LD1(kj + d + 1);
+            const float x0 = OKV_LD1(kj, d), x1 = OKV_LD1(kj, d + 1);
             for (r = 0; r < nr; r++) {
                 a0[r] += qr[r][d] * x0;
                 a1[r] += qr[r][d + 1] * x1;
             }
         }
         if (d < D) {
-            const float x0 = OKV_LD1(kj + d);
+            const float x0 = OKV_LD1(kj, d);
             for (r = 0; r < nr; r++) a0[r] += qr[r][d] * x0;
         }
         for (r = 0; r < nr; r++) s[r * OKV_BK + j] = (a0[r] + a1[r]) * scale;
@@ -204,30 +224,36 @@ static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k
 }
 
 /* each V element converted once, used by all nr rows */
-static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D, float *const *accr) {
+static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D, float *const *accr,
+                               const okv_dq *dq) {
     int64_t j, d;
     int r;
+    OKV_DQ_INIT
     for (j = 0; j < n; j++) {
-        const OKV_KT_T *vj = v + j * D;
+        const OKV_KT_T *vj = v + j * OKV_RS(D);
         float pj[OKV_RG];
         for (r = 0; r < nr; r++) pj[r] = p[r * OKV_BK + j];
         for (d = 0; d < D; d++) {
-            const float x = OKV_LD1(vj + d);
+            const float x = OKV_LD1(vj, d);
             for (r = 0; r < nr; r++) accr[r][d] += pj[r] * x;
         }
     }
 }
 #endif
+#endif /* !OKV_MIXED */
 
-OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, int64_t t0,
+#ifndef OKV_TILES_ONLY
+OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, int64_t t0,
                                           int64_t t1, int64_t c0, int64_t c1, float *ws, float *part,
                                           int64_t pstride) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, nt = t1 - t0, R = G * nt, RT = nh * R;
     const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
-    /* elements from one KV head's row of a key to the next head's: inside a
-     * page, or in the contiguous cache */
-    const int64_t hstr = (a->block_tables ? a->bs : a->Cap) * D;
-    const size_t esz = sizeof(OKV_KT_T);
+#ifdef OKV_MIXED
+#define OKV_PAGE_AT(j) okv_attn_qpage(a, b, hk0, j)
+    int64_t nbytes = 0;               /* quantized codes and header entries loaded */
+#else
+#define OKV_PAGE_AT(j) okv_attn_page(a, b, hk0, j, sizeof(OKV_KT_T))
+#endif
     okv_kv_page pg, pf;               /* page of the current tile, page of the prefetched tile */
     float *acc = ws;                  /* RT*D */
     float *sc = acc + RT * D;         /* OKV_RG*OKV_BK used (RT*OKV_BK reserved) */
@@ -261,25 +287,34 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
     /* Tiles of up to OKV_BK keys inside one page, each starting at a key some
      * token sees: keys (and pages) no token sees are skipped. */
     for (j0 = okv_next_seen(lo, hi, nt, jlo); j0 < jhi; j0 = okv_next_seen(lo, hi, nt, j1)) {
-        int64_t npf = 0;
-        const OKV_KT_T *kt, *vt, *pfk = NULL, *pfv = NULL;
-        if (j0 >= pg.end || j0 < pg.start)
-            pg = j0 >= pf.start && j0 < pf.end ? pf : okv_attn_page(a, b, hk0, j0, esz);
+        okv_pf pft = {NULL, NULL, 0, 0, 0, a->prefetch};   /* the next tile's rows */
+        const char *kt, *vt;
+        if (j0 >= pg.end || j0 < pg.start) {
+            pg = j0 >= pf.start && j0 < pf.end ? pf : OKV_PAGE_AT(j0);
+#ifdef OKV_MIXED
+            nbytes += nh * ((pg.ksc ? 2 * a->kG : 0) + (pg.vsc ? 2 * a->vG : 0)) * (int64_t)sizeof(float);
+#endif
+        }
         j1 = j0 + OKV_BK;
         if (j1 > pg.end) j1 = pg.end;
         if (j1 > jhi) j1 = jhi;
-        kt = (const OKV_KT_T *)pg.k + (j0 - pg.start) * D;    /* head hk0, key j at kt + (j - j0)*D */
-        vt = (const OKV_KT_T *)pg.v + (j0 - pg.start) * D;
+        kt = pg.k + (j0 - pg.start) * pg.kst;    /* head hk0, key j at kt + (j - j0)*kst */
+        vt = pg.v + (j0 - pg.start) * pg.vst;
+#ifdef OKV_MIXED
+        nbytes += nh * (j1 - j0) * ((pg.ksc ? pg.kst : 0) + (pg.vsc ? pg.vst : 0));
+#endif
         if (a->prefetch) {   /* the tile pfd tiles ahead, if some token sees its first key */
             const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
             if (p0 < jhi && okv_next_seen(lo, hi, nt, p0) == p0) {
                 if (p0 >= pf.end || p0 < pf.start)
-                    pf = p0 >= pg.start && p0 < pg.end ? pg : okv_attn_page(a, b, hk0, p0, esz);
-                npf = OKV_BK;
-                if (npf > pf.end - p0) npf = pf.end - p0;
-                if (npf > jhi - p0) npf = jhi - p0;
-                pfk = (const OKV_KT_T *)pf.k + (p0 - pf.start) * D;
-                pfv = (const OKV_KT_T *)pf.v + (p0 - pf.start) * D;
+                    pf = p0 >= pg.start && p0 < pg.end ? pg : OKV_PAGE_AT(p0);
+                pft.n = OKV_BK;
+                if (pft.n > pf.end - p0) pft.n = pf.end - p0;
+                if (pft.n > jhi - p0) pft.n = jhi - p0;
+                pft.k = pf.k + (p0 - pf.start) * pf.kst;
+                pft.v = pf.v + (p0 - pf.start) * pf.vst;
+                pft.ks = pf.kst;
+                pft.vs = pf.vst;
             }
         }
         /* The heads in memory order: in a page, head hk0+h+1's rows follow
@@ -288,11 +323,17 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
          * (after the last head: the next tile's). */
         for (h = 0; h < nh; h++) {
             const int64_t hk = hk0 + h, last = h + 1 == nh;
-            const OKV_KT_T *kh = kt + h * hstr, *vh = vt + h * hstr;
-            const OKV_KT_T *fk = last ? pfk : kh + hstr, *fv = last ? pfv : vh + hstr;
-            const int64_t nf = last ? npf : a->prefetch ? j1 - j0 : 0;
+            const char *kh = kt + h * pg.khs, *vh = vt + h * pg.vhs;
+            const okv_pf pfh = {kh + pg.khs, vh + pg.vhs, pg.kst, pg.vst, a->prefetch ? j1 - j0 : 0, a->prefetch};
+            const okv_pf nopf = {NULL, NULL, 0, 0, 0, 0};
+            const okv_pf *pfp = last ? &pft : &pfh;
             float *acch = acc + h * R * D, *mxh = mx + h * R, *smh = sm + h * R;
             int64_t rg;
+#ifdef OKV_MIXED
+            const okv_dq dk = okv_dq_head(pg.ksc, pg.kzp, h * a->kG), dv = okv_dq_head(pg.vsc, pg.vzp, h * a->vG);
+#else
+            const okv_dq *dq0 = NULL;
+#endif
             for (rg = 0; rg < R; rg += rgw) {
                 const int nr = (int)(R - rg < rgw ? R - rg : rgw);
                 const float *qr[OKV_RG];
@@ -313,8 +354,13 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                 if (u0 >= u1) continue;
                 n = u1 - u0;
                 /* the prefetch by the first row group only */
-                OKV_F(okv_qk_rows)(qr, nr, kh + (u0 - j0) * D, n, D, scale, sc, fk, fv, rg == 0 ? nf : 0,
-                                   a->prefetch);
+#ifdef OKV_MIXED
+                OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, n, D, scale, sc, &dk,
+                                  rg == 0 ? pfp : &nopf);
+#else
+                OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), n, D, scale, sc, dq0,
+                                   rg == 0 ? pfp : &nopf);
+#endif
                 for (i = 0; i < nr; i++) {
                     int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0;
                     int64_t a1 = hi[tt] < u1 ? hi[tt] : u1;
@@ -339,7 +385,11 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                     }
                     smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                 }
-                OKV_F(okv_pv_rows)(sc, nr, vh + (u0 - j0) * D, n, D, accr);
+#ifdef OKV_MIXED
+                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, &dv);
+#else
+                OKV_F(okv_pv_rows)(sc, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, dq0);
+#endif
             }
         }
     }
@@ -366,7 +416,18 @@ OKV_ATTR static void OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, int
                 }
             }
         }
+#ifdef OKV_MIXED
+    return nbytes;
+#else
+    return 0;
+#endif
 }
+#undef OKV_PAGE_AT
+#endif /* !OKV_TILES_ONLY */
 
+#ifdef OKV_DQ_DEFAULT
+#undef OKV_DQ_DEFAULT
+#undef OKV_DQ_INIT
+#endif
 #undef OKV_F
 #undef OKV_I

@@ -187,8 +187,34 @@ def f32_to_bf16(x, out):
     out[...] = bf16_from_f32(x)
 
 
+# page formats (ONNX element type codes) -> (bits, signed) of quantized formats
+_QUANT_FORMATS = {2: (8, False), 3: (8, True), 21: (4, False), 22: (4, True), 25: (2, False), 26: (2, True)}
+_FLOAT_FORMATS = {1: "float32", 10: "float16", 16: "bfloat16"}
+
+
+def _dequantize_page(payload, fmt, heads, block_size, head_size, group):
+    """float32 [heads, block_size, head_size] of one quantized page payload
+    (bytes: the header float32 scale[heads*group], zero_point[heads*group]
+    padded to 64 bytes, then per head and token the codes packed low bits
+    first; value = (code - zero_point) * scale, the layout of pageformat.md)."""
+    bits, signed = _QUANT_FORMATS[int(fmt)]
+    raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+    n = heads * group
+    hdr = -(-(8 * n) // 64) * 64
+    sc = raw[:4 * n].view(np.float32).reshape(heads, 1, group)
+    zp = raw[4 * n:8 * n].view(np.float32).reshape(heads, 1, group)
+    nbytes = heads * block_size * head_size * bits // 8
+    packed = raw[hdr:hdr + nbytes]
+    per = 8 // bits
+    codes = ((packed[:, None] >> (np.arange(per, dtype=np.uint8) * bits)[None, :]) & ((1 << bits) - 1)).astype(np.int32)
+    codes = codes.reshape(heads, block_size, head_size)
+    if signed:
+        codes = np.where(codes >= 1 << (bits - 1), codes - (1 << bits), codes)
+    return ((codes.astype(np.float32) - zp) * sc).astype(np.float32)
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                    window, out, *, kv_dtype=None):
+                    window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1):
     """NumPy twin of the compiled ``paged_attention`` (same arguments, same result).
 
     NumPy cannot dereference addresses, so ``k_pages`` / ``v_pages`` are the
@@ -200,12 +226,29 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     float32 cache -- the other blocks stay zero and are never looked at -- and
     :func:`attention` computes the result.  A read block whose entry is not a
     page raises ValueError.
+
+    Per-page formats (k_formats / v_formats uint8 [P] codes, k_group /
+    v_group): a page of a float format is an array [kv_heads, block_size, D]
+    of its storage dtype (float32, float16, uint16 bfloat16 bits); a page of
+    a quantized format is its payload (uint8 bytes, header then codes),
+    dequantized by _dequantize_page.  Returns None (the compiled kernel's
+    counters have no twin).
     """
     from ._validate import paged_blocks_read
 
     B, Hq, Sq, D = q.shape
     M, bs = block_tables.shape[1], int(block_size)
     read = paged_blocks_read(kv_len, q_pos, int(window), bs, M)
+
+    def page_f32(pages, pid, formats, group):
+        page = pages[pid]
+        if formats is None:
+            return kv_to_f32(page, kv_dtype)
+        fmt = int(formats[pid])
+        if fmt in _FLOAT_FORMATS:
+            return kv_to_f32(page, _FLOAT_FORMATS[fmt])
+        return _dequantize_page(page, fmt, kv_heads, bs, D, group)
+
     for b in range(B):
         nblk = -(-int(kv_len[b]) // bs)
         kc = np.zeros((1, kv_heads, nblk * bs, D), np.float32)
@@ -214,8 +257,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
             pid = int(block_tables[b, i])
             if not 0 <= pid < len(k_pages) or k_pages[pid] is None or v_pages[pid] is None:
                 raise ValueError(f"block_tables: row {b}, block {i} is read but maps to no page ({pid})")
-            kc[0, :, i * bs:(i + 1) * bs] = kv_to_f32(k_pages[pid], kv_dtype)
-            vc[0, :, i * bs:(i + 1) * bs] = kv_to_f32(v_pages[pid], kv_dtype)
+            kc[0, :, i * bs:(i + 1) * bs] = page_f32(k_pages, pid, k_formats, k_group)
+            vc[0, :, i * bs:(i + 1) * bs] = page_f32(v_pages, pid, v_formats, v_group)
         attention(q[b:b + 1], kc, vc, np.asarray(kv_len[b:b + 1]), np.asarray(q_pos[b:b + 1]), scale, softcap,
                   window, out[b:b + 1])
 

@@ -1,0 +1,218 @@
+/* onnxkv/_kernels/attention_quant.h -- per-page formats for the paged attention
+ * kernel: page layout helpers, per-format tile loaders, and the work unit that
+ * dispatches each tile to the loader of its page's format.
+ *
+ * Included by attention.h once per instruction set (OKV_SFX, OKV_ATTR,
+ * OKV_SIMD_BODY set); the first part is compiled once.
+ *
+ * Page layout (the shared contract with the quantize kernels): a float page
+ * (float32 / float16 / bfloat16) is [H, bs, D] elements, head-major.  A
+ * quantized page is a header -- float32 scale[H*G] then float32
+ * zero_point[H*G] (index h*G + g), zero-padded to a multiple of 64 bytes --
+ * followed by the codes: for head h, token t, D codes packed low bits first
+ * into D*bits/8 bytes (signed codes two's complement in their width); head h's
+ * codes start at header + h*bs*D*bits/8.  Element (h, t, c) is
+ * (code - zero_point[h*G + g]) * scale[h*G + g], g = 0 (G = 1, per-head) or c
+ * (G = D, per-channel).
+ *
+ * Loaders: element d of a row as float32 (okv_raw_<fmt>, every instruction
+ * set), and elements i..i+7 as __m256 (okv_<fmt>x8, AVX2: 8-bit codes by
+ * sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
+ * variable shifts).  The scale and zero point are applied by the loader
+ * macros of the tile instantiation (attention_qfmt.h), in registers.
+ */
+#ifndef ONNXKV_ATTENTION_QUANT_ONCE
+#define ONNXKV_ATTENTION_QUANT_ONCE
+
+/* ONNX TensorProto element type codes of the page formats */
+#define OKV_FMT_F32 1
+#define OKV_FMT_U8 2
+#define OKV_FMT_I8 3
+#define OKV_FMT_F16 10
+#define OKV_FMT_BF16 16
+#define OKV_FMT_U4 21
+#define OKV_FMT_I4 22
+#define OKV_FMT_U2 25
+#define OKV_FMT_I2 26
+
+/* Bits per element of a format code (the caller has checked the code). */
+static inline int64_t okv_fmt_bits(int f) {
+    switch (f) {
+    case OKV_FMT_F16: case OKV_FMT_BF16: return 16;
+    case OKV_FMT_U8: case OKV_FMT_I8: return 8;
+    case OKV_FMT_U4: case OKV_FMT_I4: return 4;
+    case OKV_FMT_U2: case OKV_FMT_I2: return 2;
+    default: return 32;
+    }
+}
+
+static inline int okv_fmt_quantized(int f) { return okv_fmt_bits(f) <= 8; }
+
+/* Header bytes of a quantized page with H heads and G scale groups per head. */
+static inline int64_t okv_qhdr_bytes(int64_t H, int64_t G) { return (2 * H * G * (int64_t)sizeof(float) + 63) & ~(int64_t)63; }
+
+/* One plane of page address addr, format f, G groups: head hk's data at *p,
+ * *st bytes per token row, *hs bytes per head; header entries of head hk at
+ * *sc / *zp (NULL for float pages). */
+static inline void okv_qplane(const okv_attn_args *a, uint64_t addr, int f, int64_t G, int64_t hk, const char **p,
+                              int64_t *st, int64_t *hs, const float **sc, const float **zp) {
+    const char *base = (const char *)(uintptr_t)addr;
+    *st = a->D * okv_fmt_bits(f) / 8;
+    *hs = a->bs * *st;
+    if (okv_fmt_quantized(f)) {
+        const float *hdr = (const float *)base;
+        *sc = hdr + hk * G;
+        *zp = hdr + a->Hkv * G + hk * G;
+        base += okv_qhdr_bytes(a->Hkv, G);
+    } else {
+        *sc = *zp = NULL;
+    }
+    *p = base + hk * *hs;
+}
+
+/* okv_attn_page for per-page formats: the page holding key j of (b, hk),
+ * its formats read once from a->k_fmt / a->v_fmt. */
+static inline okv_kv_page okv_attn_qpage(const okv_attn_args *a, int64_t b, int64_t hk, int64_t j) {
+    okv_kv_page pg;
+    const int64_t blk = j / a->bs;
+    const int32_t id = a->block_tables[b * a->M + blk];
+    pg.kf = a->k_fmt[id];
+    pg.vf = a->v_fmt[id];
+    okv_qplane(a, a->k_pages[id], pg.kf, a->kG, hk, &pg.k, &pg.kst, &pg.khs, &pg.ksc, &pg.kzp);
+    okv_qplane(a, a->v_pages[id], pg.vf, a->vG, hk, &pg.v, &pg.vst, &pg.vhs, &pg.vsc, &pg.vzp);
+    pg.start = blk * a->bs;
+    pg.end = pg.start + a->bs;
+    return pg;
+}
+
+/* Dequantization parameters of head h (header offset off = h*G) of a page
+ * plane whose head-hk0 entries are at sc / zp; zeros for a float page. */
+static inline okv_dq okv_dq_head(const float *sc, const float *zp, int64_t off) {
+    okv_dq d = {NULL, NULL, 0.f, 0.f};
+    if (sc) {
+        d.s = sc + off;
+        d.z = zp + off;
+        d.s1 = d.s[0];
+        d.z1 = d.z[0];
+    }
+    return d;
+}
+
+/* element d of a row of codes, as float */
+static inline float okv_raw_u8(const uint8_t *p, int64_t d) { return (float)p[d]; }
+static inline float okv_raw_i8(const uint8_t *p, int64_t d) { return (float)(int8_t)p[d]; }
+static inline float okv_raw_u4(const uint8_t *p, int64_t d) { return (float)((p[d >> 1] >> ((d & 1) * 4)) & 15); }
+static inline float okv_raw_i4(const uint8_t *p, int64_t d) {
+    return (float)((((p[d >> 1] >> ((d & 1) * 4)) & 15) ^ 8) - 8);
+}
+static inline float okv_raw_u2(const uint8_t *p, int64_t d) { return (float)((p[d >> 2] >> ((d & 3) * 2)) & 3); }
+static inline float okv_raw_i2(const uint8_t *p, int64_t d) {
+    return (float)((((p[d >> 2] >> ((d & 3) * 2)) & 3) ^ 2) - 2);
+}
+
+#if OKV_X86_SIMD
+/* elements i..i+7 (i % 8 == 0) of a row of codes, as __m256 */
+OKV_INLINE OKV_AVX2 __m256 okv_u8x8(const uint8_t *p, int64_t i) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i))));
+}
+OKV_INLINE OKV_AVX2 __m256 okv_i8x8(const uint8_t *p, int64_t i) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i))));
+}
+/* 4-bit: the 4 bytes of codes i..i+7 broadcast, lane l shifted to code l */
+OKV_INLINE OKV_AVX2 __m256i okv_word4(const uint8_t *p, int64_t i) {
+    int32_t w;
+    memcpy(&w, p + (i >> 1), 4);
+    return _mm256_set1_epi32(w);
+}
+OKV_INLINE OKV_AVX2 __m256 okv_u4x8(const uint8_t *p, int64_t i) {
+    const __m256i v = _mm256_srlv_epi32(okv_word4(p, i), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+}
+OKV_INLINE OKV_AVX2 __m256 okv_i4x8(const uint8_t *p, int64_t i) {
+    const __m256i v = _mm256_sllv_epi32(okv_word4(p, i), _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28));
+}
+/* 2-bit: the 2 bytes of codes i..i+7 broadcast */
+OKV_INLINE OKV_AVX2 __m256i okv_word2(const uint8_t *p, int64_t i) {
+    uint16_t w;
+    memcpy(&w, p + (i >> 2), 2);
+    return _mm256_set1_epi32((int32_t)w);
+}
+OKV_INLINE OKV_AVX2 __m256 okv_u2x8(const uint8_t *p, int64_t i) {
+    const __m256i v = _mm256_srlv_epi32(okv_word2(p, i), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(3)));
+}
+OKV_INLINE OKV_AVX2 __m256 okv_i2x8(const uint8_t *p, int64_t i) {
+    const __m256i v = _mm256_sllv_epi32(okv_word2(p, i), _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16));
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 30));
+}
+#endif
+#endif /* ONNXKV_ATTENTION_QUANT_ONCE */
+
+/* ---- per instruction set: tile functions of every quantized format, with
+ * per-head (suffix h) and per-channel (suffix c) scales */
+#define OKV_QN u8
+#define OKV_QBITS 8
+#include "attention_qfmt.h"
+#define OKV_QN i8
+#define OKV_QBITS 8
+#include "attention_qfmt.h"
+#define OKV_QN u4
+#define OKV_QBITS 4
+#include "attention_qfmt.h"
+#define OKV_QN i4
+#define OKV_QBITS 4
+#include "attention_qfmt.h"
+#define OKV_QN u2
+#define OKV_QBITS 2
+#include "attention_qfmt.h"
+#define OKV_QN i2
+#define OKV_QBITS 2
+#include "attention_qfmt.h"
+
+#define OKV_QX(name) OKV_CAT(name, OKV_SFX)
+/* the quantized tile function `fn` of format F, per-channel or per-head by pc */
+#define OKV_QSEL(fn, F) (pc ? OKV_QX(fn##_##F##c) : OKV_QX(fn##_##F##h))
+
+/* Scores of nr rows against n keys of a tile in format fmt (see okv_qk_rows). */
+OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr, int nr, const char *k, int64_t n,
+                                        int64_t D, float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
+    const uint8_t *c = (const uint8_t *)k;
+    switch (fmt) {
+    case OKV_FMT_F16: OKV_QX(okv_qk_rows_f16)(qr, nr, (const uint16_t *)k, n, D, scale, s, dq, pf); return;
+    case OKV_FMT_BF16: OKV_QX(okv_qk_rows_bf16)(qr, nr, (const uint16_t *)k, n, D, scale, s, dq, pf); return;
+    case OKV_FMT_U8: OKV_QSEL(okv_qk_rows, u8)(qr, nr, c, n, D, scale, s, dq, pf); return;
+    case OKV_FMT_I8: OKV_QSEL(okv_qk_rows, i8)(qr, nr, c, n, D, scale, s, dq, pf); return;
+    case OKV_FMT_U4: OKV_QSEL(okv_qk_rows, u4)(qr, nr, c, n, D, scale, s, dq, pf); return;
+    case OKV_FMT_I4: OKV_QSEL(okv_qk_rows, i4)(qr, nr, c, n, D, scale, s, dq, pf); return;
+    case OKV_FMT_U2: OKV_QSEL(okv_qk_rows, u2)(qr, nr, c, n, D, scale, s, dq, pf); return;
+    case OKV_FMT_I2: OKV_QSEL(okv_qk_rows, i2)(qr, nr, c, n, D, scale, s, dq, pf); return;
+    default: OKV_QX(okv_qk_rows_f32)(qr, nr, (const float *)k, n, D, scale, s, dq, pf); return;
+    }
+}
+
+/* acc rows += p * V rows of a tile in format fmt (see okv_pv_rows). */
+OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, const float *p, int nr, const char *v, int64_t n, int64_t D,
+                                        float *const *accr, const okv_dq *dq) {
+    const uint8_t *c = (const uint8_t *)v;
+    switch (fmt) {
+    case OKV_FMT_F16: OKV_QX(okv_pv_rows_f16)(p, nr, (const uint16_t *)v, n, D, accr, dq); return;
+    case OKV_FMT_BF16: OKV_QX(okv_pv_rows_bf16)(p, nr, (const uint16_t *)v, n, D, accr, dq); return;
+    case OKV_FMT_U8: OKV_QSEL(okv_pv_rows, u8)(p, nr, c, n, D, accr, dq); return;
+    case OKV_FMT_I8: OKV_QSEL(okv_pv_rows, i8)(p, nr, c, n, D, accr, dq); return;
+    case OKV_FMT_U4: OKV_QSEL(okv_pv_rows, u4)(p, nr, c, n, D, accr, dq); return;
+    case OKV_FMT_I4: OKV_QSEL(okv_pv_rows, i4)(p, nr, c, n, D, accr, dq); return;
+    case OKV_FMT_U2: OKV_QSEL(okv_pv_rows, u2)(p, nr, c, n, D, accr, dq); return;
+    case OKV_FMT_I2: OKV_QSEL(okv_pv_rows, i2)(p, nr, c, n, D, accr, dq); return;
+    default: OKV_QX(okv_pv_rows_f32)(p, nr, (const float *)v, n, D, accr, dq); return;
+    }
+}
+#undef OKV_QSEL
+
+/* the work unit of per-page formats: okv_attn_unit_mixed<SFX> */
+#define OKV_KT mixed
+#define OKV_MIXED
+#include "attention_impl.h"
+#undef OKV_MIXED
+#undef OKV_KT
+#undef OKV_QX
