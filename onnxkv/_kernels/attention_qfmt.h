@@ -1,8 +1,9 @@
 /* onnxkv/_kernels/attention_qfmt.h -- the tile functions (okv_qk_rows,
  * okv_pv_rows of attention_impl.h) of one quantized page format, twice:
- * per-head scales (OKV_KT = <fmt>h: one scale and zero point per head, folded
- * into one multiply-add per 8 elements) and per-channel scales (<fmt>c:
- * (code - zp[c]) * scale[c] with the head's header vectors).
+ * per-head scales (OKV_KT = <fmt>h: raw codes, the head's one scale and zero
+ * point folded into scores and probabilities by the dispatchers of
+ * attention_quant.h) and per-channel scales (<fmt>c: (code - zp[c]) * scale[c]
+ * in the load step, with the head's header vectors).
  *
  * Included by attention_quant.h per instruction set with OKV_QN (u8, i8, u4,
  * i4, u2, i2: loaders okv_raw_<QN> / okv_<QN>x8) and OKV_QBITS (bits per code)
@@ -14,23 +15,15 @@
 #define OKV_RS(D) ((D) * OKV_QBITS / 8)
 #define OKV_TILES_ONLY
 
-/* per-head scales */
+/* per-head scales: the loaders yield the raw codes; okv_qk_fmt / okv_pv_fmt
+ * apply the head's scale and zero point to the scores / probabilities */
 #define OKV_KT OKV_CAT(OKV_QN, h)
-#define OKV_LD1(p, d) ((OKV_QRAW1(p, d) - dqz) * dqs)
-#ifdef OKV_SIMD_BODY
-#define OKV_DQ_INIT                                                                        \
-    const float dqs = dq->s1, dqz = dq->z1;                                                 \
-    const __m256 dsv = _mm256_set1_ps(dqs), dbv = _mm256_set1_ps(-dqz * dqs);               \
-    (void)dqs; (void)dqz;
-#define OKV_LD8(p, i) _mm256_fmadd_ps(OKV_QRAW8(p, i), dsv, dbv)
-#else
-#define OKV_DQ_INIT const float dqs = dq->s1, dqz = dq->z1;
-#endif
+#define OKV_LD1(p, d) OKV_QRAW1(p, d)
+#define OKV_LD8(p, i) OKV_QRAW8(p, i)
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_LD1
 #undef OKV_LD8
-#undef OKV_DQ_INIT
 
 /* per-channel scales */
 #define OKV_KT OKV_CAT(OKV_QN, c)

@@ -18,8 +18,10 @@
  * Loaders: element d of a row as float32 (okv_raw_<fmt>, every instruction
  * set), and elements i..i+7 as __m256 (okv_<fmt>x8, AVX2: 8-bit codes by
  * sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
- * variable shifts).  The scale and zero point are applied by the loader
- * macros of the tile instantiation (attention_qfmt.h), in registers.
+ * variable shifts).  Per-channel scales and zero points are applied by the
+ * loader macros of the tile instantiation (attention_qfmt.h), in registers;
+ * a per-head scale and zero point are folded into the scores and the
+ * probabilities (okv_qk_zp, okv_pv_fold) instead.
  */
 #ifndef ONNXKV_ATTENTION_QUANT_ONCE
 #define ONNXKV_ATTENTION_QUANT_ONCE
@@ -98,6 +100,35 @@ static inline okv_dq okv_dq_head(const float *sc, const float *zp, int64_t off) 
     return d;
 }
 
+/* Per-head zero point of keys: s[r*OKV_BK + j] -= c * sum(q row r), j < n. */
+static inline void okv_qk_zp(const float *const *qr, int nr, int64_t n, int64_t D, float c, float *s) {
+    int r;
+    int64_t j, d;
+    for (r = 0; r < nr; r++) {
+        float sq = 0.f, x;
+        for (d = 0; d < D; d++) sq += qr[r][d];
+        x = c * sq;
+        for (j = 0; j < n; j++) s[r * OKV_BK + j] -= x;
+    }
+}
+
+/* Per-head scale and zero point of values: acc row r -= s z sum_j p_j, then
+ * p_j *= s (rows r*OKV_BK, j < n). */
+static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *const *accr, const okv_dq *dq) {
+    int r;
+    int64_t j, d;
+    for (r = 0; r < nr; r++) {
+        float *pr = p + r * OKV_BK;
+        if (dq->z1 != 0.f) {
+            float sp = 0.f, x;
+            for (j = 0; j < n; j++) sp += pr[j];
+            x = dq->s1 * dq->z1 * sp;
+            for (d = 0; d < D; d++) accr[r][d] -= x;
+        }
+        for (j = 0; j < n; j++) pr[j] *= dq->s1;
+    }
+}
+
 /* element d of a row of codes, as float */
 static inline float okv_raw_u8(const uint8_t *p, int64_t d) { return (float)p[d]; }
 static inline float okv_raw_i8(const uint8_t *p, int64_t d) { return (float)(int8_t)p[d]; }
@@ -171,43 +202,64 @@ OKV_INLINE OKV_AVX2 __m256 okv_i2x8(const uint8_t *p, int64_t i) {
 #include "attention_qfmt.h"
 
 #define OKV_QX(name) OKV_CAT(name, OKV_SFX)
-/* the quantized tile function `fn` of format F, per-channel or per-head by pc */
-#define OKV_QSEL(fn, F) (pc ? OKV_QX(fn##_##F##c) : OKV_QX(fn##_##F##h))
+/* Quantized tile of format F: per-channel scales dequantize in the load step;
+ * per-head scales (s, z) score the raw codes c and fold the rest in:
+ * scale * q.((c - z) s) = (scale s) q.c - (scale s z) sum(q), and
+ * sum_j p_j (c_j - z) s = sum_j (s p_j) c_j - s z sum_j p_j. */
+#define OKV_QK_Q(F)                                                                            \
+    if (pc) {                                                                                  \
+        OKV_QX(okv_qk_rows_##F##c)(qr, nr, c, n, D, scale, s, dq, pf);                          \
+    } else {                                                                                   \
+        OKV_QX(okv_qk_rows_##F##h)(qr, nr, c, n, D, scale * dq->s1, s, dq, pf);                 \
+        if (dq->z1 != 0.f) okv_qk_zp(qr, nr, n, D, scale * dq->s1 * dq->z1, s);                 \
+    }                                                                                          \
+    return
+#define OKV_PV_Q(F)                                                                            \
+    if (pc) {                                                                                  \
+        OKV_QX(okv_pv_rows_##F##c)(p, nr, c, n, D, accr, dq);                                   \
+    } else {                                                                                   \
+        okv_pv_fold(p, nr, n, D, accr, dq);                                                    \
+        OKV_QX(okv_pv_rows_##F##h)(p, nr, c, n, D, accr, dq);                                   \
+    }                                                                                          \
+    return
 
-/* Scores of nr rows against n keys of a tile in format fmt (see okv_qk_rows). */
+/* Scores of nr rows against n keys of a tile in format fmt (see okv_qk_rows);
+ * pc: per-channel scales. */
 OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr, int nr, const char *k, int64_t n,
                                         int64_t D, float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
     const uint8_t *c = (const uint8_t *)k;
     switch (fmt) {
     case OKV_FMT_F16: OKV_QX(okv_qk_rows_f16)(qr, nr, (const uint16_t *)k, n, D, scale, s, dq, pf); return;
     case OKV_FMT_BF16: OKV_QX(okv_qk_rows_bf16)(qr, nr, (const uint16_t *)k, n, D, scale, s, dq, pf); return;
-    case OKV_FMT_U8: OKV_QSEL(okv_qk_rows, u8)(qr, nr, c, n, D, scale, s, dq, pf); return;
-    case OKV_FMT_I8: OKV_QSEL(okv_qk_rows, i8)(qr, nr, c, n, D, scale, s, dq, pf); return;
-    case OKV_FMT_U4: OKV_QSEL(okv_qk_rows, u4)(qr, nr, c, n, D, scale, s, dq, pf); return;
-    case OKV_FMT_I4: OKV_QSEL(okv_qk_rows, i4)(qr, nr, c, n, D, scale, s, dq, pf); return;
-    case OKV_FMT_U2: OKV_QSEL(okv_qk_rows, u2)(qr, nr, c, n, D, scale, s, dq, pf); return;
-    case OKV_FMT_I2: OKV_QSEL(okv_qk_rows, i2)(qr, nr, c, n, D, scale, s, dq, pf); return;
+    case OKV_FMT_U8: OKV_QK_Q(u8);
+    case OKV_FMT_I8: OKV_QK_Q(i8);
+    case OKV_FMT_U4: OKV_QK_Q(u4);
+    case OKV_FMT_I4: OKV_QK_Q(i4);
+    case OKV_FMT_U2: OKV_QK_Q(u2);
+    case OKV_FMT_I2: OKV_QK_Q(i2);
     default: OKV_QX(okv_qk_rows_f32)(qr, nr, (const float *)k, n, D, scale, s, dq, pf); return;
     }
 }
 
-/* acc rows += p * V rows of a tile in format fmt (see okv_pv_rows). */
-OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, const float *p, int nr, const char *v, int64_t n, int64_t D,
+/* acc rows += p * V rows of a tile in format fmt (see okv_pv_rows); with
+ * per-head scales the probabilities p are scaled in place. */
+OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const char *v, int64_t n, int64_t D,
                                         float *const *accr, const okv_dq *dq) {
     const uint8_t *c = (const uint8_t *)v;
     switch (fmt) {
     case OKV_FMT_F16: OKV_QX(okv_pv_rows_f16)(p, nr, (const uint16_t *)v, n, D, accr, dq); return;
     case OKV_FMT_BF16: OKV_QX(okv_pv_rows_bf16)(p, nr, (const uint16_t *)v, n, D, accr, dq); return;
-    case OKV_FMT_U8: OKV_QSEL(okv_pv_rows, u8)(p, nr, c, n, D, accr, dq); return;
-    case OKV_FMT_I8: OKV_QSEL(okv_pv_rows, i8)(p, nr, c, n, D, accr, dq); return;
-    case OKV_FMT_U4: OKV_QSEL(okv_pv_rows, u4)(p, nr, c, n, D, accr, dq); return;
-    case OKV_FMT_I4: OKV_QSEL(okv_pv_rows, i4)(p, nr, c, n, D, accr, dq); return;
-    case OKV_FMT_U2: OKV_QSEL(okv_pv_rows, u2)(p, nr, c, n, D, accr, dq); return;
-    case OKV_FMT_I2: OKV_QSEL(okv_pv_rows, i2)(p, nr, c, n, D, accr, dq); return;
+    case OKV_FMT_U8: OKV_PV_Q(u8);
+    case OKV_FMT_I8: OKV_PV_Q(i8);
+    case OKV_FMT_U4: OKV_PV_Q(u4);
+    case OKV_FMT_I4: OKV_PV_Q(i4);
+    case OKV_FMT_U2: OKV_PV_Q(u2);
+    case OKV_FMT_I2: OKV_PV_Q(i2);
     default: OKV_QX(okv_pv_rows_f32)(p, nr, (const float *)v, n, D, accr, dq); return;
     }
 }
-#undef OKV_QSEL
+#undef OKV_QK_Q
+#undef OKV_PV_Q
 
 /* the work unit of per-page formats: okv_attn_unit_mixed<SFX> */
 #define OKV_KT mixed

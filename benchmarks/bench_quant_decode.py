@@ -1,0 +1,240 @@
+"""Decode attention over quantized paged KV caches: onnxkv paged_attention with
+per-page formats vs ONNX Runtime com.microsoft.GroupQueryAttention (float32).
+
+One new token (Sq = 1), batch 1, 32 query heads, 8 KV heads, head size 128,
+block size 16, contexts 4096, 16384 and 32768 (by default), threads from
+--threads (default 2).
+
+* onnxkv paged, one variant per cache format, every page its own 64-byte
+  aligned allocation (onnxkv.alloc.SystemAllocator), block table shuffled:
+  float32 and float16 pages (kv_dtype, no format tables); int8 and int4 pages
+  (symmetric, per-head scales for keys and values, k_formats / v_formats all
+  int8 / int4); int4 with per-channel key scales (KIVI; the header of a
+  16-token page then holds 8 KiB of key scales); mixed: the newest 1024
+  tokens' pages float32, the older ones int4 (per-head).  Pages are quantized
+  here with NumPy (QuantizeLinear semantics: scale = max|x| / qmax per head of
+  the page, zero point 0, round half to even).
+* ONNX Runtime: the one-node GroupQueryAttention model of _common with past and
+  present bound to the same float32 buffer (bench_decode_attention's shared
+  buffer mode), intra_op_num_threads = threads.
+
+All variants are measured interleaved, round by round
+(bench_decode_attention.measure).  Prints one JSON document (machine, versions,
+load averages, threads, shapes, raw samples in seconds, medians, committed
+cache bytes per format with headers, byte ratios to float32, speedups vs ORT
+and vs onnxkv float32 pages, max abs difference to the float32 result, the
+counters the kernel returns) and a summary on stderr.  The bars (16384 tokens,
+2 threads): int8 >= 8x and int4 >= 10x faster than ORT float32 GQA, int8 >= 2x
+faster than onnxkv float32 pages; committed bytes int8 <= 0.27x, int4 <= 0.14x
+float32.
+
+    python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
+        [--repeat N] [--no-ort] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import emit, machine, versions  # noqa: E402
+from bench_decode_attention import B, D, HKV, HQ, measure, ort_session, ort_shared_binding  # noqa: E402
+
+import onnxkv._kernels as K  # noqa: E402
+from onnxkv.alloc import SystemAllocator  # noqa: E402
+
+BS = 16
+RECENT = 1024        # mixed variant: tokens kept float32
+INT8, INT4, F32 = 3, 22, 1
+BARS = {"ctx": 16384, "threads": 2,
+        "min_speedup_vs_ort": {"int8": 8.0, "int4": 10.0},
+        "min_speedup_vs_onnxkv_f32": {"int8": 2.0},
+        "max_bytes_over_f32": {"int8": 0.27, "int4": 0.14}}
+
+
+def quantize_symmetric(pages: np.ndarray, bits: int, per_channel: bool) -> np.ndarray:
+    """float32 pages [n, H, bs, D] -> signed `bits`-bit page payloads uint8 [n, nbytes]
+    (header: scale[H*G], zero_point[H*G] = 0, padded to 64 bytes; codes packed
+    low bits first)."""
+    n, h, bs, d = pages.shape
+    qmax = (1 << (bits - 1)) - 1
+    amax = np.abs(pages).max(axis=2 if per_channel else (2, 3), keepdims=True)   # [n, H, 1, G]
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    q = np.clip(np.rint(pages / scale), -qmax - 1, qmax).astype(np.int32)
+    per = 8 // bits
+    codes = (q & ((1 << bits) - 1)).astype(np.uint32).reshape(n, -1, per)
+    packed = (codes << (np.arange(per, dtype=np.uint32) * bits)).sum(axis=2).astype(np.uint8)
+    g = scale.shape[-1]
+    hdr = np.zeros((n, -(-(8 * h * g) // 64) * 64), np.uint8)
+    hdr[:, :4 * h * g] = np.ascontiguousarray(scale.reshape(n, h * g)).view(np.uint8)   # zero points stay 0
+    return np.concatenate([hdr, packed], axis=1)
+
+
+class Pages:
+    """Pages of one cache (logical block i of K/V in page table[0, i], ids a
+    random permutation), each an aligned allocation holding its payload.
+    k_payloads / v_payloads: per logical block, an array (any dtype) copied
+    byte for byte."""
+
+    def __init__(self, k_payloads, v_payloads, table, alloc):
+        m = len(table)
+        self.k_addr, self.v_addr = np.zeros(m, np.uint64), np.zeros(m, np.uint64)
+        self.buffers, self.committed = [], 0
+        for i in range(m):
+            pid = int(table[i])
+            for src, addr in ((k_payloads[i], self.k_addr), (v_payloads[i], self.v_addr)):
+                raw = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+                buf = alloc.allocate(raw.nbytes, 64)
+                buf.view(np.uint8, (raw.nbytes,))[...] = raw
+                addr[pid] = buf.address
+                self.buffers.append(buf)
+                self.committed += -(-raw.nbytes // 64) * 64
+
+
+def build_variants(kf, vf, ctx, rng, alloc):
+    """{name: (Pages, paged_attention keyword arguments)} for every format."""
+    m = ctx // BS
+    table = rng.permutation(m).astype(np.int32)
+    kb = kf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)      # [m, H, bs, D] logical blocks
+    vb = vf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)
+    q8k, q8v = quantize_symmetric(kb, 8, False), quantize_symmetric(vb, 8, False)
+    q4k, q4v = quantize_symmetric(kb, 4, False), quantize_symmetric(vb, 4, False)
+    q4kc = quantize_symmetric(kb, 4, True)
+    fmt = np.empty(m, np.uint8)
+
+    def formats(per_block):
+        fmt[table] = per_block          # page id table[i] holds block i
+        return fmt.copy()
+
+    old = np.arange(m) < m - RECENT // BS
+    mixed_k = [q4k[i] if old[i] else kb[i] for i in range(m)]
+    mixed_v = [q4v[i] if old[i] else vb[i] for i in range(m)]
+    mixed_f = formats(np.where(old, INT4, F32))
+    return table, {
+        "f32": (Pages(kb, vb, table, alloc), {}),
+        "f16": (Pages(kb.astype(np.float16), vb.astype(np.float16), table, alloc), {"kv_dtype": "float16"}),
+        "int8": (Pages(q8k, q8v, table, alloc), {"k_formats": formats(INT8), "v_formats": formats(INT8)}),
+        "int4": (Pages(q4k, q4v, table, alloc), {"k_formats": formats(INT4), "v_formats": formats(INT4)}),
+        "int4_keys_per_channel": (Pages(q4kc, q4v, table, alloc), {"k_formats": formats(INT4),
+                                                                    "v_formats": formats(INT4), "k_group": D}),
+        "mixed_f32_recent_int4_old": (Pages(mixed_k, mixed_v, table, alloc), {"k_formats": mixed_f,
+                                                                             "v_formats": mixed_f}),
+    }
+
+
+def run_context(ctx, threads, repeat, sess, rng) -> dict:
+    scale = D ** -0.5
+    q = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
+    kf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
+    vf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
+    kv_len, q_pos = np.array([ctx], np.int32), np.array([[ctx - 1]], np.int32)
+    table, pages = build_variants(kf, vf, ctx, rng, SystemAllocator())
+    out = np.empty_like(q)
+    K.set_num_threads(threads)
+    case = {"threads": threads, "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+            "shapes": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "Sq": 1, "ctx": ctx, "block_size": BS,
+                       "recent_f32_tokens_in_mixed": RECENT},
+            "committed_cache_bytes": {}, "bytes_over_f32": {}, "max_abs_diff_vs_f32": {}, "kernel_counters": {}}
+
+    def call(name):
+        pg, kw = pages[name]
+        return lambda: K.paged_attention(q, pg.k_addr, pg.v_addr, table[None, :], BS, HKV, kv_len, q_pos, scale,
+                                         0.0, -1, out, **kw)
+
+    variants, ref = {}, None
+    for name, (pg, _) in pages.items():
+        counters = call(name)()
+        if ref is None:
+            ref = out.copy()
+        case["max_abs_diff_vs_f32"][name] = float(np.max(np.abs(out - ref)))
+        case["kernel_counters"][name] = counters
+        case["committed_cache_bytes"][name] = pg.committed
+        case["bytes_over_f32"][name] = pg.committed / pages["f32"][0].committed
+        variants[f"onnxkv_paged_{name}"] = call(name)
+    if sess is not None:
+        kbuf, vbuf = kf.copy(), vf.copy()
+        knew = np.ascontiguousarray(kbuf[:, :, ctx - 1].reshape(B, 1, HKV * D))
+        vnew = np.ascontiguousarray(vbuf[:, :, ctx - 1].reshape(B, 1, HKV * D))
+        q3 = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, 1, HQ * D))
+        ort_out = np.empty((B, 1, HQ * D), np.float32)
+        io = ort_shared_binding(sess, q3, knew, vnew, kbuf, vbuf, ctx, ort_out)
+        sess.run_with_iobinding(io)
+        case["max_abs_diff_ort_vs_onnxkv_f32"] = float(np.max(np.abs(
+            ort_out.reshape(B, 1, HQ, D).transpose(0, 2, 1, 3) - ref)))
+        variants["ort_gqa_shared_buffer_f32"] = lambda: sess.run_with_iobinding(io)
+    res = case["results"] = measure(variants, repeat)
+    base, ort = res["onnxkv_paged_f32"], res.get("ort_gqa_shared_buffer_f32")
+    for name, r in res.items():
+        if name.startswith("onnxkv"):
+            r["speedup_vs_onnxkv_f32"] = base["median_s"] / r["median_s"]
+            if ort is not None:
+                r["speedup_vs_ort_shared_buffer"] = ort["median_s"] / r["median_s"]
+    case["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    return case
+
+
+def check_bars(case) -> dict:
+    res, out = case["results"], {}
+    for fmt, need in BARS["min_speedup_vs_ort"].items():
+        got = res[f"onnxkv_paged_{fmt}"].get("speedup_vs_ort_shared_buffer")
+        out[f"{fmt}_speedup_vs_ort"] = {"value": got, "need": need, "met": got is not None and got >= need}
+    for fmt, need in BARS["min_speedup_vs_onnxkv_f32"].items():
+        got = res[f"onnxkv_paged_{fmt}"]["speedup_vs_onnxkv_f32"]
+        out[f"{fmt}_speedup_vs_onnxkv_f32"] = {"value": got, "need": need, "met": got >= need}
+    for fmt, limit in BARS["max_bytes_over_f32"].items():
+        got = case["bytes_over_f32"][fmt]
+        out[f"{fmt}_bytes_over_f32"] = {"value": got, "limit": limit, "met": got <= limit}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768])
+    ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
+    ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args(argv)
+    if any(c % BS or c < RECENT for c in args.contexts):
+        ap.error(f"contexts must be multiples of {BS} and >= {RECENT}")
+
+    doc = {"benchmark": "quant_decode_attention", "machine": machine(), "versions": versions("onnxruntime"),
+           "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "Sq": 1, "block_size": BS, "contexts": args.contexts,
+                      "threads": args.threads, "repeat": args.repeat, "bars": BARS,
+                      "quantization": "symmetric, zero point 0, round half to even; per-head scales unless named",
+                      "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
+                              "bound to the same float32 buffer via IOBinding"},
+           "cases": []}
+    rng = np.random.default_rng(0)
+    old = K.get_num_threads()
+    sess, lines = None, []
+    if not args.no_ort:
+        try:
+            sess = ort_session(args.threads, D ** -0.5, False)
+        except Exception as e:  # onnxruntime missing or the op unsupported
+            doc["ort_error"] = f"{type(e).__name__}: {e}"
+    try:
+        for ctx in args.contexts:
+            case = run_context(ctx, args.threads, args.repeat, sess, rng)
+            doc["cases"].append(case)
+            lines.append(f"ctx={ctx} threads={args.threads} load {case['loadavg_before']}: " + ", ".join(
+                f"{name}={r['median_s'] * 1e3:.3f}ms" for name, r in case["results"].items()))
+            lines.append("  bytes/f32: " + ", ".join(f"{k}={v:.3f}" for k, v in case["bytes_over_f32"].items()))
+            if ctx == BARS["ctx"] and args.threads == BARS["threads"]:
+                doc["bar_result"] = check_bars(case)
+                lines.append("  BARS: " + ", ".join(
+                    f"{k}={v['value'] if v['value'] is None else round(v['value'], 3)}"
+                    f"({'MET' if v['met'] else 'NOT MET'})" for k, v in doc["bar_result"].items()))
+    finally:
+        K.set_num_threads(old)
+    doc["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    emit(doc, args.out)
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
