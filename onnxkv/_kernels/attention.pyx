@@ -13,6 +13,12 @@ into chunks whose (max, sum, acc) states are merged exactly.  Paged decode
 (Hq*Sq*D <= 16384) runs one unit per batch row and cache chunk over all KV
 heads, reading each page (head-major) front to back: one short run per head
 and page would leave the hardware prefetchers restarting every few KiB.
+
+Paged caches may give every page its own format (k_formats / v_formats:
+float32, float16, bfloat16, or 8/4/2-bit codes with a per-page header of
+scales and zero points, attention_quant.h): each tile is dequantized in the
+load step of its page's format, so old pages can be int4 while recent ones
+stay float32 within one sequence.
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport malloc, free

@@ -149,33 +149,36 @@ OKV_INLINE OKV_AVX2 __m256 okv_u8x8(const uint8_t *p, int64_t i) {
 OKV_INLINE OKV_AVX2 __m256 okv_i8x8(const uint8_t *p, int64_t i) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i))));
 }
-/* 4-bit: the 4 bytes of codes i..i+7 broadcast, lane l shifted to code l */
-OKV_INLINE OKV_AVX2 __m256i okv_word4(const uint8_t *p, int64_t i) {
+/* Packed codes: the word holding codes i..i+7 broadcast to 8 lanes, lane l
+ * shifted to its code: unsigned (w >> sh[l]) & mask, signed (w << sh[l]) >>
+ * (32 - bits) (arithmetic). */
+OKV_INLINE OKV_AVX2 __m256 okv_ucodes(__m256i w, __m256i sh, int mask) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(mask)));
+}
+OKV_INLINE OKV_AVX2 __m256 okv_scodes(__m256i w, __m256i sh, int bits) {
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(w, sh), 32 - bits));
+}
+OKV_INLINE OKV_AVX2 __m256i okv_word4(const uint8_t *p, int64_t i) {   /* 4 bytes: codes i..i+7 of 4 bits */
     int32_t w;
     memcpy(&w, p + (i >> 1), 4);
     return _mm256_set1_epi32(w);
 }
-OKV_INLINE OKV_AVX2 __m256 okv_u4x8(const uint8_t *p, int64_t i) {
-    const __m256i v = _mm256_srlv_epi32(okv_word4(p, i), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-}
-OKV_INLINE OKV_AVX2 __m256 okv_i4x8(const uint8_t *p, int64_t i) {
-    const __m256i v = _mm256_sllv_epi32(okv_word4(p, i), _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28));
-}
-/* 2-bit: the 2 bytes of codes i..i+7 broadcast */
-OKV_INLINE OKV_AVX2 __m256i okv_word2(const uint8_t *p, int64_t i) {
+OKV_INLINE OKV_AVX2 __m256i okv_word2(const uint8_t *p, int64_t i) {   /* 2 bytes: codes i..i+7 of 2 bits */
     uint16_t w;
     memcpy(&w, p + (i >> 2), 2);
     return _mm256_set1_epi32((int32_t)w);
 }
+OKV_INLINE OKV_AVX2 __m256 okv_u4x8(const uint8_t *p, int64_t i) {
+    return okv_ucodes(okv_word4(p, i), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), 15);
+}
+OKV_INLINE OKV_AVX2 __m256 okv_i4x8(const uint8_t *p, int64_t i) {
+    return okv_scodes(okv_word4(p, i), _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0), 4);
+}
 OKV_INLINE OKV_AVX2 __m256 okv_u2x8(const uint8_t *p, int64_t i) {
-    const __m256i v = _mm256_srlv_epi32(okv_word2(p, i), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(3)));
+    return okv_ucodes(okv_word2(p, i), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), 3);
 }
 OKV_INLINE OKV_AVX2 __m256 okv_i2x8(const uint8_t *p, int64_t i) {
-    const __m256i v = _mm256_sllv_epi32(okv_word2(p, i), _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16));
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 30));
+    return okv_scodes(okv_word2(p, i), _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16), 2);
 }
 #endif
 #endif /* ONNXKV_ATTENTION_QUANT_ONCE */
