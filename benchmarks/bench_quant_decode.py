@@ -12,8 +12,8 @@ block size 16, contexts 4096, 16384 and 32768 (by default), threads from
   int8 / int4); int4 with per-channel key scales (KIVI; the header of a
   16-token page then holds 8 KiB of key scales); mixed: the newest 1024
   tokens' pages float32, the older ones int4 (per-head).  Pages are quantized
-  here with NumPy (QuantizeLinear semantics: scale = max|x| / qmax per head of
-  the page, zero point 0, round half to even).
+  by onnxkv._kernels.quantize_page (QuantizeLinear semantics: scale = max|x| /
+  qmax per head of the page, zero point 0, round half to even).
 * ONNX Runtime: the one-node GroupQueryAttention model of _common with past and
   present bound to the same float32 buffer (bench_decode_attention's shared
   buffer mode), intra_op_num_threads = threads.
@@ -55,22 +55,20 @@ BARS = {"ctx": 16384, "threads": 2,
         "max_bytes_over_f32": {"int8": 0.27, "int4": 0.14}}
 
 
-def quantize_symmetric(pages: np.ndarray, bits: int, per_channel: bool) -> np.ndarray:
-    """float32 pages [n, H, bs, D] -> signed `bits`-bit page payloads uint8 [n, nbytes]
-    (header: scale[H*G], zero_point[H*G] = 0, padded to 64 bytes; codes packed
-    low bits first)."""
+def quantize_symmetric(pages: np.ndarray, fmt: int, per_channel: bool) -> np.ndarray:
+    """float32 pages [n, H, bs, D] -> payloads uint8 [n, page bytes] of the signed
+    format fmt (onnxkv._kernels.quantize_page): scale = max|x| / qmax per head
+    (or per head and channel), zero point 0."""
     n, h, bs, d = pages.shape
-    qmax = (1 << (bits - 1)) - 1
-    amax = np.abs(pages).max(axis=2 if per_channel else (2, 3), keepdims=True)   # [n, H, 1, G]
-    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
-    q = np.clip(np.rint(pages / scale), -qmax - 1, qmax).astype(np.int32)
-    per = 8 // bits
-    codes = (q & ((1 << bits) - 1)).astype(np.uint32).reshape(n, -1, per)
-    packed = (codes << (np.arange(per, dtype=np.uint32) * bits)).sum(axis=2).astype(np.uint8)
-    g = scale.shape[-1]
-    hdr = np.zeros((n, -(-(8 * h * g) // 64) * 64), np.uint8)
-    hdr[:, :4 * h * g] = np.ascontiguousarray(scale.reshape(n, h * g)).view(np.uint8)   # zero points stay 0
-    return np.concatenate([hdr, packed], axis=1)
+    bits = {INT8: 8, INT4: 4}[fmt]
+    qmax, g = (1 << (bits - 1)) - 1, d if per_channel else 1
+    amax = np.abs(pages).max(axis=2 if per_channel else (2, 3)).reshape(n, h * g)
+    scale = np.ascontiguousarray(np.where(amax > 0, amax / qmax, 1.0), np.float32)
+    zero = np.zeros(h * g, np.float32)
+    out = np.zeros((n, -(-(8 * h * g) // 64) * 64 + h * bs * d * bits // 8), np.uint8)
+    for i in range(n):
+        K.quantize_page(np.ascontiguousarray(pages[i]), fmt, scale[i], zero, g, out[i], bs)
+    return out
 
 
 class Pages:
@@ -100,9 +98,9 @@ def build_variants(kf, vf, ctx, rng, alloc):
     table = rng.permutation(m).astype(np.int32)
     kb = kf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)      # [m, H, bs, D] logical blocks
     vb = vf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)
-    q8k, q8v = quantize_symmetric(kb, 8, False), quantize_symmetric(vb, 8, False)
-    q4k, q4v = quantize_symmetric(kb, 4, False), quantize_symmetric(vb, 4, False)
-    q4kc = quantize_symmetric(kb, 4, True)
+    q8k, q8v = quantize_symmetric(kb, INT8, False), quantize_symmetric(vb, INT8, False)
+    q4k, q4v = quantize_symmetric(kb, INT4, False), quantize_symmetric(vb, INT4, False)
+    q4kc = quantize_symmetric(kb, INT4, True)
     fmt = np.empty(m, np.uint8)
 
     def formats(per_block):

@@ -5,14 +5,13 @@
  * attention_quant.h) and per-channel scales (<fmt>c: (code - zp[c]) * scale[c]
  * in the load step, with the head's header vectors).
  *
- * Included by attention_quant.h per instruction set with OKV_QN (u8, i8, u4,
- * i4, u2, i2: loaders okv_raw_<QN> / okv_<QN>x8) and OKV_QBITS (bits per code)
- * defined; undefines both.
+ * Included by attention_quant.h per instruction set with OKV_QN (name: u8,
+ * i8, u4, i4, u2, i2) and OKV_QFMT (its format code) defined; undefines both.
  */
-#define OKV_QRAW1 OKV_CAT(okv_raw_, OKV_QN)
-#define OKV_QRAW8 OKV_CAT(okv_, OKV_CAT(OKV_QN, x8))
+#define OKV_QRAW1(p, d) OKV_QCODE1(p, OKV_QFMT, d)
+#define OKV_QRAW8(p, i) OKV_QCODE8(p, OKV_QFMT, i)
 #define OKV_KT_T uint8_t
-#define OKV_RS(D) ((D) * OKV_QBITS / 8)
+#define OKV_RS(D) okv_q_row_bytes(OKV_QFMT, D)
 #define OKV_TILES_ONLY
 
 /* per-head scales: the loaders yield the raw codes; okv_qk_fmt / okv_pv_fmt
@@ -42,4 +41,4 @@
 #undef OKV_QRAW1
 #undef OKV_QRAW8
 #undef OKV_QN
-#undef OKV_QBITS
+#undef OKV_QFMT

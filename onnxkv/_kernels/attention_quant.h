@@ -15,16 +15,17 @@
  * (code - zero_point[h*G + g]) * scale[h*G + g], g = 0 (G = 1, per-head) or c
  * (G = D, per-channel).
  *
- * Loaders: element d of a row as float32 (okv_raw_<fmt>, every instruction
- * set), and elements i..i+7 as __m256 (okv_<fmt>x8, AVX2: 8-bit codes by
- * sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
- * variable shifts).  Per-channel scales and zero points are applied by the
+ * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8: 8-bit codes
+ * by sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
+ * variable shifts) for a constant format, converted to float.  Per-channel scales and zero points are applied by the
  * loader macros of the tile instantiation (attention_qfmt.h), in registers;
  * a per-head scale and zero point are folded into the scores and the
  * probabilities (okv_qk_zp, okv_pv_fold) instead.
  */
 #ifndef ONNXKV_ATTENTION_QUANT_ONCE
 #define ONNXKV_ATTENTION_QUANT_ONCE
+
+#include "quant.h"
 
 /* ONNX TensorProto element type codes of the page formats */
 #define OKV_FMT_F32 1
@@ -37,21 +38,12 @@
 #define OKV_FMT_U2 25
 #define OKV_FMT_I2 26
 
-/* Bits per element of a format code (the caller has checked the code). */
+/* Bits per element of a format code (the caller has checked the code):
+ * quant.h's okv_q_bits for the integer formats, else 16 or 32. */
 static inline int64_t okv_fmt_bits(int f) {
-    switch (f) {
-    case OKV_FMT_F16: case OKV_FMT_BF16: return 16;
-    case OKV_FMT_U8: case OKV_FMT_I8: return 8;
-    case OKV_FMT_U4: case OKV_FMT_I4: return 4;
-    case OKV_FMT_U2: case OKV_FMT_I2: return 2;
-    default: return 32;
-    }
+    if (okv_q_bits(f)) return okv_q_bits(f);
+    return f == OKV_FMT_F16 || f == OKV_FMT_BF16 ? 16 : 32;
 }
-
-static inline int okv_fmt_quantized(int f) { return okv_fmt_bits(f) <= 8; }
-
-/* Header bytes of a quantized page with H heads and G scale groups per head. */
-static inline int64_t okv_qhdr_bytes(int64_t H, int64_t G) { return (2 * H * G * (int64_t)sizeof(float) + 63) & ~(int64_t)63; }
 
 /* One plane of page address addr, format f, G groups: head hk's data at *p,
  * *st bytes per token row, *hs bytes per head; header entries of head hk at
@@ -61,11 +53,11 @@ static inline void okv_qplane(const okv_attn_args *a, uint64_t addr, int f, int6
     const char *base = (const char *)(uintptr_t)addr;
     *st = a->D * okv_fmt_bits(f) / 8;
     *hs = a->bs * *st;
-    if (okv_fmt_quantized(f)) {
+    if (okv_q_bits(f)) {
         const float *hdr = (const float *)base;
         *sc = hdr + hk * G;
         *zp = hdr + a->Hkv * G + hk * G;
-        base += okv_qhdr_bytes(a->Hkv, G);
+        base += okv_q_header_bytes(a->Hkv, G);
     } else {
         *sc = *zp = NULL;
     }
@@ -129,79 +121,33 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
     }
 }
 
-/* element d of a row of codes, as float */
-static inline float okv_raw_u8(const uint8_t *p, int64_t d) { return (float)p[d]; }
-static inline float okv_raw_i8(const uint8_t *p, int64_t d) { return (float)(int8_t)p[d]; }
-static inline float okv_raw_u4(const uint8_t *p, int64_t d) { return (float)((p[d >> 1] >> ((d & 1) * 4)) & 15); }
-static inline float okv_raw_i4(const uint8_t *p, int64_t d) {
-    return (float)((((p[d >> 1] >> ((d & 1) * 4)) & 15) ^ 8) - 8);
-}
-static inline float okv_raw_u2(const uint8_t *p, int64_t d) { return (float)((p[d >> 2] >> ((d & 3) * 2)) & 3); }
-static inline float okv_raw_i2(const uint8_t *p, int64_t d) {
-    return (float)((((p[d >> 2] >> ((d & 3) * 2)) & 3) ^ 2) - 2);
-}
-
+/* Codes of a packed row as float: element d, and (AVX2) elements i..i+7
+ * (quant.h's okv_q_get / okv_q_load8 for a constant format). */
+#define OKV_QCODE1(p, fmt, d) ((float)okv_q_get(p, fmt, d))
 #if OKV_X86_SIMD
-/* elements i..i+7 (i % 8 == 0) of a row of codes, as __m256 */
-OKV_INLINE OKV_AVX2 __m256 okv_u8x8(const uint8_t *p, int64_t i) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i))));
-}
-OKV_INLINE OKV_AVX2 __m256 okv_i8x8(const uint8_t *p, int64_t i) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i))));
-}
-/* Packed codes: the word holding codes i..i+7 broadcast to 8 lanes, lane l
- * shifted to its code: unsigned (w >> sh[l]) & mask, signed (w << sh[l]) >>
- * (32 - bits) (arithmetic). */
-OKV_INLINE OKV_AVX2 __m256 okv_ucodes(__m256i w, __m256i sh, int mask) {
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(mask)));
-}
-OKV_INLINE OKV_AVX2 __m256 okv_scodes(__m256i w, __m256i sh, int bits) {
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(w, sh), 32 - bits));
-}
-OKV_INLINE OKV_AVX2 __m256i okv_word4(const uint8_t *p, int64_t i) {   /* 4 bytes: codes i..i+7 of 4 bits */
-    int32_t w;
-    memcpy(&w, p + (i >> 1), 4);
-    return _mm256_set1_epi32(w);
-}
-OKV_INLINE OKV_AVX2 __m256i okv_word2(const uint8_t *p, int64_t i) {   /* 2 bytes: codes i..i+7 of 2 bits */
-    uint16_t w;
-    memcpy(&w, p + (i >> 2), 2);
-    return _mm256_set1_epi32((int32_t)w);
-}
-OKV_INLINE OKV_AVX2 __m256 okv_u4x8(const uint8_t *p, int64_t i) {
-    return okv_ucodes(okv_word4(p, i), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), 15);
-}
-OKV_INLINE OKV_AVX2 __m256 okv_i4x8(const uint8_t *p, int64_t i) {
-    return okv_scodes(okv_word4(p, i), _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0), 4);
-}
-OKV_INLINE OKV_AVX2 __m256 okv_u2x8(const uint8_t *p, int64_t i) {
-    return okv_ucodes(okv_word2(p, i), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), 3);
-}
-OKV_INLINE OKV_AVX2 __m256 okv_i2x8(const uint8_t *p, int64_t i) {
-    return okv_scodes(okv_word2(p, i), _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16), 2);
-}
+#define OKV_QCODE8(p, fmt, i) _mm256_cvtepi32_ps(okv_q_load8(p, fmt, i))
 #endif
 #endif /* ONNXKV_ATTENTION_QUANT_ONCE */
 
 /* ---- per instruction set: tile functions of every quantized format, with
  * per-head (suffix h) and per-channel (suffix c) scales */
 #define OKV_QN u8
-#define OKV_QBITS 8
+#define OKV_QFMT OKV_FMT_U8
 #include "attention_qfmt.h"
 #define OKV_QN i8
-#define OKV_QBITS 8
+#define OKV_QFMT OKV_FMT_I8
 #include "attention_qfmt.h"
 #define OKV_QN u4
-#define OKV_QBITS 4
+#define OKV_QFMT OKV_FMT_U4
 #include "attention_qfmt.h"
 #define OKV_QN i4
-#define OKV_QBITS 4
+#define OKV_QFMT OKV_FMT_I4
 #include "attention_qfmt.h"
 #define OKV_QN u2
-#define OKV_QBITS 2
+#define OKV_QFMT OKV_FMT_U2
 #include "attention_qfmt.h"
 #define OKV_QN i2
-#define OKV_QBITS 2
+#define OKV_QFMT OKV_FMT_I2
 #include "attention_qfmt.h"
 
 #define OKV_QX(name) OKV_CAT(name, OKV_SFX)

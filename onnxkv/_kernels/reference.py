@@ -187,30 +187,7 @@ def f32_to_bf16(x, out):
     out[...] = bf16_from_f32(x)
 
 
-# page formats (ONNX element type codes) -> (bits, signed) of quantized formats
-_QUANT_FORMATS = {2: (8, False), 3: (8, True), 21: (4, False), 22: (4, True), 25: (2, False), 26: (2, True)}
-_FLOAT_FORMATS = {1: "float32", 10: "float16", 16: "bfloat16"}
-
-
-def _dequantize_page(payload, fmt, heads, block_size, head_size, group):
-    """float32 [heads, block_size, head_size] of one quantized page payload
-    (bytes: the header float32 scale[heads*group], zero_point[heads*group]
-    padded to 64 bytes, then per head and token the codes packed low bits
-    first; value = (code - zero_point) * scale, the layout of pageformat.md)."""
-    bits, signed = _QUANT_FORMATS[int(fmt)]
-    raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
-    n = heads * group
-    hdr = -(-(8 * n) // 64) * 64
-    sc = raw[:4 * n].view(np.float32).reshape(heads, 1, group)
-    zp = raw[4 * n:8 * n].view(np.float32).reshape(heads, 1, group)
-    nbytes = heads * block_size * head_size * bits // 8
-    packed = raw[hdr:hdr + nbytes]
-    per = 8 // bits
-    codes = ((packed[:, None] >> (np.arange(per, dtype=np.uint8) * bits)[None, :]) & ((1 << bits) - 1)).astype(np.int32)
-    codes = codes.reshape(heads, block_size, head_size)
-    if signed:
-        codes = np.where(codes >= 1 << (bits - 1), codes - (1 << bits), codes)
-    return ((codes.astype(np.float32) - zp) * sc).astype(np.float32)
+_FLOAT_FORMATS = {1: "float32", 10: "float16", 16: "bfloat16"}   # page format code -> kv_dtype
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
@@ -230,8 +207,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     Per-page formats (k_formats / v_formats uint8 [P] codes, k_group /
     v_group): a page of a float format is an array [kv_heads, block_size, D]
     of its storage dtype (float32, float16, uint16 bfloat16 bits); a page of
-    a quantized format is its payload (uint8 bytes, header then codes),
-    dequantized by _dequantize_page.  Returns None (the compiled kernel's
+    a quantized format is its payload (bytes: header then codes), dequantized
+    by :func:`dequantize_page`.  Returns None (the compiled kernel's
     counters have no twin).
     """
     from ._validate import paged_blocks_read
@@ -247,7 +224,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
         fmt = int(formats[pid])
         if fmt in _FLOAT_FORMATS:
             return kv_to_f32(page, _FLOAT_FORMATS[fmt])
-        return _dequantize_page(page, fmt, kv_heads, bs, D, group)
+        vals = np.empty((kv_heads, bs, D), np.float32)
+        dequantize_page(np.ascontiguousarray(page).reshape(-1).view(np.uint8), fmt, kv_heads, bs, D, group, bs, vals)
+        return vals
 
     for b in range(B):
         nblk = -(-int(kv_len[b]) // bs)

@@ -30,31 +30,35 @@ NAMES = {1: "f32", 10: "f16", 16: "bf16", 2: "u8", 3: "i8", 21: "u4", 22: "i4", 
 
 
 def quantize(x, fmt, group):
-    """float32 [H, bs, D] -> (uint8 payload, float32 reconstruction [H, bs, D])."""
+    """float32 [H, bs, D] -> (uint8 payload, float32 values it represents):
+    symmetric scales (zero point 0) for signed formats, asymmetric (over the
+    range extended to hold 0) for unsigned, over each head (group 1) or each
+    head and channel (group D);
+    packed by reference.quantize_page, read back by reference.dequantize_page."""
     bits, signed = QUANT[fmt]
     H, bs, D = x.shape
     axes = (1, 2) if group == 1 else (1,)
     if signed:
-        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        hi = (1 << (bits - 1)) - 1
         scale = np.abs(x).max(axis=axes, keepdims=True) / hi
         zp = np.zeros_like(scale)
     else:
-        lo, hi = 0, (1 << bits) - 1
-        mn, mx = x.min(axis=axes, keepdims=True), x.max(axis=axes, keepdims=True)
+        hi = (1 << bits) - 1
+        mn = np.minimum(x.min(axis=axes, keepdims=True), 0)      # the range holds 0
+        mx = np.maximum(x.max(axis=axes, keepdims=True), 0)
         scale = (mx - mn) / hi
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
     if not signed:
-        zp = np.clip(np.rint(-mn / scale), lo, hi).astype(np.float32)
-    q = np.clip(np.rint(x / scale) + zp, lo, hi).astype(np.int32)
-    per = 8 // bits
-    c = (q & ((1 << bits) - 1)).astype(np.uint32).reshape(-1, per)
-    packed = (c << (np.arange(per, dtype=np.uint32) * bits)).sum(axis=1).astype(np.uint8)
-    n = H * group
-    hdr = np.zeros(-(-(8 * n) // 64) * 64, np.uint8)
-    hdr[:4 * n] = np.broadcast_to(scale, (H, 1, group)).astype(np.float32).reshape(-1).view(np.uint8)
-    hdr[4 * n:8 * n] = np.broadcast_to(zp, (H, 1, group)).astype(np.float32).reshape(-1).view(np.uint8)
-    recon = ((q.astype(np.float32) - zp) * scale).astype(np.float32)
-    return np.concatenate([hdr, packed]), recon
+        zp = np.clip(np.rint(-mn / scale), 0, hi).astype(np.float32)
+    sc = np.ascontiguousarray(np.broadcast_to(scale, (H, 1, group)).reshape(-1))
+    z = np.ascontiguousarray(np.broadcast_to(zp, (H, 1, group)).reshape(-1))
+    payload = np.zeros(-(-(8 * H * group) // 64) * 64 + H * bs * D * bits // 8, np.uint8)
+    R.quantize_page(x, fmt, sc, z, group, payload, bs)
+    recon = np.empty_like(x)
+    R.dequantize_page(payload, fmt, H, bs, D, group, bs, recon)
+    # one quantization step at most (half a step where nothing saturates)
+    assert np.all(np.abs(recon - x) <= scale * (0.5 if signed else 1.0) * 1.001 + 1e-6)
+    return payload, recon
 
 
 def encode(x, fmt, group):
