@@ -177,8 +177,7 @@ def run(*args, **kw):
 SINGLE = [(f, G, 80 if f in (3, 22) else 128) for f in ALL for G in ((1, "D") if f in QUANT else (1,))]
 
 
-@pytest.mark.parametrize("fmt,kG,D", SINGLE, ids=lambda x: NAMES.get(x, str(x)) if isinstance(x, int) and x < 30
-                         else str(x))
+@pytest.mark.parametrize("fmt,kG,D", SINGLE, ids=[f"{NAMES[f]}-kG{g}-D{d}" for f, g, d in SINGLE])
 def test_single_format_decode(fmt, kG, D, threads, simd):
     got, exact, stats = run(fmt, fmt, kG, 1, "gqa", D, 16, (700, 333), 1, seed=fmt * 7 + D)
     assert np.isfinite(got).all()
@@ -195,10 +194,10 @@ MIXED = tuple(ALL)
     ("gqa", 64, 32, (150, 97), 9, -1),       # causal prefill
     ("mqa", 128, 16, (400,), 20, 37),        # prefill with a window
 ])
-@pytest.mark.parametrize("kG", [1, "D"], ids=["k_per_head", "k_per_channel"])
-def test_mixed_formats_per_page(heads, D, bs, kv_len, Sq, window, kG, threads, simd):
+@pytest.mark.parametrize("kG,vG", [(1, 1), ("D", 1), (1, "D")], ids=["per_head", "k_per_channel", "v_per_channel"])
+def test_mixed_formats_per_page(heads, D, bs, kv_len, Sq, window, kG, vG, threads, simd):
     """K and V formats drawn independently per page id (all nine formats)."""
-    got, _, _ = run(MIXED, MIXED, kG, 1, heads, D, bs, kv_len, Sq, seed=D + bs + Sq, window=window)
+    got, _, _ = run(MIXED, MIXED, kG, vG, heads, D, bs, kv_len, Sq, seed=D + bs + Sq, window=window)
     assert np.isfinite(got).all()
 
 
