@@ -16,11 +16,12 @@
  * (G = D, per-channel).
  *
  * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8: 8-bit codes
- * by sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
- * variable shifts) for a constant format, converted to float.  Per-channel scales and zero points are applied by the
- * loader macros of the tile instantiation (attention_qfmt.h), in registers;
- * a per-head scale and zero point are folded into the scores and the
- * probabilities (okv_qk_zp, okv_pv_fold) instead.
+ * by sign/zero extension, 4- and 2-bit codes by one broadcast word and
+ * per-lane variable shifts) for a constant format, converted to float.
+ * Per-channel scales and zero points are applied by the loader macros of the
+ * tile instantiation (attention_qfmt.h), in registers; a per-head scale and
+ * zero point are folded into the scores and the probabilities (okv_qk_zp,
+ * okv_pv_fold) instead.
  */
 #ifndef ONNXKV_ATTENTION_QUANT_ONCE
 #define ONNXKV_ATTENTION_QUANT_ONCE
