@@ -23,7 +23,7 @@ from .conftest import rand
 
 ALLOC = SystemAllocator()
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}
-FLOATS = {1: "float32", 10: "float16", 16: "bfloat16"}
+FLOATS = (1, 10, 16)                                 # float32, float16, bfloat16
 QUANT = {2: (8, False), 3: (8, True), 21: (4, False), 22: (4, True), 25: (2, False), 26: (2, True)}
 ALL = sorted(FLOATS) + sorted(QUANT)
 NAMES = {1: "f32", 10: "f16", 16: "bf16", 2: "u8", 3: "i8", 21: "u4", 22: "i4", 25: "u2", 26: "i2"}
