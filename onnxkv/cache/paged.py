@@ -123,6 +123,8 @@ class BlockPool:
         self.ptrs: list[np.ndarray] = [np.zeros(0, np.uint64) for _ in self.planes]
         #: Per plane, the ONNX element code of each live page's payload (0: free); see onnxkv.cache.formats.
         self.formats: list[np.ndarray] = [np.zeros(0, np.uint8) for _ in self.planes]
+        #: Per plane, the payload bytes of each live page (0: free).
+        self.sizes: list[np.ndarray] = [np.zeros(0, np.int64) for _ in self.planes]
         self._holders: weakref.WeakSet = weakref.WeakSet()
         self._lock = threading.RLock()
         self._sync_capacity()
@@ -131,7 +133,7 @@ class BlockPool:
     # -- geometry ------------------------------------------------------------
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page id over all planes."""
+        """Bytes of one native page id over all planes."""
         return sum(p.page_bytes(self.block_size) for p in self.planes)
 
     @property
@@ -145,8 +147,13 @@ class BlockPool:
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of payload held by live pages."""
-        return self.live_pages * self.page_bytes
+        """Bytes of payload held by live pages (each in its own format)."""
+        return int(sum(int(s.sum()) for s in self.sizes))
+
+    def pages_bytes(self, ids: np.ndarray) -> int:
+        """Payload bytes of the distinct live pages ``ids`` over all planes."""
+        u = np.unique(ids[ids >= 0])
+        return int(sum(int(s[u].sum()) for s in self.sizes))
 
     def refcount(self, page: int) -> int:
         return int(self.core.refs()[page])
@@ -164,6 +171,9 @@ class BlockPool:
                 fmts = np.zeros(cap, np.uint8)
                 fmts[: len(self.formats[i])] = self.formats[i]
                 self.formats[i] = fmts
+                sizes = np.zeros(cap, np.int64)
+                sizes[: len(self.sizes[i])] = self.sizes[i]
+                self.sizes[i] = sizes
 
     # -- references ------------------------------------------------------------
     def allocate(self, n: int) -> np.ndarray:
@@ -187,6 +197,7 @@ class BlockPool:
                         self._bufs[i][p], self.pages[i][p] = buf, arr
                         self.ptrs[i][p] = arr.__array_interface__["data"][0]
                         self.formats[i][p] = _NATIVE_CODE[spec.storage]
+                        self.sizes[i][p] = arr.nbytes
                         done.append((i, p))
             except Exception as e:
                 for i, p in done:
@@ -204,6 +215,7 @@ class BlockPool:
         self._bufs[i][p] = self.pages[i][p] = None
         self.ptrs[i][p] = 0
         self.formats[i][p] = 0
+        self.sizes[i][p] = 0
 
     def incref(self, ids: np.ndarray) -> None:
         """One more reference to every id >= 0 (ids must be live)."""
@@ -261,9 +273,9 @@ class BlockPool:
             return stored_to_float32(arr[:, :tokens], spec.storage)
         fmt = formats.page_format(code)
         if fmt.is_float:
-            return stored_to_float32(arr[: spec.heads * self.block_size * spec.head_size]
-                                     .view(fmt.dtype).reshape(spec.heads, self.block_size, spec.head_size)[:, :tokens],
-                                     fmt.name)
+            n = spec.heads * self.block_size * spec.head_size
+            typed = arr[: n * fmt.dtype.itemsize].view(fmt.dtype).reshape(spec.heads, self.block_size, spec.head_size)
+            return stored_to_float32(typed[:, :tokens], fmt.name)
         out = np.empty((spec.heads, tokens, spec.head_size), np.float32)
         _kernels.dequantize_page(arr, code, spec.heads, self.block_size, spec.head_size, spec.groups, tokens, out)
         return out
@@ -292,7 +304,7 @@ class BlockPool:
             typed[:, :tokens] = self._native(PlaneSpec(spec.name, spec.heads, spec.head_size, fmt.name), x)
         else:
             scale, zero = formats.params_for(x, fmt, "channel" if spec.groups > 1 else "head")
-            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, tokens)
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size)
         return buf, arr
 
     def install_payload(self, plane: int, page: int, buf, arr: np.ndarray, fmt_name: str) -> None:
@@ -302,6 +314,7 @@ class BlockPool:
             self._bufs[plane][page], self.pages[plane][page] = buf, arr
             self.ptrs[plane][page] = arr.__array_interface__["data"][0]
             self.formats[plane][page] = formats.page_format(fmt_name).code
+            self.sizes[plane][page] = arr.nbytes
             self.allocator.free(old)
 
     def convert_page(self, plane: int, page: int, fmt_name: str, tokens: int) -> None:
@@ -406,9 +419,6 @@ class PageTable:
                 row[:] = -1
             self.first[b] = max(int(self.first[b]), n * bs)
         return self.pool.decref(np.concatenate(released)) if released else 0
-
-    def unique_pages(self) -> int:
-        return int(np.unique(self.held_ids()).size)
 
 
 class PagedCache:

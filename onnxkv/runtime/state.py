@@ -231,10 +231,11 @@ class State:
         """Bytes of persistent storage this state holds.
 
         Contiguous: whole cache capacities.  Paged: every page its tables
-        reference, once (pages shared with forks or checkpoints included).
+        reference, once, in its own format (pages shared with forks or
+        checkpoints included).
         """
         if self._paged is not None:
-            return self._paged.table.unique_pages() * self._pool.page_bytes
+            return self._pool.pages_bytes(self._paged.table.held_ids())
         return sum(c.nbytes for c in (self._caches or {}).values()) + sum(a.nbytes for _, a in self._values.values())
 
     @property
@@ -524,7 +525,7 @@ class State:
             idx = np.asarray(indices)
             if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer) or len(set(idx.tolist())) != idx.size:
                 raise InputError(f"State.quantize_pages: indices must be distinct ints, got {indices!r}")
-            full = int(table.lengths.min(initial=0)) // bs
+            full = int(table.lengths.min()) // bs if table.batch else 0
             lo = int(table.first.max(initial=0)) // bs
             if idx.size and (idx.min() < lo or idx.max() >= full):
                 raise InputError(f"State.quantize_pages: indices must be full blocks in [{lo}, {full}) of every "
