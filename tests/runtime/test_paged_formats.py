@@ -142,3 +142,28 @@ def test_kv_format_needs_a_paged_state(session):
         session.new_state(kv_format="int8")
     with pytest.raises(InputError, match="kv_format must be one of"):
         session.new_state(cache="paged", kv_format="int9")
+
+
+@pytest.mark.parametrize("channel", [False, True])
+def test_mixed_format_cache_round_trips(session, channel):
+    prompt = np.random.default_rng(6).integers(0, MICRO.vocab_size, (1, 21))
+    st = session.new_state(cache="paged", block_size=4, key_channel_scales=channel)
+    _, b, out = _run(session, st, prompt, 0)
+    st.quantize_pages([0, 1], "int4", "uint8")
+    st.quantize_pages([2], "float16", "int2")
+    st.quantize_pages([3], "bfloat16", "int8")
+    data = st.save_cache()
+    feeds = b.next(np.array([4]), out)
+    with session.new_state(cache="paged", block_size=4, key_channel_scales=channel) as back:
+        back.load_cache(data)
+        for i in range(len(st.pool.planes)):
+            t, t2 = st._paged.table.tables[0], back._paged.table.tables[0]
+            assert st.pool.formats[i][t].tolist() == back.pool.formats[i][t2].tolist()
+        for k, v in st.values.items():
+            np.testing.assert_array_equal(back.values[k], v)
+        np.testing.assert_array_equal(back.run(feeds, ["logits"])["logits"], st.run(feeds, ["logits"])["logits"])
+    if not channel:
+        with session.new_state(cache="paged", block_size=4, key_channel_scales=True) as other:
+            with pytest.raises(InputError, match="scale"):
+                other.load_cache(data)
+    st.close()
