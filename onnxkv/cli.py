@@ -87,8 +87,9 @@ def _cmd_generate(args) -> int:
     ids, byte_level = _prompt_ids(args, model)
     progress = _Progress(args.max_new_tokens, not args.quiet)
     res = onnxkv.generate(sess, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, callback=progress, cache=args.cache,
-                          block_size=args.block_size)
+                          top_p=args.top_p, seed=args.seed, callback=progress,
+                          cache="paged" if args.kv_format and args.cache == "auto" else args.cache,
+                          block_size=args.block_size, kv_format=args.kv_format)
     progress.close()
     new = res.tokens[0].tolist()
     print("ids:", " ".join(str(t) for t in new))
@@ -197,6 +198,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cache", choices=["auto", "paged", "tensor"], default="auto",
                    help="KV cache: in place (auto), paged with copy-on-write (paged), or graph tensors (tensor)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per page with --cache paged")
+    g.add_argument("--kv-format", default=None,
+                   help="page formats (implies --cache paged): fp32, fp16, bf16, int8, int4, residual-int8, residual-int4")
     g.add_argument("--events", metavar="FILE.json", help="write the storage event log as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress display")
     g.set_defaults(func=_cmd_generate)

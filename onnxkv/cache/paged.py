@@ -40,6 +40,7 @@ import numpy as np
 
 from onnxkv import _kernels
 from onnxkv.alloc import as_allocator
+from onnxkv.cache import formats
 from onnxkv.cache._pagecore import PageCore
 from onnxkv.cache.contiguous import WriteCost, stored_to_float32
 from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, StateError
@@ -47,6 +48,8 @@ from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, StateErro
 __all__ = ["PlaneSpec", "BlockPool", "PageTable", "PagedCache", "PagedPlane", "live_pools"]
 
 _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+#: ONNX element type codes of the native (float) storages.
+_NATIVE_CODE = {"float32": 1, "float16": 10, "bfloat16": 16}
 _pools: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -59,9 +62,11 @@ def live_pools() -> list[BlockPool]:
 class PlaneSpec:
     """One plane of a paged cache: the past input it feeds and its page geometry.
 
-    ``storage`` is the stored element type ("float32", "float16" or
-    "bfloat16"; bfloat16 is held as uint16 bit patterns); ``model_dtype`` the
-    element type the model feeds and reads.
+    ``storage`` is the native stored element type ("float32", "float16" or
+    "bfloat16"; bfloat16 is held as uint16 bit patterns) in which pages are
+    written; full pages may be converted to other formats later (see
+    :meth:`BlockPool.convert_page`).  ``model_dtype`` is the element type the
+    model feeds and reads.
     """
 
     name: str
@@ -69,6 +74,8 @@ class PlaneSpec:
     head_size: int
     storage: str
     model_dtype: str = "float32"
+    #: Scale groups of quantized pages: 1 (one scale per head) or head_size (per channel, for keys).
+    groups: int = 1
 
     @property
     def dtype(self) -> np.dtype:
@@ -114,6 +121,10 @@ class BlockPool:
         self._bufs: list[list] = [[] for _ in self.planes]
         self.pages: list[list] = [[] for _ in self.planes]
         self.ptrs: list[np.ndarray] = [np.zeros(0, np.uint64) for _ in self.planes]
+        #: Per plane, the ONNX element code of each live page's payload (0: free); see onnxkv.cache.formats.
+        self.formats: list[np.ndarray] = [np.zeros(0, np.uint8) for _ in self.planes]
+        #: Per plane, the payload bytes of each live page (0: free).
+        self.sizes: list[np.ndarray] = [np.zeros(0, np.int64) for _ in self.planes]
         self._holders: weakref.WeakSet = weakref.WeakSet()
         self._lock = threading.RLock()
         self._sync_capacity()
@@ -122,7 +133,7 @@ class BlockPool:
     # -- geometry ------------------------------------------------------------
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page id over all planes."""
+        """Bytes of one native page id over all planes."""
         return sum(p.page_bytes(self.block_size) for p in self.planes)
 
     @property
@@ -136,8 +147,13 @@ class BlockPool:
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of payload held by live pages."""
-        return self.live_pages * self.page_bytes
+        """Bytes of payload held by live pages (each in its own format)."""
+        return int(sum(int(s.sum()) for s in self.sizes))
+
+    def pages_bytes(self, ids: np.ndarray) -> int:
+        """Payload bytes of the distinct live pages ``ids`` over all planes."""
+        u = np.unique(ids[ids >= 0])
+        return int(sum(int(s[u].sum()) for s in self.sizes))
 
     def refcount(self, page: int) -> int:
         return int(self.core.refs()[page])
@@ -152,6 +168,12 @@ class BlockPool:
                 ptrs = np.zeros(cap, np.uint64)
                 ptrs[: len(self.ptrs[i])] = self.ptrs[i]
                 self.ptrs[i] = ptrs
+                fmts = np.zeros(cap, np.uint8)
+                fmts[: len(self.formats[i])] = self.formats[i]
+                self.formats[i] = fmts
+                sizes = np.zeros(cap, np.int64)
+                sizes[: len(self.sizes[i])] = self.sizes[i]
+                self.sizes[i] = sizes
 
     # -- references ------------------------------------------------------------
     def allocate(self, n: int) -> np.ndarray:
@@ -174,6 +196,8 @@ class BlockPool:
                         arr = buf.view(spec.dtype, (spec.heads, self.block_size, spec.head_size))
                         self._bufs[i][p], self.pages[i][p] = buf, arr
                         self.ptrs[i][p] = arr.__array_interface__["data"][0]
+                        self.formats[i][p] = _NATIVE_CODE[spec.storage]
+                        self.sizes[i][p] = arr.nbytes
                         done.append((i, p))
             except Exception as e:
                 for i, p in done:
@@ -190,6 +214,8 @@ class BlockPool:
             self.allocator.free(buf)
         self._bufs[i][p] = self.pages[i][p] = None
         self.ptrs[i][p] = 0
+        self.formats[i][p] = 0
+        self.sizes[i][p] = 0
 
     def incref(self, ids: np.ndarray) -> None:
         """One more reference to every id >= 0 (ids must be live)."""
@@ -208,16 +234,93 @@ class BlockPool:
     def copy_page(self, src: int, dst: int, tokens: int) -> int:
         """Copy the first ``tokens`` positions of every head of page ``src`` into ``dst`` (all planes).
 
-        Returns the bytes copied.  ``dst`` must be held exclusively by the caller.
+        ``dst`` is a native page held exclusively by the caller; a quantized
+        ``src`` plane is dequantized into it.  Returns the bytes read.
         """
         if tokens <= 0:
             return 0
         n = 0
-        for i in range(len(self.planes)):
-            a, b = self.pages[i][src], self.pages[i][dst]
-            b[:, :tokens] = a[:, :tokens]
-            n += a[:, :tokens].nbytes
+        for i, spec in enumerate(self.planes):
+            b = self.pages[i][dst]
+            if self.quantized(i, src):
+                b[:, :tokens] = self._native(spec, self.read_page(i, src, tokens))
+                n += self.pages[i][src].nbytes
+            else:
+                a = self.pages[i][src]
+                b[:, :tokens] = a[:, :tokens]
+                n += a[:, :tokens].nbytes
         return n
+
+    # -- page formats ------------------------------------------------------------
+    def quantized(self, plane: int, page: int) -> bool:
+        """True if the payload of ``page`` in ``plane`` is not the plane's native type."""
+        return int(self.formats[plane][page]) != _NATIVE_CODE[self.planes[plane].storage]
+
+    @staticmethod
+    def _native(spec: PlaneSpec, x: np.ndarray) -> np.ndarray:
+        if spec.storage == "bfloat16":
+            out = np.empty(x.shape, np.uint16)
+            _kernels.f32_to_bf16(np.ascontiguousarray(x, dtype=np.float32), out)
+            return out
+        return x.astype(spec.dtype, copy=False)
+
+    def read_page(self, plane: int, page: int, tokens: int) -> np.ndarray:
+        """Float32 ``[H, tokens, D]`` of ``page`` in ``plane``, whatever its format."""
+        spec = self.planes[plane]
+        arr = self.pages[plane][page]
+        code = int(self.formats[plane][page])
+        if not self.quantized(plane, page):
+            return stored_to_float32(arr[:, :tokens], spec.storage)
+        fmt = formats.page_format(code)
+        if fmt.is_float:
+            n = spec.heads * self.block_size * spec.head_size
+            typed = arr[: n * fmt.dtype.itemsize].view(fmt.dtype).reshape(spec.heads, self.block_size, spec.head_size)
+            return stored_to_float32(typed[:, :tokens], fmt.name)
+        out = np.empty((spec.heads, tokens, spec.head_size), np.float32)
+        _kernels.dequantize_page(arr, code, spec.heads, self.block_size, spec.head_size, spec.groups, tokens, out)
+        return out
+
+    def build_payload(self, plane: int, page: int, fmt_name: str, tokens: int):
+        """A new payload holding the first ``tokens`` positions of ``page`` in ``fmt_name``: (buffer, array).
+
+        Nothing is installed; :meth:`install_payload` swaps it in, or the
+        caller frees it with ``allocator.free``.  Raises
+        :class:`~onnxkv.errors.OutOfMemory` when the allocator fails.
+        """
+        spec = self.planes[plane]
+        fmt = formats.page_format(fmt_name)
+        x = self.read_page(plane, page, tokens)
+        nbytes = formats.page_bytes(fmt, spec.heads, self.block_size, spec.head_size, spec.groups)
+        try:
+            buf = self.allocator.allocate(nbytes, 64)
+        except OutOfMemory:
+            raise
+        except Exception as e:
+            raise OutOfMemory(f"BlockPool: allocating a {fmt.name} page of {nbytes} bytes failed: {e}") from e
+        arr = buf.view(np.uint8, (nbytes,))
+        if fmt.is_float:
+            typed = arr[: spec.heads * self.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
+            typed = typed.reshape(spec.heads, self.block_size, spec.head_size)
+            typed[:, :tokens] = self._native(PlaneSpec(spec.name, spec.heads, spec.head_size, fmt.name), x)
+        else:
+            scale, zero = formats.params_for(x, fmt, "channel" if spec.groups > 1 else "head")
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size)
+        return buf, arr
+
+    def install_payload(self, plane: int, page: int, buf, arr: np.ndarray, fmt_name: str) -> None:
+        """Swap a payload from :meth:`build_payload` into ``page`` (held exclusively); free the old one."""
+        with self._lock:
+            old = self._bufs[plane][page]
+            self._bufs[plane][page], self.pages[plane][page] = buf, arr
+            self.ptrs[plane][page] = arr.__array_interface__["data"][0]
+            self.formats[plane][page] = formats.page_format(fmt_name).code
+            self.sizes[plane][page] = arr.nbytes
+            self.allocator.free(old)
+
+    def convert_page(self, plane: int, page: int, fmt_name: str, tokens: int) -> None:
+        """Replace the payload of an exclusively held ``page`` in ``plane`` by one in ``fmt_name`` (allocated once)."""
+        buf, arr = self.build_payload(plane, page, fmt_name, tokens)
+        self.install_payload(plane, page, buf, arr, fmt_name)
 
     # -- audit ---------------------------------------------------------------
     def register(self, holder: PageTable) -> None:
@@ -317,9 +420,6 @@ class PageTable:
             self.first[b] = max(int(self.first[b]), n * bs)
         return self.pool.decref(np.concatenate(released)) if released else 0
 
-    def unique_pages(self) -> int:
-        return int(np.unique(self.held_ids()).size)
-
 
 class PagedCache:
     """One state's paged cache: a committed :class:`PageTable` and a run's staged edits.
@@ -344,6 +444,8 @@ class PagedCache:
         self._new: list[np.ndarray] = []
         self._replaced: list[int] = []
         self._prepared: tuple | None = None
+        #: plane name -> the new values [B, H, S, D] the last run wrote (for format selectors); cleared by the state.
+        self.last_written: dict[str, np.ndarray] = {}
         self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
 
     @property
@@ -390,6 +492,10 @@ class PagedCache:
         for b in range(tables.shape[0]):
             lo_blk, hi_blk = int(starts[b]) // bs, -(-(int(starts[b]) + s) // bs)
             action, n = pool.core.pages_needed(tables[b], lo_blk, hi_blk)
+            converted = self._converted(tables[b, lo_blk:hi_blk], action)
+            if converted.any():  # a page no longer native is written: back to a native copy first
+                action[converted] = 2
+                n = int(np.count_nonzero(action))
             if n:
                 plan.append((b, lo_blk, action))
                 total += n
@@ -417,6 +523,17 @@ class PagedCache:
         self._prepared = key
         return cost
 
+    def _converted(self, ids: np.ndarray, action: np.ndarray) -> np.ndarray:
+        """Mask of the KEEP entries of ``ids`` whose page is not native in some plane."""
+        pool = self.pool
+        keep = (action == 0) & (ids >= 0)
+        if not keep.any():
+            return keep
+        out = np.zeros(len(ids), bool)
+        for i, spec in enumerate(pool.planes):
+            out |= keep & (pool.formats[i][np.where(keep, ids, 0)] != _NATIVE_CODE[spec.storage])
+        return out
+
     def write(self, plane: int, new: np.ndarray, starts, length: int) -> WriteCost:
         """Write ``new`` [B, H, S, D] at positions ``starts[b]...`` of plane ``plane``; stage lengths."""
         spec = self.pool.planes[plane]
@@ -426,6 +543,7 @@ class PagedCache:
                              f"[{self.table.batch}, {spec.heads}, S, {spec.head_size}]")
         starts = np.broadcast_to(np.asarray(starts, np.int64), (b,))
         cost = self.prepare(starts, s)
+        self.last_written[spec.name] = new
         if spec.storage == "bfloat16":
             src = np.ascontiguousarray(new, dtype=np.float32)
             conv = np.empty(src.shape, np.uint16)
@@ -468,23 +586,61 @@ class PagedCache:
             self.pool.decref(ids)
 
     # -- reads -----------------------------------------------------------------
-    def gather(self, plane: int, length: int, rows: np.ndarray | None = None) -> np.ndarray:
-        """A contiguous copy ``[B, H, length, D]`` of plane ``plane`` (stored element type).
+    def gather(self, plane: int, length: int) -> np.ndarray:
+        """A contiguous copy ``[B, H, length, D]`` of plane ``plane`` in its native type.
 
-        Positions a row does not hold (never written, or evicted) are zero.
+        Converted (quantized) pages are dequantized.  Positions a row does not
+        hold (never written, or evicted) are zero.
         """
-        spec = self.pool.planes[plane]
-        bs = self.pool.block_size
+        pool = self.pool
+        spec = pool.planes[plane]
+        bs = pool.block_size
         tables = self.tables
         out = np.zeros((tables.shape[0], spec.heads, length, spec.head_size), spec.dtype)
-        pages = self.pool.pages[plane]
+        pages = pool.pages[plane]
         for b in range(tables.shape[0]):
             for blk in range(min(tables.shape[1], -(-length // bs))):
                 p = int(tables[b, blk])
                 if p >= 0:
                     n = min(bs, length - blk * bs)
-                    out[b, :, blk * bs: blk * bs + n] = pages[p][:, :n]
+                    if pool.quantized(plane, p):
+                        out[b, :, blk * bs: blk * bs + n] = pool._native(spec, pool.read_page(plane, p, n))
+                    else:
+                        out[b, :, blk * bs: blk * bs + n] = pages[p][:, :n]
         return out
+
+    # -- page formats ----------------------------------------------------------
+    def convert_full_pages(self, plane: int, fmt_name: str, residual_tokens: int = 0) -> tuple[int, int]:
+        """Convert this state's full native pages of ``plane`` older than ``length - residual_tokens``.
+
+        A page referenced only by this state's table is converted once (every
+        row holding it sees the new payload).  A page also held elsewhere
+        (forks, checkpoints) is first copied for this state (one copy shared
+        by all its rows, counted), so other holders never see a change.
+        Returns (pages converted, bytes copied for copy-on-write).  Call
+        between runs, on the committed table.
+        """
+        pool, bs, table = self.pool, self.pool.block_size, self.table
+        target = formats.page_format(fmt_name).code
+        where: dict[int, list[tuple[int, int]]] = {}
+        for b in range(table.batch):
+            upto = min(max(0, int(table.lengths[b]) - residual_tokens) // bs, table.tables.shape[1])
+            for blk in range(int(table.first[b]) // bs, upto):
+                p = int(table.tables[b, blk])
+                if p >= 0 and not pool.quantized(plane, p) and int(pool.formats[plane][p]) != target:
+                    where.setdefault(p, []).append((b, blk))
+        copied = 0
+        for p, places in where.items():
+            if pool.refcount(p) > len(places):  # held outside this table: give this state its own copy
+                (new,) = pool.allocate(1)
+                copied += pool.copy_page(p, int(new), bs)
+                pool.incref(np.full(len(places) - 1, new, np.int32))
+                for b, blk in places:
+                    table.tables[b, blk] = new
+                pool.decref(np.full(len(places), p, np.int32))
+                p = int(new)
+            pool.convert_page(plane, p, fmt_name, bs)
+        return len(where), copied
 
 
 class PagedPlane:
@@ -526,6 +682,15 @@ class PagedPlane:
     @property
     def tables(self) -> np.ndarray:
         return self.cache.tables
+
+    @property
+    def formats(self) -> np.ndarray:
+        """ONNX element code of each page id's payload in this plane (uint8 [pool capacity])."""
+        return self.cache.pool.formats[self.index]
+
+    @property
+    def groups(self) -> int:
+        return self.spec.groups
 
     def write(self, new: np.ndarray, starts, length: int) -> WriteCost:
         return self.cache.write(self.index, new, starts, length)

@@ -60,6 +60,11 @@ _FORMATS: dict[str, np.dtype] = {
     "float16": np.dtype("<f2"),
     "bfloat16": np.dtype("<u2"),  # bit patterns: the upper half of a float32
 }
+#: Quantized page formats: name -> (bits per code, smallest code, largest code); data is packed codes (uint8).
+_QUANTIZED: dict[str, tuple[int, int, int]] = {
+    "int8": (8, -128, 127), "uint8": (8, 0, 255), "int4": (4, -8, 7), "uint4": (4, 0, 15),
+    "int2": (2, -2, 1), "uint2": (2, 0, 3),
+}
 #: Element types a model's cache inputs may have (``LayerSpec.dtype``).
 _MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -85,12 +90,17 @@ def _same_array(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 class PagePayload:
     """The keys *or* the values of one block of one layer.
 
-    ``format`` is one of ``"float32"``, ``"float16"``, ``"bfloat16"``.
-    ``data`` holds the stored elements ``[kv_heads, length, head_size]`` (the
-    block's valid positions only) as float32, float16, or uint16 bfloat16 bit
-    patterns respectively; any byte order and strides.  ``scale`` and
-    ``zero_point`` are the quantization parameters of quantized formats and
-    must be None for these float formats.
+    ``format`` is ``"float32"``, ``"float16"`` or ``"bfloat16"``: ``data``
+    holds the stored elements ``[kv_heads, length, head_size]`` (the block's
+    valid positions only) as float32, float16, or uint16 bfloat16 bit
+    patterns respectively, any byte order and strides, and ``scale`` /
+    ``zero_point`` are None.  Or a quantized format (``"int8"``,
+    ``"uint8"``, ``"int4"``, ``"uint4"``, ``"int2"``, ``"uint2"``; see
+    :mod:`onnxkv.cache.formats`): ``data`` holds the packed codes uint8
+    ``[kv_heads, length, head_size * bits / 8]`` (low bits first) and
+    ``scale`` / ``zero_point`` float32 ``[kv_heads * G]`` with ``G`` 1 (per
+    head) or ``head_size`` (per channel); a value is ``(code - zero_point) *
+    scale``.
 
     Two payloads are equal when their formats match and their arrays have the
     same shape, element type and bits (so NaN equals the same NaN).
@@ -312,9 +322,36 @@ def _check_block_position(layer: object, start: object, length: object, n_layers
 
 
 def _format_dtype(page_format: object, where: str, role: str) -> np.dtype:
-    if not isinstance(page_format, str) or page_format not in _FORMATS:
-        raise _fail(where, f"{role} page has unknown format {page_format!r} (supported: {', '.join(_FORMATS)})")
-    return _FORMATS[page_format]
+    if not isinstance(page_format, str) or (page_format not in _FORMATS and page_format not in _QUANTIZED):
+        raise _fail(where, f"{role} page has unknown format {page_format!r} "
+                           f"(supported: {', '.join([*_FORMATS, *_QUANTIZED])})")
+    return _FORMATS.get(page_format, np.dtype(np.uint8))
+
+
+def _row_bytes(page_format: str, head_size: int, where: str, role: str) -> int:
+    """Bytes of one token's packed codes; a float format's element bytes are handled by the caller."""
+    bits = _QUANTIZED[page_format][0]
+    if head_size * bits % 8:
+        raise _fail(where, f"{role} page of format {page_format!r} needs head_size * {bits} bits to fill whole "
+                           f"bytes, head_size is {head_size}")
+    return head_size * bits // 8
+
+
+def _check_params(page_format: str, scale, zero_point, heads: int, head_size: int, where: str, role: str) -> None:
+    """Quantization parameters: float32 [heads * G] each, G in {1, head_size}; scale > 0; integral zero point in range."""
+    _, lo, hi = _QUANTIZED[page_format]
+    for name, a in (("scale", scale), ("zero_point", zero_point)):
+        if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.newbyteorder("<") != np.dtype("<f4"):
+            raise _fail(where, f"{role} page of format {page_format!r} needs a 1-D float32 {name}, got "
+                               f"{None if a is None else getattr(a, 'shape', type(a).__name__)}")
+    if scale.shape != zero_point.shape or scale.size not in (heads, heads * head_size):
+        raise _fail(where, f"{role} page scale/zero_point have {scale.size}/{zero_point.size} entries, expected "
+                           f"{heads} (one per head) or {heads * head_size} (one per head and channel)")
+    if not (np.isfinite(scale).all() and (scale > 0).all()):
+        raise _fail(where, f"{role} page scales must be finite and > 0")
+    if not (np.isfinite(zero_point).all() and (zero_point == np.rint(zero_point)).all()
+            and zero_point.min() >= lo and zero_point.max() <= hi):
+        raise _fail(where, f"{role} page zero points must be integers in [{lo}, {hi}] ({page_format})")
 
 
 def _check_page(page: object, role: str, shape: tuple[int, int, int], where: str) -> None:
@@ -330,6 +367,13 @@ def _check_page(page: object, role: str, shape: tuple[int, int, int], where: str
     if data.dtype.newbyteorder("<") != wire:
         raise _fail(where, f"{role} page of format {page.format!r} must hold {wire.newbyteorder('=').name} "
                            f"elements, got {data.dtype.name} (dtype mismatch)")
+    if page.format in _QUANTIZED:
+        packed = (shape[0], shape[1], _row_bytes(page.format, shape[2], where, role))
+        if data.shape != packed:
+            raise _fail(where, f"{role} page data has shape {data.shape}, expected {packed} "
+                               f"(kv_heads, length, packed code bytes per token)")
+        _check_params(page.format, page.scale, page.zero_point, shape[0], shape[2], where, role)
+        return
     if data.shape != shape:
         raise _fail(where, f"{role} page data has shape {data.shape}, expected {shape} (kv_heads, length, head_size)")
     for attr in ("scale", "zero_point"):
@@ -410,7 +454,11 @@ def validate(snapshot: CacheSnapshot) -> None:
     starts at a non-negative multiple of ``block_size``, holds
     ``1..block_size`` positions and has a key and a value page of a known
     format whose data has that format's element type and shape
-    ``[kv_heads, length, head_size]`` and no quantization parameters; each
+    ``[kv_heads, length, head_size]`` and no quantization parameters (float
+    formats), or, for the quantized formats (int8, uint8, int4, uint4, int2,
+    uint2), packed codes uint8 ``[kv_heads, length, head_size * bits / 8]``
+    with float32 ``scale``/``zero_point`` of ``kv_heads`` or ``kv_heads *
+    head_size`` entries (scales > 0, zero points integral and in range); each
     layer's blocks tile its sequence as :class:`SequenceRecord` describes; all
     integers fit in int64; strings are UTF-8 encodable.
     """
@@ -422,6 +470,12 @@ def validate(snapshot: CacheSnapshot) -> None:
 
 def _encode_page(page: PagePayload, proto: message.Message) -> None:
     proto.format = page.format
+    if page.format in _QUANTIZED:
+        proto.data = np.ascontiguousarray(page.data, dtype=np.uint8).tobytes()
+        proto.scale = page.scale.astype("<f4", copy=False).tobytes()
+        proto.zero_point = page.zero_point.astype("<f4", copy=False).tobytes()
+        proto.scale_dims.extend([page.data.shape[0], page.scale.size // page.data.shape[0]])
+        return
     proto.data = page.data.astype(_FORMATS[page.format], copy=False).tobytes()
 
 
@@ -512,6 +566,8 @@ def _decode_page(block: message.Message, role: str, spec: LayerSpec, where: str)
         raise _fail(where, f"missing {role} page")
     page = getattr(block, role)
     wire = _format_dtype(page.format, where, role)
+    if page.format in _QUANTIZED:
+        return _decode_quantized(page, role, spec, block.length, where)
     if page.scale or page.zero_point or len(page.scale_dims):
         raise _fail(where, f"{role} page of format {page.format!r} carries quantization parameters "
                            "(scale, zero_point or scale_dims); float formats take none")
@@ -522,6 +578,28 @@ def _decode_page(block: message.Message, role: str, spec: LayerSpec, where: str)
                            f"{shape[0]} * length {shape[1]} * head_size {shape[2]} * {wire.itemsize} bytes "
                            f"({page.format})")
     return PagePayload(format=page.format, data=np.frombuffer(page.data, dtype=wire).reshape(shape))
+
+
+def _decode_quantized(page: message.Message, role: str, spec: LayerSpec, length: int, where: str) -> PagePayload:
+    row = _row_bytes(page.format, spec.head_size, where, role)
+    expected = spec.kv_heads * length * row
+    if len(page.data) != expected:
+        raise _fail(where, f"{role} page holds {len(page.data)} code bytes, expected {expected} = kv_heads "
+                           f"{spec.kv_heads} * length {length} * {row} bytes per token ({page.format})")
+    dims = list(page.scale_dims)
+    if len(dims) != 2 or dims[0] != spec.kv_heads or dims[1] not in (1, spec.head_size):
+        raise _fail(where, f"{role} page scale_dims {dims} must be [kv_heads {spec.kv_heads}, 1 or head_size "
+                           f"{spec.head_size}]")
+    n = dims[0] * dims[1]
+    for name in ("scale", "zero_point"):
+        if len(getattr(page, name)) != 4 * n:
+            raise _fail(where, f"{role} page {name} holds {len(getattr(page, name))} bytes, expected {4 * n} "
+                               f"(float32 per {dims})")
+    scale = np.frombuffer(page.scale, "<f4")
+    zero = np.frombuffer(page.zero_point, "<f4")
+    _check_params(page.format, scale, zero, spec.kv_heads, spec.head_size, where, role)
+    data = np.frombuffer(page.data, np.uint8).reshape(spec.kv_heads, length, row)
+    return PagePayload(format=page.format, data=data, scale=scale, zero_point=zero)
 
 
 def _decode(data: bytes, api: str) -> CacheSnapshot:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from onnxkv.cache.formats import header_bytes, page_bytes, page_format
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable
 from onnxkv.cache.serialize import BlockRecord, CacheSnapshot, LayerSpec, PagePayload, SequenceRecord
 from onnxkv.errors import InputError
@@ -35,15 +36,58 @@ def take_snapshot(cache: PagedCache, layers: Sequence[tuple[str, str]], signatur
         length, first = int(table.lengths[b]), int(table.first[b])
         blocks = []
         for li, (k, v) in enumerate(layers):
-            kp, vp = pool.pages[index[k]], pool.pages[index[v]]
-            fmt_k, fmt_v = pool.planes[index[k]].storage, pool.planes[index[v]].storage
             for blk in range(first // bs, -(-length // bs)):
                 p = int(table.tables[b, blk])
                 n = min(bs, length - blk * bs)
-                blocks.append(BlockRecord(li, blk * bs, n, PagePayload(fmt_k, kp[p][:, :n].copy()),
-                                          PagePayload(fmt_v, vp[p][:, :n].copy())))
+                blocks.append(BlockRecord(li, blk * bs, n, _payload(pool, index[k], p, n),
+                                          _payload(pool, index[v], p, n)))
         sequences.append(SequenceRecord(length, blocks, first - first % bs if first else 0))
     return CacheSnapshot(bs, specs, sequences, signature)
+
+
+def _payload(pool: BlockPool, plane: int, page: int, n: int) -> PagePayload:
+    """The first ``n`` positions of ``page`` in ``plane`` as stored (native, float or packed codes)."""
+    spec = pool.planes[plane]
+    arr = pool.pages[plane][page]
+    fmt = page_format(int(pool.formats[plane][page]))
+    if not pool.quantized(plane, page):
+        return PagePayload(spec.storage, arr[:, :n].copy())
+    if fmt.is_float:
+        typed = arr[: spec.heads * pool.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
+        return PagePayload(fmt.name, typed.reshape(spec.heads, pool.block_size, spec.head_size)[:, :n].copy())
+    g = spec.groups
+    hdr = header_bytes(fmt, spec.heads, g)
+    row = spec.head_size * fmt.bits // 8
+    params = arr[:hdr].view(np.float32)
+    codes = arr[hdr: hdr + spec.heads * pool.block_size * row].reshape(spec.heads, pool.block_size, row)
+    return PagePayload(fmt.name, codes[:, :n].copy(), params[: spec.heads * g].copy(),
+                       params[spec.heads * g: 2 * spec.heads * g].copy())
+
+
+def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: int) -> None:
+    """Write a saved payload of ``n`` positions into ``page`` of ``plane`` (a fresh native page)."""
+    spec = pool.planes[plane]
+    if payload.format == spec.storage:
+        pool.pages[plane][page][:, :n] = payload.data
+        return
+    fmt = page_format(payload.format)
+    nbytes = page_bytes(fmt, spec.heads, pool.block_size, spec.head_size, spec.groups)
+    buf = pool.allocator.allocate(nbytes, 64)
+    arr = buf.view(np.uint8, (nbytes,))
+    arr[:] = 0
+    if fmt.is_float:
+        typed = arr[: spec.heads * pool.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
+        typed.reshape(spec.heads, pool.block_size, spec.head_size)[:, :n] = payload.data
+    else:
+        g = spec.groups
+        hdr = header_bytes(fmt, spec.heads, g)
+        row = spec.head_size * fmt.bits // 8
+        params = arr[:hdr].view(np.float32)
+        params[: spec.heads * g] = payload.scale
+        params[spec.heads * g: 2 * spec.heads * g] = payload.zero_point
+        codes = arr[hdr: hdr + spec.heads * pool.block_size * row].reshape(spec.heads, pool.block_size, row)
+        codes[:, :n] = payload.data
+    pool.install_payload(plane, page, buf, arr, fmt.name)
 
 
 def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequence[tuple[str, str]],
@@ -74,9 +118,11 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
         for blk in seq.blocks:
             k, v = layers[blk.layer]
             for name, payload in ((k, blk.key), (v, blk.value)):
-                if payload.format != pool.planes[index[name]].storage:
-                    raise InputError(f"resume: block at {blk.start} of '{name}' is stored as {payload.format}, "
-                                     f"the state stores {pool.planes[index[name]].storage}")
+                spec = pool.planes[index[name]]
+                groups = None if payload.scale is None else payload.scale.size // spec.heads
+                if groups is not None and groups != spec.groups:
+                    raise InputError(f"resume: block at {blk.start} of '{name}' has {groups} scale(s) per head, the "
+                                     f"state uses {spec.groups} (key_channel_scales)")
     batch = len(snapshot.sequences)
     need = sum(-(-seq.length // bs) - seq.first_position // bs for seq in snapshot.sequences)
     table = PageTable(pool, batch)
@@ -92,10 +138,14 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
         table.lengths[b] = seq.length
         table.first[b] = seq.first_position
     table.tables = tables
-    for b, seq in enumerate(snapshot.sequences):
-        for blk in seq.blocks:
-            k, v = layers[blk.layer]
-            p = int(tables[b, blk.start // bs])
-            pool.pages[index[k]][p][:, :blk.length] = blk.key.data
-            pool.pages[index[v]][p][:, :blk.length] = blk.value.data
+    try:
+        for b, seq in enumerate(snapshot.sequences):
+            for blk in seq.blocks:
+                k, v = layers[blk.layer]
+                p = int(tables[b, blk.start // bs])
+                _install(pool, index[k], p, blk.key, blk.length)
+                _install(pool, index[v], p, blk.value, blk.length)
+    except BaseException:
+        table.release()
+        raise
     return cache

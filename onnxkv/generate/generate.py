@@ -125,6 +125,7 @@ def generate(
     prefill_chunk: int | None = 512,
     cache_dtype: str | None = None,
     block_size: int = 16,
+    kv_format=None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt row.
 
@@ -149,6 +150,8 @@ def generate(
         capacity: fixed cache capacity for the in-place path (None: grows).
         cache_dtype: on the in-place path, store the cache as ``"float16"`` or
             ``"bfloat16"`` (see :meth:`Session.new_state`).
+        kv_format: with ``cache="paged"``, the page format policy (see
+            :meth:`Session.new_state`: "int8", "int4", "residual-int4", ... or a selector).
         prefill_chunk: on the in-place path, a single unpadded prompt longer than
             this is fed in chunks of this many tokens (the same result with
             far smaller temporaries); None feeds it whole.
@@ -176,6 +179,8 @@ def generate(
 
     if cache not in ("auto", "paged", "tensor"):
         raise InputError(f"generate: cache must be 'auto', 'paged' or 'tensor', got {cache!r}")
+    if kv_format is not None and cache != "paged":
+        raise InputError(f"generate: kv_format={kv_format!r} needs cache='paged'")
     if cache == "paged" and not sess.bindings:
         raise InputError("generate: cache='paged' needs a model with a recognised in-place cache; this model's is "
                          f"'{model.convention.kind}'")
@@ -191,7 +196,7 @@ def generate(
     builder = FeedBuilder(sess.plan.inputs, model, ids[:, :first_len], np.minimum(lengths, first_len),
                           int(pad_token_id), thread_cache=not in_place)
     if in_place:
-        paged = {"cache": "paged", "block_size": block_size} if cache == "paged" else {}
+        paged = {"cache": "paged", "block_size": block_size, "kv_format": kv_format} if cache == "paged" else {}
         state = sess.new_state(capacity=capacity, initial_capacity=max(32, L + min(max_new_tokens, 256)),
                                cache_dtype=cache_dtype, **paged)
         fetch = [model.io.logits]

@@ -95,15 +95,17 @@ class Session:
 
     def new_state(self, initial=None, capacity: int | None = None, initial_capacity: int = 32,
                   allocator=None, cache_dtype: str | None = None, cache: str = "contiguous",
-                  block_size: int = 16, max_pages: int | None = None) -> State:
+                  block_size: int = 16, max_pages: int | None = None, kv_format=None,
+                  key_channel_scales: bool = False) -> State:
         """A persistent per-request :class:`~onnxkv.runtime.state.State` (see there).
 
         ``cache="paged"`` stores the caches in pages of ``block_size`` tokens
-        (at most ``max_pages`` live) with copy-on-write fork/reorder/checkpoint/truncate.
+        (at most ``max_pages`` live) with copy-on-write fork/reorder/checkpoint/truncate;
+        ``kv_format`` chooses page formats (quantization) per page.
         """
         return State(self, initial=initial, capacity=capacity, initial_capacity=initial_capacity,
                      allocator=allocator, cache_dtype=cache_dtype, cache=cache, block_size=block_size,
-                     max_pages=max_pages)
+                     max_pages=max_pages, kv_format=kv_format, key_channel_scales=key_channel_scales)
 
     def __repr__(self) -> str:
         src = self.model.path or "<in-memory model>"

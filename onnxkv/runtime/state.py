@@ -35,7 +35,9 @@ from onnxkv.alloc import as_allocator
 from onnxkv.cache import bound
 from onnxkv.cache.contiguous import CacheTensor
 from onnxkv.cache import serialize
+from onnxkv.cache.formats import page_format
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
+from onnxkv.cache.policy import make_selector
 from onnxkv.cache.snapshot import paged_from_snapshot, take_snapshot
 from onnxkv.errors import CacheCapacityError, InputError, StateError
 
@@ -116,6 +118,14 @@ class State:
         max_pages: at most this many pages live in the pool (paged; None =
             unbounded); running out raises :class:`~onnxkv.errors.OutOfMemory`
             before anything is written.
+        kv_format: page formats of a paged cache (see :mod:`onnxkv.cache.policy`):
+            None (native pages), a policy name ("fp32", "fp16", "bf16", "int8",
+            "int4", "residual-int8", "residual-int4") or a ``FormatSelector``
+            callable ``(layer, past_length, k, v) -> (k_format, v_format)``.
+            After every successful run the full pages the selector makes
+            eligible are converted (each page once, allocated once).
+        key_channel_scales: quantized key pages get one scale per channel
+            (KIVI) instead of one per head.
 
     One state per request; many states per session.  Two states never share
     writable storage.  Calls on one state must not overlap (a second
@@ -125,7 +135,7 @@ class State:
     def __init__(self, session, initial: Mapping[str, np.ndarray] | None = None, capacity: int | None = None,
                  initial_capacity: int = 32, allocator=None, cache_dtype: str | None = None,
                  cache: str = "contiguous", block_size: int = 16, max_pages: int | None = None,
-                 _pool: BlockPool | None = None) -> None:
+                 kv_format=None, key_channel_scales: bool = False, _pool: BlockPool | None = None) -> None:
         if cache not in _CACHES:
             raise InputError(f"new_state: cache must be one of {_CACHES}, got {cache!r}")
         for name, v in (("capacity", capacity), ("initial_capacity", initial_capacity)):
@@ -158,6 +168,11 @@ class State:
         self._paged: PagedCache | None = None
         self._pool: BlockPool | None = None
         self._window: int | None = None
+        self._selector = make_selector(kv_format)
+        if self._selector is not None and cache != "paged":
+            raise InputError(f"new_state: kv_format={kv_format!r} needs cache='paged'")
+        self.kv_format = kv_format
+        self._key_groups = bool(key_channel_scales)
         if cache == "paged":
             self._pool = _pool if _pool is not None else self._new_pool(block_size, max_pages)
             self._window = self._model_window()
@@ -216,10 +231,11 @@ class State:
         """Bytes of persistent storage this state holds.
 
         Contiguous: whole cache capacities.  Paged: every page its tables
-        reference, once (pages shared with forks or checkpoints included).
+        reference, once, in its own format (pages shared with forks or
+        checkpoints included).
         """
         if self._paged is not None:
-            return self._paged.table.unique_pages() * self._pool.page_bytes
+            return self._pool.pages_bytes(self._paged.table.held_ids())
         return sum(c.nbytes for c in (self._caches or {}).values()) + sum(a.nbytes for _, a in self._values.values())
 
     @property
@@ -259,7 +275,9 @@ class State:
         planes = []
         for b in self.bindings:
             (_, heads, head), dtype = self._geometry(b.past, 1)
-            planes.append(PlaneSpec(b.past, heads, head, self.cache_dtype or np.dtype(dtype).name, np.dtype(dtype).name))
+            groups = head if (self._key_groups and b.role == "key") else 1
+            planes.append(PlaneSpec(b.past, heads, head, self.cache_dtype or np.dtype(dtype).name, np.dtype(dtype).name,
+                                    groups))
         return BlockPool(planes, block_size, self.allocator, max_pages)
 
     def _model_window(self) -> int | None:
@@ -465,6 +483,83 @@ class State:
         self._paged, self._caches = cache, cache.planes
         self.steps = 0
 
+    # -- page formats (paged) ---------------------------------------------------
+    def _apply_formats(self, past_length: int) -> None:
+        """Convert the full pages the selector makes eligible after a committed run (see kv_format)."""
+        cache = self._paged
+        residual = int(getattr(self._selector, "residual_tokens", 0))
+        pool = self._pool
+        converted = copied = 0
+        for layer, (k, v) in enumerate(self._layer_pairs()):
+            new_k, new_v = cache.last_written.get(k), cache.last_written.get(v)
+            if new_k is None:
+                continue
+            fk, fv = self._selector(layer, past_length, new_k, new_v)
+            for name, fmt in ((k, fk), (v, fv)):
+                if fmt is not None and fmt != pool.planes[pool.plane_index[name]].storage:
+                    n, c = cache.convert_full_pages(pool.plane_index[name], fmt, residual)
+                    converted += n
+                    copied += c
+        cache.last_written.clear()
+        if converted:
+            self._log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
+
+    def quantize_pages(self, indices, k_format: str | None, v_format: str | None) -> None:
+        """Convert logical blocks ``indices`` (full blocks of every row) of every layer to new formats.
+
+        ``k_format``/``v_format``: a page format name (see
+        :mod:`onnxkv.cache.formats`; a float format dequantizes) or None to
+        leave that plane.  Only the selected pages are replaced, each new
+        payload allocated once; other pages keep their storage.  Pages shared
+        with other states or checkpoints are copied for this state first.
+        Everything is validated and every new payload built before anything
+        is published: an error (bad index, unknown format, OutOfMemory)
+        leaves the state as it was.
+        """
+        with self._exclusive("quantize_pages"):
+            cache = self._require_paged("quantize_pages")
+            pool, bs, table = self._pool, self._pool.block_size, cache.table
+            for f in (k_format, v_format):
+                if f is not None:
+                    page_format(f)  # raises InputError naming the value
+            idx = np.asarray(indices)
+            if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer) or len(set(idx.tolist())) != idx.size:
+                raise InputError(f"State.quantize_pages: indices must be distinct ints, got {indices!r}")
+            full = int(table.lengths.min()) // bs if table.batch else 0
+            lo = int(table.first.max(initial=0)) // bs
+            if idx.size and (idx.min() < lo or idx.max() >= full):
+                raise InputError(f"State.quantize_pages: indices must be full blocks in [{lo}, {full}) of every "
+                                 f"row, got {idx.tolist()}")
+            planes = [(pool.plane_index[n], f) for k, v in self._layer_pairs() for n, f in ((k, k_format), (v, v_format))
+                      if f is not None]
+            pages = sorted({int(p) for p in table.tables[:, idx].reshape(-1) if p >= 0})
+            shared = [p for p in pages if pool.refcount(p) > int((table.tables == p).sum())]
+            fresh = pool.allocate(len(shared)) if shared else np.zeros(0, np.int32)
+            built = []
+            try:
+                for p, new in zip(shared, fresh.tolist()):
+                    pool.copy_page(p, new, bs)
+                target = {p: p for p in pages}
+                target.update(dict(zip(shared, fresh.tolist())))
+                for p in pages:
+                    for plane, fmt in planes:
+                        buf, arr = pool.build_payload(plane, target[p], fmt, bs)
+                        built.append((plane, target[p], buf, arr, fmt))
+            except BaseException:
+                for _, _, buf, _, _ in built:
+                    pool.allocator.free(buf)
+                pool.decref(fresh)
+                raise
+            for plane, p, buf, arr, fmt in built:
+                pool.install_payload(plane, p, buf, arr, fmt)
+            for p, new in zip(shared, fresh.tolist()):
+                places = table.tables == p
+                pool.incref(np.full(int(places.sum()) - 1, new, np.int32))
+                table.tables[places] = new
+                pool.decref(np.full(int(places.sum()), p, np.int32))
+            self._log("quantize", cow_copied_bytes=len(shared) * pool.page_bytes,
+                      extra={"pages_converted": len(pages)})
+
     # -- copy-on-write operations (paged) -------------------------------------
     def _require_paged(self, api: str) -> PagedCache:
         self._check_open(api)
@@ -495,7 +590,8 @@ class State:
             out = []
             for _ in range(int(n)):
                 st = State(self.session, capacity=self.capacity, initial_capacity=self.initial_capacity,
-                           allocator=self.allocator, cache_dtype=self.cache_dtype, cache="paged", _pool=self._pool)
+                           allocator=self.allocator, cache_dtype=self.cache_dtype, cache="paged",
+                           kv_format=self.kv_format, key_channel_scales=self._key_groups, _pool=self._pool)
                 st._paged = PagedCache(self._pool, cache.table.share(), cache.static_length, cache.max_tokens)
                 st._caches = st._paged.planes
                 st.steps = self.steps
@@ -647,6 +743,7 @@ class State:
         with self._exclusive("run"):
             batch = self._batch(feeds)
             caches = self._ensure_caches(batch)
+            before = self.length
             full = dict(feeds)
             for name, c in caches.items():
                 if self.paged:
@@ -662,6 +759,8 @@ class State:
             for c in caches.values():
                 c.commit()
             self.steps += 1
+            if self._selector is not None:
+                self._apply_formats(before)
             if self._paged is not None and self._window is not None:
                 freed = self._paged.table.evict(self._window)
                 if freed:

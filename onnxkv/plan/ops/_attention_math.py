@@ -67,18 +67,21 @@ def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
 
 
 def paged_causal_attention(q: np.ndarray, keys, values, kv_len: np.ndarray, q_pos: np.ndarray, scale: float,
-                           softcap: float, window: int, out: np.ndarray) -> np.ndarray:
-    """:func:`causal_attention` over the pages of a paged cache (no gather).
+                           softcap: float, window: int, out: np.ndarray) -> dict:
+    """:func:`causal_attention` over the pages of a paged cache (no gather), into ``out``.
 
     ``keys``/``values`` are the :class:`~onnxkv.cache.paged.PagedPlane` s of
-    one layer (same page tables); ``q`` float32 [B, Hq, Sq, D].  Returns ``out``.
+    one layer (same page tables); each page is read in its own format
+    (quantized pages are dequantized in the kernel's load step).  ``q``
+    float32 [B, Hq, Sq, D].  Returns the kernel's storage figures
+    (``dequantized_bytes``, ``workspace_peak_bytes``) for the event log.
     """
-    _kernels.paged_attention(
+    return _kernels.paged_attention(
         np.ascontiguousarray(q, dtype=np.float32), keys.ptrs, values.ptrs, keys.tables, keys.block_size, keys.heads,
         np.ascontiguousarray(kv_len, dtype=np.int32), np.ascontiguousarray(q_pos, dtype=np.int32), float(scale),
-        float(softcap), int(window), out, kv_dtype=keys.storage,
+        float(softcap), int(window), out, kv_dtype=keys.storage, k_formats=keys.formats, v_formats=values.formats,
+        k_group=keys.groups, v_group=values.groups,
     )
-    return out
 
 
 def dense_attention(

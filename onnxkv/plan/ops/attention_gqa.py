@@ -187,7 +187,7 @@ class GroupQueryAttention(Op):
         scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
         if attn_bias is None and sink is None:
             if paged:
-                paged_causal_attention(qf, ck, cv, kv_len, q_pos, scale, self.softcap, self.window, out)
+                rt.count(**paged_causal_attention(qf, ck, cv, kv_len, q_pos, scale, self.softcap, self.window, out))
             else:
                 causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out, kv_dtype)
         else:

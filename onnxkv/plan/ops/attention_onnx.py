@@ -156,7 +156,7 @@ class Attention23(Op):
             else:
                 q_pos = np.broadcast_to(np.int64(total), (b, sq))
             if paged:
-                paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y)
+                rt.count(**paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y))
             else:
                 causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y)
         else:

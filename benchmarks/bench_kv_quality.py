@@ -1,0 +1,117 @@
+"""Quality of quantized KV pages: greedy decoding per page-format policy vs float32 pages.
+
+Models: the embedded **trained** byte-level model (``onnxkv.models.embedded``:
+random-weight models have flat next-token distributions, where argmax
+agreement says little) and a random-weight small GenAI-builder model
+(``onnxkv.models.builders.SMALL``).
+
+For every policy of ``onnxkv.cache.policy.POLICIES`` (``--policies``) it
+runs, on a paged state with that ``kv_format``:
+
+* free-running greedy decoding for ``--new-tokens`` tokens from the same
+  prompt as the float32 reference: ``token_agreement`` is the fraction of
+  positions whose token equals the reference's, ``first_divergence`` the
+  first position that differs (None if none);
+* teacher-forced decoding on the reference tokens, so the distributions are
+  compared position by position: ``mean_kl`` = mean over positions of
+  KL(p_fp32 || p_policy) in nats, and ``max_logit_diff`` = max |logit
+  difference|.
+
+Plus the committed cache bytes at the end of each run.  Prints JSON.
+
+Usage: python benchmarks/bench_kv_quality.py [--new-tokens 128] [--policies int8,int4,...] [--threads 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine, versions  # noqa: E402
+
+DEFAULT_POLICIES = "fp16,bf16,int8,int4,residual-int8,residual-int4"
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.ndarray | None = None):
+    """Greedy (or teacher-forced on ``forced``) decoding on a paged state: (tokens, logits per step, bytes)."""
+    from onnxkv.generate.feeds import FeedBuilder
+
+    model = session.model
+    state = session.new_state(cache="paged", kv_format=kv_format)
+    b = FeedBuilder(session.plan.inputs, model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False)
+    feeds, _ = b.first()
+    out = state.run(feeds, [model.io.logits])
+    tokens, logits = [], []
+    for i in range(new_tokens):
+        last = out[model.io.logits][0, -1].astype(np.float32)
+        logits.append(last)
+        tok = int(forced[i]) if forced is not None else int(np.argmax(last))
+        tokens.append(tok)
+        if i + 1 < new_tokens:
+            out = state.run(b.next(np.array([tok]), out), [model.io.logits])
+    committed = state.committed_bytes
+    state.close()
+    return np.array(tokens), np.stack(logits), committed
+
+
+def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str]) -> dict:
+    ref_tokens, ref_logits, ref_bytes = decode(session, prompt, new_tokens, None)
+    ref_logp = _log_softmax(ref_logits)
+    rows = {"fp32": {"token_agreement": 1.0, "first_divergence": None, "mean_kl": 0.0, "max_logit_diff": 0.0,
+                     "committed_bytes": ref_bytes}}
+    for name in policies:
+        tokens, _, committed = decode(session, prompt, new_tokens, name)
+        same = tokens == ref_tokens
+        _, forced_logits, _ = decode(session, prompt, new_tokens, name, forced=ref_tokens)
+        logp = _log_softmax(forced_logits)
+        kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
+        rows[name] = {
+            "token_agreement": float(same.mean()),
+            "first_divergence": None if same.all() else int(np.flatnonzero(~same)[0]),
+            "mean_kl": float(kl.mean()),
+            "max_logit_diff": float(np.abs(forced_logits - ref_logits).max()),
+            "committed_bytes": committed,
+            "committed_vs_fp32": committed / ref_bytes,
+        }
+    return {"prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens, "policies": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--policies", default=DEFAULT_POLICIES)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import onnxkv
+    from onnxkv.models import embedded
+    from onnxkv.models.builders import SMALL, build_model, save_genai_folder
+
+    policies = [p for p in args.policies.split(",") if p]
+    results = {}
+    trained = onnxkv.Session(embedded.embedded_model_dir(), threads=args.threads)
+    text = "The context manager is used to "
+    prompt = np.array([embedded.encode(text)], np.int64)
+    results["embedded_trained"] = {"prompt": text, **evaluate(trained, prompt, args.new_tokens, policies)}
+    with tempfile.TemporaryDirectory() as d:
+        save_genai_folder(build_model("gqa", SMALL, seed=0), SMALL, Path(d))
+        small = onnxkv.Session(d, threads=args.threads)
+        prompt = np.random.default_rng(0).integers(0, SMALL.vocab_size, (1, 64))
+        results["small_random"] = evaluate(small, prompt, args.new_tokens, policies)
+    emit({"benchmark": "kv_quality", "machine": machine(), "versions": versions(), "threads": args.threads,
+          "results": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()

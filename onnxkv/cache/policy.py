@@ -1,0 +1,78 @@
+"""Choosing page formats: the ``FormatSelector`` protocol and the built-in policies.
+
+A paged state stores each full page of each plane (a layer's keys or values)
+in its own format (see :mod:`onnxkv.cache.formats`).  The partly filled last
+page of a sequence stays in the model's native type; when a run completes
+pages, the state's selector is asked, per layer and execution, which formats
+the eligible pages take::
+
+    selector(layer, past_length, k, v) -> (k_format, v_format)
+
+``layer`` is the layer index, ``past_length`` the longest row's length before
+the run, ``k``/``v`` the new keys/values [B, H, S, D] of the run (float32).
+Formats are names ("float32", "float16", "bfloat16", "int8", "uint8",
+"int4", "uint4", "int2", "uint2") or None for "keep native".  A selector may
+define ``residual_tokens`` (default 0): only full pages whose last token is
+older than ``length - residual_tokens`` are converted, so the most recent
+tokens stay native.  Pages are converted once; a page never changes format
+in place (the new payload replaces the old one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from onnxkv.errors import InputError
+
+__all__ = ["FormatSelector", "UniformPolicy", "ResidualPolicy", "make_selector", "POLICIES"]
+
+#: ``(layer, past_length, k, v) -> (k_format, v_format)``
+FormatSelector = Callable[..., tuple]
+
+
+@dataclass(frozen=True)
+class UniformPolicy:
+    """Every full page of every layer in ``k_format`` / ``v_format`` (None: native)."""
+
+    k_format: str | None
+    v_format: str | None
+    residual_tokens: int = 0
+
+    def __call__(self, layer: int, past_length: int, k, v) -> tuple[str | None, str | None]:
+        return self.k_format, self.v_format
+
+
+@dataclass(frozen=True)
+class ResidualPolicy(UniformPolicy):
+    """The most recent ``residual_tokens`` native; older full pages in ``k_format`` / ``v_format``."""
+
+
+#: Built-in policies by name (``new_state(kv_format=...)``, ``--kv-format``).
+POLICIES: dict[str, UniformPolicy] = {
+    "fp32": UniformPolicy(None, None),
+    "native": UniformPolicy(None, None),
+    "fp16": UniformPolicy("float16", "float16"),
+    "bf16": UniformPolicy("bfloat16", "bfloat16"),
+    "int8": UniformPolicy("int8", "int8"),
+    "int4": UniformPolicy("int4", "int4"),
+    "residual-int8": ResidualPolicy("int8", "int8", 128),
+    "residual-int4": ResidualPolicy("int4", "int4", 128),
+}
+
+
+def make_selector(kv_format) -> FormatSelector | None:
+    """A selector from ``kv_format``: None (native pages), a policy name of :data:`POLICIES`, or a callable."""
+    if kv_format is None:
+        return None
+    if isinstance(kv_format, str):
+        if kv_format not in POLICIES:
+            raise InputError(f"kv_format must be one of {sorted(POLICIES)} or a callable, got {kv_format!r}")
+        policy = POLICIES[kv_format]
+        return None if policy.k_format is None and policy.v_format is None else policy
+    if callable(kv_format):
+        r = getattr(kv_format, "residual_tokens", 0)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise InputError(f"kv_format: residual_tokens must be a non-negative int, got {r!r}")
+        return kv_format
+    raise InputError(f"kv_format must be None, a policy name or a callable, got {kv_format!r}")
