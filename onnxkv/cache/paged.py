@@ -121,7 +121,8 @@ class BlockPool:
         self._bufs: list[list] = [[] for _ in self.planes]
         self.pages: list[list] = [[] for _ in self.planes]
         self.ptrs: list[np.ndarray] = [np.zeros(0, np.uint64) for _ in self.planes]
-        #: Per plane, the ONNX element code of each live page's payload (0: free); see onnxkv.cache.formats.
+        #: Per plane, the ONNX element code of each page id's payload (the native code while free: the
+        #: attention kernel validates the whole table); see onnxkv.cache.formats.
         self.formats: list[np.ndarray] = [np.zeros(0, np.uint8) for _ in self.planes]
         #: Per plane, the payload bytes of each live page (0: free).
         self.sizes: list[np.ndarray] = [np.zeros(0, np.int64) for _ in self.planes]
@@ -168,7 +169,7 @@ class BlockPool:
                 ptrs = np.zeros(cap, np.uint64)
                 ptrs[: len(self.ptrs[i])] = self.ptrs[i]
                 self.ptrs[i] = ptrs
-                fmts = np.zeros(cap, np.uint8)
+                fmts = np.full(cap, _NATIVE_CODE[self.planes[i].storage], np.uint8)
                 fmts[: len(self.formats[i])] = self.formats[i]
                 self.formats[i] = fmts
                 sizes = np.zeros(cap, np.int64)
@@ -214,7 +215,7 @@ class BlockPool:
             self.allocator.free(buf)
         self._bufs[i][p] = self.pages[i][p] = None
         self.ptrs[i][p] = 0
-        self.formats[i][p] = 0
+        self.formats[i][p] = _NATIVE_CODE[self.planes[i].storage]
         self.sizes[i][p] = 0
 
     def incref(self, ids: np.ndarray) -> None:
