@@ -41,6 +41,7 @@ _MODULES = {
     "convert": ("f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16", "read_sum"),
     "matmul": ("matmul_rows",),
     "quant": ("quantize_page", "dequantize_page"),
+    "pages": ("page_write",),
 }
 
 __all__ = [name for names in _MODULES.values() for name in names]

@@ -287,3 +287,12 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
         q = np.where(q > qmax, q - (1 << bits), q)
     hdr = page[:8 * H * G].copy().view(np.float32)
     out[...] = (q.astype(np.float32) - hdr[H * G:].reshape(H, 1, G)) * hdr[:H * G].reshape(H, 1, G)
+
+
+def page_write(new: np.ndarray, pages: list, tables: np.ndarray, starts: np.ndarray, block_size: int) -> None:
+    """Twin of ``onnxkv._kernels.page_write``; ``pages`` are the page arrays [H, block_size, D] by page id."""
+    B, H, S, D = new.shape
+    for b in range(B):
+        for t in range(S):
+            pos = int(starts[b]) + t
+            pages[int(tables[b, pos // block_size])][:, pos % block_size] = new[b, :, t]

@@ -124,6 +124,8 @@ class BlockPool:
         #: Per plane, the ONNX element code of each page id's payload (the native code while free: the
         #: attention kernel validates the whole table); see onnxkv.cache.formats.
         self.formats: list[np.ndarray] = [np.zeros(0, np.uint8) for _ in self.planes]
+        #: Per plane, how many live pages are not in the native format (0: the kernel reads plain pages).
+        self.converted: list[int] = [0 for _ in self.planes]
         #: Per plane, the payload bytes of each live page (0: free).
         self.sizes: list[np.ndarray] = [np.zeros(0, np.int64) for _ in self.planes]
         self._holders: weakref.WeakSet = weakref.WeakSet()
@@ -215,6 +217,8 @@ class BlockPool:
             self.allocator.free(buf)
         self._bufs[i][p] = self.pages[i][p] = None
         self.ptrs[i][p] = 0
+        if self.quantized(i, p):
+            self.converted[i] -= 1
         self.formats[i][p] = _NATIVE_CODE[self.planes[i].storage]
         self.sizes[i][p] = 0
 
@@ -314,7 +318,9 @@ class BlockPool:
             old = self._bufs[plane][page]
             self._bufs[plane][page], self.pages[plane][page] = buf, arr
             self.ptrs[plane][page] = arr.__array_interface__["data"][0]
+            self.converted[plane] -= self.quantized(plane, page)
             self.formats[plane][page] = formats.page_format(fmt_name).code
+            self.converted[plane] += self.quantized(plane, page)
             self.sizes[plane][page] = arr.nbytes
             self.allocator.free(old)
 
@@ -348,6 +354,12 @@ class BlockPool:
                     p = int(np.flatnonzero(has != (refs > 0))[0])
                     raise StateError(f"BlockPool.audit: page {p} plane '{self.planes[i].name}' payload "
                                      f"{'held' if has[p] else 'missing'} with {int(refs[p])} reference(s)")
+            for i, spec in enumerate(self.planes):
+                live = self.ptrs[i][: len(refs)] != 0
+                n = int((live & (self.formats[i][: len(refs)] != _NATIVE_CODE[spec.storage])).sum())
+                if n != self.converted[i]:
+                    raise StateError(f"BlockPool.audit: plane '{spec.name}' counts {self.converted[i]} converted "
+                                     f"pages but holds {n}")
             if self.core.live_pages != int((refs > 0).sum()):
                 raise StateError(f"BlockPool.audit: {self.core.live_pages} live ids but "
                                  f"{int((refs > 0).sum())} referenced pages")
@@ -550,18 +562,9 @@ class PagedCache:
             conv = np.empty(src.shape, np.uint16)
             _kernels.f32_to_bf16(src, conv)
             new = conv
-        bs = self.pool.block_size
-        pages = self.pool.pages[plane]
-        tables = self._staged
-        for row in range(b):
-            p0 = int(starts[row])
-            t = 0
-            while t < s:
-                pos = p0 + t
-                blk, off = divmod(pos, bs)
-                n = min(bs - off, s - t)
-                pages[int(tables[row, blk])][:, off:off + n] = new[row, :, t:t + n]
-                t += n
+        # every block written is native and held by this run alone (prepare), so scatter by address
+        _kernels.page_write(np.ascontiguousarray(new, dtype=spec.dtype), self.pool.ptrs[plane], self._staged,
+                            starts, self.pool.block_size)
         cost.append_copied_bytes += b * h * s * d * spec.dtype.itemsize
         self._staged_lengths[:] = starts + s if self.static_length is None else self.static_length
         return cost
@@ -685,9 +688,11 @@ class PagedPlane:
         return self.cache.tables
 
     @property
-    def formats(self) -> np.ndarray:
-        """ONNX element code of each page id's payload in this plane (uint8 [pool capacity])."""
-        return self.cache.pool.formats[self.index]
+    def formats(self) -> np.ndarray | None:
+        """ONNX element code of each page id's payload in this plane (uint8 [pool capacity]),
+        or None while every page is native (the kernel then skips per-page dispatch)."""
+        pool = self.cache.pool
+        return pool.formats[self.index] if pool.converted[self.index] else None
 
     @property
     def groups(self) -> int:

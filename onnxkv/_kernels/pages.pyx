@@ -1,0 +1,77 @@
+"""Appending into a paged KV cache: scatter new tokens into their pages by address.
+
+``page_write(new, pages, tables, starts, block_size)`` copies ``new`` [B, H, S, D]
+(C-contiguous) so that row b's token t lands at logical position
+``p = starts[b] + t``: page ``tables[b, p // block_size]``, slot
+``p % block_size``.  A page is ``[H, block_size, D]`` elements of ``new``'s
+element type, C-contiguous, at the address ``pages[page id]`` (head-major:
+one head's tokens contiguous).  Only those (head, slot) rows are written;
+nothing else of any page changes.  Every check runs before the first byte is
+written.  One copy of ``D`` elements per (row, head, token); no GIL.
+"""
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.string cimport memcpy
+
+import numpy as np
+
+from . import _validate as V
+
+
+cdef void _scatter(const char *src, const uint64_t *pages, const int32_t *tables, const int64_t *starts,
+                   int64_t B, int64_t H, int64_t S, int64_t row, int64_t M, int64_t bs) noexcept nogil:
+    cdef int64_t b, h, t, pos, blk, slot
+    cdef char *page
+    for b in range(B):
+        for t in range(S):
+            pos = starts[b] + t
+            blk = pos // bs
+            slot = pos - blk * bs
+            page = <char *>pages[tables[b * M + blk]]
+            for h in range(H):
+                memcpy(page + (h * bs + slot) * row, src + ((b * H + h) * S + t) * row, <size_t>row)
+
+
+def page_write(new, pages, tables, starts, block_size):
+    """Scatter ``new`` [B, H, S, D] into pages (see the module docstring).
+
+    new     C-contiguous [B, H, S, D] of any element type (the pages' type)
+    pages   uint64 [P] page addresses (0 = no page)
+    tables  int32 [B, M] logical block -> page id
+    starts  int64 [B] first position written per row (>= 0)
+    Raises ValueError naming the argument (bad shapes, a written block past M,
+    an entry outside [0, P) or a page address of 0) before writing anything.
+    """
+    V.array("pages", pages, (V.U64,), ndim=1)
+    V.array("tables", tables, (V.I32,), ndim=2)
+    if not isinstance(new, np.ndarray) or new.ndim != 4 or not new.flags.c_contiguous:
+        raise ValueError(f"new: expected a C-contiguous [B, H, S, D] array, got "
+                         f"{getattr(new, 'shape', type(new).__name__)}")
+    B, H, S, D = new.shape
+    bs = V.positive_int("block_size", block_size)
+    M = tables.shape[1]
+    if tables.shape[0] != B:
+        raise ValueError(f"tables: expected {B} rows, got shape {tables.shape}")
+    st = np.ascontiguousarray(starts, dtype=np.int64)
+    if st.shape != (B,):
+        raise ValueError(f"starts: expected shape ({B},), got {st.shape}")
+    if B and S:
+        if st.min() < 0 or st.max() + S > M * bs:
+            raise ValueError(f"starts: positions [{int(st.min())}, {int(st.max()) + S}) do not fit {M} blocks of "
+                             f"{bs} tokens")
+        first, last = st // bs, (st + S - 1) // bs
+        cols = np.arange(M)
+        written = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
+        ids = tables[written]
+        P = pages.shape[0]
+        if ids.min() < 0 or ids.max() >= P or not pages[ids].all():
+            raise ValueError(f"tables: a written block holds {ids.tolist()}, expected page ids in [0, {P}) with a "
+                             "nonzero address")
+    if not (B and S and H and D):
+        return
+    cdef const char[::1] src = new.reshape(-1).view(np.int8)
+    cdef const uint64_t[::1] pg = pages
+    cdef const int32_t[::1] tb = np.ascontiguousarray(tables).reshape(-1)
+    cdef const int64_t[::1] sv = st
+    cdef int64_t row = D * new.itemsize, b_ = B, h_ = H, s_ = S, m_ = M, bs_ = bs
+    with nogil:
+        _scatter(&src[0], &pg[0], &tb[0], &sv[0], b_, h_, s_, row, m_, bs_)
