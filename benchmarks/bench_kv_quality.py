@@ -10,12 +10,18 @@ runs, on a paged state with that ``kv_format``:
 
 * free-running greedy decoding for ``--new-tokens`` tokens from the same
   prompt as the float32 reference: ``token_agreement`` is the fraction of
-  positions whose token equals the reference's, ``first_divergence`` the
-  first position that differs (None if none);
+  positions whose token equals the reference's (after a first difference the
+  two texts usually part ways, so one flipped near-tie costs every later
+  position), ``first_divergence`` the first position that differs (None if
+  none);
 * teacher-forced decoding on the reference tokens, so the distributions are
-  compared position by position: ``mean_kl`` = mean over positions of
-  KL(p_fp32 || p_policy) in nats, and ``max_logit_diff`` = max |logit
-  difference|.
+  compared position by position: ``forced_argmax_agreement`` = fraction of
+  positions whose argmax equals the reference's, ``mean_kl`` = mean over
+  positions of KL(p_fp32 || p_policy) in nats, and ``max_logit_diff`` = max
+  |logit difference|.
+
+A ``-kc`` suffix on a policy name stores keys with one scale per channel
+(``key_channel_scales=True``, the KIVI choice for keys).
 
 Plus the committed cache bytes at the end of each run.  Prints JSON.
 
@@ -34,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, versions  # noqa: E402
 
-DEFAULT_POLICIES = "fp16,bf16,int8,int4,residual-int8,residual-int4"
+DEFAULT_POLICIES = "fp16,bf16,int8,int8-kc,int4,int4-kc,residual-int8,residual-int4,residual-int4-kc"
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -43,12 +49,20 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+def _policy(name: str | None) -> tuple:
+    """(kv_format, key_channel_scales) of a policy name; a ``-kc`` suffix asks for per-channel key scales."""
+    if name is not None and name.endswith("-kc"):
+        return name[:-3], True
+    return name, False
+
+
 def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.ndarray | None = None):
     """Greedy (or teacher-forced on ``forced``) decoding on a paged state: (tokens, logits per step, bytes)."""
     from onnxkv.generate.feeds import FeedBuilder
 
     model = session.model
-    state = session.new_state(cache="paged", kv_format=kv_format)
+    fmt, channel = _policy(kv_format)
+    state = session.new_state(cache="paged", kv_format=fmt, key_channel_scales=channel)
     b = FeedBuilder(session.plan.inputs, model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False)
     feeds, _ = b.first()
     out = state.run(feeds, [model.io.logits])
@@ -68,7 +82,7 @@ def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.n
 def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str]) -> dict:
     ref_tokens, ref_logits, ref_bytes = decode(session, prompt, new_tokens, None)
     ref_logp = _log_softmax(ref_logits)
-    rows = {"fp32": {"token_agreement": 1.0, "first_divergence": None, "mean_kl": 0.0, "max_logit_diff": 0.0,
+    rows = {"fp32": {"token_agreement": 1.0, "forced_argmax_agreement": 1.0, "first_divergence": None, "mean_kl": 0.0, "max_logit_diff": 0.0,
                      "committed_bytes": ref_bytes}}
     for name in policies:
         tokens, _, committed = decode(session, prompt, new_tokens, name)
@@ -78,6 +92,7 @@ def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str]) 
         kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
         rows[name] = {
             "token_agreement": float(same.mean()),
+            "forced_argmax_agreement": float((forced_logits.argmax(-1) == ref_logits.argmax(-1)).mean()),
             "first_divergence": None if same.all() else int(np.flatnonzero(~same)[0]),
             "mean_kl": float(kl.mean()),
             "max_logit_diff": float(np.abs(forced_logits - ref_logits).max()),
