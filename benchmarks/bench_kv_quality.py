@@ -25,7 +25,8 @@ A ``-kc`` suffix on a policy name stores keys with one scale per channel
 
 Plus the committed cache bytes at the end of each run.  Prints JSON.
 
-Usage: python benchmarks/bench_kv_quality.py [--new-tokens 128] [--policies int8,int4,...] [--threads 2] [--out FILE]
+Usage: python benchmarks/bench_kv_quality.py [--new-tokens 128] [--policies int8,int4,...] [--threads 2]
+       [--block-size 16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ def _policy(name: str | None) -> tuple:
     return name, False
 
 
-def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.ndarray | None = None):
+def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.ndarray | None = None,
+           block_size: int = 16):
     """Greedy (or teacher-forced on ``forced``) decoding on a paged state: (tokens, logits per step, bytes)."""
     from onnxkv.generate.feeds import FeedBuilder
 
     model = session.model
     fmt, channel = _policy(kv_format)
-    state = session.new_state(cache="paged", kv_format=fmt, key_channel_scales=channel)
+    state = session.new_state(cache="paged", kv_format=fmt, key_channel_scales=channel, block_size=block_size)
     b = FeedBuilder(session.plan.inputs, model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False)
     feeds, _ = b.first()
     out = state.run(feeds, [model.io.logits])
@@ -79,15 +81,15 @@ def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.n
     return np.array(tokens), np.stack(logits), committed
 
 
-def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str]) -> dict:
-    ref_tokens, ref_logits, ref_bytes = decode(session, prompt, new_tokens, None)
+def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str], block_size: int = 16) -> dict:
+    ref_tokens, ref_logits, ref_bytes = decode(session, prompt, new_tokens, None, block_size=block_size)
     ref_logp = _log_softmax(ref_logits)
     rows = {"fp32": {"token_agreement": 1.0, "forced_argmax_agreement": 1.0, "first_divergence": None, "mean_kl": 0.0, "max_logit_diff": 0.0,
                      "committed_bytes": ref_bytes}}
     for name in policies:
-        tokens, _, committed = decode(session, prompt, new_tokens, name)
+        tokens, _, committed = decode(session, prompt, new_tokens, name, block_size=block_size)
         same = tokens == ref_tokens
-        _, forced_logits, _ = decode(session, prompt, new_tokens, name, forced=ref_tokens)
+        _, forced_logits, _ = decode(session, prompt, new_tokens, name, forced=ref_tokens, block_size=block_size)
         logp = _log_softmax(forced_logits)
         kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
         rows[name] = {
@@ -99,7 +101,8 @@ def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str]) 
             "committed_bytes": committed,
             "committed_vs_fp32": committed / ref_bytes,
         }
-    return {"prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens, "policies": rows}
+    return {"prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens, "block_size": block_size,
+            "policies": rows}
 
 
 def main() -> None:
@@ -107,6 +110,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--policies", default=DEFAULT_POLICIES)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per page")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import onnxkv
@@ -118,12 +122,13 @@ def main() -> None:
     trained = onnxkv.Session(embedded.embedded_model_dir(), threads=args.threads)
     text = "The context manager is used to "
     prompt = np.array([embedded.encode(text)], np.int64)
-    results["embedded_trained"] = {"prompt": text, **evaluate(trained, prompt, args.new_tokens, policies)}
+    results["embedded_trained"] = {"prompt": text,
+                                   **evaluate(trained, prompt, args.new_tokens, policies, args.block_size)}
     with tempfile.TemporaryDirectory() as d:
         save_genai_folder(build_model("gqa", SMALL, seed=0), SMALL, Path(d))
         small = onnxkv.Session(d, threads=args.threads)
         prompt = np.random.default_rng(0).integers(0, SMALL.vocab_size, (1, 64))
-        results["small_random"] = evaluate(small, prompt, args.new_tokens, policies)
+        results["small_random"] = evaluate(small, prompt, args.new_tokens, policies, args.block_size)
     emit({"benchmark": "kv_quality", "machine": machine(), "versions": versions(), "threads": args.threads,
           "results": results}, args.out)
 
