@@ -84,7 +84,8 @@ def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.n
 def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str], block_size: int = 16) -> dict:
     ref_tokens, ref_logits, ref_bytes = decode(session, prompt, new_tokens, None, block_size=block_size)
     ref_logp = _log_softmax(ref_logits)
-    rows = {"fp32": {"token_agreement": 1.0, "forced_argmax_agreement": 1.0, "first_divergence": None, "mean_kl": 0.0, "max_logit_diff": 0.0,
+    rows = {"fp32": {"token_agreement": 1.0, "forced_argmax_agreement": 1.0, "first_divergence": None,
+                     "mean_kl": 0.0, "max_logit_diff": 0.0,
                      "committed_bytes": ref_bytes}}
     for name in policies:
         tokens, _, committed = decode(session, prompt, new_tokens, name, block_size=block_size)

@@ -338,7 +338,8 @@ def _row_bytes(page_format: str, head_size: int, where: str, role: str) -> int:
 
 
 def _check_params(page_format: str, scale, zero_point, heads: int, head_size: int, where: str, role: str) -> None:
-    """Quantization parameters: float32 [heads * G] each, G in {1, head_size}; scale > 0; integral zero point in range."""
+    """Quantization parameters: float32 [heads * G] each, G in {1, head_size}; scale > 0; zero points
+    integral and in the format's code range."""
     _, lo, hi = _QUANTIZED[page_format]
     for name, a in (("scale", scale), ("zero_point", zero_point)):
         if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.newbyteorder("<") != np.dtype("<f4"):

@@ -530,8 +530,8 @@ class State:
             if idx.size and (idx.min() < lo or idx.max() >= full):
                 raise InputError(f"State.quantize_pages: indices must be full blocks in [{lo}, {full}) of every "
                                  f"row, got {idx.tolist()}")
-            planes = [(pool.plane_index[n], f) for k, v in self._layer_pairs() for n, f in ((k, k_format), (v, v_format))
-                      if f is not None]
+            planes = [(pool.plane_index[n], f) for k, v in self._layer_pairs()
+                      for n, f in ((k, k_format), (v, v_format)) if f is not None]
             pages = sorted({int(p) for p in table.tables[:, idx].reshape(-1) if p >= 0})
             shared = [p for p in pages if pool.refcount(p) > int((table.tables == p).sum())]
             fresh = pool.allocate(len(shared)) if shared else np.zeros(0, np.int32)

@@ -111,7 +111,7 @@ def _drop_cached_cases():
     case.cache_clear()
 
 
-def run(dtype, heads, D, bs, kv_len, Sq, seed, softcap=0.0, window=-1, q_pos=None, skip_unread=False,
+def check_against_twin(dtype, heads, D, bs, kv_len, Sq, seed, softcap=0.0, window=-1, q_pos=None, skip_unread=False,
         tol=1e-5):
     """Kernel vs twin vs contiguous kernel at the current thread / SIMD setting."""
     q, k, v, Hkv, kv_len, q_pos, pg, want = case(dtype, heads, D, bs, tuple(kv_len), Sq, seed, softcap, window,
@@ -136,14 +136,14 @@ DECODE = [("float32", "gqa", 128, 16, 1), ("float32", "mha", 64, 1, 17), ("float
 def test_decode(dtype, heads, D, bs, ctx, threads, simd):
     B = 1 if ctx > 4096 else 2
     kv_len = [ctx, max(1, ctx // 3)][:B]        # rows with different lengths
-    run(dtype, heads, D, bs, kv_len, 1, seed=ctx + D + bs)
+    check_against_twin(dtype, heads, D, bs, kv_len, 1, seed=ctx + D + bs)
 
 
 @pytest.mark.parametrize("dtype,bs,Sq,past", [("float32", 16, 7, 40), ("float16", 24, 33, 100),
                                               ("bfloat16", 1, 5, 3), ("float32", 32, 70, 0)])
 def test_prefill_causal(dtype, bs, Sq, past, threads, simd):
     kv_len = [past + Sq, past + Sq - 2]
-    out = run(dtype, "gqa", 64, bs, kv_len, Sq, seed=Sq * 31 + bs)
+    out = check_against_twin(dtype, "gqa", 64, bs, kv_len, Sq, seed=Sq * 31 + bs)
     assert np.isfinite(out).all()
 
 
@@ -151,24 +151,26 @@ def test_prefill_causal(dtype, bs, Sq, past, threads, simd):
                                           (20, 3, 1)])
 def test_window_skips_pages_outside(window, Sq, bs, threads, simd):
     """Blocks wholly outside every query's window are -1 or NaN pages: not read."""
-    out = run("float32", "gqa", 64, bs, [1500, 777], Sq, seed=window + Sq, window=window, skip_unread=True)
+    out = check_against_twin("float32", "gqa", 64, bs, [1500, 777], Sq, seed=window + Sq, window=window,
+                             skip_unread=True)
     assert np.isfinite(out).all()
 
 
 def test_window_gap_between_queries_skipped(threads, simd):
     """Queries far apart: the pages between their windows are never read."""
     q_pos = ((100, 2500, 2501), (5, 6, 1999))
-    out = run("float16", "mqa", 80, 16, [2600, 2000], 3, seed=5, window=48, q_pos=q_pos, skip_unread=True)
+    out = check_against_twin("float16", "mqa", 80, 16, [2600, 2000], 3, seed=5, window=48, q_pos=q_pos,
+                             skip_unread=True)
     assert np.isfinite(out).all()
 
 
 @pytest.mark.parametrize("softcap,Sq", [(5.0, 1), (30.0, 6)])
 def test_softcap(softcap, Sq, threads, simd):
-    run("float32", "mha", 80, 24, [900, 64], Sq, seed=int(softcap), softcap=softcap)
+    check_against_twin("float32", "mha", 80, 24, [900, 64], Sq, seed=int(softcap), softcap=softcap)
 
 
 def test_rows_without_visible_keys_give_zeros(threads, simd):
-    out = run("float32", "gqa", 64, 16, [0, 1, 700], 1, seed=3)
+    out = check_against_twin("float32", "gqa", 64, 16, [0, 1, 700], 1, seed=3)
     assert np.all(out[0] == 0.0) and np.all(np.abs(out[2]) > 0)
 
 
@@ -176,15 +178,15 @@ def test_rows_without_visible_keys_give_zeros(threads, simd):
 def test_cache_split_merge(bs, threads, simd):
     """One (batch, KV head) group: with 2 threads the cache is split at page
     boundaries and the partial states are merged."""
-    run("float32", (4, 1), 128, bs, [3000], 1, seed=bs)
-    run("float32", (2, 1), 64, bs, [5000], 4, seed=bs + 1, window=1000, skip_unread=True)
+    check_against_twin("float32", (4, 1), 128, bs, [3000], 1, seed=bs)
+    check_against_twin("float32", (2, 1), 64, bs, [5000], 4, seed=bs + 1, window=1000, skip_unread=True)
 
 
 @pytest.mark.parametrize("window,Sq", [(-1, 1), (300, 1), (90, 3)])
 def test_one_row_all_heads_split_across_threads(window, Sq, threads, simd):
     """B = 1, GQA: one work unit per cache chunk reads every KV head of its
     pages; with 2 threads the chunks' states are merged per head."""
-    out = run("float32", "gqa", 128, 16, [5000], Sq, seed=window + 7, window=window, softcap=20.0,
+    out = check_against_twin("float32", "gqa", 128, 16, [5000], Sq, seed=window + 7, window=window, softcap=20.0,
               skip_unread=window >= 0)
     assert np.isfinite(out).all()
 
@@ -197,7 +199,7 @@ def test_many_split_chunks_merged_in_parallel():
     old, old_threads = A._set_split_tasks(8), K.get_num_threads()
     try:
         K.set_num_threads(2)
-        run("float16", (32, 2), 128, 16, [8192], 16, seed=3)
+        check_against_twin("float16", (32, 2), 128, 16, [8192], 16, seed=3)
     finally:
         A._set_split_tasks(old)
         K.set_num_threads(old_threads)
@@ -210,7 +212,7 @@ def test_heads_per_unit_switch_keeps_results(heads_per_unit, threads):
     A = sys.modules["onnxkv._kernels.attention"]
     old = A._set_paged_heads(heads_per_unit)
     try:
-        run("bfloat16", "gqa", 64, 24, [3000], 1, seed=9, window=700, skip_unread=True)
+        check_against_twin("bfloat16", "gqa", 64, 24, [3000], 1, seed=9, window=700, skip_unread=True)
     finally:
         A._set_paged_heads(old)
 
