@@ -349,7 +349,8 @@ def test_pure_python_protobuf_agrees_on_the_corpus(tmp_path):
     corpus = _body_corpus(5)[::2]
     (tmp_path / "corpus.pkl").write_bytes(pickle.dumps(corpus))
     env = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")
-    child = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "corpus.pkl")], env=env,
+    # cwd: the installed package, not a source tree beside the tests
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "corpus.pkl")], env=env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr
     assert json.loads(child.stdout) == _outcomes(corpus)
