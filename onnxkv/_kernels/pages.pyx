@@ -59,9 +59,11 @@ def page_write(new, pages, tables, starts, block_size):
             raise ValueError(f"starts: positions [{int(st.min())}, {int(st.max()) + S}) do not fit {M} blocks of "
                              f"{bs} tokens")
         first, last = st // bs, (st + S - 1) // bs
-        cols = np.arange(M)
-        written = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
-        ids = tables[written]
+        if (first == last).all():  # every row writes inside one block (decode)
+            ids = tables[np.arange(B), first]
+        else:
+            cols = np.arange(M)
+            ids = tables[(cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])]
         P = pages.shape[0]
         if ids.min() < 0 or ids.max() >= P or not pages[ids].all():
             raise ValueError(f"tables: a written block holds {ids.tolist()}, expected page ids in [0, {P}) with a "

@@ -540,8 +540,8 @@ class PagedCache:
         """Mask of the KEEP entries of ``ids`` whose page is not native in some plane."""
         pool = self.pool
         keep = (action == 0) & (ids >= 0)
-        if not keep.any():
-            return keep
+        if not any(pool.converted) or not keep.any():
+            return np.zeros(len(ids), bool)
         out = np.zeros(len(ids), bool)
         for i, spec in enumerate(pool.planes):
             out |= keep & (pool.formats[i][np.where(keep, ids, 0)] != _NATIVE_CODE[spec.storage])
