@@ -293,43 +293,73 @@ OKV_AVX2 static void okv_mmp_tile_avx2_any(int mr, const float *x, int64_t ldx, 
     }
 }
 
-/* AVX-512 tile: one ZMM accumulator per row (MR <= OKV_MMP_MR512, x values
- * as embedded broadcasts).  Fewer than eight rows also keep U accumulator sets
- * for k mod U, so at least about eight FMA chains are in flight. */
+/* AVX-512 tile: NP adjacent panels (16 NP columns) x MR rows, one ZMM
+ * accumulator per row and panel (MR <= OKV_MMP_MR512, x values as embedded
+ * broadcasts).  The NP panels are NP sequential streams read side by side:
+ * more streams keep more lines in flight from memory, so the product stays
+ * bound by reading the weights as MR grows (one stream per tile left a few
+ * rows 15-30% slower than one row).  With NP == 1, fewer than eight rows may
+ * also keep U accumulator sets for k mod U (about eight FMA chains in flight);
+ * with NP > 1 there is a single set (U == 1).  pstride: floats from one panel
+ * to the next (K * 16).  m masks the columns of the last panel (all 16 when
+ * NP > 1: those tiles cover full panels only). */
 #define OKV_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #define OKV_MMP_MR512 16
 
 OKV_AVX512 static inline __attribute__((always_inline)) void
-okv_mmp_tile_avx512(const int MR, const int U, const float *x, int64_t ldx, const float *wp, int64_t kn, float *c,
-                    int64_t ldc, __mmask16 m, int first, const float *bias) {
-    __m512 a[4][OKV_MMP_MR512];
+okv_mmp_tile_avx512(const int MR, const int NP, const int U, const float *x, int64_t ldx, const float *wp,
+                    int64_t pstride, int64_t kn, float *c, int64_t ldc, __mmask16 m, int first, const float *bias) {
+    __m512 a[4][OKV_MMP_MR512], w[4];
     int64_t k = 0;
-    int r, u;
-    for (r = 0; r < MR; r++) {
-        a[0][r] = !first ? _mm512_maskz_loadu_ps(m, c + r * ldc)
-                         : (bias ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps());
-        for (u = 1; u < U; u++) a[u][r] = _mm512_setzero_ps();
-    }
+    int r, u, q;
+    for (q = 0; q < NP; q++)
+        for (r = 0; r < MR; r++) {
+            a[q][r] = !first ? _mm512_maskz_loadu_ps(m, c + r * ldc + 16 * q)
+                             : (bias ? _mm512_maskz_loadu_ps(m, bias + 16 * q) : _mm512_setzero_ps());
+            for (u = 1; u < U; u++) a[u * NP + q][r] = _mm512_setzero_ps();
+        }
     for (; k + U <= kn; k += U)
         for (u = 0; u < U; u++) {
-            const float *wk = wp + (k + u) * OKV_MMP_NR;
-            const __m512 w = _mm512_loadu_ps(wk);
-            _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
-            for (r = 0; r < MR; r++) a[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + u]), w, a[u][r]);
+            for (q = 0; q < NP; q++) {
+                const float *wk = wp + q * pstride + (k + u) * OKV_MMP_NR;
+                w[q] = _mm512_loadu_ps(wk);
+                _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
+            }
+            for (r = 0; r < MR; r++) {
+                const __m512 xb = _mm512_set1_ps(x[r * ldx + k + u]);
+                for (q = 0; q < NP; q++) a[u * NP + q][r] = _mm512_fmadd_ps(xb, w[q], a[u * NP + q][r]);
+            }
         }
     for (; k < kn; k++) {
-        const __m512 w = _mm512_loadu_ps(wp + k * OKV_MMP_NR);
-        for (r = 0; r < MR; r++) a[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, a[0][r]);
+        for (q = 0; q < NP; q++) w[q] = _mm512_loadu_ps(wp + q * pstride + k * OKV_MMP_NR);
+        for (r = 0; r < MR; r++) {
+            const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+            for (q = 0; q < NP; q++) a[q][r] = _mm512_fmadd_ps(xb, w[q], a[q][r]);
+        }
     }
-    for (r = 0; r < MR; r++) {
-        for (u = 1; u < U; u++) a[0][r] = _mm512_add_ps(a[0][r], a[u][r]);
-        _mm512_mask_storeu_ps(c + r * ldc, m, a[0][r]);
-    }
+    for (q = 0; q < NP; q++)
+        for (r = 0; r < MR; r++) {
+            for (u = 1; u < U; u++) a[q][r] = _mm512_add_ps(a[q][r], a[u * NP + q][r]);
+            _mm512_mask_storeu_ps(c + r * ldc + 16 * q, m, a[q][r]);
+        }
 }
 
-#define OKV_MMP_T512(MR, U) okv_mmp_tile_avx512(MR, U, x, ldx, wp, kn, c, ldc, m, first, bias); break
-OKV_AVX512 static void okv_mmp_tile_avx512_any(int mr, const float *x, int64_t ldx, const float *wp, int64_t kn,
-                                               float *c, int64_t ldc, int64_t nb, int first, const float *bias) {
+/* Panels per AVX-512 tile for a product of M rows (all M in one row tile):
+ * as many streams as the accumulators allow (NP * MR <= 24 of the 32 ZMM). */
+static inline int okv_mmp_np512(int64_t M) { return M <= 6 ? 4 : (M <= 12 ? 2 : 1); }
+
+/* np: panels in the tile (1, or okv_mmp_np512(mr) for full panels); u: 1, or
+ * 0 to pick the k-split for np == 1 (only where np > 1 is never used, so each
+ * output element is summed in one order wherever the panel split falls). */
+#define OKV_MMP_T512(MR, U)                                                                          \
+    if (np == 4 && MR <= 6) okv_mmp_tile_avx512(MR, 4, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
+    else if (np == 2 && MR <= 12) okv_mmp_tile_avx512(MR, 2, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
+    else if (u == 1) okv_mmp_tile_avx512(MR, 1, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);       \
+    else okv_mmp_tile_avx512(MR, 1, U, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);                \
+    break
+OKV_AVX512 static void okv_mmp_tile_avx512_any(int mr, int np, int u, const float *x, int64_t ldx, const float *wp,
+                                               int64_t pstride, int64_t kn, float *c, int64_t ldc, int64_t nb,
+                                               int first, const float *bias) {
     const __mmask16 m = (__mmask16)((1u << nb) - 1u);
     switch (mr) {
     case 1: OKV_MMP_T512(1, 4);
@@ -369,15 +399,19 @@ static int okv_mmp_avx512_usable(void) {
 
 /* Panels [p0, p1) of out [M, N] = x [M, K] @ w (+ bias), w packed as wp
  * [ceil(N/16)][K][16]; all M rows, in tiles of at most 6 (scalar, AVX2) or 16
- * (AVX-512) rows.  isa: OKV_MMP_* (the caller checked the CPU). */
+ * (AVX-512) rows; AVX-512 tiles of up to 12 rows take 4 or 2 full panels at
+ * once.  isa: OKV_MMP_* (the caller checked the CPU). */
 static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                                   const float *bias, float *out, int64_t p0, int64_t p1, int isa) {
     const int64_t mrmax = isa == OKV_MMP_AVX512 ? OKV_MMP_MR512 : OKV_MMP_MR;
     const int64_t kc = M <= mrmax ? K : OKV_MMP_KC;
+    /* Panels per AVX-512 tile where a group of full panels fits (one row tile only). */
+    const int npw = isa == OKV_MMP_AVX512 && M <= mrmax ? okv_mmp_np512(M) : 1;
     int64_t p, k0, m, n0, nb, kn;
-    int mr;
-    for (p = p0; p < p1; p++) {
+    int mr, np;
+    for (p = p0; p < p1; p += np) {
         const float *panel = wp + p * K * OKV_MMP_NR;
+        np = p + npw <= p1 && (p + npw) * OKV_MMP_NR <= N ? npw : 1;
         n0 = p * OKV_MMP_NR;
         nb = okv_mm_min(OKV_MMP_NR, N - n0);
         for (k0 = 0; k0 < K; k0 += kc) {
@@ -387,7 +421,9 @@ static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const fl
                 float *ct = out + m * N + n0;
                 mr = (int)okv_mm_min(mrmax, M - m);
 #if OKV_X86_SIMD
-                if (isa == OKV_MMP_AVX512) okv_mmp_tile_avx512_any(mr, xt, K, wt, kn, ct, N, nb, k0 == 0, bt);
+                if (isa == OKV_MMP_AVX512)
+                    okv_mmp_tile_avx512_any(mr, np, npw > 1 ? 1 : 0, xt, K, wt, K * OKV_MMP_NR, kn, ct, N, nb,
+                                            k0 == 0, bt);
                 else if (isa == OKV_MMP_AVX2) okv_mmp_tile_avx2_any(mr, xt, K, wt, kn, ct, N, nb, k0 == 0, bt);
                 else
 #endif
