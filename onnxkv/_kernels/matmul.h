@@ -223,15 +223,18 @@ static void okv_mmp_tile_scalar(int mr, const float *x, int64_t ldx, const float
 /* Distance of the software prefetch ahead of the panel line being read. */
 #define OKV_MMP_PF (32 * 64)
 
-/* AVX2 tile, MR rows (a constant at every call site: the accumulators stay in
- * registers).  One and two rows also keep a second accumulator set for odd k,
- * so enough independent FMA chains are in flight to hide the FMA latency. */
+/* AVX2 tile, MR rows of one panel (a constant at every call site: the
+ * accumulators stay in registers).  With split, one and two rows also keep a
+ * second accumulator set for odd k, so enough independent FMA chains are in
+ * flight to hide the FMA latency; without, every element is summed in k order
+ * (the order of okv_mmp_tile_avx2_np). */
 OKV_AVX2 static inline __attribute__((always_inline)) void
 okv_mmp_tile_avx2(const int MR, const float *x, int64_t ldx, const float *wp, int64_t kn, float *c, int64_t ldc,
-                  __m256i m0, __m256i m1, int first, const float *bias) {
+                  __m256i m0, __m256i m1, int first, const float *bias, int split) {
     __m256 a[OKV_MMP_MR][2], b[2][2];
     int64_t k = 0;
     int r;
+#pragma GCC unroll 8
     for (r = 0; r < MR; r++) {
         if (!first) {
             a[r][0] = _mm256_maskload_ps(c + r * ldc, m0);
@@ -243,7 +246,8 @@ okv_mmp_tile_avx2(const int MR, const float *x, int64_t ldx, const float *wp, in
             a[r][0] = a[r][1] = _mm256_setzero_ps();
         }
     }
-    if (MR <= 2) {
+    if (MR <= 2 && split) {
+#pragma GCC unroll 8
         for (r = 0; r < MR; r++) b[r][0] = b[r][1] = _mm256_setzero_ps();
         for (; k + 2 <= kn; k += 2) {
             const float *wk = wp + k * OKV_MMP_NR;
@@ -251,6 +255,7 @@ okv_mmp_tile_avx2(const int MR, const float *x, int64_t ldx, const float *wp, in
             const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
             _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
             _mm_prefetch((const char *)wk + OKV_MMP_PF + 64, _MM_HINT_T0);
+#pragma GCC unroll 8
             for (r = 0; r < MR; r++) {
                 const __m256 xe = _mm256_broadcast_ss(x + r * ldx + k), xo = _mm256_broadcast_ss(x + r * ldx + k + 1);
                 a[r][0] = _mm256_fmadd_ps(xe, w0, a[r][0]);
@@ -259,6 +264,7 @@ okv_mmp_tile_avx2(const int MR, const float *x, int64_t ldx, const float *wp, in
                 b[r][1] = _mm256_fmadd_ps(xo, w3, b[r][1]);
             }
         }
+#pragma GCC unroll 8
         for (r = 0; r < MR; r++) {
             a[r][0] = _mm256_add_ps(a[r][0], b[r][0]);
             a[r][1] = _mm256_add_ps(a[r][1], b[r][1]);
@@ -268,28 +274,91 @@ okv_mmp_tile_avx2(const int MR, const float *x, int64_t ldx, const float *wp, in
         const float *wk = wp + k * OKV_MMP_NR;
         const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
         _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
+#pragma GCC unroll 8
         for (r = 0; r < MR; r++) {
             const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
             a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
             a[r][1] = _mm256_fmadd_ps(xb, w1, a[r][1]);
         }
     }
+#pragma GCC unroll 8
     for (r = 0; r < MR; r++) {
         _mm256_maskstore_ps(c + r * ldc, m0, a[r][0]);
         _mm256_maskstore_ps(c + r * ldc + 8, m1, a[r][1]);
     }
 }
 
-OKV_AVX2 static void okv_mmp_tile_avx2_any(int mr, const float *x, int64_t ldx, const float *wp, int64_t kn,
-                                           float *c, int64_t ldc, int64_t nb, int first, const float *bias) {
+/* AVX2 tile of NP full adjacent panels x MR rows (2 NP MR YMM accumulators;
+ * the weight vectors feed the FMAs as memory operands), summed in k order:
+ * NP sequential panel streams side by side keep more lines in flight from
+ * memory than one (see okv_mmp_tile_avx512).  pstride: floats from one panel
+ * to the next (K * 16). */
+OKV_AVX2 static inline __attribute__((always_inline)) void
+okv_mmp_tile_avx2_np(const int MR, const int NP, const float *x, int64_t ldx, const float *wp, int64_t pstride,
+                     int64_t kn, float *c, int64_t ldc, int first, const float *bias) {
+    __m256 a[4][3][2];
+    int64_t k;
+    int r, q;
+#pragma GCC unroll 4
+    for (q = 0; q < NP; q++)
+#pragma GCC unroll 4
+        for (r = 0; r < MR; r++) {
+            if (!first) {
+                a[q][r][0] = _mm256_loadu_ps(c + r * ldc + 16 * q);
+                a[q][r][1] = _mm256_loadu_ps(c + r * ldc + 16 * q + 8);
+            } else if (bias) {
+                a[q][r][0] = _mm256_loadu_ps(bias + 16 * q);
+                a[q][r][1] = _mm256_loadu_ps(bias + 16 * q + 8);
+            } else {
+                a[q][r][0] = a[q][r][1] = _mm256_setzero_ps();
+            }
+        }
+    for (k = 0; k < kn; k++) {
+        const float *wk = wp + k * OKV_MMP_NR;
+#pragma GCC unroll 4
+        for (q = 0; q < NP; q++) _mm_prefetch((const char *)(wk + q * pstride) + OKV_MMP_PF, _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (r = 0; r < MR; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 4
+            for (q = 0; q < NP; q++) {
+                a[q][r][0] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + q * pstride), a[q][r][0]);
+                a[q][r][1] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + q * pstride + 8), a[q][r][1]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (q = 0; q < NP; q++)
+#pragma GCC unroll 4
+        for (r = 0; r < MR; r++) {
+            _mm256_storeu_ps(c + r * ldc + 16 * q, a[q][r][0]);
+            _mm256_storeu_ps(c + r * ldc + 16 * q + 8, a[q][r][1]);
+        }
+}
+
+/* np: panels in the tile: 1 (split: see okv_mmp_tile_avx2), or the
+ * okv_mmp_shape choice (4 for one row, else 2 for up to 3 rows). */
+OKV_AVX2 static void okv_mmp_tile_avx2_any(int mr, int np, int split, const float *x, int64_t ldx, const float *wp,
+                                           int64_t pstride, int64_t kn, float *c, int64_t ldc, int64_t nb,
+                                           int first, const float *bias) {
     const __m256i m0 = okv_tailmask(okv_mm_min(nb, 8)), m1 = okv_tailmask(nb - 8);
+    if (np == 4) {
+        okv_mmp_tile_avx2_np(1, 4, x, ldx, wp, pstride, kn, c, ldc, first, bias);
+        return;
+    }
+    if (np == 2) {
+        if (mr == 1) okv_mmp_tile_avx2_np(1, 2, x, ldx, wp, pstride, kn, c, ldc, first, bias);
+        else if (mr == 2) okv_mmp_tile_avx2_np(2, 2, x, ldx, wp, pstride, kn, c, ldc, first, bias);
+        else okv_mmp_tile_avx2_np(3, 2, x, ldx, wp, pstride, kn, c, ldc, first, bias);
+        return;
+    }
     switch (mr) {
-    case 1: okv_mmp_tile_avx2(1, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
-    case 2: okv_mmp_tile_avx2(2, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
-    case 3: okv_mmp_tile_avx2(3, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
-    case 4: okv_mmp_tile_avx2(4, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
-    case 5: okv_mmp_tile_avx2(5, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
-    default: okv_mmp_tile_avx2(6, x, ldx, wp, kn, c, ldc, m0, m1, first, bias); break;
+    case 1: okv_mmp_tile_avx2(1, x, ldx, wp, kn, c, ldc, m0, m1, first, bias, split); break;
+    case 2: okv_mmp_tile_avx2(2, x, ldx, wp, kn, c, ldc, m0, m1, first, bias, split); break;
+    case 3: okv_mmp_tile_avx2(3, x, ldx, wp, kn, c, ldc, m0, m1, first, bias, split); break;
+    case 4: okv_mmp_tile_avx2(4, x, ldx, wp, kn, c, ldc, m0, m1, first, bias, split); break;
+    case 5: okv_mmp_tile_avx2(5, x, ldx, wp, kn, c, ldc, m0, m1, first, bias, split); break;
+    default: okv_mmp_tile_avx2(6, x, ldx, wp, kn, c, ldc, m0, m1, first, bias, split); break;
     }
 }
 
@@ -312,43 +381,52 @@ okv_mmp_tile_avx512(const int MR, const int NP, const int U, const float *x, int
     __m512 a[4][OKV_MMP_MR512], w[4];
     int64_t k = 0;
     int r, u, q;
+#pragma GCC unroll 16
     for (q = 0; q < NP; q++)
+#pragma GCC unroll 16
         for (r = 0; r < MR; r++) {
             a[q][r] = !first ? _mm512_maskz_loadu_ps(m, c + r * ldc + 16 * q)
                              : (bias ? _mm512_maskz_loadu_ps(m, bias + 16 * q) : _mm512_setzero_ps());
+#pragma GCC unroll 16
             for (u = 1; u < U; u++) a[u * NP + q][r] = _mm512_setzero_ps();
         }
     for (; k + U <= kn; k += U)
+#pragma GCC unroll 16
         for (u = 0; u < U; u++) {
+#pragma GCC unroll 16
             for (q = 0; q < NP; q++) {
                 const float *wk = wp + q * pstride + (k + u) * OKV_MMP_NR;
                 w[q] = _mm512_loadu_ps(wk);
                 _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
             }
+#pragma GCC unroll 16
             for (r = 0; r < MR; r++) {
                 const __m512 xb = _mm512_set1_ps(x[r * ldx + k + u]);
+#pragma GCC unroll 16
                 for (q = 0; q < NP; q++) a[u * NP + q][r] = _mm512_fmadd_ps(xb, w[q], a[u * NP + q][r]);
             }
         }
     for (; k < kn; k++) {
+#pragma GCC unroll 16
         for (q = 0; q < NP; q++) w[q] = _mm512_loadu_ps(wp + q * pstride + k * OKV_MMP_NR);
+#pragma GCC unroll 16
         for (r = 0; r < MR; r++) {
             const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 16
             for (q = 0; q < NP; q++) a[q][r] = _mm512_fmadd_ps(xb, w[q], a[q][r]);
         }
     }
+#pragma GCC unroll 16
     for (q = 0; q < NP; q++)
+#pragma GCC unroll 16
         for (r = 0; r < MR; r++) {
+#pragma GCC unroll 16
             for (u = 1; u < U; u++) a[q][r] = _mm512_add_ps(a[q][r], a[u * NP + q][r]);
             _mm512_mask_storeu_ps(c + r * ldc + 16 * q, m, a[q][r]);
         }
 }
 
-/* Panels per AVX-512 tile for a product of M rows (all M in one row tile):
- * as many streams as the accumulators allow (NP * MR <= 24 of the 32 ZMM). */
-static inline int okv_mmp_np512(int64_t M) { return M <= 6 ? 4 : (M <= 12 ? 2 : 1); }
-
-/* np: panels in the tile (1, or okv_mmp_np512(mr) for full panels); u: 1, or
+/* np: panels in the tile (1, or the okv_mmp_shape choice); u: 1, or
  * 0 to pick the k-split for np == 1 (only where np > 1 is never used, so each
  * output element is summed in one order wherever the panel split falls). */
 #define OKV_MMP_T512(MR, U)                                                                          \
@@ -397,18 +475,37 @@ static int okv_mmp_avx512_usable(void) {
 #endif
 }
 
+/* Tiling of an M-row product for isa: *mr rows per register tile, *np full
+ * adjacent panels per tile where they fit (1 for the remaining panels), *kc
+ * rows of K per chunk.  Multi-panel tiles give each thread several sequential
+ * weight streams (AVX-512: NP * MR <= 24 of the 32 ZMM; AVX2: 2 NP MR <= 12
+ * of the 16 YMM, so 4 to 6 rows take two row tiles over 64-line chunks that
+ * stay in L1 for the second one).  With more than one row tile, out holds the
+ * partial sums between chunks. */
+static void okv_mmp_shape(int isa, int64_t M, int64_t K, int64_t *mr, int *np, int64_t *kc) {
+    if (isa == OKV_MMP_AVX512) {
+        *mr = OKV_MMP_MR512;
+        *np = M <= 6 ? 4 : (M <= 12 ? 2 : 1);
+    } else if (isa == OKV_MMP_AVX2 && M <= OKV_MMP_MR) {
+        *mr = M <= 3 ? M : (M == 4 ? 2 : 3);
+        *np = M == 1 ? 4 : 2;
+    } else {
+        *mr = OKV_MMP_MR;
+        *np = 1;
+    }
+    *kc = M <= *mr ? K : (*np > 1 ? 64 : OKV_MMP_KC);
+}
+
 /* Panels [p0, p1) of out [M, N] = x [M, K] @ w (+ bias), w packed as wp
- * [ceil(N/16)][K][16]; all M rows, in tiles of at most 6 (scalar, AVX2) or 16
- * (AVX-512) rows; AVX-512 tiles of up to 12 rows take 4 or 2 full panels at
- * once.  isa: OKV_MMP_* (the caller checked the CPU). */
+ * [ceil(N/16)][K][16]; all M rows, in the tiles chosen by okv_mmp_shape.
+ * Every output element is summed in one order whatever p0, p1 (each tile
+ * shape used for this M sums in k order, or none has more than one panel).
+ * isa: OKV_MMP_* (the caller checked the CPU). */
 static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                                   const float *bias, float *out, int64_t p0, int64_t p1, int isa) {
-    const int64_t mrmax = isa == OKV_MMP_AVX512 ? OKV_MMP_MR512 : OKV_MMP_MR;
-    const int64_t kc = M <= mrmax ? K : OKV_MMP_KC;
-    /* Panels per AVX-512 tile where a group of full panels fits (one row tile only). */
-    const int npw = isa == OKV_MMP_AVX512 && M <= mrmax ? okv_mmp_np512(M) : 1;
-    int64_t p, k0, m, n0, nb, kn;
-    int mr, np;
+    int64_t mrt, kc, p, k0, m, n0, nb, kn;
+    int npw, mr, np;
+    okv_mmp_shape(isa, M, K, &mrt, &npw, &kc);
     for (p = p0; p < p1; p += np) {
         const float *panel = wp + p * K * OKV_MMP_NR;
         np = p + npw <= p1 && (p + npw) * OKV_MMP_NR <= N ? npw : 1;
@@ -419,12 +516,13 @@ static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const fl
             for (m = 0; m < M; m += mr) {
                 const float *xt = x + m * K + k0, *wt = panel + k0 * OKV_MMP_NR, *bt = bias ? bias + n0 : NULL;
                 float *ct = out + m * N + n0;
-                mr = (int)okv_mm_min(mrmax, M - m);
+                mr = (int)okv_mm_min(mrt, M - m);
 #if OKV_X86_SIMD
                 if (isa == OKV_MMP_AVX512)
                     okv_mmp_tile_avx512_any(mr, np, npw > 1 ? 1 : 0, xt, K, wt, K * OKV_MMP_NR, kn, ct, N, nb,
                                             k0 == 0, bt);
-                else if (isa == OKV_MMP_AVX2) okv_mmp_tile_avx2_any(mr, xt, K, wt, kn, ct, N, nb, k0 == 0, bt);
+                else if (isa == OKV_MMP_AVX2)
+                    okv_mmp_tile_avx2_any(mr, np, npw == 1, xt, K, wt, K * OKV_MMP_NR, kn, ct, N, nb, k0 == 0, bt);
                 else
 #endif
                 okv_mmp_tile_scalar(mr, xt, K, wt, kn, ct, N, nb, k0 == 0, bt);

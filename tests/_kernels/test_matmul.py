@@ -211,12 +211,14 @@ def test_matmul_packed_exact_small_integers(isa):
         np.testing.assert_array_equal(out, x.astype(np.float64) @ w + b)
 
 
-def test_matmul_packed_threads_agree(isa):
-    """1 and 2 threads split panels, not sums: identical results."""
-    rng = np.random.default_rng(4)
-    x, w, b = rand(rng, (5, 1024)), rand(rng, (1024, 1000)), rand(rng, (1000,))
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 12])
+def test_matmul_packed_threads_agree(M, isa):
+    """1 and 2 threads split panels, not sums: identical results, also where
+    the split cuts a group of panels that one thread takes in one tile."""
+    rng = np.random.default_rng([4, M])
+    x, w, b = rand(rng, (M, 1024)), rand(rng, (1024, 1000)), rand(rng, (1000,))
     wp = MM.pack_weight(w)
-    one, two = outputs_by_threads(lambda o: MM.matmul_packed(x, wp, o, b), (5, 1000))
+    one, two = outputs_by_threads(lambda o: MM.matmul_packed(x, wp, o, b), (M, 1000))
     np.testing.assert_array_equal(one, two)
 
 
