@@ -161,15 +161,17 @@ static void okv_matmul_seg_f32(const float *x, int64_t M, int64_t K, const float
 /* ------------------------------------------------------------------ */
 /* Panel p holds columns 16p .. 16p+15 of w; its row k is the 64-byte line
  * w[k, 16p:16p+16] (zero past column N in the last panel), so a panel is one
- * contiguous K x 64-byte block.  A register tile of rows x 16 columns (up to
- * OKV_MMP_MR rows with 2 YMM accumulators per row, or OKV_MMP_MR512 rows with
- * one ZMM each) keeps its accumulators in registers while the panel streams
- * in order, one line per k, and each x value is broadcast from L1: weights
- * are read from memory once per call whatever M is, and no accumulator goes
- * through memory inside a k-chunk.  With more than one row
- * tile the k range is cut into chunks of OKV_MMP_KC (a 16 KB panel slice
- * that stays in L1 for the next row tiles); out holds the partial sums
- * between chunks.  Callers split the panels into contiguous ranges (one per
+ * contiguous K x 64-byte block.  A register tile of rows x 16 NP columns (NP
+ * adjacent panels, see okv_mmp_shape; up to OKV_MMP_MR rows with 2 YMM
+ * accumulators per row and panel, or OKV_MMP_MR512 rows with one ZMM each)
+ * keeps its accumulators in registers while its panels stream in order, one
+ * line per k and panel, and each x value is broadcast from L1: weights are
+ * read from memory once per call whatever M is, and no accumulator goes
+ * through memory inside a k-chunk (the tile loops carry #pragma GCC unroll:
+ * unrolled late, GCC kept the accumulator arrays on the stack and stored
+ * them every k).  With more than one row tile the k range is cut into chunks
+ * (OKV_MMP_KC, a 16 KB panel slice, or 64 lines of 2 panels) that stay in L1
+ * for the next row tiles; out holds the partial sums between chunks.  Callers split the panels into contiguous ranges (one per
  * thread), so every thread streams one contiguous region; each output
  * element is summed in the same order whatever the thread count.  Scalar,
  * AVX2 and AVX-512 tiles (chosen at run time) share this structure. */
@@ -426,11 +428,12 @@ okv_mmp_tile_avx512(const int MR, const int NP, const int U, const float *x, int
         }
 }
 
-/* np: panels in the tile (1, or the okv_mmp_shape choice); u: 1, or
+/* np: panels in the tile (1, or the okv_mmp_shape choice: 4, 3, 2); u: 1, or
  * 0 to pick the k-split for np == 1 (only where np > 1 is never used, so each
  * output element is summed in one order wherever the panel split falls). */
 #define OKV_MMP_T512(MR, U)                                                                          \
     if (np == 4 && MR <= 6) okv_mmp_tile_avx512(MR, 4, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
+    else if (np == 3 && MR <= 8) okv_mmp_tile_avx512(MR, 3, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
     else if (np == 2 && MR <= 12) okv_mmp_tile_avx512(MR, 2, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
     else if (u == 1) okv_mmp_tile_avx512(MR, 1, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);       \
     else okv_mmp_tile_avx512(MR, 1, U, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);                \
@@ -479,14 +482,14 @@ static int okv_mmp_avx512_usable(void) {
  * adjacent panels per tile where they fit (1 for the remaining panels), *kc
  * rows of K per chunk.  Multi-panel tiles give each thread several sequential
  * weight streams (AVX-512: NP * MR <= 24 of the 32 ZMM; AVX2: 2 NP MR <= 12
- * of the 16 YMM, so 4 to 6 rows take two row tiles over 64-line chunks that
- * stay in L1 for the second one).  With more than one row tile, out holds the
- * partial sums between chunks. */
+ * of the 16 YMM, so 4 to 12 rows take row tiles of 2 or 3 over 64-line chunks
+ * that stay in L1 for the next row tiles).  With more than one row tile, out
+ * holds the partial sums between chunks. */
 static void okv_mmp_shape(int isa, int64_t M, int64_t K, int64_t *mr, int *np, int64_t *kc) {
     if (isa == OKV_MMP_AVX512) {
         *mr = OKV_MMP_MR512;
-        *np = M <= 6 ? 4 : (M <= 12 ? 2 : 1);
-    } else if (isa == OKV_MMP_AVX2 && M <= OKV_MMP_MR) {
+        *np = M <= 6 ? 4 : (M <= 8 ? 3 : (M <= 12 ? 2 : 1));
+    } else if (isa == OKV_MMP_AVX2 && M <= 12) {
         *mr = M <= 3 ? M : (M == 4 ? 2 : 3);
         *np = M == 1 ? 4 : 2;
     } else {
