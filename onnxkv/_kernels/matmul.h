@@ -171,9 +171,10 @@ static void okv_matmul_seg_f32(const float *x, int64_t M, int64_t K, const float
  * unrolled late, GCC kept the accumulator arrays on the stack and stored
  * them every k).  With more than one row tile the k range is cut into chunks
  * (OKV_MMP_KC, a 16 KB panel slice, or 64 lines of 2 panels) that stay in L1
- * for the next row tiles; out holds the partial sums between chunks.  Callers split the panels into contiguous ranges (one per
- * thread), so every thread streams one contiguous region; each output
- * element is summed in the same order whatever the thread count.  Scalar,
+ * for the next row tiles; out holds the partial sums between chunks.
+ * Callers split the panels into contiguous ranges (one per thread), so every
+ * thread streams one contiguous region; each output element is summed in the
+ * same order whatever the thread count.  Scalar,
  * AVX2 and AVX-512 tiles (chosen at run time) share this structure. */
 #define OKV_MMP_NR 16
 #define OKV_MMP_MR 6

@@ -12,8 +12,9 @@ in the same order whatever the thread count, so results do not depend on it.
   along K instead (two contiguous halves of the weights, summed at the end).
 * ``pack_weight`` / ``matmul_packed``: constant weights packed once into
   16-column panels ([ceil(N/16), K, 16], see matmul.h); register-tiled
-  (rows x 16) products with the accumulators in registers, the threads taking
-  contiguous ranges of panels.  AVX-512 tiles where the CPU has AVX-512F
+  products with the accumulators in registers, each tile reading up to four
+  adjacent panels side by side (several weight streams per thread keep a few
+  rows as fast as one), the threads taking contiguous ranges of panels.  AVX-512 tiles where the CPU has AVX-512F
   (``set_packed_avx512`` switches to the AVX2 tiles), AVX2, or scalar.
 """
 from libc.stdint cimport int64_t
