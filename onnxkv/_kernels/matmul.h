@@ -367,51 +367,34 @@ OKV_AVX2 static void okv_mmp_tile_avx2_any(int mr, int np, int split, const floa
 
 /* AVX-512 tile: NP adjacent panels (16 NP columns) x MR rows, one ZMM
  * accumulator per row and panel (MR <= OKV_MMP_MR512, x values as embedded
- * broadcasts).  The NP panels are NP sequential streams read side by side:
- * more streams keep more lines in flight from memory, so the product stays
- * bound by reading the weights as MR grows (one stream per tile left a few
- * rows 15-30% slower than one row).  With NP == 1, fewer than eight rows may
- * also keep U accumulator sets for k mod U (about eight FMA chains in flight);
- * with NP > 1 there is a single set (U == 1).  pstride: floats from one panel
- * to the next (K * 16).  m masks the columns of the last panel (all 16 when
- * NP > 1: those tiles cover full panels only). */
+ * broadcasts), summed in k order.  The NP panels are NP sequential streams
+ * read side by side: more streams keep more lines in flight from memory, so
+ * the product stays bound by reading the weights as MR grows (one stream per
+ * tile left a few rows 15-30% slower than one row).  pstride: floats from one
+ * panel to the next (K * 16).  m masks the columns of the last panel (all 16
+ * when NP > 1: those tiles cover full panels only). */
 #define OKV_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
-#define OKV_MMP_MR512 16
+#define OKV_MMP_MR512 12
 
 OKV_AVX512 static inline __attribute__((always_inline)) void
-okv_mmp_tile_avx512(const int MR, const int NP, const int U, const float *x, int64_t ldx, const float *wp,
-                    int64_t pstride, int64_t kn, float *c, int64_t ldc, __mmask16 m, int first, const float *bias) {
+okv_mmp_tile_avx512(const int MR, const int NP, const float *x, int64_t ldx, const float *wp, int64_t pstride,
+                    int64_t kn, float *c, int64_t ldc, __mmask16 m, int first, const float *bias) {
     __m512 a[4][OKV_MMP_MR512], w[4];
-    int64_t k = 0;
-    int r, u, q;
+    int64_t k;
+    int r, q;
 #pragma GCC unroll 16
     for (q = 0; q < NP; q++)
 #pragma GCC unroll 16
-        for (r = 0; r < MR; r++) {
+        for (r = 0; r < MR; r++)
             a[q][r] = !first ? _mm512_maskz_loadu_ps(m, c + r * ldc + 16 * q)
                              : (bias ? _mm512_maskz_loadu_ps(m, bias + 16 * q) : _mm512_setzero_ps());
+    for (k = 0; k < kn; k++) {
 #pragma GCC unroll 16
-            for (u = 1; u < U; u++) a[u * NP + q][r] = _mm512_setzero_ps();
+        for (q = 0; q < NP; q++) {
+            const float *wk = wp + q * pstride + k * OKV_MMP_NR;
+            w[q] = _mm512_loadu_ps(wk);
+            _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
         }
-    for (; k + U <= kn; k += U)
-#pragma GCC unroll 16
-        for (u = 0; u < U; u++) {
-#pragma GCC unroll 16
-            for (q = 0; q < NP; q++) {
-                const float *wk = wp + q * pstride + (k + u) * OKV_MMP_NR;
-                w[q] = _mm512_loadu_ps(wk);
-                _mm_prefetch((const char *)wk + OKV_MMP_PF, _MM_HINT_T0);
-            }
-#pragma GCC unroll 16
-            for (r = 0; r < MR; r++) {
-                const __m512 xb = _mm512_set1_ps(x[r * ldx + k + u]);
-#pragma GCC unroll 16
-                for (q = 0; q < NP; q++) a[u * NP + q][r] = _mm512_fmadd_ps(xb, w[q], a[u * NP + q][r]);
-            }
-        }
-    for (; k < kn; k++) {
-#pragma GCC unroll 16
-        for (q = 0; q < NP; q++) w[q] = _mm512_loadu_ps(wp + q * pstride + k * OKV_MMP_NR);
 #pragma GCC unroll 16
         for (r = 0; r < MR; r++) {
             const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
@@ -422,44 +405,33 @@ okv_mmp_tile_avx512(const int MR, const int NP, const int U, const float *x, int
 #pragma GCC unroll 16
     for (q = 0; q < NP; q++)
 #pragma GCC unroll 16
-        for (r = 0; r < MR; r++) {
-#pragma GCC unroll 16
-            for (u = 1; u < U; u++) a[q][r] = _mm512_add_ps(a[q][r], a[u * NP + q][r]);
-            _mm512_mask_storeu_ps(c + r * ldc + 16 * q, m, a[q][r]);
-        }
+        for (r = 0; r < MR; r++) _mm512_mask_storeu_ps(c + r * ldc + 16 * q, m, a[q][r]);
 }
 
-/* np: panels in the tile (1, or the okv_mmp_shape choice: 4, 3, 2); u: 1, or
- * 0 to pick the k-split for np == 1 (only where np > 1 is never used, so each
- * output element is summed in one order wherever the panel split falls). */
-#define OKV_MMP_T512(MR, U)                                                                          \
-    if (np == 4 && MR <= 6) okv_mmp_tile_avx512(MR, 4, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
-    else if (np == 3 && MR <= 8) okv_mmp_tile_avx512(MR, 3, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
-    else if (np == 2 && MR <= 12) okv_mmp_tile_avx512(MR, 2, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
-    else if (u == 1) okv_mmp_tile_avx512(MR, 1, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);       \
-    else okv_mmp_tile_avx512(MR, 1, U, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);                \
+/* np: panels in the tile (1, or the okv_mmp_shape choice: 4, 3 or 2). */
+#define OKV_MMP_T512(MR)                                                                                   \
+    if (np == 4 && MR <= 6) okv_mmp_tile_avx512(MR, 4, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);      \
+    else if (np == 3 && MR <= 8) okv_mmp_tile_avx512(MR, 3, x, ldx, wp, pstride, kn, c, ldc, m, first, bias); \
+    else if (np == 2) okv_mmp_tile_avx512(MR, 2, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);            \
+    else okv_mmp_tile_avx512(MR, 1, x, ldx, wp, pstride, kn, c, ldc, m, first, bias);                         \
     break
-OKV_AVX512 static void okv_mmp_tile_avx512_any(int mr, int np, int u, const float *x, int64_t ldx, const float *wp,
+OKV_AVX512 static void okv_mmp_tile_avx512_any(int mr, int np, const float *x, int64_t ldx, const float *wp,
                                                int64_t pstride, int64_t kn, float *c, int64_t ldc, int64_t nb,
                                                int first, const float *bias) {
     const __mmask16 m = (__mmask16)((1u << nb) - 1u);
     switch (mr) {
-    case 1: OKV_MMP_T512(1, 4);
-    case 2: OKV_MMP_T512(2, 4);
-    case 3: OKV_MMP_T512(3, 4);
-    case 4: OKV_MMP_T512(4, 2);
-    case 5: OKV_MMP_T512(5, 2);
-    case 6: OKV_MMP_T512(6, 2);
-    case 7: OKV_MMP_T512(7, 2);
-    case 8: OKV_MMP_T512(8, 1);
-    case 9: OKV_MMP_T512(9, 1);
-    case 10: OKV_MMP_T512(10, 1);
-    case 11: OKV_MMP_T512(11, 1);
-    case 12: OKV_MMP_T512(12, 1);
-    case 13: OKV_MMP_T512(13, 1);
-    case 14: OKV_MMP_T512(14, 1);
-    case 15: OKV_MMP_T512(15, 1);
-    default: OKV_MMP_T512(16, 1);
+    case 1: OKV_MMP_T512(1);
+    case 2: OKV_MMP_T512(2);
+    case 3: OKV_MMP_T512(3);
+    case 4: OKV_MMP_T512(4);
+    case 5: OKV_MMP_T512(5);
+    case 6: OKV_MMP_T512(6);
+    case 7: OKV_MMP_T512(7);
+    case 8: OKV_MMP_T512(8);
+    case 9: OKV_MMP_T512(9);
+    case 10: OKV_MMP_T512(10);
+    case 11: OKV_MMP_T512(11);
+    default: OKV_MMP_T512(12);
     }
 }
 #undef OKV_MMP_T512
@@ -482,14 +454,15 @@ static int okv_mmp_avx512_usable(void) {
 /* Tiling of an M-row product for isa: *mr rows per register tile, *np full
  * adjacent panels per tile where they fit (1 for the remaining panels), *kc
  * rows of K per chunk.  Multi-panel tiles give each thread several sequential
- * weight streams (AVX-512: NP * MR <= 24 of the 32 ZMM; AVX2: 2 NP MR <= 12
- * of the 16 YMM, so 4 to 12 rows take row tiles of 2 or 3 over 64-line chunks
- * that stay in L1 for the next row tiles).  With more than one row tile, out
- * holds the partial sums between chunks. */
+ * weight streams (AVX-512: NP * MR <= 24 of the 32 ZMM, so more than 12
+ * rows take row tiles of 8 over 3 panels; AVX2: 2 NP MR <= 12 of the 16 YMM,
+ * so 4 to 12 rows take row tiles of 2 or 3 over 2 panels).  With more than
+ * one row tile, K is cut into 64-line chunks (of the NP panels) that stay in
+ * L1 for the next row tiles, and out holds the partial sums between chunks. */
 static void okv_mmp_shape(int isa, int64_t M, int64_t K, int64_t *mr, int *np, int64_t *kc) {
     if (isa == OKV_MMP_AVX512) {
-        *mr = OKV_MMP_MR512;
-        *np = M <= 6 ? 4 : (M <= 8 ? 3 : (M <= 12 ? 2 : 1));
+        *mr = M <= OKV_MMP_MR512 ? OKV_MMP_MR512 : 8;
+        *np = M <= 6 ? 4 : (M <= 8 ? 3 : (M <= OKV_MMP_MR512 ? 2 : 3));
     } else if (isa == OKV_MMP_AVX2 && M <= 12) {
         *mr = M <= 3 ? M : (M == 4 ? 2 : 3);
         *np = M == 1 ? 4 : 2;
@@ -523,8 +496,7 @@ static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const fl
                 mr = (int)okv_mm_min(mrt, M - m);
 #if OKV_X86_SIMD
                 if (isa == OKV_MMP_AVX512)
-                    okv_mmp_tile_avx512_any(mr, np, npw > 1 ? 1 : 0, xt, K, wt, K * OKV_MMP_NR, kn, ct, N, nb,
-                                            k0 == 0, bt);
+                    okv_mmp_tile_avx512_any(mr, np, xt, K, wt, K * OKV_MMP_NR, kn, ct, N, nb, k0 == 0, bt);
                 else if (isa == OKV_MMP_AVX2)
                     okv_mmp_tile_avx2_any(mr, np, npw == 1, xt, K, wt, K * OKV_MMP_NR, kn, ct, N, nb, k0 == 0, bt);
                 else
