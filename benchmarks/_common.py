@@ -99,9 +99,17 @@ def median(xs) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-def emit(doc: dict, path: str | None) -> None:
+def emit(doc: dict, path: str | None, summary=(), loadavg: bool = False) -> None:
+    """Print ``doc`` as JSON (and write it to ``path``), then the ``summary`` lines on stderr.
+
+    ``loadavg``: first record the load average at the end in ``doc["machine"]``.
+    """
+    if loadavg and hasattr(os, "getloadavg"):
+        doc.setdefault("machine", {})["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(doc, indent=1)
     print(text)
     if path:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
+    for line in summary:
+        print(line, file=sys.stderr)

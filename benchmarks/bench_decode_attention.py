@@ -29,7 +29,6 @@ raw samples and the load average recorded with them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -39,7 +38,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_model, gqa_decode_model  # noqa: E402
+from _common import cpu_model, emit, gqa_decode_model  # noqa: E402
 
 _OMP_WAIT_POLICY_BEFORE_IMPORT = os.environ.get("OMP_WAIT_POLICY")
 import onnxkv._kernels as K  # noqa: E402  (bounds OpenMP's spin-wait unless a policy is set)
@@ -422,18 +421,8 @@ def main(argv=None):
         doc["runs"] = [runs[t] for t in args.threads]
     finally:
         K.set_num_threads(old)
-    if hasattr(os, "getloadavg"):
-        doc["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    lines = summarise(doc)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
     bwline = ", ".join(f"{r['threads']} thr: {r['bandwidth']['best_GBps']:.1f} GB/s" for r in doc["runs"])
-    print(f"read bandwidth (best of runs): {bwline}", file=sys.stderr)
-    for line in lines:
-        print(line, file=sys.stderr)
+    emit(doc, args.out, [f"read bandwidth (best of runs): {bwline}", *summarise(doc)], loadavg=True)
 
 
 if __name__ == "__main__":

@@ -237,11 +237,7 @@ def main(argv=None):
                 lines.append(f"BAR paged/contiguous f32 bs16 ctx={BAR['ctx']} threads={BAR['threads']}: "
                              f"{ratio:.3f} (need <= {BAR['max_ratio_paged_over_contiguous']}) -> "
                              + ("MET" if doc["bar_result"]["met"] else "NOT MET"))
-    if hasattr(os, "getloadavg"):
-        doc["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    emit(doc, args.out)
-    for line in lines:
-        print(line, file=sys.stderr)
+    emit(doc, args.out, lines, loadavg=True)
 
 
 if __name__ == "__main__":

@@ -228,10 +228,7 @@ def main(argv=None):
                     f"({'MET' if v['met'] else 'NOT MET'})" for k, v in doc["bar_result"].items()))
     finally:
         K.set_num_threads(old)
-    doc["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    emit(doc, args.out)
-    for line in lines:
-        print(line, file=sys.stderr)
+    emit(doc, args.out, lines, loadavg=True)
 
 
 if __name__ == "__main__":
