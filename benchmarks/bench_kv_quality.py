@@ -23,10 +23,19 @@ runs, on a paged state with that ``kv_format``:
 A ``-kc`` suffix on a policy name stores keys with one scale per channel
 (``key_channel_scales=True``, the KIVI choice for keys).
 
-Plus the committed cache bytes at the end of each run.  Prints JSON.
+Plus the committed cache bytes at the end of each run.
+
+Free-running agreement is decided by near-ties: where the float32
+reference's two best logits differ by less than the policy's logit error,
+the policy may pick the other token and every later position differs.  So
+each model is run on several prompts (``PROMPTS`` for the trained model,
+seeded random prompts for the random model) and, per policy, the summary
+gives the mean and minimum of both agreements over the prompts plus, for
+every divergence, the reference's top-2 logit margin at that position
+(``divergence_margins``).  Prints JSON.
 
 Usage: python benchmarks/bench_kv_quality.py [--new-tokens 128] [--policies int8,int4,...] [--threads 2]
-       [--block-size 16] [--out FILE]
+       [--block-size 16] [--prompts 6] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,6 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, versions  # noqa: E402
 
 DEFAULT_POLICIES = "fp16,bf16,int8,int8-kc,int4,int4-kc,residual-int8,residual-int4,residual-int4-kc"
+#: Prompts of the trained byte-level model (the first ``--prompts`` are used).
+PROMPTS = ("The context manager is used to ", "def read_file(path):\n    ", "In this tutorial we will learn how ",
+           "import numpy as np\n\n", "The function returns a list of ", "class Node:\n    def __init__(self",
+           "To install the package, run ", "for i in range(10):\n    ")
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -82,10 +95,13 @@ def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.n
 
 
 def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str], block_size: int = 16) -> dict:
+    """One prompt: per policy, agreements, KL, logit error and committed bytes against float32 pages."""
     ref_tokens, ref_logits, ref_bytes = decode(session, prompt, new_tokens, None, block_size=block_size)
     ref_logp = _log_softmax(ref_logits)
+    top2 = np.sort(ref_logits, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
     rows = {"fp32": {"token_agreement": 1.0, "forced_argmax_agreement": 1.0, "first_divergence": None,
-                     "mean_kl": 0.0, "max_logit_diff": 0.0,
+                     "divergence_margin": None, "mean_kl": 0.0, "max_logit_diff": 0.0,
                      "committed_bytes": ref_bytes}}
     for name in policies:
         tokens, _, committed = decode(session, prompt, new_tokens, name, block_size=block_size)
@@ -93,17 +109,39 @@ def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str], 
         _, forced_logits, _ = decode(session, prompt, new_tokens, name, forced=ref_tokens, block_size=block_size)
         logp = _log_softmax(forced_logits)
         kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
+        first = None if same.all() else int(np.flatnonzero(~same)[0])
         rows[name] = {
             "token_agreement": float(same.mean()),
             "forced_argmax_agreement": float((forced_logits.argmax(-1) == ref_logits.argmax(-1)).mean()),
-            "first_divergence": None if same.all() else int(np.flatnonzero(~same)[0]),
+            "first_divergence": first,
+            "divergence_margin": None if first is None else float(margin[first]),
             "mean_kl": float(kl.mean()),
             "max_logit_diff": float(np.abs(forced_logits - ref_logits).max()),
+            "median_logit_diff": float(np.median(np.abs(forced_logits - ref_logits).max(axis=-1))),
             "committed_bytes": committed,
             "committed_vs_fp32": committed / ref_bytes,
         }
     return {"prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens, "block_size": block_size,
             "policies": rows}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per policy over the prompts of one model: mean/min of both agreements, mean KL, divergence margins."""
+    out = {}
+    for name in runs[0]["policies"]:
+        rows = [r["policies"][name] for r in runs]
+        out[name] = {
+            "mean_token_agreement": float(np.mean([r["token_agreement"] for r in rows])),
+            "min_token_agreement": float(min(r["token_agreement"] for r in rows)),
+            "mean_forced_argmax_agreement": float(np.mean([r["forced_argmax_agreement"] for r in rows])),
+            "min_forced_argmax_agreement": float(min(r["forced_argmax_agreement"] for r in rows)),
+            "mean_kl": float(np.mean([r["mean_kl"] for r in rows])),
+            "max_logit_diff": float(max(r["max_logit_diff"] for r in rows)),
+            "divergence_margins": [r["divergence_margin"] for r in rows if r["divergence_margin"] is not None],
+            "committed_vs_fp32": (float(np.mean([r["committed_vs_fp32"] for r in rows]))
+                                  if "committed_vs_fp32" in rows[0] else None),
+        }
+    return out
 
 
 def main() -> None:
@@ -112,6 +150,7 @@ def main() -> None:
     ap.add_argument("--policies", default=DEFAULT_POLICIES)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per page")
+    ap.add_argument("--prompts", type=int, default=6, help="prompts of the trained model (random model: a third)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import onnxkv
@@ -119,19 +158,30 @@ def main() -> None:
     from onnxkv.models.builders import SMALL, build_model, save_genai_folder
 
     policies = [p for p in args.policies.split(",") if p]
+    if not 1 <= args.prompts <= len(PROMPTS):
+        ap.error(f"--prompts must be in [1, {len(PROMPTS)}], got {args.prompts}")
     results = {}
     trained = onnxkv.Session(embedded.embedded_model_dir(), threads=args.threads)
-    text = "The context manager is used to "
-    prompt = np.array([embedded.encode(text)], np.int64)
-    results["embedded_trained"] = {"prompt": text,
-                                   **evaluate(trained, prompt, args.new_tokens, policies, args.block_size)}
+    runs = []
+    for text in PROMPTS[:args.prompts]:
+        prompt = np.array([embedded.encode(text)], np.int64)
+        runs.append({"prompt": text, **evaluate(trained, prompt, args.new_tokens, policies, args.block_size)})
+        print(f"embedded_trained: prompt {len(runs)}/{args.prompts} done", file=sys.stderr, flush=True)
+    results["embedded_trained"] = {"summary": summarize(runs), "prompts": runs}
     with tempfile.TemporaryDirectory() as d:
         save_genai_folder(build_model("gqa", SMALL, seed=0), SMALL, Path(d))
         small = onnxkv.Session(d, threads=args.threads)
-        prompt = np.random.default_rng(0).integers(0, SMALL.vocab_size, (1, 64))
-        results["small_random"] = evaluate(small, prompt, args.new_tokens, policies, args.block_size)
+        runs = []
+        for seed in range(max(1, args.prompts // 3)):
+            prompt = np.random.default_rng(seed).integers(0, SMALL.vocab_size, (1, 64))
+            runs.append({"prompt_seed": seed, **evaluate(small, prompt, args.new_tokens, policies, args.block_size)})
+        results["small_random"] = {"summary": summarize(runs), "prompts": runs}
+    lines = [f"{model} {name}: agreement mean {row['mean_token_agreement']:.3f} min {row['min_token_agreement']:.3f}, "
+             f"teacher-forced mean {row['mean_forced_argmax_agreement']:.4f} min "
+             f"{row['min_forced_argmax_agreement']:.4f}, mean KL {row['mean_kl']:.2e}"
+             for model, res in results.items() for name, row in res["summary"].items()]
     emit({"benchmark": "kv_quality", "machine": machine(), "versions": versions(), "threads": args.threads,
-          "results": results}, args.out)
+          "block_size": args.block_size, "results": results}, args.out, summary=lines)
 
 
 if __name__ == "__main__":
