@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnxkv.errors import InputError
+from onnxkv.errors import InputError, OutOfMemory
 
 __all__ = ["PageFormat", "FORMATS", "page_format", "groups_for", "header_bytes", "codes_bytes", "page_bytes",
-           "params_for", "check_params"]
+           "params_for", "check_params", "allocate_payload"]
 
 
 @dataclass(frozen=True)
@@ -224,3 +224,18 @@ def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_
         i = tuple(int(x) for x in np.argwhere(bad)[0])
         raise InputError(f"{api}: {names[1]}{list(i)} = {zero_point[i]!r} (every zero point must be an integer in "
                          f"[{f.qmin}, {f.qmax}] for format {f.name})")
+
+
+def allocate_payload(allocator, fmt: str | int | PageFormat, nbytes: int, api: str) -> tuple[object, np.ndarray]:
+    """A 64-byte aligned page payload of ``nbytes`` from ``allocator``: (buffer, uint8 array [nbytes]).
+
+    Any allocator failure becomes :class:`OutOfMemory` naming ``api`` and the
+    format (an OutOfMemory of the allocator passes through).
+    """
+    try:
+        buf = allocator.allocate(nbytes, 64)
+    except OutOfMemory:
+        raise
+    except Exception as e:
+        raise OutOfMemory(f"{api}: allocating a {page_format(fmt).name} page of {nbytes} bytes failed: {e}") from e
+    return buf, buf.view(np.uint8, (nbytes,))

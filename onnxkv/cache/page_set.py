@@ -53,7 +53,7 @@ from onnxkv import _kernels
 from onnxkv.alloc import as_allocator
 from onnxkv.cache import formats
 from onnxkv.cache.contiguous import stored_to_float32
-from onnxkv.errors import InputError, OutOfMemory, StateError
+from onnxkv.errors import InputError, StateError
 
 __all__ = ["PageSet", "PlaneTarget", "ConvertCost"]
 
@@ -117,7 +117,9 @@ def _release_payloads(key: int, payloads: dict, allocator) -> None:
 class PageSet:
     """Page formats and addresses of one page tensor (see the module docstring).
 
-    Made by :meth:`attach`; calls on one handle are serialised by its lock.
+    Made by :meth:`attach`.  Calls on one handle are serialised by ``lock``
+    (re-entrant); a kernel reading pages through ``ptrs`` holds it for the
+    duration of the call, so no payload is freed under it.
     """
 
     def __init__(self, tensor: np.ndarray, allocator) -> None:
@@ -139,7 +141,7 @@ class PageSet:
         self.groups = [0] * planes
         #: (plane, page) -> (buffer, uint8 payload array) of every converted page.
         self._payloads: dict[tuple[int, int], tuple] = {}
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         weakref.finalize(tensor, _release_payloads, id(tensor), self._payloads, allocator)
 
     # -- binding ---------------------------------------------------------------------
@@ -221,17 +223,21 @@ class PageSet:
     def _slot(self, tensor: np.ndarray, plane: int, page: int) -> np.ndarray:
         return tensor[page, plane] if self.two_planes else tensor[page]
 
+    def _float_view(self, payload: np.ndarray, fmt: formats.PageFormat) -> np.ndarray:
+        """The elements ``[H, bs, D]`` (storage dtype of float format ``fmt``) of a float page's payload."""
+        n = self.heads * self.block_size * self.head_size
+        return payload[: n * fmt.dtype.itemsize].view(fmt.dtype).reshape(self.heads, self.block_size, self.head_size)
+
     def page_values(self, plane: int, page: int) -> np.ndarray:
         """Float32 ``[H, bs, D]`` of ``page`` in ``plane``, read in its own format."""
-        with self._lock:
+        with self.lock:
             fmt = formats.page_format(int(self.formats[plane, page]))
             if fmt.code == self.native.code:
                 return self._slot(self._live_tensor(), plane, page).astype(np.float32)
             arr = self._payloads[(plane, page)][1]
-            shape = (self.heads, self.block_size, self.head_size)
             if fmt.is_float:
-                return stored_to_float32(arr[: int(np.prod(shape)) * fmt.dtype.itemsize].view(fmt.dtype)
-                                         .reshape(shape), fmt.name)
+                return stored_to_float32(self._float_view(arr, fmt), fmt.name)
+            shape = (self.heads, self.block_size, self.head_size)
             out = np.empty(shape, np.float32)
             _kernels.dequantize_page(arr, fmt.code, *shape, self.groups[plane], self.block_size, out)
             return out
@@ -269,15 +275,9 @@ class PageSet:
         if fmt.code == self.native.code:
             return None, None, x
         nbytes = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, max(g, 1))
-        try:
-            buf = self.allocator.allocate(nbytes, _ALIGNMENT)
-        except OutOfMemory:
-            raise
-        except Exception as e:
-            raise OutOfMemory(f"PageSet: allocating a {fmt.name} page of {nbytes} bytes failed: {e}") from e
-        arr = buf.view(np.uint8, (nbytes,))
+        buf, arr = formats.allocate_payload(self.allocator, fmt, nbytes, "PageSet")
         if fmt.is_float:
-            typed = arr[: x.size * fmt.dtype.itemsize].view(fmt.dtype).reshape(x.shape)
+            typed = self._float_view(arr, fmt)
             if fmt.name == "bfloat16":
                 _kernels.f32_to_bf16(x, typed)
             else:
@@ -299,7 +299,7 @@ class PageSet:
         in whatever format it has.  Errors start with ``api`` and call the
         indices ``indices_name``.
         """
-        with self._lock:
+        with self.lock:
             tensor = self._live_tensor()
             idx = np.asarray(indices)
             if idx.ndim != 1 or idx.dtype.kind not in "iu":
@@ -375,7 +375,7 @@ class PageSet:
     # -- checks ----------------------------------------------------------------------
     def audit(self) -> None:
         """Check tables and payloads agree; raises :class:`~onnxkv.errors.StateError` naming the first mismatch."""
-        with self._lock:
+        with self.lock:
             for plane in range(self.planes):
                 for page in range(self.num_pages):
                     code = int(self.formats[plane, page])

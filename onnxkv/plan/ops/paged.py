@@ -64,6 +64,7 @@ contiguous copy for :func:`~onnxkv.plan.ops._attention_math.causal_attention`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -362,10 +363,11 @@ class PagedAttention(Op):
                 pages = (handle.ptrs[0], handle.ptrs[1])
                 per_page = {"k_formats": handle.formats[0], "v_formats": handle.formats[1],
                             "k_group": max(handle.groups[0], 1), "v_group": max(handle.groups[1], 1)}
-            stats = _kernels.paged_attention(
-                np.ascontiguousarray(q), *pages, np.where(used, table, -1).astype(np.int32), bs, self.kv_num_heads,
-                kv_len.astype(np.int32), np.ascontiguousarray(q_pos, dtype=np.int32), float(scale), self.softcap,
-                self.window, out, kv_dtype=past.dtype.name, **per_page)
+            with handle.lock if handle is not None else contextlib.nullcontext():  # no payload freed meanwhile
+                stats = _kernels.paged_attention(
+                    np.ascontiguousarray(q), *pages, np.where(used, table, -1).astype(np.int32), bs,
+                    self.kv_num_heads, kv_len.astype(np.int32), np.ascontiguousarray(q_pos, dtype=np.int32),
+                    float(scale), self.softcap, self.window, out, kv_dtype=past.dtype.name, **per_page)
             if handle is not None:
                 rt.count(dequantized_bytes=stats["dequantized_bytes"])
             return

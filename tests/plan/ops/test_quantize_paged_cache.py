@@ -8,7 +8,8 @@ from onnx import TensorProto, helper
 from test_paged_ops import reference_attention, reference_decoder, shuffled_table, update_model, vi
 
 import onnxkv
-from onnxkv import ContractError, InputError, ModelError
+from onnxkv import ContractError, InputError, ModelError, OutOfMemory
+from onnxkv.alloc import ArenaAllocator
 from onnxkv.cache.formats import page_format, params_for
 from onnxkv.cache.page_set import PageSet, PlaneTarget
 from onnxkv.model.contract import Access, OutputAlias, set_access, set_output_alias
@@ -279,6 +280,31 @@ def test_a_state_storage_is_never_converted_from_outside_the_state():
             outside.run(_feeds(np.random.default_rng(11), past=storage))
         np.testing.assert_array_equal(storage, before)
         assert PageSet.of(storage) is None
+
+
+def test_out_of_memory_in_a_state_publishes_nothing_and_the_step_can_be_retried():
+    cfg = PagedConfig(key_format="int8", value_format="int8")
+    sess = onnxkv.Session(build_paged_model(cfg), threads=1)
+    page = 64 + H * BS * D  # an int8 page: header granule + codes
+    arena = ArenaAllocator(int(np.prod(cfg.past_shape)) * 4 + 3 * page)  # the cache and 3 of the 4 payloads
+    rng = np.random.default_rng(12)
+    table = np.arange(cfg.max_blocks, dtype=np.int32)[None]
+    with sess.new_state(allocator=arena) as state:
+        state.run({"hidden": rng.standard_normal((1, 8, cfg.hidden_size)).astype(np.float32), "block_table": table,
+                   "seqlens_k": np.zeros(1, np.int32)})
+        storage = state._values["past.0"][1]
+        before, live = storage.copy(), arena.stats().live
+        one = {name: np.full((2, H), 0.05, np.float32) for name in ("key_scale.0", "value_scale.0")}
+        one.update({name: np.zeros((2, H), np.int8) for name in ("key_zero_point.0", "value_zero_point.0")})
+        step = {"hidden": rng.standard_normal((1, 1, cfg.hidden_size)).astype(np.float32), "block_table": table,
+                "seqlens_k": np.array([8], np.int32)}
+        with pytest.raises(OutOfMemory, match=f"{page} bytes"):
+            state.run({**step, "quantize_blocks": np.array([0, 1], np.int32), **one})
+        np.testing.assert_array_equal(storage, before)
+        assert not PageSet.of(storage).any_converted and arena.stats().live == live
+        state.run({**step, "quantize_blocks": np.array([1], np.int32),
+                   **{name: value[:1] for name, value in one.items()}})
+        assert PageSet.of(storage).formats[:, 1].tolist() == [3, 3] and arena.stats().live == live + 2 * page
 
 
 # -- in a state: the paged decoder with QuantizePagedCache nodes ----------------------------------------------------
