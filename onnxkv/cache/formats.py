@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnxkv.errors import InputError
+from onnxkv.errors import InputError, OutOfMemory
 
 __all__ = ["PageFormat", "FORMATS", "page_format", "groups_for", "header_bytes", "codes_bytes", "page_bytes",
-           "params_for"]
+           "params_for", "check_params", "allocate_payload"]
 
 
 @dataclass(frozen=True)
@@ -194,3 +194,48 @@ def params_for(x: np.ndarray, fmt: str | int | PageFormat, granularity: str) -> 
         zp = np.clip(np.rint(f.qmin - lo / scale.astype(np.float64)), f.qmin, f.qmax).astype(np.float32)
     return (np.ascontiguousarray(scale, dtype=np.float32).reshape(H * G),
             np.ascontiguousarray(zp, dtype=np.float32).reshape(H * G))
+
+
+def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np.ndarray,
+                 names: tuple[str, str] = ("scale", "zero_point")) -> None:
+    """Check given quantization parameters for the integer format ``fmt`` (QuantizeLinear's rules).
+
+    ``scale`` and ``zero_point`` are float32 arrays of one shape (any): every
+    scale must be finite and > 0, every zero point an integer in the code range
+    [qmin, qmax] of ``fmt``.  Raises :class:`InputError` starting with ``api``
+    and naming the first offending element (``names`` label the two arrays).
+    """
+    f = page_format(fmt)
+    if f.is_float:
+        raise InputError(f"{api}: format {f.name} is a float format and has no scale or zero point")
+    for name, a in zip(names, (scale, zero_point)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+            raise InputError(f"{api}: {name} must be a float32 array, got "
+                             f"{a.dtype if isinstance(a, np.ndarray) else type(a).__name__}")
+    if scale.shape != zero_point.shape:
+        raise InputError(f"{api}: {names[0]} shape {list(scale.shape)} differs from {names[1]} shape "
+                         f"{list(zero_point.shape)}")
+    bad = ~(np.isfinite(scale) & (scale > 0))
+    if bad.any():
+        i = tuple(int(x) for x in np.argwhere(bad)[0])
+        raise InputError(f"{api}: {names[0]}{list(i)} = {scale[i]!r} (every scale must be finite and > 0)")
+    bad = ~((zero_point >= f.qmin) & (zero_point <= f.qmax) & (np.rint(zero_point) == zero_point))
+    if bad.any():
+        i = tuple(int(x) for x in np.argwhere(bad)[0])
+        raise InputError(f"{api}: {names[1]}{list(i)} = {zero_point[i]!r} (every zero point must be an integer in "
+                         f"[{f.qmin}, {f.qmax}] for format {f.name})")
+
+
+def allocate_payload(allocator, fmt: str | int | PageFormat, nbytes: int, api: str) -> tuple[object, np.ndarray]:
+    """A 64-byte aligned page payload of ``nbytes`` from ``allocator``: (buffer, uint8 array [nbytes]).
+
+    Any allocator failure becomes :class:`OutOfMemory` naming ``api`` and the
+    format (an OutOfMemory of the allocator passes through).
+    """
+    try:
+        buf = allocator.allocate(nbytes, 64)
+    except OutOfMemory:
+        raise
+    except Exception as e:
+        raise OutOfMemory(f"{api}: allocating a {page_format(fmt).name} page of {nbytes} bytes failed: {e}") from e
+    return buf, buf.view(np.uint8, (nbytes,))

@@ -296,13 +296,7 @@ class BlockPool:
         fmt = formats.page_format(fmt_name)
         x = self.read_page(plane, page, tokens)
         nbytes = formats.page_bytes(fmt, spec.heads, self.block_size, spec.head_size, spec.groups)
-        try:
-            buf = self.allocator.allocate(nbytes, 64)
-        except OutOfMemory:
-            raise
-        except Exception as e:
-            raise OutOfMemory(f"BlockPool: allocating a {fmt.name} page of {nbytes} bytes failed: {e}") from e
-        arr = buf.view(np.uint8, (nbytes,))
+        buf, arr = formats.allocate_payload(self.allocator, fmt, nbytes, "BlockPool")
         if fmt.is_float:
             typed = arr[: spec.heads * self.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
             typed = typed.reshape(spec.heads, self.block_size, spec.head_size)

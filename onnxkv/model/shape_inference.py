@@ -21,8 +21,9 @@ the values or the node.
 
 The paged-cache operators always write in place, declared or not
 (:data:`OPERATOR_ALIASES`): ``ai.onnxkv::PagedCacheUpdate``'s
-``updated_cache`` is one class with its ``cache`` and ``ai.rt::PagedAttention``'s
-``present`` with its ``past``.  ``PagedAttention``'s ``Y`` gets ``Q``'s type and
+``updated_cache`` is one class with its ``cache``, ``ai.rt::PagedAttention``'s
+``present`` with its ``past`` and ``ai.rt::QuantizePagedCache``'s
+``quantized_cache`` with its ``cache`` (whose known dim 1 must be 2).  ``PagedAttention``'s ``Y`` gets ``Q``'s type and
 shape, and known dims are checked against the attributes: ``block_size`` is
 dim 2 of the ``cache`` [P, H, bs, D] / dim 3 of the ``past`` [P, 2, Hkv, bs, D],
 ``past`` has 2 in dim 1 and ``kv_num_heads`` in dim 2, and
@@ -58,6 +59,7 @@ _MAX_ROUNDS = 16
 OPERATOR_ALIASES: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
     ("ai.onnxkv", "PagedCacheUpdate"): ((0, 0),),
     ("ai.rt", "PagedAttention"): ((1, 3),),
+    ("ai.rt", "QuantizePagedCache"): ((0, 0),),
 }
 
 
@@ -336,6 +338,10 @@ def _check_paged(graph: onnx.GraphProto, types: dict[str, _Type]) -> None:
         if key == ("ai.onnxkv", "PagedCacheUpdate"):
             if node.input:
                 _expect(label, node.input[0], types, 2, attrs.get("block_size"), "block_size")
+            continue
+        if key == ("ai.rt", "QuantizePagedCache"):
+            if node.input:
+                _expect(label, node.input[0], types, 1, 2, "K/V index (2)")
             continue
         if len(node.input) < 5:
             continue

@@ -13,6 +13,23 @@ Layer ``i``: ``q, k, v = x @ Wq, x @ Wk, x @ Wv``;
 ``y, present.{i} = PagedAttention(q, k, v, past.{i}, block_table, seqlens_k)``;
 ``x = x + y @ Wo``.  The output is the last ``x``.
 
+With ``key_format`` and/or ``value_format`` (an integer page format, e.g.
+``"int8"``) each layer first runs ``c.{i} = QuantizePagedCache(past.{i},
+quantize_blocks, key_scale.{i}, key_zero_point.{i}, value_scale.{i},
+value_zero_point.{i})`` and attention reads ``c.{i}`` (the same pages).  These
+inputs have empty defaults, so a step that feeds none of them converts
+nothing; a step that feeds them converts those pages (of every layer) before
+the step's attention reads them::
+
+    quantize_blocks       int32 [N]            distinct page ids (full pages: no later token goes there)
+    key_scale.{i}         float32 [N, kv_heads] or, with key_channel_scales, [N, kv_heads, head_size]
+    key_zero_point.{i}    key_format's type, the shape of key_scale.{i}
+    value_scale.{i}       float32 [N, kv_heads]
+    value_zero_point.{i}  value_format's type, the shape of value_scale.{i}
+
+A plane without a format has no inputs: its zero point is a constant empty
+marker of the cache's own type, which leaves its pages as they are.
+
 The contract makes the cache persistent and in place: each PagedAttention
 node declares ``present.{i}`` ``MUST_ALIAS`` of ``past.{i}``, ``past.{i}`` is
 ``READ_WRITE`` and ``GraphProto.persistent_bindings`` binds ``past.{i} <-
@@ -27,13 +44,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from onnxkv.model.contract import Access, OutputAlias, set_access, set_output_alias, set_persistent_bindings
 
 from ._graph import INT32, GraphBuilder
 
 __all__ = ["PagedConfig", "PagedLayerWeights", "paged_weights", "build_paged_model"]
+
+#: Integer page formats a model may quantize to: name -> (ONNX element type, bits).
+_QUANTIZED = {"int8": (TensorProto.INT8, 8), "uint8": (TensorProto.UINT8, 8), "int4": (TensorProto.INT4, 4),
+              "uint4": (TensorProto.UINT4, 4), "int2": (TensorProto.INT2, 2), "uint2": (TensorProto.UINT2, 2)}
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,10 @@ class PagedConfig:
 
     ``max_tokens`` defaults to ``max_blocks * block_size``; ``dtype`` is
     ``"float32"`` or ``"float16"`` (weights, activations and pages).
+    ``key_format`` / ``value_format``: None, or an integer page format
+    ("int8", "uint8", "int4", "uint4", "int2", "uint2") that the model's
+    ``QuantizePagedCache`` nodes convert fed pages to (see the module
+    docstring); ``key_channel_scales`` gives keys one scale per channel.
     """
 
     hidden_size: int = 32
@@ -57,6 +82,9 @@ class PagedConfig:
     softcap: float = 0.0
     is_causal: int = 1
     dtype: str = "float32"
+    key_format: str | None = None
+    value_format: str | None = None
+    key_channel_scales: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_size", "num_layers", "num_pages",
@@ -72,6 +100,15 @@ class PagedConfig:
                              f"[1, max_blocks * block_size = {self.max_blocks * self.block_size}]")
         if self.dtype not in ("float32", "float16"):
             raise ValueError(f"PagedConfig: dtype must be 'float32' or 'float16', got {self.dtype!r}")
+        for name in ("key_format", "value_format"):
+            value = getattr(self, name)
+            if value is not None and value not in _QUANTIZED:
+                raise ValueError(f"PagedConfig: {name} must be None or one of {sorted(_QUANTIZED)}, got {value!r}")
+            if value is not None and self.head_size * _QUANTIZED[value][1] % 8:
+                raise ValueError(f"PagedConfig: {name}={value!r} needs head_size * bits to be a multiple of 8, "
+                                 f"head_size is {self.head_size}")
+        if self.key_channel_scales and self.key_format is None:
+            raise ValueError("PagedConfig: key_channel_scales needs a key_format")
 
     @property
     def capacity(self) -> int:
@@ -118,9 +155,18 @@ def build_paged_model(cfg: PagedConfig, weights: tuple[PagedLayerWeights, ...] |
     x = g.input("hidden", elem, ["batch", "seq", cfg.hidden_size])
     table = g.input("block_table", INT32, ["batch", cfg.max_blocks])
     seqlens = g.input("seqlens_k", INT32, ["batch"])
+    quantize = cfg.key_format is not None or cfg.value_format is not None
+    if quantize:
+        blocks = _with_default(g, "quantize_blocks", INT32, ["quantize"])
     for i, w in enumerate(layers):
         past = g.input(f"past.{i}", elem, cfg.past_shape)
         base = f"/model/layers.{i}/attn"
+        if quantize:
+            params = [*_plane_inputs(g, cfg, "key", i, cfg.key_format, cfg.key_channel_scales, elem),
+                      *_plane_inputs(g, cfg, "value", i, cfg.value_format, False, elem)]
+            past = g.node("QuantizePagedCache", [past, blocks, *params], f"{base}/QuantizePagedCache",
+                          outputs=[f"c.{i}"], domain="ai.rt")
+            set_output_alias(g.nodes[-1], [OutputAlias(0, 0)])
         q, k, v = (g.node("MatMul", [x, g.initializer(f"layers.{i}.{name}.weight", getattr(w, name))],
                           f"{base}/{name}/MatMul") for name in ("q_proj", "k_proj", "v_proj"))
         y = g.node("PagedAttention", [q, k, v, past, table, seqlens], f"{base}/PagedAttention",
@@ -135,9 +181,28 @@ def build_paged_model(cfg: PagedConfig, weights: tuple[PagedLayerWeights, ...] |
     g.output("output", elem, ["batch", "seq", cfg.hidden_size])
     for i in range(cfg.num_layers):
         g.output(f"present.{i}", elem, cfg.past_shape)
-    model = g.model({"": 21, "ai.rt": 1})
+    two_bit = {cfg.key_format, cfg.value_format} & {"int2", "uint2"}
+    model = g.model({"": 21, "ai.rt": 1}, ir_version=13 if two_bit else 10)  # INT2/UINT2 came with IR 13
     for value_info in model.graph.input:
         if value_info.name.startswith("past."):
             set_access(value_info, Access.READ_WRITE)
     set_persistent_bindings(model.graph, {f"past.{i}": f"present.{i}" for i in range(cfg.num_layers)})
     return model
+
+
+def _with_default(g: GraphBuilder, name: str, elem: int, shape: list) -> str:
+    """A graph input whose default (an initializer of the same name) is empty along dim 0."""
+    g.input(name, elem, shape)
+    dims = [0 if isinstance(d, str) else d for d in shape]
+    return g.initializer(name, np.zeros(dims, helper.tensor_dtype_to_np_dtype(elem)))
+
+
+def _plane_inputs(g: GraphBuilder, cfg: PagedConfig, plane: str, layer: int, fmt: str | None, per_channel: bool,
+                  elem: int) -> tuple[str, str]:
+    """(scale, zero point) inputs of one plane of one layer's QuantizePagedCache (see the module docstring)."""
+    if fmt is None:  # a constant empty marker of the cache's own type: the plane is left as it is
+        return (g.initializer(f"{plane}_scale.{layer}", np.zeros(0, np.float32)),
+                g.initializer(f"{plane}_zero_point.{layer}", np.zeros(0, helper.tensor_dtype_to_np_dtype(elem))))
+    shape = ["quantize", cfg.num_kv_heads] + ([cfg.head_size] if per_channel else [])
+    return (_with_default(g, f"{plane}_scale.{layer}", TensorProto.FLOAT, shape),
+            _with_default(g, f"{plane}_zero_point.{layer}", _QUANTIZED[fmt][0], shape))

@@ -26,16 +26,20 @@ class RunContext:
     :class:`~onnxkv.cache.contiguous.CacheTensor` or
     :class:`~onnxkv.cache.paged.PagedPlane` when the run belongs to a state
     (None for a stateless run); kernels bound to a cache write through
-    :meth:`cache_write`.
+    :meth:`cache_write`.  ``cache_allocator`` is the running state's
+    persistent allocator (None for a stateless run): storage a kernel adds to
+    a cache that outlives the run comes from it.
 
     ``count(**counters)`` adds storage counters (names in
     :data:`STORAGE_COUNTERS`) to the current node's event; it costs nothing
     when the event log is off.
     """
 
-    __slots__ = ("_plan_alloc", "_node", "counters", "recording", "step", "caches", "cache_events")
+    __slots__ = ("_plan_alloc", "_node", "counters", "recording", "step", "caches", "cache_events",
+                 "cache_allocator")
 
-    def __init__(self, plan_alloc, recording: bool, step: int, caches: dict | None = None) -> None:
+    def __init__(self, plan_alloc, recording: bool, step: int, caches: dict | None = None,
+                 cache_allocator=None) -> None:
         self._plan_alloc = plan_alloc
         self._node = 0
         self.recording = recording
@@ -43,6 +47,7 @@ class RunContext:
         self.step = step
         self.caches = caches
         self.cache_events: list = []
+        self.cache_allocator = cache_allocator
 
     def empty(self, index: int, shape, dtype) -> np.ndarray:
         return self._plan_alloc(self, index, shape, np.dtype(dtype))

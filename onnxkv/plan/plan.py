@@ -412,7 +412,7 @@ class Plan:
         slots = self.bind_inputs(feeds, caches)
         bufs = RunBuffers(self.allocator)
         recording = events is not None and events.enabled
-        rt = RunContext(self._allocator_for(bufs), recording, step, caches)
+        rt = RunContext(self._allocator_for(bufs), recording, step, caches, cache_allocator)
         try:
             if recording:
                 self._run_recording(slots, bufs, rt, events, step, cache_allocator, cancel)

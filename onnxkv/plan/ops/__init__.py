@@ -6,6 +6,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     attention_onnx,
     cache_update,
     paged,
+    quantize_paged_cache,
     repeat_kv_matmul,
     elementwise,
     matmul,

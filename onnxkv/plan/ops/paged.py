@@ -37,6 +37,18 @@ lives at page ``table[b, t // bs]``, offset ``t % bs``.
   ``softcap * tanh(score / softcap)``, then softmax (float32 math).
   ``Y`` [B, S, Hq*D] has Q's dtype.
 
+Per-page formats.  ``ai.rt::QuantizePagedCache`` (see
+:mod:`onnxkv.plan.ops.quantize_paged_cache`) attaches a
+:class:`~onnxkv.cache.page_set.PageSet` to a cache tensor and converts some
+of its pages to other formats (quantized, or another float type).  Both
+operators look that handle up: attention reads every page in its own format
+through the paged kernel (quantized pages are dequantized in its load step),
+and new tokens go only into pages still in the cache's own type -- a write
+into a converted page is an :class:`~onnxkv.errors.InputError` raised before
+anything is written (requantize only full pages).  The cache may reach these
+nodes through ``QuantizePagedCache``'s output: a state's storage is
+recognised by its address, whatever the value's name.
+
 Both kernels validate everything before writing a byte: shapes and dtypes,
 that the cache may be written in place (not read-only, not part of a larger
 buffer, not bound to another state, C-contiguous; an initializer cache is a
@@ -46,17 +58,21 @@ reads or writes in ``[0, P)``, and that no two (row, token) writes hit the same
 physical slot.  Attention reads the pages in place through
 ``onnxkv._kernels.paged_attention`` when every page is 64-byte aligned (no
 gather); otherwise it gathers only the blocks that hold visible keys into a
-contiguous copy for :func:`~onnxkv.plan.ops._attention_math.causal_attention`.
+contiguous copy for :func:`~onnxkv.plan.ops._attention_math.causal_attention`
+(with converted pages: each used page read in its own format).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
 
 from onnxkv import _kernels
+from onnxkv.cache import formats
+from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import CacheCapacityError, InputError
 from onnxkv.model.shape_inference import OPERATOR_ALIASES
 from onnxkv.plan.context import RunContext
@@ -64,12 +80,39 @@ from onnxkv.plan.ops._attention_math import causal_attention
 from onnxkv.plan.ops.cache_update import check_writable_target
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["PagedCacheUpdate", "PagedAttention"]
+__all__ = ["PagedCacheUpdate", "PagedAttention", "check_cache_target"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 _TABLE_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
 #: Page alignment the paged attention kernel needs to read pages in place.
 _PAGE_ALIGNMENT = 64
+
+
+def check_cache_target(cache: np.ndarray, name: str, rt: RunContext, fail: Callable[[str], Exception]) -> None:
+    """:func:`~onnxkv.plan.ops.cache_update.check_writable_target` for a paged cache that may be the running
+    state's storage under another value name (e.g. the output of ``QuantizePagedCache``)."""
+    if rt.caches is not None and name not in rt.caches:
+        address = cache.__array_interface__["data"][0]
+        for key, held in rt.caches.items():
+            if isinstance(held, np.ndarray) and held.shape == cache.shape and held.dtype == cache.dtype \
+                    and held.__array_interface__["data"][0] == address:
+                name = key
+                break
+    check_writable_target(cache, name, rt, fail)
+
+
+def _reject_converted(handle: PageSet | None, pages: np.ndarray, name: str, fail: Callable[[str], Exception]) -> None:
+    """Raise ``fail`` if a page of ``pages`` (being written) is converted in some plane of ``handle``."""
+    if handle is None or not handle.any_converted:
+        return
+    hit = handle.converted()[:, pages]
+    if hit.any():
+        plane, i = (int(x) for x in np.argwhere(hit)[0])
+        page = int(pages[i])
+        fmt = formats.page_format(int(handle.formats[plane, page])).name
+        raise fail(f"a new token goes to page {page} of cache '{name}', which QuantizePagedCache converted to "
+                   f"{fmt} (plane {plane}); new tokens go only into pages of the cache's own type "
+                   f"{handle.native.name} (quantize only full pages)")
 
 
 def _block_table(table: np.ndarray, name: str, batch: int, fail: Callable[[str], Exception]) -> np.ndarray:
@@ -164,7 +207,7 @@ class PagedCacheUpdate(Op):
                              f"{cache.shape} (expected [batch, {heads}, new, {d}])")
         if values.dtype != cache.dtype:
             raise self._fail(f"values '{self.values_name}' dtype {values.dtype} differs from cache dtype {cache.dtype}")
-        check_writable_target(cache, self.cache_name, rt, self._fail)
+        check_cache_target(cache, self.cache_name, rt, self._fail)
         b, _, s, _ = values.shape
         table = _block_table(page_id, self.table_name, b, self._fail)
         starts = _starts(position, self.position_name, b, True, self._fail)
@@ -180,6 +223,7 @@ class PagedCacheUpdate(Op):
         used = _blocks_used(starts // bs, (end - 1) // bs + 1, table.shape[1])
         _check_pages(table, self.table_name, used, num_pages, self._fail)
         pages, offsets = _write_slots(table, self.table_name, starts, s, bs, self._fail)
+        _reject_converted(PageSet.of(cache), pages, self.cache_name, self._fail)
         cache[pages, :, offsets] = values.transpose(0, 2, 1, 3).reshape(b * s, heads, d)
         rt.count(append_copied_bytes=values.nbytes)
         return (cache,)
@@ -236,7 +280,7 @@ class PagedAttention(Op):
                              f"{list(want)}, got {past.shape}")
         if past.dtype != query.dtype:
             raise self._fail(f"past '{self.past_name}' dtype {past.dtype} differs from Q dtype {query.dtype}")
-        check_writable_target(past, self.past_name, rt, self._fail)
+        check_cache_target(past, self.past_name, rt, self._fail)
         names = self.node.input
         table = _block_table(block_table, names[4], b, self._fail)
         if self.max_tokens > table.shape[1] * bs:
@@ -254,6 +298,8 @@ class PagedAttention(Op):
         if s == 0:
             return y, past
         pages, offsets = _write_slots(table, names[4], past_lens, s, bs, self._fail)
+        handle = PageSet.of(past)
+        _reject_converted(handle, pages, self.past_name, self._fail)
         for index, new in ((0, k), (1, v)):
             past[:, index][pages, :, offsets] = new.transpose(0, 2, 1, 3).reshape(b * s, hkv, d)
         rt.count(append_copied_bytes=k.nbytes + v.nbytes)
@@ -263,7 +309,8 @@ class PagedAttention(Op):
             q_pos = np.broadcast_to((kv_len - 1)[:, None], (b, s))
         out = np.empty((b, hq, s, d), np.float32)
         scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
-        self._attend(q.astype(np.float32), past, table, used, kv_len, q_pos, scale, out)
+        self._attend(q.astype(np.float32), past, handle if handle is not None and handle.any_converted else None,
+                     table, used, kv_len, q_pos, scale, out, rt)
         y.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
         return y, past
 
@@ -294,30 +341,46 @@ class PagedAttention(Op):
             return np.zeros_like(past_lens)
         return np.maximum(past_lens - self.window, 0)
 
-    def _attend(self, q: np.ndarray, past: np.ndarray, table: np.ndarray, used: np.ndarray, kv_len: np.ndarray,
-                q_pos: np.ndarray, scale: float, out: np.ndarray) -> None:
+    def _attend(self, q: np.ndarray, past: np.ndarray, handle: PageSet | None, table: np.ndarray, used: np.ndarray,
+                kv_len: np.ndarray, q_pos: np.ndarray, scale: float, out: np.ndarray, rt: RunContext) -> None:
         """Attention of float32 ``q`` over the ``used`` blocks of ``past`` into ``out`` [B, Hq, S, D].
 
         When every page half (K or V) is 64-byte aligned -- a state's storage is, when a half is a multiple
         of 64 bytes -- the streaming kernel reads the pages in place through the block table (unused
-        entries passed as -1).  Otherwise the used blocks are gathered into a contiguous [B, Hkv, T, D]
-        copy from the first block any row uses; blocks a row does not use are gathered as page 0 and
-        masked by the window / kv_len.
+        entries passed as -1); with converted pages (``handle`` not None) it gets the handle's address and
+        format tables (payloads are 64-byte aligned) and counts ``dequantized_bytes``.  Otherwise the used
+        blocks are gathered into a contiguous [B, Hkv, T, D] copy from the first block any row uses (each
+        page read in its own format when there is a handle); blocks a row does not use are gathered as
+        page 0 and masked by the window / kv_len.
         """
         bs = self.block_size
         base = past.__array_interface__["data"][0]
         if base % _PAGE_ALIGNMENT == 0 and past.strides[1] % _PAGE_ALIGNMENT == 0:
-            k_pages = np.uint64(base) + np.arange(past.shape[0], dtype=np.uint64) * np.uint64(past.strides[0])
-            _kernels.paged_attention(
-                np.ascontiguousarray(q), k_pages, k_pages + np.uint64(past.strides[1]),
-                np.where(used, table, -1).astype(np.int32), bs, self.kv_num_heads, kv_len.astype(np.int32),
-                np.ascontiguousarray(q_pos, dtype=np.int32), float(scale), self.softcap, self.window, out,
-                kv_dtype=past.dtype.name)
+            if handle is None:
+                k_pages = np.uint64(base) + np.arange(past.shape[0], dtype=np.uint64) * np.uint64(past.strides[0])
+                pages, per_page = (k_pages, k_pages + np.uint64(past.strides[1])), {}
+            else:
+                pages = (handle.ptrs[0], handle.ptrs[1])
+                per_page = {"k_formats": handle.formats[0], "v_formats": handle.formats[1],
+                            "k_group": max(handle.groups[0], 1), "v_group": max(handle.groups[1], 1)}
+            with handle.lock if handle is not None else contextlib.nullcontext():  # no payload freed meanwhile
+                stats = _kernels.paged_attention(
+                    np.ascontiguousarray(q), *pages, np.where(used, table, -1).astype(np.int32), bs,
+                    self.kv_num_heads, kv_len.astype(np.int32), np.ascontiguousarray(q_pos, dtype=np.int32),
+                    float(scale), self.softcap, self.window, out, kv_dtype=past.dtype.name, **per_page)
+            if handle is not None:
+                rt.count(dequantized_bytes=stats["dequantized_bytes"])
             return
         columns = np.flatnonzero(used.any(axis=0))
         lo, hi = int(columns[0]), int(columns[-1]) + 1
         ids = np.where(used, table, 0)[:, lo:hi]
         shape = (q.shape[0], self.kv_num_heads, (hi - lo) * bs, past.shape[4])
-        keys = past[ids, 0].transpose(0, 2, 1, 3, 4).reshape(shape)
-        values = past[ids, 1].transpose(0, 2, 1, 3, 4).reshape(shape)
+        if handle is None:
+            keys, values = past[ids, 0], past[ids, 1]
+        else:
+            read = np.unique(ids)
+            where = np.searchsorted(read, ids)
+            keys, values = (np.stack([handle.page_values(plane, int(p)) for p in read])[where] for plane in (0, 1))
+        keys = keys.transpose(0, 2, 1, 3, 4).reshape(shape)
+        values = values.transpose(0, 2, 1, 3, 4).reshape(shape)
         causal_attention(q, keys, values, kv_len - lo * bs, q_pos - lo * bs, scale, self.softcap, self.window, out)

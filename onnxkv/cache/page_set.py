@@ -1,0 +1,393 @@
+"""Per-page formats of a caller-indexed page tensor: the cache handle of the explicit paged graph form.
+
+The explicit paged operators (:mod:`onnxkv.plan.ops.paged`) keep a cache as
+one float32/float16 tensor of pages, ``[P, H, bs, D]`` (one plane) or ``[P,
+2, H, bs, D]`` (two planes: index 0 keys, 1 values), page ids chosen by the
+caller's block tables.  A :class:`PageSet` gives every (plane, page) its own
+format (the layout of :mod:`onnxkv.cache.formats`):
+
+* a page in the tensor's own type is its slot of the tensor, read in place
+  (making a handle copies nothing);
+* a *converted* page owns one payload allocated from the handle's allocator
+  (64-byte aligned): a float page of another float type, or a quantized page
+  (header, then codes).
+
+``ptrs`` (uint64 ``[planes, P]``) holds each page's address and ``formats``
+(uint8 ``[planes, P]``) its ONNX element type code: the tables
+``onnxkv._kernels.paged_attention`` reads.  ``groups[plane]`` is G of the
+plane's quantized pages (1: one scale per head, D: per head and channel; 0
+while the plane holds no quantized page).  Only the handle writes them.
+
+Binding.  A handle belongs to one tensor object.  :meth:`PageSet.of` finds
+it from that object or any full view of it (an array whose base chain
+reaches it, with the same address, shape and dtype); :meth:`PageSet.attach`
+makes it the first time.  The graph value of the cache stays the tensor
+itself, so a state's persistent bindings and the plan's MUST_ALIAS pointer
+checks work unchanged, and the operators look the handle up.  The handle
+holds the tensor weakly; when the tensor object is collected, the payloads
+go back to the allocator.
+
+The tensor slot of a converted page is dead storage: it is filled with NaN
+when the page leaves it (a reader unaware of the handle sees NaN, never a
+stale value) and written again when the page is converted back to the
+tensor's own type (which frees the payload; nothing is allocated).
+
+:meth:`PageSet.convert` is all or nothing: indices, formats and parameters
+are validated and every new payload is built before the first one is
+published; an error (:class:`~onnxkv.errors.InputError`,
+:class:`~onnxkv.errors.OutOfMemory`) frees what was built and leaves every
+table and every byte as it was.  A page's payload is never changed in place:
+converting it again replaces it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxkv import _kernels
+from onnxkv.alloc import as_allocator
+from onnxkv.cache import formats
+from onnxkv.cache.contiguous import stored_to_float32
+from onnxkv.errors import InputError, StateError
+
+__all__ = ["PageSet", "PlaneTarget", "ConvertCost"]
+
+_NATIVE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+_ALIGNMENT = 64
+_FLOAT_CODES = [f.code for f in formats.FORMATS if f.is_float]
+_lock = threading.Lock()
+#: id(tensor) -> its handle, while the tensor object is alive.
+_handles: dict[int, PageSet] = {}
+
+
+@dataclass(frozen=True)
+class PlaneTarget:
+    """The new format of the selected pages of one plane.
+
+    ``fmt``: a format name or ONNX element code (:func:`onnxkv.cache.formats.page_format`).
+    For an integer format, ``scale`` and ``zero_point`` are float32 arrays of
+    one shape, ``[N, H]`` (one scale per page and head, G = 1) or ``[N, H, D]``
+    (per page, head and channel, G = D), row ``i`` for the ``i``-th selected
+    page; zero points are integers in the format's code range.  A float
+    format ignores them (None allowed).  ``names`` label the two arrays in
+    error messages.
+    """
+
+    fmt: str | int
+    scale: np.ndarray | None = None
+    zero_point: np.ndarray | None = None
+    names: tuple[str, str] = ("scale", "zero_point")
+
+
+@dataclass
+class ConvertCost:
+    """What one :meth:`PageSet.convert` did (for the event log).
+
+    ``pages``: (plane, page) payloads replaced; ``allocations`` /
+    ``allocated_bytes``: payloads allocated; ``freed_bytes``: payload bytes
+    returned to the allocator; ``dequantized_bytes``: bytes of quantized
+    payloads read to build the new pages.
+    """
+
+    pages: int = 0
+    allocations: int = 0
+    allocated_bytes: int = 0
+    freed_bytes: int = 0
+    dequantized_bytes: int = 0
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _release_payloads(key: int, payloads: dict, allocator) -> None:
+    """Finalizer of a handle's tensor: forget the handle, free its payloads."""
+    with _lock:
+        _handles.pop(key, None)
+    for buf, _ in payloads.values():
+        allocator.free(buf)
+    payloads.clear()
+
+
+class PageSet:
+    """Page formats and addresses of one page tensor (see the module docstring).
+
+    Made by :meth:`attach`.  Calls on one handle are serialised by ``lock``
+    (re-entrant); a kernel reading pages through ``ptrs`` holds it for the
+    duration of the call, so no payload is freed under it.
+    """
+
+    def __init__(self, tensor: np.ndarray, allocator) -> None:
+        self._tensor = weakref.ref(tensor)
+        self.allocator = allocator
+        self.dtype = tensor.dtype
+        self.native = formats.page_format(_NATIVE[tensor.dtype])
+        self.two_planes = tensor.ndim == 5
+        self.num_pages = tensor.shape[0]
+        self.heads, self.block_size, self.head_size = (int(x) for x in tensor.shape[-3:])
+        planes = 2 if self.two_planes else 1
+        base = np.uint64(_address(tensor))
+        pages = np.arange(self.num_pages, dtype=np.uint64) * np.uint64(tensor.strides[0])
+        plane_step = np.uint64(tensor.strides[1]) if self.two_planes else np.uint64(0)
+        self._slots = np.stack([base + pages + np.uint64(i) * plane_step for i in range(planes)])
+        self._slots.flags.writeable = False
+        self.ptrs = self._slots.copy()
+        self.formats = np.full((planes, self.num_pages), self.native.code, np.uint8)
+        self.groups = [0] * planes
+        #: (plane, page) -> (buffer, uint8 payload array) of every converted page.
+        self._payloads: dict[tuple[int, int], tuple] = {}
+        self.lock = threading.RLock()
+        weakref.finalize(tensor, _release_payloads, id(tensor), self._payloads, allocator)
+
+    # -- binding ---------------------------------------------------------------------
+    @staticmethod
+    def of(tensor: np.ndarray) -> PageSet | None:
+        """The handle of ``tensor`` (or of the tensor it fully views), or None."""
+        with _lock:
+            handle, whole = PageSet._find(tensor)
+            return handle if whole else None
+
+    @staticmethod
+    def _find(tensor: np.ndarray) -> tuple[PageSet | None, bool]:
+        """(handle of ``tensor`` or of a tensor it views, True if it views that tensor whole); registry locked."""
+        a = tensor
+        while isinstance(a, np.ndarray):
+            handle = _handles.get(id(a))
+            if handle is not None and handle._tensor() is a:
+                return handle, _address(a) == _address(tensor) and a.shape == tensor.shape and a.dtype == tensor.dtype
+            a = a.base
+        return None, False
+
+    @classmethod
+    def attach(cls, tensor: np.ndarray, allocator=None) -> PageSet:
+        """The handle of ``tensor``, made on first use with payloads from ``allocator``.
+
+        ``tensor``: writable C-contiguous float32/float16 ``[P, H, bs, D]`` or
+        ``[P, 2, H, bs, D]``, all dims >= 1.  An existing handle keeps the
+        allocator it was made with.  Raises :class:`InputError` for another
+        array, including a partial view of a tensor that has a handle.
+        """
+        ok = isinstance(tensor, np.ndarray) and tensor.dtype in _NATIVE and tensor.ndim in (4, 5) and \
+            (tensor.ndim == 4 or tensor.shape[1] == 2) and tensor.size > 0
+        if not ok:
+            what = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, np.ndarray) else type(tensor).__name__
+            raise InputError(f"PageSet.attach: expected a float32/float16 page tensor [P, H, bs, D] or "
+                             f"[P, 2, H, bs, D] with every dim >= 1, got {what}")
+        if not (tensor.flags.c_contiguous and tensor.flags.writeable):
+            raise InputError("PageSet.attach: the page tensor must be writable and C-contiguous")
+        with _lock:
+            found, whole = cls._find(tensor)
+            if found is not None:
+                if not whole:
+                    raise InputError("PageSet.attach: the array views part of a page tensor that has a handle; "
+                                     "pass that tensor")
+                return found
+            handle = cls(tensor, as_allocator(allocator))
+            _handles[id(tensor)] = handle
+            return handle
+
+    def _live_tensor(self) -> np.ndarray:
+        t = self._tensor()
+        if t is None:
+            raise StateError("PageSet: its page tensor was released")
+        return t
+
+    # -- reads -----------------------------------------------------------------------
+    @property
+    def planes(self) -> int:
+        return self.formats.shape[0]
+
+    def converted(self, plane: int | None = None) -> np.ndarray:
+        """Bool ``[P]`` (or ``[planes, P]`` for plane None): pages not in the tensor's own type."""
+        fmts = self.formats if plane is None else self.formats[plane]
+        return fmts != self.native.code
+
+    def quantized(self, plane: int) -> np.ndarray:
+        """Bool ``[P]``: pages of ``plane`` in an integer (quantized) format."""
+        return ~np.isin(self.formats[plane], _FLOAT_CODES)
+
+    @property
+    def any_converted(self) -> bool:
+        return bool(self._payloads)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of every converted page's payload (held besides the tensor)."""
+        return sum(arr.nbytes for _, arr in self._payloads.values())
+
+    def _slot(self, tensor: np.ndarray, plane: int, page: int) -> np.ndarray:
+        return tensor[page, plane] if self.two_planes else tensor[page]
+
+    def _float_view(self, payload: np.ndarray, fmt: formats.PageFormat) -> np.ndarray:
+        """The elements ``[H, bs, D]`` (storage dtype of float format ``fmt``) of a float page's payload."""
+        n = self.heads * self.block_size * self.head_size
+        return payload[: n * fmt.dtype.itemsize].view(fmt.dtype).reshape(self.heads, self.block_size, self.head_size)
+
+    def page_values(self, plane: int, page: int) -> np.ndarray:
+        """Float32 ``[H, bs, D]`` of ``page`` in ``plane``, read in its own format."""
+        with self.lock:
+            fmt = formats.page_format(int(self.formats[plane, page]))
+            if fmt.code == self.native.code:
+                return self._slot(self._live_tensor(), plane, page).astype(np.float32)
+            arr = self._payloads[(plane, page)][1]
+            if fmt.is_float:
+                return stored_to_float32(self._float_view(arr, fmt), fmt.name)
+            shape = (self.heads, self.block_size, self.head_size)
+            out = np.empty(shape, np.float32)
+            _kernels.dequantize_page(arr, fmt.code, *shape, self.groups[plane], self.block_size, out)
+            return out
+
+    # -- conversion ------------------------------------------------------------------
+    def _check_target(self, api: str, plane: int, target: PlaneTarget, n: int,
+                      selected: np.ndarray) -> tuple[formats.PageFormat, int, np.ndarray | None, np.ndarray | None]:
+        """(format, G, scale [n, H*G], zero point [n, H*G]) of a validated target (G = 0 and None for floats)."""
+        fmt = formats.page_format(target.fmt)
+        if fmt.is_float:
+            return fmt, 0, None, None
+        h, d = self.heads, self.head_size
+        if d * fmt.bits % 8:
+            raise InputError(f"{api}: format {fmt.name} needs head_size * {fmt.bits} bits to be a multiple of 8, "
+                             f"head_size is {d}")
+        scale, zero = target.scale, target.zero_point
+        for name, a in zip(target.names, (scale, zero)):
+            if not isinstance(a, np.ndarray) or a.shape not in ((n, h), (n, h, d)):
+                shape = list(a.shape) if isinstance(a, np.ndarray) else type(a).__name__
+                raise InputError(f"{api}: {name} must be [{n}, {h}] (per page and head) or [{n}, {h}, {d}] "
+                                 f"(per page, head and channel) for {n} selected page(s), got {shape}")
+        formats.check_params(api, fmt, scale, zero, target.names)
+        g = 1 if scale.ndim == 2 else d
+        quantized = self.quantized(plane) & ~selected
+        if quantized.any() and g != self.groups[plane]:
+            have = "per head" if self.groups[plane] == 1 else "per channel"
+            raise InputError(f"{api}: {target.names[0]} gives {'per-head' if g == 1 else 'per-channel'} scales "
+                             f"but plane {plane} already holds pages quantized {have} (e.g. page "
+                             f"{int(np.flatnonzero(quantized)[0])}); one granularity per plane")
+        return fmt, g, scale.reshape(n, h * g), zero.reshape(n, h * g)
+
+    def _build(self, plane: int, page: int, fmt: formats.PageFormat, g: int, scale, zero) -> tuple:
+        """(buffer, payload, values) of ``page`` in ``fmt``; buffer None when it returns to its tensor slot."""
+        x = self.page_values(plane, page)
+        if fmt.code == self.native.code:
+            return None, None, x
+        nbytes = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, max(g, 1))
+        buf, arr = formats.allocate_payload(self.allocator, fmt, nbytes, "PageSet")
+        if fmt.is_float:
+            typed = self._float_view(arr, fmt)
+            if fmt.name == "bfloat16":
+                _kernels.f32_to_bf16(x, typed)
+            else:
+                typed[...] = x
+        else:
+            _kernels.quantize_page(x, fmt.code, np.ascontiguousarray(scale), np.ascontiguousarray(zero), g, arr,
+                                   self.block_size)
+        return buf, arr, None
+
+    def convert(self, indices: np.ndarray, targets: Sequence[PlaneTarget | None],
+                api: str = "PageSet.convert", indices_name: str = "indices") -> ConvertCost:
+        """Give pages ``indices`` of every plane with a target its new format; all or nothing.
+
+        ``indices``: 1-D int array of distinct page ids in ``[0, P)``.
+        ``targets``: one :class:`PlaneTarget` or None (plane untouched) per
+        plane.  A page already in the target float format is left as it is;
+        every other selected page gets one new payload (or returns to its
+        tensor slot for the tensor's own type), built from its current values
+        in whatever format it has.  Errors start with ``api`` and call the
+        indices ``indices_name``.
+        """
+        with self.lock:
+            tensor = self._live_tensor()
+            idx = np.asarray(indices)
+            if idx.ndim != 1 or idx.dtype.kind not in "iu":
+                raise InputError(f"{api}: {indices_name} must be a 1-D int array, got {idx.dtype} {list(idx.shape)}")
+            idx = idx.astype(np.int64)
+            bad = np.flatnonzero((idx < 0) | (idx >= self.num_pages))
+            if bad.size:
+                raise InputError(f"{api}: {indices_name}[{int(bad[0])}] = {int(idx[bad[0]])} is not a page id in "
+                                 f"[0, {self.num_pages})")
+            unique, counts = np.unique(idx, return_counts=True)
+            if (counts > 1).any():
+                raise InputError(f"{api}: {indices_name} must be distinct, page {int(unique[counts > 1][0])} is "
+                                 f"selected {int(counts[counts > 1][0])} times")
+            if len(targets) != self.planes:
+                raise InputError(f"{api}: {len(targets)} plane target(s) for {self.planes} plane(s)")
+            selected = np.zeros(self.num_pages, bool)
+            selected[idx] = True
+            checked = [None if t is None else self._check_target(api, i, t, idx.size, selected)
+                       for i, t in enumerate(targets)]
+            cost = ConvertCost()
+            built = []
+            try:
+                for plane, spec in enumerate(checked):
+                    if spec is None:
+                        continue
+                    fmt, g, scale, zero = spec
+                    for i, page in enumerate(idx.tolist()):
+                        if fmt.is_float and int(self.formats[plane, page]) == fmt.code:
+                            continue
+                        if int(self.formats[plane, page]) not in _FLOAT_CODES:
+                            cost.dequantized_bytes += self._payloads[(plane, page)][1].nbytes
+                        buf, arr, x = self._build(plane, page, fmt, g, None if scale is None else scale[i],
+                                                  None if zero is None else zero[i])
+                        built.append((plane, page, fmt, g, buf, arr, x))
+                        if buf is not None:
+                            cost.allocations += 1
+                            cost.allocated_bytes += arr.nbytes
+            except BaseException:
+                for *_, buf, _, _ in built:
+                    if buf is not None:
+                        self.allocator.free(buf)
+                raise
+            for plane, page, fmt, g, buf, arr, x in built:
+                self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost)
+            for plane, spec in enumerate(checked):
+                if spec is not None:
+                    self._sync_group(plane, spec[1])
+            return cost
+
+    def _publish(self, tensor: np.ndarray, plane: int, page: int, fmt: formats.PageFormat, g: int, buf,
+                 arr: np.ndarray | None, x: np.ndarray | None, cost: ConvertCost) -> None:
+        """Install one built page (cannot fail)."""
+        slot = self._slot(tensor, plane, page)
+        old = self._payloads.pop((plane, page), None)
+        if old is None:
+            slot[...] = np.nan  # the slot is dead storage now
+        else:
+            self.allocator.free(old[0])
+            cost.freed_bytes += old[1].nbytes
+        if buf is None:
+            slot[...] = x
+            self.ptrs[plane, page] = self._slots[plane, page]
+        else:
+            self._payloads[(plane, page)] = (buf, arr)
+            self.ptrs[plane, page] = _address(arr)
+        self.formats[plane, page] = fmt.code
+        cost.pages += 1
+
+    def _sync_group(self, plane: int, g: int) -> None:
+        """G of ``plane`` after a conversion whose target had G = ``g`` (0: a float target)."""
+        self.groups[plane] = (g or self.groups[plane]) if self.quantized(plane).any() else 0
+
+    # -- checks ----------------------------------------------------------------------
+    def audit(self) -> None:
+        """Check tables and payloads agree; raises :class:`~onnxkv.errors.StateError` naming the first mismatch."""
+        with self.lock:
+            for plane in range(self.planes):
+                for page in range(self.num_pages):
+                    code = int(self.formats[plane, page])
+                    held = self._payloads.get((plane, page))
+                    if code == self.native.code:
+                        ok = held is None and self.ptrs[plane, page] == self._slots[plane, page]
+                    else:
+                        fmt = formats.page_format(code)
+                        g = max(self.groups[plane], 1) if not fmt.is_float else 1
+                        want = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, g)
+                        ok = held is not None and int(self.ptrs[plane, page]) == _address(held[1]) and \
+                            held[1].nbytes == want and int(self.ptrs[plane, page]) % _ALIGNMENT == 0
+                    if not ok:
+                        raise StateError(f"PageSet.audit: plane {plane} page {page} (format code {code}) does not "
+                                         f"match its payload")
