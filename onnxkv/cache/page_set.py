@@ -45,7 +45,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -99,6 +99,19 @@ class ConvertCost:
     allocated_bytes: int = 0
     freed_bytes: int = 0
     dequantized_bytes: int = 0
+    _pending: tuple | None = field(default=None, repr=False)
+    _handle: PageSet | None = field(default=None, repr=False)
+    _replaced: dict = field(default_factory=dict, repr=False)
+
+    def commit(self) -> None:
+        """Free what a staged conversion replaced (see :meth:`PageSet.convert`); a no-op when not staged."""
+        if self._pending is not None:
+            self._handle._finish(self, True)
+
+    def rollback(self) -> None:
+        """Undo a staged conversion (see :meth:`PageSet.convert`); a no-op when not staged."""
+        if self._pending is not None:
+            self._handle._finish(self, False)
 
 
 def _address(a: np.ndarray) -> int:
@@ -288,7 +301,8 @@ class PageSet:
         return buf, arr, None
 
     def convert(self, indices: np.ndarray, targets: Sequence[PlaneTarget | None],
-                api: str = "PageSet.convert", indices_name: str = "indices") -> ConvertCost:
+                api: str = "PageSet.convert", indices_name: str = "indices",
+                staged: bool = False) -> ConvertCost:
         """Give pages ``indices`` of every plane with a target its new format; all or nothing.
 
         ``indices``: 1-D int array of distinct page ids in ``[0, P)``.
@@ -298,6 +312,13 @@ class PageSet:
         tensor slot for the tensor's own type), built from its current values
         in whatever format it has.  Errors start with ``api`` and call the
         indices ``indices_name``.
+
+        ``staged``: the new pages are published (readers see them at once) but
+        the old storage is kept: freeing replaced payloads and filling vacated
+        tensor slots with NaN wait for :meth:`ConvertCost.commit`, and
+        :meth:`ConvertCost.rollback` puts every table, payload and group back
+        as before the call (a run that fails after the conversion).  Exactly
+        one of the two must be called.
         """
         with self.lock:
             tensor = self._live_tensor()
@@ -342,19 +363,54 @@ class PageSet:
                     if buf is not None:
                         self.allocator.free(buf)
                 raise
+            undo = (self.ptrs.copy(), self.formats.copy(), list(self.groups))
             for plane, page, fmt, g, buf, arr, x in built:
-                self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost)
+                self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost, staged)
             for plane, spec in enumerate(checked):
                 if spec is not None:
                     self._sync_group(plane, spec[1])
+            if staged:
+                cost._pending = (undo, built)
+                cost._handle = self
             return cost
 
+    def _finish(self, cost: ConvertCost, keep: bool) -> None:
+        """Commit (``keep``) or roll back the staged conversion ``cost`` (see :meth:`convert`)."""
+        (ptrs, fmts, groups), built = cost._pending
+        cost._pending = None
+        with self.lock:
+            tensor = self._tensor()
+            for plane, page, _, _, buf, _, _ in built:
+                was_native = int(fmts[plane, page]) == self.native.code
+                old = cost._replaced.get((plane, page))
+                if keep:
+                    if old is not None:
+                        self.allocator.free(old[0])
+                        cost.freed_bytes += old[1].nbytes
+                    if was_native and buf is not None and tensor is not None:
+                        self._slot(tensor, plane, page)[...] = np.nan  # the slot is dead storage now
+                    continue
+                if buf is not None:
+                    self._payloads.pop((plane, page), None)
+                    self.allocator.free(buf)
+                if old is not None:
+                    self._payloads[(plane, page)] = old
+                    if buf is None and tensor is not None:  # the page had come back to its slot
+                        self._slot(tensor, plane, page)[...] = np.nan
+            if not keep:
+                self.ptrs[...] = ptrs
+                self.formats[...] = fmts
+                self.groups[:] = groups
+
     def _publish(self, tensor: np.ndarray, plane: int, page: int, fmt: formats.PageFormat, g: int, buf,
-                 arr: np.ndarray | None, x: np.ndarray | None, cost: ConvertCost) -> None:
-        """Install one built page (cannot fail)."""
+                 arr: np.ndarray | None, x: np.ndarray | None, cost: ConvertCost, staged: bool) -> None:
+        """Install one built page (cannot fail); ``staged`` keeps the old storage for commit/rollback."""
         slot = self._slot(tensor, plane, page)
         old = self._payloads.pop((plane, page), None)
-        if old is None:
+        if staged:
+            if old is not None:
+                cost._replaced[(plane, page)] = old
+        elif old is None:
             slot[...] = np.nan  # the slot is dead storage now
         else:
             self.allocator.free(old[0])

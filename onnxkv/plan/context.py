@@ -30,13 +30,18 @@ class RunContext:
     persistent allocator (None for a stateless run): storage a kernel adds to
     a cache that outlives the run comes from it.
 
+    ``defer(commit, rollback)`` registers a change a kernel made to storage
+    that outlives the run: the plan calls every ``commit`` after the last
+    node succeeded, or every ``rollback`` (newest first) when the run fails
+    or is cancelled, so a failed run leaves that storage as it was.
+
     ``count(**counters)`` adds storage counters (names in
     :data:`STORAGE_COUNTERS`) to the current node's event; it costs nothing
     when the event log is off.
     """
 
     __slots__ = ("_plan_alloc", "_node", "counters", "recording", "step", "caches", "cache_events",
-                 "cache_allocator")
+                 "cache_allocator", "deferred")
 
     def __init__(self, plan_alloc, recording: bool, step: int, caches: dict | None = None,
                  cache_allocator=None) -> None:
@@ -48,6 +53,7 @@ class RunContext:
         self.caches = caches
         self.cache_events: list = []
         self.cache_allocator = cache_allocator
+        self.deferred: list[tuple] = []
 
     def empty(self, index: int, shape, dtype) -> np.ndarray:
         return self._plan_alloc(self, index, shape, np.dtype(dtype))
@@ -82,6 +88,20 @@ class RunContext:
         if self.recording:
             self.cache_events.append((past, cost))
         return present
+
+    def defer(self, commit, rollback) -> None:
+        """Call ``commit()`` when the run succeeds, ``rollback()`` when it fails (see the class docstring)."""
+        self.deferred.append((commit, rollback))
+
+    def finish(self, ok: bool) -> None:
+        """Run the deferred commits (``ok``) or rollbacks (newest first); called once by the plan."""
+        work, self.deferred = self.deferred, []
+        if ok:
+            for commit, _ in work:
+                commit()
+        else:
+            for _, rollback in reversed(work):
+                rollback()
 
     def count(self, **counters: int) -> None:
         if self.recording:

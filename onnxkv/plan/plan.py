@@ -418,6 +418,11 @@ class Plan:
                 self._run_recording(slots, bufs, rt, events, step, cache_allocator, cancel)
             else:
                 self._run_plain(slots, bufs, rt, cancel)
+        except BaseException:
+            rt.finish(False)
+            raise
+        else:
+            rt.finish(True)
         finally:
             bufs.close()
         return {name: slots[s] for name, s in zip(output_names, out_slots)}

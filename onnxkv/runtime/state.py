@@ -37,6 +37,7 @@ from onnxkv.cache.contiguous import CacheTensor
 from onnxkv.cache import serialize
 from onnxkv.cache.formats import page_format
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
+from onnxkv.cache.page_set import PageSet
 from onnxkv.cache.policy import make_selector
 from onnxkv.cache.snapshot import paged_from_snapshot, take_snapshot
 from onnxkv.errors import CacheCapacityError, InputError, StateError
@@ -232,11 +233,17 @@ class State:
 
         Contiguous: whole cache capacities.  Paged: every page its tables
         reference, once, in its own format (pages shared with forks or
-        checkpoints included).
+        checkpoints included).  Declared values: their storage, plus the
+        payloads of pages ``QuantizePagedCache`` converted
+        (:class:`~onnxkv.cache.page_set.PageSet`).
         """
         if self._paged is not None:
             return self._pool.pages_bytes(self._paged.table.held_ids())
-        return sum(c.nbytes for c in (self._caches or {}).values()) + sum(a.nbytes for _, a in self._values.values())
+        declared = 0
+        for _, a in self._values.values():
+            handle = PageSet.of(a)
+            declared += a.nbytes + (handle.payload_bytes if handle is not None else 0)
+        return sum(c.nbytes for c in (self._caches or {}).values()) + declared
 
     @property
     def closed(self) -> bool:

@@ -224,3 +224,48 @@ def test_check_params_names_the_arrays():
     with pytest.raises(InputError, match="float format"):
         check_params("op", "float16", np.ones(2, np.float32), np.zeros(2, np.float32))
     check_params("op", "uint4", np.full(3, 1e-3, np.float32), np.array([0, 7, 15], np.float32))
+
+
+def int8_target(n, scale=0.05):
+    return PlaneTarget("int8", np.full((n, H), scale, np.float32), np.zeros((n, H), np.float32))
+
+
+@pytest.mark.parametrize("first, second", [
+    (None, int8_target(2)),                        # native -> int8
+    (int8_target(2), int8_target(2, 0.02)),        # int8 -> int8 (new scale)
+    (int8_target(2), PlaneTarget("float32")),      # int8 -> back to the tensor slot
+    (PlaneTarget("float16"), int8_target(2)),      # float16 -> int8
+])
+def test_a_staged_conversion_is_rolled_back_or_committed(first, second):
+    rng = np.random.default_rng(21)
+    alloc = SystemAllocator()
+    t = pages(rng)
+    handle = PageSet.attach(t, alloc)
+    idx = np.array([1, 4])
+    if first is not None:
+        handle.convert(idx, [first, None])
+    before = snapshot(handle, t, alloc)
+    values = [handle.page_values(0, p) for p in range(P)]
+    cost = handle.convert(idx, [second, None], staged=True)
+    assert cost.pages == 2 and (handle.formats[0, idx] == page_format(second.fmt).code).all()
+    cost.rollback()
+    after = snapshot(handle, t, alloc)
+    assert after[0] == before[0] and after[3:] == before[3:]  # tensor bytes (dead slots: the same NaN), sizes
+    np.testing.assert_array_equal(after[1], before[1])
+    np.testing.assert_array_equal(after[2], before[2])
+    handle.audit()
+    for p in range(P):
+        np.testing.assert_array_equal(handle.page_values(0, p), values[p])
+    cost = handle.convert(idx, [second, None], staged=True)
+    converted = [handle.page_values(0, p) for p in idx]
+    cost.commit()
+    handle.audit()
+    for i, p in enumerate(idx):
+        np.testing.assert_array_equal(handle.page_values(0, p), converted[i])
+    if page_format(second.fmt).code != 1:
+        assert np.isnan(t[idx, 0]).all()
+    want = sum(page_bytes(page_format(second.fmt), H, BS, D, 1) for _ in idx) if page_format(second.fmt).code != 1 \
+        else 0
+    assert handle.payload_bytes == want and alloc.stats().live == want
+    cost.rollback()  # after commit: nothing left to undo
+    handle.audit()

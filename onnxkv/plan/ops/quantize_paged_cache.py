@@ -28,7 +28,8 @@ The page formats live in the cache's handle, a
 first use): unselected pages keep their storage, a selected page gets one
 payload allocated once (from the running state's allocator, else a system
 allocator) or, converted back to the cache's own type, returns to its slot of
-the tensor.  The tensor slot a page leaves is filled with NaN.  Every
+the tensor.  The tensor slot a page leaves is filled with NaN (when the run
+succeeds, see below).  Every
 check -- shapes, dtypes, indices, scale and zero point values, granularity,
 and OutOfMemory while building -- happens before anything is published: an
 error names the node, the value and what was expected, and leaves the cache
@@ -45,9 +46,12 @@ cache input and ``PagedAttention``, with the parameters as optional inputs
 whose defaults are empty: decode steps feed nothing and the node does nothing;
 a step that feeds ``block_indices`` and parameters converts those pages before
 the attention of the same step reads them.  :func:`onnxkv.models.paged.build_paged_model`
-builds that form (``key_format`` / ``value_format``).  The conversion is
-published when the node runs: a later failure of the same run does not undo
-it (the pages hold the same tokens, in their new formats).  The storage of a
+builds that form (``key_format`` / ``value_format``).  The new pages are
+read by the rest of the run at once, but the conversion is staged
+(:meth:`~onnxkv.plan.context.RunContext.defer`): the replaced payloads are
+freed and vacated slots filled with NaN only when the whole run succeeds; a
+later failure or cancellation of the same run restores every page, format
+and payload as before the node.  The storage of a
 state cannot be converted from outside it: like every in-place operator, the
 node rejects a cache bound to a state other than the running one.
 """
@@ -117,7 +121,9 @@ class QuantizePagedCache(Op):
         if indices.size == 0:
             return (cache,)
         handle = PageSet.attach(cache, rt.cache_allocator)
-        cost = handle.convert(indices, targets, f"QuantizePagedCache node '{self.name}'", f"block_indices '{names[1]}'")
+        cost = handle.convert(indices, targets, f"QuantizePagedCache node '{self.name}'", f"block_indices '{names[1]}'",
+                              staged=True)
+        rt.defer(cost.commit, cost.rollback)
         rt.count(allocations=cost.allocations, allocated_bytes=cost.allocated_bytes,
                  dequantized_bytes=cost.dequantized_bytes)
         return (cache,)

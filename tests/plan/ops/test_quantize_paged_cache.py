@@ -241,11 +241,18 @@ def test_writes_into_converted_pages_are_rejected_before_writing():
              "kz": np.zeros((1, H), np.int8), "vs": np.full((1, H), 0.05, np.float32),
              "vz": np.zeros((1, H), np.int8), "Q": q, "K": k, "V": v, "table": table,
              "seqlens": np.array([6], np.int32)}  # token 6 goes to page 4 (block 1), which this run quantizes
+    original = past.copy()
     with pytest.raises(InputError, match="PagedAttention node 'attn': a new token goes to page 4 of cache 'c', which "
                                          r"QuantizePagedCache converted to int8 \(plane 0\).*quantize only full pages"):
         sess.run(feeds)
+    # the failed run rolled the staged conversion back: every page native again, every byte as it was
     handle = PageSet.of(past)
-    converted = past.copy()  # the quantize node published (page 4 left its slot); attention wrote nothing
+    np.testing.assert_array_equal(past, original)
+    assert not handle.any_converted and (handle.ptrs == slot_addresses(past)).all()
+    handle.audit()
+    sess.run(dict(feeds, seqlens=np.array([8], np.int32)))  # token 8 goes to page 5: the conversion stays
+    assert handle.formats[:, 4].tolist() == [3, 3] and np.isnan(past[4]).all()
+    converted = past.copy()
     with pytest.raises(InputError, match="page 4"):
         sess.run(dict(feeds, blocks=np.zeros(0, np.int64), ks=np.zeros((0, H), np.float32),
                       kz=np.zeros((0, H), np.int8), vs=np.zeros((0, H), np.float32), vz=np.zeros((0, H), np.int8)))
@@ -305,6 +312,7 @@ def test_out_of_memory_in_a_state_publishes_nothing_and_the_step_can_be_retried(
         state.run({**step, "quantize_blocks": np.array([1], np.int32),
                    **{name: value[:1] for name, value in one.items()}})
         assert PageSet.of(storage).formats[:, 1].tolist() == [3, 3] and arena.stats().live == live + 2 * page
+        assert state.committed_bytes == storage.nbytes + 2 * page
 
 
 # -- in a state: the paged decoder with QuantizePagedCache nodes ----------------------------------------------------
