@@ -46,6 +46,11 @@
 #define OKV_KV_F16 1
 #define OKV_KV_BF16 2
 
+/* instruction sets of the work units (the simd argument of okv_attn_unit) */
+#define OKV_ATTN_SCALAR 0
+#define OKV_ATTN_AVX2 1
+#define OKV_ATTN_AVX512 2
+
 typedef struct {
     const float *q;
     const void *k, *v;              /* contiguous caches (block_tables == NULL) */
@@ -137,12 +142,63 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
     return best;
 }
 
+#if OKV_X86_SIMD
+/* Software prefetch, by a tile function, of rows j..j+nk-1 (those < pf->n) of
+ * the next block's K and V: the streams cross a 4 KiB page every few rows,
+ * where the hardware prefetcher restarts.  K and V rows interleaved; rows of
+ * different lengths (per-page formats) are prefetched over the longer length
+ * (a prefetch past a row is harmless); hint >= 2 into L2, else L1. */
+OKV_INLINE void okv_pf_rows(const okv_pf *pf, int64_t j, int nk) {
+    const int64_t rowb = pf->ks > pf->vs ? pf->ks : pf->vs;
+    int kk;
+    for (kk = 0; kk < nk; kk++)
+        if (j + kk < pf->n) {
+            const char *pk = pf->k + (j + kk) * pf->ks, *pv = pf->v + (j + kk) * pf->vs;
+            int64_t o;
+            if (pf->hint >= 2)
+                for (o = 0; o < rowb; o += 64) {
+                    _mm_prefetch(pk + o, _MM_HINT_T1);
+                    _mm_prefetch(pv + o, _MM_HINT_T1);
+                }
+            else
+                for (o = 0; o < rowb; o += 64) {
+                    _mm_prefetch(pk + o, _MM_HINT_T0);
+                    _mm_prefetch(pv + o, _MM_HINT_T0);
+                }
+        }
+}
+
+/* The 16 horizontal sums of a[0..15] in one vector, by a transposing tree of
+ * 128-bit block and in-block shuffles (45 operations): the sum of a[s] lands
+ * in lane OKV_HSUM16_LANE(s). */
+#define OKV_HSUM16_LANE(s) ((((s) & 3) << 2) | ((s) >> 2))
+OKV_INLINE OKV_AVX512BW __m512 okv_hsum16x16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    int p;
+    for (p = 0; p < 8; p++)   /* 256-bit halves folded: [a(2p) 8 lanes | a(2p+1) 8 lanes] */
+        b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (p = 0; p < 4; p++)   /* block k: a(4p+k) folded to 4 lanes */
+        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0xDD));
+    for (p = 0; p < 2; p++)   /* block k: 2 lanes each of a(8p+k), a(8p+4+k) */
+        d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * p], c[2 * p + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * p], c[2 * p + 1], 0xEE));
+    /* block k: a(k), a(4+k), a(8+k), a(12+k) */
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+#endif
+
 /* One instantiation of attention_impl.h per (instruction set, K/V element type).
  * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p, d): element d of
- * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 only).
+ * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 and
+ * AVX-512); OKV_LD16(p, i): elements i..i+15 as __m512 (AVX-512 only).
+ * OKV_PSFX: suffix of the simd.h primitives (softmax steps) the unit uses;
+ * the AVX-512 unit uses the AVX2 ones (at most OKV_BK scores per call).
  * Then attention_quant.h: the quantized formats' tile functions and the unit
  * of per-page formats. */
 #define OKV_SFX _scalar
+#define OKV_PSFX _scalar
 #define OKV_ATTR
 #define OKV_RS(D) (D)
 
@@ -174,10 +230,12 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 #include "attention_quant.h"
 
 #undef OKV_SFX
+#undef OKV_PSFX
 #undef OKV_ATTR
 
 #if OKV_X86_SIMD
 #define OKV_SFX _avx2
+#define OKV_PSFX _avx2
 #define OKV_ATTR OKV_AVX2
 #define OKV_SIMD_BODY 1
 #define OKV_RS(D) (D)
@@ -218,6 +276,57 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 #undef OKV_SIMD_BODY
 #undef OKV_SFX
 #undef OKV_ATTR
+
+/* AVX-512 (16 lanes; PSFX stays _avx2) */
+#define OKV_SFX _avx512
+#define OKV_ATTR OKV_AVX512BW
+#define OKV_SIMD512 1
+#define OKV_RS(D) (D)
+
+#define OKV_KT f32
+#define OKV_KT_T float
+#define OKV_LD1(p, d) ((p)[d])
+#define OKV_LD8(p, i) _mm256_loadu_ps((p) + (i))
+#define OKV_LD16(p, i) _mm512_loadu_ps((p) + (i))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+#undef OKV_LD16
+
+#define OKV_KT f16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p, d) okv_h2f_scalar((p)[d])
+#define OKV_LD8(p, i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + (i))))
+#define OKV_LD16(p, i) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((p) + (i))))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+#undef OKV_LD16
+
+#define OKV_KT bf16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p, d) okv_bf2f_scalar((p)[d])
+#define OKV_LD8(p, i) okv_bf16x8_to_ps((p) + (i))
+#define OKV_LD16(p, i) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((p) + (i)))), 16))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+#undef OKV_LD16
+#undef OKV_RS
+
+#include "attention_quant.h"
+
+#undef OKV_SIMD512
+#undef OKV_SFX
+#undef OKV_PSFX
+#undef OKV_ATTR
 #endif
 
 /* Floats of workspace one work unit of R rows needs, rounded up to whole
@@ -234,27 +343,28 @@ static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63
  * ws: okv_attn_ws_floats(hpu*G*(t1-t0), D) floats.  part (or NULL): head hk0+h's
  * partial state block at part + h*pstride.  Returns the bytes of quantized
  * codes and header entries it loaded (0 without per-page formats). */
+/* simd: OKV_ATTN_SCALAR, OKV_ATTN_AVX2 or OKV_ATTN_AVX512 (the caller has checked the CPU). */
+#define OKV_ATTN_UNIT_OF(sfx)                                                                                  \
+    do {                                                                                                       \
+        if (a->k_fmt) return OKV_CAT(okv_attn_unit_mixed, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); \
+        switch (a->kv_type) {                                                                                  \
+        case OKV_KV_F16: return OKV_CAT(okv_attn_unit_f16, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); \
+        case OKV_KV_BF16:                                                                                      \
+            return OKV_CAT(okv_attn_unit_bf16, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);         \
+        default: return OKV_CAT(okv_attn_unit_f32, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);    \
+        }                                                                                                      \
+    } while (0)
 static int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                              int64_t c1, float *ws, float *part, int64_t pstride, int simd) {
     const int64_t nh = a->hpu;
 #if OKV_X86_SIMD
-    if (simd) {
-        if (a->k_fmt) return okv_attn_unit_mixed_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        switch (a->kv_type) {
-        case OKV_KV_F16: return okv_attn_unit_f16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        case OKV_KV_BF16: return okv_attn_unit_bf16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        default: return okv_attn_unit_f32_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        }
-    }
+    if (simd == OKV_ATTN_AVX512) OKV_ATTN_UNIT_OF(_avx512);
+    if (simd == OKV_ATTN_AVX2) OKV_ATTN_UNIT_OF(_avx2);
 #endif
     (void)simd;
-    if (a->k_fmt) return okv_attn_unit_mixed_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    switch (a->kv_type) {
-    case OKV_KV_F16: return okv_attn_unit_f16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    case OKV_KV_BF16: return okv_attn_unit_bf16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    default: return okv_attn_unit_f32_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    }
+    OKV_ATTN_UNIT_OF(_scalar);
 }
+#undef OKV_ATTN_UNIT_OF
 
 /* Union [lo, hi) of the keys visible to any query token of batch b. */
 static void okv_attn_range(const okv_attn_args *a, int64_t b, int64_t *lo, int64_t *hi) {

@@ -57,13 +57,156 @@
 #define OKV_I(name) OKV_CAT(name, OKV_SFX)
 /* name + element type + instruction set */
 #define OKV_F(name) OKV_CAT3(name, OKV_KT, OKV_SFX)
+/* name + suffix of the simd.h primitives this instruction set uses */
+#define OKV_P(name) OKV_CAT(name, OKV_PSFX)
 
 #ifndef OKV_MIXED
 #ifndef OKV_DQ_INIT
 #define OKV_DQ_DEFAULT
 #define OKV_DQ_INIT (void)dq;
 #endif
-#ifdef OKV_SIMD_BODY
+#if defined(OKV_SIMD512)
+/* ---- AVX-512: a step of the scores: 16 (W = 16) or 8 (W = 8, zero-extended
+ * to 16 lanes) elements from i of NRP rows against KJ keys, into the
+ * accumulators acc[kk*NRP + r]; each K chunk is loaded and converted once. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_step)(const float *const *qr, const OKV_KT_T *const *kp, int64_t i,
+                                            __m512 *acc, const okv_dq *dq, const int NRP, const int KJ,
+                                            const int W) {
+    __m512 qv[8];
+    int kk, r;
+    OKV_DQ_INIT
+    for (r = 0; r < NRP; r++)   /* the q chunks of all rows live, one K chunk at a time */
+        qv[r] = W == 16 ? _mm512_loadu_ps(qr[r] + i) : _mm512_maskz_loadu_ps(0xFF, qr[r] + i);
+    for (kk = 0; kk < KJ; kk++) {
+        const __m512 kv = W == 16 ? OKV_LD16(kp[kk], i) : _mm512_zextps256_ps512(OKV_LD8(kp[kk], i));
+        for (r = 0; r < NRP; r++) acc[kk * NRP + r] = _mm512_fmadd_ps(qv[r], kv, acc[kk * NRP + r]);
+    }
+}
+
+/* ---- AVX-512: scores of nr <= 8 rows against n keys (rows padded to NRP in
+ * {1, 2, 4, 8}; 16/NRP keys per step so that 16 accumulators are live and one
+ * transposing reduction yields 16 dot products).  Head sizes: 16-lane chunks,
+ * one 8-lane chunk if D % 16 >= 8, the last D % 8 elements scalar. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                                            float scale, float *s, const okv_dq *dq, const okv_pf *pf,
+                                            const int NRP) {
+    const int KJ = 16 / NRP;
+    const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7;
+    int64_t j, i, d;
+    int kk, r;
+    float tmp[16];
+    OKV_DQ_INIT
+    for (j = 0; j < n; j += KJ) {
+        const OKV_KT_T *kp[16];
+        __m512 acc[16];
+        for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
+        okv_pf_rows(pf, j, KJ);
+        for (r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        for (i = 0; i < D16; i += 16) OKV_F(okv_qk_step)(qr, kp, i, acc, dq, NRP, KJ, 16);
+        if (Dv > D16) OKV_F(okv_qk_step)(qr, kp, D16, acc, dq, NRP, KJ, 8);
+        {
+            const __m512 sum = okv_hsum16x16(acc);   /* dot product kk*NRP + r in lane OKV_HSUM16_LANE */
+            if (Dv == D && j + KJ <= n) {   /* common case: constant-trip scatter of the scaled sums */
+                _mm512_storeu_ps(tmp, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+                for (kk = 0; kk < KJ; kk++)
+                    for (r = 0; r < NRP; r++)
+                        if (r < nr) s[r * OKV_BK + j + kk] = tmp[OKV_HSUM16_LANE(kk * NRP + r)];
+                continue;
+            }
+            _mm512_storeu_ps(tmp, sum);
+        }
+        for (kk = 0; kk < KJ; kk++) {
+            if (j + kk >= n) break;
+            for (r = 0; r < nr; r++) {
+                float x = tmp[OKV_HSUM16_LANE(kk * NRP + r)];
+                for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk], d);
+                s[r * OKV_BK + j + kk] = x * scale;
+            }
+        }
+    }
+}
+
+/* Always inlined, as the AVX2 one. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                                            float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
+    const float *q8[8];
+    int r;
+    for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
+    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 1);
+    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 2);
+    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 4);
+    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 8);
+}
+
+/* ---- AVX-512: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows,
+ * NC 16-float chunks per pass (NR*NC <= 16 accumulators in registers), each V
+ * chunk loaded and converted once and used by every row. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
+                                            float *const *accr, int64_t i0, int64_t i1, const okv_dq *dq,
+                                            const int NR, const int NC) {
+    int64_t i, j;
+    int r, c;
+    OKV_DQ_INIT
+    for (i = i0; i + 16 * NC <= i1; i += 16 * NC) {
+        __m512 acc[8][4];
+        for (r = 0; r < NR; r++)
+            for (c = 0; c < NC; c++) acc[r][c] = _mm512_loadu_ps(accr[r] + i + 16 * c);
+        for (j = 0; j < n; j++) {
+            const OKV_KT_T *vj = v + j * OKV_RS(D);
+            __m512 vv[4];
+            for (c = 0; c < NC; c++) vv[c] = OKV_LD16(vj, i + 16 * c);
+            for (r = 0; r < NR; r++) {
+                const __m512 pr = _mm512_set1_ps(p[r * OKV_BK + j]);
+                for (c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
+            }
+        }
+        for (r = 0; r < NR; r++)
+            for (c = 0; c < NC; c++) _mm512_storeu_ps(accr[r] + i + 16 * c, acc[r][c]);
+    }
+}
+
+/* Whole head: NC-chunk passes, single-chunk passes, one 8-lane pass if
+ * D % 16 >= 8, the last D % 8 elements scalar. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
+                                          float *const *accr, const okv_dq *dq, const int NR, const int NC) {
+    const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7, Dw = D16 - D16 % (16 * NC);
+    int64_t j, d;
+    int r;
+    OKV_DQ_INIT
+    OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, dq, NR, NC);
+    if (Dw < D16) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, D16, dq, NR, 1);
+    if (D16 < Dv) {
+        __m256 a8[8];
+        for (r = 0; r < NR; r++) a8[r] = _mm256_loadu_ps(accr[r] + D16);
+        for (j = 0; j < n; j++) {
+            const __m256 vv = OKV_LD8(v + j * OKV_RS(D), D16);
+            for (r = 0; r < NR; r++) a8[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * OKV_BK + j]), vv, a8[r]);
+        }
+        for (r = 0; r < NR; r++) _mm256_storeu_ps(accr[r] + D16, a8[r]);
+    }
+    if (Dv < D)
+        for (j = 0; j < n; j++)
+            for (d = Dv; d < D; d++) {
+                float x = OKV_LD1(v + j * OKV_RS(D), d);
+                for (r = 0; r < NR; r++) accr[r][d] += p[r * OKV_BK + j] * x;
+            }
+}
+
+OKV_INLINE OKV_ATTR void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D,
+                                            float *const *accr, const okv_dq *dq) {
+    switch (nr) {
+    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, 4); break;
+    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, 4); break;
+    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, 4); break;
+    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, 4); break;
+    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, 2); break;
+    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, 2); break;
+    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, 2); break;
+    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, 2); break;
+    }
+}
+
+#elif defined(OKV_SIMD_BODY)
 /* ---- AVX2: scores of nr <= 8 rows against n keys (rows padded to NRP in
  * {1, 2, 4, 8}; 8/NRP keys per step so that 8 accumulators are live and one
  * transposing reduction yields 8 dot products). */
@@ -71,11 +214,7 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
                                             float scale, float *s, const okv_dq *dq, const okv_pf *pf,
                                             const int NRP) {
     const int KJ = 8 / NRP;
-    /* K and V rows interleaved; rows of different lengths (per-page formats) are
-     * prefetched over the longer length (a prefetch past a row is harmless) */
-    const int64_t Dv = D & ~(int64_t)7, npf = pf->n, pks = pf->ks, pvs = pf->vs, rowb = pks > pvs ? pks : pvs;
-    const char *const pfk = pf->k, *const pfv = pf->v;
-    const int pfhint = pf->hint;
+    const int64_t Dv = D & ~(int64_t)7;
     int64_t j, i, d;
     int kk, r;
     float tmp[8];
@@ -84,23 +223,7 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
         const OKV_KT_T *kp[8];
         __m256 acc[8];
         for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
-        /* software prefetch of the next block's K and V rows: the streams cross
-         * a 4 KiB page every few rows, where the hardware prefetcher restarts. */
-        for (kk = 0; kk < KJ; kk++)
-            if (j + kk < npf) {
-                const char *pk = pfk + (j + kk) * pks, *pv = pfv + (j + kk) * pvs;
-                int64_t o;
-                if (pfhint >= 2)
-                    for (o = 0; o < rowb; o += 64) {
-                        _mm_prefetch(pk + o, _MM_HINT_T1);
-                        _mm_prefetch(pv + o, _MM_HINT_T1);
-                    }
-                else
-                    for (o = 0; o < rowb; o += 64) {
-                        _mm_prefetch(pk + o, _MM_HINT_T0);
-                        _mm_prefetch(pv + o, _MM_HINT_T0);
-                    }
-            }
+        okv_pf_rows(pf, j, KJ);
         for (r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (i = 0; i < Dv; i += 8) {
             __m256 kv[8];
@@ -382,17 +505,17 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
                     if (softcap > 0.f)
                         for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
-                    bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
+                    bm = OKV_P(okv_max_f32)(s + (a0 - u0), a1 - a0);
                     mnew = bm > mxh[rr] ? bm : mxh[rr];
                     if (mnew > mxh[rr]) {
                         if (mxh[rr] != -INFINITY) {
                             float alpha = expf(mxh[rr] - mnew);
-                            OKV_I(okv_scal_f32)(alpha, accr[i], D);
+                            OKV_P(okv_scal_f32)(alpha, accr[i], D);
                             smh[rr] *= alpha;
                         }
                         mxh[rr] = mnew;
                     }
-                    smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
+                    smh[rr] += OKV_P(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                 }
 #ifdef OKV_MIXED
                 OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, &dv);
@@ -440,3 +563,4 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #endif
 #undef OKV_F
 #undef OKV_I
+#undef OKV_P

@@ -10,6 +10,7 @@
  */
 #define OKV_QRAW1(p, d) OKV_QCODE1(p, OKV_QFMT, d)
 #define OKV_QRAW8(p, i) OKV_QCODE8(p, OKV_QFMT, i)
+#define OKV_QRAW16(p, i) OKV_QCODE16(p, OKV_QFMT, i)
 #define OKV_KT_T uint8_t
 #define OKV_RS(D) okv_q_row_bytes(OKV_QFMT, D)
 #define OKV_TILES_ONLY
@@ -19,20 +20,24 @@
 #define OKV_KT OKV_CAT(OKV_QN, h)
 #define OKV_LD1(p, d) OKV_QRAW1(p, d)
 #define OKV_LD8(p, i) OKV_QRAW8(p, i)
+#define OKV_LD16(p, i) OKV_QRAW16(p, i)
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_LD1
 #undef OKV_LD8
+#undef OKV_LD16
 
 /* per-channel scales */
 #define OKV_KT OKV_CAT(OKV_QN, c)
 #define OKV_DQ_INIT const float *dqs = dq->s, *dqz = dq->z;
 #define OKV_LD1(p, d) ((OKV_QRAW1(p, d) - dqz[d]) * dqs[d])
 #define OKV_LD8(p, i) _mm256_mul_ps(_mm256_sub_ps(OKV_QRAW8(p, i), _mm256_loadu_ps(dqz + (i))), _mm256_loadu_ps(dqs + (i)))
+#define OKV_LD16(p, i) _mm512_mul_ps(_mm512_sub_ps(OKV_QRAW16(p, i), _mm512_loadu_ps(dqz + (i))), _mm512_loadu_ps(dqs + (i)))
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_LD1
 #undef OKV_LD8
+#undef OKV_LD16
 #undef OKV_DQ_INIT
 
 #undef OKV_TILES_ONLY
@@ -40,5 +45,6 @@
 #undef OKV_KT_T
 #undef OKV_QRAW1
 #undef OKV_QRAW8
+#undef OKV_QRAW16
 #undef OKV_QN
 #undef OKV_QFMT

@@ -2,8 +2,8 @@
  * kernel: page layout helpers, per-format tile loaders, and the work unit that
  * dispatches each tile to the loader of its page's format.
  *
- * Included by attention.h once per instruction set (OKV_SFX, OKV_ATTR,
- * OKV_SIMD_BODY set); the first part is compiled once.
+ * Included by attention.h once per instruction set (OKV_SFX, OKV_ATTR, and
+ * OKV_SIMD_BODY or OKV_SIMD512 set); the first part is compiled once.
  *
  * Page layout (the shared contract with the quantize kernels): a float page
  * (float32 / float16 / bfloat16) is [H, bs, D] elements, head-major.  A
@@ -15,9 +15,9 @@
  * (code - zero_point[h*G + g]) * scale[h*G + g], g = 0 (G = 1, per-head) or c
  * (G = D, per-channel).
  *
- * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8: 8-bit codes
- * by sign/zero extension, 4- and 2-bit codes by one broadcast word and
- * per-lane variable shifts) for a constant format, converted to float.
+ * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8, okv_q_load16:
+ * 8-bit codes by sign/zero extension, 4- and 2-bit codes by one broadcast
+ * word and per-lane variable shifts) for a constant format, converted to float.
  * Per-channel scales and zero points are applied by the loader macros of the
  * tile instantiation (attention_qfmt.h), in registers; a per-head scale and
  * zero point are folded into the scores and the probabilities (okv_qk_zp,
@@ -122,11 +122,13 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
     }
 }
 
-/* Codes of a packed row as float: element d, and (AVX2) elements i..i+7
- * (quant.h's okv_q_get / okv_q_load8 for a constant format). */
+/* Codes of a packed row as float: element d, (AVX2) elements i..i+7 and
+ * (AVX-512) elements i..i+15 (quant.h's okv_q_get / okv_q_load8 /
+ * okv_q_load16 for a constant format). */
 #define OKV_QCODE1(p, fmt, d) ((float)okv_q_get(p, fmt, d))
 #if OKV_X86_SIMD
 #define OKV_QCODE8(p, fmt, i) _mm256_cvtepi32_ps(okv_q_load8(p, fmt, i))
+#define OKV_QCODE16(p, fmt, i) _mm512_cvtepi32_ps(okv_q_load16(p, fmt, i))
 #endif
 #endif /* ONNXKV_ATTENTION_QUANT_ONCE */
 
