@@ -329,9 +329,12 @@ OKV_INLINE OKV_AVX512BW __m512 okv_hsum16x16(const __m512 *a) {
 #undef OKV_ATTR
 #endif
 
-/* Floats of workspace one work unit of R rows needs, rounded up to whole
- * 64-byte lines so that per-thread workspaces never share a cache line. */
-static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) { return (R * (D + OKV_BK + 2) + 15) & ~(int64_t)15; }
+/* Floats of workspace one work unit of R rows needs (attention_impl.h),
+ * rounded up to whole 64-byte lines so that per-thread workspaces never share
+ * a cache line. */
+static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
+    return (R * (D + OKV_BK + 2) + OKV_RG * D + 15) & ~(int64_t)15;
+}
 
 /* Floats of one partial state block (R rows of max, sum, acc[D]), whole lines. */
 static inline int64_t okv_attn_part_floats(int64_t R, int64_t D) { return (R * (D + 2) + 15) & ~(int64_t)15; }

@@ -11,6 +11,8 @@
  *   OKV_DQ_INIT   (optional) locals the loaders of a quantized format use, from dq
  *   OKV_SIMD_BODY defined for the AVX2 instantiations.
  *   OKV_TILES_ONLY: only the tile functions (okv_qk_rows, okv_pv_rows), no unit.
+ *   OKV_PV_ONLY: of the tile functions, only okv_pv_rows (per-channel quantized
+ *     formats: their keys are scored by the per-head tiles, attention_quant.h).
  *   OKV_MIXED: only the unit, for per-page formats: every tile dispatches to the
  *     tile functions of its page's format (okv_qk_fmt / okv_pv_fmt of
  *     attention_quant.h) and the unit returns the bytes of quantized codes and
@@ -41,7 +43,7 @@
  *
  * K/V tile functions take dq (scale / zero point of the head in a quantized
  * page; unused for float formats) and pf (the rows to software-prefetch).
- * ws: float workspace of at least nh*R*(D + OKV_BK + 2) floats.
+ * ws: float workspace of at least nh*R*(D + OKV_BK + 2) + OKV_RG*D floats.
  * Returns the bytes of quantized codes and header entries loaded (OKV_MIXED;
  * 0 for the single-format units).
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
@@ -65,7 +67,63 @@
 #define OKV_DQ_DEFAULT
 #define OKV_DQ_INIT (void)dq;
 #endif
-#if defined(OKV_SIMD512)
+#if defined(OKV_SIMD512) || defined(OKV_SIMD_BODY)
+/* The vector of this instruction set: OKV_VW float lanes of OKV_VEC, loaded /
+ * stored / broadcast / multiply-added by OKV_VLD / OKV_VST / OKV_VSET1 /
+ * OKV_VFMA; OKV_LDV(p, i) the elements i..i+OKV_VW-1 of a K/V row.  After a
+ * score reduction, the dot product of accumulator a sits in lane
+ * OKV_QK_LANE(a).  OKV_PV_NC(nr): vector chunks per p*v pass for nr rows. */
+#ifdef OKV_SIMD512
+#define OKV_VW 16
+#define OKV_VEC __m512
+#define OKV_VLD _mm512_loadu_ps
+#define OKV_VST _mm512_storeu_ps
+#define OKV_VSET1 _mm512_set1_ps
+#define OKV_VFMA _mm512_fmadd_ps
+#define OKV_LDV OKV_LD16
+#define OKV_QK_LANE(a) OKV_HSUM16_LANE(a)
+#define OKV_PV_NC(nr) ((nr) <= 4 ? 4 : 2)
+#else
+#define OKV_VW 8
+#define OKV_VEC __m256
+#define OKV_VLD _mm256_loadu_ps
+#define OKV_VST _mm256_storeu_ps
+#define OKV_VSET1 _mm256_set1_ps
+#define OKV_VFMA _mm256_fmadd_ps
+#define OKV_LDV OKV_LD8
+#define OKV_QK_LANE(a) (a)
+#define OKV_PV_NC(nr) ((nr) == 1 ? 8 : (nr) == 2 ? 4 : (nr) <= 4 ? 2 : 1)
+#endif
+
+#ifndef OKV_PV_ONLY
+/* Scores of keys j..j+KJ-1 (those < n) of a tile step for the nr rows, from
+ * the reduced dot products tmp (accumulator kk*NRP + r in lane
+ * OKV_QK_LANE(kk*NRP + r), elements 0..Dv-1, Dv = D rounded down to 8) plus the
+ * elements Dv..D-1, times scale. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_store)(const float *tmp, const float *const *qr, int nr,
+                                             const OKV_KT_T *const *kp, int64_t j, int64_t n, int64_t D,
+                                             float scale, float *s, const okv_dq *dq, const int NRP, const int KJ) {
+    const int64_t Dv = D & ~(int64_t)7;
+    int64_t d;
+    int kk, r;
+    OKV_DQ_INIT
+    if (Dv == D && j + KJ <= n) {   /* common case: constant-trip scatter of the scaled sums */
+        for (kk = 0; kk < KJ; kk++)
+            for (r = 0; r < NRP; r++)
+                if (r < nr) s[r * OKV_BK + j + kk] = tmp[OKV_QK_LANE(kk * NRP + r)] * scale;
+        return;
+    }
+    for (kk = 0; kk < KJ; kk++) {
+        if (j + kk >= n) break;
+        for (r = 0; r < nr; r++) {
+            float x = tmp[OKV_QK_LANE(kk * NRP + r)];
+            for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk], d);
+            s[r * OKV_BK + j + kk] = x * scale;
+        }
+    }
+}
+
+#ifdef OKV_SIMD512
 /* ---- AVX-512: a step of the scores: 16 (W = 16) or 8 (W = 8, zero-extended
  * to 16 lanes) elements from i of NRP rows against KJ keys, into the
  * accumulators acc[kk*NRP + r]; each K chunk is loaded and converted once. */
@@ -92,121 +150,31 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
                                             const int NRP) {
     const int KJ = 16 / NRP;
     const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7;
-    int64_t j, i, d;
+    int64_t j, i;
     int kk, r;
     float tmp[16];
-    OKV_DQ_INIT
     for (j = 0; j < n; j += KJ) {
         const OKV_KT_T *kp[16];
-        __m512 acc[16];
+        __m512 acc[16], sum;
         for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
         okv_pf_rows(pf, j, KJ);
         for (r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
         for (i = 0; i < D16; i += 16) OKV_F(okv_qk_step)(qr, kp, i, acc, dq, NRP, KJ, 16);
         if (Dv > D16) OKV_F(okv_qk_step)(qr, kp, D16, acc, dq, NRP, KJ, 8);
-        {
-            const __m512 sum = okv_hsum16x16(acc);   /* dot product kk*NRP + r in lane OKV_HSUM16_LANE */
-            if (Dv == D && j + KJ <= n) {   /* common case: constant-trip scatter of the scaled sums */
-                _mm512_storeu_ps(tmp, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
-                for (kk = 0; kk < KJ; kk++)
-                    for (r = 0; r < NRP; r++)
-                        if (r < nr) s[r * OKV_BK + j + kk] = tmp[OKV_HSUM16_LANE(kk * NRP + r)];
-                continue;
-            }
-            _mm512_storeu_ps(tmp, sum);
+        sum = okv_hsum16x16(acc);
+        if (NRP == 4 && Dv == D && j + KJ <= n) {   /* lane 4r + kk: row r's 4 scores in 128-bit block r */
+            sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
+            _mm_storeu_ps(s + j, _mm512_castps512_ps128(sum));
+            _mm_storeu_ps(s + OKV_BK + j, _mm512_extractf32x4_ps(sum, 1));
+            _mm_storeu_ps(s + 2 * OKV_BK + j, _mm512_extractf32x4_ps(sum, 2));
+            if (nr > 3) _mm_storeu_ps(s + 3 * OKV_BK + j, _mm512_extractf32x4_ps(sum, 3));
+            continue;
         }
-        for (kk = 0; kk < KJ; kk++) {
-            if (j + kk >= n) break;
-            for (r = 0; r < nr; r++) {
-                float x = tmp[OKV_HSUM16_LANE(kk * NRP + r)];
-                for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk], d);
-                s[r * OKV_BK + j + kk] = x * scale;
-            }
-        }
+        _mm512_storeu_ps(tmp, sum);
+        OKV_F(okv_qk_store)(tmp, qr, nr, kp, j, n, D, scale, s, dq, NRP, KJ);
     }
 }
-
-/* Always inlined, as the AVX2 one. */
-OKV_INLINE OKV_ATTR void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
-                                            float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
-    const float *q8[8];
-    int r;
-    for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
-    if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 1);
-    else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 2);
-    else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 4);
-    else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 8);
-}
-
-/* ---- AVX-512: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows,
- * NC 16-float chunks per pass (NR*NC <= 16 accumulators in registers), each V
- * chunk loaded and converted once and used by every row. */
-OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
-                                            float *const *accr, int64_t i0, int64_t i1, const okv_dq *dq,
-                                            const int NR, const int NC) {
-    int64_t i, j;
-    int r, c;
-    OKV_DQ_INIT
-    for (i = i0; i + 16 * NC <= i1; i += 16 * NC) {
-        __m512 acc[8][4];
-        for (r = 0; r < NR; r++)
-            for (c = 0; c < NC; c++) acc[r][c] = _mm512_loadu_ps(accr[r] + i + 16 * c);
-        for (j = 0; j < n; j++) {
-            const OKV_KT_T *vj = v + j * OKV_RS(D);
-            __m512 vv[4];
-            for (c = 0; c < NC; c++) vv[c] = OKV_LD16(vj, i + 16 * c);
-            for (r = 0; r < NR; r++) {
-                const __m512 pr = _mm512_set1_ps(p[r * OKV_BK + j]);
-                for (c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
-            }
-        }
-        for (r = 0; r < NR; r++)
-            for (c = 0; c < NC; c++) _mm512_storeu_ps(accr[r] + i + 16 * c, acc[r][c]);
-    }
-}
-
-/* Whole head: NC-chunk passes, single-chunk passes, one 8-lane pass if
- * D % 16 >= 8, the last D % 8 elements scalar. */
-OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
-                                          float *const *accr, const okv_dq *dq, const int NR, const int NC) {
-    const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7, Dw = D16 - D16 % (16 * NC);
-    int64_t j, d;
-    int r;
-    OKV_DQ_INIT
-    OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, dq, NR, NC);
-    if (Dw < D16) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, D16, dq, NR, 1);
-    if (D16 < Dv) {
-        __m256 a8[8];
-        for (r = 0; r < NR; r++) a8[r] = _mm256_loadu_ps(accr[r] + D16);
-        for (j = 0; j < n; j++) {
-            const __m256 vv = OKV_LD8(v + j * OKV_RS(D), D16);
-            for (r = 0; r < NR; r++) a8[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * OKV_BK + j]), vv, a8[r]);
-        }
-        for (r = 0; r < NR; r++) _mm256_storeu_ps(accr[r] + D16, a8[r]);
-    }
-    if (Dv < D)
-        for (j = 0; j < n; j++)
-            for (d = Dv; d < D; d++) {
-                float x = OKV_LD1(v + j * OKV_RS(D), d);
-                for (r = 0; r < NR; r++) accr[r][d] += p[r * OKV_BK + j] * x;
-            }
-}
-
-OKV_INLINE OKV_ATTR void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D,
-                                            float *const *accr, const okv_dq *dq) {
-    switch (nr) {
-    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, 4); break;
-    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, 4); break;
-    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, 4); break;
-    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, 4); break;
-    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, 2); break;
-    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, 2); break;
-    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, 2); break;
-    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, 2); break;
-    }
-}
-
-#elif defined(OKV_SIMD_BODY)
+#else
 /* ---- AVX2: scores of nr <= 8 rows against n keys (rows padded to NRP in
  * {1, 2, 4, 8}; 8/NRP keys per step so that 8 accumulators are live and one
  * transposing reduction yields 8 dot products). */
@@ -215,7 +183,7 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
                                             const int NRP) {
     const int KJ = 8 / NRP;
     const int64_t Dv = D & ~(int64_t)7;
-    int64_t j, i, d;
+    int64_t j, i;
     int kk, r;
     float tmp[8];
     OKV_DQ_INIT
@@ -237,26 +205,13 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
             __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
             __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
             __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-            __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-            if (Dv == D && j + KJ <= n) {   /* common case: constant-trip scatter of the scaled sums */
-                _mm256_storeu_ps(tmp, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
-                for (kk = 0; kk < KJ; kk++)
-                    for (r = 0; r < NRP; r++)
-                        if (r < nr) s[r * OKV_BK + j + kk] = tmp[kk * NRP + r];
-                continue;
-            }
-            _mm256_storeu_ps(tmp, sum);
+            _mm256_storeu_ps(tmp, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                _mm256_permute2f128_ps(u0, u1, 0x31)));
         }
-        for (kk = 0; kk < KJ; kk++) {
-            if (j + kk >= n) break;
-            for (r = 0; r < nr; r++) {
-                float x = tmp[kk * NRP + r];
-                for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk], d);
-                s[r * OKV_BK + j + kk] = x * scale;
-            }
-        }
+        OKV_F(okv_qk_store)(tmp, qr, nr, kp, j, n, D, scale, s, dq, NRP, KJ);
     }
 }
+#endif
 
 /* Always inlined: every unit (and the per-format dispatchers) gets its own
  * copy; one shared out-of-line copy measured ~10% slower on float32 decode. */
@@ -270,9 +225,10 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_rows)(const float *const *qr, int nr, cons
     else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 4);
     else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 8);
 }
+#endif /* !OKV_PV_ONLY */
 
-/* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
- * 8-float chunks per pass: NR*NC accumulators in registers, each V chunk loaded
+/* ---- acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
+ * vector chunks per pass: NR*NC accumulators in registers, each V chunk loaded
  * and converted once and used by every row. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
                                             float *const *accr, int64_t i0, int64_t i1, const okv_dq *dq,
@@ -280,32 +236,37 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, i
     int64_t i, j;
     int r, c;
     OKV_DQ_INIT
-    for (i = i0; i + 8 * NC <= i1; i += 8 * NC) {
-        __m256 acc[8][8];
+    for (i = i0; i + OKV_VW * NC <= i1; i += OKV_VW * NC) {
+        OKV_VEC acc[8][8];
         for (r = 0; r < NR; r++)
-            for (c = 0; c < NC; c++) acc[r][c] = _mm256_loadu_ps(accr[r] + i + 8 * c);
+            for (c = 0; c < NC; c++) acc[r][c] = OKV_VLD(accr[r] + i + OKV_VW * c);
         for (j = 0; j < n; j++) {
             const OKV_KT_T *vj = v + j * OKV_RS(D);
-            __m256 vv[8];
-            for (c = 0; c < NC; c++) vv[c] = OKV_LD8(vj, i + 8 * c);
+            OKV_VEC vv[8];
+            for (c = 0; c < NC; c++) vv[c] = OKV_LDV(vj, i + OKV_VW * c);
             for (r = 0; r < NR; r++) {
-                __m256 pr = _mm256_broadcast_ss(p + r * OKV_BK + j);
-                for (c = 0; c < NC; c++) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+                const OKV_VEC pr = OKV_VSET1(p[r * OKV_BK + j]);
+                for (c = 0; c < NC; c++) acc[r][c] = OKV_VFMA(pr, vv[c], acc[r][c]);
             }
         }
         for (r = 0; r < NR; r++)
-            for (c = 0; c < NC; c++) _mm256_storeu_ps(accr[r] + i + 8 * c, acc[r][c]);
+            for (c = 0; c < NC; c++) OKV_VST(accr[r] + i + OKV_VW * c, acc[r][c]);
     }
 }
 
+/* Whole rows: NC-chunk passes, single-chunk passes, (AVX-512) one 8-lane pass
+ * by the AVX2 tile if D % 16 >= 8, the last D % 8 elements scalar. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
                                           float *const *accr, const okv_dq *dq, const int NR, const int NC) {
-    const int64_t Dv = D & ~(int64_t)7, Dw = Dv - Dv % (8 * NC);
+    const int64_t Dn = D & ~(int64_t)(OKV_VW - 1), Dv = D & ~(int64_t)7, Dw = Dn - Dn % (OKV_VW * NC);
     int64_t j, d;
     int r;
     OKV_DQ_INIT
     OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, dq, NR, NC);
-    if (Dw < Dv) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dv, dq, NR, 1);
+    if (Dw < Dn) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dn, dq, NR, 1);
+#ifdef OKV_SIMD512
+    if (Dn < Dv) OKV_CAT3(okv_pv_tile, OKV_KT, _avx2)(p, v, n, D, accr, Dn, Dv, dq, NR, 1);
+#endif
     if (Dv < D)
         for (j = 0; j < n; j++)
             for (d = Dv; d < D; d++) {
@@ -317,18 +278,28 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D,
                                             float *const *accr, const okv_dq *dq) {
     switch (nr) {
-    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, 8); break;
-    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, 4); break;
-    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, 2); break;
-    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, 2); break;
-    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, 1); break;
-    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, 1); break;
-    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, 1); break;
-    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, 1); break;
+    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, OKV_PV_NC(1)); break;
+    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, OKV_PV_NC(2)); break;
+    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, OKV_PV_NC(3)); break;
+    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, OKV_PV_NC(4)); break;
+    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, OKV_PV_NC(5)); break;
+    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, OKV_PV_NC(6)); break;
+    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, OKV_PV_NC(7)); break;
+    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, OKV_PV_NC(8)); break;
     }
 }
+#undef OKV_VW
+#undef OKV_VEC
+#undef OKV_VLD
+#undef OKV_VST
+#undef OKV_VSET1
+#undef OKV_VFMA
+#undef OKV_LDV
+#undef OKV_QK_LANE
+#undef OKV_PV_NC
 
 #else
+#ifndef OKV_PV_ONLY
 /* ---- scalar: each K element converted once, used by all nr rows. */
 static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
                                float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
@@ -354,6 +325,7 @@ static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k
         for (r = 0; r < nr; r++) s[r * OKV_BK + j] = (a0[r] + a1[r]) * scale;
     }
 }
+#endif
 
 /* each V element converted once, used by all nr rows */
 static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D, float *const *accr,
@@ -391,6 +363,9 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     float *sc = acc + RT * D;         /* OKV_RG*OKV_BK used (RT*OKV_BK reserved) */
     float *mx = sc + RT * OKV_BK;     /* RT */
     float *sm = mx + RT;              /* RT */
+#ifdef OKV_MIXED
+    float *qb = sm + RT;              /* OKV_RG*D: query rows with per-channel key scales folded in */
+#endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
     int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j1, j, h;
     const float scale = a->scale, softcap = a->softcap;
@@ -488,7 +463,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 /* the prefetch by the first row group only */
 #ifdef OKV_MIXED
                 OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, n, D, scale, sc, &dk,
-                                  rg == 0 ? pfp : &nopf);
+                                  rg == 0 ? pfp : &nopf, qb);
 #else
                 OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), n, D, scale, sc, dq0,
                                    rg == 0 ? pfp : &nopf);

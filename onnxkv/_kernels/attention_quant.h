@@ -15,13 +15,15 @@
  * (code - zero_point[h*G + g]) * scale[h*G + g], g = 0 (G = 1, per-head) or c
  * (G = D, per-channel).
  *
- * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8, okv_q_load16:
- * 8-bit codes by sign/zero extension, 4- and 2-bit codes by one broadcast
- * word and per-lane variable shifts) for a constant format, converted to float.
- * Per-channel scales and zero points are applied by the loader macros of the
- * tile instantiation (attention_qfmt.h), in registers; a per-head scale and
- * zero point are folded into the scores and the probabilities (okv_qk_zp,
- * okv_pv_fold) instead.
+ * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8: 8-bit codes by
+ * sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
+ * variable shifts, converted to float; okv_q_load16_ps: 16 lanes, 4- and
+ * 2-bit codes by a table lookup) for a constant format.
+ * Per-channel value scales and zero points are applied by the loader macros
+ * of the tile instantiation (attention_qfmt.h), in registers; per-channel key
+ * scales are folded into the query rows once per tile (okv_qk_chan_fold), so
+ * keys are scored on their raw codes; a per-head scale and zero point are
+ * folded into the scores and the probabilities (okv_qk_zp, okv_pv_fold).
  */
 #ifndef ONNXKV_ATTENTION_QUANT_ONCE
 #define ONNXKV_ATTENTION_QUANT_ONCE
@@ -93,16 +95,26 @@ static inline okv_dq okv_dq_head(const float *sc, const float *zp, int64_t off) 
     return d;
 }
 
+/* s[r*OKV_BK + j] -= zc[r] for the nr rows, j < n. */
+static inline void okv_qk_sub_rows(float *s, int nr, int64_t n, const float *zc) {
+    int r;
+    int64_t j;
+    for (r = 0; r < nr; r++)
+        if (zc[r] != 0.f)
+            for (j = 0; j < n; j++) s[r * OKV_BK + j] -= zc[r];
+}
+
 /* Per-head zero point of keys: s[r*OKV_BK + j] -= c * sum(q row r), j < n. */
 static inline void okv_qk_zp(const float *const *qr, int nr, int64_t n, int64_t D, float c, float *s) {
+    float x[OKV_RG];
     int r;
-    int64_t j, d;
+    int64_t d;
     for (r = 0; r < nr; r++) {
-        float sq = 0.f, x;
+        float sq = 0.f;
         for (d = 0; d < D; d++) sq += qr[r][d];
-        x = c * sq;
-        for (j = 0; j < n; j++) s[r * OKV_BK + j] -= x;
+        x[r] = c * sq;
     }
+    okv_qk_sub_rows(s, nr, n, x);
 }
 
 /* Per-head scale and zero point of values: acc row r -= s z sum_j p_j, then
@@ -124,11 +136,11 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
 
 /* Codes of a packed row as float: element d, (AVX2) elements i..i+7 and
  * (AVX-512) elements i..i+15 (quant.h's okv_q_get / okv_q_load8 /
- * okv_q_load16 for a constant format). */
+ * okv_q_load16_ps for a constant format). */
 #define OKV_QCODE1(p, fmt, d) ((float)okv_q_get(p, fmt, d))
 #if OKV_X86_SIMD
 #define OKV_QCODE8(p, fmt, i) _mm256_cvtepi32_ps(okv_q_load8(p, fmt, i))
-#define OKV_QCODE16(p, fmt, i) _mm512_cvtepi32_ps(okv_q_load16(p, fmt, i))
+#define OKV_QCODE16(p, fmt, i) okv_q_load16_ps(p, fmt, i)
 #endif
 #endif /* ONNXKV_ATTENTION_QUANT_ONCE */
 
@@ -154,13 +166,36 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
 #include "attention_qfmt.h"
 
 #define OKV_QX(name) OKV_CAT(name, OKV_SFX)
-/* Quantized tile of format F: per-channel scales dequantize in the load step;
- * per-head scales (s, z) score the raw codes c and fold the rest in:
+#define OKV_QP(name) OKV_CAT(name, OKV_PSFX)
+
+/* Per-channel key scales s[c] and zero points z[c] folded into the nr query
+ * rows: qs[r] = qb + r*D with qs[r][c] = q[r][c] * s[c], and zc[r] = scale *
+ * sum_c qs[r][c] z[c], so that scale * q.((code - z) s) = scale * qs.code -
+ * zc[r]: per-channel keys are scored on their raw codes by the per-head tiles
+ * (one multiply per query element and tile instead of two per key element). */
+OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr, int64_t D, float scale,
+                                                  const okv_dq *dq, float *qb, const float **qs, float *zc) {
+    int r;
+    for (r = 0; r < nr; r++) {
+        float *q = qb + r * D;
+        OKV_QP(okv_scale_mul_f32)(qr[r], 1.f, dq->s, q, D);
+        qs[r] = q;
+        zc[r] = scale * OKV_QP(okv_dot_f32)(q, dq->z, D);
+    }
+}
+
+/* Quantized tile of format F: per-channel key scales folded into the query
+ * rows (okv_qk_chan_fold), per-channel value scales dequantize in the load
+ * step; per-head scales (s, z) score the raw codes c and fold the rest in:
  * scale * q.((c - z) s) = (scale s) q.c - (scale s z) sum(q), and
  * sum_j p_j (c_j - z) s = sum_j (s p_j) c_j - s z sum_j p_j. */
 #define OKV_QK_Q(F)                                                                            \
     if (pc) {                                                                                  \
-        OKV_QX(okv_qk_rows_##F##c)(qr, nr, c, n, D, scale, s, dq, pf);                          \
+        const float *qs[OKV_RG] = {NULL};                                                      \
+        float zc[OKV_RG];                                                                      \
+        OKV_QX(okv_qk_chan_fold)(qr, nr, D, scale, dq, qb, qs, zc);                            \
+        OKV_QX(okv_qk_rows_##F##h)(qs, nr, c, n, D, scale, s, dq, pf);                         \
+        okv_qk_sub_rows(s, nr, n, zc);                                                         \
     } else {                                                                                   \
         OKV_QX(okv_qk_rows_##F##h)(qr, nr, c, n, D, scale * dq->s1, s, dq, pf);                 \
         if (dq->z1 != 0.f) okv_qk_zp(qr, nr, n, D, scale * dq->s1 * dq->z1, s);                 \
@@ -176,9 +211,10 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
     return
 
 /* Scores of nr rows against n keys of a tile in format fmt (see okv_qk_rows);
- * pc: per-channel scales. */
+ * pc: per-channel scales; qb: nr*D floats of scratch (the folded rows). */
 OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr, int nr, const char *k, int64_t n,
-                                        int64_t D, float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
+                                        int64_t D, float scale, float *s, const okv_dq *dq, const okv_pf *pf,
+                                        float *qb) {
     const uint8_t *c = (const uint8_t *)k;
     switch (fmt) {
     case OKV_FMT_F16: OKV_QX(okv_qk_rows_f16)(qr, nr, (const uint16_t *)k, n, D, scale, s, dq, pf); return;
@@ -212,6 +248,7 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 }
 #undef OKV_QK_Q
 #undef OKV_PV_Q
+#undef OKV_QP
 
 /* the work unit of per-page formats: okv_attn_unit_mixed<SFX> */
 #define OKV_KT mixed
