@@ -187,18 +187,68 @@ OKV_INLINE OKV_AVX512BW __m512 okv_hsum16x16(const __m512 *a) {
     /* block k: a(k), a(4+k), a(8+k), a(12+k) */
     return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
+
+/* The first min(r, 16) lanes. */
+OKV_INLINE __mmask16 okv_mask16(int64_t r) { return r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1u); }
+
+/* exp(x) in the lanes of k, 0 elsewhere, for x <= 0 or -inf (scores minus
+ * their running max): n = round(x log2(e)), r = x - n ln(2) (ln(2) in two
+ * parts), e^r by the Cephes polynomial (as okv_exp256), times 2^n by
+ * vscalefps; x < -87.34 gives 0, as okv_exp256. */
+OKV_INLINE OKV_AVX512BW __m512 okv_exp512_nonpos(__m512 x, __mmask16 k) {
+    static const float poly[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                                  4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+    const __m512 lo = _mm512_set1_ps(-87.3365447505531f);
+    const __mmask16 keep = k & _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    __m512 n, r, y;
+    int i;
+    x = _mm512_max_ps(x, lo);
+    n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    y = _mm512_set1_ps(poly[0]);
+    for (i = 1; i < 6; i++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(poly[i]));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
+/* The softmax steps of the AVX-512 unit over at most OKV_BK scores: the
+ * maximum of x[0..n), and x[i] = exp(x[i] - m) (-inf -> 0) returning their
+ * sum, 16 lanes at a time. */
+OKV_INLINE OKV_AVX512BW float okv_max_f32_avx512(const float *x, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t i;
+    for (i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, okv_mask16(n - i), x + i));
+    return _mm512_reduce_max_ps(m);
+}
+
+OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int64_t n) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 s = _mm512_setzero_ps();
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 k = okv_mask16(n - i);
+        const __m512 e = okv_exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm), k);
+        _mm512_mask_storeu_ps(x + i, k, e);
+        s = _mm512_add_ps(s, e);
+    }
+    return _mm512_reduce_add_ps(s);
+}
+
+/* The AVX-512 unit and tiles take these simd.h primitives as they are. */
+#define okv_scal_f32_avx512 okv_scal_f32_avx2
+#define okv_scale_mul_f32_avx512 okv_scale_mul_f32_avx2
+#define okv_dot_f32_avx512 okv_dot_f32_avx2
 #endif
 
 /* One instantiation of attention_impl.h per (instruction set, K/V element type).
  * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p, d): element d of
  * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 and
  * AVX-512); OKV_LD16(p, i): elements i..i+15 as __m512 (AVX-512 only).
- * OKV_PSFX: suffix of the simd.h primitives (softmax steps) the unit uses;
- * the AVX-512 unit uses the AVX2 ones (at most OKV_BK scores per call).
  * Then attention_quant.h: the quantized formats' tile functions and the unit
  * of per-page formats. */
 #define OKV_SFX _scalar
-#define OKV_PSFX _scalar
 #define OKV_ATTR
 #define OKV_RS(D) (D)
 
@@ -230,12 +280,10 @@ OKV_INLINE OKV_AVX512BW __m512 okv_hsum16x16(const __m512 *a) {
 #include "attention_quant.h"
 
 #undef OKV_SFX
-#undef OKV_PSFX
 #undef OKV_ATTR
 
 #if OKV_X86_SIMD
 #define OKV_SFX _avx2
-#define OKV_PSFX _avx2
 #define OKV_ATTR OKV_AVX2
 #define OKV_SIMD_BODY 1
 #define OKV_RS(D) (D)
@@ -277,7 +325,7 @@ OKV_INLINE OKV_AVX512BW __m512 okv_hsum16x16(const __m512 *a) {
 #undef OKV_SFX
 #undef OKV_ATTR
 
-/* AVX-512 (16 lanes; PSFX stays _avx2) */
+/* AVX-512 (16 lanes) */
 #define OKV_SFX _avx512
 #define OKV_ATTR OKV_AVX512BW
 #define OKV_SIMD512 1
@@ -325,7 +373,6 @@ OKV_INLINE OKV_AVX512BW __m512 okv_hsum16x16(const __m512 *a) {
 
 #undef OKV_SIMD512
 #undef OKV_SFX
-#undef OKV_PSFX
 #undef OKV_ATTR
 #endif
 

@@ -59,8 +59,6 @@
 #define OKV_I(name) OKV_CAT(name, OKV_SFX)
 /* name + element type + instruction set */
 #define OKV_F(name) OKV_CAT3(name, OKV_KT, OKV_SFX)
-/* name + suffix of the simd.h primitives this instruction set uses */
-#define OKV_P(name) OKV_CAT(name, OKV_PSFX)
 
 #ifndef OKV_MIXED
 #ifndef OKV_DQ_INIT
@@ -480,17 +478,17 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
                     if (softcap > 0.f)
                         for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
-                    bm = OKV_P(okv_max_f32)(s + (a0 - u0), a1 - a0);
+                    bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
                     mnew = bm > mxh[rr] ? bm : mxh[rr];
                     if (mnew > mxh[rr]) {
                         if (mxh[rr] != -INFINITY) {
                             float alpha = expf(mxh[rr] - mnew);
-                            OKV_P(okv_scal_f32)(alpha, accr[i], D);
+                            OKV_I(okv_scal_f32)(alpha, accr[i], D);
                             smh[rr] *= alpha;
                         }
                         mxh[rr] = mnew;
                     }
-                    smh[rr] += OKV_P(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
+                    smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                 }
 #ifdef OKV_MIXED
                 OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, &dv);
@@ -538,4 +536,3 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #endif
 #undef OKV_F
 #undef OKV_I
-#undef OKV_P

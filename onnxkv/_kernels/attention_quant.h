@@ -166,7 +166,6 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
 #include "attention_qfmt.h"
 
 #define OKV_QX(name) OKV_CAT(name, OKV_SFX)
-#define OKV_QP(name) OKV_CAT(name, OKV_PSFX)
 
 /* Per-channel key scales s[c] and zero points z[c] folded into the nr query
  * rows: qs[r] = qb + r*D with qs[r][c] = q[r][c] * s[c], and zc[r] = scale *
@@ -178,9 +177,9 @@ OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr
     int r;
     for (r = 0; r < nr; r++) {
         float *q = qb + r * D;
-        OKV_QP(okv_scale_mul_f32)(qr[r], 1.f, dq->s, q, D);
+        OKV_QX(okv_scale_mul_f32)(qr[r], 1.f, dq->s, q, D);
         qs[r] = q;
-        zc[r] = scale * OKV_QP(okv_dot_f32)(q, dq->z, D);
+        zc[r] = scale * OKV_QX(okv_dot_f32)(q, dq->z, D);
     }
 }
 
@@ -248,7 +247,6 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 }
 #undef OKV_QK_Q
 #undef OKV_PV_Q
-#undef OKV_QP
 
 /* the work unit of per-page formats: okv_attn_unit_mixed<SFX> */
 #define OKV_KT mixed
