@@ -21,9 +21,13 @@
  * A row with no visible key outputs zeros.
  *
  * FLOAT16 / BFLOAT16 elements are converted to float32 in the load step of the
- * inner loops (F16C vcvtph2ps / zero-extend + shift left 16 on the AVX2 path,
- * the bit-exact scalar conversions of simd.h on the scalar path); all math
- * (scores, running max, sum, accumulator) is float32.
+ * inner loops (vcvtph2ps / zero-extend + shift left 16 on the AVX2 and AVX-512
+ * paths, the bit-exact scalar conversions of simd.h on the scalar path); all
+ * math (scores, running max, sum, accumulator) is float32.
+ *
+ * Instruction sets (okv_attn_unit's simd): OKV_ATTN_SCALAR, OKV_ATTN_AVX2
+ * (8-lane tiles) or OKV_ATTN_AVX512 (16-lane tiles and softmax steps; only
+ * when okv_cpu_avx512_ok()).
  *
  * Per-page formats (paged only, k_fmt / v_fmt != NULL): page id p of the K
  * (V) plane has the format k_fmt[p] (v_fmt[p]), an ONNX element type code of

@@ -1,15 +1,23 @@
 /* onnxkv/_kernels/attention_impl.h -- body of one attention work unit.
  *
+ * Three instruction sets: scalar, AVX2+FMA+F16C (8-lane tiles) and AVX-512
+ * F/BW/VL/DQ (16-lane tiles; attention.h picks one per call from the CPU check
+ * and the switches of attention.pyx).  The SIMD tiles share the p*v tile and
+ * the score store through the vector macros OKV_VEC / OKV_VW / ... below; the
+ * score tiles differ in their reduction (AVX2: hadd tree of 8 dot products,
+ * AVX-512: okv_hsum16x16 of 16).
+ *
  * Included once per (instruction set, K/V element format) by attention.h and
  * attention_quant.h with
- *   OKV_SFX   _scalar | _avx2          OKV_ATTR  target attribute (or empty)
+ *   OKV_SFX   _scalar | _avx2 | _avx512    OKV_ATTR  target attribute (or empty)
  *   OKV_KT    f32 | f16 | bf16 | quantized format + scale mode (attention_quant.h) | mixed
  *   OKV_KT_T  storage unit: float | uint16_t | uint8_t (packed codes)
  *   OKV_RS(D) storage units from one token's row to the next (D, or D*bits/8 bytes)
  *   OKV_LD1(p, d) element d of the row at p as float32 (dequantized with *dq)
- *   OKV_LD8(p, i) elements i..i+7 of the row at p as __m256 (AVX2 only; i % 8 == 0)
+ *   OKV_LD8(p, i) elements i..i+7 of the row at p as __m256 (AVX2 and AVX-512; i % 8 == 0)
+ *   OKV_LD16(p, i) elements i..i+15 of the row at p as __m512 (AVX-512 only; i % 16 == 0)
  *   OKV_DQ_INIT   (optional) locals the loaders of a quantized format use, from dq
- *   OKV_SIMD_BODY defined for the AVX2 instantiations.
+ *   OKV_SIMD_BODY defined for the AVX2 instantiations, OKV_SIMD512 for the AVX-512 ones.
  *   OKV_TILES_ONLY: only the tile functions (okv_qk_rows, okv_pv_rows), no unit.
  *   OKV_PV_ONLY: of the tile functions, only okv_pv_rows (per-channel quantized
  *     formats: their keys are scored by the per-head tiles, attention_quant.h).
