@@ -104,16 +104,25 @@ static inline void okv_qk_sub_rows(float *s, int nr, int64_t n, const float *zc)
             for (j = 0; j < n; j++) s[r * OKV_BK + j] -= zc[r];
 }
 
+/* sum of x[0..n) in 8 independent partial sums (one vector add per 8
+ * elements once inlined into a SIMD tile dispatcher, instead of a serial
+ * chain of n dependent adds). */
+static inline float okv_sum8_f32(const float *x, int64_t n) {
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, t;
+    int64_t i;
+    int k;
+    for (i = 0; i + 8 <= n; i += 8)
+        for (k = 0; k < 8; k++) a[k] += x[i + k];
+    t = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    for (; i < n; i++) t += x[i];
+    return t;
+}
+
 /* Per-head zero point of keys: s[r*OKV_BK + j] -= c * sum(q row r), j < n. */
 static inline void okv_qk_zp(const float *const *qr, int nr, int64_t n, int64_t D, float c, float *s) {
     float x[OKV_RG];
     int r;
-    int64_t d;
-    for (r = 0; r < nr; r++) {
-        float sq = 0.f;
-        for (d = 0; d < D; d++) sq += qr[r][d];
-        x[r] = c * sq;
-    }
+    for (r = 0; r < nr; r++) x[r] = c * okv_sum8_f32(qr[r], D);
     okv_qk_sub_rows(s, nr, n, x);
 }
 
@@ -125,9 +134,7 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
     for (r = 0; r < nr; r++) {
         float *pr = p + r * OKV_BK;
         if (dq->z1 != 0.f) {
-            float sp = 0.f, x;
-            for (j = 0; j < n; j++) sp += pr[j];
-            x = dq->s1 * dq->z1 * sp;
+            const float x = dq->s1 * dq->z1 * okv_sum8_f32(pr, n);
             for (d = 0; d < D; d++) accr[r][d] -= x;
         }
         for (j = 0; j < n; j++) pr[j] *= dq->s1;
