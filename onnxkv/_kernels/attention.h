@@ -27,7 +27,8 @@
  *
  * Instruction sets (okv_attn_unit's simd): OKV_ATTN_SCALAR, OKV_ATTN_AVX2
  * (8-lane tiles) or OKV_ATTN_AVX512 (16-lane tiles and softmax steps; only
- * when okv_cpu_avx512_ok()).
+ * when okv_cpu_avx512_ok(); float32 K/V keep the AVX2 tiles, which are as
+ * fast on this memory-bound stream).
  *
  * Per-page formats (paged only, k_fmt / v_fmt != NULL): page id p of the K
  * (V) plane has the format k_fmt[p] (v_fmt[p]), an ONNX element type code of
@@ -329,23 +330,15 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #undef OKV_SFX
 #undef OKV_ATTR
 
-/* AVX-512 (16 lanes) */
+/* AVX-512 (16 lanes).  Float32 K/V take the AVX2 unit and tiles (aliases
+ * below): streaming float32 is memory bound, and 16 lanes measured no faster
+ * on 2 threads and ~4% slower on one (16384 keys, GQA 32/8, D 128). */
 #define OKV_SFX _avx512
 #define OKV_ATTR OKV_AVX512BW
 #define OKV_SIMD512 1
 #define OKV_RS(D) (D)
-
-#define OKV_KT f32
-#define OKV_KT_T float
-#define OKV_LD1(p, d) ((p)[d])
-#define OKV_LD8(p, i) _mm256_loadu_ps((p) + (i))
-#define OKV_LD16(p, i) _mm512_loadu_ps((p) + (i))
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-#undef OKV_LD8
-#undef OKV_LD16
+#define okv_qk_rows_f32_avx512 okv_qk_rows_f32_avx2
+#define okv_pv_rows_f32_avx512 okv_pv_rows_f32_avx2
 
 #define OKV_KT f16
 #define OKV_KT_T uint16_t
@@ -412,8 +405,13 @@ static int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int
                              int64_t c1, float *ws, float *part, int64_t pstride, int simd) {
     const int64_t nh = a->hpu;
 #if OKV_X86_SIMD
-    if (simd == OKV_ATTN_AVX512) OKV_ATTN_UNIT_OF(_avx512);
-    if (simd == OKV_ATTN_AVX2) OKV_ATTN_UNIT_OF(_avx2);
+    if (simd == OKV_ATTN_AVX512) {   /* float32 K/V: the AVX2 unit (see the AVX-512 instantiation) */
+        if (a->k_fmt) return okv_attn_unit_mixed_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+        if (a->kv_type == OKV_KV_F16) return okv_attn_unit_f16_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+        if (a->kv_type == OKV_KV_BF16)
+            return okv_attn_unit_bf16_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+    }
+    if (simd) OKV_ATTN_UNIT_OF(_avx2);
 #endif
     (void)simd;
     OKV_ATTN_UNIT_OF(_scalar);

@@ -15,7 +15,8 @@ heads, reading each page (head-major) front to back: one short run per head
 and page would leave the hardware prefetchers restarting every few KiB.
 
 Three instruction sets, chosen per call: AVX-512 (F/BW/VL/DQ: 16-lane tiles,
-the default where the CPU and OS support it), AVX2+FMA+F16C (8 lanes) and
+the default where the CPU and OS support it; float32 K/V keep the 8-lane tiles
+there, as fast on that memory-bound stream), AVX2+FMA+F16C (8 lanes) and
 scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
 (False)`` keeps AVX2 (tests and benchmarks run all three on one machine);
 ``attention_simd_level()`` names the one in use.
