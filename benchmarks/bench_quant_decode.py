@@ -29,7 +29,7 @@ faster than onnxkv float32 pages; committed bytes int8 <= 0.27x, int4 <= 0.14x
 float32.
 
     python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
-        [--repeat N] [--no-ort] [--out FILE]
+        [--repeat N] [--no-ort] [--isa auto|avx2] [--out FILE]
 """
 from __future__ import annotations
 
@@ -194,14 +194,19 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768])
     ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
+    ap.add_argument("--isa", choices=("auto", "avx2"), default="auto",
+                    help="attention tiles: auto (AVX-512 where usable) or avx2 (to compare)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
+    attn = sys.modules["onnxkv._kernels.attention"]
+    attn.set_attention_avx512(args.isa == "auto")
     if any(c % BS or c < RECENT for c in args.contexts):
         ap.error(f"contexts must be multiples of {BS} and >= {RECENT}")
 
     doc = {"benchmark": "quant_decode_attention", "machine": machine(), "versions": versions("onnxruntime"),
            "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "Sq": 1, "block_size": BS, "contexts": args.contexts,
                       "threads": args.threads, "repeat": args.repeat, "bars": BARS,
+                      "attention_isa": attn.attention_simd_level(),
                       "quantization": "symmetric, zero point 0, round half to even; per-head scales unless named",
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
                               "bound to the same float32 buffer via IOBinding"},
@@ -218,7 +223,8 @@ def main(argv=None):
         for ctx in args.contexts:
             case = run_context(ctx, args.threads, args.repeat, sess, rng)
             doc["cases"].append(case)
-            lines.append(f"ctx={ctx} threads={args.threads} load {case['loadavg_before']}: " + ", ".join(
+            isa = doc["config"]["attention_isa"]
+            lines.append(f"ctx={ctx} threads={args.threads} isa={isa} load {case['loadavg_before']}: " + ", ".join(
                 f"{name}={r['median_s'] * 1e3:.3f}ms" for name, r in case["results"].items()))
             lines.append("  bytes/f32: " + ", ".join(f"{k}={v:.3f}" for k, v in case["bytes_over_f32"].items()))
             if ctx == BARS["ctx"] and args.threads == BARS["threads"]:

@@ -21,9 +21,14 @@
  * A row with no visible key outputs zeros.
  *
  * FLOAT16 / BFLOAT16 elements are converted to float32 in the load step of the
- * inner loops (F16C vcvtph2ps / zero-extend + shift left 16 on the AVX2 path,
- * the bit-exact scalar conversions of simd.h on the scalar path); all math
- * (scores, running max, sum, accumulator) is float32.
+ * inner loops (vcvtph2ps / zero-extend + shift left 16 on the AVX2 and AVX-512
+ * paths, the bit-exact scalar conversions of simd.h on the scalar path); all
+ * math (scores, running max, sum, accumulator) is float32.
+ *
+ * Instruction sets (okv_attn_unit's simd): OKV_ATTN_SCALAR, OKV_ATTN_AVX2
+ * (8-lane tiles) or OKV_ATTN_AVX512 (16-lane tiles and softmax steps; only
+ * when okv_cpu_avx512_ok(); float32 K/V keep the AVX2 tiles, which are as
+ * fast on this memory-bound stream).
  *
  * Per-page formats (paged only, k_fmt / v_fmt != NULL): page id p of the K
  * (V) plane has the format k_fmt[p] (v_fmt[p]), an ONNX element type code of
@@ -45,6 +50,11 @@
 #define OKV_KV_F32 0
 #define OKV_KV_F16 1
 #define OKV_KV_BF16 2
+
+/* instruction sets of the work units (the simd argument of okv_attn_unit) */
+#define OKV_ATTN_SCALAR 0
+#define OKV_ATTN_AVX2 1
+#define OKV_ATTN_AVX512 2
 
 typedef struct {
     const float *q;
@@ -137,9 +147,110 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
     return best;
 }
 
+#if OKV_X86_SIMD
+/* Software prefetch, by a tile function, of rows j..j+nk-1 (those < pf->n) of
+ * the next block's K and V: the streams cross a 4 KiB page every few rows,
+ * where the hardware prefetcher restarts.  K and V rows interleaved; rows of
+ * different lengths (per-page formats) are prefetched over the longer length
+ * (a prefetch past a row is harmless); hint >= 2 into L2, else L1. */
+OKV_INLINE void okv_pf_rows(const okv_pf *pf, int64_t j, int nk) {
+    const int64_t rowb = pf->ks > pf->vs ? pf->ks : pf->vs;
+    int kk;
+    for (kk = 0; kk < nk; kk++)
+        if (j + kk < pf->n) {
+            const char *pk = pf->k + (j + kk) * pf->ks, *pv = pf->v + (j + kk) * pf->vs;
+            int64_t o;
+            if (pf->hint >= 2)
+                for (o = 0; o < rowb; o += 64) {
+                    _mm_prefetch(pk + o, _MM_HINT_T1);
+                    _mm_prefetch(pv + o, _MM_HINT_T1);
+                }
+            else
+                for (o = 0; o < rowb; o += 64) {
+                    _mm_prefetch(pk + o, _MM_HINT_T0);
+                    _mm_prefetch(pv + o, _MM_HINT_T0);
+                }
+        }
+}
+
+/* The 16 horizontal sums of a[0..15] in one vector, by a transposing tree of
+ * 128-bit block and in-block shuffles (45 operations): the sum of a[s] lands
+ * in lane OKV_HSUM16_LANE(s). */
+#define OKV_HSUM16_LANE(s) ((((s) & 3) << 2) | ((s) >> 2))
+OKV_INLINE OKV_AVX512BW __m512 okv_hsum16x16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    int p;
+    for (p = 0; p < 8; p++)   /* 256-bit halves folded: [a(2p) 8 lanes | a(2p+1) 8 lanes] */
+        b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (p = 0; p < 4; p++)   /* block k: a(4p+k) folded to 4 lanes */
+        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0xDD));
+    for (p = 0; p < 2; p++)   /* block k: 2 lanes each of a(8p+k), a(8p+4+k) */
+        d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * p], c[2 * p + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * p], c[2 * p + 1], 0xEE));
+    /* block k: a(k), a(4+k), a(8+k), a(12+k) */
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+/* The first min(r, 16) lanes. */
+OKV_INLINE __mmask16 okv_mask16(int64_t r) { return r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1u); }
+
+/* exp(x) in the lanes of k, 0 elsewhere, for x <= 0 or -inf (scores minus
+ * their running max): n = round(x log2(e)), r = x - n ln(2) (ln(2) in two
+ * parts), e^r by the Cephes polynomial (as okv_exp256), times 2^n by
+ * vscalefps; x < -87.34 gives 0, as okv_exp256. */
+OKV_INLINE OKV_AVX512BW __m512 okv_exp512_nonpos(__m512 x, __mmask16 k) {
+    static const float poly[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                                  4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+    const __m512 lo = _mm512_set1_ps(-87.3365447505531f);
+    const __mmask16 keep = k & _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    __m512 n, r, y;
+    int i;
+    x = _mm512_max_ps(x, lo);
+    n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    y = _mm512_set1_ps(poly[0]);
+    for (i = 1; i < 6; i++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(poly[i]));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
+/* The softmax steps of the AVX-512 unit over at most OKV_BK scores: the
+ * maximum of x[0..n), and x[i] = exp(x[i] - m) (-inf -> 0) returning their
+ * sum, 16 lanes at a time. */
+OKV_INLINE OKV_AVX512BW float okv_max_f32_avx512(const float *x, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t i;
+    for (i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, okv_mask16(n - i), x + i));
+    return _mm512_reduce_max_ps(m);
+}
+
+OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int64_t n) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 s = _mm512_setzero_ps();
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 k = okv_mask16(n - i);
+        const __m512 e = okv_exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm), k);
+        _mm512_mask_storeu_ps(x + i, k, e);
+        s = _mm512_add_ps(s, e);
+    }
+    return _mm512_reduce_add_ps(s);
+}
+
+/* The AVX-512 unit and tiles take these simd.h primitives as they are. */
+#define okv_scal_f32_avx512 okv_scal_f32_avx2
+#define okv_scale_mul_f32_avx512 okv_scale_mul_f32_avx2
+#define okv_dot_f32_avx512 okv_dot_f32_avx2
+#endif
+
 /* One instantiation of attention_impl.h per (instruction set, K/V element type).
  * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p, d): element d of
- * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 only).
+ * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 and
+ * AVX-512); OKV_LD16(p, i): elements i..i+15 as __m512 (AVX-512 only).
  * Then attention_quant.h: the quantized formats' tile functions and the unit
  * of per-page formats. */
 #define OKV_SFX _scalar
@@ -218,11 +329,56 @@ OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n
 #undef OKV_SIMD_BODY
 #undef OKV_SFX
 #undef OKV_ATTR
+
+/* AVX-512 (16 lanes).  Float32 K/V take the AVX2 unit and tiles (aliases
+ * below): streaming float32 is memory bound, and 16 lanes measured no faster
+ * on 2 threads and ~4% slower on one (16384 keys, GQA 32/8, D 128). */
+#define OKV_SFX _avx512
+#define OKV_ATTR OKV_AVX512BW
+#define OKV_SIMD512 1
+#define OKV_RS(D) (D)
+#define okv_qk_rows_f32_avx512 okv_qk_rows_f32_avx2
+#define okv_pv_rows_f32_avx512 okv_pv_rows_f32_avx2
+
+#define OKV_KT f16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p, d) okv_h2f_scalar((p)[d])
+#define OKV_LD8(p, i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + (i))))
+#define OKV_LD16(p, i) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((p) + (i))))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+#undef OKV_LD16
+
+#define OKV_KT bf16
+#define OKV_KT_T uint16_t
+#define OKV_LD1(p, d) okv_bf2f_scalar((p)[d])
+#define OKV_LD8(p, i) okv_bf16x8_to_ps((p) + (i))
+#define OKV_LD16(p, i) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((p) + (i)))), 16))
+#include "attention_impl.h"
+#undef OKV_KT
+#undef OKV_KT_T
+#undef OKV_LD1
+#undef OKV_LD8
+#undef OKV_LD16
+#undef OKV_RS
+
+#include "attention_quant.h"
+
+#undef OKV_SIMD512
+#undef OKV_SFX
+#undef OKV_ATTR
 #endif
 
-/* Floats of workspace one work unit of R rows needs, rounded up to whole
- * 64-byte lines so that per-thread workspaces never share a cache line. */
-static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) { return (R * (D + OKV_BK + 2) + 15) & ~(int64_t)15; }
+/* Floats of workspace one work unit of R rows needs (attention_impl.h),
+ * rounded up to whole 64-byte lines so that per-thread workspaces never share
+ * a cache line. */
+static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
+    return (R * (D + OKV_BK + 2) + OKV_RG * D + 15) & ~(int64_t)15;
+}
 
 /* Floats of one partial state block (R rows of max, sum, acc[D]), whole lines. */
 static inline int64_t okv_attn_part_floats(int64_t R, int64_t D) { return (R * (D + 2) + 15) & ~(int64_t)15; }
@@ -234,27 +390,33 @@ static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63
  * ws: okv_attn_ws_floats(hpu*G*(t1-t0), D) floats.  part (or NULL): head hk0+h's
  * partial state block at part + h*pstride.  Returns the bytes of quantized
  * codes and header entries it loaded (0 without per-page formats). */
+/* simd: OKV_ATTN_SCALAR, OKV_ATTN_AVX2 or OKV_ATTN_AVX512 (the caller has checked the CPU). */
+#define OKV_ATTN_UNIT_OF(sfx)                                                                                  \
+    do {                                                                                                       \
+        if (a->k_fmt) return OKV_CAT(okv_attn_unit_mixed, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); \
+        switch (a->kv_type) {                                                                                  \
+        case OKV_KV_F16: return OKV_CAT(okv_attn_unit_f16, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); \
+        case OKV_KV_BF16:                                                                                      \
+            return OKV_CAT(okv_attn_unit_bf16, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);         \
+        default: return OKV_CAT(okv_attn_unit_f32, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);    \
+        }                                                                                                      \
+    } while (0)
 static int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                              int64_t c1, float *ws, float *part, int64_t pstride, int simd) {
     const int64_t nh = a->hpu;
 #if OKV_X86_SIMD
-    if (simd) {
-        if (a->k_fmt) return okv_attn_unit_mixed_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        switch (a->kv_type) {
-        case OKV_KV_F16: return okv_attn_unit_f16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        case OKV_KV_BF16: return okv_attn_unit_bf16_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        default: return okv_attn_unit_f32_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        }
+    if (simd == OKV_ATTN_AVX512) {   /* float32 K/V: the AVX2 unit (see the AVX-512 instantiation) */
+        if (a->k_fmt) return okv_attn_unit_mixed_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+        if (a->kv_type == OKV_KV_F16) return okv_attn_unit_f16_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+        if (a->kv_type == OKV_KV_BF16)
+            return okv_attn_unit_bf16_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
     }
+    if (simd) OKV_ATTN_UNIT_OF(_avx2);
 #endif
     (void)simd;
-    if (a->k_fmt) return okv_attn_unit_mixed_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    switch (a->kv_type) {
-    case OKV_KV_F16: return okv_attn_unit_f16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    case OKV_KV_BF16: return okv_attn_unit_bf16_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    default: return okv_attn_unit_f32_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    }
+    OKV_ATTN_UNIT_OF(_scalar);
 }
+#undef OKV_ATTN_UNIT_OF
 
 /* Union [lo, hi) of the keys visible to any query token of batch b. */
 static void okv_attn_range(const okv_attn_args *a, int64_t b, int64_t *lo, int64_t *hi) {

@@ -14,6 +14,13 @@ into chunks whose (max, sum, acc) states are merged exactly.  Paged decode
 heads, reading each page (head-major) front to back: one short run per head
 and page would leave the hardware prefetchers restarting every few KiB.
 
+Three instruction sets, chosen per call: AVX-512 (F/BW/VL/DQ: 16-lane tiles,
+the default where the CPU and OS support it; float32 K/V keep the 8-lane tiles
+there, as fast on that memory-bound stream), AVX2+FMA+F16C (8 lanes) and
+scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
+(False)`` keeps AVX2 (tests and benchmarks run all three on one machine);
+``attention_simd_level()`` names the one in use.
+
 Paged caches may give every page its own format (k_formats / v_formats:
 float32, float16, bfloat16, or 8/4/2-bit codes with a per-page header of
 scales and zero points, attention_quant.h): each tile is dequantized in the
@@ -67,6 +74,11 @@ cdef extern from "attention.h" nogil:
     int64_t okv_attn_split_task(const okv_attn_args *a, int64_t i, int64_t nchunks, float *ws, float *parts,
                                 int simd)
     int okv_thread_num()
+    int OKV_ATTN_AVX2
+    int OKV_ATTN_AVX512
+
+cdef extern from "simd.h" nogil:
+    int okv_cpu_avx512_ok()
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256
@@ -138,6 +150,27 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd, int64_t *st
     free(ws0)
     free(parts0)
     return 0
+
+
+cdef int _avx512_usable = okv_cpu_avx512_ok()
+cdef int _avx512 = _avx512_usable
+
+
+def set_attention_avx512(enabled: bool) -> bool:
+    """Let attention / paged_attention run their AVX-512 tiles (when the CPU
+    and OS support AVX-512 F/BW/VL/DQ; the default there) or only the AVX2
+    ones (to test and compare both on one machine).  The global SIMD switch
+    (``set_simd_enabled``) still selects the scalar path.  Returns whether the
+    AVX-512 tiles are now in use."""
+    global _avx512
+    _avx512 = _avx512_usable if enabled else 0
+    return bool(_avx512)
+
+
+def attention_simd_level() -> str:
+    """The instruction set attention / paged_attention run now: "avx512",
+    "avx2" or "scalar"."""
+    return ("avx512" if _avx512 else "avx2") if okv_simd() else "scalar"
 
 
 cdef int _prefetch = 2
@@ -360,12 +393,14 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
     and header bytes loaded, "workspace_peak_bytes": workspace allocated}."""
     a.prefetch = _prefetch
     a.prefill_rg = _prefill_rg
-    cdef int nt = okv_threads(), simd = okv_simd(), rc
+    cdef int nt = okv_threads(), simd = 0, rc
     cdef int64_t stats[2]
     cdef int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, Sq = a.Sq, D = a.D
     cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1
     # Paged decode: one unit takes every KV head of its keys, so it reads each
     # page (all heads, head-major) front to back instead of one short run per head.
+    if okv_simd():
+        simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
         a.hpu = Hkv if _paged_heads <= 0 else max(h for h in range(1, min(_paged_heads, Hkv) + 1) if Hkv % h == 0)

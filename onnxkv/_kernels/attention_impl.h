@@ -1,16 +1,26 @@
 /* onnxkv/_kernels/attention_impl.h -- body of one attention work unit.
  *
+ * Three instruction sets: scalar, AVX2+FMA+F16C (8-lane tiles) and AVX-512
+ * F/BW/VL/DQ (16-lane tiles; attention.h picks one per call from the CPU check
+ * and the switches of attention.pyx).  The SIMD tiles share the p*v tile and
+ * the score store through the vector macros OKV_VEC / OKV_VW / ... below; the
+ * score tiles differ in their reduction (AVX2: hadd tree of 8 dot products,
+ * AVX-512: okv_hsum16x16 of 16).
+ *
  * Included once per (instruction set, K/V element format) by attention.h and
  * attention_quant.h with
- *   OKV_SFX   _scalar | _avx2          OKV_ATTR  target attribute (or empty)
+ *   OKV_SFX   _scalar | _avx2 | _avx512    OKV_ATTR  target attribute (or empty)
  *   OKV_KT    f32 | f16 | bf16 | quantized format + scale mode (attention_quant.h) | mixed
  *   OKV_KT_T  storage unit: float | uint16_t | uint8_t (packed codes)
  *   OKV_RS(D) storage units from one token's row to the next (D, or D*bits/8 bytes)
  *   OKV_LD1(p, d) element d of the row at p as float32 (dequantized with *dq)
- *   OKV_LD8(p, i) elements i..i+7 of the row at p as __m256 (AVX2 only; i % 8 == 0)
+ *   OKV_LD8(p, i) elements i..i+7 of the row at p as __m256 (AVX2 and AVX-512; i % 8 == 0)
+ *   OKV_LD16(p, i) elements i..i+15 of the row at p as __m512 (AVX-512 only; i % 16 == 0)
  *   OKV_DQ_INIT   (optional) locals the loaders of a quantized format use, from dq
- *   OKV_SIMD_BODY defined for the AVX2 instantiations.
+ *   OKV_SIMD_BODY defined for the AVX2 instantiations, OKV_SIMD512 for the AVX-512 ones.
  *   OKV_TILES_ONLY: only the tile functions (okv_qk_rows, okv_pv_rows), no unit.
+ *   OKV_PV_ONLY: of the tile functions, only okv_pv_rows (per-channel quantized
+ *     formats: their keys are scored by the per-head tiles, attention_quant.h).
  *   OKV_MIXED: only the unit, for per-page formats: every tile dispatches to the
  *     tile functions of its page's format (okv_qk_fmt / okv_pv_fmt of
  *     attention_quant.h) and the unit returns the bytes of quantized codes and
@@ -41,7 +51,7 @@
  *
  * K/V tile functions take dq (scale / zero point of the head in a quantized
  * page; unused for float formats) and pf (the rows to software-prefetch).
- * ws: float workspace of at least nh*R*(D + OKV_BK + 2) floats.
+ * ws: float workspace of at least nh*R*(D + OKV_BK + 2) + OKV_RG*D floats.
  * Returns the bytes of quantized codes and header entries loaded (OKV_MIXED;
  * 0 for the single-format units).
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
@@ -63,7 +73,114 @@
 #define OKV_DQ_DEFAULT
 #define OKV_DQ_INIT (void)dq;
 #endif
-#ifdef OKV_SIMD_BODY
+#if defined(OKV_SIMD512) || defined(OKV_SIMD_BODY)
+/* The vector of this instruction set: OKV_VW float lanes of OKV_VEC, loaded /
+ * stored / broadcast / multiply-added by OKV_VLD / OKV_VST / OKV_VSET1 /
+ * OKV_VFMA; OKV_LDV(p, i) the elements i..i+OKV_VW-1 of a K/V row.  After a
+ * score reduction, the dot product of accumulator a sits in lane
+ * OKV_QK_LANE(a).  OKV_PV_NC(nr): vector chunks per p*v pass for nr rows. */
+#ifdef OKV_SIMD512
+#define OKV_VW 16
+#define OKV_VEC __m512
+#define OKV_VLD _mm512_loadu_ps
+#define OKV_VST _mm512_storeu_ps
+#define OKV_VSET1 _mm512_set1_ps
+#define OKV_VFMA _mm512_fmadd_ps
+#define OKV_LDV OKV_LD16
+#define OKV_QK_LANE(a) OKV_HSUM16_LANE(a)
+#define OKV_PV_NC(nr) ((nr) <= 4 ? 4 : 2)
+#else
+#define OKV_VW 8
+#define OKV_VEC __m256
+#define OKV_VLD _mm256_loadu_ps
+#define OKV_VST _mm256_storeu_ps
+#define OKV_VSET1 _mm256_set1_ps
+#define OKV_VFMA _mm256_fmadd_ps
+#define OKV_LDV OKV_LD8
+#define OKV_QK_LANE(a) (a)
+#define OKV_PV_NC(nr) ((nr) == 1 ? 8 : (nr) == 2 ? 4 : (nr) <= 4 ? 2 : 1)
+#endif
+
+#ifndef OKV_PV_ONLY
+/* Scores of keys j..j+KJ-1 (those < n) of a tile step for the nr rows, from
+ * the reduced dot products tmp (accumulator kk*NRP + r in lane
+ * OKV_QK_LANE(kk*NRP + r), elements 0..Dv-1, Dv = D rounded down to 8) plus the
+ * elements Dv..D-1, times scale. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_store)(const float *tmp, const float *const *qr, int nr,
+                                             const OKV_KT_T *const *kp, int64_t j, int64_t n, int64_t D,
+                                             float scale, float *s, const okv_dq *dq, const int NRP, const int KJ) {
+    const int64_t Dv = D & ~(int64_t)7;
+    int64_t d;
+    int kk, r;
+    OKV_DQ_INIT
+    if (Dv == D && j + KJ <= n) {   /* common case: constant-trip scatter of the scaled sums */
+        for (kk = 0; kk < KJ; kk++)
+            for (r = 0; r < NRP; r++)
+                if (r < nr) s[r * OKV_BK + j + kk] = tmp[OKV_QK_LANE(kk * NRP + r)] * scale;
+        return;
+    }
+    for (kk = 0; kk < KJ; kk++) {
+        if (j + kk >= n) break;
+        for (r = 0; r < nr; r++) {
+            float x = tmp[OKV_QK_LANE(kk * NRP + r)];
+            for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk], d);
+            s[r * OKV_BK + j + kk] = x * scale;
+        }
+    }
+}
+
+#ifdef OKV_SIMD512
+/* ---- AVX-512: a step of the scores: 16 (W = 16) or 8 (W = 8, zero-extended
+ * to 16 lanes) elements from i of NRP rows against KJ keys, into the
+ * accumulators acc[kk*NRP + r]; each K chunk is loaded and converted once. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_step)(const float *const *qr, const OKV_KT_T *const *kp, int64_t i,
+                                            __m512 *acc, const okv_dq *dq, const int NRP, const int KJ,
+                                            const int W) {
+    __m512 qv[8];
+    int kk, r;
+    OKV_DQ_INIT
+    for (r = 0; r < NRP; r++)   /* the q chunks of all rows live, one K chunk at a time */
+        qv[r] = W == 16 ? _mm512_loadu_ps(qr[r] + i) : _mm512_maskz_loadu_ps(0xFF, qr[r] + i);
+    for (kk = 0; kk < KJ; kk++) {
+        const __m512 kv = W == 16 ? OKV_LD16(kp[kk], i) : _mm512_zextps256_ps512(OKV_LD8(kp[kk], i));
+        for (r = 0; r < NRP; r++) acc[kk * NRP + r] = _mm512_fmadd_ps(qv[r], kv, acc[kk * NRP + r]);
+    }
+}
+
+/* ---- AVX-512: scores of nr <= 8 rows against n keys (rows padded to NRP in
+ * {1, 2, 4, 8}; 16/NRP keys per step so that 16 accumulators are live and one
+ * transposing reduction yields 16 dot products).  Head sizes: 16-lane chunks,
+ * one 8-lane chunk if D % 16 >= 8, the last D % 8 elements scalar. */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
+                                            float scale, float *s, const okv_dq *dq, const okv_pf *pf,
+                                            const int NRP) {
+    const int KJ = 16 / NRP;
+    const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7;
+    int64_t j, i;
+    int kk, r;
+    float tmp[16];
+    for (j = 0; j < n; j += KJ) {
+        const OKV_KT_T *kp[16];
+        __m512 acc[16], sum;
+        for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
+        okv_pf_rows(pf, j, KJ);
+        for (r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        for (i = 0; i < D16; i += 16) OKV_F(okv_qk_step)(qr, kp, i, acc, dq, NRP, KJ, 16);
+        if (Dv > D16) OKV_F(okv_qk_step)(qr, kp, D16, acc, dq, NRP, KJ, 8);
+        sum = okv_hsum16x16(acc);
+        if (NRP == 4 && Dv == D && j + KJ <= n) {   /* lane 4r + kk: row r's 4 scores in 128-bit block r */
+            sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
+            _mm_storeu_ps(s + j, _mm512_castps512_ps128(sum));
+            _mm_storeu_ps(s + OKV_BK + j, _mm512_extractf32x4_ps(sum, 1));
+            _mm_storeu_ps(s + 2 * OKV_BK + j, _mm512_extractf32x4_ps(sum, 2));
+            if (nr > 3) _mm_storeu_ps(s + 3 * OKV_BK + j, _mm512_extractf32x4_ps(sum, 3));
+            continue;
+        }
+        _mm512_storeu_ps(tmp, sum);
+        OKV_F(okv_qk_store)(tmp, qr, nr, kp, j, n, D, scale, s, dq, NRP, KJ);
+    }
+}
+#else
 /* ---- AVX2: scores of nr <= 8 rows against n keys (rows padded to NRP in
  * {1, 2, 4, 8}; 8/NRP keys per step so that 8 accumulators are live and one
  * transposing reduction yields 8 dot products). */
@@ -71,12 +188,8 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
                                             float scale, float *s, const okv_dq *dq, const okv_pf *pf,
                                             const int NRP) {
     const int KJ = 8 / NRP;
-    /* K and V rows interleaved; rows of different lengths (per-page formats) are
-     * prefetched over the longer length (a prefetch past a row is harmless) */
-    const int64_t Dv = D & ~(int64_t)7, npf = pf->n, pks = pf->ks, pvs = pf->vs, rowb = pks > pvs ? pks : pvs;
-    const char *const pfk = pf->k, *const pfv = pf->v;
-    const int pfhint = pf->hint;
-    int64_t j, i, d;
+    const int64_t Dv = D & ~(int64_t)7;
+    int64_t j, i;
     int kk, r;
     float tmp[8];
     OKV_DQ_INIT
@@ -84,23 +197,7 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
         const OKV_KT_T *kp[8];
         __m256 acc[8];
         for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
-        /* software prefetch of the next block's K and V rows: the streams cross
-         * a 4 KiB page every few rows, where the hardware prefetcher restarts. */
-        for (kk = 0; kk < KJ; kk++)
-            if (j + kk < npf) {
-                const char *pk = pfk + (j + kk) * pks, *pv = pfv + (j + kk) * pvs;
-                int64_t o;
-                if (pfhint >= 2)
-                    for (o = 0; o < rowb; o += 64) {
-                        _mm_prefetch(pk + o, _MM_HINT_T1);
-                        _mm_prefetch(pv + o, _MM_HINT_T1);
-                    }
-                else
-                    for (o = 0; o < rowb; o += 64) {
-                        _mm_prefetch(pk + o, _MM_HINT_T0);
-                        _mm_prefetch(pv + o, _MM_HINT_T0);
-                    }
-            }
+        okv_pf_rows(pf, j, KJ);
         for (r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (i = 0; i < Dv; i += 8) {
             __m256 kv[8];
@@ -114,26 +211,13 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
             __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
             __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
             __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-            __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-            if (Dv == D && j + KJ <= n) {   /* common case: constant-trip scatter of the scaled sums */
-                _mm256_storeu_ps(tmp, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
-                for (kk = 0; kk < KJ; kk++)
-                    for (r = 0; r < NRP; r++)
-                        if (r < nr) s[r * OKV_BK + j + kk] = tmp[kk * NRP + r];
-                continue;
-            }
-            _mm256_storeu_ps(tmp, sum);
+            _mm256_storeu_ps(tmp, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                _mm256_permute2f128_ps(u0, u1, 0x31)));
         }
-        for (kk = 0; kk < KJ; kk++) {
-            if (j + kk >= n) break;
-            for (r = 0; r < nr; r++) {
-                float x = tmp[kk * NRP + r];
-                for (d = Dv; d < D; d++) x += qr[r][d] * OKV_LD1(kp[kk], d);
-                s[r * OKV_BK + j + kk] = x * scale;
-            }
-        }
+        OKV_F(okv_qk_store)(tmp, qr, nr, kp, j, n, D, scale, s, dq, NRP, KJ);
     }
 }
+#endif
 
 /* Always inlined: every unit (and the per-format dispatchers) gets its own
  * copy; one shared out-of-line copy measured ~10% slower on float32 decode. */
@@ -147,9 +231,10 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_rows)(const float *const *qr, int nr, cons
     else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 4);
     else              OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 8);
 }
+#endif /* !OKV_PV_ONLY */
 
-/* ---- AVX2: acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
- * 8-float chunks per pass: NR*NC accumulators in registers, each V chunk loaded
+/* ---- acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
+ * vector chunks per pass: NR*NC accumulators in registers, each V chunk loaded
  * and converted once and used by every row. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
                                             float *const *accr, int64_t i0, int64_t i1, const okv_dq *dq,
@@ -157,32 +242,37 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, i
     int64_t i, j;
     int r, c;
     OKV_DQ_INIT
-    for (i = i0; i + 8 * NC <= i1; i += 8 * NC) {
-        __m256 acc[8][8];
+    for (i = i0; i + OKV_VW * NC <= i1; i += OKV_VW * NC) {
+        OKV_VEC acc[8][8];
         for (r = 0; r < NR; r++)
-            for (c = 0; c < NC; c++) acc[r][c] = _mm256_loadu_ps(accr[r] + i + 8 * c);
+            for (c = 0; c < NC; c++) acc[r][c] = OKV_VLD(accr[r] + i + OKV_VW * c);
         for (j = 0; j < n; j++) {
             const OKV_KT_T *vj = v + j * OKV_RS(D);
-            __m256 vv[8];
-            for (c = 0; c < NC; c++) vv[c] = OKV_LD8(vj, i + 8 * c);
+            OKV_VEC vv[8];
+            for (c = 0; c < NC; c++) vv[c] = OKV_LDV(vj, i + OKV_VW * c);
             for (r = 0; r < NR; r++) {
-                __m256 pr = _mm256_broadcast_ss(p + r * OKV_BK + j);
-                for (c = 0; c < NC; c++) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+                const OKV_VEC pr = OKV_VSET1(p[r * OKV_BK + j]);
+                for (c = 0; c < NC; c++) acc[r][c] = OKV_VFMA(pr, vv[c], acc[r][c]);
             }
         }
         for (r = 0; r < NR; r++)
-            for (c = 0; c < NC; c++) _mm256_storeu_ps(accr[r] + i + 8 * c, acc[r][c]);
+            for (c = 0; c < NC; c++) OKV_VST(accr[r] + i + OKV_VW * c, acc[r][c]);
     }
 }
 
+/* Whole rows: NC-chunk passes, single-chunk passes, (AVX-512) one 8-lane pass
+ * by the AVX2 tile if D % 16 >= 8, the last D % 8 elements scalar. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
                                           float *const *accr, const okv_dq *dq, const int NR, const int NC) {
-    const int64_t Dv = D & ~(int64_t)7, Dw = Dv - Dv % (8 * NC);
+    const int64_t Dn = D & ~(int64_t)(OKV_VW - 1), Dv = D & ~(int64_t)7, Dw = Dn - Dn % (OKV_VW * NC);
     int64_t j, d;
     int r;
     OKV_DQ_INIT
     OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, dq, NR, NC);
-    if (Dw < Dv) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dv, dq, NR, 1);
+    if (Dw < Dn) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dn, dq, NR, 1);
+#ifdef OKV_SIMD512
+    if (Dn < Dv) OKV_CAT3(okv_pv_tile, OKV_KT, _avx2)(p, v, n, D, accr, Dn, Dv, dq, NR, 1);
+#endif
     if (Dv < D)
         for (j = 0; j < n; j++)
             for (d = Dv; d < D; d++) {
@@ -194,18 +284,28 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D,
                                             float *const *accr, const okv_dq *dq) {
     switch (nr) {
-    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, 8); break;
-    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, 4); break;
-    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, 2); break;
-    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, 2); break;
-    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, 1); break;
-    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, 1); break;
-    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, 1); break;
-    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, 1); break;
+    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, OKV_PV_NC(1)); break;
+    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, OKV_PV_NC(2)); break;
+    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, OKV_PV_NC(3)); break;
+    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, OKV_PV_NC(4)); break;
+    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, OKV_PV_NC(5)); break;
+    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, OKV_PV_NC(6)); break;
+    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, OKV_PV_NC(7)); break;
+    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, OKV_PV_NC(8)); break;
     }
 }
+#undef OKV_VW
+#undef OKV_VEC
+#undef OKV_VLD
+#undef OKV_VST
+#undef OKV_VSET1
+#undef OKV_VFMA
+#undef OKV_LDV
+#undef OKV_QK_LANE
+#undef OKV_PV_NC
 
 #else
+#ifndef OKV_PV_ONLY
 /* ---- scalar: each K element converted once, used by all nr rows. */
 static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
                                float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
@@ -231,6 +331,7 @@ static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k
         for (r = 0; r < nr; r++) s[r * OKV_BK + j] = (a0[r] + a1[r]) * scale;
     }
 }
+#endif
 
 /* each V element converted once, used by all nr rows */
 static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D, float *const *accr,
@@ -268,6 +369,9 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     float *sc = acc + RT * D;         /* OKV_RG*OKV_BK used (RT*OKV_BK reserved) */
     float *mx = sc + RT * OKV_BK;     /* RT */
     float *sm = mx + RT;              /* RT */
+#ifdef OKV_MIXED
+    float *qb = sm + RT;              /* OKV_RG*D: query rows with per-channel key scales folded in */
+#endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
     int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j1, j, h;
     const float scale = a->scale, softcap = a->softcap;
@@ -365,7 +469,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 /* the prefetch by the first row group only */
 #ifdef OKV_MIXED
                 OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, n, D, scale, sc, &dk,
-                                  rg == 0 ? pfp : &nopf);
+                                  rg == 0 ? pfp : &nopf, qb);
 #else
                 OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), n, D, scale, sc, dq0,
                                    rg == 0 ? pfp : &nopf);

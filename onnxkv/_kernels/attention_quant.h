@@ -2,8 +2,8 @@
  * kernel: page layout helpers, per-format tile loaders, and the work unit that
  * dispatches each tile to the loader of its page's format.
  *
- * Included by attention.h once per instruction set (OKV_SFX, OKV_ATTR,
- * OKV_SIMD_BODY set); the first part is compiled once.
+ * Included by attention.h once per instruction set (OKV_SFX, OKV_ATTR, and
+ * OKV_SIMD_BODY or OKV_SIMD512 set); the first part is compiled once.
  *
  * Page layout (the shared contract with the quantize kernels): a float page
  * (float32 / float16 / bfloat16) is [H, bs, D] elements, head-major.  A
@@ -15,13 +15,15 @@
  * (code - zero_point[h*G + g]) * scale[h*G + g], g = 0 (G = 1, per-head) or c
  * (G = D, per-channel).
  *
- * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8: 8-bit codes
- * by sign/zero extension, 4- and 2-bit codes by one broadcast word and
- * per-lane variable shifts) for a constant format, converted to float.
- * Per-channel scales and zero points are applied by the loader macros of the
- * tile instantiation (attention_qfmt.h), in registers; a per-head scale and
- * zero point are folded into the scores and the probabilities (okv_qk_zp,
- * okv_pv_fold) instead.
+ * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8: 8-bit codes by
+ * sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
+ * variable shifts, converted to float; okv_q_load16_ps: 16 lanes, 4- and
+ * 2-bit codes by a table lookup) for a constant format.
+ * Per-channel value scales and zero points are applied by the loader macros
+ * of the tile instantiation (attention_qfmt.h), in registers; per-channel key
+ * scales are folded into the query rows once per tile (okv_qk_chan_fold), so
+ * keys are scored on their raw codes; a per-head scale and zero point are
+ * folded into the scores and the probabilities (okv_qk_zp, okv_pv_fold).
  */
 #ifndef ONNXKV_ATTENTION_QUANT_ONCE
 #define ONNXKV_ATTENTION_QUANT_ONCE
@@ -93,16 +95,35 @@ static inline okv_dq okv_dq_head(const float *sc, const float *zp, int64_t off) 
     return d;
 }
 
+/* s[r*OKV_BK + j] -= zc[r] for the nr rows, j < n. */
+static inline void okv_qk_sub_rows(float *s, int nr, int64_t n, const float *zc) {
+    int r;
+    int64_t j;
+    for (r = 0; r < nr; r++)
+        if (zc[r] != 0.f)
+            for (j = 0; j < n; j++) s[r * OKV_BK + j] -= zc[r];
+}
+
+/* sum of x[0..n) in 8 independent partial sums (one vector add per 8
+ * elements once inlined into a SIMD tile dispatcher, instead of a serial
+ * chain of n dependent adds). */
+static inline float okv_sum8_f32(const float *x, int64_t n) {
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, t;
+    int64_t i;
+    int k;
+    for (i = 0; i + 8 <= n; i += 8)
+        for (k = 0; k < 8; k++) a[k] += x[i + k];
+    t = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    for (; i < n; i++) t += x[i];
+    return t;
+}
+
 /* Per-head zero point of keys: s[r*OKV_BK + j] -= c * sum(q row r), j < n. */
 static inline void okv_qk_zp(const float *const *qr, int nr, int64_t n, int64_t D, float c, float *s) {
+    float x[OKV_RG];
     int r;
-    int64_t j, d;
-    for (r = 0; r < nr; r++) {
-        float sq = 0.f, x;
-        for (d = 0; d < D; d++) sq += qr[r][d];
-        x = c * sq;
-        for (j = 0; j < n; j++) s[r * OKV_BK + j] -= x;
-    }
+    for (r = 0; r < nr; r++) x[r] = c * okv_sum8_f32(qr[r], D);
+    okv_qk_sub_rows(s, nr, n, x);
 }
 
 /* Per-head scale and zero point of values: acc row r -= s z sum_j p_j, then
@@ -113,20 +134,20 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
     for (r = 0; r < nr; r++) {
         float *pr = p + r * OKV_BK;
         if (dq->z1 != 0.f) {
-            float sp = 0.f, x;
-            for (j = 0; j < n; j++) sp += pr[j];
-            x = dq->s1 * dq->z1 * sp;
+            const float x = dq->s1 * dq->z1 * okv_sum8_f32(pr, n);
             for (d = 0; d < D; d++) accr[r][d] -= x;
         }
         for (j = 0; j < n; j++) pr[j] *= dq->s1;
     }
 }
 
-/* Codes of a packed row as float: element d, and (AVX2) elements i..i+7
- * (quant.h's okv_q_get / okv_q_load8 for a constant format). */
+/* Codes of a packed row as float: element d, (AVX2) elements i..i+7 and
+ * (AVX-512) elements i..i+15 (quant.h's okv_q_get / okv_q_load8 /
+ * okv_q_load16_ps for a constant format). */
 #define OKV_QCODE1(p, fmt, d) ((float)okv_q_get(p, fmt, d))
 #if OKV_X86_SIMD
 #define OKV_QCODE8(p, fmt, i) _mm256_cvtepi32_ps(okv_q_load8(p, fmt, i))
+#define OKV_QCODE16(p, fmt, i) okv_q_load16_ps(p, fmt, i)
 #endif
 #endif /* ONNXKV_ATTENTION_QUANT_ONCE */
 
@@ -152,13 +173,35 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
 #include "attention_qfmt.h"
 
 #define OKV_QX(name) OKV_CAT(name, OKV_SFX)
-/* Quantized tile of format F: per-channel scales dequantize in the load step;
- * per-head scales (s, z) score the raw codes c and fold the rest in:
+
+/* Per-channel key scales s[c] and zero points z[c] folded into the nr query
+ * rows: qs[r] = qb + r*D with qs[r][c] = q[r][c] * s[c], and zc[r] = scale *
+ * sum_c qs[r][c] z[c], so that scale * q.((code - z) s) = scale * qs.code -
+ * zc[r]: per-channel keys are scored on their raw codes by the per-head tiles
+ * (one multiply per query element and tile instead of two per key element). */
+OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr, int64_t D, float scale,
+                                                  const okv_dq *dq, float *qb, const float **qs, float *zc) {
+    int r;
+    for (r = 0; r < nr; r++) {
+        float *q = qb + r * D;
+        OKV_QX(okv_scale_mul_f32)(qr[r], 1.f, dq->s, q, D);
+        qs[r] = q;
+        zc[r] = scale * OKV_QX(okv_dot_f32)(q, dq->z, D);
+    }
+}
+
+/* Quantized tile of format F: per-channel key scales folded into the query
+ * rows (okv_qk_chan_fold), per-channel value scales dequantize in the load
+ * step; per-head scales (s, z) score the raw codes c and fold the rest in:
  * scale * q.((c - z) s) = (scale s) q.c - (scale s z) sum(q), and
  * sum_j p_j (c_j - z) s = sum_j (s p_j) c_j - s z sum_j p_j. */
 #define OKV_QK_Q(F)                                                                            \
     if (pc) {                                                                                  \
-        OKV_QX(okv_qk_rows_##F##c)(qr, nr, c, n, D, scale, s, dq, pf);                          \
+        const float *qs[OKV_RG] = {NULL};                                                      \
+        float zc[OKV_RG];                                                                      \
+        OKV_QX(okv_qk_chan_fold)(qr, nr, D, scale, dq, qb, qs, zc);                            \
+        OKV_QX(okv_qk_rows_##F##h)(qs, nr, c, n, D, scale, s, dq, pf);                         \
+        okv_qk_sub_rows(s, nr, n, zc);                                                         \
     } else {                                                                                   \
         OKV_QX(okv_qk_rows_##F##h)(qr, nr, c, n, D, scale * dq->s1, s, dq, pf);                 \
         if (dq->z1 != 0.f) okv_qk_zp(qr, nr, n, D, scale * dq->s1 * dq->z1, s);                 \
@@ -174,9 +217,10 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *co
     return
 
 /* Scores of nr rows against n keys of a tile in format fmt (see okv_qk_rows);
- * pc: per-channel scales. */
+ * pc: per-channel scales; qb: nr*D floats of scratch (the folded rows). */
 OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr, int nr, const char *k, int64_t n,
-                                        int64_t D, float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
+                                        int64_t D, float scale, float *s, const okv_dq *dq, const okv_pf *pf,
+                                        float *qb) {
     const uint8_t *c = (const uint8_t *)k;
     switch (fmt) {
     case OKV_FMT_F16: OKV_QX(okv_qk_rows_f16)(qr, nr, (const uint16_t *)k, n, D, scale, s, dq, pf); return;

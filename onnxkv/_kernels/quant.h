@@ -29,7 +29,8 @@
  * Code helpers for hand-written loops: okv_q_get(row, fmt, c) returns code c of
  * a packed row as an int (sign-extended for signed formats); on x86 the AVX2
  * function okv_q_load8(row, fmt, c) returns codes c..c+8 (c a multiple of 8) as
- * __m256i int32 lanes.
+ * __m256i int32 lanes, the AVX-512 function okv_q_load16_ps(row, fmt, c) codes
+ * c..c+16 (c a multiple of 16) as __m512 float32 lanes.
  */
 #ifndef ONNXKV_QUANT_H
 #define ONNXKV_QUANT_H
@@ -187,6 +188,42 @@ OKV_AVX2 static inline __m256i okv_q_load8(const uint8_t *codes, int fmt, int64_
         memcpy(&w, codes + c / 4, 2);
         v = _mm256_sllv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16));
         return sgn ? _mm256_srai_epi32(v, 30) : _mm256_srli_epi32(v, 30);
+    }
+}
+
+/* 16 codes c..c+16 of a packed row as float32 (AVX-512; c a multiple of 16,
+ * signed codes sign-extended).  8-bit: sign/zero extension of 16 bytes and a
+ * conversion.  4- and 2-bit: a table lookup (vpermps reads the low 4 bits of
+ * each lane) instead of shifting the code to the top and back and converting:
+ * 4-bit, the 8 bytes broadcast, dword 0 into lanes 0-7 and dword 1 into lanes
+ * 8-15, each lane shifted right to its nibble; 2-bit, one broadcast dword,
+ * lane i shifted right by 2i (the table repeats every 4 entries). */
+OKV_AVX512BW static inline __m512 okv_q_load16_ps(const uint8_t *codes, int fmt, int64_t c) {
+    const int b = okv_q_bits(fmt), sgn = okv_q_signed(fmt);
+    if (b == 8) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(codes + c));
+        return _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
+    }
+    if (b == 4) {
+        const __m512 tab = sgn ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)
+                               : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        uint64_t w;
+        __m512i v;
+        memcpy(&w, codes + c / 2, 8);
+        v = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                     _mm512_set1_epi64((long long)w));
+        v = _mm512_srlv_epi32(v, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+        return _mm512_permutexvar_ps(v, tab);
+    }
+    {
+        const __m512 tab = sgn ? _mm512_setr_ps(0, 1, -2, -1, 0, 1, -2, -1, 0, 1, -2, -1, 0, 1, -2, -1)
+                               : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+        uint32_t w;
+        memcpy(&w, codes + c / 4, 4);
+        return _mm512_permutexvar_ps(
+            _mm512_srlv_epi32(_mm512_set1_epi32((int)w),
+                              _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)),
+            tab);
     }
 }
 

@@ -73,6 +73,32 @@ static int okv_cpu_simd_ok(void) {
     return f[0] && f[1] && f[2] && f[3];
 }
 
+#if OKV_X86_SIMD
+/* Target of the 16-lane (AVX-512 F/BW/VL/DQ) kernels, on top of the AVX2 set;
+ * only executed when okv_cpu_avx512_ok() says so. */
+#define OKV_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#include <cpuid.h>
+#endif
+
+/* 1 when the AVX-512 F/BW/VL/DQ path can run: the AVX2 path can, the CPU has
+ * the four extensions, and the OS saves their register state (OSXSAVE, and
+ * XCR0 enables the SSE, AVX, opmask, ZMM0-15 upper half and ZMM16-31 state). */
+static int okv_cpu_avx512_ok(void) {
+#if OKV_X86_SIMD
+    unsigned int a, b, c, d, xlo, xhi;
+    if (!okv_cpu_simd_ok()) return 0;
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
+        return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    (void)xhi;
+    return (xlo & 0xE6u) == 0xE6u;
+#else
+    return 0;
+#endif
+}
+
 /* ------------------------------------------------------------------ */
 /* Scalar primitives (float32)                                          */
 /* ------------------------------------------------------------------ */

@@ -1,3 +1,5 @@
+import sys
+
 import numpy as np
 import pytest
 
@@ -6,7 +8,35 @@ from onnxkv._kernels import reference as R
 
 from .conftest import rand
 
-COMBOS = [(1, True), (2, True), (1, False), (2, False)]   # (threads, simd)
+A = sys.modules["onnxkv._kernels.attention"]
+AVX512 = A.set_attention_avx512(True)    # this CPU and OS can run the AVX-512 tiles
+# instruction sets of the attention kernels: every one this machine can run
+LEVELS = (("avx512",) if AVX512 else ()) + ("avx2", "scalar")
+COMBOS = [(threads, level) for level in LEVELS for threads in (1, 2)]
+
+
+def set_level(level):
+    """Make the attention kernels run `level` ("avx512", "avx2" or "scalar");
+    returns the level actually in use (AVX2 falls back to scalar on CPUs
+    without it)."""
+    K.set_simd_enabled(level != "scalar")
+    A.set_attention_avx512(level == "avx512")
+    return A.attention_simd_level()
+
+
+def reset_level():
+    """Back to the default: the widest instruction set the CPU runs."""
+    K.set_simd_enabled(True)
+    A.set_attention_avx512(True)
+
+
+@pytest.fixture(params=LEVELS)
+def simd(request):
+    """Instruction set of the attention kernels for one test (overrides the
+    on/off fixture of conftest in the modules that import it)."""
+    set_level(request.param)
+    yield request.param
+    reset_level()
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}
 
 
@@ -23,17 +53,29 @@ def check(q, k, v, kv_len, q_pos, scale, softcap=0.0, window=-1, kv_start=None, 
     R.attention(q, k, v, kv_len, q_pos, scale, softcap, window, want, kv_start=kv_start)
     old = K.get_num_threads()
     try:
-        for threads, simd in combos:
+        for threads, level in combos:
             K.set_num_threads(threads)
-            K.set_simd_enabled(simd)
+            set_level(level)
             out = np.full_like(q, np.nan)
             K.attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=kv_start)
             np.testing.assert_allclose(out, want, rtol=rtol, atol=atol,
-                                       err_msg=f"threads={threads} simd={simd}")
+                                       err_msg=f"threads={threads} simd={level}")
     finally:
         K.set_num_threads(old)
-        K.set_simd_enabled(True)
+        reset_level()
     return want
+
+
+def test_simd_level_switches():
+    """set_simd_enabled / set_attention_avx512 select the level attention_simd_level names."""
+    try:
+        assert set_level("scalar") == "scalar"
+        assert set_level("avx2") == ("avx2" if K.cpu_features()["simd_usable"] else "scalar")
+        assert (set_level("avx512") == "avx512") == AVX512
+        assert not A.set_attention_avx512(False) and A.attention_simd_level() != "avx512"
+    finally:
+        reset_level()
+    assert A.attention_simd_level() == LEVELS[0]
 
 
 def decode_positions(kv_len, Sq):
@@ -123,12 +165,14 @@ def test_no_visible_key_gives_zeros():
     q_pos = np.array([[0, 1], [-5, -1], [3, 4]], np.int32)
     want = check(q, k, v, kv_len, q_pos, 0.2)
     assert np.all(want[0] == 0.0) and np.all(want[1] == 0.0)
-    for threads, simd in COMBOS:
+    for threads, level in COMBOS:
         K.set_num_threads(threads)
+        set_level(level)
         out = np.full_like(q, np.nan)
         K.attention(q, k, v, kv_len, q_pos, 0.2, 0.0, -1, out)
         assert np.all(out[0] == 0.0) and np.all(out[1] == 0.0)
     K.set_num_threads(2)
+    reset_level()
 
 
 @pytest.mark.parametrize("threads", [2, 3, 4, 7])
@@ -140,7 +184,7 @@ def test_cache_split_merge(threads, B, Hkv, Sq):
     kv_len = np.array([2000, 1500, 129][:B], np.int32)
     for window in (-1, 700):
         check(q, k, v, kv_len, decode_positions(kv_len, Sq), 0.125, window=window,
-              kv_start=np.array([0, 3, 100][:B], np.int32), combos=[(threads, True), (threads, False)])
+              kv_start=np.array([0, 3, 100][:B], np.int32), combos=[(threads, level) for level in LEVELS])
 
 
 def test_capacity_tail_not_read():
@@ -218,7 +262,7 @@ def test_read_only_inputs_accepted():
     q_pos = decode_positions(kv_len, 2)
     for a in (q, k, v, kv_len, q_pos):
         a.flags.writeable = False
-    check(q, k, v, kv_len, q_pos, 0.3, combos=[(1, True)])
+    check(q, k, v, kv_len, q_pos, 0.3, combos=[(1, LEVELS[0])])
     x = rand(rng, (3, 8))
     g = rand(rng, (8,))
     x.flags.writeable = False

@@ -13,8 +13,10 @@ import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 
 from .conftest import rand
+from .test_attention import COMBOS, LEVELS, reset_level, set_level
 
-COMBOS = [(1, True), (2, True), (1, False), (2, False)]   # (threads, simd)
+VECTOR = LEVELS[:-1]           # the SIMD levels (all but scalar)
+LONG_COMBOS = [(2, level) for level in VECTOR] + [(1, "scalar")]   # long caches: fewer scalar runs
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}
 DTYPES = ["float32", "float16", "bfloat16"]
 
@@ -45,17 +47,17 @@ def check(dtype, q, k, v, kv_len, q_pos, scale, softcap=0.0, window=-1, kv_start
     R.attention(q, k, v, kv_len, q_pos, scale, softcap, window, want, kv_start=kv_start, kv_dtype=kvd(dtype))
     old = K.get_num_threads()
     try:
-        for threads, simd in combos:
+        for threads, level in combos:
             K.set_num_threads(threads)
-            K.set_simd_enabled(simd)
+            set_level(level)
             out = np.full_like(q, np.nan)
             K.attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=kv_start,
                         kv_dtype=kvd(dtype))
             np.testing.assert_allclose(out, want, rtol=rtol, atol=atol,
-                                       err_msg=f"dtype={dtype} threads={threads} simd={simd}")
+                                       err_msg=f"dtype={dtype} threads={threads} simd={level}")
     finally:
         K.set_num_threads(old)
-        K.set_simd_enabled(True)
+        reset_level()
     return want
 
 
@@ -80,7 +82,7 @@ def test_decode_dtypes(dtype, heads, D, ctx):
     Cap = ctx + 9                                   # capacity > kv_len: non-contiguous valid prefix
     q, k, v = make(rng, dtype, B, Hq, Hkv, 1, Cap, D)
     kv_len = np.array([ctx, max(1, ctx // 2 - 3)][:B], np.int32)
-    combos = COMBOS if ctx < 8192 else [(2, True), (1, False)]
+    combos = COMBOS if ctx < 8192 else LONG_COMBOS
     check(dtype, q, k, v, kv_len, decode_positions(kv_len, 1), D ** -0.5, combos=combos)
 
 
@@ -106,7 +108,8 @@ def test_group_sizes(dtype, G):
     for Sq in (1, 3):
         q, k, v = make(rng, dtype, 1, 2 * G, 2, Sq, 140, 128)
         kv_len = np.array([137], np.int32)
-        check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), 0.09, combos=[(1, True), (2, False)])
+        check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), 0.09,
+              combos=[(1, level) for level in VECTOR] + [(2, "scalar")])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -148,7 +151,7 @@ def test_cache_split_merge_dtypes(dtype, threads, B, Hkv, Sq):
     kv_len = np.array([2000, 1500, 129][:B], np.int32)
     for window in (-1, 700):
         check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), 0.125, window=window,
-              kv_start=np.array([0, 3, 100][:B], np.int32), combos=[(threads, True), (threads, False)])
+              kv_start=np.array([0, 3, 100][:B], np.int32), combos=[(threads, level) for level in LEVELS])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -186,12 +189,12 @@ def test_load_step_conversion_is_exact():
         vrow = np.where(finite, vv, vv.dtype.type(0)).reshape(1, 1, 1, D)
         want = np.where(finite, want, 0).astype(np.float32)
         k = np.zeros_like(vrow)
-        for simd in (True, False):
-            K.set_simd_enabled(simd)
+        for level in LEVELS:
+            set_level(level)
             out = np.empty((1, 1, 1, D), np.float32)
             K.attention(np.ones((1, 1, 1, D), np.float32), k, np.ascontiguousarray(vrow), np.array([1], np.int32),
                         np.array([[0]], np.int32), 1.0, 0.0, -1, out, kv_dtype=kvd(dtype))
-            K.set_simd_enabled(True)
+            reset_level()
             np.testing.assert_array_equal(out.reshape(-1), want)
 
 
@@ -238,8 +241,8 @@ def test_private_tuning_switches_keep_results(dtype):
             A._set_prefill_rg(rg)
             A._set_prefetch(pf)
             A._set_split_tasks(st)
-            check(dtype, q, k, v, kv_len, decode_positions(kv_len, 9), 0.125, combos=[(2, True), (1, False)])
-            check(dtype, qd, kd, vd, kv_len, decode_positions(kv_len, 1), 0.11, combos=[(2, True), (2, False)])
+            check(dtype, q, k, v, kv_len, decode_positions(kv_len, 9), 0.125, combos=LONG_COMBOS)
+            check(dtype, qd, kd, vd, kv_len, decode_positions(kv_len, 1), 0.11, combos=[(2, level) for level in LEVELS])
     finally:
         A._set_prefill_rg(old[0])
         A._set_prefetch(old[1])

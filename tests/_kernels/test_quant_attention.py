@@ -20,6 +20,7 @@ from onnxkv._kernels import reference as R
 from onnxkv.alloc import SystemAllocator
 
 from .conftest import rand
+from .test_attention import simd  # noqa: F401  (the SIMD fixture: avx512, avx2, scalar)
 
 ALLOC = SystemAllocator()
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}
@@ -198,6 +199,16 @@ MIXED = tuple(ALL)
 def test_mixed_formats_per_page(heads, D, bs, kv_len, Sq, window, kG, vG, threads, simd):
     """K and V formats drawn independently per page id (all nine formats)."""
     got, _, _ = run(MIXED, MIXED, kG, vG, heads, D, bs, kv_len, Sq, seed=D + bs + Sq, window=window)
+    assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("heads,D,bs,Sq", [("gqa", 12, 16, 1), ("mqa", 24, 8, 5), ("mha", 36, 32, 3),
+                                         ("gqa", 40, 16, 1)])
+@pytest.mark.parametrize("kG,vG", [(1, 1), ("D", "D")], ids=["per_head", "per_channel"])
+def test_head_sizes_not_a_multiple_of_16(heads, D, bs, Sq, kG, vG, threads, simd):
+    """All nine formats per page with head sizes that leave an 8-lane chunk
+    (12, 24, 40) or a scalar tail (12, 36) after the 16-lane chunks."""
+    got, _, _ = run(MIXED, MIXED, kG, vG, heads, D, bs, (300, 77), Sq, seed=D * 3 + bs)
     assert np.isfinite(got).all()
 
 
