@@ -17,6 +17,13 @@ The fused node receives the original axes/shape tensors and checks at run time
 that they describe a repeat along the head axis; otherwise it computes the
 original expression exactly.
 
+``fuse_masked_attention`` (run after ``fuse_repeat_kv_matmul``) replaces the
+whole eager attention block, ``Softmax(Q·Kᵀ * scale + mask) · V`` with an
+optional NaN guard, by one ``ai.onnxkv::MaskedAttention`` node that runs the
+streaming attention kernel on K/V as they are (in a state: the cache, in
+place) when the additive mask describes per-row key ranges; the replaced
+nodes travel along as its ``body`` graph, evaluated literally otherwise.
+
 A pattern is fused only when the intermediate values have no other reader and
 are not graph outputs, so results are unchanged (up to float rounding where a
 scalar scale moves from K to the product).
@@ -87,16 +94,24 @@ def _readers(nodes: list[onnx.NodeProto]) -> dict[str, list[int]]:
     return readers
 
 
-def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
-    """``nodes`` with repeat_kv + MatMul chains replaced by RepeatKvMatMul nodes (see the module docstring)."""
+def _graph_index(nodes: list[onnx.NodeProto], protected: set[str]):
+    """(readers, producer, single) of ``nodes``: value -> reader indices, value -> producer index, and
+    ``single(value, reader)``: the producer of ``value`` if ``reader`` is its only reader and it is not
+    protected, else None."""
     readers = _readers(nodes)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
 
     def single(value: str, reader: int) -> int | None:
-        """The producer of ``value`` if ``reader`` is its only reader and it is not protected."""
         if value in protected or readers.get(value) != [reader]:
             return None
         return producer.get(value)
+
+    return readers, producer, single
+
+
+def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` with repeat_kv + MatMul chains replaced by RepeatKvMatMul nodes (see the module docstring)."""
+    readers, producer, single = _graph_index(nodes, protected)
 
     def op(i: int | None, op_type: str) -> bool:
         return i is not None and nodes[i].op_type == op_type and nodes[i].domain in ("", "ai.onnx")
@@ -206,14 +221,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     express it.  Every intermediate must have the block as its only reader
     and not be protected; the final output keeps its name.
     """
-    readers = _readers(nodes)
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-
-    def single(value: str, reader: int) -> int | None:
-        """The producer of ``value`` if ``reader`` is its only reader and it is not protected."""
-        if value in protected or readers.get(value) != [reader]:
-            return None
-        return producer.get(value)
+    readers, _, single = _graph_index(nodes, protected)
 
     def is_op(i: int | None, op_type: str, domain: str = "") -> bool:
         if i is None:

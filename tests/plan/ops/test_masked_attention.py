@@ -8,6 +8,7 @@ are counted to tell the kernel path from the literal one.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
@@ -19,7 +20,7 @@ B, HQ, HKV, D = 2, 4, 2, 8
 FMIN = np.finfo(np.float32).min
 
 
-def _block(form: str, mask_shape) -> "onnx.ModelProto":  # noqa: F821
+def _block(form: str, mask_shape) -> onnx.ModelProto:
     """Q [B, HQ, S, D], K/V [B, h, T, D], mask -> Y, in one of the exporters' spellings.
 
     ``repeat``: repeat_kv + Transpose + MatMul, then Mul by the scale (onnxkv.models.concat);
