@@ -19,8 +19,13 @@ Prints JSON: machine, versions, threads, shapes, raw per-token samples,
 medians, peak RSS, onnxkv's event-log totals, ratios to each peer.  Also
 reports onnxkv's Python dispatch overhead per node on the tiny model.
 
+``--torch-model FILE`` runs the ``concat`` cases on that file instead of the
+builder's Concat graph: a real ``torch.onnx.export`` of the same model, made by
+``scripts/export_torch_small.py`` (its vocabulary is read from the file).
+
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
-       [--cases small-gqa:128,small-gqa:1024,...] [--engines onnxkv,ort,ort-genai] [--out FILE]
+       [--cases small-gqa:128,small-gqa:1024,...] [--engines onnxkv,ort,ort-genai]
+       [--torch-model FILE] [--out FILE]
 """
 
 from __future__ import annotations
@@ -214,12 +219,23 @@ def build(tmp: Path, size: str, family: str, max_length: int, threads: int) -> t
     return folder, cfg.vocab_size
 
 
+def exported_vocab(path: Path) -> int:
+    """Vocabulary size of a decoder file: the last dimension of its ``logits`` output."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    logits = next(o for o in graph.output if o.name == "logits")
+    return logits.type.tensor_type.shape.dim[-1].dim_value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--engines", default=DEFAULT_ENGINES)
+    ap.add_argument("--torch-model", type=Path, help="run the concat cases on this torch.onnx.export file "
+                    "(scripts/export_torch_small.py) instead of the builder's Concat graph")
     ap.add_argument("--out")
     ap.add_argument("--worker", nargs=6, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS"),
                     help=argparse.SUPPRESS)
@@ -249,8 +265,13 @@ def main() -> None:
             size, family = name.split("-")
             plen = int(plen)
             max_length = 2048 if plen + args.new_tokens + 64 <= 2048 else 8192
-            folder, vocab = build(tmp, size, family, max_length, args.threads)
+            exported = family == "concat" and args.torch_model is not None
+            if exported:
+                folder, vocab = args.torch_model, exported_vocab(args.torch_model)
+            else:
+                folder, vocab = build(tmp, size, family, max_length, args.threads)
             entry = {"model": size, "graph": family, "prompt": plen, "new_tokens": args.new_tokens, "batch": 1,
+                     "source": f"torch.onnx.export ({folder})" if exported else "onnxkv.models builder",
                      "engines": {}}
             for engine in engines:
                 if (engine == "ort-genai" and genai_version is None) or (engine in ("ort-genai", "onnxkv-f16")

@@ -152,7 +152,7 @@ def export_torch(model, path: pathlib.Path) -> None:
     import torch
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
-    n_layers = CFG["num_hidden_layers"]
+    n_layers = model.config.num_hidden_layers
 
     class Wrapper(torch.nn.Module):
         def __init__(self, m):
@@ -176,7 +176,7 @@ def export_torch(model, path: pathlib.Path) -> None:
                 present += [layer.keys, layer.values]
             return (out.logits, *present)
 
-    kv, hd = CFG["num_key_value_heads"], CFG["head_dim"]
+    kv, hd = model.config.num_key_value_heads, model.config.head_dim
     b, s, p = 2, 3, 5
     args = [torch.randint(0, 256, (b, s)), torch.ones(b, p + s, dtype=torch.long),
             torch.arange(p, p + s).repeat(b, 1)]

@@ -17,6 +17,13 @@ The fused node receives the original axes/shape tensors and checks at run time
 that they describe a repeat along the head axis; otherwise it computes the
 original expression exactly.
 
+``fuse_masked_attention`` (run after ``fuse_repeat_kv_matmul``) replaces the
+whole eager attention block, ``Softmax(Q·Kᵀ * scale + mask) · V`` with an
+optional NaN guard, by one ``ai.onnxkv::MaskedAttention`` node that runs the
+streaming attention kernel on K/V as they are (in a state: the cache, in
+place) when the additive mask describes per-row key ranges; the replaced
+nodes travel along as its ``body`` graph, evaluated literally otherwise.
+
 A pattern is fused only when the intermediate values have no other reader and
 are not graph outputs, so results are unchanged (up to float rounding where a
 scalar scale moves from K to the product).
@@ -29,7 +36,8 @@ from collections import defaultdict
 import onnx
 from onnx import helper
 
-__all__ = ["fuse_silu_gate", "fuse_repeat_kv_matmul", "FUSED_DOMAIN"]
+__all__ = ["fuse_silu_gate", "fuse_repeat_kv_matmul", "fuse_masked_attention", "MASKED_ATTENTION_INPUTS",
+           "FUSED_DOMAIN"]
 
 FUSED_DOMAIN = "ai.onnxkv"
 
@@ -86,16 +94,24 @@ def _readers(nodes: list[onnx.NodeProto]) -> dict[str, list[int]]:
     return readers
 
 
-def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
-    """``nodes`` with repeat_kv + MatMul chains replaced by RepeatKvMatMul nodes (see the module docstring)."""
+def _graph_index(nodes: list[onnx.NodeProto], protected: set[str]):
+    """(readers, producer, single) of ``nodes``: value -> reader indices, value -> producer index, and
+    ``single(value, reader)``: the producer of ``value`` if ``reader`` is its only reader and it is not
+    protected, else None."""
     readers = _readers(nodes)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
 
     def single(value: str, reader: int) -> int | None:
-        """The producer of ``value`` if ``reader`` is its only reader and it is not protected."""
         if value in protected or readers.get(value) != [reader]:
             return None
         return producer.get(value)
+
+    return readers, producer, single
+
+
+def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` with repeat_kv + MatMul chains replaced by RepeatKvMatMul nodes (see the module docstring)."""
+    readers, producer, single = _graph_index(nodes, protected)
 
     def op(i: int | None, op_type: str) -> bool:
         return i is not None and nodes[i].op_type == op_type and nodes[i].domain in ("", "ai.onnx")
@@ -169,4 +185,149 @@ def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> l
             "RepeatKvMatMul",
             [mm.input[0], unsq.input[0], unsq.input[1], expand.input[1], reshape.input[1], scale, post],
             [out_name], name=mm.name or mm.output[0], domain=FUSED_DOMAIN, transpose_b=int(transpose))
+    return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
+
+
+#: Positions of the fixed inputs of ``ai.onnxkv::MaskedAttention`` (see :func:`fuse_masked_attention`).
+MASKED_ATTENTION_INPUTS = ("q", "k", "v", "mask", "k_axes", "k_expand", "k_reshape", "v_axes", "v_expand",
+                           "v_reshape", "k_scale", "score_scale")
+
+
+def _default_op(node: onnx.NodeProto, op_type: str) -> bool:
+    return node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` with each eager attention block replaced by one ``ai.onnxkv::MaskedAttention`` node.
+
+    Run after :func:`fuse_repeat_kv_matmul`.  The block, as exported from
+    eager attention (``torch.onnx.export`` of Llama-style models and
+    :mod:`onnxkv.models.concat`)::
+
+        scores = S(Q, K)                      # see below
+        P      = Softmax(Add(scores, mask))   # mask: either Add operand
+        P'     = Where(IsNaN(P), fill, P)     # optional NaN guard of fully masked rows
+        Y      = RepeatKvMatMul(P', V, ...)   # transpose_b=0, or MatMul(P', V)
+
+    where ``S`` is ``RepeatKvMatMul(Q, K, axes, expand, reshape, [k_scale],
+    [post])`` with ``transpose_b=1``, or ``MatMul(Q, [Mul(., k_scale)]
+    Transpose(K, perm=[0, 1, 3, 2]))``, either optionally followed by a
+    ``Mul``/``Div`` by ``score_scale``.  The fused node reads
+    ``MASKED_ATTENTION_INPUTS`` by position (empty name = absent), then every
+    other value the block reads; attribute ``score_div=1`` when the score
+    scale divides; attribute ``body`` holds the replaced nodes as a graph
+    whose inputs are the fused node's inputs, so the kernel can evaluate the
+    original expression literally whenever the streaming kernel cannot
+    express it.  Every intermediate must have the block as its only reader
+    and not be protected; the final output keeps its name.
+    """
+    readers, _, single = _graph_index(nodes, protected)
+
+    def is_op(i: int | None, op_type: str, domain: str = "") -> bool:
+        if i is None:
+            return False
+        return _default_op(nodes[i], op_type) if not domain else (nodes[i].op_type == op_type
+                                                                   and nodes[i].domain == domain)
+
+    def transpose_b(i: int) -> int:
+        return next((a.i for a in nodes[i].attribute if a.name == "transpose_b"), 0)
+
+    def scores(i: int | None) -> tuple[list[int], dict[str, str], int] | None:
+        """(nodes, roles, score_div) of the Q·K product ending at node ``i``."""
+        chain, roles, div = [], {}, 0
+        if is_op(i, "Mul") or is_op(i, "Div"):
+            node = nodes[i]
+            inner = [x for x in (node.input if node.op_type == "Mul" else node.input[:1])
+                     if is_op(single(x, i), "MatMul") or is_op(single(x, i), "RepeatKvMatMul", FUSED_DOMAIN)]
+            if len(inner) != 1:
+                return None
+            roles["score_scale"] = node.input[1] if node.input[0] == inner[0] else node.input[0]
+            div = int(node.op_type == "Div")
+            chain.append(i)
+            i = single(inner[0], i)
+        if is_op(i, "RepeatKvMatMul", FUSED_DOMAIN) and transpose_b(i):
+            ins = list(nodes[i].input) + [""] * (7 - len(nodes[i].input))
+            if ins[6] and roles:
+                return None  # a product scale inside and outside: not a pattern exports make
+            roles.update(q=ins[0], k=ins[1], k_axes=ins[2], k_expand=ins[3], k_reshape=ins[4], k_scale=ins[5])
+            if ins[6]:
+                roles["score_scale"] = ins[6]
+            return chain + [i], roles, div
+        if not is_op(i, "MatMul"):
+            return None
+        mm = nodes[i]
+        chain.append(i)
+        cur = single(mm.input[1], i)
+        if is_op(cur, "Mul"):
+            mul = nodes[cur]
+            t_in = next((x for x in mul.input if is_op(single(x, cur), "Transpose")), None)
+            if t_in is None:
+                return None
+            roles["k_scale"] = mul.input[1] if mul.input[0] == t_in else mul.input[0]
+            chain.append(cur)
+            cur = single(t_in, cur)
+        if not is_op(cur, "Transpose") or \
+                next((list(a.ints) for a in nodes[cur].attribute if a.name == "perm"), None) != [0, 1, 3, 2]:
+            return None
+        roles.update(q=mm.input[0], k=nodes[cur].input[0])
+        return chain + [cur], roles, div
+
+    drop: set[int] = set()
+    replace: dict[int, onnx.NodeProto] = {}
+    for s, sm in enumerate(nodes):
+        if not _default_op(sm, "Softmax") or s in drop:
+            continue
+        add = single(sm.input[0], s)
+        if not is_op(add, "Add"):
+            continue
+        found = None
+        a, b = nodes[add].input
+        for x, mask in ((a, b), (b, a)):
+            found = scores(single(x, add))
+            if found is not None:
+                break
+        if found is None:
+            continue
+        chain, roles, div = found
+        roles["mask"] = mask
+        chain += [add, s]
+        probs = sm.output[0]
+        after = readers.get(probs, [])
+        if probs in protected:
+            continue
+        if len(after) == 2 and sorted(nodes[r].op_type for r in after) == ["IsNaN", "Where"]:
+            isnan, where = sorted(after, key=lambda r: nodes[r].op_type != "IsNaN")
+            w = nodes[where]
+            if not (_default_op(nodes[isnan], "IsNaN") and _default_op(w, "Where")
+                    and single(nodes[isnan].output[0], where) == isnan and list(w.input)[::2] ==
+                    [nodes[isnan].output[0], probs]):
+                continue
+            chain += [isnan, where]
+            probs = w.output[0]
+            after = readers.get(probs, []) if probs not in protected else []
+        if len(after) != 1:
+            continue
+        pv = after[0]
+        pvn = nodes[pv]
+        if is_op(pv, "RepeatKvMatMul", FUSED_DOMAIN) and not transpose_b(pv) and pvn.input[0] == probs \
+                and not any(pvn.input[5:]):
+            roles.update(v=pvn.input[1], v_axes=pvn.input[2], v_expand=pvn.input[3], v_reshape=pvn.input[4])
+        elif is_op(pv, "MatMul") and pvn.input[0] == probs:
+            roles["v"] = pvn.input[1]
+        else:
+            continue
+        chain.append(pv)
+        if any(i in drop or i in replace for i in chain):
+            continue
+        body_nodes = [nodes[i] for i in sorted(chain)]
+        made = {o for n in body_nodes for o in n.output}
+        inputs = [roles.get(r, "") for r in MASKED_ATTENTION_INPUTS]
+        for n in body_nodes:
+            inputs += [x for x in n.input if x and x not in made and x not in inputs]
+        body_inputs = [helper.make_empty_tensor_value_info(x) for x in dict.fromkeys(x for x in inputs if x)]
+        body = helper.make_graph(body_nodes, f"{pvn.name or pvn.output[0]}_body", body_inputs,
+                                 [helper.make_empty_tensor_value_info(pvn.output[0])])
+        drop.update(i for i in chain if i != pv)
+        replace[pv] = helper.make_node("MaskedAttention", inputs, [pvn.output[0]], name=pvn.name or pvn.output[0],
+                                       domain=FUSED_DOMAIN, score_div=div, body=body)
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]

@@ -33,7 +33,7 @@ from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.buffers import RunBuffers
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
-from onnxkv.plan.fusion import fuse_repeat_kv_matmul, fuse_silu_gate
+from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
 
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
@@ -194,6 +194,7 @@ class Plan:
             subgraph_reads = {x for n in nodes for x in _node_reads(n)} - {x for n in nodes for x in n.input}
             protected = {o.name for o in graph.output} | subgraph_reads
             nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
+            nodes = fuse_masked_attention(nodes, protected)
 
         self.bindings = list(bindings)
         by_node: dict[str, list] = {}

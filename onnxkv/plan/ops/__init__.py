@@ -5,6 +5,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     attention_gqa,
     attention_onnx,
     cache_update,
+    masked_attention,
     paged,
     quantize_paged_cache,
     repeat_kv_matmul,

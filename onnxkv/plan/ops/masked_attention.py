@@ -1,0 +1,219 @@
+"""``ai.onnxkv::MaskedAttention``: eager attention with an additive mask, on the streaming kernel.
+
+Made by :func:`onnxkv.plan.fusion.fuse_masked_attention` from the attention
+block of eager exports, ``Y = softmax(scale * Q·Kᵀ + mask) · V`` (with the
+repeat_kv of grouped-query attention, the scale on K and/or on the scores and
+an optional NaN guard after the softmax).  Inputs, by position
+(:data:`~onnxkv.plan.fusion.MASKED_ATTENTION_INPUTS`; absent = empty name):
+
+=====  ===========================  ===============================================
+0      ``q``                        [B, Hq, S, D]
+1, 2   ``k``, ``v``                 [B, Hkv, T, D] and [B, Hkv, T, Dv]; in a state,
+                                    zero-copy views of the in-place caches
+3      ``mask``                     additive, broadcastable to [B, Hq, S, T]
+4-6    ``k_axes/expand/reshape``    the Unsqueeze/Expand/Reshape of K's repeat_kv
+7-9    ``v_axes/expand/reshape``    the same for V
+10     ``k_scale``                  multiplies Kᵀ
+11     ``score_scale``              multiplies (``score_div=1``: divides) Q·Kᵀ
+12...  anything else the block reads (e.g. the NaN guard's fill value)
+=====  ===========================  ===============================================
+
+Output: Y [B, Hq, S, Dv], float32 on the kernel path.  The ``body`` attribute
+holds the replaced nodes (a graph over the same input names).
+
+The compiled streaming kernel (:func:`onnxkv._kernels.attention`: K/V read
+once per KV head for its whole query group, never repeated, gathered or
+copied) runs when, checked on every call:
+
+* ``q`` is float32, K and V float32 or float16 of one shape with ``Dv == D``;
+* both repeats describe the same head repeat ``n`` with ``Hq = n * Hkv`` (or
+  neither is present and ``Hq == Hkv``); the scales are scalars;
+* the Softmax is over the last axis;
+* the mask is float32, one value per (batch, query, key) for all heads, every
+  entry is 0 (visible) or ``<= -1e30`` (masked: float32 min, ``-inf``), and
+  each query row's visible keys form one range ``[lo_b, hi]`` whose start is
+  shared by all rows of batch row ``b``: left padding plus a causal (or any
+  per-row) end, i.e. the kernel's ``kv_start[b] = lo_b`` and ``q_pos[b, s] = hi``
+  (see :func:`mask_ranges`).
+
+A masked score is ``s + m`` with ``m <= -1e30``, whose exponential is exactly 0
+next to any visible score, so the kernel's result equals the expression up to
+float rounding.  Rows with no visible key (left-padding rows of a prefill) are
+evaluated literally, which keeps the unfused operators' answer for them
+(uniform weights under a finite mask; under ``-inf``, whatever the Softmax
+and the NaN guard, if any, make of it).  When
+any other condition fails, the whole body is evaluated literally, node by node
+with the registered kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from onnxkv._kernels import attention as _attention_kernel
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.fallback import FallbackOp
+from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
+from onnxkv.plan.ops.repeat_kv_matmul import RepeatKvMatMul
+from onnxkv.plan.registry import BuildContext, Op, lookup, register
+
+__all__ = ["MaskedAttention", "mask_ranges", "MASKED"]
+
+#: Additive mask values at or below this hide a key (float32 min and -inf included).
+MASKED = -1e30
+
+_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE = (MASKED_ATTENTION_INPUTS.index(r) for r in (
+    "q", "k", "v", "mask", "k_scale", "score_scale"))
+_K_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("k_axes"), MASKED_ATTENTION_INPUTS.index("k_reshape") + 1)
+_V_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("v_axes"), MASKED_ATTENTION_INPUTS.index("v_reshape") + 1)
+
+
+def mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The kernel's description of an additive ``mask`` over scores [b, H, s, t], or None.
+
+    Returns ``(kv_start, q_pos, empty)``: int32 [b], int32 [b, s] and bool
+    [b, s] such that query ``(i, j)`` sees exactly the keys
+    ``kv_start[i] <= key <= q_pos[i, j]`` (``empty[i, j]``: none; then
+    ``q_pos = kv_start - 1``).  None unless ``mask`` is float32, broadcasts
+    to [b, 1, s, t] without growing the scores (its head axis is 1), every
+    entry is 0 or ``<= MASKED``, each row's zeros are contiguous, and the
+    non-empty rows of one batch row start at the same key.  ``t >= 1``.
+    """
+    if mask.dtype != np.float32 or mask.ndim > 4:
+        return None
+    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    mb, mh, ms, mt = m.shape
+    if mh != 1 or mb not in (1, b) or ms not in (1, s) or mt not in (1, t):
+        return None
+    m = m[:, 0]
+    visible = m == 0
+    if not (visible | (m <= MASKED)).all():
+        return None
+    visible = np.broadcast_to(visible, (mb, ms, t))
+    count = np.count_nonzero(visible, axis=-1)
+    first = visible.argmax(axis=-1)
+    last = t - 1 - visible[..., ::-1].argmax(axis=-1)
+    filled = count > 0
+    if (filled & (count != last - first + 1)).any():
+        return None  # a hole inside a row
+    start = np.where(filled, first, t).min(axis=-1)
+    if (filled & (first != start[:, None])).any():
+        return None  # rows of one batch row starting at different keys
+    start = np.where(start == t, 0, start)
+    q_pos = np.where(filled, last, start[:, None] - 1)
+    return (np.ascontiguousarray(np.broadcast_to(start, (b,)), dtype=np.int32),
+            np.ascontiguousarray(np.broadcast_to(q_pos, (b, s)), dtype=np.int32),
+            np.broadcast_to(~filled, (b, s)))
+
+
+def _kv_rows(x: np.ndarray) -> np.ndarray:
+    """``x`` [B, H, T, D] as a C-contiguous [B, H, Cap >= T, D] array whose first T positions are ``x``.
+
+    ``x`` itself when it is C-contiguous; the whole buffer (a read-only view,
+    no copy) when ``x`` is the prefix ``[:, :, :T]`` of a C-contiguous
+    [B, H, Cap, D] array (a state's cache view); a contiguous copy otherwise.
+    """
+    if x.flags.c_contiguous:
+        return x
+    b, h, t, d = x.shape
+    item = x.itemsize
+    s0, s1, s2, s3 = x.strides
+    row = d * item
+    if s3 == item and s2 == row and s1 > 0 and s1 % row == 0 and s1 // row >= t and (b == 1 or s0 == h * s1):
+        cap = s1 // row
+        root = x
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        lo, hi = np.lib.array_utils.byte_bounds(root)
+        start = x.__array_interface__["data"][0]
+        if lo <= start and start + b * h * cap * row <= hi:
+            return np.lib.stride_tricks.as_strided(x, (b, h, cap, d), (h * s1, s1, s2, s3), writeable=False)
+    return np.ascontiguousarray(x)
+
+
+def _scalar(x: np.ndarray | None) -> float | None:
+    """A one-element float tensor as a float (absent: 1.0); None for anything else."""
+    if x is None:
+        return 1.0
+    if x.size != 1 or x.dtype.kind != "f":
+        return None
+    return float(x.reshape(()))
+
+
+@register("MaskedAttention", domain="ai.onnxkv")
+class MaskedAttention(Op):
+    """See the module docstring.  Built with one kernel object per body node (the literal path)."""
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        body = self.attrs.get("body")
+        if not isinstance(body, onnx.GraphProto) or len(body.output) != 1 or len(node.input) < len(
+                MASKED_ATTENTION_INPUTS):
+            raise self.error("needs a 'body' graph with one output and the inputs of fusion.MASKED_ATTENTION_INPUTS")
+        self.score_div = bool(self.attrs.get("score_div", 0))
+        self._steps: list[tuple[onnx.NodeProto, Op]] = []
+        for n in body.node:
+            cls = lookup(n.domain, n.op_type, ctx.opset(n.domain))
+            self._steps.append((n, cls(n, ctx) if cls is not None else FallbackOp(n, ctx)))
+        self._result = body.output[0].name
+        self._repeat = next((k for _, k in self._steps if isinstance(k, RepeatKvMatMul)), None)
+        softmax = next(n for n, _ in self._steps if n.op_type == "Softmax")
+        axis = next((a.i for a in softmax.attribute if a.name == "axis"), None)
+        self._last_axis_softmax = axis in (-1, 3) or (axis is None and ctx.opset("") >= 13)
+
+    def run(self, inputs: list, rt: RunContext) -> tuple:
+        args = self._kernel_args(inputs)
+        if args is None:
+            return (self._literal(inputs, rt),)
+        q, k, v, scale, kv_start, q_pos, empty = args
+        b, _, s, _ = q.shape
+        out = rt.empty(0, q.shape, np.float32)
+        kv_len = np.full(b, inputs[_K].shape[2], np.int32)
+        _attention_kernel(q, k, v, kv_len, q_pos, scale, 0.0, -1, out, kv_start if kv_start.any() else None)
+        if empty.any():
+            rows = np.flatnonzero(empty.any(axis=0))
+            sub = list(inputs)
+            sub[_Q] = inputs[_Q][:, :, rows]
+            mask = inputs[_MASK]
+            if mask.ndim >= 2 and mask.shape[-2] != 1:
+                sub[_MASK] = mask[..., rows, :]
+            out[:, :, rows] = self._literal(sub, rt)
+        return (out,)
+
+    def _kernel_args(self, inputs: list):
+        """(q, k, v, scale, kv_start, q_pos, empty) for the kernel, or None when it cannot express the call."""
+        q, k, v, mask = inputs[_Q], inputs[_K], inputs[_V], inputs[_MASK]
+        if not self._last_axis_softmax or q.dtype != np.float32 or q.ndim != 4 or k.ndim != 4 \
+                or v.shape != k.shape or k.dtype != v.dtype or k.dtype not in (np.float32, np.float16) \
+                or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or 0 in q.shape or 0 in k.shape:
+            return None
+        group = self._group(k, inputs[_K_REPEAT])
+        if not group or group != self._group(v, inputs[_V_REPEAT]) or q.shape[1] != k.shape[1] * group:
+            return None
+        k_scale, score_scale = _scalar(inputs[_K_SCALE]), _scalar(inputs[_SCORE_SCALE])
+        if k_scale is None or score_scale is None or (self.score_div and score_scale == 0):
+            return None
+        scale = k_scale / score_scale if self.score_div else k_scale * score_scale
+        b, _, s, _ = q.shape
+        ranges = mask_ranges(mask, b, s, k.shape[2])
+        if ranges is None or not np.isfinite(scale):
+            return None
+        return (np.ascontiguousarray(q), _kv_rows(k), _kv_rows(v), scale, *ranges)
+
+    def _group(self, x: np.ndarray, repeat: list) -> int:
+        """Query heads per KV head that (axes, expand, reshape) describe for ``x``; 1 without a repeat; 0: none."""
+        if all(r is None for r in repeat):
+            return 1
+        if self._repeat is None or any(r is None for r in repeat):
+            return 0
+        return self._repeat._is_repeat(x, *repeat)
+
+    def _literal(self, inputs: list, rt: RunContext) -> np.ndarray:
+        """The body evaluated node by node (temporaries from NumPy, not the plan's buffers)."""
+        values = {name: x for name, x in zip(self.node.input, inputs) if name}
+        sub = RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), False, rt.step, rt.caches)
+        for node, kernel in self._steps:
+            outs = kernel.run([values[x] if x else None for x in node.input], sub)
+            values.update((name, val) for name, val in zip(node.output, outs) if name)
+        return values[self._result]

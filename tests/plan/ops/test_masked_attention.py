@@ -1,0 +1,208 @@
+"""ai.onnxkv::MaskedAttention: eager attention blocks on the streaming kernel, literal fallback otherwise.
+
+Oracle: ``onnx.reference`` on the unfused graph.  Each block variant is built
+as a small graph; the plan must fuse it into one node, and the kernel calls
+are counted to tell the kernel path from the literal one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from onnxkv import Session
+from onnxkv.plan.ops import masked_attention as ma
+
+B, HQ, HKV, D = 2, 4, 2, 8
+FMIN = np.finfo(np.float32).min
+
+
+def _block(form: str, mask_shape) -> onnx.ModelProto:
+    """Q [B, HQ, S, D], K/V [B, h, T, D], mask -> Y, in one of the exporters' spellings.
+
+    ``repeat``: repeat_kv + Transpose + MatMul, then Mul by the scale (onnxkv.models.concat);
+    ``torch``: Q and Kᵀ each scaled by sqrt(scale), NaN guard after the Softmax (torch.onnx.export);
+    ``mha``: no repeat, MatMul(Q, Transpose(K)) / sqrt(D).
+    """
+    inits = {"axes": np.array([2], np.int64), "eshape": np.array([1, 1, HQ // HKV, 1, 1], np.int64),
+             "rshape": np.array([0, HQ, -1, D], np.int64), "scale": np.array(D ** -0.5, np.float32),
+             "half": np.array(D ** -0.25, np.float32), "sqrt_d": np.array(D ** 0.5, np.float32),
+             "zero": np.array(0.0, np.float32)}
+    nodes = []
+
+    def node(op, ins, out, **attrs):
+        nodes.append(helper.make_node(op, ins, [out], **attrs))
+        return out
+
+    def repeat(x):
+        return node("Reshape", [node("Expand", [node("Unsqueeze", [x, "axes"], x + "_u"), "eshape"], x + "_e"),
+                                "rshape"], x + "_r")
+
+    if form == "mha":
+        kt = node("Transpose", ["k"], "kt", perm=[0, 1, 3, 2])
+        scores = node("Div", [node("MatMul", ["q", kt], "qk"), "sqrt_d"], "scores")
+        v = "v"
+    elif form == "repeat":
+        kt = node("Transpose", [repeat("k")], "kt", perm=[0, 1, 3, 2])
+        scores = node("Mul", [node("MatMul", ["q", kt], "qk"), "scale"], "scores")
+        v = repeat("v")
+    else:
+        kt = node("Mul", [node("Transpose", [repeat("k")], "kt", perm=[0, 1, 3, 2]), "half"], "kts")
+        scores = node("MatMul", [node("Mul", ["q", "half"], "qs"), kt], "scores")
+        v = repeat("v")
+    probs = node("Softmax", [node("Add", ["mask", scores], "biased")], "probs", axis=-1)
+    if form == "torch":
+        probs = node("Where", [node("IsNaN", [probs], "nan"), "zero", probs], "guarded")
+    node("MatMul", [probs, v], "y")
+    h = HQ if form == "mha" else HKV
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes, "block",
+        [helper.make_tensor_value_info("q", f, [B, HQ, "S", D]), helper.make_tensor_value_info("k", f, [B, h, "T", D]),
+         helper.make_tensor_value_info("v", f, [B, h, "T", D]),
+         helper.make_tensor_value_info("mask", f, [None] * len(mask_shape))],
+        [helper.make_tensor_value_info("y", f, None)],
+        [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _causal_padded(s: int, t: int, pads, masked=FMIN) -> np.ndarray:
+    """[B, 1, s, t] additive mask: queries are the last s keys; row b's first pads[b] keys are padding."""
+    j = np.arange(t)[None, None, None, :]
+    i = np.arange(t - s, t)[None, None, :, None]
+    pad = np.asarray(pads)[:, None, None, None]
+    return np.where((j <= i) & (j >= pad), np.float32(0), np.float32(masked)).astype(np.float32)
+
+
+def _feeds(form: str, s: int, t: int, mask: np.ndarray, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    h = HQ if form == "mha" else HKV
+    return {"q": rng.standard_normal((B, HQ, s, D)).astype(np.float32),
+            "k": rng.standard_normal((B, h, t, D)).astype(np.float32),
+            "v": rng.standard_normal((B, h, t, D)).astype(np.float32), "mask": mask}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls of the streaming kernel made by MaskedAttention."""
+    calls = []
+    real = ma._attention_kernel
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ma, "_attention_kernel", counting)
+    return calls
+
+
+def _check(form: str, feeds: dict, threads: int = 1) -> np.ndarray:
+    model = _block(form, feeds["mask"].shape)
+    sess = Session(model, threads=threads)
+    # the torch form's scale on Q stays a Mul of its own
+    assert [n.op_type for n in sess.plan.nodes] == ["Mul", "MaskedAttention"][form != "torch":]
+    got = sess.run(feeds)["y"]
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    return got
+
+
+@pytest.mark.parametrize("form", ["repeat", "torch", "mha"])
+@pytest.mark.parametrize("s,t", [(1, 37), (6, 11)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_padding_and_causal_masks_run_on_the_kernel(form, s, t, threads, kernel_calls):
+    # batch row 1 is left-padded by 3 keys; float32-min masking as the builder writes it
+    mask = _causal_padded(s, t, [0, 3])
+    _check(form, _feeds(form, s, t, mask, seed=s + t), threads)
+    assert len(kernel_calls) == 1
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the oracle's all -inf rows
+@pytest.mark.parametrize("form,masked", [("repeat", FMIN), ("torch", FMIN), ("torch", -np.inf)])
+def test_rows_with_no_visible_key_keep_the_exports_result(form, masked, kernel_calls):
+    # prefill of a left-padded batch: the first 4 rows of batch row 1 see nothing.  Under float32 min the
+    # export averages V uniformly; under -inf it yields NaN, which the torch form's guard turns into 0.
+    s = t = 6
+    got = _check(form, _feeds(form, s, t, _causal_padded(s, t, [0, 4], masked), seed=7), threads=2)
+    assert len(kernel_calls) == 1
+    if masked == FMIN:
+        assert np.abs(got[1, :, :4]).min() > 0
+    else:
+        assert not got[1, :, :4].any()
+
+
+def test_unguarded_empty_rows_match_the_unfused_plan(monkeypatch, kernel_calls):
+    # Without a guard the empty rows are whatever the unfused operators make of an all -inf row.
+    import onnxkv.plan.plan as plan_module
+
+    s = t = 5
+    mask = _causal_padded(s, t, [0, 2], -np.inf)
+    feeds = _feeds("repeat", s, t, mask, seed=3)
+    got = Session(_block("repeat", mask.shape), threads=1).run(feeds)["y"]
+    assert len(kernel_calls) == 1
+    monkeypatch.setattr(plan_module, "fuse_masked_attention", lambda nodes, protected: nodes)
+    unfused = Session(_block("repeat", mask.shape), threads=1)
+    assert "MaskedAttention" not in [n.op_type for n in unfused.plan.nodes]
+    np.testing.assert_allclose(got, unfused.run(feeds)["y"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["bias", "hole", "per_head", "ragged_start"])
+def test_masks_the_kernel_cannot_express_are_evaluated_literally(case, kernel_calls):
+    s, t = 3, 10
+    rng = np.random.default_rng(11)
+    mask = _causal_padded(s, t, [0, 2])
+    if case == "bias":  # ALiBi-like additive bias: not 0 / masked
+        mask = mask + rng.uniform(-1, 0, mask.shape).astype(np.float32)
+    elif case == "hole":
+        mask[0, 0, :, 4] = FMIN
+    elif case == "per_head":
+        mask = np.repeat(mask, HQ, axis=1)
+        mask[:, 1, :, 0] = FMIN
+    else:  # rows of one batch row starting at different keys
+        mask[1, 0, 0, 2] = FMIN
+    _check("repeat", _feeds("repeat", s, t, mask, seed=12), threads=1)
+    assert kernel_calls == []
+
+
+def test_observable_intermediates_block_the_fusion():
+    mask = _causal_padded(1, 8, [0, 1])
+    model = _block("repeat", mask.shape)
+    model.graph.output.append(helper.make_tensor_value_info("probs", TensorProto.FLOAT, None))
+    ops = [n.op_type for n in Session(model, threads=1).plan.nodes]
+    assert "MaskedAttention" not in ops and "Softmax" in ops
+
+
+def test_mask_ranges_describe_exactly_the_visible_keys():
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        b, s, t = rng.integers(1, 4), rng.integers(1, 6), rng.integers(1, 12)
+        start = rng.integers(0, t + 1, b)
+        end = rng.integers(-1, t, (b, s))
+        j = np.arange(t)
+        visible = (j[None, None] >= start[:, None, None]) & (j[None, None] <= end[:, :, None])
+        mask = np.where(visible, np.float32(0), rng.choice([FMIN, -np.inf, -1e30]))[:, None].astype(np.float32)
+        kv_start, q_pos, empty = ma.mask_ranges(mask, b, s, t)
+        again = (j[None, None] >= kv_start[:, None, None]) & (j[None, None] <= q_pos[:, :, None])
+        np.testing.assert_array_equal(again, visible)
+        np.testing.assert_array_equal(empty, ~visible.any(-1))
+    # broadcast forms: one row for the whole batch, one mask row for every query
+    kv_start, q_pos, _ = ma.mask_ranges(np.array([FMIN, 0, 0], np.float32), 2, 3, 3)
+    assert kv_start.tolist() == [1, 1] and q_pos.tolist() == [[2] * 3] * 2
+    assert ma.mask_ranges(np.zeros((1, 1, 1, 3), np.float64), 1, 1, 3) is None
+
+
+def test_a_cache_prefix_view_is_read_in_place():
+    rng = np.random.default_rng(8)
+    buf = rng.standard_normal((2, 3, 16, 4)).astype(np.float32)
+    view = buf[:, :, :9]
+    rows = ma._kv_rows(view)
+    assert rows.shape == (2, 3, 16, 4) and rows.flags.c_contiguous
+    assert rows.__array_interface__["data"][0] == buf.__array_interface__["data"][0]
+    np.testing.assert_array_equal(rows[:, :, :9], view)
+    other = buf[:, :, 2:11]  # not a prefix: copied
+    copy = ma._kv_rows(other)
+    assert not np.shares_memory(copy, buf)
+    np.testing.assert_array_equal(copy, other)

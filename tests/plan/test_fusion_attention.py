@@ -1,0 +1,114 @@
+"""Plan-time fusion of eager attention blocks into ai.onnxkv::MaskedAttention, on whole models.
+
+Both Concat-cache graph forms: onnxkv's builder (onnxkv.models.concat) and the
+real torch.onnx.export fixture (tests/data/torch_tiny_llama).  The oracle is
+the same model planned without this fusion (and transformers' logits for the
+fixture).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import onnxkv
+import onnxkv.plan.plan as plan_module
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.models.builders import MICRO, build_model
+from onnxkv.plan.ops import masked_attention as ma
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+REF = np.load(DATA / "tiny_llama_reference.npz")
+TORCH = DATA / "torch_tiny_llama" / "model.onnx"
+MODELS = {"builder": lambda: build_model("concat", MICRO, seed=3), "torch": lambda: TORCH}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts MaskedAttention's streaming-kernel calls (with the addresses of the K/V they read) and
+    literal evaluations (with their query rows)."""
+    seen = {"kernel": 0, "literal_rows": [], "kv_addresses": []}
+    kernel, literal = ma._attention_kernel, ma.MaskedAttention._literal
+
+    def counting_kernel(*args, **kwargs):
+        seen["kernel"] += 1
+        seen["kv_addresses"] += [a.__array_interface__["data"][0] for a in args[1:3]]
+        return kernel(*args, **kwargs)
+
+    def counting_literal(self, inputs, rt):
+        seen["literal_rows"].append(inputs[0].shape[2])
+        return literal(self, inputs, rt)
+
+    monkeypatch.setattr(ma, "_attention_kernel", counting_kernel)
+    monkeypatch.setattr(ma.MaskedAttention, "_literal", counting_literal)
+    return seen
+
+
+def _unfused(model, monkeypatch) -> onnxkv.Session:
+    with monkeypatch.context() as m:
+        m.setattr(plan_module, "fuse_masked_attention", lambda nodes, protected: nodes)
+        return onnxkv.Session(model, threads=2)
+
+
+@pytest.mark.parametrize("form", sorted(MODELS))
+def test_every_layer_is_fused(form):
+    sess = onnxkv.Session(MODELS[form](), threads=1)
+    ops = [n.op_type for n in sess.plan.nodes]
+    assert ops.count("MaskedAttention") == 2  # both fixtures have two layers
+    assert "Softmax" not in ops and "RepeatKvMatMul" not in ops
+
+
+def _generate(sess: onnxkv.Session, prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, state: bool):
+    """Logits (and, on the tensor path, presents) of a left-padded prefill and one decode step per column
+    of ``tokens`` [B, steps]."""
+    model = sess.model
+    presents = [] if state else list(model.convention.present_outputs)
+    builder = FeedBuilder(sess.plan.inputs, model, prompt, lengths, 0, thread_cache=not state)
+    run = sess.new_state().run if state else sess.run
+    feeds, _ = builder.first()
+    out = run(feeds, [model.io.logits, *presents])
+    results = [out[model.io.logits]] + [out[p] for p in presents]
+    for step in range(tokens.shape[1]):
+        out = run(builder.next(tokens[:, step], out), [model.io.logits, *presents])
+        results += [out[model.io.logits]] + [out[p] for p in presents]
+    return results
+
+
+@pytest.mark.parametrize("form", sorted(MODELS))
+@pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
+def test_left_padded_batch_matches_the_unfused_plan(form, state, calls, monkeypatch):
+    rng = np.random.default_rng(21)
+    vocab = 97 if form == "builder" else 259
+    prompt = rng.integers(0, vocab, (2, 9))
+    lengths = np.array([9, 5])  # row 1: 4 padding tokens on the left
+    tokens = rng.integers(0, vocab, (2, 4))
+    fused = onnxkv.Session(MODELS[form](), threads=2)
+    got = _generate(fused, prompt, lengths, tokens, state)
+    # every run of every layer went through the kernel; only the 4 empty padding rows of the prefill were
+    # evaluated literally
+    assert calls["kernel"] == 2 * 5
+    assert calls["literal_rows"] == [4, 4]
+    want = _generate(_unfused(MODELS[form](), monkeypatch), prompt, lengths, tokens, state)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_state_run_of_the_torch_export_matches_transformers(calls):
+    sess = onnxkv.Session(TORCH, threads=2)
+    state = sess.new_state()
+    prompt = REF["prompt_ids"][None, :].astype(np.int64)
+    builder = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 258,
+                          thread_cache=False)
+    feeds, _ = builder.first()
+    out = state.run(feeds, ["logits"])
+    np.testing.assert_allclose(out["logits"][0], REF["prefill_logits"], atol=1e-4, rtol=0)
+    for i in range(16):
+        out = state.run(builder.next(REF["greedy_tokens"][i:i + 1].astype(np.int64), out), ["logits"])
+        np.testing.assert_allclose(out["logits"][0, -1], REF["decode_logits"][i], atol=1e-4, rtol=0)
+    assert calls["kernel"] == 2 * 17 and calls["literal_rows"] == []
+    # the kernel read the state's caches in place (no copy of K or V)
+    caches = {v.__array_interface__["data"][0] for v in state.values.values()}
+    assert len(caches) == 4 and set(calls["kv_addresses"][-4:]) == caches
