@@ -51,7 +51,7 @@
  *
  * K/V tile functions take dq (scale / zero point of the head in a quantized
  * page; unused for float formats) and pf (the rows to software-prefetch).
- * ws: float workspace of at least nh*R*(D + OKV_BK + 2) + OKV_RG*D floats.
+ * ws: float workspace of okv_attn_ws_floats(nh*R, D) floats (attention.h).
  * Returns the bytes of quantized codes and header entries loaded (OKV_MIXED;
  * 0 for the single-format units).
  * part == NULL: normalise and write out[b, hk*G+g, t, :].
@@ -370,7 +370,9 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     float *mx = sc + RT * OKV_BK;     /* RT */
     float *sm = mx + RT;              /* RT */
 #ifdef OKV_MIXED
-    float *qb = sm + RT;              /* OKV_RG*D: query rows with per-channel key scales folded in */
+    float *qsum = sm + RT;            /* RT: sum of each query row (per-head key zero points) */
+    float *zc = qsum + RT;            /* RT: per-head value zero-point correction of each row */
+    float *qb = zc + RT;              /* OKV_RG*D: query rows with per-channel key scales folded in */
 #endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
     int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j1, j, h;
@@ -395,6 +397,13 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     }
     memset(acc, 0, (size_t)(RT * D) * sizeof(float));
     for (r = 0; r < RT; r++) { mx[r] = -INFINITY; sm[r] = 0.f; }
+#ifdef OKV_MIXED
+    for (r = 0; r < RT; r++) {   /* state row r = h*R + g*nt + t */
+        const int64_t rh = r / R, rg = r % R;
+        qsum[r] = okv_sum8_f32(a->q + ((b * a->Hq + (hk0 + rh) * G + rg / nt) * a->Sq + t0 + rg % nt) * D, D);
+        zc[r] = 0.f;
+    }
+#endif
 
     pg.start = pg.end = pf.start = pf.end = INT64_MIN;
     /* Tiles of up to OKV_BK keys inside one page, each starting at a key some
@@ -469,7 +478,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 /* the prefetch by the first row group only */
 #ifdef OKV_MIXED
                 OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, n, D, scale, sc, &dk,
-                                  rg == 0 ? pfp : &nopf, qb);
+                                  rg == 0 ? pfp : &nopf, qb, qsum + h * R + rg);
 #else
                 OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), n, D, scale, sc, dq0,
                                    rg == 0 ? pfp : &nopf);
@@ -493,13 +502,17 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                             float alpha = expf(mxh[rr] - mnew);
                             OKV_I(okv_scal_f32)(alpha, accr[i], D);
                             smh[rr] *= alpha;
+#ifdef OKV_MIXED
+                            zc[h * R + rr] *= alpha;
+#endif
                         }
                         mxh[rr] = mnew;
                     }
                     smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                 }
 #ifdef OKV_MIXED
-                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, &dv);
+                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, &dv,
+                                  zc + h * R + rg);
 #else
                 OKV_F(okv_pv_rows)(sc, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, dq0);
 #endif
@@ -507,6 +520,13 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
         }
     }
 
+#ifdef OKV_MIXED
+    for (r = 0; r < RT; r++)   /* the value zero points' share, once per row */
+        if (zc[r] != 0.f) {
+            int64_t i;
+            for (i = 0; i < D; i++) acc[r * D + i] -= zc[r];
+        }
+#endif
     for (h = 0; h < nh; h++)
         for (g = 0; g < G; g++) {
             const int64_t hq = (hk0 + h) * G + g;

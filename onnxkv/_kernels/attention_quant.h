@@ -118,25 +118,24 @@ static inline float okv_sum8_f32(const float *x, int64_t n) {
     return t;
 }
 
-/* Per-head zero point of keys: s[r*OKV_BK + j] -= c * sum(q row r), j < n. */
-static inline void okv_qk_zp(const float *const *qr, int nr, int64_t n, int64_t D, float c, float *s) {
+/* Per-head zero point of keys: s[r*OKV_BK + j] -= c * qsum[r], j < n
+ * (qsum[r] = sum of q row r, computed once per work unit). */
+static inline void okv_qk_zp(const float *qsum, int nr, int64_t n, float c, float *s) {
     float x[OKV_RG];
     int r;
-    for (r = 0; r < nr; r++) x[r] = c * okv_sum8_f32(qr[r], D);
+    for (r = 0; r < nr; r++) x[r] = c * qsum[r];
     okv_qk_sub_rows(s, nr, n, x);
 }
 
-/* Per-head scale and zero point of values: acc row r -= s z sum_j p_j, then
- * p_j *= s (rows r*OKV_BK, j < n). */
-static inline void okv_pv_fold(float *p, int nr, int64_t n, int64_t D, float *const *accr, const okv_dq *dq) {
+/* Per-head scale and zero point of values: zc[r] += s z sum_j p_j (the
+ * correction the work unit subtracts from every element of accumulator row r
+ * at its end, rescaled with the row), then p_j *= s (rows r*OKV_BK, j < n). */
+static inline void okv_pv_fold(float *p, int nr, int64_t n, float *zc, const okv_dq *dq) {
     int r;
-    int64_t j, d;
+    int64_t j;
     for (r = 0; r < nr; r++) {
         float *pr = p + r * OKV_BK;
-        if (dq->z1 != 0.f) {
-            const float x = dq->s1 * dq->z1 * okv_sum8_f32(pr, n);
-            for (d = 0; d < D; d++) accr[r][d] -= x;
-        }
+        if (dq->z1 != 0.f) zc[r] += dq->s1 * dq->z1 * okv_sum8_f32(pr, n);
         for (j = 0; j < n; j++) pr[j] *= dq->s1;
     }
 }
@@ -204,23 +203,24 @@ OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr
         okv_qk_sub_rows(s, nr, n, zc);                                                         \
     } else {                                                                                   \
         OKV_QX(okv_qk_rows_##F##h)(qr, nr, c, n, D, scale * dq->s1, s, dq, pf);                 \
-        if (dq->z1 != 0.f) okv_qk_zp(qr, nr, n, D, scale * dq->s1 * dq->z1, s);                 \
+        if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);                  \
     }                                                                                          \
     return
 #define OKV_PV_Q(F)                                                                            \
     if (pc) {                                                                                  \
         OKV_QX(okv_pv_rows_##F##c)(p, nr, c, n, D, accr, dq);                                   \
     } else {                                                                                   \
-        okv_pv_fold(p, nr, n, D, accr, dq);                                                    \
+        okv_pv_fold(p, nr, n, zc, dq);                                                         \
         OKV_QX(okv_pv_rows_##F##h)(p, nr, c, n, D, accr, dq);                                   \
     }                                                                                          \
     return
 
 /* Scores of nr rows against n keys of a tile in format fmt (see okv_qk_rows);
- * pc: per-channel scales; qb: nr*D floats of scratch (the folded rows). */
+ * pc: per-channel scales; qb: nr*D floats of scratch (the folded rows);
+ * qsum: the sums of the nr q rows. */
 OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr, int nr, const char *k, int64_t n,
                                         int64_t D, float scale, float *s, const okv_dq *dq, const okv_pf *pf,
-                                        float *qb) {
+                                        float *qb, const float *qsum) {
     const uint8_t *c = (const uint8_t *)k;
     switch (fmt) {
     case OKV_FMT_F16: OKV_QX(okv_qk_rows_f16)(qr, nr, (const uint16_t *)k, n, D, scale, s, dq, pf); return;
@@ -236,9 +236,10 @@ OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr,
 }
 
 /* acc rows += p * V rows of a tile in format fmt (see okv_pv_rows); with
- * per-head scales the probabilities p are scaled in place. */
+ * per-head scales the probabilities p are scaled in place and the zero
+ * point's share is added to the rows' corrections zc (see okv_pv_fold). */
 OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const char *v, int64_t n, int64_t D,
-                                        float *const *accr, const okv_dq *dq) {
+                                        float *const *accr, const okv_dq *dq, float *zc) {
     const uint8_t *c = (const uint8_t *)v;
     switch (fmt) {
     case OKV_FMT_F16: OKV_QX(okv_pv_rows_f16)(p, nr, (const uint16_t *)v, n, D, accr, dq); return;
