@@ -1,0 +1,252 @@
+"""Build-time partial evaluation of shape computations (exact; results never change).
+
+Exporters such as ``torch.onnx.export`` compute every reshape target at run
+time: ``Shape -> Gather(index) -> Unsqueeze -> Concat -> Reshape/Expand``,
+repeated per use.  Many of the dims read that way are static (head counts,
+head size, hidden size).  :class:`ShapeFolder` removes that work in three
+exact steps while :class:`onnxkv.plan.plan.Plan` is built:
+
+1. **Static dims** (:func:`static_dims`): ONNX shape inference on a copy of the
+   graph whose only sources of integer dims are the checked ones -- graph
+   inputs' declared positive dims (``Plan.bind_inputs`` rejects any feed that
+   differs) and initializer shapes.  ``value_info`` and graph output shapes
+   (unchecked promises of the exporter) are dropped first.  An inferred
+   integer dim is therefore what every run that does not fail will see.
+2. **Partial values**: ``Shape(x)`` gives a 1-D int64 value whose entries are
+   the static dims of ``x`` or unknown; ``Gather`` with constant indices and
+   ``Slice`` with constant parameters of such a value become constants when
+   they select only static entries (then the plan's ordinary constant folding
+   carries on through ``Unsqueeze``/``Concat``/``Cast``/...).
+3. **Common subexpressions and dead shape nodes**: a *shape-derived* value is
+   the output of a ``Shape`` node or of a deterministic node reading only
+   constants and shape-derived values.  Two such nodes with the same operator,
+   attributes and inputs compute the same value (a value's shape never changes,
+   even when its storage is written in place), so the later one is dropped and
+   its readers read the earlier output.  Shape-derived nodes whose outputs no
+   one reads any more are dropped at the end.
+
+Values that must stay observable (graph outputs, values captured by
+subgraphs) are never folded, merged or dropped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from onnxkv.errors import ModelError
+from onnxkv.model.shape_inference import _light_model
+
+__all__ = ["ShapeFolder", "static_dims"]
+
+#: An entry of a shape value: the dim, a symbol (equal entries are equal at run time) or None (unknown).
+Entry = int | str | None
+#: Constants with at most this many elements are compared by value when merging nodes.
+_FINGERPRINT_LIMIT = 64
+
+
+def static_dims(model: onnx.ModelProto) -> dict[str, tuple[Entry, ...]]:
+    """Value name -> dims (int when certain, else None) for every main-graph value of known rank.
+
+    Only checked facts feed the inference (see the module docstring): declared
+    input dims that are not positive integers and all ``value_info`` / output
+    shapes are removed before ONNX shape inference runs.  Raises ModelError when
+    ONNX shape inference itself fails.
+    """
+    light = _light_model(model)
+    graph = light.graph
+    del graph.value_info[:]
+    for out in graph.output:
+        if out.type.HasField("tensor_type"):
+            out.type.tensor_type.ClearField("shape")
+    declared = {vi.name for vi in model.graph.input}
+    kept = [t for t in graph.initializer if t.name not in declared]  # an input's default may be overridden
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    for vi in graph.input:
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            for axis, d in enumerate(tt.shape.dim):
+                if not (d.HasField("dim_value") and d.dim_value > 0):
+                    d.Clear()
+                    d.dim_param = f"{vi.name}[{axis}]"
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        raise ModelError(f"ONNX shape inference failed while folding shapes: {exc}") from None
+    dims: dict[str, tuple[Entry, ...]] = {}
+    for t in model.graph.initializer:
+        dims[t.name] = tuple(int(d) for d in t.dims)
+    for vi in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
+        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if tt is not None and tt.HasField("shape") and vi.name not in dims:
+            dims[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
+                                  for d in tt.shape.dim)
+    return dims
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _const_ints(constants: dict, name: str) -> np.ndarray | None:
+    arr = constants.get(name)
+    if arr is None or arr.dtype.kind not in "iu":
+        return None
+    return arr.astype(np.int64)
+
+
+def _fingerprint(constants: dict, name: str) -> str | tuple:
+    """A small constant's dtype, shape and bytes (equal constants merge alike), else the value name."""
+    arr = constants.get(name)
+    if arr is None or arr.size > _FINGERPRINT_LIMIT:
+        return name
+    return arr.dtype.str, arr.shape, arr.tobytes()
+
+
+class ShapeFolder:
+    """Partial evaluation, CSE and dead-node removal for one plan build; see the module docstring.
+
+    Args:
+        dims: :func:`static_dims` of the plan's model.
+        protected: value names that must stay produced by their own node.
+        merge: merge repeated shape-derived nodes (pass False when some
+            intermediate value may be written in place: merged values are shared).
+
+    Use: for each node in topological order call :meth:`rename` (readers of
+    merged values read the kept one), then :meth:`fold` (may add constants:
+    the node is dropped) and :meth:`merge` (the node duplicates an earlier
+    one: dropped); finally :meth:`prune` the kept node list.
+    """
+
+    def __init__(self, dims: dict[str, tuple[Entry, ...]], protected: set[str], merge: bool = True) -> None:
+        self.dims = dims
+        self.protected = protected
+        self.merging = merge
+        self.partial: dict[str, tuple[Entry, ...]] = {}
+        self.derived: set[str] = set()
+        self.renamed: dict[str, str] = {}
+        self._seen: dict[tuple, onnx.NodeProto] = {}
+        self._values: dict[tuple, str] = {}
+        #: Nodes removed by :meth:`fold`, :meth:`merge` and :meth:`prune`.
+        self.removed = 0
+
+    def rename(self, node: onnx.NodeProto) -> onnx.NodeProto:
+        """``node`` itself, or a copy reading the kept value where it read a merged duplicate."""
+        if not any(x in self.renamed for x in node.input):
+            return node
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        for i, x in enumerate(copy.input):
+            copy.input[i] = self.renamed.get(x, x)
+        return copy
+
+    def fold(self, node: onnx.NodeProto, constants: dict) -> bool:
+        """Record what ``node`` computes of shapes; True when its outputs became constants in ``constants``."""
+        if node.domain not in ("", "ai.onnx") or any(o in self.protected for o in node.output):
+            return False
+        entries = self._entries(node, constants)
+        if entries is None:
+            return False
+        values, out_shape = entries
+        if len(out_shape) == 1:
+            self.partial[node.output[0]] = tuple(values)
+        if any(v is None for v in values):
+            return False
+        if any(isinstance(v, str) for v in values):
+            key = (tuple(values), out_shape)
+            first = self._values.setdefault(key, node.output[0])
+            if first == node.output[0]:
+                return False
+            self.renamed[node.output[0]] = first
+            self.removed += 1
+            return True
+        arr = np.array(values, dtype=np.int64).reshape(out_shape)
+        arr.flags.writeable = False
+        constants[node.output[0]] = arr
+        self.removed += 1
+        return True
+
+    def _entries(self, node: onnx.NodeProto, constants: dict) -> tuple[list[Entry], tuple[int, ...]] | None:
+        """(flat entries, output shape) of a Shape / Gather / Slice node over a partially known value."""
+        op = node.op_type
+        if op == "Shape":
+            dims = self.dims.get(node.input[0])
+            if dims is None:
+                return None
+            rank = len(dims)
+            start, end = _attr(node, "start", 0), _attr(node, "end", rank)
+            start = min(max(start + rank if start < 0 else start, 0), rank)
+            end = min(max(end + rank if end < 0 else end, 0), rank)
+            picked = list(dims[start:end])
+            return picked, (len(picked),)
+        data = self.partial.get(node.input[0]) if node.input else None
+        if data is None:
+            return None
+        n = len(data)
+        if op == "Gather" and _attr(node, "axis", 0) in (0, -1):
+            idx = _const_ints(constants, node.input[1])
+            if idx is None or np.any(idx < -n) or np.any(idx >= n):
+                return None
+            return [data[int(i)] for i in (idx % n).ravel()], idx.shape
+        if op == "Slice":
+            names = (list(node.input[1:]) + ["", ""])[:4]
+            params = [_const_ints(constants, x) if x else None for x in names]
+            if any(x and p is None for x, p in zip(names, params)):
+                return None
+            starts, ends, axes, steps = params
+            if starts is None or ends is None or starts.size != 1 or ends.size != 1:
+                return None
+            if axes is not None and (axes.size != 1 or int(axes[0]) not in (0, -1)):
+                return None
+            step = 1 if steps is None else int(steps.ravel()[0])
+            if step == 0:
+                return None
+            picked = [data[i] for i in range(n)[slice(int(starts[0]), int(ends[0]), step)]]
+            return picked, (len(picked),)
+        return None
+
+    def merge(self, node: onnx.NodeProto, constants: dict, deterministic: bool) -> bool:
+        """True when ``node`` repeats an earlier shape-derived node (its outputs are then renamed to that node's)."""
+        if node.op_type != "Shape" and not (deterministic and node.input and all(
+                (not x) or x in constants or x in self.derived for x in node.input)):
+            return False
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            return False
+        self.derived.update(o for o in node.output if o)
+        if not self.merging or any(o in self.protected for o in node.output):
+            return False
+        attrs = tuple(sorted(a.SerializeToString(deterministic=True) for a in node.attribute))
+        inputs = tuple(_fingerprint(constants, x) for x in node.input)
+        key = (node.domain, node.op_type, inputs, attrs, len(node.output))
+        first = self._seen.get(key)
+        if first is None:
+            self._seen[key] = node
+            return False
+        for mine, theirs in zip(node.output, first.output):
+            if mine:
+                self.renamed[mine] = theirs
+                if mine in self.partial:
+                    self.partial[theirs] = self.partial[mine]
+        self.removed += 1
+        return True
+
+    def prune(self, nodes: list[onnx.NodeProto], reads: list[list[str]]) -> list[int]:
+        """Indices of ``nodes`` to keep: shape-derived nodes none of whose outputs is read go.
+
+        ``reads[k]`` lists every value node ``k`` reads (inputs and subgraph captures).
+        """
+        read = set(self.protected)
+        alive = [True] * len(nodes)
+        for k in range(len(nodes) - 1, -1, -1):
+            node = nodes[k]
+            outs = [o for o in node.output if o]
+            if outs and all(o in self.derived and o not in read for o in outs):
+                alive[k] = False
+                self.removed += 1
+                continue
+            read.update(x for x in reads[k] if x)
+        return [k for k in range(len(nodes)) if alive[k]]
