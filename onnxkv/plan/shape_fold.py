@@ -43,6 +43,10 @@ __all__ = ["ShapeFolder", "static_dims"]
 Entry = int | str | None
 #: Constants with at most this many elements are compared by value when merging nodes.
 _FINGERPRINT_LIMIT = 64
+#: Element types of partial values: "i" int64 (shape entries), "b" bool (comparisons of them).
+_KINDS = {"i": np.dtype(np.int64), "b": np.dtype(np.bool_)}
+#: A 0-/1-D value known in part: (flat entries, shape, kind); entries are Entry (kind "i") or bool / None ("b").
+Partial = tuple[tuple, tuple[int, ...], str]
 
 
 def static_dims(model: onnx.ModelProto) -> dict[str, tuple[Entry, ...]]:
@@ -99,6 +103,41 @@ def _const_ints(constants: dict, name: str) -> np.ndarray | None:
     return arr.astype(np.int64)
 
 
+def _broadcast(a: Partial, b: Partial) -> tuple[list[tuple], tuple[int, ...]] | None:
+    """Entry pairs of two 0-/1-D partial values under broadcasting, and the result shape; None if unsupported."""
+    (ea, sa, _), (eb, sb, _) = a, b
+    if sa == sb:
+        return list(zip(ea, eb)), sa
+    if len(ea) == 1 and len(sa) <= len(sb):
+        return [(ea[0], v) for v in eb], sb
+    if len(eb) == 1 and len(sb) <= len(sa):
+        return [(v, eb[0]) for v in ea], sa
+    return None
+
+
+def _equal(a: Entry, b: Entry) -> bool | None:
+    """``a == b`` for shape entries when certain (a symbol is a dim: never negative)."""
+    if a is None or b is None:
+        return None
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, str) and isinstance(b, str):
+        return True if a == b else None
+    return False if min(v for v in (a, b) if isinstance(v, int)) < 0 else None
+
+
+def _rename_node(node: onnx.NodeProto, renamed: dict[str, str]) -> None:
+    """Rename ``node``'s inputs and, recursively, every name its subgraphs use (in place)."""
+    for i, x in enumerate(node.input):
+        node.input[i] = renamed.get(x, x)
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for vi in g.input:
+                vi.name = renamed.get(vi.name, vi.name)
+            for n in g.node:
+                _rename_node(n, renamed)
+
+
 def _fingerprint(constants: dict, name: str) -> str | tuple:
     """A small constant's dtype, shape and bytes (equal constants merge alike), else the value name."""
     arr = constants.get(name)
@@ -126,52 +165,69 @@ class ShapeFolder:
         self.dims = dims
         self.protected = protected
         self.merging = merge
-        self.partial: dict[str, tuple[Entry, ...]] = {}
+        self.partial: dict[str, Partial] = {}
         self.derived: set[str] = set()
         self.renamed: dict[str, str] = {}
         self._seen: dict[tuple, onnx.NodeProto] = {}
-        self._values: dict[tuple, str] = {}
+        self._values: dict[Partial, str] = {}
         #: Nodes removed by :meth:`fold`, :meth:`merge` and :meth:`prune`.
         self.removed = 0
 
     def rename(self, node: onnx.NodeProto) -> onnx.NodeProto:
-        """``node`` itself, or a copy reading the kept value where it read a merged duplicate."""
-        if not any(x in self.renamed for x in node.input):
+        """``node`` itself, or a copy reading the kept value where it read a merged duplicate.
+
+        Names in subgraphs (e.g. a fused node's ``body``) are renamed alike.
+        """
+        if not self.renamed or not any(x in self.renamed for x in node.input) and not any(
+                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             return node
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
-        for i, x in enumerate(copy.input):
-            copy.input[i] = self.renamed.get(x, x)
+        _rename_node(copy, self.renamed)
         return copy
 
     def fold(self, node: onnx.NodeProto, constants: dict) -> bool:
-        """Record what ``node`` computes of shapes; True when its outputs became constants in ``constants``."""
-        if node.domain not in ("", "ai.onnx") or any(o in self.protected for o in node.output):
+        """Record what ``node`` computes of shapes; True when it is dropped.
+
+        It is dropped when its value became a constant in ``constants`` or
+        equals an earlier value (its readers are then renamed to that value).
+        """
+        if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or node.output[0] in self.protected:
             return False
-        entries = self._entries(node, constants)
-        if entries is None:
+        found = self._evaluate(node, constants)
+        if found is None:
             return False
-        values, out_shape = entries
-        if len(out_shape) == 1:
-            self.partial[node.output[0]] = tuple(values)
+        values, out_shape, kind = found
+        out = node.output[0]
+        self.partial[out] = found
         if any(v is None for v in values):
             return False
         if any(isinstance(v, str) for v in values):
-            key = (tuple(values), out_shape)
-            first = self._values.setdefault(key, node.output[0])
-            if first == node.output[0]:
+            first = self._values.setdefault(found, out)
+            if first == out:
                 return False
-            self.renamed[node.output[0]] = first
-            self.removed += 1
-            return True
-        arr = np.array(values, dtype=np.int64).reshape(out_shape)
-        arr.flags.writeable = False
-        constants[node.output[0]] = arr
+            self.renamed[out] = first
+        else:
+            arr = np.array(values, dtype=_KINDS[kind]).reshape(out_shape)
+            arr.flags.writeable = False
+            constants[out] = arr
         self.removed += 1
         return True
 
-    def _entries(self, node: onnx.NodeProto, constants: dict) -> tuple[list[Entry], tuple[int, ...]] | None:
-        """(flat entries, output shape) of a Shape / Gather / Slice node over a partially known value."""
+    def _value(self, name: str, constants: dict) -> Partial | None:
+        """What is known of a 0-/1-D int64 or bool value: a partial value, or a small constant."""
+        if name in self.partial:
+            return self.partial[name]
+        arr = constants.get(name)
+        if arr is None or arr.ndim > 1 or arr.size > _FINGERPRINT_LIMIT:
+            return None
+        kind = next((k for k, t in _KINDS.items() if arr.dtype == t), None)
+        if kind is None:
+            return None
+        return tuple(arr.ravel().tolist()), arr.shape, kind
+
+    def _evaluate(self, node: onnx.NodeProto, constants: dict) -> Partial | None:
+        """The partial value ``node`` computes (see :data:`Partial`), or None when not one of the shape operators."""
         op = node.op_type
         if op == "Shape":
             dims = self.dims.get(node.input[0])
@@ -181,33 +237,65 @@ class ShapeFolder:
             start, end = _attr(node, "start", 0), _attr(node, "end", rank)
             start = min(max(start + rank if start < 0 else start, 0), rank)
             end = min(max(end + rank if end < 0 else end, 0), rank)
-            picked = list(dims[start:end])
-            return picked, (len(picked),)
-        data = self.partial.get(node.input[0]) if node.input else None
-        if data is None:
+            return tuple(dims[start:end]), (len(dims[start:end]),), "i"
+        args = [self._value(x, constants) if x else None for x in node.input]
+        if not args or args[0] is None:
             return None
+        data, shape, kind = args[0]
         n = len(data)
-        if op == "Gather" and _attr(node, "axis", 0) in (0, -1):
+        if op == "Gather" and len(shape) == 1 and _attr(node, "axis", 0) in (0, -1):
             idx = _const_ints(constants, node.input[1])
             if idx is None or np.any(idx < -n) or np.any(idx >= n):
                 return None
-            return [data[int(i)] for i in (idx % n).ravel()], idx.shape
-        if op == "Slice":
-            names = (list(node.input[1:]) + ["", ""])[:4]
-            params = [_const_ints(constants, x) if x else None for x in names]
-            if any(x and p is None for x, p in zip(names, params)):
+            return tuple(data[int(i)] for i in (idx % n).ravel()), idx.shape, kind
+        if op == "Slice" and len(shape) == 1:
+            return self._slice(node, data, kind, constants)
+        if op == "Unsqueeze" and shape == ():
+            axes = _const_ints(constants, node.input[1]) if len(node.input) > 1 else np.array(_attr(node, "axes", []))
+            return (data, (1,), kind) if axes is not None and axes.ravel().tolist() in ([0], [-1]) else None
+        if op == "Squeeze" and shape == (1,):
+            axes = _const_ints(constants, node.input[1]) if len(node.input) > 1 and node.input[1] else None
+            return (data, (), kind) if axes is None or axes.ravel().tolist() in ([0], [-1]) else None
+        if op == "Cast" and kind == "i" and _attr(node, "to", 0) == onnx.TensorProto.INT64:
+            return args[0]
+        if op == "Reshape":
+            target = _const_ints(constants, node.input[1])
+            if target is None or target.ndim != 1 or target.size > 1 or _attr(node, "allowzero", 0):
                 return None
-            starts, ends, axes, steps = params
-            if starts is None or ends is None or starts.size != 1 or ends.size != 1:
+            out_shape = (n,) if target.size == 1 and int(target[0]) in (-1, 0, n) else () if target.size == 0 else None
+            return (data, out_shape, kind) if out_shape is not None and (out_shape or n == 1) else None
+        if op == "Concat" and _attr(node, "axis", 0) in (0, -1) and all(
+                a is not None and len(a[1]) == 1 and a[2] == kind for a in args):
+            joined = tuple(v for a in args for v in a[0])
+            return joined, (len(joined),), kind
+        if op == "Equal" and len(args) == 2 and args[1] is not None and kind == "i" == args[1][2]:
+            pairs = _broadcast(args[0], args[1])
+            return None if pairs is None else (tuple(_equal(a, b) for a, b in pairs[0]), pairs[1], "b")
+        if op == "Where" and kind == "b" and len(args) == 3 and all(a is not None for a in args[1:]) \
+                and args[1][2] == args[2][2]:
+            picks = _broadcast(args[1], args[2])
+            if picks is None or args[0][1] not in ((), picks[1]):
                 return None
-            if axes is not None and (axes.size != 1 or int(axes[0]) not in (0, -1)):
-                return None
-            step = 1 if steps is None else int(steps.ravel()[0])
-            if step == 0:
-                return None
-            picked = [data[i] for i in range(n)[slice(int(starts[0]), int(ends[0]), step)]]
-            return picked, (len(picked),)
+            conds = data if shape else data * len(picks[0])
+            return tuple(a if c is True else b if c is False else None
+                         for c, (a, b) in zip(conds, picks[0])), picks[1], args[1][2]
         return None
+
+    def _slice(self, node: onnx.NodeProto, data: tuple, kind: str, constants: dict) -> Partial | None:
+        names = (list(node.input[1:]) + ["", ""])[:4]
+        params = [_const_ints(constants, x) if x else None for x in names]
+        if any(x and p is None for x, p in zip(names, params)):
+            return None
+        starts, ends, axes, steps = params
+        if starts is None or ends is None or starts.size != 1 or ends.size != 1:
+            return None
+        if axes is not None and (axes.size != 1 or int(axes[0]) not in (0, -1)):
+            return None
+        step = 1 if steps is None else int(steps.ravel()[0])
+        if step == 0:
+            return None
+        picked = tuple(data[i] for i in range(len(data))[slice(int(starts[0]), int(ends[0]), step)])
+        return picked, (len(picked),), kind
 
     def merge(self, node: onnx.NodeProto, constants: dict, deterministic: bool) -> bool:
         """True when ``node`` repeats an earlier shape-derived node (its outputs are then renamed to that node's)."""
