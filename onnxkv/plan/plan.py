@@ -218,7 +218,7 @@ class Plan:
             shapes = ShapeFolder(static_dims(model), protected, self._written_in_place(nodes) <= inputs)
         for node in nodes:
             if shapes is not None:
-                node = shapes.rename(node)
+                node = shapes.rewrite(shapes.rename(node), constants)
             if self._foldable(node, constants):
                 self._fold(node, self._make_kernel(node), constants)
                 continue

@@ -43,6 +43,10 @@ __all__ = ["ShapeFolder", "static_dims"]
 Entry = int | str | None
 #: Constants with at most this many elements are compared by value when merging nodes.
 _FINGERPRINT_LIMIT = 64
+#: Fused repeat_kv operators: (x, axes, expand shape) input positions; the shape expands Unsqueeze(x, axes).
+_REPEAT_INPUTS = {"RepeatKvMatMul": ((1, 2, 3),), "RepeatKvShape": ((0, 1, 2),), "MaskedAttention": ((1, 4, 5), (2, 7, 8))}
+#: Where a fused node's body may read a rewritten expand shape: the RepeatKvMatMul expand input.
+_BODY_EXPAND_POSITION = {"RepeatKvMatMul": 3}
 #: Element types of partial values: "i" int64 (shape entries), "b" bool (comparisons of them).
 _KINDS = {"i": np.dtype(np.int64), "b": np.dtype(np.bool_)}
 #: A 0-/1-D value known in part: (flat entries, shape, kind); entries are Entry (kind "i") or bool / None ("b").
@@ -126,16 +130,28 @@ def _equal(a: Entry, b: Entry) -> bool | None:
     return False if min(v for v in (a, b) if isinstance(v, int)) < 0 else None
 
 
-def _rename_node(node: onnx.NodeProto, renamed: dict[str, str]) -> None:
-    """Rename ``node``'s inputs and, recursively, every name its subgraphs use (in place)."""
-    for i, x in enumerate(node.input):
-        node.input[i] = renamed.get(x, x)
+def _rename_node(node: onnx.NodeProto, renamed: dict[str, str], inputs: bool = True) -> None:
+    """Rename ``node``'s inputs (unless ``inputs`` is False) and, recursively, every name its subgraphs use."""
+    if inputs:
+        for i, x in enumerate(node.input):
+            node.input[i] = renamed.get(x, x)
     for a in node.attribute:
         for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
             for vi in g.input:
                 vi.name = renamed.get(vi.name, vi.name)
             for n in g.node:
                 _rename_node(n, renamed)
+
+
+def _body_reads_only_at(node: onnx.NodeProto, name: str, positions: dict[str, int]) -> bool:
+    """True when every node of ``node``'s subgraphs that reads ``name`` reads it at ``positions[op_type]`` only."""
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for n in g.node:
+                at = [i for i, x in enumerate(n.input) if x == name]
+                if at and at != [positions.get(n.op_type, -1)] or not _body_reads_only_at(n, name, positions):
+                    return False
+    return True
 
 
 def _fingerprint(constants: dict, name: str) -> str | tuple:
@@ -213,6 +229,81 @@ class ShapeFolder:
             constants[out] = arr
         self.removed += 1
         return True
+
+    def rewrite(self, node: onnx.NodeProto, constants: dict) -> onnx.NodeProto:
+        """``node``, or a copy reading a new constant instead of a run-time shape that is certain to equal it.
+
+        * ``Reshape(x, target)`` (``allowzero=0``): an entry equal to x's dim at
+          the same position becomes 0 ("copy that dim");
+        * ``Expand(x, shape)`` and the expand shape of the repeat_kv fusions
+          (``ai.onnxkv::RepeatKvMatMul``/``RepeatKvShape``/``MaskedAttention``,
+          applied to ``Unsqueeze(x, axes)``): an entry equal to the aligned dim
+          of the expanded tensor becomes 1.
+
+        Applied only when every run-time entry is replaced, so the shape
+        computation can be dropped (:meth:`prune`).
+        """
+        op, dom = node.op_type, node.domain
+        targets: list[tuple[int, np.ndarray]] = []
+        if dom in ("", "ai.onnx") and op == "Reshape" and len(node.input) == 2 and not _attr(node, "allowzero", 0):
+            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 0, constants)))
+        elif dom in ("", "ai.onnx") and op == "Expand" and len(node.input) == 2:
+            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 1, constants)))
+        elif dom == "ai.onnxkv" and op in _REPEAT_INPUTS:
+            for x, axes, shape in _REPEAT_INPUTS[op]:
+                if len(node.input) > shape and node.input[shape]:
+                    dims = self._unsqueezed(node.input[x], node.input[axes], constants)
+                    targets.append((shape, self._against(node.input[shape], dims, 1, constants)))
+        targets = [(pos, arr) for pos, arr in targets if arr is not None]
+        if not targets:
+            return node
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        for pos, arr in targets:
+            old, new = node.input[pos], f"shape_fold::{node.output[0]}::{pos}"
+            if list(node.input).count(old) != 1 or not _body_reads_only_at(node, old, _BODY_EXPAND_POSITION):
+                continue
+            arr.flags.writeable = False
+            constants[new] = arr
+            copy.input[pos] = new
+            _rename_node(copy, {old: new}, inputs=False)
+        return copy
+
+    def _unsqueezed(self, x: str, axes: str, constants: dict) -> tuple[Entry, ...] | None:
+        """Dims of ``Unsqueeze(x, axes)`` from x's static dims and constant axes, or None."""
+        dims, ax = self.dims.get(x), _const_ints(constants, axes) if axes else None
+        if dims is None or ax is None:
+            return None
+        rank = len(dims) + ax.size
+        if np.any(ax < -rank) or np.any(ax >= rank) or len(set((ax % rank).tolist())) != ax.size:
+            return None
+        out = list(dims)
+        for a in sorted((ax % rank).tolist()):
+            out.insert(a, 1)
+        return tuple(out)
+
+    def _against(self, name: str, dims: tuple[Entry, ...] | None, same: int, constants: dict) -> np.ndarray | None:
+        """``name``'s partial value with each symbol equal to the aligned entry of ``dims`` set to ``same``.
+
+        Reshape (``same=0``) aligns from the left, Expand (``same=1``) from the
+        right.  None unless ``name`` is a run-time int64 1-D value that
+        becomes fully known that way.
+        """
+        found = self.partial.get(name)
+        if dims is None or found is None or found[2] != "i" or len(found[1]) != 1 or name in constants:
+            return None
+        entries = found[0]
+        shift = 0 if same == 0 else len(dims) - len(entries)
+        out = []
+        for i, v in enumerate(entries):
+            j = i + shift
+            if isinstance(v, int):
+                out.append(v)
+            elif isinstance(v, str) and 0 <= j < len(dims) and dims[j] == v:
+                out.append(same)
+            else:
+                return None
+        return np.array(out, dtype=np.int64)
 
     def _value(self, name: str, constants: dict) -> Partial | None:
         """What is known of a 0-/1-D int64 or bool value: a partial value, or a small constant."""
