@@ -208,9 +208,14 @@ class ShapeFolder:
         It is dropped when its value became a constant in ``constants`` or
         equals an earlier value (its readers are then renamed to that value).
         """
-        if node.domain not in ("", "ai.onnx") or len(node.output) != 1 or node.output[0] in self.protected:
+        if len(node.output) != 1 or node.output[0] in self.protected:
             return False
-        found = self._evaluate(node, constants)
+        if node.domain in ("", "ai.onnx"):
+            found = self._evaluate(node, constants)
+        elif (node.domain, node.op_type) == ("ai.onnxkv", "RepeatKvShape"):
+            found = self._repeat_kv_shape(node, constants)
+        else:
+            return False
         if found is None:
             return False
         values, out_shape, kind = found
@@ -371,6 +376,20 @@ class ShapeFolder:
             return tuple(a if c is True else b if c is False else None
                          for c, (a, b) in zip(conds, picks[0])), picks[1], args[1][2]
         return None
+
+    def _repeat_kv_shape(self, node: onnx.NodeProto, constants: dict) -> Partial | None:
+        """``RepeatKvShape(x, axes, expand, reshape)``: the reshape target itself when it has no 0 or -1 entry.
+
+        Such a target is the result's shape in every run that succeeds (a run
+        where it does not fit the expanded tensor fails in the repeat itself).
+        """
+        target = self._value(node.input[3], constants)
+        if target is None or target[2] != "i" or len(target[1]) != 1 or any(v in (0, -1) for v in target[0]):
+            return None
+        entries = target[0]
+        start, end = _attr(node, "start", 0), _attr(node, "end", None)
+        picked = entries[start:end] if end is not None else entries[start:]
+        return tuple(picked), (len(picked),), "i"
 
     def _slice(self, node: onnx.NodeProto, data: tuple, kind: str, constants: dict) -> Partial | None:
         names = (list(node.input[1:]) + ["", ""])[:4]
