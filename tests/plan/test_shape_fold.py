@@ -15,9 +15,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
 import onnxkv.runtime.session as session_module
-from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
 from onnxkv.plan.plan import Plan
+from test_fusion_attention import _generate  # prefill + decode steps of a left-padded batch
 
 TORCH = Path(__file__).resolve().parents[1] / "data" / "torch_tiny_llama" / "model.onnx"
 
@@ -29,21 +29,6 @@ def _session(model, fold: bool) -> onnxkv.Session:
         return onnxkv.Session(model, threads=2)
     finally:
         session_module.Plan = saved
-
-
-def _generate(sess: onnxkv.Session, prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, state: bool):
-    """Logits (and presents on the tensor path) of a left-padded prefill and one decode step per token column."""
-    model = sess.model
-    presents = [] if state else list(model.convention.present_outputs)
-    builder = FeedBuilder(sess.plan.inputs, model, prompt, lengths, 0, thread_cache=not state)
-    run = sess.new_state().run if state else sess.run
-    feeds, _ = builder.first()
-    out = run(feeds, [model.io.logits, *presents])
-    results = [out[model.io.logits]] + [out[p] for p in presents]
-    for step in range(tokens.shape[1]):
-        out = run(builder.next(tokens[:, step], out), [model.io.logits, *presents])
-        results += [out[model.io.logits]] + [out[p] for p in presents]
-    return results
 
 
 def test_torch_export_loses_most_shape_nodes():
