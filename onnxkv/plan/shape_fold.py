@@ -3,30 +3,43 @@
 Exporters such as ``torch.onnx.export`` compute every reshape target at run
 time: ``Shape -> Gather(index) -> Unsqueeze -> Concat -> Reshape/Expand``,
 repeated per use.  Many of the dims read that way are static (head counts,
-head size, hidden size).  :class:`ShapeFolder` removes that work in three
-exact steps while :class:`onnxkv.plan.plan.Plan` is built:
+head size) and the others are the same few run-time dims (batch, sequence
+lengths) read again and again.  :class:`ShapeFolder` removes that work while
+:class:`onnxkv.plan.plan.Plan` is built:
 
-1. **Static dims** (:func:`static_dims`): ONNX shape inference on a copy of the
-   graph whose only sources of integer dims are the checked ones -- graph
-   inputs' declared positive dims (``Plan.bind_inputs`` rejects any feed that
-   differs) and initializer shapes.  ``value_info`` and graph output shapes
-   (unchecked promises of the exporter) are dropped first.  An inferred
-   integer dim is therefore what every run that does not fail will see.
+1. **Dims** (:func:`static_dims`): ONNX shape inference on a copy of the graph
+   whose only sources of dims are checked ones.  Graph inputs keep their
+   declared positive integer dims (``Plan.bind_inputs`` rejects any feed that
+   differs); every other input dim gets a symbol of its own (``"x[0]"``), so
+   two dims carry the same symbol only where ONNX derived their equality from
+   operator semantics.  ``value_info`` and graph output shapes (unchecked
+   promises of the exporter) and the defaults of overridable inputs are
+   dropped first.  An inferred integer, or the equality of two symbols, holds
+   in every run that does not fail.
 2. **Partial values**: ``Shape(x)`` gives a 1-D int64 value whose entries are
-   the static dims of ``x`` or unknown; ``Gather`` with constant indices and
-   ``Slice`` with constant parameters of such a value become constants when
-   they select only static entries (then the plan's ordinary constant folding
-   carries on through ``Unsqueeze``/``Concat``/``Cast``/...).
-3. **Common subexpressions and dead shape nodes**: a *shape-derived* value is
+   x's dims (int, symbol or unknown); ``Gather``/``Slice`` with constant
+   parameters, ``Unsqueeze``/``Squeeze``/``Reshape`` between 0-D and 1-D,
+   ``Concat``, ``Cast`` to int64, ``Equal`` and ``Where`` carry them on.  A
+   value with only integer entries becomes a constant; one with only integer
+   and symbolic entries equal to an earlier value is dropped and its readers
+   read the earlier value.  ``ai.onnxkv::RepeatKvShape`` whose reshape target
+   has no 0/-1 entry is that target.
+3. **Rewrites** (:meth:`ShapeFolder.rewrite`): a ``Reshape`` target entry
+   equal to the data's own dim at that position becomes 0 (copy), an
+   ``Expand`` shape entry (also the expand shape of the fused repeat_kv
+   operators) equal to the aligned dim becomes 1, when that makes the whole
+   target constant.
+4. **Common subexpressions and dead shape nodes**: a *shape-derived* value is
    the output of a ``Shape`` node or of a deterministic node reading only
    constants and shape-derived values.  Two such nodes with the same operator,
-   attributes and inputs compute the same value (a value's shape never changes,
-   even when its storage is written in place), so the later one is dropped and
-   its readers read the earlier output.  Shape-derived nodes whose outputs no
+   attributes and inputs (small constants compared by value) compute the same
+   value, so the later one is dropped.  Shape-derived nodes whose outputs no
    one reads any more are dropped at the end.
 
-Values that must stay observable (graph outputs, values captured by
-subgraphs) are never folded, merged or dropped.
+Merging shares one value between readers, so the plan disables it (steps 2
+and 4) when some intermediate value is written in place.  Values that must
+stay observable (graph outputs, values captured by subgraphs) are never
+folded, merged or dropped.
 """
 
 from __future__ import annotations
@@ -54,12 +67,13 @@ Partial = tuple[tuple, tuple[int, ...], str]
 
 
 def static_dims(model: onnx.ModelProto) -> dict[str, tuple[Entry, ...]]:
-    """Value name -> dims (int when certain, else None) for every main-graph value of known rank.
+    """Value name -> dims (int, symbol or None) for every main-graph value of known rank.
 
-    Only checked facts feed the inference (see the module docstring): declared
-    input dims that are not positive integers and all ``value_info`` / output
-    shapes are removed before ONNX shape inference runs.  Raises ModelError when
-    ONNX shape inference itself fails.
+    Only checked facts feed the inference (see the module docstring): each
+    input dim that is not a declared positive integer becomes a symbol of its
+    own, ``value_info`` / output shapes and overridable initializer defaults are
+    removed before ONNX shape inference runs.  Raises ModelError when ONNX
+    shape inference itself fails.
     """
     light = _light_model(model)
     graph = light.graph
@@ -84,7 +98,8 @@ def static_dims(model: onnx.ModelProto) -> dict[str, tuple[Entry, ...]]:
         raise ModelError(f"ONNX shape inference failed while folding shapes: {exc}") from None
     dims: dict[str, tuple[Entry, ...]] = {}
     for t in model.graph.initializer:
-        dims[t.name] = tuple(int(d) for d in t.dims)
+        if t.name not in declared:
+            dims[t.name] = tuple(int(d) for d in t.dims)
     for vi in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
         tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
         if tt is not None and tt.HasField("shape") and vi.name not in dims:
@@ -224,6 +239,8 @@ class ShapeFolder:
         if any(v is None for v in values):
             return False
         if any(isinstance(v, str) for v in values):
+            if not self.merging:
+                return False
             first = self._values.setdefault(found, out)
             if first == out:
                 return False

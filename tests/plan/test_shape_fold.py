@@ -169,3 +169,20 @@ def test_graph_outputs_are_never_folded_away():
     assert len(sess.plan.nodes) == 2
     out = sess.run({"x": np.zeros((4, 3), np.float32)})
     assert out["s"].tolist() == out["t"].tolist() == [4, 3]
+
+
+def test_same_declared_symbol_on_two_inputs_is_not_trusted():
+    # both inputs declare dim 0 as "N", but bind_inputs does not check that; the dims must stay apart
+    nodes = [
+        helper.make_node("Shape", ["x"], ["sx"]),
+        helper.make_node("Gather", ["sx", "i0"], ["nx"]),
+        helper.make_node("Shape", ["z"], ["sz"]),
+        helper.make_node("Gather", ["sz", "i0"], ["nz"]),
+        helper.make_node("Add", ["nx", "nz"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 3]), _vi("z", ["N", 3])],
+                              [_vi("y", None, TensorProto.INT64)], [_ints("i0", 0)])
+    sess = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), True)
+    assert len(sess.plan.nodes) == 5
+    out = sess.run({"x": np.zeros((2, 3), np.float32), "z": np.zeros((5, 3), np.float32)})
+    assert int(out["y"]) == 7
