@@ -223,7 +223,7 @@ class Plan:
                 self._fold(node, self._make_kernel(node), constants)
                 continue
             if shapes is not None and (shapes.fold(node, constants) or shapes.merge(
-                    node, constants, node.op_type not in _NON_DETERMINISTIC and node.name not in by_node)):
+                    node, constants, node.op_type not in _NON_DETERMINISTIC and (node.name or node.output[0]) not in by_node)):
                 continue
             kernels.append(self._make_kernel(node))
             kept_nodes.append(node)
