@@ -12,7 +12,9 @@ reaches the caller.  Views are known statically from each kernel class's
 freed after the last use of any member.
 
 Constant folding: nodes whose inputs are all known at build time are run once
-while the plan is built, and their outputs become constants.
+while the plan is built, and their outputs become constants; shape
+computations over static dims are folded, and repeated ones merged, by
+:mod:`onnxkv.plan.shape_fold`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
+from onnxkv.plan.shape_fold import ShapeFolder, static_dims
 
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
 
@@ -130,6 +133,8 @@ class Plan:
             temporaries.
         present_outputs / past_inputs: cache value names (for storage counters).
         fuse: apply the fusions of :mod:`onnxkv.plan.fusion` (results are unchanged).
+        fold_shapes: fold and merge shape computations with
+            :mod:`onnxkv.plan.shape_fold` (results are unchanged).
         bindings: :class:`~onnxkv.model.rewrite.CacheBinding` s whose nodes write
             in place when a state supplies caches to :meth:`run`.
         external: initializer name -> array for initializers kept outside the
@@ -148,6 +153,7 @@ class Plan:
         fuse: bool = True,
         bindings: Iterable = (),
         external: Mapping[str, np.ndarray] | None = None,
+        fold_shapes: bool = True,
     ) -> None:
         graph = model.graph
         self.allocator = allocator
@@ -190,9 +196,9 @@ class Plan:
         self.output_names = [o.name for o in graph.output]
         known = set(constants) | {i.name for i in self.inputs}
         nodes = _topological(list(graph.node), known)
+        subgraph_reads = {x for n in nodes for x in _node_reads(n)} - {x for n in nodes for x in n.input}
+        protected = {o.name for o in graph.output} | subgraph_reads
         if fuse:
-            subgraph_reads = {x for n in nodes for x in _node_reads(n)} - {x for n in nodes for x in n.input}
-            protected = {o.name for o in graph.output} | subgraph_reads
             nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
             nodes = fuse_masked_attention(nodes, protected)
 
@@ -205,16 +211,34 @@ class Plan:
         self.fallback_nodes: list[str] = []
         kernels: list[Op] = []
         kept_nodes: list[onnx.NodeProto] = []
+        shapes = None
+        if fold_shapes:
+            # Merged values are shared by their readers: only safe when no intermediate value is written in place.
+            inputs = {g.name for g in self.inputs}
+            shapes = ShapeFolder(static_dims(model), protected, self._written_in_place(nodes) <= inputs)
         for node in nodes:
-            kernel = self._make_kernel(node)
+            if shapes is not None:
+                node = shapes.rewrite(shapes.rename(node), constants)
             if self._foldable(node, constants):
-                self._fold(node, kernel, constants)
+                self._fold(node, self._make_kernel(node), constants)
                 continue
-            kernels.append(kernel)
+            if shapes is not None and (shapes.fold(node, constants) or shapes.merge(
+                    node, constants, node.op_type not in _NON_DETERMINISTIC and (node.name or node.output[0]) not in by_node)):
+                continue
+            kernels.append(self._make_kernel(node))
             kept_nodes.append(node)
+        if shapes is not None:
+            alive = shapes.prune(kept_nodes, [_node_reads(n) for n in kept_nodes])
+            for k in set(range(len(kept_nodes))) - set(alive):
+                if isinstance(kernels[k], FallbackOp):
+                    self.fallback_nodes.remove(kept_nodes[k].name or kept_nodes[k].output[0])
+            kept_nodes = [kept_nodes[k] for k in alive]
+            kernels = [kernels[k] for k in alive]
         self.nodes = kept_nodes
         self.kernels = kernels
         self.folded_nodes = len(nodes) - len(kept_nodes)
+        #: Nodes removed by shape folding (:mod:`onnxkv.plan.shape_fold`), included in ``folded_nodes``.
+        self.shape_folded_nodes = shapes.removed if shapes is not None else 0
         self._drop_absorbed(constants)
 
         for name in constants:
@@ -257,6 +281,16 @@ class Plan:
         for name, all_readers in absorbed.items():
             if all_readers and name not in self.output_names:
                 constants[name] = None
+
+    def _written_in_place(self, nodes: list[onnx.NodeProto]) -> set[str]:
+        """Values some node writes in place: MUST_ALIAS inputs (contract or kernel class) and bound pasts."""
+        written = {b.past for b in self.bindings}
+        for node in nodes:
+            dom = DOMAIN_ALIASES.get(node.domain, node.domain)
+            positions = {a.input_index for a in get_output_alias(node)}
+            positions.update(i for _, i in getattr(lookup(dom, node.op_type, self.opsets.get(dom, 0)), "must_alias", ()))
+            written.update(node.input[i] for i in positions if i < len(node.input) and node.input[i])
+        return written
 
     def _make_kernel(self, node: onnx.NodeProto) -> Op:
         dom = DOMAIN_ALIASES.get(node.domain, node.domain)
