@@ -192,6 +192,25 @@ def ort_shared_binding(sess, q, knew, vnew, kbuf, vbuf, ctx, out):
     return io
 
 
+def ort_decode_on_copies(sess, q, kf, vf, ctx):
+    """ORT GQA decode of one token in shared-buffer mode over copies of ``kf`` / ``vf``.
+
+    q [B, Hq, 1, D]; kf, vf [B, Hkv, cap, D] float32, whose position ``ctx - 1``
+    is the new token.  Runs once; returns ``(call, out)``: ``call()`` repeats
+    the run (it keeps the bound arrays alive), ``out`` [B, Hq, 1, D] is a view
+    of the result buffer.
+    """
+    kbuf, vbuf = kf.copy(), vf.copy()
+    knew = np.ascontiguousarray(kbuf[:, :, ctx - 1].reshape(B, 1, HKV * D))
+    vnew = np.ascontiguousarray(vbuf[:, :, ctx - 1].reshape(B, 1, HKV * D))
+    q3 = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, 1, HQ * D))
+    ort_out = np.empty((B, 1, HQ * D), np.float32)
+    io = ort_shared_binding(sess, q3, knew, vnew, kbuf, vbuf, ctx, ort_out)
+    io._buffers = (kbuf, vbuf, q3, ort_out)      # keep the bound arrays alive with the binding
+    sess.run_with_iobinding(io)
+    return (lambda: sess.run_with_iobinding(io)), ort_out.reshape(B, 1, HQ, D).transpose(0, 2, 1, 3)
+
+
 # ---------------------------------------------------------------- cases
 
 def hot_read_bandwidth(nbytes: int, threads: int, runs: int = 7) -> float:

@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import emit, machine, versions  # noqa: E402
-from bench_decode_attention import B, D, HKV, HQ, measure, ort_session, ort_shared_binding  # noqa: E402
+from bench_decode_attention import B, D, HKV, HQ, measure, ort_decode_on_copies, ort_session  # noqa: E402
 
 import onnxkv._kernels as K  # noqa: E402
 from onnxkv.alloc import ArenaAllocator, SystemAllocator  # noqa: E402
@@ -145,18 +145,10 @@ def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng) -> dict:
         variants[(t, "onnxkv_contiguous_f32_small_pages")] = on(t, contiguous("f32_small_pages"))
         sess = sessions.get(t)
         if sess is not None:
-            kbuf, vbuf = kf.copy(), vf.copy()
-            knew = np.ascontiguousarray(kbuf[:, :, ctx - 1].reshape(B, 1, HKV * D))
-            vnew = np.ascontiguousarray(vbuf[:, :, ctx - 1].reshape(B, 1, HKV * D))
-            q3 = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, 1, HQ * D))
-            ort_out = np.empty((B, 1, HQ * D), np.float32)
-            io = ort_shared_binding(sess, q3, knew, vnew, kbuf, vbuf, ctx, ort_out)
-            io._buffers = (kbuf, vbuf, q3, ort_out)      # keep the bound arrays alive with the binding
-            sess.run_with_iobinding(io)
-            ref = ort_out.reshape(B, 1, HQ, D).transpose(0, 2, 1, 3)
+            ort_call, ref = ort_decode_on_copies(sess, q, kf, vf, ctx)
             contiguous("f32")()
             case["max_abs_diff_onnxkv_vs_ort"] = float(np.max(np.abs(ref - out)))
-            variants[(t, "ort_gqa_shared_buffer_f32")] = (lambda sess=sess, io=io: sess.run_with_iobinding(io))
+            variants[(t, "ort_gqa_shared_buffer_f32")] = ort_call
         cases[t] = case
 
     loadavg = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
