@@ -50,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, versions  # noqa: E402
 
-DEFAULT_POLICIES = "fp16,bf16,int8,int8-kc,int4,int4-kc,residual-int8,residual-int4,residual-int4-kc"
+DEFAULT_POLICIES = "fp16,bf16,int8,int8-kc,int8-kivi,int4,int4-kc,residual-int8,residual-int4,residual-int4-kc"
 #: Prompts of the trained byte-level model (the first ``--prompts`` are used).
 PROMPTS = ("The context manager is used to ", "def read_file(path):\n    ", "In this tutorial we will learn how ",
            "import numpy as np\n\n", "The function returns a list of ", "class Node:\n    def __init__(self",

@@ -121,12 +121,13 @@ class State:
             before anything is written.
         kv_format: page formats of a paged cache (see :mod:`onnxkv.cache.policy`):
             None (native pages), a policy name ("fp32", "fp16", "bf16", "int8",
-            "int4", "residual-int8", "residual-int4") or a ``FormatSelector``
+            "int4", "int8-kivi", "residual-int8", "residual-int4") or a ``FormatSelector``
             callable ``(layer, past_length, k, v) -> (k_format, v_format)``.
             After every successful run the full pages the selector makes
             eligible are converted (each page once, allocated once).
         key_channel_scales: quantized key pages get one scale per channel
-            (KIVI) instead of one per head.
+            (KIVI) instead of one per head (also set by a policy whose
+            ``key_channel_scales`` is True, e.g. "int8-kivi").
 
     One state per request; many states per session.  Two states never share
     writable storage.  Calls on one state must not overlap (a second
@@ -173,7 +174,7 @@ class State:
         if self._selector is not None and cache != "paged":
             raise InputError(f"new_state: kv_format={kv_format!r} needs cache='paged'")
         self.kv_format = kv_format
-        self._key_groups = bool(key_channel_scales)
+        self._key_groups = bool(key_channel_scales) or getattr(self._selector, "key_channel_scales", False)
         if cache == "paged":
             self._pool = _pool if _pool is not None else self._new_pool(block_size, max_pages)
             self._window = self._model_window()

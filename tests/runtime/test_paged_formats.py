@@ -51,6 +51,32 @@ def test_policies_convert_full_pages_and_stay_close(session, policy, tol):
     np.testing.assert_allclose(got, want, atol=tol, rtol=0)
 
 
+def test_int8_kivi_policy_gives_keys_channel_scales(session):
+    prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 18))
+    with session.new_state(cache="paged", block_size=4) as ref:
+        want, _, _ = _run(session, ref, prompt, 11)
+    with session.new_state(cache="paged", block_size=4, kv_format="int8-kivi") as st:
+        got, _, _ = _run(session, st, prompt, 11)
+        keys = [i for i, p in enumerate(st.pool.planes) if p.groups > 1]
+        values = [i for i, p in enumerate(st.pool.planes) if p.groups == 1]
+        assert keys and len(keys) == len(values)  # every key plane per channel, every value plane per head
+        assert all(st.pool.planes[i].groups == st.pool.planes[i].head_size for i in keys)
+        assert _formats(st, keys[0])[:-1] == [2] * (len(_formats(st, keys[0])) - 1)  # UINT8 keys
+        assert _formats(st, values[0])[:-1] == [CODES["int8"]] * (len(_formats(st, values[0])) - 1)
+    np.testing.assert_allclose(got, want, atol=5e-2, rtol=0)
+
+
+def test_selector_key_channel_scales_must_be_a_bool(session):
+    class Selector:
+        key_channel_scales = "yes"
+
+        def __call__(self, layer, past_length, k, v):
+            return "int8", "int8"
+
+    with pytest.raises(InputError, match="key_channel_scales must be a bool, got 'yes'"):
+        session.new_state(cache="paged", kv_format=Selector())
+
+
 def test_residual_policy_keeps_recent_tokens_native(session):
     from onnxkv.cache.policy import ResidualPolicy
     prompt = np.random.default_rng(1).integers(0, MICRO.vocab_size, (1, 30))
