@@ -9,11 +9,14 @@ block size 16, contexts 4096, 16384 and 32768 (by default), threads from
   aligned allocation (onnxkv.alloc.SystemAllocator), block table shuffled:
   float32 and float16 pages (kv_dtype, no format tables); int8 and int4 pages
   (symmetric, per-head scales for keys and values, k_formats / v_formats all
-  int8 / int4); int4 with per-channel key scales (KIVI; the header of a
-  16-token page then holds 8 KiB of key scales); mixed: the newest 1024
-  tokens' pages float32, the older ones int4 (per-head).  Pages are quantized
-  by onnxkv._kernels.quantize_page (QuantizeLinear semantics: scale = max|x| /
-  qmax per head of the page, zero point 0, round half to even).
+  int8 / int4); int4 with per-channel key scales (the header of a 16-token
+  page then holds 8 KiB of key scales); int8_kivi, the "int8-kivi" policy's
+  pages (keys uint8 with a scale and zero point per channel, values int8 per
+  head); mixed: the newest 1024 tokens' pages float32, the older ones int4
+  (per-head).  Pages are quantized by onnxkv._kernels.quantize_page
+  (QuantizeLinear semantics, round half to even) with the parameters of
+  onnxkv.cache.formats.params_for (signed formats: scale = max|x| / qmax per
+  group, zero point 0; unsigned: asymmetric over the group's range).
 * ONNX Runtime: the one-node GroupQueryAttention model of _common with past and
   present bound to the same float32 buffer (bench_decode_attention's shared
   buffer mode), intra_op_num_threads = threads.
@@ -45,29 +48,29 @@ from bench_decode_attention import B, D, HKV, HQ, measure, ort_decode_on_copies,
 
 import onnxkv._kernels as K  # noqa: E402
 from onnxkv.alloc import SystemAllocator  # noqa: E402
+from onnxkv.cache import formats  # noqa: E402
 
 BS = 16
 RECENT = 1024        # mixed variant: tokens kept float32
-INT8, INT4, F32 = 3, 22, 1
+INT8, INT4, UINT8, F32 = 3, 22, 2, 1
 BARS = {"ctx": 16384, "threads": 2,
         "min_speedup_vs_ort": {"int8": 8.0, "int4": 10.0},
         "min_speedup_vs_onnxkv_f32": {"int8": 2.0},
         "max_bytes_over_f32": {"int8": 0.27, "int4": 0.14}}
 
 
-def quantize_symmetric(pages: np.ndarray, fmt: int, per_channel: bool) -> np.ndarray:
-    """float32 pages [n, H, bs, D] -> payloads uint8 [n, page bytes] of the signed
-    format fmt (onnxkv._kernels.quantize_page): scale = max|x| / qmax per head
-    (or per head and channel), zero point 0."""
+def quantize(pages: np.ndarray, fmt: str, granularity: str) -> np.ndarray:
+    """float32 pages [n, H, bs, D] -> payloads uint8 [n, page bytes] in format
+    ``fmt`` with the library's own parameters (onnxkv.cache.formats.params_for:
+    signed formats symmetric, unsigned asymmetric; one scale per head, or per
+    head and channel) and quantizer (onnxkv._kernels.quantize_page)."""
     n, h, bs, d = pages.shape
-    bits = {INT8: 8, INT4: 4}[fmt]
-    qmax, g = (1 << (bits - 1)) - 1, d if per_channel else 1
-    amax = np.abs(pages).max(axis=2 if per_channel else (2, 3)).reshape(n, h * g)
-    scale = np.ascontiguousarray(np.where(amax > 0, amax / qmax, 1.0), np.float32)
-    zero = np.zeros(h * g, np.float32)
-    out = np.zeros((n, -(-(8 * h * g) // 64) * 64 + h * bs * d * bits // 8), np.uint8)
+    code, g = formats.page_format(fmt).code, formats.groups_for(granularity, d)
+    out = np.zeros((n, formats.page_bytes(fmt, h, bs, d, g)), np.uint8)
     for i in range(n):
-        K.quantize_page(np.ascontiguousarray(pages[i]), fmt, scale[i], zero, g, out[i], bs)
+        x = np.ascontiguousarray(pages[i])
+        scale, zero = formats.params_for(x, fmt, granularity)
+        K.quantize_page(x, code, scale, zero, g, out[i], bs)
     return out
 
 
@@ -98,26 +101,29 @@ def build_variants(kf, vf, ctx, rng, alloc):
     table = rng.permutation(m).astype(np.int32)
     kb = kf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)      # [m, H, bs, D] logical blocks
     vb = vf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)
-    q8k, q8v = quantize_symmetric(kb, INT8, False), quantize_symmetric(vb, INT8, False)
-    q4k, q4v = quantize_symmetric(kb, INT4, False), quantize_symmetric(vb, INT4, False)
-    q4kc = quantize_symmetric(kb, INT4, True)
+    q8k, q8v = quantize(kb, "int8", "head"), quantize(vb, "int8", "head")
+    q4k, q4v = quantize(kb, "int4", "head"), quantize(vb, "int4", "head")
+    q4kc, u8kc = quantize(kb, "int4", "channel"), quantize(kb, "uint8", "channel")
     fmt = np.empty(m, np.uint8)
 
-    def formats(per_block):
+    def fmt_table(per_block):
         fmt[table] = per_block          # page id table[i] holds block i
         return fmt.copy()
 
     old = np.arange(m) < m - RECENT // BS
     mixed_k = [q4k[i] if old[i] else kb[i] for i in range(m)]
     mixed_v = [q4v[i] if old[i] else vb[i] for i in range(m)]
-    mixed_f = formats(np.where(old, INT4, F32))
+    mixed_f = fmt_table(np.where(old, INT4, F32))
     return table, {
         "f32": (Pages(kb, vb, table, alloc), {}),
         "f16": (Pages(kb.astype(np.float16), vb.astype(np.float16), table, alloc), {"kv_dtype": "float16"}),
-        "int8": (Pages(q8k, q8v, table, alloc), {"k_formats": formats(INT8), "v_formats": formats(INT8)}),
-        "int4": (Pages(q4k, q4v, table, alloc), {"k_formats": formats(INT4), "v_formats": formats(INT4)}),
-        "int4_keys_per_channel": (Pages(q4kc, q4v, table, alloc), {"k_formats": formats(INT4),
-                                                                    "v_formats": formats(INT4), "k_group": D}),
+        "int8": (Pages(q8k, q8v, table, alloc), {"k_formats": fmt_table(INT8), "v_formats": fmt_table(INT8)}),
+        "int4": (Pages(q4k, q4v, table, alloc), {"k_formats": fmt_table(INT4), "v_formats": fmt_table(INT4)}),
+        "int4_keys_per_channel": (Pages(q4kc, q4v, table, alloc), {"k_formats": fmt_table(INT4),
+                                                                    "v_formats": fmt_table(INT4), "k_group": D}),
+        # the "int8-kivi" policy: keys uint8 per (page, head, channel), asymmetric; values int8 per (page, head)
+        "int8_kivi": (Pages(u8kc, q8v, table, alloc), {"k_formats": fmt_table(UINT8), "v_formats": fmt_table(INT8),
+                                                       "k_group": D}),
         "mixed_f32_recent_int4_old": (Pages(mixed_k, mixed_v, table, alloc), {"k_formats": mixed_f,
                                                                              "v_formats": mixed_f}),
     }
