@@ -20,6 +20,9 @@ runs, on a paged state with that ``kv_format``:
   positions of KL(p_fp32 || p_policy) in nats, and ``max_logit_diff`` = max
   |logit difference|.
 
+The float32 row lists the reference's near-ties (positions whose top-2 logit
+margin is below 0.01, with the margin).
+
 A ``-kc`` suffix on a policy name stores keys with one scale per channel
 (``key_channel_scales=True``, the KIVI choice for keys).
 
@@ -102,7 +105,10 @@ def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str], 
     margin = top2[:, 1] - top2[:, 0]
     rows = {"fp32": {"token_agreement": 1.0, "forced_argmax_agreement": 1.0, "first_divergence": None,
                      "divergence_margin": None, "mean_kl": 0.0, "max_logit_diff": 0.0,
-                     "committed_bytes": ref_bytes}}
+                     "committed_bytes": ref_bytes,
+                     # near-ties of the reference: positions whose top-2 margin is below 0.01 (a policy whose
+                     # logit error reaches the margin may flip that token, and free-running texts then part)
+                     "near_ties": {str(int(i)): round(float(margin[i]), 5) for i in np.flatnonzero(margin < 0.01)}}}
     for name in policies:
         tokens, _, committed = decode(session, prompt, new_tokens, name, block_size=block_size)
         same = tokens == ref_tokens
