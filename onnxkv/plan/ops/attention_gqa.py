@@ -271,9 +271,10 @@ class GroupQueryAttention(Op):
         return past_key.shape[2]
 
     def _scalar_total(self, total_seqlen: np.ndarray | None) -> int:
-        if total_seqlen is None or np.size(total_seqlen) != 1:
+        t = total_seqlen if isinstance(total_seqlen, np.ndarray) else np.asarray(total_seqlen)
+        if total_seqlen is None or t.size != 1:
             raise self._input_error("total_sequence_length must be a scalar (one int32 element)")
-        total = int(total_seqlen.item() if isinstance(total_seqlen, np.ndarray) else np.asarray(total_seqlen).item())
+        total = int(t.item())
         if total < 1:
             raise self._input_error(f"total_sequence_length must be >= 1, got {total}")
         return total
@@ -282,7 +283,7 @@ class GroupQueryAttention(Op):
         self, seqlens_k: np.ndarray | None, b: int, s: int, total: int, past_len: int, first_prompt: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """Per-row (``total_b``, ``past_b``) as int64 [B] after validating ``seqlens_k``."""
-        if seqlens_k is None or np.shape(seqlens_k) != (b,):
+        if seqlens_k is None or (seqlens_k.shape if isinstance(seqlens_k, np.ndarray) else np.shape(seqlens_k)) != (b,):
             raise self._input_error(
                 f"seqlens_k must have shape ({b},), got {None if seqlens_k is None else np.shape(seqlens_k)}"
             )
