@@ -225,6 +225,52 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
                               isa)
 
 
+cdef inline bint _disjoint(const void *a, size_t an, const void *b, size_t bn) noexcept nogil:
+    """True when the byte ranges [a, a + an) and [b, b + bn) do not intersect."""
+    cdef const char *pa = <const char *>a
+    cdef const char *pb = <const char *>b
+    return pa + an <= pb or pb + bn <= pa
+
+
+cdef bint _packed_fast(x, wp, out, bias) except -1:
+    """Run ``matmul_packed`` when every argument is valid and the product is not
+    empty, all checked at C speed (typed buffers, shapes, address ranges: the
+    conditions of the Python checks); return False, with nothing written, to send
+    the call through those checks instead (which name the bad argument)."""
+    cdef const float[:, ::1] xv
+    cdef const float[:, :, ::1] wv
+    cdef float[:, ::1] ov
+    cdef const float[::1] bv
+    cdef const float *bp = NULL
+    cdef int64_t M, K, N
+    if not (isinstance(x, np.ndarray) and isinstance(wp, np.ndarray) and isinstance(out, np.ndarray)
+            and (bias is None or isinstance(bias, np.ndarray))):
+        return False
+    try:
+        xv = x
+        wv = wp
+        ov = out
+        if bias is not None:
+            bv = bias
+    except (ValueError, TypeError, BufferError):
+        return False
+    M, K, N = xv.shape[0], xv.shape[1], ov.shape[1]
+    if M == 0 or K == 0 or N == 0 or wv.shape[1] != K or wv.shape[2] != PANEL or ov.shape[0] != M \
+            or wv.shape[0] != (N + PANEL - 1) // PANEL:
+        return False
+    if bias is not None:
+        if bv.shape[0] != N:
+            return False
+        bp = &bv[0]
+    cdef size_t onb = <size_t>(M * N) * sizeof(float)
+    if not (_disjoint(&ov[0, 0], onb, &xv[0, 0], <size_t>(M * K) * sizeof(float))
+            and _disjoint(&ov[0, 0], onb, &wv[0, 0, 0], <size_t>(wv.shape[0] * K * PANEL) * sizeof(float))
+            and (bp == NULL or _disjoint(&ov[0, 0], onb, bp, <size_t>N * sizeof(float)))):
+        return False
+    _matmul_packed(xv, wv, bp, ov)
+    return True
+
+
 def matmul_packed(x, wp, out, bias=None):
     """out = x @ w (+ bias) with w given packed by ``pack_weight``; float32.
 
@@ -234,8 +280,11 @@ def matmul_packed(x, wp, out, bias=None):
     built for few rows (the weights are read once per call and each thread
     streams a contiguous range of panels).  Each output element is summed in
     the same order whatever the thread count.  Raises ValueError naming the
-    argument before writing.
+    argument before writing.  (Called once per weight per decode step, so valid
+    arguments are checked in C; only a failing check takes the Python checks.)
     """
+    if _packed_fast(x, wp, out, bias):
+        return
     V.array("x", x, (V.F32,), ndim=2)
     V.array("wp", wp, (V.F32,), ndim=3)
     M, Kd = x.shape

@@ -41,6 +41,9 @@ from onnxkv.plan.shape_fold import ShapeFolder, static_dims
 
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
 
+#: Marks an input absent from the feeds.
+_MISSING = object()
+
 #: Operators that must never be folded at build time.
 _NON_DETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
@@ -259,7 +262,10 @@ class Plan:
         self.input_slots = [slot_of[g.name] for g in self.inputs]
         self.output_slots = [slot_of[n] for n in self.output_names]
 
-        template: list = [None] * self.n_slots
+        # Two slots past the values: one never written (read for an omitted input), one never read
+        # (written for an omitted output), so the run loop needs no test for -1.
+        none_slot, sink_slot = self.n_slots, self.n_slots + 1
+        template: list = [None] * (self.n_slots + 2)
         for name, arr in constants.items():
             template[slot_of[name]] = arr
         self._template = template
@@ -267,8 +273,16 @@ class Plan:
         #: Graph inputs written in place (MUST_ALIAS): fed as given, never copied.
         self.aliased_inputs = frozenset(node.input[i] for node, pairs in zip(kept_nodes, self.must_alias)
                                         for _, i in pairs) & {g.name for g in self.inputs}
+        self._input_names = frozenset(g.name for g in self.inputs)
         self._plan_lifetimes(kept_nodes, set(constants))
-        self._steps = [(k.run, i, o) for k, i, o in zip(kernels, in_idx, out_idx)]
+        self._steps = [(k.run, tuple(none_slot if s < 0 else s for s in i), tuple(sink_slot if s < 0 else s for s in o))
+                       for k, i, o in zip(kernels, in_idx, out_idx)]
+        # Only non-persistent node outputs ever hold a run buffer (see _allocator_for).
+        owners = {x for o in out_idx for x in o if x >= 0 and not self.persistent[x]}
+        #: Per node, what the run loop does after it: (MUST_ALIAS pairs to check, slots to clear, slots whose
+        #: storage class ends there and may hold a run buffer).
+        self._after = [(pairs, release + ((sink_slot,) if -1 in o else ()), tuple(x for x in frees if x in owners))
+                       for pairs, release, frees, o in zip(self.must_alias, self.release, self.frees, out_idx)]
 
     # -- build helpers -------------------------------------------------
     def _drop_absorbed(self, constants: dict) -> None:
@@ -400,17 +414,17 @@ class Plan:
     def bind_inputs(self, feeds: Mapping[str, np.ndarray], views: Mapping | None = None) -> list:
         """Validate feeds against the graph inputs; return the initial slot list."""
         slots = self._template.copy()
-        known = self.slot_of
+        names = self._input_names
         for name in feeds:
-            if name not in known or all(g.name != name for g in self.inputs):
+            if name not in names:
                 expected = ", ".join(g.name for g in self.inputs)
                 raise InputError(f"Session.run: unknown input '{name}'; the model's inputs are: {expected}")
         for g, s in zip(self.inputs, self.input_slots):
-            if g.name not in feeds:
+            v = feeds.get(g.name, _MISSING)
+            if v is _MISSING:
                 if g.has_default:
                     continue
                 raise InputError(f"Session.run: missing input '{g.name}' (dtype {g.dtype}, shape {g.shape})")
-            v = feeds[g.name]
             if not isinstance(v, np.ndarray):
                 v = np.asarray(v)
             if v.dtype != g.dtype and not (views and g.name in views):  # a state's cache may store another dtype
@@ -465,24 +479,21 @@ class Plan:
     def _allocator_for(self, bufs: RunBuffers):
         persistent = self.persistent
         out_idx = self.out_idx
+        take = bufs.take
 
         def alloc(rt: RunContext, index: int, shape, dtype: np.dtype) -> np.ndarray:
             s = out_idx[rt._node][index]
-            shape = tuple(int(d) for d in shape)
-            nbytes = dtype.itemsize
-            for d in shape:
-                nbytes *= d
             if s < 0 or persistent[s]:
                 arr, reused = np.empty(shape, dtype), False
             else:
-                arr, reused = bufs.take(s, nbytes, dtype, shape)
+                arr, reused = take(s, shape, dtype)
             if rt.recording:
                 c = rt.counters
                 if reused:
                     c["reuse_count"] = c.get("reuse_count", 0) + 1
                 else:
                     c["allocations"] = c.get("allocations", 0) + 1
-                    c["allocated_bytes"] = c.get("allocated_bytes", 0) + nbytes
+                    c["allocated_bytes"] = c.get("allocated_bytes", 0) + arr.nbytes
             return arr
 
         return alloc
@@ -493,23 +504,24 @@ class Plan:
 
     def _run_plain(self, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
         release = bufs.release
-        must_alias = self.must_alias
+        after = self._after
+        get = slots.__getitem__
         k = 0
         try:
             for k, (run, ins, outs) in enumerate(self._steps):
                 rt._node = k
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
-                args = [slots[i] if i >= 0 else None for i in ins]
+                args = list(map(get, ins))
                 results = run(args, rt)
-                if must_alias[k]:
+                check, clear, free = after[k]
+                if check:
                     self._check_aliases(k, args, results)
                 for s, v in zip(outs, results):
-                    if s >= 0:
-                        slots[s] = v
-                for s in self.release[k]:
+                    slots[s] = v
+                for s in clear:
                     slots[s] = None
-                for s in self.frees[k]:
+                for s in free:
                     release(s)
         except OnnxkvError:
             raise
@@ -520,7 +532,7 @@ class Plan:
                        cache_allocator=None, cancel=None) -> None:
         allocator = self.allocator
         release = bufs.release
-        must_alias = self.must_alias
+        after = self._after
         k = 0
         try:
             for k, (run, ins, outs) in enumerate(self._steps):
@@ -529,14 +541,14 @@ class Plan:
                     raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
                 rt.counters = {}
                 t0 = time.perf_counter()
-                args = [slots[i] if i >= 0 else None for i in ins]
+                args = [slots[i] for i in ins]
                 results = run(args, rt)
                 dt = time.perf_counter() - t0
-                if must_alias[k]:
+                check, clear, free = after[k]
+                if check:
                     self._check_aliases(k, args, results)
                 for s, v in zip(outs, results):
-                    if s >= 0:
-                        slots[s] = v
+                    slots[s] = v
                 st = allocator.stats()
                 node = self.nodes[k]
                 events.record(step, node.name or node.output[0], node.op_type, "execute", seconds=dt,
@@ -548,9 +560,9 @@ class Plan:
                                       committed=cst.committed, live=cst.live, peak=cst.peak,
                                       extra={"cache": past}, **vars(cost))
                     rt.cache_events.clear()
-                for s in self.release[k]:
+                for s in clear:
                     slots[s] = None
-                for s in self.frees[k]:
+                for s in free:
                     release(s)
         except OnnxkvError:
             raise

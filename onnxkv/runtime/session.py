@@ -88,7 +88,7 @@ class Session:
         step = self._step
         self._step += 1
         ids = feeds.get(self.model.io.input_ids) if self.model.io.input_ids else None
-        decode = ids is not None and np.size(ids) <= DECODE_ROWS
+        decode = ids is not None and (ids.size if isinstance(ids, np.ndarray) else np.size(ids)) <= DECODE_ROWS
         with self._threads(1 if decode else None):
             return self.plan.run(feeds, output_names, self.events if self.events.enabled else None, step,
                                  caches, cache_allocator, cancel)

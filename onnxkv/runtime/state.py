@@ -159,6 +159,9 @@ class State:
         self.steps = 0
         self._caches: dict[str, CacheTensor] | None = None
         self.declared = dict(session.declared_bindings)
+        # Fixed for the state's life: checked or used on every run.
+        self._bound = frozenset(self.bound_inputs)
+        self._presents = {b.present: b.past for b in self.bindings}
         self._values: dict[str, tuple] = {}  # declared input -> (buffer, array)
         self._busy = threading.Lock()
         self._closed = False
@@ -737,11 +740,10 @@ class State:
                 run failed; the state is unchanged.
         """
         self._check_open("run")
-        bound = set(self.bound_inputs)
-        fed = sorted(bound & set(feeds))
-        if fed:
+        if not self._bound.isdisjoint(feeds):
+            fed = sorted(self._bound.intersection(feeds))
             raise StateError(f"State.run: {fed} are bound to the state's caches and must not be fed")
-        presents = {b.present: b.past for b in self.bindings}
+        presents = self._presents
         if output_names is None:
             output_names = [n for n in self.session.output_names
                             if n not in presents and n not in self.declared.values()]
@@ -753,10 +755,11 @@ class State:
             caches = self._ensure_caches(batch)
             before = self.length
             full = dict(feeds)
-            for name, c in caches.items():
-                if self.paged:
+            if self.paged:
+                for name, c in caches.items():
                     full[name] = c.gather() if name in self._needs_data else c.placeholder(c.length)
-                else:
+            else:
+                for name, c in caches.items():
                     full[name] = c.view()
             try:
                 out = self.session._run_plan(full, output_names, caches, self.allocator, cancel)

@@ -268,3 +268,38 @@ def test_matmul_packed_bad_args():
     with pytest.raises(ValueError, match="out"):
         MM.matmul_packed(x, wp, ro)
     assert np.all(ro == 0)
+
+
+def test_matmul_packed_fast_checks_defer_to_named_errors(tmp_path):
+    """Valid calls are checked in C; anything the C checks refuse gets the named Python error, nothing written."""
+    f = np.float32
+    rng = np.random.default_rng(11)
+    x, w, b = rand(rng, (2, 8)), rand(rng, (8, 20)), rand(rng, (20,))
+    wp = MM.pack_weight(w)
+    out = np.full((2, 20), 3.0, f)
+    big_endian = x.astype(">f4")
+    cases = [
+        ("x", lambda: MM.matmul_packed(big_endian, wp, out)),
+        ("x", lambda: MM.matmul_packed(x.tolist(), wp, out)),
+        ("x", lambda: MM.matmul_packed(np.asfortranarray(rand(rng, (2, 8))), wp, out)),
+        ("out", lambda: MM.matmul_packed(x, wp, np.full((20, 2), 3.0, f).T)),
+        ("bias", lambda: MM.matmul_packed(x, wp, out, b.astype(">f4"))),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=name):
+            call()
+    assert np.all(out == 3.0)
+    shared = MM.pack_weight(w)
+    with pytest.raises(ValueError, match="out: must not overlap wp"):
+        MM.matmul_packed(x, shared, shared.reshape(-1)[:40].reshape(2, 20))
+    both = np.concatenate([b, np.zeros(20, f)])
+    with pytest.raises(ValueError, match="out: must not overlap bias"):
+        MM.matmul_packed(x, wp, both.reshape(2, 20), both[:20])
+    np.testing.assert_array_equal(both[:20], b)
+    # ndarray subclasses pass the C checks: a memory-mapped x gives the same product.
+    mapped = np.memmap(tmp_path / "x.bin", dtype=f, mode="w+", shape=x.shape)
+    mapped[...] = x
+    got, want = np.empty((2, 20), f), np.empty((2, 20), f)
+    MM.matmul_packed(mapped, wp, got, b)
+    R.matmul_packed(x, R.pack_weight(w), want, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

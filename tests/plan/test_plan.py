@@ -134,3 +134,29 @@ def test_user_allocator_object_is_used():
 def test_bad_allocator_is_rejected():
     with pytest.raises(TypeError):
         Session(build_model("gqa", MICRO), allocator=object())
+
+
+def test_omitted_inputs_and_outputs_run_and_free_their_buffers():
+    # Slice without axes (an omitted input in the middle: rows 1..2) and LayerNormalization whose mean / inv_std_var
+    # outputs are omitted: the run loop reads None for the first and drops what the kernel returns for the second.
+    consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+              (("starts", [1]), ("ends", [3]), ("steps", [1]))]
+    gamma = numpy_helper.from_array(np.linspace(0.5, 1.5, 5, dtype=np.float32), "gamma")
+    nodes = [
+        helper.make_node("Add", ["x", "x"], ["n"]),
+        helper.make_node("Slice", ["n", "starts", "ends", "", "steps"], ["c"]),
+        helper.make_node("Mul", ["c", "c"], ["d"]),
+        helper.make_node("LayerNormalization", ["d", "gamma"], ["ln", "", ""], axis=-1),
+        helper.make_node("Add", ["ln", "d"], ["y"]),
+    ]
+    m = _model(nodes, [_vi("x", [3, 5])], [_vi("y", [2, 5])], [*consts, gamma])
+    arena = ArenaAllocator(1 << 16)
+    sess = Session(m, threads=1, allocator=arena)
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        x = rng.standard_normal((3, 5)).astype(np.float32)
+        d = (2 * x[1:]) ** 2
+        ln = (d - d.mean(-1, keepdims=True)) / np.sqrt(d.var(-1, keepdims=True) + 1e-5) * numpy_helper.to_array(gamma)
+        np.testing.assert_allclose(sess.run({"x": x})["y"], ln + d, rtol=1e-5, atol=1e-5)
+        st = arena.stats()
+        assert st.live == 0 and st.allocations == st.frees > 0

@@ -127,6 +127,13 @@ class GroupQueryAttention(Op):
             raise self.error("output 'output_qk' is not supported")
         self.has_present = tuple(i < len(node.output) and bool(node.output[i]) for i in (1, 2))
         self.bound = bool(ctx.bindings_for(node))
+        self._past_names = (node.input[3], node.input[4]) if len(node.input) > 4 else ("", "")
+        # Constant rotary tables (initializers) as float32 C-contiguous arrays, converted once: (cos, sin) as fed
+        # -> (cos, sin) for the kernel.  A run fed other tables converts them itself.
+        tables = [ctx.constant(node.input[i]) if len(node.input) > i and node.input[i] else None for i in (7, 8)]
+        self._tables = None
+        if self.do_rotary and all(isinstance(t, np.ndarray) for t in tables):
+            self._tables = (tables[0], tables[1], *(np.ascontiguousarray(t, dtype=np.float32) for t in tables))
 
     def _reject_attr(self, name: str, default: int, message: str) -> None:
         if int(self.attrs.get(name, default)) != default:
@@ -146,7 +153,8 @@ class GroupQueryAttention(Op):
         q, k, v = self._split_qkv(query, key, value)
         b, s, d = q.shape[0], q.shape[2], q.shape[3]
         dtype = query.dtype
-        in_place = self.bound and rt.in_place(self.node.input[3])
+        past_k_name, past_v_name = self._past_names
+        in_place = self.bound and rt.in_place(past_k_name)
         # A state's cache may be stored narrower (float16/bfloat16) than the model's type.
         past_len = self._check_past(past_key, past_value, b, d, past_key.dtype if in_place else dtype)
         total = self._scalar_total(total_seqlen)
@@ -157,7 +165,7 @@ class GroupQueryAttention(Op):
             )
         present_len = max(total, past_len)
         kv_len, past_lens = self._lengths(seqlens_k, b, s, total, past_len, first_prompt)
-        q_pos = (past_lens[:, None] + np.arange(s)[None, :]).astype(np.int64)
+        q_pos = past_lens[:, None] + np.arange(s)[None, :]
 
         if self.do_rotary:
             q, k = self._rotary(q, k, cos, sin, position_ids, q_pos, first_prompt)
@@ -166,9 +174,9 @@ class GroupQueryAttention(Op):
         ck = cv = None
         if in_place:
             # Shared-buffer mode: new rows go straight into the state's caches at past_b.
-            present_k = rt.cache_write(self.node.input[3], k, past_lens, present_len)
-            present_v = rt.cache_write(self.node.input[4], v, past_lens, present_len)
-            ck, cv = rt.caches[self.node.input[3]], rt.caches[self.node.input[4]]
+            present_k = rt.cache_write(past_k_name, k, past_lens, present_len)
+            present_v = rt.cache_write(past_v_name, v, past_lens, present_len)
+            ck, cv = rt.caches[past_k_name], rt.caches[past_v_name]
             paged = getattr(ck, "paged", False)
             keys, values = (None, None) if paged else (ck.buffer, cv.buffer)
             if ck.storage == "bfloat16":
@@ -179,7 +187,10 @@ class GroupQueryAttention(Op):
             keys, values = present_k, present_v
             paged = False
 
-        out = np.empty((b, hq, s, d), np.float32)
+        output = rt.empty(0, (b, s, hq * d), dtype)
+        # With one new token [B, Hq, 1, D] and [B, 1, Hq*D] are the same layout: the kernel writes the output.
+        direct = s == 1 and dtype == np.float32
+        out = output.reshape(b, hq, s, d) if direct else np.empty((b, hq, s, d), np.float32)
         sink = self._sink(head_sink)
         qf = q.astype(np.float32, copy=False)
         narrow = paged or kv_dtype is not None or (in_place and keys.dtype == np.float16)
@@ -192,15 +203,15 @@ class GroupQueryAttention(Op):
                 causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out, kv_dtype)
         else:
             if narrow:
-                kf = rt.caches[self.node.input[3]].as_float32(total)
-                vf = rt.caches[self.node.input[4]].as_float32(total)
+                kf = rt.caches[past_k_name].as_float32(total)
+                vf = rt.caches[past_v_name].as_float32(total)
             bias = position_bias(kv_len, q_pos, total, self.window)
             if attn_bias is not None:
                 bias = bias + self._check_bias(attn_bias, b, s, total)
             out[...], _ = dense_attention(qf, kf[:, :, :total], vf[:, :, :total], bias, scale, self.softcap, sink)
 
-        output = rt.empty(0, (b, s, hq * d), dtype)
-        output.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
+        if not direct:
+            output.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
         outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
         return outs[: len(self.node.output)]
 
@@ -260,9 +271,10 @@ class GroupQueryAttention(Op):
         return past_key.shape[2]
 
     def _scalar_total(self, total_seqlen: np.ndarray | None) -> int:
-        if total_seqlen is None or np.size(total_seqlen) != 1:
+        t = total_seqlen if isinstance(total_seqlen, np.ndarray) else np.asarray(total_seqlen)
+        if total_seqlen is None or t.size != 1:
             raise self._input_error("total_sequence_length must be a scalar (one int32 element)")
-        total = int(np.asarray(total_seqlen).reshape(()))
+        total = int(t.item())
         if total < 1:
             raise self._input_error(f"total_sequence_length must be >= 1, got {total}")
         return total
@@ -271,12 +283,13 @@ class GroupQueryAttention(Op):
         self, seqlens_k: np.ndarray | None, b: int, s: int, total: int, past_len: int, first_prompt: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """Per-row (``total_b``, ``past_b``) as int64 [B] after validating ``seqlens_k``."""
-        if seqlens_k is None or np.shape(seqlens_k) != (b,):
+        if seqlens_k is None or (seqlens_k.shape if isinstance(seqlens_k, np.ndarray) else np.shape(seqlens_k)) != (b,):
             raise self._input_error(
                 f"seqlens_k must have shape ({b},), got {None if seqlens_k is None else np.shape(seqlens_k)}"
             )
         totals = np.asarray(seqlens_k, dtype=np.int64) + 1
-        lo, hi = int(totals.min()), int(totals.max())
+        rows = totals.tolist()
+        lo, hi = min(rows), max(rows)
         if first_prompt:
             ok = lo >= 1 and hi <= s
             expected = f"in [0, {s - 1}] on a first prompt of {s} tokens"
@@ -322,7 +335,11 @@ class GroupQueryAttention(Op):
             else:
                 raise self._input_error(f"position_ids must have shape {(b, s)}, got {pid.shape}")
         check_positions(self, positions, cos.shape[0])
-        cos, sin = cos.astype(np.float32, copy=False), sin.astype(np.float32, copy=False)
+        tables = self._tables
+        if tables is not None and cos is tables[0] and sin is tables[1]:
+            cos, sin = tables[2], tables[3]
+        else:
+            cos, sin = cos.astype(np.float32, copy=False), sin.astype(np.float32, copy=False)
         rotated = []
         for t in (q, k):
             x = t.transpose(0, 2, 1, 3).astype(np.float32, copy=False)  # [B, S, H, D]

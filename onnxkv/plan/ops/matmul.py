@@ -79,24 +79,22 @@ class MatMul(Op):
             np.copyto(tmp[:, : p1 - p0], self.packed[p0:p1].transpose(1, 0, 2))
             np.matmul(x, flat[:, : n1 - n0], out=out[:, n0:n1])
 
-    def _run_packed(self, a: np.ndarray, rt) -> np.ndarray:
-        k = self.packed.shape[1]
-        out = rt.empty(0, a.shape[:-1] + (self._n,), np.float32)
-        x = np.ascontiguousarray(a).reshape(-1, k)
-        o = out.reshape(-1, self._n)
-        if x.shape[0] <= BLAS_M:
-            matmul_packed(x, self.packed, o)
-        else:
-            self._blas(x, o)
-        return out
-
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
-        if self.packed is not None:
-            if a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != self.packed.shape[1]:
-                raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and ({self.packed.shape[1]}, {self._n}) "
-                                 f"do not align (A must be float32 [..., {self.packed.shape[1]}], got {a.dtype})")
-            return (self._run_packed(a, rt),)
+        packed = self.packed
+        if packed is not None:
+            k = packed.shape[1]
+            if a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != k:
+                raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and ({k}, {self._n}) "
+                                 f"do not align (A must be float32 [..., {k}], got {a.dtype})")
+            out = rt.empty(0, a.shape[:-1] + (self._n,), np.float32)
+            x = np.ascontiguousarray(a).reshape(-1, k)
+            o = out.reshape(-1, self._n)
+            if x.shape[0] <= BLAS_M:
+                matmul_packed(x, packed, o)
+            else:
+                self._blas(x, o)
+            return (out,)
         if a.ndim >= 2 and b.ndim == 2 and a.flags.c_contiguous:
             if a.shape[-1] != b.shape[0]:
                 raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and {b.shape} do not align")

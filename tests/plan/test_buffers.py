@@ -1,0 +1,45 @@
+"""RunBuffers: buffers taken per slot, recycled by size within a run, all returned on close."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxkv import SystemAllocator
+from onnxkv.plan.buffers import RunBuffers
+
+
+def test_released_buffers_are_reused_by_size_and_returned_on_close():
+    arena = SystemAllocator()
+    bufs = RunBuffers(arena)
+    rng = np.random.default_rng(3)
+    a, reused = bufs.take(0, (2, 8), np.dtype(np.float32))
+    assert not reused and a.shape == (2, 8) and a.dtype == np.float32 and a.flags.c_contiguous
+    a[...] = rng.standard_normal((2, 8))
+    address = a.__array_interface__["data"][0]
+    bufs.release(0)
+    b, reused = bufs.take(1, (8, 2), np.dtype(np.int32))  # same byte size: the released buffer comes back
+    assert reused and b.shape == (8, 2) and b.__array_interface__["data"][0] == address
+    c, reused = bufs.take(2, (3,), np.dtype(np.float64))
+    assert not reused and arena.stats().live == 64 + 24
+    bufs.release(7)  # a slot without a buffer: nothing happens
+    bufs.close()
+    st = arena.stats()
+    assert st.live == 0 and st.allocations == st.frees == 2
+
+
+def test_pool_limit_sends_released_buffers_back_to_the_allocator():
+    arena = SystemAllocator()
+    bufs = RunBuffers(arena, pool_limit=100)
+    bufs.take(0, (16,), np.dtype(np.float32))
+    bufs.take(1, (16,), np.dtype(np.float32))
+    bufs.release(0)  # 64 bytes pooled
+    bufs.release(1)  # 128 > 100: freed at once
+    st = arena.stats()
+    assert st.frees == 1 and st.live == 64 and bufs.pooled == 64
+    again, reused = bufs.take(2, (4, 4), np.dtype(np.float32))
+    assert reused and bufs.pooled == 0
+    same, reused = bufs.take(2, (16,), np.dtype(np.float32))  # a slot taken again gives its old buffer back first
+    assert reused and same.__array_interface__["data"][0] == again.__array_interface__["data"][0]
+    assert bufs.pooled == 0 and arena.stats().allocations == 2
+    bufs.close()
+    assert arena.stats().live == 0
