@@ -373,6 +373,12 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     float *qsum = sm + RT;            /* RT: sum of each query row (per-head key zero points) */
     float *zc = qsum + RT;            /* RT: per-head value zero-point correction of each row */
     float *qb = zc + RT;              /* OKV_RG*D: query rows with per-channel key scales folded in */
+    float *qi = qb + OKV_RG * D;      /* RT*D: query rows in the interleaved order (4-bit keys, AVX-512) */
+    float *acci = qi + RT * D;        /* RT*D: accumulators in that order (4-bit values, AVX-512) */
+    int acci_used = 0;                /* set at the first tile that needs them */
+#ifdef OKV_SIMD512
+    int qi_ready = 0;
+#endif
 #endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
     int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j1, j, h;
@@ -428,8 +434,12 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
         if (a->prefetch) {   /* the tile pfd tiles ahead, if some token sees its first key */
             const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
             if (p0 < jhi && okv_next_seen(lo, hi, nt, p0) == p0) {
-                if (p0 >= pf.end || p0 < pf.start)
+                if (p0 >= pf.end || p0 < pf.start) {
                     pf = p0 >= pg.start && p0 < pg.end ? pg : OKV_PAGE_AT(p0);
+#if defined(OKV_MIXED) && OKV_X86_SIMD
+                    okv_pf_header(&pf);
+#endif
+                }
                 pft.n = OKV_BK;
                 if (pft.n > pf.end - p0) pft.n = pf.end - p0;
                 if (pft.n > jhi - p0) pft.n = jhi - p0;
@@ -460,6 +470,10 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 const int nr = (int)(R - rg < rgw ? R - rg : rgw);
                 const float *qr[OKV_RG];
                 float *accr[OKV_RG];
+#ifdef OKV_MIXED
+                const float *qir[OKV_RG];
+                float *accir[OKV_RG];
+#endif
                 int64_t u0 = j1, u1 = j0, n;
                 int i;
                 for (i = 0; i < nr; i++) {
@@ -468,6 +482,10 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     g = rr / nt;
                     qr[i] = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + tt) * D;
                     accr[i] = acch + rr * D;
+#ifdef OKV_MIXED
+                    qir[i] = qi + (h * R + rr) * D;
+                    accir[i] = acci + (h * R + rr) * D;
+#endif
                     if (a0 < a1) {
                         if (a0 < u0) u0 = a0;
                         if (a1 > u1) u1 = a1;
@@ -477,7 +495,17 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 n = u1 - u0;
                 /* the prefetch by the first row group only */
 #ifdef OKV_MIXED
-                OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, n, D, scale, sc, &dk,
+#ifdef OKV_SIMD512
+                if (!qi_ready && a->kG == 1 && OKV_ILV_FMT(pg.kf)) {   /* every row of the unit, once */
+                    for (r = 0; r < RT; r++) {
+                        const int64_t rh = r / R, rq = r % R;
+                        okv_q4_to_ilv(a->q + ((b * a->Hq + (hk0 + rh) * G + rq / nt) * a->Sq + t0 + rq % nt) * D,
+                                      qi + r * D, D);
+                    }
+                    qi_ready = 1;
+                }
+#endif
+                OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, n, D, scale, sc, &dk,
                                   rg == 0 ? pfp : &nopf, qb, qsum + h * R + rg);
 #else
                 OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), n, D, scale, sc, dq0,
@@ -504,6 +532,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                             smh[rr] *= alpha;
 #ifdef OKV_MIXED
                             zc[h * R + rr] *= alpha;
+                            if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
 #endif
                         }
                         mxh[rr] = mnew;
@@ -511,7 +540,11 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                 }
 #ifdef OKV_MIXED
-                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, &dv,
+                if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
+                    memset(acci, 0, (size_t)(RT * D) * sizeof(float));
+                    acci_used = 1;
+                }
+                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir, &dv,
                                   zc + h * R + rg);
 #else
                 OKV_F(okv_pv_rows)(sc, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, dq0);
@@ -521,6 +554,10 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     }
 
 #ifdef OKV_MIXED
+#ifdef OKV_SIMD512
+    if (acci_used)   /* the interleaved accumulators, in natural order */
+        for (r = 0; r < RT; r++) okv_q4_add_nat(acci + r * D, acc + r * D, D);
+#endif
     for (r = 0; r < RT; r++)   /* the value zero points' share, once per row */
         if (zc[r] != 0.f) {
             int64_t i;
