@@ -396,8 +396,8 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #endif
     okv_kv_page pg, pf;               /* page of the current tile, page of the prefetched tile */
     float *acc = ws;                  /* RT*D */
-    float *sc = acc + RT * D;         /* OKV_RG*OKV_BK used (RT*OKV_BK reserved) */
-    float *mx = sc + RT * OKV_BK;     /* RT */
+    float *sc = acc + RT * D;         /* 2*OKV_RG*OKV_BK: two score slots (work items w, w+1) */
+    float *mx = sc + 2 * OKV_RG * OKV_BK;   /* RT */
     float *sm = mx + RT;              /* RT */
 #ifdef OKV_MIXED
     float *qsum = sm + RT;            /* RT: sum of each query row (per-head key zero points) */
@@ -479,106 +479,135 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 pft.vs = pf.vst;
             }
         }
-        /* The heads in memory order: in a page, head hk0+h+1's rows follow
-         * head hk0+h's, so a multi-head unit reads each page front to back.
-         * While head h is scored, head h+1's rows of this tile are prefetched
-         * (after the last head: the next tile's). */
-        for (h = 0; h < nh; h++) {
-            const int64_t hk = hk0 + h, last = h + 1 == nh;
-            const char *kh = kt + h * pg.khs, *vh = vt + h * pg.vhs;
-            const okv_pf pfh = {kh + pg.khs, vh + pg.vhs, pg.kst, pg.vst, a->prefetch ? j1 - j0 : 0, a->prefetch};
+        /* Work items (head h, row group rg), heads in memory order: in a page,
+         * head hk0+h+1's rows follow head hk0+h's, so a multi-head unit reads
+         * each page front to back.  The scores of item w are computed before
+         * the softmax and p*v of item w-1 (two score slots, item w in slot
+         * w & 1): the latency chain of one item's softmax overlaps the next
+         * item's score tile instead of stalling the p*v behind it.  While head
+         * h is scored, head h+1's rows of this tile are prefetched (after the
+         * last head: the next tile's). */
+        {
+            const int64_t ngr = (R + rgw - 1) / rgw, nw = nh * ngr;
             const okv_pf nopf = {NULL, NULL, 0, 0, 0, 0};
-            const okv_pf *pfp = last ? &pft : &pfh;
-            float *acch = acc + h * R * D, *mxh = mx + h * R, *smh = sm + h * R;
-            int64_t rg;
-#ifdef OKV_MIXED
-            const okv_dq dk = okv_dq_head(pg.ksc, pg.kzp, h * a->kG), dv = okv_dq_head(pg.vsc, pg.vzp, h * a->vG);
-#else
-            const okv_dq *dq0 = NULL;
-#endif
-            for (rg = 0; rg < R; rg += rgw) {
-                const int nr = (int)(R - rg < rgw ? R - rg : rgw);
-                const float *qr[OKV_RG];
+            struct {
+                int64_t h, rg, u0, u1;
+                int nr;
                 float *accr[OKV_RG];
 #ifdef OKV_MIXED
-                const float *qir[OKV_RG];
                 float *accir[OKV_RG];
 #endif
-                int64_t u0 = j1, u1 = j0, n;
-                int i;
-                for (i = 0; i < nr; i++) {
-                    int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > j0 ? lo[tt] : j0;
-                    int64_t a1 = hi[tt] < j1 ? hi[tt] : j1;
-                    g = rr / nt;
-                    qr[i] = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + tt) * D;
-                    accr[i] = acch + rr * D;
+            } it[2];
+            int64_t w;
+            for (w = 0; w <= nw; w++) {
+                if (w < nw) {   /* item w: its rows, visible keys and scores */
+                    const int64_t hw = w / ngr, rg = (w % ngr) * rgw, hk = hk0 + hw;
+                    const char *kh = kt + hw * pg.khs;
+                    const int nr = (int)(R - rg < rgw ? R - rg : rgw);
+                    const float *qr[OKV_RG];
 #ifdef OKV_MIXED
-                    qir[i] = qi + (h * R + rr) * D;
-                    accir[i] = acci + (h * R + rr) * D;
+                    const float *qir[OKV_RG];
 #endif
-                    if (a0 < a1) {
-                        if (a0 < u0) u0 = a0;
-                        if (a1 > u1) u1 = a1;
-                    }
-                }
-                if (u0 >= u1) continue;
-                n = u1 - u0;
-                /* the prefetch by the first row group only */
+                    int64_t u0 = j1, u1 = j0;
+                    int i;
+                    for (i = 0; i < nr; i++) {
+                        int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > j0 ? lo[tt] : j0;
+                        int64_t a1 = hi[tt] < j1 ? hi[tt] : j1;
+                        g = rr / nt;
+                        qr[i] = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + tt) * D;
+                        it[w & 1].accr[i] = acc + (hw * R + rr) * D;
 #ifdef OKV_MIXED
-#ifdef OKV_SIMD512
-                if (!qi_ready && a->kG == 1 && OKV_ILV_FMT(pg.kf)) {   /* every row of the unit, once */
-                    for (r = 0; r < RT; r++) {
-                        const int64_t rh = r / R, rq = r % R;
-                        okv_q4_to_ilv(a->q + ((b * a->Hq + (hk0 + rh) * G + rq / nt) * a->Sq + t0 + rq % nt) * D,
-                                      qi + r * D, D);
-                    }
-                    qi_ready = 1;
-                }
+                        qir[i] = qi + (hw * R + rr) * D;
+                        it[w & 1].accir[i] = acci + (hw * R + rr) * D;
 #endif
-                OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, n, D, scale, sc, &dk,
-                                  rg == 0 ? pfp : &nopf, qb, qsum + h * R + rg);
-#else
-                OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), n, D, scale, sc, dq0,
-                                   rg == 0 ? pfp : &nopf);
-#endif
-                for (i = 0; i < nr; i++) {
-                    int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0;
-                    int64_t a1 = hi[tt] < u1 ? hi[tt] : u1;
-                    float *s = sc + i * OKV_BK, bm, mnew;
-                    if (a0 >= a1) {               /* nothing visible in this block: p = 0 */
-                        memset(s, 0, (size_t)n * sizeof(float));
-                        continue;
-                    }
-                    for (j = u0; j < a0; j++) s[j - u0] = -INFINITY;
-                    for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
-                    if (softcap > 0.f)
-                        for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
-                    bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
-                    mnew = bm > mxh[rr] ? bm : mxh[rr];
-                    if (mnew > mxh[rr]) {
-                        if (mxh[rr] != -INFINITY) {
-                            float alpha = expf(mxh[rr] - mnew);
-                            OKV_I(okv_scal_f32)(alpha, accr[i], D);
-                            smh[rr] *= alpha;
-#ifdef OKV_MIXED
-                            zc[h * R + rr] *= alpha;
-                            if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
-#endif
+                        if (a0 < a1) {
+                            if (a0 < u0) u0 = a0;
+                            if (a1 > u1) u1 = a1;
                         }
-                        mxh[rr] = mnew;
                     }
-                    smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
-                }
+                    it[w & 1].h = hw;
+                    it[w & 1].rg = rg;
+                    it[w & 1].nr = nr;
+                    it[w & 1].u0 = u0;
+                    it[w & 1].u1 = u1;
+                    if (u0 < u1) {
+                        /* the prefetch by the first row group only */
+                        const okv_pf pfh = {kh + pg.khs, vt + (hw + 1) * pg.vhs, pg.kst, pg.vst,
+                                            a->prefetch ? j1 - j0 : 0, a->prefetch};
+                        const okv_pf *pfp = rg != 0 ? &nopf : hw + 1 == nh ? &pft : &pfh;
+                        float *sw = sc + (w & 1) * OKV_RG * OKV_BK;
 #ifdef OKV_MIXED
-                if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
-                    memset(acci, 0, (size_t)(RT * D) * sizeof(float));
-                    acci_used = 1;
-                }
-                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir, &dv,
-                                  zc + h * R + rg);
-#else
-                OKV_F(okv_pv_rows)(sc, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, dq0);
+                        const okv_dq dk = okv_dq_head(pg.ksc, pg.kzp, hw * a->kG);
+#ifdef OKV_SIMD512
+                        if (!qi_ready && a->kG == 1 && OKV_ILV_FMT(pg.kf)) {   /* every row of the unit, once */
+                            for (r = 0; r < RT; r++) {
+                                const int64_t rh = r / R, rq = r % R;
+                                okv_q4_to_ilv(a->q + ((b * a->Hq + (hk0 + rh) * G + rq / nt) * a->Sq + t0 + rq % nt) * D,
+                                              qi + r * D, D);
+                            }
+                            qi_ready = 1;
+                        }
 #endif
+                        OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, u1 - u0, D, scale,
+                                          sw, &dk, pfp, qb, qsum + hw * R + rg);
+#else
+                        OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), u1 - u0, D, scale,
+                                           sw, NULL, pfp);
+#endif
+                    }
+                }
+                if (w > 0 && it[(w - 1) & 1].u0 < it[(w - 1) & 1].u1) {   /* item w-1: softmax, p*v */
+                    const int64_t hw = it[(w - 1) & 1].h, rg = it[(w - 1) & 1].rg;
+                    const int64_t u0 = it[(w - 1) & 1].u0, u1 = it[(w - 1) & 1].u1, n = u1 - u0;
+                    const int nr = it[(w - 1) & 1].nr;
+                    float *const *accr = it[(w - 1) & 1].accr;
+                    float *sw = sc + ((w - 1) & 1) * OKV_RG * OKV_BK;
+                    float *mxh = mx + hw * R, *smh = sm + hw * R;
+                    const char *vh = vt + hw * pg.vhs;
+#ifdef OKV_MIXED
+                    float *const *accir = it[(w - 1) & 1].accir;
+                    const okv_dq dv = okv_dq_head(pg.vsc, pg.vzp, hw * a->vG);
+#endif
+                    int i;
+                    for (i = 0; i < nr; i++) {
+                        int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0;
+                        int64_t a1 = hi[tt] < u1 ? hi[tt] : u1;
+                        float *s = sw + i * OKV_BK, bm, mnew;
+                        if (a0 >= a1) {               /* nothing visible in this block: p = 0 */
+                            memset(s, 0, (size_t)n * sizeof(float));
+                            continue;
+                        }
+                        for (j = u0; j < a0; j++) s[j - u0] = -INFINITY;
+                        for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
+                        if (softcap > 0.f)
+                            for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
+                        bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
+                        mnew = bm > mxh[rr] ? bm : mxh[rr];
+                        if (mnew > mxh[rr]) {
+                            if (mxh[rr] != -INFINITY) {
+                                float alpha = expf(mxh[rr] - mnew);
+                                OKV_I(okv_scal_f32)(alpha, accr[i], D);
+                                smh[rr] *= alpha;
+#ifdef OKV_MIXED
+                                zc[hw * R + rr] *= alpha;
+                                if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
+#endif
+                            }
+                            mxh[rr] = mnew;
+                        }
+                        smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
+                    }
+#ifdef OKV_MIXED
+                    if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
+                        memset(acci, 0, (size_t)(RT * D) * sizeof(float));
+                        acci_used = 1;
+                    }
+                    OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir, &dv,
+                                      zc + hw * R + rg);
+#else
+                    OKV_F(okv_pv_rows)(sw, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, NULL);
+#endif
+                }
             }
         }
     }
