@@ -373,11 +373,13 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #undef OKV_ATTR
 #endif
 
-/* Floats of workspace one work unit of R rows needs (attention_impl.h),
- * rounded up to whole 64-byte lines so that per-thread workspaces never share
- * a cache line. */
+/* Floats of workspace one work unit of R rows needs (attention_impl.h: for
+ * every row its accumulator, max, sum, query sum, zero-point correction, and,
+ * with 4-bit pages on AVX-512, an interleaved query row and accumulator; two
+ * score slots of OKV_RG rows; OKV_RG folded query rows), rounded up to whole
+ * 64-byte lines so that per-thread workspaces never share a cache line. */
 static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
-    return (R * (D + OKV_BK + 4) + OKV_RG * D + 15) & ~(int64_t)15;
+    return (R * (3 * D + 4) + OKV_RG * (D + 2 * OKV_BK) + 15) & ~(int64_t)15;
 }
 
 /* Floats of one partial state block (R rows of max, sum, acc[D]), whole lines. */

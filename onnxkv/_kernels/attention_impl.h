@@ -147,26 +147,45 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_step)(const float *const *qr, const OKV_KT
     }
 }
 
+/* ---- AVX-512: the dot products of NRP rows with the KJ key rows kp[] over
+ * the first D & ~7 elements, into acc[kk*NRP + r] (zeroed first). */
+OKV_INLINE OKV_ATTR void OKV_F(okv_qk_dots)(const float *const *qr, const OKV_KT_T *const *kp, int64_t D,
+                                            __m512 *acc, const okv_dq *dq, const int NRP, const int KJ) {
+    const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7;
+    int64_t i;
+    int r;
+    for (r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (i = 0; i < D16; i += 16) OKV_F(okv_qk_step)(qr, kp, i, acc, dq, NRP, KJ, 16);
+    if (Dv > D16) OKV_F(okv_qk_step)(qr, kp, D16, acc, dq, NRP, KJ, 8);
+}
+
 /* ---- AVX-512: scores of nr <= 8 rows against n keys (rows padded to NRP in
  * {1, 2, 4, 8}; 16/NRP keys per step so that 16 accumulators are live and one
  * transposing reduction yields 16 dot products).  Head sizes: 16-lane chunks,
- * one 8-lane chunk if D % 16 >= 8, the last D % 8 elements scalar. */
+ * one 8-lane chunk if D % 16 >= 8, the last D % 8 elements scalar.  A whole
+ * step (KJ keys < n) addresses its key rows from one base (constant offsets
+ * when D is a constant, see okv_qk_rows); the last, partial step repeats the
+ * last key. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
                                             float scale, float *s, const okv_dq *dq, const okv_pf *pf,
                                             const int NRP) {
     const int KJ = 16 / NRP;
-    const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7;
-    int64_t j, i;
-    int kk, r;
+    const int64_t Dv = D & ~(int64_t)7;
+    int64_t j;
+    int kk;
     float tmp[16];
     for (j = 0; j < n; j += KJ) {
         const OKV_KT_T *kp[16];
         __m512 acc[16], sum;
-        for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
         okv_pf_rows(pf, j, KJ);
-        for (r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-        for (i = 0; i < D16; i += 16) OKV_F(okv_qk_step)(qr, kp, i, acc, dq, NRP, KJ, 16);
-        if (Dv > D16) OKV_F(okv_qk_step)(qr, kp, D16, acc, dq, NRP, KJ, 8);
+        if (j + KJ <= n) {
+            const OKV_KT_T *kj = k + j * OKV_RS(D);
+            for (kk = 0; kk < KJ; kk++) kp[kk] = kj + kk * OKV_RS(D);
+            OKV_F(okv_qk_dots)(qr, kp, D, acc, dq, NRP, KJ);
+        } else {
+            for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
+            OKV_F(okv_qk_dots)(qr, kp, D, acc, dq, NRP, KJ);
+        }
         sum = okv_hsum16x16(acc);
         if (NRP == 4 && Dv == D && j + KJ <= n) {   /* lane 4r + kk: row r's 4 scores in 128-bit block r */
             sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
@@ -220,12 +239,23 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
 #endif
 
 /* Always inlined: every unit (and the per-format dispatchers) gets its own
- * copy; one shared out-of-line copy measured ~10% slower on float32 decode. */
+ * copy; one shared out-of-line copy measured ~10% slower on float32 decode.
+ * AVX-512: head size 128 (the common one) has its own copy with D a constant,
+ * so that the key rows of a step sit at constant offsets from one register. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
                                             float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
     const float *q8[8];
     int r;
     for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
+#ifdef OKV_SIMD512
+    if (D == 128) {
+        if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, 128, scale, s, dq, pf, 1);
+        else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, 128, scale, s, dq, pf, 2);
+        else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, 128, scale, s, dq, pf, 4);
+        else              OKV_F(okv_qk_tile)(q8, nr, k, n, 128, scale, s, dq, pf, 8);
+        return;
+    }
+#endif
     if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 1);
     else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 2);
     else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 4);
@@ -366,13 +396,19 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #endif
     okv_kv_page pg, pf;               /* page of the current tile, page of the prefetched tile */
     float *acc = ws;                  /* RT*D */
-    float *sc = acc + RT * D;         /* OKV_RG*OKV_BK used (RT*OKV_BK reserved) */
-    float *mx = sc + RT * OKV_BK;     /* RT */
+    float *sc = acc + RT * D;         /* 2*OKV_RG*OKV_BK: two score slots (work items w, w+1) */
+    float *mx = sc + 2 * OKV_RG * OKV_BK;   /* RT */
     float *sm = mx + RT;              /* RT */
 #ifdef OKV_MIXED
     float *qsum = sm + RT;            /* RT: sum of each query row (per-head key zero points) */
     float *zc = qsum + RT;            /* RT: per-head value zero-point correction of each row */
     float *qb = zc + RT;              /* OKV_RG*D: query rows with per-channel key scales folded in */
+    float *qi = qb + OKV_RG * D;      /* RT*D: query rows in the interleaved order (4-bit keys, AVX-512) */
+    float *acci = qi + RT * D;        /* RT*D: accumulators in that order (4-bit values, AVX-512) */
+    int acci_used = 0;                /* set at the first tile that needs them */
+#ifdef OKV_SIMD512
+    int qi_ready = 0;
+#endif
 #endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
     int64_t jlo = INT64_MAX, jhi = INT64_MIN, t, g, r, j0, j1, j, h;
@@ -428,8 +464,12 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
         if (a->prefetch) {   /* the tile pfd tiles ahead, if some token sees its first key */
             const int64_t pfd = a->prefetch >= 3 ? a->prefetch - 1 : 1, p0 = j1 + (pfd - 1) * OKV_BK;
             if (p0 < jhi && okv_next_seen(lo, hi, nt, p0) == p0) {
-                if (p0 >= pf.end || p0 < pf.start)
+                if (p0 >= pf.end || p0 < pf.start) {
                     pf = p0 >= pg.start && p0 < pg.end ? pg : OKV_PAGE_AT(p0);
+#if defined(OKV_MIXED) && OKV_X86_SIMD
+                    okv_pf_header(&pf);
+#endif
+                }
                 pft.n = OKV_BK;
                 if (pft.n > pf.end - p0) pft.n = pf.end - p0;
                 if (pft.n > jhi - p0) pft.n = jhi - p0;
@@ -439,88 +479,144 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 pft.vs = pf.vst;
             }
         }
-        /* The heads in memory order: in a page, head hk0+h+1's rows follow
-         * head hk0+h's, so a multi-head unit reads each page front to back.
-         * While head h is scored, head h+1's rows of this tile are prefetched
-         * (after the last head: the next tile's). */
-        for (h = 0; h < nh; h++) {
-            const int64_t hk = hk0 + h, last = h + 1 == nh;
-            const char *kh = kt + h * pg.khs, *vh = vt + h * pg.vhs;
-            const okv_pf pfh = {kh + pg.khs, vh + pg.vhs, pg.kst, pg.vst, a->prefetch ? j1 - j0 : 0, a->prefetch};
+        /* Work items (head h, row group rg), heads in memory order: in a page,
+         * head hk0+h+1's rows follow head hk0+h's, so a multi-head unit reads
+         * each page front to back.  The scores of item w are computed before
+         * the softmax and p*v of item w-1 (two score slots, item w in slot
+         * w & 1): the latency chain of one item's softmax overlaps the next
+         * item's score tile instead of stalling the p*v behind it.  While head
+         * h is scored, head h+1's rows of this tile are prefetched (after the
+         * last head: the next tile's). */
+        {
+            const int64_t ngr = (R + rgw - 1) / rgw, nw = nh * ngr;
             const okv_pf nopf = {NULL, NULL, 0, 0, 0, 0};
-            const okv_pf *pfp = last ? &pft : &pfh;
-            float *acch = acc + h * R * D, *mxh = mx + h * R, *smh = sm + h * R;
-            int64_t rg;
-#ifdef OKV_MIXED
-            const okv_dq dk = okv_dq_head(pg.ksc, pg.kzp, h * a->kG), dv = okv_dq_head(pg.vsc, pg.vzp, h * a->vG);
-#else
-            const okv_dq *dq0 = NULL;
-#endif
-            for (rg = 0; rg < R; rg += rgw) {
-                const int nr = (int)(R - rg < rgw ? R - rg : rgw);
-                const float *qr[OKV_RG];
+            struct {
+                int64_t h, rg, u0, u1;
+                int nr;
                 float *accr[OKV_RG];
-                int64_t u0 = j1, u1 = j0, n;
-                int i;
-                for (i = 0; i < nr; i++) {
-                    int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > j0 ? lo[tt] : j0;
-                    int64_t a1 = hi[tt] < j1 ? hi[tt] : j1;
-                    g = rr / nt;
-                    qr[i] = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + tt) * D;
-                    accr[i] = acch + rr * D;
-                    if (a0 < a1) {
-                        if (a0 < u0) u0 = a0;
-                        if (a1 > u1) u1 = a1;
-                    }
-                }
-                if (u0 >= u1) continue;
-                n = u1 - u0;
-                /* the prefetch by the first row group only */
 #ifdef OKV_MIXED
-                OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, n, D, scale, sc, &dk,
-                                  rg == 0 ? pfp : &nopf, qb, qsum + h * R + rg);
-#else
-                OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), n, D, scale, sc, dq0,
-                                   rg == 0 ? pfp : &nopf);
+                float *accir[OKV_RG];
 #endif
-                for (i = 0; i < nr; i++) {
-                    int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0;
-                    int64_t a1 = hi[tt] < u1 ? hi[tt] : u1;
-                    float *s = sc + i * OKV_BK, bm, mnew;
-                    if (a0 >= a1) {               /* nothing visible in this block: p = 0 */
-                        memset(s, 0, (size_t)n * sizeof(float));
-                        continue;
-                    }
-                    for (j = u0; j < a0; j++) s[j - u0] = -INFINITY;
-                    for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
-                    if (softcap > 0.f)
-                        for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
-                    bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
-                    mnew = bm > mxh[rr] ? bm : mxh[rr];
-                    if (mnew > mxh[rr]) {
-                        if (mxh[rr] != -INFINITY) {
-                            float alpha = expf(mxh[rr] - mnew);
-                            OKV_I(okv_scal_f32)(alpha, accr[i], D);
-                            smh[rr] *= alpha;
+            } it[2];
+            int64_t w;
+            for (w = 0; w <= nw; w++) {
+                if (w < nw) {   /* item w: its rows, visible keys and scores */
+                    const int64_t hw = w / ngr, rg = (w % ngr) * rgw, hk = hk0 + hw;
+                    const char *kh = kt + hw * pg.khs;
+                    const int nr = (int)(R - rg < rgw ? R - rg : rgw);
+                    const float *qr[OKV_RG];
 #ifdef OKV_MIXED
-                            zc[h * R + rr] *= alpha;
+                    const float *qir[OKV_RG];
 #endif
+                    int64_t u0 = j1, u1 = j0;
+                    int i;
+                    for (i = 0; i < nr; i++) {
+                        int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > j0 ? lo[tt] : j0;
+                        int64_t a1 = hi[tt] < j1 ? hi[tt] : j1;
+                        g = rr / nt;
+                        qr[i] = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t0 + tt) * D;
+                        it[w & 1].accr[i] = acc + (hw * R + rr) * D;
+#ifdef OKV_MIXED
+                        qir[i] = qi + (hw * R + rr) * D;
+                        it[w & 1].accir[i] = acci + (hw * R + rr) * D;
+#endif
+                        if (a0 < a1) {
+                            if (a0 < u0) u0 = a0;
+                            if (a1 > u1) u1 = a1;
                         }
-                        mxh[rr] = mnew;
                     }
-                    smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
-                }
+                    it[w & 1].h = hw;
+                    it[w & 1].rg = rg;
+                    it[w & 1].nr = nr;
+                    it[w & 1].u0 = u0;
+                    it[w & 1].u1 = u1;
+                    if (u0 < u1) {
+                        /* the prefetch by the first row group only */
+                        const okv_pf pfh = {kh + pg.khs, vt + (hw + 1) * pg.vhs, pg.kst, pg.vst,
+                                            a->prefetch ? j1 - j0 : 0, a->prefetch};
+                        const okv_pf *pfp = rg != 0 ? &nopf : hw + 1 == nh ? &pft : &pfh;
+                        float *sw = sc + (w & 1) * OKV_RG * OKV_BK;
 #ifdef OKV_MIXED
-                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sc, nr, vh + (u0 - j0) * pg.vst, n, D, accr, &dv,
-                                  zc + h * R + rg);
-#else
-                OKV_F(okv_pv_rows)(sc, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, dq0);
+                        const okv_dq dk = okv_dq_head(pg.ksc, pg.kzp, hw * a->kG);
+#ifdef OKV_SIMD512
+                        if (!qi_ready && a->kG == 1 && OKV_ILV_FMT(pg.kf)) {   /* every row of the unit, once */
+                            for (r = 0; r < RT; r++) {
+                                const int64_t rh = r / R, rq = r % R;
+                                okv_q4_to_ilv(a->q + ((b * a->Hq + (hk0 + rh) * G + rq / nt) * a->Sq + t0 + rq % nt) * D,
+                                              qi + r * D, D);
+                            }
+                            qi_ready = 1;
+                        }
 #endif
+                        OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, u1 - u0, D, scale,
+                                          sw, &dk, pfp, qb, qsum + hw * R + rg);
+#else
+                        OKV_F(okv_qk_rows)(qr, nr, (const OKV_KT_T *)(kh + (u0 - j0) * pg.kst), u1 - u0, D, scale,
+                                           sw, NULL, pfp);
+#endif
+                    }
+                }
+                if (w > 0 && it[(w - 1) & 1].u0 < it[(w - 1) & 1].u1) {   /* item w-1: softmax, p*v */
+                    const int64_t hw = it[(w - 1) & 1].h, rg = it[(w - 1) & 1].rg;
+                    const int64_t u0 = it[(w - 1) & 1].u0, u1 = it[(w - 1) & 1].u1, n = u1 - u0;
+                    const int nr = it[(w - 1) & 1].nr;
+                    float *const *accr = it[(w - 1) & 1].accr;
+                    float *sw = sc + ((w - 1) & 1) * OKV_RG * OKV_BK;
+                    float *mxh = mx + hw * R, *smh = sm + hw * R;
+                    const char *vh = vt + hw * pg.vhs;
+#ifdef OKV_MIXED
+                    float *const *accir = it[(w - 1) & 1].accir;
+                    const okv_dq dv = okv_dq_head(pg.vsc, pg.vzp, hw * a->vG);
+#endif
+                    int i;
+                    for (i = 0; i < nr; i++) {
+                        int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0;
+                        int64_t a1 = hi[tt] < u1 ? hi[tt] : u1;
+                        float *s = sw + i * OKV_BK, bm, mnew;
+                        if (a0 >= a1) {               /* nothing visible in this block: p = 0 */
+                            memset(s, 0, (size_t)n * sizeof(float));
+                            continue;
+                        }
+                        for (j = u0; j < a0; j++) s[j - u0] = -INFINITY;
+                        for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
+                        if (softcap > 0.f)
+                            for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
+                        bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
+                        mnew = bm > mxh[rr] ? bm : mxh[rr];
+                        if (mnew > mxh[rr]) {
+                            if (mxh[rr] != -INFINITY) {
+                                float alpha = expf(mxh[rr] - mnew);
+                                OKV_I(okv_scal_f32)(alpha, accr[i], D);
+                                smh[rr] *= alpha;
+#ifdef OKV_MIXED
+                                zc[hw * R + rr] *= alpha;
+                                if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
+#endif
+                            }
+                            mxh[rr] = mnew;
+                        }
+                        smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
+                    }
+#ifdef OKV_MIXED
+                    if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
+                        memset(acci, 0, (size_t)(RT * D) * sizeof(float));
+                        acci_used = 1;
+                    }
+                    OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir, &dv,
+                                      zc + hw * R + rg);
+#else
+                    OKV_F(okv_pv_rows)(sw, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, NULL);
+#endif
+                }
             }
         }
     }
 
 #ifdef OKV_MIXED
+#ifdef OKV_SIMD512
+    if (acci_used)   /* the interleaved accumulators, in natural order */
+        for (r = 0; r < RT; r++) okv_q4_add_nat(acci + r * D, acc + r * D, D);
+#endif
     for (r = 0; r < RT; r++)   /* the value zero points' share, once per row */
         if (zc[r] != 0.f) {
             int64_t i;

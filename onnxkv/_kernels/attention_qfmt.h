@@ -9,6 +9,12 @@
  *
  * Included by attention_quant.h per instruction set with OKV_QN (name: u8,
  * i8, u4, i4, u2, i2) and OKV_QFMT (its format code) defined; undefines both.
+ *
+ * AVX-512, 4-bit formats: the 16-lane loader of the raw-code tiles yields
+ * each 16-element chunk of a row in quant.h's interleaved order OKV_Q4_ILV
+ * (okv_q4_load16_ilv_ps), so their callers pass query rows and take
+ * accumulators in that order on [0, D & ~15); the 8-lane chunk and the
+ * scalar tail past D & ~15 stay in natural order (attention_quant.h).
  */
 #define OKV_QRAW1(p, d) OKV_QCODE1(p, OKV_QFMT, d)
 #define OKV_QRAW8(p, i) OKV_QCODE8(p, OKV_QFMT, i)
@@ -22,7 +28,11 @@
 #define OKV_KT OKV_CAT(OKV_QN, h)
 #define OKV_LD1(p, d) OKV_QRAW1(p, d)
 #define OKV_LD8(p, i) OKV_QRAW8(p, i)
+#if defined(OKV_SIMD512) && (OKV_QFMT == OKV_FMT_U4 || OKV_QFMT == OKV_FMT_I4)
+#define OKV_LD16(p, i) okv_q4_load16_ilv_ps(p, OKV_QFMT, i)
+#else
 #define OKV_LD16(p, i) OKV_QRAW16(p, i)
+#endif
 #include "attention_impl.h"
 #undef OKV_KT
 #undef OKV_LD1

@@ -24,6 +24,16 @@
  * scales are folded into the query rows once per tile (okv_qk_chan_fold), so
  * keys are scored on their raw codes; a per-head scale and zero point are
  * folded into the scores and the probabilities (okv_qk_zp, okv_pv_fold).
+ *
+ * AVX-512, 4-bit pages: the raw-code tiles read each 16-element chunk of a row
+ * in quant.h's interleaved lane order OKV_Q4_ILV (one vector operation per 16
+ * codes fewer than the natural order).  A dot product does not depend on the
+ * order, so keys are scored against query rows interleaved the same way
+ * (okv_q4_to_ilv, once per work unit; per-channel key scales: the folded rows,
+ * once per tile); values with per-head scales accumulate into a second set of
+ * accumulator rows in that order, added to the natural ones once at the end
+ * of the work unit (okv_q4_add_nat).  Elements past D & ~15 (the 8-lane chunk
+ * and the scalar tail) keep the natural order in both.
  */
 #ifndef ONNXKV_ATTENTION_QUANT_ONCE
 #define ONNXKV_ATTENTION_QUANT_ONCE
@@ -81,6 +91,22 @@ static inline okv_kv_page okv_attn_qpage(const okv_attn_args *a, int64_t b, int6
     pg.end = pg.start + a->bs;
     return pg;
 }
+
+#if OKV_X86_SIMD
+/* Software prefetch of the header entries (scales, zero points) of head hk of
+ * a quantized page about to be read: the row prefetch covers the codes only,
+ * and the first read of a page's header would otherwise miss the caches. */
+static inline void okv_pf_header(const okv_kv_page *pg) {
+    if (pg->ksc) {
+        _mm_prefetch((const char *)pg->ksc, _MM_HINT_T0);
+        _mm_prefetch((const char *)pg->kzp, _MM_HINT_T0);
+    }
+    if (pg->vsc) {
+        _mm_prefetch((const char *)pg->vsc, _MM_HINT_T0);
+        _mm_prefetch((const char *)pg->vzp, _MM_HINT_T0);
+    }
+}
+#endif
 
 /* Dequantization parameters of head h (header offset off = h*G) of a page
  * plane whose head-hk0 entries are at sc / zp; zeros for a float page. */
@@ -140,6 +166,30 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, float *zc, const okv
     }
 }
 
+#if OKV_X86_SIMD
+/* y = x (D floats; y == x allowed) with every 16-element chunk of [0, D & ~15)
+ * in the interleaved order OKV_Q4_ILV. */
+OKV_AVX512BW static inline void okv_q4_to_ilv(const float *x, float *y, int64_t D) {
+    const __m512i idx = okv_q4_ilv_idx();
+    const int64_t D16 = D & ~(int64_t)15;
+    int64_t i;
+    for (i = 0; i < D16; i += 16) _mm512_storeu_ps(y + i, _mm512_permutexvar_ps(idx, _mm512_loadu_ps(x + i)));
+    for (; i < D; i++) y[i] = x[i];
+}
+
+/* acc += y (D floats) where y holds its 16-element chunks of [0, D & ~15) in
+ * the interleaved order OKV_Q4_ILV (the rest in natural order). */
+OKV_AVX512BW static inline void okv_q4_add_nat(const float *y, float *acc, int64_t D) {
+    const __m512i idx = okv_q4_nat_idx();
+    const int64_t D16 = D & ~(int64_t)15;
+    int64_t i;
+    for (i = 0; i < D16; i += 16)
+        _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i),
+                                                _mm512_permutexvar_ps(idx, _mm512_loadu_ps(y + i))));
+    for (; i < D; i++) acc[i] += y[i];
+}
+#endif
+
 /* Codes of a packed row as float: element d, (AVX2) elements i..i+7 and
  * (AVX-512) elements i..i+15 (quant.h's okv_q_get / okv_q_load8 /
  * okv_q_load16_ps for a constant format). */
@@ -173,20 +223,36 @@ static inline void okv_pv_fold(float *p, int nr, int64_t n, float *zc, const okv
 
 #define OKV_QX(name) OKV_CAT(name, OKV_SFX)
 
+/* Formats whose raw-code tiles work in the interleaved order (AVX-512 4-bit),
+ * and the query rows / accumulator rows the dispatchers pass them. */
+#ifdef OKV_SIMD512
+#define OKV_ILV_FMT(f) ((f) == OKV_FMT_U4 || (f) == OKV_FMT_I4)
+#else
+#define OKV_ILV_FMT(f) 0
+#endif
+
 /* Per-channel key scales s[c] and zero points z[c] folded into the nr query
  * rows: qs[r] = qb + r*D with qs[r][c] = q[r][c] * s[c], and zc[r] = scale *
  * sum_c qs[r][c] z[c], so that scale * q.((code - z) s) = scale * qs.code -
  * zc[r]: per-channel keys are scored on their raw codes by the per-head tiles
- * (one multiply per query element and tile instead of two per key element). */
+ * (one multiply per query element and tile instead of two per key element).
+ * ilv (AVX-512 only): qs[r] then in the interleaved order of 4-bit tiles. */
 OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr, int64_t D, float scale,
-                                                  const okv_dq *dq, float *qb, const float **qs, float *zc) {
+                                                  const okv_dq *dq, float *qb, const float **qs, float *zc,
+                                                  int ilv) {
     int r;
     for (r = 0; r < nr; r++) {
         float *q = qb + r * D;
         OKV_QX(okv_scale_mul_f32)(qr[r], 1.f, dq->s, q, D);
         qs[r] = q;
         zc[r] = scale * OKV_QX(okv_dot_f32)(q, dq->z, D);
+#ifdef OKV_SIMD512
+        if (ilv) okv_q4_to_ilv(q, q, D);
+#endif
     }
+#ifndef OKV_SIMD512
+    (void)ilv;
+#endif
 }
 
 /* Quantized tile of format F: per-channel key scales folded into the query
@@ -198,11 +264,11 @@ OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr
     if (pc) {                                                                                  \
         const float *qs[OKV_RG] = {NULL};                                                      \
         float zc[OKV_RG];                                                                      \
-        OKV_QX(okv_qk_chan_fold)(qr, nr, D, scale, dq, qb, qs, zc);                            \
+        OKV_QX(okv_qk_chan_fold)(qr, nr, D, scale, dq, qb, qs, zc, OKV_ILV_FMT(fmt));         \
         OKV_QX(okv_qk_rows_##F##h)(qs, nr, c, n, D, scale, s, dq, pf);                         \
         okv_qk_sub_rows(s, nr, n, zc);                                                         \
     } else {                                                                                   \
-        OKV_QX(okv_qk_rows_##F##h)(qr, nr, c, n, D, scale * dq->s1, s, dq, pf);                 \
+        OKV_QX(okv_qk_rows_##F##h)(OKV_ILV_FMT(fmt) ? qi : qr, nr, c, n, D, scale * dq->s1, s, dq, pf); \
         if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);                  \
     }                                                                                          \
     return
@@ -211,16 +277,17 @@ OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr
         OKV_QX(okv_pv_rows_##F##c)(p, nr, c, n, D, accr, dq);                                   \
     } else {                                                                                   \
         okv_pv_fold(p, nr, n, zc, dq);                                                         \
-        OKV_QX(okv_pv_rows_##F##h)(p, nr, c, n, D, accr, dq);                                   \
+        OKV_QX(okv_pv_rows_##F##h)(p, nr, c, n, D, OKV_ILV_FMT(fmt) ? acci : accr, dq);         \
     }                                                                                          \
     return
 
 /* Scores of nr rows against n keys of a tile in format fmt (see okv_qk_rows);
- * pc: per-channel scales; qb: nr*D floats of scratch (the folded rows);
- * qsum: the sums of the nr q rows. */
-OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr, int nr, const char *k, int64_t n,
-                                        int64_t D, float scale, float *s, const okv_dq *dq, const okv_pf *pf,
-                                        float *qb, const float *qsum) {
+ * pc: per-channel scales; qi: the nr q rows in the interleaved order (read
+ * only if OKV_ILV_FMT(fmt) with per-head scales); qb: nr*D floats of scratch
+ * (the folded rows); qsum: the sums of the nr q rows. */
+OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr, const float *const *qi, int nr,
+                                        const char *k, int64_t n, int64_t D, float scale, float *s, const okv_dq *dq,
+                                        const okv_pf *pf, float *qb, const float *qsum) {
     const uint8_t *c = (const uint8_t *)k;
     switch (fmt) {
     case OKV_FMT_F16: OKV_QX(okv_qk_rows_f16)(qr, nr, (const uint16_t *)k, n, D, scale, s, dq, pf); return;
@@ -237,9 +304,11 @@ OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr,
 
 /* acc rows += p * V rows of a tile in format fmt (see okv_pv_rows); with
  * per-head scales the probabilities p are scaled in place and the zero
- * point's share is added to the rows' corrections zc (see okv_pv_fold). */
+ * point's share is added to the rows' corrections zc (see okv_pv_fold).
+ * acci: the rows' accumulators in the interleaved order, taking the tile
+ * instead of accr if OKV_ILV_FMT(fmt) with per-head scales. */
 OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const char *v, int64_t n, int64_t D,
-                                        float *const *accr, const okv_dq *dq, float *zc) {
+                                        float *const *accr, float *const *acci, const okv_dq *dq, float *zc) {
     const uint8_t *c = (const uint8_t *)v;
     switch (fmt) {
     case OKV_FMT_F16: OKV_QX(okv_pv_rows_f16)(p, nr, (const uint16_t *)v, n, D, accr, dq); return;
@@ -262,4 +331,5 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 #include "attention_impl.h"
 #undef OKV_MIXED
 #undef OKV_KT
+#undef OKV_ILV_FMT
 #undef OKV_QX

@@ -30,7 +30,10 @@
  * a packed row as an int (sign-extended for signed formats); on x86 the AVX2
  * function okv_q_load8(row, fmt, c) returns codes c..c+8 (c a multiple of 8) as
  * __m256i int32 lanes, the AVX-512 function okv_q_load16_ps(row, fmt, c) codes
- * c..c+16 (c a multiple of 16) as __m512 float32 lanes.
+ * c..c+16 (c a multiple of 16) as __m512 float32 lanes, and for 4-bit formats
+ * okv_q4_load16_ilv_ps(row, fmt, c) the same 16 codes in the interleaved lane
+ * order OKV_Q4_ILV (one operation fewer; okv_q4_ilv_idx / okv_q4_nat_idx
+ * convert float vectors between the two orders).
  */
 #ifndef ONNXKV_QUANT_H
 #define ONNXKV_QUANT_H
@@ -225,6 +228,38 @@ OKV_AVX512BW static inline __m512 okv_q_load16_ps(const uint8_t *codes, int fmt,
                               _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)),
             tab);
     }
+}
+
+/* The interleaved lane order of 16 4-bit codes: lane 2k + h (k < 8, h < 2)
+ * holds code 8h + k of the 16, i.e. codes 0, 8, 1, 9, ..., 7, 15 -- the order
+ * in which one broadcast of the 8 code bytes (dword 0 in the even lanes, dword
+ * 1 in the odd ones) and one per-lane shift by 4k put every nibble at the bottom
+ * of its lane. */
+#define OKV_Q4_ILV(m) ((((m) & 7) << 1) | ((m) >> 3))   /* lane of code m */
+
+/* vpermps indices: natural -> interleaved (lane L takes element (L&1)*8 + L/2)
+ * and interleaved -> natural (lane m takes lane OKV_Q4_ILV(m)). */
+OKV_AVX512BW static inline __m512i okv_q4_ilv_idx(void) {
+    return _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+}
+OKV_AVX512BW static inline __m512i okv_q4_nat_idx(void) {
+    return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* 16 4-bit codes c..c+16 of a packed row (c a multiple of 16; fmt UINT4 or
+ * INT4) as float32 in the OKV_Q4_ILV lane order: the 8 bytes broadcast (a
+ * load), one variable shift, one table lookup (vpermps reads the low 4 bits
+ * of each lane) -- two vector operations where okv_q_load16_ps's natural
+ * order takes three. */
+OKV_AVX512BW static inline __m512 okv_q4_load16_ilv_ps(const uint8_t *codes, int fmt, int64_t c) {
+    const __m512 tab = okv_q_signed(fmt) ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)
+                                         : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    uint64_t w;
+    memcpy(&w, codes + c / 2, 8);
+    return _mm512_permutexvar_ps(
+        _mm512_srlv_epi32(_mm512_set1_epi64((long long)w),
+                          _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28)),
+        tab);
 }
 
 OKV_AVX2 static inline void okv_dequant_row_avx2(const uint8_t *codes, int fmt, const float *scale, const float *zp,

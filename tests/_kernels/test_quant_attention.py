@@ -212,6 +212,23 @@ def test_head_sizes_not_a_multiple_of_16(heads, D, bs, Sq, kG, vG, threads, simd
     assert np.isfinite(got).all()
 
 
+FOUR_BIT = [(22, 21, 1), (21, 22, 1), ((22, 1), (21, 1), 1), ((1, 21), 22, 7), ((3, 22), (21, 10), 1)]
+
+
+@pytest.mark.parametrize("D", [16, 24, 40, 128])
+@pytest.mark.parametrize("kspec,vspec,Sq", FOUR_BIT, ids=["i4-u4", "u4-i4", "i4f32-u4f32", "prefill", "i8i4-u4f16"])
+def test_4bit_pages_alone_and_between_others(D, kspec, vspec, Sq, threads, simd):
+    """4-bit pages with per-head scales, alone and next to other formats: on
+    AVX-512 their tiles read codes in an interleaved lane order against query
+    rows in that order and accumulate values into accumulators in that order,
+    added to the natural ones at the end of the work unit.  Head sizes of only
+    16-lane chunks (16, 128), with an 8-lane chunk (24, 40); decode and
+    prefill; random normal data, so the running max grows and rescales both
+    accumulator sets."""
+    got, _, _ = run(kspec, vspec, 1, 1, "gqa", D, 16, (333, 150), Sq, seed=D * 5 + Sq)
+    assert np.isfinite(got).all()
+
+
 def test_old_pages_int4_recent_float32(threads, simd):
     """The intended use: a sequence's old pages int4 (per-channel keys), its
     newest 256 tokens' pages float32; with a softcap."""
