@@ -147,45 +147,26 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_step)(const float *const *qr, const OKV_KT
     }
 }
 
-/* ---- AVX-512: the dot products of NRP rows with the KJ key rows kp[] over
- * the first D & ~7 elements, into acc[kk*NRP + r] (zeroed first). */
-OKV_INLINE OKV_ATTR void OKV_F(okv_qk_dots)(const float *const *qr, const OKV_KT_T *const *kp, int64_t D,
-                                            __m512 *acc, const okv_dq *dq, const int NRP, const int KJ) {
-    const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7;
-    int64_t i;
-    int r;
-    for (r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-    for (i = 0; i < D16; i += 16) OKV_F(okv_qk_step)(qr, kp, i, acc, dq, NRP, KJ, 16);
-    if (Dv > D16) OKV_F(okv_qk_step)(qr, kp, D16, acc, dq, NRP, KJ, 8);
-}
-
 /* ---- AVX-512: scores of nr <= 8 rows against n keys (rows padded to NRP in
  * {1, 2, 4, 8}; 16/NRP keys per step so that 16 accumulators are live and one
  * transposing reduction yields 16 dot products).  Head sizes: 16-lane chunks,
- * one 8-lane chunk if D % 16 >= 8, the last D % 8 elements scalar.  A whole
- * step (KJ keys < n) addresses its key rows from one base (constant offsets
- * when D is a constant, see okv_qk_rows); the last, partial step repeats the
- * last key. */
+ * one 8-lane chunk if D % 16 >= 8, the last D % 8 elements scalar. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
                                             float scale, float *s, const okv_dq *dq, const okv_pf *pf,
                                             const int NRP) {
     const int KJ = 16 / NRP;
-    const int64_t Dv = D & ~(int64_t)7;
-    int64_t j;
-    int kk;
+    const int64_t D16 = D & ~(int64_t)15, Dv = D & ~(int64_t)7;
+    int64_t j, i;
+    int kk, r;
     float tmp[16];
     for (j = 0; j < n; j += KJ) {
         const OKV_KT_T *kp[16];
         __m512 acc[16], sum;
+        for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
         okv_pf_rows(pf, j, KJ);
-        if (j + KJ <= n) {
-            const OKV_KT_T *kj = k + j * OKV_RS(D);
-            for (kk = 0; kk < KJ; kk++) kp[kk] = kj + kk * OKV_RS(D);
-            OKV_F(okv_qk_dots)(qr, kp, D, acc, dq, NRP, KJ);
-        } else {
-            for (kk = 0; kk < KJ; kk++) kp[kk] = k + (j + kk < n ? j + kk : n - 1) * OKV_RS(D);
-            OKV_F(okv_qk_dots)(qr, kp, D, acc, dq, NRP, KJ);
-        }
+        for (r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        for (i = 0; i < D16; i += 16) OKV_F(okv_qk_step)(qr, kp, i, acc, dq, NRP, KJ, 16);
+        if (Dv > D16) OKV_F(okv_qk_step)(qr, kp, D16, acc, dq, NRP, KJ, 8);
         sum = okv_hsum16x16(acc);
         if (NRP == 4 && Dv == D && j + KJ <= n) {   /* lane 4r + kk: row r's 4 scores in 128-bit block r */
             sum = _mm512_mul_ps(sum, _mm512_set1_ps(scale));
@@ -239,23 +220,12 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_tile)(const float *const *qr, int nr, cons
 #endif
 
 /* Always inlined: every unit (and the per-format dispatchers) gets its own
- * copy; one shared out-of-line copy measured ~10% slower on float32 decode.
- * AVX-512: head size 128 (the common one) has its own copy with D a constant,
- * so that the key rows of a step sit at constant offsets from one register. */
+ * copy; one shared out-of-line copy measured ~10% slower on float32 decode. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k, int64_t n, int64_t D,
                                             float scale, float *s, const okv_dq *dq, const okv_pf *pf) {
     const float *q8[8];
     int r;
     for (r = 0; r < 8; r++) q8[r] = qr[r < nr ? r : 0];   /* padded rows: computed, discarded */
-#ifdef OKV_SIMD512
-    if (D == 128) {
-        if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, 128, scale, s, dq, pf, 1);
-        else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, 128, scale, s, dq, pf, 2);
-        else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, 128, scale, s, dq, pf, 4);
-        else              OKV_F(okv_qk_tile)(q8, nr, k, n, 128, scale, s, dq, pf, 8);
-        return;
-    }
-#endif
     if (nr == 1)      OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 1);
     else if (nr == 2) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 2);
     else if (nr <= 4) OKV_F(okv_qk_tile)(q8, nr, k, n, D, scale, s, dq, pf, 4);
