@@ -11,12 +11,15 @@ block size 16, contexts 4096, 16384 and 32768 (by default), threads from
   (symmetric, per-head scales for keys and values, k_formats / v_formats all
   int8 / int4); int4 with per-channel key scales (the header of a 16-token
   page then holds 8 KiB of key scales); int8_kivi, the "int8-kivi" policy's
-  pages (keys uint8 with a scale and zero point per channel, values int8 per
+  pages (keys uint8 with a scale and zero point per channel in the compact
+  header a paged state writes -- float32 S per head, one exponent byte and one
+  zero-point byte per channel, 2112 bytes per 16-token page --, values int8 per
   head); mixed: the newest 1024 tokens' pages float32, the older ones int4
   (per-head).  Pages are quantized by onnxkv._kernels.quantize_page
   (QuantizeLinear semantics, round half to even) with the parameters of
   onnxkv.cache.formats.params_for (signed formats: scale = max|x| / qmax per
-  group, zero point 0; unsigned: asymmetric over the group's range).
+  group, zero point 0; unsigned: asymmetric over the group's range), or of
+  onnxkv.cache.formats.compact_params for compact headers.
 * ONNX Runtime: the one-node GroupQueryAttention model of _common with past and
   present bound to the same float32 buffer (bench_decode_attention's shared
   buffer mode), intra_op_num_threads = threads.
@@ -28,8 +31,8 @@ cache bytes per format with headers, byte ratios to float32, speedups vs ORT
 and vs onnxkv float32 pages, max abs difference to the float32 result, the
 counters the kernel returns) and a summary on stderr.  The bars (16384 tokens,
 2 threads): int8 >= 8x and int4 >= 10x faster than ORT float32 GQA, int8 >= 2x
-faster than onnxkv float32 pages; committed bytes int8 <= 0.27x, int4 <= 0.14x
-float32.
+faster than onnxkv float32 pages; committed bytes int8 and int8_kivi <= 0.27x,
+int4 <= 0.14x float32.
 
     python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
         [--repeat N] [--no-ort] [--isa auto|avx2] [--out FILE]
@@ -56,21 +59,26 @@ INT8, INT4, UINT8, F32 = 3, 22, 2, 1
 BARS = {"ctx": 16384, "threads": 2,
         "min_speedup_vs_ort": {"int8": 8.0, "int4": 10.0},
         "min_speedup_vs_onnxkv_f32": {"int8": 2.0},
-        "max_bytes_over_f32": {"int8": 0.27, "int4": 0.14}}
+        "max_bytes_over_f32": {"int8": 0.27, "int8_kivi": 0.27, "int4": 0.14}}
 
 
-def quantize(pages: np.ndarray, fmt: str, granularity: str) -> np.ndarray:
+def quantize(pages: np.ndarray, fmt: str, granularity: str, header: str = "float32") -> np.ndarray:
     """float32 pages [n, H, bs, D] -> payloads uint8 [n, page bytes] in format
     ``fmt`` with the library's own parameters (onnxkv.cache.formats.params_for:
     signed formats symmetric, unsigned asymmetric; one scale per head, or per
-    head and channel) and quantizer (onnxkv._kernels.quantize_page)."""
+    head and channel; header "compact": formats.compact_params, per channel)
+    and quantizer (onnxkv._kernels.quantize_page)."""
     n, h, bs, d = pages.shape
     code, g = formats.page_format(fmt).code, formats.groups_for(granularity, d)
-    out = np.zeros((n, formats.page_bytes(fmt, h, bs, d, g)), np.uint8)
+    out = np.zeros((n, formats.page_bytes(fmt, h, bs, d, g, header)), np.uint8)
     for i in range(n):
         x = np.ascontiguousarray(pages[i])
-        scale, zero = formats.params_for(x, fmt, granularity)
-        K.quantize_page(x, code, scale, zero, g, out[i], bs)
+        if header == "compact":
+            scale, zero, hdr = formats.compact_params(x, fmt)
+            K.quantize_page(x, code, scale, zero, g, out[i], bs, header=hdr)
+        else:
+            scale, zero = formats.params_for(x, fmt, granularity)
+            K.quantize_page(x, code, scale, zero, g, out[i], bs)
     return out
 
 
@@ -103,7 +111,7 @@ def build_variants(kf, vf, ctx, rng, alloc):
     vb = vf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)
     q8k, q8v = quantize(kb, "int8", "head"), quantize(vb, "int8", "head")
     q4k, q4v = quantize(kb, "int4", "head"), quantize(vb, "int4", "head")
-    q4kc, u8kc = quantize(kb, "int4", "channel"), quantize(kb, "uint8", "channel")
+    q4kc, u8kc = quantize(kb, "int4", "channel"), quantize(kb, "uint8", "channel", "compact")
     fmt = np.empty(m, np.uint8)
 
     def fmt_table(per_block):
@@ -121,9 +129,10 @@ def build_variants(kf, vf, ctx, rng, alloc):
         "int4": (Pages(q4k, q4v, table, alloc), {"k_formats": fmt_table(INT4), "v_formats": fmt_table(INT4)}),
         "int4_keys_per_channel": (Pages(q4kc, q4v, table, alloc), {"k_formats": fmt_table(INT4),
                                                                     "v_formats": fmt_table(INT4), "k_group": D}),
-        # the "int8-kivi" policy: keys uint8 per (page, head, channel), asymmetric; values int8 per (page, head)
+        # the "int8-kivi" policy: keys uint8 per (page, head, channel), asymmetric, compact headers; values int8 per
+        # (page, head)
         "int8_kivi": (Pages(u8kc, q8v, table, alloc), {"k_formats": fmt_table(UINT8), "v_formats": fmt_table(INT8),
-                                                       "k_group": D}),
+                                                       "k_group": D, "k_header": "compact"}),
         "mixed_f32_recent_int4_old": (Pages(mixed_k, mixed_v, table, alloc), {"k_formats": mixed_f,
                                                                              "v_formats": mixed_f}),
     }

@@ -149,3 +149,19 @@ def scale_group(name, group, head_size):
         raise ValueError(f"{name}: must be 1 (per-head scales) or the head size {head_size} (per-channel), "
                          f"got {group}")
     return int(group)
+
+
+#: Header kinds of quantized pages: float32 scale and zero point per group, or the compact header (quant.h).
+HEADERS = ("float32", "compact")
+#: Most groups per head of a compact header (quant.h OKV_Q_COMPACT_MAX_G).
+COMPACT_MAX_GROUPS = 512
+
+
+def header_kind(name, header, group):
+    """Check a quantized plane's header kind ("float32" or "compact", the latter with at most
+    COMPACT_MAX_GROUPS groups per head); returns True for "compact"."""
+    if not isinstance(header, str) or header not in HEADERS:
+        raise ValueError(f"{name}: expected 'float32' or 'compact', got {header!r}")
+    if header == "compact" and group > COMPACT_MAX_GROUPS:
+        raise ValueError(f"{name}: a compact header holds at most {COMPACT_MAX_GROUPS} groups per head, got {group}")
+    return header == "compact"

@@ -34,6 +34,8 @@
  * (V) plane has the format k_fmt[p] (v_fmt[p]), an ONNX element type code of
  * the quantized page layout (float32, float16, bfloat16, uint8, int8, uint4,
  * int4, uint2, int2; attention_quant.h), with kG (vG) scale groups per head.
+ * Quantized K pages carry the float32 header, or with k_compact != 0 the
+ * compact one (quant.h; kG <= OKV_Q_COMPACT_MAX_G), decoded per page and head.
  * Each tile is loaded by its page's format: codes are dequantized,
  * (q - zp) * scale, in the load step -- no float copy of a page exists.
  */
@@ -73,6 +75,7 @@ typedef struct {
     int64_t hpu;    /* KV heads per work unit: 1, or Hkv (paged decode: a unit reads whole pages) */
     const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
     int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
+    int k_compact;                 /* quantized K pages: 0 float32 header, 1 compact header (quant.h) */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -86,19 +89,28 @@ typedef struct {
  * (vhs) bytes from head hk's rows to head hk+1's.  kf, vf: the formats
  * (OKV_FMT_* codes; only set by okv_attn_qpage).  Quantized pages: ksc, kzp
  * (vsc, vzp) point at head hk's scales / zero points in the page header;
- * NULL for float pages. */
+ * NULL for float pages.  A compact K header: ksc points at head hk's S, kce at
+ * its exponent codes (zero-point codes Hkv*kG bytes further), kzp is NULL;
+ * kce is NULL otherwise.  khb, vhb: header bytes per head (0 for float pages;
+ * set by okv_attn_qpage). */
 typedef struct {
     const char *k, *v;
     int64_t start, end, kst, vst, khs, vhs;
     int kf, vf;
     const float *ksc, *kzp, *vsc, *vzp;
+    const uint8_t *kce;
+    int64_t khb, vhb;
 } okv_kv_page;
 
 /* Dequantization parameters of one head of a quantized page: s, z its
- * scales / zero points (kG or vG of them); s1, z1 = s[0], z[0]. */
+ * scales / zero points (kG or vG of them); s1, z1 = s[0], z[0].  A compact
+ * header: s, z NULL until decoded; cS, ce, cz the head's S, exponent codes
+ * and zero-point codes (ce NULL for a float32 header). */
 typedef struct {
     const float *s, *z;
     float s1, z1;
+    const uint8_t *ce, *cz;
+    float cS;
 } okv_dq;
 
 /* Rows a tile function software-prefetches while it works: n rows of K at k

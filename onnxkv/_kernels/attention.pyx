@@ -60,6 +60,7 @@ cdef extern from "attention.h" nogil:
         const uint8_t *k_fmt
         const uint8_t *v_fmt
         int64_t kG, vG
+        int k_compact
     int OKV_BK
     int OKV_KV_F32
     int OKV_KV_F16
@@ -383,6 +384,7 @@ cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64
     a.v_fmt = NULL
     a.kG = 1
     a.vG = 1
+    a.k_compact = 0
 
 
 cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
@@ -435,7 +437,8 @@ _FORMAT_CODES = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                    window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1):
+                    window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1,
+                    k_header="float32"):
     """Causal streaming attention of q over a paged KV cache; writes ``out``.
 
     Same math, masking and result as :func:`attention` on the same keys laid out
@@ -477,6 +480,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
                  format needs D*bits % 8 == 0.  Keyword only.
     k_group,     G of the quantized pages of that plane: 1 (one scale / zero
     v_group      point per head) or D (per head and channel).  Keyword only.
+    k_header     header kind of the quantized K pages: "float32" (the layout
+                 above) or "compact" (k_group <= 512: float32 S[kv_heads],
+                 uint8 e[kv_heads*G], uint8 zc[kv_heads*G] padded to 64 bytes,
+                 scale = S * 2^(-e/16) as quant.h decodes it, zero point zc;
+                 onnxkv.cache.formats).  V pages carry float32 headers.
+                 Keyword only.
     Every check (shapes, dtypes, format codes, groups, and for every row the
     table entries the call reads: page ids in range, nonzero 64-byte aligned
     addresses) raises ValueError (TypeError for a non-integer block_size /
@@ -516,6 +525,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
                           else V.page_formats(name, f, P, D))
         kG = V.scale_group("k_group", k_group, D)
         vG = V.scale_group("v_group", v_group, D)
+        k_compact = V.header_kind("k_header", k_header, kG)
     if out.size == 0:
         return {"dequantized_bytes": 0, "workspace_peak_bytes": 0}
 
@@ -532,6 +542,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
         a.k_fmt = &kfv[0]
         a.v_fmt = &vfv[0]
         a.kG, a.vG = kG, vG
+        a.k_compact = k_compact
     if k_pages.size:
         kp = k_pages
         vp = v_pages

@@ -420,7 +420,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
         if (j0 >= pg.end || j0 < pg.start) {
             pg = j0 >= pf.start && j0 < pf.end ? pf : OKV_PAGE_AT(j0);
 #ifdef OKV_MIXED
-            nbytes += nh * ((pg.ksc ? 2 * a->kG : 0) + (pg.vsc ? 2 * a->vG : 0)) * (int64_t)sizeof(float);
+            nbytes += nh * (pg.khb + pg.vhb);
 #endif
         }
         j1 = j0 + OKV_BK;
@@ -507,7 +507,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         const okv_pf *pfp = rg != 0 ? &nopf : hw + 1 == nh ? &pft : &pfh;
                         float *sw = sc + (w & 1) * OKV_RG * OKV_BK;
 #ifdef OKV_MIXED
-                        const okv_dq dk = okv_dq_head(pg.ksc, pg.kzp, hw * a->kG);
+                        const okv_dq dk = okv_dq_head(a, &pg, 1, hw);
 #ifdef OKV_SIMD512
                         if (!qi_ready && a->kG == 1 && OKV_ILV_FMT(pg.kf)) {   /* every row of the unit, once */
                             for (r = 0; r < RT; r++) {
@@ -536,7 +536,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     const char *vh = vt + hw * pg.vhs;
 #ifdef OKV_MIXED
                     float *const *accir = it[(w - 1) & 1].accir;
-                    const okv_dq dv = okv_dq_head(pg.vsc, pg.vzp, hw * a->vG);
+                    const okv_dq dv = okv_dq_head(a, &pg, 0, hw);
 #endif
                     int i;
                     for (i = 0; i < nr; i++) {

@@ -13,7 +13,11 @@
  * into D*bits/8 bytes (signed codes two's complement in their width); head h's
  * codes start at header + h*bs*D*bits/8.  Element (h, t, c) is
  * (code - zero_point[h*G + g]) * scale[h*G + g], g = 0 (G = 1, per-head) or c
- * (G = D, per-channel).
+ * (G = D, per-channel).  K pages may instead carry the compact header of
+ * quant.h (a->k_compact): float32 S[H], uint8 e[H*G], uint8 zc[H*G], zero
+ * padded to a multiple of 64 bytes, then the same codes; okv_dq_head and
+ * okv_qk_chan_fold decode a head's entries (okv_q_compact_decode) where the
+ * float32 header's would be read.
  *
  * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8: 8-bit codes by
  * sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
@@ -58,21 +62,31 @@ static inline int64_t okv_fmt_bits(int f) {
     return f == OKV_FMT_F16 || f == OKV_FMT_BF16 ? 16 : 32;
 }
 
-/* One plane of page address addr, format f, G groups: head hk's data at *p,
- * *st bytes per token row, *hs bytes per head; header entries of head hk at
- * *sc / *zp (NULL for float pages). */
-static inline void okv_qplane(const okv_attn_args *a, uint64_t addr, int f, int64_t G, int64_t hk, const char **p,
-                              int64_t *st, int64_t *hs, const float **sc, const float **zp) {
+/* One plane of page address addr, format f, G groups, compact header or not:
+ * head hk's data at *p, *st bytes per token row, *hs bytes per head; header
+ * entries of head hk at *sc / *zp (float32 header), or its S at *sc and its
+ * exponent codes at *ce (compact header; *zp NULL); *hb header bytes per head.
+ * All NULL / 0 for float pages. */
+static inline void okv_qplane(const okv_attn_args *a, uint64_t addr, int f, int64_t G, int compact, int64_t hk,
+                              const char **p, int64_t *st, int64_t *hs, const float **sc, const float **zp,
+                              const uint8_t **ce, int64_t *hb) {
     const char *base = (const char *)(uintptr_t)addr;
     *st = a->D * okv_fmt_bits(f) / 8;
     *hs = a->bs * *st;
-    if (okv_q_bits(f)) {
+    *sc = *zp = NULL;
+    *ce = NULL;
+    *hb = 0;
+    if (okv_q_bits(f) && compact) {
+        *sc = (const float *)base + hk;
+        *ce = (const uint8_t *)base + 4 * a->Hkv + hk * G;
+        *hb = 4 + 2 * G;
+        base += okv_q_compact_header_bytes(a->Hkv, G);
+    } else if (okv_q_bits(f)) {
         const float *hdr = (const float *)base;
         *sc = hdr + hk * G;
         *zp = hdr + a->Hkv * G + hk * G;
+        *hb = 8 * G;
         base += okv_q_header_bytes(a->Hkv, G);
-    } else {
-        *sc = *zp = NULL;
     }
     *p = base + hk * *hs;
 }
@@ -83,10 +97,12 @@ static inline okv_kv_page okv_attn_qpage(const okv_attn_args *a, int64_t b, int6
     okv_kv_page pg;
     const int64_t blk = j / a->bs;
     const int32_t id = a->block_tables[b * a->M + blk];
+    const uint8_t *vce;   /* V pages carry float32 headers */
     pg.kf = a->k_fmt[id];
     pg.vf = a->v_fmt[id];
-    okv_qplane(a, a->k_pages[id], pg.kf, a->kG, hk, &pg.k, &pg.kst, &pg.khs, &pg.ksc, &pg.kzp);
-    okv_qplane(a, a->v_pages[id], pg.vf, a->vG, hk, &pg.v, &pg.vst, &pg.vhs, &pg.vsc, &pg.vzp);
+    okv_qplane(a, a->k_pages[id], pg.kf, a->kG, a->k_compact, hk, &pg.k, &pg.kst, &pg.khs, &pg.ksc, &pg.kzp,
+               &pg.kce, &pg.khb);
+    okv_qplane(a, a->v_pages[id], pg.vf, a->vG, 0, hk, &pg.v, &pg.vst, &pg.vhs, &pg.vsc, &pg.vzp, &vce, &pg.vhb);
     pg.start = blk * a->bs;
     pg.end = pg.start + a->bs;
     return pg;
@@ -95,11 +111,12 @@ static inline okv_kv_page okv_attn_qpage(const okv_attn_args *a, int64_t b, int6
 #if OKV_X86_SIMD
 /* Software prefetch of the header entries (scales, zero points) of head hk of
  * a quantized page about to be read: the row prefetch covers the codes only,
- * and the first read of a page's header would otherwise miss the caches. */
+ * and the first read of a page's header would otherwise miss the caches.  A
+ * compact K header: S and the exponent codes. */
 static inline void okv_pf_header(const okv_kv_page *pg) {
     if (pg->ksc) {
         _mm_prefetch((const char *)pg->ksc, _MM_HINT_T0);
-        _mm_prefetch((const char *)pg->kzp, _MM_HINT_T0);
+        _mm_prefetch(pg->kce ? (const char *)pg->kce : (const char *)pg->kzp, _MM_HINT_T0);
     }
     if (pg->vsc) {
         _mm_prefetch((const char *)pg->vsc, _MM_HINT_T0);
@@ -108,13 +125,22 @@ static inline void okv_pf_header(const okv_kv_page *pg) {
 }
 #endif
 
-/* Dequantization parameters of head h (header offset off = h*G) of a page
- * plane whose head-hk0 entries are at sc / zp; zeros for a float page. */
-static inline okv_dq okv_dq_head(const float *sc, const float *zp, int64_t off) {
-    okv_dq d = {NULL, NULL, 0.f, 0.f};
-    if (sc) {
-        d.s = sc + off;
-        d.z = zp + off;
+/* Dequantization parameters of head hk0+h of the K (key != 0) or V plane of
+ * page pg (head hk0's entries); zeros for a float page.  A compact K header:
+ * the head's codes, and s1 / z1 decoded (s / z stay NULL: okv_qk_chan_fold
+ * decodes them). */
+static inline okv_dq okv_dq_head(const okv_attn_args *a, const okv_kv_page *pg, int key, int64_t h) {
+    const float *sc = key ? pg->ksc : pg->vsc, *zp = key ? pg->kzp : pg->vzp;
+    const int64_t G = key ? a->kG : a->vG;
+    okv_dq d = {NULL, NULL, 0.f, 0.f, NULL, NULL, 0.f};
+    if (key && pg->kce) {
+        d.cS = sc[h];
+        d.ce = pg->kce + h * G;
+        d.cz = d.ce + a->Hkv * G;
+        okv_q_compact_decode_scalar(d.cS, d.ce, d.cz, &d.s1, &d.z1, 1);
+    } else if (sc) {
+        d.s = sc + h * G;
+        d.z = zp + h * G;
         d.s1 = d.s[0];
         d.z1 = d.z[0];
     }
@@ -231,6 +257,16 @@ OKV_AVX512BW static inline void okv_q4_add_nat(const float *y, float *acc, int64
 #define OKV_ILV_FMT(f) 0
 #endif
 
+/* okv_q_compact_decode of this instruction set (AVX-512: the AVX2 decoder) */
+#ifndef OKV_CDEC_ONCE
+#define OKV_CDEC_ONCE
+#define okv_q_cdec_scalar okv_q_compact_decode_scalar
+#if OKV_X86_SIMD
+#define okv_q_cdec_avx2 okv_q_compact_decode_avx2
+#define okv_q_cdec_avx512 okv_q_compact_decode_avx2
+#endif
+#endif
+
 /* Per-channel key scales s[c] and zero points z[c] folded into the nr query
  * rows: qs[r] = qb + r*D with qs[r][c] = q[r][c] * s[c], and zc[r] = scale *
  * sum_c qs[r][c] z[c], so that scale * q.((code - z) s) = scale * qs.code -
@@ -240,7 +276,16 @@ OKV_AVX512BW static inline void okv_q4_add_nat(const float *y, float *acc, int64
 OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr, int64_t D, float scale,
                                                   const okv_dq *dq, float *qb, const float **qs, float *zc,
                                                   int ilv) {
+    float cs[OKV_Q_COMPACT_MAX_G], cz[OKV_Q_COMPACT_MAX_G];
+    okv_dq cd;
     int r;
+    if (dq->ce) {   /* compact header: the head's D scales and zero points, decoded here */
+        OKV_QX(okv_q_cdec)(dq->cS, dq->ce, dq->cz, cs, cz, D);
+        cd = *dq;
+        cd.s = cs;
+        cd.z = cz;
+        dq = &cd;
+    }
     for (r = 0; r < nr; r++) {
         float *q = qb + r * D;
         OKV_QX(okv_scale_mul_f32)(qr[r], 1.f, dq->s, q, D);

@@ -13,6 +13,16 @@
  * Formats are ONNX TensorProto element codes: UINT8 2, INT8 3, UINT4 21, INT4 22,
  * UINT2 25, INT2 26.  D * bits must be a multiple of 8.
  *
+ * Compact header (onnxkv.cache.formats header "compact": the per-channel key
+ * pages of paged states), in place of the float32 one, same codes after it:
+ *   float32 S[H], uint8 e[H*G], uint8 zc[H*G] (index h*G + g), zero padded to a
+ *   multiple of 64 bytes (okv_q_compact_header_bytes); G <= OKV_Q_COMPACT_MAX_G.
+ *   Decoded (okv_q_compact_decode): scale[h*G + g] = (S[h] * okv_q_steps[e & 15])
+ *   * 2^-(e >> 4), two rounded float32 products (the second exact unless the
+ *   result is subnormal; no FMA), i.e. S * 2^(-e/16); zero_point[h*G + g] = zc
+ *   (unsigned).  The scalar and AVX2 decoders give bit-identical results, equal
+ *   to onnxkv.cache.formats.decode_header and the NumPy twins.
+ *
  * Quantize (ONNX QuantizeLinear): q = saturate(rint(x / scale) + zp) with
  * round-half-to-even, float32 division and saturation to [qmin, qmax] done in
  * float (+-inf saturate; NaN gives qmin).  Dequantize: (q - zp) * scale in
@@ -25,7 +35,9 @@
  *   okv_quant_row(x, fmt, scale, zp, per_channel, codes, D, simd)
  *   okv_dequant_row(codes, fmt, scale, zp, per_channel, out, D, simd)
  * Format helpers: okv_q_bits, okv_q_signed, okv_q_qmin, okv_q_qmax (0 bits =
- * not an integer format), okv_q_row_bytes, okv_q_header_bytes.
+ * not an integer format), okv_q_row_bytes, okv_q_header_bytes,
+ * okv_q_compact_header_bytes; okv_q_compact_decode(S, e, z, scale, zp, G, simd)
+ * decodes one head of a compact header into float32 scale[G] / zp[G].
  * Code helpers for hand-written loops: okv_q_get(row, fmt, c) returns code c of
  * a packed row as an int (sign-extended for signed formats); on x86 the AVX2
  * function okv_q_load8(row, fmt, c) returns codes c..c+8 (c a multiple of 8) as
@@ -71,6 +83,32 @@ static inline int64_t okv_q_row_bytes(int fmt, int64_t D) { return D * okv_q_bit
 
 /* Header bytes of a page with H heads and G groups per head (64-byte multiple). */
 static inline int64_t okv_q_header_bytes(int64_t H, int64_t G) { return (H * G * 8 + 63) / 64 * 64; }
+
+/* ---- compact header (see the top of this file) ---- */
+
+/* Most groups per head of a compact header (the attention kernel decodes one
+ * head's header into stack arrays of this many floats). */
+#define OKV_Q_COMPACT_MAX_G 512
+
+/* Header bytes of a compact header with H heads and G groups per head (64-byte multiple). */
+static inline int64_t okv_q_compact_header_bytes(int64_t H, int64_t G) { return (H * 4 + 2 * H * G + 63) / 64 * 64; }
+
+/* 2^(-i/16) rounded to float32, i = 0..15. */
+static const float okv_q_steps[16] = {
+    0x1.000000p+0f, 0x1.ea4afap-1f, 0x1.d5818ep-1f, 0x1.c199bep-1f, 0x1.ae89fap-1f, 0x1.9c4918p-1f,
+    0x1.8ace54p-1f, 0x1.7a1148p-1f, 0x1.6a09e6p-1f, 0x1.5ab07ep-1f, 0x1.4bfdaep-1f, 0x1.3dea64p-1f,
+    0x1.306fe0p-1f, 0x1.2387a6p-1f, 0x1.172b84p-1f, 0x1.0b5586p-1f};
+
+/* Decodes G groups of one head: scale[g] = (S * okv_q_steps[e[g] & 15]) * 2^-(e[g] >> 4), zp[g] = z[g]. */
+static inline void okv_q_compact_decode_scalar(float S, const uint8_t *e, const uint8_t *z, float *scale, float *zp,
+                                               int64_t G) {
+    int64_t g;
+    for (g = 0; g < G; g++) {
+        const float p2 = okv_bits_f32((uint32_t)(127 - (e[g] >> 4)) << 23);   /* 2^-(e >> 4), a normal float */
+        scale[g] = (S * okv_q_steps[e[g] & 15]) * p2;
+        zp[g] = (float)z[g];
+    }
+}
 
 /* Code c of a packed row, sign-extended for signed formats. */
 static inline int okv_q_get(const uint8_t *row, int fmt, int64_t c) {
@@ -262,6 +300,26 @@ OKV_AVX512BW static inline __m512 okv_q4_load16_ilv_ps(const uint8_t *codes, int
         tab);
 }
 
+/* okv_q_compact_decode_scalar, 8 groups at a time: the 16-entry step table
+ * looked up as two 8-entry permutes blended on bit 3 of the index, 2^-(e >> 4)
+ * built as exponent bits. */
+OKV_AVX2 static inline void okv_q_compact_decode_avx2(float S, const uint8_t *e, const uint8_t *z, float *scale,
+                                                      float *zp, int64_t G) {
+    const __m256 tlo = _mm256_loadu_ps(okv_q_steps), thi = _mm256_loadu_ps(okv_q_steps + 8), vs = _mm256_set1_ps(S);
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        const __m256i ei = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(e + g)));
+        const __m256i lo = _mm256_and_si256(ei, _mm256_set1_epi32(15));
+        const __m256 t = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tlo, lo), _mm256_permutevar8x32_ps(thi, lo),
+                                          _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
+        const __m256 p2 = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(127), _mm256_srli_epi32(ei, 4)), 23));
+        _mm256_storeu_ps(scale + g, _mm256_mul_ps(_mm256_mul_ps(vs, t), p2));
+        _mm256_storeu_ps(zp + g, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(z + g)))));
+    }
+    okv_q_compact_decode_scalar(S, e + g, z + g, scale + g, zp + g, G - g);
+}
+
 OKV_AVX2 static inline void okv_dequant_row_avx2(const uint8_t *codes, int fmt, const float *scale, const float *zp,
                                                  int per_channel, float *out, int64_t D) {
     __m256 s = _mm256_set1_ps(scale[0]), z = _mm256_set1_ps(zp[0]);
@@ -285,6 +343,12 @@ static inline void okv_quant_row(const float *x, int fmt, const float *scale, co
                                  uint8_t *codes, int64_t D, int simd) {
     OKV_DISPATCH(simd, okv_quant_row_avx2(x, fmt, scale, zp, per_channel, codes, D),
                  okv_quant_row_scalar(x, fmt, scale, zp, per_channel, codes, 0, D));
+}
+
+static inline void okv_q_compact_decode(float S, const uint8_t *e, const uint8_t *z, float *scale, float *zp,
+                                        int64_t G, int simd) {
+    OKV_DISPATCH(simd, okv_q_compact_decode_avx2(S, e, z, scale, zp, G),
+                 okv_q_compact_decode_scalar(S, e, z, scale, zp, G));
 }
 
 static inline void okv_dequant_row(const uint8_t *codes, int fmt, const float *scale, const float *zp,

@@ -5,9 +5,13 @@ header -- float32 ``scale[H*G]`` then float32 ``zero_point[H*G]`` (index h*G + g
 G = ``group``: 1 per head, or D per channel), zero padded to a multiple of 64
 bytes -- followed by the codes: head-major, token-major inside a head, each
 token's D codes packed low bits first into D*bits/8 bytes (signed codes two's
-complement).  Format codes are ONNX element types: 2 uint8, 3 int8, 21 uint4,
-22 int4, 25 uint2, 26 int2; D*bits must be a multiple of 8.  The C row helpers
-live in ``quant.h`` (shared with the fused attention kernel).
+complement).  Or the compact header (``header`` "compact"; G <= 512): float32
+``S[H]``, uint8 ``e[H*G]``, uint8 ``zc[H*G]``, zero padded to a multiple of 64
+bytes, decoded to scale = (S[h] * 2^(-(e & 15)/16) in float32) * 2^-(e >> 4)
+and zero_point = zc (``onnxkv.cache.formats`` encodes it).  Format codes are
+ONNX element types: 2 uint8, 3 int8, 21 uint4, 22 int4, 25 uint2, 26 int2;
+D*bits must be a multiple of 8.  The C row helpers live in ``quant.h`` (shared
+with the fused attention kernel).
 
 Quantization is ONNX QuantizeLinear: q = saturate(rint(x / scale) + zp), round
 half to even, float32 division, saturation to the format's code range (+-inf
@@ -33,6 +37,9 @@ cdef extern from "quant.h" nogil:
     int okv_q_qmax(int fmt)
     int64_t okv_q_row_bytes(int fmt, int64_t D)
     int64_t okv_q_header_bytes(int64_t H, int64_t G)
+    int64_t okv_q_compact_header_bytes(int64_t H, int64_t G)
+    void okv_q_compact_decode(float S, const uint8_t *e, const uint8_t *z, float *scale, float *zp, int64_t G,
+                              int simd)
     void okv_quant_row(const float *x, int fmt, const float *scale, const float *zp, int per_channel,
                        uint8_t *codes, int64_t D, int simd)
     void okv_dequant_row(const uint8_t *codes, int fmt, const float *scale, const float *zp, int per_channel,
@@ -91,7 +98,46 @@ cdef Py_ssize_t _first_bad_zero_point(const float[::1] z, float qmin, float qmax
     return -1
 
 
-def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0):
+cdef void _decode_compact(const uint8_t *hdr, int64_t H, int64_t G, float *scale, float *zp,
+                          int simd) noexcept nogil:
+    """scale[H*G] / zp[H*G] of the compact header at hdr (S read bytewise: hdr need not be aligned)."""
+    cdef int64_t h
+    cdef float S
+    for h in range(H):
+        memcpy(&S, hdr + 4 * h, sizeof(float))
+        okv_q_compact_decode(S, hdr + 4 * H + h * G, hdr + 4 * H + H * G + h * G, scale + h * G, zp + h * G, G, simd)
+
+
+_NO_HEADER = np.zeros(1, U8)
+
+
+def _check_compact(header, H, G, scale, zero_point):
+    """Check a compact header for quantize_page: its length, and that it decodes exactly to scale / zero_point."""
+    V.array("header", header, (U8,), ndim=1)
+    V.header_kind("group", "compact", G)
+    hb = okv_q_compact_header_bytes(H, G)
+    if header.shape[0] != hb:
+        raise ValueError(f"header: a compact header of {H} heads and {G} groups per head has {hb} bytes, "
+                         f"got {header.shape[0]}")
+    dec_s = np.empty(H * G, np.float32)
+    dec_z = np.empty(H * G, np.float32)
+    cdef const uint8_t[::1] hv = header
+    cdef float[::1] ds = dec_s
+    cdef float[::1] dz = dec_z
+    _decode_compact(&hv[0], H, G, &ds[0], &dz[0], okv_simd())
+    bad = np.flatnonzero((dec_s != scale) | (dec_z != zero_point))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"header: decodes to scale[{i}] = {dec_s[i]!r}, zero_point[{i}] = {dec_z[i]!r}, but the "
+                         f"codes were asked for scale {scale[i]!r}, zero_point {zero_point[i]!r} (pass the "
+                         "header's own decoded parameters)")
+
+
+def _header_bytes(compact, H, G):
+    return okv_q_compact_header_bytes(H, G) if compact else okv_q_header_bytes(H, G)
+
+
+def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0, header=None):
     """Quantize ``x`` into tokens ``t0 .. t0+n`` of a page and write its header.
 
     x: float32 [H, n, D] (C-contiguous; t0 + n <= block_size).  fmt_code: an
@@ -100,10 +146,15 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     valued inside the code range.  out_page: writeable uint8 [>= page bytes], the
     whole page payload (header + H * block_size * D*bits/8 code bytes).
 
-    Writes the whole header (scale, zero_point, zero padding) and the code bytes
-    of tokens t0 .. t0+n of every head; every other token's bytes are left
-    untouched (so a partly filled page can be appended to).  All arguments are
-    checked (``ValueError`` naming the argument) before anything is written.
+    header: None (the float32 header: scale, zero_point, zero padding), or
+    uint8 [compact header bytes of H heads, G groups; G <= 512]: a compact
+    header, written as given, that must decode exactly to ``scale`` /
+    ``zero_point`` (the codes are computed from those).
+
+    Writes the whole header and the code bytes of tokens t0 .. t0+n of every
+    head; every other token's bytes are left untouched (so a partly filled page
+    can be appended to).  All arguments are checked (``ValueError`` naming the
+    argument) before anything is written.
     """
     V.array("x", x, (V.F32,), ndim=3)
     H, n, D = x.shape
@@ -125,26 +176,33 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     if i >= 0:
         raise ValueError(f"zero_point: every zero point must be an integer in [{qmin}, {qmax}] for format {fmt}, "
                          f"got zero_point[{i}] = {zero_point[i]}")
-    hb = okv_q_header_bytes(H, G)
+    compact = header is not None
+    if compact:
+        _check_compact(header, H, G, scale, zero_point)
+    hb = _header_bytes(compact, H, G)
     row = okv_q_row_bytes(fmt, D)
     _page("out_page", out_page, hb + H * bs * row, True)
-    for other, oname in ((x, "x"), (scale, "scale"), (zero_point, "zero_point")):
+    for other, oname in ((x, "x"), (scale, "scale"), (zero_point, "zero_point"), (header, "header")):
         V.no_overlap("out_page", out_page, other, oname)
 
     cdef const float[:, :, ::1] xv = x
     cdef const float[::1] sv = scale
     cdef const float[::1] zv = zero_point
+    cdef const uint8_t[::1] hv = header if compact else _NO_HEADER
     cdef uint8_t[::1] pv = out_page
     cdef uint8_t *base = &pv[0]
     cdef int64_t cH = H, cn = n, cD = D, cG = G, cbs = bs, ct0 = t, chb = hb, crow = row
-    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd()
+    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd(), ccompact = compact
     cdef Py_ssize_t r, rows = cH * cn
     cdef int64_t h, tok
     cdef int nt = okv_threads() if rows * cD >= PAR_MIN else 1
     with nogil:
-        memcpy(base, &sv[0], cH * cG * sizeof(float))
-        memcpy(base + cH * cG * sizeof(float), &zv[0], cH * cG * sizeof(float))
-        memset(base + 2 * cH * cG * sizeof(float), 0, chb - 2 * cH * cG * sizeof(float))
+        if ccompact:
+            memcpy(base, &hv[0], chb)
+        else:
+            memcpy(base, &sv[0], cH * cG * sizeof(float))
+            memcpy(base + cH * cG * sizeof(float), &zv[0], cH * cG * sizeof(float))
+            memset(base + 2 * cH * cG * sizeof(float), 0, chb - 2 * cH * cG * sizeof(float))
         for r in prange(rows, num_threads=nt, schedule='static'):
             h = r // cn
             tok = r - h * cn
@@ -152,14 +210,16 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
                           base + chb + (h * cbs + ct0 + tok) * crow, cD, simd)
 
 
-def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens, out):
+def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens, out, header="float32"):
     """Dequantize tokens 0 .. tokens of every head of a page into ``out``.
 
     page: uint8 [>= page bytes], a page payload written by :func:`quantize_page`
-    (header scale/zero_point read from it as stored; no check of their values).
-    fmt_code, group: as for :func:`quantize_page`.  heads, block_size, head_size:
-    the page's H, bs, D.  tokens: 0 <= tokens <= block_size.  out: writeable
-    float32 [H, tokens, D], not overlapping ``page``; receives (q - zp) * scale.
+    (header scale/zero_point read from it as stored, or decoded from a compact
+    header; no check of their values).  fmt_code, group: as for
+    :func:`quantize_page`.  heads, block_size, head_size: the page's H, bs, D.
+    tokens: 0 <= tokens <= block_size.  out: writeable float32 [H, tokens, D],
+    not overlapping ``page``; receives (q - zp) * scale.  header: the page's
+    header kind, "float32" or "compact" (G <= 512).
     """
     H = _int("heads", heads, 1)
     bs = _int("block_size", block_size, 1)
@@ -169,7 +229,8 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     n = _int("tokens", tokens, 0)
     if n > bs:
         raise ValueError(f"tokens: {n} exceeds block_size {bs}")
-    hb = okv_q_header_bytes(H, G)
+    compact = V.header_kind("header", header, G)
+    hb = _header_bytes(compact, H, G)
     row = okv_q_row_bytes(fmt, D)
     _page("page", page, hb + H * bs * row, False)
     V.array("out", out, (V.F32,), shape=(H, n, D), writeable=True)
@@ -181,16 +242,19 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     cdef float[:, :, ::1] ov = out
     cdef const uint8_t *base = &pv[0]
     cdef int64_t cH = H, cn = n, cD = D, cG = G, cbs = bs, chb = hb, crow = row
-    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd()
+    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd(), ccompact = compact
     cdef Py_ssize_t r, rows = cH * cn
     cdef int64_t h, tok
     cdef int nt = okv_threads() if rows * cD >= PAR_MIN else 1
-    # The header is copied out: a caller's page array need not be 4-byte aligned.
+    # The header is copied out (or decoded): a caller's page array need not be 4-byte aligned.
     cdef float *hdr = <float *>malloc(2 * cH * cG * sizeof(float))
     if hdr == NULL:
         raise MemoryError("dequantize_page: could not allocate the header copy")
     with nogil:
-        memcpy(hdr, base, 2 * cH * cG * sizeof(float))
+        if ccompact:
+            _decode_compact(base, cH, cG, hdr, hdr + cH * cG, simd)
+        else:
+            memcpy(hdr, base, 2 * cH * cG * sizeof(float))
         for r in prange(rows, num_threads=nt, schedule='static'):
             h = r // cn
             tok = r - h * cn

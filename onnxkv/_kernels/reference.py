@@ -191,7 +191,8 @@ _FLOAT_FORMATS = {1: "float32", 10: "float16", 16: "bfloat16"}   # page format c
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                    window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1):
+                    window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1,
+                    k_header="float32"):
     """NumPy twin of the compiled ``paged_attention`` (same arguments, same result).
 
     NumPy cannot dereference addresses, so ``k_pages`` / ``v_pages`` are the
@@ -208,7 +209,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     v_group): a page of a float format is an array [kv_heads, block_size, D]
     of its storage dtype (float32, float16, uint16 bfloat16 bits); a page of
     a quantized format is its payload (bytes: header then codes), dequantized
-    by :func:`dequantize_page`.  Returns None (the compiled kernel's
+    by :func:`dequantize_page` (key pages with header kind ``k_header``).  Returns None (the compiled kernel's
     counters have no twin).
     """
     from ._validate import paged_blocks_read
@@ -217,7 +218,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     M, bs = block_tables.shape[1], int(block_size)
     read = paged_blocks_read(kv_len, q_pos, int(window), bs, M)
 
-    def page_f32(pages, pid, formats, group):
+    def page_f32(pages, pid, formats, group, header="float32"):
         page = pages[pid]
         if formats is None:
             return kv_to_f32(page, kv_dtype)
@@ -225,7 +226,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
         if fmt in _FLOAT_FORMATS:
             return kv_to_f32(page, _FLOAT_FORMATS[fmt])
         vals = np.empty((kv_heads, bs, D), np.float32)
-        dequantize_page(np.ascontiguousarray(page).reshape(-1).view(np.uint8), fmt, kv_heads, bs, D, group, bs, vals)
+        dequantize_page(np.ascontiguousarray(page).reshape(-1).view(np.uint8), fmt, kv_heads, bs, D, group, bs, vals,
+                        header)
         return vals
 
     for b in range(B):
@@ -236,7 +238,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
             pid = int(block_tables[b, i])
             if not 0 <= pid < len(k_pages) or k_pages[pid] is None or v_pages[pid] is None:
                 raise ValueError(f"block_tables: row {b}, block {i} is read but maps to no page ({pid})")
-            kc[0, :, i * bs:(i + 1) * bs] = page_f32(k_pages, pid, k_formats, k_group)
+            kc[0, :, i * bs:(i + 1) * bs] = page_f32(k_pages, pid, k_formats, k_group, k_header)
             vc[0, :, i * bs:(i + 1) * bs] = page_f32(v_pages, pid, v_formats, v_group)
         attention(q[b:b + 1], kc, vc, np.asarray(kv_len[b:b + 1]), np.asarray(q_pos[b:b + 1]), scale, softcap,
                   window, out[b:b + 1])
@@ -246,47 +248,69 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
 _QFORMATS = {2: (8, 0, 255), 3: (8, -128, 127), 21: (4, 0, 15), 22: (4, -8, 7), 25: (2, 0, 3), 26: (2, -2, 1)}
 
 
-def _qlayout(fmt_code, heads, head_size, group):
+def _qlayout(fmt_code, heads, head_size, group, header="float32"):
     """(bits, qmin, qmax, header bytes, bytes per token row) of an integer page."""
     if fmt_code not in _QFORMATS:
         raise ValueError(f"fmt_code: {fmt_code} is not an integer page format (expected one of {list(_QFORMATS)})")
     bits, qmin, qmax = _QFORMATS[fmt_code]
     if head_size * bits % 8:
         raise ValueError(f"head_size: {head_size} * {bits} bits is not a multiple of 8")
-    return bits, qmin, qmax, -(-heads * group * 8 // 64) * 64, head_size * bits // 8
+    hdr = heads * 4 + 2 * heads * group if header == "compact" else heads * group * 8
+    return bits, qmin, qmax, -(-hdr // 64) * 64, head_size * bits // 8
 
 
-def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0):
+# 2^(-i/16) and 2^-k rounded to float32: a compact header's scale is (S * _STEPS[e & 15]) * _OCTAVES[e >> 4].
+_STEPS = np.array([2.0 ** (-i / 16) for i in range(16)], np.float32)
+_OCTAVES = np.array([2.0 ** -k for k in range(16)], np.float32)
+
+
+def _header_params(page, H, G, header):
+    """float32 (scale, zero_point) [H, 1, G] of a page's float32 or compact header."""
+    if header != "compact":
+        hdr = page[:8 * H * G].copy().view(np.float32)
+        return hdr[:H * G].reshape(H, 1, G), hdr[H * G:].reshape(H, 1, G)
+    S = page[:4 * H].copy().view(np.float32).reshape(H, 1, 1)
+    e = page[4 * H:4 * H + H * G].reshape(H, 1, G).astype(np.intp)
+    zc = page[4 * H + H * G:4 * H + 2 * H * G].reshape(H, 1, G)
+    return (S * _STEPS[e & 15]) * _OCTAVES[e >> 4], zc.astype(np.float32)
+
+
+def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0, header=None):
     """NumPy twin of the compiled ``quantize_page``: q = saturate(rint(x / scale)
     + zero_point) in float32 (``np.rint`` rounds half to even; NaN gives the
-    lowest code), packed low bits first; writes the header and the code bytes of
+    lowest code), packed low bits first; writes the header (float32 from scale /
+    zero_point, or the compact ``header`` bytes as given) and the code bytes of
     tokens t0 .. t0+n only."""
     H, n, D = x.shape
     G = int(group)
-    bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G)
+    bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G, "float32" if header is None else "compact")
     v = np.rint(x / scale.reshape(H, 1, G)) + zero_point.reshape(H, 1, G)
     v = np.minimum(np.where(v >= qmin, v, np.float32(qmin)), np.float32(qmax))
     per = 8 // bits
     q = (v.astype(np.int64) & ((1 << bits) - 1)).reshape(H, n, row, per)
     packed = np.bitwise_or.reduce(q << (np.arange(per) * bits), axis=-1).astype(np.uint8)
-    out_page[:hb] = 0
-    out_page[:4 * H * G] = scale.view(np.uint8)
-    out_page[4 * H * G:8 * H * G] = zero_point.view(np.uint8)
+    if header is None:
+        out_page[:hb] = 0
+        out_page[:4 * H * G] = scale.view(np.uint8)
+        out_page[4 * H * G:8 * H * G] = zero_point.view(np.uint8)
+    else:
+        out_page[:hb] = header
     out_page[hb:hb + H * block_size * row].reshape(H, block_size, row)[:, t0:t0 + n] = packed
 
 
-def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens, out):
+def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens, out, header="float32"):
     """NumPy twin of the compiled ``dequantize_page``: out = (q - zero_point) *
-    scale in float32 for tokens 0 .. tokens of every head."""
+    scale in float32 for tokens 0 .. tokens of every head (parameters from the
+    page's float32 or compact ``header``)."""
     H, D, G = int(heads), int(head_size), int(group)
-    bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G)
+    bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G, header)
     per = 8 // bits
     codes = page[hb:hb + H * block_size * row].reshape(H, block_size, row)[:, :tokens].astype(np.int64)
     q = ((codes[..., None] >> (np.arange(per) * bits)) & ((1 << bits) - 1)).reshape(H, tokens, D)
     if qmin < 0:
         q = np.where(q > qmax, q - (1 << bits), q)
-    hdr = page[:8 * H * G].copy().view(np.float32)
-    out[...] = (q.astype(np.float32) - hdr[H * G:].reshape(H, 1, G)) * hdr[:H * G].reshape(H, 1, G)
+    scale, zero_point = _header_params(page, H, G, header)
+    out[...] = (q.astype(np.float32) - zero_point) * scale
 
 
 def page_write(new: np.ndarray, pages: list, tables: np.ndarray, starts: np.ndarray, block_size: int) -> None:

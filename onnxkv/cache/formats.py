@@ -19,12 +19,31 @@ int2         26     2  -2 .. 1      (q - zp) * scale
 =========  ====  ====  ===========  ==========================
 
 A page holds ``[H, bs, D]`` (heads, block_size tokens, head size), head-major.
-A float page is just the elements.  A quantized page is a header -- float32
-``scale[H*G]`` then float32 ``zero_point[H*G]`` (index h*G + g; G = 1 "per
-head", or G = D "per channel"), zero padded to a multiple of 64 bytes -- then
-the codes: per head, per token, D codes packed low bits first into
-D*bits/8 bytes (so D*bits must be a multiple of 8).  The kernels
-``onnxkv._kernels.quantize_page`` / ``dequantize_page`` write and read it.
+A float page is just the elements.  A quantized page is a header, zero padded
+to a multiple of 64 bytes, then the codes: per head, per token, D codes packed
+low bits first into D*bits/8 bytes (so D*bits must be a multiple of 8).  The
+kernels ``onnxkv._kernels.quantize_page`` / ``dequantize_page`` write and read
+it.  Scales and zero points come per group (h, g), index h*G + g: G = 1 "per
+head", or G = D "per channel".  Two header kinds:
+
+``"float32"``
+    float32 ``scale[H*G]`` then float32 ``zero_point[H*G]``: any parameters
+    (explicit page tensors, per-head planes of states).  8 bytes per group.
+``"compact"``
+    float32 ``S[H]``, uint8 ``e[H*G]``, uint8 ``zc[H*G]`` (G <= 512; the
+    per-channel key planes of paged states).  The group's scale is
+    ``S[h] * 2^(-e/16)``, computed in float32 as ``(S[h] * steps[e % 16]) *
+    2^-(e // 16)`` with ``steps[i]`` = 2^(-i/16) rounded to float32 (two
+    rounded products; the second is exact unless the result is subnormal);
+    its zero point is the code ``zc`` (0 for signed formats).  2 bytes per
+    group plus 4 per head: at block size 16 and head size 128, the key pages
+    of 8 heads cost 2112 + 16384 bytes in UINT8 (0.282x float32) instead of
+    8192 + 16384 (0.375x).
+
+:func:`compact_params` chooses a compact header from the data: S = the
+largest exact scale of the head (rounded up to float32), and per group the
+largest e whose decoded scale is still >= the group's exact scale (scales are
+rounded up, never down, as in :func:`params_for`).
 """
 from __future__ import annotations
 
@@ -32,10 +51,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxkv._kernels._validate import COMPACT_MAX_GROUPS
 from onnxkv.errors import InputError, OutOfMemory
 
-__all__ = ["PageFormat", "FORMATS", "page_format", "groups_for", "header_bytes", "codes_bytes", "page_bytes",
-           "params_for", "check_params", "allocate_payload"]
+#: Header kind of quantized pages: float32 scale and zero point per group.
+HEADER_FLOAT32 = "float32"
+#: Header kind of quantized pages: float32 S per head, exponent and zero-point bytes per group.
+HEADER_COMPACT = "compact"
+HEADERS = (HEADER_FLOAT32, HEADER_COMPACT)
+#: 2^(-i/16) rounded to float32 (i = 0..15) and 2^-k (k = 0..15): the factors of a compact scale.
+_STEPS = np.array([2.0 ** (-i / 16) for i in range(16)], np.float32)
+_OCTAVES = np.array([2.0 ** -k for k in range(16)], np.float32)
+
+__all__ = ["PageFormat", "FORMATS", "HEADERS", "HEADER_FLOAT32", "HEADER_COMPACT", "COMPACT_MAX_GROUPS",
+           "page_format", "groups_for", "header_bytes", "codes_bytes", "page_bytes", "params_for", "compact_params",
+           "encode_header", "decode_header", "check_params", "allocate_payload"]
 
 
 @dataclass(frozen=True)
@@ -113,13 +143,24 @@ def _count(api: str, name: str, value: int, lo: int) -> int:
     return int(value)
 
 
-def header_bytes(fmt: str | int | PageFormat, heads: int, groups: int) -> int:
-    """Bytes of a page header: 0 for float formats, else 8 * heads * groups
-    (float32 scale and zero point per group) rounded up to a multiple of 64."""
+def _header_kind(api: str, header: str, groups: int) -> str:
+    if not isinstance(header, str) or header not in HEADERS:
+        raise InputError(f"{api}: header must be one of {list(HEADERS)}, got {header!r}")
+    if header == HEADER_COMPACT and groups > COMPACT_MAX_GROUPS:
+        raise InputError(f"{api}: a compact header holds at most {COMPACT_MAX_GROUPS} groups per head, got {groups} "
+                         f"(per-channel scales need head_size <= {COMPACT_MAX_GROUPS})")
+    return header
+
+
+def header_bytes(fmt: str | int | PageFormat, heads: int, groups: int, header: str = HEADER_FLOAT32) -> int:
+    """Bytes of a page header, rounded up to a multiple of 64: 0 for float formats;
+    8 * heads * groups for ``header`` "float32" (float32 scale and zero point per group);
+    4 * heads + 2 * heads * groups for ``header`` "compact" (groups <= 512)."""
     f = page_format(fmt)
     h = _count("header_bytes", "heads", heads, 1)
     g = _count("header_bytes", "groups", groups, 1)
-    return 0 if f.is_float else -(-8 * h * g // 64) * 64
+    n = 4 * h + 2 * h * g if _header_kind("header_bytes", header, g) == HEADER_COMPACT else 8 * h * g
+    return 0 if f.is_float else -(-n // 64) * 64
 
 
 def codes_bytes(fmt: str | int | PageFormat, heads: int, block_size: int, head_size: int) -> int:
@@ -136,10 +177,11 @@ def codes_bytes(fmt: str | int | PageFormat, heads: int, block_size: int, head_s
     return h * bs * d * f.bits // 8
 
 
-def page_bytes(fmt: str | int | PageFormat, heads: int, block_size: int, head_size: int, groups: int = 1) -> int:
+def page_bytes(fmt: str | int | PageFormat, heads: int, block_size: int, head_size: int, groups: int = 1,
+               header: str = HEADER_FLOAT32) -> int:
     """Payload bytes of one page: :func:`header_bytes` + :func:`codes_bytes`
     (not rounded up to the 64-byte allocation alignment)."""
-    return codes_bytes(fmt, heads, block_size, head_size) + header_bytes(fmt, heads, groups)
+    return codes_bytes(fmt, heads, block_size, head_size) + header_bytes(fmt, heads, groups, header)
 
 
 def _scale_up(exact: np.ndarray) -> np.ndarray:
@@ -168,32 +210,156 @@ def params_for(x: np.ndarray, fmt: str | int | PageFormat, granularity: str) -> 
       above: every value quantizes to the code zp and reconstructs to 0 exactly;
       a tiny nonzero range rounds up to a positive (possibly subnormal) scale.
     """
-    f = page_format(fmt)
-    if f.is_float:
-        raise InputError(f"params_for: format {f.name} is a float format and has no scale or zero point")
-    if not isinstance(x, np.ndarray) or x.ndim != 3 or x.shape[0] < 1 or x.shape[1] < 1 or x.shape[2] < 1:
-        shape = x.shape if isinstance(x, np.ndarray) else type(x).__name__
-        raise InputError(f"params_for: x must be a float array [H, n, D] with H, n, D >= 1, got {shape}")
-    if x.dtype.kind != "f":
-        raise InputError(f"params_for: x must be a float array, got dtype {x.dtype}")
-    if not np.isfinite(x).all():
-        raise InputError("params_for: x holds non-finite values (NaN or inf); scales need finite data")
+    f, xd = _quantizable("params_for", x, fmt)
     H, _, D = x.shape
     G = groups_for(granularity, D)
-    xd = x.astype(np.float64)
-    axes = (1, 2) if G == 1 else (1,)
-    if f.signed:
-        scale = _scale_up(np.abs(xd).max(axis=axes) / f.qmax)
-        scale = np.where(scale > 0, scale, np.float32(1))
-        zp = np.zeros_like(scale)
-    else:
-        lo = np.minimum(xd.min(axis=axes), 0.0)
-        hi = np.maximum(xd.max(axis=axes), 0.0)
-        scale = _scale_up((hi - lo) / (f.qmax - f.qmin))
-        scale = np.where(scale > 0, scale, np.float32(1))
-        zp = np.clip(np.rint(f.qmin - lo / scale.astype(np.float64)), f.qmin, f.qmax).astype(np.float32)
+    exact, lo = _exact_scales(f, xd, (1, 2) if G == 1 else (1,))
+    scale = _scale_up(exact)
+    scale = np.where(scale > 0, scale, np.float32(1))
+    zp = _zero_points(f, lo, scale)
     return (np.ascontiguousarray(scale, dtype=np.float32).reshape(H * G),
             np.ascontiguousarray(zp, dtype=np.float32).reshape(H * G))
+
+
+def _quantizable(api: str, x: np.ndarray, fmt: str | int | PageFormat) -> tuple[PageFormat, np.ndarray]:
+    """The integer format ``fmt`` and ``x`` (float [H, n, D], n >= 1, finite) as float64, or InputError."""
+    f = page_format(fmt)
+    if f.is_float:
+        raise InputError(f"{api}: format {f.name} is a float format and has no scale or zero point")
+    if not isinstance(x, np.ndarray) or x.ndim != 3 or x.shape[0] < 1 or x.shape[1] < 1 or x.shape[2] < 1:
+        shape = x.shape if isinstance(x, np.ndarray) else type(x).__name__
+        raise InputError(f"{api}: x must be a float array [H, n, D] with H, n, D >= 1, got {shape}")
+    if x.dtype.kind != "f":
+        raise InputError(f"{api}: x must be a float array, got dtype {x.dtype}")
+    if not np.isfinite(x).all():
+        raise InputError(f"{api}: x holds non-finite values (NaN or inf); scales need finite data")
+    return f, x.astype(np.float64)
+
+
+def _exact_scales(f: PageFormat, xd: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per group (``xd`` reduced over ``axes``): the exact float64 scale of :func:`params_for`'s
+    rule and the low end ``lo`` of the group's range (0 for signed formats)."""
+    if f.signed:
+        exact = np.abs(xd).max(axis=axes) / f.qmax
+        return exact, np.zeros_like(exact)
+    lo = np.minimum(xd.min(axis=axes), 0.0)
+    hi = np.maximum(xd.max(axis=axes), 0.0)
+    return (hi - lo) / (f.qmax - f.qmin), lo
+
+
+def _zero_points(f: PageFormat, lo: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float32 zero points of groups with range low end ``lo`` and float32 ``scale`` (0 for signed formats)."""
+    if f.signed:
+        return np.zeros(scale.shape, np.float32)
+    return np.clip(np.rint(f.qmin - lo / scale.astype(np.float64)), f.qmin, f.qmax).astype(np.float32)
+
+
+def _compact_scales(S: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Decoded compact scales float32 [H, G]: (S[h] * steps[e % 16]) * 2^-(e // 16), in float32."""
+    e = e.astype(np.intp)
+    return (S.astype(np.float32)[:, None] * _STEPS[e & 15]) * _OCTAVES[e >> 4]
+
+
+def _pack_compact(S: np.ndarray, e: np.ndarray, zc: np.ndarray) -> np.ndarray:
+    """The compact header bytes (uint8, zero padded to 64) of S float32 [H], e and zc uint8 [H, G]."""
+    H, G = e.shape
+    out = np.zeros(-(-(4 * H + 2 * H * G) // 64) * 64, np.uint8)
+    out[: 4 * H] = np.ascontiguousarray(S, dtype=np.float32).view(np.uint8)
+    out[4 * H: 4 * H + H * G] = e.reshape(-1)
+    out[4 * H + H * G: 4 * H + 2 * H * G] = zc.reshape(-1)
+    return out
+
+
+def compact_params(x: np.ndarray, fmt: str | int | PageFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-channel parameters of ``x`` (float [H, n, D], n >= 1, finite, D <= 512) in a compact header.
+
+    Returns (scale, zero_point, header): the decoded float32 scale and zero
+    point [H * D] (index h*D + c; what the codes are computed with, e.g. by
+    ``_kernels.quantize_page(..., header=header)``) and the header bytes
+    (uint8 [:func:`header_bytes` (fmt, H, D, "compact")]).  Rule, per head h:
+    S = the largest exact scale of :func:`params_for`'s per-channel rule over
+    the head's channels, rounded up to float32 (1 if every channel is zeros);
+    per channel, e = the largest code in 0..255 whose decoded scale is still
+    >= the channel's exact scale (so scales round up, never down, and every
+    value reconstructs within half its decoded scale up to float32 rounding);
+    the zero point is :func:`params_for`'s rule with the decoded scale (0 for
+    signed formats).
+    """
+    f, xd = _quantizable("compact_params", x, fmt)
+    H, _, D = x.shape
+    _header_kind("compact_params", HEADER_COMPACT, D)
+    exact, lo = _exact_scales(f, xd, (1,))
+    S = _scale_up(exact.max(axis=1))
+    S = np.where(S > 0, S, np.float32(1))
+    table = _compact_scales(S, np.arange(256)[None, :]).astype(np.float64)   # [H, 256], non-increasing in e
+    e = np.empty((H, D), np.uint8)
+    for h in range(H):  # the codes whose scale is >= exact are a prefix of the table: e is its last one
+        e[h] = np.searchsorted(-table[h], -exact[h], side="right") - 1
+    scale = _compact_scales(S, e)
+    zp = _zero_points(f, lo, scale)
+    return scale.reshape(H * D), zp.reshape(H * D), _pack_compact(S, e, zp.astype(np.uint8))
+
+
+def encode_header(fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np.ndarray, heads: int,
+                  header: str = HEADER_FLOAT32, api: str = "encode_header") -> np.ndarray:
+    """The header bytes (uint8 [:func:`header_bytes`]) holding ``scale`` / ``zero_point``.
+
+    ``scale`` and ``zero_point`` are float32 [heads * G] (valid as
+    :func:`check_params` states).  ``header`` "float32" stores them as they
+    are; "compact" stores them exactly or raises :class:`InputError`: per head
+    S is the largest scale, and every scale must be S * 2^(-e/16) as decoded
+    for some e in 0..255 (true of every header :func:`compact_params` wrote,
+    whose decoded parameters :func:`decode_header` returns); zero points must be
+    codes of 0..255 (0 for signed formats).  Errors start with ``api``.
+    """
+    f = page_format(fmt)
+    check_params(api, f, scale, zero_point)
+    h = _count(api, "heads", heads, 1)
+    if scale.ndim != 1 or scale.size % h:
+        raise InputError(f"{api}: scale must be [heads * G] with heads {h}, got shape {list(scale.shape)}")
+    G = scale.size // h
+    out = np.zeros(header_bytes(f, h, G, _header_kind(api, header, G)), np.uint8)
+    if header == HEADER_FLOAT32:
+        out[: 4 * h * G] = scale.view(np.uint8)
+        out[4 * h * G: 8 * h * G] = zero_point.view(np.uint8)
+        return out
+    s = scale.reshape(h, G)
+    S = s.max(axis=1)
+    table = _compact_scales(S, np.arange(256)[None, :])
+    e = np.empty((h, G), np.intp)
+    for i in range(h):  # the first code whose decoded scale is <= the scale: equal, or the scale has none
+        e[i] = np.minimum(np.searchsorted(-table[i], -s[i], side="left"), 255)
+    bad = np.flatnonzero(np.take_along_axis(table, e, axis=1) != s)
+    if bad.size:
+        i = int(bad[0])
+        raise InputError(f"{api}: scale[{i}] = {float(scale[i])!r} is not S * 2^(-e/16) for S = "
+                         f"{float(S[i // G])!r} (the largest scale of head {i // G}) and a code e in 0..255: a compact "
+                         "header cannot hold it")
+    if f.signed and (zero_point != 0).any():
+        i = int(np.flatnonzero(zero_point != 0)[0])
+        raise InputError(f"{api}: zero_point[{i}] = {float(zero_point[i])!r}: a compact header holds zero point 0 for "
+                         f"signed formats ({f.name})")
+    return _pack_compact(S, e.astype(np.uint8), zero_point.reshape(h, G).astype(np.uint8))
+
+
+def decode_header(page: np.ndarray, fmt: str | int | PageFormat, heads: int, groups: int,
+                  header: str = HEADER_FLOAT32) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 scale and zero point [heads * groups] (index h*G + g) stored in the header
+    of ``page`` (uint8 [>= header bytes], a quantized page of the integer format ``fmt``)."""
+    f = page_format(fmt)
+    if f.is_float:
+        raise InputError(f"decode_header: format {f.name} is a float format and has no header")
+    hb = header_bytes(f, heads, groups, header)
+    if not isinstance(page, np.ndarray) or page.dtype != np.uint8 or page.ndim != 1 or page.size < hb:
+        got = f"{page.dtype} {list(page.shape)}" if isinstance(page, np.ndarray) else type(page).__name__
+        raise InputError(f"decode_header: page must be uint8 [>= {hb}] ({header} header), got {got}")
+    n = heads * groups
+    if header == HEADER_FLOAT32:
+        params = page[: 8 * n].copy().view(np.float32)
+        return params[:n], params[n:]
+    S = page[: 4 * heads].copy().view(np.float32)
+    e = page[4 * heads: 4 * heads + n].reshape(heads, groups)
+    return _compact_scales(S, e).reshape(n), page[4 * heads + n: 4 * heads + 2 * n].astype(np.float32)
 
 
 def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np.ndarray,

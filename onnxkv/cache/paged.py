@@ -81,6 +81,12 @@ class PlaneSpec:
     def dtype(self) -> np.dtype:
         return _STORAGE[self.storage]
 
+    @property
+    def header(self) -> str:
+        """Header kind of the plane's quantized pages (:mod:`onnxkv.cache.formats`): "compact" with
+        per-channel scales (groups > 1; head_size <= 512), "float32" with one scale per head."""
+        return formats.HEADER_COMPACT if self.groups > 1 else formats.HEADER_FLOAT32
+
     def page_bytes(self, block_size: int) -> int:
         return self.heads * block_size * self.head_size * self.dtype.itemsize
 
@@ -112,6 +118,13 @@ class BlockPool:
             if p.storage not in _STORAGE:
                 raise InputError(f"BlockPool: plane '{p.name}' storage must be one of {sorted(_STORAGE)}, "
                                  f"got {p.storage!r}")
+            if p.groups not in (1, p.head_size):
+                raise InputError(f"BlockPool: plane '{p.name}' groups must be 1 or its head_size {p.head_size}, "
+                                 f"got {p.groups!r}")
+            if p.header == formats.HEADER_COMPACT and p.groups > formats.COMPACT_MAX_GROUPS:
+                raise InputError(f"BlockPool: plane '{p.name}' has per-channel scales over head_size {p.head_size}; "
+                                 f"their compact page headers hold at most {formats.COMPACT_MAX_GROUPS} channels "
+                                 "(key_channel_scales needs head_size <= 512)")
         self.planes = list(planes)
         self.plane_index = {p.name: i for i, p in enumerate(self.planes)}
         self.block_size = int(block_size)
@@ -282,7 +295,8 @@ class BlockPool:
             typed = arr[: n * fmt.dtype.itemsize].view(fmt.dtype).reshape(spec.heads, self.block_size, spec.head_size)
             return stored_to_float32(typed[:, :tokens], fmt.name)
         out = np.empty((spec.heads, tokens, spec.head_size), np.float32)
-        _kernels.dequantize_page(arr, code, spec.heads, self.block_size, spec.head_size, spec.groups, tokens, out)
+        _kernels.dequantize_page(arr, code, spec.heads, self.block_size, spec.head_size, spec.groups, tokens, out,
+                                 spec.header)
         return out
 
     def build_payload(self, plane: int, page: int, fmt_name: str, tokens: int):
@@ -295,14 +309,17 @@ class BlockPool:
         spec = self.planes[plane]
         fmt = formats.page_format(fmt_name)
         x = self.read_page(plane, page, tokens)
-        nbytes = formats.page_bytes(fmt, spec.heads, self.block_size, spec.head_size, spec.groups)
+        nbytes = formats.page_bytes(fmt, spec.heads, self.block_size, spec.head_size, spec.groups, spec.header)
         buf, arr = formats.allocate_payload(self.allocator, fmt, nbytes, "BlockPool")
         if fmt.is_float:
             typed = arr[: spec.heads * self.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
             typed = typed.reshape(spec.heads, self.block_size, spec.head_size)
             typed[:, :tokens] = self._native(PlaneSpec(spec.name, spec.heads, spec.head_size, fmt.name), x)
+        elif spec.header == formats.HEADER_COMPACT:
+            scale, zero, header = formats.compact_params(x, fmt)
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size, header=header)
         else:
-            scale, zero = formats.params_for(x, fmt, "channel" if spec.groups > 1 else "head")
+            scale, zero = formats.params_for(x, fmt, "head")
             _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size)
         return buf, arr
 
@@ -691,6 +708,11 @@ class PagedPlane:
     @property
     def groups(self) -> int:
         return self.spec.groups
+
+    @property
+    def header(self) -> str:
+        """Header kind of this plane's quantized pages ("float32" or "compact"; :attr:`PlaneSpec.header`)."""
+        return self.spec.header
 
     def write(self, new: np.ndarray, starts, length: int) -> WriteCost:
         return self.cache.write(self.index, new, starts, length)

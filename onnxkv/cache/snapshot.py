@@ -4,7 +4,9 @@ A snapshot lists, per sequence (batch row) and layer, the blocks holding the
 row's valid positions ``[first, length)``: each block's start, valid length
 and key/value payloads in their stored format (see
 :mod:`onnxkv.cache.serialize` for the wire format).  Pages shared between rows
-are written once per row that holds them.
+are written once per row that holds them.  Quantized payloads carry their
+decoded float32 scales and zero points whatever the page's header kind (a
+compact header is decoded on saving and encoded again, exactly, on loading).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from onnxkv.cache.formats import header_bytes, page_bytes, page_format
+from onnxkv.cache.formats import decode_header, encode_header, header_bytes, page_bytes, page_format
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable
 from onnxkv.cache.serialize import BlockRecord, CacheSnapshot, LayerSpec, PagePayload, SequenceRecord
 from onnxkv.errors import InputError
@@ -55,23 +57,33 @@ def _payload(pool: BlockPool, plane: int, page: int, n: int) -> PagePayload:
     if fmt.is_float:
         typed = arr[: spec.heads * pool.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
         return PagePayload(fmt.name, typed.reshape(spec.heads, pool.block_size, spec.head_size)[:, :n].copy())
-    g = spec.groups
-    hdr = header_bytes(fmt, spec.heads, g)
+    hdr = header_bytes(fmt, spec.heads, spec.groups, spec.header)
     row = spec.head_size * fmt.bits // 8
-    params = arr[:hdr].view(np.float32)
+    scale, zero_point = decode_header(arr, fmt, spec.heads, spec.groups, spec.header)
     codes = arr[hdr: hdr + spec.heads * pool.block_size * row].reshape(spec.heads, pool.block_size, row)
-    return PagePayload(fmt.name, codes[:, :n].copy(), params[: spec.heads * g].copy(),
-                       params[spec.heads * g: 2 * spec.heads * g].copy())
+    return PagePayload(fmt.name, codes[:, :n].copy(), scale, zero_point)
 
 
-def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: int) -> None:
-    """Write a saved payload of ``n`` positions into ``page`` of ``plane`` (a fresh native page)."""
+def _header(pool: BlockPool, plane: int, payload: PagePayload) -> np.ndarray | None:
+    """The page header bytes of a saved quantized payload in ``plane``'s header kind (None for
+    float payloads); raises :class:`~onnxkv.errors.InputError` when the header kind cannot hold
+    the payload's parameters."""
+    if payload.scale is None:
+        return None
+    spec = pool.planes[plane]
+    return encode_header(payload.format, payload.scale, payload.zero_point, spec.heads, spec.header,
+                         f"resume: plane '{spec.name}'")
+
+
+def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: int, header: np.ndarray | None) -> None:
+    """Write a saved payload of ``n`` positions into ``page`` of ``plane`` (a fresh native page);
+    ``header``: the quantized payload's header bytes (:func:`_header`)."""
     spec = pool.planes[plane]
     if payload.format == spec.storage:
         pool.pages[plane][page][:, :n] = payload.data
         return
     fmt = page_format(payload.format)
-    nbytes = page_bytes(fmt, spec.heads, pool.block_size, spec.head_size, spec.groups)
+    nbytes = page_bytes(fmt, spec.heads, pool.block_size, spec.head_size, spec.groups, spec.header)
     buf = pool.allocator.allocate(nbytes, 64)
     arr = buf.view(np.uint8, (nbytes,))
     arr[:] = 0
@@ -79,13 +91,10 @@ def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: in
         typed = arr[: spec.heads * pool.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
         typed.reshape(spec.heads, pool.block_size, spec.head_size)[:, :n] = payload.data
     else:
-        g = spec.groups
-        hdr = header_bytes(fmt, spec.heads, g)
         row = spec.head_size * fmt.bits // 8
-        params = arr[:hdr].view(np.float32)
-        params[: spec.heads * g] = payload.scale
-        params[spec.heads * g: 2 * spec.heads * g] = payload.zero_point
-        codes = arr[hdr: hdr + spec.heads * pool.block_size * row].reshape(spec.heads, pool.block_size, row)
+        arr[: header.size] = header
+        codes = arr[header.size: header.size + spec.heads * pool.block_size * row].reshape(spec.heads,
+                                                                                           pool.block_size, row)
         codes[:, :n] = payload.data
     pool.install_payload(plane, page, buf, arr, fmt.name)
 
@@ -95,7 +104,8 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
     """A new :class:`PagedCache` in ``pool`` holding ``snapshot``'s contents (pages allocated once).
 
     The snapshot must match the pool: the same layer names, heads, head
-    sizes, stored formats and block size.  Raises
+    sizes, stored formats, scale groups and block size, and quantization
+    parameters the planes' page headers can hold.  Raises
     :class:`~onnxkv.errors.InputError` naming the mismatch, before allocating.
     """
     bs = pool.block_size
@@ -111,6 +121,7 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
             raise InputError(f"resume: saved layer ({spec.key_name}, {spec.value_name}, heads {spec.kv_heads}, head "
                              f"size {spec.head_size}) does not match the model's ({k}, {v}, heads {ks.heads}, "
                              f"head size {ks.head_size})")
+    headers: dict[tuple[int, int], np.ndarray | None] = {}  # (id(payload), plane) -> its header bytes
     for seq in snapshot.sequences:
         if max_tokens is not None and seq.length > max_tokens:
             raise InputError(f"resume: a saved sequence holds {seq.length} positions, the state's capacity is "
@@ -123,6 +134,7 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
                 if groups is not None and groups != spec.groups:
                     raise InputError(f"resume: block at {blk.start} of '{name}' has {groups} scale(s) per head, the "
                                      f"state uses {spec.groups} (key_channel_scales)")
+                headers[id(payload), index[name]] = _header(pool, index[name], payload)
     batch = len(snapshot.sequences)
     need = sum(-(-seq.length // bs) - seq.first_position // bs for seq in snapshot.sequences)
     table = PageTable(pool, batch)
@@ -143,8 +155,8 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
             for blk in seq.blocks:
                 k, v = layers[blk.layer]
                 p = int(tables[b, blk.start // bs])
-                _install(pool, index[k], p, blk.key, blk.length)
-                _install(pool, index[v], p, blk.value, blk.length)
+                _install(pool, index[k], p, blk.key, blk.length, headers[id(blk.key), index[k]])
+                _install(pool, index[v], p, blk.value, blk.length, headers[id(blk.value), index[v]])
     except BaseException:
         table.release()
         raise

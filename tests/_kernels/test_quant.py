@@ -1,12 +1,12 @@
 """quantize_page / dequantize_page: bit-exact against the NumPy twins on every
-integer format, head size, block size and granularity; rounding, saturation,
-packing order, partial pages and argument checks."""
+integer format, head size, block size and granularity, with float32 and compact
+headers; rounding, saturation, packing order, partial pages and argument checks."""
 import numpy as np
 import pytest
 
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
-from onnxkv.cache.formats import header_bytes, page_bytes, page_format, params_for
+from onnxkv.cache.formats import compact_params, decode_header, header_bytes, page_bytes, page_format, params_for
 
 from .conftest import rand
 
@@ -18,9 +18,9 @@ def _page(rng, fmt, H, bs, D, G):
     return rng.integers(0, 256, page_bytes(fmt, H, bs, D, G), dtype=np.uint8)
 
 
-def _token_bytes(page, fmt, H, bs, D, G):
+def _token_bytes(page, fmt, H, bs, D, G, header="float32"):
     """View of a page's codes as [H, bs, bytes per token]."""
-    row, hb = D * page_format(fmt).bits // 8, header_bytes(fmt, H, G)
+    row, hb = D * page_format(fmt).bits // 8, header_bytes(fmt, H, G, header)
     return page[hb:hb + H * bs * row].reshape(H, bs, row)
 
 
@@ -257,3 +257,74 @@ def test_dequantize_rejects_bad_arguments(change, name):
         K.dequantize_page(**a)
     if change.get("out") is None:
         assert (a["out"] == 9).all()
+
+
+# ---------------------------------------------------------------- compact headers
+
+def _compact_page(rng, fmt, H, bs, D):
+    """A page of random bytes with a random valid compact header (S > 0, any exponent codes,
+    zero-point codes inside the format's range): (page, decoded scale, decoded zero point)."""
+    f = page_format(fmt)
+    page = rng.integers(0, 256, page_bytes(fmt, H, bs, D, D, "compact"), dtype=np.uint8)
+    page[:4 * H] = rng.uniform(0.01, 4.0, H).astype(np.float32).view(np.uint8)
+    page[4 * H + H * D:4 * H + 2 * H * D] = 0 if f.signed else rng.integers(0, f.qmax + 1, H * D)
+    scale, zp = decode_header(page, fmt, H, D, "compact")
+    return page, scale, zp
+
+
+@pytest.mark.parametrize("fmt", INT_FORMATS)
+@pytest.mark.parametrize("D", [12, 64, 80, 128])
+@pytest.mark.parametrize("bs", [1, 16])
+def test_compact_header_matches_twin(fmt, D, bs, threads, simd):
+    """Random compact headers: the kernels write the header as given and the same codes as the
+    twin, and read back (decoding every exponent code) bit for bit as the twin does."""
+    f = page_format(fmt)
+    rng = np.random.default_rng([INT_FORMATS.index(fmt), D, bs, 99])
+    H = 5
+    before, scale, zp = _compact_page(rng, fmt, H, bs, D)
+    hb = header_bytes(fmt, H, D, "compact")
+    header = before[:hb].copy()
+    t0 = int(rng.integers(0, bs))
+    n = int(rng.integers(1, bs - t0 + 1))
+    x = rand(rng, (H, n, D), scale=3.0)
+    got, want = before.copy(), before.copy()
+    K.quantize_page(x, f.code, scale, zp, D, got, bs, t0, header=header)
+    R.quantize_page(x, f.code, scale, zp, D, want, bs, t0, header=header)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[:hb], header)
+    tg, tb = _token_bytes(got, fmt, H, bs, D, D, "compact"), _token_bytes(before, fmt, H, bs, D, D, "compact")
+    np.testing.assert_array_equal(tg[:, :t0], tb[:, :t0])
+    np.testing.assert_array_equal(tg[:, t0 + n:], tb[:, t0 + n:])
+    out, ref = np.full((H, t0 + n, D), np.nan, np.float32), np.empty((H, t0 + n, D), np.float32)
+    K.dequantize_page(got, f.code, H, bs, D, D, t0 + n, out, "compact")
+    R.dequantize_page(got, f.code, H, bs, D, D, t0 + n, ref, "compact")
+    np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
+    assert _within_half_scale(x, out[:, t0:], scale, zp, fmt, D) > 0
+
+
+def test_compact_header_arguments_are_checked():
+    rng = np.random.default_rng(8)
+    H, bs, D = 2, 4, 16
+    x = rand(rng, (H, bs, D))
+    scale, zp, header = compact_params(x, "uint8")
+    page = np.zeros(page_bytes("uint8", H, bs, D, D, "compact"), np.uint8)
+    off = scale.copy()
+    off[3] *= np.float32(1.5)
+    for kw, msg in [(dict(header=header[:-1]), "^header: a compact header of 2 heads and 16 groups per head has 128"),
+                    (dict(header=header.astype(np.int8)), "^header: dtype int8"),
+                    (dict(scale=off), r"^header: decodes to scale\[3\]"),
+                    (dict(zero_point=zp + np.float32(1)), r"^header: decodes to scale\[0\]")]:
+        a = dict(x=x, fmt_code=2, scale=scale, zero_point=zp, group=D, out_page=page, block_size=bs, header=header)
+        a.update(kw)
+        with pytest.raises(ValueError, match=msg):
+            K.quantize_page(**a)
+        assert not page.any()
+    with pytest.raises(ValueError, match="^group: a compact header holds at most 512 groups per head, got 520"):
+        K.quantize_page(rand(rng, (1, 1, 520)), 2, np.ones(520, np.float32), np.zeros(520, np.float32), 520,
+                        np.zeros(4096, np.uint8), 1, header=np.zeros(1088, np.uint8))
+    out = np.full((H, bs, D), 9, np.float32)
+    with pytest.raises(ValueError, match="^header: expected 'float32' or 'compact', got 'f32'"):
+        K.dequantize_page(page, 2, H, bs, D, D, bs, out, "f32")
+    with pytest.raises(ValueError, match="^page: page of 127 bytes is too small"):
+        K.dequantize_page(page[:127], 2, H, 1, D, D, 1, out[:, :1], "compact")
+    assert (out == 9).all()

@@ -1,10 +1,12 @@
 """Paged attention over pages with per-page formats (onnxkv._kernels.paged_attention
-with k_formats / v_formats / k_group / v_group).
+with k_formats / v_formats / k_group / v_group / k_header).
 
 Pages are built with a NumPy quantizer written here from the page layout
 contract (symmetric scales for the signed formats, asymmetric for the unsigned
-ones, round half to even, header then codes packed low bits first), each page
-its own 64-byte aligned allocation, page ids shuffled.  The kernel must equal
+ones, round half to even, header then codes packed low bits first), or, for
+keys with compact headers (group "Dc": per channel, k_header="compact"), with
+onnxkv.cache.formats.compact_params; each page its own 64-byte aligned
+allocation, page ids shuffled.  The kernel must equal
 the NumPy twin (reference.paged_attention: dense attention over the
 dequantized pages) and the contiguous kernel over the same dequantized values;
 and, on bounded inputs, stay near attention over the unquantized float32
@@ -18,6 +20,7 @@ import pytest
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 from onnxkv.alloc import SystemAllocator
+from onnxkv.cache.formats import compact_params, page_bytes
 
 from .conftest import rand
 from .test_attention import simd  # noqa: F401  (the SIMD fixture: avx512, avx2, scalar)
@@ -30,12 +33,28 @@ ALL = sorted(FLOATS) + sorted(QUANT)
 NAMES = {1: "f32", 10: "f16", 16: "bf16", 2: "u8", 3: "i8", 21: "u4", 22: "i4", 25: "u2", 26: "i2"}
 
 
-def quantize(x, fmt, group):
+def quantize_compact(x, fmt):
+    """float32 [H, bs, D] -> (uint8 payload with a compact header, float32 values it represents),
+    per-channel parameters of formats.compact_params; packed / read back by the twins."""
+    H, bs, D = x.shape
+    scale, zp, header = compact_params(x, fmt)
+    payload = np.zeros(page_bytes(fmt, H, bs, D, D, "compact"), np.uint8)
+    R.quantize_page(x, fmt, scale, zp, D, payload, bs, header=header)
+    recon = np.empty_like(x)
+    R.dequantize_page(payload, fmt, H, bs, D, D, bs, recon, "compact")
+    assert np.all(np.abs(recon - x) <= scale.reshape(H, 1, D) * 0.5 * 1.001 + 1e-6)
+    return payload, recon
+
+
+def quantize(x, fmt, group, header="float32"):
     """float32 [H, bs, D] -> (uint8 payload, float32 values it represents):
     symmetric scales (zero point 0) for signed formats, asymmetric (over the
     range extended to hold 0) for unsigned, over each head (group 1) or each
     head and channel (group D);
-    packed by reference.quantize_page, read back by reference.dequantize_page."""
+    packed by reference.quantize_page, read back by reference.dequantize_page.
+    header "compact": quantize_compact."""
+    if header == "compact":
+        return quantize_compact(x, fmt)
     bits, signed = QUANT[fmt]
     H, bs, D = x.shape
     axes = (1, 2) if group == 1 else (1,)
@@ -62,7 +81,7 @@ def quantize(x, fmt, group):
     return payload, recon
 
 
-def encode(x, fmt, group):
+def encode(x, fmt, group, header="float32"):
     """One page of format fmt: (storage array, float32 values it represents)."""
     if fmt == 1:
         return x.copy(), x
@@ -72,15 +91,16 @@ def encode(x, fmt, group):
     if fmt == 16:
         s = R.bf16_from_f32(x)
         return s, R.f32_from_bf16(s)
-    return quantize(x, fmt, group)
+    return quantize(x, fmt, group, header)
 
 
 class QPaged:
     """Caches k, v [B, Hkv, Cap, D] (float32) in pages of formats chosen per
-    page id by kfmt(pid) / vfmt(pid); physical ids shuffled.  self.kd / self.vd:
-    the dequantized values laid out contiguously."""
+    page id by kfmt(pid) / vfmt(pid); physical ids shuffled; quantized key pages
+    with k_header headers.  self.kd / self.vd: the dequantized values laid out
+    contiguously."""
 
-    def __init__(self, rng, k, v, bs, kfmt, vfmt, kG, vG):
+    def __init__(self, rng, k, v, bs, kfmt, vfmt, kG, vG, k_header="float32"):
         B, Hkv, Cap, D = k.shape
         M = -(-Cap // bs)
         pad = ((0, 0), (0, 0), (0, M * bs - Cap), (0, 0))
@@ -93,12 +113,14 @@ class QPaged:
         self.pages = {"k": [None] * (B * M), "v": [None] * (B * M)}
         self.addr = {"k": np.zeros(B * M, np.uint64), "v": np.zeros(B * M, np.uint64)}
         self.group = {"k": kG, "v": vG}
+        self.header = {"k": k_header, "v": "float32"}
         self.buffers = []
         for b in range(B):
             for i in range(M):
                 pid = int(self.table[b, i])
                 for p in "kv":
-                    store, val = encode(src[p][b, :, i * bs:(i + 1) * bs], int(self.formats[p][pid]), self.group[p])
+                    store, val = encode(src[p][b, :, i * bs:(i + 1) * bs], int(self.formats[p][pid]), self.group[p],
+                                        self.header[p])
                     buf = ALLOC.allocate(store.nbytes, 64)
                     page = buf.view(store.dtype, store.shape)
                     page[...] = store
@@ -112,7 +134,7 @@ class QPaged:
 
     def kwargs(self):
         return dict(k_formats=self.formats["k"], v_formats=self.formats["v"], k_group=self.group["k"],
-                    v_group=self.group["v"])
+                    v_group=self.group["v"], k_header=self.header["k"])
 
     def kernel(self, q, Hkv, kv_len, q_pos, scale, softcap, window, out):
         return K.paged_attention(q, self.addr["k"], self.addr["v"], self.table, self.bs, Hkv, kv_len, q_pos, scale,
@@ -144,8 +166,9 @@ def case(kspec, vspec, kG, vG, heads, D, bs, kv_len, Sq, seed, window=-1, softca
                                                                       (B, Hkv, Cap, D)))
     else:
         q, k, v = rand(rng, (B, Hq, Sq, D)), rand(rng, (B, Hkv, Cap, D)), rand(rng, (B, Hkv, Cap, D))
-    kG, vG = (D if kG == "D" else kG), (D if vG == "D" else vG)
-    pg = QPaged(rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), kG, vG)
+    k_header = "compact" if kG == "Dc" else "float32"    # "Dc": per channel, compact key headers
+    kG, vG = (D if kG in ("D", "Dc") else kG), (D if vG == "D" else vG)
+    pg = QPaged(rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), kG, vG, k_header)
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
     scale = D ** -0.5
     want = np.full_like(q, np.nan)
@@ -174,8 +197,8 @@ def run(*args, **kw):
     return got, exact, stats
 
 
-# every format alone (K and V), per-head and per-channel keys
-SINGLE = [(f, G, 80 if f in (3, 22) else 128) for f in ALL for G in ((1, "D") if f in QUANT else (1,))]
+# every format alone (K and V), per-head and per-channel keys (float32 and compact headers)
+SINGLE = [(f, G, 80 if f in (3, 22) else 128) for f in ALL for G in ((1, "D", "Dc") if f in QUANT else (1,))]
 
 
 @pytest.mark.parametrize("fmt,kG,D", SINGLE, ids=[f"{NAMES[f]}-kG{g}-D{d}" for f, g, d in SINGLE])
@@ -195,7 +218,8 @@ MIXED = tuple(ALL)
     ("gqa", 64, 32, (150, 97), 9, -1),       # causal prefill
     ("mqa", 128, 16, (400,), 20, 37),        # prefill with a window
 ])
-@pytest.mark.parametrize("kG,vG", [(1, 1), ("D", 1), (1, "D")], ids=["per_head", "k_per_channel", "v_per_channel"])
+@pytest.mark.parametrize("kG,vG", [(1, 1), ("D", 1), (1, "D"), ("Dc", 1)],
+                         ids=["per_head", "k_per_channel", "v_per_channel", "k_per_channel_compact"])
 def test_mixed_formats_per_page(heads, D, bs, kv_len, Sq, window, kG, vG, threads, simd):
     """K and V formats drawn independently per page id (all nine formats)."""
     got, _, _ = run(MIXED, MIXED, kG, vG, heads, D, bs, kv_len, Sq, seed=D + bs + Sq, window=window)
@@ -204,7 +228,7 @@ def test_mixed_formats_per_page(heads, D, bs, kv_len, Sq, window, kG, vG, thread
 
 @pytest.mark.parametrize("heads,D,bs,Sq", [("gqa", 12, 16, 1), ("mqa", 24, 8, 5), ("mha", 36, 32, 3),
                                          ("gqa", 40, 16, 1)])
-@pytest.mark.parametrize("kG,vG", [(1, 1), ("D", "D")], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("kG,vG", [(1, 1), ("D", "D"), ("Dc", "D")], ids=["per_head", "per_channel", "compact_keys"])
 def test_head_sizes_not_a_multiple_of_16(heads, D, bs, Sq, kG, vG, threads, simd):
     """All nine formats per page with head sizes that leave an 8-lane chunk
     (12, 24, 40) or a scalar tail (12, 36) after the 16-lane chunks."""
@@ -250,7 +274,7 @@ def test_old_pages_int4_recent_float32(threads, simd):
 
 
 @pytest.mark.parametrize("fmt,kG,tol", [(3, 1, 0.01), (3, "D", 0.01), (2, 1, 0.01), (22, 1, 0.15), (22, "D", 0.15),
-                                        (21, "D", 0.15)])
+                                        (21, "D", 0.15), (2, "Dc", 0.01), (21, "Dc", 0.15)])
 def test_accuracy_vs_unquantized(fmt, kG, tol, threads):
     """uniform[-1, 1] data: the output stays within tol of float32 attention
     over the unquantized values (8-bit: 0.01, 4-bit: 0.15 max abs diff)."""
@@ -261,10 +285,11 @@ def test_accuracy_vs_unquantized(fmt, kG, tol, threads):
     assert err > 0.0         # quantized for real
 
 
-@pytest.mark.parametrize("kspec,kG", [(3, 1), (22, "D"), (MIXED, "D")])
+@pytest.mark.parametrize("kspec,kG", [(3, 1), (22, "D"), (MIXED, "D"), (22, "Dc"), (MIXED, "Dc")])
 def test_dequantized_bytes_counted(kspec, kG, threads):
     """Decode reads every page of the visible range once: the counter equals
-    the quantized codes plus header entries of those pages (float pages 0)."""
+    the quantized codes plus header entries of those pages (float pages 0;
+    compact key headers: S and two bytes per channel)."""
     D, bs, n = 64, 16, 1000
     q, Hkv, kv_len, q_pos, scale, pg, want, exact = case(kspec, 21, kG, 1, "gqa", D, bs, (n,), 1, seed=2)
     got = np.full_like(q, np.nan)
@@ -275,9 +300,47 @@ def test_dequantized_bytes_counted(kspec, kG, threads):
         for p in "kv":
             f = int(pg.formats[p][pid])
             if f in QUANT:
-                expect += Hkv * (2 * pg.group[p] * 4 + ntok * D * QUANT[f][0] // 8)
+                head = 4 + 2 * pg.group[p] if pg.header[p] == "compact" else 2 * pg.group[p] * 4
+                expect += Hkv * (head + ntok * D * QUANT[f][0] // 8)
     assert stats["dequantized_bytes"] == expect
     assert stats["workspace_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANT))
+@pytest.mark.parametrize("kG", [1, "D"])
+def test_compact_key_headers_of_random_bytes(fmt, kG, threads, simd):
+    """Key pages of random codes under random compact headers (every exponent code, any zero-point
+    code of the format; per head or per channel): the kernel equals the twin, which decodes the
+    headers with reference.dequantize_page."""
+    rng = np.random.default_rng(fmt)
+    bits, signed = QUANT[fmt]
+    Hq, Hkv, D, bs, n = 8, 2, 48, 16, 200
+    G = D if kG == "D" else 1
+    M = -(-n // bs)
+    hb = -(-(4 * Hkv + 2 * Hkv * G) // 64) * 64
+    k_pages, v_pages, bufs = [], [], []
+    for _ in range(M):
+        page = rng.integers(0, 256, hb + Hkv * bs * D * bits // 8, dtype=np.uint8)
+        page[:hb] = 0
+        page[:4 * Hkv] = rng.uniform(0.01, 0.1, Hkv).astype(np.float32).view(np.uint8)
+        page[4 * Hkv:4 * Hkv + Hkv * G] = rng.integers(0, 256, Hkv * G)
+        page[4 * Hkv + Hkv * G:4 * Hkv + 2 * Hkv * G] = 0 if signed else rng.integers(0, 1 << bits, Hkv * G)
+        for src, pages in ((page, k_pages), (rand(rng, (Hkv, bs, D)), v_pages)):
+            buf = ALLOC.allocate(src.nbytes, 64)
+            arr = buf.view(src.dtype, src.shape)
+            arr[...] = src
+            bufs.append(buf)
+            pages.append(arr)
+    addr = [np.array([b.address for b in bufs[i::2]], np.uint64) for i in (0, 1)]
+    table = rng.permutation(M).astype(np.int32)[None, :]
+    kw = dict(k_formats=np.full(M, fmt, np.uint8), v_formats=np.ones(M, np.uint8), k_group=G, k_header="compact")
+    q = rand(rng, (1, Hq, 1, D))
+    kv_len, q_pos = np.array([n], np.int32), np.array([[n - 1]], np.int32)
+    got, want = np.full_like(q, np.nan), np.full_like(q, np.nan)
+    stats = K.paged_attention(q, *addr, table, bs, Hkv, kv_len, q_pos, 0.2, 0.0, -1, got, **kw)
+    R.paged_attention(q, k_pages, v_pages, table, bs, Hkv, kv_len, q_pos, 0.2, 0.0, -1, want, **kw)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert stats["dequantized_bytes"] == M * Hkv * (4 + 2 * G) + n * Hkv * D * bits // 8
 
 
 def test_workspace_does_not_grow_with_the_cache():
@@ -324,6 +387,7 @@ def _bad_cases():
     yield "v_formats", ValueError, dict(ok, v_formats=np.full_like(kf, 99))
     yield "k_group", ValueError, dict(ok, k_group=2)
     yield "v_group", TypeError, dict(ok, v_group=1.0)
+    yield "k_header", ValueError, dict(ok, k_header="float16")
     q6 = rand(rng, (1, 4, 1, 6))                 # 6 int2 codes: 12 bits, not whole bytes
     yield "v_formats", ValueError, dict(ok, q=q6, v_formats=np.full_like(kf, 25), k_formats=None)
     t = pg.table.copy()

@@ -6,6 +6,7 @@ import pytest
 
 import onnxkv
 from onnxkv.alloc import ArenaAllocator
+from onnxkv.cache import formats, serialize
 from onnxkv.errors import InputError, OutOfMemory
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
@@ -63,7 +64,38 @@ def test_int8_kivi_policy_gives_keys_channel_scales(session):
         assert all(st.pool.planes[i].groups == st.pool.planes[i].head_size for i in keys)
         assert _formats(st, keys[0])[:-1] == [2] * (len(_formats(st, keys[0])) - 1)  # UINT8 keys
         assert _formats(st, values[0])[:-1] == [CODES["int8"]] * (len(_formats(st, values[0])) - 1)
+        # committed: compact key headers (S per head, two bytes per channel), float32 value headers
+        pool, t = st.pool, st._paged.table.tables[0]
+        full, last = t[:-1], t[-1]
+        want_bytes = 0
+        for i, spec in enumerate(pool.planes):
+            fmt = "uint8" if spec.groups > 1 else "int8"
+            page = formats.page_bytes(fmt, spec.heads, 4, spec.head_size, spec.groups, spec.header)
+            assert (pool.sizes[i][full] == page).all()
+            want_bytes += len(full) * page + pool.sizes[i][last]
+        assert st.committed_bytes == want_bytes
+        assert pool.planes[keys[0]].header == "compact"
     np.testing.assert_allclose(got, want, atol=5e-2, rtol=0)
+
+
+def test_loading_parameters_a_compact_header_cannot_hold_changes_nothing(session):
+    prompt = np.random.default_rng(8).integers(0, MICRO.vocab_size, (1, 13))
+    with session.new_state(cache="paged", block_size=4, key_channel_scales=True) as st:
+        _run(session, st, prompt, 0)
+        st.quantize_pages([0, 1], "uint8", "int8")
+        snap = serialize.decode(st.save_cache())
+        key = snap.sequences[0].blocks[0].key
+        assert key.format == "uint8" and key.scale.size == key.data.shape[0] * snap.layers[0].head_size
+        key.scale = key.scale.copy()
+        key.scale[1] = np.nextafter(key.scale[1], np.float32(1))   # valid, but not S * 2^(-e/16)
+        bad = serialize.encode(snap)
+        before = {k: v.copy() for k, v in st.values.items()}
+        committed = st.committed_bytes
+        with pytest.raises(InputError, match="cannot hold it"):
+            st.load_cache(bad)
+        assert st.committed_bytes == committed
+        for k, v in st.values.items():
+            np.testing.assert_array_equal(v, before[k])
 
 
 def test_selector_key_channel_scales_must_be_a_bool(session):

@@ -80,7 +80,7 @@ def paged_causal_attention(q: np.ndarray, keys, values, kv_len: np.ndarray, q_po
         np.ascontiguousarray(q, dtype=np.float32), keys.ptrs, values.ptrs, keys.tables, keys.block_size, keys.heads,
         np.ascontiguousarray(kv_len, dtype=np.int32), np.ascontiguousarray(q_pos, dtype=np.int32), float(scale),
         float(softcap), int(window), out, kv_dtype=keys.storage, k_formats=keys.formats, v_formats=values.formats,
-        k_group=keys.groups, v_group=values.groups,
+        k_group=keys.groups, v_group=values.groups, k_header=keys.header,
     )
 
 
