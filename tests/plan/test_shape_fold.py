@@ -161,6 +161,36 @@ def test_repeated_shape_chains_are_merged():
         assert int(sess.run({"x": np.zeros((n, 3), np.float32)})["y"]) == 3 * n
 
 
+def test_repeated_compute_nodes_are_merged():
+    # the same Mul twice (its scalars equal by value under two names) and a Sigmoid reading each copy
+    nodes = [
+        helper.make_node("Mul", ["x", "c1"], ["m1"]),
+        helper.make_node("Mul", ["x", "c2"], ["m2"]),
+        helper.make_node("Sigmoid", ["m1"], ["s1"]),
+        helper.make_node("Sigmoid", ["m2"], ["s2"]),
+        helper.make_node("Add", ["s1", "s2"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.float32(0.7), "c1"), numpy_helper.from_array(np.float32(0.7), "c2")]
+    graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 3])], [_vi("y", None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    sess = _session(model, True)
+    assert [n.op_type for n in sess.plan.nodes] == ["Mul", "Sigmoid", "Add"]
+    assert list(sess.plan.nodes[2].input) == ["s1", "s1"]
+    x = np.random.default_rng(4).standard_normal((5, 3)).astype(np.float32)
+    np.testing.assert_array_equal(sess.run({"x": x})["y"], _session(model, False).run({"x": x})["y"])
+
+
+def test_torch_export_builds_the_mask_once():
+    def mask_wheres(sess):  # Where(causal & padding, 0, -inf), the additive mask of each layer
+        return [n for n in sess.plan.nodes if n.op_type == "Where" and n.input[0] == "/m/model/Expand_output_0"]
+
+    assert len(mask_wheres(_session(TORCH, False))) == 2  # one per layer in the export
+    kept = mask_wheres(_session(TORCH, True))
+    assert len(kept) == 1
+    readers = [n for n in _session(TORCH, True).plan.nodes if n.op_type == "MaskedAttention"]
+    assert [n.input[3] for n in readers] == [kept[0].output[0]] * 2
+
+
 def test_graph_outputs_are_never_folded_away():
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Shape", ["x"], ["t"])]
     graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 3])],
