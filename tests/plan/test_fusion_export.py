@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.plan.ops import _body, norm, rotary
-from test_fusion_attention import MODELS, _generate  # the two Concat-cache fixtures; left-padded generation
+from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
 #: Plan nodes the two fusions remove.  Torch export: each norm is [Cast,] Pow, ReduceMean, Add, Sqrt, Div, Mul,
 #: Cast, Mul (the leading Cast is fused into the last norm only; in the layers its output also feeds the residual
@@ -69,11 +69,7 @@ def test_every_norm_and_rotary_is_fused(form, monkeypatch):
 @pytest.mark.parametrize("form", sorted(MODELS))
 @pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
 def test_left_padded_batch_matches_the_unfused_plan(form, state, calls, monkeypatch):
-    rng = np.random.default_rng(33)
-    vocab = 97 if form == "builder" else 259
-    prompt = rng.integers(0, vocab, (2, 9))
-    lengths = np.array([9, 6])  # row 1: 3 padding tokens on the left
-    tokens = rng.integers(0, vocab, (2, 3))
+    prompt, lengths, tokens = left_padded_batch(form, 33, padding=3, steps=3)
     got = _generate(onnxkv.Session(MODELS[form](), threads=2), prompt, lengths, tokens, state)
     # prefill + 3 decode steps, each through the kernels only
     assert (calls["rms_norm"], calls["rotary"], calls["literal"]) == (5 * 4, 4 * 4, [])

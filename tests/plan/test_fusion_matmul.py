@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.models.builders import MICRO, build_model
-from test_fusion_attention import MODELS, _generate  # the two Concat-cache fixtures; left-padded generation
+from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
 FORMS = {**MODELS, "gqa": lambda: build_model("gqa", MICRO, seed=3)}
 
@@ -36,11 +36,7 @@ def test_qkv_and_gate_up_projections_are_fused(form, monkeypatch):
 @pytest.mark.parametrize("form", sorted(MODELS))
 @pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
 def test_left_padded_batch_matches_the_unfused_plan(form, state, monkeypatch):
-    rng = np.random.default_rng(44)
-    vocab = 97 if form == "builder" else 259
-    prompt = rng.integers(0, vocab, (2, 7))
-    lengths = np.array([7, 4])
-    tokens = rng.integers(0, vocab, (2, 3))
+    prompt, lengths, tokens = left_padded_batch(form, 44, padding=3, steps=3)
     got = _generate(onnxkv.Session(MODELS[form](), threads=2), prompt, lengths, tokens, state)
     want = _generate(_unfused(MODELS[form](), monkeypatch), prompt, lengths, tokens, state)
     assert len(got) == len(want)

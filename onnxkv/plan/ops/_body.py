@@ -11,6 +11,8 @@ evaluates them whenever the fused kernel cannot express a call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import onnx
 
@@ -35,6 +37,18 @@ class Body:
             cls = lookup(n.domain, n.op_type, ctx.opset(n.domain))
             self.steps.append((n, cls(n, ctx) if cls is not None else FallbackOp(n, ctx)))
         self.outputs = [o.name for o in graph.output]
+
+    @classmethod
+    def of(cls, op: Op, ctx: BuildContext, fixed: Sequence[str]) -> Body:
+        """The ``body`` of fused node ``op`` whose fixed inputs (by position) are ``fixed``.
+
+        Raises ModelError naming the node when the attribute is missing or the
+        node has fewer inputs.
+        """
+        body = op.attrs.get("body")
+        if not isinstance(body, onnx.GraphProto) or len(op.node.input) < len(fixed):
+            raise op.error(f"needs a 'body' graph and at least the inputs ({', '.join(fixed)})")
+        return cls(body, ctx)
 
     def kernel(self, op_type: str) -> Op | None:
         """The kernel of the first body node of ``op_type``, or None."""

@@ -146,12 +146,10 @@ class MaskedAttention(Op):
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
-        body = self.attrs.get("body")
-        if not isinstance(body, onnx.GraphProto) or len(body.output) != 1 or len(node.input) < len(
-                MASKED_ATTENTION_INPUTS):
-            raise self.error("needs a 'body' graph with one output and the inputs of fusion.MASKED_ATTENTION_INPUTS")
+        self._body = Body.of(self, ctx, MASKED_ATTENTION_INPUTS)
+        if len(self._body.outputs) != 1:
+            raise self.error(f"the 'body' graph must have one output, got {len(self._body.outputs)}")
         self.score_div = bool(self.attrs.get("score_div", 0))
-        self._body = Body(body, ctx)
         self._repeat = self._body.kernel("RepeatKvMatMul")
         axis = next((a.i for a in self._body.node("Softmax").attribute if a.name == "axis"), None)
         self._last_axis_softmax = axis in (-1, 3) or (axis is None and ctx.opset("") >= 13)

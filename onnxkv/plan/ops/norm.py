@@ -124,10 +124,7 @@ class RMSNormChain(Op):
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
-        body = self.attrs.get("body")
-        if not isinstance(body, onnx.GraphProto) or len(node.input) < len(RMS_NORM_INPUTS):
-            raise self.error("needs a 'body' graph and the inputs of fusion_export.RMS_NORM_INPUTS")
-        self._body = Body(body, ctx)
+        self._body = Body.of(self, ctx, RMS_NORM_INPUTS)
         reduce = BuildContext.attributes(self._body.node("ReduceMean"))
         self._keepdims = int(reduce.get("keepdims", 1)) == 1
         self._axes_attr = reduce.get("axes")

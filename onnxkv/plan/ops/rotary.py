@@ -273,10 +273,7 @@ class RotateHalf(Op):
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
-        body = self.attrs.get("body")
-        if not isinstance(body, onnx.GraphProto) or len(node.input) < len(ROTATE_HALF_INPUTS):
-            raise self.error("needs a 'body' graph and the inputs of fusion_export.ROTATE_HALF_INPUTS")
-        self._body = Body(body, ctx)
+        self._body = Body.of(self, ctx, ROTATE_HALF_INPUTS)
         axis = BuildContext.attributes(self._body.node("Concat")).get("axis")
         self._concat_last = axis in (-1, 3)
         names = node.input[:len(ROTATE_HALF_INPUTS)]
