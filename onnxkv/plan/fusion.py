@@ -26,7 +26,10 @@ nodes travel along as its ``body`` graph, evaluated literally otherwise.
 
 A pattern is fused only when the intermediate values have no other reader and
 are not graph outputs, so results are unchanged (up to float rounding where a
-scalar scale moves from K to the product).
+scalar scale moves from K to the product).  ``fused_with_body`` builds such a
+fused node with the replaced nodes as its ``body`` (also used by
+:mod:`onnxkv.plan.fusion_export`); :mod:`onnxkv.plan.fusion_matmul` packs
+sibling MatMuls.
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         if i is None:
             return False
         return default_op(nodes[i], op_type) if not domain else (nodes[i].op_type == op_type
-                                                                   and nodes[i].domain == domain)
+                                                                  and nodes[i].domain == domain)
 
     def transpose_b(i: int) -> int:
         return next((a.i for a in nodes[i].attribute if a.name == "transpose_b"), 0)

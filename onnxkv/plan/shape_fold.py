@@ -62,6 +62,8 @@ _FINGERPRINT_LIMIT = 64
 _REPEAT_INPUTS = {"RepeatKvMatMul": ((1, 2, 3),), "RepeatKvShape": ((0, 1, 2),), "MaskedAttention": ((1, 4, 5), (2, 7, 8))}
 #: Where a fused node's body may read a rewritten expand shape: the RepeatKvMatMul expand input.
 _BODY_EXPAND_POSITION = {"RepeatKvMatMul": 3}
+#: Operators that draw random numbers when an input says so (not merged unless they only compute shapes).
+_RANDOM_WHEN_TRAINING = {"Dropout"}
 #: Element types of partial values: "i" int64 (shape entries), "b" bool (comparisons of them).
 _KINDS = {"i": np.dtype(np.int64), "b": np.dtype(np.bool_)}
 #: A 0-/1-D value known in part: (flat entries, shape, kind); entries are Entry (kind "i") or bool / None ("b").
@@ -185,7 +187,7 @@ class ShapeFolder:
     Args:
         dims: :func:`static_dims` of the plan's model.
         protected: value names that must stay produced by their own node.
-        merge: merge repeated shape-derived nodes (pass False when some
+        merge: merge repeated deterministic nodes (pass False when some
             intermediate value may be written in place: merged values are shared).
 
     Use: for each node in topological order call :meth:`rename` (readers of
@@ -433,7 +435,7 @@ class ShapeFolder:
         if node.op_type == "Shape" or (deterministic and node.input and all(
                 (not x) or x in constants or x in self.derived for x in node.input)):
             self.derived.update(o for o in node.output if o)
-        elif not deterministic or not node.input:
+        elif not deterministic or not node.input or node.op_type in _RANDOM_WHEN_TRAINING:
             return False
         if not self.merging or any(o in self.protected for o in node.output):
             return False

@@ -110,8 +110,7 @@ class RMSNormChain(Op):
     ``x`` (any shape), ``weight``, the Pow ``exponent``, the ReduceMean
     ``axes`` (empty name: the ReduceMean's ``axes`` attribute), ``eps`` and the
     Div numerator ``one`` (empty name: a Reciprocal); attribute ``body``: the
-    replaced nodes.  Output:
-    ``y`` of x's shape.
+    replaced nodes.  Output: ``y`` of x's shape.
 
     The compiled ``rms_norm`` kernel computes ``y = x / sqrt(mean(x², -1) +
     eps) * weight`` (equal to the chain up to float32 rounding) when the
