@@ -26,7 +26,10 @@ nodes travel along as its ``body`` graph, evaluated literally otherwise.
 
 A pattern is fused only when the intermediate values have no other reader and
 are not graph outputs, so results are unchanged (up to float rounding where a
-scalar scale moves from K to the product).
+scalar scale moves from K to the product).  ``fused_with_body`` builds such a
+fused node with the replaced nodes as its ``body`` (also used by
+:mod:`onnxkv.plan.fusion_export`); :mod:`onnxkv.plan.fusion_matmul` packs
+sibling MatMuls.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import onnx
 from onnx import helper
 
 __all__ = ["fuse_silu_gate", "fuse_repeat_kv_matmul", "fuse_masked_attention", "MASKED_ATTENTION_INPUTS",
-           "FUSED_DOMAIN"]
+           "FUSED_DOMAIN", "fused_with_body", "graph_index", "default_op"]
 
 FUSED_DOMAIN = "ai.onnxkv"
 
@@ -94,7 +97,7 @@ def _readers(nodes: list[onnx.NodeProto]) -> dict[str, list[int]]:
     return readers
 
 
-def _graph_index(nodes: list[onnx.NodeProto], protected: set[str]):
+def graph_index(nodes: list[onnx.NodeProto], protected: set[str]):
     """(readers, producer, single) of ``nodes``: value -> reader indices, value -> producer index, and
     ``single(value, reader)``: the producer of ``value`` if ``reader`` is its only reader and it is not
     protected, else None."""
@@ -111,7 +114,7 @@ def _graph_index(nodes: list[onnx.NodeProto], protected: set[str]):
 
 def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
     """``nodes`` with repeat_kv + MatMul chains replaced by RepeatKvMatMul nodes (see the module docstring)."""
-    readers, producer, single = _graph_index(nodes, protected)
+    readers, producer, single = graph_index(nodes, protected)
 
     def op(i: int | None, op_type: str) -> bool:
         return i is not None and nodes[i].op_type == op_type and nodes[i].domain in ("", "ai.onnx")
@@ -193,7 +196,7 @@ MASKED_ATTENTION_INPUTS = ("q", "k", "v", "mask", "k_axes", "k_expand", "k_resha
                            "v_reshape", "k_scale", "score_scale")
 
 
-def _default_op(node: onnx.NodeProto, op_type: str) -> bool:
+def default_op(node: onnx.NodeProto, op_type: str) -> bool:
     return node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
@@ -221,13 +224,13 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     express it.  Every intermediate must have the block as its only reader
     and not be protected; the final output keeps its name.
     """
-    readers, _, single = _graph_index(nodes, protected)
+    readers, _, single = graph_index(nodes, protected)
 
     def is_op(i: int | None, op_type: str, domain: str = "") -> bool:
         if i is None:
             return False
-        return _default_op(nodes[i], op_type) if not domain else (nodes[i].op_type == op_type
-                                                                   and nodes[i].domain == domain)
+        return default_op(nodes[i], op_type) if not domain else (nodes[i].op_type == op_type
+                                                                  and nodes[i].domain == domain)
 
     def transpose_b(i: int) -> int:
         return next((a.i for a in nodes[i].attribute if a.name == "transpose_b"), 0)
@@ -275,7 +278,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     drop: set[int] = set()
     replace: dict[int, onnx.NodeProto] = {}
     for s, sm in enumerate(nodes):
-        if not _default_op(sm, "Softmax") or s in drop:
+        if not default_op(sm, "Softmax") or s in drop:
             continue
         add = single(sm.input[0], s)
         if not is_op(add, "Add"):
@@ -298,7 +301,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         if len(after) == 2 and sorted(nodes[r].op_type for r in after) == ["IsNaN", "Where"]:
             isnan, where = sorted(after, key=lambda r: nodes[r].op_type != "IsNaN")
             w = nodes[where]
-            if not (_default_op(nodes[isnan], "IsNaN") and _default_op(w, "Where")
+            if not (default_op(nodes[isnan], "IsNaN") and default_op(w, "Where")
                     and single(nodes[isnan].output[0], where) == isnan and list(w.input)[::2] ==
                     [nodes[isnan].output[0], probs]):
                 continue
@@ -319,15 +322,30 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         chain.append(pv)
         if any(i in drop or i in replace for i in chain):
             continue
-        body_nodes = [nodes[i] for i in sorted(chain)]
-        made = {o for n in body_nodes for o in n.output}
-        inputs = [roles.get(r, "") for r in MASKED_ATTENTION_INPUTS]
-        for n in body_nodes:
-            inputs += [x for x in n.input if x and x not in made and x not in inputs]
-        body_inputs = [helper.make_empty_tensor_value_info(x) for x in dict.fromkeys(x for x in inputs if x)]
-        body = helper.make_graph(body_nodes, f"{pvn.name or pvn.output[0]}_body", body_inputs,
-                                 [helper.make_empty_tensor_value_info(pvn.output[0])])
         drop.update(i for i in chain if i != pv)
-        replace[pv] = helper.make_node("MaskedAttention", inputs, [pvn.output[0]], name=pvn.name or pvn.output[0],
-                                       domain=FUSED_DOMAIN, score_div=div, body=body)
+        replace[pv] = fused_with_body("MaskedAttention", [nodes[i] for i in sorted(chain)],
+                                      [roles.get(r, "") for r in MASKED_ATTENTION_INPUTS], score_div=div)
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
+
+
+def fused_with_body(op_type: str, body_nodes: list[onnx.NodeProto], fixed_inputs: list[str],
+                    **attrs) -> onnx.NodeProto:
+    """A ``FUSED_DOMAIN`` node replacing ``body_nodes`` (in graph order; the last one's outputs are its outputs).
+
+    Its inputs are ``fixed_inputs`` by position (empty name = absent), then
+    every other value the body reads; attribute ``body`` holds the nodes as a
+    graph over those inputs (see :class:`onnxkv.plan.ops._body.Body`), so the
+    fused kernel can evaluate them literally when it cannot express a call.
+    The node takes the last body node's name (or first output).
+    """
+    last = body_nodes[-1]
+    made = {o for n in body_nodes for o in n.output}
+    inputs = list(fixed_inputs)
+    for n in body_nodes:
+        inputs += [x for x in n.input if x and x not in made and x not in inputs]
+    body_inputs = [helper.make_empty_tensor_value_info(x) for x in dict.fromkeys(x for x in inputs if x)]
+    name = last.name or last.output[0]
+    body = helper.make_graph(body_nodes, f"{name}_body", body_inputs,
+                             [helper.make_empty_tensor_value_info(o) for o in last.output if o])
+    return helper.make_node(op_type, inputs, [o for o in last.output if o], name=name, domain=FUSED_DOMAIN,
+                            body=body, **attrs)

@@ -29,11 +29,13 @@ lengths) read again and again.  :class:`ShapeFolder` removes that work while
    ``Expand`` shape entry (also the expand shape of the fused repeat_kv
    operators) equal to the aligned dim becomes 1, when that makes the whole
    target constant.
-4. **Common subexpressions and dead shape nodes**: a *shape-derived* value is
-   the output of a ``Shape`` node or of a deterministic node reading only
-   constants and shape-derived values.  Two such nodes with the same operator,
-   attributes and inputs (small constants compared by value) compute the same
-   value, so the later one is dropped.  Shape-derived nodes whose outputs no
+4. **Common subexpressions and dead shape nodes**: two deterministic nodes
+   with the same operator, attributes and inputs (small constants compared by
+   value) compute the same value, so the later one is dropped and its readers
+   read the earlier one's outputs (exports repeat e.g. the additive mask and
+   the unsqueezed cos/sin in every layer).  A *shape-derived* value is the
+   output of a ``Shape`` node or of a deterministic node reading only
+   constants and shape-derived values; shape-derived nodes whose outputs no
    one reads any more are dropped at the end.
 
 Merging shares one value between readers, so the plan disables it (steps 2
@@ -60,6 +62,8 @@ _FINGERPRINT_LIMIT = 64
 _REPEAT_INPUTS = {"RepeatKvMatMul": ((1, 2, 3),), "RepeatKvShape": ((0, 1, 2),), "MaskedAttention": ((1, 4, 5), (2, 7, 8))}
 #: Where a fused node's body may read a rewritten expand shape: the RepeatKvMatMul expand input.
 _BODY_EXPAND_POSITION = {"RepeatKvMatMul": 3}
+#: Operators that draw random numbers when an input says so (not merged unless they only compute shapes).
+_RANDOM_WHEN_TRAINING = {"Dropout"}
 #: Element types of partial values: "i" int64 (shape entries), "b" bool (comparisons of them).
 _KINDS = {"i": np.dtype(np.int64), "b": np.dtype(np.bool_)}
 #: A 0-/1-D value known in part: (flat entries, shape, kind); entries are Entry (kind "i") or bool / None ("b").
@@ -183,7 +187,7 @@ class ShapeFolder:
     Args:
         dims: :func:`static_dims` of the plan's model.
         protected: value names that must stay produced by their own node.
-        merge: merge repeated shape-derived nodes (pass False when some
+        merge: merge repeated deterministic nodes (pass False when some
             intermediate value may be written in place: merged values are shared).
 
     Use: for each node in topological order call :meth:`rename` (readers of
@@ -425,13 +429,14 @@ class ShapeFolder:
         return picked, (len(picked),), kind
 
     def merge(self, node: onnx.NodeProto, constants: dict, deterministic: bool) -> bool:
-        """True when ``node`` repeats an earlier shape-derived node (its outputs are then renamed to that node's)."""
-        if node.op_type != "Shape" and not (deterministic and node.input and all(
-                (not x) or x in constants or x in self.derived for x in node.input)):
-            return False
+        """True when ``node`` repeats an earlier deterministic node (its outputs are then renamed to that node's)."""
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             return False
-        self.derived.update(o for o in node.output if o)
+        if node.op_type == "Shape" or (deterministic and node.input and all(
+                (not x) or x in constants or x in self.derived for x in node.input)):
+            self.derived.update(o for o in node.output if o)
+        elif not deterministic or not node.input or node.op_type in _RANDOM_WHEN_TRAINING:
+            return False
         if not self.merging or any(o in self.protected for o in node.output):
             return False
         attrs = tuple(sorted(a.SerializeToString(deterministic=True) for a in node.attribute))

@@ -76,14 +76,17 @@ def _generate(sess: onnxkv.Session, prompt: np.ndarray, lengths: np.ndarray, tok
     return results
 
 
+def left_padded_batch(form: str, seed: int, padding: int, steps: int):
+    """(prompt [2, 9], lengths, tokens [2, steps]) of random ids for fixture ``form``; row 1 is left-padded."""
+    rng = np.random.default_rng(seed)
+    vocab = 97 if form == "builder" else 259
+    return rng.integers(0, vocab, (2, 9)), np.array([9, 9 - padding]), rng.integers(0, vocab, (2, steps))
+
+
 @pytest.mark.parametrize("form", sorted(MODELS))
 @pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
 def test_left_padded_batch_matches_the_unfused_plan(form, state, calls, monkeypatch):
-    rng = np.random.default_rng(21)
-    vocab = 97 if form == "builder" else 259
-    prompt = rng.integers(0, vocab, (2, 9))
-    lengths = np.array([9, 5])  # row 1: 4 padding tokens on the left
-    tokens = rng.integers(0, vocab, (2, 4))
+    prompt, lengths, tokens = left_padded_batch(form, 21, padding=4, steps=4)
     fused = onnxkv.Session(MODELS[form](), threads=2)
     got = _generate(fused, prompt, lengths, tokens, state)
     # every run of every layer went through the kernel; only the 4 empty padding rows of the prefill were

@@ -15,5 +15,6 @@ from onnxkv.plan.ops import (  # noqa: F401
     reduce,
     rotary,
     shape,
+    sibling_matmul,
     tensor_scatter,
 )

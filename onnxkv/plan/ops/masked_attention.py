@@ -53,10 +53,9 @@ import onnx
 
 from onnxkv._kernels import attention as _attention_kernel
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.fallback import FallbackOp
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
-from onnxkv.plan.ops.repeat_kv_matmul import RepeatKvMatMul
-from onnxkv.plan.registry import BuildContext, Op, lookup, register
+from onnxkv.plan.ops._body import Body
+from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["MaskedAttention", "mask_ranges", "MASKED"]
 
@@ -147,19 +146,12 @@ class MaskedAttention(Op):
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
-        body = self.attrs.get("body")
-        if not isinstance(body, onnx.GraphProto) or len(body.output) != 1 or len(node.input) < len(
-                MASKED_ATTENTION_INPUTS):
-            raise self.error("needs a 'body' graph with one output and the inputs of fusion.MASKED_ATTENTION_INPUTS")
+        self._body = Body.of(self, ctx, MASKED_ATTENTION_INPUTS)
+        if len(self._body.outputs) != 1:
+            raise self.error(f"the 'body' graph must have one output, got {len(self._body.outputs)}")
         self.score_div = bool(self.attrs.get("score_div", 0))
-        self._steps: list[tuple[onnx.NodeProto, Op]] = []
-        for n in body.node:
-            cls = lookup(n.domain, n.op_type, ctx.opset(n.domain))
-            self._steps.append((n, cls(n, ctx) if cls is not None else FallbackOp(n, ctx)))
-        self._result = body.output[0].name
-        self._repeat = next((k for _, k in self._steps if isinstance(k, RepeatKvMatMul)), None)
-        softmax = next(n for n, _ in self._steps if n.op_type == "Softmax")
-        axis = next((a.i for a in softmax.attribute if a.name == "axis"), None)
+        self._repeat = self._body.kernel("RepeatKvMatMul")
+        axis = next((a.i for a in self._body.node("Softmax").attribute if a.name == "axis"), None)
         self._last_axis_softmax = axis in (-1, 3) or (axis is None and ctx.opset("") >= 13)
 
     def run(self, inputs: list, rt: RunContext) -> tuple:
@@ -211,9 +203,4 @@ class MaskedAttention(Op):
 
     def _literal(self, inputs: list, rt: RunContext) -> np.ndarray:
         """The body evaluated node by node (temporaries from NumPy, not the plan's buffers)."""
-        values = {name: x for name, x in zip(self.node.input, inputs) if name}
-        sub = RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), False, rt.step, rt.caches)
-        for node, kernel in self._steps:
-            outs = kernel.run([values[x] if x else None for x in node.input], sub)
-            values.update((name, val) for name, val in zip(node.output, outs) if name)
-        return values[self._result]
+        return self._body.evaluate(self.node.input, inputs, rt)[0]

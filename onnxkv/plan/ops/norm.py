@@ -1,5 +1,6 @@
 """Normalisations: RMS norms (ORT's SimplifiedLayerNormalization and
-SkipSimplifiedLayerNormalization, ONNX RMSNormalization-23) through the
+SkipSimplifiedLayerNormalization, ONNX RMSNormalization-23, and
+``ai.onnxkv::RMSNormChain``, the fused RMSNorm of torch exports) through the
 compiled kernels, and LayerNormalization / SkipLayerNormalization in NumPy.
 
 Kernels normalise over the last axis (``axis=-1``); other axes use NumPy.
@@ -8,9 +9,15 @@ Computation is in float32 for float16/bfloat16 inputs, then cast back.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import onnx
 
 from onnxkv import _kernels as K
+from onnxkv.plan.fusion_export import RMS_NORM_INPUTS
+from onnxkv.plan.ops._body import Body
+from onnxkv.plan.ops._util import int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -86,6 +93,71 @@ class SkipSimplifiedLayerNormalization(_RMSBase):
             return (out, None, None, s)
         s = x + skip if bias is None else x + skip + bias
         return (_rms_reference(s, gamma, self.eps, -1), None, None, s if self.want_sum else None)
+
+
+_EXPONENT, _AXES, _EPS, _ONE = (RMS_NORM_INPUTS.index(r) for r in ("exponent", "axes", "eps", "one"))
+
+
+def _scalar_equal(x: np.ndarray | None, value: float) -> bool:
+    return x is not None and x.size == 1 and x.dtype.kind in "fiu" and float(x.reshape(())) == value
+
+
+@register("RMSNormChain", domain="ai.onnxkv")
+class RMSNormChain(Op):
+    """The exported RMSNorm chain fused by :func:`onnxkv.plan.fusion_export.fuse_rms_norm`.
+
+    Inputs by position (:data:`~onnxkv.plan.fusion_export.RMS_NORM_INPUTS`):
+    ``x`` (any shape), ``weight``, the Pow ``exponent``, the ReduceMean
+    ``axes`` (empty name: the ReduceMean's ``axes`` attribute), ``eps`` and the
+    Div numerator ``one`` (empty name: a Reciprocal); attribute ``body``: the
+    replaced nodes.  Output: ``y`` of x's shape.
+
+    The compiled ``rms_norm`` kernel computes ``y = x / sqrt(mean(x², -1) +
+    eps) * weight`` (equal to the chain up to float32 rounding) when the
+    exponent is 2, the numerator 1, ``eps`` a finite scalar >= 0, the mean is
+    over the last axis only with ``keepdims=1``, ``x`` is float32 and
+    ``weight`` float32 of shape ``[x.shape[-1]]``.  Constant parameters are
+    checked once when the plan is built, the rest on every call; any call
+    failing a check evaluates the body literally.
+    """
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self._body = Body.of(self, ctx, RMS_NORM_INPUTS)
+        reduce = BuildContext.attributes(self._body.node("ReduceMean"))
+        self._keepdims = int(reduce.get("keepdims", 1)) == 1
+        self._axes_attr = reduce.get("axes")
+        params = [ctx.constant(x) if x else None for x in node.input[:len(RMS_NORM_INPUTS)]]
+        static = all(p is not None or not node.input[i] for i, p in enumerate(params) if i > 1)
+        #: (eps, axis) checked at build time, or None to check on every call.
+        self._static = self._params(params) if static else None
+        self._dynamic = not static
+
+    def _params(self, inputs: list) -> tuple[float, int] | None:
+        """(eps, reduced axis: -1 or a non-negative axis) when the parameters are the kernel's, else None."""
+        one = inputs[_ONE]
+        if not self._keepdims or not _scalar_equal(inputs[_EXPONENT], 2.0) or (
+                one is not None and not _scalar_equal(one, 1.0)):
+            return None
+        eps = inputs[_EPS]
+        if eps is None or eps.size != 1 or eps.dtype.kind != "f":
+            return None
+        eps = float(eps.reshape(()))
+        axes = int_list(inputs[_AXES]) if inputs[_AXES] is not None else self._axes_attr
+        if not (eps >= 0.0 and math.isfinite(eps)) or axes is None or len(axes) != 1:
+            return None
+        return eps, int(axes[0])
+
+    def run(self, inputs: list, rt) -> tuple:
+        x, w = inputs[0], inputs[1]
+        params = self._params(inputs) if self._dynamic else self._static
+        if params is not None and x.dtype == np.float32 and x.ndim and x.shape[-1] and params[1] in (-1, x.ndim - 1) \
+                and w is not None and w.dtype == np.float32 and w.shape == (x.shape[-1],):
+            n = x.shape[-1]
+            out = rt.empty(0, x.shape, np.float32)
+            K.rms_norm(np.ascontiguousarray(x).reshape(-1, n), w, params[0], out.reshape(-1, n))
+            return (out,)
+        return tuple(self._body.evaluate(self.node.input, inputs, rt))
 
 
 def _layer_norm(x, gamma, beta, eps, axis):

@@ -12,6 +12,10 @@ and each pair becomes ``(x1*cos - x2*sin, x1*sin + x2*cos)`` with ``cos``/``sin`
 gathered at the token's position.  The compiled kernel
 ``onnxkv._kernels.rotary_embedding`` does the work for float32 inputs with
 2-D caches; NumPy does the rest (float16/bfloat16, per-token 3-D caches).
+
+``ai.onnxkv::RotateHalf`` is the ``rotate_half`` rotary embedding of torch
+exports fused by :func:`onnxkv.plan.fusion_export.fuse_rotate_half`, run by the
+same kernel when its run-time checks hold.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import onnx
 from onnxkv._kernels import rotary_embedding as _rotary_kernel
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
+from onnxkv.plan.fusion_export import ROTATE_HALF_INPUTS
+from onnxkv.plan.ops._body import Body
+from onnxkv.plan.ops._util import int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["RotaryEmbedding23", "RotaryEmbeddingMS", "rotate"]
+__all__ = ["RotaryEmbedding23", "RotaryEmbeddingMS", "RotateHalf", "rotate"]
 
 
 def rotate(
@@ -217,3 +224,106 @@ class RotaryEmbedding23(_RotaryBase):
             if pos.shape != self._to_bshd(x, cos).shape[:2]:
                 raise self._input_error(f"position_ids must have shape [batch, seq], got {pos.shape}")
         return (self._apply(x, cos, sin, pos, rt),)
+
+
+_LO = slice(ROTATE_HALF_INPUTS.index("lo_starts"), ROTATE_HALF_INPUTS.index("lo_steps") + 1)
+_HI = slice(ROTATE_HALF_INPUTS.index("hi_starts"), ROTATE_HALF_INPUTS.index("hi_steps") + 1)
+#: Slice ends at or above this mean "to the end" (torch exports write INT64_MAX).
+_TO_END = 1 << 31
+
+
+def _last_axis_slice(params: list) -> tuple[int, int] | None:
+    """(start, end) of a one-axis, step-1 Slice over the last axis given its (starts, ends, axes, steps)
+    inputs; negative values count from the end (returned as is), None for anything else."""
+    starts, ends, axes, steps = params
+    if starts is None or ends is None or axes is None:
+        return None
+    starts, ends, axes = int_list(starts), int_list(ends), int_list(axes)
+    if len(starts) != 1 or len(ends) != 1 or axes not in ([-1], [3]) or (steps is not None and int_list(steps) != [1]):
+        return None
+    return starts[0], min(ends[0], _TO_END)
+
+
+def _resolve(index: int, d: int) -> int:
+    """A Slice start/end over an axis of length ``d`` made absolute and clamped to [0, d]."""
+    return min(max(index + d if index < 0 else index, 0), d)
+
+
+@register("RotateHalf", domain="ai.onnxkv")
+class RotateHalf(Op):
+    """``y = x * cos + rotate_half(x) * sin`` fused by :func:`onnxkv.plan.fusion_export.fuse_rotate_half`.
+
+    Inputs by position (:data:`~onnxkv.plan.fusion_export.ROTATE_HALF_INPUTS`):
+    ``x``, ``cos``, ``sin``, then the starts/ends/axes/steps of the Slice
+    taking the first half of ``x`` and of the one taking the (negated) second
+    half; attribute ``body``: the replaced nodes.  Output: ``y``.
+
+    The compiled rotary kernel (non-interleaved) runs when ``x`` is float32
+    ``[B, H, S, D]`` with even ``D``, the slices are ``x[..., :D/2]`` and
+    ``x[..., D/2:]`` (over the last axis, step 1), the Concat is over the last
+    axis, and ``cos``/``sin`` are float32 of one shape broadcasting to ``x``
+    as ``[B or 1, 1, S, D]`` whose two halves are equal along the last axis
+    (one angle per rotated pair, as the exported ``cat((freqs, freqs))``
+    makes them): the first half of each (b, s) row is one row of the kernel's
+    cos/sin table (read in place).
+    The result equals the chain up to float32 rounding.  Constant slice
+    parameters are read once when the plan is built; anything failing a check
+    evaluates the body literally.
+    """
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self._body = Body.of(self, ctx, ROTATE_HALF_INPUTS)
+        axis = BuildContext.attributes(self._body.node("Concat")).get("axis")
+        self._concat_last = axis in (-1, 3)
+        names = node.input[:len(ROTATE_HALF_INPUTS)]
+        params = [ctx.constant(x) if x else None for x in names]
+        self._dynamic = any(x and p is None for x, p in list(zip(names, params))[_LO.start:])
+        #: The two slices' (start, end) pairs when constant (see _last_axis_slice).
+        self._slices = None if self._dynamic else (_last_axis_slice(params[_LO]), _last_axis_slice(params[_HI]))
+        self._last_positions: tuple[tuple[int, ...] | None, np.ndarray | None] = (None, None)
+
+    def _kernel_args(self, inputs: list):
+        """(x, cos table, sin table, positions) for the kernel, or None when it cannot express the call."""
+        x, cos, sin = inputs[0], inputs[1], inputs[2]
+        if not self._concat_last or x.dtype != np.float32 or x.ndim != 4 or cos is None or sin is None \
+                or cos.dtype != np.float32 or sin.dtype != np.float32 or cos.shape != sin.shape or cos.ndim > 4:
+            return None
+        b, h, s, d = x.shape
+        half = d // 2
+        lo, hi = (_last_axis_slice(inputs[_LO]), _last_axis_slice(inputs[_HI])) if self._dynamic else self._slices
+        if d % 2 or lo is None or hi is None or (_resolve(lo[0], d), _resolve(lo[1], d)) != (0, half) \
+                or (_resolve(hi[0], d), _resolve(hi[1], d)) != (half, d):
+            return None
+        c4 = cos.reshape((1,) * (4 - cos.ndim) + cos.shape)
+        s4 = sin.reshape(c4.shape)
+        bc = c4.shape[0]
+        if bc not in (1, b) or c4.shape[1:] != (1, s, d) or 0 in x.shape:
+            return None
+        if not ((c4[..., :half] == c4[..., half:]).all() and (s4[..., :half] == s4[..., half:]).all()):
+            return None
+        # Table row 2 * r (r = b_cos * S + s) is the first half of cos/sin row r: a view, no copy.
+        table_c = np.ascontiguousarray(c4).reshape(2 * bc * s, half)
+        table_s = np.ascontiguousarray(s4).reshape(2 * bc * s, half)
+        return np.ascontiguousarray(x).reshape(b * h, s, 1, d), table_c, table_s, self._positions(b, h, s, bc)
+
+    def _positions(self, b: int, h: int, s: int, bc: int) -> np.ndarray:
+        """Kernel positions [B * H, S]: row (b * H + head, s) reads table row 2 * ((b if bc > 1 else 0) * S + s).
+        The array of the last shape is kept (read-only) for the next call."""
+        key, last = self._last_positions
+        if key == (b, h, s, bc):
+            return last
+        rows = (np.arange(b, dtype=np.int64) * (s if bc > 1 else 0))[:, None, None] + np.arange(s, dtype=np.int64)
+        positions = np.ascontiguousarray(np.broadcast_to(2 * rows, (b, h, s))).reshape(b * h, s)
+        positions.flags.writeable = False
+        self._last_positions = ((b, h, s, bc), positions)
+        return positions
+
+    def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
+        args = self._kernel_args(inputs)
+        if args is None:
+            return tuple(self._body.evaluate(self.node.input, inputs, rt))
+        x = inputs[0]
+        out = rt.empty(0, x.shape, np.float32)
+        _rotary_kernel(*args, False, out.reshape(args[0].shape))
+        return (out,)

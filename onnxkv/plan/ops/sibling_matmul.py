@@ -1,0 +1,77 @@
+"""``ai.onnxkv::SiblingMatMul``: one input times several constant weights, as one packed product.
+
+Made by :func:`onnxkv.plan.fusion_matmul.fuse_sibling_matmuls`.  Inputs: ``x``
+float32 ``[..., K]`` and weights ``W1 ... Wn`` (2-D float32 initializers,
+``[K, N_i]``); outputs ``Y_i = x @ W_i`` (``[..., N_i]`` float32), as the n
+MatMuls it replaces.
+
+The weights are concatenated along N and packed once when the plan is built
+(the panel layout of ``onnxkv._kernels.matmul.pack_weight``; the plan drops
+its own copies of the initializers), then every call is one product exactly
+as :class:`onnxkv.plan.ops.matmul.MatMul` computes it (``matmul_packed`` up to
+``BLAS_M`` rows, NumPy's BLAS above).  Each output element is summed over K
+in the same order as the separate kernel would.  A single row (decoding)
+returns the outputs as views of the one product (each is C-contiguous);
+several rows get contiguous copies of the column blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from onnxkv._kernels.matmul import matmul_packed, pack_weight
+from onnxkv.plan.ops.matmul import BLAS_M, MatMul, _release_pages
+from onnxkv.plan.registry import BuildContext, Op, register
+
+__all__ = ["SiblingMatMul"]
+
+
+@register("SiblingMatMul", domain="ai.onnxkv")
+class SiblingMatMul(MatMul):
+    """See the module docstring.
+
+    Attributes:
+        packed: the packed concatenation of the weights ([ceil(N/16), K, 16]
+            float32, N = sum of N_i; owned by this object, read-only).
+        bounds: (start, end) columns of each output in the product.
+    """
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        Op.__init__(self, node, ctx)
+        weights = [ctx.constant(w) for w in node.input[1:]]
+        if len(weights) < 2 or len(node.output) != len(weights) or any(
+                not isinstance(w, np.ndarray) or w.ndim != 2 or w.dtype != np.float32 or not w.size
+                or w.shape[0] != weights[0].shape[0] for w in weights):
+            raise self.error("needs one input and at least two 2-D float32 initializer weights with one row count "
+                             f"(one output each), got weights {[getattr(w, 'shape', None) for w in weights]}")
+        ends = np.cumsum([w.shape[1] for w in weights]).tolist()
+        self.bounds = list(zip([0, *ends[:-1]], ends))
+        self.packed = pack_weight(np.concatenate(weights, axis=1))
+        self.packed.flags.writeable = False
+        self._n = ends[-1]
+        self.absorbed_inputs = tuple(range(1, len(node.input)))
+        for w in weights:
+            _release_pages(w)
+
+    def run(self, inputs: list, rt) -> tuple:
+        a = inputs[0]
+        k = self.packed.shape[1]
+        if a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != k:
+            raise ValueError(f"SiblingMatMul node '{self.name}': A must be float32 [..., {k}], "
+                             f"got {a.dtype} {a.shape}")
+        x = np.ascontiguousarray(a).reshape(-1, k)
+        rows, lead = x.shape[0], a.shape[:-1]
+        full = np.empty((rows, self._n), np.float32)
+        if rows <= BLAS_M:
+            matmul_packed(x, self.packed, full)
+        else:
+            self._blas(x, full)
+        if rows == 1:
+            return tuple(full[:, n0:n1].reshape(lead + (n1 - n0,)) for n0, n1 in self.bounds)
+        outs = []
+        for i, (n0, n1) in enumerate(self.bounds):
+            out = rt.empty(i, lead + (n1 - n0,), np.float32)
+            np.copyto(out.reshape(rows, n1 - n0), full[:, n0:n1])
+            outs.append(out)
+        return tuple(outs)

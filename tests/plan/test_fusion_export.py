@@ -1,0 +1,198 @@
+"""Plan-time fusion of exported RMSNorm chains (ai.onnxkv::RMSNormChain) and rotate_half rotary embeddings
+(ai.onnxkv::RotateHalf), on whole models and on small graphs whose run-time checks fail.
+
+The oracle is the same model planned without these two fusions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxkv
+import onnxkv.plan.plan as plan_module
+from onnxkv.plan.ops import _body, norm, rotary
+from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
+
+#: Plan nodes the two fusions remove.  Torch export: each norm is [Cast,] Pow, ReduceMean, Add, Sqrt, Div, Mul,
+#: Cast, Mul (the leading Cast is fused into the last norm only; in the layers its output also feeds the residual
+#: Add), each rotary Mul, Slice, Slice, Neg, Concat, Mul, Add: 4 * 7 + 8 + 4 * 6.  Builder: norms Pow, ReduceMean,
+#: Add, Sqrt, Reciprocal, Mul, Mul and the same rotaries: 5 * 6 + 4 * 6.
+REMOVED = {"torch": 4 * 7 + 8 + 4 * 6, "builder": 5 * 6 + 4 * 6}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the compiled kernel calls of both fused ops and the literal evaluations of their bodies."""
+    seen = {"rms_norm": 0, "rotary": 0, "literal": []}
+    rms, rope, evaluate = norm.K.rms_norm, rotary._rotary_kernel, _body.Body.evaluate
+
+    def counting_rms(*args):
+        seen["rms_norm"] += 1
+        return rms(*args)
+
+    def counting_rope(*args):
+        seen["rotary"] += 1
+        return rope(*args)
+
+    def counting_evaluate(self, names, inputs, rt):
+        kinds = {n.op_type for n, _ in self.steps}
+        if "Pow" in kinds or "Neg" in kinds:
+            seen["literal"].append("RMSNormChain" if "Pow" in kinds else "RotateHalf")
+        return evaluate(self, names, inputs, rt)
+
+    monkeypatch.setattr(norm.K, "rms_norm", counting_rms)
+    monkeypatch.setattr(rotary, "_rotary_kernel", counting_rope)
+    monkeypatch.setattr(_body.Body, "evaluate", counting_evaluate)
+    return seen
+
+
+def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
+    with monkeypatch.context() as m:
+        m.setattr(plan_module, "fuse_rms_norm", lambda nodes, protected: nodes)
+        m.setattr(plan_module, "fuse_rotate_half", lambda nodes, protected: nodes)
+        return onnxkv.Session(model, threads=threads)
+
+
+@pytest.mark.parametrize("form", sorted(MODELS))
+def test_every_norm_and_rotary_is_fused(form, monkeypatch):
+    fused = [n.op_type for n in onnxkv.Session(MODELS[form](), threads=1).plan.nodes]
+    unfused = [n.op_type for n in _unfused(MODELS[form](), monkeypatch, 1).plan.nodes]
+    # two layers: 2 norms each plus the final one; q and k rotated in each layer
+    assert fused.count("RMSNormChain") == 5 and fused.count("RotateHalf") == 4
+    assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div", "Neg", "Slice"} & set(fused)
+    assert len(unfused) - len(fused) == REMOVED[form]
+
+
+@pytest.mark.parametrize("form", sorted(MODELS))
+@pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
+def test_left_padded_batch_matches_the_unfused_plan(form, state, calls, monkeypatch):
+    prompt, lengths, tokens = left_padded_batch(form, 33, padding=3, steps=3)
+    got = _generate(onnxkv.Session(MODELS[form](), threads=2), prompt, lengths, tokens, state)
+    # prefill + 3 decode steps, each through the kernels only
+    assert (calls["rms_norm"], calls["rotary"], calls["literal"]) == (5 * 4, 4 * 4, [])
+    want = _generate(_unfused(MODELS[form](), monkeypatch), prompt, lengths, tokens, state)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+# -- small graphs: run-time checks ---------------------------------------------------------------------------------
+def _const(name: str, value) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value), name))
+
+
+def _rms_model(exponent_input: bool, output_sqrt: bool = False) -> onnx.ModelProto:
+    """y = w * (x * 1 / sqrt(mean(x^p, -1) + eps)) over x [2, 3, 8]; ``p`` a graph input or the constant 2."""
+    nodes = [
+        _const("axes", np.array([-1], np.int64)),
+        _const("eps", np.float32(1e-5)),
+        _const("one", np.float32(1.0)),
+        helper.make_node("Pow", ["x", "p"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1),
+        helper.make_node("Add", ["mean", "eps"], ["var"]),
+        helper.make_node("Sqrt", ["var"], ["std"]),
+        helper.make_node("Div", ["one", "std"], ["inv"]),
+        helper.make_node("Mul", ["x", "inv"], ["normed"]),
+        helper.make_node("Mul", ["w", "normed"], ["y"]),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8])]
+    inits = [numpy_helper.from_array(np.random.default_rng(5).standard_normal(8).astype(np.float32), "w")]
+    if exponent_input:
+        inputs.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, []))
+    else:
+        nodes.insert(0, _const("p", np.float32(2.0)))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 8])]
+    if output_sqrt:
+        outputs.append(helper.make_tensor_value_info("std", TensorProto.FLOAT, [2, 3, 1]))
+    return helper.make_model(helper.make_graph(nodes, "rms", inputs, outputs, inits),
+                             opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("exponent", [2.0, 4.0])
+def test_rms_chain_with_a_run_time_exponent_checks_it_on_every_call(exponent, calls, monkeypatch):
+    x = np.random.default_rng(7).uniform(0.5, 2.0, (2, 3, 8)).astype(np.float32)
+    feeds = {"x": x, "p": np.float32(exponent)}
+    sess = onnxkv.Session(_rms_model(True), threads=1)
+    assert [n.op_type for n in sess.plan.nodes] == ["RMSNormChain"]
+    got = sess.run(feeds)["y"]
+    want = _unfused(_rms_model(True), monkeypatch, 1).run(feeds)["y"]
+    if exponent == 2.0:
+        assert (calls["rms_norm"], calls["literal"]) == (1, [])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:  # not an RMS norm: the original nodes, exactly
+        assert (calls["rms_norm"], calls["literal"]) == (0, ["RMSNormChain"])
+        np.testing.assert_array_equal(got, want)
+    w = numpy_helper.to_array(_rms_model(True).graph.initializer[0])
+    ref = w * x / np.sqrt(np.mean(x.astype(np.float64) ** exponent, axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_rms_chain_with_float64_input_runs_the_original_nodes(calls, monkeypatch):
+    model = _rms_model(False)
+    for vi in model.graph.input:
+        vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(
+        numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64), "w"))
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.output[0] in ("p", "eps", "one"):
+            v = numpy_helper.to_array(n.attribute[0].t).astype(np.float64)
+            n.attribute[0].t.CopyFrom(numpy_helper.from_array(v, n.output[0]))
+    x = np.random.default_rng(8).standard_normal((2, 3, 8))
+    got = onnxkv.Session(model, threads=1).run({"x": x})["y"]
+    assert (calls["rms_norm"], calls["literal"]) == (0, ["RMSNormChain"])
+    np.testing.assert_array_equal(got, _unfused(model, monkeypatch, 1).run({"x": x})["y"])
+
+
+def test_rms_chain_whose_intermediate_is_a_graph_output_is_not_fused():
+    sess = onnxkv.Session(_rms_model(False, output_sqrt=True), threads=1)
+    ops = [n.op_type for n in sess.plan.nodes]
+    assert "RMSNormChain" not in ops and "Sqrt" in ops
+
+
+def _rotary_model(split: int) -> onnx.ModelProto:
+    """y = x * cos + cat(-x[..., split:], x[..., :split]) * sin over x [2, 3, 4, 8], cos/sin [2, 1, 4, 8] inputs."""
+    nodes = [
+        _const("zero", np.array([0], np.int64)),
+        _const("mid", np.array([split], np.int64)),
+        _const("end", np.array([np.iinfo(np.int64).max], np.int64)),
+        _const("last", np.array([-1], np.int64)),
+        helper.make_node("Mul", ["x", "cos"], ["xc"]),
+        helper.make_node("Slice", ["x", "zero", "mid", "last"], ["x1"]),
+        helper.make_node("Slice", ["x", "mid", "end", "last"], ["x2"]),
+        helper.make_node("Neg", ["x2"], ["nx2"]),
+        helper.make_node("Concat", ["nx2", "x1"], ["rot"], axis=-1),
+        helper.make_node("Mul", ["rot", "sin"], ["rs"]),
+        helper.make_node("Add", ["xc", "rs"], ["y"]),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 8]),
+              helper.make_tensor_value_info("cos", TensorProto.FLOAT, [2, 1, 4, 8]),
+              helper.make_tensor_value_info("sin", TensorProto.FLOAT, [2, 1, 4, 8])]
+    return helper.make_model(helper.make_graph(nodes, "rope", inputs,
+                                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 8])]),
+                             opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("case", ["halves", "unequal_halves", "uneven_split"])
+def test_rotate_half_falls_back_to_the_original_nodes_when_a_check_fails(case, calls, monkeypatch):
+    rng = np.random.default_rng(9)
+    angles = rng.uniform(0, 6.0, (2, 1, 4, 4)).astype(np.float32)
+    if case == "unequal_halves":
+        angles = np.concatenate([angles, angles + 0.5], axis=-1)
+    else:
+        angles = np.concatenate([angles, angles], axis=-1)
+    feeds = {"x": rng.standard_normal((2, 3, 4, 8)).astype(np.float32), "cos": np.cos(angles), "sin": np.sin(angles)}
+    model = _rotary_model(3 if case == "uneven_split" else 4)
+    sess = onnxkv.Session(model, threads=1)
+    assert [n.op_type for n in sess.plan.nodes] == ["RotateHalf"]
+    got = sess.run(feeds)["y"]
+    want = _unfused(model, monkeypatch, 1).run(feeds)["y"]
+    if case == "halves":
+        assert (calls["rotary"], calls["literal"]) == (1, [])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        assert (calls["rotary"], calls["literal"]) == (0, ["RotateHalf"])
+        np.testing.assert_array_equal(got, want)

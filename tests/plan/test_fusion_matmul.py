@@ -1,0 +1,94 @@
+"""Plan-time fusion of sibling MatMuls (one input, several constant weights) into ai.onnxkv::SiblingMatMul.
+
+The oracle is the same model planned without this fusion, and NumPy's matmul for small graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxkv
+import onnxkv.plan.plan as plan_module
+from onnxkv.models.builders import MICRO, build_model
+from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
+
+FORMS = {**MODELS, "gqa": lambda: build_model("gqa", MICRO, seed=3)}
+
+
+def _unfused(model, monkeypatch) -> onnxkv.Session:
+    with monkeypatch.context() as m:
+        m.setattr(plan_module, "fuse_sibling_matmuls", lambda nodes, constants: nodes)
+        return onnxkv.Session(model, threads=2)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_qkv_and_gate_up_projections_are_fused(form, monkeypatch):
+    fused = [n.op_type for n in onnxkv.Session(FORMS[form](), threads=1).plan.nodes]
+    unfused = [n.op_type for n in _unfused(FORMS[form](), monkeypatch).plan.nodes]
+    # two layers, each with q/k/v (3 -> 1) and gate/up (2 -> 1)
+    assert fused.count("SiblingMatMul") == 4
+    assert unfused.count("MatMul") - fused.count("MatMul") == 2 * (3 + 2)
+    assert len(unfused) - len(fused) == 2 * (2 + 1)
+
+
+@pytest.mark.parametrize("form", sorted(MODELS))
+@pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
+def test_left_padded_batch_matches_the_unfused_plan(form, state, monkeypatch):
+    prompt, lengths, tokens = left_padded_batch(form, 44, padding=3, steps=3)
+    got = _generate(onnxkv.Session(MODELS[form](), threads=2), prompt, lengths, tokens, state)
+    want = _generate(_unfused(MODELS[form](), monkeypatch), prompt, lengths, tokens, state)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _three_projections(weight_input: bool = False):
+    """y1, y2, y3 = x @ w1, x @ w2, x @ w3 for x [B, S, 32]; w2 a graph input when ``weight_input``."""
+    rng = np.random.default_rng(6)
+    ws = {f"w{i}": rng.standard_normal((32, n)).astype(np.float32) for i, n in ((1, 48), (2, 16), (3, 20))}
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in (1, 2, 3)]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 32])]
+    inits = [numpy_helper.from_array(w, name) for name, w in ws.items() if not (weight_input and name == "w2")]
+    if weight_input:
+        inputs.append(helper.make_tensor_value_info("w2", TensorProto.FLOAT, [32, 16]))
+    outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in (1, 2, 3)]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    return model, ws
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300], ids=["decode", "kernel", "blas"])
+def test_products_equal_numpy_for_every_row_count(rows):
+    model, ws = _three_projections()
+    sess = onnxkv.Session(model, threads=2)
+    assert [n.op_type for n in sess.plan.nodes] == ["SiblingMatMul"]
+    # the plan dropped its own copies of the packed weights
+    assert all(sess.plan._template[sess.plan.slot_of[name]] is None for name in ws)
+    x = np.random.default_rng(rows).standard_normal((1, rows, 32)).astype(np.float32)
+    out = sess.run({"x": x})
+    for i in (1, 2, 3):
+        y = out[f"y{i}"]
+        assert y.shape == (1, rows, ws[f"w{i}"].shape[1]) and y.flags.c_contiguous
+        np.testing.assert_allclose(y, x @ ws[f"w{i}"], rtol=1e-5, atol=1e-5)
+
+
+def test_run_time_weights_are_left_alone():
+    model, ws = _three_projections(weight_input=True)
+    sess = onnxkv.Session(model, threads=1)
+    fused = [n for n in sess.plan.nodes if n.op_type == "SiblingMatMul"]
+    assert len(fused) == 1 and list(fused[0].input) == ["x", "w1", "w3"]
+    assert [n.op_type for n in sess.plan.nodes].count("MatMul") == 1
+    x = np.random.default_rng(2).standard_normal((2, 3, 32)).astype(np.float32)
+    out = sess.run({"x": x, "w2": ws["w2"]})
+    for i in (1, 2, 3):
+        np.testing.assert_allclose(out[f"y{i}"], x @ ws[f"w{i}"], rtol=1e-5, atol=1e-5)
+
+
+def test_wrong_input_width_is_an_operator_error():
+    model = _three_projections()[0]
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "K"  # not checked when the input is bound
+    sess = onnxkv.Session(model, threads=1)
+    with pytest.raises(onnxkv.OperatorError, match="SiblingMatMul node .* float32 \\[\\.\\.\\., 32\\]"):
+        sess.plan.run({"x": np.ones((1, 2, 31), np.float32)})
