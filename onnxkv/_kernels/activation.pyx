@@ -2,12 +2,17 @@
 
 Arrays of any shape are accepted as long as they are C-contiguous and of equal
 shape; they are processed as flat 1-D vectors.  The caller owns ``out``; it may
-be one of the inputs (exact aliasing), partial overlap is rejected.
+be one of the inputs (exact aliasing), partial overlap is rejected.  Called
+several times per layer per decode step with 1-D arrays, so valid 1-D
+arguments are checked at C speed (``_act_fast``); any other call takes the
+Python checks, which name the bad argument.
 """
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+import numpy as np
+
 from . import _validate as V
 
 cdef extern from "simd.h" nogil:
@@ -36,7 +41,47 @@ cdef void _act(int mode, const real[::1] x, const real[::1] up, real[::1] out) n
             okv_act_f64(mode, &x[i0], &up[i0] if mode == 2 else NULL, &out[i0], m)
 
 
+cdef inline bint _same_or_disjoint(const void *a, const void *b, size_t nb) noexcept nogil:
+    """True when two ranges of ``nb`` bytes are the same memory or do not intersect."""
+    cdef const char *pa = <const char *>a
+    cdef const char *pb = <const char *>b
+    return pa == pb or pa + nb <= pb or pb + nb <= pa
+
+
+cdef bint _act_fast(real tag, int mode, x, up, out) except -1:
+    """Run activation ``mode`` when x, up (or None) and out are valid non-empty
+    1-D arrays, all checked at C speed (ndarrays whose typed buffers of dtype
+    ``real`` accept them -- dtype, native byte order, C-contiguity, a writeable
+    ``out`` --, lengths, address ranges: the conditions of the Python checks);
+    return False, with nothing written, to send the call through those checks.
+    ``tag`` only selects the dtype."""
+    cdef const real[::1] xv, uv
+    cdef real[::1] ov
+    if not (isinstance(x, np.ndarray) and isinstance(out, np.ndarray)
+            and (up is None or isinstance(up, np.ndarray))):
+        return False
+    try:
+        xv = x
+        uv = x if up is None else up
+        ov = out
+    except (ValueError, TypeError, BufferError):
+        return False
+    cdef Py_ssize_t n = xv.shape[0]
+    if n == 0 or uv.shape[0] != n or ov.shape[0] != n:
+        return False
+    cdef size_t nb = <size_t>n * sizeof(real)
+    if not (_same_or_disjoint(&ov[0], &xv[0], nb) and _same_or_disjoint(&ov[0], &uv[0], nb)):
+        return False
+    _act(mode, xv, uv, ov)
+    return True
+
+
 def _run(int mode, x, up, out):
+    if isinstance(x, np.ndarray):
+        if x.dtype is V.F32 and _act_fast(<float>0, mode, x, up, out):
+            return
+        if x.dtype is V.F64 and _act_fast(<double>0, mode, x, up, out):
+            return
     V.array("gate" if mode == 2 else "x", x, (V.F32, V.F64))
     xname = "gate" if mode == 2 else "x"
     if up is not None:

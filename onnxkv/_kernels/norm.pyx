@@ -2,11 +2,16 @@
 
 Ownership: the caller allocates every array; kernels only write ``out`` (and
 ``sum_out``).  All arguments are checked before anything is written.
+Both entry points run about twice per layer per decode step, so valid
+arguments are checked at C speed (``_rms_fast`` / ``_skip_rms_fast``); only a
+call those checks refuse takes the Python checks, which name the bad argument.
 """
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+import numpy as np
+
 from . import _validate as V
 
 cdef extern from "simd.h" nogil:
@@ -53,6 +58,91 @@ cdef void _skip_rms(const real[:, ::1] x, const real[:, ::1] skip, const real[::
                                  &sum_out[r, 0] if has_sum else NULL, n)
 
 
+cdef inline bint _disjoint(const void *a, size_t an, const void *b, size_t bn) noexcept nogil:
+    """True when the byte ranges [a, a + an) and [b, b + bn) do not intersect."""
+    cdef const char *pa = <const char *>a
+    cdef const char *pb = <const char *>b
+    return pa + an <= pb or pb + bn <= pa
+
+
+cdef inline bint _same_or_disjoint(const void *a, const void *b, size_t nb) noexcept nogil:
+    """True when two equal-sized ranges of ``nb`` bytes are the same memory or do not intersect."""
+    return a == b or _disjoint(a, nb, b, nb)
+
+
+cdef bint _rms_fast(real tag, x, gamma, eps, out) except -1:
+    """Run ``rms_norm`` when every argument is valid and x is not empty, all checked
+    at C speed (ndarrays whose typed buffers of dtype ``real`` accept them -- dtype,
+    native byte order, dimensions, C-contiguity, a writeable ``out`` --, shapes,
+    address ranges, a float ``eps`` >= 0: the conditions of the Python checks);
+    return False, with nothing written, to send the call through those checks.
+    ``tag`` only selects the dtype."""
+    cdef const real[:, ::1] xv
+    cdef const real[::1] gv
+    cdef real[:, ::1] ov
+    if not (isinstance(x, np.ndarray) and isinstance(gamma, np.ndarray) and isinstance(out, np.ndarray)
+            and isinstance(eps, float) and <double>eps >= 0.0):
+        return False
+    try:
+        xv = x
+        gv = gamma
+        ov = out
+    except (ValueError, TypeError, BufferError):
+        return False
+    cdef Py_ssize_t rows = xv.shape[0], n = xv.shape[1]
+    if rows == 0 or n == 0 or gv.shape[0] != n or ov.shape[0] != rows or ov.shape[1] != n:
+        return False
+    cdef size_t nb = <size_t>(rows * n) * sizeof(real)
+    if not (_same_or_disjoint(&ov[0, 0], &xv[0, 0], nb)
+            and _disjoint(&ov[0, 0], nb, &gv[0], <size_t>n * sizeof(real))):
+        return False
+    _rms(xv, gv, <double>eps, ov)
+    return True
+
+
+cdef bint _skip_rms_fast(real tag, x, skip, gamma, bias, eps, out, sum_out) except -1:
+    """Run ``skip_rms_norm`` when every argument is valid and x is not empty, all
+    checked at C speed like ``_rms_fast`` (including every overlap rule of the
+    Python checks); return False, with nothing written, to send the call through
+    those checks.  ``tag`` only selects the dtype."""
+    cdef const real[:, ::1] xv, kv
+    cdef const real[::1] gv, bv
+    cdef real[:, ::1] ov, sv
+    cdef bint has_bias = bias is not None, has_sum = sum_out is not None
+    if not (isinstance(x, np.ndarray) and isinstance(skip, np.ndarray) and isinstance(gamma, np.ndarray)
+            and isinstance(out, np.ndarray) and (not has_bias or isinstance(bias, np.ndarray))
+            and (not has_sum or isinstance(sum_out, np.ndarray)) and isinstance(eps, float)
+            and <double>eps >= 0.0):
+        return False
+    try:
+        xv = x
+        kv = skip
+        gv = gamma
+        ov = out
+        bv = bias if has_bias else gamma
+        sv = sum_out if has_sum else out
+    except (ValueError, TypeError, BufferError):
+        return False
+    cdef Py_ssize_t rows = xv.shape[0], n = xv.shape[1]
+    if rows == 0 or n == 0 or gv.shape[0] != n or bv.shape[0] != n:
+        return False
+    if kv.shape[0] != rows or kv.shape[1] != n or ov.shape[0] != rows or ov.shape[1] != n \
+            or sv.shape[0] != rows or sv.shape[1] != n:
+        return False
+    cdef size_t nb = <size_t>(rows * n) * sizeof(real), vb = <size_t>n * sizeof(real)
+    cdef const void *o = &ov[0, 0]
+    cdef const void *sp = &sv[0, 0]
+    if not (_same_or_disjoint(o, &xv[0, 0], nb) and _same_or_disjoint(o, &kv[0, 0], nb)
+            and _disjoint(o, nb, &gv[0], vb) and _disjoint(o, nb, &bv[0], vb)):
+        return False
+    if has_sum and not (_disjoint(sp, nb, o, nb) and _same_or_disjoint(sp, &xv[0, 0], nb)
+                        and _same_or_disjoint(sp, &kv[0, 0], nb) and _disjoint(sp, nb, &gv[0], vb)
+                        and _disjoint(sp, nb, &bv[0], vb)):
+        return False
+    _skip_rms(xv, kv, gv, bv, has_bias, <double>eps, ov, sv, has_sum)
+    return True
+
+
 def _check_eps(eps):
     eps = float(eps)
     if not eps >= 0.0:
@@ -68,6 +158,11 @@ def rms_norm(x, gamma, eps, out):
     overlap is rejected.  Returns None.  Raises ValueError (naming the argument)
     before writing anything when a check fails.
     """
+    if isinstance(x, np.ndarray):
+        if x.dtype is V.F32 and _rms_fast(<float>0, x, gamma, eps, out):
+            return
+        if x.dtype is V.F64 and _rms_fast(<double>0, x, gamma, eps, out):
+            return
     V.array("x", x, (V.F32, V.F64), ndim=2)
     V.array("gamma", gamma, (x.dtype,), ndim=1, shape=(x.shape[1],))
     V.array("out", out, (x.dtype,), shape=x.shape, writeable=True)
@@ -88,8 +183,15 @@ def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
     Same as com.microsoft.SkipSimplifiedLayerNormalization.  x, skip, out and
     sum_out: [rows, n]; gamma and bias (or None): [n]; one dtype (float32 or
     float64), C-contiguous.  ``out`` may be ``x`` or ``skip`` (exactly);
-    ``sum_out`` may be ``x`` or ``skip`` but must not overlap ``out``.
+    ``sum_out`` may be ``x`` or ``skip`` but must not overlap ``out``.  Returns
+    None.  Raises ValueError (naming the argument) before writing anything when
+    a check fails.
     """
+    if isinstance(x, np.ndarray):
+        if x.dtype is V.F32 and _skip_rms_fast(<float>0, x, skip, gamma, bias, eps, out, sum_out):
+            return
+        if x.dtype is V.F64 and _skip_rms_fast(<double>0, x, skip, gamma, bias, eps, out, sum_out):
+            return
     V.array("x", x, (V.F32, V.F64), ndim=2)
     V.array("skip", skip, (x.dtype,), shape=x.shape)
     V.array("gamma", gamma, (x.dtype,), ndim=1, shape=(x.shape[1],))

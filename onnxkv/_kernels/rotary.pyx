@@ -3,11 +3,16 @@
 x, out: [batch, seq, heads, head_size]; cos, sin: [max_pos, rotary_dim // 2];
 positions: [batch, seq] int64.  The first rotary_dim = 2 * cos.shape[1] dims of
 each head are rotated, the rest are copied.  ``out`` may be ``x`` (in place).
+Called for q and k of every layer at each decode step, so valid arguments are
+checked at C speed (``_rope_fast``); only a call those checks refuse takes the
+Python checks, which name the bad argument.
 """
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+import numpy as np
+
 from . import _validate as V
 
 cdef extern from "simd.h" nogil:
@@ -33,6 +38,58 @@ cdef void _rope(const float[:, :, :, ::1] x, const float[:, ::1] cos, const floa
                          interleaved, simd)
 
 
+cdef inline bint _disjoint(const void *a, size_t an, const void *b, size_t bn) noexcept nogil:
+    """True when the byte ranges [a, a + an) and [b, b + bn) do not intersect."""
+    cdef const char *pa = <const char *>a
+    cdef const char *pb = <const char *>b
+    return pa + an <= pb or pb + bn <= pa
+
+
+cdef bint _rope_fast(x, cos, sin, positions, interleaved, out) except -1:
+    """Run ``rotary_embedding`` when every argument is valid, x is not empty and
+    cos has rows and columns, all checked at C speed (ndarrays whose typed
+    buffers accept them -- dtype, native byte order, dimensions, C-contiguity, a
+    writeable ``out`` --, shapes, address ranges, every position in
+    [0, max_pos): the conditions of the Python checks); return False, with
+    nothing written, to send the call through those checks."""
+    cdef const float[:, :, :, ::1] xv
+    cdef const float[:, ::1] cv, sv
+    cdef const int64_t[:, ::1] pv
+    cdef float[:, :, :, ::1] ov
+    cdef Py_ssize_t d, b, s
+    if not (isinstance(x, np.ndarray) and isinstance(cos, np.ndarray) and isinstance(sin, np.ndarray)
+            and isinstance(positions, np.ndarray) and isinstance(out, np.ndarray)):
+        return False
+    try:
+        xv = x
+        cv = cos
+        sv = sin
+        pv = positions
+        ov = out
+    except (ValueError, TypeError, BufferError):
+        return False
+    cdef Py_ssize_t max_pos = cv.shape[0], half = cv.shape[1]
+    if max_pos == 0 or half == 0 or sv.shape[0] != max_pos or sv.shape[1] != half \
+            or pv.shape[0] != xv.shape[0] or pv.shape[1] != xv.shape[1] or 2 * half > xv.shape[3]:
+        return False
+    for d in range(4):
+        if xv.shape[d] == 0 or ov.shape[d] != xv.shape[d]:
+            return False
+    for b in range(pv.shape[0]):
+        for s in range(pv.shape[1]):
+            if pv[b, s] < 0 or pv[b, s] >= max_pos:
+                return False
+    cdef size_t nb = <size_t>(xv.shape[0] * xv.shape[1] * xv.shape[2] * xv.shape[3]) * sizeof(float)
+    cdef size_t tb = <size_t>(max_pos * half) * sizeof(float)
+    cdef const void *o = &ov[0, 0, 0, 0]
+    cdef const void *xp = &xv[0, 0, 0, 0]
+    if not ((o == xp or _disjoint(o, nb, xp, nb)) and _disjoint(o, nb, &cv[0, 0], tb)
+            and _disjoint(o, nb, &sv[0, 0], tb)):
+        return False
+    _rope(xv, cv, sv, pv, 1 if interleaved else 0, ov)
+    return True
+
+
 def rotary_embedding(x, cos, sin, positions, interleaved, out):
     """Apply rotary embedding; writes ``out`` only.
 
@@ -42,6 +99,8 @@ def rotary_embedding(x, cos, sin, positions, interleaved, out):
     Raises ValueError (before writing) for bad shapes/dtypes or a position outside
     [0, max_pos).
     """
+    if _rope_fast(x, cos, sin, positions, interleaved, out):
+        return
     V.array("x", x, (V.F32,), ndim=4)
     V.array("cos", cos, (V.F32,), ndim=2)
     V.array("sin", sin, (V.F32,), shape=cos.shape)

@@ -33,3 +33,31 @@ def assert_close(got, want, dtype=None, scale=1.0):
     tol = dict(TOL[np.dtype(dtype or got.dtype)])
     tol["atol"] = tol["atol"] * scale
     np.testing.assert_allclose(got, want, **tol)
+
+
+@pytest.fixture
+def python_checks(monkeypatch):
+    """List of the argument names passed to the Python array check
+    (``_validate.array``) by kernel wrappers while the test runs: empty when a
+    call was fully checked at C speed."""
+    from onnxkv._kernels import _validate as V
+
+    names = []
+    check = V.array
+
+    def counting(name, *args, **kwargs):
+        names.append(name)
+        return check(name, *args, **kwargs)
+
+    monkeypatch.setattr(V, "array", counting)
+    return names
+
+
+def assert_refused(call, message, *untouched):
+    """``call()`` raises ValueError with exactly ``message`` and leaves the arrays ``untouched`` as they were."""
+    before = [a.copy() for a in untouched]
+    with pytest.raises(ValueError) as err:
+        call()
+    assert str(err.value) == message
+    for a, b in zip(untouched, before):
+        np.testing.assert_array_equal(a, b)

@@ -4,7 +4,7 @@ import pytest
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 
-from .conftest import assert_close, rand
+from .conftest import assert_close, assert_refused, rand
 
 SIZES = [1, 7, 33, 4096, 70001]
 
@@ -57,3 +57,57 @@ def test_activation_bad_args():
     with pytest.raises(ValueError, match="out"):
         K.silu_mul(g, g, np.empty(8, np.float64))
     assert np.all(out == 3.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_activation_valid_calls_skip_python_checks(dtype, python_checks):
+    """Valid 1-D calls (with or without aliasing) are checked in C and give the
+    reference result; N-D arrays take the Python checks."""
+    rng = np.random.default_rng(41)
+    gate, up = rand(rng, (50,), dtype, 4.0), rand(rng, (50,), dtype)
+    for name in ("sigmoid", "silu"):
+        out, want, inplace = np.empty_like(gate), np.empty_like(gate), gate.copy()
+        getattr(K, name)(gate, out)
+        getattr(K, name)(inplace, inplace)
+        getattr(R, name)(gate, want)
+        assert_close(out, want)
+        assert_close(inplace, want)
+    out, want, inplace = np.empty_like(gate), np.empty_like(gate), up.copy()
+    K.silu_mul(gate, up, out)
+    K.silu_mul(gate, inplace, inplace)
+    R.silu_mul(gate, up, want)
+    assert_close(out, want, scale=4.0)
+    assert_close(inplace, want, scale=4.0)
+    assert python_checks == []
+    K.silu_mul(gate.reshape(5, 10), up.reshape(5, 10), out.reshape(5, 10))
+    assert_close(out, want, scale=4.0)
+    assert python_checks[0] == "gate"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_activation_fast_checks_defer_to_named_errors(dtype):
+    """Every argument the C checks refuse gets today's Python error, nothing written."""
+    rng = np.random.default_rng(42)
+    d = np.dtype(dtype)
+    swapped = d.newbyteorder()
+    g, u = rand(rng, (16,), dtype), rand(rng, (16,), dtype)
+    out = np.full(16, 3.0, dtype)
+    readonly = out.copy()
+    readonly.flags.writeable = False
+    buf = rand(rng, (20,), dtype)               # x or up = buf[:16], out = buf[4:]: partial overlap
+    cases = [
+        (lambda: K.silu(g.astype(swapped), out), f"x: dtype {swapped} is not supported (expected float32, float64)"),
+        (lambda: K.sigmoid(g.tolist(), out), "x: expected a numpy.ndarray, got list"),
+        (lambda: K.silu(rand(rng, (32,), dtype)[::2], out), "x: array must be C-contiguous"),
+        (lambda: K.silu_mul(g, u.astype(swapped), out), f"up: dtype {swapped} is not supported (expected {d})"),
+        (lambda: K.silu_mul(g, u[:15], out), "up: expected shape (16,), got (15,)"),
+        (lambda: K.silu_mul(g, u, readonly), "out: array must be writeable"),
+        (lambda: K.silu_mul(g, u, memoryview(out)), "out: expected a numpy.ndarray, got memoryview"),
+        (lambda: K.sigmoid(g, rand(rng, (32,), dtype)[::2]), "out: array must be C-contiguous"),
+        (lambda: K.silu(g, out[:8]), "out: expected shape (16,), got (8,)"),
+        (lambda: K.silu(buf[:16], buf[4:]), "out: must not overlap x (only exact aliasing is allowed)"),
+        (lambda: K.silu_mul(buf[:16], u, buf[4:]), "out: must not overlap gate (only exact aliasing is allowed)"),
+        (lambda: K.silu_mul(g, buf[:16], buf[4:]), "out: must not overlap up (only exact aliasing is allowed)"),
+    ]
+    for call, message in cases:
+        assert_refused(call, message, out, buf)

@@ -4,7 +4,7 @@ import pytest
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 
-from .conftest import assert_close, rand
+from .conftest import assert_close, assert_refused, rand
 
 SHAPES = [(1, 1), (3, 7), (5, 33), (2, 4096), (64, 1000)]
 
@@ -100,3 +100,89 @@ def test_empty_is_noop():
     out = np.empty_like(x)
     K.rms_norm(x, np.ones(8, np.float32), 1e-6, out)
     assert out.shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_norm_valid_calls_skip_python_checks(dtype, python_checks, tmp_path):
+    """Valid calls (in place, aliasing, ndarray subclasses) are checked in C and
+    give the reference result; an int eps or a 0-row x takes the Python checks."""
+    rng = np.random.default_rng(21)
+    x, skip, g, b = rand(rng, (3, 40), dtype), rand(rng, (3, 40), dtype), rand(rng, (40,), dtype), \
+        rand(rng, (40,), dtype)
+    mapped = np.memmap(tmp_path / "x.bin", dtype=dtype, mode="w+", shape=x.shape)
+    mapped[...] = x
+    out, want = np.empty_like(x), np.empty_like(x)
+    K.rms_norm(mapped, g, 1e-5, out)
+    R.rms_norm(x, g, 1e-5, want)
+    assert_close(out, want)
+    s_out, s_want, inplace = np.empty_like(x), np.empty_like(x), skip.copy()
+    K.skip_rms_norm(x, inplace, g, b, 1e-5, inplace, s_out)
+    R.skip_rms_norm(x, skip, g, b, 1e-5, want, s_want)
+    assert_close(inplace, want)
+    assert_close(s_out, s_want)
+    assert python_checks == []
+    K.rms_norm(x, g, 1, out)
+    R.rms_norm(x, g, 1.0, want)
+    assert_close(out, want)
+    assert python_checks[0] == "x"
+    python_checks.clear()
+    K.skip_rms_norm(x[:0], skip[:0], g, None, 1e-5, out[:0], None)
+    assert python_checks[0] == "x"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_norm_fast_checks_defer_to_named_errors(dtype):
+    """Every argument the C checks refuse gets today's Python error, nothing written."""
+    rng = np.random.default_rng(22)
+    d = np.dtype(dtype)
+    x, skip, g, b = rand(rng, (4, 8), dtype), rand(rng, (4, 8), dtype), rand(rng, (8,), dtype), rand(rng, (8,), dtype)
+    out, s_out = np.full((4, 8), 3.0, dtype), np.full((4, 8), 5.0, dtype)
+    swapped = d.newbyteorder()
+    readonly = out.copy()
+    readonly.flags.writeable = False
+    fortran = np.asfortranarray(rand(rng, (4, 8), dtype))
+    buf = rand(rng, (5, 8), dtype)           # out = buf[1:] overlaps x = buf[:4] partially
+    flat = rand(rng, (40,), dtype)           # out = flat[:32] holds flat[24:32] (gamma / bias)
+    shared_out, shared_vec = flat[:32].reshape(4, 8), flat[24:32]
+    rms = [
+        (lambda: K.rms_norm(x.astype(swapped), g, 1e-6, out),
+         f"x: dtype {swapped} is not supported (expected float32, float64)"),
+        (lambda: K.rms_norm(x.tolist(), g, 1e-6, out), "x: expected a numpy.ndarray, got list"),
+        (lambda: K.rms_norm(fortran, g, 1e-6, out), "x: array must be C-contiguous"),
+        (lambda: K.rms_norm(x, g.astype(swapped), 1e-6, out),
+         f"gamma: dtype {swapped} is not supported (expected {d})"),
+        (lambda: K.rms_norm(x, g[:7], 1e-6, out), "gamma: expected shape (8,), got (7,)"),
+        (lambda: K.rms_norm(x, g, 1e-6, readonly), "out: array must be writeable"),
+        (lambda: K.rms_norm(x, g, 1e-6, memoryview(out)), "out: expected a numpy.ndarray, got memoryview"),
+        (lambda: K.rms_norm(x, g, 1e-6, np.asfortranarray(out)), "out: array must be C-contiguous"),
+        (lambda: K.rms_norm(x, g, 1e-6, out[:, :4]), "out: expected shape (4, 8), got (4, 4)"),
+        (lambda: K.rms_norm(buf[:4], g, 1e-6, buf[1:]),
+         "out: must not overlap x (only exact aliasing is allowed)"),
+        (lambda: K.rms_norm(x, shared_vec, 1e-6, shared_out), "out: must not overlap gamma"),
+        (lambda: K.rms_norm(x, g, float("nan"), out), "eps: must be >= 0, got nan"),
+        (lambda: K.rms_norm(x, g, -1e-6, out), "eps: must be >= 0, got -1e-06"),
+    ]
+    skip_rms = [
+        (lambda: K.skip_rms_norm(x, skip.astype(swapped), g, b, 1e-6, out, s_out),
+         f"skip: dtype {swapped} is not supported (expected {d})"),
+        (lambda: K.skip_rms_norm(x, fortran, g, b, 1e-6, out, s_out), "skip: array must be C-contiguous"),
+        (lambda: K.skip_rms_norm(x, skip, g, b[:7], 1e-6, out, s_out), "bias: expected shape (8,), got (7,)"),
+        (lambda: K.skip_rms_norm(x, skip, g, b.tolist(), 1e-6, out, s_out),
+         "bias: expected a numpy.ndarray, got list"),
+        (lambda: K.skip_rms_norm(x, skip, g, b, 1e-6, out, readonly), "sum_out: array must be writeable"),
+        (lambda: K.skip_rms_norm(x, skip, g, b, 1e-6, out, out), "sum_out: must not overlap out"),
+        (lambda: K.skip_rms_norm(buf[:4], skip, g, b, 1e-6, out, buf[1:]),
+         "sum_out: must not overlap x (only exact aliasing is allowed)"),
+        (lambda: K.skip_rms_norm(x, buf[:4], g, b, 1e-6, out, buf[1:]),
+         "sum_out: must not overlap skip (only exact aliasing is allowed)"),
+        (lambda: K.skip_rms_norm(x, skip, shared_vec, b, 1e-6, out, shared_out), "sum_out: must not overlap gamma"),
+        (lambda: K.skip_rms_norm(x, skip, g, shared_vec, 1e-6, out, shared_out), "sum_out: must not overlap bias"),
+        (lambda: K.skip_rms_norm(x, buf[:4], g, None, 1e-6, buf[1:], None),
+         "out: must not overlap skip (only exact aliasing is allowed)"),
+        (lambda: K.skip_rms_norm(buf[:4], skip, g, None, 1e-6, buf[1:], s_out),
+         "out: must not overlap x (only exact aliasing is allowed)"),
+        (lambda: K.skip_rms_norm(x, skip, g, shared_vec, 1e-6, shared_out, None), "out: must not overlap bias"),
+        (lambda: K.skip_rms_norm(x, skip, g, b, -1.0, out, s_out), "eps: must be >= 0, got -1.0"),
+    ]
+    for call, message in rms + skip_rms:
+        assert_refused(call, message, out, s_out, buf, flat)

@@ -4,7 +4,7 @@ import pytest
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 
-from .conftest import assert_close, rand
+from .conftest import assert_close, assert_refused, rand
 
 
 def _tables(rng, max_pos, half):
@@ -69,3 +69,67 @@ def test_rotary_bad_shapes():
         with pytest.raises(ValueError, match=name):
             call()
     assert np.all(out == 9.0)
+
+
+def test_rotary_valid_calls_skip_python_checks(python_checks):
+    """Valid calls (in place or not) are checked in C and give the reference
+    result; empty tables (copy only) take the Python checks."""
+    rng = np.random.default_rng(31)
+    x = rand(rng, (2, 3, 4, 32))
+    cos, sin = _tables(rng, 12, 12)
+    pos = rng.integers(0, 12, (2, 3)).astype(np.int64)
+    for interleaved in (False, True):
+        out, want, inplace = np.empty_like(x), np.empty_like(x), x.copy()
+        K.rotary_embedding(x, cos, sin, pos, interleaved, out)
+        K.rotary_embedding(inplace, cos, sin, pos, interleaved, inplace)
+        R.rotary_embedding(x, cos, sin, pos, interleaved, want)
+        assert_close(out, want)
+        assert_close(inplace, want)
+    assert python_checks == []
+    out = np.empty_like(x)
+    K.rotary_embedding(x, cos[:, :0], sin[:, :0], pos, False, out)
+    np.testing.assert_array_equal(out, x)
+    assert python_checks[0] == "x"
+
+
+def test_rotary_fast_checks_defer_to_named_errors():
+    """Every argument the C checks refuse gets today's Python error, nothing written."""
+    rng = np.random.default_rng(32)
+    x = rand(rng, (1, 3, 2, 16))
+    cos, sin = _tables(rng, 10, 8)
+    pos = np.array([[0, 4, 9]], np.int64)
+    out = np.full_like(x, 9.0)
+    readonly = out.copy()
+    readonly.flags.writeable = False
+    buf = rand(rng, (2, 3, 2, 16))                  # x = buf[:1], out = buf.reshape(-1)[8:104]: partial overlap
+    table = rand(rng, (10 * 8 + 96,))               # cos or sin = table[:80], out = table[80 - 8:]
+    shared_out, shared_tab = table[72:168].reshape(x.shape), table[:80].reshape(10, 8)
+    narrow, narrow_out = rand(rng, (1, 3, 2, 8)), np.full((1, 3, 2, 8), 9.0, np.float32)
+    cases = [
+        (lambda: K.rotary_embedding(x.astype(">f4"), cos, sin, pos, False, out),
+         "x: dtype >f4 is not supported (expected float32)"),
+        (lambda: K.rotary_embedding(x.tolist(), cos, sin, pos, False, out), "x: expected a numpy.ndarray, got list"),
+        (lambda: K.rotary_embedding(np.asfortranarray(x), cos, sin, pos, False, out),
+         "x: array must be C-contiguous"),
+        (lambda: K.rotary_embedding(x, cos.astype(">f4"), sin, pos, False, out),
+         "cos: dtype >f4 is not supported (expected float32)"),
+        (lambda: K.rotary_embedding(x, cos, np.asfortranarray(sin), pos, False, out),
+         "sin: array must be C-contiguous"),
+        (lambda: K.rotary_embedding(x, cos, sin, pos.astype(">i8"), False, out),
+         "positions: dtype >i8 is not supported (expected int64)"),
+        (lambda: K.rotary_embedding(x, cos, sin, np.array([[0, 10, 2]]), False, out),
+         "positions: values must be in [0, 10), got range [0, 10]"),
+        (lambda: K.rotary_embedding(x, cos, sin, np.array([[0, -3, 2]]), False, out),
+         "positions: values must be in [0, 10), got range [-3, 2]"),
+        (lambda: K.rotary_embedding(x, cos, sin, pos, False, readonly), "out: array must be writeable"),
+        (lambda: K.rotary_embedding(x, cos, sin, pos, False, memoryview(out)),
+         "out: expected a numpy.ndarray, got memoryview"),
+        (lambda: K.rotary_embedding(buf[:1], cos, sin, pos, False, buf.reshape(-1)[8:104].reshape(x.shape)),
+         "out: must not overlap x (only exact aliasing is allowed)"),
+        (lambda: K.rotary_embedding(x, shared_tab, sin, pos, False, shared_out), "out: must not overlap cos"),
+        (lambda: K.rotary_embedding(x, cos, shared_tab, pos, False, shared_out), "out: must not overlap sin"),
+        (lambda: K.rotary_embedding(narrow, cos, sin, pos, False, narrow_out),
+         "cos: rotary_dim 2*8 exceeds head_size 8"),
+    ]
+    for call, message in cases:
+        assert_refused(call, message, out, buf, table, narrow_out)
