@@ -48,6 +48,8 @@ with the registered kernels.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnx
 
@@ -57,7 +59,7 @@ from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["MaskedAttention", "mask_ranges", "MASKED"]
+__all__ = ["MaskedAttention", "mask_ranges", "cached_mask_ranges", "MASKED"]
 
 #: Additive mask values at or below this hide a key (float32 min and -inf included).
 MASKED = -1e30
@@ -104,6 +106,30 @@ def mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarray, n
     return (np.ascontiguousarray(np.broadcast_to(start, (b,)), dtype=np.int32),
             np.ascontiguousarray(np.broadcast_to(q_pos, (b, s)), dtype=np.int32),
             np.broadcast_to(~filled, (b, s)))
+
+
+#: Per thread: the last mask that mask_ranges described (key, copy of the mask, result).
+_LAST_MASK = threading.local()
+
+
+def cached_mask_ranges(mask: np.ndarray, b: int, s: int, t: int):
+    """:func:`mask_ranges`, reusing the result of the previous call on this thread when ``mask`` holds the
+    same values (same shape, dtype and elements; ``b``, ``s`` and ``t`` equal).
+
+    Exports build one additive mask per run and every layer's attention reads
+    it, so the layers after the first compare the mask (one pass over it)
+    instead of describing it again (about twenty passes).  The cache keeps a
+    copy of the mask it described, so a buffer the plan reuses for another
+    value can never be mistaken for it.  The returned arrays are shared
+    between calls and must not be written.
+    """
+    key = (mask.shape, mask.dtype, b, s, t)
+    last = getattr(_LAST_MASK, "entry", None)
+    if last is not None and last[0] == key and np.array_equal(last[1], mask):
+        return last[2]
+    ranges = mask_ranges(mask, b, s, t)
+    _LAST_MASK.entry = (key, mask.copy(), ranges)
+    return ranges
 
 
 def _kv_rows(x: np.ndarray) -> np.ndarray:
@@ -188,7 +214,7 @@ class MaskedAttention(Op):
             return None
         scale = k_scale / score_scale if self.score_div else k_scale * score_scale
         b, _, s, _ = q.shape
-        ranges = mask_ranges(mask, b, s, k.shape[2])
+        ranges = cached_mask_ranges(mask, b, s, k.shape[2])
         if ranges is None or not np.isfinite(scale):
             return None
         return (np.ascontiguousarray(q), _kv_rows(k), _kv_rows(v), scale, *ranges)

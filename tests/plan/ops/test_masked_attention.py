@@ -194,6 +194,20 @@ def test_mask_ranges_describe_exactly_the_visible_keys():
     assert ma.mask_ranges(np.zeros((1, 1, 1, 3), np.float64), 1, 1, 3) is None
 
 
+def test_cached_mask_ranges_reuse_only_an_equal_mask(monkeypatch):
+    calls = []
+    real = ma.mask_ranges
+    monkeypatch.setattr(ma, "mask_ranges", lambda *a: calls.append(a) or real(*a))
+    buf = np.array([[[[FMIN, 0, 0, 0]]]], np.float32)
+    first = ma.cached_mask_ranges(buf, 1, 1, 4)
+    assert ma.cached_mask_ranges(buf.copy(), 1, 1, 4) is first and len(calls) == 1  # equal values: reused
+    buf[..., 1] = FMIN  # the same buffer holding another mask (a reused plan buffer) is described again
+    kv_start, q_pos, _ = ma.cached_mask_ranges(buf, 1, 1, 4)
+    assert len(calls) == 2 and kv_start.tolist() == [2] and q_pos.tolist() == [[3]]
+    ma.cached_mask_ranges(buf, 2, 1, 4)  # another batch size: described again
+    assert len(calls) == 3 and ma.cached_mask_ranges(buf.astype(np.float64), 2, 1, 4) is None
+
+
 def test_a_cache_prefix_view_is_read_in_place():
     rng = np.random.default_rng(8)
     buf = rng.standard_normal((2, 3, 16, 4)).astype(np.float32)
