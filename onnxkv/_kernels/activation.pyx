@@ -11,6 +11,7 @@ from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._ranges cimport _same_or_disjoint
 import numpy as np
 
 from . import _validate as V
@@ -39,13 +40,6 @@ cdef void _act(int mode, const real[::1] x, const real[::1] up, real[::1] out) n
             okv_act_f32(mode, &x[i0], &up[i0] if mode == 2 else NULL, &out[i0], m, simd)
         else:
             okv_act_f64(mode, &x[i0], &up[i0] if mode == 2 else NULL, &out[i0], m)
-
-
-cdef inline bint _same_or_disjoint(const void *a, const void *b, size_t nb) noexcept nogil:
-    """True when two ranges of ``nb`` bytes are the same memory or do not intersect."""
-    cdef const char *pa = <const char *>a
-    cdef const char *pb = <const char *>b
-    return pa == pb or pa + nb <= pb or pb + nb <= pa
 
 
 cdef bint _act_fast(real tag, int mode, x, up, out) except -1:

@@ -22,6 +22,7 @@ from libc.stdlib cimport free, malloc
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._ranges cimport _disjoint
 import numpy as np
 
 from . import _validate as V
@@ -223,13 +224,6 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
     for t in prange(nt, num_threads=nt, schedule='static'):
         okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], P * t // nt, P * (t + 1) // nt,
                               isa)
-
-
-cdef inline bint _disjoint(const void *a, size_t an, const void *b, size_t bn) noexcept nogil:
-    """True when the byte ranges [a, a + an) and [b, b + bn) do not intersect."""
-    cdef const char *pa = <const char *>a
-    cdef const char *pb = <const char *>b
-    return pa + an <= pb or pb + bn <= pa
 
 
 cdef bint _packed_fast(x, wp, out, bias) except -1:

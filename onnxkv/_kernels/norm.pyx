@@ -10,6 +10,7 @@ from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._ranges cimport _disjoint, _same_or_disjoint
 import numpy as np
 
 from . import _validate as V
@@ -56,18 +57,6 @@ cdef void _skip_rms(const real[:, ::1] x, const real[:, ::1] skip, const real[::
         else:
             okv_skip_rms_row_f64(&x[r, 0], &skip[r, 0], bp, &g[0], eps, &out[r, 0],
                                  &sum_out[r, 0] if has_sum else NULL, n)
-
-
-cdef inline bint _disjoint(const void *a, size_t an, const void *b, size_t bn) noexcept nogil:
-    """True when the byte ranges [a, a + an) and [b, b + bn) do not intersect."""
-    cdef const char *pa = <const char *>a
-    cdef const char *pb = <const char *>b
-    return pa + an <= pb or pb + bn <= pa
-
-
-cdef inline bint _same_or_disjoint(const void *a, const void *b, size_t nb) noexcept nogil:
-    """True when two equal-sized ranges of ``nb`` bytes are the same memory or do not intersect."""
-    return a == b or _disjoint(a, nb, b, nb)
 
 
 cdef bint _rms_fast(real tag, x, gamma, eps, out) except -1:

@@ -11,6 +11,7 @@ from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._ranges cimport _disjoint
 import numpy as np
 
 from . import _validate as V
@@ -36,13 +37,6 @@ cdef void _rope(const float[:, :, :, ::1] x, const float[:, ::1] cos, const floa
         p = pos[b, s]
         okv_rope_row_f32(&x[b, s, h, 0], &cos[p, 0], &sin[p, 0], &out[b, s, h, 0], half, D,
                          interleaved, simd)
-
-
-cdef inline bint _disjoint(const void *a, size_t an, const void *b, size_t bn) noexcept nogil:
-    """True when the byte ranges [a, a + an) and [b, b + bn) do not intersect."""
-    cdef const char *pa = <const char *>a
-    cdef const char *pb = <const char *>b
-    return pa + an <= pb or pb + bn <= pa
 
 
 cdef bint _rope_fast(x, cos, sin, positions, interleaved, out) except -1:
