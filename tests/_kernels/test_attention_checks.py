@@ -37,14 +37,6 @@ def validate_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
-def threads(request):
-    old = K.get_num_threads()
-    K.set_num_threads(request.param)
-    yield request.param
-    K.set_num_threads(old)
-
-
 # ---------------------------------------------------------------- attention: valid calls
 
 def _kv(rng, dtype, shape):
