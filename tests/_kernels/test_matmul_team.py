@@ -42,20 +42,14 @@ def test_solo_products_equal_team_products(two_threads, M):
     np.testing.assert_allclose(team, want, rtol=1e-5, atol=1e-5)
 
 
-def test_switched_off_keeps_the_team(two_threads):
+@pytest.mark.parametrize("enabled, k, n", [(False, 256, 400), (True, 16, 32)], ids=["switched-off", "small"])
+def test_count_kept_when_not_counting_down(two_threads, enabled, k, n):
+    """With the switch off (the team runs), or for a product below the parallel
+    threshold (one thread anyway), the products left to run alone stay as set."""
     rng = np.random.default_rng(52)
-    x, wp = rand(rng, (1, 256)), MM.pack_weight(rand(rng, (256, 400)))
-    out = np.empty((1, 400), np.float32)
-    MM._set_adaptive(False, solo=5)
+    x, wp = rand(rng, (1, k)), MM.pack_weight(rand(rng, (k, n)))
+    out = np.full((1, n), np.nan, np.float32)
+    MM._set_adaptive(enabled, solo=5)
     MM.matmul_packed(x, wp, out)
-    assert MM._set_adaptive(True) == (False, 5)      # nothing counted down: the team ran
-
-
-def test_small_products_do_not_count_down(two_threads):
-    """Products below the parallel threshold run alone anyway and leave the count as it is."""
-    rng = np.random.default_rng(53)
-    x, wp = rand(rng, (1, 16)), MM.pack_weight(rand(rng, (16, 32)))
-    out = np.empty((1, 32), np.float32)
-    MM._set_adaptive(True, solo=4)
-    MM.matmul_packed(x, wp, out)
-    assert MM._set_adaptive(True) == (True, 4)
+    assert MM._set_adaptive(True) == (enabled, 5)
+    assert np.isfinite(out).all()
