@@ -36,13 +36,30 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import onnx
 from onnx import helper
 
 __all__ = ["fuse_silu_gate", "fuse_repeat_kv_matmul", "fuse_masked_attention", "MASKED_ATTENTION_INPUTS",
-           "FUSED_DOMAIN", "fused_with_body", "graph_index", "default_op"]
+           "FUSED_DOMAIN", "fused_with_body", "graph_index", "default_op", "REPEAT_KV_INPUTS", "RESHAPE_FROM_X",
+           "reshape_from_x"]
 
 FUSED_DOMAIN = "ai.onnxkv"
+
+#: Input positions of each repeat_kv a fused operator reads: (x, axes, expand shape, reshape target), the
+#: target reshaping ``Expand(Unsqueeze(x, axes), expand shape)``.
+REPEAT_KV_INPUTS = {"RepeatKvMatMul": ((1, 2, 3, 4),), "RepeatKvShape": ((0, 1, 2, 3),),
+                    "MaskedAttention": ((1, 4, 5, 6), (2, 7, 8, 9))}
+#: Attribute (ints) of ``RepeatKvMatMul`` / ``MaskedAttention``: reshape-target input positions holding a
+#: *template* whose 0 entries stand for x's own dim at the same position (written by
+#: :meth:`onnxkv.plan.shape_fold.ShapeFolder.rewrite` when it proves the run-time target equals that).
+RESHAPE_FROM_X = "reshape_from_x"
+
+
+def reshape_from_x(template: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The reshape target a template of :data:`RESHAPE_FROM_X` stands for: its 0 entries replaced by
+    ``x.shape`` at the same positions (int64 [len(template)]; ``x`` has that rank)."""
+    return np.where(template == 0, np.array(x.shape[:template.size], dtype=np.int64), template)
 
 
 def fuse_silu_gate(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:

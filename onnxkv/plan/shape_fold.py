@@ -28,7 +28,9 @@ lengths) read again and again.  :class:`ShapeFolder` removes that work while
    equal to the data's own dim at that position becomes 0 (copy), an
    ``Expand`` shape entry (also the expand shape of the fused repeat_kv
    operators) equal to the aligned dim becomes 1, when that makes the whole
-   target constant.
+   target constant.  The reshape target of the fused repeat_kv operators
+   (``[B, heads, T, D]`` read from the cache's own shape) becomes a constant
+   template over the repeated tensor's dims (:data:`~onnxkv.plan.fusion.RESHAPE_FROM_X`).
 4. **Common subexpressions and dead shape nodes**: two deterministic nodes
    with the same operator, attributes and inputs (small constants compared by
    value) compute the same value, so the later one is dropped and its readers
@@ -51,6 +53,7 @@ import onnx
 
 from onnxkv.errors import ModelError
 from onnxkv.model.shape_inference import _light_model
+from onnxkv.plan.fusion import RESHAPE_FROM_X, REPEAT_KV_INPUTS
 
 __all__ = ["ShapeFolder", "static_dims"]
 
@@ -58,10 +61,11 @@ __all__ = ["ShapeFolder", "static_dims"]
 Entry = int | str | None
 #: Constants with at most this many elements are compared by value when merging nodes.
 _FINGERPRINT_LIMIT = 64
-#: Fused repeat_kv operators: (x, axes, expand shape) input positions; the shape expands Unsqueeze(x, axes).
-_REPEAT_INPUTS = {"RepeatKvMatMul": ((1, 2, 3),), "RepeatKvShape": ((0, 1, 2),), "MaskedAttention": ((1, 4, 5), (2, 7, 8))}
-#: Where a fused node's body may read a rewritten expand shape: the RepeatKvMatMul expand input.
-_BODY_EXPAND_POSITION = {"RepeatKvMatMul": 3}
+#: Where a fused node's body may read a rewritten expand shape / reshape target: the RepeatKvMatMul inputs.
+_BODY_EXPAND_POSITION = {"RepeatKvMatMul": REPEAT_KV_INPUTS["RepeatKvMatMul"][0][2]}
+_BODY_RESHAPE_POSITION = {"RepeatKvMatMul": REPEAT_KV_INPUTS["RepeatKvMatMul"][0][3]}
+#: Fused operators whose reshape target may become a template (:data:`~onnxkv.plan.fusion.RESHAPE_FROM_X`).
+_TEMPLATE_OPS = ("RepeatKvMatMul", "MaskedAttention")
 #: Operators that draw random numbers when an input says so (not merged unless they only compute shapes).
 _RANDOM_WHEN_TRAINING = {"Dropout"}
 #: Element types of partial values: "i" int64 (shape entries), "b" bool (comparisons of them).
@@ -264,36 +268,71 @@ class ShapeFolder:
         * ``Expand(x, shape)`` and the expand shape of the repeat_kv fusions
           (``ai.onnxkv::RepeatKvMatMul``/``RepeatKvShape``/``MaskedAttention``,
           applied to ``Unsqueeze(x, axes)``): an entry equal to the aligned dim
-          of the expanded tensor becomes 1.
+          of the expanded tensor becomes 1;
+        * the reshape target of ``ai.onnxkv::RepeatKvMatMul``/``MaskedAttention``
+          whose entries are constants (not 0) or equal to the repeated
+          tensor's own dim at the same position becomes a template: those dims
+          become 0 and the position is listed in the node's
+          :data:`~onnxkv.plan.fusion.RESHAPE_FROM_X` attribute (the operator
+          rebuilds the exact target from the tensor's shape).
 
         Applied only when every run-time entry is replaced, so the shape
         computation can be dropped (:meth:`prune`).
         """
         op, dom = node.op_type, node.domain
-        targets: list[tuple[int, np.ndarray]] = []
+        # (input position, new constant, where the body may read the input, whether it is a template)
+        targets: list[tuple[int, np.ndarray | None, dict[str, int], bool]] = []
         if dom in ("", "ai.onnx") and op == "Reshape" and len(node.input) == 2 and not _attr(node, "allowzero", 0):
-            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 0, constants)))
+            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 0, constants), {}, False))
         elif dom in ("", "ai.onnx") and op == "Expand" and len(node.input) == 2:
-            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 1, constants)))
-        elif dom == "ai.onnxkv" and op in _REPEAT_INPUTS:
-            for x, axes, shape in _REPEAT_INPUTS[op]:
+            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 1, constants), {}, False))
+        elif dom == "ai.onnxkv" and op in REPEAT_KV_INPUTS:
+            for x, axes, shape, reshape in REPEAT_KV_INPUTS[op]:
                 if len(node.input) > shape and node.input[shape]:
                     dims = self._unsqueezed(node.input[x], node.input[axes], constants)
-                    targets.append((shape, self._against(node.input[shape], dims, 1, constants)))
-        targets = [(pos, arr) for pos, arr in targets if arr is not None]
+                    targets.append((shape, self._against(node.input[shape], dims, 1, constants),
+                                    _BODY_EXPAND_POSITION, False))
+                if op in _TEMPLATE_OPS and len(node.input) > reshape and node.input[reshape]:
+                    targets.append((reshape, self._template(node.input[reshape], self.dims.get(node.input[x]),
+                                                            constants), _BODY_RESHAPE_POSITION, True))
+        targets = [t for t in targets if t[1] is not None]
         if not targets:
             return node
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
-        for pos, arr in targets:
+        templates = []
+        for pos, arr, body_positions, template in targets:
             old, new = node.input[pos], f"shape_fold::{node.output[0]}::{pos}"
-            if list(node.input).count(old) != 1 or not _body_reads_only_at(node, old, _BODY_EXPAND_POSITION):
+            if list(node.input).count(old) != 1 or not _body_reads_only_at(node, old, body_positions):
                 continue
             arr.flags.writeable = False
             constants[new] = arr
             copy.input[pos] = new
             _rename_node(copy, {old: new}, inputs=False)
+            if template:
+                templates.append(pos)
+        if templates:
+            copy.attribute.append(onnx.helper.make_attribute(RESHAPE_FROM_X, sorted(templates)))
         return copy
+
+    def _template(self, name: str, dims: tuple[Entry, ...] | None, constants: dict) -> np.ndarray | None:
+        """``name``'s partial value as a :data:`~onnxkv.plan.fusion.RESHAPE_FROM_X` template over ``dims``.
+
+        None unless ``name`` is a run-time int64 1-D value with one entry per
+        dim, each a non-zero integer or a symbol equal to the dim at its position.
+        """
+        found = self.partial.get(name)
+        if dims is None or found is None or found[2] != "i" or found[1] != (len(dims),) or name in constants:
+            return None
+        out = []
+        for v, d in zip(found[0], dims):
+            if isinstance(v, int) and v != 0:
+                out.append(v)
+            elif isinstance(v, str) and v == d:
+                out.append(0)
+            else:
+                return None
+        return np.array(out, dtype=np.int64)
 
     def _unsqueezed(self, x: str, axes: str, constants: dict) -> tuple[Entry, ...] | None:
         """Dims of ``Unsqueeze(x, axes)`` from x's static dims and constant axes, or None."""

@@ -19,7 +19,10 @@ an optional NaN guard after the softmax).  Inputs, by position
 =====  ===========================  ===============================================
 
 Output: Y [B, Hq, S, Dv], float32 on the kernel path.  The ``body`` attribute
-holds the replaced nodes (a graph over the same input names).
+holds the replaced nodes (a graph over the same input names).  Attribute
+``reshape_from_x`` (:data:`~onnxkv.plan.fusion.RESHAPE_FROM_X`, set by shape
+folding) lists the reshape inputs (6, 9) that are templates over K's / V's
+shape: the exact targets are rebuilt from it before anything else runs.
 
 The compiled streaming kernel (:func:`onnxkv._kernels.attention`: K/V read
 once per KV head for its whole query group, never repeated, gathered or
@@ -55,7 +58,7 @@ import onnx
 
 from onnxkv._kernels import attention as _attention_kernel
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
+from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -179,8 +182,15 @@ class MaskedAttention(Op):
         self._repeat = self._body.kernel("RepeatKvMatMul")
         axis = next((a.i for a in self._body.node("Softmax").attribute if a.name == "axis"), None)
         self._last_axis_softmax = axis in (-1, 3) or (axis is None and ctx.opset("") >= 13)
+        templates = self.attrs.get(RESHAPE_FROM_X, ())
+        #: (reshape template position, position of the tensor it is over)
+        self._templates = tuple((r, x) for x, _, _, r in REPEAT_KV_INPUTS["MaskedAttention"] if r in templates)
 
     def run(self, inputs: list, rt: RunContext) -> tuple:
+        if self._templates:
+            inputs = list(inputs)
+            for r, x in self._templates:
+                inputs[r] = reshape_from_x(inputs[r], inputs[x])
         args = self._kernel_args(inputs)
         if args is None:
             return (self._literal(inputs, rt),)
