@@ -346,16 +346,20 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
 
 
 def fused_with_body(op_type: str, body_nodes: list[onnx.NodeProto], fixed_inputs: list[str],
-                    **attrs) -> onnx.NodeProto:
-    """A ``FUSED_DOMAIN`` node replacing ``body_nodes`` (in graph order; the last one's outputs are its outputs).
+                    outputs: list[str] | None = None, **attrs) -> onnx.NodeProto:
+    """A ``FUSED_DOMAIN`` node replacing ``body_nodes`` (in graph order).
 
+    Its outputs are ``outputs`` (values the body makes; an empty name is an
+    absent output, kept by position), by default the last body node's outputs.
     Its inputs are ``fixed_inputs`` by position (empty name = absent), then
     every other value the body reads; attribute ``body`` holds the nodes as a
-    graph over those inputs (see :class:`onnxkv.plan.ops._body.Body`), so the
-    fused kernel can evaluate them literally when it cannot express a call.
-    The node takes the last body node's name (or first output).
+    graph over those inputs with the non-empty outputs as graph outputs (see
+    :class:`onnxkv.plan.ops._body.Body`), so the fused kernel can evaluate
+    them literally when it cannot express a call.  The node takes the last
+    body node's name (or first output).
     """
     last = body_nodes[-1]
+    outputs = [o for o in last.output if o] if outputs is None else outputs
     made = {o for n in body_nodes for o in n.output}
     inputs = list(fixed_inputs)
     for n in body_nodes:
@@ -363,6 +367,5 @@ def fused_with_body(op_type: str, body_nodes: list[onnx.NodeProto], fixed_inputs
     body_inputs = [helper.make_empty_tensor_value_info(x) for x in dict.fromkeys(x for x in inputs if x)]
     name = last.name or last.output[0]
     body = helper.make_graph(body_nodes, f"{name}_body", body_inputs,
-                             [helper.make_empty_tensor_value_info(o) for o in last.output if o])
-    return helper.make_node(op_type, inputs, [o for o in last.output if o], name=name, domain=FUSED_DOMAIN,
-                            body=body, **attrs)
+                             [helper.make_empty_tensor_value_info(o) for o in outputs if o])
+    return helper.make_node(op_type, inputs, outputs, name=name, domain=FUSED_DOMAIN, body=body, **attrs)
