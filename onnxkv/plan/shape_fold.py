@@ -23,7 +23,12 @@ lengths) read again and again.  :class:`ShapeFolder` removes that work while
    value with only integer entries becomes a constant; one with only integer
    and symbolic entries equal to an earlier value is dropped and its readers
    read the earlier value.  ``ai.onnxkv::RepeatKvShape`` whose reshape target
-   has no 0/-1 entry is that target.
+   has no 0/-1 entry is that target.  A dim ONNX left unknown is the symbol
+   ``"x[i]"`` of its own tensor and axis (sound: it names one value).
+   Any other such value (a ``Gather``, ``Unsqueeze``, ``Concat`` ... of
+   shapes, not ``Shape`` itself) becomes one ``ai.onnxkv::ShapeOf`` node
+   reading the dims it is made of straight from the tensors they belong to,
+   so the chain of shape operators before it can be dropped.
 3. **Rewrites** (:meth:`ShapeFolder.rewrite`): a ``Reshape`` target entry
    equal to the data's own dim at that position becomes 0 (copy), an
    ``Expand`` shape entry (also the expand shape of the fused repeat_kv
@@ -209,6 +214,8 @@ class ShapeFolder:
         self.renamed: dict[str, str] = {}
         self._seen: dict[tuple, onnx.NodeProto] = {}
         self._values: dict[Partial, str] = {}
+        #: symbol -> (tensor, axis) whose dim it is, for every symbol a Shape node read
+        self._sources: dict[str, tuple[str, int]] = {}
         #: Nodes removed by :meth:`fold`, :meth:`merge` and :meth:`prune`.
         self.removed = 0
 
@@ -235,6 +242,8 @@ class ShapeFolder:
             return False
         if node.domain in ("", "ai.onnx"):
             found = self._evaluate(node, constants)
+        elif (node.domain, node.op_type) == ("ai.onnxkv", "ShapeOf"):
+            found = self.partial.get(node.output[0])
         elif (node.domain, node.op_type) == ("ai.onnxkv", "RepeatKvShape"):
             found = self._repeat_kv_shape(node, constants)
         else:
@@ -280,6 +289,10 @@ class ShapeFolder:
         computation can be dropped (:meth:`prune`).
         """
         op, dom = node.op_type, node.domain
+        if dom in ("", "ai.onnx") and op != "Shape":
+            made = self._shape_of(node, constants)
+            if made is not None:
+                return made
         # (input position, new constant, where the body may read the input, whether it is a template)
         targets: list[tuple[int, np.ndarray | None, dict[str, int], bool]] = []
         if dom in ("", "ai.onnx") and op == "Reshape" and len(node.input) == 2 and not _attr(node, "allowzero", 0):
@@ -314,6 +327,25 @@ class ShapeFolder:
         if templates:
             copy.attribute.append(onnx.helper.make_attribute(RESHAPE_FROM_X, sorted(templates)))
         return copy
+
+    def _shape_of(self, node: onnx.NodeProto, constants: dict) -> onnx.NodeProto | None:
+        """An ``ai.onnxkv::ShapeOf`` node computing ``node``'s run-time shape value from tensor dims, or None.
+
+        Its partial value is recorded (for :meth:`fold`); None unless the
+        value is int64, has a symbol among its entries and no unknown one.
+        """
+        if len(node.output) != 1 or node.output[0] in self.protected or node.output[0] in constants:
+            return None
+        found = self._evaluate(node, constants)
+        if found is None or found[2] != "i" or not all(isinstance(v, int) or v in self._sources for v in found[0]) \
+                or all(isinstance(v, int) for v in found[0]):
+            return None
+        tensors = list(dict.fromkeys(self._sources[v][0] for v in found[0] if isinstance(v, str)))
+        sources = [tensors.index(self._sources[v][0]) if isinstance(v, str) else -1 for v in found[0]]
+        values = [self._sources[v][1] if isinstance(v, str) else v for v in found[0]]
+        self.partial[node.output[0]] = found
+        return onnx.helper.make_node("ShapeOf", tensors, list(node.output), name=node.name or node.output[0],
+                                     domain="ai.onnxkv", sources=sources, values=values, rank=len(found[1]))
 
     def _template(self, name: str, dims: tuple[Entry, ...] | None, constants: dict) -> np.ndarray | None:
         """``name``'s partial value as a :data:`~onnxkv.plan.fusion.RESHAPE_FROM_X` template over ``dims``.
@@ -389,11 +421,15 @@ class ShapeFolder:
             dims = self.dims.get(node.input[0])
             if dims is None:
                 return None
-            rank = len(dims)
+            x, rank = node.input[0], len(dims)
             start, end = _attr(node, "start", 0), _attr(node, "end", rank)
             start = min(max(start + rank if start < 0 else start, 0), rank)
             end = min(max(end + rank if end < 0 else end, 0), rank)
-            return tuple(dims[start:end]), (len(dims[start:end]),), "i"
+            entries = tuple(f"{x}[{i}]" if dims[i] is None else dims[i] for i in range(start, end))
+            for i, d in zip(range(start, end), entries):
+                if isinstance(d, str):
+                    self._sources.setdefault(d, (x, i))
+            return entries, (len(entries),), "i"
         args = [self._value(x, constants) if x else None for x in node.input]
         if not args or args[0] is None:
             return None
@@ -471,7 +507,8 @@ class ShapeFolder:
         """True when ``node`` repeats an earlier deterministic node (its outputs are then renamed to that node's)."""
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             return False
-        if node.op_type == "Shape" or (deterministic and node.input and all(
+        if node.op_type == "Shape" or (node.domain, node.op_type) == ("ai.onnxkv", "ShapeOf") or (
+                deterministic and node.input and all(
                 (not x) or x in constants or x in self.derived for x in node.input)):
             self.derived.update(o for o in node.output if o)
         elif not deterministic or not node.input or node.op_type in _RANDOM_WHEN_TRAINING:

@@ -34,15 +34,19 @@ def _session(model, fold: bool) -> onnxkv.Session:
 def test_torch_export_loses_most_shape_nodes():
     folded, plain = _session(TORCH, True), _session(TORCH, False)
     ops, plain_ops = [n.op_type for n in folded.plan.nodes], [n.op_type for n in plain.plan.nodes]
-    assert len(plain_ops) == 293 and len(ops) <= 119  # counts after the fusions of onnxkv.plan.fusion*
+    assert len(plain_ops) == 293 and len(ops) <= 104  # counts after the fusions of onnxkv.plan.fusion*
     assert ops.count("Shape") <= plain_ops.count("Shape") // 3
     assert folded.plan.shape_folded_nodes >= 90
     assert ops.count("MaskedAttention") == 2  # folding happens after fusion and keeps it
 
 
-def test_builder_concat_graph_has_nothing_to_fold():
+def test_builder_concat_graph_only_reads_its_two_run_time_dims_more_directly():
     model = build_model("concat", MICRO, seed=3)
-    assert len(_session(model, True).plan.nodes) == len(_session(model, False).plan.nodes)
+    folded, plain = _session(model, True).plan.nodes, _session(model, False).plan.nodes
+    # Gather(Shape(input_ids), 1) and Gather(Shape(past), 2) become one ShapeOf each
+    assert [n.op_type for n in plain[:4]] == ["Shape", "Gather", "Shape", "Gather"]
+    assert [n.op_type for n in folded[:2]] == ["ShapeOf", "ShapeOf"]
+    assert len(plain) - len(folded) == 2
 
 
 @pytest.mark.parametrize("form", ["torch", "builder"])
@@ -123,7 +127,8 @@ def test_dynamic_dim_that_cannot_be_rewritten_stays_a_run_time_shape(declared):
     graph = helper.make_graph(nodes, "g", [_vi("x", [declared, 4])], [_vi("y", None, TensorProto.INT64)], inits)
     sess = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), True)
     ops = [n.op_type for n in sess.plan.nodes]
-    assert ops == ["Shape", "Gather", "Mul", "Range"]  # Gather(s, 1) = 4 folded; Gather(s, 0) kept
+    assert ops == ["ShapeOf", "Mul", "Range"]  # Gather(s, 1) = 4 folded; Gather(s, 0) read from x directly
+    assert list(sess.plan.nodes[0].input) == ["x"]
     for n in (2, 5):
         y = sess.run({"x": np.ones((n, 4), np.float32)})["y"]
         np.testing.assert_array_equal(y, np.arange(4 * n))
@@ -154,8 +159,8 @@ def test_repeated_shape_chains_are_merged():
                               [_ints("i0", 0)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     sess, plain = _session(model, True), _session(model, False)
-    # one Shape -> Gather left; Relu is ordinary compute and stays
-    assert [n.op_type for n in sess.plan.nodes] == ["Shape", "Gather", "Relu", "Add", "Add"]
+    # one ShapeOf (x's dim 0) left; Relu is ordinary compute and stays
+    assert [n.op_type for n in sess.plan.nodes] == ["ShapeOf", "Relu", "Add", "Add"]
     assert len(plain.plan.nodes) == 9
     for n in (1, 6):
         assert int(sess.run({"x": np.zeros((n, 3), np.float32)})["y"]) == 3 * n
@@ -213,6 +218,7 @@ def test_same_declared_symbol_on_two_inputs_is_not_trusted():
     graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 3]), _vi("z", ["N", 3])],
                               [_vi("y", None, TensorProto.INT64)], [_ints("i0", 0)])
     sess = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), True)
-    assert len(sess.plan.nodes) == 5
+    assert [(n.op_type, list(n.input)) for n in sess.plan.nodes] == [("ShapeOf", ["x"]), ("ShapeOf", ["z"]),
+                                                                      ("Add", ["nx", "nz"])]
     out = sess.run({"x": np.zeros((2, 3), np.float32), "z": np.zeros((5, 3), np.float32)})
     assert int(out["y"]) == 7
