@@ -58,7 +58,7 @@ import onnx
 
 from onnxkv.errors import ModelError
 from onnxkv.model.shape_inference import _light_model
-from onnxkv.plan.fusion import RESHAPE_FROM_X, REPEAT_KV_INPUTS
+from onnxkv.plan.fusion import RESHAPE_FROM_X, REPEAT_KV_INPUTS, default_op
 
 __all__ = ["ShapeFolder", "static_dims"]
 
@@ -283,7 +283,8 @@ class ShapeFolder:
           tensor's own dim at the same position becomes a template: those dims
           become 0 and the position is listed in the node's
           :data:`~onnxkv.plan.fusion.RESHAPE_FROM_X` attribute (the operator
-          rebuilds the exact target from the tensor's shape).
+          rebuilds the exact target from the tensor's shape);
+        * a ``Reshape`` inside an ``ai.onnxkv::ViewChain``, as if it stood alone.
 
         Applied only when every run-time entry is replaced, so the shape
         computation can be dropped (:meth:`prune`).
@@ -308,6 +309,14 @@ class ShapeFolder:
                 if op in _TEMPLATE_OPS and len(node.input) > reshape and node.input[reshape]:
                     targets.append((reshape, self._template(node.input[reshape], self.dims.get(node.input[x]),
                                                             constants), _BODY_RESHAPE_POSITION, True))
+        elif dom == "ai.onnxkv" and op == "ViewChain":
+            body = _attr(node, "body", None)
+            steps = list(body.node) if body is not None else []
+            for step in steps:
+                if default_op(step, "Reshape") and len(step.input) == 2 and not _attr(step, "allowzero", 0) \
+                        and step.input[1] in node.input[1:] and sum(step.input[1] in n.input for n in steps) == 1:
+                    arr = self._against(step.input[1], self.dims.get(step.input[0]), 0, constants)
+                    targets.append((list(node.input).index(step.input[1]), arr, {"Reshape": 1}, False))
         targets = [t for t in targets if t[1] is not None]
         if not targets:
             return node
