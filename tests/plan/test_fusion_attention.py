@@ -83,6 +83,16 @@ def left_padded_batch(form: str, seed: int, padding: int, steps: int):
     return rng.integers(0, vocab, (2, 9)), np.array([9, 9 - padding]), rng.integers(0, vocab, (2, steps))
 
 
+def torch_batch_runs(fused: onnxkv.Session, oracle: onnxkv.Session, seed: int, padding: int, state: bool):
+    """(got, want): :func:`_generate` of one random left-padded batch of the torch fixture (prefill + 3 decode
+    steps) on two sessions of it, checked to hold as many arrays each."""
+    prompt, lengths, tokens = left_padded_batch("torch", seed, padding=padding, steps=3)
+    got = _generate(fused, prompt, lengths, tokens, state)
+    want = _generate(oracle, prompt, lengths, tokens, state)
+    assert len(got) == len(want) == (4 if state else 4 * 5)
+    return got, want
+
+
 @pytest.mark.parametrize("form", sorted(MODELS))
 @pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
 def test_left_padded_batch_matches_the_unfused_plan(form, state, calls, monkeypatch):

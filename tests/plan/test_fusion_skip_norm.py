@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.plan.ops import _body, norm
-from test_fusion_attention import TORCH, _generate, left_padded_batch
+from test_fusion_attention import TORCH, torch_batch_runs
 
 
 @pytest.fixture
@@ -56,11 +56,8 @@ def test_every_residual_norm_of_the_torch_export_is_fused(monkeypatch):
 
 @pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
 def test_left_padded_batch_matches_the_unfused_plan(state, calls, monkeypatch):
-    prompt, lengths, tokens = left_padded_batch("torch", 41, padding=2, steps=3)
-    got = _generate(onnxkv.Session(TORCH, threads=2), prompt, lengths, tokens, state)
+    got, want = torch_batch_runs(onnxkv.Session(TORCH, threads=2), _unfused(TORCH, monkeypatch), 41, 2, state)
     assert calls == {"kernel": 4 * 4, "literal": 0}  # prefill + 3 decode steps, four fused norms each
-    want = _generate(_unfused(TORCH, monkeypatch), prompt, lengths, tokens, state)
-    assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 

@@ -16,7 +16,7 @@ import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.plan.ops.view_chain import ViewChain
 from onnxkv.plan.registry import BuildContext
-from test_fusion_attention import TORCH, _generate, left_padded_batch
+from test_fusion_attention import TORCH, torch_batch_runs
 
 
 def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
@@ -45,10 +45,7 @@ def test_head_split_and_merge_of_the_torch_export_are_fused(monkeypatch):
 
 @pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
 def test_left_padded_batch_is_bitwise_the_unfused_plan(state, monkeypatch):
-    prompt, lengths, tokens = left_padded_batch("torch", 29, padding=5, steps=3)
-    got = _generate(onnxkv.Session(TORCH, threads=2), prompt, lengths, tokens, state)
-    want = _generate(_unfused(TORCH, monkeypatch), prompt, lengths, tokens, state)
-    assert len(got) == len(want) == (4 if state else 4 * 5)
+    got, want = torch_batch_runs(onnxkv.Session(TORCH, threads=2), _unfused(TORCH, monkeypatch), 29, 5, state)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 

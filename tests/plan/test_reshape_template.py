@@ -17,7 +17,7 @@ from onnxkv.plan.fusion import RESHAPE_FROM_X
 from onnxkv.plan.ops import masked_attention as ma
 from onnxkv.plan.shape_fold import ShapeFolder
 from onnxkv.generate.feeds import FeedBuilder
-from test_fusion_attention import TORCH, _generate, left_padded_batch
+from test_fusion_attention import TORCH, torch_batch_runs
 
 
 def _plain(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
@@ -49,10 +49,7 @@ def test_the_torch_export_loses_the_repeat_target_chains(monkeypatch):
 
 @pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
 def test_left_padded_batch_matches_the_plan_without_templates(state, monkeypatch):
-    prompt, lengths, tokens = left_padded_batch("torch", 17, padding=3, steps=3)
-    got = _generate(onnxkv.Session(TORCH, threads=2), prompt, lengths, tokens, state)
-    want = _generate(_plain(TORCH, monkeypatch), prompt, lengths, tokens, state)
-    assert len(got) == len(want) == (4 if state else 4 * 5)
+    got, want = torch_batch_runs(onnxkv.Session(TORCH, threads=2), _plain(TORCH, monkeypatch), 17, 3, state)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
