@@ -210,7 +210,7 @@ def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> l
 
 #: Positions of the fixed inputs of ``ai.onnxkv::MaskedAttention`` (see :func:`fuse_masked_attention`).
 MASKED_ATTENTION_INPUTS = ("q", "k", "v", "mask", "k_axes", "k_expand", "k_reshape", "v_axes", "v_expand",
-                           "v_reshape", "k_scale", "score_scale")
+                           "v_reshape", "k_scale", "score_scale", "q_scale")
 
 
 def default_op(node: onnx.NodeProto, op_type: str) -> bool:
@@ -232,7 +232,9 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     where ``S`` is ``RepeatKvMatMul(Q, K, axes, expand, reshape, [k_scale],
     [post])`` with ``transpose_b=1``, or ``MatMul(Q, [Mul(., k_scale)]
     Transpose(K, perm=[0, 1, 3, 2]))``, either optionally followed by a
-    ``Mul``/``Div`` by ``score_scale``.  The fused node reads
+    ``Mul``/``Div`` by ``score_scale``; ``Q`` may be ``Mul(q, q_scale)`` (the
+    query scaling of exports) where exactly one operand, ``q_scale``, is made
+    by no node (an initializer or graph input) or by a ``Constant``.  The fused node reads
     ``MASKED_ATTENTION_INPUTS`` by position (empty name = absent), then every
     other value the block reads; attribute ``score_div=1`` when the score
     scale divides; attribute ``body`` holds the replaced nodes as a graph
@@ -241,7 +243,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     express it.  Every intermediate must have the block as its only reader
     and not be protected; the final output keeps its name.
     """
-    readers, _, single = graph_index(nodes, protected)
+    readers, producer, single = graph_index(nodes, protected)
 
     def is_op(i: int | None, op_type: str, domain: str = "") -> bool:
         if i is None:
@@ -272,7 +274,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
             roles.update(q=ins[0], k=ins[1], k_axes=ins[2], k_expand=ins[3], k_reshape=ins[4], k_scale=ins[5])
             if ins[6]:
                 roles["score_scale"] = ins[6]
-            return chain + [i], roles, div
+            return chain + [i] + scaled_query(i, roles), roles, div
         if not is_op(i, "MatMul"):
             return None
         mm = nodes[i]
@@ -290,7 +292,20 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
                 next((list(a.ints) for a in nodes[cur].attribute if a.name == "perm"), None) != [0, 1, 3, 2]:
             return None
         roles.update(q=mm.input[0], k=nodes[cur].input[0])
-        return chain + [cur], roles, div
+        return chain + [cur] + scaled_query(i, roles), roles, div
+
+    def scaled_query(product: int, roles: dict[str, str]) -> list[int]:
+        """[the Mul node] when the product's query is ``Mul(q, constant)`` read by it alone (roles q and
+        q_scale are then set), else []."""
+        m = single(roles["q"], product)
+        if not is_op(m, "Mul") or len(nodes[m].input) != 2:
+            return []
+        constant = [producer.get(x) is None or is_op(producer.get(x), "Constant") for x in nodes[m].input]
+        if constant.count(True) != 1:
+            return []
+        scale = constant.index(True)
+        roles.update(q=nodes[m].input[1 - scale], q_scale=nodes[m].input[scale])
+        return [m]
 
     drop: set[int] = set()
     replace: dict[int, onnx.NodeProto] = {}

@@ -17,6 +17,7 @@ import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
+from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
 from onnxkv.plan.ops import masked_attention as ma
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -58,6 +59,13 @@ def test_every_layer_is_fused(form):
     ops = [n.op_type for n in sess.plan.nodes]
     assert ops.count("MaskedAttention") == 2  # both fixtures have two layers
     assert "Softmax" not in ops and "RepeatKvMatMul" not in ops
+    # the export scales Q by head_size ** -0.25 in a Mul of its own: it joins the fused node
+    q_scales = [n.input[MASKED_ATTENTION_INPUTS.index("q_scale")] for n in sess.plan.nodes
+                if n.op_type == "MaskedAttention"]
+    if form == "torch":
+        assert [float(sess.plan.build_context.constant(x)) for x in q_scales] == [16 ** -0.25] * 2
+    else:
+        assert q_scales == ["", ""]
 
 
 def _generate(sess: onnxkv.Session, prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, state: bool):

@@ -15,7 +15,8 @@ an optional NaN guard after the softmax).  Inputs, by position
 7-9    ``v_axes/expand/reshape``    the same for V
 10     ``k_scale``                  multiplies Kᵀ
 11     ``score_scale``              multiplies (``score_div=1``: divides) Q·Kᵀ
-12...  anything else the block reads (e.g. the NaN guard's fill value)
+12     ``q_scale``                  multiplies Q (absorbed query scaling)
+13...  anything else the block reads (e.g. the NaN guard's fill value)
 =====  ===========================  ===============================================
 
 Output: Y [B, Hq, S, Dv], float32 on the kernel path.  The ``body`` attribute
@@ -67,8 +68,8 @@ __all__ = ["MaskedAttention", "mask_ranges", "cached_mask_ranges", "MASKED"]
 #: Additive mask values at or below this hide a key (float32 min and -inf included).
 MASKED = -1e30
 
-_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE = (MASKED_ATTENTION_INPUTS.index(r) for r in (
-    "q", "k", "v", "mask", "k_scale", "score_scale"))
+_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE, _Q_SCALE = (MASKED_ATTENTION_INPUTS.index(r) for r in (
+    "q", "k", "v", "mask", "k_scale", "score_scale", "q_scale"))
 _K_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("k_axes"), MASKED_ATTENTION_INPUTS.index("k_reshape") + 1)
 _V_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("v_axes"), MASKED_ATTENTION_INPUTS.index("v_reshape") + 1)
 
@@ -219,10 +220,10 @@ class MaskedAttention(Op):
         group = self._group(k, inputs[_K_REPEAT])
         if not group or group != self._group(v, inputs[_V_REPEAT]) or q.shape[1] != k.shape[1] * group:
             return None
-        k_scale, score_scale = _scalar(inputs[_K_SCALE]), _scalar(inputs[_SCORE_SCALE])
-        if k_scale is None or score_scale is None or (self.score_div and score_scale == 0):
+        k_scale, score_scale, q_scale = (_scalar(inputs[i]) for i in (_K_SCALE, _SCORE_SCALE, _Q_SCALE))
+        if k_scale is None or score_scale is None or q_scale is None or (self.score_div and score_scale == 0):
             return None
-        scale = k_scale / score_scale if self.score_div else k_scale * score_scale
+        scale = q_scale * (k_scale / score_scale if self.score_div else k_scale * score_scale)
         b, _, s, _ = q.shape
         ranges = cached_mask_ranges(mask, b, s, k.shape[2])
         if ranges is None or not np.isfinite(scale):
