@@ -29,7 +29,8 @@ are not graph outputs, so results are unchanged (up to float rounding where a
 scalar scale moves from K to the product).  ``fused_with_body`` builds such a
 fused node with the replaced nodes as its ``body`` (also used by
 :mod:`onnxkv.plan.fusion_export`); :mod:`onnxkv.plan.fusion_matmul` packs
-sibling MatMuls.
+sibling MatMuls and :mod:`onnxkv.plan.fusion_view` runs chains of view
+operators as one node.
 """
 
 from __future__ import annotations

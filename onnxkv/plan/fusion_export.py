@@ -52,11 +52,11 @@ __all__ = ["fuse_rms_norm", "fuse_rotate_half", "fuse_skip_rms_norm", "RMS_NORM_
 
 #: Positions of the inputs of ``ai.onnxkv::RMSNormChain`` (empty name = absent).
 RMS_NORM_INPUTS = ("x", "weight", "exponent", "axes", "eps", "one")
-#: Positions of the inputs of ``ai.onnxkv::RotateHalf``: x, cos, sin, then (starts, ends, axes, steps) of
-#: the Slice giving the first half and of the Slice giving the (negated) second half.
 #: Positions of the inputs of ``ai.onnxkv::SkipRMSNormChain``: the two addends, then the RMSNormChain's
 #: inputs after ``x``.
 SKIP_RMS_NORM_INPUTS = ("a", "b") + RMS_NORM_INPUTS[1:]
+#: Positions of the inputs of ``ai.onnxkv::RotateHalf``: x, cos, sin, then (starts, ends, axes, steps) of
+#: the Slice giving the first half and of the Slice giving the (negated) second half.
 ROTATE_HALF_INPUTS = ("x", "cos", "sin", "lo_starts", "lo_ends", "lo_axes", "lo_steps",
                       "hi_starts", "hi_ends", "hi_axes", "hi_steps")
 
