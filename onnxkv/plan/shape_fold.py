@@ -19,7 +19,8 @@ lengths) read again and again.  :class:`ShapeFolder` removes that work while
 2. **Partial values**: ``Shape(x)`` gives a 1-D int64 value whose entries are
    x's dims (int, symbol or unknown); ``Gather``/``Slice`` with constant
    parameters, ``Unsqueeze``/``Squeeze``/``Reshape`` between 0-D and 1-D,
-   ``Concat``, ``Cast`` to int64, ``Equal`` and ``Where`` carry them on.  A
+   ``Concat``, ``Cast`` to int64, ``Equal`` and ``Where`` carry them on (also
+   as the steps of an ``ai.onnxkv::ViewChain``).  A
    value with only integer entries becomes a constant; one with only integer
    and symbolic entries equal to an earlier value is dropped and its readers
    read the earlier value.  ``ai.onnxkv::RepeatKvShape`` whose reshape target
@@ -240,7 +241,7 @@ class ShapeFolder:
         """
         if len(node.output) != 1 or node.output[0] in self.protected:
             return False
-        if node.domain in ("", "ai.onnx"):
+        if node.domain in ("", "ai.onnx") or (node.domain, node.op_type) == ("ai.onnxkv", "ViewChain"):
             found = self._evaluate(node, constants)
         elif (node.domain, node.op_type) == ("ai.onnxkv", "ShapeOf"):
             found = self.partial.get(node.output[0])
@@ -290,7 +291,7 @@ class ShapeFolder:
         computation can be dropped (:meth:`prune`).
         """
         op, dom = node.op_type, node.domain
-        if dom in ("", "ai.onnx") and op != "Shape":
+        if (dom in ("", "ai.onnx") and op != "Shape") or (dom, op) == ("ai.onnxkv", "ViewChain"):
             made = self._shape_of(node, constants)
             if made is not None:
                 return made
@@ -424,8 +425,19 @@ class ShapeFolder:
         return tuple(arr.ravel().tolist()), arr.shape, kind
 
     def _evaluate(self, node: onnx.NodeProto, constants: dict) -> Partial | None:
-        """The partial value ``node`` computes (see :data:`Partial`), or None when not one of the shape operators."""
+        """The partial value ``node`` computes (see :data:`Partial`), or None when not one of the shape operators.
+
+        An ``ai.onnxkv::ViewChain`` is evaluated step by step through its body.
+        """
         op = node.op_type
+        if (node.domain, op) == ("ai.onnxkv", "ViewChain"):
+            found = None
+            for step in _attr(node, "body", onnx.GraphProto()).node:
+                found = self._evaluate(step, constants)
+                if found is None:
+                    return None
+                self.partial[step.output[0]] = found
+            return found
         if op == "Shape":
             dims = self.dims.get(node.input[0])
             if dims is None:

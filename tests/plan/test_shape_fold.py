@@ -266,3 +266,24 @@ def test_shape_of_rejects_attributes_that_describe_no_value(attrs):
     node = helper.make_node("ShapeOf", ["x"], ["y"], name="bad", domain="ai.onnxkv", **attrs)
     with pytest.raises(onnxkv.ModelError, match="ShapeOf node 'bad'"):
         ShapeOf(node, BuildContext({"": 21}))
+
+
+def test_shape_values_through_a_view_chain_still_fold():
+    # Squeeze -> Unsqueeze of Shape(x)[0:1] fuse into a ViewChain; its value is still x's dim 0, so the Reshape
+    # target [n, 4, -1] becomes [0, 4, -1] and nothing but the Reshape is left
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Slice", ["s", "i0", "i1"], ["n1"]),
+        helper.make_node("Squeeze", ["n1", "ax"], ["n"]),
+        helper.make_node("Unsqueeze", ["n", "ax"], ["n2"]),
+        helper.make_node("Concat", ["n2", "four", "m1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    inits = [_ints("i0", [0]), _ints("i1", [1]), _ints("ax", [0]), _ints("four", [4]), _ints("m1", [-1])]
+    graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 4, 6])], [_vi("y", None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    sess, plain = _session(model, True), _session(model, False)
+    assert "ViewChain" in [n.op_type for n in plain.plan.nodes]
+    assert [n.op_type for n in sess.plan.nodes] == ["Reshape"]
+    x = np.random.default_rng(9).standard_normal((3, 4, 6)).astype(np.float32)
+    np.testing.assert_array_equal(sess.run({"x": x})["y"], plain.run({"x": x})["y"])
