@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxkv.plan.fusion import RESHAPE_FROM_X, reshape_from_x
+from onnxkv.plan.fusion import REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._util import int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -66,7 +66,7 @@ class RepeatKvMatMul(Op):
     def __init__(self, node, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
         self.transpose_b = bool(self.attrs.get("transpose_b", 0))
-        self._template = 4 in self.attrs.get(RESHAPE_FROM_X, ())
+        self._template = REPEAT_KV_INPUTS["RepeatKvMatMul"][0][3] in self.attrs.get(RESHAPE_FROM_X, ())
 
     def _is_repeat(self, x: np.ndarray, axes, eshape, rshape) -> int:
         """Repeat count n if (axes, eshape, rshape) repeat x's heads n times, else 0."""
