@@ -3,7 +3,9 @@
 Models are built by ``onnxkv.models`` (random weights, same weights in every
 graph form) into a temporary folder; every engine reads the same files.
 Engines, each measured in its own subprocess (so peak RSS is its own), one
-after the other in the same run, with the same thread count:
+after the other in the same run, with the same thread count (``--rounds N``
+repeats the engines of a case N times, in alternating order, so that a slow
+minute of a shared machine falls on all of them):
 
 * ``onnxkv``         -- in-place persistent cache (``Session.new_state``), prompt
                         fed in chunks of 512 tokens like ``onnxkv.generate``;
@@ -16,7 +18,11 @@ after the other in the same run, with the same thread count:
                         (GroupQueryAttention models only; skipped if not installed).
 
 Prints JSON: machine, versions, threads, shapes, raw per-token samples,
-medians, peak RSS, onnxkv's event-log totals, ratios to each peer.  Also
+medians, peak RSS, onnxkv's event-log totals, ratios to each peer.  With
+several rounds an engine's ``per_token_s`` pools the samples of every round
+(``median_token_s`` is their median, ``peak_rss_bytes`` the largest), its
+``rounds`` list keeps each round's median, prefill and peak RSS, and each
+ratio also comes per round (``ratio_onnxkv_over_<peer>_per_round``).  Also
 reports onnxkv's Python dispatch overhead per node on the tiny model.
 
 ``--torch-model FILE`` runs the ``concat`` cases on that file instead of the
@@ -25,7 +31,7 @@ builder's Concat graph: a real ``torch.onnx.export`` of the same model, made by
 
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
        [--cases small-gqa:128,small-gqa:1024,...] [--engines onnxkv,ort,ort-genai]
-       [--torch-model FILE] [--out FILE]
+       [--torch-model FILE] [--rounds 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -158,6 +164,23 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
 
 
 # -- orchestrator side -------------------------------------------------------------------------
+
+
+def _pool_rounds(rounds: list[dict]) -> dict:
+    """One engine's result over its rounds: the first round's result (event totals, tokens) with the
+    per-token samples of every round pooled, their median, the largest peak RSS and a ``rounds`` list
+    of each round's median, prefill and peak RSS; the first failure's error if any round failed."""
+    failed = [r for r in rounds if "error" in r]
+    if failed:
+        return failed[0]
+    if len(rounds) == 1:
+        return rounds[0]
+    pooled = dict(rounds[0])
+    pooled["per_token_s"] = [s for r in rounds for s in r["per_token_s"]]
+    pooled["median_token_s"] = median(pooled["per_token_s"])
+    pooled["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
+    pooled["rounds"] = [{k: r[k] for k in ("median_token_s", "prefill_s", "peak_rss_bytes")} for r in rounds]
+    return pooled
 def dispatch_overhead(folder: Path, threads: int, repeats: int = 200) -> dict:
     """µs per node of the plan loop alone: kernels replaced by their recorded outputs."""
     import onnxkv
@@ -236,10 +259,14 @@ def main() -> None:
     ap.add_argument("--engines", default=DEFAULT_ENGINES)
     ap.add_argument("--torch-model", type=Path, help="run the concat cases on this torch.onnx.export file "
                     "(scripts/export_torch_small.py) instead of the builder's Concat graph")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each case's engines this many times, alternating their order (default 1)")
     ap.add_argument("--out")
     ap.add_argument("--worker", nargs=6, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected a positive count, got {args.rounds}")
     if args.worker:
         e, p, n, v, new, t = args.worker
         print(json.dumps(worker(e, p, int(n), int(v), int(new), int(t))))
@@ -273,23 +300,31 @@ def main() -> None:
             entry = {"model": size, "graph": family, "prompt": plen, "new_tokens": args.new_tokens, "batch": 1,
                      "source": f"torch.onnx.export ({folder})" if exported else "onnxkv.models builder",
                      "engines": {}}
-            for engine in engines:
-                if (engine == "ort-genai" and genai_version is None) or (engine in ("ort-genai", "onnxkv-f16")
-                                                                         and family != "gqa"):
-                    continue
-                r = run_worker(__file__, [engine, folder, plen, vocab, args.new_tokens, args.threads], args.threads)
-                entry["engines"][engine] = r
-                if "error" in r:
-                    print(f"# {case} {engine}: FAILED {r['error']}", file=sys.stderr)
-                    continue
-                print(f"# {case} {engine}: {r['median_token_s'] * 1e3:.2f} ms/token, prefill {r['prefill_s']:.2f} s, "
-                      f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+            todo = [e for e in engines if not ((e == "ort-genai" and genai_version is None)
+                                               or (e in ("ort-genai", "onnxkv-f16") and family != "gqa"))]
+            runs: dict[str, list[dict]] = {e: [] for e in todo}
+            for rnd in range(args.rounds):
+                for engine in todo if rnd % 2 == 0 else todo[::-1]:
+                    r = run_worker(__file__, [engine, folder, plen, vocab, args.new_tokens, args.threads],
+                                   args.threads)
+                    runs[engine].append(r)
+                    if "error" in r:
+                        print(f"# {case} {engine}: FAILED {r['error']}", file=sys.stderr)
+                        continue
+                    print(f"# {case} {engine} (round {rnd + 1}): {r['median_token_s'] * 1e3:.2f} ms/token, "
+                          f"prefill {r['prefill_s']:.2f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
+                          file=sys.stderr)
+            for engine in todo:
+                entry["engines"][engine] = _pool_rounds(runs[engine])
             kv = entry["engines"].get("onnxkv", {})
             for peer in ("ort", "ort-genai", "onnxkv-tensor", "onnxkv-f16"):
                 p = entry["engines"].get(peer, {})
                 if "median_token_s" in kv and "median_token_s" in p:
                     entry[f"ratio_onnxkv_over_{peer}"] = kv["median_token_s"] / p["median_token_s"]
                     entry[f"rss_ratio_onnxkv_over_{peer}"] = kv["peak_rss_bytes"] / p["peak_rss_bytes"]
+                    if args.rounds > 1:
+                        entry[f"ratio_onnxkv_over_{peer}_per_round"] = [
+                            a["median_token_s"] / b["median_token_s"] for a, b in zip(kv["rounds"], p["rounds"])]
             if "tokens" in kv and "tokens" in entry["engines"].get("ort", {}):
                 entry["same_tokens_as_ort"] = kv["tokens"][:8] == entry["engines"]["ort"]["tokens"][:8]
             results.append(entry)
