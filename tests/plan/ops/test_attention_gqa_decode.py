@@ -1,0 +1,119 @@
+"""GroupQueryAttention's one-token decode path into a state's float32 cache.
+
+``GroupQueryAttention._decode_token`` serves the common decode call with the
+general path's kernels and arguments; these tests check that it is taken where
+it should be, that every step's logits and cache contents are bitwise those of
+the general path (forced by disabling it), and that calls it does not serve --
+or that the general path refuses -- behave exactly as before.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxkv
+from onnxkv.errors import InputError, OperatorError
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.models.builders import MICRO, build_model
+from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
+
+PROMPT = 13
+
+
+def _model(**attrs) -> onnx.ModelProto:
+    """The MICRO builder GQA model with ``attrs`` set on every GroupQueryAttention node."""
+    model = build_model("gqa", MICRO, seed=41)
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            for name, value in attrs.items():
+                node.attribute.append(onnx.helper.make_attribute(name, value))
+    return model
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records whether each _decode_token call served the call (True) or declined (False)."""
+    served: list[bool] = []
+    original = GroupQueryAttention._decode_token
+
+    def recording(self, inputs, rt):
+        result = original(self, inputs, rt)
+        served.append(result is not None)
+        return result
+
+    monkeypatch.setattr(GroupQueryAttention, "_decode_token", recording)
+    return served
+
+
+def _decode(session, state, steps: int, batch: int = 1) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Prefill PROMPT random tokens per row, then ``steps`` greedy-free decode steps of fixed tokens.
+    Returns each decode step's last-token logits and the state's final values (caches)."""
+    prompt = np.random.default_rng(7).integers(0, MICRO.vocab_size, (batch, PROMPT))
+    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.full(batch, PROMPT), 0, thread_cache=False)
+    feeds, _ = b.first()
+    out = state.run(feeds, ["logits"])
+    logits = []
+    for i in range(steps):
+        tokens = np.array([(17 * i + 3 + r) % MICRO.vocab_size for r in range(batch)])
+        out = state.run(b.next(tokens, out), ["logits"])
+        logits.append(out["logits"][:, -1].copy())
+    return logits, [np.array(v) for v in state.values.values()]
+
+
+@pytest.mark.parametrize("attrs", [{}, {"softcap": 2.5}, {"local_window_size": 6}],
+                         ids=["plain", "softcap", "window"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
+    """Every decode step takes the path (growth of the cache included) with results bitwise equal to
+    the general path's."""
+    session = onnxkv.Session(_model(**attrs), threads=threads)
+    with session.new_state(initial_capacity=4) as st:  # grows during prefill and decode
+        got_logits, got_values = _decode(session, st, steps=9)
+    decode_calls = spy[-9 * MICRO.num_layers:]
+    assert all(decode_calls) and len(decode_calls) == 9 * MICRO.num_layers
+    monkeypatch.setattr(GroupQueryAttention, "_decode_token", lambda self, inputs, rt: None)
+    with session.new_state(initial_capacity=4) as st:
+        want_logits, want_values = _decode(session, st, steps=9)
+    for got, want in zip(got_logits + got_values, want_logits + want_values, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_calls_it_does_not_serve_take_the_general_path(spy):
+    """The prompt (a first prompt), a batch of two and the tensor path (no state) are declined."""
+    session = onnxkv.Session(_model(), threads=2)
+    with session.new_state() as st:
+        _decode(session, st, steps=0)
+    assert spy and not any(spy)
+    spy.clear()
+    with session.new_state() as st:
+        logits, _ = _decode(session, st, steps=2, batch=2)
+    assert spy and not any(spy)
+    assert all(np.isfinite(x).all() for x in logits)
+    spy.clear()
+    prompt = np.random.default_rng(8).integers(0, MICRO.vocab_size, (1, PROMPT))
+    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([PROMPT]), 0, thread_cache=True)
+    feeds, _ = b.first()
+    out = session.run(feeds, ["logits", *session.model.convention.present_outputs])
+    session.run(b.next(np.array([5]), out), ["logits"])
+    assert spy and not any(spy)
+
+
+def test_refused_seqlens_k_keeps_the_general_error_and_the_state(spy):
+    """A seqlens_k past the cache is declined by the path, refused by the general path with its
+    message, and the state stays as it was."""
+    session = onnxkv.Session(_model(), threads=2)
+    prompt = np.random.default_rng(9).integers(0, MICRO.vocab_size, (1, PROMPT))
+    with session.new_state() as st:
+        b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([PROMPT]), 0, thread_cache=False)
+        feeds, _ = b.first()
+        out = st.run(feeds, ["logits"])
+        before = {k: np.array(v) for k, v in st.values.items()}
+        feeds = b.next(np.array([4]), out)
+        feeds["attention_mask"] = np.ones((1, PROMPT + 3), feeds["attention_mask"].dtype)
+        spy.clear()
+        with pytest.raises((InputError, OperatorError), match="seqlens_k\\[0\\]=15 out of range"):
+            st.run(feeds, ["logits"])
+        assert spy == [False]
+        for name, value in st.values.items():
+            np.testing.assert_array_equal(value, before[name])
