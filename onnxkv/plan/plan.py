@@ -207,7 +207,7 @@ class Plan:
         if fuse:
             nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
             nodes = fuse_masked_attention(nodes, protected)
-            nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected), constants)
+            nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)
             nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
 
         self.bindings = list(bindings)

@@ -16,7 +16,7 @@ Two paths give it:
   per-operator call.  The final shape (or "not a view") is learnt once per
   distinct (input-0 shape, values of the non-constant other inputs) by
   running the chain's own kernels on a zero-stride probe of that shape,
-  and remembered (at most :data:`MEMO_SIZE` keys).
+  and remembered (:class:`~onnxkv.plan.ops._util.LayoutMemo`).
 * **literal**: otherwise each operator runs its registered kernel on the
   previous result; the ``Transpose`` writes the one array of the chain
   (from the plan's buffer for this output).  Errors come from this path.
@@ -29,15 +29,13 @@ from numpy.lib.stride_tricks import as_strided
 
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._body import Body
+from onnxkv.plan.ops._util import LayoutMemo
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["ViewChain", "MEMO_SIZE"]
+__all__ = ["ViewChain"]
 
 #: Marks the input position that takes the previous step's result.
 _PREVIOUS = -1
-#: Keys the view path remembers before it starts over (prefill chunks may each bring a new shape).
-MEMO_SIZE = 64
-_UNKNOWN = object()
 
 
 def _probe(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -50,11 +48,7 @@ _PROBE_RT = RunContext(lambda _rt, _i, shape, dtype: _probe(tuple(shape), dtype)
 
 @register("ViewChain", domain="ai.onnxkv")
 class ViewChain(Op):
-    """See the module docstring.
-
-    Thread safety: the memo is a dict of immutable values; concurrent runs
-    at worst learn a key twice.
-    """
+    """See the module docstring."""
 
     view_inputs = (0,)
 
@@ -79,7 +73,7 @@ class ViewChain(Op):
         #: Input positions besides the data whose values are only known at run time (part of the memo key).
         #: Each is an integer tensor of a fixed dtype, so equal bytes mean equal values.
         self._keyed = tuple(i for i in range(1, len(names)) if names[i] and ctx.constant(names[i]) is None)
-        self._memo: dict[tuple, tuple[int, ...] | None] = {}
+        self._memo = LayoutMemo()
 
     @staticmethod
     def _step(run, sources: tuple, y: np.ndarray, inputs: list, rt: RunContext) -> np.ndarray:
@@ -114,13 +108,7 @@ class ViewChain(Op):
     def run(self, inputs: list, rt: RunContext) -> tuple:
         x = inputs[0]
         key = (x.shape, *[inputs[i].tobytes() for i in self._keyed]) if self._keyed else x.shape
-        memo = self._memo
-        shape = memo.get(key, _UNKNOWN)
-        if shape is _UNKNOWN:
-            shape = self._view_shape(x, inputs)
-            if len(memo) >= MEMO_SIZE:
-                memo.clear()
-            memo[key] = shape
+        shape = self._memo.get(key, self._view_shape, x, inputs)
         if shape is not None and x.flags.c_contiguous:
             return (x.reshape(shape),)
         return (self._chain(x, inputs, rt),)
