@@ -8,8 +8,8 @@ targets, axes); attribute ``body`` holds the chain (``Reshape``,
 
 Two paths give it:
 
-* **view**: when input 0 is C-contiguous and every ``Transpose`` of the
-  chain only moves axes of length 1 (the decode head split
+* **view** (chains with a ``Transpose``): when input 0 is C-contiguous and
+  the ``Transpose`` only moves axes of length 1 (the decode head split
   ``[B, 1, H*D] -> [B, 1, H, D] -> [B, H, 1, D]`` and the merge back), the
   chain keeps the row-major order of the elements, so its result is
   ``x.reshape(final_shape)``: a C-contiguous view of input 0, no buffer, no
@@ -20,12 +20,14 @@ Two paths give it:
 * **literal**: otherwise each operator runs its registered kernel on the
   previous result; the ``Transpose`` writes the one array of the chain
   (from the plan's buffer for this output).  Errors come from this path.
+  Chains without a ``Transpose`` always take it: their operators return
+  views already, and their input shapes (mask and position vectors) grow
+  with every decode step, so there is nothing to remember.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._body import Body
@@ -40,7 +42,7 @@ _PREVIOUS = -1
 
 def _probe(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A writable array of ``shape`` over one element (all strides 0): the chain's kernels keep it a view."""
-    return as_strided(np.zeros(1, dtype), shape=shape, strides=(0,) * len(shape), writeable=True)
+    return np.ndarray(shape, dtype, np.zeros(1, dtype), 0, (0,) * len(shape))
 
 
 _PROBE_RT = RunContext(lambda _rt, _i, shape, dtype: _probe(tuple(shape), dtype), False, -1)
@@ -70,6 +72,7 @@ class ViewChain(Op):
         self._steps = tuple(steps)
         #: Per step: () for a view operator, the Transpose's perm otherwise (None = reversed axes).
         self._perms = tuple(perms)
+        self._transposes = any(p != () for p in perms)
         #: Input positions besides the data whose values are only known at run time (part of the memo key).
         #: Each is an integer tensor of a fixed dtype, so equal bytes mean equal values.
         self._keyed = tuple(i for i in range(1, len(names)) if names[i] and ctx.constant(names[i]) is None)
@@ -107,6 +110,8 @@ class ViewChain(Op):
 
     def run(self, inputs: list, rt: RunContext) -> tuple:
         x = inputs[0]
+        if not self._transposes:
+            return (self._chain(x, inputs, rt),)
         key = (x.shape, *[inputs[i].tobytes() for i in self._keyed]) if self._keyed else x.shape
         shape = self._memo.get(key, self._view_shape, x, inputs)
         if shape is not None and x.flags.c_contiguous:
