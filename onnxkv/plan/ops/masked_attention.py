@@ -61,7 +61,7 @@ from onnxkv._kernels import attention as _attention_kernel
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._body import Body
-from onnxkv.plan.ops._util import LayoutMemo
+from onnxkv.plan.ops._util import LayoutMemo, int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["MaskedAttention", "mask_ranges", "cached_mask_ranges", "MASKED"]
@@ -196,12 +196,44 @@ class MaskedAttention(Op):
         #: is a tensor of a fixed dtype, so equal bytes mean equal values).
         self._keyed = tuple(i for i in range(_K_REPEAT.start, _Q_SCALE + 1)
                             if i < len(names) and names[i] and ctx.constant(names[i]) is None)
+        self._any_length = self._length_free(ctx, templates)
         self._memo = LayoutMemo()
+
+    def _length_free(self, ctx: BuildContext, templates) -> bool:
+        """Whether :meth:`_scale` cannot depend on the key length T (for T >= 1): every repeat is absent or
+        made of build-time constants whose expand shape keeps T by broadcasting (1 at its position) and whose
+        reshape target leaves T to the tensor: a template with 0 at T's position and no -1, or a plain
+        target with its one -1 there and no 0 copying T (position 3 of the expanded shape)."""
+        names = self.node.input
+        for _, axes, expand, reshape in REPEAT_KV_INPUTS["MaskedAttention"]:
+            params = [names[i] if i < len(names) else "" for i in (axes, expand, reshape)]
+            if not any(params):
+                continue
+            values = [ctx.constant(p) if p else None for p in params]
+            if any(v is None for v in values):
+                return False
+            e, r = int_list(values[1]), int_list(values[2])
+            if len(e) != 5 or e[3] != 1 or len(r) != 4:
+                return False
+            if not (r[2] == 0 and -1 not in r if reshape in templates else
+                    r[2] == -1 and r.count(-1) == 1 and r[3] != 0):
+                return False
+        return True
+
+    def _key(self, inputs: list) -> tuple:
+        """The layout memo key of a call: what :meth:`_scale` depends on (T only through ``T > 0`` and
+        ``T_k == T_v`` when ``_any_length``: decode steps then share one key)."""
+        q, k, v = inputs[_Q], inputs[_K], inputs[_V]
+        if self._any_length and k.ndim == 4 and v.ndim == 4:
+            t = k.shape[2]
+            kv = (k.shape[:2], k.shape[3], v.shape[:2], v.shape[3], t == v.shape[2], t > 0)
+        else:
+            kv = (k.shape, v.shape)
+        return (q.shape, q.dtype, k.dtype, v.dtype, kv, *[inputs[i].tobytes() for i in self._keyed])
 
     def run(self, inputs: list, rt: RunContext) -> tuple:
         q, k, v = inputs[_Q], inputs[_K], inputs[_V]
-        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, *[inputs[i].tobytes() for i in self._keyed])
-        scale = self._memo.get(key, self._scale, inputs)
+        scale = self._memo.get(self._key(inputs), self._scale, inputs)
         b, _, s, _ = q.shape
         ranges = None if scale is None else cached_mask_ranges(inputs[_MASK], b, s, k.shape[2])
         if ranges is None:
@@ -223,8 +255,8 @@ class MaskedAttention(Op):
 
     def _scale(self, inputs: list) -> float | None:
         """The kernel's score scale when the shapes and dtypes of q/k/v, the repeats and the scales fit the
-        kernel (the conditions of the module docstring but the mask's), else None.  Depends only on what the
-        layout memo key holds."""
+        kernel (the conditions of the module docstring but the mask's), else None.  Depends only on what
+        :meth:`_key` holds."""
         inputs = self._templated(inputs)
         q, k, v = inputs[_Q], inputs[_K], inputs[_V]
         if not self._last_axis_softmax or q.dtype != np.float32 or q.ndim != 4 or k.ndim != 4 \
