@@ -26,7 +26,10 @@ the last axis only, and ``x``/``w`` are float32 (see
 becomes one ``ai.onnxkv::RotateHalf(x, cos, sin, <first-half slice inputs>,
 <second-half slice inputs>)`` node, run by the compiled ``rotary_embedding``
 kernel when the slices split the last axis in halves and ``cos``/``sin``
-hold one angle per pair (see :class:`onnxkv.plan.ops.rotate_half.RotateHalf`).
+hold one angle per pair (see :class:`onnxkv.plan.ops.rotary.RotateHalf`).
+Attribute ``halves_equal=1`` records that the graph proves the last pair
+(:func:`repeats_halves`: both are made from ``Concat([f, f], axis=-1)``), so
+the kernel need not compare the halves on every call.
 
 ``fuse_skip_rms_norm`` (after ``fuse_rms_norm``): the residual add feeding a
 fused norm::
@@ -43,12 +46,16 @@ becomes one ``ai.onnxkv::SkipRMSNormChain(a, b, w, ...)`` node with outputs
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_index
 
-__all__ = ["fuse_rms_norm", "fuse_rotate_half", "fuse_skip_rms_norm", "RMS_NORM_INPUTS", "ROTATE_HALF_INPUTS",
-           "SKIP_RMS_NORM_INPUTS"]
+__all__ = ["fuse_rms_norm", "fuse_rotate_half", "fuse_skip_rms_norm", "repeats_halves", "RMS_NORM_INPUTS",
+           "ROTATE_HALF_INPUTS", "SKIP_RMS_NORM_INPUTS"]
 
 #: Positions of the inputs of ``ai.onnxkv::RMSNormChain`` (empty name = absent).
 RMS_NORM_INPUTS = ("x", "weight", "exponent", "axes", "eps", "one")
@@ -61,6 +68,12 @@ ROTATE_HALF_INPUTS = ("x", "cos", "sin", "lo_starts", "lo_ends", "lo_axes", "lo_
                       "hi_starts", "hi_ends", "hi_axes", "hi_steps")
 
 _FLOAT = onnx.TensorProto.FLOAT
+#: Elementwise operators of one input: equal elements in, equal elements out.
+_UNARY = ("Cast", "Cos", "Sin", "Neg", "Identity", "Abs", "Exp", "Sqrt", "Reciprocal", "Relu", "Sigmoid", "Tanh")
+#: Elementwise operators of two broadcast inputs.
+_BINARY = ("Mul", "Add", "Sub", "Div")
+#: How far :func:`repeats_halves` follows producers.
+_PROOF_DEPTH = 16
 
 
 def _other(node: onnx.NodeProto, value: str) -> str | None:
@@ -143,9 +156,81 @@ def fuse_rms_norm(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
-def fuse_rotate_half(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
+def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    """The value of a ``Constant`` node given as a tensor or a float/int (list), else None."""
+    for a in node.attribute:
+        if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+            return numpy_helper.to_array(a.t)
+        if a.name in ("value_float", "value_floats", "value_int", "value_ints"):
+            return np.asarray(onnx.helper.get_attribute_value(a))
+    return None
+
+
+def _periodic(value: np.ndarray) -> bool:
+    """Whether ``value`` has the property of :func:`repeats_halves` (a scalar has it)."""
+    if value.ndim == 0:
+        return True
+    n = value.shape[-1]
+    if value.size == 0:
+        return False
+    period = n // 2 if n % 2 == 0 else 1
+    rows = value.reshape(value.shape[:-1] + (n // period, period))
+    return bool((rows == rows[..., :1, :]).all())
+
+
+def repeats_halves(value: str, nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray] | None = None
+                   ) -> bool:
+    """Whether the graph ``nodes`` proves that ``value``, with ``n`` the length of its last axis, repeats
+    with period ``n / 2`` along that axis when ``n`` is even (``v[..., i] == v[..., i + n/2]``), and is
+    constant along it when ``n`` is odd.
+
+    Proven for: ``Concat([f, f], axis=-1)``; constants (``constants`` or
+    ``Constant`` nodes) checked by value; elementwise operators of one input
+    (Cast, Cos, Sin, Neg, ...) of such a value; Mul/Add/Sub/Div of two such
+    values (broadcasting keeps the property: an axis of length 1 is
+    constant); Unsqueeze and Expand of one (the last axis stays, or becomes
+    a new axis of length 1, or a broadcast copy of one); Gather over another
+    axis than the last of a constant.  Anything else, or a chain deeper than
+    :data:`_PROOF_DEPTH`, is not proven.
+    """
+    constants = constants or {}
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+
+    def proven(v: str, depth: int) -> bool:
+        if v in constants:
+            return _periodic(np.asarray(constants[v]))
+        i = producer.get(v)
+        if i is None or depth > _PROOF_DEPTH:
+            return False
+        n = nodes[i]
+        if default_op(n, "Constant"):
+            c = _constant_value(n)
+            return c is not None and _periodic(c)
+        if n.domain not in ("", "ai.onnx") or len(n.output) != 1 or not n.input:
+            return False
+        if n.op_type == "Concat":
+            axis = next((a.i for a in n.attribute if a.name == "axis"), None)
+            return axis == -1 and len(n.input) == 2 and n.input[0] == n.input[1] != ""
+        if n.op_type in _UNARY or n.op_type in ("Unsqueeze", "Expand"):
+            return proven(n.input[0], depth + 1)
+        if n.op_type in _BINARY:
+            return len(n.input) == 2 and proven(n.input[0], depth + 1) and proven(n.input[1], depth + 1)
+        if n.op_type == "Gather" and len(n.input) == 2:
+            data = constants.get(n.input[0])
+            if data is None and n.input[0] in producer and default_op(nodes[producer[n.input[0]]], "Constant"):
+                data = _constant_value(nodes[producer[n.input[0]]])
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+            return data is not None and np.ndim(data) >= 2 and axis % np.ndim(data) != np.ndim(data) - 1 \
+                and _periodic(np.asarray(data))
+        return False
+
+    return proven(value, 0)
+
+
+def fuse_rotate_half(nodes: list[onnx.NodeProto], protected: set[str],
+                     constants: Mapping[str, np.ndarray] | None = None) -> list[onnx.NodeProto]:
     """``nodes`` with each exported rotate_half rotary embedding replaced by a RotateHalf node
-    (see the module docstring)."""
+    (see the module docstring); ``constants`` (initializers) help prove ``halves_equal``."""
     _, _, single = graph_index(nodes, protected)
 
     def op_of(value: str, reader: int, op_type: str) -> int | None:
@@ -201,7 +286,9 @@ def fuse_rotate_half(nodes: list[onnx.NodeProto], protected: set[str]) -> list[o
         if _reads_own(nodes, chain, [x, cos, sin, *lo_in, *hi_in]) or any(i in drop or i in replace for i in chain):
             continue
         drop.update(i for i in chain if i != a)
-        replace[a] = fused_with_body("RotateHalf", [nodes[i] for i in sorted(chain)], [x, cos, sin, *lo_in, *hi_in])
+        halves = repeats_halves(cos, nodes, constants) and repeats_halves(sin, nodes, constants)
+        replace[a] = fused_with_body("RotateHalf", [nodes[i] for i in sorted(chain)], [x, cos, sin, *lo_in, *hi_in],
+                                     halves_equal=int(halves))
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 

@@ -7,8 +7,9 @@ but each costs a step of the plan's run loop.  ``fuse_view_chains`` replaces
 every chain of two or more such operators, each reading the previous one's
 output as its data (input 0) and being its only reader, by one
 ``ai.onnxkv::ViewChain`` node (:class:`onnxkv.plan.ops.view_chain.ViewChain`)
-that runs the same kernels one after the other: the results are exactly
-those of the chain.  The chain's nodes are its ``body`` graph
+whose result is exactly the chain's: a view of the data when the chain keeps
+its element order (the decode head split and merge), else the same kernels
+run one after the other.  The chain's nodes are its ``body`` graph
 (:func:`onnxkv.plan.fusion.fused_with_body`); the fused node reads the data
 first, then every other value the chain reads, and keeps the last node's
 output name.  A chain holds at most one ``Transpose`` (the only operator of

@@ -207,7 +207,7 @@ class Plan:
         if fuse:
             nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
             nodes = fuse_masked_attention(nodes, protected)
-            nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected), constants)
+            nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)
             nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
 
         self.bindings = list(bindings)
@@ -509,21 +509,23 @@ class Plan:
 
     def _run_plain(self, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
         release = bufs.release
-        after = self._after
         get = slots.__getitem__
-        k = 0
+        k = -1
         try:
-            for k, (run, ins, outs) in enumerate(self._steps):
+            for (run, ins, outs), (check, clear, free) in zip(self._steps, self._after):
+                k += 1
                 rt._node = k
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
                 args = list(map(get, ins))
                 results = run(args, rt)
-                check, clear, free = after[k]
                 if check:
                     self._check_aliases(k, args, results)
-                for s, v in zip(outs, results):
-                    slots[s] = v
+                if len(outs) == 1:  # most nodes: no zip
+                    slots[outs[0]] = results[0]
+                else:
+                    for s, v in zip(outs, results):
+                        slots[s] = v
                 for s in clear:
                     slots[s] = None
                 for s in free:

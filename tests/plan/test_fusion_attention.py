@@ -133,3 +133,19 @@ def test_state_run_of_the_torch_export_matches_transformers(calls):
     # the kernel read the state's caches in place (no copy of K or V)
     caches = {v.__array_interface__["data"][0] for v in state.values.values()}
     assert len(caches) == 4 and set(calls["kv_addresses"][-4:]) == caches
+
+
+@pytest.mark.parametrize("form", sorted(MODELS))
+def test_each_layer_learns_its_layout_once_for_the_prefill_and_once_for_all_decode_steps(form, monkeypatch):
+    learnt = []
+    scale = ma.MaskedAttention._scale
+
+    def counting(self, inputs):
+        learnt.append((self.name, inputs[0].shape[2]))
+        return scale(self, inputs)
+
+    monkeypatch.setattr(ma.MaskedAttention, "_scale", counting)
+    prompt, lengths, tokens = left_padded_batch(form, 5, padding=2, steps=4)
+    _generate(onnxkv.Session(MODELS[form](), threads=2), prompt, lengths, tokens, True)
+    # two layers; the key length grows with every step but is not part of what they learn
+    assert sorted(s for _, s in learnt) == [1, 1, 9, 9] and len(set(learnt)) == 4

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
 import onnxkv.plan.plan as plan_module
+from onnxkv.plan.fusion_export import repeats_halves
 from onnxkv.plan.ops import _body, norm, rotary
 from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
@@ -60,7 +61,7 @@ def calls(monkeypatch):
 def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
     with monkeypatch.context() as m:
         m.setattr(plan_module, "fuse_rms_norm", lambda nodes, protected: nodes)
-        m.setattr(plan_module, "fuse_rotate_half", lambda nodes, protected: nodes)
+        m.setattr(plan_module, "fuse_rotate_half", lambda nodes, protected, constants: nodes)
         m.setattr(plan_module, "fuse_skip_rms_norm", lambda nodes, protected: nodes)
         return onnxkv.Session(model, threads=threads)
 
@@ -206,3 +207,88 @@ def test_rotate_half_falls_back_to_the_original_nodes_when_a_check_fails(case, c
     else:
         assert (calls["rotary"], calls["literal"]) == (0, ["RotateHalf"])
         np.testing.assert_array_equal(got, want)
+
+
+# -- small graphs: the halves proof ---------------------------------------------------------------------------------
+def _proof_nodes(kind: str) -> list[onnx.NodeProto]:
+    """Nodes making ``c`` from graph input ``f`` [2, 3, 4] (and ``g``, the same shape) as ``kind`` says."""
+    cat = helper.make_node("Concat", ["f", "f"], ["cat"], axis=-1)
+    if kind == "concat_cos_scaled":
+        return [cat, helper.make_node("Cos", ["cat"], ["cc"]), _const("k", np.float32(1.5)),
+                helper.make_node("Mul", ["cc", "k"], ["m"]), helper.make_node("Cast", ["m"], ["cm"], to=1),
+                _const("ax", np.array([1], np.int64)), helper.make_node("Unsqueeze", ["cm", "ax"], ["c"])]
+    if kind == "concat_of_two":
+        return [helper.make_node("Concat", ["f", "g"], ["c"], axis=-1)]
+    if kind == "concat_axis_0":
+        return [helper.make_node("Concat", ["f", "f"], ["c"], axis=0)]
+    if kind == "times_unequal_halves":
+        return [cat, _const("k", np.arange(8, dtype=np.float32)), helper.make_node("Mul", ["cat", "k"], ["c"])]
+    if kind == "times_repeated_halves":
+        return [cat, _const("k", np.tile(np.arange(4, dtype=np.float32), 2)), helper.make_node("Mul", ["cat", "k"], ["c"])]
+    if kind == "reshaped":
+        return [cat, _const("s", np.array([2, 3, 2, 4], np.int64)), helper.make_node("Reshape", ["cat", "s"], ["c"])]
+    if kind == "graph_input":
+        return [helper.make_node("Identity", ["f"], ["c"])]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind, proven", [("concat_cos_scaled", True), ("times_repeated_halves", True),
+                                          ("concat_of_two", False), ("concat_axis_0", False),
+                                          ("times_unequal_halves", False), ("reshaped", False),
+                                          ("graph_input", False)])
+def test_repeats_halves_proves_only_what_holds(kind, proven):
+    assert repeats_halves("c", _proof_nodes(kind)) is proven
+    if proven:  # the property itself, on the values the nodes compute
+        sess = onnxkv.Session(helper.make_model(helper.make_graph(
+            _proof_nodes(kind), "proof", [helper.make_tensor_value_info(v, TensorProto.FLOAT, [2, 3, 4]) for v in "fg"],
+            [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)]),
+            opset_imports=[helper.make_opsetid("", 18)]), threads=1)
+        rng = np.random.default_rng(12)
+        c = sess.run({"f": rng.standard_normal((2, 3, 4)).astype(np.float32),
+                      "g": rng.standard_normal((2, 3, 4)).astype(np.float32)})["c"]
+        np.testing.assert_array_equal(c[..., :4], c[..., 4:])
+
+
+@pytest.mark.parametrize("axis, proven", [(0, True), (1, False)])
+def test_repeats_halves_follows_a_gather_over_a_leading_axis_of_a_constant_table(axis, proven):
+    table = np.tile(np.random.default_rng(13).standard_normal((6, 2)).astype(np.float32), 2)  # [6, 4]: halves equal
+    nodes = [helper.make_node("Gather", ["table", "pos"], ["c"], axis=axis)]
+    assert repeats_halves("c", nodes, {"table": table}) is proven
+
+
+def _proven_rotary_model(split_input: bool) -> onnx.ModelProto:
+    """:func:`_rotary_model` (split 4) with cos/sin = Cos/Sin(Concat([f, f], axis=-1)) of an input ``f``
+    [2, 1, 4, 4]; the split point is a graph input ``mid`` when ``split_input``."""
+    model = _rotary_model(4)
+    graph = model.graph
+    nodes = [n for n in graph.node if not (split_input and n.output[0] == "mid")]
+    nodes[:0] = [helper.make_node("Concat", ["f", "f"], ["cat"], axis=-1),
+                 helper.make_node("Cos", ["cat"], ["cos"]), helper.make_node("Sin", ["cat"], ["sin"])]
+    inputs = [graph.input[0], helper.make_tensor_value_info("f", TensorProto.FLOAT, [2, 1, 4, 4])]
+    if split_input:
+        inputs.append(helper.make_tensor_value_info("mid", TensorProto.INT64, [1]))
+    return helper.make_model(helper.make_graph(nodes, "rope", inputs, list(graph.output)),
+                             opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("mid", [4, 3, None], ids=["split_4", "split_3", "constant_split"])
+def test_a_proven_rotate_half_runs_the_kernel_and_still_checks_its_layout(mid, calls, monkeypatch):
+    model = _proven_rotary_model(mid is not None)
+    sess = onnxkv.Session(model, threads=1)
+    fused = [(n, k) for n, k in zip(sess.plan.nodes, sess.plan.kernels) if n.op_type == "RotateHalf"]
+    assert len(fused) == 1 and fused[0][1]._halves_proven
+    rng = np.random.default_rng(14)
+    feeds = {"x": rng.standard_normal((2, 3, 4, 8)).astype(np.float32),
+             "f": rng.uniform(0, 6.0, (2, 1, 4, 4)).astype(np.float32)}
+    if mid is not None:
+        feeds["mid"] = np.array([mid], np.int64)
+    got = [sess.run(feeds)["y"] for _ in range(2)]  # the second call reuses the learnt layout
+    want = _unfused(model, monkeypatch, 1).run(feeds)["y"]
+    if mid == 3:  # a run-time split off the middle: the literal chain, every time
+        assert (calls["rotary"], calls["literal"]) == (0, ["RotateHalf"] * 2)
+        for g in got:
+            np.testing.assert_array_equal(g, want)
+    else:
+        assert (calls["rotary"], calls["literal"]) == (2, [])
+        for g in got:
+            np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)

@@ -14,9 +14,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
 import onnxkv.plan.plan as plan_module
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.ops.view_chain import ViewChain
 from onnxkv.plan.registry import BuildContext
-from test_fusion_attention import TORCH, torch_batch_runs
+from test_fusion_attention import TORCH, _generate, left_padded_batch, torch_batch_runs
 
 
 def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
@@ -143,3 +145,147 @@ def test_a_body_that_is_not_a_chain_is_rejected():
     node = helper.make_node("ViewChain", ["x", "s", "other"], ["y"], name="vc", domain="ai.onnxkv", body=body)
     with pytest.raises(onnxkv.ModelError, match="ViewChain node 'vc'"):
         ViewChain(node, BuildContext({"": 18, "ai.onnxkv": 1}))
+
+
+# -- the view path --------------------------------------------------------------------------------------------------
+class _CountingRun(RunContext):
+    """A run context whose ``empty`` hands out NumPy arrays and counts them."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+        def take(_rt, _index, shape, dtype):
+            self.taken += 1
+            return np.empty(shape, dtype)
+
+        super().__init__(take, False, 0)
+
+
+def _kernel(nodes: list[onnx.NodeProto], constants: dict[str, np.ndarray]) -> ViewChain:
+    """The ViewChain kernel of the one chain ``nodes`` make (first input: the data)."""
+    fused = fuse_view_chains(nodes, set())
+    assert len(fused) == 1 and fused[0].op_type == "ViewChain"
+    return ViewChain(fused[0], BuildContext({"": 18, "ai.onnxkv": 1}, constants))
+
+
+def _literal(kernel: ViewChain, inputs: list) -> np.ndarray:
+    """The chain run one kernel after the other (the fused node's literal path)."""
+    return kernel._chain(inputs[0], inputs, _CountingRun())
+
+
+#: Head split target of :func:`_split`: [B, S, 24] -> [B, S, 4, 6] (a build-time constant).
+SPLIT = np.array([0, 0, 4, 6], np.int64)
+
+
+def _split() -> list[onnx.NodeProto]:
+    """[B, S, 24] -> [B, 4, S, 6]."""
+    return [helper.make_node("Reshape", ["q", "split"], ["h"]),
+            helper.make_node("Transpose", ["h"], ["t"], perm=[0, 2, 1, 3])]
+
+
+def _merge() -> list[onnx.NodeProto]:
+    """[B, H, S, D] -> [B, S, H * D] with run-time targets ``bhsd`` and ``bsh``."""
+    return [helper.make_node("Reshape", ["a", "bhsd"], ["r"]),
+            helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", ["t", "bsh"], ["y"])]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_decode_head_split_is_a_view_of_its_input(batch):
+    kernel = _kernel(_split(), {"split": SPLIT})
+    q = np.random.default_rng(batch).standard_normal((batch, 1, 24)).astype(np.float32)
+    rt = _CountingRun()
+    for _ in range(2):  # learnt on the first call, remembered on the second
+        (y,) = kernel.run([q, SPLIT], rt)
+        assert rt.taken == 0 and np.shares_memory(y, q) and y.flags.c_contiguous
+        np.testing.assert_array_equal(y, _literal(kernel, [q, SPLIT]))
+        assert y.shape == (batch, 4, 1, 6)
+    assert kernel._memo.keys() == [(batch, 1, 24)]
+
+
+@pytest.mark.parametrize("seq", [1, 3])
+def test_a_merge_with_run_time_targets_is_a_view_only_for_one_position(seq):
+    kernel = _kernel(_merge(), {})
+    assert kernel._keyed == (1, 2)
+    a = np.random.default_rng(seq).standard_normal((2, 4, seq, 6)).astype(np.float32)
+    inputs = [a, np.array([2, 4, seq, 6], np.int64), np.array([2, seq, 24], np.int64)]
+    rt = _CountingRun()
+    (y,) = kernel.run(inputs, rt)
+    want = a.transpose(0, 2, 1, 3).reshape(2, seq, 24)
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(y, _literal(kernel, inputs))
+    # one position: the Transpose only moves a length-1 axis, so no copy; more: the chain's one copy
+    assert (np.shares_memory(y, a), rt.taken) == ((True, 0) if seq == 1 else (False, 1))
+
+
+def test_other_target_values_are_learnt_separately():
+    kernel = _kernel(_merge(), {})
+    a = np.random.default_rng(7).standard_normal((1, 2, 1, 6)).astype(np.float32)
+    flat = [a, np.array([1, 2, 1, 6], np.int64), np.array([1, 1, 12], np.int64)]
+    split = [a, np.array([1, 2, 1, 6], np.int64), np.array([1, 12, 1], np.int64)]
+    for inputs in (flat, split, flat):
+        (y,) = kernel.run(inputs, _CountingRun())
+        np.testing.assert_array_equal(y, _literal(kernel, inputs))
+        assert y.shape == tuple(inputs[2]) and np.shares_memory(y, a)
+    assert len(kernel._memo.keys()) == 2
+
+
+def test_a_non_contiguous_input_takes_the_literal_chain():
+    kernel = _kernel(_split(), {"split": SPLIT})
+    wide = np.random.default_rng(8).standard_normal((2, 1, 48)).astype(np.float32)
+    q = wide[:, :, ::2]
+    rt = _CountingRun()
+    (y,) = kernel.run([q, SPLIT], rt)
+    assert rt.taken == 1 and not np.shares_memory(y, wide) and y.flags.c_contiguous
+    np.testing.assert_array_equal(y, q.reshape(2, 1, 4, 6).transpose(0, 2, 1, 3))
+
+
+def test_a_chain_that_fails_raises_from_the_literal_chain_every_time():
+    kernel = _kernel(_merge(), {})
+    a = np.random.default_rng(9).standard_normal((1, 2, 1, 6)).astype(np.float32)
+    inputs = [a, np.array([1, 5, 1, 6], np.int64), np.array([1, 1, 12], np.int64)]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot reshape"):
+            kernel.run(inputs, _CountingRun())
+
+
+def test_the_memo_starts_over_when_full():
+    kernel = _kernel(_split(), {"split": SPLIT})
+    for n in range(kernel._memo.size + 1):
+        q = np.random.default_rng(n).standard_normal((1, n + 1, 24)).astype(np.float32)
+        (y,) = kernel.run([q, SPLIT], _CountingRun())
+        np.testing.assert_array_equal(y, q.reshape(1, n + 1, 4, 6).transpose(0, 2, 1, 3))
+    assert len(kernel._memo.keys()) == 1
+
+
+@pytest.mark.parametrize("state", [False, True], ids=["tensors", "state"])
+def test_decode_steps_of_the_torch_export_run_no_literal_chain(state, monkeypatch):
+    literal_shapes = []
+    chain = ViewChain._chain
+
+    def counting(self, x, inputs, rt):
+        if self._transposes:  # chains without one always run literally (as views)
+            literal_shapes.append(x.shape)
+        return chain(self, x, inputs, rt)
+
+    monkeypatch.setattr(ViewChain, "_chain", counting)
+    prompt, lengths, tokens = left_padded_batch("torch", 11, padding=2, steps=3)
+    _generate(onnxkv.Session(TORCH, threads=2), prompt, lengths, tokens[:, :0], state)
+    prefill = len(literal_shapes)
+    assert prefill == 2 * 4  # per layer: the q, k and v splits and the merge of all 9 positions copy
+    got = _generate(onnxkv.Session(TORCH, threads=2), prompt, lengths, tokens, state)
+    assert len(literal_shapes) == 2 * prefill  # ... and the 3 decode steps none
+    want = _generate(_unfused(TORCH, monkeypatch), prompt, lengths, tokens, state)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_chain_without_transpose_runs_its_views_without_learning():
+    kernel = _kernel([helper.make_node("Unsqueeze", ["v", "a0"], ["u"]),
+                      helper.make_node("Unsqueeze", ["u", "a0"], ["w"])], {"a0": np.array([0], np.int64)})
+    for n in (5, 6, 7):  # a vector growing by one position per decode step
+        v = np.random.default_rng(n).integers(0, 9, n)
+        (y,) = kernel.run([v, np.array([0], np.int64)], _CountingRun())
+        assert y.shape == (1, 1, n) and np.shares_memory(y, v)
+        np.testing.assert_array_equal(y[0, 0], v)
+    assert kernel._memo.keys() == []

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from typing import Any
+
 import numpy as np
 
-__all__ = ["broadcast_shape", "normalize_axis", "normalize_axes", "int_list"]
+__all__ = ["broadcast_shape", "normalize_axis", "normalize_axes", "int_list", "LayoutMemo"]
+
+_UNKNOWN = object()
 
 
 def broadcast_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, ...]:
@@ -28,3 +33,34 @@ def normalize_axes(axes, rank: int, what: str) -> tuple[int, ...]:
 def int_list(value) -> list[int]:
     """A 0-/1-D integer tensor or sequence as a list of Python ints."""
     return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+class LayoutMemo:
+    """What a kernel learnt about a call, per key (shapes, bytes of small integer parameters), at most
+    ``size`` keys (it starts over when full: prefill chunks may each bring a new shape).
+
+    The values must depend on the key only (never on array contents the key
+    does not hold).  Thread safety: a dict of immutable values; concurrent
+    runs at worst learn a key twice.
+    """
+
+    __slots__ = ("_values", "size")
+
+    def __init__(self, size: int = 64) -> None:
+        self._values: dict[Hashable, Any] = {}
+        self.size = size
+
+    def get(self, key: Hashable, learn: Callable[..., Any], *args: Any) -> Any:
+        """The value of ``key``, ``learn(*args)`` the first time (None is a value too)."""
+        values = self._values
+        value = values.get(key, _UNKNOWN)
+        if value is _UNKNOWN:
+            value = learn(*args)
+            if len(values) >= self.size:
+                values.clear()
+            values[key] = value
+        return value
+
+    def keys(self) -> list[Hashable]:
+        """The keys learnt so far, oldest first."""
+        return list(self._values)

@@ -61,6 +61,7 @@ from onnxkv._kernels import attention as _attention_kernel
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._body import Body
+from onnxkv.plan.ops._util import LayoutMemo, int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["MaskedAttention", "mask_ranges", "cached_mask_ranges", "MASKED"]
@@ -141,7 +142,8 @@ def _kv_rows(x: np.ndarray) -> np.ndarray:
 
     ``x`` itself when it is C-contiguous; the whole buffer (a read-only view,
     no copy) when ``x`` is the prefix ``[:, :, :T]`` of a C-contiguous
-    [B, H, Cap, D] array (a state's cache view); a contiguous copy otherwise.
+    [B, H, Cap, D] array inside a C-contiguous base array (a state's cache
+    view); a contiguous copy otherwise.
     """
     if x.flags.c_contiguous:
         return x
@@ -154,10 +156,13 @@ def _kv_rows(x: np.ndarray) -> np.ndarray:
         root = x
         while isinstance(root.base, np.ndarray):
             root = root.base
-        lo, hi = np.lib.array_utils.byte_bounds(root)
-        start = x.__array_interface__["data"][0]
-        if lo <= start and start + b * h * cap * row <= hi:
-            return np.lib.stride_tricks.as_strided(x, (b, h, cap, d), (h * s1, s1, s2, s3), writeable=False)
+        if root.flags.c_contiguous:
+            lo = root.__array_interface__["data"][0]
+            start = x.__array_interface__["data"][0]
+            if lo <= start and start + b * h * cap * row <= lo + root.nbytes:
+                whole = np.ndarray((b, h, cap, d), x.dtype, root, start - lo, (h * s1, s1, s2, s3))
+                whole.flags.writeable = False
+                return whole
     return np.ascontiguousarray(x)
 
 
@@ -186,33 +191,74 @@ class MaskedAttention(Op):
         templates = self.attrs.get(RESHAPE_FROM_X, ())
         #: (reshape template position, position of the tensor it is over)
         self._templates = tuple((r, x) for x, _, _, r in REPEAT_KV_INPUTS["MaskedAttention"] if r in templates)
+        names = node.input
+        #: Repeat parameters and scales only known at run time: their values join the layout memo key (each
+        #: is a tensor of a fixed dtype, so equal bytes mean equal values).
+        self._keyed = tuple(i for i in range(_K_REPEAT.start, _Q_SCALE + 1)
+                            if i < len(names) and names[i] and ctx.constant(names[i]) is None)
+        self._any_length = self._length_free(ctx, templates)
+        self._memo = LayoutMemo()
+
+    def _length_free(self, ctx: BuildContext, templates) -> bool:
+        """Whether :meth:`_scale` cannot depend on the key length T (for T >= 1): every repeat is absent or
+        made of build-time constants whose expand shape keeps T by broadcasting (1 at its position) and whose
+        reshape target leaves T to the tensor: a template with 0 at T's position and no -1, or a plain
+        target with its one -1 there and no 0 copying T (position 3 of the expanded shape)."""
+        names = self.node.input
+        for _, axes, expand, reshape in REPEAT_KV_INPUTS["MaskedAttention"]:
+            params = [names[i] if i < len(names) else "" for i in (axes, expand, reshape)]
+            if not any(params):
+                continue
+            values = [ctx.constant(p) if p else None for p in params]
+            if any(v is None for v in values):
+                return False
+            e, r = int_list(values[1]), int_list(values[2])
+            if len(e) != 5 or e[3] != 1 or len(r) != 4:
+                return False
+            if not (r[2] == 0 and -1 not in r if reshape in templates else
+                    r[2] == -1 and r.count(-1) == 1 and r[3] != 0):
+                return False
+        return True
+
+    def _key(self, inputs: list) -> tuple:
+        """The layout memo key of a call: what :meth:`_scale` depends on (T only through ``T > 0`` and
+        ``T_k == T_v`` when ``_any_length``: decode steps then share one key)."""
+        q, k, v = inputs[_Q], inputs[_K], inputs[_V]
+        if self._any_length and k.ndim == 4 and v.ndim == 4:
+            t = k.shape[2]
+            kv = (k.shape[:2], k.shape[3], v.shape[:2], v.shape[3], t == v.shape[2], t > 0)
+        else:
+            kv = (k.shape, v.shape)
+        return (q.shape, q.dtype, k.dtype, v.dtype, kv, *[inputs[i].tobytes() for i in self._keyed])
 
     def run(self, inputs: list, rt: RunContext) -> tuple:
-        if self._templates:
-            inputs = list(inputs)
-            for r, x in self._templates:
-                inputs[r] = reshape_from_x(inputs[r], inputs[x])
-        args = self._kernel_args(inputs)
-        if args is None:
-            return (self._literal(inputs, rt),)
-        q, k, v, scale, kv_start, q_pos, empty = args
+        q, k, v = inputs[_Q], inputs[_K], inputs[_V]
+        scale = self._memo.get(self._key(inputs), self._scale, inputs)
         b, _, s, _ = q.shape
+        ranges = None if scale is None else cached_mask_ranges(inputs[_MASK], b, s, k.shape[2])
+        if ranges is None:
+            return (self._literal(self._templated(inputs), rt),)
+        kv_start, q_pos, empty = ranges
         out = rt.empty(0, q.shape, np.float32)
-        kv_len = np.full(b, inputs[_K].shape[2], np.int32)
-        _attention_kernel(q, k, v, kv_len, q_pos, scale, 0.0, -1, out, kv_start if kv_start.any() else None)
+        kv_len = np.full(b, k.shape[2], np.int32)
+        _attention_kernel(np.ascontiguousarray(q), _kv_rows(k), _kv_rows(v), kv_len, q_pos, scale, 0.0, -1, out,
+                          kv_start if kv_start.any() else None)
         if empty.any():
             rows = np.flatnonzero(empty.any(axis=0))
-            sub = list(inputs)
-            sub[_Q] = inputs[_Q][:, :, rows]
+            sub = list(self._templated(inputs))
+            sub[_Q] = q[:, :, rows]
             mask = inputs[_MASK]
             if mask.ndim >= 2 and mask.shape[-2] != 1:
                 sub[_MASK] = mask[..., rows, :]
             out[:, :, rows] = self._literal(sub, rt)
         return (out,)
 
-    def _kernel_args(self, inputs: list):
-        """(q, k, v, scale, kv_start, q_pos, empty) for the kernel, or None when it cannot express the call."""
-        q, k, v, mask = inputs[_Q], inputs[_K], inputs[_V], inputs[_MASK]
+    def _scale(self, inputs: list) -> float | None:
+        """The kernel's score scale when the shapes and dtypes of q/k/v, the repeats and the scales fit the
+        kernel (the conditions of the module docstring but the mask's), else None.  Depends only on what
+        :meth:`_key` holds."""
+        inputs = self._templated(inputs)
+        q, k, v = inputs[_Q], inputs[_K], inputs[_V]
         if not self._last_axis_softmax or q.dtype != np.float32 or q.ndim != 4 or k.ndim != 4 \
                 or v.shape != k.shape or k.dtype != v.dtype or k.dtype not in (np.float32, np.float16) \
                 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or 0 in q.shape or 0 in k.shape:
@@ -224,11 +270,16 @@ class MaskedAttention(Op):
         if k_scale is None or score_scale is None or q_scale is None or (self.score_div and score_scale == 0):
             return None
         scale = q_scale * (k_scale / score_scale if self.score_div else k_scale * score_scale)
-        b, _, s, _ = q.shape
-        ranges = cached_mask_ranges(mask, b, s, k.shape[2])
-        if ranges is None or not np.isfinite(scale):
-            return None
-        return (np.ascontiguousarray(q), _kv_rows(k), _kv_rows(v), scale, *ranges)
+        return scale if np.isfinite(scale) else None
+
+    def _templated(self, inputs: list) -> list:
+        """``inputs`` with the reshape templates (``reshape_from_x``) replaced by the targets they stand for."""
+        if not self._templates:
+            return inputs
+        inputs = list(inputs)
+        for r, x in self._templates:
+            inputs[r] = reshape_from_x(inputs[r], inputs[x])
+        return inputs
 
     def _group(self, x: np.ndarray, repeat: list) -> int:
         """Query heads per KV head that (axes, expand, reshape) describe for ``x``; 1 without a repeat; 0: none."""
@@ -239,5 +290,6 @@ class MaskedAttention(Op):
         return self._repeat._is_repeat(x, *repeat)
 
     def _literal(self, inputs: list, rt: RunContext) -> np.ndarray:
-        """The body evaluated node by node (temporaries from NumPy, not the plan's buffers)."""
+        """The body evaluated node by node on ``inputs`` with their templates rebuilt (temporaries from NumPy,
+        not the plan's buffers)."""
         return self._body.evaluate(self.node.input, inputs, rt)[0]

@@ -30,7 +30,7 @@ from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion_export import ROTATE_HALF_INPUTS
 from onnxkv.plan.ops._body import Body
-from onnxkv.plan.ops._util import int_list
+from onnxkv.plan.ops._util import LayoutMemo, int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["RotaryEmbedding23", "RotaryEmbeddingMS", "RotateHalf", "rotate"]
@@ -249,6 +249,9 @@ def _resolve(index: int, d: int) -> int:
     return min(max(index + d if index < 0 else index, 0), d)
 
 
+_F32 = np.dtype(np.float32)
+
+
 @register("RotateHalf", domain="ai.onnxkv")
 class RotateHalf(Op):
     """``y = x * cos + rotate_half(x) * sin`` fused by :func:`onnxkv.plan.fusion_export.fuse_rotate_half`.
@@ -256,7 +259,9 @@ class RotateHalf(Op):
     Inputs by position (:data:`~onnxkv.plan.fusion_export.ROTATE_HALF_INPUTS`):
     ``x``, ``cos``, ``sin``, then the starts/ends/axes/steps of the Slice
     taking the first half of ``x`` and of the one taking the (negated) second
-    half; attribute ``body``: the replaced nodes.  Output: ``y``.
+    half; attributes ``body``: the replaced nodes, ``halves_equal`` (0/1):
+    the plan proved that ``cos``/``sin`` hold one angle per rotated pair
+    (:func:`~onnxkv.plan.fusion_export.repeats_halves`).  Output: ``y``.
 
     The compiled rotary kernel (non-interleaved) runs when ``x`` is float32
     ``[B, H, S, D]`` with even ``D``, the slices are ``x[..., :D/2]`` and
@@ -264,11 +269,13 @@ class RotateHalf(Op):
     axis, and ``cos``/``sin`` are float32 of one shape broadcasting to ``x``
     as ``[B or 1, 1, S, D]`` whose two halves are equal along the last axis
     (one angle per rotated pair, as the exported ``cat((freqs, freqs))``
-    makes them): the first half of each (b, s) row is one row of the kernel's
-    cos/sin table (read in place).
-    The result equals the chain up to float32 rounding.  Constant slice
-    parameters are read once when the plan is built; anything failing a check
-    evaluates the body literally.
+    makes them; compared on every call unless ``halves_equal``): the first
+    half of each (b, s) row is one row of the kernel's cos/sin table (read in
+    place).  The result equals the chain up to float32 rounding.  Constant
+    slice parameters are read once when the plan is built; the layout checks
+    (shapes, slice values) are made once per distinct (x, cos, sin) shape
+    (and run-time slice values) and remembered with the kernel's positions
+    array; anything failing a check evaluates the body literally.
     """
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
@@ -276,54 +283,57 @@ class RotateHalf(Op):
         self._body = Body.of(self, ctx, ROTATE_HALF_INPUTS)
         axis = BuildContext.attributes(self._body.node("Concat")).get("axis")
         self._concat_last = axis in (-1, 3)
+        self._halves_proven = bool(self.attrs.get("halves_equal", 0))
         names = node.input[:len(ROTATE_HALF_INPUTS)]
         params = [ctx.constant(x) if x else None for x in names]
-        self._dynamic = any(x and p is None for x, p in list(zip(names, params))[_LO.start:])
+        #: Slice parameter positions only known at run time (their values join the memo key).
+        self._keyed = tuple(i for i in range(_LO.start, len(names)) if names[i] and params[i] is None)
         #: The two slices' (start, end) pairs when constant (see _last_axis_slice).
-        self._slices = None if self._dynamic else (_last_axis_slice(params[_LO]), _last_axis_slice(params[_HI]))
-        self._last_positions: tuple[tuple[int, ...] | None, np.ndarray | None] = (None, None)
+        self._slices = None if self._keyed else (_last_axis_slice(params[_LO]), _last_axis_slice(params[_HI]))
+        self._memo = LayoutMemo()
 
-    def _kernel_args(self, inputs: list):
-        """(x, cos table, sin table, positions) for the kernel, or None when it cannot express the call."""
+    def _layout(self, inputs: list) -> tuple | None:
+        """(x shape, table shape, positions) of the kernel call for these inputs' shapes and slice values,
+        or None when the kernel cannot express it (dtypes and the halves are checked by the caller)."""
         x, cos, sin = inputs[0], inputs[1], inputs[2]
-        if not self._concat_last or x.dtype != np.float32 or x.ndim != 4 or cos is None or sin is None \
-                or cos.dtype != np.float32 or sin.dtype != np.float32 or cos.shape != sin.shape or cos.ndim > 4:
+        if not self._concat_last or x.ndim != 4 or cos.shape != sin.shape or cos.ndim > 4:
             return None
         b, h, s, d = x.shape
         half = d // 2
-        lo, hi = (_last_axis_slice(inputs[_LO]), _last_axis_slice(inputs[_HI])) if self._dynamic else self._slices
+        lo, hi = (_last_axis_slice(inputs[_LO]), _last_axis_slice(inputs[_HI])) if self._keyed else self._slices
         if d % 2 or lo is None or hi is None or (_resolve(lo[0], d), _resolve(lo[1], d)) != (0, half) \
                 or (_resolve(hi[0], d), _resolve(hi[1], d)) != (half, d):
             return None
-        c4 = cos.reshape((1,) * (4 - cos.ndim) + cos.shape)
-        s4 = sin.reshape(c4.shape)
-        bc = c4.shape[0]
-        if bc not in (1, b) or c4.shape[1:] != (1, s, d) or 0 in x.shape:
-            return None
-        if not ((c4[..., :half] == c4[..., half:]).all() and (s4[..., :half] == s4[..., half:]).all()):
+        c4 = (1,) * (4 - cos.ndim) + cos.shape
+        bc = c4[0]
+        if bc not in (1, b) or c4[1:] != (1, s, d) or 0 in x.shape:
             return None
         # Table row 2 * r (r = b_cos * S + s) is the first half of cos/sin row r: a view, no copy.
-        table_c = np.ascontiguousarray(c4).reshape(2 * bc * s, half)
-        table_s = np.ascontiguousarray(s4).reshape(2 * bc * s, half)
-        return np.ascontiguousarray(x).reshape(b * h, s, 1, d), table_c, table_s, self._positions(b, h, s, bc)
+        return (b * h, s, 1, d), (2 * bc * s, half), self._positions(b, h, s, bc)
 
-    def _positions(self, b: int, h: int, s: int, bc: int) -> np.ndarray:
-        """Kernel positions [B * H, S]: row (b * H + head, s) reads table row 2 * ((b if bc > 1 else 0) * S + s).
-        The array of the last shape is kept (read-only) for the next call."""
-        key, last = self._last_positions
-        if key == (b, h, s, bc):
-            return last
+    @staticmethod
+    def _positions(b: int, h: int, s: int, bc: int) -> np.ndarray:
+        """Kernel positions [B * H, S] (read-only): row (b * H + head, s) reads table row
+        2 * ((b if bc > 1 else 0) * S + s)."""
         rows = (np.arange(b, dtype=np.int64) * (s if bc > 1 else 0))[:, None, None] + np.arange(s, dtype=np.int64)
         positions = np.ascontiguousarray(np.broadcast_to(2 * rows, (b, h, s))).reshape(b * h, s)
         positions.flags.writeable = False
-        self._last_positions = ((b, h, s, bc), positions)
         return positions
 
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
-        args = self._kernel_args(inputs)
-        if args is None:
+        x, cos, sin = inputs[0], inputs[1], inputs[2]
+        layout = None
+        if cos is not None and sin is not None and x.dtype == _F32 and cos.dtype == _F32 and sin.dtype == _F32:
+            key = (x.shape, cos.shape, sin.shape, *[inputs[i].tobytes() for i in self._keyed])
+            layout = self._memo.get(key, self._layout, inputs)
+        if layout is not None and not self._halves_proven:
+            half = x.shape[3] // 2
+            if not ((cos[..., :half] == cos[..., half:]).all() and (sin[..., :half] == sin[..., half:]).all()):
+                layout = None
+        if layout is None:
             return tuple(self._body.evaluate(self.node.input, inputs, rt))
-        x = inputs[0]
-        out = rt.empty(0, x.shape, np.float32)
-        _rotary_kernel(*args, False, out.reshape(args[0].shape))
+        x_shape, table_shape, positions = layout
+        out = rt.empty(0, x.shape, _F32)
+        _rotary_kernel(np.ascontiguousarray(x).reshape(x_shape), np.ascontiguousarray(cos).reshape(table_shape),
+                       np.ascontiguousarray(sin).reshape(table_shape), positions, False, out.reshape(x_shape))
         return (out,)

@@ -14,6 +14,8 @@ in-place append and its output a zero-copy view of the valid cache.
 
 from __future__ import annotations
 
+from math import prod
+
 import numpy as np
 from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -91,8 +93,8 @@ class Flatten(Op):
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
         axis = normalize_axis(self.attrs.get("axis", 1), x.ndim + 1, f"Flatten '{self.name}'")
-        lead = int(np.prod(x.shape[:axis], dtype=np.int64))
-        return (x.reshape(lead, -1) if x.size else x.reshape(lead, int(np.prod(x.shape[axis:], dtype=np.int64))),)
+        lead = prod(x.shape[:axis])
+        return (x.reshape(lead, -1) if x.size else x.reshape(lead, prod(x.shape[axis:])),)
 
 
 @register("Transpose")

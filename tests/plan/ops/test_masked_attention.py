@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from onnxkv import Session
+from onnxkv import OperatorError, Session
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
 from onnxkv.plan.ops import masked_attention as ma
 
@@ -242,3 +242,44 @@ def test_the_query_scaling_joins_the_fusion(per_channel, kernel_calls):
     # a per-channel scale is not the kernel's scalar: the block is evaluated literally
     assert len(kernel_calls) == (0 if per_channel else 1)
     np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+# -- the layout learnt per key --------------------------------------------------------------------------------------
+@pytest.fixture
+def layout_calls(monkeypatch):
+    """Counts how often a MaskedAttention works out the kernel's layout (MaskedAttention._scale)."""
+    calls = []
+    real = ma.MaskedAttention._scale
+
+    def counting(self, inputs):
+        calls.append(inputs[1].shape)
+        return real(self, inputs)
+
+    monkeypatch.setattr(ma.MaskedAttention, "_scale", counting)
+    return calls
+
+
+@pytest.mark.parametrize("form", ["repeat", "torch", "mha"])
+def test_decode_steps_of_any_key_length_share_one_layout(form, layout_calls, kernel_calls):
+    model = _block(form, (B, 1, 1, 9))
+    sess = Session(model, threads=1)
+    oracle = ReferenceEvaluator(model)
+    for t in (9, 10, 11):  # one decode step after another: the cache grows by one key
+        feeds = _feeds(form, 1, t, _causal_padded(1, t, [0, 2]), seed=t)
+        np.testing.assert_allclose(sess.run(feeds)["y"], oracle.run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+    assert len(layout_calls) == 1 and len(kernel_calls) == 3
+
+
+def test_a_repeat_that_fixes_the_key_length_is_checked_for_every_length(layout_calls, kernel_calls):
+    model = _block("repeat", (B, 1, 1, 6))
+    rshape = next(i for i in model.graph.initializer if i.name == "rshape")
+    rshape.CopyFrom(numpy_helper.from_array(np.array([0, HQ, 6, D], np.int64), "rshape"))  # T spelled out: 6
+    sess = Session(model, threads=1)
+    feeds = _feeds("repeat", 1, 6, _causal_padded(1, 6, [0, 1]), seed=3)
+    np.testing.assert_allclose(sess.run(feeds)["y"], ReferenceEvaluator(model).run(None, feeds)[0],
+                               rtol=1e-5, atol=1e-5)
+    assert len(kernel_calls) == 1
+    # seven keys do not fit the target: learnt anew, the literal nodes run and fail as the unfused graph does
+    with pytest.raises(OperatorError, match="Reshape|reshape"):
+        sess.run(_feeds("repeat", 1, 7, _causal_padded(1, 7, [0, 1]), seed=4))
+    assert len(layout_calls) == 2 and len(kernel_calls) == 1
