@@ -76,6 +76,8 @@ typedef struct {
     const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
     int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
     int k_compact;                 /* quantized K pages: 0 float32 header, 1 compact header (quant.h) */
+    int amx;                       /* 1: the AVX-512 unit of per-page formats scores quantized keys on the
+                                    * AMX-INT8 tiles (attention_amx.h; the caller checked okv_cpu_amx_ok()) */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -259,6 +261,15 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #define okv_dot_f32_avx512 okv_dot_f32_avx2
 #endif
 
+/* Floats of workspace one work unit of R rows needs (attention_impl.h: for
+ * every row its accumulator, max, sum, query sum, zero-point correction, and,
+ * with 4-bit pages on AVX-512, an interleaved query row and accumulator; two
+ * score slots of OKV_RG rows; OKV_RG folded query rows), rounded up to whole
+ * 64-byte lines so that per-thread workspaces never share a cache line. */
+static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
+    return (R * (3 * D + 4) + OKV_RG * (D + 2 * OKV_BK) + 15) & ~(int64_t)15;
+}
+
 /* One instantiation of attention_impl.h per (instruction set, K/V element type).
  * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p, d): element d of
  * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 and
@@ -342,6 +353,8 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #undef OKV_SFX
 #undef OKV_ATTR
 
+#include "attention_amx.h"
+
 /* AVX-512 (16 lanes).  Float32 K/V take the AVX2 unit and tiles (aliases
  * below): streaming float32 is memory bound, and 16 lanes measured no faster
  * on 2 threads and ~4% slower on one (16384 keys, GQA 32/8, D 128). */
@@ -385,13 +398,23 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #undef OKV_ATTR
 #endif
 
-/* Floats of workspace one work unit of R rows needs (attention_impl.h: for
- * every row its accumulator, max, sum, query sum, zero-point correction, and,
- * with 4-bit pages on AVX-512, an interleaved query row and accumulator; two
- * score slots of OKV_RG rows; OKV_RG folded query rows), rounded up to whole
- * 64-byte lines so that per-thread workspaces never share a cache line. */
-static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
-    return (R * (3 * D + 4) + OKV_RG * (D + 2 * OKV_BK) + 15) & ~(int64_t)15;
+/* Floats of the AMX scratch (attention_amx.h) a work unit of nt <= tq query
+ * tokens needs after its okv_attn_ws_floats (0 unless a->amx with per-page
+ * formats): B tiles of every (head, row group) item, for either row-group
+ * width the unit may pick (attention_impl.h). */
+static inline int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq) {
+#if OKV_X86_SIMD
+    const int64_t R = a->Hq / a->Hkv * tq, w2 = a->prefill_rg;
+    int64_t b1, b2;
+    if (!a->amx || !a->k_fmt) return 0;
+    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG);
+    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2);
+    return (b1 > b2 ? b1 : b2) / 4;
+#else
+    (void)a;
+    (void)tq;
+    return 0;
+#endif
 }
 
 /* Floats of one partial state block (R rows of max, sum, acc[D]), whole lines. */

@@ -61,6 +61,7 @@ cdef extern from "attention.h" nogil:
         const uint8_t *v_fmt
         int64_t kG, vG
         int k_compact
+        int amx
     int OKV_BK
     int OKV_KV_F32
     int OKV_KV_F16
@@ -68,6 +69,7 @@ cdef extern from "attention.h" nogil:
     int OKV_MAX_TQ
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
     int64_t okv_attn_part_floats(int64_t R, int64_t D)
+    int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq)
     float *okv_align64(float *p)
     int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                           int64_t c1, float *ws, float *part, int64_t pstride, int simd)
@@ -80,6 +82,7 @@ cdef extern from "attention.h" nogil:
 
 cdef extern from "simd.h" nogil:
     int okv_cpu_avx512_ok()
+    int okv_cpu_amx_ok()
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256
@@ -95,7 +98,8 @@ cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd, int64_t *stats) 
     """Query tiles of whole units; stats[0] += quantized bytes loaded,
     stats[1] = bytes of workspace allocated."""
     cdef int64_t G = a.Hq // a.Hkv, upb = a.Hkv // a.hpu, units = a.B * upb, ntiles = (a.Sq + tq - 1) // tq
-    cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(a.hpu * G * tq, a.D), nb = 0
+    cdef int64_t ntask = units * ntiles, i, u, t0, t1, nb = 0
+    cdef int64_t wsz = okv_attn_ws_floats(a.hpu * G * tq, a.D) + okv_attn_amx_ws_floats(a, tq)
     cdef float *ws0
     cdef float *ws
     if ntask < nt:
@@ -123,7 +127,8 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd, int64_t *st
     includes the partial states)."""
     cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, R = G * a.Sq, nb = 0
     cdef int64_t ntask = a.B * (a.Hkv // a.hpu) * nchunks, i, u
-    cdef int64_t wsz = okv_attn_ws_floats(a.hpu * R, a.D), psz = okv_attn_part_floats(R, a.D)
+    cdef int64_t wsz = okv_attn_ws_floats(a.hpu * R, a.D) + okv_attn_amx_ws_floats(a, a.Sq)
+    cdef int64_t psz = okv_attn_part_floats(R, a.D)
     cdef float *ws0
     cdef float *parts0
     cdef float *ws
@@ -168,10 +173,32 @@ def set_attention_avx512(enabled: bool) -> bool:
     return bool(_avx512)
 
 
+cdef int _amx_usable = okv_cpu_amx_ok()
+cdef int _amx = _amx_usable
+
+
+def set_attention_amx(enabled: bool) -> bool:
+    """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
+    codes, per-head or per-channel scales) on the AMX-INT8 tiles inside its
+    AVX-512 tiles (the default where the CPU has AMX-TILE and AMX-INT8 and the
+    OS grants the tile state; attention_amx.h), or with AVX-512 FMAs only (to
+    test and compare both on one machine).  Takes effect only while the
+    AVX-512 tiles run (``set_attention_avx512``, ``set_simd_enabled``).
+    Returns whether AMX is now enabled (False where it is not usable)."""
+    global _amx
+    _amx = _amx_usable if enabled else 0
+    return bool(_amx)
+
+
 def attention_simd_level() -> str:
-    """The instruction set attention / paged_attention run now: "avx512",
+    """The instruction set attention / paged_attention run now:
+    "avx512+amx" (AVX-512 tiles, quantized keys scored on AMX-INT8), "avx512",
     "avx2" or "scalar"."""
-    return ("avx512" if _avx512 else "avx2") if okv_simd() else "scalar"
+    if not okv_simd():
+        return "scalar"
+    if not _avx512:
+        return "avx2"
+    return "avx512+amx" if _amx else "avx512"
 
 
 cdef int _prefetch = 2
@@ -385,6 +412,7 @@ cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64
     a.kG = 1
     a.vG = 1
     a.k_compact = 0
+    a.amx = 0
 
 
 cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
@@ -403,6 +431,7 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
     # page (all heads, head-major) front to back instead of one short run per head.
     if okv_simd():
         simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
+    a.amx = 1 if simd == OKV_ATTN_AVX512 and _amx else 0
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
         a.hpu = Hkv if _paged_heads <= 0 else max(h for h in range(1, min(_paged_heads, Hkv) + 1) if Hkv % h == 0)

@@ -378,6 +378,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     int acci_used = 0;                /* set at the first tile that needs them */
 #ifdef OKV_SIMD512
     int qi_ready = 0;
+    okv_amx_ws ax;                    /* a->amx: scratch and B tiles of the AMX key scores */
 #endif
 #endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
@@ -411,6 +412,13 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     }
 #endif
 
+#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+    if (a->amx) {   /* B tiles per (head, row group) item, after the float workspace; tiles configured */
+        okv_amx_ws_init(&ax, (char *)(ws + okv_attn_ws_floats(RT, D)), D, nh * ((R + rgw - 1) / rgw),
+                        R < rgw ? R : rgw);
+        okv_amx_begin();
+    }
+#endif
     pg.start = pg.end = pf.start = pf.end = INT64_MIN;
     /* Tiles of up to OKV_BK keys inside one page, each starting at a key some
      * token sees: keys (and pages) no token sees are skipped. */
@@ -518,6 +526,12 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                             qi_ready = 1;
                         }
 #endif
+#ifdef OKV_SIMD512
+                        if (a->amx && okv_q_bits(pg.kf))
+                            okv_qk_amx(a, &ax, w, pg.kf, qr, nr, kh + (u0 - j0) * pg.kst, pg.kst, u1 - u0, scale, sw,
+                                       &dk, pfp, qb, qsum + hw * R + rg);
+                        else
+#endif
                         OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, u1 - u0, D, scale,
                                           sw, &dk, pfp, qb, qsum + hw * R + rg);
 #else
@@ -584,6 +598,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 
 #ifdef OKV_MIXED
 #ifdef OKV_SIMD512
+    if (a->amx) okv_amx_end();
     if (acci_used)   /* the interleaved accumulators, in natural order */
         for (r = 0; r < RT; r++) okv_q4_add_nat(acci + r * D, acc + r * D, D);
 #endif

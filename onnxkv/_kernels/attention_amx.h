@@ -1,0 +1,315 @@
+/* onnxkv/_kernels/attention_amx.h -- key scores of quantized pages on the
+ * AMX-INT8 tiles, for the AVX-512 unit of per-page formats (attention_impl.h
+ * with OKV_MIXED and OKV_SIMD512, when a->amx: okv_cpu_amx_ok() and the
+ * switch of attention.pyx).
+ *
+ * Scores of nr <= OKV_RG query rows against up to 16 keys at a time:
+ *   A tile (tile 2): 16 keys x 64 code bytes, int8 (signed formats) or uint8
+ *     (unsigned), read straight from the page (8-bit codes, D % 64 == 0, 16
+ *     keys) or from a per-thread copy (okv_amx_expand: 4- and 2-bit codes
+ *     widened to one byte each, sign-extended when signed; 8-bit rows of other
+ *     head sizes or tiles of fewer than 16 keys copied; positions past the
+ *     row's codes are zero).  Head sizes are covered in P = 64 * ceil(D / 64)
+ *     code positions, nch = P / 64 chunks of 64 per key.
+ *   B tiles (tiles 3, 4): the query rows as 24-bit fixed point, q_int =
+ *     round(q / S_r), S_r = max|q_r| / OKV_AMX_QMAX, written as three balanced
+ *     signed int8 digits q_int = d2 * 2^16 + d1 * 2^8 + d0; column 3*i + d of
+ *     tile t holds digit d of row 5t + i (OKV_AMX_RPT = 5 rows per tile, a
+ *     second tile for rows 5..7), in the VNNI layout B[k/4][col][k%4], built
+ *     once per work unit and row group (okv_amx_build; per-channel key scales
+ *     are folded into the rows per page, so their tiles are rebuilt per page).
+ *   C tiles (tiles 0, 1): int32 [16 keys][16 columns] by _tile_dpbssd (signed
+ *     keys) or _tile_dpbusd (unsigned keys), exact: every digit product and
+ *     column sum fits in int32 (|sum| <= 128 * 255 * P < 2^31 for P < 2^16).
+ *   Scores: transposed to [column][key] (okv_amx_t16), s = scale * S_r *
+ *     ((C2 * 65536 + C1 * 256) + C0) in float32.  The only error beyond float32
+ *     rounding is q's fixed-point rounding, |q - S_r q_int| <= S_r / 2 =
+ *     max|q_r| * 2^-24 (about), per element.
+ *
+ * Code positions (the order in which the A rows hold a key's codes; the B
+ * tiles hold the query elements in the same order, so the dot product is the
+ * same): element e of a row with `per` = 8 / bits codes per byte is code h = e
+ * % per of byte i = e / per, at position (i / U) * 64 + h * U + i % U, U = 64
+ * / per code bytes per chunk (8-bit: the natural order; 4-bit: each 32 bytes'
+ * low nibbles, then their high nibbles; 2-bit: each 16 bytes' codes 0, then
+ * 1, 2, 3), so that widening one chunk is one broadcast, one shift and one
+ * mask.
+ *
+ * Tile state: okv_amx_begin configures tiles 0..4 (16 rows x 64 bytes) on the
+ * calling thread at the start of a work unit, okv_amx_end releases them at its
+ * end; every function here runs between the two on the same thread.
+ */
+#ifndef ONNXKV_ATTENTION_AMX_H
+#define ONNXKV_ATTENTION_AMX_H
+
+#include "quant.h"
+
+#if OKV_X86_SIMD
+#define OKV_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+/* |q_int| bound: 127 * 2^16 keeps the top balanced digit d2 in [-128, 127]
+ * (|q_int| + 128 <= 2^8 (|q_int| / 2^8 + 128) ... see okv_amx_build). */
+#define OKV_AMX_QMAX 8323072.f
+#define OKV_AMX_RPT 5      /* query rows per C tile: 3 digit columns each, 15 of 16 columns */
+#define OKV_AMX_TILE 1024  /* bytes of one B tile: 16 rows x 64 bytes */
+
+/* The tile configuration (palette 1) of ldtilecfg. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} okv_amx_cfg;
+
+/* Per-thread scratch of the AMX scores, inside the work unit's workspace
+ * (okv_amx_ws_bytes bytes at a 64-byte aligned address; okv_amx_ws_init):
+ *   cbuf   2 x 256 int32: the stored C tiles
+ *   xs     16 x P bytes: widened / copied key rows of one tile
+ *   planes 3 * OKV_RG x P int8: the digits of the rows, plane 3 * r + d
+ *   qp     P floats: one query row in code position order (zero padded)
+ *   bt     nitem x nch x tpi B tiles: item w's tiles of chunk c, tile t at
+ *          bt + ((w * nch + c) * tpi + t) * OKV_AMX_TILE
+ *   sr     nitem x OKV_RG floats: S_r of the rows of item w at sr + w * OKV_RG
+ *   tag    nitem ints: bits of the code order item w's tiles hold (0: none)
+ * P = 64 * nch; tpi = B tiles per item (1 for at most OKV_AMX_RPT rows per
+ * item, else 2). */
+typedef struct {
+    int32_t *cbuf;
+    uint8_t *xs;
+    int8_t *planes;
+    float *qp;
+    uint8_t *bt;
+    float *sr;
+    int *tag;
+    int64_t P, nch, tpi;
+} okv_amx_ws;
+
+static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
+
+/* Bytes of okv_amx_ws for head size D, nitem work items (head, row group) of
+ * at most rgw rows each (a multiple of 64). */
+static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
+    const int64_t nch = (D + 63) / 64, P = 64 * nch, tpi = rgw > OKV_AMX_RPT ? 2 : 1;
+    return 2 * OKV_AMX_TILE + 16 * P + 3 * OKV_RG * P + okv_amx_line(4 * P) + nitem * nch * tpi * OKV_AMX_TILE +
+           okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem);
+}
+
+/* Lay out okv_amx_ws_bytes(D, nitem, rgw) bytes at mem (64-byte aligned);
+ * no B tiles built yet. */
+static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw) {
+    int64_t i;
+    x->nch = (D + 63) / 64;
+    x->P = 64 * x->nch;
+    x->tpi = rgw > OKV_AMX_RPT ? 2 : 1;
+    x->cbuf = (int32_t *)mem;
+    mem += 2 * OKV_AMX_TILE;
+    x->xs = (uint8_t *)mem;
+    mem += 16 * x->P;
+    x->planes = (int8_t *)mem;
+    mem += 3 * OKV_RG * x->P;
+    x->qp = (float *)mem;
+    mem += okv_amx_line(4 * x->P);
+    x->bt = (uint8_t *)mem;
+    mem += nitem * x->nch * x->tpi * OKV_AMX_TILE;
+    x->sr = (float *)mem;
+    mem += okv_amx_line(4 * nitem * OKV_RG);
+    x->tag = (int *)mem;
+    for (i = 0; i < nitem; i++) x->tag[i] = 0;
+}
+
+/* Compiler barrier around the tile loads and stores: GCC's tile intrinsics
+ * are asm statements that do not tell the compiler which memory they read or
+ * write (_tile_loadconfig names only the first 8 bytes of the configuration),
+ * so the stores they read must be complete before them and the loads of what
+ * they write must not move above them. */
+#define OKV_AMX_FENCE() __asm__ volatile("" ::: "memory")
+
+/* Tiles 0..4: 16 rows x 64 bytes. */
+static const okv_amx_cfg okv_amx_cfg16 = {1, 0, {0}, {64, 64, 64, 64, 64}, {16, 16, 16, 16, 16}};
+
+/* Configure tiles 0..4 (okv_amx_cfg16) on this thread. */
+OKV_AMX static void okv_amx_begin(void) {
+    OKV_AMX_FENCE();
+    _tile_loadconfig(&okv_amx_cfg16);
+}
+
+/* Release the tile state of this thread. */
+OKV_AMX static void okv_amx_end(void) { _tile_release(); }
+
+/* In-place transpose of the 16 x 16 int32 matrix v[row] lane col. */
+OKV_INLINE OKV_AMX void okv_amx_t16(__m512i *v) {
+    __m512i a[16], b[16];
+    int i, k;
+    for (i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (i = 0; i < 4; i++) {   /* b[4i+m], 128-bit block L: rows 4i..4i+3 of column 4L+m */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (i = 0; i < 2; i++)
+        for (k = 0; k < 4; k++) {
+            a[8 * i + k] = _mm512_shuffle_i32x4(b[8 * i + k], b[8 * i + 4 + k], 0x88);
+            a[8 * i + 4 + k] = _mm512_shuffle_i32x4(b[8 * i + k], b[8 * i + 4 + k], 0xDD);
+        }
+    for (k = 0; k < 8; k++) {
+        v[k] = _mm512_shuffle_i32x4(a[k], a[k + 8], 0x88);
+        v[k + 8] = _mm512_shuffle_i32x4(a[k], a[k + 8], 0xDD);
+    }
+}
+
+/* The first min(n, 64) bytes. */
+static inline __mmask64 okv_amx_bmask(int64_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
+
+/* B tiles of the nr rows qr[r] (D floats each) for codes of `bits` bits, into
+ * bt (nch x tpi tiles: chunk c, tile t at bt + (c * tpi + t) * OKV_AMX_TILE)
+ * and S_r into sr[r] (0 for an all-zero row, whose digits are all 0).
+ * Digits: d0 = the low byte of q_int as signed, q1 = (q_int - d0) / 2^8,
+ * d1 = the low byte of q1, d2 = (q1 - d1) / 2^8 (exact shifts); |q_int| <=
+ * OKV_AMX_QMAX (+1 by rounding) gives |q1| <= 32513 and |d2| <= 127. */
+OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int bits, okv_amx_ws *x, uint8_t *bt,
+                                  float *sr) {
+    const int64_t P = x->P, per = 8 / bits, U = 64 / per;
+    const int nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
+    int64_t e, p, c;
+    int r, t, i;
+    for (r = 0; r < nr; r++) {
+        const float *q = qr[r];
+        float *qp = x->qp;
+        __m512 mx = _mm512_setzero_ps(), inv;
+        float m;
+        if (bits == 8) {
+            memcpy(qp, q, (size_t)D * sizeof(float));
+            for (e = D; e < P; e++) qp[e] = 0.f;
+        } else {
+            memset(qp, 0, (size_t)P * sizeof(float));
+            for (e = 0; e < D; e++) {
+                const int64_t b = e / per, h = e % per;
+                qp[(b / U) * 64 + h * U + b % U] = q[e];
+            }
+        }
+        for (p = 0; p < P; p += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qp + p)));
+        m = _mm512_reduce_max_ps(mx);
+        sr[r] = m > 0.f ? m / OKV_AMX_QMAX : 0.f;
+        inv = _mm512_set1_ps(m > 0.f ? OKV_AMX_QMAX / m : 0.f);
+        for (p = 0; p < P; p += 16) {
+            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qp + p), inv));
+            const __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(qi, 24), 24);
+            const __m512i q1 = _mm512_srai_epi32(_mm512_sub_epi32(qi, d0), 8);
+            const __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24);
+            const __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(q1, d1), 8);
+            int8_t *pl = x->planes + 3 * r * P + p;
+            _mm_storeu_si128((__m128i *)pl, _mm512_cvtepi32_epi8(d0));
+            _mm_storeu_si128((__m128i *)(pl + P), _mm512_cvtepi32_epi8(d1));
+            _mm_storeu_si128((__m128i *)(pl + 2 * P), _mm512_cvtepi32_epi8(d2));
+        }
+    }
+    for (c = 0; c < x->nch; c++)
+        for (t = 0; t < nt; t++) {   /* column i of tile t: plane 3 * OKV_AMX_RPT * t + i */
+            const int ncol = 3 * ((nr - OKV_AMX_RPT * t) < OKV_AMX_RPT ? nr - OKV_AMX_RPT * t : OKV_AMX_RPT);
+            uint8_t *b = bt + (c * x->tpi + t) * OKV_AMX_TILE;
+            __m512i v[16];
+            for (i = 0; i < 16; i++)
+                v[i] = i < ncol ? _mm512_loadu_si512(x->planes + (3 * OKV_AMX_RPT * t + i) * P + 64 * c)
+                                : _mm512_setzero_si512();
+            okv_amx_t16(v);   /* v[k/4]: dword col = the 4 digits of column col at k .. k+3 */
+            for (i = 0; i < 16; i++) _mm512_storeu_si512(b + 64 * i, v[i]);
+        }
+}
+
+/* Rows 0..m-1 (m <= 16) of codes of format fmt (nb bytes each, kst bytes
+ * apart from k) into x->xs (P bytes apart) in code position order, one byte
+ * per code (signed codes sign-extended), zero past the row's codes. */
+OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int fmt, int64_t nb, okv_amx_ws *x) {
+    const int bits = okv_q_bits(fmt), sgn = okv_q_signed(fmt);
+    const int64_t per = 8 / bits, U = 64 / per;
+    const __m512i lo = _mm512_set1_epi8((char)((1 << bits) - 1)), sb = _mm512_set1_epi8((char)(1 << (bits - 1)));
+    /* 2-bit: 128-bit block h shifted by 2h bits; 4-bit: 256-bit block h by 4h */
+    const __m512i sh2 = _mm512_set_epi64(6 | 6ll << 16 | 6ll << 32 | 6ll << 48, 6 | 6ll << 16 | 6ll << 32 | 6ll << 48,
+                                         4 | 4ll << 16 | 4ll << 32 | 4ll << 48, 4 | 4ll << 16 | 4ll << 32 | 4ll << 48,
+                                         2 | 2ll << 16 | 2ll << 32 | 2ll << 48, 2 | 2ll << 16 | 2ll << 32 | 2ll << 48, 0, 0);
+    int64_t j, c;
+    for (j = 0; j < m; j++) {
+        const uint8_t *row = k + j * kst;
+        uint8_t *o = x->xs + j * x->P;
+        for (c = 0; c < x->nch; c++) {
+            const int64_t left = nb - c * U;
+            const __mmask64 km = okv_amx_bmask(left < U ? (left > 0 ? left : 0) : U);
+            __m512i v;
+            if (bits == 8) {
+                _mm512_storeu_si512(o + 64 * c, _mm512_maskz_loadu_epi8(km, row + 64 * c));
+                continue;
+            }
+            if (bits == 4) {
+                const __m256i h = _mm256_maskz_loadu_epi8((__mmask32)km, row + 32 * c);
+                v = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+                v = _mm512_mask_srli_epi16(v, (__mmask32)0xFFFF0000u, v, 4);
+            } else {
+                v = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8((__mmask16)km, row + 16 * c));
+                v = _mm512_srlv_epi16(v, sh2);
+            }
+            v = _mm512_and_si512(v, lo);
+            if (sgn) v = _mm512_sub_epi8(_mm512_xor_si512(v, sb), sb);
+            _mm512_storeu_si512(o + 64 * c, v);
+        }
+    }
+}
+
+/* Scores s[r * OKV_BK + j] = scale * q_r . code_j (raw codes) of the nr rows
+ * whose B tiles and S_r are bt / sr (okv_amx_build for the code order of
+ * fmt) against the n keys of format fmt at k (kst bytes apart, head size D);
+ * the rows of pf are software-prefetched first. */
+OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt, int64_t D, int nr,
+                               const uint8_t *bt, const float *sr, float scale, float *s, okv_amx_ws *x,
+                               const okv_pf *pf) {
+    const int sgn = okv_q_signed(fmt), nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
+    const int64_t nb = okv_q_row_bytes(fmt, D), direct = okv_q_bits(fmt) == 8 && D % 64 == 0;
+    const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
+    int64_t j0, c;
+    int t, i;
+    okv_pf_rows(pf, 0, (int)pf->n);
+    for (j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = n - j0 < 16 ? n - j0 : 16;
+        const uint8_t *src = k + j0 * kst;
+        int64_t st = kst;
+        if (!direct || m < 16) {
+            okv_amx_expand(src, kst, m, fmt, nb, x);
+            src = x->xs;
+            st = x->P;
+        }
+        OKV_AMX_FENCE();   /* the widened rows and the B tiles are in memory */
+        _tile_zero(0);
+        if (nt > 1) _tile_zero(1);
+        for (c = 0; c < x->nch; c++) {
+            _tile_loadd(2, src + 64 * c, st);
+            _tile_loadd(3, bt + c * x->tpi * OKV_AMX_TILE, 64);
+            if (sgn) _tile_dpbssd(0, 2, 3);
+            else _tile_dpbusd(0, 2, 3);
+            if (nt > 1) {
+                _tile_loadd(4, bt + (c * x->tpi + 1) * OKV_AMX_TILE, 64);
+                if (sgn) _tile_dpbssd(1, 2, 4);
+                else _tile_dpbusd(1, 2, 4);
+            }
+        }
+        _tile_stored(0, x->cbuf, 64);
+        if (nt > 1) _tile_stored(1, x->cbuf + 256, 64);
+        OKV_AMX_FENCE();   /* C is in memory before it is read */
+        for (t = 0; t < nt; t++) {
+            const int rows = nr - OKV_AMX_RPT * t < OKV_AMX_RPT ? nr - OKV_AMX_RPT * t : OKV_AMX_RPT;
+            __m512i v[16];
+            for (i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(x->cbuf + 256 * t + 16 * i);
+            okv_amx_t16(v);   /* v[col]: the 16 keys' sums of column col */
+            for (i = 0; i < rows; i++) {
+                const int r = OKV_AMX_RPT * t + i;
+                __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[3 * i + 2]), f16,
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(v[3 * i + 1]), f8));
+                y = _mm512_add_ps(y, _mm512_cvtepi32_ps(v[3 * i]));
+                _mm512_mask_storeu_ps(s + r * OKV_BK + j0, okv_mask16(m), _mm512_mul_ps(y, _mm512_set1_ps(scale * sr[r])));
+            }
+        }
+    }
+}
+#endif /* OKV_X86_SIMD */
+#endif /* ONNXKV_ATTENTION_AMX_H */
