@@ -7,10 +7,13 @@
  *   A tile (tile 2): 16 keys x 64 code bytes, int8 (signed formats) or uint8
  *     (unsigned), read straight from the page (8-bit codes, D % 64 == 0, 16
  *     keys) or from a per-thread copy (okv_amx_expand: 4- and 2-bit codes
- *     widened to one byte each, sign-extended when signed; 8-bit rows of other
- *     head sizes or tiles of fewer than 16 keys copied; positions past the
- *     row's codes are zero).  Head sizes are covered in P = 64 * ceil(D / 64)
- *     code positions, nch = P / 64 chunks of 64 per key.
+ *     widened to one byte each as code * 2^(8 - bits), i.e. the code in the
+ *     byte's top bits, which is the signed code times 2^(8 - bits) as int8
+ *     and the unsigned one as uint8: one shift and one mask per 64 codes;
+ *     8-bit rows of other head sizes or tiles of fewer than 16 keys copied;
+ *     positions past the row's codes are zero).  A row of nb code bytes is
+ *     covered in P = 64 * per * ceil(nb / 64) code positions (okv_amx_pos),
+ *     nch = P / 64 chunks of 64 per key.
  *   B tiles (tiles 3, 4): the query rows as 24-bit fixed point, q_int =
  *     round(q / S_r), S_r = max|q_r| / OKV_AMX_QMAX, written as three balanced
  *     signed int8 digits q_int = d2 * 2^16 + d1 * 2^8 + d0; column 3*i + d of
@@ -22,18 +25,17 @@
  *     keys) or _tile_dpbusd (unsigned keys), exact: every digit product and
  *     column sum fits in int32 (|sum| <= 128 * 255 * P < 2^31 for P < 2^16).
  *   Scores: transposed to [column][key] (okv_amx_t16), s = scale * S_r *
- *     ((C2 * 65536 + C1 * 256) + C0) in float32.  The only error beyond float32
+ *     2^(bits - 8) * ((C2 * 65536 + C1 * 256) + C0) in float32.  The only error beyond float32
  *     rounding is q's fixed-point rounding, |q - S_r q_int| <= S_r / 2 =
  *     max|q_r| * 2^-24 (about), per element.
  *
  * Code positions (the order in which the A rows hold a key's codes; the B
  * tiles hold the query elements in the same order, so the dot product is the
- * same): element e of a row with `per` = 8 / bits codes per byte is code h = e
- * % per of byte i = e / per, at position (i / U) * 64 + h * U + i % U, U = 64
- * / per code bytes per chunk (8-bit: the natural order; 4-bit: each 32 bytes'
- * low nibbles, then their high nibbles; 2-bit: each 16 bytes' codes 0, then
- * 1, 2, 3), so that widening one chunk is one broadcast, one shift and one
- * mask.
+ * same): element e of a row with per = 8 / bits codes per byte is code h = e
+ * % per of byte i = e / per, at position (i / 64) * 64 * per + h * 64 + i % 64
+ * (8-bit: the natural order; 4-bit: each 64 bytes' low nibbles, then their
+ * high nibbles; 2-bit: codes 0, 1, 2, 3 of each 64 bytes), so that widening
+ * 64 codes is one shift and one mask of one 64-byte load.
  *
  * Tile state: okv_amx_begin configures tiles 0..4 (16 rows x 64 bytes) on the
  * calling thread at the start of a work unit, okv_amx_end releases them at its
@@ -60,18 +62,26 @@ typedef struct {
     uint8_t rows[16];
 } okv_amx_cfg;
 
+/* Code positions of a row of D codes of `bits` bits: 64 * per * ceil(nb / 64)
+ * (nb = D * bits / 8 bytes); at most okv_amx_pmax(D) for every format. */
+static inline int64_t okv_amx_positions(int64_t D, int bits) {
+    return 64 * (8 / bits) * ((D * bits / 8 + 63) / 64);
+}
+static inline int64_t okv_amx_pmax(int64_t D) { return 256 * ((D + 255) / 256); }
+
 /* Per-thread scratch of the AMX scores, inside the work unit's workspace
  * (okv_amx_ws_bytes bytes at a 64-byte aligned address; okv_amx_ws_init):
  *   cbuf   2 x 256 int32: the stored C tiles
- *   xs     16 x P bytes: widened / copied key rows of one tile
- *   planes 3 * OKV_RG x P int8: the digits of the rows, plane 3 * r + d
- *   qp     P floats: one query row in code position order (zero padded)
- *   bt     nitem x nch x tpi B tiles: item w's tiles of chunk c, tile t at
- *          bt + ((w * nch + c) * tpi + t) * OKV_AMX_TILE
+ *   xs     16 x Pm bytes: widened / copied key rows of one tile (P apart)
+ *   planes 3 * OKV_RG x Pm int8: the digits of the rows, plane 3 * r + d (P apart)
+ *   qp     Pm floats: one query row in code position order (zero padded)
+ *   bt     nitem x nchm x tpi B tiles: item w's tiles of chunk c, tile t at
+ *          bt + ((w * nchm + c) * tpi + t) * OKV_AMX_TILE
  *   sr     nitem x OKV_RG floats: S_r of the rows of item w at sr + w * OKV_RG
  *   tag    nitem ints: bits of the code order item w's tiles hold (0: none)
- * P = 64 * nch; tpi = B tiles per item (1 for at most OKV_AMX_RPT rows per
- * item, else 2). */
+ * Pm = okv_amx_pmax(D) = 64 * nchm; P = okv_amx_positions(D, bits) <= Pm for
+ * the format at hand; tpi = B tiles per item (1 for at most OKV_AMX_RPT rows
+ * per item, else 2). */
 typedef struct {
     int32_t *cbuf;
     uint8_t *xs;
@@ -80,7 +90,7 @@ typedef struct {
     uint8_t *bt;
     float *sr;
     int *tag;
-    int64_t P, nch, tpi;
+    int64_t Pm, nchm, tpi;
 } okv_amx_ws;
 
 static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
@@ -88,8 +98,8 @@ static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; 
 /* Bytes of okv_amx_ws for head size D, nitem work items (head, row group) of
  * at most rgw rows each (a multiple of 64). */
 static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
-    const int64_t nch = (D + 63) / 64, P = 64 * nch, tpi = rgw > OKV_AMX_RPT ? 2 : 1;
-    return 2 * OKV_AMX_TILE + 16 * P + 3 * OKV_RG * P + okv_amx_line(4 * P) + nitem * nch * tpi * OKV_AMX_TILE +
+    const int64_t Pm = okv_amx_pmax(D), tpi = rgw > OKV_AMX_RPT ? 2 : 1;
+    return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
            okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem);
 }
 
@@ -97,19 +107,19 @@ static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
  * no B tiles built yet. */
 static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw) {
     int64_t i;
-    x->nch = (D + 63) / 64;
-    x->P = 64 * x->nch;
+    x->Pm = okv_amx_pmax(D);
+    x->nchm = x->Pm / 64;
     x->tpi = rgw > OKV_AMX_RPT ? 2 : 1;
     x->cbuf = (int32_t *)mem;
     mem += 2 * OKV_AMX_TILE;
     x->xs = (uint8_t *)mem;
-    mem += 16 * x->P;
+    mem += 16 * x->Pm;
     x->planes = (int8_t *)mem;
-    mem += 3 * OKV_RG * x->P;
+    mem += 3 * OKV_RG * x->Pm;
     x->qp = (float *)mem;
-    mem += okv_amx_line(4 * x->P);
+    mem += 4 * x->Pm;
     x->bt = (uint8_t *)mem;
-    mem += nitem * x->nch * x->tpi * OKV_AMX_TILE;
+    mem += nitem * x->nchm * x->tpi * OKV_AMX_TILE;
     x->sr = (float *)mem;
     mem += okv_amx_line(4 * nitem * OKV_RG);
     x->tag = (int *)mem;
@@ -171,7 +181,7 @@ static inline __mmask64 okv_amx_bmask(int64_t n) { return n >= 64 ? ~(__mmask64)
  * OKV_AMX_QMAX (+1 by rounding) gives |q1| <= 32513 and |d2| <= 127. */
 OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int bits, okv_amx_ws *x, uint8_t *bt,
                                   float *sr) {
-    const int64_t P = x->P, per = 8 / bits, U = 64 / per;
+    const int64_t P = okv_amx_positions(D, bits), per = 8 / bits;
     const int nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
     int64_t e, p, c;
     int r, t, i;
@@ -187,7 +197,7 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
             memset(qp, 0, (size_t)P * sizeof(float));
             for (e = 0; e < D; e++) {
                 const int64_t b = e / per, h = e % per;
-                qp[(b / U) * 64 + h * U + b % U] = q[e];
+                qp[(b / 64) * 64 * per + h * 64 + b % 64] = q[e];
             }
         }
         for (p = 0; p < P; p += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qp + p)));
@@ -206,7 +216,7 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
             _mm_storeu_si128((__m128i *)(pl + 2 * P), _mm512_cvtepi32_epi8(d2));
         }
     }
-    for (c = 0; c < x->nch; c++)
+    for (c = 0; c < P / 64; c++)
         for (t = 0; t < nt; t++) {   /* column i of tile t: plane 3 * OKV_AMX_RPT * t + i */
             const int ncol = 3 * ((nr - OKV_AMX_RPT * t) < OKV_AMX_RPT ? nr - OKV_AMX_RPT * t : OKV_AMX_RPT);
             uint8_t *b = bt + (c * x->tpi + t) * OKV_AMX_TILE;
@@ -220,39 +230,27 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
 }
 
 /* Rows 0..m-1 (m <= 16) of codes of format fmt (nb bytes each, kst bytes
- * apart from k) into x->xs (P bytes apart) in code position order, one byte
- * per code (signed codes sign-extended), zero past the row's codes. */
-OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int fmt, int64_t nb, okv_amx_ws *x) {
-    const int bits = okv_q_bits(fmt), sgn = okv_q_signed(fmt);
-    const int64_t per = 8 / bits, U = 64 / per;
-    const __m512i lo = _mm512_set1_epi8((char)((1 << bits) - 1)), sb = _mm512_set1_epi8((char)(1 << (bits - 1)));
-    /* 2-bit: 128-bit block h shifted by 2h bits; 4-bit: 256-bit block h by 4h */
-    const __m512i sh2 = _mm512_set_epi64(6 | 6ll << 16 | 6ll << 32 | 6ll << 48, 6 | 6ll << 16 | 6ll << 32 | 6ll << 48,
-                                         4 | 4ll << 16 | 4ll << 32 | 4ll << 48, 4 | 4ll << 16 | 4ll << 32 | 4ll << 48,
-                                         2 | 2ll << 16 | 2ll << 32 | 2ll << 48, 2 | 2ll << 16 | 2ll << 32 | 2ll << 48, 0, 0);
+ * apart from k) into x->xs (P = okv_amx_positions bytes apart) in code
+ * position order, one byte per code holding code * 2^(8 - bits) (the code in
+ * the byte's top bits), zero past the row's codes. */
+OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int fmt, int64_t nb, int64_t P,
+                                   okv_amx_ws *x) {
+    const int bits = okv_q_bits(fmt), per = 8 / bits;
+    const __m512i top = _mm512_set1_epi8((char)(0xFF << (8 - bits)));
     int64_t j, c;
+    int h;
     for (j = 0; j < m; j++) {
         const uint8_t *row = k + j * kst;
-        uint8_t *o = x->xs + j * x->P;
-        for (c = 0; c < x->nch; c++) {
-            const int64_t left = nb - c * U;
-            const __mmask64 km = okv_amx_bmask(left < U ? (left > 0 ? left : 0) : U);
-            __m512i v;
+        uint8_t *o = x->xs + j * P;
+        for (c = 0; 64 * c < nb; c++) {   /* 64 code bytes -> per chunks of 64 positions */
+            const __m512i v = _mm512_maskz_loadu_epi8(okv_amx_bmask(nb - 64 * c), row + 64 * c);
             if (bits == 8) {
-                _mm512_storeu_si512(o + 64 * c, _mm512_maskz_loadu_epi8(km, row + 64 * c));
+                _mm512_storeu_si512(o + 64 * c, v);
                 continue;
             }
-            if (bits == 4) {
-                const __m256i h = _mm256_maskz_loadu_epi8((__mmask32)km, row + 32 * c);
-                v = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
-                v = _mm512_mask_srli_epi16(v, (__mmask32)0xFFFF0000u, v, 4);
-            } else {
-                v = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8((__mmask16)km, row + 16 * c));
-                v = _mm512_srlv_epi16(v, sh2);
-            }
-            v = _mm512_and_si512(v, lo);
-            if (sgn) v = _mm512_sub_epi8(_mm512_xor_si512(v, sb), sb);
-            _mm512_storeu_si512(o + 64 * c, v);
+            for (h = 0; h < per; h++)   /* code h: bits [h*bits, (h+1)*bits) moved to the top */
+                _mm512_storeu_si512(o + 64 * (c * per + h),
+                                    _mm512_and_si512(_mm512_slli_epi16(v, (unsigned)(8 - bits * (h + 1))), top));
         }
     }
 }
@@ -265,7 +263,9 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
                                const uint8_t *bt, const float *sr, float scale, float *s, okv_amx_ws *x,
                                const okv_pf *pf) {
     const int sgn = okv_q_signed(fmt), nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
-    const int64_t nb = okv_q_row_bytes(fmt, D), direct = okv_q_bits(fmt) == 8 && D % 64 == 0;
+    const int bits = okv_q_bits(fmt);
+    const int64_t nb = okv_q_row_bytes(fmt, D), direct = bits == 8 && D % 64 == 0, P = okv_amx_positions(D, bits);
+    const float unit = (float)(1 << bits) / 256.f;   /* the widened codes' factor 2^(8 - bits), undone */
     const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
     int64_t j0, c;
     int t, i;
@@ -275,14 +275,14 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
         const uint8_t *src = k + j0 * kst;
         int64_t st = kst;
         if (!direct || m < 16) {
-            okv_amx_expand(src, kst, m, fmt, nb, x);
+            okv_amx_expand(src, kst, m, fmt, nb, P, x);
             src = x->xs;
-            st = x->P;
+            st = P;
         }
         OKV_AMX_FENCE();   /* the widened rows and the B tiles are in memory */
         _tile_zero(0);
         if (nt > 1) _tile_zero(1);
-        for (c = 0; c < x->nch; c++) {
+        for (c = 0; c < P / 64; c++) {
             _tile_loadd(2, src + 64 * c, st);
             _tile_loadd(3, bt + c * x->tpi * OKV_AMX_TILE, 64);
             if (sgn) _tile_dpbssd(0, 2, 3);
@@ -306,7 +306,7 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
                 __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[3 * i + 2]), f16,
                                            _mm512_mul_ps(_mm512_cvtepi32_ps(v[3 * i + 1]), f8));
                 y = _mm512_add_ps(y, _mm512_cvtepi32_ps(v[3 * i]));
-                _mm512_mask_storeu_ps(s + r * OKV_BK + j0, okv_mask16(m), _mm512_mul_ps(y, _mm512_set1_ps(scale * sr[r])));
+                _mm512_mask_storeu_ps(s + r * OKV_BK + j0, okv_mask16(m), _mm512_mul_ps(y, _mm512_set1_ps(scale * unit * sr[r])));
             }
         }
     }

@@ -509,10 +509,18 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     it[w & 1].u0 = u0;
                     it[w & 1].u1 = u1;
                     if (u0 < u1) {
-                        /* the prefetch by the first row group only */
+                        /* the prefetch by the first row group only: head h+1's rows of this tile (after
+                         * the last head: head hk0's of the next tile); AMX key scores (a->amx, several
+                         * times faster per head) prefetch head h's rows of the next tile instead */
                         const okv_pf pfh = {kh + pg.khs, vt + (hw + 1) * pg.vhs, pg.kst, pg.vst,
                                             a->prefetch ? j1 - j0 : 0, a->prefetch};
+#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+                        const okv_pf pfn = {pft.k ? pft.k + hw * pf.khs : NULL, pft.v ? pft.v + hw * pf.vhs : NULL,
+                                            pft.ks, pft.vs, pft.n, pft.hint};
+                        const okv_pf *pfp = rg != 0 ? &nopf : a->amx ? &pfn : hw + 1 == nh ? &pft : &pfh;
+#else
                         const okv_pf *pfp = rg != 0 ? &nopf : hw + 1 == nh ? &pft : &pfh;
+#endif
                         float *sw = sc + (w & 1) * OKV_RG * OKV_BK;
 #ifdef OKV_MIXED
                         const okv_dq dk = okv_dq_head(a, &pg, 1, hw);

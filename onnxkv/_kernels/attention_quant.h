@@ -383,7 +383,7 @@ OKV_ATTR static void okv_qk_amx(const okv_attn_args *a, okv_amx_ws *x, int64_t w
                                 int nr, const char *k, int64_t kst, int64_t n, float scale, float *s,
                                 const okv_dq *dq, const okv_pf *pf, float *qb, const float *qsum) {
     const int bits = okv_q_bits(fmt);
-    uint8_t *bt = x->bt + w * x->nch * x->tpi * OKV_AMX_TILE;
+    uint8_t *bt = x->bt + w * x->nchm * x->tpi * OKV_AMX_TILE;
     float *sr = x->sr + w * OKV_RG;
     if (a->kG > 1) {
         const float *qs[OKV_RG] = {NULL};
