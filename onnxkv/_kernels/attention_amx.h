@@ -12,8 +12,8 @@
  *     and the unsigned one as uint8: one shift and one mask per 64 codes;
  *     8-bit rows of other head sizes or tiles of fewer than 16 keys copied;
  *     positions past the row's codes are zero).  A row of nb code bytes is
- *     covered in P = 64 * per * ceil(nb / 64) code positions (okv_amx_pos),
- *     nch = P / 64 chunks of 64 per key.
+ *     covered in P = okv_amx_positions(D, bits) code positions, nch = P / 64
+ *     chunks of 64 per key.
  *   B tiles (tiles 3, 4): the query rows as 24-bit fixed point, q_int =
  *     round(q / S_r), S_r = max|q_r| / OKV_AMX_QMAX, written as three balanced
  *     signed int8 digits q_int = d2 * 2^16 + d1 * 2^8 + d0; column 3*i + d of
@@ -32,10 +32,12 @@
  * Code positions (the order in which the A rows hold a key's codes; the B
  * tiles hold the query elements in the same order, so the dot product is the
  * same): element e of a row with per = 8 / bits codes per byte is code h = e
- * % per of byte i = e / per, at position (i / 64) * 64 * per + h * 64 + i % 64
- * (8-bit: the natural order; 4-bit: each 64 bytes' low nibbles, then their
- * high nibbles; 2-bit: codes 0, 1, 2, 3 of each 64 bytes), so that widening
- * 64 codes is one shift and one mask of one 64-byte load.
+ * % per of byte i = e / per, at position (i / U) * U * per + h * U + i % U,
+ * U = okv_amx_unit(nb, bits) code bytes per block (the smallest of 16, 32, 64
+ * that fills whole 64-position chunks and holds min(nb, 64) bytes; 8-bit: the
+ * natural order; 4-bit with 64-byte blocks: each 64 bytes' low nibbles, then
+ * their high nibbles), so that widening a block is one shift and one mask per
+ * code of one load.
  *
  * Tile state: okv_amx_begin configures tiles 0..4 (16 rows x 64 bytes) on the
  * calling thread at the start of a work unit, okv_amx_end releases them at its
@@ -62,12 +64,26 @@ typedef struct {
     uint8_t rows[16];
 } okv_amx_cfg;
 
-/* Code positions of a row of D codes of `bits` bits: 64 * per * ceil(nb / 64)
- * (nb = D * bits / 8 bytes); at most okv_amx_pmax(D) for every format. */
-static inline int64_t okv_amx_positions(int64_t D, int bits) {
-    return 64 * (8 / bits) * ((D * bits / 8 + 63) / 64);
+/* Code bytes per block of a row of nb bytes of `bits`-bit codes (see the top
+ * of this file): U * 8 / bits is a multiple of 64, U >= min(nb, 64). */
+static inline int64_t okv_amx_unit(int64_t nb, int bits) {
+    int64_t u = bits * 8;   /* 64 / per */
+    while (u < 64 && u < nb) u *= 2;
+    return u;
 }
-static inline int64_t okv_amx_pmax(int64_t D) { return 256 * ((D + 255) / 256); }
+
+/* Code positions of a row of D codes of `bits` bits: per * U * ceil(nb / U)
+ * (nb = D * bits / 8 bytes, U = okv_amx_unit). */
+static inline int64_t okv_amx_positions(int64_t D, int bits) {
+    const int64_t nb = D * bits / 8, u = okv_amx_unit(nb, bits);
+    return (8 / bits) * u * ((nb + u - 1) / u);
+}
+
+/* The most code positions of any format for head size D. */
+static inline int64_t okv_amx_pmax(int64_t D) {
+    const int64_t p8 = okv_amx_positions(D, 8), p4 = okv_amx_positions(D, 4), p2 = okv_amx_positions(D, 2);
+    return p8 > p4 ? (p8 > p2 ? p8 : p2) : (p4 > p2 ? p4 : p2);
+}
 
 /* Per-thread scratch of the AMX scores, inside the work unit's workspace
  * (okv_amx_ws_bytes bytes at a 64-byte aligned address; okv_amx_ws_init):
@@ -181,7 +197,7 @@ static inline __mmask64 okv_amx_bmask(int64_t n) { return n >= 64 ? ~(__mmask64)
  * OKV_AMX_QMAX (+1 by rounding) gives |q1| <= 32513 and |d2| <= 127. */
 OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int bits, okv_amx_ws *x, uint8_t *bt,
                                   float *sr) {
-    const int64_t P = okv_amx_positions(D, bits), per = 8 / bits;
+    const int64_t P = okv_amx_positions(D, bits), per = 8 / bits, U = okv_amx_unit(D * bits / 8, bits);
     const int nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
     int64_t e, p, c;
     int r, t, i;
@@ -197,7 +213,7 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
             memset(qp, 0, (size_t)P * sizeof(float));
             for (e = 0; e < D; e++) {
                 const int64_t b = e / per, h = e % per;
-                qp[(b / 64) * 64 * per + h * 64 + b % 64] = q[e];
+                qp[(b / U) * U * per + h * U + b % U] = q[e];
             }
         }
         for (p = 0; p < P; p += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qp + p)));
@@ -236,21 +252,23 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
 OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int fmt, int64_t nb, int64_t P,
                                    okv_amx_ws *x) {
     const int bits = okv_q_bits(fmt), per = 8 / bits;
+    const int64_t U = okv_amx_unit(nb, bits);
+    const __mmask64 um = okv_amx_bmask(U);
     const __m512i top = _mm512_set1_epi8((char)(0xFF << (8 - bits)));
     int64_t j, c;
     int h;
     for (j = 0; j < m; j++) {
         const uint8_t *row = k + j * kst;
         uint8_t *o = x->xs + j * P;
-        for (c = 0; 64 * c < nb; c++) {   /* 64 code bytes -> per chunks of 64 positions */
-            const __m512i v = _mm512_maskz_loadu_epi8(okv_amx_bmask(nb - 64 * c), row + 64 * c);
+        for (c = 0; U * c < nb; c++) {   /* U code bytes -> per blocks of U positions */
+            const __m512i v = _mm512_maskz_loadu_epi8(okv_amx_bmask(nb - U * c), row + U * c);
             if (bits == 8) {
                 _mm512_storeu_si512(o + 64 * c, v);
                 continue;
             }
             for (h = 0; h < per; h++)   /* code h: bits [h*bits, (h+1)*bits) moved to the top */
-                _mm512_storeu_si512(o + 64 * (c * per + h),
-                                    _mm512_and_si512(_mm512_slli_epi16(v, (unsigned)(8 - bits * (h + 1))), top));
+                _mm512_mask_storeu_epi8(o + U * (c * per + h), um,
+                                        _mm512_and_si512(_mm512_slli_epi16(v, (unsigned)(8 - bits * (h + 1))), top));
         }
     }
 }
