@@ -35,7 +35,11 @@ faster than onnxkv float32 pages; committed bytes int8 and int8_kivi <= 0.27x,
 int4 <= 0.14x float32.
 
     python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
-        [--repeat N] [--no-ort] [--isa auto|avx2] [--out FILE]
+        [--repeat N] [--no-ort] [--isa auto|avx512|avx2] [--out FILE]
+
+--isa: the attention tiles -- auto (AVX-512 where usable, keys of quantized
+pages scored on AMX-INT8 where usable: level "avx512+amx"), avx512 (AVX-512
+without AMX) or avx2; the level in use is recorded as config.attention_isa.
 """
 from __future__ import annotations
 
@@ -202,12 +206,14 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768])
     ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
-    ap.add_argument("--isa", choices=("auto", "avx2"), default="auto",
-                    help="attention tiles: auto (AVX-512 where usable) or avx2 (to compare)")
+    ap.add_argument("--isa", choices=("auto", "avx512", "avx2"), default="auto",
+                    help="attention tiles: auto (AVX-512 and AMX where usable), avx512 (no AMX) or avx2 "
+                         "(to compare)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     attn = sys.modules["onnxkv._kernels.attention"]
-    attn.set_attention_avx512(args.isa == "auto")
+    attn.set_attention_avx512(args.isa != "avx2")
+    attn.set_attention_amx(args.isa == "auto")
     if any(c % BS or c < RECENT for c in args.contexts):
         ap.error(f"contexts must be multiples of {BS} and >= {RECENT}")
 

@@ -77,7 +77,8 @@ typedef struct {
     int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
     int k_compact;                 /* quantized K pages: 0 float32 header, 1 compact header (quant.h) */
     int amx;                       /* 1: the AVX-512 unit of per-page formats scores quantized keys on the
-                                    * AMX-INT8 tiles (attention_amx.h; the caller checked okv_cpu_amx_ok()) */
+                                    * AMX-INT8 tiles (attention_amx.h; kG == 1 only; the caller checked
+                                    * okv_cpu_amx_ok()) */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)

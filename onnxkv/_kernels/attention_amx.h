@@ -19,8 +19,8 @@
  *     signed int8 digits q_int = d2 * 2^16 + d1 * 2^8 + d0; column 3*i + d of
  *     tile t holds digit d of row 5t + i (OKV_AMX_RPT = 5 rows per tile, a
  *     second tile for rows 5..7), in the VNNI layout B[k/4][col][k%4], built
- *     once per work unit and row group (okv_amx_build; per-channel key scales
- *     are folded into the rows per page, so their tiles are rebuilt per page).
+ *     once per work unit and row group (okv_amx_build) and kept in the
+ *     workspace for all its pages (per-head key scales only: a->kG == 1).
  *   C tiles (tiles 0, 1): int32 [16 keys][16 columns] by _tile_dpbssd (signed
  *     keys) or _tile_dpbusd (unsigned keys), exact: every digit product and
  *     column sum fits in int32 (|sum| <= 128 * 255 * P < 2^31 for P < 2^16).

@@ -372,35 +372,26 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 #undef OKV_PV_Q
 
 #ifdef OKV_SIMD512
-/* okv_qk_fmt for quantized keys of format fmt on the AMX tiles
- * (attention_amx.h; a->amx): n keys at k, kst bytes apart, scored for the nr
- * rows qr of work item w (a (head, row group) of the unit) into s.  Per-head
- * scales: item w's B tiles are built from qr at its first page of this code
- * order and kept (x->tag[w]); the scale and zero point fold in as in
- * okv_qk_fmt.  Per-channel scales: the rows with the page's channel scales
- * folded in (okv_qk_chan_fold into qb) are digitised for this page only. */
-OKV_ATTR static void okv_qk_amx(const okv_attn_args *a, okv_amx_ws *x, int64_t w, int fmt, const float *const *qr,
-                                int nr, const char *k, int64_t kst, int64_t n, float scale, float *s,
-                                const okv_dq *dq, const okv_pf *pf, float *qb, const float *qsum) {
+/* okv_qk_fmt for quantized keys of format fmt with per-head scales on the
+ * AMX tiles (attention_amx.h; a->amx, so a->kG == 1): n keys at k, kst bytes
+ * apart, scored for the nr rows qr of work item w (a (head, row group) of the
+ * unit) into s.  Item w's B tiles are built from qr at its first page of this
+ * code order and kept (x->tag[w]); the head's scale and zero point fold in
+ * as in okv_qk_fmt.  (Per-channel key scales change the folded rows every
+ * page: rebuilding the B tiles per 16-key page cost more than the AVX-512
+ * scores they replace, so those keys keep the AVX-512 tiles.) */
+OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, const float *const *qr, int nr, const char *k,
+                                int64_t kst, int64_t n, int64_t D, float scale, float *s, const okv_dq *dq,
+                                const okv_pf *pf, const float *qsum) {
     const int bits = okv_q_bits(fmt);
     uint8_t *bt = x->bt + w * x->nchm * x->tpi * OKV_AMX_TILE;
     float *sr = x->sr + w * OKV_RG;
-    if (a->kG > 1) {
-        const float *qs[OKV_RG] = {NULL};
-        float zc[OKV_RG];
-        OKV_QX(okv_qk_chan_fold)(qr, nr, a->D, scale, dq, qb, qs, zc, 0);
-        okv_amx_build(qs, nr, a->D, bits, x, bt, sr);
-        x->tag[w] = 0;
-        okv_amx_qk((const uint8_t *)k, kst, n, fmt, a->D, nr, bt, sr, scale, s, x, pf);
-        okv_qk_sub_rows(s, nr, n, zc);
-    } else {
-        if (x->tag[w] != bits) {
-            okv_amx_build(qr, nr, a->D, bits, x, bt, sr);
-            x->tag[w] = bits;
-        }
-        okv_amx_qk((const uint8_t *)k, kst, n, fmt, a->D, nr, bt, sr, scale * dq->s1, s, x, pf);
-        if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
+    if (x->tag[w] != bits) {
+        okv_amx_build(qr, nr, D, bits, x, bt, sr);
+        x->tag[w] = bits;
     }
+    okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, s, x, pf);
+    if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
 }
 #endif
 
