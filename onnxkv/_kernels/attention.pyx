@@ -19,7 +19,10 @@ the default where the CPU and OS support it; float32 K/V keep the 8-lane tiles
 there, as fast on that memory-bound stream), AVX2+FMA+F16C (8 lanes) and
 scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
 (False)`` keeps AVX2 (tests and benchmarks run all three on one machine);
-``attention_simd_level()`` names the one in use.
+``attention_simd_level()`` names the one in use.  Inside the AVX-512 tiles,
+paged_attention scores the keys of quantized pages with per-head scales on
+the AMX-INT8 tiles where the CPU and OS allow it (level "avx512+amx";
+``set_attention_amx(False)`` keeps AVX-512 FMAs).
 
 Paged caches may give every page its own format (k_formats / v_formats:
 float32, float16, bfloat16, or 8/4/2-bit codes with a per-page header of

@@ -25,9 +25,10 @@
  *     keys) or _tile_dpbusd (unsigned keys), exact: every digit product and
  *     column sum fits in int32 (|sum| <= 128 * 255 * P < 2^31 for P < 2^16).
  *   Scores: transposed to [column][key] (okv_amx_t16), s = scale * S_r *
- *     2^(bits - 8) * ((C2 * 65536 + C1 * 256) + C0) in float32.  The only error beyond float32
- *     rounding is q's fixed-point rounding, |q - S_r q_int| <= S_r / 2 =
- *     max|q_r| * 2^-24 (about), per element.
+ *     2^(bits - 8) * ((C2 * 65536 + C1 * 256) + C0) in float32.  The only
+ *     error beyond float32 rounding is q's fixed-point rounding,
+ *     |q - S_r q_int| <= S_r / 2 = max|q_r| / (254 * 2^16) (6e-8 max|q_r|)
+ *     per element.  An all-zero row has S_r = 0 and scores 0.
  *
  * Code positions (the order in which the A rows hold a key's codes; the B
  * tiles hold the query elements in the same order, so the dot product is the
@@ -51,8 +52,8 @@
 #if OKV_X86_SIMD
 #define OKV_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
-/* |q_int| bound: 127 * 2^16 keeps the top balanced digit d2 in [-128, 127]
- * (|q_int| + 128 <= 2^8 (|q_int| / 2^8 + 128) ... see okv_amx_build). */
+/* |q_int| bound: 127 * 2^16 keeps the top balanced digit d2 in [-127, 127]
+ * (see okv_amx_build). */
 #define OKV_AMX_QMAX 8323072.f
 #define OKV_AMX_RPT 5      /* query rows per C tile: 3 digit columns each, 15 of 16 columns */
 #define OKV_AMX_TILE 1024  /* bytes of one B tile: 16 rows x 64 bytes */
