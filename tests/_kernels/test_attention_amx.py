@@ -124,10 +124,16 @@ def test_mixed_pages_with_float_pages_between(kG):
 
 
 @needs_amx
+@pytest.mark.parametrize("rg", [3, 4, 8])
 @pytest.mark.parametrize("Sq", [3, 9])
 @pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
-def test_prefill(kG, Sq):
-    check(*build(400 + Sq, (3, 22, 1), 3, kG, 16, 4, 64, 16, (40, 66), Sq=Sq))
+def test_prefill(kG, Sq, rg):
+    # prefill row groups of rg rows (up to 8: two C tiles), several query tokens per unit
+    old = A._set_prefill_rg(rg)
+    try:
+        check(*build(400 + Sq, (3, 22, 1), 3, kG, 16, 4, 64, 16, (40, 66), Sq=Sq))
+    finally:
+        A._set_prefill_rg(old)
 
 
 @needs_amx
