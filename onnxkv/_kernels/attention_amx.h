@@ -288,7 +288,6 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
     const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
     int64_t j0, c;
     int t, i;
-    okv_pf_rows(pf, 0, (int)pf->n);
     for (j0 = 0; j0 < n; j0 += 16) {
         const int64_t m = n - j0 < 16 ? n - j0 : 16;
         const uint8_t *src = k + j0 * kst;
@@ -312,8 +311,10 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
                 else _tile_dpbusd(1, 2, 4);
             }
         }
+        okv_pf_rows(pf, j0, 8);   /* the prefetch in two halves, issued while the tiles compute */
         _tile_stored(0, x->cbuf, 64);
         if (nt > 1) _tile_stored(1, x->cbuf + 256, 64);
+        okv_pf_rows(pf, j0 + 8, 8);
         OKV_AMX_FENCE();   /* C is in memory before it is read */
         for (t = 0; t < nt; t++) {
             const int rows = nr - OKV_AMX_RPT * t < OKV_AMX_RPT ? nr - OKV_AMX_RPT * t : OKV_AMX_RPT;
@@ -329,6 +330,7 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
             }
         }
     }
+    if (pf->n > j0) okv_pf_rows(pf, j0, (int)(pf->n - j0));   /* rows of a longer next tile */
 }
 #endif /* OKV_X86_SIMD */
 #endif /* ONNXKV_ATTENTION_AMX_H */
