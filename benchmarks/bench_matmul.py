@@ -5,7 +5,9 @@ initializer weights, intra-op threads set), for decode-sized x [M, K] @ W
 
 Engines: ``onnxkv_packed`` (``matmul_packed`` on ``pack_weight`` panels, what
 a MatMul with an initializer weight runs; AVX-512 tiles where the CPU has
-them), ``onnxkv_packed_avx2`` (the same, AVX2 tiles only), ``onnxkv_rows``
+them), ``onnxkv_packed_avx2`` (the same, AVX2 tiles only), ``onnxkv_packed_team``
+(the same, never running alone after a late thread team: see matmul.pyx;
+opt-in, not in the default set), ``onnxkv_rows``
 (``matmul_rows`` on the row-major weight, the path of run-time weights),
 ``numpy_blas`` and ``onnxruntime``.
 
@@ -55,6 +57,7 @@ STEP = {(_H, _H): 2 * SMALL.num_layers, (_H, _KV): 2 * SMALL.num_layers, (_H, _I
 STEP[(_H, SMALL.vocab_size)] = STEP.get((_H, SMALL.vocab_size), 0) + 1
 SHAPES = list(STEP)
 ENGINES = ["onnxkv_packed", "onnxkv_packed_avx2", "onnxkv_rows", "numpy_blas", "onnxruntime"]
+OPT_IN = ["onnxkv_packed_team"]
 
 
 def versions():
@@ -122,7 +125,8 @@ def ort_runner(sess, xs, outs):
 def runner(engine, threads, ws, xs, outs, prepared):
     """A function computing outs[i] = xs[K] @ ws[i] for every weight with ``engine``."""
     if engine.startswith("onnxkv_packed"):
-        MM.set_packed_avx512(engine == "onnxkv_packed")
+        MM.set_packed_avx512(engine != "onnxkv_packed_avx2")
+        MM._set_adaptive(engine != "onnxkv_packed_team")
 
         def fn():
             for wp, out in zip(prepared, outs):
@@ -186,7 +190,7 @@ def main():
     ap.add_argument("--M", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES] + ["step"],
                     help="KxN weight shapes, or 'step' (all weights of one SMALL decode step)")
-    ap.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES)
+    ap.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES + OPT_IN)
     ap.add_argument("--rounds", type=int, default=3, help="subprocess rounds per engine and thread count")
     ap.add_argument("--inner", type=int, default=20, help="timed calls per case per round")
     ap.add_argument("--seed", type=int, default=0)

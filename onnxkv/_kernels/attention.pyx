@@ -38,6 +38,7 @@ from cython.parallel cimport prange
 import numpy as np
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._ranges cimport _disjoint
 from . import _validate as V
 
 cdef extern from "attention.h" nogil:
@@ -300,6 +301,108 @@ def _scalars(scale, softcap, window):
     return scale, softcap, window
 
 
+cdef bint _scalars_ok(scale, softcap, window) except -1:
+    """True when (scale, softcap, window) pass ``_scalars`` unchanged: Python
+    floats, scale finite, softcap finite and >= 0, a Python int window in
+    [-1, 2**62] (anything else takes ``_scalars``)."""
+    return (isinstance(scale, float) and isinstance(softcap, float) and isinstance(window, int)
+            and isfinite(<double>scale) and isfinite(<double>softcap) and <double>softcap >= 0.0
+            and -1 <= window <= (1 << 62))
+
+
+cdef int64_t _lengths_max(const int32_t[::1] lens, int64_t hi) noexcept nogil:
+    """The largest of ``lens``, or -1 when one is outside [0, hi] (or lens is empty)."""
+    cdef int64_t i, m = -1
+    for i in range(lens.shape[0]):
+        if lens[i] < 0 or lens[i] > hi:
+            return -1
+        if lens[i] > m:
+            m = lens[i]
+    return m
+
+
+_F16 = np.dtype(np.float16)
+
+
+cdef object _kv_fast_name(k, kv_dtype):
+    """The K/V element type name ``_kv_type`` resolves when kv_dtype is None (k
+    float32 or float16) or one of the names and k has that storage dtype, else
+    None (the Python checks then resolve the type or raise)."""
+    if kv_dtype is None:
+        if k.dtype is V.F32:
+            return "float32"
+        return "float16" if k.dtype is _F16 else None
+    if isinstance(kv_dtype, str) and kv_dtype in _KV_DTYPES and k.dtype is _KV_DTYPES[kv_dtype]:
+        return kv_dtype
+    return None
+
+
+cdef bint _attention_fast(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start, kv_dtype) except -1:
+    """Run ``attention`` when every argument is valid and nothing is empty (the
+    cache neither), all checked at C speed: ndarrays whose typed buffers accept
+    them (dtype, native byte order, dimensions, C-contiguity, a writeable
+    ``out``), shapes, the K/V element type, address ranges of ``out`` against
+    q, k and v, kv_len / kv_start values, scalars -- the conditions of the
+    Python checks.  Return False, with nothing written, to send the call
+    through those checks (which name the bad argument)."""
+    cdef const float[:, :, :, ::1] qv
+    cdef float[:, :, :, ::1] ov
+    cdef const uint16_t[:, :, :, ::1] kv
+    cdef const uint16_t[:, :, :, ::1] vv
+    cdef const int32_t[::1] lv
+    cdef const int32_t[:, ::1] pv
+    cdef const int32_t[::1] sv
+    cdef int64_t B, Hq, Sq, D, Hkv, Cap, maxlen
+    cdef size_t onb, knb
+    cdef okv_attn_args a
+    if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
+            and isinstance(kv_len, np.ndarray) and isinstance(q_pos, np.ndarray) and isinstance(out, np.ndarray)
+            and (kv_start is None or isinstance(kv_start, np.ndarray)) and _scalars_ok(scale, softcap, window)):
+        return False
+    kvname = _kv_fast_name(k, kv_dtype)
+    if kvname is None or v.dtype is not k.dtype:
+        return False
+    try:
+        qv = q
+        ov = out
+        lv = kv_len
+        pv = q_pos
+        if kv_start is not None:
+            sv = kv_start
+        # K/V of any element type as 16-bit words (a float32 element is two)
+        kv = k.view(np.uint16)
+        vv = v.view(np.uint16)
+    except (ValueError, TypeError, BufferError):
+        return False
+    B, Hq, Sq, D = qv.shape[0], qv.shape[1], qv.shape[2], qv.shape[3]
+    Hkv, Cap = kv.shape[1], kv.shape[2]
+    if B == 0 or Hq == 0 or Sq == 0 or D == 0 or Hkv == 0 or Cap == 0 or Hq % Hkv != 0:
+        return False
+    if kv.shape[0] != B or kv.shape[3] != D * (k.itemsize // 2) or vv.shape[0] != B or vv.shape[1] != Hkv \
+            or vv.shape[2] != Cap or vv.shape[3] != kv.shape[3]:
+        return False
+    if ov.shape[0] != B or ov.shape[1] != Hq or ov.shape[2] != Sq or ov.shape[3] != D \
+            or lv.shape[0] != B or pv.shape[0] != B or pv.shape[1] != Sq \
+            or (kv_start is not None and sv.shape[0] != B):
+        return False
+    onb = <size_t>(B * Hq * Sq * D) * sizeof(float)
+    knb = <size_t>(B * Hkv * Cap * kv.shape[3]) * sizeof(uint16_t)
+    if not (_disjoint(&ov[0, 0, 0, 0], onb, &qv[0, 0, 0, 0], onb)
+            and _disjoint(&ov[0, 0, 0, 0], onb, &kv[0, 0, 0, 0], knb)
+            and _disjoint(&ov[0, 0, 0, 0], onb, &vv[0, 0, 0, 0], knb)):
+        return False
+    maxlen = _lengths_max(lv, Cap)
+    if maxlen < 0 or (kv_start is not None and _lengths_max(sv, Cap) < 0):
+        return False
+    _init_args(&a, q, out, kv_len, q_pos, Hkv, Cap, scale, softcap, window, _KV_TYPES[kvname])
+    a.k = &kv[0, 0, 0, 0]
+    a.v = &vv[0, 0, 0, 0]
+    if kv_start is not None:
+        a.kv_start = &sv[0]
+    _run(&a, maxlen, "attention")
+    return True
+
+
 def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None, *, kv_dtype=None):
     """Causal streaming attention of q over the cached keys/values; writes ``out``.
 
@@ -321,8 +424,11 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
              "bfloat16" (k, v must then be uint16); keyword only.
     Hq must be a multiple of Hkv (MHA, GQA, MQA).  A query row with no visible
     key gets zeros.  Every check raises ValueError naming the argument before
-    anything is written.
+    anything is written.  (Called once per layer per decode step, so valid
+    arguments are checked in C; only a failing check takes the Python checks.)
     """
+    if _attention_fast(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start, kv_dtype):
+        return
     V.array("q", q, (V.F32,), ndim=4)
     B, Hq, Sq, D = q.shape
     if not isinstance(k, np.ndarray):
@@ -468,6 +574,155 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
 _FORMAT_CODES = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
+cdef uint8_t _format_bits[256]     # bits per element of each page format code (0: not a format)
+
+
+cdef void _fill_format_bits():
+    """Fill ``_format_bits`` from ``_validate.FORMAT_BITS`` (the codes the Python checks accept)."""
+    for code, bits in V.FORMAT_BITS.items():
+        _format_bits[code] = bits
+
+
+_fill_format_bits()
+
+
+cdef bint _formats_ok(const uint8_t[::1] formats, int64_t D) noexcept nogil:
+    """True when every code of a page format table is a format whose D codes fill whole bytes."""
+    cdef int64_t i, bits
+    for i in range(formats.shape[0]):
+        bits = _format_bits[formats[i]]
+        if bits == 0 or (D * bits) % 8:
+            return False
+    return True
+
+
+cdef inline bint _page_ok(int64_t page, const uint64_t[::1] kp, const uint64_t[::1] vp) noexcept nogil:
+    """True when ``page`` is an id in [0, P) whose K and V addresses are nonzero and 64-byte aligned."""
+    if page < 0 or page >= kp.shape[0]:
+        return False
+    return kp[page] != 0 and vp[page] != 0 and (kp[page] & 63) == 0 and (vp[page] & 63) == 0
+
+
+cdef bint _tables_ok(const int32_t[:, ::1] tables, const uint64_t[::1] kp, const uint64_t[::1] vp,
+                     const int32_t[::1] lens, const int32_t[:, ::1] pos, int64_t window, int64_t bs) noexcept nogil:
+    """True when every table entry the call reads passes ``_page_ok``: per row, the
+    blocks holding a key some query token sees (the rule of
+    ``_validate.paged_blocks_read``; lens must be <= M * bs).  Each row keeps the
+    span of blocks already checked, so the usual ordered positions check every
+    block once."""
+    cdef int64_t b, t, p, lo, hi, f, l, i, c0, c1
+    for b in range(tables.shape[0]):
+        c0, c1 = 0, -1      # blocks [c0, c1] of this row are checked
+        for t in range(pos.shape[1]):
+            p = pos[b, t]
+            lo = p - window if window >= 0 else 0
+            if lo < 0:
+                lo = 0
+            hi = p + 1 if p + 1 < lens[b] else lens[b]
+            if lo >= hi:
+                continue
+            f, l = lo // bs, (hi - 1) // bs
+            if c1 < c0 or f > c1 + 1 or l < c0 - 1:     # no span yet, or apart from it: a new span
+                c0, c1 = f, f - 1
+            for i in range(f, min(l + 1, c0)):
+                if not _page_ok(tables[b, i], kp, vp):
+                    return False
+            for i in range(max(f, c1 + 1), l + 1):
+                if not _page_ok(tables[b, i], kp, vp):
+                    return False
+            c0, c1 = min(c0, f), max(c1, l)
+    return True
+
+
+cdef bint _positive_int_ok(x) except -1:
+    """True when ``x`` is a Python int in [1, 2**31 - 1] (``_validate.positive_int`` accepts it unchanged)."""
+    return type(x) is int and 1 <= x <= V.I32_MAX
+
+
+cdef bint _quant_args_ok(k_group, v_group, k_header, int64_t D) except -1:
+    """True when the groups are Python ints 1 or D and k_header is "float32", or
+    "compact" with k_group <= the compact header's groups (the conditions of
+    ``_validate.scale_group`` and ``header_kind``)."""
+    if not (type(k_group) is int and type(v_group) is int and (k_group == 1 or k_group == D)
+            and (v_group == 1 or v_group == D) and isinstance(k_header, str)):
+        return False
+    return k_header == "float32" or (k_header == "compact" and k_group <= V.COMPACT_MAX_GROUPS)
+
+
+cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
+                        window, out, kv_dtype, k_formats, v_formats, k_group, v_group, k_header):
+    """Run ``paged_attention`` and return its figures when every argument is valid
+    and nothing is empty (at least one page and table column), all checked at C
+    speed: typed buffers (dtype, native byte order, dimensions, C-contiguity, a
+    writeable ``out``), shapes, int32 kv_len / q_pos, kv_len values, scalars,
+    format tables, groups and header, the address range of ``out`` against q,
+    and every table entry the call reads -- the conditions of the Python
+    checks.  Return None, with nothing written, to send the call through those
+    checks (which name the bad argument)."""
+    cdef const float[:, :, :, ::1] qv
+    cdef float[:, :, :, ::1] ov
+    cdef const uint64_t[::1] kp
+    cdef const uint64_t[::1] vp
+    cdef const int32_t[:, ::1] tv
+    cdef const int32_t[::1] lv
+    cdef const int32_t[:, ::1] pv
+    cdef const uint8_t[::1] kfv
+    cdef const uint8_t[::1] vfv
+    cdef int64_t B, Hq, Sq, D, M, P, bs, Hkv, maxlen
+    cdef size_t onb
+    cdef bint per_page = k_formats is not None or v_formats is not None
+    cdef okv_attn_args a
+    if not (isinstance(q, np.ndarray) and isinstance(k_pages, np.ndarray) and isinstance(v_pages, np.ndarray)
+            and isinstance(block_tables, np.ndarray) and isinstance(kv_len, np.ndarray)
+            and isinstance(q_pos, np.ndarray) and isinstance(out, np.ndarray)
+            and _positive_int_ok(block_size) and _positive_int_ok(kv_heads) and _scalars_ok(scale, softcap, window)
+            and (kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype in _KV_DTYPES))
+            and (k_formats is None or isinstance(k_formats, np.ndarray))
+            and (v_formats is None or isinstance(v_formats, np.ndarray))):
+        return None
+    kvname = "float32" if kv_dtype is None else kv_dtype
+    try:
+        qv = q
+        ov = out
+        kp = k_pages
+        vp = v_pages
+        tv = block_tables
+        lv = kv_len
+        pv = q_pos
+        if per_page:
+            kfv = k_formats if k_formats is not None else np.full(k_pages.shape[0], _FORMAT_CODES[kvname], np.uint8)
+            vfv = v_formats if v_formats is not None else np.full(k_pages.shape[0], _FORMAT_CODES[kvname], np.uint8)
+    except (ValueError, TypeError, BufferError):
+        return None
+    B, Hq, Sq, D = qv.shape[0], qv.shape[1], qv.shape[2], qv.shape[3]
+    M, P, bs, Hkv = tv.shape[1], kp.shape[0], block_size, kv_heads
+    if B == 0 or Hq == 0 or Sq == 0 or D == 0 or M == 0 or P == 0 or Hq % Hkv != 0:
+        return None
+    if vp.shape[0] != P or tv.shape[0] != B or lv.shape[0] != B or pv.shape[0] != B or pv.shape[1] != Sq \
+            or ov.shape[0] != B or ov.shape[1] != Hq or ov.shape[2] != Sq or ov.shape[3] != D:
+        return None
+    if per_page and not (kfv.shape[0] == P and vfv.shape[0] == P and _formats_ok(kfv, D) and _formats_ok(vfv, D)
+                         and _quant_args_ok(k_group, v_group, k_header, D)):
+        return None
+    onb = <size_t>(B * Hq * Sq * D) * sizeof(float)
+    if not _disjoint(&ov[0, 0, 0, 0], onb, &qv[0, 0, 0, 0], onb):
+        return None
+    maxlen = _lengths_max(lv, M * bs)
+    if maxlen < 0 or not _tables_ok(tv, kp, vp, lv, pv, window, bs):
+        return None
+    _init_args(&a, q, out, kv_len, q_pos, Hkv, M * bs, scale, softcap, window, _KV_TYPES[kvname])
+    if per_page:
+        a.k_fmt = &kfv[0]
+        a.v_fmt = &vfv[0]
+        a.kG, a.vG = k_group, v_group
+        a.k_compact = k_header == "compact"
+    a.k_pages = &kp[0]
+    a.v_pages = &vp[0]
+    a.block_tables = &tv[0, 0]
+    a.M, a.bs = M, bs
+    return _run(&a, maxlen, "paged_attention")
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
                     window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1,
                     k_header="float32"):
@@ -527,7 +782,13 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     the work units loaded (each once per unit; 0 without quantized pages),
     "workspace_peak_bytes": bytes of the per-thread workspaces (and partial
     states of a cache split) the call allocated} -- for the event log.
+    (Called once per layer per decode step, so valid arguments are checked in
+    C; only a failing check takes the Python checks.)
     """
+    figures = _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
+                          window, out, kv_dtype, k_formats, v_formats, k_group, v_group, k_header)
+    if figures is not None:
+        return figures
     V.array("q", q, (V.F32,), ndim=4)
     B, Hq, Sq, D = q.shape
     kvname = "float32" if kv_dtype is None else _kv_name(kv_dtype)

@@ -16,9 +16,16 @@ in the same order whatever the thread count, so results do not depend on it.
   adjacent panels side by side (several weight streams per thread keep a few
   rows as fast as one), the threads taking contiguous ranges of panels.  AVX-512 tiles where the CPU has AVX-512F
   (``set_packed_avx512`` switches to the AVX2 tiles), AVX2, or scalar.
+  On cores shared with other processes a team member is often off its core,
+  and every parallel region then waits for it (a decode step runs ~30 of
+  these products): after a product that waited for its team longer than its
+  own share took, the next products run on the calling thread alone, then the
+  team is tried again (measured on 2 busy cores: a small-model decode step
+  32 ms instead of 91 ms; on free cores no product is found late).
 """
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_threads, okv_simd
@@ -208,22 +215,65 @@ def pack_weight(w):
     return wp
 
 
+DEF SOLO_CALLS = 64          # products run on the calling thread alone once a team member was late
+DEF LATE_MIN_NS = 300000     # a wait for the team (ns) counts as late above this and above the caller's own share
+
+cdef int _solo_left = 0      # products still to run alone (see _matmul_packed)
+cdef bint _adaptive = True
+
+
+def _set_adaptive(enabled, solo=0):
+    """Private switch for benchmarks and tests: let ``matmul_packed`` run alone
+    after a late team (see ``_matmul_packed``), and set the number of products
+    still to run alone.  Returns the previous (enabled, products left)."""
+    global _adaptive, _solo_left
+    old = (bool(_adaptive), _solo_left)
+    _adaptive = bool(enabled)
+    _solo_left = max(0, int(solo))
+    return old
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
 cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
                          float[:, ::1] out) noexcept nogil:
+    """Threads take contiguous ranges of panels.  When the caller waited for
+    the team at the end of a product longer than its own share took (and
+    LATE_MIN_NS), a team member was off its core -- another process holds it,
+    and every product would wait for it again -- so the next SOLO_CALLS
+    products run on the calling thread alone, then the team is tried again.
+    The result does not depend on it (one summation order for any split).
+    Called with the GIL held (the counters are module state)."""
+    global _solo_left
     cdef int64_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
-    cdef int64_t P = wp.shape[0], t
+    cdef int64_t P = wp.shape[0], t, t0, wait
+    cdef int64_t done[1]
     cdef int isa = _packed_isa()
     cdef int nt = okv_threads()
     if M * K * N < PAR_MIN:
         nt = 1
     if nt > P:
         nt = <int>P
+    if nt > 1 and _adaptive and _solo_left > 0:
+        _solo_left -= 1
+        nt = 1
     if nt == 1:
         okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], 0, P, isa)
         return
+    t0 = _now_ns()
+    done[0] = t0
     for t in prange(nt, num_threads=nt, schedule='static'):
         okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], P * t // nt, P * (t + 1) // nt,
                               isa)
+        if t == 0:
+            done[0] = _now_ns()
+    wait = _now_ns() - done[0]
+    if _adaptive and wait > LATE_MIN_NS and wait > done[0] - t0:
+        _solo_left = SOLO_CALLS
 
 
 cdef bint _packed_fast(x, wp, out, bias) except -1:

@@ -21,17 +21,21 @@ does.
 
 Signed integer formats are quantized symmetrically (zero point 0), unsigned
 ones asymmetrically (:func:`onnxkv.cache.formats.params_for`).  The
-``"int8-kivi"`` policy follows KIVI: keys UINT8 with one scale and zero point
-per (page, head, channel), which removes each channel's own offset (keys
-carry large per-channel offsets), values INT8 per (page, head).  On the
-embedded trained model its logit error is about 0.4x that of ``"int8"``
-(``benchmarks/bench_kv_quality.py``).  Per-channel key pages carry the
-compact header of :mod:`onnxkv.cache.formats` (a float32 S per head, then
-one exponent byte and one zero-point byte per channel; scales S * 2^(-e/16),
-rounded up): at block size 16, 8 KV heads and head size 128 a key page costs
-0.282x float32 and the cache 0.267x, against 0.25x for ``"int8"``.  Pages are
-converted once; a page never changes format in place (the new payload
-replaces the old one).
+``"int8"`` policy (also named ``"int8-kivi"``) follows KIVI: keys UINT8 with
+one scale and zero point per (page, head, channel), which removes each
+channel's own offset (keys carry large per-channel offsets), values INT8 per
+(page, head).  ``"int8-head"`` stores both planes INT8 with one symmetric
+scale per (page, head): 0.25x float32, but on the embedded trained model its
+logit error is about 2.5x that of ``"int8"`` and greedy decoding leaves the
+float32 tokens at near-ties of the reference (``benchmarks/bench_kv_quality.py``),
+so it is not the default int8 layout.  ``"residual-int8"`` keeps the newest
+128 tokens native and stores older pages like ``"int8"``.  Per-channel key
+pages carry the compact header of :mod:`onnxkv.cache.formats` (a float32 S
+per head, then one exponent byte and one zero-point byte per channel; scales
+S * 2^(-e/16), rounded up): at block size 16, 8 KV heads and head size 128 a
+key page costs 0.282x float32 and the cache 0.267x, against 0.25x for
+``"int8-head"``.  Pages are converted once; a page never changes format in
+place (the new payload replaces the old one).
 """
 
 from __future__ import annotations
@@ -71,10 +75,11 @@ POLICIES: dict[str, UniformPolicy] = {
     "native": UniformPolicy(None, None),
     "fp16": UniformPolicy("float16", "float16"),
     "bf16": UniformPolicy("bfloat16", "bfloat16"),
-    "int8": UniformPolicy("int8", "int8"),
-    "int4": UniformPolicy("int4", "int4"),
+    "int8": UniformPolicy("uint8", "int8", key_channel_scales=True),
     "int8-kivi": UniformPolicy("uint8", "int8", key_channel_scales=True),
-    "residual-int8": ResidualPolicy("int8", "int8", 128),
+    "int8-head": UniformPolicy("int8", "int8"),
+    "int4": UniformPolicy("int4", "int4"),
+    "residual-int8": ResidualPolicy("uint8", "int8", 128, key_channel_scales=True),
     "residual-int4": ResidualPolicy("int4", "int4", 128),
 }
 

@@ -29,20 +29,38 @@ are not graph outputs, so results are unchanged (up to float rounding where a
 scalar scale moves from K to the product).  ``fused_with_body`` builds such a
 fused node with the replaced nodes as its ``body`` (also used by
 :mod:`onnxkv.plan.fusion_export`); :mod:`onnxkv.plan.fusion_matmul` packs
-sibling MatMuls.
+sibling MatMuls and :mod:`onnxkv.plan.fusion_view` runs chains of view
+operators as one node.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import onnx
 from onnx import helper
 
 __all__ = ["fuse_silu_gate", "fuse_repeat_kv_matmul", "fuse_masked_attention", "MASKED_ATTENTION_INPUTS",
-           "FUSED_DOMAIN", "fused_with_body", "graph_index", "default_op"]
+           "FUSED_DOMAIN", "fused_with_body", "graph_index", "default_op", "REPEAT_KV_INPUTS", "RESHAPE_FROM_X",
+           "reshape_from_x"]
 
 FUSED_DOMAIN = "ai.onnxkv"
+
+#: Input positions of each repeat_kv a fused operator reads: (x, axes, expand shape, reshape target), the
+#: target reshaping ``Expand(Unsqueeze(x, axes), expand shape)``.
+REPEAT_KV_INPUTS = {"RepeatKvMatMul": ((1, 2, 3, 4),), "RepeatKvShape": ((0, 1, 2, 3),),
+                    "MaskedAttention": ((1, 4, 5, 6), (2, 7, 8, 9))}
+#: Attribute (ints) of ``RepeatKvMatMul`` / ``MaskedAttention``: reshape-target input positions holding a
+#: *template* whose 0 entries stand for x's own dim at the same position (written by
+#: :meth:`onnxkv.plan.shape_fold.ShapeFolder.rewrite` when it proves the run-time target equals that).
+RESHAPE_FROM_X = "reshape_from_x"
+
+
+def reshape_from_x(template: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The reshape target a template of :data:`RESHAPE_FROM_X` stands for: its 0 entries replaced by
+    ``x.shape`` at the same positions (int64 [len(template)]; ``x`` has that rank)."""
+    return np.where(template == 0, np.array(x.shape[:template.size], dtype=np.int64), template)
 
 
 def fuse_silu_gate(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
@@ -193,7 +211,7 @@ def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> l
 
 #: Positions of the fixed inputs of ``ai.onnxkv::MaskedAttention`` (see :func:`fuse_masked_attention`).
 MASKED_ATTENTION_INPUTS = ("q", "k", "v", "mask", "k_axes", "k_expand", "k_reshape", "v_axes", "v_expand",
-                           "v_reshape", "k_scale", "score_scale")
+                           "v_reshape", "k_scale", "score_scale", "q_scale")
 
 
 def default_op(node: onnx.NodeProto, op_type: str) -> bool:
@@ -215,7 +233,9 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     where ``S`` is ``RepeatKvMatMul(Q, K, axes, expand, reshape, [k_scale],
     [post])`` with ``transpose_b=1``, or ``MatMul(Q, [Mul(., k_scale)]
     Transpose(K, perm=[0, 1, 3, 2]))``, either optionally followed by a
-    ``Mul``/``Div`` by ``score_scale``.  The fused node reads
+    ``Mul``/``Div`` by ``score_scale``; ``Q`` may be ``Mul(q, q_scale)`` (the
+    query scaling of exports) where exactly one operand, ``q_scale``, is made
+    by no node (an initializer or graph input) or by a ``Constant``.  The fused node reads
     ``MASKED_ATTENTION_INPUTS`` by position (empty name = absent), then every
     other value the block reads; attribute ``score_div=1`` when the score
     scale divides; attribute ``body`` holds the replaced nodes as a graph
@@ -224,7 +244,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     express it.  Every intermediate must have the block as its only reader
     and not be protected; the final output keeps its name.
     """
-    readers, _, single = graph_index(nodes, protected)
+    readers, producer, single = graph_index(nodes, protected)
 
     def is_op(i: int | None, op_type: str, domain: str = "") -> bool:
         if i is None:
@@ -255,7 +275,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
             roles.update(q=ins[0], k=ins[1], k_axes=ins[2], k_expand=ins[3], k_reshape=ins[4], k_scale=ins[5])
             if ins[6]:
                 roles["score_scale"] = ins[6]
-            return chain + [i], roles, div
+            return chain + [i] + scaled_query(i, roles), roles, div
         if not is_op(i, "MatMul"):
             return None
         mm = nodes[i]
@@ -273,7 +293,20 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
                 next((list(a.ints) for a in nodes[cur].attribute if a.name == "perm"), None) != [0, 1, 3, 2]:
             return None
         roles.update(q=mm.input[0], k=nodes[cur].input[0])
-        return chain + [cur], roles, div
+        return chain + [cur] + scaled_query(i, roles), roles, div
+
+    def scaled_query(product: int, roles: dict[str, str]) -> list[int]:
+        """[the Mul node] when the product's query is ``Mul(q, constant)`` read by it alone (roles q and
+        q_scale are then set), else []."""
+        m = single(roles["q"], product)
+        if not is_op(m, "Mul") or len(nodes[m].input) != 2:
+            return []
+        constant = [producer.get(x) is None or is_op(producer.get(x), "Constant") for x in nodes[m].input]
+        if constant.count(True) != 1:
+            return []
+        scale = constant.index(True)
+        roles.update(q=nodes[m].input[1 - scale], q_scale=nodes[m].input[scale])
+        return [m]
 
     drop: set[int] = set()
     replace: dict[int, onnx.NodeProto] = {}
@@ -329,16 +362,20 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
 
 
 def fused_with_body(op_type: str, body_nodes: list[onnx.NodeProto], fixed_inputs: list[str],
-                    **attrs) -> onnx.NodeProto:
-    """A ``FUSED_DOMAIN`` node replacing ``body_nodes`` (in graph order; the last one's outputs are its outputs).
+                    outputs: list[str] | None = None, **attrs) -> onnx.NodeProto:
+    """A ``FUSED_DOMAIN`` node replacing ``body_nodes`` (in graph order).
 
+    Its outputs are ``outputs`` (values the body makes; an empty name is an
+    absent output, kept by position), by default the last body node's outputs.
     Its inputs are ``fixed_inputs`` by position (empty name = absent), then
     every other value the body reads; attribute ``body`` holds the nodes as a
-    graph over those inputs (see :class:`onnxkv.plan.ops._body.Body`), so the
-    fused kernel can evaluate them literally when it cannot express a call.
-    The node takes the last body node's name (or first output).
+    graph over those inputs with the non-empty outputs as graph outputs (see
+    :class:`onnxkv.plan.ops._body.Body`), so the fused kernel can evaluate
+    them literally when it cannot express a call.  The node takes the last
+    body node's name (or first output).
     """
     last = body_nodes[-1]
+    outputs = [o for o in last.output if o] if outputs is None else outputs
     made = {o for n in body_nodes for o in n.output}
     inputs = list(fixed_inputs)
     for n in body_nodes:
@@ -346,6 +383,5 @@ def fused_with_body(op_type: str, body_nodes: list[onnx.NodeProto], fixed_inputs
     body_inputs = [helper.make_empty_tensor_value_info(x) for x in dict.fromkeys(x for x in inputs if x)]
     name = last.name or last.output[0]
     body = helper.make_graph(body_nodes, f"{name}_body", body_inputs,
-                             [helper.make_empty_tensor_value_info(o) for o in last.output if o])
-    return helper.make_node(op_type, inputs, [o for o in last.output if o], name=name, domain=FUSED_DOMAIN,
-                            body=body, **attrs)
+                             [helper.make_empty_tensor_value_info(o) for o in outputs if o])
+    return helper.make_node(op_type, inputs, outputs, name=name, domain=FUSED_DOMAIN, body=body, **attrs)

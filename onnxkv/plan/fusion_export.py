@@ -27,18 +27,34 @@ becomes one ``ai.onnxkv::RotateHalf(x, cos, sin, <first-half slice inputs>,
 <second-half slice inputs>)`` node, run by the compiled ``rotary_embedding``
 kernel when the slices split the last axis in halves and ``cos``/``sin``
 hold one angle per pair (see :class:`onnxkv.plan.ops.rotate_half.RotateHalf`).
+
+``fuse_skip_rms_norm`` (after ``fuse_rms_norm``): the residual add feeding a
+fused norm::
+
+    s = Add(a, b)
+    c = Cast(s, to=FLOAT)                       # optional
+    y = RMSNormChain(c, w, ...)                 # c may have other readers (the residual stream)
+
+becomes one ``ai.onnxkv::SkipRMSNormChain(a, b, w, ...)`` node with outputs
+``(y, c)`` (``c`` empty when nothing else reads it), run by the compiled
+``skip_rms_norm`` kernel, which writes the sum and the norm in one pass (see
+:class:`onnxkv.plan.ops.norm.SkipRMSNormChain`).
 """
 
 from __future__ import annotations
 
 import onnx
 
-from onnxkv.plan.fusion import default_op, fused_with_body, graph_index
+from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_index
 
-__all__ = ["fuse_rms_norm", "fuse_rotate_half", "RMS_NORM_INPUTS", "ROTATE_HALF_INPUTS"]
+__all__ = ["fuse_rms_norm", "fuse_rotate_half", "fuse_skip_rms_norm", "RMS_NORM_INPUTS", "ROTATE_HALF_INPUTS",
+           "SKIP_RMS_NORM_INPUTS"]
 
 #: Positions of the inputs of ``ai.onnxkv::RMSNormChain`` (empty name = absent).
 RMS_NORM_INPUTS = ("x", "weight", "exponent", "axes", "eps", "one")
+#: Positions of the inputs of ``ai.onnxkv::SkipRMSNormChain``: the two addends, then the RMSNormChain's
+#: inputs after ``x``.
+SKIP_RMS_NORM_INPUTS = ("a", "b") + RMS_NORM_INPUTS[1:]
 #: Positions of the inputs of ``ai.onnxkv::RotateHalf``: x, cos, sin, then (starts, ends, axes, steps) of
 #: the Slice giving the first half and of the Slice giving the (negated) second half.
 ROTATE_HALF_INPUTS = ("x", "cos", "sin", "lo_starts", "lo_ends", "lo_axes", "lo_steps",
@@ -186,4 +202,39 @@ def fuse_rotate_half(nodes: list[onnx.NodeProto], protected: set[str]) -> list[o
             continue
         drop.update(i for i in chain if i != a)
         replace[a] = fused_with_body("RotateHalf", [nodes[i] for i in sorted(chain)], [x, cos, sin, *lo_in, *hi_in])
+    return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
+
+
+def fuse_skip_rms_norm(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` with each residual ``Add`` [+ ``Cast``] feeding an RMSNormChain replaced by a SkipRMSNormChain
+    node (see the module docstring); run after :func:`fuse_rms_norm`."""
+    readers, producer, single = graph_index(nodes, protected)
+
+    drop: set[int] = set()
+    replace: dict[int, onnx.NodeProto] = {}
+    for r, norm in enumerate(nodes):
+        if norm.op_type != "RMSNormChain" or norm.domain != FUSED_DOMAIN or len(norm.input) > len(RMS_NORM_INPUTS):
+            continue
+        c = norm.input[0]
+        cur = producer.get(c)
+        if cur is None:
+            continue
+        # The norm's input may have other readers (the residual stream): then it is the second output, made
+        # where the norm was, so every other reader must come later.
+        stream = c if c in protected or readers.get(c) != [r] else ""
+        if any(i < r for i in readers.get(c, [])):
+            continue
+        chain = [r]
+        if _cast_to_float(nodes[cur]):
+            chain.append(cur)
+            cur = single(nodes[cur].input[0], cur)
+        if cur is None or not default_op(nodes[cur], "Add") or len(nodes[cur].input) != 2:
+            continue
+        chain.append(cur)
+        fixed = [*nodes[cur].input, *norm.input[1:]]
+        if _reads_own(nodes, chain, fixed) or any(i in drop or i in replace for i in chain):
+            continue
+        drop.update(chain[1:])
+        replace[r] = fused_with_body("SkipRMSNormChain", [nodes[i] for i in sorted(chain)], fixed,
+                                     outputs=[norm.output[0], stream])
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]

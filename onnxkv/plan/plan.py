@@ -36,8 +36,9 @@ from onnxkv.plan.buffers import RunBuffers
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
-from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half
+from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
 from onnxkv.plan.fusion_matmul import fuse_sibling_matmuls
+from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
 from onnxkv.plan.shape_fold import ShapeFolder, static_dims
 
@@ -207,6 +208,7 @@ class Plan:
             nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
             nodes = fuse_masked_attention(nodes, protected)
             nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected), constants)
+            nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
 
         self.bindings = list(bindings)
         by_node: dict[str, list] = {}

@@ -19,16 +19,24 @@ lengths) read again and again.  :class:`ShapeFolder` removes that work while
 2. **Partial values**: ``Shape(x)`` gives a 1-D int64 value whose entries are
    x's dims (int, symbol or unknown); ``Gather``/``Slice`` with constant
    parameters, ``Unsqueeze``/``Squeeze``/``Reshape`` between 0-D and 1-D,
-   ``Concat``, ``Cast`` to int64, ``Equal`` and ``Where`` carry them on.  A
+   ``Concat``, ``Cast`` to int64, ``Equal`` and ``Where`` carry them on (also
+   as the steps of an ``ai.onnxkv::ViewChain``).  A
    value with only integer entries becomes a constant; one with only integer
    and symbolic entries equal to an earlier value is dropped and its readers
    read the earlier value.  ``ai.onnxkv::RepeatKvShape`` whose reshape target
-   has no 0/-1 entry is that target.
+   has no 0/-1 entry is that target.  A dim ONNX left unknown is the symbol
+   ``"x[i]"`` of its own tensor and axis (sound: it names one value).
+   Any other such value (a ``Gather``, ``Unsqueeze``, ``Concat`` ... of
+   shapes, not ``Shape`` itself) becomes one ``ai.onnxkv::ShapeOf`` node
+   reading the dims it is made of straight from the tensors they belong to,
+   so the chain of shape operators before it can be dropped.
 3. **Rewrites** (:meth:`ShapeFolder.rewrite`): a ``Reshape`` target entry
    equal to the data's own dim at that position becomes 0 (copy), an
    ``Expand`` shape entry (also the expand shape of the fused repeat_kv
    operators) equal to the aligned dim becomes 1, when that makes the whole
-   target constant.
+   target constant.  The reshape target of the fused repeat_kv operators
+   (``[B, heads, T, D]`` read from the cache's own shape) becomes a constant
+   template over the repeated tensor's dims (:data:`~onnxkv.plan.fusion.RESHAPE_FROM_X`).
 4. **Common subexpressions and dead shape nodes**: two deterministic nodes
    with the same operator, attributes and inputs (small constants compared by
    value) compute the same value, so the later one is dropped and its readers
@@ -51,6 +59,7 @@ import onnx
 
 from onnxkv.errors import ModelError
 from onnxkv.model.shape_inference import _light_model
+from onnxkv.plan.fusion import RESHAPE_FROM_X, REPEAT_KV_INPUTS, default_op
 
 __all__ = ["ShapeFolder", "static_dims"]
 
@@ -58,10 +67,11 @@ __all__ = ["ShapeFolder", "static_dims"]
 Entry = int | str | None
 #: Constants with at most this many elements are compared by value when merging nodes.
 _FINGERPRINT_LIMIT = 64
-#: Fused repeat_kv operators: (x, axes, expand shape) input positions; the shape expands Unsqueeze(x, axes).
-_REPEAT_INPUTS = {"RepeatKvMatMul": ((1, 2, 3),), "RepeatKvShape": ((0, 1, 2),), "MaskedAttention": ((1, 4, 5), (2, 7, 8))}
-#: Where a fused node's body may read a rewritten expand shape: the RepeatKvMatMul expand input.
-_BODY_EXPAND_POSITION = {"RepeatKvMatMul": 3}
+#: Where a fused node's body may read a rewritten expand shape / reshape target: the RepeatKvMatMul inputs.
+_BODY_EXPAND_POSITION = {"RepeatKvMatMul": REPEAT_KV_INPUTS["RepeatKvMatMul"][0][2]}
+_BODY_RESHAPE_POSITION = {"RepeatKvMatMul": REPEAT_KV_INPUTS["RepeatKvMatMul"][0][3]}
+#: Fused operators whose reshape target may become a template (:data:`~onnxkv.plan.fusion.RESHAPE_FROM_X`).
+_TEMPLATE_OPS = ("RepeatKvMatMul", "MaskedAttention")
 #: Operators that draw random numbers when an input says so (not merged unless they only compute shapes).
 _RANDOM_WHEN_TRAINING = {"Dropout"}
 #: Element types of partial values: "i" int64 (shape entries), "b" bool (comparisons of them).
@@ -205,6 +215,8 @@ class ShapeFolder:
         self.renamed: dict[str, str] = {}
         self._seen: dict[tuple, onnx.NodeProto] = {}
         self._values: dict[Partial, str] = {}
+        #: symbol -> (tensor, axis) whose dim it is, for every symbol a Shape node read
+        self._sources: dict[str, tuple[str, int]] = {}
         #: Nodes removed by :meth:`fold`, :meth:`merge` and :meth:`prune`.
         self.removed = 0
 
@@ -229,8 +241,10 @@ class ShapeFolder:
         """
         if len(node.output) != 1 or node.output[0] in self.protected:
             return False
-        if node.domain in ("", "ai.onnx"):
+        if node.domain in ("", "ai.onnx") or (node.domain, node.op_type) == ("ai.onnxkv", "ViewChain"):
             found = self._evaluate(node, constants)
+        elif (node.domain, node.op_type) == ("ai.onnxkv", "ShapeOf"):
+            found = self.partial.get(node.output[0])
         elif (node.domain, node.op_type) == ("ai.onnxkv", "RepeatKvShape"):
             found = self._repeat_kv_shape(node, constants)
         else:
@@ -264,36 +278,103 @@ class ShapeFolder:
         * ``Expand(x, shape)`` and the expand shape of the repeat_kv fusions
           (``ai.onnxkv::RepeatKvMatMul``/``RepeatKvShape``/``MaskedAttention``,
           applied to ``Unsqueeze(x, axes)``): an entry equal to the aligned dim
-          of the expanded tensor becomes 1.
+          of the expanded tensor becomes 1;
+        * the reshape target of ``ai.onnxkv::RepeatKvMatMul``/``MaskedAttention``
+          whose entries are constants (not 0) or equal to the repeated
+          tensor's own dim at the same position becomes a template: those dims
+          become 0 and the position is listed in the node's
+          :data:`~onnxkv.plan.fusion.RESHAPE_FROM_X` attribute (the operator
+          rebuilds the exact target from the tensor's shape);
+        * a ``Reshape`` inside an ``ai.onnxkv::ViewChain``, as if it stood alone.
 
         Applied only when every run-time entry is replaced, so the shape
         computation can be dropped (:meth:`prune`).
         """
         op, dom = node.op_type, node.domain
-        targets: list[tuple[int, np.ndarray]] = []
+        if (dom in ("", "ai.onnx") and op != "Shape") or (dom, op) == ("ai.onnxkv", "ViewChain"):
+            made = self._shape_of(node, constants)
+            if made is not None:
+                return made
+        # (input position, new constant, where the body may read the input, whether it is a template)
+        targets: list[tuple[int, np.ndarray | None, dict[str, int], bool]] = []
         if dom in ("", "ai.onnx") and op == "Reshape" and len(node.input) == 2 and not _attr(node, "allowzero", 0):
-            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 0, constants)))
+            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 0, constants), {}, False))
         elif dom in ("", "ai.onnx") and op == "Expand" and len(node.input) == 2:
-            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 1, constants)))
-        elif dom == "ai.onnxkv" and op in _REPEAT_INPUTS:
-            for x, axes, shape in _REPEAT_INPUTS[op]:
+            targets.append((1, self._against(node.input[1], self.dims.get(node.input[0]), 1, constants), {}, False))
+        elif dom == "ai.onnxkv" and op in REPEAT_KV_INPUTS:
+            for x, axes, shape, reshape in REPEAT_KV_INPUTS[op]:
                 if len(node.input) > shape and node.input[shape]:
                     dims = self._unsqueezed(node.input[x], node.input[axes], constants)
-                    targets.append((shape, self._against(node.input[shape], dims, 1, constants)))
-        targets = [(pos, arr) for pos, arr in targets if arr is not None]
+                    targets.append((shape, self._against(node.input[shape], dims, 1, constants),
+                                    _BODY_EXPAND_POSITION, False))
+                if op in _TEMPLATE_OPS and len(node.input) > reshape and node.input[reshape]:
+                    targets.append((reshape, self._template(node.input[reshape], self.dims.get(node.input[x]),
+                                                            constants), _BODY_RESHAPE_POSITION, True))
+        elif dom == "ai.onnxkv" and op == "ViewChain":
+            body = _attr(node, "body", None)
+            steps = list(body.node) if body is not None else []
+            for step in steps:
+                if default_op(step, "Reshape") and len(step.input) == 2 and not _attr(step, "allowzero", 0) \
+                        and step.input[1] in node.input[1:] and sum(step.input[1] in n.input for n in steps) == 1:
+                    arr = self._against(step.input[1], self.dims.get(step.input[0]), 0, constants)
+                    targets.append((list(node.input).index(step.input[1]), arr, {"Reshape": 1}, False))
+        targets = [t for t in targets if t[1] is not None]
         if not targets:
             return node
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
-        for pos, arr in targets:
+        templates = []
+        for pos, arr, body_positions, template in targets:
             old, new = node.input[pos], f"shape_fold::{node.output[0]}::{pos}"
-            if list(node.input).count(old) != 1 or not _body_reads_only_at(node, old, _BODY_EXPAND_POSITION):
+            if list(node.input).count(old) != 1 or not _body_reads_only_at(node, old, body_positions):
                 continue
             arr.flags.writeable = False
             constants[new] = arr
             copy.input[pos] = new
             _rename_node(copy, {old: new}, inputs=False)
+            if template:
+                templates.append(pos)
+        if templates:
+            copy.attribute.append(onnx.helper.make_attribute(RESHAPE_FROM_X, sorted(templates)))
         return copy
+
+    def _shape_of(self, node: onnx.NodeProto, constants: dict) -> onnx.NodeProto | None:
+        """An ``ai.onnxkv::ShapeOf`` node computing ``node``'s run-time shape value from tensor dims, or None.
+
+        Its partial value is recorded (for :meth:`fold`); None unless the
+        value is int64, has a symbol among its entries and no unknown one.
+        """
+        if len(node.output) != 1 or node.output[0] in self.protected or node.output[0] in constants:
+            return None
+        found = self._evaluate(node, constants)
+        if found is None or found[2] != "i" or not all(isinstance(v, int) or v in self._sources for v in found[0]) \
+                or all(isinstance(v, int) for v in found[0]):
+            return None
+        tensors = list(dict.fromkeys(self._sources[v][0] for v in found[0] if isinstance(v, str)))
+        sources = [tensors.index(self._sources[v][0]) if isinstance(v, str) else -1 for v in found[0]]
+        values = [self._sources[v][1] if isinstance(v, str) else v for v in found[0]]
+        self.partial[node.output[0]] = found
+        return onnx.helper.make_node("ShapeOf", tensors, list(node.output), name=node.name or node.output[0],
+                                     domain="ai.onnxkv", sources=sources, values=values, rank=len(found[1]))
+
+    def _template(self, name: str, dims: tuple[Entry, ...] | None, constants: dict) -> np.ndarray | None:
+        """``name``'s partial value as a :data:`~onnxkv.plan.fusion.RESHAPE_FROM_X` template over ``dims``.
+
+        None unless ``name`` is a run-time int64 1-D value with one entry per
+        dim, each a non-zero integer or a symbol equal to the dim at its position.
+        """
+        found = self.partial.get(name)
+        if dims is None or found is None or found[2] != "i" or found[1] != (len(dims),) or name in constants:
+            return None
+        out = []
+        for v, d in zip(found[0], dims):
+            if isinstance(v, int) and v != 0:
+                out.append(v)
+            elif isinstance(v, str) and v == d:
+                out.append(0)
+            else:
+                return None
+        return np.array(out, dtype=np.int64)
 
     def _unsqueezed(self, x: str, axes: str, constants: dict) -> tuple[Entry, ...] | None:
         """Dims of ``Unsqueeze(x, axes)`` from x's static dims and constant axes, or None."""
@@ -344,17 +425,32 @@ class ShapeFolder:
         return tuple(arr.ravel().tolist()), arr.shape, kind
 
     def _evaluate(self, node: onnx.NodeProto, constants: dict) -> Partial | None:
-        """The partial value ``node`` computes (see :data:`Partial`), or None when not one of the shape operators."""
+        """The partial value ``node`` computes (see :data:`Partial`), or None when not one of the shape operators.
+
+        An ``ai.onnxkv::ViewChain`` is evaluated step by step through its body.
+        """
         op = node.op_type
+        if (node.domain, op) == ("ai.onnxkv", "ViewChain"):
+            found = None
+            for step in _attr(node, "body", onnx.GraphProto()).node:
+                found = self._evaluate(step, constants)
+                if found is None:
+                    return None
+                self.partial[step.output[0]] = found
+            return found
         if op == "Shape":
             dims = self.dims.get(node.input[0])
             if dims is None:
                 return None
-            rank = len(dims)
+            x, rank = node.input[0], len(dims)
             start, end = _attr(node, "start", 0), _attr(node, "end", rank)
             start = min(max(start + rank if start < 0 else start, 0), rank)
             end = min(max(end + rank if end < 0 else end, 0), rank)
-            return tuple(dims[start:end]), (len(dims[start:end]),), "i"
+            entries = tuple(f"{x}[{i}]" if dims[i] is None else dims[i] for i in range(start, end))
+            for i, d in zip(range(start, end), entries):
+                if isinstance(d, str):
+                    self._sources.setdefault(d, (x, i))
+            return entries, (len(entries),), "i"
         args = [self._value(x, constants) if x else None for x in node.input]
         if not args or args[0] is None:
             return None
@@ -432,7 +528,8 @@ class ShapeFolder:
         """True when ``node`` repeats an earlier deterministic node (its outputs are then renamed to that node's)."""
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             return False
-        if node.op_type == "Shape" or (deterministic and node.input and all(
+        if node.op_type == "Shape" or (node.domain, node.op_type) == ("ai.onnxkv", "ShapeOf") or (
+                deterministic and node.input and all(
                 (not x) or x in constants or x in self.derived for x in node.input)):
             self.derived.update(o for o in node.output if o)
         elif not deterministic or not node.input or node.op_type in _RANDOM_WHEN_TRAINING:

@@ -121,13 +121,13 @@ class State:
             before anything is written.
         kv_format: page formats of a paged cache (see :mod:`onnxkv.cache.policy`):
             None (native pages), a policy name ("fp32", "fp16", "bf16", "int8",
-            "int4", "int8-kivi", "residual-int8", "residual-int4") or a ``FormatSelector``
+            "int8-head", "int4", "residual-int8", "residual-int4", ...) or a ``FormatSelector``
             callable ``(layer, past_length, k, v) -> (k_format, v_format)``.
             After every successful run the full pages the selector makes
             eligible are converted (each page once, allocated once).
         key_channel_scales: quantized key pages get one scale per channel
             (KIVI) instead of one per head (also set by a policy whose
-            ``key_channel_scales`` is True, e.g. "int8-kivi").
+            ``key_channel_scales`` is True, e.g. "int8").
 
     One state per request; many states per session.  Two states never share
     writable storage.  Calls on one state must not overlap (a second

@@ -17,6 +17,7 @@ import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
+from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
 from onnxkv.plan.ops import masked_attention as ma
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -58,6 +59,13 @@ def test_every_layer_is_fused(form):
     ops = [n.op_type for n in sess.plan.nodes]
     assert ops.count("MaskedAttention") == 2  # both fixtures have two layers
     assert "Softmax" not in ops and "RepeatKvMatMul" not in ops
+    # the export scales Q by head_size ** -0.25 in a Mul of its own: it joins the fused node
+    q_scales = [n.input[MASKED_ATTENTION_INPUTS.index("q_scale")] for n in sess.plan.nodes
+                if n.op_type == "MaskedAttention"]
+    if form == "torch":
+        assert [float(sess.plan.build_context.constant(x)) for x in q_scales] == [16 ** -0.25] * 2
+    else:
+        assert q_scales == ["", ""]
 
 
 def _generate(sess: onnxkv.Session, prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, state: bool):
@@ -81,6 +89,16 @@ def left_padded_batch(form: str, seed: int, padding: int, steps: int):
     rng = np.random.default_rng(seed)
     vocab = 97 if form == "builder" else 259
     return rng.integers(0, vocab, (2, 9)), np.array([9, 9 - padding]), rng.integers(0, vocab, (2, steps))
+
+
+def torch_batch_runs(fused: onnxkv.Session, oracle: onnxkv.Session, seed: int, padding: int, state: bool):
+    """(got, want): :func:`_generate` of one random left-padded batch of the torch fixture (prefill + 3 decode
+    steps) on two sessions of it, checked to hold as many arrays each."""
+    prompt, lengths, tokens = left_padded_batch("torch", seed, padding=padding, steps=3)
+    got = _generate(fused, prompt, lengths, tokens, state)
+    want = _generate(oracle, prompt, lengths, tokens, state)
+    assert len(got) == len(want) == (4 if state else 4 * 5)
+    return got, want
 
 
 @pytest.mark.parametrize("form", sorted(MODELS))

@@ -16,22 +16,28 @@ import onnxkv.plan.plan as plan_module
 from onnxkv.plan.ops import _body, norm, rotary
 from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
-#: Plan nodes the two fusions remove.  Torch export: each norm is [Cast,] Pow, ReduceMean, Add, Sqrt, Div, Mul,
+#: Plan nodes the fusions remove.  Torch export: each norm is [Cast,] Pow, ReduceMean, Add, Sqrt, Div, Mul,
 #: Cast, Mul (the leading Cast is fused into the last norm only; in the layers its output also feeds the residual
-#: Add), each rotary Mul, Slice, Slice, Neg, Concat, Mul, Add: 4 * 7 + 8 + 4 * 6.  Builder: norms Pow, ReduceMean,
-#: Add, Sqrt, Reciprocal, Mul, Mul and the same rotaries: 5 * 6 + 4 * 6.
-REMOVED = {"torch": 4 * 7 + 8 + 4 * 6, "builder": 5 * 6 + 4 * 6}
+#: Add), each rotary Mul, Slice, Slice, Neg, Concat, Mul, Add: 4 * 7 + 8 + 4 * 6; then the residual Add and Cast
+#: before the three norms after the first layer's attention, and the Add before the final one: 3 * 2 + 1.
+#: Builder: norms Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul and the same rotaries: 5 * 6 + 4 * 6, and the
+#: residual Adds before the four norms after the first: 4.
+REMOVED = {"torch": 4 * 7 + 8 + 4 * 6 + 3 * 2 + 1, "builder": 5 * 6 + 4 * 6 + 4}
 
 
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the compiled kernel calls of both fused ops and the literal evaluations of their bodies."""
-    seen = {"rms_norm": 0, "rotary": 0, "literal": []}
-    rms, rope, evaluate = norm.K.rms_norm, rotary._rotary_kernel, _body.Body.evaluate
+    seen = {"rms_norm": 0, "skip_rms_norm": 0, "rotary": 0, "literal": []}
+    rms, skip, rope, evaluate = norm.K.rms_norm, norm.K.skip_rms_norm, rotary._rotary_kernel, _body.Body.evaluate
 
     def counting_rms(*args):
         seen["rms_norm"] += 1
         return rms(*args)
+
+    def counting_skip(*args):
+        seen["skip_rms_norm"] += 1
+        return skip(*args)
 
     def counting_rope(*args):
         seen["rotary"] += 1
@@ -39,11 +45,13 @@ def calls(monkeypatch):
 
     def counting_evaluate(self, names, inputs, rt):
         kinds = {n.op_type for n, _ in self.steps}
-        if "Pow" in kinds or "Neg" in kinds:
-            seen["literal"].append("RMSNormChain" if "Pow" in kinds else "RotateHalf")
+        if "Pow" in kinds or "Neg" in kinds or "RMSNormChain" in kinds:
+            seen["literal"].append("RotateHalf" if "Neg" in kinds else "SkipRMSNormChain"
+                                   if "RMSNormChain" in kinds else "RMSNormChain")
         return evaluate(self, names, inputs, rt)
 
     monkeypatch.setattr(norm.K, "rms_norm", counting_rms)
+    monkeypatch.setattr(norm.K, "skip_rms_norm", counting_skip)
     monkeypatch.setattr(rotary, "_rotary_kernel", counting_rope)
     monkeypatch.setattr(_body.Body, "evaluate", counting_evaluate)
     return seen
@@ -53,6 +61,7 @@ def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
     with monkeypatch.context() as m:
         m.setattr(plan_module, "fuse_rms_norm", lambda nodes, protected: nodes)
         m.setattr(plan_module, "fuse_rotate_half", lambda nodes, protected: nodes)
+        m.setattr(plan_module, "fuse_skip_rms_norm", lambda nodes, protected: nodes)
         return onnxkv.Session(model, threads=threads)
 
 
@@ -60,8 +69,9 @@ def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
 def test_every_norm_and_rotary_is_fused(form, monkeypatch):
     fused = [n.op_type for n in onnxkv.Session(MODELS[form](), threads=1).plan.nodes]
     unfused = [n.op_type for n in _unfused(MODELS[form](), monkeypatch, 1).plan.nodes]
-    # two layers: 2 norms each plus the final one; q and k rotated in each layer
-    assert fused.count("RMSNormChain") == 5 and fused.count("RotateHalf") == 4
+    # two layers: 2 norms each plus the final one, all but the first reading a residual sum; q and k rotated in
+    # each layer
+    assert fused.count("RMSNormChain") == 1 and fused.count("SkipRMSNormChain") == 4 and fused.count("RotateHalf") == 4
     assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div", "Neg", "Slice"} & set(fused)
     assert len(unfused) - len(fused) == REMOVED[form]
 
@@ -72,7 +82,7 @@ def test_left_padded_batch_matches_the_unfused_plan(form, state, calls, monkeypa
     prompt, lengths, tokens = left_padded_batch(form, 33, padding=3, steps=3)
     got = _generate(onnxkv.Session(MODELS[form](), threads=2), prompt, lengths, tokens, state)
     # prefill + 3 decode steps, each through the kernels only
-    assert (calls["rms_norm"], calls["rotary"], calls["literal"]) == (5 * 4, 4 * 4, [])
+    assert (calls["rms_norm"], calls["skip_rms_norm"], calls["rotary"], calls["literal"]) == (4, 4 * 4, 4 * 4, [])
     want = _generate(_unfused(MODELS[form](), monkeypatch), prompt, lengths, tokens, state)
     assert len(got) == len(want)
     for g, w in zip(got, want):

@@ -36,7 +36,7 @@ def _formats(state, plane=0):
     return state.pool.formats[plane][t[t >= 0]].tolist()
 
 
-@pytest.mark.parametrize("policy,tol", [("fp16", 2e-3), ("int8", 5e-2), ("int4", 0.6)])
+@pytest.mark.parametrize("policy,tol", [("fp16", 2e-3), ("int8-head", 5e-2), ("int4", 0.6)])
 def test_policies_convert_full_pages_and_stay_close(session, policy, tol):
     prompt = np.random.default_rng(0).integers(0, MICRO.vocab_size, (1, 18))
     with session.new_state(cache="paged", block_size=4) as ref:
@@ -45,18 +45,19 @@ def test_policies_convert_full_pages_and_stay_close(session, policy, tol):
     with session.new_state(cache="paged", block_size=4, kv_format=policy) as st:
         got, _, _ = _run(session, st, prompt, 11)
         fmts = _formats(st)
-        assert fmts[:-1] == [CODES[{"fp16": "float16"}.get(policy, policy)]] * (len(fmts) - 1)
+        assert fmts[:-1] == [CODES[{"fp16": "float16", "int8-head": "int8"}.get(policy, policy)]] * (len(fmts) - 1)
         assert fmts[-1] == CODES["float32"]  # 29 tokens: the partly filled last page stays native
         assert st.committed_bytes < native_bytes
         assert any(e.action == "quantize" for e in session.events)
     np.testing.assert_allclose(got, want, atol=tol, rtol=0)
 
 
-def test_int8_kivi_policy_gives_keys_channel_scales(session):
+@pytest.mark.parametrize("policy", ["int8", "int8-kivi"])
+def test_int8_policy_gives_keys_channel_scales(session, policy):
     prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 18))
     with session.new_state(cache="paged", block_size=4) as ref:
         want, _, _ = _run(session, ref, prompt, 11)
-    with session.new_state(cache="paged", block_size=4, kv_format="int8-kivi") as st:
+    with session.new_state(cache="paged", block_size=4, kv_format=policy) as st:
         got, _, _ = _run(session, st, prompt, 11)
         keys = [i for i, p in enumerate(st.pool.planes) if p.groups > 1]
         values = [i for i, p in enumerate(st.pool.planes) if p.groups == 1]

@@ -17,4 +17,5 @@ from onnxkv.plan.ops import (  # noqa: F401
     shape,
     sibling_matmul,
     tensor_scatter,
+    view_chain,
 )

@@ -15,11 +15,15 @@ an optional NaN guard after the softmax).  Inputs, by position
 7-9    ``v_axes/expand/reshape``    the same for V
 10     ``k_scale``                  multiplies Kᵀ
 11     ``score_scale``              multiplies (``score_div=1``: divides) Q·Kᵀ
-12...  anything else the block reads (e.g. the NaN guard's fill value)
+12     ``q_scale``                  multiplies Q (absorbed query scaling)
+13...  anything else the block reads (e.g. the NaN guard's fill value)
 =====  ===========================  ===============================================
 
 Output: Y [B, Hq, S, Dv], float32 on the kernel path.  The ``body`` attribute
-holds the replaced nodes (a graph over the same input names).
+holds the replaced nodes (a graph over the same input names).  Attribute
+``reshape_from_x`` (:data:`~onnxkv.plan.fusion.RESHAPE_FROM_X`, set by shape
+folding) lists the reshape inputs (6, 9) that are templates over K's / V's
+shape: the exact targets are rebuilt from it before anything else runs.
 
 The compiled streaming kernel (:func:`onnxkv._kernels.attention`: K/V read
 once per KV head for its whole query group, never repeated, gathered or
@@ -55,7 +59,7 @@ import onnx
 
 from onnxkv._kernels import attention as _attention_kernel
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
+from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -64,8 +68,8 @@ __all__ = ["MaskedAttention", "mask_ranges", "cached_mask_ranges", "MASKED"]
 #: Additive mask values at or below this hide a key (float32 min and -inf included).
 MASKED = -1e30
 
-_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE = (MASKED_ATTENTION_INPUTS.index(r) for r in (
-    "q", "k", "v", "mask", "k_scale", "score_scale"))
+_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE, _Q_SCALE = (MASKED_ATTENTION_INPUTS.index(r) for r in (
+    "q", "k", "v", "mask", "k_scale", "score_scale", "q_scale"))
 _K_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("k_axes"), MASKED_ATTENTION_INPUTS.index("k_reshape") + 1)
 _V_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("v_axes"), MASKED_ATTENTION_INPUTS.index("v_reshape") + 1)
 
@@ -179,8 +183,15 @@ class MaskedAttention(Op):
         self._repeat = self._body.kernel("RepeatKvMatMul")
         axis = next((a.i for a in self._body.node("Softmax").attribute if a.name == "axis"), None)
         self._last_axis_softmax = axis in (-1, 3) or (axis is None and ctx.opset("") >= 13)
+        templates = self.attrs.get(RESHAPE_FROM_X, ())
+        #: (reshape template position, position of the tensor it is over)
+        self._templates = tuple((r, x) for x, _, _, r in REPEAT_KV_INPUTS["MaskedAttention"] if r in templates)
 
     def run(self, inputs: list, rt: RunContext) -> tuple:
+        if self._templates:
+            inputs = list(inputs)
+            for r, x in self._templates:
+                inputs[r] = reshape_from_x(inputs[r], inputs[x])
         args = self._kernel_args(inputs)
         if args is None:
             return (self._literal(inputs, rt),)
@@ -209,10 +220,10 @@ class MaskedAttention(Op):
         group = self._group(k, inputs[_K_REPEAT])
         if not group or group != self._group(v, inputs[_V_REPEAT]) or q.shape[1] != k.shape[1] * group:
             return None
-        k_scale, score_scale = _scalar(inputs[_K_SCALE]), _scalar(inputs[_SCORE_SCALE])
-        if k_scale is None or score_scale is None or (self.score_div and score_scale == 0):
+        k_scale, score_scale, q_scale = (_scalar(inputs[i]) for i in (_K_SCALE, _SCORE_SCALE, _Q_SCALE))
+        if k_scale is None or score_scale is None or q_scale is None or (self.score_div and score_scale == 0):
             return None
-        scale = k_scale / score_scale if self.score_div else k_scale * score_scale
+        scale = q_scale * (k_scale / score_scale if self.score_div else k_scale * score_scale)
         b, _, s, _ = q.shape
         ranges = cached_mask_ranges(mask, b, s, k.shape[2])
         if ranges is None or not np.isfinite(scale):

@@ -1,7 +1,9 @@
 """Normalisations: RMS norms (ORT's SimplifiedLayerNormalization and
-SkipSimplifiedLayerNormalization, ONNX RMSNormalization-23, and
-``ai.onnxkv::RMSNormChain``, the fused RMSNorm of torch exports) through the
-compiled kernels, and LayerNormalization / SkipLayerNormalization in NumPy.
+SkipSimplifiedLayerNormalization, ONNX RMSNormalization-23,
+``ai.onnxkv::RMSNormChain``, the fused RMSNorm of torch exports, and
+``ai.onnxkv::SkipRMSNormChain``, that norm with the residual add before it)
+through the compiled kernels, and LayerNormalization / SkipLayerNormalization
+in NumPy.
 
 Kernels normalise over the last axis (``axis=-1``); other axes use NumPy.
 Computation is in float32 for float16/bfloat16 inputs, then cast back.
@@ -15,7 +17,7 @@ import numpy as np
 import onnx
 
 from onnxkv import _kernels as K
-from onnxkv.plan.fusion_export import RMS_NORM_INPUTS
+from onnxkv.plan.fusion_export import RMS_NORM_INPUTS, SKIP_RMS_NORM_INPUTS
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.ops._util import int_list
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -148,16 +150,72 @@ class RMSNormChain(Op):
             return None
         return eps, int(axes[0])
 
-    def run(self, inputs: list, rt) -> tuple:
-        x, w = inputs[0], inputs[1]
+    def kernel_params(self, inputs: list, x: np.ndarray) -> float | None:
+        """``eps`` when the kernel computes this chain for ``x`` and the ``inputs`` (by
+        :data:`~onnxkv.plan.fusion_export.RMS_NORM_INPUTS` position; ``x`` itself
+        is not read from them), else None."""
         params = self._params(inputs) if self._dynamic else self._static
+        w = inputs[1]
         if params is not None and x.dtype == np.float32 and x.ndim and x.shape[-1] and params[1] in (-1, x.ndim - 1) \
                 and w is not None and w.dtype == np.float32 and w.shape == (x.shape[-1],):
+            return params[0]
+        return None
+
+    def run(self, inputs: list, rt) -> tuple:
+        x, w = inputs[0], inputs[1]
+        eps = self.kernel_params(inputs, x)
+        if eps is not None:
             n = x.shape[-1]
             out = rt.empty(0, x.shape, np.float32)
-            K.rms_norm(np.ascontiguousarray(x).reshape(-1, n), w, params[0], out.reshape(-1, n))
+            K.rms_norm(np.ascontiguousarray(x).reshape(-1, n), w, eps, out.reshape(-1, n))
             return (out,)
         return tuple(self._body.evaluate(self.node.input, inputs, rt))
+
+
+_SKIP_NORM_PARAMS = slice(SKIP_RMS_NORM_INPUTS.index("weight"), len(SKIP_RMS_NORM_INPUTS))
+
+
+@register("SkipRMSNormChain", domain="ai.onnxkv")
+class SkipRMSNormChain(Op):
+    """A residual add and the RMSNormChain reading it, fused by :func:`onnxkv.plan.fusion_export.fuse_skip_rms_norm`.
+
+    Inputs by position (:data:`~onnxkv.plan.fusion_export.SKIP_RMS_NORM_INPUTS`):
+    the addends ``a`` and ``b``, then the RMSNormChain's inputs after ``x``;
+    attribute ``body``: the replaced ``Add``, optional ``Cast`` to float and
+    ``RMSNormChain``.  Outputs: ``y`` (the norm) and ``s``, the sum as the
+    norm read it (empty name: not produced; else a fresh array of a's shape).
+
+    The compiled ``skip_rms_norm`` kernel writes ``s = a + b`` (exactly the
+    float32 ``Add``; the ``Cast`` is then the identity) and ``y`` in one pass
+    when ``a`` and ``b`` are non-empty float32 arrays of one shape and the
+    body's RMSNormChain would run its kernel on ``s`` (see
+    :meth:`RMSNormChain.kernel_params`); otherwise the body is evaluated literally.
+    """
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self._body = Body.of(self, ctx, SKIP_RMS_NORM_INPUTS)
+        norm = self._body.kernel("RMSNormChain")
+        if not isinstance(norm, RMSNormChain) or len(node.output) != 2 or len(self._body.outputs) != 1 + bool(
+                node.output[1]):
+            raise self.error("needs a 'body' ending in an RMSNormChain and outputs (y, sum or empty)")
+        self._norm = norm
+        self._want_sum = bool(node.output[1])
+
+    def run(self, inputs: list, rt) -> tuple:
+        a, b = inputs[0], inputs[1]
+        if a.dtype == np.float32 and b.dtype == np.float32 and a.shape == b.shape and a.size:
+            eps = self._norm.kernel_params([None, *inputs[_SKIP_NORM_PARAMS]], a)
+            if eps is not None:
+                n = a.shape[-1]
+                out = rt.empty(0, a.shape, np.float32)
+                s = rt.empty(1, a.shape, np.float32) if self._want_sum else None
+                K.skip_rms_norm(np.ascontiguousarray(a).reshape(-1, n), np.ascontiguousarray(b).reshape(-1, n),
+                                inputs[_SKIP_NORM_PARAMS.start], None, eps, out.reshape(-1, n),
+                                None if s is None else s.reshape(-1, n))
+                return (out, s)
+        values = self._body.evaluate(self.node.input, inputs, rt)
+        return (values[0], values[1] if self._want_sum else None)
 
 
 def _layer_norm(x, gamma, beta, eps, axis):

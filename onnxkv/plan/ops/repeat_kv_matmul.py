@@ -10,6 +10,9 @@ repeats each of the ``H`` KV heads ``n`` times.  Inputs: ``A`` [B, H*n, S, *],
 ``X`` [B, H, T, D] (typically a zero-copy view of the cache), ``axes``,
 ``expand_shape``, ``reshape_shape``, optional scalar ``s``, optional
 ``post`` (a ``Mul`` that followed the product, applied to the result).
+Attribute ``reshape_from_x`` (:data:`~onnxkv.plan.fusion.RESHAPE_FROM_X`, set
+by shape folding) = ``[4]``: ``reshape_shape`` is a template whose 0 entries
+are X's dims at the same positions.
 Output: the MatMul result (times ``post``).  When the shape tensors describe exactly that repeat, the
 product is computed group by group (``A`` viewed as [B, H, n*S, *]) against
 ``X`` itself: the cache is read once, never copied per query head or
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnxkv.plan.fusion import REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._util import int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -62,6 +66,7 @@ class RepeatKvMatMul(Op):
     def __init__(self, node, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
         self.transpose_b = bool(self.attrs.get("transpose_b", 0))
+        self._template = REPEAT_KV_INPUTS["RepeatKvMatMul"][0][3] in self.attrs.get(RESHAPE_FROM_X, ())
 
     def _is_repeat(self, x: np.ndarray, axes, eshape, rshape) -> int:
         """Repeat count n if (axes, eshape, rshape) repeat x's heads n times, else 0."""
@@ -90,6 +95,8 @@ class RepeatKvMatMul(Op):
         a, x, axes, eshape, rshape = inputs[:5]
         scale = inputs[5] if len(inputs) > 5 else None
         post = inputs[6] if len(inputs) > 6 else None
+        if self._template:
+            rshape = reshape_from_x(rshape, x)
         (y,) = self._product(a, x, axes, eshape, rshape, scale, rt)
         if post is None:
             return (y,)

@@ -1,6 +1,7 @@
 """Shape and data-movement operators: Shape, Reshape, Transpose, (Un)Squeeze,
 Flatten, Concat, Split, Slice, Gather, GatherND, GatherElements, Expand, Tile,
-Range, Identity, Constant, ConstantOfShape, Size, Trilu.
+Range, Identity, Constant, ConstantOfShape, Size, Trilu, and
+``ai.onnxkv::ShapeOf`` (a folded chain of shape operators).
 
 Operators that can return a view of their data input declare
 ``view_inputs = (0,)``.  Axes given as inputs (opset ≥ 13) or attributes
@@ -25,6 +26,33 @@ class Shape(Op):
         start = self.attrs.get("start", 0)
         end = self.attrs.get("end", None)
         return (np.array(shape[start:end] if end is not None else shape[start:], dtype=np.int64),)
+
+
+@register("ShapeOf", domain="ai.onnxkv")
+class ShapeOf(Op):
+    """An int64 value made of its inputs' dims and constants: what a chain of shape operators computed.
+
+    Written by :meth:`onnxkv.plan.shape_fold.ShapeFolder.rewrite`.  Attributes
+    ``sources`` and ``values`` (ints, one per element in row-major order):
+    element ``i`` is ``inputs[sources[i]].shape[values[i]]``, or ``values[i]``
+    itself when ``sources[i] == -1``; ``rank``: 1 (default) for a 1-D output,
+    0 for a scalar (one element).  Only the inputs' shapes are read.
+    """
+
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        sources, values = list(self.attrs.get("sources", [])), list(self.attrs.get("values", []))
+        rank = self.attrs.get("rank", 1)
+        self._shape = (len(values),) if rank == 1 else ()
+        if len(sources) != len(values) or rank not in (0, 1) or (rank == 0 and len(values) != 1) or any(
+                not -1 <= i < len(node.input) for i in sources):
+            raise self.error(f"attributes sources {sources} / values {values} / rank {rank} "
+                             f"do not describe a value over {len(node.input)} input(s)")
+        self._recipe = tuple(zip(sources, values))
+
+    def run(self, inputs: list, rt) -> tuple:
+        return (np.array([inputs[i].shape[v] if i >= 0 else v for i, v in self._recipe],
+                         dtype=np.int64).reshape(self._shape),)
 
 
 @register("Size")

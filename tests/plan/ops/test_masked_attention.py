@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from onnxkv import Session
+from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
 from onnxkv.plan.ops import masked_attention as ma
 
 B, HQ, HKV, D = 2, 4, 2, 8
@@ -220,3 +221,24 @@ def test_a_cache_prefix_view_is_read_in_place():
     copy = ma._kv_rows(other)
     assert not np.shares_memory(copy, buf)
     np.testing.assert_array_equal(copy, other)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "per_channel"])
+def test_the_query_scaling_joins_the_fusion(per_channel, kernel_calls):
+    # as in exports, Q is made by a node (here q + 0 for the rotary embedding) and then scaled by a constant
+    model = _block("torch", (B, 1, 3, 9))
+    graph = model.graph
+    mul = next(n for n in graph.node if n.output[0] == "qs")
+    mul.input[:] = ["q_made", "q_half"]
+    graph.node.insert(0, helper.make_node("Add", ["q", "zero"], ["q_made"]))
+    scale = np.random.default_rng(8).uniform(0.2, 0.5, D) if per_channel else np.full((), D ** -0.25)
+    graph.initializer.append(numpy_helper.from_array(scale.astype(np.float32), "q_half"))
+    feeds = _feeds("torch", 3, 9, _causal_padded(3, 9, [0, 2]), seed=3)
+    sess = Session(model, threads=1)
+    assert [n.op_type for n in sess.plan.nodes] == ["Add", "MaskedAttention"]
+    fused = sess.plan.nodes[1]
+    assert fused.input[0] == "q_made" and fused.input[MASKED_ATTENTION_INPUTS.index("q_scale")] == "q_half"
+    got = sess.run(feeds)["y"]
+    # a per-channel scale is not the kernel's scalar: the block is evaluated literally
+    assert len(kernel_calls) == (0 if per_channel else 1)
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
