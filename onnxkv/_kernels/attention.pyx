@@ -540,7 +540,7 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
     # page (all heads, head-major) front to back instead of one short run per head.
     if okv_simd():
         simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
-    a.amx = 1 if simd == OKV_ATTN_AVX512 and _amx and a.kG == 1 else 0
+    a.amx = 1 if simd == OKV_ATTN_AVX512 and _amx else 0
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
         a.hpu = Hkv if _paged_heads <= 0 else max(h for h in range(1, min(_paged_heads, Hkv) + 1) if Hkv % h == 0)

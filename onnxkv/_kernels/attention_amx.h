@@ -40,9 +40,35 @@
  * their high nibbles), so that widening a block is one shift and one mask per
  * code of one load.
  *
- * Tile state: okv_amx_begin configures tiles 0..4 (16 rows x 64 bytes) on the
- * calling thread at the start of a work unit, okv_amx_end releases them at its
- * end; every function here runs between the two on the same thread.
+ * Probabilities times values (okv_amx_pv), per tile of n <= K keys of one
+ * head (K = okv_amx_kp(bs): the longest tile, a multiple of 4):
+ *   A tile (tile 5, 16 rows x K bytes): rows 3i + dg = digit dg of row i's
+ *     probabilities as a 24-bit unsigned fixed point, p_int = round(p / S_i),
+ *     S_i = max_t p_i[t] / OKV_AMX_PMAX, p_int = d2 * 2^16 + d1 * 2^8 + d0
+ *     (uint8 digits); columns t >= n and rows past 3 x (rows of the pass) are
+ *     zero.  At most OKV_AMX_RPT rows per pass: 6..8 rows take two passes
+ *     over the same B tiles.
+ *   B tiles (tiles 6, 7, alternating; K / 4 rows x 64 bytes): the value codes
+ *     of 16 head elements (a d-chunk) in the VNNI layout B[t/4][col][t%4],
+ *     col = d - 16c, built once per call for all ceil(D/16) chunks
+ *     (okv_amx_vnni: four token rows' 64 code bytes, a dword transpose by
+ *     vpermd and two rounds of byte / word unpacks give four chunks' rows);
+ *     4- and 2-bit codes widened in registers to one byte each, code *
+ *     2^(8 - bits) in natural order (okv_amx_vrow); elements past D, tokens
+ *     past n zero.
+ *   C tiles (tiles 0..3, up to 4 d-chunks in flight): int32 [(row, digit)]
+ *     [col] by _tile_dpbusd (signed codes) or _tile_dpbuud (unsigned), exact:
+ *     |C| <= 32 * 255 * 255 < 2^24, so its float conversion is exact too.
+ *   acc_i[d] += (S_i * s * 2^(bits - 8)) * ((C2 * 65536 + C1 * 256) + C0) in
+ *     float32 (s the page's per-head value scale).  The only error beyond
+ *     float32 rounding is p's fixed-point rounding, |p - S_i p_int| <= S_i / 2
+ *     = max p_i / (2^25 - 2) per element.
+ *
+ * Tile state: okv_amx_begin configures the tiles (okv_amx_cfg_init: tiles
+ * 0..4 16 rows x 64 bytes, tile 5 16 rows x K bytes, tiles 6, 7 K/4 rows x 64
+ * bytes) on the calling thread at the start of a work unit, okv_amx_end
+ * releases them at its end; every function here runs between the two on the
+ * same thread.
  */
 #ifndef ONNXKV_ATTENTION_AMX_H
 #define ONNXKV_ATTENTION_AMX_H
@@ -57,6 +83,9 @@
 #define OKV_AMX_QMAX 8323072.f
 #define OKV_AMX_RPT 5      /* query rows per C tile: 3 digit columns each, 15 of 16 columns */
 #define OKV_AMX_TILE 1024  /* bytes of one B tile: 16 rows x 64 bytes */
+/* p_int bound of the probabilities: 2^24 - 1, the largest value of three
+ * uint8 digits (and exact in float32). */
+#define OKV_AMX_PMAX 16777215.f
 
 /* The tile configuration (palette 1) of ldtilecfg. */
 typedef struct {
@@ -107,23 +136,48 @@ typedef struct {
     uint8_t *bt;
     float *sr;
     int *tag;
-    int64_t Pm, nchm, tpi;
+    uint8_t *pa;      /* 16 x 64 bytes: the A tile of okv_amx_pv (row stride 64) */
+    uint8_t *pb;      /* ceil(D/16) x K/4 x 64 bytes: its B tiles, chunk c at pb + c * K * 16 */
+    int32_t *pc;      /* 4 x 256 int32: its stored C tiles */
+    int64_t Pm, nchm, tpi, kp;
+    okv_amx_cfg cfg;  /* the tile configuration of the unit (okv_amx_cfg_init) */
 } okv_amx_ws;
 
 static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
 
+/* K of the p.v tiles for pages of bs keys: the longest key tile, min(bs,
+ * OKV_BK), rounded up to a multiple of 4. */
+static inline int64_t okv_amx_kp(int64_t bs) { return ((bs < OKV_BK ? bs : OKV_BK) + 3) & ~(int64_t)3; }
+
+/* Bytes of the p.v B tiles of head size D and K = kp. */
+static inline int64_t okv_amx_pb_bytes(int64_t D, int64_t kp) { return (D + 15) / 16 * kp * 16; }
+
 /* Bytes of okv_amx_ws for head size D, nitem work items (head, row group) of
- * at most rgw rows each (a multiple of 64). */
-static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
+ * at most rgw rows each, pages of bs keys (a multiple of 64). */
+static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw, int64_t bs) {
     const int64_t Pm = okv_amx_pmax(D), tpi = rgw > OKV_AMX_RPT ? 2 : 1;
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
-           okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem);
+           okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) + OKV_AMX_TILE +
+           okv_amx_line(okv_amx_pb_bytes(D, okv_amx_kp(bs))) + 4 * OKV_AMX_TILE;
 }
 
-/* Lay out okv_amx_ws_bytes(D, nitem, rgw) bytes at mem (64-byte aligned);
- * no B tiles built yet. */
-static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw) {
+/* The tile configuration for p.v tiles of K = kp (see the top of this file). */
+static inline void okv_amx_cfg_init(okv_amx_cfg *c, int64_t kp) {
+    int i;
+    memset(c, 0, sizeof(*c));
+    c->palette_id = 1;
+    for (i = 0; i < 8; i++) {
+        c->colsb[i] = i == 5 ? (uint16_t)kp : 64;
+        c->rows[i] = (uint8_t)(i >= 6 ? kp / 4 : 16);
+    }
+}
+
+/* Lay out okv_amx_ws_bytes(D, nitem, rgw, bs) bytes at mem (64-byte
+ * aligned); no B tiles built yet. */
+static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw, int64_t bs) {
     int64_t i;
+    x->kp = okv_amx_kp(bs);
+    okv_amx_cfg_init(&x->cfg, x->kp);
     x->Pm = okv_amx_pmax(D);
     x->nchm = x->Pm / 64;
     x->tpi = rgw > OKV_AMX_RPT ? 2 : 1;
@@ -140,7 +194,13 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
     x->sr = (float *)mem;
     mem += okv_amx_line(4 * nitem * OKV_RG);
     x->tag = (int *)mem;
+    mem += okv_amx_line(4 * nitem);
     for (i = 0; i < nitem; i++) x->tag[i] = 0;
+    x->pa = (uint8_t *)mem;
+    mem += OKV_AMX_TILE;
+    x->pb = (uint8_t *)mem;
+    mem += okv_amx_line(okv_amx_pb_bytes(D, x->kp));
+    x->pc = (int32_t *)mem;
 }
 
 /* Compiler barrier around the tile loads and stores: GCC's tile intrinsics
@@ -150,13 +210,10 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
  * they write must not move above them. */
 #define OKV_AMX_FENCE() __asm__ volatile("" ::: "memory")
 
-/* Tiles 0..4: 16 rows x 64 bytes. */
-static const okv_amx_cfg okv_amx_cfg16 = {1, 0, {0}, {64, 64, 64, 64, 64}, {16, 16, 16, 16, 16}};
-
-/* Configure tiles 0..4 (okv_amx_cfg16) on this thread. */
-OKV_AMX static void okv_amx_begin(void) {
+/* Configure the tiles (cfg: okv_amx_cfg_init) on this thread. */
+OKV_AMX static void okv_amx_begin(const okv_amx_cfg *cfg) {
     OKV_AMX_FENCE();
-    _tile_loadconfig(&okv_amx_cfg16);
+    _tile_loadconfig(cfg);
 }
 
 /* Release the tile state of this thread. */
@@ -331,6 +388,143 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
         }
     }
     if (pf->n > j0) okv_pf_rows(pf, j0, (int)(pf->n - j0));   /* rows of a longer next tile */
+}
+
+/* Codes d = 64h .. 64h+63 of the value row at v (format fmt, D codes) as
+ * bytes in natural order, each code * 2^(8 - bits) (the code in the byte's
+ * top bits: the signed code times 2^(8 - bits) as int8, the unsigned one as
+ * uint8); zero past D. */
+OKV_INLINE OKV_AMX __m512i okv_amx_vrow(const uint8_t *v, int fmt, int64_t D, int64_t h) {
+    const int bits = okv_q_bits(fmt);
+    const int64_t m = D - 64 * h;   /* codes left in the row, > 0 */
+    if (bits == 8) return _mm512_maskz_loadu_epi8(okv_amx_bmask(m), v + 64 * h);
+    if (bits == 4) {   /* byte i -> word i: (low nibble << 4) | (high nibble << 8 masked to its top) */
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8((__mmask32)okv_amx_bmask((m + 1) / 2), v + 32 * h));
+        const __m512i r = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x00F0)),
+                                          _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16((short)0xF000)));
+        return m >= 64 ? r : _mm512_maskz_mov_epi8(okv_amx_bmask(m), r);
+    }
+    {   /* 2 bits: byte i -> dword i, code k of the byte to byte k's top 2 bits */
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)okv_amx_bmask((m + 3) / 4), v + 16 * h));
+        const __m512i r = _mm512_or_si512(
+            _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(w, 6), _mm512_set1_epi32(0xC0)),
+                            _mm512_and_si512(_mm512_slli_epi32(w, 12), _mm512_set1_epi32(0xC000))),
+            _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(w, 18), _mm512_set1_epi32(0xC00000)),
+                            _mm512_and_si512(_mm512_slli_epi32(w, 24), _mm512_set1_epi32((int)0xC0000000u))));
+        return m >= 64 ? r : _mm512_maskz_mov_epi8(okv_amx_bmask(m), r);
+    }
+}
+
+/* The p.v B tiles of the n value rows at v (vst bytes apart, format fmt, head
+ * size D) into x->pb (see the top of this file): for each group of 4 tokens
+ * and 64 codes, the rows' dwords transposed (dword 4L + m <- 4m + L) so that
+ * the byte and word unpacks leave chunk m's 16 columns in order, 4 tokens per
+ * dword. */
+OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int fmt, int64_t D, okv_amx_ws *x) {
+    const __m512i tr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const int64_t cst = x->kp * 16;   /* bytes of one chunk's B tile */
+    int64_t k, h;
+    int i, m;
+    for (k = 0; 4 * k < n; k++)
+        for (h = 0; 64 * h < D; h++) {
+            __m512i r[4], lo01, hi01, lo23, hi23, o[4];
+            for (i = 0; i < 4; i++)
+                r[i] = 4 * k + i < n ? _mm512_permutexvar_epi32(tr, okv_amx_vrow(v + (4 * k + i) * vst, fmt, D, h))
+                                     : _mm512_setzero_si512();
+            lo01 = _mm512_unpacklo_epi8(r[0], r[1]);
+            hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
+            lo23 = _mm512_unpacklo_epi8(r[2], r[3]);
+            hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
+            o[0] = _mm512_unpacklo_epi16(lo01, lo23);
+            o[1] = _mm512_unpackhi_epi16(lo01, lo23);
+            o[2] = _mm512_unpacklo_epi16(hi01, hi23);
+            o[3] = _mm512_unpackhi_epi16(hi01, hi23);
+            for (m = 0; m < 4 && 64 * h + 16 * m < D; m++)
+                _mm512_storeu_si512(x->pb + (4 * h + m) * cst + 64 * k, o[m]);
+        }
+}
+
+/* The A tile of okv_amx_pv for the nr <= OKV_AMX_RPT rows p + i * OKV_BK (n
+ * probabilities each, >= 0) into x->pa, S_i into sr[i] (0 for an all-zero
+ * row). */
+OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_ws *x, float *sr) {
+    const __m512i top = _mm512_set1_epi32((int)OKV_AMX_PMAX);
+    int i;
+    int64_t t;
+    memset(x->pa, 0, OKV_AMX_TILE);
+    for (i = 0; i < nr; i++) {
+        const float *pr = p + i * OKV_BK;
+        __m512 mx = _mm512_setzero_ps(), inv;
+        float m;
+        for (t = 0; t < n; t += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(okv_mask16(n - t), pr + t));
+        m = _mm512_reduce_max_ps(mx);
+        sr[i] = m > 0.f ? m / OKV_AMX_PMAX : 0.f;
+        inv = _mm512_set1_ps(m > 0.f ? OKV_AMX_PMAX / m : 0.f);
+        for (t = 0; t < n; t += 16) {
+            const __mmask16 k = okv_mask16(n - t);
+            const __m512i pi = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr + t), inv)), top);
+            uint8_t *a = x->pa + 3 * i * 64 + t;
+            _mm_mask_storeu_epi8(a, k, _mm512_cvtepi32_epi8(pi));
+            _mm_mask_storeu_epi8(a + 64, k, _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 8)));
+            _mm_mask_storeu_epi8(a + 128, k, _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 16)));
+        }
+    }
+}
+
+/* acc rows accr[i][0..D) += f * sum_t p[i * OKV_BK + t] * code_t (raw codes,
+ * f = the page's per-head value scale) for the nr <= OKV_RG rows against the
+ * n <= x->kp value rows of format fmt at v (vst bytes apart): B tiles built
+ * once, the rows in passes of up to OKV_AMX_RPT, up to 4 d-chunks of C tiles
+ * in flight.  p >= 0 (softmax numerators). */
+OKV_AMX static void okv_amx_pv(const float *p, int nr, const uint8_t *v, int64_t vst, int64_t n, int fmt, int64_t D,
+                               float f, float *const *accr, okv_amx_ws *x) {
+    const int sgn = okv_q_signed(fmt);
+    const int64_t nch = (D + 15) / 16, cst = x->kp * 16;
+    const float unit = f * (float)(1 << okv_q_bits(fmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
+    const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
+    float sr[OKV_AMX_RPT];
+    int i0, i, k;
+    int64_t c0;
+    okv_amx_vnni(v, vst, n, fmt, D, x);
+    for (i0 = 0; i0 < nr; i0 += OKV_AMX_RPT) {
+        const int rows = nr - i0 < OKV_AMX_RPT ? nr - i0 : OKV_AMX_RPT;
+        okv_amx_pdigits(p + i0 * OKV_BK, rows, n, x, sr);
+        OKV_AMX_FENCE();   /* the A and B tiles are in memory */
+        _tile_loadd(5, x->pa, 64);
+        for (c0 = 0; c0 < nch; c0 += 4) {
+            const int nc = nch - c0 < 4 ? (int)(nch - c0) : 4;
+#define OKV_AMX_PV_CHUNK(T, B)                                                   \
+    if ((T) < nc) {                                                              \
+        _tile_zero(T);                                                           \
+        _tile_loadd(B, x->pb + (c0 + (T)) * cst, 64);                            \
+        if (sgn) _tile_dpbusd(T, 5, B);                                          \
+        else _tile_dpbuud(T, 5, B);                                              \
+    }
+            OKV_AMX_PV_CHUNK(0, 6)
+            OKV_AMX_PV_CHUNK(1, 7)
+            OKV_AMX_PV_CHUNK(2, 6)
+            OKV_AMX_PV_CHUNK(3, 7)
+#undef OKV_AMX_PV_CHUNK
+            _tile_stored(0, x->pc, 64);
+            if (nc > 1) _tile_stored(1, x->pc + 256, 64);
+            if (nc > 2) _tile_stored(2, x->pc + 512, 64);
+            if (nc > 3) _tile_stored(3, x->pc + 768, 64);
+            OKV_AMX_FENCE();   /* C is in memory before it is read */
+            for (k = 0; k < nc; k++) {
+                const int64_t d0 = 16 * (c0 + k);
+                const __mmask16 dm = okv_mask16(D - d0);
+                const int32_t *cc = x->pc + 256 * k;
+                for (i = 0; i < rows; i++) {
+                    float *o = accr[i0 + i] + d0;
+                    __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * (3 * i + 2))), f16,
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * (3 * i + 1))), f8));
+                    y = _mm512_add_ps(y, _mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * 3 * i)));
+                    _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(y, _mm512_set1_ps(unit * sr[i]),
+                                                                 _mm512_maskz_loadu_ps(dm, o)));
+                }
+            }
+        }
+    }
 }
 #endif /* OKV_X86_SIMD */
 #endif /* ONNXKV_ATTENTION_AMX_H */

@@ -415,8 +415,8 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #if defined(OKV_MIXED) && defined(OKV_SIMD512)
     if (a->amx) {   /* B tiles per (head, row group) item, after the float workspace; tiles configured */
         okv_amx_ws_init(&ax, (char *)(ws + okv_attn_ws_floats(RT, D)), D, nh * ((R + rgw - 1) / rgw),
-                        R < rgw ? R : rgw);
-        okv_amx_begin();
+                        R < rgw ? R : rgw, a->bs);
+        okv_amx_begin(&ax.cfg);
     }
 #endif
     pg.start = pg.end = pf.start = pf.end = INT64_MIN;
@@ -535,7 +535,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         }
 #endif
 #ifdef OKV_SIMD512
-                        if (a->amx && okv_q_bits(pg.kf))
+                        if (a->amx && a->kG == 1 && okv_q_bits(pg.kf))
                             okv_qk_amx(&ax, w, pg.kf, qr, nr, kh + (u0 - j0) * pg.kst, pg.kst, u1 - u0, D, scale, sw,
                                        &dk, pfp, qsum + hw * R + rg);
                         else
@@ -590,12 +590,20 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                     }
 #ifdef OKV_MIXED
-                    if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
-                        memset(acci, 0, (size_t)(RT * D) * sizeof(float));
-                        acci_used = 1;
+#ifdef OKV_SIMD512
+                    if (a->amx && a->vG == 1 && okv_q_bits(pg.vf)) {   /* per-head value scales on AMX */
+                        okv_pv_amx(&ax, pg.vf, sw, nr, vh + (u0 - j0) * pg.vst, pg.vst, n, D, accr, &dv,
+                                   zc + hw * R + rg);
+                    } else
+#endif
+                    {
+                        if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
+                            memset(acci, 0, (size_t)(RT * D) * sizeof(float));
+                            acci_used = 1;
+                        }
+                        OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir,
+                                          &dv, zc + hw * R + rg);
                     }
-                    OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir, &dv,
-                                      zc + hw * R + rg);
 #else
                     OKV_F(okv_pv_rows)(sw, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, NULL);
 #endif

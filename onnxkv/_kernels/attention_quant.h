@@ -179,17 +179,22 @@ static inline void okv_qk_zp(const float *qsum, int nr, int64_t n, float c, floa
     okv_qk_sub_rows(s, nr, n, x);
 }
 
-/* Per-head scale and zero point of values: zc[r] += s z sum_j p_j (the
- * correction the work unit subtracts from every element of accumulator row r
- * at its end, rescaled with the row), then p_j *= s (rows r*OKV_BK, j < n). */
+/* Per-head zero point of values: zc[r] += s z sum_j p_j (the correction the
+ * work unit subtracts from every element of accumulator row r at its end,
+ * rescaled with the row; rows r*OKV_BK, j < n). */
+static inline void okv_pv_zc(const float *p, int nr, int64_t n, float *zc, const okv_dq *dq) {
+    int r;
+    if (dq->z1 != 0.f)
+        for (r = 0; r < nr; r++) zc[r] += dq->s1 * dq->z1 * okv_sum8_f32(p + r * OKV_BK, n);
+}
+
+/* Per-head scale and zero point of values: okv_pv_zc, then p_j *= s. */
 static inline void okv_pv_fold(float *p, int nr, int64_t n, float *zc, const okv_dq *dq) {
     int r;
     int64_t j;
-    for (r = 0; r < nr; r++) {
-        float *pr = p + r * OKV_BK;
-        if (dq->z1 != 0.f) zc[r] += dq->s1 * dq->z1 * okv_sum8_f32(pr, n);
-        for (j = 0; j < n; j++) pr[j] *= dq->s1;
-    }
+    okv_pv_zc(p, nr, n, zc, dq);
+    for (r = 0; r < nr; r++)
+        for (j = 0; j < n; j++) p[r * OKV_BK + j] *= dq->s1;
 }
 
 #if OKV_X86_SIMD
@@ -392,6 +397,17 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, const float *
     }
     okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, s, x, pf);
     if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
+}
+
+/* okv_pv_fmt for quantized values of format fmt with per-head scales on the
+ * AMX tiles (okv_amx_pv; a->amx, a->vG == 1): acc rows accr += p * V of the n
+ * value rows at v (vst bytes apart), the head's scale applied to the tiles'
+ * sums and its zero point's share added to zc (okv_pv_zc); p is not
+ * modified.  (Per-channel value scales keep the AVX-512 tiles.) */
+OKV_ATTR static void okv_pv_amx(okv_amx_ws *x, int fmt, const float *p, int nr, const char *v, int64_t vst, int64_t n,
+                                int64_t D, float *const *accr, const okv_dq *dq, float *zc) {
+    okv_pv_zc(p, nr, n, zc, dq);
+    okv_amx_pv(p, nr, (const uint8_t *)v, vst, n, fmt, D, dq->s1, accr, x);
 }
 #endif
 
