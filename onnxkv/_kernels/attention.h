@@ -411,8 +411,8 @@ static inline int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq)
     const int64_t R = a->Hq / a->Hkv * tq, w2 = a->prefill_rg;
     int64_t b1, b2;
     if (!a->amx || !a->k_fmt) return 0;
-    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG, a->bs);
-    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2, a->bs);
+    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG);
+    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2);
     return (b1 > b2 ? b1 : b2) / 4;
 #else
     (void)a;

@@ -86,6 +86,8 @@
 /* p_int bound of the probabilities: 2^24 - 1, the largest value of three
  * uint8 digits (and exact in float32). */
 #define OKV_AMX_PMAX 16777215.f
+#define OKV_AMX_PVK 64     /* keys (K) of the p.v A tile */
+#define OKV_AMX_PVSEG 16   /* value row runs of one pending p.v: OKV_AMX_PVK / 4 */
 
 /* The tile configuration (palette 1) of ldtilecfg. */
 typedef struct {
@@ -115,6 +117,18 @@ static inline int64_t okv_amx_pmax(int64_t D) {
     return p8 > p4 ? (p8 > p2 ? p8 : p2) : (p4 > p2 ? p4 : p2);
 }
 
+/* A pending p.v of one work item (okv_amx_pv_push): nseg runs of value rows,
+ * run s n[s] rows at v[s], vst[s] bytes apart, cnt rows in all (every run
+ * but the last starts and ends at a multiple of 4), of format fmt, for the nr
+ * rows whose accumulators are accr. */
+typedef struct {
+    const uint8_t *v[OKV_AMX_PVSEG];
+    int64_t vst[OKV_AMX_PVSEG], n[OKV_AMX_PVSEG];
+    float *accr[OKV_RG];
+    int64_t cnt;
+    int nseg, nr, fmt;
+} okv_amx_pvq;
+
 /* Per-thread scratch of the AMX scores, inside the work unit's workspace
  * (okv_amx_ws_bytes bytes at a 64-byte aligned address; okv_amx_ws_init):
  *   cbuf   2 x 256 int32: the stored C tiles
@@ -125,6 +139,8 @@ static inline int64_t okv_amx_pmax(int64_t D) {
  *          bt + ((w * nchm + c) * tpi + t) * OKV_AMX_TILE
  *   sr     nitem x OKV_RG floats: S_r of the rows of item w at sr + w * OKV_RG
  *   tag    nitem ints: bits of the code order item w's tiles hold (0: none)
+ *   pq, pp, pa, pb, pc: the pending p.v of the items and the p.v tiles'
+ *          scratch (see the fields)
  * Pm = okv_amx_pmax(D) = 64 * nchm; P = okv_amx_positions(D, bits) <= Pm for
  * the format at hand; tpi = B tiles per item (1 for at most OKV_AMX_RPT rows
  * per item, else 2). */
@@ -136,51 +152,35 @@ typedef struct {
     uint8_t *bt;
     float *sr;
     int *tag;
-    uint8_t *pa;      /* 16 x 64 bytes: the A tile of okv_amx_pv (row stride 64) */
-    uint8_t *pb;      /* ceil(D/16) x K/4 x 64 bytes: its B tiles, chunk c at pb + c * K * 16 */
-    int32_t *pc;      /* 4 x 256 int32: its stored C tiles */
-    int64_t Pm, nchm, tpi, kp;
-    okv_amx_cfg cfg;  /* the tile configuration of the unit (okv_amx_cfg_init) */
+    okv_amx_pvq *pq;  /* nitem pending p.v of the items (okv_amx_pv_push) */
+    float *pp;        /* nitem x OKV_RG x OKV_AMX_PVK floats: their stashed probabilities p * s, row i of
+                       * item w at pp + (w * OKV_RG + i) * OKV_AMX_PVK */
+    uint8_t *pa;      /* 16 x 64 bytes: the p.v A tile */
+    uint8_t *pb;      /* ceil(D/16) x OKV_AMX_TILE: the p.v B tiles, chunk c at pb + c * OKV_AMX_TILE */
+    int32_t *pc;      /* 4 x 256 int32: the stored p.v C tiles */
+    int64_t Pm, nchm, tpi, nitem;
 } okv_amx_ws;
 
 static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
 
-/* K of the p.v tiles for pages of bs keys: the longest key tile, min(bs,
- * OKV_BK), rounded up to a multiple of 4. */
-static inline int64_t okv_amx_kp(int64_t bs) { return ((bs < OKV_BK ? bs : OKV_BK) + 3) & ~(int64_t)3; }
-
-/* Bytes of the p.v B tiles of head size D and K = kp. */
-static inline int64_t okv_amx_pb_bytes(int64_t D, int64_t kp) { return (D + 15) / 16 * kp * 16; }
-
 /* Bytes of okv_amx_ws for head size D, nitem work items (head, row group) of
- * at most rgw rows each, pages of bs keys (a multiple of 64). */
-static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw, int64_t bs) {
+ * at most rgw rows each (a multiple of 64). */
+static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
     const int64_t Pm = okv_amx_pmax(D), tpi = rgw > OKV_AMX_RPT ? 2 : 1;
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
-           okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) + OKV_AMX_TILE +
-           okv_amx_line(okv_amx_pb_bytes(D, okv_amx_kp(bs))) + 4 * OKV_AMX_TILE;
+           okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
+           okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) + nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE +
+           (D + 15) / 16 * OKV_AMX_TILE + 4 * OKV_AMX_TILE;
 }
 
-/* The tile configuration for p.v tiles of K = kp (see the top of this file). */
-static inline void okv_amx_cfg_init(okv_amx_cfg *c, int64_t kp) {
-    int i;
-    memset(c, 0, sizeof(*c));
-    c->palette_id = 1;
-    for (i = 0; i < 8; i++) {
-        c->colsb[i] = i == 5 ? (uint16_t)kp : 64;
-        c->rows[i] = (uint8_t)(i >= 6 ? kp / 4 : 16);
-    }
-}
-
-/* Lay out okv_amx_ws_bytes(D, nitem, rgw, bs) bytes at mem (64-byte
- * aligned); no B tiles built yet. */
-static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw, int64_t bs) {
+/* Lay out okv_amx_ws_bytes(D, nitem, rgw) bytes at mem (64-byte aligned); no
+ * B tiles built yet, no p.v pending. */
+static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw) {
     int64_t i;
-    x->kp = okv_amx_kp(bs);
-    okv_amx_cfg_init(&x->cfg, x->kp);
     x->Pm = okv_amx_pmax(D);
     x->nchm = x->Pm / 64;
     x->tpi = rgw > OKV_AMX_RPT ? 2 : 1;
+    x->nitem = nitem;
     x->cbuf = (int32_t *)mem;
     mem += 2 * OKV_AMX_TILE;
     x->xs = (uint8_t *)mem;
@@ -195,11 +195,19 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
     mem += okv_amx_line(4 * nitem * OKV_RG);
     x->tag = (int *)mem;
     mem += okv_amx_line(4 * nitem);
-    for (i = 0; i < nitem; i++) x->tag[i] = 0;
+    x->pq = (okv_amx_pvq *)mem;
+    mem += okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq));
+    for (i = 0; i < nitem; i++) {
+        x->tag[i] = 0;
+        x->pq[i].nseg = 0;
+        x->pq[i].cnt = 0;
+    }
+    x->pp = (float *)mem;
+    mem += nitem * OKV_RG * OKV_AMX_PVK * 4;
     x->pa = (uint8_t *)mem;
     mem += OKV_AMX_TILE;
     x->pb = (uint8_t *)mem;
-    mem += okv_amx_line(okv_amx_pb_bytes(D, x->kp));
+    mem += (D + 15) / 16 * OKV_AMX_TILE;
     x->pc = (int32_t *)mem;
 }
 
@@ -210,10 +218,14 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
  * they write must not move above them. */
 #define OKV_AMX_FENCE() __asm__ volatile("" ::: "memory")
 
-/* Configure the tiles (cfg: okv_amx_cfg_init) on this thread. */
-OKV_AMX static void okv_amx_begin(const okv_amx_cfg *cfg) {
+/* Tiles 0..7 16 rows x 64 bytes (q.k: tiles 0..4; p.v: C 0..3, A 5, B 6, 7). */
+static const okv_amx_cfg okv_amx_cfg16 = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                          {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* Configure the tiles (okv_amx_cfg16) on this thread. */
+OKV_AMX static void okv_amx_begin(void) {
     OKV_AMX_FENCE();
-    _tile_loadconfig(cfg);
+    _tile_loadconfig(&okv_amx_cfg16);
 }
 
 /* Release the tile state of this thread. */
@@ -415,14 +427,15 @@ OKV_INLINE OKV_AMX __m512i okv_amx_vrow(const uint8_t *v, int fmt, int64_t D, in
     }
 }
 
-/* The p.v B tiles of the n value rows at v (vst bytes apart, format fmt, head
- * size D) into x->pb (see the top of this file): for each group of 4 tokens
- * and 64 codes, the rows' dwords transposed (dword 4L + m <- 4m + L) so that
- * the byte and word unpacks leave chunk m's 16 columns in order, 4 tokens per
- * dword. */
-OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int fmt, int64_t D, okv_amx_ws *x) {
+/* The p.v B tiles of tokens 4 * k0 .. 4 * k0 + n - 1: the n value rows at v
+ * (vst bytes apart, format fmt, head size D) into x->pb (see the top of this
+ * file): for each group of 4 tokens and 64 codes, the rows' dwords
+ * transposed (dword 4L + m <- 4m + L) so that the byte and word unpacks leave
+ * chunk m's 16 columns in order, 4 tokens per dword; tokens past n in the
+ * last group are zero. */
+OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int fmt, int64_t D, int64_t k0,
+                                 okv_amx_ws *x) {
     const __m512i tr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    const int64_t cst = x->kp * 16;   /* bytes of one chunk's B tile */
     int64_t k, h;
     int i, m;
     for (k = 0; 4 * k < n; k++)
@@ -440,20 +453,20 @@ OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int f
             o[2] = _mm512_unpacklo_epi16(hi01, hi23);
             o[3] = _mm512_unpackhi_epi16(hi01, hi23);
             for (m = 0; m < 4 && 64 * h + 16 * m < D; m++)
-                _mm512_storeu_si512(x->pb + (4 * h + m) * cst + 64 * k, o[m]);
+                _mm512_storeu_si512(x->pb + (4 * h + m) * OKV_AMX_TILE + 64 * (k0 + k), o[m]);
         }
 }
 
-/* The A tile of okv_amx_pv for the nr <= OKV_AMX_RPT rows p + i * OKV_BK (n
- * probabilities each, >= 0) into x->pa, S_i into sr[i] (0 for an all-zero
- * row). */
+/* The p.v A tile of the nr <= OKV_AMX_RPT rows p + i * OKV_AMX_PVK (n <=
+ * OKV_AMX_PVK values >= 0 each) into x->pa, S_i into sr[i] (0 for an all-zero
+ * row); columns n.. and rows 3 * nr.. zero. */
 OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_ws *x, float *sr) {
     const __m512i top = _mm512_set1_epi32((int)OKV_AMX_PMAX);
     int i;
     int64_t t;
     memset(x->pa, 0, OKV_AMX_TILE);
     for (i = 0; i < nr; i++) {
-        const float *pr = p + i * OKV_BK;
+        const float *pr = p + i * OKV_AMX_PVK;
         __m512 mx = _mm512_setzero_ps(), inv;
         float m;
         for (t = 0; t < n; t += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(okv_mask16(n - t), pr + t));
@@ -462,7 +475,8 @@ OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_w
         inv = _mm512_set1_ps(m > 0.f ? OKV_AMX_PMAX / m : 0.f);
         for (t = 0; t < n; t += 16) {
             const __mmask16 k = okv_mask16(n - t);
-            const __m512i pi = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr + t), inv)), top);
+            const __m512i pi =
+                _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr + t), inv)), top);
             uint8_t *a = x->pa + 3 * i * 64 + t;
             _mm_mask_storeu_epi8(a, k, _mm512_cvtepi32_epi8(pi));
             _mm_mask_storeu_epi8(a + 64, k, _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 8)));
@@ -471,34 +485,34 @@ OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_w
     }
 }
 
-/* acc rows accr[i][0..D) += f * sum_t p[i * OKV_BK + t] * code_t (raw codes,
- * f = the page's per-head value scale) for the nr <= OKV_RG rows against the
- * n <= x->kp value rows of format fmt at v (vst bytes apart): B tiles built
- * once, the rows in passes of up to OKV_AMX_RPT, up to 4 d-chunks of C tiles
- * in flight.  p >= 0 (softmax numerators). */
-OKV_AMX static void okv_amx_pv(const float *p, int nr, const uint8_t *v, int64_t vst, int64_t n, int fmt, int64_t D,
-                               float f, float *const *accr, okv_amx_ws *x) {
-    const int sgn = okv_q_signed(fmt);
-    const int64_t nch = (D + 15) / 16, cst = x->kp * 16;
-    const float unit = f * (float)(1 << okv_q_bits(fmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
+/* Run the pending p.v of item w (head size D), if any: its B tiles built
+ * once, its rows in passes of up to OKV_AMX_RPT, up to 4 d-chunks of C tiles
+ * in flight, acc rows += 2^(bits - 8) S_i (C2 * 65536 + C1 * 256 + C0); then
+ * nothing is pending. */
+OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
+    okv_amx_pvq *q = x->pq + w;
+    const int sgn = okv_q_signed(q->fmt);
+    const int64_t nch = (D + 15) / 16;
+    const float unit = (float)(1 << okv_q_bits(q->fmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
     const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
     float sr[OKV_AMX_RPT];
-    int i0, i, k;
-    int64_t c0;
-    okv_amx_vnni(v, vst, n, fmt, D, x);
-    for (i0 = 0; i0 < nr; i0 += OKV_AMX_RPT) {
-        const int rows = nr - i0 < OKV_AMX_RPT ? nr - i0 : OKV_AMX_RPT;
-        okv_amx_pdigits(p + i0 * OKV_BK, rows, n, x, sr);
+    int i0, i, k, s;
+    int64_t c0, t0 = 0;
+    if (!q->nseg) return;
+    for (s = 0; s < q->nseg; t0 += q->n[s], s++) okv_amx_vnni(q->v[s], q->vst[s], q->n[s], q->fmt, D, t0 / 4, x);
+    for (i0 = 0; i0 < q->nr; i0 += OKV_AMX_RPT) {
+        const int rows = q->nr - i0 < OKV_AMX_RPT ? q->nr - i0 : OKV_AMX_RPT;
+        okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, sr);
         OKV_AMX_FENCE();   /* the A and B tiles are in memory */
         _tile_loadd(5, x->pa, 64);
         for (c0 = 0; c0 < nch; c0 += 4) {
             const int nc = nch - c0 < 4 ? (int)(nch - c0) : 4;
-#define OKV_AMX_PV_CHUNK(T, B)                                                   \
-    if ((T) < nc) {                                                              \
-        _tile_zero(T);                                                           \
-        _tile_loadd(B, x->pb + (c0 + (T)) * cst, 64);                            \
-        if (sgn) _tile_dpbusd(T, 5, B);                                          \
-        else _tile_dpbuud(T, 5, B);                                              \
+#define OKV_AMX_PV_CHUNK(T, B)                                \
+    if ((T) < nc) {                                           \
+        _tile_zero(T);                                        \
+        _tile_loadd(B, x->pb + (c0 + (T)) * OKV_AMX_TILE, 64); \
+        if (sgn) _tile_dpbusd(T, 5, B);                       \
+        else _tile_dpbuud(T, 5, B);                           \
     }
             OKV_AMX_PV_CHUNK(0, 6)
             OKV_AMX_PV_CHUNK(1, 7)
@@ -515,9 +529,10 @@ OKV_AMX static void okv_amx_pv(const float *p, int nr, const uint8_t *v, int64_t
                 const __mmask16 dm = okv_mask16(D - d0);
                 const int32_t *cc = x->pc + 256 * k;
                 for (i = 0; i < rows; i++) {
-                    float *o = accr[i0 + i] + d0;
-                    __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * (3 * i + 2))), f16,
-                                               _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * (3 * i + 1))), f8));
+                    float *o = q->accr[i0 + i] + d0;
+                    __m512 y = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * (3 * i + 2))), f16,
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * (3 * i + 1))), f8));
                     y = _mm512_add_ps(y, _mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * 3 * i)));
                     _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(y, _mm512_set1_ps(unit * sr[i]),
                                                                  _mm512_maskz_loadu_ps(dm, o)));
@@ -525,6 +540,49 @@ OKV_AMX static void okv_amx_pv(const float *p, int nr, const uint8_t *v, int64_t
             }
         }
     }
+    q->nseg = 0;
+    q->cnt = 0;
+}
+
+/* Add acc rows accr[i] += s * sum_t p[i * OKV_BK + t] * code_t (raw codes; s
+ * >= 0 the page's per-head value scale) of the nr <= OKV_RG rows of item w
+ * against the n <= OKV_BK value rows of format fmt at v (vst bytes apart) to
+ * the item's pending p.v: the stash takes p * s and the rows' run; it is run
+ * first (okv_amx_pv_flush) if it holds another format, a number of rows that
+ * is not a multiple of 4, or too many rows to take n more.  The sums reach
+ * the accumulators at the latest at okv_amx_pv_flush; a rescale of the
+ * accumulators in between must rescale the stash too (okv_amx_pv_scale). */
+OKV_AMX static void okv_amx_pv_push(okv_amx_ws *x, int64_t w, int fmt, const float *p, int nr, const uint8_t *v,
+                                    int64_t vst, int64_t n, float s, float *const *accr, int64_t D) {
+    okv_amx_pvq *q = x->pq + w;
+    const __m512 sv = _mm512_set1_ps(s);
+    int i;
+    int64_t t;
+    if (q->nseg && (q->fmt != fmt || q->cnt % 4 || q->cnt + n > OKV_AMX_PVK)) okv_amx_pv_flush(x, w, D);
+    if (!q->nseg) {
+        q->fmt = fmt;
+        q->nr = nr;
+        for (i = 0; i < nr; i++) q->accr[i] = accr[i];
+    }
+    for (i = 0; i < nr; i++) {
+        float *o = x->pp + (w * OKV_RG + i) * OKV_AMX_PVK + q->cnt;
+        for (t = 0; t < n; t += 16) {
+            const __mmask16 k = okv_mask16(n - t);
+            _mm512_mask_storeu_ps(o + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i * OKV_BK + t), sv));
+        }
+    }
+    q->v[q->nseg] = v;
+    q->vst[q->nseg] = vst;
+    q->n[q->nseg] = n;
+    q->nseg++;
+    q->cnt += n;
+}
+
+/* Row i of item w's pending p.v times alpha (the accumulator row's rescale). */
+OKV_AMX static void okv_amx_pv_scale(okv_amx_ws *x, int64_t w, int i, float alpha) {
+    float *o = x->pp + (w * OKV_RG + i) * OKV_AMX_PVK;
+    int64_t t;
+    for (t = 0; t < x->pq[w].cnt; t++) o[t] *= alpha;
 }
 #endif /* OKV_X86_SIMD */
 #endif /* ONNXKV_ATTENTION_AMX_H */

@@ -415,8 +415,8 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #if defined(OKV_MIXED) && defined(OKV_SIMD512)
     if (a->amx) {   /* B tiles per (head, row group) item, after the float workspace; tiles configured */
         okv_amx_ws_init(&ax, (char *)(ws + okv_attn_ws_floats(RT, D)), D, nh * ((R + rgw - 1) / rgw),
-                        R < rgw ? R : rgw, a->bs);
-        okv_amx_begin(&ax.cfg);
+                        R < rgw ? R : rgw);
+        okv_amx_begin();
     }
 #endif
     pg.start = pg.end = pf.start = pf.end = INT64_MIN;
@@ -583,6 +583,9 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #ifdef OKV_MIXED
                                 zc[hw * R + rr] *= alpha;
                                 if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
+#ifdef OKV_SIMD512
+                                if (a->amx) okv_amx_pv_scale(&ax, w - 1, i, alpha);   /* its pending p.v */
+#endif
 #endif
                             }
                             mxh[rr] = mnew;
@@ -591,8 +594,8 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     }
 #ifdef OKV_MIXED
 #ifdef OKV_SIMD512
-                    if (a->amx && a->vG == 1 && okv_q_bits(pg.vf)) {   /* per-head value scales on AMX */
-                        okv_pv_amx(&ax, pg.vf, sw, nr, vh + (u0 - j0) * pg.vst, pg.vst, n, D, accr, &dv,
+                    if (a->amx && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {   /* per-head scales: AMX */
+                        okv_pv_amx(&ax, w - 1, pg.vf, sw, nr, vh + (u0 - j0) * pg.vst, pg.vst, n, D, accr, &dv,
                                    zc + hw * R + rg);
                     } else
 #endif
@@ -614,7 +617,10 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 
 #ifdef OKV_MIXED
 #ifdef OKV_SIMD512
-    if (a->amx) okv_amx_end();
+    if (a->amx) {   /* the pending p.v of every item, then the tiles released */
+        for (h = 0; h < ax.nitem; h++) okv_amx_pv_flush(&ax, h, D);
+        okv_amx_end();
+    }
     if (acci_used)   /* the interleaved accumulators, in natural order */
         for (r = 0; r < RT; r++) okv_q4_add_nat(acci + r * D, acc + r * D, D);
 #endif

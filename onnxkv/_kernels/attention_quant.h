@@ -399,15 +399,17 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, const float *
     if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
 }
 
-/* okv_pv_fmt for quantized values of format fmt with per-head scales on the
- * AMX tiles (okv_amx_pv; a->amx, a->vG == 1): acc rows accr += p * V of the n
- * value rows at v (vst bytes apart), the head's scale applied to the tiles'
- * sums and its zero point's share added to zc (okv_pv_zc); p is not
- * modified.  (Per-channel value scales keep the AVX-512 tiles.) */
-OKV_ATTR static void okv_pv_amx(okv_amx_ws *x, int fmt, const float *p, int nr, const char *v, int64_t vst, int64_t n,
-                                int64_t D, float *const *accr, const okv_dq *dq, float *zc) {
+/* okv_pv_fmt for quantized values of format fmt with per-head scales s >= 0
+ * on the AMX tiles (a->amx, a->vG == 1): acc rows accr += p * V of the n value
+ * rows at v (vst bytes apart) for the nr rows of work item w, by the item's
+ * pending p.v (okv_amx_pv_push: the sums reach accr at the latest when the
+ * unit runs every pending p.v at its end); the zero point's share is added
+ * to zc now (okv_pv_zc).  p is not modified.  (Per-channel value scales keep
+ * the AVX-512 tiles.) */
+OKV_ATTR static void okv_pv_amx(okv_amx_ws *x, int64_t w, int fmt, const float *p, int nr, const char *v,
+                                int64_t vst, int64_t n, int64_t D, float *const *accr, const okv_dq *dq, float *zc) {
     okv_pv_zc(p, nr, n, zc, dq);
-    okv_amx_pv(p, nr, (const uint8_t *)v, vst, n, fmt, D, dq->s1, accr, x);
+    okv_amx_pv_push(x, w, fmt, p, nr, (const uint8_t *)v, vst, n, dq->s1, accr, D);
 }
 #endif
 
