@@ -158,7 +158,7 @@ typedef struct {
     uint8_t *pa;      /* 16 x 64 bytes: the p.v A tile */
     uint8_t *pb;      /* ceil(D/16) x OKV_AMX_TILE: the p.v B tiles, chunk c at pb + c * OKV_AMX_TILE */
     int32_t *pc;      /* 4 x 256 int32: the stored p.v C tiles */
-    int64_t Pm, nchm, tpi, nitem;
+    int64_t Pm, nchm, tpi, nitem, nchp;
 } okv_amx_ws;
 
 static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
@@ -170,7 +170,7 @@ static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
            okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
            okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) + nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE +
-           (D + 15) / 16 * OKV_AMX_TILE + 4 * OKV_AMX_TILE;
+           nitem * 4 * ((D + 63) / 64) * OKV_AMX_TILE + 4 * OKV_AMX_TILE;
 }
 
 /* Lay out okv_amx_ws_bytes(D, nitem, rgw) bytes at mem (64-byte aligned); no
@@ -207,7 +207,8 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
     x->pa = (uint8_t *)mem;
     mem += OKV_AMX_TILE;
     x->pb = (uint8_t *)mem;
-    mem += (D + 15) / 16 * OKV_AMX_TILE;
+    x->nchp = 4 * ((D + 63) / 64);
+    mem += nitem * x->nchp * OKV_AMX_TILE;
     x->pc = (int32_t *)mem;
 }
 
@@ -402,47 +403,29 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
     if (pf->n > j0) okv_pf_rows(pf, j0, (int)(pf->n - j0));   /* rows of a longer next tile */
 }
 
-/* Codes d = 64h .. 64h+63 of the value row at v (format fmt, D codes) as
- * bytes in natural order, each code * 2^(8 - bits) (the code in the byte's
- * top bits: the signed code times 2^(8 - bits) as int8, the unsigned one as
- * uint8); zero past D. */
-OKV_INLINE OKV_AMX __m512i okv_amx_vrow(const uint8_t *v, int fmt, int64_t D, int64_t h) {
-    const int bits = okv_q_bits(fmt);
-    const int64_t m = D - 64 * h;   /* codes left in the row, > 0 */
-    if (bits == 8) return _mm512_maskz_loadu_epi8(okv_amx_bmask(m), v + 64 * h);
-    if (bits == 4) {   /* byte i -> word i: (low nibble << 4) | (high nibble << 8 masked to its top) */
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8((__mmask32)okv_amx_bmask((m + 1) / 2), v + 32 * h));
-        const __m512i r = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x00F0)),
-                                          _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16((short)0xF000)));
-        return m >= 64 ? r : _mm512_maskz_mov_epi8(okv_amx_bmask(m), r);
-    }
-    {   /* 2 bits: byte i -> dword i, code k of the byte to byte k's top 2 bits */
-        const __m512i w = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)okv_amx_bmask((m + 3) / 4), v + 16 * h));
-        const __m512i r = _mm512_or_si512(
-            _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(w, 6), _mm512_set1_epi32(0xC0)),
-                            _mm512_and_si512(_mm512_slli_epi32(w, 12), _mm512_set1_epi32(0xC000))),
-            _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(w, 18), _mm512_set1_epi32(0xC00000)),
-                            _mm512_and_si512(_mm512_slli_epi32(w, 24), _mm512_set1_epi32((int)0xC0000000u))));
-        return m >= 64 ? r : _mm512_maskz_mov_epi8(okv_amx_bmask(m), r);
-    }
-}
-
 /* The p.v B tiles of tokens 4 * k0 .. 4 * k0 + n - 1: the n value rows at v
- * (vst bytes apart, format fmt, head size D) into x->pb (see the top of this
- * file): for each group of 4 tokens and 64 codes, the rows' dwords
- * transposed (dword 4L + m <- 4m + L) so that the byte and word unpacks leave
- * chunk m's 16 columns in order, 4 tokens per dword; tokens past n in the
- * last group are zero. */
+ * (vst bytes apart, format fmt, head size D) into pb (see the top of this
+ * file).  For each group of 4 tokens and 64 code bytes: the rows' dwords
+ * transposed (dword 4L + m <- 4m + L) so that the byte and word unpacks
+ * leave byte group g = 4h + m's 16 bytes in order, 4 tokens per dword; code
+ * kk of those bytes (per = 8 / bits codes per byte) moved to the bytes' top
+ * bits by one shift and mask is chunk per * g + kk, whose column c holds
+ * element d = per * (16 g + c) + kk (okv_amx_pv_flush puts them back in
+ * order).  Tokens past n in the last group are zero. */
 OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int fmt, int64_t D, int64_t k0,
-                                 okv_amx_ws *x) {
+                                 uint8_t *pb) {
     const __m512i tr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const int bits = okv_q_bits(fmt), per = 8 / bits;
+    const __m512i top = _mm512_set1_epi8((char)(0xFF << (8 - bits)));
+    const int64_t nb = okv_q_row_bytes(fmt, D);
     int64_t k, h;
-    int i, m;
+    int i, m, kk;
     for (k = 0; 4 * k < n; k++)
-        for (h = 0; 64 * h < D; h++) {
+        for (h = 0; 64 * h < nb; h++) {
+            const __mmask64 bm = okv_amx_bmask(nb - 64 * h);
             __m512i r[4], lo01, hi01, lo23, hi23, o[4];
             for (i = 0; i < 4; i++)
-                r[i] = 4 * k + i < n ? _mm512_permutexvar_epi32(tr, okv_amx_vrow(v + (4 * k + i) * vst, fmt, D, h))
+                r[i] = 4 * k + i < n ? _mm512_permutexvar_epi32(tr, _mm512_maskz_loadu_epi8(bm, v + (4 * k + i) * vst + 64 * h))
                                      : _mm512_setzero_si512();
             lo01 = _mm512_unpacklo_epi8(r[0], r[1]);
             hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
@@ -452,9 +435,36 @@ OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int f
             o[1] = _mm512_unpackhi_epi16(lo01, lo23);
             o[2] = _mm512_unpacklo_epi16(hi01, hi23);
             o[3] = _mm512_unpackhi_epi16(hi01, hi23);
-            for (m = 0; m < 4 && 64 * h + 16 * m < D; m++)
-                _mm512_storeu_si512(x->pb + (4 * h + m) * OKV_AMX_TILE + 64 * (k0 + k), o[m]);
+            for (m = 0; m < 4 && 64 * h + 16 * m < nb; m++)
+                for (kk = 0; kk < per; kk++)
+                    _mm512_storeu_si512(pb + (per * (4 * h + m) + kk) * OKV_AMX_TILE + 64 * (k0 + k),
+                                        bits == 8 ? o[m]
+                                                  : _mm512_and_si512(_mm512_slli_epi32(o[m], (unsigned)(8 - bits * (kk + 1))), top));
         }
+}
+
+/* The p.v chunks per * g .. per * g + per - 1 of one row, y[kk] (column c:
+ * element per * (16 g + c) + kk; per = 1, 2 or 4), in natural order: out[j]
+ * = elements 16 (per g + j) .. +15. */
+OKV_INLINE OKV_AMX void okv_amx_pv_order(const __m512 *y, int per, __m512 *out) {
+    const __m512i i2lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i i2hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    /* out[l] = (l % 4 < 2 ? u : v)[8 j' + 2 (l / 4) + l % 2] for j' = 0, 1 */
+    const __m512i i40 = _mm512_set_epi32(23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
+    const __m512i i41 = _mm512_set_epi32(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8);
+    if (per == 1) {
+        out[0] = y[0];
+    } else if (per == 2) {   /* interleave y0, y1 */
+        out[0] = _mm512_permutex2var_ps(y[0], i2lo, y[1]);
+        out[1] = _mm512_permutex2var_ps(y[0], i2hi, y[1]);
+    } else {   /* u = y0, y1 interleaved (u[p] = y_{p%2}[p/2]), v = y2, y3; then pairs of u and v */
+        const __m512 ulo = _mm512_permutex2var_ps(y[0], i2lo, y[1]), uhi = _mm512_permutex2var_ps(y[0], i2hi, y[1]);
+        const __m512 vlo = _mm512_permutex2var_ps(y[2], i2lo, y[3]), vhi = _mm512_permutex2var_ps(y[2], i2hi, y[3]);
+        out[0] = _mm512_permutex2var_ps(ulo, i40, vlo);
+        out[1] = _mm512_permutex2var_ps(ulo, i41, vlo);
+        out[2] = _mm512_permutex2var_ps(uhi, i40, vhi);
+        out[3] = _mm512_permutex2var_ps(uhi, i41, vhi);
+    }
 }
 
 /* The p.v A tile of the nr <= OKV_AMX_RPT rows p + i * OKV_AMX_PVK (n <=
@@ -491,15 +501,15 @@ OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_w
  * nothing is pending. */
 OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
     okv_amx_pvq *q = x->pq + w;
-    const int sgn = okv_q_signed(q->fmt);
-    const int64_t nch = (D + 15) / 16;
+    const int sgn = okv_q_signed(q->fmt), per = 8 / okv_q_bits(q->fmt);
+    const int64_t nch = per * ((okv_q_row_bytes(q->fmt, D) + 15) / 16);
     const float unit = (float)(1 << okv_q_bits(q->fmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
     const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
     float sr[OKV_AMX_RPT];
-    int i0, i, k, s;
-    int64_t c0, t0 = 0;
+    const uint8_t *pb = x->pb + w * x->nchp * OKV_AMX_TILE;
+    int i0, i, k;
+    int64_t c0;
     if (!q->nseg) return;
-    for (s = 0; s < q->nseg; t0 += q->n[s], s++) okv_amx_vnni(q->v[s], q->vst[s], q->n[s], q->fmt, D, t0 / 4, x);
     for (i0 = 0; i0 < q->nr; i0 += OKV_AMX_RPT) {
         const int rows = q->nr - i0 < OKV_AMX_RPT ? q->nr - i0 : OKV_AMX_RPT;
         okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, sr);
@@ -510,7 +520,7 @@ OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
 #define OKV_AMX_PV_CHUNK(T, B)                                \
     if ((T) < nc) {                                           \
         _tile_zero(T);                                        \
-        _tile_loadd(B, x->pb + (c0 + (T)) * OKV_AMX_TILE, 64); \
+        _tile_loadd(B, pb + (c0 + (T)) * OKV_AMX_TILE, 64);    \
         if (sgn) _tile_dpbusd(T, 5, B);                       \
         else _tile_dpbuud(T, 5, B);                           \
     }
@@ -524,20 +534,25 @@ OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
             if (nc > 2) _tile_stored(2, x->pc + 512, 64);
             if (nc > 3) _tile_stored(3, x->pc + 768, 64);
             OKV_AMX_FENCE();   /* C is in memory before it is read */
-            for (k = 0; k < nc; k++) {
-                const int64_t d0 = 16 * (c0 + k);
-                const __mmask16 dm = okv_mask16(D - d0);
-                const int32_t *cc = x->pc + 256 * k;
+            for (k = 0; k < nc; k += per)   /* chunk group g = (c0 + k) / per: elements from 16 (c0 + k) */
                 for (i = 0; i < rows; i++) {
-                    float *o = q->accr[i0 + i] + d0;
-                    __m512 y = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * (3 * i + 2))), f16,
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * (3 * i + 1))), f8));
-                    y = _mm512_add_ps(y, _mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16 * 3 * i)));
-                    _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(y, _mm512_set1_ps(unit * sr[i]),
-                                                                 _mm512_maskz_loadu_ps(dm, o)));
+                    __m512 y[4], out[4];
+                    int kk;
+                    for (kk = 0; kk < per; kk++) {
+                        const int32_t *cc = x->pc + 256 * (k + kk) + 16 * 3 * i;
+                        y[kk] = _mm512_add_ps(
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 32)), f16,
+                                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16)), f8)),
+                            _mm512_cvtepi32_ps(_mm512_loadu_si512(cc)));
+                    }
+                    okv_amx_pv_order(y, per, out);
+                    for (kk = 0; kk < per && 16 * (c0 + k + kk) < D; kk++) {
+                        const __mmask16 dm = okv_mask16(D - 16 * (c0 + k + kk));
+                        float *o = q->accr[i0 + i] + 16 * (c0 + k + kk);
+                        _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(out[kk], _mm512_set1_ps(unit * sr[i]),
+                                                                     _mm512_maskz_loadu_ps(dm, o)));
+                    }
                 }
-            }
         }
     }
     q->nseg = 0;
@@ -571,9 +586,7 @@ OKV_AMX static void okv_amx_pv_push(okv_amx_ws *x, int64_t w, int fmt, const flo
             _mm512_mask_storeu_ps(o + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i * OKV_BK + t), sv));
         }
     }
-    q->v[q->nseg] = v;
-    q->vst[q->nseg] = vst;
-    q->n[q->nseg] = n;
+    okv_amx_vnni(v, vst, n, fmt, D, q->cnt / 4, x->pb + w * x->nchp * OKV_AMX_TILE);
     q->nseg++;
     q->cnt += n;
 }

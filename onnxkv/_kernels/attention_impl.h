@@ -517,7 +517,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #if defined(OKV_MIXED) && defined(OKV_SIMD512)
                         const okv_pf pfn = {pft.k ? pft.k + hw * pf.khs : NULL, pft.v ? pft.v + hw * pf.vhs : NULL,
                                             pft.ks, pft.vs, pft.n, pft.hint};
-                        const okv_pf *pfp = rg != 0 ? &nopf : a->amx ? &pfn : hw + 1 == nh ? &pft : &pfh;
+                        const okv_pf *pfp = rg != 0 ? &nopf : a->amx && a->kG == 1 ? &pfn : hw + 1 == nh ? &pft : &pfh;
 #else
                         const okv_pf *pfp = rg != 0 ? &nopf : hw + 1 == nh ? &pft : &pfh;
 #endif
