@@ -52,6 +52,9 @@
 #define OKV_MAX_TQ 64  /* max query tokens per work unit */
 #define OKV_RG 8       /* query rows sharing one K/V row load (one row group) */
 
+#define OKV_AMX_QK 1   /* okv_attn_args.amx: key scores on AMX */
+#define OKV_AMX_PV 2   /* okv_attn_args.amx: p.v on AMX */
+
 #define OKV_KV_F32 0
 #define OKV_KV_F16 1
 #define OKV_KV_BF16 2
@@ -79,9 +82,11 @@ typedef struct {
     const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
     int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
     int k_compact;                 /* quantized K pages: 0 float32 header, 1 compact header (quant.h) */
-    int amx;                       /* 1: the AVX-512 unit of per-page formats scores quantized keys on the
-                                    * AMX-INT8 tiles (attention_amx.h; kG == 1 only; the caller checked
-                                    * okv_cpu_amx_ok()) */
+    int amx;                       /* OKV_AMX_QK | OKV_AMX_PV bits: the AVX-512 unit of per-page formats
+                                    * scores quantized keys (QK: kG == 1 only) and / or multiplies the
+                                    * probabilities by quantized values (PV: their per-head scales only) on
+                                    * the AMX-INT8 tiles (attention_amx.h; the caller checked
+                                    * okv_cpu_amx_ok()); 0: neither */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)

@@ -74,6 +74,8 @@ cdef extern from "attention.h" nogil:
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
     int64_t okv_attn_part_floats(int64_t R, int64_t D)
     int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq)
+    int OKV_AMX_QK
+    int OKV_AMX_PV
     float *okv_align64(float *p)
     int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                           int64_t c1, float *ws, float *part, int64_t pstride, int simd)
@@ -192,6 +194,22 @@ def set_attention_amx(enabled: bool) -> bool:
     global _amx
     _amx = _amx_usable if enabled else 0
     return bool(_amx)
+
+
+cdef int _amx_pv = 1   # p.v on AMX: 0 never, 1 when the keys are on AMX too (per-head key scales), 2 always
+
+
+def _set_attention_amx_pv(mode):
+    """Private switch for tests and benchmarks: probabilities times values of
+    quantized pages with per-head value scales on the AMX-INT8 tiles while
+    AMX is enabled (``set_attention_amx``): 0 never, 1 (default) only in calls
+    whose keys AMX scores too (per-head key scales; with per-channel keys,
+    scored by AVX-512 FMAs, AMX p.v measured slower), 2 always.  Returns the
+    old mode."""
+    global _amx_pv
+    old = _amx_pv
+    _amx_pv = min(2, max(0, int(mode)))
+    return old
 
 
 def attention_simd_level() -> str:
@@ -540,7 +558,9 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
     # page (all heads, head-major) front to back instead of one short run per head.
     if okv_simd():
         simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
-    a.amx = 1 if simd == OKV_ATTN_AVX512 and _amx else 0
+    a.amx = 0
+    if simd == OKV_ATTN_AVX512 and _amx:
+        a.amx = (OKV_AMX_QK if a.kG == 1 else 0) | (OKV_AMX_PV if _amx_pv == 2 or (_amx_pv == 1 and a.kG == 1) else 0)
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
         a.hpu = Hkv if _paged_heads <= 0 else max(h for h in range(1, min(_paged_heads, Hkv) + 1) if Hkv % h == 0)

@@ -125,8 +125,9 @@ typedef struct {
     const uint8_t *v[OKV_AMX_PVSEG];
     int64_t vst[OKV_AMX_PVSEG], n[OKV_AMX_PVSEG];
     float *accr[OKV_RG];
+    float csr[OKV_RG];   /* S_i of the stored C tiles (okv_amx_pv_flush) */
     int64_t cnt;
-    int nseg, nr, fmt;
+    int nseg, nr, fmt, cfmt, cpend;   /* cfmt: format of the stored C tiles, cpend: they await okv_amx_pv_combine */
 } okv_amx_pvq;
 
 /* Per-thread scratch of the AMX scores, inside the work unit's workspace
@@ -155,10 +156,12 @@ typedef struct {
     okv_amx_pvq *pq;  /* nitem pending p.v of the items (okv_amx_pv_push) */
     float *pp;        /* nitem x OKV_RG x OKV_AMX_PVK floats: their stashed probabilities p * s, row i of
                        * item w at pp + (w * OKV_RG + i) * OKV_AMX_PVK */
-    uint8_t *pa;      /* 16 x 64 bytes: the p.v A tile */
+    uint8_t *pa;      /* 16 x 64 bytes: the p.v A tile; rows pa_rows.. are zero */
     uint8_t *pb;      /* ceil(D/16) x OKV_AMX_TILE: the p.v B tiles, chunk c at pb + c * OKV_AMX_TILE */
-    int32_t *pc;      /* 4 x 256 int32: the stored p.v C tiles */
+    int32_t *pc;      /* nitem x tpi x nchp x 256 int32: the stored p.v C tiles, item w's pass t (rows 5t..) chunk c
+                       * at pc + ((w * tpi + t) * nchp + c) * 256 */
     int64_t Pm, nchm, tpi, nitem, nchp;
+    int pa_rows;
 } okv_amx_ws;
 
 static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
@@ -170,7 +173,7 @@ static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
            okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
            okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) + nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE +
-           nitem * 4 * ((D + 63) / 64) * OKV_AMX_TILE + 4 * OKV_AMX_TILE;
+           nitem * (1 + tpi) * 4 * ((D + 63) / 64) * OKV_AMX_TILE;
 }
 
 /* Lay out okv_amx_ws_bytes(D, nitem, rgw) bytes at mem (64-byte aligned); no
@@ -201,10 +204,14 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
         x->tag[i] = 0;
         x->pq[i].nseg = 0;
         x->pq[i].cnt = 0;
+        x->pq[i].cpend = 0;
+        x->pq[i].fmt = x->pq[i].cfmt = OKV_FMT_I8;
     }
     x->pp = (float *)mem;
     mem += nitem * OKV_RG * OKV_AMX_PVK * 4;
     x->pa = (uint8_t *)mem;
+    memset(x->pa, 0, OKV_AMX_TILE);
+    x->pa_rows = 0;
     mem += OKV_AMX_TILE;
     x->pb = (uint8_t *)mem;
     x->nchp = 4 * ((D + 63) / 64);
@@ -469,12 +476,14 @@ OKV_INLINE OKV_AMX void okv_amx_pv_order(const __m512 *y, int per, __m512 *out) 
 
 /* The p.v A tile of the nr <= OKV_AMX_RPT rows p + i * OKV_AMX_PVK (n <=
  * OKV_AMX_PVK values >= 0 each) into x->pa, S_i into sr[i] (0 for an all-zero
- * row); columns n.. and rows 3 * nr.. zero. */
+ * row); columns n.. and rows 3 * nr.. zero (x->pa_rows: the rows that may be
+ * nonzero). */
 OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_ws *x, float *sr) {
     const __m512i top = _mm512_set1_epi32((int)OKV_AMX_PMAX);
     int i;
     int64_t t;
-    memset(x->pa, 0, OKV_AMX_TILE);
+    if (x->pa_rows > 3 * nr) memset(x->pa + 3 * nr * 64, 0, (size_t)(x->pa_rows - 3 * nr) * 64);
+    x->pa_rows = 3 * nr;
     for (i = 0; i < nr; i++) {
         const float *pr = p + i * OKV_AMX_PVK;
         __m512 mx = _mm512_setzero_ps(), inv;
@@ -483,78 +492,97 @@ OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_w
         m = _mm512_reduce_max_ps(mx);
         sr[i] = m > 0.f ? m / OKV_AMX_PMAX : 0.f;
         inv = _mm512_set1_ps(m > 0.f ? OKV_AMX_PMAX / m : 0.f);
-        for (t = 0; t < n; t += 16) {
-            const __mmask16 k = okv_mask16(n - t);
-            const __m512i pi =
-                _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr + t), inv)), top);
+        for (t = 0; t < OKV_AMX_PVK; t += 16) {   /* zero digits past n */
+            const __m512i pi = _mm512_min_epi32(
+                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(okv_mask16(n > t ? n - t : 0), pr + t), inv)), top);
             uint8_t *a = x->pa + 3 * i * 64 + t;
-            _mm_mask_storeu_epi8(a, k, _mm512_cvtepi32_epi8(pi));
-            _mm_mask_storeu_epi8(a + 64, k, _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 8)));
-            _mm_mask_storeu_epi8(a + 128, k, _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 16)));
+            _mm_storeu_si128((__m128i *)a, _mm512_cvtepi32_epi8(pi));
+            _mm_storeu_si128((__m128i *)(a + 64), _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 8)));
+            _mm_storeu_si128((__m128i *)(a + 128), _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 16)));
         }
     }
 }
 
-/* Run the pending p.v of item w (head size D), if any: its B tiles built
- * once, its rows in passes of up to OKV_AMX_RPT, up to 4 d-chunks of C tiles
- * in flight, acc rows += 2^(bits - 8) S_i (C2 * 65536 + C1 * 256 + C0); then
- * nothing is pending. */
+/* Add item w's stored C tiles, if any, to its accumulator rows: acc_i +=
+ * 2^(bits - 8) S_i ((C2 * 256 + C1) * 256 + C0), elements put back in order
+ * (okv_amx_pv_order); then none are stored. */
+OKV_AMX static void okv_amx_pv_combine(okv_amx_ws *x, int64_t w, int64_t D) {
+    okv_amx_pvq *q = x->pq + w;
+    const int per = q->cpend ? 8 / okv_q_bits(q->cfmt) : 1;
+    const int64_t nch = per * ((okv_q_row_bytes(q->cfmt, D) + 15) / 16);
+    const float unit = (float)(1 << okv_q_bits(q->cfmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
+    const __m512 f8 = _mm512_set1_ps(256.f);
+    const int32_t *pc = x->pc + w * x->tpi * x->nchp * 256;
+    int64_t c;
+    int i, kk;
+    if (!q->cpend) return;
+    for (i = 0; i < q->nr; i++) {
+        const int32_t *ci = pc + (i / OKV_AMX_RPT) * x->nchp * 256 + 16 * 3 * (i % OKV_AMX_RPT);
+        const __m512 f = _mm512_set1_ps(unit * q->csr[i]);
+        for (c = 0; c < nch; c += per) {   /* chunk group c / per: elements from 16 c */
+            __m512 y[4], out[4];
+            for (kk = 0; kk < per; kk++) {
+                const int32_t *cc = ci + 256 * (c + kk);
+                /* C2 * 256 + C1 exact in int32: |C2| <= 64 * 255 * 128 < 2^21 */
+                const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(cc + 32), 8),
+                                                    _mm512_loadu_si512(cc + 16));
+                y[kk] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), f8, _mm512_cvtepi32_ps(_mm512_loadu_si512(cc)));
+            }
+            okv_amx_pv_order(y, per, out);
+            for (kk = 0; kk < per && 16 * (c + kk) < D; kk++) {
+                const __mmask16 dm = okv_mask16(D - 16 * (c + kk));
+                float *o = q->accr[i] + 16 * (c + kk);
+                _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(out[kk], f, _mm512_maskz_loadu_ps(dm, o)));
+            }
+        }
+    }
+    q->cpend = 0;
+}
+
+/* Run the pending p.v of item w (head size D), if any, on the tiles: the
+ * item's earlier C tiles added first (okv_amx_pv_combine), its A tiles built
+ * (rows in passes of up to OKV_AMX_RPT), up to 4 d-chunks in flight, the C
+ * tiles stored for okv_amx_pv_combine to add later (when the stores have
+ * long completed: reading them back at once waited on the tile stores);
+ * then nothing is pending but the stored C tiles. */
 OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
     okv_amx_pvq *q = x->pq + w;
-    const int sgn = okv_q_signed(q->fmt), per = 8 / okv_q_bits(q->fmt);
+    const int sgn = okv_q_signed(q->fmt), per = q->nseg ? 8 / okv_q_bits(q->fmt) : 1;
     const int64_t nch = per * ((okv_q_row_bytes(q->fmt, D) + 15) / 16);
-    const float unit = (float)(1 << okv_q_bits(q->fmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
-    const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
-    float sr[OKV_AMX_RPT];
     const uint8_t *pb = x->pb + w * x->nchp * OKV_AMX_TILE;
-    int i0, i, k;
+    int i0;
     int64_t c0;
     if (!q->nseg) return;
+    okv_amx_pv_combine(x, w, D);
     for (i0 = 0; i0 < q->nr; i0 += OKV_AMX_RPT) {
         const int rows = q->nr - i0 < OKV_AMX_RPT ? q->nr - i0 : OKV_AMX_RPT;
-        okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, sr);
+        int32_t *pc = x->pc + (w * x->tpi + i0 / OKV_AMX_RPT) * x->nchp * 256;
+        okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, q->csr + i0);
         OKV_AMX_FENCE();   /* the A and B tiles are in memory */
         _tile_loadd(5, x->pa, 64);
         for (c0 = 0; c0 < nch; c0 += 4) {
             const int nc = nch - c0 < 4 ? (int)(nch - c0) : 4;
-#define OKV_AMX_PV_CHUNK(T, B)                                \
-    if ((T) < nc) {                                           \
-        _tile_zero(T);                                        \
+#define OKV_AMX_PV_CHUNK(T, B)                                 \
+    if ((T) < nc) {                                            \
+        _tile_zero(T);                                         \
         _tile_loadd(B, pb + (c0 + (T)) * OKV_AMX_TILE, 64);    \
-        if (sgn) _tile_dpbusd(T, 5, B);                       \
-        else _tile_dpbuud(T, 5, B);                           \
+        if (sgn) _tile_dpbusd(T, 5, B);                        \
+        else _tile_dpbuud(T, 5, B);                            \
     }
             OKV_AMX_PV_CHUNK(0, 6)
             OKV_AMX_PV_CHUNK(1, 7)
             OKV_AMX_PV_CHUNK(2, 6)
             OKV_AMX_PV_CHUNK(3, 7)
 #undef OKV_AMX_PV_CHUNK
-            _tile_stored(0, x->pc, 64);
-            if (nc > 1) _tile_stored(1, x->pc + 256, 64);
-            if (nc > 2) _tile_stored(2, x->pc + 512, 64);
-            if (nc > 3) _tile_stored(3, x->pc + 768, 64);
-            OKV_AMX_FENCE();   /* C is in memory before it is read */
-            for (k = 0; k < nc; k += per)   /* chunk group g = (c0 + k) / per: elements from 16 (c0 + k) */
-                for (i = 0; i < rows; i++) {
-                    __m512 y[4], out[4];
-                    int kk;
-                    for (kk = 0; kk < per; kk++) {
-                        const int32_t *cc = x->pc + 256 * (k + kk) + 16 * 3 * i;
-                        y[kk] = _mm512_add_ps(
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 32)), f16,
-                                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(cc + 16)), f8)),
-                            _mm512_cvtepi32_ps(_mm512_loadu_si512(cc)));
-                    }
-                    okv_amx_pv_order(y, per, out);
-                    for (kk = 0; kk < per && 16 * (c0 + k + kk) < D; kk++) {
-                        const __mmask16 dm = okv_mask16(D - 16 * (c0 + k + kk));
-                        float *o = q->accr[i0 + i] + 16 * (c0 + k + kk);
-                        _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(out[kk], _mm512_set1_ps(unit * sr[i]),
-                                                                     _mm512_maskz_loadu_ps(dm, o)));
-                    }
-                }
+            _tile_stored(0, pc + 256 * c0, 64);
+            if (nc > 1) _tile_stored(1, pc + 256 * (c0 + 1), 64);
+            if (nc > 2) _tile_stored(2, pc + 256 * (c0 + 2), 64);
+            if (nc > 3) _tile_stored(3, pc + 256 * (c0 + 3), 64);
         }
     }
+    OKV_AMX_FENCE();   /* the C tiles are in memory before they are read */
+    q->cfmt = q->fmt;
+    q->cpend = 1;
     q->nseg = 0;
     q->cnt = 0;
 }
@@ -591,11 +619,13 @@ OKV_AMX static void okv_amx_pv_push(okv_amx_ws *x, int64_t w, int fmt, const flo
     q->cnt += n;
 }
 
-/* Row i of item w's pending p.v times alpha (the accumulator row's rescale). */
+/* Row i of item w's pending p.v and stored C tiles times alpha (the
+ * accumulator row's rescale). */
 OKV_AMX static void okv_amx_pv_scale(okv_amx_ws *x, int64_t w, int i, float alpha) {
     float *o = x->pp + (w * OKV_RG + i) * OKV_AMX_PVK;
     int64_t t;
     for (t = 0; t < x->pq[w].cnt; t++) o[t] *= alpha;
+    x->pq[w].csr[i] *= alpha;   /* the stored C tiles' share (if any) */
 }
 #endif /* OKV_X86_SIMD */
 #endif /* ONNXKV_ATTENTION_AMX_H */

@@ -517,7 +517,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #if defined(OKV_MIXED) && defined(OKV_SIMD512)
                         const okv_pf pfn = {pft.k ? pft.k + hw * pf.khs : NULL, pft.v ? pft.v + hw * pf.vhs : NULL,
                                             pft.ks, pft.vs, pft.n, pft.hint};
-                        const okv_pf *pfp = rg != 0 ? &nopf : a->amx && a->kG == 1 ? &pfn : hw + 1 == nh ? &pft : &pfh;
+                        const okv_pf *pfp = rg != 0 ? &nopf : (a->amx & OKV_AMX_QK) ? &pfn : hw + 1 == nh ? &pft : &pfh;
 #else
                         const okv_pf *pfp = rg != 0 ? &nopf : hw + 1 == nh ? &pft : &pfh;
 #endif
@@ -535,7 +535,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         }
 #endif
 #ifdef OKV_SIMD512
-                        if (a->amx && a->kG == 1 && okv_q_bits(pg.kf))
+                        if ((a->amx & OKV_AMX_QK) && okv_q_bits(pg.kf))
                             okv_qk_amx(&ax, w, pg.kf, qr, nr, kh + (u0 - j0) * pg.kst, pg.kst, u1 - u0, D, scale, sw,
                                        &dk, pfp, qsum + hw * R + rg);
                         else
@@ -584,7 +584,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                                 zc[hw * R + rr] *= alpha;
                                 if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
 #ifdef OKV_SIMD512
-                                if (a->amx) okv_amx_pv_scale(&ax, w - 1, i, alpha);   /* its pending p.v */
+                                if (a->amx & OKV_AMX_PV) okv_amx_pv_scale(&ax, w - 1, i, alpha);   /* its pending p.v */
 #endif
 #endif
                             }
@@ -594,7 +594,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     }
 #ifdef OKV_MIXED
 #ifdef OKV_SIMD512
-                    if (a->amx && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {   /* per-head scales: AMX */
+                    if ((a->amx & OKV_AMX_PV) && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {   /* per-head scales: AMX */
                         okv_pv_amx(&ax, w - 1, pg.vf, sw, nr, vh + (u0 - j0) * pg.vst, pg.vst, n, D, accr, &dv,
                                    zc + hw * R + rg);
                     } else
@@ -619,6 +619,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #ifdef OKV_SIMD512
     if (a->amx) {   /* the pending p.v of every item, then the tiles released */
         for (h = 0; h < ax.nitem; h++) okv_amx_pv_flush(&ax, h, D);
+        for (h = 0; h < ax.nitem; h++) okv_amx_pv_combine(&ax, h, D);
         okv_amx_end();
     }
     if (acci_used)   /* the interleaved accumulators, in natural order */

@@ -1,13 +1,17 @@
-"""Key scores of quantized pages on the AMX-INT8 tiles (attention_amx.h):
+"""Quantized pages on the AMX-INT8 tiles (attention_amx.h): key scores
+(per-head key scales) and probabilities times values (per-head value scales).
 paged_attention with set_attention_amx(True) must equal the NumPy twin
 (reference.paged_attention over the dequantized pages) and the AVX-512 tiles
-without AMX (set_attention_amx(False)) within 1e-5, for every integer format
-(8-, 4- and 2-bit, signed and unsigned), per-head and per-channel key scales
-(float32 and compact headers: those keep the AVX-512 tiles, as the switch
-must leave them), pages of mixed formats, head sizes that are and
-are not multiples of 64 bytes of codes, block sizes that give partial 16-key
-tiles, 1..8 query rows per KV head, decode and prefill, 1 and 2 threads, and
-query rows of very different magnitudes including an all-zero row.
+without AMX (set_attention_amx(False)) within 1e-5, with AMX p.v off (keys
+only) and on for every call (_set_attention_amx_pv 0 and 2), for every
+integer format (8-, 4- and 2-bit, signed and unsigned) of keys and values,
+per-head and per-channel key scales (float32 and compact headers: those keys
+keep the AVX-512 tiles), values with non-zero zero points, pages of mixed
+formats with float pages between, all-float pages, head sizes that are and
+are not multiples of 16 / 64, block sizes that give partial tiles and stashes
+of values, 1..8 query rows per KV head, decode and prefill, 1 and 2 threads,
+query rows of very different magnitudes including an all-zero row, and long
+contexts (many pending p.v runs, rescaled by the running max in between).
 
 Every kernel test is skipped where AMX is not usable (CPU without AMX-TILE /
 AMX-INT8 or AVX-512, or the OS did not grant the tile data state); the switch
@@ -58,32 +62,46 @@ def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False):
     return q, pg, kv_len, q_pos, scale, want
 
 
+MODES = ((False, 1), (True, 0), (True, 2))   # (AMX, p.v mode): AVX-512 only, AMX keys only, AMX keys and p.v
+
+
 def check(q, pg, kv_len, q_pos, scale, want):
-    """AMX on and off, 1 and 2 threads: each result within 1e-5 of the twin,
-    AMX within 1e-5 of the AVX-512 tiles, the same quantized bytes loaded, and
-    the AMX scratch in the workspace; returns the result with AMX on."""
+    """AVX-512 only, AMX keys only and AMX keys and p.v (MODES), 1 and 2
+    threads: each result within 1e-5 of the twin and of the AVX-512 tiles,
+    the same quantized bytes loaded, AMX scratch in the workspace exactly when
+    something may run on AMX (per-head key scales, or p.v; taken per call,
+    before the page formats are read); returns the result
+    of AMX keys and p.v."""
     Hkv = pg.kd.shape[1]
+    quantized = bool(np.isin(np.concatenate([pg.formats["k"], pg.formats["v"]]), INTS).any())
     old = K.get_num_threads()
     try:
         for threads in (1, 2):
             K.set_num_threads(threads)
             got, stats = {}, {}
-            for amx in (False, True):
+            for amx, pv in MODES:
                 A.set_attention_amx(amx)
+                A._set_attention_amx_pv(pv)
                 assert A.attention_simd_level() == ("avx512+amx" if amx else "avx512")
                 out = np.full_like(q, np.nan)
                 counters = pg.kernel(q, Hkv, kv_len, q_pos, scale, 0.0, -1, out)
                 np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-                got[amx], stats[amx] = out, counters
-            np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
-            assert stats[True]["dequantized_bytes"] == stats[False]["dequantized_bytes"] > 0
-            amx_ws = stats[True]["workspace_peak_bytes"] - stats[False]["workspace_peak_bytes"]
-            assert amx_ws > 0   # the scratch of the p.v tiles (and of the key scores with per-head scales)
+                got[amx, pv], stats[amx, pv] = out, counters
+            base = stats[False, 1]
+            for mode in MODES[1:]:
+                np.testing.assert_allclose(got[mode], got[False, 1], rtol=1e-5, atol=1e-5)
+                assert stats[mode]["dequantized_bytes"] == base["dequantized_bytes"]
+            assert (base["dequantized_bytes"] > 0) == quantized
+            pv_ws = stats[True, 2]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
+            keys_ws = stats[True, 0]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
+            assert pv_ws > 0
+            assert keys_ws > 0 if pg.group["k"] == 1 else keys_ws == 0
     finally:
         K.set_num_threads(old)
         reset_level()
         A.set_attention_amx(True)
-    return got[True]
+        A._set_attention_amx_pv(1)
+    return got[True, 2]
 
 
 @needs_amx
@@ -96,13 +114,59 @@ def test_every_format_and_key_scale_mode(fmt, kG):
 
 
 @needs_amx
-@pytest.mark.parametrize("bs", [1, 5, 16, 32])
+@pytest.mark.parametrize("bs", [1, 5, 16, 32, 64])
 @pytest.mark.parametrize("D", [16, 24, 40, 64, 128])
 @pytest.mark.parametrize("fmt", [3, 22, 25], ids=["i8", "i4", "u2"])
 def test_head_sizes_and_block_sizes(fmt, D, bs):
-    # D % 64 != 0 and tiles of fewer than 16 keys take the widened copy; int8 with D = 64, 128 and bs >= 16 the
-    # page itself
-    check(*build(100 + D + bs, fmt, 22, 1, 8, 2, D, bs, (29, 71)))
+    # keys: D % 64 != 0 and tiles of fewer than 16 keys take the widened copy; int8 with D = 64, 128 and bs >= 16
+    # the page itself.  Values: the p.v stash runs early on a run of keys that is not a multiple of 4 (bs 1, 5)
+    # and takes two pages (bs 32) or half a tile (bs 64, tiles of 32 keys); D % 16 != 0 leaves masked columns.
+    check(*build(100 + D + bs, fmt, fmt, 1, 8, 2, D, bs, (29, 71, 130)))
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("vfmt", INTS, ids=[NAMES[f] for f in INTS])
+def test_every_value_format_and_zero_points(vfmt, kG):
+    q, pg, kv_len, q_pos, scale, want = build(600 + vfmt, 3, vfmt, kG, 16, 4, 64, 16, (77, 150))
+    assert pg.formats["v"].tolist() == [vfmt] * len(pg.formats["v"])
+    Hkv = pg.kd.shape[1]
+    zero = np.concatenate([np.frombuffer(p.tobytes()[4 * Hkv:8 * Hkv], np.float32) for p in pg.pages["v"]])
+    assert (np.count_nonzero(zero) > 0) == (vfmt in (2, 21, 25))   # unsigned: asymmetric, zero points != 0
+    check(q, pg, kv_len, q_pos, scale, want)
+
+
+@needs_amx
+def test_float_pages_only():
+    # nothing quantized: AMX has nothing to do, the unit still configures and releases the tiles
+    check(*build(700, (1, 10, 16), (1, 10, 16), 1, 16, 4, 64, 16, (40, 97)))
+
+
+@needs_amx
+@pytest.mark.parametrize("vfmt", [3, 21], ids=["i8", "u4"])
+def test_long_context_and_peaked_rows(vfmt):
+    # thousands of keys: many 64-key p.v runs per item, running-max rescales of pending runs; spread query rows
+    # make some rows' probabilities peaked and others flat (each run scales its rows by their own max).  AMX p.v
+    # sums the codes exactly in int32 and stays within 1e-5 of the twin; the AVX-512 p.v tiles (also behind AMX
+    # keys) fold uint4 zero points over 3000 keys in float32 and reach ~3e-5 on one thread, so they are held to
+    # 5e-5 here.
+    q, pg, kv_len, q_pos, scale, want = build(800 + vfmt, 22, vfmt, 1, 8, 2, 128, 16, (3001, 1700), spread=True)
+    old = K.get_num_threads()
+    try:
+        for threads in (1, 2):
+            K.set_num_threads(threads)
+            for amx, pv in MODES:
+                A.set_attention_amx(amx)
+                A._set_attention_amx_pv(pv)
+                out = np.full_like(q, np.nan)
+                pg.kernel(q, 2, kv_len, q_pos, scale, 0.0, -1, out)
+                tol = 1e-5 if pv == 2 else 5e-5
+                np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    finally:
+        K.set_num_threads(old)
+        reset_level()
+        A.set_attention_amx(True)
+        A._set_attention_amx_pv(1)
 
 
 @needs_amx
