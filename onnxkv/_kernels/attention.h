@@ -29,9 +29,11 @@
  * (8-lane tiles) or OKV_ATTN_AVX512 (16-lane tiles and softmax steps; only
  * when okv_cpu_avx512_ok(); float32 K/V keep the AVX2 tiles, which are as
  * fast on this memory-bound stream).  With a->amx (okv_cpu_amx_ok(), per-page
- * formats, per-head key scales) the AVX-512 unit scores the keys of
- * quantized pages on the AMX-INT8 tiles (attention_amx.h); a work unit then
- * needs okv_attn_amx_ws_floats more workspace.
+ * formats) the AVX-512 unit scores the keys of quantized pages with per-head
+ * key scales (OKV_AMX_QK) and / or multiplies the probabilities by quantized
+ * values with per-head scales (OKV_AMX_PV) on the AMX-INT8 tiles
+ * (attention_amx.h); a work unit then needs okv_attn_amx_ws_floats more
+ * workspace.
  *
  * Per-page formats (paged only, k_fmt / v_fmt != NULL): page id p of the K
  * (V) plane has the format k_fmt[p] (v_fmt[p]), an ONNX element type code of

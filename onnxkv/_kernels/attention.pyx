@@ -20,8 +20,9 @@ there, as fast on that memory-bound stream), AVX2+FMA+F16C (8 lanes) and
 scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
 (False)`` keeps AVX2 (tests and benchmarks run all three on one machine);
 ``attention_simd_level()`` names the one in use.  Inside the AVX-512 tiles,
-paged_attention scores the keys of quantized pages with per-head scales on
-the AMX-INT8 tiles where the CPU and OS allow it (level "avx512+amx";
+paged_attention scores the keys of quantized pages with per-head scales, and
+then multiplies the probabilities by quantized values with per-head scales,
+on the AMX-INT8 tiles where the CPU and OS allow it (level "avx512+amx";
 ``set_attention_amx(False)`` keeps AVX-512 FMAs).
 
 Paged caches may give every page its own format (k_formats / v_formats:
@@ -185,8 +186,9 @@ cdef int _amx = _amx_usable
 
 def set_attention_amx(enabled: bool) -> bool:
     """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
-    codes with per-head scales) on the AMX-INT8 tiles inside its
-    AVX-512 tiles (the default where the CPU has AMX-TILE and AMX-INT8 and the
+    codes with per-head scales), and multiply the probabilities by their
+    values (per-head scales; see ``_set_attention_amx_pv``), on the AMX-INT8
+    tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and AMX-INT8 and the
     OS grants the tile state; attention_amx.h), or with AVX-512 FMAs only (to
     test and compare both on one machine).  Takes effect only while the
     AVX-512 tiles run (``set_attention_avx512``, ``set_simd_enabled``).
@@ -214,7 +216,7 @@ def _set_attention_amx_pv(mode):
 
 def attention_simd_level() -> str:
     """The instruction set attention / paged_attention run now:
-    "avx512+amx" (AVX-512 tiles, quantized keys scored on AMX-INT8), "avx512",
+    "avx512+amx" (AVX-512 tiles, quantized pages on AMX-INT8), "avx512",
     "avx2" or "scalar"."""
     if not okv_simd():
         return "scalar"

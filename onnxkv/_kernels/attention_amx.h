@@ -1,7 +1,8 @@
-/* onnxkv/_kernels/attention_amx.h -- key scores of quantized pages on the
- * AMX-INT8 tiles, for the AVX-512 unit of per-page formats (attention_impl.h
- * with OKV_MIXED and OKV_SIMD512, when a->amx: okv_cpu_amx_ok() and the
- * switch of attention.pyx).
+/* onnxkv/_kernels/attention_amx.h -- key scores and probabilities times
+ * values of quantized pages on the AMX-INT8 tiles, for the AVX-512 unit of
+ * per-page formats (attention_impl.h with OKV_MIXED and OKV_SIMD512, when
+ * a->amx (OKV_AMX_QK / OKV_AMX_PV bits): okv_cpu_amx_ok() and the switches of
+ * attention.pyx).
  *
  * Scores of nr <= OKV_RG query rows against up to 16 keys at a time:
  *   A tile (tile 2): 16 keys x 64 code bytes, int8 (signed formats) or uint8
@@ -40,35 +41,43 @@
  * their high nibbles), so that widening a block is one shift and one mask per
  * code of one load.
  *
- * Probabilities times values (okv_amx_pv), per tile of n <= K keys of one
- * head (K = okv_amx_kp(bs): the longest tile, a multiple of 4):
- *   A tile (tile 5, 16 rows x K bytes): rows 3i + dg = digit dg of row i's
- *     probabilities as a 24-bit unsigned fixed point, p_int = round(p / S_i),
- *     S_i = max_t p_i[t] / OKV_AMX_PMAX, p_int = d2 * 2^16 + d1 * 2^8 + d0
- *     (uint8 digits); columns t >= n and rows past 3 x (rows of the pass) are
+ * Probabilities times values of quantized values with per-head scales
+ * (okv_amx_pv_push / okv_amx_pv_flush / okv_amx_pv_combine), per work item
+ * (head, row group) over up to OKV_AMX_PVK = 64 keys of one or more pages:
+ *   Stash (okv_amx_pv_push, per page tile): the rows' probabilities times the
+ *     page's value scale, p' = p * s >= 0 (the zero point's share goes to the
+ *     unit's row corrections as on the AVX-512 path), into the item's 64-key
+ *     rows, and the page's value codes into the item's B tiles.  The stash is
+ *     run first when it holds another format, a number of keys that is not a
+ *     multiple of 4 (then every run starts at a multiple of 4), or too many
+ *     keys to take the tile; a rescale of the accumulators by the running max
+ *     rescales the stash (and stored C tiles' S_i) too (okv_amx_pv_scale).
+ *   A tile (tile 5): rows 3i + dg = digit dg of row i's p' as a 24-bit
+ *     unsigned fixed point, p_int = round(p' / S_i), S_i = max_t p'_i[t] /
+ *     OKV_AMX_PMAX, p_int = d2 * 2^16 + d1 * 2^8 + d0 (uint8 digits);
+ *     columns past the stash's keys and rows past 3 x (rows of the pass) are
  *     zero.  At most OKV_AMX_RPT rows per pass: 6..8 rows take two passes
  *     over the same B tiles.
- *   B tiles (tiles 6, 7, alternating; K / 4 rows x 64 bytes): the value codes
- *     of 16 head elements (a d-chunk) in the VNNI layout B[t/4][col][t%4],
- *     col = d - 16c, built once per call for all ceil(D/16) chunks
- *     (okv_amx_vnni: four token rows' 64 code bytes, a dword transpose by
- *     vpermd and two rounds of byte / word unpacks give four chunks' rows);
- *     4- and 2-bit codes widened in registers to one byte each, code *
- *     2^(8 - bits) in natural order (okv_amx_vrow); elements past D, tokens
- *     past n zero.
- *   C tiles (tiles 0..3, up to 4 d-chunks in flight): int32 [(row, digit)]
+ *   B tiles (tiles 6, 7, alternating): the value codes in the VNNI layout
+ *     B[t/4][col][t%4] (okv_amx_vnni: four token rows' 64 code bytes, a dword
+ *     transpose by vpermd and two rounds of byte / word unpacks; 4- and 2-bit
+ *     codes then split by one shift and mask per code of a byte, so chunk
+ *     per * g + kk holds code kk of byte group g: element per * (16 g + c) +
+ *     kk in column c); keys past the stash's are ignored (zero A columns).
+ *   C tiles (tiles 0..3, up to 4 chunks in flight): int32 [(row, digit)]
  *     [col] by _tile_dpbusd (signed codes) or _tile_dpbuud (unsigned), exact:
- *     |C| <= 32 * 255 * 255 < 2^24, so its float conversion is exact too.
- *   acc_i[d] += (S_i * s * 2^(bits - 8)) * ((C2 * 65536 + C1 * 256) + C0) in
- *     float32 (s the page's per-head value scale).  The only error beyond
- *     float32 rounding is p's fixed-point rounding, |p - S_i p_int| <= S_i / 2
- *     = max p_i / (2^25 - 2) per element.
+ *     |C| <= 64 * 255 * 255 < 2^24.  Stored per item (okv_amx_pv_flush) and
+ *     added at the item's next run or the unit's end (okv_amx_pv_combine):
+ *     acc_i[d] += (S_i 2^(bits - 8)) ((C2 * 256 + C1) * 256 + C0) in float32
+ *     (C2 * 256 + C1 exact in int32), chunks put back in element order
+ *     (okv_amx_pv_order).  The only error beyond float32 rounding is p''s
+ *     fixed-point rounding, |p' - S_i p_int| <= S_i / 2 = max p'_i / (2^25 -
+ *     2) per element (6e-8 relative to the run's largest p').
  *
- * Tile state: okv_amx_begin configures the tiles (okv_amx_cfg_init: tiles
- * 0..4 16 rows x 64 bytes, tile 5 16 rows x K bytes, tiles 6, 7 K/4 rows x 64
- * bytes) on the calling thread at the start of a work unit, okv_amx_end
- * releases them at its end; every function here runs between the two on the
- * same thread.
+ * Tile state: okv_amx_begin configures tiles 0..7 (16 rows x 64 bytes) on
+ * the calling thread at the start of a work unit, okv_amx_end releases them
+ * at its end (after every item's pending p.v is run and added); every
+ * function here runs between the two on the same thread.
  */
 #ifndef ONNXKV_ATTENTION_AMX_H
 #define ONNXKV_ATTENTION_AMX_H

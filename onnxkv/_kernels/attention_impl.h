@@ -378,7 +378,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     int acci_used = 0;                /* set at the first tile that needs them */
 #ifdef OKV_SIMD512
     int qi_ready = 0;
-    okv_amx_ws ax;                    /* a->amx: scratch and B tiles of the AMX key scores */
+    okv_amx_ws ax;                    /* a->amx: scratch, B tiles and pending p.v of the AMX tiles */
 #endif
 #endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
