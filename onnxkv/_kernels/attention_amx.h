@@ -51,7 +51,7 @@
  *     run first when it holds another format, a number of keys that is not a
  *     multiple of 4 (then every run starts at a multiple of 4), or too many
  *     keys to take the tile; a rescale of the accumulators by the running max
- *     rescales the stash (and stored C tiles' S_i) too (okv_amx_pv_scale).
+ *     rescales the stash too (okv_amx_pv_scale).
  *   A tile (tile 5): rows 3i + dg = digit dg of row i's p' as a 24-bit
  *     unsigned fixed point, p_int = round(p' / S_i), S_i = max_t p'_i[t] /
  *     OKV_AMX_PMAX, p_int = d2 * 2^16 + d1 * 2^8 + d0 (uint8 digits);
@@ -66,8 +66,7 @@
  *     kk in column c); keys past the stash's are ignored (zero A columns).
  *   C tiles (tiles 0..3, up to 4 chunks in flight): int32 [(row, digit)]
  *     [col] by _tile_dpbusd (signed codes) or _tile_dpbuud (unsigned), exact:
- *     |C| <= 64 * 255 * 255 < 2^24.  Stored per item (okv_amx_pv_flush) and
- *     added at the item's next run or the unit's end (okv_amx_pv_combine):
+ *     |C| <= 64 * 255 * 255 < 2^24; stored, then added (okv_amx_pv_combine):
  *     acc_i[d] += (S_i 2^(bits - 8)) ((C2 * 256 + C1) * 256 + C0) in float32
  *     (C2 * 256 + C1 exact in int32), chunks put back in element order
  *     (okv_amx_pv_order).  The only error beyond float32 rounding is p''s
@@ -134,9 +133,8 @@ typedef struct {
     const uint8_t *v[OKV_AMX_PVSEG];
     int64_t vst[OKV_AMX_PVSEG], n[OKV_AMX_PVSEG];
     float *accr[OKV_RG];
-    float csr[OKV_RG];   /* S_i of the stored C tiles (okv_amx_pv_flush) */
     int64_t cnt;
-    int nseg, nr, fmt, cfmt, cpend;   /* cfmt: format of the stored C tiles, cpend: they await okv_amx_pv_combine */
+    int nseg, nr, fmt;
 } okv_amx_pvq;
 
 /* Per-thread scratch of the AMX scores, inside the work unit's workspace
@@ -167,8 +165,7 @@ typedef struct {
                        * item w at pp + (w * OKV_RG + i) * OKV_AMX_PVK */
     uint8_t *pa;      /* 16 x 64 bytes: the p.v A tile; rows pa_rows.. are zero */
     uint8_t *pb;      /* ceil(D/16) x OKV_AMX_TILE: the p.v B tiles, chunk c at pb + c * OKV_AMX_TILE */
-    int32_t *pc;      /* nitem x tpi x nchp x 256 int32: the stored p.v C tiles, item w's pass t (rows 5t..) chunk c
-                       * at pc + ((w * tpi + t) * nchp + c) * 256 */
+    int32_t *pc;      /* nchp x 256 int32: the stored p.v C tiles of one pass, chunk c at pc + 256 * c */
     int64_t Pm, nchm, tpi, nitem, nchp;
     int pa_rows;
 } okv_amx_ws;
@@ -182,7 +179,7 @@ static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
            okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
            okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) + nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE +
-           nitem * (1 + tpi) * 4 * ((D + 63) / 64) * OKV_AMX_TILE;
+           (nitem + 1) * 4 * ((D + 63) / 64) * OKV_AMX_TILE;
 }
 
 /* Lay out okv_amx_ws_bytes(D, nitem, rgw) bytes at mem (64-byte aligned); no
@@ -213,8 +210,7 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
         x->tag[i] = 0;
         x->pq[i].nseg = 0;
         x->pq[i].cnt = 0;
-        x->pq[i].cpend = 0;
-        x->pq[i].fmt = x->pq[i].cfmt = OKV_FMT_I8;
+        x->pq[i].fmt = OKV_FMT_I8;
     }
     x->pp = (float *)mem;
     mem += nitem * OKV_RG * OKV_AMX_PVK * 4;
@@ -512,26 +508,24 @@ OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_w
     }
 }
 
-/* Add item w's stored C tiles, if any, to its accumulator rows: acc_i +=
- * 2^(bits - 8) S_i ((C2 * 256 + C1) * 256 + C0), elements put back in order
- * (okv_amx_pv_order); then none are stored. */
-OKV_AMX static void okv_amx_pv_combine(okv_amx_ws *x, int64_t w, int64_t D) {
-    okv_amx_pvq *q = x->pq + w;
-    const int per = q->cpend ? 8 / okv_q_bits(q->cfmt) : 1;
-    const int64_t nch = per * ((okv_q_row_bytes(q->cfmt, D) + 15) / 16);
-    const float unit = (float)(1 << okv_q_bits(q->cfmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
+/* Add the stored C tiles of the pass of rows i0 .. i0 + rows - 1 of pending
+ * p.v q (format q->fmt, S_i of row i0 + i in sr[i]) to the rows'
+ * accumulators: acc_i += 2^(bits - 8) S_i ((C2 * 256 + C1) * 256 + C0),
+ * elements put back in order (okv_amx_pv_order). */
+OKV_AMX static void okv_amx_pv_combine(const okv_amx_ws *x, const okv_amx_pvq *q, int i0, int rows, const float *sr,
+                                       int64_t D) {
+    const int per = 8 / okv_q_bits(q->fmt);
+    const int64_t nch = per * ((okv_q_row_bytes(q->fmt, D) + 15) / 16);
+    const float unit = (float)(1 << okv_q_bits(q->fmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
     const __m512 f8 = _mm512_set1_ps(256.f);
-    const int32_t *pc = x->pc + w * x->tpi * x->nchp * 256;
     int64_t c;
     int i, kk;
-    if (!q->cpend) return;
-    for (i = 0; i < q->nr; i++) {
-        const int32_t *ci = pc + (i / OKV_AMX_RPT) * x->nchp * 256 + 16 * 3 * (i % OKV_AMX_RPT);
-        const __m512 f = _mm512_set1_ps(unit * q->csr[i]);
+    for (i = 0; i < rows; i++) {
+        const __m512 f = _mm512_set1_ps(unit * sr[i]);
         for (c = 0; c < nch; c += per) {   /* chunk group c / per: elements from 16 c */
             __m512 y[4], out[4];
             for (kk = 0; kk < per; kk++) {
-                const int32_t *cc = ci + 256 * (c + kk);
+                const int32_t *cc = x->pc + 256 * (c + kk) + 16 * 3 * i;
                 /* C2 * 256 + C1 exact in int32: |C2| <= 64 * 255 * 128 < 2^21 */
                 const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(cc + 32), 8),
                                                     _mm512_loadu_si512(cc + 16));
@@ -540,33 +534,29 @@ OKV_AMX static void okv_amx_pv_combine(okv_amx_ws *x, int64_t w, int64_t D) {
             okv_amx_pv_order(y, per, out);
             for (kk = 0; kk < per && 16 * (c + kk) < D; kk++) {
                 const __mmask16 dm = okv_mask16(D - 16 * (c + kk));
-                float *o = q->accr[i] + 16 * (c + kk);
+                float *o = q->accr[i0 + i] + 16 * (c + kk);
                 _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(out[kk], f, _mm512_maskz_loadu_ps(dm, o)));
             }
         }
     }
-    q->cpend = 0;
 }
 
-/* Run the pending p.v of item w (head size D), if any, on the tiles: the
- * item's earlier C tiles added first (okv_amx_pv_combine), its A tiles built
- * (rows in passes of up to OKV_AMX_RPT), up to 4 d-chunks in flight, the C
- * tiles stored for okv_amx_pv_combine to add later (when the stores have
- * long completed: reading them back at once waited on the tile stores);
- * then nothing is pending but the stored C tiles. */
+/* Run the pending p.v of item w (head size D), if any, on the tiles and add
+ * it to the item's accumulator rows: per pass of up to OKV_AMX_RPT rows, the
+ * A tile built, up to 4 chunks in flight, every chunk's C tile stored, then
+ * added (okv_amx_pv_combine); then nothing is pending. */
 OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
     okv_amx_pvq *q = x->pq + w;
     const int sgn = okv_q_signed(q->fmt), per = q->nseg ? 8 / okv_q_bits(q->fmt) : 1;
     const int64_t nch = per * ((okv_q_row_bytes(q->fmt, D) + 15) / 16);
     const uint8_t *pb = x->pb + w * x->nchp * OKV_AMX_TILE;
+    float sr[OKV_AMX_RPT];
     int i0;
     int64_t c0;
     if (!q->nseg) return;
-    okv_amx_pv_combine(x, w, D);
     for (i0 = 0; i0 < q->nr; i0 += OKV_AMX_RPT) {
         const int rows = q->nr - i0 < OKV_AMX_RPT ? q->nr - i0 : OKV_AMX_RPT;
-        int32_t *pc = x->pc + (w * x->tpi + i0 / OKV_AMX_RPT) * x->nchp * 256;
-        okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, q->csr + i0);
+        okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, sr);
         OKV_AMX_FENCE();   /* the A and B tiles are in memory */
         _tile_loadd(5, x->pa, 64);
         for (c0 = 0; c0 < nch; c0 += 4) {
@@ -583,15 +573,14 @@ OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
             OKV_AMX_PV_CHUNK(2, 6)
             OKV_AMX_PV_CHUNK(3, 7)
 #undef OKV_AMX_PV_CHUNK
-            _tile_stored(0, pc + 256 * c0, 64);
-            if (nc > 1) _tile_stored(1, pc + 256 * (c0 + 1), 64);
-            if (nc > 2) _tile_stored(2, pc + 256 * (c0 + 2), 64);
-            if (nc > 3) _tile_stored(3, pc + 256 * (c0 + 3), 64);
+            _tile_stored(0, x->pc + 256 * c0, 64);
+            if (nc > 1) _tile_stored(1, x->pc + 256 * (c0 + 1), 64);
+            if (nc > 2) _tile_stored(2, x->pc + 256 * (c0 + 2), 64);
+            if (nc > 3) _tile_stored(3, x->pc + 256 * (c0 + 3), 64);
         }
+        OKV_AMX_FENCE();   /* the C tiles are in memory before they are read */
+        okv_amx_pv_combine(x, q, i0, rows, sr, D);
     }
-    OKV_AMX_FENCE();   /* the C tiles are in memory before they are read */
-    q->cfmt = q->fmt;
-    q->cpend = 1;
     q->nseg = 0;
     q->cnt = 0;
 }
@@ -628,13 +617,12 @@ OKV_AMX static void okv_amx_pv_push(okv_amx_ws *x, int64_t w, int fmt, const flo
     q->cnt += n;
 }
 
-/* Row i of item w's pending p.v and stored C tiles times alpha (the
- * accumulator row's rescale). */
+/* Row i of item w's pending p.v times alpha (the accumulator row's
+ * rescale). */
 OKV_AMX static void okv_amx_pv_scale(okv_amx_ws *x, int64_t w, int i, float alpha) {
     float *o = x->pp + (w * OKV_RG + i) * OKV_AMX_PVK;
     int64_t t;
     for (t = 0; t < x->pq[w].cnt; t++) o[t] *= alpha;
-    x->pq[w].csr[i] *= alpha;   /* the stored C tiles' share (if any) */
 }
 #endif /* OKV_X86_SIMD */
 #endif /* ONNXKV_ATTENTION_AMX_H */

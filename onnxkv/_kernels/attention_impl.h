@@ -619,7 +619,6 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #ifdef OKV_SIMD512
     if (a->amx) {   /* the pending p.v of every item, then the tiles released */
         for (h = 0; h < ax.nitem; h++) okv_amx_pv_flush(&ax, h, D);
-        for (h = 0; h < ax.nitem; h++) okv_amx_pv_combine(&ax, h, D);
         okv_amx_end();
     }
     if (acci_used)   /* the interleaved accumulators, in natural order */
