@@ -556,17 +556,20 @@ OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
     if (!q->nseg) return;
     for (i0 = 0; i0 < q->nr; i0 += OKV_AMX_RPT) {
         const int rows = q->nr - i0 < OKV_AMX_RPT ? q->nr - i0 : OKV_AMX_RPT;
+        OKV_AMX_FENCE();   /* the B tiles are in memory */
+        _tile_loadd(6, pb, 64);   /* the first chunks' B tiles load while the A tile is built */
+        if (nch > 1) _tile_loadd(7, pb + OKV_AMX_TILE, 64);
         okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, sr);
-        OKV_AMX_FENCE();   /* the A and B tiles are in memory */
+        OKV_AMX_FENCE();   /* the A tile is in memory */
         _tile_loadd(5, x->pa, 64);
         for (c0 = 0; c0 < nch; c0 += 4) {
             const int nc = nch - c0 < 4 ? (int)(nch - c0) : 4;
-#define OKV_AMX_PV_CHUNK(T, B)                                 \
-    if ((T) < nc) {                                            \
-        _tile_zero(T);                                         \
-        _tile_loadd(B, pb + (c0 + (T)) * OKV_AMX_TILE, 64);    \
-        if (sgn) _tile_dpbusd(T, 5, B);                        \
-        else _tile_dpbuud(T, 5, B);                            \
+#define OKV_AMX_PV_CHUNK(T, B)                                                        \
+    if ((T) < nc) {                                                                   \
+        _tile_zero(T);                                                                \
+        if (c0 > 0 || (T) > 1) _tile_loadd(B, pb + (c0 + (T)) * OKV_AMX_TILE, 64);    \
+        if (sgn) _tile_dpbusd(T, 5, B);                                               \
+        else _tile_dpbuud(T, 5, B);                                                   \
     }
             OKV_AMX_PV_CHUNK(0, 6)
             OKV_AMX_PV_CHUNK(1, 7)
