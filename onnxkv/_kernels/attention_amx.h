@@ -374,17 +374,19 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
         const int64_t m = n - j0 < 16 ? n - j0 : 16;
         const uint8_t *src = k + j0 * kst;
         int64_t st = kst;
+        OKV_AMX_FENCE();   /* the B tiles are in memory */
+        _tile_zero(0);
+        if (nt > 1) _tile_zero(1);
+        _tile_loadd(3, bt, 64);   /* the first chunk's B tile loads while the keys are widened */
         if (!direct || m < 16) {
             okv_amx_expand(src, kst, m, fmt, nb, P, x);
             src = x->xs;
             st = P;
         }
-        OKV_AMX_FENCE();   /* the widened rows and the B tiles are in memory */
-        _tile_zero(0);
-        if (nt > 1) _tile_zero(1);
+        OKV_AMX_FENCE();   /* the widened rows are in memory */
         for (c = 0; c < P / 64; c++) {
             _tile_loadd(2, src + 64 * c, st);
-            _tile_loadd(3, bt + c * x->tpi * OKV_AMX_TILE, 64);
+            if (c > 0) _tile_loadd(3, bt + c * x->tpi * OKV_AMX_TILE, 64);
             if (sgn) _tile_dpbssd(0, 2, 3);
             else _tile_dpbusd(0, 2, 3);
             if (nt > 1) {
