@@ -292,12 +292,12 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
         if (bits == 8) {
             memcpy(qp, q, (size_t)D * sizeof(float));
             for (e = D; e < P; e++) qp[e] = 0.f;
-        } else {
+        } else {   /* byte U c + i's code h at position (c per + h) U + i, without divisions */
+            int64_t i, h;
             memset(qp, 0, (size_t)P * sizeof(float));
-            for (e = 0; e < D; e++) {
-                const int64_t b = e / per, h = e % per;
-                qp[(b / U) * U * per + h * U + b % U] = q[e];
-            }
+            for (c = 0; U * c * per < D; c++)
+                for (h = 0; h < per; h++)
+                    for (i = 0; i < U && (U * c + i) * per + h < D; i++) qp[(c * per + h) * U + i] = q[(U * c + i) * per + h];
         }
         for (p = 0; p < P; p += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qp + p)));
         m = _mm512_reduce_max_ps(mx);
