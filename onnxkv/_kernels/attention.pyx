@@ -188,8 +188,9 @@ def set_attention_amx(enabled: bool) -> bool:
     """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
     codes with per-head scales), and multiply the probabilities by their
     values (per-head scales; see ``_set_attention_amx_pv``), on the AMX-INT8
-    tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and AMX-INT8 and the
-    OS grants the tile state; attention_amx.h), or with AVX-512 FMAs only (to
+    tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and
+    AMX-INT8 and the OS grants the tile state; attention_amx.h), or with
+    AVX-512 FMAs only (to
     test and compare both on one machine).  Takes effect only while the
     AVX-512 tiles run (``set_attention_avx512``, ``set_simd_enabled``).
     Returns whether AMX is now enabled (False where it is not usable)."""
@@ -562,7 +563,8 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
         simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
     a.amx = 0
     if simd == OKV_ATTN_AVX512 and _amx:
-        a.amx = (OKV_AMX_QK if a.kG == 1 else 0) | (OKV_AMX_PV if _amx_pv == 2 or (_amx_pv == 1 and a.kG == 1) else 0)
+        a.amx = ((OKV_AMX_QK if a.kG == 1 else 0)
+                 | (OKV_AMX_PV if _amx_pv == 2 or (_amx_pv == 1 and a.kG == 1) else 0))
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
         a.hpu = Hkv if _paged_heads <= 0 else max(h for h in range(1, min(_paged_heads, Hkv) + 1) if Hkv % h == 0)

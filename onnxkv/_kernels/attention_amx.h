@@ -297,7 +297,8 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
             memset(qp, 0, (size_t)P * sizeof(float));
             for (c = 0; U * c * per < D; c++)
                 for (h = 0; h < per; h++)
-                    for (i = 0; i < U && (U * c + i) * per + h < D; i++) qp[(c * per + h) * U + i] = q[(U * c + i) * per + h];
+                    for (i = 0; i < U && (U * c + i) * per + h < D; i++)
+                        qp[(c * per + h) * U + i] = q[(U * c + i) * per + h];
         }
         for (p = 0; p < P; p += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qp + p)));
         m = _mm512_reduce_max_ps(mx);
@@ -439,8 +440,9 @@ OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int f
             const __mmask64 bm = okv_amx_bmask(nb - 64 * h);
             __m512i r[4], lo01, hi01, lo23, hi23, o[4];
             for (i = 0; i < 4; i++)
-                r[i] = 4 * k + i < n ? _mm512_permutexvar_epi32(tr, _mm512_maskz_loadu_epi8(bm, v + (4 * k + i) * vst + 64 * h))
-                                     : _mm512_setzero_si512();
+                r[i] = 4 * k + i < n
+                           ? _mm512_permutexvar_epi32(tr, _mm512_maskz_loadu_epi8(bm, v + (4 * k + i) * vst + 64 * h))
+                           : _mm512_setzero_si512();
             lo01 = _mm512_unpacklo_epi8(r[0], r[1]);
             hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
             lo23 = _mm512_unpacklo_epi8(r[2], r[3]);
@@ -450,10 +452,11 @@ OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int f
             o[2] = _mm512_unpacklo_epi16(hi01, hi23);
             o[3] = _mm512_unpackhi_epi16(hi01, hi23);
             for (m = 0; m < 4 && 64 * h + 16 * m < nb; m++)
-                for (kk = 0; kk < per; kk++)
+                for (kk = 0; kk < per; kk++) {   /* code kk of each byte to its top bits */
+                    const unsigned sh = (unsigned)(8 - bits * (kk + 1));
                     _mm512_storeu_si512(pb + (per * (4 * h + m) + kk) * OKV_AMX_TILE + 64 * (k0 + k),
-                                        bits == 8 ? o[m]
-                                                  : _mm512_and_si512(_mm512_slli_epi32(o[m], (unsigned)(8 - bits * (kk + 1))), top));
+                                        bits == 8 ? o[m] : _mm512_and_si512(_mm512_slli_epi32(o[m], sh), top));
+                }
         }
 }
 
@@ -500,8 +503,8 @@ OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_w
         sr[i] = m > 0.f ? m / OKV_AMX_PMAX : 0.f;
         inv = _mm512_set1_ps(m > 0.f ? OKV_AMX_PMAX / m : 0.f);
         for (t = 0; t < OKV_AMX_PVK; t += 16) {   /* zero digits past n */
-            const __m512i pi = _mm512_min_epi32(
-                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(okv_mask16(n > t ? n - t : 0), pr + t), inv)), top);
+            const __m512 pv = _mm512_maskz_loadu_ps(okv_mask16(n > t ? n - t : 0), pr + t);
+            const __m512i pi = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(pv, inv)), top);
             uint8_t *a = x->pa + 3 * i * 64 + t;
             _mm_storeu_si128((__m128i *)a, _mm512_cvtepi32_epi8(pi));
             _mm_storeu_si128((__m128i *)(a + 64), _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 8)));

@@ -517,7 +517,10 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #if defined(OKV_MIXED) && defined(OKV_SIMD512)
                         const okv_pf pfn = {pft.k ? pft.k + hw * pf.khs : NULL, pft.v ? pft.v + hw * pf.vhs : NULL,
                                             pft.ks, pft.vs, pft.n, pft.hint};
-                        const okv_pf *pfp = rg != 0 ? &nopf : (a->amx & OKV_AMX_QK) ? &pfn : hw + 1 == nh ? &pft : &pfh;
+                        const okv_pf *pfp = rg != 0                  ? &nopf
+                                            : (a->amx & OKV_AMX_QK) ? &pfn
+                                            : hw + 1 == nh          ? &pft
+                                                                    : &pfh;
 #else
                         const okv_pf *pfp = rg != 0 ? &nopf : hw + 1 == nh ? &pft : &pfh;
 #endif
@@ -584,7 +587,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                                 zc[hw * R + rr] *= alpha;
                                 if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
 #ifdef OKV_SIMD512
-                                if (a->amx & OKV_AMX_PV) okv_amx_pv_scale(&ax, w - 1, i, alpha);   /* its pending p.v */
+                                if (a->amx & OKV_AMX_PV) okv_amx_pv_scale(&ax, w - 1, i, alpha);   /* pending p.v */
 #endif
 #endif
                             }
@@ -594,7 +597,8 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     }
 #ifdef OKV_MIXED
 #ifdef OKV_SIMD512
-                    if ((a->amx & OKV_AMX_PV) && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {   /* per-head scales: AMX */
+                    /* per-head value scales (>= 0: the AMX digits are unsigned) on AMX */
+                    if ((a->amx & OKV_AMX_PV) && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {
                         okv_pv_amx(&ax, w - 1, pg.vf, sw, nr, vh + (u0 - j0) * pg.vst, pg.vst, n, D, accr, &dv,
                                    zc + hw * R + rg);
                     } else

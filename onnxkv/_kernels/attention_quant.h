@@ -378,8 +378,8 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 
 #ifdef OKV_SIMD512
 /* okv_qk_fmt for quantized keys of format fmt with per-head scales on the
- * AMX tiles (attention_amx.h; a->amx & OKV_AMX_QK, so a->kG == 1): n keys at k, kst bytes
- * apart, scored for the nr rows qr of work item w (a (head, row group) of the
+ * AMX tiles (attention_amx.h; a->amx & OKV_AMX_QK, so a->kG == 1): n keys at
+ * k, kst bytes apart, scored for the nr rows qr of work item w (a (head, row group) of the
  * unit) into s.  Item w's B tiles are built from qr at its first page of this
  * code order and kept (x->tag[w]); the head's scale and zero point fold in
  * as in okv_qk_fmt.  (Per-channel key scales change the folded rows every
@@ -400,8 +400,8 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, const float *
 }
 
 /* okv_pv_fmt for quantized values of format fmt with per-head scales s >= 0
- * on the AMX tiles (a->amx & OKV_AMX_PV, a->vG == 1): acc rows accr += p * V of the n value
- * rows at v (vst bytes apart) for the nr rows of work item w, by the item's
+ * on the AMX tiles (a->amx & OKV_AMX_PV, a->vG == 1): acc rows accr += p * V
+ * of the n value rows at v (vst bytes apart) for the nr rows of work item w, by the item's
  * pending p.v (okv_amx_pv_push: the sums reach accr at the latest when the
  * unit runs every pending p.v at its end); the zero point's share is added
  * to zc now (okv_pv_zc).  p is not modified.  (Per-channel value scales keep
