@@ -37,11 +37,11 @@ INTS = (3, 2, 22, 21, 26, 25)          # int8, uint8, int4, uint4, int2, uint2
 NAMES = {3: "i8", 2: "u8", 22: "i4", 21: "u4", 26: "i2", 25: "u2"}
 
 
-def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False):
+def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False, vG=1):
     """Random q and a paged cache of the given page formats (QPaged: page ids
     shuffled, per page format kspec / vspec: a code or a tuple to pick from);
     kG 1 (per head), "D" (per channel) or "Dc" (per channel, compact key
-    headers).  spread: query rows scaled by factors from 1e-3 to 8 and the
+    headers); vG 1 (values per head) or D (per channel).  spread: query rows scaled by factors from 1e-3 to 8 and the
     first row of every batch all zeros.  Returns (q, pages, kv_len, q_pos,
     scale, twin result)."""
     rng = np.random.default_rng(seed)
@@ -53,7 +53,7 @@ def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False):
         q[:, 0, 0] = 0.0
     k, v = rand(rng, (B, Hkv, Cap, D)), rand(rng, (B, Hkv, Cap, D))
     header = "compact" if kG == "Dc" else "float32"
-    pg = QPaged(rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), D if kG in ("D", "Dc") else 1, 1,
+    pg = QPaged(rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), D if kG in ("D", "Dc") else 1, vG,
                 header)
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
     scale = D ** -0.5
@@ -133,6 +133,15 @@ def test_every_value_format_and_zero_points(vfmt, kG):
     Hkv = pg.kd.shape[1]
     zero = np.concatenate([np.frombuffer(p.tobytes()[4 * Hkv:8 * Hkv], np.float32) for p in pg.pages["v"]])
     assert (np.count_nonzero(zero) > 0) == (vfmt in (2, 21, 25))   # unsigned: asymmetric, zero points != 0
+    check(q, pg, kv_len, q_pos, scale, want)
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
+def test_per_channel_values_keep_the_avx512_tiles(kG):
+    # per-channel value scales are not routed to AMX p.v: the same results with every mode
+    q, pg, kv_len, q_pos, scale, want = build(650, (3, 22, 2), (3, 21, 25), kG, 16, 4, 64, 16, (61, 130), vG=64)
+    assert pg.group["v"] == 64
     check(q, pg, kv_len, q_pos, scale, want)
 
 
