@@ -416,10 +416,11 @@ static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
 static inline int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq) {
 #if OKV_X86_SIMD
     const int64_t R = a->Hq / a->Hkv * tq, w2 = a->prefill_rg;
+    const int pv = (a->amx & OKV_AMX_PV) != 0;   /* the p.v scratch too */
     int64_t b1, b2;
     if (!a->amx || !a->k_fmt) return 0;
-    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG);
-    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2);
+    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG, pv);
+    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2, pv);
     return (b1 > b2 ? b1 : b2) / 4;
 #else
     (void)a;

@@ -173,18 +173,20 @@ typedef struct {
 static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
 
 /* Bytes of okv_amx_ws for head size D, nitem work items (head, row group) of
- * at most rgw rows each (a multiple of 64). */
-static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
+ * at most rgw rows each, with the p.v scratch or not (pv; a multiple of 64). */
+static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw, int pv) {
     const int64_t Pm = okv_amx_pmax(D), tpi = rgw > OKV_AMX_RPT ? 2 : 1;
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
            okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
-           okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) + nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE +
-           (nitem + 1) * 4 * ((D + 63) / 64) * OKV_AMX_TILE;
+           okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) +
+           (pv ? nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE + (nitem + 1) * 4 * ((D + 63) / 64) * OKV_AMX_TILE
+               : 0);
 }
 
-/* Lay out okv_amx_ws_bytes(D, nitem, rgw) bytes at mem (64-byte aligned); no
- * B tiles built yet, no p.v pending. */
-static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw) {
+/* Lay out okv_amx_ws_bytes(D, nitem, rgw, pv) bytes at mem (64-byte
+ * aligned); no B tiles built yet, no p.v pending.  pv == 0: no p.v scratch
+ * (pp, pa, pb, pc NULL; only the empty pending p.v of the items). */
+static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw, int pv) {
     int64_t i;
     x->Pm = okv_amx_pmax(D);
     x->nchm = x->Pm / 64;
@@ -212,14 +214,18 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
         x->pq[i].cnt = 0;
         x->pq[i].fmt = OKV_FMT_I8;
     }
+    x->nchp = 4 * ((D + 63) / 64);
+    x->pa_rows = 0;
+    x->pp = NULL;
+    x->pa = x->pb = NULL;
+    x->pc = NULL;
+    if (!pv) return;
     x->pp = (float *)mem;
     mem += nitem * OKV_RG * OKV_AMX_PVK * 4;
     x->pa = (uint8_t *)mem;
     memset(x->pa, 0, OKV_AMX_TILE);
-    x->pa_rows = 0;
     mem += OKV_AMX_TILE;
     x->pb = (uint8_t *)mem;
-    x->nchp = 4 * ((D + 63) / 64);
     mem += nitem * x->nchp * OKV_AMX_TILE;
     x->pc = (int32_t *)mem;
 }

@@ -415,7 +415,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #if defined(OKV_MIXED) && defined(OKV_SIMD512)
     if (a->amx) {   /* B tiles per (head, row group) item, after the float workspace; tiles configured */
         okv_amx_ws_init(&ax, (char *)(ws + okv_attn_ws_floats(RT, D)), D, nh * ((R + rgw - 1) / rgw),
-                        R < rgw ? R : rgw);
+                        R < rgw ? R : rgw, (a->amx & OKV_AMX_PV) != 0);
         okv_amx_begin();
     }
 #endif
