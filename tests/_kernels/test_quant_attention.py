@@ -345,8 +345,8 @@ def test_compact_key_headers_of_random_bytes(fmt, kG, threads, simd):
 
 
 def test_workspace_does_not_grow_with_the_cache():
-    # with AMX (where usable) the workspace also holds every (head, row group) item's pending p.v (its B and C
-    # tiles): larger, but just as independent of the cache
+    # with AMX (where usable) the workspace also holds every (head, row group) item's pending p.v (its B tiles and
+    # probabilities): larger, but just as independent of the cache
     attn = sys.modules["onnxkv._kernels.attention"]
     old = K.get_num_threads()
     K.set_num_threads(1)
