@@ -20,10 +20,11 @@ there, as fast on that memory-bound stream), AVX2+FMA+F16C (8 lanes) and
 scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
 (False)`` keeps AVX2 (tests and benchmarks run all three on one machine);
 ``attention_simd_level()`` names the one in use.  Inside the AVX-512 tiles,
-paged_attention scores the keys of quantized pages with per-head scales, and
-then multiplies the probabilities by quantized values with per-head scales,
-on the AMX-INT8 tiles where the CPU and OS allow it (level "avx512+amx";
-``set_attention_amx(False)`` keeps AVX-512 FMAs).
+paged_attention scores the keys of quantized pages with per-head scales on
+the AMX-INT8 tiles where the CPU and OS allow it (level "avx512+amx";
+``set_attention_amx(False)`` keeps AVX-512 FMAs), and can multiply the
+probabilities by quantized values with per-head scales there too
+(``_set_attention_amx_pv``, off by default).
 
 Paged caches may give every page its own format (k_formats / v_formats:
 float32, float16, bfloat16, or 8/4/2-bit codes with a per-page header of
@@ -186,9 +187,9 @@ cdef int _amx = _amx_usable
 
 def set_attention_amx(enabled: bool) -> bool:
     """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
-    codes with per-head scales), and multiply the probabilities by their
-    values (per-head scales; see ``_set_attention_amx_pv``), on the AMX-INT8
-    tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and
+    codes with per-head scales), and if ``_set_attention_amx_pv`` says so
+    multiply the probabilities by their values (per-head scales), on the
+    AMX-INT8 tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and
     AMX-INT8 and the OS grants the tile state; attention_amx.h), or with
     AVX-512 FMAs only (to
     test and compare both on one machine).  Takes effect only while the
@@ -199,16 +200,19 @@ def set_attention_amx(enabled: bool) -> bool:
     return bool(_amx)
 
 
-cdef int _amx_pv = 1   # p.v on AMX: 0 never, 1 when the keys are on AMX too (per-head key scales), 2 always
+cdef int _amx_pv = 0   # p.v on AMX: 0 never, 1 when the keys are on AMX too (per-head key scales), 2 always
 
 
 def _set_attention_amx_pv(mode):
     """Private switch for tests and benchmarks: probabilities times values of
     quantized pages with per-head value scales on the AMX-INT8 tiles while
-    AMX is enabled (``set_attention_amx``): 0 never, 1 (default) only in calls
-    whose keys AMX scores too (per-head key scales; with per-channel keys,
-    scored by AVX-512 FMAs, AMX p.v measured slower), 2 always.  Returns the
-    old mode."""
+    AMX is enabled (``set_attention_amx``): 0 (default) never, 1 only in
+    calls whose keys AMX scores too (per-head key scales), 2 always.  Off by
+    default: at 16384 tokens on 2 threads (bench_quant_decode shapes, variants
+    interleaved in shuffled order) it measured slower than AVX-512 p.v behind
+    AMX keys (int8 2.18 vs 2.08 ms, int4 1.76 vs 1.62 ms; per-channel keys
+    3.27 vs 2.65 ms), faster only on cache-resident data (1024 tokens, one
+    thread: int4 about 8% faster).  Returns the old mode."""
     global _amx_pv
     old = _amx_pv
     _amx_pv = min(2, max(0, int(mode)))

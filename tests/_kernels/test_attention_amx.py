@@ -62,7 +62,7 @@ def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False, vG
     return q, pg, kv_len, q_pos, scale, want
 
 
-MODES = ((False, 1), (True, 0), (True, 2))   # (AMX, p.v mode): AVX-512 only, AMX keys only, AMX keys and p.v
+MODES = ((False, 0), (True, 0), (True, 2))   # (AMX, p.v mode): AVX-512 only, AMX keys only (default), AMX keys and p.v
 
 
 def check(q, pg, kv_len, q_pos, scale, want):
@@ -87,9 +87,9 @@ def check(q, pg, kv_len, q_pos, scale, want):
                 counters = pg.kernel(q, Hkv, kv_len, q_pos, scale, 0.0, -1, out)
                 np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
                 got[amx, pv], stats[amx, pv] = out, counters
-            base = stats[False, 1]
+            base = stats[False, 0]
             for mode in MODES[1:]:
-                np.testing.assert_allclose(got[mode], got[False, 1], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(got[mode], got[False, 0], rtol=1e-5, atol=1e-5)
                 assert stats[mode]["dequantized_bytes"] == base["dequantized_bytes"]
             assert (base["dequantized_bytes"] > 0) == quantized
             pv_ws = stats[True, 2]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
@@ -100,7 +100,7 @@ def check(q, pg, kv_len, q_pos, scale, want):
         K.set_num_threads(old)
         reset_level()
         A.set_attention_amx(True)
-        A._set_attention_amx_pv(1)
+        A._set_attention_amx_pv(0)
     return got[True, 2]
 
 
@@ -175,7 +175,7 @@ def test_long_context_and_peaked_rows(vfmt):
         K.set_num_threads(old)
         reset_level()
         A.set_attention_amx(True)
-        A._set_attention_amx_pv(1)
+        A._set_attention_amx_pv(0)
 
 
 @needs_amx
@@ -228,6 +228,9 @@ def test_switch_and_level_name():
         assert A.attention_simd_level() == ("avx512" if AVX512 else "avx2")
         assert A.set_attention_amx(True) is AMX
         assert A.attention_simd_level() == ("avx512+amx" if AMX else "avx512" if AVX512 else "avx2")
+        assert A._set_attention_amx_pv(2) == 0     # p.v on AMX: off by default, the old mode returned
+        assert A._set_attention_amx_pv(7) == 2     # clamped to 0..2
+        assert A._set_attention_amx_pv(0) == 2
         A.set_attention_avx512(False)       # AMX runs inside the AVX-512 tiles only
         assert A.attention_simd_level() == "avx2"
         K.set_simd_enabled(False)
