@@ -407,6 +407,7 @@ def main(argv=None):
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, "
                               "past/present bound to the same buffer via IOBinding (float32)",
                       "onnxkv": "onnxkv._kernels.attention (float32 on the same buffer; float16/bfloat16 copies)",
+                      "attention_isa": sys.modules["onnxkv._kernels.attention"].attention_simd_level(),
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                       "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
                       "omp_wait_policy_set_by_user": _OMP_WAIT_POLICY_BEFORE_IMPORT is not None,

@@ -36,7 +36,15 @@ pages; int8_kivi: the "int8" policy's); committed bytes int8 and int8_kivi <= 0.
 int4 <= 0.14x float32.
 
     python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
-        [--repeat N] [--no-ort] [--isa auto|avx2] [--out FILE]
+        [--repeat N] [--no-ort] [--isa auto|avx512|avx2] [--amx-pv off|keys|all] [--out FILE]
+
+--isa: the attention tiles -- auto (AVX-512 where usable, keys of quantized
+pages on AMX-INT8 where usable: level "avx512+amx"), avx512 (AVX-512 without
+AMX) or avx2; the level in use is recorded as config.attention_isa.
+--amx-pv: with AMX, probabilities times values of quantized pages with
+per-head value scales on AMX too -- off (default, as the library), keys (in
+calls whose keys are on AMX, i.e. per-head key scales) or all; recorded as
+config.attention_amx_pv.
 """
 from __future__ import annotations
 
@@ -55,6 +63,7 @@ from onnxkv.alloc import SystemAllocator  # noqa: E402
 from onnxkv.cache import formats  # noqa: E402
 
 BS = 16
+AMX_PV = {"off": 0, "keys": 1, "all": 2}   # --amx-pv: modes of attention._set_attention_amx_pv
 RECENT = 1024        # mixed variant: tokens kept float32
 INT8, INT4, UINT8, F32 = 3, 22, 2, 1
 BARS = {"ctx": 16384, "threads": 2,
@@ -203,19 +212,26 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768])
     ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
-    ap.add_argument("--isa", choices=("auto", "avx2"), default="auto",
-                    help="attention tiles: auto (AVX-512 where usable) or avx2 (to compare)")
+    ap.add_argument("--isa", choices=("auto", "avx512", "avx2"), default="auto",
+                    help="attention tiles: auto (AVX-512 and AMX where usable), avx512 (no AMX) or avx2 "
+                         "(to compare)")
+    ap.add_argument("--amx-pv", choices=tuple(AMX_PV), default="off",
+                    help="with AMX: probabilities times values on AMX too -- off (the library's default: keys only), "
+                         "keys (when the keys are on AMX: per-head key scales) or all (also behind AVX-512 "
+                         "per-channel key scores)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     attn = sys.modules["onnxkv._kernels.attention"]
-    attn.set_attention_avx512(args.isa == "auto")
+    attn.set_attention_avx512(args.isa != "avx2")
+    attn.set_attention_amx(args.isa == "auto")
+    attn._set_attention_amx_pv(AMX_PV[args.amx_pv])
     if any(c % BS or c < RECENT for c in args.contexts):
         ap.error(f"contexts must be multiples of {BS} and >= {RECENT}")
 
     doc = {"benchmark": "quant_decode_attention", "machine": machine(), "versions": versions("onnxruntime"),
            "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "Sq": 1, "block_size": BS, "contexts": args.contexts,
                       "threads": args.threads, "repeat": args.repeat, "bars": BARS,
-                      "attention_isa": attn.attention_simd_level(),
+                      "attention_isa": attn.attention_simd_level(), "attention_amx_pv": args.amx_pv,
                       "quantization": "symmetric, zero point 0, round half to even; per-head scales unless named",
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
                               "bound to the same float32 buffer via IOBinding"},

@@ -28,7 +28,12 @@
  * Instruction sets (okv_attn_unit's simd): OKV_ATTN_SCALAR, OKV_ATTN_AVX2
  * (8-lane tiles) or OKV_ATTN_AVX512 (16-lane tiles and softmax steps; only
  * when okv_cpu_avx512_ok(); float32 K/V keep the AVX2 tiles, which are as
- * fast on this memory-bound stream).
+ * fast on this memory-bound stream).  With a->amx (okv_cpu_amx_ok(), per-page
+ * formats) the AVX-512 unit scores the keys of quantized pages with per-head
+ * key scales (OKV_AMX_QK) and / or multiplies the probabilities by quantized
+ * values with per-head scales (OKV_AMX_PV) on the AMX-INT8 tiles
+ * (attention_amx.h); a work unit then needs okv_attn_amx_ws_floats more
+ * workspace.
  *
  * Per-page formats (paged only, k_fmt / v_fmt != NULL): page id p of the K
  * (V) plane has the format k_fmt[p] (v_fmt[p]), an ONNX element type code of
@@ -48,6 +53,9 @@
 #define OKV_BK 32      /* keys per streamed block */
 #define OKV_MAX_TQ 64  /* max query tokens per work unit */
 #define OKV_RG 8       /* query rows sharing one K/V row load (one row group) */
+
+#define OKV_AMX_QK 1   /* okv_attn_args.amx: key scores on AMX */
+#define OKV_AMX_PV 2   /* okv_attn_args.amx: p.v on AMX */
 
 #define OKV_KV_F32 0
 #define OKV_KV_F16 1
@@ -76,6 +84,11 @@ typedef struct {
     const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
     int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
     int k_compact;                 /* quantized K pages: 0 float32 header, 1 compact header (quant.h) */
+    int amx;                       /* OKV_AMX_QK | OKV_AMX_PV bits: the AVX-512 unit of per-page formats
+                                    * scores quantized keys (QK: kG == 1 only) and / or multiplies the
+                                    * probabilities by quantized values (PV: their per-head scales only) on
+                                    * the AMX-INT8 tiles (attention_amx.h; the caller checked
+                                    * okv_cpu_amx_ok()); 0: neither */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -259,6 +272,15 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #define okv_dot_f32_avx512 okv_dot_f32_avx2
 #endif
 
+/* Floats of workspace one work unit of R rows needs (attention_impl.h: for
+ * every row its accumulator, max, sum, query sum, zero-point correction, and,
+ * with 4-bit pages on AVX-512, an interleaved query row and accumulator; two
+ * score slots of OKV_RG rows; OKV_RG folded query rows), rounded up to whole
+ * 64-byte lines so that per-thread workspaces never share a cache line. */
+static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
+    return (R * (3 * D + 4) + OKV_RG * (D + 2 * OKV_BK) + 15) & ~(int64_t)15;
+}
+
 /* One instantiation of attention_impl.h per (instruction set, K/V element type).
  * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p, d): element d of
  * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 and
@@ -342,6 +364,8 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #undef OKV_SFX
 #undef OKV_ATTR
 
+#include "attention_amx.h"
+
 /* AVX-512 (16 lanes).  Float32 K/V take the AVX2 unit and tiles (aliases
  * below): streaming float32 is memory bound, and 16 lanes measured no faster
  * on 2 threads and ~4% slower on one (16384 keys, GQA 32/8, D 128). */
@@ -385,13 +409,24 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #undef OKV_ATTR
 #endif
 
-/* Floats of workspace one work unit of R rows needs (attention_impl.h: for
- * every row its accumulator, max, sum, query sum, zero-point correction, and,
- * with 4-bit pages on AVX-512, an interleaved query row and accumulator; two
- * score slots of OKV_RG rows; OKV_RG folded query rows), rounded up to whole
- * 64-byte lines so that per-thread workspaces never share a cache line. */
-static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
-    return (R * (3 * D + 4) + OKV_RG * (D + 2 * OKV_BK) + 15) & ~(int64_t)15;
+/* Floats of the AMX scratch (attention_amx.h) a work unit of nt <= tq query
+ * tokens needs after its okv_attn_ws_floats (0 unless a->amx with per-page
+ * formats): B tiles of every (head, row group) item, for either row-group
+ * width the unit may pick (attention_impl.h). */
+static inline int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq) {
+#if OKV_X86_SIMD
+    const int64_t R = a->Hq / a->Hkv * tq, w2 = a->prefill_rg;
+    const int pv = (a->amx & OKV_AMX_PV) != 0;   /* the p.v scratch too */
+    int64_t b1, b2;
+    if (!a->amx || !a->k_fmt) return 0;
+    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG, pv);
+    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2, pv);
+    return (b1 > b2 ? b1 : b2) / 4;
+#else
+    (void)a;
+    (void)tq;
+    return 0;
+#endif
 }
 
 /* Floats of one partial state block (R rows of max, sum, acc[D]), whole lines. */

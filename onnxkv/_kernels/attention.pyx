@@ -19,7 +19,12 @@ the default where the CPU and OS support it; float32 K/V keep the 8-lane tiles
 there, as fast on that memory-bound stream), AVX2+FMA+F16C (8 lanes) and
 scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
 (False)`` keeps AVX2 (tests and benchmarks run all three on one machine);
-``attention_simd_level()`` names the one in use.
+``attention_simd_level()`` names the one in use.  Inside the AVX-512 tiles,
+paged_attention scores the keys of quantized pages with per-head scales on
+the AMX-INT8 tiles where the CPU and OS allow it (level "avx512+amx";
+``set_attention_amx(False)`` keeps AVX-512 FMAs), and can multiply the
+probabilities by quantized values with per-head scales there too
+(``_set_attention_amx_pv``, off by default).
 
 Paged caches may give every page its own format (k_formats / v_formats:
 float32, float16, bfloat16, or 8/4/2-bit codes with a per-page header of
@@ -62,6 +67,7 @@ cdef extern from "attention.h" nogil:
         const uint8_t *v_fmt
         int64_t kG, vG
         int k_compact
+        int amx
     int OKV_BK
     int OKV_KV_F32
     int OKV_KV_F16
@@ -69,6 +75,9 @@ cdef extern from "attention.h" nogil:
     int OKV_MAX_TQ
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
     int64_t okv_attn_part_floats(int64_t R, int64_t D)
+    int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq)
+    int OKV_AMX_QK
+    int OKV_AMX_PV
     float *okv_align64(float *p)
     int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                           int64_t c1, float *ws, float *part, int64_t pstride, int simd)
@@ -81,6 +90,7 @@ cdef extern from "attention.h" nogil:
 
 cdef extern from "simd.h" nogil:
     int okv_cpu_avx512_ok()
+    int okv_cpu_amx_ok()
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256
@@ -96,7 +106,8 @@ cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd, int64_t *stats) 
     """Query tiles of whole units; stats[0] += quantized bytes loaded,
     stats[1] = bytes of workspace allocated."""
     cdef int64_t G = a.Hq // a.Hkv, upb = a.Hkv // a.hpu, units = a.B * upb, ntiles = (a.Sq + tq - 1) // tq
-    cdef int64_t ntask = units * ntiles, i, u, t0, t1, wsz = okv_attn_ws_floats(a.hpu * G * tq, a.D), nb = 0
+    cdef int64_t ntask = units * ntiles, i, u, t0, t1, nb = 0
+    cdef int64_t wsz = okv_attn_ws_floats(a.hpu * G * tq, a.D) + okv_attn_amx_ws_floats(a, tq)
     cdef float *ws0
     cdef float *ws
     if ntask < nt:
@@ -124,7 +135,8 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd, int64_t *st
     includes the partial states)."""
     cdef int64_t G = a.Hq // a.Hkv, units = a.B * a.Hkv, R = G * a.Sq, nb = 0
     cdef int64_t ntask = a.B * (a.Hkv // a.hpu) * nchunks, i, u
-    cdef int64_t wsz = okv_attn_ws_floats(a.hpu * R, a.D), psz = okv_attn_part_floats(R, a.D)
+    cdef int64_t wsz = okv_attn_ws_floats(a.hpu * R, a.D) + okv_attn_amx_ws_floats(a, a.Sq)
+    cdef int64_t psz = okv_attn_part_floats(R, a.D)
     cdef float *ws0
     cdef float *parts0
     cdef float *ws
@@ -169,10 +181,53 @@ def set_attention_avx512(enabled: bool) -> bool:
     return bool(_avx512)
 
 
+cdef int _amx_usable = okv_cpu_amx_ok()
+cdef int _amx = _amx_usable
+
+
+def set_attention_amx(enabled: bool) -> bool:
+    """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
+    codes with per-head scales), and if ``_set_attention_amx_pv`` says so
+    multiply the probabilities by their values (per-head scales), on the
+    AMX-INT8 tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and
+    AMX-INT8 and the OS grants the tile state; attention_amx.h), or with
+    AVX-512 FMAs only (to
+    test and compare both on one machine).  Takes effect only while the
+    AVX-512 tiles run (``set_attention_avx512``, ``set_simd_enabled``).
+    Returns whether AMX is now enabled (False where it is not usable)."""
+    global _amx
+    _amx = _amx_usable if enabled else 0
+    return bool(_amx)
+
+
+cdef int _amx_pv = 0   # p.v on AMX: 0 never, 1 when the keys are on AMX too (per-head key scales), 2 always
+
+
+def _set_attention_amx_pv(mode):
+    """Private switch for tests and benchmarks: probabilities times values of
+    quantized pages with per-head value scales on the AMX-INT8 tiles while
+    AMX is enabled (``set_attention_amx``): 0 (default) never, 1 only in
+    calls whose keys AMX scores too (per-head key scales), 2 always.  Off by
+    default: at 16384 tokens on 2 threads (bench_quant_decode shapes, variants
+    interleaved in shuffled order) it measured slower than AVX-512 p.v behind
+    AMX keys (int8 2.18 vs 2.08 ms, int4 1.76 vs 1.62 ms; per-channel keys
+    3.27 vs 2.65 ms), faster only on cache-resident data (1024 tokens, one
+    thread: int4 about 8% faster).  Returns the old mode."""
+    global _amx_pv
+    old = _amx_pv
+    _amx_pv = min(2, max(0, int(mode)))
+    return old
+
+
 def attention_simd_level() -> str:
-    """The instruction set attention / paged_attention run now: "avx512",
+    """The instruction set attention / paged_attention run now:
+    "avx512+amx" (AVX-512 tiles, quantized pages on AMX-INT8), "avx512",
     "avx2" or "scalar"."""
-    return ("avx512" if _avx512 else "avx2") if okv_simd() else "scalar"
+    if not okv_simd():
+        return "scalar"
+    if not _avx512:
+        return "avx2"
+    return "avx512+amx" if _amx else "avx512"
 
 
 cdef int _prefetch = 2
@@ -491,6 +546,7 @@ cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64
     a.kG = 1
     a.vG = 1
     a.k_compact = 0
+    a.amx = 0
 
 
 cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
@@ -509,6 +565,10 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
     # page (all heads, head-major) front to back instead of one short run per head.
     if okv_simd():
         simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
+    a.amx = 0
+    if simd == OKV_ATTN_AVX512 and _amx:
+        a.amx = ((OKV_AMX_QK if a.kG == 1 else 0)
+                 | (OKV_AMX_PV if _amx_pv == 2 or (_amx_pv == 1 and a.kG == 1) else 0))
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
         a.hpu = Hkv if _paged_heads <= 0 else max(h for h in range(1, min(_paged_heads, Hkv) + 1) if Hkv % h == 0)

@@ -378,6 +378,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     int acci_used = 0;                /* set at the first tile that needs them */
 #ifdef OKV_SIMD512
     int qi_ready = 0;
+    okv_amx_ws ax;                    /* a->amx: scratch, B tiles and pending p.v of the AMX tiles */
 #endif
 #endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
@@ -411,6 +412,13 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     }
 #endif
 
+#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+    if (a->amx) {   /* B tiles per (head, row group) item, after the float workspace; tiles configured */
+        okv_amx_ws_init(&ax, (char *)(ws + okv_attn_ws_floats(RT, D)), D, nh * ((R + rgw - 1) / rgw),
+                        R < rgw ? R : rgw, (a->amx & OKV_AMX_PV) != 0);
+        okv_amx_begin();
+    }
+#endif
     pg.start = pg.end = pf.start = pf.end = INT64_MIN;
     /* Tiles of up to OKV_BK keys inside one page, each starting at a key some
      * token sees: keys (and pages) no token sees are skipped. */
@@ -501,10 +509,21 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     it[w & 1].u0 = u0;
                     it[w & 1].u1 = u1;
                     if (u0 < u1) {
-                        /* the prefetch by the first row group only */
+                        /* the prefetch by the first row group only: head h+1's rows of this tile (after
+                         * the last head: head hk0's of the next tile); AMX key scores (a->amx, several
+                         * times faster per head) prefetch head h's rows of the next tile instead */
                         const okv_pf pfh = {kh + pg.khs, vt + (hw + 1) * pg.vhs, pg.kst, pg.vst,
                                             a->prefetch ? j1 - j0 : 0, a->prefetch};
+#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+                        const okv_pf pfn = {pft.k ? pft.k + hw * pf.khs : NULL, pft.v ? pft.v + hw * pf.vhs : NULL,
+                                            pft.ks, pft.vs, pft.n, pft.hint};
+                        const okv_pf *pfp = rg != 0                  ? &nopf
+                                            : (a->amx & OKV_AMX_QK) ? &pfn
+                                            : hw + 1 == nh          ? &pft
+                                                                    : &pfh;
+#else
                         const okv_pf *pfp = rg != 0 ? &nopf : hw + 1 == nh ? &pft : &pfh;
+#endif
                         float *sw = sc + (w & 1) * OKV_RG * OKV_BK;
 #ifdef OKV_MIXED
                         const okv_dq dk = okv_dq_head(a, &pg, 1, hw);
@@ -517,6 +536,12 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                             }
                             qi_ready = 1;
                         }
+#endif
+#ifdef OKV_SIMD512
+                        if ((a->amx & OKV_AMX_QK) && okv_q_bits(pg.kf))
+                            okv_qk_amx(&ax, w, pg.kf, qr, nr, kh + (u0 - j0) * pg.kst, pg.kst, u1 - u0, D, scale, sw,
+                                       &dk, pfp, qsum + hw * R + rg);
+                        else
 #endif
                         OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, u1 - u0, D, scale,
                                           sw, &dk, pfp, qb, qsum + hw * R + rg);
@@ -561,6 +586,9 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #ifdef OKV_MIXED
                                 zc[hw * R + rr] *= alpha;
                                 if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
+#ifdef OKV_SIMD512
+                                if (a->amx & OKV_AMX_PV) okv_amx_pv_scale(&ax, w - 1, i, alpha);   /* pending p.v */
+#endif
 #endif
                             }
                             mxh[rr] = mnew;
@@ -568,12 +596,21 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                     }
 #ifdef OKV_MIXED
-                    if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
-                        memset(acci, 0, (size_t)(RT * D) * sizeof(float));
-                        acci_used = 1;
+#ifdef OKV_SIMD512
+                    /* per-head value scales (>= 0: the AMX digits are unsigned) on AMX */
+                    if ((a->amx & OKV_AMX_PV) && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {
+                        okv_pv_amx(&ax, w - 1, pg.vf, sw, nr, vh + (u0 - j0) * pg.vst, pg.vst, n, D, accr, &dv,
+                                   zc + hw * R + rg);
+                    } else
+#endif
+                    {
+                        if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
+                            memset(acci, 0, (size_t)(RT * D) * sizeof(float));
+                            acci_used = 1;
+                        }
+                        OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir,
+                                          &dv, zc + hw * R + rg);
                     }
-                    OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir, &dv,
-                                      zc + hw * R + rg);
 #else
                     OKV_F(okv_pv_rows)(sw, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, NULL);
 #endif
@@ -584,6 +621,10 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 
 #ifdef OKV_MIXED
 #ifdef OKV_SIMD512
+    if (a->amx) {   /* the pending p.v of every item, then the tiles released */
+        for (h = 0; h < ax.nitem; h++) okv_amx_pv_flush(&ax, h, D);
+        okv_amx_end();
+    }
     if (acci_used)   /* the interleaved accumulators, in natural order */
         for (r = 0; r < RT; r++) okv_q4_add_nat(acci + r * D, acc + r * D, D);
 #endif

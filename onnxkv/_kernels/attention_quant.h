@@ -179,17 +179,22 @@ static inline void okv_qk_zp(const float *qsum, int nr, int64_t n, float c, floa
     okv_qk_sub_rows(s, nr, n, x);
 }
 
-/* Per-head scale and zero point of values: zc[r] += s z sum_j p_j (the
- * correction the work unit subtracts from every element of accumulator row r
- * at its end, rescaled with the row), then p_j *= s (rows r*OKV_BK, j < n). */
+/* Per-head zero point of values: zc[r] += s z sum_j p_j (the correction the
+ * work unit subtracts from every element of accumulator row r at its end,
+ * rescaled with the row; rows r*OKV_BK, j < n). */
+static inline void okv_pv_zc(const float *p, int nr, int64_t n, float *zc, const okv_dq *dq) {
+    int r;
+    if (dq->z1 != 0.f)
+        for (r = 0; r < nr; r++) zc[r] += dq->s1 * dq->z1 * okv_sum8_f32(p + r * OKV_BK, n);
+}
+
+/* Per-head scale and zero point of values: okv_pv_zc, then p_j *= s. */
 static inline void okv_pv_fold(float *p, int nr, int64_t n, float *zc, const okv_dq *dq) {
     int r;
     int64_t j;
-    for (r = 0; r < nr; r++) {
-        float *pr = p + r * OKV_BK;
-        if (dq->z1 != 0.f) zc[r] += dq->s1 * dq->z1 * okv_sum8_f32(pr, n);
-        for (j = 0; j < n; j++) pr[j] *= dq->s1;
-    }
+    okv_pv_zc(p, nr, n, zc, dq);
+    for (r = 0; r < nr; r++)
+        for (j = 0; j < n; j++) p[r * OKV_BK + j] *= dq->s1;
 }
 
 #if OKV_X86_SIMD
@@ -370,6 +375,43 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 }
 #undef OKV_QK_Q
 #undef OKV_PV_Q
+
+#ifdef OKV_SIMD512
+/* okv_qk_fmt for quantized keys of format fmt with per-head scales on the
+ * AMX tiles (attention_amx.h; a->amx & OKV_AMX_QK, so a->kG == 1): n keys at
+ * k, kst bytes apart, scored for the nr rows qr of work item w (a (head, row group) of the
+ * unit) into s.  Item w's B tiles are built from qr at its first page of this
+ * code order and kept (x->tag[w]); the head's scale and zero point fold in
+ * as in okv_qk_fmt.  (Per-channel key scales change the folded rows every
+ * page: rebuilding the B tiles per 16-key page cost more than the AVX-512
+ * scores they replace, so those keys keep the AVX-512 tiles.) */
+OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, const float *const *qr, int nr, const char *k,
+                                int64_t kst, int64_t n, int64_t D, float scale, float *s, const okv_dq *dq,
+                                const okv_pf *pf, const float *qsum) {
+    const int bits = okv_q_bits(fmt);
+    uint8_t *bt = x->bt + w * x->nchm * x->tpi * OKV_AMX_TILE;
+    float *sr = x->sr + w * OKV_RG;
+    if (x->tag[w] != bits) {
+        okv_amx_build(qr, nr, D, bits, x, bt, sr);
+        x->tag[w] = bits;
+    }
+    okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, s, x, pf);
+    if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
+}
+
+/* okv_pv_fmt for quantized values of format fmt with per-head scales s >= 0
+ * on the AMX tiles (a->amx & OKV_AMX_PV, a->vG == 1): acc rows accr += p * V
+ * of the n value rows at v (vst bytes apart) for the nr rows of work item w, by the item's
+ * pending p.v (okv_amx_pv_push: the sums reach accr at the latest when the
+ * unit runs every pending p.v at its end); the zero point's share is added
+ * to zc now (okv_pv_zc).  p is not modified.  (Per-channel value scales keep
+ * the AVX-512 tiles.) */
+OKV_ATTR static void okv_pv_amx(okv_amx_ws *x, int64_t w, int fmt, const float *p, int nr, const char *v,
+                                int64_t vst, int64_t n, int64_t D, float *const *accr, const okv_dq *dq, float *zc) {
+    okv_pv_zc(p, nr, n, zc, dq);
+    okv_amx_pv_push(x, w, fmt, p, nr, (const uint8_t *)v, vst, n, dq->s1, accr, D);
+}
+#endif
 
 /* the work unit of per-page formats: okv_attn_unit_mixed<SFX> */
 #define OKV_KT mixed

@@ -99,6 +99,47 @@ static int okv_cpu_avx512_ok(void) {
 #endif
 }
 
+#if OKV_X86_SIMD && defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#define OKV_AMX_PERM_CHECK 1
+/* arch_prctl(code, arg) as a raw x86-64 system call (no libc declaration
+ * needed under -std=c11): 0 on success, -errno on failure. */
+static long okv_arch_prctl(long code, unsigned long arg) {
+    long ret;
+    __asm__ volatile("syscall" : "=a"(ret) : "0"((long)SYS_arch_prctl), "D"(code), "S"(arg) : "rcx", "r11", "memory");
+    return ret;
+}
+#else
+#define OKV_AMX_PERM_CHECK 0
+#endif
+
+/* 1 when the AMX-INT8 tiles can run (on top of the AVX-512 set): CPUID leaf 7
+ * EDX has AMX-TILE (bit 24) and AMX-INT8 (bit 25), XCR0 enables the tile
+ * configuration and tile data state (bits 17, 18), and (Linux) the process
+ * holds the permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA, asked once per process: the result is cached).  Off on
+ * other systems and 32-bit x86. */
+static int okv_cpu_amx_ok(void) {
+#if OKV_AMX_PERM_CHECK
+    static int cached = -1;
+    unsigned int a, b, c, d, xlo, xhi;
+    if (cached >= 0) return cached;
+    cached = 0;
+    if (!okv_cpu_avx512_ok()) return 0;
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (!(d & (1u << 24)) || !(d & (1u << 25))) return 0;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    (void)xhi;
+    if ((xlo & (3u << 17)) != (3u << 17)) return 0;
+    if (okv_arch_prctl(0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 0;
+    cached = 1;
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* ------------------------------------------------------------------ */
 /* Scalar primitives (float32)                                          */
 /* ------------------------------------------------------------------ */

@@ -1,0 +1,642 @@
+/* onnxkv/_kernels/attention_amx.h -- key scores and probabilities times
+ * values of quantized pages on the AMX-INT8 tiles, for the AVX-512 unit of
+ * per-page formats (attention_impl.h with OKV_MIXED and OKV_SIMD512, when
+ * a->amx (OKV_AMX_QK / OKV_AMX_PV bits): okv_cpu_amx_ok() and the switches of
+ * attention.pyx).
+ *
+ * Scores of nr <= OKV_RG query rows against up to 16 keys at a time:
+ *   A tile (tile 2): 16 keys x 64 code bytes, int8 (signed formats) or uint8
+ *     (unsigned), read straight from the page (8-bit codes, D % 64 == 0, 16
+ *     keys) or from a per-thread copy (okv_amx_expand: 4- and 2-bit codes
+ *     widened to one byte each as code * 2^(8 - bits), i.e. the code in the
+ *     byte's top bits, which is the signed code times 2^(8 - bits) as int8
+ *     and the unsigned one as uint8: one shift and one mask per 64 codes;
+ *     8-bit rows of other head sizes or tiles of fewer than 16 keys copied;
+ *     positions past the row's codes are zero).  A row of nb code bytes is
+ *     covered in P = okv_amx_positions(D, bits) code positions, nch = P / 64
+ *     chunks of 64 per key.
+ *   B tiles (tiles 3, 4): the query rows as 24-bit fixed point, q_int =
+ *     round(q / S_r), S_r = max|q_r| / OKV_AMX_QMAX, written as three balanced
+ *     signed int8 digits q_int = d2 * 2^16 + d1 * 2^8 + d0; column 3*i + d of
+ *     tile t holds digit d of row 5t + i (OKV_AMX_RPT = 5 rows per tile, a
+ *     second tile for rows 5..7), in the VNNI layout B[k/4][col][k%4], built
+ *     once per work unit and row group (okv_amx_build) and kept in the
+ *     workspace for all its pages (per-head key scales only: a->kG == 1).
+ *   C tiles (tiles 0, 1): int32 [16 keys][16 columns] by _tile_dpbssd (signed
+ *     keys) or _tile_dpbusd (unsigned keys), exact: every digit product and
+ *     column sum fits in int32 (|sum| <= 128 * 255 * P < 2^31 for P < 2^16).
+ *   Scores: transposed to [column][key] (okv_amx_t16), s = scale * S_r *
+ *     2^(bits - 8) * ((C2 * 65536 + C1 * 256) + C0) in float32.  The only
+ *     error beyond float32 rounding is q's fixed-point rounding,
+ *     |q - S_r q_int| <= S_r / 2 = max|q_r| / (254 * 2^16) (6e-8 max|q_r|)
+ *     per element.  An all-zero row has S_r = 0 and scores 0.
+ *
+ * Code positions (the order in which the A rows hold a key's codes; the B
+ * tiles hold the query elements in the same order, so the dot product is the
+ * same): element e of a row with per = 8 / bits codes per byte is code h = e
+ * % per of byte i = e / per, at position (i / U) * U * per + h * U + i % U,
+ * U = okv_amx_unit(nb, bits) code bytes per block (the smallest of 16, 32, 64
+ * that fills whole 64-position chunks and holds min(nb, 64) bytes; 8-bit: the
+ * natural order; 4-bit with 64-byte blocks: each 64 bytes' low nibbles, then
+ * their high nibbles), so that widening a block is one shift and one mask per
+ * code of one load.
+ *
+ * Probabilities times values of quantized values with per-head scales
+ * (okv_amx_pv_push / okv_amx_pv_flush / okv_amx_pv_combine), per work item
+ * (head, row group) over up to OKV_AMX_PVK = 64 keys of one or more pages:
+ *   Stash (okv_amx_pv_push, per page tile): the rows' probabilities times the
+ *     page's value scale, p' = p * s >= 0 (the zero point's share goes to the
+ *     unit's row corrections as on the AVX-512 path), into the item's 64-key
+ *     rows, and the page's value codes into the item's B tiles.  The stash is
+ *     run first when it holds another format, a number of keys that is not a
+ *     multiple of 4 (then every run starts at a multiple of 4), or too many
+ *     keys to take the tile; a rescale of the accumulators by the running max
+ *     rescales the stash too (okv_amx_pv_scale).
+ *   A tile (tile 5): rows 3i + dg = digit dg of row i's p' as a 24-bit
+ *     unsigned fixed point, p_int = round(p' / S_i), S_i = max_t p'_i[t] /
+ *     OKV_AMX_PMAX, p_int = d2 * 2^16 + d1 * 2^8 + d0 (uint8 digits);
+ *     columns past the stash's keys and rows past 3 x (rows of the pass) are
+ *     zero.  At most OKV_AMX_RPT rows per pass: 6..8 rows take two passes
+ *     over the same B tiles.
+ *   B tiles (tiles 6, 7, alternating): the value codes in the VNNI layout
+ *     B[t/4][col][t%4] (okv_amx_vnni: four token rows' 64 code bytes, a dword
+ *     transpose by vpermd and two rounds of byte / word unpacks; 4- and 2-bit
+ *     codes then split by one shift and mask per code of a byte, so chunk
+ *     per * g + kk holds code kk of byte group g: element per * (16 g + c) +
+ *     kk in column c); keys past the stash's are ignored (zero A columns).
+ *   C tiles (tiles 0..3, up to 4 chunks in flight): int32 [(row, digit)]
+ *     [col] by _tile_dpbusd (signed codes) or _tile_dpbuud (unsigned), exact:
+ *     |C| <= 64 * 255 * 255 < 2^24; stored, then added (okv_amx_pv_combine):
+ *     acc_i[d] += (S_i 2^(bits - 8)) ((C2 * 256 + C1) * 256 + C0) in float32
+ *     (C2 * 256 + C1 exact in int32), chunks put back in element order
+ *     (okv_amx_pv_order).  The only error beyond float32 rounding is p''s
+ *     fixed-point rounding, |p' - S_i p_int| <= S_i / 2 = max p'_i / (2^25 -
+ *     2) per element (6e-8 relative to the run's largest p').
+ *
+ * Tile state: okv_amx_begin configures tiles 0..7 (16 rows x 64 bytes) on
+ * the calling thread at the start of a work unit, okv_amx_end releases them
+ * at its end (after every item's pending p.v is run and added); every
+ * function here runs between the two on the same thread.
+ */
+#ifndef ONNXKV_ATTENTION_AMX_H
+#define ONNXKV_ATTENTION_AMX_H
+
+#include "quant.h"
+
+#if OKV_X86_SIMD
+#define OKV_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+/* |q_int| bound: 127 * 2^16 keeps the top balanced digit d2 in [-127, 127]
+ * (see okv_amx_build). */
+#define OKV_AMX_QMAX 8323072.f
+#define OKV_AMX_RPT 5      /* query rows per C tile: 3 digit columns each, 15 of 16 columns */
+#define OKV_AMX_TILE 1024  /* bytes of one B tile: 16 rows x 64 bytes */
+/* p_int bound of the probabilities: 2^24 - 1, the largest value of three
+ * uint8 digits (and exact in float32). */
+#define OKV_AMX_PMAX 16777215.f
+#define OKV_AMX_PVK 64     /* keys (K) of the p.v A tile */
+#define OKV_AMX_PVSEG 16   /* value row runs of one pending p.v: OKV_AMX_PVK / 4 */
+
+/* The tile configuration (palette 1) of ldtilecfg. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} okv_amx_cfg;
+
+/* Code bytes per block of a row of nb bytes of `bits`-bit codes (see the top
+ * of this file): U * 8 / bits is a multiple of 64, U >= min(nb, 64). */
+static inline int64_t okv_amx_unit(int64_t nb, int bits) {
+    int64_t u = bits * 8;   /* 64 / per */
+    while (u < 64 && u < nb) u *= 2;
+    return u;
+}
+
+/* Code positions of a row of D codes of `bits` bits: per * U * ceil(nb / U)
+ * (nb = D * bits / 8 bytes, U = okv_amx_unit). */
+static inline int64_t okv_amx_positions(int64_t D, int bits) {
+    const int64_t nb = D * bits / 8, u = okv_amx_unit(nb, bits);
+    return (8 / bits) * u * ((nb + u - 1) / u);
+}
+
+/* The most code positions of any format for head size D. */
+static inline int64_t okv_amx_pmax(int64_t D) {
+    const int64_t p8 = okv_amx_positions(D, 8), p4 = okv_amx_positions(D, 4), p2 = okv_amx_positions(D, 2);
+    return p8 > p4 ? (p8 > p2 ? p8 : p2) : (p4 > p2 ? p4 : p2);
+}
+
+/* A pending p.v of one work item (okv_amx_pv_push): nseg runs of value rows,
+ * run s n[s] rows at v[s], vst[s] bytes apart, cnt rows in all (every run
+ * but the last starts and ends at a multiple of 4), of format fmt, for the nr
+ * rows whose accumulators are accr. */
+typedef struct {
+    const uint8_t *v[OKV_AMX_PVSEG];
+    int64_t vst[OKV_AMX_PVSEG], n[OKV_AMX_PVSEG];
+    float *accr[OKV_RG];
+    int64_t cnt;
+    int nseg, nr, fmt;
+} okv_amx_pvq;
+
+/* Per-thread scratch of the AMX scores, inside the work unit's workspace
+ * (okv_amx_ws_bytes bytes at a 64-byte aligned address; okv_amx_ws_init):
+ *   cbuf   2 x 256 int32: the stored C tiles
+ *   xs     16 x Pm bytes: widened / copied key rows of one tile (P apart)
+ *   planes 3 * OKV_RG x Pm int8: the digits of the rows, plane 3 * r + d (P apart)
+ *   qp     Pm floats: one query row in code position order (zero padded)
+ *   bt     nitem x nchm x tpi B tiles: item w's tiles of chunk c, tile t at
+ *          bt + ((w * nchm + c) * tpi + t) * OKV_AMX_TILE
+ *   sr     nitem x OKV_RG floats: S_r of the rows of item w at sr + w * OKV_RG
+ *   tag    nitem ints: bits of the code order item w's tiles hold (0: none)
+ *   pq, pp, pa, pb, pc: the pending p.v of the items and the p.v tiles'
+ *          scratch (see the fields)
+ * Pm = okv_amx_pmax(D) = 64 * nchm; P = okv_amx_positions(D, bits) <= Pm for
+ * the format at hand; tpi = B tiles per item (1 for at most OKV_AMX_RPT rows
+ * per item, else 2). */
+typedef struct {
+    int32_t *cbuf;
+    uint8_t *xs;
+    int8_t *planes;
+    float *qp;
+    uint8_t *bt;
+    float *sr;
+    int *tag;
+    okv_amx_pvq *pq;  /* nitem pending p.v of the items (okv_amx_pv_push) */
+    float *pp;        /* nitem x OKV_RG x OKV_AMX_PVK floats: their stashed probabilities p * s, row i of
+                       * item w at pp + (w * OKV_RG + i) * OKV_AMX_PVK */
+    uint8_t *pa;      /* 16 x 64 bytes: the p.v A tile; rows pa_rows.. are zero */
+    uint8_t *pb;      /* ceil(D/16) x OKV_AMX_TILE: the p.v B tiles, chunk c at pb + c * OKV_AMX_TILE */
+    int32_t *pc;      /* nchp x 256 int32: the stored p.v C tiles of one pass, chunk c at pc + 256 * c */
+    int64_t Pm, nchm, tpi, nitem, nchp;
+    int pa_rows;
+} okv_amx_ws;
+
+static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
+
+/* Bytes of okv_amx_ws for head size D, nitem work items (head, row group) of
+ * at most rgw rows each, with the p.v scratch or not (pv; a multiple of 64). */
+static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw, int pv) {
+    const int64_t Pm = okv_amx_pmax(D), tpi = rgw > OKV_AMX_RPT ? 2 : 1;
+    return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
+           okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
+           okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) +
+           (pv ? nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE + (nitem + 1) * 4 * ((D + 63) / 64) * OKV_AMX_TILE
+               : 0);
+}
+
+/* Lay out okv_amx_ws_bytes(D, nitem, rgw, pv) bytes at mem (64-byte
+ * aligned); no B tiles built yet, no p.v pending.  pv == 0: no p.v scratch
+ * (pp, pa, pb, pc NULL; only the empty pending p.v of the items). */
+static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw, int pv) {
+    int64_t i;
+    x->Pm = okv_amx_pmax(D);
+    x->nchm = x->Pm / 64;
+    x->tpi = rgw > OKV_AMX_RPT ? 2 : 1;
+    x->nitem = nitem;
+    x->cbuf = (int32_t *)mem;
+    mem += 2 * OKV_AMX_TILE;
+    x->xs = (uint8_t *)mem;
+    mem += 16 * x->Pm;
+    x->planes = (int8_t *)mem;
+    mem += 3 * OKV_RG * x->Pm;
+    x->qp = (float *)mem;
+    mem += 4 * x->Pm;
+    x->bt = (uint8_t *)mem;
+    mem += nitem * x->nchm * x->tpi * OKV_AMX_TILE;
+    x->sr = (float *)mem;
+    mem += okv_amx_line(4 * nitem * OKV_RG);
+    x->tag = (int *)mem;
+    mem += okv_amx_line(4 * nitem);
+    x->pq = (okv_amx_pvq *)mem;
+    mem += okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq));
+    for (i = 0; i < nitem; i++) {
+        x->tag[i] = 0;
+        x->pq[i].nseg = 0;
+        x->pq[i].cnt = 0;
+        x->pq[i].fmt = OKV_FMT_I8;
+    }
+    x->nchp = 4 * ((D + 63) / 64);
+    x->pa_rows = 0;
+    x->pp = NULL;
+    x->pa = x->pb = NULL;
+    x->pc = NULL;
+    if (!pv) return;
+    x->pp = (float *)mem;
+    mem += nitem * OKV_RG * OKV_AMX_PVK * 4;
+    x->pa = (uint8_t *)mem;
+    memset(x->pa, 0, OKV_AMX_TILE);
+    mem += OKV_AMX_TILE;
+    x->pb = (uint8_t *)mem;
+    mem += nitem * x->nchp * OKV_AMX_TILE;
+    x->pc = (int32_t *)mem;
+}
+
+/* Compiler barrier around the tile loads and stores: GCC's tile intrinsics
+ * are asm statements that do not tell the compiler which memory they read or
+ * write (_tile_loadconfig names only the first 8 bytes of the configuration),
+ * so the stores they read must be complete before them and the loads of what
+ * they write must not move above them. */
+#define OKV_AMX_FENCE() __asm__ volatile("" ::: "memory")
+
+/* Tiles 0..7 16 rows x 64 bytes (q.k: tiles 0..4; p.v: C 0..3, A 5, B 6, 7). */
+static const okv_amx_cfg okv_amx_cfg16 = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                          {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* Configure the tiles (okv_amx_cfg16) on this thread. */
+OKV_AMX static void okv_amx_begin(void) {
+    OKV_AMX_FENCE();
+    _tile_loadconfig(&okv_amx_cfg16);
+}
+
+/* Release the tile state of this thread. */
+OKV_AMX static void okv_amx_end(void) { _tile_release(); }
+
+/* In-place transpose of the 16 x 16 int32 matrix v[row] lane col. */
+OKV_INLINE OKV_AMX void okv_amx_t16(__m512i *v) {
+    __m512i a[16], b[16];
+    int i, k;
+    for (i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (i = 0; i < 4; i++) {   /* b[4i+m], 128-bit block L: rows 4i..4i+3 of column 4L+m */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (i = 0; i < 2; i++)
+        for (k = 0; k < 4; k++) {
+            a[8 * i + k] = _mm512_shuffle_i32x4(b[8 * i + k], b[8 * i + 4 + k], 0x88);
+            a[8 * i + 4 + k] = _mm512_shuffle_i32x4(b[8 * i + k], b[8 * i + 4 + k], 0xDD);
+        }
+    for (k = 0; k < 8; k++) {
+        v[k] = _mm512_shuffle_i32x4(a[k], a[k + 8], 0x88);
+        v[k + 8] = _mm512_shuffle_i32x4(a[k], a[k + 8], 0xDD);
+    }
+}
+
+/* The first min(n, 64) bytes. */
+static inline __mmask64 okv_amx_bmask(int64_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
+
+/* B tiles of the nr rows qr[r] (D floats each) for codes of `bits` bits, into
+ * bt (nch x tpi tiles: chunk c, tile t at bt + (c * tpi + t) * OKV_AMX_TILE)
+ * and S_r into sr[r] (0 for an all-zero row, whose digits are all 0).
+ * Digits: d0 = the low byte of q_int as signed, q1 = (q_int - d0) / 2^8,
+ * d1 = the low byte of q1, d2 = (q1 - d1) / 2^8 (exact shifts); |q_int| <=
+ * OKV_AMX_QMAX (+1 by rounding) gives |q1| <= 32513 and |d2| <= 127. */
+OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int bits, okv_amx_ws *x, uint8_t *bt,
+                                  float *sr) {
+    const int64_t P = okv_amx_positions(D, bits), per = 8 / bits, U = okv_amx_unit(D * bits / 8, bits);
+    const int nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
+    int64_t e, p, c;
+    int r, t, i;
+    for (r = 0; r < nr; r++) {
+        const float *q = qr[r];
+        float *qp = x->qp;
+        __m512 mx = _mm512_setzero_ps(), inv;
+        float m;
+        if (bits == 8) {
+            memcpy(qp, q, (size_t)D * sizeof(float));
+            for (e = D; e < P; e++) qp[e] = 0.f;
+        } else {   /* byte U c + i's code h at position (c per + h) U + i, without divisions */
+            int64_t i, h;
+            memset(qp, 0, (size_t)P * sizeof(float));
+            for (c = 0; U * c * per < D; c++)
+                for (h = 0; h < per; h++)
+                    for (i = 0; i < U && (U * c + i) * per + h < D; i++)
+                        qp[(c * per + h) * U + i] = q[(U * c + i) * per + h];
+        }
+        for (p = 0; p < P; p += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qp + p)));
+        m = _mm512_reduce_max_ps(mx);
+        sr[r] = m > 0.f ? m / OKV_AMX_QMAX : 0.f;
+        inv = _mm512_set1_ps(m > 0.f ? OKV_AMX_QMAX / m : 0.f);
+        for (p = 0; p < P; p += 16) {
+            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qp + p), inv));
+            const __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(qi, 24), 24);
+            const __m512i q1 = _mm512_srai_epi32(_mm512_sub_epi32(qi, d0), 8);
+            const __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24);
+            const __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(q1, d1), 8);
+            int8_t *pl = x->planes + 3 * r * P + p;
+            _mm_storeu_si128((__m128i *)pl, _mm512_cvtepi32_epi8(d0));
+            _mm_storeu_si128((__m128i *)(pl + P), _mm512_cvtepi32_epi8(d1));
+            _mm_storeu_si128((__m128i *)(pl + 2 * P), _mm512_cvtepi32_epi8(d2));
+        }
+    }
+    for (c = 0; c < P / 64; c++)
+        for (t = 0; t < nt; t++) {   /* column i of tile t: plane 3 * OKV_AMX_RPT * t + i */
+            const int ncol = 3 * ((nr - OKV_AMX_RPT * t) < OKV_AMX_RPT ? nr - OKV_AMX_RPT * t : OKV_AMX_RPT);
+            uint8_t *b = bt + (c * x->tpi + t) * OKV_AMX_TILE;
+            __m512i v[16];
+            for (i = 0; i < 16; i++)
+                v[i] = i < ncol ? _mm512_loadu_si512(x->planes + (3 * OKV_AMX_RPT * t + i) * P + 64 * c)
+                                : _mm512_setzero_si512();
+            okv_amx_t16(v);   /* v[k/4]: dword col = the 4 digits of column col at k .. k+3 */
+            for (i = 0; i < 16; i++) _mm512_storeu_si512(b + 64 * i, v[i]);
+        }
+}
+
+/* Rows 0..m-1 (m <= 16) of codes of format fmt (nb bytes each, kst bytes
+ * apart from k) into x->xs (P = okv_amx_positions bytes apart) in code
+ * position order, one byte per code holding code * 2^(8 - bits) (the code in
+ * the byte's top bits), zero past the row's codes. */
+OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int fmt, int64_t nb, int64_t P,
+                                   okv_amx_ws *x) {
+    const int bits = okv_q_bits(fmt), per = 8 / bits;
+    const int64_t U = okv_amx_unit(nb, bits);
+    const __mmask64 um = okv_amx_bmask(U);
+    const __m512i top = _mm512_set1_epi8((char)(0xFF << (8 - bits)));
+    int64_t j, c;
+    int h;
+    for (j = 0; j < m; j++) {
+        const uint8_t *row = k + j * kst;
+        uint8_t *o = x->xs + j * P;
+        for (c = 0; U * c < nb; c++) {   /* U code bytes -> per blocks of U positions */
+            const __m512i v = _mm512_maskz_loadu_epi8(okv_amx_bmask(nb - U * c), row + U * c);
+            if (bits == 8) {
+                _mm512_storeu_si512(o + 64 * c, v);
+                continue;
+            }
+            for (h = 0; h < per; h++)   /* code h: bits [h*bits, (h+1)*bits) moved to the top */
+                _mm512_mask_storeu_epi8(o + U * (c * per + h), um,
+                                        _mm512_and_si512(_mm512_slli_epi16(v, (unsigned)(8 - bits * (h + 1))), top));
+        }
+    }
+}
+
+/* Scores s[r * OKV_BK + j] = scale * q_r . code_j (raw codes) of the nr rows
+ * whose B tiles and S_r are bt / sr (okv_amx_build for the code order of
+ * fmt) against the n keys of format fmt at k (kst bytes apart, head size D);
+ * the rows of pf are software-prefetched first. */
+OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt, int64_t D, int nr,
+                               const uint8_t *bt, const float *sr, float scale, float *s, okv_amx_ws *x,
+                               const okv_pf *pf) {
+    const int sgn = okv_q_signed(fmt), nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
+    const int bits = okv_q_bits(fmt);
+    const int64_t nb = okv_q_row_bytes(fmt, D), direct = bits == 8 && D % 64 == 0, P = okv_amx_positions(D, bits);
+    const float unit = (float)(1 << bits) / 256.f;   /* the widened codes' factor 2^(8 - bits), undone */
+    const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
+    int64_t j0, c;
+    int t, i;
+    for (j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = n - j0 < 16 ? n - j0 : 16;
+        const uint8_t *src = k + j0 * kst;
+        int64_t st = kst;
+        OKV_AMX_FENCE();   /* the B tiles are in memory */
+        _tile_zero(0);
+        if (nt > 1) _tile_zero(1);
+        _tile_loadd(3, bt, 64);   /* the first chunk's B tile loads while the keys are widened */
+        if (!direct || m < 16) {
+            okv_amx_expand(src, kst, m, fmt, nb, P, x);
+            src = x->xs;
+            st = P;
+        }
+        OKV_AMX_FENCE();   /* the widened rows are in memory */
+        for (c = 0; c < P / 64; c++) {
+            _tile_loadd(2, src + 64 * c, st);
+            if (c > 0) _tile_loadd(3, bt + c * x->tpi * OKV_AMX_TILE, 64);
+            if (sgn) _tile_dpbssd(0, 2, 3);
+            else _tile_dpbusd(0, 2, 3);
+            if (nt > 1) {
+                _tile_loadd(4, bt + (c * x->tpi + 1) * OKV_AMX_TILE, 64);
+                if (sgn) _tile_dpbssd(1, 2, 4);
+                else _tile_dpbusd(1, 2, 4);
+            }
+        }
+        okv_pf_rows(pf, j0, 8);   /* the prefetch in two halves, issued while the tiles compute */
+        _tile_stored(0, x->cbuf, 64);
+        if (nt > 1) _tile_stored(1, x->cbuf + 256, 64);
+        okv_pf_rows(pf, j0 + 8, 8);
+        OKV_AMX_FENCE();   /* C is in memory before it is read */
+        for (t = 0; t < nt; t++) {
+            const int rows = nr - OKV_AMX_RPT * t < OKV_AMX_RPT ? nr - OKV_AMX_RPT * t : OKV_AMX_RPT;
+            __m512i v[16];
+            for (i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(x->cbuf + 256 * t + 16 * i);
+            okv_amx_t16(v);   /* v[col]: the 16 keys' sums of column col */
+            for (i = 0; i < rows; i++) {
+                const int r = OKV_AMX_RPT * t + i;
+                __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[3 * i + 2]), f16,
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(v[3 * i + 1]), f8));
+                y = _mm512_add_ps(y, _mm512_cvtepi32_ps(v[3 * i]));
+                _mm512_mask_storeu_ps(s + r * OKV_BK + j0, okv_mask16(m), _mm512_mul_ps(y, _mm512_set1_ps(scale * unit * sr[r])));
+            }
+        }
+    }
+    if (pf->n > j0) okv_pf_rows(pf, j0, (int)(pf->n - j0));   /* rows of a longer next tile */
+}
+
+/* The p.v B tiles of tokens 4 * k0 .. 4 * k0 + n - 1: the n value rows at v
+ * (vst bytes apart, format fmt, head size D) into pb (see the top of this
+ * file).  For each group of 4 tokens and 64 code bytes: the rows' dwords
+ * transposed (dword 4L + m <- 4m + L) so that the byte and word unpacks
+ * leave byte group g = 4h + m's 16 bytes in order, 4 tokens per dword; code
+ * kk of those bytes (per = 8 / bits codes per byte) moved to the bytes' top
+ * bits by one shift and mask is chunk per * g + kk, whose column c holds
+ * element d = per * (16 g + c) + kk (okv_amx_pv_flush puts them back in
+ * order).  Tokens past n in the last group are zero. */
+OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int fmt, int64_t D, int64_t k0,
+                                 uint8_t *pb) {
+    const __m512i tr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const int bits = okv_q_bits(fmt), per = 8 / bits;
+    const __m512i top = _mm512_set1_epi8((char)(0xFF << (8 - bits)));
+    const int64_t nb = okv_q_row_bytes(fmt, D);
+    int64_t k, h;
+    int i, m, kk;
+    for (k = 0; 4 * k < n; k++)
+        for (h = 0; 64 * h < nb; h++) {
+            const __mmask64 bm = okv_amx_bmask(nb - 64 * h);
+            __m512i r[4], lo01, hi01, lo23, hi23, o[4];
+            for (i = 0; i < 4; i++)
+                r[i] = 4 * k + i < n
+                           ? _mm512_permutexvar_epi32(tr, _mm512_maskz_loadu_epi8(bm, v + (4 * k + i) * vst + 64 * h))
+                           : _mm512_setzero_si512();
+            lo01 = _mm512_unpacklo_epi8(r[0], r[1]);
+            hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
+            lo23 = _mm512_unpacklo_epi8(r[2], r[3]);
+            hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
+            o[0] = _mm512_unpacklo_epi16(lo01, lo23);
+            o[1] = _mm512_unpackhi_epi16(lo01, lo23);
+            o[2] = _mm512_unpacklo_epi16(hi01, hi23);
+            o[3] = _mm512_unpackhi_epi16(hi01, hi23);
+            for (m = 0; m < 4 && 64 * h + 16 * m < nb; m++)
+                for (kk = 0; kk < per; kk++) {   /* code kk of each byte to its top bits */
+                    const unsigned sh = (unsigned)(8 - bits * (kk + 1));
+                    _mm512_storeu_si512(pb + (per * (4 * h + m) + kk) * OKV_AMX_TILE + 64 * (k0 + k),
+                                        bits == 8 ? o[m] : _mm512_and_si512(_mm512_slli_epi32(o[m], sh), top));
+                }
+        }
+}
+
+/* The p.v chunks per * g .. per * g + per - 1 of one row, y[kk] (column c:
+ * element per * (16 g + c) + kk; per = 1, 2 or 4), in natural order: out[j]
+ * = elements 16 (per g + j) .. +15. */
+OKV_INLINE OKV_AMX void okv_amx_pv_order(const __m512 *y, int per, __m512 *out) {
+    const __m512i i2lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i i2hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    /* out[l] = (l % 4 < 2 ? u : v)[8 j' + 2 (l / 4) + l % 2] for j' = 0, 1 */
+    const __m512i i40 = _mm512_set_epi32(23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
+    const __m512i i41 = _mm512_set_epi32(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8);
+    if (per == 1) {
+        out[0] = y[0];
+    } else if (per == 2) {   /* interleave y0, y1 */
+        out[0] = _mm512_permutex2var_ps(y[0], i2lo, y[1]);
+        out[1] = _mm512_permutex2var_ps(y[0], i2hi, y[1]);
+    } else {   /* u = y0, y1 interleaved (u[p] = y_{p%2}[p/2]), v = y2, y3; then pairs of u and v */
+        const __m512 ulo = _mm512_permutex2var_ps(y[0], i2lo, y[1]), uhi = _mm512_permutex2var_ps(y[0], i2hi, y[1]);
+        const __m512 vlo = _mm512_permutex2var_ps(y[2], i2lo, y[3]), vhi = _mm512_permutex2var_ps(y[2], i2hi, y[3]);
+        out[0] = _mm512_permutex2var_ps(ulo, i40, vlo);
+        out[1] = _mm512_permutex2var_ps(ulo, i41, vlo);
+        out[2] = _mm512_permutex2var_ps(uhi, i40, vhi);
+        out[3] = _mm512_permutex2var_ps(uhi, i41, vhi);
+    }
+}
+
+/* The p.v A tile of the nr <= OKV_AMX_RPT rows p + i * OKV_AMX_PVK (n <=
+ * OKV_AMX_PVK values >= 0 each) into x->pa, S_i into sr[i] (0 for an all-zero
+ * row); columns n.. and rows 3 * nr.. zero (x->pa_rows: the rows that may be
+ * nonzero). */
+OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_ws *x, float *sr) {
+    const __m512i top = _mm512_set1_epi32((int)OKV_AMX_PMAX);
+    int i;
+    int64_t t;
+    if (x->pa_rows > 3 * nr) memset(x->pa + 3 * nr * 64, 0, (size_t)(x->pa_rows - 3 * nr) * 64);
+    x->pa_rows = 3 * nr;
+    for (i = 0; i < nr; i++) {
+        const float *pr = p + i * OKV_AMX_PVK;
+        __m512 mx = _mm512_setzero_ps(), inv;
+        float m;
+        for (t = 0; t < n; t += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(okv_mask16(n - t), pr + t));
+        m = _mm512_reduce_max_ps(mx);
+        sr[i] = m > 0.f ? m / OKV_AMX_PMAX : 0.f;
+        inv = _mm512_set1_ps(m > 0.f ? OKV_AMX_PMAX / m : 0.f);
+        for (t = 0; t < OKV_AMX_PVK; t += 16) {   /* zero digits past n */
+            const __m512 pv = _mm512_maskz_loadu_ps(okv_mask16(n > t ? n - t : 0), pr + t);
+            const __m512i pi = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(pv, inv)), top);
+            uint8_t *a = x->pa + 3 * i * 64 + t;
+            _mm_storeu_si128((__m128i *)a, _mm512_cvtepi32_epi8(pi));
+            _mm_storeu_si128((__m128i *)(a + 64), _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 8)));
+            _mm_storeu_si128((__m128i *)(a + 128), _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 16)));
+        }
+    }
+}
+
+/* Add the stored C tiles of the pass of rows i0 .. i0 + rows - 1 of pending
+ * p.v q (format q->fmt, S_i of row i0 + i in sr[i]) to the rows'
+ * accumulators: acc_i += 2^(bits - 8) S_i ((C2 * 256 + C1) * 256 + C0),
+ * elements put back in order (okv_amx_pv_order). */
+OKV_AMX static void okv_amx_pv_combine(const okv_amx_ws *x, const okv_amx_pvq *q, int i0, int rows, const float *sr,
+                                       int64_t D) {
+    const int per = 8 / okv_q_bits(q->fmt);
+    const int64_t nch = per * ((okv_q_row_bytes(q->fmt, D) + 15) / 16);
+    const float unit = (float)(1 << okv_q_bits(q->fmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
+    const __m512 f8 = _mm512_set1_ps(256.f);
+    int64_t c;
+    int i, kk;
+    for (i = 0; i < rows; i++) {
+        const __m512 f = _mm512_set1_ps(unit * sr[i]);
+        for (c = 0; c < nch; c += per) {   /* chunk group c / per: elements from 16 c */
+            __m512 y[4], out[4];
+            for (kk = 0; kk < per; kk++) {
+                const int32_t *cc = x->pc + 256 * (c + kk) + 16 * 3 * i;
+                /* C2 * 256 + C1 exact in int32: |C2| <= 64 * 255 * 128 < 2^21 */
+                const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(cc + 32), 8),
+                                                    _mm512_loadu_si512(cc + 16));
+                y[kk] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), f8, _mm512_cvtepi32_ps(_mm512_loadu_si512(cc)));
+            }
+            okv_amx_pv_order(y, per, out);
+            for (kk = 0; kk < per && 16 * (c + kk) < D; kk++) {
+                const __mmask16 dm = okv_mask16(D - 16 * (c + kk));
+                float *o = q->accr[i0 + i] + 16 * (c + kk);
+                _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(out[kk], f, _mm512_maskz_loadu_ps(dm, o)));
+            }
+        }
+    }
+}
+
+/* Run the pending p.v of item w (head size D), if any, on the tiles and add
+ * it to the item's accumulator rows: per pass of up to OKV_AMX_RPT rows, the
+ * A tile built, up to 4 chunks in flight, every chunk's C tile stored, then
+ * added (okv_amx_pv_combine); then nothing is pending. */
+OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
+    okv_amx_pvq *q = x->pq + w;
+    const int sgn = okv_q_signed(q->fmt), per = q->nseg ? 8 / okv_q_bits(q->fmt) : 1;
+    const int64_t nch = per * ((okv_q_row_bytes(q->fmt, D) + 15) / 16);
+    const uint8_t *pb = x->pb + w * x->nchp * OKV_AMX_TILE;
+    float sr[OKV_AMX_RPT];
+    int i0;
+    int64_t c0;
+    if (!q->nseg) return;
+    for (i0 = 0; i0 < q->nr; i0 += OKV_AMX_RPT) {
+        const int rows = q->nr - i0 < OKV_AMX_RPT ? q->nr - i0 : OKV_AMX_RPT;
+        OKV_AMX_FENCE();   /* the B tiles are in memory */
+        _tile_loadd(6, pb, 64);   /* the first chunks' B tiles load while the A tile is built */
+        if (nch > 1) _tile_loadd(7, pb + OKV_AMX_TILE, 64);
+        okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, sr);
+        OKV_AMX_FENCE();   /* the A tile is in memory */
+        _tile_loadd(5, x->pa, 64);
+        for (c0 = 0; c0 < nch; c0 += 4) {
+            const int nc = nch - c0 < 4 ? (int)(nch - c0) : 4;
+#define OKV_AMX_PV_CHUNK(T, B)                                                        \
+    if ((T) < nc) {                                                                   \
+        _tile_zero(T);                                                                \
+        if (c0 > 0 || (T) > 1) _tile_loadd(B, pb + (c0 + (T)) * OKV_AMX_TILE, 64);    \
+        if (sgn) _tile_dpbusd(T, 5, B);                                               \
+        else _tile_dpbuud(T, 5, B);                                                   \
+    }
+            OKV_AMX_PV_CHUNK(0, 6)
+            OKV_AMX_PV_CHUNK(1, 7)
+            OKV_AMX_PV_CHUNK(2, 6)
+            OKV_AMX_PV_CHUNK(3, 7)
+#undef OKV_AMX_PV_CHUNK
+            _tile_stored(0, x->pc + 256 * c0, 64);
+            if (nc > 1) _tile_stored(1, x->pc + 256 * (c0 + 1), 64);
+            if (nc > 2) _tile_stored(2, x->pc + 256 * (c0 + 2), 64);
+            if (nc > 3) _tile_stored(3, x->pc + 256 * (c0 + 3), 64);
+        }
+        OKV_AMX_FENCE();   /* the C tiles are in memory before they are read */
+        okv_amx_pv_combine(x, q, i0, rows, sr, D);
+    }
+    q->nseg = 0;
+    q->cnt = 0;
+}
+
+/* Add acc rows accr[i] += s * sum_t p[i * OKV_BK + t] * code_t (raw codes; s
+ * >= 0 the page's per-head value scale) of the nr <= OKV_RG rows of item w
+ * against the n <= OKV_BK value rows of format fmt at v (vst bytes apart) to
+ * the item's pending p.v: the stash takes p * s and the rows' run; it is run
+ * first (okv_amx_pv_flush) if it holds another format, a number of rows that
+ * is not a multiple of 4, or too many rows to take n more.  The sums reach
+ * the accumulators at the latest at okv_amx_pv_flush; a rescale of the
+ * accumulators in between must rescale the stash too (okv_amx_pv_scale). */
+OKV_AMX static void okv_amx_pv_push(okv_amx_ws *x, int64_t w, int fmt, const float *p, int nr, const uint8_t *v,
+                                    int64_t vst, int64_t n, float s, float *const *accr, int64_t D) {
+    okv_amx_pvq *q = x->pq + w;
+    const __m512 sv = _mm512_set1_ps(s);
+    int i;
+    int64_t t;
+    if (q->nseg && (q->fmt != fmt || q->cnt % 4 || q->cnt + n > OKV_AMX_PVK)) okv_amx_pv_flush(x, w, D);
+    if (!q->nseg) {
+        q->fmt = fmt;
+        q->nr = nr;
+        for (i = 0; i < nr; i++) q->accr[i] = accr[i];
+    }
+    for (i = 0; i < nr; i++) {
+        float *o = x->pp + (w * OKV_RG + i) * OKV_AMX_PVK + q->cnt;
+        for (t = 0; t < n; t += 16) {
+            const __mmask16 k = okv_mask16(n - t);
+            _mm512_mask_storeu_ps(o + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i * OKV_BK + t), sv));
+        }
+    }
+    okv_amx_vnni(v, vst, n, fmt, D, q->cnt / 4, x->pb + w * x->nchp * OKV_AMX_TILE);
+    q->nseg++;
+    q->cnt += n;
+}
+
+/* Row i of item w's pending p.v times alpha (the accumulator row's
+ * rescale). */
+OKV_AMX static void okv_amx_pv_scale(okv_amx_ws *x, int64_t w, int i, float alpha) {
+    float *o = x->pp + (w * OKV_RG + i) * OKV_AMX_PVK;
+    int64_t t;
+    for (t = 0; t < x->pq[w].cnt; t++) o[t] *= alpha;
+}
+#endif /* OKV_X86_SIMD */
+#endif /* ONNXKV_ATTENTION_AMX_H */

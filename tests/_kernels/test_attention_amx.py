@@ -1,0 +1,240 @@
+"""Quantized pages on the AMX-INT8 tiles (attention_amx.h): key scores
+(per-head key scales) and probabilities times values (per-head value scales).
+paged_attention with set_attention_amx(True) must equal the NumPy twin
+(reference.paged_attention over the dequantized pages) and the AVX-512 tiles
+without AMX (set_attention_amx(False)) within 1e-5, with AMX p.v off (keys
+only) and on for every call (_set_attention_amx_pv 0 and 2), for every
+integer format (8-, 4- and 2-bit, signed and unsigned) of keys and values,
+per-head and per-channel key scales (float32 and compact headers: those keys
+keep the AVX-512 tiles), values with non-zero zero points, pages of mixed
+formats with float pages between, all-float pages, head sizes that are and
+are not multiples of 16 / 64, block sizes that give partial tiles and stashes
+of values, 1..8 query rows per KV head, decode and prefill, 1 and 2 threads,
+query rows of very different magnitudes including an all-zero row, and long
+contexts (many pending p.v runs, rescaled by the running max in between).
+
+Every kernel test is skipped where AMX is not usable (CPU without AMX-TILE /
+AMX-INT8 or AVX-512, or the OS did not grant the tile data state); the switch
+and level test runs everywhere.
+"""
+import sys
+
+import numpy as np
+import pytest
+
+import onnxkv._kernels as K
+
+from .conftest import rand
+from .test_attention import reset_level
+from .test_quant_attention import QPaged, chooser
+
+A = sys.modules["onnxkv._kernels.attention"]
+AVX512 = A.set_attention_avx512(True)
+AMX = A.set_attention_amx(True)
+needs_amx = pytest.mark.skipif(not AMX, reason="AMX-INT8 not usable here: the CPU lacks AMX-TILE/AMX-INT8 or "
+                                               "AVX-512, or the OS did not grant the tile data state")
+INTS = (3, 2, 22, 21, 26, 25)          # int8, uint8, int4, uint4, int2, uint2
+NAMES = {3: "i8", 2: "u8", 22: "i4", 21: "u4", 26: "i2", 25: "u2"}
+
+
+def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False, vG=1):
+    """Random q and a paged cache of the given page formats (QPaged: page ids
+    shuffled, per page format kspec / vspec: a code or a tuple to pick from);
+    kG 1 (per head), "D" (per channel) or "Dc" (per channel, compact key
+    headers); vG 1 (values per head) or D (per channel).  spread: query rows scaled by factors from 1e-3 to 8 and the
+    first row of every batch all zeros.  Returns (q, pages, kv_len, q_pos,
+    scale, twin result)."""
+    rng = np.random.default_rng(seed)
+    kv_len = np.array(kv_len, np.int32)
+    B, Cap = len(kv_len), int(kv_len.max()) + 3
+    q = rand(rng, (B, Hq, Sq, D))
+    if spread:
+        q *= (10.0 ** rng.uniform(-3, np.log10(8), (B, Hq, Sq, 1))).astype(np.float32)
+        q[:, 0, 0] = 0.0
+    k, v = rand(rng, (B, Hkv, Cap, D)), rand(rng, (B, Hkv, Cap, D))
+    header = "compact" if kG == "Dc" else "float32"
+    pg = QPaged(rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), D if kG in ("D", "Dc") else 1, vG,
+                header)
+    q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
+    scale = D ** -0.5
+    want = np.full_like(q, np.nan)
+    pg.twin(q, Hkv, kv_len, q_pos, scale, 0.0, -1, want)
+    return q, pg, kv_len, q_pos, scale, want
+
+
+MODES = ((False, 0), (True, 0), (True, 2))   # (AMX, p.v mode): AVX-512 only, AMX keys only (default), AMX keys and p.v
+
+
+def check(q, pg, kv_len, q_pos, scale, want):
+    """AVX-512 only, AMX keys only and AMX keys and p.v (MODES), 1 and 2
+    threads: each result within 1e-5 of the twin and of the AVX-512 tiles,
+    the same quantized bytes loaded, AMX scratch in the workspace exactly when
+    something may run on AMX (per-head key scales, or p.v, whose stash adds
+    more; taken per call, before the page formats are read); returns the result
+    of AMX keys and p.v."""
+    Hkv = pg.kd.shape[1]
+    quantized = bool(np.isin(np.concatenate([pg.formats["k"], pg.formats["v"]]), INTS).any())
+    old = K.get_num_threads()
+    try:
+        for threads in (1, 2):
+            K.set_num_threads(threads)
+            got, stats = {}, {}
+            for amx, pv in MODES:
+                A.set_attention_amx(amx)
+                A._set_attention_amx_pv(pv)
+                assert A.attention_simd_level() == ("avx512+amx" if amx else "avx512")
+                out = np.full_like(q, np.nan)
+                counters = pg.kernel(q, Hkv, kv_len, q_pos, scale, 0.0, -1, out)
+                np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+                got[amx, pv], stats[amx, pv] = out, counters
+            base = stats[False, 0]
+            for mode in MODES[1:]:
+                np.testing.assert_allclose(got[mode], got[False, 0], rtol=1e-5, atol=1e-5)
+                assert stats[mode]["dequantized_bytes"] == base["dequantized_bytes"]
+            assert (base["dequantized_bytes"] > 0) == quantized
+            pv_ws = stats[True, 2]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
+            keys_ws = stats[True, 0]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
+            assert keys_ws > 0 if pg.group["k"] == 1 else keys_ws == 0
+            assert pv_ws > keys_ws    # the p.v stash comes on top
+    finally:
+        K.set_num_threads(old)
+        reset_level()
+        A.set_attention_amx(True)
+        A._set_attention_amx_pv(0)
+    return got[True, 2]
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D", "Dc"], ids=["per_head", "per_channel", "compact"])
+@pytest.mark.parametrize("fmt", INTS, ids=[NAMES[f] for f in INTS])
+def test_every_format_and_key_scale_mode(fmt, kG):
+    q, pg, kv_len, q_pos, scale, want = build(10 + fmt, fmt, 3, kG, 32, 8, 64, 16, (37, 100))
+    assert pg.formats["k"].tolist() == [fmt] * len(pg.formats["k"])
+    check(q, pg, kv_len, q_pos, scale, want)
+
+
+@needs_amx
+@pytest.mark.parametrize("bs", [1, 5, 16, 32, 64])
+@pytest.mark.parametrize("D", [16, 24, 40, 64, 128])
+@pytest.mark.parametrize("fmt", [3, 22, 25], ids=["i8", "i4", "u2"])
+def test_head_sizes_and_block_sizes(fmt, D, bs):
+    # keys: D % 64 != 0 and tiles of fewer than 16 keys take the widened copy; int8 with D = 64, 128 and bs >= 16
+    # the page itself.  Values: the p.v stash runs early on a run of keys that is not a multiple of 4 (bs 1, 5)
+    # and takes two pages (bs 32) or half a tile (bs 64, tiles of 32 keys); D % 16 != 0 leaves masked columns.
+    check(*build(100 + D + bs, fmt, fmt, 1, 8, 2, D, bs, (29, 71, 130)))
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("vfmt", INTS, ids=[NAMES[f] for f in INTS])
+def test_every_value_format_and_zero_points(vfmt, kG):
+    q, pg, kv_len, q_pos, scale, want = build(600 + vfmt, 3, vfmt, kG, 16, 4, 64, 16, (77, 150))
+    assert pg.formats["v"].tolist() == [vfmt] * len(pg.formats["v"])
+    Hkv = pg.kd.shape[1]
+    zero = np.concatenate([np.frombuffer(p.tobytes()[4 * Hkv:8 * Hkv], np.float32) for p in pg.pages["v"]])
+    assert (np.count_nonzero(zero) > 0) == (vfmt in (2, 21, 25))   # unsigned: asymmetric, zero points != 0
+    check(q, pg, kv_len, q_pos, scale, want)
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
+def test_per_channel_values_keep_the_avx512_tiles(kG):
+    # per-channel value scales are not routed to AMX p.v: the same results with every mode
+    q, pg, kv_len, q_pos, scale, want = build(650, (3, 22, 2), (3, 21, 25), kG, 16, 4, 64, 16, (61, 130), vG=64)
+    assert pg.group["v"] == 64
+    check(q, pg, kv_len, q_pos, scale, want)
+
+
+@needs_amx
+def test_float_pages_only():
+    # nothing quantized: AMX has nothing to do, the unit still configures and releases the tiles
+    check(*build(700, (1, 10, 16), (1, 10, 16), 1, 16, 4, 64, 16, (40, 97)))
+
+
+@needs_amx
+@pytest.mark.parametrize("vfmt", [3, 21], ids=["i8", "u4"])
+def test_long_context_and_peaked_rows(vfmt):
+    # thousands of keys: many 64-key p.v runs per item, running-max rescales of pending runs; spread query rows
+    # make some rows' probabilities peaked and others flat (each run scales its rows by their own max).  AMX p.v
+    # sums the codes exactly in int32 and stays within 1e-5 of the twin; the AVX-512 p.v tiles (also behind AMX
+    # keys) fold uint4 zero points over 3000 keys in float32 and reach ~3e-5 on one thread, so they are held to
+    # 5e-5 here.
+    q, pg, kv_len, q_pos, scale, want = build(800 + vfmt, 22, vfmt, 1, 8, 2, 128, 16, (3001, 1700), spread=True)
+    old = K.get_num_threads()
+    try:
+        for threads in (1, 2):
+            K.set_num_threads(threads)
+            for amx, pv in MODES:
+                A.set_attention_amx(amx)
+                A._set_attention_amx_pv(pv)
+                out = np.full_like(q, np.nan)
+                pg.kernel(q, 2, kv_len, q_pos, scale, 0.0, -1, out)
+                tol = 1e-5 if pv == 2 else 5e-5
+                np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    finally:
+        K.set_num_threads(old)
+        reset_level()
+        A.set_attention_amx(True)
+        A._set_attention_amx_pv(0)
+
+
+@needs_amx
+@pytest.mark.parametrize("G", range(1, 9))
+def test_query_rows_per_kv_head(G):
+    # 1..8 rows share each KV head: one C tile up to 5 rows, two from 6
+    check(*build(200 + G, 2, 3, "D", 2 * G, 2, 64, 16, (50, 83)))
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D", "Dc"], ids=["per_head", "per_channel", "compact"])
+def test_mixed_pages_with_float_pages_between(kG):
+    # B tiles are rebuilt when the code order changes (8 -> 4 -> 2 bits) and float pages keep the AVX-512 tiles
+    spec = (3, 1, 22, 10, 2, 16, 25, 21, 26)
+    q, pg, kv_len, q_pos, scale, want = build(300, spec, (3, 1), kG, 32, 8, 40, 16, (150, 211))
+    assert len(set(pg.formats["k"].tolist())) >= 6
+    check(q, pg, kv_len, q_pos, scale, want)
+
+
+@needs_amx
+@pytest.mark.parametrize("rg", [3, 4, 8])
+@pytest.mark.parametrize("Sq", [3, 9])
+@pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
+def test_prefill(kG, Sq, rg):
+    # prefill row groups of rg rows (up to 8: two C tiles), several query tokens per unit
+    old = A._set_prefill_rg(rg)
+    try:
+        check(*build(400 + Sq, (3, 22, 1), 3, kG, 16, 4, 64, 16, (40, 66), Sq=Sq))
+    finally:
+        A._set_prefill_rg(old)
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D", "Dc"], ids=["per_head", "per_channel", "compact"])
+@pytest.mark.parametrize("fmt", [3, 2, 21])
+def test_query_rows_of_different_magnitudes_and_a_zero_row(fmt, kG):
+    # each row has its own fixed-point step S_r = max|q_r| / (127 * 2^16); an all-zero row has S_r = 0
+    q, pg, kv_len, q_pos, scale, want = build(500 + fmt, fmt, 3, kG, 32, 8, 128, 16, (90, 45), spread=True)
+    got = check(q, pg, kv_len, q_pos, scale, want)
+    # a zero query row attends uniformly: the mean of its visible values
+    np.testing.assert_allclose(got[0, 0, 0], pg.vd[0, 0, :90].mean(axis=0), rtol=1e-5, atol=1e-5)
+    assert np.ptp(np.abs(q).max(axis=-1)) > 1.0     # the rows' magnitudes do differ
+
+
+def test_switch_and_level_name():
+    try:
+        K.set_simd_enabled(True)
+        A.set_attention_avx512(True)
+        assert A.set_attention_amx(False) is False
+        assert A.attention_simd_level() == ("avx512" if AVX512 else "avx2")
+        assert A.set_attention_amx(True) is AMX
+        assert A.attention_simd_level() == ("avx512+amx" if AMX else "avx512" if AVX512 else "avx2")
+        assert A._set_attention_amx_pv(2) == 0     # p.v on AMX: off by default, the old mode returned
+        assert A._set_attention_amx_pv(7) == 2     # clamped to 0..2
+        assert A._set_attention_amx_pv(0) == 2
+        A.set_attention_avx512(False)       # AMX runs inside the AVX-512 tiles only
+        assert A.attention_simd_level() == "avx2"
+        K.set_simd_enabled(False)
+        assert A.attention_simd_level() == "scalar"
+    finally:
+        reset_level()
+        A.set_attention_amx(True)
