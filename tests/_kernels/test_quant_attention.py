@@ -253,6 +253,17 @@ def test_4bit_pages_alone_and_between_others(D, kspec, vspec, Sq, threads, simd)
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("vspec", [21, 2, 25, (21, 2)], ids=["u4", "u8", "u2", "u4-u8"])
+def test_unsigned_values_over_thousands_of_keys(vspec, threads, simd):
+    """Unsigned value pages (non-zero zero points) over 3001 keys: each tile's
+    zero-point share is applied to the accumulators it summed into at once
+    (4-bit tiles: the interleaved ones), so the sums of p s c never grow far
+    past the result and cancel (uint4 was ~1.4e-5 from the twin here when the
+    share was deferred to the end of the work unit)."""
+    got, _, _ = run(22, vspec, 1, 1, "gqa", 128, 16, (3001, 1700), 1, seed=81)
+    assert np.isfinite(got).all()
+
+
 def test_old_pages_int4_recent_float32(threads, simd):
     """The intended use: a sequence's old pages int4 (per-channel keys), its
     newest 256 tokens' pages float32; with a softcap."""
