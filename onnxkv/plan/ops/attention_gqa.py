@@ -200,7 +200,7 @@ class GroupQueryAttention(Op):
         qf = q.astype(np.float32, copy=False)
         narrow = paged or kv_dtype is not None or (in_place and keys.dtype == np.float16)
         kf, vf = (keys, values) if narrow else (t.astype(np.float32, copy=False) for t in (keys, values))
-        scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
+        scale = self._softmax_scale(d)
         if attn_bias is None and sink is None:
             if paged:
                 rt.count(**paged_causal_attention(qf, ck, cv, kv_len, q_pos, scale, self.softcap, self.window, out))
@@ -281,12 +281,15 @@ class GroupQueryAttention(Op):
         present_k = rt.cache_write(past_k_name, k.reshape(1, hkv, 1, d), starts, present_len)
         present_v = rt.cache_write(past_v_name, value.reshape(1, hkv, 1, d), starts, present_len)
         output = rt.empty(0, (1, 1, hq * d), np.float32)
-        scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
         _attention_kernel(q.reshape(1, hq, 1, d), ck.buffer, cv.buffer, np.array([total_b], np.int32),
-                          np.array([[past_b]], np.int32), float(scale), self.softcap, self.window,
+                          np.array([[past_b]], np.int32), float(self._softmax_scale(d)), self.softcap, self.window,
                           output.reshape(1, hq, 1, d), kv_dtype=None)
         outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
         return outs[: len(self.node.output)]
+
+    def _softmax_scale(self, d: int) -> float:
+        """The ``scale`` attribute, or ``1/sqrt(head_size)`` when it is 0."""
+        return self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
 
     def _split_qkv(
         self, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None
