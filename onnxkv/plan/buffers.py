@@ -9,7 +9,14 @@ are reuses, counted as ``reuse_count``).  At most ``pool_limit`` bytes are
 kept for reuse; a released buffer that would exceed it goes straight back to
 the allocator, so a long prefill does not hold every temporary it ever made.
 :meth:`close` returns everything to the allocator at the end of the run, so
-between runs the plan holds nothing.
+between runs the plan holds nothing -- unless the plan keeps its buffers
+(``Plan(keep_buffers=True)``, what a session does with its own allocator):
+then :meth:`recycle` ends a successful run instead, and the next run starts
+with this run's buffers in its free lists.  Decode steps repeat the same
+sizes, so a step then allocates nothing.  A buffer kept from one run that the
+next run does not take is returned to the allocator at the end of that run
+(a prefill's large temporaries do not outlive the first decode step), and a
+buffer an output of the run may view is never kept.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ class RunBuffers:
     An entry is ``(buffer, raw uint8 view of its bytes, nbytes)``.
     """
 
-    __slots__ = ("allocator", "held", "free_lists", "pooled", "pool_limit")
+    __slots__ = ("allocator", "held", "free_lists", "pooled", "pool_limit", "used", "plan_alloc")
 
     def __init__(self, allocator, pool_limit: int = 64 << 20) -> None:
         self.allocator = allocator
@@ -36,6 +43,9 @@ class RunBuffers:
         self.free_lists: defaultdict[int, list] = defaultdict(list)  # nbytes -> entries
         self.pooled = 0
         self.pool_limit = pool_limit
+        self.used: set[int] = set()  # id() of the entries taken since the last recycle
+        #: The run's allocation function (see Plan._allocator_for), made once per RunBuffers.
+        self.plan_alloc = None
 
     def take(self, slot: int, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
         """A C-contiguous ``dtype`` array of ``shape`` (non-negative ints) owned by ``slot``; True if it was a reuse."""
@@ -53,6 +63,7 @@ class RunBuffers:
             entry = (buf, buf.view(np.uint8, (nbytes,)), nbytes)
             reused = False
         held[slot] = entry
+        self.used.add(id(entry))
         return entry[1].view(dtype).reshape(shape), reused
 
     def release(self, slot: int) -> None:
@@ -65,6 +76,30 @@ class RunBuffers:
                 return
             self.free_lists[n].append(entry)
             self.pooled += n
+
+    def recycle(self, outputs) -> None:
+        """End a successful run keeping buffers for the next one (see the module docstring).
+
+        Free-list entries not taken since the last recycle and held entries
+        that one of ``outputs`` (the arrays the run returns) may view go back
+        to the allocator; every other held entry moves to the free lists.
+        """
+        free, used = self.allocator.free, self.used
+        for n, lst in self.free_lists.items():
+            stale = [e for e in lst if id(e) not in used]
+            if stale:
+                lst[:] = [e for e in lst if id(e) in used]
+                self.pooled -= n * len(stale)
+                for e in stale:
+                    free(e[0])
+        arrays = [o for o in outputs if isinstance(o, np.ndarray)]
+        for slot, entry in list(self.held.items()):
+            if any(np.may_share_memory(o, entry[1]) for o in arrays):
+                del self.held[slot]
+                free(entry[0])
+            else:
+                self.release(slot)
+        used.clear()
 
     def close(self) -> None:
         """Return every buffer to the allocator."""

@@ -145,6 +145,9 @@ class Plan:
             in place when a state supplies caches to :meth:`run`.
         external: initializer name -> array for initializers kept outside the
             proto (memory-mapped external data, see :func:`onnxkv.load`).
+        keep_buffers: after a successful run keep its temporaries (taken from
+            ``allocator``) for the next run instead of returning them (see
+            :mod:`onnxkv.plan.buffers`); a failed run returns them all.
 
     A plan is immutable after construction and may be run from one thread at
     a time per :class:`RunContext`; ``run`` allocates its own slot list.
@@ -160,9 +163,13 @@ class Plan:
         bindings: Iterable = (),
         external: Mapping[str, np.ndarray] | None = None,
         fold_shapes: bool = True,
+        keep_buffers: bool = False,
     ) -> None:
         graph = model.graph
         self.allocator = allocator
+        #: Keep a successful run's temporaries for the next run (see onnxkv.plan.buffers).
+        self.keep_buffers = bool(keep_buffers)
+        self._idle_buffers: list[RunBuffers] = []
         self.opsets = _opsets(model)
         bad = unsupported_nodes(model)
         if bad:
@@ -464,22 +471,37 @@ class Plan:
                     raise InputError(f"Session.run: unknown output '{name}'; outputs are: {', '.join(self.output_names)}")
                 out_slots.append(self.slot_of[name])
         slots = self.bind_inputs(feeds, caches)
-        bufs = RunBuffers(self.allocator)
+        idle = self._idle_buffers
+        try:
+            bufs = idle.pop()
+        except IndexError:
+            bufs = RunBuffers(self.allocator)
+            bufs.plan_alloc = self._allocator_for(bufs)
         recording = events is not None and events.enabled
-        rt = RunContext(self._allocator_for(bufs), recording, step, caches, cache_allocator)
+        rt = RunContext(bufs.plan_alloc, recording, step, caches, cache_allocator)
         try:
             if recording:
                 self._run_recording(slots, bufs, rt, events, step, cache_allocator, cancel)
             else:
                 self._run_plain(slots, bufs, rt, cancel)
         except BaseException:
-            rt.finish(False)
+            try:
+                rt.finish(False)
+            finally:
+                bufs.close()
             raise
-        else:
+        try:
             rt.finish(True)
-        finally:
+        except BaseException:
             bufs.close()
-        return {name: slots[s] for name, s in zip(output_names, out_slots)}
+            raise
+        outputs = {name: slots[s] for name, s in zip(output_names, out_slots)}
+        if self.keep_buffers:
+            bufs.recycle(outputs.values())
+            idle.append(bufs)
+        else:
+            bufs.close()
+        return outputs
 
     def _allocator_for(self, bufs: RunBuffers):
         persistent = self.persistent

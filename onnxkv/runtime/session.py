@@ -32,8 +32,11 @@ class Session:
         threads: threads for the OpenMP kernels *and* the BLAS under NumPy
             (one setting, applied around every run); None = the cores this
             process may use.
-        allocator: an :class:`onnxkv.alloc.Allocator` for the plan's temporaries
-            (None = :class:`~onnxkv.alloc.SystemAllocator`).
+        allocator: an :class:`onnxkv.alloc.Allocator` for the plan's temporaries,
+            all returned to it at the end of each run (None = the session's own
+            :class:`~onnxkv.alloc.SystemAllocator`; the plan then keeps a run's
+            temporaries for the next run, so repeated decode steps allocate
+            nothing -- see :mod:`onnxkv.plan.buffers`).
         events: record an :class:`~onnxkv.events.EventLog` (``session.events``).
 
     The plan is built once here.  ``run`` may be called any number of times;
@@ -54,8 +57,11 @@ class Session:
         self.declared_bindings = dict(contract.persistent_bindings)
         #: Past/present pairs that a state runs in place (empty: tensor path only).
         self.bindings = [] if self.declared_bindings else inplace_bindings(self.model.proto, conv)
+        # With its own allocator the plan keeps a run's temporaries for the next run (a decode step then
+        # allocates nothing); a caller's allocator gets every temporary back at the end of each run.
         self.plan = Plan(self.model.proto, self.allocator, present_outputs=conv.present_outputs,
-                         past_inputs=conv.past_inputs, bindings=self.bindings, external=self.model.external)
+                         past_inputs=conv.past_inputs, bindings=self.bindings, external=self.model.external,
+                         keep_buffers=allocator is None)
         self._step = 0
 
     @property

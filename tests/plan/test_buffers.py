@@ -43,3 +43,29 @@ def test_pool_limit_sends_released_buffers_back_to_the_allocator():
     assert bufs.pooled == 0 and arena.stats().allocations == 2
     bufs.close()
     assert arena.stats().live == 0
+
+
+def test_recycle_keeps_this_runs_buffers_and_frees_stale_and_viewed_ones():
+    """recycle: held buffers move to the free lists, except one an output may
+    view; a kept buffer the next run does not take goes back at its end."""
+    alloc = SystemAllocator()
+    bufs = RunBuffers(alloc)
+    rng = np.random.default_rng(4)
+    a, _ = bufs.take(0, (4, 4), np.dtype(np.float32))
+    b, _ = bufs.take(1, (10,), np.dtype(np.float64))
+    c, _ = bufs.take(2, (3,), np.dtype(np.int32))
+    out = c.reshape(3, 1)                     # an output viewing c's buffer
+    out[...] = rng.integers(0, 9, (3, 1))
+    want = out.copy()
+    bufs.recycle([out, rng.standard_normal(3)])
+    st = alloc.stats()
+    assert st.live == 64 + 80 and st.frees == 1 and bufs.pooled == 64 + 80 and not bufs.held
+    # next run: only the 64-byte size is taken again; the 80-byte buffer is stale at its end
+    again, reused = bufs.take(0, (16,), np.dtype(np.float32))
+    assert reused and again.__array_interface__["data"][0] == a.__array_interface__["data"][0]
+    bufs.recycle([])
+    st = alloc.stats()
+    assert st.live == 64 and st.frees == 2 and bufs.pooled == 64
+    np.testing.assert_array_equal(out, want)
+    bufs.close()
+    assert alloc.stats().live == 0

@@ -160,3 +160,65 @@ def test_omitted_inputs_and_outputs_run_and_free_their_buffers():
         np.testing.assert_allclose(sess.run({"x": x})["y"], ln + d, rtol=1e-5, atol=1e-5)
         st = arena.stats()
         assert st.live == 0 and st.allocations == st.frees > 0
+
+
+def _decode_feeds(rng, past):
+    feeds = {"input_ids": rng.integers(0, MICRO.vocab_size, (1, 1)),
+             "attention_mask": np.ones((1, past + 1), np.int64)}
+    for i in range(MICRO.num_layers):
+        for kv in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kv}"] = rng.standard_normal(
+                (1, MICRO.num_kv_heads, past, MICRO.head_size)).astype(np.float32)
+    return feeds
+
+
+def test_session_keeps_temporaries_between_runs_so_a_repeated_step_allocates_nothing():
+    m = build_model("gqa", MICRO, seed=0)
+    sess = Session(m, threads=1, events=True)
+    own = Session(m, threads=1, allocator=SystemAllocator())      # a caller's allocator: all back after each run
+    rng = np.random.default_rng(6)
+    feeds = _decode_feeds(rng, 5)
+    first = sess.run(feeds)
+    kept = {k: v.copy() for k, v in first.items()}
+    allocated = sess.allocator.stats().allocations
+    assert allocated > 0 and sess.allocator.stats().live > 0
+    second = sess.run(_decode_feeds(rng, 5))
+    assert sess.allocator.stats().allocations == allocated     # every temporary came from the last run
+    for k in first:                                            # earlier outputs are never overwritten
+        np.testing.assert_array_equal(first[k], kept[k])
+    want = own.run(_decode_feeds(np.random.default_rng(6), 5))
+    for k in first:
+        np.testing.assert_array_equal(first[k], want[k])
+    assert own.allocator.stats().live == 0 and own.allocator.stats().allocations > 0
+    totals = [sess.events.totals(step) for step in (0, 1)]
+    # the run's outputs are new arrays each run; its temporaries (allocated from the session's allocator in step 0)
+    # are reuses in step 1
+    assert totals[0]["allocations"] - totals[1]["allocations"] == allocated
+    assert totals[1]["reuse_count"] == totals[0]["reuse_count"] + allocated
+    assert set(second) == set(first)
+
+
+def test_kept_buffer_viewed_by_an_output_is_not_reused():
+    """y = Reshape(x + x) is a view of a temporary: the next run must not write into it."""
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Reshape", ["a", "s"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([2, 3], np.int64), "s")]
+    m = _model(nodes, [_vi("x", [6])], [_vi("y", [2, 3])], inits)
+    sess = Session(m, threads=1)
+    rng = np.random.default_rng(7)
+    x1, x2 = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    y1 = sess.run({"x": x1})["y"]
+    y2 = sess.run({"x": x2})["y"]
+    np.testing.assert_array_equal(y1, (2 * x1).reshape(2, 3))
+    np.testing.assert_array_equal(y2, (2 * x2).reshape(2, 3))
+
+
+def test_failed_run_of_a_session_allocator_returns_every_buffer():
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Mul", ["a", "a"], ["b"]),
+             helper.make_node("Reshape", ["b", "s"], ["y"])]
+    m = _model(nodes, [_vi("x", [4]), _vi("s", [2], TensorProto.INT64)], [_vi("y", None)])
+    sess = Session(m, threads=1)
+    assert sess.run({"x": np.ones(4, np.float32), "s": np.array([2, 2])})["y"].shape == (2, 2)
+    with pytest.raises(Exception, match="Reshape"):
+        sess.run({"x": np.ones(4, np.float32), "s": np.array([3, 3])})
+    assert sess.allocator.stats().live == 0
+    np.testing.assert_array_equal(sess.run({"x": np.ones(4, np.float32), "s": np.array([4, 1])})["y"], 4.0)
