@@ -34,6 +34,7 @@ stay float32 within one sequence.
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
 from libc.math cimport isfinite
 from cython.parallel cimport prange
 
@@ -91,6 +92,8 @@ cdef extern from "attention.h" nogil:
 cdef extern from "simd.h" nogil:
     int okv_cpu_avx512_ok()
     int okv_cpu_amx_ok()
+    void okv_rope_row_f32(const float *x, const float *c, const float *s, float *out, int64_t half,
+                          int64_t head_size, int interleaved, int simd)
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256
@@ -512,6 +515,106 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
 _KV_TYPES = {"float32": OKV_KV_F32, "float16": OKV_KV_F16, "bfloat16": OKV_KV_BF16}
 
 
+def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, scale, softcap, window, out) -> bool:
+    """One new token of one sequence into float32 caches, fused: rotary on q and
+    k, the token's k and v rows written at position ``pos`` of every KV head of
+    the caches, then attention of q over positions [0, pos] into ``out``.
+
+    q, out           [1, 1, Hq * D] float32 (one token's heads side by side)
+    k, v             [1, 1, Hkv * D] float32
+    cos, sin         [max_pos, R / 2] float32 with 2 <= R <= D and pos < max_pos
+                     (row ``pos`` rotates the first R dims of each head, as
+                     ``rotary_embedding``), or both None: no rotary
+    k_cache, v_cache [1, Hkv, Cap, D] float32, writable, 0 <= pos < Cap
+    scale, softcap, window as ``attention``; all arrays C-contiguous.
+
+    Writes k_cache[0, :, pos], v_cache[0, :, pos] and out only; the result is
+    bit for bit that of ``rotary_embedding`` on q and k, writing the rows, and
+    ``attention`` with kv_len = [pos + 1] and q_pos = [[pos]] (the same
+    kernels, row functions and thread split).  Returns True when done; False,
+    with nothing written, when an argument does not fit that description or
+    out overlaps another argument (or k, v a cache) -- the caller then takes
+    the unfused calls, whose checks name the bad argument.  (One call per layer
+    per decode step: every check is at C speed.)
+    """
+    cdef const float[:, :, ::1] qv
+    cdef const float[:, :, ::1] kv
+    cdef const float[:, :, ::1] vv
+    cdef float[:, :, ::1] ov
+    cdef float[:, :, :, ::1] kc
+    cdef float[:, :, :, ::1] vc
+    cdef const float[:, ::1] cv
+    cdef const float[:, ::1] sv
+    cdef int64_t Hq, Hkv, Cap, D, half = 0, h
+    cdef int rot = cos is not None, inter = 1 if interleaved else 0, simd = okv_simd()
+    cdef int32_t kl, qp
+    cdef float *qr = NULL
+    cdef okv_attn_args a
+    if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
+            and isinstance(k_cache, np.ndarray) and isinstance(v_cache, np.ndarray) and isinstance(out, np.ndarray)
+            and (sin is None) == (not rot) and _scalars_ok(scale, softcap, window)):
+        return False
+    try:
+        qv = q
+        kv = k
+        vv = v
+        ov = out
+        kc = k_cache
+        vc = v_cache
+        if rot:
+            cv = cos
+            sv = sin
+    except (ValueError, TypeError, BufferError):
+        return False
+    Hkv, Cap, D = kc.shape[1], kc.shape[2], kc.shape[3]
+    if kc.shape[0] != 1 or vc.shape[0] != 1 or vc.shape[1] != Hkv or vc.shape[2] != Cap or vc.shape[3] != D \
+            or Hkv == 0 or D == 0 or not 0 <= pos < Cap:
+        return False
+    Hq = qv.shape[2] // D
+    if qv.shape[0] != 1 or qv.shape[1] != 1 or Hq == 0 or Hq * D != qv.shape[2] or Hq % Hkv != 0 \
+            or ov.shape[0] != 1 or ov.shape[1] != 1 or ov.shape[2] != Hq * D:
+        return False
+    if kv.shape[0] != 1 or kv.shape[1] != 1 or kv.shape[2] != Hkv * D \
+            or vv.shape[0] != 1 or vv.shape[1] != 1 or vv.shape[2] != Hkv * D:
+        return False
+    if rot:
+        half = cv.shape[1]
+        if half == 0 or 2 * half > D or sv.shape[0] != cv.shape[0] or sv.shape[1] != half or pos >= cv.shape[0]:
+            return False
+    cdef size_t qnb = <size_t>(Hq * D) * sizeof(float), knb = <size_t>(Hkv * D) * sizeof(float)
+    cdef size_t cnb = <size_t>(Hkv * Cap * D) * sizeof(float)
+    cdef const void *o = &ov[0, 0, 0]
+    if not (_disjoint(o, qnb, &qv[0, 0, 0], qnb) and _disjoint(o, qnb, &kc[0, 0, 0, 0], cnb)
+            and _disjoint(o, qnb, &vc[0, 0, 0, 0], cnb) and _disjoint(&kc[0, 0, 0, 0], cnb, &vc[0, 0, 0, 0], cnb)
+            and _disjoint(&kv[0, 0, 0], knb, &kc[0, 0, 0, 0], cnb) and _disjoint(&vv[0, 0, 0], knb, &vc[0, 0, 0, 0], cnb)
+            and _disjoint(&kv[0, 0, 0], knb, &vc[0, 0, 0, 0], cnb) and _disjoint(&vv[0, 0, 0], knb, &kc[0, 0, 0, 0], cnb)):
+        return False
+    if rot:
+        qr = <float *>malloc(qnb)
+        if qr == NULL:
+            raise MemoryError("decode_token: could not allocate the rotated query")
+    kl, qp = <int32_t>(pos + 1), <int32_t>pos
+    with nogil:
+        for h in range(Hkv):
+            if rot:
+                okv_rope_row_f32(&kv[0, 0, h * D], &cv[pos, 0], &sv[pos, 0], &kc[0, h, pos, 0], half, D, inter, simd)
+            else:
+                memcpy(&kc[0, h, pos, 0], &kv[0, 0, h * D], <size_t>D * sizeof(float))
+            memcpy(&vc[0, h, pos, 0], &vv[0, 0, h * D], <size_t>D * sizeof(float))
+        if rot:
+            for h in range(Hq):
+                okv_rope_row_f32(&qv[0, 0, h * D], &cv[pos, 0], &sv[pos, 0], qr + h * D, half, D, inter, simd)
+    _fill_args(&a, qr if rot else &qv[0, 0, 0], &ov[0, 0, 0], &kl, &qp, 1, Hq, 1, D, Hkv, Cap, scale, softcap,
+               window, OKV_KV_F32)
+    a.k = &kc[0, 0, 0, 0]
+    a.v = &vc[0, 0, 0, 0]
+    try:
+        _run(&a, pos + 1, "decode_token")
+    finally:
+        free(qr)
+    return True
+
+
 cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64_t Cap, float scale, float softcap,
                      int64_t window, int kv_type):
     """Fill the fields every call has from checked, non-empty arguments (q, out
@@ -522,10 +625,18 @@ cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64
     cdef float[:, :, :, ::1] ov = out
     cdef const int32_t[::1] lv = kv_len
     cdef const int32_t[:, ::1] pv = q_pos
-    a.q = &qv[0, 0, 0, 0]
-    a.out = &ov[0, 0, 0, 0]
-    a.kv_len = &lv[0]
-    a.q_pos = &pv[0, 0]
+    _fill_args(a, &qv[0, 0, 0, 0], &ov[0, 0, 0, 0], &lv[0], &pv[0, 0], qv.shape[0], qv.shape[1], qv.shape[2],
+               qv.shape[3], Hkv, Cap, scale, softcap, window, kv_type)
+
+
+cdef void _fill_args(okv_attn_args *a, const float *q, float *out, const int32_t *kv_len, const int32_t *q_pos,
+                     int64_t B, int64_t Hq, int64_t Sq, int64_t D, int64_t Hkv, int64_t Cap, float scale,
+                     float softcap, int64_t window, int kv_type) noexcept nogil:
+    """``_init_args`` from raw pointers and shapes."""
+    a.q = q
+    a.out = out
+    a.kv_len = kv_len
+    a.q_pos = q_pos
     a.k = NULL
     a.v = NULL
     a.k_pages = NULL
@@ -534,7 +645,7 @@ cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64
     a.kv_start = NULL
     a.M = 0
     a.bs = 0
-    a.B, a.Hq, a.Sq, a.D = q.shape
+    a.B, a.Hq, a.Sq, a.D = B, Hq, Sq, D
     a.Hkv, a.Cap = Hkv, Cap
     a.scale = scale
     a.softcap = softcap

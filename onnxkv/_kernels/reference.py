@@ -128,6 +128,24 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     out[...] = res.astype(out.dtype)
 
 
+def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out):
+    """Twin of the fused kernel: rotary on q and k, rows written at ``pos``, attention over [0, pos]."""
+    hkv, d = k_cache.shape[1], k_cache.shape[3]
+    hq = q.shape[2] // d
+    q4, k4 = q.reshape(1, 1, hq, d), k.reshape(1, 1, hkv, d)
+    if cos is not None:
+        positions = np.array([[pos]], np.int64)
+        q_rot, k_rot = np.empty_like(q4), np.empty_like(k4)
+        rotary_embedding(q4, cos, sin, positions, interleaved, q_rot)
+        rotary_embedding(k4, cos, sin, positions, interleaved, k_rot)
+        q4, k4 = q_rot, k_rot
+    k_cache[0, :, pos] = k4[0, 0]
+    v_cache[0, :, pos] = v.reshape(hkv, d)
+    attention(q4.reshape(1, hq, 1, d), k_cache, v_cache, np.array([pos + 1], np.int32), np.array([[pos]], np.int32),
+              scale, softcap, window, out.reshape(1, hq, 1, d))
+    return True
+
+
 def f16_to_f32(x, out):
     out[...] = x.astype(np.float32)
 

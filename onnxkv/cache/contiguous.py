@@ -187,7 +187,17 @@ class CacheTensor:
                 for row in range(b):
                     p = int(starts[row])
                     self.buffer[row, :, p:p + s] = new[row]
-        cost.append_copied_bytes += b * h * s * d * self.dtype.itemsize
+        return self._staged_append(cost, s, length)
+
+    def appended(self, s: int, length: int, cost: WriteCost | None = None) -> WriteCost:
+        """Account for ``s`` positions of every row that a kernel wrote in place
+        (within the capacity, at or after the valid length) and stage
+        ``length``; returns ``cost`` (e.g. a growth by :meth:`reserve`) plus
+        the appended bytes."""
+        return self._staged_append(cost or WriteCost(), s, length)
+
+    def _staged_append(self, cost: WriteCost, s: int, length: int) -> WriteCost:
+        cost.append_copied_bytes += self.batch * self.heads * s * self.head_size * self.dtype.itemsize
         self.staged = length
         return cost
 

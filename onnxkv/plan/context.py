@@ -89,6 +89,19 @@ class RunContext:
             self.cache_events.append((past, cost))
         return present
 
+    def cache_appended(self, past: str, s: int, length: int, grown=None) -> np.ndarray:
+        """Record that a kernel wrote ``s`` new positions of every row of the
+        contiguous cache bound to ``past`` in place, within its capacity (see
+        :meth:`CacheTensor.appended`), after the growth ``grown`` (the
+        :class:`WriteCost` of the cache's ``reserve``, or None); stage
+        ``length`` and return the present view ``[:, :, :length]``.  Recorded
+        like :meth:`cache_write`."""
+        cache = self.caches[past]
+        cost = cache.appended(s, length, grown)
+        if self.recording:
+            self.cache_events.append((past, cost))
+        return cache.view(length)
+
     def defer(self, commit, rollback) -> None:
         """Call ``commit()`` when the run succeeds, ``rollback()`` when it fails (see the class docstring)."""
         self.deferred.append((commit, rollback))

@@ -74,8 +74,7 @@ import onnx
 
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
-from onnxkv._kernels import attention as _attention_kernel
-from onnxkv._kernels import rotary_embedding as _rotary_kernel
+from onnxkv._kernels import decode_token as _decode_kernel
 from onnxkv.plan.ops._attention_math import causal_attention, dense_attention, paged_causal_attention, position_bias
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -225,32 +224,27 @@ class GroupQueryAttention(Op):
 
         The general path's result for the common decode call -- batch 1, one
         new token after a past, separate float32 Q/K/V, the state's contiguous
-        float32 caches bound in place, no position_ids / attention_bias /
-        head_sink / smooth_softmax, rotary (if any) from the node's constant
-        tables -- with the same kernels and arguments, so the outputs are
-        identical; it skips the general path's per-call array building, which
-        costs more than the attention itself at short contexts.  Anything else,
-        including every argument the general path would refuse, returns None
-        and takes the general path (which raises its errors).
+        float32 caches bound in place with room for the token, no position_ids /
+        attention_bias / head_sink / smooth_softmax, rotary (if any) from the
+        node's constant tables -- computed by the fused kernel
+        (:func:`onnxkv._kernels.decode_token`: the general path's rotary,
+        append and attention in one call, bit for bit), which skips the
+        general path's per-call array building and Python.  A cache that must
+        grow grows first, as in the general path.  Anything else, including
+        every argument the general path would refuse, returns None with no
+        cache byte written and takes the general path (which raises its
+        errors).
         """
-        if len(inputs) < 7 or any(x is not None for x in inputs[9:]) or self.smooth_softmax:
+        if len(inputs) < 7 or any(x is not None for x in inputs[9:]) or self.smooth_softmax or not self.bound:
             return None
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
+        caches = rt.caches
         past_k_name, past_v_name = self._past_names
-        if not self.bound or rt.caches is None or past_k_name not in rt.caches or key is None or value is None:
+        if caches is None or past_k_name not in caches or past_key is None or past_value is None:
             return None
-        hq, hkv = self.num_heads, self.kv_num_heads
-        if query.dtype != np.float32 or query.ndim != 3 or query.shape[:2] != (1, 1) or query.shape[2] % hq:
-            return None
-        d = query.shape[2] // hq
-        if key.shape != (1, 1, hkv * d) or value.shape != key.shape or key.dtype != np.float32 \
-                or value.dtype != np.float32:
-            return None
-        ck, cv = rt.caches[past_k_name], rt.caches[past_v_name]
-        if getattr(ck, "paged", False) or ck.storage != "float32" or cv.storage != "float32" or past_key is None \
-                or past_value is None or past_key.dtype != np.float32 or past_value.dtype != np.float32 \
-                or past_key.ndim != 4 or past_key.shape[:2] != (1, hkv) or past_key.shape[3] != d \
-                or past_value.shape != past_key.shape:
+        ck, cv = caches[past_k_name], caches[past_v_name]
+        if getattr(ck, "paged", False) or ck.storage != "float32" or cv.storage != "float32" \
+                or past_key.shape != past_value.shape or past_key.ndim != 4:
             return None
         if not isinstance(seqlens_k, np.ndarray) or seqlens_k.shape != (1,) or seqlens_k.dtype.kind not in "iu" \
                 or not isinstance(total_seqlen, np.ndarray) or total_seqlen.size != 1 \
@@ -261,29 +255,33 @@ class GroupQueryAttention(Op):
         # Not a first prompt (S == total), and the general path's seqlens_k range.
         if total <= 1 or not 1 <= total_b <= min(total, past_len + 1):
             return None
-        past_b = total_b - 1
-        q = query.reshape(1, 1, hq, d)
-        k = key.reshape(1, 1, hkv, d)
+        cos = sin = None
         if self.do_rotary:
             tables = self._tables
-            cos, sin = inputs[7] if len(inputs) > 7 else None, inputs[8] if len(inputs) > 8 else None
-            if tables is None or cos is not tables[0] or sin is not tables[1] or past_b >= tables[2].shape[0] \
-                    or 2 * tables[2].shape[1] > d:
+            if tables is None or len(inputs) < 9 or inputs[7] is not tables[0] or inputs[8] is not tables[1] \
+                    or total_b > tables[2].shape[0]:
                 return None
-            positions = np.array([[past_b]], np.int64)
-            q_rot, k_rot = np.empty(q.shape, np.float32), np.empty(k.shape, np.float32)
-            _rotary_kernel(q, tables[2], tables[3], positions, self.interleaved, q_rot)
-            _rotary_kernel(k, tables[2], tables[3], positions, self.interleaved, k_rot)
-            q, k = q_rot, k_rot
-        # [1, 1, H, D] and [1, H, 1, D] are the same layout with one token.
-        starts = np.array([past_b], np.int64)
+            cos, sin = tables[2], tables[3]
+        hq, hkv = self.num_heads, self.kv_num_heads
+        if query.ndim != 3 or past_key.shape[:2] != (1, hkv) or past_key.shape[3] * hq != query.shape[2]:
+            return None
         present_len = max(total, past_len)
-        present_k = rt.cache_write(past_k_name, k.reshape(1, hkv, 1, d), starts, present_len)
-        present_v = rt.cache_write(past_v_name, value.reshape(1, hkv, 1, d), starts, present_len)
-        output = rt.empty(0, (1, 1, hq * d), np.float32)
-        _attention_kernel(q.reshape(1, hq, 1, d), ck.buffer, cv.buffer, np.array([total_b], np.int32),
-                          np.array([[past_b]], np.int32), float(self._softmax_scale(d)), self.softcap, self.window,
-                          output.reshape(1, hq, 1, d), kv_dtype=None)
+        if present_len > ck.capacity or present_len > cv.capacity:
+            # growth, as the general path's cache writes grow: only for arguments it accepts up to there
+            shape = (1, 1, hkv * past_key.shape[3])
+            if query.dtype != np.float32 or query.shape[:2] != (1, 1) or key is None or value is None \
+                    or key.dtype != np.float32 or value.dtype != np.float32 or key.shape != shape \
+                    or value.shape != shape:
+                return None
+        grown = ck.reserve(present_len), cv.reserve(present_len)
+        output = rt.empty(0, (1, 1, query.shape[2]), np.float32)
+        done = _decode_kernel(query, key, value, cos, sin, self.interleaved, ck.buffer, cv.buffer, total_b - 1,
+                              float(self._softmax_scale(query.shape[2] // hq)), self.softcap, self.window, output)
+        # Record growth even when the kernel declined (the general path then finds the room made).
+        present_k = rt.cache_appended(past_k_name, int(done), present_len, grown[0])
+        present_v = rt.cache_appended(past_v_name, int(done), present_len, grown[1])
+        if not done:
+            return None
         outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
         return outs[: len(self.node.output)]
 
