@@ -14,16 +14,18 @@ in the same order whatever the thread count, so results do not depend on it.
   16-column panels ([ceil(N/16), K, 16], see matmul.h); register-tiled
   products with the accumulators in registers, each tile reading up to four
   adjacent panels side by side (several weight streams per thread keep a few
-  rows as fast as one), the threads taking contiguous ranges of panels.  AVX-512 tiles where the CPU has AVX-512F
-  (``set_packed_avx512`` switches to the AVX2 tiles), AVX2, or scalar.
-  On cores shared with other processes a team member is often off its core,
-  and every parallel region then waits for it (a decode step runs ~30 of
-  these products): after a product that waited for its team longer than its
-  own share took, the next products run on the calling thread alone, then the
-  team is tried again (measured on 2 busy cores: a small-model decode step
-  32 ms instead of 91 ms; on free cores no product is found late).
+  rows as fast as one), the threads claiming chunks of panels: each streams
+  its own contiguous range, then helps with the others' ends.  AVX-512 tiles
+  where the CPU has AVX-512F (``set_packed_avx512`` switches to the AVX2
+  tiles), AVX2, or scalar.  On cores shared with other processes a team
+  member is often off its core, and every parallel region then waits for it
+  (a decode step runs ~30 of these products): after two products in a row
+  that waited for their team longer than the caller's own share took, the
+  next products run on the calling thread alone, then the team is tried
+  again (measured on 2 busy cores: a small-model decode step 32 ms instead
+  of 91 ms; on free cores no product is found late).
 """
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cython.parallel cimport prange
@@ -42,6 +44,10 @@ cdef extern from "matmul.h" nogil:
     void okv_mmp_pack_rows(const float *w, int64_t K, int64_t N, float *wp, int64_t k0, int64_t k1)
     void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                                const float *bias, float *out, int64_t p0, int64_t p1, int isa)
+    int64_t okv_matmul_packed_claim(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+                                    const float *bias, float *out, uint64_t *ranges, int nt, int t,
+                                    int64_t chunk, int isa)
+    int64_t okv_matmul_claim_chunk(int isa, int64_t M, int64_t K, int64_t P, int nt)
     int okv_mmp_avx512_usable()
     int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
 
@@ -217,9 +223,12 @@ def pack_weight(w):
 
 DEF SOLO_CALLS = 64          # products run on the calling thread alone once a team member was late
 DEF LATE_MIN_NS = 300000     # a wait for the team (ns) counts as late above this and above the caller's own share
+DEF LATE_RUN = 2             # late products in a row that start SOLO_CALLS (one alone is a wake-up hiccup)
 
 cdef int _solo_left = 0      # products still to run alone (see _matmul_packed)
 cdef bint _adaptive = True
+cdef int _late_run = 0      # late products in a row (see _matmul_packed)
+DEF MAX_TEAM = 64            # threads of one product at most (the claim ranges live on the stack)
 
 
 def _set_adaptive(enabled, solo=0):
@@ -241,16 +250,21 @@ cdef inline int64_t _now_ns() noexcept nogil:
 
 cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
                          float[:, ::1] out) noexcept nogil:
-    """Threads take contiguous ranges of panels.  When the caller waited for
-    the team at the end of a product longer than its own share took (and
-    LATE_MIN_NS), a team member was off its core -- another process holds it,
-    and every product would wait for it again -- so the next SOLO_CALLS
-    products run on the calling thread alone, then the team is tried again.
-    The result does not depend on it (one summation order for any split).
-    Called with the GIL held (the counters are module state)."""
-    global _solo_left
+    """Threads claim chunks of panels (okv_matmul_packed_claim): each its own
+    contiguous range from the front, then the others' from the back, so a
+    thread that starts late or runs slower costs the team one chunk.  When
+    the caller still waited for the team at the end of a product longer than
+    its own share took (and LATE_MIN_NS), in LATE_RUN products in a row, a
+    team member is off its core -- another process holds it, and every
+    product would wait for it again -- so the next SOLO_CALLS products run on
+    the calling thread alone, then the team is tried again (a single late
+    product is a wake-up hiccup, not worth running alone).  The result does
+    not depend on any of it (one summation order for any split).  Called
+    with the GIL held (the counters are module state)."""
+    global _solo_left, _late_run
     cdef int64_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
-    cdef int64_t P = wp.shape[0], t, t0, wait
+    cdef int64_t P = wp.shape[0], t, t0, wait, chunk
+    cdef uint64_t ranges[8 * MAX_TEAM]
     cdef int64_t done[1]
     cdef int isa = _packed_isa()
     cdef int nt = okv_threads()
@@ -261,19 +275,55 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
     if nt > 1 and _adaptive and _solo_left > 0:
         _solo_left -= 1
         nt = 1
+    if P >= (<int64_t>1 << 31):   # beyond the claim words (a weight of > 2^35 columns)
+        nt = 1
     if nt == 1:
         okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], 0, P, isa)
         return
+    if nt > MAX_TEAM:
+        nt = MAX_TEAM
+    chunk = okv_matmul_claim_chunk(isa, M, K, P, nt)
+    for t in range(nt):
+        ranges[8 * t] = <uint64_t>(P * t // nt) | (<uint64_t>(P * (t + 1) // nt) << 32)
     t0 = _now_ns()
     done[0] = t0
     for t in prange(nt, num_threads=nt, schedule='static'):
-        okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], P * t // nt, P * (t + 1) // nt,
-                              isa)
+        okv_matmul_packed_claim(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], ranges, nt, t, chunk, isa)
         if t == 0:
             done[0] = _now_ns()
     wait = _now_ns() - done[0]
     if _adaptive and wait > LATE_MIN_NS and wait > done[0] - t0:
-        _solo_left = SOLO_CALLS
+        _late_run += 1
+        if _late_run >= LATE_RUN:
+            _solo_left = SOLO_CALLS
+            _late_run = 0
+    else:
+        _late_run = 0
+
+
+def _claim_in_turn(x, wp, out, int nt, order):
+    """Test hook: run the panel claiming of a ``nt``-thread product on the
+    calling thread, thread ``order[0]`` first to completion, then the others in
+    ``order``; return the panels each took (the first takes every panel: its own
+    range from the front, the others' from the back).  Arguments as
+    ``matmul_packed`` (no bias)."""
+    if x.shape[0] != out.shape[0] or wp.shape[1:] != (x.shape[1], PANEL) \
+            or wp.shape[0] != (out.shape[1] + PANEL - 1) // PANEL or np.shares_memory(out, x) \
+            or np.shares_memory(out, wp):
+        raise ValueError(f"_claim_in_turn: shapes x {x.shape}, wp {wp.shape}, out {out.shape} do not fit")
+    cdef const float[:, ::1] xv = x
+    cdef const float[:, :, ::1] wv = wp
+    cdef float[:, ::1] ov = out
+    cdef int64_t M = xv.shape[0], K = xv.shape[1], N = ov.shape[1], P = wv.shape[0], chunk
+    cdef uint64_t ranges[8 * MAX_TEAM]
+    cdef int t, isa = _packed_isa()
+    if not 1 <= nt <= min(P, MAX_TEAM):
+        raise ValueError(f"nt: expected 1..{min(P, MAX_TEAM)}, got {nt}")
+    chunk = okv_matmul_claim_chunk(isa, M, K, P, nt)
+    for t in range(nt):
+        ranges[8 * t] = <uint64_t>(P * t // nt) | (<uint64_t>(P * (t + 1) // nt) << 32)
+    return [okv_matmul_packed_claim(&xv[0, 0], M, K, &wv[0, 0, 0], N, NULL, &ov[0, 0], ranges, nt, <int>t, chunk,
+                                    isa) for t in order]
 
 
 cdef bint _packed_fast(x, wp, out, bias) except -1:

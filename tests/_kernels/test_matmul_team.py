@@ -53,3 +53,48 @@ def test_count_kept_when_not_counting_down(two_threads, enabled, k, n):
     MM.matmul_packed(x, wp, out)
     assert MM._set_adaptive(True) == (enabled, 5)
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("nt", [1, 2, 3, 4])
+@pytest.mark.parametrize("M, Kd, N", [(1, 64, 16), (1, 300, 1000), (3, 129, 5000), (7, 40, 333), (13, 17, 900)])
+def test_claimed_panels_equal_one_thread(nt, M, Kd, N):
+    """Threads claim chunks of panels (their own range from the front, then
+    the others' from the back): any thread count gives the one-thread result
+    bit for bit, also with more threads than cores and fewer panels than
+    threads x chunks."""
+    rng = np.random.default_rng([53, nt, M, N])
+    x, w, b = rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,))
+    wp = MM.pack_weight(w)
+    outs = []
+    old = K.get_num_threads()
+    try:
+        for t in (1, nt):
+            K.set_num_threads(t)
+            o = np.full((M, N), np.nan, np.float32)
+            MM.matmul_packed(x, wp, o, b)
+            outs.append(o)
+    finally:
+        K.set_num_threads(old)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    want = np.empty_like(outs[0])
+    R.matmul_packed(x, R.pack_weight(w), want, b)
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5 * np.sqrt(Kd))
+
+
+@pytest.mark.parametrize("nt, order", [(2, [0, 1]), (2, [1, 0]), (3, [2, 0, 1]), (4, [1, 3, 0, 2])])
+@pytest.mark.parametrize("N", [16 * 5, 1000, 16 * 301])
+def test_first_thread_takes_every_panel_of_a_late_team(nt, order, N):
+    """A team member that arrives after the others' ranges are done finds no
+    panel left: the first thread took every range, each panel exactly once."""
+    rng = np.random.default_rng([54, nt, N])
+    M, Kd = 2, 70
+    x, w = rand(rng, (M, Kd)), rand(rng, (Kd, N))
+    wp = MM.pack_weight(w)
+    P = wp.shape[0]
+    if nt > P:
+        pytest.skip("fewer panels than threads")
+    out = np.full((M, N), np.nan, np.float32)
+    assert MM._claim_in_turn(x, wp, out, nt, order) == [P] + [0] * (nt - 1)
+    want = np.full((M, N), np.nan, np.float32)
+    MM.matmul_packed(x, wp, want)
+    np.testing.assert_array_equal(out, want)
