@@ -12,7 +12,11 @@ class keeps a list of chunks: anonymous private ``mmap`` regions of
 ``chunk_bytes // slot`` slots at offsets ``0, slot, 2*slot, ...`` (a slot's
 offset is a multiple of the slot size, hence of the request's alignment).
 Each chunk is advised ``MADV_HUGEPAGE`` where the platform knows it (a hint:
-skipped silently where it is missing or refused).  A request larger than a
+skipped silently where it is missing or refused).  The first chunk of a class
+(while the class has none mapped) is small instead: ``first_chunk_bytes``
+(or the slot rounded up to a power of two, if larger), aligned to its size
+and not advised, so a cache holding one page per plane keeps a few 4 KiB
+pages resident, not one 2 MiB huge page per plane.  A request larger than a
 chunk (``slot > chunk_bytes``) gets a region of its own, aligned to
 ``max(chunk_bytes, alignment)`` and released as soon as it is freed.
 
@@ -158,7 +162,12 @@ class SlabAllocator:
             huge page).
         granule: smallest slot and smallest alignment of a slot (a power of
             two >= 64 and <= ``chunk_bytes``; default 64).
-        huge_pages: advise the chunks ``MADV_HUGEPAGE`` (where available).
+        first_chunk_bytes: bytes of a size class's first chunk (see the
+            module docstring); a power of two in [page size, ``chunk_bytes``]
+            (None: 64 KiB or ``chunk_bytes`` if smaller; ``chunk_bytes``: every
+            chunk full size).
+        huge_pages: advise the full-size chunks and the oversize regions
+            ``MADV_HUGEPAGE`` (where available).
 
     Accounting.  ``committed`` is the bytes of the chunks and oversize regions
     currently mapped (full chunks, whether their slots are leased or not, the
@@ -166,24 +175,30 @@ class SlabAllocator:
     rounded up to their size class).  So ``committed >= live`` always, unlike
     :class:`~onnxkv.alloc.SystemAllocator` whose ``committed == live`` counts
     requested bytes only.  Mapped bytes are address space: the operating
-    system backs a page with memory only when it is first written (with huge
-    pages, 2 MiB at a time).
+    system backs a page with memory only when it is first written (in an
+    advised chunk, a whole 2 MiB huge page at a time).
 
     Thread-safe: every call runs under one lock.  A failed ``allocate`` (the
     ``mmap`` of a new chunk failed: :class:`~onnxkv.errors.OutOfMemory`)
     changes nothing.
     """
 
-    def __init__(self, chunk_bytes: int = 2 << 20, granule: int = 64, huge_pages: bool = True) -> None:
+    def __init__(self, chunk_bytes: int = 2 << 20, granule: int = 64, first_chunk_bytes: int | None = None,
+                 huge_pages: bool = True) -> None:
         chunk = check_alignment(chunk_bytes)
         if chunk < mmap.PAGESIZE:
             raise ValueError(f"SlabAllocator: chunk_bytes must be a power of two >= the page size "
                              f"{mmap.PAGESIZE}, got {chunk}")
+        first = min(64 << 10, chunk) if first_chunk_bytes is None else check_alignment(first_chunk_bytes)
+        if not mmap.PAGESIZE <= first <= chunk:
+            raise ValueError(f"SlabAllocator: first_chunk_bytes must be a power of two in [page size "
+                             f"{mmap.PAGESIZE}, chunk_bytes={chunk}], got {first}")
         grain = check_alignment(granule)
         if not 64 <= grain <= chunk:
             raise ValueError(f"SlabAllocator: granule must be a power of two in [64, chunk_bytes={chunk}], "
                              f"got {grain}")
         self._chunk_bytes = chunk
+        self._first_chunk_bytes = first
         self._granule = grain
         self._huge_pages = bool(huge_pages) and _MADV_HUGEPAGE is not None
         self._lock = threading.Lock()
@@ -198,6 +213,10 @@ class SlabAllocator:
     @property
     def chunk_bytes(self) -> int:
         return self._chunk_bytes
+
+    @property
+    def first_chunk_bytes(self) -> int:
+        return self._first_chunk_bytes
 
     @property
     def granule(self) -> int:
@@ -240,7 +259,7 @@ class SlabAllocator:
         slot = -(-max(n, 1) // a) * a
         with self._lock:
             if slot > self._chunk_bytes:
-                chunk = self._map(slot, max(a, self._chunk_bytes), n, a)
+                chunk = self._map(slot, max(a, self._chunk_bytes), n, a, True)
                 self._oversize.add(chunk)
                 offset = chunk.take()
             else:
@@ -248,8 +267,11 @@ class SlabAllocator:
                 if cls is not None and cls.room:
                     chunk = cls.chunks[cls.room[0]]
                 else:
-                    chunk = self._map(self._chunk_bytes, self._chunk_bytes, n, a)
-                    chunk.slot, chunk.nslots, chunk.lane = slot, self._chunk_bytes // slot, lane
+                    size = self._chunk_bytes
+                    if cls is None or not cls.chunks:  # a class's first chunk: small, on base pages
+                        size = min(max(self._first_chunk_bytes, 1 << (slot - 1).bit_length()), size)
+                    chunk = self._map(size, size, n, a, size == self._chunk_bytes)
+                    chunk.slot, chunk.nslots, chunk.lane = slot, size // slot, lane
                     if cls is None:
                         cls = self._classes[lane, slot] = _SizeClass()
                     cls.chunks[chunk.address] = chunk
@@ -264,8 +286,9 @@ class SlabAllocator:
             self._allocations += 1
         return SlabBuffer(self, chunk, offset, n)
 
-    def _map(self, size: int, align: int, nbytes: int, alignment: int) -> _Chunk:
+    def _map(self, size: int, align: int, nbytes: int, alignment: int, huge: bool) -> _Chunk:
         """Map ``size`` bytes (rounded up to the page size) aligned to ``align``; counts them committed.
+        ``huge``: advise ``MADV_HUGEPAGE`` (if the allocator does).
 
         The chunk comes back with one slot of its whole size; the caller sets
         the slot size of a class chunk.
@@ -279,7 +302,7 @@ class SlabAllocator:
                               f"chunk of {size} bytes failed: {exc}") from None
         whole = np.frombuffer(region, dtype=np.uint8)
         start = -whole.__array_interface__["data"][0] % align
-        if self._huge_pages:
+        if huge and self._huge_pages:
             try:
                 region.madvise(_MADV_HUGEPAGE, start, size)
             except OSError:  # only a hint: kernels without transparent huge pages refuse it
@@ -328,7 +351,8 @@ class SlabAllocator:
             )
 
     def __repr__(self) -> str:
-        return f"SlabAllocator(chunk_bytes={self._chunk_bytes}, at {id(self):#x})"
+        return (f"SlabAllocator(chunk_bytes={self._chunk_bytes}, first_chunk_bytes={self._first_chunk_bytes}, "
+                f"at {id(self):#x})")
 
 
 class SlabLane:

@@ -7,13 +7,15 @@ import mmap
 import random
 import threading
 from itertools import pairwise
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from onnxkv.alloc import ArenaAllocator, OutOfMemory, SlabAllocator, SlabLane, SystemAllocator
 
-CHUNK = 64 << 10  # small chunks keep the tests light; the default is 2 MiB
+CHUNK = 64 << 10  # small chunks keep the tests light; the default is 2 MiB (64 KiB first chunks: all chunks equal)
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def slot_of(nbytes: int, alignment: int = 64) -> int:
@@ -27,13 +29,58 @@ def fill(buf, value: int) -> None:
 
 def test_defaults():
     slab = SlabAllocator()
-    assert (slab.chunk_bytes, slab.granule) == (2 << 20, 64)
+    assert (slab.chunk_bytes, slab.first_chunk_bytes, slab.granule) == (2 << 20, 64 << 10, 64)
     assert slab.huge_pages == hasattr(mmap, "MADV_HUGEPAGE")
-    buf = slab.allocate(1000)
-    assert buf.address % (2 << 20) == 0  # the first slot of a fresh chunk: chunk aligned to its size
-    assert slab.stats().committed == 2 << 20
-    slab.free(buf)
+    bufs = [slab.allocate(16448) for _ in range(3)]  # the first chunk of the class: 64 KiB, 3 slots
+    assert bufs[0].address % (64 << 10) == 0
+    assert slab.stats().committed == 64 << 10
+    more = slab.allocate(16448)  # then full chunks, aligned to 2 MiB
+    assert more.address % (2 << 20) == 0
+    assert slab.stats().committed == (64 << 10) + (2 << 20)
+    for b in bufs + [more]:
+        slab.free(b)
     assert not SlabAllocator(huge_pages=False).huge_pages
+
+
+def test_first_chunk_of_a_class_is_small_then_chunks_are_full_size():
+    slab = SlabAllocator(1 << 20, first_chunk_bytes=16 << 10)
+    small = [slab.allocate(4096) for _ in range(4)]
+    assert all(b - a == 4096 for a, b in pairwise(x.address for x in small))
+    assert slab.stats().committed == 16 << 10 and slab.chunk_count == 1
+    full = slab.allocate(4096)
+    assert full.address % (1 << 20) == 0 and slab.stats().committed == (16 << 10) + (1 << 20)
+    wide = slab.allocate(40000)  # a slot above first_chunk_bytes: a first chunk of the slot's power of two
+    assert wide.address % 65536 == 0 and slab.stats().committed == (16 << 10) + (1 << 20) + 65536
+    for b in small:
+        slab.free(b)
+    slab.free(full)  # two empty chunks of the class: one stays, the class never starts small again
+    assert slab.chunk_count == 2
+    again = [slab.allocate(4096) for _ in range(300)]
+    assert slab.stats().committed in ((16 << 10) + (2 << 20) + 65536, (2 << 20) + 65536)
+    for b in again + [wide]:
+        slab.free(b)
+
+
+@pytest.mark.skipif(not THP.exists() or not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages")
+def test_full_chunks_are_advised_huge_pages_and_first_chunks_are_not():
+    def flags(address: int) -> set[str]:
+        with open("/proc/self/smaps", encoding="ascii") as f:
+            inside = False
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and ":" not in head:
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= address < hi
+                elif inside and line.startswith("VmFlags:"):
+                    return set(line.split()[1:])
+        raise AssertionError(f"no mapping holds {address:#x}")
+
+    slab = SlabAllocator()
+    first = slab.allocate(32 << 10)
+    full = [slab.allocate(32 << 10) for _ in range(2)][-1]  # the second one starts a 2 MiB chunk
+    assert "hg" not in flags(first.address)
+    assert "hg" in flags(full.address)
+    assert "hg" not in flags(SlabAllocator(huge_pages=False, first_chunk_bytes=2 << 20).allocate(64).address)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +91,8 @@ def test_defaults():
         ({"chunk_bytes": 4096, "granule": 32}, "granule must be a power of two in"),
         ({"chunk_bytes": 4096, "granule": 8192}, "granule must be a power of two in"),
         ({"granule": 96}, "power of two"),
+        ({"first_chunk_bytes": 2048}, "first_chunk_bytes must be a power of two in"),
+        ({"chunk_bytes": 1 << 16, "first_chunk_bytes": 1 << 17}, "first_chunk_bytes must be a power of two in"),
     ],
 )
 def test_construction_checks(kwargs, error):

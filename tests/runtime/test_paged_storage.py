@@ -43,7 +43,7 @@ def test_paged_state_uses_slab_lanes_by_default(gqa):
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (2, 9)), 5, rng)
         s = slab.stats()
         assert s.live == st.pool.committed_bytes == st.committed_bytes > 0  # 512-byte pages: slot == page
-        assert s.committed == 2 * MICRO.num_layers * slab.chunk_bytes  # one chunk per lane
+        assert s.committed == 2 * MICRO.num_layers * slab.first_chunk_bytes  # one small first chunk per lane
         writes = [e for e in gqa.events if e.action == "cache_write"]
         assert writes and max(e.live for e in writes) <= s.peak  # the event log reports the slab's figures
     assert slab.stats().live == 0
@@ -127,5 +127,5 @@ def test_every_operation_returns_its_slots(gqa):
     s = slab.stats()
     assert s.live == 0 and s.allocations == s.frees > 0
     assert st.pool.live_pages == 0
-    # what stays mapped: at most a spare chunk per lane and page size (float32, int8, int4)
-    assert s.committed == slab.chunk_count * slab.chunk_bytes <= 3 * len(st.pool.planes) * slab.chunk_bytes
+    # what stays mapped: a small first chunk per lane and page size (float32, int8, int4), the spares
+    assert s.committed == slab.chunk_count * slab.first_chunk_bytes <= 3 * len(st.pool.planes) * slab.first_chunk_bytes
