@@ -31,10 +31,10 @@ block size 16, contexts 4096, 16384 and 32768 (by default), threads from
 
 All variants are measured interleaved, round by round
 (bench_decode_attention.measure).  Prints one JSON document (machine, versions,
-load averages, threads, the page allocator, shapes, raw samples in seconds, medians, committed
-cache bytes per format with headers, byte ratios to float32, speedups vs ORT
-and vs onnxkv float32 pages, max abs difference to the float32 result, the
-counters the kernel returns) and a summary on stderr.  The bars (16384 tokens,
+load averages, threads, the page allocator, shapes, raw samples in seconds,
+medians, committed cache bytes per format with headers, byte ratios to
+float32, speedups vs ORT and vs onnxkv float32 pages, max abs difference to
+the float32 result, the counters the kernel returns) and a summary on stderr.  The bars (16384 tokens,
 2 threads): int8 >= 8x and int4 >= 10x faster than ORT float32 GQA, int8 >= 2x
 faster than onnxkv float32 pages, checked for both int8 layouts (int8: per-head
 pages; int8_kivi: the "int8" policy's); committed bytes int8 and int8_kivi <= 0.27x,
@@ -264,7 +264,8 @@ def main(argv=None):
             case = run_context(ctx, args.threads, args.repeat, sess, rng, args.allocator)
             doc["cases"].append(case)
             isa = doc["config"]["attention_isa"]
-            lines.append(f"ctx={ctx} threads={args.threads} isa={isa} pages={args.allocator} load {case['loadavg_before']}: " + ", ".join(
+            lines.append(f"ctx={ctx} threads={args.threads} isa={isa} pages={args.allocator} "
+                         f"load {case['loadavg_before']}: " + ", ".join(
                 f"{name}={r['median_s'] * 1e3:.3f}ms" for name, r in case["results"].items()))
             lines.append("  bytes/f32: " + ", ".join(f"{k}={v:.3f}" for k, v in case["bytes_over_f32"].items()))
             if ctx == BARS["ctx"] and args.threads == BARS["threads"]:

@@ -6,6 +6,7 @@ import gc
 import mmap
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from pathlib import Path
 
@@ -378,41 +379,38 @@ def test_stale_buffer_cannot_free_the_slot_reusing_its_address():
 def test_two_threads_random_interleavings():
     slab = SlabAllocator(CHUNK)
     lanes = [slab, slab.lane(1)]
-    errors: list[BaseException] = []
     classes: set[tuple[int, int]] = set()
     barrier = threading.Barrier(2)
 
-    def work(seed: int) -> None:
-        try:
-            rng = random.Random(seed)
-            mine: list = []
-            barrier.wait()
-            for i in range(4000):
-                if mine and (rng.random() < 0.5 or len(mine) > 40):
-                    buf, value = mine.pop(rng.randrange(len(mine)))
-                    assert np.all(buf.view(np.uint8, buf.nbytes) == value)
-                    rng.choice(lanes).free(buf)
-                    continue
-                n = rng.choice([rng.randrange(0, 3000), 4160, 16448, CHUNK + 1])
-                lane = rng.randrange(2)
-                buf = lanes[lane].allocate(n, rng.choice([64, 256, 4096]))
-                classes.add((lane, buf.slot_bytes))
-                value = (seed * 97 + i) % 255 + 1
-                fill(buf, value)
-                mine.append((buf, value))
-            for buf, value in mine:
+    def work(seed: int) -> int:
+        """Random allocate / check / free through random lanes; returns the allocations made."""
+        rng = random.Random(seed)
+        mine: list = []
+        made = 0
+        barrier.wait()
+        for i in range(4000):
+            if mine and (rng.random() < 0.5 or len(mine) > 40):
+                buf, value = mine.pop(rng.randrange(len(mine)))
                 assert np.all(buf.view(np.uint8, buf.nbytes) == value)
-                slab.free(buf)
-        except BaseException as exc:  # reported in the main thread
-            errors.append(exc)
+                rng.choice(lanes).free(buf)
+                continue
+            lane = rng.randrange(2)
+            buf = lanes[lane].allocate(rng.choice([rng.randrange(0, 3000), 4160, 16448, CHUNK + 1]),
+                                       rng.choice([64, 256, 4096]))
+            classes.add((lane, buf.slot_bytes))
+            value = (seed * 97 + i) % 255 + 1
+            fill(buf, value)
+            mine.append((buf, value))
+            made += 1
+        while mine:
+            buf, value = mine.pop()
+            assert np.all(buf.view(np.uint8, buf.nbytes) == value)
+            slab.free(buf)
+        return made
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    with ThreadPoolExecutor(2) as pool:  # a failed assertion in a worker re-raises here
+        made = sum(pool.map(work, (1, 2)))
     s = slab.stats()
-    assert s.live == 0 and s.allocations == s.frees > 3000
+    assert s.live == 0 and s.allocations == s.frees == made > 3000
     # oversize regions are gone, every (lane, size) class keeps at most its spare chunk
     assert s.committed == slab.chunk_count * CHUNK <= sum(c <= CHUNK for _, c in classes) * CHUNK
