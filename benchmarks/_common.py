@@ -95,6 +95,30 @@ def run_worker(script: str, args: list, threads: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+#: ``--allocator`` choices of the paged benchmarks; the first is what a paged state uses by default.
+PAGE_ALLOCATORS = ("slab", "system")
+
+
+def kv_page_allocators(kind: str) -> tuple:
+    """(key plane allocator, value plane allocator) for benchmark pages, placed the way ``kind`` places them.
+
+    "slab": lanes 0 and 1 of a new :class:`onnxkv.alloc.SlabAllocator`, as a
+    paged state's :class:`onnxkv.cache.paged.BlockPool` does by default (each
+    plane's pages adjacent, in huge-page backed chunks, in allocation order).
+    "system": one :class:`onnxkv.alloc.SystemAllocator` for both (one NumPy
+    array per page, what an explicit ``allocator=SystemAllocator()`` gives).
+    """
+    from onnxkv.alloc import SlabAllocator, SystemAllocator
+
+    if kind == "slab":
+        slab = SlabAllocator()
+        return slab.lane(0), slab.lane(1)
+    if kind == "system":
+        system = SystemAllocator()
+        return system, system
+    raise ValueError(f"kv_page_allocators: kind must be one of {PAGE_ALLOCATORS}, got {kind!r}")
+
+
 def median(xs) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

@@ -7,16 +7,19 @@ contexts 4096 and 16384 (by default), threads from --threads (default 2).
 * onnxkv contiguous: ``onnxkv._kernels.attention`` over K/V [1, 8, ctx, 128].
 * onnxkv paged: ``onnxkv._kernels.paged_attention`` over the same values copied
   into pages of block_size tokens ([8, block_size, 128] each, block sizes 16
-  (the bar), 32 and 64).  Every page is its own 64-byte aligned allocation
-  (onnxkv.alloc.SystemAllocator: one NumPy array per page) and the block table
-  maps the logical blocks to a shuffled order of the pages, so the kernel
-  reads scattered memory as a real paged cache would.
+  (the bar), 32 and 64).  Pages are allocated the way a paged state allocates
+  them by default, logical block by logical block (key page then value page)
+  as decode appends them (--allocator slab: a SlabAllocator per cache, keys
+  from lane 0, values from lane 1, each plane's pages adjacent in huge-page
+  backed chunks; --allocator system: one NumPy array per page), and the block
+  table maps the logical blocks to a shuffled order of the page ids.
 * onnxkv paged, arena: the same with the pages of the first block size carved
   from one onnxkv.alloc.ArenaAllocator region (still shuffled): one region
   instead of a heap allocation per page.
 * Control: onnxkv contiguous float32 on K/V placed in an anonymous mmap
   (4 KiB pages: NumPy asks for transparent huge pages only for its own large
-  arrays) -- the same small-page TLB cost the individually allocated pages pay.
+  arrays) -- the small-page TLB cost individually allocated pages
+  (--allocator system) pay.
 * Both in float32 and float16.
 * ONNX Runtime: the one-node GroupQueryAttention model of _common with past and
   present bound to the same float32 buffer (bench_decode_attention's shared
@@ -24,7 +27,7 @@ contexts 4096 and 16384 (by default), threads from --threads (default 2).
 
 All variants at all thread counts are measured interleaved, round by round
 (bench_decode_attention.measure).  Prints one JSON document (machine, versions,
-threads, shapes, raw samples in seconds, medians, paged/contiguous ratios,
+threads, the page allocator (config.page_allocator), shapes, raw samples in seconds, medians, paged/contiguous ratios,
 speedups vs ORT, the bar) and a summary on stderr.  paged_over_contiguous
 holds each paged variant's median (and best) time over the contiguous one of
 the same dtype, and the float32 ones over the small-page control.  The bar:
@@ -32,7 +35,7 @@ paged (block size 16) float32 median <= 1.1x contiguous at 16384 tokens with
 2 threads.
 
     python benchmarks/bench_paged_decode.py [--threads 2] [--contexts 4096 16384]
-        [--block-sizes 16 32 64] [--repeat N] [--no-ort] [--out FILE]
+        [--block-sizes 16 32 64] [--repeat N] [--no-ort] [--allocator slab|system] [--out FILE]
 """
 from __future__ import annotations
 
@@ -44,11 +47,11 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import emit, machine, versions  # noqa: E402
+from _common import PAGE_ALLOCATORS, emit, kv_page_allocators, machine, versions  # noqa: E402
 from bench_decode_attention import B, D, HKV, HQ, measure, ort_decode_on_copies, ort_session  # noqa: E402
 
 import onnxkv._kernels as K  # noqa: E402
-from onnxkv.alloc import ArenaAllocator, SystemAllocator  # noqa: E402
+from onnxkv.alloc import ArenaAllocator  # noqa: E402
 
 BAR = {"ctx": 16384, "threads": 2, "block_size": 16, "dtype": "float32", "max_ratio_paged_over_contiguous": 1.1}
 DTYPES = {"f32": np.float32, "f16": np.float16}
@@ -63,10 +66,11 @@ def small_page_copy(a: np.ndarray) -> np.ndarray:
 
 
 class PagedCopy:
-    """K/V [1, Hkv, ctx, D] copied into individually allocated pages of bs tokens
-    whose physical order is a random permutation of the logical blocks."""
+    """K/V [1, Hkv, ctx, D] copied into individually allocated pages of bs tokens,
+    allocated in logical block order (key page from ``allocators[0]``, value page
+    from ``allocators[1]``), page ids a random permutation of the logical blocks."""
 
-    def __init__(self, k, v, bs, rng, alloc):
+    def __init__(self, k, v, bs, rng, allocators):
         _, hkv, ctx, d = k.shape
         m = -(-ctx // bs)
         self.table = rng.permutation(m).astype(np.int32)[None, :]
@@ -75,7 +79,7 @@ class PagedCopy:
         for i in range(m):      # logical block i lives in page table[0, i]
             pid = int(self.table[0, i])
             n = min(bs, ctx - i * bs)
-            for name, src in (("k", k), ("v", v)):
+            for name, src, alloc in (("k", k, allocators[0]), ("v", v, allocators[1])):
                 buf = alloc.allocate(hkv * bs * d * src.itemsize, 64)
                 page = buf.view(src.dtype, (hkv, bs, d))
                 page[:, :n] = src[0, :, i * bs:i * bs + n]
@@ -85,7 +89,7 @@ class PagedCopy:
         self.k_addr, self.v_addr, self.bs = addrs["k"], addrs["v"], bs
 
 
-def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng) -> dict:
+def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng, kind) -> dict:
     """All variants at all thread counts, interleaved; returns {threads: case}."""
     scale = D ** -0.5
     q = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
@@ -94,16 +98,15 @@ def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng) -> dict:
     kv_len = np.array([ctx], np.int32)
     q_pos = np.array([[ctx - 1]], np.int32)
     out = np.empty_like(q)
-    alloc = SystemAllocator()
     caches, paged = {}, {}
     bs0 = block_sizes[0]
     for dt, npdt in DTYPES.items():
         caches[dt] = (kf.astype(npdt), vf.astype(npdt))
         for bs in block_sizes:
-            paged[(dt, bs)] = PagedCopy(*caches[dt], bs, rng, alloc)
+            paged[(dt, bs)] = PagedCopy(*caches[dt], bs, rng, kv_page_allocators(kind))
         page_bytes = HKV * bs0 * D * np.dtype(npdt).itemsize
         arena = ArenaAllocator(2 * -(-ctx // bs0) * -(-page_bytes // 64) * 64)
-        paged[(dt, "arena")] = PagedCopy(*caches[dt], bs0, rng, arena)
+        paged[(dt, "arena")] = PagedCopy(*caches[dt], bs0, rng, (arena, arena))
     kv_bytes = {dt: 2 * HKV * ctx * D * np.dtype(npdt).itemsize for dt, npdt in DTYPES.items()}
 
     caches["f32_small_pages"] = (small_page_copy(kf), small_page_copy(vf))
@@ -129,7 +132,8 @@ def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng) -> dict:
         case = {"threads": t,
                 "shapes": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "Sq": 1, "ctx": ctx, "block_sizes": block_sizes,
                            "contiguous_layout": "[B, Hkv, ctx, D]",
-                           "page_layout": "[Hkv, block_size, D], one aligned allocation per page, shuffled"},
+                           "page_layout": f"[Hkv, block_size, D], one aligned allocation per page ({kind}), "
+                                          "page ids shuffled"},
                 "max_abs_diff_paged_vs_contiguous": {}}
         K.set_num_threads(t)
         for dt in DTYPES:
@@ -183,13 +187,16 @@ def main(argv=None):
     ap.add_argument("--block-sizes", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
+    ap.add_argument("--allocator", choices=PAGE_ALLOCATORS, default=PAGE_ALLOCATORS[0],
+                    help="page storage: slab (a paged state's default: a SlabAllocator, one lane per plane) or "
+                         "system (one NumPy array per page)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
 
     doc = {"benchmark": "paged_decode_attention", "machine": machine(), "versions": versions("onnxruntime"),
            "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "Sq": 1, "contexts": args.contexts,
                       "block_sizes": args.block_sizes, "threads": args.threads, "repeat": args.repeat,
-                      "dtypes": list(DTYPES), "bar": BAR,
+                      "dtypes": list(DTYPES), "bar": BAR, "page_allocator": args.allocator,
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
                               "bound to the same float32 buffer via IOBinding"},
            "runs": []}
@@ -206,7 +213,8 @@ def main(argv=None):
             except Exception as e:  # onnxruntime missing or the op unsupported
                 runs[t]["ort_error"] = f"{type(e).__name__}: {e}"
         for ctx in args.contexts:
-            for t, case in run_context(ctx, args.threads, args.block_sizes, args.repeat, sessions, rng).items():
+            for t, case in run_context(ctx, args.threads, args.block_sizes, args.repeat, sessions, rng,
+                                       args.allocator).items():
                 runs[t]["cases"].append(case)
             print(f"  done ctx={ctx}", file=sys.stderr)
         doc["runs"] = [runs[t] for t in args.threads]

@@ -5,8 +5,13 @@ One new token (Sq = 1), batch 1, 32 query heads, 8 KV heads, head size 128,
 block size 16, contexts 4096, 16384 and 32768 (by default), threads from
 --threads (default 2).
 
-* onnxkv paged, one variant per cache format, every page its own 64-byte
-  aligned allocation (onnxkv.alloc.SystemAllocator), block table shuffled:
+* onnxkv paged, one variant per cache format, each its own cache with pages
+  allocated the way a paged state allocates them by default (--allocator
+  slab: a SlabAllocator per cache, keys from its lane 0 and values from lane
+  1, so one plane's successive pages are adjacent in huge-page backed chunks;
+  --allocator system: every page its own NumPy array, as with an explicit
+  SystemAllocator), logical blocks allocated in logical order as decode
+  appends them (key page then value page per block), page ids shuffled:
   float32 and float16 pages (kv_dtype, no format tables); int8 and int4 pages
   (symmetric, per-head scales for keys and values, k_formats / v_formats all
   int8 / int4: the "int8-head" and "int4" policies' pages); int4 with
@@ -26,17 +31,22 @@ block size 16, contexts 4096, 16384 and 32768 (by default), threads from
 
 All variants are measured interleaved, round by round
 (bench_decode_attention.measure).  Prints one JSON document (machine, versions,
-load averages, threads, shapes, raw samples in seconds, medians, committed
-cache bytes per format with headers, byte ratios to float32, speedups vs ORT
-and vs onnxkv float32 pages, max abs difference to the float32 result, the
-counters the kernel returns) and a summary on stderr.  The bars (16384 tokens,
+load averages, threads, the page allocator, shapes, raw samples in seconds,
+medians, committed cache bytes per format with headers, byte ratios to
+float32, speedups vs ORT and vs onnxkv float32 pages, max abs difference to
+the float32 result, the counters the kernel returns) and a summary on stderr.  The bars (16384 tokens,
 2 threads): int8 >= 8x and int4 >= 10x faster than ORT float32 GQA, int8 >= 2x
 faster than onnxkv float32 pages, checked for both int8 layouts (int8: per-head
 pages; int8_kivi: the "int8" policy's); committed bytes int8 and int8_kivi <= 0.27x,
 int4 <= 0.14x float32.
 
     python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
-        [--repeat N] [--no-ort] [--isa auto|avx512|avx2] [--amx-pv off|keys|all] [--out FILE]
+        [--repeat N] [--no-ort] [--allocator slab|system] [--isa auto|avx512|avx2]
+        [--amx-pv off|keys|all] [--out FILE]
+
+--allocator: where the pages live -- slab (default, as a paged state without
+an allocator argument) or system (one allocation per page); recorded as
+config.page_allocator.
 
 --isa: the attention tiles -- auto (AVX-512 where usable, keys of quantized
 pages on AMX-INT8 where usable: level "avx512+amx"), avx512 (AVX-512 without
@@ -55,11 +65,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import emit, machine, versions  # noqa: E402
+from _common import PAGE_ALLOCATORS, emit, kv_page_allocators, machine, versions  # noqa: E402
 from bench_decode_attention import B, D, HKV, HQ, measure, ort_decode_on_copies, ort_session  # noqa: E402
 
 import onnxkv._kernels as K  # noqa: E402
-from onnxkv.alloc import SystemAllocator  # noqa: E402
 from onnxkv.cache import formats  # noqa: E402
 
 BS = 16
@@ -94,17 +103,19 @@ def quantize(pages: np.ndarray, fmt: str, granularity: str, header: str = "float
 
 class Pages:
     """Pages of one cache (logical block i of K/V in page table[0, i], ids a
-    random permutation), each an aligned allocation holding its payload.
-    k_payloads / v_payloads: per logical block, an array (any dtype) copied
-    byte for byte."""
+    random permutation), each an aligned allocation holding its payload, made
+    in logical block order, key page then value page, from the key and value
+    plane allocators of kv_page_allocators(kind).  k_payloads / v_payloads:
+    per logical block, an array (any dtype) copied byte for byte."""
 
-    def __init__(self, k_payloads, v_payloads, table, alloc):
+    def __init__(self, k_payloads, v_payloads, table, kind):
         m = len(table)
         self.k_addr, self.v_addr = np.zeros(m, np.uint64), np.zeros(m, np.uint64)
         self.buffers, self.committed = [], 0
+        allocators = kv_page_allocators(kind)
         for i in range(m):
             pid = int(table[i])
-            for src, addr in ((k_payloads[i], self.k_addr), (v_payloads[i], self.v_addr)):
+            for src, addr, alloc in zip((k_payloads[i], v_payloads[i]), (self.k_addr, self.v_addr), allocators):
                 raw = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
                 buf = alloc.allocate(raw.nbytes, 64)
                 buf.view(np.uint8, (raw.nbytes,))[...] = raw
@@ -113,8 +124,8 @@ class Pages:
                 self.committed += -(-raw.nbytes // 64) * 64
 
 
-def build_variants(kf, vf, ctx, rng, alloc):
-    """{name: (Pages, paged_attention keyword arguments)} for every format."""
+def build_variants(kf, vf, ctx, rng, kind):
+    """{name: (Pages, paged_attention keyword arguments)} for every format, pages placed by ``kind``."""
     m = ctx // BS
     table = rng.permutation(m).astype(np.int32)
     kb = kf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)      # [m, H, bs, D] logical blocks
@@ -133,31 +144,31 @@ def build_variants(kf, vf, ctx, rng, alloc):
     mixed_v = [q4v[i] if old[i] else vb[i] for i in range(m)]
     mixed_f = fmt_table(np.where(old, INT4, F32))
     return table, {
-        "f32": (Pages(kb, vb, table, alloc), {}),
-        "f16": (Pages(kb.astype(np.float16), vb.astype(np.float16), table, alloc), {"kv_dtype": "float16"}),
-        "int8": (Pages(q8k, q8v, table, alloc), {"k_formats": fmt_table(INT8), "v_formats": fmt_table(INT8)}),
-        "int4": (Pages(q4k, q4v, table, alloc), {"k_formats": fmt_table(INT4), "v_formats": fmt_table(INT4)}),
-        "int4_keys_per_channel": (Pages(q4kc, q4v, table, alloc), {"k_formats": fmt_table(INT4),
+        "f32": (Pages(kb, vb, table, kind), {}),
+        "f16": (Pages(kb.astype(np.float16), vb.astype(np.float16), table, kind), {"kv_dtype": "float16"}),
+        "int8": (Pages(q8k, q8v, table, kind), {"k_formats": fmt_table(INT8), "v_formats": fmt_table(INT8)}),
+        "int4": (Pages(q4k, q4v, table, kind), {"k_formats": fmt_table(INT4), "v_formats": fmt_table(INT4)}),
+        "int4_keys_per_channel": (Pages(q4kc, q4v, table, kind), {"k_formats": fmt_table(INT4),
                                                                     "v_formats": fmt_table(INT4), "k_group": D}),
         # the "int8-kivi" policy: keys uint8 per (page, head, channel), asymmetric, compact headers; values int8 per
         # (page, head)
-        "int8_kivi": (Pages(u8kc, q8v, table, alloc), {"k_formats": fmt_table(UINT8), "v_formats": fmt_table(INT8),
+        "int8_kivi": (Pages(u8kc, q8v, table, kind), {"k_formats": fmt_table(UINT8), "v_formats": fmt_table(INT8),
                                                        "k_group": D, "k_header": "compact"}),
-        "mixed_f32_recent_int4_old": (Pages(mixed_k, mixed_v, table, alloc), {"k_formats": mixed_f,
+        "mixed_f32_recent_int4_old": (Pages(mixed_k, mixed_v, table, kind), {"k_formats": mixed_f,
                                                                              "v_formats": mixed_f}),
     }
 
 
-def run_context(ctx, threads, repeat, sess, rng) -> dict:
+def run_context(ctx, threads, repeat, sess, rng, kind) -> dict:
     scale = D ** -0.5
     q = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
     kf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
     vf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
     kv_len, q_pos = np.array([ctx], np.int32), np.array([[ctx - 1]], np.int32)
-    table, pages = build_variants(kf, vf, ctx, rng, SystemAllocator())
+    table, pages = build_variants(kf, vf, ctx, rng, kind)
     out = np.empty_like(q)
     K.set_num_threads(threads)
-    case = {"threads": threads, "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+    case = {"threads": threads, "page_allocator": kind, "loadavg_before": [round(x, 2) for x in os.getloadavg()],
             "shapes": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "Sq": 1, "ctx": ctx, "block_size": BS,
                        "recent_f32_tokens_in_mixed": RECENT},
             "committed_cache_bytes": {}, "bytes_over_f32": {}, "max_abs_diff_vs_f32": {}, "kernel_counters": {}}
@@ -212,6 +223,9 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768])
     ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
+    ap.add_argument("--allocator", choices=PAGE_ALLOCATORS, default=PAGE_ALLOCATORS[0],
+                    help="page storage: slab (a paged state's default: a SlabAllocator, one lane per plane) or "
+                         "system (one NumPy array per page)")
     ap.add_argument("--isa", choices=("auto", "avx512", "avx2"), default="auto",
                     help="attention tiles: auto (AVX-512 and AMX where usable), avx512 (no AMX) or avx2 "
                          "(to compare)")
@@ -231,6 +245,7 @@ def main(argv=None):
     doc = {"benchmark": "quant_decode_attention", "machine": machine(), "versions": versions("onnxruntime"),
            "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "Sq": 1, "block_size": BS, "contexts": args.contexts,
                       "threads": args.threads, "repeat": args.repeat, "bars": BARS,
+                      "page_allocator": args.allocator,
                       "attention_isa": attn.attention_simd_level(), "attention_amx_pv": args.amx_pv,
                       "quantization": "symmetric, zero point 0, round half to even; per-head scales unless named",
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
@@ -246,10 +261,11 @@ def main(argv=None):
             doc["ort_error"] = f"{type(e).__name__}: {e}"
     try:
         for ctx in args.contexts:
-            case = run_context(ctx, args.threads, args.repeat, sess, rng)
+            case = run_context(ctx, args.threads, args.repeat, sess, rng, args.allocator)
             doc["cases"].append(case)
             isa = doc["config"]["attention_isa"]
-            lines.append(f"ctx={ctx} threads={args.threads} isa={isa} load {case['loadavg_before']}: " + ", ".join(
+            lines.append(f"ctx={ctx} threads={args.threads} isa={isa} pages={args.allocator} "
+                         f"load {case['loadavg_before']}: " + ", ".join(
                 f"{name}={r['median_s'] * 1e3:.3f}ms" for name, r in case["results"].items()))
             lines.append("  bytes/f32: " + ", ".join(f"{k}={v:.3f}" for k, v in case["bytes_over_f32"].items()))
             if ctx == BARS["ctx"] and args.threads == BARS["threads"]:

@@ -1,9 +1,12 @@
-"""Allocators: the :class:`Allocator` protocol, system and arena allocators.
+"""Allocators: the :class:`Allocator` protocol, system, arena and slab allocators.
 
 ``SystemAllocator`` takes memory on demand from NumPy; ``ArenaAllocator``
-carves buffers from one region reserved up front and never grows. Any object
-with ``allocate``/``free``/``stats`` (see :mod:`onnxkv.alloc.protocol`) can be
-used instead; :func:`as_allocator` accepts it.
+carves buffers from one region reserved up front and never grows;
+``SlabAllocator`` carves equal-size slots, adjacent in allocation order, from
+huge-page backed chunks it maps as needed (the default page storage of paged
+caches). Any object with ``allocate``/``free``/``stats`` (see
+:mod:`onnxkv.alloc.protocol`) can be used instead; :func:`as_allocator`
+accepts it.
 """
 
 from onnxkv.errors import OutOfMemory
@@ -11,6 +14,7 @@ from onnxkv.errors import OutOfMemory
 from .arena import ArenaAllocator, ArenaBuffer
 from .protocol import Allocator, AllocatorStats, Buffer
 from .resolve import as_allocator, check_allocator
+from .slab import SlabAllocator, SlabBuffer, SlabLane
 from .system import SystemAllocator, SystemBuffer
 
 __all__ = [
@@ -20,6 +24,9 @@ __all__ = [
     "ArenaBuffer",
     "Buffer",
     "OutOfMemory",
+    "SlabAllocator",
+    "SlabBuffer",
+    "SlabLane",
     "SystemAllocator",
     "SystemBuffer",
     "as_allocator",

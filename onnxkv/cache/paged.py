@@ -6,6 +6,10 @@ page id for the whole model: it owns one payload of ``[kv_heads, block_size,
 head_size]`` elements per plane (head-major: one KV head's tokens are
 contiguous), each allocated separately from the pool's allocator when the id
 is handed out and returned to it when the id's reference count drops to 0.
+By default the allocator is a :class:`~onnxkv.alloc.SlabAllocator` and each
+plane allocates from a lane of its own, so the pages of one plane that are
+allocated one after another (a sequence's logical blocks, as decode appends
+them) are adjacent in huge-page backed chunks.
 ``BlockPool.ptrs[plane]`` holds the payload addresses by page id (0 when
 free); the paged attention kernel reads pages through them.
 
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxkv import _kernels
-from onnxkv.alloc import as_allocator
+from onnxkv.alloc import SlabAllocator, as_allocator
 from onnxkv.cache import formats
 from onnxkv.cache._pagecore import PageCore
 from onnxkv.cache.contiguous import WriteCost, stored_to_float32
@@ -97,8 +101,17 @@ class BlockPool:
     Args:
         planes: the planes every page id holds a payload for.
         block_size: tokens per page (>= 1).
-        allocator: persistent allocator the payloads come from.
+        allocator: persistent allocator the payloads come from (None: a new
+            :class:`~onnxkv.alloc.SlabAllocator`).  A ``SlabAllocator``
+            serves each plane from its lane ``plane index``
+            (``allocators[i]`` is ``allocator.lane(i)``); any other
+            allocator serves every plane itself.
         max_pages: at most this many page ids live at once (None: unbounded).
+
+    ``allocator`` is the pool's allocator (its ``stats`` cover every
+    plane); ``allocators[i]`` is what plane ``i``'s payloads are allocated
+    from (native, converted and restored pages alike); any of them frees
+    any payload of the pool.
 
     Ownership: page tables (:class:`PageTable`) hold references; a page's
     payload may be written only by a holder of its only reference.  Calls
@@ -128,7 +141,9 @@ class BlockPool:
         self.planes = list(planes)
         self.plane_index = {p.name: i for i, p in enumerate(self.planes)}
         self.block_size = int(block_size)
-        self.allocator = as_allocator(allocator)
+        self.allocator = SlabAllocator() if allocator is None else as_allocator(allocator)
+        self.allocators = ([self.allocator.lane(i) for i in range(len(self.planes))]
+                           if isinstance(self.allocator, SlabAllocator) else [self.allocator] * len(self.planes))
         self.max_pages = None if max_pages is None else int(max_pages)
         self.core = PageCore(64 if max_pages is None else min(64, int(max_pages)), self.max_pages)
         self._bufs: list[list] = [[] for _ in self.planes]
@@ -208,7 +223,7 @@ class BlockPool:
             try:
                 for p in ids.tolist():
                     for i, spec in enumerate(self.planes):
-                        buf = self.allocator.allocate(spec.page_bytes(self.block_size), 64)
+                        buf = self.allocators[i].allocate(spec.page_bytes(self.block_size), 64)
                         arr = buf.view(spec.dtype, (spec.heads, self.block_size, spec.head_size))
                         self._bufs[i][p], self.pages[i][p] = buf, arr
                         self.ptrs[i][p] = arr.__array_interface__["data"][0]
@@ -310,7 +325,7 @@ class BlockPool:
         fmt = formats.page_format(fmt_name)
         x = self.read_page(plane, page, tokens)
         nbytes = formats.page_bytes(fmt, spec.heads, self.block_size, spec.head_size, spec.groups, spec.header)
-        buf, arr = formats.allocate_payload(self.allocator, fmt, nbytes, "BlockPool")
+        buf, arr = formats.allocate_payload(self.allocators[plane], fmt, nbytes, "BlockPool")
         if fmt.is_float:
             typed = arr[: spec.heads * self.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
             typed = typed.reshape(spec.heads, self.block_size, spec.head_size)

@@ -84,7 +84,7 @@ def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: in
         return
     fmt = page_format(payload.format)
     nbytes = page_bytes(fmt, spec.heads, pool.block_size, spec.head_size, spec.groups, spec.header)
-    buf = pool.allocator.allocate(nbytes, 64)
+    buf = pool.allocators[plane].allocate(nbytes, 64)
     arr = buf.view(np.uint8, (nbytes,))
     arr[:] = 0
     if fmt.is_float:

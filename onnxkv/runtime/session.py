@@ -107,7 +107,11 @@ class Session:
 
         ``cache="paged"`` stores the caches in pages of ``block_size`` tokens
         (at most ``max_pages`` live) with copy-on-write fork/reorder/checkpoint/truncate;
-        ``kv_format`` chooses page formats (quantization) per page.
+        ``kv_format`` chooses page formats (quantization) per page.  Without
+        ``allocator``, a paged state's pages come from a new
+        :class:`~onnxkv.alloc.SlabAllocator` (huge-page backed chunks, one
+        lane per plane), a contiguous state's caches from a new
+        :class:`~onnxkv.alloc.SystemAllocator`.
         """
         return State(self, initial=initial, capacity=capacity, initial_capacity=initial_capacity,
                      allocator=allocator, cache_dtype=cache_dtype, cache=cache, block_size=block_size,

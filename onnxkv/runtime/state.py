@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from onnxkv.alloc import as_allocator
+from onnxkv.alloc import SlabAllocator, as_allocator
 from onnxkv.cache import bound
 from onnxkv.cache.contiguous import CacheTensor
 from onnxkv.cache import serialize
@@ -105,9 +105,15 @@ class State:
             :class:`~onnxkv.errors.CacheCapacityError`); None = grow
             geometrically from ``initial_capacity``.
         initial_capacity: first capacity of growable caches.
-        allocator: persistent allocator for the caches (default: a
-            :class:`~onnxkv.alloc.SystemAllocator`), separate from the
-            session's allocator for temporaries.
+        allocator: persistent allocator for the caches, separate from the
+            session's allocator for temporaries.  Default: a
+            :class:`~onnxkv.alloc.SystemAllocator` for contiguous caches; for
+            ``cache="paged"`` a :class:`~onnxkv.alloc.SlabAllocator` whose
+            lane ``i`` holds plane ``i``'s pages (one plane's pages adjacent
+            in huge-page backed chunks; see :class:`~onnxkv.cache.paged.BlockPool`).
+            A given allocator serves every cache (a ``SlabAllocator`` one
+            lane per plane).  ``stats()`` of this allocator is what the event
+            log reports.
         cache_dtype: store the caches as ``"float16"`` or ``"bfloat16"`` instead of
             the model's type (half the bytes held and read per token; values are
             rounded to nearest even on append; GroupQueryAttention models only).
@@ -147,7 +153,7 @@ class State:
         self.bindings = list(session.bindings)
         self.capacity = None if capacity is None else int(capacity)
         self.initial_capacity = int(initial_capacity)
-        self.allocator = as_allocator(allocator)
+        self.allocator = SlabAllocator() if allocator is None and cache == "paged" else as_allocator(allocator)
         if cache_dtype not in (None, "float32", "float16", "bfloat16"):
             raise InputError(f"new_state: cache_dtype must be None, 'float32', 'float16' or 'bfloat16', "
                              f"got {cache_dtype!r}")

@@ -13,6 +13,7 @@ from onnxkv.alloc import (
     ArenaAllocator,
     Buffer,
     OutOfMemory,
+    SlabAllocator,
     SystemAllocator,
     as_allocator,
     check_allocator,
@@ -28,7 +29,11 @@ def make_arena() -> ArenaAllocator:
     return ArenaAllocator(1 << 16)
 
 
-@pytest.fixture(params=[make_system, make_arena], ids=["system", "arena"])
+def make_slab() -> SlabAllocator:
+    return SlabAllocator(1 << 16)
+
+
+@pytest.fixture(params=[make_system, make_arena, make_slab], ids=["system", "arena", "slab"])
 def allocator(request) -> Allocator:
     return request.param()
 
@@ -200,7 +205,7 @@ def test_double_free_names_the_allocator(allocator):
     assert allocator.stats() == before
 
 
-@pytest.mark.parametrize("other", [make_system, make_arena], ids=["from-system", "from-arena"])
+@pytest.mark.parametrize("other", [make_system, make_arena, make_slab], ids=["from-system", "from-arena", "from-slab"])
 def test_foreign_buffer_names_the_allocator(allocator, other):
     foreign = other().allocate(64)
     mine = allocator.allocate(64)
