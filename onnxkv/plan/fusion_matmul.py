@@ -1,4 +1,4 @@
-"""Plan-time fusion of sibling MatMuls: products of one input with several constant weights.
+"""Plan-time fusions of MatMuls with constant weights: siblings, and the op before them.
 
 Decoder graphs project the same normalised hidden state separately onto
 queries, keys and values, and onto the MLP's gate and up branches.
@@ -10,6 +10,16 @@ as one product against the weights packed side by side: x is read once and
 one kernel call (one thread team) replaces n.  The fused node takes the place
 of the group's first MatMul; no value disappears, so nothing else in the
 graph changes.
+
+``fuse_prologue_matmuls`` then joins each RMS norm (ORT's
+SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization) or
+``SiluMul`` whose output is read only by one MatMul with a packed weight (or
+one SiblingMatMul), as that product's input A, into one
+``ai.onnxkv::PrologueMatMul`` node at the norm's place (its outputs: the
+product's, then the skip norm's sum output if it has one): a decode step then
+runs one node per norm + projection instead of two (see
+:class:`onnxkv.plan.ops.prologue_matmul.PrologueMatMul`).  The norm's output
+is no longer a value of the plan.
 """
 
 from __future__ import annotations
@@ -20,9 +30,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxkv.plan.fusion import FUSED_DOMAIN, default_op
+from onnxkv.plan.fusion import FUSED_DOMAIN, _readers, default_op, fused_with_body
 
-__all__ = ["fuse_sibling_matmuls"]
+__all__ = ["fuse_sibling_matmuls", "fuse_prologue_matmuls"]
+
+#: (op_type, domain) of the ops ``fuse_prologue_matmuls`` joins to the product that reads them.
+PROLOGUES = {("SkipSimplifiedLayerNormalization", "com.microsoft"), ("SimplifiedLayerNormalization", ""),
+             ("SimplifiedLayerNormalization", "ai.onnx"), ("SimplifiedLayerNormalization", "com.microsoft"),
+             ("SiluMul", FUSED_DOMAIN)}
 
 
 def fuse_sibling_matmuls(nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray | None]) -> list[onnx.NodeProto]:
@@ -49,4 +64,48 @@ def fuse_sibling_matmuls(nodes: list[onnx.NodeProto], constants: Mapping[str, np
             "SiblingMatMul", [x, *(nodes[i].input[1] for i in members)], [nodes[i].output[0] for i in members],
             name=first.name or first.output[0], domain=FUSED_DOMAIN)
         drop.update(members[1:])
+    return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
+
+
+def _packable(w) -> bool:
+    return isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32 and w.size > 0
+
+
+def fuse_prologue_matmuls(nodes: list[onnx.NodeProto], protected: set[str],
+                          constants: Mapping[str, np.ndarray | None]) -> list[onnx.NodeProto]:
+    """``nodes`` with each prologue (see :data:`PROLOGUES`) and the one product reading it joined.
+
+    A prologue qualifies when its output 0 is not ``protected`` and is read by
+    exactly one node, once, as input 0 of a ``MatMul`` whose weight is a
+    packable initializer (non-empty 2-D float32) or of a ``SiblingMatMul``;
+    a norm must have no optional statistics outputs and normalise over the
+    last axis.  The ``ai.onnxkv::PrologueMatMul`` node replaces the prologue
+    (where it stands, so every reader of its other outputs still follows it)
+    and the product; its inputs are the prologue's then the weights, attribute
+    ``prologue_inputs`` their count, and its ``body`` holds both nodes.
+    """
+    readers = _readers(nodes)
+    replace: dict[int, onnx.NodeProto] = {}
+    drop: set[int] = set()
+    for i, p in enumerate(nodes):
+        if (p.op_type, p.domain) not in PROLOGUES or not p.output or not p.output[0] or p.output[0] in protected:
+            continue
+        stats = p.output[1:3] if p.op_type == "SkipSimplifiedLayerNormalization" else p.output[1:]
+        axis = next((a.i for a in p.attribute if a.name == "axis"), -1)
+        if any(stats) or axis != -1:
+            continue
+        r = readers.get(p.output[0], [])
+        if len(r) != 1 or r[0] in drop or r[0] in replace:
+            continue
+        m = nodes[r[0]]
+        if list(m.input).count(p.output[0]) != 1 or m.input[0] != p.output[0]:
+            continue
+        if not ((m.op_type == "SiblingMatMul" and m.domain == FUSED_DOMAIN)
+                or (default_op(m, "MatMul") and len(m.input) == 2 and len(m.output) == 1
+                    and _packable(constants.get(m.input[1])))):
+            continue
+        outputs = list(m.output) + [o for o in p.output[3:] if o]
+        replace[i] = fused_with_body("PrologueMatMul", [p, m], list(p.input), outputs,
+                                     prologue_inputs=len(p.input))
+        drop.add(r[0])
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]

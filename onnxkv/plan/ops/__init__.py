@@ -7,6 +7,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     cache_update,
     masked_attention,
     paged,
+    prologue_matmul,
     quantize_paged_cache,
     repeat_kv_matmul,
     elementwise,
