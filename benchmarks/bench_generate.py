@@ -17,6 +17,10 @@ minute of a shared machine falls on all of them):
 * ``ort-genai``      -- ONNX Runtime GenAI with ``past_present_share_buffer``
                         (GroupQueryAttention models only; skipped if not installed).
 
+A per-token sample is one decode step as ONNX Runtime GenAI's
+``generate_next_token`` does it: choosing the (greedy) token from the last
+logits, building the step's feeds and running it (GenAI: the whole call).
+
 Prints JSON: machine, versions, threads, shapes, raw per-token samples,
 medians, peak RSS, onnxkv's event-log totals, ratios to each peer.  With
 several rounds an engine's ``per_token_s`` pools the samples of every round
@@ -81,12 +85,12 @@ def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: 
     prefill = time.perf_counter() - t0
     samples, tokens = [], []
     for _ in range(new_tokens):
-        tok = np.argmax(out[model.io.logits][:, -1], axis=-1).astype(np.int64)
-        tokens.append(int(tok[0]))
-        feeds = b.next(tok, out)
+        # timed as GenAI's generate_next_token: choose the token (greedy), build the feeds, run the step
         t0 = time.perf_counter()
-        out = run(feeds, fetch)
+        tok = np.argmax(out[model.io.logits][:, -1], axis=-1).astype(np.int64)
+        out = run(b.next(tok, out), fetch)
         samples.append(time.perf_counter() - t0)
+        tokens.append(int(tok[0]))
     return prefill, samples, tokens
 
 
