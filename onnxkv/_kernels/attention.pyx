@@ -190,7 +190,7 @@ cdef int _amx = _amx_usable
 
 def set_attention_amx(enabled: bool) -> bool:
     """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
-    codes with per-head scales), and if ``_set_attention_amx_pv`` says so
+    codes with per-head scales, 8-bit codes with per-channel scales), and if ``_set_attention_amx_pv`` says so
     multiply the probabilities by their values (per-head scales), on the
     AMX-INT8 tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and
     AMX-INT8 and the OS grants the tile state; attention_amx.h), or with
@@ -678,7 +678,8 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
         simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
     a.amx = 0
     if simd == OKV_ATTN_AVX512 and _amx:
-        a.amx = ((OKV_AMX_QK if a.kG == 1 else 0)
+        # keys: every call (per-channel key scales: only 8-bit pages go to AMX, attention_impl.h decides per page)
+        a.amx = (OKV_AMX_QK
                  | (OKV_AMX_PV if _amx_pv == 2 or (_amx_pv == 1 and a.kG == 1) else 0))
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:

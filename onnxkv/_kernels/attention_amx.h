@@ -335,6 +335,107 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
         }
 }
 
+/* okv_amx_build for 8-bit codes (the natural order, P = okv_amx_positions(D,
+ * 8), zero past D) of keys with per-channel scales s[d] and zero points z[d]
+ * (d < D; dq: the float32 header's s / z, or a compact header's S, exponent
+ * and zero-point codes, decoded here 16 channels at a time as
+ * okv_q_compact_decode does, bit for bit): the rows folded, q'_r[d] =
+ * qr[r][d] * s[d], take the place of qr[r] (S_r = max|q'_r| / OKV_AMX_QMAX
+ * into sr[r]), and zc[r] = scale * sum_d q'_r[d] z[d] (the zero points' share
+ * of row r's scores).  Rebuilt for every page, so without okv_amx_build's
+ * planes and transposes: per 16 elements of a row, x = q_int + 0x808080
+ * holds the balanced digits plus 128 in its bytes 0..2 (|q_int| <=
+ * OKV_AMX_QMAX + 1 < 0x808080), x ^ 0x808080 the digits d0, d1, d2 as int8
+ * and a zero byte 3; one in-lane byte shuffle makes dword dg of each 128-bit
+ * lane L digit dg of elements 4L..4L+3 (the VNNI dword of column 3i + dg in
+ * tile row 4L + ...).  A 128-bit lane transpose of a tile's rows 0..3 and
+ * one dword permute per tile row put them at columns 3i + dg; the tile's row
+ * 4 is merged by a masked permute.  Columns 3 * rows.. are zero. */
+OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr, int64_t D, const okv_dq *dq,
+                                           float scale, okv_amx_ws *x, uint8_t *bt, float *sr, float *zc) {
+    const int64_t P = okv_amx_positions(D, 8);
+    const int nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
+    const __m512i bias = _mm512_set1_epi32(0x808080);
+    const __m512i bsh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i cmp = _mm512_setr_epi32(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 0, 0, 0, 0);
+    const __m512i r4 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0);   /* + 4L: row 4's lane L */
+    const __m512 steps = _mm512_loadu_ps(okv_q_steps), cS = _mm512_set1_ps(dq->cS);
+    float cs[OKV_Q_COMPACT_MAX_G];   /* a compact header's decoded scales */
+    const float *ps = dq->ce ? cs : dq->s;
+    __m512 mx[OKV_RG], dz[OKV_RG];
+    __m512i z[2 * OKV_AMX_RPT];
+    int64_t p;
+    int r, t, L;
+    for (r = 0; r < nr; r++) mx[r] = dz[r] = _mm512_setzero_ps();
+    for (p = 0; p < D; p += 16) {
+        const __mmask16 k = okv_mask16(D - p);
+        __m512 sv, zv;
+        if (dq->ce) {   /* (S * okv_q_steps[e & 15]) * 2^-(e >> 4), as okv_q_compact_decode */
+            const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->ce + p));
+            const __m512 p2 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), _mm512_srli_epi32(e, 4)), 23));
+            sv = _mm512_mul_ps(_mm512_mul_ps(cS, _mm512_permutexvar_ps(_mm512_and_si512(e, _mm512_set1_epi32(15)),
+                                                                        steps)), p2);
+            zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->cz + p)));
+            _mm512_storeu_ps(cs + p, sv);
+        } else {
+            sv = _mm512_maskz_loadu_ps(k, dq->s + p);
+            zv = _mm512_maskz_loadu_ps(k, dq->z + p);
+        }
+        for (r = 0; r < nr; r++) {
+            const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv);
+            mx[r] = _mm512_max_ps(mx[r], _mm512_abs_ps(q));
+            dz[r] = _mm512_fmadd_ps(q, zv, dz[r]);
+        }
+    }
+    for (r = 0; r < nr; r++) {
+        const float m = _mm512_reduce_max_ps(mx[r]);
+        sr[r] = m > 0.f ? m / OKV_AMX_QMAX : 0.f;
+        mx[r] = _mm512_set1_ps(m > 0.f ? OKV_AMX_QMAX / m : 0.f);   /* now 1 / S_r */
+        zc[r] = scale * _mm512_reduce_add_ps(dz[r]);
+    }
+    for (r = nr; r < OKV_AMX_RPT * nt; r++) z[r] = _mm512_setzero_si512();
+    for (p = 0; p < P; p += 16) {   /* elements p..p+15: tile rows 4 * (p % 64 / 16) .. + 3 of chunk p / 64 */
+        const __mmask16 k = okv_mask16(D > p ? D - p : 0);
+        const __m512 sv = _mm512_maskz_loadu_ps(k, ps + p);
+        for (r = 0; r < nr; r++) {
+            const __m512i qi = _mm512_cvtps_epi32(
+                _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv), mx[r]));
+            z[r] = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_add_epi32(qi, bias), bias), bsh);
+        }
+        for (t = 0; t < nt; t++) {
+            const __m512i *zt = z + OKV_AMX_RPT * t;
+            const __m512i a0 = _mm512_shuffle_i32x4(zt[0], zt[1], 0x44), a1 = _mm512_shuffle_i32x4(zt[0], zt[1], 0xEE);
+            const __m512i a2 = _mm512_shuffle_i32x4(zt[2], zt[3], 0x44), a3 = _mm512_shuffle_i32x4(zt[2], zt[3], 0xEE);
+            __m512i o[4];   /* o[L]: lane i = row i's lane L */
+            uint8_t *b = bt + ((p / 64) * x->tpi + t) * OKV_AMX_TILE + 64 * (4 * (p % 64 / 16));
+            o[0] = _mm512_shuffle_i32x4(a0, a2, 0x88);
+            o[1] = _mm512_shuffle_i32x4(a0, a2, 0xDD);
+            o[2] = _mm512_shuffle_i32x4(a1, a3, 0x88);
+            o[3] = _mm512_shuffle_i32x4(a1, a3, 0xDD);
+            for (L = 0; L < 4; L++) {
+                __m512i y = _mm512_maskz_permutexvar_epi32(0x0FFF, cmp, o[L]);
+                if (nr > OKV_AMX_RPT * t + 4)
+                    y = _mm512_mask_permutexvar_epi32(y, 0x7000, _mm512_add_epi32(r4, _mm512_set1_epi32(4 * L)), zt[4]);
+                _mm512_storeu_si512(b + 64 * L, y);
+            }
+        }
+    }
+}
+
+/* okv_amx_build_pc_n, its row loops unrolled (accumulators in registers) for
+ * the common row counts. */
+OKV_AMX static void okv_amx_build_pc(const float *const *qr, int nr, int64_t D, const okv_dq *dq, float scale,
+                                     okv_amx_ws *x, uint8_t *bt, float *sr, float *zc) {
+    switch (nr) {
+    case 1: okv_amx_build_pc_n(qr, 1, D, dq, scale, x, bt, sr, zc); return;
+    case 2: okv_amx_build_pc_n(qr, 2, D, dq, scale, x, bt, sr, zc); return;
+    case 4: okv_amx_build_pc_n(qr, 4, D, dq, scale, x, bt, sr, zc); return;
+    case 8: okv_amx_build_pc_n(qr, 8, D, dq, scale, x, bt, sr, zc); return;
+    default: okv_amx_build_pc_n(qr, nr, D, dq, scale, x, bt, sr, zc); return;
+    }
+}
+
 /* Rows 0..m-1 (m <= 16) of codes of format fmt (nb bytes each, kst bytes
  * apart from k) into x->xs (P = okv_amx_positions bytes apart) in code
  * position order, one byte per code holding code * 2^(8 - bits) (the code in
@@ -363,13 +464,14 @@ OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int
     }
 }
 
-/* Scores s[r * OKV_BK + j] = scale * q_r . code_j (raw codes) of the nr rows
- * whose B tiles and S_r are bt / sr (okv_amx_build for the code order of
- * fmt) against the n keys of format fmt at k (kst bytes apart, head size D);
- * the rows of pf are software-prefetched first. */
+/* Scores s[r * OKV_BK + j] = scale * q_r . code_j - zc[r] (raw codes; no
+ * zc[r] term if zc is NULL) of the nr rows whose B tiles and S_r are bt / sr
+ * (okv_amx_build for the code order of fmt, or okv_amx_build_pc) against the
+ * n keys of format fmt at k (kst bytes apart, head size D); the rows of pf
+ * are software-prefetched first. */
 OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt, int64_t D, int nr,
-                               const uint8_t *bt, const float *sr, float scale, float *s, okv_amx_ws *x,
-                               const okv_pf *pf) {
+                               const uint8_t *bt, const float *sr, float scale, const float *zc, float *s,
+                               okv_amx_ws *x, const okv_pf *pf) {
     const int sgn = okv_q_signed(fmt), nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
     const int bits = okv_q_bits(fmt);
     const int64_t nb = okv_q_row_bytes(fmt, D), direct = bits == 8 && D % 64 == 0, P = okv_amx_positions(D, bits);
@@ -417,7 +519,9 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
                 __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[3 * i + 2]), f16,
                                            _mm512_mul_ps(_mm512_cvtepi32_ps(v[3 * i + 1]), f8));
                 y = _mm512_add_ps(y, _mm512_cvtepi32_ps(v[3 * i]));
-                _mm512_mask_storeu_ps(s + r * OKV_BK + j0, okv_mask16(m), _mm512_mul_ps(y, _mm512_set1_ps(scale * unit * sr[r])));
+                y = _mm512_mul_ps(y, _mm512_set1_ps(scale * unit * sr[r]));
+                if (zc) y = _mm512_sub_ps(y, _mm512_set1_ps(zc[r]));
+                _mm512_mask_storeu_ps(s + r * OKV_BK + j0, okv_mask16(m), y);
             }
         }
     }
