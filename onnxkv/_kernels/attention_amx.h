@@ -344,7 +344,9 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
  * into sr[r]), and zc[r] = scale * sum_d q'_r[d] z[d] (the zero points' share
  * of row r's scores).  Rebuilt for every page, so without okv_amx_build's
  * planes and transposes: per 16 elements of a row, x = q_int + 0x808080
- * holds the balanced digits plus 128 in its bytes 0..2 (|q_int| <=
+ * (q' / S_r + 0x808080 rounded by the FMA, then to an integer by the
+ * conversion: |q' / S_r - q_int| <= 3/4 where the sum is below 2^23, else
+ * 1/2) holds the balanced digits plus 128 in its bytes 0..2 (|q_int| <=
  * OKV_AMX_QMAX + 1 < 0x808080), x ^ 0x808080 the digits d0, d1, d2 as int8
  * and a zero byte 3; one in-lane byte shuffle makes dword dg of each 128-bit
  * lane L digit dg of elements 4L..4L+3 (the VNNI dword of column 3i + dg in
@@ -356,6 +358,7 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
     const int64_t P = okv_amx_positions(D, 8);
     const int nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
     const __m512i bias = _mm512_set1_epi32(0x808080);
+    const __m512 fbias = _mm512_set1_ps((float)0x808080);
     const __m512i bsh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     const __m512i cmp = _mm512_setr_epi32(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 0, 0, 0, 0);
     const __m512i r4 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0);   /* + 4L: row 4's lane L */
@@ -366,6 +369,7 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
     __m512i z[2 * OKV_AMX_RPT];
     int64_t p;
     int r, t, L;
+#pragma GCC unroll 8
     for (r = 0; r < nr; r++) mx[r] = dz[r] = _mm512_setzero_ps();
     for (p = 0; p < D; p += 16) {
         const __mmask16 k = okv_mask16(D - p);
@@ -382,12 +386,14 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
             sv = _mm512_maskz_loadu_ps(k, dq->s + p);
             zv = _mm512_maskz_loadu_ps(k, dq->z + p);
         }
+#pragma GCC unroll 8
         for (r = 0; r < nr; r++) {
             const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv);
             mx[r] = _mm512_max_ps(mx[r], _mm512_abs_ps(q));
             dz[r] = _mm512_fmadd_ps(q, zv, dz[r]);
         }
     }
+#pragma GCC unroll 8
     for (r = 0; r < nr; r++) {
         const float m = _mm512_reduce_max_ps(mx[r]);
         sr[r] = m > 0.f ? m / OKV_AMX_QMAX : 0.f;
@@ -398,11 +404,13 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
     for (p = 0; p < P; p += 16) {   /* elements p..p+15: tile rows 4 * (p % 64 / 16) .. + 3 of chunk p / 64 */
         const __mmask16 k = okv_mask16(D > p ? D - p : 0);
         const __m512 sv = _mm512_maskz_loadu_ps(k, ps + p);
-        for (r = 0; r < nr; r++) {
-            const __m512i qi = _mm512_cvtps_epi32(
-                _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv), mx[r]));
-            z[r] = _mm512_shuffle_epi8(_mm512_xor_si512(_mm512_add_epi32(qi, bias), bias), bsh);
+#pragma GCC unroll 8
+        for (r = 0; r < nr; r++) {   /* q_int + 0x808080, rounded once (see above) */
+            const __m512i xi = _mm512_cvtps_epi32(
+                _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv), mx[r], fbias));
+            z[r] = _mm512_shuffle_epi8(_mm512_xor_si512(xi, bias), bsh);
         }
+#pragma GCC unroll 2
         for (t = 0; t < nt; t++) {
             const __m512i *zt = z + OKV_AMX_RPT * t;
             const __m512i a0 = _mm512_shuffle_i32x4(zt[0], zt[1], 0x44), a1 = _mm512_shuffle_i32x4(zt[0], zt[1], 0xEE);
@@ -413,6 +421,7 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
             o[1] = _mm512_shuffle_i32x4(a0, a2, 0xDD);
             o[2] = _mm512_shuffle_i32x4(a1, a3, 0x88);
             o[3] = _mm512_shuffle_i32x4(a1, a3, 0xDD);
+#pragma GCC unroll 4
             for (L = 0; L < 4; L++) {
                 __m512i y = _mm512_maskz_permutexvar_epi32(0x0FFF, cmp, o[L]);
                 if (nr > OKV_AMX_RPT * t + 4)

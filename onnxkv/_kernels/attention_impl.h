@@ -445,7 +445,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 if (p0 >= pf.end || p0 < pf.start) {
                     pf = p0 >= pg.start && p0 < pg.end ? pg : OKV_PAGE_AT(p0);
 #if defined(OKV_MIXED) && OKV_X86_SIMD
-                    okv_pf_header(&pf);
+                    okv_pf_header(a, &pf, nh);
 #endif
                 }
                 pft.n = OKV_BK;

@@ -109,14 +109,24 @@ static inline okv_kv_page okv_attn_qpage(const okv_attn_args *a, int64_t b, int6
 }
 
 #if OKV_X86_SIMD
-/* Software prefetch of the header entries (scales, zero points) of head hk of
- * a quantized page about to be read: the row prefetch covers the codes only,
- * and the first read of a page's header would otherwise miss the caches.  A
- * compact K header: S and the exponent codes. */
-static inline void okv_pf_header(const okv_kv_page *pg) {
-    if (pg->ksc) {
+/* Software prefetch of the header entries (scales, zero points) of heads hk
+ * .. hk + nh - 1 of a quantized page about to be read (pg: head hk's
+ * entries): the row prefetch covers the codes only, and the first read of a
+ * page's header would otherwise miss the caches.  A compact K header: S and
+ * the heads' exponent and zero-point codes, every line of both (nh * kG
+ * bytes each; per-channel keys read them all for every page); otherwise the
+ * first line of the scales and of the zero points. */
+static inline void okv_pf_header(const okv_attn_args *a, const okv_kv_page *pg, int64_t nh) {
+    if (pg->kce) {
+        const int64_t n = nh * a->kG;
+        const char *e = (const char *)pg->kce, *z = e + a->Hkv * a->kG;
+        int64_t i;
         _mm_prefetch((const char *)pg->ksc, _MM_HINT_T0);
-        _mm_prefetch(pg->kce ? (const char *)pg->kce : (const char *)pg->kzp, _MM_HINT_T0);
+        for (i = -(int64_t)((uintptr_t)e & 63); i < n; i += 64) _mm_prefetch(e + i, _MM_HINT_T0);
+        for (i = -(int64_t)((uintptr_t)z & 63); i < n; i += 64) _mm_prefetch(z + i, _MM_HINT_T0);
+    } else if (pg->ksc) {
+        _mm_prefetch((const char *)pg->ksc, _MM_HINT_T0);
+        _mm_prefetch((const char *)pg->kzp, _MM_HINT_T0);
     }
     if (pg->vsc) {
         _mm_prefetch((const char *)pg->vsc, _MM_HINT_T0);
