@@ -411,14 +411,14 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, int pc, const
         float zc[OKV_RG];
         okv_amx_build_pc(qr, nr, D, dq, scale, x, bt, sr, zc);
         x->tag[w] = 0;   /* the tiles hold this page's folded rows */
-        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zc, s, x, pf);
+        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zc, s, x, pf, 4);
         return;
     }
     if (x->tag[w] != bits) {
         okv_amx_build(qr, nr, D, bits, x, bt, sr);
         x->tag[w] = bits;
     }
-    okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, NULL, s, x, pf);
+    okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, NULL, s, x, pf, 3);
     if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
 }
 
