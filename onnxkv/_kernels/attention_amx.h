@@ -21,7 +21,12 @@
  *     tile t holds digit d of row 5t + i (OKV_AMX_RPT = 5 rows per tile, a
  *     second tile for rows 5..7), in the VNNI layout B[k/4][col][k%4], built
  *     once per work unit and row group (okv_amx_build) and kept in the
- *     workspace for all its pages (per-head key scales only: a->kG == 1).
+ *     workspace for all its pages (per-head key scales: a->kG == 1).
+ *     8-bit keys with per-channel scales: the rows folded with the page's
+ *     channel scales, q'_r[d] = q_r[d] s[d], S_r = max|q'_r| / OKV_AMX_QMAX,
+ *     rebuilt for every page (okv_amx_build_pc: 4 columns per row, digit d
+ *     of row 4t + i in column 4i + d of tile t), the zero points' share
+ *     scale * q'_r . z subtracted from the scores.
  *   C tiles (tiles 0, 1): int32 [16 keys][16 columns] by _tile_dpbssd (signed
  *     keys) or _tile_dpbusd (unsigned keys), exact: every digit product and
  *     column sum fits in int32 (|sum| <= 128 * 255 * P < 2^31 for P < 2^16).
@@ -29,7 +34,8 @@
  *     2^(bits - 8) * ((C2 * 65536 + C1 * 256) + C0) in float32.  The only
  *     error beyond float32 rounding is q's fixed-point rounding,
  *     |q - S_r q_int| <= S_r / 2 = max|q_r| / (254 * 2^16) (6e-8 max|q_r|)
- *     per element.  An all-zero row has S_r = 0 and scores 0.
+ *     per element (okv_amx_build_pc: <= 3/4 S_r).  An all-zero row has S_r
+ *     = 0 and scores 0.
  *
  * Code positions (the order in which the A rows hold a key's codes; the B
  * tiles hold the query elements in the same order, so the dot product is the
@@ -378,8 +384,8 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
             const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->ce + p));
             const __m512 p2 = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), _mm512_srli_epi32(e, 4)), 23));
-            sv = _mm512_mul_ps(_mm512_mul_ps(cS, _mm512_permutexvar_ps(_mm512_and_si512(e, _mm512_set1_epi32(15)),
-                                                                        steps)), p2);
+            /* the permute reads only bits 0..3 of each index: okv_q_steps[e & 15] */
+            sv = _mm512_mul_ps(_mm512_mul_ps(cS, _mm512_permutexvar_ps(e, steps)), p2);
             zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->cz + p)));
             _mm512_storeu_ps(cs + p, sv);
         } else {
