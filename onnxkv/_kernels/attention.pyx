@@ -191,8 +191,9 @@ cdef int _amx = _amx_usable
 
 def set_attention_amx(enabled: bool) -> bool:
     """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
-    codes with per-head scales, 8-bit codes with per-channel scales), and if ``_set_attention_amx_pv`` says so
-    multiply the probabilities by their values (per-head scales), on the
+    codes with per-head scales, 8-bit codes with per-channel scales), and if
+    ``_set_attention_amx_pv`` says so multiply the probabilities by their
+    values (per-head scales), on the
     AMX-INT8 tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and
     AMX-INT8 and the OS grants the tile state; attention_amx.h), or with
     AVX-512 FMAs only (to

@@ -26,8 +26,9 @@
  * Per-channel value scales and zero points are applied by the loader macros
  * of the tile instantiation (attention_qfmt.h), in registers; per-channel key
  * scales are folded into the query rows once per tile (okv_qk_chan_fold; on
- * AMX, 8-bit keys: okv_amx_build_pc), so keys are scored on their raw codes; a per-head scale and zero point are
- * folded into the scores and the probabilities (okv_qk_zp, okv_pv_fold).
+ * AMX, 8-bit keys: okv_amx_build_pc), so keys are scored on their raw codes;
+ * a per-head scale and zero point are folded into the scores and the
+ * probabilities (okv_qk_zp, okv_pv_fold).
  *
  * AVX-512, 4-bit pages: the raw-code tiles read each 16-element chunk of a row
  * in quant.h's interleaved lane order OKV_Q4_ILV (one vector operation per 16
