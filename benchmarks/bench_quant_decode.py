@@ -53,7 +53,7 @@ pages on AMX-INT8 where usable: level "avx512+amx"), avx512 (AVX-512 without
 AMX) or avx2; the level in use is recorded as config.attention_isa.
 --amx-pv: with AMX, probabilities times values of quantized pages with
 per-head value scales on AMX too -- off (default, as the library), keys (in
-calls whose keys are on AMX, i.e. per-head key scales) or all; recorded as
+calls with per-head key scales) or all; recorded as
 config.attention_amx_pv.
 """
 from __future__ import annotations
@@ -231,8 +231,8 @@ def main(argv=None):
                          "(to compare)")
     ap.add_argument("--amx-pv", choices=tuple(AMX_PV), default="off",
                     help="with AMX: probabilities times values on AMX too -- off (the library's default: keys only), "
-                         "keys (when the keys are on AMX: per-head key scales) or all (also behind AVX-512 "
-                         "per-channel key scores)")
+                         "keys (in calls with per-head key scales) or all (also with per-channel key "
+                         "scales)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     attn = sys.modules["onnxkv._kernels.attention"]

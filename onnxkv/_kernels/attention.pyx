@@ -20,8 +20,9 @@ there, as fast on that memory-bound stream), AVX2+FMA+F16C (8 lanes) and
 scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
 (False)`` keeps AVX2 (tests and benchmarks run all three on one machine);
 ``attention_simd_level()`` names the one in use.  Inside the AVX-512 tiles,
-paged_attention scores the keys of quantized pages with per-head scales on
-the AMX-INT8 tiles where the CPU and OS allow it (level "avx512+amx";
+paged_attention scores the keys of quantized pages with per-head scales, and
+8-bit keys with per-channel scales, on the AMX-INT8 tiles where the CPU and
+OS allow it (level "avx512+amx";
 ``set_attention_amx(False)`` keeps AVX-512 FMAs), and can multiply the
 probabilities by quantized values with per-head scales there too
 (``_set_attention_amx_pv``, off by default).
@@ -190,8 +191,9 @@ cdef int _amx = _amx_usable
 
 def set_attention_amx(enabled: bool) -> bool:
     """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
-    codes with per-head scales), and if ``_set_attention_amx_pv`` says so
-    multiply the probabilities by their values (per-head scales), on the
+    codes with per-head scales, 8-bit codes with per-channel scales), and if
+    ``_set_attention_amx_pv`` says so multiply the probabilities by their
+    values (per-head scales), on the
     AMX-INT8 tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and
     AMX-INT8 and the OS grants the tile state; attention_amx.h), or with
     AVX-512 FMAs only (to
@@ -203,14 +205,14 @@ def set_attention_amx(enabled: bool) -> bool:
     return bool(_amx)
 
 
-cdef int _amx_pv = 0   # p.v on AMX: 0 never, 1 when the keys are on AMX too (per-head key scales), 2 always
+cdef int _amx_pv = 0   # p.v on AMX: 0 never, 1 in calls with per-head key scales, 2 always
 
 
 def _set_attention_amx_pv(mode):
     """Private switch for tests and benchmarks: probabilities times values of
     quantized pages with per-head value scales on the AMX-INT8 tiles while
     AMX is enabled (``set_attention_amx``): 0 (default) never, 1 only in
-    calls whose keys AMX scores too (per-head key scales), 2 always.  Off by
+    calls with per-head key scales (whose keys AMX scores), 2 always.  Off by
     default: at 16384 tokens on 2 threads (bench_quant_decode shapes, variants
     interleaved in shuffled order) it measured slower than AVX-512 p.v behind
     AMX keys (int8 2.18 vs 2.08 ms, int4 1.76 vs 1.62 ms; per-channel keys
@@ -678,7 +680,8 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
         simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
     a.amx = 0
     if simd == OKV_ATTN_AVX512 and _amx:
-        a.amx = ((OKV_AMX_QK if a.kG == 1 else 0)
+        # keys: every call (per-channel key scales: only 8-bit pages go to AMX, attention_impl.h decides per page)
+        a.amx = (OKV_AMX_QK
                  | (OKV_AMX_PV if _amx_pv == 2 or (_amx_pv == 1 and a.kG == 1) else 0))
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:

@@ -21,7 +21,12 @@
  *     tile t holds digit d of row 5t + i (OKV_AMX_RPT = 5 rows per tile, a
  *     second tile for rows 5..7), in the VNNI layout B[k/4][col][k%4], built
  *     once per work unit and row group (okv_amx_build) and kept in the
- *     workspace for all its pages (per-head key scales only: a->kG == 1).
+ *     workspace for all its pages (per-head key scales: a->kG == 1).
+ *     8-bit keys with per-channel scales: the rows folded with the page's
+ *     channel scales, q'_r[d] = q_r[d] s[d], S_r = max|q'_r| / OKV_AMX_QMAX,
+ *     rebuilt for every page (okv_amx_build_pc: 4 columns per row, digit d
+ *     of row 4t + i in column 4i + d of tile t), the zero points' share
+ *     scale * q'_r . z subtracted from the scores.
  *   C tiles (tiles 0, 1): int32 [16 keys][16 columns] by _tile_dpbssd (signed
  *     keys) or _tile_dpbusd (unsigned keys), exact: every digit product and
  *     column sum fits in int32 (|sum| <= 128 * 255 * P < 2^31 for P < 2^16).
@@ -29,7 +34,8 @@
  *     2^(bits - 8) * ((C2 * 65536 + C1 * 256) + C0) in float32.  The only
  *     error beyond float32 rounding is q's fixed-point rounding,
  *     |q - S_r q_int| <= S_r / 2 = max|q_r| / (254 * 2^16) (6e-8 max|q_r|)
- *     per element.  An all-zero row has S_r = 0 and scores 0.
+ *     per element (okv_amx_build_pc: <= 3/4 S_r).  An all-zero row has S_r
+ *     = 0 and scores 0.
  *
  * Code positions (the order in which the A rows hold a key's codes; the B
  * tiles hold the query elements in the same order, so the dot product is the
@@ -150,7 +156,7 @@ typedef struct {
  *   pq, pp, pa, pb, pc: the pending p.v of the items and the p.v tiles'
  *          scratch (see the fields)
  * Pm = okv_amx_pmax(D) = 64 * nchm; P = okv_amx_positions(D, bits) <= Pm for
- * the format at hand; tpi = B tiles per item (1 for at most OKV_AMX_RPT rows
+ * the format at hand; tpi = B tiles per item (1 for at most 4 rows
  * per item, else 2). */
 typedef struct {
     int32_t *cbuf;
@@ -175,7 +181,7 @@ static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; 
 /* Bytes of okv_amx_ws for head size D, nitem work items (head, row group) of
  * at most rgw rows each, with the p.v scratch or not (pv; a multiple of 64). */
 static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw, int pv) {
-    const int64_t Pm = okv_amx_pmax(D), tpi = rgw > OKV_AMX_RPT ? 2 : 1;
+    const int64_t Pm = okv_amx_pmax(D), tpi = rgw > 4 ? 2 : 1;
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
            okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
            okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) +
@@ -190,7 +196,7 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
     int64_t i;
     x->Pm = okv_amx_pmax(D);
     x->nchm = x->Pm / 64;
-    x->tpi = rgw > OKV_AMX_RPT ? 2 : 1;
+    x->tpi = rgw > 4 ? 2 : 1;
     x->nitem = nitem;
     x->cbuf = (int32_t *)mem;
     mem += 2 * OKV_AMX_TILE;
@@ -335,6 +341,111 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
         }
 }
 
+/* okv_amx_build for 8-bit codes (the natural order, P = okv_amx_positions(D,
+ * 8), zero past D) of keys with per-channel scales s[d] and zero points z[d]
+ * (d < D; dq: the float32 header's s / z, or a compact header's S, exponent
+ * and zero-point codes, decoded here 16 channels at a time as
+ * okv_q_compact_decode does, bit for bit): the rows folded, q'_r[d] =
+ * qr[r][d] * s[d], take the place of qr[r] (S_r = max|q'_r| / OKV_AMX_QMAX
+ * into sr[r]), and zc[r] = scale * sum_d q'_r[d] z[d] (the zero points' share
+ * of row r's scores).  Rebuilt for every page, so without okv_amx_build's
+ * planes and transposes: per 16 elements of a row, x = q_int + 0x808080
+ * (q' / S_r + 0x808080 rounded by the FMA, then to an integer by the
+ * conversion: |q' / S_r - q_int| <= 3/4 where the sum is below 2^23, else
+ * 1/2) holds the balanced digits plus 128 in its bytes 0..2 (|q_int| <=
+ * OKV_AMX_QMAX + 1 < 0x808080), x ^ 0x808080 the digits d0, d1, d2 as int8
+ * and a zero byte 3; one in-lane byte shuffle makes dword dg of each 128-bit
+ * lane L digit dg of elements 4L..4L+3 (dg = 3: zero), which is the VNNI
+ * dword of column 4i + dg in tile row 4L + ... for row i of a tile: so the B
+ * tiles hold 4 rows each (tile t: rows 4t..4t+3, column 4i + dg digit dg of
+ * row 4t + i, columns 4i + 3 and those of missing rows zero; okv_amx_qk with
+ * cpr = 4), and a 128-bit lane transpose of the tile's 4 rows gives 4 tile
+ * rows. */
+OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr, int64_t D, const okv_dq *dq,
+                                           float scale, okv_amx_ws *x, uint8_t *bt, float *sr, float *zc) {
+    const int64_t P = okv_amx_positions(D, 8);
+    const int nt = (nr + 3) / 4;
+    const __m512i bias = _mm512_set1_epi32(0x808080);
+    const __m512 fbias = _mm512_set1_ps((float)0x808080);
+    const __m512i bsh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512 steps = _mm512_loadu_ps(okv_q_steps), cS = _mm512_set1_ps(dq->cS);
+    float cs[OKV_Q_COMPACT_MAX_G];   /* a compact header's decoded scales */
+    const float *ps = dq->ce ? cs : dq->s;
+    __m512 mx[OKV_RG], dz[OKV_RG];
+    __m512i z[8];
+    int64_t p;
+    int r, t, L;
+#pragma GCC unroll 8
+    for (r = 0; r < nr; r++) mx[r] = dz[r] = _mm512_setzero_ps();
+    for (p = 0; p < D; p += 16) {
+        const __mmask16 k = okv_mask16(D - p);
+        __m512 sv, zv;
+        if (dq->ce) {   /* (S * okv_q_steps[e & 15]) * 2^-(e >> 4), as okv_q_compact_decode */
+            const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->ce + p));
+            const __m512 p2 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), _mm512_srli_epi32(e, 4)), 23));
+            /* the permute reads only bits 0..3 of each index: okv_q_steps[e & 15] */
+            sv = _mm512_mul_ps(_mm512_mul_ps(cS, _mm512_permutexvar_ps(e, steps)), p2);
+            zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->cz + p)));
+            _mm512_storeu_ps(cs + p, sv);
+        } else {
+            sv = _mm512_maskz_loadu_ps(k, dq->s + p);
+            zv = _mm512_maskz_loadu_ps(k, dq->z + p);
+        }
+#pragma GCC unroll 8
+        for (r = 0; r < nr; r++) {
+            const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv);
+            mx[r] = _mm512_max_ps(mx[r], _mm512_abs_ps(q));
+            dz[r] = _mm512_fmadd_ps(q, zv, dz[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (r = 0; r < nr; r++) {
+        const float m = _mm512_reduce_max_ps(mx[r]);
+        sr[r] = m > 0.f ? m / OKV_AMX_QMAX : 0.f;
+        mx[r] = _mm512_set1_ps(m > 0.f ? OKV_AMX_QMAX / m : 0.f);   /* now 1 / S_r */
+        zc[r] = scale * _mm512_reduce_add_ps(dz[r]);
+    }
+    for (r = nr; r < 4 * nt; r++) z[r] = _mm512_setzero_si512();
+    for (p = 0; p < P; p += 16) {   /* elements p..p+15: tile rows 4 * (p % 64 / 16) .. + 3 of chunk p / 64 */
+        const __mmask16 k = okv_mask16(D > p ? D - p : 0);
+        const __m512 sv = _mm512_maskz_loadu_ps(k, ps + p);
+#pragma GCC unroll 8
+        for (r = 0; r < nr; r++) {   /* q_int + 0x808080, rounded once (see above) */
+            const __m512i xi = _mm512_cvtps_epi32(
+                _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv), mx[r], fbias));
+            z[r] = _mm512_shuffle_epi8(_mm512_xor_si512(xi, bias), bsh);
+        }
+#pragma GCC unroll 2
+        for (t = 0; t < nt; t++) {
+            const __m512i *zt = z + 4 * t;
+            const __m512i a0 = _mm512_shuffle_i32x4(zt[0], zt[1], 0x44), a1 = _mm512_shuffle_i32x4(zt[0], zt[1], 0xEE);
+            const __m512i a2 = _mm512_shuffle_i32x4(zt[2], zt[3], 0x44), a3 = _mm512_shuffle_i32x4(zt[2], zt[3], 0xEE);
+            __m512i o[4];   /* o[L]: lane i = row i's lane L */
+            uint8_t *b = bt + ((p / 64) * x->tpi + t) * OKV_AMX_TILE + 64 * (4 * (p % 64 / 16));
+            o[0] = _mm512_shuffle_i32x4(a0, a2, 0x88);
+            o[1] = _mm512_shuffle_i32x4(a0, a2, 0xDD);
+            o[2] = _mm512_shuffle_i32x4(a1, a3, 0x88);
+            o[3] = _mm512_shuffle_i32x4(a1, a3, 0xDD);
+#pragma GCC unroll 4
+            for (L = 0; L < 4; L++) _mm512_storeu_si512(b + 64 * L, o[L]);
+        }
+    }
+}
+
+/* okv_amx_build_pc_n, its row loops unrolled (accumulators in registers) for
+ * the common row counts. */
+OKV_AMX static void okv_amx_build_pc(const float *const *qr, int nr, int64_t D, const okv_dq *dq, float scale,
+                                     okv_amx_ws *x, uint8_t *bt, float *sr, float *zc) {
+    switch (nr) {
+    case 1: okv_amx_build_pc_n(qr, 1, D, dq, scale, x, bt, sr, zc); return;
+    case 2: okv_amx_build_pc_n(qr, 2, D, dq, scale, x, bt, sr, zc); return;
+    case 4: okv_amx_build_pc_n(qr, 4, D, dq, scale, x, bt, sr, zc); return;
+    case 8: okv_amx_build_pc_n(qr, 8, D, dq, scale, x, bt, sr, zc); return;
+    default: okv_amx_build_pc_n(qr, nr, D, dq, scale, x, bt, sr, zc); return;
+    }
+}
+
 /* Rows 0..m-1 (m <= 16) of codes of format fmt (nb bytes each, kst bytes
  * apart from k) into x->xs (P = okv_amx_positions bytes apart) in code
  * position order, one byte per code holding code * 2^(8 - bits) (the code in
@@ -363,14 +474,16 @@ OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int
     }
 }
 
-/* Scores s[r * OKV_BK + j] = scale * q_r . code_j (raw codes) of the nr rows
- * whose B tiles and S_r are bt / sr (okv_amx_build for the code order of
- * fmt) against the n keys of format fmt at k (kst bytes apart, head size D);
- * the rows of pf are software-prefetched first. */
+/* Scores s[r * OKV_BK + j] = scale * q_r . code_j - zc[r] (raw codes; no
+ * zc[r] term if zc is NULL) of the nr rows whose B tiles and S_r are bt / sr
+ * against the n keys of format fmt at k (kst bytes apart, head size D); the
+ * rows of pf are software-prefetched first.  cpr: columns per row of the B
+ * tiles, 3 (okv_amx_build for the code order of fmt: OKV_AMX_RPT rows per
+ * tile) or 4 (okv_amx_build_pc: 4 rows per tile). */
 OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt, int64_t D, int nr,
-                               const uint8_t *bt, const float *sr, float scale, float *s, okv_amx_ws *x,
-                               const okv_pf *pf) {
-    const int sgn = okv_q_signed(fmt), nt = (nr + OKV_AMX_RPT - 1) / OKV_AMX_RPT;
+                               const uint8_t *bt, const float *sr, float scale, const float *zc, float *s,
+                               okv_amx_ws *x, const okv_pf *pf, int cpr) {
+    const int rpt = 16 / cpr, sgn = okv_q_signed(fmt), nt = (nr + rpt - 1) / rpt;
     const int bits = okv_q_bits(fmt);
     const int64_t nb = okv_q_row_bytes(fmt, D), direct = bits == 8 && D % 64 == 0, P = okv_amx_positions(D, bits);
     const float unit = (float)(1 << bits) / 256.f;   /* the widened codes' factor 2^(8 - bits), undone */
@@ -408,16 +521,18 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
         okv_pf_rows(pf, j0 + 8, 8);
         OKV_AMX_FENCE();   /* C is in memory before it is read */
         for (t = 0; t < nt; t++) {
-            const int rows = nr - OKV_AMX_RPT * t < OKV_AMX_RPT ? nr - OKV_AMX_RPT * t : OKV_AMX_RPT;
+            const int rows = nr - rpt * t < rpt ? nr - rpt * t : rpt;
             __m512i v[16];
             for (i = 0; i < 16; i++) v[i] = _mm512_loadu_si512(x->cbuf + 256 * t + 16 * i);
             okv_amx_t16(v);   /* v[col]: the 16 keys' sums of column col */
             for (i = 0; i < rows; i++) {
-                const int r = OKV_AMX_RPT * t + i;
-                __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[3 * i + 2]), f16,
-                                           _mm512_mul_ps(_mm512_cvtepi32_ps(v[3 * i + 1]), f8));
-                y = _mm512_add_ps(y, _mm512_cvtepi32_ps(v[3 * i]));
-                _mm512_mask_storeu_ps(s + r * OKV_BK + j0, okv_mask16(m), _mm512_mul_ps(y, _mm512_set1_ps(scale * unit * sr[r])));
+                const int r = rpt * t + i;
+                __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v[cpr * i + 2]), f16,
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(v[cpr * i + 1]), f8));
+                y = _mm512_add_ps(y, _mm512_cvtepi32_ps(v[cpr * i]));
+                y = _mm512_mul_ps(y, _mm512_set1_ps(scale * unit * sr[r]));
+                if (zc) y = _mm512_sub_ps(y, _mm512_set1_ps(zc[r]));
+                _mm512_mask_storeu_ps(s + r * OKV_BK + j0, okv_mask16(m), y);
             }
         }
     }

@@ -445,7 +445,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 if (p0 >= pf.end || p0 < pf.start) {
                     pf = p0 >= pg.start && p0 < pg.end ? pg : OKV_PAGE_AT(p0);
 #if defined(OKV_MIXED) && OKV_X86_SIMD
-                    okv_pf_header(&pf);
+                    okv_pf_header(a, &pf, nh);
 #endif
                 }
                 pft.n = OKV_BK;
@@ -538,9 +538,10 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         }
 #endif
 #ifdef OKV_SIMD512
-                        if ((a->amx & OKV_AMX_QK) && okv_q_bits(pg.kf))
-                            okv_qk_amx(&ax, w, pg.kf, qr, nr, kh + (u0 - j0) * pg.kst, pg.kst, u1 - u0, D, scale, sw,
-                                       &dk, pfp, qsum + hw * R + rg);
+                        /* AMX key scores: per-head key scales, or per-channel ones of 8-bit codes */
+                        if ((a->amx & OKV_AMX_QK) && okv_q_bits(pg.kf) && (a->kG == 1 || okv_q_bits(pg.kf) == 8))
+                            okv_qk_amx(&ax, w, pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, pg.kst, u1 - u0,
+                                       D, scale, sw, &dk, pfp, qsum + hw * R + rg);
                         else
 #endif
                         OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, u1 - u0, D, scale,

@@ -25,9 +25,10 @@
  * 2-bit codes by a table lookup) for a constant format.
  * Per-channel value scales and zero points are applied by the loader macros
  * of the tile instantiation (attention_qfmt.h), in registers; per-channel key
- * scales are folded into the query rows once per tile (okv_qk_chan_fold), so
- * keys are scored on their raw codes; a per-head scale and zero point are
- * folded into the scores and the probabilities (okv_qk_zp, okv_pv_fold).
+ * scales are folded into the query rows once per tile (okv_qk_chan_fold; on
+ * AMX, 8-bit keys: okv_amx_build_pc), so keys are scored on their raw codes;
+ * a per-head scale and zero point are folded into the scores and the
+ * probabilities (okv_qk_zp, okv_pv_fold).
  *
  * AVX-512, 4-bit pages: the raw-code tiles read each 16-element chunk of a row
  * in quant.h's interleaved lane order OKV_Q4_ILV (one vector operation per 16
@@ -109,14 +110,24 @@ static inline okv_kv_page okv_attn_qpage(const okv_attn_args *a, int64_t b, int6
 }
 
 #if OKV_X86_SIMD
-/* Software prefetch of the header entries (scales, zero points) of head hk of
- * a quantized page about to be read: the row prefetch covers the codes only,
- * and the first read of a page's header would otherwise miss the caches.  A
- * compact K header: S and the exponent codes. */
-static inline void okv_pf_header(const okv_kv_page *pg) {
-    if (pg->ksc) {
+/* Software prefetch of the header entries (scales, zero points) of heads hk
+ * .. hk + nh - 1 of a quantized page about to be read (pg: head hk's
+ * entries): the row prefetch covers the codes only, and the first read of a
+ * page's header would otherwise miss the caches.  A compact K header: S and
+ * the heads' exponent and zero-point codes, every line of both (nh * kG
+ * bytes each; per-channel keys read them all for every page); otherwise the
+ * first line of the scales and of the zero points. */
+static inline void okv_pf_header(const okv_attn_args *a, const okv_kv_page *pg, int64_t nh) {
+    if (pg->kce) {
+        const int64_t n = nh * a->kG;
+        const char *e = (const char *)pg->kce, *z = e + a->Hkv * a->kG;
+        int64_t i;
         _mm_prefetch((const char *)pg->ksc, _MM_HINT_T0);
-        _mm_prefetch(pg->kce ? (const char *)pg->kce : (const char *)pg->kzp, _MM_HINT_T0);
+        for (i = -(int64_t)((uintptr_t)e & 63); i < n; i += 64) _mm_prefetch(e + i, _MM_HINT_T0);
+        for (i = -(int64_t)((uintptr_t)z & 63); i < n; i += 64) _mm_prefetch(z + i, _MM_HINT_T0);
+    } else if (pg->ksc) {
+        _mm_prefetch((const char *)pg->ksc, _MM_HINT_T0);
+        _mm_prefetch((const char *)pg->kzp, _MM_HINT_T0);
     }
     if (pg->vsc) {
         _mm_prefetch((const char *)pg->vsc, _MM_HINT_T0);
@@ -377,25 +388,38 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 #undef OKV_PV_Q
 
 #ifdef OKV_SIMD512
-/* okv_qk_fmt for quantized keys of format fmt with per-head scales on the
- * AMX tiles (attention_amx.h; a->amx & OKV_AMX_QK, so a->kG == 1): n keys at
- * k, kst bytes apart, scored for the nr rows qr of work item w (a (head, row group) of the
- * unit) into s.  Item w's B tiles are built from qr at its first page of this
- * code order and kept (x->tag[w]); the head's scale and zero point fold in
- * as in okv_qk_fmt.  (Per-channel key scales change the folded rows every
- * page: rebuilding the B tiles per 16-key page cost more than the AVX-512
- * scores they replace, so those keys keep the AVX-512 tiles.) */
-OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, const float *const *qr, int nr, const char *k,
-                                int64_t kst, int64_t n, int64_t D, float scale, float *s, const okv_dq *dq,
-                                const okv_pf *pf, const float *qsum) {
+/* okv_qk_fmt for quantized keys of format fmt on the AMX tiles
+ * (attention_amx.h; a->amx & OKV_AMX_QK): n keys at k, kst bytes apart,
+ * scored for the nr rows qr of work item w (a (head, row group) of the unit)
+ * into s.  Per-head scales (pc == 0): item w's B tiles are built from qr at
+ * its first page of this code order and kept (x->tag[w]); the head's scale
+ * and zero point fold in as in okv_qk_fmt.  Per-channel scales (pc != 0;
+ * 8-bit codes only, the caller's choice): the page's scales (float32 header,
+ * or the compact one decoded) fold into the rows as in okv_qk_chan_fold, and
+ * the B tiles are rebuilt from the folded rows for this page
+ * (okv_amx_build_pc, which decodes a compact header itself), the zero
+ * points' share subtracted from the scores as they are stored.
+ * (4- and 2-bit per-channel keys keep the AVX-512 tiles: their code order
+ * needs okv_amx_build's planes, which per page cost more than the AVX-512
+ * scores they replace.) */
+OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, int pc, const float *const *qr, int nr,
+                                const char *k, int64_t kst, int64_t n, int64_t D, float scale, float *s,
+                                const okv_dq *dq, const okv_pf *pf, const float *qsum) {
     const int bits = okv_q_bits(fmt);
     uint8_t *bt = x->bt + w * x->nchm * x->tpi * OKV_AMX_TILE;
     float *sr = x->sr + w * OKV_RG;
+    if (pc) {
+        float zc[OKV_RG];
+        okv_amx_build_pc(qr, nr, D, dq, scale, x, bt, sr, zc);
+        x->tag[w] = 0;   /* the tiles hold this page's folded rows */
+        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zc, s, x, pf, 4);
+        return;
+    }
     if (x->tag[w] != bits) {
         okv_amx_build(qr, nr, D, bits, x, bt, sr);
         x->tag[w] = bits;
     }
-    okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, s, x, pf);
+    okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, NULL, s, x, pf, 3);
     if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
 }
 

@@ -1,12 +1,14 @@
 """Quantized pages on the AMX-INT8 tiles (attention_amx.h): key scores
-(per-head key scales) and probabilities times values (per-head value scales).
+(per-head key scales, and per-channel ones of 8-bit codes) and probabilities
+times values (per-head value scales).
 paged_attention with set_attention_amx(True) must equal the NumPy twin
 (reference.paged_attention over the dequantized pages) and the AVX-512 tiles
 without AMX (set_attention_amx(False)) within 1e-5, with AMX p.v off (keys
 only) and on for every call (_set_attention_amx_pv 0 and 2), for every
 integer format (8-, 4- and 2-bit, signed and unsigned) of keys and values,
-per-head and per-channel key scales (float32 and compact headers: those keys
-keep the AVX-512 tiles), values with non-zero zero points, pages of mixed
+per-head and per-channel key scales (float32 and compact headers; 4- and
+2-bit per-channel keys keep the AVX-512 tiles), keys with large per-channel
+offsets, values with non-zero zero points, pages of mixed
 formats with float pages between, all-float pages, head sizes that are and
 are not multiples of 16 / 64, block sizes that give partial tiles and stashes
 of values, 1..8 query rows per KV head, decode and prefill, 1 and 2 threads,
@@ -37,13 +39,14 @@ INTS = (3, 2, 22, 21, 26, 25)          # int8, uint8, int4, uint4, int2, uint2
 NAMES = {3: "i8", 2: "u8", 22: "i4", 21: "u4", 26: "i2", 25: "u2"}
 
 
-def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False, vG=1):
+def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False, vG=1, offset=0.0):
     """Random q and a paged cache of the given page formats (QPaged: page ids
     shuffled, per page format kspec / vspec: a code or a tuple to pick from);
     kG 1 (per head), "D" (per channel) or "Dc" (per channel, compact key
     headers); vG 1 (values per head) or D (per channel).  spread: query rows scaled by factors from 1e-3 to 8 and the
-    first row of every batch all zeros.  Returns (q, pages, kv_len, q_pos,
-    scale, twin result)."""
+    first row of every batch all zeros.  offset: keys shifted by a per (KV head, channel) constant from
+    [-offset, offset] and scaled per channel by factors from 1/4 to 4, as trained keys are (outlier channels; far
+    from zero, so per-channel zero points are large).  Returns (q, pages, kv_len, q_pos, scale, twin result)."""
     rng = np.random.default_rng(seed)
     kv_len = np.array(kv_len, np.int32)
     B, Cap = len(kv_len), int(kv_len.max()) + 3
@@ -52,6 +55,9 @@ def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False, vG
         q *= (10.0 ** rng.uniform(-3, np.log10(8), (B, Hq, Sq, 1))).astype(np.float32)
         q[:, 0, 0] = 0.0
     k, v = rand(rng, (B, Hkv, Cap, D)), rand(rng, (B, Hkv, Cap, D))
+    if offset:
+        k = (k * 4.0 ** rng.uniform(-1, 1, (1, Hkv, 1, D)) + rng.uniform(-offset, offset, (1, Hkv, 1, D))
+             ).astype(np.float32)
     header = "compact" if kG == "Dc" else "float32"
     pg = QPaged(rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), D if kG in ("D", "Dc") else 1, vG,
                 header)
@@ -69,8 +75,8 @@ def check(q, pg, kv_len, q_pos, scale, want):
     """AVX-512 only, AMX keys only and AMX keys and p.v (MODES), 1 and 2
     threads: each result within 1e-5 of the twin and of the AVX-512 tiles,
     the same quantized bytes loaded, AMX scratch in the workspace exactly when
-    something may run on AMX (per-head key scales, or p.v, whose stash adds
-    more; taken per call, before the page formats are read); returns the result
+    something may run on AMX (key scores in every call, p.v's stash on top;
+    taken per call, before the page formats are read); returns the result
     of AMX keys and p.v."""
     Hkv = pg.kd.shape[1]
     quantized = bool(np.isin(np.concatenate([pg.formats["k"], pg.formats["v"]]), INTS).any())
@@ -94,7 +100,7 @@ def check(q, pg, kv_len, q_pos, scale, want):
             assert (base["dequantized_bytes"] > 0) == quantized
             pv_ws = stats[True, 2]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
             keys_ws = stats[True, 0]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
-            assert keys_ws > 0 if pg.group["k"] == 1 else keys_ws == 0
+            assert keys_ws > 0        # every call may score keys on AMX (per-channel scales: its 8-bit pages)
             assert pv_ws > keys_ws    # the p.v stash comes on top
     finally:
         K.set_num_threads(old)
@@ -125,7 +131,55 @@ def test_head_sizes_and_block_sizes(fmt, D, bs):
 
 
 @needs_amx
-@pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("bs", [1, 5, 16, 32])
+@pytest.mark.parametrize("D", [16, 40, 64, 128])
+@pytest.mark.parametrize("kG", ["D", "Dc"], ids=["per_channel", "compact"])
+@pytest.mark.parametrize("fmt", [2, 3], ids=["u8", "i8"])
+def test_per_channel_8bit_keys_head_and_block_sizes(fmt, kG, D, bs):
+    # per-channel 8-bit keys on AMX: B tiles rebuilt from the folded rows per page (okv_amx_build_pc); D % 64 != 0
+    # and pages of fewer than 16 keys take the copied A rows, D = 40 a masked last 16 elements; keys with large
+    # per-channel offsets (zero points far from the middle of the code range)
+    check(*build(900 + D + bs + fmt, fmt, (3, 21), kG, 12, 3, D, bs, (29, 71, 130), offset=20.0))
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", ["D", "Dc"], ids=["per_channel", "compact"])
+def test_per_channel_keys_with_large_offsets_long_context(kG):
+    # thousands of keys far from zero: the zero points' share (scale * q'.z per row and page) is large next to
+    # the scores it is subtracted from, on AMX and AVX-512 alike
+    q, pg, kv_len, q_pos, scale, want = build(950, 2, 3, kG, 8, 2, 128, 16, (2049, 1500), offset=50.0)
+    Hkv = pg.kd.shape[1]
+    if kG == "D":   # float32 header: zero points of uint8 codes far from the middle 127.5 in some channel
+        zero = np.concatenate([np.frombuffer(p.tobytes()[4 * Hkv * 128:8 * Hkv * 128], np.float32)
+                               for p in pg.pages["k"]])
+        assert np.abs(zero - 127.5).max() > 100
+    check(q, pg, kv_len, q_pos, scale, want)
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D", "Dc"], ids=["per_head", "per_channel", "compact"])
+@pytest.mark.parametrize("fmt", INTS, ids=[NAMES[f] for f in INTS])
+def test_which_keys_take_amx(fmt, kG):
+    # AMX scores (the fixed-point digits) round differently from the AVX-512 FMAs, so a result bitwise equal to
+    # AVX-512's (p.v off) means the keys stayed on AVX-512: every per-head format and 8-bit per-channel keys go to
+    # AMX, 4- and 2-bit per-channel keys do not
+    q, pg, kv_len, q_pos, scale, _ = build(980 + fmt, fmt, 3, kG, 16, 4, 64, 16, (45, 90))
+    got = {}
+    try:
+        for amx in (False, True):
+            A.set_attention_amx(amx)
+            got[amx] = np.full_like(q, np.nan)
+            pg.kernel(q, 4, kv_len, q_pos, scale, 0.0, -1, got[amx])
+    finally:
+        reset_level()
+        A.set_attention_amx(True)
+    routed = kG == 1 or fmt in (2, 3)
+    assert np.array_equal(got[True], got[False]) != routed
+    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+@pytest.mark.parametrize("kG", [1, "D", "Dc"], ids=["per_head", "per_channel", "compact"])
 @pytest.mark.parametrize("vfmt", INTS, ids=[NAMES[f] for f in INTS])
 def test_every_value_format_and_zero_points(vfmt, kG):
     q, pg, kv_len, q_pos, scale, want = build(600 + vfmt, 3, vfmt, kG, 16, 4, 64, 16, (77, 150))
@@ -177,10 +231,12 @@ def test_long_context_and_peaked_rows(vfmt):
 
 
 @needs_amx
+@pytest.mark.parametrize("kG", [1, "D", "Dc"], ids=["per_head", "per_channel", "compact"])
 @pytest.mark.parametrize("G", range(1, 9))
-def test_query_rows_per_kv_head(G):
-    # 1..8 rows share each KV head: one C tile up to 5 rows, two from 6
-    check(*build(200 + G, 2, 3, "D", 2 * G, 2, 64, 16, (50, 83)))
+def test_query_rows_per_kv_head(G, kG):
+    # 1..8 rows share each KV head: one C tile up to 5 rows, two from 6 (per-channel keys: the fifth row of a tile
+    # merged into columns 12..14)
+    check(*build(200 + G, 2, 3, kG, 2 * G, 2, 64, 16, (50, 83), offset=8.0 if kG != 1 else 0.0))
 
 
 @needs_amx
@@ -196,12 +252,12 @@ def test_mixed_pages_with_float_pages_between(kG):
 @needs_amx
 @pytest.mark.parametrize("rg", [3, 4, 8])
 @pytest.mark.parametrize("Sq", [3, 9])
-@pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("kG", [1, "D", "Dc"], ids=["per_head", "per_channel", "compact"])
 def test_prefill(kG, Sq, rg):
     # prefill row groups of rg rows (up to 8: two C tiles), several query tokens per unit
     old = A._set_prefill_rg(rg)
     try:
-        check(*build(400 + Sq, (3, 22, 1), 3, kG, 16, 4, 64, 16, (40, 66), Sq=Sq))
+        check(*build(400 + Sq, (3, 22, 2, 1), 3, kG, 16, 4, 64, 16, (40, 66), Sq=Sq))
     finally:
         A._set_prefill_rg(old)
 
