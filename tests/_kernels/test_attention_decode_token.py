@@ -80,12 +80,11 @@ def test_long_cache_splits_like_attention(threads):
     np.testing.assert_array_equal(got_k, want_k)
 
 
-def _declines(args, kc, vc, out):
+def _declined_untouched(args, kc, vc, out) -> bool:
+    """True when decode_token(*args) returns False and kc, vc, out keep every byte."""
     before = kc.copy(), vc.copy(), out.copy()
-    assert K.decode_token(*args) is False
-    np.testing.assert_array_equal(kc, before[0])
-    np.testing.assert_array_equal(vc, before[1])
-    np.testing.assert_array_equal(out, before[2])
+    declined = K.decode_token(*args) is False
+    return declined and all(np.array_equal(a, b) for a, b in zip((kc, vc, out), before))
 
 
 def test_declines_what_it_does_not_take_and_writes_nothing():
@@ -112,7 +111,7 @@ def test_declines_what_it_does_not_take_and_writes_nothing():
         dict(out=out.astype(np.float64)), dict(out=kc.reshape(-1)[: 8 * 64].reshape(1, 1, -1)),  # out in the cache
         dict(scale=np.float32(0.125)), dict(softcap=-1.0), dict(window=-2),
     ):
-        _declines(call(**change), kc, vc, out)
+        assert _declined_untouched(call(**change), kc, vc, out), change
     ro = kc.copy()
     ro.flags.writeable = False
-    _declines(call(k_cache=ro), kc, vc, out)
+    assert _declined_untouched(call(k_cache=ro), kc, vc, out)
