@@ -28,20 +28,12 @@ def _case(rng, hq, hkv, d, cap, rot_half, max_pos=64):
     return q, k, v, cos, sin, kc, vc
 
 
-def _unfused(q, k, v, cos, sin, interleaved, kc, vc, pos, scale, softcap, window, out):
-    hkv, d = kc.shape[1], kc.shape[3]
-    hq = q.shape[2] // d
-    q4, k4 = q.reshape(1, 1, hq, d), k.reshape(1, 1, hkv, d)
-    if cos is not None:
-        p = np.array([[pos]], np.int64)
-        qr, kr = np.empty_like(q4), np.empty_like(k4)
-        K.rotary_embedding(q4, cos, sin, p, interleaved, qr)
-        K.rotary_embedding(k4, cos, sin, p, interleaved, kr)
-        q4, k4 = qr, kr
-    kc[0, :, pos] = k4[0, 0]
-    vc[0, :, pos] = v.reshape(hkv, d)
-    K.attention(q4.reshape(1, hq, 1, d), kc, vc, np.array([pos + 1], np.int32), np.array([[pos]], np.int32),
-                scale, softcap, window, out.reshape(1, hq, 1, d))
+def _unfused(*args):
+    """The unfused compiled calls: the twin's composition with the compiled rotary and attention kernels."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(R, "rotary_embedding", K.rotary_embedding)
+        m.setattr(R, "attention", K.attention)
+        R.decode_token(*args)
 
 
 @pytest.mark.parametrize("hq, hkv, d", SHAPES)
