@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxkv.plan.fusion import FUSED_DOMAIN, _readers, default_op, fused_with_body
+from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_index
 
 __all__ = ["fuse_sibling_matmuls", "fuse_prologue_matmuls"]
 
@@ -38,6 +38,11 @@ __all__ = ["fuse_sibling_matmuls", "fuse_prologue_matmuls"]
 PROLOGUES = {("SkipSimplifiedLayerNormalization", "com.microsoft"), ("SimplifiedLayerNormalization", ""),
              ("SimplifiedLayerNormalization", "ai.onnx"), ("SimplifiedLayerNormalization", "com.microsoft"),
              ("SiluMul", FUSED_DOMAIN)}
+
+
+def _packable(w) -> bool:
+    """A weight the packed kernel takes: a non-empty 2-D float32 array."""
+    return isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32 and w.size > 0
 
 
 def fuse_sibling_matmuls(nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray | None]) -> list[onnx.NodeProto]:
@@ -52,7 +57,7 @@ def fuse_sibling_matmuls(nodes: list[onnx.NodeProto], constants: Mapping[str, np
         if not default_op(n, "MatMul") or len(n.input) != 2 or len(n.output) != 1:
             continue
         w = constants.get(n.input[1])
-        if isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32 and w.size:
+        if _packable(w):
             groups.setdefault((n.input[0], w.shape[0]), []).append(i)
     replace: dict[int, onnx.NodeProto] = {}
     drop: set[int] = set()
@@ -65,10 +70,6 @@ def fuse_sibling_matmuls(nodes: list[onnx.NodeProto], constants: Mapping[str, np
             name=first.name or first.output[0], domain=FUSED_DOMAIN)
         drop.update(members[1:])
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
-
-
-def _packable(w) -> bool:
-    return isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32 and w.size > 0
 
 
 def fuse_prologue_matmuls(nodes: list[onnx.NodeProto], protected: set[str],
@@ -84,7 +85,7 @@ def fuse_prologue_matmuls(nodes: list[onnx.NodeProto], protected: set[str],
     and the product; its inputs are the prologue's then the weights, attribute
     ``prologue_inputs`` their count, and its ``body`` holds both nodes.
     """
-    readers = _readers(nodes)
+    readers, _, _ = graph_index(nodes, protected)
     replace: dict[int, onnx.NodeProto] = {}
     drop: set[int] = set()
     for i, p in enumerate(nodes):
