@@ -543,11 +543,14 @@ static int64_t okv_matmul_packed_claim(const float *x, int64_t M, int64_t K, con
     return done;
 }
 
-/* Panels per claim of okv_matmul_packed_claim: whole multi-panel tiles, about
- * eight claims per thread's range. */
-static int64_t okv_matmul_claim_chunk(int isa, int64_t M, int64_t K, int64_t P, int nt) {
+/* Sets up okv_matmul_packed_claim for nt threads over P panels: each thread's
+ * range in ranges[8 t], and returns the panels per claim (whole multi-panel
+ * tiles, about eight claims per thread's range). */
+static int64_t okv_matmul_claim_setup(uint64_t *ranges, int isa, int64_t M, int64_t K, int64_t P, int nt) {
     int64_t mr, kc, c;
-    int np;
+    int np, t;
+    for (t = 0; t < nt; t++)
+        ranges[8 * t] = (uint64_t)(P * t / nt) | ((uint64_t)(P * (t + 1) / nt) << 32);
     okv_mmp_shape(isa, M, K, &mr, &np, &kc);
     c = P / ((int64_t)nt * 8);
     c = (c + np - 1) / np * np;

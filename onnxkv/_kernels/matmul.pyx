@@ -47,7 +47,7 @@ cdef extern from "matmul.h" nogil:
     int64_t okv_matmul_packed_claim(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                                     const float *bias, float *out, uint64_t *ranges, int nt, int t,
                                     int64_t chunk, int isa)
-    int64_t okv_matmul_claim_chunk(int isa, int64_t M, int64_t K, int64_t P, int nt)
+    int64_t okv_matmul_claim_setup(uint64_t *ranges, int isa, int64_t M, int64_t K, int64_t P, int nt)
     int okv_mmp_avx512_usable()
     int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
 
@@ -282,9 +282,7 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
         return
     if nt > MAX_TEAM:
         nt = MAX_TEAM
-    chunk = okv_matmul_claim_chunk(isa, M, K, P, nt)
-    for t in range(nt):
-        ranges[8 * t] = <uint64_t>(P * t // nt) | (<uint64_t>(P * (t + 1) // nt) << 32)
+    chunk = okv_matmul_claim_setup(ranges, isa, M, K, P, nt)
     t0 = _now_ns()
     done[0] = t0
     for t in prange(nt, num_threads=nt, schedule='static'):
@@ -319,9 +317,7 @@ def _claim_in_turn(x, wp, out, int nt, order):
     cdef int t, isa = _packed_isa()
     if not 1 <= nt <= min(P, MAX_TEAM):
         raise ValueError(f"nt: expected 1..{min(P, MAX_TEAM)}, got {nt}")
-    chunk = okv_matmul_claim_chunk(isa, M, K, P, nt)
-    for t in range(nt):
-        ranges[8 * t] = <uint64_t>(P * t // nt) | (<uint64_t>(P * (t + 1) // nt) << 32)
+    chunk = okv_matmul_claim_setup(ranges, isa, M, K, P, nt)
     return [okv_matmul_packed_claim(&xv[0, 0], M, K, &wv[0, 0, 0], N, NULL, &ov[0, 0], ranges, nt, <int>t, chunk,
                                     isa) for t in order]
 
