@@ -102,6 +102,7 @@
 #define OKV_AMX_PMAX 16777215.f
 #define OKV_AMX_PVK 64     /* keys (K) of the p.v A tile */
 #define OKV_AMX_PVSEG 16   /* value row runs of one pending p.v: OKV_AMX_PVK / 4 */
+#define OKV_AMX_TAG_PC (-1) /* okv_amx_ws.tag: tiles of rows folded with a page's per-channel key scales */
 
 /* The tile configuration (palette 1) of ldtilecfg. */
 typedef struct {
@@ -152,7 +153,11 @@ typedef struct {
  *   bt     nitem x nchm x tpi B tiles: item w's tiles of chunk c, tile t at
  *          bt + ((w * nchm + c) * tpi + t) * OKV_AMX_TILE
  *   sr     nitem x OKV_RG floats: S_r of the rows of item w at sr + w * OKV_RG
- *   tag    nitem ints: bits of the code order item w's tiles hold (0: none)
+ *          (per-channel key scales: the scores' factors of the last page built)
+ *   qm     nitem x OKV_RG floats: max|q_r| of the rows of item w at qm + w *
+ *          OKV_RG (okv_amx_row_max; valid while tag[w] == OKV_AMX_TAG_PC)
+ *   tag    nitem ints: bits of the code order item w's tiles hold (0: none;
+ *          OKV_AMX_TAG_PC: a page's rows folded with per-channel key scales)
  *   pq, pp, pa, pb, pc: the pending p.v of the items and the p.v tiles'
  *          scratch (see the fields)
  * Pm = okv_amx_pmax(D) = 64 * nchm; P = okv_amx_positions(D, bits) <= Pm for
@@ -165,6 +170,7 @@ typedef struct {
     float *qp;
     uint8_t *bt;
     float *sr;
+    float *qm;
     int *tag;
     okv_amx_pvq *pq;  /* nitem pending p.v of the items (okv_amx_pv_push) */
     float *pp;        /* nitem x OKV_RG x OKV_AMX_PVK floats: their stashed probabilities p * s, row i of
@@ -183,7 +189,7 @@ static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; 
 static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw, int pv) {
     const int64_t Pm = okv_amx_pmax(D), tpi = rgw > 4 ? 2 : 1;
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
-           okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
+           2 * okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
            okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) +
            (pv ? nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE + (nitem + 1) * 4 * ((D + 63) / 64) * OKV_AMX_TILE
                : 0);
@@ -209,6 +215,8 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
     x->bt = (uint8_t *)mem;
     mem += nitem * x->nchm * x->tpi * OKV_AMX_TILE;
     x->sr = (float *)mem;
+    mem += okv_amx_line(4 * nitem * OKV_RG);
+    x->qm = (float *)mem;
     mem += okv_amx_line(4 * nitem * OKV_RG);
     x->tag = (int *)mem;
     mem += okv_amx_line(4 * nitem);
@@ -341,79 +349,101 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
         }
 }
 
+/* max|q_r| of the nr rows qr[r] (D floats each) into qm[r], once per work
+ * item (okv_qk_amx): the fixed-point unit of the rows' folded copies on every
+ * page of per-channel key scales (okv_amx_build_pc). */
+OKV_AMX static void okv_amx_row_max(const float *const *qr, int nr, int64_t D, float *qm) {
+    int64_t p;
+    int r;
+    for (r = 0; r < nr; r++) {
+        __m512 mx = _mm512_setzero_ps();
+        for (p = 0; p < D; p += 16)
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(okv_mask16(D - p), qr[r] + p)));
+        qm[r] = _mm512_reduce_max_ps(mx);
+    }
+}
+
 /* okv_amx_build for 8-bit codes (the natural order, P = okv_amx_positions(D,
  * 8), zero past D) of keys with per-channel scales s[d] and zero points z[d]
  * (d < D; dq: the float32 header's s / z, or a compact header's S, exponent
- * and zero-point codes, decoded here 16 channels at a time as
- * okv_q_compact_decode does, bit for bit): the rows folded, q'_r[d] =
- * qr[r][d] * s[d], take the place of qr[r] (S_r = max|q'_r| / OKV_AMX_QMAX
- * into sr[r]), and zc[r] = scale * sum_d q'_r[d] z[d] (the zero points' share
- * of row r's scores).  Rebuilt for every page, so without okv_amx_build's
- * planes and transposes: per 16 elements of a row, x = q_int + 0x808080
- * (q' / S_r + 0x808080 rounded by the FMA, then to an integer by the
- * conversion: |q' / S_r - q_int| <= 3/4 where the sum is below 2^23, else
- * 1/2) holds the balanced digits plus 128 in its bytes 0..2 (|q_int| <=
- * OKV_AMX_QMAX + 1 < 0x808080), x ^ 0x808080 the digits d0, d1, d2 as int8
- * and a zero byte 3; one in-lane byte shuffle makes dword dg of each 128-bit
- * lane L digit dg of elements 4L..4L+3 (dg = 3: zero), which is the VNNI
- * dword of column 4i + dg in tile row 4L + ... for row i of a tile: so the B
- * tiles hold 4 rows each (tile t: rows 4t..4t+3, column 4i + dg digit dg of
- * row 4t + i, columns 4i + 3 and those of missing rows zero; okv_amx_qk with
- * cpr = 4), and a 128-bit lane transpose of the tile's 4 rows gives 4 tile
- * rows. */
+ * and zero-point codes), in one pass over the page's channels.  The rows are
+ * folded with the page's scales and their digits built against a unit fixed
+ * for the work item, so no pass over the page finds a maximum first:
+ *   compact header: q'_r[d] = qr[r][d] * rel[d], rel[d] = okv_q_steps[e & 15]
+ *     * 2^-(e >> 4) <= 1 (exact; s[d] = S * rel[d] up to float32 rounding),
+ *     m = S;
+ *   float32 header: q'_r[d] = qr[r][d] * s[d], m = max_d s[d] (a pass over
+ *     the D scales only), q'_r then measured in units of m;
+ * with qm[r] = max|q_r| (okv_amx_row_max), the digits are those of q_int =
+ * q'_r / U_r, U_r = qm[r] * (compact: 1, float32: m) / OKV_AMX_QMAX, so
+ * |q_int| <= OKV_AMX_QMAX up to float32 rounding (a few units; three balanced
+ * digits hold up to 8355711), and the scores' factor sr[r] = qm[r] * m /
+ * OKV_AMX_QMAX (scale * sr[r] * C = scale * q'' . code, q'' = q_r * s); zc[r]
+ * = scale * sum_d q_r[d] s[d] z[d] (the zero points' share of row r's
+ * scores).  The digits' rounding error of q_r[d] s[d] is at most (3/4)
+ * qm[r] m / OKV_AMX_QMAX (9e-8 qm[r] m) per element: a per-head page's bound
+ * (okv_amx_build) relative to the page's largest scale.  An all-zero
+ * row has qm[r] = 0, digits 0, sr[r] = 0 and zc[r] = 0.  Digits: per 16
+ * elements of a row, x = q_int + 0x808080 (q' / U_r + 0x808080 rounded by
+ * the FMA, then to an integer by the conversion: |q' / U_r - q_int| <= 3/4
+ * where the sum is below 2^23, else 1/2) holds the balanced digits plus 128
+ * in its bytes 0..2 (|q_int| < 0x808080), x ^ 0x808080 the digits d0, d1, d2
+ * as int8 and a zero byte 3; one in-lane byte shuffle makes dword dg of each
+ * 128-bit lane L digit dg of elements 4L..4L+3 (dg = 3: zero), which is the
+ * VNNI dword of column 4i + dg in tile row 4L + ... for row i of a tile: so
+ * the B tiles hold 4 rows each (tile t: rows 4t..4t+3, column 4i + dg digit
+ * dg of row 4t + i, columns 4i + 3 and those of missing rows zero;
+ * okv_amx_qk with cpr = 4), and a 128-bit lane transpose of the tile's 4
+ * rows gives 4 tile rows. */
 OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr, int64_t D, const okv_dq *dq,
-                                           float scale, okv_amx_ws *x, uint8_t *bt, float *sr, float *zc) {
+                                           float scale, const float *qm, okv_amx_ws *x, uint8_t *bt, float *sr,
+                                           float *zc) {
     const int64_t P = okv_amx_positions(D, 8);
     const int nt = (nr + 3) / 4;
     const __m512i bias = _mm512_set1_epi32(0x808080);
     const __m512 fbias = _mm512_set1_ps((float)0x808080);
     const __m512i bsh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-    const __m512 steps = _mm512_loadu_ps(okv_q_steps), cS = _mm512_set1_ps(dq->cS);
-    float cs[OKV_Q_COMPACT_MAX_G];   /* a compact header's decoded scales */
-    const float *ps = dq->ce ? cs : dq->s;
-    __m512 mx[OKV_RG], dz[OKV_RG];
+    const __m512 steps = _mm512_loadu_ps(okv_q_steps);
+    __m512 inv[OKV_RG], dz[OKV_RG];
     __m512i z[8];
+    /* m: the scales' bound; the digits' unit is qm[r] * um / OKV_AMX_QMAX; zf: the factor of the folded rows'
+     * zero-point sums */
+    float m = dq->cS, um = 1.f, zf = dq->cS;
     int64_t p;
     int r, t, L;
+    if (!dq->ce) {
+        __m512 sm = _mm512_setzero_ps();
+        for (p = 0; p < D; p += 16) sm = _mm512_max_ps(sm, _mm512_maskz_loadu_ps(okv_mask16(D - p), dq->s + p));
+        um = m = _mm512_reduce_max_ps(sm);
+        zf = 1.f;
+    }
 #pragma GCC unroll 8
-    for (r = 0; r < nr; r++) mx[r] = dz[r] = _mm512_setzero_ps();
-    for (p = 0; p < D; p += 16) {
-        const __mmask16 k = okv_mask16(D - p);
+    for (r = 0; r < nr; r++) {
+        const float u = qm[r] * um;
+        sr[r] = qm[r] * m / OKV_AMX_QMAX;
+        inv[r] = _mm512_set1_ps(u > 0.f ? OKV_AMX_QMAX / u : 0.f);
+        dz[r] = _mm512_setzero_ps();
+    }
+    for (r = nr; r < 4 * nt; r++) z[r] = _mm512_setzero_si512();
+    for (p = 0; p < P; p += 16) {   /* elements p..p+15: tile rows 4 * (p % 64 / 16) .. + 3 of chunk p / 64 */
+        const __mmask16 k = okv_mask16(D > p ? D - p : 0);
         __m512 sv, zv;
-        if (dq->ce) {   /* (S * okv_q_steps[e & 15]) * 2^-(e >> 4), as okv_q_compact_decode */
+        if (dq->ce) {   /* rel = okv_q_steps[e & 15] * 2^-(e >> 4) */
             const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->ce + p));
             const __m512 p2 = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), _mm512_srli_epi32(e, 4)), 23));
             /* the permute reads only bits 0..3 of each index: okv_q_steps[e & 15] */
-            sv = _mm512_mul_ps(_mm512_mul_ps(cS, _mm512_permutexvar_ps(e, steps)), p2);
+            sv = _mm512_mul_ps(_mm512_permutexvar_ps(e, steps), p2);
             zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->cz + p)));
-            _mm512_storeu_ps(cs + p, sv);
         } else {
             sv = _mm512_maskz_loadu_ps(k, dq->s + p);
             zv = _mm512_maskz_loadu_ps(k, dq->z + p);
         }
 #pragma GCC unroll 8
-        for (r = 0; r < nr; r++) {
-            const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv);
-            mx[r] = _mm512_max_ps(mx[r], _mm512_abs_ps(q));
-            dz[r] = _mm512_fmadd_ps(q, zv, dz[r]);
-        }
-    }
-#pragma GCC unroll 8
-    for (r = 0; r < nr; r++) {
-        const float m = _mm512_reduce_max_ps(mx[r]);
-        sr[r] = m > 0.f ? m / OKV_AMX_QMAX : 0.f;
-        mx[r] = _mm512_set1_ps(m > 0.f ? OKV_AMX_QMAX / m : 0.f);   /* now 1 / S_r */
-        zc[r] = scale * _mm512_reduce_add_ps(dz[r]);
-    }
-    for (r = nr; r < 4 * nt; r++) z[r] = _mm512_setzero_si512();
-    for (p = 0; p < P; p += 16) {   /* elements p..p+15: tile rows 4 * (p % 64 / 16) .. + 3 of chunk p / 64 */
-        const __mmask16 k = okv_mask16(D > p ? D - p : 0);
-        const __m512 sv = _mm512_maskz_loadu_ps(k, ps + p);
-#pragma GCC unroll 8
         for (r = 0; r < nr; r++) {   /* q_int + 0x808080, rounded once (see above) */
-            const __m512i xi = _mm512_cvtps_epi32(
-                _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv), mx[r], fbias));
+            const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv);
+            const __m512i xi = _mm512_cvtps_epi32(_mm512_fmadd_ps(q, inv[r], fbias));
+            dz[r] = _mm512_fmadd_ps(q, zv, dz[r]);
             z[r] = _mm512_shuffle_epi8(_mm512_xor_si512(xi, bias), bsh);
         }
 #pragma GCC unroll 2
@@ -431,18 +461,20 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
             for (L = 0; L < 4; L++) _mm512_storeu_si512(b + 64 * L, o[L]);
         }
     }
+#pragma GCC unroll 8
+    for (r = 0; r < nr; r++) zc[r] = scale * zf * _mm512_reduce_add_ps(dz[r]);
 }
 
 /* okv_amx_build_pc_n, its row loops unrolled (accumulators in registers) for
  * the common row counts. */
 OKV_AMX static void okv_amx_build_pc(const float *const *qr, int nr, int64_t D, const okv_dq *dq, float scale,
-                                     okv_amx_ws *x, uint8_t *bt, float *sr, float *zc) {
+                                     const float *qm, okv_amx_ws *x, uint8_t *bt, float *sr, float *zc) {
     switch (nr) {
-    case 1: okv_amx_build_pc_n(qr, 1, D, dq, scale, x, bt, sr, zc); return;
-    case 2: okv_amx_build_pc_n(qr, 2, D, dq, scale, x, bt, sr, zc); return;
-    case 4: okv_amx_build_pc_n(qr, 4, D, dq, scale, x, bt, sr, zc); return;
-    case 8: okv_amx_build_pc_n(qr, 8, D, dq, scale, x, bt, sr, zc); return;
-    default: okv_amx_build_pc_n(qr, nr, D, dq, scale, x, bt, sr, zc); return;
+    case 1: okv_amx_build_pc_n(qr, 1, D, dq, scale, qm, x, bt, sr, zc); return;
+    case 2: okv_amx_build_pc_n(qr, 2, D, dq, scale, qm, x, bt, sr, zc); return;
+    case 4: okv_amx_build_pc_n(qr, 4, D, dq, scale, qm, x, bt, sr, zc); return;
+    case 8: okv_amx_build_pc_n(qr, 8, D, dq, scale, qm, x, bt, sr, zc); return;
+    default: okv_amx_build_pc_n(qr, nr, D, dq, scale, qm, x, bt, sr, zc); return;
     }
 }
 

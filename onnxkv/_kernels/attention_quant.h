@@ -396,9 +396,10 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
  * and zero point fold in as in okv_qk_fmt.  Per-channel scales (pc != 0;
  * 8-bit codes only, the caller's choice): the page's scales (float32 header,
  * or the compact one decoded) fold into the rows as in okv_qk_chan_fold, and
- * the B tiles are rebuilt from the folded rows for this page
- * (okv_amx_build_pc, which decodes a compact header itself), the zero
- * points' share subtracted from the scores as they are stored.
+ * the B tiles are rebuilt from the folded rows for this page in one pass
+ * (okv_amx_build_pc, which decodes a compact header itself, against the
+ * rows' maxima found once per item: okv_amx_row_max), the zero points' share
+ * subtracted from the scores as they are stored.
  * (4- and 2-bit per-channel keys keep the AVX-512 tiles: their code order
  * needs okv_amx_build's planes, which per page cost more than the AVX-512
  * scores they replace.) */
@@ -409,9 +410,12 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, int pc, const
     uint8_t *bt = x->bt + w * x->nchm * x->tpi * OKV_AMX_TILE;
     float *sr = x->sr + w * OKV_RG;
     if (pc) {
-        float zc[OKV_RG];
-        okv_amx_build_pc(qr, nr, D, dq, scale, x, bt, sr, zc);
-        x->tag[w] = 0;   /* the tiles hold this page's folded rows */
+        float zc[OKV_RG], *qm = x->qm + w * OKV_RG;
+        if (x->tag[w] != OKV_AMX_TAG_PC) {   /* the rows' maxima, once per item */
+            okv_amx_row_max(qr, nr, D, qm);
+            x->tag[w] = OKV_AMX_TAG_PC;
+        }
+        okv_amx_build_pc(qr, nr, D, dq, scale, qm, x, bt, sr, zc);
         okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zc, s, x, pf, 4);
         return;
     }
