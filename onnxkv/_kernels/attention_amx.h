@@ -23,10 +23,12 @@
  *     once per work unit and row group (okv_amx_build) and kept in the
  *     workspace for all its pages (per-head key scales: a->kG == 1).
  *     8-bit keys with per-channel scales: the rows folded with the page's
- *     channel scales, q'_r[d] = q_r[d] s[d], S_r = max|q'_r| / OKV_AMX_QMAX,
- *     rebuilt for every page (okv_amx_build_pc: 4 columns per row, digit d
- *     of row 4t + i in column 4i + d of tile t), the zero points' share
- *     scale * q'_r . z subtracted from the scores.
+ *     channel scales, q'_r[d] = q_r[d] s[d], against a step S_r fixed per
+ *     work item (max|q_r| times the largest scale / OKV_AMX_QMAX; the page's
+ *     own max|q'_r| / OKV_AMX_QMAX where that loses more than 6 bits),
+ *     rebuilt for every page in one pass (okv_amx_build_pc: 4 columns per
+ *     row, digit d of row 4t + i in column 4i + d of tile t), the zero
+ *     points' share scale * q'_r . z subtracted from the scores.
  *   C tiles (tiles 0, 1): int32 [16 keys][16 columns] by _tile_dpbssd (signed
  *     keys) or _tile_dpbusd (unsigned keys), exact: every digit product and
  *     column sum fits in int32 (|sum| <= 128 * 255 * P < 2^31 for P < 2^16).
@@ -34,8 +36,8 @@
  *     2^(bits - 8) * ((C2 * 65536 + C1 * 256) + C0) in float32.  The only
  *     error beyond float32 rounding is q's fixed-point rounding,
  *     |q - S_r q_int| <= S_r / 2 = max|q_r| / (254 * 2^16) (6e-8 max|q_r|)
- *     per element (okv_amx_build_pc: <= 3/4 S_r).  An all-zero row has S_r
- *     = 0 and scores 0.
+ *     per element (okv_amx_build_pc: <= 3/4 S_r <= 6e-6 max|q'_r|).  An
+ *     all-zero row has S_r = 0 and scores 0.
  *
  * Code positions (the order in which the A rows hold a key's codes; the B
  * tiles hold the query elements in the same order, so the dot product is the
@@ -156,6 +158,7 @@ typedef struct {
  *          (per-channel key scales: the scores' factors of the last page built)
  *   qm     nitem x OKV_RG floats: max|q_r| of the rows of item w at qm + w *
  *          OKV_RG (okv_amx_row_max; valid while tag[w] == OKV_AMX_TAG_PC)
+ *   qc     nitem x OKV_RG ints: a channel where it is reached, at qc + w * OKV_RG
  *   tag    nitem ints: bits of the code order item w's tiles hold (0: none;
  *          OKV_AMX_TAG_PC: a page's rows folded with per-channel key scales)
  *   pq, pp, pa, pb, pc: the pending p.v of the items and the p.v tiles'
@@ -171,6 +174,7 @@ typedef struct {
     uint8_t *bt;
     float *sr;
     float *qm;
+    int *qc;
     int *tag;
     okv_amx_pvq *pq;  /* nitem pending p.v of the items (okv_amx_pv_push) */
     float *pp;        /* nitem x OKV_RG x OKV_AMX_PVK floats: their stashed probabilities p * s, row i of
@@ -189,7 +193,7 @@ static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; 
 static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw, int pv) {
     const int64_t Pm = okv_amx_pmax(D), tpi = rgw > 4 ? 2 : 1;
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
-           2 * okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
+           3 * okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
            okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) +
            (pv ? nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE + (nitem + 1) * 4 * ((D + 63) / 64) * OKV_AMX_TILE
                : 0);
@@ -217,6 +221,8 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
     x->sr = (float *)mem;
     mem += okv_amx_line(4 * nitem * OKV_RG);
     x->qm = (float *)mem;
+    mem += okv_amx_line(4 * nitem * OKV_RG);
+    x->qc = (int *)mem;
     mem += okv_amx_line(4 * nitem * OKV_RG);
     x->tag = (int *)mem;
     mem += okv_amx_line(4 * nitem);
@@ -349,80 +355,72 @@ OKV_AMX static void okv_amx_build(const float *const *qr, int nr, int64_t D, int
         }
 }
 
-/* max|q_r| of the nr rows qr[r] (D floats each) into qm[r], once per work
- * item (okv_qk_amx): the fixed-point unit of the rows' folded copies on every
- * page of per-channel key scales (okv_amx_build_pc). */
-OKV_AMX static void okv_amx_row_max(const float *const *qr, int nr, int64_t D, float *qm) {
+/* max|q_r| of the nr rows qr[r] (D floats each) into qm[r] and a channel
+ * where it is reached into qc[r], once per work item (okv_qk_amx): the
+ * fixed-point unit of the rows' folded copies on every page of per-channel
+ * key scales (okv_amx_build_pc). */
+OKV_AMX static void okv_amx_row_max(const float *const *qr, int nr, int64_t D, float *qm, int *qc) {
     int64_t p;
     int r;
     for (r = 0; r < nr; r++) {
         __m512 mx = _mm512_setzero_ps();
+        float m;
         for (p = 0; p < D; p += 16)
             mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(okv_mask16(D - p), qr[r] + p)));
-        qm[r] = _mm512_reduce_max_ps(mx);
+        m = _mm512_reduce_max_ps(mx);
+        qm[r] = m;
+        qc[r] = 0;
+        for (p = 0; p < D; p++)
+            if (fabsf(qr[r][p]) == m) {
+                qc[r] = (int)p;
+                break;
+            }
     }
 }
 
 /* okv_amx_build for 8-bit codes (the natural order, P = okv_amx_positions(D,
  * 8), zero past D) of keys with per-channel scales s[d] and zero points z[d]
  * (d < D; dq: the float32 header's s / z, or a compact header's S, exponent
- * and zero-point codes), in one pass over the page's channels.  The rows are
- * folded with the page's scales and their digits built against a unit fixed
- * for the work item, so no pass over the page finds a maximum first:
- *   compact header: q'_r[d] = qr[r][d] * rel[d], rel[d] = okv_q_steps[e & 15]
- *     * 2^-(e >> 4) <= 1 (exact; s[d] = S * rel[d] up to float32 rounding),
- *     m = S;
- *   float32 header: q'_r[d] = qr[r][d] * s[d], m = max_d s[d] (a pass over
- *     the D scales only), q'_r then measured in units of m;
- * with qm[r] = max|q_r| (okv_amx_row_max), the digits are those of q_int =
- * q'_r / U_r, U_r = qm[r] * (compact: 1, float32: m) / OKV_AMX_QMAX, so
- * |q_int| <= OKV_AMX_QMAX up to float32 rounding (a few units; three balanced
- * digits hold up to 8355711), and the scores' factor sr[r] = qm[r] * m /
- * OKV_AMX_QMAX (scale * sr[r] * C = scale * q'' . code, q'' = q_r * s); zc[r]
- * = scale * sum_d q_r[d] s[d] z[d] (the zero points' share of row r's
- * scores).  The digits' rounding error of q_r[d] s[d] is at most (3/4)
- * qm[r] m / OKV_AMX_QMAX (9e-8 qm[r] m) per element: a per-head page's bound
- * (okv_amx_build) relative to the page's largest scale.  An all-zero
- * row has qm[r] = 0, digits 0, sr[r] = 0 and zc[r] = 0.  Digits: per 16
- * elements of a row, x = q_int + 0x808080 (q' / U_r + 0x808080 rounded by
- * the FMA, then to an integer by the conversion: |q' / U_r - q_int| <= 3/4
- * where the sum is below 2^23, else 1/2) holds the balanced digits plus 128
- * in its bytes 0..2 (|q_int| < 0x808080), x ^ 0x808080 the digits d0, d1, d2
- * as int8 and a zero byte 3; one in-lane byte shuffle makes dword dg of each
- * 128-bit lane L digit dg of elements 4L..4L+3 (dg = 3: zero), which is the
- * VNNI dword of column 4i + dg in tile row 4L + ... for row i of a tile: so
- * the B tiles hold 4 rows each (tile t: rows 4t..4t+3, column 4i + dg digit
- * dg of row 4t + i, columns 4i + 3 and those of missing rows zero;
- * okv_amx_qk with cpr = 4), and a 128-bit lane transpose of the tile's 4
- * rows gives 4 tile rows. */
+ * and zero-point codes), in one pass over the page's channels: the rows
+ * folded, q'_r[d] = qr[r][d] * f[d] with f = rel (compact header: rel[d] =
+ * okv_q_steps[e & 15] * 2^-(e >> 4) <= 1, s[d] = S * rel[d] up to float32
+ * rounding; zf = S) or f = s (float32 header; zf = 1), their digits those of
+ * q_int = q'_r / u[r] for the caller's units u[r] (|q'_r| <= u[r] *
+ * OKV_AMX_QMAX, u[r] = 0 for an all-zero row: digits 0), sr[r] = u[r] * zf
+ * (scale * sr[r] * C = scale * q_r . (s * code)), zc[r] = scale * zf *
+ * sum_d q'_r[d] z[d] (the zero points' share of row r's scores) and, if
+ * track, mq[r] = max|q'_r|.  Digits: per 16
+ * elements of a row, x = q_int + 0x808080 (q' / u + 0x808080 rounded by the
+ * FMA, then to an integer by the conversion: |q' / u - q_int| <= 3/4 where
+ * the sum is below 2^23, else 1/2) holds the balanced digits plus 128 in its
+ * bytes 0..2 (|q_int| <= OKV_AMX_QMAX up to float32 rounding, a few units;
+ * three balanced digits hold up to 8355711 < 0x808080), x ^ 0x808080 the
+ * digits d0, d1, d2 as int8 and a zero byte 3; one in-lane byte shuffle makes
+ * dword dg of each 128-bit lane L digit dg of elements 4L..4L+3 (dg = 3:
+ * zero), which is the VNNI dword of column 4i + dg in tile row 4L + ... for
+ * row i of a tile: so the B tiles hold 4 rows each (tile t: rows 4t..4t+3,
+ * column 4i + dg digit dg of row 4t + i, columns 4i + 3 and those of missing
+ * rows zero; okv_amx_qk with cpr = 4), and a 128-bit lane transpose of the
+ * tile's 4 rows gives 4 tile rows. */
 OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr, int64_t D, const okv_dq *dq,
-                                           float scale, const float *qm, okv_amx_ws *x, uint8_t *bt, float *sr,
-                                           float *zc) {
+                                           float scale, const float *u, okv_amx_ws *x, uint8_t *bt, float *sr,
+                                           float *zc, float *mq, const int track) {
     const int64_t P = okv_amx_positions(D, 8);
     const int nt = (nr + 3) / 4;
     const __m512i bias = _mm512_set1_epi32(0x808080);
     const __m512 fbias = _mm512_set1_ps((float)0x808080);
     const __m512i bsh = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     const __m512 steps = _mm512_loadu_ps(okv_q_steps);
-    __m512 inv[OKV_RG], dz[OKV_RG];
+    const float zf = dq->ce ? dq->cS : 1.f;
+    __m512 inv[OKV_RG], dz[OKV_RG], mx[OKV_RG];
     __m512i z[8];
-    /* m: the scales' bound; the digits' unit is qm[r] * um / OKV_AMX_QMAX; zf: the factor of the folded rows'
-     * zero-point sums */
-    float m = dq->cS, um = 1.f, zf = dq->cS;
     int64_t p;
     int r, t, L;
-    if (!dq->ce) {
-        __m512 sm = _mm512_setzero_ps();
-        for (p = 0; p < D; p += 16) sm = _mm512_max_ps(sm, _mm512_maskz_loadu_ps(okv_mask16(D - p), dq->s + p));
-        um = m = _mm512_reduce_max_ps(sm);
-        zf = 1.f;
-    }
 #pragma GCC unroll 8
     for (r = 0; r < nr; r++) {
-        const float u = qm[r] * um;
-        sr[r] = qm[r] * m / OKV_AMX_QMAX;
-        inv[r] = _mm512_set1_ps(u > 0.f ? OKV_AMX_QMAX / u : 0.f);
-        dz[r] = _mm512_setzero_ps();
+        sr[r] = u[r] * zf;
+        inv[r] = _mm512_set1_ps(u[r] > 0.f ? 1.f / u[r] : 0.f);
+        dz[r] = mx[r] = _mm512_setzero_ps();
     }
     for (r = nr; r < 4 * nt; r++) z[r] = _mm512_setzero_si512();
     for (p = 0; p < P; p += 16) {   /* elements p..p+15: tile rows 4 * (p % 64 / 16) .. + 3 of chunk p / 64 */
@@ -444,6 +442,7 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
             const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv);
             const __m512i xi = _mm512_cvtps_epi32(_mm512_fmadd_ps(q, inv[r], fbias));
             dz[r] = _mm512_fmadd_ps(q, zv, dz[r]);
+            if (track) mx[r] = _mm512_max_ps(mx[r], _mm512_abs_ps(q));
             z[r] = _mm512_shuffle_epi8(_mm512_xor_si512(xi, bias), bsh);
         }
 #pragma GCC unroll 2
@@ -462,20 +461,71 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
         }
     }
 #pragma GCC unroll 8
-    for (r = 0; r < nr; r++) zc[r] = scale * zf * _mm512_reduce_add_ps(dz[r]);
+    for (r = 0; r < nr; r++) {
+        zc[r] = scale * zf * _mm512_reduce_add_ps(dz[r]);
+        if (track) mq[r] = _mm512_reduce_max_ps(mx[r]);
+    }
 }
 
 /* okv_amx_build_pc_n, its row loops unrolled (accumulators in registers) for
  * the common row counts. */
-OKV_AMX static void okv_amx_build_pc(const float *const *qr, int nr, int64_t D, const okv_dq *dq, float scale,
-                                     const float *qm, okv_amx_ws *x, uint8_t *bt, float *sr, float *zc) {
+OKV_AMX static void okv_amx_build_pc_rows(const float *const *qr, int nr, int64_t D, const okv_dq *dq, float scale,
+                                          const float *u, okv_amx_ws *x, uint8_t *bt, float *sr, float *zc,
+                                          float *mq, int track) {
+#define OKV_PC_CASE(N)                                                                   \
+    if (track) okv_amx_build_pc_n(qr, N, D, dq, scale, u, x, bt, sr, zc, mq, 1);         \
+    else okv_amx_build_pc_n(qr, N, D, dq, scale, u, x, bt, sr, zc, mq, 0);               \
+    return
     switch (nr) {
-    case 1: okv_amx_build_pc_n(qr, 1, D, dq, scale, qm, x, bt, sr, zc); return;
-    case 2: okv_amx_build_pc_n(qr, 2, D, dq, scale, qm, x, bt, sr, zc); return;
-    case 4: okv_amx_build_pc_n(qr, 4, D, dq, scale, qm, x, bt, sr, zc); return;
-    case 8: okv_amx_build_pc_n(qr, 8, D, dq, scale, qm, x, bt, sr, zc); return;
-    default: okv_amx_build_pc_n(qr, nr, D, dq, scale, qm, x, bt, sr, zc); return;
+    case 1: OKV_PC_CASE(1);
+    case 2: OKV_PC_CASE(2);
+    case 4: OKV_PC_CASE(4);
+    case 8: OKV_PC_CASE(8);
+    default: OKV_PC_CASE(nr);
     }
+#undef OKV_PC_CASE
+}
+
+/* A page's digits lose at most log2(OKV_AMX_PC_SLACK) bits to units fixed for
+ * the work item (okv_amx_build_pc). */
+#define OKV_AMX_PC_SLACK 64.f
+
+/* The B tiles, sr and zc of a page of 8-bit keys with per-channel scales
+ * (okv_amx_build_pc_n) in one pass over the page's channels, against units
+ * fixed for the work item: u[r] = qm[r] * fmax / OKV_AMX_QMAX, qm[r] =
+ * max|q_r| reached in channel qc[r] (okv_amx_row_max, once per item), fmax
+ * the largest fold factor (compact header: 1, as rel <= 1; float32 header:
+ * max s, a pass over the D scales).  Those units keep at least 24 -
+ * log2(OKV_AMX_PC_SLACK) bits of each row's digits when the page's fold
+ * factor of channel qc[r] is at least fmax / OKV_AMX_PC_SLACK (then max|q'_r|
+ * >= qm[r] fmax / OKV_AMX_PC_SLACK); a page where it is not (the query's
+ * largest element meets one of the page's smallest scales) is folded once to
+ * find every max|q'_r| and built again with u[r] = max|q'_r| /
+ * OKV_AMX_QMAX.  So the error of q'_r[d] is at most (3/4) u[r] <= (3/4)
+ * OKV_AMX_PC_SLACK max|q'_r| / OKV_AMX_QMAX (6e-6 max|q'_r|). */
+OKV_AMX static void okv_amx_build_pc(const float *const *qr, int nr, int64_t D, const okv_dq *dq, float scale,
+                                     const float *qm, const int *qc, okv_amx_ws *x, uint8_t *bt, float *sr,
+                                     float *zc) {
+    float u[OKV_RG], mq[OKV_RG], fmax = 1.f;
+    int r, exact = 0;
+    if (!dq->ce) {
+        __m512 sm = _mm512_setzero_ps();
+        int64_t p;
+        for (p = 0; p < D; p += 16) sm = _mm512_max_ps(sm, _mm512_maskz_loadu_ps(okv_mask16(D - p), dq->s + p));
+        fmax = _mm512_reduce_max_ps(sm);
+    }
+    for (r = 0; r < nr; r++) {
+        const int c = qc[r];   /* the fold factor of the row's largest element */
+        const float f = dq->ce ? okv_q_steps[dq->ce[c] & 15] * okv_bits_f32((uint32_t)(127 - (dq->ce[c] >> 4)) << 23)
+                               : dq->s[c];
+        exact |= f * OKV_AMX_PC_SLACK < fmax && qm[r] > 0.f;
+        u[r] = qm[r] * fmax / OKV_AMX_QMAX;
+    }
+    if (exact) {   /* every row's max|q'_r| first */
+        okv_amx_build_pc_rows(qr, nr, D, dq, scale, u, x, bt, sr, zc, mq, 1);
+        for (r = 0; r < nr; r++) u[r] = mq[r] / OKV_AMX_QMAX;
+    }
+    okv_amx_build_pc_rows(qr, nr, D, dq, scale, u, x, bt, sr, zc, mq, 0);
 }
 
 /* Rows 0..m-1 (m <= 16) of codes of format fmt (nb bytes each, kst bytes

@@ -411,11 +411,12 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, int pc, const
     float *sr = x->sr + w * OKV_RG;
     if (pc) {
         float zc[OKV_RG], *qm = x->qm + w * OKV_RG;
+        int *qc = x->qc + w * OKV_RG;
         if (x->tag[w] != OKV_AMX_TAG_PC) {   /* the rows' maxima, once per item */
-            okv_amx_row_max(qr, nr, D, qm);
+            okv_amx_row_max(qr, nr, D, qm, qc);
             x->tag[w] = OKV_AMX_TAG_PC;
         }
-        okv_amx_build_pc(qr, nr, D, dq, scale, qm, x, bt, sr, zc);
+        okv_amx_build_pc(qr, nr, D, dq, scale, qm, qc, x, bt, sr, zc);
         okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zc, s, x, pf, 4);
         return;
     }

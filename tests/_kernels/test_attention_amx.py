@@ -12,8 +12,10 @@ offsets, values with non-zero zero points, pages of mixed
 formats with float pages between, all-float pages, head sizes that are and
 are not multiples of 16 / 64, block sizes that give partial tiles and stashes
 of values, 1..8 query rows per KV head, decode and prefill, 1 and 2 threads,
-query rows of very different magnitudes including an all-zero row, and long
-contexts (many pending p.v runs, rescaled by the running max in between).
+query rows of very different magnitudes including an all-zero row, queries
+large where per-channel key scales are small (the folded rows' fixed-point
+unit), and long contexts (many pending p.v runs, rescaled by the running max
+in between).
 
 Every kernel test is skipped where AMX is not usable (CPU without AMX-TILE /
 AMX-INT8 or AVX-512, or the OS did not grant the tile data state); the switch
@@ -153,6 +155,28 @@ def test_per_channel_keys_with_large_offsets_long_context(kG):
         zero = np.concatenate([np.frombuffer(p.tobytes()[4 * Hkv * 128:8 * Hkv * 128], np.float32)
                                for p in pg.pages["k"]])
         assert np.abs(zero - 127.5).max() > 100
+    check(q, pg, kv_len, q_pos, scale, want)
+
+
+@needs_amx
+@pytest.mark.parametrize("octaves", [4, 15])
+@pytest.mark.parametrize("kG", ["D", "Dc"], ids=["per_channel", "compact"])
+@pytest.mark.parametrize("fmt", [2, 3], ids=["u8", "i8"])
+def test_per_channel_keys_query_large_where_key_scales_are_small(fmt, kG, octaves):
+    # the digits of a page's folded rows q * s are built against a unit fixed per work item (max|q_r| times the
+    # largest scale): keys scaled per channel by 2^-u, u up to `octaves`, queries by 2^u, so the folded rows are
+    # small next to that unit.  4 octaves stay within its slack; at 15 the channel of a row's largest element has
+    # one of the page's smallest scales and the page is folded against the rows' own maxima instead.
+    rng = np.random.default_rng(1200 + octaves + fmt)
+    Hq, Hkv, D, bs, L = 8, 2, 128, 16, 300
+    q, k, v = rand(rng, (1, Hq, 1, D)), rand(rng, (1, Hkv, L + 3, D)), rand(rng, (1, Hkv, L + 3, D))
+    u = rng.uniform(0, octaves, (1, Hkv, 1, D))
+    k = (k * 2.0 ** -u).astype(np.float32)
+    q = (q * 0.05 * np.repeat(2.0 ** u, Hq // Hkv, axis=1)).astype(np.float32)
+    pg = QPaged(rng, k, v, bs, chooser(fmt, 3), chooser(3, 4), D, 1, "compact" if kG == "Dc" else "float32")
+    kv_len, q_pos, scale = np.array([L], np.int32), np.array([[L - 1]], np.int32), D ** -0.5
+    want = np.full_like(q, np.nan)
+    pg.twin(q, Hkv, kv_len, q_pos, scale, 0.0, -1, want)
     check(q, pg, kv_len, q_pos, scale, want)
 
 
