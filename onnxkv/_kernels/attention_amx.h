@@ -388,8 +388,9 @@ OKV_AMX static void okv_amx_row_max(const float *const *qr, int nr, int64_t D, f
  * q_int = q'_r / u[r] for the caller's units u[r] (|q'_r| <= u[r] *
  * OKV_AMX_QMAX, u[r] = 0 for an all-zero row: digits 0), sr[r] = u[r] * zf
  * (scale * sr[r] * C = scale * q_r . (s * code)), zc[r] = scale * zf *
- * sum_d q'_r[d] z[d] (the zero points' share of row r's scores) and, if
- * track, mq[r] = max|q'_r|.  Digits: per 16
+ * sum_d q'_r[d] z[d] (the zero points' share of row r's scores; 0 without
+ * reading them when !zp: a compact header of signed codes, whose zero points
+ * are 0) and, if track, mq[r] = max|q'_r|.  Digits: per 16
  * elements of a row, x = q_int + 0x808080 (q' / u + 0x808080 rounded by the
  * FMA, then to an integer by the conversion: |q' / u - q_int| <= 3/4 where
  * the sum is below 2^23, else 1/2) holds the balanced digits plus 128 in its
@@ -404,7 +405,7 @@ OKV_AMX static void okv_amx_row_max(const float *const *qr, int nr, int64_t D, f
  * tile's 4 rows gives 4 tile rows. */
 OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr, int64_t D, const okv_dq *dq,
                                            float scale, const float *u, okv_amx_ws *x, uint8_t *bt, float *sr,
-                                           float *zc, float *mq, const int track) {
+                                           float *zc, float *mq, const int track, const int zp) {
     const int64_t P = okv_amx_positions(D, 8);
     const int nt = (nr + 3) / 4;
     const __m512i bias = _mm512_set1_epi32(0x808080);
@@ -432,7 +433,8 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
                 _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), _mm512_srli_epi32(e, 4)), 23));
             /* the permute reads only bits 0..3 of each index: okv_q_steps[e & 15] */
             sv = _mm512_mul_ps(_mm512_permutexvar_ps(e, steps), p2);
-            zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->cz + p)));
+            zv = zp ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, dq->cz + p)))
+                    : _mm512_setzero_ps();
         } else {
             sv = _mm512_maskz_loadu_ps(k, dq->s + p);
             zv = _mm512_maskz_loadu_ps(k, dq->z + p);
@@ -441,7 +443,7 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
         for (r = 0; r < nr; r++) {   /* q_int + 0x808080, rounded once (see above) */
             const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, qr[r] + p), sv);
             const __m512i xi = _mm512_cvtps_epi32(_mm512_fmadd_ps(q, inv[r], fbias));
-            dz[r] = _mm512_fmadd_ps(q, zv, dz[r]);
+            if (zp) dz[r] = _mm512_fmadd_ps(q, zv, dz[r]);
             if (track) mx[r] = _mm512_max_ps(mx[r], _mm512_abs_ps(q));
             z[r] = _mm512_shuffle_epi8(_mm512_xor_si512(xi, bias), bsh);
         }
@@ -462,7 +464,7 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
     }
 #pragma GCC unroll 8
     for (r = 0; r < nr; r++) {
-        zc[r] = scale * zf * _mm512_reduce_add_ps(dz[r]);
+        zc[r] = zp ? scale * zf * _mm512_reduce_add_ps(dz[r]) : 0.f;
         if (track) mq[r] = _mm512_reduce_max_ps(mx[r]);
     }
 }
@@ -471,10 +473,10 @@ OKV_INLINE OKV_AMX void okv_amx_build_pc_n(const float *const *qr, const int nr,
  * the common row counts. */
 OKV_AMX static void okv_amx_build_pc_rows(const float *const *qr, int nr, int64_t D, const okv_dq *dq, float scale,
                                           const float *u, okv_amx_ws *x, uint8_t *bt, float *sr, float *zc,
-                                          float *mq, int track) {
+                                          float *mq, int track, int zp) {
 #define OKV_PC_CASE(N)                                                                   \
-    if (track) okv_amx_build_pc_n(qr, N, D, dq, scale, u, x, bt, sr, zc, mq, 1);         \
-    else okv_amx_build_pc_n(qr, N, D, dq, scale, u, x, bt, sr, zc, mq, 0);               \
+    if (track) okv_amx_build_pc_n(qr, N, D, dq, scale, u, x, bt, sr, zc, mq, 1, zp);     \
+    else okv_amx_build_pc_n(qr, N, D, dq, scale, u, x, bt, sr, zc, mq, 0, zp);           \
     return
     switch (nr) {
     case 1: OKV_PC_CASE(1);
@@ -505,7 +507,7 @@ OKV_AMX static void okv_amx_build_pc_rows(const float *const *qr, int nr, int64_
  * OKV_AMX_PC_SLACK max|q'_r| / OKV_AMX_QMAX (6e-6 max|q'_r|). */
 OKV_AMX static void okv_amx_build_pc(const float *const *qr, int nr, int64_t D, const okv_dq *dq, float scale,
                                      const float *qm, const int *qc, okv_amx_ws *x, uint8_t *bt, float *sr,
-                                     float *zc) {
+                                     float *zc, int zp) {
     float u[OKV_RG], mq[OKV_RG], fmax = 1.f;
     int r, exact = 0;
     if (!dq->ce) {
@@ -522,10 +524,10 @@ OKV_AMX static void okv_amx_build_pc(const float *const *qr, int nr, int64_t D, 
         u[r] = qm[r] * fmax / OKV_AMX_QMAX;
     }
     if (exact) {   /* every row's max|q'_r| first */
-        okv_amx_build_pc_rows(qr, nr, D, dq, scale, u, x, bt, sr, zc, mq, 1);
+        okv_amx_build_pc_rows(qr, nr, D, dq, scale, u, x, bt, sr, zc, mq, 1, zp);
         for (r = 0; r < nr; r++) u[r] = mq[r] / OKV_AMX_QMAX;
     }
-    okv_amx_build_pc_rows(qr, nr, D, dq, scale, u, x, bt, sr, zc, mq, 0);
+    okv_amx_build_pc_rows(qr, nr, D, dq, scale, u, x, bt, sr, zc, mq, 0, zp);
 }
 
 /* Rows 0..m-1 (m <= 16) of codes of format fmt (nb bytes each, kst bytes

@@ -416,8 +416,9 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, int pc, const
             okv_amx_row_max(qr, nr, D, qm, qc);
             x->tag[w] = OKV_AMX_TAG_PC;
         }
-        okv_amx_build_pc(qr, nr, D, dq, scale, qm, qc, x, bt, sr, zc);
-        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zc, s, x, pf, 4);
+        const int zp = !(dq->ce && okv_q_signed(fmt));   /* a compact header's signed codes: zero points 0 */
+        okv_amx_build_pc(qr, nr, D, dq, scale, qm, qc, x, bt, sr, zc, zp);
+        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zp ? zc : NULL, s, x, pf, 4);
         return;
     }
     if (x->tag[w] != bits) {
