@@ -399,7 +399,8 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
  * the B tiles are rebuilt from the folded rows for this page in one pass
  * (okv_amx_build_pc, which decodes a compact header itself, against the
  * rows' maxima found once per item: okv_amx_row_max), the zero points' share
- * subtracted from the scores as they are stored.
+ * subtracted from the scores as they are stored (none for signed codes with a
+ * compact header, whose zero points are 0).
  * (4- and 2-bit per-channel keys keep the AVX-512 tiles: their code order
  * needs okv_amx_build's planes, which per page cost more than the AVX-512
  * scores they replace.) */
