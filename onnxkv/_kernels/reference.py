@@ -227,13 +227,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     v_group): a page of a float format is an array [kv_heads, block_size, D]
     of its storage dtype (float32, float16, uint16 bfloat16 bits); a page of
     a quantized format is its payload (bytes: header then codes), dequantized
-    by :func:`dequantize_page` (key pages with header kind ``k_header``).  Returns None (the compiled kernel's
+    by :func:`dequantize_page` (key pages with header kind ``k_header``:
+    "float32", "compact", or "channel-zp" with ``k_group`` = D; ValueError
+    naming k_header / k_group otherwise).  Returns None (the compiled kernel's
     counters have no twin).
     """
     from ._validate import paged_blocks_read
 
     B, Hq, Sq, D = q.shape
     M, bs = block_tables.shape[1], int(block_size)
+    _header_group("k_header", k_header, "k_group", k_group, D)
     read = paged_blocks_read(kv_len, q_pos, int(window), bs, M)
 
     def page_f32(pages, pid, formats, group, header="float32"):
@@ -266,6 +269,22 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
 _QFORMATS = {2: (8, 0, 255), 3: (8, -128, 127), 21: (4, 0, 15), 22: (4, -8, 7), 25: (2, 0, 3), 26: (2, -2, 1)}
 
 
+#: Header bytes (before the padding to 64) of each header kind, from (heads H, groups per head G):
+#: float32 scale and zero point per group; compact: float32 S per head, exponent and zero-point codes per
+#: group; channel-zp: float32 s and w per head, int8 zero-point codes o per group (G = head size).
+_HEADER_BYTES = {"float32": lambda H, G: 8 * H * G, "compact": lambda H, G: 4 * H + 2 * H * G,
+                 "channel-zp": lambda H, G: 8 * H + H * G}
+
+
+def _header_group(header_name, header, group_name, group, head_size):
+    """Check a header kind (one of _HEADER_BYTES) and its groups per head: "channel-zp" needs G = head_size."""
+    if not isinstance(header, str) or header not in _HEADER_BYTES:
+        raise ValueError(f"{header_name}: expected one of {list(_HEADER_BYTES)}, got {header!r}")
+    if header == "channel-zp" and group != head_size:
+        raise ValueError(f"{group_name}: a 'channel-zp' header needs one group per channel (the head size "
+                         f"{head_size}), got {group}")
+
+
 def _qlayout(fmt_code, heads, head_size, group, header="float32"):
     """(bits, qmin, qmax, header bytes, bytes per token row) of an integer page."""
     if fmt_code not in _QFORMATS:
@@ -273,8 +292,8 @@ def _qlayout(fmt_code, heads, head_size, group, header="float32"):
     bits, qmin, qmax = _QFORMATS[fmt_code]
     if head_size * bits % 8:
         raise ValueError(f"head_size: {head_size} * {bits} bits is not a multiple of 8")
-    hdr = heads * 4 + 2 * heads * group if header == "compact" else heads * group * 8
-    return bits, qmin, qmax, -(-hdr // 64) * 64, head_size * bits // 8
+    _header_group("header", header, "group", group, head_size)
+    return bits, qmin, qmax, -(-_HEADER_BYTES[header](heads, group) // 64) * 64, head_size * bits // 8
 
 
 # 2^(-i/16) and 2^-k rounded to float32: a compact header's scale is (S * _STEPS[e & 15]) * _OCTAVES[e >> 4].
@@ -282,26 +301,53 @@ _STEPS = np.array([2.0 ** (-i / 16) for i in range(16)], np.float32)
 _OCTAVES = np.array([2.0 ** -k for k in range(16)], np.float32)
 
 
-def _header_params(page, H, G, header):
-    """float32 (scale, zero_point) [H, 1, G] of a page's float32 or compact header."""
-    if header != "compact":
+def _header_params(page, fmt_code, H, G, header):
+    """float32 (scale, zero_point) [H, 1, G] of a page's header of kind ``header``.
+
+    channel-zp: scale s[h] for every group of head h; zero_point z0 + w[h] * o[h*G + g] (z0 = 0 for signed
+    formats, 2^(bits-1) for unsigned; exact in float32: |w * o| <= 2^23)."""
+    if header == "float32":
         hdr = page[:8 * H * G].copy().view(np.float32)
         return hdr[:H * G].reshape(H, 1, G), hdr[H * G:].reshape(H, 1, G)
+    if header == "channel-zp":
+        sw = page[:8 * H].copy().view(np.float32)
+        s, w = sw[:H].reshape(H, 1, 1), sw[H:].reshape(H, 1, 1)
+        o = page[8 * H:8 * H + H * G].view(np.int8).reshape(H, 1, G).astype(np.float32)
+        bits, qmin, _ = _QFORMATS[fmt_code]
+        z0 = np.float32(0 if qmin < 0 else 1 << (bits - 1))
+        return np.broadcast_to(s, (H, 1, G)).copy(), z0 + w * o
     S = page[:4 * H].copy().view(np.float32).reshape(H, 1, 1)
     e = page[4 * H:4 * H + H * G].reshape(H, 1, G).astype(np.intp)
     zc = page[4 * H + H * G:4 * H + 2 * H * G].reshape(H, 1, G)
     return (S * _STEPS[e & 15]) * _OCTAVES[e >> 4], zc.astype(np.float32)
 
 
-def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0, header=None):
+def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0, header=None,
+                  header_kind="compact"):
     """NumPy twin of the compiled ``quantize_page``: q = saturate(rint(x / scale)
     + zero_point) in float32 (``np.rint`` rounds half to even; NaN gives the
     lowest code), packed low bits first; writes the header (float32 from scale /
-    zero_point, or the compact ``header`` bytes as given) and the code bytes of
-    tokens t0 .. t0+n only."""
+    zero_point, or the ``header`` bytes of kind ``header_kind`` -- "compact" or
+    "channel-zp" (group = head size) -- as given) and the code bytes of tokens
+    t0 .. t0+n only.  Given header bytes must have that kind's length and
+    decode exactly to ``scale`` / ``zero_point`` (ValueError naming ``header``
+    otherwise; nothing written)."""
     H, n, D = x.shape
     G = int(group)
-    bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G, "float32" if header is None else "compact")
+    if header is not None and header_kind not in ("compact", "channel-zp"):
+        raise ValueError(f"header_kind: header bytes are 'compact' or 'channel-zp', got {header_kind!r}")
+    kind = "float32" if header is None else header_kind
+    bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G, kind)
+    if header is not None:
+        if header.shape != (hb,):
+            raise ValueError(f"header: a {kind!r} header of {H} heads and {G} groups per head has {hb} bytes, "
+                             f"got shape {header.shape}")
+        dec_s, dec_z = (a.reshape(-1) for a in _header_params(header, fmt_code, H, G, kind))
+        same = (dec_s == scale) & (dec_z == zero_point)
+        if not same.all():
+            i = int(np.argmin(same))
+            raise ValueError(f"header: decodes to scale[{i}] = {dec_s[i]!r}, zero_point[{i}] = {dec_z[i]!r}, "
+                             f"but scale[{i}] = {scale[i]!r}, zero_point[{i}] = {zero_point[i]!r}")
     v = np.rint(x / scale.reshape(H, 1, G)) + zero_point.reshape(H, 1, G)
     v = np.minimum(np.where(v >= qmin, v, np.float32(qmin)), np.float32(qmax))
     per = 8 // bits
@@ -319,7 +365,8 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
 def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens, out, header="float32"):
     """NumPy twin of the compiled ``dequantize_page``: out = (q - zero_point) *
     scale in float32 for tokens 0 .. tokens of every head (parameters from the
-    page's float32 or compact ``header``)."""
+    page's header of kind ``header``: "float32", "compact", or "channel-zp"
+    with group = head size)."""
     H, D, G = int(heads), int(head_size), int(group)
     bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G, header)
     per = 8 // bits
@@ -327,7 +374,7 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     q = ((codes[..., None] >> (np.arange(per) * bits)) & ((1 << bits) - 1)).reshape(H, tokens, D)
     if qmin < 0:
         q = np.where(q > qmax, q - (1 << bits), q)
-    scale, zero_point = _header_params(page, H, G, header)
+    scale, zero_point = _header_params(page, fmt_code, H, G, header)
     out[...] = (q.astype(np.float32) - zero_point) * scale
 
 
