@@ -382,16 +382,17 @@ def test_many_pages_of_mixed_formats():
     check_paths(cache, *rest)
 
 
-@needs_kernels
-def test_attention_refuses_bad_header_arguments():
+BAD_ATTENTION_ARGS = [(dict(k_group=1), "k_group|k_header"), (dict(k_header="channelzp"), "k_header"),
+                      (dict(k_header="channel-zp-8"), "k_header")]
+
+
+@pytest.mark.parametrize("impl", [pytest.param("kernel", marks=needs_kernels), "twin"])
+def test_attention_refuses_bad_header_arguments(impl):
     """k_header "channel-zp" with k_group != D, an unknown k_header: ValueError
     naming the argument, out not written."""
     cache, q, kv_len, q_pos, scale, _ = setup(5, 2, 2, 32, 16, 2, 1, (3, 22), (3,))
-    for kw, name in [(dict(k_group=1), "k_group|k_header"), (dict(k_header="channelzp"), "k_header"),
-                     (dict(k_header="channel-zp-8"), "k_header")]:
+    for kw, name in BAD_ATTENTION_ARGS:
         out = np.full_like(q, 42.0)
         with pytest.raises(ValueError, match=rf"^({name})\b"):
-            cache.kernel(q, 2, kv_len, q_pos, scale, out, **kw)
+            getattr(cache, impl)(q, 2, kv_len, q_pos, scale, out, **kw)
         assert (out == 42.0).all()
-        with pytest.raises(ValueError, match=rf"^({name})\b"):
-            cache.twin(q, 2, kv_len, q_pos, scale, out, **kw)
