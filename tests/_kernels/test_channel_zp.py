@@ -8,13 +8,10 @@ w[H], int8 o[H*D], zero padded to 64; decoded scale s[h], zero point
 z0 + w[h] * o[h*D + c], z0 = 0 for signed formats and 2^(bits-1) for unsigned
 ones), not with onnxkv.cache.formats.  Key data is made from random codes:
 x = s * (code - zero_point + noise), |noise| <= 0.45, so a correct quantizer
-gives back exactly those codes whatever the zero points (w = 2^k up to 2^8, or
-2^16 for the page kernels, with |o| up to 127: zero points far outside the
-code range).
-
-The tests against the compiled kernels are skipped until the kernels accept
-the "channel-zp" header kind (``_validate.HEADERS``); the twin's own tests run
-everywhere.
+gives back exactly those codes however far the zero points lie outside the
+code range, as long as x / s keeps the noise's margin in float32 (w = 2^k up
+to 2^11 with |o| up to 127; the page kernels also take w = 2^16, compared
+with the twin byte for byte).  Attention keys use w up to 2^8.
 """
 import sys
 
@@ -22,7 +19,6 @@ import numpy as np
 import pytest
 
 import onnxkv._kernels as K
-from onnxkv._kernels import _validate as V
 from onnxkv._kernels import reference as R
 
 from .conftest import rand
@@ -32,8 +28,6 @@ from .test_quant_attention import ALLOC, encode
 A = sys.modules["onnxkv._kernels.attention"]
 AVX512 = A.set_attention_avx512(True)
 AMX = A.set_attention_amx(True)
-KERNELS = "channel-zp" in V.HEADERS
-needs_kernels = pytest.mark.skipif(not KERNELS, reason="the compiled kernels do not take 'channel-zp' headers yet")
 
 CZP = "channel-zp"
 # integer formats: code -> (bits, lowest code, highest code, z0)
@@ -55,9 +49,9 @@ def czp_header(s, w, o):
 
 def czp_page(rng, fmt, H, bs, D, ks=range(9), amp=20.0):
     """Random parameters and key data of one channel-zp page: per head w = 2^k
-    (the ks in random order, repeated to H heads), s such that |x| stays below about ``amp``, o uniform in
-    [-127, 127]; codes uniform over the format's range; x = s * (code - zp +
-    noise).  Returns (x float32 [H, bs, D], codes int64 [H, bs, D], header,
+    (the ks in random order, repeated to H heads), s such that |x| stays below
+    about ``amp``, o uniform in [-127, 127]; codes uniform over the format's
+    range; x = s * (code - zp + noise).  Returns (x float32 [H, bs, D], codes int64 [H, bs, D], header,
     decoded scale and zero point float32 [H*D])."""
     bits, qmin, qmax, z0 = INTS[fmt]
     w = (2.0 ** np.resize(rng.permutation(list(ks)), H)).astype(np.float32)     # each k once if H >= len(ks)
@@ -134,6 +128,9 @@ def test_twin_decodes_the_header_layout(fmt):
 
 
 def test_twin_refuses_bad_headers_and_groups():
+    """Header bytes that do not decode to scale / zero_point or have the wrong
+    length, an unknown header kind, channel-zp with groups other than the head
+    size: ValueError naming the argument, nothing written."""
     rng = np.random.default_rng(1)
     H, bs, D = 2, 4, 16
     x, codes, header, scale, zp = czp_page(rng, 2, H, bs, D)
@@ -157,7 +154,6 @@ def test_twin_refuses_bad_headers_and_groups():
 
 # ---------------------------------------------------------------- page kernels against the twin
 
-@needs_kernels
 @pytest.mark.parametrize("fmt", sorted(INTS), ids=lambda f: NAMES[f])
 @pytest.mark.parametrize("H,D", [(1, 32), (3, 64), (8, 128), (5, 96)])
 @pytest.mark.parametrize("bs", [16, 5])
@@ -193,7 +189,6 @@ def test_page_kernels_match_twin(fmt, H, D, bs, threads, simd):
     np.testing.assert_array_equal(out[:, t0:][sure], exact[sure])
 
 
-@needs_kernels
 def test_page_kernels_refuse_bad_headers():
     """Header bytes that do not decode to scale / zero_point, the wrong length,
     an unknown kind, groups other than the head size: ValueError naming the
@@ -205,7 +200,7 @@ def test_page_kernels_refuse_bad_headers():
     out = np.full((H, bs, D), 9.0, np.float32)
     bad_o, bad_w = header.copy(), header.copy()
     bad_o[8 * H + 17] ^= 2                                       # o[17] (head 1, channel 1)
-    bad_w[4 * H:4 * H + 4] = np.float32(2.0).reshape(1).view(np.uint8)
+    bad_w[4 * H:4 * H + 4] = (header[4 * H:4 * H + 4].view(np.float32) * 2).view(np.uint8)     # w[0] doubled
     zp_one = np.full_like(zp, np.float32(8.0))
     q = dict(x=x, fmt_code=21, scale=scale, zero_point=zp, group=D, out_page=page, block_size=bs, header=header,
              header_kind=CZP)
@@ -339,7 +334,6 @@ def test_twin_attention_over_channel_zp_keys(fmt, shape):
     assert np.isfinite(want).all()
 
 
-@needs_kernels
 @pytest.mark.parametrize("fmt", sorted(INTS), ids=lambda f: NAMES[f])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hkv{}x{}-D{}-bs{}-M{}-Sq{}".format(*s))
 def test_every_key_format_and_shape(fmt, shape):
@@ -348,7 +342,6 @@ def test_every_key_format_and_shape(fmt, shape):
     check_paths(*setup(sum(shape) * 11 + fmt, *shape, (fmt,), (3,)))
 
 
-@needs_kernels
 @pytest.mark.parametrize("k", range(9))
 @pytest.mark.parametrize("fmt", sorted(INTS), ids=lambda f: NAMES[f])
 def test_zero_points_far_outside_the_code_range(fmt, k):
@@ -364,7 +357,6 @@ def test_zero_points_far_outside_the_code_range(fmt, k):
 ALL = tuple(sorted(INTS)) + FLOATS
 
 
-@needs_kernels
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hkv{}x{}-D{}-bs{}-M{}-Sq{}".format(*s))
 def test_mixed_formats_and_float_pages(shape):
     """Key and value formats drawn per page id from the six integer and three
@@ -374,7 +366,6 @@ def test_mixed_formats_and_float_pages(shape):
     check_paths(cache, *rest)
 
 
-@needs_kernels
 def test_many_pages_of_mixed_formats():
     """Forty pages of every format per row: the pages' corrections do not mix."""
     cache, *rest = setup(900, 2, 4, 64, 16, 20, 1, ALL, ALL)
@@ -386,7 +377,7 @@ BAD_ATTENTION_ARGS = [(dict(k_group=1), "k_group|k_header"), (dict(k_header="cha
                       (dict(k_header="channel-zp-8"), "k_header")]
 
 
-@pytest.mark.parametrize("impl", [pytest.param("kernel", marks=needs_kernels), "twin"])
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
 def test_attention_refuses_bad_header_arguments(impl):
     """k_header "channel-zp" with k_group != D, an unknown k_header: ValueError
     naming the argument, out not written."""
@@ -396,3 +387,38 @@ def test_attention_refuses_bad_header_arguments(impl):
         with pytest.raises(ValueError, match=rf"^({name})\b"):
             getattr(cache, impl)(q, 2, kv_len, q_pos, scale, out, **kw)
         assert (out == 42.0).all()
+
+
+@pytest.mark.parametrize("ratio", [2, 3, 5, 6, 8])
+@pytest.mark.parametrize("fmt", [3, 2, 21], ids=lambda f: NAMES[f])
+def test_query_rows_per_kv_head(fmt, ratio):
+    """2..8 query rows share a KV head (AMX takes the zero points' share of 8-bit
+    codes as one more tile product for up to 5 rows, more rows otherwise)."""
+    check_paths(*setup(1000 + 10 * fmt + ratio, 2, ratio, 64, 16, 3, 1, (fmt,), (3,)))
+
+
+def test_dequantized_bytes_counted():
+    """Decode reads every page of the visible range once: the counter equals the
+    codes of the tokens read plus the header entries of those pages
+    (channel-zp keys: s, w and D zero-point codes per head; values: float32
+    scale and zero point per head; float pages 0)."""
+    Hkv, D, bs, M = 2, 64, 16, 20
+    cache, q, kv_len, q_pos, scale, want = setup(1100, Hkv, 4, D, bs, M, 1, ALL, ALL)
+    expect = 0
+    for b, n in enumerate(kv_len.tolist()):
+        for i in range(-(-n // bs)):
+            pid, ntok = int(cache.table[b, i]), min(bs, n - i * bs)
+            for p, head in (("k", 8 + D), ("v", 8)):
+                f = int(cache.formats[p][pid])
+                if f in INTS:
+                    expect += Hkv * (head + ntok * D * INTS[f][0] // 8)
+    old = K.get_num_threads()
+    try:
+        for threads in (1, 2):
+            K.set_num_threads(threads)
+            out = np.full_like(q, np.nan)
+            stats = cache.kernel(q, Hkv, kv_len, q_pos, scale, out)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+            assert stats["dequantized_bytes"] == expect > 0
+    finally:
+        K.set_num_threads(old)
