@@ -227,7 +227,8 @@ class Cache:
     packed by the twin); float key pages and every value page: encode of
     test_quant_attention (values: float32 headers, one scale per head).
     Page formats per page id: kfmts / vfmts uint8 [B*M].  self.kd / self.vd:
-    the values the pages represent, contiguous [B, Hkv, M*bs, D]."""
+    the values the pages represent, contiguous [B, Hkv, M*bs, D].  Calls use
+    self.softcap and self.window (no softcap, no window unless set)."""
 
     def __init__(self, rng, B, Hkv, D, bs, M, kfmts, vfmts, ks=range(9)):
         P = B * M
@@ -237,6 +238,7 @@ class Cache:
         self.addr = {"k": np.zeros(P, np.uint64), "v": np.zeros(P, np.uint64)}
         self.kd, self.vd = np.zeros((2, B, Hkv, M * bs, D), np.float32)
         self.buffers, self.bs, self.D = [], bs, D
+        self.softcap, self.window = 0.0, -1
         for b in range(B):
             for i in range(M):
                 pid, blk = int(self.table[b, i]), slice(i * bs, (i + 1) * bs)
@@ -261,26 +263,27 @@ class Cache:
 
     def kernel(self, q, Hkv, kv_len, q_pos, scale, out, **kw):
         return K.paged_attention(q, self.addr["k"], self.addr["v"], self.table, self.bs, Hkv, kv_len, q_pos, scale,
-                                 0.0, -1, out, **self.kwargs(**kw))
+                                 self.softcap, self.window, out, **self.kwargs(**kw))
 
     def twin(self, q, Hkv, kv_len, q_pos, scale, out, **kw):
-        R.paged_attention(q, self.pages["k"], self.pages["v"], self.table, self.bs, Hkv, kv_len, q_pos, scale, 0.0,
-                          -1, out, **self.kwargs(**kw))
+        R.paged_attention(q, self.pages["k"], self.pages["v"], self.table, self.bs, Hkv, kv_len, q_pos, scale,
+                          self.softcap, self.window, out, **self.kwargs(**kw))
 
 
-def setup(seed, Hkv, ratio, D, bs, M, Sq, kspec, vspec, ks=range(9)):
+def setup(seed, Hkv, ratio, D, bs, M, Sq, kspec, vspec, ks=range(9), softcap=0.0, window=-1):
     """Random q, a Cache of two rows (the first full, the second shorter) with page
     formats drawn per page id from kspec / vspec (tuples of codes), the twin's
     result; checks the twin against dense attention over the represented values."""
     rng = np.random.default_rng(seed)
     B, P = 2, 2 * M
     cache = Cache(rng, B, Hkv, D, bs, M, rng.choice(kspec, P), rng.choice(vspec, P), ks)
+    cache.softcap, cache.window = softcap, window
     kv_len = np.array([M * bs, max(Sq, M * bs - bs // 2 - 1)], np.int32)
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
     q, scale = rand(rng, (B, Hkv * ratio, Sq, D)), D ** -0.5
     want, dense = np.full_like(q, np.nan), np.full_like(q, np.nan)
     cache.twin(q, Hkv, kv_len, q_pos, scale, want)
-    R.attention(q, cache.kd, cache.vd, kv_len, q_pos, scale, 0.0, -1, dense)
+    R.attention(q, cache.kd, cache.vd, kv_len, q_pos, scale, softcap, window, dense)
     np.testing.assert_allclose(want, dense, rtol=1e-6, atol=1e-6)
     return cache, q, kv_len, q_pos, scale, want
 
@@ -355,6 +358,16 @@ def test_zero_points_far_outside_the_code_range(fmt, k):
 
 
 ALL = tuple(sorted(INTS)) + FLOATS
+
+
+@pytest.mark.parametrize("softcap,window", [(0.0, -1), (30.0, -1), (0.0, 500)],
+                         ids=["plain", "softcap", "window"])
+@pytest.mark.parametrize("kspec", [(3,), (2,), (21,), (3, 2, 22, 21, 1)], ids=["i8", "u8", "u4", "mixed"])
+def test_long_context(kspec, softcap, window):
+    """2048 keys per row (the second row 2039): a per-page zero-point share on
+    each of 128 pages, rescaled by the running max in between; with a softcap
+    or a window of 500 keys."""
+    check_paths(*setup(1200 + len(kspec), 2, 4, 128, 16, 128, 1, kspec, (3, 21), softcap=softcap, window=window))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hkv{}x{}-D{}-bs{}-M{}-Sq{}".format(*s))
