@@ -151,17 +151,20 @@ def scale_group(name, group, head_size):
     return int(group)
 
 
-#: Header kinds of quantized pages: float32 scale and zero point per group, or the compact header (quant.h).
-HEADERS = ("float32", "compact")
+#: Header kinds of quantized pages: float32 scale and zero point per group, the compact header
+#: (quant.h), or the channel-zero-point header (quant.h: one scale per head, a zero point per group).
+HEADERS = ("float32", "compact", "channel-zp")
+#: Kind codes of header_kind, in the order of HEADERS (attention.h okv_attn_args.k_hdr).
+HDR_FLOAT32, HDR_COMPACT, HDR_CZP = 0, 1, 2
 #: Most groups per head of a compact header (quant.h OKV_Q_COMPACT_MAX_G).
 COMPACT_MAX_GROUPS = 512
 
 
 def header_kind(name, header, group):
-    """Check a quantized plane's header kind ("float32" or "compact", the latter with at most
-    COMPACT_MAX_GROUPS groups per head); returns True for "compact"."""
+    """Check a quantized plane's header kind (one of HEADERS; "compact" with at most
+    COMPACT_MAX_GROUPS groups per head); returns its code (HDR_FLOAT32, HDR_COMPACT or HDR_CZP)."""
     if not isinstance(header, str) or header not in HEADERS:
-        raise ValueError(f"{name}: expected 'float32' or 'compact', got {header!r}")
+        raise ValueError(f"{name}: expected one of {', '.join(repr(h) for h in HEADERS)}, got {header!r}")
     if header == "compact" and group > COMPACT_MAX_GROUPS:
         raise ValueError(f"{name}: a compact header holds at most {COMPACT_MAX_GROUPS} groups per head, got {group}")
-    return header == "compact"
+    return HEADERS.index(header)

@@ -84,6 +84,8 @@ typedef struct {
     const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
     int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
     int k_compact;                 /* quantized K pages: 0 float32 header, 1 compact header (quant.h) */
+    int k_czp;                     /* quantized K pages carry the channel-zero-point header (quant.h): one
+                                    * scale per head (kG == 1), D zero points per head; k_compact 0 */
     int amx;                       /* OKV_AMX_QK | OKV_AMX_PV bits: the AVX-512 unit of per-page formats
                                     * scores quantized keys (QK: kG == 1 only) and / or multiplies the
                                     * probabilities by quantized values (PV: their per-head scales only) on
@@ -104,26 +106,35 @@ typedef struct {
  * (vsc, vzp) point at head hk's scales / zero points in the page header;
  * NULL for float pages.  A compact K header: ksc points at head hk's S, kce at
  * its exponent codes (zero-point codes Hkv*kG bytes further), kzp is NULL;
- * kce is NULL otherwise.  khb, vhb: header bytes per head (0 for float pages;
- * set by okv_attn_qpage). */
+ * kce is NULL otherwise.  A channel-zero-point K header: ksc points at head
+ * hk's scale s, kzw at its zero-point unit w, kzo at its D zero-point codes o
+ * (kzp NULL); kzw / kzo are NULL otherwise.  khb, vhb: header bytes per head
+ * (0 for float pages; set by okv_attn_qpage). */
 typedef struct {
     const char *k, *v;
     int64_t start, end, kst, vst, khs, vhs;
     int kf, vf;
     const float *ksc, *kzp, *vsc, *vzp;
     const uint8_t *kce;
+    const float *kzw;
+    const int8_t *kzo;
     int64_t khb, vhb;
 } okv_kv_page;
 
 /* Dequantization parameters of one head of a quantized page: s, z its
  * scales / zero points (kG or vG of them); s1, z1 = s[0], z[0].  A compact
  * header: s, z NULL until decoded; cS, ce, cz the head's S, exponent codes
- * and zero-point codes (ce NULL for a float32 header). */
+ * and zero-point codes (ce NULL for a float32 header).  A channel-zero-point
+ * header (keys): s, z NULL, s1 the head's scale, z1 its z0 (okv_q_czp_z0),
+ * zo its D zero-point codes and zw their unit, so that zero point c = z1 + zw
+ * * zo[c]; zo NULL otherwise. */
 typedef struct {
     const float *s, *z;
     float s1, z1;
     const uint8_t *ce, *cz;
     float cS;
+    const int8_t *zo;
+    float zw;
 } okv_dq;
 
 /* Rows a tile function software-prefetches while it works: n rows of K at k

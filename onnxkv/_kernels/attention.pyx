@@ -69,6 +69,7 @@ cdef extern from "attention.h" nogil:
         const uint8_t *v_fmt
         int64_t kG, vG
         int k_compact
+        int k_czp
         int amx
     int OKV_BK
     int OKV_KV_F32
@@ -659,6 +660,7 @@ cdef void _fill_args(okv_attn_args *a, const float *q, float *out, const int32_t
     a.kG = 1
     a.vG = 1
     a.k_compact = 0
+    a.k_czp = 0
     a.amx = 0
 
 
@@ -783,12 +785,23 @@ cdef bint _positive_int_ok(x) except -1:
 
 cdef bint _quant_args_ok(k_group, v_group, k_header, int64_t D) except -1:
     """True when the groups are Python ints 1 or D and k_header is "float32", or
-    "compact" with k_group <= the compact header's groups (the conditions of
-    ``_validate.scale_group`` and ``header_kind``)."""
+    "compact" with k_group <= the compact header's groups, or "channel-zp" with
+    k_group == D (the conditions of ``_validate.scale_group``, ``header_kind``
+    and paged_attention's k_group check)."""
     if not (type(k_group) is int and type(v_group) is int and (k_group == 1 or k_group == D)
             and (v_group == 1 or v_group == D) and isinstance(k_header, str)):
         return False
-    return k_header == "float32" or (k_header == "compact" and k_group <= V.COMPACT_MAX_GROUPS)
+    return (k_header == "float32" or (k_header == "compact" and k_group <= V.COMPACT_MAX_GROUPS)
+            or (k_header == "channel-zp" and k_group == D))
+
+
+cdef void _set_key_header(okv_attn_args *a, int64_t kG, int kind) noexcept:
+    """The K plane's groups and header kind (a _validate.header_kind code: 1 HDR_COMPACT, 2
+    HDR_CZP) in ``a``: a channel-zero-point header has one scale per head (kG 1 for the kernel)
+    and D zero points."""
+    a.kG = 1 if kind == 2 else kG
+    a.k_compact = kind == 1
+    a.k_czp = kind == 2
 
 
 cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
@@ -856,8 +869,8 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
     if per_page:
         a.k_fmt = &kfv[0]
         a.v_fmt = &vfv[0]
-        a.kG, a.vG = k_group, v_group
-        a.k_compact = k_header == "compact"
+        a.vG = v_group
+        _set_key_header(&a, k_group, V.HEADERS.index(k_header))
     a.k_pages = &kp[0]
     a.v_pages = &vp[0]
     a.block_tables = &tv[0, 0]
@@ -913,7 +926,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
                  above) or "compact" (k_group <= 512: float32 S[kv_heads],
                  uint8 e[kv_heads*G], uint8 zc[kv_heads*G] padded to 64 bytes,
                  scale = S * 2^(-e/16) as quant.h decodes it, zero point zc;
-                 onnxkv.cache.formats).  V pages carry float32 headers.
+                 onnxkv.cache.formats) or "channel-zp" (k_group == D:
+                 float32 s[kv_heads], float32 w[kv_heads], int8
+                 o[kv_heads*D] padded to 64 bytes, scale s[h], zero point
+                 z0 + w[h] * o with z0 = 0 for signed formats and 2^(bits-1)
+                 for unsigned ones).  V pages carry float32 headers.
                  Keyword only.
     Every check (shapes, dtypes, format codes, groups, and for every row the
     table entries the call reads: page ids in range, nonzero 64-byte aligned
@@ -960,7 +977,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
                           else V.page_formats(name, f, P, D))
         kG = V.scale_group("k_group", k_group, D)
         vG = V.scale_group("v_group", v_group, D)
-        k_compact = V.header_kind("k_header", k_header, kG)
+        k_kind = V.header_kind("k_header", k_header, kG)
+        if k_kind == V.HDR_CZP and kG != D:
+            raise ValueError(f"k_group: a channel-zp K header has one zero point per channel: k_group must be the "
+                             f"head size {D}, got {kG}")
     if out.size == 0:
         return {"dequantized_bytes": 0, "workspace_peak_bytes": 0}
 
@@ -976,8 +996,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
         vfv = fmts["v_formats"]
         a.k_fmt = &kfv[0]
         a.v_fmt = &vfv[0]
-        a.kG, a.vG = kG, vG
-        a.k_compact = k_compact
+        a.vG = vG
+        _set_key_header(&a, kG, k_kind)
     if k_pages.size:
         kp = k_pages
         vp = v_pages

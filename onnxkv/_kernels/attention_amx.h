@@ -563,24 +563,31 @@ OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int
  * against the n keys of format fmt at k (kst bytes apart, head size D); the
  * rows of pf are software-prefetched first.  cpr: columns per row of the B
  * tiles, 3 (okv_amx_build for the code order of fmt: OKV_AMX_RPT rows per
- * tile) or 4 (okv_amx_build_pc: 4 rows per tile). */
+ * tile) or 4 (okv_amx_build_pc: 4 rows per tile).  zo (or NULL): the D int8
+ * zero-point codes of a channel-zero-point header, for 8-bit codes and nr <=
+ * OKV_AMX_RPT (one B tile per chunk; tiles 1 and 4 are then free) with cpr 3
+ * and zc NULL: zc[r] = zf * q_r . zo instead, from one more tile product per
+ * chunk on the first 16 keys (tile 4: the chunk's 64 codes in every row, by
+ * a load of stride 0; tile 1: its products with the B tile, row 0 read). */
 OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt, int64_t D, int nr,
                                const uint8_t *bt, const float *sr, float scale, const float *zc, float *s,
-                               okv_amx_ws *x, const okv_pf *pf, int cpr) {
+                               okv_amx_ws *x, const okv_pf *pf, int cpr, const int8_t *zo, float zf) {
     const int rpt = 16 / cpr, sgn = okv_q_signed(fmt), nt = (nr + rpt - 1) / rpt;
     const int bits = okv_q_bits(fmt);
     const int64_t nb = okv_q_row_bytes(fmt, D), direct = bits == 8 && D % 64 == 0, P = okv_amx_positions(D, bits);
     const float unit = (float)(1 << bits) / 256.f;   /* the widened codes' factor 2^(8 - bits), undone */
     const __m512 f16 = _mm512_set1_ps(65536.f), f8 = _mm512_set1_ps(256.f);
+    float zz[OKV_AMX_RPT];
     int64_t j0, c;
     int t, i;
     for (j0 = 0; j0 < n; j0 += 16) {
         const int64_t m = n - j0 < 16 ? n - j0 : 16;
         const uint8_t *src = k + j0 * kst;
+        const int zt = zo && j0 == 0;   /* the zero-point codes' tile products, on the first keys */
         int64_t st = kst;
         OKV_AMX_FENCE();   /* the B tiles are in memory */
         _tile_zero(0);
-        if (nt > 1) _tile_zero(1);
+        if (nt > 1 || zt) _tile_zero(1);
         _tile_loadd(3, bt, 64);   /* the first chunk's B tile loads while the keys are widened */
         if (!direct || m < 16) {
             okv_amx_expand(src, kst, m, fmt, nb, P, x);
@@ -593,6 +600,10 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
             if (c > 0) _tile_loadd(3, bt + c * x->tpi * OKV_AMX_TILE, 64);
             if (sgn) _tile_dpbssd(0, 2, 3);
             else _tile_dpbusd(0, 2, 3);
+            if (zt) {   /* every row of tile 4 holds the 64 zero-point codes of the chunk */
+                _tile_loadd(4, zo + 64 * c, 0);
+                _tile_dpbssd(1, 4, 3);
+            }
             if (nt > 1) {
                 _tile_loadd(4, bt + (c * x->tpi + 1) * OKV_AMX_TILE, 64);
                 if (sgn) _tile_dpbssd(1, 2, 4);
@@ -603,7 +614,14 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
         _tile_stored(0, x->cbuf, 64);
         if (nt > 1) _tile_stored(1, x->cbuf + 256, 64);
         okv_pf_rows(pf, j0 + 8, 8);
+        if (zt) _tile_stored(1, x->cbuf + 256, 64);
         OKV_AMX_FENCE();   /* C is in memory before it is read */
+        if (zt) {   /* row 0 of tile 1: column 3i + d = sum_c o[c] * digit d of row i's q_int[c] */
+            const int32_t *cz = x->cbuf + 256;
+            for (i = 0; i < nr; i++)
+                zz[i] = zf * sr[i] * (((float)cz[3 * i + 2] * 65536.f + (float)cz[3 * i + 1] * 256.f) + (float)cz[3 * i]);
+            zc = zz;
+        }
         for (t = 0; t < nt; t++) {
             const int rows = nr - rpt * t < rpt ? nr - rpt * t : rpt;
             __m512i v[16];

@@ -17,7 +17,13 @@
  * quant.h (a->k_compact): float32 S[H], uint8 e[H*G], uint8 zc[H*G], zero
  * padded to a multiple of 64 bytes, then the same codes; okv_dq_head and
  * okv_qk_chan_fold decode a head's entries (okv_q_compact_decode) where the
- * float32 header's would be read.
+ * float32 header's would be read.  Or the channel-zero-point header of
+ * quant.h (a->k_czp): float32 s[H], float32 w[H], int8 o[H*D], zero padded to
+ * a multiple of 64 bytes, then the same codes; element (h, t, c) is (code -
+ * z0 - w[h] o[h*D + c]) * s[h]: keys are scored by the per-head tiles (scale
+ * s[h], zero point z0) and the zero points' share, s[h] w[h] q.o per query
+ * row and page, is subtracted from the scores (okv_qk_czp; on AMX, 8-bit
+ * codes: one more tile product per chunk, okv_amx_qk).
  *
  * Loaders: the code readers of quant.h (okv_q_get, okv_q_load8: 8-bit codes by
  * sign/zero extension, 4- and 2-bit codes by one broadcast word and per-lane
@@ -63,21 +69,30 @@ static inline int64_t okv_fmt_bits(int f) {
     return f == OKV_FMT_F16 || f == OKV_FMT_BF16 ? 16 : 32;
 }
 
-/* One plane of page address addr, format f, G groups, compact header or not:
- * head hk's data at *p, *st bytes per token row, *hs bytes per head; header
- * entries of head hk at *sc / *zp (float32 header), or its S at *sc and its
- * exponent codes at *ce (compact header; *zp NULL); *hb header bytes per head.
- * All NULL / 0 for float pages. */
-static inline void okv_qplane(const okv_attn_args *a, uint64_t addr, int f, int64_t G, int compact, int64_t hk,
-                              const char **p, int64_t *st, int64_t *hs, const float **sc, const float **zp,
-                              const uint8_t **ce, int64_t *hb) {
+/* One plane of page address addr, format f, G groups, compact header, or
+ * channel-zero-point header (czp), or neither: head hk's data at *p, *st bytes
+ * per token row, *hs bytes per head; header entries of head hk at *sc / *zp
+ * (float32 header), or its S at *sc and its exponent codes at *ce (compact
+ * header; *zp NULL), or its s at *sc, w at *zw and D zero-point codes at *zo
+ * (czp; *zp NULL); *hb header bytes per head.  All NULL / 0 for float pages. */
+static inline void okv_qplane(const okv_attn_args *a, uint64_t addr, int f, int64_t G, int compact, int czp,
+                              int64_t hk, const char **p, int64_t *st, int64_t *hs, const float **sc,
+                              const float **zp, const uint8_t **ce, const float **zw, const int8_t **zo,
+                              int64_t *hb) {
     const char *base = (const char *)(uintptr_t)addr;
     *st = a->D * okv_fmt_bits(f) / 8;
     *hs = a->bs * *st;
-    *sc = *zp = NULL;
+    *sc = *zp = *zw = NULL;
     *ce = NULL;
+    *zo = NULL;
     *hb = 0;
-    if (okv_q_bits(f) && compact) {
+    if (okv_q_bits(f) && czp) {
+        *sc = (const float *)base + hk;
+        *zw = (const float *)base + a->Hkv + hk;
+        *zo = (const int8_t *)(base + 8 * a->Hkv) + hk * a->D;
+        *hb = 8 + a->D;
+        base += okv_q_czp_header_bytes(a->Hkv, a->D);
+    } else if (okv_q_bits(f) && compact) {
         *sc = (const float *)base + hk;
         *ce = (const uint8_t *)base + 4 * a->Hkv + hk * G;
         *hb = 4 + 2 * G;
@@ -99,11 +114,14 @@ static inline okv_kv_page okv_attn_qpage(const okv_attn_args *a, int64_t b, int6
     const int64_t blk = j / a->bs;
     const int32_t id = a->block_tables[b * a->M + blk];
     const uint8_t *vce;   /* V pages carry float32 headers */
+    const float *vzw;
+    const int8_t *vzo;
     pg.kf = a->k_fmt[id];
     pg.vf = a->v_fmt[id];
-    okv_qplane(a, a->k_pages[id], pg.kf, a->kG, a->k_compact, hk, &pg.k, &pg.kst, &pg.khs, &pg.ksc, &pg.kzp,
-               &pg.kce, &pg.khb);
-    okv_qplane(a, a->v_pages[id], pg.vf, a->vG, 0, hk, &pg.v, &pg.vst, &pg.vhs, &pg.vsc, &pg.vzp, &vce, &pg.vhb);
+    okv_qplane(a, a->k_pages[id], pg.kf, a->kG, a->k_compact, a->k_czp, hk, &pg.k, &pg.kst, &pg.khs, &pg.ksc,
+               &pg.kzp, &pg.kce, &pg.kzw, &pg.kzo, &pg.khb);
+    okv_qplane(a, a->v_pages[id], pg.vf, a->vG, 0, 0, hk, &pg.v, &pg.vst, &pg.vhs, &pg.vsc, &pg.vzp, &vce, &vzw, &vzo,
+               &pg.vhb);
     pg.start = blk * a->bs;
     pg.end = pg.start + a->bs;
     return pg;
@@ -116,9 +134,16 @@ static inline okv_kv_page okv_attn_qpage(const okv_attn_args *a, int64_t b, int6
  * page's header would otherwise miss the caches.  A compact K header: S and
  * the heads' exponent and zero-point codes, every line of both (nh * kG
  * bytes each; per-channel keys read them all for every page); otherwise the
- * first line of the scales and of the zero points. */
+ * first line of the scales and of the zero points.  A channel-zero-point K
+ * header: s, w and every line of the heads' zero-point codes. */
 static inline void okv_pf_header(const okv_attn_args *a, const okv_kv_page *pg, int64_t nh) {
-    if (pg->kce) {
+    if (pg->kzo) {
+        const char *o = (const char *)pg->kzo;
+        int64_t i;
+        _mm_prefetch((const char *)pg->ksc, _MM_HINT_T0);
+        _mm_prefetch((const char *)pg->kzw, _MM_HINT_T0);
+        for (i = -(int64_t)((uintptr_t)o & 63); i < nh * a->D; i += 64) _mm_prefetch(o + i, _MM_HINT_T0);
+    } else if (pg->kce) {
         const int64_t n = nh * a->kG;
         const char *e = (const char *)pg->kce, *z = e + a->Hkv * a->kG;
         int64_t i;
@@ -143,8 +168,13 @@ static inline void okv_pf_header(const okv_attn_args *a, const okv_kv_page *pg, 
 static inline okv_dq okv_dq_head(const okv_attn_args *a, const okv_kv_page *pg, int key, int64_t h) {
     const float *sc = key ? pg->ksc : pg->vsc, *zp = key ? pg->kzp : pg->vzp;
     const int64_t G = key ? a->kG : a->vG;
-    okv_dq d = {NULL, NULL, 0.f, 0.f, NULL, NULL, 0.f};
-    if (key && pg->kce) {
+    okv_dq d = {NULL, NULL, 0.f, 0.f, NULL, NULL, 0.f, NULL, 0.f};
+    if (key && pg->kzo) {
+        d.s1 = sc[h];
+        d.z1 = okv_q_czp_z0(pg->kf);
+        d.zo = pg->kzo + h * a->D;
+        d.zw = pg->kzw[h];
+    } else if (key && pg->kce) {
         d.cS = sc[h];
         d.ce = pg->kce + h * G;
         d.cz = d.ce + a->Hkv * G;
@@ -317,6 +347,19 @@ OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr
 #endif
 }
 
+/* Channel-zero-point keys (dq->zo): s[r*OKV_BK + j] -= f * q_r.zo, j < n, for
+ * the nr rows qr (D floats each, natural order; f = scale * s * w); zo
+ * decoded into qb (D floats of scratch). */
+OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_czp)(const float *const *qr, int nr, int64_t n, int64_t D, float f,
+                                            const int8_t *zo, float *qb, float *s) {
+    float zc[OKV_RG];
+    int64_t c;
+    int r;
+    for (c = 0; c < D; c++) qb[c] = (float)zo[c];
+    for (r = 0; r < nr; r++) zc[r] = f * OKV_QX(okv_dot_f32)(qr[r], qb, D);
+    okv_qk_sub_rows(s, nr, n, zc);
+}
+
 /* Quantized tile of format F: per-channel key scales folded into the query
  * rows (okv_qk_chan_fold), per-channel value scales dequantize in the load
  * step; per-head scales (s, z) score the raw codes c and fold the rest in:
@@ -332,6 +375,7 @@ OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_chan_fold)(const float *const *qr, int nr
     } else {                                                                                   \
         OKV_QX(okv_qk_rows_##F##h)(OKV_ILV_FMT(fmt) ? qi : qr, nr, c, n, D, scale * dq->s1, s, dq, pf); \
         if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);                  \
+        if (dq->zo) OKV_QX(okv_qk_czp)(qr, nr, n, D, scale * dq->s1 * dq->zw, dq->zo, qb, s);    \
     }                                                                                          \
     return
 #define OKV_PV_Q(F)                                                                            \
@@ -400,7 +444,9 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
  * (okv_amx_build_pc, which decodes a compact header itself, against the
  * rows' maxima found once per item: okv_amx_row_max), the zero points' share
  * subtracted from the scores as they are stored (none for signed codes with a
- * compact header, whose zero points are 0).
+ * compact header, whose zero points are 0).  A channel-zero-point header
+ * (dq->zo): per-head scores, and its zero points' share from the tiles too
+ * (okv_amx_qk's zo: 8-bit codes, nr <= OKV_AMX_RPT) or okv_qk_czp.
  * (4- and 2-bit per-channel keys keep the AVX-512 tiles: their code order
  * needs okv_amx_build's planes, which per page cost more than the AVX-512
  * scores they replace.) */
@@ -419,14 +465,20 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, int pc, const
         }
         const int zp = !(dq->ce && okv_q_signed(fmt));   /* a compact header's signed codes: zero points 0 */
         okv_amx_build_pc(qr, nr, D, dq, scale, qm, qc, x, bt, sr, zc, zp);
-        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zp ? zc : NULL, s, x, pf, 4);
+        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale, zp ? zc : NULL, s, x, pf, 4, NULL, 0.f);
         return;
     }
     if (x->tag[w] != bits) {
         okv_amx_build(qr, nr, D, bits, x, bt, sr);
         x->tag[w] = bits;
     }
-    okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, NULL, s, x, pf, 3);
+    if (dq->zo && bits == 8 && nr <= OKV_AMX_RPT) {   /* the zero points' share on the tiles too */
+        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, NULL, s, x, pf, 3, dq->zo,
+                   scale * dq->s1 * dq->zw);
+    } else {
+        okv_amx_qk((const uint8_t *)k, kst, n, fmt, D, nr, bt, sr, scale * dq->s1, NULL, s, x, pf, 3, NULL, 0.f);
+        if (dq->zo) OKV_QX(okv_qk_czp)(qr, nr, n, D, scale * dq->s1 * dq->zw, dq->zo, x->qp, s);
+    }
     if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
 }
 

@@ -23,6 +23,16 @@
  *   (unsigned).  The scalar and AVX2 decoders give bit-identical results, equal
  *   to onnxkv.cache.formats.decode_header and the NumPy twins.
  *
+ * Channel-zero-point header (onnxkv.cache.formats header "channel-zp": key pages
+ * with one scale per head and one zero point per channel), in place of the
+ * float32 one, same codes after it:
+ *   float32 s[H], float32 w[H], int8 o[H*G] (index h*G + g), zero padded to a
+ *   multiple of 64 bytes (okv_q_czp_header_bytes).  Decoded (okv_q_czp_decode):
+ *   scale[h*G + g] = s[h]; zero_point[h*G + g] = z0 + w[h] * o[h*G + g], z0 = 0
+ *   for signed formats and 2^(bits - 1) for unsigned ones, w[h] a power of two
+ *   in [1, 2^16]: integers, possibly outside the code range (the codes hold
+ *   each channel's values around its own offset).
+ *
  * Quantize (ONNX QuantizeLinear): q = saturate(rint(x / scale) + zp) with
  * round-half-to-even, float32 division and saturation to [qmin, qmax] done in
  * float (+-inf saturate; NaN gives qmin).  Dequantize: (q - zp) * scale in
@@ -107,6 +117,32 @@ static inline void okv_q_compact_decode_scalar(float S, const uint8_t *e, const 
         const float p2 = okv_bits_f32((uint32_t)(127 - (e[g] >> 4)) << 23);   /* 2^-(e >> 4), a normal float */
         scale[g] = (S * okv_q_steps[e[g] & 15]) * p2;
         zp[g] = (float)z[g];
+    }
+}
+
+/* ---- channel-zero-point header (see the top of this file) ---- */
+
+/* Header bytes of a channel-zero-point header with H heads and G groups per head (64-byte multiple). */
+static inline int64_t okv_q_czp_header_bytes(int64_t H, int64_t G) { return (H * 8 + H * G + 63) / 64 * 64; }
+
+/* The zero point z0 that a channel-zero-point header's offsets are added to:
+ * 0 for signed formats, 2^(bits - 1) (the middle code) for unsigned ones. */
+static inline float okv_q_czp_z0(int fmt) { return okv_q_signed(fmt) ? 0.f : (float)(1 << (okv_q_bits(fmt) - 1)); }
+
+/* Decodes G groups of head h of the channel-zero-point header at hdr (H heads;
+ * s and w read bytewise: hdr need not be aligned): scale[g] = s[h], zp[g] =
+ * z0 + w[h] * o[h*G + g] (exact: |zp| < 2^24). */
+static inline void okv_q_czp_decode(const uint8_t *hdr, int64_t H, int64_t G, int64_t h, int fmt, float *scale,
+                                    float *zp) {
+    const int8_t *o = (const int8_t *)(hdr + 8 * H) + h * G;
+    const float z0 = okv_q_czp_z0(fmt);
+    float s, w;
+    int64_t g;
+    memcpy(&s, hdr + 4 * h, sizeof(float));
+    memcpy(&w, hdr + 4 * (H + h), sizeof(float));
+    for (g = 0; g < G; g++) {
+        scale[g] = s;
+        zp[g] = z0 + w * (float)o[g];
     }
 }
 

@@ -8,7 +8,12 @@ token's D codes packed low bits first into D*bits/8 bytes (signed codes two's
 complement).  Or the compact header (``header`` "compact"; G <= 512): float32
 ``S[H]``, uint8 ``e[H*G]``, uint8 ``zc[H*G]``, zero padded to a multiple of 64
 bytes, decoded to scale = (S[h] * 2^(-(e & 15)/16) in float32) * 2^-(e >> 4)
-and zero_point = zc (``onnxkv.cache.formats`` encodes it).  Format codes are
+and zero_point = zc (``onnxkv.cache.formats`` encodes it).  Or the
+channel-zero-point header (``header`` "channel-zp", G = D): float32 ``s[H]``,
+float32 ``w[H]``, int8 ``o[H*G]``, zero padded to a multiple of 64 bytes,
+decoded to scale = s[h] and zero_point = z0 + w[h] * o (z0 = 0 for signed
+formats, 2^(bits-1) for unsigned ones; integers that may lie outside the code
+range).  Format codes are
 ONNX element types: 2 uint8, 3 int8, 21 uint4, 22 int4, 25 uint2, 26 int2;
 D*bits must be a multiple of 8.  The C row helpers live in ``quant.h`` (shared
 with the fused attention kernel).
@@ -38,6 +43,8 @@ cdef extern from "quant.h" nogil:
     int64_t okv_q_row_bytes(int fmt, int64_t D)
     int64_t okv_q_header_bytes(int64_t H, int64_t G)
     int64_t okv_q_compact_header_bytes(int64_t H, int64_t G)
+    int64_t okv_q_czp_header_bytes(int64_t H, int64_t G)
+    void okv_q_czp_decode(const uint8_t *hdr, int64_t H, int64_t G, int64_t h, int fmt, float *scale, float *zp)
     void okv_q_compact_decode(float S, const uint8_t *e, const uint8_t *z, float *scale, float *zp, int64_t G,
                               int simd)
     void okv_quant_row(const float *x, int fmt, const float *scale, const float *zp, int per_channel,
@@ -46,6 +53,9 @@ cdef extern from "quant.h" nogil:
                          float *out, int64_t D, int simd)
 
 DEF PAR_MIN = 16384   # elements of a call below which one thread does all rows
+# Header kind codes of _validate.header_kind (V.HDR_COMPACT, V.HDR_CZP), for nogil code.
+DEF HDR_COMPACT = 1
+DEF HDR_CZP = 2
 
 _FORMATS = "2 uint8, 3 int8, 21 uint4, 22 int4, 25 uint2, 26 int2"
 U8 = np.dtype(np.uint8)
@@ -90,7 +100,8 @@ cdef Py_ssize_t _first_bad_scale(const float[::1] s) noexcept nogil:
 
 
 cdef Py_ssize_t _first_bad_zero_point(const float[::1] z, float qmin, float qmax) noexcept nogil:
-    """Index of the first zero point that is not an integer in [qmin, qmax], or -1."""
+    """Index of the first zero point that is not an integer in [qmin, qmax], or -1 (integers
+    up to 2^24 in magnitude: qmin / qmax of a channel-zero-point header are +-2^24)."""
     cdef Py_ssize_t i
     for i in range(z.shape[0]):
         if not (z[i] >= qmin and z[i] <= qmax and z[i] == <float><int>z[i]):
@@ -108,23 +119,39 @@ cdef void _decode_compact(const uint8_t *hdr, int64_t H, int64_t G, float *scale
         okv_q_compact_decode(S, hdr + 4 * H + h * G, hdr + 4 * H + H * G + h * G, scale + h * G, zp + h * G, G, simd)
 
 
+cdef void _decode_header(int kind, const uint8_t *hdr, int64_t H, int64_t G, int fmt, float *scale, float *zp,
+                         int simd) noexcept nogil:
+    """scale[H*G] / zp[H*G] of the header of kind ``kind`` (V.HDR_*) at hdr (copied out or decoded:
+    hdr need not be aligned)."""
+    cdef int64_t h
+    if kind == HDR_COMPACT:
+        _decode_compact(hdr, H, G, scale, zp, simd)
+    elif kind == HDR_CZP:
+        for h in range(H):
+            okv_q_czp_decode(hdr, H, G, h, fmt, scale + h * G, zp + h * G)
+    else:
+        memcpy(scale, hdr, H * G * sizeof(float))
+        memcpy(zp, hdr + H * G * sizeof(float), H * G * sizeof(float))
+
+
 _NO_HEADER = np.zeros(1, U8)
 
 
-def _check_compact(header, H, G, scale, zero_point):
-    """Check a compact header for quantize_page: its length, and that it decodes exactly to scale / zero_point."""
+def _check_header(header, kind, H, G, fmt, scale, zero_point):
+    """Check the given header bytes of kind ``kind`` (V.HDR_COMPACT or V.HDR_CZP) for quantize_page:
+    their length, and that they decode exactly to scale / zero_point."""
     V.array("header", header, (U8,), ndim=1)
-    V.header_kind("group", "compact", G)
-    hb = okv_q_compact_header_bytes(H, G)
+    hb = _header_bytes(kind, H, G)
+    name = V.HEADERS[kind]
     if header.shape[0] != hb:
-        raise ValueError(f"header: a compact header of {H} heads and {G} groups per head has {hb} bytes, "
+        raise ValueError(f"header: a {name} header of {H} heads and {G} groups per head has {hb} bytes, "
                          f"got {header.shape[0]}")
     dec_s = np.empty(H * G, np.float32)
     dec_z = np.empty(H * G, np.float32)
     cdef const uint8_t[::1] hv = header
     cdef float[::1] ds = dec_s
     cdef float[::1] dz = dec_z
-    _decode_compact(&hv[0], H, G, &ds[0], &dz[0], okv_simd())
+    _decode_header(kind, &hv[0], H, G, fmt, &ds[0], &dz[0], okv_simd())
     bad = np.flatnonzero((dec_s != scale) | (dec_z != zero_point))
     if bad.size:
         i = int(bad[0])
@@ -133,11 +160,14 @@ def _check_compact(header, H, G, scale, zero_point):
                          "header's own decoded parameters)")
 
 
-def _header_bytes(compact, H, G):
-    return okv_q_compact_header_bytes(H, G) if compact else okv_q_header_bytes(H, G)
+def _header_bytes(kind, H, G):
+    if kind == V.HDR_COMPACT:
+        return okv_q_compact_header_bytes(H, G)
+    return okv_q_czp_header_bytes(H, G) if kind == V.HDR_CZP else okv_q_header_bytes(H, G)
 
 
-def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0, header=None):
+def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0, header=None,
+                  header_kind="compact"):
     """Quantize ``x`` into tokens ``t0 .. t0+n`` of a page and write its header.
 
     x: float32 [H, n, D] (C-contiguous; t0 + n <= block_size).  fmt_code: an
@@ -147,9 +177,10 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     whole page payload (header + H * block_size * D*bits/8 code bytes).
 
     header: None (the float32 header: scale, zero_point, zero padding), or
-    uint8 [compact header bytes of H heads, G groups; G <= 512]: a compact
-    header, written as given, that must decode exactly to ``scale`` /
-    ``zero_point`` (the codes are computed from those).
+    the uint8 header bytes of kind ``header_kind``, written as given, that must
+    decode exactly to ``scale`` / ``zero_point`` (the codes are computed from
+    those): "compact" (G <= 512) or "channel-zp" (G = D; its zero points are
+    integers that may lie outside the code range).
 
     Writes the whole header and the code bytes of tokens t0 .. t0+n of every
     head; every other token's bytes are left untouched (so a partly filled page
@@ -172,14 +203,26 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     i = _first_bad_scale(scale)
     if i >= 0:
         raise ValueError(f"scale: every scale must be finite and > 0, got scale[{i}] = {scale[i]}")
-    i = _first_bad_zero_point(zero_point, qmin, qmax)
+    kind = V.HDR_FLOAT32
+    if header is not None:
+        V.header_kind("header_kind", header_kind, 1)
+        kind = V.header_kind("group", header_kind, G)
+    if kind == V.HDR_FLOAT32 and header is not None:
+        raise ValueError("header_kind: header bytes are given, so it must be 'compact' or 'channel-zp', "
+                         "got 'float32' (pass header=None for the float32 header)")
+    if kind == V.HDR_CZP and G != D:
+        raise ValueError(f"group: a channel-zp header has one zero point per channel: group must be head_size {D}, "
+                         f"got {G}")
+    zlo, zhi = qmin, qmax
+    if kind == V.HDR_CZP:
+        zlo, zhi = -16777216, 16777216
+    i = _first_bad_zero_point(zero_point, zlo, zhi)
     if i >= 0:
-        raise ValueError(f"zero_point: every zero point must be an integer in [{qmin}, {qmax}] for format {fmt}, "
+        raise ValueError(f"zero_point: every zero point must be an integer in [{zlo}, {zhi}] for format {fmt}, "
                          f"got zero_point[{i}] = {zero_point[i]}")
-    compact = header is not None
-    if compact:
-        _check_compact(header, H, G, scale, zero_point)
-    hb = _header_bytes(compact, H, G)
+    if kind != V.HDR_FLOAT32:
+        _check_header(header, kind, H, G, fmt, scale, zero_point)
+    hb = _header_bytes(kind, H, G)
     row = okv_q_row_bytes(fmt, D)
     _page("out_page", out_page, hb + H * bs * row, True)
     for other, oname in ((x, "x"), (scale, "scale"), (zero_point, "zero_point"), (header, "header")):
@@ -188,16 +231,16 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     cdef const float[:, :, ::1] xv = x
     cdef const float[::1] sv = scale
     cdef const float[::1] zv = zero_point
-    cdef const uint8_t[::1] hv = header if compact else _NO_HEADER
+    cdef const uint8_t[::1] hv = header if header is not None else _NO_HEADER
     cdef uint8_t[::1] pv = out_page
     cdef uint8_t *base = &pv[0]
     cdef int64_t cH = H, cn = n, cD = D, cG = G, cbs = bs, ct0 = t, chb = hb, crow = row
-    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd(), ccompact = compact
+    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd(), given = header is not None
     cdef Py_ssize_t r, rows = cH * cn
     cdef int64_t h, tok
     cdef int nt = okv_threads() if rows * cD >= PAR_MIN else 1
     with nogil:
-        if ccompact:
+        if given:
             memcpy(base, &hv[0], chb)
         else:
             memcpy(base, &sv[0], cH * cG * sizeof(float))
@@ -219,7 +262,7 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     :func:`quantize_page`.  heads, block_size, head_size: the page's H, bs, D.
     tokens: 0 <= tokens <= block_size.  out: writeable float32 [H, tokens, D],
     not overlapping ``page``; receives (q - zp) * scale.  header: the page's
-    header kind, "float32" or "compact" (G <= 512).
+    header kind: "float32", "compact" (G <= 512) or "channel-zp" (G = D).
     """
     H = _int("heads", heads, 1)
     bs = _int("block_size", block_size, 1)
@@ -229,8 +272,11 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     n = _int("tokens", tokens, 0)
     if n > bs:
         raise ValueError(f"tokens: {n} exceeds block_size {bs}")
-    compact = V.header_kind("header", header, G)
-    hb = _header_bytes(compact, H, G)
+    kind = V.header_kind("header", header, G)
+    if kind == V.HDR_CZP and G != D:
+        raise ValueError(f"group: a channel-zp header has one zero point per channel: group must be head_size {D}, "
+                         f"got {G}")
+    hb = _header_bytes(kind, H, G)
     row = okv_q_row_bytes(fmt, D)
     _page("page", page, hb + H * bs * row, False)
     V.array("out", out, (V.F32,), shape=(H, n, D), writeable=True)
@@ -242,7 +288,7 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     cdef float[:, :, ::1] ov = out
     cdef const uint8_t *base = &pv[0]
     cdef int64_t cH = H, cn = n, cD = D, cG = G, cbs = bs, chb = hb, crow = row
-    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd(), ccompact = compact
+    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd(), ckind = kind
     cdef Py_ssize_t r, rows = cH * cn
     cdef int64_t h, tok
     cdef int nt = okv_threads() if rows * cD >= PAR_MIN else 1
@@ -251,10 +297,7 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     if hdr == NULL:
         raise MemoryError("dequantize_page: could not allocate the header copy")
     with nogil:
-        if ccompact:
-            _decode_compact(base, cH, cG, hdr, hdr + cH * cG, simd)
-        else:
-            memcpy(hdr, base, 2 * cH * cG * sizeof(float))
+        _decode_header(ckind, base, cH, cG, cfmt, hdr, hdr + cH * cG, simd)
         for r in prange(rows, num_threads=nt, schedule='static'):
             h = r // cn
             tok = r - h * cn

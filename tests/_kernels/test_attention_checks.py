@@ -325,7 +325,7 @@ def _paged_refusals():
          "k_group: must be 1 (per-head scales) or the head size 8 (per-channel), got 2"),
         (dict(ok, k_formats=fmt, v_group=1.0), TypeError, "v_group: expected an int, got float"),
         (dict(ok, k_formats=fmt, k_header="float16"), ValueError,
-         "k_header: expected 'float32' or 'compact', got 'float16'"),
+         "k_header: expected one of 'float32', 'compact', 'channel-zp', got 'float16'"),
     ]
 
 

@@ -323,7 +323,7 @@ def test_compact_header_arguments_are_checked():
         K.quantize_page(rand(rng, (1, 1, 520)), 2, np.ones(520, np.float32), np.zeros(520, np.float32), 520,
                         np.zeros(4096, np.uint8), 1, header=np.zeros(1088, np.uint8))
     out = np.full((H, bs, D), 9, np.float32)
-    with pytest.raises(ValueError, match="^header: expected 'float32' or 'compact', got 'f32'"):
+    with pytest.raises(ValueError, match="^header: expected one of 'float32', 'compact', 'channel-zp', got 'f32'"):
         K.dequantize_page(page, 2, H, bs, D, D, bs, out, "f32")
     with pytest.raises(ValueError, match="^page: page of 127 bytes is too small"):
         K.dequantize_page(page[:127], 2, H, 1, D, D, 1, out[:, :1], "compact")
