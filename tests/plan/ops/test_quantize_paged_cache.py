@@ -186,14 +186,8 @@ def test_channel_zp_rejections_leave_the_cache_unchanged(over, match):
     sess = onnxkv.Session(quantize_model(attend=False, key_channel_zero_points=1), threads=1)
     feeds = _feeds(rng, kz=np.zeros((2, H, D), np.int8), ks=np.full((2, H, D), 0.05, np.float32))
     feeds.update(over)
-    handle = PageSet.attach(feeds["past"])
-    state = (feeds["past"].copy(), handle.ptrs.copy(), handle.formats.copy())
-    with pytest.raises(InputError, match=match) as info:
-        sess.run(feeds)
-    assert "QuantizePagedCache node 'quantize'" in str(info.value)
-    for a, b in zip((feeds["past"], handle.ptrs, handle.formats), state):
-        np.testing.assert_array_equal(a, b)
-    assert not handle.any_converted and handle.headers == ["float32", "float32"]
+    handle = assert_rejected(sess, feeds, match)
+    assert handle.headers == ["float32", "float32"]
 
 
 def test_channel_zp_and_float32_key_pages_do_not_mix_in_a_plane():
@@ -239,7 +233,12 @@ def _feeds(rng, **over):
 def test_rejections_name_the_value_and_leave_the_cache_unchanged(over, match):
     rng = np.random.default_rng(2)
     sess = onnxkv.Session(quantize_model(attend=False), threads=1)
-    feeds = _feeds(rng, **over)
+    assert_rejected(sess, _feeds(rng, **over), match)
+
+
+def assert_rejected(sess, feeds, match):
+    """Run ``feeds`` expecting the node's InputError matching ``match``; assert the cache's bytes, addresses
+    and formats are unchanged and nothing was converted; return the cache's handle."""
     handle = PageSet.attach(feeds["past"])
     state = (feeds["past"].copy(), handle.ptrs.copy(), handle.formats.copy())
     with pytest.raises(InputError, match=match) as info:
@@ -248,6 +247,7 @@ def test_rejections_name_the_value_and_leave_the_cache_unchanged(over, match):
     for a, b in zip((feeds["past"], handle.ptrs, handle.formats), state):
         np.testing.assert_array_equal(a, b)
     assert not handle.any_converted
+    return handle
 
 
 @pytest.mark.parametrize("k_fmt, scale_type, over, match", [
