@@ -414,8 +414,9 @@ def test_out_of_memory_in_a_state_publishes_nothing_and_the_step_can_be_retried(
 
 @pytest.mark.parametrize("config, in_place", [
     ({"key_format": "int8", "value_format": "int4", "key_channel_scales": True}, True),
+    ({"key_format": "int8", "value_format": "int8", "key_channel_zero_points": True}, True),
     ({"key_format": "uint4", "num_kv_heads": 1, "block_size": 1, "max_blocks": 14}, False),  # 32-byte page halves
-], ids=["aligned-int8-int4", "small-pages-uint4"])
+], ids=["aligned-int8-int4", "aligned-channel-zp-int8", "small-pages-uint4"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, config, in_place, threads):
     calls = []
@@ -448,8 +449,9 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
             for plane, name, fmt in ((0, "key", cfg.key_format), (1, "value", cfg.value_format)):
                 if fmt is not None:
                     channel = name == "key" and cfg.key_channel_scales
-                    feeds[f"{name}_scale.{i}"], feeds[f"{name}_zero_point.{i}"] = params(pages[full, plane], fmt,
-                                                                                          channel)
+                    czp = name == "key" and cfg.key_channel_zero_points
+                    feeds[f"{name}_scale.{i}"], feeds[f"{name}_zero_point.{i}"] = (
+                        channel_zp_feed(pages[full, plane], fmt) if czp else params(pages[full, plane], fmt, channel))
         allocator_before = state.allocator.stats().live
         for step in range(3):  # the first decode step converts the pages, then its attention reads them
             hidden = rng.standard_normal((batch, 1, cfg.hidden_size)).astype(np.float32)
@@ -459,6 +461,7 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
                 for i, pages in enumerate(storage):  # the quantized K/V replace the logical float values
                     handle = PageSet.of(pages)
                     assert handle is not None and state._values[f"past.{i}"][1] is pages
+                    assert handle.headers[0] == ("channel-zp" if cfg.key_channel_zero_points else "float32")
                     keep = np.setdiff1d(np.arange(cfg.num_pages), full)
                     np.testing.assert_array_equal(handle.ptrs[:, keep], slots[i][:, keep])
                     assert (handle.ptrs[0, full] != slots[i][0, full]).all()
@@ -473,3 +476,17 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
         assert calls and all(f is not None for f in calls[-2 * 3:])  # per-page formats through the kernel
     else:
         assert not calls
+
+
+def test_paged_config_key_channel_zero_points():
+    with pytest.raises(ValueError, match="PagedConfig: key_channel_zero_points needs a key_format"):
+        PagedConfig(key_channel_zero_points=True)
+    with pytest.raises(ValueError, match="key_channel_scales and key_channel_zero_points are mutually exclusive"):
+        PagedConfig(key_format="int8", key_channel_scales=True, key_channel_zero_points=True)
+    cfg = PagedConfig(num_layers=2, key_format="int8", key_channel_zero_points=True)
+    model = build_paged_model(cfg, paged_weights(cfg, seed=1))
+    nodes = [n for n in model.graph.node if n.op_type == "QuantizePagedCache"]
+    assert len(nodes) == 2 and all([(a.name, a.i) for a in n.attribute] == [("key_channel_zero_points", 1)]
+                                   for n in nodes)
+    key_scale = next(i for i in model.graph.input if i.name == "key_scale.0")
+    assert len(key_scale.type.tensor_type.shape.dim) == 3          # [N, kv_heads, head_size]
