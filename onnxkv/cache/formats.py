@@ -441,9 +441,9 @@ def encode_header(fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np
     if scale.ndim != 1 or scale.size % h:
         raise InputError(f"{api}: scale must be [heads * G] with heads {h}, got shape {list(scale.shape)}")
     G = scale.size // h
-    out = np.zeros(header_bytes(f, h, G, _header_kind(api, header, G)), np.uint8)
-    if header == HEADER_CHANNEL_ZP:
+    if _header_kind(api, header, G) == HEADER_CHANNEL_ZP:
         return _encode_channel_zp(api, f, scale, zero_point, h)
+    out = np.zeros(header_bytes(f, h, G, header), np.uint8)
     if header == HEADER_FLOAT32:
         out[: 4 * h * G] = scale.view(np.uint8)
         out[4 * h * G: 8 * h * G] = zero_point.view(np.uint8)

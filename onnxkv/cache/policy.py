@@ -37,7 +37,8 @@ kernel score the codes with its per-head path plus one correction per page
 pages carry the channel-zp header of :mod:`onnxkv.cache.formats` (float32
 scale and zero-point unit per head, one int8 zero-point code per channel): at
 block size 16, 8 KV heads and head size 128 a key page costs 1088 + 16384
-bytes, 0.267x float32.  ``"int8-kivi"`` is KIVI itself: keys UINT8 with one
+bytes, 0.267x float32, and the cache (values INT8 per head) 0.259x.
+``"int8-kivi"`` is KIVI itself: keys UINT8 with one
 scale and zero point per (page, head, channel) in the compact header (a
 float32 S per head, then one exponent byte and one zero-point byte per
 channel; scales S * 2^(-e/16), rounded up: 0.282x float32 per key page),
