@@ -199,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="KV cache: in place (auto), paged with copy-on-write (paged), or graph tensors (tensor)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per page with --cache paged")
     g.add_argument("--kv-format", default=None,
-                   help="page formats (implies --cache paged): fp32, fp16, bf16, int8 (keys per channel, KIVI), int8-head, int4, residual-int8, residual-int4")
+                   help="page formats (implies --cache paged): fp32, fp16, bf16, int8 (keys: scale per head, zero point per channel), int8-kivi (keys per channel, KIVI), int8-head, int4, residual-int8, residual-int4")
     g.add_argument("--events", metavar="FILE.json", help="write the storage event log as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress display")
     g.set_defaults(func=_cmd_generate)

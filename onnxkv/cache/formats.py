@@ -24,7 +24,7 @@ to a multiple of 64 bytes, then the codes: per head, per token, D codes packed
 low bits first into D*bits/8 bytes (so D*bits must be a multiple of 8).  The
 kernels ``onnxkv._kernels.quantize_page`` / ``dequantize_page`` write and read
 it.  Scales and zero points come per group (h, g), index h*G + g: G = 1 "per
-head", or G = D "per channel".  Two header kinds:
+head", or G = D "per channel".  Three header kinds:
 
 ``"float32"``
     float32 ``scale[H*G]`` then float32 ``zero_point[H*G]``: any parameters
@@ -39,11 +39,31 @@ head", or G = D "per channel".  Two header kinds:
     group plus 4 per head: at block size 16 and head size 128, the key pages
     of 8 heads cost 2112 + 16384 bytes in UINT8 (0.282x float32) instead of
     8192 + 16384 (0.375x).
+``"channel-zp"``
+    float32 ``s[H]``, float32 ``w[H]``, int8 ``o[H*G]`` with G = D (the key
+    planes of the built-in "int8" policy): one scale per head, one zero point
+    per channel.  The group's scale is ``s[h]``; its zero point is the integer
+    ``z0 + w[h] * o[h*G + g]`` (``w[h]`` a power of two in 1 .. 2^16, ``z0`` 0
+    for signed formats and 2^(bits-1) for unsigned ones), which may lie
+    outside the code range.  8 bytes per head plus 1 per group: at block size
+    16, 8 heads and head size 128 an int8 key page costs 1088 + 16384 bytes
+    (0.267x float32).
+
+=============  =========================  ===============================
+header kind    bytes (before padding)     H = 8, G = D = 128 (G = 1)
+=============  =========================  ===============================
+"float32"      8 * H * G                  8192 (64)
+"compact"      4 * H + 2 * H * G          2112
+"channel-zp"   8 * H + H * G              1088
+=============  =========================  ===============================
 
 :func:`compact_params` chooses a compact header from the data: S = the
 largest exact scale of the head (rounded up to float32), and per group the
 largest e whose decoded scale is still >= the group's exact scale (scales are
-rounded up, never down, as in :func:`params_for`).
+rounded up, never down, as in :func:`params_for`).  :func:`channel_zp_params`
+chooses a channel-zp header: per head the scale and zero-point unit that
+minimise the scale while every channel's midpoint is a zero point and every
+code stays within 2^(bits-1) - 1 of ``z0``.
 """
 from __future__ import annotations
 
@@ -58,14 +78,19 @@ from onnxkv.errors import InputError, OutOfMemory
 HEADER_FLOAT32 = "float32"
 #: Header kind of quantized pages: float32 S per head, exponent and zero-point bytes per group.
 HEADER_COMPACT = "compact"
-HEADERS = (HEADER_FLOAT32, HEADER_COMPACT)
+#: Header kind of per-channel key pages: float32 scale and zero-point unit per head, int8 zero-point code per channel.
+HEADER_CHANNEL_ZP = "channel-zp"
+HEADERS = (HEADER_FLOAT32, HEADER_COMPACT, HEADER_CHANNEL_ZP)
+#: Largest zero-point unit w of a channel-zp header (w = 2^k, k <= 16).
+CHANNEL_ZP_MAX_UNIT_LOG2 = 16
 #: 2^(-i/16) rounded to float32 (i = 0..15) and 2^-k (k = 0..15): the factors of a compact scale.
 _STEPS = np.array([2.0 ** (-i / 16) for i in range(16)], np.float32)
 _OCTAVES = np.array([2.0 ** -k for k in range(16)], np.float32)
 
-__all__ = ["PageFormat", "FORMATS", "HEADERS", "HEADER_FLOAT32", "HEADER_COMPACT", "COMPACT_MAX_GROUPS",
-           "page_format", "groups_for", "header_bytes", "codes_bytes", "page_bytes", "params_for", "compact_params",
-           "encode_header", "decode_header", "check_params", "allocate_payload"]
+__all__ = ["PageFormat", "FORMATS", "HEADERS", "HEADER_FLOAT32", "HEADER_COMPACT", "HEADER_CHANNEL_ZP",
+           "COMPACT_MAX_GROUPS", "CHANNEL_ZP_MAX_UNIT_LOG2", "page_format", "groups_for", "header_bytes",
+           "codes_bytes", "page_bytes", "params_for", "compact_params", "channel_zp_params", "encode_header",
+           "decode_header", "check_params", "allocate_payload"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +112,12 @@ class PageFormat:
     qmax: int
     is_float: bool
     dtype: np.dtype | None
+
+    @property
+    def z0(self) -> int:
+        """The zero-point origin of a channel-zp header: 0 for signed formats, 2^(bits-1) for unsigned
+        ones (and float formats, which have none: 0)."""
+        return 0 if self.signed or self.is_float else 1 << (self.bits - 1)
 
 
 def _int_format(name: str, code: int, bits: int, signed: bool) -> PageFormat:
@@ -155,11 +186,13 @@ def _header_kind(api: str, header: str, groups: int) -> str:
 def header_bytes(fmt: str | int | PageFormat, heads: int, groups: int, header: str = HEADER_FLOAT32) -> int:
     """Bytes of a page header, rounded up to a multiple of 64: 0 for float formats;
     8 * heads * groups for ``header`` "float32" (float32 scale and zero point per group);
-    4 * heads + 2 * heads * groups for ``header`` "compact" (groups <= 512)."""
+    4 * heads + 2 * heads * groups for ``header`` "compact" (groups <= 512);
+    8 * heads + heads * groups for ``header`` "channel-zp" (float32 s and w per head, int8 o per group)."""
     f = page_format(fmt)
     h = _count("header_bytes", "heads", heads, 1)
     g = _count("header_bytes", "groups", groups, 1)
-    n = 4 * h + 2 * h * g if _header_kind("header_bytes", header, g) == HEADER_COMPACT else 8 * h * g
+    n = {HEADER_FLOAT32: 8 * h * g, HEADER_COMPACT: 4 * h + 2 * h * g,
+         HEADER_CHANNEL_ZP: 8 * h + h * g}[_header_kind("header_bytes", header, g)]
     return 0 if f.is_float else -(-n // 64) * 64
 
 
@@ -300,6 +333,91 @@ def compact_params(x: np.ndarray, fmt: str | int | PageFormat) -> tuple[np.ndarr
     return scale.reshape(H * D), zp.reshape(H * D), _pack_compact(S, e, zp.astype(np.uint8))
 
 
+def _pack_channel_zp(s: np.ndarray, w: np.ndarray, o: np.ndarray) -> np.ndarray:
+    """The channel-zp header bytes (uint8, zero padded to 64) of s, w float32 [H] and o int8 [H, G]."""
+    H, G = o.shape
+    out = np.zeros(-(-(8 * H + H * G) // 64) * 64, np.uint8)
+    out[: 4 * H] = np.ascontiguousarray(s, dtype=np.float32).view(np.uint8)
+    out[4 * H: 8 * H] = np.ascontiguousarray(w, dtype=np.float32).view(np.uint8)
+    out[8 * H: 8 * H + H * G] = np.ascontiguousarray(o, dtype=np.int8).reshape(-1).view(np.uint8)
+    return out
+
+
+def _channel_zp_decoded(f: PageFormat, s: np.ndarray, w: np.ndarray, o: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Decoded float32 scale and zero point [H * G] of a channel-zp header's s, w [H] and o [H, G]:
+    scale s[h], zero point z0 + w[h] * o (exact in float32: |w * o| <= 2^23)."""
+    H, G = o.shape
+    scale = np.repeat(s.astype(np.float32), G)
+    zp = np.float32(f.z0) + w.astype(np.float32)[:, None] * o.astype(np.float32)
+    return scale, zp.astype(np.float32).reshape(H * G)
+
+
+def channel_zp_params(x: np.ndarray, fmt: str | int | PageFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-head scales and per-channel zero points of ``x`` (float [H, n, D], n >= 1, finite) in a
+    channel-zp header.
+
+    Returns (scale, zero_point, header): the decoded float32 scale and zero
+    point [H * D] (index h*D + c; what the codes are computed with) and the
+    header bytes (uint8 [:func:`header_bytes` (fmt, H, D, "channel-zp")]).
+    Rule, with r = 2^(bits-1) - 1 and, per head h and channel c (float64),
+    ctr_c = (max_t x + min_t x) / 2, hr_c = (max_t x - min_t x) / 2,
+    HR = max_c hr_c, CT = max_c |ctr_c|: for every w = 2^k with w / 2 < r and
+    k <= 16, s_k = max(HR / (r - w/2), CT / (127 w)); the smallest s_k wins
+    (ties: the smallest k) and is rounded up to float32 (never down); a head
+    of zeros gets s = 1, w = 1.  Then o_c = clip(rint(-ctr_c / (s w)), -128,
+    127) and the zero point is z0 + w o_c (z0: 0 signed, 2^(bits-1) unsigned):
+    the code of x is rint(x / s) + z0 + w o_c, and the sign puts the channel's
+    midpoint at code z0.  Every |x / s + w o_c| <= hr_c / s + w / 2 <= r, so
+    codes do not saturate (beyond float32 rounding) and every value
+    reconstructs within s / 2.
+    """
+    f, xd = _quantizable("channel_zp_params", x, fmt)
+    H, _, D = x.shape
+    r = (1 << (f.bits - 1)) - 1
+    hi, lo = xd.max(axis=1), xd.min(axis=1)
+    ctr, hr = (hi + lo) / 2, (hi - lo) / 2
+    HR, CT = hr.max(axis=1), np.abs(ctr).max(axis=1)
+    units = np.array([2.0 ** k for k in range(CHANNEL_ZP_MAX_UNIT_LOG2 + 1) if 2.0 ** k / 2 < r])
+    cand = np.maximum(HR[None, :] / (r - units[:, None] / 2), CT[None, :] / (127 * units[:, None]))  # [K, H]
+    best = np.argmin(cand, axis=0)  # the first minimum: the smallest k on ties
+    exact = cand[best, np.arange(H)]
+    zeros = exact == 0  # HR = CT = 0: every value of the head is 0
+    s = np.where(zeros, np.float32(1), _scale_up(exact)).astype(np.float32)
+    w = np.where(zeros, 1.0, units[best]).astype(np.float32)
+    o = np.clip(np.rint(-ctr / (s.astype(np.float64) * w)[:, None]), -128, 127).astype(np.int8)
+    scale, zp = _channel_zp_decoded(f, s, w, o)
+    return scale, zp, _pack_channel_zp(s, w, o)
+
+
+def _encode_channel_zp(api: str, f: PageFormat, scale: np.ndarray, zero_point: np.ndarray, h: int) -> np.ndarray:
+    """Channel-zp header bytes holding ``scale`` / ``zero_point`` [h * G] exactly, or InputError naming the element."""
+    G = scale.size // h
+    s = scale.reshape(h, G)
+    bad = np.flatnonzero(s != s[:, :1])
+    if bad.size:
+        i = int(bad[0])
+        raise InputError(f"{api}: scale[{i}] = {float(scale[i])!r} differs from scale[{i - i % G}] = "
+                         f"{float(scale[i - i % G])!r}: a channel-zp header holds one scale per head (head {i // G})")
+    off = zero_point.astype(np.float64).reshape(h, G) - f.z0  # integers (check_params)
+    units = 2.0 ** np.arange(CHANNEL_ZP_MAX_UNIT_LOG2 + 1)
+    in_range = (off[None] >= -128 * units[:, None, None]) & (off[None] <= 127 * units[:, None, None])  # [K, h, G]
+    fits = in_range & (np.mod(off[None], units[:, None, None]) == 0)
+    w = np.empty(h, np.float32)
+    for head in range(h):
+        ok = np.flatnonzero(fits[:, head].all(axis=1))
+        if ok.size:
+            w[head] = units[ok[0]]
+            continue
+        wide = np.flatnonzero(in_range[:, head].all(axis=1))  # the units whose range holds every offset
+        c = int(np.argmax(np.abs(off[head]))) if not wide.size else int(np.flatnonzero(~fits[wide[0], head])[0])
+        i = head * G + c
+        raise InputError(f"{api}: zero_point[{i}] = {float(zero_point[i])!r}: no power of two w <= "
+                         f"2^{CHANNEL_ZP_MAX_UNIT_LOG2} makes every zero point of head {head} minus {f.z0} a multiple "
+                         "w * o with o in [-128, 127]: a channel-zp header cannot hold it")
+    o = (off / w.astype(np.float64)[:, None]).astype(np.int8)
+    return _pack_channel_zp(s[:, 0], w, o)
+
+
 def encode_header(fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np.ndarray, heads: int,
                   header: str = HEADER_FLOAT32, api: str = "encode_header") -> np.ndarray:
     """The header bytes (uint8 [:func:`header_bytes`]) holding ``scale`` / ``zero_point``.
@@ -310,15 +428,22 @@ def encode_header(fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np
     S is the largest scale, and every scale must be S * 2^(-e/16) as decoded
     for some e in 0..255 (true of every header :func:`compact_params` wrote,
     whose decoded parameters :func:`decode_header` returns); zero points must be
-    codes of 0..255 (0 for signed formats).  Errors start with ``api``.
+    codes of 0..255 (0 for signed formats).  "channel-zp" stores them exactly
+    or raises :class:`InputError` naming the element: every scale of a head
+    must be equal, and the head's zero points minus z0 (integers, possibly
+    outside the code range) must be w * o for one power of two w <= 2^16 (the
+    smallest one is stored) and o in [-128, 127] (true of every header
+    :func:`channel_zp_params` wrote).  Errors start with ``api``.
     """
     f = page_format(fmt)
-    check_params(api, f, scale, zero_point)
+    check_params(api, f, scale, zero_point, header=header)
     h = _count(api, "heads", heads, 1)
     if scale.ndim != 1 or scale.size % h:
         raise InputError(f"{api}: scale must be [heads * G] with heads {h}, got shape {list(scale.shape)}")
     G = scale.size // h
-    out = np.zeros(header_bytes(f, h, G, _header_kind(api, header, G)), np.uint8)
+    if _header_kind(api, header, G) == HEADER_CHANNEL_ZP:
+        return _encode_channel_zp(api, f, scale, zero_point, h)
+    out = np.zeros(header_bytes(f, h, G, header), np.uint8)
     if header == HEADER_FLOAT32:
         out[: 4 * h * G] = scale.view(np.uint8)
         out[4 * h * G: 8 * h * G] = zero_point.view(np.uint8)
@@ -357,19 +482,26 @@ def decode_header(page: np.ndarray, fmt: str | int | PageFormat, heads: int, gro
     if header == HEADER_FLOAT32:
         params = page[: 8 * n].copy().view(np.float32)
         return params[:n], params[n:]
+    if header == HEADER_CHANNEL_ZP:
+        sw = page[: 8 * heads].copy().view(np.float32)
+        o = page[8 * heads: 8 * heads + n].copy().view(np.int8).reshape(heads, groups)
+        return _channel_zp_decoded(f, sw[:heads], sw[heads:], o)
     S = page[: 4 * heads].copy().view(np.float32)
     e = page[4 * heads: 4 * heads + n].reshape(heads, groups)
     return _compact_scales(S, e).reshape(n), page[4 * heads + n: 4 * heads + 2 * n].astype(np.float32)
 
 
 def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np.ndarray,
-                 names: tuple[str, str] = ("scale", "zero_point")) -> None:
+                 names: tuple[str, str] = ("scale", "zero_point"), header: str = HEADER_FLOAT32) -> None:
     """Check given quantization parameters for the integer format ``fmt`` (QuantizeLinear's rules).
 
     ``scale`` and ``zero_point`` are float32 arrays of one shape (any): every
     scale must be finite and > 0, every zero point an integer in the code range
-    [qmin, qmax] of ``fmt``.  Raises :class:`InputError` starting with ``api``
-    and naming the first offending element (``names`` label the two arrays).
+    [qmin, qmax] of ``fmt`` -- except for ``header`` "channel-zp", whose zero
+    points are integers with |zp - z0| <= 128 * 2^16 (z0: 0 signed, 2^(bits-1)
+    unsigned; outside the code range is allowed).  Raises :class:`InputError`
+    starting with ``api`` and naming the first offending element (``names``
+    label the two arrays).
     """
     f = page_format(fmt)
     if f.is_float:
@@ -384,12 +516,17 @@ def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_
     bad = ~(np.isfinite(scale) & (scale > 0))
     if bad.any():
         i = tuple(int(x) for x in np.argwhere(bad)[0])
-        raise InputError(f"{api}: {names[0]}{list(i)} = {scale[i]!r} (every scale must be finite and > 0)")
-    bad = ~((zero_point >= f.qmin) & (zero_point <= f.qmax) & (np.rint(zero_point) == zero_point))
+        raise InputError(f"{api}: {names[0]}{list(i)} = {float(scale[i])!r} (every scale must be finite and > 0)")
+    if header == HEADER_CHANNEL_ZP:
+        reach = 128 << CHANNEL_ZP_MAX_UNIT_LOG2
+        lo, hi, what = f.z0 - reach, f.z0 + reach, f"with |zero_point - {f.z0}| <= {reach} (channel-zp header)"
+    else:
+        lo, hi, what = f.qmin, f.qmax, f"in [{f.qmin}, {f.qmax}]"
+    bad = ~((zero_point >= lo) & (zero_point <= hi) & (np.rint(zero_point) == zero_point))
     if bad.any():
         i = tuple(int(x) for x in np.argwhere(bad)[0])
-        raise InputError(f"{api}: {names[1]}{list(i)} = {zero_point[i]!r} (every zero point must be an integer in "
-                         f"[{f.qmin}, {f.qmax}] for format {f.name})")
+        raise InputError(f"{api}: {names[1]}{list(i)} = {float(zero_point[i])!r} (every zero point must be an integer "
+                         f"{what} for format {f.name})")
 
 
 def allocate_payload(allocator, fmt: str | int | PageFormat, nbytes: int, api: str) -> tuple[object, np.ndarray]:

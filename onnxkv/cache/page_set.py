@@ -16,7 +16,9 @@ format (the layout of :mod:`onnxkv.cache.formats`):
 (uint8 ``[planes, P]``) its ONNX element type code: the tables
 ``onnxkv._kernels.paged_attention`` reads.  ``groups[plane]`` is G of the
 plane's quantized pages (1: one scale per head, D: per head and channel; 0
-while the plane holds no quantized page).  Only the handle writes them.
+while the plane holds no quantized page) and ``headers[plane]`` their header
+kind ("float32", or "channel-zp": one scale per head and a zero point per
+channel, G = D).  Only the handle writes them.
 
 Binding.  A handle belongs to one tensor object.  :meth:`PageSet.of` finds
 it from that object or any full view of it (an array whose base chain
@@ -75,13 +77,16 @@ class PlaneTarget:
     (per page, head and channel, G = D), row ``i`` for the ``i``-th selected
     page; zero points are integers in the format's code range.  A float
     format ignores them (None allowed).  ``names`` label the two arrays in
-    error messages.
+    error messages.  ``header``: the header kind of the new quantized pages,
+    "float32", or "channel-zp" (``[N, H, D]`` parameters whose scales are
+    equal within each head).
     """
 
     fmt: str | int
     scale: np.ndarray | None = None
     zero_point: np.ndarray | None = None
     names: tuple[str, str] = ("scale", "zero_point")
+    header: str = formats.HEADER_FLOAT32
 
 
 @dataclass
@@ -152,6 +157,7 @@ class PageSet:
         self.ptrs = self._slots.copy()
         self.formats = np.full((planes, self.num_pages), self.native.code, np.uint8)
         self.groups = [0] * planes
+        self.headers = [formats.HEADER_FLOAT32] * planes
         #: (plane, page) -> (buffer, uint8 payload array) of every converted page.
         self._payloads: dict[tuple[int, int], tuple] = {}
         self.lock = threading.RLock()
@@ -252,16 +258,18 @@ class PageSet:
                 return stored_to_float32(self._float_view(arr, fmt), fmt.name)
             shape = (self.heads, self.block_size, self.head_size)
             out = np.empty(shape, np.float32)
-            _kernels.dequantize_page(arr, fmt.code, *shape, self.groups[plane], self.block_size, out)
+            _kernels.dequantize_page(arr, fmt.code, *shape, self.groups[plane], self.block_size, out,
+                                     self.headers[plane])
             return out
 
     # -- conversion ------------------------------------------------------------------
     def _check_target(self, api: str, plane: int, target: PlaneTarget, n: int,
-                      selected: np.ndarray) -> tuple[formats.PageFormat, int, np.ndarray | None, np.ndarray | None]:
-        """(format, G, scale [n, H*G], zero point [n, H*G]) of a validated target (G = 0 and None for floats)."""
+                      selected: np.ndarray) -> tuple:
+        """(format, G, scale [n, H*G], zero point [n, H*G], header bytes [n] or None) of a validated
+        target (G = 0 and None for floats; header bytes for channel-zp targets only)."""
         fmt = formats.page_format(target.fmt)
         if fmt.is_float:
-            return fmt, 0, None, None
+            return fmt, 0, None, None, None
         h, d = self.heads, self.head_size
         if d * fmt.bits % 8:
             raise InputError(f"{api}: format {fmt.name} needs head_size * {fmt.bits} bits to be a multiple of 8, "
@@ -274,20 +282,36 @@ class PageSet:
                                  f"(per page, head and channel) for {n} selected page(s), got {shape}")
         formats.check_params(api, fmt, scale, zero, target.names)
         g = 1 if scale.ndim == 2 else d
+        czp = target.header == formats.HEADER_CHANNEL_ZP
+        if czp and g == 1:
+            raise InputError(f"{api}: {target.names[0]} must be [{n}, {h}, {d}] for channel-zp pages (one scale per "
+                             f"head repeated over its channels, a zero point per channel), got {list(scale.shape)}")
         quantized = self.quantized(plane) & ~selected
-        if quantized.any() and g != self.groups[plane]:
-            have = "per head" if self.groups[plane] == 1 else "per channel"
-            raise InputError(f"{api}: {target.names[0]} gives {'per-head' if g == 1 else 'per-channel'} scales "
-                             f"but plane {plane} already holds pages quantized {have} (e.g. page "
-                             f"{int(np.flatnonzero(quantized)[0])}); one granularity per plane")
-        return fmt, g, scale.reshape(n, h * g), zero.reshape(n, h * g)
+        if quantized.any() and (g, target.header) != (self.groups[plane], self.headers[plane]):
+            have = {1: "per head", d: "per channel"}[self.groups[plane]]
+            if self.headers[plane] == formats.HEADER_CHANNEL_ZP:
+                have = "with channel-zp headers"
+            gives = "channel-zp" if czp else {1: "per-head", d: "per-channel"}[g]
+            raise InputError(f"{api}: {target.names[0]} gives {gives} scales but plane {plane} already holds pages "
+                             f"quantized {have} (e.g. page {int(np.flatnonzero(quantized)[0])}); one granularity per "
+                             "plane")
+        scale, zero = scale.reshape(n, h * g), zero.reshape(n, h * g)
+        headers = None
+        if czp:  # every header encoded (and checked) before anything is built
+            headers = [formats.encode_header(fmt, np.ascontiguousarray(scale[i]), np.ascontiguousarray(zero[i]), h,
+                                             target.header, f"{api}: page {i} of {target.names[0]} / {target.names[1]}")
+                       for i in range(n)]
+        return fmt, g, scale, zero, headers
 
-    def _build(self, plane: int, page: int, fmt: formats.PageFormat, g: int, scale, zero) -> tuple:
-        """(buffer, payload, values) of ``page`` in ``fmt``; buffer None when it returns to its tensor slot."""
+    def _build(self, plane: int, page: int, fmt: formats.PageFormat, g: int, scale, zero,
+               header: np.ndarray | None) -> tuple:
+        """(buffer, payload, values) of ``page`` in ``fmt``; buffer None when it returns to its tensor slot.
+        ``header``: channel-zp header bytes, or None for a float32 header."""
         x = self.page_values(plane, page)
         if fmt.code == self.native.code:
             return None, None, x
-        nbytes = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, max(g, 1))
+        kind = formats.HEADER_FLOAT32 if header is None else formats.HEADER_CHANNEL_ZP
+        nbytes = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, max(g, 1), kind)
         buf, arr = formats.allocate_payload(self.allocator, fmt, nbytes, "PageSet")
         if fmt.is_float:
             typed = self._float_view(arr, fmt)
@@ -296,8 +320,9 @@ class PageSet:
             else:
                 typed[...] = x
         else:
+            extra = {} if header is None else {"header": header, "header_kind": kind}
             _kernels.quantize_page(x, fmt.code, np.ascontiguousarray(scale), np.ascontiguousarray(zero), g, arr,
-                                   self.block_size)
+                                   self.block_size, **extra)
         return buf, arr, None
 
     def convert(self, indices: np.ndarray, targets: Sequence[PlaneTarget | None],
@@ -346,14 +371,15 @@ class PageSet:
                 for plane, spec in enumerate(checked):
                     if spec is None:
                         continue
-                    fmt, g, scale, zero = spec
+                    fmt, g, scale, zero, headers = spec
                     for i, page in enumerate(idx.tolist()):
                         if fmt.is_float and int(self.formats[plane, page]) == fmt.code:
                             continue
                         if int(self.formats[plane, page]) not in _FLOAT_CODES:
                             cost.dequantized_bytes += self._payloads[(plane, page)][1].nbytes
                         buf, arr, x = self._build(plane, page, fmt, g, None if scale is None else scale[i],
-                                                  None if zero is None else zero[i])
+                                                  None if zero is None else zero[i],
+                                                  None if headers is None else headers[i])
                         built.append((plane, page, fmt, g, buf, arr, x))
                         if buf is not None:
                             cost.allocations += 1
@@ -363,12 +389,12 @@ class PageSet:
                     if buf is not None:
                         self.allocator.free(buf)
                 raise
-            undo = (self.ptrs.copy(), self.formats.copy(), list(self.groups))
+            undo = (self.ptrs.copy(), self.formats.copy(), list(self.groups), list(self.headers))
             for plane, page, fmt, g, buf, arr, x in built:
                 self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost, staged)
-            for plane, spec in enumerate(checked):
+            for plane, (spec, target) in enumerate(zip(checked, targets)):
                 if spec is not None:
-                    self._sync_group(plane, spec[1])
+                    self._sync_group(plane, spec[1], target.header)
             if staged:
                 cost._pending = (undo, built)
                 cost._handle = self
@@ -376,7 +402,7 @@ class PageSet:
 
     def _finish(self, cost: ConvertCost, keep: bool) -> None:
         """Commit (``keep``) or roll back the staged conversion ``cost`` (see :meth:`convert`)."""
-        (ptrs, fmts, groups), built = cost._pending
+        (ptrs, fmts, groups, headers), built = cost._pending
         cost._pending = None
         with self.lock:
             tensor = self._tensor()
@@ -401,6 +427,7 @@ class PageSet:
                 self.ptrs[...] = ptrs
                 self.formats[...] = fmts
                 self.groups[:] = groups
+                self.headers[:] = headers
 
     def _publish(self, tensor: np.ndarray, plane: int, page: int, fmt: formats.PageFormat, g: int, buf,
                  arr: np.ndarray | None, x: np.ndarray | None, cost: ConvertCost, staged: bool) -> None:
@@ -424,9 +451,15 @@ class PageSet:
         self.formats[plane, page] = fmt.code
         cost.pages += 1
 
-    def _sync_group(self, plane: int, g: int) -> None:
-        """G of ``plane`` after a conversion whose target had G = ``g`` (0: a float target)."""
-        self.groups[plane] = (g or self.groups[plane]) if self.quantized(plane).any() else 0
+    def _sync_group(self, plane: int, g: int, header: str) -> None:
+        """G and header kind of ``plane`` after a conversion whose target had G = ``g`` (0: a float
+        target) and header kind ``header``."""
+        quantized = self.quantized(plane).any()
+        if g and quantized:
+            self.headers[plane] = header
+        elif not quantized:
+            self.headers[plane] = formats.HEADER_FLOAT32
+        self.groups[plane] = (g or self.groups[plane]) if quantized else 0
 
     # -- checks ----------------------------------------------------------------------
     def audit(self) -> None:
@@ -441,7 +474,8 @@ class PageSet:
                     else:
                         fmt = formats.page_format(code)
                         g = max(self.groups[plane], 1) if not fmt.is_float else 1
-                        want = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, g)
+                        want = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, g,
+                                                  self.headers[plane] if not fmt.is_float else formats.HEADER_FLOAT32)
                         ok = held is not None and int(self.ptrs[plane, page]) == _address(held[1]) and \
                             held[1].nbytes == want and int(self.ptrs[plane, page]) % _ALIGNMENT == 0
                     if not ok:

@@ -70,7 +70,12 @@ class PlaneSpec:
     "bfloat16"; bfloat16 is held as uint16 bit patterns) in which pages are
     written; full pages may be converted to other formats later (see
     :meth:`BlockPool.convert_page`).  ``model_dtype`` is the element type the
-    model feeds and reads.
+    model feeds and reads.  ``groups`` and ``header`` give the layout of the
+    plane's quantized pages (:mod:`onnxkv.cache.formats`), one of: groups 1
+    with header "float32" (one scale per head); groups head_size with header
+    "compact" (a scale and zero point per channel, head_size <= 512: KIVI
+    keys); groups head_size with header "channel-zp" (one scale per head, a
+    zero point per channel).  :class:`BlockPool` rejects other pairs.
     """
 
     name: str
@@ -80,16 +85,12 @@ class PlaneSpec:
     model_dtype: str = "float32"
     #: Scale groups of quantized pages: 1 (one scale per head) or head_size (per channel, for keys).
     groups: int = 1
+    #: Header kind of the plane's quantized pages: "float32", "compact" or "channel-zp".
+    header: str = formats.HEADER_FLOAT32
 
     @property
     def dtype(self) -> np.dtype:
         return _STORAGE[self.storage]
-
-    @property
-    def header(self) -> str:
-        """Header kind of the plane's quantized pages (:mod:`onnxkv.cache.formats`): "compact" with
-        per-channel scales (groups > 1; head_size <= 512), "float32" with one scale per head."""
-        return formats.HEADER_COMPACT if self.groups > 1 else formats.HEADER_FLOAT32
 
     def page_bytes(self, block_size: int) -> int:
         return self.heads * block_size * self.head_size * self.dtype.itemsize
@@ -134,6 +135,13 @@ class BlockPool:
             if p.groups not in (1, p.head_size):
                 raise InputError(f"BlockPool: plane '{p.name}' groups must be 1 or its head_size {p.head_size}, "
                                  f"got {p.groups!r}")
+            if p.header not in formats.HEADERS:
+                raise InputError(f"BlockPool: plane '{p.name}' header must be one of {list(formats.HEADERS)}, "
+                                 f"got {p.header!r}")
+            want = 1 if p.header == formats.HEADER_FLOAT32 else p.head_size
+            if p.groups != want:
+                raise InputError(f"BlockPool: plane '{p.name}' with header {p.header!r} needs groups {want} "
+                                 f"({'one scale per head' if want == 1 else 'one group per channel'}), got {p.groups}")
             if p.header == formats.HEADER_COMPACT and p.groups > formats.COMPACT_MAX_GROUPS:
                 raise InputError(f"BlockPool: plane '{p.name}' has per-channel scales over head_size {p.head_size}; "
                                  f"their compact page headers hold at most {formats.COMPACT_MAX_GROUPS} channels "
@@ -333,6 +341,10 @@ class BlockPool:
         elif spec.header == formats.HEADER_COMPACT:
             scale, zero, header = formats.compact_params(x, fmt)
             _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size, header=header)
+        elif spec.header == formats.HEADER_CHANNEL_ZP:
+            scale, zero, header = formats.channel_zp_params(x, fmt)
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size, header=header,
+                                   header_kind=formats.HEADER_CHANNEL_ZP)
         else:
             scale, zero = formats.params_for(x, fmt, "head")
             _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size)
@@ -726,7 +738,8 @@ class PagedPlane:
 
     @property
     def header(self) -> str:
-        """Header kind of this plane's quantized pages ("float32" or "compact"; :attr:`PlaneSpec.header`)."""
+        """Header kind of this plane's quantized pages ("float32", "compact" or "channel-zp";
+        :attr:`PlaneSpec.header`)."""
         return self.spec.header
 
     def write(self, new: np.ndarray, starts, length: int) -> WriteCost:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
+from onnxkv.cache.formats import CHANNEL_ZP_MAX_UNIT_LOG2
 from onnxkv.errors import SerializationError
 
 __all__ = [
@@ -100,7 +101,9 @@ class PagePayload:
     ``[kv_heads, length, head_size * bits / 8]`` (low bits first) and
     ``scale`` / ``zero_point`` float32 ``[kv_heads * G]`` with ``G`` 1 (per
     head) or ``head_size`` (per channel); a value is ``(code - zero_point) *
-    scale``.
+    scale``.  Zero points are integers in the format's code range, except per
+    channel, where they may lie outside it as a channel-zp header's do
+    (|zero_point - z0| <= 128 * 2^16, z0 = 0 signed, 2^(bits-1) unsigned).
 
     Two payloads are equal when their formats match and their arrays have the
     same shape, element type and bits (so NaN equals the same NaN).
@@ -339,8 +342,8 @@ def _row_bytes(page_format: str, head_size: int, where: str, role: str) -> int:
 
 def _check_params(page_format: str, scale, zero_point, heads: int, head_size: int, where: str, role: str) -> None:
     """Quantization parameters: float32 [heads * G] each, G in {1, head_size}; scale > 0; zero points
-    integral and in the format's code range."""
-    _, lo, hi = _QUANTIZED[page_format]
+    integral and in the format's code range (per channel: within a channel-zp header's reach)."""
+    bits, lo, hi = _QUANTIZED[page_format]
     for name, a in (("scale", scale), ("zero_point", zero_point)):
         if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.newbyteorder("<") != np.dtype("<f4"):
             raise _fail(where, f"{role} page of format {page_format!r} needs a 1-D float32 {name}, got "
@@ -350,6 +353,9 @@ def _check_params(page_format: str, scale, zero_point, heads: int, head_size: in
                            f"{heads} (one per head) or {heads * head_size} (one per head and channel)")
     if not (np.isfinite(scale).all() and (scale > 0).all()):
         raise _fail(where, f"{role} page scales must be finite and > 0")
+    if scale.size == heads * head_size and head_size > 1:  # a channel-zp header's zero points: z0 + w * o
+        z0 = 0 if lo < 0 else 1 << (bits - 1)
+        lo, hi = z0 - (128 << CHANNEL_ZP_MAX_UNIT_LOG2), z0 + (128 << CHANNEL_ZP_MAX_UNIT_LOG2)
     if not (np.isfinite(zero_point).all() and (zero_point == np.rint(zero_point)).all()
             and zero_point.min() >= lo and zero_point.max() <= hi):
         raise _fail(where, f"{role} page zero points must be integers in [{lo}, {hi}] ({page_format})")
@@ -459,7 +465,8 @@ def validate(snapshot: CacheSnapshot) -> None:
     formats), or, for the quantized formats (int8, uint8, int4, uint4, int2,
     uint2), packed codes uint8 ``[kv_heads, length, head_size * bits / 8]``
     with float32 ``scale``/``zero_point`` of ``kv_heads`` or ``kv_heads *
-    head_size`` entries (scales > 0, zero points integral and in range); each
+    head_size`` entries (scales > 0, zero points integral and in range -- per
+    channel, within the reach of a channel-zp header, see :class:`PagePayload`); each
     layer's blocks tile its sequence as :class:`SequenceRecord` describes; all
     integers fit in int64; strings are UTF-8 encodable.
     """

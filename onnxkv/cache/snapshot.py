@@ -6,7 +6,8 @@ and key/value payloads in their stored format (see
 :mod:`onnxkv.cache.serialize` for the wire format).  Pages shared between rows
 are written once per row that holds them.  Quantized payloads carry their
 decoded float32 scales and zero points whatever the page's header kind (a
-compact header is decoded on saving and encoded again, exactly, on loading).
+compact or channel-zp header is decoded on saving and encoded again, exactly,
+on loading, in the header kind of the loading state's plane).
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
                 groups = None if payload.scale is None else payload.scale.size // spec.heads
                 if groups is not None and groups != spec.groups:
                     raise InputError(f"resume: block at {blk.start} of '{name}' has {groups} scale(s) per head, the "
-                                     f"state uses {spec.groups} (key_channel_scales)")
+                                     f"state's plane has {spec.groups} group(s) per head with {spec.header!r} headers "
+                                     "(key_channel_scales / key_channel_zero_points)")
                 headers[id(payload), index[name]] = _header(pool, index[name], payload)
     batch = len(snapshot.sequences)
     need = sum(-(-seq.length // bs) - seq.first_position // bs for seq in snapshot.sequences)

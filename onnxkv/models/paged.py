@@ -22,7 +22,8 @@ nothing; a step that feeds them converts those pages (of every layer) before
 the step's attention reads them::
 
     quantize_blocks       int32 [N]            distinct page ids (full pages: no later token goes there)
-    key_scale.{i}         float32 [N, kv_heads] or, with key_channel_scales, [N, kv_heads, head_size]
+    key_scale.{i}         float32 [N, kv_heads] or, with key_channel_scales or key_channel_zero_points,
+                          [N, kv_heads, head_size] (key_channel_zero_points: equal within each head)
     key_zero_point.{i}    key_format's type, the shape of key_scale.{i}
     value_scale.{i}       float32 [N, kv_heads]
     value_zero_point.{i}  value_format's type, the shape of value_scale.{i}
@@ -66,7 +67,10 @@ class PagedConfig:
     ``key_format`` / ``value_format``: None, or an integer page format
     ("int8", "uint8", "int4", "uint4", "int2", "uint2") that the model's
     ``QuantizePagedCache`` nodes convert fed pages to (see the module
-    docstring); ``key_channel_scales`` gives keys one scale per channel.
+    docstring); ``key_channel_scales`` gives keys one scale per channel;
+    ``key_channel_zero_points`` gives keys one scale per head and one zero
+    point per channel (channel-zp pages: the nodes' ``key_channel_zero_points``
+    attribute).  At most one of the two.
     """
 
     hidden_size: int = 32
@@ -85,6 +89,7 @@ class PagedConfig:
     key_format: str | None = None
     value_format: str | None = None
     key_channel_scales: bool = False
+    key_channel_zero_points: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_size", "num_layers", "num_pages",
@@ -107,8 +112,11 @@ class PagedConfig:
             if value is not None and self.head_size * _QUANTIZED[value][1] % 8:
                 raise ValueError(f"PagedConfig: {name}={value!r} needs head_size * bits to be a multiple of 8, "
                                  f"head_size is {self.head_size}")
-        if self.key_channel_scales and self.key_format is None:
-            raise ValueError("PagedConfig: key_channel_scales needs a key_format")
+        for name in ("key_channel_scales", "key_channel_zero_points"):
+            if getattr(self, name) and self.key_format is None:
+                raise ValueError(f"PagedConfig: {name} needs a key_format")
+        if self.key_channel_scales and self.key_channel_zero_points:
+            raise ValueError("PagedConfig: key_channel_scales and key_channel_zero_points are mutually exclusive")
 
     @property
     def capacity(self) -> int:
@@ -162,10 +170,12 @@ def build_paged_model(cfg: PagedConfig, weights: tuple[PagedLayerWeights, ...] |
         past = g.input(f"past.{i}", elem, cfg.past_shape)
         base = f"/model/layers.{i}/attn"
         if quantize:
-            params = [*_plane_inputs(g, cfg, "key", i, cfg.key_format, cfg.key_channel_scales, elem),
+            per_channel = cfg.key_channel_scales or cfg.key_channel_zero_points
+            params = [*_plane_inputs(g, cfg, "key", i, cfg.key_format, per_channel, elem),
                       *_plane_inputs(g, cfg, "value", i, cfg.value_format, False, elem)]
+            attrs = {"key_channel_zero_points": 1} if cfg.key_channel_zero_points else {}
             past = g.node("QuantizePagedCache", [past, blocks, *params], f"{base}/QuantizePagedCache",
-                          outputs=[f"c.{i}"], domain="ai.rt")
+                          outputs=[f"c.{i}"], domain="ai.rt", **attrs)
             set_output_alias(g.nodes[-1], [OutputAlias(0, 0)])
         q, k, v = (g.node("MatMul", [x, g.initializer(f"layers.{i}.{name}.weight", getattr(w, name))],
                           f"{base}/{name}/MatMul") for name in ("q_proj", "k_proj", "v_proj"))

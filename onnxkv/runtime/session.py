@@ -102,7 +102,7 @@ class Session:
     def new_state(self, initial=None, capacity: int | None = None, initial_capacity: int = 32,
                   allocator=None, cache_dtype: str | None = None, cache: str = "contiguous",
                   block_size: int = 16, max_pages: int | None = None, kv_format=None,
-                  key_channel_scales: bool = False) -> State:
+                  key_channel_scales: bool = False, key_channel_zero_points: bool = False) -> State:
         """A persistent per-request :class:`~onnxkv.runtime.state.State` (see there).
 
         ``cache="paged"`` stores the caches in pages of ``block_size`` tokens
@@ -111,11 +111,15 @@ class Session:
         ``allocator``, a paged state's pages come from a new
         :class:`~onnxkv.alloc.SlabAllocator` (huge-page backed chunks, one
         lane per plane), a contiguous state's caches from a new
-        :class:`~onnxkv.alloc.SystemAllocator`.
+        :class:`~onnxkv.alloc.SystemAllocator`.  ``key_channel_scales`` /
+        ``key_channel_zero_points`` choose the layout of quantized key pages
+        (a scale and zero point per channel, or one scale per head and a zero
+        point per channel; at most one).
         """
         return State(self, initial=initial, capacity=capacity, initial_capacity=initial_capacity,
                      allocator=allocator, cache_dtype=cache_dtype, cache=cache, block_size=block_size,
-                     max_pages=max_pages, kv_format=kv_format, key_channel_scales=key_channel_scales)
+                     max_pages=max_pages, kv_format=kv_format, key_channel_scales=key_channel_scales,
+                     key_channel_zero_points=key_channel_zero_points)
 
     def __repr__(self) -> str:
         src = self.model.path or "<in-memory model>"

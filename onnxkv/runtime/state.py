@@ -35,10 +35,10 @@ from onnxkv.alloc import SlabAllocator, as_allocator
 from onnxkv.cache import bound
 from onnxkv.cache.contiguous import CacheTensor
 from onnxkv.cache import serialize
-from onnxkv.cache.formats import page_format
+from onnxkv.cache.formats import HEADER_CHANNEL_ZP, HEADER_COMPACT, HEADER_FLOAT32, page_format
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
 from onnxkv.cache.page_set import PageSet
-from onnxkv.cache.policy import make_selector
+from onnxkv.cache.policy import key_header, make_selector
 from onnxkv.cache.snapshot import paged_from_snapshot, take_snapshot
 from onnxkv.errors import CacheCapacityError, InputError, StateError
 
@@ -131,9 +131,14 @@ class State:
             callable ``(layer, past_length, k, v) -> (k_format, v_format)``.
             After every successful run the full pages the selector makes
             eligible are converted (each page once, allocated once).
-        key_channel_scales: quantized key pages get one scale per channel
-            (KIVI) instead of one per head (also set by a policy whose
-            ``key_channel_scales`` is True, e.g. "int8").
+        key_channel_scales: quantized key pages get one scale and zero point
+            per channel (KIVI, compact headers) instead of one scale per head
+            (also set by a policy whose ``key_channel_scales`` is True, e.g.
+            "int8-kivi").
+        key_channel_zero_points: quantized key pages get one scale per head
+            and one zero point per channel (channel-zp headers; also set by a
+            policy whose ``key_channel_zero_points`` is True, e.g. "int8").
+            Mutually exclusive with ``key_channel_scales`` (InputError).
 
     One state per request; many states per session.  Two states never share
     writable storage.  Calls on one state must not overlap (a second
@@ -143,7 +148,8 @@ class State:
     def __init__(self, session, initial: Mapping[str, np.ndarray] | None = None, capacity: int | None = None,
                  initial_capacity: int = 32, allocator=None, cache_dtype: str | None = None,
                  cache: str = "contiguous", block_size: int = 16, max_pages: int | None = None,
-                 kv_format=None, key_channel_scales: bool = False, _pool: BlockPool | None = None) -> None:
+                 kv_format=None, key_channel_scales: bool = False, key_channel_zero_points: bool = False,
+                 _pool: BlockPool | None = None) -> None:
         if cache not in _CACHES:
             raise InputError(f"new_state: cache must be one of {_CACHES}, got {cache!r}")
         for name, v in (("capacity", capacity), ("initial_capacity", initial_capacity)):
@@ -183,7 +189,8 @@ class State:
         if self._selector is not None and cache != "paged":
             raise InputError(f"new_state: kv_format={kv_format!r} needs cache='paged'")
         self.kv_format = kv_format
-        self._key_groups = bool(key_channel_scales) or getattr(self._selector, "key_channel_scales", False)
+        #: Header kind of quantized key pages: "float32" (per head), "compact" or "channel-zp" (groups = head_size).
+        self._key_header = key_header(self._selector, "new_state", key_channel_scales, key_channel_zero_points)
         if cache == "paged":
             self._pool = _pool if _pool is not None else self._new_pool(block_size, max_pages)
             self._window = self._model_window()
@@ -292,9 +299,9 @@ class State:
         planes = []
         for b in self.bindings:
             (_, heads, head), dtype = self._geometry(b.past, 1)
-            groups = head if (self._key_groups and b.role == "key") else 1
+            header = self._key_header if b.role == "key" else HEADER_FLOAT32
             planes.append(PlaneSpec(b.past, heads, head, self.cache_dtype or np.dtype(dtype).name, np.dtype(dtype).name,
-                                    groups))
+                                    1 if header == HEADER_FLOAT32 else head, header))
         return BlockPool(planes, block_size, self.allocator, max_pages)
 
     def _model_window(self) -> int | None:
@@ -526,8 +533,13 @@ class State:
 
         ``k_format``/``v_format``: a page format name (see
         :mod:`onnxkv.cache.formats`; a float format dequantizes) or None to
-        leave that plane.  Only the selected pages are replaced, each new
-        payload allocated once; other pages keep their storage.  Pages shared
+        leave that plane.  An integer format's parameters are chosen from
+        each page's values in the plane's header kind
+        (:meth:`~onnxkv.cache.paged.BlockPool.build_payload`: per head,
+        per channel in a compact header, or one scale per head and a zero
+        point per channel in a channel-zp header).  Only the selected pages
+        are replaced, each new payload allocated once; other pages keep their
+        storage.  Pages shared
         with other states or checkpoints are copied for this state first.
         Everything is validated and every new payload built before anything
         is published: an error (bad index, unknown format, OutOfMemory)
@@ -608,7 +620,8 @@ class State:
             for _ in range(int(n)):
                 st = State(self.session, capacity=self.capacity, initial_capacity=self.initial_capacity,
                            allocator=self.allocator, cache_dtype=self.cache_dtype, cache="paged",
-                           kv_format=self.kv_format, key_channel_scales=self._key_groups, _pool=self._pool)
+                           kv_format=self.kv_format, key_channel_scales=self._key_header == HEADER_COMPACT,
+                           key_channel_zero_points=self._key_header == HEADER_CHANNEL_ZP, _pool=self._pool)
                 st._paged = PagedCache(self._pool, cache.table.share(), cache.static_length, cache.max_tokens)
                 st._caches = st._paged.planes
                 st.steps = self.steps

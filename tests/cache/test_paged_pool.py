@@ -193,11 +193,12 @@ def test_audit_detects_leaked_references():
 
 
 def test_per_channel_key_plane_stores_compact_headers():
-    """groups == head_size: quantized pages carry the compact header (formats.compact_params),
+    """groups == head_size, header "compact": quantized pages carry the compact header (formats.compact_params),
     cost its bytes, and read back within half a decoded scale."""
     rng = np.random.default_rng(11)
     Hk, Dk, bs = 3, 32, 8
-    pool = BlockPool([PlaneSpec("k", Hk, Dk, "float32", groups=Dk), PlaneSpec("v", Hk, Dk, "float32")], bs)
+    pool = BlockPool([PlaneSpec("k", Hk, Dk, "float32", groups=Dk, header="compact"),
+                      PlaneSpec("v", Hk, Dk, "float32")], bs)
     assert [p.header for p in pool.planes] == ["compact", "float32"]
     cache = PagedCache(pool, PageTable(pool, 1))
     assert cache.planes["k"].header == "compact" and cache.planes["v"].header == "float32"
@@ -226,4 +227,10 @@ def test_pool_checks_scale_groups():
     with pytest.raises(InputError, match="groups must be 1 or its head_size 8, got 4"):
         BlockPool([PlaneSpec("k", H, D, "float32", groups=4)])
     with pytest.raises(InputError, match="compact page headers hold at most 512 channels"):
-        BlockPool([PlaneSpec("k", 1, 520, "float32", groups=520)])
+        BlockPool([PlaneSpec("k", 1, 520, "float32", groups=520, header="compact")])
+    with pytest.raises(InputError, match="header 'compact' needs groups 8 .one group per channel., got 1"):
+        BlockPool([PlaneSpec("k", H, D, "float32", header="compact")])
+    with pytest.raises(InputError, match="header 'float32' needs groups 1 .one scale per head., got 8"):
+        BlockPool([PlaneSpec("k", H, D, "float32", groups=D)])
+    with pytest.raises(InputError, match="header must be one of .* got 'kivi'"):
+        BlockPool([PlaneSpec("k", H, D, "float32", groups=D, header="kivi")])

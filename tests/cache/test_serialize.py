@@ -535,3 +535,33 @@ def test_numpy_integers_and_evicted_blocks_are_accepted():
     validate(snapshot)
     got = decode(encode(snapshot))
     assert got == snapshot and isinstance(got.block_size, int) and len(got.sequences[1].blocks) == 4
+
+
+@pytest.mark.parametrize("fmt", ["int8", "uint4"])
+def test_zero_points_beyond_the_code_range_only_per_channel(fmt):
+    """Per-channel parameters may carry a channel-zp header's integer zero points beyond the code range
+    (|zp - z0| <= 128 * 2^16) and round trip; per-head ones must stay in the code range."""
+    rng = np.random.default_rng(17)
+    heads, n, d = 2, 4, 8
+    z0 = 0 if fmt == "int8" else 8
+    codes = rng.integers(0, 256, (heads, n, d * (8 if fmt == "int8" else 4) // 8), dtype=np.uint8)
+    layers = [LayerSpec("k", "v", heads, d, "float32")]
+    value = PagePayload("float32", rng.standard_normal((heads, n, d)).astype(np.float32))
+
+    def snapshot(zero_point):
+        scale = rng.uniform(0.01, 1, zero_point.size).astype(np.float32)
+        key = PagePayload(fmt, codes, scale, zero_point.astype(np.float32))
+        return CacheSnapshot(4, layers, [SequenceRecord(n, [BlockRecord(0, 0, n, key, value)])], "sig")
+
+    wide = z0 + rng.integers(-128, 128, heads * d) * 2 ** rng.integers(0, 17)
+    wide[0] = z0 + 127 * 2 ** 16
+    snap = snapshot(wide)
+    assert decode(encode(snap)).sequences[0].blocks[0].key == snap.sequences[0].blocks[0].key   # bitwise
+    reach = z0 + 128 * 2 ** 16
+    with pytest.raises(SerializationError, match=rf"key page zero points must be integers in "
+                                                 rf"\[{z0 - 128 * 2 ** 16}, {reach}\] \({fmt}\)"):
+        encode(snapshot(np.where(np.arange(heads * d) == 3, reach + 1, wide)))
+    with pytest.raises(SerializationError, match=rf"key page zero points must be integers in \[-?\d+, \d+\] \({fmt}\)"):
+        encode(snapshot(np.full(heads, z0 + 200)))   # per head: the code range
+    snap = snapshot(np.full(heads, z0 + 1))
+    assert decode(encode(snap)).sequences[0].blocks[0].key == snap.sequences[0].blocks[0].key

@@ -52,8 +52,9 @@ def test_policies_convert_full_pages_and_stay_close(session, policy, tol):
     np.testing.assert_allclose(got, want, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("policy", ["int8", "int8-kivi"])
-def test_int8_policy_gives_keys_channel_scales(session, policy):
+@pytest.mark.parametrize("policy, key_fmt, header", [("int8", "int8", "channel-zp"),
+                                                     ("int8-kivi", "uint8", "compact")])
+def test_int8_policies_give_keys_per_channel_layouts(session, policy, key_fmt, header):
     prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 18))
     with session.new_state(cache="paged", block_size=4) as ref:
         want, _, _ = _run(session, ref, prompt, 11)
@@ -63,19 +64,21 @@ def test_int8_policy_gives_keys_channel_scales(session, policy):
         values = [i for i, p in enumerate(st.pool.planes) if p.groups == 1]
         assert keys and len(keys) == len(values)  # every key plane per channel, every value plane per head
         assert all(st.pool.planes[i].groups == st.pool.planes[i].head_size for i in keys)
-        assert _formats(st, keys[0])[:-1] == [2] * (len(_formats(st, keys[0])) - 1)  # UINT8 keys
+        key_code = formats.page_format(key_fmt).code
+        assert _formats(st, keys[0])[:-1] == [key_code] * (len(_formats(st, keys[0])) - 1)
         assert _formats(st, values[0])[:-1] == [CODES["int8"]] * (len(_formats(st, values[0])) - 1)
-        # committed: compact key headers (S per head, two bytes per channel), float32 value headers
+        # committed: per-channel key headers (compact or channel-zp), float32 value headers
         pool, t = st.pool, st._paged.table.tables[0]
         full, last = t[:-1], t[-1]
         want_bytes = 0
         for i, spec in enumerate(pool.planes):
-            fmt = "uint8" if spec.groups > 1 else "int8"
+            fmt = key_fmt if spec.groups > 1 else "int8"
             page = formats.page_bytes(fmt, spec.heads, 4, spec.head_size, spec.groups, spec.header)
             assert (pool.sizes[i][full] == page).all()
             want_bytes += len(full) * page + pool.sizes[i][last]
         assert st.committed_bytes == want_bytes
-        assert pool.planes[keys[0]].header == "compact"
+        assert {pool.planes[i].header for i in keys} == {header}
+        assert {pool.planes[i].header for i in values} == {"float32"}
     np.testing.assert_allclose(got, want, atol=5e-2, rtol=0)
 
 
@@ -203,17 +206,23 @@ def test_kv_format_needs_a_paged_state(session):
         session.new_state(cache="paged", kv_format="int9")
 
 
-@pytest.mark.parametrize("channel", [False, True])
-def test_mixed_format_cache_round_trips(session, channel):
+KEY_LAYOUTS = {"float32": {}, "compact": {"key_channel_scales": True},
+               "channel-zp": {"key_channel_zero_points": True}}
+
+
+@pytest.mark.parametrize("header", list(KEY_LAYOUTS))
+def test_mixed_format_cache_round_trips(session, header):
     prompt = np.random.default_rng(6).integers(0, MICRO.vocab_size, (1, 21))
-    st = session.new_state(cache="paged", block_size=4, key_channel_scales=channel)
+    options = KEY_LAYOUTS[header]
+    st = session.new_state(cache="paged", block_size=4, **options)
+    assert {p.header for p in st.pool.planes if p.name in dict(st._layer_pairs())} == {header}
     _, b, out = _run(session, st, prompt, 0)
     st.quantize_pages([0, 1], "int4", "uint8")
     st.quantize_pages([2], "float16", "int2")
     st.quantize_pages([3], "bfloat16", "int8")
     data = st.save_cache()
     feeds = b.next(np.array([4]), out)
-    with session.new_state(cache="paged", block_size=4, key_channel_scales=channel) as back:
+    with session.new_state(cache="paged", block_size=4, **options) as back:
         back.load_cache(data)
         for i in range(len(st.pool.planes)):
             t, t2 = st._paged.table.tables[0], back._paged.table.tables[0]
@@ -221,8 +230,61 @@ def test_mixed_format_cache_round_trips(session, channel):
         for k, v in st.values.items():
             np.testing.assert_array_equal(back.values[k], v)
         np.testing.assert_array_equal(back.run(feeds, ["logits"])["logits"], st.run(feeds, ["logits"])["logits"])
-    if not channel:
-        with session.new_state(cache="paged", block_size=4, key_channel_scales=True) as other:
-            with pytest.raises(InputError, match="scale"):
-                other.load_cache(data)
+    if header == "float32":
+        for other_header, other_options in KEY_LAYOUTS.items():
+            if other_options:
+                with session.new_state(cache="paged", block_size=4, **other_options) as other:
+                    with pytest.raises(InputError, match=f"1 scale.s. per head, the state's plane has "
+                                                         f"{MICRO.head_size} group.s. per head with "
+                                                         f"'{other_header}' headers"):
+                        other.load_cache(data)
     st.close()
+
+
+def test_key_channel_zero_points_state_quantizes_keys_per_head_scale_per_channel_offset(session):
+    """new_state(key_channel_zero_points=True): key planes get groups = head_size and channel-zp
+    headers; quantize_pages chooses the parameters from each page (channel_zp_params) and every key
+    reads back within half its head's scale, values within half their per-head scale."""
+    prompt = np.random.default_rng(12).integers(0, MICRO.vocab_size, (1, 13))
+    with session.new_state(cache="paged", block_size=4, key_channel_zero_points=True) as st:
+        _run(session, st, prompt, 0)
+        pool, bs = st.pool, 4
+        keys = {pool.plane_index[k] for k, _ in st._layer_pairs()}
+        for i, spec in enumerate(pool.planes):
+            want = ("channel-zp", spec.head_size) if i in keys else ("float32", 1)
+            assert (spec.header, spec.groups) == want
+        t = st._paged.table.tables[0].copy()
+        floats = {i: [pool.read_page(i, int(p), bs) for p in t[:3]] for i in range(len(pool.planes))}
+        before_ptrs = [pool.ptrs[i][t[[1, 3]]].copy() for i in range(len(pool.planes))]
+        st.quantize_pages([0, 2], "int8", "int8")
+        t2 = st._paged.table.tables[0]
+        assert (t2 == t).all()                                  # held by this state alone: converted in place
+        for i, spec in enumerate(pool.planes):
+            assert (pool.ptrs[i][t2[[1, 3]]] == before_ptrs[i]).all()   # unselected pages: same storage
+            for blk in (0, 2):
+                p = int(t2[blk])
+                assert pool.formats[i][p] == CODES["int8"]
+                x = floats[i][blk]
+                scale, zp = formats.decode_header(pool.pages[i][p], "int8", spec.heads, spec.groups, spec.header)
+                if i in keys:
+                    ref_s, ref_z, header = formats.channel_zp_params(x, "int8")
+                    np.testing.assert_array_equal(pool.pages[i][p][:header.size], header)
+                    np.testing.assert_array_equal(scale, ref_s)
+                    np.testing.assert_array_equal(zp, ref_z)
+                    assert pool.sizes[i][p] == formats.page_bytes("int8", spec.heads, bs, spec.head_size,
+                                                                  spec.head_size, "channel-zp")
+                err = np.abs(pool.read_page(i, p, bs) - x)
+                bound = np.broadcast_to(scale.reshape(spec.heads, 1, -1), x.shape) * np.float32(0.5) * (1 + 1e-5)
+                assert (err <= bound).all(), (i, blk, float(err.max()))
+                assert err.max() > 0                              # really quantized
+
+
+def test_key_channel_options_are_mutually_exclusive(session):
+    with pytest.raises(InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually "
+                                         "exclusive"):
+        session.new_state(cache="paged", key_channel_scales=True, key_channel_zero_points=True)
+    with pytest.raises(InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually "
+                                         "exclusive"):
+        session.new_state(cache="paged", kv_format="int8", key_channel_scales=True)   # "int8": channel zero points
+    with pytest.raises(InputError, match="new_state: key_channel_zero_points must be a bool, got 1"):
+        session.new_state(cache="paged", key_channel_zero_points=1)

@@ -362,7 +362,8 @@ class PagedAttention(Op):
             else:
                 pages = (handle.ptrs[0], handle.ptrs[1])
                 per_page = {"k_formats": handle.formats[0], "v_formats": handle.formats[1],
-                            "k_group": max(handle.groups[0], 1), "v_group": max(handle.groups[1], 1)}
+                            "k_group": max(handle.groups[0], 1), "v_group": max(handle.groups[1], 1),
+                            "k_header": handle.headers[0]}
             with handle.lock if handle is not None else contextlib.nullcontext():  # no payload freed meanwhile
                 stats = _kernels.paged_attention(
                     np.ascontiguousarray(q), *pages, np.where(used, table, -1).astype(np.int32), bs,

@@ -22,6 +22,13 @@
   must have the same one.  Quantization follows ONNX QuantizeLinear
   (round half to even, saturate to the code range); a page is rebuilt from
   its current values in whatever format it holds.
+* attribute ``key_channel_zero_points`` (int, default 0): 1 stores the key
+  plane's quantized pages with channel-zp headers (see
+  :mod:`onnxkv.cache.formats`: one scale per head, one zero point per
+  channel, what the paged attention kernel scores with its per-head path).
+  ``key_scale`` must then be ``[N, Hkv, D]`` with every scale of a head
+  equal (InputError naming the element otherwise) and ``key_zero_point``
+  ``[N, Hkv, D]`` of the format's element type (a zero-point unit of 1).
 
 The page formats live in the cache's handle, a
 :class:`~onnxkv.cache.page_set.PageSet` attached to the tensor (made here on
@@ -61,6 +68,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from onnxkv.cache import formats
 from onnxkv.cache.page_set import PageSet, PlaneTarget
 from onnxkv.errors import InputError
 from onnxkv.model.shape_inference import OPERATOR_ALIASES
@@ -90,11 +98,17 @@ class QuantizePagedCache(Op):
         if ctx.constant(node.input[0]) is not None:
             raise self.error(f"cache input '{node.input[0]}' is an initializer; MUST_ALIAS needs writable storage")
         self.cache_name = node.input[0]
+        czp = self.attrs.get("key_channel_zero_points", 0)
+        if czp not in (0, 1):
+            raise self.error(f"attribute key_channel_zero_points must be 0 or 1, got {czp!r}")
+        #: Header kind of the key plane's quantized pages.
+        self.key_header = formats.HEADER_CHANNEL_ZP if czp else formats.HEADER_FLOAT32
 
     def _fail(self, message: str) -> InputError:
         return InputError(f"QuantizePagedCache node '{self.name}': {message}")
 
-    def _target(self, scale: np.ndarray, zero_point: np.ndarray, scale_name: str, zp_name: str) -> PlaneTarget:
+    def _target(self, scale: np.ndarray, zero_point: np.ndarray, scale_name: str, zp_name: str,
+                header: str = formats.HEADER_FLOAT32) -> PlaneTarget:
         kind = zero_point.dtype.name
         if kind in _MARKERS:
             return PlaneTarget(kind)
@@ -103,8 +117,8 @@ class QuantizePagedCache(Op):
                              f"{', '.join(_INTEGER)} (quantize) or {', '.join(_MARKERS)} (a float marker)")
         if scale.dtype != np.float32:
             raise self._fail(f"scale '{scale_name}' must be float32, got {scale.dtype}")
-        return PlaneTarget(kind, scale, zero_point.astype(np.float32), (f"scale '{scale_name}'",
-                                                                        f"zero point '{zp_name}'"))
+        return PlaneTarget(kind, scale, zero_point.astype(np.float32),
+                           (f"scale '{scale_name}'", f"zero point '{zp_name}'"), header)
 
     def run(self, inputs: list, rt: RunContext) -> tuple[np.ndarray]:
         cache, indices, key_scale, key_zp, value_scale, value_zp = inputs
@@ -116,7 +130,7 @@ class QuantizePagedCache(Op):
         if indices.ndim != 1 or indices.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise self._fail(f"block_indices '{names[1]}' must be int32/int64 [N], got {indices.dtype} "
                              f"{list(indices.shape)}")
-        targets = [self._target(key_scale, key_zp, names[2], names[3]),
+        targets = [self._target(key_scale, key_zp, names[2], names[3], self.key_header),
                    self._target(value_scale, value_zp, names[4], names[5])]
         if indices.size == 0:
             return (cache,)

@@ -10,7 +10,7 @@ from test_paged_ops import reference_attention, reference_decoder, shuffled_tabl
 import onnxkv
 from onnxkv import ContractError, InputError, ModelError, OutOfMemory
 from onnxkv.alloc import ArenaAllocator
-from onnxkv.cache.formats import page_format, params_for
+from onnxkv.cache.formats import decode_header, page_bytes, page_format, params_for
 from onnxkv.cache.page_set import PageSet, PlaneTarget
 from onnxkv.model.contract import Access, OutputAlias, set_access, set_output_alias
 from onnxkv.models.paged import PagedConfig, build_paged_model, paged_weights
@@ -25,11 +25,12 @@ ZP_TYPES = {"int8": (np.int8, TensorProto.INT8), "uint8": (np.uint8, TensorProto
 
 
 def quantize_model(k_fmt="int8", v_fmt="int8", attend=True, dtype=TensorProto.FLOAT, cache_shape=None,
-                   scale_type=TensorProto.FLOAT):
-    """``c = QuantizePagedCache(past, blocks, ks, kz, vs, vz)``, then (``attend``) ``PagedAttention`` over ``c``."""
+                   scale_type=TensorProto.FLOAT, **attrs):
+    """``c = QuantizePagedCache(past, blocks, ks, kz, vs, vz)`` (node attributes ``attrs``), then
+    (``attend``) ``PagedAttention`` over ``c``."""
     shape = cache_shape or ["P", 2, H, BS, D]
     nodes = [helper.make_node("QuantizePagedCache", ["past", "blocks", "ks", "kz", "vs", "vz"], ["c"],
-                              domain="ai.rt", name="quantize")]
+                              domain="ai.rt", name="quantize", **attrs)]
     inputs = [vi("past", dtype, shape), vi("blocks", TensorProto.INT64, ["N"]),
               vi("ks", scale_type, None), vi("kz", ZP_TYPES[k_fmt][1], None),
               vi("vs", TensorProto.FLOAT, None), vi("vz", ZP_TYPES[v_fmt][1], None)]
@@ -124,6 +125,94 @@ def test_quantized_pages_are_replaced_and_read_by_attention(k_fmt, v_fmt, k_chan
     handle.audit()
 
 
+def channel_zp_feed(pages_f32, fmt):
+    """Key parameters of a channel-zp plane for ``pages_f32`` [N, H, bs, D]: scale [N, H, D] equal within
+    each head (float32), zero points [N, H, D] of the format's type centring each channel (clipped)."""
+    f = page_format(fmt)
+    x = pages_f32.astype(np.float64)
+    ctr = (x.max(axis=2) + x.min(axis=2)) / 2                               # [N, H, D]
+    hr = ((x.max(axis=2) - x.min(axis=2)) / 2).max(axis=2, keepdims=True)   # [N, H, 1]
+    scale = np.broadcast_to(hr / ((f.qmax - f.qmin) // 2 - 1), ctr.shape).astype(np.float32)
+    zero = np.clip(np.rint((f.qmin + f.qmax + 1) // 2 - ctr / scale), f.qmin, f.qmax)
+    return np.ascontiguousarray(scale), zero.astype(ZP_TYPES[fmt][0])
+
+
+@pytest.mark.parametrize("k_fmt", ["int8", "uint8"])
+def test_channel_zp_key_pages_are_replaced_and_read_by_attention(k_fmt):
+    rng = np.random.default_rng(11)
+    sess = onnxkv.Session(quantize_model(k_fmt, "int8", key_channel_zero_points=1), threads=1)
+    past = rng.standard_normal((P, 2, H, BS, D)).astype(np.float32)
+    past[:, 0] += rng.uniform(-6, 6, (1, 1, 1, D)).astype(np.float32)       # keys: per-channel offsets
+    table = shuffled_table(rng, 2, 4, P).astype(np.int32)
+    seqlens = np.array([8, 5], np.int32)
+    full = np.array([table[0, 0], table[0, 1], table[1, 0]], np.int64)
+    ks, kz = channel_zp_feed(past[full, 0], k_fmt)
+    vs, vz = params(past[full, 1], "int8", False)
+    slots, before = slot_addresses(past), past.copy()
+    q = rng.standard_normal((2, 2, HQ * D)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, H * D)).astype(np.float32) for _ in range(2))
+    out = sess.run({"past": past, "blocks": full, "ks": ks, "kz": kz, "vs": vs, "vz": vz, "Q": q, "K": k, "V": v,
+                    "table": table, "seqlens": seqlens})
+    handle = PageSet.of(past)
+    keep = np.setdiff1d(np.arange(P), full)
+    np.testing.assert_array_equal(handle.ptrs[:, keep], slots[:, keep])     # unselected pages keep their storage
+    assert (handle.ptrs[:, full] != slots[:, full]).all()
+    assert handle.groups == [D, 1] and handle.headers == ["channel-zp", "float32"]
+    f = page_format(k_fmt)
+    for i, p in enumerate(full):
+        payload = handle._payloads[(0, int(p))][1]
+        assert payload.nbytes == page_bytes(k_fmt, H, BS, D, D, "channel-zp")
+        s, z = decode_header(payload, k_fmt, H, D, "channel-zp")
+        np.testing.assert_array_equal(s, ks[i].reshape(-1))
+        np.testing.assert_array_equal(z, kz[i].reshape(-1).astype(np.float32))
+        s, z = ks[i][:, None], kz[i].astype(np.float32)[:, None]
+        want = (np.clip(np.rint(before[p, 0] / s) + z, f.qmin, f.qmax) - z) * s
+        np.testing.assert_array_equal(handle.page_values(0, int(p)), want.astype(np.float32))
+    for row in range(2):
+        kv = logical_kv(handle, table, row, int(seqlens[row]) + 2)
+        want = reference_attention(q[row].reshape(2, HQ, D), kv[:, 0], kv[:, 1], int(seqlens[row]), 1 / np.sqrt(D))
+        np.testing.assert_allclose(out["Y"][row].reshape(2, HQ, D).astype(np.float64), want, rtol=1e-5, atol=1e-5)
+    handle.audit()
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"ks": np.full((2, H), 0.05, np.float32), "kz": np.zeros((2, H), np.int8)},
+     r"scale 'ks' must be \[2, 2, 8\] for channel-zp pages"),
+    ({"ks": np.full((2, H, D), 0.05, np.float32) + np.float32(0.01) * (np.arange(D) == 5)},
+     r"page 0 of scale 'ks' / zero point 'kz': scale\[5\] = .* differs from scale\[0\] = .*one scale per head"),
+], ids=["per-head-shape", "scales-differ-in-a-head"])
+def test_channel_zp_rejections_leave_the_cache_unchanged(over, match):
+    rng = np.random.default_rng(12)
+    sess = onnxkv.Session(quantize_model(attend=False, key_channel_zero_points=1), threads=1)
+    feeds = _feeds(rng, kz=np.zeros((2, H, D), np.int8), ks=np.full((2, H, D), 0.05, np.float32))
+    feeds.update(over)
+    handle = assert_rejected(sess, feeds, match)
+    assert handle.headers == ["float32", "float32"]
+
+
+def test_channel_zp_and_float32_key_pages_do_not_mix_in_a_plane():
+    rng = np.random.default_rng(13)
+    past = rng.standard_normal((P, 2, H, BS, D)).astype(np.float32)
+    per_channel = onnxkv.Session(quantize_model(attend=False), threads=1)
+    czp = onnxkv.Session(quantize_model(attend=False, key_channel_zero_points=1), threads=1)
+    ks, kz = params(past[[3, 7], 0], "int8", True)
+    vs, vz = params(past[[3, 7], 1], "int8", False)
+    per_channel.run({"past": past, "blocks": np.array([3, 7]), "ks": ks, "kz": kz, "vs": vs, "vz": vz})
+    handle = PageSet.of(past)
+    assert handle.headers == ["float32", "float32"] and handle.groups == [D, 1]
+    fmts = handle.formats.copy()
+    ks, kz = channel_zp_feed(past[[4], 0], "int8")
+    with pytest.raises(InputError, match=r"scale 'ks' gives channel-zp scales but plane 0 already holds pages "
+                                         r"quantized per channel \(e.g. page 3\); one granularity per plane"):
+        czp.run({"past": past, "blocks": np.array([4]), "ks": ks, "kz": kz, "vs": vs[:1], "vz": vz[:1]})
+    np.testing.assert_array_equal(handle.formats, fmts)
+
+
+def test_key_channel_zero_points_attribute_is_checked():
+    with pytest.raises(ModelError, match="key_channel_zero_points must be 0 or 1, got 2"):
+        onnxkv.Session(quantize_model(attend=False, key_channel_zero_points=2), threads=1)
+
+
 def _feeds(rng, **over):
     past = rng.standard_normal((P, 2, H, BS, D)).astype(np.float32)
     feeds = {"past": past, "blocks": np.array([3, 7]), "ks": np.full((2, H), 0.05, np.float32),
@@ -144,7 +233,12 @@ def _feeds(rng, **over):
 def test_rejections_name_the_value_and_leave_the_cache_unchanged(over, match):
     rng = np.random.default_rng(2)
     sess = onnxkv.Session(quantize_model(attend=False), threads=1)
-    feeds = _feeds(rng, **over)
+    assert_rejected(sess, _feeds(rng, **over), match)
+
+
+def assert_rejected(sess, feeds, match):
+    """Run ``feeds`` expecting the node's InputError matching ``match``; assert the cache's bytes, addresses
+    and formats are unchanged and nothing was converted; return the cache's handle."""
     handle = PageSet.attach(feeds["past"])
     state = (feeds["past"].copy(), handle.ptrs.copy(), handle.formats.copy())
     with pytest.raises(InputError, match=match) as info:
@@ -153,6 +247,7 @@ def test_rejections_name_the_value_and_leave_the_cache_unchanged(over, match):
     for a, b in zip((feeds["past"], handle.ptrs, handle.formats), state):
         np.testing.assert_array_equal(a, b)
     assert not handle.any_converted
+    return handle
 
 
 @pytest.mark.parametrize("k_fmt, scale_type, over, match", [
@@ -319,8 +414,9 @@ def test_out_of_memory_in_a_state_publishes_nothing_and_the_step_can_be_retried(
 
 @pytest.mark.parametrize("config, in_place", [
     ({"key_format": "int8", "value_format": "int4", "key_channel_scales": True}, True),
+    ({"key_format": "int8", "value_format": "int8", "key_channel_zero_points": True}, True),
     ({"key_format": "uint4", "num_kv_heads": 1, "block_size": 1, "max_blocks": 14}, False),  # 32-byte page halves
-], ids=["aligned-int8-int4", "small-pages-uint4"])
+], ids=["aligned-int8-int4", "aligned-channel-zp-int8", "small-pages-uint4"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, config, in_place, threads):
     calls = []
@@ -353,8 +449,9 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
             for plane, name, fmt in ((0, "key", cfg.key_format), (1, "value", cfg.value_format)):
                 if fmt is not None:
                     channel = name == "key" and cfg.key_channel_scales
-                    feeds[f"{name}_scale.{i}"], feeds[f"{name}_zero_point.{i}"] = params(pages[full, plane], fmt,
-                                                                                          channel)
+                    czp = name == "key" and cfg.key_channel_zero_points
+                    feeds[f"{name}_scale.{i}"], feeds[f"{name}_zero_point.{i}"] = (
+                        channel_zp_feed(pages[full, plane], fmt) if czp else params(pages[full, plane], fmt, channel))
         allocator_before = state.allocator.stats().live
         for step in range(3):  # the first decode step converts the pages, then its attention reads them
             hidden = rng.standard_normal((batch, 1, cfg.hidden_size)).astype(np.float32)
@@ -364,6 +461,7 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
                 for i, pages in enumerate(storage):  # the quantized K/V replace the logical float values
                     handle = PageSet.of(pages)
                     assert handle is not None and state._values[f"past.{i}"][1] is pages
+                    assert handle.headers[0] == ("channel-zp" if cfg.key_channel_zero_points else "float32")
                     keep = np.setdiff1d(np.arange(cfg.num_pages), full)
                     np.testing.assert_array_equal(handle.ptrs[:, keep], slots[i][:, keep])
                     assert (handle.ptrs[0, full] != slots[i][0, full]).all()
@@ -378,3 +476,17 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
         assert calls and all(f is not None for f in calls[-2 * 3:])  # per-page formats through the kernel
     else:
         assert not calls
+
+
+def test_paged_config_key_channel_zero_points():
+    with pytest.raises(ValueError, match="PagedConfig: key_channel_zero_points needs a key_format"):
+        PagedConfig(key_channel_zero_points=True)
+    with pytest.raises(ValueError, match="key_channel_scales and key_channel_zero_points are mutually exclusive"):
+        PagedConfig(key_format="int8", key_channel_scales=True, key_channel_zero_points=True)
+    cfg = PagedConfig(num_layers=2, key_format="int8", key_channel_zero_points=True)
+    model = build_paged_model(cfg, paged_weights(cfg, seed=1))
+    nodes = [n for n in model.graph.node if n.op_type == "QuantizePagedCache"]
+    assert len(nodes) == 2 and all([(a.name, a.i) for a in n.attribute] == [("key_channel_zero_points", 1)]
+                                   for n in nodes)
+    key_scale = next(i for i in model.graph.input if i.name == "key_scale.0")
+    assert len(key_scale.type.tensor_type.shape.dim) == 3          # [N, kv_heads, head_size]
