@@ -24,9 +24,10 @@ The float32 row lists the reference's near-ties (positions whose top-2 logit
 margin is below 0.01, with the margin).
 
 A ``-kc`` suffix on a policy name stores keys with one scale per channel
-(``key_channel_scales=True``, the KIVI choice for keys; ``"int8"`` and
-``"residual-int8"`` already do).  ``"int8-head"`` is int8 with one scale per
-head for both planes.
+(``key_channel_scales=True``, the KIVI choice for keys; ``"int8-kivi"``
+already does).  ``"int8"`` and ``"residual-int8"`` store keys with one scale
+per head and one zero point per channel (``key_channel_zero_points=True``);
+``"int8-head"`` is int8 with one scale per head for both planes.
 
 Plus the committed cache bytes at the end of each run.
 
@@ -55,7 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, versions  # noqa: E402
 
-DEFAULT_POLICIES = "fp16,bf16,int8,int8-head,int4,int4-kc,residual-int8,residual-int4,residual-int4-kc"
+DEFAULT_POLICIES = "fp16,bf16,int8,int8-kivi,int8-head,int4,int4-kc,residual-int8,residual-int4,residual-int4-kc"
 #: Prompts of the trained byte-level model (the first ``--prompts`` are used).
 PROMPTS = ("The context manager is used to ", "def read_file(path):\n    ", "In this tutorial we will learn how ",
            "import numpy as np\n\n", "The function returns a list of ", "class Node:\n    def __init__(self",

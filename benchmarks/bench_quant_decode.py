@@ -16,15 +16,20 @@ block size 16, contexts 4096, 16384 and 32768 (by default), threads from
   (symmetric, per-head scales for keys and values, k_formats / v_formats all
   int8 / int4: the "int8-head" and "int4" policies' pages); int4 with
   per-channel key scales (the header of a 16-token page then holds 8 KiB of
-  key scales); int8_kivi, the "int8" policy's pages (also named "int8-kivi": keys uint8 with a scale and zero point per channel in the compact
-  header a paged state writes -- float32 S per head, one exponent byte and one
-  zero-point byte per channel, 2112 bytes per 16-token page --, values int8 per
-  head); mixed: the newest 1024 tokens' pages float32, the older ones int4
-  (per-head).  Pages are quantized by onnxkv._kernels.quantize_page
-  (QuantizeLinear semantics, round half to even) with the parameters of
-  onnxkv.cache.formats.params_for (signed formats: scale = max|x| / qmax per
-  group, zero point 0; unsigned: asymmetric over the group's range), or of
-  onnxkv.cache.formats.compact_params for compact headers.
+  key scales); int8_policy, the "int8" policy's pages (keys int8 with one
+  scale per head and one zero point per channel in the "channel-zp" header a
+  paged state writes -- float32 scale and zero-point unit per head, one
+  zero-point byte per channel, 1088 bytes per 16-token page --, values int8
+  per head); int8_kivi, the "int8-kivi" policy's pages (keys uint8 with a
+  scale and zero point per channel in the compact header -- float32 S per
+  head, one exponent byte and one zero-point byte per channel, 2112 bytes per
+  16-token page --, values int8 per head); mixed: the newest 1024 tokens'
+  pages float32, the older ones int4 (per-head).  Pages are quantized by
+  onnxkv._kernels.quantize_page (QuantizeLinear semantics, round half to
+  even) with the parameters of onnxkv.cache.formats.params_for (signed
+  formats: scale = max|x| / qmax per group, zero point 0; unsigned:
+  asymmetric over the group's range), or of onnxkv.cache.formats'
+  compact_params / channel_zp_params for those headers.
 * ONNX Runtime: the one-node GroupQueryAttention model of _common with past and
   present bound to the same float32 buffer (bench_decode_attention's shared
   buffer mode), intra_op_num_threads = threads.
@@ -37,8 +42,9 @@ float32, speedups vs ORT and vs onnxkv float32 pages, max abs difference to
 the float32 result, the counters the kernel returns) and a summary on stderr.  The bars (16384 tokens,
 2 threads): int8 >= 8x and int4 >= 10x faster than ORT float32 GQA, int8 >= 2x
 faster than onnxkv float32 pages, checked for both int8 layouts (int8: per-head
-pages; int8_kivi: the "int8" policy's); committed bytes int8 and int8_kivi <= 0.27x,
-int4 <= 0.14x float32.
+pages, the "int8-head" policy's; int8_policy: the "int8" policy's); committed
+bytes int8 and int8_policy <= 0.27x, int4 <= 0.14x float32.  (int8_kivi is
+measured for comparison, without a bar.)
 
     python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
         [--repeat N] [--no-ort] [--allocator slab|system] [--isa auto|avx512|avx2]
@@ -76,25 +82,27 @@ AMX_PV = {"off": 0, "keys": 1, "all": 2}   # --amx-pv: modes of attention._set_a
 RECENT = 1024        # mixed variant: tokens kept float32
 INT8, INT4, UINT8, F32 = 3, 22, 2, 1
 BARS = {"ctx": 16384, "threads": 2,
-        "min_speedup_vs_ort": {"int8": 8.0, "int8_kivi": 8.0, "int4": 10.0},
-        "min_speedup_vs_onnxkv_f32": {"int8": 2.0, "int8_kivi": 2.0},
-        "max_bytes_over_f32": {"int8": 0.27, "int8_kivi": 0.27, "int4": 0.14}}
+        "min_speedup_vs_ort": {"int8": 8.0, "int8_policy": 8.0, "int4": 10.0},
+        "min_speedup_vs_onnxkv_f32": {"int8": 2.0, "int8_policy": 2.0},
+        "max_bytes_over_f32": {"int8": 0.27, "int8_policy": 0.27, "int4": 0.14}}
 
 
 def quantize(pages: np.ndarray, fmt: str, granularity: str, header: str = "float32") -> np.ndarray:
     """float32 pages [n, H, bs, D] -> payloads uint8 [n, page bytes] in format
     ``fmt`` with the library's own parameters (onnxkv.cache.formats.params_for:
     signed formats symmetric, unsigned asymmetric; one scale per head, or per
-    head and channel; header "compact": formats.compact_params, per channel)
-    and quantizer (onnxkv._kernels.quantize_page)."""
+    head and channel; header "compact": formats.compact_params, per channel;
+    header "channel-zp": formats.channel_zp_params, a scale per head and a zero
+    point per channel) and quantizer (onnxkv._kernels.quantize_page)."""
     n, h, bs, d = pages.shape
     code, g = formats.page_format(fmt).code, formats.groups_for(granularity, d)
     out = np.zeros((n, formats.page_bytes(fmt, h, bs, d, g, header)), np.uint8)
     for i in range(n):
         x = np.ascontiguousarray(pages[i])
-        if header == "compact":
-            scale, zero, hdr = formats.compact_params(x, fmt)
-            K.quantize_page(x, code, scale, zero, g, out[i], bs, header=hdr)
+        if header != "float32":
+            params = formats.compact_params if header == "compact" else formats.channel_zp_params
+            scale, zero, hdr = params(x, fmt)
+            K.quantize_page(x, code, scale, zero, g, out[i], bs, header=hdr, header_kind=header)
         else:
             scale, zero = formats.params_for(x, fmt, granularity)
             K.quantize_page(x, code, scale, zero, g, out[i], bs)
@@ -133,6 +141,7 @@ def build_variants(kf, vf, ctx, rng, kind):
     q8k, q8v = quantize(kb, "int8", "head"), quantize(vb, "int8", "head")
     q4k, q4v = quantize(kb, "int4", "head"), quantize(vb, "int4", "head")
     q4kc, u8kc = quantize(kb, "int4", "channel"), quantize(kb, "uint8", "channel", "compact")
+    i8zc = quantize(kb, "int8", "channel", "channel-zp")
     fmt = np.empty(m, np.uint8)
 
     def fmt_table(per_block):
@@ -150,6 +159,10 @@ def build_variants(kf, vf, ctx, rng, kind):
         "int4": (Pages(q4k, q4v, table, kind), {"k_formats": fmt_table(INT4), "v_formats": fmt_table(INT4)}),
         "int4_keys_per_channel": (Pages(q4kc, q4v, table, kind), {"k_formats": fmt_table(INT4),
                                                                     "v_formats": fmt_table(INT4), "k_group": D}),
+        # the "int8" policy: keys int8 with a scale per (page, head) and a zero point per (page, head, channel),
+        # channel-zp headers; values int8 per (page, head)
+        "int8_policy": (Pages(i8zc, q8v, table, kind), {"k_formats": fmt_table(INT8), "v_formats": fmt_table(INT8),
+                                                         "k_group": D, "k_header": "channel-zp"}),
         # the "int8-kivi" policy: keys uint8 per (page, head, channel), asymmetric, compact headers; values int8 per
         # (page, head)
         "int8_kivi": (Pages(u8kc, q8v, table, kind), {"k_formats": fmt_table(UINT8), "v_formats": fmt_table(INT8),
