@@ -160,6 +160,13 @@ def _check_header(header, kind, H, G, fmt, scale, zero_point):
                          "header's own decoded parameters)")
 
 
+def _check_czp_group(kind, G, D):
+    """A channel-zp header has one zero point per channel: G must be the head size D."""
+    if kind == V.HDR_CZP and G != D:
+        raise ValueError(f"group: a channel-zp header has one zero point per channel: group must be head_size {D}, "
+                         f"got {G}")
+
+
 def _header_bytes(kind, H, G):
     if kind == V.HDR_COMPACT:
         return okv_q_compact_header_bytes(H, G)
@@ -210,9 +217,7 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     if kind == V.HDR_FLOAT32 and header is not None:
         raise ValueError("header_kind: header bytes are given, so it must be 'compact' or 'channel-zp', "
                          "got 'float32' (pass header=None for the float32 header)")
-    if kind == V.HDR_CZP and G != D:
-        raise ValueError(f"group: a channel-zp header has one zero point per channel: group must be head_size {D}, "
-                         f"got {G}")
+    _check_czp_group(kind, G, D)
     zlo, zhi = qmin, qmax
     if kind == V.HDR_CZP:
         zlo, zhi = -16777216, 16777216
@@ -273,9 +278,7 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     if n > bs:
         raise ValueError(f"tokens: {n} exceeds block_size {bs}")
     kind = V.header_kind("header", header, G)
-    if kind == V.HDR_CZP and G != D:
-        raise ValueError(f"group: a channel-zp header has one zero point per channel: group must be head_size {D}, "
-                         f"got {G}")
+    _check_czp_group(kind, G, D)
     hb = _header_bytes(kind, H, G)
     row = okv_q_row_bytes(fmt, D)
     _page("page", page, hb + H * bs * row, False)
