@@ -79,6 +79,8 @@ typedef struct {
     int64_t window;
     int kv_type;   /* OKV_KV_F32, OKV_KV_F16 or OKV_KV_BF16 */
     int prefetch;  /* software prefetch of the next K/V block: 0 off, 1 into L1, 2 into L2 */
+    int pf_qk_lines; /* AMX key scores: cache lines of that prefetch issued with them (0: all), the rest
+                      * spread over the p*v of the item before (attention_impl.h) */
     int prefill_rg; /* row-group width (1..8) of work units with several query tokens */
     int64_t hpu;    /* KV heads per work unit: 1, or Hkv (paged decode: a unit reads whole pages) */
     const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */

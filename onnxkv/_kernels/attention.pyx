@@ -63,6 +63,7 @@ cdef extern from "attention.h" nogil:
         int64_t window
         int kv_type
         int prefetch
+        int pf_qk_lines
         int prefill_rg
         int64_t hpu
         const uint8_t *k_fmt
@@ -237,6 +238,7 @@ def attention_simd_level() -> str:
 
 
 cdef int _prefetch = 2
+cdef int _pf_qk_lines = 48   # see okv_attn_args.pf_qk_lines
 cdef int _prefill_rg = 4     # row-group width of prefill work units
 cdef int _split_tasks = 0    # min. tasks per thread for long caches (0: split only to fill threads)
 
@@ -277,6 +279,17 @@ def _set_prefetch(flag):
     global _prefetch
     old = _prefetch
     _prefetch = int(flag)
+    return old
+
+
+def _set_prefetch_qk_lines(n):
+    """Private tuning switch for benchmarks: with AMX key scores, the cache
+    lines of the next block's software prefetch issued together with the key
+    tiles (0: all of them); the rest are spread over the probabilities-times-
+    values loop of the work item before.  Returns the old value."""
+    global _pf_qk_lines
+    old = _pf_qk_lines
+    _pf_qk_lines = max(0, int(n))
     return old
 
 
@@ -671,6 +684,7 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
     maxlen: the longest kv_len.  Returns {"dequantized_bytes": quantized codes
     and header bytes loaded, "workspace_peak_bytes": workspace allocated}."""
     a.prefetch = _prefetch
+    a.pf_qk_lines = _pf_qk_lines
     a.prefill_rg = _prefill_rg
     cdef int nt = okv_threads(), simd = 0, rc
     cdef int64_t stats[2]

@@ -542,6 +542,18 @@ OKV_AMX static void okv_amx_expand(const uint8_t *k, int64_t kst, int64_t m, int
     const __m512i top = _mm512_set1_epi8((char)(0xFF << (8 - bits)));
     int64_t j, c;
     int h;
+    if (bits == 4 && U == 64 && nb % 64 == 0) {   /* the same for whole 64-byte blocks, without the masks */
+        for (j = 0; j < m; j++) {
+            const uint8_t *row = k + j * kst;
+            uint8_t *o = x->xs + j * P;
+            for (c = 0; c < nb / 64; c++) {
+                const __m512i v = _mm512_loadu_si512(row + 64 * c);
+                _mm512_storeu_si512(o + 128 * c, _mm512_and_si512(_mm512_slli_epi16(v, 4), top));
+                _mm512_storeu_si512(o + 128 * c + 64, _mm512_and_si512(v, top));
+            }
+        }
+        return;
+    }
     for (j = 0; j < m; j++) {
         const uint8_t *row = k + j * kst;
         uint8_t *o = x->xs + j * P;

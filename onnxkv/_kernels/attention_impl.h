@@ -46,7 +46,10 @@
  * byte is read from memory and converted once per token; with G > 8 or in
  * prefill, further row groups re-read the block from L1.  The next block is
  * software-prefetched (into L2 by default, through its own page) while the
- * current one is scored.
+ * current one is scored; with AMX key scores, which take a fraction of the
+ * time of the others, only the first a->pf_qk_lines cache lines of each
+ * item's share go with its key tiles, the rest spread over the p*v of the
+ * item before (a burst of prefetches stalls the loads behind it).
  * Online softmax per row (running max, sum and accumulator in float32).
  *
  * K/V tile functions take dq (scale / zero point of the head in a quantized
@@ -238,8 +241,8 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_rows)(const float *const *qr, int nr, cons
  * and converted once and used by every row. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
                                             float *const *accr, int64_t i0, int64_t i1, const okv_dq *dq,
-                                            const int NR, const int NC) {
-    int64_t i, j;
+                                            const int NR, const int NC, const okv_pf *pf) {
+    int64_t i, j, pfr = 0, pfc = 0;   /* prefetch: rows issued, their error term */
     int r, c;
     OKV_DQ_INIT
     for (i = i0; i + OKV_VW * NC <= i1; i += OKV_VW * NC) {
@@ -250,6 +253,8 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, i
             const OKV_KT_T *vj = v + j * OKV_RS(D);
             OKV_VEC vv[8];
             for (c = 0; c < NC; c++) vv[c] = OKV_LDV(vj, i + OKV_VW * c);
+            if (pf && i == i0)   /* the m rows of pf spread over the first pass: up to row (j + 1) m / n */
+                for (pfc += pf->n; pfc >= n; pfc -= n) okv_pf_rows(pf, pfr++, 1);
             for (r = 0; r < NR; r++) {
                 const OKV_VEC pr = OKV_VSET1(p[r * OKV_BK + j]);
                 for (c = 0; c < NC; c++) acc[r][c] = OKV_VFMA(pr, vv[c], acc[r][c]);
@@ -263,15 +268,17 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, i
 /* Whole rows: NC-chunk passes, single-chunk passes, (AVX-512) one 8-lane pass
  * by the AVX2 tile if D % 16 >= 8, the last D % 8 elements scalar. */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
-                                          float *const *accr, const okv_dq *dq, const int NR, const int NC) {
+                                          float *const *accr, const okv_dq *dq, const int NR, const int NC,
+                                          const okv_pf *pf) {
     const int64_t Dn = D & ~(int64_t)(OKV_VW - 1), Dv = D & ~(int64_t)7, Dw = Dn - Dn % (OKV_VW * NC);
     int64_t j, d;
     int r;
     OKV_DQ_INIT
-    OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, dq, NR, NC);
-    if (Dw < Dn) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dn, dq, NR, 1);
+    if (Dw == 0 && pf) okv_pf_rows(pf, 0, (int)pf->n);   /* no NC-chunk pass to spread it over */
+    OKV_F(okv_pv_tile)(p, v, n, D, accr, 0, Dw, dq, NR, NC, Dw ? pf : NULL);
+    if (Dw < Dn) OKV_F(okv_pv_tile)(p, v, n, D, accr, Dw, Dn, dq, NR, 1, NULL);
 #ifdef OKV_SIMD512
-    if (Dn < Dv) OKV_CAT3(okv_pv_tile, OKV_KT, _avx2)(p, v, n, D, accr, Dn, Dv, dq, NR, 1);
+    if (Dn < Dv) OKV_CAT3(okv_pv_tile, OKV_KT, _avx2)(p, v, n, D, accr, Dn, Dv, dq, NR, 1, NULL);
 #endif
     if (Dv < D)
         for (j = 0; j < n; j++)
@@ -282,16 +289,16 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_pv_nr)(const float *p, const OKV_KT_T *v, int
 }
 
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D,
-                                            float *const *accr, const okv_dq *dq) {
+                                            float *const *accr, const okv_dq *dq, const okv_pf *pf) {
     switch (nr) {
-    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, OKV_PV_NC(1)); break;
-    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, OKV_PV_NC(2)); break;
-    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, OKV_PV_NC(3)); break;
-    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, OKV_PV_NC(4)); break;
-    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, OKV_PV_NC(5)); break;
-    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, OKV_PV_NC(6)); break;
-    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, OKV_PV_NC(7)); break;
-    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, OKV_PV_NC(8)); break;
+    case 1: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 1, OKV_PV_NC(1), pf); break;
+    case 2: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 2, OKV_PV_NC(2), pf); break;
+    case 3: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 3, OKV_PV_NC(3), pf); break;
+    case 4: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 4, OKV_PV_NC(4), pf); break;
+    case 5: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 5, OKV_PV_NC(5), pf); break;
+    case 6: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 6, OKV_PV_NC(6), pf); break;
+    case 7: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 7, OKV_PV_NC(7), pf); break;
+    default: OKV_F(okv_pv_nr)(p, v, n, D, accr, dq, 8, OKV_PV_NC(8), pf); break;
     }
 }
 #undef OKV_VW
@@ -335,9 +342,10 @@ static void OKV_F(okv_qk_rows)(const float *const *qr, int nr, const OKV_KT_T *k
 
 /* each V element converted once, used by all nr rows */
 static void OKV_F(okv_pv_rows)(const float *p, int nr, const OKV_KT_T *v, int64_t n, int64_t D, float *const *accr,
-                               const okv_dq *dq) {
+                               const okv_dq *dq, const okv_pf *pf) {
     int64_t j, d;
     int r;
+    (void)pf;
     OKV_DQ_INIT
     for (j = 0; j < n; j++) {
         const OKV_KT_T *vj = v + j * OKV_RS(D);
@@ -457,6 +465,12 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 pft.vs = pf.vst;
             }
         }
+#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+        /* rows of an item's prefetch issued with AMX key tiles (a->pf_qk_lines; see pend below) */
+        const int64_t pf_nq = a->pf_qk_lines && pft.n
+                                  ? a->pf_qk_lines / (2 * (((pft.ks > pft.vs ? pft.ks : pft.vs) + 63) / 64))
+                                  : OKV_BK;
+#endif
         /* Work items (head h, row group rg), heads in memory order: in a page,
          * head hk0+h+1's rows follow head hk0+h's, so a multi-head unit reads
          * each page front to back.  The scores of item w are computed before
@@ -478,6 +492,9 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
             } it[2];
             int64_t w;
             for (w = 0; w <= nw; w++) {
+#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+                okv_pf pend = nopf;   /* item w's prefetch rows left to item w - 1's p*v (AMX keys; see the top) */
+#endif
                 if (w < nw) {   /* item w: its rows, visible keys and scores */
                     const int64_t hw = w / ngr, rg = (w % ngr) * rgw, hk = hk0 + hw;
                     const char *kh = kt + hw * pg.khs;
@@ -539,10 +556,18 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #endif
 #ifdef OKV_SIMD512
                         /* AMX key scores: per-head key scales, or per-channel ones of 8-bit codes */
-                        if ((a->amx & OKV_AMX_QK) && okv_q_bits(pg.kf) && (a->kG == 1 || okv_q_bits(pg.kf) == 8))
+                        if ((a->amx & OKV_AMX_QK) && okv_q_bits(pg.kf) && (a->kG == 1 || okv_q_bits(pg.kf) == 8)) {
+                            okv_pf pfa = *pfp;
+                            if (pfa.n > pf_nq) {
+                                pend = pfa;
+                                pend.k += pf_nq * pend.ks;
+                                pend.v += pf_nq * pend.vs;
+                                pend.n -= pf_nq;
+                                pfa.n = pf_nq;
+                            }
                             okv_qk_amx(&ax, w, pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, pg.kst, u1 - u0,
-                                       D, scale, sw, &dk, pfp, qsum + hw * R + rg);
-                        else
+                                       D, scale, sw, &dk, &pfa, qsum + hw * R + rg);
+                        } else
 #endif
                         OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, u1 - u0, D, scale,
                                           sw, &dk, pfp, qb, qsum + hw * R + rg);
@@ -600,6 +625,8 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #ifdef OKV_SIMD512
                     /* per-head value scales (>= 0: the AMX digits are unsigned) on AMX */
                     if ((a->amx & OKV_AMX_PV) && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {
+                        okv_pf_rows(&pend, 0, (int)pend.n);
+                        pend.n = 0;
                         okv_pv_amx(&ax, w - 1, pg.vf, sw, nr, vh + (u0 - j0) * pg.vst, pg.vst, n, D, accr, &dv,
                                    zc + hw * R + rg);
                     } else
@@ -609,8 +636,16 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                             memset(acci, 0, (size_t)(RT * D) * sizeof(float));
                             acci_used = 1;
                         }
+#ifdef OKV_SIMD512
+                        const okv_pf *pvp = pend.n ? &pend : NULL;
+#else
+                        const okv_pf *pvp = NULL;
+#endif
                         OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir,
-                                          &dv, zc + hw * R + rg);
+                                          &dv, zc + hw * R + rg, pvp);
+#ifdef OKV_SIMD512
+                        pend.n = 0;
+#endif
                         /* The value zero points' share at once, into the accumulators the tile summed
                          * into (4-bit per-head tiles: the interleaved ones on [0, D & ~15), where a
                          * constant is the same in either order), not at the end of the work unit:
@@ -629,9 +664,12 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         }
                     }
 #else
-                    OKV_F(okv_pv_rows)(sw, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, NULL);
+                    OKV_F(okv_pv_rows)(sw, nr, (const OKV_KT_T *)(vh + (u0 - j0) * pg.vst), n, D, accr, NULL, NULL);
 #endif
                 }
+#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+                okv_pf_rows(&pend, 0, (int)pend.n);   /* no p*v of item w - 1 took them */
+#endif
             }
         }
     }

@@ -380,10 +380,10 @@ OKV_INLINE OKV_ATTR void OKV_QX(okv_qk_czp)(const float *const *qr, int nr, int6
     return
 #define OKV_PV_Q(F)                                                                            \
     if (pc) {                                                                                  \
-        OKV_QX(okv_pv_rows_##F##c)(p, nr, c, n, D, accr, dq);                                   \
+        OKV_QX(okv_pv_rows_##F##c)(p, nr, c, n, D, accr, dq, pf);                               \
     } else {                                                                                   \
         okv_pv_fold(p, nr, n, zc, dq);                                                         \
-        OKV_QX(okv_pv_rows_##F##h)(p, nr, c, n, D, OKV_ILV_FMT(fmt) ? acci : accr, dq);         \
+        OKV_QX(okv_pv_rows_##F##h)(p, nr, c, n, D, OKV_ILV_FMT(fmt) ? acci : accr, dq, pf);     \
     }                                                                                          \
     return
 
@@ -414,18 +414,19 @@ OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr,
  * acci: the rows' accumulators in the interleaved order, taking the tile
  * instead of accr if OKV_ILV_FMT(fmt) with per-head scales. */
 OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const char *v, int64_t n, int64_t D,
-                                        float *const *accr, float *const *acci, const okv_dq *dq, float *zc) {
+                                        float *const *accr, float *const *acci, const okv_dq *dq, float *zc,
+                                        const okv_pf *pf) {
     const uint8_t *c = (const uint8_t *)v;
     switch (fmt) {
-    case OKV_FMT_F16: OKV_QX(okv_pv_rows_f16)(p, nr, (const uint16_t *)v, n, D, accr, dq); return;
-    case OKV_FMT_BF16: OKV_QX(okv_pv_rows_bf16)(p, nr, (const uint16_t *)v, n, D, accr, dq); return;
+    case OKV_FMT_F16: OKV_QX(okv_pv_rows_f16)(p, nr, (const uint16_t *)v, n, D, accr, dq, pf); return;
+    case OKV_FMT_BF16: OKV_QX(okv_pv_rows_bf16)(p, nr, (const uint16_t *)v, n, D, accr, dq, pf); return;
     case OKV_FMT_U8: OKV_PV_Q(u8);
     case OKV_FMT_I8: OKV_PV_Q(i8);
     case OKV_FMT_U4: OKV_PV_Q(u4);
     case OKV_FMT_I4: OKV_PV_Q(i4);
     case OKV_FMT_U2: OKV_PV_Q(u2);
     case OKV_FMT_I2: OKV_PV_Q(i2);
-    default: OKV_QX(okv_pv_rows_f32)(p, nr, (const float *)v, n, D, accr, dq); return;
+    default: OKV_QX(okv_pv_rows_f32)(p, nr, (const float *)v, n, D, accr, dq, pf); return;
     }
 }
 #undef OKV_QK_Q

@@ -316,3 +316,32 @@ def test_switch_and_level_name():
     finally:
         reset_level()
         A.set_attention_amx(True)
+
+
+@needs_amx
+@pytest.mark.parametrize("lines", [0, 1, 8, 24, 48, 1000])
+@pytest.mark.parametrize("D, bs", [(128, 16), (40, 5), (64, 32)])
+@pytest.mark.parametrize("kG", [1, "D", "Dc"], ids=["per_head", "per_channel", "compact"])
+def test_prefetch_split_keeps_results(kG, D, bs, lines):
+    # _set_prefetch_qk_lines moves part of the next block's prefetch from the AMX key tiles into the p.v loop
+    # of the item before (1 line: none with the keys; 1000: all of it); a schedule change, so the results are
+    # bit for bit those of the default, for mixed pages (float pages between) and head sizes with (128, 64) and
+    # without (40) a whole 4-chunk p.v pass
+    spec = (3, 22, 1, 2, 10, 21)
+    q, pg, kv_len, q_pos, scale, want = build(700 + D, spec, (3, 22, 1), kG, 32, 8, D, bs, (203, 77))
+    old, old_threads = A._set_prefetch_qk_lines(48), K.get_num_threads()
+    try:
+        for threads in (1, 2):
+            K.set_num_threads(threads)
+            A._set_prefetch_qk_lines(48)
+            ref = np.full_like(q, np.nan)
+            pg.kernel(q, 8, kv_len, q_pos, scale, 0.0, -1, ref)
+            np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
+            A._set_prefetch_qk_lines(lines)
+            out = np.full_like(q, np.nan)
+            pg.kernel(q, 8, kv_len, q_pos, scale, 0.0, -1, out)
+            np.testing.assert_array_equal(out, ref)
+    finally:
+        A._set_prefetch_qk_lines(old)
+        K.set_num_threads(old_threads)
+    assert A._set_prefetch_qk_lines(-3) == 48 and A._set_prefetch_qk_lines(48) == 0   # clamped to >= 0
