@@ -48,7 +48,7 @@ measured for comparison, without a bar.)
 
     python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
         [--repeat N] [--no-ort] [--allocator slab|system] [--isa auto|avx512|avx2]
-        [--amx-pv off|keys|all] [--out FILE]
+        [--amx-pv off|keys|all] [--prefetch-qk-lines N] [--out FILE]
 
 --allocator: where the pages live -- slab (default, as a paged state without
 an allocator argument) or system (one allocation per page); recorded as
@@ -61,6 +61,12 @@ AMX) or avx2; the level in use is recorded as config.attention_isa.
 per-head value scales on AMX too -- off (default, as the library), keys (in
 calls with per-head key scales) or all; recorded as
 config.attention_amx_pv.
+--prefetch-qk-lines: with AMX key scores, the cache lines of each (head, row
+group) item's share of the next block's software prefetch issued together
+with its key tiles (0: all of them, the earlier schedule); the rest are
+spread over the probabilities-times-values loop of the item before (default
+48: int8 pages' 64 lines per head split 48 + 16, int4 pages' 32 all with the
+keys); recorded as config.prefetch_qk_lines.
 """
 from __future__ import annotations
 
@@ -246,12 +252,20 @@ def main(argv=None):
                     help="with AMX: probabilities times values on AMX too -- off (the library's default: keys only), "
                          "keys (in calls with per-head key scales) or all (also with per-channel key "
                          "scales)")
+    ap.add_argument("--prefetch-qk-lines", type=int, default=None, metavar="N",
+                    help="with AMX key scores: cache lines of each item's next-block prefetch issued with its key "
+                         "tiles, the rest spread over the p.v before (0: all with the keys; default: the "
+                         "library's, 48)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     attn = sys.modules["onnxkv._kernels.attention"]
     attn.set_attention_avx512(args.isa != "avx2")
     attn.set_attention_amx(args.isa == "auto")
     attn._set_attention_amx_pv(AMX_PV[args.amx_pv])
+    qk_lines = attn._set_prefetch_qk_lines(0)   # the library's value, unless --prefetch-qk-lines
+    if args.prefetch_qk_lines is not None:
+        qk_lines = max(0, args.prefetch_qk_lines)
+    attn._set_prefetch_qk_lines(qk_lines)
     if any(c % BS or c < RECENT for c in args.contexts):
         ap.error(f"contexts must be multiples of {BS} and >= {RECENT}")
 
@@ -260,6 +274,7 @@ def main(argv=None):
                       "threads": args.threads, "repeat": args.repeat, "bars": BARS,
                       "page_allocator": args.allocator,
                       "attention_isa": attn.attention_simd_level(), "attention_amx_pv": args.amx_pv,
+                      "prefetch_qk_lines": qk_lines,
                       "quantization": "symmetric, zero point 0, round half to even; per-head scales unless named",
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
                               "bound to the same float32 buffer via IOBinding"},
