@@ -238,7 +238,8 @@ OKV_INLINE OKV_ATTR void OKV_F(okv_qk_rows)(const float *const *qr, int nr, cons
 
 /* ---- acc_r[i0:i1] += sum_j p[r*OKV_BK + j] * v_j[i0:i1] for NR rows, NC
  * vector chunks per pass: NR*NC accumulators in registers, each V chunk loaded
- * and converted once and used by every row. */
+ * and converted once and used by every row.  pf (or NULL): its pf->n rows
+ * software-prefetched along the first pass, row by row (okv_pf_rows). */
 OKV_INLINE OKV_ATTR void OKV_F(okv_pv_tile)(const float *p, const OKV_KT_T *v, int64_t n, int64_t D,
                                             float *const *accr, int64_t i0, int64_t i1, const okv_dq *dq,
                                             const int NR, const int NC, const okv_pf *pf) {

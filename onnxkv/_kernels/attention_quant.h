@@ -412,7 +412,8 @@ OKV_ATTR static void OKV_QX(okv_qk_fmt)(int fmt, int pc, const float *const *qr,
  * per-head scales the probabilities p are scaled in place and the zero
  * point's share is added to the rows' corrections zc (see okv_pv_fold).
  * acci: the rows' accumulators in the interleaved order, taking the tile
- * instead of accr if OKV_ILV_FMT(fmt) with per-head scales. */
+ * instead of accr if OKV_ILV_FMT(fmt) with per-head scales.  pf (or NULL):
+ * rows to software-prefetch, spread over the tile's token loop. */
 OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const char *v, int64_t n, int64_t D,
                                         float *const *accr, float *const *acci, const okv_dq *dq, float *zc,
                                         const okv_pf *pf) {
