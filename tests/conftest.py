@@ -5,6 +5,7 @@ import gc
 
 import pytest
 
+import fuzzing  # noqa: F401  (registers and loads the Hypothesis profile of the suite)
 from onnxkv.cache.paged import live_pools
 
 
