@@ -1,4 +1,4 @@
-"""Session: statelessness, thread setting, events, show_config."""
+"""Session: statelessness, thread setting, events, show_config, token id checks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
 from onnxkv import InputError, _kernels
@@ -91,3 +92,41 @@ def test_show_config_prints_versions_openmp_threads_simd():
 
 def test_repr_names_the_convention():
     assert "concat" in repr(onnxkv.Session(build_model("concat", MICRO), threads=1))
+
+
+# -- token ids ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gqa", "concat"])
+@pytest.mark.parametrize("bad", [-1, -MICRO.vocab_size, MICRO.vocab_size, 1 << 40])
+def test_token_ids_outside_the_vocabulary_are_rejected_by_run_and_state_run(family, bad):
+    sess = onnxkv.Session(build_model(family, MICRO), threads=1)
+    feeds = _feeds()
+    feeds["input_ids"] = np.array([[1, bad, 2, 3]])
+    with pytest.raises(InputError, match=rf"input 'input_ids' holds token ids from {min(bad, 1)} to {max(bad, 3)}; "
+                                         rf"expected ids in \[0, {MICRO.vocab_size}\)"):
+        sess.run(feeds)
+    state = sess.new_state()
+    state_feeds = {k: v for k, v in feeds.items() if not k.startswith("past")}
+    with pytest.raises(InputError, match="token ids"):
+        state.run(state_feeds)
+    assert state.length == 0 and sess._step == 0
+
+
+def test_token_limit_comes_from_the_embedding_table_when_the_vocabulary_is_unknown():
+    emb = numpy_helper.from_array(np.arange(10, dtype=np.float32).reshape(5, 2), "emb")
+    g = helper.make_graph([helper.make_node("Gather", ["emb", "input_ids"], ["logits"])], "g",
+                          [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["b", "s"])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", "h"])], [emb])
+    sess = onnxkv.Session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), threads=1)
+    assert sess.model.vocab_size is None and sess.token_limit == 5
+    np.testing.assert_array_equal(sess.run({"input_ids": np.array([[4]], np.int32)})["logits"], [[[8, 9]]])
+    for bad in (5, -1, -5):
+        with pytest.raises(InputError, match=r"expected ids in \[0, 5\)"):
+            sess.run({"input_ids": np.array([[0, bad]], np.int32)})
+
+
+def test_narrow_signed_ids_below_a_large_vocabulary_are_checked():
+    sess = onnxkv.Session(build_model("gqa", MICRO), threads=1)
+    sess.token_limit = 300  # wider than int8: every non-negative int8 id fits, negative ones do not
+    assert sess._check_token_ids(np.array([[127, 0]], np.int8)) is None
+    with pytest.raises(InputError, match="from -1 to 5"):
+        sess._check_token_ids(np.array([[5, -1]], np.int8))
