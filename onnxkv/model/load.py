@@ -145,9 +145,19 @@ def _resolve_inside(folder: Path, name, anchor: Path, what: str, missing: type[E
         raise ModelError(f"{where}, which cannot be resolved: {e}") from None
     if not any(resolved.is_relative_to(r) for r in roots):
         raise ModelError(f"{where}, which resolves to {resolved}, outside the model's folder {roots[0]}")
-    if not stat.S_ISREG(resolved.stat().st_mode):
-        raise ModelError(f"{where}, which resolves to {resolved}: not a regular file")
+    _regular_file(resolved, where)
     return resolved
+
+
+def _regular_file(path: Path, where: str) -> int:
+    """The size of ``path``, a regular file (never a device, FIFO or folder that could block or never end)."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"{where}: cannot stat {path}: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{where}, which resolves to {path}: not a regular file")
+    return st.st_size
 
 
 def _external_info(init: onnx.TensorProto) -> dict[str, str]:
@@ -193,7 +203,7 @@ def _map_external_data(proto: onnx.ModelProto, file: Path) -> dict[str, np.ndarr
         nbytes = data_nbytes(init.data_type, count, f"load: {what}")
         offset = _extent(info, "offset", 0, init)
         length = _extent(info, "length", nbytes, init)
-        size = location.stat().st_size
+        size = _regular_file(location, f"load: the external data of {what}")
         if length != nbytes:
             raise ModelError(f"load: the external data of {what} declares length {length}, but its dims "
                              f"{list(init.dims)} need {nbytes} bytes")
@@ -233,8 +243,8 @@ def _check_domains(model: onnx.ModelProto) -> None:
 def _find_io(model: onnx.ModelProto, conv: CacheConvention, cfg: dict | None) -> ModelIO:
     names = [i.name for i in model.graph.input]
     outs = [o.name for o in model.graph.output]
-    decoder = (cfg or {}).get("model", {}).get("decoder", {})
-    dec_in, dec_out = decoder.get("inputs", {}), decoder.get("outputs", {})
+    dec_in = _config_section(cfg or {}, ("model", "decoder", "inputs"))
+    dec_out = _config_section(cfg or {}, ("model", "decoder", "outputs"))
 
     def pick(key: str, default: str) -> str | None:
         name = dec_in.get(key, default)
@@ -253,10 +263,12 @@ def _find_io(model: onnx.ModelProto, conv: CacheConvention, cfg: dict | None) ->
 
 #: Largest size, length or head count a genai_config.json may declare.
 _CONFIG_INT_LIMIT = 1 << 31
+#: Largest genai_config.json read (the builder writes a few KB).
+_CONFIG_BYTES_LIMIT = 16 << 20
 
 
-def _config_section(cfg: dict, keys: tuple[str, ...], path: Path) -> dict:
-    """The object at ``cfg[keys[0]][keys[1]]...`` ({} when absent); ModelError when something else is there."""
+def _config_section(cfg: dict, keys: tuple[str, ...], path: Path = Path("genai_config.json")) -> dict:
+    """The object at ``cfg[keys[0]][keys[1]]...`` ({} when absent or null); ModelError when something else is there."""
     section = cfg
     for i, key in enumerate(keys):
         section = section.get(key)
@@ -284,6 +296,8 @@ def _read_genai_config(path: Path) -> dict:
         ModelError: unreadable, not JSON, or a key of another type or out of
             range (the message names the key and the value).
     """
+    if _regular_file(path, f"load: {path}") > _CONFIG_BYTES_LIMIT:
+        raise ModelError(f"load: {path} is larger than {_CONFIG_BYTES_LIMIT} bytes")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -320,15 +334,15 @@ def _read_genai_config(path: Path) -> dict:
 
 def _apply_genai_config(m: Model, cfg: dict) -> None:
     """Copy the settings of a genai_config.json checked by :func:`_read_genai_config` into ``m``."""
-    mc = cfg.get("model") or {}
-    search = cfg.get("search") or {}
+    mc = _config_section(cfg, ("model",))
+    search = _config_section(cfg, ("search",))
     m.max_length = search.get("max_length") or mc.get("context_length")
     m.vocab_size = mc.get("vocab_size")
     m.bos_token_id = mc.get("bos_token_id")
     eos = mc.get("eos_token_id")
     m.eos_token_id = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
     m.pad_token_id = mc.get("pad_token_id")
-    dec = mc.get("decoder") or {}
+    dec = _config_section(cfg, ("model", "decoder"))
     conv = m.convention
     if conv.head_size is None and dec.get("head_size"):
         conv.head_size = dec["head_size"]
@@ -368,7 +382,8 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
             cfg_path = p / "genai_config.json"
             if cfg_path.exists():
                 cfg = _read_genai_config(cfg_path)
-                fname = _config_section(cfg, ("model", "decoder"), cfg_path).get("filename", "model.onnx")
+                fname = _config_section(cfg, ("model", "decoder")).get("filename")
+                fname = "model.onnx" if fname is None else fname
                 _resolve_inside(p, fname, cfg_path, f"model.decoder.filename of {cfg_path}", missing=FileNotFoundError)
                 file = p / fname
             else:
@@ -377,6 +392,7 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
                     raise FileNotFoundError(f"load: folder {p} has no genai_config.json and "
                                             f"{len(candidates)} .onnx files (need exactly one)")
                 file = candidates[0]
+                _regular_file(file, f"load: the model file {file.name} of {p}")
         else:
             file = p
             if (p.parent / "genai_config.json").exists():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -289,3 +290,31 @@ def test_malformed_genai_config_is_a_model_error_for_files_and_folders(tmp_path)
         for target in (folder, folder / "model.onnx"):
             with pytest.raises(ModelError, match="genai_config.json"):
                 onnxkv.load(target)
+
+
+def test_null_config_sections_count_as_absent(tmp_path):
+    folder = _genai_folder(tmp_path, **{"model.decoder.inputs": None, "model.decoder.filename": None,
+                                        "search": None})
+    m = onnxkv.load(folder)
+    assert m.io.input_ids == "input_ids" and m.path.name == "model.onnx" and m.max_length == MICRO.max_length
+
+
+def test_files_that_never_end_are_not_read(tmp_path):
+    folder = _genai_folder(tmp_path)
+    (folder / "genai_config.json").unlink()
+    (folder / "genai_config.json").symlink_to("/dev/zero")
+    with pytest.raises(ModelError, match="genai_config.json.*not a regular file"):
+        onnxkv.load(folder)
+    (folder / "genai_config.json").unlink()
+    (folder / "model.onnx").unlink()
+    os.mkfifo(folder / "model.onnx")
+    with pytest.raises(ModelError, match="model.onnx.*not a regular file"):
+        onnxkv.load(folder)
+
+
+def test_oversized_genai_config_is_rejected(tmp_path):
+    folder = _genai_folder(tmp_path)
+    with open(folder / "genai_config.json", "r+b") as f:
+        f.truncate(17 << 20)  # sparse: no 17 MB written
+    with pytest.raises(ModelError, match="genai_config.json is larger than 16777216 bytes"):
+        onnxkv.load(folder)
