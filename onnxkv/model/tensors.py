@@ -21,6 +21,7 @@ This module imports only ``onnx`` and ``numpy``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import numpy as np
@@ -134,11 +135,12 @@ _ATTRIBUTE_FIELDS = {
 }
 
 
-def _schema_types(node: onnx.NodeProto, opsets: Mapping[str, int]) -> dict[str, int]:
-    """Attribute name -> AttributeProto type the ONNX schema of ``node`` declares ({} without a schema)."""
-    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+@functools.lru_cache(maxsize=1024)
+def _schema_types(op_type: str, version: int, domain: str) -> dict[str, int]:
+    """Attribute name -> AttributeProto type the ONNX schema of ``domain::op_type`` at ``version`` declares
+    ({} without a schema).  Do not mutate the result (it is cached)."""
     try:
-        schema = onnx.defs.get_schema(node.op_type, opsets.get(domain, onnx.defs.onnx_opset_version()), domain)
+        schema = onnx.defs.get_schema(op_type, version, domain)
     except onnx.defs.SchemaError:
         return {}
     return {name: int(a.type) for name, a in schema.attributes.items()}
@@ -155,7 +157,8 @@ def check_attributes(graph: onnx.GraphProto, opsets: Mapping[str, int]) -> None:
     """
     for node in graph.node:
         name = f"{node.op_type} node '{node.name or (node.output[0] if node.output else '')}'"
-        expected = _schema_types(node, opsets)
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        expected = _schema_types(node.op_type, opsets.get(domain, onnx.defs.onnx_opset_version()), domain)
         for a in node.attribute:
             where = f"{name}: attribute '{a.name}'"
             if a.type not in _ATTRIBUTE_FIELDS:
