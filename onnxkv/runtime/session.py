@@ -97,13 +97,17 @@ class Session:
     def _check_token_ids(self, ids) -> None:
         """InputError unless every entry of the ``input_ids`` feed lies in ``[0, token_limit)``.
 
-        One reduction over the ids: a signed array is viewed as unsigned, so a
-        negative id compares above the limit (the embedding Gather would wrap it).
+        O(ids): a decode step's few ids are compared as Python ints; a longer
+        feed takes one reduction (a signed array viewed as unsigned, so a
+        negative id compares above the limit; the embedding Gather would wrap it).
         """
         limit = self.token_limit
         if limit is None or not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu" or not ids.size:
             return
-        if ids.dtype.kind == "u":
+        if ids.size <= DECODE_ROWS:
+            values = ids.ravel().tolist()
+            bad = min(values) < 0 or max(values) >= limit
+        elif ids.dtype.kind == "u":
             bad = ids.max() >= limit
         elif limit > np.iinfo(ids.dtype).max:  # every non-negative id of this width is below the limit
             bad = ids.min() < 0

@@ -124,9 +124,17 @@ def test_token_limit_comes_from_the_embedding_table_when_the_vocabulary_is_unkno
             sess.run({"input_ids": np.array([[0, bad]], np.int32)})
 
 
-def test_narrow_signed_ids_below_a_large_vocabulary_are_checked():
+@pytest.mark.parametrize("size", [2, 32])  # a decode step's few ids, and a prefill's
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8, np.uint64])
+def test_ids_of_every_integer_width_are_checked(size, dtype):
     sess = onnxkv.Session(build_model("gqa", MICRO), threads=1)
-    sess.token_limit = 300  # wider than int8: every non-negative int8 id fits, negative ones do not
-    assert sess._check_token_ids(np.array([[127, 0]], np.int8)) is None
-    with pytest.raises(InputError, match="from -1 to 5"):
-        sess._check_token_ids(np.array([[5, -1]], np.int8))
+    for limit in (100, 300):  # below and above int8's largest value
+        sess.token_limit = limit
+        ok = np.full((1, size), min(limit - 1, np.iinfo(dtype).max), dtype)
+        assert sess._check_token_ids(ok) is None
+        bad = ok.copy()
+        bad[0, -1] = -1 if np.dtype(dtype).kind == "i" else min(limit, np.iinfo(dtype).max)
+        if bad[0, -1] < limit and bad[0, -1] >= 0:
+            continue  # uint8 cannot hold an id of 300
+        with pytest.raises(InputError, match=rf"expected ids in \[0, {limit}\)"):
+            sess._check_token_ids(bad)
