@@ -96,7 +96,8 @@ class Model:
         that table's rows.  O(nodes): callers keep the value.
         """
         limits = [] if self.vocab_size is None else [self.vocab_size]
-        dims = {t.name: t.dims for t in self.proto.graph.initializer}
+        fed = {i.name for i in self.proto.graph.input}  # an initializer that is also an input may be replaced
+        dims = {t.name: t.dims for t in self.proto.graph.initializer if t.name not in fed}
         for n in self.proto.graph.node:
             if (n.op_type == "Gather" and n.domain in ("", "ai.onnx") and len(n.input) == 2
                     and n.input[1] == self.io.input_ids and len(dims.get(n.input[0], ())) >= 1
@@ -137,12 +138,13 @@ def _resolve_inside(folder: Path, name, anchor: Path, what: str, missing: type[E
         raise ModelError(f"{where}: '..' components are not allowed (the file must be inside the model's folder "
                          f"{folder})")
     try:
-        if not (folder / rel).exists():
-            raise missing(f"{where}, which does not exist in {folder}")
-        resolved = (folder / rel).resolve(strict=True)
+        exists = (folder / rel).exists()
+        resolved = (folder / rel).resolve(strict=True) if exists else None
         roots = (folder.resolve(strict=True), anchor.resolve(strict=True).parent)
-    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop; OSError: e.g. a name too long
         raise ModelError(f"{where}, which cannot be resolved: {e}") from None
+    if resolved is None:
+        raise missing(f"{where}, which does not exist in {folder}")
     if not any(resolved.is_relative_to(r) for r in roots):
         raise ModelError(f"{where}, which resolves to {resolved}, outside the model's folder {roots[0]}")
     _regular_file(resolved, where)

@@ -149,7 +149,7 @@ def test_external_data_outside_the_model_folder_is_rejected(tmp_path, kind):
         onnxkv.load(path)
 
 
-@pytest.mark.parametrize("location", ["sub/../w.bin", "", "w.bin\x00x"])
+@pytest.mark.parametrize("location", ["sub/../w.bin", "", "w.bin\x00x", "x" * 5000])
 def test_external_locations_with_dotdot_empty_or_nul_are_rejected(tmp_path, location):
     (tmp_path / "w.bin").write_bytes(bytes(16))
     (tmp_path / "sub").mkdir()
@@ -317,4 +317,10 @@ def test_oversized_genai_config_is_rejected(tmp_path):
     with open(folder / "genai_config.json", "r+b") as f:
         f.truncate(17 << 20)  # sparse: no 17 MB written
     with pytest.raises(ModelError, match="genai_config.json is larger than 16777216 bytes"):
+        onnxkv.load(folder)
+
+
+def test_missing_decoder_file_is_file_not_found(tmp_path):
+    folder = _genai_folder(tmp_path, **{"model.decoder.filename": "other.onnx"})
+    with pytest.raises(FileNotFoundError, match=r"model\.decoder\.filename.*'other.onnx', which does not exist"):
         onnxkv.load(folder)
