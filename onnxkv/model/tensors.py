@@ -171,7 +171,8 @@ def check_attributes(graph: onnx.GraphProto, opsets: Mapping[str, int]) -> None:
                                  f"{AttributeProto.AttributeType.Name(want)} (ONNX schema of {node.op_type})")
             if not repeated and not a.HasField(field):
                 raise ModelError(f"{where} has type {type_name} but no value in its field '{field}'")
-            strings = list(a.strings) if a.type == AttributeProto.STRINGS else [a.s] if a.type == AttributeProto.STRING else []
+            strings = list(a.strings) if a.type == AttributeProto.STRINGS else \
+                [a.s] if a.type == AttributeProto.STRING else []
             for s in strings:
                 try:
                     s.decode("utf-8")

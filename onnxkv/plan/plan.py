@@ -359,7 +359,8 @@ class Plan:
         except OnnxkvError:
             raise
         except Exception as e:
-            raise ModelError(f"{_node_label(node)} cannot be built from its attributes {sorted(a.name for a in node.attribute)}: "
+            names = sorted(a.name for a in node.attribute)
+            raise ModelError(f"{_node_label(node)} cannot be built from its attributes {names}: "
                              f"{type(e).__name__}: {e}") from e
 
     @staticmethod

@@ -57,7 +57,7 @@ def _checked_shape(op: Op, shape: Sequence[int], itemsize: int, what: str) -> tu
 
 
 def _check_indices(op: Op, idx: np.ndarray, dim: int, axis: int) -> None:
-    """Every entry of ``idx`` in ``[-dim, dim - 1]`` (ONNX's range for an axis of size ``dim``); OperatorError otherwise."""
+    """Every entry of ``idx`` in ``[-dim, dim - 1]`` (ONNX's range for an axis of size ``dim``), else OperatorError."""
     if idx.size and (idx.min() < -dim or idx.max() >= dim):
         raise OperatorError(f"{op.op_type} node '{op.name}': indices (input '{op.node.input[1]}') must be in "
                             f"[{-dim}, {dim - 1}] for axis {axis} of size {dim}, got min {idx.min()}, max {idx.max()}")
