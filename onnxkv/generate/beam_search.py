@@ -17,6 +17,7 @@ Two parts, kept apart:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,13 +25,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxkv.errors import InputError
+from onnxkv.generate.arguments import (as_session, callback_arg, check_prompt, choice, int_arg, real_arg, token_id,
+                                       token_ids)
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.generate import _as_session, _check_prompt, _eos_list
+from onnxkv.plan.ops.shape import MAX_TENSOR_BYTES
 
 __all__ = ["beam_search", "BeamSearchResult", "BeamScorer", "log_softmax"]
 
 #: transformers' "minus infinity" for beam scores (added, in float32).
 NEG = np.float32(-1.0e9)
+#: ``|length_penalty| * ln(max_new_tokens + 1)`` above this would take the length factor out of the float32 range.
+_LENGTH_EXPONENT_LIMIT = 80.0
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -281,20 +286,6 @@ class _TensorBeams:
         """Nothing to release: the presents are ordinary arrays."""
 
 
-def _renamed(fn, *args):
-    """Call a shared :mod:`onnxkv.generate.generate` check, its errors naming ``beam_search``."""
-    try:
-        return fn(*args)
-    except InputError as e:
-        raise InputError(str(e).replace("generate:", "beam_search:", 1)) from None
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise InputError(f"beam_search: {name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 #: Event counters of payload bytes copied: any copy at all (reorders), and the copies a run makes
 #: of cached positions (growth / concatenation of the past, copy-on-write; not the appended tokens).
 _ALL_COPIES = ("prefix_copied_bytes", "append_copied_bytes", "cow_copied_bytes")
@@ -351,42 +342,49 @@ def beam_search(
     Raises:
         InputError: a bad argument (the message names it and its value).
     """
-    sess = _renamed(_as_session, session_or_model, threads)
-    model = sess.model
-    vocab = model.vocab_size
-    k = _positive_int("num_beams", num_beams)
-    max_new = _positive_int("max_new_tokens", max_new_tokens)
-    n_ret = _positive_int("num_return_sequences", num_return_sequences)
+    api = "beam_search"
+    k = int_arg(api, "num_beams", num_beams, 1)
+    max_new = int_arg(api, "max_new_tokens", max_new_tokens, 1)
+    n_ret = int_arg(api, "num_return_sequences", num_return_sequences, 1)
     if n_ret > k:
         raise InputError(f"beam_search: num_return_sequences {n_ret} exceeds num_beams {k}")
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float, np.integer, np.floating)):
-        raise InputError(f"beam_search: length_penalty must be a number, got {length_penalty!r}")
-    if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
+    length_penalty = real_arg(api, "length_penalty", length_penalty)
+    if abs(length_penalty) * math.log(max_new + 1) > _LENGTH_EXPONENT_LIMIT:
+        raise InputError(f"beam_search: length_penalty {length_penalty} makes the length factor "
+                         f"(max_new_tokens + 1) ** length_penalty = {max_new + 1} ** {length_penalty} leave the "
+                         "float32 range")
+    if not (early_stopping is True or early_stopping is False
+            or (isinstance(early_stopping, str) and early_stopping == "never")):
         raise InputError(f"beam_search: early_stopping must be True, False or 'never', got {early_stopping!r}")
-    if cache not in ("paged", "tensor"):
-        raise InputError(f"beam_search: cache must be 'paged' or 'tensor', got {cache!r}")
-    block = _positive_int("block_size", block_size)
+    choice(api, "cache", cache, ("paged", "tensor"))
+    block = int_arg(api, "block_size", block_size, 1)
+    callback_arg(api, "callback", callback)
+    sess = as_session(api, "session_or_model", session_or_model, threads)
+    model = sess.model
+    vocab = sess.token_limit
     if cache == "paged" and not sess.bindings:
         raise InputError(f"beam_search: cache='paged' needs a model whose KV cache onnxkv runs in place; this "
                          f"model's cache is '{model.convention.kind}' (use cache='tensor')")
-    ids, mask, lengths = _renamed(_check_prompt, input_ids, attention_mask, vocab)
-    eos = _renamed(_eos_list, eos_token_id, model.eos_token_id, vocab)
+    ids, mask, lengths = check_prompt(api, input_ids, attention_mask, vocab)
+    eos = token_ids(api, "eos_token_id", eos_token_id, model.eos_token_id, vocab)
     if pad_token_id is None:
         pad_token_id = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
-    if (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)) or pad_token_id < 0
-            or (vocab is not None and pad_token_id >= vocab)):
-        raise InputError(f"beam_search: pad_token_id {pad_token_id!r} is outside the vocabulary [0, {vocab})")
+    pad_token_id = token_id(api, "pad_token_id", pad_token_id, vocab)
     B, L = ids.shape
     if model.max_length is not None and L + max_new > model.max_length:
         raise InputError(f"beam_search: prompt length {L} + max_new_tokens {max_new} exceeds the model's "
                          f"max_length {model.max_length}")
-    scorer = BeamScorer(B, k, max_new, length_penalty, early_stopping, eos, int(pad_token_id))
+    table = 2 * B * k * max_new * np.dtype(np.int64).itemsize
+    if table > MAX_TENSOR_BYTES:
+        raise InputError(f"beam_search: {B} row(s) * num_beams {k} * max_new_tokens {max_new} hypotheses need "
+                         f"{table} bytes, more than this machine's memory ({MAX_TENSOR_BYTES} bytes)")
+    scorer = BeamScorer(B, k, max_new, length_penalty, early_stopping, eos, pad_token_id)
     if vocab is not None and k * vocab < scorer.keep:
         raise InputError(f"beam_search: num_beams {k} * vocab {vocab} is below the {scorer.keep} candidates "
                          "beam search keeps per row")
     ids = np.where(mask == 1, ids, pad_token_id)
 
-    builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, int(pad_token_id), thread_cache=cache == "tensor")
+    builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, pad_token_id, thread_cache=cache == "tensor")
     beams = _PagedBeams(sess, block) if cache == "paged" else _TensorBeams(sess)
     log = sess.events if sess.events.enabled else None
     logits_name = model.io.logits

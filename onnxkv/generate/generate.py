@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from onnxkv.errors import InputError
+from onnxkv.generate.arguments import (as_session, callback_arg, check_prompt, choice, int_arg, optional_int, token_id,
+                                       token_ids)
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.sampling import SamplingConfig, select_next
 
@@ -46,65 +48,6 @@ class GenerationResult:
         """Generated tokens (all rows) per second of decode time (0 if no decode run)."""
         n = self.tokens.shape[0] * max(0, self.tokens.shape[1] - 1)
         return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-
-def _as_session(session_or_model, threads: int | None):
-    from onnxkv.runtime.session import Session
-
-    if isinstance(session_or_model, Session):
-        return session_or_model
-    return Session(session_or_model, threads=threads)
-
-
-def _check_prompt(input_ids, attention_mask, vocab: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    ids = np.asarray(input_ids)
-    if ids.ndim == 1:
-        ids = ids[None, :]
-    if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
-        raise InputError(f"generate: input_ids must be [batch, length] with length ≥ 1, got shape {ids.shape}")
-    if ids.dtype.kind not in "iu":
-        raise InputError(f"generate: input_ids must be integers, got dtype {ids.dtype}")
-    ids = ids.astype(np.int64)
-    if attention_mask is None:
-        mask = np.ones_like(ids)
-    else:
-        mask = np.asarray(attention_mask)
-        if mask.ndim == 1:
-            mask = mask[None, :]
-        if mask.shape != ids.shape:
-            raise InputError(f"generate: attention_mask shape {mask.shape} differs from input_ids {ids.shape}")
-        if mask.dtype.kind not in "iub" or not np.isin(mask, (0, 1)).all():
-            raise InputError("generate: attention_mask must hold only 0 and 1")
-        mask = mask.astype(np.int64)
-    # Left padding: once a row has a 1, it has no 0 after it.
-    started = np.cumsum(mask, axis=1) > 0
-    if np.any(started & (mask == 0)):
-        rows = np.nonzero(np.any(started & (mask == 0), axis=1))[0].tolist()
-        raise InputError(f"generate: rows {rows} of attention_mask are right-padded or have holes; "
-                         "prompts must be left-padded (zeros first)")
-    lengths = mask.sum(axis=1)
-    if np.any(lengths == 0):
-        raise InputError(f"generate: rows {np.nonzero(lengths == 0)[0].tolist()} have no tokens")
-    real = ids[mask == 1]
-    if real.size and (real.min() < 0 or (vocab is not None and real.max() >= vocab)):
-        raise InputError(f"generate: input_ids must be in [0, {vocab}), got min {real.min()}, max {real.max()}")
-    return ids, mask, lengths
-
-
-def _eos_list(eos_token_id, default: list[int], vocab: int | None) -> list[int]:
-    if eos_token_id is None:
-        eos = list(default)
-    elif isinstance(eos_token_id, (int, np.integer)) and not isinstance(eos_token_id, bool):
-        eos = [int(eos_token_id)]
-    else:
-        try:
-            eos = [int(e) for e in eos_token_id]
-        except TypeError:
-            raise InputError(f"generate: eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}") from None
-    for e in eos:
-        if e < 0 or (vocab is not None and e >= vocab):
-            raise InputError(f"generate: eos_token_id {e} is outside the vocabulary [0, {vocab})")
-    return eos
 
 
 def generate(
@@ -159,37 +102,38 @@ def generate(
     Raises:
         InputError: bad arguments (the message names the argument and value).
     """
-    sess = _as_session(session_or_model, threads)
+    api = "generate"
+    max_new_tokens = int_arg(api, "max_new_tokens", max_new_tokens, 0)
+    sampling = SamplingConfig(temperature, top_k, top_p, seed, api=api)
+    callback_arg(api, "callback", callback)
+    choice(api, "cache", cache, ("auto", "paged", "tensor"))
+    capacity = optional_int(api, "capacity", capacity, 1)
+    prefill_chunk = optional_int(api, "prefill_chunk", prefill_chunk, 1)
+    if cache_dtype is not None:
+        choice(api, "cache_dtype", cache_dtype, ("float32", "float16", "bfloat16"))
+    block_size = int_arg(api, "block_size", block_size, 1)
+    if kv_format is not None and cache != "paged":
+        raise InputError(f"generate: kv_format={kv_format!r} needs cache='paged'")
+    sess = as_session(api, "session_or_model", session_or_model, threads)
     model = sess.model
-    vocab = model.vocab_size
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise InputError(f"generate: max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    sampling = SamplingConfig(temperature, top_k, top_p, seed)
-    ids, mask, lengths = _check_prompt(input_ids, attention_mask, vocab)
-    eos = _eos_list(eos_token_id, model.eos_token_id, vocab)
+    vocab = sess.token_limit
+    ids, mask, lengths = check_prompt(api, input_ids, attention_mask, vocab)
+    eos = token_ids(api, "eos_token_id", eos_token_id, model.eos_token_id, vocab)
     if pad_token_id is None:
         pad_token_id = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
-    if not isinstance(pad_token_id, (int, np.integer)) or pad_token_id < 0 or (vocab is not None and pad_token_id >= vocab):
-        raise InputError(f"generate: pad_token_id {pad_token_id!r} is outside the vocabulary [0, {vocab})")
+    pad_token_id = token_id(api, "pad_token_id", pad_token_id, vocab)
     B, L = ids.shape
     if model.max_length is not None and L + max_new_tokens > model.max_length:
         raise InputError(f"generate: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the model's "
                          f"max_length {model.max_length}")
     ids = np.where(mask == 1, ids, pad_token_id)
 
-    if cache not in ("auto", "paged", "tensor"):
-        raise InputError(f"generate: cache must be 'auto', 'paged' or 'tensor', got {cache!r}")
-    if kv_format is not None and cache != "paged":
-        raise InputError(f"generate: kv_format={kv_format!r} needs cache='paged'")
     if cache == "paged" and not sess.bindings:
         raise InputError("generate: cache='paged' needs a model with a recognised in-place cache; this model's is "
                          f"'{model.convention.kind}'")
     if cache_dtype is not None and (cache == "tensor" or not sess.bindings):
         raise InputError(f"generate: cache_dtype={cache_dtype!r} needs the in-place cache (cache='auto' or 'paged' "
                          "on a model with a recognised cache)")
-    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer))
-                                      or prefill_chunk < 1):
-        raise InputError(f"generate: prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
     in_place = cache != "tensor" and bool(sess.bindings)
     chunked = in_place and prefill_chunk is not None and B == 1 and L > prefill_chunk
     first_len = int(prefill_chunk) if chunked else L

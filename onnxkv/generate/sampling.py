@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from onnxkv.errors import InputError
+from onnxkv.generate.arguments import optional_int, real_arg
 
 __all__ = ["SamplingConfig", "select_next"]
 
@@ -22,19 +20,13 @@ class SamplingConfig:
 
     def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, api: str = "generate") -> None:
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
-                or math.isnan(temperature) or temperature < 0:
-            raise InputError(f"{api}: temperature must be a non-negative number, got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
-            raise InputError(f"{api}: top_k must be a positive int or None, got {top_k!r}")
-        if top_p is not None and (not isinstance(top_p, (int, float, np.floating)) or math.isnan(top_p)
-                                  or not 0.0 < top_p <= 1.0):
-            raise InputError(f"{api}: top_p must be in (0, 1] or None, got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-            raise InputError(f"{api}: seed must be a non-negative int or None, got {seed!r}")
-        self.temperature = float(temperature)
-        self.top_k = None if top_k is None else int(top_k)
-        self.top_p = None if top_p is None else float(top_p)
+        temperature = real_arg(api, "temperature", temperature, 0.0)
+        top_k = optional_int(api, "top_k", top_k, 1)
+        top_p = None if top_p is None else real_arg(api, "top_p", top_p, 0.0, 1.0, low_open=True)
+        seed = optional_int(api, "seed", seed, 0)
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
         self.rng = np.random.default_rng(seed)
 
     @property

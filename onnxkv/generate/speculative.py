@@ -24,6 +24,7 @@ every emitted token distributed exactly as the target's warped distribution.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv.errors import InputError
+from onnxkv.generate.arguments import (as_session, bool_arg, callback_arg, check_prompt, choice, int_arg, real_arg,
+                                       token_ids)
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.generate import _as_session, _check_prompt, _eos_list
 from onnxkv.generate.sampling import SamplingConfig, probabilities, select_next
 
 if TYPE_CHECKING:
@@ -123,12 +125,6 @@ def prompt_lookup(tokens: np.ndarray, ngram: int, k: int) -> np.ndarray:
             start = int(hits[-1]) + n
             return tokens[start:start + k].copy()
     return np.zeros(0, dtype=np.int64)
-
-
-def _int_arg(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise InputError(f"{API}: {name} must be an int ≥ {low}, got {value!r}")
-    return int(value)
 
 
 def _check_model(sess, role: str) -> None:
@@ -228,27 +224,42 @@ def speculative_generate(
         A :class:`SpeculativeResult`.
 
     Raises:
-        InputError: bad arguments, a batch larger than 1, a draft whose logits
-            width differs from the target's, or a model whose cache cannot be
+        InputError: bad arguments (the message names the argument and its
+            value), a batch larger than 1, a draft whose vocabulary (or logits
+            width) differs from the target's, or a model whose cache cannot be
             truncated (static TensorScatter caches).
     """
-    tsess = _as_session(target, threads)
-    dsess = None if draft is None else _as_session(draft, threads)
-    model = tsess.model
-    vocab = model.vocab_size
-    max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 0)
-    num_draft_tokens = _int_arg("num_draft_tokens", num_draft_tokens, 1)
-    ngram = _int_arg("prompt_lookup_ngram", prompt_lookup_ngram, 1)
-    top_k = _int_arg("top_k", top_k, 0)
-    if do_sample and not temperature > 0:
-        raise InputError(f"{API}: temperature must be > 0 when do_sample=True, got {temperature!r}")
+    max_new_tokens = int_arg(API, "max_new_tokens", max_new_tokens, 0)
+    num_draft_tokens = int_arg(API, "num_draft_tokens", num_draft_tokens, 1)
+    ngram = int_arg(API, "prompt_lookup_ngram", prompt_lookup_ngram, 1)
+    top_k = int_arg(API, "top_k", top_k, 0)
+    do_sample = bool_arg(API, "do_sample", do_sample)
+    temperature = real_arg(API, "temperature", temperature, 0.0, low_open=do_sample)
     cfg = SamplingConfig(temperature if do_sample else 0.0, top_k or None, top_p, seed, api=API)
-    ids, _, _ = _check_prompt(input_ids, None, vocab)
+    choice(API, "cache", cache, ("contiguous", "paged"))
+    callback_arg(API, "callback", callback)
+    if state_options is not None and not isinstance(state_options, Mapping):
+        raise InputError(f"{API}: state_options must be a mapping of Session.new_state arguments or None, got "
+                         f"{type(state_options).__name__}")
+    tsess = as_session(API, "target", target, threads)
+    dsess = None if draft is None else as_session(API, "draft", draft, threads)
+    allowed = set(inspect.signature(tsess.new_state).parameters) - {"cache"}
+    unknown = sorted(map(repr, set(state_options or ()) - allowed))
+    if unknown:
+        raise InputError(f"{API}: state_options has {', '.join(unknown)}; expected arguments of Session.new_state "
+                         f"other than cache: {sorted(allowed)}")
+    model = tsess.model
+    vocab = tsess.token_limit
+    if dsess is not None:
+        for what, t, d in (("vocabulary", model.vocab_size, dsess.model.vocab_size),
+                           ("token id limit", vocab, dsess.token_limit)):
+            if t is not None and d is not None and t != d:
+                raise InputError(f"{API}: the draft model's {what} is {d}, the target's {t}; the draft must share "
+                                 "the target's vocabulary")
+    ids, _, _ = check_prompt(API, input_ids, None, vocab)
     if ids.shape[0] != 1:
         raise InputError(f"{API}: only batch 1 is supported, got input_ids of shape {ids.shape}")
-    eos = set(_eos_list(eos_token_id, model.eos_token_id, vocab))
-    if cache not in ("contiguous", "paged"):
-        raise InputError(f"{API}: cache must be 'contiguous' or 'paged', got {cache!r}")
+    eos = set(token_ids(API, "eos_token_id", eos_token_id, model.eos_token_id, vocab))
     L = ids.shape[1]
     for role, s in (("target", tsess), ("draft", dsess)):
         if s is None:

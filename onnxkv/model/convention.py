@@ -89,6 +89,17 @@ def _static_dim(vi: onnx.ValueInfoProto | None, axis: int) -> int | None:
     return int(dims[axis].dim_value)
 
 
+def _head_counts(node: onnx.NodeProto, names: tuple[str, ...]) -> dict:
+    """Attribute name -> value of ``node``'s attributes; the head counts in ``names`` must be positive INTs."""
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    for name in names:
+        v = a.get(name)
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise onnx.checker.ValidationError(f"{node.op_type} node '{node.name}': attribute '{name}' must be a "
+                                               f"positive int, got {v!r:.60}")
+    return a
+
+
 def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
     """Find the past/present pairs of ``model`` and the operator family joining them."""
     g = model.graph
@@ -103,7 +114,7 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
             ins, outs = list(n.input) + [""] * 9, list(n.output) + [""] * 3
             if ins[3] in inputs and outs[1] in outputs:
                 found.append(("group_query_attention", ins[3], ins[4], outs[1], outs[2], n.name))
-                a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+                a = _head_counts(n, ("num_heads", "kv_num_heads"))
                 num_heads, kv_heads = a.get("num_heads"), a.get("kv_num_heads")
                 for k in ("do_rotary", "rotary_interleaved", "local_window_size", "softcap"):
                     if k in a:
@@ -112,7 +123,7 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
             ins, outs = list(n.input) + [""] * 7, list(n.output) + [""] * 4
             if ins[4] in inputs and outs[1] in outputs:
                 found.append(("attention", ins[4], ins[5], outs[1], outs[2], n.name))
-                a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+                a = _head_counts(n, ("q_num_heads", "kv_num_heads"))
                 num_heads, kv_heads = a.get("q_num_heads", num_heads), a.get("kv_num_heads", kv_heads)
                 if ins[6]:
                     attrs["nonpad_kv_seqlen"] = True

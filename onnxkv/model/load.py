@@ -5,21 +5,31 @@ loaded), where it came from, its recognised cache convention, the names of
 its conventional inputs/outputs, and the generation settings of a
 ``genai_config.json`` when one is present.  Operators in unknown domains are
 rejected here, naming the nodes.
+
+A model folder is hostile input: every file name read from it (external-data
+locations, ``model.decoder.filename``) must stay inside it, every
+external-data entry must fit its file, every key of ``genai_config.json``
+onnxkv reads must have the type and range it needs, and every attribute and
+stored tensor must be well formed (:mod:`onnxkv.model.tensors`), or
+:func:`load` raises :class:`~onnxkv.errors.ModelError` naming the tensor,
+key or node and the offending value, before anything is read from a data file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnx.external_data_helper
 
 from onnxkv.errors import ModelError, UnsupportedOperatorError
 from onnxkv.model.convention import CacheConvention, recognize_cache
+from onnxkv.model.tensors import check_attributes, data_nbytes, element_count
 
 __all__ = ["Model", "ModelIO", "load", "KNOWN_DOMAINS"]
 
@@ -77,32 +87,149 @@ class Model:
     def outputs(self) -> list[onnx.ValueInfoProto]:
         return list(self.proto.graph.output)
 
+    @property
+    def token_limit(self) -> int | None:
+        """Exclusive upper bound of the token ids ``input_ids`` may hold (None when unknown).
 
-def _map_external_data(proto: onnx.ModelProto, folder: Path) -> dict[str, np.ndarray]:
-    """Memory-map every external initializer of a numeric type; load the rest into the proto."""
+        The smallest of :attr:`vocab_size` and, when ``input_ids`` is the
+        indices of a ``Gather`` over an initializer (the embedding table),
+        that table's rows.  O(nodes): callers keep the value.
+        """
+        limits = [] if self.vocab_size is None else [self.vocab_size]
+        fed = {i.name for i in self.proto.graph.input}  # an initializer that is also an input may be replaced
+        dims = {t.name: t.dims for t in self.proto.graph.initializer if t.name not in fed}
+        for n in self.proto.graph.node:
+            if (n.op_type == "Gather" and n.domain in ("", "ai.onnx") and len(n.input) == 2
+                    and n.input[1] == self.io.input_ids and len(dims.get(n.input[0], ())) >= 1
+                    and all(a.name != "axis" or a.i == 0 for a in n.attribute)):
+                limits.append(int(dims[n.input[0]][0]))
+        return min(limits) if limits else None
+
+
+#: Keys an external-data entry may hold (ONNX's list).
+_EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum", "basepath"})
+#: An external-data offset or length: decimal digits only, at most 19 (below 2^63).
+_EXTENT = re.compile(r"[0-9]{1,19}")
+
+
+def _resolve_inside(folder: Path, name, anchor: Path, what: str, missing: type[Exception] = ModelError) -> Path:
+    """The regular file ``name`` (a path read from a model or its config) names relative to ``folder``, resolved.
+
+    The rule ONNX Runtime applies to external data: ``name`` is relative and
+    has no ``..`` component, and the file it resolves to (symlinks followed)
+    lies inside ``folder`` (resolved) or inside the folder of ``anchor``'s
+    target, ``anchor`` being the file that holds the name (so a symlinked
+    model in a Hugging Face cache snapshot still finds its data files among
+    the cache's blobs).  ``what`` names the tensor or config key in errors;
+    a file that does not exist raises ``missing``.
+
+    Raises:
+        ModelError: ``name`` is empty, absolute, has ``..``, resolves outside
+            those folders, or is not a regular file.
+    """
+    where = f"load: {what} names the file {name!r}"
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ModelError(f"{where}; expected a non-empty relative path inside the model's folder {folder}")
+    rel = Path(name)
+    if rel.is_absolute():
+        raise ModelError(f"{where}: absolute paths are not allowed (the file must be inside the model's folder "
+                         f"{folder})")
+    if ".." in rel.parts:
+        raise ModelError(f"{where}: '..' components are not allowed (the file must be inside the model's folder "
+                         f"{folder})")
+    try:
+        exists = (folder / rel).exists()
+        resolved = (folder / rel).resolve(strict=True) if exists else None
+        roots = (folder.resolve(strict=True), anchor.resolve(strict=True).parent)
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop; OSError: e.g. a name too long
+        raise ModelError(f"{where}, which cannot be resolved: {e}") from None
+    if resolved is None:
+        raise missing(f"{where}, which does not exist in {folder}")
+    if not any(resolved.is_relative_to(r) for r in roots):
+        raise ModelError(f"{where}, which resolves to {resolved}, outside the model's folder {roots[0]}")
+    _regular_file(resolved, where)
+    return resolved
+
+
+def _regular_file(path: Path, where: str) -> int:
+    """The size of ``path``, a regular file (never a device, FIFO or folder that could block or never end)."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"{where}: cannot stat {path}: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{where}, which resolves to {path}: not a regular file")
+    return st.st_size
+
+
+def _external_info(init: onnx.TensorProto) -> dict[str, str]:
+    info: dict[str, str] = {}
+    for e in init.external_data:
+        if e.key in info:
+            raise ModelError(f"load: the external data of initializer '{init.name}' gives '{e.key}' twice")
+        if e.key not in _EXTERNAL_KEYS:
+            raise ModelError(f"load: the external data of initializer '{init.name}' has the unknown key {e.key!r}; "
+                             f"known keys are {sorted(_EXTERNAL_KEYS)}")
+        info[e.key] = e.value
+    return info
+
+
+def _extent(info: dict[str, str], key: str, default: int, init: onnx.TensorProto) -> int:
+    """The external-data ``offset`` or ``length`` of ``init`` as a Python int (``default`` when absent)."""
+    value = info.get(key)
+    if value is None:
+        return default
+    if not _EXTENT.fullmatch(value):
+        raise ModelError(f"load: the external data of initializer '{init.name}' has {key} {value[:40]!r}; "
+                         "expected a non-negative decimal integer below 10^19")
+    return int(value)
+
+
+def _map_external_data(proto: onnx.ModelProto, file: Path) -> dict[str, np.ndarray]:
+    """Memory-map every external initializer of a numeric type; load the rest into the proto.
+
+    Each initializer's location must pass :func:`_resolve_inside` (relative
+    to ``file``'s folder); its dims, element type, ``offset`` and ``length``
+    must describe bytes that lie within that file.  Nothing is read before
+    every check of that initializer passed.
+    """
+    folder = file.parent
     mapped: dict[str, np.ndarray] = {}
     for init in proto.graph.initializer:
         if init.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        info = {e.key: e.value for e in init.external_data}
+        what = f"initializer '{init.name}'"
+        info = _external_info(init)
+        location = _resolve_inside(folder, info.get("location", ""), file, f"the external data of {what}")
+        count = element_count(init, f"load: {what}")
+        nbytes = data_nbytes(init.data_type, count, f"load: {what}")
+        offset = _extent(info, "offset", 0, init)
+        length = _extent(info, "length", nbytes, init)
+        size = _regular_file(location, f"load: the external data of {what}")
+        if length != nbytes:
+            raise ModelError(f"load: the external data of {what} declares length {length}, but its dims "
+                             f"{list(init.dims)} need {nbytes} bytes")
+        if offset > size or length > size - offset:
+            raise ModelError(f"load: the external data of {what} ({length} bytes at offset {offset}) does not fit "
+                             f"in {location} ({size} bytes)")
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
         try:
-            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
-        except (KeyError, TypeError, ValueError):
-            dtype = None
-        location = folder / info.get("location", "")
-        if dtype is None or dtype.kind not in "fiub" or not location.is_file() or not dtype.isnative:
-            onnx.external_data_helper.load_external_data_for_tensor(init, str(folder))
-            init.data_location = onnx.TensorProto.DEFAULT
-            continue
-        shape = tuple(int(d) for d in init.dims)
-        offset = int(info.get("offset", 0))
-        count = int(np.prod(shape, dtype=np.int64))
-        length = int(info.get("length", count * dtype.itemsize))
-        if length != count * dtype.itemsize or offset + length > location.stat().st_size:
-            raise ModelError(f"load: external data of initializer '{init.name}' in {location} has "
-                             f"{length} bytes at offset {offset}, expected {count * dtype.itemsize} within the file")
-        mapped[init.name] = np.memmap(location, dtype=dtype, mode="r", offset=offset, shape=shape) if count else \
-            np.zeros(shape, dtype)
+            if dtype.kind in "fiub" and dtype.isnative:
+                shape = tuple(int(d) for d in init.dims)
+                mapped[init.name] = np.memmap(location, dtype=dtype, mode="r", offset=offset, shape=shape) \
+                    if count else np.zeros(shape, dtype)
+                continue
+            with open(location, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+        except OSError as e:
+            raise ModelError(f"load: cannot read the external data of {what} from {location}: {e}") from None
+        if len(data) != length:
+            raise ModelError(f"load: the external data of {what} in {location} ended after {len(data)} of "
+                             f"{length} bytes")
+        init.raw_data = data
+        del init.external_data[:]
+        init.data_location = onnx.TensorProto.DEFAULT
     return mapped
 
 
@@ -118,8 +245,8 @@ def _check_domains(model: onnx.ModelProto) -> None:
 def _find_io(model: onnx.ModelProto, conv: CacheConvention, cfg: dict | None) -> ModelIO:
     names = [i.name for i in model.graph.input]
     outs = [o.name for o in model.graph.output]
-    dec_in = ((cfg or {}).get("model", {}).get("decoder", {}) or {}).get("inputs", {})
-    dec_out = ((cfg or {}).get("model", {}).get("decoder", {}) or {}).get("outputs", {})
+    dec_in = _config_section(cfg or {}, ("model", "decoder", "inputs"))
+    dec_out = _config_section(cfg or {}, ("model", "decoder", "outputs"))
 
     def pick(key: str, default: str) -> str | None:
         name = dec_in.get(key, default)
@@ -136,31 +263,112 @@ def _find_io(model: onnx.ModelProto, conv: CacheConvention, cfg: dict | None) ->
     return io
 
 
+#: Largest size, length or head count a genai_config.json may declare.
+_CONFIG_INT_LIMIT = 1 << 31
+#: Largest genai_config.json read (the builder writes a few KB).
+_CONFIG_BYTES_LIMIT = 16 << 20
+
+
+def _config_section(cfg: dict, keys: tuple[str, ...], path: Path = Path("genai_config.json")) -> dict:
+    """The object at ``cfg[keys[0]][keys[1]]...`` ({} when absent or null); ModelError when something else is there."""
+    section = cfg
+    for i, key in enumerate(keys):
+        section = section.get(key)
+        if section is None:
+            return {}
+        if not isinstance(section, dict):
+            raise ModelError(f"load: {path}: {'.'.join(keys[:i + 1])} must be a JSON object, got {section!r:.60}")
+    return section
+
+
+def _config_int(section: dict, key: str, where: str, path: Path, low: int, high: int) -> int | None:
+    """``section[key]`` as an int in [low, high) or None when absent/null; ModelError naming the key otherwise."""
+    value = section.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise ModelError(f"load: {path}: {where}.{key} must be an int in [{low}, {high}), got {value!r:.60}")
+    return value
+
+
+def _read_genai_config(path: Path) -> dict:
+    """Parse and check ``genai_config.json``: every key onnxkv reads has the JSON type and range it needs.
+
+    Raises:
+        ModelError: unreadable, not JSON, or a key of another type or out of
+            range (the message names the key and the value).
+    """
+    if _regular_file(path, f"load: {path}") > _CONFIG_BYTES_LIMIT:
+        raise ModelError(f"load: {path} is larger than {_CONFIG_BYTES_LIMIT} bytes")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelError(f"load: {path} is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"load: {path} must hold a JSON object, got {type(cfg).__name__}")
+    model = _config_section(cfg, ("model",), path)
+    search = _config_section(cfg, ("search",), path)
+    decoder = _config_section(cfg, ("model", "decoder"), path)
+    for key in ("inputs", "outputs"):
+        names = _config_section(cfg, ("model", "decoder", key), path)
+        for k, v in names.items():
+            if not isinstance(v, str):
+                raise ModelError(f"load: {path}: model.decoder.{key}.{k} must be a string, got {v!r:.60}")
+    filename = decoder.get("filename")
+    if filename is not None and not isinstance(filename, str):
+        raise ModelError(f"load: {path}: model.decoder.filename must be a string, got {filename!r:.60}")
+    for key in ("head_size", "num_key_value_heads", "num_attention_heads"):
+        _config_int(decoder, key, "model.decoder", path, 1, _CONFIG_INT_LIMIT)
+    _config_int(search, "max_length", "search", path, 1, _CONFIG_INT_LIMIT)
+    _config_int(model, "context_length", "model", path, 1, _CONFIG_INT_LIMIT)
+    vocab = _config_int(model, "vocab_size", "model", path, 1, _CONFIG_INT_LIMIT)
+    top = vocab if vocab is not None else _CONFIG_INT_LIMIT
+    for key in ("bos_token_id", "pad_token_id"):
+        _config_int(model, key, "model", path, 0, top)
+    eos = model.get("eos_token_id")
+    if isinstance(eos, list):
+        for i, e in enumerate(eos):
+            _config_int({f"eos_token_id[{i}]": e}, f"eos_token_id[{i}]", "model", path, 0, top)
+    else:
+        _config_int(model, "eos_token_id", "model", path, 0, top)
+    return cfg
+
+
 def _apply_genai_config(m: Model, cfg: dict) -> None:
-    mc = cfg.get("model", {})
-    search = cfg.get("search", {})
+    """Copy the settings of a genai_config.json checked by :func:`_read_genai_config` into ``m``."""
+    mc = _config_section(cfg, ("model",))
+    search = _config_section(cfg, ("search",))
     m.max_length = search.get("max_length") or mc.get("context_length")
     m.vocab_size = mc.get("vocab_size")
     m.bos_token_id = mc.get("bos_token_id")
     eos = mc.get("eos_token_id")
-    m.eos_token_id = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
+    m.eos_token_id = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
     m.pad_token_id = mc.get("pad_token_id")
-    dec = mc.get("decoder", {})
+    dec = _config_section(cfg, ("model", "decoder"))
     conv = m.convention
     if conv.head_size is None and dec.get("head_size"):
-        conv.head_size = int(dec["head_size"])
+        conv.head_size = dec["head_size"]
     if conv.kv_heads is None and dec.get("num_key_value_heads"):
-        conv.kv_heads = int(dec["num_key_value_heads"])
+        conv.kv_heads = dec["num_key_value_heads"]
     if conv.num_heads is None and dec.get("num_attention_heads"):
-        conv.num_heads = int(dec["num_attention_heads"])
+        conv.num_heads = dec["num_attention_heads"]
 
 
 def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
     """Load an ``.onnx`` file, a GenAI model folder, or wrap an in-memory ModelProto.
 
+    File names read from the model (external-data locations) and from
+    ``genai_config.json`` (``model.decoder.filename``) must stay inside the
+    model's folder (see :func:`_resolve_inside`); every external-data entry
+    must fit its file.
+
     Raises:
-        FileNotFoundError: the path does not exist or the folder has no model.
-        ModelError: the file is not a valid ONNX model or genai_config.json is malformed.
+        FileNotFoundError: the path does not exist, the folder has no model,
+            or the model file genai_config.json names does not exist.
+        ModelError: the file is not a valid ONNX model, a file name escapes
+            the model's folder, external data does not fit its file, stored
+            data does not match its dims, or genai_config.json is malformed
+            (the message names the initializer or config key and the value).
         UnsupportedOperatorError: nodes use operator domains onnxkv does not know.
     """
     cfg = None
@@ -175,11 +383,10 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
         if p.is_dir():
             cfg_path = p / "genai_config.json"
             if cfg_path.exists():
-                try:
-                    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-                except json.JSONDecodeError as e:
-                    raise ModelError(f"load: {cfg_path} is not valid JSON: {e}") from e
-                fname = cfg.get("model", {}).get("decoder", {}).get("filename", "model.onnx")
+                cfg = _read_genai_config(cfg_path)
+                fname = _config_section(cfg, ("model", "decoder")).get("filename")
+                fname = "model.onnx" if fname is None else fname
+                _resolve_inside(p, fname, cfg_path, f"model.decoder.filename of {cfg_path}", missing=FileNotFoundError)
                 file = p / fname
             else:
                 candidates = sorted(p.glob("*.onnx"))
@@ -187,22 +394,20 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
                     raise FileNotFoundError(f"load: folder {p} has no genai_config.json and "
                                             f"{len(candidates)} .onnx files (need exactly one)")
                 file = candidates[0]
-            if not file.exists():
-                raise FileNotFoundError(f"load: model file {file} named by genai_config.json does not exist")
+                _regular_file(file, f"load: the model file {file.name} of {p}")
         else:
             file = p
             if (p.parent / "genai_config.json").exists():
-                cfg = json.loads((p.parent / "genai_config.json").read_text(encoding="utf-8"))
+                cfg = _read_genai_config(p.parent / "genai_config.json")
         try:
             proto = onnx.load(str(file), load_external_data=False)
-            external = _map_external_data(proto, file.parent)
-        except ModelError:
-            raise
         except Exception as e:
             raise ModelError(f"load: cannot read ONNX model {file}: {e}") from e
+        external = _map_external_data(proto, file)
     if not proto.graph.node:
         raise ModelError("load: the model's graph has no nodes")
     _check_domains(proto)
+    check_attributes(proto.graph, {o.domain if o.domain != "ai.onnx" else "": o.version for o in proto.opset_import})
     try:
         conv = recognize_cache(proto)
     except onnx.checker.ValidationError as e:
@@ -214,6 +419,6 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
         for o in proto.graph.output:
             if o.name == m.io.logits and o.type.tensor_type.HasField("shape"):
                 d = o.type.tensor_type.shape.dim
-                if d and d[-1].HasField("dim_value"):
+                if d and d[-1].HasField("dim_value") and d[-1].dim_value > 0:
                     m.vocab_size = int(d[-1].dim_value)
     return m

@@ -12,9 +12,16 @@ reaches the caller.  Views are known statically from each kernel class's
 freed after the last use of any member.
 
 Constant folding: nodes whose inputs are all known at build time are run once
-while the plan is built, and their outputs become constants; shape
-computations over static dims are folded, and repeated ones merged, by
-:mod:`onnxkv.plan.shape_fold`.
+while the plan is built, and their outputs become constants, unless their
+outputs would exceed the limit of :mod:`onnxkv.plan.fold_limit` (they then
+run with every call); shape computations over static dims are folded, and
+repeated ones merged, by :mod:`onnxkv.plan.shape_fold`.
+
+Build-time checks (:class:`~onnxkv.errors.ModelError` naming the node and the
+value): every value a node reads (inputs and subgraph captures) is defined
+and has one producer; attributes and initializers are well formed
+(:mod:`onnxkv.model.tensors`); a kernel class failing on a node's attributes,
+or a node failing on constant inputs, is a ModelError too.
 """
 
 from __future__ import annotations
@@ -26,15 +33,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from onnxkv.errors import Cancelled, InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
 from onnxkv.events import EventLog
 from onnxkv.model.contract import get_output_alias
+from onnxkv.model.tensors import check_attributes, tensor_array
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.buffers import RunBuffers
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
+from onnxkv.plan.fold_limit import FoldBudget, FoldTooLarge, fold_fits, has_schema
 from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
 from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls
@@ -72,13 +80,34 @@ def _opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {DOMAIN_ALIASES.get(o.domain, o.domain): o.version for o in model.opset_import}
 
 
+def _node_label(node: onnx.NodeProto) -> str:
+    return f"{node.op_type} node '{node.name or (node.output[0] if node.output else '')}'"
+
+
 def _topological(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
-    """Nodes in an order where every input is produced before it is read."""
+    """Nodes in an order where every input is produced before it is read.
+
+    Raises:
+        ModelError: a node reads (as an input or a subgraph capture) a value
+            that is neither ``known`` (an initializer or graph input) nor any
+            node's output, a value is produced twice (or shadows a known one),
+            or the graph has a cycle.
+    """
     producers: dict[str, int] = {}
     for i, n in enumerate(nodes):
         for o in n.output:
-            if o:
-                producers[o] = i
+            if not o:
+                continue
+            if o in producers or o in known:
+                first = _node_label(nodes[producers[o]]) if o in producers else "an initializer or graph input"
+                raise ModelError(f"{_node_label(n)} writes the value '{o}', which {first} already defines "
+                                 "(every value must have one producer)")
+            producers[o] = i
+    for n in nodes:
+        for x in _node_reads(n):
+            if x not in producers and x not in known:
+                raise ModelError(f"{_node_label(n)} reads the value '{x}', which no node, initializer or graph "
+                                 "input defines")
     deps = [{producers[x] for x in _node_reads(n) if x in producers and x not in known} for n in nodes]
     users: list[list[int]] = [[] for _ in nodes]
     for i, d in enumerate(deps):
@@ -96,8 +125,9 @@ def _topological(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.Node
             if pending[u] == 0:
                 heapq.heappush(ready, u)
     if len(order) != len(nodes):
-        stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if i not in set(order)]
-        raise ModelError(f"graph has a cycle or reads values never produced; stuck nodes: {stuck[:8]}")
+        done = set(order)
+        stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if i not in done]
+        raise ModelError(f"graph has a cycle; stuck nodes: {stuck[:8]}")
     return [nodes[i] for i in order]
 
 
@@ -189,9 +219,10 @@ class Plan:
                 slot_of[name] = len(slot_of)
             return slot_of[name]
 
+        check_attributes(graph, self.opsets)
         constants: dict[str, np.ndarray] = {}
         for init in graph.initializer:
-            arr = external[init.name] if init.name in external else numpy_helper.to_array(init)
+            arr = external[init.name] if init.name in external else tensor_array(init, f"initializer '{init.name}'")
             if not arr.flags.c_contiguous:
                 arr = arr.copy(order="C")
             arr.flags.writeable = False
@@ -224,7 +255,6 @@ class Plan:
             by_node.setdefault(b.node, []).append(b)
         self.build_context = BuildContext(self.opsets, constants, frozenset(present_outputs), frozenset(past_inputs),
                                           by_node)
-        self.fallback_nodes: list[str] = []
         kernels: list[Op] = []
         kept_nodes: list[onnx.NodeProto] = []
         shapes = None
@@ -235,23 +265,24 @@ class Plan:
         for node in nodes:
             if shapes is not None:
                 node = shapes.rewrite(shapes.rename(node), constants)
+            kernel = None
             if self._foldable(node, constants):
-                self._fold(node, self._make_kernel(node), constants)
-                continue
+                kernel = self._make_kernel(node)
+                if self._fold(node, kernel, constants):
+                    continue
             if shapes is not None and (shapes.fold(node, constants) or shapes.merge(
                     node, constants, node.op_type not in _NON_DETERMINISTIC and (node.name or node.output[0]) not in by_node)):
                 continue
-            kernels.append(self._make_kernel(node))
+            kernels.append(kernel or self._make_kernel(node))
             kept_nodes.append(node)
         if shapes is not None:
             alive = shapes.prune(kept_nodes, [_node_reads(n) for n in kept_nodes])
-            for k in set(range(len(kept_nodes))) - set(alive):
-                if isinstance(kernels[k], FallbackOp):
-                    self.fallback_nodes.remove(kept_nodes[k].name or kept_nodes[k].output[0])
             kept_nodes = [kept_nodes[k] for k in alive]
             kernels = [kernels[k] for k in alive]
         self.nodes = kept_nodes
         self.kernels = kernels
+        #: Names of the nodes run by ``onnx.reference`` fallbacks.
+        self.fallback_nodes = [n.name or n.output[0] for n, k in zip(kept_nodes, kernels) if isinstance(k, FallbackOp)]
         self.folded_nodes = len(nodes) - len(kept_nodes)
         #: Nodes removed by shape folding (:mod:`onnxkv.plan.shape_fold`), included in ``folded_nodes``.
         self.shape_folded_nodes = shapes.removed if shapes is not None else 0
@@ -320,12 +351,17 @@ class Plan:
         return written
 
     def _make_kernel(self, node: onnx.NodeProto) -> Op:
+        """The node's kernel object; a kernel class failing on the node's attributes is a ModelError naming it."""
         dom = DOMAIN_ALIASES.get(node.domain, node.domain)
         cls = lookup(dom, node.op_type, self.opsets.get(dom, 0))
-        if cls is None:
-            self.fallback_nodes.append(node.name or node.output[0])
-            return FallbackOp(node, self.build_context)
-        return cls(node, self.build_context)
+        try:
+            return (FallbackOp if cls is None else cls)(node, self.build_context)
+        except OnnxkvError:
+            raise
+        except Exception as e:
+            names = sorted(a.name for a in node.attribute)
+            raise ModelError(f"{_node_label(node)} cannot be built from its attributes {names}: "
+                             f"{type(e).__name__}: {e}") from e
 
     @staticmethod
     def _aliases(node: onnx.NodeProto, kernel: Op, constants: dict) -> tuple[tuple[int, int], ...]:
@@ -357,21 +393,30 @@ class Plan:
             return False
         return all((not x) or x in constants for x in node.input)
 
-    def _fold(self, node: onnx.NodeProto, kernel: Op, constants: dict) -> None:
-        rt = RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), False, -1)
+    def _fold(self, node: onnx.NodeProto, kernel: Op, constants: dict) -> bool:
+        """Run ``node`` on its constant inputs and add its outputs to ``constants``; False when it is not folded.
+
+        A node is not folded when its outputs would exceed the limit of
+        :mod:`onnxkv.plan.fold_limit` (it then runs with every call).
+        """
+        inputs = [constants[x] if x else None for x in node.input]
+        if has_schema(node, self.opsets) and not fold_fits(node, inputs, self.opsets):
+            return False
+        rt = RunContext(FoldBudget(sum(a.size for a in inputs if a is not None)), False, -1)
         try:
-            outs = kernel.run([constants[x] if x else None for x in node.input], rt)
-        except OnnxkvError:
+            outs = kernel.run(inputs, rt)
+        except FoldTooLarge:
+            return False
+        except ModelError:
             raise
-        except Exception as e:
-            raise ModelError(f"{node.op_type} node '{node.name}' failed on constant inputs: {e}") from e
+        except Exception as e:  # a node failing on constants fails in every run: a defect of the model
+            raise ModelError(f"{_node_label(node)} failed on constant inputs: {e}") from e
         for name, val in zip(node.output, outs):
             if name and val is not None:
                 arr = np.array(val, copy=True)
                 arr.flags.writeable = False
                 constants[name] = arr
-        if kernel.__class__ is FallbackOp and (node.name or node.output[0]) in self.fallback_nodes:
-            self.fallback_nodes.remove(node.name or node.output[0])
+        return True
 
     def _plan_lifetimes(self, nodes: list[onnx.NodeProto], constant_names: set[str]) -> None:
         n = len(nodes)

@@ -34,6 +34,7 @@ import onnx
 from onnx import helper
 
 from onnxkv.errors import ModelError
+from onnxkv.model.tensors import tensor_array
 
 if TYPE_CHECKING:  # pragma: no cover
     from onnxkv.plan.context import RunContext
@@ -77,16 +78,26 @@ class BuildContext:
 
     @staticmethod
     def attributes(node: onnx.NodeProto) -> dict[str, Any]:
-        """Attribute name -> Python value (bytes decoded to str, tensors to NumPy)."""
+        """Attribute name -> Python value (bytes decoded to str, tensors to NumPy).
+
+        Raises:
+            ModelError: naming the node and attribute, for an attribute of no
+                known type, a string that is not UTF-8 or a tensor whose data
+                does not match its dims (see :mod:`onnxkv.model.tensors`).
+        """
         out: dict[str, Any] = {}
         for a in node.attribute:
-            v = helper.get_attribute_value(a)
-            if isinstance(v, bytes):
-                v = v.decode("utf-8")
-            elif isinstance(v, onnx.TensorProto):
-                v = onnx.numpy_helper.to_array(v)
-            elif isinstance(v, list) and v and isinstance(v[0], bytes):
-                v = [s.decode("utf-8") for s in v]
+            where = f"{node.op_type} node '{node.name or ','.join(node.output)}': attribute '{a.name}'"
+            try:
+                v = helper.get_attribute_value(a)
+                if isinstance(v, bytes):
+                    v = v.decode("utf-8")
+                elif isinstance(v, list) and v and isinstance(v[0], bytes):
+                    v = [s.decode("utf-8") for s in v]
+            except (ValueError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+                raise ModelError(f"{where} cannot be read: {type(e).__name__}: {e}") from None
+            if isinstance(v, onnx.TensorProto):
+                v = tensor_array(v, where)
             out[a.name] = v
         return out
 

@@ -10,6 +10,7 @@ import onnx
 
 from onnxkv._threads import ThreadControl
 from onnxkv.alloc import as_allocator
+from onnxkv.errors import InputError
 from onnxkv.events import EventLog
 from onnxkv.model import Model, load
 from onnxkv.model.checker import check_model
@@ -63,6 +64,8 @@ class Session:
                          past_inputs=conv.past_inputs, bindings=self.bindings, external=self.model.external,
                          keep_buffers=allocator is None)
         self._step = 0
+        #: Token ids fed as ``input_ids`` must lie in ``[0, token_limit)`` (None: not checked), see Model.token_limit.
+        self.token_limit = self.model.token_limit
 
     @property
     def threads(self) -> int:
@@ -85,16 +88,43 @@ class Session:
         """Run the model on ``feeds`` (input name -> array) and return the outputs by name.
 
         Raises:
-            InputError: unknown/missing inputs, wrong dtype or shape.
+            InputError: unknown/missing inputs, wrong dtype or shape, token ids
+                of ``input_ids`` outside ``[0, token_limit)``.
             OperatorError: a node failed (the message names it).
         """
         return self._run_plan(feeds, output_names)
 
+    def _check_token_ids(self, ids) -> None:
+        """InputError unless every entry of the ``input_ids`` feed lies in ``[0, token_limit)``.
+
+        O(ids): a decode step's few ids are compared as Python ints; a longer
+        feed takes one reduction (a signed array viewed as unsigned, so a
+        negative id compares above the limit; the embedding Gather would wrap it).
+        """
+        limit = self.token_limit
+        if limit is None or not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu" or not ids.size:
+            return
+        if ids.size <= DECODE_ROWS:
+            values = ids.ravel().tolist()
+            bad = min(values) < 0 or max(values) >= limit
+        elif ids.dtype.kind == "u":
+            bad = ids.max() >= limit
+        elif limit > np.iinfo(ids.dtype).max:  # every non-negative id of this width is below the limit
+            bad = ids.min() < 0
+        else:
+            bad = ids.view(ids.dtype.str.replace("i", "u")).max() >= limit
+        if bad:
+            raise InputError(f"Session.run: input '{self.model.io.input_ids}' holds token ids from {ids.min()} to "
+                             f"{ids.max()}; expected ids in [0, {limit}) (the model's vocabulary)")
+
     def _run_plan(self, feeds, output_names, caches=None, cache_allocator=None, cancel=None) -> dict:
+        ids = feeds.get(self.model.io.input_ids) if self.model.io.input_ids else None
+        if ids is not None and not isinstance(ids, np.ndarray):
+            ids = np.asarray(ids)
+        self._check_token_ids(ids)
         step = self._step
         self._step += 1
-        ids = feeds.get(self.model.io.input_ids) if self.model.io.input_ids else None
-        decode = ids is not None and (ids.size if isinstance(ids, np.ndarray) else np.size(ids)) <= DECODE_ROWS
+        decode = ids is not None and ids.size <= DECODE_ROWS
         with self._threads(1 if decode else None):
             return self.plan.run(feeds, output_names, self.events if self.events.enabled else None, step,
                                  caches, cache_allocator, cancel)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxkv import ArenaAllocator, InputError, ModelError, Session, SystemAllocator, UnsupportedOperatorError
@@ -222,3 +223,85 @@ def test_failed_run_of_a_session_allocator_returns_every_buffer():
         sess.run({"x": np.ones(4, np.float32), "s": np.array([3, 3])})
     assert sess.allocator.stats().live == 0
     np.testing.assert_array_equal(sess.run({"x": np.ones(4, np.float32), "s": np.array([4, 1])})["y"], 4.0)
+
+
+# -- graphs that are not well formed: errors at build time ------------------------------------------------
+def test_a_node_reading_an_undefined_value_is_a_model_error_at_build_time():
+    nodes = [helper.make_node("Add", ["x", "ghost"], ["y"], name="adder")]
+    with pytest.raises(ModelError, match=r"Add node 'adder' reads the value 'ghost'"):
+        Session(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]))
+
+
+def test_a_subgraph_capturing_an_undefined_value_is_a_model_error():
+    branch = helper.make_graph([helper.make_node("Identity", ["phantom"], ["out"])], "b", [], [_vi("out", [2])])
+    cond = numpy_helper.from_array(np.array(True), "c")
+    node = helper.make_node("If", ["c"], ["y"], name="branchy", then_branch=branch, else_branch=branch)
+    with pytest.raises(ModelError, match=r"If node 'branchy' reads the value 'phantom'"):
+        Session(_model([node], [_vi("x", [2])], [_vi("y", [2])], [cond]))
+
+
+def test_a_value_produced_twice_is_a_model_error():
+    nodes = [helper.make_node("Neg", ["x"], ["y"], name="first"), helper.make_node("Abs", ["x"], ["y"], name="second")]
+    with pytest.raises(ModelError, match=r"Abs node 'second' writes the value 'y', which Neg node 'first'"):
+        Session(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]))
+    shadow = [helper.make_node("Neg", ["x"], ["x"], name="shadow")]
+    with pytest.raises(ModelError, match=r"node 'shadow' writes the value 'x'.*graph input"):
+        Session(_model(shadow, [_vi("x", [2])], [_vi("x", [2])]))
+
+
+def _tensor(name, dims, raw=None, floats=None):
+    """A float TensorProto as a hostile file may hold it (no consistency check)."""
+    t = onnx.TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims)
+    if raw is not None:
+        t.raw_data = raw
+    t.float_data.extend(floats or [])
+    return t
+
+
+def test_initializer_whose_data_does_not_match_its_dims_names_sizes():
+    w = _tensor("w", [1 << 40], raw=b"\0" * 16)
+    m = _model([helper.make_node("Add", ["x", "w"], ["y"])], [_vi("x", [4])], [_vi("y", [4])], [w])
+    with pytest.raises(ModelError, match=r"initializer 'w' holds 16 bytes of raw_data, expected 4398046511104"):
+        Session(m)
+    typed = _tensor("w", [3], floats=[1.0, 2.0])
+    m = _model([helper.make_node("Add", ["x", "w"], ["y"])], [_vi("x", [3])], [_vi("y", [3])], [typed])
+    with pytest.raises(ModelError, match=r"initializer 'w' holds 2 entries in float_data, expected 3"):
+        Session(m)
+    negative = _tensor("w", [-1], floats=[1.0])
+    m = _model([helper.make_node("Add", ["x", "w"], ["y"])], [_vi("x", [1])], [_vi("y", [1])], [negative])
+    with pytest.raises(ModelError, match=r"initializer 'w' has dims \[-1\]"):
+        Session(m)
+
+
+def test_attributes_of_the_wrong_type_or_bad_utf8_name_node_and_attribute():
+    concat = helper.make_node("Concat", ["x", "x"], ["y"], name="join", axis=0)
+    concat.attribute[0].CopyFrom(helper.make_attribute("axis", "zero"))
+    with pytest.raises(ModelError, match=r"Concat node 'join': attribute 'axis' has type STRING, expected INT"):
+        Session(_model([concat], [_vi("x", [2])], [_vi("y", [4])]))
+    pad = helper.make_node("Pad", ["x", "pads"], ["y"], name="padder", mode="constant")
+    pad.attribute[0].s = b"\xff\xfe"
+    pads = numpy_helper.from_array(np.array([1, 1], np.int64), "pads")
+    with pytest.raises(ModelError, match=r"Pad node 'padder': attribute 'mode' holds the bytes .*UTF-8"):
+        Session(_model([pad], [_vi("x", [2])], [_vi("y", [4])], [pads]))
+    const = helper.make_node("Constant", [], ["y"], name="k",
+                             value=_tensor("v", [1 << 20], raw=b"\0" * 4))
+    with pytest.raises(ModelError, match=r"Constant node 'k': attribute 'value' holds 4 bytes of raw_data, "
+                                         r"expected 4194304"):
+        Session(_model([const], [], [_vi("y", [1 << 20])]))
+
+
+def test_attribute_type_with_no_value_is_a_model_error():
+    node = helper.make_node("Gather", ["x", "i"], ["y"], name="g")
+    node.attribute.add(name="axis", type=onnx.AttributeProto.INT)  # declared INT, no value set
+    i = numpy_helper.from_array(np.array([0], np.int64), "i")
+    with pytest.raises(ModelError, match=r"Gather node 'g': attribute 'axis' has type INT but no value"):
+        Session(_model([node], [_vi("x", [2])], [_vi("y", [1])], [i]))
+
+
+def test_kernel_failing_on_its_attributes_is_a_model_error_naming_the_node():
+    node = helper.make_node("RotaryEmbedding", ["x", "p", "c", "s"], ["y"], name="rope", domain="com.microsoft",
+                            num_heads="four")
+    m = helper.make_model(helper.make_graph([node], "g", [_vi(n, [1, 1, 1, 4]) for n in "xpcs"], [_vi("y", None)]),
+                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    with pytest.raises(ModelError, match=r"RotaryEmbedding node 'rope'"):
+        Session(m)

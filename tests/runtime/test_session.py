@@ -1,4 +1,4 @@
-"""Session: statelessness, thread setting, events, show_config."""
+"""Session: statelessness, thread setting, events, show_config, token id checks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
 from onnxkv import InputError, _kernels
@@ -91,3 +92,49 @@ def test_show_config_prints_versions_openmp_threads_simd():
 
 def test_repr_names_the_convention():
     assert "concat" in repr(onnxkv.Session(build_model("concat", MICRO), threads=1))
+
+
+# -- token ids ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gqa", "concat"])
+@pytest.mark.parametrize("bad", [-1, -MICRO.vocab_size, MICRO.vocab_size, 1 << 40])
+def test_token_ids_outside_the_vocabulary_are_rejected_by_run_and_state_run(family, bad):
+    sess = onnxkv.Session(build_model(family, MICRO), threads=1)
+    feeds = _feeds()
+    feeds["input_ids"] = np.array([[1, bad, 2, 3]])
+    with pytest.raises(InputError, match=rf"input 'input_ids' holds token ids from {min(bad, 1)} to {max(bad, 3)}; "
+                                         rf"expected ids in \[0, {MICRO.vocab_size}\)"):
+        sess.run(feeds)
+    state = sess.new_state()
+    state_feeds = {k: v for k, v in feeds.items() if not k.startswith("past")}
+    with pytest.raises(InputError, match="token ids"):
+        state.run(state_feeds)
+    assert state.length == 0 and sess._step == 0
+
+
+def test_token_limit_comes_from_the_embedding_table_when_the_vocabulary_is_unknown():
+    emb = numpy_helper.from_array(np.arange(10, dtype=np.float32).reshape(5, 2), "emb")
+    g = helper.make_graph([helper.make_node("Gather", ["emb", "input_ids"], ["logits"])], "g",
+                          [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["b", "s"])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", "h"])], [emb])
+    sess = onnxkv.Session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), threads=1)
+    assert sess.model.vocab_size is None and sess.token_limit == 5
+    np.testing.assert_array_equal(sess.run({"input_ids": np.array([[4]], np.int32)})["logits"], [[[8, 9]]])
+    for bad in (5, -1, -5):
+        with pytest.raises(InputError, match=r"expected ids in \[0, 5\)"):
+            sess.run({"input_ids": np.array([[0, bad]], np.int32)})
+
+
+@pytest.mark.parametrize("size", [2, 32])  # a decode step's few ids, and a prefill's
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8, np.uint64])
+def test_ids_of_every_integer_width_are_checked(size, dtype):
+    sess = onnxkv.Session(build_model("gqa", MICRO), threads=1)
+    for limit in (100, 300):  # below and above int8's largest value
+        sess.token_limit = limit
+        ok = np.full((1, size), min(limit - 1, np.iinfo(dtype).max), dtype)
+        assert sess._check_token_ids(ok) is None
+        bad = ok.copy()
+        bad[0, -1] = -1 if np.dtype(dtype).kind == "i" else min(limit, np.iinfo(dtype).max)
+        if bad[0, -1] < limit and bad[0, -1] >= 0:
+            continue  # uint8 cannot hold an id of 300
+        with pytest.raises(InputError, match=rf"expected ids in \[0, {limit}\)"):
+            sess._check_token_ids(bad)

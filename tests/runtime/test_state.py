@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import onnxkv
-from onnxkv import CacheCapacityError, OperatorError
-from onnxkv.errors import Cancelled, StateError
+from onnxkv import CacheCapacityError
+from onnxkv.errors import Cancelled, InputError, StateError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
 from onnxkv.runtime.state import Cancellation
@@ -122,9 +122,9 @@ def test_failed_run_leaves_state_byte_identical_and_retryable():
     out = state.run(feeds)
     tok = np.argmax(out["logits"][:, -1], axis=-1)
     good = b.next(tok, out)
-    bad = dict(good, input_ids=np.array([[MICRO.vocab_size + 5]]))  # Gather index out of range
+    bad = dict(good, input_ids=np.array([[MICRO.vocab_size + 5]]))  # token id out of the vocabulary
     before = {k: v.copy() for k, v in state.values.items()}
-    with pytest.raises(OperatorError, match="Gather"):
+    with pytest.raises(InputError, match="token ids"):
         state.run(bad)
     assert state.length == 4
     for k, v in state.values.items():

@@ -10,15 +10,57 @@ output (``present.*``) counts its copies: the bytes of the past input as
 ``prefix_copied_bytes`` and the new tokens as ``append_copied_bytes``.
 When a state binds that past to a persistent cache, the Concat becomes an
 in-place append and its output a zero-copy view of the valid cache.
+
+Operators whose output size comes from input *values* (ConstantOfShape,
+Expand, Tile, Range) check the size they are asked for before allocating:
+a negative dim, a non-finite Range bound, or an output larger than
+:data:`MAX_TENSOR_BYTES` is an :class:`~onnxkv.errors.InputError` naming the
+node.  Gather, GatherElements and GatherND check every index against the
+axis it indexes (``[-s, s - 1]``) and raise
+:class:`~onnxkv.errors.OperatorError` naming the node otherwise.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Sequence
 from math import prod
 
 import numpy as np
+
+from onnxkv.errors import InputError, OperatorError
 from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
 from onnxkv.plan.registry import BuildContext, Op, register
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - no sysconf
+        return 1 << 48
+
+
+#: No tensor a shape operator is asked to make may be larger than this: the machine's physical memory.
+MAX_TENSOR_BYTES = _physical_memory()
+
+
+def _checked_shape(op: Op, shape: Sequence[int], itemsize: int, what: str) -> tuple[int, ...]:
+    """``shape`` (Python ints) when it has no negative dim and fits :data:`MAX_TENSOR_BYTES`; InputError otherwise."""
+    if any(d < 0 for d in shape):
+        raise InputError(f"{op.op_type} node '{op.name}': {what} {list(shape)} has a negative dim")
+    nbytes = prod(shape) * itemsize
+    if nbytes > MAX_TENSOR_BYTES:
+        raise InputError(f"{op.op_type} node '{op.name}': {what} {list(shape)} of {itemsize}-byte elements needs "
+                         f"{nbytes} bytes, more than this machine's memory ({MAX_TENSOR_BYTES} bytes)")
+    return tuple(shape)
+
+
+def _check_indices(op: Op, idx: np.ndarray, dim: int, axis: int) -> None:
+    """Every entry of ``idx`` in ``[-dim, dim - 1]`` (ONNX's range for an axis of size ``dim``), else OperatorError."""
+    if idx.size and (idx.min() < -dim or idx.max() >= dim):
+        raise OperatorError(f"{op.op_type} node '{op.name}': indices (input '{op.node.input[1]}') must be in "
+                            f"[{-dim}, {dim - 1}] for axis {axis} of size {dim}, got min {idx.min()}, max {idx.max()}")
 
 
 @register("Shape")
@@ -235,10 +277,7 @@ class Gather(Op):
     def run(self, inputs: list, rt) -> tuple:
         x, idx = inputs
         axis = normalize_axis(self.attrs.get("axis", 0), x.ndim, f"Gather '{self.name}'")
-        dim = x.shape[axis]
-        if idx.size and (idx.min() < -dim or idx.max() >= dim):
-            raise IndexError(f"Gather node '{self.name}': index out of range [-{dim}, {dim}) "
-                             f"(got min {idx.min()}, max {idx.max()})")
+        _check_indices(self, idx, x.shape[axis], axis)
         if axis == 0 and idx.ndim <= 2 and x.ndim == 2:
             out = rt.empty(0, idx.shape + x.shape[1:], x.dtype)
             np.take(x, idx, axis=0, out=out, mode="wrap")
@@ -251,7 +290,13 @@ class GatherElements(Op):
     def run(self, inputs: list, rt) -> tuple:
         x, idx = inputs
         axis = normalize_axis(self.attrs.get("axis", 0), x.ndim, f"GatherElements '{self.name}'")
+        if idx.ndim != x.ndim or any(i > d for a, (i, d) in enumerate(zip(idx.shape, x.shape)) if a != axis):
+            raise OperatorError(f"GatherElements node '{self.name}': indices of shape {idx.shape} do not fit data "
+                                f"of shape {x.shape} (same rank, no larger on every axis but {axis})")
+        _check_indices(self, idx, x.shape[axis], axis)
         idx = np.where(idx < 0, idx + x.shape[axis], idx)
+        # ONNX reads data[..., idx, ...] at the indices' own positions: no broadcast over the other axes.
+        x = x[tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(idx.shape))]
         return (np.take_along_axis(x, idx, axis=axis),)
 
 
@@ -261,6 +306,11 @@ class GatherND(Op):
         x, idx = inputs
         b = self.attrs.get("batch_dims", 0)
         k = idx.shape[-1]
+        if not 0 <= b < idx.ndim or b + k > x.ndim:
+            raise OperatorError(f"GatherND node '{self.name}': indices of shape {idx.shape} with batch_dims {b} do "
+                                f"not index data of shape {x.shape}")
+        for j in range(k):
+            _check_indices(self, idx[..., j], x.shape[b + j], b + j)
         idx = np.where(idx < 0, idx + np.array(x.shape[b:b + k]), idx)
         if b == 0:
             return (x[tuple(np.moveaxis(idx, -1, 0))],)
@@ -276,7 +326,8 @@ class GatherND(Op):
 class Expand(Op):
     def run(self, inputs: list, rt) -> tuple:
         x, shape = inputs
-        target = np.broadcast_shapes(x.shape, tuple(int_list(shape)))
+        wanted = _checked_shape(self, int_list(shape), x.dtype.itemsize, "shape")
+        target = _checked_shape(self, np.broadcast_shapes(x.shape, wanted), x.dtype.itemsize, "output shape")
         out = rt.empty(0, target, x.dtype)
         np.copyto(out, x)
         return (out,)
@@ -285,15 +336,26 @@ class Expand(Op):
 @register("Tile")
 class Tile(Op):
     def run(self, inputs: list, rt) -> tuple:
-        return (np.tile(inputs[0], int_list(inputs[1])),)
+        x, repeats = inputs[0], int_list(inputs[1])
+        if len(repeats) != x.ndim:
+            raise InputError(f"Tile node '{self.name}': repeats {repeats} must have one entry per dim of the input "
+                             f"of shape {x.shape}")
+        if any(r < 0 for r in repeats):
+            raise InputError(f"Tile node '{self.name}': repeats {repeats} has a negative entry")
+        _checked_shape(self, [d * r for d, r in zip(x.shape, repeats)], x.dtype.itemsize, "output shape")
+        return (np.tile(x, repeats),)
 
 
 @register("Range")
 class Range(Op):
     def run(self, inputs: list, rt) -> tuple:
         start, limit, delta = (np.asarray(v).reshape(()) for v in inputs)
-        if delta == 0:
-            raise ValueError(f"Range node '{self.name}': delta is 0")
+        a, b, d = (v.item() for v in (start, limit, delta))
+        if not all(math.isfinite(v) for v in (a, b, d)) or d == 0:
+            raise InputError(f"Range node '{self.name}': start {a}, limit {b}, delta {d} must be finite with a "
+                             "non-zero delta")
+        count = -((a - b) // d) if all(isinstance(v, int) for v in (a, b, d)) else math.ceil((b - a) / d)
+        _checked_shape(self, [max(count, 0)], start.dtype.itemsize, "output shape")
         return (np.arange(start, limit, delta, dtype=start.dtype),)
 
 
@@ -330,7 +392,8 @@ class ConstantOfShape(Op):
         self.value = np.zeros(1, np.float32) if v is None else np.asarray(v).reshape(-1)
 
     def run(self, inputs: list, rt) -> tuple:
-        out = rt.empty(0, tuple(int_list(inputs[0])), self.value.dtype)
+        shape = _checked_shape(self, int_list(inputs[0]), self.value.dtype.itemsize, "shape")
+        out = rt.empty(0, shape, self.value.dtype)
         out.fill(self.value[0])
         return (out,)
 
