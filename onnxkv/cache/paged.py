@@ -575,8 +575,9 @@ class PagedCache:
             return cost
         ids = pool.allocate(total)  # the only step that can fail: nothing changed before it
         self._new.append(ids)
+        fresh = ids.tolist()
         for pages in pool.pages:  # no byte of the memory's earlier owner stays readable
-            for p in ids.tolist():
+            for p in fresh:
                 pages[p].fill(0)
         committed = self.table.lengths
         k = 0
@@ -654,19 +655,21 @@ class PagedCache:
         """A contiguous copy ``[B, H, length, D]`` of plane ``plane`` in its native type.
 
         Converted (quantized) pages are dequantized.  Positions a row does not
-        hold (never written, or evicted) are zero.
+        hold (never written, evicted, or at and past the row's own length) are
+        zero: only each row's valid positions are read.
         """
         pool = self.pool
         spec = pool.planes[plane]
         bs = pool.block_size
-        tables = self.tables
+        tables, lengths = self.tables, self.lengths
         out = np.zeros((tables.shape[0], spec.heads, length, spec.head_size), spec.dtype)
         pages = pool.pages[plane]
         for b in range(tables.shape[0]):
-            for blk in range(min(tables.shape[1], -(-length // bs))):
+            held = min(length, int(lengths[b]))
+            for blk in range(min(tables.shape[1], -(-held // bs))):
                 p = int(tables[b, blk])
                 if p >= 0:
-                    n = min(bs, length - blk * bs)
+                    n = min(bs, held - blk * bs)
                     if pool.quantized(plane, p):
                         out[b, :, blk * bs: blk * bs + n] = pool._native(spec, pool.read_page(plane, p, n))
                     else:

@@ -81,3 +81,23 @@ def test_static_cache_writes_anywhere():
     _write(c, [5, 2], 1)
     c.commit()
     assert c.table.lengths.tolist() == [8, 8]
+
+
+def test_gather_reads_each_row_only_up_to_its_length():
+    """Bytes past a row's length in its last page (a page filled by a restore, or left by a rewind) are
+    never copied out: the gathered positions a row does not hold are zero."""
+    c = _cache()
+    _write(c, [0, 0], 3)
+    c.commit()
+    _write(c, [3, 1], 1, 2.0)  # row 1 rewinds: it holds 2 positions
+    c.commit()
+    for plane in range(2):
+        _page(c, plane, 1, 0)[:, 2:] = np.nan
+    for name, plane in c.planes.items():
+        got = plane.gather()
+        assert got.shape == (2, H, 4, D)
+        np.testing.assert_array_equal(got[0, :, :3], 1.0)
+        np.testing.assert_array_equal(got[0, :, 3], 2.0)
+        np.testing.assert_array_equal(got[1, :, 0], 1.0)
+        np.testing.assert_array_equal(got[1, :, 1], 2.0)
+        assert not got[1, :, 2:].any()
