@@ -74,15 +74,17 @@ def as_int32(name, a, lo, hi, shape):
     return np.ascontiguousarray(a, dtype=I32)
 
 
-def paged_blocks_read(kv_len, q_pos, window, block_size, n_blocks):
+def paged_blocks_read(kv_len, q_pos, window, block_size, n_blocks, kv_start=None):
     """bool [B, n_blocks]: which logical blocks of each row hold a key that some
     query token of the call sees (query at position p sees keys j with
-    j < kv_len[b], j <= p and, if window >= 0, j >= p - window).  These are
-    exactly the block table entries a paged attention call reads.  Vectorised:
-    O(B*Sq + B*n_blocks)."""
+    j < kv_len[b], j <= p, j >= kv_start[b] (when given) and, if window >= 0,
+    j >= p - window).  These are exactly the block table entries a paged
+    attention call reads.  Vectorised: O(B*Sq + B*n_blocks)."""
     B = q_pos.shape[0]
     p = q_pos.astype(np.int64)
     lo = np.maximum(p - window, 0) if window >= 0 else np.zeros_like(p)
+    if kv_start is not None:
+        lo = np.maximum(lo, np.asarray(kv_start, np.int64)[:, None])
     hi = np.minimum(p + 1, np.asarray(kv_len, np.int64)[:, None])
     seen = lo < hi
     base = (np.arange(B, dtype=np.int64) * (n_blocks + 1))[:, None]

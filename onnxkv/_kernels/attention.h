@@ -19,6 +19,14 @@
  *   max(kv_start[b], p - window (if window >= 0)) <= j <= p  and  j < kv_len[b].
  * Scores: s = scale * dot(q, k_j); if softcap > 0: s = softcap * tanh(s / softcap).
  * A row with no visible key outputs zeros.
+ * NaN and infinities follow the dense softmax (NumPy, onnx.reference): a query
+ * row one of whose visible scores is NaN or +inf outputs NaN (whatever the
+ * other scores), a row whose visible scores are all -inf outputs zeros, -inf
+ * scores get weight 0, and a NaN or infinite value of a key with a nonzero
+ * weight reaches the output through p * v.  Scores of keys a row does not see
+ * never enter its softmax.  (Quantized keys scored on the AMX tiles: a query
+ * row holding a NaN or an infinity -- whose fixed-point form cannot hold it --
+ * scores NaN.)
  *
  * FLOAT16 / BFLOAT16 elements are converted to float32 in the load step of the
  * inner loops (vcvtph2ps / zero-extend + shift left 16 on the AVX2 and AVX-512
@@ -257,13 +265,18 @@ OKV_INLINE OKV_AVX512BW __m512 okv_exp512_nonpos(__m512 x, __mmask16 k) {
 }
 
 /* The softmax steps of the AVX-512 unit over at most OKV_BK scores: the
- * maximum of x[0..n), and x[i] = exp(x[i] - m) (-inf -> 0) returning their
- * sum, 16 lanes at a time. */
-OKV_INLINE OKV_AVX512BW float okv_max_f32_avx512(const float *x, int64_t n) {
+ * maximum of x[0..n) (okv_attn_max: NaN when one of them is NaN), and x[i] =
+ * exp(x[i] - m) (-inf -> 0) returning their sum, 16 lanes at a time. */
+OKV_INLINE OKV_AVX512BW float okv_attn_max_avx512(const float *x, int64_t n) {
     __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
     int64_t i;
-    for (i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, okv_mask16(n - i), x + i));
-    return _mm512_reduce_max_ps(m);
+    for (i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_mask_loadu_ps(m, okv_mask16(n - i), x + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, v);
+    }
+    return nan ? NAN : _mm512_reduce_max_ps(m);
 }
 
 OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int64_t n) {
@@ -283,6 +296,42 @@ OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int6
 #define okv_scal_f32_avx512 okv_scal_f32_avx2
 #define okv_scale_mul_f32_avx512 okv_scale_mul_f32_avx2
 #define okv_dot_f32_avx512 okv_dot_f32_avx2
+#endif
+
+/* The largest score of x[0..n) for a work unit's softmax, or NaN when one of
+ * them is NaN: the running max of the max instructions (and of a plain
+ * compare) drops NaN, which would turn a NaN score into weight 0 instead of
+ * the NaN row the dense softmax gives.  The NaN test costs one compare per
+ * vector of scores, none per key element. */
+static inline float okv_attn_max_scalar(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int nan = 0;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        m = x[i] > m ? x[i] : m;
+        nan |= x[i] != x[i];
+    }
+    return nan ? NAN : m;
+}
+
+#if OKV_X86_SIMD
+OKV_AVX2 static inline float okv_attn_max_avx2(const float *x, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    float r;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        m = _mm256_max_ps(m, v);
+    }
+    r = okv_hmax256(m);
+    if (_mm256_movemask_ps(nan)) return NAN;
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return NAN;
+        r = x[i] > r ? x[i] : r;
+    }
+    return r;
+}
 #endif
 
 /* Floats of workspace one work unit of R rows needs (attention_impl.h: for
@@ -531,9 +580,15 @@ static void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const 
         int64_t g = r / Sq, t = r % Sq;
         float *o = a->out + ((b * a->Hq + hk * G + g) * Sq + t) * D;
         float M = -INFINITY, L = 0.f;
+        int nan = 0;
         for (c = 0; c < nchunks; c++) {
             float m = parts[c * okv_attn_part_floats(R, D) + r * (D + 2)];
             if (m > M) M = m;
+            nan |= m != m;   /* a chunk that met a NaN or +inf score (attention_impl.h): the row is NaN */
+        }
+        if (nan) {
+            for (i = 0; i < D; i++) o[i] = NAN;
+            continue;
         }
         memset(o, 0, (size_t)D * sizeof(float));
         if (M == -INFINITY) continue;

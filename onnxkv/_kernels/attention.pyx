@@ -467,8 +467,11 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     kv_dtype None (infer float32/float16 from k.dtype), "float32", "float16" or
              "bfloat16" (k, v must then be uint16); keyword only.
     Hq must be a multiple of Hkv (MHA, GQA, MQA).  A query row with no visible
-    key gets zeros.  Every check raises ValueError naming the argument before
-    anything is written.  (Called once per layer per decode step, so valid
+    key gets zeros.  NaN and infinities as the dense softmax (the NumPy twin):
+    a query row with a NaN or +inf visible score (a NaN in q or in a key it
+    sees) gets NaN, one whose visible scores are all -inf gets zeros; keys a
+    row does not see never enter its softmax (attention.h).  Every check
+    raises ValueError naming the argument before anything is written.  (Called once per layer per decode step, so valid
     arguments are checked in C; only a failing check takes the Python checks.)
     """
     if _attention_fast(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start, kv_dtype):
@@ -762,12 +765,13 @@ cdef inline bint _page_ok(int64_t page, const uint64_t[::1] kp, const uint64_t[:
 
 
 cdef bint _tables_ok(const int32_t[:, ::1] tables, const uint64_t[::1] kp, const uint64_t[::1] vp,
-                     const int32_t[::1] lens, const int32_t[:, ::1] pos, int64_t window, int64_t bs) noexcept nogil:
+                     const int32_t[::1] lens, const int32_t[:, ::1] pos, int64_t window, int64_t bs,
+                     const int32_t *starts) noexcept nogil:
     """True when every table entry the call reads passes ``_page_ok``: per row, the
     blocks holding a key some query token sees (the rule of
-    ``_validate.paged_blocks_read``; lens must be <= M * bs).  Each row keeps the
-    span of blocks already checked, so the usual ordered positions check every
-    block once."""
+    ``_validate.paged_blocks_read``; lens must be <= M * bs; starts: kv_start
+    [B] or NULL).  Each row keeps the span of blocks already checked, so the
+    usual ordered positions check every block once."""
     cdef int64_t b, t, p, lo, hi, f, l, i, c0, c1
     for b in range(tables.shape[0]):
         c0, c1 = 0, -1      # blocks [c0, c1] of this row are checked
@@ -776,6 +780,8 @@ cdef bint _tables_ok(const int32_t[:, ::1] tables, const uint64_t[::1] kp, const
             lo = p - window if window >= 0 else 0
             if lo < 0:
                 lo = 0
+            if starts != NULL and lo < starts[b]:
+                lo = starts[b]
             hi = p + 1 if p + 1 < lens[b] else lens[b]
             if lo >= hi:
                 continue
@@ -819,11 +825,12 @@ cdef void _set_key_header(okv_attn_args *a, int64_t kG, int kind) noexcept:
 
 
 cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                        window, out, kv_dtype, k_formats, v_formats, k_group, v_group, k_header):
+                        window, out, kv_start, kv_dtype, k_formats, v_formats, k_group, v_group, k_header):
     """Run ``paged_attention`` and return its figures when every argument is valid
     and nothing is empty (at least one page and table column), all checked at C
     speed: typed buffers (dtype, native byte order, dimensions, C-contiguity, a
-    writeable ``out``), shapes, int32 kv_len / q_pos, kv_len values, scalars,
+    writeable ``out``), shapes, int32 kv_len / q_pos / kv_start, kv_len and
+    kv_start values, scalars,
     format tables, groups and header, the address range of ``out`` against q,
     and every table entry the call reads -- the conditions of the Python
     checks.  Return None, with nothing written, to send the call through those
@@ -835,8 +842,10 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
     cdef const int32_t[:, ::1] tv
     cdef const int32_t[::1] lv
     cdef const int32_t[:, ::1] pv
+    cdef const int32_t[::1] sv
     cdef const uint8_t[::1] kfv
     cdef const uint8_t[::1] vfv
+    cdef const int32_t *starts = NULL
     cdef int64_t B, Hq, Sq, D, M, P, bs, Hkv, maxlen
     cdef size_t onb
     cdef bint per_page = k_formats is not None or v_formats is not None
@@ -844,6 +853,7 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
     if not (isinstance(q, np.ndarray) and isinstance(k_pages, np.ndarray) and isinstance(v_pages, np.ndarray)
             and isinstance(block_tables, np.ndarray) and isinstance(kv_len, np.ndarray)
             and isinstance(q_pos, np.ndarray) and isinstance(out, np.ndarray)
+            and (kv_start is None or isinstance(kv_start, np.ndarray))
             and _positive_int_ok(block_size) and _positive_int_ok(kv_heads) and _scalars_ok(scale, softcap, window)
             and (kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype in _KV_DTYPES))
             and (k_formats is None or isinstance(k_formats, np.ndarray))
@@ -858,6 +868,8 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
         tv = block_tables
         lv = kv_len
         pv = q_pos
+        if kv_start is not None:
+            sv = kv_start
         if per_page:
             kfv = k_formats if k_formats is not None else np.full(k_pages.shape[0], _FORMAT_CODES[kvname], np.uint8)
             vfv = v_formats if v_formats is not None else np.full(k_pages.shape[0], _FORMAT_CODES[kvname], np.uint8)
@@ -868,7 +880,8 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
     if B == 0 or Hq == 0 or Sq == 0 or D == 0 or M == 0 or P == 0 or Hq % Hkv != 0:
         return None
     if vp.shape[0] != P or tv.shape[0] != B or lv.shape[0] != B or pv.shape[0] != B or pv.shape[1] != Sq \
-            or ov.shape[0] != B or ov.shape[1] != Hq or ov.shape[2] != Sq or ov.shape[3] != D:
+            or ov.shape[0] != B or ov.shape[1] != Hq or ov.shape[2] != Sq or ov.shape[3] != D \
+            or (kv_start is not None and sv.shape[0] != B):
         return None
     if per_page and not (kfv.shape[0] == P and vfv.shape[0] == P and _formats_ok(kfv, D) and _formats_ok(vfv, D)
                          and _quant_args_ok(k_group, v_group, k_header, D)):
@@ -877,9 +890,14 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
     if not _disjoint(&ov[0, 0, 0, 0], onb, &qv[0, 0, 0, 0], onb):
         return None
     maxlen = _lengths_max(lv, M * bs)
-    if maxlen < 0 or not _tables_ok(tv, kp, vp, lv, pv, window, bs):
+    if kv_start is not None:
+        if _lengths_max(sv, M * bs) < 0:
+            return None
+        starts = &sv[0]
+    if maxlen < 0 or not _tables_ok(tv, kp, vp, lv, pv, window, bs, starts):
         return None
     _init_args(&a, q, out, kv_len, q_pos, Hkv, M * bs, scale, softcap, window, _KV_TYPES[kvname])
+    a.kv_start = starts
     if per_page:
         a.k_fmt = &kfv[0]
         a.v_fmt = &vfv[0]
@@ -893,13 +911,14 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                    window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1,
-                    k_header="float32"):
+                    window, out, *, kv_start=None, kv_dtype=None, k_formats=None, v_formats=None, k_group=1,
+                    v_group=1, k_header="float32"):
     """Causal streaming attention of q over a paged KV cache; writes ``out``.
 
-    Same math, masking and result as :func:`attention` on the same keys laid out
-    contiguously (without kv_start), but K/V are read page by page through the
+    Same math, masking, NaN handling and result as :func:`attention` on the
+    same keys laid out contiguously, but K/V are read page by page through the
     block tables: no gather of the logical cache, no temporary of its length.
+    On the AMX tiles a query row holding a NaN or an infinity scores NaN.
 
     q, out       [B, Hq, Sq, D] float32, C-contiguous; out is written fully and
                  must not overlap q or any page (pages are not checked for that)
@@ -918,9 +937,13 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     kv_heads     int >= 1 dividing Hq (MHA, GQA, MQA)
     kv_len       [B] int32 or int64 in [0, M*bs]
     q_pos        [B, Sq] int32 or int64 (int32 range): absolute position p of
-                 each query token; it sees keys j with j <= p, j < kv_len[b] and,
-                 if window >= 0, j >= p - window
+                 each query token; it sees keys j with kv_start[b] <= j <= p,
+                 j < kv_len[b] and, if window >= 0, j >= p - window
     scale, softcap, window: as in :func:`attention`
+    kv_start     None (all zeros) or [B] int32 or int64 in [0, M*bs]: the first
+                 key each row's queries see (left padding, or the start of an
+                 attention mask's range); the blocks wholly before it are
+                 never read.  Keyword only.
     kv_dtype     None or "float32" (float32 pages), "float16", "bfloat16"
                  (uint16 bit patterns); keyword only.
     k_formats,   None (every page of that plane is kv_dtype) or uint8 [P]: the
@@ -959,7 +982,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     C; only a failing check takes the Python checks.)
     """
     figures = _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                          window, out, kv_dtype, k_formats, v_formats, k_group, v_group, k_header)
+                          window, out, kv_start, kv_dtype, k_formats, v_formats, k_group, v_group, k_header)
     if figures is not None:
         return figures
     V.array("q", q, (V.F32,), ndim=4)
@@ -977,10 +1000,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
         raise ValueError(f"kv_heads: {Hkv} must divide the number of query heads {Hq}")
     kv_len32 = V.as_int32("kv_len", kv_len, 0, min(M * bs, V.I32_MAX), (B,))
     q_pos32 = V.as_int32("q_pos", q_pos, -V.I32_MAX - 1, V.I32_MAX, (B, Sq))
+    kv_start32 = None if kv_start is None else V.as_int32("kv_start", kv_start, 0, min(M * bs, V.I32_MAX), (B,))
     V.array("out", out, (V.F32,), shape=q.shape, writeable=True)
     V.no_overlap("out", out, q, "q")
     scale, softcap, window = _scalars(scale, softcap, window)
-    read = V.paged_blocks_read(kv_len32, q_pos32, window, bs, M)
+    read = V.paged_blocks_read(kv_len32, q_pos32, window, bs, M, kv_start32)
     V.page_tables(block_tables, read, bs, {"k_pages": k_pages, "v_pages": v_pages})
     per_page = k_formats is not None or v_formats is not None
     if per_page:
@@ -1001,10 +1025,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     cdef const uint64_t[::1] kp
     cdef const uint64_t[::1] vp
     cdef const int32_t[:, ::1] tv
+    cdef const int32_t[::1] sv
     cdef const uint8_t[::1] kfv
     cdef const uint8_t[::1] vfv
     cdef okv_attn_args a
     _init_args(&a, q, out, kv_len32, q_pos32, Hkv, M * bs, scale, softcap, window, _KV_TYPES[kvname])
+    if kv_start32 is not None:
+        sv = kv_start32
+        a.kv_start = &sv[0]
     if per_page and P:
         kfv = fmts["k_formats"]
         vfv = fmts["v_formats"]

@@ -50,7 +50,9 @@
  * time of the others, only the first a->pf_qk_lines cache lines of each
  * item's share go with its key tiles, the rest spread over the p*v of the
  * item before (a burst of prefetches stalls the loads behind it).
- * Online softmax per row (running max, sum and accumulator in float32).
+ * Online softmax per row (running max, sum and accumulator in float32); a
+ * NaN or +inf visible score sets the row's max and sum to NaN, which the final
+ * normalisation (and okv_attn_merge) turn into a NaN row (attention.h).
  *
  * K/V tile functions take dq (scale / zero point of the head in a quantized
  * page; unused for float formats) and pf (the rows to software-prefetch).
@@ -568,6 +570,11 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                             }
                             okv_qk_amx(&ax, w, pg.kf, a->kG > 1, qr, nr, kh + (u0 - j0) * pg.kst, pg.kst, u1 - u0,
                                        D, scale, sw, &dk, &pfa, qsum + hw * R + rg);
+                            /* a query row with a NaN or an infinity (its sum is not finite) has no
+                             * fixed-point form: its scores are NaN, as its float dot products would be */
+                            for (i = 0; i < nr; i++)
+                                if (!isfinite(qsum[hw * R + rg + i]))
+                                    for (j = 0; j < u1 - u0; j++) sw[i * OKV_BK + j] = NAN;
                         } else
 #endif
                         OKV_I(okv_qk_fmt)(pg.kf, a->kG > 1, qr, qir, nr, kh + (u0 - j0) * pg.kst, u1 - u0, D, scale,
@@ -603,8 +610,18 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         for (j = a1; j < u1; j++) s[j - u0] = -INFINITY;
                         if (softcap > 0.f)
                             for (j = a0 - u0; j < a1 - u0; j++) s[j] = softcap * tanhf(s[j] / softcap);
-                        bm = OKV_I(okv_max_f32)(s + (a0 - u0), a1 - a0);
+                        bm = OKV_I(okv_attn_max)(s + (a0 - u0), a1 - a0);
+                        if (!(bm < INFINITY) || mxh[rr] != mxh[rr]) {
+                            /* a NaN or +inf score, now or before: the row's softmax is NaN (as NumPy's) */
+                            mxh[rr] = smh[rr] = NAN;
+                            memset(s, 0, (size_t)n * sizeof(float));
+                            continue;
+                        }
                         mnew = bm > mxh[rr] ? bm : mxh[rr];
+                        if (mnew == -INFINITY) {      /* every visible score so far is -inf: weights 0 */
+                            memset(s, 0, (size_t)n * sizeof(float));
+                            continue;
+                        }
                         if (mnew > mxh[rr]) {
                             if (mxh[rr] != -INFINITY) {
                                 float alpha = expf(mxh[rr] - mnew);
@@ -702,7 +719,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                     memcpy(pr + 2, acc + rs * D, (size_t)D * sizeof(float));
                 } else {
                     float *o = a->out + ((b * a->Hq + hq) * a->Sq + t0 + t) * D;
-                    if (sm[rs] > 0.f) {
+                    if (sm[rs] != 0.f) {   /* > 0, or NaN: a NaN row */
                         float inv = 1.f / sm[rs];
                         int64_t i;
                         for (i = 0; i < D; i++) o[i] = acc[rs * D + i] * inv;

@@ -209,8 +209,8 @@ _FLOAT_FORMATS = {1: "float32", 10: "float16", 16: "bfloat16"}   # page format c
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                    window, out, *, kv_dtype=None, k_formats=None, v_formats=None, k_group=1, v_group=1,
-                    k_header="float32"):
+                    window, out, *, kv_start=None, kv_dtype=None, k_formats=None, v_formats=None, k_group=1,
+                    v_group=1, k_header="float32"):
     """NumPy twin of the compiled ``paged_attention`` (same arguments, same result).
 
     NumPy cannot dereference addresses, so ``k_pages`` / ``v_pages`` are the
@@ -237,7 +237,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     B, Hq, Sq, D = q.shape
     M, bs = block_tables.shape[1], int(block_size)
     _header_group("k_header", k_header, "k_group", k_group, D)
-    read = paged_blocks_read(kv_len, q_pos, int(window), bs, M)
+    read = paged_blocks_read(kv_len, q_pos, int(window), bs, M, kv_start)
 
     def page_f32(pages, pid, formats, group, header="float32"):
         page = pages[pid]
@@ -262,7 +262,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
             kc[0, :, i * bs:(i + 1) * bs] = page_f32(k_pages, pid, k_formats, k_group, k_header)
             vc[0, :, i * bs:(i + 1) * bs] = page_f32(v_pages, pid, v_formats, v_group)
         attention(q[b:b + 1], kc, vc, np.asarray(kv_len[b:b + 1]), np.asarray(q_pos[b:b + 1]), scale, softcap,
-                  window, out[b:b + 1])
+                  window, out[b:b + 1], None if kv_start is None else np.asarray(kv_start[b:b + 1]))
 
 
 # Integer page formats (ONNX element type code -> bits, lowest code, highest code).

@@ -3,12 +3,22 @@
 A :class:`CacheTensor` holds one cache value (the keys *or* the values of one
 layer) as ``[batch, kv_heads, capacity, head_size]`` in a buffer from the
 state's persistent allocator.  ``length`` is the number of positions that are
-valid (the view a standard model sees as its ``past``); positions at and
-after ``length`` hold garbage.
+valid (the view a standard model sees as its ``past``: the longest row);
+``lengths`` (int64 [batch]) is what each row has written: row ``b`` holds
+values this cache was given at positions ``[0, lengths[b])`` (a row that
+rewrites earlier positions keeps its length, as ``length`` does).
+
+Rows are bounded by what they wrote: a write starting past a row's written
+length (a claimed past the row never wrote) raises
+:class:`~onnxkv.errors.InputError` before any byte is written.  As defence in
+depth every buffer is zero-filled when it is allocated (a growth: the part
+past the copied prefix), so bytes of an earlier request that used the same
+memory are never readable, whatever reads the buffer.
 
 Writes only ever touch positions ``>= start`` of the rows being written, and
-the new length is *staged*: the owning state commits it after the whole run
-succeeded, or discards it.  So a failed run leaves every valid byte as it was.
+the new lengths are *staged*: the owning state commits them after the whole
+run succeeded, or discards them.  So a failed run leaves every valid byte as
+it was.
 
 Storage may be narrower than the model's element type: ``storage="float16"``
 or ``"bfloat16"`` (bf16 kept as uint16 bit patterns) halves the bytes held and
@@ -29,9 +39,9 @@ import numpy as np
 
 from onnxkv import _kernels
 from onnxkv.cache import bound
-from onnxkv.errors import CacheCapacityError
+from onnxkv.errors import CacheCapacityError, InputError
 
-__all__ = ["CacheTensor", "WriteCost", "stored_to_float32"]
+__all__ = ["CacheTensor", "WriteCost", "stored_to_float32", "rows_past"]
 
 
 def _to_bf16(x: np.ndarray) -> np.ndarray:
@@ -49,6 +59,17 @@ def stored_to_float32(v: np.ndarray, storage: str) -> np.ndarray:
         _kernels.bf16_to_f32(np.ascontiguousarray(v), out)
         return out
     return v.astype(np.float32)
+
+
+def rows_past(starts: np.ndarray | int, lengths: np.ndarray) -> tuple[int, int, int] | None:
+    """``(row, start, length)`` of the first row whose start (``starts``: one int or int [B]) passes its
+    length (``lengths`` int [B]), or None.  O(B)."""
+    starts = np.broadcast_to(np.asarray(starts), lengths.shape)
+    over = starts > lengths
+    if not over.any():
+        return None
+    row = int(np.argmax(over))
+    return row, int(starts[row]), int(lengths[row])
 
 
 @dataclass
@@ -76,6 +97,16 @@ class CacheTensor:
 
     Ownership: the state owning this object is the only writer.  ``view()``
     and ``buffer`` are handed to kernels of that state's runs only.
+
+    ``length`` (int) and ``lengths`` (int64 [batch], read only) are the
+    committed valid length and each row's written length; ``staged`` the
+    length the run in progress staged (None when it has written nothing).
+    Row lengths are held as one int while every row has the same (appends
+    of every row, a batch of one: no array operation per token), else as an
+    array.  Setting ``length`` below its value (truncation) cuts every row
+    to at most the new length; raising it without a write (a static cache:
+    the whole zero-filled buffer is valid) makes every row hold that many
+    positions.
     """
 
     def __init__(self, name: str, shape: tuple[int, int, int], dtype, allocator, capacity: int,
@@ -92,16 +123,51 @@ class CacheTensor:
         self.allocator = allocator
         self.growable = growable
         self.max_capacity = max_capacity
-        self.length = 0
+        self._length = 0
+        # positions each row has written: one int for every row, or int64 [batch]; committed and staged
+        self._rows: int | np.ndarray = 0
+        self._staged_rows: int | np.ndarray | None = None
         self.staged: int | None = None
         self.growths = 0
-        self._buf, self.buffer = self._allocate(capacity)
+        self._buf, self.buffer = self._allocate(capacity, 0)
+
+    @property
+    def length(self) -> int:
+        """Committed valid length (the longest row's)."""
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        value = int(value)
+        rows = self._rows
+        if value > self._length:
+            self._rows = value
+        else:
+            self._rows = min(rows, value) if isinstance(rows, int) else np.minimum(rows, value)
+        self._length = value
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Committed positions each row has written (int64 [batch]; a new array when rows are equal)."""
+        rows = self._rows
+        return np.full(self.batch, rows, np.int64) if isinstance(rows, int) else rows
+
+    def short_row(self, starts: np.ndarray | int) -> tuple[int, int, int] | None:
+        """``(row, start, written length)`` of the first row whose start (``starts``: one int or int [B])
+        passes what it has written, or None."""
+        rows = self._rows
+        if isinstance(rows, int) and isinstance(starts, int):
+            return None if starts <= rows else (0, starts, rows)
+        return rows_past(starts, self.lengths)
 
     # -- storage ---------------------------------------------------------
-    def _allocate(self, capacity: int):
+    def _allocate(self, capacity: int, keep: int):
+        """A new buffer of ``capacity`` positions, zero-filled past position ``keep`` (the prefix the caller
+        copies in): one fill per allocation, never per token."""
         nbytes = self.batch * self.heads * capacity * self.head_size * self.dtype.itemsize
         buf = self.allocator.allocate(nbytes, 64)
         arr = buf.view(self.dtype, (self.batch, self.heads, capacity, self.head_size))
+        arr[:, :, keep:] = 0
         bound.register(id(buf), arr)
         return buf, arr
 
@@ -151,8 +217,8 @@ class CacheTensor:
                 raise CacheCapacityError(
                     f"cache '{self.name}': {needed} positions needed, max capacity is {self.max_capacity}")
             new_cap = min(new_cap, self.max_capacity)
-        new_buf, arr = self._allocate(new_cap)  # OutOfMemory here leaves everything as it was
         valid = max(self.length, self.staged or 0)
+        new_buf, arr = self._allocate(new_cap, valid)  # OutOfMemory here leaves everything as it was
         arr[:, :, :valid] = self.buffer[:, :, :valid]
         bound.unregister(id(self._buf))
         self.allocator.free(self._buf)
@@ -161,16 +227,20 @@ class CacheTensor:
         return WriteCost(1, arr.nbytes, self.batch * self.heads * valid * self.head_size * self.dtype.itemsize, 0)
 
     def write(self, new: np.ndarray, starts: np.ndarray | int, length: int) -> WriteCost:
-        """Write ``new`` [B, H, S, D] at positions ``starts[b] ...`` of each row; stage ``length``.
+        """Write ``new`` [B, H, S, D] at positions ``starts[b] ...`` of each row; stage ``length`` and
+        the rows' written lengths (at least ``starts[b] + S``).
 
-        ``starts`` is one int for every row or an int array [B].  Returns the
-        cost: growth (if any) plus the appended bytes.
+        ``starts`` is one int for every row or an int array [B], each at most
+        the row's written length (:meth:`check_starts`; InputError before
+        anything is written otherwise).  Returns the cost: growth (if any)
+        plus the appended bytes.
         """
         b, h, s, d = new.shape
         if (b, h, d) != (self.batch, self.heads, self.head_size):
             raise CacheCapacityError(
                 f"cache '{self.name}': update of shape {new.shape} does not fit "
                 f"[{self.batch}, {self.heads}, capacity, {self.head_size}]")
+        self.check_starts(starts)
         if self.storage == "bfloat16":
             new = _to_bf16(new)
         if not isinstance(starts, np.ndarray) or starts.ndim == 0:
@@ -187,26 +257,44 @@ class CacheTensor:
                 for row in range(b):
                     p = int(starts[row])
                     self.buffer[row, :, p:p + s] = new[row]
-        return self._staged_append(cost, s, length)
+        return self._staged_append(cost, s, length, starts)
 
-    def appended(self, s: int, length: int, cost: WriteCost | None = None) -> WriteCost:
+    def check_starts(self, starts: np.ndarray | int) -> None:
+        """Raise :class:`~onnxkv.errors.InputError` when a write at ``starts`` (one int or int [B]) would
+        leave positions a row never wrote before its new values: ``starts[b]`` past ``lengths[b]``."""
+        short = self.short_row(starts)
+        if short is not None:
+            raise InputError(f"cache '{self.name}': row {short[0]} would be written at position {short[1]} but "
+                             f"has written only {short[2]} positions; a row may only continue from what it wrote")
+
+    def appended(self, s: int, length: int, cost: WriteCost | None, starts: np.ndarray | int) -> WriteCost:
         """Account for ``s`` positions of every row that a kernel wrote in place
-        (within the capacity, at or after the valid length) and stage
-        ``length``; returns ``cost`` (e.g. a growth by :meth:`reserve`) plus
-        the appended bytes."""
-        return self._staged_append(cost or WriteCost(), s, length)
+        at ``starts`` (within the capacity, each at most the row's written
+        length, checked by the caller) and stage ``length``; returns ``cost``
+        (e.g. a growth by :meth:`reserve`) plus the appended bytes."""
+        return self._staged_append(cost or WriteCost(), s, length, starts)
 
-    def _staged_append(self, cost: WriteCost, s: int, length: int) -> WriteCost:
+    def _staged_append(self, cost: WriteCost, s: int, length: int, starts: np.ndarray | int) -> WriteCost:
         cost.append_copied_bytes += self.batch * self.heads * s * self.head_size * self.dtype.itemsize
         self.staged = length
+        if s:
+            rows = self._rows
+            if isinstance(rows, int) and isinstance(starts, int):
+                self._staged_rows = max(rows, starts + s)
+            else:
+                self._staged_rows = np.maximum(rows, np.add(starts, s, dtype=np.int64))
         return cost
 
     def commit(self) -> None:
-        """Publish the staged length (after a successful run)."""
+        """Publish the staged lengths (after a successful run)."""
         if self.staged is not None:
-            self.length = self.staged
+            self._length = self.staged
             self.staged = None
+        if self._staged_rows is not None:
+            self._rows = self._staged_rows
+            self._staged_rows = None
 
     def discard(self) -> None:
-        """Forget the staged length (after a failed run)."""
+        """Forget the staged lengths (after a failed run)."""
         self.staged = None
+        self._staged_rows = None

@@ -30,6 +30,14 @@ from one :meth:`BlockPool.allocate` call, so pool exhaustion raises
 publishes the staged table and drops the replaced pages' references;
 discard frees the run's new pages: the committed table never changed.
 
+Rows are bounded by what they wrote: a write starting past a row's
+committed length (a claimed past the row never wrote) raises
+:class:`~onnxkv.errors.InputError` before anything is staged (static caches,
+whose every position is written at creation, excepted).  As defence in
+depth every page a run stages is zero-filled before its copy or write (one
+fill per page, never per token), so bytes an earlier request left in the
+allocator's memory are never readable.
+
 The reference counts and free list live in :mod:`onnxkv.cache._pagecore`
 (Cython, flat int32 arrays, GIL-free inner functions).
 """
@@ -46,7 +54,7 @@ from onnxkv import _kernels
 from onnxkv.alloc import SlabAllocator, as_allocator
 from onnxkv.cache import formats
 from onnxkv.cache._pagecore import PageCore
-from onnxkv.cache.contiguous import WriteCost, stored_to_float32
+from onnxkv.cache.contiguous import WriteCost, rows_past, stored_to_float32
 from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, StateError
 
 __all__ = ["PlaneSpec", "BlockPool", "PageTable", "PagedCache", "PagedPlane", "live_pools"]
@@ -508,17 +516,28 @@ class PagedCache:
     def lengths(self) -> np.ndarray:
         return self._staged_lengths if self._staged_lengths is not None else self.table.lengths
 
+    def short_row(self, starts) -> tuple[int, int, int] | None:
+        """``(row, start, committed length)`` of the first row whose start (``starts``: one int or int [B])
+        passes what it has written, or None."""
+        return rows_past(starts, self.table.lengths)
+
     # -- staging ---------------------------------------------------------------
     def prepare(self, starts: np.ndarray, s: int) -> WriteCost:
         """Give every block that rows write at ``starts[b] .. starts[b]+s-1`` a page they own alone.
 
         Allocates all fresh and copy-on-write pages in one pool call before
-        changing anything (OutOfMemory leaves the staging as it was).
+        changing anything (OutOfMemory leaves the staging as it was); new
+        pages are zero-filled.  InputError, nothing staged, when a row would
+        start past its committed length (except in static caches).
         """
         key = (starts.tobytes(), s)
         if key == self._prepared:  # the other planes of the same write: pages are in place
             return WriteCost()
         pool, bs = self.pool, self.pool.block_size
+        short = None if self.static_length is not None else self.short_row(starts)
+        if short is not None:
+            raise InputError(f"paged cache: row {short[0]} would be written at position {short[1]} but has "
+                             f"written only {short[2]} positions; a row may only continue from what it wrote")
         if self._staged is None:
             self._staged = self.table.tables.copy()
             self._staged_lengths = self.table.lengths.copy()
@@ -556,6 +575,10 @@ class PagedCache:
             return cost
         ids = pool.allocate(total)  # the only step that can fail: nothing changed before it
         self._new.append(ids)
+        fresh = ids.tolist()
+        for pages in pool.pages:  # no byte of the memory's earlier owner stays readable
+            for p in fresh:
+                pages[p].fill(0)
         committed = self.table.lengths
         k = 0
         for b, lo_blk, action in plan:
@@ -632,19 +655,21 @@ class PagedCache:
         """A contiguous copy ``[B, H, length, D]`` of plane ``plane`` in its native type.
 
         Converted (quantized) pages are dequantized.  Positions a row does not
-        hold (never written, or evicted) are zero.
+        hold (never written, evicted, or at and past the row's own length) are
+        zero: only each row's valid positions are read.
         """
         pool = self.pool
         spec = pool.planes[plane]
         bs = pool.block_size
-        tables = self.tables
+        tables, lengths = self.tables, self.lengths
         out = np.zeros((tables.shape[0], spec.heads, length, spec.head_size), spec.dtype)
         pages = pool.pages[plane]
         for b in range(tables.shape[0]):
-            for blk in range(min(tables.shape[1], -(-length // bs))):
+            held = min(length, int(lengths[b]))
+            for blk in range(min(tables.shape[1], -(-held // bs))):
                 p = int(tables[b, blk])
                 if p >= 0:
-                    n = min(bs, length - blk * bs)
+                    n = min(bs, held - blk * bs)
                     if pool.quantized(plane, p):
                         out[b, :, blk * bs: blk * bs + n] = pool._native(spec, pool.read_page(plane, p, n))
                     else:
@@ -712,6 +737,16 @@ class PagedPlane:
     def length(self) -> int:
         lengths = self.cache.lengths
         return int(lengths.max()) if lengths.size else 0
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Committed positions of each row (int64 [B]: what each row wrote before this run), as
+        :attr:`CacheTensor.lengths <onnxkv.cache.contiguous.CacheTensor.lengths>`; read only."""
+        return self.cache.table.lengths
+
+    def short_row(self, starts) -> tuple[int, int, int] | None:
+        """:meth:`PagedCache.short_row`."""
+        return self.cache.short_row(starts)
 
     @property
     def block_size(self) -> int:

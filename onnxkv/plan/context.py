@@ -89,15 +89,15 @@ class RunContext:
             self.cache_events.append((past, cost))
         return present
 
-    def cache_appended(self, past: str, s: int, length: int, grown=None) -> np.ndarray:
+    def cache_appended(self, past: str, s: int, length: int, grown, starts) -> np.ndarray:
         """Record that a kernel wrote ``s`` new positions of every row of the
-        contiguous cache bound to ``past`` in place, within its capacity (see
-        :meth:`CacheTensor.appended`), after the growth ``grown`` (the
-        :class:`WriteCost` of the cache's ``reserve``, or None); stage
-        ``length`` and return the present view ``[:, :, :length]``.  Recorded
-        like :meth:`cache_write`."""
+        contiguous cache bound to ``past`` in place at ``starts`` (one int or
+        int [B]), within its capacity (see :meth:`CacheTensor.appended`),
+        after the growth ``grown`` (the :class:`WriteCost` of the cache's
+        ``reserve``, or None); stage ``length`` and return the present view
+        ``[:, :, :length]``.  Recorded like :meth:`cache_write`."""
         cache = self.caches[past]
-        cost = cache.appended(s, length, grown)
+        cost = cache.appended(s, length, grown, starts)
         if self.recording:
             self.cache_events.append((past, cost))
         return cache.view(length)

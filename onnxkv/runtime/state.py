@@ -234,10 +234,13 @@ class State:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Valid positions per batch row (int64 [B]; a contiguous cache has one length for all rows)."""
+        """Valid positions per batch row (int64 [B]): what each row has written (a contiguous row that
+        rewrote earlier positions keeps its length, as :attr:`length` does)."""
         if self._paged is not None:
             return self._paged.table.lengths.copy()
-        return np.full(self.batch, self.length, np.int64)
+        if not self._caches:
+            return np.zeros(0, np.int64)
+        return np.array(next(iter(self._caches.values())).lengths, np.int64)
 
     @property
     def batch(self) -> int:

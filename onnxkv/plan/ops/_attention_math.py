@@ -11,19 +11,47 @@ Two entry points:
 
 Shapes: ``q`` [B, Hq, Sq, D]; ``k`` [B, Hkv, T, D]; ``v`` [B, Hkv, T, Dv] with
 ``Hq % Hkv == 0`` (query head ``h`` reads KV head ``h // (Hq // Hkv)``).  A query
-row with no visible key produces zeros.
+row with no visible key produces zeros.  NaN and infinities follow the dense
+softmax in both: a row with a NaN or +inf visible score gives NaN.
+
+:func:`check_written` bounds what an operator attending over a state's cache
+may claim: each row only the positions it wrote.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from onnxkv import _kernels
 from onnxkv._kernels import attention as _attention_kernel
+from onnxkv.errors import InputError
 
-__all__ = ["Scores", "causal_attention", "paged_causal_attention", "dense_attention", "position_bias"]
+__all__ = ["Scores", "causal_attention", "paged_causal_attention", "dense_attention", "position_bias",
+           "check_written"]
+
+
+def check_written(op, cache, past: np.ndarray | int, claim: Callable[[int], str]) -> None:
+    """Raise :class:`~onnxkv.errors.InputError` naming ``op``'s node when a row claims a past it never wrote.
+
+    ``cache`` is the state's cache (:class:`~onnxkv.cache.contiguous.CacheTensor`
+    or :class:`~onnxkv.cache.paged.PagedPlane`) whose ``lengths`` [B] hold
+    what each row has written (its ``short_row`` finds the first row short of
+    a claim); ``past`` (int [B] or one int) is the number of positions each
+    row's queries attend before its new ones.  ``claim(row)`` says where the
+    claim came from (only called for the error message).  Positions in
+    ``[lengths[b], past[b])`` were never written by row ``b``: attending over
+    them would read whatever the memory held.  O(B); no array operation for
+    one int against equal rows.
+    """
+    short = cache.short_row(past)
+    if short is not None:
+        row, claimed, written = short
+        raise InputError(f"{op.op_type} node '{op.name}': row {row} claims a past of {claimed} positions "
+                         f"({claim(row)}) but has written only {written}; a row may attend only over the "
+                         "positions it wrote")
 
 
 @dataclass
@@ -46,15 +74,19 @@ def position_bias(
     total: int,
     window: int,
     dtype: type[np.floating] = np.float32,
+    kv_start: np.ndarray | None = None,
 ) -> np.ndarray:
     """Additive [B, 1, Sq, total] bias (0 visible, -inf masked) of the kernel's mask rule.
 
     Query at absolute position ``p = q_pos[b, s]`` sees key ``j`` iff
-    ``j < kv_len[b]``, ``j <= p`` and (``window >= 0``) ``j >= p - window``.
+    ``j < kv_len[b]``, ``j <= p``, ``j >= kv_start[b]`` (when given) and
+    (``window >= 0``) ``j >= p - window``.
     """
     j = np.arange(total)[None, None, :]
     p = q_pos[:, :, None].astype(np.int64)
     visible = (j < kv_len[:, None, None]) & (j <= p)
+    if kv_start is not None:
+        visible &= j >= np.asarray(kv_start, np.int64)[:, None, None]
     if window >= 0:
         visible &= j >= p - window
     return np.where(visible, np.zeros((), dtype), np.array(-np.inf, dtype))[:, None]
@@ -67,19 +99,23 @@ def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
 
 
 def paged_causal_attention(q: np.ndarray, keys, values, kv_len: np.ndarray, q_pos: np.ndarray, scale: float,
-                           softcap: float, window: int, out: np.ndarray) -> dict:
+                           softcap: float, window: int, out: np.ndarray, kv_start: np.ndarray | None = None) -> dict:
     """:func:`causal_attention` over the pages of a paged cache (no gather), into ``out``.
 
     ``keys``/``values`` are the :class:`~onnxkv.cache.paged.PagedPlane` s of
     one layer (same page tables); each page is read in its own format
     (quantized pages are dequantized in the kernel's load step).  ``q``
-    float32 [B, Hq, Sq, D].  Returns the kernel's storage figures
-    (``dequantized_bytes``, ``workspace_peak_bytes``) for the event log.
+    float32 [B, Hq, Sq, D]; ``kv_start`` [B] (None: 0) the first key of each
+    row (pages wholly before it are not read).  Returns the kernel's storage
+    figures (``dequantized_bytes``, ``workspace_peak_bytes``) for the event
+    log.
     """
     return _kernels.paged_attention(
         np.ascontiguousarray(q, dtype=np.float32), keys.ptrs, values.ptrs, keys.tables, keys.block_size, keys.heads,
         np.ascontiguousarray(kv_len, dtype=np.int32), np.ascontiguousarray(q_pos, dtype=np.int32), float(scale),
-        float(softcap), int(window), out, kv_dtype=keys.storage, k_formats=keys.formats, v_formats=values.formats,
+        float(softcap), int(window), out,
+        kv_start=None if kv_start is None else np.ascontiguousarray(kv_start, dtype=np.int32),
+        kv_dtype=keys.storage, k_formats=keys.formats, v_formats=values.formats,
         k_group=keys.groups, v_group=values.groups, k_header=keys.header,
     )
 
@@ -144,17 +180,21 @@ def causal_attention(
     window: int,
     out: np.ndarray,
     kv_dtype: str | None = None,
+    kv_start: np.ndarray | None = None,
 ) -> np.ndarray:
     """Positions-masked attention into ``out`` [B, Hq, Sq, D] (see :func:`position_bias`).
 
     ``k``/``v`` may be longer than every ``kv_len`` (capacity buffers); only the
-    first ``kv_len[b]`` positions are read.  Float32 queries with ``Dv == D`` and
+    first ``kv_len[b]`` positions are read, from ``kv_start[b]`` (None: 0) on.
+    Float32 queries with ``Dv == D`` and
     a C-contiguous ``out`` use the compiled streaming kernel, which reads float32,
     float16 or (``kv_dtype="bfloat16"``, uint16 bit patterns) bfloat16 K/V and
     converts them in its load step.  Returns ``out``.
     """
     kv_len = np.ascontiguousarray(kv_len, dtype=np.int32)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int32)
+    if kv_start is not None:
+        kv_start = np.ascontiguousarray(kv_start, dtype=np.int32)
     narrow = kv_dtype == "bfloat16" or k.dtype == np.float16
     if q.dtype == out.dtype == np.float32 and k.dtype == v.dtype and (k.dtype == np.float32 or narrow) \
             and v.shape[3] == q.shape[3] and out.flags.c_contiguous:
@@ -168,13 +208,14 @@ def causal_attention(
             float(softcap),
             int(window),
             out,
+            kv_start,
             kv_dtype=kv_dtype,
         )
         return out
     if kv_dtype == "bfloat16":
         raise ValueError("bfloat16 K/V need the compiled kernel (float32 queries, Dv == D)")
     total = int(kv_len.max(initial=0))
-    bias = position_bias(kv_len, q_pos, total, window, q.dtype)
+    bias = position_bias(kv_len, q_pos, total, window, q.dtype, kv_start)
     res, _ = dense_attention(q, k[:, :, :total], v[:, :, :total], bias, scale, softcap)
     out[...] = res
     return out

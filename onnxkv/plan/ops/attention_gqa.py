@@ -39,10 +39,13 @@ Semantics:
   present is a zero-copy view ``[:, :, :L]`` of the cache.
 * **Right padding.** Batch rows shorter than the longest are right padded;
   ``seqlens_k`` gives each row's valid length.  Key ``j`` is visible to row
-  ``b`` only if ``j < total_b``.  Padding query rows of a first prompt
-  (``s >= total_b``) are computed by the same rule as every other row (they
-  see all valid keys inside the window), which reproduces ORT; callers ignore
-  them.
+  ``b`` only if ``j < total_b``.  In a state, a row's past is bounded by what
+  that row has written (not by the longest row): ``past_b`` beyond the row's
+  written length raises :class:`~onnxkv.errors.InputError` naming the row,
+  ``seqlens_k`` and the written length, before anything is written.  Padding
+  query rows of a first prompt (``s >= total_b``) are computed by the same
+  rule as every other row (they see all valid keys inside the window), which
+  reproduces ORT; callers ignore them.
 * **Masking.** Query ``s`` of row ``b`` has absolute position
   ``p = past_b + s`` and sees keys ``j <= p``, ``j < total_b`` and, when
   ``local_window_size = W > 0``, ``j > p - W`` (the ``W`` most recent
@@ -75,7 +78,9 @@ import onnx
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv._kernels import decode_token as _decode_kernel
-from onnxkv.plan.ops._attention_math import causal_attention, dense_attention, paged_causal_attention, position_bias
+from onnxkv.plan.ops._attention_math import (
+    causal_attention, check_written, dense_attention, paged_causal_attention, position_bias,
+)
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -169,6 +174,9 @@ class GroupQueryAttention(Op):
             )
         present_len = max(total, past_len)
         kv_len, past_lens = self._lengths(seqlens_k, b, s, total, past_len, first_prompt)
+        if in_place and not first_prompt:
+            check_written(self, rt.caches[past_k_name], past_lens,
+                          lambda row: f"seqlens_k[{row}]={int(kv_len[row]) - 1} with {s} new token(s)")
         q_pos = past_lens[:, None] + np.arange(s)[None, :]
 
         if self.do_rotary:
@@ -252,8 +260,8 @@ class GroupQueryAttention(Op):
             return None
         past_len = past_key.shape[2]
         total, total_b = int(total_seqlen.reshape(-1)[0]), int(seqlens_k[0]) + 1
-        # Not a first prompt (S == total), and the general path's seqlens_k range.
-        if total <= 1 or not 1 <= total_b <= min(total, past_len + 1):
+        # Not a first prompt (S == total), the general path's seqlens_k range, a past the row wrote.
+        if total <= 1 or not 1 <= total_b <= min(total, past_len + 1) or ck.short_row(total_b - 1) is not None:
             return None
         cos = sin = None
         if self.do_rotary:
@@ -278,8 +286,8 @@ class GroupQueryAttention(Op):
         done = _decode_kernel(query, key, value, cos, sin, self.interleaved, ck.buffer, cv.buffer, total_b - 1,
                               float(self._softmax_scale(query.shape[2] // hq)), self.softcap, self.window, output)
         # Record growth even when the kernel declined (the general path then finds the room made).
-        present_k = rt.cache_appended(past_k_name, int(done), present_len, grown[0])
-        present_v = rt.cache_appended(past_v_name, int(done), present_len, grown[1])
+        present_k = rt.cache_appended(past_k_name, int(done), present_len, grown[0], total_b - 1)
+        present_v = rt.cache_appended(past_v_name, int(done), present_len, grown[1], total_b - 1)
         if not done:
             return None
         outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)

@@ -23,10 +23,22 @@ bias from the mask, causal rule and padding, then softmax (in
 ``j <= i + offset`` with ``offset = P`` with a past, ``nonpad_kv_seqlen[b] - Sq``
 with ``nonpad_kv_seqlen`` alone, else 0.  A row with no visible key gives zeros.
 
-Without a mask or score output, float32 runs through the streaming kernel;
-everything else through NumPy.  Storage counters per present output: one
-allocation of its size, ``prefix_copied_bytes`` = bytes of the past,
-``append_copied_bytes`` = bytes of the new K (or V).
+Float32 without a score output runs through the streaming kernel when there
+is no mask or when the mask is a set of row ranges (:func:`attn_mask_ranges`:
+bool, or float with 0 for visible keys and ``-inf``/``<= -1e30`` for masked
+ones, one range of keys per query whose start is shared by its batch row,
+the same for every head -- padding plus a causal band, as the builder model
+``onnxkv.models.attention23`` makes); everything else through NumPy.  In a
+paged state the kernel reads the pages directly, with the mask's ranges as
+``kv_start`` and ``q_pos``; only a mask that is not a set of row ranges
+gets a gathered copy of the past (counted as ``prefix_copied_bytes`` of the
+node's ``cache_write`` events).  In a state, every row attends over the
+positions it wrote: a past beyond a row's written length (possible only
+after rows of different lengths were loaded) raises
+:class:`~onnxkv.errors.InputError` before anything is written.  Storage
+counters per present output: one allocation of its size,
+``prefix_copied_bytes`` = bytes of the past, ``append_copied_bytes`` = bytes
+of the new K (or V).
 """
 
 from __future__ import annotations
@@ -39,10 +51,11 @@ from onnx import TensorProto
 
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.ops._attention_math import causal_attention, dense_attention, paged_causal_attention
+from onnxkv.plan.ops._attention_math import causal_attention, check_written, dense_attention, paged_causal_attention
+from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges, visible_ranges
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["Attention23", "Attention24"]
+__all__ = ["Attention23", "Attention24", "attn_mask_ranges"]
 
 _ATTRIBUTES = {
     "is_causal", "kv_num_heads", "q_num_heads", "qk_matmul_output_mode", "scale", "softcap", "softmax_precision",
@@ -53,6 +66,41 @@ _SOFTMAX_DTYPES = {
     TensorProto.FLOAT: np.dtype(np.float32),
     TensorProto.DOUBLE: np.dtype(np.float64),
 }
+
+
+def attn_mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """The visible keys of an Attention ``attn_mask`` over scores [b, H, s, t] as row ranges, or None.
+
+    Returns ``(kv_start, q_pos, exact)``: the first two as
+    :func:`~onnxkv.plan.ops.masked_attention.visible_ranges` gives them, and
+    whether every masked entry is ``-inf`` (or False): then a query that
+    sees no key gets zeros, as the kernel gives; the dense softmax of a
+    query whose masked scores are finite is uniform over them instead.  The
+    mask is bool (True = visible) or float (0 visible, ``-inf`` or
+    ``<= MASKED`` masked; any other value is a bias the kernel cannot take),
+    its head axis 1, broadcastable over batch rows and queries; a last
+    dimension shorter than ``t`` masks the missing keys (as the operator
+    does).  O(mask).
+    """
+    if mask.ndim < 1 or mask.ndim > 4 or mask.shape[-1] > t or mask.dtype.kind not in "bf" or min(b, s, t) < 1:
+        return None
+    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    mb, mh, ms, mt = m.shape
+    if mh != 1 or mb not in (1, b) or ms not in (1, s):
+        return None
+    m = m[:, 0]
+    if m.dtype == np.bool_:
+        visible, exact = m, True
+    else:
+        visible = m == 0
+        masked = m[~visible]
+        if not (masked <= MASKED).all():
+            return None
+        exact = bool(np.isneginf(masked).all())
+    if mt < t:
+        visible = np.concatenate([visible, np.zeros((mb, ms, t - mt), bool)], axis=-1)
+    ranges = visible_ranges(np.broadcast_to(visible, (mb, ms, t)), b, s)
+    return None if ranges is None else (ranges[0], ranges[1], exact)
 
 
 @register("Attention", since=23)
@@ -116,22 +164,26 @@ class Attention23(Op):
                     f"got shape {nonpad.shape} values {nonpad.tolist()}"
                 )
 
+        total = past_len + k.shape[2]
+        offsets = self._causal_offsets(b, sq, past_len, nonpad)
+        kv_len = nonpad if nonpad is not None else np.full(b, total, np.int64)
+        seen = None  # (kv_start or None, q_pos) of the streaming kernel, or None: the dense path
+        if not self.want[3] and q.dtype == np.float32 and self.softmax_dtype in (None, np.dtype(np.float32)):
+            seen = self._kernel_ranges(mask, b, sq, total, offsets, kv_len)
+        fast = seen is not None
+
         keys = values = None
         paged = False
-        fast = (
-            mask is None
-            and not self.want[3]
-            and q.dtype == np.float32
-            and self.softmax_dtype in (None, np.dtype(np.float32))
-        )
         if self.bound and rt.in_place(self.node.input[4]):
             # In place: append after the past in the state's caches; present is a view (contiguous),
             # or the kernel reads the pages (paged; gathered only for the dense path).
             ck, cv = rt.caches[self.node.input[4]], rt.caches[self.node.input[5]]
+            check_written(self, ck, past_len,
+                          lambda row: f"past_key: the state's past of {past_len} positions, its longest row")
             paged = getattr(ck, "paged", False)
             gather = paged and not fast
-            present_k = rt.cache_write(self.node.input[4], k, past_len, past_len + k.shape[2], materialize=gather)
-            present_v = rt.cache_write(self.node.input[5], v, past_len, past_len + v.shape[2], materialize=gather)
+            present_k = rt.cache_write(self.node.input[4], k, past_len, total, materialize=gather)
+            present_v = rt.cache_write(self.node.input[5], v, past_len, total, materialize=gather)
             if not paged:
                 keys, values = ck.buffer, cv.buffer
             elif fast:
@@ -143,22 +195,17 @@ class Attention23(Op):
             present_k, present_v = k, v
         if keys is None:
             keys, values = present_k, present_v
-        total = present_k.shape[2]
         scale = float(self.scale) if self.scale is not None else 1.0 / np.sqrt(d)
 
-        offsets = self._causal_offsets(b, sq, past_len, nonpad)
-        kv_len = nonpad if nonpad is not None else np.full(b, total, np.int64)
         qk = None
         if fast:
             y = np.empty((b, hq, sq, v.shape[3]), np.float32)
-            if self.is_causal:
-                q_pos = offsets[:, None] + np.arange(sq)[None, :]
-            else:
-                q_pos = np.broadcast_to(np.int64(total), (b, sq))
+            kv_start, q_pos = seen
             if paged:
-                rt.count(**paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y))
+                rt.count(**paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y,
+                                                  kv_start))
             else:
-                causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y)
+                causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y, kv_start=kv_start)
         else:
             bias = self._bias(mask, b, hq, sq, total, offsets, nonpad, q.dtype)
             y, scores = dense_attention(
@@ -176,6 +223,30 @@ class Attention23(Op):
             outs[3] = rt.empty(3, qk.shape, q.dtype)
             outs[3][...] = qk
         return outs[: len(self.node.output)]
+
+    def _kernel_ranges(self, mask, b: int, sq: int, total: int, offsets: np.ndarray,
+                       kv_len: np.ndarray) -> tuple[np.ndarray | None, np.ndarray] | None:
+        """``(kv_start, q_pos)`` of the streaming kernel (``kv_start`` None: 0) for the causal rule and the
+        mask, or None when the mask is not a set of row ranges (:func:`attn_mask_ranges`; the result of the
+        previous call is reused when the mask holds the same values: every layer reads one mask) or when a
+        query would see no key under a mask with finite masked values: the dense path then takes the call
+        (and raises its errors)."""
+        if self.is_causal:
+            q_pos = offsets[:, None] + np.arange(sq)[None, :]
+        else:
+            q_pos = np.broadcast_to(np.int64(total), (b, sq))
+        if mask is None:
+            return None, q_pos
+        if not isinstance(mask, np.ndarray):
+            return None
+        ranges = cached_mask_ranges(mask, b, sq, total, attn_mask_ranges)
+        if ranges is None:
+            return None
+        kv_start, mask_pos, exact = ranges
+        q_pos = np.minimum(q_pos, mask_pos)
+        if not exact and (np.minimum(q_pos + 1, kv_len[:, None]) <= kv_start[:, None]).any():
+            return None
+        return kv_start, q_pos
 
     def _to_bnsh(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q/K/V as [B, H, S, D] views, shapes and head counts validated."""

@@ -64,7 +64,7 @@ from onnxkv.plan.ops._body import Body
 from onnxkv.plan.ops._util import LayoutMemo, int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["MaskedAttention", "mask_ranges", "cached_mask_ranges", "MASKED"]
+__all__ = ["MaskedAttention", "mask_ranges", "visible_ranges", "cached_mask_ranges", "MASKED"]
 
 #: Additive mask values at or below this hide a key (float32 min and -inf included).
 MASKED = -1e30
@@ -78,13 +78,10 @@ _V_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("v_axes"), MASKED_ATTENTION_INPU
 def mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The kernel's description of an additive ``mask`` over scores [b, H, s, t], or None.
 
-    Returns ``(kv_start, q_pos, empty)``: int32 [b], int32 [b, s] and bool
-    [b, s] such that query ``(i, j)`` sees exactly the keys
-    ``kv_start[i] <= key <= q_pos[i, j]`` (``empty[i, j]``: none; then
-    ``q_pos = kv_start - 1``).  None unless ``mask`` is float32, broadcasts
-    to [b, 1, s, t] without growing the scores (its head axis is 1), every
-    entry is 0 or ``<= MASKED``, each row's zeros are contiguous, and the
-    non-empty rows of one batch row start at the same key.  ``t >= 1``.
+    Returns :func:`visible_ranges` of the mask's zeros.  None unless ``mask``
+    is float32, broadcasts to [b, 1, s, t] without growing the scores (its
+    head axis is 1), every entry is 0 or ``<= MASKED``, and the zeros pass
+    :func:`visible_ranges`.  ``t >= 1``.
     """
     if mask.dtype != np.float32 or mask.ndim > 4:
         return None
@@ -96,7 +93,22 @@ def mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarray, n
     visible = m == 0
     if not (visible | (m <= MASKED)).all():
         return None
-    visible = np.broadcast_to(visible, (mb, ms, t))
+    return visible_ranges(np.broadcast_to(visible, (mb, ms, t)), b, s)
+
+
+def visible_ranges(visible: np.ndarray, b: int, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The kernel's description of which keys each query sees, or None.
+
+    ``visible``: bool [mb, ms, t] with ``mb`` 1 or ``b`` and ``ms`` 1 or
+    ``s`` (broadcast over batch rows / queries), True where query ``(i, j)``
+    sees key ``k``.  Returns ``(kv_start, q_pos, empty)``: int32 [b], int32
+    [b, s] and bool [b, s] such that query ``(i, j)`` sees exactly the keys
+    ``kv_start[i] <= key <= q_pos[i, j]`` (``empty[i, j]``: none; then
+    ``q_pos = kv_start - 1``).  None unless each query's visible keys are
+    contiguous and the non-empty queries of one batch row start at the same
+    key.  O(mb * ms * t).
+    """
+    mb, ms, t = visible.shape
     count = np.count_nonzero(visible, axis=-1)
     first = visible.argmax(axis=-1)
     last = t - 1 - visible[..., ::-1].argmax(axis=-1)
@@ -117,9 +129,10 @@ def mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarray, n
 _LAST_MASK = threading.local()
 
 
-def cached_mask_ranges(mask: np.ndarray, b: int, s: int, t: int):
-    """:func:`mask_ranges`, reusing the result of the previous call on this thread when ``mask`` holds the
-    same values (same shape, dtype and elements; ``b``, ``s`` and ``t`` equal).
+def cached_mask_ranges(mask: np.ndarray, b: int, s: int, t: int, describe=None):
+    """``describe(mask, b, s, t)`` (default :func:`mask_ranges`), reusing the result of the previous call on
+    this thread when ``mask`` holds the same values (same shape, dtype and elements; ``b``, ``s``, ``t`` and
+    ``describe`` equal).
 
     Exports build one additive mask per run and every layer's attention reads
     it, so the layers after the first compare the mask (one pass over it)
@@ -128,11 +141,12 @@ def cached_mask_ranges(mask: np.ndarray, b: int, s: int, t: int):
     value can never be mistaken for it.  The returned arrays are shared
     between calls and must not be written.
     """
-    key = (mask.shape, mask.dtype, b, s, t)
+    describe = describe or mask_ranges
+    key = (describe, mask.shape, mask.dtype, b, s, t)
     last = getattr(_LAST_MASK, "entry", None)
     if last is not None and last[0] == key and np.array_equal(last[1], mask):
         return last[2]
-    ranges = mask_ranges(mask, b, s, t)
+    ranges = describe(mask, b, s, t)
     _LAST_MASK.entry = (key, mask.copy(), ranges)
     return ranges
 
