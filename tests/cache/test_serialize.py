@@ -32,18 +32,17 @@ from onnxkv.cache.serialize import (
     VERSION,
     BlockRecord,
     CacheSnapshot,
-    Expectation,
     LayerSpec,
     PagedCacheProto,
     PagePayload,
     SequenceRecord,
-    check_expectation,
     decode,
     encode,
     load,
     save,
     validate,
 )
+from onnxkv.cache import serialize
 from onnxkv.errors import InputError, SerializationError
 
 FORMATS = ("float32", "float16", "bfloat16")
@@ -671,10 +670,10 @@ def _many(field: str, n: int) -> bytes:
     return _frame(proto.SerializeToString())
 
 
-def _expected(**changes) -> Expectation:
+def _expected(**changes) -> serialize.Expectation:
     base = _base()
     fields = dict(block_size=4, layers=tuple(base.layers), max_sequences=None, model_signature="sig")
-    return Expectation(**{**fields, **changes})
+    return serialize.Expectation(**{**fields, **changes})
 
 
 @pytest.mark.parametrize("field, pattern", [
@@ -711,7 +710,7 @@ def test_a_file_that_does_not_fit_the_expectation_is_named(changes, pattern):
         decode(blob, expected=_expected(**changes))
     assert not isinstance(err.value, SerializationError)
     with pytest.raises(InputError, match=pattern.replace("decode", "check_expectation")):
-        check_expectation(_base(), _expected(**changes))
+        serialize.check_expectation(_base(), _expected(**changes))
 
 
 _FIFO_CHILD = """
