@@ -13,12 +13,17 @@ Decoding is strict: a malformed, truncated or foreign input raises
 :class:`~onnxkv.errors.SerializationError` naming the problem, and never yields
 a partly valid snapshot.  :func:`validate` states every rule; :func:`encode`
 and :func:`save` apply it before writing anything, :func:`decode` and
-:func:`load` before returning.  NaN and Inf elements are data and are kept.
+:func:`load` before returning.  NaN and Inf elements of page data are data and
+are kept; quantization scales must be finite.  Decoding costs memory
+proportional to the input's size only: the body length is checked against
+the bytes present before the protobuf parser runs, and :func:`load` can refuse
+a file by its size before reading it.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import tempfile
 import zlib
@@ -28,7 +33,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
 from onnxkv.cache.formats import CHANNEL_ZP_MAX_UNIT_LOG2
-from onnxkv.errors import SerializationError
+from onnxkv.errors import InputError, SerializationError
 
 __all__ = [
     "PagePayload",
@@ -36,6 +41,7 @@ __all__ = [
     "LayerSpec",
     "SequenceRecord",
     "CacheSnapshot",
+    "Expectation",
     "PagedCacheProto",
     "MAGIC",
     "VERSION",
@@ -44,6 +50,7 @@ __all__ = [
     "save",
     "load",
     "validate",
+    "check_expectation",
 ]
 
 #: First eight bytes of every file.
@@ -185,6 +192,26 @@ class CacheSnapshot:
     layers: list[LayerSpec]
     sequences: list[SequenceRecord]
     model_signature: str = ""
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a reader of a cache accepts: a model's signature, block size and layers, at most ``max_sequences`` rows.
+
+    :func:`decode` and :func:`load` check it as soon as the body is parsed,
+    before a layer, sequence or block is turned into Python objects (so a
+    file's repeated fields never cost memory the reader would refuse), and
+    :func:`check_expectation` checks a snapshot against it.  A mismatch
+    raises :class:`~onnxkv.errors.InputError` (a valid file that does not
+    fit) naming the field, the file's value and the expected one.
+    """
+
+    block_size: int
+    layers: tuple[LayerSpec, ...]
+    #: Most rows the reader can hold (None: any number).
+    max_sequences: int | None = None
+    #: The model's signature (None: not checked); checked first.
+    model_signature: str | None = None
 
 
 # --------------------------------------------------------------------------- protobuf schema
@@ -463,14 +490,55 @@ def validate(snapshot: CacheSnapshot) -> None:
     format whose data has that format's element type and shape
     ``[kv_heads, length, head_size]`` and no quantization parameters (float
     formats), or, for the quantized formats (int8, uint8, int4, uint4, int2,
-    uint2), packed codes uint8 ``[kv_heads, length, head_size * bits / 8]``
-    with float32 ``scale``/``zero_point`` of ``kv_heads`` or ``kv_heads *
-    head_size`` entries (scales > 0, zero points integral and in range -- per
-    channel, within the reach of a channel-zp header, see :class:`PagePayload`); each
-    layer's blocks tile its sequence as :class:`SequenceRecord` describes; all
-    integers fit in int64; strings are UTF-8 encodable.
+    uint2; ``head_size * bits`` a multiple of 8), packed codes uint8
+    ``[kv_heads, length, head_size * bits / 8]`` with float32
+    ``scale``/``zero_point`` of ``kv_heads`` or ``kv_heads * head_size``
+    entries: every scale finite and > 0 (a NaN or infinite scale is
+    rejected, unlike NaN and Inf page data, which are kept), zero points
+    integral and in the format's code range (per channel, within the reach
+    of a channel-zp header, see :class:`PagePayload`); each layer's blocks
+    of a sequence tile it as :class:`SequenceRecord` describes: no two
+    blocks start at the same position, no gap, every block but the last
+    holds ``block_size`` positions and none ends past ``length`` (blocks
+    are aligned and hold at most ``block_size`` positions, so blocks never
+    overlap); all integers fit in int64; strings are UTF-8 encodable.
+
+    The rules concern the snapshot alone: whether it fits a model or a
+    state (names, geometry, capacity, pages) is checked by the loader
+    (:func:`onnxkv.cache.snapshot.paged_from_snapshot`).
     """
     _validate(snapshot, "validate")
+
+
+def _check_counts(expected: Expectation, signature: str, block_size: int, layers: int, sequences: int,
+                  api: str) -> None:
+    if expected.model_signature is not None and signature != expected.model_signature:
+        raise InputError(f"{api}: the saved cache belongs to another model (signature mismatch)")
+    if block_size != expected.block_size:
+        raise InputError(f"{api}: the saved cache has block_size={block_size}, the state uses {expected.block_size}; "
+                         f"create the state with block_size={block_size}")
+    if layers != len(expected.layers):
+        raise InputError(f"{api}: the saved cache has {layers} layers, the model has {len(expected.layers)}")
+    if expected.max_sequences is not None and sequences > expected.max_sequences:
+        raise InputError(f"{api}: the saved cache has {sequences} sequences, the state can hold at most "
+                         f"{expected.max_sequences} rows (each needs a page of its own to run)")
+
+
+def _check_layer_specs(expected: Expectation, layers: list[LayerSpec], api: str) -> None:
+    for i, (got, want) in enumerate(zip(layers, expected.layers)):
+        if got != want:
+            saved = (got.key_name, got.value_name, got.kv_heads, got.head_size, got.dtype)
+            model = (want.key_name, want.value_name, want.kv_heads, want.head_size, want.dtype)
+            raise InputError(f"{api}: saved layer {i} (names, kv_heads, head_size, dtype) {saved} does not match the "
+                             f"model's {model}")
+
+
+def check_expectation(snapshot: CacheSnapshot, expected: Expectation, api: str = "check_expectation") -> None:
+    """Raise :class:`~onnxkv.errors.InputError` (messages start with ``api``) unless ``snapshot`` has
+    ``expected``'s signature (if given), block size and layers and at most its ``max_sequences`` sequences."""
+    _check_counts(expected, snapshot.model_signature, snapshot.block_size, len(snapshot.layers),
+                  len(snapshot.sequences), api)
+    _check_layer_specs(expected, snapshot.layers, api)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -506,8 +574,8 @@ def encode(snapshot: CacheSnapshot) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, zlib.crc32(body), len(body)) + body
 
 
-def save(snapshot: CacheSnapshot, path: str | os.PathLike[str]) -> None:
-    """Write ``snapshot`` to ``path`` atomically.
+def save(snapshot: CacheSnapshot, path: str | os.PathLike[str]) -> bytes:
+    """Write ``snapshot`` to ``path`` atomically; return the bytes written (:func:`encode`).
 
     The snapshot is validated and encoded before any file is touched; the
     bytes go to a temporary file in the same directory (readable by its owner
@@ -526,6 +594,7 @@ def save(snapshot: CacheSnapshot, path: str | os.PathLike[str]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+    return blob
 
 
 # --------------------------------------------------------------------------- decoding
@@ -594,8 +663,11 @@ def _decode_quantized(page: message.Message, role: str, spec: LayerSpec, length:
     if len(page.data) != expected:
         raise _fail(where, f"{role} page holds {len(page.data)} code bytes, expected {expected} = kv_heads "
                            f"{spec.kv_heads} * length {length} * {row} bytes per token ({page.format})")
+    if len(page.scale_dims) != 2:
+        raise _fail(where, f"{role} page has {len(page.scale_dims)} scale_dims, expected 2 [kv_heads, 1 or "
+                           "head_size]")
     dims = list(page.scale_dims)
-    if len(dims) != 2 or dims[0] != spec.kv_heads or dims[1] not in (1, spec.head_size):
+    if dims[0] != spec.kv_heads or dims[1] not in (1, spec.head_size):
         raise _fail(where, f"{role} page scale_dims {dims} must be [kv_heads {spec.kv_heads}, 1 or head_size "
                            f"{spec.head_size}]")
     n = dims[0] * dims[1]
@@ -610,12 +682,24 @@ def _decode_quantized(page: message.Message, role: str, spec: LayerSpec, length:
     return PagePayload(format=page.format, data=data, scale=scale, zero_point=zero)
 
 
-def _decode(data: bytes, api: str) -> CacheSnapshot:
+def _check_size(size: int, max_bytes: int | None, api: str) -> None:
+    """Refuse an input of ``size`` bytes above ``max_bytes`` (None: no limit) before it is parsed."""
+    if max_bytes is not None and size > max_bytes:
+        raise InputError(f"{api}: the input holds {size} bytes, more than max_bytes={max_bytes} "
+                         "(nothing was parsed)")
+
+
+def _decode(data: bytes, api: str, max_bytes: int | None, expected: Expectation | None) -> CacheSnapshot:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise _fail(api, f"expected bytes, got {type(data).__name__}")
+    _check_size(memoryview(data).nbytes, max_bytes, api)
     proto = _parse(memoryview(data if isinstance(data, bytes) else bytes(data)), api)
+    if expected is not None:
+        _check_counts(expected, proto.model_signature, proto.block_size, len(proto.layers), len(proto.sequences), api)
     layers = [LayerSpec(key_name=p.key_name, value_name=p.value_name, kv_heads=p.kv_heads, head_size=p.head_size,
                         dtype=p.dtype) for p in proto.layers]
+    if expected is not None:
+        _check_layer_specs(expected, layers, api)
     block_size = _check_int(proto.block_size, api, "block_size", 1)
     _check_layers(layers, api)
     sequences = []
@@ -635,19 +719,41 @@ def _decode(data: bytes, api: str) -> CacheSnapshot:
     return snapshot
 
 
-def decode(data: bytes) -> CacheSnapshot:
+def decode(data: bytes, max_bytes: int | None = None, expected: Expectation | None = None) -> CacheSnapshot:
     """Parse file bytes into a valid :class:`CacheSnapshot`, or raise :class:`SerializationError`.
 
-    Checked in order: header (magic, version, length, CRC-32), protobuf parse,
-    no unknown fields, then every rule of :func:`validate`.  Page arrays are
+    Checked in order: size (more than ``max_bytes`` raises
+    :class:`~onnxkv.errors.InputError` before anything is parsed), header
+    (magic, version, body length against the bytes present, CRC-32),
+    protobuf parse, no unknown fields, ``expected`` (:class:`Expectation`;
+    InputError), then every rule of :func:`validate`.  Page arrays are
     read-only little-endian views (float32, float16, or uint16 for bfloat16)
     of bytes objects owned by the snapshot; copy them to write.
     """
-    return _decode(data, "decode")
+    return _decode(data, "decode", max_bytes, expected)
 
 
-def load(path: str | os.PathLike[str]) -> CacheSnapshot:
-    """Read and :func:`decode` the file at ``path`` (OSError if it cannot be read; messages name the path)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    return _decode(data, f"load({os.fspath(path)!r})")
+def load(path: str | os.PathLike[str], max_bytes: int | None = None,
+         expected: Expectation | None = None) -> CacheSnapshot:
+    """Read and :func:`decode` the file at ``path`` (OSError if it cannot be read; messages name the path).
+
+    A file that is not a regular file, or of more than ``max_bytes`` bytes,
+    raises :class:`~onnxkv.errors.InputError` after its status is read from
+    the open file and before its contents are (the read stops at
+    ``max_bytes + 1`` bytes should the file grow meanwhile).
+    """
+    api = f"load({os.fspath(path)!r})"
+    # O_NONBLOCK: opening a FIFO must not wait for a writer (its status is refused below)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise InputError(f"{api}: not a regular file (a cache file is read whole, from a known size)")
+        _check_size(status.st_size, max_bytes, api)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    return _decode(data, api, max_bytes, expected)

@@ -8,6 +8,10 @@ are written once per row that holds them.  Quantized payloads carry their
 decoded float32 scales and zero points whatever the page's header kind (a
 compact or channel-zp header is decoded on saving and encoded again, exactly,
 on loading, in the header kind of the loading state's plane).
+
+A snapshot to load is untrusted (it comes from a file): :func:`paged_from_snapshot`
+checks it against the model and the state's limits before it takes a page,
+and a refused or failed load leaves the pool exactly as it was.
 """
 
 from __future__ import annotations
@@ -16,12 +20,35 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from onnxkv.cache.formats import decode_header, encode_header, header_bytes, page_bytes, page_format
+from onnxkv.cache import serialize
+from onnxkv.cache.formats import (allocate_payload, decode_header, encode_header, header_bytes, page_bytes,
+                                  page_format)
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable
-from onnxkv.cache.serialize import BlockRecord, CacheSnapshot, LayerSpec, PagePayload, SequenceRecord
-from onnxkv.errors import InputError
+from onnxkv.cache.serialize import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
+from onnxkv.errors import InputError, OutOfMemory
 
-__all__ = ["take_snapshot", "paged_from_snapshot"]
+__all__ = ["take_snapshot", "paged_from_snapshot", "expectation", "file_bytes_limit"]
+
+
+def expectation(pool: BlockPool, layers: Sequence[tuple[str, str]], signature: str | None = None,
+                api: str = "expectation") -> Expectation:
+    """What a cache loaded into ``pool`` must have: ``signature`` (None: not checked), the pool's block
+    size, one :class:`LayerSpec` per (key plane, value plane) pair of ``layers``, and at most
+    ``max_pages`` rows when the pool has a ``max_pages`` (every row needs a page of its own to run).
+
+    Raises :class:`~onnxkv.errors.InputError` (starting with ``api``) when a layer's key and value
+    planes differ in heads, head size or dtype: a snapshot holds one geometry per layer.
+    """
+    index = pool.plane_index
+    specs = []
+    for i, (k, v) in enumerate(layers):
+        ks, vs = pool.planes[index[k]], pool.planes[index[v]]
+        if (ks.heads, ks.head_size, ks.model_dtype) != (vs.heads, vs.head_size, vs.model_dtype):
+            raise InputError(f"{api}: layer {i} has keys of (heads, head_size, dtype) "
+                             f"{(ks.heads, ks.head_size, ks.model_dtype)} and values of "
+                             f"{(vs.heads, vs.head_size, vs.model_dtype)}; a saved cache holds one geometry per layer")
+        specs.append(LayerSpec(k, v, ks.heads, ks.head_size, ks.model_dtype))
+    return Expectation(pool.block_size, tuple(specs), pool.max_pages, signature)
 
 
 def take_snapshot(cache: PagedCache, layers: Sequence[tuple[str, str]], signature: str = "") -> CacheSnapshot:
@@ -29,10 +56,7 @@ def take_snapshot(cache: PagedCache, layers: Sequence[tuple[str, str]], signatur
     pool = cache.pool
     bs = pool.block_size
     index = pool.plane_index
-    specs = []
-    for k, v in layers:
-        ks = pool.planes[index[k]]
-        specs.append(LayerSpec(k, v, ks.heads, ks.head_size, ks.model_dtype))
+    specs = list(expectation(pool, layers, api="take_snapshot").layers)
     table = cache.table
     sequences = []
     for b in range(table.batch):
@@ -65,7 +89,7 @@ def _payload(pool: BlockPool, plane: int, page: int, n: int) -> PagePayload:
     return PagePayload(fmt.name, codes[:, :n].copy(), scale, zero_point)
 
 
-def _header(pool: BlockPool, plane: int, payload: PagePayload) -> np.ndarray | None:
+def _header(pool: BlockPool, plane: int, payload: PagePayload, api: str) -> np.ndarray | None:
     """The page header bytes of a saved quantized payload in ``plane``'s header kind (None for
     float payloads); raises :class:`~onnxkv.errors.InputError` when the header kind cannot hold
     the payload's parameters."""
@@ -73,93 +97,166 @@ def _header(pool: BlockPool, plane: int, payload: PagePayload) -> np.ndarray | N
         return None
     spec = pool.planes[plane]
     return encode_header(payload.format, payload.scale, payload.zero_point, spec.heads, spec.header,
-                         f"resume: plane '{spec.name}'")
+                         f"{api}: plane '{spec.name}'")
 
 
-def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: int, header: np.ndarray | None) -> None:
-    """Write a saved payload of ``n`` positions into ``page`` of ``plane`` (a fresh native page);
-    ``header``: the quantized payload's header bytes (:func:`_header`)."""
+def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: int, header: np.ndarray | None,
+             api: str) -> None:
+    """Write a saved payload of ``n`` positions into ``page`` of ``plane`` (a fresh native page held
+    alone); ``header``: the quantized payload's header bytes (:func:`_header`).  A payload in
+    another format gets a new payload from the plane's allocator (:func:`formats.allocate_payload`)."""
     spec = pool.planes[plane]
     if payload.format == spec.storage:
         pool.pages[plane][page][:, :n] = payload.data
         return
     fmt = page_format(payload.format)
     nbytes = page_bytes(fmt, spec.heads, pool.block_size, spec.head_size, spec.groups, spec.header)
-    buf = pool.allocators[plane].allocate(nbytes, 64)
-    arr = buf.view(np.uint8, (nbytes,))
-    arr[:] = 0
-    if fmt.is_float:
-        typed = arr[: spec.heads * pool.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
-        typed.reshape(spec.heads, pool.block_size, spec.head_size)[:, :n] = payload.data
-    else:
-        row = spec.head_size * fmt.bits // 8
-        arr[: header.size] = header
-        codes = arr[header.size: header.size + spec.heads * pool.block_size * row].reshape(spec.heads,
-                                                                                           pool.block_size, row)
-        codes[:, :n] = payload.data
+    buf, arr = allocate_payload(pool.allocators[plane], fmt, nbytes, api)
+    try:
+        arr[:] = 0
+        if fmt.is_float:
+            typed = arr[: spec.heads * pool.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
+            typed.reshape(spec.heads, pool.block_size, spec.head_size)[:, :n] = payload.data
+        else:
+            row = spec.head_size * fmt.bits // 8
+            arr[: header.size] = header
+            codes = arr[header.size: header.size + spec.heads * pool.block_size * row]
+            codes.reshape(spec.heads, pool.block_size, row)[:, :n] = payload.data
+    except BaseException:
+        pool.allocator.free(buf)
+        raise
     pool.install_payload(plane, page, buf, arr, fmt.name)
 
 
+#: Upper bound of a block's encoding besides its payload bytes, per plane (field tags, varints, format name).
+_BLOCK_OVERHEAD = 128
+#: Upper bound of everything in a file that is not a block (header, layers' fields, signature, sequences).
+_FILE_OVERHEAD = 1 << 20
+
+
+def file_bytes_limit(pool: BlockPool) -> int | None:
+    """The largest cache file a state of ``pool`` can load (None: the pool has no ``max_pages``).
+
+    Every block of a loadable file becomes a page, so a file holds at most
+    ``max_pages`` blocks per layer, each at most ``kv_heads * head_size *
+    (4 * block_size + 8)`` payload bytes per plane (float32 elements, or
+    codes with a float32 scale and zero point per channel) plus its
+    encoding; 1 MiB more covers everything else.  A larger file cannot fit
+    (or carries blocks below its rows' first positions, which a loader
+    drops); refusing it by size avoids parsing it.
+    """
+    if pool.max_pages is None:
+        return None
+    per_page = sum(spec.heads * spec.head_size * (4 * pool.block_size + 8) + _BLOCK_OVERHEAD for spec in pool.planes)
+    return pool.max_pages * per_page + _FILE_OVERHEAD
+
+
+def _payload_bytes(snapshot: CacheSnapshot) -> int:
+    """Bytes of every page array a snapshot carries (data, scales, zero points)."""
+    return sum(p.data.nbytes + (0 if p.scale is None else p.scale.nbytes + p.zero_point.nbytes)
+               for seq in snapshot.sequences for blk in seq.blocks for p in (blk.key, blk.value))
+
+
+def _spans(snapshot: CacheSnapshot, bs: int) -> list[tuple[int, int]]:
+    """Per row, the logical blocks ``[lo, hi)`` holding a position in ``[first_position, length)``."""
+    return [(seq.first_position // bs, -(-seq.length // bs) if seq.length > seq.first_position
+             else seq.first_position // bs) for seq in snapshot.sequences]
+
+
+def _check_rows(snapshot: CacheSnapshot, max_tokens: int | None, window: int | None, api: str) -> None:
+    """Each row's length and first position against the state's capacity and window."""
+    for b, seq in enumerate(snapshot.sequences):
+        if max_tokens is not None and seq.length > max_tokens:
+            raise InputError(f"{api}: sequence {b} holds {seq.length} positions, the state's capacity is "
+                             f"{max_tokens}")
+        lowest = 0 if window is None else max(0, seq.length - window)
+        if seq.first_position > lowest:
+            seen = ("the model attends to every position" if window is None else
+                    f"the model's window makes its next query read positions from {lowest}")
+            raise InputError(f"{api}: sequence {b} has first_position {seq.first_position} (positions below it are "
+                             f"not held), but {seen}: first_position must be at most {lowest}")
+
+
 def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequence[tuple[str, str]],
-                        max_tokens: int | None = None) -> PagedCache:
+                        max_tokens: int | None = None, window: int | None = None,
+                        api: str = "resume") -> PagedCache:
     """A new :class:`PagedCache` in ``pool`` holding ``snapshot``'s contents (pages allocated once).
 
-    The snapshot must match the pool: the same layer names, heads, head
-    sizes, stored formats, scale groups and block size, and quantization
-    parameters the planes' page headers can hold.  Raises
-    :class:`~onnxkv.errors.InputError` naming the mismatch, before allocating.
+    ``layers`` pairs the model's (key plane, value plane) names in layer
+    order; ``max_tokens`` is the state's capacity per row (None: no limit);
+    ``window`` the model's attention window (a query at position ``t`` reads
+    keys from ``t - window``; None: every key).  Everything is checked before
+    the page table is allocated or a page is taken:
+
+    * the snapshot's rules (:func:`~onnxkv.cache.serialize.validate`;
+      :class:`~onnxkv.errors.SerializationError`);
+    * the model (:func:`expectation`, InputError): block size, layer
+      count, layer names, heads, head size and dtype of both planes, at
+      most ``max_pages`` rows; quantized payloads' scale groups and
+      parameters the planes' page headers can hold;
+    * the state: every row's length at most ``max_tokens``; its first
+      position at most ``length - window`` (0 without a window), so every
+      position a next query reads is held (InputError); the page table
+      (int32 ``[rows, ceil(longest length / block_size)]``) no larger than
+      the payload bytes the snapshot carries, so positions a snapshot only
+      declares never cost more memory than the ones it holds (InputError);
+      the pages needed at most the pool's free pages when it has
+      ``max_pages`` (:class:`~onnxkv.errors.OutOfMemory`).
+
+    Blocks wholly below a row's first position (the format allows them)
+    hold positions the state does not keep: the snapshot's rules apply to
+    them, but they are not installed.  Any failure (an allocator's OutOfMemory included) leaves
+    the pool as it was: no page, reference or payload remains.  Error
+    messages start with ``api``.
     """
+    serialize.validate(snapshot)
+    serialize.check_expectation(snapshot, expectation(pool, layers, api=api), api)
     bs = pool.block_size
-    if snapshot.block_size != bs:
-        raise InputError(f"resume: the saved cache has block_size={snapshot.block_size}, the state uses {bs}; "
-                         f"create the state with block_size={snapshot.block_size}")
-    if len(snapshot.layers) != len(layers):
-        raise InputError(f"resume: the saved cache has {len(snapshot.layers)} layers, the model has {len(layers)}")
+    _check_rows(snapshot, max_tokens, window, api)
+    batch = len(snapshot.sequences)
+    m = max(-(-seq.length // bs) for seq in snapshot.sequences)
+    carried = _payload_bytes(snapshot)
+    if 4 * batch * m > carried:
+        raise InputError(f"{api}: the saved cache declares rows of up to {m * bs} positions, a page table of "
+                         f"{batch} x {m} int32 entries ({4 * batch * m} bytes), but carries only {carried} payload "
+                         f"bytes; a cache file may not make the load allocate more than it holds")
     index = pool.plane_index
-    for spec, (k, v) in zip(snapshot.layers, layers):
-        ks = pool.planes[index[k]]
-        if (spec.key_name, spec.value_name, spec.kv_heads, spec.head_size) != (k, v, ks.heads, ks.head_size):
-            raise InputError(f"resume: saved layer ({spec.key_name}, {spec.value_name}, heads {spec.kv_heads}, head "
-                             f"size {spec.head_size}) does not match the model's ({k}, {v}, heads {ks.heads}, "
-                             f"head size {ks.head_size})")
-    headers: dict[tuple[int, int], np.ndarray | None] = {}  # (id(payload), plane) -> its header bytes
-    for seq in snapshot.sequences:
-        if max_tokens is not None and seq.length > max_tokens:
-            raise InputError(f"resume: a saved sequence holds {seq.length} positions, the state's capacity is "
-                             f"{max_tokens}")
+    kept = []  # (row, block, key header, value header) of the blocks holding a position the state keeps
+    for b, seq in enumerate(snapshot.sequences):
         for blk in seq.blocks:
+            if blk.start + blk.length <= seq.first_position:
+                continue
             k, v = layers[blk.layer]
+            headers = []
             for name, payload in ((k, blk.key), (v, blk.value)):
                 spec = pool.planes[index[name]]
                 groups = None if payload.scale is None else payload.scale.size // spec.heads
                 if groups is not None and groups != spec.groups:
-                    raise InputError(f"resume: block at {blk.start} of '{name}' has {groups} scale(s) per head, the "
+                    raise InputError(f"{api}: block at {blk.start} of '{name}' has {groups} scale(s) per head, the "
                                      f"state's plane has {spec.groups} group(s) per head with {spec.header!r} headers "
                                      "(key_channel_scales / key_channel_zero_points)")
-                headers[id(payload), index[name]] = _header(pool, index[name], payload)
-    batch = len(snapshot.sequences)
-    need = sum(-(-seq.length // bs) - seq.first_position // bs for seq in snapshot.sequences)
+                headers.append(_header(pool, index[name], payload, api))
+            kept.append((b, blk, *headers))
+    spans = _spans(snapshot, bs)
+    need = sum(hi - lo for lo, hi in spans)
+    if pool.max_pages is not None and need > pool.free_pages:
+        raise OutOfMemory(f"{api}: the saved cache needs {need} page(s), the pool has {pool.free_pages} free of "
+                          f"max_pages={pool.max_pages}")
+    rows = np.repeat(np.arange(batch), [hi - lo for lo, hi in spans])
+    cols = np.concatenate([np.arange(lo, hi) for lo, hi in spans])
     table = PageTable(pool, batch)
-    cache = PagedCache(pool, table, max_tokens=max_tokens)
-    ids = pool.allocate(need) if need else np.zeros(0, np.int32)
-    m = max((-(-seq.length // bs) for seq in snapshot.sequences), default=0)
-    tables = np.full((batch, m), -1, np.int32)
-    k_ = 0
-    for b, seq in enumerate(snapshot.sequences):
-        for blk in range(seq.first_position // bs, -(-seq.length // bs)):
-            tables[b, blk] = ids[k_]
-            k_ += 1
-        table.lengths[b] = seq.length
-        table.first[b] = seq.first_position
-    table.tables = tables
+    table.tables = np.full((batch, m), -1, np.int32)
+    table.lengths[:] = [seq.length for seq in snapshot.sequences]
+    table.first[:] = [seq.first_position for seq in snapshot.sequences]
+    ids = pool.allocate(need)  # OutOfMemory leaves the pool as it was
     try:
-        for b, seq in enumerate(snapshot.sequences):
-            for blk in seq.blocks:
-                k, v = layers[blk.layer]
-                p = int(tables[b, blk.start // bs])
-                _install(pool, index[k], p, blk.key, blk.length, headers[id(blk.key), index[k]])
-                _install(pool, index[v], p, blk.value, blk.length, headers[id(blk.value), index[v]])
+        table.tables[rows, cols] = ids
+        for b, blk, key_header, value_header in kept:
+            k, v = layers[blk.layer]
+            p = int(table.tables[b, blk.start // bs])
+            _install(pool, index[k], p, blk.key, blk.length, key_header, api)
+            _install(pool, index[v], p, blk.value, blk.length, value_header, api)
     except BaseException:
         table.release()
         raise
-    return cache
+    return PagedCache(pool, table, max_tokens=max_tokens)

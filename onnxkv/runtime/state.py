@@ -39,7 +39,7 @@ from onnxkv.cache.formats import HEADER_CHANNEL_ZP, HEADER_COMPACT, HEADER_FLOAT
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
 from onnxkv.cache.page_set import PageSet
 from onnxkv.cache.policy import key_header, make_selector
-from onnxkv.cache.snapshot import paged_from_snapshot, take_snapshot
+from onnxkv.cache.snapshot import expectation, file_bytes_limit, paged_from_snapshot, take_snapshot
 from onnxkv.errors import CacheCapacityError, InputError, StateError
 
 __all__ = ["State", "Cancellation", "Checkpoint"]
@@ -688,34 +688,62 @@ class State:
     def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
         """Serialise the committed cache as a ``PagedCacheProto`` (see :mod:`onnxkv.cache.serialize`).
 
-        Returns the bytes (and writes them to ``path`` if given).  Paged states only.
+        Returns the bytes and, if ``path`` is given, writes them there
+        atomically (:func:`onnxkv.cache.serialize.save`: a temporary file
+        readable by its owner only replaces ``path``).  Paged states only.
         """
         with self._exclusive("save_cache"):
             cache = self._require_paged("save_cache")
-            data = serialize.encode(take_snapshot(cache, self._layer_pairs(), self._signature()))
-        if path is not None:
-            with open(path, "wb") as f:
-                f.write(data)
-        return data
+            snapshot = take_snapshot(cache, self._layer_pairs(), self._signature())
+        return serialize.encode(snapshot) if path is None else serialize.save(snapshot, path)
 
     def load_cache(self, source: bytes | str | os.PathLike) -> None:
         """Replace the caches by a saved cache (bytes or a file from :meth:`save_cache`); all or nothing.
 
-        The next run continues exactly where the saved state stopped.  Raises
-        :class:`~onnxkv.errors.SerializationError` for malformed data and
-        :class:`~onnxkv.errors.InputError` for a cache of another model or
-        block size; the state is then unchanged.
+        The next run continues exactly where the saved state stopped.  A
+        cache file is untrusted input; before the state's pool gives a page
+        or the page table is allocated, the load checks:
+
+        * size: a path must name a regular file; with ``max_pages``, a file
+          larger than the pool could hold
+          (:func:`onnxkv.cache.snapshot.file_bytes_limit`) is refused from
+          its size, before it is read or parsed (InputError);
+        * the frame (:func:`onnxkv.cache.serialize.decode`): header, CRC,
+          body length against the bytes present, protobuf encoding
+          (SerializationError);
+        * the model, before a layer, row or block is decoded
+          (:func:`onnxkv.cache.snapshot.expectation`): signature, block
+          size, layer names, heads, head sizes, dtype, and with
+          ``max_pages`` at most that many rows (InputError);
+        * every rule of :func:`onnxkv.cache.serialize.validate` -- each
+          position of ``[first_position, length)`` of every row and layer is
+          held by exactly one block whose payload sizes match its length,
+          heads, head size and format; quantization scales finite and > 0
+          (SerializationError);
+        * the state (:func:`onnxkv.cache.snapshot.paged_from_snapshot`):
+          quantized payloads' scale groups and header kinds, lengths within
+          the capacity, first positions leaving every position the model's
+          window reads (0 for models without a window), a page table no
+          larger than the payload the file carries (InputError), and pages
+          within the pool's free pages (OutOfMemory).
+
+        On any error the state, its pool, its forks and checkpoints are
+        exactly as they were (tables, lengths, reference counts, payloads,
+        allocator bytes).  Raises :class:`~onnxkv.errors.StateError` on a
+        contiguous state and OSError if the file cannot be read.
         """
         self._check_open("load_cache")
         if not self.paged:
             raise StateError(f"State.load_cache: needs a paged state (session.new_state(cache='paged')); this "
                              f"state's cache is '{self.cache}'")
-        snap = serialize.decode(source if isinstance(source, (bytes, bytearray)) else open(source, "rb").read())
-        if snap.model_signature != self._signature():
-            raise InputError("State.load_cache: the saved cache belongs to another model (signature mismatch)")
+        limit = file_bytes_limit(self._pool)
+        expected = expectation(self._pool, self._layer_pairs(), self._signature(), "State.load_cache")
+        snap = (serialize.decode(source, limit, expected) if isinstance(source, (bytes, bytearray, memoryview))
+                else serialize.load(source, limit, expected))
         with self._exclusive("load_cache"):
             cache = paged_from_snapshot(snap, self._pool, self._layer_pairs(),
-                                        self._static_capacity if self._static else self.capacity)
+                                        self._static_capacity if self._static else self.capacity,
+                                        self._window, "State.load_cache")
             cache.static_length = self._static_capacity if self._static else None
             self._release()
             self._paged, self._caches = cache, cache.planes

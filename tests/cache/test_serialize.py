@@ -17,6 +17,7 @@ import re
 import struct
 import subprocess
 import sys
+import tracemalloc
 import zlib
 from collections.abc import Callable
 
@@ -41,6 +42,7 @@ from onnxkv.cache.serialize import (
     save,
     validate,
 )
+from onnxkv.cache import serialize
 from onnxkv.errors import InputError, SerializationError
 
 FORMATS = ("float32", "float16", "bfloat16")
@@ -565,3 +567,170 @@ def test_zero_points_beyond_the_code_range_only_per_channel(fmt):
         encode(snapshot(np.full(heads, z0 + 200)))   # per head: the code range
     snap = snapshot(np.full(heads, z0 + 1))
     assert decode(encode(snap)).sequences[0].blocks[0].key == snap.sequences[0].blocks[0].key
+
+
+# --------------------------------------------------------------------------- quantized pages and limits
+
+
+def _quantized_proto() -> PagedCacheProto:
+    """One layer (2 heads x 8), one 4-position block: int8 keys with a scale per head, uint4 values per channel."""
+    rng = np.random.default_rng(23)
+    key = PagePayload("int8", rng.integers(0, 256, (2, 4, 8), dtype=np.uint8),
+                      np.array([0.5, 0.25], np.float32), np.array([0, -3], np.float32))
+    value = PagePayload("uint4", rng.integers(0, 256, (2, 4, 4), dtype=np.uint8),
+                        rng.uniform(0.1, 1, 16).astype(np.float32), np.full(16, 8, np.float32))
+    snapshot = CacheSnapshot(4, [LayerSpec("k", "v", 2, 8, "float32")],
+                             [SequenceRecord(4, [BlockRecord(0, 0, 4, key, value)])], "sig")
+    proto = PagedCacheProto()
+    proto.ParseFromString(encode(snapshot)[HEADER:])
+    return proto
+
+
+def _quantized_mutation(edit: Callable[[PagedCacheProto], None]) -> bytes:
+    proto = _quantized_proto()
+    edit(proto)
+    return _frame(proto.SerializeToString())
+
+
+def _floats(*values: float) -> bytes:
+    return np.array(values, "<f4").tobytes()
+
+
+QUANTIZED = [
+    ("huge scale_dims count", lambda p: p.sequences[0].blocks[0].key.scale_dims.extend([2] * 100_000),
+     r"key page has 100002 scale_dims, expected 2 \[kv_heads, 1 or head_size\]"),
+    ("scale_dims", lambda p: p.sequences[0].blocks[0].key.scale_dims.__setitem__(1, 3),
+     r"key page scale_dims \[2, 3\] must be \[kv_heads 2, 1 or head_size 8\]"),
+    ("scale_dims of 2^63 - 1", lambda p: p.sequences[0].blocks[0].value.scale_dims.__setitem__(0, 2**63 - 1),
+     r"value page scale_dims \[9223372036854775807, 8\] must be"),
+    ("short scale", _set("sequences.0.blocks.0.key.scale", _floats(0.5)),
+     r"key page scale holds 4 bytes, expected 8 \(float32 per \[2, 1\]\)"),
+    ("long zero_point", _set("sequences.0.blocks.0.value.zero_point", _floats(*[8] * 17)),
+     r"value page zero_point holds 68 bytes, expected 64"),
+    ("NaN scale", _set("sequences.0.blocks.0.key.scale", _floats(0.5, float("nan"))),
+     r"key page scales must be finite and > 0"),
+    ("infinite scale", _set("sequences.0.blocks.0.key.scale", _floats(float("inf"), 0.5)),
+     r"key page scales must be finite and > 0"),
+    ("zero scale", _set("sequences.0.blocks.0.key.scale", _floats(0.0, 0.5)), r"scales must be finite and > 0"),
+    ("negative scale", _set("sequences.0.blocks.0.key.scale", _floats(-1.0, 0.5)), r"scales must be finite and > 0"),
+    ("NaN zero point", _set("sequences.0.blocks.0.key.zero_point", _floats(float("nan"), 0)),
+     r"key page zero points must be integers in \[-128, 127\] \(int8\)"),
+    ("fractional zero point", _set("sequences.0.blocks.0.key.zero_point", _floats(0.5, 0)),
+     r"zero points must be integers"),
+    ("zero point out of range", _set("sequences.0.blocks.0.key.zero_point", _floats(128, 0)),
+     r"key page zero points must be integers in \[-128, 127\] \(int8\)"),
+    ("codes too short", _set("sequences.0.blocks.0.key.data", b"\0" * 63),
+     r"key page holds 63 code bytes, expected 64 = kv_heads 2 \* length 4 \* 8 bytes per token \(int8\)"),
+    ("format of other bits", _set("sequences.0.blocks.0.key.format", "int4"), r"key page holds 64 code bytes, "
+                                                                              r"expected 32"),
+    ("quantized format as float", _set("sequences.0.blocks.0.key.format", "float16"),
+     r"key page of format 'float16' carries quantization parameters"),
+    ("head_size not byte aligned", lambda p: (p.layers[0].__setattr__("head_size", 3),
+                                              p.sequences[0].blocks[0].key.__setattr__("format", "int2")),
+     r"key page of format 'int2' needs head_size \* 2 bits to fill whole bytes, head_size is 3"),
+]
+
+
+@pytest.mark.parametrize("edit, pattern", [case[1:] for case in QUANTIZED], ids=[case[0] for case in QUANTIZED])
+def test_quantized_page_corruption_is_named(edit, pattern):
+    """A NaN or infinite scale in a file is rejected (page data NaN is kept); repeated counts are checked
+    before the repeated field is read."""
+    assert decode(_quantized_mutation(lambda p: None)).sequences[0].blocks[0].key.format == "int8"
+    with pytest.raises(SerializationError, match=pattern):
+        decode(_quantized_mutation(edit))
+
+
+def test_inputs_above_max_bytes_are_refused_before_they_are_read(tmp_path):
+    blob = encode(_small())
+    assert decode(blob, max_bytes=len(blob)) == decode(blob)
+    with pytest.raises(InputError, match=rf"decode: the input holds {len(blob)} bytes, more than "
+                                         rf"max_bytes={len(blob) - 1} \(nothing was parsed\)") as err:
+        decode(blob, max_bytes=len(blob) - 1)
+    assert not isinstance(err.value, SerializationError)
+    path = tmp_path / "huge.okv"
+    with open(path, "wb") as f:
+        f.write(blob)
+        f.truncate(1 << 40)  # sparse: reading it whole would need a TiB
+    with pytest.raises(InputError, match=rf"load\('.*huge\.okv'\): the input holds {1 << 40} bytes, more than "
+                                         r"max_bytes=1000000"):
+        load(path, max_bytes=10**6)
+
+
+def test_save_returns_the_bytes_it_wrote(tmp_path):
+    snapshot = _small()
+    path = tmp_path / "cache.okv"
+    assert save(snapshot, path) == path.read_bytes() == encode(snapshot)
+
+
+def _many(field: str, n: int) -> bytes:
+    """A valid file's body with ``n`` more empty entries of the repeated ``field`` (2 bytes each)."""
+    proto = _base_proto()
+    for _ in range(n):
+        getattr(proto, field).add()
+    return _frame(proto.SerializeToString())
+
+
+def _expected(**changes) -> serialize.Expectation:
+    base = _base()
+    fields = dict(block_size=4, layers=tuple(base.layers), max_sequences=None, model_signature="sig")
+    return serialize.Expectation(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("field, pattern", [
+    ("sequences", r"decode: the saved cache has 100002 sequences, the state can hold at most 8 rows"),
+    ("layers", r"decode: the saved cache has 100002 layers, the model has 2"),
+])
+def test_repeated_entries_a_reader_refuses_cost_no_python_objects(field, pattern):
+    """2-byte entries used to become Python objects (~100x the file) before any check."""
+    blob = _many(field, 100_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError, match=pattern):
+            decode(blob, expected=_expected(max_sequences=8))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(blob)  # a copy of the body for the parser; 100002 entries as objects need ~100x
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    ({"model_signature": "other"}, r"decode: the saved cache belongs to another model \(signature mismatch\)"),
+    ({"block_size": 8}, r"decode: the saved cache has block_size=4, the state uses 8; create the state with "
+                        r"block_size=4"),
+    ({"layers": tuple(_base().layers[:1])}, r"the saved cache has 2 layers, the model has 1"),
+    ({"layers": (_base().layers[0], LayerSpec("past_key_values.1.key", "past_key_values.1.value", 2, 3, "float32"))},
+     r"saved layer 1 \(names, kv_heads, head_size, dtype\) \('past_key_values\.1\.key', 'past_key_values\.1\.value', "
+     r"2, 3, 'float16'\) does not match the model's \(.*, 2, 3, 'float32'\)"),
+    ({"max_sequences": 1}, r"the saved cache has 2 sequences, the state can hold at most 1 rows"),
+])
+def test_a_file_that_does_not_fit_the_expectation_is_named(changes, pattern):
+    blob = encode(_base())
+    assert decode(blob, expected=_expected()) == _base()
+    with pytest.raises(InputError, match=pattern) as err:
+        decode(blob, expected=_expected(**changes))
+    assert not isinstance(err.value, SerializationError)
+    with pytest.raises(InputError, match=pattern.replace("decode", "check_expectation")):
+        serialize.check_expectation(_base(), _expected(**changes))
+
+
+_FIFO_CHILD = """
+import os, sys
+from onnxkv.cache.serialize import load
+from onnxkv.errors import InputError
+path = os.path.join(sys.argv[1], "fifo")
+os.mkfifo(path)
+for target in (path, sys.argv[1]):
+    try:
+        load(target)
+    except InputError as exc:
+        print(exc)
+"""
+
+
+def test_load_refuses_what_is_not_a_regular_file_without_waiting(tmp_path):
+    """A FIFO used to block the reader until a writer came (then to read it to its end, unbounded)."""
+    child = subprocess.run([sys.executable, "-c", _FIFO_CHILD, str(tmp_path)], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path)
+    assert child.returncode == 0, child.stderr
+    lines = child.stdout.splitlines()
+    assert len(lines) == 2 and all("not a regular file" in line for line in lines), lines
