@@ -28,7 +28,14 @@ copy of the shared page (that page only, its valid tokens only, counted as
 from one :meth:`BlockPool.allocate` call, so pool exhaustion raises
 :class:`~onnxkv.errors.OutOfMemory` before anything is written.  Commit
 publishes the staged table and drops the replaced pages' references;
-discard frees the run's new pages: the committed table never changed.
+discard frees the run's new pages: the committed table never changed.  A
+write into committed positions of a page the state kept (a static cache's
+slots, or positions below a row's length) first saves the bytes it replaces
+(O(new tokens)); discard writes them back.
+
+A static (TensorScatter) cache (``static_length``: its fixed capacity, the
+whole past the model reads) keeps as each row's length the high-water mark
+of the positions written so far.
 
 The reference counts and free list live in :mod:`onnxkv.cache._pagecore`
 (Cython, flat int32 arrays, GIL-free inner functions).
@@ -495,6 +502,8 @@ class PagedCache:
         self._new: list[np.ndarray] = []
         self._replaced: list[int] = []
         self._prepared: tuple | None = None
+        #: (plane, page, first offset, bytes) of committed positions the run overwrote in place (see _save).
+        self._saved: list[tuple[int, int, int, np.ndarray]] = []
         #: plane name -> the new values [B, H, S, D] the last run wrote (for format selectors); cleared by the state.
         self.last_written: dict[str, np.ndarray] = {}
         self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
@@ -564,8 +573,8 @@ class PagedCache:
                 new = int(ids[k])
                 k += 1
                 old = int(tables[b, blk])
-                if action[j] == 2:  # copy on write: this page only, its valid tokens only
-                    valid = min(bs, max(0, int(committed[b]) - blk * bs))
+                if action[j] == 2:  # copy on write: this page only, its valid tokens only (a static page: whole)
+                    valid = bs if self.static_length is not None else min(bs, max(0, int(committed[b]) - blk * bs))
                     cost.cow_copied_bytes += pool.copy_page(old, new, valid)
                     self._replaced.append(old)  # only committed pages are shared: drop it at commit
                 tables[b, blk] = new
@@ -600,12 +609,34 @@ class PagedCache:
             conv = np.empty(src.shape, np.uint16)
             _kernels.f32_to_bf16(src, conv)
             new = conv
+        self._save(plane, starts, s)
         # every block written is native and held by this run alone (prepare), so scatter by address
         _kernels.page_write(np.ascontiguousarray(new, dtype=spec.dtype), self.pool.ptrs[plane], self._staged,
                             starts, self.pool.block_size)
         cost.append_copied_bytes += b * h * s * d * spec.dtype.itemsize
-        self._staged_lengths[:] = starts + s if self.static_length is None else self.static_length
+        if self.static_length is None:
+            self._staged_lengths[:] = starts + s
+        else:  # a static cache: the high-water mark of the positions written
+            np.maximum(self._staged_lengths, starts + s, out=self._staged_lengths)
         return cost
+
+    def _save(self, plane: int, starts: np.ndarray, s: int) -> None:
+        """Keep the bytes that a write of ``s`` positions from ``starts`` replaces in committed pages.
+
+        Committed positions (below a row's committed length; every position
+        of a static cache) written in a page the committed table holds (one
+        this state alone references: ``prepare`` kept it) are saved, O(new
+        tokens); :meth:`discard` writes them back.
+        """
+        table, bs = self.table, self.pool.block_size
+        extent = table.lengths if self.static_length is None else np.full(table.batch, self.static_length)
+        for b in np.flatnonzero(starts < extent).tolist():
+            lo, hi = int(starts[b]), min(int(starts[b]) + s, int(extent[b]))
+            for blk in range(lo // bs, -(-hi // bs)):
+                page = int(self._staged[b, blk])
+                if blk < table.tables.shape[1] and page == int(table.tables[b, blk]) and page >= 0:
+                    first, last = max(lo, blk * bs) - blk * bs, min(hi, (blk + 1) * bs) - blk * bs
+                    self._saved.append((plane, page, first, self.pool.pages[plane][page][:, first:last].copy()))
 
     def commit(self) -> None:
         """Publish the staged tables and lengths; drop references of pages replaced by copies."""
@@ -615,15 +646,19 @@ class PagedCache:
         self.table.lengths = self._staged_lengths
         replaced = np.array(self._replaced, np.int32)
         self._staged = self._staged_lengths = self._prepared = None
-        self._new, self._replaced = [], []
+        self._new, self._replaced, self._saved = [], [], []
         if replaced.size:
             self.pool.decref(replaced)
 
     def discard(self) -> None:
-        """Forget the run: free its new pages; the committed table is untouched."""
-        new = self._new
+        """Forget the run: restore the committed bytes it overwrote, free its new pages; the committed
+        table is untouched."""
+        new, saved = self._new, self._saved
         self._staged = self._staged_lengths = self._prepared = None
-        self._new, self._replaced = [], []
+        self._new, self._replaced, self._saved = [], [], []
+        pages = self.pool.pages
+        for plane, page, first, old in reversed(saved):
+            pages[plane][page][:, first:first + old.shape[1]] = old
         for ids in new:
             self.pool.decref(ids)
 
