@@ -577,6 +577,9 @@ class PagedCache:
                     valid = bs if self.static_length is not None else min(bs, max(0, int(committed[b]) - blk * bs))
                     cost.cow_copied_bytes += pool.copy_page(old, new, valid)
                     self._replaced.append(old)  # only committed pages are shared: drop it at commit
+                elif self.static_length is not None:  # a static cache reads unwritten positions as zeros
+                    for i in range(len(pool.planes)):
+                        pool.pages[i][new][...] = 0
                 tables[b, blk] = new
         cost.allocations += total * len(pool.planes)
         cost.allocated_bytes += total * pool.page_bytes
@@ -667,7 +670,8 @@ class PagedCache:
         """A contiguous copy ``[B, H, length, D]`` of plane ``plane`` in its native type.
 
         Converted (quantized) pages are dequantized.  Positions a row does not
-        hold (never written, or evicted) are zero.
+        hold (never written, or evicted) are zero, and so are a static cache's
+        positions at and past a row's length (the high-water mark of its writes).
         """
         pool = self.pool
         spec = pool.planes[plane]
@@ -675,11 +679,13 @@ class PagedCache:
         tables = self.tables
         out = np.zeros((tables.shape[0], spec.heads, length, spec.head_size), spec.dtype)
         pages = pool.pages[plane]
+        ends = np.minimum(self.lengths, length) if self.static_length is not None else np.full(len(tables), length)
         for b in range(tables.shape[0]):
-            for blk in range(min(tables.shape[1], -(-length // bs))):
+            end = int(ends[b])
+            for blk in range(min(tables.shape[1], -(-end // bs))):
                 p = int(tables[b, blk])
                 if p >= 0:
-                    n = min(bs, length - blk * bs)
+                    n = min(bs, end - blk * bs)
                     if pool.quantized(plane, p):
                         out[b, :, blk * bs: blk * bs + n] = pool._native(spec, pool.read_page(plane, p, n))
                     else:

@@ -147,24 +147,44 @@ def test_a_static_cache_rewriting_committed_slots_is_restored(cache):
     state.close()
 
 
-def test_a_static_page_copied_on_write_keeps_its_zeros():
-    """Positions a static cache never wrote read as zeros, also in a page copied for a fork (recycled memory)."""
+def jump(session, to: int, tokens: int = 1) -> dict:
+    """Feeds writing ``tokens`` tokens from slot ``to`` of a static cache (the slots before it may be skipped)."""
+    cap = session.model.convention.capacity
+    return {"input_ids": np.arange(9, 9 + tokens)[None], "position_ids": np.arange(to, to + tokens)[None],
+            "attention_mask": (np.arange(cap) < to + tokens).astype(np.int64)[None], "write_indices": np.array([to])}
+
+
+@pytest.mark.parametrize("origin, length", [("fork", 6), ("load", 6), ("load", 5)])
+def test_static_slots_never_written_read_as_zeros(origin, length):
+    """A write past a static cache's length leaves the skipped slots zero, also in a page copied for a fork, a
+    page a loaded cache did not hold and the rest of a loaded partial page (all from recycled, dirty memory)."""
     session = family_session("tensorscatter")
-    feeds = steps(session, np.random.default_rng(8).integers(1, 90, (1, 5)))
-    state = session.new_state(cache="paged", block_size=8)
-    reference = session.new_state(cache="paged", block_size=8)
+    feeds = steps(session, np.random.default_rng(8).integers(1, 90, (1, length)))
+    state = session.new_state(cache="paged", block_size=2)
+    reference = session.new_state()
     for st in (state, reference):
         st.run(feeds[0])
-    other, keeper = state.fork(2)
-    other.run(feeds[1])
-    other.run(dict(feeds[2], write_indices=np.array([7]), position_ids=np.array([[7]])))  # dirt at slots 5 and 7
-    other.close()  # its copy of the first page goes back to the pool, dirt included
-    state.run(feeds[1])  # copies the first page again (the keeper shares it): into the recycled page
-    reference.run(feeds[1])
-    assert state.length == 6
+    if origin == "fork":
+        other, keeper = state.fork(2)
+        other.run(jump(session, length, tokens=6))  # dirt in its copies of the slots after the prompt
+        other.close()  # its pages go back to the pool, dirt included
+        to = 9  # block 4: a shared page the run copies into recycled memory
+    else:
+        saved = state.save_cache()
+        (other,) = state.fork(1)
+        other.run(jump(session, 0, tokens=14))  # dirt in its copies of slots 0..13
+        other.close()  # its pages go back to the pool, dirt included
+        state.load_cache(saved)  # pages from recycled memory: the prompt's blocks (the last one partly) saved
+        keeper = None
+        to = 9  # block 4: a fresh page; slot 5 of the 5-token prompt: the rest of a loaded page
+    got = state.run(jump(session, to))
+    want = reference.run(jump(session, to))
+    assert state.length == to + 1
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
     assert snapshot([state])[0]["storage"] == snapshot([reference])[0]["storage"]
     for st in (state, keeper, reference):
-        st.close()
+        if st is not None:
+            st.close()
 
 
 # -- contract-declared bindings --------------------------------------------------------------------------------------
