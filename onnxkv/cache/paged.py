@@ -502,8 +502,10 @@ class PagedCache:
         self._new: list[np.ndarray] = []
         self._replaced: list[int] = []
         self._prepared: tuple | None = None
-        #: (plane, page, first offset, bytes) of committed positions the run overwrote in place (see _save).
+        #: (plane, page, first offset, bytes) of committed positions the run overwrote in place (see _save),
+        #: and the slots the current write overwrites (see _kept_slots).
         self._saved: list[tuple[int, int, int, np.ndarray]] = []
+        self._kept: list[tuple[int, int, int]] = []
         #: plane name -> the new values [B, H, S, D] the last run wrote (for format selectors); cleared by the state.
         self.last_written: dict[str, np.ndarray] = {}
         self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
@@ -543,7 +545,9 @@ class PagedCache:
             grown[:, : tables.shape[1]] = tables
             tables = self._staged = grown
         with pool._lock:  # forks in other threads must not change counts between the decision and the copy
-            return self._stage_pages(tables, starts, s, key)
+            cost = self._stage_pages(tables, starts, s, key)
+        self._kept = self._kept_slots(starts, s)
+        return cost
 
     def _stage_pages(self, tables: np.ndarray, starts: np.ndarray, s: int, key: tuple) -> WriteCost:
         pool, bs = self.pool, self.pool.block_size
@@ -612,7 +616,7 @@ class PagedCache:
             conv = np.empty(src.shape, np.uint16)
             _kernels.f32_to_bf16(src, conv)
             new = conv
-        self._save(plane, starts, s)
+        self._save(plane)
         # every block written is native and held by this run alone (prepare), so scatter by address
         _kernels.page_write(np.ascontiguousarray(new, dtype=spec.dtype), self.pool.ptrs[plane], self._staged,
                             starts, self.pool.block_size)
@@ -623,23 +627,30 @@ class PagedCache:
             np.maximum(self._staged_lengths, starts + s, out=self._staged_lengths)
         return cost
 
-    def _save(self, plane: int, starts: np.ndarray, s: int) -> None:
-        """Keep the bytes that a write of ``s`` positions from ``starts`` replaces in committed pages.
+    def _kept_slots(self, starts: np.ndarray, s: int) -> list[tuple[int, int, int]]:
+        """(page, first, last offset) of the committed positions a write of ``s`` positions from ``starts``
+        replaces in pages the committed table holds (``prepare`` kept them: this state alone references them).
 
-        Committed positions (below a row's committed length; every position
-        of a static cache) written in a page the committed table holds (one
-        this state alone references: ``prepare`` kept it) are saved, O(new
-        tokens); :meth:`discard` writes them back.
+        Committed: below a row's committed length, or any position of a static cache.  Usually none (a
+        write appends); the loop runs over the rows and blocks that do overwrite.
         """
         table, bs = self.table, self.pool.block_size
         extent = table.lengths if self.static_length is None else np.full(table.batch, self.static_length)
+        out = []
         for b in np.flatnonzero(starts < extent).tolist():
             lo, hi = int(starts[b]), min(int(starts[b]) + s, int(extent[b]))
-            for blk in range(lo // bs, -(-hi // bs)):
+            for blk in range(lo // bs, min(-(-hi // bs), table.tables.shape[1])):
                 page = int(self._staged[b, blk])
-                if blk < table.tables.shape[1] and page == int(table.tables[b, blk]) and page >= 0:
-                    first, last = max(lo, blk * bs) - blk * bs, min(hi, (blk + 1) * bs) - blk * bs
-                    self._saved.append((plane, page, first, self.pool.pages[plane][page][:, first:last].copy()))
+                if page >= 0 and page == int(table.tables[b, blk]):
+                    out.append((page, max(lo, blk * bs) - blk * bs, min(hi, (blk + 1) * bs) - blk * bs))
+        return out
+
+    def _save(self, plane: int) -> None:
+        """Keep the bytes of plane ``plane`` the current write replaces in kept pages (O(new tokens));
+        :meth:`discard` writes them back."""
+        pages = self.pool.pages[plane]
+        for page, first, last in self._kept:
+            self._saved.append((plane, page, first, pages[page][:, first:last].copy()))
 
     def commit(self) -> None:
         """Publish the staged tables and lengths; drop references of pages replaced by copies."""
@@ -649,7 +660,7 @@ class PagedCache:
         self.table.lengths = self._staged_lengths
         replaced = np.array(self._replaced, np.int32)
         self._staged = self._staged_lengths = self._prepared = None
-        self._new, self._replaced, self._saved = [], [], []
+        self._new, self._replaced, self._saved, self._kept = [], [], [], []
         if replaced.size:
             self.pool.decref(replaced)
 
@@ -658,7 +669,7 @@ class PagedCache:
         table is untouched."""
         new, saved = self._new, self._saved
         self._staged = self._staged_lengths = self._prepared = None
-        self._new, self._replaced, self._saved = [], [], []
+        self._new, self._replaced, self._saved, self._kept = [], [], [], []
         pages = self.pool.pages
         for plane, page, first, old in reversed(saved):
             pages[plane][page][:, first:first + old.shape[1]] = old
