@@ -215,6 +215,31 @@ def cache_update_model():
     return m
 
 
+def paged_cache_update_model():
+    """PagedCacheUpdate on a declared persistent page tensor [P, H, 2, D], read by a later node."""
+    nodes = [helper.make_node("PagedCacheUpdate", ["past", "table", "new", "pos"], ["present"], domain="ai.onnxkv",
+                              name="update", block_size=2),
+             helper.make_node("ReduceSum", ["present"], ["total"], keepdims=0, name="sum")]
+    pages = [6, H, 2, D]
+    inputs = [helper.make_tensor_value_info("past", TensorProto.FLOAT, pages),
+              helper.make_tensor_value_info("table", TensorProto.INT64, [2, 3]),
+              helper.make_tensor_value_info("new", TensorProto.FLOAT, [2, H, "S", D]),
+              helper.make_tensor_value_info("pos", TensorProto.INT64, [2])]
+    outputs = [helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
+               helper.make_tensor_value_info("present", TensorProto.FLOAT, pages)]
+    m = helper.make_model(helper.make_graph(nodes, "declared_pages", inputs, outputs),
+                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)])
+    set_output_alias(m.graph.node[0], [OutputAlias(0, 0)])
+    set_access(m.graph.input[0], Access.READ_WRITE)
+    set_persistent_bindings(m.graph, {"past": "present"})
+    return m
+
+
+def paged_cache_update_steps():
+    table = np.array([[4, 0, 2], [1, 5, 3]])
+    return [dict(f, table=table) for f in cache_update_steps()]
+
+
 def cache_update_steps():
     rng = np.random.default_rng(5)
     new = [rng.standard_normal((2, H, s, D)).astype(np.float32) for s in (3, 1, 2)]
@@ -242,12 +267,15 @@ def paged_steps(cfg, quantize):
     return out
 
 
-@pytest.mark.parametrize("model", ["cache-update", "paged", "paged-quantize"])
+@pytest.mark.parametrize("model", ["cache-update", "paged-cache-update", "paged", "paged-quantize"])
 @pytest.mark.parametrize("events", [False, True])
 def test_declared_bindings_are_restored_after_every_node(model, events):
     if model == "cache-update":
         session = onnxkv.Session(cache_update_model(), threads=1, events=events)
         feeds = cache_update_steps()
+    elif model == "paged-cache-update":
+        session = onnxkv.Session(paged_cache_update_model(), threads=1, events=events)
+        feeds = paged_cache_update_steps()
     else:
         quantize = model == "paged-quantize"
         cfg = PagedConfig(num_layers=2, num_pages=16, **({"key_format": "int8", "value_format": "int8"}
