@@ -17,8 +17,18 @@ memory are never readable, whatever reads the buffer.
 
 Writes only ever touch positions ``>= start`` of the rows being written, and
 the new lengths are *staged*: the owning state commits them after the whole
-run succeeded, or discards them.  So a failed run leaves every valid byte as
-it was.
+run succeeded, or discards them.  A write that overwrites committed positions
+(below ``length``; anywhere in a static cache) first saves exactly the bytes
+it replaces (O(new tokens)), and a growth keeps the previous buffer until the
+run ends; :meth:`CacheTensor.discard` puts both back.  So a failed run leaves
+every committed byte, the lengths and the storage as they were.
+
+A *static* cache (``static=True``, the TensorScatter convention) has a fixed
+capacity that is the whole past the model reads (zeros where nothing was
+written); its ``length`` is the valid length: one past the highest position
+any committed write reached (0 before the first write).  Its writes may go
+to any position (the zeros before them are what the model reads there), so
+the row bound above does not apply to it.
 
 Storage may be narrower than the model's element type: ``storage="float16"``
 or ``"bfloat16"`` (bf16 kept as uint16 bit patterns) halves the bytes held and
@@ -94,6 +104,9 @@ class CacheTensor:
         capacity: initial capacity in positions (> 0).
         growable: grow geometrically past ``capacity`` instead of raising.
         max_capacity: never grow past this (None = unbounded).
+        static: a static cache (see the module docstring): never grows,
+            ``length`` is the high-water mark of the positions written and
+            every position of the capacity is committed storage.
 
     Ownership: the state owning this object is the only writer.  ``view()``
     and ``buffer`` are handed to kernels of that state's runs only.
@@ -110,7 +123,8 @@ class CacheTensor:
     """
 
     def __init__(self, name: str, shape: tuple[int, int, int], dtype, allocator, capacity: int,
-                 growable: bool = True, max_capacity: int | None = None, storage: str | None = None) -> None:
+                 growable: bool = True, max_capacity: int | None = None, storage: str | None = None,
+                 static: bool = False) -> None:
         if capacity < 1:
             raise CacheCapacityError(f"cache '{name}': capacity must be at least 1, got {capacity}")
         self.name = name
@@ -121,7 +135,8 @@ class CacheTensor:
         self.storage = storage or np.dtype(dtype).name
         self.dtype = np.dtype(np.uint16) if self.storage == "bfloat16" else np.dtype(self.storage)
         self.allocator = allocator
-        self.growable = growable
+        self.static = bool(static)
+        self.growable = growable and not self.static
         self.max_capacity = max_capacity
         self._length = 0
         # positions each row has written: one int for every row, or int64 [batch]; committed and staged
@@ -130,6 +145,10 @@ class CacheTensor:
         self.staged: int | None = None
         self.growths = 0
         self._buf, self.buffer = self._allocate(capacity, 0)
+        #: The run's undo: (row or None, start, saved bytes) of committed positions it overwrote, and the
+        #: (buffer, array) it grew from; :meth:`commit` drops them, :meth:`discard` puts them back.
+        self._saved: list[tuple[int | None, int, np.ndarray]] = []
+        self._grown_from: tuple | None = None
 
     @property
     def length(self) -> int:
@@ -154,7 +173,9 @@ class CacheTensor:
 
     def short_row(self, starts: np.ndarray | int) -> tuple[int, int, int] | None:
         """``(row, start, written length)`` of the first row whose start (``starts``: one int or int [B])
-        passes what it has written, or None."""
+        passes what it has written, or None (always None for a static cache: it may be written anywhere)."""
+        if self.static:
+            return None
         rows = self._rows
         if isinstance(rows, int) and isinstance(starts, int):
             return None if starts <= rows else (0, starts, rows)
@@ -190,11 +211,18 @@ class CacheTensor:
 
     def release(self) -> None:
         """Return the storage to the allocator (the object is unusable after)."""
+        self._saved = []
+        if self._grown_from is not None:
+            self._free(self._grown_from[0])
+            self._grown_from = None
         if self._buf is not None:
-            bound.unregister(id(self._buf))
-            self.allocator.free(self._buf)
+            self._free(self._buf)
             self._buf = None
             self.buffer = None
+
+    def _free(self, buf) -> None:
+        bound.unregister(id(buf))
+        self.allocator.free(buf)
 
     # -- writes ------------------------------------------------------------
     def reserve(self, needed: int) -> WriteCost:
@@ -220,8 +248,10 @@ class CacheTensor:
         valid = max(self.length, self.staged or 0)
         new_buf, arr = self._allocate(new_cap, valid)  # OutOfMemory here leaves everything as it was
         arr[:, :, :valid] = self.buffer[:, :, :valid]
-        bound.unregister(id(self._buf))
-        self.allocator.free(self._buf)
+        if self._grown_from is None:
+            self._grown_from = (self._buf, self.buffer)  # the committed storage: kept until the run ends
+        else:
+            self._free(self._buf)
         self._buf, self.buffer = new_buf, arr
         self.growths += 1
         return WriteCost(1, arr.nbytes, self.batch * self.heads * valid * self.head_size * self.dtype.itemsize, 0)
@@ -246,18 +276,33 @@ class CacheTensor:
         if not isinstance(starts, np.ndarray) or starts.ndim == 0:
             start = int(starts)
             cost = self.reserve(max(start + s, length))
+            self._save(None, start, s)
             self.buffer[:, :, start:start + s] = new
+            end = start + s
         else:
             first = int(starts[0])
             if b == 1 or (starts == first).all():
                 cost = self.reserve(max(first + s, length))
+                self._save(None, first, s)
                 self.buffer[:, :, first:first + s] = new
+                end = first + s
             else:
-                cost = self.reserve(max(int(starts.max()) + s, length))
+                end = int(starts.max()) + s
+                cost = self.reserve(max(end, length))
                 for row in range(b):
                     p = int(starts[row])
+                    self._save(row, p, s)
                     self.buffer[row, :, p:p + s] = new[row]
+        if self.static:
+            length = max(self.length if self.staged is None else self.staged, end)
         return self._staged_append(cost, s, length, starts)
+
+    def _save(self, row: int | None, start: int, s: int) -> None:
+        """Keep the committed bytes that positions ``[start, start + s)`` of ``row`` (None: every row) hold."""
+        stop = min(start + s, self.capacity if self.static else self.length)
+        if start < stop:
+            rows = slice(None) if row is None else row
+            self._saved.append((row, start, self.buffer[rows, :, start:stop].copy()))
 
     def check_starts(self, starts: np.ndarray | int) -> None:
         """Raise :class:`~onnxkv.errors.InputError` when a write at ``starts`` (one int or int [B]) would
@@ -286,15 +331,26 @@ class CacheTensor:
         return cost
 
     def commit(self) -> None:
-        """Publish the staged lengths (after a successful run)."""
+        """Publish the staged lengths (after a successful run); free the storage a growth replaced."""
         if self.staged is not None:
             self._length = self.staged
             self.staged = None
         if self._staged_rows is not None:
             self._rows = self._staged_rows
             self._staged_rows = None
+        self._saved = []
+        if self._grown_from is not None:
+            self._free(self._grown_from[0])
+            self._grown_from = None
 
     def discard(self) -> None:
-        """Forget the staged lengths (after a failed run)."""
+        """Undo the run (after a failure): back to the storage before any growth, the overwritten
+        committed bytes restored, the staged lengths forgotten."""
         self.staged = None
         self._staged_rows = None
+        if self._grown_from is not None:
+            self._free(self._buf)
+            (self._buf, self.buffer), self._grown_from = self._grown_from, None
+        saved, self._saved = self._saved, []
+        for row, start, old in reversed(saved):
+            self.buffer[slice(None) if row is None else row, :, start:start + old.shape[-2]] = old

@@ -28,12 +28,19 @@ copy of the shared page (that page only, its valid tokens only, counted as
 from one :meth:`BlockPool.allocate` call, so pool exhaustion raises
 :class:`~onnxkv.errors.OutOfMemory` before anything is written.  Commit
 publishes the staged table and drops the replaced pages' references;
-discard frees the run's new pages: the committed table never changed.
+discard frees the run's new pages: the committed table never changed.  A
+write into committed positions of a page the state kept (a static cache's
+slots, or positions below a row's length) first saves the bytes it replaces
+(O(new tokens)); discard writes them back.
+
+A static (TensorScatter) cache (``static_length``: its fixed capacity, the
+whole past the model reads) keeps as each row's length the high-water mark
+of the positions written so far.
 
 Rows are bounded by what they wrote: a write starting past a row's
 committed length (a claimed past the row never wrote) raises
 :class:`~onnxkv.errors.InputError` before anything is staged (static caches,
-whose every position is written at creation, excepted).  As defence in
+whose unwritten positions read as zeros, excepted).  As defence in
 depth every page a run stages is zero-filled before its copy or write (one
 fill per page, never per token), so bytes an earlier request left in the
 allocator's memory are never readable.
@@ -503,6 +510,10 @@ class PagedCache:
         self._new: list[np.ndarray] = []
         self._replaced: list[int] = []
         self._prepared: tuple | None = None
+        #: (plane, page, first offset, bytes) of committed positions the run overwrote in place (see _save),
+        #: and the slots the current write overwrites (see _kept_slots).
+        self._saved: list[tuple[int, int, int, np.ndarray]] = []
+        self._kept: list[tuple[int, int, int]] = []
         #: plane name -> the new values [B, H, S, D] the last run wrote (for format selectors); cleared by the state.
         self.last_written: dict[str, np.ndarray] = {}
         self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
@@ -553,7 +564,9 @@ class PagedCache:
             grown[:, : tables.shape[1]] = tables
             tables = self._staged = grown
         with pool._lock:  # forks in other threads must not change counts between the decision and the copy
-            return self._stage_pages(tables, starts, s, key)
+            cost = self._stage_pages(tables, starts, s, key)
+        self._kept = self._kept_slots(starts, s)
+        return cost
 
     def _stage_pages(self, tables: np.ndarray, starts: np.ndarray, s: int, key: tuple) -> WriteCost:
         pool, bs = self.pool, self.pool.block_size
@@ -587,10 +600,13 @@ class PagedCache:
                 new = int(ids[k])
                 k += 1
                 old = int(tables[b, blk])
-                if action[j] == 2:  # copy on write: this page only, its valid tokens only
-                    valid = min(bs, max(0, int(committed[b]) - blk * bs))
+                if action[j] == 2:  # copy on write: this page only, its valid tokens only (a static page: whole)
+                    valid = bs if self.static_length is not None else min(bs, max(0, int(committed[b]) - blk * bs))
                     cost.cow_copied_bytes += pool.copy_page(old, new, valid)
                     self._replaced.append(old)  # only committed pages are shared: drop it at commit
+                elif self.static_length is not None:  # a static cache reads unwritten positions as zeros
+                    for i in range(len(pool.planes)):
+                        pool.pages[i][new][...] = 0
                 tables[b, blk] = new
         cost.allocations += total * len(pool.planes)
         cost.allocated_bytes += total * pool.page_bytes
@@ -623,12 +639,41 @@ class PagedCache:
             conv = np.empty(src.shape, np.uint16)
             _kernels.f32_to_bf16(src, conv)
             new = conv
+        self._save(plane)
         # every block written is native and held by this run alone (prepare), so scatter by address
         _kernels.page_write(np.ascontiguousarray(new, dtype=spec.dtype), self.pool.ptrs[plane], self._staged,
                             starts, self.pool.block_size)
         cost.append_copied_bytes += b * h * s * d * spec.dtype.itemsize
-        self._staged_lengths[:] = starts + s if self.static_length is None else self.static_length
+        if self.static_length is None:
+            self._staged_lengths[:] = starts + s
+        else:  # a static cache: the high-water mark of the positions written
+            np.maximum(self._staged_lengths, starts + s, out=self._staged_lengths)
         return cost
+
+    def _kept_slots(self, starts: np.ndarray, s: int) -> list[tuple[int, int, int]]:
+        """(page, first, last offset) of the committed positions a write of ``s`` positions from ``starts``
+        replaces in pages the committed table holds (``prepare`` kept them: this state alone references them).
+
+        Committed: below a row's committed length, or any position of a static cache.  Usually none (a
+        write appends); the loop runs over the rows and blocks that do overwrite.
+        """
+        table, bs = self.table, self.pool.block_size
+        extent = table.lengths if self.static_length is None else np.full(table.batch, self.static_length)
+        out = []
+        for b in np.flatnonzero(starts < extent).tolist():
+            lo, hi = int(starts[b]), min(int(starts[b]) + s, int(extent[b]))
+            for blk in range(lo // bs, min(-(-hi // bs), table.tables.shape[1])):
+                page = int(self._staged[b, blk])
+                if page >= 0 and page == int(table.tables[b, blk]):
+                    out.append((page, max(lo, blk * bs) - blk * bs, min(hi, (blk + 1) * bs) - blk * bs))
+        return out
+
+    def _save(self, plane: int) -> None:
+        """Keep the bytes of plane ``plane`` the current write replaces in kept pages (O(new tokens));
+        :meth:`discard` writes them back."""
+        pages = self.pool.pages[plane]
+        for page, first, last in self._kept:
+            self._saved.append((plane, page, first, pages[page][:, first:last].copy()))
 
     def commit(self) -> None:
         """Publish the staged tables and lengths; drop references of pages replaced by copies."""
@@ -638,15 +683,19 @@ class PagedCache:
         self.table.lengths = self._staged_lengths
         replaced = np.array(self._replaced, np.int32)
         self._staged = self._staged_lengths = self._prepared = None
-        self._new, self._replaced = [], []
+        self._new, self._replaced, self._saved, self._kept = [], [], [], []
         if replaced.size:
             self.pool.decref(replaced)
 
     def discard(self) -> None:
-        """Forget the run: free its new pages; the committed table is untouched."""
-        new = self._new
+        """Forget the run: restore the committed bytes it overwrote, free its new pages; the committed
+        table is untouched."""
+        new, saved = self._new, self._saved
         self._staged = self._staged_lengths = self._prepared = None
-        self._new, self._replaced = [], []
+        self._new, self._replaced, self._saved, self._kept = [], [], [], []
+        pages = self.pool.pages
+        for plane, page, first, old in reversed(saved):
+            pages[plane][page][:, first:first + old.shape[1]] = old
         for ids in new:
             self.pool.decref(ids)
 
@@ -655,8 +704,9 @@ class PagedCache:
         """A contiguous copy ``[B, H, length, D]`` of plane ``plane`` in its native type.
 
         Converted (quantized) pages are dequantized.  Positions a row does not
-        hold (never written, evicted, or at and past the row's own length) are
-        zero: only each row's valid positions are read.
+        hold (never written, evicted, or at and past the row's own length, for a
+        static cache the high-water mark of its writes) are zero: only each
+        row's valid positions are read.
         """
         pool = self.pool
         spec = pool.planes[plane]

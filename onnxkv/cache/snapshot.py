@@ -108,6 +108,7 @@ def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: in
     spec = pool.planes[plane]
     if payload.format == spec.storage:
         pool.pages[plane][page][:, :n] = payload.data
+        pool.pages[plane][page][:, n:] = 0  # recycled memory: a static cache reads the slots past n as zeros
         return
     fmt = page_format(payload.format)
     nbytes = page_bytes(fmt, spec.heads, pool.block_size, spec.head_size, spec.groups, spec.header)

@@ -34,6 +34,8 @@ class RunContext:
     that outlives the run: the plan calls every ``commit`` after the last
     node succeeded, or every ``rollback`` (newest first) when the run fails
     or is cancelled, so a failed run leaves that storage as it was.
+    :meth:`preserve` is the common case: a kernel about to overwrite part of
+    the running state's storage in place saves exactly those elements.
 
     ``count(**counters)`` adds storage counters (names in
     :data:`STORAGE_COUNTERS`) to the current node's event; it costs nothing
@@ -103,18 +105,55 @@ class RunContext:
         return cache.view(length)
 
     def defer(self, commit, rollback) -> None:
-        """Call ``commit()`` when the run succeeds, ``rollback()`` when it fails (see the class docstring)."""
+        """Call ``commit()`` when the run succeeds, ``rollback()`` when it fails (see the class docstring);
+        either may be None (nothing to do then)."""
         self.deferred.append((commit, rollback))
+
+    def holds(self, array: np.ndarray) -> bool:
+        """True when ``array`` is the whole of a value the running state holds (its persistent storage)."""
+        if self.caches is None:
+            return False
+        address = array.__array_interface__["data"][0]
+        for held in self.caches.values():
+            if isinstance(held, np.ndarray) and held.__array_interface__["data"][0] == address \
+                    and held.shape == array.shape and held.dtype == array.dtype:
+                return True
+        return False
+
+    def preserve(self, array: np.ndarray, index) -> None:
+        """Before a kernel writes ``array[index]`` in place: if ``array`` is the running state's storage
+        (:meth:`holds`), save those elements (a copy of what is about to be overwritten, never more) and
+        defer writing them back should the run fail or be cancelled.
+
+        A caller's array in a plain run (MUST_ALIAS) is not saved: it is the node's output, so the
+        positions a node wrote stay written whatever happens after that node.  Call it before the write
+        (the rollback is then registered even if the write itself raises); ``index`` must not name an
+        element twice.
+        """
+        if not self.holds(array):
+            return
+        saved = array[index]
+        if np.may_share_memory(saved, array):  # basic indexing: a view, not yet a copy
+            saved = saved.copy()
+        self.deferred.append((None, lambda: array.__setitem__(index, saved)))
 
     def finish(self, ok: bool) -> None:
         """Run the deferred commits (``ok``) or rollbacks (newest first); called once by the plan."""
         work, self.deferred = self.deferred, []
         if ok:
             for commit, _ in work:
-                commit()
-        else:
+                if commit is not None:
+                    commit()
+        else:  # every rollback runs, even after one raised; the first error is raised after them
+            error = None
             for _, rollback in reversed(work):
-                rollback()
+                if rollback is not None:
+                    try:
+                        rollback()
+                    except BaseException as e:
+                        error = error or e
+            if error is not None:
+                raise error
 
     def count(self, **counters: int) -> None:
         if self.recording:

@@ -7,10 +7,20 @@ one request.  Every past input the plan binds (see
 present write only the new positions, in place; nothing of cache size is
 allocated or copied per token.
 
-Atomicity: writes go only to positions past each row's valid length and the
-new lengths are staged; they are committed together after the whole run
-succeeded.  A failed or cancelled run discards them, leaving every valid byte
-and every length exactly as before, so the call can be retried.
+Atomicity: new lengths are staged and committed together after the whole run
+succeeded.  Writes past a row's valid length need no undo; a write into
+committed storage (a static cache's slots, a position below a row's length,
+a contract-declared value) first saves exactly the bytes it replaces
+(O(new tokens)), and a cache that grows keeps its previous buffer until the
+run ends.  A failed or cancelled run -- whichever node it stopped after --
+puts all of that back, leaving every value, length, page table, page and
+``committed_bytes`` exactly as before, so the call can be retried.
+
+Static (TensorScatter) caches hold their fixed capacity from the first run
+on: the model reads the whole capacity as its past (zeros where nothing was
+written).  Their valid length per row is the high-water mark of the
+positions written so far (``write_indices + sequence_length`` of the runs
+that committed), which is what ``length``, ``lengths`` and ``values`` report.
 
 ``cache="paged"`` keeps the caches in pages of ``block_size`` tokens from a
 reference-counted :class:`~onnxkv.cache.paged.BlockPool` (see
@@ -214,9 +224,10 @@ class State:
 
     @property
     def values(self) -> dict[str, np.ndarray]:
-        """Read-only views of the valid cache contents, by past input name.
+        """Read-only views of the valid cache contents (positions ``[0, length)``), by past input name.
 
         Zero-copy for contiguous caches; a paged cache is gathered into copies.
+        Contract-declared values are shown whole.
         """
         out = {}
         for name, c in (self._caches or {}).items():
@@ -229,7 +240,13 @@ class State:
 
     @property
     def length(self) -> int:
-        """Valid positions in the caches (the longest row; 0 before the first run)."""
+        """Valid positions in the caches (the longest row; 0 before the first run).
+
+        A growing cache: the positions its committed runs appended (less what
+        ``truncate`` dropped).  A static (TensorScatter) cache: one past the
+        highest position a committed run wrote (its capacity is held
+        whatever the length).
+        """
         return 0 if not self._caches else next(iter(self._caches.values())).length
 
     @property
@@ -283,10 +300,7 @@ class State:
     def _new_cache(self, name: str, batch: int, length: int = 0) -> CacheTensor:
         shape, dtype = self._geometry(name, batch)
         if self._static:
-            c = CacheTensor(name, shape, dtype, self.allocator, self._static_capacity, growable=False)
-            c.buffer[...] = 0
-            c.length = self._static_capacity
-            return c
+            return CacheTensor(name, shape, dtype, self.allocator, self._static_capacity, static=True)
         cap = self.capacity if self.capacity is not None else max(self.initial_capacity, length)
         if length > cap:
             raise CacheCapacityError(f"State: initial length {length} exceeds the fixed capacity {cap}")
@@ -332,7 +346,7 @@ class State:
         static = self._static_capacity if self._static else None
         cache = PagedCache(self._pool, PageTable(self._pool, batch), static_length=static,
                            max_tokens=static if self._static else self.capacity)
-        if self._static:
+        if self._static:  # every page of the capacity, zero-filled; nothing written yet (lengths 0)
             try:
                 for plane in cache.planes.values():
                     plane.write(np.zeros((batch, plane.heads, static, plane.head_size), np.float32), 0, static)
@@ -341,6 +355,7 @@ class State:
                 cache.discard()
                 cache.table.release()
                 raise
+            cache.table.lengths[:] = 0
         return cache
 
     def _ensure_caches(self, batch: int) -> dict:
@@ -488,8 +503,8 @@ class State:
                 c.length = int(length)
 
     def _reset_paged(self, arrays: dict, batch: int, length: int) -> None:
-        cache = PagedCache(self._pool, PageTable(self._pool, batch),
-                           max_tokens=self._static_capacity if self._static else self.capacity)
+        cache = self._new_paged(batch) if self._static else \
+            PagedCache(self._pool, PageTable(self._pool, batch), max_tokens=self.capacity)
         try:
             for name, a in arrays.items():
                 plane = cache.planes[name]
@@ -498,9 +513,6 @@ class State:
                     raise InputError(f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
                                      f"[{batch}, {plane.heads}, {length}, {plane.head_size}] {want}")
                 plane.write(a, 0, length)
-            if self._static:
-                cache.static_length = length
-                cache._staged_lengths[:] = length
             cache.commit()
         except Exception:
             cache.discard()
@@ -802,20 +814,24 @@ class State:
                 return self._run_declared(feeds, output_names, cancel)
         with self._exclusive("run"):
             batch = self._batch(feeds)
+            fresh = self._caches is None
             caches = self._ensure_caches(batch)
             before = self.length
             full = dict(feeds)
-            if self.paged:
-                for name, c in caches.items():
-                    full[name] = c.gather() if name in self._needs_data else c.placeholder(c.length)
-            else:
-                for name, c in caches.items():
-                    full[name] = c.view()
+            past = self._static_capacity if self._static else None  # a static cache's past: its capacity
             try:
+                if self.paged:
+                    for name, c in caches.items():
+                        full[name] = c.gather(past) if name in self._needs_data else c.placeholder(past or c.length)
+                else:
+                    for name, c in caches.items():
+                        full[name] = c.view(past)
                 out = self.session._run_plan(full, output_names, caches, self.allocator, cancel)
             except BaseException:
                 for c in caches.values():
                     c.discard()
+                if fresh:  # the first run made the caches: a failure leaves the state holding nothing, as before
+                    self._release()
                 raise
             for c in caches.values():
                 c.commit()
@@ -832,14 +848,24 @@ class State:
             return out
 
     def _run_declared(self, feeds, output_names: list[str], cancel) -> dict[str, np.ndarray]:
-        """Run with contract-declared persistent bindings; publish outputs after success."""
-        self._ensure_values()
-        full = dict(feeds)
-        for name, (_, arr) in self._values.items():
-            full[name] = arr
-        fetch = list(dict.fromkeys(list(output_names) + list(self.declared.values())))
-        own = {name: arr for name, (_, arr) in self._values.items()}
-        out = self.session._run_plan(full, fetch, own, self.allocator, cancel)
+        """Run with contract-declared persistent bindings; publish outputs after success.
+
+        Kernels writing the values in place save what they overwrite and put it back if the run fails
+        (:meth:`~onnxkv.plan.context.RunContext.preserve`); values a first run made are dropped again.
+        """
+        fresh = [name for name in self.declared if name not in self._values]
+        try:
+            self._ensure_values()
+            full = dict(feeds)
+            for name, (_, arr) in self._values.items():
+                full[name] = arr
+            fetch = list(dict.fromkeys(list(output_names) + list(self.declared.values())))
+            own = {name: arr for name, (_, arr) in self._values.items()}
+            out = self.session._run_plan(full, fetch, own, self.allocator, cancel)
+        except BaseException:
+            for name in fresh:
+                self._drop_value(name)
+            raise
         for name, produced in self.declared.items():
             value = out[produced]
             mine = self._values[name][1]

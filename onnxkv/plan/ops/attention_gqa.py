@@ -260,8 +260,10 @@ class GroupQueryAttention(Op):
             return None
         past_len = past_key.shape[2]
         total, total_b = int(total_seqlen.reshape(-1)[0]), int(seqlens_k[0]) + 1
-        # Not a first prompt (S == total), the general path's seqlens_k range, a past the row wrote.
-        if total <= 1 or not 1 <= total_b <= min(total, past_len + 1) or ck.short_row(total_b - 1) is not None:
+        # Not a first prompt (S == total), the general path's seqlens_k range, and an append exactly at the
+        # committed length: a past the row never wrote is refused there, and a rewrite of committed positions
+        # is saved there first so that a failed run can restore it.
+        if total <= 1 or not 1 <= total_b <= min(total, past_len + 1) or total_b - 1 != ck.length:
             return None
         cos = sin = None
         if self.do_rotary:

@@ -15,6 +15,12 @@ reachable through other live views), storage bound to a state other than the one
 running, shape or dtype mismatches, and ``position + S > capacity``
 (:class:`~onnxkv.errors.CacheCapacityError`, no growth).  The plan checks
 after the node that the output is the input's storage.
+
+After a failure or cancellation later in the run: a state's storage is put
+back as it was (the node saves the positions it overwrites,
+:meth:`~onnxkv.plan.context.RunContext.preserve`); a caller's array in a
+plain ``Session.run`` is the node's output (MUST_ALIAS), so the positions
+the node wrote stay written.
 """
 
 from __future__ import annotations
@@ -100,10 +106,12 @@ class CacheUpdate(Op):
                                      f"exceeds the capacity {cap} of '{self.cache_name}'")
         if pos.ndim == 0:
             p = int(pos)
+            rt.preserve(cache, np.s_[:, :, p:p + s])
             cache[:, :, p:p + s] = values
         else:
             for row in range(b):
                 p = int(starts[row])
+                rt.preserve(cache, np.s_[row, :, p:p + s])
                 cache[row, :, p:p + s] = values[row]
         rt.count(append_copied_bytes=values.nbytes)
         return (cache,)

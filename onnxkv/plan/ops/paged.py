@@ -49,6 +49,13 @@ anything is written (requantize only full pages).  The cache may reach these
 nodes through ``QuantizePagedCache``'s output: a state's storage is
 recognised by its address, whatever the value's name.
 
+In a state (the cache is a contract-declared persistent value) both kernels
+save the slots they overwrite before writing them, and a failure or
+cancellation later in the run writes them back
+(:meth:`~onnxkv.plan.context.RunContext.preserve`); a caller's cache in a
+plain ``Session.run`` is the node's output (MUST_ALIAS) and keeps the slots a
+node wrote.
+
 Both kernels validate everything before writing a byte: shapes and dtypes,
 that the cache may be written in place (not read-only, not part of a larger
 buffer, not bound to another state, C-contiguous; an initializer cache is a
@@ -224,6 +231,7 @@ class PagedCacheUpdate(Op):
         _check_pages(table, self.table_name, used, num_pages, self._fail)
         pages, offsets = _write_slots(table, self.table_name, starts, s, bs, self._fail)
         _reject_converted(PageSet.of(cache), pages, self.cache_name, self._fail)
+        rt.preserve(cache, np.s_[pages, :, offsets])
         cache[pages, :, offsets] = values.transpose(0, 2, 1, 3).reshape(b * s, heads, d)
         rt.count(append_copied_bytes=values.nbytes)
         return (cache,)
@@ -300,6 +308,7 @@ class PagedAttention(Op):
         pages, offsets = _write_slots(table, names[4], past_lens, s, bs, self._fail)
         handle = PageSet.of(past)
         _reject_converted(handle, pages, self.past_name, self._fail)
+        rt.preserve(past, np.s_[pages, :, :, offsets])
         for index, new in ((0, k), (1, v)):
             past[:, index][pages, :, offsets] = new.transpose(0, 2, 1, 3).reshape(b * s, hkv, d)
         rt.count(append_copied_bytes=k.nbytes + v.nbytes)

@@ -60,7 +60,10 @@ freed and vacated slots filled with NaN only when the whole run succeeds; a
 later failure or cancellation of the same run restores every page, format
 and payload as before the node.  The storage of a
 state cannot be converted from outside it: like every in-place operator, the
-node rejects a cache bound to a state other than the running one.
+node rejects a cache bound to a state other than the running one.  A
+caller's cache in a plain ``Session.run`` is the node's output (MUST_ALIAS):
+its conversion is not staged and stays when a later node fails, as the
+positions ``PagedCacheUpdate`` / ``PagedAttention`` write into it do.
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ class QuantizePagedCache(Op):
             return (cache,)
         handle = PageSet.attach(cache, rt.cache_allocator)
         cost = handle.convert(indices, targets, f"QuantizePagedCache node '{self.name}'", f"block_indices '{names[1]}'",
-                              staged=True)
+                              staged=rt.holds(cache))
         rt.defer(cost.commit, cost.rollback)
         rt.count(allocations=cost.allocations, allocated_bytes=cost.allocated_bytes,
                  dequantized_bytes=cost.dequantized_bytes)

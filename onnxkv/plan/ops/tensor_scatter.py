@@ -13,8 +13,13 @@ Output ``present_cache``: a copy of ``past_cache`` where, for every batch row
 
 This tensor path copies: storage counters are one allocation of the output's
 size, ``prefix_copied_bytes`` = bytes of ``past_cache`` and
-``append_copied_bytes`` = bytes of ``update``.  (Writing in place into an
-aliased cache is a later issue.)
+``append_copied_bytes`` = bytes of ``update``.
+
+In a state whose static cache is bound to ``past_cache`` the update is
+written in place instead (:meth:`~onnxkv.plan.context.RunContext.cache_write`,
+linear mode): the cache saves the slots it overwrites and puts them back if
+the run fails or is cancelled, and its length becomes the high-water mark of
+the positions written (see :mod:`onnxkv.cache.contiguous`).
 """
 
 from __future__ import annotations

@@ -340,10 +340,11 @@ def test_writes_into_converted_pages_are_rejected_before_writing():
     with pytest.raises(InputError, match="PagedAttention node 'attn': a new token goes to page 4 of cache 'c', which "
                                          r"QuantizePagedCache converted to int8 \(plane 0\).*quantize only full pages"):
         sess.run(feeds)
-    # the failed run rolled the staged conversion back: every page native again, every byte as it was
+    # the caller's cache is the node's output (MUST_ALIAS): the conversion stays, no token was written
     handle = PageSet.of(past)
-    np.testing.assert_array_equal(past, original)
-    assert not handle.any_converted and (handle.ptrs == slot_addresses(past)).all()
+    unconverted = np.arange(P) != 4
+    np.testing.assert_array_equal(past[unconverted], original[unconverted])
+    assert handle.formats[:, 4].tolist() == [3, 3] and np.isnan(past[4]).all()
     handle.audit()
     sess.run(dict(feeds, seqlens=np.array([8], np.int32)))  # token 8 goes to page 5: the conversion stays
     assert handle.formats[:, 4].tolist() == [3, 3] and np.isnan(past[4]).all()

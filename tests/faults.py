@@ -1,0 +1,45 @@
+"""Stopping a plan's run at a chosen node, for the tests of what a failed or cancelled run leaves behind.
+
+* :func:`failing_after` makes node ``k`` raise right after its kernel ran
+  (so its writes are done): the plan reports an
+  :class:`~onnxkv.errors.OperatorError` whose message holds
+  ``"injected failure after node k"``.
+* :class:`CancelOnCheck` is a cancellation token that fires on its ``k``-th
+  check (0-based); the plan checks before every node, so the run stops
+  before node ``k`` (after node ``k - 1`` ran).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["CancelOnCheck", "failing_after"]
+
+
+class CancelOnCheck:
+    """A cancellation token whose ``cancelled`` turns True on its ``k``-th check (0-based): before node ``k``."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.checks = 0
+
+    @property
+    def cancelled(self) -> bool:
+        self.checks += 1
+        return self.checks > self.k
+
+
+@contextlib.contextmanager
+def failing_after(plan, k: int):
+    """Make node ``k`` of ``plan`` raise right after its kernel ran; restored on exit."""
+    run, ins, outs = plan._steps[k]
+
+    def fail(args, rt):
+        run(args, rt)
+        raise RuntimeError(f"injected failure after node {k}")
+
+    plan._steps[k] = (fail, ins, outs)
+    try:
+        yield
+    finally:
+        plan._steps[k] = (run, ins, outs)

@@ -1,0 +1,56 @@
+"""RunContext's deferred work: commits after success, rollbacks newest first after a failure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxkv.plan.context import RunContext
+
+
+def context(caches=None) -> RunContext:
+    return RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), False, 0, caches)
+
+
+def test_rollbacks_run_newest_first_and_all_of_them_even_after_one_raised():
+    rt = context()
+    calls = []
+
+    def broken():
+        calls.append("broken")
+        raise KeyError("rollback failed")
+
+    rt.defer(lambda: calls.append("commit 1"), lambda: calls.append("rollback 1"))
+    rt.defer(None, broken)
+    rt.defer(lambda: calls.append("commit 3"), None)
+    with pytest.raises(KeyError, match="rollback failed"):
+        rt.finish(False)
+    assert calls == ["broken", "rollback 1"] and rt.deferred == []
+    rt.defer(lambda: calls.append("commit"), lambda: calls.append("rollback"))
+    rt.defer(None, lambda: calls.append("never"))
+    rt.finish(True)
+    assert calls[-1] == "commit"
+
+
+@pytest.mark.parametrize("index", [np.s_[:, 1:3], np.s_[[0, 2], 1]], ids=["slice", "fancy"])
+def test_preserve_saves_exactly_a_held_array_and_restores_it(index):
+    held = np.arange(24, dtype=np.float32).reshape(3, 8)
+    original = held.copy()
+    rt = context({"past": held})
+    rt.preserve(held, index)
+    held[index] = -1
+    rt.finish(False)
+    np.testing.assert_array_equal(held, original)
+    rt.preserve(held, index)
+    held[index] = -1
+    rt.finish(True)  # a success keeps the write
+    assert (held[index] == -1).all()
+
+
+def test_preserve_leaves_a_caller_array_alone():
+    caller = np.zeros((2, 4), np.float32)
+    for rt in (context(), context({"past": np.zeros((2, 4), np.float32)})):
+        assert not rt.holds(caller)
+        rt.preserve(caller, np.s_[0])
+        assert rt.deferred == []
+    assert not context({"past": caller}).holds(caller[:1])  # part of a held value is not the value
