@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxkv import _kernels
+from onnxkv.alloc import checked
 from onnxkv.cache import bound
 from onnxkv.errors import CacheCapacityError
 
@@ -99,9 +100,10 @@ class CacheTensor:
 
     # -- storage ---------------------------------------------------------
     def _allocate(self, capacity: int):
+        """(buffer, array [B, H, capacity, D]) leased and checked (:func:`onnxkv.alloc.checked.lease`)."""
+        shape = (self.batch, self.heads, capacity, self.head_size)
         nbytes = self.batch * self.heads * capacity * self.head_size * self.dtype.itemsize
-        buf = self.allocator.allocate(nbytes, 64)
-        arr = buf.view(self.dtype, (self.batch, self.heads, capacity, self.head_size))
+        buf, arr = checked.lease(self.allocator, nbytes, 64, self.dtype, shape, f"cache '{self.name}'")
         bound.register(id(buf), arr)
         return buf, arr
 
@@ -123,19 +125,28 @@ class CacheTensor:
         return self.buffer[:, :, : self.length if length is None else length]
 
     def release(self) -> None:
-        """Return the storage to the allocator (the object is unusable after)."""
-        if self._buf is not None:
-            bound.unregister(id(self._buf))
-            self.allocator.free(self._buf)
+        """Return the storage to the allocator (the object is unusable after).
+
+        The storage is forgotten first; a ``free`` that raises is logged (a
+        state releases every cache whatever the allocator does).
+        """
+        buf = self._buf
+        if buf is not None:
+            bound.unregister(id(buf))
             self._buf = None
             self.buffer = None
+            checked.release(self.allocator, [buf], f"cache '{self.name}'")
 
     # -- writes ------------------------------------------------------------
     def reserve(self, needed: int) -> WriteCost:
         """Make room for ``needed`` positions, growing geometrically if allowed.
 
         Raises :class:`CacheCapacityError` (nothing changed) when the cache is
-        fixed or would pass ``max_capacity``.
+        fixed or would pass ``max_capacity``, or the allocator's errors
+        (:func:`onnxkv.alloc.checked.lease`, nothing changed).  After a
+        growth the old storage is freed: a ``free`` that raises leaves the
+        grown cache in place and raises :class:`~onnxkv.errors.StateError`
+        naming the allocator (the run fails before anything is published).
         """
         cap = self.capacity
         if needed <= cap:
@@ -154,10 +165,11 @@ class CacheTensor:
         new_buf, arr = self._allocate(new_cap)  # OutOfMemory here leaves everything as it was
         valid = max(self.length, self.staged or 0)
         arr[:, :, :valid] = self.buffer[:, :, :valid]
-        bound.unregister(id(self._buf))
-        self.allocator.free(self._buf)
+        old = self._buf
+        bound.unregister(id(old))
         self._buf, self.buffer = new_buf, arr
         self.growths += 1
+        checked.release(self.allocator, [old], f"cache '{self.name}'", strict=True)
         return WriteCost(1, arr.nbytes, self.batch * self.heads * valid * self.head_size * self.dtype.itemsize, 0)
 
     def write(self, new: np.ndarray, starts: np.ndarray | int, length: int) -> WriteCost:
