@@ -26,10 +26,13 @@ naming the allocator, chained to the original.
 
 Ownership index.  Per allocator (a :class:`~onnxkv.alloc.SlabLane` counts as
 its parent), the byte ranges of its live leases sorted by start: a lease or a
-release costs O(log n) comparisons (``bisect``).  The index holds the
-allocator and every leased buffer while it is leased, and forgets an
-allocator when its last lease is released.  Storage handed to a caller that
-frees it directly must leave the index first (:func:`forget`).  Thread-safe.
+release costs O(log n) comparisons (``bisect``).  The index keeps neither the
+buffers nor the allocator alive: an allocator's ranges go when it is
+collected or its last lease is released (one that cannot be weakly
+referenced is held until then).  A lease whose owner is collected without
+releasing it keeps its range: its allocator never took the bytes back.
+Storage handed to a caller that frees it directly must leave the index first
+(:func:`forget`).  Thread-safe.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -54,46 +58,65 @@ log = logging.getLogger("onnxkv.alloc")
 
 
 class _Leases:
-    """The live leases of one allocator: disjoint byte ranges sorted by start."""
+    """The live leases of one allocator: disjoint byte ranges sorted by start, with the id of each buffer."""
 
-    __slots__ = ("allocator", "starts", "ends", "buffers", "start_of")
+    __slots__ = ("owner", "starts", "ends", "ids", "start_of")
 
-    def __init__(self, allocator: object) -> None:
-        self.allocator = allocator  # held so that id(allocator) stays its key while leases are live
+    def __init__(self) -> None:
+        self.owner: object = None  # a weak reference to the allocator (or the allocator itself)
         self.starts: list[int] = []
         self.ends: list[int] = []
-        self.buffers: list[object] = []
-        self.start_of: dict[int, int] = {}  # id(buffer) -> start (the buffer is held in ``buffers``)
+        self.ids: list[int] = []
+        self.start_of: dict[int, int] = {}  # id(buffer) -> start
 
-    def overlapping(self, start: int, end: int) -> object | None:
-        """The leased buffer overlapping ``[start, end)``, or None.
+    def overlapping(self, start: int, end: int) -> int | None:
+        """The index of the range overlapping ``[start, end)``, or None.
 
         The ranges are disjoint, so the one with the largest start below
         ``end`` has the largest end of all of them: only it can overlap.
         """
         i = bisect.bisect_left(self.starts, end) - 1
-        return self.buffers[i] if i >= 0 and self.ends[i] > start else None
+        return i if i >= 0 and self.ends[i] > start else None
 
     def add(self, start: int, end: int, buffer: object) -> None:
         i = bisect.bisect_left(self.starts, start)
         self.starts.insert(i, start)
         self.ends.insert(i, end)
-        self.buffers.insert(i, buffer)
+        self.ids.insert(i, id(buffer))
         self.start_of[id(buffer)] = start
 
     def remove(self, buffer: object) -> None:
         start = self.start_of.pop(id(buffer), None)
         if start is not None:
             i = bisect.bisect_left(self.starts, start)
-            del self.starts[i], self.ends[i], self.buffers[i]
+            del self.starts[i], self.ends[i], self.ids[i]
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a collection inside a locked section may drop a dead allocator's ranges
 _index: dict[int, _Leases] = {}  # id(allocator key) -> its live leases
 
 
 def _key(allocator: object) -> object:
     return allocator.parent if isinstance(allocator, SlabLane) else allocator
+
+
+def _dropped(key: int, leases: _Leases, _ref: object) -> None:
+    """The allocator of ``leases`` was collected: forget its ranges."""
+    with _lock:
+        if _index.get(key) is leases:
+            del _index[key]
+
+
+def _leases_of(key: object) -> _Leases:
+    """The (possibly new) leases of the allocator ``key``; the caller holds ``_lock``."""
+    leases = _index.get(id(key))
+    if leases is None:
+        leases = _index[id(key)] = _Leases()
+        try:
+            leases.owner = weakref.ref(key, lambda ref, k=id(key), mine=leases: _dropped(k, mine, ref))
+        except TypeError:
+            leases.owner = key
+    return leases
 
 
 def tracked(allocator: object) -> int:
@@ -200,17 +223,15 @@ def _request(nbytes: int, alignment: int, dtype: np.dtype, shape: tuple[int, ...
 
 def _enter(allocator, buffer: object, start: int, end: int) -> None:
     """Enter ``[start, end)`` in the live leases of ``allocator`` unless it overlaps one of them."""
-    key = _key(allocator)
     with _lock:
-        leases = _index.get(id(key))
-        other = leases.overlapping(start, end) if leases is not None else None
-        if other is None:
-            if leases is None:
-                leases = _index[id(key)] = _Leases(key)
+        leases = _leases_of(_key(allocator))
+        i = leases.overlapping(start, end)
+        if i is None:
             leases.add(start, end, buffer)
-    if other is not None:
-        raise _Violation(f"overlaps {other!r}, which is still leased: bytes [{start:#x}, {end:#x}) would be "
-                         "handed out twice", leased=other is buffer)
+            return
+        lo, hi, same = leases.starts[i], leases.ends[i], leases.ids[i] == id(buffer)
+    raise _Violation(f"overlaps bytes [{lo:#x}, {hi:#x}) of {'this very buffer' if same else 'a buffer'} it handed "
+                     f"out before, still leased: bytes [{start:#x}, {end:#x}) would be handed out twice", leased=same)
 
 
 def _free_logged(allocator, buffer: object, who: str) -> BaseException | None:

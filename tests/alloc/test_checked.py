@@ -1,7 +1,9 @@
 """lease / release: every buffer an allocator returns is checked, and the allocator's free may fail."""
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import numpy as np
 import pytest
@@ -137,6 +139,21 @@ class Region:
 
     def stats(self):
         return None
+
+
+def test_the_index_keeps_neither_allocators_nor_buffers_alive():
+    region = Region()
+    region.next.append(0)
+    buf, arr = lease(region, 64, 16, np.uint8, (64,), "test")
+    buffer_ref, region_ref = weakref.ref(buf), weakref.ref(region)
+    del buf, arr  # a lease whose owner went away without giving it back: its range stays ...
+    assert buffer_ref() is None and tracked(region) == 1
+    region.next.append(32)
+    with pytest.raises(InputError, match="still leased"):
+        lease(region, 64, 16, np.uint8, (64,), "test")
+    del region  # ... until its allocator goes
+    gc.collect()
+    assert region_ref() is None
 
 
 @hypothesis_settings(60)
