@@ -239,7 +239,8 @@ def _free_logged(allocator, buffer: object, who: str) -> BaseException | None:
     try:
         allocator.free(buffer)
     except Exception as e:
-        log.warning("%s: %r.free(%r) raised %s: %s", who, allocator, buffer, type(e).__name__, e, exc_info=e)
+        # formatted now: a kept record holds no buffer, allocator or frame
+        log.warning("%s", f"{who}: {allocator!r}.free({buffer!r}) raised {type(e).__name__}: {e}")
         return e
     return None
 
