@@ -63,7 +63,9 @@ __all__ = ["PageSet", "PlaneTarget", "ConvertCost"]
 _NATIVE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 _ALIGNMENT = 64
 _FLOAT_CODES = [f.code for f in formats.FORMATS if f.is_float]
-_lock = threading.Lock()
+#: Guards the registry; re-entrant because a collection inside a locked section may run the payload
+#: finalizer of a dead tensor (:func:`_release_payloads`), which takes it too.
+_lock = threading.RLock()
 #: id(tensor) -> its handle, while the tensor object is alive.
 _handles: dict[int, PageSet] = {}
 

@@ -1,6 +1,9 @@
 """PageSet payloads from allocators that break their contract or whose free fails."""
 import gc
 import logging
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -61,3 +64,27 @@ def test_failing_frees_are_logged_and_the_handle_stays_whole(caplog):
 
 def _refused(caplog) -> int:
     return sum("hostile free refuses" in r.getMessage() for r in caplog.records)
+
+
+COLLECTED_WHILE_LOCKED = textwrap.dedent("""
+    import gc
+    import numpy as np
+    import onnxkv.cache.page_set as page_set
+    from onnxkv.cache.page_set import PageSet
+
+    t = np.zeros((2, 2, 2, 4, 8), np.float32)
+    PageSet.attach(t)
+    cycle = [t]
+    cycle.append(cycle)
+    del t, cycle  # a dead page tensor in a reference cycle: its payloads go at the next collection
+    gc.disable()
+    with page_set._lock:  # held by attach while it makes a handle, when an allocation may collect
+        gc.collect()
+    print("collected")
+""")
+
+
+def test_a_page_tensor_collected_while_the_registry_is_locked_does_not_deadlock(tmp_path):
+    done = subprocess.run([sys.executable, "-c", COLLECTED_WHILE_LOCKED], capture_output=True, text=True, timeout=30,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "collected", done.stderr[-2000:]

@@ -85,8 +85,8 @@ GUARDED = textwrap.dedent("""
 """)
 
 
-def test_pages_viewed_with_negative_strides_are_rejected_not_written_past():
-    done = subprocess.run([sys.executable, "-c", GUARDED], capture_output=True, text=True, timeout=120)
+def test_pages_viewed_with_negative_strides_are_rejected_not_written_past(tmp_path):
+    done = subprocess.run([sys.executable, "-c", GUARDED], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "rejected: BlockPool: plane 'past_key_values.0.key'" in done.stdout
     assert "negative strides" in done.stdout
