@@ -111,11 +111,12 @@ def _leases_of(key: object) -> _Leases:
     """The (possibly new) leases of the allocator ``key``; the caller holds ``_lock``."""
     leases = _index.get(id(key))
     if leases is None:
-        leases = _index[id(key)] = _Leases()
+        leases = _Leases()
         try:
             leases.owner = weakref.ref(key, lambda ref, k=id(key), mine=leases: _dropped(k, mine, ref))
         except TypeError:
             leases.owner = key
+        _index[id(key)] = leases  # entered last: nothing that may collect (and free) runs until the caller adds
     return leases
 
 
