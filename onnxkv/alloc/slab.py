@@ -201,7 +201,9 @@ class SlabAllocator:
         self._first_chunk_bytes = first
         self._granule = grain
         self._huge_pages = bool(huge_pages) and _MADV_HUGEPAGE is not None
-        self._lock = threading.Lock()
+        # re-entrant: a collection inside a locked section (mapping a chunk allocates) may run the finalizer
+        # of a dead owner, which frees its buffers here
+        self._lock = threading.RLock()
         self._classes: dict[tuple[int, int], _SizeClass] = {}  # by (lane, slot bytes)
         self._oversize: set[_Chunk] = set()
         self._committed = 0

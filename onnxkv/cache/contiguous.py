@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxkv import _kernels
+from onnxkv.alloc import checked
 from onnxkv.cache import bound
 from onnxkv.errors import CacheCapacityError, InputError
 
@@ -183,11 +184,12 @@ class CacheTensor:
 
     # -- storage ---------------------------------------------------------
     def _allocate(self, capacity: int, keep: int):
-        """A new buffer of ``capacity`` positions, zero-filled past position ``keep`` (the prefix the caller
-        copies in): one fill per allocation, never per token."""
+        """(buffer, array [B, H, capacity, D]) leased and checked (:func:`onnxkv.alloc.checked.lease`),
+        zero-filled past position ``keep`` (the prefix the caller copies in): one fill per allocation, never
+        per token."""
+        shape = (self.batch, self.heads, capacity, self.head_size)
         nbytes = self.batch * self.heads * capacity * self.head_size * self.dtype.itemsize
-        buf = self.allocator.allocate(nbytes, 64)
-        arr = buf.view(self.dtype, (self.batch, self.heads, capacity, self.head_size))
+        buf, arr = checked.lease(self.allocator, nbytes, 64, self.dtype, shape, f"cache '{self.name}'")
         arr[:, :, keep:] = 0
         bound.register(id(buf), arr)
         return buf, arr
@@ -210,26 +212,37 @@ class CacheTensor:
         return self.buffer[:, :, : self.length if length is None else length]
 
     def release(self) -> None:
-        """Return the storage to the allocator (the object is unusable after)."""
+        """Return the storage to the allocator (the object is unusable after).
+
+        The storage is forgotten first; a ``free`` that raises is logged (a
+        state releases every cache whatever the allocator does).
+        """
         self._saved = []
         if self._grown_from is not None:
             self._free(self._grown_from[0])
             self._grown_from = None
-        if self._buf is not None:
-            self._free(self._buf)
+        buf = self._buf
+        if buf is not None:
             self._buf = None
             self.buffer = None
+            self._free(buf)
 
-    def _free(self, buf) -> None:
+    def _free(self, buf, strict: bool = False) -> None:
+        """Give ``buf`` back (:func:`onnxkv.alloc.checked.release`): a ``free`` that raises is logged, or
+        with ``strict`` (storage of a run still in progress) raised as StateError once the cache is whole."""
         bound.unregister(id(buf))
-        self.allocator.free(buf)
+        checked.release(self.allocator, [buf], f"cache '{self.name}'", strict=strict)
 
     # -- writes ------------------------------------------------------------
     def reserve(self, needed: int) -> WriteCost:
         """Make room for ``needed`` positions, growing geometrically if allowed.
 
         Raises :class:`CacheCapacityError` (nothing changed) when the cache is
-        fixed or would pass ``max_capacity``.
+        fixed or would pass ``max_capacity``, or the allocator's errors
+        (:func:`onnxkv.alloc.checked.lease`, nothing changed).  After a
+        growth the old storage is freed: a ``free`` that raises leaves the
+        grown cache in place and raises :class:`~onnxkv.errors.StateError`
+        naming the allocator (the run fails before anything is published).
         """
         cap = self.capacity
         if needed <= cap:
@@ -248,12 +261,15 @@ class CacheTensor:
         valid = max(self.length, self.staged or 0)
         new_buf, arr = self._allocate(new_cap, valid)  # OutOfMemory here leaves everything as it was
         arr[:, :, :valid] = self.buffer[:, :, :valid]
+        old = None
         if self._grown_from is None:
             self._grown_from = (self._buf, self.buffer)  # the committed storage: kept until the run ends
         else:
-            self._free(self._buf)
+            old = self._buf  # a buffer this run grew into before: nobody else holds it
         self._buf, self.buffer = new_buf, arr
         self.growths += 1
+        if old is not None:
+            self._free(old, strict=True)
         return WriteCost(1, arr.nbytes, self.batch * self.heads * valid * self.head_size * self.dtype.itemsize, 0)
 
     def write(self, new: np.ndarray, starts: np.ndarray | int, length: int) -> WriteCost:

@@ -72,7 +72,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxkv._kernels._validate import COMPACT_MAX_GROUPS
-from onnxkv.errors import InputError, OutOfMemory
+from onnxkv.alloc.checked import lease
+from onnxkv.errors import InputError
 
 #: Header kind of quantized pages: float32 scale and zero point per group.
 HEADER_FLOAT32 = "float32"
@@ -532,13 +533,9 @@ def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_
 def allocate_payload(allocator, fmt: str | int | PageFormat, nbytes: int, api: str) -> tuple[object, np.ndarray]:
     """A 64-byte aligned page payload of ``nbytes`` from ``allocator``: (buffer, uint8 array [nbytes]).
 
-    Any allocator failure becomes :class:`OutOfMemory` naming ``api`` and the
-    format (an OutOfMemory of the allocator passes through).
+    Leased and checked by :func:`onnxkv.alloc.checked.lease` (give it back
+    with :func:`~onnxkv.alloc.checked.release`): :class:`~onnxkv.errors.OutOfMemory` or
+    :class:`InputError` naming ``api``, the format and the allocator when
+    the allocator fails or returns a buffer that breaks its contract.
     """
-    try:
-        buf = allocator.allocate(nbytes, 64)
-    except OutOfMemory:
-        raise
-    except Exception as e:
-        raise OutOfMemory(f"{api}: allocating a {page_format(fmt).name} page of {nbytes} bytes failed: {e}") from e
-    return buf, buf.view(np.uint8, (nbytes,))
+    return lease(allocator, nbytes, 64, np.uint8, (nbytes,), f"{api}: a {page_format(fmt).name} page")

@@ -53,6 +53,7 @@ import numpy as np
 
 from onnxkv import _kernels
 from onnxkv.alloc import as_allocator
+from onnxkv.alloc.checked import release
 from onnxkv.cache import formats
 from onnxkv.cache.contiguous import stored_to_float32
 from onnxkv.errors import InputError, StateError
@@ -62,7 +63,9 @@ __all__ = ["PageSet", "PlaneTarget", "ConvertCost"]
 _NATIVE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 _ALIGNMENT = 64
 _FLOAT_CODES = [f.code for f in formats.FORMATS if f.is_float]
-_lock = threading.Lock()
+#: Guards the registry; re-entrant because a collection inside a locked section may run the payload
+#: finalizer of a dead tensor (:func:`_release_payloads`), which takes it too.
+_lock = threading.RLock()
 #: id(tensor) -> its handle, while the tensor object is alive.
 _handles: dict[int, PageSet] = {}
 
@@ -127,9 +130,9 @@ def _release_payloads(key: int, payloads: dict, allocator) -> None:
     """Finalizer of a handle's tensor: forget the handle, free its payloads."""
     with _lock:
         _handles.pop(key, None)
-    for buf, _ in payloads.values():
-        allocator.free(buf)
+    bufs = [buf for buf, _ in payloads.values()]
     payloads.clear()
+    release(allocator, bufs, "PageSet")
 
 
 class PageSet:
@@ -385,16 +388,15 @@ class PageSet:
                             cost.allocations += 1
                             cost.allocated_bytes += arr.nbytes
             except BaseException:
-                for *_, buf, _, _ in built:
-                    if buf is not None:
-                        self.allocator.free(buf)
+                release(self.allocator, [buf for *_, buf, _, _ in built], "PageSet")
                 raise
             undo = (self.ptrs.copy(), self.formats.copy(), list(self.groups), list(self.headers))
-            for plane, page, fmt, g, buf, arr, x in built:
-                self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost, staged)
+            replaced = [self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost, staged)
+                        for plane, page, fmt, g, buf, arr, x in built]
             for plane, (spec, target) in enumerate(zip(checked, targets)):
                 if spec is not None:
                     self._sync_group(plane, spec[1], target.header)
+            release(self.allocator, replaced, "PageSet")
             if staged:
                 cost._pending = (undo, built)
                 cost._handle = self
@@ -404,6 +406,7 @@ class PageSet:
         """Commit (``keep``) or roll back the staged conversion ``cost`` (see :meth:`convert`)."""
         (ptrs, fmts, groups, headers), built = cost._pending
         cost._pending = None
+        unused = []  # the payloads the outcome leaves without a page
         with self.lock:
             tensor = self._tensor()
             for plane, page, _, _, buf, _, _ in built:
@@ -411,14 +414,14 @@ class PageSet:
                 old = cost._replaced.get((plane, page))
                 if keep:
                     if old is not None:
-                        self.allocator.free(old[0])
+                        unused.append(old[0])
                         cost.freed_bytes += old[1].nbytes
                     if was_native and buf is not None and tensor is not None:
                         self._slot(tensor, plane, page)[...] = np.nan  # the slot is dead storage now
                     continue
                 if buf is not None:
                     self._payloads.pop((plane, page), None)
-                    self.allocator.free(buf)
+                    unused.append(buf)
                 if old is not None:
                     self._payloads[(plane, page)] = old
                     if buf is None and tensor is not None:  # the page had come back to its slot
@@ -428,19 +431,22 @@ class PageSet:
                 self.formats[...] = fmts
                 self.groups[:] = groups
                 self.headers[:] = headers
+        release(self.allocator, unused, "PageSet")
 
     def _publish(self, tensor: np.ndarray, plane: int, page: int, fmt: formats.PageFormat, g: int, buf,
-                 arr: np.ndarray | None, x: np.ndarray | None, cost: ConvertCost, staged: bool) -> None:
-        """Install one built page (cannot fail); ``staged`` keeps the old storage for commit/rollback."""
+                 arr: np.ndarray | None, x: np.ndarray | None, cost: ConvertCost, staged: bool) -> object | None:
+        """Install one built page (cannot fail); ``staged`` keeps the old storage for commit/rollback.
+        Returns the replaced payload's buffer for the caller to free (None: none, or kept for the stage)."""
         slot = self._slot(tensor, plane, page)
         old = self._payloads.pop((plane, page), None)
+        replaced = None
         if staged:
             if old is not None:
                 cost._replaced[(plane, page)] = old
         elif old is None:
             slot[...] = np.nan  # the slot is dead storage now
         else:
-            self.allocator.free(old[0])
+            replaced = old[0]
             cost.freed_bytes += old[1].nbytes
         if buf is None:
             slot[...] = x
@@ -450,6 +456,7 @@ class PageSet:
             self.ptrs[plane, page] = _address(arr)
         self.formats[plane, page] = fmt.code
         cost.pages += 1
+        return replaced
 
     def _sync_group(self, plane: int, g: int, header: str) -> None:
         """G and header kind of ``plane`` after a conversion whose target had G = ``g`` (0: a float

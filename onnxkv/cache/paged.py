@@ -59,6 +59,7 @@ import numpy as np
 
 from onnxkv import _kernels
 from onnxkv.alloc import SlabAllocator, as_allocator
+from onnxkv.alloc.checked import forget, lease, release
 from onnxkv.cache import formats
 from onnxkv.cache._pagecore import PageCore
 from onnxkv.cache.contiguous import WriteCost, rows_past, stored_to_float32
@@ -180,6 +181,8 @@ class BlockPool:
         #: Per plane, the payload bytes of each live page (0: free).
         self.sizes: list[np.ndarray] = [np.zeros(0, np.int64) for _ in self.planes]
         self._holders: weakref.WeakSet = weakref.WeakSet()
+        #: id(buffer) -> buffer of each payload build_payload handed out and nobody installed or discarded yet.
+        self._built: dict[int, object] = {}
         self._lock = threading.RLock()
         self._sync_capacity()
         _pools.add(self)
@@ -231,12 +234,16 @@ class BlockPool:
 
     # -- references ------------------------------------------------------------
     def allocate(self, n: int) -> np.ndarray:
-        """Hand out ``n`` fresh page ids (one reference each), payloads allocated.
+        """Hand out ``n`` fresh page ids (one reference each), native payloads allocated.
 
-        Raises :class:`~onnxkv.errors.OutOfMemory` with nothing changed when
-        the pool has fewer than ``n`` free ids or the allocator fails.
+        Every payload is leased through :func:`onnxkv.alloc.checked.lease`
+        (checked before anything writes to it).  Raises
+        :class:`~onnxkv.errors.OutOfMemory` (too few free ids, the allocator
+        failed) or :class:`~onnxkv.errors.InputError` (the allocator returned
+        a buffer that breaks its contract) with nothing changed.
         """
         with self._lock:
+            self._end_batch()
             ids = self.core.reserve(int(n))
             if ids is None:
                 raise OutOfMemory(f"BlockPool: {n} page(s) needed but only {self.core.free_pages} of "
@@ -246,46 +253,69 @@ class BlockPool:
             try:
                 for p in ids.tolist():
                     for i, spec in enumerate(self.planes):
-                        buf = self.allocators[i].allocate(spec.page_bytes(self.block_size), 64)
-                        arr = buf.view(spec.dtype, (spec.heads, self.block_size, spec.head_size))
-                        self._bufs[i][p], self.pages[i][p] = buf, arr
-                        self.ptrs[i][p] = arr.__array_interface__["data"][0]
-                        self.formats[i][p] = _NATIVE_CODE[spec.storage]
-                        self.sizes[i][p] = arr.nbytes
+                        buf, arr = self._lease_native(i)
+                        self._hold(i, p, buf, arr, _NATIVE_CODE[spec.storage])
                         done.append((i, p))
-            except Exception as e:
-                for i, p in done:
-                    self._free_payload(i, p)
+            except BaseException:
+                bufs = [self._forget(i, p) for i, p in done]
                 self.core.decref(ids)
-                if isinstance(e, OutOfMemory):
-                    raise
-                raise OutOfMemory(f"BlockPool: allocating {n} page(s) failed: {e}") from e
+                release(self.allocator, bufs, "BlockPool")
+                raise
             return ids
 
-    def _free_payload(self, i: int, p: int) -> None:
+    def _lease_native(self, i: int):
+        """(buffer, array [H, bs, D] of the plane's dtype): a native payload of plane ``i``, checked."""
+        spec = self.planes[i]
+        return lease(self.allocators[i], spec.page_bytes(self.block_size), 64, spec.dtype,
+                     (spec.heads, self.block_size, spec.head_size), f"BlockPool: plane '{spec.name}'")
+
+    def _hold(self, i: int, p: int, buf, arr: np.ndarray, code: int) -> None:
+        """Make ``buf`` / ``arr`` the payload of page ``p`` in plane ``i``, format ``code`` (cannot fail)."""
+        self._bufs[i][p], self.pages[i][p] = buf, arr
+        self.ptrs[i][p] = arr.__array_interface__["data"][0]
+        self.converted[i] -= self.quantized(i, p)
+        self.formats[i][p] = code
+        self.converted[i] += self.quantized(i, p)
+        self.sizes[i][p] = arr.nbytes
+
+    def _forget(self, i: int, p: int):
+        """Clear every record of page ``p``'s payload in plane ``i``; return its buffer (for the caller to free)."""
         buf = self._bufs[i][p]
-        if buf is not None:
-            self.allocator.free(buf)
         self._bufs[i][p] = self.pages[i][p] = None
         self.ptrs[i][p] = 0
         if self.quantized(i, p):
             self.converted[i] -= 1
         self.formats[i][p] = _NATIVE_CODE[self.planes[i].storage]
         self.sizes[i][p] = 0
+        return buf
+
+    def _end_batch(self) -> None:
+        """Forget the payloads :meth:`build_payload` handed out that were neither installed nor discarded
+        (their builder freed them itself): they leave the ownership index."""
+        if self._built:
+            forget(self.allocator, self._built.values())
+            self._built.clear()
 
     def incref(self, ids: np.ndarray) -> None:
         """One more reference to every id >= 0 (ids must be live)."""
         with self._lock:
+            self._end_batch()
             self.core.incref(ids)
 
     def decref(self, ids: np.ndarray) -> int:
-        """Drop one reference per id >= 0; free payloads reaching 0; return pages freed."""
+        """Drop one reference per id >= 0; free payloads reaching 0; return pages freed.
+
+        The pool forgets the freed pages first, then frees their payloads: a
+        ``free`` that raises is logged and the rest are still freed (the
+        references are gone whatever the allocator does; see
+        :mod:`onnxkv.alloc.protocol`).
+        """
         with self._lock:
+            self._end_batch()
             freed = self.core.decref(ids)
-            for p in freed.tolist():
-                for i in range(len(self.planes)):
-                    self._free_payload(i, p)
-            return len(freed)
+            bufs = [self._forget(i, p) for p in freed.tolist() for i in range(len(self.planes))]
+        release(self.allocator, bufs, "BlockPool")
+        return len(freed)
 
     def copy_page(self, src: int, dst: int, tokens: int) -> int:
         """Copy the first ``tokens`` positions of every head of page ``src`` into ``dst`` (all planes).
@@ -340,45 +370,84 @@ class BlockPool:
     def build_payload(self, plane: int, page: int, fmt_name: str, tokens: int):
         """A new payload holding the first ``tokens`` positions of ``page`` in ``fmt_name``: (buffer, array).
 
-        Nothing is installed; :meth:`install_payload` swaps it in, or the
-        caller frees it with ``allocator.free``.  Raises
-        :class:`~onnxkv.errors.OutOfMemory` when the allocator fails.
+        The plane's native format gives a native page (``[H, bs, D]`` of the
+        plane's dtype, positions past ``tokens`` zero), or ``(None, None)`` --
+        nothing allocated -- when the page already is native.  Nothing is
+        installed: :meth:`install_payload` swaps it in, :meth:`discard_payload`
+        gives it back (a payload that is neither installed nor discarded
+        -- its builder freed it -- leaves the ownership index of
+        :mod:`onnxkv.alloc.checked` at the pool's next other call).
+        Raises :class:`~onnxkv.errors.OutOfMemory` or
+        :class:`~onnxkv.errors.InputError` when the allocator fails (see
+        :func:`onnxkv.alloc.checked.lease`), with nothing allocated.
         """
         spec = self.planes[plane]
         fmt = formats.page_format(fmt_name)
+        bs = self.block_size
+        native = fmt.name == spec.storage
+        if native and not self.quantized(plane, page):
+            return None, None
         x = self.read_page(plane, page, tokens)
-        nbytes = formats.page_bytes(fmt, spec.heads, self.block_size, spec.head_size, spec.groups, spec.header)
-        buf, arr = formats.allocate_payload(self.allocators[plane], fmt, nbytes, "BlockPool")
+        if native:
+            buf, arr = self._lease_native(plane)
+        else:
+            nbytes = formats.page_bytes(fmt, spec.heads, bs, spec.head_size, spec.groups, spec.header)
+            buf, arr = formats.allocate_payload(self.allocators[plane], fmt, nbytes, f"BlockPool: plane '{spec.name}'")
+        with self._lock:
+            self._built[id(buf)] = buf
+        try:
+            self._encode(spec, fmt, x, arr)
+        except BaseException:
+            self.discard_payload(buf)
+            raise
+        return buf, arr
+
+    def _encode(self, spec: PlaneSpec, fmt: formats.PageFormat, x: np.ndarray, arr: np.ndarray) -> None:
+        """Write float32 ``x`` [H, tokens, D] into the new payload ``arr`` of format ``fmt`` (a native page
+        [H, bs, D], else uint8 bytes); float positions past ``tokens`` are zero."""
+        bs, tokens = self.block_size, x.shape[1]
         if fmt.is_float:
-            typed = arr[: spec.heads * self.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
-            typed = typed.reshape(spec.heads, self.block_size, spec.head_size)
+            shape = (spec.heads, bs, spec.head_size)
+            typed = arr if arr.ndim == 3 else arr[: int(np.prod(shape)) * fmt.dtype.itemsize].view(fmt.dtype).reshape(shape)
             typed[:, :tokens] = self._native(PlaneSpec(spec.name, spec.heads, spec.head_size, fmt.name), x)
+            typed[:, tokens:] = 0
         elif spec.header == formats.HEADER_COMPACT:
             scale, zero, header = formats.compact_params(x, fmt)
-            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size, header=header)
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs, header=header)
         elif spec.header == formats.HEADER_CHANNEL_ZP:
             scale, zero, header = formats.channel_zp_params(x, fmt)
-            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size, header=header,
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs, header=header,
                                    header_kind=formats.HEADER_CHANNEL_ZP)
         else:
             scale, zero = formats.params_for(x, fmt, "head")
-            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, self.block_size)
-        return buf, arr
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs)
 
-    def install_payload(self, plane: int, page: int, buf, arr: np.ndarray, fmt_name: str) -> None:
-        """Swap a payload from :meth:`build_payload` into ``page`` (held exclusively); free the old one."""
+    def install_payload(self, plane: int, page: int, buf, arr: np.ndarray | None, fmt_name: str) -> None:
+        """Swap a payload from :meth:`build_payload` into ``page`` (held exclusively); free the old one.
+
+        ``buf`` None (a conversion to the page's own native format) changes
+        nothing.  The page's records change first; a ``free`` of the old
+        payload that raises is then logged: the new payload stays published.
+        """
+        if buf is None:
+            return
         with self._lock:
+            self._built.pop(id(buf), None)
             old = self._bufs[plane][page]
-            self._bufs[plane][page], self.pages[plane][page] = buf, arr
-            self.ptrs[plane][page] = arr.__array_interface__["data"][0]
-            self.converted[plane] -= self.quantized(plane, page)
-            self.formats[plane][page] = formats.page_format(fmt_name).code
-            self.converted[plane] += self.quantized(plane, page)
-            self.sizes[plane][page] = arr.nbytes
-            self.allocator.free(old)
+            self._hold(plane, page, buf, arr, formats.page_format(fmt_name).code)
+        release(self.allocator, [old], "BlockPool")
+
+    def discard_payload(self, buf) -> None:
+        """Give back a payload from :meth:`build_payload` that will not be installed (None: nothing);
+        a ``free`` that raises is logged."""
+        if buf is not None:
+            with self._lock:
+                self._built.pop(id(buf), None)
+            release(self.allocator, [buf], "BlockPool")
 
     def convert_page(self, plane: int, page: int, fmt_name: str, tokens: int) -> None:
-        """Replace the payload of an exclusively held ``page`` in ``plane`` by one in ``fmt_name`` (allocated once)."""
+        """Replace the payload of an exclusively held ``page`` in ``plane`` by one in ``fmt_name`` (allocated
+        once; the plane's native format on a native page: nothing happens)."""
         buf, arr = self.build_payload(plane, page, fmt_name, tokens)
         self.install_payload(plane, page, buf, arr, fmt_name)
 

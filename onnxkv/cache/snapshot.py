@@ -124,7 +124,7 @@ def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: in
             codes = arr[header.size: header.size + spec.heads * pool.block_size * row]
             codes.reshape(spec.heads, pool.block_size, row)[:, :n] = payload.data
     except BaseException:
-        pool.allocator.free(buf)
+        pool.discard_payload(buf)
         raise
     pool.install_payload(plane, page, buf, arr, fmt.name)
 

@@ -26,7 +26,11 @@ from math import prod
 
 import numpy as np
 
+from onnxkv.alloc import checked
+
 __all__ = ["RunBuffers"]
+
+_WHO = "Plan temporaries"
 
 
 class RunBuffers:
@@ -59,23 +63,32 @@ class RunBuffers:
             self.pooled -= nbytes
             reused = True
         else:
-            buf = self.allocator.allocate(nbytes, 64)
-            entry = (buf, buf.view(np.uint8, (nbytes,)), nbytes)
+            buf, raw = checked.lease(self.allocator, nbytes, 64, np.uint8, (nbytes,), _WHO)
+            entry = (buf, raw, nbytes)
             reused = False
         held[slot] = entry
         self.used.add(id(entry))
         return entry[1].view(dtype).reshape(shape), reused
 
     def release(self, slot: int) -> None:
-        """Return ``slot``'s buffer to the free lists (to the allocator past ``pool_limit``); no-op if it has none."""
+        """Return ``slot``'s buffer to the free lists (to the allocator past ``pool_limit``); no-op if it has none.
+
+        A ``free`` that raises (the run is still going: nothing is published)
+        raises :class:`~onnxkv.errors.StateError` naming the allocator; the
+        buffer is forgotten either way.
+        """
         entry = self.held.pop(slot, None)
-        if entry is not None:
-            n = entry[2]
-            if self.pooled + n > self.pool_limit:
-                self.allocator.free(entry[0])
-                return
-            self.free_lists[n].append(entry)
-            self.pooled += n
+        if entry is not None and not self._keep(entry):
+            checked.release(self.allocator, [entry[0]], _WHO, strict=True)
+
+    def _keep(self, entry: tuple) -> bool:
+        """Put ``entry`` in the free lists if it fits under ``pool_limit``; False if it does not."""
+        n = entry[2]
+        if self.pooled + n > self.pool_limit:
+            return False
+        self.free_lists[n].append(entry)
+        self.pooled += n
+        return True
 
     def recycle(self, outputs) -> None:
         """End a successful run keeping buffers for the next one (see the module docstring).
@@ -83,32 +96,29 @@ class RunBuffers:
         Free-list entries not taken since the last recycle and held entries
         that one of ``outputs`` (the arrays the run returns) may view go back
         to the allocator; every other held entry moves to the free lists.
+        The run has succeeded: a ``free`` that raises is logged.
         """
-        free, used = self.allocator.free, self.used
+        used = self.used
+        gone = []
         for n, lst in self.free_lists.items():
             stale = [e for e in lst if id(e) not in used]
             if stale:
                 lst[:] = [e for e in lst if id(e) in used]
                 self.pooled -= n * len(stale)
-                for e in stale:
-                    free(e[0])
+                gone += stale
         arrays = [o for o in outputs if isinstance(o, np.ndarray)]
         for slot, entry in list(self.held.items()):
-            if any(np.may_share_memory(o, entry[1]) for o in arrays):
-                del self.held[slot]
-                free(entry[0])
-            else:
-                self.release(slot)
+            del self.held[slot]
+            if any(np.may_share_memory(o, entry[1]) for o in arrays) or not self._keep(entry):
+                gone.append(entry)
         used.clear()
+        checked.release(self.allocator, [e[0] for e in gone], _WHO)
 
     def close(self) -> None:
-        """Return every buffer to the allocator."""
-        free = self.allocator.free
-        for entry in self.held.values():
-            free(entry[0])
-        for lst in self.free_lists.values():
-            for entry in lst:
-                free(entry[0])
+        """Return every buffer to the allocator (the end of a run, failed or not: a ``free`` that raises is
+        logged)."""
+        gone = [e[0] for e in self.held.values()] + [e[0] for lst in self.free_lists.values() for e in lst]
         self.held.clear()
         self.free_lists.clear()
         self.pooled = 0
+        checked.release(self.allocator, gone, _WHO)

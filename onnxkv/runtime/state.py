@@ -41,7 +41,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from onnxkv.alloc import SlabAllocator, as_allocator
+from onnxkv.alloc import SlabAllocator, as_allocator, checked
 from onnxkv.cache import bound
 from onnxkv.cache.contiguous import CacheTensor
 from onnxkv.cache import serialize
@@ -398,8 +398,7 @@ class State:
     # -- declared persistent values (GraphProto.persistent_bindings) -------
     def _store(self, name: str, array: np.ndarray) -> None:
         """Copy ``array`` into fresh persistent storage held as value ``name``."""
-        buf = self.allocator.allocate(array.nbytes, 64)
-        arr = buf.view(array.dtype, array.shape)
+        buf, arr = checked.lease(self.allocator, array.nbytes, 64, array.dtype, array.shape, f"State '{name}'")
         arr[...] = array
         self._drop_value(name)
         bound.register(id(buf), arr)
@@ -409,7 +408,7 @@ class State:
         held = self._values.pop(name, None)
         if held is not None:
             bound.unregister(id(held[0]))
-            self.allocator.free(held[0])
+            checked.release(self.allocator, [held[0]], f"State '{name}'")
 
     def _ensure_values(self) -> None:
         for name in self.declared:
@@ -591,7 +590,7 @@ class State:
                         built.append((plane, target[p], buf, arr, fmt))
             except BaseException:
                 for _, _, buf, _, _ in built:
-                    pool.allocator.free(buf)
+                    pool.discard_payload(buf)
                 pool.decref(fresh)
                 raise
             for plane, p, buf, arr, fmt in built:

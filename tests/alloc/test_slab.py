@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import mmap
 import random
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
@@ -414,3 +416,33 @@ def test_two_threads_random_interleavings():
     assert s.live == 0 and s.allocations == s.frees == made > 3000
     # oversize regions are gone, every (lane, size) class keeps at most its spare chunk
     assert s.committed == slab.chunk_count * CHUNK <= sum(c <= CHUNK for _, c in classes) * CHUNK
+
+
+COLLECTED_WHILE_LOCKED = """
+import gc
+from onnxkv.alloc import SlabAllocator
+
+slab = SlabAllocator(1 << 16)
+
+
+class Owner:  # frees its buffer when collected, like a state nobody closed
+    def __init__(self):
+        self.buf = slab.allocate(64)
+        self.cycle = self
+
+    def __del__(self):
+        slab.free(self.buf)
+
+
+Owner()
+gc.disable()
+with slab._lock:  # held while a chunk is mapped, when an allocation may collect
+    gc.collect()
+print("collected", slab.stats().live)
+"""
+
+
+def test_a_buffer_freed_by_a_collection_inside_the_lock_does_not_deadlock(tmp_path):
+    done = subprocess.run([sys.executable, "-c", COLLECTED_WHILE_LOCKED], capture_output=True, text=True, timeout=30,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.split() == ["collected", "0"], done.stderr[-2000:]

@@ -1,0 +1,40 @@
+"""Test helper: the feeds of a prompt and of fixed decode steps, and readers of a state's results."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxkv.generate.feeds import FeedBuilder
+
+
+def step_feeds(session, tokens: int, steps: int) -> list[dict]:
+    """Feeds of a random ``tokens``-token prompt (seeded by ``tokens``), then of ``steps`` decode steps of
+    fixed tokens: one list drives any number of states of ``session`` through the same positions."""
+    vocab = session.model.vocab_size
+    prompt = np.random.default_rng(tokens).integers(0, vocab, (1, tokens))
+    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([tokens]), 0, thread_cache=False)
+    first, _ = b.first()
+    out = [first]
+    with session.new_state() as st:
+        result = st.run(first, ["logits"])
+        for i in range(steps):
+            out.append(b.next(np.array([(5 * i + 1) % vocab]), result))
+            result = st.run(out[-1], ["logits"])
+    return out
+
+
+def last_logits(state, feeds: dict) -> np.ndarray:
+    """Run ``state`` on ``feeds``; the logits of row 0's last position (a copy)."""
+    return state.run(feeds, ["logits"])["logits"][0, -1].copy()
+
+
+def values_copy(state) -> dict[str, np.ndarray]:
+    """Copies of ``state.values``."""
+    return {k: v.copy() for k, v in state.values.items()}
+
+
+def assert_same_values(a: dict, b: dict) -> None:
+    """``a`` and ``b`` hold the same names and byte-equal arrays."""
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
