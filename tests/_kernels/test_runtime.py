@@ -12,6 +12,10 @@ from fuzzing import examples
 
 from .test_paged_attention import Paged
 
+A = sys.modules["onnxkv._kernels.attention"]
+MM = sys.modules["onnxkv._kernels.matmul"]
+RT = sys.modules["onnxkv._kernels._runtime"]
+
 
 def test_threads_roundtrip():
     old = K.get_num_threads()
@@ -32,8 +36,7 @@ def test_threads_invalid(bad):
 
 def test_default_threads_is_cpu_count():
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    mod = sys.modules["onnxkv._kernels._runtime"]
-    assert mod._default_threads() == n
+    assert RT._default_threads() == n
 
 
 def test_simd_switch():
@@ -55,9 +58,10 @@ def test_openmp_flag():
 
 
 def test_public_api_names():
-    for name in ["set_num_threads", "get_num_threads", "openmp_enabled", "simd_path", "set_simd_enabled",
-                 "cpu_features", "rms_norm", "skip_rms_norm", "softmax", "silu_mul", "sigmoid", "silu",
-                 "rotary_embedding", "attention", "f16_to_f32", "f32_to_f16"]:
+    for name in ["KernelSettings", "current_settings", "use_settings", "simd_levels", "set_num_threads",
+                 "get_num_threads", "openmp_enabled", "simd_path", "set_simd_enabled", "cpu_features", "rms_norm",
+                 "skip_rms_norm", "softmax", "silu_mul", "sigmoid", "silu", "rotary_embedding", "attention",
+                 "f16_to_f32", "f32_to_f16"]:
         assert callable(getattr(K, name)), name
         assert name in K.__all__
 
@@ -114,12 +118,6 @@ def test_openmp_wait_policy_respects_the_user():
     assert out.stdout.split() == ["PASSIVE", "None"], out.stderr
 
 
-# Kernel settings: values, scopes, threads.
-
-A = sys.modules["onnxkv._kernels.attention"]
-MM = sys.modules["onnxkv._kernels.matmul"]
-RT = sys.modules["onnxkv._kernels._runtime"]
-
 
 def test_settings_values_are_checked_immutable_and_compare_by_value():
     s = K.KernelSettings(threads=3, simd="scalar", amx=False)
@@ -128,7 +126,7 @@ def test_settings_values_are_checked_immutable_and_compare_by_value():
     assert s.replace(threads=1) == K.KernelSettings(threads=1, simd="scalar", amx=False) and s.threads == 3
     assert K.KernelSettings().threads == RT._default_threads()
     assert K.KernelSettings(simd="auto").simd == K.simd_levels()[-1]
-    assert K.KernelSettings(amx=True).amx == K.current_settings().amx  # where the CPU and OS allow it
+    assert K.KernelSettings(amx=False).amx is False
     with pytest.raises(AttributeError):
         s.threads = 2
     assert repr(s) == "KernelSettings(threads=3, simd='scalar', amx=False)"
