@@ -1,9 +1,16 @@
 """One thread setting for the OpenMP kernels and the BLAS under NumPy.
 
-:class:`ThreadControl` is entered around every run: it sets the OpenMP thread
-count of ``onnxkv._kernels`` and limits the BLAS/OpenMP pools NumPy uses
-(through ``threadpoolctl``), so the two never oversubscribe the cores.
-Leaving restores the previous BLAS limits.
+:class:`ThreadControl` is entered around every run.  The kernels get its
+thread count through :func:`onnxkv._kernels.use_settings`: the settings of the
+calling Python thread only (its other settings -- SIMD level, AMX -- stay as
+they are), so sessions with different ``threads`` run side by side in two
+Python threads without seeing each other's count.
+
+The BLAS/OpenMP pools NumPy uses are limited through ``threadpoolctl``, and
+that limit is process-wide by nature (OpenBLAS has one pool; threadpoolctl
+lets one Python thread at a time change it): a run that starts while no
+other run holds the limit sets it and restores it when it ends; runs that
+start meanwhile leave it alone.  Only speed depends on it, never a result.
 
 Decode-sized runs (few tokens) do their heavy work in onnxkv's own OpenMP
 kernels; there BLAS gets one thread, because BLAS worker threads that wake
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 from threadpoolctl import ThreadpoolController
 
@@ -38,33 +46,74 @@ def _controller() -> ThreadpoolController:
     return ThreadpoolController()
 
 
+class _BlasLimit:
+    """The process-wide BLAS thread limit, held by one run at a time (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._limiter = None
+
+    def take(self, threads: int) -> bool:
+        """Limit BLAS to ``threads`` unless a run holds the limit; True when this call took it."""
+        with self._lock:
+            if self._limiter is not None:
+                return False
+            limiter = _controller().limit(limits=threads)
+            limiter.__enter__()     # so that leaving it lets other threads set limits (threadpoolctl >= 3.6)
+            self._limiter = limiter
+            return True
+
+    def release(self) -> None:
+        """Restore the limit a ``take`` of the calling thread set."""
+        with self._lock:
+            limiter, self._limiter = self._limiter, None
+            limiter.__exit__(None, None, None)
+
+
+_BLAS = _BlasLimit()
+
+
 class ThreadControl:
-    """Context manager applying one thread count to kernels and BLAS."""
+    """Applies one thread count to the kernels and BLAS around each run:
+    ``with control(blas_threads):`` (see the module docstring)."""
 
     def __init__(self, threads: int | None) -> None:
         if threads is None:
             threads = default_threads()
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise InputError(f"threads must be a positive int or None, got {threads!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= _kernels.MAX_THREADS:
+            raise InputError(f"threads must be a positive int (at most {_kernels.MAX_THREADS}) or None, "
+                             f"got {threads!r}")
         self.threads = threads
-        self._blas = threads
-        self._limiter = None
-        self._previous = 0
 
-    def __call__(self, blas_threads: int | None = None) -> ThreadControl:
-        """Use ``blas_threads`` for BLAS in the next ``with`` block (default: ``threads``)."""
-        self._blas = self.threads if blas_threads is None else max(1, min(blas_threads, self.threads))
-        return self
+    def __call__(self, blas_threads: int | None = None) -> _Run:
+        """A context manager for one run: the calling thread's kernels use
+        ``threads``, BLAS ``blas_threads`` (default: ``threads``)."""
+        return _Run(self.threads, self.threads if blas_threads is None else max(1, min(blas_threads, self.threads)))
 
-    def __enter__(self) -> ThreadControl:
-        self._previous = _kernels.get_num_threads()
-        _kernels.set_num_threads(self.threads)
-        self._limiter = _controller().limit(limits=self._blas)
-        self._blas = self.threads
+
+class _Run:
+    """The settings of one run (``ThreadControl.__call__``)."""
+
+    __slots__ = ("_scope", "_blas", "_holds_blas")
+
+    def __init__(self, threads: int, blas: int) -> None:
+        self._scope = _kernels.use_settings(_kernels.current_settings().replace(threads=threads))
+        self._blas = blas
+        self._holds_blas = False
+
+    def __enter__(self) -> _Run:
+        self._scope.__enter__()
+        try:
+            self._holds_blas = _BLAS.take(self._blas)
+        except BaseException:
+            self._scope.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._limiter is not None:
-            self._limiter.restore_original_limits()
-            self._limiter = None
-        _kernels.set_num_threads(self._previous)
+        try:
+            if self._holds_blas:
+                self._holds_blas = False
+                _BLAS.release()
+        finally:
+            self._scope.__exit__(*exc)

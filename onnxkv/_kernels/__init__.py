@@ -6,9 +6,16 @@ byte order) and checks all arguments (raising ``ValueError`` that names the
 argument) before writing anything.  Every kernel has a NumPy reference twin in
 :mod:`onnxkv._kernels.reference`.
 
-Run-time switches: :func:`set_num_threads` / :func:`get_num_threads` (OpenMP
-threads of every kernel), :func:`set_simd_enabled` / :func:`simd_path` (AVX2 or
-scalar path), :func:`openmp_enabled`, :func:`cpu_features`.  Importing this
+Settings (thread count, instruction set, AMX) belong to the calling Python
+thread and travel with each kernel call: :class:`KernelSettings` (an immutable
+value), :func:`use_settings` (a context manager installing one for the calling
+thread, restoring the previous settings on exit), :func:`current_settings`,
+:func:`simd_levels`.  A new thread starts with the process defaults (every CPU
+the process may use, the best level the CPU and OS run, AMX where available).
+The older switches act on the calling thread's settings too:
+:func:`set_num_threads` / :func:`get_num_threads` (OpenMP threads of every
+kernel), :func:`set_simd_enabled` / :func:`simd_path` (AVX2 or scalar path).
+Build facts: :func:`openmp_enabled`, :func:`cpu_features`.  Importing this
 package sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it
 (see the comment below).
 """
@@ -31,8 +38,9 @@ if "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ.setdefault("GOMP_SPINCOUNT", "50000")
 
 _MODULES = {
-    "_runtime": ("set_num_threads", "get_num_threads", "openmp_enabled", "simd_path",
-                 "set_simd_enabled", "cpu_features"),
+    "_runtime": ("KernelSettings", "current_settings", "use_settings", "simd_levels", "MAX_THREADS",
+                 "set_num_threads", "get_num_threads", "openmp_enabled", "simd_path", "set_simd_enabled",
+                 "cpu_features"),
     "norm": ("rms_norm", "skip_rms_norm"),
     "softmax": ("softmax",),
     "activation": ("sigmoid", "silu", "silu_mul"),

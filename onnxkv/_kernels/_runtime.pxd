@@ -1,3 +1,18 @@
-# Shared run-time switches of the onnxkv kernels (C globals of _runtime).
-cdef int okv_threads() noexcept nogil
-cdef int okv_simd() noexcept nogil
+# Kernel settings (okv_settings, simd.h) of the calling thread, shared by cimport (see _runtime.pyx).
+
+cdef extern from "simd.h" nogil:
+    ctypedef struct okv_settings:
+        int threads
+        int simd
+        int avx512
+        int amx
+        int amx_pv
+        int prefetch
+        int pf_qk_lines
+        int prefill_rg
+        int split_tasks
+        int paged_heads
+        int adaptive
+
+cdef okv_settings okv_settings_get() noexcept nogil
+cdef okv_settings *okv_settings_mine() noexcept nogil

@@ -1,9 +1,21 @@
-"""Run-time switches shared by all onnxkv kernels.
+"""Kernel settings: the thread count, instruction set and tuning of every kernel call.
 
-One C global holds the thread count used as ``num_threads=`` of every OpenMP
-``prange`` in the kernels; another forces the scalar path.  Other kernel modules
-read them through ``okv_threads()`` / ``okv_simd()`` (see ``_runtime.pxd``).
+Each Python thread has its own current settings (a C thread-local
+``okv_settings``, simd.h).  A thread starts with the process defaults -- as
+many threads as CPUs this process may run on, the best instruction set the
+CPU and OS allow, AMX where available -- and its settings change only through
+that thread: :func:`use_settings` (a context manager that restores them on
+exit), or the per-switch setters (:func:`set_num_threads`,
+:func:`set_simd_enabled`, the attention and matmul modules' test switches),
+which act on the calling thread only as well.
+
+Every kernel's Python wrapper copies the calling thread's settings once
+(``okv_settings_get``, declared in ``_runtime.pxd``; about a nanosecond) and
+passes the copy down to its C code and OpenMP loops: no kernel reads a global
+setting and OpenMP workers never read thread-local state, so two sessions
+running in two Python threads with different settings never see each other's.
 """
+import operator
 import os
 
 cdef extern from "simd.h" nogil:
@@ -11,7 +23,23 @@ cdef extern from "simd.h" nogil:
     int okv_omp_num_procs()
     int okv_simd_compiled()
     int okv_cpu_simd_ok()
+    int okv_cpu_avx512_ok()
+    int okv_cpu_amx_ok()
     void okv_cpu_flags(int *flags)
+
+cdef extern from *:
+    """
+    /* The calling thread's settings: cur (valid once init is set), and for the
+       tests the settings the thread's last kernel call took and its count. */
+    typedef struct { int init; long long calls; okv_settings cur, seen; } okv_thread_settings;
+    static _Thread_local okv_thread_settings okv_tls;
+    """
+    ctypedef struct okv_thread_settings:
+        int init
+        long long calls
+        okv_settings cur
+        okv_settings seen
+    okv_thread_settings okv_tls
 
 
 def _default_threads():
@@ -22,33 +50,227 @@ def _default_threads():
     return max(1, int(n))
 
 
-cdef int _num_threads = _default_threads()
-cdef int _simd_enabled = 1
+#: Largest thread count a setting accepts.
+MAX_THREADS = 1 << 16
+_LEVELS = ("scalar", "avx2", "avx512")
+_KEEP = object()   # KernelSettings.replace: a field not given
+# Fields of okv_settings below the public three (threads, simd level, amx): tuning switches of the
+# attention and matmul modules, in the order of the struct.
+_TUNING = ("amx_pv", "prefetch", "pf_qk_lines", "prefill_rg", "split_tasks", "paged_heads", "adaptive")
+
 cdef int _cpu_ok = okv_cpu_simd_ok() and okv_simd_compiled()
+cdef int _avx512_ok = okv_cpu_avx512_ok()
+cdef int _amx_ok = okv_cpu_amx_ok()
+# The process defaults: set here, at import, and never changed (a thread's settings start as a copy).
+cdef okv_settings _defaults = okv_settings(
+    threads=_default_threads(), simd=_cpu_ok, avx512=_avx512_ok, amx=_amx_ok, amx_pv=0, prefetch=2,
+    pf_qk_lines=48, prefill_rg=4, split_tasks=0, paged_heads=0, adaptive=1)
 
 
-cdef int okv_threads() noexcept nogil:
-    return _num_threads
+cdef inline okv_thread_settings *_thread() noexcept nogil:
+    cdef okv_thread_settings *t = &okv_tls
+    if not t.init:
+        t.cur = _defaults
+        t.init = 1
+    return t
 
 
-cdef int okv_simd() noexcept nogil:
-    return _simd_enabled and _cpu_ok
+cdef okv_settings okv_settings_get() noexcept nogil:
+    """A copy of the calling thread's settings, for one kernel call (recorded for ``_settings_seen``)."""
+    cdef okv_thread_settings *t = _thread()
+    t.seen = t.cur
+    t.calls += 1
+    return t.cur
+
+
+cdef okv_settings *okv_settings_mine() noexcept nogil:
+    """The calling thread's settings themselves, for the setters and getters (never for a kernel)."""
+    return &_thread().cur
+
+
+def simd_levels() -> tuple:
+    """The instruction-set levels the kernels can run on this CPU and OS, lowest
+    first: ``"scalar"``, then ``"avx2"`` (AVX2+FMA+F16C), then ``"avx512"``
+    (AVX-512 F/BW/VL/DQ tiles of attention and matmul_packed)."""
+    return _LEVELS[:1 + bool(_cpu_ok) + bool(_avx512_ok)]
+
+
+cdef int _checked_threads(threads) except -1:
+    if threads is None:
+        return _defaults.threads
+    try:
+        n = operator.index(threads)
+    except TypeError:
+        n = None
+    if n is None or isinstance(threads, bool) or not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"KernelSettings: threads must be an int in [1, {MAX_THREADS}] or None, got {threads!r}")
+    return n
+
+
+cdef int _set_level(okv_settings *s, simd) except -1:
+    """The SIMD fields of ``s`` for the level name ``simd`` ("auto" or one of _LEVELS)."""
+    levels = simd_levels()
+    if not isinstance(simd, str) or (simd != "auto" and simd not in _LEVELS):
+        raise ValueError(f"KernelSettings: simd must be 'auto', 'avx512', 'avx2' or 'scalar', got {simd!r}")
+    if simd not in levels and simd != "auto":
+        raise ValueError(f"KernelSettings: simd={simd!r} is not available on this CPU and OS (levels available: "
+                         f"{', '.join(map(repr, levels))}; 'auto' takes the best)")
+    level = levels[len(levels) - 1] if simd == "auto" else simd
+    s.simd = level != "scalar"
+    s.avx512 = level == "avx512"
+    return 0
+
+
+cdef int _set_amx(okv_settings *s, amx) except -1:
+    if not isinstance(amx, bool):
+        raise ValueError(f"KernelSettings: amx must be True or False, got {amx!r}")
+    s.amx = _amx_ok if amx else 0
+    return 0
+
+
+cdef tuple _fields(const okv_settings *s):
+    return (s.threads, s.simd, s.avx512, s.amx, s.amx_pv, s.prefetch, s.pf_qk_lines, s.prefill_rg,
+            s.split_tasks, s.paged_heads, s.adaptive)
+
+
+cdef class KernelSettings:
+    """Immutable kernel settings: the value :func:`use_settings` installs for the
+    calling thread and :func:`current_settings` returns.
+
+    threads: OpenMP threads of every kernel, an int in [1, MAX_THREADS], or None
+        for the process default (the CPUs this process may run on).
+    simd: the instruction-set level: "auto" (the best of :func:`simd_levels`),
+        "avx512", "avx2" or "scalar"; a level this CPU and OS cannot run is
+        rejected.  The ``simd`` attribute names the level chosen.
+    amx: let paged_attention score quantized keys on the AMX-INT8 tiles inside
+        its AVX-512 tiles where the CPU and OS allow it (the ``amx`` attribute
+        is False where they do not).
+
+    Every value is checked: a bad one raises ValueError naming the field.  The
+    settings also carry the private tuning switches of the attention and
+    matmul modules (process defaults in a new value; a value from
+    :func:`current_settings` keeps the thread's).  Results may differ in
+    float32 rounding between levels, with AMX, and between thread counts
+    (attention's cache split); with equal settings they are bit for bit equal.
+    """
+    cdef okv_settings s
+
+    def __init__(self, threads=None, simd="auto", amx=True):
+        self.s = _defaults
+        self.s.threads = _checked_threads(threads)
+        _set_level(&self.s, simd)
+        _set_amx(&self.s, amx)
+
+    @property
+    def threads(self) -> int:
+        return self.s.threads
+
+    @property
+    def simd(self) -> str:
+        if not self.s.simd:
+            return "scalar"
+        return "avx512" if self.s.avx512 else "avx2"
+
+    @property
+    def amx(self) -> bool:
+        return bool(self.s.amx)
+
+    def replace(self, *, threads=_KEEP, simd=_KEEP, amx=_KEEP) -> KernelSettings:
+        """A copy with the given fields changed (checked as in the constructor)."""
+        cdef KernelSettings r = KernelSettings.__new__(KernelSettings)
+        r.s = self.s
+        if threads is not _KEEP:
+            r.s.threads = _checked_threads(threads)
+        if simd is not _KEEP:
+            _set_level(&r.s, simd)
+        if amx is not _KEEP:
+            _set_amx(&r.s, amx)
+        return r
+
+    def __eq__(self, other):
+        if not isinstance(other, KernelSettings):
+            return NotImplemented
+        return _fields(&self.s) == _fields(&(<KernelSettings>other).s)
+
+    def __hash__(self):
+        return hash(_fields(&self.s))
+
+    def __repr__(self):
+        tuning = [f"_{name}={v}" for name, v, d in zip(_TUNING, _fields(&self.s)[4:], _fields(&_defaults)[4:])
+                  if v != d]
+        return (f"KernelSettings(threads={self.s.threads}, simd={self.simd!r}, amx={self.amx}"
+                + "".join(", " + t for t in tuning) + ")")
+
+
+cdef KernelSettings _wrap(const okv_settings *s):
+    cdef KernelSettings r = KernelSettings.__new__(KernelSettings)
+    r.s = s[0]
+    return r
+
+
+def current_settings() -> KernelSettings:
+    """The calling thread's kernel settings (the process defaults in a thread
+    that never changed them)."""
+    return _wrap(okv_settings_mine())
+
+
+cdef class _SettingsScope:
+    """The context manager of :func:`use_settings`."""
+    cdef okv_settings new, old
+    cdef object settings
+    cdef bint active
+
+    def __enter__(self):
+        if self.active:
+            raise RuntimeError("use_settings: this context manager is already active (call use_settings again "
+                               "to nest)")
+        cdef okv_settings *mine = okv_settings_mine()
+        self.old = mine[0]
+        mine[0] = self.new
+        self.active = True
+        return self.settings
+
+    def __exit__(self, *exc):
+        okv_settings_mine()[0] = self.old
+        self.active = False
+        return False
+
+
+def use_settings(settings):
+    """Context manager: the calling thread's kernels run with ``settings``
+    inside the ``with`` block; on exit the thread gets back the settings it
+    had on entry (whatever was set inside).  Blocks nest.  Other threads are
+    not affected.  Yields ``settings``."""
+    if not isinstance(settings, KernelSettings):
+        raise ValueError(f"use_settings: settings must be a KernelSettings, got {type(settings).__name__}")
+    cdef _SettingsScope scope = _SettingsScope.__new__(_SettingsScope)
+    scope.new = (<KernelSettings>settings).s
+    scope.settings = settings
+    return scope
+
+
+def _settings_seen():
+    """Test hook: (the settings the calling thread's last kernel call took, or
+    None before its first, and the number of kernel calls the thread made)."""
+    cdef okv_thread_settings *t = _thread()
+    return (_wrap(&t.seen) if t.calls else None), int(t.calls)
 
 
 def set_num_threads(n):
-    """Set the number of OpenMP threads every kernel uses (``n >= 1``).
-
-    Without OpenMP the value is stored but kernels run on one thread."""
-    global _num_threads
+    """Set the number of OpenMP threads the calling thread's kernels use
+    (``1 <= n <= MAX_THREADS``; other threads keep theirs, see
+    :func:`use_settings`).  Without OpenMP the value is stored but kernels run
+    on one thread."""
     n = int(n)
-    if n < 1:
-        raise ValueError(f"n: number of threads must be >= 1, got {n}")
-    _num_threads = n
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"n: number of threads must be in [1, {MAX_THREADS}], got {n}")
+    okv_settings_mine().threads = n
 
 
 def get_num_threads():
-    """Number of threads the kernels use (default: CPUs available to the process)."""
-    return _num_threads
+    """Number of threads the calling thread's kernels use (default: CPUs
+    available to the process)."""
+    return okv_settings_mine().threads
 
 
 def openmp_enabled():
@@ -57,16 +279,16 @@ def openmp_enabled():
 
 
 def set_simd_enabled(flag):
-    """Enable (default) or disable the AVX2/FMA/F16C path.  Disabling forces the
-    portable scalar path (used by the tests); enabling has no effect on a CPU
-    without AVX2+FMA+F16C."""
-    global _simd_enabled
-    _simd_enabled = 1 if flag else 0
+    """Enable (default) or disable the SIMD paths of the calling thread's
+    kernels (other threads keep theirs).  Disabling forces the portable scalar
+    path (used by the tests); enabling has no effect on a CPU without
+    AVX2+FMA+F16C."""
+    okv_settings_mine().simd = _cpu_ok if flag else 0
 
 
 def simd_path():
-    """``"avx2+fma+f16c"`` when kernels run the AVX2 path, else ``"scalar"``."""
-    return "avx2+fma+f16c" if okv_simd() else "scalar"
+    """``"avx2+fma+f16c"`` when the calling thread's kernels run the AVX2 path, else ``"scalar"``."""
+    return "avx2+fma+f16c" if okv_settings_mine().simd else "scalar"
 
 
 def cpu_features():

@@ -10,7 +10,7 @@ Python checks, which name the bad argument.
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels._ranges cimport _same_or_disjoint
 import numpy as np
 
@@ -27,10 +27,10 @@ ctypedef fused real:
 DEF CHUNK = 16384
 
 
-cdef void _act(int mode, const real[::1] x, const real[::1] up, real[::1] out) noexcept nogil:
+cdef void _act(int mode, const real[::1] x, const real[::1] up, real[::1] out, okv_settings s) noexcept nogil:
     cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads() if nchunks > 1 else 1
+    cdef int simd = s.simd
+    cdef int nt = s.threads if nchunks > 1 else 1
     for c in prange(nchunks, num_threads=nt, schedule='static'):
         i0 = c * CHUNK
         m = n - i0
@@ -66,7 +66,7 @@ cdef bint _act_fast(real tag, int mode, x, up, out) except -1:
     cdef size_t nb = <size_t>n * sizeof(real)
     if not (_same_or_disjoint(&ov[0], &xv[0], nb) and _same_or_disjoint(&ov[0], &uv[0], nb)):
         return False
-    _act(mode, xv, uv, ov)
+    _act(mode, xv, uv, ov, okv_settings_get())
     return True
 
 
@@ -89,9 +89,9 @@ def _run(int mode, x, up, out):
     of = out.reshape(-1)
     uf = up.reshape(-1) if up is not None else xf
     if x.dtype == V.F32:
-        _act[float](mode, xf, uf, of)
+        _act[float](mode, xf, uf, of, okv_settings_get())
     else:
-        _act[double](mode, xf, uf, of)
+        _act[double](mode, xf, uf, of, okv_settings_get())
 
 
 def sigmoid(x, out):

@@ -14,7 +14,8 @@ into chunks whose (max, sum, acc) states are merged exactly.  Paged decode
 heads, reading each page (head-major) front to back: one short run per head
 and page would leave the hardware prefetchers restarting every few KiB.
 
-Three instruction sets, chosen per call: AVX-512 (F/BW/VL/DQ: 16-lane tiles,
+Three instruction sets, chosen per call from the calling thread's settings
+(``KernelSettings``, _runtime.pyx): AVX-512 (F/BW/VL/DQ: 16-lane tiles,
 the default where the CPU and OS support it; float32 K/V keep the 8-lane tiles
 there, as fast on that memory-bound stream), AVX2+FMA+F16C (8 lanes) and
 scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
@@ -41,7 +42,7 @@ from cython.parallel cimport prange
 
 import numpy as np
 
-from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get, okv_settings_mine
 from onnxkv._kernels._ranges cimport _disjoint
 from . import _validate as V
 
@@ -173,22 +174,21 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd, int64_t *st
 
 
 cdef int _avx512_usable = okv_cpu_avx512_ok()
-cdef int _avx512 = _avx512_usable
 
 
 def set_attention_avx512(enabled: bool) -> bool:
-    """Let attention / paged_attention run their AVX-512 tiles (when the CPU
-    and OS support AVX-512 F/BW/VL/DQ; the default there) or only the AVX2
-    ones (to test and compare both on one machine).  The global SIMD switch
-    (``set_simd_enabled``) still selects the scalar path.  Returns whether the
-    AVX-512 tiles are now in use."""
-    global _avx512
-    _avx512 = _avx512_usable if enabled else 0
-    return bool(_avx512)
+    """Let the calling thread's attention / paged_attention calls run their
+    AVX-512 tiles (when the CPU and OS support AVX-512 F/BW/VL/DQ; the default
+    there) or only the AVX2 ones (to test and compare both on one machine).
+    One switch of the thread's settings with ``matmul.set_packed_avx512``
+    (``KernelSettings(simd=...)``); other threads keep theirs.  The SIMD
+    switch (``set_simd_enabled``) still selects the scalar path.  Returns
+    whether the AVX-512 tiles are now in use."""
+    okv_settings_mine().avx512 = _avx512_usable if enabled else 0
+    return bool(okv_settings_mine().avx512)
 
 
 cdef int _amx_usable = okv_cpu_amx_ok()
-cdef int _amx = _amx_usable
 
 
 def set_attention_amx(enabled: bool) -> bool:
@@ -200,14 +200,11 @@ def set_attention_amx(enabled: bool) -> bool:
     AMX-INT8 and the OS grants the tile state; attention_amx.h), or with
     AVX-512 FMAs only (to
     test and compare both on one machine).  Takes effect only while the
-    AVX-512 tiles run (``set_attention_avx512``, ``set_simd_enabled``).
+    AVX-512 tiles run (``set_attention_avx512``, ``set_simd_enabled``).  Acts
+    on the calling thread's settings only (``KernelSettings(amx=...)``).
     Returns whether AMX is now enabled (False where it is not usable)."""
-    global _amx
-    _amx = _amx_usable if enabled else 0
-    return bool(_amx)
-
-
-cdef int _amx_pv = 0   # p.v on AMX: 0 never, 1 in calls with per-head key scales, 2 always
+    okv_settings_mine().amx = _amx_usable if enabled else 0
+    return bool(okv_settings_mine().amx)
 
 
 def _set_attention_amx_pv(mode):
@@ -219,66 +216,60 @@ def _set_attention_amx_pv(mode):
     interleaved in shuffled order) it measured slower than AVX-512 p.v behind
     AMX keys (int8 2.18 vs 2.08 ms, int4 1.76 vs 1.62 ms; per-channel keys
     3.27 vs 2.65 ms), faster only on cache-resident data (1024 tokens, one
-    thread: int4 about 8% faster).  Returns the old mode."""
-    global _amx_pv
-    old = _amx_pv
-    _amx_pv = min(2, max(0, int(mode)))
+    thread: int4 about 8% faster).  Calling thread only.  Returns the old mode."""
+    cdef okv_settings *s = okv_settings_mine()
+    old = s.amx_pv
+    s.amx_pv = min(2, max(0, int(mode)))
     return old
 
 
 def attention_simd_level() -> str:
-    """The instruction set attention / paged_attention run now:
-    "avx512+amx" (AVX-512 tiles, quantized pages on AMX-INT8), "avx512",
-    "avx2" or "scalar"."""
-    if not okv_simd():
+    """The instruction set the calling thread's attention / paged_attention
+    calls run now: "avx512+amx" (AVX-512 tiles, quantized pages on AMX-INT8),
+    "avx512", "avx2" or "scalar"."""
+    cdef okv_settings *s = okv_settings_mine()
+    if not s.simd:
         return "scalar"
-    if not _avx512:
+    if not s.avx512:
         return "avx2"
-    return "avx512+amx" if _amx else "avx512"
+    return "avx512+amx" if s.amx else "avx512"
 
 
-cdef int _prefetch = 2
-cdef int _pf_qk_lines = 48   # see okv_attn_args.pf_qk_lines
-cdef int _prefill_rg = 4     # row-group width of prefill work units
-cdef int _split_tasks = 0    # min. tasks per thread for long caches (0: split only to fill threads)
-
+# The private tuning switches below act on the calling thread's settings (okv_settings, simd.h) only.
 
 def _set_split_tasks(n):
     """Private tuning switch for benchmarks: minimum number of cache-split tasks
     per thread for long caches (0 disables that split).  Returns the old value."""
-    global _split_tasks
-    old = _split_tasks
-    _split_tasks = max(0, int(n))
+    cdef okv_settings *s = okv_settings_mine()
+    old = s.split_tasks
+    s.split_tasks = max(0, int(n))
     return old
-
-
-cdef int _paged_heads = 0    # KV heads per paged decode work unit (0: all)
 
 
 def _set_paged_heads(n):
     """Private tuning switch for benchmarks: KV heads per work unit of paged
     decode (0: all; else the largest divisor of Hkv <= n).  Returns the old value."""
-    global _paged_heads
-    old = _paged_heads
-    _paged_heads = max(0, int(n))
+    cdef okv_settings *s = okv_settings_mine()
+    old = s.paged_heads
+    s.paged_heads = max(0, int(n))
     return old
 
 
 def _set_prefill_rg(n):
     """Private tuning switch: query rows per row group in prefill work units
     (1..8).  Returns the old value."""
-    global _prefill_rg
-    old = _prefill_rg
-    _prefill_rg = min(8, max(1, int(n)))
+    cdef okv_settings *s = okv_settings_mine()
+    old = s.prefill_rg
+    s.prefill_rg = min(8, max(1, int(n)))
     return old
 
 
 def _set_prefetch(flag):
     """Private switch for benchmarks: software prefetch of the next K/V block
     (0: off, 1: into L1, 2: into L2 (default), n >= 3: into L2, n-1 blocks ahead).  Returns the previous setting."""
-    global _prefetch
-    old = _prefetch
-    _prefetch = int(flag)
+    cdef okv_settings *s = okv_settings_mine()
+    old = s.prefetch
+    s.prefetch = int(flag)
     return old
 
 
@@ -287,9 +278,9 @@ def _set_prefetch_qk_lines(n):
     lines of the next block's software prefetch issued together with the key
     tiles (0: all of them); the rest are spread over the probabilities-times-
     values loop of the work item before.  Returns the old value."""
-    global _pf_qk_lines
-    old = _pf_qk_lines
-    _pf_qk_lines = max(0, int(n))
+    cdef okv_settings *s = okv_settings_mine()
+    old = s.pf_qk_lines
+    s.pf_qk_lines = max(0, int(n))
     return old
 
 
@@ -443,7 +434,7 @@ cdef bint _attention_fast(q, k, v, kv_len, q_pos, scale, softcap, window, out, k
     a.v = &vv[0, 0, 0, 0]
     if kv_start is not None:
         a.kv_start = &sv[0]
-    _run(&a, maxlen, "attention")
+    _run(&a, maxlen, "attention", okv_settings_get())
     return True
 
 
@@ -528,7 +519,7 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     if kv_start is not None:
         sv = kv_start
         a.kv_start = &sv[0]
-    _run(&a, int(kv_len.max()), "attention")
+    _run(&a, int(kv_len.max()), "attention", okv_settings_get())
 
 
 _KV_TYPES = {"float32": OKV_KV_F32, "float16": OKV_KV_F16, "bfloat16": OKV_KV_BF16}
@@ -565,7 +556,8 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
     cdef const float[:, ::1] cv
     cdef const float[:, ::1] sv
     cdef int64_t Hq, Hkv, Cap, D, half = 0, h
-    cdef int rot = cos is not None, inter = 1 if interleaved else 0, simd = okv_simd()
+    cdef okv_settings s = okv_settings_get()
+    cdef int rot = cos is not None, inter = 1 if interleaved else 0, simd = s.simd
     cdef int32_t kl, qp
     cdef float *qr = NULL
     cdef okv_attn_args a
@@ -628,7 +620,7 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
     a.k = &kc[0, 0, 0, 0]
     a.v = &vc[0, 0, 0, 0]
     try:
-        _run(&a, pos + 1, "decode_token")
+        _run(&a, pos + 1, "decode_token", s)
     finally:
         free(qr)
     return True
@@ -680,42 +672,43 @@ cdef void _fill_args(okv_attn_args *a, const float *q, float *out, const int32_t
     a.amx = 0
 
 
-cdef dict _run(okv_attn_args *a, int64_t maxlen, str api):
+cdef dict _run(okv_attn_args *a, int64_t maxlen, str api, okv_settings s):
     """Run the work units of a fully described call: query tiles of whole
     (b, KV head) groups (all KV heads of b in one unit for paged decode), or
     cache-split chunks merged exactly when the units do not fill the threads.
-    maxlen: the longest kv_len.  Returns {"dequantized_bytes": quantized codes
-    and header bytes loaded, "workspace_peak_bytes": workspace allocated}."""
-    a.prefetch = _prefetch
-    a.pf_qk_lines = _pf_qk_lines
-    a.prefill_rg = _prefill_rg
-    cdef int nt = okv_threads(), simd = 0, rc
+    maxlen: the longest kv_len; s: the settings of the call.  Returns
+    {"dequantized_bytes": quantized codes and header bytes loaded,
+    "workspace_peak_bytes": workspace allocated}."""
+    a.prefetch = s.prefetch
+    a.pf_qk_lines = s.pf_qk_lines
+    a.prefill_rg = s.prefill_rg
+    cdef int nt = s.threads, simd = 0, rc
     cdef int64_t stats[2]
     cdef int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, Sq = a.Sq, D = a.D
     cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1
     # Paged decode: one unit takes every KV head of its keys, so it reads each
     # page (all heads, head-major) front to back instead of one short run per head.
-    if okv_simd():
-        simd = OKV_ATTN_AVX512 if _avx512 else OKV_ATTN_AVX2
+    if s.simd:
+        simd = OKV_ATTN_AVX512 if s.avx512 else OKV_ATTN_AVX2
     a.amx = 0
-    if simd == OKV_ATTN_AVX512 and _amx:
+    if simd == OKV_ATTN_AVX512 and s.amx:
         # keys: every call (per-channel key scales: only 8-bit pages go to AMX, attention_impl.h decides per page)
         a.amx = (OKV_AMX_QK
-                 | (OKV_AMX_PV if _amx_pv == 2 or (_amx_pv == 1 and a.kG == 1) else 0))
+                 | (OKV_AMX_PV if s.amx_pv == 2 or (s.amx_pv == 1 and a.kG == 1) else 0))
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
-        a.hpu = Hkv if _paged_heads <= 0 else max(h for h in range(1, min(_paged_heads, Hkv) + 1) if Hkv % h == 0)
+        a.hpu = Hkv if s.paged_heads <= 0 else max(h for h in range(1, min(s.paged_heads, Hkv) + 1) if Hkv % h == 0)
     units = B * (Hkv // a.hpu)
     if B * Hq * Sq * max(maxlen, 1) * D < PAR_MIN_WORK:
         nt = 1          # too small to amortise waking the thread team
     if nt > 1 and Sq * G <= SPLIT_MAX_ROWS and Sq <= 16:
         if units < nt:      # fill the threads
             nchunks = min((nt + units - 1) // units, max(1, maxlen // (2 * OKV_BK)))
-        # long caches: at least _split_tasks tasks per thread (chunks of
+        # long caches: at least s.split_tasks tasks per thread (chunks of
         # >= SPLIT_MIN_KEYS keys) so the dynamic schedule balances threads that
         # run at different speeds (shared cores, one thread starting late)
-        if _split_tasks > 0:
-            nchunks = max(nchunks, min((_split_tasks * nt + units - 1) // units, maxlen // SPLIT_MIN_KEYS))
+        if s.split_tasks > 0:
+            nchunks = max(nchunks, min((s.split_tasks * nt + units - 1) // units, maxlen // SPLIT_MIN_KEYS))
         if a.hpu > 1:   # few multi-head units: several chunks per thread for the dynamic schedule to balance
             nchunks = max(nchunks, min((MULTI_HEAD_TASKS * nt + units - 1) // units, maxlen // MULTI_HEAD_MIN_KEYS))
     stats[0] = 0
@@ -907,7 +900,7 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
     a.v_pages = &vp[0]
     a.block_tables = &tv[0, 0]
     a.M, a.bs = M, bs
-    return _run(&a, maxlen, "paged_attention")
+    return _run(&a, maxlen, "paged_attention", okv_settings_get())
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
@@ -1049,4 +1042,4 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     tv = block_tables if M else np.full((B, 1), -1, np.int32)
     a.block_tables = &tv[0, 0]
     a.M, a.bs = M, bs
-    return _run(&a, int(kv_len32.max()), "paged_attention")
+    return _run(&a, int(kv_len32.max()), "paged_attention", okv_settings_get())

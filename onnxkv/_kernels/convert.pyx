@@ -12,7 +12,7 @@ flat.  Used when loading/storing FLOAT16 / BFLOAT16 cache pages.
 from libc.stdint cimport int64_t, uint16_t
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from . import _validate as V
 
 import numpy as np
@@ -28,10 +28,10 @@ cdef extern from "simd.h" nogil:
 DEF CHUNK = 65536
 
 
-cdef void _h2f(const uint16_t[::1] x, float[::1] out) noexcept nogil:
+cdef void _h2f(const uint16_t[::1] x, float[::1] out, okv_settings s) noexcept nogil:
     cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads() if nchunks > 1 else 1
+    cdef int simd = s.simd
+    cdef int nt = s.threads if nchunks > 1 else 1
     for c in prange(nchunks, num_threads=nt, schedule='static'):
         i0 = c * CHUNK
         m = n - i0
@@ -40,10 +40,10 @@ cdef void _h2f(const uint16_t[::1] x, float[::1] out) noexcept nogil:
         okv_h2f_row(&x[i0], &out[i0], m, simd)
 
 
-cdef void _f2h(const float[::1] x, uint16_t[::1] out) noexcept nogil:
+cdef void _f2h(const float[::1] x, uint16_t[::1] out, okv_settings s) noexcept nogil:
     cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads() if nchunks > 1 else 1
+    cdef int simd = s.simd
+    cdef int nt = s.threads if nchunks > 1 else 1
     for c in prange(nchunks, num_threads=nt, schedule='static'):
         i0 = c * CHUNK
         m = n - i0
@@ -52,10 +52,10 @@ cdef void _f2h(const float[::1] x, uint16_t[::1] out) noexcept nogil:
         okv_f2h_row(&x[i0], &out[i0], m, simd)
 
 
-cdef void _bf2f(const uint16_t[::1] x, float[::1] out) noexcept nogil:
+cdef void _bf2f(const uint16_t[::1] x, float[::1] out, okv_settings s) noexcept nogil:
     cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads() if nchunks > 1 else 1
+    cdef int simd = s.simd
+    cdef int nt = s.threads if nchunks > 1 else 1
     for c in prange(nchunks, num_threads=nt, schedule='static'):
         i0 = c * CHUNK
         m = n - i0
@@ -64,10 +64,10 @@ cdef void _bf2f(const uint16_t[::1] x, float[::1] out) noexcept nogil:
         okv_bf2f_row(&x[i0], &out[i0], m, simd)
 
 
-cdef void _f2bf(const float[::1] x, uint16_t[::1] out) noexcept nogil:
+cdef void _f2bf(const float[::1] x, uint16_t[::1] out, okv_settings s) noexcept nogil:
     cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads() if nchunks > 1 else 1
+    cdef int simd = s.simd
+    cdef int nt = s.threads if nchunks > 1 else 1
     for c in prange(nchunks, num_threads=nt, schedule='static'):
         i0 = c * CHUNK
         m = n - i0
@@ -83,7 +83,7 @@ def f16_to_f32(x, out):
     V.no_overlap("out", out, x, "x")
     if x.size == 0:
         return
-    _h2f(x.reshape(-1).view(np.uint16), out.reshape(-1))
+    _h2f(x.reshape(-1).view(np.uint16), out.reshape(-1), okv_settings_get())
 
 
 def f32_to_f16(x, out):
@@ -94,7 +94,7 @@ def f32_to_f16(x, out):
     V.no_overlap("out", out, x, "x")
     if x.size == 0:
         return
-    _f2h(x.reshape(-1), out.reshape(-1).view(np.uint16))
+    _f2h(x.reshape(-1), out.reshape(-1).view(np.uint16), okv_settings_get())
 
 
 def bf16_to_f32(x, out):
@@ -105,7 +105,7 @@ def bf16_to_f32(x, out):
     V.no_overlap("out", out, x, "x")
     if x.size == 0:
         return
-    _bf2f(x.reshape(-1), out.reshape(-1))
+    _bf2f(x.reshape(-1), out.reshape(-1), okv_settings_get())
 
 
 def f32_to_bf16(x, out):
@@ -117,7 +117,7 @@ def f32_to_bf16(x, out):
     V.no_overlap("out", out, x, "x")
     if x.size == 0:
         return
-    _f2bf(x.reshape(-1), out.reshape(-1))
+    _f2bf(x.reshape(-1), out.reshape(-1), okv_settings_get())
 
 
 DEF READ_CHUNK = 262144   # floats (1 MiB) per OpenMP task of read_sum
@@ -132,8 +132,9 @@ def read_sum(x):
         return 0.0
     cdef const float[::1] xv = x.reshape(-1)
     cdef Py_ssize_t n = xv.shape[0], nchunks = (n + READ_CHUNK - 1) // READ_CHUNK, c, i0, m
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads() if nchunks > 1 else 1
+    cdef okv_settings s = okv_settings_get()
+    cdef int simd = s.simd
+    cdef int nt = s.threads if nchunks > 1 else 1
     cdef double *part = <double *>malloc(nchunks * sizeof(double))
     cdef double total = 0.0
     if part == NULL:

@@ -16,8 +16,9 @@ in the same order whatever the thread count, so results do not depend on it.
   adjacent panels side by side (several weight streams per thread keep a few
   rows as fast as one), the threads claiming chunks of panels: each streams
   its own contiguous range, then helps with the others' ends.  AVX-512 tiles
-  where the CPU has AVX-512F (``set_packed_avx512`` switches to the AVX2
-  tiles), AVX2, or scalar.  On cores shared with other processes a team
+  where the CPU and OS run AVX-512 F/BW/VL/DQ (the calling thread's settings
+  choose: ``KernelSettings(simd=...)``, ``set_packed_avx512``), AVX2, or
+  scalar.  On cores shared with other processes a team
   member is often off its core, and every parallel region then waits for it
   (a decode step runs ~30 of these products): after two products in a row
   that waited for their team longer than the caller's own share took, the
@@ -30,7 +31,7 @@ from libc.stdlib cimport free, malloc
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get, okv_settings_mine
 from onnxkv._kernels._ranges cimport _disjoint
 import numpy as np
 
@@ -96,11 +97,11 @@ cdef int _one_row_split_k(const float[:, ::1] x, const float[:, ::1] w, const fl
 
 
 cdef void _matmul(const float[:, ::1] x, const float[:, ::1] w, const float *bias,
-                  float[:, ::1] out) noexcept nogil:
+                  float[:, ::1] out, okv_settings st) noexcept nogil:
     cdef int64_t M = x.shape[0], K = x.shape[1], N = w.shape[1]
     cdef int64_t width = 0, nseg, s, n0, nb
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads()
+    cdef int simd = st.simd
+    cdef int nt = st.threads
     if M * K * N < PAR_MIN:
         nt = 1
     if M == 1 and K >= SPLIT_K_MIN and _one_row_split_k(x, w, bias, out, nt, simd) == 0:
@@ -136,7 +137,7 @@ def matmul_rows(x, w, out, bias=None):
         raise ValueError(f"w: expected {K} rows (x.shape[1]), got shape {w.shape}")
     V.array("out", out, (V.F32,), shape=(M, w.shape[1]), writeable=True)
     if _check_bias_overlap_empty(x, w, "w", out, bias):
-        _matmul(x, w, _data_or_null(bias), out)
+        _matmul(x, w, _data_or_null(bias), out, okv_settings_get())
 
 
 def _check_bias_overlap_empty(x, w, w_name, out, bias):
@@ -165,30 +166,34 @@ cdef const float *_data_or_null(const float[::1] a):
 #: Columns per panel of the packed weight layout (``pack_weight``).
 PANEL = 16
 
+cdef extern from "simd.h" nogil:
+    int okv_cpu_avx512_ok()
+
 cdef int _avx512_usable = okv_mmp_avx512_usable()
-cdef int _avx512 = _avx512_usable
 
 
 def set_packed_avx512(enabled: bool) -> bool:
-    """Let ``matmul_packed`` use its AVX-512 tiles (when the CPU has AVX-512F)
-    or only the AVX2 ones (to test and compare both on one machine).  The
-    global SIMD switch (``set_simd_enabled``) still selects the scalar path.
-    Returns whether the AVX-512 tiles are now in use."""
-    global _avx512
-    _avx512 = _avx512_usable if enabled else 0
-    return bool(_avx512)
+    """Let the calling thread's ``matmul_packed`` calls use their AVX-512
+    tiles (when the CPU and OS support AVX-512) or only the AVX2 ones (to test
+    and compare both on one machine).  One switch of the thread's settings
+    with ``attention.set_attention_avx512`` (``KernelSettings(simd=...)``);
+    other threads keep theirs.  The SIMD switch (``set_simd_enabled``) still
+    selects the scalar path.  Returns whether the AVX-512 tiles are now in
+    use."""
+    okv_settings_mine().avx512 = okv_cpu_avx512_ok() if enabled else 0
+    return bool(okv_settings_mine().avx512 and _avx512_usable)
 
 
-cdef inline int _packed_isa() noexcept nogil:
-    if not okv_simd():
+cdef inline int _packed_isa(okv_settings s) noexcept nogil:
+    if not s.simd:
         return OKV_MMP_SCALAR
-    return OKV_MMP_AVX512 if _avx512 else OKV_MMP_AVX2
+    return OKV_MMP_AVX512 if s.avx512 and _avx512_usable else OKV_MMP_AVX2
 
 
-cdef void _pack(const float[:, ::1] w, float[:, :, ::1] wp) noexcept nogil:
+cdef void _pack(const float[:, ::1] w, float[:, :, ::1] wp, okv_settings s) noexcept nogil:
     cdef int64_t K = w.shape[0], N = w.shape[1]
     cdef int64_t nblk = (K + 15) // 16, t, b0, b1
-    cdef int nt = okv_threads()
+    cdef int nt = s.threads
     if K * N < PAR_MIN:
         nt = 1
     if nt > nblk:
@@ -217,7 +222,7 @@ def pack_weight(w):
     off = (-buf.ctypes.data % 64) // 4
     wp = buf[off:off + n].reshape(P, Kd, PANEL)
     if n:
-        _pack(w, wp)
+        _pack(w, wp, okv_settings_get())
     return wp
 
 
@@ -225,19 +230,23 @@ DEF SOLO_CALLS = 64          # products run on the calling thread alone once a t
 DEF LATE_MIN_NS = 300000     # a wait for the team (ns) counts as late above this and above the caller's own share
 DEF LATE_RUN = 2             # late products in a row that start SOLO_CALLS (one alone is a wake-up hiccup)
 
-cdef int _solo_left = 0      # products still to run alone (see _matmul_packed)
-cdef bint _adaptive = True
-cdef int _late_run = 0      # late products in a row (see _matmul_packed)
+# Process-wide state of the late-team heuristic (see _matmul_packed; changed with the GIL held; results
+# never depend on it).  Whether it is used is a setting of the calling thread (okv_settings.adaptive).
+cdef int _solo_left = 0      # products still to run alone
+cdef int _late_run = 0      # late products in a row
 DEF MAX_TEAM = 64            # threads of one product at most (the claim ranges live on the stack)
 
 
 def _set_adaptive(enabled, solo=0):
-    """Private switch for benchmarks and tests: let ``matmul_packed`` run alone
-    after a late team (see ``_matmul_packed``), and set the number of products
-    still to run alone.  Returns the previous (enabled, products left)."""
-    global _adaptive, _solo_left
-    old = (bool(_adaptive), _solo_left)
-    _adaptive = bool(enabled)
+    """Private switch for benchmarks and tests: let the calling thread's
+    ``matmul_packed`` calls run alone after a late team (see
+    ``_matmul_packed``; a setting of this thread only), and set the number of
+    products still to run alone (process-wide heuristic state).  Returns the
+    previous (enabled, products left)."""
+    global _solo_left
+    cdef okv_settings *s = okv_settings_mine()
+    old = (bool(s.adaptive), _solo_left)
+    s.adaptive = 1 if enabled else 0
     _solo_left = max(0, int(solo))
     return old
 
@@ -249,7 +258,7 @@ cdef inline int64_t _now_ns() noexcept nogil:
 
 
 cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
-                         float[:, ::1] out) noexcept nogil:
+                         float[:, ::1] out, okv_settings s) noexcept nogil:
     """Threads claim chunks of panels (okv_matmul_packed_claim): each its own
     contiguous range from the front, then the others' from the back, so a
     thread that starts late or runs slower costs the team one chunk.  When
@@ -266,13 +275,13 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
     cdef int64_t P = wp.shape[0], t, t0, wait, chunk
     cdef uint64_t ranges[8 * MAX_TEAM]
     cdef int64_t done[1]
-    cdef int isa = _packed_isa()
-    cdef int nt = okv_threads()
+    cdef int isa = _packed_isa(s)
+    cdef int nt = s.threads
     if M * K * N < PAR_MIN:
         nt = 1
     if nt > P:
         nt = <int>P
-    if nt > 1 and _adaptive and _solo_left > 0:
+    if nt > 1 and s.adaptive and _solo_left > 0:
         _solo_left -= 1
         nt = 1
     if P >= (<int64_t>1 << 31):   # beyond the claim words (a weight of > 2^35 columns)
@@ -290,7 +299,7 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
         if t == 0:
             done[0] = _now_ns()
     wait = _now_ns() - done[0]
-    if _adaptive and wait > LATE_MIN_NS and wait > done[0] - t0:
+    if s.adaptive and wait > LATE_MIN_NS and wait > done[0] - t0:
         _late_run += 1
         if _late_run >= LATE_RUN:
             _solo_left = SOLO_CALLS
@@ -314,7 +323,7 @@ def _claim_in_turn(x, wp, out, int nt, order):
     cdef float[:, ::1] ov = out
     cdef int64_t M = xv.shape[0], K = xv.shape[1], N = ov.shape[1], P = wv.shape[0], chunk
     cdef uint64_t ranges[8 * MAX_TEAM]
-    cdef int t, isa = _packed_isa()
+    cdef int t, isa = _packed_isa(okv_settings_get())
     if not 1 <= nt <= min(P, MAX_TEAM):
         raise ValueError(f"nt: expected 1..{min(P, MAX_TEAM)}, got {nt}")
     chunk = okv_matmul_claim_setup(ranges, isa, M, K, P, nt)
@@ -357,7 +366,7 @@ cdef bint _packed_fast(x, wp, out, bias) except -1:
             and _disjoint(&ov[0, 0], onb, &wv[0, 0, 0], <size_t>(wv.shape[0] * K * PANEL) * sizeof(float))
             and (bp == NULL or _disjoint(&ov[0, 0], onb, bp, <size_t>N * sizeof(float)))):
         return False
-    _matmul_packed(xv, wv, bp, ov)
+    _matmul_packed(xv, wv, bp, ov, okv_settings_get())
     return True
 
 
@@ -387,4 +396,4 @@ def matmul_packed(x, wp, out, bias=None):
         raise ValueError(f"out: expected shape ({M}, N) with ceil(N / {PANEL}) == {wp.shape[0]} "
                          f"(wp.shape[0]), got {out.shape}")
     if _check_bias_overlap_empty(x, wp, "wp", out, bias):
-        _matmul_packed(x, wp, _data_or_null(bias), out)
+        _matmul_packed(x, wp, _data_or_null(bias), out, okv_settings_get())

@@ -9,7 +9,7 @@ call those checks refuse takes the Python checks, which name the bad argument.
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels._ranges cimport _disjoint, _same_or_disjoint
 import numpy as np
 
@@ -30,14 +30,14 @@ ctypedef fused real:
 DEF PAR_MIN = 16384  # elements below which a call runs on one thread
 
 
-cdef inline int _nt(Py_ssize_t work) noexcept nogil:
-    return okv_threads() if work >= PAR_MIN else 1
+cdef inline int _nt(Py_ssize_t work, int threads) noexcept nogil:
+    return threads if work >= PAR_MIN else 1
 
 
-cdef void _rms(const real[:, ::1] x, const real[::1] g, double eps, real[:, ::1] out) noexcept nogil:
+cdef void _rms(const real[:, ::1] x, const real[::1] g, double eps, real[:, ::1] out, okv_settings s) noexcept nogil:
     cdef Py_ssize_t r, rows = x.shape[0], n = x.shape[1]
-    cdef int simd = okv_simd()
-    for r in prange(rows, num_threads=_nt(rows * n), schedule='static'):
+    cdef int simd = s.simd
+    for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
         if real is float:
             okv_rms_row_f32(&x[r, 0], &g[0], <float>eps, &out[r, 0], n, simd)
         else:
@@ -46,11 +46,11 @@ cdef void _rms(const real[:, ::1] x, const real[::1] g, double eps, real[:, ::1]
 
 cdef void _skip_rms(const real[:, ::1] x, const real[:, ::1] skip, const real[::1] g, const real[::1] bias,
                     bint has_bias, double eps, real[:, ::1] out, real[:, ::1] sum_out,
-                    bint has_sum) noexcept nogil:
+                    bint has_sum, okv_settings s) noexcept nogil:
     cdef Py_ssize_t r, rows = x.shape[0], n = x.shape[1]
-    cdef int simd = okv_simd()
+    cdef int simd = s.simd
     cdef const real *bp = &bias[0] if has_bias else NULL
-    for r in prange(rows, num_threads=_nt(rows * n), schedule='static'):
+    for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
         if real is float:
             okv_skip_rms_row_f32(&x[r, 0], &skip[r, 0], bp, &g[0], <float>eps, &out[r, 0],
                                  &sum_out[r, 0] if has_sum else NULL, n, simd)
@@ -85,7 +85,7 @@ cdef bint _rms_fast(real tag, x, gamma, eps, out) except -1:
     if not (_same_or_disjoint(&ov[0, 0], &xv[0, 0], nb)
             and _disjoint(&ov[0, 0], nb, &gv[0], <size_t>n * sizeof(real))):
         return False
-    _rms(xv, gv, <double>eps, ov)
+    _rms(xv, gv, <double>eps, ov, okv_settings_get())
     return True
 
 
@@ -128,7 +128,7 @@ cdef bint _skip_rms_fast(real tag, x, skip, gamma, bias, eps, out, sum_out) exce
                         and _same_or_disjoint(sp, &kv[0, 0], nb) and _disjoint(sp, nb, &gv[0], vb)
                         and _disjoint(sp, nb, &bv[0], vb)):
         return False
-    _skip_rms(xv, kv, gv, bv, has_bias, <double>eps, ov, sv, has_sum)
+    _skip_rms(xv, kv, gv, bv, has_bias, <double>eps, ov, sv, has_sum, okv_settings_get())
     return True
 
 
@@ -161,9 +161,9 @@ def rms_norm(x, gamma, eps, out):
     if x.size == 0:
         return
     if x.dtype == V.F32:
-        _rms[float](x, gamma, eps, out)
+        _rms[float](x, gamma, eps, out, okv_settings_get())
     else:
-        _rms[double](x, gamma, eps, out)
+        _rms[double](x, gamma, eps, out, okv_settings_get())
 
 
 def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
@@ -205,7 +205,7 @@ def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
     has_sum = sum_out is not None
     if x.dtype == V.F32:
         _skip_rms[float](x, skip, gamma, bias if has_bias else gamma, has_bias, eps, out,
-                         sum_out if has_sum else out, has_sum)
+                         sum_out if has_sum else out, has_sum, okv_settings_get())
     else:
         _skip_rms[double](x, skip, gamma, bias if has_bias else gamma, has_bias, eps, out,
-                          sum_out if has_sum else out, has_sum)
+                          sum_out if has_sum else out, has_sum, okv_settings_get())

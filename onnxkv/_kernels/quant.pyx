@@ -33,7 +33,7 @@ from cython.parallel cimport prange
 
 import numpy as np
 
-from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from . import _validate as V
 
 cdef extern from "quant.h" nogil:
@@ -151,7 +151,7 @@ def _check_header(header, kind, H, G, fmt, scale, zero_point):
     cdef const uint8_t[::1] hv = header
     cdef float[::1] ds = dec_s
     cdef float[::1] dz = dec_z
-    _decode_header(kind, &hv[0], H, G, fmt, &ds[0], &dz[0], okv_simd())
+    _decode_header(kind, &hv[0], H, G, fmt, &ds[0], &dz[0], okv_settings_get().simd)
     bad = np.flatnonzero((dec_s != scale) | (dec_z != zero_point))
     if bad.size:
         i = int(bad[0])
@@ -240,10 +240,11 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     cdef uint8_t[::1] pv = out_page
     cdef uint8_t *base = &pv[0]
     cdef int64_t cH = H, cn = n, cD = D, cG = G, cbs = bs, ct0 = t, chb = hb, crow = row
-    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd(), given = header is not None
+    cdef okv_settings s = okv_settings_get()
+    cdef int cfmt = fmt, per_channel = G != 1, simd = s.simd, given = header is not None
     cdef Py_ssize_t r, rows = cH * cn
     cdef int64_t h, tok
-    cdef int nt = okv_threads() if rows * cD >= PAR_MIN else 1
+    cdef int nt = s.threads if rows * cD >= PAR_MIN else 1
     with nogil:
         if given:
             memcpy(base, &hv[0], chb)
@@ -291,10 +292,11 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     cdef float[:, :, ::1] ov = out
     cdef const uint8_t *base = &pv[0]
     cdef int64_t cH = H, cn = n, cD = D, cG = G, cbs = bs, chb = hb, crow = row
-    cdef int cfmt = fmt, per_channel = G != 1, simd = okv_simd(), ckind = kind
+    cdef okv_settings s = okv_settings_get()
+    cdef int cfmt = fmt, per_channel = G != 1, simd = s.simd, ckind = kind
     cdef Py_ssize_t r, rows = cH * cn
     cdef int64_t h, tok
-    cdef int nt = okv_threads() if rows * cD >= PAR_MIN else 1
+    cdef int nt = s.threads if rows * cD >= PAR_MIN else 1
     # The header is copied out (or decoded): a caller's page array need not be 4-byte aligned.
     cdef float *hdr = <float *>malloc(2 * cH * cG * sizeof(float))
     if hdr == NULL:

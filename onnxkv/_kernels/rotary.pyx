@@ -10,7 +10,7 @@ Python checks, which name the bad argument.
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels._ranges cimport _disjoint
 import numpy as np
 
@@ -24,12 +24,12 @@ DEF PAR_MIN = 16384
 
 
 cdef void _rope(const float[:, :, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin,
-                const int64_t[:, ::1] pos, int interleaved, float[:, :, :, ::1] out) noexcept nogil:
+                const int64_t[:, ::1] pos, int interleaved, float[:, :, :, ::1] out, okv_settings st) noexcept nogil:
     cdef Py_ssize_t B = x.shape[0], S = x.shape[1], H = x.shape[2], D = x.shape[3]
     cdef Py_ssize_t half = cos.shape[1], rows = B * S * H, i, b, s, h
     cdef int64_t p
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads() if rows * D >= PAR_MIN else 1
+    cdef int simd = st.simd
+    cdef int nt = st.threads if rows * D >= PAR_MIN else 1
     for i in prange(rows, num_threads=nt, schedule='static'):
         b = i // (S * H)
         s = (i // H) % S
@@ -80,7 +80,7 @@ cdef bint _rope_fast(x, cos, sin, positions, interleaved, out) except -1:
     if not ((o == xp or _disjoint(o, nb, xp, nb)) and _disjoint(o, nb, &cv[0, 0], tb)
             and _disjoint(o, nb, &sv[0, 0], tb)):
         return False
-    _rope(xv, cv, sv, pv, 1 if interleaved else 0, ov)
+    _rope(xv, cv, sv, pv, 1 if interleaved else 0, ov, okv_settings_get())
     return True
 
 
@@ -116,4 +116,4 @@ def rotary_embedding(x, cos, sin, positions, interleaved, out):
         if out is not x:
             out[...] = x
         return
-    _rope(x, cos, sin, positions, 1 if interleaved else 0, out)
+    _rope(x, cos, sin, positions, 1 if interleaved else 0, out, okv_settings_get())

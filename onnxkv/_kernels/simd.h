@@ -40,6 +40,31 @@ static int okv_thread_num(void) { return 0; }
 #endif
 
 /* ------------------------------------------------------------------ */
+/* Settings of one kernel call                                          */
+/* ------------------------------------------------------------------ */
+
+/* Thread count, instruction set and tuning of one kernel call.  The Python
+ * wrapper of a kernel takes a copy of the calling thread's current settings
+ * (onnxkv._kernels._runtime: okv_settings_get) and passes it down by value:
+ * no kernel reads a global setting, and OpenMP workers see only the struct of
+ * the call they work for, so two Python threads with different settings never
+ * race.  The instruction-set fields are already limited to what the CPU and
+ * OS can run. */
+typedef struct okv_settings {
+    int threads;      /* num_threads of every prange (>= 1) */
+    int simd;         /* 1: AVX2+FMA+F16C paths, 0: the scalar path */
+    int avx512;       /* 1: attention and matmul_packed may run their AVX-512 tiles */
+    int amx;          /* 1: inside the AVX-512 attention tiles, quantized keys on AMX-INT8 */
+    int amx_pv;       /* probabilities x values on AMX: 0 never, 1 with per-head key scales, 2 always */
+    int prefetch;     /* okv_attn_args.prefetch: 0 off, 1 into L1, 2 into L2, n >= 3 into L2 n-1 blocks ahead */
+    int pf_qk_lines;  /* okv_attn_args.pf_qk_lines */
+    int prefill_rg;   /* okv_attn_args.prefill_rg: query rows per row group of prefill units (1..8) */
+    int split_tasks;  /* attention: min. cache-split tasks per thread for long caches (0: split only to fill threads) */
+    int paged_heads;  /* KV heads per paged decode work unit (0: all) */
+    int adaptive;     /* 1: matmul_packed runs alone for a while after a late thread team */
+} okv_settings;
+
+/* ------------------------------------------------------------------ */
 /* CPU detection                                                        */
 /* ------------------------------------------------------------------ */
 

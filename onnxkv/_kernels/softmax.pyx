@@ -8,7 +8,7 @@ supported (results unspecified).
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport okv_threads, okv_simd
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from . import _validate as V
 
 cdef extern from "simd.h" nogil:
@@ -22,10 +22,10 @@ ctypedef fused real:
 DEF PAR_MIN = 16384
 
 
-cdef void _softmax(const real[:, ::1] x, real[:, ::1] out) noexcept nogil:
+cdef void _softmax(const real[:, ::1] x, real[:, ::1] out, okv_settings s) noexcept nogil:
     cdef Py_ssize_t r, rows = x.shape[0], n = x.shape[1]
-    cdef int simd = okv_simd()
-    cdef int nt = okv_threads() if rows * n >= PAR_MIN and rows > 1 else 1
+    cdef int simd = s.simd
+    cdef int nt = s.threads if rows * n >= PAR_MIN and rows > 1 else 1
     for r in prange(rows, num_threads=nt, schedule='static'):
         if real is float:
             okv_softmax_row_f32(&x[r, 0], &out[r, 0], n, simd)
@@ -45,6 +45,6 @@ def softmax(x, out):
     if x.size == 0:
         return
     if x.dtype == V.F32:
-        _softmax[float](x, out)
+        _softmax[float](x, out, okv_settings_get())
     else:
-        _softmax[double](x, out)
+        _softmax[double](x, out, okv_settings_get())

@@ -31,8 +31,11 @@ class Session:
     Args:
         model: a path (``.onnx`` file or GenAI folder), a :class:`Model` or a ModelProto.
         threads: threads for the OpenMP kernels *and* the BLAS under NumPy
-            (one setting, applied around every run); None = the cores this
-            process may use.
+            (one setting, applied around every run of this session only: the
+            kernel settings of the calling Python thread, whose other settings
+            -- SIMD level, AMX: ``onnxkv._kernels.use_settings`` -- the run
+            keeps); None = the cores this process may use.  The BLAS limit is
+            process-wide (see ``onnxkv._threads``); results never depend on it.
         allocator: an :class:`onnxkv.alloc.Allocator` for the plan's temporaries,
             all returned to it at the end of each run (None = the session's own
             :class:`~onnxkv.alloc.SystemAllocator`; the plan then keeps a run's

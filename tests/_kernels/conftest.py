@@ -1,4 +1,5 @@
-"""Fixtures for the kernel tests: thread count (1, 2) and SIMD path (on, off)."""
+"""Fixtures for the kernel tests: thread count (1, 2) and SIMD path (on, off),
+set in the test thread's kernel settings and restored after the test."""
 import numpy as np
 import pytest
 
@@ -7,17 +8,14 @@ import onnxkv._kernels as K
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
 def threads(request):
-    old = K.get_num_threads()
-    K.set_num_threads(request.param)
-    yield request.param
-    K.set_num_threads(old)
+    with K.use_settings(K.current_settings().replace(threads=request.param)):
+        yield request.param
 
 
 @pytest.fixture(params=[True, False], ids=["simd", "scalar"])
 def simd(request):
-    K.set_simd_enabled(request.param)
-    yield request.param
-    K.set_simd_enabled(True)
+    with K.use_settings(K.current_settings().replace(simd="auto" if request.param else "scalar")):
+        yield request.param
 
 
 def rand(rng, shape, dtype=np.float32, scale=1.0):

@@ -1,11 +1,20 @@
 import importlib
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 import onnxkv._kernels as K
+from concurrency import side_by_side
+from fuzzing import examples
+
+from .test_paged_attention import Paged
+
+A = sys.modules["onnxkv._kernels.attention"]
+MM = sys.modules["onnxkv._kernels.matmul"]
+RT = sys.modules["onnxkv._kernels._runtime"]
 
 
 def test_threads_roundtrip():
@@ -27,8 +36,7 @@ def test_threads_invalid(bad):
 
 def test_default_threads_is_cpu_count():
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    mod = sys.modules["onnxkv._kernels._runtime"]
-    assert mod._default_threads() == n
+    assert RT._default_threads() == n
 
 
 def test_simd_switch():
@@ -50,9 +58,10 @@ def test_openmp_flag():
 
 
 def test_public_api_names():
-    for name in ["set_num_threads", "get_num_threads", "openmp_enabled", "simd_path", "set_simd_enabled",
-                 "cpu_features", "rms_norm", "skip_rms_norm", "softmax", "silu_mul", "sigmoid", "silu",
-                 "rotary_embedding", "attention", "f16_to_f32", "f32_to_f16"]:
+    for name in ["KernelSettings", "current_settings", "use_settings", "simd_levels", "set_num_threads",
+                 "get_num_threads", "openmp_enabled", "simd_path", "set_simd_enabled", "cpu_features", "rms_norm",
+                 "skip_rms_norm", "softmax", "silu_mul", "sigmoid", "silu", "rotary_embedding", "attention",
+                 "f16_to_f32", "f32_to_f16"]:
         assert callable(getattr(K, name)), name
         assert name in K.__all__
 
@@ -107,3 +116,166 @@ def test_openmp_wait_policy_respects_the_user():
     code = "import os, onnxkv._kernels; print(os.environ['OMP_WAIT_POLICY'], os.environ.get('GOMP_SPINCOUNT'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
     assert out.stdout.split() == ["PASSIVE", "None"], out.stderr
+
+
+
+def test_settings_values_are_checked_immutable_and_compare_by_value():
+    s = K.KernelSettings(threads=3, simd="scalar", amx=False)
+    assert (s.threads, s.simd, s.amx) == (3, "scalar", False)
+    assert s == K.KernelSettings(threads=np.int64(3), simd="scalar", amx=False) and hash(s) == hash(s.replace())
+    assert s.replace(threads=1) == K.KernelSettings(threads=1, simd="scalar", amx=False) and s.threads == 3
+    assert K.KernelSettings().threads == RT._default_threads()
+    assert K.KernelSettings(simd="auto").simd == K.simd_levels()[-1]
+    assert K.KernelSettings(amx=False).amx is False
+    with pytest.raises(AttributeError):
+        s.threads = 2
+    assert repr(s) == "KernelSettings(threads=3, simd='scalar', amx=False)"
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(threads=0), "threads"), (dict(threads=K.MAX_THREADS + 1), "threads"), (dict(threads=True), "threads"),
+    (dict(threads=2.0), "threads"), (dict(threads="2"), "threads"), (dict(simd="avx3"), "simd"),
+    (dict(simd=None), "simd"), (dict(simd=1), "simd"), (dict(amx=1), "amx"), (dict(amx=None), "amx")])
+def test_invalid_settings_are_rejected_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"KernelSettings: {field} must be"):
+        K.KernelSettings(**kwargs)
+    with pytest.raises(ValueError, match=f"KernelSettings: {field} must be"):
+        K.KernelSettings().replace(**kwargs)
+    with pytest.raises(ValueError, match="use_settings: settings must be a KernelSettings, got dict"):
+        K.use_settings(kwargs)
+
+
+def test_a_level_the_cpu_cannot_run_is_rejected():
+    missing = [level for level in ("scalar", "avx2", "avx512") if level not in K.simd_levels()]
+    assert K.simd_levels()[0] == "scalar" and set(K.simd_levels()) <= {"scalar", "avx2", "avx512"}
+    for level in missing:
+        with pytest.raises(ValueError, match=f"simd='{level}' is not available on this CPU and OS"):
+            K.KernelSettings(simd=level)
+
+
+def test_use_settings_nests_and_restores_the_thread_settings():
+    outer, inner = K.KernelSettings(threads=1, simd="scalar"), K.KernelSettings(threads=3, amx=False)
+    before = K.current_settings()
+    with K.use_settings(outer) as got:
+        assert got is outer and K.current_settings() == outer
+        assert (K.get_num_threads(), K.simd_path(), A.attention_simd_level()) == (1, "scalar", "scalar")
+        with pytest.raises(ZeroDivisionError):
+            with K.use_settings(inner):
+                assert K.current_settings() == inner and K.get_num_threads() == 3
+                K.set_num_threads(2)            # changed inside: undone on exit too
+                A._set_split_tasks(5)
+                1 / 0
+        assert K.current_settings() == outer
+    assert K.current_settings() == before
+
+
+def test_one_scope_cannot_be_entered_twice_at_once():
+    scope = K.use_settings(K.KernelSettings(threads=1))
+    with scope:
+        with pytest.raises(RuntimeError, match="already active"):
+            scope.__enter__()
+        assert K.get_num_threads() == 1
+    with scope:                                 # once left, it can be entered again
+        assert K.get_num_threads() == 1
+
+
+def _in_new_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_switches_act_on_the_calling_thread_and_new_threads_start_from_the_defaults():
+    with K.use_settings(K.current_settings()):         # restores whatever the switches change
+        K.set_num_threads(1)
+        K.set_simd_enabled(False)
+        A.set_attention_amx(False)
+        A._set_split_tasks(7)
+        MM._set_adaptive(False)
+        changed = K.current_settings()
+        assert repr(changed).endswith(", _split_tasks=7, _adaptive=0)")
+        fresh = _in_new_thread(K.current_settings)
+        assert fresh == K.KernelSettings() and fresh != changed
+        assert K.current_settings() == changed
+
+        def switch_there():
+            K.set_num_threads(3)
+            A.set_attention_avx512(False)
+            return K.current_settings()
+
+        there = _in_new_thread(switch_there)
+        assert there.threads == 3 and there.simd == K.simd_levels()[min(1, len(K.simd_levels()) - 1)]
+        assert K.current_settings() == changed      # not seen here
+
+
+def test_every_kernel_call_takes_the_calling_thread_settings():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    g = rng.standard_normal(32).astype(np.float32)
+    calls = [lambda: K.softmax(x, np.empty_like(x)), lambda: K.rms_norm(x, g, 1e-6, np.empty_like(x)),
+             lambda: K.silu(x, np.empty_like(x)), lambda: K.f32_to_f16(x, np.empty(x.shape, np.float16)),
+             lambda: K.matmul_rows(x, x.T.copy(), np.empty((4, 4), np.float32))]
+    for settings in (K.KernelSettings(threads=1, simd="scalar"), K.KernelSettings(threads=2, amx=False)):
+        with K.use_settings(settings):
+            for call in calls:
+                before = RT._settings_seen()[1]
+                call()
+                assert RT._settings_seen() == (settings, before + 1)
+
+
+def _kernel_work(rng):
+    """Kernel calls (each returns its output) whose results differ between the
+    scalar and the SIMD paths, and (attention's cache split) between 1 and 2
+    threads."""
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 2048, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 1, 2048, 64)).astype(np.float32)
+    kv_len, q_pos = np.array([2048], np.int32), np.array([[2047]], np.int32)
+    pg = Paged(rng, k, v, 16)
+    x = rng.standard_normal((64, 512)).astype(np.float32)
+    g = rng.standard_normal(512).astype(np.float32)
+    wp = MM.pack_weight(rng.standard_normal((512, 512)).astype(np.float32))
+
+    def into(shape, kernel):
+        def run():
+            out = np.full(shape, np.nan, np.float32)
+            kernel(out)
+            return out
+        return run
+
+    return [
+        into(x.shape, lambda o: K.softmax(x, o)),
+        into(x.shape, lambda o: K.rms_norm(x, g, 1e-6, o)),
+        into(q.shape, lambda o: K.attention(q, k, v, kv_len, q_pos, 0.125, 0.0, -1, o)),
+        into(q.shape, lambda o: pg.kernel(q, 1, kv_len, q_pos, 0.125, 0.0, -1, o, "float32")),
+        into((1, 512), lambda o: MM.matmul_packed(x[:1], wp, o)),
+    ]
+
+
+def test_two_threads_with_their_own_settings_never_see_each_other():
+    """Barrier-synchronised kernel calls from two Python threads, one with 1
+    thread on the scalar path, one with 2 threads on the widest level: each
+    call takes its own thread's settings (the test hook) and gives, bit for
+    bit, the result of the same call made alone."""
+    mine = [K.KernelSettings(threads=1, simd="scalar"), K.KernelSettings(threads=2, simd=K.simd_levels()[-1])]
+    calls = _kernel_work(np.random.default_rng(7))
+    want = []
+    for settings in mine:
+        with K.use_settings(settings):
+            want.append([call() for call in calls])
+    # the two settings give other bits for attention: cross-talk would show in the results
+    assert not np.array_equal(want[0][2], want[1][2])
+
+    def work(i, r):
+        with K.use_settings(mine[i]):
+            for c, call in enumerate(calls):
+                got = call()
+                seen, _ = RT._settings_seen()
+                assert seen == mine[i], f"thread {i} round {r} call {c}: took {seen}"
+                np.testing.assert_array_equal(got, want[i][c], err_msg=f"thread {i} round {r} call {c}")
+
+    before = K.current_settings()
+    side_by_side(work, examples(20))
+    assert K.current_settings() == before
