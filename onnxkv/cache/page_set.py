@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from onnxkv import _kernels
+from onnxkv._kernels import _validate as V
 from onnxkv.alloc import as_allocator
 from onnxkv.cache import formats
 from onnxkv.cache.contiguous import stored_to_float32
@@ -350,11 +351,11 @@ class PageSet:
             idx = np.asarray(indices)
             if idx.ndim != 1 or idx.dtype.kind not in "iu":
                 raise InputError(f"{api}: {indices_name} must be a 1-D int array, got {idx.dtype} {list(idx.shape)}")
-            idx = idx.astype(np.int64)
-            bad = np.flatnonzero((idx < 0) | (idx >= self.num_pages))
+            bad = np.flatnonzero(V.outside(idx, 0, self.num_pages - 1))  # in the ids' own width: none wraps
             if bad.size:
                 raise InputError(f"{api}: {indices_name}[{int(bad[0])}] = {int(idx[bad[0]])} is not a page id in "
                                  f"[0, {self.num_pages})")
+            idx = idx.astype(np.int64)
             unique, counts = np.unique(idx, return_counts=True)
             if (counts > 1).any():
                 raise InputError(f"{api}: {indices_name} must be distinct, page {int(unique[counts > 1][0])} is "

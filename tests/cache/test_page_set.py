@@ -136,6 +136,10 @@ def bad_calls():
     zero = np.zeros((2, H), np.float32)
     return [
         (np.array([0, 6]), [PlaneTarget("int8", ones, zero), None], r"indices\[1\] = 6 is not a page id in \[0, 6\)"),
+        (np.array([0, 2**64 - 1], np.uint64), [PlaneTarget("int8", ones, zero), None],  # not wrapped to -1
+         r"indices\[1\] = 18446744073709551615 is not a page id in \[0, 6\)"),
+        (np.array([-2**63, 1], np.int64), [PlaneTarget("int8", ones, zero), None],
+         r"indices\[0\] = -9223372036854775808 is not a page id"),
         (np.array([2, 2]), [PlaneTarget("int8", ones, zero), None], "distinct, page 2 is selected 2 times"),
         (np.array([[0, 1]]), [PlaneTarget("int8", ones, zero), None], "indices must be a 1-D int array"),
         (np.array([0, 1]), [PlaneTarget("int8", ones[:1], zero[:1]), None], r"scale must be \[2, 2\]"),
