@@ -63,7 +63,9 @@ __all__ = ["PageSet", "PlaneTarget", "ConvertCost"]
 _NATIVE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 _ALIGNMENT = 64
 _FLOAT_CODES = [f.code for f in formats.FORMATS if f.is_float]
-_lock = threading.Lock()
+#: Guards ``_handles``.  Re-entrant: a garbage collection inside a locked section (any allocation may
+#: start one) can free a dead tensor there and run its finalizer, which takes the lock too.
+_lock = threading.RLock()
 #: id(tensor) -> its handle, while the tensor object is alive.
 _handles: dict[int, PageSet] = {}
 
