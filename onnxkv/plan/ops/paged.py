@@ -309,11 +309,11 @@ class PagedAttention(Op):
         past_lens = _starts(seqlens_k, names[5], b, False, s, self.max_tokens, f"max_tokens = {self.max_tokens}",
                             self._fail)
         kv_len = past_lens + s
+        y = rt.empty(0, (b, s, hq * d), query.dtype)
+        if s == 0 or b == 0:  # no query reads a key, no token is written: no table entry is used
+            return y, past
         used = _blocks_used(self._first_visible(past_lens) // bs, (kv_len + bs - 1) // bs, table.shape[1])
         _check_pages(table, names[4], used, past.shape[0], self._fail)
-        y = rt.empty(0, (b, s, hq * d), query.dtype)
-        if s == 0 or b == 0:
-            return y, past
         pages, offsets = _write_slots(table, names[4], past_lens, s, bs, self._fail)
         handle = PageSet.of(past)
         _reject_converted(handle, pages, self.past_name, self._fail)

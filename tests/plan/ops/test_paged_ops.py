@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 import onnx
 import pytest
+from _attn_harness import owned_zeros
 from onnx import TensorProto, helper
 
 import onnxkv
@@ -344,14 +343,6 @@ def test_attention_rejects_unusable_storage_before_writing():
     np.testing.assert_array_equal(shared[:P], past)
 
 
-def owned_zeros(shape, dtype, offset=0):
-    """Zeros in a buffer the array owns (mmap, page aligned) at ``offset`` bytes past a page: 0 gives the
-    64-byte aligned pages the paged kernel reads in place, 16 pages it cannot (the gather path)."""
-    count = int(np.prod(shape))
-    buffer = mmap.mmap(-1, offset + max(count * np.dtype(dtype).itemsize, 1))
-    return np.frombuffer(buffer, dtype, count, offset).reshape(shape)
-
-
 #: The largest max_tokens (int32 positions) over 2**15 pages of 2**16 tokens: a small table and one page.
 BIG_BS, BIG_M = 1 << 16, 1 << 15
 
@@ -431,9 +422,11 @@ def test_a_window_of_max_tokens_or_more_is_no_window(window):
     np.testing.assert_array_equal(got["present"], want["present"])
 
 
-def test_zero_new_tokens_write_nothing():
+@pytest.mark.parametrize("table", [None, np.full((2, 6), -1, np.int32)], ids=["pages", "no-pages"])
+def test_zero_new_tokens_write_nothing(table):
+    """No query, no write: nothing changes, and the block table is not looked at (-1 was refused)."""
     rng = np.random.default_rng(11)
-    feeds = _attention_feeds(rng)
+    feeds = _attention_feeds(rng) if table is None else _attention_feeds(rng, table=table)
     for name in ("Q", "K", "V"):
         feeds[name] = feeds[name][:, :0].copy()
     before = feeds["past"].copy()
