@@ -361,6 +361,8 @@ class GroupQueryAttention(Op):
         arr = np.asarray(value)
         if arr.dtype.kind not in "iu":
             raise self._input_error(f"{name} must be int32, got {arr.dtype}")
+        if np.can_cast(arr.dtype, np.int32):  # every value of the dtype fits (int32 itself: the usual case)
+            return
         bad = V.outside(arr, -V.I32_MAX - 1, V.I32_MAX)
         if bad.any():
             at = int(np.argmax(bad))
