@@ -56,12 +56,25 @@ I32_MAX = int(np.iinfo(np.int32).max)
 
 
 def positive_int(name, x):
-    """``x`` as a Python int >= 1 (``TypeError`` if it is not an integer)."""
+    """``x`` as a Python int in [1, I32_MAX] (``TypeError`` if it is not an integer): a size the kernels
+    multiply in int64 and index with int32."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name}: must be >= 1, got {x}")
+    if not 1 <= x <= I32_MAX:
+        raise ValueError(f"{name}: must be in [1, {I32_MAX}], got {x}")
     return int(x)
+
+
+def outside(values, lo, hi):
+    """Bool mask of the elements of the integer array ``values`` outside [lo, hi] (Python ints of any
+    size), compared in the array's own dtype: exact for every width (a uint64 above the int64 range or
+    an int64 near its limits never wraps), whatever NumPy's promotion rules."""
+    info = np.iinfo(values.dtype)
+    lo, hi = max(int(lo), int(info.min)), min(int(hi), int(info.max))
+    if lo > hi:
+        return np.ones(values.shape, bool)
+    kind = values.dtype.type
+    return (values < kind(lo)) | (values > kind(hi))
 
 
 def as_int32(name, a, lo, hi, shape):

@@ -330,10 +330,15 @@ def _scalars(scale, softcap, window):
     softcap = float(softcap)
     if not (isfinite(softcap) and softcap >= 0.0):
         raise ValueError(f"softcap: must be finite and >= 0, got {softcap}")
-    window = int(window)
-    if window < -1:
-        raise ValueError(f"window: must be >= -1, got {window}")
-    return scale, softcap, window
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+        raise ValueError(f"window: expected an int, got {type(window).__name__}")
+    if not -1 <= window <= _MAX_WINDOW:
+        raise ValueError(f"window: must be in [-1, {_MAX_WINDOW}] (-1 = unlimited), got {window}")
+    return scale, softcap, int(window)
+
+
+#: Largest window: positions are int32, so a larger window sees as much, and p - window never overflows.
+_MAX_WINDOW = 1 << 62
 
 
 cdef bint _scalars_ok(scale, softcap, window) except -1:
@@ -342,7 +347,7 @@ cdef bint _scalars_ok(scale, softcap, window) except -1:
     [-1, 2**62] (anything else takes ``_scalars``)."""
     return (isinstance(scale, float) and isinstance(softcap, float) and isinstance(window, int)
             and isfinite(<double>scale) and isfinite(<double>softcap) and <double>softcap >= 0.0
-            and -1 <= window <= (1 << 62))
+            and -1 <= window <= _MAX_WINDOW)
 
 
 cdef int64_t _lengths_max(const int32_t[::1] lens, int64_t hi) noexcept nogil:
@@ -454,7 +459,7 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
              j >= p - window
     kv_start [B] int32 in [0, Cap] or None (all zeros): left padding
     scale    float multiplying q.k; softcap > 0: s = softcap*tanh(s/softcap); 0 = off
-    window   int >= -1 (-1 = unlimited)
+    window   int in [-1, 2**62] (-1 = unlimited)
     kv_dtype None (infer float32/float16 from k.dtype), "float32", "float16" or
              "bfloat16" (k, v must then be uint16); keyword only.
     Hq must be a multiple of Hkv (MHA, GQA, MQA).  A query row with no visible
@@ -926,9 +931,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
                  hold a key visible to some query of the call are read; all
                  others (past kv_len, wholly outside every query's window) may
                  be -1 and their pages are never touched.
-    block_size   int >= 1 (bs): keys per page
-    kv_heads     int >= 1 dividing Hq (MHA, GQA, MQA)
-    kv_len       [B] int32 or int64 in [0, M*bs]
+    block_size   int in [1, 2**31 - 1] (bs): keys per page
+    kv_heads     int in [1, 2**31 - 1] dividing Hq (MHA, GQA, MQA)
+    kv_len       [B] int32 or int64 in [0, min(M*bs, 2**31 - 1)] (checked in its own width)
     q_pos        [B, Sq] int32 or int64 (int32 range): absolute position p of
                  each query token; it sees keys j with kv_start[b] <= j <= p,
                  j < kv_len[b] and, if window >= 0, j >= p - window

@@ -37,7 +37,9 @@ def page_write(new, pages, tables, starts, block_size):
     new     C-contiguous [B, H, S, D] of any element type (the pages' type)
     pages   uint64 [P] page addresses (0 = no page)
     tables  int32 [B, M] logical block -> page id
-    starts  int64 [B] first position written per row (>= 0)
+    starts  [B] of any integer dtype: first position written per row, in
+            [0, M * block_size - S] (checked in its own width)
+    block_size int in [1, 2**31 - 1]
     Raises ValueError naming the argument (bad shapes, a written block past M,
     an entry outside [0, P) or a page address of 0) before writing anything.
     """
@@ -51,23 +53,31 @@ def page_write(new, pages, tables, starts, block_size):
     M = tables.shape[1]
     if tables.shape[0] != B:
         raise ValueError(f"tables: expected {B} rows, got shape {tables.shape}")
-    st = np.ascontiguousarray(starts, dtype=np.int64)
-    if st.shape != (B,):
-        raise ValueError(f"starts: expected shape ({B},), got {st.shape}")
+    if not isinstance(starts, np.ndarray) or starts.dtype.kind not in "iu" or starts.shape != (B,):
+        got = f"{starts.dtype} {starts.shape}" if isinstance(starts, np.ndarray) else type(starts).__name__
+        raise ValueError(f"starts: expected an integer array of shape ({B},), got {got}")
     if B and S:
-        if st.min() < 0 or st.max() + S > M * bs:
-            raise ValueError(f"starts: positions [{int(st.min())}, {int(st.max()) + S}) do not fit {M} blocks of "
-                             f"{bs} tokens")
+        bad = V.outside(starts, 0, M * bs - S)
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"starts: row {b} = {int(starts[b])} does not fit {S} new tokens in {M} blocks of {bs} "
+                             f"tokens (expected [0, {M * bs - S}])")
+        st = starts.astype(np.int64)    # lossless: checked in its own width above
         first, last = st // bs, (st + S - 1) // bs
         if (first == last).all():  # every row writes inside one block (decode)
-            ids = tables[np.arange(B), first]
+            rows, blocks = np.arange(B), first
         else:
             cols = np.arange(M)
-            ids = tables[(cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])]
+            rows, blocks = np.nonzero((cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]))
+        ids = tables[rows, blocks]
         P = pages.shape[0]
-        if ids.min() < 0 or ids.max() >= P or not pages[ids].all():
-            raise ValueError(f"tables: a written block holds {ids.tolist()}, expected page ids in [0, {P}) with a "
-                             "nonzero address")
+        bad = (ids < 0) | (ids >= P)
+        bad[~bad] = pages[ids[~bad]] == 0
+        if bad.any():
+            k = int(np.argmax(bad))
+            b, i = int(rows[k]), int(blocks[k])
+            raise ValueError(f"tables: row {b}, block {i} is written but holds {int(tables[b, i])} (expected a page "
+                             f"id in [0, {P}) with a nonzero address)")
     if not (B and S and H and D):
         return
     cdef const char[::1] src = new.reshape(-1).view(np.int8)

@@ -62,10 +62,11 @@ U8 = np.dtype(np.uint8)
 
 
 def _int(name, x, lo):
+    """``x`` as a Python int in [lo, 2**31 - 1]: sizes and token counts the C code multiplies in int64."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
         raise ValueError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < lo:
-        raise ValueError(f"{name}: must be >= {lo}, got {x}")
+    if not lo <= x <= V.I32_MAX:
+        raise ValueError(f"{name}: must be in [{lo}, {V.I32_MAX}], got {x}")
     return int(x)
 
 

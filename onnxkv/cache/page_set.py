@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from onnxkv import _kernels
+from onnxkv._kernels import _validate as V
 from onnxkv.alloc import as_allocator
 from onnxkv.alloc.checked import release
 from onnxkv.cache import formats
@@ -63,8 +64,9 @@ __all__ = ["PageSet", "PlaneTarget", "ConvertCost"]
 _NATIVE = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 _ALIGNMENT = 64
 _FLOAT_CODES = [f.code for f in formats.FORMATS if f.is_float]
-#: Guards the registry; re-entrant because a collection inside a locked section may run the payload
-#: finalizer of a dead tensor (:func:`_release_payloads`), which takes it too.
+#: Guards ``_handles``.  Re-entrant: a garbage collection inside a locked section (any allocation may
+#: start one) can free a dead tensor there and run its finalizer (:func:`_release_payloads`), which takes
+#: the lock too.
 _lock = threading.RLock()
 #: id(tensor) -> its handle, while the tensor object is alive.
 _handles: dict[int, PageSet] = {}
@@ -353,11 +355,11 @@ class PageSet:
             idx = np.asarray(indices)
             if idx.ndim != 1 or idx.dtype.kind not in "iu":
                 raise InputError(f"{api}: {indices_name} must be a 1-D int array, got {idx.dtype} {list(idx.shape)}")
-            idx = idx.astype(np.int64)
-            bad = np.flatnonzero((idx < 0) | (idx >= self.num_pages))
+            bad = np.flatnonzero(V.outside(idx, 0, self.num_pages - 1))  # in the ids' own width: none wraps
             if bad.size:
                 raise InputError(f"{api}: {indices_name}[{int(bad[0])}] = {int(idx[bad[0]])} is not a page id in "
                                  f"[0, {self.num_pages})")
+            idx = idx.astype(np.int64)
             unique, counts = np.unique(idx, return_counts=True)
             if (counts > 1).any():
                 raise InputError(f"{api}: {indices_name} must be distinct, page {int(unique[counts > 1][0])} is "

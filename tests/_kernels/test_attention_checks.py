@@ -130,7 +130,11 @@ def _attention_refusals():
         (dict(ok, kv_start=np.array([0, 1, 2], np.int32)), "kv_start: expected shape (2,), got (3,)"),
         (dict(ok, scale=float("nan")), "scale: must be finite, got nan"),
         (dict(ok, softcap=-1.0), "softcap: must be finite and >= 0, got -1.0"),
-        (dict(ok, window=-2), "window: must be >= -1, got -2"),
+        (dict(ok, window=-2), "window: must be in [-1, 4611686018427387904] (-1 = unlimited), got -2"),
+        # p - window overflowed int64 (an OverflowError, or a wrapped window in C); a float was truncated
+        (dict(ok, window=2**63), "window: must be in [-1, 4611686018427387904] (-1 = unlimited), "
+                                 "got 9223372036854775808"),
+        (dict(ok, window=2.0), "window: expected an int, got float"),
         (dict(ok, kv_dtype="int8"), "kv_dtype: must be None, 'float32', 'float16' or 'bfloat16', got 'int8'"),
     ]
 
@@ -304,14 +308,23 @@ def _paged_refusals():
         (dict(ok, k_pages=pg.k_addr.astype(np.int64)), ValueError,
          "k_pages: dtype int64 is not supported (expected uint64)"),
         (dict(ok, block_tables=pg.table[:1].copy()), ValueError, "block_tables: expected shape [2, M], got (1, 4)"),
-        (dict(ok, block_size=0), ValueError, "block_size: must be >= 1, got 0"),
+        (dict(ok, block_size=0), ValueError, "block_size: must be in [1, 2147483647], got 0"),
         (dict(ok, block_size=4.0), TypeError, "block_size: expected an int, got float"),
         (dict(ok, kv_heads=3), ValueError, "kv_heads: 3 must divide the number of query heads 4"),
         (dict(ok, kv_heads=True), TypeError, "kv_heads: expected an int, got bool"),
         (dict(ok, kv_len=np.array([9, 17], np.int32)), ValueError,
          "kv_len: values must be in [0, 16], got range [9, 17]"),
+        (dict(ok, kv_len=np.array([9, 2**32 + 4], np.int64)), ValueError,  # not narrowed to 4
+         "kv_len: values must be in [0, 16], got range [9, 4294967300]"),
+        (dict(ok, q_pos=np.array([[7, 8], [14, 2**31]], np.int64)), ValueError,
+         "q_pos: values must be in [-2147483648, 2147483647], got range [7, 2147483648]"),
+        (dict(ok, block_size=2**31), ValueError, "block_size: must be in [1, 2147483647], got 2147483648"),
+        (dict(ok, kv_heads=2**63), ValueError, "kv_heads: must be in [1, 2147483647], got 9223372036854775808"),
+        (dict(ok, window=2**62 + 1), ValueError,
+         "window: must be in [-1, 4611686018427387904] (-1 = unlimited), got 4611686018427387905"),
+        (dict(ok, window=np.float64(3)), ValueError, "window: expected an int, got float64"),
         (dict(ok, q_pos=qp[:, :1].copy()), ValueError, "q_pos: expected shape (2, 2), got (2, 1)"),
-        (dict(ok, window=-3), ValueError, "window: must be >= -1, got -3"),
+        (dict(ok, window=-3), ValueError, "window: must be in [-1, 4611686018427387904] (-1 = unlimited), got -3"),
         (dict(ok, softcap=float("inf")), ValueError, "softcap: must be finite and >= 0, got inf"),
         (dict(ok, kv_dtype="int8"), ValueError,
          "kv_dtype: must be None, 'float32', 'float16' or 'bfloat16', got 'int8'"),

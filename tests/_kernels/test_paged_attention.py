@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from fuzzing import examples
 
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
@@ -305,3 +306,91 @@ def test_out_overlapping_q_rejected():
     kw = dict(kw, block_tables=np.zeros((2, 4), np.int32))
     with pytest.raises(ValueError, match="out"):
         K.paged_attention(out=kw["q"], **kw)
+
+
+# ---------------------------------------------------------------- hostile tables, lengths and positions
+
+#: Integers at the limits of the widths a table entry, length or position may come in.
+EDGES = (-2**63, -2**31 - 1, -2**31, -1, 2**31 - 1, 2**31, 2**32 + 4, 2**62 + 1, 2**63 - 1)
+
+
+def _hostile_ints(rng, shape, lo, hi, rate):
+    """Ints in [lo, hi], a fraction ``rate`` replaced by an edge of some width (or just past the range)."""
+    values = rng.integers(lo, hi + 1, shape).astype(object)
+    edges = np.array(EDGES + (lo - 1, hi + 1), object)
+    pick = rng.random(shape) < rate
+    values[pick] = rng.choice(edges, int(pick.sum()))
+    return values
+
+
+def _as(values, dtype):
+    """``values`` (object ints) as ``dtype``, or None when one does not fit it (the call is then skipped)."""
+    info = np.iinfo(dtype)
+    flat = [int(x) for x in np.asarray(values, object).reshape(-1)]
+    if any(not info.min <= x <= info.max for x in flat):
+        return None
+    return np.array(flat, dtype).reshape(np.shape(values))
+
+
+def _hostile_paged_call(rng):
+    """Keyword arguments of a random paged_attention call (often hostile) and whether its contract accepts it,
+    decided from the arguments alone in Python ints."""
+    B, Hkv, group, Sq, D = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 3)), \
+        int(rng.integers(1, 4)), 8
+    bs, M, P = int(rng.choice([1, 2, 4])), int(rng.integers(1, 5)), int(rng.integers(1, 8))
+    pages = [[ALLOC.allocate(Hkv * bs * D * 4, 64).view(np.float32, (Hkv, bs, D)) for _ in range(P)]
+             for _ in range(2)]
+    for plane in pages:
+        for page in plane:
+            page[...] = rng.standard_normal(page.shape)
+    rate = float(rng.choice([0.0, 0.1, 0.3]))  # a third of the calls keep to the contract's ranges
+    table = _hostile_ints(rng, (B, M), 0, P - 1, rate)
+    kv_len = _hostile_ints(rng, (B,), 0, M * bs, rate)
+    q_pos = _hostile_ints(rng, (B, Sq), -1, M * bs, rate)
+    window = int(rng.choice([-1, -1, 0, 1, 3, 2**62, 2**62 + 1] if rate else [-1, 0, 1, 3, 2**62]))
+    table_dtype = np.int64 if rate and rng.random() < 0.1 else np.int32
+    len_dtype, pos_dtype = (rng.choice([np.int32, np.int64, np.uint32] if rate else [np.int32, np.int64])
+                            for _ in range(2))
+    args = dict(q=rand(rng, (B, Hkv * group, Sq, D)), block_tables=_as(table, table_dtype),
+                kv_len=_as(kv_len, len_dtype), q_pos=_as(q_pos, pos_dtype), window=window, block_size=bs,
+                kv_heads=Hkv, scale=D ** -0.5, softcap=0.0)
+    if any(args[name] is None for name in ("block_tables", "kv_len", "q_pos")):
+        return None
+    lens, pos = [int(x) for x in kv_len], [[int(x) for x in row] for row in q_pos]
+    ok = (table_dtype == np.int32 and len_dtype != np.uint32 and pos_dtype != np.uint32
+          and all(0 <= n <= min(M * bs, 2**31 - 1) for n in lens)
+          and all(-2**31 <= p < 2**31 for row in pos for p in row) and window <= 2**62)
+    if ok:  # every block a query sees holds a page id (the rule, one token at a time)
+        for b in range(B):
+            for p in pos[b]:
+                lo, hi = (max(p - window, 0) if window >= 0 else 0), min(p + 1, lens[b])
+                for i in range(lo // bs, (hi - 1) // bs + 1) if lo < hi else ():
+                    ok = ok and 0 <= int(table[b, i]) < P
+    return args, pages, ok
+
+
+def test_hostile_tables_lengths_and_positions_are_refused_or_match_the_twin(simd):
+    """Random calls with entries, lengths, positions and windows at the limits of their widths: a call the
+    contract accepts equals the twin, any other raises and leaves ``out`` alone (pages are never written)."""
+    accepted = refused = 0
+    for it in range(examples(60)):
+        rng = np.random.default_rng([23, it])
+        drawn = _hostile_paged_call(rng)
+        if drawn is None:
+            continue
+        args, pages, ok = drawn
+        addrs = [np.array([p.__array_interface__["data"][0] for p in plane], np.uint64) for plane in pages]
+        out = np.full(args["q"].shape, 42.0, np.float32)
+        where = f"case [23, {it}] (valid: {ok}): {args}"
+        if not ok:
+            with pytest.raises((ValueError, TypeError)):
+                K.paged_attention(k_pages=addrs[0], v_pages=addrs[1], out=out, **args)
+            assert np.all(out == 42.0), where
+            refused += 1
+            continue
+        K.paged_attention(k_pages=addrs[0], v_pages=addrs[1], out=out, **args)
+        want = np.full_like(out, np.nan)
+        R.paged_attention(k_pages=pages[0], v_pages=pages[1], out=want, **args)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=where)
+        accepted += 1
+    assert accepted >= examples(60) // 10 and refused >= examples(60) // 10

@@ -217,6 +217,7 @@ def _args(rng):
     (dict(zero_point="f64"), "zero_point"),
     (dict(out_page="small"), "out_page"), (dict(out_page="u16"), "out_page"), (dict(out_page="ro"), "out_page"),
     (dict(t0=2), "t0"), (dict(t0=-1), "t0"), (dict(block_size=0), "block_size"),
+    (dict(t0=2**63), "t0"), (dict(block_size=2**64), "block_size"), (dict(group=2**63), "group"),
 ])
 def test_quantize_rejects_bad_arguments(change, name):
     rng = np.random.default_rng(3)
@@ -242,6 +243,9 @@ def test_quantize_rejects_bad_arguments(change, name):
     (dict(fmt_code=10), "fmt_code"), (dict(heads=0), "heads"), (dict(head_size=6, out="d6"), "head_size"),
     (dict(tokens=5), "tokens"), (dict(page="small"), "page"), (dict(page="i8"), "page"),
     (dict(out="shape"), "out"), (dict(out="f64"), "out"), (dict(group=2), "group"),
+    # sizes past int64 raised OverflowError converting to C
+    (dict(heads=2**64), "heads"), (dict(block_size=2**63), "block_size"), (dict(head_size=2**63), "head_size"),
+    (dict(tokens=2**64), "tokens"), (dict(heads=np.uint64(2**64 - 1)), "heads"),
 ])
 def test_dequantize_rejects_bad_arguments(change, name):
     rng = np.random.default_rng(4)

@@ -1,5 +1,8 @@
 """PageSet: per-page formats of a caller-indexed page tensor, converted all or nothing."""
 import gc
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -136,6 +139,10 @@ def bad_calls():
     zero = np.zeros((2, H), np.float32)
     return [
         (np.array([0, 6]), [PlaneTarget("int8", ones, zero), None], r"indices\[1\] = 6 is not a page id in \[0, 6\)"),
+        (np.array([0, 2**64 - 1], np.uint64), [PlaneTarget("int8", ones, zero), None],  # not wrapped to -1
+         r"indices\[1\] = 18446744073709551615 is not a page id in \[0, 6\)"),
+        (np.array([-2**63, 1], np.int64), [PlaneTarget("int8", ones, zero), None],
+         r"indices\[0\] = -9223372036854775808 is not a page id"),
         (np.array([2, 2]), [PlaneTarget("int8", ones, zero), None], "distinct, page 2 is selected 2 times"),
         (np.array([[0, 1]]), [PlaneTarget("int8", ones, zero), None], "indices must be a 1-D int array"),
         (np.array([0, 1]), [PlaneTarget("int8", ones[:1], zero[:1]), None], r"scale must be \[2, 2\]"),
@@ -269,3 +276,35 @@ def test_a_staged_conversion_is_rolled_back_or_committed(first, second):
     assert handle.payload_bytes == want and alloc.stats().live == want
     cost.rollback()  # after commit: nothing left to undo
     handle.audit()
+
+
+def test_a_collection_inside_the_registry_lock_does_not_deadlock(tmp_path):
+    """A tensor with a handle that dies in a reference cycle is freed by whichever garbage collection comes
+    next; when that collection ran inside attach (which allocates under the registry lock), the tensor's
+    finalizer waited for the lock its own thread held: the process hung (seen fuzzing QuantizePagedCache)."""
+    code = textwrap.dedent("""
+        import gc
+        import numpy as np
+        import onnxkv.cache.page_set as page_set
+
+        gc.disable()
+        tensor = np.zeros((2, 2, 1, 4, 8), np.float32)
+        page_set.PageSet.attach(tensor)
+        cycle = [tensor]
+        cycle.append(cycle)
+        del tensor, cycle  # dead, freed by the next collection
+        allocator = page_set.as_allocator
+
+        def collecting(a):  # a collection at this point of attach: inside the registry lock
+            gc.collect()
+            return allocator(a)
+
+        page_set.as_allocator = collecting
+        page_set.PageSet.attach(np.zeros((2, 2, 1, 4, 8), np.float32))
+        print("attached")
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail("PageSet.attach deadlocked on a finalizer run by a collection inside its lock")
+    assert done.returncode == 0 and done.stdout.strip() == "attached", done.stderr

@@ -8,7 +8,8 @@ Inputs (position: name, shape, dtype T = float32/float16, M = int32):
 3. ``past_key``, 4. ``past_value`` [B, Hkv, P, D] (BNSH, both or neither;
    ``P`` may be 0);
 5. ``seqlens_k`` [B] M: valid total length of each batch row minus one;
-6. ``total_sequence_length`` scalar M: the batch maximum of the total length;
+6. ``total_sequence_length`` scalar M: the batch maximum of the total length,
+   in ``[1, P + S]`` (it sizes the present outputs);
 7. ``cos_cache``, 8. ``sin_cache`` [max_pos, rot/2] (``do_rotary=1``);
 9. ``position_ids`` [B, S] int64 (optional, rotary positions);
 10. ``attention_bias`` [B|1, Hq|1, S, total_sequence_length] (optional, added
@@ -16,6 +17,10 @@ Inputs (position: name, shape, dtype T = float32/float16, M = int32):
 11. ``head_sink`` [Hq] (optional, attention sink per query head).
 
 Inputs 12-16 (quantized caches, Q/K RMS norm, ``query_seqlens``) are rejected.
+Integer inputs of any integer dtype are accepted and checked in their own width
+before anything converts or adds to them: ``seqlens_k`` and
+``total_sequence_length`` must hold int32 values, ``position_ids`` rows of the
+cos cache.
 
 Outputs: ``output`` [B, S, Hq*D]; ``present_key``/``present_value``
 [B, Hkv, L, D].
@@ -77,6 +82,7 @@ import onnx
 
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
+from onnxkv._kernels import _validate as V
 from onnxkv._kernels import decode_token as _decode_kernel
 from onnxkv.plan.ops._attention_math import (
     causal_attention, check_written, dense_attention, paged_causal_attention, position_bias,
@@ -157,6 +163,8 @@ class GroupQueryAttention(Op):
         inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
         cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]
+        self._check_int32("seqlens_k", seqlens_k)
+        self._check_int32("total_sequence_length", total_seqlen)
         hq = self.num_heads
 
         q, k, v = self._split_qkv(query, key, value)
@@ -166,7 +174,7 @@ class GroupQueryAttention(Op):
         in_place = self.bound and rt.in_place(past_k_name)
         # A state's cache may be stored narrower (float16/bfloat16) than the model's type.
         past_len = self._check_past(past_key, past_value, b, d, past_key.dtype if in_place else dtype)
-        total = self._scalar_total(total_seqlen)
+        total = self._scalar_total(total_seqlen, past_len, s)
         first_prompt = s == total
         if not first_prompt and s > 1 and b != 1:
             raise self._input_error(
@@ -260,10 +268,10 @@ class GroupQueryAttention(Op):
             return None
         past_len = past_key.shape[2]
         total, total_b = int(total_seqlen.reshape(-1)[0]), int(seqlens_k[0]) + 1
-        # Not a first prompt (S == total), the general path's seqlens_k range, and an append exactly at the
-        # committed length: a past the row never wrote is refused there, and a rewrite of committed positions
-        # is saved there first so that a failed run can restore it.
-        if total <= 1 or not 1 <= total_b <= min(total, past_len + 1) or total_b - 1 != ck.length:
+        # Not a first prompt (S == total), the general path's total_sequence_length and seqlens_k ranges, and
+        # an append exactly at the committed length: a past the row never wrote is refused there, and a rewrite
+        # of committed positions is saved there first so that a failed run can restore it.
+        if not 1 < total <= past_len + 1 or not 1 <= total_b <= total or total_b - 1 != ck.length:
             return None
         cos = sin = None
         if self.do_rotary:
@@ -354,13 +362,33 @@ class GroupQueryAttention(Op):
                 raise self._input_error(f"{name} dtype {t.dtype} differs from query dtype {dtype}")
         return past_key.shape[2]
 
-    def _scalar_total(self, total_seqlen: np.ndarray | None) -> int:
+    def _check_int32(self, name: str, value: np.ndarray | None) -> None:
+        """Integer input ``name`` (M = int32 in the spec; any integer dtype is accepted) must be integers in
+        the int32 range, checked in its own width before anything converts or adds to it (absent: left to
+        the checks of its use)."""
+        if value is None:
+            return
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "iu":
+            raise self._input_error(f"{name} must be int32, got {arr.dtype}")
+        if np.can_cast(arr.dtype, np.int32):  # every value of the dtype fits (int32 itself: the usual case)
+            return
+        bad = V.outside(arr, -V.I32_MAX - 1, V.I32_MAX)
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise self._input_error(f"{name}[{at}] = {int(arr.reshape(-1)[at])} is outside the int32 range "
+                                    f"[{-V.I32_MAX - 1}, {V.I32_MAX}]")
+
+    def _scalar_total(self, total_seqlen: np.ndarray | None, past_len: int, s: int) -> int:
+        """``total_sequence_length`` (integers in the int32 range already), which must lie in
+        ``[1, past_len + s]``: no row can hold more, and it sizes the present outputs."""
         t = total_seqlen if isinstance(total_seqlen, np.ndarray) else np.asarray(total_seqlen)
         if total_seqlen is None or t.size != 1:
             raise self._input_error("total_sequence_length must be a scalar (one int32 element)")
         total = int(t.item())
-        if total < 1:
-            raise self._input_error(f"total_sequence_length must be >= 1, got {total}")
+        if not 1 <= total <= past_len + s:
+            raise self._input_error(f"total_sequence_length must be in [1, {past_len + s}] (past length {past_len} "
+                                    f"+ {s} new tokens), got {total}")
         return total
 
     def _lengths(
@@ -410,15 +438,15 @@ class GroupQueryAttention(Op):
             )
         positions = q_pos
         if position_ids is not None:
-            pid = np.asarray(position_ids, dtype=np.int64)
+            pid = np.asarray(position_ids)
             b, s = q_pos.shape
-            if first_prompt:
-                positions = pid.reshape(-1)[:1] + np.zeros((b, 1), np.int64) + np.arange(s)
+            if first_prompt and pid.size:
+                positions = pid.reshape(-1)[0]  # the start of every row
             elif pid.shape == (b, s):
                 positions = pid
             else:
                 raise self._input_error(f"position_ids must have shape {(b, s)}, got {pid.shape}")
-        check_positions(self, positions, cos.shape[0])
+        positions = check_positions(self, positions, cos.shape[0], q_pos.shape)
         tables = self._tables
         if tables is not None and cos is tables[0] and sin is tables[1]:
             cos, sin = tables[2], tables[3]

@@ -49,6 +49,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from onnxkv._kernels import _validate as V
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._attention_math import causal_attention, check_written, dense_attention, paged_causal_attention
@@ -157,12 +158,15 @@ class Attention23(Op):
         if nonpad is not None:
             if past_k is not None:
                 raise self._input_error("nonpad_kv_seqlen cannot be combined with past_key/past_value")
-            nonpad = np.asarray(nonpad, np.int64)
-            if nonpad.shape != (b,) or nonpad.min(initial=0) < 0 or nonpad.max(initial=0) > k.shape[2]:
-                raise self._input_error(
-                    f"nonpad_kv_seqlen must be [{b}] with values in [0, {k.shape[2]}], "
-                    f"got shape {nonpad.shape} values {nonpad.tolist()}"
-                )
+            nonpad = np.asarray(nonpad)
+            if nonpad.dtype.kind not in "iu" or nonpad.shape != (b,):
+                raise self._input_error(f"nonpad_kv_seqlen must be [{b}] integers, got {nonpad.dtype} {nonpad.shape}")
+            bad = V.outside(nonpad, 0, k.shape[2])
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise self._input_error(f"nonpad_kv_seqlen[{row}] = {int(nonpad[row])} is outside [0, {k.shape[2]}] "
+                                        "(the keys of the row)")
+            nonpad = nonpad.astype(np.int64)
 
         total = past_len + k.shape[2]
         offsets = self._causal_offsets(b, sq, past_len, nonpad)

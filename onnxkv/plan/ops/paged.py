@@ -25,9 +25,10 @@ lives at page ``table[b, t // bs]``, offset ``t % bs``.
 * ``block_table`` [B, M] int32/int64; ``seqlens_k`` [B] ints: tokens already in
   the cache per row.
 * attributes: ``num_heads`` (Hq), ``kv_num_heads`` (Hkv), ``block_size`` (bs),
-  ``max_tokens`` (capacity per row, ``<= M*bs``), ``is_causal`` (default 1),
-  ``left_window_size`` (default -1 = none), ``scale`` (default / 0:
-  ``1/sqrt(D)``), ``softcap`` (default 0 = off).
+  ``max_tokens`` (capacity per row, ``<= M*bs`` and ``<= 2**31 - 1``: the
+  kernels take int32 positions), ``is_causal`` (default 1),
+  ``left_window_size`` (default -1 = none; ``>= max_tokens`` is the same as
+  none), ``scale`` (default / 0: ``1/sqrt(D)``), ``softcap`` (default 0 = off).
 * The new K/V are written into the pages at positions
   ``seqlens_k[b] .. seqlens_k[b] + S - 1``; then query ``s`` of row ``b``, at
   position ``p = seqlens_k[b] + s``, attends over keys ``j < seqlens_k[b] + S``
@@ -59,8 +60,10 @@ node wrote.
 Both kernels validate everything before writing a byte: shapes and dtypes,
 that the cache may be written in place (not read-only, not part of a larger
 buffer, not bound to another state, C-contiguous; an initializer cache is a
-ModelError at build time), ``position``/``seqlens_k >= 0``, capacity
-(:class:`~onnxkv.errors.CacheCapacityError`), every block-table entry the call
+ModelError at build time), ``position``/``seqlens_k`` (any integer dtype,
+compared in its own width before any conversion or sum: never wrapped) in
+``[0, capacity - S]`` (a negative one is an InputError, one past the capacity a
+:class:`~onnxkv.errors.CacheCapacityError`), every block-table entry the call
 reads or writes in ``[0, P)``, and that no two (row, token) writes hit the same
 physical slot.  Attention reads the pages in place through
 ``onnxkv._kernels.paged_attention`` when every page is 64-byte aligned (no
@@ -78,6 +81,7 @@ import numpy as np
 import onnx
 
 from onnxkv import _kernels
+from onnxkv._kernels import _validate as V
 from onnxkv.cache import formats
 from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import CacheCapacityError, InputError
@@ -91,6 +95,8 @@ __all__ = ["PagedCacheUpdate", "PagedAttention", "check_cache_target"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 _TABLE_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+#: Largest ``max_tokens``: the attention kernels take int32 lengths and positions.
+_MAX_TOKENS = V.I32_MAX
 #: Page alignment the paged attention kernel needs to read pages in place.
 _PAGE_ALIGNMENT = 64
 
@@ -169,17 +175,30 @@ def _write_slots(table: np.ndarray, name: str, starts: np.ndarray, count: int, b
     return pages, offsets
 
 
-def _starts(values: np.ndarray, name: str, batch: int, scalar_ok: bool, fail: Callable[[str], Exception]) -> np.ndarray:
-    """Per-row start positions as int64 [B] (an int scalar broadcasts when ``scalar_ok``), each >= 0."""
+def _starts(values: np.ndarray, name: str, batch: int, scalar_ok: bool, count: int, limit: int, capacity: str,
+            fail: Callable[..., Exception]) -> np.ndarray:
+    """Per-row start positions as int64 [B] (an int scalar broadcasts when ``scalar_ok``) after checking, in
+    the tensor's own integer width, that each row's ``count`` new tokens fit positions ``[0, limit)``.
+
+    Any signed or unsigned integer dtype is accepted.  A negative start raises ``fail(message)``, a start
+    above ``limit - count`` ``fail(message, CacheCapacityError)`` naming ``capacity`` (what ``limit``
+    is); the returned int64 values are exact and ``starts + count`` cannot overflow.
+    """
     arr = np.asarray(values)
     if arr.dtype.kind not in "iu" or arr.ndim > 1 or (arr.ndim == 1 and arr.shape != (batch,)) or \
             (arr.ndim == 0 and not scalar_ok):
         expected = f"an int scalar or [{batch}] ints" if scalar_ok else f"[{batch}] ints"
         raise fail(f"'{name}' must be {expected}, got {arr.dtype} {arr.shape}")
-    starts = np.broadcast_to(arr.astype(np.int64), (batch,))
-    if starts.min(initial=0) < 0:
-        raise fail(f"'{name}' must be >= 0, got {arr.tolist()}")
-    return starts
+    rows = np.broadcast_to(arr, (batch,))
+    bad = V.outside(rows, 0, limit - count)
+    if bad.any():
+        row = int(np.argmax(bad))
+        value = int(rows[row])
+        valid = f"expected [0, {limit - count}]" if limit >= count else f"no start fits {count} new tokens"
+        if value < 0:
+            raise fail(f"'{name}'[{row}] = {value} must be >= 0 ({valid})")
+        raise fail(f"'{name}'[{row}] = {value} + {count} new tokens exceeds {capacity} ({valid})", CacheCapacityError)
+    return rows.astype(np.int64)
 
 
 @register("PagedCacheUpdate", domain="ai.onnxkv")
@@ -200,8 +219,8 @@ class PagedCacheUpdate(Op):
             raise self.error(f"attribute block_size is required and must be positive, got {self.block_size}")
         self.cache_name, self.table_name, self.values_name, self.position_name = node.input
 
-    def _fail(self, message: str) -> InputError:
-        return InputError(f"PagedCacheUpdate node '{self.name}': {message}")
+    def _fail(self, message: str, error: type[Exception] = InputError) -> Exception:
+        return error(f"PagedCacheUpdate node '{self.name}': {message}")
 
     def run(self, inputs: list, rt: RunContext) -> tuple[np.ndarray]:
         cache, page_id, values, position = inputs
@@ -217,17 +236,13 @@ class PagedCacheUpdate(Op):
         check_cache_target(cache, self.cache_name, rt, self._fail)
         b, _, s, _ = values.shape
         table = _block_table(page_id, self.table_name, b, self._fail)
-        starts = _starts(position, self.position_name, b, True, self._fail)
         max_tokens = table.shape[1] * bs
-        end = starts + s
-        if int(end.max(initial=0)) > max_tokens:
-            row = int(np.argmax(end))
-            raise CacheCapacityError(
-                f"PagedCacheUpdate node '{self.name}': '{self.position_name}'[{row}] = {int(starts[row])} + {s} new "
-                f"tokens exceeds max_tokens = {max_tokens} ({table.shape[1]} blocks of {bs}) of '{self.table_name}'")
+        starts = _starts(position, self.position_name, b, True, s, max_tokens,
+                         f"max_tokens = {max_tokens} ({table.shape[1]} blocks of {bs}) of '{self.table_name}'",
+                         self._fail)
         if s == 0:
             return (cache,)
-        used = _blocks_used(starts // bs, (end - 1) // bs + 1, table.shape[1])
+        used = _blocks_used(starts // bs, (starts + s - 1) // bs + 1, table.shape[1])
         _check_pages(table, self.table_name, used, num_pages, self._fail)
         pages, offsets = _write_slots(table, self.table_name, starts, s, bs, self._fail)
         _reject_converted(PageSet.of(cache), pages, self.cache_name, self._fail)
@@ -258,6 +273,9 @@ class PagedAttention(Op):
         for attr in ("num_heads", "kv_num_heads", "block_size", "max_tokens"):
             if getattr(self, attr) <= 0:
                 raise self.error(f"attribute {attr} is required and must be positive, got {getattr(self, attr)}")
+        if self.max_tokens > _MAX_TOKENS:
+            raise self.error(f"attribute max_tokens must be at most {_MAX_TOKENS} (positions are int32), "
+                             f"got {self.max_tokens}")
         if self.num_heads % self.kv_num_heads:
             raise self.error(f"num_heads={self.num_heads} must be a multiple of kv_num_heads={self.kv_num_heads}")
         self.is_causal = int(a.get("is_causal", 1))
@@ -268,14 +286,16 @@ class PagedAttention(Op):
             raise self.error(f"left_window_size must be >= -1 (-1 = no window), got {self.window}")
         if not self.is_causal and self.window >= 0:
             raise self.error(f"left_window_size={self.window} needs is_causal=1 (a non-causal query sees every key)")
+        if self.window >= self.max_tokens:  # excludes no key (positions < max_tokens): the same as no window
+            self.window = -1
         self.scale = float(a.get("scale", 0.0))
         self.softcap = float(a.get("softcap", 0.0))
         if self.softcap < 0:
             raise self.error(f"softcap must be >= 0, got {self.softcap}")
         self.past_name = node.input[3]
 
-    def _fail(self, message: str) -> InputError:
-        return InputError(f"PagedAttention node '{self.name}': {message}")
+    def _fail(self, message: str, error: type[Exception] = InputError) -> Exception:
+        return error(f"PagedAttention node '{self.name}': {message}")
 
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
         query, key, value, past, block_table, seqlens_k = inputs
@@ -294,17 +314,14 @@ class PagedAttention(Op):
         if self.max_tokens > table.shape[1] * bs:
             raise self._fail(f"max_tokens={self.max_tokens} exceeds the {table.shape[1]} blocks of {bs} tokens of "
                              f"block table '{names[4]}'")
-        past_lens = _starts(seqlens_k, names[5], b, False, self._fail)
+        past_lens = _starts(seqlens_k, names[5], b, False, s, self.max_tokens, f"max_tokens = {self.max_tokens}",
+                            self._fail)
         kv_len = past_lens + s
-        if int(kv_len.max(initial=0)) > self.max_tokens:
-            row = int(np.argmax(kv_len))
-            raise CacheCapacityError(f"PagedAttention node '{self.name}': '{names[5]}'[{row}] = "
-                                     f"{int(past_lens[row])} + {s} new tokens exceeds max_tokens = {self.max_tokens}")
+        y = rt.empty(0, (b, s, hq * d), query.dtype)
+        if s == 0 or b == 0:  # no query reads a key, no token is written: no table entry is used
+            return y, past
         used = _blocks_used(self._first_visible(past_lens) // bs, (kv_len + bs - 1) // bs, table.shape[1])
         _check_pages(table, names[4], used, past.shape[0], self._fail)
-        y = rt.empty(0, (b, s, hq * d), query.dtype)
-        if s == 0:
-            return y, past
         pages, offsets = _write_slots(table, names[4], past_lens, s, bs, self._fail)
         handle = PageSet.of(past)
         _reject_converted(handle, pages, self.past_name, self._fail)

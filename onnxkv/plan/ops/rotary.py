@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
+from onnxkv._kernels import _validate as V
 from onnxkv._kernels import rotary_embedding as _rotary_kernel
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
@@ -85,13 +86,30 @@ def rotate(
     return out
 
 
-def check_positions(op: Op, positions: np.ndarray, max_pos: int) -> None:
-    """Raise InputError naming ``op`` if a position is outside ``[0, max_pos)``."""
-    if positions.size and (positions.min() < 0 or positions.max() >= max_pos):
-        raise InputError(
-            f"{op.op_type} node '{op.name}': position ids must lie in [0, {max_pos}) "
-            f"(cos_cache rows), got range [{positions.min()}, {positions.max()}]"
-        )
+def check_positions(op: Op, position_ids: np.ndarray, max_pos: int, shape: tuple[int, int]) -> np.ndarray:
+    """The int64 positions [B, S] (``shape``) of ``position_ids``, each a row of a ``max_pos``-row cos cache.
+
+    ``position_ids`` is [B, S], or 0-D: a start, token ``s`` of every row at ``start + s``.  Any integer
+    dtype is accepted and checked in its own width before any conversion or sum, so no id wraps: every
+    position must lie in ``[0, max_pos)``.  Raises InputError naming ``op``, the id, where it is and the
+    valid range.
+    """
+    ids = np.asarray(position_ids)
+    where = f"{op.op_type} node '{op.name}'"
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"{where}: position ids must be integers, got {ids.dtype}")
+    if ids.ndim == 0:
+        steps = shape[1]
+        if V.outside(ids, 0, max_pos - steps):
+            raise InputError(f"{where}: position ids must lie in [0, {max_pos}) (cos_cache rows), got a start of "
+                             f"{int(ids)} for {steps} tokens (valid starts: [0, {max_pos - steps}])")
+        return int(ids) + np.broadcast_to(np.arange(steps, dtype=np.int64), shape)
+    bad = V.outside(ids, 0, max_pos - 1)
+    if bad.any():
+        at = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), ids.shape))
+        raise InputError(f"{where}: position ids must lie in [0, {max_pos}) (cos_cache rows), got "
+                         f"{int(ids[at])} at {list(at)}")
+    return ids.astype(np.int64, copy=False)
 
 
 class _RotaryBase(Op):
@@ -162,7 +180,7 @@ class _RotaryBase(Op):
         if positions is not None:
             if cos.ndim != 2:
                 raise self._input_error(f"cos_cache must be 2-D with position_ids, got shape {cos.shape}")
-            check_positions(self, positions, cos.shape[0])
+            positions = check_positions(self, positions, cos.shape[0], xb.shape[:2])
         elif cos.shape[:2] != xb.shape[:2] or cos.ndim != 3:
             raise self._input_error(
                 f"without position_ids cos_cache must be [batch, seq, rot/2]={xb.shape[:2]}+({rot // 2},), "
@@ -196,9 +214,9 @@ class RotaryEmbeddingMS(_RotaryBase):
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
         x, pos, cos, sin = inputs[:4]
         xb_shape = self._to_bshd(x, cos).shape
-        pos = np.asarray(pos, dtype=np.int64)
+        pos = np.asarray(pos)
         if pos.size == 1 and pos.ndim <= 1:
-            positions = pos.reshape(()) + np.broadcast_to(np.arange(xb_shape[1], dtype=np.int64), xb_shape[:2])
+            positions = pos.reshape(())  # a start: checked with the row count by _apply
         elif pos.shape == xb_shape[:2]:
             positions = pos
         else:
@@ -220,7 +238,7 @@ class RotaryEmbedding23(_RotaryBase):
         x, cos, sin = inputs[:3]
         pos = inputs[3] if len(inputs) > 3 else None
         if pos is not None:
-            pos = np.asarray(pos, dtype=np.int64)
+            pos = np.asarray(pos)
             if pos.shape != self._to_bshd(x, cos).shape[:2]:
                 raise self._input_error(f"position_ids must have shape [batch, seq], got {pos.shape}")
         return (self._apply(x, cos, sin, pos, rt),)

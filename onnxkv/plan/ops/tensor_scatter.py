@@ -2,7 +2,8 @@
 
 Inputs: ``past_cache`` [B, D1, ..., max_len (at ``axis``), ..., Dn] of any dtype;
 ``update`` of the same shape except ``seq_len <= max_len`` at ``axis``;
-``write_indices`` [B] int64 (optional, zeros when absent).  Attributes:
+``write_indices`` [B] int64 (optional, zeros when absent; any integer dtype is
+accepted and checked in its own width).  Attributes:
 ``axis`` (default -2, never the batch axis 0), ``mode`` ``"linear"`` (requires
 ``0 <= write_indices[b]`` and ``write_indices[b] + seq_len <= max_len``) or
 ``"circular"`` (positions taken modulo ``max_len``).
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
+from onnxkv._kernels import _validate as V
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -53,6 +55,33 @@ class TensorScatter(Op):
     def _input_error(self, message: str) -> InputError:
         return InputError(f"{self.op_type} node '{self.name}': {message}")
 
+    def _starts(self, indices: np.ndarray | None, batch: int, max_len: int, seq: int) -> np.ndarray:
+        """Per-row first write position as int64 [B], in ``[0, max_len)`` (zeros without ``write_indices``).
+
+        ``write_indices`` of any integer dtype is checked in its own width before any conversion: in linear
+        mode each index must lie in ``[0, max_len - seq]``; in circular mode any value is reduced modulo
+        ``max_len`` exactly first (``(w + s) mod L == ((w mod L) + s) mod L``, so no sum can overflow).
+        """
+        if indices is None:
+            return np.zeros(batch, np.int64)
+        arr = np.asarray(indices)
+        if arr.dtype.kind not in "iu" or arr.shape != (batch,):
+            raise self._input_error(f"write_indices must be [{batch}] integers, got {arr.dtype} {arr.shape}")
+        if self.mode == "circular":
+            if not max_len:
+                return np.zeros(batch, np.int64)
+            if arr.dtype == np.uint64:  # the one width int64 does not hold
+                return (arr % np.uint64(max_len)).astype(np.int64)
+            return arr.astype(np.int64) % max_len
+        bad = V.outside(arr, 0, max_len - seq)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise self._input_error(
+                f"write_indices[{row}]={int(arr[row])} with {seq} update steps exceeds the cache: linear mode needs "
+                f"0 <= index <= {max_len - seq} (index + {seq} <= {max_len})"
+            )
+        return arr.astype(np.int64)
+
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
         past, update = inputs[0], inputs[1]
         indices = inputs[2] if len(inputs) > 2 else None
@@ -72,20 +101,7 @@ class TensorScatter(Op):
         if update.dtype != past.dtype:
             raise self._input_error(f"update dtype {update.dtype} differs from past_cache dtype {past.dtype}")
         batch, max_len, seq = past.shape[0], past.shape[axis], update.shape[axis]
-        if indices is None:
-            starts = np.zeros(batch, np.int64)
-        else:
-            starts = np.asarray(indices, np.int64)
-            if starts.shape != (batch,):
-                raise self._input_error(f"write_indices must have shape ({batch},), got {starts.shape}")
-        if self.mode == "linear":
-            bad = (starts < 0) | (starts + seq > max_len)
-            if bad.any():
-                row = int(np.flatnonzero(bad)[0])
-                raise self._input_error(
-                    f"write_indices[{row}]={int(starts[row])} with {seq} update steps exceeds the cache: "
-                    f"linear mode needs 0 <= index and index + {seq} <= {max_len}"
-                )
+        starts = self._starts(indices, batch, max_len, seq)
 
         if self.bound_past is not None and rt.in_place(self.bound_past):
             # In place: the update goes straight into the state's static cache.

@@ -5,6 +5,8 @@ Build one-node models, run ONNX Runtime or onnx.reference on them, and run an Op
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -68,3 +70,11 @@ def run_op(cls: type[Op], model: onnx.ModelProto, inputs: dict[str, np.ndarray |
     args = list(inputs.values())
     n = len(model.graph.node[0].input)
     return list(op.run(args[:n], rt)), rt
+
+
+def owned_zeros(shape, dtype, offset: int = 0) -> np.ndarray:
+    """Zeros in a buffer the array owns (mmap, page aligned) at ``offset`` bytes past a page: 0 gives the
+    64-byte aligned pages the paged kernel reads in place, 16 pages it cannot (the gather path)."""
+    count = int(np.prod(shape))
+    buffer = mmap.mmap(-1, offset + max(count * np.dtype(dtype).itemsize, 1))
+    return np.frombuffer(buffer, dtype, count, offset).reshape(shape)

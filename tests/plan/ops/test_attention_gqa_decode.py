@@ -100,8 +100,8 @@ def test_calls_it_does_not_serve_take_the_general_path(spy):
 
 
 def test_refused_seqlens_k_keeps_the_general_error_and_the_state(spy):
-    """A seqlens_k past the cache is declined by the path, refused by the general path with its
-    message, and the state stays as it was."""
+    """A mask longer than the cache (seqlens_k and total_sequence_length past it) is declined by the
+    path, refused by the general path with its message, and the state stays as it was."""
     session = onnxkv.Session(_model(), threads=2)
     prompt = np.random.default_rng(9).integers(0, MICRO.vocab_size, (1, PROMPT))
     with session.new_state() as st:
@@ -112,7 +112,9 @@ def test_refused_seqlens_k_keeps_the_general_error_and_the_state(spy):
         feeds = b.next(np.array([4]), out)
         feeds["attention_mask"] = np.ones((1, PROMPT + 3), feeds["attention_mask"].dtype)
         spy.clear()
-        with pytest.raises((InputError, OperatorError), match="seqlens_k\\[0\\]=15 out of range"):
+        with pytest.raises((InputError, OperatorError),
+                           match=r"total_sequence_length must be in \[1, 14\] \(past length 13 \+ 1 new tokens\), "
+                                 r"got 16"):
             st.run(feeds, ["logits"])
         assert spy == [False]
         for name, value in st.values.items():

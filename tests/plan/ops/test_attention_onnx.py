@@ -127,6 +127,20 @@ def test_nonpad_kv_seqlen_static_cache(causal):
     _check_against_peers(ins, opset=24, is_causal=causal)
 
 
+@pytest.mark.parametrize("nonpad, match", [
+    (np.array([6, 2**64 - 1], np.uint64), r"nonpad_kv_seqlen\[1\] = 18446744073709551615 is outside \[0, 8\]"),
+    (np.array([-2**63, 2], np.int64), r"nonpad_kv_seqlen\[0\] = -9223372036854775808 is outside \[0, 8\]"),
+    (np.array([9, 2], np.int32), r"nonpad_kv_seqlen\[0\] = 9 is outside \[0, 8\] \(the keys of the row\)"),
+    (np.array([6.5, 2.0]), r"nonpad_kv_seqlen must be \[2\] integers, got float64 \(2,\)"),
+    (np.array([6, 2, 1], np.int64), r"nonpad_kv_seqlen must be \[2\] integers, got int64 \(3,\)"),
+], ids=["uint64", "int64-min", "int32", "float", "shape"])
+def test_nonpad_kv_seqlen_is_checked_in_its_own_width(nonpad, match):
+    ins = dict(_inputs(np.random.default_rng(12), 2, 4, 2, 3, 8, 32), nonpad_kv_seqlen=nonpad)
+    model = make_model("Attention", ins, ["Y"], {"": 24})
+    with pytest.raises(InputError, match=match):
+        run_op(Attention24, model, ins)
+
+
 def test_storage_counters():
     rng = np.random.default_rng(13)
     ins = _inputs(rng, 2, 4, 2, 1, 1, 32, past=6)

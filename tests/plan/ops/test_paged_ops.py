@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from _attn_harness import owned_zeros
 from onnx import TensorProto, helper
 
 import onnxkv
@@ -33,7 +34,8 @@ def update_model(block_size=BS, dtype=np.float32, types=None, cache_shape=(P, H,
     g = helper.make_graph([node], "paged_update",
                           [vi("past", t, list(cache_shape)),
                            vi("table", types.get("table", TensorProto.INT64), ["B", "M"]),
-                           vi("new", types.get("new", t), ["B", "H", "S", "D"]), vi("pos", TensorProto.INT64, None)],
+                           vi("new", types.get("new", t), ["B", "H", "S", "D"]),
+                           vi("pos", types.get("pos", TensorProto.INT64), None)],
                           [vi("present", t, list(cache_shape))])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)])
     set_output_alias(m.graph.node[0], [OutputAlias(0, 0)])
@@ -41,7 +43,7 @@ def update_model(block_size=BS, dtype=np.float32, types=None, cache_shape=(P, H,
     return m
 
 
-def attention_model(hq=4, hkv=H, block_size=BS, max_tokens=24, dtype=np.float32, types=None, **attrs):
+def attention_model(hq=4, hkv=H, block_size=BS, max_tokens=24, dtype=np.float32, types=None, head_size=D, **attrs):
     """``Y, present = PagedAttention(Q, K, V, past, table, seqlens)`` with the contract's MUST_ALIAS declared.
 
     ``types`` overrides the declared element type of inputs by name (to reach the operator's own checks).
@@ -52,12 +54,12 @@ def attention_model(hq=4, hkv=H, block_size=BS, max_tokens=24, dtype=np.float32,
                             domain="ai.rt", name="attn", num_heads=hq, kv_num_heads=hkv, block_size=block_size,
                             max_tokens=max_tokens, **attrs)
     g = helper.make_graph([node], "paged_attention",
-                          [vi("Q", t, ["B", "S", hq * D]), vi("K", t, ["B", "S", "KV"]),
+                          [vi("Q", t, ["B", "S", hq * head_size]), vi("K", t, ["B", "S", "KV"]),
                            vi("V", types.get("V", t), ["B", "S", "KV"]),
                            vi("past", types.get("past", t), ["P", "two", "Hkv", "bs", "D"]),
                            vi("table", types.get("table", TensorProto.INT32), ["B", "M"]),
-                           vi("seqlens", TensorProto.INT32, ["B"])],
-                          [vi("Y", t, ["B", "S", hq * D]),
+                           vi("seqlens", types.get("seqlens", TensorProto.INT32), ["B"])],
+                          [vi("Y", t, ["B", "S", hq * head_size]),
                            vi("present", types.get("past", t), ["P", "two", "Hkv", "bs", "D"])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.rt", 1)])
     set_output_alias(m.graph.node[0], [OutputAlias(1, 3)])
@@ -125,9 +127,9 @@ def _update_feeds(rng, **over):
 @pytest.mark.parametrize("over, error, match", [
     ({"table": np.array([[4, 10, 7], [0, 9, 2]], np.int64)}, InputError, r"'table'\[0, 1\] = 10 is not a page index"),
     ({"table": np.array([[4, 1, 7], [-1, -1, 2]], np.int64)}, InputError, r"'table'\[1, 1\] = -1"),
-    ({"pos": np.array([2, -1], np.int64)}, InputError, "'pos' must be >= 0"),
+    ({"pos": np.array([2, -1], np.int64)}, InputError, r"'pos'\[1\] = -1 must be >= 0 \(expected \[0, 9\]\)"),
     ({"pos": np.array([10, 5], np.int64)}, CacheCapacityError,
-     r"'pos'\[0\] = 10 \+ 3 new tokens exceeds max_tokens = 12"),
+     r"'pos'\[0\] = 10 \+ 3 new tokens exceeds max_tokens = 12 \(3 blocks of 4\) of 'table' \(expected \[0, 9\]\)"),
     ({"table": np.array([[4, 1, 7], [0, 4, 2]], np.int64)}, InputError,
      r"rows 0 and 1 write logical positions 2 and 6 to the same physical slot \(page 4, offset 2\)"),
     ({"table": np.array([[4, 1, 7]], np.int64)}, InputError, r"must be int32/int64 \[2, max_blocks"),
@@ -168,6 +170,34 @@ def test_update_rejects_unusable_storage_and_mismatched_values_before_writing():
     with pytest.raises(InputError, match=r"block_size=2"):
         onnxkv.Session(update_model(block_size=2, cache_shape=["P", H, "bs", D]), threads=1).run(feeds)
     np.testing.assert_array_equal(past, before)
+
+
+@pytest.mark.parametrize("pos, row", [
+    (np.array([2**63 - 1, 5], np.int64), 0),  # 2**63 - 1 + 3 wrapped negative and passed the capacity check
+    (np.array([5, 2**63 - 2], np.int64), 1),
+    (np.array(2**63 - 1, np.int64), 0),  # one position for every row
+    (np.array([0, 2**64 - 1], np.uint64), 1),  # above the int64 range: not wrapped to -1
+    (np.array([2**31 + 4, 0], np.int64), 0),
+    (np.array([10, 0], np.int32), 0),
+], ids=["int64-max", "int64-max-minus-1", "scalar", "uint64-max", "int32-max-plus-5", "int32"])
+def test_update_positions_at_the_limits_of_their_width_are_capacity_errors(pos, row):
+    sess = onnxkv.Session(update_model(types={"pos": helper.np_dtype_to_tensor_dtype(pos.dtype)}), threads=1)
+    value = int(np.broadcast_to(pos, (2,))[row])
+    assert_rejected_before_writing(
+        sess, _update_feeds(np.random.default_rng(2), pos=pos), CacheCapacityError,
+        rf"'pos'\[{row}\] = {value} \+ 3 new tokens exceeds max_tokens = 12 \(3 blocks of 4\) of 'table' "
+        rf"\(expected \[0, 9\]\)$", "PagedCacheUpdate node 'update'")
+
+
+@pytest.mark.parametrize("pos, match", [
+    (np.array([-2**63, 0], np.int64), r"'pos'\[0\] = -9223372036854775808 must be >= 0 \(expected \[0, 9\]\)"),
+    (np.array([0, 1], np.float32), r"'pos' must be an int scalar or \[2\] ints, got float32 \(2,\)"),
+    (np.array([True, False]), r"'pos' must be an int scalar or \[2\] ints, got bool \(2,\)"),
+], ids=["int64-min", "float", "bool"])
+def test_update_positions_that_are_not_non_negative_ints_are_input_errors(pos, match):
+    sess = onnxkv.Session(update_model(types={"pos": helper.np_dtype_to_tensor_dtype(pos.dtype)}), threads=1)
+    assert_rejected_before_writing(sess, _update_feeds(np.random.default_rng(2), pos=pos), InputError, match,
+                                   "PagedCacheUpdate node 'update'")
 
 
 # -- PagedAttention -----------------------------------------------------------------------------------------------
@@ -269,7 +299,7 @@ def _attention_feeds(rng, **over):
      r"'table'\[0, 1\] = 12 is not a page index in \[0, 10\)"),
     ({"table": np.array([[-3, 8, 1, 5, 6, 0], [2, 7, 4, 9, 6, 0]], np.int32)}, InputError,
      r"'table'\[0, 0\] = -3"),  # a page that is only read is checked too
-    ({"seqlens": np.array([5, -1], np.int32)}, InputError, "'seqlens' must be >= 0"),
+    ({"seqlens": np.array([5, -1], np.int32)}, InputError, r"'seqlens'\[1\] = -1 must be >= 0 \(expected \[0, 22\]\)"),
     ({"seqlens": np.array([23, 2], np.int32)}, CacheCapacityError,
      r"'seqlens'\[0\] = 23 \+ 2 new tokens exceeds max_tokens = 24"),
     ({"table": np.array([[3, 8, 1, 5, 6, 0], [8, 7, 4, 9, 6, 0]], np.int32), "seqlens": np.array([5, 1], np.int32)},
@@ -313,9 +343,90 @@ def test_attention_rejects_unusable_storage_before_writing():
     np.testing.assert_array_equal(shared[:P], past)
 
 
-def test_zero_new_tokens_write_nothing():
-    rng = np.random.default_rng(11)
+#: The largest max_tokens (int32 positions) over 2**15 pages of 2**16 tokens: a small table and one page.
+BIG_BS, BIG_M = 1 << 16, 1 << 15
+
+
+def test_max_tokens_beyond_int32_is_a_model_error():
+    """The kernels take int32 lengths: with max_tokens = 2**32 + 2**16, seqlens_k = 2**32 + 4 was narrowed to
+    4 (5 keys attended, a wrong answer with no error) and 2**31 + 4 wrote the new K/V into past before the
+    kernel refused the wrapped length."""
+    with pytest.raises(ModelError, match=r"PagedAttention node 'attn': attribute max_tokens must be at most "
+                                         r"2147483647 \(positions are int32\), got 4295032832"):
+        onnxkv.Session(attention_model(hq=1, hkv=1, block_size=BIG_BS, max_tokens=2**32 + BIG_BS, head_size=2),
+                       threads=1)
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["kernel", "gather"])
+@pytest.mark.parametrize("seqlen, dtype", [
+    (2**31 + 4, np.int64), (2**32 + 4, np.int64), (2**63 - 1, np.int64), (2**64 - 1, np.uint64),
+    (2**31 - 1, np.int32),
+])
+def test_lengths_past_max_tokens_are_refused_before_writing(offset, seqlen, dtype):
+    sess = onnxkv.Session(attention_model(hq=1, hkv=1, block_size=BIG_BS, max_tokens=2**31 - 1, head_size=2,
+                                          types={"seqlens": helper.np_dtype_to_tensor_dtype(np.dtype(dtype))}),
+                          threads=1)
+    rng = np.random.default_rng(13)
+    past = owned_zeros((1, 2, 1, BIG_BS, 2), np.float32, offset)
+    past[...] = rng.standard_normal(past.shape)
+    feeds = {name: rng.standard_normal((1, 1, 2)).astype(np.float32) for name in ("Q", "K", "V")}
+    feeds.update(past=past, table=np.zeros((1, BIG_M), np.int32), seqlens=np.array([seqlen], dtype))
+    assert_rejected_before_writing(
+        sess, feeds, CacheCapacityError, rf"'seqlens'\[0\] = {seqlen} \+ 1 new tokens exceeds max_tokens = "
+        rf"2147483647 \(expected \[0, 2147483646\]\)$", "PagedAttention node 'attn'")
+
+
+@pytest.mark.parametrize("offset", [0, 16], ids=["kernel", "gather"])
+def test_positions_at_the_int32_limit_are_written_and_attended(offset):
+    """The last position max_tokens allows: the token lands in the last block's last slot but one, the
+    query sees its window of 4 keys, and the table's other entries (-1) are never read."""
+    sess = onnxkv.Session(attention_model(hq=2, hkv=1, block_size=BIG_BS, max_tokens=2**31 - 1, head_size=2,
+                                          left_window_size=3), threads=1)
+    rng = np.random.default_rng(14)
+    past = owned_zeros((2, 2, 1, BIG_BS, 2), np.float32, offset)
+    past[1] = rng.standard_normal(past.shape[1:])
+    table = np.full((1, BIG_M), -1, np.int32)
+    table[0, -1] = 1
+    pos = 2**31 - 2
+    q, k, v = (rng.standard_normal((1, 1, n)).astype(np.float32) for n in (4, 2, 2))
+    expected = past.copy()
+    expected[1, :, 0, pos % BIG_BS] = np.stack([k[0, 0], v[0, 0]])
+    out = sess.run({"Q": q, "K": k, "V": v, "past": past, "table": table, "seqlens": np.array([pos], np.int32)})
+    np.testing.assert_array_equal(past, expected)
+    keys = expected[1, :, 0, pos % BIG_BS - 3:pos % BIG_BS + 1]  # [2, 4 keys, 2]
+    want = reference_attention(q[0].reshape(1, 2, 2), keys[0][:, None], keys[1][:, None], 3, 1 / np.sqrt(2))
+    np.testing.assert_allclose(out["Y"][0].reshape(1, 2, 2), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seqlens, error, match", [
+    (np.array([-2**63, 0], np.int64), InputError, r"'seqlens'\[0\] = -9223372036854775808 must be >= 0"),
+    (np.array([5, 2**64 - 2], np.uint64), CacheCapacityError,
+     r"'seqlens'\[1\] = 18446744073709551614 \+ 2 new tokens exceeds max_tokens = 24 \(expected \[0, 22\]\)"),
+    (np.array([5.0, 2.0], np.float32), InputError, r"'seqlens' must be \[2\] ints, got float32 \(2,\)"),
+], ids=["int64-min", "uint64", "float"])
+def test_attention_lengths_are_checked_in_their_own_width(seqlens, error, match):
+    sess = onnxkv.Session(attention_model(types={"seqlens": helper.np_dtype_to_tensor_dtype(seqlens.dtype)}),
+                          threads=1)
+    assert_rejected_before_writing(sess, _attention_feeds(np.random.default_rng(5), seqlens=seqlens), error, match,
+                                   "PagedAttention node 'attn'")
+
+
+@pytest.mark.parametrize("window", [24, 2**62 + 5, 2**63 - 1])
+def test_a_window_of_max_tokens_or_more_is_no_window(window):
+    rng = np.random.default_rng(15)
     feeds = _attention_feeds(rng)
+    want = onnxkv.Session(attention_model(), threads=1).run(dict(feeds, past=feeds["past"].copy()))
+    got = onnxkv.Session(attention_model(left_window_size=window), threads=1).run(feeds)
+    # the two caches' alignments may differ (in place kernel vs gather): equal up to summation order
+    np.testing.assert_allclose(got["Y"], want["Y"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got["present"], want["present"])
+
+
+@pytest.mark.parametrize("table", [None, np.full((2, 6), -1, np.int32)], ids=["pages", "no-pages"])
+def test_zero_new_tokens_write_nothing(table):
+    """No query, no write: nothing changes, and the block table is not looked at (-1 was refused)."""
+    rng = np.random.default_rng(11)
+    feeds = _attention_feeds(rng) if table is None else _attention_feeds(rng, table=table)
     for name in ("Q", "K", "V"):
         feeds[name] = feeds[name][:, :0].copy()
     before = feeds["past"].copy()
@@ -474,6 +585,26 @@ def test_paged_model_matches_the_group_query_attention_twin(dtype, threads):
             past = {name: ref[name.replace("past", "present")] for name in past}
             np.testing.assert_allclose(got["output"].astype(np.float32), ref["output"].astype(np.float32),
                                        rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("total", [5, 2**31 - 1])
+def test_group_query_attention_refuses_a_total_length_past_its_cache_before_growing_it(total):
+    """total_sequence_length sizes the present: 2**31 - 1 after a 3-token prompt made the state grow its
+    cache to 2**31 - 1 positions (a 128 GiB allocation) before anything refused it."""
+    cfg = PagedConfig(num_layers=1, num_pages=16)
+    sess = onnxkv.Session(gqa_twin(cfg, paged_weights(cfg, seed=5)), threads=1)
+    rng = np.random.default_rng(16)
+    with sess.new_state() as state:
+        hidden = rng.standard_normal((1, 3, cfg.hidden_size)).astype(np.float32)
+        state.run({"hidden": hidden, "seqlens_k": np.array([2], np.int32), "total": np.array(3, np.int32)})
+        before = {name: value.copy() for name, value in state.values.items()}
+        hidden = rng.standard_normal((1, 1, cfg.hidden_size)).astype(np.float32)
+        with pytest.raises(InputError, match=rf"total_sequence_length must be in \[1, 4\] \(past length 3 \+ 1 "
+                                             rf"new tokens\), got {total}"):
+            state.run({"hidden": hidden, "seqlens_k": np.array([3], np.int32), "total": np.array(total, np.int32)})
+        assert state.length == 3
+        for name, value in state.values.items():
+            np.testing.assert_array_equal(value, before[name])
 
 
 @pytest.mark.parametrize("config, in_place", [
