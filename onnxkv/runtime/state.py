@@ -55,6 +55,8 @@ from onnxkv.errors import CacheCapacityError, InputError, StateError
 __all__ = ["State", "Cancellation", "Checkpoint"]
 
 _CACHES = ("contiguous", "paged")
+#: Most forks one :meth:`State.fork` call makes (each is a state of its own; beams and trees need far fewer).
+MAX_FORKS = 1 << 16
 
 
 class Cancellation:
@@ -624,10 +626,11 @@ class State:
         """``n`` new states sharing every page of this one (copy-on-write); no payload byte is copied.
 
         Each fork continues independently; the first write into a shared page
-        copies that page only (``cow_copied_bytes``).
+        copies that page only (``cow_copied_bytes``).  ``n`` is an int in
+        ``[1, MAX_FORKS]`` (InputError otherwise, before any fork is made).
         """
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise InputError(f"State.fork: n must be a positive int, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_FORKS:
+            raise InputError(f"State.fork: n must be an int in [1, {MAX_FORKS}], got {n!r}")
         with self._exclusive("fork"):
             cache = self._require_paged("fork")
             out = []
@@ -741,7 +744,9 @@ class State:
         On any error the state, its pool, its forks and checkpoints are
         exactly as they were (tables, lengths, reference counts, payloads,
         allocator bytes).  Raises :class:`~onnxkv.errors.StateError` on a
-        contiguous state and OSError if the file cannot be read.
+        contiguous state, and :class:`~onnxkv.errors.InputError` for a
+        ``source`` that is neither bytes nor a path, or a file that cannot
+        be read (the OSError chained).
         """
         self._check_open("load_cache")
         if not self.paged:
@@ -749,8 +754,15 @@ class State:
                              f"state's cache is '{self.cache}'")
         limit = file_bytes_limit(self._pool)
         expected = expectation(self._pool, self._layer_pairs(), self._signature(), "State.load_cache")
-        snap = (serialize.decode(source, limit, expected) if isinstance(source, (bytes, bytearray, memoryview))
-                else serialize.load(source, limit, expected))
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            snap = serialize.decode(source, limit, expected)
+        elif isinstance(source, (str, os.PathLike)):
+            try:
+                snap = serialize.load(source, limit, expected)
+            except OSError as e:
+                raise InputError(f"State.load_cache: cannot read {os.fspath(source)!r}: {e}") from e
+        else:
+            raise InputError(f"State.load_cache: source must be bytes or a path, got {type(source).__name__}")
         with self._exclusive("load_cache"):
             cache = paged_from_snapshot(snap, self._pool, self._layer_pairs(),
                                         self._static_capacity if self._static else self.capacity,
@@ -892,12 +904,16 @@ class State:
 
     def _batch(self, feeds: Mapping[str, np.ndarray]) -> int:
         ids = self.session.model.io.input_ids
+        batch = None
         if ids and ids in feeds:
-            return int(np.shape(feeds[ids])[0])
-        for v in feeds.values():
-            if np.ndim(v) >= 1:
-                return int(np.shape(v)[0])
-        raise InputError("State.run: cannot tell the batch size from the feeds")
+            batch = int(np.shape(feeds[ids])[0])
+        else:
+            batch = next((int(np.shape(v)[0]) for v in feeds.values() if np.ndim(v) >= 1), None)
+        if batch is None:
+            raise InputError("State.run: cannot tell the batch size from the feeds")
+        if batch < 1:
+            raise InputError(f"State.run: the feeds hold a batch of {batch} rows; a state runs at least one row")
+        return batch
 
     def __del__(self) -> None:
         try:

@@ -281,8 +281,11 @@ def test_paged_operations_check_their_arguments(gqa):
         st.reorder([1])
     with pytest.raises(InputError, match="1-D int"):
         st.reorder([])
-    with pytest.raises(InputError, match="positive int"):
+    with pytest.raises(InputError, match=r"n must be an int in \[1, 65536\], got 0"):
         st.fork(0)
+    with pytest.raises(InputError, match=r"n must be an int in \[1, 65536\], got 1099511627776"):
+        st.fork(2**40)  # refused at once, not 2^40 states made one by one
+    assert st.pool.refcount(int(st._paged.table.tables[0, 0])) == 1
     other = gqa.new_state(cache="paged")
     Driver(gqa, other, np.array([[1, 2, 3]]))
     with pytest.raises(InputError, match="not made by this state"):
@@ -338,6 +341,13 @@ def test_load_cache_rejects_bad_input_and_leaves_the_state_unchanged(gqa):
     with gqa.new_state() as contiguous:
         with pytest.raises(StateError, match="paged"):
             contiguous.load_cache(data)
+    with pytest.raises(InputError, match="source must be bytes or a path, got int"):
+        target.load_cache(5)
+    with pytest.raises(InputError, match="cannot read '/nonexistent/cache.okvc'") as err:
+        target.load_cache("/nonexistent/cache.okvc")
+    assert isinstance(err.value.__cause__, FileNotFoundError)
+    for k, v in target.values.items():
+        np.testing.assert_array_equal(v, before[k])
     for s in (st, target, other_block, other_model):
         s.close()
 

@@ -317,3 +317,17 @@ def test_truncate_rolls_back_and_replays_identically(session):
     with pytest.raises(onnxkv.InputError, match="truncate"):
         state.truncate(-1)
     state.close()
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_a_run_of_an_empty_batch_is_refused_before_any_cache_is_made(session, cache):
+    prompt = np.zeros((0, 3), np.int64)
+    feeds, _ = _builders(session, np.zeros((1, 3), np.int64), True).first()
+    empty = {k: v[:0] if np.ndim(v) >= 1 and np.shape(v)[0] == 1 else v for k, v in feeds.items()}
+    empty[session.model.io.input_ids] = prompt
+    with session.new_state(cache=cache) as st:
+        with pytest.raises(InputError, match="a batch of 0 rows; a state runs at least one row"):
+            st.run(empty)
+        assert st.length == 0 and st.batch == 0 and st.committed_bytes == 0
+        out = st.run(feeds)  # the state is as new
+        assert st.length == 3 and out

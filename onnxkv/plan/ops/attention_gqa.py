@@ -399,6 +399,8 @@ class GroupQueryAttention(Op):
             raise self._input_error(
                 f"seqlens_k must have shape ({b},), got {None if seqlens_k is None else np.shape(seqlens_k)}"
             )
+        if b < 1:
+            raise self._input_error(f"the batch is empty (query shape has batch {b}); expected at least one row")
         totals = np.asarray(seqlens_k, dtype=np.int64) + 1
         rows = totals.tolist()
         lo, hi = min(rows), max(rows)
