@@ -22,6 +22,13 @@ key pages one scale per head and one zero point per channel (the
 "channel-zp" header), as ``new_state(key_channel_zero_points=True)`` does.
 The two are mutually exclusive.
 
+The selector is called during the run, before it is committed: a selector
+that raises, or returns anything but format names or None, fails the run and
+leaves the state unchanged.  The conversion itself happens after the commit;
+if it fails (an allocator refusing a payload), the run stays published, the
+pages not yet converted keep their format (a later run converts them) and the
+state logs a ``quantize_failed`` event and warns (``RuntimeWarning``).
+
 Signed integer formats are quantized symmetrically (zero point 0), unsigned
 ones asymmetrically (:func:`onnxkv.cache.formats.params_for`), except key
 pages with channel zero points (:func:`onnxkv.cache.formats.channel_zp_params`:

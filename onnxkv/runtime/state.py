@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import os
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -524,23 +525,54 @@ class State:
         self.steps = 0
 
     # -- page formats (paged) ---------------------------------------------------
-    def _apply_formats(self, past_length: int) -> None:
-        """Convert the full pages the selector makes eligible after a committed run (see kv_format)."""
-        cache = self._paged
-        residual = int(getattr(self._selector, "residual_tokens", 0))
-        pool = self._pool
-        converted = copied = 0
+    def _choose_formats(self, past_length: int) -> list[tuple[int, str]]:
+        """Ask the selector (user code) which planes' full pages to convert after this run; before commit.
+
+        Returns (plane index, format name) pairs, every name a known page
+        format.  A selector that raises or names an unknown format fails the
+        run, which then leaves the state unchanged.
+        """
+        cache, pool = self._paged, self._pool
+        chosen = []
         for layer, (k, v) in enumerate(self._layer_pairs()):
             new_k, new_v = cache.last_written.get(k), cache.last_written.get(v)
             if new_k is None:
                 continue
-            fk, fv = self._selector(layer, past_length, new_k, new_v)
-            for name, fmt in ((k, fk), (v, fv)):
-                if fmt is not None and fmt != pool.planes[pool.plane_index[name]].storage:
-                    n, c = cache.convert_full_pages(pool.plane_index[name], fmt, residual)
-                    converted += n
-                    copied += c
-        cache.last_written.clear()
+            pair = self._selector(layer, past_length, new_k, new_v)
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or \
+                    not all(f is None or isinstance(f, str) for f in pair):
+                raise InputError(f"kv_format: the selector must return (k_format, v_format), each a page format "
+                                 f"name or None, for layer {layer}; got {pair!r}")
+            for name, fmt in zip((k, v), pair):
+                if fmt is None:
+                    continue
+                fmt = page_format(fmt).name
+                plane = pool.plane_index[name]
+                if fmt != pool.planes[plane].storage:
+                    chosen.append((plane, fmt))
+        return chosen
+
+    def _convert_formats(self, chosen: list[tuple[int, str]]) -> None:
+        """Convert the full pages :meth:`_choose_formats` made eligible, after the run was committed.
+
+        The run is already published, so a conversion that fails (the
+        allocator refusing a payload) does not fail it: pages converted
+        before the failure keep their new format, the others stay as they
+        are (their values unchanged; a later run converts them), and the
+        failure is logged as a ``quantize_failed`` event and warned about.
+        """
+        cache = self._paged
+        residual = int(getattr(self._selector, "residual_tokens", 0))
+        converted = copied = 0
+        try:
+            for plane, fmt in chosen:
+                n, c = cache.convert_full_pages(plane, fmt, residual)
+                converted += n
+                copied += c
+        except Exception as e:  # noqa: BLE001 - reported, never swallowed silently
+            warnings.warn(f"State.run: converting full pages to the kv_format failed after the run was committed "
+                          f"({type(e).__name__}: {e}); those pages keep their format", RuntimeWarning, stacklevel=3)
+            self._log("quantize_failed", allocations=0)
         if converted:
             self._log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
 
@@ -838,7 +870,10 @@ class State:
                     for name, c in caches.items():
                         full[name] = c.view(past)
                 out = self.session._run_plan(full, output_names, caches, self.allocator, cancel)
+                chosen = self._choose_formats(before) if self._selector is not None else []
             except BaseException:
+                if self._paged is not None:
+                    self._paged.last_written.clear()
                 for c in caches.values():
                     c.discard()
                 if fresh:  # the first run made the caches: a failure leaves the state holding nothing, as before
@@ -847,8 +882,10 @@ class State:
             for c in caches.values():
                 c.commit()
             self.steps += 1
-            if self._selector is not None:
-                self._apply_formats(before)
+            if self._paged is not None:
+                self._paged.last_written.clear()
+            if chosen:
+                self._convert_formats(chosen)
             if self._paged is not None and self._window is not None:
                 freed = self._paged.table.evict(self._window)
                 if freed:

@@ -288,3 +288,64 @@ def test_key_channel_options_are_mutually_exclusive(session):
         session.new_state(cache="paged", kv_format="int8", key_channel_scales=True)   # "int8": channel zero points
     with pytest.raises(InputError, match="new_state: key_channel_zero_points must be a bool, got 1"):
         session.new_state(cache="paged", key_channel_zero_points=1)
+
+
+def _state_bytes(st):
+    t = st._paged.table
+    return ({k: v.tobytes() for k, v in st.values.items()}, t.tables.tobytes(), t.lengths.tolist(), st.steps,
+            [f.tolist() for f in st.pool.formats], st.pool.live_pages)
+
+
+@pytest.mark.parametrize("result", ["raise", ("int3", None), (4, None), ["int8"]])
+def test_a_failing_selector_fails_the_run_and_changes_nothing(session, result):
+    prompt = np.random.default_rng(6).integers(0, MICRO.vocab_size, (1, 6))
+
+    def selector(layer, past_length, k, v):
+        if past_length < 6:
+            return None, None
+        if result == "raise":
+            raise RuntimeError("selector broke")
+        return result
+
+    st = session.new_state(cache="paged", block_size=4, kv_format=selector)
+    _, b, out = _run(session, st, prompt, 0)
+    before = _state_bytes(st)
+    with pytest.raises((RuntimeError, InputError, ValueError, TypeError), match="selector|int3|format"):
+        st.run(b.next(np.array([5]), out), ["logits"])
+    assert _state_bytes(st) == before
+    st.pool.audit()
+    st.close()
+
+
+class _Refusing(ArenaAllocator):
+    """An arena that refuses every allocation once ``refuse`` is set."""
+
+    refuse = False
+
+    def allocate(self, nbytes, alignment=64):
+        if self.refuse:
+            raise OutOfMemory(f"test allocator: refusing {nbytes} bytes")
+        return super().allocate(nbytes, alignment)
+
+
+def test_a_conversion_the_allocator_refuses_keeps_the_run_and_warns():
+    s = onnxkv.Session(build_model("concat", MICRO, seed=4), threads=1, events=True)
+    alloc = _Refusing(1 << 20)
+
+    def selector(layer, past_length, k, v):
+        alloc.refuse = True  # the run's pages are taken; the conversion's payloads will be refused
+        return "int8", "int8"
+
+    st = s.new_state(cache="paged", block_size=4, allocator=alloc, kv_format=selector)
+    prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 12))
+    with pytest.warns(RuntimeWarning, match="keep their format"):
+        got, _, _ = _run(s, st, prompt, 0)
+    assert st.length == 12 and st.steps == 1
+    assert any(e.action == "quantize_failed" for e in s.events.events)
+    assert set(np.concatenate(st.pool.formats).tolist()) == {CODES["float32"]}
+    with s.new_state(cache="paged", block_size=4) as ref:
+        want, _, _ = _run(s, ref, prompt, 0)
+    np.testing.assert_array_equal(got, want)  # nothing was converted: exactly the native result
+    st.pool.audit()
+    alloc.refuse = False
+    st.close()

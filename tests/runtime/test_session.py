@@ -138,3 +138,17 @@ def test_ids_of_every_integer_width_are_checked(size, dtype):
             continue  # uint8 cannot hold an id of 300
         with pytest.raises(InputError, match=rf"expected ids in \[0, {limit}\)"):
             sess._check_token_ids(bad)
+
+
+@pytest.mark.parametrize("family, node", [("attention", "Attention"), ("concat", "MaskedAttention"),
+                                          ("gqa", "GroupQueryAttention")])
+def test_a_stateless_run_of_an_empty_batch_names_the_attention_node(family, node):
+    s = onnxkv.Session(build_model(family, MICRO, seed=1), threads=1)
+    feeds = {}
+    for inp in s.model.proto.graph.input:
+        if "past" in inp.name:
+            feeds[inp.name] = np.zeros((0, MICRO.num_kv_heads, 0, MICRO.head_size), np.float32)
+        else:
+            feeds[inp.name] = np.zeros((0, 3), np.int64)
+    with pytest.raises(InputError, match=f"{node} node .*the batch is empty"):
+        s.run(feeds)

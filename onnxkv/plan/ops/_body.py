@@ -62,10 +62,15 @@ class Body:
         """The graph outputs for ``inputs`` (one array or None per name of ``names``, the fused node's inputs).
 
         Temporaries come from NumPy, not from the plan's buffers, since the
-        plan knows nothing of the body's values.
+        plan knows nothing of the body's values.  Everything else a body node
+        leaves for the run (deferred commits and rollbacks of storage it
+        changed, storage counters, cache events) goes to the fused node's
+        ``rt``, so a failed run undoes a body node's writes too.
         """
         values = {name: x for name, x in zip(names, inputs) if name}
-        sub = RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), False, rt.step, rt.caches)
+        sub = RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), rt.recording, rt.step, rt.caches,
+                         rt.cache_allocator)
+        sub.deferred, sub.counters, sub.cache_events = rt.deferred, rt.counters, rt.cache_events
         for node, kernel in self.steps:
             outs = kernel.run([values[x] if x else None for x in node.input], sub)
             values.update((name, val) for name, val in zip(node.output, outs) if name)

@@ -98,6 +98,7 @@ _INPUTS = (
     "k_scale", "v_scale", "q_norm_weight", "k_norm_weight", "query_seqlens",
 )  # fmt: skip
 _SUPPORTED_INPUTS = 12
+_INT32_MAX = 2**31 - 1
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 
 
@@ -123,6 +124,8 @@ class GroupQueryAttention(Op):
         self.do_rotary = bool(a.get("do_rotary", 0))
         self.interleaved = bool(a.get("rotary_interleaved", 0))
         window = int(a.get("local_window_size", -1))
+        if not -1 <= window <= _INT32_MAX:  # ORT reads it as an int; -1 (and 0) mean no window
+            raise self.error(f"local_window_size must be -1 (no window) or a window in [1, {_INT32_MAX}], got {window}")
         # ORT keeps the W most recent keys; the kernel's window counts keys before the query.
         self.window = window - 1 if window > 0 else -1
         self.smooth_softmax = bool(a.get("smooth_softmax", 0))

@@ -270,10 +270,12 @@ class Attention23(Op):
             for name, t, h in (("Q", q, hq), ("K", k, hkv), ("V", v, hkv)):
                 if t.shape[2] % h:
                     raise self._input_error(f"{name} hidden size {t.shape[2]} is not a multiple of {h} heads")
-            q = q.reshape(q.shape[0], q.shape[1], hq, -1).transpose(0, 2, 1, 3)
-            k = k.reshape(k.shape[0], k.shape[1], hkv, -1).transpose(0, 2, 1, 3)
-            v = v.reshape(v.shape[0], v.shape[1], hkv, -1).transpose(0, 2, 1, 3)
+            q = q.reshape(q.shape[0], q.shape[1], hq, q.shape[2] // hq).transpose(0, 2, 1, 3)
+            k = k.reshape(k.shape[0], k.shape[1], hkv, k.shape[2] // hkv).transpose(0, 2, 1, 3)
+            v = v.reshape(v.shape[0], v.shape[1], hkv, v.shape[2] // hkv).transpose(0, 2, 1, 3)
         b, hq, _, d = q.shape
+        if b < 1:
+            raise self._input_error(f"the batch is empty (Q shape {q.shape}); expected at least one row")
         if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
             raise self._input_error(f"K {k.shape} and V {v.shape} do not match Q {q.shape} (as [B, H, S, D])")
         if k.shape[3] != d:

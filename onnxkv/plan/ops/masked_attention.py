@@ -58,6 +58,7 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels import attention as _attention_kernel
+from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._body import Body
@@ -247,6 +248,9 @@ class MaskedAttention(Op):
 
     def run(self, inputs: list, rt: RunContext) -> tuple:
         q, k, v = inputs[_Q], inputs[_K], inputs[_V]
+        if q.shape[0] < 1:
+            raise InputError(f"{self.op_type} node '{self.name}': the batch is empty (query shape {q.shape}); "
+                             "expected at least one row")
         scale = self._memo.get(self._key(inputs), self._scale, inputs)
         b, _, s, _ = q.shape
         ranges = None if scale is None else cached_mask_ranges(inputs[_MASK], b, s, k.shape[2])

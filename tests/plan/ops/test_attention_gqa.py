@@ -175,6 +175,9 @@ def test_errors_at_build():
     quantized = dict(ins, k_scale=np.ones(1, np.float32))
     with pytest.raises(ModelError, match="input 'k_scale' is not supported"):
         build_op(GroupQueryAttention, _model(quantized, 4, 2))
+    for window in (-2, 2**31, 2**62):
+        with pytest.raises(ModelError, match=f"local_window_size must be .* got {window}"):
+            build_op(GroupQueryAttention, _model(ins, 4, 2, local_window_size=window))
 
 
 def test_errors_at_run():
