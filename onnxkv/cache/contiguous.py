@@ -94,6 +94,15 @@ class WriteCost:
     cow_copied_bytes: int = 0
 
 
+def _uniform(rows: np.ndarray) -> int | np.ndarray:
+    """Per-row written lengths as one int when every row has the same (the common case: later appends at
+    one start stay on the int path, no array work per token), else ``rows`` itself."""
+    if not rows.shape[0]:
+        return rows
+    first = int(rows[0])
+    return first if rows.shape[0] == 1 or bool((rows == first).all()) else rows
+
+
 class CacheTensor:
     """One persistent cache value; see the module docstring.
 
@@ -163,7 +172,7 @@ class CacheTensor:
         if value > self._length:
             self._rows = value
         else:
-            self._rows = min(rows, value) if isinstance(rows, int) else np.minimum(rows, value)
+            self._rows = min(rows, value) if isinstance(rows, int) else _uniform(np.minimum(rows, value))
         self._length = value
 
     @property
@@ -343,7 +352,7 @@ class CacheTensor:
             if isinstance(rows, int) and isinstance(starts, int):
                 self._staged_rows = max(rows, starts + s)
             else:
-                self._staged_rows = np.maximum(rows, np.add(starts, s, dtype=np.int64))
+                self._staged_rows = _uniform(np.maximum(rows, np.add(starts, s, dtype=np.int64)))
         return cost
 
     def commit(self) -> None:
