@@ -76,10 +76,13 @@ def test_the_readme_has_runnable_blocks():
 def test_python_blocks_run_in_order(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__main__"}
+    ran = 0
     for lang, line, code in blocks(page):
         if lang == "python":
-            # Leading newlines keep the page's line numbers in tracebacks.
+            # Leading newlines keep the page's line numbers in tracebacks; a block that raises fails the test.
             exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+            ran += 1
+    assert ran and set(namespace) - {"__name__", "__builtins__"}, f"{_id(page)}: no python block defined anything"
 
 
 @pytest.mark.parametrize("args", [c for p in PAGES for lang, _, code in blocks(p) if lang == "bash"

@@ -10,7 +10,7 @@ is made, and called for every run.  Contract of a kernel class:
   NumPy array per node input position (``None`` for an omitted optional
   input); it returns one value per node output (``None`` allowed for an
   unused optional output).  Inputs are read-only for the kernel unless the
-  contract of a later issue says otherwise.
+  node's alias contract (:mod:`onnxkv.model.contract`) says otherwise.
 * Outputs are fresh arrays, except that a class which sets ``view_inputs`` to
   a tuple of input positions may return outputs sharing memory with those
   inputs (Reshape, Squeeze, Identity, ...).  The plan uses that declaration to

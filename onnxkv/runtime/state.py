@@ -862,6 +862,8 @@ class State:
             before = self.length
             full = dict(feeds)
             past = self._static_capacity if self._static else None  # a static cache's past: its capacity
+            if self._paged is not None:  # the selector sees this run's writes only
+                self._paged.last_written.clear()
             try:
                 if self.paged:
                     for name, c in caches.items():
@@ -872,8 +874,6 @@ class State:
                 out = self.session._run_plan(full, output_names, caches, self.allocator, cancel)
                 chosen = self._choose_formats(before) if self._selector is not None else []
             except BaseException:
-                if self._paged is not None:
-                    self._paged.last_written.clear()
                 for c in caches.values():
                     c.discard()
                 if fresh:  # the first run made the caches: a failure leaves the state holding nothing, as before
@@ -882,8 +882,6 @@ class State:
             for c in caches.values():
                 c.commit()
             self.steps += 1
-            if self._paged is not None:
-                self._paged.last_written.clear()
             if chosen:
                 self._convert_formats(chosen)
             if self._paged is not None and self._window is not None:

@@ -65,7 +65,7 @@ def test_event_log_counts_tensor_path_cache_copies_and_exports_json(tmp_path):
     layers = MICRO.num_layers
     t0, t2 = log.totals(0), log.totals(2)
     assert t0["prefix_copied_bytes"] == 0 and t0["append_copied_bytes"] == 2 * layers * 4 * kv_row
-    # Step 2 feeds a past of 5 tokens: the tensor path copies it all again (the cost the next issue removes).
+    # Step 2 feeds a past of 5 tokens: the tensor path copies it all again (the cost an in-place state avoids).
     assert t2["prefix_copied_bytes"] == 2 * layers * 5 * kv_row and t2["append_copied_bytes"] == 2 * layers * kv_row
     assert t2["allocations"] > 0 and t2["allocated_bytes"] > 0
     data = json.loads(log.to_json(str(tmp_path / "ev.json")))
