@@ -64,11 +64,12 @@ def save_byte_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n")
 
 
-def run_genai_builder(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike) -> None:
-    """Run the ONNX Runtime GenAI model builder (fp32, cpu) on a local HF folder."""
+def run_genai_builder(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike,
+                      precision: str = "fp32") -> None:
+    """Run the ONNX Runtime GenAI model builder (cpu, ``precision`` fp32 or int4) on a local HF folder."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
-           "-p", "fp32", "-e", "cpu", "-c", str(cache_dir), "--extra_options", "hf_token=false"]
+           "-p", precision, "-e", "cpu", "-c", str(cache_dir), "--extra_options", "hf_token=false"]
     print("+", " ".join(cmd), flush=True)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:

@@ -48,6 +48,7 @@ _MODULES = {
     "attention": ("attention", "paged_attention", "decode_token"),
     "convert": ("f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16", "read_sum"),
     "matmul": ("matmul_rows",),
+    "qmatmul": ("pack_nbits", "matmul_nbits"),
     "quant": ("quantize_page", "dequantize_page"),
     "pages": ("page_write",),
 }

@@ -13,6 +13,7 @@ cdef extern from "simd.h" nogil:
         int split_tasks
         int paged_heads
         int adaptive
+        int vnni
 
 cdef okv_settings okv_settings_get() noexcept nogil
 cdef okv_settings *okv_settings_mine() noexcept nogil

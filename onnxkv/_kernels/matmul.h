@@ -478,8 +478,8 @@ static void okv_mmp_shape(int isa, int64_t M, int64_t K, int64_t *mr, int *np, i
  * Every output element is summed in one order whatever p0, p1 (each tile
  * shape used for this M sums in k order, or none has more than one panel).
  * isa: OKV_MMP_* (the caller checked the CPU). */
-static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
-                                  const float *bias, float *out, int64_t p0, int64_t p1, int isa) {
+static void okv_matmul_packed_f32_ld(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, int64_t ldc,
+                                     const float *bias, float *out, int64_t p0, int64_t p1, int isa) {
     int64_t mrt, kc, p, k0, m, n0, nb, kn;
     int npw, mr, np;
     okv_mmp_shape(isa, M, K, &mrt, &npw, &kc);
@@ -492,19 +492,25 @@ static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const fl
             kn = okv_mm_min(kc, K - k0);
             for (m = 0; m < M; m += mr) {
                 const float *xt = x + m * K + k0, *wt = panel + k0 * OKV_MMP_NR, *bt = bias ? bias + n0 : NULL;
-                float *ct = out + m * N + n0;
+                float *ct = out + m * ldc + n0;
                 mr = (int)okv_mm_min(mrt, M - m);
 #if OKV_X86_SIMD
                 if (isa == OKV_MMP_AVX512)
-                    okv_mmp_tile_avx512_any(mr, np, xt, K, wt, K * OKV_MMP_NR, kn, ct, N, nb, k0 == 0, bt);
+                    okv_mmp_tile_avx512_any(mr, np, xt, K, wt, K * OKV_MMP_NR, kn, ct, ldc, nb, k0 == 0, bt);
                 else if (isa == OKV_MMP_AVX2)
-                    okv_mmp_tile_avx2_any(mr, np, npw == 1, xt, K, wt, K * OKV_MMP_NR, kn, ct, N, nb, k0 == 0, bt);
+                    okv_mmp_tile_avx2_any(mr, np, npw == 1, xt, K, wt, K * OKV_MMP_NR, kn, ct, ldc, nb, k0 == 0, bt);
                 else
 #endif
-                okv_mmp_tile_scalar(mr, xt, K, wt, kn, ct, N, nb, k0 == 0, bt);
+                okv_mmp_tile_scalar(mr, xt, K, wt, kn, ct, ldc, nb, k0 == 0, bt);
             }
         }
     }
+}
+
+/* okv_matmul_packed_f32_ld with out rows N apart. */
+static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+                                  const float *bias, float *out, int64_t p0, int64_t p1, int isa) {
+    okv_matmul_packed_f32_ld(x, M, K, wp, N, N, bias, out, p0, p1, isa);
 }
 
 /* Panels of one packed product shared by a thread team without a fixed split.

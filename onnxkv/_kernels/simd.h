@@ -62,6 +62,7 @@ typedef struct okv_settings {
     int split_tasks;  /* attention: min. cache-split tasks per thread for long caches (0: split only to fill threads) */
     int paged_heads;  /* KV heads per paged decode work unit (0: all) */
     int adaptive;     /* 1: matmul_packed runs alone for a while after a late thread team */
+    int vnni;         /* 1: qmatmul's int8 dot products use VNNI (AVX-512 or AVX-VNNI) where the CPU has it */
 } okv_settings;
 
 /* ------------------------------------------------------------------ */

@@ -11,6 +11,13 @@ one kernel call (one thread team) replaces n.  The fused node takes the place
 of the group's first MatMul; no value disappears, so nothing else in the
 graph changes.
 
+``fuse_sibling_nbits`` does the same for ``com.microsoft::MatMulNBits``
+nodes sharing input A whose weights are initializers of one layout (K, bits,
+block_size, accuracy_level, zero-point kind; constant or absent bias, no
+g_idx): one ``ai.onnxkv::SiblingMatMulNBits`` node, so A is quantized once and
+one kernel call covers every weight
+(:class:`onnxkv.plan.ops.matmul_nbits.SiblingMatMulNBits`).
+
 ``fuse_prologue_matmuls`` then joins each RMS norm (ORT's
 SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization) or
 ``SiluMul`` whose output is read only by one MatMul with a packed weight (or
@@ -32,7 +39,7 @@ from onnx import helper
 
 from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_index
 
-__all__ = ["fuse_sibling_matmuls", "fuse_prologue_matmuls"]
+__all__ = ["fuse_sibling_matmuls", "fuse_sibling_nbits", "fuse_prologue_matmuls"]
 
 #: (op_type, domain) of the ops ``fuse_prologue_matmuls`` joins to the product that reads them.
 PROLOGUES = {("SkipSimplifiedLayerNormalization", "com.microsoft"), ("SimplifiedLayerNormalization", ""),
@@ -68,6 +75,54 @@ def fuse_sibling_matmuls(nodes: list[onnx.NodeProto], constants: Mapping[str, np
         replace[members[0]] = helper.make_node(
             "SiblingMatMul", [x, *(nodes[i].input[1] for i in members)], [nodes[i].output[0] for i in members],
             name=first.name or first.output[0], domain=FUSED_DOMAIN)
+        drop.update(members[1:])
+    return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
+
+
+#: Attributes of ``MatMulNBits`` that siblings must share (with their defaults).
+NBITS_SHARED = {"K": None, "bits": 4, "block_size": None, "accuracy_level": 0}
+
+
+def _nbits_key(n: onnx.NodeProto, constants: Mapping[str, np.ndarray | None]) -> tuple | None:
+    """What a MatMulNBits node's siblings must share, or None when it cannot join a group: (A, the shared
+    attributes, zero-point dtype or None)."""
+    if n.op_type != "MatMulNBits" or n.domain != "com.microsoft" or len(n.output) != 1:
+        return None
+    ins = list(n.input) + [""] * (6 - len(n.input))
+    if not ins[1] or not ins[2] or ins[4] or any(x and constants.get(x) is None for x in (ins[1], ins[2], ins[3],
+                                                                                       ins[5])):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    if "N" not in attrs:
+        return None
+    zp = constants.get(ins[3]) if ins[3] else None
+    return (ins[0], tuple(attrs.get(k, d) for k, d in NBITS_SHARED.items()), None if zp is None else zp.dtype.str)
+
+
+def fuse_sibling_nbits(nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray | None]) -> list[onnx.NodeProto]:
+    """``nodes`` with each group of at least two MatMulNBits sharing input A and one weight layout (see the
+    module docstring) fused into one ``ai.onnxkv::SiblingMatMulNBits`` node at the first one's place.  Its
+    inputs are A, then per member B, scales, zero_points, bias ("" when absent); its attributes the shared
+    ones and ``N`` (ints, one per member)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, n in enumerate(nodes):
+        key = _nbits_key(n, constants)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    replace: dict[int, onnx.NodeProto] = {}
+    drop: set[int] = set()
+    for (x, shared, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        inputs, ns = [x], []
+        for i in members:
+            ins = list(nodes[i].input) + [""] * (6 - len(nodes[i].input))
+            inputs += [ins[1], ins[2], ins[3], ins[5]]
+            ns.append(next(helper.get_attribute_value(a) for a in nodes[i].attribute if a.name == "N"))
+        first = nodes[members[0]]
+        replace[members[0]] = helper.make_node(
+            "SiblingMatMulNBits", inputs, [nodes[i].output[0] for i in members], name=first.name or first.output[0],
+            domain=FUSED_DOMAIN, N=ns, **dict(zip(NBITS_SHARED, shared)))
         drop.update(members[1:])
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 

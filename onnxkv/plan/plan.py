@@ -45,7 +45,7 @@ from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.fold_limit import FoldBudget, FoldTooLarge, fold_fits, has_schema
 from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
-from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls
+from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls, fuse_sibling_nbits
 from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
 from onnxkv.plan.shape_fold import ShapeFolder, static_dims
@@ -246,6 +246,7 @@ class Plan:
             nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
             nodes = fuse_masked_attention(nodes, protected)
             nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)
+            nodes = fuse_sibling_nbits(nodes, constants)
             nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
             nodes = fuse_prologue_matmuls(nodes, protected, constants)
 

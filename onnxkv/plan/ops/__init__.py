@@ -12,6 +12,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     repeat_kv_matmul,
     elementwise,
     matmul,
+    matmul_nbits,
     norm,
     reduce,
     rotary,

@@ -1,0 +1,376 @@
+"""Products with 4- and 8-bit block-quantized weights (qmatmul.h).
+
+``pack_nbits`` repacks a weight given in ONNX Runtime's MatMulNBits layout
+(q [N, ceil(K / bs), bs * bits / 8] uint8, low nibble first; scales [N, nblk];
+zero points packed uint8, float, or absent: 2^(bits-1)) once into
+:class:`PackedNBits`, panels of 16 columns whose 64-byte lines are the operand
+of one VNNI dot product (see qmatmul.h).  ``matmul_nbits`` then computes
+out[M, N] = x[M, K] @ w (+ bias), w[k, n] = (q[n, k] - zp[n, b]) * scale[n, b]:
+
+* up to ``DECODE_M`` rows (decode): the block kernels, with int8 activations
+  (``int8=True``: each row's blocks quantized once per call, integer dot
+  products on AVX-512 VNNI, AVX-VNNI, AVX2 or scalar) or float32 activations
+  against weights converted in registers (``int8=False``); the threads split
+  the panels;
+* more rows (prefill): each thread dequantizes four panels at a time into a
+  buffer it owns and runs matmul.h's packed float32 kernel on them, in
+  float32 whatever ``int8`` says (the more accurate arithmetic).
+
+The exact arithmetic of each path is the contract in qmatmul.h; the NumPy
+twins are ``reference.matmul_nbits_int8`` and ``reference.matmul_nbits_f32``.
+"""
+from libc.stdint cimport int8_t, int64_t, uint8_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+from cython.parallel cimport prange
+
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get, okv_settings_mine
+from onnxkv._kernels._ranges cimport _disjoint
+import numpy as np
+
+from . import _validate as V
+
+cdef extern from "qmatmul.h" nogil:
+    ctypedef struct okv_qmm:
+        int64_t M, K, N, P, nblk, bs
+        int bits
+        const uint8_t *qw
+        const float *sc
+        const float *zp
+        float zconst
+        const float *bias
+        float *out
+        const int8_t *xq
+        const float *xs
+        const float *xsum
+        const float *x
+    int OKV_QMM_SCALAR, OKV_QMM_AVX2, OKV_QMM_AVXVNNI, OKV_QMM_AVX512
+    void okv_qmm_quant_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, int8_t *xq,
+                            float *xs, float *xsum)
+    void okv_qmm_float_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, float *xp,
+                            float *xsum)
+    void okv_qmm_range(const okv_qmm *a, int int8, int64_t p0, int64_t p1, int isa)
+    void okv_qmm_dequant_isa(const okv_qmm *a, int64_t p0, int64_t p1, float *dst, int isa)
+    int okv_cpu_vnni512_ok()
+    int okv_cpu_avxvnni_ok()
+
+cdef extern from "matmul.h" nogil:
+    void okv_matmul_packed_f32_ld(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, int64_t ldc,
+                                  const float *bias, float *out, int64_t p0, int64_t p1, int isa)
+    int okv_mmp_avx512_usable()
+    int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
+
+#: Rows up to which the block (decode) kernels run; more rows take the dequantize + float32 path.
+DECODE_M = 8
+DEF DEQ_G = 4            # panels (of 16 columns) a prefill thread dequantizes at a time
+#: Panels (of 16 columns) a prefill thread dequantizes at a time.
+DEQ_PANELS = DEQ_G
+DEF PAR_MIN = 1 << 15   # M*K*N below this runs on one thread
+
+cdef int _vnni512 = okv_cpu_vnni512_ok()
+cdef int _avxvnni = okv_cpu_avxvnni_ok()
+cdef int _mmp512 = okv_mmp_avx512_usable()
+
+
+def _set_vnni(enabled) -> tuple:
+    """Test switch of the calling thread: let the int8 products use VNNI dot
+    products (AVX-512 VNNI at the avx512 level, AVX-VNNI at the avx2 level)
+    where the CPU has them, or the AVX2 VPMADDUBSW path.  Returns
+    (previous setting, the int8 path the thread's settings now select)."""
+    cdef okv_settings *s = okv_settings_mine()
+    old = bool(s.vnni)
+    s.vnni = 1 if enabled else 0
+    return old, int8_path()
+
+
+cdef int _int8_isa(okv_settings s) noexcept nogil:
+    if not s.simd:
+        return OKV_QMM_SCALAR
+    if s.vnni and s.avx512 and _vnni512:
+        return OKV_QMM_AVX512
+    if s.vnni and _avxvnni:
+        return OKV_QMM_AVXVNNI
+    return OKV_QMM_AVX2
+
+
+cdef int _float_isa(okv_settings s) noexcept nogil:
+    if not s.simd:
+        return OKV_QMM_SCALAR
+    return OKV_QMM_AVX512 if s.avx512 and _mmp512 else OKV_QMM_AVX2
+
+
+def int8_path() -> str:
+    """The int8 path the calling thread's settings select: "avx512-vnni",
+    "avx-vnni", "avx2" or "scalar"."""
+    return {OKV_QMM_SCALAR: "scalar", OKV_QMM_AVX2: "avx2", OKV_QMM_AVXVNNI: "avx-vnni",
+            OKV_QMM_AVX512: "avx512-vnni"}[_int8_isa(okv_settings_get())]
+
+
+cdef class PackedNBits:
+    """A block-quantized weight in the panel layout of qmatmul.h (read-only arrays, owned by this object).
+
+    Attributes: K, N, bits (4 or 8), block_size, nblk = ceil(K / block_size),
+    P = ceil(N / 16); qw uint8 [P, nblk, 16 * block_size * bits / 8]; sc float32
+    [P, nblk, 16]; zp float32 [P, nblk, 16] or None (every zero point is
+    ``zconst`` = 2^(bits-1)); nbytes: bytes held.
+    """
+    cdef readonly int64_t K, N, bits, block_size, nblk, P
+    cdef readonly object qw, sc, zp
+    cdef readonly float zconst
+    cdef okv_qmm base   # the weight fields of every call's arguments (pointers into the arrays above)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qw.nbytes + self.sc.nbytes + (0 if self.zp is None else self.zp.nbytes)
+
+
+def _panels(a, P, N, fill):
+    """[N, nblk] -> [P, nblk, 16] float32, columns past N set to ``fill``."""
+    nblk = a.shape[1]
+    full = np.full((P * 16, nblk), fill, np.float32)
+    full[:N] = a
+    return np.ascontiguousarray(full.reshape(P, 16, nblk).transpose(0, 2, 1))
+
+
+def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t block_size) -> PackedNBits:
+    """Repack an ONNX Runtime MatMulNBits weight for ``matmul_nbits``.
+
+    B: uint8 [N, nblk, block_size * bits / 8] (or the same bytes flat), nblk =
+    ceil(K / block_size), 4-bit codes low nibble first along K.  scales:
+    float32 with N * nblk elements ([N, nblk] order).  zero_points: None
+    (2^(bits-1) everywhere), uint8 with N * ceil(nblk * bits / 8) elements
+    (packed like B along the blocks of a column), or float32 with N * nblk
+    elements.  bits: 4 or 8; block_size: a power of two in [16, 256]; K, N >= 1.
+    The arguments are only read.  Raises ValueError naming the argument and
+    the expected shape, size or value.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"bits: expected 4 or 8, got {bits}")
+    if not (16 <= block_size <= 256 and block_size & (block_size - 1) == 0):
+        raise ValueError(f"block_size: expected a power of two in [16, 256], got {block_size}")
+    if K < 1 or N < 1:
+        raise ValueError(f"K, N: expected >= 1, got K={K}, N={N}")
+    nblk = (K + block_size - 1) // block_size
+    blob = block_size * bits // 8
+    P = (N + 15) // 16
+    for name, a, dt in (("B", B, np.uint8), ("scales", scales, np.float32)):
+        if not isinstance(a, np.ndarray) or a.dtype != dt:
+            raise ValueError(f"{name}: expected a {np.dtype(dt).name} array, got "
+                             f"{getattr(a, 'dtype', type(a).__name__)}")
+    if B.size != N * nblk * blob:
+        raise ValueError(f"B: expected {N * nblk * blob} bytes ([N={N}, {nblk} blocks, {blob}]), got shape {B.shape}")
+    if scales.size != N * nblk:
+        raise ValueError(f"scales: expected {N * nblk} elements ([N={N}, {nblk} blocks]), got shape {scales.shape}")
+    b = B.reshape(N, nblk, blob)
+    if bits == 4:
+        q = np.empty((N, nblk, block_size), np.uint8)
+        q[:, :, 0::2] = b & 15
+        q[:, :, 1::2] = b >> 4
+    else:
+        q = b
+    qp = np.zeros((P * 16, nblk, block_size), np.uint8)
+    qp[:N] = q
+    if bits == 4:   # line j of a block: k = 8j + kk (low nibble) and 8j + 4 + kk (high), byte 4c + kk
+        q6 = qp.reshape(P, 16, nblk, block_size // 8, 2, 4)
+        lines = (q6[:, :, :, :, 0, :] | (q6[:, :, :, :, 1, :] << 4)).transpose(0, 2, 3, 1, 4)
+    else:           # line j: k = 4j + kk, byte 4c + kk
+        lines = qp.reshape(P, 16, nblk, block_size // 4, 4).transpose(0, 2, 3, 1, 4)
+    cdef PackedNBits w = PackedNBits.__new__(PackedNBits)
+    w.K, w.N, w.bits, w.block_size, w.nblk, w.P = K, N, bits, block_size, nblk, P
+    w.qw = np.ascontiguousarray(lines).reshape(P, nblk, 16 * blob)
+    w.sc = _panels(scales.reshape(N, nblk), P, N, 0.0)
+    w.zconst = float(1 << (bits - 1))
+    w.zp = None
+    if zero_points is not None:
+        w.zp = _panels(_zero_points(zero_points, N, nblk, bits), P, N, w.zconst)
+    for a in (w.qw, w.sc, w.zp):
+        if a is not None:
+            a.flags.writeable = False
+    _set_base(w)
+    return w
+
+
+cdef void _set_base(PackedNBits w):
+    cdef const uint8_t[:, :, ::1] qv = w.qw
+    cdef const float[:, :, ::1] sv = w.sc
+    cdef const float[:, :, ::1] zv
+    memset(&w.base, 0, sizeof(okv_qmm))
+    w.base.K, w.base.N, w.base.P, w.base.nblk, w.base.bs, w.base.bits = w.K, w.N, w.P, w.nblk, w.block_size, w.bits
+    w.base.qw, w.base.sc, w.base.zconst = &qv[0, 0, 0], &sv[0, 0, 0], w.zconst
+    if w.zp is not None:
+        zv = w.zp
+        w.base.zp = &zv[0, 0, 0]
+
+
+def _zero_points(z, N, nblk, bits):
+    """The zero points as float32 [N, nblk] (see pack_nbits)."""
+    if not isinstance(z, np.ndarray) or z.dtype not in (np.uint8, np.float32):
+        raise ValueError(f"zero_points: expected a uint8 or float32 array, got {getattr(z, 'dtype', type(z).__name__)}")
+    if z.dtype == np.float32:
+        if z.size != N * nblk:
+            raise ValueError(f"zero_points: expected {N * nblk} float32 elements ([N={N}, {nblk} blocks]), "
+                             f"got shape {z.shape}")
+        return z.reshape(N, nblk)
+    per_col = (nblk * bits + 7) // 8
+    if z.size != N * per_col:
+        raise ValueError(f"zero_points: expected {N * per_col} uint8 elements ([N={N}, {per_col}] packed "
+                         f"{bits}-bit), got shape {z.shape}")
+    z = z.reshape(N, per_col)
+    if bits == 8:
+        return z.astype(np.float32)
+    u = np.empty((N, per_col * 2), np.uint8)
+    u[:, 0::2] = z & 15
+    u[:, 1::2] = z >> 4
+    return u[:, :nblk].astype(np.float32)
+
+
+cdef void _decode(okv_qmm *a, int int8, int isa, int nt) noexcept nogil:
+    """Panels split into nt contiguous ranges (multiples of 4 panels: whole tiles)."""
+    cdef int64_t per = ((a.P + nt - 1) // nt + 3) & ~(<int64_t>3), t, p0, p1
+    if nt == 1 or per >= a.P:
+        okv_qmm_range(a, int8, 0, a.P, isa)
+        return
+    nt = <int>((a.P + per - 1) // per)
+    for t in prange(nt, num_threads=nt, schedule='static'):
+        p0 = t * per
+        p1 = p0 + per if p0 + per < a.P else a.P
+        okv_qmm_range(a, int8, p0, p1, isa)
+
+
+cdef int _prefill(okv_qmm *a, const float *x, int fisa, int misa, int nt) except -1 nogil:
+    """Groups of DEQ_PANELS panels: dequantized into a buffer of each thread, then
+    the packed float32 kernel for all M rows.  Returns -1 (MemoryError) when a
+    buffer cannot be allocated (out is then partly written)."""
+    cdef int64_t G = DEQ_G, ng = (a.P + G - 1) // G, t, g, g0, g1, p0, p1, ncol
+    cdef int failed = 0
+    cdef float *buf
+    if nt > ng:
+        nt = <int>ng
+    for t in prange(nt, num_threads=nt, schedule='static'):
+        buf = <float *>malloc(<size_t>(G * a.K * 16) * sizeof(float))
+        if buf == NULL:
+            failed += 1
+        else:
+            g0 = ng * t // nt
+            g1 = ng * (t + 1) // nt
+            for g in range(g0, g1):
+                p0 = g * G
+                p1 = p0 + G if p0 + G < a.P else a.P
+                ncol = a.N - p0 * 16 if a.N - p0 * 16 < (p1 - p0) * 16 else (p1 - p0) * 16
+                okv_qmm_dequant_isa(a, p0, p1, buf, fisa)
+                okv_matmul_packed_f32_ld(x, a.M, a.K, buf, ncol, a.N, NULL if a.bias == NULL else a.bias + p0 * 16,
+                                         a.out + p0 * 16, 0, p1 - p0, misa)
+            free(buf)
+    if failed:
+        with gil:
+            raise MemoryError(f"matmul_nbits: no memory for a {G * a.K * 16 * 4}-byte dequantization buffer")
+    return 0
+
+
+cdef int _mmp_isa(okv_settings s) noexcept nogil:
+    if not s.simd:
+        return OKV_MMP_SCALAR
+    return OKV_MMP_AVX512 if s.avx512 and _mmp512 else OKV_MMP_AVX2
+
+
+cdef int _run(okv_qmm *a, const float *x, bint int8, okv_settings s) except -1:
+    """Every path of matmul_nbits on checked arguments (a: weight, out, bias and M set)."""
+    cdef int nt = s.threads
+    cdef int64_t span = a.nblk * a.bs
+    cdef void *scratch
+    cdef int rc
+    if a.M * a.K * a.N < PAR_MIN:
+        nt = 1
+    if a.M > DECODE_M:
+        with nogil:
+            _prefill(a, x, _float_isa(s), _mmp_isa(s), nt)
+        return 0
+    # int8: xq [M, span] int8 + xs, xsum [M, nblk]; float: xp [M, span] (a copy when K % bs) + xsum
+    scratch = malloc(<size_t>(a.M * (span * (1 if int8 else 4) + 8 * a.nblk)) + 64)
+    if scratch == NULL:
+        raise MemoryError(f"matmul_nbits: no memory for {a.M} rows of activation blocks")
+    with nogil:
+        a.xsum = <float *>scratch
+        if int8:
+            a.xs = a.xsum + a.M * a.nblk
+            a.xq = <int8_t *>(a.xs + a.M * a.nblk)
+            okv_qmm_quant_rows(x, a.M, a.K, a.bs, a.nblk, <int8_t *>a.xq, <float *>a.xs, <float *>a.xsum)
+            _decode(a, 1, _int8_isa(s), nt)
+        else:
+            a.x = x if span == a.K else a.xsum + a.M * a.nblk
+            okv_qmm_float_rows(x, a.M, a.K, a.bs, a.nblk, <float *>a.x, <float *>a.xsum)
+            _decode(a, 0, _float_isa(s), nt)
+    free(scratch)
+    return 0
+
+
+cdef bint _fast(x, PackedNBits w, out, bias, bint int8) except -1:
+    """Run matmul_nbits when every argument is valid, checked at C speed (the
+    conditions of the Python checks); False, with nothing written, sends the
+    call through those checks (which name the bad argument)."""
+    cdef const float[:, ::1] xv
+    cdef float[:, ::1] ov
+    cdef const float[::1] bv
+    cdef okv_qmm a = w.base
+    if not (type(x) is np.ndarray and type(out) is np.ndarray and (bias is None or type(bias) is np.ndarray)):
+        return False
+    try:
+        xv = x
+        ov = out
+        if bias is not None:
+            bv = bias
+    except (ValueError, TypeError, BufferError):
+        return False
+    a.M = xv.shape[0]
+    if a.M == 0 or xv.shape[1] != w.K or ov.shape[0] != a.M or ov.shape[1] != w.N:
+        return False
+    if bias is not None:
+        if bv.shape[0] != w.N or not _disjoint(&ov[0, 0], <size_t>(a.M * w.N) * 4, &bv[0], <size_t>w.N * 4):
+            return False
+        a.bias = &bv[0]
+    if not _disjoint(&ov[0, 0], <size_t>(a.M * w.N) * 4, &xv[0, 0], <size_t>(a.M * w.K) * 4):
+        return False
+    a.out = &ov[0, 0]
+    _run(&a, &xv[0, 0], int8, okv_settings_get())
+    return True
+
+
+def matmul_nbits(x, PackedNBits w, out, bias=None, bint int8=True):
+    """out = x @ w (+ bias) for a weight packed by ``pack_nbits``.
+
+    x: float32 [M, K]; out: float32 [M, N], written whole; bias: optional
+    float32 [N]; all C-contiguous, native byte order; out must not overlap x
+    or bias.  int8: quantize x per block to int8 (accuracy_level 4) in the
+    decode kernels (M <= DECODE_M), else float32 activations.  Any M >= 0.
+    NaN or inf in a row's block makes that row's int8 outputs NaN; the float
+    paths propagate them as IEEE arithmetic does.  Raises ValueError naming
+    the argument before writing.  (Called per weight per decode step: valid
+    arguments are checked in C; only a failing check takes the Python checks.)
+    """
+    if _fast(x, w, out, bias, int8):
+        return
+    V.array("x", x, (V.F32,), ndim=2)
+    if x.shape[1] != w.K:
+        raise ValueError(f"x: expected shape (M, {w.K}) (K of the weight), got {x.shape}")
+    V.array("out", out, (V.F32,), shape=(x.shape[0], w.N), writeable=True)
+    if bias is not None:
+        V.array("bias", bias, (V.F32,), shape=(w.N,))
+    V.no_overlap("out", out, x, "x")
+    V.no_overlap("out", out, bias, "bias")
+    if x.shape[0] != 0:   # every other argument passed: only M = 0 fails the C checks
+        raise AssertionError("matmul_nbits: arguments passed the Python checks but not the C checks")
+
+
+def dequantize_nbits(PackedNBits w, int64_t p0, int64_t p1):
+    """The float32 weight of panels [p0, p1) as [K, 16 (p1 - p0)] (columns past N are zero):
+    w[k, n] = (q - zp) * scale, for products too large for ``matmul_nbits`` to
+    repeat the dequantization (callers use BLAS on it).  0 <= p0 < p1 <= P."""
+    if not 0 <= p0 < p1 <= w.P:
+        raise ValueError(f"p0, p1: expected 0 <= p0 < p1 <= {w.P}, got {p0}, {p1}")
+    cdef okv_settings s = okv_settings_get()
+    cdef okv_qmm a = w.base
+    panels = np.empty((p1 - p0, w.K, 16), np.float32)
+    cdef float[:, :, ::1] dv = panels
+    with nogil:
+        okv_qmm_dequant_isa(&a, p0, p1, &dv[0, 0, 0], _float_isa(s))
+    return panels.transpose(1, 0, 2).reshape(w.K, -1)

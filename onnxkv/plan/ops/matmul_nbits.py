@@ -1,0 +1,198 @@
+"""``com.microsoft::MatMulNBits``: Y = A @ dequant(B) (+ bias), B in 4- or 8-bit blocks along K.
+
+The contract is ONNX Runtime's contrib operator: A float32 or float16
+[..., K]; B uint8 [N, ceil(K / block_size), block_size * bits / 8] (4-bit codes
+low nibble first); scales [N * n_blocks] (or [N, n_blocks]) of A's type;
+optional zero_points (uint8 packed like B along a column's blocks, or of A's
+type; absent: 2^(bits-1)); optional g_idx (int32 [K], act-order groups);
+optional bias [N];
+attributes K, N, bits (default 4), block_size (power of two >= 16),
+accuracy_level (default 0).  w[k, n] = (q[n, k] - zp[n, b]) * scale[n, b],
+b = k // block_size.
+
+onnxkv runs bits 4 and 8 and block sizes 16..256.  B, scales and zero_points
+must be initializers: they are repacked once, when the kernel object is built,
+into :class:`onnxkv._kernels.qmatmul.PackedNBits` (the op absorbs them, so the
+plan drops its own copies and a memory-mapped B has its pages released).
+A node with ``g_idx`` is a load error (the GenAI builder never emits it, and
+ONNX Runtime's CPU kernel reads packed zero points differently when it is
+given, even for the identity grouping).
+
+``accuracy_level`` 4 lets decode-sized products (up to ``DECODE_M`` rows)
+quantize A to int8 per block (qmatmul.h gives the exact arithmetic); levels
+0..3 keep A in float32.  Larger products dequantize panels and run float32
+products whatever the level (the more accurate arithmetic); above ``BLAS_M``
+rows the weight is dequantized ``BLAS_COLS`` columns at a time for NumPy's
+BLAS.  float16 A, scales, zero points and bias are converted to float32 and
+Y back to float16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from onnxkv._kernels.qmatmul import DECODE_M, dequantize_nbits, matmul_nbits, pack_nbits
+from onnxkv.plan.ops.matmul import BLAS_COLS, BLAS_M, _release_pages
+from onnxkv.plan.registry import BuildContext, Op, register
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+
+__all__ = ["MatMulNBits", "SiblingMatMulNBits", "DECODE_M"]
+
+
+def _constant(op: Op, ctx: BuildContext, name: str, role: str) -> np.ndarray | None:
+    """The initializer ``name`` (None for an omitted input); a load error naming ``role`` if it is not one."""
+    if not name:
+        return None
+    value = ctx.constant(name)
+    if value is None:
+        raise op.error(f"input {role} ('{name}') must be an initializer: onnxkv packs the weight once at load")
+    return value
+
+
+def _float32(a: np.ndarray | None) -> np.ndarray | None:
+    """float16 scales, zero points or bias as float32 (other dtypes unchanged: pack_nbits checks them)."""
+    return a.astype(np.float32) if a is not None and a.dtype == np.float16 else a
+
+
+@register("MatMulNBits", domain="com.microsoft")
+class MatMulNBits(Op):
+    """Kernel object of one MatMulNBits node (see the module docstring).
+
+    Attributes:
+        weight: the packed weight (owned by this object, read-only arrays).
+        int8: whether decode-sized products quantize A to int8 (accuracy_level 4).
+    """
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        inputs = list(node.input) + [""] * (6 - len(node.input))
+        if inputs[4]:
+            raise self.error(f"input g_idx ('{inputs[4]}') is not supported: onnxkv runs weights grouped by "
+                             f"k // block_size, without act-order indices")
+        self._layout(self.attrs.get("N"))
+        B, scales, zp = (_constant(self, ctx, inputs[i], role) for i, role in ((1, "B"), (2, "scales"),
+                                                                               (3, "zero_points")))
+        if B is None or scales is None:
+            raise self.error("inputs B and scales are required")
+        self._pack(B, scales, zp)
+        self.absorbed_inputs = tuple(i for i in (1, 2, 3) if inputs[i])
+        self._bias = None
+
+    def _layout(self, n) -> None:
+        """Checks the attributes (the node's N given as ``n``) and sets k, n, bits, block_size, int8."""
+        a = self.attrs
+        for name, value in (("K", a.get("K")), ("N", n), ("block_size", a.get("block_size"))):
+            if not isinstance(value, int):
+                raise self.error(f"attribute '{name}' is required (an int), got {value!r}")
+        self.k, self.n = a["K"], n
+        self.bits, self.block_size, level = a.get("bits", 4), a["block_size"], a.get("accuracy_level", 0)
+        if self.bits not in (4, 8):
+            raise self.error(f"bits={self.bits} is not supported: onnxkv runs 4- and 8-bit weights")
+        if not (16 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0):
+            raise self.error(f"block_size={self.block_size}: expected a power of two in [16, 256]")
+        if not (0 <= level <= 4):
+            raise self.error(f"accuracy_level={level}: expected 0..4")
+        if not (1 <= self.k < 2**31 and 1 <= self.n < 2**31):
+            raise self.error(f"K={self.k}, N={self.n}: expected each in [1, 2^31)")
+        self.int8 = level == 4
+
+    def _pack(self, B: np.ndarray, scales: np.ndarray, zp: np.ndarray | None) -> None:
+        """Packs the weight (ORT layout, self.n columns) into self.weight; a load error for a bad layout."""
+        try:
+            self.weight = pack_nbits(np.ascontiguousarray(B), np.ascontiguousarray(_float32(scales)),
+                                     None if zp is None else np.ascontiguousarray(_float32(zp)), self.k, self.n,
+                                     self.bits, self.block_size)
+        except ValueError as e:
+            raise self.error(f"{e} (K={self.k}, N={self.n}, bits={self.bits}, block_size={self.block_size}, "
+                             f"{-(-self.k // self.block_size)} blocks per column)") from None
+        _release_pages(B)
+
+    def _blas(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out [M, N] = x [M, K] @ w through BLAS, w dequantized BLAS_COLS columns at a time."""
+        step = BLAS_COLS // 16
+        for p0 in range(0, self.weight.P, step):
+            p1 = min(self.weight.P, p0 + step)
+            n0, n1 = p0 * 16, min(self.n, p1 * 16)
+            np.matmul(x, dequantize_nbits(self.weight, p0, p1)[:, : n1 - n0], out=out[:, n0:n1])
+
+    def _product(self, a: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
+        """A [..., K] (checked here) @ w (+ bias, checked by the caller) as float32 [rows, n], into ``out``
+        (float32 [..., n], or None for a new array)."""
+        if a.dtype not in _FLOATS or a.ndim < 1 or a.shape[-1] != self.k:
+            raise ValueError(f"{self.op_type} node '{self.name}': input A must be float32 or float16 [..., {self.k}], "
+                             f"got {a.dtype} {a.shape}")
+        x = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, self.k)
+        o = (np.empty((x.shape[0], self.n), np.float32) if out is None else out).reshape(-1, self.n)
+        if x.shape[0] <= BLAS_M:
+            matmul_nbits(x, self.weight, o, bias, int8=self.int8)
+        else:
+            self._blas(x, o)
+            if bias is not None:
+                o += bias
+        return o
+
+    def run(self, inputs: list, rt) -> tuple:
+        a, bias = inputs[0], inputs[5] if len(inputs) > 5 else None
+        if bias is not None and (bias.dtype not in _FLOATS or bias.shape != (self.n,)):
+            raise ValueError(f"MatMulNBits node '{self.name}': bias must be float [{self.n}], got {bias.dtype} "
+                             f"{bias.shape}")
+        f32 = a.dtype == np.float32
+        out = rt.empty(0, a.shape[:-1] + (self.n,), np.float32) if f32 and a.ndim else None
+        o = self._product(a, None if bias is None else np.ascontiguousarray(bias, dtype=np.float32), out)
+        y = out if out is not None else o.reshape(a.shape[:-1] + (self.n,))
+        return (y if f32 else y.astype(np.float16),)
+
+
+@register("SiblingMatMulNBits", domain="ai.onnxkv")
+class SiblingMatMulNBits(MatMulNBits):
+    """``ai.onnxkv::SiblingMatMulNBits`` (made by :func:`onnxkv.plan.fusion_matmul.fuse_sibling_nbits`):
+    input A, then per member B, scales, zero_points, bias ("" when absent; every one an initializer);
+    attributes those of MatMulNBits with ``N`` one int per member; outputs Y_i = A @ W_i (+ bias_i), as the
+    MatMulNBits nodes it replaces.  The members' weights are concatenated along N and packed once, so A is
+    quantized once and one kernel call covers them all.  A single row returns the outputs as views of
+    the one product; several rows get contiguous copies.
+
+    Attributes: weight (the packed concatenation), bounds ((start, end) columns of each output).
+    """
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        Op.__init__(self, node, ctx)
+        ns = self.attrs.get("N")
+        if not (isinstance(ns, list) and len(ns) >= 2 and len(node.input) == 1 + 4 * len(ns)
+                and len(node.output) == len(ns)):
+            raise self.error(f"needs A, then B, scales, zero_points, bias per member and N per member, got "
+                             f"{len(node.input)} inputs and N={ns!r}")
+        self._layout(sum(ns) if all(isinstance(n, int) and n >= 1 for n in ns) else ns)
+        members = [[_constant(self, ctx, node.input[1 + 4 * i + j], role)
+                    for j, role in enumerate(("B", "scales", "zero_points", "bias"))] for i in range(len(ns))]
+        kinds = {None if m[2] is None else m[2].dtype for m in members}
+        if any(m[0] is None or m[1] is None for m in members) or len(kinds) != 1:
+            raise self.error("every member needs B and scales, and one zero-point kind")
+        rows = lambda a, n: np.ascontiguousarray(a).reshape(n, -1)  # noqa: E731
+        self._pack(np.concatenate([rows(m[0], n) for m, n in zip(members, ns)]),
+                   np.concatenate([rows(_float32(m[1]), n) for m, n in zip(members, ns)]),
+                   None if kinds == {None} else np.concatenate([rows(_float32(m[2]), n) for m, n in zip(members, ns)]))
+        for m, n in zip(members, ns):
+            if m[3] is not None and m[3].shape != (n,):
+                raise self.error(f"bias of shape {m[3].shape}: expected ({n},)")
+        self._bias = None if all(m[3] is None for m in members) else np.concatenate(
+            [np.zeros(n, np.float32) if m[3] is None else m[3].astype(np.float32) for m, n in zip(members, ns)])
+        ends = np.cumsum(ns).tolist()
+        self.bounds = list(zip([0, *ends[:-1]], ends))
+        self.absorbed_inputs = tuple(i for i in range(1, len(node.input)) if node.input[i])
+
+    def run(self, inputs: list, rt) -> tuple:
+        a = inputs[0]
+        full = self._product(a, self._bias, None)
+        lead, rows = a.shape[:-1], full.shape[0]
+        cast = (lambda y: y) if a.dtype == np.float32 else (lambda y: y.astype(np.float16))  # noqa: E731
+        if rows == 1:
+            return tuple(cast(full[:, n0:n1].reshape(lead + (n1 - n0,))) for n0, n1 in self.bounds)
+        outs = []
+        for i, (n0, n1) in enumerate(self.bounds):
+            out = rt.empty(i, lead + (n1 - n0,), np.float32)
+            np.copyto(out.reshape(rows, n1 - n0), full[:, n0:n1])
+            outs.append(cast(out))
+        return tuple(outs)

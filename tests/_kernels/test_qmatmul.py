@@ -1,0 +1,223 @@
+"""qmatmul: pack_nbits / matmul_nbits against their NumPy twins (reference.py) on random data, at every
+instruction-set path this machine runs (scalar, AVX2 VPMADDUBSW, AVX-VNNI, AVX-512 VNNI), 1 and 2 threads,
+4 and 8 bits, block sizes 16..256, zero points absent / packed uint8 / float32, K not a multiple of the
+block size, 1..64 rows; and against ONNX Runtime's MatMulNBits for the layout contract."""
+import numpy as np
+import pytest
+
+import onnxkv._kernels as K
+from onnxkv._kernels import reference as R
+from onnxkv._kernels.qmatmul import DECODE_M, _set_vnni, dequantize_nbits, int8_path, matmul_nbits, pack_nbits
+
+
+def _paths():
+    """(simd level, vnni switch, expected int8 path) of every path this CPU runs."""
+    out = [("scalar", True, "scalar"), ("avx2", False, "avx2")]
+    levels = K.simd_levels()
+    if "avx2" not in levels:
+        return out[:1]
+    with K.use_settings(K.current_settings().replace(simd="avx2")):
+        if _set_vnni(True)[1] == "avx-vnni":
+            out.append(("avx2", True, "avx-vnni"))
+    if "avx512" in levels:
+        with K.use_settings(K.current_settings().replace(simd="avx512")):
+            if _set_vnni(True)[1] == "avx512-vnni":
+                out.append(("avx512", True, "avx512-vnni"))
+    return out
+
+
+PATHS = _paths()
+
+
+@pytest.fixture(params=PATHS, ids=[p[2] for p in PATHS])
+def path(request):
+    level, vnni, name = request.param
+    with K.use_settings(K.current_settings().replace(simd=level)):
+        _set_vnni(vnni)
+        assert int8_path() == name
+        yield name
+
+
+def make_weight(rng, K_, N, bits, bs, zp_kind):
+    """Random ORT-layout MatMulNBits inputs: (B, scales, zero_points)."""
+    nblk = -(-K_ // bs)
+    q = rng.integers(0, 1 << bits, (N, nblk * bs), dtype=np.uint8)
+    B = q if bits == 8 else (q[:, 0::2] | (q[:, 1::2] << 4))
+    B = np.ascontiguousarray(B.reshape(N, nblk, bs * bits // 8))
+    scales = (rng.random((N, nblk), dtype=np.float32) * 0.02 + 0.001).astype(np.float32)
+    if zp_kind == "none":
+        zp = None
+    elif zp_kind == "float":
+        zp = (rng.random((N, nblk)) * ((1 << bits) - 1)).astype(np.float32)
+    else:
+        z = rng.integers(0, 1 << bits, (N, nblk + (nblk & 1 if bits == 4 else 0)), dtype=np.uint8)
+        zp = z.reshape(-1) if bits == 8 else (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1)
+    return B, scales.reshape(-1), zp
+
+
+def _dequant_direct(B, scales, zp, K_, N, bits, bs):
+    """ONNX Runtime's definition, straight from the ORT-layout inputs."""
+    nblk = -(-K_ // bs)
+    q = R.nbits_codes(B, K_, N, bits, bs).astype(np.float32)
+    if zp is None:
+        z = np.full((N, nblk), 1 << (bits - 1), np.float32)
+    elif zp.dtype == np.float32:
+        z = zp.reshape(N, nblk)
+    else:
+        zb = zp.reshape(N, -1)
+        z = zb if bits == 8 else np.stack([zb & 15, zb >> 4], -1).reshape(N, -1)[:, :nblk]
+    blk = np.arange(K_) // bs
+    return ((q - z[:, blk]) * scales.reshape(N, nblk)[:, blk]).T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("zp_kind", ["none", "uint8", "float"])
+def test_pack_round_trip(bits, bs, zp_kind):
+    rng = np.random.default_rng(bits * 1000 + bs)
+    K_, N = bs * 2 + 5, 37
+    B, s, z = make_weight(rng, K_, N, bits, bs, zp_kind)
+    w = pack_nbits(B, s, z, K_, N, bits, bs)
+    np.testing.assert_array_equal(R.nbits_dequantize(w), _dequant_direct(B, s, z, K_, N, bits, bs))
+    cols = dequantize_nbits(w, 0, w.P)
+    np.testing.assert_array_equal(cols[:, :N], R.nbits_dequantize(w))
+    assert not cols[:, N:].any()
+
+
+CASES = [  # (bits, block size, K, N, rows, zero points)
+    (4, 32, 256, 80, 1, "none"), (4, 32, 100, 33, 3, "uint8"), (4, 16, 64, 64, 8, "float"),
+    (4, 64, 1000, 48, 2, "uint8"), (4, 128, 384, 100, 5, "none"), (4, 256, 600, 17, 1, "float"),
+    (8, 32, 256, 80, 1, "none"), (8, 32, 100, 33, 4, "uint8"), (8, 16, 48, 96, 7, "float"),
+    (8, 128, 700, 40, 1, "uint8"), (8, 256, 512, 64, 2, "none"),
+]
+
+
+@pytest.mark.parametrize("bits,bs,K_,N,M,zp_kind", CASES)
+def test_int8_matches_twin(path, threads, bits, bs, K_, N, M, zp_kind):
+    rng = np.random.default_rng(K_ * N + M)
+    B, s, z = make_weight(rng, K_, N, bits, bs, zp_kind)
+    w = pack_nbits(B, s, z, K_, N, bits, bs)
+    x = rng.standard_normal((M, K_)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32) if M % 2 else None
+    got, want = np.empty((M, N), np.float32), np.empty((M, N), np.float32)
+    matmul_nbits(x, w, got, bias, int8=True)
+    R.matmul_nbits_int8(x, w, want, bias)
+    # the integer dot products are exact; only the fma emulation of the twin may differ by an ulp
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    # and int8 activations stay close to the float product
+    exact = np.empty_like(want)
+    R.matmul_nbits_f32(x, w, exact, bias)
+    assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("bits,bs,K_,N,M,zp_kind", CASES)
+def test_float_matches_twin(path, threads, bits, bs, K_, N, M, zp_kind):
+    rng = np.random.default_rng(K_ * N + M + 1)
+    B, s, z = make_weight(rng, K_, N, bits, bs, zp_kind)
+    w = pack_nbits(B, s, z, K_, N, bits, bs)
+    x = rng.standard_normal((M, K_)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32) if M % 2 == 0 else None
+    got, want = np.empty((M, N), np.float32), np.empty((M, N), np.float32)
+    matmul_nbits(x, w, got, bias, int8=False)
+    R.matmul_nbits_f32(x, w, want, bias)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("M", [DECODE_M + 1, 16, 33, 64])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_rows(path, threads, M, bits):
+    rng = np.random.default_rng(M + bits)
+    K_, N, bs = 200, 90, 32
+    B, s, z = make_weight(rng, K_, N, bits, bs, "uint8")
+    w = pack_nbits(B, s, z, K_, N, bits, bs)
+    x = rng.standard_normal((M, K_)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    got, want = np.empty((M, N), np.float32), np.empty((M, N), np.float32)
+    for int8 in (True, False):   # prefill is float32 either way
+        matmul_nbits(x, w, got, bias, int8=int8)
+        R.matmul_nbits_f32(x, w, want, bias)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_paths_agree_bit_for_bit():
+    """The int8 contract has one result: every path gives the same bits."""
+    rng = np.random.default_rng(5)
+    B, s, z = make_weight(rng, 320, 70, 4, 32, "uint8")
+    w = pack_nbits(B, s, z, 320, 70, 4, 32)
+    x = rng.standard_normal((3, 320)).astype(np.float32)
+    results = {}
+    for level, vnni, name in PATHS:
+        with K.use_settings(K.current_settings().replace(simd=level)):
+            _set_vnni(vnni)
+            results[name] = np.empty((3, 70), np.float32)
+            matmul_nbits(x, w, results[name])
+    first = next(iter(results.values()))
+    for name, r in results.items():
+        np.testing.assert_array_equal(r, first, err_msg=name)
+
+
+def test_nan_inf_and_zero_blocks(path):
+    rng = np.random.default_rng(9)
+    B, s, z = make_weight(rng, 96, 20, 4, 32, "none")
+    w = pack_nbits(B, s, z, 96, 20, 4, 32)
+    x = rng.standard_normal((4, 96)).astype(np.float32)
+    x[0, 5] = np.nan
+    x[1, 70] = np.inf
+    x[2, 32:64] = 0.0
+    got, want = np.empty((4, 20), np.float32), np.empty((4, 20), np.float32)
+    matmul_nbits(x, w, got)
+    R.matmul_nbits_int8(x, w, want)
+    assert np.isnan(got[:2]).all()
+    np.testing.assert_allclose(got[2:], want[2:], rtol=1e-6, atol=1e-6)
+    matmul_nbits(x, w, got, int8=False)
+    assert np.isnan(got[0]).all() and not np.isfinite(got[1]).any()
+
+
+def test_agrees_with_onnxruntime():
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(3)
+    for bits, zp_kind in ((4, "none"), (4, "uint8"), (8, "uint8"), (4, "float")):
+        K_, N, bs = 160, 48, 32
+        B, s, z = make_weight(rng, K_, N, bits, bs, zp_kind)
+        x = rng.standard_normal((2, K_)).astype(np.float32)
+        inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(s, "s")]
+        if z is not None:
+            inits.append(numpy_helper.from_array(z, "z"))
+        node = helper.make_node("MatMulNBits", ["x", "B", "s"] + (["z"] if z is not None else []), ["y"],
+                                domain="com.microsoft", K=K_, N=N, bits=bits, block_size=bs, accuracy_level=0)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, K_])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, N])], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        got = np.empty((2, N), np.float32)
+        matmul_nbits(x, pack_nbits(B, s, z, K_, N, bits, bs), got, int8=False)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_bad_arguments():
+    rng = np.random.default_rng(0)
+    B, s, z = make_weight(rng, 64, 16, 4, 32, "uint8")
+    with pytest.raises(ValueError, match="bits: expected 4 or 8, got 3"):
+        pack_nbits(B, s, z, 64, 16, 3, 32)
+    with pytest.raises(ValueError, match="block_size: expected a power of two in \\[16, 256\\], got 48"):
+        pack_nbits(B, s, z, 64, 16, 4, 48)
+    with pytest.raises(ValueError, match="B: expected 512 bytes"):
+        pack_nbits(B[:8], s, z, 64, 16, 4, 32)
+    with pytest.raises(ValueError, match="scales: expected 32 elements"):
+        pack_nbits(B, s[:5], z, 64, 16, 4, 32)
+    with pytest.raises(ValueError, match="zero_points: expected 16 uint8 elements"):
+        pack_nbits(B, s, z[:3], 64, 16, 4, 32)
+    with pytest.raises(ValueError, match="scales: expected a float32 array"):
+        pack_nbits(B, s.astype(np.float64), z, 64, 16, 4, 32)
+    w = pack_nbits(B, s, z, 64, 16, 4, 32)
+    x = np.ones((1, 64), np.float32)
+    with pytest.raises(ValueError, match="x: expected shape \\(M, 64\\)"):
+        matmul_nbits(np.ones((1, 63), np.float32), w, np.empty((1, 16), np.float32))
+    with pytest.raises(ValueError, match="out"):
+        matmul_nbits(x, w, np.empty((1, 15), np.float32))
+    with pytest.raises(ValueError, match="bias"):
+        matmul_nbits(x, w, np.empty((1, 16), np.float32), np.ones(3, np.float32))
+    assert not w.qw.flags.writeable and not w.sc.flags.writeable
