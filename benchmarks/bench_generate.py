@@ -33,9 +33,18 @@ reports onnxkv's Python dispatch overhead per node on the tiny model.
 builder's Concat graph: a real ``torch.onnx.export`` of the same model, made by
 ``scripts/export_torch_small.py`` (its vocabulary is read from the file).
 
+``--builder-folder DIR`` enables the cases ``builder-int4:N`` and
+``builder-fp32:N``: the ONNX Runtime GenAI model builder's exports of the
+small model (``-p int4 -e cpu``: MatMulNBits, block 32, accuracy_level 4;
+``-p fp32``), made by ``scripts/export_builder_small.py DIR`` (which needs
+torch; the files are not made at run time).  Each is copied into the
+temporary folder with the benchmark's thread count and a shared past/present
+buffer in its genai_config.json; the case also reports the bytes of weights
+read per token (the initializers of the decoder, all read once per step).
+
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
-       [--cases small-gqa:128,small-gqa:1024,...] [--engines onnxkv,ort,ort-genai]
-       [--torch-model FILE] [--rounds 1] [--out FILE]
+       [--cases small-gqa:128,small-gqa:1024,...,builder-int4:128] [--engines onnxkv,ort,ort-genai]
+       [--torch-model FILE] [--builder-folder DIR] [--rounds 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -232,18 +241,40 @@ def build(tmp: Path, size: str, family: str, max_length: int, threads: int) -> t
     model = build_model(family, cfg, seed=0)
     if family == "gqa":
         save_genai_folder(model, cfg, folder)
-        cfg_path = folder / "genai_config.json"
-        gc = json.loads(cfg_path.read_text())
-        gc["model"]["decoder"]["session_options"] = {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
-                                                     "log_id": "onnxruntime-genai", "provider_options": []}
-        gc["search"]["past_present_share_buffer"] = True
-        cfg_path.write_text(json.dumps(gc, indent=1))
+        _genai_options(folder, threads)
     else:
         import onnx
 
         folder.mkdir(parents=True)
         onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
     return folder, cfg.vocab_size
+
+
+def _genai_options(folder: Path, threads: int) -> None:
+    """Set the thread count and the shared past/present buffer in ``folder``'s genai_config.json."""
+    cfg_path = folder / "genai_config.json"
+    gc = json.loads(cfg_path.read_text())
+    gc["model"]["decoder"]["session_options"] = {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
+                                                 "log_id": "onnxruntime-genai", "provider_options": []}
+    gc["search"]["past_present_share_buffer"] = True
+    cfg_path.write_text(json.dumps(gc, indent=1))
+
+
+def builder_copy(tmp: Path, source: Path, threads: int) -> tuple[Path, int, int]:
+    """A copy of the builder folder ``source`` with this run's genai options: (folder, vocabulary, weight
+    bytes of the decoder file)."""
+    import shutil
+
+    import onnx
+
+    folder = tmp / f"builder-{source.name}"
+    if not folder.exists():
+        shutil.copytree(source, folder)
+        _genai_options(folder, threads)
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    weight_bytes = sum(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
+                       for t in model.graph.initializer)
+    return folder, exported_vocab(folder / "model.onnx"), weight_bytes
 
 
 def exported_vocab(path: Path) -> int:
@@ -263,6 +294,8 @@ def main() -> None:
     ap.add_argument("--engines", default=DEFAULT_ENGINES)
     ap.add_argument("--torch-model", type=Path, help="run the concat cases on this torch.onnx.export file "
                     "(scripts/export_torch_small.py) instead of the builder's Concat graph")
+    ap.add_argument("--builder-folder", type=Path, help="folder with int4/ and fp32/ builder exports of the small "
+                    "model (scripts/export_builder_small.py): enables the builder-int4 and builder-fp32 cases")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run each case's engines this many times, alternating their order (default 1)")
     ap.add_argument("--out")
@@ -297,15 +330,25 @@ def main() -> None:
             plen = int(plen)
             max_length = 2048 if plen + args.new_tokens + 64 <= 2048 else 8192
             exported = family == "concat" and args.torch_model is not None
-            if exported:
+            weight_bytes = None
+            if size == "builder":
+                if args.builder_folder is None:
+                    ap.error(f"case {case}: needs --builder-folder (scripts/export_builder_small.py makes it)")
+                folder, vocab, weight_bytes = builder_copy(tmp, args.builder_folder / family, args.threads)
+                source = f"ONNX Runtime GenAI builder -p {family} -e cpu ({args.builder_folder / family})"
+            elif exported:
                 folder, vocab = args.torch_model, exported_vocab(args.torch_model)
+                source = f"torch.onnx.export ({folder})"
             else:
                 folder, vocab = build(tmp, size, family, max_length, args.threads)
-            entry = {"model": size, "graph": family, "prompt": plen, "new_tokens": args.new_tokens, "batch": 1,
-                     "source": f"torch.onnx.export ({folder})" if exported else "onnxkv.models builder",
-                     "engines": {}}
+                source = "onnxkv.models builder"
+            entry = {"model": "small" if size == "builder" else size, "graph": family, "prompt": plen,
+                     "new_tokens": args.new_tokens, "batch": 1, "source": source, "engines": {}}
+            if weight_bytes is not None:
+                entry["weight_bytes_read_per_token"] = weight_bytes
+            genai_ok = family == "gqa" or size == "builder"
             todo = [e for e in engines if not ((e == "ort-genai" and genai_version is None)
-                                               or (e in ("ort-genai", "onnxkv-f16") and family != "gqa"))]
+                                               or (e in ("ort-genai", "onnxkv-f16") and not genai_ok))]
             runs: dict[str, list[dict]] = {e: [] for e in todo}
             for rnd in range(args.rounds):
                 for engine in todo if rnd % 2 == 0 else todo[::-1]:
@@ -329,8 +372,13 @@ def main() -> None:
                     if args.rounds > 1:
                         entry[f"ratio_onnxkv_over_{peer}_per_round"] = [
                             a["median_token_s"] / b["median_token_s"] for a, b in zip(kv["rounds"], p["rounds"])]
-            if "tokens" in kv and "tokens" in entry["engines"].get("ort", {}):
-                entry["same_tokens_as_ort"] = kv["tokens"][:8] == entry["engines"]["ort"]["tokens"][:8]
+            for peer in ("ort", "ort-genai"):
+                if "tokens" in kv and "tokens" in entry["engines"].get(peer, {}):
+                    entry[f"same_tokens_as_{peer}"] = kv["tokens"][:8] == entry["engines"][peer]["tokens"][:8]
+            if weight_bytes is not None:
+                for engine, r in entry["engines"].items():
+                    if "median_token_s" in r:
+                        r["weight_gb_per_s"] = weight_bytes / r["median_token_s"] / 1e9
             results.append(entry)
     emit({"benchmark": "generate", "machine": machine(),
           "versions": {**versions(), "onnxruntime": onnxruntime.__version__, "onnxruntime_genai": genai_version},

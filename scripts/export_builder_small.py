@@ -23,13 +23,24 @@ from _hf_common import BOS_ID, EOS_ID, PAD_ID, run_genai_builder, save_byte_toke
 SEED = 4321
 
 
+def _small_config():
+    """onnxkv.models.config.SMALL, read from its file (this environment need not have onnxkv built)."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "onnxkv" / "models" / "config.py"
+    spec = importlib.util.spec_from_file_location("_onnxkv_model_config", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look the module up while the class is made
+    spec.loader.exec_module(module)
+    return module.SMALL
+
+
 def build_hf(folder: pathlib.Path) -> None:
     """The SMALL Llama as a Hugging Face folder (safetensors + tokenizer)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-    from onnxkv.models.config import SMALL
+    SMALL = _small_config()
 
     torch.manual_seed(SEED)
     config = LlamaConfig(vocab_size=SMALL.vocab_size, hidden_size=SMALL.hidden_size,

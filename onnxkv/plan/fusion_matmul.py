@@ -133,7 +133,9 @@ def fuse_prologue_matmuls(nodes: list[onnx.NodeProto], protected: set[str],
 
     A prologue qualifies when its output 0 is not ``protected`` and is read by
     exactly one node, once, as input 0 of a ``MatMul`` whose weight is a
-    packable initializer (non-empty 2-D float32) or of a ``SiblingMatMul``;
+    packable initializer (non-empty 2-D float32), of a ``SiblingMatMul`` or
+    ``SiblingMatMulNBits``, or of a ``MatMulNBits`` with initializer weights
+    and no bias or g_idx;
     a norm must have no optional statistics outputs and normalise over the
     last axis.  The ``ai.onnxkv::PrologueMatMul`` node replaces the prologue
     (where it stands, so every reader of its other outputs still follows it)
@@ -156,9 +158,10 @@ def fuse_prologue_matmuls(nodes: list[onnx.NodeProto], protected: set[str],
         m = nodes[r[0]]
         if list(m.input).count(p.output[0]) != 1 or m.input[0] != p.output[0]:
             continue
-        if not ((m.op_type == "SiblingMatMul" and m.domain == FUSED_DOMAIN)
+        if not ((m.op_type in ("SiblingMatMul", "SiblingMatMulNBits") and m.domain == FUSED_DOMAIN)
                 or (default_op(m, "MatMul") and len(m.input) == 2 and len(m.output) == 1
-                    and _packable(constants.get(m.input[1])))):
+                    and _packable(constants.get(m.input[1])))
+                or (_nbits_key(m, constants) is not None and len(m.input) <= 4)):
             continue
         outputs = list(m.output) + [o for o in p.output[3:] if o]
         replace[i] = fused_with_body("PrologueMatMul", [p, m], list(p.input), outputs,

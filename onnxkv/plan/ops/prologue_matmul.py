@@ -1,10 +1,13 @@
-"""``ai.onnxkv::PrologueMatMul``: an RMS norm or SiluMul and the packed product that reads it, as one node.
+"""``ai.onnxkv::PrologueMatMul``: an RMS norm or SiluMul and the packed or block-quantized product that
+reads it, as one node.
 
 Made by :func:`onnxkv.plan.fusion_matmul.fuse_prologue_matmuls`.  Inputs: the
 prologue's inputs (``prologue_inputs`` of them: ``x, skip, gamma[, bias]`` of
 SkipSimplifiedLayerNormalization, ``x, gamma`` of SimplifiedLayerNormalization,
-``gate, up`` of SiluMul), then the product's constant weights.  Outputs: the
-product's outputs (one for a MatMul, one per weight for a SiblingMatMul), then
+``gate, up`` of SiluMul), then the product's constant weights (a MatMul's or
+SiblingMatMul's weights; a MatMulNBits' B, scales, zero points, or a
+SiblingMatMulNBits' inputs).  Outputs: the product's outputs (one for a
+MatMul or MatMulNBits, one per weight for the sibling forms), then
 the skip norm's sum output when the graph reads it.  Attribute ``body``: the
 two nodes it replaces.
 
@@ -27,6 +30,7 @@ import onnx
 from onnxkv import _kernels as K
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.ops.matmul import BLAS_M
+from onnxkv.plan.ops.matmul_nbits import MatMulNBits
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["PrologueMatMul"]
@@ -50,16 +54,19 @@ class PrologueMatMul(Op):
         n_in = int(self.attrs.get("prologue_inputs", 0))
         steps = self.body.steps
         if len(steps) != 2 or steps[0][0].op_type not in (_SKIP, _NORM, _SILU) or not 1 <= n_in <= len(node.input) \
-                or getattr(steps[1][1], "packed", None) is None:
+                or (getattr(steps[1][1], "packed", None) is None and not isinstance(steps[1][1], MatMulNBits)):
             raise self.error("needs a body of an RMS norm or SiluMul and a MatMul / SiblingMatMul with a packed "
-                             f"weight, and prologue_inputs in [1, {len(node.input)}]; got body "
+                             f"weight or a MatMulNBits, and prologue_inputs in [1, {len(node.input)}]; got body "
                              f"{[n.op_type for n, _ in steps]}, prologue_inputs={n_in}")
         self.kind = steps[0][0].op_type
         self.n_in = n_in
         self.eps = getattr(steps[0][1], "eps", 0.0)
-        #: The product's kernel (MatMul or SiblingMatMul with packed weights); it runs the product on the
-        #: prologue's result, its outputs being this node's first ones.
+        #: The product's kernel (MatMul or SiblingMatMul with packed weights, MatMulNBits or
+        #: SiblingMatMulNBits); it runs the product on the prologue's result, its outputs being this node's
+        #: first ones.
         self.product = steps[1][1]
+        #: The product's K.
+        self.k = self.product.k if isinstance(self.product, MatMulNBits) else self.product.packed.shape[1]
         n_product = len(steps[1][0].output)
         #: Output index of the skip norm's sum, after the product's (None: the graph does not read it).
         self.sum_index = n_product if len(node.output) > n_product else None
@@ -81,7 +88,7 @@ class PrologueMatMul(Op):
 
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
-        k = self.product.packed.shape[1]
+        k = self.k
         if not (x.dtype == _F32 and x.ndim >= 1 and x.shape[-1] == k and x.size and x.flags.c_contiguous
                 and x.size // k <= BLAS_M and self._prologue_ok(x, inputs)):
             return tuple(self.body.evaluate(self.node.input, inputs, rt))
