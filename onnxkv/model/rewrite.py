@@ -14,8 +14,10 @@ straight into the state's cache instead of building a new present tensor:
 A pair is bound only when that is provably invisible: the present is produced
 by the joining node itself, and for GroupQueryAttention (which may overwrite
 padding positions inside the past of shorter rows) the past has no other
-reader.  Otherwise the standard tensor path stays; outputs are identical
-either way.
+reader.  A cache is never served inside control flow: when any past or
+present is an input of a node with subgraphs (``If``, ``Loop``, ``Scan``) or
+is read inside one, nothing is bound.  Otherwise the standard tensor path
+stays; outputs are identical either way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import onnx
 
 from onnxkv.model.convention import CacheConvention
+from onnxkv.model.scopes import scope_names, subgraphs
 
 __all__ = ["CacheBinding", "inplace_bindings"]
 
@@ -56,9 +59,21 @@ def _node_key(node: onnx.NodeProto) -> str:
     return node.name or node.output[0]
 
 
+def _control_flow_reads(graph: onnx.GraphProto) -> set[str]:
+    """Values that nodes with subgraphs read: their inputs and the names their subgraphs read from outside."""
+    reads: set[str] = set()
+    for n in graph.node:
+        inner = subgraphs(n)
+        if inner:
+            reads.update(n.input)
+            reads.update(name for g in inner for name in scope_names(g))
+    return reads
+
+
 def inplace_bindings(model: onnx.ModelProto, convention: CacheConvention) -> list[CacheBinding]:
     """The cache bindings of ``model`` that can run in place (possibly empty)."""
-    if convention.kind not in _JOINERS:
+    if convention.kind not in _JOINERS or not _control_flow_reads(model.graph).isdisjoint(
+            [*convention.past_inputs, *convention.present_outputs]):
         return []
     readers: dict[str, list[onnx.NodeProto]] = {}
     producer: dict[str, onnx.NodeProto] = {}

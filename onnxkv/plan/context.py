@@ -40,13 +40,18 @@ class RunContext:
     ``count(**counters)`` adds storage counters (names in
     :data:`STORAGE_COUNTERS`) to the current node's event; it costs nothing
     when the event log is off.
+
+    ``cancel`` is the run's cancellation token (an object with a
+    ``cancelled`` flag, or None): the plan checks it between nodes, and a
+    kernel that repeats work (a ``Loop``) between repetitions.
+    :meth:`nested` is the context of a plan run inside the current node.
     """
 
     __slots__ = ("_plan_alloc", "_node", "counters", "recording", "step", "caches", "cache_events",
-                 "cache_allocator", "deferred")
+                 "cache_allocator", "deferred", "cancel")
 
     def __init__(self, plan_alloc, recording: bool, step: int, caches: dict | None = None,
-                 cache_allocator=None) -> None:
+                 cache_allocator=None, cancel=None) -> None:
         self._plan_alloc = plan_alloc
         self._node = 0
         self.recording = recording
@@ -56,6 +61,20 @@ class RunContext:
         self.cache_events: list = []
         self.cache_allocator = cache_allocator
         self.deferred: list[tuple] = []
+        self.cancel = cancel
+
+    def nested(self, plan_alloc) -> RunContext:
+        """The context of nodes run inside the current node (a subgraph's plan, a fused node's body).
+
+        It allocates through ``plan_alloc`` and keeps its own node index;
+        everything the run owns is shared with this context: deferred commits
+        and rollbacks (a failed run undoes a nested node's writes too), the
+        current node's storage counters and cache events, the state's caches,
+        the cache allocator and the cancellation token.
+        """
+        sub = RunContext(plan_alloc, self.recording, self.step, self.caches, self.cache_allocator, self.cancel)
+        sub.deferred, sub.counters, sub.cache_events = self.deferred, self.counters, self.cache_events
+        return sub
 
     def empty(self, index: int, shape, dtype) -> np.ndarray:
         return self._plan_alloc(self, index, shape, np.dtype(dtype))

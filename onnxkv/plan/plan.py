@@ -17,6 +17,14 @@ outputs would exceed the limit of :mod:`onnxkv.plan.fold_limit` (they then
 run with every call); shape computations over static dims are folded, and
 repeated ones merged, by :mod:`onnxkv.plan.shape_fold`.
 
+Subgraphs: a node with subgraphs (``If``, ``Loop``, ``Scan``) builds each into
+a plan of its own through ``BuildContext.subplan`` (:mod:`onnxkv.plan.subgraph`
+resolves its scope); the values it reads from this plan at run time are the
+kernel's ``captures``, passed after the node's inputs and counted as uses
+(release lists, storage classes) like inputs.  A nested plan never writes a
+value from outside its subgraph in place, and runs inside the node with the
+enclosing run's context (:meth:`Plan.run_nested`).
+
 Build-time checks (:class:`~onnxkv.errors.ModelError` naming the node and the
 value): every value a node reads (inputs and subgraph captures) is defined
 and has one producer; attributes and initializers are well formed
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +45,7 @@ import onnx
 from onnxkv.errors import Cancelled, InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
 from onnxkv.events import EventLog
 from onnxkv.model.contract import get_output_alias
+from onnxkv.model.scopes import scope_names, subgraphs
 from onnxkv.model.tensors import check_attributes, tensor_array
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.buffers import RunBuffers
@@ -49,6 +58,7 @@ from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmul
 from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
 from onnxkv.plan.shape_fold import ShapeFolder, static_dims
+from onnxkv.plan.subgraph import subgraph_model, type_kind
 
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
 
@@ -61,10 +71,11 @@ _NON_DETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "Rand
 
 @dataclass(frozen=True)
 class GraphInput:
-    """A graph input the caller may feed: name, NumPy dtype, static shape (None = dynamic dim)."""
+    """A graph input the caller may feed: name, NumPy dtype (None: a subgraph's untyped input), static shape
+    (None = dynamic dim)."""
 
     name: str
-    dtype: np.dtype
+    dtype: np.dtype | None
     shape: tuple[int | str | None, ...] | None
     has_default: bool
 
@@ -134,19 +145,9 @@ def _topological(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.Node
 def _node_reads(node: onnx.NodeProto) -> list[str]:
     """Every value a node reads: its inputs plus names its subgraphs capture."""
     reads = [x for x in node.input if x]
-    for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            reads.extend(_captures(g))
+    for g in subgraphs(node):
+        reads.extend(scope_names(g))
     return reads
-
-
-def _captures(graph: onnx.GraphProto) -> list[str]:
-    local = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    out: list[str] = []
-    for n in graph.node:
-        out.extend(x for x in _node_reads(n) if x not in local)
-        local.update(n.output)
-    return out
 
 
 def unsupported_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -178,6 +179,10 @@ class Plan:
         keep_buffers: after a successful run keep its temporaries (taken from
             ``allocator``) for the next run instead of returning them (see
             :mod:`onnxkv.plan.buffers`); a failed run returns them all.
+        scope: None for a model's graph; for a subgraph's plan (built by a
+            node's kernel through ``BuildContext.subplan``), the names it reads
+            from enclosing scopes at run time, fed after its graph inputs by
+            :meth:`run_nested`.
 
     A plan is immutable after construction and may be run from one thread at
     a time per :class:`RunContext`; ``run`` allocates its own slot list.
@@ -194,9 +199,13 @@ class Plan:
         external: Mapping[str, np.ndarray] | None = None,
         fold_shapes: bool = True,
         keep_buffers: bool = False,
+        scope: Sequence[str] | None = None,
     ) -> None:
         graph = model.graph
         self.allocator = allocator
+        self._fuse, self._fold_shapes = fuse, fold_shapes
+        #: Names fed from enclosing scopes after the graph inputs (a subgraph's plan), else None.
+        self.scope = None if scope is None else tuple(scope)
         #: Keep a successful run's temporaries for the next run (see onnxkv.plan.buffers).
         self.keep_buffers = bool(keep_buffers)
         self._idle_buffers: list[RunBuffers] = []
@@ -233,12 +242,13 @@ class Plan:
         self.inputs: list[GraphInput] = []
         for vi in graph.input:
             elem = vi.type.tensor_type.elem_type
-            if not elem:
-                raise ModelError(f"graph input '{vi.name}' is not a tensor")
-            self.inputs.append(GraphInput(vi.name, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)),
-                                          _dims(vi), vi.name in constants))
+            if not elem and self.scope is None:  # a subgraph's untyped input is checked by its node's kernel
+                kind = type_kind(vi.type) or "a tensor without an element type"
+                raise ModelError(f"graph input '{vi.name}' is {kind}; onnxkv runs tensor values only")
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)) if elem else None
+            self.inputs.append(GraphInput(vi.name, dtype, _dims(vi), vi.name in constants))
         self.output_names = [o.name for o in graph.output]
-        known = set(constants) | {i.name for i in self.inputs}
+        known = set(constants) | {i.name for i in self.inputs} | set(self.scope or ())
         nodes = _topological(list(graph.node), known)
         subgraph_reads = {x for n in nodes for x in _node_reads(n)} - {x for n in nodes for x in n.input}
         protected = {o.name for o in graph.output} | subgraph_reads
@@ -255,7 +265,7 @@ class Plan:
         for b in self.bindings:
             by_node.setdefault(b.node, []).append(b)
         self.build_context = BuildContext(self.opsets, constants, frozenset(present_outputs), frozenset(past_inputs),
-                                          by_node)
+                                          by_node, self._subplan)
         kernels: list[Op] = []
         kept_nodes: list[onnx.NodeProto] = []
         shapes = None
@@ -291,11 +301,11 @@ class Plan:
 
         for name in constants:
             slot(name)
-        for gi in self.inputs:
-            slot(gi.name)
+        for name in [*(gi.name for gi in self.inputs), *(self.scope or ())]:
+            slot(name)
         in_idx, out_idx = [], []
-        for node in kept_nodes:
-            in_idx.append(tuple(slot(x) if x else -1 for x in node.input))
+        for node, kernel in zip(kept_nodes, kernels):
+            in_idx.append(tuple(slot(x) if x else -1 for x in [*node.input, *kernel.captures]))
             out_idx.append(tuple(slot(x) if x else -1 for x in node.output))
         for name in self.output_names:
             if name not in slot_of:
@@ -305,6 +315,8 @@ class Plan:
         self.in_idx = in_idx
         self.out_idx = out_idx
         self.input_slots = [slot_of[g.name] for g in self.inputs]
+        #: Slots :meth:`run_nested` fills: the graph inputs, then the scope names.
+        self.nested_slots = self.input_slots + [slot_of[name] for name in self.scope or ()]
         self.output_slots = [slot_of[n] for n in self.output_names]
 
         # Two slots past the values: one never written (read for an omitted input), one never read
@@ -319,6 +331,8 @@ class Plan:
         self.aliased_inputs = frozenset(node.input[i] for node, pairs in zip(kept_nodes, self.must_alias)
                                         for _, i in pairs) & {g.name for g in self.inputs}
         self._input_names = frozenset(g.name for g in self.inputs)
+        if self.scope is not None:
+            self._check_nested_writes(kept_nodes)
         self._plan_lifetimes(kept_nodes, set(constants))
         self._steps = [(k.run, tuple(none_slot if s < 0 else s for s in i), tuple(sink_slot if s < 0 else s for s in o))
                        for k, i, o in zip(kernels, in_idx, out_idx)]
@@ -330,11 +344,34 @@ class Plan:
                        for pairs, release, frees, o in zip(self.must_alias, self.release, self.frees, out_idx)]
 
     # -- build helpers -------------------------------------------------
+    def _subplan(self, graph: onnx.GraphProto, where: str) -> Plan:
+        """A plan of its own for a subgraph of a node being built, in this plan's scope (BuildContext.subplan).
+
+        An error building it is raised as the same onnxkv error prefixed by ``where`` (the node and attribute).
+        """
+        overridable = {g.name for g in self.inputs if g.has_default}
+        model, external, scope = subgraph_model(graph, self.opsets, self.build_context.constants, overridable, where)
+        try:
+            return Plan(model, self.allocator, fuse=self._fuse, external=external, fold_shapes=self._fold_shapes,
+                        keep_buffers=self.keep_buffers, scope=scope)
+        except OnnxkvError as e:
+            raise type(e)(f"{where}: {e}") from e
+
+    def _check_nested_writes(self, nodes: list[onnx.NodeProto]) -> None:
+        """A subgraph's plan writes no value from outside the subgraph (its inputs and scope) in place."""
+        outer = self._input_names | set(self.scope)
+        for node, pairs in zip(nodes, self.must_alias):
+            for _, i in pairs:
+                if node.input[i] in outer:
+                    raise ModelError(f"{_node_label(node)} writes '{node.input[i]}' in place (MUST_ALIAS) inside a "
+                                     "subgraph, but that value comes from outside it; onnxkv never writes values "
+                                     "of an enclosing scope from inside control flow")
+
     def _drop_absorbed(self, constants: dict) -> None:
         """Forget constants every reader captured at build time (``Op.absorbed_inputs``): kept as None."""
         absorbed: dict[str, bool] = {}
         for node, kernel in zip(self.nodes, self.kernels):
-            for pos, x in enumerate(node.input):
+            for pos, x in enumerate([*node.input, *kernel.captures]):
                 if x in constants:
                     absorbed[x] = absorbed.get(x, True) and pos in kernel.absorbed_inputs
         for name, all_readers in absorbed.items():
@@ -433,7 +470,7 @@ class Plan:
             for name in _node_reads(nodes[k]):
                 if name in self.slot_of and name not in nodes[k].input:
                     last_use[self.slot_of[name]] = k
-        pinned = set(self.output_slots) | set(self.input_slots) | {self.slot_of[c] for c in constant_names}
+        pinned = set(self.output_slots) | set(self.nested_slots) | {self.slot_of[c] for c in constant_names}
         for s in pinned:
             last_use[s] = never
 
@@ -518,14 +555,9 @@ class Plan:
                     raise InputError(f"Session.run: unknown output '{name}'; outputs are: {', '.join(self.output_names)}")
                 out_slots.append(self.slot_of[name])
         slots = self.bind_inputs(feeds, caches)
-        idle = self._idle_buffers
-        try:
-            bufs = idle.pop()
-        except IndexError:
-            bufs = RunBuffers(self.allocator)
-            bufs.plan_alloc = self._allocator_for(bufs)
+        bufs = self._take_buffers()
         recording = events is not None and events.enabled
-        rt = RunContext(bufs.plan_alloc, recording, step, caches, cache_allocator)
+        rt = RunContext(bufs.plan_alloc, recording, step, caches, cache_allocator, cancel)
         try:
             if recording:
                 self._run_recording(slots, bufs, rt, events, step, cache_allocator, cancel)
@@ -543,12 +575,52 @@ class Plan:
             bufs.close()
             raise
         outputs = {name: slots[s] for name, s in zip(output_names, out_slots)}
+        self._end_buffers(bufs, outputs.values())
+        return outputs
+
+    def run_nested(self, values: Sequence, rt: RunContext) -> list:
+        """Run this plan of a subgraph inside the node ``rt`` is running; return the graph outputs in order.
+
+        ``values`` holds one array per graph input, then one per :attr:`scope`
+        name, unchecked (the calling kernel validates what it feeds; arrays
+        must be C-contiguous).  The nodes run with ``rt.nested``: cancellation
+        is checked between them, and deferred rollbacks, storage counters and
+        cache events belong to the enclosing run.  Temporaries come from this
+        plan's allocator and are returned (or kept, see ``keep_buffers``) when
+        the call ends; outputs never live in them.
+
+        Raises:
+            OperatorError naming the node that failed, or the onnxkv error a node raised.
+        """
+        slots = self._template.copy()
+        for s, v in zip(self.nested_slots, values):
+            slots[s] = v
+        bufs = self._take_buffers()
+        try:
+            self._run_plain(slots, bufs, rt.nested(bufs.plan_alloc), rt.cancel)
+        except BaseException:
+            bufs.close()
+            raise
+        outputs = [slots[s] for s in self.output_slots]
+        self._end_buffers(bufs, outputs)
+        return outputs
+
+    def _take_buffers(self) -> RunBuffers:
+        """The buffers of a run starting: kept ones from an earlier run, else new ones."""
+        try:
+            return self._idle_buffers.pop()
+        except IndexError:
+            bufs = RunBuffers(self.allocator)
+            bufs.plan_alloc = self._allocator_for(bufs)
+            return bufs
+
+    def _end_buffers(self, bufs: RunBuffers, outputs: Iterable[np.ndarray]) -> None:
+        """End a successful run's buffers: keep them for the next run (``keep_buffers``) or return them."""
         if self.keep_buffers:
-            bufs.recycle(outputs.values())
-            idle.append(bufs)
+            bufs.recycle(outputs)
+            self._idle_buffers.append(bufs)
         else:
             bufs.close()
-        return outputs
 
     def _allocator_for(self, bufs: RunBuffers):
         persistent = self.persistent

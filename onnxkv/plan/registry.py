@@ -15,6 +15,10 @@ is made, and called for every run.  Contract of a kernel class:
   a tuple of input positions may return outputs sharing memory with those
   inputs (Reshape, Squeeze, Identity, ...).  The plan uses that declaration to
   keep the underlying buffers alive as long as any view is.
+* A node with subgraphs (``If``, ``Loop``, ``Scan``) sets ``captures`` to the
+  names its subgraphs read from the enclosing scope at run time: the plan
+  passes their values after the node's inputs (``inputs[len(node.input):]``)
+  and counts them as uses of those values, like inputs.
 * Outputs written by a kernel into memory it asked for with
   ``rt.empty(index, shape, dtype)`` come from the session's allocator where
   the plan owns the value's lifetime.
@@ -38,6 +42,7 @@ from onnxkv.model.tensors import tensor_array
 
 if TYPE_CHECKING:  # pragma: no cover
     from onnxkv.plan.context import RunContext
+    from onnxkv.plan.plan import Plan
 
 __all__ = ["Op", "BuildContext", "register", "lookup", "registered_ops", "DOMAIN_ALIASES"]
 
@@ -57,6 +62,10 @@ class BuildContext:
         past_inputs: names of graph inputs that carry a KV cache (``past*``).
         bindings: node name -> the :class:`~onnxkv.model.rewrite.CacheBinding`
             s that node may serve in place (when a state runs the plan).
+        subplan: ``subplan(graph, where) -> Plan`` builds a subgraph of a node
+            into a plan of its own, in the scope of the plan being built
+            (``where`` names the node and attribute in errors); None outside
+            a plan build.
     """
 
     def __init__(
@@ -66,12 +75,14 @@ class BuildContext:
         present_outputs: frozenset[str] = frozenset(),
         past_inputs: frozenset[str] = frozenset(),
         bindings: dict[str, list] | None = None,
+        subplan: Callable[[onnx.GraphProto, str], Plan] | None = None,
     ) -> None:
         self.opsets = opsets
         self.constants = constants if constants is not None else {}
         self.present_outputs = present_outputs
         self.past_inputs = past_inputs
         self.bindings = bindings or {}
+        self.subplan = subplan
 
     def opset(self, domain: str = "") -> int:
         return self.opsets.get(DOMAIN_ALIASES.get(domain, domain), 0)
@@ -118,6 +129,8 @@ class Op:
     absorbed_inputs: tuple[int, ...] = ()
     #: Input positions whose storage the outputs may share (views).
     view_inputs: tuple[int, ...] = ()
+    #: Names read from the enclosing scope by the node's subgraphs, passed after its inputs (see the module docstring).
+    captures: tuple[str, ...] = ()
     #: Set by :func:`register`.
     domain: str = ""
     op_type: str = ""

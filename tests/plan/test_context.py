@@ -54,3 +54,21 @@ def test_preserve_leaves_a_caller_array_alone():
         rt.preserve(caller, np.s_[0])
         assert rt.deferred == []
     assert not context({"past": caller}).holds(caller[:1])  # part of a held value is not the value
+
+
+def test_a_nested_context_allocates_on_its_own_and_shares_everything_the_run_owns():
+    token = object()
+    caches = {"past": np.zeros(2, np.float32)}
+    rt = RunContext(lambda _rt, _i, shape, dtype: np.zeros(shape, dtype), True, 7, caches, "cache allocator", token)
+    rt._node = 3
+    inner = rt.nested(lambda _rt, _i, shape, dtype: np.ones(shape, dtype))
+    assert (inner.recording, inner.step, inner.caches, inner.cache_allocator, inner.cancel) == \
+        (True, 7, caches, "cache allocator", token)
+    assert inner._node == 0 and inner.empty(0, (2,), np.float32).tolist() == [1, 1]
+    calls = []
+    inner.defer(None, lambda: calls.append("inner rollback"))
+    inner.count(allocations=2)
+    inner.cache_events.append(("past", "cost"))
+    assert rt.counters == {"allocations": 2} and rt.cache_events == [("past", "cost")]
+    rt.finish(False)
+    assert calls == ["inner rollback"]

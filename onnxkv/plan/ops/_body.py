@@ -68,9 +68,7 @@ class Body:
         ``rt``, so a failed run undoes a body node's writes too.
         """
         values = {name: x for name, x in zip(names, inputs) if name}
-        sub = RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), rt.recording, rt.step, rt.caches,
-                         rt.cache_allocator)
-        sub.deferred, sub.counters, sub.cache_events = rt.deferred, rt.counters, rt.cache_events
+        sub = rt.nested(lambda _rt, _i, shape, dtype: np.empty(shape, dtype))
         for node, kernel in self.steps:
             outs = kernel.run([values[x] if x else None for x in node.input], sub)
             values.update((name, val) for name, val in zip(node.output, outs) if name)
