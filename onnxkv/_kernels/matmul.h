@@ -20,6 +20,7 @@
 #ifndef ONNXKV_MATMUL_H
 #define ONNXKV_MATMUL_H
 
+#include "claim.h"
 #include "simd.h"
 
 static inline int64_t okv_mm_min(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -513,54 +514,38 @@ static void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const fl
     okv_matmul_packed_f32_ld(x, M, K, wp, N, N, bias, out, p0, p1, isa);
 }
 
-/* Panels of one packed product shared by a thread team without a fixed split.
- *
- * ranges[8 t] (one cache line per thread) holds thread t's range of panels as
- * front | back << 32, initially [P t / nt, P (t + 1) / nt).  Thread t takes
- * chunk panels at a time from the front of its own range -- so it streams a
- * contiguous range, as with a static split -- and, once that is empty, takes
- * chunks from the back of the other threads' ranges until every range is
- * empty.  A thread that starts late or runs slower then costs the team at most
- * the chunk it is working on, not the rest of its share.  Claims are
- * compare-and-swap on the packed word, so every panel is computed exactly
- * once; each output column is summed by one thread in the one order of
- * okv_matmul_packed_f32, so the result does not depend on who took it.
- * Returns the number of panels this thread computed.  P must be < 2^31. */
+typedef struct {
+    const float *x, *wp, *bias;
+    float *out;
+    int64_t M, K, N;
+    int isa;
+} okv_mmp_work;
+
+static void okv_mmp_work_range(void *ctx, int64_t lo, int64_t hi) {
+    const okv_mmp_work *w = (const okv_mmp_work *)ctx;
+    okv_matmul_packed_f32(w->x, w->M, w->K, w->wp, w->N, w->bias, w->out, lo, hi, w->isa);
+}
+
+/* Panels of one packed product shared by a thread team without a fixed split
+ * (okv_claim_run): each output column is summed by one thread in the one
+ * order of okv_matmul_packed_f32, so the result does not depend on who took
+ * it.  Returns the number of panels this thread computed. */
 static int64_t okv_matmul_packed_claim(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                                        const float *bias, float *out, uint64_t *ranges, int nt, int t,
                                        int64_t chunk, int isa) {
-    int64_t done = 0;
-    int i;
-    for (i = 0; i < nt; i++) {
-        uint64_t *r = ranges + 8 * ((t + i) % nt);
-        uint64_t s = __atomic_load_n(r, __ATOMIC_ACQUIRE);
-        for (;;) {
-            uint64_t f = s & 0xffffffffu, b = s >> 32, lo, hi, ns;
-            if (f >= b) break;
-            if (i == 0) { lo = f; hi = f + (uint64_t)chunk < b ? f + (uint64_t)chunk : b; ns = hi | (b << 32); }
-            else        { hi = b; lo = b > f + (uint64_t)chunk ? b - (uint64_t)chunk : f; ns = f | (lo << 32); }
-            if (__atomic_compare_exchange_n(r, &s, ns, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-                okv_matmul_packed_f32(x, M, K, wp, N, bias, out, (int64_t)lo, (int64_t)hi, isa);
-                done += (int64_t)(hi - lo);
-                s = __atomic_load_n(r, __ATOMIC_ACQUIRE);
-            }
-        }
-    }
-    return done;
+    okv_mmp_work w;
+    w.x = x; w.wp = wp; w.bias = bias; w.out = out; w.M = M; w.K = K; w.N = N; w.isa = isa;
+    return okv_claim_run(ranges, nt, t, chunk, okv_mmp_work_range, &w);
 }
 
 /* Sets up okv_matmul_packed_claim for nt threads over P panels: each thread's
  * range in ranges[8 t], and returns the panels per claim (whole multi-panel
  * tiles, about eight claims per thread's range). */
 static int64_t okv_matmul_claim_setup(uint64_t *ranges, int isa, int64_t M, int64_t K, int64_t P, int nt) {
-    int64_t mr, kc, c;
-    int np, t;
-    for (t = 0; t < nt; t++)
-        ranges[8 * t] = (uint64_t)(P * t / nt) | ((uint64_t)(P * (t + 1) / nt) << 32);
+    int64_t mr, kc;
+    int np;
     okv_mmp_shape(isa, M, K, &mr, &np, &kc);
-    c = P / ((int64_t)nt * 8);
-    c = (c + np - 1) / np * np;
-    return c < np ? np : c;
+    return okv_claim_setup(ranges, P, nt, np);
 }
 
 #endif /* ONNXKV_MATMUL_H */

@@ -33,6 +33,7 @@
 #ifndef ONNXKV_QMATMUL_H
 #define ONNXKV_QMATMUL_H
 
+#include "claim.h"
 #include "simd.h"
 
 typedef struct okv_qmm {
@@ -641,6 +642,24 @@ static void okv_qmm_range(const okv_qmm *a, int int8, int64_t p0, int64_t p1, in
 #endif
     if (int8) okv_qmm_i8_scalar(a, p0, p1);
     else okv_qmm_f32_scalar(a, p0, p1);
+}
+
+/* One product shared by a thread team through okv_claim_run (claim.h): the units are panels. */
+typedef struct {
+    const okv_qmm *a;
+    int int8, isa;
+} okv_qmm_work;
+
+static void okv_qmm_work_range(void *ctx, int64_t lo, int64_t hi) {
+    const okv_qmm_work *w = (const okv_qmm_work *)ctx;
+    okv_qmm_range(w->a, w->int8, lo, hi, w->isa);
+}
+
+/* Thread t of nt takes its panels of the product (ranges set by okv_claim_setup over a->P panels). */
+static int64_t okv_qmm_claim(const okv_qmm *a, int int8, int isa, uint64_t *ranges, int nt, int t, int64_t chunk) {
+    okv_qmm_work w;
+    w.a = a; w.int8 = int8; w.isa = isa;
+    return okv_claim_run(ranges, nt, t, chunk, okv_qmm_work_range, &w);
 }
 
 #endif /* ONNXKV_QMATMUL_H */

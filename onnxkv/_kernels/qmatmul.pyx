@@ -19,7 +19,7 @@ out[M, N] = x[M, K] @ w (+ bias), w[k, n] = (q[n, k] - zp[n, b]) * scale[n, b]:
 The exact arithmetic of each path is the contract in qmatmul.h; the NumPy
 twins are ``reference.matmul_nbits_int8`` and ``reference.matmul_nbits_f32``.
 """
-from libc.stdint cimport int8_t, int64_t, uint8_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 from cython.parallel cimport prange
@@ -53,6 +53,10 @@ cdef extern from "qmatmul.h" nogil:
     void okv_qmm_dequant_isa(const okv_qmm *a, int64_t p0, int64_t p1, float *dst, int isa)
     int okv_cpu_vnni512_ok()
     int okv_cpu_avxvnni_ok()
+    int64_t okv_qmm_claim(const okv_qmm *a, int int8, int isa, uint64_t *ranges, int nt, int t, int64_t chunk)
+
+cdef extern from "claim.h" nogil:
+    int64_t okv_claim_setup(uint64_t *ranges, int64_t P, int nt, int64_t unit)
 
 cdef extern from "matmul.h" nogil:
     void okv_matmul_packed_f32_ld(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, int64_t ldc,
@@ -66,6 +70,7 @@ DEF DEQ_G = 4            # panels (of 16 columns) a prefill thread dequantizes a
 #: Panels (of 16 columns) a prefill thread dequantizes at a time.
 DEQ_PANELS = DEQ_G
 DEF PAR_MIN = 1 << 15   # M*K*N below this runs on one thread
+DEF MAX_TEAM = 64        # threads of one product at most (the claim ranges live on the stack)
 
 cdef int _vnni512 = okv_cpu_vnni512_ok()
 cdef int _avxvnni = okv_cpu_avxvnni_ok()
@@ -225,16 +230,21 @@ def _zero_points(z, N, nblk, bits):
 
 
 cdef void _decode(okv_qmm *a, int int8, int isa, int nt) noexcept nogil:
-    """Panels split into nt contiguous ranges (multiples of 4 panels: whole tiles)."""
-    cdef int64_t per = ((a.P + nt - 1) // nt + 3) & ~(<int64_t>3), t, p0, p1
-    if nt == 1 or per >= a.P:
+    """The panels shared by nt threads through claims (claim.h): each thread streams
+    its own contiguous range in chunks of whole 4-panel tiles, then helps with the
+    others' ends, so a thread that starts late costs the team one chunk."""
+    cdef uint64_t ranges[8 * MAX_TEAM]
+    cdef int64_t chunk, t
+    if nt > MAX_TEAM:
+        nt = MAX_TEAM
+    if nt > (a.P + 3) // 4:
+        nt = <int>((a.P + 3) // 4)
+    if nt <= 1:
         okv_qmm_range(a, int8, 0, a.P, isa)
         return
-    nt = <int>((a.P + per - 1) // per)
+    chunk = okv_claim_setup(ranges, a.P, nt, 4)
     for t in prange(nt, num_threads=nt, schedule='static'):
-        p0 = t * per
-        p1 = p0 + per if p0 + per < a.P else a.P
-        okv_qmm_range(a, int8, p0, p1, isa)
+        okv_qmm_claim(a, int8, isa, ranges, nt, <int>t, chunk)
 
 
 cdef int _prefill(okv_qmm *a, const float *x, int fisa, int misa, int nt) except -1 nogil:

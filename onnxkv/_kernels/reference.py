@@ -440,8 +440,8 @@ def quantize_rows_int8(x, block_size):
     bad = ~np.isfinite(xb).all(axis=2)
     ok = (amax > 0) & ~bad
     inv = np.where(ok, np.float32(127) / np.where(ok, amax, 1), 0).astype(np.float32)
-    xq = np.clip(np.rint((xb * inv[..., None]).astype(np.float32)), -127, 127)
-    xq = np.where(ok[..., None], xq, 0).astype(np.int8)
+    safe = np.where(ok[..., None], xb, 0).astype(np.float32)    # NaN/inf blocks quantize to zeros
+    xq = np.clip(np.rint((safe * inv[..., None]).astype(np.float32)), -127, 127).astype(np.int8)
     xs = np.where(bad, np.float32(np.nan), np.where(ok, amax / np.float32(127), 0)).astype(np.float32)
     xsum = xq.astype(np.int64).sum(axis=2).astype(np.float32)
     return xq.reshape(M, -1), xs, xsum
