@@ -1,4 +1,4 @@
-"""ONNX ``Attention`` (opsets 23 and 24), following ``onnx.reference`` (onnx 1.23 with its errata).
+"""ONNX ``Attention`` (opsets 23, 24 and 25), following ``onnx.reference`` (onnx 1.23 with its errata).
 
 Inputs: ``Q`` [B, Hq, Sq, D] or [B, Sq, Hq*D]; ``K`` [B, Hkv, Skv, D] or
 [B, Skv, Hkv*D]; ``V`` [B, Hkv, Skv, Dv] or [B, Skv, Hkv*Dv] (3-D inputs need
@@ -21,10 +21,22 @@ bias from the mask, causal rule and padding, then softmax (in
 ``softmax_precision`` when given).  Query head ``h`` reads KV head
 ``h // (Hq // Hkv)``.  ``is_causal=1``: query ``i`` sees key ``j`` iff
 ``j <= i + offset`` with ``offset = P`` with a past, ``nonpad_kv_seqlen[b] - Sq``
-with ``nonpad_kv_seqlen`` alone, else 0.  A row with no visible key gives zeros.
+with ``nonpad_kv_seqlen`` alone, else 0.  Opset 25: ``left_window_size`` /
+``right_window_size`` (-1 = unbounded, the default) restrict query ``i`` at
+absolute position ``p = offset + i`` (the same offset, whether or not
+``is_causal``) to keys ``p - left_window_size <= j <= p + right_window_size``,
+on top of the causal rule and the mask.  A row with no visible key gives zeros.
 
-Float32 without a score output runs through the streaming kernel when there
-is no mask or when the mask is a set of row ranges (:func:`attn_mask_ranges`:
+Q, K and V are float16, float32, float64 or bfloat16 (one dtype).  float16
+and bfloat16 are computed in float32 (the softmax too, unless
+``softmax_precision`` names another type) and Y, like ``qk_matmul_output``,
+is rounded to the input type once; the presents are the inputs' own values.
+
+Float32, float16 and bfloat16 without a score output run through the
+streaming kernel when the visible keys of each query -- causal rule, window
+and mask -- form one range the kernel can express (always without a mask
+and a left window; see :meth:`Attention23._kernel_ranges`); a mask must then
+be a set of row ranges (:func:`attn_mask_ranges`:
 bool, or float with 0 for visible keys and ``-inf``/``<= -1e30`` for masked
 ones, one range of keys per query whose start is shared by its batch row,
 the same for every head -- padding plus a causal band, as the builder model
@@ -47,7 +59,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from onnxkv._kernels import _validate as V
 from onnxkv.errors import InputError
@@ -56,12 +68,15 @@ from onnxkv.plan.ops._attention_math import causal_attention, check_written, den
 from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges, visible_ranges
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["Attention23", "Attention24", "attn_mask_ranges"]
+__all__ = ["Attention23", "Attention24", "Attention25", "attn_mask_ranges"]
 
-_ATTRIBUTES = {
+_ATTRIBUTES = frozenset({
     "is_causal", "kv_num_heads", "q_num_heads", "qk_matmul_output_mode", "scale", "softcap", "softmax_precision",
-}  # fmt: skip
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+})  # fmt: skip
+_BF16 = np.dtype(helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16))
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), _BF16)
+#: Input types computed in float32 (Y is rounded to them once).
+_NARROW = (np.dtype(np.float16), _BF16)
 _SOFTMAX_DTYPES = {
     TensorProto.FLOAT16: np.dtype(np.float16),
     TensorProto.FLOAT: np.dtype(np.float32),
@@ -109,13 +124,22 @@ class Attention23(Op):
     """Kernel object of one ONNX Attention node (see the module docstring)."""
 
     has_nonpad = False
+    since = 23
+    #: The attributes of this opset's Attention.
+    attributes = _ATTRIBUTES
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
         a = self.attrs
-        unknown = sorted(set(a) - _ATTRIBUTES)
+        unknown = sorted(set(a) - self.attributes)
         if unknown:
-            raise self.error(f"unsupported attribute(s) {unknown} for opset {ctx.opset('')}")
+            raise self.error(f"unsupported attribute(s) {unknown} for opset {ctx.opset('')} "
+                             f"(Attention-{self.since} has {sorted(self.attributes)})")
+        #: Window bounds of Attention-25 (-1: unbounded).
+        self.left, self.right = (int(a.get(w, -1)) for w in ("left_window_size", "right_window_size"))
+        for w, value in (("left_window_size", self.left), ("right_window_size", self.right)):
+            if value < -1:
+                raise self.error(f"attribute {w} must be -1 (unbounded) or >= 0, got {value}")
         self.is_causal = bool(a.get("is_causal", 0))
         self.q_heads = int(a.get("q_num_heads", 0))
         self.kv_heads = int(a.get("kv_num_heads", 0))
@@ -153,7 +177,13 @@ class Attention23(Op):
         q_in, k_in, v_in, mask, past_k, past_v = inputs[:6]
         nonpad = inputs[6] if self.has_nonpad else None
         q, k, v = self._to_bnsh(q_in, k_in, v_in)
+        if q.dtype in _NARROW:  # computed in float32; the presents keep the inputs' own values
+            q = q.astype(np.float32)
+            mask = mask.astype(np.float32) if mask is not None and mask.dtype in _NARROW else mask
         b, hq, sq, d = q.shape
+        in_place = self.bound and rt.in_place(self.node.input[4])
+        if in_place and k.dtype == _BF16:  # a state holds bfloat16 as its uint16 bit patterns
+            past_k, past_v = past_k.view(_BF16), past_v.view(_BF16)
         past_len = self._check_past(past_k, past_v, k, v)
         if nonpad is not None:
             if past_k is not None:
@@ -171,14 +201,14 @@ class Attention23(Op):
         total = past_len + k.shape[2]
         offsets = self._causal_offsets(b, sq, past_len, nonpad)
         kv_len = nonpad if nonpad is not None else np.full(b, total, np.int64)
-        seen = None  # (kv_start or None, q_pos) of the streaming kernel, or None: the dense path
+        seen = None  # (kv_start or None, q_pos, window) of the streaming kernel, or None: the dense path
         if not self.want[3] and q.dtype == np.float32 and self.softmax_dtype in (None, np.dtype(np.float32)):
             seen = self._kernel_ranges(mask, b, sq, total, offsets, kv_len)
         fast = seen is not None
 
         keys = values = None
         paged = False
-        if self.bound and rt.in_place(self.node.input[4]):
+        if in_place:
             # In place: append after the past in the state's caches; present is a view (contiguous),
             # or the kernel reads the pages (paged; gathered only for the dense path).
             ck, cv = rt.caches[self.node.input[4]], rt.caches[self.node.input[5]]
@@ -192,6 +222,10 @@ class Attention23(Op):
                 keys, values = ck.buffer, cv.buffer
             elif fast:
                 keys, values = ck, cv
+            if k.dtype == _BF16:
+                present_k, present_v = present_k.view(_BF16), present_v.view(_BF16)
+                if not paged:
+                    keys, values = keys.view(_BF16), values.view(_BF16)
         elif past_k is not None or self.want[1]:
             present_k = self._present(rt, 1, past_k, k)
             present_v = self._present(rt, 2, past_v, v)
@@ -199,58 +233,84 @@ class Attention23(Op):
             present_k, present_v = k, v
         if keys is None:
             keys, values = present_k, present_v
+        if k.dtype in _NARROW and isinstance(keys, np.ndarray) and not (fast and k.dtype == np.float16):
+            # float32 copies, but for the kernel: it converts float16 arrays and narrow pages in its load step
+            keys, values = keys[:, :, :total].astype(np.float32), values[:, :, :total].astype(np.float32)
         scale = float(self.scale) if self.scale is not None else 1.0 / np.sqrt(d)
 
         qk = None
         if fast:
             y = np.empty((b, hq, sq, v.shape[3]), np.float32)
-            kv_start, q_pos = seen
+            kv_start, q_pos, window = seen
             if paged:
-                rt.count(**paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y,
+                rt.count(**paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, window, y,
                                                   kv_start))
             else:
-                causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, -1, y, kv_start=kv_start)
+                causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, window, y, kv_start=kv_start)
         else:
             bias = self._bias(mask, b, hq, sq, total, offsets, nonpad, q.dtype)
             y, scores = dense_attention(
-                q, present_k, present_v, bias, scale, self.softcap,
+                q, keys[:, :, :total], values[:, :, :total], bias, scale, self.softcap,
                 softmax_dtype=self.softmax_dtype, keep_scores=self.want[3],
             )  # fmt: skip
             if scores is not None:
-                qk = (scores.raw, scores.capped, scores.biased, scores.probs)[self.mode].astype(q.dtype, copy=False)
+                qk = (scores.raw, scores.capped, scores.biased, scores.probs)[self.mode]
 
-        y_out = self._output(rt, y, q_in.ndim)
+        y_out = self._output(rt, y, q_in.ndim, q_in.dtype)
         outs: list[np.ndarray | None] = [y_out, None, None, None]
         if self.want[1]:
             outs[1], outs[2] = present_k, present_v
         if self.want[3]:
-            outs[3] = rt.empty(3, qk.shape, q.dtype)
+            outs[3] = rt.empty(3, qk.shape, q_in.dtype)
             outs[3][...] = qk
         return outs[: len(self.node.output)]
 
     def _kernel_ranges(self, mask, b: int, sq: int, total: int, offsets: np.ndarray,
-                       kv_len: np.ndarray) -> tuple[np.ndarray | None, np.ndarray] | None:
-        """``(kv_start, q_pos)`` of the streaming kernel (``kv_start`` None: 0) for the causal rule and the
-        mask, or None when the mask is not a set of row ranges (:func:`attn_mask_ranges`; the result of the
-        previous call is reused when the mask holds the same values: every layer reads one mask) or when a
-        query would see no key under a mask with finite masked values: the dense path then takes the call
-        (and raises its errors)."""
-        if self.is_causal:
-            q_pos = offsets[:, None] + np.arange(sq)[None, :]
+                       kv_len: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, int] | None:
+        """``(kv_start, q_pos, window)`` of the streaming kernel (``kv_start`` None: 0) for the causal rule,
+        the window and the mask, or None when the kernel cannot express them: the dense path then takes the
+        call (and raises its errors).
+
+        Query ``i`` of row ``r`` sees the keys ``lo <= j <= hi`` with ``lo`` the largest of the mask's first
+        key and ``p - left_window_size``, ``hi`` the smallest of the causal bound ``p``, the mask's last key,
+        ``p + right_window_size`` and ``kv_len[r] - 1`` (``p = offsets[r] + i``).  The kernel sees
+        ``max(kv_start[r], q_pos - window) <= j <= min(q_pos, kv_len[r] - 1)``: one ``window`` for every query.
+        None when the mask is not a set of row ranges (:func:`attn_mask_ranges`; the result of the previous
+        call is reused when the mask holds the same values: every layer reads one mask), when a query would
+        see no key under a mask with finite masked values, or when no single ``window`` gives every ``lo``.
+        """
+        p = offsets[:, None] + np.arange(sq)[None, :]
+        if self.is_causal:  # a right window adds nothing to it
+            q_pos = p
+        elif self.right >= 0:  # capped where it passes the last key for every query (the kernel stops there)
+            q_pos = p + min(self.right, max(total - 1 - int(p.min()), 0))
         else:
             q_pos = np.broadcast_to(np.int64(total), (b, sq))
-        if mask is None:
-            return None, q_pos
-        if not isinstance(mask, np.ndarray):
-            return None
-        ranges = cached_mask_ranges(mask, b, sq, total, attn_mask_ranges)
-        if ranges is None:
-            return None
-        kv_start, mask_pos, exact = ranges
-        q_pos = np.minimum(q_pos, mask_pos)
-        if not exact and (np.minimum(q_pos + 1, kv_len[:, None]) <= kv_start[:, None]).any():
-            return None
-        return kv_start, q_pos
+        kv_start, exact = None, True
+        if mask is not None:
+            if not isinstance(mask, np.ndarray):
+                return None
+            ranges = cached_mask_ranges(mask, b, sq, total, attn_mask_ranges)
+            if ranges is None:
+                return None
+            kv_start, mask_pos, exact = ranges
+            q_pos = np.minimum(q_pos, mask_pos)
+        start = np.zeros((b, 1), np.int64) if kv_start is None else kv_start.astype(np.int64)[:, None]
+        lo = start if self.left < 0 else np.maximum(start, p - self.left)
+        empty = np.minimum(q_pos, kv_len[:, None] - 1) < lo
+        if empty.any():
+            if not exact:
+                return None
+            q_pos = np.where(empty, start - 1, q_pos)
+        window = -1
+        if self.left >= 0:
+            bounded = ~empty & (lo > start)  # the queries whose first key is the window's
+            widths = (q_pos - lo)[bounded]
+            if widths.size:
+                window = int(widths[0])
+                if (widths != window).any() or (~empty & ~bounded & (q_pos - window > start)).any():
+                    return None
+        return kv_start, q_pos, window
 
     def _to_bnsh(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q/K/V as [B, H, S, D] views, shapes and head counts validated."""
@@ -359,21 +419,25 @@ class Attention23(Op):
                 ) from None
             bias = bias + m
         j = np.arange(total)[None, None, None, :]
+        p = np.arange(sq)[None, None, :, None] + offsets[:, None, None, None]  # absolute query positions
         if self.is_causal:
-            i = np.arange(sq)[None, None, :, None]
-            bias = bias + np.where(j <= i + offsets[:, None, None, None], dtype.type(0), neg)
+            bias = bias + np.where(j <= p, dtype.type(0), neg)
+        if self.left >= 0:
+            bias = bias + np.where(j >= p - self.left, dtype.type(0), neg)
+        if self.right >= 0:
+            bias = bias + np.where(j <= p + self.right, dtype.type(0), neg)
         if nonpad is not None:
             bias = bias + np.where(j < nonpad[:, None, None, None], dtype.type(0), neg)
         return bias
 
-    def _output(self, rt: RunContext, y: np.ndarray, ndim: int) -> np.ndarray:
-        """Y in the input layout ([B, H, S, Dv] or [B, S, H*Dv])."""
+    def _output(self, rt: RunContext, y: np.ndarray, ndim: int, dtype: np.dtype) -> np.ndarray:
+        """Y in the input layout ([B, H, S, Dv] or [B, S, H*Dv]) as ``dtype``."""
         b, h, s, dv = y.shape
         if ndim == 4:
-            out = rt.empty(0, y.shape, y.dtype)
+            out = rt.empty(0, y.shape, dtype)
             out[...] = y
         else:
-            out = rt.empty(0, (b, s, h * dv), y.dtype)
+            out = rt.empty(0, (b, s, h * dv), dtype)
             out.reshape(b, s, h, dv)[...] = y.transpose(0, 2, 1, 3)
         return out
 
@@ -383,3 +447,12 @@ class Attention24(Attention23):
     """ONNX Attention-24: Attention-23 plus the ``nonpad_kv_seqlen`` input."""
 
     has_nonpad = True
+    since = 24
+
+
+@register("Attention", since=25)
+class Attention25(Attention24):
+    """ONNX Attention-25: Attention-24 plus the ``left_window_size``/``right_window_size`` attributes."""
+
+    since = 25
+    attributes = _ATTRIBUTES | {"left_window_size", "right_window_size"}

@@ -8,7 +8,7 @@ allocator.  Integer division truncates toward zero, as ``onnx.reference`` does.
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxkv import _kernels as K
 from onnxkv.plan.ops._util import broadcast_shape
@@ -218,23 +218,59 @@ class Sigmoid(Op):
         return (out,)
 
 
-@register("Cast")
-class Cast(Op):
+#: Float 8 types whose conversion clamps out-of-range values to the largest finite value when ``saturate=1``.
+_SATURATING = frozenset({TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2,
+                         TensorProto.FLOAT8E5M2FNUZ})
+_ROUND_MODES = ("up", "down", "nearest")
+
+
+class _CastOp(Op):
+    """Cast and CastLike: ``saturate`` (float 8 targets) and ``round_mode`` (float8e8m0) as the operator says.
+
+    ``saturate=1`` (the default) clamps values beyond the target's range,
+    infinities included, to its largest finite magnitude; ``saturate=0``
+    maps them to NaN or infinity as the type has.  ``round_mode`` (``up``,
+    ``down`` or ``nearest``) rounds to float8e8m0 only.  A target of STRING
+    gives the values' decimal text.
+    """
+
     def __init__(self, node, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
-        self.dtype = np.dtype(helper.tensor_dtype_to_np_dtype(int(self.attrs["to"])))
+        self.saturate = int(self.attrs.get("saturate", 1))
+        self.round_mode = self.attrs.get("round_mode", "up")
+        if self.saturate not in (0, 1):
+            raise self.error(f"attribute saturate must be 0 or 1, got {self.saturate}")
+        if self.round_mode not in _ROUND_MODES:
+            raise self.error(f"attribute round_mode must be one of {list(_ROUND_MODES)}, got {self.round_mode!r}")
+
+    def cast(self, x: np.ndarray, to: int, rt) -> np.ndarray:
+        """``x`` converted to the ONNX element type ``to``, in a fresh array."""
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(to))
+        if x.dtype == dtype:
+            return x.copy()
+        if to in _SATURATING and self.saturate:
+            return numpy_helper.saturate_cast(x, dtype)
+        if to == TensorProto.FLOAT8E8M0:
+            return numpy_helper.to_float8e8m0(x, bool(self.saturate), self.round_mode).astype(dtype, copy=False)
+        if to == TensorProto.STRING:
+            return x.astype(np.str_).astype(object)
+        out = rt.empty(0, x.shape, dtype)
+        np.copyto(out, x, casting="unsafe")
+        return out
+
+
+@register("Cast")
+class Cast(_CastOp):
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self.to = int(self.attrs["to"])
 
     def run(self, inputs: list, rt) -> tuple:
-        x = inputs[0]
-        if x.dtype == self.dtype:
-            return (x.copy(),)
-        out = rt.empty(0, x.shape, self.dtype)
-        np.copyto(out, x, casting="unsafe")
-        return (out,)
+        return (self.cast(inputs[0], self.to, rt),)
 
 
 @register("CastLike")
-class CastLike(Op):
+class CastLike(_CastOp):
     def run(self, inputs: list, rt) -> tuple:
         x, like = inputs
-        return (x.astype(like.dtype),)
+        return (self.cast(x, helper.np_dtype_to_tensor_dtype(like.dtype), rt),)

@@ -2,6 +2,9 @@
 
 Axes come from the ``axes`` input (ReduceSum ≥ 13, the others ≥ 18) or the
 ``axes`` attribute (older opsets); ``noop_with_empty_axes`` is honoured.
+A reduction over an empty set of values gives the operator's identity:
+ReduceMax ``-inf`` (the dtype's minimum for integers, False for bool),
+ReduceMin ``+inf`` (the maximum, True), ReduceSum/SumSquare/L2 0, ReduceProd 1.
 """
 
 from __future__ import annotations
@@ -11,11 +14,33 @@ import numpy as np
 from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
 from onnxkv.plan.registry import Op, register
 
+
+def _extreme(dtype: np.dtype, largest: bool):
+    """The largest (or smallest) value of ``dtype``: ±inf for floats, the integer limits, True/False for bool."""
+    if dtype == np.bool_:
+        return largest
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return info.max if largest else info.min
+    return dtype.type(np.inf if largest else -np.inf)
+
+
+def _extremum(reduce, empty_largest: bool):
+    """``reduce`` (np.max/np.min) giving ``_extreme(dtype, empty_largest)`` over an empty set of values."""
+
+    def run(x: np.ndarray, axes, keep: bool) -> np.ndarray:
+        if x.size:
+            return reduce(x, axis=axes, keepdims=keep)
+        return reduce(x, axis=axes, keepdims=keep, initial=_extreme(x.dtype, empty_largest))
+
+    return run
+
+
 _REDUCE = {
     "ReduceSum": lambda x, axes, keep: np.sum(x, axis=axes, keepdims=keep, dtype=x.dtype),
     "ReduceMean": lambda x, axes, keep: np.mean(x, axis=axes, keepdims=keep, dtype=x.dtype),
-    "ReduceMax": lambda x, axes, keep: np.max(x, axis=axes, keepdims=keep),
-    "ReduceMin": lambda x, axes, keep: np.min(x, axis=axes, keepdims=keep),
+    "ReduceMax": _extremum(np.max, empty_largest=False),
+    "ReduceMin": _extremum(np.min, empty_largest=True),
     "ReduceProd": lambda x, axes, keep: np.prod(x, axis=axes, keepdims=keep, dtype=x.dtype),
     "ReduceSumSquare": lambda x, axes, keep: np.sum(x * x, axis=axes, keepdims=keep, dtype=x.dtype),
     "ReduceL2": lambda x, axes, keep: np.sqrt(np.sum(x * x, axis=axes, keepdims=keep, dtype=x.dtype)),

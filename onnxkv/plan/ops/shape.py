@@ -134,7 +134,11 @@ class Flatten(Op):
 
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
-        axis = normalize_axis(self.attrs.get("axis", 1), x.ndim + 1, f"Flatten '{self.name}'")
+        axis, rank = int(self.attrs.get("axis", 1)), x.ndim
+        if not -rank <= axis <= rank:  # axis may be the rank itself (one row); a negative axis counts from the end
+            raise OperatorError(f"Flatten node '{self.name}': axis {axis} must be in [{-rank}, {rank}] for an input "
+                                f"of shape {x.shape}")
+        axis += rank if axis < 0 else 0
         lead = prod(x.shape[:axis])
         return (x.reshape(lead, -1) if x.size else x.reshape(lead, prod(x.shape[axis:])),)
 

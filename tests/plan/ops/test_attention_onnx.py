@@ -1,11 +1,14 @@
-"""ONNX Attention (23, 24) against onnx.reference, and ONNX Runtime where it runs the case."""
+"""ONNX Attention (23, 24) against onnx.reference, and ONNX Runtime where it runs the case.
+
+Windows (Attention-25) and the kernel's ranges: test_attention_onnx_ranges.py.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from _attn_harness import build_op, make_model, run_op, run_ort, run_reference
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from onnxkv.errors import InputError, ModelError
 from onnxkv.plan.ops.attention_onnx import Attention23, Attention24
@@ -190,3 +193,30 @@ def test_float16_inputs():
     for g, w in zip(got, run_reference(model, ins)):
         assert g.dtype == w.dtype == np.float16
         np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)],
+                         ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["4d-past-mask", "3d-scores"])
+def test_narrow_inputs_are_computed_in_float32_and_rounded_once(dtype, layout):
+    """float16/bfloat16: every output is the float32 computation on the same values, rounded once, and the
+    presents are the inputs themselves (ONNX's node tests check the agreement with onnx.reference)."""
+    rng = np.random.default_rng(16)
+    if layout == "4d-past-mask":
+        ins = _inputs(rng, 2, 4, 2, 3, 3, 32, past=4, mask=np.where(rng.random((3, 7)) > 0.3, 0, -np.inf))
+        outputs, attrs = OUTPUTS[:3], {"is_causal": 1}
+    else:
+        ins = _inputs(rng, 2, 4, 2, 3, 3, 16, three_d=True)
+        outputs, attrs = ["Y", "", "", "qk"], {"q_num_heads": 4, "kv_num_heads": 2, "qk_matmul_output_mode": 3}
+    narrow = {n: None if a is None else a.astype(dtype) for n, a in ins.items()}
+    wide = {n: None if a is None else a.astype(np.float32) for n, a in narrow.items()}
+    model = make_model("Attention", narrow, outputs, {"": 23}, **attrs)
+    got, _ = run_op(Attention23, model, narrow)
+    want, _ = run_op(Attention23, make_model("Attention", wide, outputs, {"": 23}, **attrs), wide)
+    got, want = [g for g in got if g is not None], [w for w in want if w is not None]
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(g, w.astype(dtype))
+    if layout == "4d-past-mask":
+        for present, past, new in zip(got[1:], ("past_key", "past_value"), ("K", "V")):
+            np.testing.assert_array_equal(present, np.concatenate([narrow[past], narrow[new]], axis=2))

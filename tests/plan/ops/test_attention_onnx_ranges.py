@@ -5,16 +5,22 @@ whose visible keys are one range per query, starting at one key per batch
 row; the operator then takes the kernel and agrees with onnx.reference (and
 ONNX Runtime).  Other masks -- a hole, a per-head mask, another bias, a query
 that sees nothing under finite masking -- take the dense NumPy path.
+
+Attention-25's ``left_window_size`` / ``right_window_size`` narrow each
+query's range further: the kernel's single ``window`` expresses them when
+every query's first key is the same distance before its last one (sliding
+causal windows, with or without a past, padding or a range mask).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from _attn_harness import make_model, run_op, run_ort, run_reference
+from _attn_harness import build_op, make_model, run_op, run_ort, run_reference
 
 import onnxkv.plan.ops.attention_onnx as attention_onnx
-from onnxkv.plan.ops.attention_onnx import Attention23, attn_mask_ranges
+from onnxkv.errors import ModelError
+from onnxkv.plan.ops.attention_onnx import Attention23, Attention25, attn_mask_ranges
 
 FMIN = np.finfo(np.float32).min
 
@@ -103,3 +109,86 @@ def test_attn_mask_ranges_describe_exactly_the_visible_keys():
     assert not attn_mask_ranges(np.array([FMIN, 0, 0], np.float32), 1, 1, 3)[2]
     assert attn_mask_ranges(np.zeros((1, 1, 1, 4), np.float32), 1, 1, 3) is None  # longer than the keys
     assert attn_mask_ranges(np.zeros((1, 1, 1, 3), np.int64), 1, 1, 3) is None
+
+
+def _run_window(rng, b=2, hq=4, hkv=2, sq=5, skv=5, past=0, nonpad=None, mask=None, d=16, **attrs):
+    """Attention-25 on random inputs against onnx.reference; returns Y."""
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    ins = {"Q": f(b, hq, sq, d), "K": f(b, hkv, skv, d), "V": f(b, hkv, skv, d), "attn_mask": mask,
+           "past_key": f(b, hkv, past, d) if past else None, "past_value": f(b, hkv, past, d) if past else None,
+           "nonpad_kv_seqlen": None if nonpad is None else np.asarray(nonpad, np.int64)}
+    outputs = ["Y", "present_key", "present_value"] if past else ["Y"]
+    model = make_model("Attention", ins, outputs, {"": 25}, **attrs)
+    got, _ = run_op(Attention25, model, ins)
+    for g, w in zip(got, run_reference(model, ins)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    return got[0]
+
+
+@pytest.mark.parametrize("attrs,kw", [
+    ({"is_causal": 1, "left_window_size": 2}, {}),
+    ({"is_causal": 1, "left_window_size": 0}, {}),
+    ({"is_causal": 1, "left_window_size": 3}, {"sq": 2, "skv": 2, "past": 6}),
+    ({"is_causal": 1, "left_window_size": 3}, {"sq": 1, "skv": 1, "past": 9}),
+    ({"is_causal": 1, "left_window_size": 3, "right_window_size": 1}, {"sq": 3, "skv": 3, "past": 4}),
+    ({"left_window_size": 1, "right_window_size": 2}, {}),
+    ({"left_window_size": 2, "right_window_size": 40}, {"sq": 3, "skv": 3, "past": 4}),
+    ({"right_window_size": 0}, {}),
+    ({"is_causal": 1, "left_window_size": 2}, {"sq": 3, "skv": 8, "nonpad": [7, 2]}),
+    ({"is_causal": 1, "left_window_size": 2, "softcap": 2.0}, {"mask": _padded_causal(2, 5, 5, [0, 2])}),
+], ids=["causal", "self-only", "past", "decode", "causal-right", "both-sides", "right-beyond-keys", "right-only",
+        "nonpad", "mask-ranges"])
+def test_windows_take_the_kernel_and_agree_with_onnx_reference(attrs, kw, dense_calls):
+    _run_window(np.random.default_rng(20), **kw, **attrs)
+    assert dense_calls == []
+
+
+def test_window_with_a_bias_mask_takes_the_dense_path(dense_calls):
+    rng = np.random.default_rng(30)
+    _run_window(rng, mask=rng.standard_normal((5, 5)).astype(np.float32), is_causal=1, left_window_size=1)
+    assert dense_calls == [1]
+
+
+def test_window_hiding_every_key_of_a_query_gives_zeros():
+    y = _run_window(np.random.default_rng(31), sq=3, skv=8, nonpad=[8, 1], is_causal=1, left_window_size=0)
+    assert (y[1, :, :2] == 0).all() and np.isfinite(y).all()  # row 1: offset -2, queries 0 and 1 see no key
+
+
+def test_kernel_ranges_describe_exactly_the_keys_the_bias_leaves_visible():
+    """Whenever the kernel takes a call, its (kv_start, q_pos, window) see exactly the keys of the dense bias."""
+    rng = np.random.default_rng(32)
+    taken = 0
+    for trial in range(400):
+        b, sq, total = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(1, 10))
+        attrs = {"is_causal": int(rng.integers(0, 2)), "left_window_size": int(rng.integers(-1, total + 2)),
+                 "right_window_size": int(rng.integers(-1, total + 2))}
+        op = build_op(Attention25, make_model("Attention", {"Q": np.zeros(1)}, ["Y"], {"": 25}, **attrs))
+        nonpad = rng.integers(0, total + 1, b).astype(np.int64) if trial % 3 == 0 else None
+        offsets = nonpad - sq if nonpad is not None else np.full(b, int(rng.integers(0, total + 1)), np.int64)
+        kv_len = nonpad if nonpad is not None else np.full(b, total, np.int64)
+        mask = _padded_causal(b, sq, total, rng.integers(0, total + 1, b)) if trial % 2 else None
+        seen = op._kernel_ranges(mask, b, sq, total, offsets, kv_len)
+        if mask is None and attrs["left_window_size"] < 0:
+            assert seen is not None, attrs  # no mask, no left window: always the kernel
+        if seen is None:
+            continue
+        taken += 1
+        kv_start, q_pos, window = seen
+        start = np.zeros(b, np.int64) if kv_start is None else kv_start
+        key = np.arange(total)[None, None, :]
+        got = (key >= start[:, None, None]) & (key <= q_pos[:, :, None]) & (key < kv_len[:, None, None])
+        if window >= 0:
+            got &= key >= q_pos[:, :, None] - window
+        bias = op._bias(mask, b, 1, sq, total, offsets, nonpad, np.dtype(np.float32))
+        np.testing.assert_array_equal(got, np.isfinite(np.broadcast_to(bias, (b, 1, sq, total))[:, 0]),
+                                      err_msg=str((attrs, nonpad, offsets)))
+    assert taken > 200
+
+
+@pytest.mark.parametrize("name", ["left_window_size", "right_window_size"])
+def test_window_below_minus_one_is_a_model_error_naming_the_attribute(name):
+    model = make_model("Attention", {"Q": np.zeros(1)}, ["Y"], {"": 25}, **{name: -2})
+    with pytest.raises(ModelError, match=rf"Attention node 'n0': attribute {name} must be -1 \(unbounded\) or "
+                                         r">= 0, got -2"):
+        build_op(Attention25, model)

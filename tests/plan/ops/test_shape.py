@@ -80,3 +80,21 @@ def test_indices_at_the_ends_of_the_range_are_taken_as_onnx_says():
     np.testing.assert_array_equal(_session("GatherND", feeds).run(feeds)["y"], [1])
     feeds = {"x": x, "i": np.array([-2, 1])}
     np.testing.assert_array_equal(_session("Gather", feeds).run(feeds)["y"], x[[0, 1]])
+
+
+@pytest.mark.parametrize("axis", range(-4, 5))
+def test_flatten_takes_every_axis_from_minus_rank_to_rank(axis):
+    """A negative axis counts from the end (-1 keeps the last dim as columns); the rank itself gives one row."""
+    x = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)
+    got = _session("Flatten", {"x": x}, axis=axis).run({"x": x})["y"]
+    rows = int(np.prod(x.shape[:axis + 4 if axis < 0 else axis]))
+    assert got.shape == (rows, x.size // rows)
+    np.testing.assert_array_equal(got.reshape(-1), x.reshape(-1))
+
+
+@pytest.mark.parametrize("axis", [-5, 5])
+def test_flatten_axis_beyond_the_rank_is_an_operator_error_naming_the_node(axis):
+    x = np.zeros((2, 3, 4, 5), np.float32)
+    with pytest.raises(OperatorError, match=rf"Flatten node 'n': axis {axis} must be in \[-4, 4\] for an input of "
+                                            r"shape \(2, 3, 4, 5\)"):
+        _session("Flatten", {"x": x}, axis=axis).run({"x": x})

@@ -153,6 +153,22 @@ def test_reduce(op, keepdims):
     check(op, [x], keepdims=keepdims, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype,low,high", [
+    (np.float32, -np.inf, np.inf), (np.float16, -np.inf, np.inf), (np.int32, -2**31, 2**31 - 1),
+    (np.uint8, 0, 255), (np.bool_, False, True),
+])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_max_min_over_an_empty_set_give_the_extreme_values(dtype, low, high, keepdims):
+    """Max of nothing is -inf (the dtype's minimum where there is no infinity), min of nothing +inf (its maximum)."""
+    x = np.zeros((2, 0, 4), dtype)
+    shape = (2, 1, 4) if keepdims else (2, 4)
+    for op, want in (("ReduceMax", low), ("ReduceMin", high)):
+        model, feeds = one_node(op, [x, np.array([1], np.int64)], keepdims=keepdims)
+        got = Session(model, threads=1).run(feeds)["y0"]
+        assert got.dtype == x.dtype and got.shape == shape, (op, got.dtype, got.shape)
+        np.testing.assert_array_equal(got, np.full(shape, want, dtype), err_msg=op)
+
+
 def test_argmax_softmax():
     x = r(3, 4, 5)
     check("ArgMax", [x], axis=2, keepdims=0)
