@@ -5,6 +5,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     attention_gqa,
     attention_onnx,
     cache_update,
+    gather_block_quantized,
     masked_attention,
     paged,
     prologue_matmul,
