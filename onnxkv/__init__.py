@@ -7,6 +7,7 @@ Public API::
     session = onnxkv.Session(model, threads=2, events=True)
     outputs = session.run({"input_ids": ..., ...})    # stateless, like onnxruntime
     result = onnxkv.generate(session, input_ids, max_new_tokens=32)
+    onnxkv.quantize_weights("model_dir", "model_dir_int4", bits=4)  # MatMuls -> MatMulNBits
     print(session.events.summary())
     onnxkv.show_config()
 """
@@ -39,6 +40,7 @@ from onnxkv.generate import (  # noqa: E402
     speculative_generate,
 )
 from onnxkv.model import Model, load  # noqa: E402
+from onnxkv.model.quantize_weights import QuantizeReport, quantize_weights  # noqa: E402
 from onnxkv import contract  # noqa: E402
 from onnxkv.contract import check_model  # noqa: E402
 from onnxkv.runtime import Cancellation, Checkpoint, Session, State  # noqa: E402
@@ -49,6 +51,8 @@ __all__ = [
     "show_config",
     "load",
     "Model",
+    "quantize_weights",
+    "QuantizeReport",
     "Session",
     "State",
     "Checkpoint",

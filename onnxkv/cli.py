@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from onnx import helper
@@ -79,10 +82,31 @@ class _Progress:
             print(file=sys.stderr)
 
 
+#: --weights choice -> bits of the MatMulNBits weights.
+_WEIGHT_BITS = {"int4": 4, "int8": 8}
+
+
 def _cmd_generate(args) -> int:
+    """Generate with MODEL, or with a copy quantized by ``onnxkv.quantize_weights`` into a temporary folder
+    (removed afterwards) when ``--weights`` is given.  A model file's ``genai_config.json`` (which
+    ``onnxkv.load`` reads beside it) is copied beside the quantized file."""
+    path = _model_arg(args.model)
+    if args.weights is None:
+        return _generate(args, path)
+    with tempfile.TemporaryDirectory(prefix="onnxkv-weights-") as tmp:
+        source = Path(path)
+        out = Path(tmp) / ("model" if source.is_dir() else source.name)
+        report = onnxkv.quantize_weights(source, out, bits=_WEIGHT_BITS[args.weights])
+        if source.is_file() and (source.parent / "genai_config.json").is_file():
+            shutil.copyfile(source.parent / "genai_config.json", out.parent / "genai_config.json")
+        print(f"weights: {report}")
+        return _generate(args, str(out))
+
+
+def _generate(args, path: str) -> int:
     import psutil
 
-    model = onnxkv.load(_model_arg(args.model))
+    model = onnxkv.load(path)
     sess = onnxkv.Session(model, threads=args.threads, events=True)
     ids, byte_level = _prompt_ids(args, model)
     progress = _Progress(args.max_new_tokens, not args.quiet)
@@ -200,6 +224,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16, help="tokens per page with --cache paged")
     g.add_argument("--kv-format", default=None,
                    help="page formats (implies --cache paged): fp32, fp16, bf16, int8 (keys: scale per head, zero point per channel), int8-kivi (keys per channel, KIVI), int8-head, int4, residual-int8, residual-int4")
+    g.add_argument("--weights", choices=sorted(_WEIGHT_BITS), default=None,
+                   help="quantize the float32 MatMul weights first (MatMulNBits, symmetric, blocks of 32), "
+                        "into a temporary copy of the model")
     g.add_argument("--events", metavar="FILE.json", help="write the storage event log as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress display")
     g.set_defaults(func=_cmd_generate)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
+import onnxkv
+from onnxkv import load
 from onnxkv.cli import main
 from onnxkv.models import embedded
 from onnxkv.models.builders import MICRO, build_model, save_genai_folder
@@ -59,6 +62,46 @@ def test_errors_are_reported_not_raised(genai_dir, tmp_path, capsys):
         main(["generate", str(genai_dir), "--prompt-ids", "a,b"])
     assert main(["generate", str(genai_dir), "--prompt-ids", "1,2", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_generate_quantizes_weights_first(genai_dir, tmp_path, monkeypatch, capsys, weights):
+    """--weights quantizes a copy in a temporary folder (removed afterwards) and generates with it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["generate", str(genai_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--threads", "1",
+                 "--quiet", "--weights", weights]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"weights: 15 MatMuls quantized to {weights} (block 32), 0 left float; " \
+        f"initializers {out.split('initializers ')[1].split(chr(10))[0]}"
+    assert len(out.splitlines()[1].split()[1:]) == 8 and "tokens/s" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_quantizes_a_model_file_with_its_config(genai_dir, tmp_path, monkeypatch, capsys):
+    """A model file's genai_config.json (read by onnxkv.load beside the file) goes with its quantized copy."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    loaded = []
+    monkeypatch.setattr(onnxkv, "load", lambda path: loaded.append(load(path)) or loaded[-1])
+    assert main(["generate", str(genai_dir / "model.onnx"), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                 "--quiet", "--threads", "1", "--weights", "int8"]) == 0
+    assert capsys.readouterr().out.startswith("weights: 15 MatMuls quantized to int8")
+    (model,) = loaded
+    assert model.path.parent.parent == tmp_path and model.genai_config == json.loads(
+        (genai_dir / "genai_config.json").read_text())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_quantizes_the_embedded_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["generate", "--prompt", "The ", "--max-new-tokens", "16", "--quiet", "--weights", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("weights: 21 MatMuls quantized to int8 (block 32)")
+    text = [line for line in out.splitlines() if line.startswith("text:")][0]
+    assert text.startswith("text: The ") and len(text) > len("text: The ") + 5
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit):
+        main(["generate", "--weights", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not (embedded.embedded_model_dir() / "genai_config.json").exists(),

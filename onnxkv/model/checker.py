@@ -38,7 +38,7 @@ from onnxkv.model.contract import (
 )
 from onnxkv.model.shape_inference import infer_shapes
 
-__all__ = ["check_model"]
+__all__ = ["check_model", "value_uses"]
 
 
 def check_model(model: onnx.ModelProto) -> Contract:
@@ -49,7 +49,7 @@ def check_model(model: onnx.ModelProto) -> Contract:
     graph = model.graph
     _check_no_subgraph_declarations(graph)
     contract = Contract.from_model(model)
-    uses = _uses(graph)
+    uses = value_uses(graph)
     initializers = {tensor.name for tensor in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
     inputs = {value_info.name for value_info in graph.input}
     aliased = _check_output_aliases(graph, contract)
@@ -96,7 +96,7 @@ def _check_no_subgraph_declarations(graph: onnx.GraphProto) -> None:
                 _check_no_subgraph_declarations(subgraph)
 
 
-def _uses(graph: onnx.GraphProto) -> dict[str, list[str]]:
+def value_uses(graph: onnx.GraphProto) -> dict[str, list[str]]:
     """Value name -> a description of each of its uses in ``graph`` (see the module docstring)."""
     uses: dict[str, list[str]] = {}
     for node_index, node in enumerate(graph.node):

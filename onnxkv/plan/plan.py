@@ -12,7 +12,9 @@ reaches the caller.  Views are known statically from each kernel class's
 freed after the last use of any member.
 
 Constant folding: nodes whose inputs are all known at build time are run once
-while the plan is built, and their outputs become constants, unless their
+while the plan is built, and their outputs become constants (copies, except a
+view of a whole constant input, such as a Reshape of a weight, which stays a
+view), unless their
 outputs would exceed the limit of :mod:`onnxkv.plan.fold_limit` (they then
 run with every call); shape computations over static dims are folded, and
 repeated ones merged, by :mod:`onnxkv.plan.shape_fold`.
@@ -148,6 +150,17 @@ def _node_reads(node: onnx.NodeProto) -> list[str]:
     for g in subgraphs(node):
         reads.extend(scope_names(g))
     return reads
+
+
+def _whole_view(value, inputs: list) -> bool:
+    """True when ``value`` is a C-contiguous view of every byte of one of the read-only constant ``inputs``
+    (a Reshape of a weight): folding keeps it instead of a copy, so a weight mapped from external data is
+    neither duplicated nor read in full."""
+    if not isinstance(value, np.ndarray) or not value.flags.c_contiguous:
+        return False
+    start = value.__array_interface__["data"][0]
+    return any(isinstance(a, np.ndarray) and not a.flags.writeable and a.flags.c_contiguous and a.nbytes == value.nbytes
+               and a.__array_interface__["data"][0] == start for a in inputs)
 
 
 def unsupported_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -451,7 +464,7 @@ class Plan:
             raise ModelError(f"{_node_label(node)} failed on constant inputs: {e}") from e
         for name, val in zip(node.output, outs):
             if name and val is not None:
-                arr = np.array(val, copy=True)
+                arr = val if _whole_view(val, inputs) else np.array(val, copy=True)
                 arr.flags.writeable = False
                 constants[name] = arr
         return True

@@ -7,6 +7,7 @@ import pytest
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+import onnxkv
 from onnxkv import ArenaAllocator, InputError, ModelError, Session, SystemAllocator, UnsupportedOperatorError
 from onnxkv.models.builders import MICRO, build_model
 
@@ -33,6 +34,28 @@ def test_constant_subgraphs_are_folded_at_build_time():
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     wv = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_allclose(sess.run({"x": x})["y"], x @ (wv * wv).T, rtol=1e-6)
+
+
+def test_a_folded_view_of_a_whole_constant_is_not_copied(tmp_path):
+    """Reshape(w) folds to a view of w: a weight mapped from external data stays mapped (not copied, not read);
+    a folded node making new values (Transpose) still gets its own copy."""
+    w = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    nodes = [helper.make_node("Reshape", ["w", "shape"], ["flat"]),
+             helper.make_node("Transpose", ["w"], ["wt"]),
+             helper.make_node("Gather", ["flat", "i"], ["y"]),
+             helper.make_node("Gather", ["wt", "i"], ["z"])]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([32, 128], np.int64), "shape")]
+    m = _model(nodes, [_vi("i", [2], TensorProto.INT64)], [_vi("y", None), _vi("z", None)], inits)
+    onnx.save(m, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.onnx.data", size_threshold=64)
+    model = onnxkv.load(tmp_path / "m.onnx")
+    sess = Session(model, threads=1)
+    template, slot = sess.plan._template, sess.plan.slot_of
+    assert isinstance(template[slot["flat"]], np.memmap) and template[slot["flat"]].shape == (32, 128)
+    assert np.shares_memory(template[slot["flat"]], model.external["w"])
+    assert not np.shares_memory(template[slot["wt"]], model.external["w"])
+    out = sess.run({"i": np.array([3, 31], np.int64)})
+    np.testing.assert_array_equal(out["y"], w.reshape(32, 128)[[3, 31]])
+    np.testing.assert_array_equal(out["z"], w.T[[3, 31]])
 
 
 def test_views_keep_arena_buffers_alive_until_their_last_use():

@@ -6,6 +6,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     attention_onnx,
     cache_update,
     control_flow,
+    gather_block_quantized,
     masked_attention,
     paged,
     prologue_matmul,
