@@ -41,9 +41,12 @@ torch; the files are not made at run time).  Each is copied into the
 temporary folder with the benchmark's thread count and a shared past/present
 buffer in its genai_config.json; the case also reports the bytes of weights
 read per token (the initializers of the decoder, all read once per step).
+``small-int8:N`` / ``small-int4:N`` run the small GroupQueryAttention model
+after ``onnxkv.quantize_weights`` (8 or 4 bits, block 32, symmetric,
+accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
 
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
-       [--cases small-gqa:128,small-gqa:1024,...,builder-int4:128] [--engines onnxkv,ort,ort-genai]
+       [--cases small-gqa:128,...,small-int8:128,builder-int4:128] [--engines onnxkv,ort,ort-genai]
        [--torch-model FILE] [--builder-folder DIR] [--rounds 1] [--out FILE]
 """
 
@@ -277,6 +280,20 @@ def builder_copy(tmp: Path, source: Path, threads: int) -> tuple[Path, int, int]
     return folder, exported_vocab(folder / "model.onnx"), weight_bytes
 
 
+def quantized_copy(tmp: Path, folder: Path, bits: int) -> tuple[Path, int]:
+    """``folder`` rewritten by onnxkv.quantize_weights (bits, block 32, accuracy_level 4): (folder, weight bytes)."""
+    import onnx
+
+    import onnxkv
+
+    out = tmp / f"{folder.name}-int{bits}"
+    if not out.exists():
+        onnxkv.quantize_weights(folder, out, bits=bits, block_size=32, accuracy_level=4)
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    return out, sum(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
+                    for t in model.graph.initializer)
+
+
 def exported_vocab(path: Path) -> int:
     """Vocabulary size of a decoder file: the last dimension of its ``logits`` output."""
     import onnx
@@ -339,6 +356,10 @@ def main() -> None:
             elif exported:
                 folder, vocab = args.torch_model, exported_vocab(args.torch_model)
                 source = f"torch.onnx.export ({folder})"
+            elif family in ("int8", "int4"):
+                base, vocab = build(tmp, size, "gqa", max_length, args.threads)
+                folder, weight_bytes = quantized_copy(tmp, base, int(family[3:]))
+                source = f"onnxkv.models builder, onnxkv.quantize_weights bits={family[3:]} block 32 accuracy_level 4"
             else:
                 folder, vocab = build(tmp, size, family, max_length, args.threads)
                 source = "onnxkv.models builder"
@@ -346,7 +367,7 @@ def main() -> None:
                      "new_tokens": args.new_tokens, "batch": 1, "source": source, "engines": {}}
             if weight_bytes is not None:
                 entry["weight_bytes_read_per_token"] = weight_bytes
-            genai_ok = family == "gqa" or size == "builder"
+            genai_ok = family in ("gqa", "int8", "int4") or size == "builder"
             todo = [e for e in engines if not ((e == "ort-genai" and genai_version is None)
                                                or (e in ("ort-genai", "onnxkv-f16") and not genai_ok))]
             runs: dict[str, list[dict]] = {e: [] for e in todo}
