@@ -374,7 +374,9 @@ okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, i
 /* ------------------------------------------------------------------ */
 #if OKV_QMM_HAVE_VNNI
 /* MR rows x NP panels; the low- and high-nibble (or even- and odd-line) dot
- * products go to separate accumulators so each VPDPBUSD chain is half as long. */
+ * products go to separate accumulators so each VPDPBUSD chain is half as long.
+ * 4-bit high nibbles enter masked in place, as 16 q (no shift per line; VPDPBUSD
+ * does not saturate), and their sum is divided by 16 exactly once per block. */
 OKV_VNNI512 static inline __attribute__((always_inline)) void
 okv_qmm_i8_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int64_t m0) {
     const int64_t LB = okv_qmm_lb(a), ldq = a->nblk * a->bs, pstride = a->nblk * LB;
@@ -401,7 +403,7 @@ okv_qmm_i8_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int
                 if (a->bits == 4) {
                     const __m512i L = _mm512_loadu_si512((const void *)(w0 + q * pstride + 32 * j));
                     wa = _mm512_and_si512(L, nib);
-                    wb = _mm512_and_si512(_mm512_srli_epi16(L, 4), nib);
+                    wb = _mm512_andnot_si512(nib, L); /* 16 x the high nibble: no shift (port 0) per line */
                 } else {
                     wa = _mm512_loadu_si512((const void *)(w0 + q * pstride + 64 * j));
                     wb = _mm512_loadu_si512((const void *)(w0 + q * pstride + 64 * j + 64));
@@ -419,7 +421,8 @@ okv_qmm_i8_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int
             for (r = 0; r < MR; r++) {
                 const int64_t mb = (m0 + r) * a->nblk + b;
                 const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xsum[mb]),
-                                                  _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r][q], hi[r][q])));
+                                                  _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r][q], a->bits == 4
+                                                      ? _mm512_srai_epi32(hi[r][q], 4) : hi[r][q])));
                 accf[r][q] = _mm512_fmadd_ps(t, _mm512_mul_ps(s, _mm512_set1_ps(a->xs[mb])), accf[r][q]);
             }
         }
