@@ -242,7 +242,7 @@ class GroupQueryAttention(Op):
         """The outputs of one token of one sequence into a state's float32 cache, or None.
 
         The general path's result for the common decode call -- batch 1, one
-        new token after a past, separate float32 Q/K/V, the state's contiguous
+        new token after a past, float32 Q/K/V (separate or packed), the state's contiguous
         float32 caches bound in place with room for the token, no position_ids /
         attention_bias / head_sink / smooth_softmax, rotary (if any) from the
         node's constant tables -- computed by the fused kernel
@@ -284,6 +284,11 @@ class GroupQueryAttention(Op):
                 return None
             cos, sin = tables[2], tables[3]
         hq, hkv = self.num_heads, self.kv_num_heads
+        if key is None and value is None and isinstance(query, np.ndarray) and query.ndim == 3 \
+                and query.shape[:2] == (1, 1) and query.shape[2] == (hq + 2 * hkv) * past_key.shape[3]:
+            # packed QKV (the GenAI builder's fused projection): one token's q, k, v are contiguous slices
+            d = past_key.shape[3]
+            query, key, value = query[..., :hq * d], query[..., hq * d:(hq + hkv) * d], query[..., (hq + hkv) * d:]
         if query.ndim != 3 or past_key.shape[:2] != (1, hkv) or past_key.shape[3] * hq != query.shape[2]:
             return None
         present_len = max(total, past_len)

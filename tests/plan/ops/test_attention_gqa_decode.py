@@ -31,6 +31,22 @@ def _model(**attrs) -> onnx.ModelProto:
     return model
 
 
+def _packed_model() -> onnx.ModelProto:
+    """The MICRO GQA model with packed QKV: each GroupQueryAttention reads Concat(q, k, v) as its query
+    (key and value omitted), as the GenAI builder's fused qkv_proj feeds it."""
+    model = build_model("gqa", MICRO, seed=41)
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            packed = node.name + "/qkv"
+            nodes.append(onnx.helper.make_node("Concat", list(node.input[:3]), [packed], axis=-1))
+            node.input[0], node.input[1], node.input[2] = packed, "", ""
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """Records whether each _decode_token call served the call (True) or declined (False)."""
@@ -61,13 +77,13 @@ def _decode(session, state, steps: int, batch: int = 1) -> tuple[list[np.ndarray
     return logits, [np.array(v) for v in state.values.values()]
 
 
-@pytest.mark.parametrize("attrs", [{}, {"softcap": 2.5}, {"local_window_size": 6}],
-                         ids=["plain", "softcap", "window"])
+@pytest.mark.parametrize("attrs", [{}, {"softcap": 2.5}, {"local_window_size": 6}, "packed"],
+                         ids=["plain", "softcap", "window", "packed-qkv"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
     """Every decode step takes the path (growth of the cache included) with results bitwise equal to
     the general path's."""
-    session = onnxkv.Session(_model(**attrs), threads=threads)
+    session = onnxkv.Session(_packed_model() if attrs == "packed" else _model(**attrs), threads=threads)
     with session.new_state(initial_capacity=4) as st:  # grows during prefill and decode
         got_logits, got_values = _decode(session, st, steps=9)
     decode_calls = spy[-9 * MICRO.num_layers:]
