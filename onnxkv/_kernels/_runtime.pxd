@@ -1,3 +1,5 @@
+from libc.stdint cimport int64_t
+
 # Kernel settings (okv_settings, simd.h) of the calling thread, shared by cimport (see _runtime.pyx).
 
 cdef extern from "simd.h" nogil:
@@ -17,3 +19,8 @@ cdef extern from "simd.h" nogil:
 
 cdef okv_settings okv_settings_get() noexcept nogil
 cdef okv_settings *okv_settings_mine() noexcept nogil
+
+cdef int64_t okv_now_ns() noexcept nogil
+cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil
+cdef void okv_team_finished(okv_settings s, int64_t t0, int64_t caller_done) noexcept nogil
+cdef int okv_team_solo(int solo) noexcept

@@ -15,6 +15,9 @@ passes the copy down to its C code and OpenMP loops: no kernel reads a global
 setting and OpenMP workers never read thread-local state, so two sessions
 running in two Python threads with different settings never see each other's.
 """
+from libc.stdint cimport int64_t
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+
 import operator
 import os
 
@@ -303,3 +306,59 @@ def cpu_features():
         "openmp": bool(okv_openmp_enabled()),
         "omp_num_procs": int(okv_omp_num_procs()),
     }
+
+
+# -- the late-team heuristic of the decode-sized products (matmul_packed, matmul_nbits) -----------------
+
+DEF SOLO_CALLS = 64          # products run on the calling thread alone once a team member was late
+DEF LATE_MIN_NS = 300000     # a wait for the team (ns) counts as late above this and above the caller's own share
+DEF LATE_RUN = 2             # late products in a row that start SOLO_CALLS (one alone is a wake-up hiccup)
+
+# Process-wide state (changed with the GIL held; results never depend on it).  Whether it is used is a
+# setting of the calling thread (okv_settings.adaptive).
+cdef int _solo_left = 0      # products still to run alone
+cdef int _late_run = 0       # late products in a row
+
+
+cdef int64_t okv_now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil:
+    """The team size of the next product that would use nt threads.  On cores
+    shared with other processes a team member is often off its core, and every
+    parallel region then waits for it (a decode step runs dozens of products):
+    after LATE_RUN products in a row whose caller waited for its team longer
+    than its own share took (and LATE_MIN_NS), the next SOLO_CALLS products run
+    on the calling thread alone, then the team is tried again (measured on 2
+    busy cores: a small-model decode step 32 ms instead of 91 ms; on free cores
+    no product is found late).  Callers hold the GIL (it guards the counters)."""
+    global _solo_left
+    if nt > 1 and s.adaptive and _solo_left > 0:
+        _solo_left -= 1
+        return 1
+    return nt
+
+
+cdef void okv_team_finished(okv_settings s, int64_t t0, int64_t caller_done) noexcept nogil:
+    """A product of a team ended: it started at t0 and the calling thread finished its share at
+    caller_done (okv_now_ns); informs okv_team_threads.  With the GIL held."""
+    global _solo_left, _late_run
+    cdef int64_t wait = okv_now_ns() - caller_done
+    if s.adaptive and wait > LATE_MIN_NS and wait > caller_done - t0:
+        _late_run += 1
+        if _late_run >= LATE_RUN:
+            _solo_left = SOLO_CALLS
+            _late_run = 0
+    else:
+        _late_run = 0
+
+
+cdef int okv_team_solo(int solo) noexcept:
+    """Sets the products still to run alone; returns the previous count (for tests and benchmarks)."""
+    global _solo_left
+    cdef int old = _solo_left
+    _solo_left = solo
+    return old

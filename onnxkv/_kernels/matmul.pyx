@@ -28,10 +28,10 @@ in the same order whatever the thread count, so results do not depend on it.
 """
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
-from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get, okv_settings_mine
+from onnxkv._kernels._runtime cimport (okv_now_ns, okv_settings, okv_settings_get, okv_settings_mine,
+                                       okv_team_finished, okv_team_solo, okv_team_threads)
 from onnxkv._kernels._ranges cimport _disjoint
 import numpy as np
 
@@ -226,53 +226,32 @@ def pack_weight(w):
     return wp
 
 
-DEF SOLO_CALLS = 64          # products run on the calling thread alone once a team member was late
-DEF LATE_MIN_NS = 300000     # a wait for the team (ns) counts as late above this and above the caller's own share
-DEF LATE_RUN = 2             # late products in a row that start SOLO_CALLS (one alone is a wake-up hiccup)
-
-# Process-wide state of the late-team heuristic (see _matmul_packed; changed with the GIL held; results
-# never depend on it).  Whether it is used is a setting of the calling thread (okv_settings.adaptive).
-cdef int _solo_left = 0      # products still to run alone
-cdef int _late_run = 0      # late products in a row
 DEF MAX_TEAM = 64            # threads of one product at most (the claim ranges live on the stack)
 
 
 def _set_adaptive(enabled, solo=0):
     """Private switch for benchmarks and tests: let the calling thread's
-    ``matmul_packed`` calls run alone after a late team (see
-    ``_matmul_packed``; a setting of this thread only), and set the number of
-    products still to run alone (process-wide heuristic state).  Returns the
-    previous (enabled, products left)."""
-    global _solo_left
+    ``matmul_packed`` and ``matmul_nbits`` calls run alone after a late team
+    (see ``okv_team_threads`` in _runtime.pyx; a setting of this thread only),
+    and set the number of products still to run alone (process-wide heuristic
+    state).  Returns the previous (enabled, products left)."""
     cdef okv_settings *s = okv_settings_mine()
-    old = (bool(s.adaptive), _solo_left)
+    old = (bool(s.adaptive), okv_team_solo(max(0, int(solo))))
     s.adaptive = 1 if enabled else 0
-    _solo_left = max(0, int(solo))
     return old
-
-
-cdef inline int64_t _now_ns() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
 cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
                          float[:, ::1] out, okv_settings s) noexcept nogil:
     """Threads claim chunks of panels (okv_matmul_packed_claim): each its own
     contiguous range from the front, then the others' from the back, so a
-    thread that starts late or runs slower costs the team one chunk.  When
-    the caller still waited for the team at the end of a product longer than
-    its own share took (and LATE_MIN_NS), in LATE_RUN products in a row, a
-    team member is off its core -- another process holds it, and every
-    product would wait for it again -- so the next SOLO_CALLS products run on
-    the calling thread alone, then the team is tried again (a single late
-    product is a wake-up hiccup, not worth running alone).  The result does
-    not depend on any of it (one summation order for any split).  Called
-    with the GIL held (the counters are module state)."""
-    global _solo_left, _late_run
+    thread that starts late or runs slower costs the team one chunk.  The team
+    size comes from the late-team heuristic (okv_team_threads, _runtime.pyx),
+    which this product then informs.  The result does not depend on any of it
+    (one summation order for any split).  Called with the GIL held (the
+    heuristic's counters are module state)."""
     cdef int64_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
-    cdef int64_t P = wp.shape[0], t, t0, wait, chunk
+    cdef int64_t P = wp.shape[0], t, t0, chunk
     cdef uint64_t ranges[8 * MAX_TEAM]
     cdef int64_t done[1]
     cdef int isa = _packed_isa(s)
@@ -281,31 +260,22 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
         nt = 1
     if nt > P:
         nt = <int>P
-    if nt > 1 and s.adaptive and _solo_left > 0:
-        _solo_left -= 1
-        nt = 1
     if P >= (<int64_t>1 << 31):   # beyond the claim words (a weight of > 2^35 columns)
         nt = 1
+    nt = okv_team_threads(s, nt)
     if nt == 1:
         okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], 0, P, isa)
         return
     if nt > MAX_TEAM:
         nt = MAX_TEAM
     chunk = okv_matmul_claim_setup(ranges, isa, M, K, P, nt)
-    t0 = _now_ns()
+    t0 = okv_now_ns()
     done[0] = t0
     for t in prange(nt, num_threads=nt, schedule='static'):
         okv_matmul_packed_claim(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], ranges, nt, t, chunk, isa)
         if t == 0:
-            done[0] = _now_ns()
-    wait = _now_ns() - done[0]
-    if s.adaptive and wait > LATE_MIN_NS and wait > done[0] - t0:
-        _late_run += 1
-        if _late_run >= LATE_RUN:
-            _solo_left = SOLO_CALLS
-            _late_run = 0
-    else:
-        _late_run = 0
+            done[0] = okv_now_ns()
+    okv_team_finished(s, t0, done[0])
 
 
 def _claim_in_turn(x, wp, out, int nt, order):

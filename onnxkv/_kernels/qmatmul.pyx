@@ -10,8 +10,10 @@ out[M, N] = x[M, K] @ w (+ bias), w[k, n] = (q[n, k] - zp[n, b]) * scale[n, b]:
 * up to ``DECODE_M`` rows (decode): the block kernels, with int8 activations
   (``int8=True``: each row's blocks quantized once per call, integer dot
   products on AVX-512 VNNI, AVX-VNNI, AVX2 or scalar) or float32 activations
-  against weights converted in registers (``int8=False``); the threads split
-  the panels;
+  against weights converted in registers (``int8=False``); the threads claim
+  the panels in chunks, and the late-team heuristic of matmul_packed
+  (``_runtime.okv_team_threads``) runs products alone for a while when a team
+  member keeps arriving late;
 * more rows (prefill): each thread dequantizes four panels at a time into a
   buffer it owns and runs matmul.h's packed float32 kernel on them, in
   float32 whatever ``int8`` says (the more accurate arithmetic).
@@ -24,7 +26,8 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get, okv_settings_mine
+from onnxkv._kernels._runtime cimport (okv_now_ns, okv_settings, okv_settings_get, okv_settings_mine,
+                                       okv_team_finished, okv_team_threads)
 from onnxkv._kernels._ranges cimport _disjoint
 import numpy as np
 
@@ -229,22 +232,23 @@ def _zero_points(z, N, nblk, bits):
     return u[:, :nblk].astype(np.float32)
 
 
-cdef void _decode(okv_qmm *a, int int8, int isa, int nt) noexcept nogil:
-    """The panels shared by nt threads through claims (claim.h): each thread streams
-    its own contiguous range in chunks of whole 4-panel tiles, then helps with the
-    others' ends, so a thread that starts late costs the team one chunk."""
+cdef void _decode(okv_qmm *a, int int8, int isa, int nt, int64_t *done) noexcept nogil:
+    """The panels shared by nt threads (the caller limits nt to whole 4-panel
+    tiles) through claims (claim.h): each thread streams its own contiguous
+    range in chunks of tiles, then helps with the others' ends, so a thread
+    that starts late costs the team one chunk.  done[0]: when the calling
+    thread finished its claims (okv_now_ns)."""
     cdef uint64_t ranges[8 * MAX_TEAM]
     cdef int64_t chunk, t
-    if nt > MAX_TEAM:
-        nt = MAX_TEAM
-    if nt > (a.P + 3) // 4:
-        nt = <int>((a.P + 3) // 4)
     if nt <= 1:
         okv_qmm_range(a, int8, 0, a.P, isa)
+        done[0] = okv_now_ns()
         return
     chunk = okv_claim_setup(ranges, a.P, nt, 4)
     for t in prange(nt, num_threads=nt, schedule='static'):
         okv_qmm_claim(a, int8, isa, ranges, nt, <int>t, chunk)
+        if t == 0:
+            done[0] = okv_now_ns()
 
 
 cdef int _prefill(okv_qmm *a, const float *x, int fisa, int misa, int nt) except -1 nogil:
@@ -286,15 +290,16 @@ cdef int _mmp_isa(okv_settings s) noexcept nogil:
 cdef int _run(okv_qmm *a, const float *x, bint int8, okv_settings s) except -1:
     """Every path of matmul_nbits on checked arguments (a: weight, out, bias and M set)."""
     cdef int nt = s.threads
-    cdef int64_t span = a.nblk * a.bs
+    cdef int64_t span = a.nblk * a.bs, t0, done = 0
     cdef void *scratch
-    cdef int rc
     if a.M * a.K * a.N < PAR_MIN:
         nt = 1
     if a.M > DECODE_M:
         with nogil:
             _prefill(a, x, _float_isa(s), _mmp_isa(s), nt)
         return 0
+    nt = min(nt, MAX_TEAM, <int>((a.P + 3) // 4))
+    nt = okv_team_threads(s, nt)
     # int8: xq [M, span] int8 + xs, xsum [M, nblk]; float: xp [M, span] (a copy when K % bs) + xsum
     scratch = malloc(<size_t>(a.M * (span * (1 if int8 else 4) + 8 * a.nblk)) + 64)
     if scratch == NULL:
@@ -305,12 +310,14 @@ cdef int _run(okv_qmm *a, const float *x, bint int8, okv_settings s) except -1:
             a.xs = a.xsum + a.M * a.nblk
             a.xq = <int8_t *>(a.xs + a.M * a.nblk)
             okv_qmm_quant_rows(x, a.M, a.K, a.bs, a.nblk, <int8_t *>a.xq, <float *>a.xs, <float *>a.xsum)
-            _decode(a, 1, _int8_isa(s), nt)
         else:
             a.x = x if span == a.K else a.xsum + a.M * a.nblk
             okv_qmm_float_rows(x, a.M, a.K, a.bs, a.nblk, <float *>a.x, <float *>a.xsum)
-            _decode(a, 0, _float_isa(s), nt)
+        t0 = okv_now_ns()
+        _decode(a, int8, _int8_isa(s) if int8 else _float_isa(s), nt, &done)
     free(scratch)
+    if nt > 1:
+        okv_team_finished(s, t0, done)
     return 0
 
 

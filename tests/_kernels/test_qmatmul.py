@@ -221,3 +221,27 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="bias"):
         matmul_nbits(x, w, np.empty((1, 16), np.float32), np.ones(3, np.float32))
     assert not w.qw.flags.writeable and not w.sc.flags.writeable
+
+
+def test_decode_products_share_the_late_team_heuristic():
+    """matmul_nbits takes its team size from the heuristic matmul_packed uses (one solo product consumed
+    per call while products are to run alone), and a single-thread setting never touches it."""
+    from onnxkv._kernels.matmul import _set_adaptive
+
+    rng = np.random.default_rng(2)
+    B, s, z = make_weight(rng, 512, 512, 4, 32, "none")
+    w = pack_nbits(B, s, z, 512, 512, 4, 32)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    got, want = np.empty((1, 512), np.float32), np.empty((1, 512), np.float32)
+    R.matmul_nbits_int8(x, w, want)
+    old = _set_adaptive(True, solo=3)
+    try:
+        with K.use_settings(K.current_settings().replace(threads=2)):
+            matmul_nbits(x, w, got)
+        assert _set_adaptive(True, solo=3) == (True, 2)
+        with K.use_settings(K.current_settings().replace(threads=1)):
+            matmul_nbits(x, w, got)
+        assert _set_adaptive(True, solo=0) == (True, 3)
+    finally:
+        _set_adaptive(*old)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
