@@ -4,12 +4,15 @@ Needs torch/transformers/tokenizers/onnxruntime; never imported by the package.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -64,17 +67,46 @@ def save_byte_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n")
 
 
-def run_genai_builder(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike,
-                      precision: str = "fp32") -> None:
-    """Run the ONNX Runtime GenAI model builder (cpu, ``precision`` fp32 or int4) on a local HF folder."""
+def builder_error(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike,
+                  precision: str = "fp32") -> str | None:
+    """Run the ONNX Runtime GenAI model builder (cpu, ``precision`` fp32 or int4) on a local HF folder.
+
+    Returns None on success, else the builder's error: its innermost traceback frame and last line.
+    """
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
            "-p", precision, "-e", "cpu", "-c", str(cache_dir), "--extra_options", "hf_token=false"]
     print("+", " ".join(cmd), flush=True)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        print(r.stdout[-4000:], r.stderr[-8000:], sep="\n")
-        raise SystemExit(f"builder failed with {r.returncode}")
+    if r.returncode == 0:
+        return None
+    lines = [x.strip() for x in (r.stdout + "\n" + r.stderr).splitlines() if x.strip()]
+    frames = [re.sub(r'"[^"]*site-packages/', '"', x) for x in lines if x.startswith("File ")]
+    return " / ".join(frames[-1:] + lines[-1:])
+
+
+def run_genai_builder(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike,
+                      precision: str = "fp32") -> None:
+    """:func:`builder_error`, exiting with the builder's error when it fails."""
+    err = builder_error(hf_dir, out_dir, cache_dir, precision)
+    if err is not None:
+        raise SystemExit(f"builder failed: {err}")
+
+
+def exporter_versions() -> dict[str, str]:
+    """Versions of the exporters and runtimes (printed); torch is set to the machine's 2 threads."""
+    import onnx
+    import onnxruntime
+    import onnxruntime_genai
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "onnxruntime_genai": onnxruntime_genai.__version__, "onnx": onnx.__version__,
+                "onnxruntime": onnxruntime.__version__}
+    print("versions:", versions)
+    return versions
 
 
 def op_counts(model_path: str | os.PathLike) -> dict[str, int]:
@@ -177,6 +209,19 @@ class OrtDecoder:
 
 def dir_size(path: str | os.PathLike) -> int:
     return sum(p.stat().st_size for p in pathlib.Path(path).rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, keep: bool):
+    """A new temporary folder for the body, removed afterwards unless ``keep`` (then its path is printed)."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    finally:
+        if keep:
+            print("kept", tmp)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def copy_only(src: pathlib.Path, dst: pathlib.Path, names: list[str]) -> None:

@@ -23,14 +23,14 @@ import json
 import pathlib
 import shutil
 import sys
-import tempfile
 import warnings
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _hf_common import (BOS_ID, EOS_ID, PAD_ID, OrtDecoder, copy_only, dir_size, graph_io,  # noqa: E402
-                        gqa_attributes, op_counts, run_genai_builder, save_byte_tokenizer)
+from _hf_common import (BOS_ID, EOS_ID, PAD_ID, OrtDecoder, copy_only, dir_size, exporter_versions,  # noqa: E402
+                        graph_io, gqa_attributes, op_counts, run_genai_builder, save_byte_tokenizer,
+                        scratch_dir)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
@@ -239,19 +239,8 @@ def main() -> None:
     ap.add_argument("--keep-tmp", action="store_true")
     args = ap.parse_args()
 
-    import onnx
-    import onnxruntime
-    import onnxruntime_genai
-    import torch
-    import transformers
-
-    torch.set_num_threads(2)
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "onnxruntime_genai": onnxruntime_genai.__version__, "onnx": onnx.__version__,
-                "onnxruntime": onnxruntime.__version__}
-    print("versions:", versions)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="onnxkv_fixtures_"))
-    try:
+    versions = exporter_versions()
+    with scratch_dir("onnxkv_fixtures_", args.keep_tmp) as tmp:
         model, hf_dir = build_hf(tmp)
         model.config.use_cache = True
 
@@ -285,16 +274,11 @@ def main() -> None:
                 print(f"[{name}] attention node: {att}")
             res = check_onnx(name, path, ref)
             ok &= res["prefill_max_abs_diff"] < TOL and res["decode_max_abs_diff"] < TOL and res["greedy_64_match"]
-        total = dir_size(DATA)
-        print(f"tests/data total {total} bytes ({total / 2**20:.2f} MiB)")
-        assert total < 5 * 2**20, "tests/data over 5 MB"
+        total = dir_size(gdst) + dir_size(tdst) + (DATA / "tiny_llama_reference.npz").stat().st_size
+        print(f"tiny Llama fixtures: {total} bytes ({total / 2**20:.2f} MiB)")
+        assert total < 5 * 2**20, "tiny Llama fixtures over 5 MB"
         if not ok:
             raise SystemExit("parity check failed")
-    finally:
-        if args.keep_tmp:
-            print("kept", tmp)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ class FeedBuilder:
         if kv is None or hs is None:
             raise InputError(f"generate: cannot tell the KV heads / head size of '{name}' from the model")
         length = self.conv.capacity if self.kind == "tensor_scatter" else 0
+        layer = next(x for x in self.conv.layers if name in (x.past_key, x.past_value))
+        if layer.window_cache:  # a window-sized buffer (sliding_window_cache=1) starts as one window of zeros
+            length = layer.window
         return np.zeros((self.batch, kv, length, hs), dtype=self.dtypes[name])
 
     # -- steps ---------------------------------------------------------

@@ -31,7 +31,16 @@ KINDS = ("group_query_attention", "attention", "tensor_scatter", "concat", "none
 
 @dataclass(frozen=True)
 class CacheLayer:
-    """One layer's cache values: graph input and output names, and the joining node."""
+    """One layer's cache values: graph input and output names, and the joining node.
+
+    ``window``: the number of most recent keys (the query's own included) the
+    layer's attention sees, None for every key; known for GroupQueryAttention
+    layers (``local_window_size``, or a window :func:`onnxkv.model.load.load`
+    applied from ``genai_config.json``).  ``window_cache``: the layer's
+    past/present are window-sized buffers (``sliding_window_cache=1``: the
+    past holds only the most recent positions, see
+    :mod:`onnxkv.plan.ops.attention_gqa`).
+    """
 
     index: int
     past_key: str
@@ -39,11 +48,20 @@ class CacheLayer:
     present_key: str
     present_value: str
     nodes: tuple[str, ...]
+    window: int | None = None
+    window_cache: bool = False
 
 
 @dataclass
 class CacheConvention:
-    """How the graph threads its cache (see the module docstring)."""
+    """How the graph threads its cache (see the module docstring).
+
+    ``attributes``: GroupQueryAttention's ``do_rotary``, ``rotary_interleaved``,
+    ``local_window_size`` and ``softcap`` (one value when every node has the
+    same, else the list of the nodes' values in graph order; the per-layer
+    window is also in :attr:`CacheLayer.window`), and ``nonpad_kv_seqlen``
+    for Attention graphs that feed it.
+    """
 
     kind: str
     layers: list[CacheLayer] = field(default_factory=list)
@@ -70,6 +88,10 @@ class CacheConvention:
             if v is not None:
                 parts.append(f"{k}={v}")
         parts.extend(f"{k}={v}" for k, v in sorted(self.attributes.items()))
+        if any(layer.window is not None for layer in self.layers):
+            parts.append(f"windows={[layer.window for layer in self.layers]}")
+        if any(layer.window_cache for layer in self.layers):
+            parts.append(f"window_caches={[i for i, layer in enumerate(self.layers) if layer.window_cache]}")
         first = self.layers[0]
         parts.append(f"names={first.past_key}->{first.present_key}")
         return " ".join(parts)
@@ -113,12 +135,15 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
         if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft":
             ins, outs = list(n.input) + [""] * 9, list(n.output) + [""] * 3
             if ins[3] in inputs and outs[1] in outputs:
-                found.append(("group_query_attention", ins[3], ins[4], outs[1], outs[2], n.name))
                 a = _head_counts(n, ("num_heads", "kv_num_heads"))
+                window = a.get("local_window_size", -1)
+                found.append(("group_query_attention", ins[3], ins[4], outs[1], outs[2], n.name,
+                              window if isinstance(window, int) and window > 0 else None,
+                              a.get("sliding_window_cache", 0) == 1))
                 num_heads, kv_heads = a.get("num_heads"), a.get("kv_num_heads")
                 for k in ("do_rotary", "rotary_interleaved", "local_window_size", "softcap"):
                     if k in a:
-                        attrs[k] = a[k]
+                        attrs.setdefault(k, []).append(a[k])
         elif n.op_type == "Attention" and n.domain in ("", "ai.onnx"):
             ins, outs = list(n.input) + [""] * 7, list(n.output) + [""] * 4
             if ins[4] in inputs and outs[1] in outputs:
@@ -128,6 +153,9 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
                 if ins[6]:
                     attrs["nonpad_kv_seqlen"] = True
     kinds = {f[0] for f in found}
+    for k, values in attrs.items():  # one value when every node agrees, else each node's (in graph order)
+        if isinstance(values, list):
+            attrs[k] = values[0] if all(v == values[0] for v in values) else values
 
     if not found:
         scatter: list[tuple[str, str, str]] = []
@@ -150,8 +178,9 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
     if len(kinds) > 1:
         raise onnx.checker.ValidationError(f"graph mixes cache conventions {sorted(kinds)}")
     layers = []
-    for i, (kind, pk, pv, ok, ov, node) in enumerate(found):
-        layers.append(CacheLayer(_layer_number(pk, i), pk, pv, ok, ov, tuple(x for x in node.split("|") if x)))
+    for i, (kind, pk, pv, ok, ov, node, *window) in enumerate(found):
+        layers.append(CacheLayer(_layer_number(pk, i), pk, pv, ok, ov, tuple(x for x in node.split("|") if x),
+                                 *window))
     layers.sort(key=lambda layer: layer.index)
     kind = found[0][0]
     first = inputs[layers[0].past_key]

@@ -4,7 +4,10 @@
 loaded), where it came from, its recognised cache convention, the names of
 its conventional inputs/outputs, and the generation settings of a
 ``genai_config.json`` when one is present.  Operators in unknown domains are
-rejected here, naming the nodes.
+rejected here, naming the nodes.  A sliding window that ``genai_config.json``
+states (``model.decoder.sliding_window``) is written into the graph's
+GroupQueryAttention nodes, or the model is refused when onnxkv cannot apply
+it (:mod:`onnxkv.model.windows`).
 
 A model folder is hostile input: every file name read from it (external-data
 locations, ``model.decoder.filename``) must stay inside it, every
@@ -30,6 +33,7 @@ import onnx
 from onnxkv.errors import ModelError, UnsupportedOperatorError
 from onnxkv.model.convention import CacheConvention, recognize_cache
 from onnxkv.model.tensors import check_attributes, data_nbytes, element_count
+from onnxkv.model.windows import apply_config_window
 
 __all__ = ["Model", "ModelIO", "load", "KNOWN_DOMAINS"]
 
@@ -367,8 +371,9 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
             or the model file genai_config.json names does not exist.
         ModelError: the file is not a valid ONNX model, a file name escapes
             the model's folder, external data does not fit its file, stored
-            data does not match its dims, or genai_config.json is malformed
-            (the message names the initializer or config key and the value).
+            data does not match its dims, genai_config.json is malformed
+            (the message names the initializer or config key and the value),
+            or it states a sliding window onnxkv cannot apply.
         UnsupportedOperatorError: nodes use operator domains onnxkv does not know.
     """
     cfg = None
@@ -410,6 +415,8 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
     check_attributes(proto.graph, {o.domain if o.domain != "ai.onnx" else "": o.version for o in proto.opset_import})
     try:
         conv = recognize_cache(proto)
+        if cfg is not None and apply_config_window(proto, conv, cfg, file.parent / "genai_config.json"):
+            conv = recognize_cache(proto)
     except onnx.checker.ValidationError as e:
         raise ModelError(f"load: {e}") from e
     m = Model(proto, file, conv, _find_io(proto, conv, cfg), cfg, external=external)

@@ -65,6 +65,14 @@ Semantics:
   ``p`` above — i.e. ``s`` on a first prompt and ``seqlens_k[b] + 1 - S + s``
   otherwise.  With ``position_ids``: the first prompt uses
   ``position_ids[0, 0] + s`` for every row, other calls use ``position_ids``.
+* **Window-sized caches** (``sliding_window_cache=1``, with a window
+  ``local_window_size >= 1``): past and present are buffers of a fixed
+  capacity ``C >= local_window_size`` (the past's dim 2) holding only the most
+  recent positions, while ``seqlens_k`` and rotary positions stay absolute;
+  the layout (ONNX Runtime 1.32 CPU) is in :mod:`._gqa_window`.
+  ``attention_bias`` is rejected with it.  In a state the node's caches are
+  the state's whole caches (absolute positions, as without the attribute):
+  the window masks them, and the outputs are the same.
 * Without ``present_key``/``present_value`` outputs the result is the same
   (past + new keys are attended; nothing is counted).  ORT's CPU kernel
   then reads only the new keys, which is not meaningful with a past.
@@ -87,6 +95,7 @@ from onnxkv._kernels import decode_token as _decode_kernel
 from onnxkv.plan.ops._attention_math import (
     causal_attention, check_written, dense_attention, paged_causal_attention, position_bias,
 )
+from onnxkv.plan.ops._gqa_window import keep, stage, window_end
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -131,7 +140,12 @@ class GroupQueryAttention(Op):
         self.smooth_softmax = bool(a.get("smooth_softmax", 0))
         self._reject_attr("qk_output", 0, "output_qk (qk_output != 0) is not supported")
         self._reject_attr("causal", 1, "non-causal (causal=0) attention is not supported")
-        self._reject_attr("sliding_window_cache", 0, "window-sized caches (sliding_window_cache=1) are not supported")
+        self.window_cache = int(a.get("sliding_window_cache", 0)) == 1
+        if self.window_cache:  # ORT: only 1 turns it on
+            if window <= 0:
+                raise self.error(f"sliding_window_cache=1 needs a window (local_window_size >= 1), got {window}")
+            if len(node.input) > 10 and node.input[10]:
+                raise self.error("attention_bias is not supported with sliding_window_cache=1 (window-sized caches)")
         for name in ("k_quant_type", "v_quant_type"):
             if str(a.get(name, "NONE")).upper() != "NONE":
                 raise self.error(f"quantized KV cache ({name}={a[name]!r}) is not supported")
@@ -175,6 +189,8 @@ class GroupQueryAttention(Op):
         dtype = query.dtype
         past_k_name, past_v_name = self._past_names
         in_place = self.bound and rt.in_place(past_k_name)
+        if self.window_cache and not in_place:
+            return self._run_window_cache(rt, q, k, v, inputs, dtype)
         # A state's cache may be stored narrower (float16/bfloat16) than the model's type.
         past_len = self._check_past(past_key, past_value, b, d, past_key.dtype if in_place else dtype)
         total = self._scalar_total(total_seqlen, past_len, s)
@@ -194,49 +210,119 @@ class GroupQueryAttention(Op):
             q, k = self._rotary(q, k, cos, sin, position_ids, q_pos, first_prompt)
 
         kv_dtype = None
-        ck = cv = None
         if in_place:
             # Shared-buffer mode: new rows go straight into the state's caches at past_b.
             present_k = rt.cache_write(past_k_name, k, past_lens, present_len)
             present_v = rt.cache_write(past_v_name, v, past_lens, present_len)
             ck, cv = rt.caches[past_k_name], rt.caches[past_v_name]
-            paged = getattr(ck, "paged", False)
-            keys, values = (None, None) if paged else (ck.buffer, cv.buffer)
+            keys, values = (None, None) if getattr(ck, "paged", False) else (ck.buffer, cv.buffer)
             if ck.storage == "bfloat16":
                 kv_dtype = "bfloat16"
         else:
             present_k = self._present(rt, 1, past_key, k, past_lens, present_len, dtype)
             present_v = self._present(rt, 2, past_value, v, past_lens, present_len, dtype)
             keys, values = present_k, present_v
-            paged = False
 
+        output = self._attend(rt, q, keys, values, kv_len, q_pos, total, attn_bias, head_sink, dtype,
+                              (rt.caches[past_k_name], rt.caches[past_v_name]) if in_place else None, kv_dtype)
+        outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
+        return outs[: len(self.node.output)]
+
+    def _attend(self, rt: RunContext, q: np.ndarray, keys, values, kv_len: np.ndarray, q_pos: np.ndarray,
+                total: int, attn_bias: np.ndarray | None, head_sink: np.ndarray | None, dtype: np.dtype,
+                state: tuple | None = None, kv_dtype: str | None = None) -> np.ndarray:
+        """The attention output [B, S, Hq*D] of ``dtype`` (output 0) of Q [B, Hq, S, D] over ``keys``/``values``.
+
+        Query ``s`` of row ``b`` at position ``q_pos[b, s]`` sees the keys the
+        module docstring's mask rule allows among the first ``kv_len[b]``;
+        ``total`` bounds every ``kv_len``.  ``state`` is the state's (key,
+        value) caches when the keys are read from them in place (a paged
+        cache: ``keys``/``values`` None), stored as ``kv_dtype`` when narrow.
+        """
+        b, hq, s, d = q.shape
         output = rt.empty(0, (b, s, hq * d), dtype)
         # With one new token [B, Hq, 1, D] and [B, 1, Hq*D] are the same layout: the kernel writes the output.
         direct = s == 1 and dtype == np.float32
         out = output.reshape(b, hq, s, d) if direct else np.empty((b, hq, s, d), np.float32)
         sink = self._sink(head_sink)
         qf = q.astype(np.float32, copy=False)
-        narrow = paged or kv_dtype is not None or (in_place and keys.dtype == np.float16)
+        paged = state is not None and getattr(state[0], "paged", False)
+        narrow = paged or kv_dtype is not None or (state is not None and keys.dtype == np.float16)
         kf, vf = (keys, values) if narrow else (t.astype(np.float32, copy=False) for t in (keys, values))
         scale = self._softmax_scale(d)
         if attn_bias is None and sink is None:
             if paged:
-                rt.count(**paged_causal_attention(qf, ck, cv, kv_len, q_pos, scale, self.softcap, self.window, out))
+                rt.count(**paged_causal_attention(qf, *state, kv_len, q_pos, scale, self.softcap, self.window, out))
             else:
                 causal_attention(qf, kf, vf, kv_len, q_pos, scale, self.softcap, self.window, out, kv_dtype)
         else:
             if narrow:
-                kf = rt.caches[past_k_name].as_float32(total)
-                vf = rt.caches[past_v_name].as_float32(total)
+                kf, vf = state[0].as_float32(total), state[1].as_float32(total)
             bias = position_bias(kv_len, q_pos, total, self.window)
             if attn_bias is not None:
                 bias = bias + self._check_bias(attn_bias, b, s, total)
             out[...], _ = dense_attention(qf, kf[:, :, :total], vf[:, :, :total], bias, scale, self.softcap, sink)
-
         if not direct:
             output.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
-        outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
-        return outs[: len(self.node.output)]
+        return output
+
+    def _run_window_cache(self, rt: RunContext, q: np.ndarray, k: np.ndarray, v: np.ndarray, inputs: list,
+                          dtype: np.dtype) -> Sequence[np.ndarray | None]:
+        """The outputs of a ``sliding_window_cache=1`` node fed window-sized past buffers (:mod:`._gqa_window`).
+
+        ``q`` [B, Hq, S, D], ``k``/``v`` [B, Hkv, S, D] as split; ``inputs`` the
+        node's inputs.  The past buffers (capacity ``C >= local_window_size``)
+        are required; ``seqlens_k[b] + 1`` is row ``b``'s absolute total, in
+        ``[S, total_sequence_length]``.  Presents are [B, Hkv, C, D].
+        """
+        past_key, past_value, seqlens_k, total_seqlen = inputs[3:7]
+        cos, sin, position_ids, _, head_sink = inputs[7:12]
+        b, s, d = q.shape[0], q.shape[2], q.shape[3]
+        w = self.window + 1
+        if past_key is None or past_value is None:
+            raise self._input_error("sliding_window_cache=1 needs past_key and past_value (window-sized buffers of "
+                                    f"at least local_window_size={w} positions)")
+        capacity = self._check_past(past_key, past_value, b, d, dtype)
+        if capacity < w:
+            raise self._input_error(f"sliding_window_cache=1 needs past buffers of at least local_window_size={w} "
+                                    f"positions, got {capacity}")
+        t = np.zeros(0) if total_seqlen is None else np.asarray(total_seqlen)
+        if t.size != 1 or not s <= int(t.item()):
+            raise self._input_error(f"total_sequence_length must be one int32 >= {s} (the new tokens), got "
+                                    f"{t.reshape(-1)[:4].tolist()}")
+        total = int(t.item())
+        if seqlens_k is None or np.shape(seqlens_k) != (b,):
+            raise self._input_error(f"seqlens_k must have shape ({b},), got {np.shape(seqlens_k)}")
+        totals = np.asarray(seqlens_k, np.int64) + 1
+        bad = (totals < s) | (totals > total)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise self._input_error(f"seqlens_k[{row}]={int(totals[row]) - 1} out of range: with a window-sized cache "
+                                    f"it is the absolute total minus one, in [{s - 1}, {total - 1}] "
+                                    f"(total_sequence_length={total}, {s} new tokens)")
+        past_lens = totals - s
+        steps = np.arange(s)[None, :]
+        if self.do_rotary:
+            q, k = self._rotary(q, k, cos, sin, position_ids, past_lens[:, None] + steps, s == total)
+        resident = window_end(past_lens, capacity, w)
+        kept = window_end(totals, capacity, w)
+        keys, values = stage(past_key, k, resident), stage(past_value, v, resident)
+        presents = []
+        for index, staged in ((1, keys), (2, values)):
+            shape = (b, self.kv_num_heads, capacity, d)
+            wanted = self.has_present[index - 1]
+            present = rt.empty(index, shape, dtype) if wanted else np.empty(shape, dtype)
+            keep(staged, resident, s, kept, present)
+            if wanted:
+                new_kept = np.minimum(kept, s)
+                row = self.kv_num_heads * d * present.itemsize
+                rt.count(allocations=1, allocated_bytes=present.nbytes,
+                         prefix_copied_bytes=int((kept - new_kept).sum()) * row,
+                         append_copied_bytes=int(new_kept.sum()) * row)
+            presents.append(present if wanted else None)
+        output = self._attend(rt, q, keys, values, resident + s, resident[:, None] + steps, keys.shape[2], None,
+                              head_sink, dtype)
+        return (output, *presents)[: len(self.node.output)]
 
     def _decode_token(self, inputs: list, rt: RunContext) -> tuple | None:
         """The outputs of one token of one sequence into a state's float32 cache, or None.

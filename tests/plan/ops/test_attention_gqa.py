@@ -166,8 +166,8 @@ def test_errors_at_build():
         build_op(GroupQueryAttention, _model(ins, 4, 3))
     with pytest.raises(ModelError, match="qk_output"):
         build_op(GroupQueryAttention, _model(ins, 4, 2, qk_output=1))
-    with pytest.raises(ModelError, match="sliding_window_cache"):
-        build_op(GroupQueryAttention, _model(ins, 4, 2, sliding_window_cache=1, local_window_size=2))
+    with pytest.raises(ModelError, match="sliding_window_cache=1 needs a window"):
+        build_op(GroupQueryAttention, _model(ins, 4, 2, sliding_window_cache=1))
     with pytest.raises(ModelError, match="causal=0"):
         build_op(GroupQueryAttention, _model(ins, 4, 2, causal=0))
     with pytest.raises(ModelError, match="quantized KV cache"):
