@@ -8,6 +8,7 @@ import pytest
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 from onnxkv._kernels.qmatmul import DECODE_M, _set_vnni, dequantize_nbits, int8_path, matmul_nbits, pack_nbits
+from nbits_weights import make_weight
 
 
 def _paths():
@@ -36,23 +37,6 @@ def path(request):
         _set_vnni(vnni)
         assert int8_path() == name
         yield name
-
-
-def make_weight(rng, K_, N, bits, bs, zp_kind):
-    """Random ORT-layout MatMulNBits inputs: (B, scales, zero_points)."""
-    nblk = -(-K_ // bs)
-    q = rng.integers(0, 1 << bits, (N, nblk * bs), dtype=np.uint8)
-    B = q if bits == 8 else (q[:, 0::2] | (q[:, 1::2] << 4))
-    B = np.ascontiguousarray(B.reshape(N, nblk, bs * bits // 8))
-    scales = (rng.random((N, nblk), dtype=np.float32) * 0.02 + 0.001).astype(np.float32)
-    if zp_kind == "none":
-        zp = None
-    elif zp_kind == "float":
-        zp = (rng.random((N, nblk)) * ((1 << bits) - 1)).astype(np.float32)
-    else:
-        z = rng.integers(0, 1 << bits, (N, nblk + (nblk & 1 if bits == 4 else 0)), dtype=np.uint8)
-        zp = z.reshape(-1) if bits == 8 else (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1)
-    return B, scales.reshape(-1), zp
 
 
 def _dequant_direct(B, scales, zp, K_, N, bits, bs):

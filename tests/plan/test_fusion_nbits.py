@@ -14,7 +14,7 @@ from onnxkv.alloc import SystemAllocator
 from onnxkv.plan.ops.matmul_nbits import MatMulNBits, SiblingMatMulNBits
 from onnxkv.plan.ops.prologue_matmul import PrologueMatMul
 from onnxkv.plan.plan import Plan
-from tests._kernels.test_qmatmul import make_weight
+from nbits_weights import make_weight
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -13,7 +13,7 @@ from onnxkv._kernels import reference as R
 from onnxkv.errors import ModelError, OperatorError
 from onnxkv.plan.ops.matmul import BLAS_M
 from onnxkv.plan.ops.matmul_nbits import DECODE_M, MatMulNBits
-from tests._kernels.test_qmatmul import make_weight
+from nbits_weights import make_weight
 
 ort = pytest.importorskip("onnxruntime")
 
