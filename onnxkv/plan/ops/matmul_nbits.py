@@ -22,8 +22,10 @@ given, even for the identity grouping).
 quantize A to int8 per block (qmatmul.h gives the exact arithmetic); levels
 0..3 keep A in float32.  Larger products dequantize panels and run float32
 products whatever the level (the more accurate arithmetic); above ``BLAS_M``
-rows the weight is dequantized ``BLAS_COLS`` columns at a time for NumPy's
-BLAS.  float16 A, scales, zero points and bias are converted to float32 and
+rows (more than the float MatMul's: a prompt chunk of 512 rows is faster on
+dequantized panels, measured 33 ms against 43 ms for 512 x 1024 x 2816 on 2
+threads, while 1024 rows are faster through BLAS, 54 ms against 85 ms) the
+weight is dequantized ``BLAS_COLS`` columns at a time for NumPy's BLAS.  float16 A, scales, zero points and bias are converted to float32 and
 Y back to float16.
 """
 
@@ -33,12 +35,14 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels.qmatmul import DECODE_M, dequantize_nbits, matmul_nbits, pack_nbits
-from onnxkv.plan.ops.matmul import BLAS_COLS, BLAS_M, _release_pages
+from onnxkv.plan.ops.matmul import BLAS_COLS, _release_pages
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+#: Up to this many rows a product runs in matmul_nbits (decode kernels, or dequantized panels); above, BLAS.
+BLAS_M = 512
 
-__all__ = ["MatMulNBits", "SiblingMatMulNBits", "DECODE_M"]
+__all__ = ["MatMulNBits", "SiblingMatMulNBits", "DECODE_M", "BLAS_M"]
 
 
 def _constant(op: Op, ctx: BuildContext, name: str, role: str) -> np.ndarray | None:

@@ -11,8 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxkv import Session
 from onnxkv._kernels import reference as R
 from onnxkv.errors import ModelError, OperatorError
-from onnxkv.plan.ops.matmul import BLAS_M
-from onnxkv.plan.ops.matmul_nbits import DECODE_M, MatMulNBits
+from onnxkv.plan.ops.matmul_nbits import BLAS_M, DECODE_M, MatMulNBits
 from nbits_weights import make_weight
 
 ort = pytest.importorskip("onnxruntime")
