@@ -179,6 +179,7 @@ static void okv_matmul_seg_f32(const float *x, int64_t M, int64_t K, const float
  * AVX2 and AVX-512 tiles (chosen at run time) share this structure. */
 #define OKV_MMP_NR 16
 #define OKV_MMP_MR 6
+#define OKV_MMP_MR512 12
 #define OKV_MMP_KC 256
 
 static inline int64_t okv_mmp_panels(int64_t N) { return (N + OKV_MMP_NR - 1) / OKV_MMP_NR; }
@@ -375,7 +376,6 @@ OKV_AVX2 static void okv_mmp_tile_avx2_any(int mr, int np, int split, const floa
  * panel to the next (K * 16).  m masks the columns of the last panel (all 16
  * when NP > 1: those tiles cover full panels only). */
 #define OKV_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
-#define OKV_MMP_MR512 12
 
 OKV_AVX512 static inline __attribute__((always_inline)) void
 okv_mmp_tile_avx512(const int MR, const int NP, const float *x, int64_t ldx, const float *wp, int64_t pstride,

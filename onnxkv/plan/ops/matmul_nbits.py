@@ -82,7 +82,6 @@ class MatMulNBits(Op):
             raise self.error("inputs B and scales are required")
         self._pack(B, scales, zp)
         self.absorbed_inputs = tuple(i for i in (1, 2, 3) if inputs[i])
-        self._bias = None
 
     def _layout(self, n) -> None:
         """Checks the attributes (the node's N given as ``n``) and sets k, n, bits, block_size, int8."""
@@ -191,12 +190,12 @@ class SiblingMatMulNBits(MatMulNBits):
         a = inputs[0]
         full = self._product(a, self._bias, None)
         lead, rows = a.shape[:-1], full.shape[0]
-        cast = (lambda y: y) if a.dtype == np.float32 else (lambda y: y.astype(np.float16))  # noqa: E731
         if rows == 1:
-            return tuple(cast(full[:, n0:n1].reshape(lead + (n1 - n0,))) for n0, n1 in self.bounds)
-        outs = []
-        for i, (n0, n1) in enumerate(self.bounds):
-            out = rt.empty(i, lead + (n1 - n0,), np.float32)
-            np.copyto(out.reshape(rows, n1 - n0), full[:, n0:n1])
-            outs.append(cast(out))
-        return tuple(outs)
+            outs = [full[:, n0:n1].reshape(lead + (n1 - n0,)) for n0, n1 in self.bounds]
+        else:
+            outs = []
+            for i, (n0, n1) in enumerate(self.bounds):
+                out = rt.empty(i, lead + (n1 - n0,), np.float32)
+                np.copyto(out.reshape(rows, n1 - n0), full[:, n0:n1])
+                outs.append(out)
+        return tuple(outs) if a.dtype == np.float32 else tuple(y.astype(np.float16) for y in outs)
