@@ -80,42 +80,34 @@ static inline float okv_qmm_rint(float v) {
     return (v + 12582912.0f) - 12582912.0f; /* 1.5 * 2^23: no -ffast-math, so this is not folded */
 }
 
-/* The int8 blocks of x [M][K] (see the contract above): xq [M][nblk * bs]
- * (zero past K), xs and xsum [M][nblk]. */
-static void okv_qmm_quant_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, int8_t *xq,
-                               float *xs, float *xsum) {
-    int64_t m, b, k;
-    for (m = 0; m < M; m++) {
-        for (b = 0; b < nblk; b++) {
-            const float *xb = x + m * K + b * bs;
-            int8_t *qb = xq + m * nblk * bs + b * bs;
-            const int64_t n = K - b * bs < bs ? K - b * bs : bs;
-            float amax = 0.f;
-            int bad = 0, sum = 0;
-            for (k = 0; k < n; k++) {
-                const float v = fabsf(xb[k]);
-                bad |= !(v <= 3.4028234663852886e38f);
-                amax = v > amax ? v : amax;
-            }
-            if (bad || amax == 0.f) {
-                memset(qb, 0, (size_t)bs);
-                xs[m * nblk + b] = bad ? NAN : 0.f;
-                xsum[m * nblk + b] = 0.f;
-                continue;
-            }
-            {
-                const float inv = 127.f / amax;
-                for (k = 0; k < n; k++) {
-                    float r = okv_qmm_rint(xb[k] * inv);
-                    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-                    qb[k] = (int8_t)r;
-                    sum += (int)r;
-                }
-                for (; k < bs; k++) qb[k] = 0;
-                xs[m * nblk + b] = amax / 127.f;
-                xsum[m * nblk + b] = (float)sum;
-            }
+/* One int8 block (see the contract above): n <= bs values of xb into qb[bs]
+ * (zero past n), *xs and *xsum. */
+static void okv_qmm_quant_block(const float *xb, int64_t n, int64_t bs, int8_t *qb, float *xs, float *xsum) {
+    int64_t k;
+    float amax = 0.f;
+    int bad = 0, sum = 0;
+    for (k = 0; k < n; k++) {
+        const float v = fabsf(xb[k]);
+        bad |= !(v <= 3.4028234663852886e38f);
+        amax = v > amax ? v : amax;
+    }
+    if (bad || amax == 0.f) {
+        memset(qb, 0, (size_t)bs);
+        *xs = bad ? NAN : 0.f;
+        *xsum = 0.f;
+        return;
+    }
+    {
+        const float inv = 127.f / amax;
+        for (k = 0; k < n; k++) {
+            float r = okv_qmm_rint(xb[k] * inv);
+            r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+            qb[k] = (int8_t)r;
+            sum += (int)r;
         }
+        for (; k < bs; k++) qb[k] = 0;
+        *xs = amax / 127.f;
+        *xsum = (float)sum;
     }
 }
 
@@ -202,6 +194,27 @@ static void okv_qmm_dequant(const okv_qmm *a, int64_t p0, int64_t p1, float *dst
 }
 
 #include "qmatmul_x86.h"
+
+/* The int8 blocks of x [M][K]: xq [M][nblk * bs] (zero past K), xs and xsum
+ * [M][nblk], on isa (every path gives the same bytes: the SIMD blocks round
+ * and clamp as okv_qmm_quant_block does, and amax and the sums are exact). */
+static void okv_qmm_quant_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, int8_t *xq,
+                               float *xs, float *xsum, int isa) {
+    int64_t m, b;
+    for (m = 0; m < M; m++)
+        for (b = 0; b < nblk; b++) {
+            const float *xb = x + m * K + b * bs;
+            const int64_t n = K - b * bs < bs ? K - b * bs : bs, i = m * nblk + b;
+            int8_t *qb = xq + i * bs;
+#if OKV_X86_SIMD
+            if (isa == OKV_QMM_AVX512) { okv_qmm_quant_block_512(xb, n, bs, qb, xs + i, xsum + i); continue; }
+            if (isa != OKV_QMM_SCALAR) { okv_qmm_quant_block_avx2(xb, n, bs, qb, xs + i, xsum + i); continue; }
+#else
+            (void)isa;
+#endif
+            okv_qmm_quant_block(xb, n, bs, qb, xs + i, xsum + i);
+        }
+}
 
 /* 1 when this build and CPU run the AVX-512 VNNI path (on top of okv_cpu_avx512_ok). */
 static int okv_cpu_vnni512_ok(void) {

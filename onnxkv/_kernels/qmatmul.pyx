@@ -7,16 +7,22 @@ zero points packed uint8, float, or absent: 2^(bits-1)) once into
 of one VNNI dot product (see qmatmul.h).  ``matmul_nbits`` then computes
 out[M, N] = x[M, K] @ w (+ bias), w[k, n] = (q[n, k] - zp[n, b]) * scale[n, b]:
 
-* up to ``DECODE_M`` rows (decode): the block kernels, with int8 activations
-  (``int8=True``: each row's blocks quantized once per call, integer dot
-  products on AVX-512 VNNI, AVX-VNNI, AVX2 or scalar) or float32 activations
-  against weights converted in registers (``int8=False``); the threads claim
-  the panels in chunks, and the late-team heuristic of matmul_packed
-  (``_runtime.okv_team_threads``) runs products alone for a while when a team
-  member keeps arriving late;
-* more rows (prefill): each thread dequantizes four panels at a time into a
-  buffer it owns and runs matmul.h's packed float32 kernel on them, in
-  float32 whatever ``int8`` says (the more accurate arithmetic).
+* ``int8=True`` (accuracy_level 4), any number of rows: each row's blocks
+  are quantized to int8 once per call and the integer dot products run on
+  the block kernels (AVX-512 VNNI, AVX-VNNI, AVX2 or scalar; every path
+  gives the same bits).  AMX-INT8 tiles are not used: with per-block scales
+  every 16 x 16 C tile must be stored and scaled once per block (32 values of
+  K for the GenAI builder's weights), and that store bounds the tiles below
+  the VNNI kernels' speed (measured on a 512 x 1024 x 2816 product);
+* ``int8=False``, up to ``DECODE_M`` rows (decode): the block kernels with
+  float32 activations against weights converted in registers;
+* ``int8=False``, more rows (prefill): each thread dequantizes four panels at
+  a time into a buffer it owns and runs matmul.h's packed float32 kernel on
+  them.
+
+The threads claim the panels in chunks (claim.h); for decode-sized products
+the late-team heuristic of matmul_packed (``_runtime.okv_team_threads``) runs
+them alone for a while when a team member keeps arriving late.
 
 The exact arithmetic of each path is the contract in qmatmul.h; the NumPy
 twins are ``reference.matmul_nbits_int8`` and ``reference.matmul_nbits_f32``.
@@ -49,7 +55,7 @@ cdef extern from "qmatmul.h" nogil:
         const float *x
     int OKV_QMM_SCALAR, OKV_QMM_AVX2, OKV_QMM_AVXVNNI, OKV_QMM_AVX512
     void okv_qmm_quant_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, int8_t *xq,
-                            float *xs, float *xsum)
+                            float *xs, float *xsum, int isa)
     void okv_qmm_float_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, float *xp,
                             float *xsum)
     void okv_qmm_range(const okv_qmm *a, int int8, int64_t p0, int64_t p1, int isa)
@@ -67,7 +73,8 @@ cdef extern from "matmul.h" nogil:
     int okv_mmp_avx512_usable()
     int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
 
-#: Rows up to which the block (decode) kernels run; more rows take the dequantize + float32 path.
+#: Rows up to which the float32 (int8=False) products run on the block kernels; more rows take the
+#: dequantize + float32 path.  int8 products run on the block kernels at every row count.
 DECODE_M = 8
 DEF DEQ_G = 4            # panels (of 16 columns) a prefill thread dequantizes at a time
 #: Panels (of 16 columns) a prefill thread dequantizes at a time.
@@ -291,15 +298,17 @@ cdef int _run(okv_qmm *a, const float *x, bint int8, okv_settings s) except -1:
     """Every path of matmul_nbits on checked arguments (a: weight, out, bias and M set)."""
     cdef int nt = s.threads
     cdef int64_t span = a.nblk * a.bs, t0, done = 0
+    cdef bint decode = a.M <= DECODE_M
     cdef void *scratch
     if a.M * a.K * a.N < PAR_MIN:
         nt = 1
-    if a.M > DECODE_M:
+    if not int8 and not decode:
         with nogil:
             _prefill(a, x, _float_isa(s), _mmp_isa(s), nt)
         return 0
     nt = min(nt, MAX_TEAM, <int>((a.P + 3) // 4))
-    nt = okv_team_threads(s, nt)
+    if decode:
+        nt = okv_team_threads(s, nt)
     # int8: xq [M, span] int8 + xs, xsum [M, nblk]; float: xp [M, span] (a copy when K % bs) + xsum
     scratch = malloc(<size_t>(a.M * (span * (1 if int8 else 4) + 8 * a.nblk)) + 64)
     if scratch == NULL:
@@ -309,14 +318,15 @@ cdef int _run(okv_qmm *a, const float *x, bint int8, okv_settings s) except -1:
         if int8:
             a.xs = a.xsum + a.M * a.nblk
             a.xq = <int8_t *>(a.xs + a.M * a.nblk)
-            okv_qmm_quant_rows(x, a.M, a.K, a.bs, a.nblk, <int8_t *>a.xq, <float *>a.xs, <float *>a.xsum)
+            okv_qmm_quant_rows(x, a.M, a.K, a.bs, a.nblk, <int8_t *>a.xq, <float *>a.xs, <float *>a.xsum,
+                               _float_isa(s))
         else:
             a.x = x if span == a.K else a.xsum + a.M * a.nblk
             okv_qmm_float_rows(x, a.M, a.K, a.bs, a.nblk, <float *>a.x, <float *>a.xsum)
         t0 = okv_now_ns()
         _decode(a, int8, _int8_isa(s) if int8 else _float_isa(s), nt, &done)
     free(scratch)
-    if nt > 1:
+    if nt > 1 and decode:
         okv_team_finished(s, t0, done)
     return 0
 
@@ -391,3 +401,27 @@ def dequantize_nbits(PackedNBits w, int64_t p0, int64_t p1):
     with nogil:
         okv_qmm_dequant_isa(&a, p0, p1, &dv[0, 0, 0], _float_isa(s))
     return panels.transpose(1, 0, 2).reshape(w.K, -1)
+
+
+def quantize_rows(x, int64_t block_size):
+    """The int8 activation blocks ``matmul_nbits`` computes for x (float32
+    [M, K], C-contiguous) on the calling thread's instruction set: (xq int8
+    [M, nblk * block_size], zero past K; xs, xsum float32 [M, nblk]), as
+    reference.quantize_rows_int8 defines them.  block_size: a power of two in
+    16..256.  (For tests of the SIMD paths; matmul_nbits quantizes internally.)"""
+    V.array("x", x, (V.F32,), ndim=2)
+    if not (16 <= block_size <= 256 and block_size & (block_size - 1) == 0):
+        raise ValueError(f"quantize_rows: block_size must be a power of two in 16..256, got {block_size}")
+    cdef int64_t M = x.shape[0], Kx = x.shape[1], nblk = (Kx + block_size - 1) // block_size
+    xq = np.empty((M, nblk * block_size), np.int8)
+    xs = np.empty((M, nblk), np.float32)
+    xsum = np.empty((M, nblk), np.float32)
+    if M == 0 or Kx == 0:
+        return xq, xs, xsum
+    cdef const float[:, ::1] xv = x
+    cdef int8_t[:, ::1] qv = xq
+    cdef float[:, ::1] sv = xs, uv = xsum
+    cdef int isa = _float_isa(okv_settings_get())
+    with nogil:
+        okv_qmm_quant_rows(&xv[0, 0], M, Kx, block_size, nblk, &qv[0, 0], &sv[0, 0], &uv[0, 0], isa)
+    return xq, xs, xsum

@@ -344,6 +344,90 @@ OKV_AVX512BW static void okv_qmm_dequant_512(const okv_qmm *a, int64_t p0, int64
                      _mm512_storeu_ps)
 }
 
+/* okv_qmm_quant_block (qmatmul.h) on AVX2 and AVX-512 (bs a multiple of 16;
+ * lanes past n load as zero, so they change neither amax nor the sum). */
+OKV_AVX2 static void okv_qmm_quant_block_avx2(const float *xb, int64_t n, int64_t bs, int8_t *qb, float *xs,
+                                              float *xsum) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), fmax = _mm256_set1_ps(3.4028234663852886e38f);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    __m256i isum = _mm256_setzero_si256();
+    __m128 h;
+    float amax;
+    int64_t k;
+#define OKV_QMM_LOAD8(k_) _mm256_maskload_ps(xb + (k_), _mm256_cmpgt_epi32(_mm256_set1_epi32( \
+        (int)((n - (k_)) < 8 ? ((n - (k_)) > 0 ? (n - (k_)) : 0) : 8)), lane))
+    for (k = 0; k < bs; k += 8) {
+        const __m256 v = _mm256_and_ps(OKV_QMM_LOAD8(k), absm);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, fmax, _CMP_NLE_UQ));
+        vmax = _mm256_max_ps(vmax, v);
+    }
+    h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    if (_mm256_movemask_ps(bad) || amax == 0.f) {
+        memset(qb, 0, (size_t)bs);
+        *xs = _mm256_movemask_ps(bad) ? NAN : 0.f;
+        *xsum = 0.f;
+        return;
+    }
+    {
+        const __m256 inv = _mm256_set1_ps(127.f / amax), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+        __m128i s4;
+        for (k = 0; k < bs; k += 8) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(OKV_QMM_LOAD8(k), inv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            isum = _mm256_add_epi32(isum, q);
+            _mm_storel_epi64((__m128i *)(qb + k), _mm_packs_epi16(w, w));
+        }
+        s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        *xs = amax / 127.f;
+        *xsum = (float)_mm_cvtsi128_si32(s4);
+    }
+#undef OKV_QMM_LOAD8
+}
+
+OKV_AVX512BW static void okv_qmm_quant_block_512(const float *xb, int64_t n, int64_t bs, int8_t *qb, float *xs,
+                                                 float *xsum) {
+    const __m512 fmax = _mm512_set1_ps(3.4028234663852886e38f);
+    __m512 vmax = _mm512_setzero_ps();
+    __m512i isum = _mm512_setzero_si512();
+    __mmask16 bad = 0;
+    float amax;
+    int64_t k;
+#define OKV_QMM_MASK16(k_) ((n - (k_)) >= 16 ? (__mmask16)0xFFFF \
+                            : (n - (k_)) > 0 ? (__mmask16)((1u << (n - (k_))) - 1) : (__mmask16)0)
+    for (k = 0; k < bs; k += 16) {
+        const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(OKV_QMM_MASK16(k), xb + k));
+        bad |= _mm512_cmp_ps_mask(v, fmax, _CMP_NLE_UQ);
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    amax = _mm512_reduce_max_ps(vmax);
+    if (bad || amax == 0.f) {
+        memset(qb, 0, (size_t)bs);
+        *xs = bad ? NAN : 0.f;
+        *xsum = 0.f;
+        return;
+    }
+    {
+        const __m512 inv = _mm512_set1_ps(127.f / amax), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+        for (k = 0; k < bs; k += 16) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(OKV_QMM_MASK16(k), xb + k), inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+            isum = _mm512_add_epi32(isum, q);
+            _mm_storeu_si128((__m128i *)(qb + k), _mm512_cvtepi32_epi8(q));
+        }
+        *xs = amax / 127.f;
+        *xsum = (float)_mm512_reduce_add_epi32(isum);
+    }
+#undef OKV_QMM_MASK16
+}
+
 /* Range drivers: panels [p0, p1), every row, in tiles of MR rows x NP panels
  * (16-column paths) or NH half-panels (8-column paths). */
 #define OKV_QMM_RANGE16(TILE, a, p0, p1)                                                   \

@@ -7,7 +7,8 @@ import pytest
 
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
-from onnxkv._kernels.qmatmul import DECODE_M, _set_vnni, dequantize_nbits, int8_path, matmul_nbits, pack_nbits
+from onnxkv._kernels.qmatmul import (DECODE_M, _set_vnni, dequantize_nbits, int8_path, matmul_nbits, pack_nbits,
+                                     quantize_rows)
 from nbits_weights import make_weight
 
 
@@ -110,6 +111,8 @@ def test_float_matches_twin(path, threads, bits, bs, K_, N, M, zp_kind):
 @pytest.mark.parametrize("M", [DECODE_M + 1, 16, 33, 64])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_prefill_rows(path, threads, M, bits):
+    """More rows than DECODE_M: int8 products keep the int8 contract (the block kernels), float products
+    run on dequantized panels."""
     rng = np.random.default_rng(M + bits)
     K_, N, bs = 200, 90, 32
     B, s, z = make_weight(rng, K_, N, bits, bs, "uint8")
@@ -117,10 +120,12 @@ def test_prefill_rows(path, threads, M, bits):
     x = rng.standard_normal((M, K_)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
     got, want = np.empty((M, N), np.float32), np.empty((M, N), np.float32)
-    for int8 in (True, False):   # prefill is float32 either way
-        matmul_nbits(x, w, got, bias, int8=int8)
-        R.matmul_nbits_f32(x, w, want, bias)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    matmul_nbits(x, w, got, bias, int8=True)
+    R.matmul_nbits_int8(x, w, want, bias)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    matmul_nbits(x, w, got, bias, int8=False)
+    R.matmul_nbits_f32(x, w, want, bias)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_paths_agree_bit_for_bit():
@@ -128,16 +133,35 @@ def test_paths_agree_bit_for_bit():
     rng = np.random.default_rng(5)
     B, s, z = make_weight(rng, 320, 70, 4, 32, "uint8")
     w = pack_nbits(B, s, z, 320, 70, 4, 32)
-    x = rng.standard_normal((3, 320)).astype(np.float32)
+    x = rng.standard_normal((40, 320)).astype(np.float32)
     results = {}
     for level, vnni, name in PATHS:
-        with K.use_settings(K.current_settings().replace(simd=level)):
-            _set_vnni(vnni)
-            results[name] = np.empty((3, 70), np.float32)
-            matmul_nbits(x, w, results[name])
-    first = next(iter(results.values()))
-    for name, r in results.items():
-        np.testing.assert_array_equal(r, first, err_msg=name)
+        for M in (3, 40):   # decode- and prompt-sized: the int8 contract holds at every row count
+            with K.use_settings(K.current_settings().replace(simd=level)):
+                _set_vnni(vnni)
+                results[name, M] = np.empty((M, 70), np.float32)
+                matmul_nbits(x[:M], w, results[name, M])
+    for (name, M), r in results.items():
+        np.testing.assert_array_equal(r, results[PATHS[0][2], M], err_msg=name)
+    np.testing.assert_array_equal(results[PATHS[0][2], 40][:3], results[PATHS[0][2], 3])
+
+
+@pytest.mark.parametrize("bs", [16, 32, 64, 256])
+@pytest.mark.parametrize("K_", [1, 15, 33, 100, 512])
+def test_activation_blocks_match_twin(path, bs, K_):
+    """The int8 activation blocks of every path equal the twin byte for byte: partial last blocks, blocks
+    with a NaN or an inf, all-zero blocks, values that scale to exact .5 ties and to +-127."""
+    rng = np.random.default_rng(K_ * 7 + bs)
+    x = (rng.standard_normal((5, K_)) * rng.choice([1e-3, 1.0, 50.0], (5, 1))).astype(np.float32)
+    x[1, : min(K_, bs)] = 0.0
+    x[2, K_ // 2] = np.nan
+    x[3, -1] = -np.inf
+    x[4, :] = np.round(rng.uniform(-127, 127, K_)) + 0.5       # amax-scaled ties (127 / amax ~ 1)
+    x[4, 0] = 127.0 if K_ > 1 else x[4, 0]
+    got = quantize_rows(x, bs)
+    want = R.quantize_rows_int8(x, bs)
+    for g, w, name in zip(got, want, ("xq", "xs", "xsum")):
+        np.testing.assert_array_equal(g, w, err_msg=f"{name} on {path}")
 
 
 def test_nan_inf_and_zero_blocks(path):
