@@ -11,6 +11,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 
 def cpu_model() -> str:
@@ -137,3 +138,22 @@ def emit(doc: dict, path: str | None, summary=(), loadavg: bool = False) -> None
             f.write(text)
     for line in summary:
         print(line, file=sys.stderr)
+
+
+def read_rate(nbytes: int, threads: int, runs: int = 5) -> float:
+    """Best-of-``runs`` read rate (bytes/s) of a float32 array of about ``nbytes`` (at least 256 KiB) with
+    onnxkv's compiled reader (``onnxkv._kernels.read_sum``) on ``threads`` threads: a large array gives the
+    memory read bandwidth, a small one read again and again the rate of the cache that holds it."""
+    import numpy as np
+
+    import onnxkv._kernels as K
+
+    a = np.ones(max(nbytes // 4, 1 << 16), np.float32)
+    with K.use_settings(K.current_settings().replace(threads=threads)):
+        K.read_sum(a)
+        best = float("inf")
+        for _ in range(runs):
+            t = time.perf_counter()
+            K.read_sum(a)
+            best = min(best, time.perf_counter() - t)
+    return a.nbytes / best

@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_model, emit, gqa_decode_model  # noqa: E402
+from _common import cpu_model, emit, gqa_decode_model, read_rate  # noqa: E402
 
 _OMP_WAIT_POLICY_BEFORE_IMPORT = os.environ.get("OMP_WAIT_POLICY")
 import onnxkv._kernels as K  # noqa: E402  (bounds OpenMP's spin-wait unless a policy is set)
@@ -213,21 +213,6 @@ def ort_decode_on_copies(sess, q, kf, vf, ctx):
 
 # ---------------------------------------------------------------- cases
 
-def hot_read_bandwidth(nbytes: int, threads: int, runs: int = 7) -> float:
-    """Best read rate (bytes/s) of an array of nbytes read again and again: the
-    reference for kernels whose K/V working set stays in a large last-level
-    cache between decode steps."""
-    a = np.ones(max(nbytes // 4, 1 << 16), np.float32)
-    K.set_num_threads(threads)
-    K.read_sum(a)
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        K.read_sum(a)
-        best = min(best, time.perf_counter() - t)
-    return a.nbytes / best
-
-
 def run_context(ctx: int, cap: int, threads_list, repeat: int, sessions: dict, rng, flush=None,
                 probe=None) -> dict:
     """Measures every variant at every thread count, interleaved sample by
@@ -286,8 +271,8 @@ def run_context(ctx: int, cap: int, threads_list, repeat: int, sessions: dict, r
     for t, case in cases.items():
         case["loadavg_before"] = loadavg
         case["cache_flushed_before_each_sample"] = flush is not None
-        case["hot_read_GBps_same_bytes_f32"] = hot_read_bandwidth(f32_bytes, t) / 1e9
-        case["hot_read_GBps_same_bytes_16bit"] = hot_read_bandwidth(f32_bytes // 2, t) / 1e9
+        case["hot_read_GBps_same_bytes_f32"] = read_rate(f32_bytes, t) / 1e9
+        case["hot_read_GBps_same_bytes_16bit"] = read_rate(f32_bytes // 2, t) / 1e9
         case["results"] = {name: r for (tt, name), r in results.items() if tt == t and name != "read_probe"}
         if probe is not None:
             pr = results[(t, "read_probe")]

@@ -40,7 +40,11 @@ small model (``-p int4 -e cpu``: MatMulNBits, block 32, accuracy_level 4;
 torch; the files are not made at run time).  Each is copied into the
 temporary folder with the benchmark's thread count and a shared past/present
 buffer in its genai_config.json; the case also reports the bytes of weights
-read per token (the initializers of the decoder, all read once per step).
+read per token (the initializers of the decoder, all read once per step),
+each engine's weight bytes per second, and that rate as a fraction of the
+machine's read bandwidth measured just before and after the case (best of five
+reads of a 256 MiB array with onnxkv's compiled reader, same threads:
+``read_bandwidth_gb_per_s``, ``weight_read_fraction``).
 ``small-int8:N`` / ``small-int4:N`` run the small GroupQueryAttention model
 after ``onnxkv.quantize_weights`` (8 or 4 bits, block 32, symmetric,
 accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
@@ -63,7 +67,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine, median, run_worker, versions  # noqa: E402
+from _common import emit, machine, median, read_rate, run_worker, versions  # noqa: E402
 
 DEFAULT_CASES = "tiny-gqa:128,tiny-gqa:1024,small-gqa:128,small-gqa:1024,small-gqa:4096,small-concat:4096"
 DEFAULT_ENGINES = "onnxkv,onnxkv-tensor,ort,ort-genai"
@@ -371,6 +375,7 @@ def main() -> None:
             todo = [e for e in engines if not ((e == "ort-genai" and genai_version is None)
                                                or (e in ("ort-genai", "onnxkv-f16") and not genai_ok))]
             runs: dict[str, list[dict]] = {e: [] for e in todo}
+            bandwidth = [read_rate(256 << 20, args.threads) / 1e9] if weight_bytes is not None else []
             for rnd in range(args.rounds):
                 for engine in todo if rnd % 2 == 0 else todo[::-1]:
                     r = run_worker(__file__, [engine, folder, plen, vocab, args.new_tokens, args.threads],
@@ -397,9 +402,12 @@ def main() -> None:
                 if "tokens" in kv and "tokens" in entry["engines"].get(peer, {}):
                     entry[f"same_tokens_as_{peer}"] = kv["tokens"][:8] == entry["engines"][peer]["tokens"][:8]
             if weight_bytes is not None:
+                bandwidth.append(read_rate(256 << 20, args.threads) / 1e9)
+                entry["read_bandwidth_gb_per_s"] = {"before": bandwidth[0], "after": bandwidth[1]}
                 for engine, r in entry["engines"].items():
                     if "median_token_s" in r:
                         r["weight_gb_per_s"] = weight_bytes / r["median_token_s"] / 1e9
+                        r["weight_read_fraction"] = r["weight_gb_per_s"] / max(bandwidth)
             results.append(entry)
     emit({"benchmark": "generate", "machine": machine(),
           "versions": {**versions(), "onnxruntime": onnxruntime.__version__, "onnxruntime_genai": genai_version},

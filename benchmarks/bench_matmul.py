@@ -28,8 +28,14 @@ its own subprocess, ``--inner`` back-to-back calls per case after warm-up, and
 a shared machine medians move with the load of other jobs (load averages are
 recorded at the start and end).
 
+``--nbits`` also measures ``com.microsoft::MatMulNBits`` against ONNX Runtime's
+node on the same file (bench_matmul_nbits.py's cases: 1 x 1024 x {1024, 2816,
+8000} and 1 x 2816 x 1024, 4 and 8 bits, block 32, accuracy_level 4, a graph
+of ``--nbits-nodes`` such nodes run through each engine's public API), under
+``matmul_nbits`` in the same document.
+
     python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 2 4 8 16] [--shapes 1024x1024 ... step]
-                                      [--rounds 3] [--inner 20] [--out FILE]
+                                      [--rounds 3] [--inner 20] [--nbits [--nbits-shapes ...]] [--out FILE]
 """
 import argparse
 import json
@@ -42,6 +48,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_matmul_nbits  # noqa: E402
 from _common import emit, machine  # noqa: E402
 
 import onnxkv._kernels as K  # noqa: E402
@@ -192,6 +199,8 @@ def main():
                     help="KxN weight shapes, or 'step' (all weights of one SMALL decode step)")
     ap.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES + OPT_IN)
     ap.add_argument("--rounds", type=int, default=3, help="subprocess rounds per engine and thread count")
+    ap.add_argument("--nbits", action="store_true", help="also the MatMulNBits cases (see above)")
+    bench_matmul_nbits.add_arguments(ap, "nbits-")
     ap.add_argument("--inner", type=int, default=20, help="timed calls per case per round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -264,6 +273,13 @@ def main():
     for row in doc["step_estimate"]:
         print(f"# step t{row['threads']} M{row['M']}: " + "  ".join(
             f"{n} {ms:.2f}ms" for n, ms in row["median_ms"].items()), file=sys.stderr, flush=True)
+    if args.nbits:
+        cases, lines = bench_matmul_nbits.run(args.nbits_shapes, args.nbits_bits, args.nbits_M, args.threads,
+                                              args.nbits_nodes, args.nbits_block, args.nbits_level, args.rounds,
+                                              args.inner)
+        doc["matmul_nbits"] = cases
+        for line in lines:
+            print(f"# MatMulNBits {line}", file=sys.stderr, flush=True)
     emit(doc, args.out)
 
 

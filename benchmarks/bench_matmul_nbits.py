@@ -11,8 +11,9 @@ pools would fight otherwise), ``--inner`` calls per round after warm-up, and
 
 Prints one JSON document: machine, versions, per case the raw samples
 (seconds per model call), medians, per-node time, weight bytes read per node
-and GB/s, the ratio ORT / onnxkv, and the max abs difference between the two
-outputs.
+and GB/s, the ratio ORT / onnxkv (pooled and per round), and the max abs
+difference between the two outputs.  ``bench_matmul.py --nbits`` runs the
+same cases (``run``) inside its own document.
 
     python benchmarks/bench_matmul_nbits.py [--shapes 1024x1024 1024x2816 1024x8000 2816x1024] [--bits 4 8]
                                             [--M 1] [--threads 2] [--nodes 4] [--rounds 3] [--inner 50] [--out F]
@@ -84,15 +85,73 @@ def worker(engine: str, threads: int, path: str, M: int, K: int, inner: int) -> 
     return {"samples": samples, "y0": np.asarray(out["y0"]).ravel()[:256].tolist()}
 
 
+def add_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The case options (``prefix`` before each name: bench_matmul.py takes them as ``--nbits-...``)."""
+    ap.add_argument(f"--{prefix}shapes", nargs="*", default=["1024x1024", "1024x2816", "1024x8000", "2816x1024"])
+    ap.add_argument(f"--{prefix}bits", type=int, nargs="*", default=[4, 8])
+    ap.add_argument(f"--{prefix}M", type=int, nargs="*", default=[1])
+    ap.add_argument(f"--{prefix}nodes", type=int, default=4, help="MatMulNBits nodes (distinct weights) per model")
+    ap.add_argument(f"--{prefix}block", type=int, default=32)
+    ap.add_argument(f"--{prefix}level", type=int, default=4, help="accuracy_level of the nodes")
+
+
+def run(shapes, bits_list, Ms, threads_list, nodes: int, block: int, level: int, rounds: int, inner: int,
+        engines=ENGINES) -> tuple[list, list]:
+    """Measures every (shape, bits, threads, M); returns (cases, one summary line per case)."""
+    import onnx
+
+    cases, summary = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            K, N = map(int, shape.split("x"))
+            for bits in bits_list:
+                path = os.path.join(tmp, f"nbits_{K}x{N}_{bits}.onnx")
+                onnx.save(nbits_model(K, N, bits, nodes, block, level, seed=K + N + bits), path)
+                weight_bytes = N * -(-K // block) * (block * bits // 8 + 4)
+                for threads in threads_list:
+                    for M in Ms:
+                        runs = {e: [] for e in engines}
+                        first = {}
+                        for r in range(rounds):
+                            for e in engines if r % 2 == 0 else engines[::-1]:
+                                res = run_worker(__file__, [e, threads, path, M, K, inner], threads)
+                                if "error" in res:
+                                    runs[e] = res
+                                    continue
+                                if isinstance(runs[e], list):
+                                    runs[e].append(res["samples"])
+                                first.setdefault(e, res["y0"])
+                        case = {"K": K, "N": N, "bits": bits, "M": M, "threads": threads, "nodes": nodes,
+                                "block": block, "accuracy_level": level, "weight_bytes_per_node": weight_bytes,
+                                "engines": {}}
+                        for e, rr in runs.items():
+                            if isinstance(rr, dict):
+                                case["engines"][e] = rr
+                                continue
+                            pooled = [x for r_ in rr for x in r_]
+                            med = median(pooled)
+                            case["engines"][e] = {
+                                "samples_s": rr, "median_s": med, "round_medians_s": [median(r_) for r_ in rr],
+                                "per_node_us": med / nodes * 1e6, "gb_per_s": weight_bytes * nodes / med / 1e9}
+                        kv, ort = case["engines"].get("onnxkv", {}), case["engines"].get("onnxruntime", {})
+                        if "median_s" in kv and "median_s" in ort:
+                            case["ort_over_onnxkv"] = ort["median_s"] / kv["median_s"]
+                            case["ort_over_onnxkv_per_round"] = [
+                                b / a for a, b in zip(kv["round_medians_s"], ort["round_medians_s"])]
+                            a, b = np.array(first["onnxkv"]), np.array(first["onnxruntime"])
+                            case["max_abs_diff_vs_ort"] = float(np.abs(a - b).max())
+                            case["max_abs_ort"] = float(np.abs(b).max())
+                            summary.append(f"{K}x{N} int{bits} M={M} threads={threads}: onnxkv "
+                                           f"{kv['per_node_us']:.1f} us/node, ORT {ort['per_node_us']:.1f} us/node, "
+                                           f"ORT/onnxkv {case['ort_over_onnxkv']:.2f}")
+                        cases.append(case)
+    return cases, summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="*", default=["1024x1024", "1024x2816", "1024x8000", "2816x1024"])
-    ap.add_argument("--bits", type=int, nargs="*", default=[4, 8])
-    ap.add_argument("--M", type=int, nargs="*", default=[1])
+    add_arguments(ap)
     ap.add_argument("--threads", type=int, nargs="*", default=[2])
-    ap.add_argument("--nodes", type=int, default=4, help="MatMulNBits nodes (distinct weights) per model")
-    ap.add_argument("--block", type=int, default=32)
-    ap.add_argument("--level", type=int, default=4, help="accuracy_level of the nodes")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--inner", type=int, default=50)
     ap.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES)
@@ -104,55 +163,10 @@ def main() -> None:
         print(json.dumps(worker(engine, int(threads), path, int(M), int(K), int(inner))))
         return
     doc = {"benchmark": "matmul_nbits", "machine": machine(), "versions": versions("onnxruntime"),
-           "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}, "cases": []}
+           "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}}
     doc["machine"]["loadavg_at_start"] = [round(v, 2) for v in os.getloadavg()]
-    summary = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for shape in args.shapes:
-            K, N = map(int, shape.split("x"))
-            for bits in args.bits:
-                path = os.path.join(tmp, f"nbits_{K}x{N}_{bits}.onnx")
-                import onnx
-
-                onnx.save(nbits_model(K, N, bits, args.nodes, args.block, args.level, seed=K + N + bits), path)
-                weight_bytes = N * -(-K // args.block) * (args.block * bits // 8 + 4)
-                for threads in args.threads:
-                    for M in args.M:
-                        runs = {e: [] for e in args.engines}
-                        first = {}
-                        for r in range(args.rounds):
-                            order = args.engines if r % 2 == 0 else args.engines[::-1]
-                            for e in order:
-                                res = run_worker(__file__, [e, threads, path, M, K, args.inner], threads)
-                                if "error" in res:
-                                    runs[e] = res
-                                    continue
-                                if isinstance(runs[e], list):
-                                    runs[e].append(res["samples"])
-                                first.setdefault(e, res["y0"])
-                        case = {"K": K, "N": N, "bits": bits, "M": M, "threads": threads, "nodes": args.nodes,
-                                "block": args.block, "accuracy_level": args.level,
-                                "weight_bytes_per_node": weight_bytes, "engines": {}}
-                        for e, rounds in runs.items():
-                            if isinstance(rounds, dict):
-                                case["engines"][e] = rounds
-                                continue
-                            pooled = [s for rr in rounds for s in rr]
-                            med = median(pooled)
-                            case["engines"][e] = {
-                                "samples_s": rounds, "median_s": med, "round_medians_s": [median(rr) for rr in rounds],
-                                "per_node_us": med / args.nodes * 1e6,
-                                "gb_per_s": weight_bytes * args.nodes / med / 1e9}
-                        kv, ort = case["engines"].get("onnxkv", {}), case["engines"].get("onnxruntime", {})
-                        if "median_s" in kv and "median_s" in ort:
-                            case["ort_over_onnxkv"] = ort["median_s"] / kv["median_s"]
-                            a, b = np.array(first["onnxkv"]), np.array(first["onnxruntime"])
-                            case["max_abs_diff_vs_ort"] = float(np.abs(a - b).max())
-                            case["max_abs_ort"] = float(np.abs(b).max())
-                            summary.append(f"{K}x{N} int{bits} M={M} threads={threads}: onnxkv "
-                                           f"{kv['per_node_us']:.1f} us/node, ORT {ort['per_node_us']:.1f} us/node, "
-                                           f"ORT/onnxkv {case['ort_over_onnxkv']:.2f}")
-                        doc["cases"].append(case)
+    doc["cases"], summary = run(args.shapes, args.bits, args.M, args.threads, args.nodes, args.block, args.level,
+                                args.rounds, args.inner, args.engines)
     emit(doc, args.out, summary, loadavg=True)
 
 
