@@ -7,17 +7,12 @@ returned to the allocator once no view of them can be read any more).
 
 Buffer lifetime: outputs a kernel obtains with ``rt.empty`` come from the
 plan's allocator unless the value (or anything that may be a view of it)
-reaches the caller.  Views are known statically from each kernel class's
-``view_inputs``; values joined by possible views form one *storage class*,
-freed after the last use of any member.
+reaches the caller (storage classes: :mod:`onnxkv.plan.lifetimes`).
 
 Constant folding: nodes whose inputs are all known at build time are run once
-while the plan is built, and their outputs become constants (copies, except a
-view of a whole constant input, such as a Reshape of a weight, which stays a
-view), unless their
-outputs would exceed the limit of :mod:`onnxkv.plan.fold_limit` (they then
-run with every call); shape computations over static dims are folded, and
-repeated ones merged, by :mod:`onnxkv.plan.shape_fold`.
+while the plan is built (:mod:`onnxkv.plan.folding`); shape computations over
+static dims are folded, and repeated ones merged, by
+:mod:`onnxkv.plan.shape_fold`.
 
 Subgraphs: a node with subgraphs (``If``, ``Loop``, ``Scan``) builds each into
 a plan of its own through ``BuildContext.subplan`` (:mod:`onnxkv.plan.subgraph`
@@ -36,7 +31,6 @@ or a node failing on constant inputs, is a ModelError too.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,17 +41,18 @@ import onnx
 from onnxkv.errors import Cancelled, InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
 from onnxkv.events import EventLog
 from onnxkv.model.contract import get_output_alias
-from onnxkv.model.scopes import scope_names, subgraphs
 from onnxkv.model.tensors import check_attributes, tensor_array
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.buffers import RunBuffers
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
-from onnxkv.plan.fold_limit import FoldBudget, FoldTooLarge, fold_fits, has_schema
+from onnxkv.plan.folding import NON_DETERMINISTIC, fold_node, foldable
 from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
 from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls, fuse_sibling_nbits
 from onnxkv.plan.fusion_view import fuse_view_chains
+from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
+from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
 from onnxkv.plan.shape_fold import ShapeFolder, static_dims
 from onnxkv.plan.subgraph import subgraph_model, type_kind
@@ -66,9 +61,6 @@ __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
 
 #: Marks an input absent from the feeds.
 _MISSING = object()
-
-#: Operators that must never be folded at build time.
-_NON_DETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
 @dataclass(frozen=True)
@@ -82,85 +74,8 @@ class GraphInput:
     has_default: bool
 
 
-def _dims(vi: onnx.ValueInfoProto) -> tuple | None:
-    t = vi.type.tensor_type
-    if not t.HasField("shape"):
-        return None
-    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
-
-
 def _opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {DOMAIN_ALIASES.get(o.domain, o.domain): o.version for o in model.opset_import}
-
-
-def _node_label(node: onnx.NodeProto) -> str:
-    return f"{node.op_type} node '{node.name or (node.output[0] if node.output else '')}'"
-
-
-def _topological(nodes: list[onnx.NodeProto], known: set[str]) -> list[onnx.NodeProto]:
-    """Nodes in an order where every input is produced before it is read.
-
-    Raises:
-        ModelError: a node reads (as an input or a subgraph capture) a value
-            that is neither ``known`` (an initializer or graph input) nor any
-            node's output, a value is produced twice (or shadows a known one),
-            or the graph has a cycle.
-    """
-    producers: dict[str, int] = {}
-    for i, n in enumerate(nodes):
-        for o in n.output:
-            if not o:
-                continue
-            if o in producers or o in known:
-                first = _node_label(nodes[producers[o]]) if o in producers else "an initializer or graph input"
-                raise ModelError(f"{_node_label(n)} writes the value '{o}', which {first} already defines "
-                                 "(every value must have one producer)")
-            producers[o] = i
-    for n in nodes:
-        for x in _node_reads(n):
-            if x not in producers and x not in known:
-                raise ModelError(f"{_node_label(n)} reads the value '{x}', which no node, initializer or graph "
-                                 "input defines")
-    deps = [{producers[x] for x in _node_reads(n) if x in producers and x not in known} for n in nodes]
-    users: list[list[int]] = [[] for _ in nodes]
-    for i, d in enumerate(deps):
-        for j in d:
-            users[j].append(i)
-    pending = [len(d) for d in deps]
-    ready = [i for i, p in enumerate(pending) if p == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            pending[u] -= 1
-            if pending[u] == 0:
-                heapq.heappush(ready, u)
-    if len(order) != len(nodes):
-        done = set(order)
-        stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if i not in done]
-        raise ModelError(f"graph has a cycle; stuck nodes: {stuck[:8]}")
-    return [nodes[i] for i in order]
-
-
-def _node_reads(node: onnx.NodeProto) -> list[str]:
-    """Every value a node reads: its inputs plus names its subgraphs capture."""
-    reads = [x for x in node.input if x]
-    for g in subgraphs(node):
-        reads.extend(scope_names(g))
-    return reads
-
-
-def _whole_view(value, inputs: list) -> bool:
-    """True when ``value`` is a C-contiguous view of every byte of one of the read-only constant ``inputs``
-    (a Reshape of a weight): folding keeps it instead of a copy, so a weight mapped from external data is
-    neither duplicated nor read in full."""
-    if not isinstance(value, np.ndarray) or not value.flags.c_contiguous:
-        return False
-    start = value.__array_interface__["data"][0]
-    return any(isinstance(a, np.ndarray) and not a.flags.writeable and a.flags.c_contiguous and a.nbytes == value.nbytes
-               and a.__array_interface__["data"][0] == start for a in inputs)
 
 
 def unsupported_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -259,11 +174,11 @@ class Plan:
                 kind = type_kind(vi.type) or "a tensor without an element type"
                 raise ModelError(f"graph input '{vi.name}' is {kind}; onnxkv runs tensor values only")
             dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)) if elem else None
-            self.inputs.append(GraphInput(vi.name, dtype, _dims(vi), vi.name in constants))
+            self.inputs.append(GraphInput(vi.name, dtype, dims(vi), vi.name in constants))
         self.output_names = [o.name for o in graph.output]
         known = set(constants) | {i.name for i in self.inputs} | set(self.scope or ())
-        nodes = _topological(list(graph.node), known)
-        subgraph_reads = {x for n in nodes for x in _node_reads(n)} - {x for n in nodes for x in n.input}
+        nodes = topological(list(graph.node), known)
+        subgraph_reads = {x for n in nodes for x in node_reads(n)} - {x for n in nodes for x in n.input}
         protected = {o.name for o in graph.output} | subgraph_reads
         if fuse:
             nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
@@ -290,17 +205,17 @@ class Plan:
             if shapes is not None:
                 node = shapes.rewrite(shapes.rename(node), constants)
             kernel = None
-            if self._foldable(node, constants):
+            if foldable(node, constants):
                 kernel = self._make_kernel(node)
-                if self._fold(node, kernel, constants):
+                if fold_node(node, kernel, constants, self.opsets):
                     continue
             if shapes is not None and (shapes.fold(node, constants) or shapes.merge(
-                    node, constants, node.op_type not in _NON_DETERMINISTIC and (node.name or node.output[0]) not in by_node)):
+                    node, constants, node.op_type not in NON_DETERMINISTIC and (node.name or node.output[0]) not in by_node)):
                 continue
             kernels.append(kernel or self._make_kernel(node))
             kept_nodes.append(node)
         if shapes is not None:
-            alive = shapes.prune(kept_nodes, [_node_reads(n) for n in kept_nodes])
+            alive = shapes.prune(kept_nodes, [node_reads(n) for n in kept_nodes])
             kept_nodes = [kept_nodes[k] for k in alive]
             kernels = [kernels[k] for k in alive]
         self.nodes = kept_nodes
@@ -376,7 +291,7 @@ class Plan:
         for node, pairs in zip(nodes, self.must_alias):
             for _, i in pairs:
                 if node.input[i] in outer:
-                    raise ModelError(f"{_node_label(node)} writes '{node.input[i]}' in place (MUST_ALIAS) inside a "
+                    raise ModelError(f"{node_label(node)} writes '{node.input[i]}' in place (MUST_ALIAS) inside a "
                                      "subgraph, but that value comes from outside it; onnxkv never writes values "
                                      "of an enclosing scope from inside control flow")
 
@@ -411,7 +326,7 @@ class Plan:
             raise
         except Exception as e:
             names = sorted(a.name for a in node.attribute)
-            raise ModelError(f"{_node_label(node)} cannot be built from its attributes {names}: "
+            raise ModelError(f"{node_label(node)} cannot be built from its attributes {names}: "
                              f"{type(e).__name__}: {e}") from e
 
     @staticmethod
@@ -437,87 +352,10 @@ class Plan:
                 raise OperatorError(f"{node.op_type} node '{node.name}': output '{node.output[o]}' must alias input "
                                     f"'{node.input[i]}' (MUST_ALIAS) but the kernel returned other storage")
 
-    @staticmethod
-    def _foldable(node: onnx.NodeProto, constants: dict) -> bool:
-        if node.op_type in _NON_DETERMINISTIC or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                                                       for a in node.attribute):
-            return False
-        return all((not x) or x in constants for x in node.input)
-
-    def _fold(self, node: onnx.NodeProto, kernel: Op, constants: dict) -> bool:
-        """Run ``node`` on its constant inputs and add its outputs to ``constants``; False when it is not folded.
-
-        A node is not folded when its outputs would exceed the limit of
-        :mod:`onnxkv.plan.fold_limit` (it then runs with every call).
-        """
-        inputs = [constants[x] if x else None for x in node.input]
-        if has_schema(node, self.opsets) and not fold_fits(node, inputs, self.opsets):
-            return False
-        rt = RunContext(FoldBudget(sum(a.size for a in inputs if a is not None)), False, -1)
-        try:
-            outs = kernel.run(inputs, rt)
-        except FoldTooLarge:
-            return False
-        except ModelError:
-            raise
-        except Exception as e:  # a node failing on constants fails in every run: a defect of the model
-            raise ModelError(f"{_node_label(node)} failed on constant inputs: {e}") from e
-        for name, val in zip(node.output, outs):
-            if name and val is not None:
-                arr = val if _whole_view(val, inputs) else np.array(val, copy=True)
-                arr.flags.writeable = False
-                constants[name] = arr
-        return True
-
     def _plan_lifetimes(self, nodes: list[onnx.NodeProto], constant_names: set[str]) -> None:
-        n = len(nodes)
-        never = n + 1
-        last_use = [-1] * self.n_slots
-        for k in range(n):
-            for s in self.out_idx[k]:
-                if s >= 0:
-                    last_use[s] = max(last_use[s], k)
-            for s in self.in_idx[k]:
-                if s >= 0:
-                    last_use[s] = k
-            for name in _node_reads(nodes[k]):
-                if name in self.slot_of and name not in nodes[k].input:
-                    last_use[self.slot_of[name]] = k
         pinned = set(self.output_slots) | set(self.nested_slots) | {self.slot_of[c] for c in constant_names}
-        for s in pinned:
-            last_use[s] = never
-
-        # Storage classes: union of values that may share memory through views.
-        parent = list(range(self.n_slots))
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        for k, kernel in enumerate(self.kernels):
-            for pos in set(kernel.view_inputs) | {i for _, i in self.must_alias[k]}:
-                if pos < len(self.in_idx[k]) and self.in_idx[k][pos] >= 0:
-                    for o in self.out_idx[k]:
-                        if o >= 0:
-                            parent[find(o)] = find(self.in_idx[k][pos])
-        class_end: dict[int, int] = {}
-        for s in range(self.n_slots):
-            r = find(s)
-            class_end[r] = max(class_end.get(r, -1), last_use[s])
-        # A value may use the allocator if its storage class never reaches the caller.
-        self.persistent = [class_end[find(s)] >= never for s in range(self.n_slots)]
-        release: list[list[int]] = [[] for _ in range(n)]
-        frees: list[list[int]] = [[] for _ in range(n)]
-        for s in range(self.n_slots):
-            if 0 <= last_use[s] < never:
-                release[last_use[s]].append(s)
-            end = class_end[find(s)]
-            if 0 <= end < never:
-                frees[end].append(s)
-        self.release = [tuple(r) for r in release]
-        self.frees = [tuple(f) for f in frees]
+        self.persistent, self.release, self.frees = plan_lifetimes(
+            nodes, self.kernels, self.in_idx, self.out_idx, self.must_alias, self.slot_of, self.n_slots, pinned)
 
     # -- running -------------------------------------------------------
     def bind_inputs(self, feeds: Mapping[str, np.ndarray], views: Mapping | None = None) -> list:

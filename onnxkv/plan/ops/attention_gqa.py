@@ -90,11 +90,11 @@ import onnx
 
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
-from onnxkv._kernels import _validate as V
 from onnxkv._kernels import decode_token as _decode_kernel
 from onnxkv.plan.ops._attention_math import (
     causal_attention, check_written, dense_attention, paged_causal_attention, position_bias,
 )
+from onnxkv.plan.ops._gqa_lengths import check_int32, row_lengths, scalar_total
 from onnxkv.plan.ops._gqa_window import keep, stage, window_end
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -180,9 +180,8 @@ class GroupQueryAttention(Op):
         inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
         cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]
-        self._check_int32("seqlens_k", seqlens_k)
-        self._check_int32("total_sequence_length", total_seqlen)
-        hq = self.num_heads
+        check_int32(self._input_error, "seqlens_k", seqlens_k)
+        check_int32(self._input_error, "total_sequence_length", total_seqlen)
 
         q, k, v = self._split_qkv(query, key, value)
         b, s, d = q.shape[0], q.shape[2], q.shape[3]
@@ -193,14 +192,14 @@ class GroupQueryAttention(Op):
             return self._run_window_cache(rt, q, k, v, inputs, dtype)
         # A state's cache may be stored narrower (float16/bfloat16) than the model's type.
         past_len = self._check_past(past_key, past_value, b, d, past_key.dtype if in_place else dtype)
-        total = self._scalar_total(total_seqlen, past_len, s)
+        total = scalar_total(self._input_error, total_seqlen, past_len, s)
         first_prompt = s == total
         if not first_prompt and s > 1 and b != 1:
             raise self._input_error(
                 f"batch_size must be 1 when sequence_length={s} > 1 differs from total_sequence_length={total}"
             )
         present_len = max(total, past_len)
-        kv_len, past_lens = self._lengths(seqlens_k, b, s, total, past_len, first_prompt)
+        kv_len, past_lens = row_lengths(self._input_error, seqlens_k, b, s, total, past_len, first_prompt)
         if in_place and not first_prompt:
             check_written(self, rt.caches[past_k_name], past_lens,
                           lambda row: f"seqlens_k[{row}]={int(kv_len[row]) - 1} with {s} new token(s)")
@@ -455,63 +454,6 @@ class GroupQueryAttention(Op):
             if t.dtype != dtype:
                 raise self._input_error(f"{name} dtype {t.dtype} differs from query dtype {dtype}")
         return past_key.shape[2]
-
-    def _check_int32(self, name: str, value: np.ndarray | None) -> None:
-        """Integer input ``name`` (M = int32 in the spec; any integer dtype is accepted) must be integers in
-        the int32 range, checked in its own width before anything converts or adds to it (absent: left to
-        the checks of its use)."""
-        if value is None:
-            return
-        arr = np.asarray(value)
-        if arr.dtype.kind not in "iu":
-            raise self._input_error(f"{name} must be int32, got {arr.dtype}")
-        if np.can_cast(arr.dtype, np.int32):  # every value of the dtype fits (int32 itself: the usual case)
-            return
-        bad = V.outside(arr, -V.I32_MAX - 1, V.I32_MAX)
-        if bad.any():
-            at = int(np.argmax(bad))
-            raise self._input_error(f"{name}[{at}] = {int(arr.reshape(-1)[at])} is outside the int32 range "
-                                    f"[{-V.I32_MAX - 1}, {V.I32_MAX}]")
-
-    def _scalar_total(self, total_seqlen: np.ndarray | None, past_len: int, s: int) -> int:
-        """``total_sequence_length`` (integers in the int32 range already), which must lie in
-        ``[1, past_len + s]``: no row can hold more, and it sizes the present outputs."""
-        t = total_seqlen if isinstance(total_seqlen, np.ndarray) else np.asarray(total_seqlen)
-        if total_seqlen is None or t.size != 1:
-            raise self._input_error("total_sequence_length must be a scalar (one int32 element)")
-        total = int(t.item())
-        if not 1 <= total <= past_len + s:
-            raise self._input_error(f"total_sequence_length must be in [1, {past_len + s}] (past length {past_len} "
-                                    f"+ {s} new tokens), got {total}")
-        return total
-
-    def _lengths(
-        self, seqlens_k: np.ndarray | None, b: int, s: int, total: int, past_len: int, first_prompt: bool
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Per-row (``total_b``, ``past_b``) as int64 [B] after validating ``seqlens_k``."""
-        if seqlens_k is None or (seqlens_k.shape if isinstance(seqlens_k, np.ndarray) else np.shape(seqlens_k)) != (b,):
-            raise self._input_error(
-                f"seqlens_k must have shape ({b},), got {None if seqlens_k is None else np.shape(seqlens_k)}"
-            )
-        if b < 1:
-            raise self._input_error(f"the batch is empty (query shape has batch {b}); expected at least one row")
-        totals = np.asarray(seqlens_k, dtype=np.int64) + 1
-        rows = totals.tolist()
-        lo, hi = min(rows), max(rows)
-        if first_prompt:
-            ok = lo >= 1 and hi <= s
-            expected = f"in [0, {s - 1}] on a first prompt of {s} tokens"
-        else:
-            ok = lo >= s and hi - s <= past_len and hi <= total
-            expected = (
-                f"in [{s - 1}, {min(total, past_len + s) - 1}] "
-                f"(total_sequence_length={total}, past length {past_len}, {s} new tokens)"
-            )
-        if not ok:
-            bad = (totals < (1 if first_prompt else s)) | (totals > (s if first_prompt else min(total, past_len + s)))
-            row = int(np.flatnonzero(bad)[0])
-            raise self._input_error(f"seqlens_k[{row}]={int(totals[row]) - 1} out of range: expected {expected}")
-        return totals, (np.zeros(b, np.int64) if first_prompt else totals - s)
 
     def _rotary(
         self,
