@@ -4,7 +4,7 @@ An :class:`EventLog` is opt-in (``Session(..., events=True)``).  When it is
 off nothing is recorded and the plan runs its plain loop.  When on, it holds
 one :class:`Event` per node execution (action ``"execute"``) and one per
 storage action taken outside a node (for example a cache growth), each with
-the counters of DESIGN.md and the allocator figures after the action.
+the counters of docs/DESIGN.md and the allocator figures after the action.
 
 This module imports nothing from onnxkv, so every layer may use it.
 """

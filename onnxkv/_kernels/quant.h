@@ -1,7 +1,7 @@
 /* onnxkv/_kernels/quant.h -- integer KV page formats: quantize / dequantize rows.
  *
  * Layout contract (shared with the fused attention kernel; see the page format
- * table in the design notes): a quantized page of H heads, bs tokens and head
+ * table in docs/DESIGN.md): a quantized page of H heads, bs tokens and head
  * size D is
  *   header: float32 scale[H*G], float32 zero_point[H*G] (index h*G + g; G = 1
  *           per head or G = D per channel), zero padded to a multiple of 64 bytes

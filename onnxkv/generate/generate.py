@@ -77,8 +77,10 @@ def generate(
             :class:`~onnxkv.Session` accepts (then a session is built with ``threads``).
         input_ids: int [B, L] or [L] prompt ids, left-padded when rows differ in length.
         max_new_tokens: how many tokens to generate at most (≥ 0).
-        temperature, top_k, top_p, seed: sampling (temperature 0 = greedy);
-            the same seed gives the same tokens.
+        temperature: 0 = greedy; otherwise logits are divided by it and a token is drawn.
+        top_k: sample among the ``top_k`` highest logits only (None: all).
+        top_p: then among the smallest set whose probability reaches ``top_p`` (None: all).
+        seed: seeds the draws: the same seed gives the same tokens.
         eos_token_id: id(s) that end a row (default: the model's genai_config);
             generation stops when every row has ended.
         pad_token_id: id written after a row ended and into padding
