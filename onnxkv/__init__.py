@@ -11,7 +11,8 @@ Public API::
     onnxkv.quantize_weights("model_dir", "model_dir_int4", bits=4)  # MatMuls -> MatMulNBits
     print(session.events.summary())
     onnxkv.show_config()                                # the level each kernel family runs
-    onnxkv.kernels.use_settings(onnxkv.kernels.KernelSettings(simd="avx2"))  # kernel switches
+    with onnxkv.kernels.use_settings(onnxkv.kernels.KernelSettings(simd="avx2")):  # kernel switches
+        ...
 """
 
 __version__ = "0.1.0"

@@ -25,6 +25,11 @@ policy of :data:`onnxkv.cache.policy.POLICIES` (``"int8"``, ``"int8-kivi"``,
 filled them.  ``key_layout`` (a :class:`KeyLayout`) chooses where the scales
 and zero points of quantized key pages live; None keeps the policy's own.
 
+On a paged cache, the float names differ from the deprecated
+``new_state(kv_format="fp16")``, which converted full pages and kept the last
+one native: the policy object ``onnxkv.cache.policy.POLICIES["fp16"]`` (a
+``FormatSelector``) still does that.
+
 Translation to :class:`~onnxkv.runtime.state.State`'s keywords:
 :func:`state_keywords`.  The keywords a CacheConfig replaces (``capacity=``,
 ``initial_capacity=``, ``cache_dtype=``, ``block_size=``, ``max_pages=``,
@@ -65,7 +70,9 @@ LEGACY_KEYWORDS = ("capacity", "initial_capacity", "cache_dtype", "block_size", 
 #: What the deprecation warning tells a caller of each legacy keyword to write instead.
 _REPLACEMENT = {
     "capacity": "capacity=", "initial_capacity": "initial_capacity=", "block_size": "block_size=",
-    "max_pages": "max_pages=", "kv_format": "kv_format=",
+    "max_pages": "max_pages=",
+    "kv_format": "kv_format= (a paged cache's 'fp16' / 'bf16' now store every page in that type from its first "
+                 "token; onnxkv.cache.policy.POLICIES['fp16'] converts full pages as before)",
     "cache_dtype": "kv_format='fp16' | 'bf16' | 'fp32' (for cache_dtype='float16' | 'bfloat16' | 'float32')",
     "key_channel_scales": "key_layout=KeyLayout.CHANNEL",
     "key_channel_zero_points": "key_layout=KeyLayout.CHANNEL_ZERO_POINT",
