@@ -42,6 +42,7 @@ from _common import cpu_model, emit, gqa_decode_model, read_rate  # noqa: E402
 
 _OMP_WAIT_POLICY_BEFORE_IMPORT = os.environ.get("OMP_WAIT_POLICY")
 import onnxkv._kernels as K  # noqa: E402  (bounds OpenMP's spin-wait unless a policy is set)
+import onnxkv.kernels  # noqa: E402
 from onnxkv._kernels import reference as R
 
 HQ, HKV, D, B = 32, 8, 128, 1
@@ -392,7 +393,7 @@ def main(argv=None):
                       "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, "
                               "past/present bound to the same buffer via IOBinding (float32)",
                       "onnxkv": "onnxkv._kernels.attention (float32 on the same buffer; float16/bfloat16 copies)",
-                      "attention_isa": sys.modules["onnxkv._kernels.attention"].attention_simd_level(),
+                      "attention_isa": onnxkv.kernels.kernel_levels()["paged_attention"],
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                       "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
                       "omp_wait_policy_set_by_user": _OMP_WAIT_POLICY_BEFORE_IMPORT is not None,

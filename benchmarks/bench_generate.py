@@ -9,7 +9,7 @@ minute of a shared machine falls on all of them):
 
 * ``onnxkv``         -- in-place persistent cache (``Session.new_state``), prompt
                         fed in chunks of 512 tokens like ``onnxkv.generate``;
-* ``onnxkv-f16``     -- the same with the cache stored as float16 (``cache_dtype``;
+* ``onnxkv-f16``     -- the same with the cache stored as float16 (``kv_format="fp16"``;
                         GroupQueryAttention models, opt-in: not in the default set);
 * ``onnxkv-tensor``  -- onnxkv with the cache threaded as tensors (past -> present);
 * ``ort``            -- ``onnxruntime.InferenceSession`` on the same file, cache
@@ -135,8 +135,8 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
     else:
         sess = onnxkv.Session(path, threads=threads)
         if engine in ("onnxkv", "onnxkv-f16"):
-            state = sess.new_state(initial_capacity=prompt_len + new_tokens + 1,
-                                   cache_dtype="float16" if engine == "onnxkv-f16" else None)
+            state = sess.new_state(cache=onnxkv.CacheConfig(initial_capacity=prompt_len + new_tokens + 1,
+                                                            kv_format="fp16" if engine == "onnxkv-f16" else None))
             run, thread_cache = state.run, False
         elif engine == "onnxkv-tensor":
             run, thread_cache = sess.run, True
@@ -159,7 +159,7 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             state.close()
             # Event-log totals of a separate short run (recording would perturb the timing above).
             ev_sess = onnxkv.Session(path, threads=threads, events=True)
-            ev_state = ev_sess.new_state(initial_capacity=prompt_len + 9)
+            ev_state = ev_sess.new_state(cache=onnxkv.CacheConfig(initial_capacity=prompt_len + 9))
             _feed_loop(ev_sess, prompt, 8, ev_state.run, False, PREFILL_CHUNK)
             log = ev_sess.events
             decode_steps = log.steps()[1:]

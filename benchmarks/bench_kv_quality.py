@@ -79,11 +79,16 @@ def _policy(name: str | None) -> tuple:
 def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.ndarray | None = None,
            block_size: int = 16):
     """Greedy (or teacher-forced on ``forced``) decoding on a paged state: (tokens, logits per step, bytes)."""
+    import onnxkv
+    from onnxkv.cache.policy import POLICIES
     from onnxkv.generate.feeds import FeedBuilder
 
     model = session.model
     fmt, channel = _policy(kv_format)
-    state = session.new_state(cache="paged", kv_format=fmt, key_channel_scales=channel, block_size=block_size)
+    # The policy objects keep every name's page-conversion meaning ("fp16": full pages converted).
+    cache = onnxkv.CacheConfig("paged", block_size=block_size, kv_format=None if fmt is None else POLICIES[fmt],
+                               key_layout=onnxkv.KeyLayout.CHANNEL if channel else None)
+    state = session.new_state(cache=cache)
     b = FeedBuilder(session.plan.inputs, model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False)
     feeds, _ = b.first()
     out = state.run(feeds, [model.io.logits])

@@ -6,10 +6,13 @@ Public API::
     model = onnxkv.load("model_dir_or_file")         # recognise the cache convention
     session = onnxkv.Session(model, threads=2, events=True)
     outputs = session.run({"input_ids": ..., ...})    # stateless, like onnxruntime
-    result = onnxkv.generate(session, input_ids, max_new_tokens=32)
+    result = onnxkv.generate(session, input_ids, max_new_tokens=32)   # do_sample=, temperature=, top_k=, top_p=
+    state = session.new_state(cache=onnxkv.CacheConfig("paged", kv_format="int8"))
     onnxkv.quantize_weights("model_dir", "model_dir_int4", bits=4)  # MatMuls -> MatMulNBits
     print(session.events.summary())
-    onnxkv.show_config()
+    onnxkv.show_config()                                # the level each kernel family runs
+    with onnxkv.kernels.use_settings(onnxkv.kernels.KernelSettings(simd="avx2")):  # kernel switches
+        ...
 """
 
 __version__ = "0.1.0"
@@ -44,6 +47,8 @@ from onnxkv.model.quantize_weights import QuantizeReport, quantize_weights  # no
 from onnxkv import contract  # noqa: E402
 from onnxkv.contract import check_model  # noqa: E402
 from onnxkv.runtime import Cancellation, Checkpoint, Session, State  # noqa: E402
+from onnxkv.runtime.cache_config import CacheConfig, KeyLayout  # noqa: E402
+from onnxkv import kernels  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -55,6 +60,9 @@ __all__ = [
     "QuantizeReport",
     "Session",
     "State",
+    "CacheConfig",
+    "KeyLayout",
+    "kernels",
     "Checkpoint",
     "Cancellation",
     "contract",

@@ -103,6 +103,20 @@ def _cmd_generate(args) -> int:
         return _generate(args, str(out))
 
 
+def _cache_config(args) -> onnxkv.CacheConfig | None:
+    """The ``cache=`` of ``generate`` that --cache, --block-size and --kv-format ask for.
+
+    ``--cache auto`` (the default) leaves the kind to ``generate``, except that
+    --block-size and --kv-format imply ``--cache paged`` there.
+    """
+    kind = None if args.cache == "auto" else args.cache
+    if kind is None and (args.block_size is not None or args.kv_format is not None):
+        kind = "paged"
+    if kind is None:
+        return None
+    return onnxkv.CacheConfig(kind, block_size=args.block_size, kv_format=args.kv_format)
+
+
 def _generate(args, path: str) -> int:
     import psutil
 
@@ -110,10 +124,9 @@ def _generate(args, path: str) -> int:
     sess = onnxkv.Session(model, threads=args.threads, events=True)
     ids, byte_level = _prompt_ids(args, model)
     progress = _Progress(args.max_new_tokens, not args.quiet)
-    res = onnxkv.generate(sess, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, callback=progress,
-                          cache="paged" if args.kv_format and args.cache == "auto" else args.cache,
-                          block_size=args.block_size, kv_format=args.kv_format)
+    res = onnxkv.generate(sess, ids, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, callback=progress,
+                          cache=_cache_config(args))
     progress.close()
     new = res.tokens[0].tolist()
     print("ids:", " ".join(str(t) for t in new))
@@ -214,16 +227,22 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     g.add_argument("--byte-level", action="store_true", help="treat MODEL's ids 0-255 as bytes when printing text")
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--do-sample", action="store_true", help="sample (with --temperature, --top-k, --top-p, "
+                   "--seed); greedy without it")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0; default 1.0)")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--cache", choices=["auto", "paged", "tensor"], default="auto",
-                   help="KV cache: in place (auto), paged with copy-on-write (paged), or graph tensors (tensor)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per page with --cache paged")
+    g.add_argument("--cache", choices=["auto", "contiguous", "paged", "tensor"], default="auto",
+                   help="KV cache kind (onnxkv.CacheConfig): in place (contiguous), paged with copy-on-write "
+                        "(paged), or graph tensors (tensor); auto: contiguous when the model's cache runs in place")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per page (implies --cache paged; default 16)")
     g.add_argument("--kv-format", default=None,
-                   help="page formats (implies --cache paged): fp32, fp16, bf16, int8 (keys: scale per head, zero point per channel), int8-kivi (keys per channel, KIVI), int8-head, int4, residual-int8, residual-int4")
+                   help="cache storage (implies --cache paged unless --cache contiguous): fp32, fp16, bf16 "
+                        "(GroupQueryAttention models), or page formats: int8 (keys: scale per head, zero point per "
+                        "channel), int8-kivi "
+                        "(keys per channel, KIVI), int8-head, int4, residual-int8, residual-int4")
     g.add_argument("--weights", choices=sorted(_WEIGHT_BITS), default=None,
                    help="quantize the float32 MatMul weights first (MatMulNBits, symmetric, blocks of 32), "
                         "into a temporary copy of the model")
@@ -239,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
                    "matplotlib: pip install onnxkv[plot])")
     r.add_argument("--title", help="figure title (default: step and event counts and the log's file name)")
     r.set_defaults(func=_cmd_report)
-    c = sub.add_parser("config", help="print version, OpenMP, threads and SIMD path")
+    c = sub.add_parser("config", help="print version, OpenMP, threads and the SIMD level of each kernel family")
     c.set_defaults(func=lambda a: (onnxkv.show_config(), 0)[1])
     return p
 

@@ -137,7 +137,8 @@ def test_logits_match_transformers_at_every_step(arch, exporter):
 def test_windowed_models_on_paged_and_tensor_caches(arch, exporter, cache):
     ref = _ref(arch)
     res = onnxkv.generate(_session(arch, exporter), ref["prompt_ids"][None], len(ref["greedy_tokens"]),
-                          eos_token_id=[], cache=cache, block_size=4)
+                          eos_token_id=[],
+                          cache=onnxkv.CacheConfig("paged", block_size=4) if cache == "paged" else cache)
     np.testing.assert_array_equal(res.tokens[0], ref["greedy_tokens"])
 
 

@@ -116,3 +116,19 @@ def test_embedded_default_prints_text(tmp_path):
     r = subprocess.run([sys.executable, "-m", "onnxkv", "inspect"], capture_output=True, text=True, timeout=120,
                        cwd=tmp_path)
     assert r.returncode == 0 and "group_query_attention" in r.stdout
+
+
+def test_generate_takes_the_cache_config_and_sampling_options(genai_dir, capsys):
+    base = ["generate", str(genai_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--threads", "1", "--quiet"]
+    runs = {}
+    for name, extra in {"greedy": [], "tensor": ["--cache", "tensor"],
+                        "fp16": ["--cache", "contiguous", "--kv-format", "fp16"],
+                        "int8": ["--kv-format", "int8", "--block-size", "4"],
+                        "sampled": ["--do-sample", "--temperature", "5", "--seed", "1"],
+                        "sampled again": ["--do-sample", "--temperature", "5", "--seed", "1"]}.items():
+        assert main(base + extra) == 0, name
+        runs[name] = capsys.readouterr().out.splitlines()[0]
+    assert runs["tensor"] == runs["greedy"]
+    assert runs["sampled"] == runs["sampled again"]
+    assert main(base + ["--cache", "tensor", "--block-size", "4"]) == 2
+    assert "block_size=4 needs kind='paged', got kind='tensor'" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
 The ``python`` blocks of one page run in order in one fresh namespace, inside a
 temporary folder, so a block may use what an earlier block of the same page
-defined (and nothing else).  The ``onnxkv`` commands of ``bash`` blocks run in a
+defined (and nothing else); a deprecated spelling of onnxkv's API in them fails
+the test.  The ``onnxkv`` commands of ``bash`` blocks run in a
 subprocess; installs (``pip``), ``pytest`` and the benchmark scripts are left to
 CI and to the benchmark runs.  Tracebacks name the page and its line.
 """
@@ -13,9 +14,12 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+
+from onnxkv._deprecation import OnnxkvDeprecationWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -77,11 +81,13 @@ def test_python_blocks_run_in_order(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__main__"}
     ran = 0
-    for lang, line, code in blocks(page):
-        if lang == "python":
-            # Leading newlines keep the page's line numbers in tracebacks; a block that raises fails the test.
-            exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
-            ran += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OnnxkvDeprecationWarning)
+        for lang, line, code in blocks(page):
+            if lang == "python":
+                # Leading newlines keep the page's line numbers in tracebacks; a block that raises fails the test.
+                exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+                ran += 1
     assert ran and set(namespace) - {"__name__", "__builtins__"}, f"{_id(page)}: no python block defined anything"
 
 

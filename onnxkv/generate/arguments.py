@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import onnx
 
 from onnxkv.errors import InputError
 
-__all__ = ["as_session", "int_arg", "optional_int", "real_arg", "choice", "callback_arg", "bool_arg", "token_id",
+__all__ = ["as_session", "int_arg", "optional_int", "real_arg", "callback_arg", "bool_arg", "token_id",
            "token_ids", "check_prompt"]
 
 
@@ -72,14 +72,6 @@ def real_arg(api: str, name: str, value, low: float | None = None, high: float |
         raise InputError(f"{api}: {name} must be a finite number in {'(' if low_open or low is None else '['}{lo}, "
                          f"{hi}{')' if high is None else ']'}, got {value!r}")
     return float(value)
-
-
-def choice(api: str, name: str, value, options: Sequence[str]) -> str:
-    """``value`` when it is one of the strings ``options``."""
-    if not isinstance(value, str) or value not in options:
-        listed = ", ".join(repr(o) for o in options[:-1]) + f" or {options[-1]!r}"
-        raise InputError(f"{api}: {name} must be {listed}, got {value!r}")
-    return value
 
 
 def bool_arg(api: str, name: str, value) -> bool:

@@ -24,11 +24,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
-from onnxkv.generate.arguments import (as_session, callback_arg, check_prompt, choice, int_arg, real_arg, token_id,
+from onnxkv.generate.arguments import (as_session, bool_arg, callback_arg, check_prompt, int_arg, real_arg, token_id,
                                        token_ids)
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.ops.shape import MAX_TENSOR_BYTES
+from onnxkv.runtime.cache_config import CacheConfig, cache_request
+from onnxkv.runtime.state import State
 
 __all__ = ["beam_search", "BeamSearchResult", "BeamScorer", "log_softmax"]
 
@@ -246,8 +249,8 @@ class BeamSearchResult:
 class _PagedBeams:
     """``cache="paged"``: one paged state; a reorder permutes page tables."""
 
-    def __init__(self, session, block_size: int) -> None:
-        self.state = session.new_state(cache="paged", block_size=block_size)
+    def __init__(self, session, state_keywords: dict) -> None:
+        self.state = State(session, **state_keywords)
         self.fetch = [session.model.io.logits]
 
     def run(self, feeds: dict) -> dict:
@@ -286,6 +289,9 @@ class _TensorBeams:
         """Nothing to release: the presents are ordinary arrays."""
 
 
+#: Frames from beam_search's body to its caller's (the renamed_argument wrapper is one), for deprecation warnings.
+_DEPTH = 2
+
 #: Event counters of payload bytes copied: any copy at all (reorders), and the copies a run makes
 #: of cached positions (growth / concatenation of the past, copy-on-write; not the appended tokens).
 _ALL_COPIES = ("prefix_copied_bytes", "append_copied_bytes", "cow_copied_bytes")
@@ -297,8 +303,9 @@ def _copies(events, start: int, stop: int, fields: tuple[str, ...]) -> int:
     return sum(getattr(events[i], f) for i in range(start, stop) for f in fields)
 
 
+@renamed_argument("beam_search", "session_or_model", "model")
 def beam_search(
-    session_or_model,
+    model,
     input_ids,
     num_beams: int,
     max_new_tokens: int,
@@ -309,15 +316,17 @@ def beam_search(
     attention_mask=None,
     pad_token_id: int | None = None,
     threads: int | None = None,
-    cache: str = "paged",
-    block_size: int = 16,
+    cache: CacheConfig | str | None = None,
     callback: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+    *,
+    do_sample: bool = False,
+    **deprecated,
 ) -> BeamSearchResult:
     """Beam search, as transformers' ``generate(num_beams=..., do_sample=False)`` does it.
 
     Args:
-        session_or_model: a :class:`~onnxkv.Session`, or anything it accepts
-            (then a session is built with ``threads``).
+        model: a :class:`~onnxkv.Session`, or anything it accepts (then a session
+            is built with ``threads``).  ``session_or_model=`` is its deprecated keyword.
         input_ids: int [B, L] or [L] prompt ids, left-padded when rows differ in length.
         num_beams: k ≥ 1 beams per prompt row.
         max_new_tokens: at most this many generated tokens (≥ 1).
@@ -328,12 +337,16 @@ def beam_search(
         attention_mask: 0/1 [B, L]; zeros mark left padding.
         pad_token_id: fills the prompt's padding and every hypothesis after its
             end (default: the model's pad id, else the first EOS, else 0).
-        cache: ``"paged"`` (prefill once on a paged state, beams share its pages,
-            ``State.reorder`` per step) or ``"tensor"`` (caches as tensors,
-            gathered per beam with ``np.take`` per step).
-        block_size: tokens per page with ``cache="paged"``.
+        cache: a :class:`~onnxkv.CacheConfig` or a kind: ``"paged"`` (prefill once on a
+            paged state, beams share its pages, ``State.reorder`` per step; the
+            config's block_size, max_pages, capacity and kv_format apply) or
+            ``"tensor"`` (caches as tensors, gathered per beam with ``np.take``
+            per step).  None: paged when the model's cache runs in place, else tensors.
         callback: called after every step as ``callback(step, tokens, beam_idx)``
             with the k*B running beams' new tokens and the rows they continue.
+        do_sample: must be False: beam search is deterministic (beam sampling is not supported).
+        deprecated: ``block_size=`` (now ``CacheConfig(kind="paged", block_size=...)``)
+            works for one release with a DeprecationWarning.
 
     Returns:
         A :class:`BeamSearchResult`.  With the session's event log on
@@ -343,6 +356,12 @@ def beam_search(
         InputError: a bad argument (the message names it and its value).
     """
     api = "beam_search"
+    unknown = sorted(set(deprecated) - {"block_size"})
+    if unknown:
+        raise TypeError(f"beam_search() got an unexpected keyword argument {unknown[0]!r}")
+    if bool_arg(api, "do_sample", do_sample):
+        raise InputError("beam_search: do_sample=True (beam sampling) is not supported; beam search is "
+                         "deterministic (use do_sample=False, or onnxkv.generate(do_sample=True) to sample)")
     k = int_arg(api, "num_beams", num_beams, 1)
     max_new = int_arg(api, "max_new_tokens", max_new_tokens, 1)
     n_ret = int_arg(api, "num_return_sequences", num_return_sequences, 1)
@@ -356,15 +375,17 @@ def beam_search(
     if not (early_stopping is True or early_stopping is False
             or (isinstance(early_stopping, str) and early_stopping == "never")):
         raise InputError(f"beam_search: early_stopping must be True, False or 'never', got {early_stopping!r}")
-    choice(api, "cache", cache, ("paged", "tensor"))
-    block = int_arg(api, "block_size", block_size, 1)
+    if "block_size" in deprecated:
+        int_arg(api, "block_size", deprecated["block_size"], 1)
+    request = cache_request(api, cache, ("paged", "tensor"), deprecated, depth=_DEPTH)
     callback_arg(api, "callback", callback)
-    sess = as_session(api, "session_or_model", session_or_model, threads)
+    sess = as_session(api, "model", model, threads)
     model = sess.model
     vocab = sess.token_limit
+    cache = request.kind("paged" if sess.bindings else "tensor")
     if cache == "paged" and not sess.bindings:
-        raise InputError(f"beam_search: cache='paged' needs a model whose KV cache onnxkv runs in place; this "
-                         f"model's cache is '{model.convention.kind}' (use cache='tensor')")
+        raise InputError(f"beam_search: cache kind 'paged' needs a model whose KV cache onnxkv runs in place; this "
+                         f"model's cache is '{model.convention.kind}' (use cache='tensor' or None)")
     ids, mask, lengths = check_prompt(api, input_ids, attention_mask, vocab)
     eos = token_ids(api, "eos_token_id", eos_token_id, model.eos_token_id, vocab)
     if pad_token_id is None:
@@ -385,7 +406,7 @@ def beam_search(
     ids = np.where(mask == 1, ids, pad_token_id)
 
     builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, pad_token_id, thread_cache=cache == "tensor")
-    beams = _PagedBeams(sess, block) if cache == "paged" else _TensorBeams(sess)
+    beams = _PagedBeams(sess, request.state_keywords("paged")) if cache == "paged" else _TensorBeams(sess)
     log = sess.events if sess.events.enabled else None
     logits_name = model.io.logits
     step_seconds: list[float] = []

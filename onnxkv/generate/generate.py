@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
-from onnxkv.generate.arguments import (as_session, callback_arg, check_prompt, choice, int_arg, optional_int, token_id,
+from onnxkv.generate.arguments import (as_session, callback_arg, check_prompt, int_arg, optional_int, token_id,
                                        token_ids)
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.sampling import SamplingConfig, select_next
+from onnxkv.generate.sampling import sampling_arguments, select_next
+from onnxkv.runtime.cache_config import KINDS, CacheConfig, cache_request
+from onnxkv.runtime.state import State
 
 __all__ = ["generate", "GenerationResult"]
 
@@ -50,11 +53,18 @@ class GenerationResult:
         return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+#: Deprecated State keywords of generate (now fields of CacheConfig).
+_LEGACY = ("capacity", "cache_dtype", "block_size", "kv_format")
+#: Frames from generate's body to its caller's (the renamed_argument wrapper is one), for deprecation warnings.
+_DEPTH = 2
+
+
+@renamed_argument("generate", "session_or_model", "model")
 def generate(
-    session_or_model,
+    model,
     input_ids,
     max_new_tokens: int,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
@@ -63,60 +73,62 @@ def generate(
     attention_mask=None,
     threads: int | None = None,
     callback: Callable[[int, np.ndarray], None] | None = None,
-    cache: str = "auto",
-    capacity: int | None = None,
+    cache: CacheConfig | str | None = None,
     prefill_chunk: int | None = 512,
-    cache_dtype: str | None = None,
-    block_size: int = 16,
-    kv_format=None,
+    *,
+    do_sample: bool = False,
+    **deprecated,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt row.
 
     Args:
-        session_or_model: a :class:`~onnxkv.Session`, or anything
-            :class:`~onnxkv.Session` accepts (then a session is built with ``threads``).
+        model: a :class:`~onnxkv.Session`, or anything :class:`~onnxkv.Session`
+            accepts (then a session is built with ``threads``).  ``session_or_model=``
+            is its deprecated keyword.
         input_ids: int [B, L] or [L] prompt ids, left-padded when rows differ in length.
         max_new_tokens: how many tokens to generate at most (≥ 0).
-        temperature: 0 = greedy; otherwise logits are divided by it and a token is drawn.
+        do_sample: draw each token (True) or take the argmax (False, greedy), as in transformers.
+        temperature: logits are divided by it before a draw (None: 1.0).  A
+            ``temperature`` > 0 without ``do_sample=True`` still samples for one
+            release, with a DeprecationWarning.
         top_k: sample among the ``top_k`` highest logits only (None: all).
         top_p: then among the smallest set whose probability reaches ``top_p`` (None: all).
-        seed: seeds the draws: the same seed gives the same tokens.
+        seed: seeds the draws: the same seed gives the same tokens
+            (see :func:`~onnxkv.generate.sampling.sampling_arguments`).
         eos_token_id: id(s) that end a row (default: the model's genai_config);
             generation stops when every row has ended.
         pad_token_id: id written after a row ended and into padding
             (default: the model's pad id, else the first EOS, else 0).
         attention_mask: 0/1 [B, L]; zeros mark left padding.
         callback: called after each new token as ``callback(step, tokens[B])``.
-        cache: ``"auto"`` runs a recognised cache in place on a persistent
-            state (nothing of cache size copied per token); ``"paged"`` does
-            the same with a paged cache of ``block_size``-token pages (see
-            :meth:`Session.new_state`); ``"tensor"`` threads it through the
-            graph as tensors (past -> present).
-        capacity: fixed cache capacity for the in-place path (None: grows).
-        cache_dtype: on the in-place path, store the cache as ``"float16"`` or
-            ``"bfloat16"`` (see :meth:`Session.new_state`).
-        kv_format: with ``cache="paged"``, the page format policy (see
-            :meth:`Session.new_state`: "int8", "int4", "residual-int4", ... or a selector).
-        prefill_chunk: on the in-place path, a single unpadded prompt longer than
-            this is fed in chunks of this many tokens (the same result with
-            far smaller temporaries); None feeds it whole.
+        cache: a :class:`~onnxkv.CacheConfig` or a kind (see
+            :mod:`onnxkv.runtime.cache_config`): ``"contiguous"`` runs the cache in
+            place on a persistent state (nothing of cache size copied per token),
+            ``"paged"`` the same in pages, ``"tensor"`` threads it through the graph
+            as tensors (past -> present).  None: contiguous when the model's cache
+            runs in place, else tensors.  A contiguous cache without
+            ``initial_capacity`` starts at the prompt length plus up to 256 tokens.
+        prefill_chunk: on a state, a single unpadded prompt longer than this is
+            fed in chunks of this many tokens (the same result with far smaller
+            temporaries); None feeds it whole.
+        deprecated: ``capacity=``, ``cache_dtype=``, ``block_size=``,
+            ``kv_format=`` (now CacheConfig fields) work for one release with a
+            DeprecationWarning; ``cache="auto"`` is the deprecated spelling of None.
 
     Raises:
         InputError: bad arguments (the message names the argument and value).
     """
     api = "generate"
+    unknown = sorted(set(deprecated) - set(_LEGACY))
+    if unknown:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
     max_new_tokens = int_arg(api, "max_new_tokens", max_new_tokens, 0)
-    sampling = SamplingConfig(temperature, top_k, top_p, seed, api=api)
+    sampling = sampling_arguments(api, do_sample, temperature, top_k, top_p, seed, legacy_temperature=True,
+                                  depth=_DEPTH)
     callback_arg(api, "callback", callback)
-    choice(api, "cache", cache, ("auto", "paged", "tensor"))
-    capacity = optional_int(api, "capacity", capacity, 1)
+    request = cache_request(api, cache, KINDS, deprecated, depth=_DEPTH, auto=True)
     prefill_chunk = optional_int(api, "prefill_chunk", prefill_chunk, 1)
-    if cache_dtype is not None:
-        choice(api, "cache_dtype", cache_dtype, ("float32", "float16", "bfloat16"))
-    block_size = int_arg(api, "block_size", block_size, 1)
-    if kv_format is not None and cache != "paged":
-        raise InputError(f"generate: kv_format={kv_format!r} needs cache='paged'")
-    sess = as_session(api, "session_or_model", session_or_model, threads)
+    sess = as_session(api, "model", model, threads)
     model = sess.model
     vocab = sess.token_limit
     ids, mask, lengths = check_prompt(api, input_ids, attention_mask, vocab)
@@ -130,21 +142,21 @@ def generate(
                          f"max_length {model.max_length}")
     ids = np.where(mask == 1, ids, pad_token_id)
 
-    if cache == "paged" and not sess.bindings:
-        raise InputError("generate: cache='paged' needs a model with a recognised in-place cache; this model's is "
-                         f"'{model.convention.kind}'")
-    if cache_dtype is not None and (cache == "tensor" or not sess.bindings):
-        raise InputError(f"generate: cache_dtype={cache_dtype!r} needs the in-place cache (cache='auto' or 'paged' "
-                         "on a model with a recognised cache)")
-    in_place = cache != "tensor" and bool(sess.bindings)
+    kind = request.kind("contiguous" if sess.bindings else "tensor")
+    if kind != "tensor" and not sess.bindings:
+        raise InputError(f"generate: cache kind {kind!r} needs a model with a recognised in-place cache; this "
+                         f"model's is '{model.convention.kind}' (use cache='tensor' or None)")
+    in_place = kind != "tensor"
+    narrowed = [k for k in ("cache_dtype", "kv_format") if k in request.legacy]
+    if not in_place and narrowed:
+        raise InputError(f"generate: {narrowed[0]}={request.legacy[narrowed[0]]!r} needs a state's cache, got cache "
+                         "kind 'tensor'")
     chunked = in_place and prefill_chunk is not None and B == 1 and L > prefill_chunk
     first_len = int(prefill_chunk) if chunked else L
     builder = FeedBuilder(sess.plan.inputs, model, ids[:, :first_len], np.minimum(lengths, first_len),
                           int(pad_token_id), thread_cache=not in_place)
     if in_place:
-        paged = {"cache": "paged", "block_size": block_size, "kv_format": kv_format} if cache == "paged" else {}
-        state = sess.new_state(capacity=capacity, initial_capacity=max(32, L + min(max_new_tokens, 256)),
-                               cache_dtype=cache_dtype, **paged)
+        state = State(sess, **request.state_keywords(kind, initial_capacity=max(32, L + min(max_new_tokens, 256))))
         fetch = [model.io.logits]
         run = state.run
     else:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxkv.generate.arguments import optional_int, real_arg
+from onnxkv._deprecation import warn_deprecated
+from onnxkv.generate.arguments import bool_arg, optional_int, real_arg
 
-__all__ = ["SamplingConfig", "select_next"]
+__all__ = ["SamplingConfig", "select_next", "sampling_arguments"]
 
 
 class SamplingConfig:
@@ -32,6 +33,37 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sampling_arguments(api: str, do_sample, temperature, top_k, top_p, seed, *, legacy_temperature: bool = False,
+                       depth: int = 1) -> SamplingConfig:
+    """The SamplingConfig of the sampling arguments every generation API shares, as transformers reads them.
+
+    ``do_sample`` False is greedy (``temperature``, ``top_k`` and ``top_p``
+    are checked but not used); True draws from the logits divided by
+    ``temperature`` (> 0; None: 1.0), kept to the ``top_k`` best (None or 0:
+    all) and to the nucleus of probability ``top_p`` (None or 1.0: all), from
+    a Generator seeded by ``seed``.
+
+    ``legacy_temperature`` (``generate``): a ``temperature`` > 0 given without
+    ``do_sample=True`` samples as ``generate`` did before it took
+    ``do_sample``, with a DeprecationWarning (``depth``: see
+    :func:`onnxkv._deprecation.warn_deprecated`).
+    """
+    do_sample = bool_arg(api, "do_sample", do_sample)
+    if temperature is not None:
+        temperature = real_arg(api, "temperature", temperature, 0.0, low_open=do_sample)
+    top_k = optional_int(api, "top_k", top_k, 0)
+    if top_p is not None:
+        real_arg(api, "top_p", top_p, 0.0, 1.0, low_open=True)
+    if not do_sample and legacy_temperature and temperature is not None and temperature > 0.0:
+        warn_deprecated(f"{api}: temperature={temperature} without do_sample=True samples for one more release; "
+                        "pass do_sample=True to sample (without it, decoding will be greedy and temperature "
+                        "ignored, as in transformers and speculative_generate)", depth + 1)
+        do_sample = True
+    if not do_sample:
+        return SamplingConfig(0.0, None, None, seed, api=api)
+    return SamplingConfig(1.0 if temperature is None else temperature, top_k or None, top_p, seed, api=api)
 
 
 def probabilities(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:

@@ -24,7 +24,6 @@ every emitted token distributed exactly as the target's warped distribution.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,11 +31,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
-from onnxkv.generate.arguments import (as_session, bool_arg, callback_arg, check_prompt, choice, int_arg, real_arg,
-                                       token_ids)
+from onnxkv.generate.arguments import as_session, callback_arg, check_prompt, int_arg, token_ids
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.sampling import SamplingConfig, probabilities, select_next
+from onnxkv.generate.sampling import SamplingConfig, probabilities, sampling_arguments, select_next
+from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_request
+from onnxkv.runtime.state import State
 
 if TYPE_CHECKING:
     import os
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["speculative_generate", "SpeculativeResult", "accept_or_resample", "prompt_lookup"]
 
 API = "speculative_generate"
+#: Frames from speculative_generate's body to its caller's (the renamed_argument wrapper is one).
+_DEPTH = 2
 
 
 @dataclass
@@ -150,11 +153,11 @@ def _logit_rows(out: dict, sess, count: int, role: str) -> np.ndarray:
 class _Stepper:
     """One model's state, feed builder and run counter for a batch-1 sequence."""
 
-    def __init__(self, sess, prompt: np.ndarray, cache: str, options: dict) -> None:
+    def __init__(self, sess, prompt: np.ndarray, state_keywords: dict) -> None:
         self.sess = sess
         self.builder = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0,
                                    thread_cache=False)
-        self.state = sess.new_state(cache=cache, **options)
+        self.state = State(sess, **state_keywords)
         self.fetch = [sess.model.io.logits]
         self.runs = 0
 
@@ -179,8 +182,9 @@ class _Stepper:
             self.builder.rewind(length)
 
 
+@renamed_argument(API, "target", "model")
 def speculative_generate(
-    target: Session | Model | onnx.ModelProto | str | os.PathLike,
+    model: Session | Model | onnx.ModelProto | str | os.PathLike,
     input_ids: np.ndarray | list[int],
     draft: Session | Model | onnx.ModelProto | str | os.PathLike | None = None,
     num_draft_tokens: int = 4,
@@ -188,20 +192,21 @@ def speculative_generate(
     prompt_lookup_ngram: int = 3,
     eos_token_id: int | list[int] | None = None,
     do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     threads: int | None = None,
-    cache: str = "contiguous",
+    cache: CacheConfig | str | None = None,
     callback: Callable[[int, np.ndarray], None] | None = None,
-    state_options: Mapping | None = None,
+    **deprecated,
 ) -> SpeculativeResult:
     """Generate up to ``max_new_tokens`` tokens after one prompt with speculative decoding.
 
     Args:
-        target: the model whose distribution is sampled: a :class:`~onnxkv.Session`
+        model: the target model, whose distribution is sampled: a :class:`~onnxkv.Session`
             or anything :class:`~onnxkv.Session` accepts (built with ``threads``).
+            ``target=`` is its deprecated keyword.
         input_ids: int [1, L] or [L] prompt ids (batch 1 only).
         draft: a smaller model of the same vocabulary (Session, Model or path)
             that proposes tokens; None proposes by prompt lookup.
@@ -211,14 +216,17 @@ def speculative_generate(
         prompt_lookup_ngram: longest n-gram matched by prompt lookup (≥ 1).
         eos_token_id: id(s) that end generation (default: the target's genai_config);
             the EOS is emitted, nothing after it.
-        do_sample: False = greedy (output identical to greedy :func:`onnxkv.generate`);
-            True = sample with ``temperature`` (> 0), ``top_k`` (0 = off) and
-            ``top_p`` warping applied to target and draft distributions alike,
-            from a NumPy Generator seeded by ``seed`` (repeatable).
-        cache: ``"contiguous"`` or ``"paged"``: the states' cache layout.
+        do_sample, temperature, top_k, top_p, seed: as in :func:`onnxkv.generate`
+            (see :func:`~onnxkv.generate.sampling.sampling_arguments`): greedy unless
+            ``do_sample=True`` (output identical to greedy :func:`onnxkv.generate`);
+            sampling warps target and draft distributions alike.
+        cache: a :class:`~onnxkv.CacheConfig` or a kind, ``"contiguous"`` (None) or
+            ``"paged"``, for both states (``"tensor"`` cannot be truncated).  A
+            contiguous cache without ``initial_capacity`` holds the whole output.
         callback: called after each new token as ``callback(step, tokens[1])``.
-        state_options: extra keyword arguments of ``Session.new_state`` for both
-            states (e.g. ``{"capacity": 256}``).
+        deprecated: ``state_options=`` (a mapping of the deprecated
+            ``Session.new_state`` keywords) works for one release with a
+            DeprecationWarning.
 
     Returns:
         A :class:`SpeculativeResult`.
@@ -229,25 +237,18 @@ def speculative_generate(
             width) differs from the target's, or a model whose cache cannot be
             truncated (static TensorScatter caches).
     """
+    unknown = sorted(set(deprecated) - {"state_options"})
+    if unknown:
+        raise TypeError(f"speculative_generate() got an unexpected keyword argument {unknown[0]!r}")
     max_new_tokens = int_arg(API, "max_new_tokens", max_new_tokens, 0)
     num_draft_tokens = int_arg(API, "num_draft_tokens", num_draft_tokens, 1)
     ngram = int_arg(API, "prompt_lookup_ngram", prompt_lookup_ngram, 1)
-    top_k = int_arg(API, "top_k", top_k, 0)
-    do_sample = bool_arg(API, "do_sample", do_sample)
-    temperature = real_arg(API, "temperature", temperature, 0.0, low_open=do_sample)
-    cfg = SamplingConfig(temperature if do_sample else 0.0, top_k or None, top_p, seed, api=API)
-    choice(API, "cache", cache, ("contiguous", "paged"))
+    cfg = sampling_arguments(API, do_sample, temperature, top_k, top_p, seed, depth=_DEPTH)
     callback_arg(API, "callback", callback)
-    if state_options is not None and not isinstance(state_options, Mapping):
-        raise InputError(f"{API}: state_options must be a mapping of Session.new_state arguments or None, got "
-                         f"{type(state_options).__name__}")
-    tsess = as_session(API, "target", target, threads)
+    request = cache_request(API, cache, ("contiguous", "paged"), _state_options(deprecated), depth=_DEPTH,
+                            given_as="state_options" if "state_options" in deprecated else None)
+    tsess = as_session(API, "model", model, threads)
     dsess = None if draft is None else as_session(API, "draft", draft, threads)
-    allowed = set(inspect.signature(tsess.new_state).parameters) - {"cache"}
-    unknown = sorted(map(repr, set(state_options or ()) - allowed))
-    if unknown:
-        raise InputError(f"{API}: state_options has {', '.join(unknown)}; expected arguments of Session.new_state "
-                         f"other than cache: {sorted(allowed)}")
     model = tsess.model
     vocab = tsess.token_limit
     if dsess is not None:
@@ -268,17 +269,16 @@ def speculative_generate(
         if s.model.max_length is not None and L + max_new_tokens > s.model.max_length:
             raise InputError(f"{API}: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the {role} "
                              f"model's max_length {s.model.max_length}")
-    options = {"initial_capacity": L + max_new_tokens + 1} if cache == "contiguous" else {}
-    options.update(state_options or {})
+    options = request.state_keywords("contiguous", initial_capacity=L + max_new_tokens + 1)
 
     seq = list(ids[0].tolist())
     proposed = accepted = 0
     if max_new_tokens == 0:
         return SpeculativeResult(ids.copy(), 0, 0, 0, 0, 0, 0.0)
-    tgt = _Stepper(tsess, ids, cache, options)
+    tgt = _Stepper(tsess, ids, options)
     drf = None
     try:
-        drf = None if dsess is None else _Stepper(dsess, ids, cache, options)
+        drf = None if dsess is None else _Stepper(dsess, ids, options)
         t0 = time.perf_counter()
         last = _logit_rows(tgt.prefill(), tsess, 1, "target")[0]
         if drf is not None:
@@ -336,6 +336,22 @@ def speculative_generate(
             drf.state.close()
     return SpeculativeResult(np.array([seq], dtype=np.int64), len(seq) - L, proposed, accepted,
                              tgt.runs, 0 if drf is None else drf.runs, seconds)
+
+
+def _state_options(deprecated: dict) -> dict:
+    """The deprecated ``state_options`` mapping's State keywords (empty when not given)."""
+    options = deprecated.get("state_options")
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise InputError(f"{API}: state_options must be a mapping of Session.new_state arguments or None, got "
+                         f"{type(options).__name__}")
+    allowed = (*LEGACY_KEYWORDS, "initial", "allocator")
+    unknown = sorted(map(repr, set(options) - set(allowed)))
+    if unknown:
+        raise InputError(f"{API}: state_options has {', '.join(unknown)}; expected arguments of Session.new_state "
+                         f"other than cache: {sorted(allowed)}")
+    return dict(options)
 
 
 def _propose(drf: _Stepper, dsess, seq: list[int], k: int, cfg: SamplingConfig,

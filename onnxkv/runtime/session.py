@@ -17,6 +17,7 @@ from onnxkv.model.checker import check_model
 from onnxkv.model.contract import Contract
 from onnxkv.model.rewrite import inplace_bindings
 from onnxkv.plan.plan import Plan
+from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_request
 from onnxkv.runtime.state import State
 
 __all__ = ["Session", "DECODE_ROWS"]
@@ -33,7 +34,7 @@ class Session:
         threads: threads for the OpenMP kernels *and* the BLAS under NumPy
             (one setting, applied around every run of this session only: the
             kernel settings of the calling Python thread, whose other settings
-            -- SIMD level, AMX: ``onnxkv._kernels.use_settings`` -- the run
+            -- SIMD level, AMX: ``onnxkv.kernels.use_settings`` -- the run
             keeps); None = the cores this process may use.  The BLAS limit is
             process-wide (see ``onnxkv._threads``); results never depend on it.
         allocator: an :class:`onnxkv.alloc.Allocator` for the plan's temporaries,
@@ -132,27 +133,35 @@ class Session:
             return self.plan.run(feeds, output_names, self.events if self.events.enabled else None, step,
                                  caches, cache_allocator, cancel)
 
-    def new_state(self, initial=None, capacity: int | None = None, initial_capacity: int = 32,
-                  allocator=None, cache_dtype: str | None = None, cache: str = "contiguous",
-                  block_size: int = 16, max_pages: int | None = None, kv_format=None,
-                  key_channel_scales: bool = False, key_channel_zero_points: bool = False) -> State:
+    def new_state(self, initial: Mapping[str, np.ndarray] | None = None, *, cache: CacheConfig | str | None = None,
+                  allocator=None, **deprecated) -> State:
         """A persistent per-request :class:`~onnxkv.runtime.state.State` (see there).
 
-        ``cache="paged"`` stores the caches in pages of ``block_size`` tokens
-        (at most ``max_pages`` live) with copy-on-write fork/reorder/checkpoint/truncate;
-        ``kv_format`` chooses page formats (quantization) per page.  Without
-        ``allocator``, a paged state's pages come from a new
-        :class:`~onnxkv.alloc.SlabAllocator` (huge-page backed chunks, one
-        lane per plane), a contiguous state's caches from a new
-        :class:`~onnxkv.alloc.SystemAllocator`.  ``key_channel_scales`` /
-        ``key_channel_zero_points`` choose the layout of quantized key pages
-        (a scale and zero point per channel, or one scale per head and a zero
-        point per channel; at most one).
+        Args:
+            initial: optional past input name -> array [B, H, L, D] to start from (copied in).
+            cache: a :class:`~onnxkv.runtime.cache_config.CacheConfig`, the kind
+                ``"contiguous"`` or ``"paged"`` (every other field at its default), or
+                None (contiguous).  Kind ``"tensor"`` has no state and is rejected.
+            allocator: persistent allocator of the caches.  None: a paged state's
+                pages come from a new :class:`~onnxkv.alloc.SlabAllocator` (huge-page
+                backed chunks, one lane per plane), a contiguous state's caches from a
+                new :class:`~onnxkv.alloc.SystemAllocator`.
+            deprecated: the keywords a CacheConfig replaces (``capacity``,
+                ``initial_capacity``, ``cache_dtype``, ``block_size``, ``max_pages``,
+                ``kv_format``, ``key_channel_scales``, ``key_channel_zero_points``)
+                still work for one release, with a ``DeprecationWarning``; they
+                cannot be combined with a CacheConfig.
+
+        Raises:
+            InputError: a bad ``cache`` (or deprecated keyword), or a cache the
+                model cannot keep (see :class:`~onnxkv.runtime.state.State`).
+            TypeError: an unknown keyword.
         """
-        return State(self, initial=initial, capacity=capacity, initial_capacity=initial_capacity,
-                     allocator=allocator, cache_dtype=cache_dtype, cache=cache, block_size=block_size,
-                     max_pages=max_pages, kv_format=kv_format, key_channel_scales=key_channel_scales,
-                     key_channel_zero_points=key_channel_zero_points)
+        unknown = sorted(set(deprecated) - set(LEGACY_KEYWORDS))
+        if unknown:
+            raise TypeError(f"Session.new_state() got an unexpected keyword argument {unknown[0]!r}")
+        request = cache_request("Session.new_state", cache, ("contiguous", "paged"), deprecated)
+        return State(self, initial=initial, allocator=allocator, **request.state_keywords("contiguous"))
 
     def __repr__(self) -> str:
         src = self.model.path or "<in-memory model>"

@@ -47,7 +47,9 @@ GENERATE = COMMON + [
     ("temperature", float("nan"), "temperature must be a finite number in .*, got nan"),
     ("temperature", True, "temperature .* got True"),
     ("temperature", "1", "temperature .* got '1'"),
-    ("top_k", 1.5, "top_k must be an int ≥ 1 or None, got 1.5"),
+    ("do_sample", "yes", "do_sample must be True or False, got 'yes'"),
+    ("top_k", 1.5, "top_k must be an int ≥ 0 or None, got 1.5"),
+    ("top_k", -1, "top_k must be an int ≥ 0 or None, got -1"),
     ("top_k", True, "top_k .* got True"),
     ("top_p", 0.0, r"top_p must be a finite number in \(0.0, 1.0\], got 0.0"),
     ("top_p", True, "top_p .* got True"),
@@ -57,13 +59,10 @@ GENERATE = COMMON + [
     ("pad_token_id", "0", "pad_token_id '0' is outside"),
     ("pad_token_id", V, "pad_token_id 97 is outside"),
     ("attention_mask", np.array([[1, 2, 1]]), "attention_mask must hold only 0 and 1"),
-    ("capacity", 0, "capacity must be an int ≥ 1 or None, got 0"),
-    ("capacity", 8.0, "capacity .* got 8.0"),
     ("prefill_chunk", True, "prefill_chunk .* got True"),
-    ("cache_dtype", "int8", "cache_dtype must be 'float32', 'float16' or 'bfloat16', got 'int8'"),
-    ("block_size", 0, "block_size must be an int ≥ 1, got 0"),
-    ("kv_format", "int8", "kv_format='int8' needs cache='paged'"),
-    ("session_or_model", 5, "session_or_model must be a Session, a Model, a ModelProto or a path, got int"),
+    ("cache", "auto-ish", r"cache must be a CacheConfig, one of 'contiguous', 'paged', 'tensor' or None, got "
+                          r"'auto-ish'"),
+    ("model", 5, "model must be a Session, a Model, a ModelProto or a path, got int"),
 ]
 
 BEAM = COMMON + [
@@ -76,8 +75,12 @@ BEAM = COMMON + [
     ("early_stopping", np.array([1, 0]), r"early_stopping must be True, False or 'never', got array"),
     ("early_stopping", 1, "early_stopping must be True, False or 'never', got 1"),
     ("pad_token_id", -1, "pad_token_id -1 is outside"),
-    ("block_size", True, "block_size must be an int ≥ 1, got True"),
-    ("session_or_model", None, "session_or_model must be a Session, .* got NoneType"),
+    ("do_sample", True, r"do_sample=True \(beam sampling\) is not supported"),
+    ("do_sample", 1, "do_sample must be True or False, got 1"),
+    ("cache", "contiguous", r"cache must be a CacheConfig, one of 'paged', 'tensor' or None, got 'contiguous'"),
+    ("cache", onnxkv.CacheConfig("contiguous"), r"cache kind 'contiguous' is not supported here; expected one of "
+                                                r"'paged', 'tensor'"),
+    ("model", None, "model must be a Session, .* got NoneType"),
 ]
 
 SPECULATIVE = COMMON + [
@@ -89,7 +92,9 @@ SPECULATIVE = COMMON + [
     ("do_sample", 1, "do_sample must be True or False, got 1"),
     ("temperature", float("nan"), "temperature must be a finite number .* got nan"),
     ("temperature", -1.0, r"temperature must be a finite number in \[0.0, inf\), got -1.0"),
-    ("top_k", -1, "top_k must be an int ≥ 0, got -1"),
+    ("top_k", -1, "top_k must be an int ≥ 0 or None, got -1"),
+    ("cache", "tensor", r"cache must be a CacheConfig, one of 'contiguous', 'paged' or None, got 'tensor'"),
+    ("cache", onnxkv.CacheConfig("tensor"), r"cache kind 'tensor' is not supported here"),
     ("top_p", 2, r"top_p must be a finite number in \(0.0, 1.0\], got 2"),
     ("seed", -1, "seed must be an int ≥ 0 or None, got -1"),
     ("state_options", [("capacity", 8)], "state_options must be a mapping .* got list"),
@@ -113,19 +118,19 @@ def _check(fn, api, sess, base, arg, value, match):
 
 @pytest.mark.parametrize("arg,value,match", GENERATE, ids=[f"{a}={v!r:.20}" for a, v, _ in GENERATE])
 def test_generate_checks_every_argument(sess, arg, value, match):
-    base = dict(session_or_model=sess, input_ids=PROMPT, max_new_tokens=2, cache="auto")
+    base = dict(model=sess, input_ids=PROMPT, max_new_tokens=2, cache=None)
     _check(generate, "generate", sess, base, arg, value, match)
 
 
 @pytest.mark.parametrize("arg,value,match", BEAM, ids=[f"{a}={v!r:.20}" for a, v, _ in BEAM])
 def test_beam_search_checks_every_argument(sess, arg, value, match):
-    base = dict(session_or_model=sess, input_ids=PROMPT, num_beams=2, max_new_tokens=2, cache="paged")
+    base = dict(model=sess, input_ids=PROMPT, num_beams=2, max_new_tokens=2, cache="paged")
     _check(beam_search, "beam_search", sess, base, arg, value, match)
 
 
 @pytest.mark.parametrize("arg,value,match", SPECULATIVE, ids=[f"{a}={v!r:.20}" for a, v, _ in SPECULATIVE])
 def test_speculative_generate_checks_every_argument(sess, arg, value, match):
-    base = dict(target=sess, input_ids=PROMPT, draft=sess, max_new_tokens=2)
+    base = dict(model=sess, input_ids=PROMPT, draft=sess, max_new_tokens=2)
     _check(speculative_generate, "speculative_generate", sess, base, arg, value, match)
 
 

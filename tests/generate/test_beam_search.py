@@ -225,7 +225,7 @@ def _bytes_per_token(session) -> int:
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_beams_share_pages_and_copy_at_most_a_page_per_beam(name, block_size, paged):
     session = onnxkv.Session(FIXTURES[name], threads=2, events=True)
-    res = _fixture_search(session, paged, block_size=block_size)
+    res = _fixture_search(session, onnxkv.CacheConfig(paged, block_size=block_size))
     np.testing.assert_array_equal(res.sequences, REF["beam_sequences"])
     k, L = SETTINGS["num_beams"], REF["beam_prompt_ids"].size
     per_token = _bytes_per_token(session)
@@ -270,7 +270,7 @@ def test_paged_and_tensor_modes_agree(micro, paged):
     ids = np.array([[0, 0, 0, 9, 23, 4], [12, 5, 77, 31, 2, 6]])
     mask = (ids != 0).astype(np.int64)
     kw = dict(attention_mask=mask, eos_token_id=11, num_return_sequences=2, pad_token_id=0, length_penalty=1.2)
-    in_pages = beam_search(micro, ids, 3, 12, cache=paged, block_size=4, **kw)
+    in_pages = beam_search(micro, ids, 3, 12, cache=onnxkv.CacheConfig(paged, block_size=4), **kw)
     tensor = beam_search(micro, ids, 3, 12, cache="tensor", **kw)
     np.testing.assert_array_equal(in_pages.sequences, tensor.sequences)
     np.testing.assert_allclose(in_pages.sequences_scores, tensor.sequences_scores, atol=1e-5)
@@ -318,7 +318,7 @@ def test_one_new_token_returns_the_k_most_likely_tokens(micro, cache):
     (dict(length_penalty=True), r"length_penalty.*True"),
     (dict(early_stopping="sometimes"), r"early_stopping.*'sometimes'"),
     (dict(cache="contiguous"), r"cache.*'contiguous'"),
-    (dict(block_size=0), r"block_size.*0"),
+    (dict(do_sample=True), r"do_sample=True \(beam sampling\) is not supported"),
     (dict(attention_mask=np.ones((2, 3), np.int64)), r"attention_mask shape \(2, 3\)"),
     (dict(eos_token_id=500), r"eos_token_id 500"),
     (dict(pad_token_id=-1), r"pad_token_id -1"),

@@ -29,10 +29,11 @@ def test_left_padded_batch_equals_rows_alone(session):
 
 def test_sampling_is_repeatable_with_a_seed(session):
     ids = np.array([[1, 2, 3]])
-    a = onnxkv.generate(session, ids, 10, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_token_id=[])
-    b = onnxkv.generate(session, ids, 10, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_token_id=[])
+    a = onnxkv.generate(session, ids, 10, do_sample=True, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_token_id=[])
+    b = onnxkv.generate(session, ids, 10, do_sample=True, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_token_id=[])
     np.testing.assert_array_equal(a.tokens, b.tokens)
-    c = [onnxkv.generate(session, ids, 10, temperature=5.0, seed=s, eos_token_id=[]).tokens for s in range(4)]
+    c = [onnxkv.generate(session, ids, 10, do_sample=True, temperature=5.0, seed=s, eos_token_id=[]).tokens
+         for s in range(4)]
     assert any(not np.array_equal(c[0], x) for x in c[1:])
 
 
@@ -63,7 +64,7 @@ def test_result_reports_timing(session):
 @pytest.mark.parametrize("kwargs,match", [
     ({"temperature": -1.0}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
-    ({"top_k": 0}, "top_k"),
+    ({"top_k": -1}, "top_k"),
     ({"top_p": 1.5}, "top_p"),
     ({"seed": -3}, "seed"),
     ({"eos_token_id": MICRO.vocab_size}, "outside the vocabulary"),
@@ -122,7 +123,9 @@ def test_paged_cache_gives_the_same_tokens(session):
     ids = np.array([[0] * (L - len(r)) + r for r in rows])
     mask = np.array([[0] * (L - len(r)) + [1] * len(r) for r in rows])
     want = onnxkv.generate(session, ids, 20, attention_mask=mask, eos_token_id=[])
-    got = onnxkv.generate(session, ids, 20, attention_mask=mask, eos_token_id=[], cache="paged", block_size=4)
+    got = onnxkv.generate(session, ids, 20, attention_mask=mask, eos_token_id=[],
+                          cache=onnxkv.CacheConfig("paged", block_size=4))
     np.testing.assert_array_equal(got.tokens, want.tokens)
-    with pytest.raises(InputError, match="'auto', 'paged' or 'tensor'"):
+    with pytest.raises(InputError, match="cache must be a CacheConfig, one of 'contiguous', 'paged', 'tensor' or "
+                                         "None, got 'pages'"):
         onnxkv.generate(session, ids, 2, cache="pages")

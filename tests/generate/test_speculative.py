@@ -87,9 +87,8 @@ def test_rollback_copies_no_cache_bytes(cache):
     model = build_model("gqa", MICRO, seed=3)
     target = onnxkv.Session(model, threads=1, events=True)
     draft = onnxkv.Session(build_model("gqa", MICRO, seed=4), threads=1, events=True)
-    options = {"capacity": 64} if cache == "contiguous" else {}
-    got = speculative_generate(target, _prompt(5), draft=draft, max_new_tokens=40, eos_token_id=[],
-                               cache=cache, state_options=options)
+    config = onnxkv.CacheConfig(cache, capacity=64 if cache == "contiguous" else None)
+    got = speculative_generate(target, _prompt(5), draft=draft, max_new_tokens=40, eos_token_id=[], cache=config)
     assert got.accepted < got.proposed  # rejections happened: both caches were truncated
     np.testing.assert_array_equal(
         got.sequences, onnxkv.generate(onnxkv.Session(model, threads=1), _prompt(5), 40, eos_token_id=[]).sequences)
@@ -214,7 +213,8 @@ def test_sampling_is_repeatable_and_valid(pair, mode):
     others = [speculative_generate(target, ids, seed=s, **kw).sequences for s in range(6, 9)]
     assert any(not np.array_equal(a.sequences, o) for o in others)
     one = speculative_generate(target, ids, seed=5, **{**kw, "max_new_tokens": 1})
-    plain = onnxkv.generate(target, ids, 1, temperature=0.9, top_k=40, top_p=0.95, seed=5, eos_token_id=[])
+    plain = onnxkv.generate(target, ids, 1, do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=5,
+                            eos_token_id=[])
     np.testing.assert_array_equal(one.sequences, plain.sequences)  # the first token is drawn as generate draws it
     if mode == "self":
         assert a.acceptance_rate > 0.9  # p == q up to rounding: almost every proposal is accepted

@@ -1,17 +1,21 @@
-"""Session: statelessness, thread setting, events, show_config, token id checks."""
+"""Session: statelessness, thread setting, events, show_config, token id checks, new_state's cache argument."""
 
 from __future__ import annotations
 
 import io
 import json
+import warnings
 
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
-from onnxkv import InputError, _kernels
+from deprecations import warns_deprecated
+from onnxkv import CacheConfig, InputError, KeyLayout, _kernels
+from onnxkv._deprecation import OnnxkvDeprecationWarning
 from onnxkv.models.builders import MICRO, build_model
+from state_steps import step_feeds
 
 
 def _feeds(batch=1, length=4):
@@ -81,13 +85,16 @@ def test_events_off_records_nothing():
     assert len(sess.events) == 0
 
 
-def test_show_config_prints_versions_openmp_threads_simd():
+def test_show_config_prints_versions_openmp_threads_and_kernel_levels():
     buf = io.StringIO()
     onnxkv.show_config(file=buf)
     text = buf.getvalue()
-    for key in ("onnxkv:", "openmp:", "threads:", "simd:"):
+    for key in ("onnxkv:", "openmp:", "threads:", "simd:", "simd_levels:", "amx:", "kernels:\n",
+                "\n  paged_attention: ", "\n  matmul_nbits_int8: "):
         assert key in text
-    assert onnxkv.config()["simd"] in ("avx2+fma+f16c", "scalar")
+    cfg = onnxkv.config()
+    assert cfg["simd"] == onnxkv.kernels.current_settings().simd == cfg["simd_levels"][-1]
+    assert cfg["kernels"] == onnxkv.kernels.kernel_levels()
 
 
 def test_repr_names_the_convention():
@@ -152,3 +159,81 @@ def test_a_stateless_run_of_an_empty_batch_names_the_attention_node(family, node
             feeds[inp.name] = np.zeros((0, 3), np.int64)
     with pytest.raises(InputError, match=f"{node} node .*the batch is empty"):
         s.run(feeds)
+
+
+# -- new_state's cache argument ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gqa():
+    return onnxkv.Session(build_model("gqa", MICRO, seed=2), threads=1)
+
+
+def _drive(state, feeds) -> tuple[list[np.ndarray], int]:
+    """The logits of every run of ``feeds`` on ``state`` and the bytes it holds after them."""
+    with state:
+        logits = [state.run(f, ["logits"])["logits"].copy() for f in feeds]
+        return logits, state.committed_bytes
+
+
+def test_new_state_takes_a_cache_config_or_a_kind(gqa):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OnnxkvDeprecationWarning)
+        with gqa.new_state(cache=CacheConfig("paged", block_size=4, max_pages=64)) as st:
+            assert st.paged and st.pool.block_size == 4 and st.pool.max_pages == 64
+        with gqa.new_state(cache="paged") as st:
+            assert st.paged and st.pool.block_size == 16
+        with gqa.new_state(cache=CacheConfig(capacity=24, kv_format="bf16")) as st:
+            assert not st.paged and st.capacity == 24 and st.cache_dtype == "bfloat16"
+        with gqa.new_state() as st:
+            assert not st.paged and st.capacity is None and st.initial_capacity == 32
+
+
+def test_new_state_rejects_tensor_kinds_mixed_spellings_and_unknown_keywords(gqa):
+    with pytest.raises(InputError, match=r"^Session.new_state: cache must be a CacheConfig, one of 'contiguous', "
+                                         r"'paged' or None, got 'tensor'"):
+        gqa.new_state(cache="tensor")
+    with pytest.raises(InputError, match=r"^Session.new_state: cache kind 'tensor' is not supported here"):
+        gqa.new_state(cache=CacheConfig("tensor"))
+    with pytest.raises(InputError, match=r"^Session.new_state: block_size= cannot be combined with "
+                                         r"cache=CacheConfig\(...\); put them in the CacheConfig"):
+        gqa.new_state(cache=CacheConfig("paged"), block_size=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'blocksize'"):
+        gqa.new_state(blocksize=4)
+
+
+LEGACY_STATE = [
+    (dict(capacity=64), CacheConfig(capacity=64)),
+    (dict(initial_capacity=8), CacheConfig(initial_capacity=8)),
+    (dict(cache_dtype="float16"), CacheConfig(kv_format="fp16")),
+    (dict(cache="paged", block_size=4), CacheConfig("paged", block_size=4)),
+    (dict(cache="paged", block_size=4, max_pages=64), CacheConfig("paged", block_size=4, max_pages=64)),
+    (dict(cache="paged", block_size=4, kv_format="int8"), CacheConfig("paged", block_size=4, kv_format="int8")),
+    (dict(cache="paged", block_size=4, kv_format="int4", key_channel_scales=True),
+     CacheConfig("paged", block_size=4, kv_format="int4", key_layout=KeyLayout.CHANNEL)),
+    (dict(cache="paged", block_size=4, kv_format="int8-head", key_channel_zero_points=True),
+     CacheConfig("paged", block_size=4, kv_format="int8-head", key_layout=KeyLayout.CHANNEL_ZERO_POINT)),
+]
+
+
+@pytest.mark.parametrize("legacy,config", LEGACY_STATE, ids=[str(k) for k, _ in LEGACY_STATE])
+def test_deprecated_state_keywords_warn_and_match_their_cache_config(gqa, legacy, config):
+    feeds = step_feeds(gqa, 9, 4)
+    want, want_bytes = _drive(gqa.new_state(cache=config), feeds)
+    names = ", ".join(k + "=" for k in legacy if k != "cache")
+    with warns_deprecated(__file__, rf"^Session.new_state: {names} (is|are) deprecated; pass "
+                                    r"cache=onnxkv.CacheConfig\(kind=..., ...\) instead \("):
+        state = gqa.new_state(**legacy)
+    assert state.capacity == config.capacity
+    got, got_bytes = _drive(state, feeds)
+    assert got_bytes == want_bytes
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_key_layouts_are_applied(gqa):
+    feeds = step_feeds(gqa, 9, 4)
+    runs = {layout: _drive(gqa.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int4",
+                                                           key_layout=layout)), feeds)
+            for layout in KeyLayout}
+    assert runs[KeyLayout.HEAD][1] < runs[KeyLayout.CHANNEL][1]  # a scale per channel costs header bytes
+    last = [logits[-1] for logits, _ in runs.values()]  # each layout rounds the keys its own way
+    assert not any(np.array_equal(last[i], last[j]) for i in range(3) for j in range(i))

@@ -84,12 +84,12 @@ def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
     """Every decode step takes the path (growth of the cache included) with results bitwise equal to
     the general path's."""
     session = onnxkv.Session(_packed_model() if attrs == "packed" else _model(**attrs), threads=threads)
-    with session.new_state(initial_capacity=4) as st:  # grows during prefill and decode
+    with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:  # grows during prefill and decode
         got_logits, got_values = _decode(session, st, steps=9)
     decode_calls = spy[-9 * MICRO.num_layers:]
     assert all(decode_calls) and len(decode_calls) == 9 * MICRO.num_layers
     monkeypatch.setattr(GroupQueryAttention, "_decode_token", lambda self, inputs, rt: None)
-    with session.new_state(initial_capacity=4) as st:
+    with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:
         want_logits, want_values = _decode(session, st, steps=9)
     for got, want in zip(got_logits + got_values, want_logits + want_values, strict=True):
         np.testing.assert_array_equal(got, want)

@@ -12,7 +12,7 @@ from onnx import helper as h
 from onnx import numpy_helper
 
 from ort_loop import ort_session
-from onnxkv import Session
+from onnxkv import CacheConfig, Session
 from onnxkv.errors import Cancelled
 from onnxkv.models.concat import build_concat_model
 from onnxkv.models.config import MICRO
@@ -90,7 +90,7 @@ def test_a_decoder_with_an_if_runs_through_a_state_with_in_place_caches_like_onn
     assert len(session.bindings) == 2 * MICRO.num_layers  # the If reads no cache: every pair stays in place
     peer = ort_session(session.model)
     names = [o.name for o in session.model.proto.graph.output]
-    state = session.new_state(cache=cache, block_size=4)
+    state = session.new_state(cache=CacheConfig(cache, block_size=4 if cache == "paged" else None))
     tokens = np.array([[5, 17, 42, 3, 8, 11]], np.int64)
     past, ort_past = 0, _empty_past(1)
     for step in range(5):
