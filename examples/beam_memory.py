@@ -2,9 +2,10 @@
 
 Runs ``onnxkv.beam_search`` on the embedded model twice from the same prompt:
 
-* ``cache="paged"``: the prompt is prefilled once and its pages are shared by
-  the beams; a beam reorder permutes page tables, and a beam copies a page only
-  when it first writes into one it shares (copy-on-write);
+* ``cache=onnxkv.CacheConfig("paged", block_size=...)``: the prompt is
+  prefilled once and its pages are shared by the beams; a beam reorder permutes
+  page tables, and a beam copies a page only when it first writes into one it
+  shares (copy-on-write);
 * ``cache="tensor"``: the copy-per-beam baseline (as transformers does it): the
   whole cache of every beam is gathered with ``np.take`` at every step.
 
@@ -42,12 +43,13 @@ def measure(ids: np.ndarray, beams: int, new_tokens: int, block_size: int, threa
     model = embedded.embedded_model_dir()
     logged = onnxkv.Session(model, threads=threads, events=True)
     timed = onnxkv.Session(model, threads=threads)
-    kw = dict(num_beams=beams, max_new_tokens=new_tokens, eos_token_id=[], block_size=block_size)
+    kw = dict(num_beams=beams, max_new_tokens=new_tokens, eos_token_id=[])
     result = {}
     for mode in MODES:
-        bytes_run = onnxkv.beam_search(logged, ids, cache=mode, **kw)
+        cache = onnxkv.CacheConfig("paged", block_size=block_size) if mode == "paged" else onnxkv.CacheConfig(mode)
+        bytes_run = onnxkv.beam_search(logged, ids, cache=cache, **kw)
         onnxkv.beam_search(timed, ids[:, :8], num_beams=beams, max_new_tokens=2, eos_token_id=[], cache=mode)  # warm-up
-        time_run = onnxkv.beam_search(timed, ids, cache=mode, **kw)
+        time_run = onnxkv.beam_search(timed, ids, cache=cache, **kw)
         result[mode] = {
             "copied_bytes": bytes_run.copied_bytes,
             "committed_bytes": bytes_run.committed_bytes,

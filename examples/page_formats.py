@@ -1,10 +1,13 @@
 """Page formats: cache bytes held vs greedy agreement and KL divergence, per page-format policy.
 
 A paged state stores every full page in the format its ``kv_format`` policy
-picks (float16, bfloat16, int8, int4, ...).  For each policy and prompt, on the
-embedded model:
+picks (float16, bfloat16, int8, int4, ...).  Each policy is passed as its
+policy object, ``onnxkv.cache.policy.POLICIES[name]``, so ``fp16`` and ``bf16``
+convert full pages and keep the last page native as the quantized policies do
+(the name ``"fp16"`` in a ``CacheConfig`` would store every page fp16 from its
+first token).  For each policy and prompt, on the embedded model:
 
-* **agreement**: a paged state with ``kv_format=policy`` decodes
+* **agreement**: a paged state with ``CacheConfig("paged", kv_format=POLICIES[policy])`` decodes
   ``--new-tokens`` greedy tokens, one run per token (as ``onnxkv.generate``
   does); agreement is the fraction equal to the float32 pages' tokens at the
   same position (after a first difference the texts usually part, so one
@@ -27,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 import onnxkv
+from onnxkv.cache.policy import POLICIES
 from onnxkv.models import embedded
 
 from _report import new_figure, parser, save, table
@@ -44,7 +48,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def decode(session: onnxkv.Session, ids: np.ndarray, new_tokens: int, policy: str | None, block_size: int,
            forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """Greedy decoding of ``new_tokens`` tokens after ``ids`` on a paged state with ``kv_format=policy``,
+    """Greedy decoding of ``new_tokens`` tokens after ``ids`` on a paged state of ``policy``'s page formats,
     or, given ``forced`` tokens, teacher forcing: those tokens are fed whatever the model prefers.
 
     One token per run after the prompt, so every page is converted when it is full, as in generation.
@@ -52,7 +56,9 @@ def decode(session: onnxkv.Session, ids: np.ndarray, new_tokens: int, policy: st
     committed cache bytes after the last token, bytes dequantized by the attention kernel).  The session's
     event log must be on.
     """
-    state = session.new_state(cache="paged", block_size=block_size, kv_format=policy)
+    # the policy object (not its name): "fp16" / "bf16" convert full pages only, like the quantized policies
+    kv_format = None if policy is None else POLICIES.get(policy, policy)
+    state = session.new_state(cache=onnxkv.CacheConfig("paged", block_size=block_size, kv_format=kv_format))
     session.events.clear()
     tokens, logits = [], []
     try:

@@ -14,7 +14,11 @@ thread, restoring the previous settings on exit), :func:`current_settings`,
 the process may use, the best level the CPU and OS run, AMX where available).
 The older switches act on the calling thread's settings too:
 :func:`set_num_threads` / :func:`get_num_threads` (OpenMP threads of every
-kernel), :func:`set_simd_enabled` / :func:`simd_path` (AVX2 or scalar path).
+kernel), :func:`set_simd_enabled` (False: the scalar path everywhere) and
+:func:`simd_path` (``"avx2+fma+f16c"`` whenever a SIMD level is on, AVX-512
+included, else ``"scalar"``; ``onnxkv.kernels.kernel_levels()`` reports the
+level each kernel family actually runs).  The public view of these switches is
+:mod:`onnxkv.kernels`.
 Build facts: :func:`openmp_enabled`, :func:`cpu_features`.  Importing this
 package sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it
 (see the comment below).

@@ -16,11 +16,11 @@ define ``residual_tokens`` (default 0): only full pages whose last token is
 older than ``length - residual_tokens`` are converted, so the most recent
 tokens stay native.  A selector may also define ``key_channel_scales``
 (default False): True gives quantized key pages one scale and zero point per
-channel instead of one per head, as ``new_state(key_channel_scales=True)``
+channel instead of one per head, as ``CacheConfig(key_layout=KeyLayout.CHANNEL)``
 does; or ``key_channel_zero_points`` (default False): True gives quantized
 key pages one scale per head and one zero point per channel (the
-"channel-zp" header), as ``new_state(key_channel_zero_points=True)`` does.
-The two are mutually exclusive.
+"channel-zp" header), as ``CacheConfig(key_layout=KeyLayout.CHANNEL_ZERO_POINT)``
+does.  The two are mutually exclusive.
 
 The selector is called during the run, before it is committed: a selector
 that raises, or returns anything but format names or None, fails the run and
@@ -97,7 +97,9 @@ class ResidualPolicy(UniformPolicy):
     """The most recent ``residual_tokens`` native; older full pages in ``k_format`` / ``v_format``."""
 
 
-#: Built-in policies by name (``new_state(kv_format=...)``, ``--kv-format``).
+#: Built-in policies by name (``CacheConfig("paged", kv_format=...)``, ``--kv-format``).  As a
+#: name, ``"fp16"`` / ``"bf16"`` in a CacheConfig store every page in that type from its first
+#: token; the policy objects ``POLICIES["fp16"]`` / ``POLICIES["bf16"]`` convert full pages only.
 POLICIES: dict[str, UniformPolicy] = {
     "fp32": UniformPolicy(None, None),
     "native": UniformPolicy(None, None),

@@ -216,10 +216,15 @@ def speculative_generate(
         prompt_lookup_ngram: longest n-gram matched by prompt lookup (≥ 1).
         eos_token_id: id(s) that end generation (default: the target's genai_config);
             the EOS is emitted, nothing after it.
-        do_sample, temperature, top_k, top_p, seed: as in :func:`onnxkv.generate`
-            (see :func:`~onnxkv.generate.sampling.sampling_arguments`): greedy unless
-            ``do_sample=True`` (output identical to greedy :func:`onnxkv.generate`);
-            sampling warps target and draft distributions alike.
+        do_sample: greedy unless True (greedy output is identical to greedy
+            :func:`onnxkv.generate`), as in :func:`onnxkv.generate` (see
+            :func:`~onnxkv.generate.sampling.sampling_arguments`).
+        temperature: logits are divided by it before a draw (None: 1.0); with
+            ``top_k``, ``top_p`` and ``seed``, as in :func:`onnxkv.generate`.
+            Sampling warps target and draft distributions alike.
+        top_k: sample among the ``top_k`` highest logits only (None: all).
+        top_p: then among the smallest set whose probability reaches ``top_p`` (None: all).
+        seed: seeds the draws: the same seed gives the same tokens.
         cache: a :class:`~onnxkv.CacheConfig` or a kind, ``"contiguous"`` (None) or
             ``"paged"``, for both states (``"tensor"`` cannot be truncated).  A
             contiguous cache without ``initial_capacity`` holds the whole output.
