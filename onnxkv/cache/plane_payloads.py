@@ -374,6 +374,58 @@ class PlanePayloads:
                 self._built.pop(id(buf), None)
             release(self.allocator, [buf], self.owner)
 
+    # -- stored form (cache files) ----------------------------------------------------
+    def stored(self, plane: int, page: int, tokens: int) -> tuple[str, np.ndarray, np.ndarray | None,
+                                                                  np.ndarray | None]:
+        """The first ``tokens`` positions of ``page`` in ``plane`` as stored: (format name, data, scale,
+        zero point).  ``data`` is a copy: ``[H, tokens, D]`` elements of a native or float page, else
+        packed codes uint8 ``[H, tokens, D * bits / 8]`` with the header's float32 scales and zero points
+        (``[H * groups]`` each; None for floats)."""
+        spec = self.planes[plane]
+        arr = self.pages[plane][page]
+        if not self.quantized(plane, page):
+            return spec.storage, arr[:, :tokens].copy(), None, None
+        fmt = formats.page_format(int(self.formats[plane][page]))
+        if fmt.is_float:
+            return fmt.name, float_view(arr, fmt, spec.heads, self.block_size, spec.head_size)[:, :tokens].copy(), \
+                None, None
+        hdr = formats.header_bytes(fmt, spec.heads, spec.groups, spec.header)
+        row = spec.head_size * fmt.bits // 8
+        scale, zero_point = formats.decode_header(arr, fmt, spec.heads, spec.groups, spec.header)
+        codes = arr[hdr: hdr + spec.heads * self.block_size * row].reshape(spec.heads, self.block_size, row)
+        return fmt.name, codes[:, :tokens].copy(), scale, zero_point
+
+    def install_stored(self, plane: int, page: int, fmt_name: str, data: np.ndarray, tokens: int,
+                       header: np.ndarray | None, api: str) -> None:
+        """Make the stored form ``data`` of ``tokens`` positions (see :meth:`stored`) the payload of ``page``
+        in ``plane``, a native page held alone; ``header``: a quantized page's header bytes in the plane's
+        header kind (:func:`onnxkv.cache.formats.encode_header`).  The plane's native format is written
+        in place (positions past ``tokens`` zero); another gets a new payload from the plane's allocator.
+        Raises :class:`~onnxkv.errors.OutOfMemory` / :class:`~onnxkv.errors.InputError` (starting with
+        ``api``) when the allocator fails, with the page unchanged."""
+        spec = self.planes[plane]
+        bs = self.block_size
+        if fmt_name == spec.storage:
+            self.pages[plane][page][:, :tokens] = data
+            self.pages[plane][page][:, tokens:] = 0  # recycled memory: a static cache reads the slots past n as 0
+            return
+        fmt = formats.page_format(fmt_name)
+        nbytes = formats.page_bytes(fmt, spec.heads, bs, spec.head_size, spec.groups, spec.header)
+        buf, arr = formats.allocate_payload(self.allocators[plane], fmt, nbytes, api)
+        try:
+            arr[:] = 0
+            if fmt.is_float:
+                float_view(arr, fmt, spec.heads, bs, spec.head_size)[:, :tokens] = data
+            else:
+                row = spec.head_size * fmt.bits // 8
+                arr[: header.size] = header
+                codes = arr[header.size: header.size + spec.heads * bs * row]
+                codes.reshape(spec.heads, bs, row)[:, :tokens] = data
+        except BaseException:
+            self.discard_payload(buf)
+            raise
+        self.install_payload(plane, page, buf, arr, fmt.name)
+
     def convert_page(self, plane: int, page: int, fmt_name: str, tokens: int) -> None:
         """Replace the payload of an exclusively held ``page`` in ``plane`` by one in ``fmt_name`` (allocated
         once; the plane's native format on a native page: nothing happens)."""

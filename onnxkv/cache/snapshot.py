@@ -26,10 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from onnxkv.cache.formats import (allocate_payload, decode_header, encode_header, header_bytes, page_bytes,
-                                  page_format)
+from onnxkv.cache.formats import encode_header
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable
-from onnxkv.cache.plane_payloads import float_view
 from onnxkv.cache.serialize_rules import check_expectation, validate
 from onnxkv.cache.snapshot_model import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
 from onnxkv.errors import InputError, OutOfMemory
@@ -82,18 +80,7 @@ def take_snapshot(cache: PagedCache, layers: Sequence[tuple[str, str]], signatur
 
 def _payload(pool: BlockPool, plane: int, page: int, n: int) -> PagePayload:
     """The first ``n`` positions of ``page`` in ``plane`` as stored (native, float or packed codes)."""
-    spec = pool.planes[plane]
-    arr = pool.payloads.pages[plane][page]
-    fmt = page_format(int(pool.payloads.formats[plane][page]))
-    if not pool.payloads.quantized(plane, page):
-        return PagePayload(spec.storage, arr[:, :n].copy())
-    if fmt.is_float:
-        return PagePayload(fmt.name, float_view(arr, fmt, spec.heads, pool.block_size, spec.head_size)[:, :n].copy())
-    hdr = header_bytes(fmt, spec.heads, spec.groups, spec.header)
-    row = spec.head_size * fmt.bits // 8
-    scale, zero_point = decode_header(arr, fmt, spec.heads, spec.groups, spec.header)
-    codes = arr[hdr: hdr + spec.heads * pool.block_size * row].reshape(spec.heads, pool.block_size, row)
-    return PagePayload(fmt.name, codes[:, :n].copy(), scale, zero_point)
+    return PagePayload(*pool.payloads.stored(plane, page, n))
 
 
 def _header(pool: BlockPool, plane: int, payload: PagePayload, api: str) -> np.ndarray | None:
@@ -105,34 +92,6 @@ def _header(pool: BlockPool, plane: int, payload: PagePayload, api: str) -> np.n
     spec = pool.planes[plane]
     return encode_header(payload.format, payload.scale, payload.zero_point, spec.heads, spec.header,
                          f"{api}: plane '{spec.name}'")
-
-
-def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: int, header: np.ndarray | None,
-             api: str) -> None:
-    """Write a saved payload of ``n`` positions into ``page`` of ``plane`` (a fresh native page held
-    alone); ``header``: the quantized payload's header bytes (:func:`_header`).  A payload in
-    another format gets a new payload from the plane's allocator (:func:`formats.allocate_payload`)."""
-    spec = pool.planes[plane]
-    if payload.format == spec.storage:
-        pool.payloads.pages[plane][page][:, :n] = payload.data
-        pool.payloads.pages[plane][page][:, n:] = 0  # recycled memory: a static cache reads the slots past n as zeros
-        return
-    fmt = page_format(payload.format)
-    nbytes = page_bytes(fmt, spec.heads, pool.block_size, spec.head_size, spec.groups, spec.header)
-    buf, arr = allocate_payload(pool.payloads.allocators[plane], fmt, nbytes, api)
-    try:
-        arr[:] = 0
-        if fmt.is_float:
-            float_view(arr, fmt, spec.heads, pool.block_size, spec.head_size)[:, :n] = payload.data
-        else:
-            row = spec.head_size * fmt.bits // 8
-            arr[: header.size] = header
-            codes = arr[header.size: header.size + spec.heads * pool.block_size * row]
-            codes.reshape(spec.heads, pool.block_size, row)[:, :n] = payload.data
-    except BaseException:
-        pool.payloads.discard_payload(buf)
-        raise
-    pool.payloads.install_payload(plane, page, buf, arr, fmt.name)
 
 
 #: Upper bound of a block's encoding besides its payload bytes, per plane (field tags, varints, format name).
@@ -261,8 +220,8 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
         for b, blk, key_header, value_header in kept:
             k, v = layers[blk.layer]
             p = int(table.tables[b, blk.start // bs])
-            _install(pool, index[k], p, blk.key, blk.length, key_header, api)
-            _install(pool, index[v], p, blk.value, blk.length, value_header, api)
+            for name, payload, header in ((k, blk.key, key_header), (v, blk.value, value_header)):
+                pool.payloads.install_stored(index[name], p, payload.format, payload.data, blk.length, header, api)
     except BaseException:
         table.release()
         raise
