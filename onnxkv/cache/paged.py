@@ -12,7 +12,7 @@ By default the allocator is a :class:`~onnxkv.alloc.SlabAllocator` and each
 plane allocates from a lane of its own, so the pages of one plane that are
 allocated one after another (a sequence's logical blocks, as decode appends
 them) are adjacent in huge-page backed chunks.
-``BlockPool.ptrs[plane]`` holds the payload addresses by page id (0 when
+``PlanePayloads.ptrs[plane]`` holds the payload addresses by page id (0 when
 free); the paged attention kernel reads pages through them.
 
 A :class:`~onnxkv.cache.page_table.PageTable` maps each row's logical blocks

@@ -204,7 +204,7 @@ class State(PagedOperations):
     # The storage a store holds, for tests and audits (read only).
     _caches = property(lambda self: self._store.caches)
     _paged = property(lambda self: self._store.cache if self.paged else None)
-    _values = property(lambda self: self._store.held if self.declared and not self.paged else {})
+    _values = property(lambda self: self._store.held if isinstance(self._store, DeclaredStore) else {})
     _static = property(lambda self: self._ctx.static)
     _static_capacity = property(lambda self: self._ctx.static_capacity)
     _layer_pairs = property(lambda self: self._store.layer_pairs)

@@ -322,7 +322,7 @@ class PagedStore:
         return hashlib.sha256(f"{conv.kind}|{shapes}".encode()).hexdigest()
 
     def snapshot(self):
-        """A :class:`~onnxkv.cache.serialize.CacheSnapshot` of the committed cache."""
+        """A :class:`~onnxkv.cache.snapshot.CacheSnapshot` of the committed cache."""
         return take_snapshot(self.cache, self.layer_pairs(), self.signature())
 
     def decode(self, source: bytes | str | os.PathLike):
