@@ -2,99 +2,72 @@
 
 ``state = session.new_state(...)`` then ``state.run(feeds)`` for every step of
 one request.  Every input the plan binds is fed from the state's storage, a
-strategy behind the :class:`~onnxkv.runtime.stores.protocol.Store` protocol:
-contiguous caches (:mod:`onnxkv.runtime.stores.contiguous`), pages with
-copy-on-write (:mod:`onnxkv.runtime.stores.paged`) or contract-declared
-values (:mod:`onnxkv.runtime.stores.declared`).  The state keeps the
-request's rules: one call at a time, cancellation, and publishing a run only
-after it succeeded.
-
-Atomicity: a failed or cancelled run -- whichever node it stopped after --
-leaves every value, length, page table, page and ``committed_bytes`` exactly
-as before, so the call can be retried.
+:class:`~onnxkv.runtime.stores.protocol.Store`: contiguous caches, pages with
+copy-on-write, or contract-declared values (:mod:`onnxkv.runtime.stores`).
+The state keeps the request's rules: one call at a time, cancellation, and
+publishing a run only after it succeeded -- a failed or cancelled run leaves
+every value, length, page table, page and ``committed_bytes`` exactly as
+before, so the call can be retried.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Mapping
 
 import numpy as np
 
 from onnxkv.alloc import SlabAllocator, as_allocator
+from onnxkv.cache import serialize
+from onnxkv.cache.formats import HEADER_CHANNEL_ZP, HEADER_COMPACT
 from onnxkv.cache.paged import BlockPool
 from onnxkv.cache.policy import key_header, make_selector
 from onnxkv.errors import InputError, StateError
-from onnxkv.runtime.state_paged import PagedOperations
+from onnxkv.runtime.cancellation import Cancellation
 from onnxkv.runtime.stores import Checkpoint, ContiguousStore, DeclaredStore, PagedStore, StoreContext
 
 __all__ = ["State", "Cancellation", "Checkpoint"]
 
 _CACHES = ("contiguous", "paged")
+#: Most forks one :meth:`State.fork` call makes (each is a state of its own; beams and trees need far fewer).
+MAX_FORKS = 1 << 16
 
 
-class Cancellation:
-    """A token to cancel a running :meth:`State.run` from another thread.
-
-    The plan checks it between nodes; a cancelled run raises
-    :class:`~onnxkv.errors.Cancelled` and publishes nothing.
-    """
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def cancel(self) -> None:
-        self._event.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
-
-
-class State(PagedOperations):
+class State:
     """One request's persistent values (see the module docstring).
 
     Args:
         session: the :class:`~onnxkv.Session` whose plan runs.
-        initial: optional past input name -> array [B, H, L, D] to start from
-            (copied in); every bound past must be given, with one length.
-        capacity: fixed capacity in positions (overflow raises
-            :class:`~onnxkv.errors.CacheCapacityError`); None = grow
-            geometrically from ``initial_capacity``.
+        initial: bound input name -> array [B, H, L, D] to start from (copied in; all, one length).
+        capacity: fixed capacity in positions (overflow raises :class:`~onnxkv.errors.CacheCapacityError`);
+            None = grow geometrically from ``initial_capacity``.
         initial_capacity: first capacity of growable caches.
-        allocator: persistent allocator for the caches, separate from the
-            session's allocator for temporaries.  Default: a
-            :class:`~onnxkv.alloc.SystemAllocator` for contiguous caches; for
-            ``cache="paged"`` a :class:`~onnxkv.alloc.SlabAllocator` whose
-            lane ``i`` holds plane ``i``'s pages.  ``stats()`` of this
-            allocator is what the event log reports.
-        cache_dtype: store the caches as ``"float16"`` or ``"bfloat16"`` instead of
-            the model's type (GroupQueryAttention models only; values are
-            rounded to nearest even on append).  ``values`` then shows the
+        allocator: persistent allocator of the caches (its ``stats()`` are what the
+            event log reports).  Default: a :class:`~onnxkv.alloc.SystemAllocator`;
+            for ``cache="paged"`` a :class:`~onnxkv.alloc.SlabAllocator`, lane ``i``
+            holding plane ``i``'s pages.
+        cache_dtype: store the caches as ``"float16"`` or ``"bfloat16"`` (rounded to
+            nearest even; GroupQueryAttention models only); ``values`` then shows the
             stored format (bfloat16 as uint16 bits).
         cache: ``"contiguous"`` (one buffer per cache value, grown geometrically)
             or ``"paged"`` (pages of ``block_size`` tokens with copy-on-write;
             ``capacity`` then caps the positions per sequence).
         block_size: tokens per page (paged).
-        max_pages: at most this many pages live in the pool (paged; None =
-            unbounded); running out raises :class:`~onnxkv.errors.OutOfMemory`
-            before anything is written.
-        kv_format: page formats of a paged cache (see :mod:`onnxkv.cache.policy`):
-            None (native pages), a policy name ("fp16", "int8", "int8-head",
-            "residual-int4", ...) or a ``FormatSelector`` callable ``(layer,
-            past_length, k, v) -> (k_format, v_format)``.  After every
-            successful run the full pages the selector makes eligible are
-            converted (each page once, allocated once).
-        key_channel_scales: quantized key pages get one scale and zero point
-            per channel (KIVI, compact headers; also set by a policy such as "int8-kivi").
-        key_channel_zero_points: quantized key pages get one scale per head
-            and one zero point per channel (channel-zp headers; also set by a
-            policy such as "int8").  Mutually exclusive with ``key_channel_scales``.
+        max_pages: at most this many live pages (paged; None = unbounded); running
+            out raises :class:`~onnxkv.errors.OutOfMemory` before anything is written.
+        kv_format: page formats of a paged cache (:mod:`onnxkv.cache.policy`): None,
+            a policy name ("fp16", "int8", "residual-int4", ...) or a ``FormatSelector``
+            ``(layer, past_length, k, v) -> (k_format, v_format)``; after every run the
+            full pages it makes eligible are converted (each page once).
+        key_channel_scales: quantized key pages get a scale and zero point per channel (KIVI, compact
+            headers; also set by a policy such as "int8-kivi").
+        key_channel_zero_points: quantized key pages get a scale per head and a zero point per channel
+            (channel-zp headers; also set by a policy such as "int8").  Not with ``key_channel_scales``.
 
-    One state per request; many states per session.  Two states never share
-    writable storage.  Calls on one state must not overlap (a second
-    concurrent call raises :class:`~onnxkv.errors.StateError`).
+    One state per request, many per session; two states never share writable storage.  Calls on one
+    state must not overlap (a second concurrent call raises :class:`~onnxkv.errors.StateError`).
     """
 
     def __init__(self, session, initial: Mapping[str, np.ndarray] | None = None, capacity: int | None = None,
@@ -112,13 +85,7 @@ class State(PagedOperations):
         self.capacity = None if capacity is None else int(capacity)
         self.initial_capacity = int(initial_capacity)
         self.allocator = SlabAllocator() if allocator is None and cache == "paged" else as_allocator(allocator)
-        if cache_dtype not in (None, "float32", "float16", "bfloat16"):
-            raise InputError(f"new_state: cache_dtype must be None, 'float32', 'float16' or 'bfloat16', "
-                             f"got {cache_dtype!r}")
-        if cache_dtype is not None and session.model.convention.kind != "group_query_attention":
-            raise InputError(f"new_state: cache_dtype={cache_dtype!r} needs a GroupQueryAttention model (its cache "
-                             f"is read only by the attention kernel); this model's cache is "
-                             f"'{session.model.convention.kind}'")
+        self._ctx = StoreContext(session, self.allocator, self.capacity, self.initial_capacity, cache_dtype)
         self.cache_dtype = cache_dtype
         self.cache = cache
         self.steps = 0
@@ -133,7 +100,6 @@ class State(PagedOperations):
         self.kv_format = kv_format
         #: Header kind of quantized key pages: "float32" (per head), "compact" or "channel-zp" (groups = head_size).
         self._key_header = key_header(selector, "new_state", key_channel_scales, key_channel_zero_points)
-        self._ctx = StoreContext(session, self.allocator, self.capacity, self.initial_capacity, cache_dtype)
         if cache == "paged":
             self._store = PagedStore(self._ctx, selector, self._key_header, block_size, max_pages, _pool)
         else:
@@ -141,7 +107,6 @@ class State(PagedOperations):
         if initial is not None:
             self.reset(initial)
 
-    # -- properties --------------------------------------------------------
     @property
     def bound_inputs(self) -> list[str]:
         return [b.past for b in self.bindings] + list(self.declared)
@@ -157,11 +122,8 @@ class State(PagedOperations):
 
     @property
     def values(self) -> dict[str, np.ndarray]:
-        """Read-only views of the valid cache contents (positions ``[0, length)``), by bound input name.
-
-        Zero-copy for contiguous caches; a paged cache is gathered into copies.
-        Contract-declared values are shown whole.
-        """
+        """Read-only views of the valid cache contents (positions ``[0, length)``) by bound input name: zero
+        copy for contiguous caches, gathered copies of a paged cache, declared values whole."""
         out = self._store.values
         for v in out.values():
             v.flags.writeable = False
@@ -169,13 +131,9 @@ class State(PagedOperations):
 
     @property
     def length(self) -> int:
-        """Valid positions in the caches (the longest row; 0 before the first run).
-
-        A growing cache: the positions its committed runs appended (less what
-        ``truncate`` dropped).  A static (TensorScatter) cache: one past the
-        highest position a committed run wrote (its capacity is held
-        whatever the length).
-        """
+        """Valid positions in the caches (the longest row; 0 before the first run): what committed runs
+        appended, less what ``truncate`` dropped; a static (TensorScatter) cache: one past the highest
+        position a committed run wrote (its capacity is held whatever the length)."""
         caches = self._store.caches
         return 0 if not caches else next(iter(caches.values())).length
 
@@ -209,7 +167,6 @@ class State(PagedOperations):
     _static_capacity = property(lambda self: self._ctx.static_capacity)
     _layer_pairs = property(lambda self: self._store.layer_pairs)
 
-    # -- request rules -----------------------------------------------------------
     def _check_open(self, api: str) -> None:
         if self._closed:
             raise StateError(f"State.{api}: the state is closed")
@@ -227,14 +184,10 @@ class State(PagedOperations):
             cancel: Cancellation | None = None) -> dict[str, np.ndarray]:
         """Run one step: bound inputs come from the state, the caller feeds the rest.
 
-        Returns the requested outputs (default: every output that is not a
-        bound present).  A bound present asked for by name is exported as a
-        copy of the valid cache (counted as an ``export`` event).
-
-        Raises:
-            StateError: the state is closed, busy, or a bound input was fed.
-            InputError / OperatorError / CacheCapacityError / Cancelled: the
-                run failed; the state is unchanged.
+        Returns the requested outputs (default: every output that is not a bound present; one asked
+        for by name is exported as a copy of the valid cache, an ``export`` event).  Raises StateError
+        (closed, busy, a bound input fed) or, with the state unchanged, InputError / OperatorError /
+        CacheCapacityError / Cancelled.
         """
         self._check_open("run")
         if not self._bound.isdisjoint(feeds):
@@ -260,7 +213,6 @@ class State(PagedOperations):
                     out[name] = self._ctx.export(name, out[name], own[presents[name]], self.paged)
             return {n: (np.array(out[n]) if n in produced else out[n]) for n in output_names}
 
-    # -- contents ------------------------------------------------------------------
     def reset(self, initial: Mapping[str, np.ndarray] | None = None) -> None:
         """Drop the caches (back to empty), or start from ``initial`` contents (copied); all or nothing."""
         self._check_open("reset")
@@ -277,14 +229,9 @@ class State(PagedOperations):
             self.steps = 0
 
     def truncate(self, length: int) -> None:
-        """Drop every cached position at and after ``length`` (speculative decoding's rollback).
-
-        Only the valid lengths change: no payload byte is copied (a contiguous
-        cache's positions are overwritten by later appends; a paged cache
-        frees the pages wholly past ``length``).
-        ``length`` must be in ``[0, state.length]``.  Static (TensorScatter)
-        caches and contract-declared values cannot be truncated.
-        """
+        """Drop every cached position at and after ``length`` in ``[0, state.length]`` (speculative decoding's
+        rollback): only lengths change (a paged cache frees the pages wholly past ``length``).  Static
+        (TensorScatter) caches and contract-declared values cannot be truncated."""
         self._check_open("truncate")
         with self._exclusive("truncate"):
             if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
@@ -315,3 +262,85 @@ class State(PagedOperations):
             self._store.close()
         except Exception:
             pass
+
+    def _require_paged(self, api: str, held: bool = True) -> PagedStore:
+        self._check_open(api)
+        if not self.paged:
+            raise StateError(f"State.{api}: needs a paged state (session.new_state(cache='paged')); "
+                             f"this state's cache is '{self.cache}'")
+        if held and self._store.cache is None:
+            raise StateError(f"State.{api}: the state holds no cache yet (run it first)")
+        return self._store
+
+    def fork(self, n: int = 1) -> list[State]:
+        """``n`` new states sharing every page of this one (no payload byte copied); each continues on its
+        own, its first write into a shared page copying that page only (``cow_copied_bytes``).  ``n``: an
+        int in ``[1, MAX_FORKS]`` (InputError otherwise, before any fork is made)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_FORKS:
+            raise InputError(f"State.fork: n must be an int in [1, {MAX_FORKS}], got {n!r}")
+        with self._exclusive("fork"):
+            store = self._require_paged("fork")
+            out = []
+            for _ in range(int(n)):
+                st = State(self.session, capacity=self.capacity, initial_capacity=self.initial_capacity,
+                           allocator=self.allocator, cache_dtype=self.cache_dtype, cache="paged",
+                           kv_format=self.kv_format, key_channel_scales=self._key_header == HEADER_COMPACT,
+                           key_channel_zero_points=self._key_header == HEADER_CHANNEL_ZP, _pool=store.pool)
+                st._store.cache = store.share()
+                st.steps = self.steps
+                out.append(st)
+            self._ctx.log("fork", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+            return out
+
+    def reorder(self, indices) -> None:
+        """Row ``i`` becomes old row ``indices[i]`` (beam search; ``len(indices)`` may differ from the
+        batch): page tables permuted, reference counts adjusted, no payload byte copied."""
+        with self._exclusive("reorder"):
+            self._require_paged("reorder").reorder(indices)
+
+    def checkpoint(self) -> Checkpoint:
+        """The cache contents now, held by page references (no copy); see :meth:`restore`."""
+        with self._exclusive("checkpoint"):
+            return self._require_paged("checkpoint").checkpoint(self, self.steps)
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Return the caches to ``checkpoint`` (made by this state, not released); no payload copy."""
+        with self._exclusive("restore"):
+            self.steps = self._require_paged("restore").restore(checkpoint, self)
+
+    def quantize_pages(self, indices, k_format: str | None, v_format: str | None) -> None:
+        """Convert logical blocks ``indices`` (full blocks of every row) of every layer to new formats.
+
+        ``k_format``/``v_format``: a page format name (:mod:`onnxkv.cache.formats`; a float
+        format dequantizes) or None to leave that plane; integer parameters are chosen from
+        each page's values.  Each selected page gets one new payload; pages shared with other
+        states or checkpoints are copied first (:func:`~onnxkv.cache.page_convert.quantize_blocks`).
+        An error (bad index, unknown format, OutOfMemory) leaves the state as it was.
+        """
+        with self._exclusive("quantize_pages"):
+            self._require_paged("quantize_pages").quantize_pages(indices, k_format, v_format)
+
+    def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
+        """The committed cache as ``PagedCacheProto`` bytes (:mod:`onnxkv.cache.serialize`), also written
+        atomically to ``path`` if given (:func:`onnxkv.cache.serialize.save`; a file readable by its owner only)."""
+        with self._exclusive("save_cache"):
+            snapshot = self._require_paged("save_cache").snapshot()
+        return serialize.encode(snapshot) if path is None else serialize.save(snapshot, path)
+
+    def load_cache(self, source: bytes | str | os.PathLike) -> None:
+        """Replace the caches by a saved cache (bytes or a file from :meth:`save_cache`); all or nothing.
+
+        The next run continues where the saved state stopped.  A cache file is untrusted: before a
+        page is taken, the load checks its size against what ``max_pages`` could hold (InputError,
+        before it is read), the frame (SerializationError), the model (signature, block size,
+        layers; InputError), every rule of :func:`onnxkv.cache.serialize.validate`, and the state
+        (:func:`onnxkv.cache.snapshot.paged_from_snapshot`: capacity, window, table size,
+        InputError; free pages, OutOfMemory).  On any error the state, its pool, forks and
+        checkpoints are exactly as they were.  StateError on a contiguous state; InputError for a
+        ``source`` neither bytes nor a path, or an unreadable file (the OSError chained).
+        """
+        store = self._require_paged("load_cache", held=False)
+        snapshot = store.decode(source)
+        with self._exclusive("load_cache"):
+            store.load(snapshot)
+            self.steps = 0

@@ -295,10 +295,22 @@ class PagedStore:
         cache.replace_table(cache.table.share(idx))
         self.ctx.log("reorder", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
 
-    def restore(self, table: PageTable) -> None:
-        """Make a share of ``table`` (a checkpoint's) the committed table."""
-        self.cache.replace_table(table.share())
+    def checkpoint(self, owner: object, steps: int) -> Checkpoint:
+        """A :class:`Checkpoint` of the committed table for ``owner`` (the state), at its ``steps``."""
+        cp = Checkpoint(owner, self.cache.table.share(), steps)
+        self.ctx.log("checkpoint", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+        return cp
+
+    def restore(self, checkpoint: Checkpoint, owner: object) -> int:
+        """Make a share of ``checkpoint``'s table (made for ``owner``, not released) the committed table;
+        return the checkpoint's steps."""
+        if not isinstance(checkpoint, Checkpoint) or checkpoint._owner is not owner:
+            raise InputError("State.restore: the checkpoint was not made by this state")
+        if checkpoint.table is None:
+            raise StateError("State.restore: the checkpoint was released")
+        self.cache.replace_table(checkpoint.table.share())
         self.ctx.log("restore", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+        return checkpoint.steps
 
     def quantize_pages(self, indices, k_format: str | None, v_format: str | None) -> None:
         """:func:`onnxkv.cache.page_convert.quantize_blocks` over every layer's key / value planes."""

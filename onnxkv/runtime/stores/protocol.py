@@ -74,7 +74,7 @@ class Store(Protocol):
 
 @dataclass
 class StoreContext:
-    """What a store reads of its state and session; fixed for the state's life.
+    """What a store reads of its state and session; fixed for the state's life (``cache_dtype`` checked).
 
     ``static_capacity`` is a static (TensorScatter) cache's fixed capacity
     when ``static``; ``capacity`` / ``initial_capacity`` / ``cache_dtype``
@@ -89,6 +89,12 @@ class StoreContext:
 
     def __post_init__(self) -> None:
         conv = self.session.model.convention
+        if self.cache_dtype not in (None, "float32", "float16", "bfloat16"):
+            raise InputError(f"new_state: cache_dtype must be None, 'float32', 'float16' or 'bfloat16', "
+                             f"got {self.cache_dtype!r}")
+        if self.cache_dtype is not None and conv.kind != "group_query_attention":
+            raise InputError(f"new_state: cache_dtype={self.cache_dtype!r} needs a GroupQueryAttention model (its "
+                             f"cache is read only by the attention kernel); this model's cache is '{conv.kind}'")
         self.bindings = list(self.session.bindings)
         self.static = conv.kind == "tensor_scatter"
         self.static_capacity = conv.capacity
