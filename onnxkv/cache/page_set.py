@@ -56,7 +56,7 @@ from onnxkv._kernels import _validate as V
 from onnxkv.alloc import as_allocator
 from onnxkv.alloc.checked import release
 from onnxkv.cache import formats
-from onnxkv.cache.contiguous import stored_to_float32
+from onnxkv.cache.plane_payloads import float_view, payload_values
 from onnxkv.errors import InputError, StateError
 
 __all__ = ["PageSet", "PlaneTarget", "ConvertCost"]
@@ -247,25 +247,14 @@ class PageSet:
     def _slot(self, tensor: np.ndarray, plane: int, page: int) -> np.ndarray:
         return tensor[page, plane] if self.two_planes else tensor[page]
 
-    def _float_view(self, payload: np.ndarray, fmt: formats.PageFormat) -> np.ndarray:
-        """The elements ``[H, bs, D]`` (storage dtype of float format ``fmt``) of a float page's payload."""
-        n = self.heads * self.block_size * self.head_size
-        return payload[: n * fmt.dtype.itemsize].view(fmt.dtype).reshape(self.heads, self.block_size, self.head_size)
-
     def page_values(self, plane: int, page: int) -> np.ndarray:
         """Float32 ``[H, bs, D]`` of ``page`` in ``plane``, read in its own format."""
         with self.lock:
             fmt = formats.page_format(int(self.formats[plane, page]))
             if fmt.code == self.native.code:
                 return self._slot(self._live_tensor(), plane, page).astype(np.float32)
-            arr = self._payloads[(plane, page)][1]
-            if fmt.is_float:
-                return stored_to_float32(self._float_view(arr, fmt), fmt.name)
-            shape = (self.heads, self.block_size, self.head_size)
-            out = np.empty(shape, np.float32)
-            _kernels.dequantize_page(arr, fmt.code, *shape, self.groups[plane], self.block_size, out,
-                                     self.headers[plane])
-            return out
+            return payload_values(self._payloads[(plane, page)][1], fmt, self.heads, self.block_size, self.head_size,
+                                  self.groups[plane], self.headers[plane], self.block_size)
 
     # -- conversion ------------------------------------------------------------------
     def _check_target(self, api: str, plane: int, target: PlaneTarget, n: int,
@@ -319,7 +308,7 @@ class PageSet:
         nbytes = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, max(g, 1), kind)
         buf, arr = formats.allocate_payload(self.allocator, fmt, nbytes, "PageSet")
         if fmt.is_float:
-            typed = self._float_view(arr, fmt)
+            typed = float_view(arr, fmt, self.heads, self.block_size, self.head_size)
             if fmt.name == "bfloat16":
                 _kernels.f32_to_bf16(x, typed)
             else:

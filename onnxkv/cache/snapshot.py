@@ -1,4 +1,10 @@
-"""Turning a paged cache into a :class:`~onnxkv.cache.serialize.CacheSnapshot` and back.
+"""Turning a paged cache into a :class:`CacheSnapshot` and back.
+
+The data model (:class:`CacheSnapshot`, :class:`LayerSpec`,
+:class:`SequenceRecord`, :class:`BlockRecord`, :class:`PagePayload`,
+:class:`Expectation`) is defined in :mod:`onnxkv.cache.snapshot_model` (below
+both this module and the serialiser, whose rules this module applies) and
+importable from here.
 
 A snapshot lists, per sequence (batch row) and layer, the blocks holding the
 row's valid positions ``[first, length)``: each block's start, valid length
@@ -20,14 +26,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from onnxkv.cache import serialize
-from onnxkv.cache.formats import (allocate_payload, decode_header, encode_header, header_bytes, page_bytes,
-                                  page_format)
+from onnxkv.cache.formats import encode_header
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable
-from onnxkv.cache.serialize import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
+from onnxkv.cache.serialize_rules import check_expectation, validate
+from onnxkv.cache.snapshot_model import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
 from onnxkv.errors import InputError, OutOfMemory
 
-__all__ = ["take_snapshot", "paged_from_snapshot", "expectation", "file_bytes_limit"]
+__all__ = ["take_snapshot", "paged_from_snapshot", "expectation", "file_bytes_limit", "CacheSnapshot", "LayerSpec",
+           "SequenceRecord", "BlockRecord", "PagePayload", "Expectation"]
 
 
 def expectation(pool: BlockPool, layers: Sequence[tuple[str, str]], signature: str | None = None,
@@ -74,19 +80,7 @@ def take_snapshot(cache: PagedCache, layers: Sequence[tuple[str, str]], signatur
 
 def _payload(pool: BlockPool, plane: int, page: int, n: int) -> PagePayload:
     """The first ``n`` positions of ``page`` in ``plane`` as stored (native, float or packed codes)."""
-    spec = pool.planes[plane]
-    arr = pool.pages[plane][page]
-    fmt = page_format(int(pool.formats[plane][page]))
-    if not pool.quantized(plane, page):
-        return PagePayload(spec.storage, arr[:, :n].copy())
-    if fmt.is_float:
-        typed = arr[: spec.heads * pool.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
-        return PagePayload(fmt.name, typed.reshape(spec.heads, pool.block_size, spec.head_size)[:, :n].copy())
-    hdr = header_bytes(fmt, spec.heads, spec.groups, spec.header)
-    row = spec.head_size * fmt.bits // 8
-    scale, zero_point = decode_header(arr, fmt, spec.heads, spec.groups, spec.header)
-    codes = arr[hdr: hdr + spec.heads * pool.block_size * row].reshape(spec.heads, pool.block_size, row)
-    return PagePayload(fmt.name, codes[:, :n].copy(), scale, zero_point)
+    return PagePayload(*pool.payloads.stored(plane, page, n))
 
 
 def _header(pool: BlockPool, plane: int, payload: PagePayload, api: str) -> np.ndarray | None:
@@ -98,35 +92,6 @@ def _header(pool: BlockPool, plane: int, payload: PagePayload, api: str) -> np.n
     spec = pool.planes[plane]
     return encode_header(payload.format, payload.scale, payload.zero_point, spec.heads, spec.header,
                          f"{api}: plane '{spec.name}'")
-
-
-def _install(pool: BlockPool, plane: int, page: int, payload: PagePayload, n: int, header: np.ndarray | None,
-             api: str) -> None:
-    """Write a saved payload of ``n`` positions into ``page`` of ``plane`` (a fresh native page held
-    alone); ``header``: the quantized payload's header bytes (:func:`_header`).  A payload in
-    another format gets a new payload from the plane's allocator (:func:`formats.allocate_payload`)."""
-    spec = pool.planes[plane]
-    if payload.format == spec.storage:
-        pool.pages[plane][page][:, :n] = payload.data
-        pool.pages[plane][page][:, n:] = 0  # recycled memory: a static cache reads the slots past n as zeros
-        return
-    fmt = page_format(payload.format)
-    nbytes = page_bytes(fmt, spec.heads, pool.block_size, spec.head_size, spec.groups, spec.header)
-    buf, arr = allocate_payload(pool.allocators[plane], fmt, nbytes, api)
-    try:
-        arr[:] = 0
-        if fmt.is_float:
-            typed = arr[: spec.heads * pool.block_size * spec.head_size * fmt.dtype.itemsize].view(fmt.dtype)
-            typed.reshape(spec.heads, pool.block_size, spec.head_size)[:, :n] = payload.data
-        else:
-            row = spec.head_size * fmt.bits // 8
-            arr[: header.size] = header
-            codes = arr[header.size: header.size + spec.heads * pool.block_size * row]
-            codes.reshape(spec.heads, pool.block_size, row)[:, :n] = payload.data
-    except BaseException:
-        pool.discard_payload(buf)
-        raise
-    pool.install_payload(plane, page, buf, arr, fmt.name)
 
 
 #: Upper bound of a block's encoding besides its payload bytes, per plane (field tags, varints, format name).
@@ -189,7 +154,7 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
     keys from ``t - window``; None: every key).  Everything is checked before
     the page table is allocated or a page is taken:
 
-    * the snapshot's rules (:func:`~onnxkv.cache.serialize.validate`;
+    * the snapshot's rules (:func:`~onnxkv.cache.serialize_rules.validate`;
       :class:`~onnxkv.errors.SerializationError`);
     * the model (:func:`expectation`, InputError): block size, layer
       count, layer names, heads, head size and dtype of both planes, at
@@ -210,8 +175,8 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
     the pool as it was: no page, reference or payload remains.  Error
     messages start with ``api``.
     """
-    serialize.validate(snapshot)
-    serialize.check_expectation(snapshot, expectation(pool, layers, api=api), api)
+    validate(snapshot)
+    check_expectation(snapshot, expectation(pool, layers, api=api), api)
     bs = pool.block_size
     _check_rows(snapshot, max_tokens, window, api)
     batch = len(snapshot.sequences)
@@ -255,8 +220,8 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
         for b, blk, key_header, value_header in kept:
             k, v = layers[blk.layer]
             p = int(table.tables[b, blk.start // bs])
-            _install(pool, index[k], p, blk.key, blk.length, key_header, api)
-            _install(pool, index[v], p, blk.value, blk.length, value_header, api)
+            for name, payload, header in ((k, blk.key, key_header), (v, blk.value, value_header)):
+                pool.payloads.install_stored(index[name], p, payload.format, payload.data, blk.length, header, api)
     except BaseException:
         table.release()
         raise

@@ -1,0 +1,184 @@
+"""Page ids of a paged cache: reference counts, the free list and the audit.
+
+A :class:`BlockPool` hands out page ids, one id for every plane of the
+model (see :mod:`onnxkv.cache.paged`), and counts the references page tables
+hold to them; the counts and the free list live in
+:mod:`onnxkv.cache._pagecore` (Cython, flat int32 arrays, GIL-free inner
+functions).  What an id holds -- a payload per plane, its address, format
+and size, and format conversion -- is its
+:class:`~onnxkv.cache.plane_payloads.PlanePayloads` (``pool.payloads``):
+the pool only asks it for native payloads when ids are handed out and
+returns them when an id's count drops to 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+from onnxkv.alloc import SlabAllocator, as_allocator
+from onnxkv.alloc.checked import release
+from onnxkv.cache._pagecore import PageCore
+from onnxkv.cache.plane_payloads import PlanePayloads, PlaneSpec
+from onnxkv.errors import InputError, OutOfMemory, StateError
+
+__all__ = ["PlaneSpec", "BlockPool", "live_pools"]
+
+_pools: weakref.WeakSet = weakref.WeakSet()
+
+#: The payload records and calls of :class:`PlanePayloads` a pool answers for (``pool.X`` is ``pool.payloads.X``).
+_PAYLOAD_API = ("pages", "ptrs", "formats", "converted", "sizes", "allocators", "committed_bytes", "pages_bytes",
+                "quantized", "read_page", "copy_page", "build_payload", "install_payload", "discard_payload",
+                "convert_page")
+
+
+def live_pools() -> list[BlockPool]:
+    """Every :class:`BlockPool` still alive (for audits)."""
+    return list(_pools)
+
+
+class BlockPool:
+    """Page ids of ``block_size`` tokens for every plane, reference counted.
+
+    Args:
+        planes: the planes every page id holds a payload for.
+        block_size: tokens per page (>= 1).
+        allocator: persistent allocator the payloads come from (None: a new
+            :class:`~onnxkv.alloc.SlabAllocator`).  A ``SlabAllocator``
+            serves each plane from its lane ``plane index``
+            (``allocators[i]`` is ``allocator.lane(i)``); any other
+            allocator serves every plane itself.
+        max_pages: at most this many page ids live at once (None: unbounded).
+
+    ``allocator`` is the pool's allocator (its ``stats`` cover every
+    plane).  ``payloads`` owns every page's payloads; the pool answers for
+    its records and calls (``pages``, ``ptrs``, ``formats``, ``converted``,
+    ``sizes``, ``allocators``, ``committed_bytes``, ``pages_bytes``,
+    ``quantized``, ``read_page``, ``copy_page``, ``build_payload``,
+    ``install_payload``, ``discard_payload``, ``convert_page``: see
+    :class:`~onnxkv.cache.plane_payloads.PlanePayloads`).
+
+    Ownership: page tables (:class:`~onnxkv.cache.page_table.PageTable`)
+    hold references; a page's payload may be written only by a holder of
+    its only reference.  Calls are serialised by an internal lock, which the
+    payloads share.
+    """
+
+    def __init__(self, planes: list[PlaneSpec], block_size: int = 16, allocator=None,
+                 max_pages: int | None = None) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise InputError(f"BlockPool: block_size must be a positive int, got {block_size!r}")
+        if max_pages is not None and (isinstance(max_pages, bool) or not isinstance(max_pages, (int, np.integer))
+                                      or max_pages < 1):
+            raise InputError(f"BlockPool: max_pages must be None or a positive int, got {max_pages!r}")
+        if not planes:
+            raise InputError("BlockPool: at least one plane is needed")
+        self._lock = threading.RLock()
+        self.block_size = int(block_size)
+        self.allocator = SlabAllocator() if allocator is None else as_allocator(allocator)
+        self.payloads = PlanePayloads(planes, self.block_size, self.allocator, self._lock)
+        self.planes = self.payloads.planes
+        self.plane_index = {p.name: i for i, p in enumerate(self.planes)}
+        self.max_pages = None if max_pages is None else int(max_pages)
+        self.core = PageCore(64 if max_pages is None else min(64, int(max_pages)), self.max_pages)
+        self._holders: weakref.WeakSet = weakref.WeakSet()
+        self.payloads.grow(self.core.capacity)
+        _pools.add(self)
+
+    # -- geometry ------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one native page id over all planes."""
+        return sum(p.page_bytes(self.block_size) for p in self.planes)
+
+    @property
+    def live_pages(self) -> int:
+        return self.core.live_pages
+
+    @property
+    def free_pages(self) -> int:
+        """Page ids that can still be handed out (for max_pages=None: before the id table grows)."""
+        return self.core.free_pages
+
+    def refcount(self, page: int) -> int:
+        return int(self.core.refs()[page])
+
+    # -- references ------------------------------------------------------------
+    def allocate(self, n: int) -> np.ndarray:
+        """Hand out ``n`` fresh page ids (one reference each), native payloads allocated.
+
+        Every payload is leased through :func:`onnxkv.alloc.checked.lease`
+        (checked before anything writes to it).  Raises
+        :class:`~onnxkv.errors.OutOfMemory` (too few free ids, the allocator
+        failed) or :class:`~onnxkv.errors.InputError` (the allocator returned
+        a buffer that breaks its contract) with nothing changed.
+        """
+        with self._lock:
+            self.payloads.end_batch()
+            ids = self.core.reserve(int(n))
+            if ids is None:
+                raise OutOfMemory(f"BlockPool: {n} page(s) needed but only {self.core.free_pages} of "
+                                  f"max_pages={self.max_pages} are free (block_size={self.block_size})")
+            self.payloads.grow(self.core.capacity)
+            try:
+                self.payloads.lease_pages(ids)
+            except BaseException:
+                self.core.decref(ids)
+                raise
+            return ids
+
+    def incref(self, ids: np.ndarray) -> None:
+        """One more reference to every id >= 0 (ids must be live)."""
+        with self._lock:
+            self.payloads.end_batch()
+            self.core.incref(ids)
+
+    def decref(self, ids: np.ndarray) -> int:
+        """Drop one reference per id >= 0; free payloads reaching 0; return pages freed.
+
+        The pool forgets the freed pages first, then frees their payloads: a
+        ``free`` that raises is logged and the rest are still freed (the
+        references are gone whatever the allocator does; see
+        :mod:`onnxkv.alloc.protocol`).
+        """
+        with self._lock:
+            self.payloads.end_batch()
+            freed = self.core.decref(ids)
+            bufs = self.payloads.forget_pages(freed)
+        release(self.allocator, bufs, "BlockPool")
+        return len(freed)
+
+    # -- audit ---------------------------------------------------------------
+    def register(self, holder) -> None:
+        """Count ``holder`` (anything with ``held_ids()``: a page table) among the reference holders audited."""
+        self._holders.add(holder)
+
+    def audit(self) -> None:
+        """Check the pool is whole: counts equal live holders' references, payloads exactly on live ids.
+
+        Raises :class:`~onnxkv.errors.StateError` naming the first mismatch.
+        """
+        with self._lock:
+            refs = self.core.refs()
+            held = [h.held_ids() for h in list(self._holders)]
+            ids = np.concatenate(held) if held else np.zeros(0, np.int32)
+            want = np.bincount(ids, minlength=len(refs)) if ids.size else np.zeros(len(refs), np.int64)
+            bad = np.flatnonzero(want != refs)
+            if bad.size:
+                p = int(bad[0])
+                raise StateError(f"BlockPool.audit: page {p} has {int(refs[p])} reference(s) but live page tables "
+                                 f"hold {int(want[p])} ({bad.size} page(s) differ)")
+            self.payloads.check(refs)
+            if self.core.live_pages != int((refs > 0).sum()):
+                raise StateError(f"BlockPool.audit: {self.core.live_pages} live ids but "
+                                 f"{int((refs > 0).sum())} referenced pages")
+
+
+def _answer(name: str) -> property:
+    return property(lambda self: getattr(self.payloads, name), doc=f"``payloads.{name}`` (:class:`PlanePayloads`).")
+
+
+for _name in _PAYLOAD_API:
+    setattr(BlockPool, _name, _answer(_name))

@@ -1,0 +1,433 @@
+"""The payloads of a paged cache's page ids: bytes, addresses, formats and conversion.
+
+A :class:`~onnxkv.cache.block_pool.BlockPool` hands out page ids and counts
+their references; a :class:`PlanePayloads` owns what each live id holds in
+every plane (one past input: a layer's keys or its values): the payload
+buffer and its array, the address the paged attention kernel reads
+(``ptrs``), the payload's format (``formats``, an ONNX element code, see
+:mod:`onnxkv.cache.formats`) and its size (``sizes``).  A native page is
+``[heads, block_size, head_size]`` of the plane's stored type; a converted
+page is bytes (a float page of another float type, or a quantized page:
+header, then codes).  A page's payload never changes format in place:
+conversion builds a new payload (:meth:`PlanePayloads.build_payload`) and
+swaps it in (:meth:`PlanePayloads.install_payload`).
+
+Who may write: a page's bytes only through a holder of the page's only
+reference (the pool's rule); the records here only through the pool (ids
+handed out and freed) and the conversion calls below, under the pool's
+lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxkv import _kernels
+from onnxkv.alloc import SlabAllocator
+from onnxkv.alloc.checked import forget, lease, release
+from onnxkv.cache import formats
+from onnxkv.cache.contiguous import stored_to_float32
+from onnxkv.errors import InputError, StateError
+
+__all__ = ["PlaneSpec", "PlanePayloads", "STORAGE", "NATIVE_CODE", "float_view", "payload_values"]
+
+#: Native stored element types of a plane: name -> NumPy dtype (bfloat16 as uint16 bit patterns).
+STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+#: ONNX element type codes of the native (float) storages.
+NATIVE_CODE = {"float32": 1, "float16": 10, "bfloat16": 16}
+
+
+def float_view(payload: np.ndarray, fmt: formats.PageFormat, heads: int, block_size: int,
+               head_size: int) -> np.ndarray:
+    """The elements ``[heads, block_size, head_size]`` (the storage dtype of float format ``fmt``) of a
+    converted float page's payload bytes ``payload`` (a view: writing it writes the payload)."""
+    n = heads * block_size * head_size
+    return payload[: n * fmt.dtype.itemsize].view(fmt.dtype).reshape(heads, block_size, head_size)
+
+
+def payload_values(payload: np.ndarray, fmt: formats.PageFormat, heads: int, block_size: int, head_size: int,
+                   groups: int, header: str, tokens: int) -> np.ndarray:
+    """Float32 ``[heads, tokens, head_size]``: the first ``tokens`` positions of a converted page's payload
+    bytes in format ``fmt`` (a float format, or a quantized one with ``groups`` scale groups per head and
+    ``header`` kind)."""
+    if fmt.is_float:
+        return stored_to_float32(float_view(payload, fmt, heads, block_size, head_size)[:, :tokens], fmt.name)
+    out = np.empty((heads, tokens, head_size), np.float32)
+    _kernels.dequantize_page(payload, fmt.code, heads, block_size, head_size, groups, tokens, out, header)
+    return out
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    """One plane of a paged cache: the past input it feeds and its page geometry.
+
+    ``storage`` is the native stored element type ("float32", "float16" or
+    "bfloat16"; bfloat16 is held as uint16 bit patterns) in which pages are
+    written; full pages may be converted to other formats later (see
+    :meth:`PlanePayloads.convert_page`).  ``model_dtype`` is the element type the
+    model feeds and reads.  ``groups`` and ``header`` give the layout of the
+    plane's quantized pages (:mod:`onnxkv.cache.formats`), one of: groups 1
+    with header "float32" (one scale per head); groups head_size with header
+    "compact" (a scale and zero point per channel, head_size <= 512: KIVI
+    keys); groups head_size with header "channel-zp" (one scale per head, a
+    zero point per channel).  :meth:`check` rejects other pairs.
+    """
+
+    name: str
+    heads: int
+    head_size: int
+    storage: str
+    model_dtype: str = "float32"
+    #: Scale groups of quantized pages: 1 (one scale per head) or head_size (per channel, for keys).
+    groups: int = 1
+    #: Header kind of the plane's quantized pages: "float32", "compact" or "channel-zp".
+    header: str = formats.HEADER_FLOAT32
+
+    @property
+    def dtype(self) -> np.dtype:
+        return STORAGE[self.storage]
+
+    def page_bytes(self, block_size: int) -> int:
+        return self.heads * block_size * self.head_size * self.dtype.itemsize
+
+    def check(self, api: str) -> None:
+        """Raise :class:`InputError` (starting with ``api``) unless storage, groups and header fit together."""
+        if self.storage not in STORAGE:
+            raise InputError(f"{api}: plane '{self.name}' storage must be one of {sorted(STORAGE)}, "
+                             f"got {self.storage!r}")
+        if self.groups not in (1, self.head_size):
+            raise InputError(f"{api}: plane '{self.name}' groups must be 1 or its head_size {self.head_size}, "
+                             f"got {self.groups!r}")
+        if self.header not in formats.HEADERS:
+            raise InputError(f"{api}: plane '{self.name}' header must be one of {list(formats.HEADERS)}, "
+                             f"got {self.header!r}")
+        want = 1 if self.header == formats.HEADER_FLOAT32 else self.head_size
+        if self.groups != want:
+            raise InputError(f"{api}: plane '{self.name}' with header {self.header!r} needs groups {want} "
+                             f"({'one scale per head' if want == 1 else 'one group per channel'}), got {self.groups}")
+        if self.header == formats.HEADER_COMPACT and self.groups > formats.COMPACT_MAX_GROUPS:
+            raise InputError(f"{api}: plane '{self.name}' has per-channel scales over head_size {self.head_size}; "
+                             f"their compact page headers hold at most {formats.COMPACT_MAX_GROUPS} channels "
+                             "(key_channel_scales needs head_size <= 512)")
+
+
+class PlanePayloads:
+    """Per plane and page id: payload buffer and array, address, format and size (module docstring).
+
+    Args:
+        planes: the planes every page id holds a payload for (checked).
+        block_size: tokens per page.
+        allocator: where payloads come from; a ``SlabAllocator`` serves plane
+            ``i`` from its lane ``i`` (``allocators[i]``), any other
+            allocator serves every plane itself.  Any of them frees any
+            payload.
+        lock: the owner's lock (re-entrant), taken around every record change.
+        owner: the owner's name, leading error messages.
+
+    Records, by plane ``i`` and page id (lists grown by :meth:`grow`):
+    ``pages[i][p]`` the payload array (None: free), ``ptrs[i]`` uint64
+    addresses (0: free), ``formats[i]`` uint8 ONNX element codes (the
+    native code while free: the attention kernel validates the whole
+    table), ``sizes[i]`` int64 payload bytes (0: free), ``converted[i]``
+    how many live pages are not native (0: the kernel reads plain pages).
+    """
+
+    def __init__(self, planes: list[PlaneSpec], block_size: int, allocator, lock: threading.RLock,
+                 owner: str = "BlockPool") -> None:
+        for p in planes:
+            p.check(owner)
+        self.planes = list(planes)
+        self.block_size = int(block_size)
+        self.allocator = allocator
+        self.allocators = ([allocator.lane(i) for i in range(len(self.planes))]
+                           if isinstance(allocator, SlabAllocator) else [allocator] * len(self.planes))
+        self.owner = owner
+        self._lock = lock
+        self._bufs: list[list] = [[] for _ in self.planes]
+        self.pages: list[list] = [[] for _ in self.planes]
+        self.ptrs: list[np.ndarray] = [np.zeros(0, np.uint64) for _ in self.planes]
+        self.formats: list[np.ndarray] = [np.zeros(0, np.uint8) for _ in self.planes]
+        self.converted: list[int] = [0 for _ in self.planes]
+        self.sizes: list[np.ndarray] = [np.zeros(0, np.int64) for _ in self.planes]
+        #: id(buffer) -> buffer of each payload build_payload handed out and nobody installed or discarded yet.
+        self._built: dict[int, object] = {}
+
+    # -- records ---------------------------------------------------------------
+    def grow(self, capacity: int) -> None:
+        """Extend every plane's records to ``capacity`` page ids (new ids free)."""
+        for i in range(len(self.planes)):
+            grow = capacity - len(self.pages[i])
+            if grow > 0:
+                self._bufs[i].extend([None] * grow)
+                self.pages[i].extend([None] * grow)
+                ptrs = np.zeros(capacity, np.uint64)
+                ptrs[: len(self.ptrs[i])] = self.ptrs[i]
+                self.ptrs[i] = ptrs
+                fmts = np.full(capacity, NATIVE_CODE[self.planes[i].storage], np.uint8)
+                fmts[: len(self.formats[i])] = self.formats[i]
+                self.formats[i] = fmts
+                sizes = np.zeros(capacity, np.int64)
+                sizes[: len(self.sizes[i])] = self.sizes[i]
+                self.sizes[i] = sizes
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of payload held by live pages (each in its own format)."""
+        return int(sum(int(s.sum()) for s in self.sizes))
+
+    def pages_bytes(self, ids: np.ndarray) -> int:
+        """Payload bytes of the distinct live pages ``ids`` over all planes."""
+        u = np.unique(ids[ids >= 0])
+        return int(sum(int(s[u].sum()) for s in self.sizes))
+
+    def lease_pages(self, ids: np.ndarray) -> None:
+        """Give each new page id of ``ids`` a native payload in every plane, leased and checked
+        (:func:`onnxkv.alloc.checked.lease`); on an error none is kept (they are freed) and it is raised."""
+        done: list[tuple[int, int]] = []
+        try:
+            for p in ids.tolist():
+                for i, spec in enumerate(self.planes):
+                    buf, arr = self._lease_native(i)
+                    self._hold(i, p, buf, arr, NATIVE_CODE[spec.storage])
+                    done.append((i, p))
+        except BaseException:
+            release(self.allocator, [self._forget(i, p) for i, p in done], self.owner)
+            raise
+
+    def forget_pages(self, ids: np.ndarray) -> list:
+        """Clear the records of freed page ids ``ids`` in every plane; return their buffers (for the caller
+        to free, after its lock)."""
+        return [self._forget(i, p) for p in ids.tolist() for i in range(len(self.planes))]
+
+    def _lease_native(self, i: int):
+        """(buffer, array [H, bs, D] of the plane's dtype): a native payload of plane ``i``, checked."""
+        spec = self.planes[i]
+        return lease(self.allocators[i], spec.page_bytes(self.block_size), 64, spec.dtype,
+                     (spec.heads, self.block_size, spec.head_size), f"{self.owner}: plane '{spec.name}'")
+
+    def _hold(self, i: int, p: int, buf, arr: np.ndarray, code: int) -> None:
+        """Make ``buf`` / ``arr`` the payload of page ``p`` in plane ``i``, format ``code`` (cannot fail)."""
+        self._bufs[i][p], self.pages[i][p] = buf, arr
+        self.ptrs[i][p] = arr.__array_interface__["data"][0]
+        self.converted[i] -= self.quantized(i, p)
+        self.formats[i][p] = code
+        self.converted[i] += self.quantized(i, p)
+        self.sizes[i][p] = arr.nbytes
+
+    def _forget(self, i: int, p: int):
+        """Clear every record of page ``p``'s payload in plane ``i``; return its buffer (for the caller to free)."""
+        buf = self._bufs[i][p]
+        self._bufs[i][p] = self.pages[i][p] = None
+        self.ptrs[i][p] = 0
+        if self.quantized(i, p):
+            self.converted[i] -= 1
+        self.formats[i][p] = NATIVE_CODE[self.planes[i].storage]
+        self.sizes[i][p] = 0
+        return buf
+
+    def end_batch(self) -> None:
+        """Forget the payloads :meth:`build_payload` handed out that were neither installed nor discarded
+        (their builder freed them itself): they leave the ownership index.  Called under the owner's lock."""
+        if self._built:
+            forget(self.allocator, self._built.values())
+            self._built.clear()
+
+    def check(self, refs: np.ndarray) -> None:
+        """Audit: a payload exactly on every id whose count in ``refs`` is > 0, and ``converted`` right.
+        Raises :class:`~onnxkv.errors.StateError` naming the first mismatch."""
+        for i in range(len(self.planes)):
+            has = self.ptrs[i][: len(refs)] != 0
+            if (has != (refs > 0)).any():
+                p = int(np.flatnonzero(has != (refs > 0))[0])
+                raise StateError(f"{self.owner}.audit: page {p} plane '{self.planes[i].name}' payload "
+                                 f"{'held' if has[p] else 'missing'} with {int(refs[p])} reference(s)")
+        for i, spec in enumerate(self.planes):
+            live = self.ptrs[i][: len(refs)] != 0
+            n = int((live & (self.formats[i][: len(refs)] != NATIVE_CODE[spec.storage])).sum())
+            if n != self.converted[i]:
+                raise StateError(f"{self.owner}.audit: plane '{spec.name}' counts {self.converted[i]} converted "
+                                 f"pages but holds {n}")
+
+    # -- reads and copies --------------------------------------------------------
+    def quantized(self, plane: int, page: int) -> bool:
+        """True if the payload of ``page`` in ``plane`` is not the plane's native type."""
+        return int(self.formats[plane][page]) != NATIVE_CODE[self.planes[plane].storage]
+
+    @staticmethod
+    def native(spec: PlaneSpec, x: np.ndarray) -> np.ndarray:
+        """Float32 ``x`` in ``spec``'s stored type (bfloat16 rounded to nearest even, as uint16 bits)."""
+        if spec.storage == "bfloat16":
+            out = np.empty(x.shape, np.uint16)
+            _kernels.f32_to_bf16(np.ascontiguousarray(x, dtype=np.float32), out)
+            return out
+        return x.astype(spec.dtype, copy=False)
+
+    def read_page(self, plane: int, page: int, tokens: int) -> np.ndarray:
+        """Float32 ``[H, tokens, D]`` of ``page`` in ``plane``, whatever its format."""
+        spec = self.planes[plane]
+        arr = self.pages[plane][page]
+        code = int(self.formats[plane][page])
+        if not self.quantized(plane, page):
+            return stored_to_float32(arr[:, :tokens], spec.storage)
+        return payload_values(arr, formats.page_format(code), spec.heads, self.block_size, spec.head_size,
+                              spec.groups, spec.header, tokens)
+
+    def copy_page(self, src: int, dst: int, tokens: int) -> int:
+        """Copy the first ``tokens`` positions of every head of page ``src`` into ``dst`` (all planes).
+
+        ``dst`` is a native page held exclusively by the caller; a quantized
+        ``src`` plane is dequantized into it.  Returns the bytes read.
+        """
+        if tokens <= 0:
+            return 0
+        n = 0
+        for i, spec in enumerate(self.planes):
+            b = self.pages[i][dst]
+            if self.quantized(i, src):
+                b[:, :tokens] = self.native(spec, self.read_page(i, src, tokens))
+                n += self.pages[i][src].nbytes
+            else:
+                a = self.pages[i][src]
+                b[:, :tokens] = a[:, :tokens]
+                n += a[:, :tokens].nbytes
+        return n
+
+    # -- conversion ----------------------------------------------------------------
+    def build_payload(self, plane: int, page: int, fmt_name: str, tokens: int):
+        """A new payload holding the first ``tokens`` positions of ``page`` in ``fmt_name``: (buffer, array).
+
+        The plane's native format gives a native page (``[H, bs, D]`` of the
+        plane's dtype, positions past ``tokens`` zero), or ``(None, None)`` --
+        nothing allocated -- when the page already is native.  Nothing is
+        installed: :meth:`install_payload` swaps it in, :meth:`discard_payload`
+        gives it back (a payload that is neither installed nor discarded
+        -- its builder freed it -- leaves the ownership index of
+        :mod:`onnxkv.alloc.checked` at the owner's next other call).
+        Raises :class:`~onnxkv.errors.OutOfMemory` or
+        :class:`~onnxkv.errors.InputError` when the allocator fails (see
+        :func:`onnxkv.alloc.checked.lease`), with nothing allocated.
+        """
+        spec = self.planes[plane]
+        fmt = formats.page_format(fmt_name)
+        bs = self.block_size
+        native = fmt.name == spec.storage
+        if native and not self.quantized(plane, page):
+            return None, None
+        x = self.read_page(plane, page, tokens)
+        if native:
+            buf, arr = self._lease_native(plane)
+        else:
+            nbytes = formats.page_bytes(fmt, spec.heads, bs, spec.head_size, spec.groups, spec.header)
+            buf, arr = formats.allocate_payload(self.allocators[plane], fmt, nbytes,
+                                                f"{self.owner}: plane '{spec.name}'")
+        with self._lock:
+            self._built[id(buf)] = buf
+        try:
+            self._encode(spec, fmt, x, arr)
+        except BaseException:
+            self.discard_payload(buf)
+            raise
+        return buf, arr
+
+    def _encode(self, spec: PlaneSpec, fmt: formats.PageFormat, x: np.ndarray, arr: np.ndarray) -> None:
+        """Write float32 ``x`` [H, tokens, D] into the new payload ``arr`` of format ``fmt`` (a native page
+        [H, bs, D], else uint8 bytes); float positions past ``tokens`` are zero."""
+        bs, tokens = self.block_size, x.shape[1]
+        if fmt.is_float:
+            typed = arr if arr.ndim == 3 else float_view(arr, fmt, spec.heads, bs, spec.head_size)
+            typed[:, :tokens] = self.native(PlaneSpec(spec.name, spec.heads, spec.head_size, fmt.name), x)
+            typed[:, tokens:] = 0
+        elif spec.header == formats.HEADER_COMPACT:
+            scale, zero, header = formats.compact_params(x, fmt)
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs, header=header)
+        elif spec.header == formats.HEADER_CHANNEL_ZP:
+            scale, zero, header = formats.channel_zp_params(x, fmt)
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs, header=header,
+                                   header_kind=formats.HEADER_CHANNEL_ZP)
+        else:
+            scale, zero = formats.params_for(x, fmt, "head")
+            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs)
+
+    def install_payload(self, plane: int, page: int, buf, arr: np.ndarray | None, fmt_name: str) -> None:
+        """Swap a payload from :meth:`build_payload` into ``page`` (held exclusively); free the old one.
+
+        ``buf`` None (a conversion to the page's own native format) changes
+        nothing.  The page's records change first; a ``free`` of the old
+        payload that raises is then logged: the new payload stays published.
+        """
+        if buf is None:
+            return
+        with self._lock:
+            self._built.pop(id(buf), None)
+            old = self._bufs[plane][page]
+            self._hold(plane, page, buf, arr, formats.page_format(fmt_name).code)
+        release(self.allocator, [old], self.owner)
+
+    def discard_payload(self, buf) -> None:
+        """Give back a payload from :meth:`build_payload` that will not be installed (None: nothing);
+        a ``free`` that raises is logged."""
+        if buf is not None:
+            with self._lock:
+                self._built.pop(id(buf), None)
+            release(self.allocator, [buf], self.owner)
+
+    # -- stored form (cache files) ----------------------------------------------------
+    def stored(self, plane: int, page: int, tokens: int) -> tuple[str, np.ndarray, np.ndarray | None,
+                                                                  np.ndarray | None]:
+        """The first ``tokens`` positions of ``page`` in ``plane`` as stored: (format name, data, scale,
+        zero point).  ``data`` is a copy: ``[H, tokens, D]`` elements of a native or float page, else
+        packed codes uint8 ``[H, tokens, D * bits / 8]`` with the header's float32 scales and zero points
+        (``[H * groups]`` each; None for floats)."""
+        spec = self.planes[plane]
+        arr = self.pages[plane][page]
+        if not self.quantized(plane, page):
+            return spec.storage, arr[:, :tokens].copy(), None, None
+        fmt = formats.page_format(int(self.formats[plane][page]))
+        if fmt.is_float:
+            return fmt.name, float_view(arr, fmt, spec.heads, self.block_size, spec.head_size)[:, :tokens].copy(), \
+                None, None
+        hdr = formats.header_bytes(fmt, spec.heads, spec.groups, spec.header)
+        row = spec.head_size * fmt.bits // 8
+        scale, zero_point = formats.decode_header(arr, fmt, spec.heads, spec.groups, spec.header)
+        codes = arr[hdr: hdr + spec.heads * self.block_size * row].reshape(spec.heads, self.block_size, row)
+        return fmt.name, codes[:, :tokens].copy(), scale, zero_point
+
+    def install_stored(self, plane: int, page: int, fmt_name: str, data: np.ndarray, tokens: int,
+                       header: np.ndarray | None, api: str) -> None:
+        """Make the stored form ``data`` of ``tokens`` positions (see :meth:`stored`) the payload of ``page``
+        in ``plane``, a native page held alone; ``header``: a quantized page's header bytes in the plane's
+        header kind (:func:`onnxkv.cache.formats.encode_header`).  The plane's native format is written
+        in place (positions past ``tokens`` zero); another gets a new payload from the plane's allocator.
+        Raises :class:`~onnxkv.errors.OutOfMemory` / :class:`~onnxkv.errors.InputError` (starting with
+        ``api``) when the allocator fails, with the page unchanged."""
+        spec = self.planes[plane]
+        bs = self.block_size
+        if fmt_name == spec.storage:
+            self.pages[plane][page][:, :tokens] = data
+            self.pages[plane][page][:, tokens:] = 0  # recycled memory: a static cache reads the slots past n as 0
+            return
+        fmt = formats.page_format(fmt_name)
+        nbytes = formats.page_bytes(fmt, spec.heads, bs, spec.head_size, spec.groups, spec.header)
+        buf, arr = formats.allocate_payload(self.allocators[plane], fmt, nbytes, api)
+        try:
+            arr[:] = 0
+            if fmt.is_float:
+                float_view(arr, fmt, spec.heads, bs, spec.head_size)[:, :tokens] = data
+            else:
+                row = spec.head_size * fmt.bits // 8
+                arr[: header.size] = header
+                codes = arr[header.size: header.size + spec.heads * bs * row]
+                codes.reshape(spec.heads, bs, row)[:, :tokens] = data
+        except BaseException:
+            self.discard_payload(buf)
+            raise
+        self.install_payload(plane, page, buf, arr, fmt.name)
+
+    def convert_page(self, plane: int, page: int, fmt_name: str, tokens: int) -> None:
+        """Replace the payload of an exclusively held ``page`` in ``plane`` by one in ``fmt_name`` (allocated
+        once; the plane's native format on a native page: nothing happens)."""
+        buf, arr = self.build_payload(plane, page, fmt_name, tokens)
+        self.install_payload(plane, page, buf, arr, fmt_name)

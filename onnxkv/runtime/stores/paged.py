@@ -1,0 +1,362 @@
+"""Paged storage of a state's caches: page tables over a reference-counted pool.
+
+``cache="paged"`` keeps the caches in pages of ``block_size`` tokens from a
+:class:`~onnxkv.cache.block_pool.BlockPool` (see :mod:`onnxkv.cache.paged`):
+fork, reorder, checkpoint / restore and truncate change page tables only,
+and a write into a shared page copies that page first (copy-on-write).  A
+run stages a private table and commits or discards it whole
+(:class:`~onnxkv.cache.paged.PagedCache`).  After a committed run, the full
+pages the ``kv_format`` selector makes eligible are converted
+(:mod:`onnxkv.cache.page_convert`), and models with a ``local_window_size``
+evict pages that left the window.
+
+Every page-table change here goes through :mod:`onnxkv.cache`; this module
+decides when, and counts it in the event log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections.abc import Mapping
+
+import numpy as np
+
+from onnxkv.cache import serialize
+from onnxkv.cache.formats import HEADER_FLOAT32, page_format
+from onnxkv.cache.page_convert import quantize_blocks
+from onnxkv.cache.paged import BlockPool, PagedCache, PagedPlane, PageTable, PlaneSpec
+from onnxkv.cache.snapshot import expectation, file_bytes_limit, paged_from_snapshot, take_snapshot
+from onnxkv.errors import InputError, StateError
+from onnxkv.runtime.stores.protocol import StoreContext, batch_and_length
+
+__all__ = ["PagedStore", "Checkpoint"]
+
+
+class Checkpoint:
+    """A paged state's cache contents at one moment, held by page references (no copy).
+
+    Made by :meth:`State.checkpoint <onnxkv.runtime.state.State.checkpoint>`;
+    :meth:`State.restore <onnxkv.runtime.state.State.restore>` returns the
+    state to it (any number of times).  Holding a checkpoint keeps its pages
+    alive; :meth:`release` (or garbage collection) drops them.
+    """
+
+    def __init__(self, owner: object, table: PageTable, steps: int) -> None:
+        self._owner = owner
+        self.table: PageTable | None = table
+        self.steps = steps
+
+    @property
+    def length(self) -> int:
+        return 0 if self.table is None or not self.table.batch else int(self.table.lengths.max())
+
+    def release(self) -> None:
+        if self.table is not None:
+            self.table.release()
+            self.table = None
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+class PagedStore:
+    """The :class:`~onnxkv.runtime.stores.protocol.Store` of paged caches (module docstring).
+
+    ``pool`` None makes a pool for the model's bound pasts; a given pool is
+    shared (forks).  ``selector``: the ``kv_format`` selector or None;
+    ``key_header``: the header kind of quantized key pages.
+    """
+
+    def __init__(self, ctx: StoreContext, selector, key_header: str, block_size: int, max_pages: int | None,
+                 pool: BlockPool | None = None) -> None:
+        self.ctx = ctx
+        self.selector = selector
+        self.key_header = key_header
+        self.pool = pool if pool is not None else self._new_pool(block_size, max_pages)
+        self.window = self._model_window()
+        self._needs_data = self._pasts_read_elsewhere()
+        self.cache: PagedCache | None = None
+        self._fresh = False
+        self._before = 0
+        self._chosen: list[tuple[int, str]] = []
+
+    @property
+    def caches(self) -> dict[str, PagedPlane] | None:
+        return None if self.cache is None else self.cache.planes
+
+    # -- construction ----------------------------------------------------------------
+    def _new_pool(self, block_size: int, max_pages: int | None) -> BlockPool:
+        ctx = self.ctx
+        declared = ctx.session.declared_bindings
+        if declared or not ctx.bindings:
+            raise InputError("new_state: cache='paged' needs a model whose past/present pairs onnxkv runs in place "
+                             f"(this model's cache is '{ctx.session.model.convention.kind}' with "
+                             f"{'declared persistent bindings' if declared else 'no in-place binding'})")
+        planes = []
+        for b in ctx.bindings:
+            (_, heads, head), dtype = ctx.geometry(b.past, 1)
+            header = self.key_header if b.role == "key" else HEADER_FLOAT32
+            planes.append(PlaneSpec(b.past, heads, head, ctx.cache_dtype or np.dtype(dtype).name,
+                                    np.dtype(dtype).name, 1 if header == HEADER_FLOAT32 else head, header))
+        return BlockPool(planes, block_size, ctx.allocator, max_pages)
+
+    def _model_window(self) -> int | None:
+        """Keys before a query that GroupQueryAttention's ``local_window_size`` keeps visible (None: all)."""
+        windows = set()
+        for node in self.ctx.session.model.proto.graph.node:
+            if node.op_type == "GroupQueryAttention":
+                w = next((a.i for a in node.attribute if a.name == "local_window_size"), -1)
+                windows.add(w - 1 if w > 0 else None)
+        return windows.pop() if len(windows) == 1 else None
+
+    def _pasts_read_elsewhere(self) -> set[str]:
+        """Bound pasts whose data a node other than the joining node reads (they are fed gathered copies)."""
+        joiner = {b.past: b.node for b in self.ctx.bindings}
+        out = set()
+        for node in self.ctx.session.model.proto.graph.node:
+            if node.op_type == "Shape":
+                continue
+            for x in node.input:
+                if x in joiner and joiner[x] != (node.name or node.output[0]):
+                    out.add(x)
+        return out
+
+    def _new_cache(self, batch: int, table: PageTable | None = None) -> PagedCache:
+        """A cache of ``batch`` rows over ``table`` (None: an empty one); a static cache's table gets every
+        page of its capacity, zero-filled, with nothing written yet (lengths 0)."""
+        ctx = self.ctx
+        static = ctx.static_capacity if ctx.static else None
+        cache = PagedCache(self.pool, table if table is not None else PageTable(self.pool, batch),
+                           static_length=static, max_tokens=static if ctx.static else ctx.capacity)
+        if ctx.static and table is None:
+            try:
+                for plane in cache.planes.values():
+                    plane.write(np.zeros((batch, plane.heads, static, plane.head_size), np.float32), 0, static)
+                cache.commit()
+            except Exception:
+                cache.discard()
+                cache.table.release()
+                raise
+            cache.table.lengths[:] = 0
+        return cache
+
+    def share(self) -> PagedCache:
+        """A new cache sharing every page of this one's committed table (a fork's)."""
+        c = self.cache
+        return PagedCache(self.pool, c.table.share(), c.static_length, c.max_tokens)
+
+    # -- a run -------------------------------------------------------------------------
+    def prepare(self, feeds: Mapping[str, np.ndarray]) -> dict[str, PagedPlane]:
+        batch = self.ctx.batch_of(feeds)
+        self._fresh = self.cache is None
+        if self.cache is None:
+            self.cache = self._new_cache(batch)
+        elif self.cache.table.batch != batch:
+            raise InputError(f"State.run: batch size {batch} differs from the state's {self.cache.table.batch}; "
+                             "reorder or reset the state first")
+        lengths = self.cache.lengths
+        self._before = int(lengths.max()) if lengths.size else 0
+        self._chosen = []
+        self.cache.last_written.clear()  # the selector sees this run's writes only
+        return self.cache.planes
+
+    def feeds(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        full = dict(feeds)
+        past = self.ctx.static_capacity if self.ctx.static else None  # a static cache's past: its capacity
+        for name, c in self.cache.planes.items():
+            full[name] = c.gather(past) if name in self._needs_data else c.placeholder(past or c.length)
+        return full
+
+    def finish(self) -> None:
+        """Ask the selector (user code) which planes' full pages to convert after this run.
+
+        Every chosen name must be a known page format.  A selector that
+        raises or names an unknown format fails the run.
+        """
+        if self.selector is None:
+            return
+        cache, pool = self.cache, self.pool
+        for layer, (k, v) in enumerate(self.layer_pairs()):
+            new_k, new_v = cache.last_written.get(k), cache.last_written.get(v)
+            if new_k is None:
+                continue
+            pair = self.selector(layer, self._before, new_k, new_v)
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or \
+                    not all(f is None or isinstance(f, str) for f in pair):
+                raise InputError(f"kv_format: the selector must return (k_format, v_format), each a page format "
+                                 f"name or None, for layer {layer}; got {pair!r}")
+            for name, fmt in zip((k, v), pair):
+                if fmt is None:
+                    continue
+                fmt = page_format(fmt).name
+                plane = pool.plane_index[name]
+                if fmt != pool.planes[plane].storage:
+                    self._chosen.append((plane, fmt))
+
+    def commit(self, out: Mapping[str, np.ndarray]) -> None:
+        self.cache.commit()
+        if self._chosen:
+            self._convert(self._chosen)
+        if self.window is not None:
+            freed = self.cache.table.evict(self.window)
+            if freed:
+                self.ctx.log("evict", allocations=0, extra={"pages_freed": freed})
+
+    def _convert(self, chosen: list[tuple[int, str]]) -> None:
+        """Convert the full pages :meth:`finish` made eligible, after the run was committed.
+
+        The run is already published, so a conversion that fails (the
+        allocator refusing a payload) does not fail it: pages converted
+        before the failure keep their new format, the others stay as they
+        are (their values unchanged; a later run converts them), and the
+        failure is logged as a ``quantize_failed`` event and warned about.
+        """
+        residual = int(getattr(self.selector, "residual_tokens", 0))
+        converted = copied = 0
+        try:
+            for plane, fmt in chosen:
+                n, c = self.cache.convert_full_pages(plane, fmt, residual)
+                converted += n
+                copied += c
+        except Exception as e:  # noqa: BLE001 - reported, never swallowed silently
+            warnings.warn(f"State.run: converting full pages to the kv_format failed after the run was committed "
+                          f"({type(e).__name__}: {e}); those pages keep their format", RuntimeWarning, stacklevel=4)
+            self.ctx.log("quantize_failed", allocations=0)
+        if converted:
+            self.ctx.log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
+
+    def discard(self) -> None:
+        self.cache.discard()
+        if self._fresh:  # the first run made the cache: a failure leaves the store holding nothing, as before
+            self.close()
+
+    # -- contents ------------------------------------------------------------------------
+    @property
+    def values(self) -> dict[str, np.ndarray]:
+        return {name: c.gather() for name, c in (self.caches or {}).items()}
+
+    @property
+    def committed_bytes(self) -> int:
+        """Every page the table references, once, in its own format (pages shared with forks or
+        checkpoints included)."""
+        return 0 if self.cache is None else self.pool.payloads.pages_bytes(self.cache.table.held_ids())
+
+    def reset(self, arrays: dict[str, np.ndarray]) -> None:
+        batch, length = batch_and_length(arrays)
+        ctx = self.ctx
+        cache = self._new_cache(batch) if ctx.static else \
+            PagedCache(self.pool, PageTable(self.pool, batch), max_tokens=ctx.capacity)
+        try:
+            for name, a in arrays.items():
+                plane = cache.planes[name]
+                want = ctx.graph_inputs[name].dtype
+                if a.shape != (batch, plane.heads, length, plane.head_size) or a.dtype != want:
+                    raise InputError(f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
+                                     f"[{batch}, {plane.heads}, {length}, {plane.head_size}] {want}")
+                plane.write(a, 0, length)
+            cache.commit()
+        except Exception:
+            cache.discard()
+            cache.table.release()
+            raise
+        self.close()
+        self.cache = cache
+
+    def truncate(self, length: int) -> None:
+        table = self.cache.table
+        if self.window is not None and int(table.first.max(initial=0)) > max(0, length - self.window):
+            raise StateError(f"State.truncate: positions below {int(table.first.max())} were evicted by the "
+                             f"sliding window; cannot go back to length {length}")
+        freed = table.truncate(int(length))
+        self.ctx.log("truncate", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0,
+                     extra={"pages_freed": freed})
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.discard()
+            self.cache.table.release()
+            self.cache = None
+
+    # -- page tables -----------------------------------------------------------------------
+    def reorder(self, indices) -> None:
+        """Row ``i`` becomes old row ``indices[i]``: tables permuted, counts adjusted, no payload copied."""
+        cache = self.cache
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
+            raise InputError(f"State.reorder: indices must be a non-empty 1-D int array, got {indices!r}")
+        b = cache.table.batch
+        if idx.min() < 0 or idx.max() >= b:
+            raise InputError(f"State.reorder: indices must be in [0, {b}), got {idx.tolist()}")
+        cache.replace_table(cache.table.share(idx))
+        self.ctx.log("reorder", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+
+    def checkpoint(self, owner: object, steps: int) -> Checkpoint:
+        """A :class:`Checkpoint` of the committed table for ``owner`` (the state), at its ``steps``."""
+        cp = Checkpoint(owner, self.cache.table.share(), steps)
+        self.ctx.log("checkpoint", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+        return cp
+
+    def restore(self, checkpoint: Checkpoint, owner: object) -> int:
+        """Make a share of ``checkpoint``'s table (made for ``owner``, not released) the committed table;
+        return the checkpoint's steps."""
+        if not isinstance(checkpoint, Checkpoint) or checkpoint._owner is not owner:
+            raise InputError("State.restore: the checkpoint was not made by this state")
+        if checkpoint.table is None:
+            raise StateError("State.restore: the checkpoint was released")
+        self.cache.replace_table(checkpoint.table.share())
+        self.ctx.log("restore", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+        return checkpoint.steps
+
+    def quantize_pages(self, indices, k_format: str | None, v_format: str | None) -> None:
+        """:func:`onnxkv.cache.page_convert.quantize_blocks` over every layer's key / value planes."""
+        planes = [(self.pool.plane_index[n], f) for k, v in self.layer_pairs()
+                  for n, f in ((k, k_format), (v, v_format)) if f is not None]
+        converted, shared = quantize_blocks(self.cache.table, indices, planes, "State.quantize_pages")
+        self.ctx.log("quantize", cow_copied_bytes=shared * self.pool.page_bytes,
+                     extra={"pages_converted": converted})
+
+    # -- serialisation ---------------------------------------------------------------------
+    def layer_pairs(self) -> list[tuple[str, str]]:
+        """(key past, value past) names of every layer, in layer order."""
+        pairs: dict[int, dict[str, str]] = {}
+        for b in self.ctx.bindings:
+            pairs.setdefault(b.layer, {})[b.role] = b.past
+        return [(p["key"], p["value"]) for _, p in sorted(pairs.items())]
+
+    def signature(self) -> str:
+        conv = self.ctx.session.model.convention
+        shapes = ";".join(f"{g.name}:{g.dtype}:{g.shape}" for g in self.ctx.session.plan.inputs)
+        return hashlib.sha256(f"{conv.kind}|{shapes}".encode()).hexdigest()
+
+    def snapshot(self):
+        """A :class:`~onnxkv.cache.snapshot.CacheSnapshot` of the committed cache."""
+        return take_snapshot(self.cache, self.layer_pairs(), self.signature())
+
+    def decode(self, source: bytes | str | os.PathLike):
+        """The snapshot saved in ``source`` (bytes or a path), checked against the pool's size limit and the
+        model before it is decoded (see :meth:`State.load_cache <onnxkv.runtime.state.State.load_cache>`)."""
+        limit = file_bytes_limit(self.pool)
+        expected = expectation(self.pool, self.layer_pairs(), self.signature(), "State.load_cache")
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            return serialize.decode(source, limit, expected)
+        if isinstance(source, (str, os.PathLike)):
+            try:
+                return serialize.load(source, limit, expected)
+            except OSError as e:
+                raise InputError(f"State.load_cache: cannot read {os.fspath(source)!r}: {e}") from e
+        raise InputError(f"State.load_cache: source must be bytes or a path, got {type(source).__name__}")
+
+    def load(self, snapshot) -> None:
+        """Replace the cache by ``snapshot``'s contents; all or nothing (:func:`paged_from_snapshot`)."""
+        ctx = self.ctx
+        cache = paged_from_snapshot(snapshot, self.pool, self.layer_pairs(),
+                                    ctx.static_capacity if ctx.static else ctx.capacity,
+                                    self.window, "State.load_cache")
+        cache.static_length = ctx.static_capacity if ctx.static else None
+        self.close()
+        self.cache = cache
