@@ -22,7 +22,6 @@ next (measured: 2-3 ms stalls per kernel call on 2 cores).  Larger runs
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 from threadpoolctl import ThreadpoolController
@@ -34,11 +33,10 @@ __all__ = ["ThreadControl", "default_threads"]
 
 
 def default_threads() -> int:
-    """Threads used when none are given: the cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
+    """Threads used when none are given: the kernels' process default
+    (``OMP_NUM_THREADS``, else the CPUs this process may run on within its
+    cgroup's CPU quota; ``onnxkv._kernels._cpus``)."""
+    return _kernels.KernelSettings().threads
 
 
 @functools.lru_cache(maxsize=1)

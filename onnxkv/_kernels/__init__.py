@@ -1,4 +1,4 @@
-"""onnxkv._kernels -- compiled (Cython + C, OpenMP, AVX2/FMA/F16C) kernels.
+"""onnxkv._kernels -- compiled (Cython + C, OpenMP, AVX2/FMA/F16C/AVX-512) kernels.
 
 This package imports nothing else from onnxkv and knows nothing of ONNX.
 Every kernel writes into caller-provided ``out`` arrays (C-contiguous, native
@@ -10,8 +10,10 @@ Settings (thread count, instruction set, AMX) belong to the calling Python
 thread and travel with each kernel call: :class:`KernelSettings` (an immutable
 value), :func:`use_settings` (a context manager installing one for the calling
 thread, restoring the previous settings on exit), :func:`current_settings`,
-:func:`simd_levels`.  A new thread starts with the process defaults (every CPU
-the process may use, the best level the CPU and OS run, AMX where available).
+:func:`simd_levels`.  A new thread starts with the process defaults
+(``OMP_NUM_THREADS`` threads, else every CPU the process may use within its
+cgroup's CPU quota; the best level the build, CPU and OS run, capped by
+``ONNXKV_MAX_SIMD``; AMX where available).
 The older switches act on the calling thread's settings too:
 :func:`set_num_threads` / :func:`get_num_threads` (OpenMP threads of every
 kernel), :func:`set_simd_enabled` (False: the scalar path everywhere) and

@@ -1,9 +1,11 @@
 """Kernel settings: the thread count, instruction set and tuning of every kernel call.
 
 Each Python thread has its own current settings (a C thread-local
-``okv_settings``, simd.h).  A thread starts with the process defaults -- as
-many threads as CPUs this process may run on, the best instruction set the
-CPU and OS allow, AMX where available -- and its settings change only through
+``okv_settings``, simd.h).  A thread starts with the process defaults -- the
+thread count of ``_cpus.default_threads()`` (``OMP_NUM_THREADS``, else the
+CPUs this process may run on within its cgroup's CPU quota), the best
+instruction set the build, CPU and OS allow (capped by ``ONNXKV_MAX_SIMD``,
+below), AMX where available -- and its settings change only through
 that thread: :func:`use_settings` (a context manager that restores them on
 exit), or the per-switch setters (:func:`set_num_threads`,
 :func:`set_simd_enabled`, the attention and matmul modules' test switches),
@@ -14,12 +16,22 @@ Every kernel's Python wrapper copies the calling thread's settings once
 passes the copy down to its C code and OpenMP loops: no kernel reads a global
 setting and OpenMP workers never read thread-local state, so two sessions
 running in two Python threads with different settings never see each other's.
+
+``ONNXKV_MAX_SIMD`` (read once, at import): ``scalar``, ``avx2`` or
+``avx512``, the widest level the kernels may use in this process -- levels
+above it are treated as if the CPU lacked them (:func:`simd_levels` stops
+there, and no setting or switch can select them).  It lets one machine run
+everything as a narrower one would (the tests run the kernels at each level
+of the machine this way); unset or empty, every level the build, CPU and OS
+allow.
 """
 from libc.stdint cimport int64_t
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 import operator
 import os
+
+from ._cpus import MAX_THREADS, default_threads
 
 cdef extern from "simd.h" nogil:
     int okv_openmp_enabled()
@@ -29,6 +41,8 @@ cdef extern from "simd.h" nogil:
     int okv_cpu_avx512_ok()
     int okv_cpu_amx_ok()
     void okv_cpu_flags(int *flags)
+    int OKV_HAVE_VNNI
+    int OKV_HAVE_AMX
 
 cdef extern from *:
     """
@@ -45,28 +59,33 @@ cdef extern from *:
     okv_thread_settings okv_tls
 
 
-def _default_threads():
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, int(n))
-
-
-#: Largest thread count a setting accepts.
-MAX_THREADS = 1 << 16
 _LEVELS = ("scalar", "avx2", "avx512")
+
+
+def _max_level(environ) -> int:
+    """Index in _LEVELS of the widest level ``ONNXKV_MAX_SIMD`` in ``environ`` allows (all when unset or empty)."""
+    value = environ.get("ONNXKV_MAX_SIMD", "")
+    if value == "":
+        return len(_LEVELS) - 1
+    if value not in _LEVELS:
+        raise ValueError(f"ONNXKV_MAX_SIMD: must be 'scalar', 'avx2' or 'avx512' (the widest instruction-set level "
+                         f"the kernels may use) or empty, got {value!r}")
+    return _LEVELS.index(value)
+
 _KEEP = object()   # KernelSettings.replace: a field not given
 # Fields of okv_settings below the public three (threads, simd level, amx): tuning switches of the
 # attention and matmul modules, in the order of the struct.
 _TUNING = ("amx_pv", "prefetch", "pf_qk_lines", "prefill_rg", "split_tasks", "paged_heads", "adaptive", "vnni")
 
-cdef int _cpu_ok = okv_cpu_simd_ok() and okv_simd_compiled()
-cdef int _avx512_ok = okv_cpu_avx512_ok()
-cdef int _amx_ok = okv_cpu_amx_ok()
+cdef int _max = _max_level(os.environ)
+# What this process may run: the build (okv_simd_compiled; the CPU checks answer 0 for a set it left
+# out), the CPU and OS, and ONNXKV_MAX_SIMD.  AMX runs inside the AVX-512 tiles only.
+cdef int _cpu_ok = _max >= 1 and okv_simd_compiled() and okv_cpu_simd_ok()
+cdef int _avx512_ok = _cpu_ok and _max >= 2 and okv_cpu_avx512_ok()
+cdef int _amx_ok = _avx512_ok and okv_cpu_amx_ok()
 # The process defaults: set here, at import, and never changed (a thread's settings start as a copy).
 cdef okv_settings _defaults = okv_settings(
-    threads=_default_threads(), simd=_cpu_ok, avx512=_avx512_ok, amx=_amx_ok, amx_pv=0, prefetch=2,
+    threads=default_threads(), simd=_cpu_ok, avx512=_avx512_ok, amx=_amx_ok, amx_pv=0, prefetch=2,
     pf_qk_lines=48, prefill_rg=4, split_tasks=0, paged_heads=0, adaptive=1, vnni=1)
 
 
@@ -91,10 +110,22 @@ cdef okv_settings *okv_settings_mine() noexcept nogil:
     return &_thread().cur
 
 
+cdef int okv_avx512_usable() noexcept nogil:
+    """1 when this process may run the AVX-512 level (build, CPU and OS, ONNXKV_MAX_SIMD)."""
+    return _avx512_ok
+
+
+cdef int okv_amx_usable() noexcept nogil:
+    """1 when this process may run the AMX tiles (inside the AVX-512 level)."""
+    return _amx_ok
+
+
 def simd_levels() -> tuple:
-    """The instruction-set levels the kernels can run on this CPU and OS, lowest
+    """The instruction-set levels the kernels can run in this process, lowest
     first: ``"scalar"``, then ``"avx2"`` (AVX2+FMA+F16C), then ``"avx512"``
-    (AVX-512 F/BW/VL/DQ tiles of attention and matmul_packed)."""
+    (AVX-512 F/BW/VL/DQ tiles of attention and matmul_packed) -- those the
+    build has (``-Dsimd=disabled``: scalar only), the CPU and OS run and
+    ``ONNXKV_MAX_SIMD`` allows."""
     return _LEVELS[:1 + bool(_cpu_ok) + bool(_avx512_ok)]
 
 
@@ -110,13 +141,23 @@ cdef int _checked_threads(threads) except -1:
     return n
 
 
+def _why_not(level: str) -> str:
+    """Why the level ``level`` (one of _LEVELS, not in simd_levels()) cannot run in this process."""
+    if not okv_simd_compiled():
+        return ("this build has the scalar path only (built with -Dsimd=disabled, or by a compiler or for a "
+                "target without the x86 SIMD paths)")
+    if _LEVELS.index(level) > _max:
+        return f"ONNXKV_MAX_SIMD={_LEVELS[_max]!r} caps the levels of this process"
+    return "this CPU and OS cannot run it"
+
+
 cdef int _set_level(okv_settings *s, simd) except -1:
     """The SIMD fields of ``s`` for the level name ``simd`` ("auto" or one of _LEVELS)."""
     levels = simd_levels()
     if not isinstance(simd, str) or (simd != "auto" and simd not in _LEVELS):
         raise ValueError(f"KernelSettings: simd must be 'auto', 'avx512', 'avx2' or 'scalar', got {simd!r}")
     if simd not in levels and simd != "auto":
-        raise ValueError(f"KernelSettings: simd={simd!r} is not available on this CPU and OS (levels available: "
+        raise ValueError(f"KernelSettings: simd={simd!r} is not available: {_why_not(simd)} (levels available: "
                          f"{', '.join(map(repr, levels))}; 'auto' takes the best)")
     level = levels[len(levels) - 1] if simd == "auto" else simd
     s.simd = level != "scalar"
@@ -141,10 +182,11 @@ cdef class KernelSettings:
     calling thread and :func:`current_settings` returns.
 
     threads: OpenMP threads of every kernel, an int in [1, MAX_THREADS], or None
-        for the process default (the CPUs this process may run on).
+        for the process default (``OMP_NUM_THREADS``, else the CPUs this
+        process may run on within its cgroup's CPU quota: ``_cpus``).
     simd: the instruction-set level: "auto" (the best of :func:`simd_levels`),
-        "avx512", "avx2" or "scalar"; a level this CPU and OS cannot run is
-        rejected.  The ``simd`` attribute names the level chosen.
+        "avx512", "avx2" or "scalar"; a level this process cannot run (the
+        build, CPU and OS, ``ONNXKV_MAX_SIMD``) is rejected, naming why.  The ``simd`` attribute names the level chosen.
     amx: let paged_attention score quantized keys on the AMX-INT8 tiles inside
         its AVX-512 tiles where the CPU and OS allow it (the ``amx`` attribute
         is False where they do not).
@@ -271,8 +313,8 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """Number of threads the calling thread's kernels use (default: CPUs
-    available to the process)."""
+    """Number of threads the calling thread's kernels use (default:
+    ``OMP_NUM_THREADS``, else the CPUs available to the process; ``_cpus``)."""
     return okv_settings_mine().threads
 
 
@@ -295,13 +337,18 @@ def simd_path():
 
 
 def cpu_features():
-    """CPU features as detected at run time plus build facts."""
+    """CPU features as detected at run time (all False in a build without the
+    x86 SIMD paths, which does not ask the CPU) plus build facts: ``simd_compiled``
+    (the x86 SIMD paths were built: not ``-Dsimd=disabled``), ``vnni_compiled``
+    and ``amx_compiled`` (the compiler could build those sets), ``openmp``;
+    ``simd_usable``: the AVX2 level may run (build, CPU, ``ONNXKV_MAX_SIMD``)."""
     cdef int f[7]
     okv_cpu_flags(f)
     return {
         "avx": bool(f[0]), "avx2": bool(f[1]), "fma": bool(f[2]), "f16c": bool(f[3]),
         "avx512f": bool(f[4]), "sse4_2": bool(f[5]), "popcnt": bool(f[6]),
         "simd_compiled": bool(okv_simd_compiled()),
+        "vnni_compiled": bool(OKV_HAVE_VNNI), "amx_compiled": bool(OKV_HAVE_AMX),
         "simd_usable": bool(_cpu_ok),
         "openmp": bool(okv_openmp_enabled()),
         "omp_num_procs": int(okv_omp_num_procs()),

@@ -434,6 +434,9 @@ static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
 #define OKV_SFX _avx512
 #define OKV_ATTR OKV_AVX512BW
 #define OKV_SIMD512 1
+#if OKV_HAVE_AMX
+#define OKV_SIMD512_AMX 1   /* the unit of per-page formats may run the AMX tiles (attention_amx.h) */
+#endif
 #define OKV_RS(D) (D)
 #define okv_qk_rows_f32_avx512 okv_qk_rows_f32_avx2
 #define okv_pv_rows_f32_avx512 okv_pv_rows_f32_avx2
@@ -467,6 +470,7 @@ static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
 #include "attention_quant.h"
 
 #undef OKV_SIMD512
+#undef OKV_SIMD512_AMX
 #undef OKV_SFX
 #undef OKV_ATTR
 #endif
@@ -476,7 +480,7 @@ static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
  * formats): B tiles of every (head, row group) item, for either row-group
  * width the unit may pick (attention_impl.h). */
 static inline int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq) {
-#if OKV_X86_SIMD
+#if OKV_HAVE_AMX
     const int64_t R = a->Hq / a->Hkv * tq, w2 = a->prefill_rg;
     const int pv = (a->amx & OKV_AMX_PV) != 0;   /* the p.v scratch too */
     int64_t b1, b2;

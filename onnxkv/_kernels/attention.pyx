@@ -42,7 +42,8 @@ from cython.parallel cimport prange
 
 import numpy as np
 
-from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get, okv_settings_mine
+from onnxkv._kernels._runtime cimport (okv_amx_usable, okv_avx512_usable, okv_settings, okv_settings_get,
+                                      okv_settings_mine)
 from onnxkv._kernels._ranges cimport _disjoint
 from . import _validate as V
 
@@ -94,8 +95,6 @@ cdef extern from "attention.h" nogil:
     int OKV_ATTN_AVX512
 
 cdef extern from "simd.h" nogil:
-    int okv_cpu_avx512_ok()
-    int okv_cpu_amx_ok()
     void okv_rope_row_f32(const float *x, const float *c, const float *s, float *out, int64_t half,
                           int64_t head_size, int interleaved, int simd)
 
@@ -173,12 +172,13 @@ cdef int _split(okv_attn_args *a, int64_t nchunks, int nt, int simd, int64_t *st
     return 0
 
 
-cdef int _avx512_usable = okv_cpu_avx512_ok()
+cdef int _avx512_usable = okv_avx512_usable()
 
 
 def set_attention_avx512(enabled: bool) -> bool:
     """Let the calling thread's attention / paged_attention calls run their
-    AVX-512 tiles (when the CPU and OS support AVX-512 F/BW/VL/DQ; the default
+    AVX-512 tiles (when the process may run the avx512 level: the CPU and OS
+    support AVX-512 F/BW/VL/DQ and ONNXKV_MAX_SIMD allows it; the default
     there) or only the AVX2 ones (to test and compare both on one machine).
     One switch of the thread's settings with ``matmul.set_packed_avx512``
     (``KernelSettings(simd=...)``); other threads keep theirs.  The SIMD
@@ -188,7 +188,7 @@ def set_attention_avx512(enabled: bool) -> bool:
     return bool(okv_settings_mine().avx512)
 
 
-cdef int _amx_usable = okv_cpu_amx_ok()
+cdef int _amx_usable = okv_amx_usable()
 
 
 def set_attention_amx(enabled: bool) -> bool:

@@ -91,7 +91,7 @@
 
 #include "quant.h"
 
-#if OKV_X86_SIMD
+#if OKV_X86_SIMD && OKV_HAVE_AMX
 #define OKV_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
 /* |q_int| bound: 127 * 2^16 keeps the top balanced digit d2 in [-127, 127]
@@ -867,5 +867,5 @@ OKV_AMX static void okv_amx_pv_scale(okv_amx_ws *x, int64_t w, int i, float alph
     int64_t t;
     for (t = 0; t < x->pq[w].cnt; t++) o[t] *= alpha;
 }
-#endif /* OKV_X86_SIMD */
+#endif /* OKV_X86_SIMD && OKV_HAVE_AMX */
 #endif /* ONNXKV_ATTENTION_AMX_H */

@@ -17,7 +17,8 @@
  *   OKV_LD8(p, i) elements i..i+7 of the row at p as __m256 (AVX2 and AVX-512; i % 8 == 0)
  *   OKV_LD16(p, i) elements i..i+15 of the row at p as __m512 (AVX-512 only; i % 16 == 0)
  *   OKV_DQ_INIT   (optional) locals the loaders of a quantized format use, from dq
- *   OKV_SIMD_BODY defined for the AVX2 instantiations, OKV_SIMD512 for the AVX-512 ones.
+ *   OKV_SIMD_BODY defined for the AVX2 instantiations, OKV_SIMD512 for the AVX-512 ones
+ *     (and OKV_SIMD512_AMX there when the build has the AMX tiles, OKV_HAVE_AMX).
  *   OKV_TILES_ONLY: only the tile functions (okv_qk_rows, okv_pv_rows), no unit.
  *   OKV_PV_ONLY: of the tile functions, only okv_pv_rows (per-channel quantized
  *     formats: their keys are scored by the per-head tiles, attention_quant.h).
@@ -389,6 +390,8 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     int acci_used = 0;                /* set at the first tile that needs them */
 #ifdef OKV_SIMD512
     int qi_ready = 0;
+#endif
+#ifdef OKV_SIMD512_AMX
     okv_amx_ws ax;                    /* a->amx: scratch, B tiles and pending p.v of the AMX tiles */
 #endif
 #endif
@@ -423,7 +426,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     }
 #endif
 
-#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+#if defined(OKV_MIXED) && defined(OKV_SIMD512_AMX)
     if (a->amx) {   /* B tiles per (head, row group) item, after the float workspace; tiles configured */
         okv_amx_ws_init(&ax, (char *)(ws + okv_attn_ws_floats(RT, D)), D, nh * ((R + rgw - 1) / rgw),
                         R < rgw ? R : rgw, (a->amx & OKV_AMX_PV) != 0);
@@ -468,7 +471,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                 pft.vs = pf.vst;
             }
         }
-#if defined(OKV_MIXED) && defined(OKV_SIMD512)
+#if defined(OKV_MIXED) && defined(OKV_SIMD512_AMX)
         /* rows of an item's prefetch issued with AMX key tiles (a->pf_qk_lines; see pend below) */
         const int64_t pf_nq = a->pf_qk_lines && pft.n
                                   ? a->pf_qk_lines / (2 * (((pft.ks > pft.vs ? pft.ks : pft.vs) + 63) / 64))
@@ -557,7 +560,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                             qi_ready = 1;
                         }
 #endif
-#ifdef OKV_SIMD512
+#ifdef OKV_SIMD512_AMX
                         /* AMX key scores: per-head key scales, or per-channel ones of 8-bit codes */
                         if ((a->amx & OKV_AMX_QK) && okv_q_bits(pg.kf) && (a->kG == 1 || okv_q_bits(pg.kf) == 8)) {
                             okv_pf pfa = *pfp;
@@ -630,7 +633,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #ifdef OKV_MIXED
                                 zc[hw * R + rr] *= alpha;
                                 if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
-#ifdef OKV_SIMD512
+#ifdef OKV_SIMD512_AMX
                                 if (a->amx & OKV_AMX_PV) okv_amx_pv_scale(&ax, w - 1, i, alpha);   /* pending p.v */
 #endif
 #endif
@@ -640,7 +643,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                     }
 #ifdef OKV_MIXED
-#ifdef OKV_SIMD512
+#ifdef OKV_SIMD512_AMX
                     /* per-head value scales (>= 0: the AMX digits are unsigned) on AMX */
                     if ((a->amx & OKV_AMX_PV) && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {
                         okv_pf_rows(&pend, 0, (int)pend.n);
@@ -693,11 +696,13 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     }
 
 #ifdef OKV_MIXED
-#ifdef OKV_SIMD512
+#ifdef OKV_SIMD512_AMX
     if (a->amx) {   /* the pending p.v of every item, then the tiles released */
         for (h = 0; h < ax.nitem; h++) okv_amx_pv_flush(&ax, h, D);
         okv_amx_end();
     }
+#endif
+#ifdef OKV_SIMD512
     if (acci_used)   /* the interleaved accumulators, in natural order */
         for (r = 0; r < RT; r++) okv_q4_add_nat(acci + r * D, acc + r * D, D);
 #endif

@@ -433,7 +433,7 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 #undef OKV_QK_Q
 #undef OKV_PV_Q
 
-#ifdef OKV_SIMD512
+#ifdef OKV_SIMD512_AMX
 /* okv_qk_fmt for quantized keys of format fmt on the AMX tiles
  * (attention_amx.h; a->amx & OKV_AMX_QK): n keys at k, kst bytes apart,
  * scored for the nr rows qr of work item w (a (head, row group) of the unit)

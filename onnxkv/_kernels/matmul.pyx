@@ -30,8 +30,8 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport (okv_now_ns, okv_settings, okv_settings_get, okv_settings_mine,
-                                       okv_team_finished, okv_team_solo, okv_team_threads)
+from onnxkv._kernels._runtime cimport (okv_avx512_usable, okv_now_ns, okv_settings, okv_settings_get,
+                                       okv_settings_mine, okv_team_finished, okv_team_solo, okv_team_threads)
 from onnxkv._kernels._ranges cimport _disjoint
 import numpy as np
 
@@ -166,9 +166,6 @@ cdef const float *_data_or_null(const float[::1] a):
 #: Columns per panel of the packed weight layout (``pack_weight``).
 PANEL = 16
 
-cdef extern from "simd.h" nogil:
-    int okv_cpu_avx512_ok()
-
 cdef int _avx512_usable = okv_mmp_avx512_usable()
 
 
@@ -180,7 +177,7 @@ def set_packed_avx512(enabled: bool) -> bool:
     other threads keep theirs.  The SIMD switch (``set_simd_enabled``) still
     selects the scalar path.  Returns whether the AVX-512 tiles are now in
     use."""
-    okv_settings_mine().avx512 = okv_cpu_avx512_ok() if enabled else 0
+    okv_settings_mine().avx512 = okv_avx512_usable() if enabled else 0
     return bool(okv_settings_mine().avx512 and _avx512_usable)
 
 

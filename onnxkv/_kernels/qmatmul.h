@@ -218,7 +218,7 @@ static void okv_qmm_quant_rows(const float *x, int64_t M, int64_t K, int64_t bs,
 
 /* 1 when this build and CPU run the AVX-512 VNNI path (on top of okv_cpu_avx512_ok). */
 static int okv_cpu_vnni512_ok(void) {
-#if OKV_X86_SIMD && OKV_QMM_HAVE_VNNI
+#if OKV_X86_SIMD && OKV_HAVE_VNNI
     unsigned int a, b, c, d;
     if (!okv_cpu_avx512_ok() || __get_cpuid_max(0, NULL) < 7) return 0;
     __cpuid_count(7, 0, a, b, c, d);
@@ -230,7 +230,7 @@ static int okv_cpu_vnni512_ok(void) {
 
 /* 1 when this build and CPU run the AVX-VNNI (VEX) path. */
 static int okv_cpu_avxvnni_ok(void) {
-#if OKV_X86_SIMD && OKV_QMM_HAVE_VNNI
+#if OKV_X86_SIMD && OKV_HAVE_VNNI
     unsigned int a, b, c, d;
     if (!okv_cpu_simd_ok() || __get_cpuid_max(0, NULL) < 7) return 0;
     __cpuid_count(7, 1, a, b, c, d);
@@ -255,7 +255,7 @@ static void okv_qmm_dequant_isa(const okv_qmm *a, int64_t p0, int64_t p1, float 
 static void okv_qmm_range(const okv_qmm *a, int int8, int64_t p0, int64_t p1, int isa) {
 #if OKV_X86_SIMD
     if (int8) {
-#if OKV_QMM_HAVE_VNNI
+#if OKV_HAVE_VNNI
         if (isa == OKV_QMM_AVX512) { okv_qmm_i8_512(a, p0, p1); return; }
         if (isa == OKV_QMM_AVXVNNI) { okv_qmm_i8_avxvnni(a, p0, p1); return; }
 #endif

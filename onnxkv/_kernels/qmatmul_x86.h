@@ -9,12 +9,9 @@
 #ifndef ONNXKV_QMATMUL_X86_H
 #define ONNXKV_QMATMUL_X86_H
 #if OKV_X86_SIMD
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11)
-#define OKV_QMM_HAVE_VNNI 1
+#if OKV_HAVE_VNNI
 #define OKV_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define OKV_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#else
-#define OKV_QMM_HAVE_VNNI 0
 #endif
 
 /* ------------------------------------------------------------------ */
@@ -120,7 +117,7 @@ okv_qmm_i8_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, in
     }
 }
 
-#if OKV_QMM_HAVE_VNNI
+#if OKV_HAVE_VNNI
 #define OKV_QMM_DOT_VNNI256(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
 OKV_AVXVNNI static inline __attribute__((always_inline)) void
 okv_qmm_i8_avxvnni_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, int64_t m0) {
@@ -179,7 +176,7 @@ okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, i
 /* ------------------------------------------------------------------ */
 /* 16-column path (AVX-512 VNNI)                                         */
 /* ------------------------------------------------------------------ */
-#if OKV_QMM_HAVE_VNNI
+#if OKV_HAVE_VNNI
 /* MR rows x NP panels; the low- and high-nibble (or even- and odd-line) dot
  * products go to separate accumulators so each VPDPBUSD chain is half as long.
  * 4-bit high nibbles enter masked in place, as 16 q (no shift per line; VPDPBUSD
@@ -242,7 +239,7 @@ okv_qmm_i8_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int
             _mm512_mask_storeu_ps(a->out + (m0 + r) * a->N + n0, mask, _mm512_add_ps(accf[r][q], bv));
     }
 }
-#endif /* OKV_QMM_HAVE_VNNI */
+#endif /* OKV_HAVE_VNNI */
 
 /* Float path, 16 columns (AVX-512 F; no VNNI needed). */
 OKV_AVX512BW static inline __attribute__((always_inline)) void
@@ -473,7 +470,7 @@ OKV_AVX2 static void okv_qmm_f32_avx2(const okv_qmm *a, int64_t p0, int64_t p1) 
 OKV_AVX512BW static void okv_qmm_f32_512(const okv_qmm *a, int64_t p0, int64_t p1) {
     OKV_QMM_RANGE16(okv_qmm_f32_512_tile, a, p0, p1);
 }
-#if OKV_QMM_HAVE_VNNI
+#if OKV_HAVE_VNNI
 OKV_AVXVNNI static void okv_qmm_i8_avxvnni(const okv_qmm *a, int64_t p0, int64_t p1) {
     OKV_QMM_RANGE8(okv_qmm_i8_avxvnni_tile, a, p0, p1);
 }

@@ -33,10 +33,37 @@ static int okv_thread_num(void) { return 0; }
 
 #if !defined(OKV_NO_SIMD) && (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define OKV_X86_SIMD 1
+#include <cpuid.h>
 #include <immintrin.h>
 #define OKV_AVX2 __attribute__((target("avx2,fma,f16c")))
 #else
 #define OKV_X86_SIMD 0
+#endif
+
+/* Instruction sets on top of AVX2 and AVX-512 that the compiler may lack:
+ * OKV_HAVE_VNNI (AVX-512 VNNI and AVX-VNNI: qmatmul_x86.h) and OKV_HAVE_AMX
+ * (AMX-TILE and AMX-INT8: attention_amx.h).  The build (meson.build of this
+ * folder) defines each as 1 or 0 after compiling a test of its target
+ * attribute and intrinsics; a set that is 0 is compiled out and its CPU check
+ * answers 0.  Without such a definition, the compiler version decides (GCC 11
+ * and Clang 12 brought both). */
+#if OKV_X86_SIMD
+#if defined(__clang__)
+#define OKV_CC_HAS_VNNI_AMX (__clang_major__ >= 12)
+#else
+#define OKV_CC_HAS_VNNI_AMX (__GNUC__ >= 11)
+#endif
+#ifndef OKV_HAVE_VNNI
+#define OKV_HAVE_VNNI OKV_CC_HAS_VNNI_AMX
+#endif
+#ifndef OKV_HAVE_AMX
+#define OKV_HAVE_AMX OKV_CC_HAS_VNNI_AMX
+#endif
+#else
+#undef OKV_HAVE_VNNI
+#undef OKV_HAVE_AMX
+#define OKV_HAVE_VNNI 0
+#define OKV_HAVE_AMX 0
 #endif
 
 /* ------------------------------------------------------------------ */
@@ -80,12 +107,10 @@ static void okv_cpu_flags(int *flags) {
     flags[0] = __builtin_cpu_supports("avx") != 0;
     flags[1] = __builtin_cpu_supports("avx2") != 0;
     flags[2] = __builtin_cpu_supports("fma") != 0;
-    flags[3] = 0;
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11)
-    flags[3] = __builtin_cpu_supports("f16c") != 0;
-#else
-    flags[3] = flags[1]; /* every AVX2 CPU shipped has F16C */
-#endif
+    {   /* F16C: CPUID leaf 1, ECX bit 29 (__builtin_cpu_supports("f16c") needs GCC 11 or Clang 16) */
+        unsigned int a, b, c, d;
+        flags[3] = __get_cpuid(1, &a, &b, &c, &d) && ((c >> 29) & 1u);
+    }
     flags[4] = __builtin_cpu_supports("avx512f") != 0;
     flags[5] = __builtin_cpu_supports("sse4.2") != 0;
     flags[6] = __builtin_cpu_supports("popcnt") != 0;
@@ -103,7 +128,6 @@ static int okv_cpu_simd_ok(void) {
 /* Target of the 16-lane (AVX-512 F/BW/VL/DQ) kernels, on top of the AVX2 set;
  * only executed when okv_cpu_avx512_ok() says so. */
 #define OKV_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-#include <cpuid.h>
 #endif
 
 /* 1 when the AVX-512 F/BW/VL/DQ path can run: the AVX2 path can, the CPU has
@@ -125,7 +149,7 @@ static int okv_cpu_avx512_ok(void) {
 #endif
 }
 
-#if OKV_X86_SIMD && defined(__linux__) && defined(__x86_64__)
+#if OKV_X86_SIMD && OKV_HAVE_AMX && defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
 #define OKV_AMX_PERM_CHECK 1
 /* arch_prctl(code, arg) as a raw x86-64 system call (no libc declaration
@@ -144,7 +168,7 @@ static long okv_arch_prctl(long code, unsigned long arg) {
  * configuration and tile data state (bits 17, 18), and (Linux) the process
  * holds the permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM for
  * XFEATURE_XTILEDATA, asked once per process: the result is cached).  Off on
- * other systems and 32-bit x86. */
+ * other systems, 32-bit x86 and builds without AMX (OKV_HAVE_AMX 0). */
 static int okv_cpu_amx_ok(void) {
 #if OKV_AMX_PERM_CHECK
     static int cached = -1;

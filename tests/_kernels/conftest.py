@@ -1,5 +1,14 @@
-"""Fixtures for the kernel tests: thread count (1, 2) and SIMD path (on, off),
-set in the test thread's kernel settings and restored after the test."""
+"""Fixtures for the kernel tests: thread count (1, 2) and instruction-set level
+(every level of the kernels), set in the test thread's kernel settings and
+restored after the test.
+
+A level this process cannot run -- the build has the scalar path only
+(``-Dsimd=disabled``), the CPU lacks it, or ``ONNXKV_MAX_SIMD`` caps it -- is
+skipped with the reason the kernel settings give.  CI (.ci/levels) runs the
+kernel tests once more under ``ONNXKV_MAX_SIMD`` for each narrower level, and
+on the ``-Dsimd=disabled`` build, so that what a narrower machine runs by
+default (tests without this fixture, the defaults a module reads at import) is
+tested on a wider one too."""
 import numpy as np
 import pytest
 
@@ -12,9 +21,19 @@ def threads(request):
         yield request.param
 
 
-@pytest.fixture(params=[True, False], ids=["simd", "scalar"])
+#: Every instruction-set level of the kernels, widest first.
+LEVELS = ("avx512", "avx2", "scalar")
+
+
+@pytest.fixture(params=LEVELS)
 def simd(request):
-    with K.use_settings(K.current_settings().replace(simd="auto" if request.param else "scalar")):
+    """The instruction-set level of the test thread's kernels for one test
+    (yields its name); skipped, naming why, where this process cannot run it."""
+    try:
+        settings = K.current_settings().replace(simd=request.param)
+    except ValueError as e:   # "KernelSettings: simd='avx512' is not available: <why> (levels available: ...)"
+        pytest.skip(str(e))
+    with K.use_settings(settings):
         yield request.param
 
 

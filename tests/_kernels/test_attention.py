@@ -9,34 +9,27 @@ from onnxkv._kernels import reference as R
 from .conftest import rand
 
 A = sys.modules["onnxkv._kernels.attention"]
-AVX512 = A.set_attention_avx512(True)    # this CPU and OS can run the AVX-512 tiles
-# instruction sets of the attention kernels: every one this machine can run
-LEVELS = (("avx512",) if AVX512 else ()) + ("avx2", "scalar")
+# instruction sets of the attention kernels: every one this process can run, widest first
+LEVELS = K.simd_levels()[::-1]
+AVX512 = "avx512" in LEVELS
 COMBOS = [(threads, level) for level in LEVELS for threads in (1, 2)]
 
 
 def set_level(level):
     """Make the attention kernels run `level` ("avx512", "avx2" or "scalar");
-    returns the level actually in use (AVX2 falls back to scalar on CPUs
-    without it)."""
+    returns the level actually in use (a level this process cannot run falls
+    back to the next narrower one)."""
     K.set_simd_enabled(level != "scalar")
     A.set_attention_avx512(level == "avx512")
     return A.attention_simd_level()
 
 
 def reset_level():
-    """Back to the default: the widest instruction set the CPU runs."""
+    """Back to the default: the widest instruction set this process runs."""
     K.set_simd_enabled(True)
     A.set_attention_avx512(True)
 
 
-@pytest.fixture(params=LEVELS)
-def simd(request):
-    """Instruction set of the attention kernels for one test (overrides the
-    on/off fixture of conftest in the modules that import it)."""
-    set_level(request.param)
-    yield request.param
-    reset_level()
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}
 
 

@@ -17,7 +17,6 @@ import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 
 from .conftest import rand
-from .test_attention import simd  # noqa: F401  (the SIMD fixture: avx512, avx2, scalar)
 from .test_paged_attention import Paged, kvd, to_cache
 from .test_quant_attention import QPaged, chooser
 

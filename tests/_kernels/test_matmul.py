@@ -147,17 +147,6 @@ def test_matmul_rows_wide(M, threads, simd):
 
 # -- packed weights (pack_weight / matmul_packed) -------------------------------------------------
 
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
-def isa(request):
-    """Tiles used by matmul_packed: AVX-512 (skipped where the CPU lacks it), AVX2, scalar."""
-    K.set_simd_enabled(request.param != "scalar")
-    if MM.set_packed_avx512(request.param == "avx512") != (request.param == "avx512"):
-        pytest.skip("CPU without AVX-512F")
-    yield request.param
-    K.set_simd_enabled(True)
-    MM.set_packed_avx512(True)
-
-
 def check_packed(x, w, bias=None):
     M, Kd = x.shape
     N = w.shape[1]
@@ -183,7 +172,7 @@ def test_pack_weight(Kd, N):
 @pytest.mark.parametrize("Kd,N", [(1, 7), (7, 1), (15, 17), (17, 15), (100, 1023), (1023, 100)],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("M", range(1, 17))
-def test_matmul_packed(M, Kd, N, threads, isa):
+def test_matmul_packed(M, Kd, N, threads, simd):
     rng = np.random.default_rng([M, Kd, N])
     x, w, b = rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,))
     check_packed(x, w)
@@ -192,14 +181,14 @@ def test_matmul_packed(M, Kd, N, threads, isa):
 
 @pytest.mark.parametrize("M", [17, 23, 40, 70])
 @pytest.mark.parametrize("Kd", [255, 600])
-def test_matmul_packed_many_rows(M, Kd, threads, isa):
+def test_matmul_packed_many_rows(M, Kd, threads, simd):
     """More rows than one register tile: k-chunks (partial sums kept in out) and row-tile tails."""
     rng = np.random.default_rng([M, Kd])
     N = 50
     check_packed(rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,)))
 
 
-def test_matmul_packed_exact_small_integers(isa):
+def test_matmul_packed_exact_small_integers(simd):
     """Small integers sum exactly in float32 whatever the order: bit-exact result."""
     rng = np.random.default_rng(8)
     for M in (1, 4, 19):
@@ -212,7 +201,7 @@ def test_matmul_packed_exact_small_integers(isa):
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 12])
-def test_matmul_packed_threads_agree(M, isa):
+def test_matmul_packed_threads_agree(M, simd):
     """1 and 2 threads split panels, not sums: identical results, also where
     the split cuts a group of panels that one thread takes in one tile."""
     rng = np.random.default_rng([4, M])

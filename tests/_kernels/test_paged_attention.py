@@ -21,7 +21,6 @@ from onnxkv._kernels._validate import paged_blocks_read
 from onnxkv.alloc import SystemAllocator
 
 from .conftest import rand
-from .test_attention import simd  # noqa: F401  (the SIMD fixture: avx512, avx2, scalar)
 
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}

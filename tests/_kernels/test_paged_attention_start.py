@@ -14,7 +14,6 @@ from onnxkv._kernels import reference as R
 from onnxkv._kernels._validate import paged_blocks_read
 
 from .conftest import rand
-from .test_attention import simd  # noqa: F401  (the SIMD fixture: avx512, avx2, scalar)
 from .test_paged_attention import Paged, kvd, to_cache
 
 

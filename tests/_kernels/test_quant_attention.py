@@ -23,7 +23,6 @@ from onnxkv.alloc import SystemAllocator
 from onnxkv.cache.formats import compact_params, page_bytes
 
 from .conftest import rand
-from .test_attention import simd  # noqa: F401  (the SIMD fixture: avx512, avx2, scalar)
 
 ALLOC = SystemAllocator()
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}

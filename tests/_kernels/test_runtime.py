@@ -1,3 +1,4 @@
+import functools
 import importlib
 import os
 import sys
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 import onnxkv._kernels as K
+from onnxkv._kernels._cpus import default_threads
 from concurrency import side_by_side
 from fuzzing import examples
 
@@ -34,9 +36,13 @@ def test_threads_invalid(bad):
         K.set_num_threads(bad)
 
 
-def test_default_threads_is_cpu_count():
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert RT._default_threads() == n
+def test_built_with_openmp():
+    """Without OpenMP every kernel runs on one thread: such a build fails here
+    unless it is meant (ONNXKV_ALLOW_NO_OPENMP=1; meson warns when it builds one)."""
+    assert K.openmp_enabled() or os.environ.get("ONNXKV_ALLOW_NO_OPENMP") == "1", (
+        "onnxkv was built without OpenMP, so every kernel runs on one thread: install the C compiler's OpenMP "
+        "runtime (libgomp for GCC, libomp for Clang) and rebuild, or set ONNXKV_ALLOW_NO_OPENMP=1 if such a "
+        "build is meant")
 
 
 def test_simd_switch():
@@ -124,7 +130,7 @@ def test_settings_values_are_checked_immutable_and_compare_by_value():
     assert (s.threads, s.simd, s.amx) == (3, "scalar", False)
     assert s == K.KernelSettings(threads=np.int64(3), simd="scalar", amx=False) and hash(s) == hash(s.replace())
     assert s.replace(threads=1) == K.KernelSettings(threads=1, simd="scalar", amx=False) and s.threads == 3
-    assert K.KernelSettings().threads == RT._default_threads()
+    assert K.KernelSettings().threads == default_threads()
     assert K.KernelSettings(simd="auto").simd == K.simd_levels()[-1]
     assert K.KernelSettings(amx=False).amx is False
     with pytest.raises(AttributeError):
@@ -149,8 +155,65 @@ def test_a_level_the_cpu_cannot_run_is_rejected():
     missing = [level for level in ("scalar", "avx2", "avx512") if level not in K.simd_levels()]
     assert K.simd_levels()[0] == "scalar" and set(K.simd_levels()) <= {"scalar", "avx2", "avx512"}
     for level in missing:
-        with pytest.raises(ValueError, match=f"simd='{level}' is not available on this CPU and OS"):
+        with pytest.raises(ValueError, match=f"simd='{level}' is not available: (this CPU and OS cannot|this build "
+                                             f"has|ONNXKV_MAX_SIMD=)"):
             K.KernelSettings(simd=level)
+
+
+# In a fresh interpreter under ONNXKV_MAX_SIMD: the levels, the default, why each level is refused, and
+# whether the AVX-512 switches of attention and matmul_packed can still turn their tiles on.
+CAPPED = """
+import json, sys
+import onnxkv._kernels as K
+A, MM = sys.modules["onnxkv._kernels.attention"], sys.modules["onnxkv._kernels.matmul"]
+refused = {}
+for level in ("scalar", "avx2", "avx512"):
+    try:
+        K.KernelSettings(simd=level)
+    except ValueError as e:
+        refused[level] = str(e)
+print(json.dumps(dict(levels=K.simd_levels(), default=K.current_settings().simd, refused=refused,
+                      usable=K.cpu_features()["simd_usable"], attention=A.set_attention_avx512(True),
+                      packed=MM.set_packed_avx512(True), amx=A.set_attention_amx(True))))
+"""
+
+
+@functools.cache
+def capped(cap: str) -> dict:
+    """CAPPED's answers in a fresh interpreter with ONNXKV_MAX_SIMD=cap ("": every level of the build, CPU
+    and OS, whatever cap this process runs under)."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", CAPPED], env=dict(os.environ, ONNXKV_MAX_SIMD=cap),
+                         capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("cap", ["scalar", "avx2", "avx512"])
+def test_max_simd_caps_the_levels_of_the_process(cap):
+    full = tuple(capped("")["levels"])
+    got = capped(cap)
+    want = full[:full.index(cap) + 1] if cap in full else full
+    assert tuple(got["levels"]) == want and got["default"] == want[-1]
+    assert got["usable"] == ("avx2" in want)
+    if "avx512" not in want:
+        assert not got["attention"] and not got["packed"] and not got["amx"]
+    for level in ("scalar", "avx2", "avx512"):
+        if level in want:
+            assert level not in got["refused"]
+        elif level in full:
+            assert f"simd={level!r} is not available: ONNXKV_MAX_SIMD={cap!r} caps the levels" in got["refused"][level]
+        else:
+            assert f"simd={level!r} is not available: this " in got["refused"][level]
+
+
+@pytest.mark.parametrize("value", ["avx3", "AVX2", "auto", " avx2"])
+def test_max_simd_must_name_a_level(value):
+    with pytest.raises(ValueError, match=f"ONNXKV_MAX_SIMD: must be 'scalar', 'avx2' or 'avx512' .* got {value!r}"):
+        RT._max_level({"ONNXKV_MAX_SIMD": value})
+    assert RT._max_level({}) == RT._max_level({"ONNXKV_MAX_SIMD": ""}) == 2
 
 
 def test_use_settings_nests_and_restores_the_thread_settings():
