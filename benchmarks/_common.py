@@ -44,8 +44,13 @@ def versions(*extra: str) -> dict:
 
     import onnxkv
 
-    out = {"onnxkv": onnxkv.__version__, "numpy": numpy.__version__, "onnx": onnx.__version__,
-           "simd": onnxkv.config()["simd"], "openmp": onnxkv.config()["openmp"]}
+    out = {
+        "onnxkv": onnxkv.__version__,
+        "numpy": numpy.__version__,
+        "onnx": onnx.__version__,
+        "simd": onnxkv.config()["simd"],
+        "openmp": onnxkv.config()["openmp"],
+    }
     for name in extra:
         try:
             mod = __import__(name)
@@ -65,21 +70,32 @@ def gqa_decode_model(hq: int, hkv: int, d: int, scale: float) -> bytes:
         "GroupQueryAttention",
         ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
         ["output", "present_key", "present_value"],
-        domain="com.microsoft", num_heads=hq, kv_num_heads=hkv, scale=scale)
+        domain="com.microsoft",
+        num_heads=hq,
+        kv_num_heads=hkv,
+        scale=scale,
+    )
     graph = helper.make_graph(
-        [node], "gqa_decode",
-        [helper.make_tensor_value_info("query", f, ["B", "S", hq * d]),
-         helper.make_tensor_value_info("key", f, ["B", "S", hkv * d]),
-         helper.make_tensor_value_info("value", f, ["B", "S", hkv * d]),
-         helper.make_tensor_value_info("past_key", f, ["B", hkv, "P", d]),
-         helper.make_tensor_value_info("past_value", f, ["B", hkv, "P", d]),
-         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
-         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])],
-        [helper.make_tensor_value_info("output", f, ["B", "S", hq * d]),
-         helper.make_tensor_value_info("present_key", f, ["B", hkv, "T", d]),
-         helper.make_tensor_value_info("present_value", f, ["B", hkv, "T", d])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+        [node],
+        "gqa_decode",
+        [
+            helper.make_tensor_value_info("query", f, ["B", "S", hq * d]),
+            helper.make_tensor_value_info("key", f, ["B", "S", hkv * d]),
+            helper.make_tensor_value_info("value", f, ["B", "S", hkv * d]),
+            helper.make_tensor_value_info("past_key", f, ["B", hkv, "P", d]),
+            helper.make_tensor_value_info("past_value", f, ["B", hkv, "P", d]),
+            helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+            helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+        ],
+        [
+            helper.make_tensor_value_info("output", f, ["B", "S", hq * d]),
+            helper.make_tensor_value_info("present_key", f, ["B", hkv, "T", d]),
+            helper.make_tensor_value_info("present_value", f, ["B", hkv, "T", d]),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
     model.ir_version = 10
     return model.SerializeToString()
 

@@ -62,21 +62,27 @@ def _onnxkv(engine: str, path: str, prompt: np.ndarray, new_tokens: int, beams: 
     sess = onnxkv.Session(path, threads=threads)
     beam_search(sess, prompt[:, :8], beams, 2, **kw)  # warm-up
     res = beam_search(sess, prompt, beams, new_tokens, **kw)
-    out = {"peak_rss_bytes": peak_rss(),  # before the event-log session below maps the weights again
-           "prefill_s": res.prompt_seconds, "per_token_s": res.step_seconds,
-           "tokens": res.sequences[0, prompt.shape[1]:].tolist(), "beam_tokens_per_s": res.tokens_per_second}
+    out = {
+        "peak_rss_bytes": peak_rss(),  # before the event-log session below maps the weights again
+        "prefill_s": res.prompt_seconds,
+        "per_token_s": res.step_seconds,
+        "tokens": res.sequences[0, prompt.shape[1] :].tolist(),
+        "beam_tokens_per_s": res.tokens_per_second,
+    }
     # Storage figures from a separate event-logged run (recording would perturb the timing above).
     ev = beam_search(onnxkv.Session(path, threads=threads, events=True), prompt, beams, new_tokens, **kw)
     L, per_token = prompt.shape[1], _bytes_per_token(sess)
-    out.update({
-        "bytes_per_token": per_token,
-        "copied_bytes_per_step": ev.copied_bytes,
-        "reorder_copied_bytes_per_step": ev.reorder_copied_bytes,
-        "cache_copied_bytes_per_step": ev.cache_copied_bytes,
-        "expand_copied_bytes": ev.prompt_copied_bytes,
-        "committed_cache_bytes_per_step": ev.committed_bytes,
-        "copy_per_beam_baseline_bytes_per_step": [beams * (L + i) * per_token for i in range(len(ev.step_seconds))],
-    })
+    out.update(
+        {
+            "bytes_per_token": per_token,
+            "copied_bytes_per_step": ev.copied_bytes,
+            "reorder_copied_bytes_per_step": ev.reorder_copied_bytes,
+            "cache_copied_bytes_per_step": ev.cache_copied_bytes,
+            "expand_copied_bytes": ev.prompt_copied_bytes,
+            "committed_cache_bytes_per_step": ev.committed_bytes,
+            "copy_per_beam_baseline_bytes_per_step": [beams * (L + i) * per_token for i in range(len(ev.step_seconds))],
+        }
+    )
     return out
 
 
@@ -87,8 +93,14 @@ def _genai(path: str, prompt: np.ndarray, new_tokens: int, beams: int) -> dict:
     params = og.GeneratorParams(model)
     total = prompt.shape[1] + new_tokens
     # min_length = max_length keeps EOS out, as eos_token_id=[] does for onnxkv.
-    params.set_search_options(num_beams=beams, num_return_sequences=1, max_length=total, min_length=total,
-                              early_stopping=False, do_sample=False)
+    params.set_search_options(
+        num_beams=beams,
+        num_return_sequences=1,
+        max_length=total,
+        min_length=total,
+        early_stopping=False,
+        do_sample=False,
+    )
     gen = og.Generator(model, params)
     t0 = time.perf_counter()
     gen.append_tokens(prompt)
@@ -99,8 +111,13 @@ def _genai(path: str, prompt: np.ndarray, new_tokens: int, beams: int) -> dict:
         gen.generate_next_token()
         samples.append(time.perf_counter() - t0)
     seq = list(gen.get_sequence(0))
-    return {"peak_rss_bytes": peak_rss(), "prefill_s": prefill, "select_only_first_step_s": samples[0],
-            "per_token_s": samples[1:], "tokens": [int(t) for t in seq[prompt.shape[1]:]]}
+    return {
+        "peak_rss_bytes": peak_rss(),
+        "prefill_s": prefill,
+        "select_only_first_step_s": samples[0],
+        "per_token_s": samples[1:],
+        "tokens": [int(t) for t in seq[prompt.shape[1] :]],
+    }
 
 
 def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int, beams: int, threads: int) -> dict:
@@ -123,8 +140,12 @@ def main() -> None:
     ap.add_argument("--model", default="small", choices=("tiny", "small"))
     ap.add_argument("--engines", default=DEFAULT_ENGINES)
     ap.add_argument("--out")
-    ap.add_argument("--worker", nargs=7, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "BEAMS", "THREADS"),
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker",
+        nargs=7,
+        metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "BEAMS", "THREADS"),
+        help=argparse.SUPPRESS,
+    )
     args = ap.parse_args()
     if args.worker:
         e, p, n, v, new, k, t = args.worker
@@ -137,19 +158,30 @@ def main() -> None:
         for plen in map(int, args.prompts.split(",")):
             max_length = 2048 if plen + args.new_tokens + 64 <= 2048 else 8192
             folder, vocab = build(Path(tmp), args.model, "gqa", max_length, args.threads)
-            entry = {"model": args.model, "graph": "gqa", "prompt": plen, "new_tokens": args.new_tokens,
-                     "num_beams": args.beams, "batch": 1, "engines": {}}
+            entry = {
+                "model": args.model,
+                "graph": "gqa",
+                "prompt": plen,
+                "new_tokens": args.new_tokens,
+                "num_beams": args.beams,
+                "batch": 1,
+                "engines": {},
+            }
             for engine in engines:
                 if engine == "ort-genai" and vers["onnxruntime_genai"] is None:
                     continue
-                r = run_worker(__file__, [engine, folder, plen, vocab, args.new_tokens, args.beams, args.threads],
-                               args.threads)
+                r = run_worker(
+                    __file__, [engine, folder, plen, vocab, args.new_tokens, args.beams, args.threads], args.threads
+                )
                 entry["engines"][engine] = r
                 if "error" in r:
                     print(f"# prompt {plen} {engine}: FAILED {r['error']}", file=sys.stderr)
                     continue
-                print(f"# prompt {plen} {engine}: {r['median_token_s'] * 1e3:.2f} ms/step ({args.beams} beams), "
-                      f"prefill {r['prefill_s']:.2f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB", file=sys.stderr)
+                print(
+                    f"# prompt {plen} {engine}: {r['median_token_s'] * 1e3:.2f} ms/step ({args.beams} beams), "
+                    f"prefill {r['prefill_s']:.2f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
+                    file=sys.stderr,
+                )
             kv = entry["engines"].get("onnxkv", {})
             for peer in ("onnxkv-tensor", "ort-genai"):
                 p = entry["engines"].get(peer, {})
@@ -159,16 +191,28 @@ def main() -> None:
                 if "tokens" in kv and "tokens" in p:
                     entry[f"same_best_beam_as_{peer}"] = kv["tokens"] == p["tokens"]
             results.append(entry)
-    emit({"benchmark": "beam_search", "machine": machine(),
-          "versions": vers,
-          "threads": args.threads,
-          "bar": "onnxkv 4-beam decode at prompt 1024 >= 4x faster per token than ONNX Runtime GenAI num_beams=4",
-          "per_token": "one decode step over all beams; onnxkv: BeamSearchResult.step_seconds (scoring, reorder, "
-                       "feeds, run); ort-genai: generate_next_token calls after the first (the first only selects "
-                       "from the prompt's logits computed by append_tokens = prefill_s)",
-          "genai_search_options": {"num_beams": args.beams, "num_return_sequences": 1, "max_length": "prompt+new",
-                                   "min_length": "prompt+new", "early_stopping": False, "do_sample": False},
-          "results": results}, args.out)
+    emit(
+        {
+            "benchmark": "beam_search",
+            "machine": machine(),
+            "versions": vers,
+            "threads": args.threads,
+            "bar": "onnxkv 4-beam decode at prompt 1024 >= 4x faster per token than ONNX Runtime GenAI num_beams=4",
+            "per_token": "one decode step over all beams; onnxkv: BeamSearchResult.step_seconds (scoring, reorder, "
+            "feeds, run); ort-genai: generate_next_token calls after the first (the first only selects "
+            "from the prompt's logits computed by append_tokens = prefill_s)",
+            "genai_search_options": {
+                "num_beams": args.beams,
+                "num_return_sequences": 1,
+                "max_length": "prompt+new",
+                "min_length": "prompt+new",
+                "early_stopping": False,
+                "do_sample": False,
+            },
+            "results": results,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: 
     t0 = time.perf_counter()
     out = run(feeds, fetch)
     for c0 in range(first, prompt.shape[1], first):
-        out = run(b.next(prompt[:, c0:c0 + first], out), fetch)
+        out = run(b.next(prompt[:, c0 : c0 + first], out), fetch)
     prefill = time.perf_counter() - t0
     samples, tokens = [], []
     for _ in range(new_tokens):
@@ -131,12 +131,15 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             gen.generate_next_token()
             samples.append(time.perf_counter() - t0)
         seq = list(gen.get_sequence(0))
-        tokens = [int(t) for t in seq[prompt_len:prompt_len + new_tokens + 1]]
+        tokens = [int(t) for t in seq[prompt_len : prompt_len + new_tokens + 1]]
     else:
         sess = onnxkv.Session(path, threads=threads)
         if engine in ("onnxkv", "onnxkv-f16"):
-            state = sess.new_state(cache=onnxkv.CacheConfig(initial_capacity=prompt_len + new_tokens + 1,
-                                                            kv_format="fp16" if engine == "onnxkv-f16" else None))
+            state = sess.new_state(
+                cache=onnxkv.CacheConfig(
+                    initial_capacity=prompt_len + new_tokens + 1, kv_format="fp16" if engine == "onnxkv-f16" else None
+                )
+            )
             run, thread_cache = state.run, False
         elif engine == "onnxkv-tensor":
             run, thread_cache = sess.run, True
@@ -149,8 +152,13 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             peer = ort.InferenceSession(str(sess.model.path), so, providers=["CPUExecutionProvider"])
             run = lambda f, o: dict(zip(o, peer.run(o, f)))  # noqa: E731
             thread_cache = True
-        _feed_loop(sess, prompt[:, :8], 2, sess.new_state().run if engine.startswith("onnxkv-f") or
-                   engine == "onnxkv" else run, thread_cache)
+        _feed_loop(
+            sess,
+            prompt[:, :8],
+            2,
+            sess.new_state().run if engine.startswith("onnxkv-f") or engine == "onnxkv" else run,
+            thread_cache,
+        )
         chunk = PREFILL_CHUNK if engine in ("onnxkv", "onnxkv-f16") else None
         prefill, samples, tokens = _feed_loop(sess, prompt, new_tokens, run, thread_cache, chunk)
         result["peak_rss_bytes"] = peak_rss()  # before the event-log session below maps the weights again
@@ -165,19 +173,28 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             decode_steps = log.steps()[1:]
             per_step = [log.totals(s) for s in decode_steps]
             result["events_per_decode_step"] = {
-                k: per_step[-1][k] for k in ("allocations", "allocated_bytes", "prefix_copied_bytes",
-                                             "append_copied_bytes", "cow_copied_bytes")}
+                k: per_step[-1][k]
+                for k in (
+                    "allocations",
+                    "allocated_bytes",
+                    "prefix_copied_bytes",
+                    "append_copied_bytes",
+                    "cow_copied_bytes",
+                )
+            }
             cache = [e for e in log if e.action == "cache_write" and e.step == decode_steps[-1]]
             result["events_cache_writes_per_decode_step"] = {
                 "allocations": sum(e.allocations for e in cache),
                 "prefix_copied_bytes": sum(e.prefix_copied_bytes for e in cache),
-                "append_copied_bytes": sum(e.append_copied_bytes for e in cache)}
+                "append_copied_bytes": sum(e.append_copied_bytes for e in cache),
+            }
         elif engine == "onnxkv-tensor":
             ev_sess = onnxkv.Session(path, threads=threads, events=True)
             _feed_loop(ev_sess, prompt, 8, ev_sess.run, True)
             t = ev_sess.events.totals(ev_sess.events.steps()[-1])
             result["events_per_decode_step"] = {
-                k: t[k] for k in ("allocations", "allocated_bytes", "prefix_copied_bytes", "append_copied_bytes")}
+                k: t[k] for k in ("allocations", "allocated_bytes", "prefix_copied_bytes", "append_copied_bytes")
+            }
     result.setdefault("peak_rss_bytes", peak_rss())
     result.update({"prefill_s": prefill, "per_token_s": samples, "median_token_s": median(samples), "tokens": tokens})
     return result
@@ -201,6 +218,8 @@ def _pool_rounds(rounds: list[dict]) -> dict:
     pooled["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
     pooled["rounds"] = [{k: r[k] for k in ("median_token_s", "prefill_s", "peak_rss_bytes")} for r in rounds]
     return pooled
+
+
 def dispatch_overhead(folder: Path, threads: int, repeats: int = 200) -> dict:
     """µs per node of the plan loop alone: kernels replaced by their recorded outputs."""
     import onnxkv
@@ -219,6 +238,7 @@ def dispatch_overhead(folder: Path, threads: int, repeats: int = 200) -> dict:
             res = run(ins, rt)
             recorded.append(res)
             return res
+
         return rec
 
     plan._steps = [(recorder(r), i, o) for r, i, o in original]
@@ -261,8 +281,12 @@ def _genai_options(folder: Path, threads: int) -> None:
     """Set the thread count and the shared past/present buffer in ``folder``'s genai_config.json."""
     cfg_path = folder / "genai_config.json"
     gc = json.loads(cfg_path.read_text())
-    gc["model"]["decoder"]["session_options"] = {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
-                                                 "log_id": "onnxruntime-genai", "provider_options": []}
+    gc["model"]["decoder"]["session_options"] = {
+        "intra_op_num_threads": threads,
+        "inter_op_num_threads": 1,
+        "log_id": "onnxruntime-genai",
+        "provider_options": [],
+    }
     gc["search"]["past_present_share_buffer"] = True
     cfg_path.write_text(json.dumps(gc, indent=1))
 
@@ -279,8 +303,10 @@ def builder_copy(tmp: Path, source: Path, threads: int) -> tuple[Path, int, int]
         shutil.copytree(source, folder)
         _genai_options(folder, threads)
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    weight_bytes = sum(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
-                       for t in model.graph.initializer)
+    weight_bytes = sum(
+        onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
+        for t in model.graph.initializer
+    )
     return folder, exported_vocab(folder / "model.onnx"), weight_bytes
 
 
@@ -294,8 +320,10 @@ def quantized_copy(tmp: Path, folder: Path, bits: int) -> tuple[Path, int]:
     if not out.exists():
         onnxkv.quantize_weights(folder, out, bits=bits, block_size=32, accuracy_level=4)
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    return out, sum(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
-                    for t in model.graph.initializer)
+    return out, sum(
+        onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
+        for t in model.graph.initializer
+    )
 
 
 def exported_vocab(path: Path) -> int:
@@ -313,15 +341,28 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--engines", default=DEFAULT_ENGINES)
-    ap.add_argument("--torch-model", type=Path, help="run the concat cases on this torch.onnx.export file "
-                    "(scripts/export_torch_small.py) instead of the builder's Concat graph")
-    ap.add_argument("--builder-folder", type=Path, help="folder with int4/ and fp32/ builder exports of the small "
-                    "model (scripts/export_builder_small.py): enables the builder-int4 and builder-fp32 cases")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run each case's engines this many times, alternating their order (default 1)")
+    ap.add_argument(
+        "--torch-model",
+        type=Path,
+        help="run the concat cases on this torch.onnx.export file "
+        "(scripts/export_torch_small.py) instead of the builder's Concat graph",
+    )
+    ap.add_argument(
+        "--builder-folder",
+        type=Path,
+        help="folder with int4/ and fp32/ builder exports of the small "
+        "model (scripts/export_builder_small.py): enables the builder-int4 and builder-fp32 cases",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each case's engines this many times, alternating their order (default 1)",
+    )
     ap.add_argument("--out")
-    ap.add_argument("--worker", nargs=6, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS"),
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker", nargs=6, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds: expected a positive count, got {args.rounds}")
@@ -343,8 +384,10 @@ def main() -> None:
         tmp = Path(tmp)
         tiny, _ = build(tmp, "tiny", "gqa", 2048, args.threads)
         overhead = dispatch_overhead(tiny, args.threads)
-        print(f"# dispatch overhead: {overhead['us_per_node']:.2f} µs/node over {overhead['nodes']} nodes",
-              file=sys.stderr)
+        print(
+            f"# dispatch overhead: {overhead['us_per_node']:.2f} µs/node over {overhead['nodes']} nodes",
+            file=sys.stderr,
+        )
         for case in args.cases.split(","):
             name, plen = case.split(":")
             size, family = name.split("-")
@@ -367,26 +410,39 @@ def main() -> None:
             else:
                 folder, vocab = build(tmp, size, family, max_length, args.threads)
                 source = "onnxkv.models builder"
-            entry = {"model": "small" if size == "builder" else size, "graph": family, "prompt": plen,
-                     "new_tokens": args.new_tokens, "batch": 1, "source": source, "engines": {}}
+            entry = {
+                "model": "small" if size == "builder" else size,
+                "graph": family,
+                "prompt": plen,
+                "new_tokens": args.new_tokens,
+                "batch": 1,
+                "source": source,
+                "engines": {},
+            }
             if weight_bytes is not None:
                 entry["weight_bytes_read_per_token"] = weight_bytes
             genai_ok = family in ("gqa", "int8", "int4") or size == "builder"
-            todo = [e for e in engines if not ((e == "ort-genai" and genai_version is None)
-                                               or (e in ("ort-genai", "onnxkv-f16") and not genai_ok))]
+            todo = [
+                e
+                for e in engines
+                if not (
+                    (e == "ort-genai" and genai_version is None) or (e in ("ort-genai", "onnxkv-f16") and not genai_ok)
+                )
+            ]
             runs: dict[str, list[dict]] = {e: [] for e in todo}
             bandwidth = [read_rate(256 << 20, args.threads) / 1e9] if weight_bytes is not None else []
             for rnd in range(args.rounds):
                 for engine in todo if rnd % 2 == 0 else todo[::-1]:
-                    r = run_worker(__file__, [engine, folder, plen, vocab, args.new_tokens, args.threads],
-                                   args.threads)
+                    r = run_worker(__file__, [engine, folder, plen, vocab, args.new_tokens, args.threads], args.threads)
                     runs[engine].append(r)
                     if "error" in r:
                         print(f"# {case} {engine}: FAILED {r['error']}", file=sys.stderr)
                         continue
-                    print(f"# {case} {engine} (round {rnd + 1}): {r['median_token_s'] * 1e3:.2f} ms/token, "
-                          f"prefill {r['prefill_s']:.2f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
-                          file=sys.stderr)
+                    print(
+                        f"# {case} {engine} (round {rnd + 1}): {r['median_token_s'] * 1e3:.2f} ms/token, "
+                        f"prefill {r['prefill_s']:.2f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
+                        file=sys.stderr,
+                    )
             for engine in todo:
                 entry["engines"][engine] = _pool_rounds(runs[engine])
             kv = entry["engines"].get("onnxkv", {})
@@ -397,21 +453,30 @@ def main() -> None:
                     entry[f"rss_ratio_onnxkv_over_{peer}"] = kv["peak_rss_bytes"] / p["peak_rss_bytes"]
                     if args.rounds > 1:
                         entry[f"ratio_onnxkv_over_{peer}_per_round"] = [
-                            a["median_token_s"] / b["median_token_s"] for a, b in zip(kv["rounds"], p["rounds"])]
+                            a["median_token_s"] / b["median_token_s"] for a, b in zip(kv["rounds"], p["rounds"])
+                        ]
             for peer in ("ort", "ort-genai"):
                 if "tokens" in kv and "tokens" in entry["engines"].get(peer, {}):
                     entry[f"same_tokens_as_{peer}"] = kv["tokens"][:8] == entry["engines"][peer]["tokens"][:8]
             if weight_bytes is not None:
                 bandwidth.append(read_rate(256 << 20, args.threads) / 1e9)
                 entry["read_bandwidth_gb_per_s"] = {"before": bandwidth[0], "after": bandwidth[1]}
-                for engine, r in entry["engines"].items():
+                for r in entry["engines"].values():
                     if "median_token_s" in r:
                         r["weight_gb_per_s"] = weight_bytes / r["median_token_s"] / 1e9
                         r["weight_read_fraction"] = r["weight_gb_per_s"] / max(bandwidth)
             results.append(entry)
-    emit({"benchmark": "generate", "machine": machine(),
-          "versions": {**versions(), "onnxruntime": onnxruntime.__version__, "onnxruntime_genai": genai_version},
-          "threads": args.threads, "results": results, "dispatch_overhead_tiny": overhead}, args.out)
+    emit(
+        {
+            "benchmark": "generate",
+            "machine": machine(),
+            "versions": {**versions(), "onnxruntime": onnxruntime.__version__, "onnxruntime_genai": genai_version},
+            "threads": args.threads,
+            "results": results,
+            "dispatch_overhead_tiny": overhead,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

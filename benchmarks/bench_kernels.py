@@ -6,6 +6,7 @@ raw samples (seconds) and medians, all measured side by side in this run.
 
     python benchmarks/bench_kernels.py [--threads N] [--repeat R] [--quick]
 """
+
 import argparse
 import json
 import os
@@ -21,8 +22,6 @@ from _common import cpu_model, gqa_decode_model  # noqa: E402
 
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
-
-
 
 
 def machine():
@@ -43,6 +42,7 @@ def versions():
     v = {"python": sys.version.split()[0], "numpy": np.__version__}
     try:
         import onnxkv
+
         v["onnxkv"] = onnxkv.__version__
     except Exception:  # pragma: no cover
         pass
@@ -69,7 +69,8 @@ def measure(variants, repeat):
     """variants: name -> callable.  Interleaves the variants round by round so
     that machine noise hits them alike."""
     for fn in variants.values():
-        fn(); fn()
+        fn()
+        fn()
     samples = {name: [] for name in variants}
     for _ in range(repeat):
         for name, fn in variants.items():
@@ -86,6 +87,7 @@ def with_simd(flag, fn):
             fn()
         finally:
             K.set_simd_enabled(True)
+
     return run
 
 
@@ -96,11 +98,18 @@ def kernel_cases(rng, quick):
     g = rng.standard_normal(n).astype(f)
     skip = rng.standard_normal((rows, n)).astype(f)
     out, out2 = np.empty_like(x), np.empty_like(x)
-    yield "rms_norm", {"x": [rows, n], "dtype": "float32"}, \
-        (lambda: K.rms_norm(x, g, 1e-6, out)), (lambda: R.rms_norm(x, g, 1e-6, out))
-    yield "skip_rms_norm", {"x": [rows, n], "dtype": "float32", "bias": True, "sum_out": True}, \
-        (lambda: K.skip_rms_norm(x, skip, g, g, 1e-6, out, out2)), \
-        (lambda: R.skip_rms_norm(x, skip, g, g, 1e-6, out, out2))
+    yield (
+        "rms_norm",
+        {"x": [rows, n], "dtype": "float32"},
+        (lambda: K.rms_norm(x, g, 1e-6, out)),
+        (lambda: R.rms_norm(x, g, 1e-6, out)),
+    )
+    yield (
+        "skip_rms_norm",
+        {"x": [rows, n], "dtype": "float32", "bias": True, "sum_out": True},
+        (lambda: K.skip_rms_norm(x, skip, g, g, 1e-6, out, out2)),
+        (lambda: R.skip_rms_norm(x, skip, g, g, 1e-6, out, out2)),
+    )
     s = (rng.standard_normal((32, 4096)) * 5).astype(f)
     so = np.empty_like(s)
     yield "softmax", {"x": [32, 4096], "dtype": "float32"}, (lambda: K.softmax(s, so)), (lambda: R.softmax(s, so))
@@ -112,9 +121,12 @@ def kernel_cases(rng, quick):
     cos, sin = np.cos(ang).astype(f), np.sin(ang).astype(f)
     pos = np.arange(128, dtype=np.int64)[None] + 1000
     xo = np.empty_like(xr)
-    yield "rotary_embedding", {"x": [1, 128, 32, 128], "rotary_dim": 128, "interleaved": False}, \
-        (lambda: K.rotary_embedding(xr, cos, sin, pos, False, xo)), \
-        (lambda: R.rotary_embedding(xr, cos, sin, pos, False, xo))
+    yield (
+        "rotary_embedding",
+        {"x": [1, 128, 32, 128], "rotary_dim": 128, "interleaved": False},
+        (lambda: K.rotary_embedding(xr, cos, sin, pos, False, xo)),
+        (lambda: R.rotary_embedding(xr, cos, sin, pos, False, xo)),
+    )
     # prefill attention (causal), one sequence
     B, Hq, Hkv, D, S = 1, 32, 8, 128, (128 if quick else 512)
     q = rng.standard_normal((B, Hq, S, D)).astype(f)
@@ -123,18 +135,20 @@ def kernel_cases(rng, quick):
     kl = np.array([S], np.int32)
     qp = np.arange(S, dtype=np.int32)[None]
     ao = np.empty_like(q)
-    yield "attention_prefill", {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "Sq": S, "ctx": S}, \
-        (lambda: K.attention(q, k, v, kl, qp, D ** -0.5, 0.0, -1, ao)), \
-        (lambda: R.attention(q, k, v, kl, qp, D ** -0.5, 0.0, -1, ao))
-
-
+    yield (
+        "attention_prefill",
+        {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "Sq": S, "ctx": S},
+        (lambda: K.attention(q, k, v, kl, qp, D**-0.5, 0.0, -1, ao)),
+        (lambda: R.attention(q, k, v, kl, qp, D**-0.5, 0.0, -1, ao)),
+    )
 
 
 def decode_cases(rng, contexts, threads, repeat):
     Hq, Hkv, D, B = 32, 8, 128, 1
-    scale = D ** -0.5
+    scale = D**-0.5
     try:
         import onnxruntime as ort
+
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
@@ -163,15 +177,15 @@ def decode_cases(rng, contexts, threads, repeat):
             # (present = past + new, copied by the op: the standard tensor path).
             feeds = {
                 "query": q.transpose(0, 2, 1, 3).reshape(B, 1, Hq * D).copy(),
-                "key": k[:, :, ctx - 1:ctx].transpose(0, 2, 1, 3).reshape(B, 1, Hkv * D).copy(),
-                "value": v[:, :, ctx - 1:ctx].transpose(0, 2, 1, 3).reshape(B, 1, Hkv * D).copy(),
-                "past_key": k[:, :, :ctx - 1].copy(),
-                "past_value": v[:, :, :ctx - 1].copy(),
+                "key": k[:, :, ctx - 1 : ctx].transpose(0, 2, 1, 3).reshape(B, 1, Hkv * D).copy(),
+                "value": v[:, :, ctx - 1 : ctx].transpose(0, 2, 1, 3).reshape(B, 1, Hkv * D).copy(),
+                "past_key": k[:, :, : ctx - 1].copy(),
+                "past_value": v[:, :, : ctx - 1].copy(),
                 "seqlens_k": np.array([ctx - 1], np.int32),
                 "total_sequence_length": np.array(ctx, np.int32),
             }
             variants["ort_gqa_copy_past"] = lambda: sess.run(["output"], feeds)
-            try:   # shared past/present buffer through IO binding (capacity = ctx)
+            try:  # shared past/present buffer through IO binding (capacity = ctx)
                 pk = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(k))
                 pv = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
                 ob = ort.OrtValue.ortvalue_from_numpy(np.empty((B, 1, Hq * D), np.float32))
@@ -202,19 +216,29 @@ def run(threads, repeat, args):
     K.set_num_threads(threads)
     try:
         from threadpoolctl import threadpool_limits
+
         limiter = threadpool_limits(limits=threads)
     except Exception:
         limiter = None
     rng = np.random.default_rng(0)
-    res = {"threads": {"kernels": K.get_num_threads(), "openmp": K.openmp_enabled(), "simd_path": K.simd_path(),
-                       "blas_limit": threads if limiter is not None else None, "ort_intra_op": threads},
-           "cases": []}
+    res = {
+        "threads": {
+            "kernels": K.get_num_threads(),
+            "openmp": K.openmp_enabled(),
+            "simd_path": K.simd_path(),
+            "blas_limit": threads if limiter is not None else None,
+            "ort_intra_op": threads,
+        },
+        "cases": [],
+    }
     if hasattr(os, "getloadavg"):
         res["loadavg_at_start"] = os.getloadavg()
     try:
         for name, shapes, kern, ref in kernel_cases(rng, args.quick):
-            r = measure({"onnxkv_simd": with_simd(True, kern), "onnxkv_scalar": with_simd(False, kern),
-                         "numpy_reference": ref}, repeat)
+            r = measure(
+                {"onnxkv_simd": with_simd(True, kern), "onnxkv_scalar": with_simd(False, kern), "numpy_reference": ref},
+                repeat,
+            )
             res["cases"].append({"kernel": name, "shapes": shapes, "results": r})
         res["cases"] += decode_cases(rng, args.contexts, threads, repeat)
     finally:
@@ -228,8 +252,13 @@ def run(threads, repeat, args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--threads", type=int, nargs="*", default=sorted({1, K.get_num_threads()}),
-                    help="thread counts to measure, one run each (default: 1 and all cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="*",
+        default=sorted({1, K.get_num_threads()}),
+        help="thread counts to measure, one run each (default: 1 and all cores)",
+    )
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
     ap.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384])

@@ -58,9 +58,16 @@ from _common import emit, machine, versions  # noqa: E402
 
 DEFAULT_POLICIES = "fp16,bf16,int8,int8-kivi,int8-head,int4,int4-kc,residual-int8,residual-int4,residual-int4-kc"
 #: Prompts of the trained byte-level model (the first ``--prompts`` are used).
-PROMPTS = ("The context manager is used to ", "def read_file(path):\n    ", "In this tutorial we will learn how ",
-           "import numpy as np\n\n", "The function returns a list of ", "class Node:\n    def __init__(self",
-           "To install the package, run ", "for i in range(10):\n    ")
+PROMPTS = (
+    "The context manager is used to ",
+    "def read_file(path):\n    ",
+    "In this tutorial we will learn how ",
+    "import numpy as np\n\n",
+    "The function returns a list of ",
+    "class Node:\n    def __init__(self",
+    "To install the package, run ",
+    "for i in range(10):\n    ",
+)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -76,8 +83,9 @@ def _policy(name: str | None) -> tuple:
     return name, False
 
 
-def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.ndarray | None = None,
-           block_size: int = 16):
+def decode(
+    session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.ndarray | None = None, block_size: int = 16
+):
     """Greedy (or teacher-forced on ``forced``) decoding on a paged state: (tokens, logits per step, bytes)."""
     import onnxkv
     from onnxkv.cache.policy import POLICIES
@@ -86,8 +94,12 @@ def decode(session, prompt: np.ndarray, new_tokens: int, kv_format, forced: np.n
     model = session.model
     fmt, channel = _policy(kv_format)
     # The policy objects keep every name's page-conversion meaning ("fp16": full pages converted).
-    cache = onnxkv.CacheConfig("paged", block_size=block_size, kv_format=None if fmt is None else POLICIES[fmt],
-                               key_layout=onnxkv.KeyLayout.CHANNEL if channel else None)
+    cache = onnxkv.CacheConfig(
+        "paged",
+        block_size=block_size,
+        kv_format=None if fmt is None else POLICIES[fmt],
+        key_layout=onnxkv.KeyLayout.CHANNEL if channel else None,
+    )
     state = session.new_state(cache=cache)
     b = FeedBuilder(session.plan.inputs, model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False)
     feeds, _ = b.first()
@@ -111,12 +123,20 @@ def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str], 
     ref_logp = _log_softmax(ref_logits)
     top2 = np.sort(ref_logits, axis=-1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
-    rows = {"fp32": {"token_agreement": 1.0, "forced_argmax_agreement": 1.0, "first_divergence": None,
-                     "divergence_margin": None, "mean_kl": 0.0, "max_logit_diff": 0.0,
-                     "committed_bytes": ref_bytes,
-                     # near-ties of the reference: positions whose top-2 margin is below 0.01 (a policy whose
-                     # logit error reaches the margin may flip that token, and free-running texts then part)
-                     "near_ties": {str(int(i)): round(float(margin[i]), 5) for i in np.flatnonzero(margin < 0.01)}}}
+    rows = {
+        "fp32": {
+            "token_agreement": 1.0,
+            "forced_argmax_agreement": 1.0,
+            "first_divergence": None,
+            "divergence_margin": None,
+            "mean_kl": 0.0,
+            "max_logit_diff": 0.0,
+            "committed_bytes": ref_bytes,
+            # near-ties of the reference: positions whose top-2 margin is below 0.01 (a policy whose
+            # logit error reaches the margin may flip that token, and free-running texts then part)
+            "near_ties": {str(int(i)): round(float(margin[i]), 5) for i in np.flatnonzero(margin < 0.01)},
+        }
+    }
     for name in policies:
         tokens, _, committed = decode(session, prompt, new_tokens, name, block_size=block_size)
         same = tokens == ref_tokens
@@ -135,8 +155,7 @@ def evaluate(session, prompt: np.ndarray, new_tokens: int, policies: list[str], 
             "committed_bytes": committed,
             "committed_vs_fp32": committed / ref_bytes,
         }
-    return {"prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens, "block_size": block_size,
-            "policies": rows}
+    return {"prompt_tokens": int(prompt.shape[1]), "new_tokens": new_tokens, "block_size": block_size, "policies": rows}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -152,8 +171,9 @@ def summarize(runs: list[dict]) -> dict:
             "mean_kl": float(np.mean([r["mean_kl"] for r in rows])),
             "max_logit_diff": float(max(r["max_logit_diff"] for r in rows)),
             "divergence_margins": [r["divergence_margin"] for r in rows if r["divergence_margin"] is not None],
-            "committed_vs_fp32": (float(np.mean([r["committed_vs_fp32"] for r in rows]))
-                                  if "committed_vs_fp32" in rows[0] else None),
+            "committed_vs_fp32": (
+                float(np.mean([r["committed_vs_fp32"] for r in rows])) if "committed_vs_fp32" in rows[0] else None
+            ),
         }
     return out
 
@@ -177,7 +197,7 @@ def main() -> None:
     results = {}
     trained = onnxkv.Session(embedded.embedded_model_dir(), threads=args.threads)
     runs = []
-    for text in PROMPTS[:args.prompts]:
+    for text in PROMPTS[: args.prompts]:
         prompt = np.array([embedded.encode(text)], np.int64)
         runs.append({"prompt": text, **evaluate(trained, prompt, args.new_tokens, policies, args.block_size)})
         print(f"embedded_trained: prompt {len(runs)}/{args.prompts} done", file=sys.stderr, flush=True)
@@ -190,12 +210,25 @@ def main() -> None:
             prompt = np.random.default_rng(seed).integers(0, SMALL.vocab_size, (1, 64))
             runs.append({"prompt_seed": seed, **evaluate(small, prompt, args.new_tokens, policies, args.block_size)})
         results["small_random"] = {"summary": summarize(runs), "prompts": runs}
-    lines = [f"{model} {name}: agreement mean {row['mean_token_agreement']:.3f} min {row['min_token_agreement']:.3f}, "
-             f"teacher-forced mean {row['mean_forced_argmax_agreement']:.4f} min "
-             f"{row['min_forced_argmax_agreement']:.4f}, mean KL {row['mean_kl']:.2e}"
-             for model, res in results.items() for name, row in res["summary"].items()]
-    emit({"benchmark": "kv_quality", "machine": machine(), "versions": versions(), "threads": args.threads,
-          "block_size": args.block_size, "results": results}, args.out, summary=lines)
+    lines = [
+        f"{model} {name}: agreement mean {row['mean_token_agreement']:.3f} min {row['min_token_agreement']:.3f}, "
+        f"teacher-forced mean {row['mean_forced_argmax_agreement']:.4f} min "
+        f"{row['min_forced_argmax_agreement']:.4f}, mean KL {row['mean_kl']:.2e}"
+        for model, res in results.items()
+        for name, row in res["summary"].items()
+    ]
+    emit(
+        {
+            "benchmark": "kv_quality",
+            "machine": machine(),
+            "versions": versions(),
+            "threads": args.threads,
+            "block_size": args.block_size,
+            "results": results,
+        },
+        args.out,
+        summary=lines,
+    )
 
 
 if __name__ == "__main__":

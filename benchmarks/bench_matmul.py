@@ -37,6 +37,7 @@ of ``--nbits-nodes`` such nodes run through each engine's public API), under
     python benchmarks/bench_matmul.py [--threads 1 2] [--M 1 2 4 8 16] [--shapes 1024x1024 ... step]
                                       [--rounds 3] [--inner 20] [--nbits [--nbits-shapes ...]] [--out FILE]
 """
+
 import argparse
 import json
 import os
@@ -56,11 +57,18 @@ from onnxkv._kernels import matmul as MM  # noqa: E402
 from onnxkv._kernels import reference as R  # noqa: E402
 from onnxkv.models.config import SMALL  # noqa: E402
 
-_H, _KV, _I = SMALL.hidden_size, SMALL.num_kv_heads * (SMALL.head_size or SMALL.hidden_size // SMALL.num_heads), \
-    SMALL.intermediate_size
+_H, _KV, _I = (
+    SMALL.hidden_size,
+    SMALL.num_kv_heads * (SMALL.head_size or SMALL.hidden_size // SMALL.num_heads),
+    SMALL.intermediate_size,
+)
 #: (K, N) -> how many products of that shape one SMALL decode step runs.
-STEP = {(_H, _H): 2 * SMALL.num_layers, (_H, _KV): 2 * SMALL.num_layers, (_H, _I): 2 * SMALL.num_layers,
-        (_I, _H): SMALL.num_layers}
+STEP = {
+    (_H, _H): 2 * SMALL.num_layers,
+    (_H, _KV): 2 * SMALL.num_layers,
+    (_H, _I): 2 * SMALL.num_layers,
+    (_I, _H): SMALL.num_layers,
+}
 STEP[(_H, SMALL.vocab_size)] = STEP.get((_H, SMALL.vocab_size), 0) + 1
 SHAPES = list(STEP)
 ENGINES = ["onnxkv_packed", "onnxkv_packed_avx2", "onnxkv_rows", "numpy_blas", "onnxruntime"]
@@ -79,8 +87,12 @@ def versions():
     v["onnxkv_openmp"] = K.openmp_enabled()
     try:
         from threadpoolctl import threadpool_info
-        v["blas"] = [{k: i.get(k) for k in ("internal_api", "version", "threading_layer", "architecture",
-                                             "num_threads")} for i in threadpool_info() if i.get("user_api") == "blas"]
+
+        v["blas"] = [
+            {k: i.get(k) for k in ("internal_api", "version", "threading_layer", "architecture", "num_threads")}
+            for i in threadpool_info()
+            if i.get("user_api") == "blas"
+        ]
     except Exception:
         v["blas"] = None
     return v
@@ -103,10 +115,12 @@ def ort_session(ws, threads):
 
     ks = sorted({w.shape[0] for w in ws})
     graph = helper.make_graph(
-        [helper.make_node("MatMul", [f"x{w.shape[0]}", f"w{i}"], [f"y{i}"]) for i, w in enumerate(ws)], "matmul",
+        [helper.make_node("MatMul", [f"x{w.shape[0]}", f"w{i}"], [f"y{i}"]) for i, w in enumerate(ws)],
+        "matmul",
         [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, ["M", k]) for k in ks],
         [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["M", w.shape[1]]) for i, w in enumerate(ws)],
-        initializer=[numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)])
+        initializer=[numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model)
@@ -126,6 +140,7 @@ def ort_runner(sess, xs, outs):
 
     def run():
         sess.run_with_iobinding(io)
+
     return run
 
 
@@ -139,10 +154,12 @@ def runner(engine, threads, ws, xs, outs, prepared):
             for wp, out in zip(prepared, outs):
                 MM.matmul_packed(xs[wp.shape[1]], wp, out)
     elif engine == "onnxkv_rows":
+
         def fn():
             for w, out in zip(ws, outs):
                 K.matmul_rows(xs[w.shape[0]], w, out)
     elif engine == "numpy_blas":
+
         def fn():
             for w, out in zip(ws, outs):
                 np.matmul(xs[w.shape[0]], w, out=out)
@@ -195,8 +212,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--M", type=int, nargs="*", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--shapes", nargs="*", default=[f"{k}x{n}" for k, n in SHAPES] + ["step"],
-                    help="KxN weight shapes, or 'step' (all weights of one SMALL decode step)")
+    ap.add_argument(
+        "--shapes",
+        nargs="*",
+        default=[f"{k}x{n}" for k, n in SHAPES] + ["step"],
+        help="KxN weight shapes, or 'step' (all weights of one SMALL decode step)",
+    )
     ap.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES + OPT_IN)
     ap.add_argument("--rounds", type=int, default=3, help="subprocess rounds per engine and thread count")
     ap.add_argument("--nbits", action="store_true", help="also the MatMulNBits cases (see above)")
@@ -211,22 +232,43 @@ def main():
         json.dump(worker(args.worker, args.threads[0], args.shapes, args.M, args.inner, args.seed), sys.stdout)
         return
 
-    doc = {"benchmark": "matmul", "machine": machine(), "versions": versions(),
-           "cpu_features": K.cpu_features(),
-           "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-           "method": {"rounds": args.rounds, "inner": args.inner,
-                      "isolation": "each engine runs in its own subprocess (its thread pool alone in the "
-                                   "process); rounds alternate engines; calls back to back after 3 warm-up calls",
-                      "gbps": "weight bytes / median seconds"},
-           "errors": [], "cases": []}
-    samples = {}   # (threads, case, engine) -> list
+    doc = {
+        "benchmark": "matmul",
+        "machine": machine(),
+        "versions": versions(),
+        "cpu_features": K.cpu_features(),
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "method": {
+            "rounds": args.rounds,
+            "inner": args.inner,
+            "isolation": "each engine runs in its own subprocess (its thread pool alone in the "
+            "process); rounds alternate engines; calls back to back after 3 warm-up calls",
+            "gbps": "weight bytes / median seconds",
+        },
+        "errors": [],
+        "cases": [],
+    }
+    samples = {}  # (threads, case, engine) -> list
     errs = {}
     for _ in range(args.rounds):
         for threads in args.threads:
             for engine in args.engines:
-                cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--threads", str(threads),
-                       "--inner", str(args.inner), "--seed", str(args.seed), "--M", *map(str, args.M),
-                       "--shapes", *args.shapes]
+                cmd = [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--worker",
+                    engine,
+                    "--threads",
+                    str(threads),
+                    "--inner",
+                    str(args.inner),
+                    "--seed",
+                    str(args.seed),
+                    "--M",
+                    *map(str, args.M),
+                    "--shapes",
+                    *args.shapes,
+                ]
                 p = subprocess.run(cmd, capture_output=True, text=True)
                 if p.returncode != 0:
                     doc["errors"].append({"engine": engine, "threads": threads, "stderr": p.stderr[-2000:]})
@@ -244,39 +286,66 @@ def main():
                     desc = {"x": [M, "K"], "products": {f"{k}x{n}": c for (k, n), c in STEP.items()}}
                 else:
                     desc = {"x": [M, shapes[0][0]], "w": list(shapes[0]), "out": [M, shapes[0][1]]}
-                case = {"threads": threads, "case": spec, "M": M, "shapes": desc, "weight_bytes": nbytes,
-                        "engines": {}}
+                case = {"threads": threads, "case": spec, "M": M, "shapes": desc, "weight_bytes": nbytes, "engines": {}}
                 for engine in args.engines:
                     s = samples.get((threads, key, engine))
                     if not s:
                         continue
                     med = statistics.median(s)
                     case["engines"][engine] = {
-                        "samples_s": s, "median_s": med, "min_s": min(s),
-                        "gbps_median": nbytes / med / 1e9, "gbps_best": nbytes / min(s) / 1e9,
-                        "max_abs_err": errs[(threads, key, engine)]}
+                        "samples_s": s,
+                        "median_s": med,
+                        "min_s": min(s),
+                        "gbps_median": nbytes / med / 1e9,
+                        "gbps_best": nbytes / min(s) / 1e9,
+                        "max_abs_err": errs[(threads, key, engine)],
+                    }
                 if args.engines[0] in case["engines"]:
                     base = case["engines"][args.engines[0]]["median_s"]
-                    case[f"time_ratio_vs_{args.engines[0]}"] = {n: e["median_s"] / base
-                                                                for n, e in case["engines"].items()}
+                    case[f"time_ratio_vs_{args.engines[0]}"] = {
+                        n: e["median_s"] / base for n, e in case["engines"].items()
+                    }
                 doc["cases"].append(case)
-                print(f"# t{threads} {spec} M{M}: " + "  ".join(
-                    f"{n} {e['median_s'] * 1e3:.3f}ms {e['gbps_median']:.1f}GB/s"
-                    for n, e in case["engines"].items()), file=sys.stderr, flush=True)
+                print(
+                    f"# t{threads} {spec} M{M}: "
+                    + "  ".join(
+                        f"{n} {e['median_s'] * 1e3:.3f}ms {e['gbps_median']:.1f}GB/s"
+                        for n, e in case["engines"].items()
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
     doc["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     doc["summary"] = [
-        {"threads": c["threads"], "M": c["M"], "case": c["case"],
-         **{f"{n}_median_ms": round(e["median_s"] * 1e3, 4) for n, e in c["engines"].items()},
-         **{f"{n}_gbps": round(e["gbps_median"], 2) for n, e in c["engines"].items()}}
-        for c in doc["cases"]]
+        {
+            "threads": c["threads"],
+            "M": c["M"],
+            "case": c["case"],
+            **{f"{n}_median_ms": round(e["median_s"] * 1e3, 4) for n, e in c["engines"].items()},
+            **{f"{n}_gbps": round(e["gbps_median"], 2) for n, e in c["engines"].items()},
+        }
+        for c in doc["cases"]
+    ]
     doc["step_estimate"] = step_estimate(doc["cases"], args)
     for row in doc["step_estimate"]:
-        print(f"# step t{row['threads']} M{row['M']}: " + "  ".join(
-            f"{n} {ms:.2f}ms" for n, ms in row["median_ms"].items()), file=sys.stderr, flush=True)
+        print(
+            f"# step t{row['threads']} M{row['M']}: "
+            + "  ".join(f"{n} {ms:.2f}ms" for n, ms in row["median_ms"].items()),
+            file=sys.stderr,
+            flush=True,
+        )
     if args.nbits:
-        cases, lines = bench_matmul_nbits.run(args.nbits_shapes, args.nbits_bits, args.nbits_M, args.threads,
-                                              args.nbits_nodes, args.nbits_block, args.nbits_level, args.rounds,
-                                              args.inner)
+        cases, lines = bench_matmul_nbits.run(
+            args.nbits_shapes,
+            args.nbits_bits,
+            args.nbits_M,
+            args.threads,
+            args.nbits_nodes,
+            args.nbits_block,
+            args.nbits_level,
+            args.rounds,
+            args.inner,
+        )
         doc["matmul_nbits"] = cases
         for line in lines:
             print(f"# MatMulNBits {line}", file=sys.stderr, flush=True)
@@ -295,9 +364,14 @@ def step_estimate(cases, args):
                 if all(parts):
                     per[engine] = sum(n * p["median_s"] for n, p in zip(STEP.values(), parts)) * 1e3
             if per:
-                rows.append({"threads": threads, "M": M, "products": {"x".join(map(str, k)): n
-                                                                        for k, n in STEP.items()},
-                             "median_ms": per})
+                rows.append(
+                    {
+                        "threads": threads,
+                        "M": M,
+                        "products": {"x".join(map(str, k)): n for k, n in STEP.items()},
+                        "median_ms": per,
+                    }
+                )
     return rows
 
 

@@ -18,6 +18,7 @@ same cases (``run``) inside its own document.
     python benchmarks/bench_matmul_nbits.py [--shapes 1024x1024 1024x2816 1024x8000 2816x1024] [--bits 4 8]
                                             [--M 1] [--threads 2] [--nodes 4] [--rounds 3] [--inner 50] [--out F]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,14 +47,27 @@ def nbits_model(K: int, N: int, bits: int, nodes: int, block: int, level: int, s
         B = rng.integers(0, 256, (N, nblk, block * bits // 8), dtype=np.uint8)
         s = (rng.random((N * nblk,), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
         inits += [numpy_helper.from_array(B, f"B{i}"), numpy_helper.from_array(s, f"s{i}")]
-        graph_nodes.append(helper.make_node("MatMulNBits", ["x", f"B{i}", f"s{i}"], [f"y{i}"], name=f"mnb{i}",
-                                            domain="com.microsoft", K=K, N=N, bits=bits, block_size=block,
-                                            accuracy_level=level))
+        graph_nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                ["x", f"B{i}", f"s{i}"],
+                [f"y{i}"],
+                name=f"mnb{i}",
+                domain="com.microsoft",
+                K=K,
+                N=N,
+                bits=bits,
+                block_size=block,
+                accuracy_level=level,
+            )
+        )
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["M", N]))
-    graph = helper.make_graph(graph_nodes, "nbits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
-                              outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+    graph = helper.make_graph(
+        graph_nodes, "nbits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])], outputs, inits
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
     model.ir_version = 10
     return model
 
@@ -95,8 +109,9 @@ def add_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(f"--{prefix}level", type=int, default=4, help="accuracy_level of the nodes")
 
 
-def run(shapes, bits_list, Ms, threads_list, nodes: int, block: int, level: int, rounds: int, inner: int,
-        engines=ENGINES) -> tuple[list, list]:
+def run(
+    shapes, bits_list, Ms, threads_list, nodes: int, block: int, level: int, rounds: int, inner: int, engines=ENGINES
+) -> tuple[list, list]:
     """Measures every (shape, bits, threads, M); returns (cases, one summary line per case)."""
     import onnx
 
@@ -121,9 +136,18 @@ def run(shapes, bits_list, Ms, threads_list, nodes: int, block: int, level: int,
                                 if isinstance(runs[e], list):
                                     runs[e].append(res["samples"])
                                 first.setdefault(e, res["y0"])
-                        case = {"K": K, "N": N, "bits": bits, "M": M, "threads": threads, "nodes": nodes,
-                                "block": block, "accuracy_level": level, "weight_bytes_per_node": weight_bytes,
-                                "engines": {}}
+                        case = {
+                            "K": K,
+                            "N": N,
+                            "bits": bits,
+                            "M": M,
+                            "threads": threads,
+                            "nodes": nodes,
+                            "block": block,
+                            "accuracy_level": level,
+                            "weight_bytes_per_node": weight_bytes,
+                            "engines": {},
+                        }
                         for e, rr in runs.items():
                             if isinstance(rr, dict):
                                 case["engines"][e] = rr
@@ -131,19 +155,26 @@ def run(shapes, bits_list, Ms, threads_list, nodes: int, block: int, level: int,
                             pooled = [x for r_ in rr for x in r_]
                             med = median(pooled)
                             case["engines"][e] = {
-                                "samples_s": rr, "median_s": med, "round_medians_s": [median(r_) for r_ in rr],
-                                "per_node_us": med / nodes * 1e6, "gb_per_s": weight_bytes * nodes / med / 1e9}
+                                "samples_s": rr,
+                                "median_s": med,
+                                "round_medians_s": [median(r_) for r_ in rr],
+                                "per_node_us": med / nodes * 1e6,
+                                "gb_per_s": weight_bytes * nodes / med / 1e9,
+                            }
                         kv, ort = case["engines"].get("onnxkv", {}), case["engines"].get("onnxruntime", {})
                         if "median_s" in kv and "median_s" in ort:
                             case["ort_over_onnxkv"] = ort["median_s"] / kv["median_s"]
                             case["ort_over_onnxkv_per_round"] = [
-                                b / a for a, b in zip(kv["round_medians_s"], ort["round_medians_s"])]
+                                b / a for a, b in zip(kv["round_medians_s"], ort["round_medians_s"])
+                            ]
                             a, b = np.array(first["onnxkv"]), np.array(first["onnxruntime"])
                             case["max_abs_diff_vs_ort"] = float(np.abs(a - b).max())
                             case["max_abs_ort"] = float(np.abs(b).max())
-                            summary.append(f"{K}x{N} int{bits} M={M} threads={threads}: onnxkv "
-                                           f"{kv['per_node_us']:.1f} us/node, ORT {ort['per_node_us']:.1f} us/node, "
-                                           f"ORT/onnxkv {case['ort_over_onnxkv']:.2f}")
+                            summary.append(
+                                f"{K}x{N} int{bits} M={M} threads={threads}: onnxkv "
+                                f"{kv['per_node_us']:.1f} us/node, ORT {ort['per_node_us']:.1f} us/node, "
+                                f"ORT/onnxkv {case['ort_over_onnxkv']:.2f}"
+                            )
                         cases.append(case)
     return cases, summary
 
@@ -162,11 +193,25 @@ def main() -> None:
         engine, threads, path, M, K, inner = args.worker
         print(json.dumps(worker(engine, int(threads), path, int(M), int(K), int(inner))))
         return
-    doc = {"benchmark": "matmul_nbits", "machine": machine(), "versions": versions("onnxruntime"),
-           "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}}
+    doc = {
+        "benchmark": "matmul_nbits",
+        "machine": machine(),
+        "versions": versions("onnxruntime"),
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+    }
     doc["machine"]["loadavg_at_start"] = [round(v, 2) for v in os.getloadavg()]
-    doc["cases"], summary = run(args.shapes, args.bits, args.M, args.threads, args.nodes, args.block, args.level,
-                                args.rounds, args.inner, args.engines)
+    doc["cases"], summary = run(
+        args.shapes,
+        args.bits,
+        args.M,
+        args.threads,
+        args.nodes,
+        args.block,
+        args.level,
+        args.rounds,
+        args.inner,
+        args.engines,
+    )
     emit(doc, args.out, summary, loadavg=True)
 
 

@@ -37,6 +37,7 @@ paged (block size 16) float32 median <= 1.1x contiguous at 16384 tokens with
     python benchmarks/bench_paged_decode.py [--threads 2] [--contexts 4096 16384]
         [--block-sizes 16 32 64] [--repeat N] [--no-ort] [--allocator slab|system] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import PAGE_ALLOCATORS, emit, kv_page_allocators, machine, versions  # noqa: E402
-from bench_decode_attention import B, D, HKV, HQ, measure, ort_decode_on_copies, ort_session  # noqa: E402
+from bench_decode_attention import HKV, HQ, B, D, measure, ort_decode_on_copies, ort_session  # noqa: E402
 
 import onnxkv._kernels as K  # noqa: E402
 from onnxkv.alloc import ArenaAllocator  # noqa: E402
@@ -76,13 +77,13 @@ class PagedCopy:
         self.table = rng.permutation(m).astype(np.int32)[None, :]
         self.buffers = []
         addrs = {"k": np.zeros(m, np.uint64), "v": np.zeros(m, np.uint64)}
-        for i in range(m):      # logical block i lives in page table[0, i]
+        for i in range(m):  # logical block i lives in page table[0, i]
             pid = int(self.table[0, i])
             n = min(bs, ctx - i * bs)
             for name, src, alloc in (("k", k, allocators[0]), ("v", v, allocators[1])):
                 buf = alloc.allocate(hkv * bs * d * src.itemsize, 64)
                 page = buf.view(src.dtype, (hkv, bs, d))
-                page[:, :n] = src[0, :, i * bs:i * bs + n]
+                page[:, :n] = src[0, :, i * bs : i * bs + n]
                 page[:, n:] = 0
                 addrs[name][pid] = buf.address
                 self.buffers.append(buf)
@@ -91,7 +92,7 @@ class PagedCopy:
 
 def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng, kind) -> dict:
     """All variants at all thread counts, interleaved; returns {threads: case}."""
-    scale = D ** -0.5
+    scale = D**-0.5
     q = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
     kf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
     vf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
@@ -118,23 +119,34 @@ def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng, kind) -> 
     def paged_call(dt, bs):
         pc = paged[(dt, bs)]
         kvd = "float16" if dt == "f16" else "float32"
-        return lambda: K.paged_attention(q, pc.k_addr, pc.v_addr, pc.table, pc.bs, HKV, kv_len, q_pos, scale,
-                                         0.0, -1, out, kv_dtype=kvd)
+        return lambda: K.paged_attention(
+            q, pc.k_addr, pc.v_addr, pc.table, pc.bs, HKV, kv_len, q_pos, scale, 0.0, -1, out, kv_dtype=kvd
+        )
 
     def on(t, fn):
         def run():
             K.set_num_threads(t)
             fn()
+
         return run
 
     cases, variants = {}, {}
     for t in threads_list:
-        case = {"threads": t,
-                "shapes": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "Sq": 1, "ctx": ctx, "block_sizes": block_sizes,
-                           "contiguous_layout": "[B, Hkv, ctx, D]",
-                           "page_layout": f"[Hkv, block_size, D], one aligned allocation per page ({kind}), "
-                                          "page ids shuffled"},
-                "max_abs_diff_paged_vs_contiguous": {}}
+        case = {
+            "threads": t,
+            "shapes": {
+                "B": B,
+                "Hq": HQ,
+                "Hkv": HKV,
+                "D": D,
+                "Sq": 1,
+                "ctx": ctx,
+                "block_sizes": block_sizes,
+                "contiguous_layout": "[B, Hkv, ctx, D]",
+                "page_layout": f"[Hkv, block_size, D], one aligned allocation per page ({kind}), page ids shuffled",
+            },
+            "max_abs_diff_paged_vs_contiguous": {},
+        }
         K.set_num_threads(t)
         for dt in DTYPES:
             want = np.empty_like(q)
@@ -174,8 +186,10 @@ def run_context(ctx, threads_list, block_sizes, repeat, sessions, rng, kind) -> 
         c4 = res["onnxkv_contiguous_f32_small_pages"]
         for name in [f"f32_bs{bs}" for bs in block_sizes]:
             p = res[f"onnxkv_paged_{name}"]
-            ratios[f"{name}_vs_contiguous_small_pages"] = {"median": p["median_s"] / c4["median_s"],
-                                                           "best": p["min_s"] / c4["min_s"]}
+            ratios[f"{name}_vs_contiguous_small_pages"] = {
+                "median": p["median_s"] / c4["median_s"],
+                "best": p["min_s"] / c4["min_s"],
+            }
         case["paged_over_contiguous"] = ratios
     return cases
 
@@ -187,19 +201,38 @@ def main(argv=None):
     ap.add_argument("--block-sizes", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
-    ap.add_argument("--allocator", choices=PAGE_ALLOCATORS, default=PAGE_ALLOCATORS[0],
-                    help="page storage: slab (a paged state's default: a SlabAllocator, one lane per plane) or "
-                         "system (one NumPy array per page)")
+    ap.add_argument(
+        "--allocator",
+        choices=PAGE_ALLOCATORS,
+        default=PAGE_ALLOCATORS[0],
+        help="page storage: slab (a paged state's default: a SlabAllocator, one lane per plane) or "
+        "system (one NumPy array per page)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
 
-    doc = {"benchmark": "paged_decode_attention", "machine": machine(), "versions": versions("onnxruntime"),
-           "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "Sq": 1, "contexts": args.contexts,
-                      "block_sizes": args.block_sizes, "threads": args.threads, "repeat": args.repeat,
-                      "dtypes": list(DTYPES), "bar": BAR, "page_allocator": args.allocator,
-                      "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
-                              "bound to the same float32 buffer via IOBinding"},
-           "runs": []}
+    doc = {
+        "benchmark": "paged_decode_attention",
+        "machine": machine(),
+        "versions": versions("onnxruntime"),
+        "config": {
+            "Hq": HQ,
+            "Hkv": HKV,
+            "D": D,
+            "B": B,
+            "Sq": 1,
+            "contexts": args.contexts,
+            "block_sizes": args.block_sizes,
+            "threads": args.threads,
+            "repeat": args.repeat,
+            "dtypes": list(DTYPES),
+            "bar": BAR,
+            "page_allocator": args.allocator,
+            "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
+            "bound to the same float32 buffer via IOBinding",
+        },
+        "runs": [],
+    }
     rng = np.random.default_rng(0)
     old = K.get_num_threads()
     try:
@@ -209,12 +242,13 @@ def main(argv=None):
             if args.no_ort:
                 continue
             try:
-                sessions[t] = ort_session(t, D ** -0.5, False)
+                sessions[t] = ort_session(t, D**-0.5, False)
             except Exception as e:  # onnxruntime missing or the op unsupported
                 runs[t]["ort_error"] = f"{type(e).__name__}: {e}"
         for ctx in args.contexts:
-            for t, case in run_context(ctx, args.threads, args.block_sizes, args.repeat, sessions, rng,
-                                       args.allocator).items():
+            for t, case in run_context(
+                ctx, args.threads, args.block_sizes, args.repeat, sessions, rng, args.allocator
+            ).items():
                 runs[t]["cases"].append(case)
             print(f"  done ctx={ctx}", file=sys.stderr)
         doc["runs"] = [runs[t] for t in args.threads]
@@ -227,16 +261,25 @@ def main(argv=None):
             res = case["results"]
             parts = [f"{name}={r['median_s'] * 1e3:.3f}ms" for name, r in res.items()]
             ratios = [f"{k}={v['median']:.3f}" for k, v in case["paged_over_contiguous"].items()]
-            lines.append(f"threads={run['threads']} ctx={case['shapes']['ctx']}: " + ", ".join(parts)
-                         + "\n  paged/contiguous (median): " + ", ".join(ratios))
+            lines.append(
+                f"threads={run['threads']} ctx={case['shapes']['ctx']}: "
+                + ", ".join(parts)
+                + "\n  paged/contiguous (median): "
+                + ", ".join(ratios)
+            )
             if case["threads"] == BAR["threads"] and case["shapes"]["ctx"] == BAR["ctx"]:
                 ratio = case["paged_over_contiguous"]["f32_bs16"]["median"]
-                doc["bar_result"] = {**BAR, "ratio_median": ratio,
-                                     "ratio_best": case["paged_over_contiguous"]["f32_bs16"]["best"],
-                                     "met": ratio <= BAR["max_ratio_paged_over_contiguous"]}
-                lines.append(f"BAR paged/contiguous f32 bs16 ctx={BAR['ctx']} threads={BAR['threads']}: "
-                             f"{ratio:.3f} (need <= {BAR['max_ratio_paged_over_contiguous']}) -> "
-                             + ("MET" if doc["bar_result"]["met"] else "NOT MET"))
+                doc["bar_result"] = {
+                    **BAR,
+                    "ratio_median": ratio,
+                    "ratio_best": case["paged_over_contiguous"]["f32_bs16"]["best"],
+                    "met": ratio <= BAR["max_ratio_paged_over_contiguous"],
+                }
+                lines.append(
+                    f"BAR paged/contiguous f32 bs16 ctx={BAR['ctx']} threads={BAR['threads']}: "
+                    f"{ratio:.3f} (need <= {BAR['max_ratio_paged_over_contiguous']}) -> "
+                    + ("MET" if doc["bar_result"]["met"] else "NOT MET")
+                )
     emit(doc, args.out, lines, loadavg=True)
 
 

@@ -68,6 +68,7 @@ spread over the probabilities-times-values loop of the item before (default
 48: int8 pages' 64 lines per head split 48 + 16, int4 pages' 32 all with the
 keys); recorded as config.prefetch_qk_lines.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,19 +79,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import PAGE_ALLOCATORS, emit, kv_page_allocators, machine, versions  # noqa: E402
-from bench_decode_attention import B, D, HKV, HQ, measure, ort_decode_on_copies, ort_session  # noqa: E402
+from bench_decode_attention import HKV, HQ, B, D, measure, ort_decode_on_copies, ort_session  # noqa: E402
 
 import onnxkv._kernels as K  # noqa: E402
 from onnxkv.cache import formats  # noqa: E402
 
 BS = 16
-AMX_PV = {"off": 0, "keys": 1, "all": 2}   # --amx-pv: modes of attention._set_attention_amx_pv
-RECENT = 1024        # mixed variant: tokens kept float32
+AMX_PV = {"off": 0, "keys": 1, "all": 2}  # --amx-pv: modes of attention._set_attention_amx_pv
+RECENT = 1024  # mixed variant: tokens kept float32
 INT8, INT4, UINT8, F32 = 3, 22, 2, 1
-BARS = {"ctx": 16384, "threads": 2,
-        "min_speedup_vs_ort": {"int8": 8.0, "int8_policy": 8.0, "int4": 10.0},
-        "min_speedup_vs_onnxkv_f32": {"int8": 2.0, "int8_policy": 2.0},
-        "max_bytes_over_f32": {"int8": 0.27, "int8_policy": 0.27, "int4": 0.14}}
+BARS = {
+    "ctx": 16384,
+    "threads": 2,
+    "min_speedup_vs_ort": {"int8": 8.0, "int8_policy": 8.0, "int4": 10.0},
+    "min_speedup_vs_onnxkv_f32": {"int8": 2.0, "int8_policy": 2.0},
+    "max_bytes_over_f32": {"int8": 0.27, "int8_policy": 0.27, "int4": 0.14},
+}
 
 
 def quantize(pages: np.ndarray, fmt: str, granularity: str, header: str = "float32") -> np.ndarray:
@@ -142,7 +146,7 @@ def build_variants(kf, vf, ctx, rng, kind):
     """{name: (Pages, paged_attention keyword arguments)} for every format, pages placed by ``kind``."""
     m = ctx // BS
     table = rng.permutation(m).astype(np.int32)
-    kb = kf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)      # [m, H, bs, D] logical blocks
+    kb = kf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)  # [m, H, bs, D] logical blocks
     vb = vf[0].reshape(HKV, m, BS, D).transpose(1, 0, 2, 3)
     q8k, q8v = quantize(kb, "int8", "head"), quantize(vb, "int8", "head")
     q4k, q4v = quantize(kb, "int4", "head"), quantize(vb, "int4", "head")
@@ -151,7 +155,7 @@ def build_variants(kf, vf, ctx, rng, kind):
     fmt = np.empty(m, np.uint8)
 
     def fmt_table(per_block):
-        fmt[table] = per_block          # page id table[i] holds block i
+        fmt[table] = per_block  # page id table[i] holds block i
         return fmt.copy()
 
     old = np.arange(m) < m - RECENT // BS
@@ -163,23 +167,31 @@ def build_variants(kf, vf, ctx, rng, kind):
         "f16": (Pages(kb.astype(np.float16), vb.astype(np.float16), table, kind), {"kv_dtype": "float16"}),
         "int8": (Pages(q8k, q8v, table, kind), {"k_formats": fmt_table(INT8), "v_formats": fmt_table(INT8)}),
         "int4": (Pages(q4k, q4v, table, kind), {"k_formats": fmt_table(INT4), "v_formats": fmt_table(INT4)}),
-        "int4_keys_per_channel": (Pages(q4kc, q4v, table, kind), {"k_formats": fmt_table(INT4),
-                                                                    "v_formats": fmt_table(INT4), "k_group": D}),
+        "int4_keys_per_channel": (
+            Pages(q4kc, q4v, table, kind),
+            {"k_formats": fmt_table(INT4), "v_formats": fmt_table(INT4), "k_group": D},
+        ),
         # the "int8" policy: keys int8 with a scale per (page, head) and a zero point per (page, head, channel),
         # channel-zp headers; values int8 per (page, head)
-        "int8_policy": (Pages(i8zc, q8v, table, kind), {"k_formats": fmt_table(INT8), "v_formats": fmt_table(INT8),
-                                                         "k_group": D, "k_header": "channel-zp"}),
+        "int8_policy": (
+            Pages(i8zc, q8v, table, kind),
+            {"k_formats": fmt_table(INT8), "v_formats": fmt_table(INT8), "k_group": D, "k_header": "channel-zp"},
+        ),
         # the "int8-kivi" policy: keys uint8 per (page, head, channel), asymmetric, compact headers; values int8 per
         # (page, head)
-        "int8_kivi": (Pages(u8kc, q8v, table, kind), {"k_formats": fmt_table(UINT8), "v_formats": fmt_table(INT8),
-                                                       "k_group": D, "k_header": "compact"}),
-        "mixed_f32_recent_int4_old": (Pages(mixed_k, mixed_v, table, kind), {"k_formats": mixed_f,
-                                                                             "v_formats": mixed_f}),
+        "int8_kivi": (
+            Pages(u8kc, q8v, table, kind),
+            {"k_formats": fmt_table(UINT8), "v_formats": fmt_table(INT8), "k_group": D, "k_header": "compact"},
+        ),
+        "mixed_f32_recent_int4_old": (
+            Pages(mixed_k, mixed_v, table, kind),
+            {"k_formats": mixed_f, "v_formats": mixed_f},
+        ),
     }
 
 
 def run_context(ctx, threads, repeat, sess, rng, kind) -> dict:
-    scale = D ** -0.5
+    scale = D**-0.5
     q = rng.standard_normal((B, HQ, 1, D)).astype(np.float32)
     kf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
     vf = rng.standard_normal((B, HKV, ctx, D)).astype(np.float32)
@@ -187,15 +199,31 @@ def run_context(ctx, threads, repeat, sess, rng, kind) -> dict:
     table, pages = build_variants(kf, vf, ctx, rng, kind)
     out = np.empty_like(q)
     K.set_num_threads(threads)
-    case = {"threads": threads, "page_allocator": kind, "loadavg_before": [round(x, 2) for x in os.getloadavg()],
-            "shapes": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D, "Sq": 1, "ctx": ctx, "block_size": BS,
-                       "recent_f32_tokens_in_mixed": RECENT},
-            "committed_cache_bytes": {}, "bytes_over_f32": {}, "max_abs_diff_vs_f32": {}, "kernel_counters": {}}
+    case = {
+        "threads": threads,
+        "page_allocator": kind,
+        "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+        "shapes": {
+            "B": B,
+            "Hq": HQ,
+            "Hkv": HKV,
+            "D": D,
+            "Sq": 1,
+            "ctx": ctx,
+            "block_size": BS,
+            "recent_f32_tokens_in_mixed": RECENT,
+        },
+        "committed_cache_bytes": {},
+        "bytes_over_f32": {},
+        "max_abs_diff_vs_f32": {},
+        "kernel_counters": {},
+    }
 
     def call(name):
         pg, kw = pages[name]
-        return lambda: K.paged_attention(q, pg.k_addr, pg.v_addr, table[None, :], BS, HKV, kv_len, q_pos, scale,
-                                         0.0, -1, out, **kw)
+        return lambda: K.paged_attention(
+            q, pg.k_addr, pg.v_addr, table[None, :], BS, HKV, kv_len, q_pos, scale, 0.0, -1, out, **kw
+        )
 
     variants, ref = {}, None
     for name, (pg, _) in pages.items():
@@ -242,49 +270,80 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768])
     ap.add_argument("--repeat", type=int, default=21, help="timed rounds per context")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime peer")
-    ap.add_argument("--allocator", choices=PAGE_ALLOCATORS, default=PAGE_ALLOCATORS[0],
-                    help="page storage: slab (a paged state's default: a SlabAllocator, one lane per plane) or "
-                         "system (one NumPy array per page)")
-    ap.add_argument("--isa", choices=("auto", "avx512", "avx2"), default="auto",
-                    help="attention tiles: auto (AVX-512 and AMX where usable), avx512 (no AMX) or avx2 "
-                         "(to compare)")
-    ap.add_argument("--amx-pv", choices=tuple(AMX_PV), default="off",
-                    help="with AMX: probabilities times values on AMX too -- off (the library's default: keys only), "
-                         "keys (in calls with per-head key scales) or all (also with per-channel key "
-                         "scales)")
-    ap.add_argument("--prefetch-qk-lines", type=int, default=None, metavar="N",
-                    help="with AMX key scores: cache lines of each item's next-block prefetch issued with its key "
-                         "tiles, the rest spread over the p.v before (0: all with the keys; default: the "
-                         "library's, 48)")
+    ap.add_argument(
+        "--allocator",
+        choices=PAGE_ALLOCATORS,
+        default=PAGE_ALLOCATORS[0],
+        help="page storage: slab (a paged state's default: a SlabAllocator, one lane per plane) or "
+        "system (one NumPy array per page)",
+    )
+    ap.add_argument(
+        "--isa",
+        choices=("auto", "avx512", "avx2"),
+        default="auto",
+        help="attention tiles: auto (AVX-512 and AMX where usable), avx512 (no AMX) or avx2 (to compare)",
+    )
+    ap.add_argument(
+        "--amx-pv",
+        choices=tuple(AMX_PV),
+        default="off",
+        help="with AMX: probabilities times values on AMX too -- off (the library's default: keys only), "
+        "keys (in calls with per-head key scales) or all (also with per-channel key "
+        "scales)",
+    )
+    ap.add_argument(
+        "--prefetch-qk-lines",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with AMX key scores: cache lines of each item's next-block prefetch issued with its key "
+        "tiles, the rest spread over the p.v before (0: all with the keys; default: the "
+        "library's, 48)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     attn = sys.modules["onnxkv._kernels.attention"]
     attn.set_attention_avx512(args.isa != "avx2")
     attn.set_attention_amx(args.isa == "auto")
     attn._set_attention_amx_pv(AMX_PV[args.amx_pv])
-    qk_lines = attn._set_prefetch_qk_lines(0)   # the library's value, unless --prefetch-qk-lines
+    qk_lines = attn._set_prefetch_qk_lines(0)  # the library's value, unless --prefetch-qk-lines
     if args.prefetch_qk_lines is not None:
         qk_lines = max(0, args.prefetch_qk_lines)
     attn._set_prefetch_qk_lines(qk_lines)
     if any(c % BS or c < RECENT for c in args.contexts):
         ap.error(f"contexts must be multiples of {BS} and >= {RECENT}")
 
-    doc = {"benchmark": "quant_decode_attention", "machine": machine(), "versions": versions("onnxruntime"),
-           "config": {"Hq": HQ, "Hkv": HKV, "D": D, "B": B, "Sq": 1, "block_size": BS, "contexts": args.contexts,
-                      "threads": args.threads, "repeat": args.repeat, "bars": BARS,
-                      "page_allocator": args.allocator,
-                      "attention_isa": attn.attention_simd_level(), "attention_amx_pv": args.amx_pv,
-                      "prefetch_qk_lines": qk_lines,
-                      "quantization": "symmetric, zero point 0, round half to even; per-head scales unless named",
-                      "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
-                              "bound to the same float32 buffer via IOBinding"},
-           "cases": []}
+    doc = {
+        "benchmark": "quant_decode_attention",
+        "machine": machine(),
+        "versions": versions("onnxruntime"),
+        "config": {
+            "Hq": HQ,
+            "Hkv": HKV,
+            "D": D,
+            "B": B,
+            "Sq": 1,
+            "block_size": BS,
+            "contexts": args.contexts,
+            "threads": args.threads,
+            "repeat": args.repeat,
+            "bars": BARS,
+            "page_allocator": args.allocator,
+            "attention_isa": attn.attention_simd_level(),
+            "attention_amx_pv": args.amx_pv,
+            "prefetch_qk_lines": qk_lines,
+            "quantization": "symmetric, zero point 0, round half to even; per-head scales unless named",
+            "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "
+            "bound to the same float32 buffer via IOBinding",
+        },
+        "cases": [],
+    }
     rng = np.random.default_rng(0)
     old = K.get_num_threads()
     sess, lines = None, []
     if not args.no_ort:
         try:
-            sess = ort_session(args.threads, D ** -0.5, False)
+            sess = ort_session(args.threads, D**-0.5, False)
         except Exception as e:  # onnxruntime missing or the op unsupported
             doc["ort_error"] = f"{type(e).__name__}: {e}"
     try:
@@ -292,15 +351,22 @@ def main(argv=None):
             case = run_context(ctx, args.threads, args.repeat, sess, rng, args.allocator)
             doc["cases"].append(case)
             isa = doc["config"]["attention_isa"]
-            lines.append(f"ctx={ctx} threads={args.threads} isa={isa} pages={args.allocator} "
-                         f"load {case['loadavg_before']}: " + ", ".join(
-                f"{name}={r['median_s'] * 1e3:.3f}ms" for name, r in case["results"].items()))
+            lines.append(
+                f"ctx={ctx} threads={args.threads} isa={isa} pages={args.allocator} "
+                f"load {case['loadavg_before']}: "
+                + ", ".join(f"{name}={r['median_s'] * 1e3:.3f}ms" for name, r in case["results"].items())
+            )
             lines.append("  bytes/f32: " + ", ".join(f"{k}={v:.3f}" for k, v in case["bytes_over_f32"].items()))
             if ctx == BARS["ctx"] and args.threads == BARS["threads"]:
                 doc["bar_result"] = check_bars(case)
-                lines.append("  BARS: " + ", ".join(
-                    f"{k}={v['value'] if v['value'] is None else round(v['value'], 3)}"
-                    f"({'MET' if v['met'] else 'NOT MET'})" for k, v in doc["bar_result"].items()))
+                lines.append(
+                    "  BARS: "
+                    + ", ".join(
+                        f"{k}={v['value'] if v['value'] is None else round(v['value'], 3)}"
+                        f"({'MET' if v['met'] else 'NOT MET'})"
+                        for k, v in doc["bar_result"].items()
+                    )
+                )
     finally:
         K.set_num_threads(old)
     emit(doc, args.out, lines, loadavg=True)

@@ -81,27 +81,59 @@ def main() -> None:
         for mode in ("lookup", "draft"):
             for k in ks:
                 calls[(mode, k)] = lambda mode=mode, k=k: speculative_generate(
-                    target, ids, draft=draft if mode == "draft" else None, num_draft_tokens=k,
-                    max_new_tokens=n, eos_token_id=[])
+                    target,
+                    ids,
+                    draft=draft if mode == "draft" else None,
+                    num_draft_tokens=k,
+                    max_new_tokens=n,
+                    eos_token_id=[],
+                )
         samples, last = interleaved(calls, args.repeats)
         base = last[("greedy", 0)]
         base_median, base_min = median(samples[("greedy", 0)]), min(samples[("greedy", 0)])
         for (mode, k), res in last.items():
             med, best = median(samples[(mode, k)]), min(samples[(mode, k)])
-            row = {"prompt": prompt_name, "prompt_tokens": ids.shape[1], "mode": mode, "num_draft_tokens": k,
-                   "new_tokens": res.new_tokens, "samples": samples[(mode, k)], "median_seconds": med,
-                   "min_seconds": best, "tokens_per_second": res.new_tokens / med,
-                   "speedup": base_median / med, "speedup_min": base_min / best}
+            row = {
+                "prompt": prompt_name,
+                "prompt_tokens": ids.shape[1],
+                "mode": mode,
+                "num_draft_tokens": k,
+                "new_tokens": res.new_tokens,
+                "samples": samples[(mode, k)],
+                "median_seconds": med,
+                "min_seconds": best,
+                "tokens_per_second": res.new_tokens / med,
+                "speedup": base_median / med,
+                "speedup_min": base_min / best,
+            }
             if mode != "greedy":
-                row.update(acceptance_rate=res.acceptance_rate, proposed=res.proposed, accepted=res.accepted,
-                           target_runs=res.target_runs, draft_runs=res.draft_runs,
-                           identical=bool(np.array_equal(res.sequences, base.sequences)))
+                row.update(
+                    acceptance_rate=res.acceptance_rate,
+                    proposed=res.proposed,
+                    accepted=res.accepted,
+                    target_runs=res.target_runs,
+                    draft_runs=res.draft_runs,
+                    identical=bool(np.array_equal(res.sequences, base.sequences)),
+                )
             results.append(row)
-    emit({"benchmark": "speculative", "machine": machine(), "versions": versions(), "threads": args.threads,
-          "shapes": {"new_tokens": n, "draft_tokens": ks, "repeats": args.repeats,
-                     "target": str(embedded.embedded_model_dir()), "draft": str(embedded.embedded_draft_dir()),
-                     "vocab": target.model.vocab_size},
-          "results": results}, args.out)
+    emit(
+        {
+            "benchmark": "speculative",
+            "machine": machine(),
+            "versions": versions(),
+            "threads": args.threads,
+            "shapes": {
+                "new_tokens": n,
+                "draft_tokens": ks,
+                "repeats": args.repeats,
+                "target": str(embedded.embedded_model_dir()),
+                "draft": str(embedded.embedded_draft_dir()),
+                "vocab": target.model.vocab_size,
+            },
+            "results": results,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

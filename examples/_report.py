@@ -28,6 +28,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     """``rows`` as a fixed-width text table of ``columns`` (floats with 4 significant digits)."""
+
     def cell(v) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 

@@ -22,11 +22,10 @@ Usage: python examples/beam_memory.py [--beams 4] [--prompt-tokens 96] [--new-to
 from __future__ import annotations
 
 import numpy as np
+from _report import new_figure, parser, save, table
 
 import onnxkv
 from onnxkv.models import embedded
-
-from _report import new_figure, parser, save, table
 
 TEXT = "Return a new list of the items of the iterable, sorted by the given key function. "
 MODES = {"paged": "copy-on-write pages", "tensor": "copy per beam"}
@@ -54,7 +53,7 @@ def measure(ids: np.ndarray, beams: int, new_tokens: int, block_size: int, threa
             "copied_bytes": bytes_run.copied_bytes,
             "committed_bytes": bytes_run.committed_bytes,
             "step_ms": [s * 1e3 for s in time_run.step_seconds],
-            "best_beam": bytes_run.sequences[0, ids.shape[1]:].tolist(),
+            "best_beam": bytes_run.sequences[0, ids.shape[1] :].tolist(),
         }
     return result
 
@@ -63,8 +62,11 @@ def figure(result: dict, beams: int, prompt_tokens: int):
     """Three panels over the decode steps: KiB copied, KiB held, milliseconds."""
     fig = new_figure(13, 3.8)
     axes = fig.subplots(1, 3)
-    panels = (("copied_bytes", "cache KiB copied per step", 1 / 1024), ("committed_bytes", "cache KiB held", 1 / 1024),
-              ("step_ms", "ms per step", 1.0))
+    panels = (
+        ("copied_bytes", "cache KiB copied per step", 1 / 1024),
+        ("committed_bytes", "cache KiB held", 1 / 1024),
+        ("step_ms", "ms per step", 1.0),
+    )
     for ax, (key, label, scale) in zip(axes, panels):
         for mode, name in MODES.items():
             values = np.asarray(result[mode][key], dtype=float) * scale
@@ -87,13 +89,26 @@ def main() -> None:
     args = ap.parse_args()
     ids = prompt(args.prompt_tokens)
     per_mode = measure(ids, args.beams, args.new_tokens, args.block_size, args.threads)
-    rows = [{"cache": mode, "KiB copied": sum(m["copied_bytes"]) / 1024,
-             "KiB held at end": m["committed_bytes"][-1] / 1024, "median ms/step": float(np.median(m["step_ms"]))}
-            for mode, m in per_mode.items()]
+    rows = [
+        {
+            "cache": mode,
+            "KiB copied": sum(m["copied_bytes"]) / 1024,
+            "KiB held at end": m["committed_bytes"][-1] / 1024,
+            "median ms/step": float(np.median(m["step_ms"])),
+        }
+        for mode, m in per_mode.items()
+    ]
     print(table(rows, ["cache", "KiB copied", "KiB held at end", "median ms/step"]))
-    result = {"example": "beam_memory", "beams": args.beams, "prompt_tokens": args.prompt_tokens,
-              "new_tokens": args.new_tokens, "block_size": args.block_size, "threads": args.threads,
-              "same_best_beam": per_mode["paged"]["best_beam"] == per_mode["tensor"]["best_beam"], "modes": per_mode}
+    result = {
+        "example": "beam_memory",
+        "beams": args.beams,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "block_size": args.block_size,
+        "threads": args.threads,
+        "same_best_beam": per_mode["paged"]["best_beam"] == per_mode["tensor"]["best_beam"],
+        "modes": per_mode,
+    }
     print("wrote", *save(args.out, "beam_memory", result, figure(per_mode, args.beams, args.prompt_tokens)))
 
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from _report import new_figure, parser, save, table
 
 import onnxkv
 from onnxkv.models import embedded
-
-from _report import new_figure, parser, save, table
 
 #: A prompt in the style of the training text, and one whose continuation repeats it (prompt lookup's case).
 PROMPTS = {
@@ -62,20 +61,35 @@ def sweep(draft_tokens: list[int], new_tokens: int, repeats: int, threads: int) 
         for mode in MODES:
             for k in draft_tokens:
                 calls[(mode, k)] = lambda ids=ids, mode=mode, k=k: onnxkv.speculative_generate(
-                    target, ids, draft=draft if mode == "draft" else None, num_draft_tokens=k,
-                    max_new_tokens=new_tokens, eos_token_id=[])
+                    target,
+                    ids,
+                    draft=draft if mode == "draft" else None,
+                    num_draft_tokens=k,
+                    max_new_tokens=new_tokens,
+                    eos_token_id=[],
+                )
         seconds, results = fastest(calls, repeats)
         base = results[("greedy", 0)]
         for (mode, k), res in results.items():
             if mode == "greedy":
                 continue
-            rows.append({"prompt": prompt_name, "mode": mode, "draft_tokens": k,
-                         "acceptance": res.acceptance_rate, "proposed": res.proposed, "accepted": res.accepted,
-                         "new_tokens": res.new_tokens, "target_runs": res.target_runs,
-                         "draft_runs": res.draft_runs, "seconds": seconds[(mode, k)],
-                         "greedy_seconds": seconds[("greedy", 0)],
-                         "speedup": seconds[("greedy", 0)] / seconds[(mode, k)],
-                         "identical": bool(np.array_equal(res.sequences, base.sequences))})
+            rows.append(
+                {
+                    "prompt": prompt_name,
+                    "mode": mode,
+                    "draft_tokens": k,
+                    "acceptance": res.acceptance_rate,
+                    "proposed": res.proposed,
+                    "accepted": res.accepted,
+                    "new_tokens": res.new_tokens,
+                    "target_runs": res.target_runs,
+                    "draft_runs": res.draft_runs,
+                    "seconds": seconds[(mode, k)],
+                    "greedy_seconds": seconds[("greedy", 0)],
+                    "speedup": seconds[("greedy", 0)] / seconds[(mode, k)],
+                    "identical": bool(np.array_equal(res.sequences, base.sequences)),
+                }
+            )
     return rows
 
 
@@ -115,8 +129,13 @@ def main() -> None:
     ks = [int(k) for k in args.draft_tokens.split(",")]
     rows = sweep(ks, args.new_tokens, args.repeats, args.threads)
     print(table(rows, ["prompt", "mode", "draft_tokens", "acceptance", "target_runs", "speedup", "identical"]))
-    result = {"example": "speculative_sweep", "new_tokens": args.new_tokens, "repeats": args.repeats,
-              "threads": args.threads, "rows": rows}
+    result = {
+        "example": "speculative_sweep",
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "rows": rows,
+    }
     print("wrote", *save(args.out, "speculative_sweep", result, figure(rows)))
 
 

@@ -17,9 +17,14 @@ Public API::
 
 __version__ = "0.1.0"
 
-from onnxkv import _kernels  # noqa: E402,F401  (a readable ImportError if the build is broken)
+from onnxkv import (
+    _kernels,  # noqa: E402,F401  (a readable ImportError if the build is broken)
+    contract,  # noqa: E402
+    kernels,  # noqa: E402
+)
 from onnxkv._config import config, show_config  # noqa: E402
 from onnxkv.alloc import Allocator, AllocatorStats, ArenaAllocator, SystemAllocator  # noqa: E402
+from onnxkv.contract import check_model  # noqa: E402
 from onnxkv.errors import (  # noqa: E402
     CacheCapacityError,
     Cancelled,
@@ -44,11 +49,8 @@ from onnxkv.generate import (  # noqa: E402
 )
 from onnxkv.model import Model, load  # noqa: E402
 from onnxkv.model.quantize_weights import QuantizeReport, quantize_weights  # noqa: E402
-from onnxkv import contract  # noqa: E402
-from onnxkv.contract import check_model  # noqa: E402
 from onnxkv.runtime import Cancellation, Checkpoint, Session, State  # noqa: E402
 from onnxkv.runtime.cache_config import CacheConfig, KeyLayout  # noqa: E402
-from onnxkv import kernels  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -41,15 +41,19 @@ def renamed_argument(api: str, old: str, new: str) -> Callable:
     call passing both (or ``old=`` and the first argument by position)
     raises :class:`~onnxkv.errors.InputError` naming both.
     """
+
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args, **kwargs):
             if old in kwargs:
                 if args or new in kwargs:
                     raise InputError(f"{api}: {old}= is the deprecated name of {new}; pass {new} only once")
-                warn_deprecated(f"{api}: the keyword {old}= is deprecated; pass {new}= (or the first argument "
-                                "by position)")
+                warn_deprecated(
+                    f"{api}: the keyword {old}= is deprecated; pass {new}= (or the first argument by position)"
+                )
                 kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
+
         return call
+
     return wrap

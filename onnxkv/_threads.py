@@ -100,8 +100,9 @@ class ThreadControl:
         if threads is None:
             threads = default_threads()
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= _kernels.MAX_THREADS:
-            raise InputError(f"threads must be a positive int (at most {_kernels.MAX_THREADS}) or None, "
-                             f"got {threads!r}")
+            raise InputError(
+                f"threads must be a positive int (at most {_kernels.MAX_THREADS}) or None, got {threads!r}"
+            )
         self.threads = threads
 
     def __call__(self, blas_threads: int | None = None) -> _Run:

@@ -30,15 +30,16 @@ def _model_arg(value: str | None) -> str:
 
 def _prompt_ids(args, model) -> tuple[np.ndarray, bool]:
     """Prompt ids and whether the model is treated as byte-level (for printing text)."""
-    byte_level = model.vocab_size is not None and model.vocab_size >= 256 and (
-        args.model is None or args.byte_level)
+    byte_level = model.vocab_size is not None and model.vocab_size >= 256 and (args.model is None or args.byte_level)
     if args.prompt_ids is not None and args.prompt is not None:
         raise SystemExit("onnxkv generate: give --prompt or --prompt-ids, not both")
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
-            raise SystemExit(f"onnxkv generate: --prompt-ids must be comma-separated ints, got {args.prompt_ids!r}")
+            raise SystemExit(
+                f"onnxkv generate: --prompt-ids must be comma-separated ints, got {args.prompt_ids!r}"
+            ) from None
         return np.array([ids], dtype=np.int64), byte_level
     text = args.prompt if args.prompt is not None else "The "
     if model.vocab_size is not None and model.vocab_size < 256:
@@ -124,9 +125,18 @@ def _generate(args, path: str) -> int:
     sess = onnxkv.Session(model, threads=args.threads, events=True)
     ids, byte_level = _prompt_ids(args, model)
     progress = _Progress(args.max_new_tokens, not args.quiet)
-    res = onnxkv.generate(sess, ids, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, callback=progress,
-                          cache=_cache_config(args))
+    res = onnxkv.generate(
+        sess,
+        ids,
+        args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        callback=progress,
+        cache=_cache_config(args),
+    )
     progress.close()
     new = res.tokens[0].tolist()
     print("ids:", " ".join(str(t) for t in new))
@@ -136,11 +146,15 @@ def _generate(args, path: str) -> int:
     t = sess.events.totals()
     mb = 1 / (1 << 20)
     rss = psutil.Process().memory_info().rss
-    print(f"speed: {res.tokens_per_second:.1f} tokens/s decode, prefill {res.prefill_seconds * 1e3:.1f} ms, "
-          f"{len(new)} tokens, threads {sess.threads}")
-    print(f"memory: rss {rss * mb:.1f} MB, allocated {t['allocated_bytes'] * mb:.1f} MB in {t['allocations']} "
-          f"allocations, KV copied {t['prefix_copied_bytes'] * mb:.2f} MB prefix + "
-          f"{t['append_copied_bytes'] * mb:.2f} MB append, {t['cow_copied_bytes'] * mb:.2f} MB copy-on-write")
+    print(
+        f"speed: {res.tokens_per_second:.1f} tokens/s decode, prefill {res.prefill_seconds * 1e3:.1f} ms, "
+        f"{len(new)} tokens, threads {sess.threads}"
+    )
+    print(
+        f"memory: rss {rss * mb:.1f} MB, allocated {t['allocated_bytes'] * mb:.1f} MB in {t['allocations']} "
+        f"allocations, KV copied {t['prefix_copied_bytes'] * mb:.2f} MB prefix + "
+        f"{t['append_copied_bytes'] * mb:.2f} MB append, {t['cow_copied_bytes'] * mb:.2f} MB copy-on-write"
+    )
     if args.events:
         sess.events.to_json(args.events)
         print(f"events: {len(sess.events)} records written to {args.events}")
@@ -155,8 +169,10 @@ def _cmd_inspect(args) -> int:
     g = model.proto.graph
     opsets = ", ".join(f"{o.domain or 'ai.onnx'}:{o.version}" for o in model.proto.opset_import)
     print(f"opsets: {opsets}")
-    print(f"nodes: {len(g.node)} in the graph, {len(sess.plan.nodes)} in the plan "
-          f"({sess.plan.folded_nodes} folded at build time)")
+    print(
+        f"nodes: {len(g.node)} in the graph, {len(sess.plan.nodes)} in the plan "
+        f"({sess.plan.folded_nodes} folded at build time)"
+    )
     counts = collections.Counter((n.domain or "ai.onnx", n.op_type) for n in g.node)
     print("operators:")
     for (dom, op), c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -172,8 +188,10 @@ def _cmd_inspect(args) -> int:
         dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tt.shape.dim]
         print(f"  {o.name}: {np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))} {dims}")
     if model.genai_config is not None:
-        print(f"genai_config: max_length={model.max_length} vocab={model.vocab_size} "
-              f"bos={model.bos_token_id} eos={model.eos_token_id} pad={model.pad_token_id}")
+        print(
+            f"genai_config: max_length={model.max_length} vocab={model.vocab_size} "
+            f"bos={model.bos_token_id} eos={model.eos_token_id} pad={model.pad_token_id}"
+        )
     return 0
 
 
@@ -193,17 +211,22 @@ def _cmd_report(args) -> int:
         print(log.summary())
         t = log.totals()
         mb = 1 / (1 << 20)
-        print(f"total: {t['allocations']} allocations, {t['allocated_bytes'] * mb:.3f} MiB allocated, copied "
-              f"{t['prefix_copied_bytes'] * mb:.3f} MiB prefix + {t['append_copied_bytes'] * mb:.3f} MiB append + "
-              f"{t['cow_copied_bytes'] * mb:.3f} MiB copy-on-write")
+        print(
+            f"total: {t['allocations']} allocations, {t['allocated_bytes'] * mb:.3f} MiB allocated, copied "
+            f"{t['prefix_copied_bytes'] * mb:.3f} MiB prefix + {t['append_copied_bytes'] * mb:.3f} MiB append + "
+            f"{t['cow_copied_bytes'] * mb:.3f} MiB copy-on-write"
+        )
     try:
         have_mpl = importlib.util.find_spec("matplotlib") is not None
     except (ImportError, ValueError):
         have_mpl = False
     if args.output is None:
         if not have_mpl:
-            print("onnxkv report: note: matplotlib is not installed, table only "
-                  "(pip install onnxkv[plot] to draw it with -o FILE.png)", file=sys.stderr)
+            print(
+                "onnxkv report: note: matplotlib is not installed, table only "
+                "(pip install onnxkv[plot] to draw it with -o FILE.png)",
+                file=sys.stderr,
+            )
         return 0
     if not rows:
         print("onnxkv report: error: the log holds no events, nothing to draw", file=sys.stderr)
@@ -227,25 +250,39 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     g.add_argument("--byte-level", action="store_true", help="treat MODEL's ids 0-255 as bytes when printing text")
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--do-sample", action="store_true", help="sample (with --temperature, --top-k, --top-p, "
-                   "--seed); greedy without it")
+    g.add_argument(
+        "--do-sample",
+        action="store_true",
+        help="sample (with --temperature, --top-k, --top-p, --seed); greedy without it",
+    )
     g.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0; default 1.0)")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--cache", choices=["auto", "contiguous", "paged", "tensor"], default="auto",
-                   help="KV cache kind (onnxkv.CacheConfig): in place (contiguous), paged with copy-on-write "
-                        "(paged), or graph tensors (tensor); auto: contiguous when the model's cache runs in place")
+    g.add_argument(
+        "--cache",
+        choices=["auto", "contiguous", "paged", "tensor"],
+        default="auto",
+        help="KV cache kind (onnxkv.CacheConfig): in place (contiguous), paged with copy-on-write "
+        "(paged), or graph tensors (tensor); auto: contiguous when the model's cache runs in place",
+    )
     g.add_argument("--block-size", type=int, default=None, help="tokens per page (implies --cache paged; default 16)")
-    g.add_argument("--kv-format", default=None,
-                   help="cache storage (implies --cache paged unless --cache contiguous): fp32, fp16, bf16 "
-                        "(GroupQueryAttention models), or page formats: int8 (keys: scale per head, zero point per "
-                        "channel), int8-kivi "
-                        "(keys per channel, KIVI), int8-head, int4, residual-int8, residual-int4")
-    g.add_argument("--weights", choices=sorted(_WEIGHT_BITS), default=None,
-                   help="quantize the float32 MatMul weights first (MatMulNBits, symmetric, blocks of 32), "
-                        "into a temporary copy of the model")
+    g.add_argument(
+        "--kv-format",
+        default=None,
+        help="cache storage (implies --cache paged unless --cache contiguous): fp32, fp16, bf16 "
+        "(GroupQueryAttention models), or page formats: int8 (keys: scale per head, zero point per "
+        "channel), int8-kivi "
+        "(keys per channel, KIVI), int8-head, int4, residual-int8, residual-int4",
+    )
+    g.add_argument(
+        "--weights",
+        choices=sorted(_WEIGHT_BITS),
+        default=None,
+        help="quantize the float32 MatMul weights first (MatMulNBits, symmetric, blocks of 32), "
+        "into a temporary copy of the model",
+    )
     g.add_argument("--events", metavar="FILE.json", help="write the storage event log as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress display")
     g.set_defaults(func=_cmd_generate)
@@ -254,8 +291,12 @@ def _parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_cmd_inspect)
     r = sub.add_parser("report", help="per-step memory table (and figure) of a log from generate --events")
     r.add_argument("events", metavar="RUN.json", help="event log written by 'onnxkv generate --events'")
-    r.add_argument("-o", "--output", metavar="FIGURE", help="also draw the figure (.png, .svg, .pdf; needs "
-                   "matplotlib: pip install onnxkv[plot])")
+    r.add_argument(
+        "-o",
+        "--output",
+        metavar="FIGURE",
+        help="also draw the figure (.png, .svg, .pdf; needs matplotlib: pip install onnxkv[plot])",
+    )
     r.add_argument("--title", help="figure title (default: step and event counts and the log's file name)")
     r.set_defaults(func=_cmd_report)
     c = sub.add_parser("config", help="print version, OpenMP, threads and the SIMD level of each kernel family")

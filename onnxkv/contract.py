@@ -25,7 +25,19 @@ from onnxkv.model.contract import (
 from onnxkv.model.shape_inference import infer_shapes
 
 __all__ = [
-    "MUST_ALIAS", "Access", "Contract", "ContractError", "OutputAlias", "check_model", "infer_shapes",
-    "get_access", "get_alias_of", "get_output_alias", "get_persistent_bindings",
-    "set_access", "set_alias_of", "set_output_alias", "set_persistent_bindings",
+    "MUST_ALIAS",
+    "Access",
+    "Contract",
+    "ContractError",
+    "OutputAlias",
+    "check_model",
+    "infer_shapes",
+    "get_access",
+    "get_alias_of",
+    "get_output_alias",
+    "get_persistent_bindings",
+    "set_access",
+    "set_alias_of",
+    "set_output_alias",
+    "set_persistent_bindings",
 ]

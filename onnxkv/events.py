@@ -171,9 +171,18 @@ class EventLog:
                     nodes += 1
                     temp_peak = e.peak if temp_peak is None else max(temp_peak, e.peak)
                     temp_live = e.live if temp_live is None else max(temp_live, e.live)
-            rows.append({"step": step, "nodes": nodes, **counters, "cache_committed_bytes": cache_committed,
-                         "cache_live_bytes": cache_live, "temp_peak_bytes": temp_peak,
-                         "temp_live_max_bytes": temp_live, "seconds": seconds})
+            rows.append(
+                {
+                    "step": step,
+                    "nodes": nodes,
+                    **counters,
+                    "cache_committed_bytes": cache_committed,
+                    "cache_live_bytes": cache_live,
+                    "temp_peak_bytes": temp_peak,
+                    "temp_live_max_bytes": temp_live,
+                    "seconds": seconds,
+                }
+            )
         return rows
 
     def summary(self, unit: str | None = None) -> str:
@@ -223,8 +232,10 @@ class EventLog:
         if isinstance(data, dict):
             if "events" not in data:
                 keys = ", ".join(repr(k) for k in list(data)[:5]) or "none"
-                raise ValueError(f"{name}: no 'events' key at the top level (keys: {keys}); expected "
-                                 '{"events": [...], "totals": {...}} as written by EventLog.to_json')
+                raise ValueError(
+                    f"{name}: no 'events' key at the top level (keys: {keys}); expected "
+                    '{"events": [...], "totals": {...}} as written by EventLog.to_json'
+                )
             events = data["events"]
             totals = data.get("totals")
             if totals is not None and not isinstance(totals, dict):
@@ -274,27 +285,39 @@ class EventLog:
 
         # (key, label, colour, line style, width): committed is drawn wide and pale so that
         # live, which often equals it, stays visible on top.
-        held_keys = (("cache_committed_bytes", "cache committed", "C0", "-", 5.0),
-                     ("cache_live_bytes", "cache live", "C1", "-", 1.5),
-                     ("temp_live_max_bytes", "temporaries: largest live in step", "C2", "-", 1.5),
-                     ("temp_peak_bytes", "temporaries: allocator peak so far", "C2", "--", 1.5))
+        held_keys = (
+            ("cache_committed_bytes", "cache committed", "C0", "-", 5.0),
+            ("cache_live_bytes", "cache live", "C1", "-", 1.5),
+            ("temp_live_max_bytes", "temporaries: largest live in step", "C2", "-", 1.5),
+            ("temp_peak_bytes", "temporaries: allocator peak so far", "C2", "--", 1.5),
+        )
         held_max = max((r[k] or 0) for r in rows for k, *_ in held_keys)
         unit, scale = _unit(held_max)
         for key, label, color, style, width in held_keys:
             ys = series(key, scale)
             if all(math.isnan(y) for y in ys):
                 label += " (no cache write logged)"
-            ax_held.plot(steps, ys, style, color=color, label=label, linewidth=width,
-                         alpha=0.45 if width > 2 else 1.0, marker="o" if markers and width <= 2 else None,
-                         markersize=3)
+            ax_held.plot(
+                steps,
+                ys,
+                style,
+                color=color,
+                label=label,
+                linewidth=width,
+                alpha=0.45 if width > 2 else 1.0,
+                marker="o" if markers and width <= 2 else None,
+                markersize=3,
+            )
         ax_held.set_ylabel(f"bytes held ({unit})")
         ax_held.set_ylim(bottom=0)
         ax_held.set_title("held: caches after the step, temporaries during it", loc="left", fontsize="medium")
 
-        moved_keys = (("allocated_bytes", "allocated", "C3"),
-                      ("append_copied_bytes", "append copied", "C4"),
-                      ("prefix_copied_bytes", "prefix copied", "C5"),
-                      ("cow_copied_bytes", "copy-on-write copied", "C6"))
+        moved_keys = (
+            ("allocated_bytes", "allocated", "C3"),
+            ("append_copied_bytes", "append copied", "C4"),
+            ("prefix_copied_bytes", "prefix copied", "C5"),
+            ("cow_copied_bytes", "copy-on-write copied", "C6"),
+        )
         moved_max = max(r[k] for r in rows for k, *_ in moved_keys)
         unit, scale = _unit(moved_max)
         positive = [r[k] for r in rows for k, *_ in moved_keys if r[k] > 0]
@@ -311,8 +334,11 @@ class EventLog:
         else:
             ax_moved.set_ylim(bottom=0)
         ax_moved.set_ylabel(f"bytes per step ({unit})")
-        ax_moved.set_title("moved in the step" + (" (log scale; zero values not drawn)" if log_moved else ""),
-                           loc="left", fontsize="medium")
+        ax_moved.set_title(
+            "moved in the step" + (" (log scale; zero values not drawn)" if log_moved else ""),
+            loc="left",
+            fontsize="medium",
+        )
 
         allocs = [r["allocations"] for r in rows]
         ax_allocs.bar(steps, allocs, width=0.8, color="C7", label="allocations")
@@ -372,15 +398,29 @@ def _format_table(rows: list[dict], unit: str | None = None) -> str:
     cols = ("step", "nodes", "allocs", *(f"{h}_{uname}" for _, h in _BYTE_COLUMNS), "ms")
     table = [cols]
     for r in rows:
-        table.append((str(r["step"]), str(r["nodes"]), str(r["allocations"]),
-                      *(fmt(r[k]) for k, _ in _BYTE_COLUMNS), f"{r['seconds'] * 1e3:.2f}"))
+        table.append(
+            (
+                str(r["step"]),
+                str(r["nodes"]),
+                str(r["allocations"]),
+                *(fmt(r[k]) for k, _ in _BYTE_COLUMNS),
+                f"{r['seconds'] * 1e3:.2f}",
+            )
+        )
     widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(t, widths)) for t in table)
 
 
 def _kind(v) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+        int: "an integer",
+        float: "a number",
+    }.get(type(v), type(v).__name__)
 
 
 def _read_source(source) -> tuple[str, str]:

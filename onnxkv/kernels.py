@@ -27,12 +27,30 @@ from __future__ import annotations
 
 import importlib
 
-from onnxkv._kernels import (KernelSettings, current_settings, get_num_threads, set_num_threads, set_simd_enabled,
-                             simd_levels, use_settings)
+from onnxkv._kernels import (
+    KernelSettings,
+    current_settings,
+    get_num_threads,
+    set_num_threads,
+    set_simd_enabled,
+    simd_levels,
+    use_settings,
+)
 
-__all__ = ["KernelSettings", "use_settings", "current_settings", "simd_levels", "set_num_threads", "get_num_threads",
-           "set_simd_enabled", "set_attention_avx512", "set_packed_avx512", "set_attention_amx", "kernel_levels",
-           "KERNEL_FAMILIES"]
+__all__ = [
+    "KernelSettings",
+    "use_settings",
+    "current_settings",
+    "simd_levels",
+    "set_num_threads",
+    "get_num_threads",
+    "set_simd_enabled",
+    "set_attention_avx512",
+    "set_packed_avx512",
+    "set_attention_amx",
+    "kernel_levels",
+    "KERNEL_FAMILIES",
+]
 
 # The compiled modules themselves (the package attributes of the same names are their kernel functions).
 _attention = importlib.import_module("onnxkv._kernels.attention")

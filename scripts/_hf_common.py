@@ -2,6 +2,7 @@
 
 Needs torch/transformers/tokenizers/onnxruntime; never imported by the package.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +36,7 @@ def bytes_to_unicode() -> dict[int, str]:
 def save_byte_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
     """Write an offline byte-level tokenizer: token id i == byte i for i < 256,
     then <s>=256, </s>=257, <pad>=258, and unused fillers up to vocab_size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, AddedToken
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     b2u = bytes_to_unicode()
     vocab = {b2u[i]: i for i in range(256)}
@@ -63,19 +64,36 @@ def save_byte_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
         "model_max_length": 512,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (folder / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n")
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n"
+    )
 
 
-def builder_error(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike,
-                  precision: str = "fp32") -> str | None:
+def builder_error(
+    hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike, precision: str = "fp32"
+) -> str | None:
     """Run the ONNX Runtime GenAI model builder (cpu, ``precision`` fp32 or int4) on a local HF folder.
 
     Returns None on success, else the builder's error: its innermost traceback frame and last line.
     """
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
-           "-p", precision, "-e", "cpu", "-c", str(cache_dir), "--extra_options", "hf_token=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(hf_dir),
+        "-o",
+        str(out_dir),
+        "-p",
+        precision,
+        "-e",
+        "cpu",
+        "-c",
+        str(cache_dir),
+        "--extra_options",
+        "hf_token=false",
+    ]
     print("+", " ".join(cmd), flush=True)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode == 0:
@@ -85,8 +103,9 @@ def builder_error(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_d
     return " / ".join(frames[-1:] + lines[-1:])
 
 
-def run_genai_builder(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike,
-                      precision: str = "fp32") -> None:
+def run_genai_builder(
+    hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cache_dir: str | os.PathLike, precision: str = "fp32"
+) -> None:
     """:func:`builder_error`, exiting with the builder's error when it fails."""
     err = builder_error(hf_dir, out_dir, cache_dir, precision)
     if err is not None:
@@ -102,9 +121,13 @@ def exporter_versions() -> dict[str, str]:
     import transformers
 
     torch.set_num_threads(2)
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "onnxruntime_genai": onnxruntime_genai.__version__, "onnx": onnx.__version__,
-                "onnxruntime": onnxruntime.__version__}
+    versions = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnxruntime_genai": onnxruntime_genai.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
     print("versions:", versions)
     return versions
 
@@ -141,8 +164,13 @@ def gqa_attributes(model_path: str | os.PathLike) -> list[dict]:
     out = []
     for n in m.graph.node:
         if n.op_type in ("GroupQueryAttention", "Attention", "MultiHeadAttention"):
-            out.append({"name": n.name, "op": f"{n.domain}.{n.op_type}",
-                        **{a.name: helper.get_attribute_value(a) for a in n.attribute}})
+            out.append(
+                {
+                    "name": n.name,
+                    "op": f"{n.domain}.{n.op_type}",
+                    **{a.name: helper.get_attribute_value(a) for a in n.attribute},
+                }
+            )
     return out
 
 
@@ -183,7 +211,7 @@ class OrtDecoder:
         if "position_ids" in self.inputs:
             pos = np.cumsum(mask, axis=1) - 1
             pos = np.where(mask == 0, 1, pos)
-            feeds["position_ids"] = pos[:, -ids.shape[1]:].astype(np.int64)
+            feeds["position_ids"] = pos[:, -ids.shape[1] :].astype(np.int64)
         feeds.update(past)
         outs = dict(zip(self.out_names, self.sess.run(None, feeds)))
         new_past = {}

@@ -10,6 +10,7 @@ Needs torch==2.13.0, transformers 5.x, onnxruntime-genai 0.18.0, tokenizers (not
 
     python scripts/export_builder_small.py OUT [--precisions int4 fp32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ def _small_config():
     path = pathlib.Path(__file__).resolve().parent.parent / "onnxkv" / "models" / "config.py"
     spec = importlib.util.spec_from_file_location("_onnxkv_model_config", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look the module up while the class is made
+    sys.modules[spec.name] = module  # dataclasses look the module up while the class is made
     spec.loader.exec_module(module)
     return module.SMALL
 
@@ -43,12 +44,24 @@ def build_hf(folder: pathlib.Path) -> None:
     SMALL = _small_config()
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(vocab_size=SMALL.vocab_size, hidden_size=SMALL.hidden_size,
-                         intermediate_size=SMALL.intermediate_size, num_hidden_layers=SMALL.num_layers,
-                         num_attention_heads=SMALL.num_heads, num_key_value_heads=SMALL.num_kv_heads,
-                         max_position_embeddings=SMALL.max_length, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         hidden_act="silu", bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                         attention_bias=False, mlp_bias=False, use_cache=True)
+    config = LlamaConfig(
+        vocab_size=SMALL.vocab_size,
+        hidden_size=SMALL.hidden_size,
+        intermediate_size=SMALL.intermediate_size,
+        num_hidden_layers=SMALL.num_layers,
+        num_attention_heads=SMALL.num_heads,
+        num_key_value_heads=SMALL.num_kv_heads,
+        max_position_embeddings=SMALL.max_length,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=True,
+    )
     config.rope_parameters = {"rope_type": "default", "rope_theta": SMALL.rope_theta}
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(SEED)

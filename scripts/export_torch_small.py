@@ -21,6 +21,7 @@ nothing is downloaded).
     python scripts/export_torch_small.py OUT [--max-length 8192] [--seed 0]
     python benchmarks/bench_generate.py --cases small-concat:4096 --torch-model OUT/model.onnx
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,26 +41,50 @@ def hf_model(cfg, weights):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_size, max_position_embeddings=cfg.max_length, rms_norm_eps=cfg.rms_norm_eps,
-                         tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                         use_cache=True)
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_size,
+        max_position_embeddings=cfg.max_length,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        use_cache=True,
+    )
     config.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     model = LlamaForCausalLM(config)
-    state = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.final_norm,
-             "lm_head.weight": weights.lm_head.T}
+    state = {
+        "model.embed_tokens.weight": weights.embed,
+        "model.norm.weight": weights.final_norm,
+        "lm_head.weight": weights.lm_head.T,
+    }
     for i, lw in enumerate(weights.layers):
         p = f"model.layers.{i}."
-        state.update({p + "input_layernorm.weight": lw.input_norm, p + "post_attention_layernorm.weight":
-                      lw.post_attn_norm, p + "self_attn.q_proj.weight": lw.q_proj.T,
-                      p + "self_attn.k_proj.weight": lw.k_proj.T, p + "self_attn.v_proj.weight": lw.v_proj.T,
-                      p + "self_attn.o_proj.weight": lw.o_proj.T, p + "mlp.gate_proj.weight": lw.gate_proj.T,
-                      p + "mlp.up_proj.weight": lw.up_proj.T, p + "mlp.down_proj.weight": lw.down_proj.T})
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in
-                                                 state.items()}, strict=False)
+        state.update(
+            {
+                p + "input_layernorm.weight": lw.input_norm,
+                p + "post_attention_layernorm.weight": lw.post_attn_norm,
+                p + "self_attn.q_proj.weight": lw.q_proj.T,
+                p + "self_attn.k_proj.weight": lw.k_proj.T,
+                p + "self_attn.v_proj.weight": lw.v_proj.T,
+                p + "self_attn.o_proj.weight": lw.o_proj.T,
+                p + "mlp.gate_proj.weight": lw.gate_proj.T,
+                p + "mlp.up_proj.weight": lw.up_proj.T,
+                p + "mlp.down_proj.weight": lw.down_proj.T,
+            }
+        )
+    missing, unexpected = model.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False
+    )
     if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing):
         raise SystemExit(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
     return model.eval()
@@ -74,16 +99,19 @@ def compare(export: pathlib.Path, builder: pathlib.Path, cfg, prompt_len: int = 
     for i in range(cfg.num_layers):
         for kind in ("key", "value"):
             feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, cfg.num_kv_heads, 0, cfg.head_size), np.float32)
-    logits = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
-              for p in (export, builder)]
+    logits = [
+        ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+        for p in (export, builder)
+    ]
     return float(np.abs(logits[0] - logits[1]).max())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=pathlib.Path, help="folder for model.onnx and model.onnx.data")
-    ap.add_argument("--max-length", type=int, default=8192, help="max_position_embeddings (bench: 8192 above "
-                    "2048 tokens)")
+    ap.add_argument(
+        "--max-length", type=int, default=8192, help="max_position_embeddings (bench: 8192 above 2048 tokens)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="random_weights seed (bench_generate uses 0)")
     args = ap.parse_args()
 
@@ -102,8 +130,12 @@ def main() -> None:
         export_torch(hf_model(cfg, weights), inline)
         onnx.save(onnx.load(str(inline)), str(path), save_as_external_data=True, location="model.onnx.data")
         builder = pathlib.Path(tmp) / "builder.onnx"
-        onnx.save(build_model("concat", cfg, weights=weights), str(builder), save_as_external_data=True,
-                  location="builder.onnx.data")
+        onnx.save(
+            build_model("concat", cfg, weights=weights),
+            str(builder),
+            save_as_external_data=True,
+            location="builder.onnx.data",
+        )
         print(f"wrote {path}; max |logits - builder's Concat graph| = {compare(path, builder, cfg):.3g}")
 
 

@@ -22,6 +22,7 @@ onnxruntime, onnxscript, tokenizers, safetensors.
 
     HF_HUB_OFFLINE=1 python scripts/make_arch_fixtures.py [--only ARCH ...] [--keep-tmp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,18 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _hf_common import (BOS_ID, EOS_ID, PAD_ID, builder_error, copy_only, dir_size,  # noqa: E402
-                        exporter_versions, gqa_attributes, save_byte_tokenizer, scratch_dir)
+from _hf_common import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    builder_error,
+    copy_only,
+    dir_size,  # noqa: E402
+    exporter_versions,
+    gqa_attributes,
+    save_byte_tokenizer,
+    scratch_dir,
+)
 from make_fixtures import export_torch  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -47,48 +58,115 @@ PROMPT_LEN = 12
 GREEDY_STEPS = WINDOW + 32 + 8  # the sequence ends 32 + 20 tokens past the window
 TOL = 1e-4
 QUANT_BLOCK = 32  # the builder's default int4 block size
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-              pad_token_id=PAD_ID, use_cache=True)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+    use_cache=True,
+)
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 #: name -> (transformers config class, model class, config keyword arguments, what the fixture exercises)
 ARCHS: dict[str, tuple[str, str, dict, str]] = {
-    "llama_tied": ("LlamaConfig", "LlamaForCausalLM",
-                   dict(tie_word_embeddings=True, rms_norm_eps=1e-5),
-                   "Llama with tied embeddings (lm_head = embedding table)"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
-              dict(tie_word_embeddings=False, rms_norm_eps=1e-6),
-              "Qwen2: q/k/v projections with bias"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
-              dict(tie_word_embeddings=False, rms_norm_eps=1e-6),
-              "Qwen3: per-head RMSNorm of q and k before rotary"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM",
-             dict(tie_word_embeddings=False, rms_norm_eps=1e-5, original_max_position_embeddings=256,
-                  resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
-             "Phi-3: fused qkv_proj and gate_up_proj"),
-    "mistral": ("MistralConfig", "MistralForCausalLM",
-                dict(tie_word_embeddings=False, rms_norm_eps=1e-5, sliding_window=WINDOW),
-                f"Mistral: sliding window of {WINDOW} on every layer"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               dict(rms_norm_eps=1e-6, sliding_window=WINDOW, query_pre_attn_scalar=16,
-                    layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0,
-                    attn_logit_softcapping=50.0, hidden_activation="gelu_pytorch_tanh"),
-               f"Gemma 2: attention and final softcaps, window {WINDOW} on layer 0, full attention on layer 1"),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(rms_norm_eps=1e-6, sliding_window=WINDOW, query_pre_attn_scalar=16,
-                    layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh",
-                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
-               f"Gemma 3: q/k norm, window {WINDOW} on layer 0, two rotary bases"),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
-                dict(tie_word_embeddings=True, rms_norm_eps=1e-6, no_rope_layers=[1, 0],
-                     layer_types=["full_attention", "full_attention"]),
-                "SmolLM3: no rotary on layer 1 (no_rope_layers), tied embeddings"),
-    "granite": ("GraniteConfig", "GraniteForCausalLM",
-                dict(tie_word_embeddings=False, rms_norm_eps=1e-6, embedding_multiplier=4.0, logits_scaling=2.0,
-                     residual_multiplier=0.5, attention_multiplier=0.2),
-                "Granite: embedding, residual, attention and logits multipliers"),
+    "llama_tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(tie_word_embeddings=True, rms_norm_eps=1e-5),
+        "Llama with tied embeddings (lm_head = embedding table)",
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(tie_word_embeddings=False, rms_norm_eps=1e-6),
+        "Qwen2: q/k/v projections with bias",
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(tie_word_embeddings=False, rms_norm_eps=1e-6),
+        "Qwen3: per-head RMSNorm of q and k before rotary",
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            original_max_position_embeddings=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+        ),
+        "Phi-3: fused qkv_proj and gate_up_proj",
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(tie_word_embeddings=False, rms_norm_eps=1e-5, sliding_window=WINDOW),
+        f"Mistral: sliding window of {WINDOW} on every layer",
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            rms_norm_eps=1e-6,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        f"Gemma 2: attention and final softcaps, window {WINDOW} on layer 0, full attention on layer 1",
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            rms_norm_eps=1e-6,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        ),
+        f"Gemma 3: q/k norm, window {WINDOW} on layer 0, two rotary bases",
+    ),
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            no_rope_layers=[1, 0],
+            layer_types=["full_attention", "full_attention"],
+        ),
+        "SmolLM3: no rotary on layer 1 (no_rope_layers), tied embeddings",
+    ),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            embedding_multiplier=4.0,
+            logits_scaling=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+        ),
+        "Granite: embedding, residual, attention and logits multipliers",
+    ),
 }
 
 
@@ -108,7 +186,7 @@ def int4_exact(shape, g):
     q = torch.randint(-8, 8, (*lead, blocks, QUANT_BLOCK), generator=g).float()
     at = torch.randint(0, QUANT_BLOCK, (*lead, blocks, 1), generator=g)
     q.scatter_(-1, at, -8.0)
-    s = (0.75 + 0.5 * torch.rand((*lead, blocks, 1), generator=g)) / (4.6 * fan_in ** 0.5)
+    s = (0.75 + 0.5 * torch.rand((*lead, blocks, 1), generator=g)) / (4.6 * fan_in**0.5)
     return (q * s.half().float()).reshape(shape)
 
 
@@ -158,13 +236,23 @@ def references(model) -> dict[str, np.ndarray]:
             seq.append(tokens[-1])
             last = model(input_ids=torch.tensor([seq])).logits[0, -1].numpy()
             decode.append(last)
-        gen = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=GREEDY_STEPS, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
-    assert (gen[0, len(prompt):].numpy() == tokens).all(), "generate() disagrees with full recompute"
+        gen = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=GREEDY_STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_ID,
+        )
+    assert (gen[0, len(prompt) :].numpy() == tokens).all(), "generate() disagrees with full recompute"
     top2 = np.sort(np.stack([prefill[-1], *decode[:-1]]), axis=-1)[:, -2:]
-    return {"prompt_ids": np.array(prompt, np.int64), "prefill_logits": prefill.astype(np.float32),
-            "greedy_tokens": np.array(tokens, np.int64), "decode_logits": np.stack(decode).astype(np.float32),
-            "greedy_margins": (top2[:, 1] - top2[:, 0]).astype(np.float32)}
+    return {
+        "prompt_ids": np.array(prompt, np.int64),
+        "prefill_logits": prefill.astype(np.float32),
+        "greedy_tokens": np.array(tokens, np.int64),
+        "decode_logits": np.stack(decode).astype(np.float32),
+        "greedy_margins": (top2[:, 1] - top2[:, 0]).astype(np.float32),
+    }
 
 
 class OrtRunner:
@@ -210,7 +298,7 @@ class OrtRunner:
             out.append(res["logits"][0, -1])
             past = {n: res[n.replace("past_key_values.", "present.")] for n in self.past}
             if step < len(tokens):
-                ids = tokens[step:step + 1][None].astype(np.int64)
+                ids = tokens[step : step + 1][None].astype(np.int64)
                 total += 1
         return np.stack(out)
 
@@ -219,9 +307,11 @@ def check(path: pathlib.Path, ref: dict[str, np.ndarray], against: np.ndarray | 
     """Max |logits - reference| over the prompt's last position and every greedy step, and token agreement."""
     logits = OrtRunner(path).run(ref["prompt_ids"], ref["greedy_tokens"][:-1])
     want = np.concatenate([ref["prefill_logits"][-1:], ref["decode_logits"][:-1]]) if against is None else against
-    return {"max_abs_diff": float(np.abs(logits - want).max()),
-            "tokens_equal": bool((logits.argmax(-1) == ref["greedy_tokens"]).all()),
-            "logits": logits}
+    return {
+        "max_abs_diff": float(np.abs(logits - want).max()),
+        "tokens_equal": bool((logits.argmax(-1) == ref["greedy_tokens"]).all()),
+        "logits": logits,
+    }
 
 
 def export_arch(arch: str, tmp: pathlib.Path, versions: dict) -> dict:
@@ -252,8 +342,11 @@ def export_arch(arch: str, tmp: pathlib.Path, versions: dict) -> dict:
             continue
         if precision == "fp32":
             fp32_logits = res["logits"]
-        report["exports"][name] = {"exported": True, "attention": gqa_attributes(dst / name / "model.onnx"),
-                                   **{k: v for k, v in res.items() if k != "logits"}}
+        report["exports"][name] = {
+            "exported": True,
+            "attention": gqa_attributes(dst / name / "model.onnx"),
+            **{k: v for k, v in res.items() if k != "logits"},
+        }
         print(f"[{arch}] {name}: diff {res['max_abs_diff']:.2e} tokens_equal {res['tokens_equal']}")
     tdir = dst / "torch"
     tdir.mkdir()
@@ -269,8 +362,12 @@ def export_arch(arch: str, tmp: pathlib.Path, versions: dict) -> dict:
         report["exports"]["torch"] = {"exported": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(f"[{arch}] torch FAILED: {e}")
     cfg = json.loads((hf_dir / "config.json").read_text())
-    np.savez_compressed(dst / "reference.npz", **ref, config=np.array(json.dumps(cfg, sort_keys=True)),
-                        versions=np.array(json.dumps(versions)))
+    np.savez_compressed(
+        dst / "reference.npz",
+        **ref,
+        config=np.array(json.dumps(cfg, sort_keys=True)),
+        versions=np.array(json.dumps(versions)),
+    )
     return report
 
 
@@ -287,10 +384,12 @@ def main() -> None:
         for arch in args.only or ARCHS:
             manifest[arch] = export_arch(arch, tmp, versions)
             ordered = {k: manifest[k] for k in ARCHS if k in manifest}
-            manifest_path.write_text(json.dumps({"versions": versions, "window": WINDOW, **ordered}, indent=1,
-                                                default=str) + "\n")
+            manifest_path.write_text(
+                json.dumps({"versions": versions, "window": WINDOW, **ordered}, indent=1, default=str) + "\n"
+            )
     total = dir_size(DATA)
     print(f"tests/data/arch total {total} bytes ({total / 2**20:.2f} MiB)")
+
 
 if __name__ == "__main__":
     main()

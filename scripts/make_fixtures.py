@@ -16,6 +16,7 @@ onnxruntime, onnxscript, tokenizers, safetensors.
 
     python scripts/make_fixtures.py [--keep-tmp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,16 +29,36 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _hf_common import (BOS_ID, EOS_ID, PAD_ID, OrtDecoder, copy_only, dir_size, exporter_versions,  # noqa: E402
-                        graph_io, gqa_attributes, op_counts, run_genai_builder, save_byte_tokenizer,
-                        scratch_dir)
+from _hf_common import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    OrtDecoder,
+    copy_only,
+    dir_size,
+    exporter_versions,  # noqa: E402
+    gqa_attributes,
+    graph_io,
+    op_counts,
+    run_genai_builder,
+    save_byte_tokenizer,
+    scratch_dir,
+)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
 SEED = 1234
 VOCAB = 259
-CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=10000.0)
+CFG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+)
 PROMPT_LEN = 12
 DECODE_STEPS = 16
 GREEDY_STEPS = 64
@@ -51,16 +72,27 @@ def build_hf(tmp: pathlib.Path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(vocab_size=VOCAB, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
-                         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, attention_bias=False,
-                         mlp_bias=False, initializer_range=0.02, use_cache=True, **CFG)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+        use_cache=True,
+        **CFG,
+    )
     config.rope_parameters = {"rope_type": "default", "rope_theta": CFG["rope_theta"]}
     model = LlamaForCausalLM(config)
     # Larger-than-default random weights so logits are far from uniform (greedy
     # choices are then stable) and norm weights are not all ones.
     g = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5))
             else:
@@ -107,9 +139,15 @@ def references(model) -> dict[str, np.ndarray]:
     ref["decode_logits"] = np.stack(decode_logits).astype(np.float32)  # logits after feeding greedy_tokens[i]
     # consistency with HF's own generate (uses its KV cache)
     with torch.no_grad():
-        gen = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=GREEDY_STEPS, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
-    hf_greedy = gen[0, len(prompt):].numpy()
+        gen = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=GREEDY_STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_ID,
+        )
+    hf_greedy = gen[0, len(prompt) :].numpy()
     assert (hf_greedy == ref["greedy_tokens"]).all(), "generate() disagrees with full recompute"
 
     # batch of two left-padded prompts
@@ -118,33 +156,60 @@ def references(model) -> dict[str, np.ndarray]:
     mask = np.zeros((2, width), np.int64)
     for b, n in enumerate(BATCH_LENS):
         p = [BOS_ID] + rng.integers(32, 127, n - 1).tolist()
-        ids[b, width - n:] = p
-        mask[b, width - n:] = 1
+        ids[b, width - n :] = p
+        mask[b, width - n :] = 1
     ref["batch_input_ids"] = ids
     ref["batch_attention_mask"] = mask
     ref["batch_position_ids"] = np.clip(np.cumsum(mask, -1) - 1, 0, None)
     bl = full_logits(model, ids, mask)
     ref["batch_prefill_last_logits"] = bl[:, -1].astype(np.float32)
     with torch.no_grad():
-        gen = model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=BATCH_STEPS,
-                             do_sample=False, eos_token_id=None, pad_token_id=PAD_ID, output_scores=True,
-                             return_dict_in_generate=True)
+        gen = model.generate(
+            torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=BATCH_STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_ID,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     ref["batch_greedy_tokens"] = gen.sequences[:, width:].numpy()
     ref["batch_decode_logits"] = torch.stack(gen.scores, 1).numpy().astype(np.float32)  # [2, steps, V]
 
     # beam search, one prompt
-    beam_prompt = ids[0, width - BATCH_LENS[0]:]
+    beam_prompt = ids[0, width - BATCH_LENS[0] :]
     with torch.no_grad():
-        gen = model.generate(torch.from_numpy(beam_prompt[None].copy()), attention_mask=torch.ones(1, len(beam_prompt), dtype=torch.long),
-                             num_beams=4, num_return_sequences=4, max_new_tokens=8, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True, eos_token_id=EOS_ID,
-                             pad_token_id=PAD_ID, length_penalty=1.0, early_stopping=False)
+        gen = model.generate(
+            torch.from_numpy(beam_prompt[None].copy()),
+            attention_mask=torch.ones(1, len(beam_prompt), dtype=torch.long),
+            num_beams=4,
+            num_return_sequences=4,
+            max_new_tokens=8,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+            length_penalty=1.0,
+            early_stopping=False,
+        )
     ref["beam_prompt_ids"] = np.array(beam_prompt, np.int64)
     ref["beam_sequences"] = gen.sequences.numpy()
     ref["beam_sequences_scores"] = gen.sequences_scores.numpy().astype(np.float32)
-    ref["beam_settings"] = np.array(json.dumps(dict(num_beams=4, num_return_sequences=4, max_new_tokens=8,
-                                                    length_penalty=1.0, early_stopping=False, eos_token_id=EOS_ID,
-                                                    pad_token_id=PAD_ID)))
+    ref["beam_settings"] = np.array(
+        json.dumps(
+            dict(
+                num_beams=4,
+                num_return_sequences=4,
+                max_new_tokens=8,
+                length_penalty=1.0,
+                early_stopping=False,
+                eos_token_id=EOS_ID,
+                pad_token_id=PAD_ID,
+            )
+        )
+    )
     return ref
 
 
@@ -169,8 +234,13 @@ def export_torch(model, path: pathlib.Path) -> None:
                 layer.device = past[2 * i].device
                 layer.dtype = past[2 * i].dtype
                 cache.layers.append(layer)
-            out = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
+            out = self.m(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
             present = []
             for layer in out.past_key_values.layers:
                 present += [layer.keys, layer.values]
@@ -178,14 +248,15 @@ def export_torch(model, path: pathlib.Path) -> None:
 
     kv, hd = model.config.num_key_value_heads, model.config.head_dim
     b, s, p = 2, 3, 5
-    args = [torch.randint(0, 256, (b, s)), torch.ones(b, p + s, dtype=torch.long),
-            torch.arange(p, p + s).repeat(b, 1)]
+    args = [torch.randint(0, 256, (b, s)), torch.ones(b, p + s, dtype=torch.long), torch.arange(p, p + s).repeat(b, 1)]
     in_names = ["input_ids", "attention_mask", "position_ids"]
     out_names = ["logits"]
-    dyn = {"input_ids": {0: "batch_size", 1: "sequence_length"},
-           "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
-           "position_ids": {0: "batch_size", 1: "sequence_length"},
-           "logits": {0: "batch_size", 1: "sequence_length"}}
+    dyn = {
+        "input_ids": {0: "batch_size", 1: "sequence_length"},
+        "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
+        "position_ids": {0: "batch_size", 1: "sequence_length"},
+        "logits": {0: "batch_size", 1: "sequence_length"},
+    }
     for i in range(n_layers):
         for kind in ("key", "value"):
             args.append(torch.randn(b, kv, p, hd))
@@ -196,8 +267,17 @@ def export_torch(model, path: pathlib.Path) -> None:
     wrapper = Wrapper(model).eval()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(wrapper, tuple(args), str(path), input_names=in_names, output_names=out_names,
-                          dynamic_axes=dyn, opset_version=18, dynamo=False, do_constant_folding=True)
+        torch.onnx.export(
+            wrapper,
+            tuple(args),
+            str(path),
+            input_names=in_names,
+            output_names=out_names,
+            dynamic_axes=dyn,
+            opset_version=18,
+            dynamo=False,
+            do_constant_folding=True,
+        )
     import onnx
 
     m = onnx.load(str(path))
@@ -225,7 +305,7 @@ def check_onnx(name: str, path: pathlib.Path, ref: dict[str, np.ndarray]) -> dic
     logits, past = dec.step(ids, bmask, dec.empty_past(2))
     bdiff = [float(np.abs(logits[:, -1] - ref["batch_prefill_last_logits"]).max())]
     for i in range(BATCH_STEPS - 1):
-        tok = ref["batch_greedy_tokens"][:, i:i + 1]
+        tok = ref["batch_greedy_tokens"][:, i : i + 1]
         bmask = np.concatenate([bmask, np.ones((2, 1), np.int64)], 1)
         logits, past = dec.step(tok, bmask, past)
         bdiff.append(float(np.abs(logits[:, -1] - ref["batch_decode_logits"][:, i + 1]).max()))
@@ -259,8 +339,11 @@ def main() -> None:
         # 3. references
         ref = references(model)
         ref["versions"] = np.array(json.dumps(versions))
-        ref["config"] = np.array(json.dumps(dict(CFG, vocab_size=VOCAB, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                                                 pad_token_id=PAD_ID, seed=SEED)))
+        ref["config"] = np.array(
+            json.dumps(
+                dict(CFG, vocab_size=VOCAB, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, seed=SEED)
+            )
+        )
         np.savez_compressed(DATA / "tiny_llama_reference.npz", **ref)
 
         # 4. verify

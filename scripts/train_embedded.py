@@ -28,13 +28,13 @@ processes sharing 2 cores, ``--threads 1`` trains much faster than 2 threads.
 Each exported folder keeps ``training_summary.json`` (config, steps, time,
 validation bits/byte, mean max-probability, greedy sample).
 """
+
 from __future__ import annotations
 
 import argparse
 import ast
 import json
 import math
-import os
 import pathlib
 import random
 import re
@@ -45,8 +45,17 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _hf_common import (BOS_ID, EOS_ID, PAD_ID, OrtDecoder, copy_only, dir_size, op_counts,  # noqa: E402
-                        run_genai_builder, save_byte_tokenizer)
+from _hf_common import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    OrtDecoder,
+    copy_only,
+    dir_size,
+    op_counts,  # noqa: E402
+    run_genai_builder,
+    save_byte_tokenizer,
+)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 264
@@ -55,10 +64,34 @@ PRESETS = {
     # Sized for the compute a shared 2-core machine gives in ~35 minutes
     # (a larger model, e.g. hidden 192 / intermediate 512, fits 8 MB but
     # undertrains in that time).
-    "main": dict(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384,
-                 seq_len=256, batch=16, steps=4000, lr=3e-3, warmup=100, out="embedded"),
-    "draft": dict(hidden=96, layers=2, heads=3, kv_heads=1, head_dim=32, intermediate=256,
-                  seq_len=256, batch=24, steps=1500, lr=4e-3, warmup=60, out="embedded_draft"),
+    "main": dict(
+        hidden=128,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        intermediate=384,
+        seq_len=256,
+        batch=16,
+        steps=4000,
+        lr=3e-3,
+        warmup=100,
+        out="embedded",
+    ),
+    "draft": dict(
+        hidden=96,
+        layers=2,
+        heads=3,
+        kv_heads=1,
+        head_dim=32,
+        intermediate=256,
+        seq_len=256,
+        batch=24,
+        steps=1500,
+        lr=4e-3,
+        warmup=60,
+        out="embedded_draft",
+    ),
 }
 MAX_POS = 512
 
@@ -109,12 +142,25 @@ def make_model(cfg: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-        num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"], max_position_embeddings=MAX_POS,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, attention_bias=False,
-        mlp_bias=False, initializer_range=0.02, use_cache=True,
+        vocab_size=VOCAB,
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        head_dim=cfg["head_dim"],
+        max_position_embeddings=MAX_POS,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+        use_cache=True,
     )
     config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     return LlamaForCausalLM(config)
@@ -123,6 +169,7 @@ def make_model(cfg: dict):
 @__import__("functools").lru_cache(None)
 def _torch():
     import torch
+
     return torch
 
 
@@ -135,7 +182,7 @@ def evaluate(model, val: np.ndarray, seq_len: int, n_windows: int = 96) -> tuple
     nll, count, maxp = 0.0, 0, 0.0
     with torch.no_grad():
         for i in range(0, n_windows, 16):
-            x = torch.from_numpy(np.stack([val[s:s + seq_len + 1] for s in starts[i:i + 16]]))
+            x = torch.from_numpy(np.stack([val[s : s + seq_len + 1] for s in starts[i : i + 16]]))
             logits = model(input_ids=x[:, :-1]).logits.float()
             lp = torch.log_softmax(logits, -1)
             tgt = x[:, 1:]
@@ -150,10 +197,16 @@ def greedy_torch(model, prompt: list[int], steps: int) -> list[int]:
     torch = _torch()
     model.eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID,
-                             min_new_tokens=steps)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_ID,
+            min_new_tokens=steps,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def decode(ids) -> str:
@@ -164,7 +217,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", choices=sorted(PRESETS), default="main")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--time-limit", type=float, default=30 * 60, help="wall-time budget in seconds; the LR schedule follows max(step, time) progress and training stops when the budget is used")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=30 * 60,
+        help="wall-time budget in seconds; the LR schedule follows max(step, time) progress and training stops when the budget is used",
+    )
     ap.add_argument("--work", default="/tmp/onnxkv_train", help="scratch folder for HF checkpoints")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -176,6 +234,7 @@ def main() -> None:
 
     torch = _torch()
     import transformers
+
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -200,8 +259,12 @@ def main() -> None:
         print(f"params {n_params} (~{n_params * 4 / 2**20:.2f} MiB fp32)", flush=True)
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg["lr"],
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        )
         steps, warmup = cfg["steps"], cfg["warmup"]
 
         def lr_at(s: int, elapsed: float = 0.0) -> float:
@@ -224,7 +287,7 @@ def main() -> None:
             for g in opt.param_groups:
                 g["lr"] = lr
             starts = rng.integers(0, len(train) - seq_len - 1, batch)
-            x = torch.from_numpy(np.stack([train[i:i + seq_len + 1] for i in starts]))
+            x = torch.from_numpy(np.stack([train[i : i + seq_len + 1] for i in starts]))
             logits = model(input_ids=x[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
             opt.zero_grad(set_to_none=True)
@@ -235,8 +298,11 @@ def main() -> None:
             ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
             el = time.time() - t0
             if s % 50 == 0 or s == steps - 1:
-                print(f"step {s:5d} lr {lr:.2e} loss {loss.item():.4f} ema {ema:.4f} "
-                      f"bpb {ema / math.log(2):.3f} elapsed {el:.0f}s", flush=True)
+                print(
+                    f"step {s:5d} lr {lr:.2e} loss {loss.item():.4f} ema {ema:.4f} "
+                    f"bpb {ema / math.log(2):.3f} elapsed {el:.0f}s",
+                    flush=True,
+                )
             if s % 500 == 0 and s > 0:
                 bpb, mp = evaluate(model, val, seq_len)
                 print(f"  val bpb {bpb:.4f} mean max-prob {mp:.3f}", flush=True)
@@ -248,13 +314,19 @@ def main() -> None:
         print(f"final: steps {done} train_time {train_time:.0f}s val bpb {bpb:.4f} mean max-prob {mp:.3f}", flush=True)
         model.save_pretrained(hf_dir, safe_serialization=True)
         save_byte_tokenizer(hf_dir, VOCAB)
-        summary.update(steps_done=done, train_time_s=round(train_time, 1), val_bits_per_byte=round(bpb, 4),
-                       mean_max_prob=round(mp, 4), params=n_params)
+        summary.update(
+            steps_done=done,
+            train_time_s=round(train_time, 1),
+            val_bits_per_byte=round(bpb, 4),
+            mean_max_prob=round(mp, 4),
+            params=n_params,
+        )
         (work / "summary.json").write_text(json.dumps(summary, indent=2))
     else:
         summary = json.loads((work / "summary.json").read_text())
 
     from transformers import LlamaForCausalLM
+
     model = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     prompt = [BOS_ID] + list(b"The ")
     torch_ids = greedy_torch(model, prompt, 120)

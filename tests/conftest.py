@@ -1,11 +1,12 @@
 """Suite-wide checks: after every test, every live page pool is whole again."""
+
 from __future__ import annotations
 
 import gc
 
+import fuzzing  # noqa: F401  (registers and loads the Hypothesis profile of the suite)
 import pytest
 
-import fuzzing  # noqa: F401  (registers and loads the Hypothesis profile of the suite)
 from onnxkv.cache.paged import live_pools
 
 

@@ -6,6 +6,7 @@ While its ``mode`` is set, every allocation after the first ``after`` ones is
 broken that way; ``mode = None`` makes it a good allocator again.  With
 ``free_raises`` set, ``free`` forgets nothing and raises ``RuntimeError``.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,7 +47,7 @@ class HostileBuffer:
         dt = np.dtype(dtype)
         shape = tuple(shape) if isinstance(shape, tuple) else (shape,)
         size = int(np.prod(shape)) * dt.itemsize
-        raw = self.inner.view(np.uint8, (self.inner.nbytes,))[self.offset:]
+        raw = self.inner.view(np.uint8, (self.inner.nbytes,))[self.offset :]
         good = raw[:size].view(dt).reshape(shape)
         mode = self.mode
         if mode == "negative":

@@ -1,4 +1,5 @@
 """Random MatMulNBits weights in ONNX Runtime's layout, shared by the kernel, operator and fusion tests."""
+
 import numpy as np
 
 

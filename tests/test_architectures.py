@@ -91,8 +91,11 @@ def _teacher_forced(session: onnxkv.Session, ref) -> np.ndarray:
 
 
 def test_manifest_lists_exactly_these_exports():
-    made = {arch: tuple(sorted(e for e, r in entry["exports"].items() if r["exported"]))
-            for arch, entry in MANIFEST.items() if isinstance(entry, dict) and "exports" in entry}
+    made = {
+        arch: tuple(sorted(e for e, r in entry["exports"].items() if r["exported"]))
+        for arch, entry in MANIFEST.items()
+        if isinstance(entry, dict) and "exports" in entry
+    }
     assert made == {arch: tuple(sorted(e)) for arch, e in EXPECTED.items()}
 
 
@@ -118,8 +121,7 @@ def test_load_reports_the_convention(arch, exporter):
 @pytest.mark.parametrize("arch,exporter", FLOAT)
 def test_greedy_tokens_match_transformers(arch, exporter):
     ref = _ref(arch)
-    res = onnxkv.generate(_session(arch, exporter), ref["prompt_ids"][None], len(ref["greedy_tokens"]),
-                          eos_token_id=[])
+    res = onnxkv.generate(_session(arch, exporter), ref["prompt_ids"][None], len(ref["greedy_tokens"]), eos_token_id=[])
     np.testing.assert_array_equal(res.tokens[0], ref["greedy_tokens"])
 
 
@@ -136,9 +138,13 @@ def test_logits_match_transformers_at_every_step(arch, exporter):
 @pytest.mark.parametrize("cache", ["paged", "tensor"])
 def test_windowed_models_on_paged_and_tensor_caches(arch, exporter, cache):
     ref = _ref(arch)
-    res = onnxkv.generate(_session(arch, exporter), ref["prompt_ids"][None], len(ref["greedy_tokens"]),
-                          eos_token_id=[],
-                          cache=onnxkv.CacheConfig("paged", block_size=4) if cache == "paged" else cache)
+    res = onnxkv.generate(
+        _session(arch, exporter),
+        ref["prompt_ids"][None],
+        len(ref["greedy_tokens"]),
+        eos_token_id=[],
+        cache=onnxkv.CacheConfig("paged", block_size=4) if cache == "paged" else cache,
+    )
     np.testing.assert_array_equal(res.tokens[0], ref["greedy_tokens"])
 
 

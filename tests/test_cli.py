@@ -25,8 +25,23 @@ def genai_dir(tmp_path_factory):
 
 def test_generate_prints_ids_speed_memory_and_writes_events(genai_dir, tmp_path, capsys):
     ev = tmp_path / "events.json"
-    assert main(["generate", str(genai_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "20",
-                 "--events", str(ev), "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(genai_dir),
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "20",
+                "--events",
+                str(ev),
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     ids = out.splitlines()[0]
     assert ids.startswith("ids:") and 1 <= len(ids.split()[1:]) <= 20
@@ -68,11 +83,29 @@ def test_errors_are_reported_not_raised(genai_dir, tmp_path, capsys):
 def test_generate_quantizes_weights_first(genai_dir, tmp_path, monkeypatch, capsys, weights):
     """--weights quantizes a copy in a temporary folder (removed afterwards) and generates with it."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert main(["generate", str(genai_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--threads", "1",
-                 "--quiet", "--weights", weights]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(genai_dir),
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "8",
+                "--threads",
+                "1",
+                "--quiet",
+                "--weights",
+                weights,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert out.splitlines()[0] == f"weights: 15 MatMuls quantized to {weights} (block 32), 0 left float; " \
+    assert (
+        out.splitlines()[0] == f"weights: 15 MatMuls quantized to {weights} (block 32), 0 left float; "
         f"initializers {out.split('initializers ')[1].split(chr(10))[0]}"
+    )
     assert len(out.splitlines()[1].split()[1:]) == 8 and "tokens/s" in out
     assert list(tmp_path.iterdir()) == []
 
@@ -82,12 +115,29 @@ def test_generate_quantizes_a_model_file_with_its_config(genai_dir, tmp_path, mo
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     loaded = []
     monkeypatch.setattr(onnxkv, "load", lambda path: loaded.append(load(path)) or loaded[-1])
-    assert main(["generate", str(genai_dir / "model.onnx"), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
-                 "--quiet", "--threads", "1", "--weights", "int8"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(genai_dir / "model.onnx"),
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "4",
+                "--quiet",
+                "--threads",
+                "1",
+                "--weights",
+                "int8",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("weights: 15 MatMuls quantized to int8")
     (model,) = loaded
     assert model.path.parent.parent == tmp_path and model.genai_config == json.loads(
-        (genai_dir / "genai_config.json").read_text())
+        (genai_dir / "genai_config.json").read_text()
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -104,28 +154,38 @@ def test_generate_quantizes_the_embedded_model(tmp_path, monkeypatch, capsys):
     assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (embedded.embedded_model_dir() / "genai_config.json").exists(),
-                    reason="embedded model not built")
+@pytest.mark.skipif(
+    not (embedded.embedded_model_dir() / "genai_config.json").exists(), reason="embedded model not built"
+)
 def test_embedded_default_prints_text(tmp_path):
     # Run outside the source tree so the installed package (with its compiled kernels) is imported.
-    r = subprocess.run([sys.executable, "-m", "onnxkv", "generate", "--prompt", "The ", "--max-new-tokens", "24",
-                        "--quiet"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "onnxkv", "generate", "--prompt", "The ", "--max-new-tokens", "24", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     text = [line for line in r.stdout.splitlines() if line.startswith("text:")][0]
     assert text.startswith("text: The ") and len(text) > len("text: The ") + 5
-    r = subprocess.run([sys.executable, "-m", "onnxkv", "inspect"], capture_output=True, text=True, timeout=120,
-                       cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "onnxkv", "inspect"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert r.returncode == 0 and "group_query_attention" in r.stdout
 
 
 def test_generate_takes_the_cache_config_and_sampling_options(genai_dir, capsys):
     base = ["generate", str(genai_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--threads", "1", "--quiet"]
     runs = {}
-    for name, extra in {"greedy": [], "tensor": ["--cache", "tensor"],
-                        "fp16": ["--cache", "contiguous", "--kv-format", "fp16"],
-                        "int8": ["--kv-format", "int8", "--block-size", "4"],
-                        "sampled": ["--do-sample", "--temperature", "5", "--seed", "1"],
-                        "sampled again": ["--do-sample", "--temperature", "5", "--seed", "1"]}.items():
+    for name, extra in {
+        "greedy": [],
+        "tensor": ["--cache", "tensor"],
+        "fp16": ["--cache", "contiguous", "--kv-format", "fp16"],
+        "int8": ["--kv-format", "int8", "--block-size", "4"],
+        "sampled": ["--do-sample", "--temperature", "5", "--seed", "1"],
+        "sampled again": ["--do-sample", "--temperature", "5", "--seed", "1"],
+    }.items():
         assert main(base + extra) == 0, name
         runs[name] = capsys.readouterr().out.splitlines()[0]
     assert runs["tensor"] == runs["greedy"]

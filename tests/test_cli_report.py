@@ -20,8 +20,24 @@ def run_json(tmp_path_factory):
     d = tmp_path_factory.mktemp("micro_report")
     save_genai_folder(build_model("gqa", MICRO), MICRO, d)
     ev = d / "run.json"
-    assert main(["generate", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", str(STEPS), "--events", str(ev),
-                 "--threads", "1", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(d),
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                str(STEPS),
+                "--events",
+                str(ev),
+                "--threads",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return ev
 
 
@@ -34,7 +50,7 @@ def _table(out: str) -> list[list[str]]:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["step"])
     table = [lines[start].split()]
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.split() or not line.split()[0].isdigit():
             break
         table.append(line.split())

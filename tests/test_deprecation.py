@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
-
 from deprecations import warns_deprecated
+
 from onnxkv import InputError
 from onnxkv._deprecation import OnnxkvDeprecationWarning, renamed_argument, warn_deprecated
 

@@ -19,26 +19,115 @@ def _synthetic() -> EventLog:
     """Three steps: two cache writes in step 0, none in step 1, one in step 2."""
     log = EventLog()
     # step 0: two nodes, the first writes two caches
-    log.record(0, "attn", "GroupQueryAttention", "execute", allocations=2, allocated_bytes=1000,
-               committed=1000, live=1000, peak=1000, seconds=0.001)
-    log.record(0, "attn", "GroupQueryAttention", "cache_write", append_copied_bytes=64,
-               committed=4096, live=2048, peak=4096, extra={"cache": "past.0.key"})
-    log.record(0, "attn", "GroupQueryAttention", "cache_write", append_copied_bytes=64, prefix_copied_bytes=10,
-               committed=8192, live=4096, peak=8192, extra={"cache": "past.0.value"})
-    log.record(0, "mlp", "MatMul", "execute", allocations=1, allocated_bytes=500, workspace_peak_bytes=300,
-               committed=1500, live=700, peak=1500, seconds=0.002)
+    log.record(
+        0,
+        "attn",
+        "GroupQueryAttention",
+        "execute",
+        allocations=2,
+        allocated_bytes=1000,
+        committed=1000,
+        live=1000,
+        peak=1000,
+        seconds=0.001,
+    )
+    log.record(
+        0,
+        "attn",
+        "GroupQueryAttention",
+        "cache_write",
+        append_copied_bytes=64,
+        committed=4096,
+        live=2048,
+        peak=4096,
+        extra={"cache": "past.0.key"},
+    )
+    log.record(
+        0,
+        "attn",
+        "GroupQueryAttention",
+        "cache_write",
+        append_copied_bytes=64,
+        prefix_copied_bytes=10,
+        committed=8192,
+        live=4096,
+        peak=8192,
+        extra={"cache": "past.0.value"},
+    )
+    log.record(
+        0,
+        "mlp",
+        "MatMul",
+        "execute",
+        allocations=1,
+        allocated_bytes=500,
+        workspace_peak_bytes=300,
+        committed=1500,
+        live=700,
+        peak=1500,
+        seconds=0.002,
+    )
     # step 1: no cache write, figures carried over
-    log.record(1, "attn", "GroupQueryAttention", "execute", allocations=1, allocated_bytes=200,
-               cow_copied_bytes=32, committed=700, live=400, peak=1500, seconds=0.0005)
-    log.record(1, "mlp", "MatMul", "execute", allocated_bytes=0, workspace_peak_bytes=100,
-               committed=700, live=600, peak=1500, seconds=0.0005)
+    log.record(
+        1,
+        "attn",
+        "GroupQueryAttention",
+        "execute",
+        allocations=1,
+        allocated_bytes=200,
+        cow_copied_bytes=32,
+        committed=700,
+        live=400,
+        peak=1500,
+        seconds=0.0005,
+    )
+    log.record(
+        1,
+        "mlp",
+        "MatMul",
+        "execute",
+        allocated_bytes=0,
+        workspace_peak_bytes=100,
+        committed=700,
+        live=600,
+        peak=1500,
+        seconds=0.0005,
+    )
     # step 2: a cache write and an export (not a node)
-    log.record(2, "attn", "GroupQueryAttention", "execute", allocations=1, allocated_bytes=100,
-               committed=100, live=100, peak=1500)
-    log.record(2, "attn", "GroupQueryAttention", "cache_write", append_copied_bytes=16,
-               committed=16384, live=9000, peak=16384, extra={"cache": "past.0.key"})
-    log.record(2, "present.0.key", "export", "export", allocations=1, allocated_bytes=50,
-               prefix_copied_bytes=50, committed=16384, live=9000, peak=16384)
+    log.record(
+        2,
+        "attn",
+        "GroupQueryAttention",
+        "execute",
+        allocations=1,
+        allocated_bytes=100,
+        committed=100,
+        live=100,
+        peak=1500,
+    )
+    log.record(
+        2,
+        "attn",
+        "GroupQueryAttention",
+        "cache_write",
+        append_copied_bytes=16,
+        committed=16384,
+        live=9000,
+        peak=16384,
+        extra={"cache": "past.0.key"},
+    )
+    log.record(
+        2,
+        "present.0.key",
+        "export",
+        "export",
+        allocations=1,
+        allocated_bytes=50,
+        prefix_copied_bytes=50,
+        committed=16384,
+        live=9000,
+        peak=16384,
+    )
     return log
 
 
@@ -137,32 +226,34 @@ def test_from_json_missing_file_raises_file_not_found(tmp_path):
 
 
 def _ev(**over) -> dict:
-    d = {"step": 0, "node": "n", "op": "Add", "action": "execute", "allocated_bytes": 8, "seconds": 0.1,
-         "extra": {}}
+    d = {"step": 0, "node": "n", "op": "Add", "action": "execute", "allocated_bytes": 8, "seconds": 0.1, "extra": {}}
     d.update(over)
     return d
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "empty"),
-    ("   \n", "empty"),
-    ("{not json", "not valid JSON .*line 1"),
-    ("12", "expected a JSON object with an 'events' list, got an integer"),
-    ('{"totals": {}}', "no 'events' key"),
-    ('{"events": {"step": 0}}', "'events' must be a list, got an object"),
-    ('{"events": [], "totals": [1]}', "'totals' must be an object"),
-    ('{"events": [3]}', r"events\[0\]: expected an object, got an integer"),
-    (json.dumps({"events": [_ev(), {"node": "n"}]}), r"events\[1\]: missing 'step', 'op'"),
-    (json.dumps({"events": [_ev(step=-1)]}), r"events\[0\]\.step: expected a non-negative integer, got -1"),
-    (json.dumps({"events": [_ev(step="0")]}), r"events\[0\]\.step: expected a non-negative integer"),
-    (json.dumps({"events": [_ev(step=True)]}), r"events\[0\]\.step: expected a non-negative integer"),
-    (json.dumps({"events": [_ev(), _ev(allocated_bytes=1.5)]}), r"events\[1\]\.allocated_bytes"),
-    (json.dumps({"events": [_ev(committed=None)]}), r"events\[0\]\.committed"),
-    (json.dumps({"events": [_ev(node=3)]}), r"events\[0\]\.node: expected a string, got an integer"),
-    (json.dumps({"events": [_ev(seconds=-1.0)]}), r"events\[0\]\.seconds: expected a non-negative number"),
-    ('{"events": [{"step": 0, "node": "n", "op": "Add", "seconds": NaN}]}', r"events\[0\]\.seconds"),
-    (json.dumps({"events": [_ev(extra=[1])]}), r"events\[0\]\.extra: expected an object, got a list"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty"),
+        ("   \n", "empty"),
+        ("{not json", "not valid JSON .*line 1"),
+        ("12", "expected a JSON object with an 'events' list, got an integer"),
+        ('{"totals": {}}', "no 'events' key"),
+        ('{"events": {"step": 0}}', "'events' must be a list, got an object"),
+        ('{"events": [], "totals": [1]}', "'totals' must be an object"),
+        ('{"events": [3]}', r"events\[0\]: expected an object, got an integer"),
+        (json.dumps({"events": [_ev(), {"node": "n"}]}), r"events\[1\]: missing 'step', 'op'"),
+        (json.dumps({"events": [_ev(step=-1)]}), r"events\[0\]\.step: expected a non-negative integer, got -1"),
+        (json.dumps({"events": [_ev(step="0")]}), r"events\[0\]\.step: expected a non-negative integer"),
+        (json.dumps({"events": [_ev(step=True)]}), r"events\[0\]\.step: expected a non-negative integer"),
+        (json.dumps({"events": [_ev(), _ev(allocated_bytes=1.5)]}), r"events\[1\]\.allocated_bytes"),
+        (json.dumps({"events": [_ev(committed=None)]}), r"events\[0\]\.committed"),
+        (json.dumps({"events": [_ev(node=3)]}), r"events\[0\]\.node: expected a string, got an integer"),
+        (json.dumps({"events": [_ev(seconds=-1.0)]}), r"events\[0\]\.seconds: expected a non-negative number"),
+        ('{"events": [{"step": 0, "node": "n", "op": "Add", "seconds": NaN}]}', r"events\[0\]\.seconds"),
+        (json.dumps({"events": [_ev(extra=[1])]}), r"events\[0\]\.extra: expected an object, got a list"),
+    ],
+)
 def test_from_json_rejects_malformed_input_naming_what_is_wrong(tmp_path, text, message):
     path = tmp_path / "bad.json"
     path.write_text(text, encoding="utf-8")

@@ -22,8 +22,12 @@ SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith(
 
 def run(script: str, out: Path, *args: str) -> dict:
     """Run ``examples/<script>`` with ``--out out --threads 1`` and ``args``; return its JSON, check its PNG."""
-    done = subprocess.run([sys.executable, str(EXAMPLES / script), "--out", str(out), "--threads", "1", *args],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--out", str(out), "--threads", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr}"
     name = script.removesuffix(".py")
     png = out / f"{name}.png"
@@ -40,8 +44,9 @@ def test_beam_memory(tmp_path):
     result = run("beam_memory.py", tmp_path, "--beams", "4", "--prompt-tokens", "40", "--new-tokens", "5")
     paged, tensor = result["modes"]["paged"], result["modes"]["tensor"]
     steps = len(tensor["step_ms"])
-    assert steps >= 1 and all(len(m[k]) == steps for m in (paged, tensor)
-                              for k in ("copied_bytes", "committed_bytes", "step_ms"))
+    assert steps >= 1 and all(
+        len(m[k]) == steps for m in (paged, tensor) for k in ("copied_bytes", "committed_bytes", "step_ms")
+    )
     # copy per beam gathers 4 beams x (40 + step) tokens x 2048 bytes every step; copy-on-write at most a page a beam
     assert all(t >= 4 * 40 * 2048 for t in tensor["copied_bytes"])
     assert all(p <= 4 * 16 * 2048 for p in paged["copied_bytes"])
@@ -55,7 +60,8 @@ def test_speculative_sweep(tmp_path):
     result = run("speculative_sweep.py", tmp_path, "--draft-tokens", "1,4", "--new-tokens", "16", "--repeats", "1")
     rows = result["rows"]
     assert {(r["prompt"], r["mode"], r["draft_tokens"]) for r in rows} == {
-        (p, m, k) for p in ("natural", "repetitive") for m in ("draft", "lookup") for k in (1, 4)}
+        (p, m, k) for p in ("natural", "repetitive") for m in ("draft", "lookup") for k in (1, 4)
+    }
     for r in rows:
         assert r["identical"] and r["new_tokens"] == 16, r
         # the prefill run gives one token, every later target run its accepted tokens and one of its own
@@ -66,8 +72,9 @@ def test_speculative_sweep(tmp_path):
 
 
 def test_page_formats(tmp_path):
-    result = run("page_formats.py", tmp_path, "--policies", "fp32,fp16,int8,int4", "--new-tokens", "32",
-                 "--prompts", "1")
+    result = run(
+        "page_formats.py", tmp_path, "--policies", "fp32,fp16,int8,int4", "--new-tokens", "32", "--prompts", "1"
+    )
     rows = {r["policy"]: r for r in result["rows"]}
     assert rows["fp32"]["dequantized_bytes"] == 0 < rows["int8"]["dequantized_bytes"]
     held = [rows[p]["bytes_held"] for p in ("fp32", "fp16", "int8", "int4")]
@@ -75,4 +82,3 @@ def test_page_formats(tmp_path):
     for r in rows.values():
         assert 0.0 <= r["agreement"] <= 1.0 and r["mean_kl"] >= 0.0
     assert rows["int4"]["mean_kl"] > rows["fp16"]["mean_kl"]
-

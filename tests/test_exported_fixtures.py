@@ -42,7 +42,7 @@ def test_prefill_and_decode_logits_match_transformers(session):
     out = session.run(feeds, fetch)
     np.testing.assert_allclose(out["logits"][0], REF["prefill_logits"], atol=1e-4, rtol=0)
     for i in range(16):
-        out = session.run(builder.next(REF["greedy_tokens"][i:i + 1].astype(np.int64), out), fetch)
+        out = session.run(builder.next(REF["greedy_tokens"][i : i + 1].astype(np.int64), out), fetch)
         np.testing.assert_allclose(out["logits"][0, -1], REF["decode_logits"][i], atol=1e-4, rtol=0)
 
 
@@ -53,8 +53,14 @@ def test_greedy_64_tokens_match_transformers(session):
 
 
 def test_left_padded_batch_matches_transformers(session):
-    res = onnxkv.generate(session, REF["batch_input_ids"], 16, attention_mask=REF["batch_attention_mask"],
-                          eos_token_id=[], pad_token_id=258)
+    res = onnxkv.generate(
+        session,
+        REF["batch_input_ids"],
+        16,
+        attention_mask=REF["batch_attention_mask"],
+        eos_token_id=[],
+        pad_token_id=258,
+    )
     np.testing.assert_array_equal(res.tokens, REF["batch_greedy_tokens"])
 
 
@@ -64,5 +70,6 @@ def test_logits_match_onnxruntime(session):
 
     prompt = REF["prompt_ids"][None, :].astype(np.int64)
     assert compare_runs(session, prompt, 16) <= 1e-4
-    np.testing.assert_array_equal(onnxkv.generate(session, prompt, 64, eos_token_id=[]).tokens,
-                                  ort_greedy(session, prompt, 64))
+    np.testing.assert_array_equal(
+        onnxkv.generate(session, prompt, 64, eos_token_id=[]).tokens, ort_greedy(session, prompt, 64)
+    )

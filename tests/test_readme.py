@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 #: A fenced block, possibly indented (inside a list item): its indent, language and body.
-FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
-                   re.MULTILINE | re.DOTALL)
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL
+)
 #: Languages of blocks this test knows what to do with ("" is a synopsis, not code).
 LANGUAGES = {"python", "bash", ""}
 
@@ -37,8 +38,7 @@ def blocks(page: Path) -> list[tuple[str, int, str]]:
     found = []
     for m in FENCE.finditer(text):
         indent = m["indent"]
-        lines = [line[len(indent):] if line.startswith(indent) else line.lstrip()
-                 for line in m["body"].splitlines()]
+        lines = [line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in m["body"].splitlines()]
         found.append((m["lang"], text.count("\n", 0, m.start("body")) + 1, "\n".join(lines) + "\n"))
     return found
 
@@ -91,9 +91,13 @@ def test_python_blocks_run_in_order(page, tmp_path, monkeypatch):
     assert ran and set(namespace) - {"__name__", "__builtins__"}, f"{_id(page)}: no python block defined anything"
 
 
-@pytest.mark.parametrize("args", [c for p in PAGES for lang, _, code in blocks(p) if lang == "bash"
-                                  for c in onnxkv_commands(code)], ids=" ".join)
+@pytest.mark.parametrize(
+    "args",
+    [c for p in PAGES for lang, _, code in blocks(p) if lang == "bash" for c in onnxkv_commands(code)],
+    ids=" ".join,
+)
 def test_onnxkv_commands_of_bash_blocks_run(args, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "onnxkv", *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "onnxkv", *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"onnxkv {shlex.join(args)} failed:\n{done.stdout}\n{done.stderr}"

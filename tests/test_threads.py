@@ -7,11 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from concurrency import side_by_side
+from fuzzing import examples
 from threadpoolctl import threadpool_info
 
 import onnxkv
-from concurrency import side_by_side
-from fuzzing import examples
 from onnxkv import InputError, _kernels
 from onnxkv._threads import ThreadControl
 from onnxkv.models.builders import MICRO, build_model
@@ -37,9 +37,12 @@ def _prompt(sess, batch=2, length=8):
     """Feeds of a prompt without a past for ``sess`` (a MICRO model)."""
     ids = np.arange(1, batch * length + 1).reshape(batch, length) % MICRO.vocab_size
     past = np.zeros((batch, MICRO.num_kv_heads, 0, MICRO.head_size), np.float32)
-    return {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((batch, length), np.int64),
-            "position_ids": np.arange(length)[None].repeat(batch, 0).astype(np.int64),
-            **{name: past for name in sess.input_names if name.startswith("past_key_values.")}}
+    return {
+        "input_ids": ids.astype(np.int64),
+        "attention_mask": np.ones((batch, length), np.int64),
+        "position_ids": np.arange(length)[None].repeat(batch, 0).astype(np.int64),
+        **{name: past for name in sess.input_names if name.startswith("past_key_values.")},
+    }
 
 
 def test_concurrent_sessions_keep_their_own_thread_count():
@@ -75,12 +78,12 @@ def test_concurrent_sessions_keep_their_own_kernel_settings_and_results():
     for sess, level in zip(sessions, levels):
         with _kernels.use_settings(_kernels.KernelSettings(simd=level)):
             want.append(sess.run(feeds))
-    if levels[1] != "scalar":   # the levels give other bits: cross-talk would show in the outputs
+    if levels[1] != "scalar":  # the levels give other bits: cross-talk would show in the outputs
         assert not np.array_equal(want[0]["logits"], want[1]["logits"])
 
     def work(i, r):
         mine = _kernels.KernelSettings(threads=sessions[i].threads, simd=levels[i])
-        with _kernels.use_settings(mine.replace(threads=3)):    # the session's threads= replace the caller's
+        with _kernels.use_settings(mine.replace(threads=3)):  # the session's threads= replace the caller's
             got = sessions[i].run(feeds)
             assert _settings_seen()[0] == mine, f"session {i} round {r}"
         for name, value in want[i].items():
@@ -115,9 +118,14 @@ def test_overlapping_runs_leave_the_blas_limit_to_the_first():
     original = _blas_threads()
     runs = [ThreadControl(2)(1), ThreadControl(2)()]
     seen = []
-    _in_order((0, runs[0].__enter__), (1, runs[1].__enter__), (1, lambda: seen.append(_blas_threads())),
-              (0, lambda: runs[0].__exit__(None, None, None)), (1, lambda: seen.append(_blas_threads())),
-              (1, lambda: runs[1].__exit__(None, None, None)))
+    _in_order(
+        (0, runs[0].__enter__),
+        (1, runs[1].__enter__),
+        (1, lambda: seen.append(_blas_threads())),
+        (0, lambda: runs[0].__exit__(None, None, None)),
+        (1, lambda: seen.append(_blas_threads())),
+        (1, lambda: runs[1].__exit__(None, None, None)),
+    )
     assert seen == [[1] * len(original), original]
     assert _blas_threads() == original
 

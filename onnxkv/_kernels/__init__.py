@@ -25,6 +25,7 @@ Build facts: :func:`openmp_enabled`, :func:`cpu_features`.  Importing this
 package sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it
 (see the comment below).
 """
+
 import importlib as _importlib
 import os as _os
 
@@ -44,9 +45,19 @@ if "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ.setdefault("GOMP_SPINCOUNT", "50000")
 
 _MODULES = {
-    "_runtime": ("KernelSettings", "current_settings", "use_settings", "simd_levels", "MAX_THREADS",
-                 "set_num_threads", "get_num_threads", "openmp_enabled", "simd_path", "set_simd_enabled",
-                 "cpu_features"),
+    "_runtime": (
+        "KernelSettings",
+        "current_settings",
+        "use_settings",
+        "simd_levels",
+        "MAX_THREADS",
+        "set_num_threads",
+        "get_num_threads",
+        "openmp_enabled",
+        "simd_path",
+        "set_simd_enabled",
+        "cpu_features",
+    ),
     "norm": ("rms_norm", "skip_rms_norm"),
     "softmax": ("softmax",),
     "activation": ("sigmoid", "silu", "silu_mul"),

@@ -18,6 +18,7 @@ Every file is read defensively: a missing, unreadable or malformed file
 means "no limit from it", never an error.  The paths are parameters so that
 the tests can point them at fake cgroup trees.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,7 @@ def omp_num_threads(environ: Mapping[str, str]) -> int | None:
     first entry, at most MAX_THREADS), or None when it is unset or not a
     positive integer."""
     value = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if not value.isdigit() or int(value) < 1:   # isdigit: no sign, no spaces inside
+    if not value.isdigit() or int(value) < 1:  # isdigit: no sign, no spaces inside
         return None
     return min(int(value), MAX_THREADS)
 
@@ -70,8 +71,9 @@ def _quota_v1(folder: Path) -> float | None:
     return _ratio(quota, period) if quota is not None and period is not None else None
 
 
-def cgroup_cpu_quota(root: str | os.PathLike = _CGROUP_ROOT, self_cgroup: str | os.PathLike = _SELF_CGROUP
-                     ) -> float | None:
+def cgroup_cpu_quota(
+    root: str | os.PathLike = _CGROUP_ROOT, self_cgroup: str | os.PathLike = _SELF_CGROUP
+) -> float | None:
     """The CPU quota (in CPUs, e.g. 1.5) of the process's cgroup: the
     smallest of its own and its ancestors' (a child never gets more than its
     parent), or None when none of them sets one.
@@ -110,8 +112,12 @@ def _affinity() -> int:
         return os.cpu_count() or 1
 
 
-def default_threads(environ: Mapping[str, str] | None = None, root: str | os.PathLike = _CGROUP_ROOT,
-                    self_cgroup: str | os.PathLike = _SELF_CGROUP, affinity: int | None = None) -> int:
+def default_threads(
+    environ: Mapping[str, str] | None = None,
+    root: str | os.PathLike = _CGROUP_ROOT,
+    self_cgroup: str | os.PathLike = _SELF_CGROUP,
+    affinity: int | None = None,
+) -> int:
     """The kernels' default thread count (see the module docstring): at least
     1, at most MAX_THREADS.  ``environ`` defaults to ``os.environ``,
     ``affinity`` to the size of the process's affinity mask."""

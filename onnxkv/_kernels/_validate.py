@@ -3,6 +3,7 @@
 Every check raises ``ValueError`` naming the argument, and all checks of a
 kernel run before the kernel writes anything.
 """
+
 import numpy as np
 
 F32 = np.dtype(np.float32)
@@ -47,8 +48,11 @@ def no_overlap(name, a, other, other_name, allow_identical=False):
 
 
 def identical(a, b):
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.shape == b.shape and a.dtype == b.dtype)
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+    )
 
 
 U64 = np.dtype(np.uint64)
@@ -101,8 +105,8 @@ def paged_blocks_read(kv_len, q_pos, window, block_size, n_blocks, kv_start=None
     hi = np.minimum(p + 1, np.asarray(kv_len, np.int64)[:, None])
     seen = lo < hi
     base = (np.arange(B, dtype=np.int64) * (n_blocks + 1))[:, None]
-    first = (base + lo // block_size)[seen]                 # first block of each token's range
-    after = (base + (hi - 1) // block_size + 1)[seen]       # one past its last block
+    first = (base + lo // block_size)[seen]  # first block of each token's range
+    after = (base + (hi - 1) // block_size + 1)[seen]  # one past its last block
     size = B * (n_blocks + 1)
     diff = np.bincount(first, minlength=size) - np.bincount(after, minlength=size)
     return np.cumsum(diff.reshape(B, n_blocks + 1)[:, :n_blocks], axis=1) > 0
@@ -118,17 +122,20 @@ def page_tables(block_tables, read, block_size, pages, alignment=64):
         return
     if ids.min() < 0 or ids.max() >= P:
         b, i = np.argwhere(read)[np.argmax((ids < 0) | (ids >= P))]
-        raise ValueError(f"block_tables: row {b}, block {i} (keys [{i * block_size}, {(i + 1) * block_size})) "
-                         f"holds visible keys but its entry is {int(block_tables[b, i])} "
-                         f"(expected a page id in [0, {P}))")
+        raise ValueError(
+            f"block_tables: row {b}, block {i} (keys [{i * block_size}, {(i + 1) * block_size})) "
+            f"holds visible keys but its entry is {int(block_tables[b, i])} "
+            f"(expected a page id in [0, {P}))"
+        )
     for name, addr in pages.items():
         a = addr[ids]
         if not a.all() or (a & np.uint64(alignment - 1)).any():
             k = int(np.argmax((a == 0) | (a % alignment != 0)))
             b, i = np.argwhere(read)[k]
             what = "0 (no page)" if a[k] == 0 else f"{int(a[k]):#x}, not {alignment}-byte aligned"
-            raise ValueError(f"{name}: page {int(ids[k])} (block_tables row {b}, block {i}) is read but its "
-                             f"address is {what}")
+            raise ValueError(
+                f"{name}: page {int(ids[k])} (block_tables row {b}, block {i}) is read but its address is {what}"
+            )
 
 
 U8 = np.dtype(np.uint8)
@@ -147,12 +154,16 @@ def page_formats(name, formats, n_pages, head_size):
     for code in present.tolist():
         if code not in FORMAT_BITS:
             page = int(np.argmax(formats == code))
-            raise ValueError(f"{name}: page {page} has format code {code}, expected one of "
-                             f"{sorted(FORMAT_BITS)} (ONNX element types float32, uint8, int8, float16, "
-                             "bfloat16, uint4, int4, uint2, int2)")
+            raise ValueError(
+                f"{name}: page {page} has format code {code}, expected one of "
+                f"{sorted(FORMAT_BITS)} (ONNX element types float32, uint8, int8, float16, "
+                "bfloat16, uint4, int4, uint2, int2)"
+            )
         if head_size * FORMAT_BITS[code] % 8:
-            raise ValueError(f"{name}: format code {code} ({FORMAT_BITS[code]} bits) needs head_size * bits to be "
-                             f"a multiple of 8, got head_size {head_size}")
+            raise ValueError(
+                f"{name}: format code {code} ({FORMAT_BITS[code]} bits) needs head_size * bits to be "
+                f"a multiple of 8, got head_size {head_size}"
+            )
     return formats
 
 
@@ -161,8 +172,7 @@ def scale_group(name, group, head_size):
     if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(group).__name__}")
     if group not in (1, head_size):
-        raise ValueError(f"{name}: must be 1 (per-head scales) or the head size {head_size} (per-channel), "
-                         f"got {group}")
+        raise ValueError(f"{name}: must be 1 (per-head scales) or the head size {head_size} (per-channel), got {group}")
     return int(group)
 
 

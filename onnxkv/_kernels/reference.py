@@ -5,6 +5,7 @@ tests and as the baseline in benchmarks.  Each writes into ``out`` like its
 compiled twin.  Computation is in float64 for float32 inputs where it matters,
 then cast to the output dtype.
 """
+
 import numpy as np
 
 
@@ -64,7 +65,7 @@ def rotary_embedding(x, cos, sin, positions, interleaved, out):
         raise ValueError("positions: out of range")
     half = cos.shape[1]
     r = 2 * half
-    c = cos[positions][:, :, None, :].astype(np.float64)   # [B, S, 1, half]
+    c = cos[positions][:, :, None, :].astype(np.float64)  # [B, S, 1, half]
     s = sin[positions][:, :, None, :].astype(np.float64)
     xd = x.astype(np.float64)
     res = xd.copy()
@@ -99,23 +100,23 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     k = kv_to_f32(k, kv_dtype)
     v = kv_to_f32(v, kv_dtype)
     B, Hq, Sq, D = q.shape
-    Hkv, Cap = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     G = Hq // Hkv
     if kv_start is None:
         kv_start = np.zeros(B, np.int32)
     res = np.zeros((B, Hq, Sq, D), np.float64)
     for b in range(B):
-        n = int(kv_len[b])                                       # keys >= kv_len are never read
+        n = int(kv_len[b])  # keys >= kv_len are never read
         j = np.arange(n)
-        p = q_pos[b].astype(np.int64)[:, None]                   # [Sq, 1]
+        p = q_pos[b].astype(np.int64)[:, None]  # [Sq, 1]
         mask = (j[None, :] <= p) & (j[None, :] < kv_len[b]) & (j[None, :] >= kv_start[b])
         if window >= 0:
             mask &= j[None, :] >= p - window
-        mask = np.tile(mask, (G, 1))                             # rows ordered (g, t)
-        kb = k[b, :, :n].astype(np.float64)                      # [Hkv, n, D]
+        mask = np.tile(mask, (G, 1))  # rows ordered (g, t)
+        kb = k[b, :, :n].astype(np.float64)  # [Hkv, n, D]
         vb = v[b, :, :n].astype(np.float64)
         qb = q[b].astype(np.float64).reshape(Hkv, G * Sq, D)
-        s = (qb @ kb.transpose(0, 2, 1)) * scale                 # [Hkv, G*Sq, n]
+        s = (qb @ kb.transpose(0, 2, 1)) * scale  # [Hkv, G*Sq, n]
         if softcap > 0:
             s = softcap * np.tanh(s / softcap)
         s = np.where(mask[None], s, -np.inf)
@@ -141,8 +142,17 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, s
         q4, k4 = q_rot, k_rot
     k_cache[0, :, pos] = k4[0, 0]
     v_cache[0, :, pos] = v.reshape(hkv, d)
-    attention(q4.reshape(1, hq, 1, d), k_cache, v_cache, np.array([pos + 1], np.int32), np.array([[pos]], np.int32),
-              scale, softcap, window, out.reshape(1, hq, 1, d))
+    attention(
+        q4.reshape(1, hq, 1, d),
+        k_cache,
+        v_cache,
+        np.array([pos + 1], np.int32),
+        np.array([[pos]], np.int32),
+        scale,
+        softcap,
+        window,
+        out.reshape(1, hq, 1, d),
+    )
     return True
 
 
@@ -205,12 +215,31 @@ def f32_to_bf16(x, out):
     out[...] = bf16_from_f32(x)
 
 
-_FLOAT_FORMATS = {1: "float32", 10: "float16", 16: "bfloat16"}   # page format code -> kv_dtype
+_FLOAT_FORMATS = {1: "float32", 10: "float16", 16: "bfloat16"}  # page format code -> kv_dtype
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale, softcap,
-                    window, out, *, kv_start=None, kv_dtype=None, k_formats=None, v_formats=None, k_group=1,
-                    v_group=1, k_header="float32"):
+def paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    block_size,
+    kv_heads,
+    kv_len,
+    q_pos,
+    scale,
+    softcap,
+    window,
+    out,
+    *,
+    kv_start=None,
+    kv_dtype=None,
+    k_formats=None,
+    v_formats=None,
+    k_group=1,
+    v_group=1,
+    k_header="float32",
+):
     """NumPy twin of the compiled ``paged_attention`` (same arguments, same result).
 
     NumPy cannot dereference addresses, so ``k_pages`` / ``v_pages`` are the
@@ -247,8 +276,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
         if fmt in _FLOAT_FORMATS:
             return kv_to_f32(page, _FLOAT_FORMATS[fmt])
         vals = np.empty((kv_heads, bs, D), np.float32)
-        dequantize_page(np.ascontiguousarray(page).reshape(-1).view(np.uint8), fmt, kv_heads, bs, D, group, bs, vals,
-                        header)
+        dequantize_page(
+            np.ascontiguousarray(page).reshape(-1).view(np.uint8), fmt, kv_heads, bs, D, group, bs, vals, header
+        )
         return vals
 
     for b in range(B):
@@ -259,10 +289,20 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
             pid = int(block_tables[b, i])
             if not 0 <= pid < len(k_pages) or k_pages[pid] is None or v_pages[pid] is None:
                 raise ValueError(f"block_tables: row {b}, block {i} is read but maps to no page ({pid})")
-            kc[0, :, i * bs:(i + 1) * bs] = page_f32(k_pages, pid, k_formats, k_group, k_header)
-            vc[0, :, i * bs:(i + 1) * bs] = page_f32(v_pages, pid, v_formats, v_group)
-        attention(q[b:b + 1], kc, vc, np.asarray(kv_len[b:b + 1]), np.asarray(q_pos[b:b + 1]), scale, softcap,
-                  window, out[b:b + 1], None if kv_start is None else np.asarray(kv_start[b:b + 1]))
+            kc[0, :, i * bs : (i + 1) * bs] = page_f32(k_pages, pid, k_formats, k_group, k_header)
+            vc[0, :, i * bs : (i + 1) * bs] = page_f32(v_pages, pid, v_formats, v_group)
+        attention(
+            q[b : b + 1],
+            kc,
+            vc,
+            np.asarray(kv_len[b : b + 1]),
+            np.asarray(q_pos[b : b + 1]),
+            scale,
+            softcap,
+            window,
+            out[b : b + 1],
+            None if kv_start is None else np.asarray(kv_start[b : b + 1]),
+        )
 
 
 # Integer page formats (ONNX element type code -> bits, lowest code, highest code).
@@ -272,8 +312,11 @@ _QFORMATS = {2: (8, 0, 255), 3: (8, -128, 127), 21: (4, 0, 15), 22: (4, -8, 7), 
 #: Header bytes (before the padding to 64) of each header kind, from (heads H, groups per head G):
 #: float32 scale and zero point per group; compact: float32 S per head, exponent and zero-point codes per
 #: group; channel-zp: float32 s and w per head, int8 zero-point codes o per group (G = head size).
-_HEADER_BYTES = {"float32": lambda H, G: 8 * H * G, "compact": lambda H, G: 4 * H + 2 * H * G,
-                 "channel-zp": lambda H, G: 8 * H + H * G}
+_HEADER_BYTES = {
+    "float32": lambda H, G: 8 * H * G,
+    "compact": lambda H, G: 4 * H + 2 * H * G,
+    "channel-zp": lambda H, G: 8 * H + H * G,
+}
 
 
 def _header_group(header_name, header, group_name, group, head_size):
@@ -281,8 +324,9 @@ def _header_group(header_name, header, group_name, group, head_size):
     if not isinstance(header, str) or header not in _HEADER_BYTES:
         raise ValueError(f"{header_name}: expected one of {list(_HEADER_BYTES)}, got {header!r}")
     if header == "channel-zp" and group != head_size:
-        raise ValueError(f"{group_name}: a 'channel-zp' header needs one group per channel (the head size "
-                         f"{head_size}), got {group}")
+        raise ValueError(
+            f"{group_name}: a 'channel-zp' header needs one group per channel (the head size {head_size}), got {group}"
+        )
 
 
 def _qlayout(fmt_code, heads, head_size, group, header="float32"):
@@ -298,7 +342,7 @@ def _qlayout(fmt_code, heads, head_size, group, header="float32"):
 
 # 2^(-i/16) and 2^-k rounded to float32: a compact header's scale is (S * _STEPS[e & 15]) * _OCTAVES[e >> 4].
 _STEPS = np.array([2.0 ** (-i / 16) for i in range(16)], np.float32)
-_OCTAVES = np.array([2.0 ** -k for k in range(16)], np.float32)
+_OCTAVES = np.array([2.0**-k for k in range(16)], np.float32)
 
 
 def _header_params(page, fmt_code, H, G, header):
@@ -307,23 +351,24 @@ def _header_params(page, fmt_code, H, G, header):
     channel-zp: scale s[h] for every group of head h; zero_point z0 + w[h] * o[h*G + g] (z0 = 0 for signed
     formats, 2^(bits-1) for unsigned; exact in float32: |w * o| <= 2^23)."""
     if header == "float32":
-        hdr = page[:8 * H * G].copy().view(np.float32)
-        return hdr[:H * G].reshape(H, 1, G), hdr[H * G:].reshape(H, 1, G)
+        hdr = page[: 8 * H * G].copy().view(np.float32)
+        return hdr[: H * G].reshape(H, 1, G), hdr[H * G :].reshape(H, 1, G)
     if header == "channel-zp":
-        sw = page[:8 * H].copy().view(np.float32)
+        sw = page[: 8 * H].copy().view(np.float32)
         s, w = sw[:H].reshape(H, 1, 1), sw[H:].reshape(H, 1, 1)
-        o = page[8 * H:8 * H + H * G].view(np.int8).reshape(H, 1, G).astype(np.float32)
+        o = page[8 * H : 8 * H + H * G].view(np.int8).reshape(H, 1, G).astype(np.float32)
         bits, qmin, _ = _QFORMATS[fmt_code]
         z0 = np.float32(0 if qmin < 0 else 1 << (bits - 1))
         return np.broadcast_to(s, (H, 1, G)).copy(), z0 + w * o
-    S = page[:4 * H].copy().view(np.float32).reshape(H, 1, 1)
-    e = page[4 * H:4 * H + H * G].reshape(H, 1, G).astype(np.intp)
-    zc = page[4 * H + H * G:4 * H + 2 * H * G].reshape(H, 1, G)
+    S = page[: 4 * H].copy().view(np.float32).reshape(H, 1, 1)
+    e = page[4 * H : 4 * H + H * G].reshape(H, 1, G).astype(np.intp)
+    zc = page[4 * H + H * G : 4 * H + 2 * H * G].reshape(H, 1, G)
     return (S * _STEPS[e & 15]) * _OCTAVES[e >> 4], zc.astype(np.float32)
 
 
-def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0, header=None,
-                  header_kind="compact"):
+def quantize_page(
+    x, fmt_code, scale, zero_point, group, out_page, block_size, t0=0, header=None, header_kind="compact"
+):
     """NumPy twin of the compiled ``quantize_page``: q = saturate(rint(x / scale)
     + zero_point) in float32 (``np.rint`` rounds half to even; NaN gives the
     lowest code), packed low bits first; writes the header (float32 from scale /
@@ -340,14 +385,18 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G, kind)
     if header is not None:
         if header.shape != (hb,):
-            raise ValueError(f"header: a {kind!r} header of {H} heads and {G} groups per head has {hb} bytes, "
-                             f"got shape {header.shape}")
+            raise ValueError(
+                f"header: a {kind!r} header of {H} heads and {G} groups per head has {hb} bytes, "
+                f"got shape {header.shape}"
+            )
         dec_s, dec_z = (a.reshape(-1) for a in _header_params(header, fmt_code, H, G, kind))
         same = (dec_s == scale) & (dec_z == zero_point)
         if not same.all():
             i = int(np.argmin(same))
-            raise ValueError(f"header: decodes to scale[{i}] = {dec_s[i]!r}, zero_point[{i}] = {dec_z[i]!r}, "
-                             f"but scale[{i}] = {scale[i]!r}, zero_point[{i}] = {zero_point[i]!r}")
+            raise ValueError(
+                f"header: decodes to scale[{i}] = {dec_s[i]!r}, zero_point[{i}] = {dec_z[i]!r}, "
+                f"but scale[{i}] = {scale[i]!r}, zero_point[{i}] = {zero_point[i]!r}"
+            )
     v = np.rint(x / scale.reshape(H, 1, G)) + zero_point.reshape(H, 1, G)
     v = np.minimum(np.where(v >= qmin, v, np.float32(qmin)), np.float32(qmax))
     per = 8 // bits
@@ -355,11 +404,11 @@ def quantize_page(x, fmt_code, scale, zero_point, group, out_page, block_size, t
     packed = np.bitwise_or.reduce(q << (np.arange(per) * bits), axis=-1).astype(np.uint8)
     if header is None:
         out_page[:hb] = 0
-        out_page[:4 * H * G] = scale.view(np.uint8)
-        out_page[4 * H * G:8 * H * G] = zero_point.view(np.uint8)
+        out_page[: 4 * H * G] = scale.view(np.uint8)
+        out_page[4 * H * G : 8 * H * G] = zero_point.view(np.uint8)
     else:
         out_page[:hb] = header
-    out_page[hb:hb + H * block_size * row].reshape(H, block_size, row)[:, t0:t0 + n] = packed
+    out_page[hb : hb + H * block_size * row].reshape(H, block_size, row)[:, t0 : t0 + n] = packed
 
 
 def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens, out, header="float32"):
@@ -370,7 +419,7 @@ def dequantize_page(page, fmt_code, heads, block_size, head_size, group, tokens,
     H, D, G = int(heads), int(head_size), int(group)
     bits, qmin, qmax, hb, row = _qlayout(fmt_code, H, D, G, header)
     per = 8 // bits
-    codes = page[hb:hb + H * block_size * row].reshape(H, block_size, row)[:, :tokens].astype(np.int64)
+    codes = page[hb : hb + H * block_size * row].reshape(H, block_size, row)[:, :tokens].astype(np.int64)
     q = ((codes[..., None] >> (np.arange(per) * bits)) & ((1 << bits) - 1)).reshape(H, tokens, D)
     if qmin < 0:
         q = np.where(q > qmax, q - (1 << bits), q)
@@ -406,20 +455,23 @@ def _packed_codes(w):
     P, nblk, bs = w.P, w.nblk, w.block_size
     lines = np.asarray(w.qw).reshape(P, nblk, -1, 16, 4)
     if w.bits == 4:
-        q = np.stack([lines & 15, lines >> 4], axis=3)          # [P, nblk, line, half, 16, 4]
+        q = np.stack([lines & 15, lines >> 4], axis=3)  # [P, nblk, line, half, 16, 4]
         q = q.transpose(0, 4, 1, 2, 3, 5).reshape(P * 16, nblk, bs)
     else:
         q = lines.transpose(0, 3, 1, 2, 4).reshape(P * 16, nblk, bs)
     zp = np.full((P, nblk, 16), w.zconst, np.float32) if w.zp is None else np.asarray(w.zp)
-    panels = lambda a: a.transpose(0, 2, 1).reshape(P * 16, nblk)[:w.N]
-    return q[:w.N], panels(zp), panels(np.asarray(w.sc))
+
+    def panels(a):
+        return a.transpose(0, 2, 1).reshape(P * 16, nblk)[: w.N]
+
+    return q[: w.N], panels(zp), panels(np.asarray(w.sc))
 
 
 def nbits_dequantize(w):
     """float32 [K, N] of a ``qmatmul.PackedNBits`` w: (q - zp) * scale."""
     q, zp, sc = _packed_codes(w)
     deq = (q.astype(np.float32) - zp[..., None]) * sc[..., None]
-    return np.ascontiguousarray(deq.reshape(w.N, -1)[:, :w.K].T)
+    return np.ascontiguousarray(deq.reshape(w.N, -1)[:, : w.K].T)
 
 
 def _fma32(a, b, c):
@@ -440,7 +492,7 @@ def quantize_rows_int8(x, block_size):
     bad = ~np.isfinite(xb).all(axis=2)
     ok = (amax > 0) & ~bad
     inv = np.where(ok, np.float32(127) / np.where(ok, amax, 1), 0).astype(np.float32)
-    safe = np.where(ok[..., None], xb, 0).astype(np.float32)    # NaN/inf blocks quantize to zeros
+    safe = np.where(ok[..., None], xb, 0).astype(np.float32)  # NaN/inf blocks quantize to zeros
     xq = np.clip(np.rint((safe * inv[..., None]).astype(np.float32)), -127, 127).astype(np.int8)
     xs = np.where(bad, np.float32(np.nan), np.where(ok, amax / np.float32(127), 0)).astype(np.float32)
     xsum = xq.astype(np.int64).sum(axis=2).astype(np.float32)

@@ -113,7 +113,7 @@ def _leases_of(key: object) -> _Leases:
     if leases is None:
         leases = _Leases()
         try:
-            leases.owner = weakref.ref(key, lambda ref, k=id(key), mine=leases: _dropped(k, mine, ref))
+            leases.owner = weakref.ref(key, lambda ref, k=id(key), mine=leases: _dropped(k, mine, ref))  # noqa: B008
         except TypeError:
             leases.owner = key
         _index[id(key)] = leases  # entered last: nothing that may collect (and free) runs until the caller adds
@@ -147,8 +147,9 @@ def _int_attr(buffer: object, name: str) -> int:
         raise _Violation(f"has {name} {value!r}, not an int") from None
 
 
-def _checked_view(buffer: object, nbytes: int, alignment: int, dtype: np.dtype,
-                  shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+def _checked_view(
+    buffer: object, nbytes: int, alignment: int, dtype: np.dtype, shape: tuple[int, ...]
+) -> tuple[np.ndarray, int]:
     """(``buffer.view(dtype, shape)`` as a plain array, ``buffer.address``), or :class:`_Violation`."""
     size = _int_attr(buffer, "nbytes")
     if size < nbytes:
@@ -177,15 +178,15 @@ def _checked_view(buffer: object, nbytes: int, alignment: int, dtype: np.dtype,
         raise _Violation("returned a read-only view from view()")
     first = arr.__array_interface__["data"][0]
     if arr.size and first != address:
-        raise _Violation(f"returned a view whose first byte is at {first:#x}, not at the buffer's address "
-                         f"{address:#x}")
+        raise _Violation(f"returned a view whose first byte is at {first:#x}, not at the buffer's address {address:#x}")
     if arr.nbytes > nbytes:
         raise _Violation(f"returned a view of {arr.nbytes} bytes, past the {nbytes} leased")
     return arr, address
 
 
-def lease(allocator, nbytes: int, alignment: int, dtype: npt.DTypeLike, shape: tuple[int, ...],
-          who: str) -> tuple[Buffer, np.ndarray]:
+def lease(
+    allocator, nbytes: int, alignment: int, dtype: npt.DTypeLike, shape: tuple[int, ...], who: str
+) -> tuple[Buffer, np.ndarray]:
     """Allocate ``nbytes`` at ``alignment`` from ``allocator`` and check it (see the module docstring).
 
     Returns ``(buffer, array)``: ``array`` is ``buffer.view(dtype, shape)``,
@@ -202,15 +203,15 @@ def lease(allocator, nbytes: int, alignment: int, dtype: npt.DTypeLike, shape: t
     except OutOfMemory:
         raise
     except Exception as e:
-        raise OutOfMemory(f"{who}: {allocator!r}.{_request(nbytes, alignment, dt, dims)} raised "
-                          f"{type(e).__name__}: {e}") from e
+        raise OutOfMemory(
+            f"{who}: {allocator!r}.{_request(nbytes, alignment, dt, dims)} raised {type(e).__name__}: {e}"
+        ) from e
     try:
         arr, address = _checked_view(buffer, nbytes, alignment, dt, dims)
         if nbytes:
             _enter(allocator, buffer, address, address + nbytes)
     except _Violation as v:
-        exc = v.error(f"{who}: {allocator!r}.{_request(nbytes, alignment, dt, dims)} returned {buffer!r}, "
-                      f"which {v}")
+        exc = v.error(f"{who}: {allocator!r}.{_request(nbytes, alignment, dt, dims)} returned {buffer!r}, which {v}")
         if not v.leased:  # the same object is leased already: freeing it would end that lease
             _free_logged(allocator, buffer, who)
         raise exc from None
@@ -231,8 +232,11 @@ def _enter(allocator, buffer: object, start: int, end: int) -> None:
             leases.add(start, end, buffer)
             return
         lo, hi, same = leases.starts[i], leases.ends[i], leases.ids[i] == id(buffer)
-    raise _Violation(f"overlaps bytes [{lo:#x}, {hi:#x}) of {'this very buffer' if same else 'a buffer'} it handed "
-                     f"out before, still leased: bytes [{start:#x}, {end:#x}) would be handed out twice", leased=same)
+    raise _Violation(
+        f"overlaps bytes [{lo:#x}, {hi:#x}) of {'this very buffer' if same else 'a buffer'} it handed "
+        f"out before, still leased: bytes [{start:#x}, {end:#x}) would be handed out twice",
+        leased=same,
+    )
 
 
 def _free_logged(allocator, buffer: object, who: str) -> BaseException | None:
@@ -277,5 +281,7 @@ def release(allocator, buffers: Iterable[object | None], who: str, strict: bool 
         err = _free_logged(allocator, b, who)
         first = first or err
     if strict and first is not None:
-        raise StateError(f"{who}: {allocator!r}.free raised {type(first).__name__}: {first} (the storage is "
-                         "forgotten; the allocator keeps whatever it did not take back)") from first
+        raise StateError(
+            f"{who}: {allocator!r}.free raised {type(first).__name__}: {first} (the storage is "
+            "forgotten; the allocator keeps whatever it did not take back)"
+        ) from first

@@ -13,9 +13,7 @@ def check_allocator(obj: object) -> Allocator:
     ``TypeError`` naming the missing methods otherwise."""
     missing = [name for name in _REQUIRED if not callable(getattr(obj, name, None))]
     if missing:
-        raise TypeError(
-            f"{type(obj).__name__} object is not an allocator: missing callable {', '.join(missing)}"
-        )
+        raise TypeError(f"{type(obj).__name__} object is not an allocator: missing callable {', '.join(missing)}")
     return obj  # type: ignore[return-value]
 
 

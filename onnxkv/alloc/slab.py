@@ -183,20 +183,27 @@ class SlabAllocator:
     changes nothing.
     """
 
-    def __init__(self, chunk_bytes: int = 2 << 20, granule: int = 64, first_chunk_bytes: int | None = None,
-                 huge_pages: bool = True) -> None:
+    def __init__(
+        self,
+        chunk_bytes: int = 2 << 20,
+        granule: int = 64,
+        first_chunk_bytes: int | None = None,
+        huge_pages: bool = True,
+    ) -> None:
         chunk = check_alignment(chunk_bytes)
         if chunk < mmap.PAGESIZE:
-            raise ValueError(f"SlabAllocator: chunk_bytes must be a power of two >= the page size "
-                             f"{mmap.PAGESIZE}, got {chunk}")
+            raise ValueError(
+                f"SlabAllocator: chunk_bytes must be a power of two >= the page size {mmap.PAGESIZE}, got {chunk}"
+            )
         first = min(64 << 10, chunk) if first_chunk_bytes is None else check_alignment(first_chunk_bytes)
         if not mmap.PAGESIZE <= first <= chunk:
-            raise ValueError(f"SlabAllocator: first_chunk_bytes must be a power of two in [page size "
-                             f"{mmap.PAGESIZE}, chunk_bytes={chunk}], got {first}")
+            raise ValueError(
+                f"SlabAllocator: first_chunk_bytes must be a power of two in [page size "
+                f"{mmap.PAGESIZE}, chunk_bytes={chunk}], got {first}"
+            )
         grain = check_alignment(granule)
         if not 64 <= grain <= chunk:
-            raise ValueError(f"SlabAllocator: granule must be a power of two in [64, chunk_bytes={chunk}], "
-                             f"got {grain}")
+            raise ValueError(f"SlabAllocator: granule must be a power of two in [64, chunk_bytes={chunk}], got {grain}")
         self._chunk_bytes = chunk
         self._first_chunk_bytes = first
         self._granule = grain
@@ -300,8 +307,10 @@ class SlabAllocator:
         try:
             region = mmap.mmap(-1, size + slack, flags=_MAP_PRIVATE)
         except (OSError, ValueError, OverflowError, MemoryError) as exc:
-            raise OutOfMemory(f"{self!r}: cannot allocate {nbytes} bytes aligned to {alignment}: mapping a "
-                              f"chunk of {size} bytes failed: {exc}") from None
+            raise OutOfMemory(
+                f"{self!r}: cannot allocate {nbytes} bytes aligned to {alignment}: mapping a "
+                f"chunk of {size} bytes failed: {exc}"
+            ) from None
         whole = np.frombuffer(region, dtype=np.uint8)
         start = -whole.__array_interface__["data"][0] % align
         if huge and self._huge_pages:
@@ -353,8 +362,10 @@ class SlabAllocator:
             )
 
     def __repr__(self) -> str:
-        return (f"SlabAllocator(chunk_bytes={self._chunk_bytes}, first_chunk_bytes={self._first_chunk_bytes}, "
-                f"at {id(self):#x})")
+        return (
+            f"SlabAllocator(chunk_bytes={self._chunk_bytes}, first_chunk_bytes={self._first_chunk_bytes}, "
+            f"at {id(self):#x})"
+        )
 
 
 class SlabLane:

@@ -29,9 +29,23 @@ __all__ = ["PlaneSpec", "BlockPool", "live_pools"]
 _pools: weakref.WeakSet = weakref.WeakSet()
 
 #: The payload records and calls of :class:`PlanePayloads` a pool answers for (``pool.X`` is ``pool.payloads.X``).
-_PAYLOAD_API = ("pages", "ptrs", "formats", "converted", "sizes", "allocators", "committed_bytes", "pages_bytes",
-                "quantized", "read_page", "copy_page", "build_payload", "install_payload", "discard_payload",
-                "convert_page")
+_PAYLOAD_API = (
+    "pages",
+    "ptrs",
+    "formats",
+    "converted",
+    "sizes",
+    "allocators",
+    "committed_bytes",
+    "pages_bytes",
+    "quantized",
+    "read_page",
+    "copy_page",
+    "build_payload",
+    "install_payload",
+    "discard_payload",
+    "convert_page",
+)
 
 
 def live_pools() -> list[BlockPool]:
@@ -66,12 +80,14 @@ class BlockPool:
     payloads share.
     """
 
-    def __init__(self, planes: list[PlaneSpec], block_size: int = 16, allocator=None,
-                 max_pages: int | None = None) -> None:
+    def __init__(
+        self, planes: list[PlaneSpec], block_size: int = 16, allocator=None, max_pages: int | None = None
+    ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
             raise InputError(f"BlockPool: block_size must be a positive int, got {block_size!r}")
-        if max_pages is not None and (isinstance(max_pages, bool) or not isinstance(max_pages, (int, np.integer))
-                                      or max_pages < 1):
+        if max_pages is not None and (
+            isinstance(max_pages, bool) or not isinstance(max_pages, (int, np.integer)) or max_pages < 1
+        ):
             raise InputError(f"BlockPool: max_pages must be None or a positive int, got {max_pages!r}")
         if not planes:
             raise InputError("BlockPool: at least one plane is needed")
@@ -119,8 +135,10 @@ class BlockPool:
             self.payloads.end_batch()
             ids = self.core.reserve(int(n))
             if ids is None:
-                raise OutOfMemory(f"BlockPool: {n} page(s) needed but only {self.core.free_pages} of "
-                                  f"max_pages={self.max_pages} are free (block_size={self.block_size})")
+                raise OutOfMemory(
+                    f"BlockPool: {n} page(s) needed but only {self.core.free_pages} of "
+                    f"max_pages={self.max_pages} are free (block_size={self.block_size})"
+                )
             self.payloads.grow(self.core.capacity)
             try:
                 self.payloads.lease_pages(ids)
@@ -168,12 +186,15 @@ class BlockPool:
             bad = np.flatnonzero(want != refs)
             if bad.size:
                 p = int(bad[0])
-                raise StateError(f"BlockPool.audit: page {p} has {int(refs[p])} reference(s) but live page tables "
-                                 f"hold {int(want[p])} ({bad.size} page(s) differ)")
+                raise StateError(
+                    f"BlockPool.audit: page {p} has {int(refs[p])} reference(s) but live page tables "
+                    f"hold {int(want[p])} ({bad.size} page(s) differ)"
+                )
             self.payloads.check(refs)
             if self.core.live_pages != int((refs > 0).sum()):
-                raise StateError(f"BlockPool.audit: {self.core.live_pages} live ids but "
-                                 f"{int((refs > 0).sum())} referenced pages")
+                raise StateError(
+                    f"BlockPool.audit: {self.core.live_pages} live ids but {int((refs > 0).sum())} referenced pages"
+                )
 
 
 def _answer(name: str) -> property:

@@ -132,15 +132,26 @@ class CacheTensor:
     positions.
     """
 
-    def __init__(self, name: str, shape: tuple[int, int, int], dtype, allocator, capacity: int,
-                 growable: bool = True, max_capacity: int | None = None, storage: str | None = None,
-                 static: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, int, int],
+        dtype,
+        allocator,
+        capacity: int,
+        growable: bool = True,
+        max_capacity: int | None = None,
+        storage: str | None = None,
+        static: bool = False,
+    ) -> None:
         if capacity < 1:
             raise CacheCapacityError(f"cache '{name}': capacity must be at least 1, got {capacity}")
         self.name = name
         self.batch, self.heads, self.head_size = (int(x) for x in shape)
         if storage not in (None, "float32", "float16", "bfloat16"):
-            raise ValueError(f"cache '{name}': storage must be None, 'float32', 'float16' or 'bfloat16', got {storage!r}")
+            raise ValueError(
+                f"cache '{name}': storage must be None, 'float32', 'float16' or 'bfloat16', got {storage!r}"
+            )
         #: Name of the stored format ("bfloat16" is held as uint16 bit patterns).
         self.storage = storage or np.dtype(dtype).name
         self.dtype = np.dtype(np.uint16) if self.storage == "bfloat16" else np.dtype(self.storage)
@@ -257,15 +268,15 @@ class CacheTensor:
         if needed <= cap:
             return WriteCost()
         if not self.growable:
-            raise CacheCapacityError(
-                f"cache '{self.name}': {needed} positions needed, fixed capacity is {cap}")
+            raise CacheCapacityError(f"cache '{self.name}': {needed} positions needed, fixed capacity is {cap}")
         new_cap = cap
         while new_cap < needed:
             new_cap *= 2
         if self.max_capacity is not None:
             if needed > self.max_capacity:
                 raise CacheCapacityError(
-                    f"cache '{self.name}': {needed} positions needed, max capacity is {self.max_capacity}")
+                    f"cache '{self.name}': {needed} positions needed, max capacity is {self.max_capacity}"
+                )
             new_cap = min(new_cap, self.max_capacity)
         valid = max(self.length, self.staged or 0)
         new_buf, arr = self._allocate(new_cap, valid)  # OutOfMemory here leaves everything as it was
@@ -294,7 +305,8 @@ class CacheTensor:
         if (b, h, d) != (self.batch, self.heads, self.head_size):
             raise CacheCapacityError(
                 f"cache '{self.name}': update of shape {new.shape} does not fit "
-                f"[{self.batch}, {self.heads}, capacity, {self.head_size}]")
+                f"[{self.batch}, {self.heads}, capacity, {self.head_size}]"
+            )
         self.check_starts(starts)
         if self.storage == "bfloat16":
             new = _to_bf16(new)
@@ -302,14 +314,14 @@ class CacheTensor:
             start = int(starts)
             cost = self.reserve(max(start + s, length))
             self._save(None, start, s)
-            self.buffer[:, :, start:start + s] = new
+            self.buffer[:, :, start : start + s] = new
             end = start + s
         else:
             first = int(starts[0])
             if b == 1 or (starts == first).all():
                 cost = self.reserve(max(first + s, length))
                 self._save(None, first, s)
-                self.buffer[:, :, first:first + s] = new
+                self.buffer[:, :, first : first + s] = new
                 end = first + s
             else:
                 end = int(starts.max()) + s
@@ -317,7 +329,7 @@ class CacheTensor:
                 for row in range(b):
                     p = int(starts[row])
                     self._save(row, p, s)
-                    self.buffer[row, :, p:p + s] = new[row]
+                    self.buffer[row, :, p : p + s] = new[row]
         if self.static:
             length = max(self.length if self.staged is None else self.staged, end)
         return self._staged_append(cost, s, length, starts)
@@ -334,8 +346,10 @@ class CacheTensor:
         leave positions a row never wrote before its new values: ``starts[b]`` past ``lengths[b]``."""
         short = self.short_row(starts)
         if short is not None:
-            raise InputError(f"cache '{self.name}': row {short[0]} would be written at position {short[1]} but "
-                             f"has written only {short[2]} positions; a row may only continue from what it wrote")
+            raise InputError(
+                f"cache '{self.name}': row {short[0]} would be written at position {short[1]} but "
+                f"has written only {short[2]} positions; a row may only continue from what it wrote"
+            )
 
     def appended(self, s: int, length: int, cost: WriteCost | None, starts: np.ndarray | int) -> WriteCost:
         """Account for ``s`` positions of every row that a kernel wrote in place
@@ -378,4 +392,4 @@ class CacheTensor:
             (self._buf, self.buffer), self._grown_from = self._grown_from, None
         saved, self._saved = self._saved, []
         for row, start, old in reversed(saved):
-            self.buffer[slice(None) if row is None else row, :, start:start + old.shape[-2]] = old
+            self.buffer[slice(None) if row is None else row, :, start : start + old.shape[-2]] = old

@@ -65,6 +65,7 @@ chooses a channel-zp header: per head the scale and zero-point unit that
 minimise the scale while every channel's midpoint is a zero point and every
 code stays within 2^(bits-1) - 1 of ``z0``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -86,12 +87,30 @@ HEADERS = (HEADER_FLOAT32, HEADER_COMPACT, HEADER_CHANNEL_ZP)
 CHANNEL_ZP_MAX_UNIT_LOG2 = 16
 #: 2^(-i/16) rounded to float32 (i = 0..15) and 2^-k (k = 0..15): the factors of a compact scale.
 _STEPS = np.array([2.0 ** (-i / 16) for i in range(16)], np.float32)
-_OCTAVES = np.array([2.0 ** -k for k in range(16)], np.float32)
+_OCTAVES = np.array([2.0**-k for k in range(16)], np.float32)
 
-__all__ = ["PageFormat", "FORMATS", "HEADERS", "HEADER_FLOAT32", "HEADER_COMPACT", "HEADER_CHANNEL_ZP",
-           "COMPACT_MAX_GROUPS", "CHANNEL_ZP_MAX_UNIT_LOG2", "page_format", "groups_for", "header_bytes",
-           "codes_bytes", "page_bytes", "params_for", "compact_params", "channel_zp_params", "encode_header",
-           "decode_header", "check_params", "allocate_payload"]
+__all__ = [
+    "PageFormat",
+    "FORMATS",
+    "HEADERS",
+    "HEADER_FLOAT32",
+    "HEADER_COMPACT",
+    "HEADER_CHANNEL_ZP",
+    "COMPACT_MAX_GROUPS",
+    "CHANNEL_ZP_MAX_UNIT_LOG2",
+    "page_format",
+    "groups_for",
+    "header_bytes",
+    "codes_bytes",
+    "page_bytes",
+    "params_for",
+    "compact_params",
+    "channel_zp_params",
+    "encode_header",
+    "decode_header",
+    "check_params",
+    "allocate_payload",
+]
 
 
 @dataclass(frozen=True)
@@ -179,8 +198,10 @@ def _header_kind(api: str, header: str, groups: int) -> str:
     if not isinstance(header, str) or header not in HEADERS:
         raise InputError(f"{api}: header must be one of {list(HEADERS)}, got {header!r}")
     if header == HEADER_COMPACT and groups > COMPACT_MAX_GROUPS:
-        raise InputError(f"{api}: a compact header holds at most {COMPACT_MAX_GROUPS} groups per head, got {groups} "
-                         f"(per-channel scales need head_size <= {COMPACT_MAX_GROUPS})")
+        raise InputError(
+            f"{api}: a compact header holds at most {COMPACT_MAX_GROUPS} groups per head, got {groups} "
+            f"(per-channel scales need head_size <= {COMPACT_MAX_GROUPS})"
+        )
     return header
 
 
@@ -192,8 +213,9 @@ def header_bytes(fmt: str | int | PageFormat, heads: int, groups: int, header: s
     f = page_format(fmt)
     h = _count("header_bytes", "heads", heads, 1)
     g = _count("header_bytes", "groups", groups, 1)
-    n = {HEADER_FLOAT32: 8 * h * g, HEADER_COMPACT: 4 * h + 2 * h * g,
-         HEADER_CHANNEL_ZP: 8 * h + h * g}[_header_kind("header_bytes", header, g)]
+    n = {HEADER_FLOAT32: 8 * h * g, HEADER_COMPACT: 4 * h + 2 * h * g, HEADER_CHANNEL_ZP: 8 * h + h * g}[
+        _header_kind("header_bytes", header, g)
+    ]
     return 0 if f.is_float else -(-n // 64) * 64
 
 
@@ -206,13 +228,21 @@ def codes_bytes(fmt: str | int | PageFormat, heads: int, block_size: int, head_s
     bs = _count("codes_bytes", "block_size", block_size, 1)
     d = _count("codes_bytes", "head_size", head_size, 1)
     if d * f.bits % 8:
-        raise InputError(f"codes_bytes: head_size {d} is not supported by format {f.name}: head_size * {f.bits} "
-                         f"bits = {d * f.bits} is not a multiple of 8")
+        raise InputError(
+            f"codes_bytes: head_size {d} is not supported by format {f.name}: head_size * {f.bits} "
+            f"bits = {d * f.bits} is not a multiple of 8"
+        )
     return h * bs * d * f.bits // 8
 
 
-def page_bytes(fmt: str | int | PageFormat, heads: int, block_size: int, head_size: int, groups: int = 1,
-               header: str = HEADER_FLOAT32) -> int:
+def page_bytes(
+    fmt: str | int | PageFormat,
+    heads: int,
+    block_size: int,
+    head_size: int,
+    groups: int = 1,
+    header: str = HEADER_FLOAT32,
+) -> int:
     """Payload bytes of one page: :func:`header_bytes` + :func:`codes_bytes`
     (not rounded up to the 64-byte allocation alignment)."""
     return codes_bytes(fmt, heads, block_size, head_size) + header_bytes(fmt, heads, groups, header)
@@ -251,8 +281,10 @@ def params_for(x: np.ndarray, fmt: str | int | PageFormat, granularity: str) -> 
     scale = _scale_up(exact)
     scale = np.where(scale > 0, scale, np.float32(1))
     zp = _zero_points(f, lo, scale)
-    return (np.ascontiguousarray(scale, dtype=np.float32).reshape(H * G),
-            np.ascontiguousarray(zp, dtype=np.float32).reshape(H * G))
+    return (
+        np.ascontiguousarray(scale, dtype=np.float32).reshape(H * G),
+        np.ascontiguousarray(zp, dtype=np.float32).reshape(H * G),
+    )
 
 
 def _quantizable(api: str, x: np.ndarray, fmt: str | int | PageFormat) -> tuple[PageFormat, np.ndarray]:
@@ -299,8 +331,8 @@ def _pack_compact(S: np.ndarray, e: np.ndarray, zc: np.ndarray) -> np.ndarray:
     H, G = e.shape
     out = np.zeros(-(-(4 * H + 2 * H * G) // 64) * 64, np.uint8)
     out[: 4 * H] = np.ascontiguousarray(S, dtype=np.float32).view(np.uint8)
-    out[4 * H: 4 * H + H * G] = e.reshape(-1)
-    out[4 * H + H * G: 4 * H + 2 * H * G] = zc.reshape(-1)
+    out[4 * H : 4 * H + H * G] = e.reshape(-1)
+    out[4 * H + H * G : 4 * H + 2 * H * G] = zc.reshape(-1)
     return out
 
 
@@ -325,7 +357,7 @@ def compact_params(x: np.ndarray, fmt: str | int | PageFormat) -> tuple[np.ndarr
     exact, lo = _exact_scales(f, xd, (1,))
     S = _scale_up(exact.max(axis=1))
     S = np.where(S > 0, S, np.float32(1))
-    table = _compact_scales(S, np.arange(256)[None, :]).astype(np.float64)   # [H, 256], non-increasing in e
+    table = _compact_scales(S, np.arange(256)[None, :]).astype(np.float64)  # [H, 256], non-increasing in e
     e = np.empty((H, D), np.uint8)
     for h in range(H):  # the codes whose scale is >= exact are a prefix of the table: e is its last one
         e[h] = np.searchsorted(-table[h], -exact[h], side="right") - 1
@@ -339,8 +371,8 @@ def _pack_channel_zp(s: np.ndarray, w: np.ndarray, o: np.ndarray) -> np.ndarray:
     H, G = o.shape
     out = np.zeros(-(-(8 * H + H * G) // 64) * 64, np.uint8)
     out[: 4 * H] = np.ascontiguousarray(s, dtype=np.float32).view(np.uint8)
-    out[4 * H: 8 * H] = np.ascontiguousarray(w, dtype=np.float32).view(np.uint8)
-    out[8 * H: 8 * H + H * G] = np.ascontiguousarray(o, dtype=np.int8).reshape(-1).view(np.uint8)
+    out[4 * H : 8 * H] = np.ascontiguousarray(w, dtype=np.float32).view(np.uint8)
+    out[8 * H : 8 * H + H * G] = np.ascontiguousarray(o, dtype=np.int8).reshape(-1).view(np.uint8)
     return out
 
 
@@ -378,7 +410,7 @@ def channel_zp_params(x: np.ndarray, fmt: str | int | PageFormat) -> tuple[np.nd
     hi, lo = xd.max(axis=1), xd.min(axis=1)
     ctr, hr = (hi + lo) / 2, (hi - lo) / 2
     HR, CT = hr.max(axis=1), np.abs(ctr).max(axis=1)
-    units = np.array([2.0 ** k for k in range(CHANNEL_ZP_MAX_UNIT_LOG2 + 1) if 2.0 ** k / 2 < r])
+    units = np.array([2.0**k for k in range(CHANNEL_ZP_MAX_UNIT_LOG2 + 1) if 2.0**k / 2 < r])
     cand = np.maximum(HR[None, :] / (r - units[:, None] / 2), CT[None, :] / (127 * units[:, None]))  # [K, H]
     best = np.argmin(cand, axis=0)  # the first minimum: the smallest k on ties
     exact = cand[best, np.arange(H)]
@@ -397,8 +429,10 @@ def _encode_channel_zp(api: str, f: PageFormat, scale: np.ndarray, zero_point: n
     bad = np.flatnonzero(s != s[:, :1])
     if bad.size:
         i = int(bad[0])
-        raise InputError(f"{api}: scale[{i}] = {float(scale[i])!r} differs from scale[{i - i % G}] = "
-                         f"{float(scale[i - i % G])!r}: a channel-zp header holds one scale per head (head {i // G})")
+        raise InputError(
+            f"{api}: scale[{i}] = {float(scale[i])!r} differs from scale[{i - i % G}] = "
+            f"{float(scale[i - i % G])!r}: a channel-zp header holds one scale per head (head {i // G})"
+        )
     off = zero_point.astype(np.float64).reshape(h, G) - f.z0  # integers (check_params)
     units = 2.0 ** np.arange(CHANNEL_ZP_MAX_UNIT_LOG2 + 1)
     in_range = (off[None] >= -128 * units[:, None, None]) & (off[None] <= 127 * units[:, None, None])  # [K, h, G]
@@ -412,15 +446,23 @@ def _encode_channel_zp(api: str, f: PageFormat, scale: np.ndarray, zero_point: n
         wide = np.flatnonzero(in_range[:, head].all(axis=1))  # the units whose range holds every offset
         c = int(np.argmax(np.abs(off[head]))) if not wide.size else int(np.flatnonzero(~fits[wide[0], head])[0])
         i = head * G + c
-        raise InputError(f"{api}: zero_point[{i}] = {float(zero_point[i])!r}: no power of two w <= "
-                         f"2^{CHANNEL_ZP_MAX_UNIT_LOG2} makes every zero point of head {head} minus {f.z0} a multiple "
-                         "w * o with o in [-128, 127]: a channel-zp header cannot hold it")
+        raise InputError(
+            f"{api}: zero_point[{i}] = {float(zero_point[i])!r}: no power of two w <= "
+            f"2^{CHANNEL_ZP_MAX_UNIT_LOG2} makes every zero point of head {head} minus {f.z0} a multiple "
+            "w * o with o in [-128, 127]: a channel-zp header cannot hold it"
+        )
     o = (off / w.astype(np.float64)[:, None]).astype(np.int8)
     return _pack_channel_zp(s[:, 0], w, o)
 
 
-def encode_header(fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np.ndarray, heads: int,
-                  header: str = HEADER_FLOAT32, api: str = "encode_header") -> np.ndarray:
+def encode_header(
+    fmt: str | int | PageFormat,
+    scale: np.ndarray,
+    zero_point: np.ndarray,
+    heads: int,
+    header: str = HEADER_FLOAT32,
+    api: str = "encode_header",
+) -> np.ndarray:
     """The header bytes (uint8 [:func:`header_bytes`]) holding ``scale`` / ``zero_point``.
 
     ``scale`` and ``zero_point`` are float32 [heads * G] (valid as
@@ -447,7 +489,7 @@ def encode_header(fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np
     out = np.zeros(header_bytes(f, h, G, header), np.uint8)
     if header == HEADER_FLOAT32:
         out[: 4 * h * G] = scale.view(np.uint8)
-        out[4 * h * G: 8 * h * G] = zero_point.view(np.uint8)
+        out[4 * h * G : 8 * h * G] = zero_point.view(np.uint8)
         return out
     s = scale.reshape(h, G)
     S = s.max(axis=1)
@@ -458,18 +500,23 @@ def encode_header(fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np
     bad = np.flatnonzero(np.take_along_axis(table, e, axis=1) != s)
     if bad.size:
         i = int(bad[0])
-        raise InputError(f"{api}: scale[{i}] = {float(scale[i])!r} is not S * 2^(-e/16) for S = "
-                         f"{float(S[i // G])!r} (the largest scale of head {i // G}) and a code e in 0..255: a compact "
-                         "header cannot hold it")
+        raise InputError(
+            f"{api}: scale[{i}] = {float(scale[i])!r} is not S * 2^(-e/16) for S = "
+            f"{float(S[i // G])!r} (the largest scale of head {i // G}) and a code e in 0..255: a compact "
+            "header cannot hold it"
+        )
     if f.signed and (zero_point != 0).any():
         i = int(np.flatnonzero(zero_point != 0)[0])
-        raise InputError(f"{api}: zero_point[{i}] = {float(zero_point[i])!r}: a compact header holds zero point 0 for "
-                         f"signed formats ({f.name})")
+        raise InputError(
+            f"{api}: zero_point[{i}] = {float(zero_point[i])!r}: a compact header holds zero point 0 for "
+            f"signed formats ({f.name})"
+        )
     return _pack_compact(S, e.astype(np.uint8), zero_point.reshape(h, G).astype(np.uint8))
 
 
-def decode_header(page: np.ndarray, fmt: str | int | PageFormat, heads: int, groups: int,
-                  header: str = HEADER_FLOAT32) -> tuple[np.ndarray, np.ndarray]:
+def decode_header(
+    page: np.ndarray, fmt: str | int | PageFormat, heads: int, groups: int, header: str = HEADER_FLOAT32
+) -> tuple[np.ndarray, np.ndarray]:
     """The float32 scale and zero point [heads * groups] (index h*G + g) stored in the header
     of ``page`` (uint8 [>= header bytes], a quantized page of the integer format ``fmt``)."""
     f = page_format(fmt)
@@ -485,15 +532,21 @@ def decode_header(page: np.ndarray, fmt: str | int | PageFormat, heads: int, gro
         return params[:n], params[n:]
     if header == HEADER_CHANNEL_ZP:
         sw = page[: 8 * heads].copy().view(np.float32)
-        o = page[8 * heads: 8 * heads + n].copy().view(np.int8).reshape(heads, groups)
+        o = page[8 * heads : 8 * heads + n].copy().view(np.int8).reshape(heads, groups)
         return _channel_zp_decoded(f, sw[:heads], sw[heads:], o)
     S = page[: 4 * heads].copy().view(np.float32)
-    e = page[4 * heads: 4 * heads + n].reshape(heads, groups)
-    return _compact_scales(S, e).reshape(n), page[4 * heads + n: 4 * heads + 2 * n].astype(np.float32)
+    e = page[4 * heads : 4 * heads + n].reshape(heads, groups)
+    return _compact_scales(S, e).reshape(n), page[4 * heads + n : 4 * heads + 2 * n].astype(np.float32)
 
 
-def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_point: np.ndarray,
-                 names: tuple[str, str] = ("scale", "zero_point"), header: str = HEADER_FLOAT32) -> None:
+def check_params(
+    api: str,
+    fmt: str | int | PageFormat,
+    scale: np.ndarray,
+    zero_point: np.ndarray,
+    names: tuple[str, str] = ("scale", "zero_point"),
+    header: str = HEADER_FLOAT32,
+) -> None:
     """Check given quantization parameters for the integer format ``fmt`` (QuantizeLinear's rules).
 
     ``scale`` and ``zero_point`` are float32 arrays of one shape (any): every
@@ -509,11 +562,14 @@ def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_
         raise InputError(f"{api}: format {f.name} is a float format and has no scale or zero point")
     for name, a in zip(names, (scale, zero_point)):
         if not isinstance(a, np.ndarray) or a.dtype != np.float32:
-            raise InputError(f"{api}: {name} must be a float32 array, got "
-                             f"{a.dtype if isinstance(a, np.ndarray) else type(a).__name__}")
+            raise InputError(
+                f"{api}: {name} must be a float32 array, got "
+                f"{a.dtype if isinstance(a, np.ndarray) else type(a).__name__}"
+            )
     if scale.shape != zero_point.shape:
-        raise InputError(f"{api}: {names[0]} shape {list(scale.shape)} differs from {names[1]} shape "
-                         f"{list(zero_point.shape)}")
+        raise InputError(
+            f"{api}: {names[0]} shape {list(scale.shape)} differs from {names[1]} shape {list(zero_point.shape)}"
+        )
     bad = ~(np.isfinite(scale) & (scale > 0))
     if bad.any():
         i = tuple(int(x) for x in np.argwhere(bad)[0])
@@ -526,8 +582,10 @@ def check_params(api: str, fmt: str | int | PageFormat, scale: np.ndarray, zero_
     bad = ~((zero_point >= lo) & (zero_point <= hi) & (np.rint(zero_point) == zero_point))
     if bad.any():
         i = tuple(int(x) for x in np.argwhere(bad)[0])
-        raise InputError(f"{api}: {names[1]}{list(i)} = {float(zero_point[i])!r} (every zero point must be an integer "
-                         f"{what} for format {f.name})")
+        raise InputError(
+            f"{api}: {names[1]}{list(i)} = {float(zero_point[i])!r} (every zero point must be an integer "
+            f"{what} for format {f.name})"
+        )
 
 
 def allocate_payload(allocator, fmt: str | int | PageFormat, nbytes: int, api: str) -> tuple[object, np.ndarray]:

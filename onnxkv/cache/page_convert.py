@@ -29,8 +29,9 @@ from onnxkv.errors import InputError
 __all__ = ["convert_pages", "convert_full_pages", "quantize_blocks"]
 
 
-def convert_pages(table: PageTable, where: dict[int, list[tuple[int, int]]],
-                  targets: Sequence[tuple[int, str]]) -> tuple[int, int]:
+def convert_pages(
+    table: PageTable, where: dict[int, list[tuple[int, int]]], targets: Sequence[tuple[int, str]]
+) -> tuple[int, int]:
     """Give every page of ``where`` (page id -> its (row, block) places in ``table``) the format of each
     (plane, format name) of ``targets``; all or nothing (module docstring).
 

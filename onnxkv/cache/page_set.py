@@ -196,20 +196,28 @@ class PageSet:
         allocator it was made with.  Raises :class:`InputError` for another
         array, including a partial view of a tensor that has a handle.
         """
-        ok = isinstance(tensor, np.ndarray) and tensor.dtype in _NATIVE and tensor.ndim in (4, 5) and \
-            (tensor.ndim == 4 or tensor.shape[1] == 2) and tensor.size > 0
+        ok = (
+            isinstance(tensor, np.ndarray)
+            and tensor.dtype in _NATIVE
+            and tensor.ndim in (4, 5)
+            and (tensor.ndim == 4 or tensor.shape[1] == 2)
+            and tensor.size > 0
+        )
         if not ok:
             what = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, np.ndarray) else type(tensor).__name__
-            raise InputError(f"PageSet.attach: expected a float32/float16 page tensor [P, H, bs, D] or "
-                             f"[P, 2, H, bs, D] with every dim >= 1, got {what}")
+            raise InputError(
+                f"PageSet.attach: expected a float32/float16 page tensor [P, H, bs, D] or "
+                f"[P, 2, H, bs, D] with every dim >= 1, got {what}"
+            )
         if not (tensor.flags.c_contiguous and tensor.flags.writeable):
             raise InputError("PageSet.attach: the page tensor must be writable and C-contiguous")
         with _lock:
             found, whole = cls._find(tensor)
             if found is not None:
                 if not whole:
-                    raise InputError("PageSet.attach: the array views part of a page tensor that has a handle; "
-                                     "pass that tensor")
+                    raise InputError(
+                        "PageSet.attach: the array views part of a page tensor that has a handle; pass that tensor"
+                    )
                 return found
             handle = cls(tensor, as_allocator(allocator))
             _handles[id(tensor)] = handle
@@ -253,12 +261,19 @@ class PageSet:
             fmt = formats.page_format(int(self.formats[plane, page]))
             if fmt.code == self.native.code:
                 return self._slot(self._live_tensor(), plane, page).astype(np.float32)
-            return payload_values(self._payloads[(plane, page)][1], fmt, self.heads, self.block_size, self.head_size,
-                                  self.groups[plane], self.headers[plane], self.block_size)
+            return payload_values(
+                self._payloads[(plane, page)][1],
+                fmt,
+                self.heads,
+                self.block_size,
+                self.head_size,
+                self.groups[plane],
+                self.headers[plane],
+                self.block_size,
+            )
 
     # -- conversion ------------------------------------------------------------------
-    def _check_target(self, api: str, plane: int, target: PlaneTarget, n: int,
-                      selected: np.ndarray) -> tuple:
+    def _check_target(self, api: str, plane: int, target: PlaneTarget, n: int, selected: np.ndarray) -> tuple:
         """(format, G, scale [n, H*G], zero point [n, H*G], header bytes [n] or None) of a validated
         target (G = 0 and None for floats; header bytes for channel-zp targets only)."""
         fmt = formats.page_format(target.fmt)
@@ -266,39 +281,55 @@ class PageSet:
             return fmt, 0, None, None, None
         h, d = self.heads, self.head_size
         if d * fmt.bits % 8:
-            raise InputError(f"{api}: format {fmt.name} needs head_size * {fmt.bits} bits to be a multiple of 8, "
-                             f"head_size is {d}")
+            raise InputError(
+                f"{api}: format {fmt.name} needs head_size * {fmt.bits} bits to be a multiple of 8, head_size is {d}"
+            )
         scale, zero = target.scale, target.zero_point
         for name, a in zip(target.names, (scale, zero)):
             if not isinstance(a, np.ndarray) or a.shape not in ((n, h), (n, h, d)):
                 shape = list(a.shape) if isinstance(a, np.ndarray) else type(a).__name__
-                raise InputError(f"{api}: {name} must be [{n}, {h}] (per page and head) or [{n}, {h}, {d}] "
-                                 f"(per page, head and channel) for {n} selected page(s), got {shape}")
+                raise InputError(
+                    f"{api}: {name} must be [{n}, {h}] (per page and head) or [{n}, {h}, {d}] "
+                    f"(per page, head and channel) for {n} selected page(s), got {shape}"
+                )
         formats.check_params(api, fmt, scale, zero, target.names)
         g = 1 if scale.ndim == 2 else d
         czp = target.header == formats.HEADER_CHANNEL_ZP
         if czp and g == 1:
-            raise InputError(f"{api}: {target.names[0]} must be [{n}, {h}, {d}] for channel-zp pages (one scale per "
-                             f"head repeated over its channels, a zero point per channel), got {list(scale.shape)}")
+            raise InputError(
+                f"{api}: {target.names[0]} must be [{n}, {h}, {d}] for channel-zp pages (one scale per "
+                f"head repeated over its channels, a zero point per channel), got {list(scale.shape)}"
+            )
         quantized = self.quantized(plane) & ~selected
         if quantized.any() and (g, target.header) != (self.groups[plane], self.headers[plane]):
             have = {1: "per head", d: "per channel"}[self.groups[plane]]
             if self.headers[plane] == formats.HEADER_CHANNEL_ZP:
                 have = "with channel-zp headers"
             gives = "channel-zp" if czp else {1: "per-head", d: "per-channel"}[g]
-            raise InputError(f"{api}: {target.names[0]} gives {gives} scales but plane {plane} already holds pages "
-                             f"quantized {have} (e.g. page {int(np.flatnonzero(quantized)[0])}); one granularity per "
-                             "plane")
+            raise InputError(
+                f"{api}: {target.names[0]} gives {gives} scales but plane {plane} already holds pages "
+                f"quantized {have} (e.g. page {int(np.flatnonzero(quantized)[0])}); one granularity per "
+                "plane"
+            )
         scale, zero = scale.reshape(n, h * g), zero.reshape(n, h * g)
         headers = None
         if czp:  # every header encoded (and checked) before anything is built
-            headers = [formats.encode_header(fmt, np.ascontiguousarray(scale[i]), np.ascontiguousarray(zero[i]), h,
-                                             target.header, f"{api}: page {i} of {target.names[0]} / {target.names[1]}")
-                       for i in range(n)]
+            headers = [
+                formats.encode_header(
+                    fmt,
+                    np.ascontiguousarray(scale[i]),
+                    np.ascontiguousarray(zero[i]),
+                    h,
+                    target.header,
+                    f"{api}: page {i} of {target.names[0]} / {target.names[1]}",
+                )
+                for i in range(n)
+            ]
         return fmt, g, scale, zero, headers
 
-    def _build(self, plane: int, page: int, fmt: formats.PageFormat, g: int, scale, zero,
-               header: np.ndarray | None) -> tuple:
+    def _build(
+        self, plane: int, page: int, fmt: formats.PageFormat, g: int, scale, zero, header: np.ndarray | None
+    ) -> tuple:
         """(buffer, payload, values) of ``page`` in ``fmt``; buffer None when it returns to its tensor slot.
         ``header``: channel-zp header bytes, or None for a float32 header."""
         x = self.page_values(plane, page)
@@ -315,13 +346,19 @@ class PageSet:
                 typed[...] = x
         else:
             extra = {} if header is None else {"header": header, "header_kind": kind}
-            _kernels.quantize_page(x, fmt.code, np.ascontiguousarray(scale), np.ascontiguousarray(zero), g, arr,
-                                   self.block_size, **extra)
+            _kernels.quantize_page(
+                x, fmt.code, np.ascontiguousarray(scale), np.ascontiguousarray(zero), g, arr, self.block_size, **extra
+            )
         return buf, arr, None
 
-    def convert(self, indices: np.ndarray, targets: Sequence[PlaneTarget | None],
-                api: str = "PageSet.convert", indices_name: str = "indices",
-                staged: bool = False) -> ConvertCost:
+    def convert(
+        self,
+        indices: np.ndarray,
+        targets: Sequence[PlaneTarget | None],
+        api: str = "PageSet.convert",
+        indices_name: str = "indices",
+        staged: bool = False,
+    ) -> ConvertCost:
         """Give pages ``indices`` of every plane with a target its new format; all or nothing.
 
         ``indices``: 1-D int array of distinct page ids in ``[0, P)``.
@@ -346,19 +383,24 @@ class PageSet:
                 raise InputError(f"{api}: {indices_name} must be a 1-D int array, got {idx.dtype} {list(idx.shape)}")
             bad = np.flatnonzero(V.outside(idx, 0, self.num_pages - 1))  # in the ids' own width: none wraps
             if bad.size:
-                raise InputError(f"{api}: {indices_name}[{int(bad[0])}] = {int(idx[bad[0]])} is not a page id in "
-                                 f"[0, {self.num_pages})")
+                raise InputError(
+                    f"{api}: {indices_name}[{int(bad[0])}] = {int(idx[bad[0]])} is not a page id in "
+                    f"[0, {self.num_pages})"
+                )
             idx = idx.astype(np.int64)
             unique, counts = np.unique(idx, return_counts=True)
             if (counts > 1).any():
-                raise InputError(f"{api}: {indices_name} must be distinct, page {int(unique[counts > 1][0])} is "
-                                 f"selected {int(counts[counts > 1][0])} times")
+                raise InputError(
+                    f"{api}: {indices_name} must be distinct, page {int(unique[counts > 1][0])} is "
+                    f"selected {int(counts[counts > 1][0])} times"
+                )
             if len(targets) != self.planes:
                 raise InputError(f"{api}: {len(targets)} plane target(s) for {self.planes} plane(s)")
             selected = np.zeros(self.num_pages, bool)
             selected[idx] = True
-            checked = [None if t is None else self._check_target(api, i, t, idx.size, selected)
-                       for i, t in enumerate(targets)]
+            checked = [
+                None if t is None else self._check_target(api, i, t, idx.size, selected) for i, t in enumerate(targets)
+            ]
             cost = ConvertCost()
             built = []
             try:
@@ -371,9 +413,15 @@ class PageSet:
                             continue
                         if int(self.formats[plane, page]) not in _FLOAT_CODES:
                             cost.dequantized_bytes += self._payloads[(plane, page)][1].nbytes
-                        buf, arr, x = self._build(plane, page, fmt, g, None if scale is None else scale[i],
-                                                  None if zero is None else zero[i],
-                                                  None if headers is None else headers[i])
+                        buf, arr, x = self._build(
+                            plane,
+                            page,
+                            fmt,
+                            g,
+                            None if scale is None else scale[i],
+                            None if zero is None else zero[i],
+                            None if headers is None else headers[i],
+                        )
                         built.append((plane, page, fmt, g, buf, arr, x))
                         if buf is not None:
                             cost.allocations += 1
@@ -382,8 +430,10 @@ class PageSet:
                 release(self.allocator, [buf for *_, buf, _, _ in built], "PageSet")
                 raise
             undo = (self.ptrs.copy(), self.formats.copy(), list(self.groups), list(self.headers))
-            replaced = [self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost, staged)
-                        for plane, page, fmt, g, buf, arr, x in built]
+            replaced = [
+                self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost, staged)
+                for plane, page, fmt, g, buf, arr, x in built
+            ]
             for plane, (spec, target) in enumerate(zip(checked, targets)):
                 if spec is not None:
                     self._sync_group(plane, spec[1], target.header)
@@ -424,8 +474,19 @@ class PageSet:
                 self.headers[:] = headers
         release(self.allocator, unused, "PageSet")
 
-    def _publish(self, tensor: np.ndarray, plane: int, page: int, fmt: formats.PageFormat, g: int, buf,
-                 arr: np.ndarray | None, x: np.ndarray | None, cost: ConvertCost, staged: bool) -> object | None:
+    def _publish(
+        self,
+        tensor: np.ndarray,
+        plane: int,
+        page: int,
+        fmt: formats.PageFormat,
+        g: int,
+        buf,
+        arr: np.ndarray | None,
+        x: np.ndarray | None,
+        cost: ConvertCost,
+        staged: bool,
+    ) -> object | None:
         """Install one built page (cannot fail); ``staged`` keeps the old storage for commit/rollback.
         Returns the replaced payload's buffer for the caller to free (None: none, or kept for the stage)."""
         slot = self._slot(tensor, plane, page)
@@ -472,10 +533,21 @@ class PageSet:
                     else:
                         fmt = formats.page_format(code)
                         g = max(self.groups[plane], 1) if not fmt.is_float else 1
-                        want = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, g,
-                                                  self.headers[plane] if not fmt.is_float else formats.HEADER_FLOAT32)
-                        ok = held is not None and int(self.ptrs[plane, page]) == _address(held[1]) and \
-                            held[1].nbytes == want and int(self.ptrs[plane, page]) % _ALIGNMENT == 0
+                        want = formats.page_bytes(
+                            fmt,
+                            self.heads,
+                            self.block_size,
+                            self.head_size,
+                            g,
+                            self.headers[plane] if not fmt.is_float else formats.HEADER_FLOAT32,
+                        )
+                        ok = (
+                            held is not None
+                            and int(self.ptrs[plane, page]) == _address(held[1])
+                            and held[1].nbytes == want
+                            and int(self.ptrs[plane, page]) % _ALIGNMENT == 0
+                        )
                     if not ok:
-                        raise StateError(f"PageSet.audit: plane {plane} page {page} (format code {code}) does not "
-                                         f"match its payload")
+                        raise StateError(
+                            f"PageSet.audit: plane {plane} page {page} (format code {code}) does not match its payload"
+                        )

@@ -75,8 +75,9 @@ class PagedCache:
     state then calls :meth:`commit` or :meth:`discard`.
     """
 
-    def __init__(self, pool: BlockPool, table: PageTable, static_length: int | None = None,
-                 max_tokens: int | None = None) -> None:
+    def __init__(
+        self, pool: BlockPool, table: PageTable, static_length: int | None = None, max_tokens: int | None = None
+    ) -> None:
         self.pool = pool
         self.payloads = pool.payloads
         self.table = table
@@ -130,8 +131,10 @@ class PagedCache:
         pool, bs = self.pool, self.pool.block_size
         short = None if self.static_length is not None else self.short_row(starts)
         if short is not None:
-            raise InputError(f"paged cache: row {short[0]} would be written at position {short[1]} but has "
-                             f"written only {short[2]} positions; a row may only continue from what it wrote")
+            raise InputError(
+                f"paged cache: row {short[0]} would be written at position {short[1]} but has "
+                f"written only {short[2]} positions; a row may only continue from what it wrote"
+            )
         if self._staged is None:
             self._staged = self.table.tables.copy()
             self._staged_lengths = self.table.lengths.copy()
@@ -212,8 +215,10 @@ class PagedCache:
         spec = self.pool.planes[plane]
         b, h, s, d = new.shape
         if (b, h, d) != (self.table.batch, spec.heads, spec.head_size):
-            raise InputError(f"paged cache '{spec.name}': update of shape {new.shape} does not fit "
-                             f"[{self.table.batch}, {spec.heads}, S, {spec.head_size}]")
+            raise InputError(
+                f"paged cache '{spec.name}': update of shape {new.shape} does not fit "
+                f"[{self.table.batch}, {spec.heads}, S, {spec.head_size}]"
+            )
         starts = np.broadcast_to(np.asarray(starts, np.int64), (b,))
         cost = self.prepare(starts, s)
         self.last_written[spec.name] = new
@@ -224,8 +229,13 @@ class PagedCache:
             new = conv
         self._save(plane)
         # every block written is native and held by this run alone (prepare), so scatter by address
-        _kernels.page_write(np.ascontiguousarray(new, dtype=spec.dtype), self.payloads.ptrs[plane], self._staged,
-                            starts, self.pool.block_size)
+        _kernels.page_write(
+            np.ascontiguousarray(new, dtype=spec.dtype),
+            self.payloads.ptrs[plane],
+            self._staged,
+            starts,
+            self.pool.block_size,
+        )
         cost.append_copied_bytes += b * h * s * d * spec.dtype.itemsize
         if self.static_length is None:
             self._staged_lengths[:] = starts + s
@@ -278,7 +288,7 @@ class PagedCache:
         self._new, self._replaced, self._saved, self._kept = [], [], [], []
         pages = self.payloads.pages
         for plane, page, first, old in reversed(saved):
-            pages[plane][page][:, first:first + old.shape[1]] = old
+            pages[plane][page][:, first : first + old.shape[1]] = old
         for ids in new:
             self.pool.decref(ids)
 
@@ -305,9 +315,9 @@ class PagedCache:
                 if p >= 0:
                     n = min(bs, held - blk * bs)
                     if payloads.quantized(plane, p):
-                        out[b, :, blk * bs: blk * bs + n] = payloads.native(spec, payloads.read_page(plane, p, n))
+                        out[b, :, blk * bs : blk * bs + n] = payloads.native(spec, payloads.read_page(plane, p, n))
                     else:
-                        out[b, :, blk * bs: blk * bs + n] = pages[p][:, :n]
+                        out[b, :, blk * bs : blk * bs + n] = pages[p][:, :n]
         return out
 
     # -- page formats ----------------------------------------------------------

@@ -40,16 +40,23 @@ STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bf
 NATIVE_CODE = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
-def float_view(payload: np.ndarray, fmt: formats.PageFormat, heads: int, block_size: int,
-               head_size: int) -> np.ndarray:
+def float_view(payload: np.ndarray, fmt: formats.PageFormat, heads: int, block_size: int, head_size: int) -> np.ndarray:
     """The elements ``[heads, block_size, head_size]`` (the storage dtype of float format ``fmt``) of a
     converted float page's payload bytes ``payload`` (a view: writing it writes the payload)."""
     n = heads * block_size * head_size
     return payload[: n * fmt.dtype.itemsize].view(fmt.dtype).reshape(heads, block_size, head_size)
 
 
-def payload_values(payload: np.ndarray, fmt: formats.PageFormat, heads: int, block_size: int, head_size: int,
-                   groups: int, header: str, tokens: int) -> np.ndarray:
+def payload_values(
+    payload: np.ndarray,
+    fmt: formats.PageFormat,
+    heads: int,
+    block_size: int,
+    head_size: int,
+    groups: int,
+    header: str,
+    tokens: int,
+) -> np.ndarray:
     """Float32 ``[heads, tokens, head_size]``: the first ``tokens`` positions of a converted page's payload
     bytes in format ``fmt`` (a float format, or a quantized one with ``groups`` scale groups per head and
     ``header`` kind)."""
@@ -96,22 +103,29 @@ class PlaneSpec:
     def check(self, api: str) -> None:
         """Raise :class:`InputError` (starting with ``api``) unless storage, groups and header fit together."""
         if self.storage not in STORAGE:
-            raise InputError(f"{api}: plane '{self.name}' storage must be one of {sorted(STORAGE)}, "
-                             f"got {self.storage!r}")
+            raise InputError(
+                f"{api}: plane '{self.name}' storage must be one of {sorted(STORAGE)}, got {self.storage!r}"
+            )
         if self.groups not in (1, self.head_size):
-            raise InputError(f"{api}: plane '{self.name}' groups must be 1 or its head_size {self.head_size}, "
-                             f"got {self.groups!r}")
+            raise InputError(
+                f"{api}: plane '{self.name}' groups must be 1 or its head_size {self.head_size}, got {self.groups!r}"
+            )
         if self.header not in formats.HEADERS:
-            raise InputError(f"{api}: plane '{self.name}' header must be one of {list(formats.HEADERS)}, "
-                             f"got {self.header!r}")
+            raise InputError(
+                f"{api}: plane '{self.name}' header must be one of {list(formats.HEADERS)}, got {self.header!r}"
+            )
         want = 1 if self.header == formats.HEADER_FLOAT32 else self.head_size
         if self.groups != want:
-            raise InputError(f"{api}: plane '{self.name}' with header {self.header!r} needs groups {want} "
-                             f"({'one scale per head' if want == 1 else 'one group per channel'}), got {self.groups}")
+            raise InputError(
+                f"{api}: plane '{self.name}' with header {self.header!r} needs groups {want} "
+                f"({'one scale per head' if want == 1 else 'one group per channel'}), got {self.groups}"
+            )
         if self.header == formats.HEADER_COMPACT and self.groups > formats.COMPACT_MAX_GROUPS:
-            raise InputError(f"{api}: plane '{self.name}' has per-channel scales over head_size {self.head_size}; "
-                             f"their compact page headers hold at most {formats.COMPACT_MAX_GROUPS} channels "
-                             "(key_channel_scales needs head_size <= 512)")
+            raise InputError(
+                f"{api}: plane '{self.name}' has per-channel scales over head_size {self.head_size}; "
+                f"their compact page headers hold at most {formats.COMPACT_MAX_GROUPS} channels "
+                "(key_channel_scales needs head_size <= 512)"
+            )
 
 
 class PlanePayloads:
@@ -135,15 +149,19 @@ class PlanePayloads:
     how many live pages are not native (0: the kernel reads plain pages).
     """
 
-    def __init__(self, planes: list[PlaneSpec], block_size: int, allocator, lock: threading.RLock,
-                 owner: str = "BlockPool") -> None:
+    def __init__(
+        self, planes: list[PlaneSpec], block_size: int, allocator, lock: threading.RLock, owner: str = "BlockPool"
+    ) -> None:
         for p in planes:
             p.check(owner)
         self.planes = list(planes)
         self.block_size = int(block_size)
         self.allocator = allocator
-        self.allocators = ([allocator.lane(i) for i in range(len(self.planes))]
-                           if isinstance(allocator, SlabAllocator) else [allocator] * len(self.planes))
+        self.allocators = (
+            [allocator.lane(i) for i in range(len(self.planes))]
+            if isinstance(allocator, SlabAllocator)
+            else [allocator] * len(self.planes)
+        )
         self.owner = owner
         self._lock = lock
         self._bufs: list[list] = [[] for _ in self.planes]
@@ -205,8 +223,14 @@ class PlanePayloads:
     def _lease_native(self, i: int):
         """(buffer, array [H, bs, D] of the plane's dtype): a native payload of plane ``i``, checked."""
         spec = self.planes[i]
-        return lease(self.allocators[i], spec.page_bytes(self.block_size), 64, spec.dtype,
-                     (spec.heads, self.block_size, spec.head_size), f"{self.owner}: plane '{spec.name}'")
+        return lease(
+            self.allocators[i],
+            spec.page_bytes(self.block_size),
+            64,
+            spec.dtype,
+            (spec.heads, self.block_size, spec.head_size),
+            f"{self.owner}: plane '{spec.name}'",
+        )
 
     def _hold(self, i: int, p: int, buf, arr: np.ndarray, code: int) -> None:
         """Make ``buf`` / ``arr`` the payload of page ``p`` in plane ``i``, format ``code`` (cannot fail)."""
@@ -242,14 +266,17 @@ class PlanePayloads:
             has = self.ptrs[i][: len(refs)] != 0
             if (has != (refs > 0)).any():
                 p = int(np.flatnonzero(has != (refs > 0))[0])
-                raise StateError(f"{self.owner}.audit: page {p} plane '{self.planes[i].name}' payload "
-                                 f"{'held' if has[p] else 'missing'} with {int(refs[p])} reference(s)")
+                raise StateError(
+                    f"{self.owner}.audit: page {p} plane '{self.planes[i].name}' payload "
+                    f"{'held' if has[p] else 'missing'} with {int(refs[p])} reference(s)"
+                )
         for i, spec in enumerate(self.planes):
             live = self.ptrs[i][: len(refs)] != 0
             n = int((live & (self.formats[i][: len(refs)] != NATIVE_CODE[spec.storage])).sum())
             if n != self.converted[i]:
-                raise StateError(f"{self.owner}.audit: plane '{spec.name}' counts {self.converted[i]} converted "
-                                 f"pages but holds {n}")
+                raise StateError(
+                    f"{self.owner}.audit: plane '{spec.name}' counts {self.converted[i]} converted pages but holds {n}"
+                )
 
     # -- reads and copies --------------------------------------------------------
     def quantized(self, plane: int, page: int) -> bool:
@@ -272,8 +299,16 @@ class PlanePayloads:
         code = int(self.formats[plane][page])
         if not self.quantized(plane, page):
             return stored_to_float32(arr[:, :tokens], spec.storage)
-        return payload_values(arr, formats.page_format(code), spec.heads, self.block_size, spec.head_size,
-                              spec.groups, spec.header, tokens)
+        return payload_values(
+            arr,
+            formats.page_format(code),
+            spec.heads,
+            self.block_size,
+            spec.head_size,
+            spec.groups,
+            spec.header,
+            tokens,
+        )
 
     def copy_page(self, src: int, dst: int, tokens: int) -> int:
         """Copy the first ``tokens`` positions of every head of page ``src`` into ``dst`` (all planes).
@@ -321,8 +356,9 @@ class PlanePayloads:
             buf, arr = self._lease_native(plane)
         else:
             nbytes = formats.page_bytes(fmt, spec.heads, bs, spec.head_size, spec.groups, spec.header)
-            buf, arr = formats.allocate_payload(self.allocators[plane], fmt, nbytes,
-                                                f"{self.owner}: plane '{spec.name}'")
+            buf, arr = formats.allocate_payload(
+                self.allocators[plane], fmt, nbytes, f"{self.owner}: plane '{spec.name}'"
+            )
         with self._lock:
             self._built[id(buf)] = buf
         try:
@@ -345,8 +381,9 @@ class PlanePayloads:
             _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs, header=header)
         elif spec.header == formats.HEADER_CHANNEL_ZP:
             scale, zero, header = formats.channel_zp_params(x, fmt)
-            _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs, header=header,
-                                   header_kind=formats.HEADER_CHANNEL_ZP)
+            _kernels.quantize_page(
+                x, fmt.code, scale, zero, spec.groups, arr, bs, header=header, header_kind=formats.HEADER_CHANNEL_ZP
+            )
         else:
             scale, zero = formats.params_for(x, fmt, "head")
             _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs)
@@ -375,8 +412,9 @@ class PlanePayloads:
             release(self.allocator, [buf], self.owner)
 
     # -- stored form (cache files) ----------------------------------------------------
-    def stored(self, plane: int, page: int, tokens: int) -> tuple[str, np.ndarray, np.ndarray | None,
-                                                                  np.ndarray | None]:
+    def stored(
+        self, plane: int, page: int, tokens: int
+    ) -> tuple[str, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """The first ``tokens`` positions of ``page`` in ``plane`` as stored: (format name, data, scale,
         zero point).  ``data`` is a copy: ``[H, tokens, D]`` elements of a native or float page, else
         packed codes uint8 ``[H, tokens, D * bits / 8]`` with the header's float32 scales and zero points
@@ -387,16 +425,21 @@ class PlanePayloads:
             return spec.storage, arr[:, :tokens].copy(), None, None
         fmt = formats.page_format(int(self.formats[plane][page]))
         if fmt.is_float:
-            return fmt.name, float_view(arr, fmt, spec.heads, self.block_size, spec.head_size)[:, :tokens].copy(), \
-                None, None
+            return (
+                fmt.name,
+                float_view(arr, fmt, spec.heads, self.block_size, spec.head_size)[:, :tokens].copy(),
+                None,
+                None,
+            )
         hdr = formats.header_bytes(fmt, spec.heads, spec.groups, spec.header)
         row = spec.head_size * fmt.bits // 8
         scale, zero_point = formats.decode_header(arr, fmt, spec.heads, spec.groups, spec.header)
-        codes = arr[hdr: hdr + spec.heads * self.block_size * row].reshape(spec.heads, self.block_size, row)
+        codes = arr[hdr : hdr + spec.heads * self.block_size * row].reshape(spec.heads, self.block_size, row)
         return fmt.name, codes[:, :tokens].copy(), scale, zero_point
 
-    def install_stored(self, plane: int, page: int, fmt_name: str, data: np.ndarray, tokens: int,
-                       header: np.ndarray | None, api: str) -> None:
+    def install_stored(
+        self, plane: int, page: int, fmt_name: str, data: np.ndarray, tokens: int, header: np.ndarray | None, api: str
+    ) -> None:
         """Make the stored form ``data`` of ``tokens`` positions (see :meth:`stored`) the payload of ``page``
         in ``plane``, a native page held alone; ``header``: a quantized page's header bytes in the plane's
         header kind (:func:`onnxkv.cache.formats.encode_header`).  The plane's native format is written
@@ -419,7 +462,7 @@ class PlanePayloads:
             else:
                 row = spec.head_size * fmt.bits // 8
                 arr[: header.size] = header
-                codes = arr[header.size: header.size + spec.heads * bs * row]
+                codes = arr[header.size : header.size + spec.heads * bs * row]
                 codes.reshape(spec.heads, bs, row)[:, :tokens] = data
         except BaseException:
             self.discard_payload(buf)

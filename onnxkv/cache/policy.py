@@ -146,16 +146,20 @@ def key_header(source, api: str, key_channel_scales: bool = False, key_channel_z
     both are True.
     """
     on = {}
-    for name, given in (("key_channel_scales", key_channel_scales),
-                        ("key_channel_zero_points", key_channel_zero_points)):
+    for name, given in (
+        ("key_channel_scales", key_channel_scales),
+        ("key_channel_zero_points", key_channel_zero_points),
+    ):
         own = getattr(source, name, False)
         for v in (own, given):
             if not isinstance(v, bool):
                 raise InputError(f"{api}: {name} must be a bool, got {v!r}")
         on[name] = own or given
     if on["key_channel_scales"] and on["key_channel_zero_points"]:
-        raise InputError(f"{api}: key_channel_scales and key_channel_zero_points are mutually exclusive (a scale per "
-                         "channel, or one scale per head with a zero point per channel); both are True")
+        raise InputError(
+            f"{api}: key_channel_scales and key_channel_zero_points are mutually exclusive (a scale per "
+            "channel, or one scale per head with a zero point per channel); both are True"
+        )
     if on["key_channel_scales"]:
         return formats.HEADER_COMPACT
     return formats.HEADER_CHANNEL_ZP if on["key_channel_zero_points"] else formats.HEADER_FLOAT32

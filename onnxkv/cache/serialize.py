@@ -34,9 +34,22 @@ import zlib
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
-from onnxkv.cache.serialize_rules import (FORMATS, QUANTIZED, check_block_position, check_counts, check_expectation,
-                                          check_int, check_layer_specs, check_layers, check_params, check_snapshot,
-                                          fail, format_dtype, row_bytes, validate)
+from onnxkv.cache.serialize_rules import (
+    FORMATS,
+    QUANTIZED,
+    check_block_position,
+    check_counts,
+    check_expectation,
+    check_int,
+    check_layer_specs,
+    check_layers,
+    check_params,
+    check_snapshot,
+    fail,
+    format_dtype,
+    row_bytes,
+    validate,
+)
 from onnxkv.cache.snapshot_model import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
 from onnxkv.errors import InputError
 
@@ -72,55 +85,78 @@ _PACKAGE = "onnxkv.cache"
 # scalar type name is a message of this package.  paged_cache.proto documents
 # the same schema (checked by the tests).
 _SCHEMA: tuple[tuple[str, tuple[tuple[str, int, str, bool], ...]], ...] = (
-    ("PagedCacheProto", (
-        ("version", 1, "int64", False),
-        ("block_size", 2, "int64", False),
-        ("layers", 3, "LayerProto", True),
-        ("sequences", 4, "SequenceProto", True),
-        ("model_signature", 5, "string", False),
-    )),
-    ("LayerProto", (
-        ("key_name", 1, "string", False),
-        ("value_name", 2, "string", False),
-        ("kv_heads", 3, "int64", False),
-        ("head_size", 4, "int64", False),
-        ("dtype", 5, "string", False),
-    )),
-    ("SequenceProto", (
-        ("length", 1, "int64", False),
-        ("blocks", 2, "BlockProto", True),
-        ("first_position", 3, "int64", False),
-    )),
-    ("BlockProto", (
-        ("layer", 1, "int64", False),
-        ("start", 2, "int64", False),
-        ("length", 3, "int64", False),
-        ("key", 4, "PageProto", False),
-        ("value", 5, "PageProto", False),
-    )),
-    ("PageProto", (
-        ("format", 1, "string", False),
-        ("data", 2, "bytes", False),
-        ("scale", 3, "bytes", False),
-        ("zero_point", 4, "bytes", False),
-        ("scale_dims", 5, "int64", True),
-    )),
+    (
+        "PagedCacheProto",
+        (
+            ("version", 1, "int64", False),
+            ("block_size", 2, "int64", False),
+            ("layers", 3, "LayerProto", True),
+            ("sequences", 4, "SequenceProto", True),
+            ("model_signature", 5, "string", False),
+        ),
+    ),
+    (
+        "LayerProto",
+        (
+            ("key_name", 1, "string", False),
+            ("value_name", 2, "string", False),
+            ("kv_heads", 3, "int64", False),
+            ("head_size", 4, "int64", False),
+            ("dtype", 5, "string", False),
+        ),
+    ),
+    (
+        "SequenceProto",
+        (
+            ("length", 1, "int64", False),
+            ("blocks", 2, "BlockProto", True),
+            ("first_position", 3, "int64", False),
+        ),
+    ),
+    (
+        "BlockProto",
+        (
+            ("layer", 1, "int64", False),
+            ("start", 2, "int64", False),
+            ("length", 3, "int64", False),
+            ("key", 4, "PageProto", False),
+            ("value", 5, "PageProto", False),
+        ),
+    ),
+    (
+        "PageProto",
+        (
+            ("format", 1, "string", False),
+            ("data", 2, "bytes", False),
+            ("scale", 3, "bytes", False),
+            ("zero_point", 4, "bytes", False),
+            ("scale_dims", 5, "int64", True),
+        ),
+    ),
 )
 
 
 def _build_message_class() -> type[message.Message]:
     """Build ``PagedCacheProto`` from :data:`_SCHEMA` in a private descriptor pool."""
-    fdp = descriptor_pb2.FileDescriptorProto(name="onnxkv/cache/paged_cache.proto", package=_PACKAGE,
-                                             syntax="proto3")
-    scalar = {"int64": descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
-              "string": descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
-              "bytes": descriptor_pb2.FieldDescriptorProto.TYPE_BYTES}
+    fdp = descriptor_pb2.FileDescriptorProto(name="onnxkv/cache/paged_cache.proto", package=_PACKAGE, syntax="proto3")
+    scalar = {
+        "int64": descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
+        "string": descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+        "bytes": descriptor_pb2.FieldDescriptorProto.TYPE_BYTES,
+    }
     for message_name, fields in _SCHEMA:
         proto = fdp.message_type.add(name=message_name)
         for name, number, type_name, repeated in fields:
-            f = proto.field.add(name=name, number=number, json_name=name,
-                                label=(descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED if repeated
-                                       else descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL))
+            f = proto.field.add(
+                name=name,
+                number=number,
+                json_name=name,
+                label=(
+                    descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED
+                    if repeated
+                    else descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
+                ),
+            )
             if type_name in scalar:
                 f.type = scalar[type_name]
             else:
@@ -155,16 +191,21 @@ def _encode_page(page: PagePayload, proto: message.Message) -> None:
 def encode(snapshot: CacheSnapshot) -> bytes:
     """The file bytes of ``snapshot`` (header + ``PagedCacheProto``); validates first (nothing is built if invalid)."""
     check_snapshot(snapshot, "encode")
-    proto = PagedCacheProto(version=VERSION, block_size=int(snapshot.block_size),
-                            model_signature=snapshot.model_signature)
+    proto = PagedCacheProto(
+        version=VERSION, block_size=int(snapshot.block_size), model_signature=snapshot.model_signature
+    )
     for spec in snapshot.layers:
-        proto.layers.add(key_name=spec.key_name, value_name=spec.value_name, kv_heads=int(spec.kv_heads),
-                         head_size=int(spec.head_size), dtype=spec.dtype)
+        proto.layers.add(
+            key_name=spec.key_name,
+            value_name=spec.value_name,
+            kv_heads=int(spec.kv_heads),
+            head_size=int(spec.head_size),
+            dtype=spec.dtype,
+        )
     for seq in snapshot.sequences:
         seq_proto = proto.sequences.add(length=int(seq.length), first_position=int(seq.first_position))
         for block in seq.blocks:
-            block_proto = seq_proto.blocks.add(layer=int(block.layer), start=int(block.start),
-                                               length=int(block.length))
+            block_proto = seq_proto.blocks.add(layer=int(block.layer), start=int(block.start), length=int(block.length))
             _encode_page(block.key, block_proto.key)
             _encode_page(block.value, block_proto.value)
     body = proto.SerializeToString()
@@ -208,15 +249,15 @@ def _parse(data: memoryview, api: str) -> message.Message:
         raise fail(api, f"unsupported file format version {version}, this reader supports {VERSION}")
     actual = len(data) - _HEADER.size
     if actual < body_length:
-        raise fail(api, f"truncated input: the header announces a {body_length}-byte body, "
-                        f"only {actual} bytes follow")
+        raise fail(api, f"truncated input: the header announces a {body_length}-byte body, only {actual} bytes follow")
     if actual > body_length:
         raise fail(api, f"{actual - body_length} trailing bytes after the {body_length}-byte body")
-    body = data[_HEADER.size:]
+    body = data[_HEADER.size :]
     body_crc = zlib.crc32(body)
     if body_crc != crc:
-        raise fail(api, f"checksum mismatch: body CRC-32 is {body_crc:#010x}, "
-                        f"the header says {crc:#010x} (corrupted data)")
+        raise fail(
+            api, f"checksum mismatch: body CRC-32 is {body_crc:#010x}, the header says {crc:#010x} (corrupted data)"
+        )
     proto = PagedCacheProto()
     try:
         proto.ParseFromString(body)
@@ -225,12 +266,14 @@ def _parse(data: memoryview, api: str) -> message.Message:
         raise fail(api, f"the body is not a valid PagedCacheProto message: {exc}") from exc
     proto.DiscardUnknownFields()
     if proto.ByteSize() != body_length:
-        raise fail(api, f"the body holds {body_length} bytes, but only {proto.ByteSize()} belong "
-                        "to PagedCacheProto fields (unknown fields, repeated singular fields or a "
-                        "non-canonical encoding)")
+        raise fail(
+            api,
+            f"the body holds {body_length} bytes, but only {proto.ByteSize()} belong "
+            "to PagedCacheProto fields (unknown fields, repeated singular fields or a "
+            "non-canonical encoding)",
+        )
     if proto.version != VERSION:
-        raise fail(api, f"PagedCacheProto.version is {proto.version}, expected {VERSION} "
-                        "(the header's version)")
+        raise fail(api, f"PagedCacheProto.version is {proto.version}, expected {VERSION} (the header's version)")
     return proto
 
 
@@ -243,14 +286,20 @@ def _decode_page(block: message.Message, role: str, spec: LayerSpec, where: str)
     if page.format in QUANTIZED:
         return _decode_quantized(page, role, spec, block.length, where)
     if page.scale or page.zero_point or len(page.scale_dims):
-        raise fail(where, f"{role} page of format {page.format!r} carries quantization parameters "
-                          "(scale, zero_point or scale_dims); float formats take none")
+        raise fail(
+            where,
+            f"{role} page of format {page.format!r} carries quantization parameters "
+            "(scale, zero_point or scale_dims); float formats take none",
+        )
     shape = (spec.kv_heads, block.length, spec.head_size)
     expected = spec.kv_heads * block.length * spec.head_size * wire.itemsize
     if len(page.data) != expected:
-        raise fail(where, f"{role} page holds {len(page.data)} data bytes, expected {expected} = kv_heads "
-                          f"{shape[0]} * length {shape[1]} * head_size {shape[2]} * {wire.itemsize} bytes "
-                          f"({page.format})")
+        raise fail(
+            where,
+            f"{role} page holds {len(page.data)} data bytes, expected {expected} = kv_heads "
+            f"{shape[0]} * length {shape[1]} * head_size {shape[2]} * {wire.itemsize} bytes "
+            f"({page.format})",
+        )
     return PagePayload(format=page.format, data=np.frombuffer(page.data, dtype=wire).reshape(shape))
 
 
@@ -258,20 +307,25 @@ def _decode_quantized(page: message.Message, role: str, spec: LayerSpec, length:
     row = row_bytes(page.format, spec.head_size, where, role)
     expected = spec.kv_heads * length * row
     if len(page.data) != expected:
-        raise fail(where, f"{role} page holds {len(page.data)} code bytes, expected {expected} = kv_heads "
-                          f"{spec.kv_heads} * length {length} * {row} bytes per token ({page.format})")
+        raise fail(
+            where,
+            f"{role} page holds {len(page.data)} code bytes, expected {expected} = kv_heads "
+            f"{spec.kv_heads} * length {length} * {row} bytes per token ({page.format})",
+        )
     if len(page.scale_dims) != 2:
-        raise fail(where, f"{role} page has {len(page.scale_dims)} scale_dims, expected 2 [kv_heads, 1 or "
-                          "head_size]")
+        raise fail(where, f"{role} page has {len(page.scale_dims)} scale_dims, expected 2 [kv_heads, 1 or head_size]")
     dims = list(page.scale_dims)
     if dims[0] != spec.kv_heads or dims[1] not in (1, spec.head_size):
-        raise fail(where, f"{role} page scale_dims {dims} must be [kv_heads {spec.kv_heads}, 1 or head_size "
-                          f"{spec.head_size}]")
+        raise fail(
+            where, f"{role} page scale_dims {dims} must be [kv_heads {spec.kv_heads}, 1 or head_size {spec.head_size}]"
+        )
     n = dims[0] * dims[1]
     for name in ("scale", "zero_point"):
         if len(getattr(page, name)) != 4 * n:
-            raise fail(where, f"{role} page {name} holds {len(getattr(page, name))} bytes, expected {4 * n} "
-                              f"(float32 per {dims})")
+            raise fail(
+                where,
+                f"{role} page {name} holds {len(getattr(page, name))} bytes, expected {4 * n} (float32 per {dims})",
+            )
     scale = np.frombuffer(page.scale, "<f4")
     zero = np.frombuffer(page.zero_point, "<f4")
     check_params(page.format, scale, zero, spec.kv_heads, spec.head_size, where, role)
@@ -282,8 +336,7 @@ def _decode_quantized(page: message.Message, role: str, spec: LayerSpec, length:
 def _check_size(size: int, max_bytes: int | None, api: str) -> None:
     """Refuse an input of ``size`` bytes above ``max_bytes`` (None: no limit) before it is parsed."""
     if max_bytes is not None and size > max_bytes:
-        raise InputError(f"{api}: the input holds {size} bytes, more than max_bytes={max_bytes} "
-                         "(nothing was parsed)")
+        raise InputError(f"{api}: the input holds {size} bytes, more than max_bytes={max_bytes} (nothing was parsed)")
 
 
 def _decode(data: bytes, api: str, max_bytes: int | None, expected: Expectation | None) -> CacheSnapshot:
@@ -293,8 +346,12 @@ def _decode(data: bytes, api: str, max_bytes: int | None, expected: Expectation 
     proto = _parse(memoryview(data if isinstance(data, bytes) else bytes(data)), api)
     if expected is not None:
         check_counts(expected, proto.model_signature, proto.block_size, len(proto.layers), len(proto.sequences), api)
-    layers = [LayerSpec(key_name=p.key_name, value_name=p.value_name, kv_heads=p.kv_heads, head_size=p.head_size,
-                        dtype=p.dtype) for p in proto.layers]
+    layers = [
+        LayerSpec(
+            key_name=p.key_name, value_name=p.value_name, kv_heads=p.kv_heads, head_size=p.head_size, dtype=p.dtype
+        )
+        for p in proto.layers
+    ]
     if expected is not None:
         check_layer_specs(expected, layers, api)
     block_size = check_int(proto.block_size, api, "block_size", 1)
@@ -306,12 +363,19 @@ def _decode(data: bytes, api: str, max_bytes: int | None, expected: Expectation 
             where = f"{api}: sequence {i} block {j}"
             check_block_position(block.layer, block.start, block.length, len(layers), block_size, where)
             spec = layers[block.layer]
-            blocks.append(BlockRecord(layer=block.layer, start=block.start, length=block.length,
-                                      key=_decode_page(block, "key", spec, where),
-                                      value=_decode_page(block, "value", spec, where)))
+            blocks.append(
+                BlockRecord(
+                    layer=block.layer,
+                    start=block.start,
+                    length=block.length,
+                    key=_decode_page(block, "key", spec, where),
+                    value=_decode_page(block, "value", spec, where),
+                )
+            )
         sequences.append(SequenceRecord(length=seq.length, blocks=blocks, first_position=seq.first_position))
-    snapshot = CacheSnapshot(block_size=block_size, layers=layers, sequences=sequences,
-                             model_signature=proto.model_signature)
+    snapshot = CacheSnapshot(
+        block_size=block_size, layers=layers, sequences=sequences, model_signature=proto.model_signature
+    )
     check_snapshot(snapshot, api)
     return snapshot
 
@@ -330,8 +394,9 @@ def decode(data: bytes, max_bytes: int | None = None, expected: Expectation | No
     return _decode(data, "decode", max_bytes, expected)
 
 
-def load(path: str | os.PathLike[str], max_bytes: int | None = None,
-         expected: Expectation | None = None) -> CacheSnapshot:
+def load(
+    path: str | os.PathLike[str], max_bytes: int | None = None, expected: Expectation | None = None
+) -> CacheSnapshot:
     """Read and :func:`decode` the file at ``path`` (OSError if it cannot be read; messages name the path).
 
     A file that is not a regular file, or of more than ``max_bytes`` bytes,

@@ -17,9 +17,22 @@ from onnxkv.cache.formats import CHANNEL_ZP_MAX_UNIT_LOG2
 from onnxkv.cache.snapshot_model import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
 from onnxkv.errors import InputError, SerializationError
 
-__all__ = ["validate", "check_expectation", "check_snapshot", "check_counts", "check_layer_specs", "check_layers",
-           "check_block_position", "check_int", "check_params", "format_dtype", "row_bytes", "fail", "FORMATS",
-           "QUANTIZED"]
+__all__ = [
+    "validate",
+    "check_expectation",
+    "check_snapshot",
+    "check_counts",
+    "check_layer_specs",
+    "check_layers",
+    "check_block_position",
+    "check_int",
+    "check_params",
+    "format_dtype",
+    "row_bytes",
+    "fail",
+    "FORMATS",
+    "QUANTIZED",
+]
 
 _INT64_MAX = 2**63 - 1
 
@@ -31,12 +44,15 @@ FORMATS: dict[str, np.dtype] = {
 }
 #: Quantized page formats: name -> (bits per code, smallest code, largest code); data is packed codes (uint8).
 QUANTIZED: dict[str, tuple[int, int, int]] = {
-    "int8": (8, -128, 127), "uint8": (8, 0, 255), "int4": (4, -8, 7), "uint4": (4, 0, 15),
-    "int2": (2, -2, 1), "uint2": (2, 0, 3),
+    "int8": (8, -128, 127),
+    "uint8": (8, 0, 255),
+    "int4": (4, -8, 7),
+    "uint4": (4, 0, 15),
+    "int2": (2, -2, 1),
+    "uint2": (2, 0, 3),
 }
 #: Element types a model's cache inputs may have (``LayerSpec.dtype``).
 _MODEL_DTYPES = ("float32", "float16", "bfloat16")
-
 
 
 def fail(where: str, problem: str) -> SerializationError:
@@ -88,8 +104,9 @@ def check_layers(layers: object, where: str) -> None:
             raise fail(at, f"dtype must be one of {', '.join(_MODEL_DTYPES)}, got {layer.dtype!r}")
 
 
-def check_block_position(layer: object, start: object, length: object, n_layers: int, block_size: int,
-                          where: str) -> None:
+def check_block_position(
+    layer: object, start: object, length: object, n_layers: int, block_size: int, where: str
+) -> None:
     """A block's layer index, start and length (no payloads)."""
     check_int(layer, where, "layer index", -_INT64_MAX - 1)
     if not 0 <= layer < n_layers:
@@ -102,8 +119,9 @@ def check_block_position(layer: object, start: object, length: object, n_layers:
 
 def format_dtype(page_format: object, where: str, role: str) -> np.dtype:
     if not isinstance(page_format, str) or (page_format not in FORMATS and page_format not in QUANTIZED):
-        raise fail(where, f"{role} page has unknown format {page_format!r} "
-                          f"(supported: {', '.join([*FORMATS, *QUANTIZED])})")
+        raise fail(
+            where, f"{role} page has unknown format {page_format!r} (supported: {', '.join([*FORMATS, *QUANTIZED])})"
+        )
     return FORMATS.get(page_format, np.dtype(np.uint8))
 
 
@@ -111,8 +129,11 @@ def row_bytes(page_format: str, head_size: int, where: str, role: str) -> int:
     """Bytes of one token's packed codes; a float format's element bytes are handled by the caller."""
     bits = QUANTIZED[page_format][0]
     if head_size * bits % 8:
-        raise fail(where, f"{role} page of format {page_format!r} needs head_size * {bits} bits to fill whole "
-                          f"bytes, head_size is {head_size}")
+        raise fail(
+            where,
+            f"{role} page of format {page_format!r} needs head_size * {bits} bits to fill whole "
+            f"bytes, head_size is {head_size}",
+        )
     return head_size * bits // 8
 
 
@@ -122,18 +143,28 @@ def check_params(page_format: str, scale, zero_point, heads: int, head_size: int
     bits, lo, hi = QUANTIZED[page_format]
     for name, a in (("scale", scale), ("zero_point", zero_point)):
         if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.newbyteorder("<") != np.dtype("<f4"):
-            raise fail(where, f"{role} page of format {page_format!r} needs a 1-D float32 {name}, got "
-                              f"{None if a is None else getattr(a, 'shape', type(a).__name__)}")
+            raise fail(
+                where,
+                f"{role} page of format {page_format!r} needs a 1-D float32 {name}, got "
+                f"{None if a is None else getattr(a, 'shape', type(a).__name__)}",
+            )
     if scale.shape != zero_point.shape or scale.size not in (heads, heads * head_size):
-        raise fail(where, f"{role} page scale/zero_point have {scale.size}/{zero_point.size} entries, expected "
-                          f"{heads} (one per head) or {heads * head_size} (one per head and channel)")
+        raise fail(
+            where,
+            f"{role} page scale/zero_point have {scale.size}/{zero_point.size} entries, expected "
+            f"{heads} (one per head) or {heads * head_size} (one per head and channel)",
+        )
     if not (np.isfinite(scale).all() and (scale > 0).all()):
         raise fail(where, f"{role} page scales must be finite and > 0")
     if scale.size == heads * head_size and head_size > 1:  # a channel-zp header's zero points: z0 + w * o
         z0 = 0 if lo < 0 else 1 << (bits - 1)
         lo, hi = z0 - (128 << CHANNEL_ZP_MAX_UNIT_LOG2), z0 + (128 << CHANNEL_ZP_MAX_UNIT_LOG2)
-    if not (np.isfinite(zero_point).all() and (zero_point == np.rint(zero_point)).all()
-            and zero_point.min() >= lo and zero_point.max() <= hi):
+    if not (
+        np.isfinite(zero_point).all()
+        and (zero_point == np.rint(zero_point)).all()
+        and zero_point.min() >= lo
+        and zero_point.max() <= hi
+    ):
         raise fail(where, f"{role} page zero points must be integers in [{lo}, {hi}] ({page_format})")
 
 
@@ -148,13 +179,19 @@ def _check_page(page: object, role: str, shape: tuple[int, int, int], where: str
     if not isinstance(data, np.ndarray):
         raise fail(where, f"{role} page data must be a numpy array, got {type(data).__name__}")
     if data.dtype.newbyteorder("<") != wire:
-        raise fail(where, f"{role} page of format {page.format!r} must hold {wire.newbyteorder('=').name} "
-                          f"elements, got {data.dtype.name} (dtype mismatch)")
+        raise fail(
+            where,
+            f"{role} page of format {page.format!r} must hold {wire.newbyteorder('=').name} "
+            f"elements, got {data.dtype.name} (dtype mismatch)",
+        )
     if page.format in QUANTIZED:
         packed = (shape[0], shape[1], row_bytes(page.format, shape[2], where, role))
         if data.shape != packed:
-            raise fail(where, f"{role} page data has shape {data.shape}, expected {packed} "
-                              f"(kv_heads, length, packed code bytes per token)")
+            raise fail(
+                where,
+                f"{role} page data has shape {data.shape}, expected {packed} "
+                f"(kv_heads, length, packed code bytes per token)",
+            )
         check_params(page.format, page.scale, page.zero_point, shape[0], shape[2], where, role)
         return
     if data.shape != shape:
@@ -164,8 +201,9 @@ def _check_page(page: object, role: str, shape: tuple[int, int, int], where: str
             raise fail(where, f"{role} page of float format {page.format!r} must not have a {attr}")
 
 
-def _check_coverage(blocks: list[tuple[int, int, int]], layer: int, length: int, first_position: int,
-                    block_size: int, where: str) -> None:
+def _check_coverage(
+    blocks: list[tuple[int, int, int]], layer: int, length: int, first_position: int, block_size: int, where: str
+) -> None:
     """One layer's blocks ``(start, length, index)`` sorted by start tile ``[s, length)``, ``s <= first_position``."""
     if not blocks:
         if first_position < length:
@@ -173,26 +211,37 @@ def _check_coverage(blocks: list[tuple[int, int, int]], layer: int, length: int,
         return
     first_start = blocks[0][0]
     if first_start > first_position:
-        raise fail(where, f"layer {layer}: positions [{first_position}, {first_start}) are not covered "
-                          f"(its first block starts at {first_start})")
+        raise fail(
+            where,
+            f"layer {layer}: positions [{first_position}, {first_start}) are not covered "
+            f"(its first block starts at {first_start})",
+        )
     end = first_start
     for k, (start, block_length, index) in enumerate(blocks):
         if k and start == blocks[k - 1][0]:
-            raise fail(where, f"layer {layer}: blocks {blocks[k - 1][2]} and {index} both start at {start} "
-                              "(duplicate block)")
+            raise fail(
+                where, f"layer {layer}: blocks {blocks[k - 1][2]} and {index} both start at {start} (duplicate block)"
+            )
         if start > end:
             raise fail(where, f"layer {layer}: positions [{end}, {start}) are not covered (gap before block {index})")
         end = start + block_length
         if end > length:
-            raise fail(where, f"layer {layer}: block {index} covers [{start}, {end}), past the sequence length "
-                              f"{length}")
+            raise fail(
+                where, f"layer {layer}: block {index} covers [{start}, {end}), past the sequence length {length}"
+            )
         if k < len(blocks) - 1 and block_length != block_size:
-            raise fail(where, f"layer {layer}: block {index} at start {start} holds {block_length} positions but "
-                              f"is not the layer's last block; every block before the last must hold "
-                              f"block_size {block_size}")
+            raise fail(
+                where,
+                f"layer {layer}: block {index} at start {start} holds {block_length} positions but "
+                f"is not the layer's last block; every block before the last must hold "
+                f"block_size {block_size}",
+            )
     if end < length:
-        raise fail(where, f"layer {layer}: positions [{end}, {length}) are not covered (blocks end at {end}, "
-                          f"sequence length is {length})")
+        raise fail(
+            where,
+            f"layer {layer}: positions [{end}, {length}) are not covered (blocks end at {end}, "
+            f"sequence length is {length})",
+        )
 
 
 def check_snapshot(snapshot: object, api: str) -> None:
@@ -259,18 +308,21 @@ def validate(snapshot: CacheSnapshot) -> None:
     check_snapshot(snapshot, "validate")
 
 
-def check_counts(expected: Expectation, signature: str, block_size: int, layers: int, sequences: int,
-                  api: str) -> None:
+def check_counts(expected: Expectation, signature: str, block_size: int, layers: int, sequences: int, api: str) -> None:
     if expected.model_signature is not None and signature != expected.model_signature:
         raise InputError(f"{api}: the saved cache belongs to another model (signature mismatch)")
     if block_size != expected.block_size:
-        raise InputError(f"{api}: the saved cache has block_size={block_size}, the state uses {expected.block_size}; "
-                         f"create the state with block_size={block_size}")
+        raise InputError(
+            f"{api}: the saved cache has block_size={block_size}, the state uses {expected.block_size}; "
+            f"create the state with block_size={block_size}"
+        )
     if layers != len(expected.layers):
         raise InputError(f"{api}: the saved cache has {layers} layers, the model has {len(expected.layers)}")
     if expected.max_sequences is not None and sequences > expected.max_sequences:
-        raise InputError(f"{api}: the saved cache has {sequences} sequences, the state can hold at most "
-                         f"{expected.max_sequences} rows (each needs a page of its own to run)")
+        raise InputError(
+            f"{api}: the saved cache has {sequences} sequences, the state can hold at most "
+            f"{expected.max_sequences} rows (each needs a page of its own to run)"
+        )
 
 
 def check_layer_specs(expected: Expectation, layers: list[LayerSpec], api: str) -> None:
@@ -278,13 +330,15 @@ def check_layer_specs(expected: Expectation, layers: list[LayerSpec], api: str) 
         if got != want:
             saved = (got.key_name, got.value_name, got.kv_heads, got.head_size, got.dtype)
             model = (want.key_name, want.value_name, want.kv_heads, want.head_size, want.dtype)
-            raise InputError(f"{api}: saved layer {i} (names, kv_heads, head_size, dtype) {saved} does not match the "
-                             f"model's {model}")
+            raise InputError(
+                f"{api}: saved layer {i} (names, kv_heads, head_size, dtype) {saved} does not match the model's {model}"
+            )
 
 
 def check_expectation(snapshot: CacheSnapshot, expected: Expectation, api: str = "check_expectation") -> None:
     """Raise :class:`~onnxkv.errors.InputError` (messages start with ``api``) unless ``snapshot`` has
     ``expected``'s signature (if given), block size and layers and at most its ``max_sequences`` sequences."""
-    check_counts(expected, snapshot.model_signature, snapshot.block_size, len(snapshot.layers),
-                 len(snapshot.sequences), api)
+    check_counts(
+        expected, snapshot.model_signature, snapshot.block_size, len(snapshot.layers), len(snapshot.sequences), api
+    )
     check_layer_specs(expected, snapshot.layers, api)

@@ -32,12 +32,23 @@ from onnxkv.cache.serialize_rules import check_expectation, validate
 from onnxkv.cache.snapshot_model import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
 from onnxkv.errors import InputError, OutOfMemory
 
-__all__ = ["take_snapshot", "paged_from_snapshot", "expectation", "file_bytes_limit", "CacheSnapshot", "LayerSpec",
-           "SequenceRecord", "BlockRecord", "PagePayload", "Expectation"]
+__all__ = [
+    "take_snapshot",
+    "paged_from_snapshot",
+    "expectation",
+    "file_bytes_limit",
+    "CacheSnapshot",
+    "LayerSpec",
+    "SequenceRecord",
+    "BlockRecord",
+    "PagePayload",
+    "Expectation",
+]
 
 
-def expectation(pool: BlockPool, layers: Sequence[tuple[str, str]], signature: str | None = None,
-                api: str = "expectation") -> Expectation:
+def expectation(
+    pool: BlockPool, layers: Sequence[tuple[str, str]], signature: str | None = None, api: str = "expectation"
+) -> Expectation:
     """What a cache loaded into ``pool`` must have: ``signature`` (None: not checked), the pool's block
     size, one :class:`LayerSpec` per (key plane, value plane) pair of ``layers``, and at most
     ``max_pages`` rows when the pool has a ``max_pages`` (every row needs a page of its own to run).
@@ -50,9 +61,11 @@ def expectation(pool: BlockPool, layers: Sequence[tuple[str, str]], signature: s
     for i, (k, v) in enumerate(layers):
         ks, vs = pool.planes[index[k]], pool.planes[index[v]]
         if (ks.heads, ks.head_size, ks.model_dtype) != (vs.heads, vs.head_size, vs.model_dtype):
-            raise InputError(f"{api}: layer {i} has keys of (heads, head_size, dtype) "
-                             f"{(ks.heads, ks.head_size, ks.model_dtype)} and values of "
-                             f"{(vs.heads, vs.head_size, vs.model_dtype)}; a saved cache holds one geometry per layer")
+            raise InputError(
+                f"{api}: layer {i} has keys of (heads, head_size, dtype) "
+                f"{(ks.heads, ks.head_size, ks.model_dtype)} and values of "
+                f"{(vs.heads, vs.head_size, vs.model_dtype)}; a saved cache holds one geometry per layer"
+            )
         specs.append(LayerSpec(k, v, ks.heads, ks.head_size, ks.model_dtype))
     return Expectation(pool.block_size, tuple(specs), pool.max_pages, signature)
 
@@ -72,8 +85,9 @@ def take_snapshot(cache: PagedCache, layers: Sequence[tuple[str, str]], signatur
             for blk in range(first // bs, -(-length // bs)):
                 p = int(table.tables[b, blk])
                 n = min(bs, length - blk * bs)
-                blocks.append(BlockRecord(li, blk * bs, n, _payload(pool, index[k], p, n),
-                                          _payload(pool, index[v], p, n)))
+                blocks.append(
+                    BlockRecord(li, blk * bs, n, _payload(pool, index[k], p, n), _payload(pool, index[v], p, n))
+                )
         sequences.append(SequenceRecord(length, blocks, first - first % bs if first else 0))
     return CacheSnapshot(bs, specs, sequences, signature)
 
@@ -90,8 +104,9 @@ def _header(pool: BlockPool, plane: int, payload: PagePayload, api: str) -> np.n
     if payload.scale is None:
         return None
     spec = pool.planes[plane]
-    return encode_header(payload.format, payload.scale, payload.zero_point, spec.heads, spec.header,
-                         f"{api}: plane '{spec.name}'")
+    return encode_header(
+        payload.format, payload.scale, payload.zero_point, spec.heads, spec.header, f"{api}: plane '{spec.name}'"
+    )
 
 
 #: Upper bound of a block's encoding besides its payload bytes, per plane (field tags, varints, format name).
@@ -119,33 +134,51 @@ def file_bytes_limit(pool: BlockPool) -> int | None:
 
 def _payload_bytes(snapshot: CacheSnapshot) -> int:
     """Bytes of every page array a snapshot carries (data, scales, zero points)."""
-    return sum(p.data.nbytes + (0 if p.scale is None else p.scale.nbytes + p.zero_point.nbytes)
-               for seq in snapshot.sequences for blk in seq.blocks for p in (blk.key, blk.value))
+    return sum(
+        p.data.nbytes + (0 if p.scale is None else p.scale.nbytes + p.zero_point.nbytes)
+        for seq in snapshot.sequences
+        for blk in seq.blocks
+        for p in (blk.key, blk.value)
+    )
 
 
 def _spans(snapshot: CacheSnapshot, bs: int) -> list[tuple[int, int]]:
     """Per row, the logical blocks ``[lo, hi)`` holding a position in ``[first_position, length)``."""
-    return [(seq.first_position // bs, -(-seq.length // bs) if seq.length > seq.first_position
-             else seq.first_position // bs) for seq in snapshot.sequences]
+    return [
+        (
+            seq.first_position // bs,
+            -(-seq.length // bs) if seq.length > seq.first_position else seq.first_position // bs,
+        )
+        for seq in snapshot.sequences
+    ]
 
 
 def _check_rows(snapshot: CacheSnapshot, max_tokens: int | None, window: int | None, api: str) -> None:
     """Each row's length and first position against the state's capacity and window."""
     for b, seq in enumerate(snapshot.sequences):
         if max_tokens is not None and seq.length > max_tokens:
-            raise InputError(f"{api}: sequence {b} holds {seq.length} positions, the state's capacity is "
-                             f"{max_tokens}")
+            raise InputError(f"{api}: sequence {b} holds {seq.length} positions, the state's capacity is {max_tokens}")
         lowest = 0 if window is None else max(0, seq.length - window)
         if seq.first_position > lowest:
-            seen = ("the model attends to every position" if window is None else
-                    f"the model's window makes its next query read positions from {lowest}")
-            raise InputError(f"{api}: sequence {b} has first_position {seq.first_position} (positions below it are "
-                             f"not held), but {seen}: first_position must be at most {lowest}")
+            seen = (
+                "the model attends to every position"
+                if window is None
+                else f"the model's window makes its next query read positions from {lowest}"
+            )
+            raise InputError(
+                f"{api}: sequence {b} has first_position {seq.first_position} (positions below it are "
+                f"not held), but {seen}: first_position must be at most {lowest}"
+            )
 
 
-def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequence[tuple[str, str]],
-                        max_tokens: int | None = None, window: int | None = None,
-                        api: str = "resume") -> PagedCache:
+def paged_from_snapshot(
+    snapshot: CacheSnapshot,
+    pool: BlockPool,
+    layers: Sequence[tuple[str, str]],
+    max_tokens: int | None = None,
+    window: int | None = None,
+    api: str = "resume",
+) -> PagedCache:
     """A new :class:`PagedCache` in ``pool`` holding ``snapshot``'s contents (pages allocated once).
 
     ``layers`` pairs the model's (key plane, value plane) names in layer
@@ -183,9 +216,11 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
     m = max(-(-seq.length // bs) for seq in snapshot.sequences)
     carried = _payload_bytes(snapshot)
     if 4 * batch * m > carried:
-        raise InputError(f"{api}: the saved cache declares rows of up to {m * bs} positions, a page table of "
-                         f"{batch} x {m} int32 entries ({4 * batch * m} bytes), but carries only {carried} payload "
-                         f"bytes; a cache file may not make the load allocate more than it holds")
+        raise InputError(
+            f"{api}: the saved cache declares rows of up to {m * bs} positions, a page table of "
+            f"{batch} x {m} int32 entries ({4 * batch * m} bytes), but carries only {carried} payload "
+            f"bytes; a cache file may not make the load allocate more than it holds"
+        )
     index = pool.plane_index
     kept = []  # (row, block, key header, value header) of the blocks holding a position the state keeps
     for b, seq in enumerate(snapshot.sequences):
@@ -198,16 +233,20 @@ def paged_from_snapshot(snapshot: CacheSnapshot, pool: BlockPool, layers: Sequen
                 spec = pool.planes[index[name]]
                 groups = None if payload.scale is None else payload.scale.size // spec.heads
                 if groups is not None and groups != spec.groups:
-                    raise InputError(f"{api}: block at {blk.start} of '{name}' has {groups} scale(s) per head, the "
-                                     f"state's plane has {spec.groups} group(s) per head with {spec.header!r} headers "
-                                     "(key_channel_scales / key_channel_zero_points)")
+                    raise InputError(
+                        f"{api}: block at {blk.start} of '{name}' has {groups} scale(s) per head, the "
+                        f"state's plane has {spec.groups} group(s) per head with {spec.header!r} headers "
+                        "(key_channel_scales / key_channel_zero_points)"
+                    )
                 headers.append(_header(pool, index[name], payload, api))
             kept.append((b, blk, *headers))
     spans = _spans(snapshot, bs)
     need = sum(hi - lo for lo, hi in spans)
     if pool.max_pages is not None and need > pool.free_pages:
-        raise OutOfMemory(f"{api}: the saved cache needs {need} page(s), the pool has {pool.free_pages} free of "
-                          f"max_pages={pool.max_pages}")
+        raise OutOfMemory(
+            f"{api}: the saved cache needs {need} page(s), the pool has {pool.free_pages} free of "
+            f"max_pages={pool.max_pages}"
+        )
     rows = np.repeat(np.arange(batch), [hi - lo for lo, hi in spans])
     cols = np.concatenate([np.arange(lo, hi) for lo, hi in spans])
     table = PageTable(pool, batch)

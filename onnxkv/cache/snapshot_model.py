@@ -25,8 +25,11 @@ def _same_array(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     """Bit equality (so NaN payloads compare equal to themselves); both None counts as equal."""
     if a is None or b is None:
         return a is b
-    return (a.shape == b.shape and a.dtype.newbyteorder("=") == b.dtype.newbyteorder("=")
-            and np.array_equal(_bits(a), _bits(b)))
+    return (
+        a.shape == b.shape
+        and a.dtype.newbyteorder("=") == b.dtype.newbyteorder("=")
+        and np.array_equal(_bits(a), _bits(b))
+    )
 
 
 @dataclass(eq=False)
@@ -59,8 +62,12 @@ class PagePayload:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PagePayload):
             return NotImplemented
-        return (self.format == other.format and _same_array(self.data, other.data)
-                and _same_array(self.scale, other.scale) and _same_array(self.zero_point, other.zero_point))
+        return (
+            self.format == other.format
+            and _same_array(self.data, other.data)
+            and _same_array(self.scale, other.scale)
+            and _same_array(self.zero_point, other.zero_point)
+        )
 
     __hash__ = None  # mutable
 

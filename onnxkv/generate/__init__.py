@@ -5,5 +5,13 @@ from onnxkv.generate.generate import GenerationResult, generate
 from onnxkv.generate.sampling import SamplingConfig, select_next
 from onnxkv.generate.speculative import SpeculativeResult, speculative_generate
 
-__all__ = ["generate", "GenerationResult", "beam_search", "BeamSearchResult", "SamplingConfig", "select_next", "speculative_generate",
-           "SpeculativeResult"]
+__all__ = [
+    "generate",
+    "GenerationResult",
+    "beam_search",
+    "BeamSearchResult",
+    "SamplingConfig",
+    "select_next",
+    "speculative_generate",
+    "SpeculativeResult",
+]

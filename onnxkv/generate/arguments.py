@@ -19,8 +19,17 @@ import onnx
 
 from onnxkv.errors import InputError
 
-__all__ = ["as_session", "int_arg", "optional_int", "real_arg", "callback_arg", "bool_arg", "token_id",
-           "token_ids", "check_prompt"]
+__all__ = [
+    "as_session",
+    "int_arg",
+    "optional_int",
+    "real_arg",
+    "callback_arg",
+    "bool_arg",
+    "token_id",
+    "token_ids",
+    "check_prompt",
+]
 
 
 def as_session(api: str, name: str, value, threads: int | None):
@@ -32,8 +41,9 @@ def as_session(api: str, name: str, value, threads: int | None):
     if isinstance(value, Session):
         return value
     if not isinstance(value, (Model, onnx.ModelProto, str, os.PathLike)):
-        raise InputError(f"{api}: {name} must be a Session, a Model, a ModelProto or a path, got "
-                         f"{type(value).__name__}")
+        raise InputError(
+            f"{api}: {name} must be a Session, a Model, a ModelProto or a path, got {type(value).__name__}"
+        )
     return Session(value, threads=threads)
 
 
@@ -57,11 +67,15 @@ def optional_int(api: str, name: str, value, low: int) -> int | None:
     return int(value)
 
 
-def real_arg(api: str, name: str, value, low: float | None = None, high: float | None = None,
-             low_open: bool = False) -> float:
+def real_arg(
+    api: str, name: str, value, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> float:
     """``value`` as a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``; None: unbounded)."""
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)) \
+    ok = (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, (bool, np.bool_))
         and math.isfinite(value)
+    )
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
@@ -69,8 +83,10 @@ def real_arg(api: str, name: str, value, low: float | None = None, high: float |
     if not ok:
         lo = "-inf" if low is None else f"{low}"
         hi = "inf" if high is None else f"{high}"
-        raise InputError(f"{api}: {name} must be a finite number in {'(' if low_open or low is None else '['}{lo}, "
-                         f"{hi}{')' if high is None else ']'}, got {value!r}")
+        raise InputError(
+            f"{api}: {name} must be a finite number in {'(' if low_open or low is None else '['}{lo}, "
+            f"{hi}{')' if high is None else ']'}, got {value!r}"
+        )
     return float(value)
 
 
@@ -145,8 +161,10 @@ def check_prompt(api: str, input_ids, attention_mask, vocab: int | None) -> tupl
     started = np.cumsum(mask, axis=1) > 0
     if np.any(started & (mask == 0)):
         rows = np.nonzero(np.any(started & (mask == 0), axis=1))[0].tolist()
-        raise InputError(f"{api}: rows {rows} of attention_mask are right-padded or have holes; "
-                         "prompts must be left-padded (zeros first)")
+        raise InputError(
+            f"{api}: rows {rows} of attention_mask are right-padded or have holes; "
+            "prompts must be left-padded (zeros first)"
+        )
     lengths = mask.sum(axis=1)
     if np.any(lengths == 0):
         raise InputError(f"{api}: rows {np.nonzero(lengths == 0)[0].tolist()} have no tokens")

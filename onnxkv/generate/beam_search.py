@@ -26,8 +26,16 @@ import numpy as np
 
 from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
-from onnxkv.generate.arguments import (as_session, bool_arg, callback_arg, check_prompt, int_arg, real_arg, token_id,
-                                       token_ids)
+from onnxkv.generate.arguments import (
+    as_session,
+    bool_arg,
+    callback_arg,
+    check_prompt,
+    int_arg,
+    real_arg,
+    token_id,
+    token_ids,
+)
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.ops.shape import MAX_TENSOR_BYTES
 from onnxkv.runtime.cache_config import CacheConfig, cache_request
@@ -57,7 +65,7 @@ def _top(x: np.ndarray, n: int) -> np.ndarray:
         v = -x[r]
         kth = np.partition(v, n - 1)[n - 1]
         better = np.flatnonzero(v < kth)
-        idx = np.concatenate([better, np.flatnonzero(v == kth)[:n - better.size]])
+        idx = np.concatenate([better, np.flatnonzero(v == kth)[: n - better.size]])
         out[r] = idx[np.lexsort((idx, v[idx]))]
     return out
 
@@ -89,8 +97,16 @@ class BeamScorer:
     ``>= k`` is dropped; ties go to the lower candidate index.
     """
 
-    def __init__(self, batch: int, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
-                 early_stopping: bool | str = False, eos_token_id: Sequence[int] = (), pad_token_id: int = 0) -> None:
+    def __init__(
+        self,
+        batch: int,
+        num_beams: int,
+        max_new_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        eos_token_id: Sequence[int] = (),
+        pad_token_id: int = 0,
+    ) -> None:
         self.batch, self.num_beams, self.max_new_tokens = int(batch), int(num_beams), int(max_new_tokens)
         self.length_penalty = float(length_penalty)
         self.early_stopping = early_stopping
@@ -133,8 +149,10 @@ class BeamScorer:
             raise InputError("beam_search: the log-probabilities contain NaN")
         V = lp.shape[1]
         if k * V < self.keep:
-            raise InputError(f"beam_search: num_beams * vocab = {k * V} is below the {self.keep} candidates "
-                             "beam search keeps per row (max(2, 1 + len(eos_token_id)) * num_beams)")
+            raise InputError(
+                f"beam_search: num_beams * vocab = {k * V} is below the {self.keep} candidates "
+                "beam search keeps per row (max(2, 1 + len(eos_token_id)) * num_beams)"
+            )
         acc = (lp.reshape(B, k, V) + self.running_scores[:, :, None]).reshape(B, k * V)
         cand = _top(acc, self.keep)
         cand_scores = np.take_along_axis(acc, cand, axis=1)
@@ -170,7 +188,7 @@ class BeamScorer:
             best_len = self.max_new_tokens
         else:
             best_len = self.step
-        best = self.running_scores[:, 0] / np.float32(best_len ** self.length_penalty)
+        best = self.running_scores[:, 0] / np.float32(best_len**self.length_penalty)
         worst = np.where(self.is_finished, self.finished_scores.min(axis=1, keepdims=True), NEG)
         self.improvable &= np.any(best[:, None] > worst, axis=1)
         all_full = bool(self.is_finished.all()) and self.early_stopping is True
@@ -360,8 +378,10 @@ def beam_search(
     if unknown:
         raise TypeError(f"beam_search() got an unexpected keyword argument {unknown[0]!r}")
     if bool_arg(api, "do_sample", do_sample):
-        raise InputError("beam_search: do_sample=True (beam sampling) is not supported; beam search is "
-                         "deterministic (use do_sample=False, or onnxkv.generate(do_sample=True) to sample)")
+        raise InputError(
+            "beam_search: do_sample=True (beam sampling) is not supported; beam search is "
+            "deterministic (use do_sample=False, or onnxkv.generate(do_sample=True) to sample)"
+        )
     k = int_arg(api, "num_beams", num_beams, 1)
     max_new = int_arg(api, "max_new_tokens", max_new_tokens, 1)
     n_ret = int_arg(api, "num_return_sequences", num_return_sequences, 1)
@@ -369,11 +389,16 @@ def beam_search(
         raise InputError(f"beam_search: num_return_sequences {n_ret} exceeds num_beams {k}")
     length_penalty = real_arg(api, "length_penalty", length_penalty)
     if abs(length_penalty) * math.log(max_new + 1) > _LENGTH_EXPONENT_LIMIT:
-        raise InputError(f"beam_search: length_penalty {length_penalty} makes the length factor "
-                         f"(max_new_tokens + 1) ** length_penalty = {max_new + 1} ** {length_penalty} leave the "
-                         "float32 range")
-    if not (early_stopping is True or early_stopping is False
-            or (isinstance(early_stopping, str) and early_stopping == "never")):
+        raise InputError(
+            f"beam_search: length_penalty {length_penalty} makes the length factor "
+            f"(max_new_tokens + 1) ** length_penalty = {max_new + 1} ** {length_penalty} leave the "
+            "float32 range"
+        )
+    if not (
+        early_stopping is True
+        or early_stopping is False
+        or (isinstance(early_stopping, str) and early_stopping == "never")
+    ):
         raise InputError(f"beam_search: early_stopping must be True, False or 'never', got {early_stopping!r}")
     if "block_size" in deprecated:
         int_arg(api, "block_size", deprecated["block_size"], 1)
@@ -384,8 +409,10 @@ def beam_search(
     vocab = sess.token_limit
     cache = request.kind("paged" if sess.bindings else "tensor")
     if cache == "paged" and not sess.bindings:
-        raise InputError(f"beam_search: cache kind 'paged' needs a model whose KV cache onnxkv runs in place; this "
-                         f"model's cache is '{model.convention.kind}' (use cache='tensor' or None)")
+        raise InputError(
+            f"beam_search: cache kind 'paged' needs a model whose KV cache onnxkv runs in place; this "
+            f"model's cache is '{model.convention.kind}' (use cache='tensor' or None)"
+        )
     ids, mask, lengths = check_prompt(api, input_ids, attention_mask, vocab)
     eos = token_ids(api, "eos_token_id", eos_token_id, model.eos_token_id, vocab)
     if pad_token_id is None:
@@ -393,16 +420,22 @@ def beam_search(
     pad_token_id = token_id(api, "pad_token_id", pad_token_id, vocab)
     B, L = ids.shape
     if model.max_length is not None and L + max_new > model.max_length:
-        raise InputError(f"beam_search: prompt length {L} + max_new_tokens {max_new} exceeds the model's "
-                         f"max_length {model.max_length}")
+        raise InputError(
+            f"beam_search: prompt length {L} + max_new_tokens {max_new} exceeds the model's "
+            f"max_length {model.max_length}"
+        )
     table = 2 * B * k * max_new * np.dtype(np.int64).itemsize
     if table > MAX_TENSOR_BYTES:
-        raise InputError(f"beam_search: {B} row(s) * num_beams {k} * max_new_tokens {max_new} hypotheses need "
-                         f"{table} bytes, more than this machine's memory ({MAX_TENSOR_BYTES} bytes)")
+        raise InputError(
+            f"beam_search: {B} row(s) * num_beams {k} * max_new_tokens {max_new} hypotheses need "
+            f"{table} bytes, more than this machine's memory ({MAX_TENSOR_BYTES} bytes)"
+        )
     scorer = BeamScorer(B, k, max_new, length_penalty, early_stopping, eos, pad_token_id)
     if vocab is not None and k * vocab < scorer.keep:
-        raise InputError(f"beam_search: num_beams {k} * vocab {vocab} is below the {scorer.keep} candidates "
-                         "beam search keeps per row")
+        raise InputError(
+            f"beam_search: num_beams {k} * vocab {vocab} is below the {scorer.keep} candidates "
+            "beam search keeps per row"
+        )
     ids = np.where(mask == 1, ids, pad_token_id)
 
     builder = FeedBuilder(sess.plan.inputs, model, ids, lengths, pad_token_id, thread_cache=cache == "tensor")
@@ -450,5 +483,6 @@ def beam_search(
         beams.close()
     gen, scores, _ = scorer.finalize(n_ret)
     sequences = np.concatenate([np.repeat(ids, n_ret, axis=0), gen], axis=1)
-    return BeamSearchResult(sequences, scores, prompt_seconds, prompt_copied, step_seconds, reorder_copied,
-                            cache_copied, committed, k, B)
+    return BeamSearchResult(
+        sequences, scores, prompt_seconds, prompt_copied, step_seconds, reorder_copied, cache_copied, committed, k, B
+    )

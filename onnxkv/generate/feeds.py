@@ -42,8 +42,9 @@ class FeedBuilder:
             (tensor path); False when a state supplies the cache.
     """
 
-    def __init__(self, plan_inputs, model, prompt: np.ndarray, lengths: np.ndarray, pad_id: int,
-                 thread_cache: bool = True) -> None:
+    def __init__(
+        self, plan_inputs, model, prompt: np.ndarray, lengths: np.ndarray, pad_id: int, thread_cache: bool = True
+    ) -> None:
         self.model = model
         self.conv = model.convention
         self.io = model.io
@@ -98,7 +99,7 @@ class FeedBuilder:
             mask = np.zeros((B, L), dtype=np.int64)
             for b in range(B):
                 n = int(self.lengths[b])
-                ids[b, :n] = self.prompt[b, L - n:]
+                ids[b, :n] = self.prompt[b, L - n :]
                 mask[b, :n] = 1
             read = self.lengths - 1
             pos = np.where(mask == 1, np.arange(L)[None, :], 0)
@@ -173,11 +174,14 @@ class FeedBuilder:
         """
         idx = np.asarray(indices)
         if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu":
-            raise InputError(f"FeedBuilder.select_rows: indices must be a non-empty 1-D int array, got "
-                             f"shape {idx.shape} dtype {idx.dtype}")
+            raise InputError(
+                f"FeedBuilder.select_rows: indices must be a non-empty 1-D int array, got "
+                f"shape {idx.shape} dtype {idx.dtype}"
+            )
         if idx.min() < 0 or idx.max() >= self.batch:
-            raise InputError(f"FeedBuilder.select_rows: indices must be in [0, {self.batch}), got min "
-                             f"{idx.min()}, max {idx.max()}")
+            raise InputError(
+                f"FeedBuilder.select_rows: indices must be in [0, {self.batch}), got min {idx.min()}, max {idx.max()}"
+            )
         self.batch = int(idx.size)
         self.prompt = self.prompt[idx]
         self.lengths = self.lengths[idx]

@@ -10,8 +10,7 @@ import numpy as np
 
 from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
-from onnxkv.generate.arguments import (as_session, callback_arg, check_prompt, int_arg, optional_int, token_id,
-                                       token_ids)
+from onnxkv.generate.arguments import as_session, callback_arg, check_prompt, int_arg, optional_int, token_id, token_ids
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.sampling import sampling_arguments, select_next
 from onnxkv.runtime.cache_config import KINDS, CacheConfig, cache_request
@@ -123,8 +122,9 @@ def generate(
     if unknown:
         raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
     max_new_tokens = int_arg(api, "max_new_tokens", max_new_tokens, 0)
-    sampling = sampling_arguments(api, do_sample, temperature, top_k, top_p, seed, legacy_temperature=True,
-                                  depth=_DEPTH)
+    sampling = sampling_arguments(
+        api, do_sample, temperature, top_k, top_p, seed, legacy_temperature=True, depth=_DEPTH
+    )
     callback_arg(api, "callback", callback)
     request = cache_request(api, cache, KINDS, deprecated, depth=_DEPTH, auto=True)
     prefill_chunk = optional_int(api, "prefill_chunk", prefill_chunk, 1)
@@ -138,23 +138,34 @@ def generate(
     pad_token_id = token_id(api, "pad_token_id", pad_token_id, vocab)
     B, L = ids.shape
     if model.max_length is not None and L + max_new_tokens > model.max_length:
-        raise InputError(f"generate: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the model's "
-                         f"max_length {model.max_length}")
+        raise InputError(
+            f"generate: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"max_length {model.max_length}"
+        )
     ids = np.where(mask == 1, ids, pad_token_id)
 
     kind = request.kind("contiguous" if sess.bindings else "tensor")
     if kind != "tensor" and not sess.bindings:
-        raise InputError(f"generate: cache kind {kind!r} needs a model with a recognised in-place cache; this "
-                         f"model's is '{model.convention.kind}' (use cache='tensor' or None)")
+        raise InputError(
+            f"generate: cache kind {kind!r} needs a model with a recognised in-place cache; this "
+            f"model's is '{model.convention.kind}' (use cache='tensor' or None)"
+        )
     in_place = kind != "tensor"
     narrowed = [k for k in ("cache_dtype", "kv_format") if k in request.legacy]
     if not in_place and narrowed:
-        raise InputError(f"generate: {narrowed[0]}={request.legacy[narrowed[0]]!r} needs a state's cache, got cache "
-                         "kind 'tensor'")
+        raise InputError(
+            f"generate: {narrowed[0]}={request.legacy[narrowed[0]]!r} needs a state's cache, got cache kind 'tensor'"
+        )
     chunked = in_place and prefill_chunk is not None and B == 1 and L > prefill_chunk
     first_len = int(prefill_chunk) if chunked else L
-    builder = FeedBuilder(sess.plan.inputs, model, ids[:, :first_len], np.minimum(lengths, first_len),
-                          int(pad_token_id), thread_cache=not in_place)
+    builder = FeedBuilder(
+        sess.plan.inputs,
+        model,
+        ids[:, :first_len],
+        np.minimum(lengths, first_len),
+        int(pad_token_id),
+        thread_cache=not in_place,
+    )
     if in_place:
         state = State(sess, **request.state_keywords(kind, initial_capacity=max(32, L + min(max_new_tokens, 256))))
         fetch = [model.io.logits]
@@ -173,7 +184,7 @@ def generate(
         t0 = time.perf_counter()
         out = run(feeds, fetch)
         for c0 in range(first_len, L if chunked else 0, first_len):
-            chunk = ids[:, c0:c0 + first_len]
+            chunk = ids[:, c0 : c0 + first_len]
             out = run(builder.next(chunk, out), fetch)
             read = np.array([chunk.shape[1] - 1])
         prefill = time.perf_counter() - t0
@@ -197,5 +208,12 @@ def generate(
     if state is not None:
         state.close()
     tokens = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((B, 0), dtype=np.int64)
-    return GenerationResult(np.concatenate([ids, tokens], axis=1), tokens, lengths, finished,
-                            prefill, float(sum(step_seconds)), step_seconds)
+    return GenerationResult(
+        np.concatenate([ids, tokens], axis=1),
+        tokens,
+        lengths,
+        finished,
+        prefill,
+        float(sum(step_seconds)),
+        step_seconds,
+    )

@@ -19,8 +19,14 @@ class SamplingConfig:
     token is drawn with a NumPy ``Generator`` seeded by ``seed`` (repeatable).
     """
 
-    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, api: str = "generate") -> None:
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        api: str = "generate",
+    ) -> None:
         temperature = real_arg(api, "temperature", temperature, 0.0)
         top_k = optional_int(api, "top_k", top_k, 1)
         top_p = None if top_p is None else real_arg(api, "top_p", top_p, 0.0, 1.0, low_open=True)
@@ -35,8 +41,9 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-def sampling_arguments(api: str, do_sample, temperature, top_k, top_p, seed, *, legacy_temperature: bool = False,
-                       depth: int = 1) -> SamplingConfig:
+def sampling_arguments(
+    api: str, do_sample, temperature, top_k, top_p, seed, *, legacy_temperature: bool = False, depth: int = 1
+) -> SamplingConfig:
     """The SamplingConfig of the sampling arguments every generation API shares, as transformers reads them.
 
     ``do_sample`` False is greedy (``temperature``, ``top_k`` and ``top_p``
@@ -57,9 +64,12 @@ def sampling_arguments(api: str, do_sample, temperature, top_k, top_p, seed, *, 
     if top_p is not None:
         real_arg(api, "top_p", top_p, 0.0, 1.0, low_open=True)
     if not do_sample and legacy_temperature and temperature is not None and temperature > 0.0:
-        warn_deprecated(f"{api}: temperature={temperature} without do_sample=True samples for one more release; "
-                        "pass do_sample=True to sample (without it, decoding will be greedy and temperature "
-                        "ignored, as in transformers and speculative_generate)", depth + 1)
+        warn_deprecated(
+            f"{api}: temperature={temperature} without do_sample=True samples for one more release; "
+            "pass do_sample=True to sample (without it, decoding will be greedy and temperature "
+            "ignored, as in transformers and speculative_generate)",
+            depth + 1,
+        )
         do_sample = True
     if not do_sample:
         return SamplingConfig(0.0, None, None, seed, api=api)

@@ -122,11 +122,11 @@ def prompt_lookup(tokens: np.ndarray, ngram: int, k: int) -> np.ndarray:
     for n in range(min(ngram, T - 1), 0, -1):
         if k < 1:
             break
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:T - 1], n)
-        hits = np.flatnonzero((windows == tokens[T - n:]).all(axis=1))
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: T - 1], n)
+        hits = np.flatnonzero((windows == tokens[T - n :]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k].copy()
+            return tokens[start : start + k].copy()
     return np.zeros(0, dtype=np.int64)
 
 
@@ -134,9 +134,11 @@ def _check_model(sess, role: str) -> None:
     """The model must keep a truncatable in-place cache on a state."""
     kind = sess.model.convention.kind
     if kind == "tensor_scatter" or not sess.bindings:
-        raise InputError(f"{API}: the {role} model's cache convention is '{kind}'; speculative decoding rolls "
-                         "rejected tokens back with State.truncate, which needs a growing in-place KV cache "
-                         "(a static TensorScatter cache, declared persistent bindings or no cache cannot be truncated)")
+        raise InputError(
+            f"{API}: the {role} model's cache convention is '{kind}'; speculative decoding rolls "
+            "rejected tokens back with State.truncate, which needs a growing in-place KV cache "
+            "(a static TensorScatter cache, declared persistent bindings or no cache cannot be truncated)"
+        )
 
 
 def _logit_rows(out: dict, sess, count: int, role: str) -> np.ndarray:
@@ -145,9 +147,11 @@ def _logit_rows(out: dict, sess, count: int, role: str) -> np.ndarray:
     if x.ndim == 2:
         x = x[:, None, :]
     if x.shape[1] < count:
-        raise InputError(f"{API}: the {role} model returned logits for {x.shape[1]} position(s) of a "
-                         f"{count}-token run; verification needs the logits of every fed position")
-    return x[0, x.shape[1] - count:]
+        raise InputError(
+            f"{API}: the {role} model returned logits for {x.shape[1]} position(s) of a "
+            f"{count}-token run; verification needs the logits of every fed position"
+        )
+    return x[0, x.shape[1] - count :]
 
 
 class _Stepper:
@@ -155,8 +159,9 @@ class _Stepper:
 
     def __init__(self, sess, prompt: np.ndarray, state_keywords: dict) -> None:
         self.sess = sess
-        self.builder = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0,
-                                   thread_cache=False)
+        self.builder = FeedBuilder(
+            sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False
+        )
         self.state = State(sess, **state_keywords)
         self.fetch = [sess.model.io.logits]
         self.runs = 0
@@ -250,18 +255,28 @@ def speculative_generate(
     ngram = int_arg(API, "prompt_lookup_ngram", prompt_lookup_ngram, 1)
     cfg = sampling_arguments(API, do_sample, temperature, top_k, top_p, seed, depth=_DEPTH)
     callback_arg(API, "callback", callback)
-    request = cache_request(API, cache, ("contiguous", "paged"), _state_options(deprecated), depth=_DEPTH,
-                            given_as="state_options" if "state_options" in deprecated else None)
+    request = cache_request(
+        API,
+        cache,
+        ("contiguous", "paged"),
+        _state_options(deprecated),
+        depth=_DEPTH,
+        given_as="state_options" if "state_options" in deprecated else None,
+    )
     tsess = as_session(API, "model", model, threads)
     dsess = None if draft is None else as_session(API, "draft", draft, threads)
     model = tsess.model
     vocab = tsess.token_limit
     if dsess is not None:
-        for what, t, d in (("vocabulary", model.vocab_size, dsess.model.vocab_size),
-                           ("token id limit", vocab, dsess.token_limit)):
+        for what, t, d in (
+            ("vocabulary", model.vocab_size, dsess.model.vocab_size),
+            ("token id limit", vocab, dsess.token_limit),
+        ):
             if t is not None and d is not None and t != d:
-                raise InputError(f"{API}: the draft model's {what} is {d}, the target's {t}; the draft must share "
-                                 "the target's vocabulary")
+                raise InputError(
+                    f"{API}: the draft model's {what} is {d}, the target's {t}; the draft must share "
+                    "the target's vocabulary"
+                )
     ids, _, _ = check_prompt(API, input_ids, None, vocab)
     if ids.shape[0] != 1:
         raise InputError(f"{API}: only batch 1 is supported, got input_ids of shape {ids.shape}")
@@ -272,8 +287,10 @@ def speculative_generate(
             continue
         _check_model(s, role)
         if s.model.max_length is not None and L + max_new_tokens > s.model.max_length:
-            raise InputError(f"{API}: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the {role} "
-                             f"model's max_length {s.model.max_length}")
+            raise InputError(
+                f"{API}: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the {role} "
+                f"model's max_length {s.model.max_length}"
+            )
     options = request.state_keywords("contiguous", initial_capacity=L + max_new_tokens + 1)
 
     seq = list(ids[0].tolist())
@@ -289,8 +306,10 @@ def speculative_generate(
         if drf is not None:
             width = _logit_rows(drf.prefill(), dsess, 1, "draft").shape[-1]
             if width != last.shape[-1]:
-                raise InputError(f"{API}: the draft model's logits have width {width}, the target's "
-                                 f"{last.shape[-1]}; the draft must share the target's vocabulary")
+                raise InputError(
+                    f"{API}: the draft model's logits have width {width}, the target's "
+                    f"{last.shape[-1]}; the draft must share the target's vocabulary"
+                )
 
         def emit(token: int) -> bool:
             """Append ``token``; True when generation is over."""
@@ -339,8 +358,15 @@ def speculative_generate(
         tgt.state.close()
         if drf is not None:
             drf.state.close()
-    return SpeculativeResult(np.array([seq], dtype=np.int64), len(seq) - L, proposed, accepted,
-                             tgt.runs, 0 if drf is None else drf.runs, seconds)
+    return SpeculativeResult(
+        np.array([seq], dtype=np.int64),
+        len(seq) - L,
+        proposed,
+        accepted,
+        tgt.runs,
+        0 if drf is None else drf.runs,
+        seconds,
+    )
 
 
 def _state_options(deprecated: dict) -> dict:
@@ -349,18 +375,23 @@ def _state_options(deprecated: dict) -> dict:
     if options is None:
         return {}
     if not isinstance(options, Mapping):
-        raise InputError(f"{API}: state_options must be a mapping of Session.new_state arguments or None, got "
-                         f"{type(options).__name__}")
+        raise InputError(
+            f"{API}: state_options must be a mapping of Session.new_state arguments or None, got "
+            f"{type(options).__name__}"
+        )
     allowed = (*LEGACY_KEYWORDS, "initial", "allocator")
     unknown = sorted(map(repr, set(options) - set(allowed)))
     if unknown:
-        raise InputError(f"{API}: state_options has {', '.join(unknown)}; expected arguments of Session.new_state "
-                         f"other than cache: {sorted(allowed)}")
+        raise InputError(
+            f"{API}: state_options has {', '.join(unknown)}; expected arguments of Session.new_state "
+            f"other than cache: {sorted(allowed)}"
+        )
     return dict(options)
 
 
-def _propose(drf: _Stepper, dsess, seq: list[int], k: int, cfg: SamplingConfig,
-             eos: set[int]) -> tuple[np.ndarray, list[np.ndarray] | None]:
+def _propose(
+    drf: _Stepper, dsess, seq: list[int], k: int, cfg: SamplingConfig, eos: set[int]
+) -> tuple[np.ndarray, list[np.ndarray] | None]:
     """Run the draft on the tokens of ``seq`` it has not cached, then ``k - 1`` more single tokens.
 
     Returns the proposal (int64 [≤ k]; it stops after an EOS) and, when
@@ -370,7 +401,7 @@ def _propose(drf: _Stepper, dsess, seq: list[int], k: int, cfg: SamplingConfig,
     dists: list[np.ndarray] | None = None if cfg.greedy else []
     if k < 1:
         return np.zeros(0, dtype=np.int64), dists
-    pending = np.array(seq[drf.length:], dtype=np.int64)
+    pending = np.array(seq[drf.length :], dtype=np.int64)
     while True:
         logits = _logit_rows(drf.feed(pending), dsess, 1, "draft")
         if cfg.greedy:

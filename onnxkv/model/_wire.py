@@ -19,8 +19,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-__all__ = ["VARINT", "I64", "LEN", "I32", "Field", "encode_varint", "decode_varint", "encode_fields",
-           "decode_fields", "strip_fields"]
+__all__ = [
+    "VARINT",
+    "I64",
+    "LEN",
+    "I32",
+    "Field",
+    "encode_varint",
+    "decode_varint",
+    "encode_fields",
+    "decode_fields",
+    "strip_fields",
+]
 
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 _FIXED_SIZE = {I64: 8, I32: 4}
@@ -141,13 +151,14 @@ def _read_field(view: memoryview, pos: int) -> tuple[int, int, int | memoryview,
 def _take(view: memoryview, pos: int, size: int) -> memoryview:
     if pos + size > len(view):
         raise ValueError("truncated field")
-    return view[pos:pos + size]
+    return view[pos : pos + size]
 
 
 def decode_fields(data: bytes | memoryview) -> list[Field]:
     """Decode every top-level field of a serialised message, in order."""
-    return [Field(f.number, f.wire_type, f.value if f.wire_type == VARINT else bytes(f.value))
-            for f, _, _ in _scan(data)]
+    return [
+        Field(f.number, f.wire_type, f.value if f.wire_type == VARINT else bytes(f.value)) for f, _, _ in _scan(data)
+    ]
 
 
 def strip_fields(data: bytes | memoryview, numbers: frozenset[int]) -> bytes:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import onnx
+
 from onnxkv.model.contract import (
     Access,
     Contract,
@@ -58,19 +59,24 @@ def check_model(model: onnx.ModelProto) -> Contract:
     for (node_index, _), (_, input_name) in aliased.items():
         label = describe_node(graph.node[node_index], node_index)
         if input_name in initializers:
-            raise ContractError(f"{label}: MUST_ALIAS input {input_name!r} is an initializer; "
-                                "an aliased input must be writable")
+            raise ContractError(
+                f"{label}: MUST_ALIAS input {input_name!r} is an initializer; an aliased input must be writable"
+            )
         if input_name in inputs and contract.access.get(input_name) is Access.READ_ONLY:
-            raise ContractError(f"{label}: MUST_ALIAS input {input_name!r} is a READ_ONLY graph input; "
-                                "declare it READ_WRITE")
+            raise ContractError(
+                f"{label}: MUST_ALIAS input {input_name!r} is a READ_ONLY graph input; declare it READ_WRITE"
+            )
         if len(uses[input_name]) != 1:
-            raise ContractError(f"{label}: MUST_ALIAS input {input_name!r} is shared; the aliasing node must be "
-                                f"its only use, but it has {len(uses[input_name])}: {_list(uses[input_name])}")
+            raise ContractError(
+                f"{label}: MUST_ALIAS input {input_name!r} is shared; the aliasing node must be "
+                f"its only use, but it has {len(uses[input_name])}: {_list(uses[input_name])}"
+            )
     for name, access in contract.access.items():
         if access is Access.READ_WRITE and (name not in inputs or name in initializers):
             what = "an initializer" if name in initializers else "not a graph input"
-            raise ContractError(f"value {name!r} is declared READ_WRITE but is {what}; "
-                                "READ_WRITE is allowed on graph inputs only")
+            raise ContractError(
+                f"value {name!r} is declared READ_WRITE but is {what}; READ_WRITE is allowed on graph inputs only"
+            )
     _check_bindings(graph, contract, uses, inputs, initializers)
     infer_shapes(model)
     return contract
@@ -86,13 +92,16 @@ def _check_no_subgraph_declarations(graph: onnx.GraphProto) -> None:
             for subgraph in _subgraphs(attribute):
                 messages = [("graph", subgraph)]
                 messages += [(describe_node(inner), inner) for inner in subgraph.node]
-                messages += [(f"value {vi.name!r}", vi)
-                             for vi in [*subgraph.input, *subgraph.output, *subgraph.value_info]]
+                messages += [
+                    (f"value {vi.name!r}", vi) for vi in [*subgraph.input, *subgraph.output, *subgraph.value_info]
+                ]
                 for what, message in messages:
                     if has_declarations(message):
-                        raise ContractError(f"{what} in subgraph {attribute.name!r} of "
-                                            f"{describe_node(node, node_index)} carries onnxkv declarations; "
-                                            "they are only allowed on the main graph")
+                        raise ContractError(
+                            f"{what} in subgraph {attribute.name!r} of "
+                            f"{describe_node(node, node_index)} carries onnxkv declarations; "
+                            "they are only allowed on the main graph"
+                        )
                 _check_no_subgraph_declarations(subgraph)
 
 
@@ -155,8 +164,10 @@ def _check_output_aliases(graph: onnx.GraphProto, contract: Contract) -> dict[tu
             if (node_index, alias.output_index) in aliased:
                 raise ContractError(f"{label}: output {alias.output_index} is declared in output_alias twice")
             if alias.input_index in by_input:
-                raise ContractError(f"{label}: outputs {by_input[alias.input_index]} and {alias.output_index} "
-                                    f"both alias input {alias.input_index}; an input can back one output only")
+                raise ContractError(
+                    f"{label}: outputs {by_input[alias.input_index]} and {alias.output_index} "
+                    f"both alias input {alias.input_index}; an input can back one output only"
+                )
             by_input[alias.input_index] = alias.output_index
             aliased[node_index, alias.output_index] = alias_value_names(node, alias, node_index)
     return aliased
@@ -173,7 +184,7 @@ def _check_cycles(aliased: dict[tuple[int, int], tuple[str, str]], alias_of: dic
         path.append(name)
         for target in sorted(edges.get(name, ())):
             if state.get(target) == 1:
-                cycle = path[path.index(target):] + [target]
+                cycle = path[path.index(target) :] + [target]
                 raise ContractError(f"alias cycle: {' -> '.join(repr(n) for n in cycle)}")
             if target not in state:
                 visit(target, path)
@@ -185,28 +196,39 @@ def _check_cycles(aliased: dict[tuple[int, int], tuple[str, str]], alias_of: dic
             visit(name, [])
 
 
-def _check_alias_of(graph: onnx.GraphProto, contract: Contract,
-                    aliased: dict[tuple[int, int], tuple[str, str]]) -> None:
-    producers = {name: (node_index, output_index)
-                 for node_index, node in enumerate(graph.node)
-                 for output_index, name in enumerate(node.output) if name}
+def _check_alias_of(
+    graph: onnx.GraphProto, contract: Contract, aliased: dict[tuple[int, int], tuple[str, str]]
+) -> None:
+    producers = {
+        name: (node_index, output_index)
+        for node_index, node in enumerate(graph.node)
+        for output_index, name in enumerate(node.output)
+        if name
+    }
     for name, target in sorted(contract.alias_of.items()):
         if name not in producers:
-            raise ContractError(f"value {name!r} declares alias_of {target!r} but is not a node output; "
-                                "only a MUST_ALIAS node output can alias an input")
+            raise ContractError(
+                f"value {name!r} declares alias_of {target!r} but is not a node output; "
+                "only a MUST_ALIAS node output can alias an input"
+            )
         node_index, output_index = producers[name]
         label = describe_node(graph.node[node_index], node_index)
         if (node_index, output_index) not in aliased:
-            raise ContractError(f"value {name!r} declares alias_of {target!r}, but {label} declares no "
-                                f"output_alias for its output {output_index}")
+            raise ContractError(
+                f"value {name!r} declares alias_of {target!r}, but {label} declares no "
+                f"output_alias for its output {output_index}"
+            )
         declared = aliased[node_index, output_index][1]
         if declared != target:
-            raise ContractError(f"value {name!r} declares alias_of {target!r}, but the output_alias of {label} "
-                                f"links it to input {declared!r}")
+            raise ContractError(
+                f"value {name!r} declares alias_of {target!r}, but the output_alias of {label} "
+                f"links it to input {declared!r}"
+            )
 
 
-def _check_bindings(graph: onnx.GraphProto, contract: Contract, uses: dict[str, list[str]],
-                    inputs: set[str], initializers: set[str]) -> None:
+def _check_bindings(
+    graph: onnx.GraphProto, contract: Contract, uses: dict[str, list[str]], inputs: set[str], initializers: set[str]
+) -> None:
     outputs = {value_info.name for value_info in graph.output}
     outputs |= {name for node in graph.node for name in node.output if name}
     bound_from: dict[str, str] = {}
@@ -219,10 +241,14 @@ def _check_bindings(graph: onnx.GraphProto, contract: Contract, uses: dict[str, 
         if output_name not in outputs:
             raise ContractError(f"{binding}: {output_name!r} is neither a graph output nor a node output")
         if output_name in bound_from:
-            raise ContractError(f"{binding}: output {output_name!r} is already bound to input "
-                                f"{bound_from[output_name]!r}; an output feeds one input only")
+            raise ContractError(
+                f"{binding}: output {output_name!r} is already bound to input "
+                f"{bound_from[output_name]!r}; an output feeds one input only"
+            )
         bound_from[output_name] = input_name
         found = uses.get(input_name, [])
         if len(found) != 1:
-            raise ContractError(f"{binding}: bound input {input_name!r} must have exactly one use, "
-                                f"but has {len(found)}" + (f": {_list(found)}" if found else ""))
+            raise ContractError(
+                f"{binding}: bound input {input_name!r} must have exactly one use, "
+                f"but has {len(found)}" + (f": {_list(found)}" if found else "")
+            )

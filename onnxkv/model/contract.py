@@ -127,14 +127,16 @@ def _describe_graph(graph: onnx.GraphProto) -> str:
 
 # -- raw field access ---------------------------------------------------------------------------
 
+
 def _read(message: Message, numbers: frozenset[int], label: str) -> list[_wire.Field]:
     """The onnxkv fields (numbers in ``numbers``) stored on ``message``, in order."""
     fields = []
     for item in UnknownFieldSet(message):
         if item.field_number in numbers:
             if item.wire_type not in (_wire.VARINT, _wire.LEN):
-                raise ContractError(f"{label}: onnxkv field {item.field_number} has unexpected wire type "
-                                    f"{item.wire_type}")
+                raise ContractError(
+                    f"{label}: onnxkv field {item.field_number} has unexpected wire type {item.wire_type}"
+                )
             fields.append(_wire.Field(item.field_number, item.wire_type, item.data))
     return fields
 
@@ -179,6 +181,7 @@ def _text(payload: bytes, label: str, what: str) -> str:
 
 # -- NodeProto.output_alias ---------------------------------------------------------------------
 
+
 def set_output_alias(node: onnx.NodeProto, aliases: Iterable[OutputAlias]) -> None:
     """Declare ``node``'s output aliases, replacing any; an empty list removes them.
 
@@ -193,11 +196,20 @@ def set_output_alias(node: onnx.NodeProto, aliases: Iterable[OutputAlias]) -> No
         if alias.output_index in seen:
             raise ValueError(f"set_output_alias: output index {alias.output_index} is declared twice")
         seen.add(alias.output_index)
-    fields = [_wire.Field(NODE_OUTPUT_ALIAS, _wire.LEN, _wire.encode_fields([
-        _wire.Field(1, _wire.VARINT, alias.output_index),
-        _wire.Field(2, _wire.VARINT, alias.input_index),
-        _wire.Field(3, _wire.VARINT, _KIND_CODES[alias.kind]),
-    ])) for alias in aliases]
+    fields = [
+        _wire.Field(
+            NODE_OUTPUT_ALIAS,
+            _wire.LEN,
+            _wire.encode_fields(
+                [
+                    _wire.Field(1, _wire.VARINT, alias.output_index),
+                    _wire.Field(2, _wire.VARINT, alias.input_index),
+                    _wire.Field(3, _wire.VARINT, _KIND_CODES[alias.kind]),
+                ]
+            ),
+        )
+        for alias in aliases
+    ]
     _write(node, _NODE_FIELDS, fields)
 
 
@@ -226,15 +238,20 @@ def alias_value_names(node: onnx.NodeProto, alias: OutputAlias, index: int | Non
     """
     label = describe_node(node, index)
     if alias.output_index >= len(node.output) or not node.output[alias.output_index]:
-        raise ContractError(f"{label}: output_alias names output {alias.output_index}, but the node has no such "
-                            f"output (outputs: {list(node.output)})")
+        raise ContractError(
+            f"{label}: output_alias names output {alias.output_index}, but the node has no such "
+            f"output (outputs: {list(node.output)})"
+        )
     if alias.input_index >= len(node.input) or not node.input[alias.input_index]:
-        raise ContractError(f"{label}: output_alias names input {alias.input_index}, but the node has no such "
-                            f"input (inputs: {list(node.input)})")
+        raise ContractError(
+            f"{label}: output_alias names input {alias.input_index}, but the node has no such "
+            f"input (inputs: {list(node.input)})"
+        )
     return node.output[alias.output_index], node.input[alias.input_index]
 
 
 # -- ValueInfoProto.access and alias_of ---------------------------------------------------------
+
 
 def _value_fields(value_info: onnx.ValueInfoProto) -> dict[int, _wire.Field]:
     """The value's onnxkv fields by number; a repeated scalar field keeps its last value (protobuf rule)."""
@@ -293,6 +310,7 @@ def get_alias_of(value_info: onnx.ValueInfoProto) -> str | None:
 
 # -- GraphProto.persistent_bindings -------------------------------------------------------------
 
+
 def set_persistent_bindings(graph: onnx.GraphProto, bindings: Mapping[str, str]) -> None:
     """Declare ``{input name: output name}`` bindings, replacing any; an empty mapping removes them."""
     fields = []
@@ -300,10 +318,18 @@ def set_persistent_bindings(graph: onnx.GraphProto, bindings: Mapping[str, str])
         for name in (input_name, output_name):
             if not isinstance(name, str) or not name:
                 raise ValueError(f"set_persistent_bindings: expected non-empty value names, got {name!r}")
-        fields.append(_wire.Field(GRAPH_PERSISTENT_BINDINGS, _wire.LEN, _wire.encode_fields([
-            _wire.Field(1, _wire.LEN, input_name.encode("utf-8")),
-            _wire.Field(2, _wire.LEN, output_name.encode("utf-8")),
-        ])))
+        fields.append(
+            _wire.Field(
+                GRAPH_PERSISTENT_BINDINGS,
+                _wire.LEN,
+                _wire.encode_fields(
+                    [
+                        _wire.Field(1, _wire.LEN, input_name.encode("utf-8")),
+                        _wire.Field(2, _wire.LEN, output_name.encode("utf-8")),
+                    ]
+                ),
+            )
+        )
     _write(graph, _GRAPH_FIELDS, fields)
 
 
@@ -321,13 +347,15 @@ def get_persistent_bindings(graph: onnx.GraphProto) -> dict[str, str]:
         if not input_name or not output_name:
             raise ContractError(f"{label}: persistent binding {input_name!r} <- {output_name!r} lacks a name")
         if input_name in bindings:
-            raise ContractError(f"{label}: input {input_name!r} is bound twice "
-                                f"(<- {bindings[input_name]!r} and <- {output_name!r})")
+            raise ContractError(
+                f"{label}: input {input_name!r} is bound twice (<- {bindings[input_name]!r} and <- {output_name!r})"
+            )
         bindings[input_name] = output_name
     return bindings
 
 
 # -- the whole model ----------------------------------------------------------------------------
+
 
 def _value_infos(graph: onnx.GraphProto) -> Iterable[tuple[str, onnx.ValueInfoProto]]:
     for where in ("input", "output", "value_info"):
@@ -366,14 +394,18 @@ class Contract:
                 contract.output_aliases[index] = aliases
         origin: dict[tuple[str, str], str] = {}
         for where, value_info in _value_infos(graph):
-            for kind, value, table in (("access", get_access(value_info), contract.access),
-                                       ("alias_of", get_alias_of(value_info), contract.alias_of)):
+            for kind, value, table in (
+                ("access", get_access(value_info), contract.access),
+                ("alias_of", get_alias_of(value_info), contract.alias_of),
+            ):
                 if value is None:
                     continue
                 name = value_info.name
                 if name in table and table[name] != value:
-                    raise ContractError(f"value {name!r}: {kind} is {_show(table[name])} in "
-                                        f"{origin[kind, name]} but {_show(value)} in {where}")
+                    raise ContractError(
+                        f"value {name!r}: {kind} is {_show(table[name])} in "
+                        f"{origin[kind, name]} but {_show(value)} in {where}"
+                    )
                 table[name] = value
                 origin.setdefault((kind, name), where)
         return contract
@@ -388,8 +420,7 @@ class Contract:
         graph = model.graph
         for index in self.output_aliases:
             if not 0 <= index < len(graph.node):
-                raise ValueError(f"Contract.apply: node index {index} out of range "
-                                 f"(graph has {len(graph.node)} nodes)")
+                raise ValueError(f"Contract.apply: node index {index} out of range (graph has {len(graph.node)} nodes)")
         set_persistent_bindings(graph, self.persistent_bindings)
         for index, node in enumerate(graph.node):
             set_output_alias(node, self.output_aliases.get(index, []))

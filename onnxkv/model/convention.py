@@ -117,8 +117,9 @@ def _head_counts(node: onnx.NodeProto, names: tuple[str, ...]) -> dict:
     for name in names:
         v = a.get(name)
         if v is not None and (not isinstance(v, int) or v < 1):
-            raise onnx.checker.ValidationError(f"{node.op_type} node '{node.name}': attribute '{name}' must be a "
-                                               f"positive int, got {v!r:.60}")
+            raise onnx.checker.ValidationError(
+                f"{node.op_type} node '{node.name}': attribute '{name}' must be a positive int, got {v!r:.60}"
+            )
     return a
 
 
@@ -137,9 +138,18 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
             if ins[3] in inputs and outs[1] in outputs:
                 a = _head_counts(n, ("num_heads", "kv_num_heads"))
                 window = a.get("local_window_size", -1)
-                found.append(("group_query_attention", ins[3], ins[4], outs[1], outs[2], n.name,
-                              window if isinstance(window, int) and window > 0 else None,
-                              a.get("sliding_window_cache", 0) == 1))
+                found.append(
+                    (
+                        "group_query_attention",
+                        ins[3],
+                        ins[4],
+                        outs[1],
+                        outs[2],
+                        n.name,
+                        window if isinstance(window, int) and window > 0 else None,
+                        a.get("sliding_window_cache", 0) == 1,
+                    )
+                )
                 num_heads, kv_heads = a.get("num_heads"), a.get("kv_num_heads")
                 for k in ("do_rotary", "rotary_interleaved", "local_window_size", "softcap"):
                     if k in a:
@@ -178,9 +188,8 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
     if len(kinds) > 1:
         raise onnx.checker.ValidationError(f"graph mixes cache conventions {sorted(kinds)}")
     layers = []
-    for i, (kind, pk, pv, ok, ov, node, *window) in enumerate(found):
-        layers.append(CacheLayer(_layer_number(pk, i), pk, pv, ok, ov, tuple(x for x in node.split("|") if x),
-                                 *window))
+    for i, (_kind, pk, pv, ok, ov, node, *window) in enumerate(found):
+        layers.append(CacheLayer(_layer_number(pk, i), pk, pv, ok, ov, tuple(x for x in node.split("|") if x), *window))
     layers.sort(key=lambda layer: layer.index)
     kind = found[0][0]
     first = inputs[layers[0].past_key]

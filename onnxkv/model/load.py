@@ -103,9 +103,14 @@ class Model:
         fed = {i.name for i in self.proto.graph.input}  # an initializer that is also an input may be replaced
         dims = {t.name: t.dims for t in self.proto.graph.initializer if t.name not in fed}
         for n in self.proto.graph.node:
-            if (n.op_type == "Gather" and n.domain in ("", "ai.onnx") and len(n.input) == 2
-                    and n.input[1] == self.io.input_ids and len(dims.get(n.input[0], ())) >= 1
-                    and all(a.name != "axis" or a.i == 0 for a in n.attribute)):
+            if (
+                n.op_type == "Gather"
+                and n.domain in ("", "ai.onnx")
+                and len(n.input) == 2
+                and n.input[1] == self.io.input_ids
+                and len(dims.get(n.input[0], ())) >= 1
+                and all(a.name != "axis" or a.i == 0 for a in n.attribute)
+            ):
                 limits.append(int(dims[n.input[0]][0]))
         return min(limits) if limits else None
 
@@ -136,11 +141,13 @@ def _resolve_inside(folder: Path, name, anchor: Path, what: str, missing: type[E
         raise ModelError(f"{where}; expected a non-empty relative path inside the model's folder {folder}")
     rel = Path(name)
     if rel.is_absolute():
-        raise ModelError(f"{where}: absolute paths are not allowed (the file must be inside the model's folder "
-                         f"{folder})")
+        raise ModelError(
+            f"{where}: absolute paths are not allowed (the file must be inside the model's folder {folder})"
+        )
     if ".." in rel.parts:
-        raise ModelError(f"{where}: '..' components are not allowed (the file must be inside the model's folder "
-                         f"{folder})")
+        raise ModelError(
+            f"{where}: '..' components are not allowed (the file must be inside the model's folder {folder})"
+        )
     try:
         exists = (folder / rel).exists()
         resolved = (folder / rel).resolve(strict=True) if exists else None
@@ -172,8 +179,10 @@ def _external_info(init: onnx.TensorProto) -> dict[str, str]:
         if e.key in info:
             raise ModelError(f"load: the external data of initializer '{init.name}' gives '{e.key}' twice")
         if e.key not in _EXTERNAL_KEYS:
-            raise ModelError(f"load: the external data of initializer '{init.name}' has the unknown key {e.key!r}; "
-                             f"known keys are {sorted(_EXTERNAL_KEYS)}")
+            raise ModelError(
+                f"load: the external data of initializer '{init.name}' has the unknown key {e.key!r}; "
+                f"known keys are {sorted(_EXTERNAL_KEYS)}"
+            )
         info[e.key] = e.value
     return info
 
@@ -184,8 +193,10 @@ def _extent(info: dict[str, str], key: str, default: int, init: onnx.TensorProto
     if value is None:
         return default
     if not _EXTENT.fullmatch(value):
-        raise ModelError(f"load: the external data of initializer '{init.name}' has {key} {value[:40]!r}; "
-                         "expected a non-negative decimal integer below 10^19")
+        raise ModelError(
+            f"load: the external data of initializer '{init.name}' has {key} {value[:40]!r}; "
+            "expected a non-negative decimal integer below 10^19"
+        )
     return int(value)
 
 
@@ -211,17 +222,24 @@ def _map_external_data(proto: onnx.ModelProto, file: Path) -> dict[str, np.ndarr
         length = _extent(info, "length", nbytes, init)
         size = _regular_file(location, f"load: the external data of {what}")
         if length != nbytes:
-            raise ModelError(f"load: the external data of {what} declares length {length}, but its dims "
-                             f"{list(init.dims)} need {nbytes} bytes")
+            raise ModelError(
+                f"load: the external data of {what} declares length {length}, but its dims "
+                f"{list(init.dims)} need {nbytes} bytes"
+            )
         if offset > size or length > size - offset:
-            raise ModelError(f"load: the external data of {what} ({length} bytes at offset {offset}) does not fit "
-                             f"in {location} ({size} bytes)")
+            raise ModelError(
+                f"load: the external data of {what} ({length} bytes at offset {offset}) does not fit "
+                f"in {location} ({size} bytes)"
+            )
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
         try:
             if dtype.kind in "fiub" and dtype.isnative:
                 shape = tuple(int(d) for d in init.dims)
-                mapped[init.name] = np.memmap(location, dtype=dtype, mode="r", offset=offset, shape=shape) \
-                    if count else np.zeros(shape, dtype)
+                mapped[init.name] = (
+                    np.memmap(location, dtype=dtype, mode="r", offset=offset, shape=shape)
+                    if count
+                    else np.zeros(shape, dtype)
+                )
                 continue
             with open(location, "rb") as f:
                 f.seek(offset)
@@ -229,8 +247,9 @@ def _map_external_data(proto: onnx.ModelProto, file: Path) -> dict[str, np.ndarr
         except OSError as e:
             raise ModelError(f"load: cannot read the external data of {what} from {location}: {e}") from None
         if len(data) != length:
-            raise ModelError(f"load: the external data of {what} in {location} ended after {len(data)} of "
-                             f"{length} bytes")
+            raise ModelError(
+                f"load: the external data of {what} in {location} ended after {len(data)} of {length} bytes"
+            )
         init.raw_data = data
         del init.external_data[:]
         init.data_location = onnx.TensorProto.DEFAULT
@@ -243,7 +262,8 @@ def _check_domains(model: onnx.ModelProto) -> None:
         listed = ", ".join(f"'{n.name or n.output[0]}' ({n.domain}::{n.op_type})" for n in bad[:10])
         raise UnsupportedOperatorError(
             f"load: {len(bad)} node(s) use operator domains onnxkv does not know: {listed}; "
-            f"known domains are {sorted(d or 'ai.onnx' for d in KNOWN_DOMAINS)}")
+            f"known domains are {sorted(d or 'ai.onnx' for d in KNOWN_DOMAINS)}"
+        )
 
 
 def _find_io(model: onnx.ModelProto, conv: CacheConvention, cfg: dict | None) -> ModelIO:
@@ -260,8 +280,12 @@ def _find_io(model: onnx.ModelProto, conv: CacheConvention, cfg: dict | None) ->
     if logits not in outs:
         rest = [o for o in outs if o not in conv.present_outputs]
         logits = rest[0] if rest else None
-    io = ModelIO(pick("input_ids", "input_ids"), pick("attention_mask", "attention_mask"),
-                 pick("position_ids", "position_ids"), logits)
+    io = ModelIO(
+        pick("input_ids", "input_ids"),
+        pick("attention_mask", "attention_mask"),
+        pick("position_ids", "position_ids"),
+        logits,
+    )
     used = {io.input_ids, io.attention_mask, io.position_ids, *conv.past_inputs}
     io.other_inputs = [n for n in names if n not in used]
     return io
@@ -281,7 +305,7 @@ def _config_section(cfg: dict, keys: tuple[str, ...], path: Path = Path("genai_c
         if section is None:
             return {}
         if not isinstance(section, dict):
-            raise ModelError(f"load: {path}: {'.'.join(keys[:i + 1])} must be a JSON object, got {section!r:.60}")
+            raise ModelError(f"load: {path}: {'.'.join(keys[: i + 1])} must be a JSON object, got {section!r:.60}")
     return section
 
 
@@ -396,8 +420,10 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
             else:
                 candidates = sorted(p.glob("*.onnx"))
                 if len(candidates) != 1:
-                    raise FileNotFoundError(f"load: folder {p} has no genai_config.json and "
-                                            f"{len(candidates)} .onnx files (need exactly one)")
+                    raise FileNotFoundError(
+                        f"load: folder {p} has no genai_config.json and "
+                        f"{len(candidates)} .onnx files (need exactly one)"
+                    )
                 file = candidates[0]
                 _regular_file(file, f"load: the model file {file.name} of {p}")
         else:

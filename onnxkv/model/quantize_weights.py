@@ -102,9 +102,11 @@ class QuantizeReport:
 
     def __str__(self) -> str:
         mib = 1 / (1 << 20)
-        return (f"{self.quantized} MatMuls quantized to int{self.bits} (block {self.block_size}), "
-                f"{len(self.skipped)} left float; initializers {self.bytes_before * mib:.2f} MiB -> "
-                f"{self.bytes_after * mib:.2f} MiB")
+        return (
+            f"{self.quantized} MatMuls quantized to int{self.bits} (block {self.block_size}), "
+            f"{len(self.skipped)} left float; initializers {self.bytes_before * mib:.2f} MiB -> "
+            f"{self.bytes_after * mib:.2f} MiB"
+        )
 
 
 def _roundf_clip(x: np.ndarray, qmax: int) -> np.ndarray:
@@ -123,8 +125,9 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def quantize_blockwise(w: np.ndarray, bits: int, block_size: int,
-                       symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def quantize_blockwise(
+    w: np.ndarray, bits: int, block_size: int, symmetric: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Quantize ``w`` float32 ``[K, N]`` along K (see the module docstring for the formula).
 
     Returns ``(B, scales, zero_points)``: uint8 ``[N, k_blocks, block_size *
@@ -168,8 +171,12 @@ def _check_arguments(bits, block_size, symmetric, accuracy_level) -> None:
 
     if isinstance(bits, bool) or bits not in (4, 8):
         raise bad("bits", bits, "4 or 8")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 16 <= block_size <= 256 \
-            or block_size & (block_size - 1):
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or not 16 <= block_size <= 256
+        or block_size & (block_size - 1)
+    ):
         raise bad("block_size", block_size, "a power of two from 16 to 256")
     if not isinstance(symmetric, bool):
         raise bad("symmetric", symmetric, "True or False")
@@ -178,8 +185,11 @@ def _check_arguments(bits, block_size, symmetric, accuracy_level) -> None:
 
 
 def _initializer_bytes(graph: onnx.GraphProto) -> int:
-    return sum(data_nbytes(t.data_type, element_count(t, f"initializer '{t.name}'"), f"initializer '{t.name}'")
-               for t in graph.initializer if t.data_type != TensorProto.STRING)
+    return sum(
+        data_nbytes(t.data_type, element_count(t, f"initializer '{t.name}'"), f"initializer '{t.name}'")
+        for t in graph.initializer
+        if t.data_type != TensorProto.STRING
+    )
 
 
 class _DataFile:
@@ -229,8 +239,9 @@ def _matmul_weight(node: onnx.NodeProto) -> str | None:
     return None
 
 
-def _skip_reason(model: Model, init: TensorProto, readers: list[str], uses: list[str], fed: set[str],
-                 block_size: int) -> str | None:
+def _skip_reason(
+    model: Model, init: TensorProto, readers: list[str], uses: list[str], fed: set[str], block_size: int
+) -> str | None:
     """Why the MatMuls ``readers`` (node labels) over ``init`` are not quantized, or None."""
     name, dims = init.name, list(init.dims)
     if name in fed:
@@ -256,8 +267,9 @@ def _weight(model: Model, init: TensorProto) -> np.ndarray:
     return tensor_array(init, f"initializer '{init.name}'")
 
 
-def _targets(source: str | os.PathLike | onnx.ModelProto, model: Model,
-             out: str | os.PathLike) -> tuple[Path, Path | None]:
+def _targets(
+    source: str | os.PathLike | onnx.ModelProto, model: Model, out: str | os.PathLike
+) -> tuple[Path, Path | None]:
     """(model file to write, folder whose other files to copy or None); InputError if it would overwrite the source."""
     if not isinstance(out, (str, os.PathLike)):
         raise InputError(f"quantize_weights: out is {out!r}; expected a path (str or os.PathLike)")
@@ -276,8 +288,14 @@ def _targets(source: str | os.PathLike | onnx.ModelProto, model: Model,
     return target, folder
 
 
-def quantize_weights(model_or_path: str | os.PathLike | onnx.ModelProto, out: str | os.PathLike, bits: int = 4,
-                     block_size: int = 32, symmetric: bool = True, accuracy_level: int = 4) -> QuantizeReport:
+def quantize_weights(
+    model_or_path: str | os.PathLike | onnx.ModelProto,
+    out: str | os.PathLike,
+    bits: int = 4,
+    block_size: int = 32,
+    symmetric: bool = True,
+    accuracy_level: int = 4,
+) -> QuantizeReport:
     """Rewrite the eligible float32 MatMuls of a model as MatMulNBits and save it (see the module docstring).
 
     Raises:
@@ -295,25 +313,34 @@ def quantize_weights(model_or_path: str | os.PathLike | onnx.ModelProto, out: st
     graph = proto.graph
     for t in graph.initializer:
         if t.data_location == TensorProto.EXTERNAL and t.name not in model.external:
-            raise ModelError(f"quantize_weights: initializer '{t.name}' keeps its data in an external file the "
-                             "ModelProto cannot reach; pass the model's path instead")
+            raise ModelError(
+                f"quantize_weights: initializer '{t.name}' keeps its data in an external file the "
+                "ModelProto cannot reach; pass the model's path instead"
+            )
     readers, skipped = _select(model, graph, block_size)
     target.parent.mkdir(parents=True, exist_ok=True)
     if copy_from is not None:
         _copy_other_files(copy_from, model, target.parent)
     data = _DataFile(target.with_name(target.name + ".data"))
     try:
-        taken = {t.name for t in graph.initializer} | {n.name for n in graph.node} | \
-            {x for n in graph.node for x in (*n.input, *n.output)}
+        taken = (
+            {t.name for t in graph.initializer}
+            | {n.name for n in graph.node}
+            | {x for n in graph.node for x in (*n.input, *n.output)}
+        )
         inits = {t.name: t for t in graph.initializer}
         new_inits, nodes = [], {}
         for name in readers:
-            quantized = _quantized_initializers(name, _weight(model, inits[name]), bits, block_size, symmetric,
-                                                data, taken)
+            quantized = _quantized_initializers(
+                name, _weight(model, inits[name]), bits, block_size, symmetric, data, taken
+            )
             new_inits += quantized
             k, n = inits[name].dims
-            nodes[name] = ([t.name for t in quantized], {"K": k, "N": n, "bits": bits, "block_size": block_size}
-                           | ({"accuracy_level": accuracy_level} if accuracy_level else {}))
+            nodes[name] = (
+                [t.name for t in quantized],
+                {"K": k, "N": n, "bits": bits, "block_size": block_size}
+                | ({"accuracy_level": accuracy_level} if accuracy_level else {}),
+            )
         _rewrite_nodes(graph, nodes, taken)
         kept = [t for t in graph.initializer if t.name not in readers]
         del graph.initializer[:]
@@ -329,8 +356,15 @@ def quantize_weights(model_or_path: str | os.PathLike | onnx.ModelProto, out: st
     if readers and not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save_model(proto, target)
-    return QuantizeReport(target, bits, block_size, sum(map(len, readers.values())), tuple(skipped),
-                          _initializer_bytes(model.proto.graph), _initializer_bytes(graph))
+    return QuantizeReport(
+        target,
+        bits,
+        block_size,
+        sum(map(len, readers.values())),
+        tuple(skipped),
+        _initializer_bytes(model.proto.graph),
+        _initializer_bytes(graph),
+    )
 
 
 def _select(model: Model, graph: onnx.GraphProto, block_size: int) -> tuple[dict[str, list[str]], list]:
@@ -352,8 +386,9 @@ def _select(model: Model, graph: onnx.GraphProto, block_size: int) -> tuple[dict
     return eligible, skipped
 
 
-def _quantized_initializers(name: str, w: np.ndarray, bits: int, block_size: int, symmetric: bool, data: _DataFile,
-                            taken: set[str]) -> list[TensorProto]:
+def _quantized_initializers(
+    name: str, w: np.ndarray, bits: int, block_size: int, symmetric: bool, data: _DataFile, taken: set[str]
+) -> list[TensorProto]:
     """The MatMulNBits inputs 1.. for weight ``name`` (``w`` [K, N]), their data placed (:func:`_place`)."""
     out = []
     arrays = quantize_blockwise(np.asarray(w, np.float32), bits, block_size, symmetric)
@@ -376,8 +411,9 @@ def _rewrite_nodes(graph: onnx.GraphProto, nodes: dict[str, tuple[list[str], dic
         if weight in nodes:
             inputs, attrs = nodes[weight]
             name = _fresh(f"{node.name}_Q{attrs['bits']}", taken) if node.name else ""
-            node = helper.make_node("MatMulNBits", [node.input[0], *inputs], list(node.output), name=name,
-                                    domain="com.microsoft", **attrs)
+            node = helper.make_node(
+                "MatMulNBits", [node.input[0], *inputs], list(node.output), name=name, domain="com.microsoft", **attrs
+            )
         rewritten.append(node)
     del graph.node[:]
     graph.node.extend(rewritten)

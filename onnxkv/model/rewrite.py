@@ -73,7 +73,8 @@ def _control_flow_reads(graph: onnx.GraphProto) -> set[str]:
 def inplace_bindings(model: onnx.ModelProto, convention: CacheConvention) -> list[CacheBinding]:
     """The cache bindings of ``model`` that can run in place (possibly empty)."""
     if convention.kind not in _JOINERS or not _control_flow_reads(model.graph).isdisjoint(
-            [*convention.past_inputs, *convention.present_outputs]):
+        [*convention.past_inputs, *convention.present_outputs]
+    ):
         return []
     readers: dict[str, list[onnx.NodeProto]] = {}
     producer: dict[str, onnx.NodeProto] = {}
@@ -84,8 +85,10 @@ def inplace_bindings(model: onnx.ModelProto, convention: CacheConvention) -> lis
             producer[o] = n
     out: list[CacheBinding] = []
     for layer in convention.layers:
-        for role, past, present in (("key", layer.past_key, layer.present_key),
-                                    ("value", layer.past_value, layer.present_value)):
+        for role, past, present in (
+            ("key", layer.past_key, layer.present_key),
+            ("value", layer.past_value, layer.present_value),
+        ):
             node = producer.get(present)
             if node is None or node.op_type not in _JOINERS[convention.kind] or past not in node.input:
                 return []
@@ -99,7 +102,10 @@ def inplace_bindings(model: onnx.ModelProto, convention: CacheConvention) -> lis
             if convention.kind in ("group_query_attention", "attention"):
                 pos = {"group_query_attention": (3, 4, 1, 2), "attention": (4, 5, 1, 2)}[convention.kind]
                 ins, outs = list(node.input) + [""] * 6, list(node.output) + [""] * 3
-                if past != ins[pos[0] if role == "key" else pos[1]] or present != outs[pos[2] if role == "key" else pos[3]]:
+                if (
+                    past != ins[pos[0] if role == "key" else pos[1]]
+                    or present != outs[pos[2] if role == "key" else pos[3]]
+                ):
                     return []
             if convention.kind == "concat":
                 axis = next((a.i for a in node.attribute if a.name == "axis"), None)

@@ -21,7 +21,9 @@ def scope_names(graph: onnx.GraphProto) -> list[str]:
     Reads are node inputs (nested subgraphs included) and graph outputs; a
     name is defined by a graph input, an initializer or a node output.
     """
-    local = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {o for n in graph.node for o in n.output}
+    local = (
+        {i.name for i in graph.input} | {i.name for i in graph.initializer} | {o for n in graph.node for o in n.output}
+    )
     out: dict[str, None] = {}
     for n in graph.node:
         reads = [x for x in n.input if x]

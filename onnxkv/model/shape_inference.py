@@ -99,6 +99,7 @@ def infer_shapes(model: onnx.ModelProto) -> dict[str, tuple[Dim, ...]]:
 
 # -- alias classes ------------------------------------------------------------------------------
 
+
 def _alias_classes(model: onnx.ModelProto, contract: Contract) -> list[list[str]]:
     """Partition the aliased value names into equivalence classes (each sorted, two or more names)."""
     parent: dict[str, str] = {}
@@ -121,8 +122,12 @@ def _alias_classes(model: onnx.ModelProto, contract: Contract) -> list[list[str]
             union(output_name, input_name)
     for node in graph.node:
         for output_index, input_index in OPERATOR_ALIASES.get((node.domain, node.op_type), ()):
-            if output_index < len(node.output) and node.output[output_index] and input_index < len(node.input) \
-                    and node.input[input_index]:
+            if (
+                output_index < len(node.output)
+                and node.output[output_index]
+                and input_index < len(node.input)
+                and node.input[input_index]
+            ):
                 union(node.output[output_index], node.input[input_index])
     for name, target in contract.alias_of.items():
         union(name, target)
@@ -161,8 +166,10 @@ def _merge(members: list[str], types: dict[str, _Type]) -> _Type:
     elem_type, elem_from = 0, ""
     for name, t in known:
         if t.elem_type and elem_type and t.elem_type != elem_type:
-            raise ContractError(f"values {elem_from!r} and {name!r} alias each other ({where}) but have element "
-                                f"types {_type_name(elem_type)} and {_type_name(t.elem_type)}")
+            raise ContractError(
+                f"values {elem_from!r} and {name!r} alias each other ({where}) but have element "
+                f"types {_type_name(elem_type)} and {_type_name(t.elem_type)}"
+            )
         if t.elem_type and not elem_type:
             elem_type, elem_from = t.elem_type, name
     shaped = [(name, t.dims) for name, t in known if t.dims is not None]
@@ -171,8 +178,10 @@ def _merge(members: list[str], types: dict[str, _Type]) -> _Type:
     first, first_dims = shaped[0]
     for name, dims in shaped[1:]:
         if len(dims) != len(first_dims):
-            raise ContractError(f"values {first!r} and {name!r} alias each other ({where}) but have ranks "
-                                f"{len(first_dims)} and {len(dims)} (shapes {list(first_dims)} and {list(dims)})")
+            raise ContractError(
+                f"values {first!r} and {name!r} alias each other ({where}) but have ranks "
+                f"{len(first_dims)} and {len(dims)} (shapes {list(first_dims)} and {list(dims)})"
+            )
     return _Type(elem_type, tuple(_merge_dim(axis, shaped, where) for axis in range(len(first_dims))))
 
 
@@ -180,8 +189,10 @@ def _merge_dim(axis: int, shaped: list[tuple[str, tuple[Dim, ...]]], where: str)
     ints = [(name, dims[axis]) for name, dims in shaped if isinstance(dims[axis], int)]
     for name, value in ints[1:]:
         if value != ints[0][1]:
-            raise ContractError(f"values {ints[0][0]!r} and {name!r} alias each other ({where}) but dim {axis} "
-                                f"is {ints[0][1]} vs {value}")
+            raise ContractError(
+                f"values {ints[0][0]!r} and {name!r} alias each other ({where}) but dim {axis} "
+                f"is {ints[0][1]} vs {value}"
+            )
     if ints:
         return ints[0][1]
     symbols = {dims[axis] for _, dims in shaped if isinstance(dims[axis], str)}
@@ -193,6 +204,7 @@ def _type_name(elem_type: int) -> str:
 
 
 # -- ONNX shape inference -----------------------------------------------------------------------
+
 
 def _light_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy for ONNX inference: large initializers become typed inputs, every used domain is imported."""
@@ -230,8 +242,9 @@ def _onnx_types(light: onnx.ModelProto, original: onnx.GraphProto) -> dict[str, 
         inferred = onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise ModelError(f"ONNX shape inference failed: {exc}") from None
-    types = {tensor.name: _Type(tensor.data_type, tuple(int(d) for d in tensor.dims))
-             for tensor in original.initializer}
+    types = {
+        tensor.name: _Type(tensor.data_type, tuple(int(d) for d in tensor.dims)) for tensor in original.initializer
+    }
     graph = inferred.graph
     for value_info in [*graph.input, *graph.output, *graph.value_info]:
         if value_info.type.HasField("tensor_type"):
@@ -263,6 +276,7 @@ def _type_proto(t: _Type) -> onnx.TypeProto:
 
 # -- CacheUpdate capacity -----------------------------------------------------------------------
 
+
 def _check_capacity(graph: onnx.GraphProto, types: dict[str, _Type]) -> None:
     for index, node in enumerate(graph.node):
         if node.domain != "ai.onnxkv" or node.op_type != "CacheUpdate" or len(node.input) < 3:
@@ -274,8 +288,10 @@ def _check_capacity(graph: onnx.GraphProto, types: dict[str, _Type]) -> None:
         if capacity is None or new_length is None or start is None:
             continue
         if start + new_length > capacity:
-            raise ContractError(f"{describe_node(node, index)}: position {start} + update length {new_length} "
-                                f"of {values!r} exceeds the capacity {capacity} of cache {cache!r}")
+            raise ContractError(
+                f"{describe_node(node, index)}: position {start} + update length {new_length} "
+                f"of {values!r} exceeds the capacity {capacity} of cache {cache!r}"
+            )
 
 
 def _axis(t: _Type | None, axis: int) -> int | None:
@@ -311,12 +327,18 @@ def _max_int(array: np.ndarray) -> int | None:
 
 # -- paged-cache operators ----------------------------------------------------------------------
 
+
 def _attention_outputs(graph: onnx.GraphProto, types: dict[str, _Type]) -> dict[str, _Type]:
     """``Y`` of each ``ai.rt::PagedAttention`` takes ``Q``'s type where that is more precise than Y's own."""
     learned: dict[str, _Type] = {}
     for node in graph.node:
-        if (node.domain, node.op_type) != ("ai.rt", "PagedAttention") or not node.input or not node.output \
-                or not node.output[0] or node.input[0] not in types:
+        if (
+            (node.domain, node.op_type) != ("ai.rt", "PagedAttention")
+            or not node.input
+            or not node.output
+            or not node.output[0]
+            or node.input[0] not in types
+        ):
             continue
         q, own = types[node.input[0]], types.get(node.output[0], _Type())
         if q.dims is not None and own.dims is not None and len(q.dims) != len(own.dims):
@@ -350,10 +372,16 @@ def _check_paged(graph: onnx.GraphProto, types: dict[str, _Type]) -> None:
         _expect(label, past, types, 2, attrs.get("kv_num_heads"), "kv_num_heads")
         _expect(label, past, types, 3, attrs.get("block_size"), "block_size")
         blocks, block_size, max_tokens = _axis(types.get(table), 1), attrs.get("block_size"), attrs.get("max_tokens")
-        if blocks is not None and block_size is not None and max_tokens is not None \
-                and max_tokens > blocks * block_size:
-            raise ContractError(f"{label}: max_tokens={max_tokens} exceeds the {blocks} blocks of {block_size} tokens "
-                                f"of block table {table!r}")
+        if (
+            blocks is not None
+            and block_size is not None
+            and max_tokens is not None
+            and max_tokens > blocks * block_size
+        ):
+            raise ContractError(
+                f"{label}: max_tokens={max_tokens} exceeds the {blocks} blocks of {block_size} tokens "
+                f"of block table {table!r}"
+            )
 
 
 def _expect(label: str, name: str, types: dict[str, _Type], axis: int, want: int | None, what: str) -> None:

@@ -33,11 +33,23 @@ from onnxkv.errors import ModelError
 __all__ = ["element_count", "data_nbytes", "tensor_array", "check_attributes"]
 
 #: Element types stored packed in ``raw_data``: bits per element.
-_PACKED_BITS = {TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.FLOAT4E2M1: 4,
-                TensorProto.INT2: 2, TensorProto.UINT2: 2, TensorProto.FLOAT6E2M3: 6, TensorProto.FLOAT6E3M2: 6}
+_PACKED_BITS = {
+    TensorProto.INT4: 4,
+    TensorProto.UINT4: 4,
+    TensorProto.FLOAT4E2M1: 4,
+    TensorProto.INT2: 2,
+    TensorProto.UINT2: 2,
+    TensorProto.FLOAT6E2M3: 6,
+    TensorProto.FLOAT6E3M2: 6,
+}
 #: Elements per ``int32_data`` entry of the packed types (one byte per entry; 6-bit: one element).
-_PER_ENTRY = {TensorProto.INT4: 2, TensorProto.UINT4: 2, TensorProto.FLOAT4E2M1: 2,
-              TensorProto.INT2: 4, TensorProto.UINT2: 4}
+_PER_ENTRY = {
+    TensorProto.INT4: 2,
+    TensorProto.UINT4: 2,
+    TensorProto.FLOAT4E2M1: 2,
+    TensorProto.INT2: 4,
+    TensorProto.UINT2: 4,
+}
 _COMPLEX = (TensorProto.COMPLEX64, TensorProto.COMPLEX128)
 
 
@@ -59,8 +71,9 @@ def _np_dtype(data_type: int, what: str) -> np.dtype:
     try:
         return np.dtype(helper.tensor_dtype_to_np_dtype(data_type))
     except (KeyError, TypeError, ValueError):
-        raise ModelError(f"{what} has element type {_type_name(data_type)}, which is not a tensor type "
-                         "onnxkv can read") from None
+        raise ModelError(
+            f"{what} has element type {_type_name(data_type)}, which is not a tensor type onnxkv can read"
+        ) from None
 
 
 def data_nbytes(data_type: int, count: int, what: str) -> int:
@@ -93,14 +106,17 @@ def _check_data(tensor: TensorProto, what: str) -> int:
     if tensor.HasField("raw_data"):
         want = data_nbytes(tensor.data_type, count, what)
         if len(tensor.raw_data) != want:
-            raise ModelError(f"{what} holds {len(tensor.raw_data)} bytes of raw_data, expected {want} for dims "
-                             f"{dims} of {_type_name(tensor.data_type)}")
+            raise ModelError(
+                f"{what} holds {len(tensor.raw_data)} bytes of raw_data, expected {want} for dims "
+                f"{dims} of {_type_name(tensor.data_type)}"
+            )
         return count
     field = helper.tensor_dtype_to_field(tensor.data_type)
     have, want = len(getattr(tensor, field)), _expected_entries(tensor.data_type, count)
     if have != want:
-        raise ModelError(f"{what} holds {have} entries in {field}, expected {want} for dims {dims} of "
-                         f"{_type_name(tensor.data_type)}")
+        raise ModelError(
+            f"{what} holds {have} entries in {field}, expected {want} for dims {dims} of {_type_name(tensor.data_type)}"
+        )
     return count
 
 
@@ -125,12 +141,19 @@ def tensor_array(tensor: TensorProto, what: str) -> np.ndarray:
 
 #: Which field holds an attribute's value, per attribute type, and whether it is repeated.
 _ATTRIBUTE_FIELDS = {
-    AttributeProto.FLOAT: ("f", False), AttributeProto.INT: ("i", False), AttributeProto.STRING: ("s", False),
-    AttributeProto.TENSOR: ("t", False), AttributeProto.GRAPH: ("g", False),
-    AttributeProto.SPARSE_TENSOR: ("sparse_tensor", False), AttributeProto.TYPE_PROTO: ("tp", False),
-    AttributeProto.FLOATS: ("floats", True), AttributeProto.INTS: ("ints", True),
-    AttributeProto.STRINGS: ("strings", True), AttributeProto.TENSORS: ("tensors", True),
-    AttributeProto.GRAPHS: ("graphs", True), AttributeProto.SPARSE_TENSORS: ("sparse_tensors", True),
+    AttributeProto.FLOAT: ("f", False),
+    AttributeProto.INT: ("i", False),
+    AttributeProto.STRING: ("s", False),
+    AttributeProto.TENSOR: ("t", False),
+    AttributeProto.GRAPH: ("g", False),
+    AttributeProto.SPARSE_TENSOR: ("sparse_tensor", False),
+    AttributeProto.TYPE_PROTO: ("tp", False),
+    AttributeProto.FLOATS: ("floats", True),
+    AttributeProto.INTS: ("ints", True),
+    AttributeProto.STRINGS: ("strings", True),
+    AttributeProto.TENSORS: ("tensors", True),
+    AttributeProto.GRAPHS: ("graphs", True),
+    AttributeProto.SPARSE_TENSORS: ("sparse_tensors", True),
     AttributeProto.TYPE_PROTOS: ("type_protos", True),
 }
 
@@ -167,12 +190,19 @@ def check_attributes(graph: onnx.GraphProto, opsets: Mapping[str, int]) -> None:
             type_name = AttributeProto.AttributeType.Name(a.type)
             want = expected.get(a.name)
             if want is not None and want != a.type:
-                raise ModelError(f"{where} has type {type_name}, expected "
-                                 f"{AttributeProto.AttributeType.Name(want)} (ONNX schema of {node.op_type})")
+                raise ModelError(
+                    f"{where} has type {type_name}, expected "
+                    f"{AttributeProto.AttributeType.Name(want)} (ONNX schema of {node.op_type})"
+                )
             if not repeated and not a.HasField(field):
                 raise ModelError(f"{where} has type {type_name} but no value in its field '{field}'")
-            strings = list(a.strings) if a.type == AttributeProto.STRINGS else \
-                [a.s] if a.type == AttributeProto.STRING else []
+            strings = (
+                list(a.strings)
+                if a.type == AttributeProto.STRINGS
+                else [a.s]
+                if a.type == AttributeProto.STRING
+                else []
+            )
             for s in strings:
                 try:
                     s.decode("utf-8")
@@ -181,7 +211,7 @@ def check_attributes(graph: onnx.GraphProto, opsets: Mapping[str, int]) -> None:
             tensors = [a.t] if a.type == AttributeProto.TENSOR else list(a.tensors)
             for i, t in enumerate(tensors):
                 _check_data(t, f"{where}" + (f" (tensor {i})" if a.type == AttributeProto.TENSORS else ""))
-            for g in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+            for g in [a.g] if a.type == AttributeProto.GRAPH else list(a.graphs):
                 for t in g.initializer:
                     _check_data(t, f"{where}: initializer '{t.name}' of the subgraph")
                 check_attributes(g, opsets)

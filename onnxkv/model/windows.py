@@ -58,9 +58,11 @@ def _window_section(cfg: dict, path: Path) -> dict | None:
         if not isinstance(flag, bool):
             raise ModelError(f"{where}.{key} must be true or false, got {flag!r:.60}")
         if flag:
-            raise ModelError(f"{where}.{key} is true: the model expects the GenAI runtime to "
-                             f"{'shift a window-sized KV cache' if key == 'slide_key_value_cache' else 'feed the prompt in window-sized pieces'}"
-                             f", which onnxkv does not do (window_size {w}); expected false")
+            raise ModelError(
+                f"{where}.{key} is true: the model expects the GenAI runtime to "
+                f"{'shift a window-sized KV cache' if key == 'slide_key_value_cache' else 'feed the prompt in window-sized pieces'}"
+                f", which onnxkv does not do (window_size {w}); expected false"
+            )
     return section
 
 
@@ -83,15 +85,18 @@ def apply_config_window(proto: onnx.ModelProto, conv: CacheConvention, cfg: dict
     w = section["window_size"]
     where = f"load: {path}: model.decoder.sliding_window (window_size {w})"
     if conv.kind != "group_query_attention":
-        raise ModelError(f"{where} cannot be applied: the graph's cache convention is '{conv.kind}', and onnxkv puts "
-                         "a configured window only into GroupQueryAttention nodes; expected a GroupQueryAttention "
-                         "graph")
+        raise ModelError(
+            f"{where} cannot be applied: the graph's cache convention is '{conv.kind}', and onnxkv puts "
+            "a configured window only into GroupQueryAttention nodes; expected a GroupQueryAttention "
+            "graph"
+        )
     by_index = {layer.index: layer for layer in conv.layers}
     wanted = section.get("layers") or sorted(by_index)
     missing = [i for i in wanted if i not in by_index]
     if missing:
-        raise ModelError(f"{where} lists layers {missing} that the graph does not have; its layers are "
-                         f"{sorted(by_index)}")
+        raise ModelError(
+            f"{where} lists layers {missing} that the graph does not have; its layers are {sorted(by_index)}"
+        )
     producers = {n.output[1]: n for n in proto.graph.node if n.op_type == "GroupQueryAttention" and len(n.output) > 1}
     changed = False
     for i in wanted:
@@ -101,8 +106,10 @@ def apply_config_window(proto: onnx.ModelProto, conv: CacheConvention, cfg: dict
         if have == w:
             continue
         if not isinstance(have, int) or have > 0:
-            raise ModelError(f"{where} conflicts with layer {i}'s GroupQueryAttention node '{node.name}', whose "
-                             f"local_window_size is {have!r:.40}; expected {w} or -1 (no window of its own)")
+            raise ModelError(
+                f"{where} conflicts with layer {i}'s GroupQueryAttention node '{node.name}', whose "
+                f"local_window_size is {have!r:.40}; expected {w} or -1 (no window of its own)"
+            )
         if attr is not None:
             node.attribute.remove(attr)
         node.attribute.append(helper.make_attribute("local_window_size", w))

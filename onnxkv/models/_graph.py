@@ -43,12 +43,27 @@ class GraphBuilder:
         out = f"/model/constants/{type_name}/{array.tolist()}"
         if out not in self._constants:
             self._constants.add(out)
-            self.nodes.append(helper.make_node("Constant", [], [out], name=out.replace("constants", "constant_nodes"),
-                                               value=numpy_helper.from_array(array)))
+            self.nodes.append(
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [out],
+                    name=out.replace("constants", "constant_nodes"),
+                    value=numpy_helper.from_array(array),
+                )
+            )
         return out
 
-    def node(self, op_type: str, inputs: Sequence[str], name: str, *, outputs: Sequence[str] | int = 1,
-             domain: str = "", **attrs: object) -> str | list[str]:
+    def node(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        name: str,
+        *,
+        outputs: Sequence[str] | int = 1,
+        domain: str = "",
+        **attrs: object,
+    ) -> str | list[str]:
         """Add a node called ``name``; default output names are ``{name}/output_{k}``."""
         names = [f"{name}/output_{k}" for k in range(outputs)] if isinstance(outputs, int) else list(outputs)
         while inputs and inputs[-1] == "":
@@ -58,8 +73,12 @@ class GraphBuilder:
 
     def model(self, opsets: dict[str, int], ir_version: int = 10) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
-                                 ir_version=ir_version, producer_name="onnxkv.models")
+        return helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
+            ir_version=ir_version,
+            producer_name="onnxkv.models",
+        )
 
 
 FLOAT = TensorProto.FLOAT
@@ -72,15 +91,20 @@ def causal_padding_mask(g: GraphBuilder, input_ids: str, attention_mask: str) ->
     """Boolean ``[batch, 1, seq, total]`` mask: query ``i`` sees key ``j`` iff
     ``attention_mask[b, j] == 1`` and ``j <= total - seq + i`` (queries are the last ``seq`` keys)."""
     base = "/model/attn_mask"
-    seq = g.node("Gather", [g.node("Shape", [input_ids], f"{base}/Shape_ids"), g.constant(1)], f"{base}/Gather_seq",
-                 axis=0)
-    total = g.node("Gather", [g.node("Shape", [attention_mask], f"{base}/Shape_mask"), g.constant(1)],
-                   f"{base}/Gather_total", axis=0)
-    keys = g.node("Range", [g.constant(0), total, g.constant(1)], f"{base}/Range_keys")              # [T]
+    seq = g.node(
+        "Gather", [g.node("Shape", [input_ids], f"{base}/Shape_ids"), g.constant(1)], f"{base}/Gather_seq", axis=0
+    )
+    total = g.node(
+        "Gather",
+        [g.node("Shape", [attention_mask], f"{base}/Shape_mask"), g.constant(1)],
+        f"{base}/Gather_total",
+        axis=0,
+    )
+    keys = g.node("Range", [g.constant(0), total, g.constant(1)], f"{base}/Range_keys")  # [T]
     first = g.node("Sub", [total, seq], f"{base}/Sub")
-    queries = g.node("Range", [first, total, g.constant(1)], f"{base}/Range_queries")               # [S]
-    queries = g.node("Unsqueeze", [queries, g.constant([1])], f"{base}/Unsqueeze_queries")          # [S, 1]
-    causal = g.node("LessOrEqual", [keys, queries], f"{base}/LessOrEqual")                        # [S, T]
+    queries = g.node("Range", [first, total, g.constant(1)], f"{base}/Range_queries")  # [S]
+    queries = g.node("Unsqueeze", [queries, g.constant([1])], f"{base}/Unsqueeze_queries")  # [S, 1]
+    causal = g.node("LessOrEqual", [keys, queries], f"{base}/LessOrEqual")  # [S, T]
     padding = g.node("Cast", [attention_mask], f"{base}/Cast", to=BOOL)
-    padding = g.node("Unsqueeze", [padding, g.constant([1, 2])], f"{base}/Unsqueeze_padding")      # [B, 1, 1, T]
-    return g.node("And", [padding, causal], f"{base}/And")                                        # [B, 1, S, T]
+    padding = g.node("Unsqueeze", [padding, g.constant([1, 2])], f"{base}/Unsqueeze_padding")  # [B, 1, 1, T]
+    return g.node("And", [padding, causal], f"{base}/And")  # [B, 1, S, T]

@@ -36,8 +36,9 @@ __all__ = ["build_attention_model", "standard_decoder"]
 Attend = Callable[[int, str, str, str], str]
 
 
-def standard_decoder(g: GraphBuilder, cfg: DecoderConfig, w: DecoderWeights, input_ids: str, position_ids: str,
-                     attend: Attend) -> None:
+def standard_decoder(
+    g: GraphBuilder, cfg: DecoderConfig, w: DecoderWeights, input_ids: str, position_ids: str, attend: Attend
+) -> None:
     """Add embedding, blocks, final norm and the ``logits`` output to ``g`` with opset-23 ops.
 
     ``attend(layer, q, k, v)`` receives rotated 3-D ``q`` [B, S, H*D], ``k`` [B, S, KV*D] and
@@ -54,12 +55,23 @@ def standard_decoder(g: GraphBuilder, cfg: DecoderConfig, w: DecoderWeights, inp
 
     def rms(h: str, weight: np.ndarray, prefix: str) -> str:
         wname = g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)
-        return g.node("RMSNormalization", [h, wname], f"{prefix}/RMSNormalization", axis=-1,
-                      epsilon=cfg.rms_norm_eps, stash_type=1)
+        return g.node(
+            "RMSNormalization",
+            [h, wname],
+            f"{prefix}/RMSNormalization",
+            axis=-1,
+            epsilon=cfg.rms_norm_eps,
+            stash_type=1,
+        )
 
     def rotary(h: str, heads: int, prefix: str) -> str:
-        return g.node("RotaryEmbedding", [h, cos_cache, sin_cache, position_ids], f"{prefix}/RotaryEmbedding",
-                      num_heads=heads, interleaved=0)
+        return g.node(
+            "RotaryEmbedding",
+            [h, cos_cache, sin_cache, position_ids],
+            f"{prefix}/RotaryEmbedding",
+            num_heads=heads,
+            interleaved=0,
+        )
 
     for i, lw in enumerate(w.layers):
         base = f"/model/layers.{i}"
@@ -80,8 +92,9 @@ def standard_decoder(g: GraphBuilder, cfg: DecoderConfig, w: DecoderWeights, inp
     g.output("logits", FLOAT, ["batch_size", "sequence_length", cfg.vocab_size])
 
 
-def build_attention_model(cfg: DecoderConfig, weights: DecoderWeights | None = None, seed: int = 0,
-                          opset: int = 23) -> onnx.ModelProto:
+def build_attention_model(
+    cfg: DecoderConfig, weights: DecoderWeights | None = None, seed: int = 0, opset: int = 23
+) -> onnx.ModelProto:
     """Build the ``Attention`` (opset 23 or 24) decoder with past/present inputs and outputs."""
     if opset not in (23, 24):
         raise ValueError(f"opset must be 23 or 24, got {opset}")
@@ -98,12 +111,15 @@ def build_attention_model(cfg: DecoderConfig, weights: DecoderWeights | None = N
     attn_mask = causal_padding_mask(g, input_ids, mask)
 
     def attend(i: int, q: str, k: str, v: str) -> str:
-        return g.node("Attention", [q, k, v, attn_mask, f"past_key_values.{i}.key", f"past_key_values.{i}.value"],
-                      f"/model/layers.{i}/self_attn/Attention",
-                      outputs=[f"/model/layers.{i}/self_attn/Attention/output_0", f"present.{i}.key",
-                               f"present.{i}.value"],
-                      q_num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
-                      scale=float(1.0 / np.sqrt(cfg.head_size)))[0]
+        return g.node(
+            "Attention",
+            [q, k, v, attn_mask, f"past_key_values.{i}.key", f"past_key_values.{i}.value"],
+            f"/model/layers.{i}/self_attn/Attention",
+            outputs=[f"/model/layers.{i}/self_attn/Attention/output_0", f"present.{i}.key", f"present.{i}.value"],
+            q_num_heads=cfg.num_heads,
+            kv_num_heads=cfg.num_kv_heads,
+            scale=float(1.0 / np.sqrt(cfg.head_size)),
+        )[0]
 
     standard_decoder(g, cfg, w, input_ids, position_ids, attend)
     present_shape = ["batch_size", cfg.num_kv_heads, "total_sequence_length", cfg.head_size]

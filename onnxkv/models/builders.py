@@ -13,19 +13,32 @@ from .tensorscatter import build_tensorscatter_model
 from .weights import DecoderWeights, LayerWeights, random_weights, rotary_cache
 
 __all__ = [
-    "DecoderConfig", "MICRO", "TINY", "SMALL",
-    "DecoderWeights", "LayerWeights", "random_weights", "rotary_cache",
-    "build_gqa_model", "genai_config", "save_genai_folder",
-    "build_attention_model", "build_concat_model", "build_tensorscatter_model",
-    "reference_forward", "default_position_ids",
-    "FAMILIES", "build_model",
+    "DecoderConfig",
+    "MICRO",
+    "TINY",
+    "SMALL",
+    "DecoderWeights",
+    "LayerWeights",
+    "random_weights",
+    "rotary_cache",
+    "build_gqa_model",
+    "genai_config",
+    "save_genai_folder",
+    "build_attention_model",
+    "build_concat_model",
+    "build_tensorscatter_model",
+    "reference_forward",
+    "default_position_ids",
+    "FAMILIES",
+    "build_model",
 ]
 
 FAMILIES = ("gqa", "attention", "concat", "tensorscatter")
 
 
-def build_model(family: str, cfg: DecoderConfig, seed: int = 0,
-                weights: DecoderWeights | None = None) -> onnx.ModelProto:
+def build_model(
+    family: str, cfg: DecoderConfig, seed: int = 0, weights: DecoderWeights | None = None
+) -> onnx.ModelProto:
     """Build ``family`` (one of :data:`FAMILIES`) with ``weights`` or ``random_weights(cfg, seed)``."""
     builders = {
         "gqa": build_gqa_model,

@@ -43,16 +43,39 @@ def build_concat_model(cfg: DecoderConfig, weights: DecoderWeights | None = None
         g.input(f"past_key_values.{i}.value", FLOAT, kv_shape)
 
     allowed = causal_padding_mask(g, input_ids, mask)
-    bias = g.node("Where", [allowed, g.constant(0.0, np.float32), g.constant(np.finfo(np.float32).min, np.float32)],
-                  "/model/attn_mask/Where")                                                       # [B, 1, S, T]
+    bias = g.node(
+        "Where",
+        [allowed, g.constant(0.0, np.float32), g.constant(np.finfo(np.float32).min, np.float32)],
+        "/model/attn_mask/Where",
+    )  # [B, 1, S, T]
 
     cos, sin = rotary_cache(cfg)
     rope = "/model/rotary_emb"
     axis1 = g.constant([1])
-    cos = g.node("Unsqueeze", [g.node("Gather", [g.initializer("cos_cached", np.concatenate([cos, cos], 1)),
-                                                  position_ids], f"{rope}/Gather_cos"), axis1], f"{rope}/Unsqueeze_cos")
-    sin = g.node("Unsqueeze", [g.node("Gather", [g.initializer("sin_cached", np.concatenate([sin, sin], 1)),
-                                                  position_ids], f"{rope}/Gather_sin"), axis1], f"{rope}/Unsqueeze_sin")
+    cos = g.node(
+        "Unsqueeze",
+        [
+            g.node(
+                "Gather",
+                [g.initializer("cos_cached", np.concatenate([cos, cos], 1)), position_ids],
+                f"{rope}/Gather_cos",
+            ),
+            axis1,
+        ],
+        f"{rope}/Unsqueeze_cos",
+    )
+    sin = g.node(
+        "Unsqueeze",
+        [
+            g.node(
+                "Gather",
+                [g.initializer("sin_cached", np.concatenate([sin, sin], 1)), position_ids],
+                f"{rope}/Gather_sin",
+            ),
+            axis1,
+        ],
+        f"{rope}/Unsqueeze_sin",
+    )
     half, last = g.constant([cfg.head_size // 2]), g.constant([-1])
 
     def rotate(x: str, prefix: str) -> str:
@@ -60,21 +83,30 @@ def build_concat_model(cfg: DecoderConfig, weights: DecoderWeights | None = None
         x1 = g.node("Slice", [x, g.constant([0]), half, last], f"{prefix}/Slice_1")
         x2 = g.node("Slice", [x, half, g.constant([np.iinfo(np.int64).max]), last], f"{prefix}/Slice_2")
         rotated = g.node("Concat", [g.node("Neg", [x2], f"{prefix}/Neg"), x1], f"{prefix}/Concat", axis=-1)
-        return g.node("Add", [g.node("Mul", [x, cos], f"{prefix}/Mul_cos"),
-                              g.node("Mul", [rotated, sin], f"{prefix}/Mul_sin")], f"{prefix}/Add")
+        return g.node(
+            "Add",
+            [g.node("Mul", [x, cos], f"{prefix}/Mul_cos"), g.node("Mul", [rotated, sin], f"{prefix}/Mul_sin")],
+            f"{prefix}/Add",
+        )
 
     def matmul(h: str, weight: np.ndarray, prefix: str) -> str:
         wname = g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)
         return g.node("MatMul", [h, wname], f"{prefix}/MatMul")
 
     def rms(h: str, weight: np.ndarray, prefix: str) -> str:
-        var = g.node("ReduceMean", [g.node("Pow", [h, g.constant(2.0, np.float32)], f"{prefix}/Pow"), last],
-                     f"{prefix}/ReduceMean", keepdims=1)
-        std = g.node("Sqrt", [g.node("Add", [var, g.constant(cfg.rms_norm_eps, np.float32)], f"{prefix}/Add")],
-                     f"{prefix}/Sqrt")
+        var = g.node(
+            "ReduceMean",
+            [g.node("Pow", [h, g.constant(2.0, np.float32)], f"{prefix}/Pow"), last],
+            f"{prefix}/ReduceMean",
+            keepdims=1,
+        )
+        std = g.node(
+            "Sqrt", [g.node("Add", [var, g.constant(cfg.rms_norm_eps, np.float32)], f"{prefix}/Add")], f"{prefix}/Sqrt"
+        )
         normed = g.node("Mul", [h, g.node("Reciprocal", [std], f"{prefix}/Reciprocal")], f"{prefix}/Mul")
-        return g.node("Mul", [normed, g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)],
-                      f"{prefix}/Mul_weight")
+        return g.node(
+            "Mul", [normed, g.initializer(prefix[1:].replace("/", ".") + ".weight", weight)], f"{prefix}/Mul_weight"
+        )
 
     def split_heads(x: str, heads: int, prefix: str) -> str:
         """[B, S, N*D] -> [B, N, S, D]"""
@@ -93,13 +125,16 @@ def build_concat_model(cfg: DecoderConfig, weights: DecoderWeights | None = None
         base, attn = f"/model/layers.{i}", f"/model/layers.{i}/self_attn"
         h = rms(x, lw.input_norm, f"{base}/input_layernorm")
         q = rotate(split_heads(matmul(h, lw.q_proj, f"{attn}/q_proj"), cfg.num_heads, f"{attn}/q"), f"{attn}/q_rotary")
-        k = rotate(split_heads(matmul(h, lw.k_proj, f"{attn}/k_proj"), cfg.num_kv_heads, f"{attn}/k"),
-                   f"{attn}/k_rotary")
+        k = rotate(
+            split_heads(matmul(h, lw.k_proj, f"{attn}/k_proj"), cfg.num_kv_heads, f"{attn}/k"), f"{attn}/k_rotary"
+        )
         v = split_heads(matmul(h, lw.v_proj, f"{attn}/v_proj"), cfg.num_kv_heads, f"{attn}/v")
-        k = g.node("Concat", [f"past_key_values.{i}.key", k], f"{attn}/Concat_key", outputs=[f"present.{i}.key"],
-                   axis=2)
-        v = g.node("Concat", [f"past_key_values.{i}.value", v], f"{attn}/Concat_value", outputs=[f"present.{i}.value"],
-                   axis=2)
+        k = g.node(
+            "Concat", [f"past_key_values.{i}.key", k], f"{attn}/Concat_key", outputs=[f"present.{i}.key"], axis=2
+        )
+        v = g.node(
+            "Concat", [f"past_key_values.{i}.value", v], f"{attn}/Concat_value", outputs=[f"present.{i}.value"], axis=2
+        )
         k_t = g.node("Transpose", [repeat_kv(k, f"{attn}/repeat_key")], f"{attn}/Transpose_key", perm=[0, 1, 3, 2])
         scores = g.node("Mul", [g.node("MatMul", [q, k_t], f"{attn}/MatMul_qk"), scale], f"{attn}/Mul_scale")
         probs = g.node("Softmax", [g.node("Add", [scores, bias], f"{attn}/Add_mask")], f"{attn}/Softmax", axis=-1)

@@ -32,8 +32,15 @@ class DecoderConfig:
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size", "max_length"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_length",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -68,9 +75,10 @@ class DecoderConfig:
         return self.num_kv_heads * self.head_size
 
 
-MICRO = DecoderConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=128, max_length=128)
-TINY = DecoderConfig(vocab_size=1000, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
-                     intermediate_size=688)
-SMALL = DecoderConfig(vocab_size=8000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
-                      intermediate_size=2816)
+MICRO = DecoderConfig(
+    vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_length=128
+)
+TINY = DecoderConfig(vocab_size=1000, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=688)
+SMALL = DecoderConfig(
+    vocab_size=8000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, intermediate_size=2816
+)

@@ -20,15 +20,24 @@ Contract
 The models were made by ``scripts/train_embedded.py`` (trained on the Python
 standard library's docstrings); this module imports only the standard library.
 """
+
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Iterable
 
 __all__ = [
-    "BOS_ID", "EOS_ID", "PAD_ID", "VOCAB_SIZE", "NUM_BYTES",
-    "EMBEDDED_DIR", "EMBEDDED_DRAFT_DIR",
-    "embedded_model_dir", "embedded_draft_dir", "encode", "decode",
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "VOCAB_SIZE",
+    "NUM_BYTES",
+    "EMBEDDED_DIR",
+    "EMBEDDED_DRAFT_DIR",
+    "embedded_model_dir",
+    "embedded_draft_dir",
+    "encode",
+    "decode",
 ]
 
 #: Number of byte tokens (ids 0..255 are byte values).

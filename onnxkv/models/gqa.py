@@ -65,19 +65,32 @@ def build_gqa_model(cfg: DecoderConfig, weights: DecoderWeights | None = None, s
         name = g.initializer(prefix[1:].replace("/", ".") + ".MatMul.weight", weight)
         return g.node("MatMul", [x, name], f"{prefix}/MatMul", outputs=[output] if output else 1)
 
-    def norm(i: int, where: str, weight: np.ndarray, root: str, skip: str | None,
-             last: bool = False) -> tuple[str, str]:
+    def norm(
+        i: int, where: str, weight: np.ndarray, root: str, skip: str | None, last: bool = False
+    ) -> tuple[str, str]:
         """Returns (normalized, residual sum); the first norm has no skip input."""
         wname = g.initializer(f"model.layers.{i}.{where}_layernorm.weight", weight)
         out0, out3 = f"/model/layers.{i}/{where}_layernorm/output_0", f"/model/layers.{i}/{where}_layernorm/output_3"
         if skip is None:
-            g.node("SimplifiedLayerNormalization", [root, wname], f"/model/layers.{i}/{where}_layernorm/LayerNorm",
-                   outputs=[out0], epsilon=cfg.rms_norm_eps, axis=-1, stash_type=1)
+            g.node(
+                "SimplifiedLayerNormalization",
+                [root, wname],
+                f"/model/layers.{i}/{where}_layernorm/LayerNorm",
+                outputs=[out0],
+                epsilon=cfg.rms_norm_eps,
+                axis=-1,
+                stash_type=1,
+            )
             return out0, root
         outs = [out0] if last else [out0, "", "", out3]
-        g.node("SkipSimplifiedLayerNormalization", [root, skip, wname],
-               f"/model/layers.{i}/{where}_layernorm/SkipLayerNorm", outputs=outs, domain="com.microsoft",
-               epsilon=cfg.rms_norm_eps)
+        g.node(
+            "SkipSimplifiedLayerNormalization",
+            [root, skip, wname],
+            f"/model/layers.{i}/{where}_layernorm/SkipLayerNorm",
+            outputs=outs,
+            domain="com.microsoft",
+            epsilon=cfg.rms_norm_eps,
+        )
         return out0, (root if last else out3)
 
     residual, skip = hidden, None
@@ -87,14 +100,30 @@ def build_gqa_model(cfg: DecoderConfig, weights: DecoderWeights | None = None, s
         q = matmul(x, lw.q_proj, f"{attn}/q_proj")
         k = matmul(x, lw.k_proj, f"{attn}/k_proj")
         v = matmul(x, lw.v_proj, f"{attn}/v_proj")
-        y = g.node("GroupQueryAttention",
-                   [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_seq_len,
-                    cos_cache, sin_cache],
-                   f"{attn}/GroupQueryAttention",
-                   outputs=[f"{attn}/GroupQueryAttention/output_0", f"present.{i}.key", f"present.{i}.value"],
-                   domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
-                   scale=float(1.0 / np.sqrt(cfg.head_size)), local_window_size=-1, softcap=0.0,
-                   do_rotary=1, rotary_interleaved=0)[0]
+        y = g.node(
+            "GroupQueryAttention",
+            [
+                q,
+                k,
+                v,
+                f"past_key_values.{i}.key",
+                f"past_key_values.{i}.value",
+                seqlens_k,
+                total_seq_len,
+                cos_cache,
+                sin_cache,
+            ],
+            f"{attn}/GroupQueryAttention",
+            outputs=[f"{attn}/GroupQueryAttention/output_0", f"present.{i}.key", f"present.{i}.value"],
+            domain="com.microsoft",
+            num_heads=cfg.num_heads,
+            kv_num_heads=cfg.num_kv_heads,
+            scale=float(1.0 / np.sqrt(cfg.head_size)),
+            local_window_size=-1,
+            softcap=0.0,
+            do_rotary=1,
+            rotary_interleaved=0,
+        )[0]
         o = matmul(y, lw.o_proj, f"{attn}/o_proj")
         x, residual = norm(i, "post_attention", lw.post_attn_norm, residual, o)
         mlp = f"/model/layers.{i}/mlp"
@@ -171,8 +200,14 @@ def save_genai_folder(model: onnx.ModelProto, cfg: DecoderConfig, path: str | os
     os.makedirs(path, exist_ok=True)
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    onnx.save(copy, os.path.join(path, "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="model.onnx.data", size_threshold=1024)
+    onnx.save(
+        copy,
+        os.path.join(path, "model.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+        size_threshold=1024,
+    )
     with open(os.path.join(path, "genai_config.json"), "w", encoding="utf-8") as f:
         json.dump(genai_config(cfg), f, indent=4)
         f.write("\n")

@@ -54,8 +54,14 @@ from ._graph import INT32, GraphBuilder
 __all__ = ["PagedConfig", "PagedLayerWeights", "paged_weights", "build_paged_model"]
 
 #: Integer page formats a model may quantize to: name -> (ONNX element type, bits).
-_QUANTIZED = {"int8": (TensorProto.INT8, 8), "uint8": (TensorProto.UINT8, 8), "int4": (TensorProto.INT4, 4),
-              "uint4": (TensorProto.UINT4, 4), "int2": (TensorProto.INT2, 2), "uint2": (TensorProto.UINT2, 2)}
+_QUANTIZED = {
+    "int8": (TensorProto.INT8, 8),
+    "uint8": (TensorProto.UINT8, 8),
+    "int4": (TensorProto.INT4, 4),
+    "uint4": (TensorProto.UINT4, 4),
+    "int2": (TensorProto.INT2, 2),
+    "uint2": (TensorProto.UINT2, 2),
+}
 
 
 @dataclass(frozen=True)
@@ -92,17 +98,28 @@ class PagedConfig:
     key_channel_zero_points: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_size", "num_layers", "num_pages",
-                     "block_size", "max_blocks"):
+        for name in (
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_size",
+            "num_layers",
+            "num_pages",
+            "block_size",
+            "max_blocks",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"PagedConfig: {name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"PagedConfig: num_heads={self.num_heads} must be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"PagedConfig: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if not 0 < self.capacity <= self.max_blocks * self.block_size:
-            raise ValueError(f"PagedConfig: max_tokens={self.max_tokens} must be in "
-                             f"[1, max_blocks * block_size = {self.max_blocks * self.block_size}]")
+            raise ValueError(
+                f"PagedConfig: max_tokens={self.max_tokens} must be in "
+                f"[1, max_blocks * block_size = {self.max_blocks * self.block_size}]"
+            )
         if self.dtype not in ("float32", "float16"):
             raise ValueError(f"PagedConfig: dtype must be 'float32' or 'float16', got {self.dtype!r}")
         for name in ("key_format", "value_format"):
@@ -110,8 +127,10 @@ class PagedConfig:
             if value is not None and value not in _QUANTIZED:
                 raise ValueError(f"PagedConfig: {name} must be None or one of {sorted(_QUANTIZED)}, got {value!r}")
             if value is not None and self.head_size * _QUANTIZED[value][1] % 8:
-                raise ValueError(f"PagedConfig: {name}={value!r} needs head_size * bits to be a multiple of 8, "
-                                 f"head_size is {self.head_size}")
+                raise ValueError(
+                    f"PagedConfig: {name}={value!r} needs head_size * bits to be a multiple of 8, "
+                    f"head_size is {self.head_size}"
+                )
         for name in ("key_channel_scales", "key_channel_zero_points"):
             if getattr(self, name) and self.key_format is None:
                 raise ValueError(f"PagedConfig: {name} needs a key_format")
@@ -147,13 +166,20 @@ def paged_weights(cfg: PagedConfig, seed: int = 0) -> tuple[PagedLayerWeights, .
     def matrix(fan_in: int, fan_out: int) -> np.ndarray:
         return (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(cfg.dtype)
 
-    return tuple(PagedLayerWeights(matrix(cfg.hidden_size, q_size), matrix(cfg.hidden_size, kv_size),
-                                   matrix(cfg.hidden_size, kv_size), matrix(q_size, cfg.hidden_size))
-                 for _ in range(cfg.num_layers))
+    return tuple(
+        PagedLayerWeights(
+            matrix(cfg.hidden_size, q_size),
+            matrix(cfg.hidden_size, kv_size),
+            matrix(cfg.hidden_size, kv_size),
+            matrix(q_size, cfg.hidden_size),
+        )
+        for _ in range(cfg.num_layers)
+    )
 
 
-def build_paged_model(cfg: PagedConfig, weights: tuple[PagedLayerWeights, ...] | None = None,
-                      seed: int = 0) -> onnx.ModelProto:
+def build_paged_model(
+    cfg: PagedConfig, weights: tuple[PagedLayerWeights, ...] | None = None, seed: int = 0
+) -> onnx.ModelProto:
     """Build the graph described in the module docstring (weights default to ``paged_weights(cfg, seed)``)."""
     layers = weights if weights is not None else paged_weights(cfg, seed)
     if len(layers) != cfg.num_layers:
@@ -171,23 +197,44 @@ def build_paged_model(cfg: PagedConfig, weights: tuple[PagedLayerWeights, ...] |
         base = f"/model/layers.{i}/attn"
         if quantize:
             per_channel = cfg.key_channel_scales or cfg.key_channel_zero_points
-            params = [*_plane_inputs(g, cfg, "key", i, cfg.key_format, per_channel, elem),
-                      *_plane_inputs(g, cfg, "value", i, cfg.value_format, False, elem)]
+            params = [
+                *_plane_inputs(g, cfg, "key", i, cfg.key_format, per_channel, elem),
+                *_plane_inputs(g, cfg, "value", i, cfg.value_format, False, elem),
+            ]
             attrs = {"key_channel_zero_points": 1} if cfg.key_channel_zero_points else {}
-            past = g.node("QuantizePagedCache", [past, blocks, *params], f"{base}/QuantizePagedCache",
-                          outputs=[f"c.{i}"], domain="ai.rt", **attrs)
+            past = g.node(
+                "QuantizePagedCache",
+                [past, blocks, *params],
+                f"{base}/QuantizePagedCache",
+                outputs=[f"c.{i}"],
+                domain="ai.rt",
+                **attrs,
+            )
             set_output_alias(g.nodes[-1], [OutputAlias(0, 0)])
-        q, k, v = (g.node("MatMul", [x, g.initializer(f"layers.{i}.{name}.weight", getattr(w, name))],
-                          f"{base}/{name}/MatMul") for name in ("q_proj", "k_proj", "v_proj"))
-        y = g.node("PagedAttention", [q, k, v, past, table, seqlens], f"{base}/PagedAttention",
-                   outputs=[f"{base}/PagedAttention/output_0", f"present.{i}"], domain="ai.rt",
-                   num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, block_size=cfg.block_size,
-                   max_tokens=cfg.capacity, is_causal=cfg.is_causal, left_window_size=cfg.left_window_size,
-                   scale=float(1.0 / np.sqrt(cfg.head_size)), softcap=float(cfg.softcap))[0]
+        q, k, v = (
+            g.node("MatMul", [x, g.initializer(f"layers.{i}.{name}.weight", getattr(w, name))], f"{base}/{name}/MatMul")
+            for name in ("q_proj", "k_proj", "v_proj")
+        )
+        y = g.node(
+            "PagedAttention",
+            [q, k, v, past, table, seqlens],
+            f"{base}/PagedAttention",
+            outputs=[f"{base}/PagedAttention/output_0", f"present.{i}"],
+            domain="ai.rt",
+            num_heads=cfg.num_heads,
+            kv_num_heads=cfg.num_kv_heads,
+            block_size=cfg.block_size,
+            max_tokens=cfg.capacity,
+            is_causal=cfg.is_causal,
+            left_window_size=cfg.left_window_size,
+            scale=float(1.0 / np.sqrt(cfg.head_size)),
+            softcap=float(cfg.softcap),
+        )[0]
         set_output_alias(g.nodes[-1], [OutputAlias(1, 3)])
         o = g.node("MatMul", [y, g.initializer(f"layers.{i}.o_proj.weight", w.o_proj)], f"{base}/o_proj/MatMul")
-        x = g.node("Add", [x, o], f"/model/layers.{i}/residual/Add",
-                   outputs=["output"] if i == cfg.num_layers - 1 else 1)
+        x = g.node(
+            "Add", [x, o], f"/model/layers.{i}/residual/Add", outputs=["output"] if i == cfg.num_layers - 1 else 1
+        )
     g.output("output", elem, ["batch", "seq", cfg.hidden_size])
     for i in range(cfg.num_layers):
         g.output(f"present.{i}", elem, cfg.past_shape)
@@ -207,12 +254,17 @@ def _with_default(g: GraphBuilder, name: str, elem: int, shape: list) -> str:
     return g.initializer(name, np.zeros(dims, helper.tensor_dtype_to_np_dtype(elem)))
 
 
-def _plane_inputs(g: GraphBuilder, cfg: PagedConfig, plane: str, layer: int, fmt: str | None, per_channel: bool,
-                  elem: int) -> tuple[str, str]:
+def _plane_inputs(
+    g: GraphBuilder, cfg: PagedConfig, plane: str, layer: int, fmt: str | None, per_channel: bool, elem: int
+) -> tuple[str, str]:
     """(scale, zero point) inputs of one plane of one layer's QuantizePagedCache (see the module docstring)."""
     if fmt is None:  # a constant empty marker of the cache's own type: the plane is left as it is
-        return (g.initializer(f"{plane}_scale.{layer}", np.zeros(0, np.float32)),
-                g.initializer(f"{plane}_zero_point.{layer}", np.zeros(0, helper.tensor_dtype_to_np_dtype(elem))))
+        return (
+            g.initializer(f"{plane}_scale.{layer}", np.zeros(0, np.float32)),
+            g.initializer(f"{plane}_zero_point.{layer}", np.zeros(0, helper.tensor_dtype_to_np_dtype(elem))),
+        )
     shape = ["quantize", cfg.num_kv_heads] + ([cfg.head_size] if per_channel else [])
-    return (_with_default(g, f"{plane}_scale.{layer}", TensorProto.FLOAT, shape),
-            _with_default(g, f"{plane}_zero_point.{layer}", _QUANTIZED[fmt][0], shape))
+    return (
+        _with_default(g, f"{plane}_scale.{layer}", TensorProto.FLOAT, shape),
+        _with_default(g, f"{plane}_zero_point.{layer}", _QUANTIZED[fmt][0], shape),
+    )

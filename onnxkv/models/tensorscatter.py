@@ -37,8 +37,9 @@ __all__ = ["build_tensorscatter_model"]
 OPSET = 24
 
 
-def build_tensorscatter_model(cfg: DecoderConfig, weights: DecoderWeights | None = None,
-                              seed: int = 0) -> onnx.ModelProto:
+def build_tensorscatter_model(
+    cfg: DecoderConfig, weights: DecoderWeights | None = None, seed: int = 0
+) -> onnx.ModelProto:
     """Build the fixed-capacity (``cfg.max_length``) TensorScatter decoder."""
     w = weights if weights is not None else random_weights(cfg, seed)
     g = GraphBuilder("main_graph")
@@ -52,13 +53,15 @@ def build_tensorscatter_model(cfg: DecoderConfig, weights: DecoderWeights | None
         g.input(f"past_key_values.{i}.value", FLOAT, cache_shape)
 
     base = "/model/attn_mask"
-    seq = g.node("Slice", [g.node("Shape", [input_ids], f"{base}/Shape"), g.constant([1]), g.constant([2])],
-                 f"{base}/Slice_seq")                                                            # [1] = [S]
-    nonpad = g.node("Add", [write_indices, seq], f"{base}/nonpad_kv_seqlen")                      # [B]
-    padding = g.node("Unsqueeze", [g.node("Cast", [mask], f"{base}/Cast", to=BOOL), g.constant([1, 2])],
-                     f"{base}/Unsqueeze")                                                        # [B, 1, 1, C]
+    seq = g.node(
+        "Slice", [g.node("Shape", [input_ids], f"{base}/Shape"), g.constant([1]), g.constant([2])], f"{base}/Slice_seq"
+    )  # [1] = [S]
+    nonpad = g.node("Add", [write_indices, seq], f"{base}/nonpad_kv_seqlen")  # [B]
+    padding = g.node(
+        "Unsqueeze", [g.node("Cast", [mask], f"{base}/Cast", to=BOOL), g.constant([1, 2])], f"{base}/Unsqueeze"
+    )  # [B, 1, 1, C]
     expand_to = g.node("Concat", [g.constant([1, 1]), seq, g.constant([1])], f"{base}/Concat", axis=0)
-    attn_mask = g.node("Expand", [padding, expand_to], f"{base}/Expand")                          # [B, 1, S, C]
+    attn_mask = g.node("Expand", [padding, expand_to], f"{base}/Expand")  # [B, 1, S, C]
 
     def to_heads(x: str, heads: int, prefix: str) -> str:
         """[B, S, N*D] -> [B, N, S, D]"""
@@ -67,14 +70,29 @@ def build_tensorscatter_model(cfg: DecoderConfig, weights: DecoderWeights | None
 
     def attend(i: int, q: str, k: str, v: str) -> str:
         attn = f"/model/layers.{i}/self_attn"
-        keys = g.node("TensorScatter", [f"past_key_values.{i}.key", to_heads(k, cfg.num_kv_heads, f"{attn}/k"),
-                                        write_indices], f"{attn}/TensorScatter_key", outputs=[f"present.{i}.key"],
-                      axis=2, mode="linear")
-        values = g.node("TensorScatter", [f"past_key_values.{i}.value", to_heads(v, cfg.num_kv_heads, f"{attn}/v"),
-                                          write_indices], f"{attn}/TensorScatter_value",
-                        outputs=[f"present.{i}.value"], axis=2, mode="linear")
-        y = g.node("Attention", [to_heads(q, cfg.num_heads, f"{attn}/q"), keys, values, attn_mask, "", "", nonpad],
-                   f"{attn}/Attention", is_causal=1, scale=float(1.0 / np.sqrt(cfg.head_size)))
+        keys = g.node(
+            "TensorScatter",
+            [f"past_key_values.{i}.key", to_heads(k, cfg.num_kv_heads, f"{attn}/k"), write_indices],
+            f"{attn}/TensorScatter_key",
+            outputs=[f"present.{i}.key"],
+            axis=2,
+            mode="linear",
+        )
+        values = g.node(
+            "TensorScatter",
+            [f"past_key_values.{i}.value", to_heads(v, cfg.num_kv_heads, f"{attn}/v"), write_indices],
+            f"{attn}/TensorScatter_value",
+            outputs=[f"present.{i}.value"],
+            axis=2,
+            mode="linear",
+        )
+        y = g.node(
+            "Attention",
+            [to_heads(q, cfg.num_heads, f"{attn}/q"), keys, values, attn_mask, "", "", nonpad],
+            f"{attn}/Attention",
+            is_causal=1,
+            scale=float(1.0 / np.sqrt(cfg.head_size)),
+        )
         y = g.node("Transpose", [y], f"{attn}/Transpose_out", perm=[0, 2, 1, 3])
         return g.node("Reshape", [y, g.constant([0, 0, cfg.q_size])], f"{attn}/Reshape_out")
 

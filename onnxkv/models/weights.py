@@ -20,25 +20,25 @@ __all__ = ["DecoderWeights", "LayerWeights", "random_weights", "rotary_cache"]
 class LayerWeights:
     """One decoder block (float32). Norm weights are ``[hidden]``."""
 
-    input_norm: np.ndarray   # [hidden]
-    q_proj: np.ndarray       # [hidden, num_heads * head_size]
-    k_proj: np.ndarray       # [hidden, num_kv_heads * head_size]
-    v_proj: np.ndarray       # [hidden, num_kv_heads * head_size]
-    o_proj: np.ndarray       # [num_heads * head_size, hidden]
+    input_norm: np.ndarray  # [hidden]
+    q_proj: np.ndarray  # [hidden, num_heads * head_size]
+    k_proj: np.ndarray  # [hidden, num_kv_heads * head_size]
+    v_proj: np.ndarray  # [hidden, num_kv_heads * head_size]
+    o_proj: np.ndarray  # [num_heads * head_size, hidden]
     post_attn_norm: np.ndarray  # [hidden]
-    gate_proj: np.ndarray    # [hidden, intermediate]
-    up_proj: np.ndarray      # [hidden, intermediate]
-    down_proj: np.ndarray    # [intermediate, hidden]
+    gate_proj: np.ndarray  # [hidden, intermediate]
+    up_proj: np.ndarray  # [hidden, intermediate]
+    down_proj: np.ndarray  # [intermediate, hidden]
 
 
 @dataclass(frozen=True)
 class DecoderWeights:
     """All weights of a decoder (float32)."""
 
-    embed: np.ndarray        # [vocab, hidden]
+    embed: np.ndarray  # [vocab, hidden]
     layers: tuple[LayerWeights, ...]
-    final_norm: np.ndarray   # [hidden]
-    lm_head: np.ndarray      # [hidden, vocab]
+    final_norm: np.ndarray  # [hidden]
+    lm_head: np.ndarray  # [hidden, vocab]
 
 
 def random_weights(cfg: DecoderConfig, seed: int = 0) -> DecoderWeights:

@@ -47,11 +47,22 @@ class RunContext:
     :meth:`nested` is the context of a plan run inside the current node.
     """
 
-    __slots__ = ("_plan_alloc", "_node", "counters", "recording", "step", "caches", "cache_events",
-                 "cache_allocator", "deferred", "cancel")
+    __slots__ = (
+        "_plan_alloc",
+        "_node",
+        "counters",
+        "recording",
+        "step",
+        "caches",
+        "cache_events",
+        "cache_allocator",
+        "deferred",
+        "cancel",
+    )
 
-    def __init__(self, plan_alloc, recording: bool, step: int, caches: dict | None = None,
-                 cache_allocator=None, cancel=None) -> None:
+    def __init__(
+        self, plan_alloc, recording: bool, step: int, caches: dict | None = None, cache_allocator=None, cancel=None
+    ) -> None:
         self._plan_alloc = plan_alloc
         self._node = 0
         self.recording = recording
@@ -134,8 +145,12 @@ class RunContext:
             return False
         address = array.__array_interface__["data"][0]
         for held in self.caches.values():
-            if isinstance(held, np.ndarray) and held.__array_interface__["data"][0] == address \
-                    and held.shape == array.shape and held.dtype == array.dtype:
+            if (
+                isinstance(held, np.ndarray)
+                and held.__array_interface__["data"][0] == address
+                and held.shape == array.shape
+                and held.dtype == array.dtype
+            ):
                 return True
         return False
 

@@ -20,7 +20,7 @@ context-dependent function: :func:`has_fallback` is False).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import onnx
@@ -34,7 +34,7 @@ from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op
 __all__ = ["FallbackOp", "has_fallback"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference_class(domain: str, op_type: str, version: int):
     if DOMAIN_ALIASES.get(domain, domain) != "":
         return None
@@ -61,16 +61,29 @@ class FallbackOp(Op):
             raise self.error("no kernel and no onnx.reference implementation")
         graphs = [a.name for a in node.attribute if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)]
         if graphs:
-            raise self.error(f"no kernel, and the onnx.reference fallback runs no subgraph (attribute(s) {graphs}); "
-                             "expected an operator without graph attributes")
+            raise self.error(
+                f"no kernel, and the onnx.reference fallback runs no subgraph (attribute(s) {graphs}); "
+                "expected an operator without graph attributes"
+            )
         self.view_inputs = tuple(range(len(node.input)))
-        self._impl: OpRun = cls(node, {"log": lambda *a: None, "opsets": dict(ctx.opsets), "verbose": 0,
-                                       "new_ops": None, "existing_functions": {}, "evaluator_cls": None})
+        self._impl: OpRun = cls(
+            node,
+            {
+                "log": lambda *a: None,
+                "opsets": dict(ctx.opsets),
+                "verbose": 0,
+                "new_ops": None,
+                "existing_functions": {},
+                "evaluator_cls": None,
+            },
+        )
 
     def run(self, inputs: list, rt) -> list:
         res = self._impl.run(*inputs)
         for name, r in zip(self.node.output, res):
             if isinstance(r, list):
-                raise OperatorError(f"{self.op_type} node '{self.name}': output '{name}' is a sequence of "
-                                    f"{len(r)} tensors; onnxkv values are tensors")
+                raise OperatorError(
+                    f"{self.op_type} node '{self.name}': output '{name}' is a sequence of "
+                    f"{len(r)} tensors; onnxkv values are tensors"
+                )
         return [None if r is None else np.asarray(r) for r in res]

@@ -71,7 +71,8 @@ def fold_fits(node: onnx.NodeProto, inputs: list[np.ndarray | None], opsets: Map
             data[name] = numpy_helper.from_array(np.ascontiguousarray(arr), name)
     try:
         outs = onnx.shape_inference.infer_node_outputs(
-            schema, node, types, data, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
+            schema, node, types, data, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()]
+        )
     except Exception:  # the inference rejected the node: let it fail (or not) at run time
         return False
     input_elements = sum(a.size for a in inputs if a is not None)

@@ -41,16 +41,29 @@ import numpy as np
 import onnx
 from onnx import helper
 
-__all__ = ["fuse_silu_gate", "fuse_repeat_kv_matmul", "fuse_masked_attention", "MASKED_ATTENTION_INPUTS",
-           "FUSED_DOMAIN", "fused_with_body", "graph_index", "default_op", "REPEAT_KV_INPUTS", "RESHAPE_FROM_X",
-           "reshape_from_x"]
+__all__ = [
+    "fuse_silu_gate",
+    "fuse_repeat_kv_matmul",
+    "fuse_masked_attention",
+    "MASKED_ATTENTION_INPUTS",
+    "FUSED_DOMAIN",
+    "fused_with_body",
+    "graph_index",
+    "default_op",
+    "REPEAT_KV_INPUTS",
+    "RESHAPE_FROM_X",
+    "reshape_from_x",
+]
 
 FUSED_DOMAIN = "ai.onnxkv"
 
 #: Input positions of each repeat_kv a fused operator reads: (x, axes, expand shape, reshape target), the
 #: target reshaping ``Expand(Unsqueeze(x, axes), expand shape)``.
-REPEAT_KV_INPUTS = {"RepeatKvMatMul": ((1, 2, 3, 4),), "RepeatKvShape": ((0, 1, 2, 3),),
-                    "MaskedAttention": ((1, 4, 5, 6), (2, 7, 8, 9))}
+REPEAT_KV_INPUTS = {
+    "RepeatKvMatMul": ((1, 2, 3, 4),),
+    "RepeatKvShape": ((0, 1, 2, 3),),
+    "MaskedAttention": ((1, 4, 5, 6), (2, 7, 8, 9)),
+}
 #: Attribute (ints) of ``RepeatKvMatMul`` / ``MaskedAttention``: reshape-target input positions holding a
 #: *template* whose 0 entries stand for x's own dim at the same position (written by
 #: :meth:`onnxkv.plan.shape_fold.ShapeFolder.rewrite` when it proves the run-time target equals that).
@@ -60,7 +73,7 @@ RESHAPE_FROM_X = "reshape_from_x"
 def reshape_from_x(template: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The reshape target a template of :data:`RESHAPE_FROM_X` stands for: its 0 entries replaced by
     ``x.shape`` at the same positions (int64 [len(template)]; ``x`` has that rank)."""
-    return np.where(template == 0, np.array(x.shape[:template.size], dtype=np.int64), template)
+    return np.where(template == 0, np.array(x.shape[: template.size], dtype=np.int64), template)
 
 
 def fuse_silu_gate(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:
@@ -101,8 +114,9 @@ def fuse_silu_gate(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onn
         if up == m1.output[0]:
             continue
         drop.update((i, j))
-        replace[k] = helper.make_node("SiluMul", [gate, up], [m2.output[0]], name=m2.name or m2.output[0],
-                                      domain=FUSED_DOMAIN)
+        replace[k] = helper.make_node(
+            "SiluMul", [gate, up], [m2.output[0]], name=m2.name or m2.output[0], domain=FUSED_DOMAIN
+        )
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
@@ -190,8 +204,14 @@ def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         # A scalar Mul right after the product (attention scale) is applied in place.
         out_name, post = mm.output[0], ""
         after = readers.get(out_name, [])
-        if transpose and out_name not in protected and len(after) == 1 and op(after[0], "Mul") \
-                and after[0] not in drop and after[0] not in replace:
+        if (
+            transpose
+            and out_name not in protected
+            and len(after) == 1
+            and op(after[0], "Mul")
+            and after[0] not in drop
+            and after[0] not in replace
+        ):
             mul = nodes[after[0]]
             post = mul.input[1] if mul.input[0] == out_name else mul.input[0]
             drop.add(after[0])
@@ -199,19 +219,41 @@ def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         drop.update(chain)
         for r in shape_readers:
             attrs = {a.name: a.i for a in nodes[r].attribute if a.name in ("start", "end")}
-            replace[r] = helper.make_node("RepeatKvShape", [unsq.input[0], unsq.input[1], expand.input[1],
-                                                            reshape.input[1]], list(nodes[r].output),
-                                          name=nodes[r].name or nodes[r].output[0], domain=FUSED_DOMAIN, **attrs)
+            replace[r] = helper.make_node(
+                "RepeatKvShape",
+                [unsq.input[0], unsq.input[1], expand.input[1], reshape.input[1]],
+                list(nodes[r].output),
+                name=nodes[r].name or nodes[r].output[0],
+                domain=FUSED_DOMAIN,
+                **attrs,
+            )
         replace[m] = helper.make_node(
             "RepeatKvMatMul",
             [mm.input[0], unsq.input[0], unsq.input[1], expand.input[1], reshape.input[1], scale, post],
-            [out_name], name=mm.name or mm.output[0], domain=FUSED_DOMAIN, transpose_b=int(transpose))
+            [out_name],
+            name=mm.name or mm.output[0],
+            domain=FUSED_DOMAIN,
+            transpose_b=int(transpose),
+        )
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
 #: Positions of the fixed inputs of ``ai.onnxkv::MaskedAttention`` (see :func:`fuse_masked_attention`).
-MASKED_ATTENTION_INPUTS = ("q", "k", "v", "mask", "k_axes", "k_expand", "k_reshape", "v_axes", "v_expand",
-                           "v_reshape", "k_scale", "score_scale", "q_scale")
+MASKED_ATTENTION_INPUTS = (
+    "q",
+    "k",
+    "v",
+    "mask",
+    "k_axes",
+    "k_expand",
+    "k_reshape",
+    "v_axes",
+    "v_expand",
+    "v_reshape",
+    "k_scale",
+    "score_scale",
+    "q_scale",
+)
 
 
 def default_op(node: onnx.NodeProto, op_type: str) -> bool:
@@ -249,8 +291,9 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     def is_op(i: int | None, op_type: str, domain: str = "") -> bool:
         if i is None:
             return False
-        return default_op(nodes[i], op_type) if not domain else (nodes[i].op_type == op_type
-                                                                  and nodes[i].domain == domain)
+        return (
+            default_op(nodes[i], op_type) if not domain else (nodes[i].op_type == op_type and nodes[i].domain == domain)
+        )
 
     def transpose_b(i: int) -> int:
         return next((a.i for a in nodes[i].attribute if a.name == "transpose_b"), 0)
@@ -260,8 +303,11 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         chain, roles, div = [], {}, 0
         if is_op(i, "Mul") or is_op(i, "Div"):
             node = nodes[i]
-            inner = [x for x in (node.input if node.op_type == "Mul" else node.input[:1])
-                     if is_op(single(x, i), "MatMul") or is_op(single(x, i), "RepeatKvMatMul", FUSED_DOMAIN)]
+            inner = [
+                x
+                for x in (node.input if node.op_type == "Mul" else node.input[:1])
+                if is_op(single(x, i), "MatMul") or is_op(single(x, i), "RepeatKvMatMul", FUSED_DOMAIN)
+            ]
             if len(inner) != 1:
                 return None
             roles["score_scale"] = node.input[1] if node.input[0] == inner[0] else node.input[0]
@@ -289,8 +335,9 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
             roles["k_scale"] = mul.input[1] if mul.input[0] == t_in else mul.input[0]
             chain.append(cur)
             cur = single(t_in, cur)
-        if not is_op(cur, "Transpose") or \
-                next((list(a.ints) for a in nodes[cur].attribute if a.name == "perm"), None) != [0, 1, 3, 2]:
+        if not is_op(cur, "Transpose") or next(
+            (list(a.ints) for a in nodes[cur].attribute if a.name == "perm"), None
+        ) != [0, 1, 3, 2]:
             return None
         roles.update(q=mm.input[0], k=nodes[cur].input[0])
         return chain + [cur] + scaled_query(i, roles), roles, div
@@ -318,7 +365,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
             continue
         found = None
         a, b = nodes[add].input
-        for x, mask in ((a, b), (b, a)):
+        for x, mask in ((a, b), (b, a)):  # noqa: B007  (mask is read after the loop)
             found = scores(single(x, add))
             if found is not None:
                 break
@@ -334,9 +381,12 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         if len(after) == 2 and sorted(nodes[r].op_type for r in after) == ["IsNaN", "Where"]:
             isnan, where = sorted(after, key=lambda r: nodes[r].op_type != "IsNaN")
             w = nodes[where]
-            if not (default_op(nodes[isnan], "IsNaN") and default_op(w, "Where")
-                    and single(nodes[isnan].output[0], where) == isnan and list(w.input)[::2] ==
-                    [nodes[isnan].output[0], probs]):
+            if not (
+                default_op(nodes[isnan], "IsNaN")
+                and default_op(w, "Where")
+                and single(nodes[isnan].output[0], where) == isnan
+                and list(w.input)[::2] == [nodes[isnan].output[0], probs]
+            ):
                 continue
             chain += [isnan, where]
             probs = w.output[0]
@@ -345,8 +395,12 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
             continue
         pv = after[0]
         pvn = nodes[pv]
-        if is_op(pv, "RepeatKvMatMul", FUSED_DOMAIN) and not transpose_b(pv) and pvn.input[0] == probs \
-                and not any(pvn.input[5:]):
+        if (
+            is_op(pv, "RepeatKvMatMul", FUSED_DOMAIN)
+            and not transpose_b(pv)
+            and pvn.input[0] == probs
+            and not any(pvn.input[5:])
+        ):
             roles.update(v=pvn.input[1], v_axes=pvn.input[2], v_expand=pvn.input[3], v_reshape=pvn.input[4])
         elif is_op(pv, "MatMul") and pvn.input[0] == probs:
             roles["v"] = pvn.input[1]
@@ -356,13 +410,18 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         if any(i in drop or i in replace for i in chain):
             continue
         drop.update(i for i in chain if i != pv)
-        replace[pv] = fused_with_body("MaskedAttention", [nodes[i] for i in sorted(chain)],
-                                      [roles.get(r, "") for r in MASKED_ATTENTION_INPUTS], score_div=div)
+        replace[pv] = fused_with_body(
+            "MaskedAttention",
+            [nodes[i] for i in sorted(chain)],
+            [roles.get(r, "") for r in MASKED_ATTENTION_INPUTS],
+            score_div=div,
+        )
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
-def fused_with_body(op_type: str, body_nodes: list[onnx.NodeProto], fixed_inputs: list[str],
-                    outputs: list[str] | None = None, **attrs) -> onnx.NodeProto:
+def fused_with_body(
+    op_type: str, body_nodes: list[onnx.NodeProto], fixed_inputs: list[str], outputs: list[str] | None = None, **attrs
+) -> onnx.NodeProto:
     """A ``FUSED_DOMAIN`` node replacing ``body_nodes`` (in graph order).
 
     Its outputs are ``outputs`` (values the body makes; an empty name is an
@@ -382,6 +441,7 @@ def fused_with_body(op_type: str, body_nodes: list[onnx.NodeProto], fixed_inputs
         inputs += [x for x in n.input if x and x not in made and x not in inputs]
     body_inputs = [helper.make_empty_tensor_value_info(x) for x in dict.fromkeys(x for x in inputs if x)]
     name = last.name or last.output[0]
-    body = helper.make_graph(body_nodes, f"{name}_body", body_inputs,
-                             [helper.make_empty_tensor_value_info(o) for o in outputs if o])
+    body = helper.make_graph(
+        body_nodes, f"{name}_body", body_inputs, [helper.make_empty_tensor_value_info(o) for o in outputs if o]
+    )
     return helper.make_node(op_type, inputs, outputs, name=name, domain=FUSED_DOMAIN, body=body, **attrs)

@@ -54,8 +54,15 @@ from onnx import numpy_helper
 
 from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_index
 
-__all__ = ["fuse_rms_norm", "fuse_rotate_half", "fuse_skip_rms_norm", "repeats_halves", "RMS_NORM_INPUTS",
-           "ROTATE_HALF_INPUTS", "SKIP_RMS_NORM_INPUTS"]
+__all__ = [
+    "fuse_rms_norm",
+    "fuse_rotate_half",
+    "fuse_skip_rms_norm",
+    "repeats_halves",
+    "RMS_NORM_INPUTS",
+    "ROTATE_HALF_INPUTS",
+    "SKIP_RMS_NORM_INPUTS",
+]
 
 #: Positions of the inputs of ``ai.onnxkv::RMSNormChain`` (empty name = absent).
 RMS_NORM_INPUTS = ("x", "weight", "exponent", "axes", "eps", "one")
@@ -64,8 +71,19 @@ RMS_NORM_INPUTS = ("x", "weight", "exponent", "axes", "eps", "one")
 SKIP_RMS_NORM_INPUTS = ("a", "b") + RMS_NORM_INPUTS[1:]
 #: Positions of the inputs of ``ai.onnxkv::RotateHalf``: x, cos, sin, then (starts, ends, axes, steps) of
 #: the Slice giving the first half and of the Slice giving the (negated) second half.
-ROTATE_HALF_INPUTS = ("x", "cos", "sin", "lo_starts", "lo_ends", "lo_axes", "lo_steps",
-                      "hi_starts", "hi_ends", "hi_axes", "hi_steps")
+ROTATE_HALF_INPUTS = (
+    "x",
+    "cos",
+    "sin",
+    "lo_starts",
+    "lo_ends",
+    "lo_axes",
+    "lo_steps",
+    "hi_starts",
+    "hi_ends",
+    "hi_axes",
+    "hi_steps",
+)
 
 _FLOAT = onnx.TensorProto.FLOAT
 #: Elementwise operators of one input: equal elements in, equal elements out.
@@ -140,19 +158,30 @@ def fuse_rms_norm(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx
         # c is read by the Pow and the Mul only: absorb the Cast producing it.
         x = c
         src = producer.get(c)
-        if c not in protected and src is not None and _cast_to_float(nodes[src]) and \
-                sorted(readers.get(c, [])) == sorted([p, mul]):
+        if (
+            c not in protected
+            and src is not None
+            and _cast_to_float(nodes[src])
+            and sorted(readers.get(c, [])) == sorted([p, mul])
+        ):
             chain.append(src)
             x = nodes[src].input[0]
         eps = _other(nodes[add], nodes[rm].output[0])
         axes = nodes[rm].input[1] if len(nodes[rm].input) > 1 else ""
-        roles = {"x": x, "weight": weight, "exponent": exponent, "axes": axes, "eps": eps,
-                 "one": nodes[div].input[0] if nodes[div].op_type == "Div" else ""}
+        roles = {
+            "x": x,
+            "weight": weight,
+            "exponent": exponent,
+            "axes": axes,
+            "eps": eps,
+            "one": nodes[div].input[0] if nodes[div].op_type == "Div" else "",
+        }
         if _reads_own(nodes, chain, roles.values()) or any(i in drop or i in replace for i in chain):
             continue
         drop.update(i for i in chain if i != mw)
-        replace[mw] = fused_with_body("RMSNormChain", [nodes[i] for i in sorted(chain)],
-                                      [roles[r] for r in RMS_NORM_INPUTS])
+        replace[mw] = fused_with_body(
+            "RMSNormChain", [nodes[i] for i in sorted(chain)], [roles[r] for r in RMS_NORM_INPUTS]
+        )
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
@@ -178,8 +207,7 @@ def _periodic(value: np.ndarray) -> bool:
     return bool((rows == rows[..., :1, :]).all())
 
 
-def repeats_halves(value: str, nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray] | None = None
-                   ) -> bool:
+def repeats_halves(value: str, nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray] | None = None) -> bool:
     """Whether the graph ``nodes`` proves that ``value``, with ``n`` the length of its last axis, repeats
     with period ``n / 2`` along that axis when ``n`` is even (``v[..., i] == v[..., i + n/2]``), and is
     constant along it when ``n`` is odd.
@@ -220,15 +248,20 @@ def repeats_halves(value: str, nodes: list[onnx.NodeProto], constants: Mapping[s
             if data is None and n.input[0] in producer and default_op(nodes[producer[n.input[0]]], "Constant"):
                 data = _constant_value(nodes[producer[n.input[0]]])
             axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-            return data is not None and np.ndim(data) >= 2 and axis % np.ndim(data) != np.ndim(data) - 1 \
+            return (
+                data is not None
+                and np.ndim(data) >= 2
+                and axis % np.ndim(data) != np.ndim(data) - 1
                 and _periodic(np.asarray(data))
+            )
         return False
 
     return proven(value, 0)
 
 
-def fuse_rotate_half(nodes: list[onnx.NodeProto], protected: set[str],
-                     constants: Mapping[str, np.ndarray] | None = None) -> list[onnx.NodeProto]:
+def fuse_rotate_half(
+    nodes: list[onnx.NodeProto], protected: set[str], constants: Mapping[str, np.ndarray] | None = None
+) -> list[onnx.NodeProto]:
     """``nodes`` with each exported rotate_half rotary embedding replaced by a RotateHalf node
     (see the module docstring); ``constants`` (initializers) help prove ``halves_equal``."""
     _, _, single = graph_index(nodes, protected)
@@ -287,8 +320,9 @@ def fuse_rotate_half(nodes: list[onnx.NodeProto], protected: set[str],
             continue
         drop.update(i for i in chain if i != a)
         halves = repeats_halves(cos, nodes, constants) and repeats_halves(sin, nodes, constants)
-        replace[a] = fused_with_body("RotateHalf", [nodes[i] for i in sorted(chain)], [x, cos, sin, *lo_in, *hi_in],
-                                     halves_equal=int(halves))
+        replace[a] = fused_with_body(
+            "RotateHalf", [nodes[i] for i in sorted(chain)], [x, cos, sin, *lo_in, *hi_in], halves_equal=int(halves)
+        )
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
@@ -322,6 +356,7 @@ def fuse_skip_rms_norm(nodes: list[onnx.NodeProto], protected: set[str]) -> list
         if _reads_own(nodes, chain, fixed) or any(i in drop or i in replace for i in chain):
             continue
         drop.update(chain[1:])
-        replace[r] = fused_with_body("SkipRMSNormChain", [nodes[i] for i in sorted(chain)], fixed,
-                                     outputs=[norm.output[0], stream])
+        replace[r] = fused_with_body(
+            "SkipRMSNormChain", [nodes[i] for i in sorted(chain)], fixed, outputs=[norm.output[0], stream]
+        )
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]

@@ -42,9 +42,13 @@ from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_
 __all__ = ["fuse_sibling_matmuls", "fuse_sibling_nbits", "fuse_prologue_matmuls"]
 
 #: (op_type, domain) of the ops ``fuse_prologue_matmuls`` joins to the product that reads them.
-PROLOGUES = {("SkipSimplifiedLayerNormalization", "com.microsoft"), ("SimplifiedLayerNormalization", ""),
-             ("SimplifiedLayerNormalization", "ai.onnx"), ("SimplifiedLayerNormalization", "com.microsoft"),
-             ("SiluMul", FUSED_DOMAIN)}
+PROLOGUES = {
+    ("SkipSimplifiedLayerNormalization", "com.microsoft"),
+    ("SimplifiedLayerNormalization", ""),
+    ("SimplifiedLayerNormalization", "ai.onnx"),
+    ("SimplifiedLayerNormalization", "com.microsoft"),
+    ("SiluMul", FUSED_DOMAIN),
+}
 
 
 def _packable(w) -> bool:
@@ -52,7 +56,9 @@ def _packable(w) -> bool:
     return isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32 and w.size > 0
 
 
-def fuse_sibling_matmuls(nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray | None]) -> list[onnx.NodeProto]:
+def fuse_sibling_matmuls(
+    nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray | None]
+) -> list[onnx.NodeProto]:
     """``nodes`` with each group of MatMuls sharing input A and reading constant weights fused into one node.
 
     ``constants`` maps initializer names to their arrays; a weight qualifies
@@ -73,8 +79,12 @@ def fuse_sibling_matmuls(nodes: list[onnx.NodeProto], constants: Mapping[str, np
             continue
         first = nodes[members[0]]
         replace[members[0]] = helper.make_node(
-            "SiblingMatMul", [x, *(nodes[i].input[1] for i in members)], [nodes[i].output[0] for i in members],
-            name=first.name or first.output[0], domain=FUSED_DOMAIN)
+            "SiblingMatMul",
+            [x, *(nodes[i].input[1] for i in members)],
+            [nodes[i].output[0] for i in members],
+            name=first.name or first.output[0],
+            domain=FUSED_DOMAIN,
+        )
         drop.update(members[1:])
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
@@ -89,8 +99,12 @@ def _nbits_key(n: onnx.NodeProto, constants: Mapping[str, np.ndarray | None]) ->
     if n.op_type != "MatMulNBits" or n.domain != "com.microsoft" or len(n.output) != 1:
         return None
     ins = list(n.input) + [""] * (6 - len(n.input))
-    if not ins[1] or not ins[2] or ins[4] or any(x and constants.get(x) is None for x in (ins[1], ins[2], ins[3],
-                                                                                       ins[5])):
+    if (
+        not ins[1]
+        or not ins[2]
+        or ins[4]
+        or any(x and constants.get(x) is None for x in (ins[1], ins[2], ins[3], ins[5]))
+    ):
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
     if "N" not in attrs:
@@ -121,14 +135,21 @@ def fuse_sibling_nbits(nodes: list[onnx.NodeProto], constants: Mapping[str, np.n
             ns.append(next(helper.get_attribute_value(a) for a in nodes[i].attribute if a.name == "N"))
         first = nodes[members[0]]
         replace[members[0]] = helper.make_node(
-            "SiblingMatMulNBits", inputs, [nodes[i].output[0] for i in members], name=first.name or first.output[0],
-            domain=FUSED_DOMAIN, N=ns, **dict(zip(NBITS_SHARED, shared)))
+            "SiblingMatMulNBits",
+            inputs,
+            [nodes[i].output[0] for i in members],
+            name=first.name or first.output[0],
+            domain=FUSED_DOMAIN,
+            N=ns,
+            **dict(zip(NBITS_SHARED, shared)),
+        )
         drop.update(members[1:])
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
-def fuse_prologue_matmuls(nodes: list[onnx.NodeProto], protected: set[str],
-                          constants: Mapping[str, np.ndarray | None]) -> list[onnx.NodeProto]:
+def fuse_prologue_matmuls(
+    nodes: list[onnx.NodeProto], protected: set[str], constants: Mapping[str, np.ndarray | None]
+) -> list[onnx.NodeProto]:
     """``nodes`` with each prologue (see :data:`PROLOGUES`) and the one product reading it joined.
 
     A prologue qualifies when its output 0 is not ``protected`` and is read by
@@ -158,13 +179,18 @@ def fuse_prologue_matmuls(nodes: list[onnx.NodeProto], protected: set[str],
         m = nodes[r[0]]
         if list(m.input).count(p.output[0]) != 1 or m.input[0] != p.output[0]:
             continue
-        if not ((m.op_type in ("SiblingMatMul", "SiblingMatMulNBits") and m.domain == FUSED_DOMAIN)
-                or (default_op(m, "MatMul") and len(m.input) == 2 and len(m.output) == 1
-                    and _packable(constants.get(m.input[1])))
-                or (_nbits_key(m, constants) is not None and len(m.input) <= 4)):
+        if not (
+            (m.op_type in ("SiblingMatMul", "SiblingMatMulNBits") and m.domain == FUSED_DOMAIN)
+            or (
+                default_op(m, "MatMul")
+                and len(m.input) == 2
+                and len(m.output) == 1
+                and _packable(constants.get(m.input[1]))
+            )
+            or (_nbits_key(m, constants) is not None and len(m.input) <= 4)
+        ):
             continue
         outputs = list(m.output) + [o for o in p.output[3:] if o]
-        replace[i] = fused_with_body("PrologueMatMul", [p, m], list(p.input), outputs,
-                                     prologue_inputs=len(p.input))
+        replace[i] = fused_with_body("PrologueMatMul", [p, m], list(p.input), outputs, prologue_inputs=len(p.input))
         drop.add(r[0])
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]

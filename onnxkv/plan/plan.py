@@ -183,7 +183,9 @@ class Plan:
         if fuse:
             nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
             nodes = fuse_masked_attention(nodes, protected)
-            nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)
+            nodes = fuse_sibling_matmuls(
+                fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants
+            )
             nodes = fuse_sibling_nbits(nodes, constants)
             nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
             nodes = fuse_prologue_matmuls(nodes, protected, constants)
@@ -192,8 +194,9 @@ class Plan:
         by_node: dict[str, list] = {}
         for b in self.bindings:
             by_node.setdefault(b.node, []).append(b)
-        self.build_context = BuildContext(self.opsets, constants, frozenset(present_outputs), frozenset(past_inputs),
-                                          by_node, self._subplan)
+        self.build_context = BuildContext(
+            self.opsets, constants, frozenset(present_outputs), frozenset(past_inputs), by_node, self._subplan
+        )
         kernels: list[Op] = []
         kept_nodes: list[onnx.NodeProto] = []
         shapes = None
@@ -209,8 +212,14 @@ class Plan:
                 kernel = self._make_kernel(node)
                 if fold_node(node, kernel, constants, self.opsets):
                     continue
-            if shapes is not None and (shapes.fold(node, constants) or shapes.merge(
-                    node, constants, node.op_type not in NON_DETERMINISTIC and (node.name or node.output[0]) not in by_node)):
+            if shapes is not None and (
+                shapes.fold(node, constants)
+                or shapes.merge(
+                    node,
+                    constants,
+                    node.op_type not in NON_DETERMINISTIC and (node.name or node.output[0]) not in by_node,
+                )
+            ):
                 continue
             kernels.append(kernel or self._make_kernel(node))
             kept_nodes.append(node)
@@ -256,20 +265,25 @@ class Plan:
         self._template = template
         self.must_alias = [self._aliases(node, kernel, constants) for node, kernel in zip(kept_nodes, kernels)]
         #: Graph inputs written in place (MUST_ALIAS): fed as given, never copied.
-        self.aliased_inputs = frozenset(node.input[i] for node, pairs in zip(kept_nodes, self.must_alias)
-                                        for _, i in pairs) & {g.name for g in self.inputs}
+        self.aliased_inputs = frozenset(
+            node.input[i] for node, pairs in zip(kept_nodes, self.must_alias) for _, i in pairs
+        ) & {g.name for g in self.inputs}
         self._input_names = frozenset(g.name for g in self.inputs)
         if self.scope is not None:
             self._check_nested_writes(kept_nodes)
         self._plan_lifetimes(kept_nodes, set(constants))
-        self._steps = [(k.run, tuple(none_slot if s < 0 else s for s in i), tuple(sink_slot if s < 0 else s for s in o))
-                       for k, i, o in zip(kernels, in_idx, out_idx)]
+        self._steps = [
+            (k.run, tuple(none_slot if s < 0 else s for s in i), tuple(sink_slot if s < 0 else s for s in o))
+            for k, i, o in zip(kernels, in_idx, out_idx)
+        ]
         # Only non-persistent node outputs ever hold a run buffer (see _allocator_for).
         owners = {x for o in out_idx for x in o if x >= 0 and not self.persistent[x]}
         #: Per node, what the run loop does after it: (MUST_ALIAS pairs to check, slots to clear, slots whose
         #: storage class ends there and may hold a run buffer).
-        self._after = [(pairs, release + ((sink_slot,) if -1 in o else ()), tuple(x for x in frees if x in owners))
-                       for pairs, release, frees, o in zip(self.must_alias, self.release, self.frees, out_idx)]
+        self._after = [
+            (pairs, release + ((sink_slot,) if -1 in o else ()), tuple(x for x in frees if x in owners))
+            for pairs, release, frees, o in zip(self.must_alias, self.release, self.frees, out_idx)
+        ]
 
     # -- build helpers -------------------------------------------------
     def _subplan(self, graph: onnx.GraphProto, where: str) -> Plan:
@@ -280,8 +294,15 @@ class Plan:
         overridable = {g.name for g in self.inputs if g.has_default}
         model, external, scope = subgraph_model(graph, self.opsets, self.build_context.constants, overridable, where)
         try:
-            return Plan(model, self.allocator, fuse=self._fuse, external=external, fold_shapes=self._fold_shapes,
-                        keep_buffers=self.keep_buffers, scope=scope)
+            return Plan(
+                model,
+                self.allocator,
+                fuse=self._fuse,
+                external=external,
+                fold_shapes=self._fold_shapes,
+                keep_buffers=self.keep_buffers,
+                scope=scope,
+            )
         except OnnxkvError as e:
             raise type(e)(f"{where}: {e}") from e
 
@@ -291,9 +312,11 @@ class Plan:
         for node, pairs in zip(nodes, self.must_alias):
             for _, i in pairs:
                 if node.input[i] in outer:
-                    raise ModelError(f"{node_label(node)} writes '{node.input[i]}' in place (MUST_ALIAS) inside a "
-                                     "subgraph, but that value comes from outside it; onnxkv never writes values "
-                                     "of an enclosing scope from inside control flow")
+                    raise ModelError(
+                        f"{node_label(node)} writes '{node.input[i]}' in place (MUST_ALIAS) inside a "
+                        "subgraph, but that value comes from outside it; onnxkv never writes values "
+                        "of an enclosing scope from inside control flow"
+                    )
 
     def _drop_absorbed(self, constants: dict) -> None:
         """Forget constants every reader captured at build time (``Op.absorbed_inputs``): kept as None."""
@@ -312,7 +335,9 @@ class Plan:
         for node in nodes:
             dom = DOMAIN_ALIASES.get(node.domain, node.domain)
             positions = {a.input_index for a in get_output_alias(node)}
-            positions.update(i for _, i in getattr(lookup(dom, node.op_type, self.opsets.get(dom, 0)), "must_alias", ()))
+            positions.update(
+                i for _, i in getattr(lookup(dom, node.op_type, self.opsets.get(dom, 0)), "must_alias", ())
+            )
             written.update(node.input[i] for i in positions if i < len(node.input) and node.input[i])
         return written
 
@@ -326,8 +351,9 @@ class Plan:
             raise
         except Exception as e:
             names = sorted(a.name for a in node.attribute)
-            raise ModelError(f"{node_label(node)} cannot be built from its attributes {names}: "
-                             f"{type(e).__name__}: {e}") from e
+            raise ModelError(
+                f"{node_label(node)} cannot be built from its attributes {names}: {type(e).__name__}: {e}"
+            ) from e
 
     @staticmethod
     def _aliases(node: onnx.NodeProto, kernel: Op, constants: dict) -> tuple[tuple[int, int], ...]:
@@ -336,26 +362,36 @@ class Plan:
         pairs.update(getattr(kernel, "must_alias", ()))
         for o, i in pairs:
             if i >= len(node.input) or o >= len(node.output):
-                raise ModelError(f"{node.op_type} node '{node.name}': MUST_ALIAS ({o} <- {i}) names a missing "
-                                 "input or output")
+                raise ModelError(
+                    f"{node.op_type} node '{node.name}': MUST_ALIAS ({o} <- {i}) names a missing input or output"
+                )
             if node.input[i] in constants:
-                raise ModelError(f"{node.op_type} node '{node.name}': MUST_ALIAS input '{node.input[i]}' is an "
-                                 "initializer; aliased storage must be writable")
+                raise ModelError(
+                    f"{node.op_type} node '{node.name}': MUST_ALIAS input '{node.input[i]}' is an "
+                    "initializer; aliased storage must be writable"
+                )
         return tuple(sorted(pairs))
 
     def _check_aliases(self, k: int, inputs: list, results) -> None:
         node = self.nodes[k]
         for o, i in self.must_alias[k]:
             a, b = results[o], inputs[i]
-            if a is None or b is None or a.shape != b.shape or \
-                    a.__array_interface__["data"][0] != b.__array_interface__["data"][0]:
-                raise OperatorError(f"{node.op_type} node '{node.name}': output '{node.output[o]}' must alias input "
-                                    f"'{node.input[i]}' (MUST_ALIAS) but the kernel returned other storage")
+            if (
+                a is None
+                or b is None
+                or a.shape != b.shape
+                or a.__array_interface__["data"][0] != b.__array_interface__["data"][0]
+            ):
+                raise OperatorError(
+                    f"{node.op_type} node '{node.name}': output '{node.output[o]}' must alias input "
+                    f"'{node.input[i]}' (MUST_ALIAS) but the kernel returned other storage"
+                )
 
     def _plan_lifetimes(self, nodes: list[onnx.NodeProto], constant_names: set[str]) -> None:
         pinned = set(self.output_slots) | set(self.nested_slots) | {self.slot_of[c] for c in constant_names}
         self.persistent, self.release, self.frees = plan_lifetimes(
-            nodes, self.kernels, self.in_idx, self.out_idx, self.must_alias, self.slot_of, self.n_slots, pinned)
+            nodes, self.kernels, self.in_idx, self.out_idx, self.must_alias, self.slot_of, self.n_slots, pinned
+        )
 
     # -- running -------------------------------------------------------
     def bind_inputs(self, feeds: Mapping[str, np.ndarray], views: Mapping | None = None) -> list:
@@ -378,7 +414,9 @@ class Plan:
                 raise InputError(f"Session.run: input '{g.name}' has dtype {v.dtype}, expected {g.dtype}")
             if g.shape is not None:
                 if v.ndim != len(g.shape):
-                    raise InputError(f"Session.run: input '{g.name}' has shape {v.shape}, expected rank {len(g.shape)} {g.shape}")
+                    raise InputError(
+                        f"Session.run: input '{g.name}' has shape {v.shape}, expected rank {len(g.shape)} {g.shape}"
+                    )
                 for have, want in zip(v.shape, g.shape):
                     if isinstance(want, int) and want > 0 and have != want:
                         raise InputError(f"Session.run: input '{g.name}' has shape {v.shape}, expected {g.shape}")
@@ -386,9 +424,16 @@ class Plan:
             slots[s] = v if keep else v.copy(order="C")
         return slots
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None,
-            events: EventLog | None = None, step: int = 0, caches: dict | None = None,
-            cache_allocator=None, cancel=None) -> dict[str, np.ndarray]:
+    def run(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        output_names: list[str] | None = None,
+        events: EventLog | None = None,
+        step: int = 0,
+        caches: dict | None = None,
+        cache_allocator=None,
+        cancel=None,
+    ) -> dict[str, np.ndarray]:
         """Run every node once and return the requested graph outputs (all by default).
 
         ``caches`` (past input name -> CacheTensor) makes bound nodes write in
@@ -403,7 +448,9 @@ class Plan:
             out_slots = []
             for name in output_names:
                 if name not in self.output_names:
-                    raise InputError(f"Session.run: unknown output '{name}'; outputs are: {', '.join(self.output_names)}")
+                    raise InputError(
+                        f"Session.run: unknown output '{name}'; outputs are: {', '.join(self.output_names)}"
+                    )
                 out_slots.append(self.slot_of[name])
         slots = self.bind_inputs(feeds, caches)
         bufs = self._take_buffers()
@@ -527,8 +574,16 @@ class Plan:
         except Exception as e:
             raise self._node_failure(k, e) from e
 
-    def _run_recording(self, slots: list, bufs: RunBuffers, rt: RunContext, events: EventLog, step: int,
-                       cache_allocator=None, cancel=None) -> None:
+    def _run_recording(
+        self,
+        slots: list,
+        bufs: RunBuffers,
+        rt: RunContext,
+        events: EventLog,
+        step: int,
+        cache_allocator=None,
+        cancel=None,
+    ) -> None:
         allocator = self.allocator
         release = bufs.release
         after = self._after
@@ -550,14 +605,31 @@ class Plan:
                     slots[s] = v
                 st = allocator.stats()
                 node = self.nodes[k]
-                events.record(step, node.name or node.output[0], node.op_type, "execute", seconds=dt,
-                              committed=st.committed, live=st.live, peak=st.peak, **rt.counters)
+                events.record(
+                    step,
+                    node.name or node.output[0],
+                    node.op_type,
+                    "execute",
+                    seconds=dt,
+                    committed=st.committed,
+                    live=st.live,
+                    peak=st.peak,
+                    **rt.counters,
+                )
                 if rt.cache_events:
                     cst = cache_allocator.stats()
                     for past, cost in rt.cache_events:
-                        events.record(step, node.name or node.output[0], node.op_type, "cache_write",
-                                      committed=cst.committed, live=cst.live, peak=cst.peak,
-                                      extra={"cache": past}, **vars(cost))
+                        events.record(
+                            step,
+                            node.name or node.output[0],
+                            node.op_type,
+                            "cache_write",
+                            committed=cst.committed,
+                            live=cst.live,
+                            peak=cst.peak,
+                            extra={"cache": past},
+                            **vars(cost),
+                        )
                     rt.cache_events.clear()
                 for s in clear:
                     slots[s] = None

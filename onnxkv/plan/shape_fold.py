@@ -59,7 +59,7 @@ import onnx
 
 from onnxkv.errors import ModelError
 from onnxkv.model.shape_inference import _light_model
-from onnxkv.plan.fusion import RESHAPE_FROM_X, REPEAT_KV_INPUTS, default_op
+from onnxkv.plan.fusion import REPEAT_KV_INPUTS, RESHAPE_FROM_X, default_op
 
 __all__ = ["ShapeFolder", "static_dims"]
 
@@ -117,8 +117,9 @@ def static_dims(model: onnx.ModelProto) -> dict[str, tuple[Entry, ...]]:
     for vi in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
         tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
         if tt is not None and tt.HasField("shape") and vi.name not in dims:
-            dims[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
-                                  for d in tt.shape.dim)
+            dims[vi.name] = tuple(
+                int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+            )
     return dims
 
 
@@ -165,7 +166,7 @@ def _rename_node(node: onnx.NodeProto, renamed: dict[str, str], inputs: bool = T
         for i, x in enumerate(node.input):
             node.input[i] = renamed.get(x, x)
     for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+        for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
             for vi in g.input:
                 vi.name = renamed.get(vi.name, vi.name)
             for n in g.node:
@@ -175,7 +176,7 @@ def _rename_node(node: onnx.NodeProto, renamed: dict[str, str], inputs: bool = T
 def _body_reads_only_at(node: onnx.NodeProto, name: str, positions: dict[str, int]) -> bool:
     """True when every node of ``node``'s subgraphs that reads ``name`` reads it at ``positions[op_type]`` only."""
     for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+        for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
             for n in g.node:
                 at = [i for i, x in enumerate(n.input) if x == name]
                 if at and at != [positions.get(n.op_type, -1)] or not _body_reads_only_at(n, name, positions):
@@ -225,8 +226,11 @@ class ShapeFolder:
 
         Names in subgraphs (e.g. a fused node's ``body``) are renamed alike.
         """
-        if not self.renamed or not any(x in self.renamed for x in node.input) and not any(
-                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        if (
+            not self.renamed
+            or not any(x in self.renamed for x in node.input)
+            and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+        ):
             return node
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
@@ -305,17 +309,29 @@ class ShapeFolder:
             for x, axes, shape, reshape in REPEAT_KV_INPUTS[op]:
                 if len(node.input) > shape and node.input[shape]:
                     dims = self._unsqueezed(node.input[x], node.input[axes], constants)
-                    targets.append((shape, self._against(node.input[shape], dims, 1, constants),
-                                    _BODY_EXPAND_POSITION, False))
+                    targets.append(
+                        (shape, self._against(node.input[shape], dims, 1, constants), _BODY_EXPAND_POSITION, False)
+                    )
                 if op in _TEMPLATE_OPS and len(node.input) > reshape and node.input[reshape]:
-                    targets.append((reshape, self._template(node.input[reshape], self.dims.get(node.input[x]),
-                                                            constants), _BODY_RESHAPE_POSITION, True))
+                    targets.append(
+                        (
+                            reshape,
+                            self._template(node.input[reshape], self.dims.get(node.input[x]), constants),
+                            _BODY_RESHAPE_POSITION,
+                            True,
+                        )
+                    )
         elif dom == "ai.onnxkv" and op == "ViewChain":
             body = _attr(node, "body", None)
             steps = list(body.node) if body is not None else []
             for step in steps:
-                if default_op(step, "Reshape") and len(step.input) == 2 and not _attr(step, "allowzero", 0) \
-                        and step.input[1] in node.input[1:] and sum(step.input[1] in n.input for n in steps) == 1:
+                if (
+                    default_op(step, "Reshape")
+                    and len(step.input) == 2
+                    and not _attr(step, "allowzero", 0)
+                    and step.input[1] in node.input[1:]
+                    and sum(step.input[1] in n.input for n in steps) == 1
+                ):
                     arr = self._against(step.input[1], self.dims.get(step.input[0]), 0, constants)
                     targets.append((list(node.input).index(step.input[1]), arr, {"Reshape": 1}, False))
         targets = [t for t in targets if t[1] is not None]
@@ -347,15 +363,27 @@ class ShapeFolder:
         if len(node.output) != 1 or node.output[0] in self.protected or node.output[0] in constants:
             return None
         found = self._evaluate(node, constants)
-        if found is None or found[2] != "i" or not all(isinstance(v, int) or v in self._sources for v in found[0]) \
-                or all(isinstance(v, int) for v in found[0]):
+        if (
+            found is None
+            or found[2] != "i"
+            or not all(isinstance(v, int) or v in self._sources for v in found[0])
+            or all(isinstance(v, int) for v in found[0])
+        ):
             return None
         tensors = list(dict.fromkeys(self._sources[v][0] for v in found[0] if isinstance(v, str)))
         sources = [tensors.index(self._sources[v][0]) if isinstance(v, str) else -1 for v in found[0]]
         values = [self._sources[v][1] if isinstance(v, str) else v for v in found[0]]
         self.partial[node.output[0]] = found
-        return onnx.helper.make_node("ShapeOf", tensors, list(node.output), name=node.name or node.output[0],
-                                     domain="ai.onnxkv", sources=sources, values=values, rank=len(found[1]))
+        return onnx.helper.make_node(
+            "ShapeOf",
+            tensors,
+            list(node.output),
+            name=node.name or node.output[0],
+            domain="ai.onnxkv",
+            sources=sources,
+            values=values,
+            rank=len(found[1]),
+        )
 
     def _template(self, name: str, dims: tuple[Entry, ...] | None, constants: dict) -> np.ndarray | None:
         """``name``'s partial value as a :data:`~onnxkv.plan.fusion.RESHAPE_FROM_X` template over ``dims``.
@@ -477,21 +505,32 @@ class ShapeFolder:
                 return None
             out_shape = (n,) if target.size == 1 and int(target[0]) in (-1, 0, n) else () if target.size == 0 else None
             return (data, out_shape, kind) if out_shape is not None and (out_shape or n == 1) else None
-        if op == "Concat" and _attr(node, "axis", 0) in (0, -1) and all(
-                a is not None and len(a[1]) == 1 and a[2] == kind for a in args):
+        if (
+            op == "Concat"
+            and _attr(node, "axis", 0) in (0, -1)
+            and all(a is not None and len(a[1]) == 1 and a[2] == kind for a in args)
+        ):
             joined = tuple(v for a in args for v in a[0])
             return joined, (len(joined),), kind
         if op == "Equal" and len(args) == 2 and args[1] is not None and kind == "i" == args[1][2]:
             pairs = _broadcast(args[0], args[1])
             return None if pairs is None else (tuple(_equal(a, b) for a, b in pairs[0]), pairs[1], "b")
-        if op == "Where" and kind == "b" and len(args) == 3 and all(a is not None for a in args[1:]) \
-                and args[1][2] == args[2][2]:
+        if (
+            op == "Where"
+            and kind == "b"
+            and len(args) == 3
+            and all(a is not None for a in args[1:])
+            and args[1][2] == args[2][2]
+        ):
             picks = _broadcast(args[1], args[2])
             if picks is None or args[0][1] not in ((), picks[1]):
                 return None
             conds = data if shape else data * len(picks[0])
-            return tuple(a if c is True else b if c is False else None
-                         for c, (a, b) in zip(conds, picks[0])), picks[1], args[1][2]
+            return (
+                tuple(a if c is True else b if c is False else None for c, (a, b) in zip(conds, picks[0])),
+                picks[1],
+                args[1][2],
+            )
         return None
 
     def _repeat_kv_shape(self, node: onnx.NodeProto, constants: dict) -> Partial | None:
@@ -528,9 +567,13 @@ class ShapeFolder:
         """True when ``node`` repeats an earlier deterministic node (its outputs are then renamed to that node's)."""
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
             return False
-        if node.op_type == "Shape" or (node.domain, node.op_type) == ("ai.onnxkv", "ShapeOf") or (
-                deterministic and node.input and all(
-                (not x) or x in constants or x in self.derived for x in node.input)):
+        if (
+            node.op_type == "Shape"
+            or (node.domain, node.op_type) == ("ai.onnxkv", "ShapeOf")
+            or (
+                deterministic and node.input and all((not x) or x in constants or x in self.derived for x in node.input)
+            )
+        ):
             self.derived.update(o for o in node.output if o)
         elif not deterministic or not node.input or node.op_type in _RANDOM_WHEN_TRAINING:
             return False

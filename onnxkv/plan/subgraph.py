@@ -43,13 +43,21 @@ def type_kind(t: onnx.TypeProto) -> str | None:
     which = t.WhichOneof("value")
     if which in ("tensor_type", None):
         return None
-    return {"sequence_type": "a sequence", "optional_type": "an optional", "map_type": "a map",
-            "sparse_tensor_type": "a sparse tensor"}.get(which, which)
+    return {
+        "sequence_type": "a sequence",
+        "optional_type": "an optional",
+        "map_type": "a map",
+        "sparse_tensor_type": "a sparse tensor",
+    }.get(which, which)
 
 
-def subgraph_model(graph: onnx.GraphProto, opsets: Mapping[str, int], constants: Mapping[str, np.ndarray | None],
-                   overridable: Collection[str],
-                   where: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list[str]]:
+def subgraph_model(
+    graph: onnx.GraphProto,
+    opsets: Mapping[str, int],
+    constants: Mapping[str, np.ndarray | None],
+    overridable: Collection[str],
+    where: str,
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list[str]]:
     """``graph`` as a model: (model, external arrays of its scope constants, scope names fed at run time).
 
     ``opsets`` are the enclosing model's; ``constants`` the values known in
@@ -74,8 +82,13 @@ def subgraph_model(graph: onnx.GraphProto, opsets: Mapping[str, int], constants:
             scope.append(name)
             continue
         external[name] = value
-        wrapped.initializer.append(onnx.TensorProto(
-            name=name, data_type=helper.np_dtype_to_tensor_dtype(value.dtype), dims=value.shape,
-            data_location=onnx.TensorProto.EXTERNAL))
+        wrapped.initializer.append(
+            onnx.TensorProto(
+                name=name,
+                data_type=helper.np_dtype_to_tensor_dtype(value.dtype),
+                dims=value.shape,
+                data_location=onnx.TensorProto.EXTERNAL,
+            )
+        )
     model = helper.make_model(wrapped, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
     return model, external, scope

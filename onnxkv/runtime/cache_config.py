@@ -51,8 +51,16 @@ from onnxkv._deprecation import warn_deprecated
 from onnxkv.cache.policy import POLICIES
 from onnxkv.errors import InputError
 
-__all__ = ["CacheConfig", "KeyLayout", "CacheRequest", "cache_request", "state_keywords", "KINDS", "FLOAT_FORMATS",
-           "LEGACY_KEYWORDS"]
+__all__ = [
+    "CacheConfig",
+    "KeyLayout",
+    "CacheRequest",
+    "cache_request",
+    "state_keywords",
+    "KINDS",
+    "FLOAT_FORMATS",
+    "LEGACY_KEYWORDS",
+]
 
 #: Every cache kind a CacheConfig names.
 KINDS = ("contiguous", "paged", "tensor")
@@ -65,14 +73,24 @@ DEFAULT_BLOCK_SIZE = 16
 #: First capacity of a growing contiguous cache when neither the CacheConfig nor the entry point chooses one.
 DEFAULT_INITIAL_CAPACITY = 32
 #: State keywords a CacheConfig replaces; deprecated as keywords of the entry points.
-LEGACY_KEYWORDS = ("capacity", "initial_capacity", "cache_dtype", "block_size", "max_pages", "kv_format",
-                   "key_channel_scales", "key_channel_zero_points")
+LEGACY_KEYWORDS = (
+    "capacity",
+    "initial_capacity",
+    "cache_dtype",
+    "block_size",
+    "max_pages",
+    "kv_format",
+    "key_channel_scales",
+    "key_channel_zero_points",
+)
 #: What the deprecation warning tells a caller of each legacy keyword to write instead.
 _REPLACEMENT = {
-    "capacity": "capacity=", "initial_capacity": "initial_capacity=", "block_size": "block_size=",
+    "capacity": "capacity=",
+    "initial_capacity": "initial_capacity=",
+    "block_size": "block_size=",
     "max_pages": "max_pages=",
     "kv_format": "kv_format= (a paged cache's 'fp16' / 'bf16' now store every page in that type from its first "
-                 "token; onnxkv.cache.policy.POLICIES['fp16'] converts full pages as before)",
+    "token; onnxkv.cache.policy.POLICIES['fp16'] converts full pages as before)",
     "cache_dtype": "kv_format='fp16' | 'bf16' | 'fp32' (for cache_dtype='float16' | 'bfloat16' | 'float32')",
     "key_channel_scales": "key_layout=KeyLayout.CHANNEL",
     "key_channel_zero_points": "key_layout=KeyLayout.CHANNEL_ZERO_POINT",
@@ -95,13 +113,17 @@ class KeyLayout(str, enum.Enum):
 
 
 #: KeyLayout -> State's (key_channel_scales, key_channel_zero_points).
-_KEY_FLAGS = {KeyLayout.HEAD: (False, False), KeyLayout.CHANNEL: (True, False),
-              KeyLayout.CHANNEL_ZERO_POINT: (False, True)}
+_KEY_FLAGS = {
+    KeyLayout.HEAD: (False, False),
+    KeyLayout.CHANNEL: (True, False),
+    KeyLayout.CHANNEL_ZERO_POINT: (False, True),
+}
 
 
 def _count(name: str, value, low: int = 1) -> None:
-    if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
-                              or value < low):
+    if value is not None and (
+        isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low
+    ):
         raise InputError(f"CacheConfig: {name} must be an int ≥ {low} or None, got {value!r}")
 
 
@@ -154,16 +176,22 @@ class CacheConfig:
             _count(name, getattr(self, name))
         paged_only = [n for n in ("block_size", "max_pages") if getattr(self, n) is not None]
         if self.kind != "paged" and paged_only:
-            raise InputError(f"CacheConfig: {paged_only[0]}={getattr(self, paged_only[0])!r} needs kind='paged', "
-                             f"got kind={self.kind!r}")
+            raise InputError(
+                f"CacheConfig: {paged_only[0]}={getattr(self, paged_only[0])!r} needs kind='paged', "
+                f"got kind={self.kind!r}"
+            )
         if self.kind != "contiguous" and self.initial_capacity is not None:
-            raise InputError(f"CacheConfig: initial_capacity={self.initial_capacity!r} needs kind='contiguous' (a "
-                             f"paged cache grows page by page), got kind={self.kind!r}")
+            raise InputError(
+                f"CacheConfig: initial_capacity={self.initial_capacity!r} needs kind='contiguous' (a "
+                f"paged cache grows page by page), got kind={self.kind!r}"
+            )
         if self.kind == "tensor":
             given = [n for n in ("capacity", "kv_format", "key_layout") if getattr(self, n) is not None]
             if given:
-                raise InputError(f"CacheConfig: {given[0]}={getattr(self, given[0])!r} needs a state's cache "
-                                 "(kind='contiguous' or 'paged'), got kind='tensor'")
+                raise InputError(
+                    f"CacheConfig: {given[0]}={getattr(self, given[0])!r} needs a state's cache "
+                    "(kind='contiguous' or 'paged'), got kind='tensor'"
+                )
         self._check_kv_format()
         self._check_key_layout()
 
@@ -173,12 +201,15 @@ class CacheConfig:
             return
         if (isinstance(fmt, str) and fmt in PAGE_POLICIES) or (callable(fmt) and not isinstance(fmt, str)):
             if self.kind != "paged":
-                raise InputError(f"CacheConfig: kv_format={fmt!r} (page formats) needs kind='paged', got "
-                                 f"kind={self.kind!r}; a contiguous cache takes None, 'fp32', 'fp16' or 'bf16'")
+                raise InputError(
+                    f"CacheConfig: kv_format={fmt!r} (page formats) needs kind='paged', got "
+                    f"kind={self.kind!r}; a contiguous cache takes None, 'fp32', 'fp16' or 'bf16'"
+                )
             return
         names = ", ".join(repr(n) for n in (*FLOAT_FORMATS, *PAGE_POLICIES))
-        raise InputError(f"CacheConfig: kv_format must be None, one of {names} or a FormatSelector callable, "
-                         f"got {fmt!r}")
+        raise InputError(
+            f"CacheConfig: kv_format must be None, one of {names} or a FormatSelector callable, got {fmt!r}"
+        )
 
     def _check_key_layout(self) -> None:
         layout = self.key_layout
@@ -188,16 +219,22 @@ class CacheConfig:
             layout = KeyLayout(layout)
         except ValueError:
             values = ", ".join(repr(k.value) for k in KeyLayout)
-            raise InputError(f"CacheConfig: key_layout must be a KeyLayout ({values}) or None, got {layout!r}") from None
+            raise InputError(
+                f"CacheConfig: key_layout must be a KeyLayout ({values}) or None, got {layout!r}"
+            ) from None
         object.__setattr__(self, "key_layout", layout)
         fmt = self.kv_format
         if fmt is None or (isinstance(fmt, str) and fmt in FLOAT_FORMATS):
-            raise InputError(f"CacheConfig: key_layout={layout.value!r} needs quantized key pages (kind='paged' and "
-                             f"a page-format kv_format such as 'int8'), got kv_format={fmt!r}")
+            raise InputError(
+                f"CacheConfig: key_layout={layout.value!r} needs quantized key pages (kind='paged' and "
+                f"a page-format kv_format such as 'int8'), got kv_format={fmt!r}"
+            )
         own = None if isinstance(fmt, str) else _own_key_layout(fmt)
         if own is not None and own is not layout:
-            raise InputError(f"CacheConfig: key_layout={layout.value!r} conflicts with the kv_format selector's own "
-                             f"layout {own.value!r} (its key_channel_scales / key_channel_zero_points attributes)")
+            raise InputError(
+                f"CacheConfig: key_layout={layout.value!r} conflicts with the kv_format selector's own "
+                f"layout {own.value!r} (its key_channel_scales / key_channel_zero_points attributes)"
+            )
 
 
 def state_keywords(config: CacheConfig, initial_capacity: int = DEFAULT_INITIAL_CAPACITY) -> dict:
@@ -209,8 +246,11 @@ def state_keywords(config: CacheConfig, initial_capacity: int = DEFAULT_INITIAL_
     """
     if config.kind == "tensor":
         raise InputError("CacheConfig: kind='tensor' has no state (the cache is threaded through the graph)")
-    kw = {"cache": config.kind, "capacity": config.capacity,
-          "initial_capacity": config.initial_capacity if config.initial_capacity is not None else initial_capacity}
+    kw = {
+        "cache": config.kind,
+        "capacity": config.capacity,
+        "initial_capacity": config.initial_capacity if config.initial_capacity is not None else initial_capacity,
+    }
     if config.kind == "paged":
         kw["block_size"] = config.block_size if config.block_size is not None else DEFAULT_BLOCK_SIZE
         kw["max_pages"] = config.max_pages
@@ -255,8 +295,16 @@ class CacheRequest:
         return state_keywords(CacheConfig(kind=default_kind), initial_capacity)
 
 
-def cache_request(api: str, cache, kinds: Sequence[str], legacy: Mapping | None = None, *, depth: int = 1,
-                  auto: bool = False, given_as: str | None = None) -> CacheRequest:
+def cache_request(
+    api: str,
+    cache,
+    kinds: Sequence[str],
+    legacy: Mapping | None = None,
+    *,
+    depth: int = 1,
+    auto: bool = False,
+    given_as: str | None = None,
+) -> CacheRequest:
     """Check an entry point's ``cache=`` argument and its deprecated State keywords.
 
     Args:
@@ -279,8 +327,11 @@ def cache_request(api: str, cache, kinds: Sequence[str], legacy: Mapping | None 
     legacy = dict(legacy or {})
     listed = ", ".join(repr(k) for k in kinds)
     if auto and isinstance(cache, str) and cache == "auto":
-        warn_deprecated(f"{api}: cache='auto' is deprecated; leave cache=None for the default (the in-place "
-                        "contiguous cache when the model has one, else tensors)", depth + 1)
+        warn_deprecated(
+            f"{api}: cache='auto' is deprecated; leave cache=None for the default (the in-place "
+            "contiguous cache when the model has one, else tensors)",
+            depth + 1,
+        )
         cache = None
     if isinstance(cache, str) and cache in kinds:
         config = None if legacy or given_as else CacheConfig(kind=cache)
@@ -296,12 +347,16 @@ def cache_request(api: str, cache, kinds: Sequence[str], legacy: Mapping | None 
         names = [given_as] if given_as else list(legacy)
         spelled = ", ".join(k + "=" for k in names)
         if isinstance(cache, CacheConfig):
-            raise InputError(f"{api}: {spelled} cannot be combined with cache=CacheConfig(...); put "
-                             f"{'its entries' if given_as else 'them'} in the CacheConfig")
+            raise InputError(
+                f"{api}: {spelled} cannot be combined with cache=CacheConfig(...); put "
+                f"{'its entries' if given_as else 'them'} in the CacheConfig"
+            )
         fields = "; ".join(f"{k}= -> {_REPLACEMENT[k]}" for k in legacy if k in _REPLACEMENT)
-        warn_deprecated(f"{api}: {spelled} {'are' if len(names) > 1 else 'is'} deprecated; pass "
-                        f"cache=onnxkv.CacheConfig(kind=..., ...) instead" + (f" ({fields})" if fields else ""),
-                        depth + 1)
+        warn_deprecated(
+            f"{api}: {spelled} {'are' if len(names) > 1 else 'is'} deprecated; pass "
+            f"cache=onnxkv.CacheConfig(kind=..., ...) instead" + (f" ({fields})" if fields else ""),
+            depth + 1,
+        )
         if isinstance(cache, str):
             legacy["cache"] = cache
     return CacheRequest(config, legacy)

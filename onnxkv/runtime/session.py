@@ -48,8 +48,13 @@ class Session:
     each call is independent.  One session must not run from two threads at once.
     """
 
-    def __init__(self, model: str | os.PathLike | Model | onnx.ModelProto, threads: int | None = None,
-                 allocator=None, events: bool = False) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike | Model | onnx.ModelProto,
+        threads: int | None = None,
+        allocator=None,
+        events: bool = False,
+    ) -> None:
         self.model = model if isinstance(model, Model) else load(model)
         self.allocator = as_allocator(allocator)
         self.events = EventLog(enabled=bool(events))
@@ -64,9 +69,15 @@ class Session:
         self.bindings = [] if self.declared_bindings else inplace_bindings(self.model.proto, conv)
         # With its own allocator the plan keeps a run's temporaries for the next run (a decode step then
         # allocates nothing); a caller's allocator gets every temporary back at the end of each run.
-        self.plan = Plan(self.model.proto, self.allocator, present_outputs=conv.present_outputs,
-                         past_inputs=conv.past_inputs, bindings=self.bindings, external=self.model.external,
-                         keep_buffers=allocator is None)
+        self.plan = Plan(
+            self.model.proto,
+            self.allocator,
+            present_outputs=conv.present_outputs,
+            past_inputs=conv.past_inputs,
+            bindings=self.bindings,
+            external=self.model.external,
+            keep_buffers=allocator is None,
+        )
         self._step = 0
         #: Token ids fed as ``input_ids`` must lie in ``[0, token_limit)`` (None: not checked), see Model.token_limit.
         self.token_limit = self.model.token_limit
@@ -118,8 +129,10 @@ class Session:
         else:
             bad = ids.view(ids.dtype.str.replace("i", "u")).max() >= limit
         if bad:
-            raise InputError(f"Session.run: input '{self.model.io.input_ids}' holds token ids from {ids.min()} to "
-                             f"{ids.max()}; expected ids in [0, {limit}) (the model's vocabulary)")
+            raise InputError(
+                f"Session.run: input '{self.model.io.input_ids}' holds token ids from {ids.min()} to "
+                f"{ids.max()}; expected ids in [0, {limit}) (the model's vocabulary)"
+            )
 
     def _run_plan(self, feeds, output_names, caches=None, cache_allocator=None, cancel=None) -> dict:
         ids = feeds.get(self.model.io.input_ids) if self.model.io.input_ids else None
@@ -130,11 +143,18 @@ class Session:
         self._step += 1
         decode = ids is not None and ids.size <= DECODE_ROWS
         with self._threads(1 if decode else None):
-            return self.plan.run(feeds, output_names, self.events if self.events.enabled else None, step,
-                                 caches, cache_allocator, cancel)
+            return self.plan.run(
+                feeds, output_names, self.events if self.events.enabled else None, step, caches, cache_allocator, cancel
+            )
 
-    def new_state(self, initial: Mapping[str, np.ndarray] | None = None, *, cache: CacheConfig | str | None = None,
-                  allocator=None, **deprecated) -> State:
+    def new_state(
+        self,
+        initial: Mapping[str, np.ndarray] | None = None,
+        *,
+        cache: CacheConfig | str | None = None,
+        allocator=None,
+        **deprecated,
+    ) -> State:
         """A persistent per-request :class:`~onnxkv.runtime.state.State` (see there).
 
         Args:
@@ -165,5 +185,6 @@ class Session:
 
     def __repr__(self) -> str:
         src = self.model.path or "<in-memory model>"
-        return (f"Session({src}, nodes={len(self.plan.nodes)}, threads={self.threads}, "
-                f"{self.model.convention.describe()})")
+        return (
+            f"Session({src}, nodes={len(self.plan.nodes)}, threads={self.threads}, {self.model.convention.describe()})"
+        )

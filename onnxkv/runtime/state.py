@@ -70,11 +70,22 @@ class State:
     state must not overlap (a second concurrent call raises :class:`~onnxkv.errors.StateError`).
     """
 
-    def __init__(self, session, initial: Mapping[str, np.ndarray] | None = None, capacity: int | None = None,
-                 initial_capacity: int = 32, allocator=None, cache_dtype: str | None = None,
-                 cache: str = "contiguous", block_size: int = 16, max_pages: int | None = None,
-                 kv_format=None, key_channel_scales: bool = False, key_channel_zero_points: bool = False,
-                 _pool: BlockPool | None = None) -> None:
+    def __init__(
+        self,
+        session,
+        initial: Mapping[str, np.ndarray] | None = None,
+        capacity: int | None = None,
+        initial_capacity: int = 32,
+        allocator=None,
+        cache_dtype: str | None = None,
+        cache: str = "contiguous",
+        block_size: int = 16,
+        max_pages: int | None = None,
+        kv_format=None,
+        key_channel_scales: bool = False,
+        key_channel_zero_points: bool = False,
+        _pool: BlockPool | None = None,
+    ) -> None:
         if cache not in _CACHES:
             raise InputError(f"new_state: cache must be one of {_CACHES}, got {cache!r}")
         for name, v in (("capacity", capacity), ("initial_capacity", initial_capacity)):
@@ -180,8 +191,9 @@ class State:
         finally:
             self._busy.release()
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None,
-            cancel: Cancellation | None = None) -> dict[str, np.ndarray]:
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None, cancel: Cancellation | None = None
+    ) -> dict[str, np.ndarray]:
         """Run one step: bound inputs come from the state, the caller feeds the rest.
 
         Returns the requested outputs (default: every output that is not a bound present; one asked
@@ -221,8 +233,10 @@ class State:
                 missing = [n for n in self.bound_inputs if n not in initial]
                 unknown = [n for n in initial if n not in self.bound_inputs]
                 if missing or unknown:
-                    raise InputError(f"State.reset: initial must give exactly the bound inputs {self.bound_inputs}; "
-                                     f"missing {missing}, unknown {unknown}")
+                    raise InputError(
+                        f"State.reset: initial must give exactly the bound inputs {self.bound_inputs}; "
+                        f"missing {missing}, unknown {unknown}"
+                    )
                 self._store.reset({n: np.asarray(a) for n, a in initial.items()})
             else:
                 self._store.close()
@@ -237,8 +251,10 @@ class State:
             if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
                 raise InputError(f"State.truncate: length must be an int, got {length!r}")
             if self.declared or self._static:
-                raise StateError("State.truncate: this state's values are not a growing KV cache "
-                                 f"({'declared persistent bindings' if self.declared else 'static TensorScatter cache'})")
+                raise StateError(
+                    "State.truncate: this state's values are not a growing KV cache "
+                    f"({'declared persistent bindings' if self.declared else 'static TensorScatter cache'})"
+                )
             if not 0 <= length <= self.length:
                 raise InputError(f"State.truncate: length must be in [0, {self.length}], got {length}")
             if self._store.caches:
@@ -266,8 +282,10 @@ class State:
     def _require_paged(self, api: str, held: bool = True) -> PagedStore:
         self._check_open(api)
         if not self.paged:
-            raise StateError(f"State.{api}: needs a paged state (session.new_state(cache='paged')); "
-                             f"this state's cache is '{self.cache}'")
+            raise StateError(
+                f"State.{api}: needs a paged state (session.new_state(cache='paged')); "
+                f"this state's cache is '{self.cache}'"
+            )
         if held and self._store.cache is None:
             raise StateError(f"State.{api}: the state holds no cache yet (run it first)")
         return self._store
@@ -282,10 +300,18 @@ class State:
             store = self._require_paged("fork")
             out = []
             for _ in range(int(n)):
-                st = State(self.session, capacity=self.capacity, initial_capacity=self.initial_capacity,
-                           allocator=self.allocator, cache_dtype=self.cache_dtype, cache="paged",
-                           kv_format=self.kv_format, key_channel_scales=self._key_header == HEADER_COMPACT,
-                           key_channel_zero_points=self._key_header == HEADER_CHANNEL_ZP, _pool=store.pool)
+                st = State(
+                    self.session,
+                    capacity=self.capacity,
+                    initial_capacity=self.initial_capacity,
+                    allocator=self.allocator,
+                    cache_dtype=self.cache_dtype,
+                    cache="paged",
+                    kv_format=self.kv_format,
+                    key_channel_scales=self._key_header == HEADER_COMPACT,
+                    key_channel_zero_points=self._key_header == HEADER_CHANNEL_ZP,
+                    _pool=store.pool,
+                )
                 st._store.cache = store.share()
                 st.steps = self.steps
                 out.append(st)

@@ -9,6 +9,7 @@ kernel tests once more under ``ONNXKV_MAX_SIMD`` for each narrower level, and
 on the ``-Dsimd=disabled`` build, so that what a narrower machine runs by
 default (tests without this fixture, the defaults a module reads at import) is
 tested on a wider one too."""
+
 import numpy as np
 import pytest
 
@@ -31,7 +32,7 @@ def simd(request):
     (yields its name); skipped, naming why, where this process cannot run it."""
     try:
         settings = K.current_settings().replace(simd=request.param)
-    except ValueError as e:   # "KernelSettings: simd='avx512' is not available: <why> (levels available: ...)"
+    except ValueError as e:  # "KernelSettings: simd='avx512' is not available: <why> (levels available: ...)"
         pytest.skip(str(e))
     with K.use_settings(settings):
         yield request.param

@@ -94,7 +94,7 @@ def test_activation_fast_checks_defer_to_named_errors(dtype):
     out = np.full(16, 3.0, dtype)
     readonly = out.copy()
     readonly.flags.writeable = False
-    buf = rand(rng, (20,), dtype)               # x or up = buf[:16], out = buf[4:]: partial overlap
+    buf = rand(rng, (20,), dtype)  # x or up = buf[:16], out = buf[4:]: partial overlap
     cases = [
         (lambda: K.silu(g.astype(swapped), out), f"x: dtype {swapped} is not supported (expected float32, float64)"),
         (lambda: K.sigmoid(g.tolist(), out), "x: expected a numpy.ndarray, got list"),

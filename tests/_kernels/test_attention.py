@@ -40,8 +40,7 @@ def make(rng, B, Hq, Hkv, Sq, Cap, D, qscale=1.0, kscale=1.0):
     return q, k, v
 
 
-def check(q, k, v, kv_len, q_pos, scale, softcap=0.0, window=-1, kv_start=None, combos=COMBOS, atol=1e-5,
-          rtol=1e-5):
+def check(q, k, v, kv_len, q_pos, scale, softcap=0.0, window=-1, kv_start=None, combos=COMBOS, atol=1e-5, rtol=1e-5):
     want = np.empty_like(q)
     R.attention(q, k, v, kv_len, q_pos, scale, softcap, window, want, kv_start=kv_start)
     old = K.get_num_threads()
@@ -51,8 +50,7 @@ def check(q, k, v, kv_len, q_pos, scale, softcap=0.0, window=-1, kv_start=None, 
             set_level(level)
             out = np.full_like(q, np.nan)
             K.attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=kv_start)
-            np.testing.assert_allclose(out, want, rtol=rtol, atol=atol,
-                                       err_msg=f"threads={threads} simd={level}")
+            np.testing.assert_allclose(out, want, rtol=rtol, atol=atol, err_msg=f"threads={threads} simd={level}")
     finally:
         K.set_num_threads(old)
         reset_level()
@@ -82,10 +80,10 @@ def test_decode(heads, D, ctx):
     Hq, Hkv = HEADS[heads]
     B = 2 if ctx < 8192 else 1
     rng = np.random.default_rng(ctx * 7 + D)
-    Cap = ctx + 5                                   # kv_len < Cap
+    Cap = ctx + 5  # kv_len < Cap
     q, k, v = make(rng, B, Hq, Hkv, 1, Cap, D)
     kv_len = np.array([ctx, max(1, ctx // 2 - 3)][:B], np.int32)
-    check(q, k, v, kv_len, decode_positions(kv_len, 1), D ** -0.5)
+    check(q, k, v, kv_len, decode_positions(kv_len, 1), D**-0.5)
 
 
 @pytest.mark.parametrize("D", [1, 7, 33, 96])
@@ -105,7 +103,7 @@ def test_prefill_causal(heads, Sq, past):
     Cap = past + Sq + 3
     q, k, v = make(rng, 2, Hq, Hkv, Sq, Cap, D)
     kv_len = np.array([past + Sq, past + Sq], np.int32)
-    check(q, k, v, kv_len, decode_positions(kv_len, Sq), D ** -0.5)
+    check(q, k, v, kv_len, decode_positions(kv_len, Sq), D**-0.5)
 
 
 @pytest.mark.parametrize("window", [0, 1, 16, 300])
@@ -123,7 +121,7 @@ def test_softcap_large_magnitude(softcap, Sq):
     rng = np.random.default_rng(int(softcap) + Sq)
     q, k, v = make(rng, 1, 8, 4, Sq, 600, 128, qscale=10.0, kscale=3.0)
     kv_len = np.array([600], np.int32)
-    check(q, k, v, kv_len, decode_positions(kv_len, Sq), 128 ** -0.5, softcap=softcap)
+    check(q, k, v, kv_len, decode_positions(kv_len, Sq), 128**-0.5, softcap=softcap)
 
 
 @pytest.mark.parametrize("Sq", [1, 17])
@@ -146,7 +144,7 @@ def test_kv_start_left_padding(Sq):
     kv_start = np.array([0, 5, 145], np.int32)
     q_pos = decode_positions(kv_len, Sq)
     want = check(q, k, v, kv_len, q_pos, 0.125, kv_start=kv_start)
-    if Sq > 1:   # query tokens before kv_start see nothing -> zeros
+    if Sq > 1:  # query tokens before kv_start see nothing -> zeros
         q_pos2 = np.array([np.arange(Sq)] * 3, np.int32) + 140
         want = check(q, k, v, kv_len, q_pos2, 0.125, kv_start=kv_start)
         assert np.all(want[2, :, :5] == 0.0)
@@ -177,8 +175,17 @@ def test_cache_split_merge(threads, B, Hkv, Sq):
     q, k, v = make(rng, B, 4 * Hkv, Hkv, Sq, 2000, 64)
     kv_len = np.array([2000, 1500, 129][:B], np.int32)
     for window in (-1, 700):
-        check(q, k, v, kv_len, decode_positions(kv_len, Sq), 0.125, window=window,
-              kv_start=np.array([0, 3, 100][:B], np.int32), combos=[(threads, level) for level in LEVELS])
+        check(
+            q,
+            k,
+            v,
+            kv_len,
+            decode_positions(kv_len, Sq),
+            0.125,
+            window=window,
+            kv_start=np.array([0, 3, 100][:B], np.int32),
+            combos=[(threads, level) for level in LEVELS],
+        )
 
 
 def test_capacity_tail_not_read():
@@ -244,8 +251,17 @@ def test_empty_cache_and_empty_query():
     K.attention(q, k, k.copy(), np.zeros(2, np.int32), np.zeros((2, 3), np.int32), 1.0, 0.0, -1, out)
     assert np.all(out == 0.0)
     q0 = np.empty((2, 4, 0, 16), np.float32)
-    K.attention(q0, np.ones((2, 2, 5, 16), np.float32), np.ones((2, 2, 5, 16), np.float32),
-                np.full(2, 5, np.int32), np.empty((2, 0), np.int32), 1.0, 0.0, -1, np.empty_like(q0))
+    K.attention(
+        q0,
+        np.ones((2, 2, 5, 16), np.float32),
+        np.ones((2, 2, 5, 16), np.float32),
+        np.full(2, 5, np.int32),
+        np.empty((2, 0), np.int32),
+        1.0,
+        0.0,
+        -1,
+        np.empty_like(q0),
+    )
 
 
 def test_read_only_inputs_accepted():

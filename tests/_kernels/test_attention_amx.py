@@ -21,6 +21,7 @@ Every kernel test is skipped where AMX is not usable (CPU without AMX-TILE /
 AMX-INT8 or AVX-512, or the OS did not grant the tile data state); the switch
 and level test runs everywhere.
 """
+
 import sys
 
 import numpy as np
@@ -35,11 +36,14 @@ from .test_quant_attention import QPaged, chooser
 A = sys.modules["onnxkv._kernels.attention"]
 AVX512 = A.set_attention_avx512(True)
 AMX = A.set_attention_amx(True)
-needs_amx = pytest.mark.skipif(not AMX, reason="AMX-INT8 not usable here: the CPU lacks AMX-TILE/AMX-INT8 or "
-                                               "AVX-512, the OS did not grant the tile data state, the build "
-                                               "has no AMX (cpu_features()['amx_compiled']) or ONNXKV_MAX_SIMD "
-                                               "caps the levels below avx512")
-INTS = (3, 2, 22, 21, 26, 25)          # int8, uint8, int4, uint4, int2, uint2
+needs_amx = pytest.mark.skipif(
+    not AMX,
+    reason="AMX-INT8 not usable here: the CPU lacks AMX-TILE/AMX-INT8 or "
+    "AVX-512, the OS did not grant the tile data state, the build "
+    "has no AMX (cpu_features()['amx_compiled']) or ONNXKV_MAX_SIMD "
+    "caps the levels below avx512",
+)
+INTS = (3, 2, 22, 21, 26, 25)  # int8, uint8, int4, uint4, int2, uint2
 NAMES = {3: "i8", 2: "u8", 22: "i4", 21: "u4", 26: "i2", 25: "u2"}
 
 
@@ -60,19 +64,21 @@ def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False, vG
         q[:, 0, 0] = 0.0
     k, v = rand(rng, (B, Hkv, Cap, D)), rand(rng, (B, Hkv, Cap, D))
     if offset:
-        k = (k * 4.0 ** rng.uniform(-1, 1, (1, Hkv, 1, D)) + rng.uniform(-offset, offset, (1, Hkv, 1, D))
-             ).astype(np.float32)
+        k = (k * 4.0 ** rng.uniform(-1, 1, (1, Hkv, 1, D)) + rng.uniform(-offset, offset, (1, Hkv, 1, D))).astype(
+            np.float32
+        )
     header = "compact" if kG == "Dc" else "float32"
-    pg = QPaged(rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), D if kG in ("D", "Dc") else 1, vG,
-                header)
+    pg = QPaged(
+        rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), D if kG in ("D", "Dc") else 1, vG, header
+    )
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
-    scale = D ** -0.5
+    scale = D**-0.5
     want = np.full_like(q, np.nan)
     pg.twin(q, Hkv, kv_len, q_pos, scale, 0.0, -1, want)
     return q, pg, kv_len, q_pos, scale, want
 
 
-MODES = ((False, 0), (True, 0), (True, 2))   # (AMX, p.v mode): AVX-512 only, AMX keys only (default), AMX keys and p.v
+MODES = ((False, 0), (True, 0), (True, 2))  # (AMX, p.v mode): AVX-512 only, AMX keys only (default), AMX keys and p.v
 
 
 def check(q, pg, kv_len, q_pos, scale, want):
@@ -104,8 +110,8 @@ def check(q, pg, kv_len, q_pos, scale, want):
             assert (base["dequantized_bytes"] > 0) == quantized
             pv_ws = stats[True, 2]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
             keys_ws = stats[True, 0]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
-            assert keys_ws > 0        # every call may score keys on AMX (per-channel scales: its 8-bit pages)
-            assert pv_ws > keys_ws    # the p.v stash comes on top
+            assert keys_ws > 0  # every call may score keys on AMX (per-channel scales: its 8-bit pages)
+            assert pv_ws > keys_ws  # the p.v stash comes on top
     finally:
         K.set_num_threads(old)
         reset_level()
@@ -153,9 +159,10 @@ def test_per_channel_keys_with_large_offsets_long_context(kG):
     # the scores it is subtracted from, on AMX and AVX-512 alike
     q, pg, kv_len, q_pos, scale, want = build(950, 2, 3, kG, 8, 2, 128, 16, (2049, 1500), offset=50.0)
     Hkv = pg.kd.shape[1]
-    if kG == "D":   # float32 header: zero points of uint8 codes far from the middle 127.5 in some channel
-        zero = np.concatenate([np.frombuffer(p.tobytes()[4 * Hkv * 128:8 * Hkv * 128], np.float32)
-                               for p in pg.pages["k"]])
+    if kG == "D":  # float32 header: zero points of uint8 codes far from the middle 127.5 in some channel
+        zero = np.concatenate(
+            [np.frombuffer(p.tobytes()[4 * Hkv * 128 : 8 * Hkv * 128], np.float32) for p in pg.pages["k"]]
+        )
         assert np.abs(zero - 127.5).max() > 100
     check(q, pg, kv_len, q_pos, scale, want)
 
@@ -173,10 +180,10 @@ def test_per_channel_keys_query_large_where_key_scales_are_small(fmt, kG, octave
     Hq, Hkv, D, bs, L = 8, 2, 128, 16, 300
     q, k, v = rand(rng, (1, Hq, 1, D)), rand(rng, (1, Hkv, L + 3, D)), rand(rng, (1, Hkv, L + 3, D))
     u = rng.uniform(0, octaves, (1, Hkv, 1, D))
-    k = (k * 2.0 ** -u).astype(np.float32)
-    q = (q * 0.05 * np.repeat(2.0 ** u, Hq // Hkv, axis=1)).astype(np.float32)
+    k = (k * 2.0**-u).astype(np.float32)
+    q = (q * 0.05 * np.repeat(2.0**u, Hq // Hkv, axis=1)).astype(np.float32)
     pg = QPaged(rng, k, v, bs, chooser(fmt, 3), chooser(3, 4), D, 1, "compact" if kG == "Dc" else "float32")
-    kv_len, q_pos, scale = np.array([L], np.int32), np.array([[L - 1]], np.int32), D ** -0.5
+    kv_len, q_pos, scale = np.array([L], np.int32), np.array([[L - 1]], np.int32), D**-0.5
     want = np.full_like(q, np.nan)
     pg.twin(q, Hkv, kv_len, q_pos, scale, 0.0, -1, want)
     check(q, pg, kv_len, q_pos, scale, want)
@@ -211,8 +218,8 @@ def test_every_value_format_and_zero_points(vfmt, kG):
     q, pg, kv_len, q_pos, scale, want = build(600 + vfmt, 3, vfmt, kG, 16, 4, 64, 16, (77, 150))
     assert pg.formats["v"].tolist() == [vfmt] * len(pg.formats["v"])
     Hkv = pg.kd.shape[1]
-    zero = np.concatenate([np.frombuffer(p.tobytes()[4 * Hkv:8 * Hkv], np.float32) for p in pg.pages["v"]])
-    assert (np.count_nonzero(zero) > 0) == (vfmt in (2, 21, 25))   # unsigned: asymmetric, zero points != 0
+    zero = np.concatenate([np.frombuffer(p.tobytes()[4 * Hkv : 8 * Hkv], np.float32) for p in pg.pages["v"]])
+    assert (np.count_nonzero(zero) > 0) == (vfmt in (2, 21, 25))  # unsigned: asymmetric, zero points != 0
     check(q, pg, kv_len, q_pos, scale, want)
 
 
@@ -297,7 +304,7 @@ def test_query_rows_of_different_magnitudes_and_a_zero_row(fmt, kG):
     got = check(q, pg, kv_len, q_pos, scale, want)
     # a zero query row attends uniformly: the mean of its visible values
     np.testing.assert_allclose(got[0, 0, 0], pg.vd[0, 0, :90].mean(axis=0), rtol=1e-5, atol=1e-5)
-    assert np.ptp(np.abs(q).max(axis=-1)) > 1.0     # the rows' magnitudes do differ
+    assert np.ptp(np.abs(q).max(axis=-1)) > 1.0  # the rows' magnitudes do differ
 
 
 def test_switch_and_level_name():
@@ -309,10 +316,10 @@ def test_switch_and_level_name():
         assert A.attention_simd_level() == widest
         assert A.set_attention_amx(True) is AMX
         assert A.attention_simd_level() == ("avx512+amx" if AMX else widest)
-        assert A._set_attention_amx_pv(2) == 0     # p.v on AMX: off by default, the old mode returned
-        assert A._set_attention_amx_pv(7) == 2     # clamped to 0..2
+        assert A._set_attention_amx_pv(2) == 0  # p.v on AMX: off by default, the old mode returned
+        assert A._set_attention_amx_pv(7) == 2  # clamped to 0..2
         assert A._set_attention_amx_pv(0) == 2
-        A.set_attention_avx512(False)       # AMX runs inside the AVX-512 tiles only
+        A.set_attention_avx512(False)  # AMX runs inside the AVX-512 tiles only
         assert A.attention_simd_level() == ("avx2" if "avx2" in K.simd_levels() else "scalar")
         K.set_simd_enabled(False)
         assert A.attention_simd_level() == "scalar"
@@ -347,4 +354,4 @@ def test_prefetch_split_keeps_results(kG, D, bs, lines):
     finally:
         A._set_prefetch_qk_lines(old)
         K.set_num_threads(old_threads)
-    assert A._set_prefetch_qk_lines(-3) == 48 and A._set_prefetch_qk_lines(48) == 0   # clamped to >= 0
+    assert A._set_prefetch_qk_lines(-3) == 48 and A._set_prefetch_qk_lines(48) == 0  # clamped to >= 0

@@ -5,6 +5,7 @@ onnxkv._kernels._validate (counted); every argument the C checks refuse is
 sent through those checks, which raise today's error naming it and write
 nothing.  Results are compared with the NumPy twins (onnxkv._kernels.reference).
 """
+
 import numpy as np
 import pytest
 
@@ -29,6 +30,7 @@ def validate_calls(monkeypatch):
         def wrapper(*args, **kwargs):
             calls.append(name)
             return fn(*args, **kwargs)
+
         return wrapper
 
     for name, fn in list(vars(V).items()):
@@ -38,6 +40,7 @@ def validate_calls(monkeypatch):
 
 
 # ---------------------------------------------------------------- attention: valid calls
+
 
 def _kv(rng, dtype, shape):
     """Random K/V storage of ``dtype`` and its float32 values (bfloat16: uint16 bits)."""
@@ -58,11 +61,22 @@ def test_attention_valid_calls_skip_python_checks(validate_calls, threads, dtype
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)).astype(np.int32)
     kv_start = np.array([0, 3], np.int32) if padded else None
     out, want = np.full_like(q, np.nan), np.empty_like(q)
-    k.flags.writeable = False                       # a read-only cache is valid
-    K.attention(q, k, v, kv_len, q_pos, D ** -0.5, softcap, window, out, kv_start,
-                kv_dtype="bfloat16" if dtype == "bfloat16" else None)
+    k.flags.writeable = False  # a read-only cache is valid
+    K.attention(
+        q,
+        k,
+        v,
+        kv_len,
+        q_pos,
+        D**-0.5,
+        softcap,
+        window,
+        out,
+        kv_start,
+        kv_dtype="bfloat16" if dtype == "bfloat16" else None,
+    )
     assert validate_calls == []
-    R.attention(q, kf, vf, kv_len, q_pos, D ** -0.5, softcap, window, want, kv_start=kv_start)
+    R.attention(q, kf, vf, kv_len, q_pos, D**-0.5, softcap, window, want, kv_start=kv_start)
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
 
@@ -99,6 +113,7 @@ def test_attention_uncommon_valid_arguments_take_python_checks(validate_calls):
 
 # ---------------------------------------------------------------- attention: invalid calls
 
+
 def _attention_refusals():
     """(call(out), exact message) for arguments the C checks must hand to the Python checks."""
     rng = np.random.default_rng(34)
@@ -115,11 +130,12 @@ def _attention_refusals():
         (dict(ok, q=np.asfortranarray(q)), "q: array must be C-contiguous"),
         (dict(ok, k=k[:, :, :, :4].copy()), "k: expected shape [2, Hkv, Cap, 8], got (2, 2, 10, 4)"),
         (dict(ok, k=k3, v=k3.copy()), "k: number of KV heads 3 must divide the number of query heads 4"),
-        (dict(ok, k=k.view(np.uint16)[..., ::2].copy(), v=v.view(np.uint16)[..., ::2].copy()),
-         "k: uint16 arrays are only accepted as bfloat16 bit patterns with kv_dtype='bfloat16'"),
+        (
+            dict(ok, k=k.view(np.uint16)[..., ::2].copy(), v=v.view(np.uint16)[..., ::2].copy()),
+            "k: uint16 arrays are only accepted as bfloat16 bit patterns with kv_dtype='bfloat16'",
+        ),
         (dict(ok, k=h16), "v: dtype float32 does not match k dtype float16 (K and V must share the element type)"),
-        (dict(ok, k=h16, v=h16.copy(), kv_dtype="bfloat16"),
-         "k: dtype float16 is not supported (expected uint16)"),
+        (dict(ok, k=h16, v=h16.copy(), kv_dtype="bfloat16"), "k: dtype float16 is not supported (expected uint16)"),
         (dict(ok, v=v[:, :, ::2]), "v: expected shape (2, 2, 10, 8), got (2, 2, 5, 8)"),
         (dict(ok, kv_len=kl.astype(np.int64)), "kv_len: dtype int64 is not supported (expected int32)"),
         (dict(ok, kv_len=np.array([5, 11], np.int32)), "kv_len: values must be in [0, 10], got range [5, 11]"),
@@ -132,8 +148,10 @@ def _attention_refusals():
         (dict(ok, softcap=-1.0), "softcap: must be finite and >= 0, got -1.0"),
         (dict(ok, window=-2), "window: must be in [-1, 4611686018427387904] (-1 = unlimited), got -2"),
         # p - window overflowed int64 (an OverflowError, or a wrapped window in C); a float was truncated
-        (dict(ok, window=2**63), "window: must be in [-1, 4611686018427387904] (-1 = unlimited), "
-                                 "got 9223372036854775808"),
+        (
+            dict(ok, window=2**63),
+            "window: must be in [-1, 4611686018427387904] (-1 = unlimited), got 9223372036854775808",
+        ),
         (dict(ok, window=2.0), "window: expected an int, got float"),
         (dict(ok, kv_dtype="int8"), "kv_dtype: must be None, 'float32', 'float16' or 'bfloat16', got 'int8'"),
     ]
@@ -160,13 +178,19 @@ def test_attention_refuses_bad_out_and_overlaps_without_writing():
     q_kept = q.copy()
     cases = [
         (lambda: K.attention(q, k, v, kl, qp, 1.0, 0.0, -1, readonly), "out: array must be writeable"),
-        (lambda: K.attention(q, k, v, kl, qp, 1.0, 0.0, -1, np.full((1, 2, 1, 4), 7.0, np.float32)),
-         "out: expected shape (1, 2, 1, 8), got (1, 2, 1, 4)"),
+        (
+            lambda: K.attention(q, k, v, kl, qp, 1.0, 0.0, -1, np.full((1, 2, 1, 4), 7.0, np.float32)),
+            "out: expected shape (1, 2, 1, 8), got (1, 2, 1, 4)",
+        ),
         (lambda: K.attention(q, k, v, kl, qp, 1.0, 0.0, -1, q), "out: must not overlap q"),
-        (lambda: K.attention(q, big, v, kl, qp, 1.0, 0.0, -1, big.reshape(-1)[:16].reshape(q.shape)),
-         "out: must not overlap k"),
-        (lambda: K.attention(q, k, big, kl, qp, 1.0, 0.0, -1, big.reshape(-1)[48:].reshape(q.shape)),
-         "out: must not overlap v"),
+        (
+            lambda: K.attention(q, big, v, kl, qp, 1.0, 0.0, -1, big.reshape(-1)[:16].reshape(q.shape)),
+            "out: must not overlap k",
+        ),
+        (
+            lambda: K.attention(q, k, big, kl, qp, 1.0, 0.0, -1, big.reshape(-1)[48:].reshape(q.shape)),
+            "out: must not overlap v",
+        ),
     ]
     for call, message in cases:
         with pytest.raises(ValueError) as err:
@@ -179,6 +203,7 @@ def test_attention_refuses_bad_out_and_overlaps_without_writing():
 
 # ---------------------------------------------------------------- paged_attention: valid calls
 
+
 @pytest.mark.parametrize("Sq, window", [(1, -1), (6, 4)])
 def test_paged_valid_calls_skip_python_checks(validate_calls, threads, Sq, window):
     rng = np.random.default_rng(41)
@@ -188,13 +213,12 @@ def test_paged_valid_calls_skip_python_checks(validate_calls, threads, Sq, windo
     kv_len = np.array([21, 37], np.int32)
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)).astype(np.int32)
     read = _blocks_read(kv_len, q_pos, window, bs, -(-Cap // bs))
-    pg = Paged(rng, k, v, bs, read)                  # unread blocks: -1
+    pg = Paged(rng, k, v, bs, read)  # unread blocks: -1
     out, want = np.full_like(q, np.nan), np.empty_like(q)
-    figures = K.paged_attention(q, pg.k_addr, pg.v_addr, pg.table, bs, Hkv, kv_len, q_pos, D ** -0.5, 0.0, window,
-                                out)
+    figures = K.paged_attention(q, pg.k_addr, pg.v_addr, pg.table, bs, Hkv, kv_len, q_pos, D**-0.5, 0.0, window, out)
     assert validate_calls == []
     assert figures["dequantized_bytes"] == 0 and figures["workspace_peak_bytes"] > 0
-    R.attention(q, k, v, kv_len, q_pos, D ** -0.5, 0.0, window, want)
+    R.attention(q, k, v, kv_len, q_pos, D**-0.5, 0.0, window, want)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
@@ -203,8 +227,17 @@ def test_paged_quantized_valid_calls_skip_python_checks(validate_calls, header, 
     rng = np.random.default_rng(42)
     D = 16
     q = rand(rng, (1, 4, 1, D))
-    pg = QPaged(rng, rand(rng, (1, 2, 32, D)), rand(rng, (1, 2, 32, D)), 8, lambda p: (3, 22, 1, 25)[p % 4],
-                lambda p: (2, 10, 26, 21)[p % 4], group, 1, header)
+    pg = QPaged(
+        rng,
+        rand(rng, (1, 2, 32, D)),
+        rand(rng, (1, 2, 32, D)),
+        8,
+        lambda p: (3, 22, 1, 25)[p % 4],
+        lambda p: (2, 10, 26, 21)[p % 4],
+        group,
+        1,
+        header,
+    )
     kv_len, q_pos = np.array([30], np.int32), np.array([[29]], np.int32)
     out, want = np.full_like(q, np.nan), np.empty_like(q)
     figures = pg.kernel(q, 2, kv_len, q_pos, 0.25, 0.0, -1, out)
@@ -215,8 +248,21 @@ def test_paged_quantized_valid_calls_skip_python_checks(validate_calls, header, 
     # one plane's formats given: the other is all kv_dtype pages (float32 V here)
     float_v = QPaged(rng, rand(rng, (1, 2, 32, D)), rand(rng, (1, 2, 32, D)), 8, lambda p: 3, lambda p: 1, 1, 1)
     out2, want2 = np.full_like(q, np.nan), np.empty_like(q)
-    K.paged_attention(q, float_v.addr["k"], float_v.addr["v"], float_v.table, 8, 2, kv_len, q_pos, 0.25, 0.0, -1,
-                      out2, k_formats=float_v.formats["k"])
+    K.paged_attention(
+        q,
+        float_v.addr["k"],
+        float_v.addr["v"],
+        float_v.table,
+        8,
+        2,
+        kv_len,
+        q_pos,
+        0.25,
+        0.0,
+        -1,
+        out2,
+        k_formats=float_v.formats["k"],
+    )
     assert validate_calls == []
     R.attention(q, float_v.kd, float_v.vd, kv_len, q_pos, 0.25, 0.0, -1, want2)
     np.testing.assert_allclose(out2, want2, rtol=1e-4, atol=1e-4)
@@ -238,7 +284,7 @@ def test_paged_table_checks_match_python_rule(validate_calls):
         q_pos = rng.integers(-3, Cap + 2, (B, Sq)).astype(np.int32)
         table = pg.table.copy()
         holes = rng.random(table.shape) < 0.15
-        table[holes] = rng.choice([-1, 10 ** 6], holes.sum())
+        table[holes] = rng.choice([-1, 10**6], holes.sum())
         read = _blocks_read(kv_len, q_pos, window, bs, table.shape[1])
         ids = table[read]
         valid = bool(np.all((ids >= 0) & (ids < len(pg.k_addr))))
@@ -268,11 +314,12 @@ def _blocks_read(kv_len, q_pos, window, bs, n_blocks):
             lo = max(p - window, 0) if window >= 0 else 0
             hi = min(p + 1, int(kv_len[b]))
             if lo < hi:
-                read[b, lo // bs:(hi - 1) // bs + 1] = True
+                read[b, lo // bs : (hi - 1) // bs + 1] = True
     return read
 
 
 # ---------------------------------------------------------------- paged_attention: invalid calls
+
 
 def _paged_refusals():
     """(keyword arguments, exception type, exact message) the C checks must hand to the Python checks."""
@@ -281,8 +328,19 @@ def _paged_refusals():
     q = rand(rng, (B, Hq, 2, D))
     pg = Paged(rng, rand(rng, (B, Hkv, 16, D)), rand(rng, (B, Hkv, 16, D)), bs)
     kl, qp = np.array([9, 16], np.int32), np.array([[7, 8], [14, 15]], np.int32)
-    ok = dict(q=q, k_pages=pg.k_addr, v_pages=pg.v_addr, block_tables=pg.table, block_size=bs, kv_heads=Hkv,
-              kv_len=kl, q_pos=qp, scale=0.3, softcap=0.0, window=-1)
+    ok = dict(
+        q=q,
+        k_pages=pg.k_addr,
+        v_pages=pg.v_addr,
+        block_tables=pg.table,
+        block_size=bs,
+        kv_heads=Hkv,
+        kv_len=kl,
+        q_pos=qp,
+        scale=0.3,
+        softcap=0.0,
+        window=-1,
+    )
     P = len(pg.k_addr)
     t = pg.table.copy()
     t[1, 2] = P
@@ -296,49 +354,88 @@ def _paged_refusals():
     swapped = q.dtype.newbyteorder()
     return [
         (dict(ok, q=q.astype(swapped)), ValueError, f"q: dtype {swapped} is not supported (expected float32)"),
-        (dict(ok, block_tables=t), ValueError,
-         f"block_tables: row 1, block 2 (keys [8, 12)) holds visible keys but its entry is {P} "
-         f"(expected a page id in [0, {P}))"),
-        (dict(ok, k_pages=kz), ValueError,
-         f"k_pages: page {pg.table[1, 0]} (block_tables row 1, block 0) is read but its address is 0 (no page)"),
-        (dict(ok, v_pages=vm), ValueError,
-         f"v_pages: page {pg.table[0, 2]} (block_tables row 0, block 2) is read but its address is "
-         f"{int(vm[pg.table[0, 2]]):#x}, not 64-byte aligned"),
+        (
+            dict(ok, block_tables=t),
+            ValueError,
+            f"block_tables: row 1, block 2 (keys [8, 12)) holds visible keys but its entry is {P} "
+            f"(expected a page id in [0, {P}))",
+        ),
+        (
+            dict(ok, k_pages=kz),
+            ValueError,
+            f"k_pages: page {pg.table[1, 0]} (block_tables row 1, block 0) is read but its address is 0 (no page)",
+        ),
+        (
+            dict(ok, v_pages=vm),
+            ValueError,
+            f"v_pages: page {pg.table[0, 2]} (block_tables row 0, block 2) is read but its address is "
+            f"{int(vm[pg.table[0, 2]]):#x}, not 64-byte aligned",
+        ),
         (dict(ok, v_pages=pg.v_addr[:-1].copy()), ValueError, f"v_pages: expected shape ({P},), got ({P - 1},)"),
-        (dict(ok, k_pages=pg.k_addr.astype(np.int64)), ValueError,
-         "k_pages: dtype int64 is not supported (expected uint64)"),
+        (
+            dict(ok, k_pages=pg.k_addr.astype(np.int64)),
+            ValueError,
+            "k_pages: dtype int64 is not supported (expected uint64)",
+        ),
         (dict(ok, block_tables=pg.table[:1].copy()), ValueError, "block_tables: expected shape [2, M], got (1, 4)"),
         (dict(ok, block_size=0), ValueError, "block_size: must be in [1, 2147483647], got 0"),
         (dict(ok, block_size=4.0), TypeError, "block_size: expected an int, got float"),
         (dict(ok, kv_heads=3), ValueError, "kv_heads: 3 must divide the number of query heads 4"),
         (dict(ok, kv_heads=True), TypeError, "kv_heads: expected an int, got bool"),
-        (dict(ok, kv_len=np.array([9, 17], np.int32)), ValueError,
-         "kv_len: values must be in [0, 16], got range [9, 17]"),
-        (dict(ok, kv_len=np.array([9, 2**32 + 4], np.int64)), ValueError,  # not narrowed to 4
-         "kv_len: values must be in [0, 16], got range [9, 4294967300]"),
-        (dict(ok, q_pos=np.array([[7, 8], [14, 2**31]], np.int64)), ValueError,
-         "q_pos: values must be in [-2147483648, 2147483647], got range [7, 2147483648]"),
+        (
+            dict(ok, kv_len=np.array([9, 17], np.int32)),
+            ValueError,
+            "kv_len: values must be in [0, 16], got range [9, 17]",
+        ),
+        (
+            dict(ok, kv_len=np.array([9, 2**32 + 4], np.int64)),
+            ValueError,  # not narrowed to 4
+            "kv_len: values must be in [0, 16], got range [9, 4294967300]",
+        ),
+        (
+            dict(ok, q_pos=np.array([[7, 8], [14, 2**31]], np.int64)),
+            ValueError,
+            "q_pos: values must be in [-2147483648, 2147483647], got range [7, 2147483648]",
+        ),
         (dict(ok, block_size=2**31), ValueError, "block_size: must be in [1, 2147483647], got 2147483648"),
         (dict(ok, kv_heads=2**63), ValueError, "kv_heads: must be in [1, 2147483647], got 9223372036854775808"),
-        (dict(ok, window=2**62 + 1), ValueError,
-         "window: must be in [-1, 4611686018427387904] (-1 = unlimited), got 4611686018427387905"),
+        (
+            dict(ok, window=2**62 + 1),
+            ValueError,
+            "window: must be in [-1, 4611686018427387904] (-1 = unlimited), got 4611686018427387905",
+        ),
         (dict(ok, window=np.float64(3)), ValueError, "window: expected an int, got float64"),
         (dict(ok, q_pos=qp[:, :1].copy()), ValueError, "q_pos: expected shape (2, 2), got (2, 1)"),
         (dict(ok, window=-3), ValueError, "window: must be in [-1, 4611686018427387904] (-1 = unlimited), got -3"),
         (dict(ok, softcap=float("inf")), ValueError, "softcap: must be finite and >= 0, got inf"),
-        (dict(ok, kv_dtype="int8"), ValueError,
-         "kv_dtype: must be None, 'float32', 'float16' or 'bfloat16', got 'int8'"),
-        (dict(ok, k_formats=odd), ValueError,
-         "k_formats: page 3 has format code 4, expected one of [1, 2, 3, 10, 16, 21, 22, 25, 26] (ONNX element "
-         "types float32, uint8, int8, float16, bfloat16, uint4, int4, uint2, int2)"),
+        (
+            dict(ok, kv_dtype="int8"),
+            ValueError,
+            "kv_dtype: must be None, 'float32', 'float16' or 'bfloat16', got 'int8'",
+        ),
+        (
+            dict(ok, k_formats=odd),
+            ValueError,
+            "k_formats: page 3 has format code 4, expected one of [1, 2, 3, 10, 16, 21, 22, 25, 26] (ONNX element "
+            "types float32, uint8, int8, float16, bfloat16, uint4, int4, uint2, int2)",
+        ),
         (dict(ok, v_formats=fmt[:-1].copy()), ValueError, f"v_formats: expected shape ({P},), got ({P - 1},)"),
-        (dict(ok, q=rand(rng, (B, Hq, 2, 6)), v_formats=np.full(P, 25, np.uint8)), ValueError,
-         "v_formats: format code 25 (2 bits) needs head_size * bits to be a multiple of 8, got head_size 6"),
-        (dict(ok, k_formats=fmt, k_group=2), ValueError,
-         "k_group: must be 1 (per-head scales) or the head size 8 (per-channel), got 2"),
+        (
+            dict(ok, q=rand(rng, (B, Hq, 2, 6)), v_formats=np.full(P, 25, np.uint8)),
+            ValueError,
+            "v_formats: format code 25 (2 bits) needs head_size * bits to be a multiple of 8, got head_size 6",
+        ),
+        (
+            dict(ok, k_formats=fmt, k_group=2),
+            ValueError,
+            "k_group: must be 1 (per-head scales) or the head size 8 (per-channel), got 2",
+        ),
         (dict(ok, k_formats=fmt, v_group=1.0), TypeError, "v_group: expected an int, got float"),
-        (dict(ok, k_formats=fmt, k_header="float16"), ValueError,
-         "k_header: expected one of 'float32', 'compact', 'channel-zp', got 'float16'"),
+        (
+            dict(ok, k_formats=fmt, k_header="float16"),
+            ValueError,
+            "k_header: expected one of 'float32', 'compact', 'channel-zp', got 'float16'",
+        ),
     ]
 
 
@@ -360,8 +457,11 @@ def test_paged_refuses_bad_out_without_writing():
     q_kept = q.copy()
     readonly = np.full_like(q, 7.0)
     readonly.flags.writeable = False
-    for out, message in ((readonly, "out: array must be writeable"), (q, "out: must not overlap q"),
-                         (np.full((1, 2, 8), 7.0, np.float32), "out: expected shape (1, 2, 1, 8), got (1, 2, 8)")):
+    for out, message in (
+        (readonly, "out: array must be writeable"),
+        (q, "out: must not overlap q"),
+        (np.full((1, 2, 8), 7.0, np.float32), "out: expected shape (1, 2, 1, 8), got (1, 2, 8)"),
+    ):
         with pytest.raises(ValueError) as err:
             K.paged_attention(q, *args, out)
         assert str(err.value) == message

@@ -6,6 +6,7 @@ MHA / GQA / MQA, head sizes, rotary widths, interleaving, softcap and window,
 1 and 2 threads, SIMD and scalar.  Arguments it does not take are declined
 (False) with nothing written.
 """
+
 import numpy as np
 import pytest
 
@@ -14,7 +15,7 @@ from onnxkv._kernels import reference as R
 
 from .conftest import rand
 
-SHAPES = [(4, 4, 64), (8, 2, 80), (4, 1, 128), (6, 3, 16)]   # (Hq, Hkv, D): MHA, GQA, MQA, small
+SHAPES = [(4, 4, 64), (8, 2, 80), (4, 1, 128), (6, 3, 16)]  # (Hq, Hkv, D): MHA, GQA, MQA, small
 
 
 def _case(rng, hq, hkv, d, cap, rot_half, max_pos=64):
@@ -45,7 +46,7 @@ def test_equals_unfused_calls_and_twin(hq, hkv, d, rot, interleaved, softcap, wi
     half = {"none": 0, "full": d // 2, "partial": d // 4}[rot]
     for pos in (0, 1, 37):
         q, k, v, cos, sin, kc, vc = _case(rng, hq, hkv, d, 48, half)
-        scale = float(d ** -0.5)
+        scale = float(d**-0.5)
         got_k, got_v, got = kc.copy(), vc.copy(), np.full((1, 1, hq * d), np.nan, np.float32)
         assert K.decode_token(q, k, v, cos, sin, interleaved, got_k, got_v, pos, scale, softcap, window, got)
         want_k, want_v, want = kc.copy(), vc.copy(), np.full_like(got, np.nan)
@@ -85,23 +86,43 @@ def test_declines_what_it_does_not_take_and_writes_nothing():
     out = rand(rng, (1, 1, 8 * 64))
 
     def call(**change):
-        a = dict(q=q, k=k, v=v, cos=cos, sin=sin, interleaved=False, k_cache=kc, v_cache=vc, pos=3, scale=0.125,
-                 softcap=0.0, window=-1, out=out)
+        a = dict(
+            q=q,
+            k=k,
+            v=v,
+            cos=cos,
+            sin=sin,
+            interleaved=False,
+            k_cache=kc,
+            v_cache=vc,
+            pos=3,
+            scale=0.125,
+            softcap=0.0,
+            window=-1,
+            out=out,
+        )
         a.update(change)
         return list(a.values())
 
     for change in (
-        dict(pos=16), dict(pos=-1),                                   # outside the capacity
-        dict(q=q.astype(np.float64)), dict(q=q.reshape(1, 8, 64)),    # dtype, shape
-        dict(q=rand(rng, (1, 1, 6 * 64))),                            # Hq not a multiple of Hkv
-        dict(k=rand(rng, (1, 1, 3 * 64))), dict(v=v[:, :, :100].copy()),
-        dict(sin=None), dict(cos=cos[:, :8].copy()),                  # rotary tables disagree
-        dict(cos=cos[:3].copy(), sin=sin[:3].copy()),                 # pos past the tables
-        dict(cos=rand(rng, (64, 40)), sin=rand(rng, (64, 40))),       # rotary wider than the head
-        dict(v_cache=vc[:, :, :8].copy()),                            # caches differ
-        dict(k_cache=np.asfortranarray(kc)),                          # not C-contiguous
-        dict(out=out.astype(np.float64)), dict(out=kc.reshape(-1)[: 8 * 64].reshape(1, 1, -1)),  # out in the cache
-        dict(scale=np.float32(0.125)), dict(softcap=-1.0), dict(window=-2),
+        dict(pos=16),
+        dict(pos=-1),  # outside the capacity
+        dict(q=q.astype(np.float64)),
+        dict(q=q.reshape(1, 8, 64)),  # dtype, shape
+        dict(q=rand(rng, (1, 1, 6 * 64))),  # Hq not a multiple of Hkv
+        dict(k=rand(rng, (1, 1, 3 * 64))),
+        dict(v=v[:, :, :100].copy()),
+        dict(sin=None),
+        dict(cos=cos[:, :8].copy()),  # rotary tables disagree
+        dict(cos=cos[:3].copy(), sin=sin[:3].copy()),  # pos past the tables
+        dict(cos=rand(rng, (64, 40)), sin=rand(rng, (64, 40))),  # rotary wider than the head
+        dict(v_cache=vc[:, :, :8].copy()),  # caches differ
+        dict(k_cache=np.asfortranarray(kc)),  # not C-contiguous
+        dict(out=out.astype(np.float64)),
+        dict(out=kc.reshape(-1)[: 8 * 64].reshape(1, 1, -1)),  # out in the cache
+        dict(scale=np.float32(0.125)),
+        dict(softcap=-1.0),
+        dict(window=-2),
     ):
         assert _declined_untouched(call(**change), kc, vc, out), change
     ro = kc.copy()

@@ -6,6 +6,7 @@ math, so both see exactly the same (converted) values and must agree to float32
 rounding (~1e-5 relative).  BFLOAT16 caches are uint16 bit patterns passed with
 kv_dtype="bfloat16".
 """
+
 import numpy as np
 import pytest
 
@@ -15,8 +16,8 @@ from onnxkv._kernels import reference as R
 from .conftest import rand
 from .test_attention import COMBOS, LEVELS, reset_level, set_level
 
-VECTOR = LEVELS[:-1]           # the SIMD levels (all but scalar)
-LONG_COMBOS = [(2, level) for level in VECTOR] + [(1, "scalar")]   # long caches: fewer scalar runs
+VECTOR = LEVELS[:-1]  # the SIMD levels (all but scalar)
+LONG_COMBOS = [(2, level) for level in VECTOR] + [(1, "scalar")]  # long caches: fewer scalar runs
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}
 DTYPES = ["float32", "float16", "bfloat16"]
 
@@ -41,8 +42,9 @@ def make(rng, dtype, B, Hq, Hkv, Sq, Cap, D, qscale=1.0, kscale=1.0):
     return q, k, v
 
 
-def check(dtype, q, k, v, kv_len, q_pos, scale, softcap=0.0, window=-1, kv_start=None, combos=COMBOS,
-          rtol=1e-5, atol=1e-5):
+def check(
+    dtype, q, k, v, kv_len, q_pos, scale, softcap=0.0, window=-1, kv_start=None, combos=COMBOS, rtol=1e-5, atol=1e-5
+):
     want = np.empty_like(q)
     R.attention(q, k, v, kv_len, q_pos, scale, softcap, window, want, kv_start=kv_start, kv_dtype=kvd(dtype))
     old = K.get_num_threads()
@@ -51,10 +53,10 @@ def check(dtype, q, k, v, kv_len, q_pos, scale, softcap=0.0, window=-1, kv_start
             K.set_num_threads(threads)
             set_level(level)
             out = np.full_like(q, np.nan)
-            K.attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=kv_start,
-                        kv_dtype=kvd(dtype))
-            np.testing.assert_allclose(out, want, rtol=rtol, atol=atol,
-                                       err_msg=f"dtype={dtype} threads={threads} simd={level}")
+            K.attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=kv_start, kv_dtype=kvd(dtype))
+            np.testing.assert_allclose(
+                out, want, rtol=rtol, atol=atol, err_msg=f"dtype={dtype} threads={threads} simd={level}"
+            )
     finally:
         K.set_num_threads(old)
         reset_level()
@@ -69,9 +71,17 @@ def decode_positions(kv_len, Sq):
 # Contexts 1/17/1000 run the whole grid; 8192 (the slow reference) runs every
 # dtype with each head layout once, rotating the head size.
 GRID = [(dt, h, D, c) for dt in DTYPES for h in HEADS for D in (64, 80, 128) for c in (1, 17, 1000)]
-GRID += [("float32", "gqa", 128, 8192), ("float32", "mha", 64, 8192), ("float32", "mqa", 80, 8192),
-         ("float16", "mha", 128, 8192), ("float16", "mqa", 64, 8192), ("float16", "gqa", 80, 8192),
-         ("bfloat16", "mqa", 128, 8192), ("bfloat16", "gqa", 64, 8192), ("bfloat16", "mha", 80, 8192)]
+GRID += [
+    ("float32", "gqa", 128, 8192),
+    ("float32", "mha", 64, 8192),
+    ("float32", "mqa", 80, 8192),
+    ("float16", "mha", 128, 8192),
+    ("float16", "mqa", 64, 8192),
+    ("float16", "gqa", 80, 8192),
+    ("bfloat16", "mqa", 128, 8192),
+    ("bfloat16", "gqa", 64, 8192),
+    ("bfloat16", "mha", 80, 8192),
+]
 
 
 @pytest.mark.parametrize("dtype,heads,D,ctx", GRID, ids=lambda x: str(x))
@@ -79,11 +89,11 @@ def test_decode_dtypes(dtype, heads, D, ctx):
     Hq, Hkv = HEADS[heads]
     B = 2 if ctx < 8192 else 1
     rng = np.random.default_rng(ctx * 7 + D + Hq)
-    Cap = ctx + 9                                   # capacity > kv_len: non-contiguous valid prefix
+    Cap = ctx + 9  # capacity > kv_len: non-contiguous valid prefix
     q, k, v = make(rng, dtype, B, Hq, Hkv, 1, Cap, D)
     kv_len = np.array([ctx, max(1, ctx // 2 - 3)][:B], np.int32)
     combos = COMBOS if ctx < 8192 else LONG_COMBOS
-    check(dtype, q, k, v, kv_len, decode_positions(kv_len, 1), D ** -0.5, combos=combos)
+    check(dtype, q, k, v, kv_len, decode_positions(kv_len, 1), D**-0.5, combos=combos)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -96,7 +106,7 @@ def test_prefill_dtypes(dtype, heads, Sq, past):
     Cap = past + Sq + 5
     q, k, v = make(rng, dtype, 2, Hq, Hkv, Sq, Cap, D)
     kv_len = np.array([past + Sq, past + Sq - 2], np.int32)
-    check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), D ** -0.5)
+    check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), D**-0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,8 +118,16 @@ def test_group_sizes(dtype, G):
     for Sq in (1, 3):
         q, k, v = make(rng, dtype, 1, 2 * G, 2, Sq, 140, 128)
         kv_len = np.array([137], np.int32)
-        check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), 0.09,
-              combos=[(1, level) for level in VECTOR] + [(2, "scalar")])
+        check(
+            dtype,
+            q,
+            k,
+            v,
+            kv_len,
+            decode_positions(kv_len, Sq),
+            0.09,
+            combos=[(1, level) for level in VECTOR] + [(2, "scalar")],
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,7 +156,7 @@ def test_softcap_dtypes(dtype, softcap, Sq):
     rng = np.random.default_rng(int(softcap) + Sq)
     q, k, v = make(rng, dtype, 1, 8, 4, Sq, 600, 128, qscale=10.0, kscale=3.0)
     kv_len = np.array([600], np.int32)
-    check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), 128 ** -0.5, softcap=softcap)
+    check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), 128**-0.5, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -150,8 +168,18 @@ def test_cache_split_merge_dtypes(dtype, threads, B, Hkv, Sq):
     q, k, v = make(rng, dtype, B, 4 * Hkv, Hkv, Sq, 2000, 64)
     kv_len = np.array([2000, 1500, 129][:B], np.int32)
     for window in (-1, 700):
-        check(dtype, q, k, v, kv_len, decode_positions(kv_len, Sq), 0.125, window=window,
-              kv_start=np.array([0, 3, 100][:B], np.int32), combos=[(threads, level) for level in LEVELS])
+        check(
+            dtype,
+            q,
+            k,
+            v,
+            kv_len,
+            decode_positions(kv_len, Sq),
+            0.125,
+            window=window,
+            kv_start=np.array([0, 3, 100][:B], np.int32),
+            combos=[(threads, level) for level in LEVELS],
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,8 +220,18 @@ def test_load_step_conversion_is_exact():
         for level in LEVELS:
             set_level(level)
             out = np.empty((1, 1, 1, D), np.float32)
-            K.attention(np.ones((1, 1, 1, D), np.float32), k, np.ascontiguousarray(vrow), np.array([1], np.int32),
-                        np.array([[0]], np.int32), 1.0, 0.0, -1, out, kv_dtype=kvd(dtype))
+            K.attention(
+                np.ones((1, 1, 1, D), np.float32),
+                k,
+                np.ascontiguousarray(vrow),
+                np.array([1], np.int32),
+                np.array([[0]], np.int32),
+                1.0,
+                0.0,
+                -1,
+                out,
+                kv_dtype=kvd(dtype),
+            )
             reset_level()
             np.testing.assert_array_equal(out.reshape(-1), want)
 
@@ -206,11 +244,11 @@ def test_dtype_arguments():
     qp = np.array([[9]], np.int32)
     kb = R.bf16_from_f32(kf)
     cases = [
-        ("k", dict(k=kb, v=kb)),                                             # uint16 without kv_dtype
+        ("k", dict(k=kb, v=kb)),  # uint16 without kv_dtype
         ("k", dict(k=kf.astype(np.float16), v=kf.astype(np.float16), kv_dtype="bfloat16")),
         ("k", dict(k=kf, v=kf, kv_dtype="float16")),
         ("k", dict(k=kf.astype(np.float64), v=kf.astype(np.float64))),
-        ("v", dict(k=kf.astype(np.float16), v=kf)),                          # K and V must match
+        ("v", dict(k=kf.astype(np.float16), v=kf)),  # K and V must match
         ("v", dict(k=kb, v=kf.astype(np.float16), kv_dtype="bfloat16")),
         ("kv_dtype", dict(k=kf, v=kf, kv_dtype="int8")),
     ]
@@ -230,6 +268,7 @@ def test_private_tuning_switches_keep_results(dtype):
     """The benchmark-only switches (prefill row-group width, prefetch mode,
     extra cache split) change the schedule, never the result."""
     import sys
+
     A = sys.modules["onnxkv._kernels.attention"]
     rng = np.random.default_rng(17)
     q, k, v = make(rng, dtype, 1, 12, 4, 9, 3000, 64)

@@ -8,6 +8,7 @@ changes nothing.  Every path: contiguous (float32, float16, bfloat16), paged,
 quantized pages (with and without the AMX tiles), cache-split merges (two
 threads, one long row) and the fused decode_token, at every SIMD level.
 """
+
 import sys
 
 import numpy as np
@@ -56,10 +57,10 @@ def _poison(case, q, k, v):
     elif case == "k-nan":
         k[1, 0, 50, 3] = np.nan
     elif case == "k-inf":
-        k[1, 0, 50, :] = np.inf      # +inf scores for queries with a positive sum, -inf for the others
+        k[1, 0, 50, :] = np.inf  # +inf scores for queries with a positive sum, -inf for the others
     elif case == "v-nan":
         v[1, 0, 50, 3] = np.nan
-    elif case == "k-all-neg-inf":   # every visible score of row 0 is -inf: zeros
+    elif case == "k-all-neg-inf":  # every visible score of row 0 is -inf: zeros
         q[0] = np.abs(q[0])
         k[0] = -np.inf
 
@@ -105,10 +106,10 @@ def test_cache_split_merge(case, simd):
 def test_keys_a_row_does_not_see_change_nothing(threads, simd):
     """A NaN key masked inside a tile (after a prefill row's position, before kv_start) is not seen."""
     q, k, v, kv_len, q_pos = _data(11, Sq=6)
-    k[0, :, int(q_pos[0, 2]) + 1, :] = np.nan      # visible to query tokens 3.. of row 0 only
+    k[0, :, int(q_pos[0, 2]) + 1, :] = np.nan  # visible to query tokens 3.. of row 0 only
     v[0, :, int(q_pos[0, 2]) + 1, :] = 1.0
     kv_start = np.array([0, 30], np.int32)
-    k[1, :, 29, :] = np.nan                        # before row 1's kv_start
+    k[1, :, 29, :] = np.nan  # before row 1's kv_start
     want = twin(q, k, v, kv_len, q_pos, kv_start=kv_start)
     got = np.full_like(q, 42.0)
     K.attention(q, k, v, kv_len, q_pos, q.shape[-1] ** -0.5, 0.0, -1, got, kv_start)
@@ -127,8 +128,12 @@ def test_paged(case, threads, simd):
 
 
 #: (case, key page formats, key scale groups): a NaN key can only sit in a float page.
-QUANT_CASES = [(case, kspec, kG) for kspec, kG in [(3, 1), (22, 1), (2, "D"), ((1, 3, 21), 1)]
-               for case in ("q-nan", "q-inf", "k-nan") if case != "k-nan" or isinstance(kspec, tuple)]
+QUANT_CASES = [
+    (case, kspec, kG)
+    for kspec, kG in [(3, 1), (22, 1), (2, "D"), ((1, 3, 21), 1)]
+    for case in ("q-nan", "q-inf", "k-nan")
+    if case != "k-nan" or isinstance(kspec, tuple)
+]
 
 
 @pytest.mark.parametrize("amx", [False, True] if AMX else [False])
@@ -140,8 +145,12 @@ def test_quantized_pages(case, kspec, kG, amx, threads, simd):
     D = q.shape[-1]
     pg = QPaged(np.random.default_rng(2), k, v, 16, chooser(kspec, 4), chooser(3, 5), D if kG == "D" else kG, 1)
     if case == "k-nan":
-        float_pages = [(b, i) for b in range(2) for i in range(pg.table.shape[1])
-                       if pg.formats["k"][pg.table[b, i]] == 1 and i * 16 < kv_len[b]]
+        float_pages = [
+            (b, i)
+            for b in range(2)
+            for i in range(pg.table.shape[1])
+            if pg.formats["k"][pg.table[b, i]] == 1 and i * 16 < kv_len[b]
+        ]
         b, i = float_pages[0]
         pg.pages["k"][int(pg.table[b, i])][0, 0, 3] = np.nan
     else:
@@ -150,14 +159,15 @@ def test_quantized_pages(case, kspec, kG, amx, threads, simd):
     try:
         want, got = np.full_like(q, 42.0), np.full_like(q, 42.0)
         with np.errstate(invalid="ignore", over="ignore"):
-            pg.twin(q, 2, kv_len, q_pos, D ** -0.5, 0.0, -1, want)
-        pg.kernel(q, 2, kv_len, q_pos, D ** -0.5, 0.0, -1, got)
+            pg.twin(q, 2, kv_len, q_pos, D**-0.5, 0.0, -1, want)
+        pg.kernel(q, 2, kv_len, q_pos, D**-0.5, 0.0, -1, got)
     finally:
         A.set_attention_amx(True)
     if case == "q-inf" and simd.startswith("avx512") and amx:
         # on the AMX tiles a query row with an infinity scores NaN (no fixed-point form)
-        np.testing.assert_array_equal(np.isnan(got).any(axis=(2, 3)), np.isnan(q).any(axis=(2, 3))
-                                      | np.isinf(q).any(axis=(2, 3)))
+        np.testing.assert_array_equal(
+            np.isnan(got).any(axis=(2, 3)), np.isnan(q).any(axis=(2, 3)) | np.isinf(q).any(axis=(2, 3))
+        )
         np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
     else:
         assert_same(got, want)
@@ -171,14 +181,14 @@ def test_decode_token(case, threads, simd):
     q, k, v = rand(rng, (1, 1, hq * d)), rand(rng, (1, 1, hkv * d)), rand(rng, (1, 1, hkv * d))
     kc, vc = rand(rng, (1, hkv, cap, d)), rand(rng, (1, hkv, cap, d))
     if case == "q-nan":
-        q[0, 0, 3] = np.nan          # query head 0
+        q[0, 0, 3] = np.nan  # query head 0
     else:
-        kc[0, 1, 7, 5] = np.nan      # KV head 1: query heads 4..7
+        kc[0, 1, 7, 5] = np.nan  # KV head 1: query heads 4..7
     kc2, vc2 = kc.copy(), vc.copy()
     got, want = np.full_like(q, 42.0), np.full_like(q, 42.0)
-    assert K.decode_token(q, k, v, None, None, False, kc, vc, pos, d ** -0.5, 0.0, -1, got)
+    assert K.decode_token(q, k, v, None, None, False, kc, vc, pos, d**-0.5, 0.0, -1, got)
     with np.errstate(invalid="ignore"):
-        R.decode_token(q, k, v, None, None, False, kc2, vc2, pos, d ** -0.5, 0.0, -1, want)
+        R.decode_token(q, k, v, None, None, False, kc2, vc2, pos, d**-0.5, 0.0, -1, want)
     assert_same(got, want)
     heads = np.isnan(got.reshape(hq, d)).all(axis=1)
     assert heads.tolist() == ([True] + [False] * 7 if case == "q-nan" else [False] * 4 + [True] * 4)

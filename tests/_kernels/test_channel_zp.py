@@ -13,6 +13,7 @@ code range, as long as x / s keeps the noise's margin in float32 (w = 2^k up
 to 2^11 with |o| up to 127; the page kernels also take w = 2^16, compared
 with the twin byte for byte).  Attention keys use w up to 2^8.
 """
+
 import sys
 
 import numpy as np
@@ -31,8 +32,14 @@ AMX = A.set_attention_amx(True)
 
 CZP = "channel-zp"
 # integer formats: code -> (bits, lowest code, highest code, z0)
-INTS = {3: (8, -128, 127, 0), 2: (8, 0, 255, 128), 22: (4, -8, 7, 0), 21: (4, 0, 15, 8), 26: (2, -2, 1, 0),
-        25: (2, 0, 3, 2)}
+INTS = {
+    3: (8, -128, 127, 0),
+    2: (8, 0, 255, 128),
+    22: (4, -8, 7, 0),
+    21: (4, 0, 15, 8),
+    26: (2, -2, 1, 0),
+    25: (2, 0, 3, 2),
+}
 FLOATS = (1, 10, 16)
 NAMES = {3: "i8", 2: "u8", 22: "i4", 21: "u4", 26: "i2", 25: "u2", 1: "f32", 10: "f16", 16: "bf16"}
 
@@ -41,9 +48,9 @@ def czp_header(s, w, o):
     """Header bytes (uint8, zero padded to 64) of s, w float32 [H] and o int8 [H*G]."""
     H = s.size
     out = np.zeros(-(-(8 * H + o.size) // 64) * 64, np.uint8)
-    out[:4 * H] = s.view(np.uint8)
-    out[4 * H:8 * H] = w.view(np.uint8)
-    out[8 * H:8 * H + o.size] = o.view(np.uint8)
+    out[: 4 * H] = s.view(np.uint8)
+    out[4 * H : 8 * H] = w.view(np.uint8)
+    out[8 * H : 8 * H + o.size] = o.view(np.uint8)
     return out
 
 
@@ -54,9 +61,9 @@ def czp_page(rng, fmt, H, bs, D, ks=range(9), amp=20.0):
     range; x = s * (code - zp + noise).  Returns (x float32 [H, bs, D], codes int64 [H, bs, D], header,
     decoded scale and zero point float32 [H*D])."""
     bits, qmin, qmax, z0 = INTS[fmt]
-    w = (2.0 ** np.resize(rng.permutation(list(ks)), H)).astype(np.float32)     # each k once if H >= len(ks)
+    w = (2.0 ** np.resize(rng.permutation(list(ks)), H)).astype(np.float32)  # each k once if H >= len(ks)
     o = rng.integers(-127, 128, (H, D)).astype(np.int8)
-    s = (amp / (127 * w + 2 ** bits) * rng.uniform(0.5, 1.0, H)).astype(np.float32)
+    s = (amp / (127 * w + 2**bits) * rng.uniform(0.5, 1.0, H)).astype(np.float32)
     scale = np.repeat(s, D)
     zp = (z0 + w[:, None].astype(np.float64) * o).astype(np.float32).reshape(-1)
     codes = rng.integers(qmin, qmax + 1, (H, bs, D))
@@ -83,6 +90,7 @@ def twin_page(x, codes, header, scale, zp, fmt, bs):
 
 # ---------------------------------------------------------------- the twin against the definition
 
+
 @pytest.mark.parametrize("fmt", sorted(INTS), ids=lambda f: NAMES[f])
 @pytest.mark.parametrize("D", [32, 96, 128])
 def test_twin_gives_back_the_codes(fmt, D):
@@ -94,16 +102,16 @@ def test_twin_gives_back_the_codes(fmt, D):
     rng = np.random.default_rng([fmt, D])
     H, bs = 5, 16
     x, codes, header, scale, zp = czp_page(rng, fmt, H, bs, D, ks=(0, 3, 8, 11))
-    assert np.abs(zp - INTS[fmt][3]).max() > 2 ** 17        # far outside every code range
+    assert np.abs(zp - INTS[fmt][3]).max() > 2**17  # far outside every code range
     page = twin_page(x, codes, header, scale, zp, fmt, bs)
-    np.testing.assert_array_equal(page[:header.size], header)
-    hb = -(-8 * H * D // 64) * 64                                  # float32 header of the same parameters
+    np.testing.assert_array_equal(page[: header.size], header)
+    hb = -(-8 * H * D // 64) * 64  # float32 header of the same parameters
     plain = np.zeros(hb + page.size - header.size, np.uint8)
     R.quantize_page(x, fmt, scale, zp, D, plain, bs)
-    np.testing.assert_array_equal(page[header.size:], plain[hb:])
+    np.testing.assert_array_equal(page[header.size :], plain[hb:])
     back = np.empty_like(x)
     R.dequantize_page(page, fmt, H, bs, D, D, bs, back, CZP)
-    assert np.all(np.abs(back - x) <= scale.reshape(H, 1, D) * 0.5 + 2.0 ** -22 * np.abs(x))
+    assert np.all(np.abs(back - x) <= scale.reshape(H, 1, D) * 0.5 + 2.0**-22 * np.abs(x))
 
 
 @pytest.mark.parametrize("fmt", sorted(INTS), ids=lambda f: NAMES[f])
@@ -118,8 +126,8 @@ def test_twin_decodes_the_header_layout(fmt):
     page = np.zeros(payload_bytes(fmt, H, bs, D), np.uint8)
     page[:64] = czp_header(s, w, o.reshape(-1))
     assert page[:12].view(np.float32).tolist() == [0.5, 2.0, 0.125] and page[12:24].view(np.float32)[0] == 1.0
-    assert page[24:24 + H * D].view(np.int8).tolist() == o.reshape(-1).tolist() and not page[48:64].any()
-    code = qmax                                                   # every code the highest one
+    assert page[24 : 24 + H * D].view(np.int8).tolist() == o.reshape(-1).tolist() and not page[48:64].any()
+    code = qmax  # every code the highest one
     page[64:] = {8: code & 0xFF, 4: (code & 0xF) * 0x11, 2: (code & 3) * 0x55}[bits]
     out = np.empty((H, bs, D), np.float32)
     R.dequantize_page(page, fmt, H, bs, D, D, bs, out, CZP)
@@ -136,11 +144,13 @@ def test_twin_refuses_bad_headers_and_groups():
     x, codes, header, scale, zp = czp_page(rng, 2, H, bs, D)
     page = np.zeros(payload_bytes(2, H, bs, D), np.uint8)
     bad = header.copy()
-    bad[8 * H + 3] ^= 1                                           # o[3] differs
+    bad[8 * H + 3] ^= 1  # o[3] differs
     calls = [
         ("header", lambda: R.quantize_page(x, 2, scale, zp, D, page, bs, header=bad, header_kind=CZP)),
-        ("header", lambda: R.quantize_page(x, 2, scale * np.float32(2), zp, D, page, bs, header=header,
-                                           header_kind=CZP)),
+        (
+            "header",
+            lambda: R.quantize_page(x, 2, scale * np.float32(2), zp, D, page, bs, header=header, header_kind=CZP),
+        ),
         ("header", lambda: R.quantize_page(x, 2, scale, zp, D, page, bs, header=header[:-1], header_kind=CZP)),
         ("header_kind", lambda: R.quantize_page(x, 2, scale, zp, D, page, bs, header=header, header_kind="czp")),
         ("group", lambda: R.dequantize_page(page, 2, H, bs, D, 1, bs, np.empty((H, bs, D), np.float32), CZP)),
@@ -153,6 +163,7 @@ def test_twin_refuses_bad_headers_and_groups():
 
 
 # ---------------------------------------------------------------- page kernels against the twin
+
 
 @pytest.mark.parametrize("fmt", sorted(INTS), ids=lambda f: NAMES[f])
 @pytest.mark.parametrize("H,D", [(1, 32), (3, 64), (8, 128), (5, 96)])
@@ -168,24 +179,24 @@ def test_page_kernels_match_twin(fmt, H, D, bs, threads, simd):
     x, codes, header, scale, zp = czp_page(rng, fmt, H, bs, D, ks=(0, 1, 5, 8, 16))
     t0 = int(rng.integers(0, bs))
     n = int(rng.integers(1, bs - t0 + 1))
-    part = np.ascontiguousarray(x[:, t0:t0 + n])
+    part = np.ascontiguousarray(x[:, t0 : t0 + n])
     flat = part.reshape(-1)
     hit = rng.choice(flat.size, min(5, flat.size), replace=False)
-    flat[hit] = np.array([1e6, -1e6, np.inf, -np.inf, np.nan], np.float32)[:hit.size]
+    flat[hit] = np.array([1e6, -1e6, np.inf, -np.inf, np.nan], np.float32)[: hit.size]
     before = rng.integers(0, 256, payload_bytes(fmt, H, bs, D), dtype=np.uint8)
     got, want = before.copy(), before.copy()
     K.quantize_page(part, fmt, scale, zp, D, got, bs, t0, header=header, header_kind=CZP)
     R.quantize_page(part, fmt, scale, zp, D, want, bs, t0, header=header, header_kind=CZP)
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(got[:header.size], header)
+    np.testing.assert_array_equal(got[: header.size], header)
     assert not np.array_equal(got, before)
     out, ref = np.full((H, t0 + n, D), np.nan, np.float32), np.empty((H, t0 + n, D), np.float32)
     K.dequantize_page(got, fmt, H, bs, D, D, t0 + n, out, CZP)
     R.dequantize_page(got, fmt, H, bs, D, D, t0 + n, ref, CZP)
     np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
     sure = ~np.isin(np.arange(flat.size), hit).reshape(part.shape)
-    sure &= (header[4 * H:8 * H].view(np.float32) <= 2 ** 11)[:, None, None]
-    exact = (codes[:, t0:t0 + n].astype(np.float32) - zp.reshape(H, 1, D)) * scale.reshape(H, 1, D)
+    sure &= (header[4 * H : 8 * H].view(np.float32) <= 2**11)[:, None, None]
+    exact = (codes[:, t0 : t0 + n].astype(np.float32) - zp.reshape(H, 1, D)) * scale.reshape(H, 1, D)
     np.testing.assert_array_equal(out[:, t0:][sure], exact[sure])
 
 
@@ -199,16 +210,29 @@ def test_page_kernels_refuse_bad_headers():
     page = rng.integers(0, 256, payload_bytes(21, H, bs, D), dtype=np.uint8)
     out = np.full((H, bs, D), 9.0, np.float32)
     bad_o, bad_w = header.copy(), header.copy()
-    bad_o[8 * H + 17] ^= 2                                       # o[17] (head 1, channel 1)
-    bad_w[4 * H:4 * H + 4] = (header[4 * H:4 * H + 4].view(np.float32) * 2).view(np.uint8)     # w[0] doubled
+    bad_o[8 * H + 17] ^= 2  # o[17] (head 1, channel 1)
+    bad_w[4 * H : 4 * H + 4] = (header[4 * H : 4 * H + 4].view(np.float32) * 2).view(np.uint8)  # w[0] doubled
     zp_one = np.full_like(zp, np.float32(8.0))
-    q = dict(x=x, fmt_code=21, scale=scale, zero_point=zp, group=D, out_page=page, block_size=bs, header=header,
-             header_kind=CZP)
-    for kw, name in [(dict(header=bad_o), "header"), (dict(header=bad_w), "header"),
-                     (dict(zero_point=zp_one), "header"), (dict(scale=scale * np.float32(1.5)), "header"),
-                     (dict(header=header[:-1]), "header"), (dict(header_kind="channel_zp"), "header_kind"),
-                     (dict(group=1, scale=scale[::D].copy(), zero_point=np.full(H, 8.0, np.float32)),
-                      "group|header")]:
+    q = dict(
+        x=x,
+        fmt_code=21,
+        scale=scale,
+        zero_point=zp,
+        group=D,
+        out_page=page,
+        block_size=bs,
+        header=header,
+        header_kind=CZP,
+    )
+    for kw, name in [
+        (dict(header=bad_o), "header"),
+        (dict(header=bad_w), "header"),
+        (dict(zero_point=zp_one), "header"),
+        (dict(scale=scale * np.float32(1.5)), "header"),
+        (dict(header=header[:-1]), "header"),
+        (dict(header_kind="channel_zp"), "header_kind"),
+        (dict(group=1, scale=scale[::D].copy(), zero_point=np.full(H, 8.0, np.float32)), "group|header"),
+    ]:
         before = page.copy()
         with pytest.raises(ValueError, match=rf"^({name})\b"):
             K.quantize_page(**dict(q, **kw))
@@ -220,6 +244,7 @@ def test_page_kernels_refuse_bad_headers():
 
 
 # ---------------------------------------------------------------- paged attention against the twin
+
 
 class Cache:
     """B rows of M pages each, page ids shuffled, every page its own 64-byte
@@ -258,16 +283,44 @@ class Cache:
                     self.pages[p][pid], self.addr[p][pid] = page, buf.address
 
     def kwargs(self, **kw):
-        return dict(dict(k_formats=self.formats["k"], v_formats=self.formats["v"], k_group=self.D, v_group=1,
-                         k_header=CZP), **kw)
+        return dict(
+            dict(k_formats=self.formats["k"], v_formats=self.formats["v"], k_group=self.D, v_group=1, k_header=CZP),
+            **kw,
+        )
 
     def kernel(self, q, Hkv, kv_len, q_pos, scale, out, **kw):
-        return K.paged_attention(q, self.addr["k"], self.addr["v"], self.table, self.bs, Hkv, kv_len, q_pos, scale,
-                                 self.softcap, self.window, out, **self.kwargs(**kw))
+        return K.paged_attention(
+            q,
+            self.addr["k"],
+            self.addr["v"],
+            self.table,
+            self.bs,
+            Hkv,
+            kv_len,
+            q_pos,
+            scale,
+            self.softcap,
+            self.window,
+            out,
+            **self.kwargs(**kw),
+        )
 
     def twin(self, q, Hkv, kv_len, q_pos, scale, out, **kw):
-        R.paged_attention(q, self.pages["k"], self.pages["v"], self.table, self.bs, Hkv, kv_len, q_pos, scale,
-                          self.softcap, self.window, out, **self.kwargs(**kw))
+        R.paged_attention(
+            q,
+            self.pages["k"],
+            self.pages["v"],
+            self.table,
+            self.bs,
+            Hkv,
+            kv_len,
+            q_pos,
+            scale,
+            self.softcap,
+            self.window,
+            out,
+            **self.kwargs(**kw),
+        )
 
 
 def setup(seed, Hkv, ratio, D, bs, M, Sq, kspec, vspec, ks=range(9), softcap=0.0, window=-1):
@@ -280,7 +333,7 @@ def setup(seed, Hkv, ratio, D, bs, M, Sq, kspec, vspec, ks=range(9), softcap=0.0
     cache.softcap, cache.window = softcap, window
     kv_len = np.array([M * bs, max(Sq, M * bs - bs // 2 - 1)], np.int32)
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
-    q, scale = rand(rng, (B, Hkv * ratio, Sq, D)), D ** -0.5
+    q, scale = rand(rng, (B, Hkv * ratio, Sq, D)), D**-0.5
     want, dense = np.full_like(q, np.nan), np.full_like(q, np.nan)
     cache.twin(q, Hkv, kv_len, q_pos, scale, want)
     R.attention(q, cache.kd, cache.vd, kv_len, q_pos, scale, softcap, window, dense)
@@ -289,10 +342,12 @@ def setup(seed, Hkv, ratio, D, bs, M, Sq, kspec, vspec, ks=range(9), softcap=0.0
 
 
 # (name, simd on, AVX-512 tiles, AMX keys, AMX p.v mode): every instruction set this machine runs
-PATHS = ([("scalar", False, False, False, 0)]
-         + ([("avx2", True, False, False, 0)] if K.cpu_features()["simd_usable"] else [])
-         + ([("avx512", True, True, False, 0)] if AVX512 else [])
-         + ([("avx512+amx", True, True, True, 0), ("avx512+amx", True, True, True, 2)] if AMX else []))
+PATHS = (
+    [("scalar", False, False, False, 0)]
+    + ([("avx2", True, False, False, 0)] if K.cpu_features()["simd_usable"] else [])
+    + ([("avx512", True, True, False, 0)] if AVX512 else [])
+    + ([("avx512+amx", True, True, True, 0), ("avx512+amx", True, True, True, 2)] if AMX else [])
+)
 
 
 def check_paths(cache, q, kv_len, q_pos, scale, want):
@@ -313,8 +368,9 @@ def check_paths(cache, q, kv_len, q_pos, scale, want):
                 assert A.attention_simd_level() == level
                 out = np.full_like(q, np.nan)
                 stats = cache.kernel(q, Hkv, kv_len, q_pos, scale, out)
-                np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5,
-                                           err_msg=f"threads={threads} path={level} pv={pv}")
+                np.testing.assert_allclose(
+                    out, want, rtol=1e-5, atol=1e-5, err_msg=f"threads={threads} path={level} pv={pv}"
+                )
                 assert (stats["dequantized_bytes"] > 0) == quantized
     finally:
         K.set_num_threads(old)
@@ -324,8 +380,15 @@ def check_paths(cache, q, kv_len, q_pos, scale, want):
 
 
 SHAPES = [  # Hkv, GQA ratio, D, block size, pages per row, query tokens
-    (1, 1, 32, 16, 1, 1), (2, 4, 64, 16, 3, 1), (8, 1, 128, 16, 4, 3), (3, 4, 96, 5, 4, 1),
-    (4, 4, 128, 5, 2, 3), (8, 4, 64, 5, 4, 3), (5, 1, 96, 16, 2, 3), (1, 4, 128, 16, 4, 1)]
+    (1, 1, 32, 16, 1, 1),
+    (2, 4, 64, 16, 3, 1),
+    (8, 1, 128, 16, 4, 3),
+    (3, 4, 96, 5, 4, 1),
+    (4, 4, 128, 5, 2, 3),
+    (8, 4, 64, 5, 4, 3),
+    (5, 1, 96, 16, 2, 3),
+    (1, 4, 128, 16, 4, 1),
+]
 
 
 @pytest.mark.parametrize("fmt", sorted(INTS), ids=lambda f: NAMES[f])
@@ -360,8 +423,7 @@ def test_zero_points_far_outside_the_code_range(fmt, k):
 ALL = tuple(sorted(INTS)) + FLOATS
 
 
-@pytest.mark.parametrize("softcap,window", [(0.0, -1), (30.0, -1), (0.0, 500)],
-                         ids=["plain", "softcap", "window"])
+@pytest.mark.parametrize("softcap,window", [(0.0, -1), (30.0, -1), (0.0, 500)], ids=["plain", "softcap", "window"])
 @pytest.mark.parametrize("kspec", [(3,), (2,), (21,), (3, 2, 22, 21, 1)], ids=["i8", "u8", "u4", "mixed"])
 def test_long_context(kspec, softcap, window):
     """2048 keys per row (the second row 2039): a per-page zero-point share on
@@ -386,8 +448,11 @@ def test_many_pages_of_mixed_formats():
     check_paths(cache, *rest)
 
 
-BAD_ATTENTION_ARGS = [(dict(k_group=1), "k_group|k_header"), (dict(k_header="channelzp"), "k_header"),
-                      (dict(k_header="channel-zp-8"), "k_header")]
+BAD_ATTENTION_ARGS = [
+    (dict(k_group=1), "k_group|k_header"),
+    (dict(k_header="channelzp"), "k_header"),
+    (dict(k_header="channel-zp-8"), "k_header"),
+]
 
 
 @pytest.mark.parametrize("impl", ["kernel", "twin"])

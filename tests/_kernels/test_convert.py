@@ -6,9 +6,32 @@ from onnxkv._kernels import reference as R
 
 
 def _specials():
-    return np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.99, 65520.0, 1e6, -1e6,
-                     6.1035156e-05, 6.0e-08, 5.96e-08, 2.98e-08, 2.99e-08, 1e-10, -3.0e-06,
-                     1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 0.1, -7.33], np.float32)
+    return np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            65504.0,
+            65519.99,
+            65520.0,
+            1e6,
+            -1e6,
+            6.1035156e-05,
+            6.0e-08,
+            5.96e-08,
+            2.98e-08,
+            2.99e-08,
+            1e-10,
+            -3.0e-06,
+            1.0 + 2.0**-11,
+            1.0 + 3 * 2.0**-11,
+            0.1,
+            -7.33,
+        ],
+        np.float32,
+    )
 
 
 @pytest.mark.parametrize("n", [1, 7, 33, 4096, 200001])
@@ -27,7 +50,7 @@ def test_f32_to_f16_matches_numpy(n, threads, simd):
 
 @pytest.mark.parametrize("n", [1, 7, 33, 65536, 200001])
 def test_f16_to_f32_matches_numpy(n, threads, simd):
-    bits = np.arange(n, dtype=np.uint32) % 65536          # every half value (incl. subnormals, inf, nan)
+    bits = np.arange(n, dtype=np.uint32) % 65536  # every half value (incl. subnormals, inf, nan)
     x = bits.astype(np.uint16).view(np.float16).reshape(-1)
     out, want = np.full(n, 7, np.float32), np.empty(n, np.float32)
     K.f16_to_f32(x, out)
@@ -57,11 +80,11 @@ def test_convert_nd_and_bad_args():
 @pytest.mark.parametrize("n", [1, 7, 33, 4096, 200001])
 def test_f32_to_bf16_round_to_nearest_even(n, threads, simd):
     rng = np.random.default_rng(n)
-    with np.errstate(over="ignore"):   # some products overflow float32 to inf on purpose
+    with np.errstate(over="ignore"):  # some products overflow float32 to inf on purpose
         x = (rng.standard_normal(n) * rng.choice([1e-38, 1e-6, 1.0, 1e5, 3e38], n)).astype(np.float32)
     if n >= 33:
         x[:21] = _specials()
-    if n >= 4096:   # exact ties (odd and even) and values next to them
+    if n >= 4096:  # exact ties (odd and even) and values next to them
         base = rng.integers(0, 1 << 15, 2000, dtype=np.uint32) << 16
         x[100:2100] = (base | 0x8000).view(np.float32)
         x[2100:4096] = ((base[:1996] | 0x8000) + rng.integers(-2, 3, 1996).astype(np.uint32)).view(np.float32)
@@ -73,7 +96,7 @@ def test_f32_to_bf16_round_to_nearest_even(n, threads, simd):
     back = R.f32_from_bf16(out)
     nan = np.isnan(x)
     assert np.all(np.isnan(back[nan]))
-    ml_dtypes = pytest.importorskip("ml_dtypes")          # independent oracle (an ONNX dependency)
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # independent oracle (an ONNX dependency)
     with np.errstate(invalid="ignore", over="ignore"):
         oracle = x.astype(ml_dtypes.bfloat16).view(np.uint16)
     np.testing.assert_array_equal(want[~nan], oracle[~nan])
@@ -81,7 +104,7 @@ def test_f32_to_bf16_round_to_nearest_even(n, threads, simd):
 
 @pytest.mark.parametrize("n", [1, 7, 33, 65536, 200001])
 def test_bf16_to_f32_exact(n, threads, simd):
-    x = (np.arange(n, dtype=np.uint32) % 65536).astype(np.uint16)       # every bf16 pattern
+    x = (np.arange(n, dtype=np.uint32) % 65536).astype(np.uint16)  # every bf16 pattern
     out = np.full(n, 7, np.float32)
     K.bf16_to_f32(x, out)
     np.testing.assert_array_equal(out.view(np.uint32), x.astype(np.uint32) << 16)
@@ -94,7 +117,7 @@ def test_bf16_nd_and_bad_args():
     K.f32_to_bf16(x, b)
     back = np.empty_like(x)
     K.bf16_to_f32(b, back)
-    np.testing.assert_allclose(back, x, rtol=2 ** -8)
+    np.testing.assert_allclose(back, x, rtol=2**-8)
     out = np.full((2, 3, 4), 5, np.uint16)
     with pytest.raises(ValueError, match="out"):
         K.f32_to_bf16(x, out[:1])
@@ -109,7 +132,7 @@ def test_bf16_nd_and_bad_args():
 
 @pytest.mark.parametrize("n", [0, 1, 31, 262144 * 3 + 17])
 def test_read_sum(n, threads, simd):
-    x = np.random.default_rng(n).integers(-8, 9, n).astype(np.float32)   # exact small integers
+    x = np.random.default_rng(n).integers(-8, 9, n).astype(np.float32)  # exact small integers
     assert K.read_sum(x) == float(x.astype(np.int64).sum())
     with pytest.raises(ValueError, match="x"):
         K.read_sum(x.astype(np.float64))

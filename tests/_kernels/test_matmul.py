@@ -94,7 +94,7 @@ def test_matmul_rows_readonly_inputs_and_empty():
 
 def test_matmul_rows_bad_args():
     f = np.float32
-    x, w, b = np.ones((2, 8), f), np.ones((8, 4), f), np.ones(4, f)
+    x, w = np.ones((2, 8), f), np.ones((8, 4), f)
     out = np.full((2, 4), 3.0, f)
     cases = [
         ("x", lambda: K.matmul_rows(x.astype(np.float64), w, out)),
@@ -147,6 +147,7 @@ def test_matmul_rows_wide(M, threads, simd):
 
 # -- packed weights (pack_weight / matmul_packed) -------------------------------------------------
 
+
 def check_packed(x, w, bias=None):
     M, Kd = x.shape
     N = w.shape[1]
@@ -169,8 +170,7 @@ def test_pack_weight(Kd, N):
     np.testing.assert_array_equal(wp, R.pack_weight(w))
 
 
-@pytest.mark.parametrize("Kd,N", [(1, 7), (7, 1), (15, 17), (17, 15), (100, 1023), (1023, 100)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("Kd,N", [(1, 7), (7, 1), (15, 17), (17, 15), (100, 1023), (1023, 100)], ids=lambda v: str(v))
 @pytest.mark.parametrize("M", range(1, 17))
 def test_matmul_packed(M, Kd, N, threads, simd):
     rng = np.random.default_rng([M, Kd, N])

@@ -4,6 +4,7 @@ Whether a team is late depends on the machine's load, so the tests drive the
 state directly: products left to run alone are counted down one per product,
 give the team's result bit for bit, and are ignored with the switch off.
 """
+
 import numpy as np
 import pytest
 
@@ -26,7 +27,7 @@ def two_threads():
 @pytest.mark.parametrize("M", [1, 3])
 def test_solo_products_equal_team_products(two_threads, M):
     rng = np.random.default_rng(51)
-    x, w = rand(rng, (M, 256)), rand(rng, (256, 400))     # large enough for the team (M*K*N >= 2**16)
+    x, w = rand(rng, (M, 256)), rand(rng, (256, 400))  # large enough for the team (M*K*N >= 2**16)
     wp = MM.pack_weight(w)
     team = np.full((M, 400), np.nan, np.float32)
     MM._set_adaptive(False)

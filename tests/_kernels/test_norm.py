@@ -107,8 +107,12 @@ def test_norm_valid_calls_skip_python_checks(dtype, python_checks, tmp_path):
     """Valid calls (in place, aliasing, ndarray subclasses) are checked in C and
     give the reference result; an int eps or a 0-row x takes the Python checks."""
     rng = np.random.default_rng(21)
-    x, skip, g, b = rand(rng, (3, 40), dtype), rand(rng, (3, 40), dtype), rand(rng, (40,), dtype), \
-        rand(rng, (40,), dtype)
+    x, skip, g, b = (
+        rand(rng, (3, 40), dtype),
+        rand(rng, (3, 40), dtype),
+        rand(rng, (40,), dtype),
+        rand(rng, (40,), dtype),
+    )
     mapped = np.memmap(tmp_path / "x.bin", dtype=dtype, mode="w+", shape=x.shape)
     mapped[...] = x
     out, want = np.empty_like(x), np.empty_like(x)
@@ -141,46 +145,58 @@ def test_norm_fast_checks_defer_to_named_errors(dtype):
     readonly = out.copy()
     readonly.flags.writeable = False
     fortran = np.asfortranarray(rand(rng, (4, 8), dtype))
-    buf = rand(rng, (5, 8), dtype)           # out = buf[1:] overlaps x = buf[:4] partially
-    flat = rand(rng, (40,), dtype)           # out = flat[:32] holds flat[24:32] (gamma / bias)
+    buf = rand(rng, (5, 8), dtype)  # out = buf[1:] overlaps x = buf[:4] partially
+    flat = rand(rng, (40,), dtype)  # out = flat[:32] holds flat[24:32] (gamma / bias)
     shared_out, shared_vec = flat[:32].reshape(4, 8), flat[24:32]
     rms = [
-        (lambda: K.rms_norm(x.astype(swapped), g, 1e-6, out),
-         f"x: dtype {swapped} is not supported (expected float32, float64)"),
+        (
+            lambda: K.rms_norm(x.astype(swapped), g, 1e-6, out),
+            f"x: dtype {swapped} is not supported (expected float32, float64)",
+        ),
         (lambda: K.rms_norm(x.tolist(), g, 1e-6, out), "x: expected a numpy.ndarray, got list"),
         (lambda: K.rms_norm(fortran, g, 1e-6, out), "x: array must be C-contiguous"),
-        (lambda: K.rms_norm(x, g.astype(swapped), 1e-6, out),
-         f"gamma: dtype {swapped} is not supported (expected {d})"),
+        (
+            lambda: K.rms_norm(x, g.astype(swapped), 1e-6, out),
+            f"gamma: dtype {swapped} is not supported (expected {d})",
+        ),
         (lambda: K.rms_norm(x, g[:7], 1e-6, out), "gamma: expected shape (8,), got (7,)"),
         (lambda: K.rms_norm(x, g, 1e-6, readonly), "out: array must be writeable"),
         (lambda: K.rms_norm(x, g, 1e-6, memoryview(out)), "out: expected a numpy.ndarray, got memoryview"),
         (lambda: K.rms_norm(x, g, 1e-6, np.asfortranarray(out)), "out: array must be C-contiguous"),
         (lambda: K.rms_norm(x, g, 1e-6, out[:, :4]), "out: expected shape (4, 8), got (4, 4)"),
-        (lambda: K.rms_norm(buf[:4], g, 1e-6, buf[1:]),
-         "out: must not overlap x (only exact aliasing is allowed)"),
+        (lambda: K.rms_norm(buf[:4], g, 1e-6, buf[1:]), "out: must not overlap x (only exact aliasing is allowed)"),
         (lambda: K.rms_norm(x, shared_vec, 1e-6, shared_out), "out: must not overlap gamma"),
         (lambda: K.rms_norm(x, g, float("nan"), out), "eps: must be >= 0, got nan"),
         (lambda: K.rms_norm(x, g, -1e-6, out), "eps: must be >= 0, got -1e-06"),
     ]
     skip_rms = [
-        (lambda: K.skip_rms_norm(x, skip.astype(swapped), g, b, 1e-6, out, s_out),
-         f"skip: dtype {swapped} is not supported (expected {d})"),
+        (
+            lambda: K.skip_rms_norm(x, skip.astype(swapped), g, b, 1e-6, out, s_out),
+            f"skip: dtype {swapped} is not supported (expected {d})",
+        ),
         (lambda: K.skip_rms_norm(x, fortran, g, b, 1e-6, out, s_out), "skip: array must be C-contiguous"),
         (lambda: K.skip_rms_norm(x, skip, g, b[:7], 1e-6, out, s_out), "bias: expected shape (8,), got (7,)"),
-        (lambda: K.skip_rms_norm(x, skip, g, b.tolist(), 1e-6, out, s_out),
-         "bias: expected a numpy.ndarray, got list"),
+        (lambda: K.skip_rms_norm(x, skip, g, b.tolist(), 1e-6, out, s_out), "bias: expected a numpy.ndarray, got list"),
         (lambda: K.skip_rms_norm(x, skip, g, b, 1e-6, out, readonly), "sum_out: array must be writeable"),
         (lambda: K.skip_rms_norm(x, skip, g, b, 1e-6, out, out), "sum_out: must not overlap out"),
-        (lambda: K.skip_rms_norm(buf[:4], skip, g, b, 1e-6, out, buf[1:]),
-         "sum_out: must not overlap x (only exact aliasing is allowed)"),
-        (lambda: K.skip_rms_norm(x, buf[:4], g, b, 1e-6, out, buf[1:]),
-         "sum_out: must not overlap skip (only exact aliasing is allowed)"),
+        (
+            lambda: K.skip_rms_norm(buf[:4], skip, g, b, 1e-6, out, buf[1:]),
+            "sum_out: must not overlap x (only exact aliasing is allowed)",
+        ),
+        (
+            lambda: K.skip_rms_norm(x, buf[:4], g, b, 1e-6, out, buf[1:]),
+            "sum_out: must not overlap skip (only exact aliasing is allowed)",
+        ),
         (lambda: K.skip_rms_norm(x, skip, shared_vec, b, 1e-6, out, shared_out), "sum_out: must not overlap gamma"),
         (lambda: K.skip_rms_norm(x, skip, g, shared_vec, 1e-6, out, shared_out), "sum_out: must not overlap bias"),
-        (lambda: K.skip_rms_norm(x, buf[:4], g, None, 1e-6, buf[1:], None),
-         "out: must not overlap skip (only exact aliasing is allowed)"),
-        (lambda: K.skip_rms_norm(buf[:4], skip, g, None, 1e-6, buf[1:], s_out),
-         "out: must not overlap x (only exact aliasing is allowed)"),
+        (
+            lambda: K.skip_rms_norm(x, buf[:4], g, None, 1e-6, buf[1:], None),
+            "out: must not overlap skip (only exact aliasing is allowed)",
+        ),
+        (
+            lambda: K.skip_rms_norm(buf[:4], skip, g, None, 1e-6, buf[1:], s_out),
+            "out: must not overlap x (only exact aliasing is allowed)",
+        ),
         (lambda: K.skip_rms_norm(x, skip, g, shared_vec, 1e-6, shared_out, None), "out: must not overlap bias"),
         (lambda: K.skip_rms_norm(x, skip, g, b, -1.0, out, s_out), "eps: must be >= 0, got -1.0"),
     ]

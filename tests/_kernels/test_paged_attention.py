@@ -8,6 +8,7 @@ onnxkv.alloc.SystemAllocator) and their physical order is shuffled.  Blocks no
 query sees are mapped to -1 or to pages full of NaN: a kernel that read them
 would fail the comparison (NaN values) or read out of bounds.
 """
+
 import functools
 import sys
 
@@ -58,17 +59,15 @@ class Paged:
         for b in range(B):
             for i in range(M):
                 if not read[b, i] and not (nan_pages and (b + i) % 2):
-                    continue                      # unallocated: -1
+                    continue  # unallocated: -1
                 pid = int(ids[b * M + i])
                 self.table[b, i] = pid
                 for src, pages in ((kp, self.k_pages), (vp, self.v_pages)):
                     page = self.page(k.dtype, (Hkv, bs, D))
-                    page[...] = src[b, :, i * bs:(i + 1) * bs] if read[b, i] else NAN[k.dtype]
+                    page[...] = src[b, :, i * bs : (i + 1) * bs] if read[b, i] else NAN[k.dtype]
                     pages[pid] = page
-        self.k_addr = np.array([0 if p is None else p.__array_interface__["data"][0] for p in self.k_pages],
-                               np.uint64)
-        self.v_addr = np.array([0 if p is None else p.__array_interface__["data"][0] for p in self.v_pages],
-                               np.uint64)
+        self.k_addr = np.array([0 if p is None else p.__array_interface__["data"][0] for p in self.k_pages], np.uint64)
+        self.v_addr = np.array([0 if p is None else p.__array_interface__["data"][0] for p in self.v_pages], np.uint64)
         self.bs = bs
 
     def page(self, dtype, shape):
@@ -77,15 +76,41 @@ class Paged:
         return buf.view(dtype, shape)
 
     def kernel(self, q, Hkv, kv_len, q_pos, scale, softcap, window, out, dtype):
-        K.paged_attention(q, self.k_addr, self.v_addr, self.table, self.bs, Hkv, kv_len, q_pos, scale, softcap,
-                          window, out, kv_dtype=kvd(dtype))
+        K.paged_attention(
+            q,
+            self.k_addr,
+            self.v_addr,
+            self.table,
+            self.bs,
+            Hkv,
+            kv_len,
+            q_pos,
+            scale,
+            softcap,
+            window,
+            out,
+            kv_dtype=kvd(dtype),
+        )
 
     def twin(self, q, Hkv, kv_len, q_pos, scale, softcap, window, out, dtype):
-        R.paged_attention(q, self.k_pages, self.v_pages, self.table, self.bs, Hkv, kv_len, q_pos, scale, softcap,
-                          window, out, kv_dtype=kvd(dtype))
+        R.paged_attention(
+            q,
+            self.k_pages,
+            self.v_pages,
+            self.table,
+            self.bs,
+            Hkv,
+            kv_len,
+            q_pos,
+            scale,
+            softcap,
+            window,
+            out,
+            kv_dtype=kvd(dtype),
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(dtype, heads, D, bs, kv_len, Sq, seed, softcap, window, q_pos, skip_unread):
     """Random data, its paged copy and the twin's result; cached, so that the
     thread / SIMD variants of a test share them (hashable arguments only)."""
@@ -102,7 +127,7 @@ def case(dtype, heads, D, bs, kv_len, Sq, seed, softcap, window, q_pos, skip_unr
     read = paged_blocks_read(kv_len, q_pos, window, bs, -(-Cap // bs)) if skip_unread else None
     pg = Paged(rng, k, v, bs, read, nan_pages=skip_unread)
     want = np.full_like(q, np.nan)
-    pg.twin(q, Hkv, kv_len, q_pos, D ** -0.5, softcap, window, want, dtype)
+    pg.twin(q, Hkv, kv_len, q_pos, D**-0.5, softcap, window, want, dtype)
     return q, k, v, Hkv, kv_len, q_pos, pg, want
 
 
@@ -112,11 +137,13 @@ def _drop_cached_cases():
     case.cache_clear()
 
 
-def check_against_twin(dtype, heads, D, bs, kv_len, Sq, seed, softcap=0.0, window=-1, q_pos=None, skip_unread=False,
-        tol=1e-5):
+def check_against_twin(
+    dtype, heads, D, bs, kv_len, Sq, seed, softcap=0.0, window=-1, q_pos=None, skip_unread=False, tol=1e-5
+):
     """Kernel vs twin vs contiguous kernel at the current thread / SIMD setting."""
-    q, k, v, Hkv, kv_len, q_pos, pg, want = case(dtype, heads, D, bs, tuple(kv_len), Sq, seed, softcap, window,
-                                                 q_pos, skip_unread)
+    q, k, v, Hkv, kv_len, q_pos, pg, want = case(
+        dtype, heads, D, bs, tuple(kv_len), Sq, seed, softcap, window, q_pos, skip_unread
+    )
     scale = q.shape[-1] ** -0.5
     got, contig = np.full_like(q, np.nan), np.full_like(q, np.nan)
     pg.kernel(q, Hkv, kv_len, q_pos, scale, softcap, window, got, dtype)
@@ -127,41 +154,54 @@ def check_against_twin(dtype, heads, D, bs, kv_len, Sq, seed, softcap=0.0, windo
 
 
 # decode grid: every head layout, head size, block size and dtype; contexts up to 8192
-DECODE = [("float32", "gqa", 128, 16, 1), ("float32", "mha", 64, 1, 17), ("float32", "mqa", 80, 24, 1000),
-          ("float32", "gqa", 64, 32, 8192), ("float32", "gqa", 80, 1, 300), ("float16", "gqa", 128, 16, 4100),
-          ("float16", "mha", 80, 24, 333), ("float16", "mqa", 64, 32, 65), ("bfloat16", "gqa", 80, 32, 1000),
-          ("bfloat16", "mqa", 128, 24, 8192), ("bfloat16", "mha", 64, 16, 31), ("float16", "gqa", 64, 1, 40)]
+DECODE = [
+    ("float32", "gqa", 128, 16, 1),
+    ("float32", "mha", 64, 1, 17),
+    ("float32", "mqa", 80, 24, 1000),
+    ("float32", "gqa", 64, 32, 8192),
+    ("float32", "gqa", 80, 1, 300),
+    ("float16", "gqa", 128, 16, 4100),
+    ("float16", "mha", 80, 24, 333),
+    ("float16", "mqa", 64, 32, 65),
+    ("bfloat16", "gqa", 80, 32, 1000),
+    ("bfloat16", "mqa", 128, 24, 8192),
+    ("bfloat16", "mha", 64, 16, 31),
+    ("float16", "gqa", 64, 1, 40),
+]
 
 
 @pytest.mark.parametrize("dtype,heads,D,bs,ctx", DECODE, ids=lambda x: str(x))
 def test_decode(dtype, heads, D, bs, ctx, threads, simd):
     B = 1 if ctx > 4096 else 2
-    kv_len = [ctx, max(1, ctx // 3)][:B]        # rows with different lengths
+    kv_len = [ctx, max(1, ctx // 3)][:B]  # rows with different lengths
     check_against_twin(dtype, heads, D, bs, kv_len, 1, seed=ctx + D + bs)
 
 
-@pytest.mark.parametrize("dtype,bs,Sq,past", [("float32", 16, 7, 40), ("float16", 24, 33, 100),
-                                              ("bfloat16", 1, 5, 3), ("float32", 32, 70, 0)])
+@pytest.mark.parametrize(
+    "dtype,bs,Sq,past",
+    [("float32", 16, 7, 40), ("float16", 24, 33, 100), ("bfloat16", 1, 5, 3), ("float32", 32, 70, 0)],
+)
 def test_prefill_causal(dtype, bs, Sq, past, threads, simd):
     kv_len = [past + Sq, past + Sq - 2]
     out = check_against_twin(dtype, "gqa", 64, bs, kv_len, Sq, seed=Sq * 31 + bs)
     assert np.isfinite(out).all()
 
 
-@pytest.mark.parametrize("window,Sq,bs", [(0, 1, 16), (50, 1, 16), (100, 1, 24), (37, 9, 16), (64, 40, 32),
-                                          (20, 3, 1)])
+@pytest.mark.parametrize("window,Sq,bs", [(0, 1, 16), (50, 1, 16), (100, 1, 24), (37, 9, 16), (64, 40, 32), (20, 3, 1)])
 def test_window_skips_pages_outside(window, Sq, bs, threads, simd):
     """Blocks wholly outside every query's window are -1 or NaN pages: not read."""
-    out = check_against_twin("float32", "gqa", 64, bs, [1500, 777], Sq, seed=window + Sq, window=window,
-                             skip_unread=True)
+    out = check_against_twin(
+        "float32", "gqa", 64, bs, [1500, 777], Sq, seed=window + Sq, window=window, skip_unread=True
+    )
     assert np.isfinite(out).all()
 
 
 def test_window_gap_between_queries_skipped(threads, simd):
     """Queries far apart: the pages between their windows are never read."""
     q_pos = ((100, 2500, 2501), (5, 6, 1999))
-    out = check_against_twin("float16", "mqa", 80, 16, [2600, 2000], 3, seed=5, window=48, q_pos=q_pos,
-                             skip_unread=True)
+    out = check_against_twin(
+        "float16", "mqa", 80, 16, [2600, 2000], 3, seed=5, window=48, q_pos=q_pos, skip_unread=True
+    )
     assert np.isfinite(out).all()
 
 
@@ -187,8 +227,9 @@ def test_cache_split_merge(bs, threads, simd):
 def test_one_row_all_heads_split_across_threads(window, Sq, threads, simd):
     """B = 1, GQA: one work unit per cache chunk reads every KV head of its
     pages; with 2 threads the chunks' states are merged per head."""
-    out = check_against_twin("float32", "gqa", 128, 16, [5000], Sq, seed=window + 7, window=window, softcap=20.0,
-              skip_unread=window >= 0)
+    out = check_against_twin(
+        "float32", "gqa", 128, 16, [5000], Sq, seed=window + 7, window=window, softcap=20.0, skip_unread=window >= 0
+    )
     assert np.isfinite(out).all()
 
 
@@ -234,6 +275,7 @@ def test_kv_len_and_q_pos_int32_or_int64():
 
 # ---------------------------------------------------------------- errors
 
+
 def _bad_cases():
     rng = np.random.default_rng(0)
     B, Hq, Hkv, Sq, D, bs = 2, 4, 2, 2, 8, 4
@@ -242,19 +284,30 @@ def _bad_cases():
     pg = Paged(rng, k, rand(rng, (B, Hkv, 16, D)), bs)
     kl = np.array([9, 16], np.int32)
     qp = np.array([[7, 8], [14, 15]], np.int64)
-    ok = dict(q=q, k_pages=pg.k_addr, v_pages=pg.v_addr, block_tables=pg.table, block_size=bs, kv_heads=Hkv,
-              kv_len=kl, q_pos=qp, scale=0.3, softcap=0.0, window=-1)
+    ok = dict(
+        q=q,
+        k_pages=pg.k_addr,
+        v_pages=pg.v_addr,
+        block_tables=pg.table,
+        block_size=bs,
+        kv_heads=Hkv,
+        kv_len=kl,
+        q_pos=qp,
+        scale=0.3,
+        softcap=0.0,
+        window=-1,
+    )
     t = pg.table.copy()
-    t[1, 2] = 8                                    # out of range id
+    t[1, 2] = 8  # out of range id
     yield "block_tables", ValueError, dict(ok, block_tables=t)
     t = pg.table.copy()
-    t[0, 0] = -1                                   # visible keys live in block 0 of row 0
+    t[0, 0] = -1  # visible keys live in block 0 of row 0
     yield "block_tables", ValueError, dict(ok, block_tables=t)
     kz = pg.k_addr.copy()
     kz[pg.table[1, 0]] = 0
     yield "k_pages", ValueError, dict(ok, k_pages=kz)
     vz = pg.v_addr.copy()
-    vz[pg.table[0, 2]] += 8                        # misaligned page
+    vz[pg.table[0, 2]] += 8  # misaligned page
     yield "v_pages", ValueError, dict(ok, v_pages=vz)
     yield "v_pages", ValueError, dict(ok, v_pages=pg.v_addr[:-1].copy())
     yield "k_pages", ValueError, dict(ok, k_pages=pg.k_addr.astype(np.int64))
@@ -264,7 +317,7 @@ def _bad_cases():
     yield "block_size", TypeError, dict(ok, block_size=4.0)
     yield "kv_heads", ValueError, dict(ok, kv_heads=3)
     yield "kv_heads", TypeError, dict(ok, kv_heads="2")
-    yield "kv_len", ValueError, dict(ok, kv_len=np.array([9, 17], np.int32))     # beyond M*bs
+    yield "kv_len", ValueError, dict(ok, kv_len=np.array([9, 17], np.int32))  # beyond M*bs
     yield "kv_len", ValueError, dict(ok, kv_len=kl.astype(np.float32))
     yield "q_pos", ValueError, dict(ok, q_pos=qp[:, :1].copy())
     yield "q_pos", ValueError, dict(ok, q_pos=qp + (1 << 40))
@@ -310,7 +363,7 @@ def test_out_overlapping_q_rejected():
 # ---------------------------------------------------------------- hostile tables, lengths and positions
 
 #: Integers at the limits of the widths a table entry, length or position may come in.
-EDGES = (-2**63, -2**31 - 1, -2**31, -1, 2**31 - 1, 2**31, 2**32 + 4, 2**62 + 1, 2**63 - 1)
+EDGES = (-(2**63), -(2**31) - 1, -(2**31), -1, 2**31 - 1, 2**31, 2**32 + 4, 2**62 + 1, 2**63 - 1)
 
 
 def _hostile_ints(rng, shape, lo, hi, rate):
@@ -334,11 +387,15 @@ def _as(values, dtype):
 def _hostile_paged_call(rng):
     """Keyword arguments of a random paged_attention call (often hostile) and whether its contract accepts it,
     decided from the arguments alone in Python ints."""
-    B, Hkv, group, Sq, D = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 3)), \
-        int(rng.integers(1, 4)), 8
+    B, Hkv, group, Sq, D = (
+        int(rng.integers(1, 4)),
+        int(rng.integers(1, 3)),
+        int(rng.integers(1, 3)),
+        int(rng.integers(1, 4)),
+        8,
+    )
     bs, M, P = int(rng.choice([1, 2, 4])), int(rng.integers(1, 5)), int(rng.integers(1, 8))
-    pages = [[ALLOC.allocate(Hkv * bs * D * 4, 64).view(np.float32, (Hkv, bs, D)) for _ in range(P)]
-             for _ in range(2)]
+    pages = [[ALLOC.allocate(Hkv * bs * D * 4, 64).view(np.float32, (Hkv, bs, D)) for _ in range(P)] for _ in range(2)]
     for plane in pages:
         for page in plane:
             page[...] = rng.standard_normal(page.shape)
@@ -348,17 +405,31 @@ def _hostile_paged_call(rng):
     q_pos = _hostile_ints(rng, (B, Sq), -1, M * bs, rate)
     window = int(rng.choice([-1, -1, 0, 1, 3, 2**62, 2**62 + 1] if rate else [-1, 0, 1, 3, 2**62]))
     table_dtype = np.int64 if rate and rng.random() < 0.1 else np.int32
-    len_dtype, pos_dtype = (rng.choice([np.int32, np.int64, np.uint32] if rate else [np.int32, np.int64])
-                            for _ in range(2))
-    args = dict(q=rand(rng, (B, Hkv * group, Sq, D)), block_tables=_as(table, table_dtype),
-                kv_len=_as(kv_len, len_dtype), q_pos=_as(q_pos, pos_dtype), window=window, block_size=bs,
-                kv_heads=Hkv, scale=D ** -0.5, softcap=0.0)
+    len_dtype, pos_dtype = (
+        rng.choice([np.int32, np.int64, np.uint32] if rate else [np.int32, np.int64]) for _ in range(2)
+    )
+    args = dict(
+        q=rand(rng, (B, Hkv * group, Sq, D)),
+        block_tables=_as(table, table_dtype),
+        kv_len=_as(kv_len, len_dtype),
+        q_pos=_as(q_pos, pos_dtype),
+        window=window,
+        block_size=bs,
+        kv_heads=Hkv,
+        scale=D**-0.5,
+        softcap=0.0,
+    )
     if any(args[name] is None for name in ("block_tables", "kv_len", "q_pos")):
         return None
     lens, pos = [int(x) for x in kv_len], [[int(x) for x in row] for row in q_pos]
-    ok = (table_dtype == np.int32 and len_dtype != np.uint32 and pos_dtype != np.uint32
-          and all(0 <= n <= min(M * bs, 2**31 - 1) for n in lens)
-          and all(-2**31 <= p < 2**31 for row in pos for p in row) and window <= 2**62)
+    ok = (
+        table_dtype == np.int32
+        and len_dtype != np.uint32
+        and pos_dtype != np.uint32
+        and all(0 <= n <= min(M * bs, 2**31 - 1) for n in lens)
+        and all(-(2**31) <= p < 2**31 for row in pos for p in row)
+        and window <= 2**62
+    )
     if ok:  # every block a query sees holds a page id (the rule, one token at a time)
         for b in range(B):
             for p in pos[b]:

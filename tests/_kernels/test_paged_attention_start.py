@@ -6,6 +6,7 @@ count.  Blocks wholly before a row's kv_start are mapped to -1 or to NaN pages:
 the kernel must not read them, and the fast (C) argument checks must accept
 such tables exactly when the Python checks do.
 """
+
 import numpy as np
 import pytest
 
@@ -31,23 +32,53 @@ def _case(seed, dtype, Hq, Hkv, D, bs, kv_len, kv_start, Sq=1, window=-1, skip=T
     return q, k, v, kv_len, q_pos, kv_start, pg
 
 
-@pytest.mark.parametrize("dtype,Hq,Hkv,D,bs,kv_len,kv_start,Sq,window", [
-    ("float32", 32, 8, 128, 16, [300, 90], [0, 37], 1, -1),
-    ("float32", 8, 8, 64, 4, [70, 70], [64, 5], 1, -1),       # row 0 sees its last 6 keys only
-    ("float16", 8, 1, 80, 24, [1000, 333], [500, 333], 1, -1),  # row 1 sees no key: zeros
-    ("bfloat16", 32, 8, 64, 16, [2000, 64], [17, 1], 3, 100),
-    ("float32", 4, 2, 64, 16, [3000], [1200], 1, -1),         # one row: split across threads
-    ("float32", 8, 2, 64, 8, [40, 41], [3, 9], 7, -1),        # prefill rows
-])
+@pytest.mark.parametrize(
+    "dtype,Hq,Hkv,D,bs,kv_len,kv_start,Sq,window",
+    [
+        ("float32", 32, 8, 128, 16, [300, 90], [0, 37], 1, -1),
+        ("float32", 8, 8, 64, 4, [70, 70], [64, 5], 1, -1),  # row 0 sees its last 6 keys only
+        ("float16", 8, 1, 80, 24, [1000, 333], [500, 333], 1, -1),  # row 1 sees no key: zeros
+        ("bfloat16", 32, 8, 64, 16, [2000, 64], [17, 1], 3, 100),
+        ("float32", 4, 2, 64, 16, [3000], [1200], 1, -1),  # one row: split across threads
+        ("float32", 8, 2, 64, 8, [40, 41], [3, 9], 7, -1),  # prefill rows
+    ],
+)
 def test_kv_start_matches_twin_and_contiguous(dtype, Hq, Hkv, D, bs, kv_len, kv_start, Sq, window, threads, simd):
-    q, k, v, kv_len, q_pos, kv_start, pg = _case(sum(kv_len) + bs, dtype, Hq, Hkv, D, bs, kv_len, kv_start, Sq,
-                                                  window)
-    scale = D ** -0.5
+    q, k, v, kv_len, q_pos, kv_start, pg = _case(sum(kv_len) + bs, dtype, Hq, Hkv, D, bs, kv_len, kv_start, Sq, window)
+    scale = D**-0.5
     want, got, contig = (np.full_like(q, np.nan) for _ in range(3))
-    R.paged_attention(q, pg.k_pages, pg.v_pages, pg.table, bs, Hkv, kv_len, q_pos, scale, 0.0, window, want,
-                      kv_start=kv_start, kv_dtype=kvd(dtype))
-    K.paged_attention(q, pg.k_addr, pg.v_addr, pg.table, bs, Hkv, kv_len, q_pos, scale, 0.0, window, got,
-                      kv_start=kv_start, kv_dtype=kvd(dtype))
+    R.paged_attention(
+        q,
+        pg.k_pages,
+        pg.v_pages,
+        pg.table,
+        bs,
+        Hkv,
+        kv_len,
+        q_pos,
+        scale,
+        0.0,
+        window,
+        want,
+        kv_start=kv_start,
+        kv_dtype=kvd(dtype),
+    )
+    K.paged_attention(
+        q,
+        pg.k_addr,
+        pg.v_addr,
+        pg.table,
+        bs,
+        Hkv,
+        kv_len,
+        q_pos,
+        scale,
+        0.0,
+        window,
+        got,
+        kv_start=kv_start,
+        kv_dtype=kvd(dtype),
+    )
     K.attention(q, k, v, kv_len, q_pos, scale, 0.0, window, contig, kv_start, kv_dtype=kvd(dtype))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, contig, rtol=1e-5, atol=1e-5)
@@ -62,8 +93,9 @@ def test_kv_start_int64_and_python_checks_agree(python_checks):
     a, b = np.empty_like(q), np.empty_like(q)
     K.paged_attention(q, pg.k_addr, pg.v_addr, pg.table, 16, 2, kv_len, q_pos, 0.125, 0.0, -1, a, kv_start=kv_start)
     assert python_checks == []
-    K.paged_attention(q, pg.k_addr, pg.v_addr, pg.table, 16, 2, kv_len, q_pos, 0.125, 0.0, -1, b,
-                      kv_start=kv_start.astype(np.int64))
+    K.paged_attention(
+        q, pg.k_addr, pg.v_addr, pg.table, 16, 2, kv_len, q_pos, 0.125, 0.0, -1, b, kv_start=kv_start.astype(np.int64)
+    )
     assert "kv_start" in python_checks
     np.testing.assert_array_equal(a, b)
 
@@ -79,16 +111,18 @@ def test_blocks_before_kv_start_need_no_page():
         K.paged_attention(q, pg.k_addr, pg.v_addr, pg.table, 16, 2, kv_len, q_pos, 0.125, 0.0, -1, out)
 
 
-@pytest.mark.parametrize("bad,message", [
-    (np.array([0, 209], np.int32), r"kv_start: values must be in \[0, 208\], got range \[0, 209\]"),
-    (np.array([-1, 0], np.int32), r"kv_start: values must be in \[0, 208\], got range \[-1, 0\]"),
-    (np.array([0], np.int32), r"kv_start: expected shape \(2,\)"),
-    (np.array([0.0, 1.0], np.float32), "kv_start"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (np.array([0, 209], np.int32), r"kv_start: values must be in \[0, 208\], got range \[0, 209\]"),
+        (np.array([-1, 0], np.int32), r"kv_start: values must be in \[0, 208\], got range \[-1, 0\]"),
+        (np.array([0], np.int32), r"kv_start: expected shape \(2,\)"),
+        (np.array([0.0, 1.0], np.float32), "kv_start"),
+    ],
+)
 def test_bad_kv_start_raises_before_writing(bad, message):
     q, k, v, kv_len, q_pos, kv_start, pg = _case(9, "float32", 8, 2, 64, 16, [200, 150], [0, 0], skip=False)
     out = np.full_like(q, 42.0)
     with pytest.raises(ValueError, match=message):
-        K.paged_attention(q, pg.k_addr, pg.v_addr, pg.table, 16, 2, kv_len, q_pos, 0.125, 0.0, -1, out,
-                          kv_start=bad)
+        K.paged_attention(q, pg.k_addr, pg.v_addr, pg.table, 16, 2, kv_len, q_pos, 0.125, 0.0, -1, out, kv_start=bad)
     assert (out == 42.0).all()

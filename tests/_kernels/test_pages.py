@@ -1,4 +1,5 @@
 """page_write: scatter new tokens into pages by address, vs the NumPy twin."""
+
 import numpy as np
 import pytest
 from fuzzing import examples
@@ -52,17 +53,27 @@ def test_page_write_checks_before_writing():
         np.testing.assert_array_equal(p, b)
 
 
-@pytest.mark.parametrize("starts, message", [
-    # 2**63 - 1 + 1 wrapped negative, passed the fit check and failed with IndexError
-    (np.array([2**63 - 1], np.int64),
-     "starts: row 0 = 9223372036854775807 does not fit 1 new tokens in 4 blocks of 4 tokens (expected [0, 15])"),
-    (np.array([2**64 - 1], np.uint64),
-     "starts: row 0 = 18446744073709551615 does not fit 1 new tokens in 4 blocks of 4 tokens (expected [0, 15])"),
-    (np.array([-2**63], np.int64),
-     "starts: row 0 = -9223372036854775808 does not fit 1 new tokens in 4 blocks of 4 tokens (expected [0, 15])"),
-    (np.array([1.5]), "starts: expected an integer array of shape (1,), got float64 (1,)"),  # was truncated to 1
-    ([1], "starts: expected an integer array of shape (1,), got list"),
-], ids=["int64-max", "uint64-max", "int64-min", "float", "list"])
+@pytest.mark.parametrize(
+    "starts, message",
+    [
+        # 2**63 - 1 + 1 wrapped negative, passed the fit check and failed with IndexError
+        (
+            np.array([2**63 - 1], np.int64),
+            "starts: row 0 = 9223372036854775807 does not fit 1 new tokens in 4 blocks of 4 tokens (expected [0, 15])",
+        ),
+        (
+            np.array([2**64 - 1], np.uint64),
+            "starts: row 0 = 18446744073709551615 does not fit 1 new tokens in 4 blocks of 4 tokens (expected [0, 15])",
+        ),
+        (
+            np.array([-(2**63)], np.int64),
+            "starts: row 0 = -9223372036854775808 does not fit 1 new tokens in 4 blocks of 4 tokens (expected [0, 15])",
+        ),
+        (np.array([1.5]), "starts: expected an integer array of shape (1,), got float64 (1,)"),  # was truncated to 1
+        ([1], "starts: expected an integer array of shape (1,), got list"),
+    ],
+    ids=["int64-max", "uint64-max", "int64-min", "float", "list"],
+)
 def test_page_write_checks_starts_in_their_own_width(starts, message):
     rng = np.random.default_rng(1)
     pages, addr = _pages(rng, 4, 2, 4, 8, np.float32)
@@ -94,20 +105,24 @@ def test_page_write_names_the_block_of_a_bad_entry():
     pages, addr = _pages(rng, 4, 2, 4, 8, np.float32)
     new = rng.standard_normal((2, 2, 3, 8)).astype(np.float32)
     tables = np.array([[0, 1, 3, 3], [2, 2**31 - 1, 0, 0]], np.int32)
-    with pytest.raises(ValueError, match=r"^tables: row 1, block 1 is written but holds 2147483647 \(expected a page "
-                                         r"id in \[0, 4\) with a nonzero address\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^tables: row 1, block 1 is written but holds 2147483647 \(expected a page "
+        r"id in \[0, 4\) with a nonzero address\)$",
+    ):
         K.page_write(new, addr, tables, np.array([1, 2], np.int64), 4)
 
 
 def test_hostile_tables_and_starts_are_refused_or_match_the_twin(simd):
     """Random writes with table entries and starts at the limits of their widths (every integer dtype of
     starts): a write the contract accepts equals the twin, any other raises and writes no page."""
-    edges = np.array([-2**63, -2**31, -1, 2**31 - 1, 2**31, 2**32 + 4, 2**63 - 1, 2**64 - 1], object)
+    edges = np.array([-(2**63), -(2**31), -1, 2**31 - 1, 2**31, 2**32 + 4, 2**63 - 1, 2**64 - 1], object)
     accepted = refused = 0
     for it in range(examples(60)):
         rng = np.random.default_rng([29, it])
-        B, H, S, D, bs, M, P = (int(rng.integers(lo, hi)) for lo, hi in
-                                ((1, 4), (1, 3), (0, 6), (1, 5), (1, 5), (1, 5), (1, 9)))
+        B, H, S, D, bs, M, P = (
+            int(rng.integers(lo, hi)) for lo, hi in ((1, 4), (1, 3), (0, 6), (1, 5), (1, 5), (1, 5), (1, 9))
+        )
         pages, addr = _pages(rng, P, H, bs, D, np.float32)
         rate = float(rng.choice([0.0, 0.2]))
         table = rng.integers(0, P, (B, M)).astype(object)
@@ -117,8 +132,9 @@ def test_hostile_tables_and_starts_are_refused_or_match_the_twin(simd):
             values[pick] = rng.choice(edges, int(pick.sum()))
         dtype = np.dtype(rng.choice([np.int8, np.uint16, np.int32, np.int64, np.uint64]))
         info = np.iinfo(dtype)
-        if any(not -2**31 <= int(x) < 2**31 for x in table.reshape(-1)) or \
-                any(not info.min <= int(x) <= info.max for x in starts):
+        if any(not -(2**31) <= int(x) < 2**31 for x in table.reshape(-1)) or any(
+            not info.min <= int(x) <= info.max for x in starts
+        ):
             continue
         tables, st = table.astype(np.int32), starts.astype(dtype)
         # distinct pages per written slot keep the twin's result independent of the write order

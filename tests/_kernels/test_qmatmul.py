@@ -2,14 +2,22 @@
 instruction-set path this machine runs (scalar, AVX2 VPMADDUBSW, AVX-VNNI, AVX-512 VNNI), 1 and 2 threads,
 4 and 8 bits, block sizes 16..256, zero points absent / packed uint8 / float32, K not a multiple of the
 block size, 1..64 rows; and against ONNX Runtime's MatMulNBits for the layout contract."""
+
 import numpy as np
 import pytest
+from nbits_weights import make_weight
+from onnxkv._kernels.qmatmul import (
+    DECODE_M,
+    _set_vnni,
+    dequantize_nbits,
+    int8_path,
+    matmul_nbits,
+    pack_nbits,
+    quantize_rows,
+)
 
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
-from onnxkv._kernels.qmatmul import (DECODE_M, _set_vnni, dequantize_nbits, int8_path, matmul_nbits, pack_nbits,
-                                     quantize_rows)
-from nbits_weights import make_weight
 
 
 def _paths():
@@ -70,10 +78,17 @@ def test_pack_round_trip(bits, bs, zp_kind):
 
 
 CASES = [  # (bits, block size, K, N, rows, zero points)
-    (4, 32, 256, 80, 1, "none"), (4, 32, 100, 33, 3, "uint8"), (4, 16, 64, 64, 8, "float"),
-    (4, 64, 1000, 48, 2, "uint8"), (4, 128, 384, 100, 5, "none"), (4, 256, 600, 17, 1, "float"),
-    (8, 32, 256, 80, 1, "none"), (8, 32, 100, 33, 4, "uint8"), (8, 16, 48, 96, 7, "float"),
-    (8, 128, 700, 40, 1, "uint8"), (8, 256, 512, 64, 2, "none"),
+    (4, 32, 256, 80, 1, "none"),
+    (4, 32, 100, 33, 3, "uint8"),
+    (4, 16, 64, 64, 8, "float"),
+    (4, 64, 1000, 48, 2, "uint8"),
+    (4, 128, 384, 100, 5, "none"),
+    (4, 256, 600, 17, 1, "float"),
+    (8, 32, 256, 80, 1, "none"),
+    (8, 32, 100, 33, 4, "uint8"),
+    (8, 16, 48, 96, 7, "float"),
+    (8, 128, 700, 40, 1, "uint8"),
+    (8, 256, 512, 64, 2, "none"),
 ]
 
 
@@ -136,7 +151,7 @@ def test_paths_agree_bit_for_bit():
     x = rng.standard_normal((40, 320)).astype(np.float32)
     results = {}
     for level, vnni, name in PATHS:
-        for M in (3, 40):   # decode- and prompt-sized: the int8 contract holds at every row count
+        for M in (3, 40):  # decode- and prompt-sized: the int8 contract holds at every row count
             with K.use_settings(K.current_settings().replace(simd=level)):
                 _set_vnni(vnni)
                 results[name, M] = np.empty((M, 70), np.float32)
@@ -156,7 +171,7 @@ def test_activation_blocks_match_twin(path, bs, K_):
     x[1, : min(K_, bs)] = 0.0
     x[2, K_ // 2] = np.nan
     x[3, -1] = -np.inf
-    x[4, :] = np.round(rng.uniform(-127, 127, K_)) + 0.5       # amax-scaled ties (127 / amax ~ 1)
+    x[4, :] = np.round(rng.uniform(-127, 127, K_)) + 0.5  # amax-scaled ties (127 / amax ~ 1)
     x[4, 0] = 127.0 if K_ > 1 else x[4, 0]
     got = quantize_rows(x, bs)
     want = R.quantize_rows_int8(x, bs)
@@ -184,6 +199,7 @@ def test_nan_inf_and_zero_blocks(path):
 def test_agrees_with_onnxruntime():
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper, numpy_helper
+
     rng = np.random.default_rng(3)
     for bits, zp_kind in ((4, "none"), (4, "uint8"), (8, "uint8"), (4, "float")):
         K_, N, bs = 160, 48, 32
@@ -192,14 +208,30 @@ def test_agrees_with_onnxruntime():
         inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(s, "s")]
         if z is not None:
             inits.append(numpy_helper.from_array(z, "z"))
-        node = helper.make_node("MatMulNBits", ["x", "B", "s"] + (["z"] if z is not None else []), ["y"],
-                                domain="com.microsoft", K=K_, N=N, bits=bits, block_size=bs, accuracy_level=0)
-        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, K_])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, N])], inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                        helper.make_opsetid("com.microsoft", 1)])
-        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-            None, {"x": x})[0]
+        node = helper.make_node(
+            "MatMulNBits",
+            ["x", "B", "s"] + (["z"] if z is not None else []),
+            ["y"],
+            domain="com.microsoft",
+            K=K_,
+            N=N,
+            bits=bits,
+            block_size=bs,
+            accuracy_level=0,
+        )
+        graph = helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, K_])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, N])],
+            inits,
+        )
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+        )
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[
+            0
+        ]
         got = np.empty((2, N), np.float32)
         matmul_nbits(x, pack_nbits(B, s, z, K_, N, bits, bs), got, int8=False)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -1,6 +1,7 @@
 """quantize_page / dequantize_page: bit-exact against the NumPy twins on every
 integer format, head size, block size and granularity, with float32 and compact
 headers; rounding, saturation, packing order, partial pages and argument checks."""
+
 import numpy as np
 import pytest
 
@@ -21,7 +22,7 @@ def _page(rng, fmt, H, bs, D, G):
 def _token_bytes(page, fmt, H, bs, D, G, header="float32"):
     """View of a page's codes as [H, bs, bytes per token]."""
     row, hb = D * page_format(fmt).bits // 8, header_bytes(fmt, H, G, header)
-    return page[hb:hb + H * bs * row].reshape(H, bs, row)
+    return page[hb : hb + H * bs * row].reshape(H, bs, row)
 
 
 def _within_half_scale(x, rec, scale, zp, fmt, G):
@@ -34,7 +35,7 @@ def _within_half_scale(x, rec, scale, zp, fmt, G):
     q = np.rint(x / s) + z
     ok = (q >= f.qmin) & (q <= f.qmax)
     err = np.abs(rec.astype(np.float64) - x)
-    bound = s / 2 + 2.0 ** -23 * (np.abs(x) + s)
+    bound = s / 2 + 2.0**-23 * (np.abs(x) + s)
     assert (err <= bound)[ok].all(), float(np.max((err - bound)[ok]))
     return int(ok.sum())
 
@@ -58,12 +59,12 @@ def test_matches_twin_on_partial_pages(fmt, D, bs, gran, threads, simd):
     R.quantize_page(x, code, scale, zp, G, want, bs, t0)
     np.testing.assert_array_equal(got, want)
     # header as given, zero padded; other tokens' bytes untouched
-    np.testing.assert_array_equal(got[:4 * H * G].view(np.float32), scale)
-    np.testing.assert_array_equal(got[4 * H * G:8 * H * G].view(np.float32), zp)
-    assert not got[8 * H * G:header_bytes(fmt, H, G)].any()
+    np.testing.assert_array_equal(got[: 4 * H * G].view(np.float32), scale)
+    np.testing.assert_array_equal(got[4 * H * G : 8 * H * G].view(np.float32), zp)
+    assert not got[8 * H * G : header_bytes(fmt, H, G)].any()
     tg, tb = _token_bytes(got, fmt, H, bs, D, G), _token_bytes(before, fmt, H, bs, D, G)
     np.testing.assert_array_equal(tg[:, :t0], tb[:, :t0])
-    np.testing.assert_array_equal(tg[:, t0 + n:], tb[:, t0 + n:])
+    np.testing.assert_array_equal(tg[:, t0 + n :], tb[:, t0 + n :])
 
     tokens = t0 + n
     out, ref = np.full((H, tokens, D), np.nan, np.float32), np.empty((H, tokens, D), np.float32)
@@ -105,8 +106,7 @@ def test_head_sizes_off_the_vector_width(fmt, D, simd):
     x = rand(rng, (H, bs, D))
     if D * f.bits % 8:
         with pytest.raises(ValueError, match="^head_size"):
-            K.quantize_page(x, f.code, np.ones(H, np.float32), np.zeros(H, np.float32), 1,
-                            np.zeros(4096, np.uint8), bs)
+            K.quantize_page(x, f.code, np.ones(H, np.float32), np.zeros(H, np.float32), 1, np.zeros(4096, np.uint8), bs)
         return
     scale, zp = params_for(x, fmt, "channel")
     got, want = np.zeros((2, page_bytes(fmt, H, bs, D, D)), np.uint8)
@@ -163,8 +163,7 @@ def test_saturation_at_both_ends(fmt, simd):
     f = page_format(fmt)
     D = 32
     zp = (f.qmin + f.qmax + 1) // 2
-    vals = np.array([1e6, -1e6, np.inf, -np.inf, np.nan, (f.qmax - zp + 0.6), (f.qmin - zp - 0.6), 0.0],
-                    np.float32)
+    vals = np.array([1e6, -1e6, np.inf, -np.inf, np.nan, (f.qmax - zp + 0.6), (f.qmin - zp - 0.6), 0.0], np.float32)
     x = np.resize(vals, D).reshape(1, 1, D).astype(np.float32)
     s, z = np.ones(1, np.float32), np.array([zp], np.float32)
     want = np.resize(np.array([f.qmax, f.qmin, f.qmax, f.qmin, f.qmin, f.qmax, f.qmin, zp]), D)
@@ -176,14 +175,17 @@ def test_saturation_at_both_ends(fmt, simd):
         np.testing.assert_array_equal(out[0, 0] + zp, want)
 
 
-@pytest.mark.parametrize("fmt, codes, byte", [
-    ("int4", [1, -2], [0xE1]),
-    ("uint4", [3, 12], [0xC3]),
-    ("int2", [1, -2, 0, -1], [0xC9]),
-    ("uint2", [0, 1, 2, 3], [0xE4]),
-    ("int8", [-1, 5], [0xFF, 0x05]),
-    ("uint8", [200, 7], [0xC8, 0x07]),
-])
+@pytest.mark.parametrize(
+    "fmt, codes, byte",
+    [
+        ("int4", [1, -2], [0xE1]),
+        ("uint4", [3, 12], [0xC3]),
+        ("int2", [1, -2, 0, -1], [0xC9]),
+        ("uint2", [0, 1, 2, 3], [0xE4]),
+        ("int8", [-1, 5], [0xFF, 0x05]),
+        ("uint8", [200, 7], [0xC8, 0x07]),
+    ],
+)
 def test_packing_low_bits_first(fmt, codes, byte, simd):
     f = page_format(fmt)
     D = len(codes)
@@ -203,31 +205,63 @@ def _args(rng):
     H, n, bs, D = 2, 3, 4, 8
     x = rand(rng, (H, n, D))
     scale, zp = params_for(x, "int4", "head")
-    return dict(x=x, fmt_code=22, scale=scale, zero_point=zp, group=1,
-                out_page=_page(rng, "int4", H, bs, D, 1), block_size=bs, t0=0)
+    return dict(
+        x=x,
+        fmt_code=22,
+        scale=scale,
+        zero_point=zp,
+        group=1,
+        out_page=_page(rng, "int4", H, bs, D, 1),
+        block_size=bs,
+        t0=0,
+    )
 
 
-@pytest.mark.parametrize("change, name", [
-    (dict(fmt_code=1), "fmt_code"), (dict(fmt_code=99), "fmt_code"), (dict(fmt_code="int4"), "fmt_code"),
-    (dict(fmt_code=1 << 40), "fmt_code"),
-    (dict(x="x64"), "x"), (dict(x="x2d"), "x"), (dict(x="d3"), "head_size"),
-    (dict(group=3), "group"), (dict(group=0), "group"),
-    (dict(scale="neg"), "scale"), (dict(scale="nan"), "scale"), (dict(scale="short"), "scale"),
-    (dict(zero_point="frac"), "zero_point"), (dict(zero_point="big"), "zero_point"),
-    (dict(zero_point="f64"), "zero_point"),
-    (dict(out_page="small"), "out_page"), (dict(out_page="u16"), "out_page"), (dict(out_page="ro"), "out_page"),
-    (dict(t0=2), "t0"), (dict(t0=-1), "t0"), (dict(block_size=0), "block_size"),
-    (dict(t0=2**63), "t0"), (dict(block_size=2**64), "block_size"), (dict(group=2**63), "group"),
-])
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(fmt_code=1), "fmt_code"),
+        (dict(fmt_code=99), "fmt_code"),
+        (dict(fmt_code="int4"), "fmt_code"),
+        (dict(fmt_code=1 << 40), "fmt_code"),
+        (dict(x="x64"), "x"),
+        (dict(x="x2d"), "x"),
+        (dict(x="d3"), "head_size"),
+        (dict(group=3), "group"),
+        (dict(group=0), "group"),
+        (dict(scale="neg"), "scale"),
+        (dict(scale="nan"), "scale"),
+        (dict(scale="short"), "scale"),
+        (dict(zero_point="frac"), "zero_point"),
+        (dict(zero_point="big"), "zero_point"),
+        (dict(zero_point="f64"), "zero_point"),
+        (dict(out_page="small"), "out_page"),
+        (dict(out_page="u16"), "out_page"),
+        (dict(out_page="ro"), "out_page"),
+        (dict(t0=2), "t0"),
+        (dict(t0=-1), "t0"),
+        (dict(block_size=0), "block_size"),
+        (dict(t0=2**63), "t0"),
+        (dict(block_size=2**64), "block_size"),
+        (dict(group=2**63), "group"),
+    ],
+)
 def test_quantize_rejects_bad_arguments(change, name):
     rng = np.random.default_rng(3)
     a = _args(rng)
     subst = {
-        "x64": a["x"].astype(np.float64), "x2d": a["x"][0], "d3": np.ones((2, 3, 3), np.float32),
-        "neg": -a["scale"], "nan": np.full_like(a["scale"], np.nan), "short": a["scale"][:1],
-        "frac": a["zero_point"] + np.float32(0.5), "big": a["zero_point"] + np.float32(8),
-        "f64": a["zero_point"].astype(np.float64), "small": a["out_page"][:-1],
-        "u16": a["out_page"].view(np.uint16), "ro": a["out_page"].copy(),
+        "x64": a["x"].astype(np.float64),
+        "x2d": a["x"][0],
+        "d3": np.ones((2, 3, 3), np.float32),
+        "neg": -a["scale"],
+        "nan": np.full_like(a["scale"], np.nan),
+        "short": a["scale"][:1],
+        "frac": a["zero_point"] + np.float32(0.5),
+        "big": a["zero_point"] + np.float32(8),
+        "f64": a["zero_point"].astype(np.float64),
+        "small": a["out_page"][:-1],
+        "u16": a["out_page"].view(np.uint16),
+        "ro": a["out_page"].copy(),
     }
     for k, v in change.items():
         a[k] = subst[v] if isinstance(v, str) and v in subst else v
@@ -239,22 +273,47 @@ def test_quantize_rejects_bad_arguments(change, name):
     np.testing.assert_array_equal(a["out_page"], before)
 
 
-@pytest.mark.parametrize("change, name", [
-    (dict(fmt_code=10), "fmt_code"), (dict(heads=0), "heads"), (dict(head_size=6, out="d6"), "head_size"),
-    (dict(tokens=5), "tokens"), (dict(page="small"), "page"), (dict(page="i8"), "page"),
-    (dict(out="shape"), "out"), (dict(out="f64"), "out"), (dict(group=2), "group"),
-    # sizes past int64 raised OverflowError converting to C
-    (dict(heads=2**64), "heads"), (dict(block_size=2**63), "block_size"), (dict(head_size=2**63), "head_size"),
-    (dict(tokens=2**64), "tokens"), (dict(heads=np.uint64(2**64 - 1)), "heads"),
-])
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(fmt_code=10), "fmt_code"),
+        (dict(heads=0), "heads"),
+        (dict(head_size=6, out="d6"), "head_size"),
+        (dict(tokens=5), "tokens"),
+        (dict(page="small"), "page"),
+        (dict(page="i8"), "page"),
+        (dict(out="shape"), "out"),
+        (dict(out="f64"), "out"),
+        (dict(group=2), "group"),
+        # sizes past int64 raised OverflowError converting to C
+        (dict(heads=2**64), "heads"),
+        (dict(block_size=2**63), "block_size"),
+        (dict(head_size=2**63), "head_size"),
+        (dict(tokens=2**64), "tokens"),
+        (dict(heads=np.uint64(2**64 - 1)), "heads"),
+    ],
+)
 def test_dequantize_rejects_bad_arguments(change, name):
     rng = np.random.default_rng(4)
     H, bs, D = 2, 4, 8
     page = _page(rng, "int2", H, bs, D, 1)
-    a = dict(page=page, fmt_code=26, heads=H, block_size=bs, head_size=D, group=1, tokens=3,
-             out=np.full((H, 3, D), 9, np.float32))
-    subst = {"small": page[:-1], "i8": page.view(np.int8), "shape": np.empty((H, 2, D), np.float32),
-             "f64": np.empty((H, 3, D)), "d6": np.empty((H, 3, 6), np.float32)}
+    a = dict(
+        page=page,
+        fmt_code=26,
+        heads=H,
+        block_size=bs,
+        head_size=D,
+        group=1,
+        tokens=3,
+        out=np.full((H, 3, D), 9, np.float32),
+    )
+    subst = {
+        "small": page[:-1],
+        "i8": page.view(np.int8),
+        "shape": np.empty((H, 2, D), np.float32),
+        "f64": np.empty((H, 3, D)),
+        "d6": np.empty((H, 3, 6), np.float32),
+    }
     for k, v in change.items():
         a[k] = subst[v] if isinstance(v, str) else v
     with pytest.raises(ValueError, match=rf"^{name}\b"):
@@ -265,13 +324,14 @@ def test_dequantize_rejects_bad_arguments(change, name):
 
 # ---------------------------------------------------------------- compact headers
 
+
 def _compact_page(rng, fmt, H, bs, D):
     """A page of random bytes with a random valid compact header (S > 0, any exponent codes,
     zero-point codes inside the format's range): (page, decoded scale, decoded zero point)."""
     f = page_format(fmt)
     page = rng.integers(0, 256, page_bytes(fmt, H, bs, D, D, "compact"), dtype=np.uint8)
-    page[:4 * H] = rng.uniform(0.01, 4.0, H).astype(np.float32).view(np.uint8)
-    page[4 * H + H * D:4 * H + 2 * H * D] = 0 if f.signed else rng.integers(0, f.qmax + 1, H * D)
+    page[: 4 * H] = rng.uniform(0.01, 4.0, H).astype(np.float32).view(np.uint8)
+    page[4 * H + H * D : 4 * H + 2 * H * D] = 0 if f.signed else rng.integers(0, f.qmax + 1, H * D)
     scale, zp = decode_header(page, fmt, H, D, "compact")
     return page, scale, zp
 
@@ -298,7 +358,7 @@ def test_compact_header_matches_twin(fmt, D, bs, threads, simd):
     np.testing.assert_array_equal(got[:hb], header)
     tg, tb = _token_bytes(got, fmt, H, bs, D, D, "compact"), _token_bytes(before, fmt, H, bs, D, D, "compact")
     np.testing.assert_array_equal(tg[:, :t0], tb[:, :t0])
-    np.testing.assert_array_equal(tg[:, t0 + n:], tb[:, t0 + n:])
+    np.testing.assert_array_equal(tg[:, t0 + n :], tb[:, t0 + n :])
     out, ref = np.full((H, t0 + n, D), np.nan, np.float32), np.empty((H, t0 + n, D), np.float32)
     K.dequantize_page(got, f.code, H, bs, D, D, t0 + n, out, "compact")
     R.dequantize_page(got, f.code, H, bs, D, D, t0 + n, ref, "compact")
@@ -314,18 +374,28 @@ def test_compact_header_arguments_are_checked():
     page = np.zeros(page_bytes("uint8", H, bs, D, D, "compact"), np.uint8)
     off = scale.copy()
     off[3] *= np.float32(1.5)
-    for kw, msg in [(dict(header=header[:-1]), "^header: a compact header of 2 heads and 16 groups per head has 128"),
-                    (dict(header=header.astype(np.int8)), "^header: dtype int8"),
-                    (dict(scale=off), r"^header: decodes to scale\[3\]"),
-                    (dict(zero_point=zp + np.float32(1)), r"^header: decodes to scale\[0\]")]:
+    for kw, msg in [
+        (dict(header=header[:-1]), "^header: a compact header of 2 heads and 16 groups per head has 128"),
+        (dict(header=header.astype(np.int8)), "^header: dtype int8"),
+        (dict(scale=off), r"^header: decodes to scale\[3\]"),
+        (dict(zero_point=zp + np.float32(1)), r"^header: decodes to scale\[0\]"),
+    ]:
         a = dict(x=x, fmt_code=2, scale=scale, zero_point=zp, group=D, out_page=page, block_size=bs, header=header)
         a.update(kw)
         with pytest.raises(ValueError, match=msg):
             K.quantize_page(**a)
         assert not page.any()
     with pytest.raises(ValueError, match="^group: a compact header holds at most 512 groups per head, got 520"):
-        K.quantize_page(rand(rng, (1, 1, 520)), 2, np.ones(520, np.float32), np.zeros(520, np.float32), 520,
-                        np.zeros(4096, np.uint8), 1, header=np.zeros(1088, np.uint8))
+        K.quantize_page(
+            rand(rng, (1, 1, 520)),
+            2,
+            np.ones(520, np.float32),
+            np.zeros(520, np.float32),
+            520,
+            np.zeros(4096, np.uint8),
+            1,
+            header=np.zeros(1088, np.uint8),
+        )
     out = np.full((H, bs, D), 9, np.float32)
     with pytest.raises(ValueError, match="^header: expected one of 'float32', 'compact', 'channel-zp', got 'f32'"):
         K.dequantize_page(page, 2, H, bs, D, D, bs, out, "f32")

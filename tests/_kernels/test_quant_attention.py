@@ -12,6 +12,7 @@ dequantized pages) and the contiguous kernel over the same dequantized values;
 and, on bounded inputs, stay near attention over the unquantized float32
 values.
 """
+
 import functools
 
 import numpy as np
@@ -26,7 +27,7 @@ from .conftest import rand
 
 ALLOC = SystemAllocator()
 HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (8, 1)}
-FLOATS = (1, 10, 16)                                 # float32, float16, bfloat16
+FLOATS = (1, 10, 16)  # float32, float16, bfloat16
 QUANT = {2: (8, False), 3: (8, True), 21: (4, False), 22: (4, True), 25: (2, False), 26: (2, True)}
 ALL = sorted(FLOATS) + sorted(QUANT)
 NAMES = {1: "f32", 10: "f16", 16: "bf16", 2: "u8", 3: "i8", 21: "u4", 22: "i4", 25: "u2", 26: "i2"}
@@ -63,7 +64,7 @@ def quantize(x, fmt, group, header="float32"):
         zp = np.zeros_like(scale)
     else:
         hi = (1 << bits) - 1
-        mn = np.minimum(x.min(axis=axes, keepdims=True), 0)      # the range holds 0
+        mn = np.minimum(x.min(axis=axes, keepdims=True), 0)  # the range holds 0
         mx = np.maximum(x.max(axis=axes, keepdims=True), 0)
         scale = (mx - mn) / hi
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
@@ -107,8 +108,10 @@ class QPaged:
         self.deq = {"k": np.zeros_like(src["k"]), "v": np.zeros_like(src["v"])}
         ids = rng.permutation(B * M)
         self.table = ids.reshape(B, M).astype(np.int32)
-        self.formats = {"k": np.array([kfmt(p) for p in range(B * M)], np.uint8),
-                        "v": np.array([vfmt(p) for p in range(B * M)], np.uint8)}
+        self.formats = {
+            "k": np.array([kfmt(p) for p in range(B * M)], np.uint8),
+            "v": np.array([vfmt(p) for p in range(B * M)], np.uint8),
+        }
         self.pages = {"k": [None] * (B * M), "v": [None] * (B * M)}
         self.addr = {"k": np.zeros(B * M, np.uint64), "v": np.zeros(B * M, np.uint64)}
         self.group = {"k": kG, "v": vG}
@@ -118,30 +121,62 @@ class QPaged:
             for i in range(M):
                 pid = int(self.table[b, i])
                 for p in "kv":
-                    store, val = encode(src[p][b, :, i * bs:(i + 1) * bs], int(self.formats[p][pid]), self.group[p],
-                                        self.header[p])
+                    store, val = encode(
+                        src[p][b, :, i * bs : (i + 1) * bs], int(self.formats[p][pid]), self.group[p], self.header[p]
+                    )
                     buf = ALLOC.allocate(store.nbytes, 64)
                     page = buf.view(store.dtype, store.shape)
                     page[...] = store
                     self.buffers.append(buf)
                     self.pages[p][pid] = page
                     self.addr[p][pid] = buf.address
-                    self.deq[p][b, :, i * bs:(i + 1) * bs] = val
+                    self.deq[p][b, :, i * bs : (i + 1) * bs] = val
         self.kd = np.ascontiguousarray(self.deq["k"][:, :, :Cap])
         self.vd = np.ascontiguousarray(self.deq["v"][:, :, :Cap])
         self.bs = bs
 
     def kwargs(self):
-        return dict(k_formats=self.formats["k"], v_formats=self.formats["v"], k_group=self.group["k"],
-                    v_group=self.group["v"], k_header=self.header["k"])
+        return dict(
+            k_formats=self.formats["k"],
+            v_formats=self.formats["v"],
+            k_group=self.group["k"],
+            v_group=self.group["v"],
+            k_header=self.header["k"],
+        )
 
     def kernel(self, q, Hkv, kv_len, q_pos, scale, softcap, window, out):
-        return K.paged_attention(q, self.addr["k"], self.addr["v"], self.table, self.bs, Hkv, kv_len, q_pos, scale,
-                                 softcap, window, out, **self.kwargs())
+        return K.paged_attention(
+            q,
+            self.addr["k"],
+            self.addr["v"],
+            self.table,
+            self.bs,
+            Hkv,
+            kv_len,
+            q_pos,
+            scale,
+            softcap,
+            window,
+            out,
+            **self.kwargs(),
+        )
 
     def twin(self, q, Hkv, kv_len, q_pos, scale, softcap, window, out):
-        R.paged_attention(q, self.pages["k"], self.pages["v"], self.table, self.bs, Hkv, kv_len, q_pos, scale,
-                          softcap, window, out, **self.kwargs())
+        R.paged_attention(
+            q,
+            self.pages["k"],
+            self.pages["v"],
+            self.table,
+            self.bs,
+            Hkv,
+            kv_len,
+            q_pos,
+            scale,
+            softcap,
+            window,
+            out,
+            **self.kwargs(),
+        )
 
 
 def chooser(spec, seed):
@@ -152,7 +187,7 @@ def chooser(spec, seed):
     return lambda p: int(pick[p])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(kspec, vspec, kG, vG, heads, D, bs, kv_len, Sq, seed, window=-1, softcap=0.0, uniform=False):
     """Random data, its paged copy, the twin's result and float32 attention over
     the unquantized values; cached across the thread / SIMD variants."""
@@ -161,15 +196,16 @@ def case(kspec, vspec, kG, vG, heads, D, bs, kv_len, Sq, seed, window=-1, softca
     kv_len = np.array(kv_len, np.int32)
     B, Cap = len(kv_len), int(kv_len.max()) + 3
     if uniform:
-        q, k, v = (rng.uniform(-1, 1, s).astype(np.float32) for s in ((B, Hq, Sq, D), (B, Hkv, Cap, D),
-                                                                      (B, Hkv, Cap, D)))
+        q, k, v = (
+            rng.uniform(-1, 1, s).astype(np.float32) for s in ((B, Hq, Sq, D), (B, Hkv, Cap, D), (B, Hkv, Cap, D))
+        )
     else:
         q, k, v = rand(rng, (B, Hq, Sq, D)), rand(rng, (B, Hkv, Cap, D)), rand(rng, (B, Hkv, Cap, D))
-    k_header = "compact" if kG == "Dc" else "float32"    # "Dc": per channel, compact key headers
+    k_header = "compact" if kG == "Dc" else "float32"  # "Dc": per channel, compact key headers
     kG, vG = (D if kG in ("D", "Dc") else kG), (D if vG == "D" else vG)
     pg = QPaged(rng, k, v, bs, chooser(kspec, seed + 1), chooser(vspec, seed + 2), kG, vG, k_header)
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
-    scale = D ** -0.5
+    scale = D**-0.5
     want = np.full_like(q, np.nan)
     pg.twin(q, Hkv, kv_len, q_pos, scale, softcap, window, want)
     exact = np.full_like(q, np.nan)
@@ -210,23 +246,30 @@ def test_single_format_decode(fmt, kG, D, threads, simd):
 MIXED = tuple(ALL)
 
 
-@pytest.mark.parametrize("heads,D,bs,kv_len,Sq,window", [
-    ("gqa", 128, 16, (1000, 517), 1, -1),
-    ("mqa", 64, 32, (300, 45, 1), 1, -1),
-    ("mha", 80, 16, (260, 199), 1, 100),
-    ("gqa", 64, 32, (150, 97), 9, -1),       # causal prefill
-    ("mqa", 128, 16, (400,), 20, 37),        # prefill with a window
-])
-@pytest.mark.parametrize("kG,vG", [(1, 1), ("D", 1), (1, "D"), ("Dc", 1)],
-                         ids=["per_head", "k_per_channel", "v_per_channel", "k_per_channel_compact"])
+@pytest.mark.parametrize(
+    "heads,D,bs,kv_len,Sq,window",
+    [
+        ("gqa", 128, 16, (1000, 517), 1, -1),
+        ("mqa", 64, 32, (300, 45, 1), 1, -1),
+        ("mha", 80, 16, (260, 199), 1, 100),
+        ("gqa", 64, 32, (150, 97), 9, -1),  # causal prefill
+        ("mqa", 128, 16, (400,), 20, 37),  # prefill with a window
+    ],
+)
+@pytest.mark.parametrize(
+    "kG,vG",
+    [(1, 1), ("D", 1), (1, "D"), ("Dc", 1)],
+    ids=["per_head", "k_per_channel", "v_per_channel", "k_per_channel_compact"],
+)
 def test_mixed_formats_per_page(heads, D, bs, kv_len, Sq, window, kG, vG, threads, simd):
     """K and V formats drawn independently per page id (all nine formats)."""
     got, _, _ = run(MIXED, MIXED, kG, vG, heads, D, bs, kv_len, Sq, seed=D + bs + Sq, window=window)
     assert np.isfinite(got).all()
 
 
-@pytest.mark.parametrize("heads,D,bs,Sq", [("gqa", 12, 16, 1), ("mqa", 24, 8, 5), ("mha", 36, 32, 3),
-                                         ("gqa", 40, 16, 1)])
+@pytest.mark.parametrize(
+    "heads,D,bs,Sq", [("gqa", 12, 16, 1), ("mqa", 24, 8, 5), ("mha", 36, 32, 3), ("gqa", 40, 16, 1)]
+)
 @pytest.mark.parametrize("kG,vG", [(1, 1), ("D", "D"), ("Dc", "D")], ids=["per_head", "per_channel", "compact_keys"])
 def test_head_sizes_not_a_multiple_of_16(heads, D, bs, Sq, kG, vG, threads, simd):
     """All nine formats per page with head sizes that leave an 8-lane chunk
@@ -270,7 +313,7 @@ def test_old_pages_int4_recent_float32(threads, simd):
     rng = np.random.default_rng(5)
     q, k, v = rand(rng, (1, Hq, 1, D)), rand(rng, (1, Hkv, n, D)), rand(rng, (1, Hkv, n, D))
     M = -(-n // bs)
-    ids = np.random.default_rng(0).permutation(M)      # QPaged's shuffle with the same seed
+    ids = np.random.default_rng(0).permutation(M)  # QPaged's shuffle with the same seed
     recent = {int(ids[i]) for i in range(M) if (i + 1) * bs > n - 256}
     fmt = lambda p: 1 if p in recent else 22  # noqa: E731
     pg = QPaged(np.random.default_rng(0), k, v, bs, fmt, fmt, D, 1)
@@ -278,13 +321,24 @@ def test_old_pages_int4_recent_float32(threads, simd):
     assert (fmts[-16:] == 1).all() and (fmts[:-16] == 22).all()
     kv_len, q_pos = np.array([n], np.int32), np.array([[n - 1]], np.int32)
     got, want = np.full_like(q, np.nan), np.full_like(q, np.nan)
-    pg.kernel(q, Hkv, kv_len, q_pos, D ** -0.5, 30.0, -1, got)
-    pg.twin(q, Hkv, kv_len, q_pos, D ** -0.5, 30.0, -1, want)
+    pg.kernel(q, Hkv, kv_len, q_pos, D**-0.5, 30.0, -1, got)
+    pg.twin(q, Hkv, kv_len, q_pos, D**-0.5, 30.0, -1, want)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt,kG,tol", [(3, 1, 0.01), (3, "D", 0.01), (2, 1, 0.01), (22, 1, 0.15), (22, "D", 0.15),
-                                        (21, "D", 0.15), (2, "Dc", 0.01), (21, "Dc", 0.15)])
+@pytest.mark.parametrize(
+    "fmt,kG,tol",
+    [
+        (3, 1, 0.01),
+        (3, "D", 0.01),
+        (2, 1, 0.01),
+        (22, 1, 0.15),
+        (22, "D", 0.15),
+        (21, "D", 0.15),
+        (2, "Dc", 0.01),
+        (21, "Dc", 0.15),
+    ],
+)
 def test_accuracy_vs_unquantized(fmt, kG, tol, threads):
     """uniform[-1, 1] data: the output stays within tol of float32 attention
     over the unquantized values (8-bit: 0.01, 4-bit: 0.15 max abs diff)."""
@@ -292,7 +346,7 @@ def test_accuracy_vs_unquantized(fmt, kG, tol, threads):
     err = float(np.max(np.abs(got - exact)))
     print(f"max abs diff vs float32: {err:.5f}")
     assert err <= tol, err
-    assert err > 0.0         # quantized for real
+    assert err > 0.0  # quantized for real
 
 
 @pytest.mark.parametrize("kspec,kG", [(3, 1), (22, "D"), (MIXED, "D"), (22, "Dc"), (MIXED, "Dc")])
@@ -332,9 +386,9 @@ def test_compact_key_headers_of_random_bytes(fmt, kG, threads, simd):
     for _ in range(M):
         page = rng.integers(0, 256, hb + Hkv * bs * D * bits // 8, dtype=np.uint8)
         page[:hb] = 0
-        page[:4 * Hkv] = rng.uniform(0.01, 0.1, Hkv).astype(np.float32).view(np.uint8)
-        page[4 * Hkv:4 * Hkv + Hkv * G] = rng.integers(0, 256, Hkv * G)
-        page[4 * Hkv + Hkv * G:4 * Hkv + 2 * Hkv * G] = 0 if signed else rng.integers(0, 1 << bits, Hkv * G)
+        page[: 4 * Hkv] = rng.uniform(0.01, 0.1, Hkv).astype(np.float32).view(np.uint8)
+        page[4 * Hkv : 4 * Hkv + Hkv * G] = rng.integers(0, 256, Hkv * G)
+        page[4 * Hkv + Hkv * G : 4 * Hkv + 2 * Hkv * G] = 0 if signed else rng.integers(0, 1 << bits, Hkv * G)
         for src, pages in ((page, k_pages), (rand(rng, (Hkv, bs, D)), v_pages)):
             buf = ALLOC.allocate(src.nbytes, 64)
             arr = buf.view(src.dtype, src.shape)
@@ -380,25 +434,37 @@ def test_float_call_unchanged_reports_no_dequantization():
 
 # ---------------------------------------------------------------- errors
 
+
 def _bad_cases():
     rng = np.random.default_rng(0)
     D = 8
     q = rand(rng, (1, 4, 1, D))
     pg = QPaged(rng, rand(rng, (1, 2, 16, D)), rand(rng, (1, 2, 16, D)), 4, lambda p: 3, lambda p: 22, 1, 1)
-    ok = dict(q=q, k_pages=pg.addr["k"], v_pages=pg.addr["v"], block_tables=pg.table, block_size=4, kv_heads=2,
-              kv_len=np.array([16], np.int32), q_pos=np.array([[15]], np.int32), scale=0.3, softcap=0.0, window=-1,
-              **pg.kwargs())
+    ok = dict(
+        q=q,
+        k_pages=pg.addr["k"],
+        v_pages=pg.addr["v"],
+        block_tables=pg.table,
+        block_size=4,
+        kv_heads=2,
+        kv_len=np.array([16], np.int32),
+        q_pos=np.array([[15]], np.int32),
+        scale=0.3,
+        softcap=0.0,
+        window=-1,
+        **pg.kwargs(),
+    )
     kf = pg.formats["k"]
     yield "k_formats", ValueError, dict(ok, k_formats=kf.astype(np.int32))
     yield "k_formats", ValueError, dict(ok, k_formats=kf[:-1].copy())
     bad = kf.copy()
-    bad[1] = 4                                   # uint16: not a page format
+    bad[1] = 4  # uint16: not a page format
     yield "k_formats", ValueError, dict(ok, k_formats=bad)
     yield "v_formats", ValueError, dict(ok, v_formats=np.full_like(kf, 99))
     yield "k_group", ValueError, dict(ok, k_group=2)
     yield "v_group", TypeError, dict(ok, v_group=1.0)
     yield "k_header", ValueError, dict(ok, k_header="float16")
-    q6 = rand(rng, (1, 4, 1, 6))                 # 6 int2 codes: 12 bits, not whole bytes
+    q6 = rand(rng, (1, 4, 1, 6))  # 6 int2 codes: 12 bits, not whole bytes
     yield "v_formats", ValueError, dict(ok, q=q6, v_formats=np.full_like(kf, 25), k_formats=None)
     t = pg.table.copy()
     t[0, 1] = -1

@@ -13,8 +13,17 @@ def _tables(rng, max_pos, half):
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("B,S,H,D,rot", [(1, 1, 1, 2, 2), (2, 7, 3, 64, 64), (1, 33, 4, 128, 64),
-                                         (3, 5, 2, 80, 80), (1, 4, 8, 96, 26), (2, 17, 32, 128, 128)])
+@pytest.mark.parametrize(
+    "B,S,H,D,rot",
+    [
+        (1, 1, 1, 2, 2),
+        (2, 7, 3, 64, 64),
+        (1, 33, 4, 128, 64),
+        (3, 5, 2, 80, 80),
+        (1, 4, 8, 96, 26),
+        (2, 17, 32, 128, 128),
+    ],
+)
 def test_rotary(B, S, H, D, rot, interleaved, threads, simd):
     rng = np.random.default_rng(B * 1000 + S * 10 + D)
     x = rand(rng, (B, S, H, D), scale=4.0)
@@ -101,35 +110,52 @@ def test_rotary_fast_checks_defer_to_named_errors():
     out = np.full_like(x, 9.0)
     readonly = out.copy()
     readonly.flags.writeable = False
-    buf = rand(rng, (2, 3, 2, 16))                  # x = buf[:1], out = buf.reshape(-1)[8:104]: partial overlap
-    table = rand(rng, (10 * 8 + 96,))               # cos or sin = table[:80], out = table[80 - 8:]
+    buf = rand(rng, (2, 3, 2, 16))  # x = buf[:1], out = buf.reshape(-1)[8:104]: partial overlap
+    table = rand(rng, (10 * 8 + 96,))  # cos or sin = table[:80], out = table[80 - 8:]
     shared_out, shared_tab = table[72:168].reshape(x.shape), table[:80].reshape(10, 8)
     narrow, narrow_out = rand(rng, (1, 3, 2, 8)), np.full((1, 3, 2, 8), 9.0, np.float32)
     cases = [
-        (lambda: K.rotary_embedding(x.astype(">f4"), cos, sin, pos, False, out),
-         "x: dtype >f4 is not supported (expected float32)"),
+        (
+            lambda: K.rotary_embedding(x.astype(">f4"), cos, sin, pos, False, out),
+            "x: dtype >f4 is not supported (expected float32)",
+        ),
         (lambda: K.rotary_embedding(x.tolist(), cos, sin, pos, False, out), "x: expected a numpy.ndarray, got list"),
-        (lambda: K.rotary_embedding(np.asfortranarray(x), cos, sin, pos, False, out),
-         "x: array must be C-contiguous"),
-        (lambda: K.rotary_embedding(x, cos.astype(">f4"), sin, pos, False, out),
-         "cos: dtype >f4 is not supported (expected float32)"),
-        (lambda: K.rotary_embedding(x, cos, np.asfortranarray(sin), pos, False, out),
-         "sin: array must be C-contiguous"),
-        (lambda: K.rotary_embedding(x, cos, sin, pos.astype(">i8"), False, out),
-         "positions: dtype >i8 is not supported (expected int64)"),
-        (lambda: K.rotary_embedding(x, cos, sin, np.array([[0, 10, 2]]), False, out),
-         "positions: values must be in [0, 10), got range [0, 10]"),
-        (lambda: K.rotary_embedding(x, cos, sin, np.array([[0, -3, 2]]), False, out),
-         "positions: values must be in [0, 10), got range [-3, 2]"),
+        (lambda: K.rotary_embedding(np.asfortranarray(x), cos, sin, pos, False, out), "x: array must be C-contiguous"),
+        (
+            lambda: K.rotary_embedding(x, cos.astype(">f4"), sin, pos, False, out),
+            "cos: dtype >f4 is not supported (expected float32)",
+        ),
+        (
+            lambda: K.rotary_embedding(x, cos, np.asfortranarray(sin), pos, False, out),
+            "sin: array must be C-contiguous",
+        ),
+        (
+            lambda: K.rotary_embedding(x, cos, sin, pos.astype(">i8"), False, out),
+            "positions: dtype >i8 is not supported (expected int64)",
+        ),
+        (
+            lambda: K.rotary_embedding(x, cos, sin, np.array([[0, 10, 2]]), False, out),
+            "positions: values must be in [0, 10), got range [0, 10]",
+        ),
+        (
+            lambda: K.rotary_embedding(x, cos, sin, np.array([[0, -3, 2]]), False, out),
+            "positions: values must be in [0, 10), got range [-3, 2]",
+        ),
         (lambda: K.rotary_embedding(x, cos, sin, pos, False, readonly), "out: array must be writeable"),
-        (lambda: K.rotary_embedding(x, cos, sin, pos, False, memoryview(out)),
-         "out: expected a numpy.ndarray, got memoryview"),
-        (lambda: K.rotary_embedding(buf[:1], cos, sin, pos, False, buf.reshape(-1)[8:104].reshape(x.shape)),
-         "out: must not overlap x (only exact aliasing is allowed)"),
+        (
+            lambda: K.rotary_embedding(x, cos, sin, pos, False, memoryview(out)),
+            "out: expected a numpy.ndarray, got memoryview",
+        ),
+        (
+            lambda: K.rotary_embedding(buf[:1], cos, sin, pos, False, buf.reshape(-1)[8:104].reshape(x.shape)),
+            "out: must not overlap x (only exact aliasing is allowed)",
+        ),
         (lambda: K.rotary_embedding(x, shared_tab, sin, pos, False, shared_out), "out: must not overlap cos"),
         (lambda: K.rotary_embedding(x, cos, shared_tab, pos, False, shared_out), "out: must not overlap sin"),
-        (lambda: K.rotary_embedding(narrow, cos, sin, pos, False, narrow_out),
-         "cos: rotary_dim 2*8 exceeds head_size 8"),
+        (
+            lambda: K.rotary_embedding(narrow, cos, sin, pos, False, narrow_out),
+            "cos: rotary_dim 2*8 exceeds head_size 8",
+        ),
     ]
     for call, message in cases:
         assert_refused(call, message, out, buf, table, narrow_out)

@@ -6,11 +6,11 @@ import threading
 
 import numpy as np
 import pytest
+from concurrency import side_by_side
+from fuzzing import examples
 
 import onnxkv._kernels as K
 from onnxkv._kernels._cpus import default_threads
-from concurrency import side_by_side
-from fuzzing import examples
 
 from .test_paged_attention import Paged
 
@@ -42,7 +42,8 @@ def test_built_with_openmp():
     assert K.openmp_enabled() or os.environ.get("ONNXKV_ALLOW_NO_OPENMP") == "1", (
         "onnxkv was built without OpenMP, so every kernel runs on one thread: install the C compiler's OpenMP "
         "runtime (libgomp for GCC, libomp for Clang) and rebuild, or set ONNXKV_ALLOW_NO_OPENMP=1 if such a "
-        "build is meant")
+        "build is meant"
+    )
 
 
 def test_simd_switch():
@@ -64,10 +65,28 @@ def test_openmp_flag():
 
 
 def test_public_api_names():
-    for name in ["KernelSettings", "current_settings", "use_settings", "simd_levels", "set_num_threads",
-                 "get_num_threads", "openmp_enabled", "simd_path", "set_simd_enabled", "cpu_features", "rms_norm",
-                 "skip_rms_norm", "softmax", "silu_mul", "sigmoid", "silu", "rotary_embedding", "attention",
-                 "f16_to_f32", "f32_to_f16"]:
+    for name in [
+        "KernelSettings",
+        "current_settings",
+        "use_settings",
+        "simd_levels",
+        "set_num_threads",
+        "get_num_threads",
+        "openmp_enabled",
+        "simd_path",
+        "set_simd_enabled",
+        "cpu_features",
+        "rms_norm",
+        "skip_rms_norm",
+        "softmax",
+        "silu_mul",
+        "sigmoid",
+        "silu",
+        "rotary_embedding",
+        "attention",
+        "f16_to_f32",
+        "f32_to_f16",
+    ]:
         assert callable(getattr(K, name)), name
         assert name in K.__all__
 
@@ -108,6 +127,7 @@ def test_missing_compiled_module_message(monkeypatch):
 def test_openmp_wait_policy_default():
     """Importing the kernels bounds OpenMP's spin-wait unless the user chose a policy."""
     import os
+
     assert os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT") == "50000"
 
 
@@ -124,7 +144,6 @@ def test_openmp_wait_policy_respects_the_user():
     assert out.stdout.split() == ["PASSIVE", "None"], out.stderr
 
 
-
 def test_settings_values_are_checked_immutable_and_compare_by_value():
     s = K.KernelSettings(threads=3, simd="scalar", amx=False)
     assert (s.threads, s.simd, s.amx) == (3, "scalar", False)
@@ -138,10 +157,21 @@ def test_settings_values_are_checked_immutable_and_compare_by_value():
     assert repr(s) == "KernelSettings(threads=3, simd='scalar', amx=False)"
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(threads=0), "threads"), (dict(threads=K.MAX_THREADS + 1), "threads"), (dict(threads=True), "threads"),
-    (dict(threads=2.0), "threads"), (dict(threads="2"), "threads"), (dict(simd="avx3"), "simd"),
-    (dict(simd=None), "simd"), (dict(simd=1), "simd"), (dict(amx=1), "amx"), (dict(amx=None), "amx")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(threads=0), "threads"),
+        (dict(threads=K.MAX_THREADS + 1), "threads"),
+        (dict(threads=True), "threads"),
+        (dict(threads=2.0), "threads"),
+        (dict(threads="2"), "threads"),
+        (dict(simd="avx3"), "simd"),
+        (dict(simd=None), "simd"),
+        (dict(simd=1), "simd"),
+        (dict(amx=1), "amx"),
+        (dict(amx=None), "amx"),
+    ],
+)
 def test_invalid_settings_are_rejected_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"KernelSettings: {field} must be"):
         K.KernelSettings(**kwargs)
@@ -155,8 +185,10 @@ def test_a_level_the_cpu_cannot_run_is_rejected():
     missing = [level for level in ("scalar", "avx2", "avx512") if level not in K.simd_levels()]
     assert K.simd_levels()[0] == "scalar" and set(K.simd_levels()) <= {"scalar", "avx2", "avx512"}
     for level in missing:
-        with pytest.raises(ValueError, match=f"simd='{level}' is not available: (this CPU and OS cannot|this build "
-                                             f"has|ONNXKV_MAX_SIMD=)"):
+        with pytest.raises(
+            ValueError,
+            match=f"simd='{level}' is not available: (this CPU and OS cannot|this build has|ONNXKV_MAX_SIMD=)",
+        ):
             K.KernelSettings(simd=level)
 
 
@@ -185,8 +217,13 @@ def capped(cap: str) -> dict:
     import json
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", CAPPED], env=dict(os.environ, ONNXKV_MAX_SIMD=cap),
-                         capture_output=True, text=True, cwd="/")
+    out = subprocess.run(
+        [sys.executable, "-c", CAPPED],
+        env=dict(os.environ, ONNXKV_MAX_SIMD=cap),
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -195,7 +232,7 @@ def capped(cap: str) -> dict:
 def test_max_simd_caps_the_levels_of_the_process(cap):
     full = tuple(capped("")["levels"])
     got = capped(cap)
-    want = full[:full.index(cap) + 1] if cap in full else full
+    want = full[: full.index(cap) + 1] if cap in full else full
     assert tuple(got["levels"]) == want and got["default"] == want[-1]
     assert got["usable"] == ("avx2" in want)
     if "avx512" not in want:
@@ -225,9 +262,9 @@ def test_use_settings_nests_and_restores_the_thread_settings():
         with pytest.raises(ZeroDivisionError):
             with K.use_settings(inner):
                 assert K.current_settings() == inner and K.get_num_threads() == 3
-                K.set_num_threads(2)            # changed inside: undone on exit too
+                K.set_num_threads(2)  # changed inside: undone on exit too
                 A._set_split_tasks(5)
-                1 / 0
+                raise ZeroDivisionError
         assert K.current_settings() == outer
     assert K.current_settings() == before
 
@@ -238,7 +275,7 @@ def test_one_scope_cannot_be_entered_twice_at_once():
         with pytest.raises(RuntimeError, match="already active"):
             scope.__enter__()
         assert K.get_num_threads() == 1
-    with scope:                                 # once left, it can be entered again
+    with scope:  # once left, it can be entered again
         assert K.get_num_threads() == 1
 
 
@@ -251,7 +288,7 @@ def _in_new_thread(fn):
 
 
 def test_switches_act_on_the_calling_thread_and_new_threads_start_from_the_defaults():
-    with K.use_settings(K.current_settings()):         # restores whatever the switches change
+    with K.use_settings(K.current_settings()):  # restores whatever the switches change
         K.set_num_threads(1)
         K.set_simd_enabled(False)
         A.set_attention_amx(False)
@@ -270,16 +307,20 @@ def test_switches_act_on_the_calling_thread_and_new_threads_start_from_the_defau
 
         there = _in_new_thread(switch_there)
         assert there.threads == 3 and there.simd == K.simd_levels()[min(1, len(K.simd_levels()) - 1)]
-        assert K.current_settings() == changed      # not seen here
+        assert K.current_settings() == changed  # not seen here
 
 
 def test_every_kernel_call_takes_the_calling_thread_settings():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((4, 32)).astype(np.float32)
     g = rng.standard_normal(32).astype(np.float32)
-    calls = [lambda: K.softmax(x, np.empty_like(x)), lambda: K.rms_norm(x, g, 1e-6, np.empty_like(x)),
-             lambda: K.silu(x, np.empty_like(x)), lambda: K.f32_to_f16(x, np.empty(x.shape, np.float16)),
-             lambda: K.matmul_rows(x, x.T.copy(), np.empty((4, 4), np.float32))]
+    calls = [
+        lambda: K.softmax(x, np.empty_like(x)),
+        lambda: K.rms_norm(x, g, 1e-6, np.empty_like(x)),
+        lambda: K.silu(x, np.empty_like(x)),
+        lambda: K.f32_to_f16(x, np.empty(x.shape, np.float16)),
+        lambda: K.matmul_rows(x, x.T.copy(), np.empty((4, 4), np.float32)),
+    ]
     for settings in (K.KernelSettings(threads=1, simd="scalar"), K.KernelSettings(threads=2, amx=False)):
         with K.use_settings(settings):
             for call in calls:
@@ -306,6 +347,7 @@ def _kernel_work(rng):
             out = np.full(shape, np.nan, np.float32)
             kernel(out)
             return out
+
         return run
 
     return [

@@ -23,9 +23,9 @@ def test_softmax(shape, dtype, scale, threads, simd):
 def test_softmax_neg_inf(threads, simd):
     rng = np.random.default_rng(12)
     x = rand(rng, (6, 37), scale=5.0)
-    x[0, ::3] = -np.inf          # some masked entries
-    x[1, :] = -np.inf            # fully masked row -> zeros
-    x[2, 1:] = -np.inf           # a single survivor -> one-hot
+    x[0, ::3] = -np.inf  # some masked entries
+    x[1, :] = -np.inf  # fully masked row -> zeros
+    x[2, 1:] = -np.inf  # a single survivor -> one-hot
     out, want = np.full_like(x, np.nan), np.empty_like(x)
     K.softmax(x, out)
     R.softmax(x, want)

@@ -492,8 +492,7 @@ def test_two_threads_through_the_nogil_c_api(churn):
     arena = ArenaAllocator(1 << 16)
     results: list[int] = []
     threads = [
-        threading.Thread(target=lambda s=s: results.append(churn(arena._core, s, 200_000)), daemon=True)
-        for s in (1, 2)
+        threading.Thread(target=lambda s=s: results.append(churn(arena._core, s, 200_000)), daemon=True) for s in (1, 2)
     ]
     for t in threads:
         t.start()

@@ -1,4 +1,5 @@
 """lease / release: every buffer an allocator returns is checked, and the allocator's free may fail."""
+
 from __future__ import annotations
 
 import gc
@@ -7,18 +8,21 @@ import weakref
 
 import numpy as np
 import pytest
+from fuzzing import hypothesis_settings
+from hostile_allocators import MODES, TYPED_ONLY, Hostile
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzing import hypothesis_settings
-from hostile_allocators import MODES, TYPED_ONLY, Hostile
 from onnxkv.alloc import ArenaAllocator, SlabAllocator, SystemAllocator
 from onnxkv.alloc.checked import forget, lease, release, tracked
 from onnxkv.errors import InputError, OutOfMemory, StateError
 
 
-@pytest.mark.parametrize("make", [SystemAllocator, lambda: ArenaAllocator(1 << 16), lambda: SlabAllocator(1 << 16)],
-                         ids=["system", "arena", "slab"])
+@pytest.mark.parametrize(
+    "make",
+    [SystemAllocator, lambda: ArenaAllocator(1 << 16), lambda: SlabAllocator(1 << 16)],
+    ids=["system", "arena", "slab"],
+)
 def test_builtin_allocators_pass_and_leases_are_tracked_until_released(make):
     alloc = make()
     a, x = lease(alloc, 4 * 6 * 8, 64, np.float32, (6, 8), "test")
@@ -129,7 +133,7 @@ class Region:
             address = self.base + off
 
             def view(self, dtype, shape):
-                return outer.raw[off: off + nbytes].view(dtype).reshape(shape)
+                return outer.raw[off : off + nbytes].view(dtype).reshape(shape)
 
         Piece.nbytes = nbytes
         return Piece()

@@ -341,8 +341,11 @@ def test_out_of_memory_when_mapping_fails_changes_nothing(nbytes, alignment):
     assert slab.allocate(100).address == keep.address + 128  # still works, the class unchanged
 
 
-@pytest.mark.parametrize("other", [SystemAllocator, lambda: ArenaAllocator(1 << 16), lambda: SlabAllocator(CHUNK)],
-                         ids=["system", "arena", "another-slab"])
+@pytest.mark.parametrize(
+    "other",
+    [SystemAllocator, lambda: ArenaAllocator(1 << 16), lambda: SlabAllocator(CHUNK)],
+    ids=["system", "arena", "another-slab"],
+)
 def test_foreign_buffers_and_double_free(other):
     slab = SlabAllocator(CHUNK)
     mine = slab.allocate(64)
@@ -397,8 +400,9 @@ def test_two_threads_random_interleavings():
                 rng.choice(lanes).free(buf)
                 continue
             lane = rng.randrange(2)
-            buf = lanes[lane].allocate(rng.choice([rng.randrange(0, 3000), 4160, 16448, CHUNK + 1]),
-                                       rng.choice([64, 256, 4096]))
+            buf = lanes[lane].allocate(
+                rng.choice([rng.randrange(0, 3000), 4160, 16448, CHUNK + 1]), rng.choice([64, 256, 4096])
+            )
             classes.add((lane, buf.slot_bytes))
             value = (seed * 97 + i) % 255 + 1
             fill(buf, value)
@@ -443,6 +447,7 @@ print("collected", slab.stats().live)
 
 
 def test_a_buffer_freed_by_a_collection_inside_the_lock_does_not_deadlock(tmp_path):
-    done = subprocess.run([sys.executable, "-c", COLLECTED_WHILE_LOCKED], capture_output=True, text=True, timeout=30,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", COLLECTED_WHILE_LOCKED], capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
     assert done.returncode == 0 and done.stdout.split() == ["collected", "0"], done.stderr[-2000:]

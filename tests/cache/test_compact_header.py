@@ -1,11 +1,20 @@
 """The compact page header (formats "compact"): layout arithmetic, compact_params' rounding-up
 rule, encode_header / decode_header round trips and their checks."""
+
 import numpy as np
 import pytest
 
 import onnxkv._kernels as K
-from onnxkv.cache.formats import (COMPACT_MAX_GROUPS, compact_params, decode_header, encode_header, header_bytes,
-                                  page_bytes, page_format, params_for)
+from onnxkv.cache.formats import (
+    COMPACT_MAX_GROUPS,
+    compact_params,
+    decode_header,
+    encode_header,
+    header_bytes,
+    page_bytes,
+    page_format,
+    params_for,
+)
 from onnxkv.errors import InputError
 
 INT_FORMATS = ["uint8", "int8", "uint4", "int4", "uint2", "int2"]
@@ -14,8 +23,9 @@ INT_FORMATS = ["uint8", "int8", "uint4", "int4", "uint2", "int2"]
 def _keys(rng, H, n, D):
     """Key-like data: per-channel offsets and spreads, one all-positive and one zero channel,
     one tiny channel, and (if H > 2) one head of zeros only."""
-    x = (rng.standard_normal((H, n, D)) * rng.uniform(0.05, 4.0, (1, 1, D))
-         + rng.standard_normal((1, 1, D)) * 3).astype(np.float32)
+    x = (
+        rng.standard_normal((H, n, D)) * rng.uniform(0.05, 4.0, (1, 1, D)) + rng.standard_normal((1, 1, D)) * 3
+    ).astype(np.float32)
     x[:, :, 0] = np.abs(x[:, :, 0]) + 1.0
     x[:, :, 1] = 0.0
     x[:, :, 2] *= np.float32(1e-6)
@@ -30,9 +40,16 @@ def _decode(S, e):
     return (np.float32(S) * steps[e % 16]) * np.float32(2.0 ** -(e // 16))
 
 
-@pytest.mark.parametrize("fmt, H, G, want", [
-    ("uint8", 8, 128, 2112), ("int4", 3, 80, 512), ("uint2", 1, 1, 64), ("int8", 8, 512, 8256), ("float16", 8, 128, 0),
-])
+@pytest.mark.parametrize(
+    "fmt, H, G, want",
+    [
+        ("uint8", 8, 128, 2112),
+        ("int4", 3, 80, 512),
+        ("uint2", 1, 1, 64),
+        ("int8", 8, 512, 8256),
+        ("float16", 8, 128, 0),
+    ],
+)
 def test_compact_header_bytes(fmt, H, G, want):
     assert header_bytes(fmt, H, G, "compact") == want
     assert page_bytes("uint8", 8, 16, 128, 128, "compact") == 2112 + 16384
@@ -67,8 +84,8 @@ def test_compact_params_reconstruct_every_value_within_half_its_decoded_scale(fm
     K.dequantize_page(page, f.code, H, n, D, D, n, out, "compact")
     s = np.broadcast_to(scale.reshape(H, 1, D).astype(np.float64), x.shape)
     err = np.abs(out.astype(np.float64) - x)
-    assert (err <= s / 2 + 2.0 ** -23 * (np.abs(x) + s)).all(), float(np.max(err - s / 2))
-    assert (out[:, :, 1] == 0).all() and (out[2] == 0).all()   # zero channel and zero head: exactly 0
+    assert (err <= s / 2 + 2.0**-23 * (np.abs(x) + s)).all(), float(np.max(err - s / 2))
+    assert (out[:, :, 1] == 0).all() and (out[2] == 0).all()  # zero channel and zero head: exactly 0
 
 
 @pytest.mark.parametrize("fmt", INT_FORMATS)
@@ -80,10 +97,10 @@ def test_compact_params_rule(fmt):
     x = _keys(rng, H, n, D)
     f = page_format(fmt)
     scale, zp, hdr = compact_params(x, fmt)
-    S = hdr[:4 * H].copy().view(np.float32)
-    e = hdr[4 * H:4 * H + H * D].reshape(H, D).astype(np.int64)
-    zc = hdr[4 * H + H * D:4 * H + 2 * H * D].reshape(H, D)
-    assert not hdr[4 * H + 2 * H * D:].any()                   # zero padding
+    S = hdr[: 4 * H].copy().view(np.float32)
+    e = hdr[4 * H : 4 * H + H * D].reshape(H, D).astype(np.int64)
+    zc = hdr[4 * H + H * D : 4 * H + 2 * H * D].reshape(H, D)
+    assert not hdr[4 * H + 2 * H * D :].any()  # zero padding
     xd = x.astype(np.float64)
     if f.signed:
         exact = np.abs(xd).max(axis=1) / f.qmax
@@ -93,20 +110,20 @@ def test_compact_params_rule(fmt):
         exact = (hi - lo) / (f.qmax - f.qmin)
     for h in range(H):
         top = exact[h].max()
-        if top > 0:   # the largest exact scale rounded up to float32, never down
+        if top > 0:  # the largest exact scale rounded up to float32, never down
             assert S[h] >= top and np.nextafter(S[h], np.float32(0)) < top
         else:
             assert S[h] == 1
         dec = _decode(S[h], e[h])
         np.testing.assert_array_equal(scale.reshape(H, D)[h], dec)
-        assert (dec >= exact[h]).all()                           # rounded up ...
+        assert (dec >= exact[h]).all()  # rounded up ...
         nxt = _decode(S[h], np.minimum(e[h] + 1, 255))
-        assert ((e[h] == 255) | (nxt < exact[h])).all()          # ... by the largest code that still does
-    assert (e[2] == 255).all() and (zp.reshape(H, D)[2] == (0 if f.signed else f.qmin)).all()   # zero head
+        assert ((e[h] == 255) | (nxt < exact[h])).all()  # ... by the largest code that still does
+    assert (e[2] == 255).all() and (zp.reshape(H, D)[2] == (0 if f.signed else f.qmin)).all()  # zero head
     want_zp = np.zeros((H, D)) if f.signed else np.clip(np.rint(f.qmin - lo / scale.reshape(H, D)), f.qmin, f.qmax)
     np.testing.assert_array_equal(zp.reshape(H, D), want_zp)
     np.testing.assert_array_equal(zc, zp.reshape(H, D))
-    assert (e < 255).sum() > H                                   # the codes are used, not all clamped
+    assert (e < 255).sum() > H  # the codes are used, not all clamped
 
 
 @pytest.mark.parametrize("fmt", INT_FORMATS)
@@ -123,7 +140,7 @@ def test_encode_decode_round_trip(fmt):
     s3, z3 = decode_header(again, fmt, H, D, "compact")
     np.testing.assert_array_equal(s3, scale)
     np.testing.assert_array_equal(z3, zp)
-    np.testing.assert_array_equal(again[:4], hdr[:4])            # head 0 is not all zeros: the same bytes
+    np.testing.assert_array_equal(again[:4], hdr[:4])  # head 0 is not all zeros: the same bytes
     # float32 headers hold any valid parameters
     fs, fz = params_for(x, fmt, "channel")
     f32 = encode_header(fmt, fs, fz, H)
@@ -169,19 +186,20 @@ def test_decode_header_equals_the_kernels_decoding_for_every_code(simd):
     zc = rng.integers(0, 256, (H, G), dtype=np.uint8)
     hb = header_bytes("uint8", H, G, "compact")
     page = np.zeros(hb + H * 2 * G, np.uint8)
-    page[:4 * H] = S.view(np.uint8)
-    page[4 * H:4 * H + H * G] = e.reshape(-1)
-    page[4 * H + H * G:4 * H + 2 * H * G] = zc.reshape(-1)
+    page[: 4 * H] = S.view(np.uint8)
+    page[4 * H : 4 * H + H * G] = e.reshape(-1)
+    page[4 * H + H * G : 4 * H + 2 * H * G] = zc.reshape(-1)
     codes = rng.integers(0, 256, (H, 2, G), dtype=np.uint8)
     page[hb:] = codes.reshape(-1)
     scale, zp = decode_header(page, "uint8", H, G, "compact")
-    np.testing.assert_array_equal(scale.reshape(H, G), np.stack([_decode(S[h], e[h].astype(np.int64))
-                                                                 for h in range(H)]))
+    np.testing.assert_array_equal(
+        scale.reshape(H, G), np.stack([_decode(S[h], e[h].astype(np.int64)) for h in range(H)])
+    )
     out = np.empty((H, 2, G), np.float32)
     K.dequantize_page(page, 2, H, 2, G, G, 2, out, "compact")
     want = (codes.astype(np.float32) - zp.reshape(H, 1, G)) * scale.reshape(H, 1, G)
     np.testing.assert_array_equal(out, want)
-    assert (scale[G:2 * G] < np.finfo(np.float32).tiny).any()   # subnormal scales were decoded too
+    assert (scale[G : 2 * G] < np.finfo(np.float32).tiny).any()  # subnormal scales were decoded too
 
 
 @pytest.fixture(params=[True, False], ids=["simd", "scalar"])

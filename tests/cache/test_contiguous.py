@@ -1,5 +1,6 @@
 """CacheTensor: per-row written lengths (staged, committed, discarded), the bound on where a row may
 continue, and zero-filled storage (new buffers and growth) whatever the allocator's memory held."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -93,8 +94,10 @@ def test_write_past_a_rows_length_raises_before_writing(starts, row):
     before = c.buffer.copy()
     with pytest.raises(InputError) as err:
         c.write(_new(1, 5.0), starts, 5)
-    assert str(err.value) == (f"cache 'past': row {row} would be written at position 4 but has written only 3 "
-                              "positions; a row may only continue from what it wrote")
+    assert str(err.value) == (
+        f"cache 'past': row {row} would be written at position 4 but has written only 3 "
+        "positions; a row may only continue from what it wrote"
+    )
     np.testing.assert_array_equal(c.buffer, before)
     assert c.staged is None and c.lengths.tolist() == [3, 3]
     c.commit()

@@ -1,12 +1,13 @@
 """CacheTensor storage from allocators that break their contract or whose free fails."""
+
 from __future__ import annotations
 
 import logging
 
 import numpy as np
 import pytest
-
 from hostile_allocators import MODES, TYPED_ONLY, Hostile
+
 from onnxkv.cache import bound
 from onnxkv.cache.contiguous import CacheTensor
 from onnxkv.errors import StateError

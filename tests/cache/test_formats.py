@@ -1,17 +1,23 @@
 """Page format registry, page layout arithmetic and params_for."""
+
 import numpy as np
 import pytest
 
 import onnxkv._kernels as K
-from onnxkv.cache.formats import (FORMATS, codes_bytes, groups_for, header_bytes, page_bytes, page_format,
-                                  params_for)
+from onnxkv.cache.formats import FORMATS, codes_bytes, groups_for, header_bytes, page_bytes, page_format, params_for
 from onnxkv.errors import InputError
 
 # name: (code, bits, qmin, qmax) -- the table of the page format contract
 TABLE = {
-    "float32": (1, 32, 0, 0), "float16": (10, 16, 0, 0), "bfloat16": (16, 16, 0, 0),
-    "uint8": (2, 8, 0, 255), "int8": (3, 8, -128, 127), "uint4": (21, 4, 0, 15), "int4": (22, 4, -8, 7),
-    "uint2": (25, 2, 0, 3), "int2": (26, 2, -2, 1),
+    "float32": (1, 32, 0, 0),
+    "float16": (10, 16, 0, 0),
+    "bfloat16": (16, 16, 0, 0),
+    "uint8": (2, 8, 0, 255),
+    "int8": (3, 8, -128, 127),
+    "uint4": (21, 4, 0, 15),
+    "int4": (22, 4, -8, 7),
+    "uint2": (25, 2, 0, 3),
+    "int2": (26, 2, -2, 1),
 }
 INT_FORMATS = [n for n, (_, bits, _, _) in TABLE.items() if bits <= 8]
 
@@ -34,18 +40,34 @@ def test_unknown_format_names_the_value(bad):
         page_format(bad)
 
 
-@pytest.mark.parametrize("fmt, H, G, want", [
-    ("int8", 8, 1, 64), ("int4", 3, 3, 128), ("uint2", 5, 80, 3200), ("uint4", 8, 128, 8192),
-    ("int2", 1, 9, 128), ("float16", 8, 1, 0), ("bfloat16", 2, 64, 0),
-])
+@pytest.mark.parametrize(
+    "fmt, H, G, want",
+    [
+        ("int8", 8, 1, 64),
+        ("int4", 3, 3, 128),
+        ("uint2", 5, 80, 3200),
+        ("uint4", 8, 128, 8192),
+        ("int2", 1, 9, 128),
+        ("float16", 8, 1, 0),
+        ("bfloat16", 2, 64, 0),
+    ],
+)
 def test_header_bytes(fmt, H, G, want):
     assert header_bytes(fmt, H, G) == want
 
 
-@pytest.mark.parametrize("fmt, H, bs, D, want", [
-    ("int8", 2, 16, 64, 2048), ("uint4", 2, 16, 80, 1280), ("int2", 3, 32, 80, 1920), ("uint2", 1, 1, 4, 1),
-    ("float32", 2, 16, 64, 8192), ("float16", 2, 16, 80, 5120), ("bfloat16", 1, 3, 5, 30),
-])
+@pytest.mark.parametrize(
+    "fmt, H, bs, D, want",
+    [
+        ("int8", 2, 16, 64, 2048),
+        ("uint4", 2, 16, 80, 1280),
+        ("int2", 3, 32, 80, 1920),
+        ("uint2", 1, 1, 4, 1),
+        ("float32", 2, 16, 64, 8192),
+        ("float16", 2, 16, 80, 5120),
+        ("bfloat16", 1, 3, 5, 30),
+    ],
+)
 def test_codes_bytes(fmt, H, bs, D, want):
     assert codes_bytes(fmt, H, bs, D) == want
     assert page_bytes(fmt, H, bs, D, 2) == want + header_bytes(fmt, H, 2)
@@ -59,10 +81,15 @@ def test_codes_must_fill_whole_bytes(fmt, D):
         page_bytes(fmt, 2, 16, D, 1)
 
 
-@pytest.mark.parametrize("call, name", [
-    (lambda: header_bytes("int8", 0, 1), "heads"), (lambda: header_bytes("int8", 2, 1.0), "groups"),
-    (lambda: codes_bytes("int8", 2, 0, 64), "block_size"), (lambda: codes_bytes("int8", 2, 4, True), "head_size"),
-])
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: header_bytes("int8", 0, 1), "heads"),
+        (lambda: header_bytes("int8", 2, 1.0), "groups"),
+        (lambda: codes_bytes("int8", 2, 0, 64), "block_size"),
+        (lambda: codes_bytes("int8", 2, 4, True), "head_size"),
+    ],
+)
 def test_layout_rejects_bad_counts(call, name):
     with pytest.raises(InputError, match=name):
         call()
@@ -79,7 +106,7 @@ def test_page_bytes_is_what_the_kernels_need(fmt, gran):
     n = page_bytes(fmt, H, bs, D, G)
     page = np.zeros(n, np.uint8)
     K.quantize_page(x, page_format(fmt).code, scale, zp, G, page, bs)
-    assert page[header_bytes(fmt, H, G):].any()
+    assert page[header_bytes(fmt, H, G) :].any()
     with pytest.raises(ValueError, match="too small"):
         K.quantize_page(x, page_format(fmt).code, scale, zp, G, page[:-1], bs)
 
@@ -98,7 +125,7 @@ def _roundtrip_error(x, fmt, gran):
     out = np.empty_like(x)
     K.dequantize_page(page, f.code, H, n, D, G, n, out)
     s = np.broadcast_to(scale.reshape(H, 1, G).astype(np.float64), x.shape)
-    return np.abs(out.astype(np.float64) - x), s / 2 + 2.0 ** -23 * (np.abs(x) + s)
+    return np.abs(out.astype(np.float64) - x), s / 2 + 2.0**-23 * (np.abs(x) + s)
 
 
 @pytest.mark.parametrize("fmt", INT_FORMATS)
@@ -107,9 +134,9 @@ def test_params_reconstruct_every_value_within_half_a_scale(fmt, gran):
     rng = np.random.default_rng([INT_FORMATS.index(fmt), int(gran == "head")])
     H, n, D = 4, 16, 64
     x = rng.standard_normal((H, n, D)).astype(np.float32) * 2
-    x[1] = np.abs(x[1]) + 0.5     # all positive head
-    x[2] = -np.abs(x[2]) - 0.5    # all negative head
-    x[3] *= 1e-3                  # small range
+    x[1] = np.abs(x[1]) + 0.5  # all positive head
+    x[2] = -np.abs(x[2]) - 0.5  # all negative head
+    x[3] *= 1e-3  # small range
     err, bound = _roundtrip_error(x, fmt, gran)
     assert (err <= bound).all(), float(np.max(err - bound))
 

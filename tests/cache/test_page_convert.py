@@ -1,4 +1,5 @@
 """page_convert: copy-on-write conversion of a table's pages, all or nothing, other holders untouched."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,8 +39,14 @@ def _cache(allocator=None, blocks=3, rows=1):
 
 def _pool_state(pool: BlockPool, *tables: PageTable) -> tuple:
     refs = pool.core.refs()
-    return (pool.live_pages, pool.committed_bytes, refs.tolist(), [f.tolist() for f in pool.formats],
-            [p.tolist() for p in pool.ptrs], [t.tables.tolist() for t in tables])
+    return (
+        pool.live_pages,
+        pool.committed_bytes,
+        refs.tolist(),
+        [f.tolist() for f in pool.formats],
+        [p.tolist() for p in pool.ptrs],
+        [t.tables.tolist() for t in tables],
+    )
 
 
 def test_a_shared_page_is_copied_for_the_table_and_the_other_holder_keeps_its_page():

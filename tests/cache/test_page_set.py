@@ -1,4 +1,5 @@
 """PageSet: per-page formats of a caller-indexed page tensor, converted all or nothing."""
+
 import gc
 import subprocess
 import sys
@@ -28,8 +29,14 @@ def quantize_linear(x, scale, zero, fmt):
 
 
 def snapshot(handle, tensor, allocator):
-    return (tensor.tobytes(), handle.ptrs.copy(), handle.formats.copy(), list(handle.groups), handle.payload_bytes,
-            allocator.stats().live)
+    return (
+        tensor.tobytes(),
+        handle.ptrs.copy(),
+        handle.formats.copy(),
+        list(handle.groups),
+        handle.payload_bytes,
+        allocator.stats().live,
+    )
 
 
 class FailingAllocator(SystemAllocator):
@@ -64,8 +71,10 @@ def test_attach_copies_nothing_and_is_found_from_full_views_only():
         PageSet.attach(np.zeros((P, 3, H, BS, D), np.float32))
 
 
-@pytest.mark.parametrize("fmt, per_channel", [("int8", False), ("uint8", True), ("int4", True), ("uint4", False),
-                                              ("int2", False), ("uint2", True)])
+@pytest.mark.parametrize(
+    "fmt, per_channel",
+    [("int8", False), ("uint8", True), ("int4", True), ("uint4", False), ("int2", False), ("uint2", True)],
+)
 def test_convert_replaces_only_the_selected_pages_with_given_parameters(fmt, per_channel):
     rng = np.random.default_rng(1)
     t = pages(rng)
@@ -139,18 +148,30 @@ def bad_calls():
     zero = np.zeros((2, H), np.float32)
     return [
         (np.array([0, 6]), [PlaneTarget("int8", ones, zero), None], r"indices\[1\] = 6 is not a page id in \[0, 6\)"),
-        (np.array([0, 2**64 - 1], np.uint64), [PlaneTarget("int8", ones, zero), None],  # not wrapped to -1
-         r"indices\[1\] = 18446744073709551615 is not a page id in \[0, 6\)"),
-        (np.array([-2**63, 1], np.int64), [PlaneTarget("int8", ones, zero), None],
-         r"indices\[0\] = -9223372036854775808 is not a page id"),
+        (
+            np.array([0, 2**64 - 1], np.uint64),
+            [PlaneTarget("int8", ones, zero), None],  # not wrapped to -1
+            r"indices\[1\] = 18446744073709551615 is not a page id in \[0, 6\)",
+        ),
+        (
+            np.array([-(2**63), 1], np.int64),
+            [PlaneTarget("int8", ones, zero), None],
+            r"indices\[0\] = -9223372036854775808 is not a page id",
+        ),
         (np.array([2, 2]), [PlaneTarget("int8", ones, zero), None], "distinct, page 2 is selected 2 times"),
         (np.array([[0, 1]]), [PlaneTarget("int8", ones, zero), None], "indices must be a 1-D int array"),
         (np.array([0, 1]), [PlaneTarget("int8", ones[:1], zero[:1]), None], r"scale must be \[2, 2\]"),
-        (np.array([0, 1]), [PlaneTarget("int8", np.where(np.eye(2, dtype=bool), 0, ones).astype(np.float32),
-                                        zero), None], r"scale\[0, 0\] = .*finite and > 0"),
+        (
+            np.array([0, 1]),
+            [PlaneTarget("int8", np.where(np.eye(2, dtype=bool), 0, ones).astype(np.float32), zero), None],
+            r"scale\[0, 0\] = .*finite and > 0",
+        ),
         (np.array([0, 1]), [None, PlaneTarget("int8", ones * np.float32(np.inf), zero)], "finite and > 0"),
-        (np.array([0, 1]), [PlaneTarget("uint4", ones, zero + 16), None],
-         r"zero_point\[0, 0\] = .*integer in \[0, 15\] for format uint4"),
+        (
+            np.array([0, 1]),
+            [PlaneTarget("uint4", ones, zero + 16), None],
+            r"zero_point\[0, 0\] = .*integer in \[0, 15\] for format uint4",
+        ),
         (np.array([0, 1]), [PlaneTarget("int8", ones, zero + 0.5), None], "integer in"),
         (np.array([0, 1]), [PlaneTarget("int8", ones.astype(np.float64), zero), None], "must be a float32 array"),
         (np.array([0, 1]), [PlaneTarget("int3", ones, zero), None], "unknown page format 'int3'"),
@@ -165,8 +186,10 @@ def test_rejections_leave_everything_unchanged(indices, targets, match):
     alloc = SystemAllocator()
     handle = PageSet.attach(t, alloc)
     # one page of each plane already converted, so that the tables are not trivial
-    handle.convert(np.array([3]), [PlaneTarget("int8", np.full((1, H), 0.1, np.float32), np.zeros((1, H), np.float32)),
-                                   PlaneTarget("float16")])
+    handle.convert(
+        np.array([3]),
+        [PlaneTarget("int8", np.full((1, H), 0.1, np.float32), np.zeros((1, H), np.float32)), PlaneTarget("float16")],
+    )
     before = snapshot(handle, t, alloc)
     with pytest.raises(InputError, match=match):
         handle.convert(indices, targets, api="PageSet.convert")
@@ -182,8 +205,11 @@ def test_one_granularity_per_plane():
     head = (np.full((1, H), 0.1, np.float32), np.zeros((1, H), np.float32))
     channel = (np.full((1, H, D), 0.1, np.float32), np.zeros((1, H, D), np.float32))
     handle.convert(np.array([1]), [PlaneTarget("int8", *head), None])
-    with pytest.raises(InputError, match=r"per-channel scales but plane 0 already holds pages quantized per head "
-                                         r"\(e.g. page 1\)"):
+    with pytest.raises(
+        InputError,
+        match=r"per-channel scales but plane 0 already holds pages quantized per head "
+        r"\(e.g. page 1\)",
+    ):
         handle.convert(np.array([2]), [PlaneTarget("int4", *channel), None])
     # requantizing every quantized page of the plane may change the granularity
     handle.convert(np.array([1]), [PlaneTarget("int4", *channel), None])
@@ -208,8 +234,9 @@ def test_single_plane_tensor_and_release_with_the_tensor():
     t = pages(np.random.default_rng(7), two_planes=False)
     handle = PageSet.attach(t, alloc)
     assert handle.planes == 1
-    handle.convert(np.array([0, 1]), [PlaneTarget("int8", np.full((2, H), 0.1, np.float32),
-                                                  np.zeros((2, H), np.float32))])
+    handle.convert(
+        np.array([0, 1]), [PlaneTarget("int8", np.full((2, H), 0.1, np.float32), np.zeros((2, H), np.float32))]
+    )
     assert alloc.stats().live > 0
     view = t.view()
     del t
@@ -237,12 +264,15 @@ def int8_target(n, scale=0.05):
     return PlaneTarget("int8", np.full((n, H), scale, np.float32), np.zeros((n, H), np.float32))
 
 
-@pytest.mark.parametrize("first, second", [
-    (None, int8_target(2)),                        # native -> int8
-    (int8_target(2), int8_target(2, 0.02)),        # int8 -> int8 (new scale)
-    (int8_target(2), PlaneTarget("float32")),      # int8 -> back to the tensor slot
-    (PlaneTarget("float16"), int8_target(2)),      # float16 -> int8
-])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (None, int8_target(2)),  # native -> int8
+        (int8_target(2), int8_target(2, 0.02)),  # int8 -> int8 (new scale)
+        (int8_target(2), PlaneTarget("float32")),  # int8 -> back to the tensor slot
+        (PlaneTarget("float16"), int8_target(2)),  # float16 -> int8
+    ],
+)
 def test_a_staged_conversion_is_rolled_back_or_committed(first, second):
     rng = np.random.default_rng(21)
     alloc = SystemAllocator()
@@ -271,8 +301,9 @@ def test_a_staged_conversion_is_rolled_back_or_committed(first, second):
         np.testing.assert_array_equal(handle.page_values(0, p), converted[i])
     if page_format(second.fmt).code != 1:
         assert np.isnan(t[idx, 0]).all()
-    want = sum(page_bytes(page_format(second.fmt), H, BS, D, 1) for _ in idx) if page_format(second.fmt).code != 1 \
-        else 0
+    want = (
+        sum(page_bytes(page_format(second.fmt), H, BS, D, 1) for _ in idx) if page_format(second.fmt).code != 1 else 0
+    )
     assert handle.payload_bytes == want and alloc.stats().live == want
     cost.rollback()  # after commit: nothing left to undo
     handle.audit()

@@ -1,4 +1,5 @@
 """PageSet payloads from allocators that break their contract or whose free fails."""
+
 import gc
 import logging
 import subprocess
@@ -7,8 +8,8 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from hostile_allocators import MODES, Hostile
+
 from onnxkv.cache.page_set import PageSet, PlaneTarget
 
 P, H, BS, D = 6, 2, 4, 8
@@ -85,6 +86,7 @@ COLLECTED_WHILE_LOCKED = textwrap.dedent("""
 
 
 def test_a_page_tensor_collected_while_the_registry_is_locked_does_not_deadlock(tmp_path):
-    done = subprocess.run([sys.executable, "-c", COLLECTED_WHILE_LOCKED], capture_output=True, text=True, timeout=30,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", COLLECTED_WHILE_LOCKED], capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
     assert done.returncode == 0 and done.stdout.strip() == "collected", done.stderr[-2000:]

@@ -1,13 +1,14 @@
 """BlockPool with allocators that break their contract: every payload is checked before a kernel writes to
 it, a rejection changes nothing, a failing free leaves the pool whole; conversions to the native format."""
+
 from __future__ import annotations
 
 import logging
 
 import numpy as np
 import pytest
-
 from hostile_allocators import MODES, TYPED_ONLY, Hostile
+
 from onnxkv.alloc import SlabAllocator
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
 from onnxkv.errors import InputError
@@ -32,8 +33,14 @@ def _cache(pool, tokens, seed=0):
 
 def _records(pool):
     """Everything the pool says about its pages (to check a failed call changed nothing)."""
-    return ([p.copy() for p in pool.ptrs], [f.copy() for f in pool.formats], [s.copy() for s in pool.sizes],
-            list(pool.converted), pool.live_pages, pool.core.refs().copy())
+    return (
+        [p.copy() for p in pool.ptrs],
+        [f.copy() for f in pool.formats],
+        [s.copy() for s in pool.sizes],
+        list(pool.converted),
+        pool.live_pages,
+        pool.core.refs().copy(),
+    )
 
 
 def _assert_same(a, b):

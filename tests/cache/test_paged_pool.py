@@ -1,12 +1,13 @@
 """BlockPool / PageTable / PagedCache: reference counts, copy-on-write, exhaustion."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnxkv.cache._pagecore import PageCore
 
 from onnxkv.alloc import ArenaAllocator
 from onnxkv.cache import formats
-from onnxkv.cache._pagecore import PageCore
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec, live_pools
 from onnxkv.errors import InputError, OutOfMemory
 
@@ -197,8 +198,9 @@ def test_per_channel_key_plane_stores_compact_headers():
     cost its bytes, and read back within half a decoded scale."""
     rng = np.random.default_rng(11)
     Hk, Dk, bs = 3, 32, 8
-    pool = BlockPool([PlaneSpec("k", Hk, Dk, "float32", groups=Dk, header="compact"),
-                      PlaneSpec("v", Hk, Dk, "float32")], bs)
+    pool = BlockPool(
+        [PlaneSpec("k", Hk, Dk, "float32", groups=Dk, header="compact"), PlaneSpec("v", Hk, Dk, "float32")], bs
+    )
     assert [p.header for p in pool.planes] == ["compact", "float32"]
     cache = PagedCache(pool, PageTable(pool, 1))
     assert cache.planes["k"].header == "compact" and cache.planes["v"].header == "float32"
@@ -209,15 +211,15 @@ def test_per_channel_key_plane_stores_compact_headers():
     cache.commit()
     assert cache.convert_full_pages(0, "uint8") == (2, 0) and cache.convert_full_pages(1, "int8") == (2, 0)
     k_page, v_page = formats.page_bytes("uint8", Hk, bs, Dk, Dk, "compact"), formats.page_bytes("int8", Hk, bs, Dk)
-    assert k_page == 256 + Hk * bs * Dk                      # 4*3 + 2*3*32 = 204 header bytes, padded to 256
+    assert k_page == 256 + Hk * bs * Dk  # 4*3 + 2*3*32 = 204 header bytes, padded to 256
     assert pool.committed_bytes == 2 * (k_page + v_page)
     got = cache.gather(0, 2 * bs)
     for blk in range(2):
         page = int(cache.table.tables[0, blk])
-        x = np.ascontiguousarray(k[0, :, blk * bs:(blk + 1) * bs])
+        x = np.ascontiguousarray(k[0, :, blk * bs : (blk + 1) * bs])
         scale, _, header = formats.compact_params(x, "uint8")
-        np.testing.assert_array_equal(pool.pages[0][page][:header.size], header)
-        err = np.abs(got[0, :, blk * bs:(blk + 1) * bs] - x)
+        np.testing.assert_array_equal(pool.pages[0][page][: header.size], header)
+        err = np.abs(got[0, :, blk * bs : (blk + 1) * bs] - x)
         assert (err <= scale.reshape(Hk, 1, Dk) * 0.5 * (1 + 1e-5)).all()
     cache.table.release()
     assert pool.committed_bytes == 0

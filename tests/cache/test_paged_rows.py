@@ -1,14 +1,14 @@
 """PagedCache writes: a row continues only from what it wrote, and every page a run stages is zero-filled
 (fresh and copy-on-write pages alike) whatever the allocator's memory held."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_contiguous import DirtyAllocator
 
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
 from onnxkv.errors import InputError
-
-from test_contiguous import DirtyAllocator
 
 H, D, BS = 2, 8, 4
 
@@ -62,8 +62,10 @@ def test_write_past_a_rows_length_raises_before_staging():
     live, tables, lengths = c.pool.live_pages, c.table.tables.copy(), c.table.lengths.copy()
     with pytest.raises(InputError) as err:
         _write(c, [3, 5], 1)
-    assert str(err.value) == ("paged cache: row 1 would be written at position 5 but has written only 3 "
-                              "positions; a row may only continue from what it wrote")
+    assert str(err.value) == (
+        "paged cache: row 1 would be written at position 5 but has written only 3 "
+        "positions; a row may only continue from what it wrote"
+    )
     assert c.pool.live_pages == live and c.tables is c.table.tables
     np.testing.assert_array_equal(c.table.tables, tables)
     np.testing.assert_array_equal(c.table.lengths, lengths)
@@ -93,7 +95,7 @@ def test_gather_reads_each_row_only_up_to_its_length():
     c.commit()
     for plane in range(2):
         _page(c, plane, 1, 0)[:, 2:] = np.nan
-    for name, plane in c.planes.items():
+    for plane in c.planes.values():
         got = plane.gather()
         assert got.shape == (2, H, 4, D)
         np.testing.assert_array_equal(got[0, :, :3], 1.0)

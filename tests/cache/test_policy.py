@@ -1,4 +1,5 @@
 """The built-in page-format policies of onnxkv.cache.policy and make_selector's checks."""
+
 import numpy as np
 import pytest
 
@@ -8,15 +9,18 @@ from onnxkv.errors import InputError
 K = np.random.default_rng(0).standard_normal((1, 2, 4, 8)).astype(np.float32)
 
 
-@pytest.mark.parametrize("name, formats, header, residual", [
-    ("int8", ("int8", "int8"), "channel-zp", 0),      # keys: scale per head, zero point per channel
-    ("int8-kivi", ("uint8", "int8"), "compact", 0),  # KIVI layout: keys per channel, values per head
-    ("int8-head", ("int8", "int8"), "float32", 0),
-    ("int4", ("int4", "int4"), "float32", 0),
-    ("fp16", ("float16", "float16"), "float32", 0),
-    ("residual-int8", ("int8", "int8"), "channel-zp", 128),
-    ("residual-int4", ("int4", "int4"), "float32", 128),
-])
+@pytest.mark.parametrize(
+    "name, formats, header, residual",
+    [
+        ("int8", ("int8", "int8"), "channel-zp", 0),  # keys: scale per head, zero point per channel
+        ("int8-kivi", ("uint8", "int8"), "compact", 0),  # KIVI layout: keys per channel, values per head
+        ("int8-head", ("int8", "int8"), "float32", 0),
+        ("int4", ("int4", "int4"), "float32", 0),
+        ("fp16", ("float16", "float16"), "float32", 0),
+        ("residual-int8", ("int8", "int8"), "channel-zp", 128),
+        ("residual-int4", ("int4", "int4"), "float32", 128),
+    ],
+)
 def test_builtin_policy_formats(name, formats, header, residual):
     sel = make_selector(name)
     assert sel(3, 100, K, K) == formats
@@ -35,6 +39,7 @@ def test_native_policies_select_nothing():
 def test_callable_selector_checked():
     def sel(layer, past, k, v):
         return "int8", None
+
     assert make_selector(sel) is sel
     sel.residual_tokens = -1
     with pytest.raises(InputError, match="residual_tokens must be a non-negative int, got -1"):
@@ -48,8 +53,9 @@ def test_callable_selector_checked():
     with pytest.raises(InputError, match="key_channel_zero_points must be a bool, got 1"):
         make_selector(sel)
     sel.key_channel_zero_points = True
-    with pytest.raises(InputError, match="kv_format: key_channel_scales and key_channel_zero_points are mutually "
-                                         "exclusive"):
+    with pytest.raises(
+        InputError, match="kv_format: key_channel_scales and key_channel_zero_points are mutually exclusive"
+    ):
         make_selector(sel)
     sel.key_channel_scales = False
     assert make_selector(sel) is sel and key_header(sel, "x") == "channel-zp"
@@ -57,8 +63,9 @@ def test_callable_selector_checked():
 
 def test_policy_with_both_key_options_is_rejected():
     both = UniformPolicy("int8", "int8", key_channel_scales=True, key_channel_zero_points=True)
-    with pytest.raises(InputError, match="kv_format: key_channel_scales and key_channel_zero_points are mutually "
-                                         "exclusive"):
+    with pytest.raises(
+        InputError, match="kv_format: key_channel_scales and key_channel_zero_points are mutually exclusive"
+    ):
         make_selector(both)
 
 

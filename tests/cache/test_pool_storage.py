@@ -1,4 +1,5 @@
 """BlockPool storage: slab lanes by default, one lane per plane for native and converted payloads."""
+
 from __future__ import annotations
 
 from itertools import pairwise

@@ -27,6 +27,7 @@ from google.protobuf import descriptor_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from onnxkv.cache import serialize
 from onnxkv.cache.serialize import (
     MAGIC,
     VERSION,
@@ -42,7 +43,6 @@ from onnxkv.cache.serialize import (
     save,
     validate,
 )
-from onnxkv.cache import serialize
 from onnxkv.errors import InputError, SerializationError
 
 FORMATS = ("float32", "float16", "bfloat16")
@@ -62,12 +62,20 @@ def _page(rng: np.random.Generator, fmt: str, shape: tuple[int, int, int]) -> Pa
     return PagePayload(fmt, data)
 
 
-def _snapshot(rng: np.random.Generator, block_size: int, heads: list[tuple[int, int]],
-              sequences: list[tuple[int, int]], omit_evicted: bool = False, model_dtype: str = "float32",
-              formats: tuple[str, ...] = FORMATS) -> CacheSnapshot:
+def _snapshot(
+    rng: np.random.Generator,
+    block_size: int,
+    heads: list[tuple[int, int]],
+    sequences: list[tuple[int, int]],
+    omit_evicted: bool = False,
+    model_dtype: str = "float32",
+    formats: tuple[str, ...] = FORMATS,
+) -> CacheSnapshot:
     """A valid snapshot: layers of (kv_heads, head_size), sequences of (length, first_position), shuffled blocks."""
-    layers = [LayerSpec(f"past_key_values.{i}.key", f"past_key_values.{i}.value", h, d, model_dtype)
-              for i, (h, d) in enumerate(heads)]
+    layers = [
+        LayerSpec(f"past_key_values.{i}.key", f"past_key_values.{i}.value", h, d, model_dtype)
+        for i, (h, d) in enumerate(heads)
+    ]
     records = []
     for length, first in sequences:
         blocks = []
@@ -76,8 +84,11 @@ def _snapshot(rng: np.random.Generator, block_size: int, heads: list[tuple[int, 
             for start in range(lowest, length, block_size):
                 n = min(block_size, length - start)
                 shape = (spec.kv_heads, n, spec.head_size)
-                blocks.append(BlockRecord(li, start, n, _page(rng, rng.choice(formats), shape),
-                                          _page(rng, rng.choice(formats), shape)))
+                blocks.append(
+                    BlockRecord(
+                        li, start, n, _page(rng, rng.choice(formats), shape), _page(rng, rng.choice(formats), shape)
+                    )
+                )
         records.append(SequenceRecord(length, [blocks[k] for k in rng.permutation(len(blocks))], first))
     return CacheSnapshot(block_size, layers, records, model_signature=f"model-{rng.integers(1 << 30)}")
 
@@ -128,9 +139,17 @@ def _base() -> CacheSnapshot:
     layers = [LayerSpec(f"past_key_values.{i}.key", f"past_key_values.{i}.value", 2, 3, "float16") for i in (0, 1)]
 
     def blocks(length: int, lowest: int) -> list[BlockRecord]:
-        return [BlockRecord(li, s, min(4, length - s), _page(rng, FORMATS[(li + s) % 3], (2, min(4, length - s), 3)),
-                            _page(rng, "float16", (2, min(4, length - s), 3)))
-                for li in (0, 1) for s in range(lowest, length, 4)]
+        return [
+            BlockRecord(
+                li,
+                s,
+                min(4, length - s),
+                _page(rng, FORMATS[(li + s) % 3], (2, min(4, length - s), 3)),
+                _page(rng, "float16", (2, min(4, length - s), 3)),
+            )
+            for li in (0, 1)
+            for s in range(lowest, length, 4)
+        ]
 
     return CacheSnapshot(4, layers, [SequenceRecord(10, blocks(10, 0)), SequenceRecord(7, blocks(7, 4), 5)], "sig")
 
@@ -145,11 +164,14 @@ def _base_proto() -> PagedCacheProto:
 
 
 @settings(max_examples=40, deadline=None)
-@given(block_size=st.integers(1, 6),
-       heads=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 5)), min_size=1, max_size=3),
-       sequences=st.lists(st.tuples(st.integers(0, 17), st.floats(0, 1)), min_size=1, max_size=3),
-       omit_evicted=st.booleans(), model_dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    block_size=st.integers(1, 6),
+    heads=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 5)), min_size=1, max_size=3),
+    sequences=st.lists(st.tuples(st.integers(0, 17), st.floats(0, 1)), min_size=1, max_size=3),
+    omit_evicted=st.booleans(),
+    model_dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_round_trip_random_snapshots(block_size, heads, sequences, omit_evicted, model_dtype, seed):
     seqs = [(length, int(fraction * length)) for length, fraction in sequences]
     snapshot = _snapshot(np.random.default_rng(seed), block_size, heads, seqs, omit_evicted, model_dtype)
@@ -248,9 +270,10 @@ def _parse_proto_text(text: str) -> tuple[str, dict[str, set[tuple[str, int, str
     text = re.sub(r"//[^\n]*", "", text)
     messages = {}
     for name, body in re.findall(r"message\s+(\w+)\s*\{(.*?)\}", text, re.S):
-        messages[name] = {(field, int(number), type_name, bool(repeated))
-                          for repeated, type_name, field, number
-                          in re.findall(r"(repeated\s+)?(\w+)\s+(\w+)\s*=\s*(\d+)\s*;", body)}
+        messages[name] = {
+            (field, int(number), type_name, bool(repeated))
+            for repeated, type_name, field, number in re.findall(r"(repeated\s+)?(\w+)\s+(\w+)\s*=\s*(\d+)\s*;", body)
+        }
     return package, messages
 
 
@@ -260,9 +283,18 @@ def _descriptor_fields() -> tuple[str, dict[str, set[tuple[str, int, str, bool]]
     PagedCacheProto.DESCRIPTOR.file.CopyToProto(fdp)
     F = descriptor_pb2.FieldDescriptorProto
     scalar = {F.TYPE_INT64: "int64", F.TYPE_STRING: "string", F.TYPE_BYTES: "bytes"}
-    messages = {m.name: {(f.name, f.number, f.type_name.rsplit(".", 1)[-1] if f.type == F.TYPE_MESSAGE
-                          else scalar[f.type], f.label == F.LABEL_REPEATED) for f in m.field}
-                for m in fdp.message_type}
+    messages = {
+        m.name: {
+            (
+                f.name,
+                f.number,
+                f.type_name.rsplit(".", 1)[-1] if f.type == F.TYPE_MESSAGE else scalar[f.type],
+                f.label == F.LABEL_REPEATED,
+            )
+            for f in m.field
+        }
+        for m in fdp.message_type
+    }
     assert fdp.syntax == "proto3"
     return fdp.package, messages
 
@@ -352,8 +384,14 @@ def test_pure_python_protobuf_agrees_on_the_corpus(tmp_path):
     (tmp_path / "corpus.pkl").write_bytes(pickle.dumps(corpus))
     env = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")
     # cwd: the installed package, not a source tree beside the tests
-    child = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "corpus.pkl")], env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "corpus.pkl")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert child.returncode == 0, child.stderr
     assert json.loads(child.stdout) == _outcomes(corpus)
 
@@ -389,6 +427,7 @@ def _clear(path: str, name: str) -> Callable[[PagedCacheProto], None]:
 def _delete_block(seq: int, index: int) -> Callable[[PagedCacheProto], None]:
     def edit(proto):
         del proto.sequences[seq].blocks[index]
+
     return edit
 
 
@@ -415,54 +454,105 @@ SEMANTIC = [
     ("unknown field", lambda: _frame(_valid_body() + _field(15, 0, b"\x01")), r"unknown fields"),
     ("repeated singular field", lambda: _frame(_valid_body() + _field(2, 0, b"\x04")), r"repeated singular"),
     ("message version", lambda: _mutate(_set("version", 7)), r"PagedCacheProto\.version is 7, expected 1"),
-    ("unknown format", lambda: _mutate(_set("sequences.0.blocks.1.key.format", "int3")),
-     r"sequence 0 block 1: key page has unknown format 'int3'"),
+    (
+        "unknown format",
+        lambda: _mutate(_set("sequences.0.blocks.1.key.format", "int3")),
+        r"sequence 0 block 1: key page has unknown format 'int3'",
+    ),
     ("block_size 0", lambda: _mutate(_set("block_size", 0)), r"decode: block_size must be in \[1, \d+\], got 0"),
     ("negative block_size", lambda: _mutate(_set("block_size", -4)), r"block_size must be in \[1, \d+\], got -4"),
-    ("layer out of range", lambda: _mutate(_set("sequences.0.blocks.1.layer", 2)),
-     r"sequence 0 block 1: layer index 2 is out of range: the snapshot has 2 layers"),
+    (
+        "layer out of range",
+        lambda: _mutate(_set("sequences.0.blocks.1.layer", 2)),
+        r"sequence 0 block 1: layer index 2 is out of range: the snapshot has 2 layers",
+    ),
     ("negative layer", lambda: _mutate(_set("sequences.1.blocks.0.layer", -1)), r"layer index -1 is out of range"),
-    ("unaligned start", lambda: _mutate(_set("sequences.0.blocks.1.start", 5)),
-     r"block 1: start 5 is not a multiple of block_size 4"),
+    (
+        "unaligned start",
+        lambda: _mutate(_set("sequences.0.blocks.1.start", 5)),
+        r"block 1: start 5 is not a multiple of block_size 4",
+    ),
     ("negative start", lambda: _mutate(_set("sequences.0.blocks.1.start", -4)), r"start must be in \[0, \d+\], got -4"),
-    ("zero block length", lambda: _mutate(_set("sequences.0.blocks.1.length", 0)), r"length must be in \[1, 4\], got 0"),
-    ("block longer than block_size", lambda: _mutate(_set("sequences.0.blocks.1.length", 5)),
-     r"length must be in \[1, 4\], got 5"),
-    ("payload too short", lambda: _mutate(_set("sequences.0.blocks.1.value.data", b"\0" * 47)),
-     r"value page holds 47 data bytes, expected 48 = kv_heads 2 \* length 4 \* head_size 3 \* 2 bytes \(float16\)"),
-    ("payload vs block length", lambda: _mutate(_set("sequences.0.blocks.2.length", 1)),
-     r"key page holds \d+ data bytes"),
-    ("missing key", lambda: _mutate(_clear("sequences.0.blocks.1", "key")),
-     r"sequence 0 block 1: missing key page"),
+    (
+        "zero block length",
+        lambda: _mutate(_set("sequences.0.blocks.1.length", 0)),
+        r"length must be in \[1, 4\], got 0",
+    ),
+    (
+        "block longer than block_size",
+        lambda: _mutate(_set("sequences.0.blocks.1.length", 5)),
+        r"length must be in \[1, 4\], got 5",
+    ),
+    (
+        "payload too short",
+        lambda: _mutate(_set("sequences.0.blocks.1.value.data", b"\0" * 47)),
+        r"value page holds 47 data bytes, expected 48 = kv_heads 2 \* length 4 \* head_size 3 \* 2 bytes \(float16\)",
+    ),
+    (
+        "payload vs block length",
+        lambda: _mutate(_set("sequences.0.blocks.2.length", 1)),
+        r"key page holds \d+ data bytes",
+    ),
+    ("missing key", lambda: _mutate(_clear("sequences.0.blocks.1", "key")), r"sequence 0 block 1: missing key page"),
     ("missing value", lambda: _mutate(_clear("sequences.1.blocks.0", "value")), r"sequence 1 block 0: missing value"),
-    ("scale on float page", lambda: _mutate(_set("sequences.0.blocks.1.key.scale", b"\0\0\x80?")),
-     r"key page of format '\w+' carries quantization parameters"),
-    ("zero_point on float page", lambda: _mutate(_set("sequences.0.blocks.0.value.zero_point", b"\x01")),
-     r"value page .* carries quantization parameters"),
-    ("scale_dims on float page", lambda: _mutate(lambda p: p.sequences[0].blocks[0].key.scale_dims.append(2)),
-     r"key page .* carries quantization parameters"),
+    (
+        "scale on float page",
+        lambda: _mutate(_set("sequences.0.blocks.1.key.scale", b"\0\0\x80?")),
+        r"key page of format '\w+' carries quantization parameters",
+    ),
+    (
+        "zero_point on float page",
+        lambda: _mutate(_set("sequences.0.blocks.0.value.zero_point", b"\x01")),
+        r"value page .* carries quantization parameters",
+    ),
+    (
+        "scale_dims on float page",
+        lambda: _mutate(lambda p: p.sequences[0].blocks[0].key.scale_dims.append(2)),
+        r"key page .* carries quantization parameters",
+    ),
     ("gap", lambda: _mutate(_delete_block(0, 1)), r"sequence 0: layer 0: positions \[4, 8\) are not covered"),
     ("duplicate block", lambda: _mutate(_duplicate_block), r"layer 0: blocks 1 and 6 both start at 4 \(duplicate"),
-    ("length beyond blocks", lambda: _mutate(_set("sequences.0.length", 12)),
-     r"sequence 0: layer 0: positions \[10, 12\) are not covered"),
-    ("block beyond length", lambda: _mutate(_set("sequences.0.length", 9)),
-     r"layer 0: block 2 covers \[8, 10\), past the sequence length 9"),
-    ("negative sequence length", lambda: _mutate(_set("sequences.1.length", -7)),
-     r"sequence 1: length must be in \[0, \d+\], got -7"),
-    ("first_position past length", lambda: _mutate(_set("sequences.0.first_position", 11)),
-     r"sequence 0: first_position must be in \[0, 10\], got 11"),
+    (
+        "length beyond blocks",
+        lambda: _mutate(_set("sequences.0.length", 12)),
+        r"sequence 0: layer 0: positions \[10, 12\) are not covered",
+    ),
+    (
+        "block beyond length",
+        lambda: _mutate(_set("sequences.0.length", 9)),
+        r"layer 0: block 2 covers \[8, 10\), past the sequence length 9",
+    ),
+    (
+        "negative sequence length",
+        lambda: _mutate(_set("sequences.1.length", -7)),
+        r"sequence 1: length must be in \[0, \d+\], got -7",
+    ),
+    (
+        "first_position past length",
+        lambda: _mutate(_set("sequences.0.first_position", 11)),
+        r"sequence 0: first_position must be in \[0, 10\], got 11",
+    ),
     ("negative first_position", lambda: _mutate(_set("sequences.1.first_position", -1)), r"first_position .* got -1"),
-    ("evicted too much", lambda: _mutate(_set("sequences.1.first_position", 3)),
-     r"sequence 1: layer 0: positions \[3, 4\) are not covered \(its first block starts at 4\)"),
-    ("layer without blocks", lambda: _mutate(_drop_layer_blocks),
-     r"layer 1 has no blocks: positions \[0, 10\) are not covered"),
+    (
+        "evicted too much",
+        lambda: _mutate(_set("sequences.1.first_position", 3)),
+        r"sequence 1: layer 0: positions \[3, 4\) are not covered \(its first block starts at 4\)",
+    ),
+    (
+        "layer without blocks",
+        lambda: _mutate(_drop_layer_blocks),
+        r"layer 1 has no blocks: positions \[0, 10\) are not covered",
+    ),
     ("no layers", lambda: _mutate(lambda p: p.ClearField("layers")), r"layers must be a non-empty list"),
     ("no sequences", lambda: _mutate(lambda p: p.ClearField("sequences")), r"sequences must be a non-empty list"),
     ("zero kv_heads", lambda: _mutate(_set("layers.1.kv_heads", 0)), r"layer 1: kv_heads must be in \[1, \d+\], got 0"),
     ("negative head_size", lambda: _mutate(_set("layers.0.head_size", -3)), r"layer 0: head_size .* got -3"),
     ("layer dtype", lambda: _mutate(_set("layers.0.dtype", "int8")), r"layer 0: dtype must be one of .*got 'int8'"),
-    ("duplicate input name", lambda: _mutate(_set("layers.1.value_name", "past_key_values.0.key")),
-     r"layer 1: value_name 'past_key_values\.0\.key' is already the key_name of layer 0"),
+    (
+        "duplicate input name",
+        lambda: _mutate(_set("layers.1.value_name", "past_key_values.0.key")),
+        r"layer 1: value_name 'past_key_values\.0\.key' is already the key_name of layer 0",
+    ),
     ("empty input name", lambda: _mutate(_set("layers.0.key_name", "")), r"layer 0: key_name must not be empty"),
 ]
 
@@ -495,23 +585,45 @@ def _page_of(s: CacheSnapshot) -> PagePayload:
 
 
 INVALID = [
-    ("not full before last", _shorten_first_block,
-     r"encode: sequence 0: layer 0: block 0 at start 0 holds 3 positions but is not the layer's last block"),
-    ("dtype mismatch", lambda s: setattr(_page_of(s), "data", _page_of(s).data.view(np.int16)),
-     r"block 1: key page of format '\w+' must hold \w+ elements, got int16 \(dtype mismatch\)"),
-    ("float16 data as float32", lambda s: setattr(s.sequences[0].blocks[1], "value",
-                                                  PagePayload("float32", s.sequences[0].blocks[1].value.data)),
-     r"value page of format 'float32' must hold float32 elements, got float16"),
-    ("shape", lambda s: setattr(_page_of(s), "data", _page_of(s).data[:1]),
-     r"key page data has shape \(1, 4, 3\), expected \(2, 4, 3\)"),
+    (
+        "not full before last",
+        _shorten_first_block,
+        r"encode: sequence 0: layer 0: block 0 at start 0 holds 3 positions but is not the layer's last block",
+    ),
+    (
+        "dtype mismatch",
+        lambda s: setattr(_page_of(s), "data", _page_of(s).data.view(np.int16)),
+        r"block 1: key page of format '\w+' must hold \w+ elements, got int16 \(dtype mismatch\)",
+    ),
+    (
+        "float16 data as float32",
+        lambda s: setattr(
+            s.sequences[0].blocks[1], "value", PagePayload("float32", s.sequences[0].blocks[1].value.data)
+        ),
+        r"value page of format 'float32' must hold float32 elements, got float16",
+    ),
+    (
+        "shape",
+        lambda s: setattr(_page_of(s), "data", _page_of(s).data[:1]),
+        r"key page data has shape \(1, 4, 3\), expected \(2, 4, 3\)",
+    ),
     ("not an array", lambda s: setattr(_page_of(s), "data", [1.0]), r"key page data must be a numpy array, got list"),
-    ("scale on float page", lambda s: setattr(_page_of(s), "scale", np.ones(2, np.float32)),
-     r"key page of float format '\w+' must not have a scale"),
+    (
+        "scale on float page",
+        lambda s: setattr(_page_of(s), "scale", np.ones(2, np.float32)),
+        r"key page of float format '\w+' must not have a scale",
+    ),
     ("missing value", lambda s: setattr(s.sequences[1].blocks[0], "value", None), r"sequence 1 block 0: missing value"),
-    ("bool layer index", lambda s: setattr(s.sequences[0].blocks[0], "layer", True),
-     r"layer index must be an integer, got bool"),
-    ("start too large for int64", lambda s: setattr(s.sequences[0].blocks[0], "start", 2**64),
-     r"start must be in \[0, 9223372036854775807\]"),
+    (
+        "bool layer index",
+        lambda s: setattr(s.sequences[0].blocks[0], "layer", True),
+        r"layer index must be an integer, got bool",
+    ),
+    (
+        "start too large for int64",
+        lambda s: setattr(s.sequences[0].blocks[0], "start", 2**64),
+        r"start must be in \[0, 9223372036854775807\]",
+    ),
     ("signature not UTF-8", lambda s: setattr(s, "model_signature", "bad\udc80"), r"model_signature .* not encodable"),
     ("sequence type", lambda s: s.sequences.append((3, [])), r"sequence 2: expected a SequenceRecord, got tuple"),
     ("layers not a list", lambda s: setattr(s, "layers", tuple(s.layers)), r"layers must be a non-empty list"),
@@ -556,15 +668,18 @@ def test_zero_points_beyond_the_code_range_only_per_channel(fmt):
         return CacheSnapshot(4, layers, [SequenceRecord(n, [BlockRecord(0, 0, n, key, value)])], "sig")
 
     wide = z0 + rng.integers(-128, 128, heads * d) * 2 ** rng.integers(0, 17)
-    wide[0] = z0 + 127 * 2 ** 16
+    wide[0] = z0 + 127 * 2**16
     snap = snapshot(wide)
-    assert decode(encode(snap)).sequences[0].blocks[0].key == snap.sequences[0].blocks[0].key   # bitwise
-    reach = z0 + 128 * 2 ** 16
-    with pytest.raises(SerializationError, match=rf"key page zero points must be integers in "
-                                                 rf"\[{z0 - 128 * 2 ** 16}, {reach}\] \({fmt}\)"):
+    assert decode(encode(snap)).sequences[0].blocks[0].key == snap.sequences[0].blocks[0].key  # bitwise
+    reach = z0 + 128 * 2**16
+    with pytest.raises(
+        SerializationError,
+        match=rf"key page zero points must be integers in "
+        rf"\[{z0 - 128 * 2**16}, {reach}\] \({fmt}\)",
+    ):
         encode(snapshot(np.where(np.arange(heads * d) == 3, reach + 1, wide)))
     with pytest.raises(SerializationError, match=rf"key page zero points must be integers in \[-?\d+, \d+\] \({fmt}\)"):
-        encode(snapshot(np.full(heads, z0 + 200)))   # per head: the code range
+        encode(snapshot(np.full(heads, z0 + 200)))  # per head: the code range
     snap = snapshot(np.full(heads, z0 + 1))
     assert decode(encode(snap)).sequences[0].blocks[0].key == snap.sequences[0].blocks[0].key
 
@@ -575,12 +690,21 @@ def test_zero_points_beyond_the_code_range_only_per_channel(fmt):
 def _quantized_proto() -> PagedCacheProto:
     """One layer (2 heads x 8), one 4-position block: int8 keys with a scale per head, uint4 values per channel."""
     rng = np.random.default_rng(23)
-    key = PagePayload("int8", rng.integers(0, 256, (2, 4, 8), dtype=np.uint8),
-                      np.array([0.5, 0.25], np.float32), np.array([0, -3], np.float32))
-    value = PagePayload("uint4", rng.integers(0, 256, (2, 4, 4), dtype=np.uint8),
-                        rng.uniform(0.1, 1, 16).astype(np.float32), np.full(16, 8, np.float32))
-    snapshot = CacheSnapshot(4, [LayerSpec("k", "v", 2, 8, "float32")],
-                             [SequenceRecord(4, [BlockRecord(0, 0, 4, key, value)])], "sig")
+    key = PagePayload(
+        "int8",
+        rng.integers(0, 256, (2, 4, 8), dtype=np.uint8),
+        np.array([0.5, 0.25], np.float32),
+        np.array([0, -3], np.float32),
+    )
+    value = PagePayload(
+        "uint4",
+        rng.integers(0, 256, (2, 4, 4), dtype=np.uint8),
+        rng.uniform(0.1, 1, 16).astype(np.float32),
+        np.full(16, 8, np.float32),
+    )
+    snapshot = CacheSnapshot(
+        4, [LayerSpec("k", "v", 2, 8, "float32")], [SequenceRecord(4, [BlockRecord(0, 0, 4, key, value)])], "sig"
+    )
     proto = PagedCacheProto()
     proto.ParseFromString(encode(snapshot)[HEADER:])
     return proto
@@ -597,37 +721,79 @@ def _floats(*values: float) -> bytes:
 
 
 QUANTIZED = [
-    ("huge scale_dims count", lambda p: p.sequences[0].blocks[0].key.scale_dims.extend([2] * 100_000),
-     r"key page has 100002 scale_dims, expected 2 \[kv_heads, 1 or head_size\]"),
-    ("scale_dims", lambda p: p.sequences[0].blocks[0].key.scale_dims.__setitem__(1, 3),
-     r"key page scale_dims \[2, 3\] must be \[kv_heads 2, 1 or head_size 8\]"),
-    ("scale_dims of 2^63 - 1", lambda p: p.sequences[0].blocks[0].value.scale_dims.__setitem__(0, 2**63 - 1),
-     r"value page scale_dims \[9223372036854775807, 8\] must be"),
-    ("short scale", _set("sequences.0.blocks.0.key.scale", _floats(0.5)),
-     r"key page scale holds 4 bytes, expected 8 \(float32 per \[2, 1\]\)"),
-    ("long zero_point", _set("sequences.0.blocks.0.value.zero_point", _floats(*[8] * 17)),
-     r"value page zero_point holds 68 bytes, expected 64"),
-    ("NaN scale", _set("sequences.0.blocks.0.key.scale", _floats(0.5, float("nan"))),
-     r"key page scales must be finite and > 0"),
-    ("infinite scale", _set("sequences.0.blocks.0.key.scale", _floats(float("inf"), 0.5)),
-     r"key page scales must be finite and > 0"),
+    (
+        "huge scale_dims count",
+        lambda p: p.sequences[0].blocks[0].key.scale_dims.extend([2] * 100_000),
+        r"key page has 100002 scale_dims, expected 2 \[kv_heads, 1 or head_size\]",
+    ),
+    (
+        "scale_dims",
+        lambda p: p.sequences[0].blocks[0].key.scale_dims.__setitem__(1, 3),
+        r"key page scale_dims \[2, 3\] must be \[kv_heads 2, 1 or head_size 8\]",
+    ),
+    (
+        "scale_dims of 2^63 - 1",
+        lambda p: p.sequences[0].blocks[0].value.scale_dims.__setitem__(0, 2**63 - 1),
+        r"value page scale_dims \[9223372036854775807, 8\] must be",
+    ),
+    (
+        "short scale",
+        _set("sequences.0.blocks.0.key.scale", _floats(0.5)),
+        r"key page scale holds 4 bytes, expected 8 \(float32 per \[2, 1\]\)",
+    ),
+    (
+        "long zero_point",
+        _set("sequences.0.blocks.0.value.zero_point", _floats(*[8] * 17)),
+        r"value page zero_point holds 68 bytes, expected 64",
+    ),
+    (
+        "NaN scale",
+        _set("sequences.0.blocks.0.key.scale", _floats(0.5, float("nan"))),
+        r"key page scales must be finite and > 0",
+    ),
+    (
+        "infinite scale",
+        _set("sequences.0.blocks.0.key.scale", _floats(float("inf"), 0.5)),
+        r"key page scales must be finite and > 0",
+    ),
     ("zero scale", _set("sequences.0.blocks.0.key.scale", _floats(0.0, 0.5)), r"scales must be finite and > 0"),
     ("negative scale", _set("sequences.0.blocks.0.key.scale", _floats(-1.0, 0.5)), r"scales must be finite and > 0"),
-    ("NaN zero point", _set("sequences.0.blocks.0.key.zero_point", _floats(float("nan"), 0)),
-     r"key page zero points must be integers in \[-128, 127\] \(int8\)"),
-    ("fractional zero point", _set("sequences.0.blocks.0.key.zero_point", _floats(0.5, 0)),
-     r"zero points must be integers"),
-    ("zero point out of range", _set("sequences.0.blocks.0.key.zero_point", _floats(128, 0)),
-     r"key page zero points must be integers in \[-128, 127\] \(int8\)"),
-    ("codes too short", _set("sequences.0.blocks.0.key.data", b"\0" * 63),
-     r"key page holds 63 code bytes, expected 64 = kv_heads 2 \* length 4 \* 8 bytes per token \(int8\)"),
-    ("format of other bits", _set("sequences.0.blocks.0.key.format", "int4"), r"key page holds 64 code bytes, "
-                                                                              r"expected 32"),
-    ("quantized format as float", _set("sequences.0.blocks.0.key.format", "float16"),
-     r"key page of format 'float16' carries quantization parameters"),
-    ("head_size not byte aligned", lambda p: (p.layers[0].__setattr__("head_size", 3),
-                                              p.sequences[0].blocks[0].key.__setattr__("format", "int2")),
-     r"key page of format 'int2' needs head_size \* 2 bits to fill whole bytes, head_size is 3"),
+    (
+        "NaN zero point",
+        _set("sequences.0.blocks.0.key.zero_point", _floats(float("nan"), 0)),
+        r"key page zero points must be integers in \[-128, 127\] \(int8\)",
+    ),
+    (
+        "fractional zero point",
+        _set("sequences.0.blocks.0.key.zero_point", _floats(0.5, 0)),
+        r"zero points must be integers",
+    ),
+    (
+        "zero point out of range",
+        _set("sequences.0.blocks.0.key.zero_point", _floats(128, 0)),
+        r"key page zero points must be integers in \[-128, 127\] \(int8\)",
+    ),
+    (
+        "codes too short",
+        _set("sequences.0.blocks.0.key.data", b"\0" * 63),
+        r"key page holds 63 code bytes, expected 64 = kv_heads 2 \* length 4 \* 8 bytes per token \(int8\)",
+    ),
+    (
+        "format of other bits",
+        _set("sequences.0.blocks.0.key.format", "int4"),
+        r"key page holds 64 code bytes, "
+        r"expected 32",
+    ),
+    (
+        "quantized format as float",
+        _set("sequences.0.blocks.0.key.format", "float16"),
+        r"key page of format 'float16' carries quantization parameters",
+    ),
+    (
+        "head_size not byte aligned",
+        lambda p: (p.layers[0].__setattr__("head_size", 3), p.sequences[0].blocks[0].key.__setattr__("format", "int2")),
+        r"key page of format 'int2' needs head_size \* 2 bits to fill whole bytes, head_size is 3",
+    ),
 ]
 
 
@@ -643,16 +809,22 @@ def test_quantized_page_corruption_is_named(edit, pattern):
 def test_inputs_above_max_bytes_are_refused_before_they_are_read(tmp_path):
     blob = encode(_small())
     assert decode(blob, max_bytes=len(blob)) == decode(blob)
-    with pytest.raises(InputError, match=rf"decode: the input holds {len(blob)} bytes, more than "
-                                         rf"max_bytes={len(blob) - 1} \(nothing was parsed\)") as err:
+    with pytest.raises(
+        InputError,
+        match=rf"decode: the input holds {len(blob)} bytes, more than "
+        rf"max_bytes={len(blob) - 1} \(nothing was parsed\)",
+    ) as err:
         decode(blob, max_bytes=len(blob) - 1)
     assert not isinstance(err.value, SerializationError)
     path = tmp_path / "huge.okv"
     with open(path, "wb") as f:
         f.write(blob)
         f.truncate(1 << 40)  # sparse: reading it whole would need a TiB
-    with pytest.raises(InputError, match=rf"load\('.*huge\.okv'\): the input holds {1 << 40} bytes, more than "
-                                         r"max_bytes=1000000"):
+    with pytest.raises(
+        InputError,
+        match=rf"load\('.*huge\.okv'\): the input holds {1 << 40} bytes, more than "
+        r"max_bytes=1000000",
+    ):
         load(path, max_bytes=10**6)
 
 
@@ -676,10 +848,13 @@ def _expected(**changes) -> serialize.Expectation:
     return serialize.Expectation(**{**fields, **changes})
 
 
-@pytest.mark.parametrize("field, pattern", [
-    ("sequences", r"decode: the saved cache has 100002 sequences, the state can hold at most 8 rows"),
-    ("layers", r"decode: the saved cache has 100002 layers, the model has 2"),
-])
+@pytest.mark.parametrize(
+    "field, pattern",
+    [
+        ("sequences", r"decode: the saved cache has 100002 sequences, the state can hold at most 8 rows"),
+        ("layers", r"decode: the saved cache has 100002 layers, the model has 2"),
+    ],
+)
 def test_repeated_entries_a_reader_refuses_cost_no_python_objects(field, pattern):
     """2-byte entries used to become Python objects (~100x the file) before any check."""
     blob = _many(field, 100_000)
@@ -693,16 +868,29 @@ def test_repeated_entries_a_reader_refuses_cost_no_python_objects(field, pattern
     assert peak < 2 * len(blob)  # a copy of the body for the parser; 100002 entries as objects need ~100x
 
 
-@pytest.mark.parametrize("changes, pattern", [
-    ({"model_signature": "other"}, r"decode: the saved cache belongs to another model \(signature mismatch\)"),
-    ({"block_size": 8}, r"decode: the saved cache has block_size=4, the state uses 8; create the state with "
-                        r"block_size=4"),
-    ({"layers": tuple(_base().layers[:1])}, r"the saved cache has 2 layers, the model has 1"),
-    ({"layers": (_base().layers[0], LayerSpec("past_key_values.1.key", "past_key_values.1.value", 2, 3, "float32"))},
-     r"saved layer 1 \(names, kv_heads, head_size, dtype\) \('past_key_values\.1\.key', 'past_key_values\.1\.value', "
-     r"2, 3, 'float16'\) does not match the model's \(.*, 2, 3, 'float32'\)"),
-    ({"max_sequences": 1}, r"the saved cache has 2 sequences, the state can hold at most 1 rows"),
-])
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        ({"model_signature": "other"}, r"decode: the saved cache belongs to another model \(signature mismatch\)"),
+        (
+            {"block_size": 8},
+            r"decode: the saved cache has block_size=4, the state uses 8; create the state with "
+            r"block_size=4",
+        ),
+        ({"layers": tuple(_base().layers[:1])}, r"the saved cache has 2 layers, the model has 1"),
+        (
+            {
+                "layers": (
+                    _base().layers[0],
+                    LayerSpec("past_key_values.1.key", "past_key_values.1.value", 2, 3, "float32"),
+                )
+            },
+            r"saved layer 1 \(names, kv_heads, head_size, dtype\) \('past_key_values\.1\.key', 'past_key_values\.1\.value', "
+            r"2, 3, 'float16'\) does not match the model's \(.*, 2, 3, 'float32'\)",
+        ),
+        ({"max_sequences": 1}, r"the saved cache has 2 sequences, the state can hold at most 1 rows"),
+    ],
+)
 def test_a_file_that_does_not_fit_the_expectation_is_named(changes, pattern):
     blob = encode(_base())
     assert decode(blob, expected=_expected()) == _base()
@@ -729,8 +917,9 @@ for target in (path, sys.argv[1]):
 
 def test_load_refuses_what_is_not_a_regular_file_without_waiting(tmp_path):
     """A FIFO used to block the reader until a writer came (then to read it to its end, unbounded)."""
-    child = subprocess.run([sys.executable, "-c", _FIFO_CHILD, str(tmp_path)], capture_output=True, text=True,
-                           timeout=60, cwd=tmp_path)
+    child = subprocess.run(
+        [sys.executable, "-c", _FIFO_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert child.returncode == 0, child.stderr
     lines = child.stdout.splitlines()
     assert len(lines) == 2 and all("not a regular file" in line for line in lines), lines

@@ -1,5 +1,6 @@
 """Snapshots of paged caches: what paged_from_snapshot checks before it takes a page, and that a refused or
 failed load leaves the pool, its other tables and the allocator exactly as they were."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,15 +18,18 @@ LAYERS = [("k", "v")]
 
 def _planes(key_header="float32", model_dtype="float32", value_heads=H, value_head_size=D, names=("k", "v")):
     groups = 1 if key_header == "float32" else D
-    return [PlaneSpec(names[0], H, D, "float32", model_dtype, groups=groups, header=key_header),
-            PlaneSpec(names[1], value_heads, value_head_size, "float32", model_dtype)]
+    return [
+        PlaneSpec(names[0], H, D, "float32", model_dtype, groups=groups, header=key_header),
+        PlaneSpec(names[1], value_heads, value_head_size, "float32", model_dtype),
+    ]
 
 
 def _filled(pool, rng, tokens, rows=1):
     cache = PagedCache(pool, PageTable(pool, rows))
     for plane, spec in enumerate(pool.planes):
-        cache.write(plane, rng.standard_normal((rows, spec.heads, tokens, spec.head_size)).astype(np.float32), 0,
-                    tokens)
+        cache.write(
+            plane, rng.standard_normal((rows, spec.heads, tokens, spec.head_size)).astype(np.float32), 0, tokens
+        )
     cache.commit()
     return cache
 
@@ -58,8 +62,14 @@ class CountingAllocator(SystemAllocator):
 
 
 def _pool_facts(pool, *tables):
-    return (pool.core.refs().copy(), pool.live_pages, pool.committed_bytes, pool.allocator.stats().live,
-            [f.copy() for f in pool.formats], [(t.tables.copy(), t.lengths.copy(), t.first.copy()) for t in tables])
+    return (
+        pool.core.refs().copy(),
+        pool.live_pages,
+        pool.committed_bytes,
+        pool.allocator.stats().live,
+        [f.copy() for f in pool.formats],
+        [(t.tables.copy(), t.lengths.copy(), t.first.copy()) for t in tables],
+    )
 
 
 def _assert_unchanged(before, pool, *tables):
@@ -79,7 +89,7 @@ def pool_with_sibling():
     """A pool of 3 page ids whose last id belongs to another table (the sibling) and whose id 0 is free."""
     pool = BlockPool(_planes(), BS, max_pages=3)
     rng = np.random.default_rng(1)
-    first = _filled(pool, rng, BS)        # id 0
+    first = _filled(pool, rng, BS)  # id 0
     sibling = _filled(pool, rng, 2 * BS)  # ids 1, 2
     first.table.release()
     assert sibling.table.tables.tolist() == [[1, 2]]
@@ -96,8 +106,10 @@ def test_blocks_below_the_first_position_never_reach_another_tables_page(pool_wi
     serialize.validate(snap)
     sibling_values = [sibling.gather(i, 2 * BS) for i in range(2)]
     before = _pool_facts(pool, sibling.table)
-    with pytest.raises(InputError, match="sequence 0 has first_position 8 .*attends to every position: "
-                                         "first_position must be at most 0"):
+    with pytest.raises(
+        InputError,
+        match="sequence 0 has first_position 8 .*attends to every position: first_position must be at most 0",
+    ):
         paged_from_snapshot(snap, pool, LAYERS)
     _assert_unchanged(before, pool, sibling.table)
     for i in range(2):
@@ -142,8 +154,11 @@ def test_positions_a_file_declares_without_payload_are_refused_before_any_alloca
     serialize.validate(snap)
     allocator = CountingAllocator()
     pool = BlockPool(_planes(), BS, allocator)
-    expected = ("attends to every position" if window is None else
-                f"declares rows of up to {-(-length // BS) * BS} positions, a page table of 3 x {-(-length // BS)}")
+    expected = (
+        "attends to every position"
+        if window is None
+        else f"declares rows of up to {-(-length // BS) * BS} positions, a page table of 3 x {-(-length // BS)}"
+    )
     with pytest.raises(InputError, match=expected):
         paged_from_snapshot(snap, pool, LAYERS, window=window)
     assert pool.live_pages == 0 and allocator.calls == 0
@@ -159,19 +174,36 @@ def test_a_row_past_the_capacity_is_refused():
     paged_from_snapshot(snap, pool, LAYERS, max_tokens=9).table.release()
 
 
-@pytest.mark.parametrize("planes, layers, pattern", [
-    (_planes(), [("k", "v"), ("k2", "v2")], "the saved cache has 1 layers, the model has 2"),
-    (_planes(names=("k2", "v")), [("k2", "v")], r"\('k', 'v', 2, 8, 'float32'\) does not match the model's "
-                                                r"\('k2', 'v', 2, 8, 'float32'\)"),
-    ([PlaneSpec("k", H + 1, D, "float32"), PlaneSpec("v", H + 1, D, "float32")], LAYERS,
-     r"does not match the model's \('k', 'v', 3, 8, 'float32'\)"),
-    ([PlaneSpec("k", H, 2 * D, "float32"), PlaneSpec("v", H, 2 * D, "float32")], LAYERS,
-     r"does not match the model's \('k', 'v', 2, 16, 'float32'\)"),
-    (_planes(value_heads=H + 1), LAYERS, r"layer 0 has keys of \(heads, head_size, dtype\) \(2, 8, 'float32'\) and "
-                                         r"values of \(3, 8, 'float32'\); a saved cache holds one geometry per layer"),
-    (_planes(value_head_size=2 * D), LAYERS, r"values of \(2, 16, 'float32'\)"),
-    (_planes(model_dtype="float16"), LAYERS, r"does not match the model's \('k', 'v', 2, 8, 'float16'\)"),
-])
+@pytest.mark.parametrize(
+    "planes, layers, pattern",
+    [
+        (_planes(), [("k", "v"), ("k2", "v2")], "the saved cache has 1 layers, the model has 2"),
+        (
+            _planes(names=("k2", "v")),
+            [("k2", "v")],
+            r"\('k', 'v', 2, 8, 'float32'\) does not match the model's "
+            r"\('k2', 'v', 2, 8, 'float32'\)",
+        ),
+        (
+            [PlaneSpec("k", H + 1, D, "float32"), PlaneSpec("v", H + 1, D, "float32")],
+            LAYERS,
+            r"does not match the model's \('k', 'v', 3, 8, 'float32'\)",
+        ),
+        (
+            [PlaneSpec("k", H, 2 * D, "float32"), PlaneSpec("v", H, 2 * D, "float32")],
+            LAYERS,
+            r"does not match the model's \('k', 'v', 2, 16, 'float32'\)",
+        ),
+        (
+            _planes(value_heads=H + 1),
+            LAYERS,
+            r"layer 0 has keys of \(heads, head_size, dtype\) \(2, 8, 'float32'\) and "
+            r"values of \(3, 8, 'float32'\); a saved cache holds one geometry per layer",
+        ),
+        (_planes(value_head_size=2 * D), LAYERS, r"values of \(2, 16, 'float32'\)"),
+        (_planes(model_dtype="float16"), LAYERS, r"does not match the model's \('k', 'v', 2, 8, 'float16'\)"),
+    ],
+)
 def test_a_snapshot_of_another_geometry_is_refused(planes, layers, pattern):
     snap, _ = _saved(9)
     if len(layers) == 2:

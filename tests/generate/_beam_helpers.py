@@ -25,8 +25,9 @@ def full_logprobs(session, tokens: list[int]) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def reference_beam_search(logprobs, prompt: list[int], k: int, max_new: int, length_penalty: float,
-                          early_stopping, eos: list[int]) -> list[tuple[float, list[int]]]:
+def reference_beam_search(
+    logprobs, prompt: list[int], k: int, max_new: int, length_penalty: float, early_stopping, eos: list[int]
+) -> list[tuple[float, list[int]]]:
     """Finished hypotheses (score, generated tokens), best first, of one prompt row.
 
     ``logprobs(tokens) -> [V]``.  Assumes the vocabulary holds at least
@@ -56,7 +57,7 @@ def reference_beam_search(logprobs, prompt: list[int], k: int, max_new: int, len
             best_len = max_new
         else:
             best_len = t + 1
-        if len(finished) == k and running and running[0][0] / best_len ** length_penalty <= finished[-1][0]:
+        if len(finished) == k and running and running[0][0] / best_len**length_penalty <= finished[-1][0]:
             improvable = False
         if not improvable or (len(finished) == k and early_stopping is True) or all(hit):
             break

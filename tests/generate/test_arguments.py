@@ -60,8 +60,12 @@ GENERATE = COMMON + [
     ("pad_token_id", V, "pad_token_id 97 is outside"),
     ("attention_mask", np.array([[1, 2, 1]]), "attention_mask must hold only 0 and 1"),
     ("prefill_chunk", True, "prefill_chunk .* got True"),
-    ("cache", "auto-ish", r"cache must be a CacheConfig, one of 'contiguous', 'paged', 'tensor' or None, got "
-                          r"'auto-ish'"),
+    (
+        "cache",
+        "auto-ish",
+        r"cache must be a CacheConfig, one of 'contiguous', 'paged', 'tensor' or None, got "
+        r"'auto-ish'",
+    ),
     ("model", 5, "model must be a Session, a Model, a ModelProto or a path, got int"),
 ]
 
@@ -78,8 +82,12 @@ BEAM = COMMON + [
     ("do_sample", True, r"do_sample=True \(beam sampling\) is not supported"),
     ("do_sample", 1, "do_sample must be True or False, got 1"),
     ("cache", "contiguous", r"cache must be a CacheConfig, one of 'paged', 'tensor' or None, got 'contiguous'"),
-    ("cache", onnxkv.CacheConfig("contiguous"), r"cache kind 'contiguous' is not supported here; expected one of "
-                                                r"'paged', 'tensor'"),
+    (
+        "cache",
+        onnxkv.CacheConfig("contiguous"),
+        r"cache kind 'contiguous' is not supported here; expected one of "
+        r"'paged', 'tensor'",
+    ),
     ("model", None, "model must be a Session, .* got NoneType"),
 ]
 
@@ -143,13 +151,19 @@ def test_sampling_temperature_must_be_positive_only_when_sampling(sess):
 def test_draft_with_another_vocabulary_is_rejected_before_anything_runs():
     target = onnxkv.Session(build_model("gqa", MICRO, seed=3), threads=1)
     draft = onnxkv.Session(build_model("gqa", dataclasses.replace(MICRO, vocab_size=50), seed=3), threads=1)
-    with pytest.raises(InputError, match=r"^speculative_generate: the draft model's vocabulary is 50, the "
-                                         r"target's 97"):
+    with pytest.raises(
+        InputError,
+        match=r"^speculative_generate: the draft model's vocabulary is 50, the "
+        r"target's 97",
+    ):
         speculative_generate(target, PROMPT, draft=draft, max_new_tokens=4)
     assert target._step == 0 and draft._step == 0
 
 
 def test_beam_search_hypothesis_tables_must_fit_in_memory(sess):
-    with pytest.raises(InputError, match=r"^beam_search: 1 row\(s\) \* num_beams 4 \* max_new_tokens "
-                                         r"1152921504606846976 hypotheses need \d+ bytes, more than"):
+    with pytest.raises(
+        InputError,
+        match=r"^beam_search: 1 row\(s\) \* num_beams 4 \* max_new_tokens "
+        r"1152921504606846976 hypotheses need \d+ bytes, more than",
+    ):
         beam_search(sess, PROMPT, 4, 1 << 60, cache="paged")

@@ -56,25 +56,25 @@ U = [0.2] * 5
 # Step 2: the best candidate continues, the EOS ranks 1 (< k): two finished.
 # Step 3: nothing good: the running beams fall below the worst finished one at their length.
 STORY = [
-    [[.5, .3, .1, .05, .05], U],
-    [[.05, .05, .05, .05, .8], [.9, .025, .025, .025, .025]],
-    [[.5, .02, .02, .02, .44], U],
+    [[0.5, 0.3, 0.1, 0.05, 0.05], U],
+    [[0.05, 0.05, 0.05, 0.05, 0.8], [0.9, 0.025, 0.025, 0.025, 0.025]],
+    [[0.5, 0.02, 0.02, 0.02, 0.44], U],
     [U, U],
     [U, U],
 ]
 
 
 def test_first_step_takes_only_the_first_beam_and_breaks_ties_by_index():
-    scorer, [(tokens, beam_idx)] = _run([[[.4, .2, .2, .1, .1], U]], k=2)
+    scorer, [(tokens, beam_idx)] = _run([[[0.4, 0.2, 0.2, 0.1, 0.1], U]], k=2)
     np.testing.assert_array_equal(tokens, [0, 1])  # 1 and 2 tie: the lower id wins
     np.testing.assert_array_equal(beam_idx, [0, 0])
-    np.testing.assert_allclose(scorer.running_scores[0], np.log([.4, .2]), rtol=1e-6)
+    np.testing.assert_allclose(scorer.running_scores[0], np.log([0.4, 0.2]), rtol=1e-6)
     assert not scorer.is_finished.any() and not scorer.done
 
 
 def test_eos_ranked_at_or_past_num_beams_is_ignored():
     # EOS is the third candidate (rank 2 = k): it neither finishes nor runs.
-    scorer, [(tokens, _)] = _run([[[.4, .3, .05, .05, .2], U]], k=2)
+    scorer, [(tokens, _)] = _run([[[0.4, 0.3, 0.05, 0.05, 0.2], U]], k=2)
     np.testing.assert_array_equal(tokens, [0, 1])
     assert not scorer.is_finished.any()
     # EOS at rank 0 finishes, and the running beams are the next best.
@@ -83,7 +83,7 @@ def test_eos_ranked_at_or_past_num_beams_is_ignored():
     np.testing.assert_array_equal(tokens, [0, 0])
     np.testing.assert_array_equal(beam_idx, [1, 0])
     assert scorer.is_finished[0].tolist() == [True, False]
-    np.testing.assert_allclose(scorer.finished_scores[0, 0], np.log(.4) / 2, rtol=1e-6)
+    np.testing.assert_allclose(scorer.finished_scores[0, 0], np.log(0.4) / 2, rtol=1e-6)
     np.testing.assert_array_equal(scorer.finished[0, 0, :2], [0, EOS])
 
 
@@ -93,7 +93,7 @@ def test_early_stopping_variants(es, steps):
     assert len(outs) == steps
     assert scorer.done == (es != "never")  # "never" runs out of tables instead
     tokens, scores, lengths = scorer.finalize(2)
-    np.testing.assert_allclose(scores, [np.log(.4) / 2, np.log(.27 * .44) / 3], rtol=1e-6)
+    np.testing.assert_allclose(scores, [np.log(0.4) / 2, np.log(0.27 * 0.44) / 3], rtol=1e-6)
     np.testing.assert_array_equal(tokens, [[0, EOS, 9], [1, 0, EOS]])
     np.testing.assert_array_equal(lengths, [2, 3])
 
@@ -101,12 +101,15 @@ def test_early_stopping_variants(es, steps):
 def test_length_penalty_divides_by_generated_length_to_the_power():
     scorer, _ = _run(STORY, lp=2.0, es=True)
     _, scores, _ = scorer.finalize(2)
-    np.testing.assert_allclose(scores, [np.log(.4) / 4, np.log(.27 * .44) / 9], rtol=1e-6)
+    np.testing.assert_allclose(scores, [np.log(0.4) / 4, np.log(0.27 * 0.44) / 9], rtol=1e-6)
     scorer, _ = _run(STORY, lp=-0.5, es=True)
     _, scores, _ = scorer.finalize(2)
     assert scores[0] >= scores[1]
-    np.testing.assert_allclose(sorted(scores, reverse=True),
-                               sorted([np.log(.4) * 2 ** .5, np.log(.27 * .44) * 3 ** .5], reverse=True), rtol=1e-6)
+    np.testing.assert_allclose(
+        sorted(scores, reverse=True),
+        sorted([np.log(0.4) * 2**0.5, np.log(0.27 * 0.44) * 3**0.5], reverse=True),
+        rtol=1e-6,
+    )
 
 
 def test_last_step_finishes_every_top_candidate_and_returns_n_best():
@@ -114,7 +117,7 @@ def test_last_step_finishes_every_top_candidate_and_returns_n_best():
     assert len(outs) == 2 and scorer.done and scorer.is_finished.all()
     tokens, scores, _ = scorer.finalize(2)
     np.testing.assert_array_equal(tokens, [[0, EOS], [1, 0]])
-    np.testing.assert_allclose(scores, np.log([.4, .27]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(scores, np.log([0.4, 0.27]) / 2, rtol=1e-6)
     one, score1, _ = scorer.finalize(1)
     np.testing.assert_array_equal(one, tokens[:1])
     assert score1.shape == (1,) and score1.dtype == np.float32
@@ -124,10 +127,10 @@ def test_batch_rows_are_scored_apart_and_beam_indices_are_global():
     rng = np.random.default_rng(3)
     tables = [rng.dirichlet(np.ones(7), size=6) for _ in range(4)]
     scorer, outs = _run(tables, k=3, max_new=4, eos=(), batch=2)
-    for tokens, beam_idx in outs:
+    for _tokens, beam_idx in outs:
         assert (beam_idx[:3] < 3).all() and (beam_idx[3:] >= 3).all()
     for b in range(2):  # each row alone gives the same hypotheses
-        alone, _ = _run([t[3 * b:3 * b + 3] for t in tables], k=3, max_new=4, eos=())
+        alone, _ = _run([t[3 * b : 3 * b + 3] for t in tables], k=3, max_new=4, eos=())
         np.testing.assert_array_equal(alone.finished[0], scorer.finished[b])
         np.testing.assert_allclose(alone.finished_scores[0], scorer.finished_scores[b], rtol=1e-6)
 
@@ -193,10 +196,19 @@ def test_select_rows_gathers_every_row_field(family):
 # -- drivers against transformers' recorded beams -------------------------------------------------------
 def _fixture_search(session, cache, **kw):
     s = SETTINGS
-    return beam_search(session, REF["beam_prompt_ids"], s["num_beams"], s["max_new_tokens"],
-                       length_penalty=s["length_penalty"], early_stopping=s["early_stopping"],
-                       eos_token_id=s["eos_token_id"], num_return_sequences=s["num_return_sequences"],
-                       pad_token_id=s["pad_token_id"], cache=cache, **kw)
+    return beam_search(
+        session,
+        REF["beam_prompt_ids"],
+        s["num_beams"],
+        s["max_new_tokens"],
+        length_penalty=s["length_penalty"],
+        early_stopping=s["early_stopping"],
+        eos_token_id=s["eos_token_id"],
+        num_return_sequences=s["num_return_sequences"],
+        pad_token_id=s["pad_token_id"],
+        cache=cache,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
@@ -256,13 +268,23 @@ def test_tensor_mode_matches_reference_search(micro):
     prompt = [3, 17, 42, 8, 61]
     # EOS ids chosen so that some returned hypotheses end early (two EOS ids: 3k candidates kept).
     for k, lp, es, eos in [(3, 1.0, False, [46]), (2, 1.7, "never", [95]), (4, 0.5, True, [46, 11])]:
-        res = beam_search(micro, np.array(prompt), k, 6, length_penalty=lp, early_stopping=es, eos_token_id=eos,
-                          num_return_sequences=k, pad_token_id=0, cache="tensor")
+        res = beam_search(
+            micro,
+            np.array(prompt),
+            k,
+            6,
+            length_penalty=lp,
+            early_stopping=es,
+            eos_token_id=eos,
+            num_return_sequences=k,
+            pad_token_id=0,
+            cache="tensor",
+        )
         want = reference_beam_search(lambda t: full_logprobs(micro, t), prompt, k, 6, lp, es, eos)
         assert len(want) == k
         for row, score, (w_score, w_tokens) in zip(res.sequences, res.sequences_scores, want):
-            np.testing.assert_array_equal(row[:len(prompt) + len(w_tokens)], prompt + w_tokens)
-            assert (row[len(prompt) + len(w_tokens):] == 0).all()
+            np.testing.assert_array_equal(row[: len(prompt) + len(w_tokens)], prompt + w_tokens)
+            assert (row[len(prompt) + len(w_tokens) :] == 0).all()
             np.testing.assert_allclose(score, w_score, atol=1e-4)
 
 
@@ -286,14 +308,21 @@ def test_left_padded_batch_rows_equal_rows_alone(micro, cache):
     assert batch.sequences.shape == (4, L + 7)
     for b, r in enumerate(rows):
         alone = beam_search(micro, np.array(r), 3, 7, **kw)
-        np.testing.assert_array_equal(batch.sequences[2 * b:2 * b + 2, L:], alone.sequences[:, len(r):])
-        np.testing.assert_allclose(batch.sequences_scores[2 * b:2 * b + 2], alone.sequences_scores, atol=1e-4)
+        np.testing.assert_array_equal(batch.sequences[2 * b : 2 * b + 2, L:], alone.sequences[:, len(r) :])
+        np.testing.assert_allclose(batch.sequences_scores[2 * b : 2 * b + 2], alone.sequences_scores, atol=1e-4)
 
 
 def test_callback_sees_every_step(micro):
     seen = []
-    res = beam_search(micro, np.array([5, 6, 7]), 3, 4, eos_token_id=[], cache="tensor",
-                      callback=lambda step, tokens, idx: seen.append((step, tokens.copy(), idx.copy())))
+    res = beam_search(
+        micro,
+        np.array([5, 6, 7]),
+        3,
+        4,
+        eos_token_id=[],
+        cache="tensor",
+        callback=lambda step, tokens, idx: seen.append((step, tokens.copy(), idx.copy())),
+    )
     assert [s for s, _, _ in seen] == [0, 1, 2, 3]
     assert all(t.shape == (3,) and i.shape == (3,) for _, t, i in seen)
     np.testing.assert_array_equal(seen[0][2], [0, 0, 0])
@@ -310,21 +339,24 @@ def test_one_new_token_returns_the_k_most_likely_tokens(micro, cache):
 
 
 # -- argument errors --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_beams=0), r"num_beams.*0"),
-    (dict(num_beams=2, num_return_sequences=3), r"num_return_sequences 3 exceeds num_beams 2"),
-    (dict(max_new_tokens=0), r"max_new_tokens.*0"),
-    (dict(length_penalty="1"), r"length_penalty.*'1'"),
-    (dict(length_penalty=True), r"length_penalty.*True"),
-    (dict(early_stopping="sometimes"), r"early_stopping.*'sometimes'"),
-    (dict(cache="contiguous"), r"cache.*'contiguous'"),
-    (dict(do_sample=True), r"do_sample=True \(beam sampling\) is not supported"),
-    (dict(attention_mask=np.ones((2, 3), np.int64)), r"attention_mask shape \(2, 3\)"),
-    (dict(eos_token_id=500), r"eos_token_id 500"),
-    (dict(pad_token_id=-1), r"pad_token_id -1"),
-    (dict(num_beams=True), r"num_beams.*True"),
-    (dict(max_new_tokens=2.0), r"max_new_tokens.*2\.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_beams=0), r"num_beams.*0"),
+        (dict(num_beams=2, num_return_sequences=3), r"num_return_sequences 3 exceeds num_beams 2"),
+        (dict(max_new_tokens=0), r"max_new_tokens.*0"),
+        (dict(length_penalty="1"), r"length_penalty.*'1'"),
+        (dict(length_penalty=True), r"length_penalty.*True"),
+        (dict(early_stopping="sometimes"), r"early_stopping.*'sometimes'"),
+        (dict(cache="contiguous"), r"cache.*'contiguous'"),
+        (dict(do_sample=True), r"do_sample=True \(beam sampling\) is not supported"),
+        (dict(attention_mask=np.ones((2, 3), np.int64)), r"attention_mask shape \(2, 3\)"),
+        (dict(eos_token_id=500), r"eos_token_id 500"),
+        (dict(pad_token_id=-1), r"pad_token_id -1"),
+        (dict(num_beams=True), r"num_beams.*True"),
+        (dict(max_new_tokens=2.0), r"max_new_tokens.*2\.0"),
+    ],
+)
 def test_bad_arguments_raise_input_error_naming_beam_search(micro, kwargs, match):
     args = dict(num_beams=2, max_new_tokens=3, cache="tensor") | kwargs
     with pytest.raises(InputError, match=r"^beam_search: .*" + match):

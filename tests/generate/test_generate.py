@@ -32,8 +32,10 @@ def test_sampling_is_repeatable_with_a_seed(session):
     a = onnxkv.generate(session, ids, 10, do_sample=True, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_token_id=[])
     b = onnxkv.generate(session, ids, 10, do_sample=True, temperature=1.0, top_k=20, top_p=0.9, seed=7, eos_token_id=[])
     np.testing.assert_array_equal(a.tokens, b.tokens)
-    c = [onnxkv.generate(session, ids, 10, do_sample=True, temperature=5.0, seed=s, eos_token_id=[]).tokens
-         for s in range(4)]
+    c = [
+        onnxkv.generate(session, ids, 10, do_sample=True, temperature=5.0, seed=s, eos_token_id=[]).tokens
+        for s in range(4)
+    ]
     assert any(not np.array_equal(c[0], x) for x in c[1:])
 
 
@@ -61,17 +63,20 @@ def test_result_reports_timing(session):
     assert res.tokens_per_second > 0 and res.prefill_seconds > 0
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": -1.0}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_k": -1}, "top_k"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"seed": -3}, "seed"),
-    ({"eos_token_id": MICRO.vocab_size}, "outside the vocabulary"),
-    ({"pad_token_id": -1}, "pad_token_id"),
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"max_new_tokens": 10_000}, "max_length"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -3}, "seed"),
+        ({"eos_token_id": MICRO.vocab_size}, "outside the vocabulary"),
+        ({"pad_token_id": -1}, "pad_token_id"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"max_new_tokens": 10_000}, "max_length"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     sess = onnxkv.Session(build_model("gqa", MICRO), threads=1)
     sess.model.max_length = MICRO.max_length  # as a genai_config.json would set it
@@ -123,9 +128,11 @@ def test_paged_cache_gives_the_same_tokens(session):
     ids = np.array([[0] * (L - len(r)) + r for r in rows])
     mask = np.array([[0] * (L - len(r)) + [1] * len(r) for r in rows])
     want = onnxkv.generate(session, ids, 20, attention_mask=mask, eos_token_id=[])
-    got = onnxkv.generate(session, ids, 20, attention_mask=mask, eos_token_id=[],
-                          cache=onnxkv.CacheConfig("paged", block_size=4))
+    got = onnxkv.generate(
+        session, ids, 20, attention_mask=mask, eos_token_id=[], cache=onnxkv.CacheConfig("paged", block_size=4)
+    )
     np.testing.assert_array_equal(got.tokens, want.tokens)
-    with pytest.raises(InputError, match="cache must be a CacheConfig, one of 'contiguous', 'paged', 'tensor' or "
-                                         "None, got 'pages'"):
+    with pytest.raises(
+        InputError, match="cache must be a CacheConfig, one of 'contiguous', 'paged', 'tensor' or None, got 'pages'"
+    ):
         onnxkv.generate(session, ids, 2, cache="pages")

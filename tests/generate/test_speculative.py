@@ -21,16 +21,20 @@ FAMILIES = ["gqa", "attention", "concat"]
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request):
     """(target, draft): MICRO models of one family with different random weights."""
-    return (onnxkv.Session(build_model(request.param, MICRO, seed=3), threads=1),
-            onnxkv.Session(build_model(request.param, MICRO, seed=4), threads=1))
+    return (
+        onnxkv.Session(build_model(request.param, MICRO, seed=3), threads=1),
+        onnxkv.Session(build_model(request.param, MICRO, seed=4), threads=1),
+    )
 
 
 @pytest.fixture(scope="module")
 def emb():
     if not embedded.embedded_draft_dir().exists():
         pytest.skip("embedded draft model not built")
-    return (onnxkv.Session(embedded.embedded_model_dir(), threads=1),
-            onnxkv.Session(embedded.embedded_draft_dir(), threads=1))
+    return (
+        onnxkv.Session(embedded.embedded_model_dir(), threads=1),
+        onnxkv.Session(embedded.embedded_draft_dir(), threads=1),
+    )
 
 
 def _prompt(seed: int, n: int = 7) -> np.ndarray:
@@ -46,8 +50,9 @@ def test_greedy_equals_generate_on_builder_models(pair, mode, cache):
     for seed, k in ((1, 4), (2, 3)):
         ids = _prompt(seed)
         want = onnxkv.generate(target, ids, 30, eos_token_id=[])
-        got = speculative_generate(target, ids, draft=draft, num_draft_tokens=k, max_new_tokens=30,
-                                   eos_token_id=[], cache=cache)
+        got = speculative_generate(
+            target, ids, draft=draft, num_draft_tokens=k, max_new_tokens=30, eos_token_id=[], cache=cache
+        )
         np.testing.assert_array_equal(got.sequences, want.sequences)
         assert got.sequences.dtype == np.int64 and got.new_tokens == 30
         assert got.accepted <= got.proposed
@@ -91,12 +96,14 @@ def test_rollback_copies_no_cache_bytes(cache):
     got = speculative_generate(target, _prompt(5), draft=draft, max_new_tokens=40, eos_token_id=[], cache=config)
     assert got.accepted < got.proposed  # rejections happened: both caches were truncated
     np.testing.assert_array_equal(
-        got.sequences, onnxkv.generate(onnxkv.Session(model, threads=1), _prompt(5), 40, eos_token_id=[]).sequences)
+        got.sequences, onnxkv.generate(onnxkv.Session(model, threads=1), _prompt(5), 40, eos_token_id=[]).sequences
+    )
     for sess in (target, draft):
         writes = [e for e in sess.events if e.action == "cache_write"]
         assert writes
-        assert all(e.prefix_copied_bytes == 0 and e.cow_copied_bytes == 0 for e in writes), \
-            [(e.step, e.prefix_copied_bytes, e.cow_copied_bytes) for e in writes]
+        assert all(e.prefix_copied_bytes == 0 and e.cow_copied_bytes == 0 for e in writes), [
+            (e.step, e.prefix_copied_bytes, e.cow_copied_bytes) for e in writes
+        ]
 
 
 def test_feed_builder_rewind_replays_the_same_feeds():
@@ -123,15 +130,14 @@ def test_eos_inside_an_accepted_run_stops_there(pair):
     target, _ = pair
     ids = _prompt(6)
     free = speculative_generate(target, ids, draft=target, num_draft_tokens=4, max_new_tokens=20, eos_token_id=[])
-    new = free.sequences[0, ids.shape[1]:].tolist()
+    new = free.sequences[0, ids.shape[1] :].tolist()
     # Positions 1..4 of the new tokens are the first proposal, all accepted (the draft is the target).
     fresh = [i for i in range(1, 5) if new.index(new[i]) == i]  # not emitted before position i
     assert fresh, new
     idx = fresh[0]
-    got = speculative_generate(target, ids, draft=target, num_draft_tokens=4, max_new_tokens=20,
-                               eos_token_id=new[idx])
+    got = speculative_generate(target, ids, draft=target, num_draft_tokens=4, max_new_tokens=20, eos_token_id=new[idx])
     assert got.new_tokens == idx + 1
-    np.testing.assert_array_equal(got.sequences, free.sequences[:, :ids.shape[1] + idx + 1])
+    np.testing.assert_array_equal(got.sequences, free.sequences[:, : ids.shape[1] + idx + 1])
     assert got.accepted == got.proposed and got.accepted >= idx
 
 
@@ -151,8 +157,14 @@ def test_max_new_tokens_is_exact(pair, mode):
 def test_callback_sees_every_token(pair):
     target, other = pair
     seen = []
-    got = speculative_generate(target, _prompt(4), draft=other, max_new_tokens=12, eos_token_id=[],
-                               callback=lambda step, tok: seen.append((step, int(tok[0]))))
+    got = speculative_generate(
+        target,
+        _prompt(4),
+        draft=other,
+        max_new_tokens=12,
+        eos_token_id=[],
+        callback=lambda step, tok: seen.append((step, int(tok[0]))),
+    )
     assert [s for s, _ in seen] == list(range(12))
     assert [t for _, t in seen] == got.sequences[0, 7:].tolist()
 
@@ -169,10 +181,13 @@ def _chi_square(counts: np.ndarray, p: np.ndarray) -> float:
 CHI2_4_999 = 18.47
 
 
-@pytest.mark.parametrize("q", [
-    np.array([0.05, 0.4, 0.3, 0.05, 0.2]),  # a draft that disagrees with p
-    np.array([0.0, 0.0, 1.0, 0.0, 0.0]),  # prompt lookup: one-hot
-])
+@pytest.mark.parametrize(
+    "q",
+    [
+        np.array([0.05, 0.4, 0.3, 0.05, 0.2]),  # a draft that disagrees with p
+        np.array([0.0, 0.0, 1.0, 0.0, 0.0]),  # prompt lookup: one-hot
+    ],
+)
 def test_accept_or_resample_outputs_the_target_distribution(q):
     p = np.array([0.1, 0.15, 0.05, 0.5, 0.2])
     rng = np.random.default_rng(1234)
@@ -204,8 +219,7 @@ def test_sampling_is_repeatable_and_valid(pair, mode):
     target, other = pair
     draft = {"lookup": None, "draft": other, "self": target}[mode]
     ids = np.tile(_prompt(2, 3), 2)
-    kw = dict(draft=draft, max_new_tokens=24, eos_token_id=[], do_sample=True, temperature=0.9, top_k=40,
-              top_p=0.95)
+    kw = dict(draft=draft, max_new_tokens=24, eos_token_id=[], do_sample=True, temperature=0.9, top_k=40, top_p=0.95)
     a = speculative_generate(target, ids, seed=5, **kw)
     b = speculative_generate(target, ids, seed=5, **kw)
     np.testing.assert_array_equal(a.sequences, b.sequences)
@@ -213,8 +227,9 @@ def test_sampling_is_repeatable_and_valid(pair, mode):
     others = [speculative_generate(target, ids, seed=s, **kw).sequences for s in range(6, 9)]
     assert any(not np.array_equal(a.sequences, o) for o in others)
     one = speculative_generate(target, ids, seed=5, **{**kw, "max_new_tokens": 1})
-    plain = onnxkv.generate(target, ids, 1, do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=5,
-                            eos_token_id=[])
+    plain = onnxkv.generate(
+        target, ids, 1, do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=5, eos_token_id=[]
+    )
     np.testing.assert_array_equal(one.sequences, plain.sequences)  # the first token is drawn as generate draws it
     if mode == "self":
         assert a.acceptance_rate > 0.9  # p == q up to rounding: almost every proposal is accepted
@@ -226,7 +241,7 @@ def test_sampled_eos_ends_generation(pair):
     free = speculative_generate(target, ids, draft=other, max_new_tokens=16, eos_token_id=[], do_sample=True, seed=1)
     eos = int(free.sequences[0, ids.shape[1] + 3])
     got = speculative_generate(target, ids, draft=other, max_new_tokens=16, eos_token_id=eos, do_sample=True, seed=1)
-    new = got.sequences[0, ids.shape[1]:].tolist()
+    new = got.sequences[0, ids.shape[1] :].tolist()
     assert new[-1] == eos and eos not in new[:-1] and len(new) <= 4
 
 

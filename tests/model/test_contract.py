@@ -34,15 +34,23 @@ def standard_model() -> onnx.ModelProto:
     """``present = past + delta`` with a weight initializer, every contract field declared (standard ops only)."""
     shape = [1, 2, 4, 3]
     scale = numpy_helper.from_array(np.full(shape, 0.5, np.float32), "scale")
-    nodes = [helper.make_node("Add", ["past", "delta"], ["present"], name="update"),
-             helper.make_node("Mul", ["present", "scale"], ["scaled"], name="scale_it")]
+    nodes = [
+        helper.make_node("Add", ["past", "delta"], ["present"], name="update"),
+        helper.make_node("Mul", ["present", "scale"], ["scaled"], name="scale_it"),
+    ]
     graph = helper.make_graph(
-        nodes, "decoder",
-        [helper.make_tensor_value_info("past", TensorProto.FLOAT, shape),
-         helper.make_tensor_value_info("delta", TensorProto.FLOAT, shape)],
-        [helper.make_tensor_value_info("present", TensorProto.FLOAT, shape),
-         helper.make_tensor_value_info("scaled", TensorProto.FLOAT, shape)],
-        initializer=[scale])
+        nodes,
+        "decoder",
+        [
+            helper.make_tensor_value_info("past", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("delta", TensorProto.FLOAT, shape),
+        ],
+        [
+            helper.make_tensor_value_info("present", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("scaled", TensorProto.FLOAT, shape),
+        ],
+        initializer=[scale],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     declare_all(model)
@@ -58,10 +66,12 @@ def declare_all(model: onnx.ModelProto) -> None:
     set_persistent_bindings(graph, {"past": "present"})
 
 
-EXPECTED = Contract(output_aliases={0: [OutputAlias(0, 0)]},
-                    access={"past": Access.READ_WRITE, "delta": Access.READ_ONLY},
-                    alias_of={"present": "past"},
-                    persistent_bindings={"past": "present"})
+EXPECTED = Contract(
+    output_aliases={0: [OutputAlias(0, 0)]},
+    access={"past": Access.READ_WRITE, "delta": Access.READ_ONLY},
+    alias_of={"present": "past"},
+    persistent_bindings={"past": "present"},
+)
 
 
 # -- wire format --------------------------------------------------------------------------------
@@ -94,8 +104,11 @@ def test_varint_round_trip(value):
 
 
 def test_groups_are_skipped_whole():
-    group = _wire.encode_varint(7 << 3 | 3) + _wire.encode_fields([_wire.Field(1, _wire.VARINT, 5)]) \
+    group = (
+        _wire.encode_varint(7 << 3 | 3)
+        + _wire.encode_fields([_wire.Field(1, _wire.VARINT, 5)])
         + _wire.encode_varint(7 << 3 | 4)
+    )
     data = group + _wire.encode_fields([_wire.Field(2, _wire.VARINT, 9)])
     assert [f.number for f in _wire.decode_fields(data)] == [7, 2]
     assert _wire.decode_fields(_wire.strip_fields(data, frozenset({7}))) == [_wire.Field(2, _wire.VARINT, 9)]
@@ -107,8 +120,18 @@ def test_deeply_nested_groups_do_not_recurse():
     assert [f.number for f in _wire.decode_fields(data + b"\x10\x01")] == [5, 2]
 
 
-@pytest.mark.parametrize("data", [b"\x08", b"\x12\x05ab", b"\x0f", b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
-                                  b"\x1b\x08\x01", b"\x1c", b"\x1b\x24"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x08",
+        b"\x12\x05ab",
+        b"\x0f",
+        b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+        b"\x1b\x08\x01",
+        b"\x1c",
+        b"\x1b\x24",
+    ],
+)
 def test_malformed_wire_data_is_rejected(data):
     with pytest.raises(ValueError):
         _wire.decode_fields(data)
@@ -116,8 +139,14 @@ def test_malformed_wire_data_is_rejected(data):
 
 # -- setters and getters ------------------------------------------------------------------------
 
-@given(st.lists(st.builds(OutputAlias, st.integers(0, 1 << 40), st.integers(0, 1 << 40)),
-                max_size=6, unique_by=lambda a: a.output_index))
+
+@given(
+    st.lists(
+        st.builds(OutputAlias, st.integers(0, 1 << 40), st.integers(0, 1 << 40)),
+        max_size=6,
+        unique_by=lambda a: a.output_index,
+    )
+)
 def test_output_alias_round_trip(aliases):
     node = helper.make_node("Add", ["a", "b"], ["c"], name="n")
     set_output_alias(node, [OutputAlias(9, 9)])
@@ -164,18 +193,25 @@ def test_foreign_unknown_fields_are_kept():
     assert get_output_alias(node) == [OutputAlias(0, 0)]
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: OutputAlias(-1, 0), "OutputAlias: output_index must be a non-negative int, got -1"),
-    (lambda: OutputAlias(0, True), "OutputAlias: input_index must be a non-negative int, got True"),
-    (lambda: OutputAlias(0, 0, "MAY_ALIAS"), "OutputAlias: unknown kind 'MAY_ALIAS'"),
-    (lambda: set_output_alias(onnx.NodeProto(), [(0, 0)]), "set_output_alias: expected OutputAlias entries"),
-    (lambda: set_output_alias(onnx.NodeProto(), [OutputAlias(0, 0), OutputAlias(0, 1)]),
-     "set_output_alias: output index 0 is declared twice"),
-    (lambda: set_access(onnx.ValueInfoProto(), "WRITE"), "set_access: unknown access 'WRITE'"),
-    (lambda: set_alias_of(onnx.ValueInfoProto(), ""), "set_alias_of: expected a non-empty value name, got ''"),
-    (lambda: set_persistent_bindings(onnx.GraphProto(), {"past": ""}),
-     "set_persistent_bindings: expected non-empty value names, got ''"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: OutputAlias(-1, 0), "OutputAlias: output_index must be a non-negative int, got -1"),
+        (lambda: OutputAlias(0, True), "OutputAlias: input_index must be a non-negative int, got True"),
+        (lambda: OutputAlias(0, 0, "MAY_ALIAS"), "OutputAlias: unknown kind 'MAY_ALIAS'"),
+        (lambda: set_output_alias(onnx.NodeProto(), [(0, 0)]), "set_output_alias: expected OutputAlias entries"),
+        (
+            lambda: set_output_alias(onnx.NodeProto(), [OutputAlias(0, 0), OutputAlias(0, 1)]),
+            "set_output_alias: output index 0 is declared twice",
+        ),
+        (lambda: set_access(onnx.ValueInfoProto(), "WRITE"), "set_access: unknown access 'WRITE'"),
+        (lambda: set_alias_of(onnx.ValueInfoProto(), ""), "set_alias_of: expected a non-empty value name, got ''"),
+        (
+            lambda: set_persistent_bindings(onnx.GraphProto(), {"past": ""}),
+            "set_persistent_bindings: expected non-empty value names, got ''",
+        ),
+    ],
+)
 def test_invalid_arguments_raise_value_error(call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         call()
@@ -190,29 +226,60 @@ def alias_entry(*items):
     return _wire.Field(1000, _wire.LEN, _wire.encode_fields(items))
 
 
-@pytest.mark.parametrize("read,message", [
-    (lambda: get_output_alias(stored(helper.make_node("Relu", ["x"], ["y"], name="relu"), alias_entry(
-        _wire.Field(1, 0, 0), _wire.Field(2, 0, 0), _wire.Field(3, 0, 7)))),
-     "node 'relu' (Relu): output_alias kind 7 is unknown"),
-    (lambda: get_output_alias(stored(helper.make_node("Relu", ["x"], ["y"], name="relu"), alias_entry(
-        _wire.Field(1, 0, 0)))), "node 'relu' (Relu): output_alias entry lacks its output or input index"),
-    (lambda: get_output_alias(stored(helper.make_node("Relu", ["x"], ["y"], name="relu"),
-                                     _wire.Field(1000, _wire.LEN, b"\x08"))),
-     "node 'relu' (Relu): malformed output_alias: truncated varint"),
-    (lambda: get_output_alias(stored(helper.make_node("Relu", ["x"], ["y"], name="relu"),
-                                     _wire.Field(1000, _wire.VARINT, 1))),
-     "node 'relu' (Relu): output_alias has wire type 0, expected 2"),
-    (lambda: get_access(stored(onnx.ValueInfoProto(name="past"), _wire.Field(1000, 0, 9))),
-     "value 'past': access 9 is unknown"),
-    (lambda: get_alias_of(stored(onnx.ValueInfoProto(name="present"), _wire.Field(1001, 2, b"\xff"))),
-     "value 'present': alias_of is not valid UTF-8"),
-    (lambda: get_persistent_bindings(stored(onnx.GraphProto(name="g"), alias_entry(_wire.Field(1, 2, b"past")))),
-     "graph 'g': persistent binding 'past' <- '' lacks a name"),
-    (lambda: get_persistent_bindings(stored(
-        onnx.GraphProto(name="g"), alias_entry(_wire.Field(1, 2, b"p"), _wire.Field(2, 2, b"a")),
-        alias_entry(_wire.Field(1, 2, b"p"), _wire.Field(2, 2, b"b")))),
-     "graph 'g': input 'p' is bound twice"),
-])
+@pytest.mark.parametrize(
+    "read,message",
+    [
+        (
+            lambda: get_output_alias(
+                stored(
+                    helper.make_node("Relu", ["x"], ["y"], name="relu"),
+                    alias_entry(_wire.Field(1, 0, 0), _wire.Field(2, 0, 0), _wire.Field(3, 0, 7)),
+                )
+            ),
+            "node 'relu' (Relu): output_alias kind 7 is unknown",
+        ),
+        (
+            lambda: get_output_alias(
+                stored(helper.make_node("Relu", ["x"], ["y"], name="relu"), alias_entry(_wire.Field(1, 0, 0)))
+            ),
+            "node 'relu' (Relu): output_alias entry lacks its output or input index",
+        ),
+        (
+            lambda: get_output_alias(
+                stored(helper.make_node("Relu", ["x"], ["y"], name="relu"), _wire.Field(1000, _wire.LEN, b"\x08"))
+            ),
+            "node 'relu' (Relu): malformed output_alias: truncated varint",
+        ),
+        (
+            lambda: get_output_alias(
+                stored(helper.make_node("Relu", ["x"], ["y"], name="relu"), _wire.Field(1000, _wire.VARINT, 1))
+            ),
+            "node 'relu' (Relu): output_alias has wire type 0, expected 2",
+        ),
+        (
+            lambda: get_access(stored(onnx.ValueInfoProto(name="past"), _wire.Field(1000, 0, 9))),
+            "value 'past': access 9 is unknown",
+        ),
+        (
+            lambda: get_alias_of(stored(onnx.ValueInfoProto(name="present"), _wire.Field(1001, 2, b"\xff"))),
+            "value 'present': alias_of is not valid UTF-8",
+        ),
+        (
+            lambda: get_persistent_bindings(stored(onnx.GraphProto(name="g"), alias_entry(_wire.Field(1, 2, b"past")))),
+            "graph 'g': persistent binding 'past' <- '' lacks a name",
+        ),
+        (
+            lambda: get_persistent_bindings(
+                stored(
+                    onnx.GraphProto(name="g"),
+                    alias_entry(_wire.Field(1, 2, b"p"), _wire.Field(2, 2, b"a")),
+                    alias_entry(_wire.Field(1, 2, b"p"), _wire.Field(2, 2, b"b")),
+                )
+            ),
+            "graph 'g': input 'p' is bound twice",
+        ),
+    ],
+)
 def test_malformed_stored_fields_raise_contract_error(read, message):
     with pytest.raises(ContractError, match=re.escape(message)):
         read()
@@ -223,6 +290,7 @@ def test_contract_error_is_a_model_error():
 
 
 # -- whole models -------------------------------------------------------------------------------
+
 
 def test_contract_from_model_and_apply():
     model = standard_model()
@@ -247,8 +315,9 @@ def test_conflicting_duplicate_declarations_are_rejected():
     value_info = model.graph.value_info.add()
     value_info.CopyFrom(model.graph.output[0])
     set_alias_of(value_info, "delta")
-    with pytest.raises(ContractError, match="value 'present': alias_of is 'past' in graph.output but 'delta' "
-                                            "in graph.value_info"):
+    with pytest.raises(
+        ContractError, match="value 'present': alias_of is 'past' in graph.output but 'delta' in graph.value_info"
+    ):
         Contract.from_model(model)
 
 
@@ -279,12 +348,19 @@ def test_save_and_load_file(tmp_path):
 @pytest.mark.parametrize("load_external_data", [True, False])
 def test_save_and_load_with_external_data(tmp_path, load_external_data):
     path = tmp_path / "model.onnx"
-    onnx.save(standard_model(), path, save_as_external_data=True, all_tensors_to_one_file=True,
-              location="weights.bin", size_threshold=0)
+    onnx.save(
+        standard_model(),
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.bin",
+        size_threshold=0,
+    )
     assert (tmp_path / "weights.bin").exists()
     loaded = onnx.load(path, load_external_data=load_external_data)
-    assert loaded.graph.initializer[0].data_location == (TensorProto.DEFAULT if load_external_data
-                                                         else TensorProto.EXTERNAL)
+    assert loaded.graph.initializer[0].data_location == (
+        TensorProto.DEFAULT if load_external_data else TensorProto.EXTERNAL
+    )
     assert Contract.from_model(loaded) == EXPECTED
 
 

@@ -16,8 +16,15 @@ from onnxkv import ModelError, UnsupportedOperatorError
 from onnxkv.models.builders import MICRO, build_model, save_genai_folder
 
 
-@pytest.mark.parametrize("family,kind", [("gqa", "group_query_attention"), ("attention", "attention"),
-                                         ("concat", "concat"), ("tensorscatter", "tensor_scatter")])
+@pytest.mark.parametrize(
+    "family,kind",
+    [
+        ("gqa", "group_query_attention"),
+        ("attention", "attention"),
+        ("concat", "concat"),
+        ("tensorscatter", "tensor_scatter"),
+    ],
+)
 def test_conventions_are_recognised(family, kind):
     m = onnxkv.load(build_model(family, MICRO))
     c = m.convention
@@ -52,8 +59,14 @@ def test_external_data_is_loaded(tmp_path):
     path = tmp_path / "m.onnx"
     saved = onnx.ModelProto()
     saved.CopyFrom(proto)
-    onnx.save(saved, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="m.onnx.data", size_threshold=0)
+    onnx.save(
+        saved,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="m.onnx.data",
+        size_threshold=0,
+    )
     assert (tmp_path / "m.onnx.data").exists()
     loaded = onnxkv.load(path)
     # weights are memory-mapped from the data file, not copied into the proto
@@ -63,8 +76,11 @@ def test_external_data_is_loaded(tmp_path):
     assert all(not i.raw_data for i in loaded.proto.graph.initializer)
     a = onnxkv.Session(loaded, threads=1)
     b = onnxkv.Session(proto, threads=1)
-    feeds = {"input_ids": np.array([[1, 2]]), "attention_mask": np.ones((1, 2), np.int64),
-             "position_ids": np.array([[0, 1]])}
+    feeds = {
+        "input_ids": np.array([[1, 2]]),
+        "attention_mask": np.ones((1, 2), np.int64),
+        "position_ids": np.array([[0, 1]]),
+    }
     for i in range(MICRO.num_layers):
         for kv in ("key", "value"):
             feeds[f"past_key_values.{i}.{kv}"] = np.zeros((1, MICRO.num_kv_heads, 0, MICRO.head_size), np.float32)
@@ -73,8 +89,12 @@ def test_external_data_is_loaded(tmp_path):
 
 def test_unknown_domain_is_rejected_at_load_naming_nodes():
     node = helper.make_node("Foo", ["x"], ["y"], domain="com.example", name="strange_node")
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    g = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.example", 1)])
     with pytest.raises(UnsupportedOperatorError, match="strange_node.*com.example::Foo"):
         onnxkv.load(m)
@@ -98,8 +118,12 @@ def test_missing_and_broken_files(tmp_path):
 
 def test_model_without_cache_is_none():
     node = helper.make_node("Neg", ["x"], ["y"])
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    g = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     assert onnxkv.load(helper.make_model(g)).convention.kind == "none"
 
 
@@ -111,9 +135,13 @@ def _external_model(folder, location, offset=None, length=None, dims=(4,), data_
         if value is not None:
             w.external_data.add(key=key, value=value)
     elem = TensorProto.FLOAT if data_type == TensorProto.FLOAT else data_type
-    g = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
-                          [helper.make_tensor_value_info("x", elem, list(dims))],
-                          [helper.make_tensor_value_info("y", elem, list(dims))], [w])
+    g = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", elem, list(dims))],
+        [helper.make_tensor_value_info("y", elem, list(dims))],
+        [w],
+    )
     path = folder / "model.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
     return path
@@ -186,19 +214,22 @@ def test_external_data_location_must_be_a_regular_file(tmp_path):
         onnxkv.load(_external_model(tmp_path, "missing.bin"))
 
 
-@pytest.mark.parametrize("offset,length,match", [
-    ("abc", None, r"offset 'abc'"),
-    ("-4", None, r"offset '-4'"),
-    ("1e3", None, r"offset '1e3'"),
-    ("9" * 40, None, r"offset '9999"),
-    (None, "ten", r"length 'ten'"),
-    (None, "-16", r"length '-16'"),
-    (None, "12", r"declares length 12.*need 16 bytes"),
-    (None, "18446744073709551600", r"length .18446744073709551600.; expected a non-negative decimal"),
-    (None, "9223372036854775808", r"declares length 9223372036854775808"),
-    ("8", None, r"16 bytes at offset 8\) does not fit.*\(16 bytes\)"),
-    ("9223372036854775807", "16", r"does not fit"),
-])
+@pytest.mark.parametrize(
+    "offset,length,match",
+    [
+        ("abc", None, r"offset 'abc'"),
+        ("-4", None, r"offset '-4'"),
+        ("1e3", None, r"offset '1e3'"),
+        ("9" * 40, None, r"offset '9999"),
+        (None, "ten", r"length 'ten'"),
+        (None, "-16", r"length '-16'"),
+        (None, "12", r"declares length 12.*need 16 bytes"),
+        (None, "18446744073709551600", r"length .18446744073709551600.; expected a non-negative decimal"),
+        (None, "9223372036854775808", r"declares length 9223372036854775808"),
+        ("8", None, r"16 bytes at offset 8\) does not fit.*\(16 bytes\)"),
+        ("9223372036854775807", "16", r"does not fit"),
+    ],
+)
 def test_external_offset_and_length_are_checked_before_reading(tmp_path, offset, length, match):
     (tmp_path / "w.bin").write_bytes(bytes(16))
     with pytest.raises(ModelError, match=r"initializer 'w'.*" + match):
@@ -245,12 +276,15 @@ def _genai_folder(tmp_path, **changes):
     return folder
 
 
-@pytest.mark.parametrize("filename,match", [
-    ("../model.onnx", "'..' components"),
-    ("/etc/passwd", "absolute paths"),
-    ("link.onnx", "outside the model's folder"),
-    (7, "must be a string"),
-])
+@pytest.mark.parametrize(
+    "filename,match",
+    [
+        ("../model.onnx", "'..' components"),
+        ("/etc/passwd", "absolute paths"),
+        ("link.onnx", "outside the model's folder"),
+        (7, "must be a string"),
+    ],
+)
 def test_genai_decoder_filename_must_stay_inside_the_folder(tmp_path, filename, match):
     folder = _genai_folder(tmp_path, **{"model.decoder.filename": filename})
     (tmp_path / "model.onnx").write_bytes((folder / "model.onnx").read_bytes())
@@ -259,24 +293,27 @@ def test_genai_decoder_filename_must_stay_inside_the_folder(tmp_path, filename, 
         onnxkv.load(folder)
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("model.vocab_size", "97", r"model\.vocab_size must be an int in \[1, 2147483648\), got '97'"),
-    ("model.vocab_size", 97.0, r"model\.vocab_size .* got 97\.0"),
-    ("model.vocab_size", -3, r"model\.vocab_size .* got -3"),
-    ("model.eos_token_id", [1, "a"], r"model\.eos_token_id\[1\] must be an int in \[0, 97\), got 'a'"),
-    ("model.eos_token_id", [1, True], r"model\.eos_token_id\[1\] .* got True"),
-    ("model.eos_token_id", 500, r"model\.eos_token_id must be an int in \[0, 97\), got 500"),
-    ("model.pad_token_id", -1, r"model\.pad_token_id .* got -1"),
-    ("model.bos_token_id", "0", r"model\.bos_token_id .* got '0'"),
-    ("model.context_length", 0, r"model\.context_length .* got 0"),
-    ("search.max_length", [256], r"search\.max_length .* got \[256\]"),
-    ("model.decoder.head_size", -16, r"model\.decoder\.head_size .* got -16"),
-    ("model.decoder.num_key_value_heads", "2", r"model\.decoder\.num_key_value_heads .* got '2'"),
-    ("model.decoder.inputs", ["input_ids"], r"model\.decoder\.inputs must be a JSON object"),
-    ("model.decoder.outputs", {"logits": 3}, r"model\.decoder\.outputs\.logits must be a string, got 3"),
-    ("model.decoder", "model.onnx", r"model\.decoder must be a JSON object"),
-    ("search", 3, r"search must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("model.vocab_size", "97", r"model\.vocab_size must be an int in \[1, 2147483648\), got '97'"),
+        ("model.vocab_size", 97.0, r"model\.vocab_size .* got 97\.0"),
+        ("model.vocab_size", -3, r"model\.vocab_size .* got -3"),
+        ("model.eos_token_id", [1, "a"], r"model\.eos_token_id\[1\] must be an int in \[0, 97\), got 'a'"),
+        ("model.eos_token_id", [1, True], r"model\.eos_token_id\[1\] .* got True"),
+        ("model.eos_token_id", 500, r"model\.eos_token_id must be an int in \[0, 97\), got 500"),
+        ("model.pad_token_id", -1, r"model\.pad_token_id .* got -1"),
+        ("model.bos_token_id", "0", r"model\.bos_token_id .* got '0'"),
+        ("model.context_length", 0, r"model\.context_length .* got 0"),
+        ("search.max_length", [256], r"search\.max_length .* got \[256\]"),
+        ("model.decoder.head_size", -16, r"model\.decoder\.head_size .* got -16"),
+        ("model.decoder.num_key_value_heads", "2", r"model\.decoder\.num_key_value_heads .* got '2'"),
+        ("model.decoder.inputs", ["input_ids"], r"model\.decoder\.inputs must be a JSON object"),
+        ("model.decoder.outputs", {"logits": 3}, r"model\.decoder\.outputs\.logits must be a string, got 3"),
+        ("model.decoder", "model.onnx", r"model\.decoder must be a JSON object"),
+        ("search", 3, r"search must be a JSON object"),
+    ],
+)
 def test_genai_config_values_of_the_wrong_type_name_the_key(tmp_path, key, value, match):
     folder = _genai_folder(tmp_path, **{key: value})
     with pytest.raises(ModelError, match=match):
@@ -293,8 +330,7 @@ def test_malformed_genai_config_is_a_model_error_for_files_and_folders(tmp_path)
 
 
 def test_null_config_sections_count_as_absent(tmp_path):
-    folder = _genai_folder(tmp_path, **{"model.decoder.inputs": None, "model.decoder.filename": None,
-                                        "search": None})
+    folder = _genai_folder(tmp_path, **{"model.decoder.inputs": None, "model.decoder.filename": None, "search": None})
     m = onnxkv.load(folder)
     assert m.io.input_ids == "input_ids" and m.path.name == "model.onnx" and m.max_length == MICRO.max_length
 

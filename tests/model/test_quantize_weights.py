@@ -22,8 +22,9 @@ from onnxkv.models.builders import MICRO, build_model, save_genai_folder
 LOGITS_REL_RMS = {4: 0.3, 8: 0.03}
 
 
-def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, bits: int,
-               block: int) -> np.ndarray:
+def dequantize(
+    packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, bits: int, block: int
+) -> np.ndarray:
     """NumPy reading of MatMulNBits' B [N, blocks, blob] -> float32 [K, N] (independent of onnxkv)."""
     n, blocks, _ = packed.shape
     if bits == 4:
@@ -64,18 +65,21 @@ def test_blockwise_matches_onnxruntime_quantizer(bits, symmetric, k, n, block):
     ref_packed = np.zeros_like(packed)
     ref_scales = np.zeros_like(scales)
     ref_zp = np.zeros((n, -(-blocks * bits // 8)), np.uint8)
-    (quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits)(ref_packed, w, ref_scales, ref_zp, block, n, k,
-                                                                   symmetric)
+    (quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits)(
+        ref_packed, w, ref_scales, ref_zp, block, n, k, symmetric
+    )
     np.testing.assert_array_equal(scales, ref_scales)
-    codes, ref_codes = (np.stack([p & 15, p >> 4], -1).reshape(n, -1) if bits == 4 else p.reshape(n, -1)
-                        for p in (packed, ref_packed))
+    codes, ref_codes = (
+        np.stack([p & 15, p >> 4], -1).reshape(n, -1) if bits == 4 else p.reshape(n, -1) for p in (packed, ref_packed)
+    )
     np.testing.assert_array_equal(codes[:, :k], ref_codes[:, :k])  # ORT leaves the padding unspecified
     if symmetric:
         assert zero_points is None
         assert np.all(codes[:, k:] == 1 << (bits - 1))
     else:
-        zp_codes = (np.stack([zero_points & 15, zero_points >> 4], -1).reshape(n, -1) if bits == 4
-                    else zero_points)[:, :blocks]
+        zp_codes = (np.stack([zero_points & 15, zero_points >> 4], -1).reshape(n, -1) if bits == 4 else zero_points)[
+            :, :blocks
+        ]
         ref_zp_codes = (np.stack([ref_zp & 15, ref_zp >> 4], -1).reshape(n, -1) if bits == 4 else ref_zp)[:, :blocks]
         np.testing.assert_array_equal(zp_codes, ref_zp_codes)
         pad = np.repeat(zp_codes, block, axis=1)[:, k:]
@@ -141,8 +145,7 @@ def test_onnxruntime_runs_the_quantized_folder(micro_folder, tmp_path, bits, sym
     (so ORT reads the bytes as meant), and its logits are within LOGITS_REL_RMS of the float model's."""
     float_model = onnx.load(str(micro_folder / "model.onnx"))
     matmuls = {n.input[1]: n.name for n in float_model.graph.node if n.op_type == "MatMul"}
-    report = onnxkv.quantize_weights(micro_folder, tmp_path / "q0", bits=bits, symmetric=symmetric,
-                                     accuracy_level=0)
+    report = onnxkv.quantize_weights(micro_folder, tmp_path / "q0", bits=bits, symmetric=symmetric, accuracy_level=0)
     assert report.quantized == len(matmuls) == 15 and report.skipped == ()
     q = onnx.load(str(tmp_path / "q0" / "model.onnx"), load_external_data=False)
     nodes = [n for n in q.graph.node if n.op_type == "MatMulNBits"]
@@ -155,8 +158,9 @@ def test_onnxruntime_runs_the_quantized_folder(micro_folder, tmp_path, bits, sym
         k, n = inits[weight].dims
         assert attrs == {"K": k, "N": n, "bits": bits, "block_size": 32}
         assert node.domain == "com.microsoft" and node.name == matmuls[weight] + f"_Q{bits}"
-        assert list(node.input[1:]) == [f"{weight}_Q{bits}", f"{weight}_scales"] + \
-            ([] if symmetric else [f"{weight}_zero_points"])
+        assert list(node.input[1:]) == [f"{weight}_Q{bits}", f"{weight}_scales"] + (
+            [] if symmetric else [f"{weight}_zero_points"]
+        )
         zp = None if symmetric else arrays[node.input[3]]
         deq, _ = dequantize(arrays[node.input[1]], arrays[node.input[2]], zp, k, bits, 32)
         inits[weight].CopyFrom(numpy_helper.from_array(deq, weight))
@@ -166,7 +170,7 @@ def test_onnxruntime_runs_the_quantized_folder(micro_folder, tmp_path, bits, sym
     onnxkv.quantize_weights(micro_folder, tmp_path / "q4", bits=bits, symmetric=symmetric)
     reference = ort_logits(str(micro_folder / "model.onnx"))
     got = ort_logits(str(tmp_path / "q4" / "model.onnx"))
-    assert np.sqrt(np.mean((got - reference) ** 2) / np.mean(reference ** 2)) < LOGITS_REL_RMS[bits]
+    assert np.sqrt(np.mean((got - reference) ** 2) / np.mean(reference**2)) < LOGITS_REL_RMS[bits]
 
 
 def test_folder_output(micro_folder, tmp_path):
@@ -177,8 +181,11 @@ def test_folder_output(micro_folder, tmp_path):
     assert (out / "genai_config.json").read_bytes() == (micro_folder / "genai_config.json").read_bytes()
     assert json.loads((out / "tokenizer_config.json").read_text()) == {"note": "copied as is"}
     assert report.path == out / "model.onnx" and report.bits == 4 and report.block_size == 32
-    k_n = sum(t.dims[0] * t.dims[1] for t in onnx.load(str(micro_folder / "model.onnx"), load_external_data=False)
-              .graph.initializer if len(t.dims) == 2 and t.name.endswith("MatMul.weight"))
+    k_n = sum(
+        t.dims[0] * t.dims[1]
+        for t in onnx.load(str(micro_folder / "model.onnx"), load_external_data=False).graph.initializer
+        if len(t.dims) == 2 and t.name.endswith("MatMul.weight")
+    )
     assert report.bytes_before - report.bytes_after == k_n * 4 - k_n // 2 - k_n // 32 * 4
     assert "15 MatMuls quantized to int4 (block 32), 0 left float" in str(report)
     model = onnxkv.load(out)
@@ -217,27 +224,44 @@ def small_graph() -> onnx.ModelProto:
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     nan = f32(32, 4)
     nan[3, 1] = np.nan
-    inits = {"shared": f32(32, 8), "tiny": f32(8, 8), "added": f32(32, 8), "fed": f32(32, 8), "half": f32(32, 8)
-             .astype(np.float16), "cube": f32(1, 32, 8), "nan": nan, "solo": f32(48, 5)}
+    inits = {
+        "shared": f32(32, 8),
+        "tiny": f32(8, 8),
+        "added": f32(32, 8),
+        "fed": f32(32, 8),
+        "half": f32(32, 8).astype(np.float16),
+        "cube": f32(1, 32, 8),
+        "nan": nan,
+        "solo": f32(48, 5),
+    }
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 32])
-    nodes = [helper.make_node("MatMul", ["x", "shared"], ["a"], name="first"),
-             helper.make_node("MatMul", ["x", "shared"], ["b"], name="second"),
-             helper.make_node("MatMul", ["a", "tiny"], ["c"], name="tiny_k"),
-             helper.make_node("MatMul", ["x", "added"], ["d"], name="also_added"),
-             helper.make_node("Add", ["added", "added"], ["e"], name="adder"),
-             helper.make_node("MatMul", ["x", "fed"], ["f"], name="fed_weight"),
-             helper.make_node("MatMul", ["x", "cube"], ["g"], name="three_d"),
-             helper.make_node("MatMul", ["x", "nan"], ["h"], name="not_finite"),
-             helper.make_node("MatMul", ["x", "x_t"], ["i"], name="activations"),
-             helper.make_node("Transpose", ["x"], ["x_t"], name="t"),
-             helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16, name="cast"),
-             helper.make_node("MatMul", ["x16", "half"], ["j"], name="fp16"),
-             helper.make_node("MatMul", ["x48", "solo"], ["k"], name="")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "shared"], ["a"], name="first"),
+        helper.make_node("MatMul", ["x", "shared"], ["b"], name="second"),
+        helper.make_node("MatMul", ["a", "tiny"], ["c"], name="tiny_k"),
+        helper.make_node("MatMul", ["x", "added"], ["d"], name="also_added"),
+        helper.make_node("Add", ["added", "added"], ["e"], name="adder"),
+        helper.make_node("MatMul", ["x", "fed"], ["f"], name="fed_weight"),
+        helper.make_node("MatMul", ["x", "cube"], ["g"], name="three_d"),
+        helper.make_node("MatMul", ["x", "nan"], ["h"], name="not_finite"),
+        helper.make_node("MatMul", ["x", "x_t"], ["i"], name="activations"),
+        helper.make_node("Transpose", ["x"], ["x_t"], name="t"),
+        helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16, name="cast"),
+        helper.make_node("MatMul", ["x16", "half"], ["j"], name="fp16"),
+        helper.make_node("MatMul", ["x48", "solo"], ["k"], name=""),
+    ]
     outputs = [helper.make_tensor_value_info(v, TensorProto.FLOAT, None) for v in "abcdefghik"]
-    graph = helper.make_graph(nodes, "g", [x, helper.make_tensor_value_info("fed", TensorProto.FLOAT, [32, 8]),
-                                           helper.make_tensor_value_info("x48", TensorProto.FLOAT, ["B", 48])],
-                              outputs + [helper.make_tensor_value_info("j", TensorProto.FLOAT16, None)],
-                              initializer=[numpy_helper.from_array(a, n) for n, a in inits.items()])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            x,
+            helper.make_tensor_value_info("fed", TensorProto.FLOAT, [32, 8]),
+            helper.make_tensor_value_info("x48", TensorProto.FLOAT, ["B", 48]),
+        ],
+        outputs + [helper.make_tensor_value_info("j", TensorProto.FLOAT16, None)],
+        initializer=[numpy_helper.from_array(a, n) for n, a in inits.items()],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
@@ -245,27 +269,42 @@ def test_which_matmuls_are_quantized(tmp_path):
     report = onnxkv.quantize_weights(small_graph(), tmp_path / "q.onnx", block_size=16)
     assert report.quantized == 3
     reasons = dict(report.skipped)
-    assert set(reasons) == {"node 'tiny_k' (MatMul)", "node 'also_added' (MatMul)", "node 'fed_weight' (MatMul)",
-                            "node 'three_d' (MatMul)", "node 'not_finite' (MatMul)", "node 'fp16' (MatMul)"}
+    assert set(reasons) == {
+        "node 'tiny_k' (MatMul)",
+        "node 'also_added' (MatMul)",
+        "node 'fed_weight' (MatMul)",
+        "node 'three_d' (MatMul)",
+        "node 'not_finite' (MatMul)",
+        "node 'fp16' (MatMul)",
+    }
     assert reasons["node 'tiny_k' (MatMul)"] == "its weight 'tiny' has K = 8, below block_size 16"
-    assert reasons["node 'also_added' (MatMul)"] == \
-        "its weight 'added' is also read by node 'adder' (Add) input 0, node 'adder' (Add) input 1"
+    assert (
+        reasons["node 'also_added' (MatMul)"]
+        == "its weight 'added' is also read by node 'adder' (Add) input 0, node 'adder' (Add) input 1"
+    )
     assert "also a graph input" in reasons["node 'fed_weight' (MatMul)"]
     assert reasons["node 'three_d' (MatMul)"] == "its weight 'cube' has shape [1, 32, 8], not [K, N] with N >= 1"
     assert reasons["node 'not_finite' (MatMul)"] == "its weight 'nan' holds NaN or infinity"
     assert reasons["node 'fp16' (MatMul)"] == "its weight 'half' is FLOAT16, not FLOAT"
     proto = onnx.load(str(tmp_path / "q.onnx"))
     nbits = {n.name: list(n.input) for n in proto.graph.node if n.op_type == "MatMulNBits"}
-    assert nbits == {"first_Q4": ["x", "shared_Q4", "shared_scales"], "second_Q4": ["x", "shared_Q4", "shared_scales"],
-                     "": ["x48", "solo_Q4", "solo_scales"]}
+    assert nbits == {
+        "first_Q4": ["x", "shared_Q4", "shared_scales"],
+        "second_Q4": ["x", "shared_Q4", "shared_scales"],
+        "": ["x48", "solo_Q4", "solo_scales"],
+    }
     names = {t.name for t in proto.graph.initializer}
     assert "shared" not in names and "solo" not in names and {"added", "tiny", "nan", "half", "cube"} <= names
     x = np.random.default_rng(1).standard_normal((3, 32)).astype(np.float32)
     feeds = {"x": x, "fed": np.ones((32, 8), np.float32), "x48": np.ones((3, 48), np.float32)}
-    got = dict(zip([o.name for o in proto.graph.output], ort.InferenceSession(
-        str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)))
+    got = dict(
+        zip(
+            [o.name for o in proto.graph.output],
+            ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds),
+        )
+    )
     want = x @ numpy_helper.to_array(small_graph().graph.initializer[0])
-    assert np.sqrt(np.mean((got["a"] - want) ** 2) / np.mean(want ** 2)) < 0.15
+    assert np.sqrt(np.mean((got["a"] - want) ** 2) / np.mean(want**2)) < 0.15
     np.testing.assert_array_equal(got["a"], got["b"])
 
 
@@ -279,13 +318,21 @@ def test_name_clash_gets_a_suffix(tmp_path):
     assert list(node.input) == ["x48", "solo_Q4", "solo_scales_1"]
 
 
-@pytest.mark.parametrize("argument,value,expected", [
-    ("bits", 3, "4 or 8"), ("bits", True, "4 or 8"), ("bits", 2, "4 or 8"),
-    ("block_size", 8, "a power of two from 16 to 256"), ("block_size", 48, "a power of two"),
-    ("block_size", 512, "a power of two"), ("block_size", 32.0, "a power of two"),
-    ("symmetric", 1, "True or False"),
-    ("accuracy_level", 5, "an int from 0 to 4"), ("accuracy_level", -1, "an int from 0 to 4"),
-])
+@pytest.mark.parametrize(
+    "argument,value,expected",
+    [
+        ("bits", 3, "4 or 8"),
+        ("bits", True, "4 or 8"),
+        ("bits", 2, "4 or 8"),
+        ("block_size", 8, "a power of two from 16 to 256"),
+        ("block_size", 48, "a power of two"),
+        ("block_size", 512, "a power of two"),
+        ("block_size", 32.0, "a power of two"),
+        ("symmetric", 1, "True or False"),
+        ("accuracy_level", 5, "an int from 0 to 4"),
+        ("accuracy_level", -1, "an int from 0 to 4"),
+    ],
+)
 def test_arguments_are_checked(argument, value, expected, tmp_path):
     with pytest.raises(InputError, match=rf"quantize_weights: {argument} is {value!r}; expected {expected}"):
         onnxkv.quantize_weights(small_graph(), tmp_path / "q.onnx", **{argument: value})

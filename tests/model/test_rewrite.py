@@ -41,7 +41,10 @@ def test_a_past_or_present_read_inside_a_subgraph_binds_nothing(value):
 
 
 def test_a_present_fed_to_a_loop_binds_nothing():
-    body = h.make_graph([h.make_node("Identity", ["c"], ["c_out"]), h.make_node("Identity", ["v"], ["v_out"])], "b",
-                        [_vi("i", TensorProto.INT64), _vi("c", TensorProto.BOOL), _vi("v")],
-                        [_vi("c_out", TensorProto.BOOL), _vi("v_out")])
+    body = h.make_graph(
+        [h.make_node("Identity", ["c"], ["c_out"]), h.make_node("Identity", ["v"], ["v_out"])],
+        "b",
+        [_vi("i", TensorProto.INT64), _vi("c", TensorProto.BOOL), _vi("v")],
+        [_vi("c_out", TensorProto.BOOL), _vi("v_out")],
+    )
     assert _with(h.make_node("Loop", ["", "flag", "present.1.key"], ["looped"], body=body)) == []

@@ -14,13 +14,19 @@ def _vi(name: str):
 
 def test_scope_names_are_outer_reads_at_any_depth_once_each_in_order_of_first_use():
     inner = h.make_graph([h.make_node("Add", ["local", "deep"], ["z"])], "inner", [], [_vi("z")])
-    graph = h.make_graph([h.make_node("Mul", ["later", "a"], ["product"]),   # 'later' is defined below: local
-                          h.make_node("Neg", ["b"], ["later"]),
-                          h.make_node("Add", ["x", "w"], ["local"]),
-                          h.make_node("If", ["a"], ["picked"], then_branch=inner, else_branch=inner),
-                          h.make_node("Sub", ["a", ""], ["dup"])],
-                         "g", [_vi("x")], [_vi("product"), _vi("outer_out"), _vi("x")],
-                         [h.make_tensor(name="w", data_type=TensorProto.FLOAT, dims=[], vals=[1.0])])
+    graph = h.make_graph(
+        [
+            h.make_node("Mul", ["later", "a"], ["product"]),  # 'later' is defined below: local
+            h.make_node("Neg", ["b"], ["later"]),
+            h.make_node("Add", ["x", "w"], ["local"]),
+            h.make_node("If", ["a"], ["picked"], then_branch=inner, else_branch=inner),
+            h.make_node("Sub", ["a", ""], ["dup"]),
+        ],
+        "g",
+        [_vi("x")],
+        [_vi("product"), _vi("outer_out"), _vi("x")],
+        [h.make_tensor(name="w", data_type=TensorProto.FLOAT, dims=[], vals=[1.0])],
+    )
     assert scope_names(graph) == ["a", "b", "deep", "outer_out"]
 
 

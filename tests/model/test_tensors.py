@@ -14,14 +14,30 @@ from onnxkv import ModelError
 from onnxkv.model.tensors import check_attributes, data_nbytes, element_count, tensor_array
 
 #: Element types of the property below, with their numpy dtypes' itemsize (packed types: bits per element).
-TYPES = [TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8, TensorProto.FLOAT16, TensorProto.BFLOAT16,
-         TensorProto.BOOL, TensorProto.DOUBLE, TensorProto.INT4, TensorProto.UINT4, TensorProto.UINT2,
-         TensorProto.COMPLEX64, TensorProto.STRING, TensorProto.FLOAT6E2M3]
+TYPES = [
+    TensorProto.FLOAT,
+    TensorProto.INT64,
+    TensorProto.INT8,
+    TensorProto.FLOAT16,
+    TensorProto.BFLOAT16,
+    TensorProto.BOOL,
+    TensorProto.DOUBLE,
+    TensorProto.INT4,
+    TensorProto.UINT4,
+    TensorProto.UINT2,
+    TensorProto.COMPLEX64,
+    TensorProto.STRING,
+    TensorProto.FLOAT6E2M3,
+]
 
 
 @hypothesis_settings(300)
-@given(data_type=st.sampled_from(TYPES), dims=st.lists(st.integers(-3, 1 << 33), max_size=4),
-       raw=st.one_of(st.none(), st.binary(max_size=64)), entries=st.integers(0, 40))
+@given(
+    data_type=st.sampled_from(TYPES),
+    dims=st.lists(st.integers(-3, 1 << 33), max_size=4),
+    raw=st.one_of(st.none(), st.binary(max_size=64)),
+    entries=st.integers(0, 40),
+)
 def test_any_tensor_is_an_array_of_its_dims_or_a_model_error(data_type, dims, raw, entries):
     t = TensorProto(name="t", data_type=data_type, dims=dims)
     if raw is not None:
@@ -88,13 +104,22 @@ def test_subgraph_attributes_and_initializers_are_checked():
     bad = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[8], raw_data=b"\0" * 4)
     body = helper.make_graph([helper.make_node("Identity", ["w"], ["out"])], "b", [], [], [bad])
     node = helper.make_node("If", ["c"], ["y"], name="branch", then_branch=body, else_branch=body)
-    with pytest.raises(ModelError, match=r"If node 'branch': attribute '\w+_branch': initializer 'w' of the subgraph "
-                                         r"holds 4 bytes of raw_data, expected 32"):
+    with pytest.raises(
+        ModelError,
+        match=r"If node 'branch': attribute '\w+_branch': initializer 'w' of the subgraph "
+        r"holds 4 bytes of raw_data, expected 32",
+    ):
         check_attributes(_graph(node), {"": 21})
     inner = helper.make_node("Concat", ["a"], ["out"], name="inner", axis=0)
     inner.attribute[0].CopyFrom(helper.make_attribute("axis", [0, 1]))
-    node = helper.make_node("If", ["c"], ["y"], name="branch",
-                            then_branch=helper.make_graph([inner], "b", [], []), else_branch=onnx.GraphProto())
+    node = helper.make_node(
+        "If",
+        ["c"],
+        ["y"],
+        name="branch",
+        then_branch=helper.make_graph([inner], "b", [], []),
+        else_branch=onnx.GraphProto(),
+    )
     with pytest.raises(ModelError, match=r"Concat node 'inner': attribute 'axis' has type INTS, expected INT"):
         check_attributes(_graph(node), {"": 21})
 

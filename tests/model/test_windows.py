@@ -33,8 +33,13 @@ def _folder(tmp_path, window: dict | None, family: str = "gqa", node_window: int
 
 
 def _windows(proto: onnx.ModelProto) -> list[int]:
-    return [helper.get_attribute_value(a) for n in proto.graph.node if n.op_type == "GroupQueryAttention"
-            for a in n.attribute if a.name == "local_window_size"]
+    return [
+        helper.get_attribute_value(a)
+        for n in proto.graph.node
+        if n.op_type == "GroupQueryAttention"
+        for a in n.attribute
+        if a.name == "local_window_size"
+    ]
 
 
 def _tokens(model) -> np.ndarray:
@@ -66,16 +71,22 @@ def test_node_window_equal_to_the_config_is_kept(tmp_path):
     assert _windows(m.proto) == [4, 4]
 
 
-@pytest.mark.parametrize("window,match", [
-    ({"window_size": 4, "layers": [0, 1]}, r"conflicts with layer 0's GroupQueryAttention node .* local_window_size is 6"),
-    ({"window_size": 6, "layers": [2]}, r"lists layers \[2\] that the graph does not have"),
-    ({"window_size": 6, "slide_key_value_cache": True}, r"slide_key_value_cache is true.*onnxkv does not do"),
-    ({"window_size": 6, "slide_inputs": True}, r"slide_inputs is true.*onnxkv does not do"),
-    ({"window_size": 0}, r"window_size must be an int in \[1, "),
-    ({"window_size": "8"}, r"window_size must be an int"),
-    ({"window_size": 6, "layers": [True]}, r"layers must be a list of layer indices"),
-    ([6], r"sliding_window must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "window,match",
+    [
+        (
+            {"window_size": 4, "layers": [0, 1]},
+            r"conflicts with layer 0's GroupQueryAttention node .* local_window_size is 6",
+        ),
+        ({"window_size": 6, "layers": [2]}, r"lists layers \[2\] that the graph does not have"),
+        ({"window_size": 6, "slide_key_value_cache": True}, r"slide_key_value_cache is true.*onnxkv does not do"),
+        ({"window_size": 6, "slide_inputs": True}, r"slide_inputs is true.*onnxkv does not do"),
+        ({"window_size": 0}, r"window_size must be an int in \[1, "),
+        ({"window_size": "8"}, r"window_size must be an int"),
+        ({"window_size": 6, "layers": [True]}, r"layers must be a list of layer indices"),
+        ([6], r"sliding_window must be a JSON object"),
+    ],
+)
 def test_windows_onnxkv_cannot_apply_are_refused(tmp_path, window, match):
     with pytest.raises(ModelError, match=match):
         onnxkv.load(_folder(tmp_path, window, node_window=6))

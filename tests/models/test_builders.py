@@ -11,8 +11,18 @@ import pytest
 from onnx.defs import OpSchema
 
 from onnxkv.models.builders import (
-    FAMILIES, MICRO, SMALL, TINY, DecoderConfig, build_attention_model, build_model, default_position_ids,
-    genai_config, random_weights, reference_forward, save_genai_folder,
+    FAMILIES,
+    MICRO,
+    SMALL,
+    TINY,
+    DecoderConfig,
+    build_attention_model,
+    build_model,
+    default_position_ids,
+    genai_config,
+    random_weights,
+    reference_forward,
+    save_genai_folder,
 )
 
 ort = pytest.importorskip("onnxruntime")
@@ -37,16 +47,24 @@ def register_simplified_layer_norm() -> None:
     if onnx.defs.has("SimplifiedLayerNormalization"):
         return
     floats = ["tensor(float)", "tensor(float16)", "tensor(double)", "tensor(bfloat16)"]
-    onnx.defs.register_schema(OpSchema(
-        "SimplifiedLayerNormalization", "", 1,
-        inputs=[OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("scale", "V")],
-        outputs=[OpSchema.FormalParameter("Y", "V"),
-                 OpSchema.FormalParameter("inv_std_var", "U", param_option=OpSchema.FormalParameterOption.Optional)],
-        type_constraints=[("T", floats, ""), ("U", ["tensor(float)", "tensor(double)"], ""), ("V", floats, "")],
-        attributes=[OpSchema.Attribute("axis", OpSchema.AttrType.INT, ""),
-                    OpSchema.Attribute("epsilon", OpSchema.AttrType.FLOAT, ""),
-                    OpSchema.Attribute("stash_type", OpSchema.AttrType.INT, "")],
-    ))
+    onnx.defs.register_schema(
+        OpSchema(
+            "SimplifiedLayerNormalization",
+            "",
+            1,
+            inputs=[OpSchema.FormalParameter("X", "T"), OpSchema.FormalParameter("scale", "V")],
+            outputs=[
+                OpSchema.FormalParameter("Y", "V"),
+                OpSchema.FormalParameter("inv_std_var", "U", param_option=OpSchema.FormalParameterOption.Optional),
+            ],
+            type_constraints=[("T", floats, ""), ("U", ["tensor(float)", "tensor(double)"], ""), ("V", floats, "")],
+            attributes=[
+                OpSchema.Attribute("axis", OpSchema.AttrType.INT, ""),
+                OpSchema.Attribute("epsilon", OpSchema.AttrType.FLOAT, ""),
+                OpSchema.Attribute("stash_type", OpSchema.AttrType.INT, ""),
+            ],
+        )
+    )
 
 
 class Runner:
@@ -79,8 +97,11 @@ class Runner:
             feeds["attention_mask"] = np.pad(self.mask, ((0, 0), (0, CFG.max_length - self.mask.shape[1])))
             feeds["write_indices"] = self.write
         if self.positions:
-            feeds["position_ids"] = self.write[:, None] + np.arange(ids.shape[1]) \
-                if self.padding == "right" else default_position_ids(self.mask, ids.shape[1])
+            feeds["position_ids"] = (
+                self.write[:, None] + np.arange(ids.shape[1])
+                if self.padding == "right"
+                else default_position_ids(self.mask, ids.shape[1])
+            )
         for i, (k, v) in enumerate(self.past):
             feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"] = k, v
         outs = self.session.run(None, feeds)
@@ -99,7 +120,7 @@ class Runner:
         empty = np.zeros((batch, CFG.num_kv_heads, self.capacity, CFG.head_size), np.float32)
         self.past = [(empty, empty)] * CFG.num_layers
         logits = self.run(np.array(ids, dtype=np.int64))
-        return [logits[r, :n] if right else logits[r, width - n:] for r, n in enumerate(self.lens)]
+        return [logits[r, :n] if right else logits[r, width - n :] for r, n in enumerate(self.lens)]
 
     def step(self, next_tokens: list[int]) -> np.ndarray:
         if self.padding == "right":
@@ -200,13 +221,22 @@ def test_save_genai_folder(tmp_path, weights):
     decoder = config["model"]["decoder"]
     assert decoder["filename"] == "model.onnx"
     assert (decoder["head_size"], decoder["hidden_size"]) == (CFG.head_size, CFG.hidden_size)
-    assert decoder["inputs"] == {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                                 "past_key_names": "past_key_values.%d.key",
-                                 "past_value_names": "past_key_values.%d.value"}
-    assert decoder["outputs"] == {"logits": "logits", "present_key_names": "present.%d.key",
-                                  "present_value_names": "present.%d.value"}
+    assert decoder["inputs"] == {
+        "input_ids": "input_ids",
+        "attention_mask": "attention_mask",
+        "past_key_names": "past_key_values.%d.key",
+        "past_value_names": "past_key_values.%d.value",
+    }
+    assert decoder["outputs"] == {
+        "logits": "logits",
+        "present_key_names": "present.%d.key",
+        "present_value_names": "present.%d.value",
+    }
     assert (decoder["num_attention_heads"], decoder["num_hidden_layers"], decoder["num_key_value_heads"]) == (
-        CFG.num_heads, CFG.num_layers, CFG.num_kv_heads)
+        CFG.num_heads,
+        CFG.num_layers,
+        CFG.num_kv_heads,
+    )
     assert config["model"]["type"] == "llama" and config["model"]["vocab_size"] == CFG.vocab_size
     assert config["search"]["max_length"] == CFG.max_length and config["search"]["past_present_share_buffer"]
     names = {i.name for i in onnx.load(tmp_path / "model.onnx").graph.input}
@@ -235,8 +265,9 @@ def test_presets(cfg):
     assert cfg.head_size * cfg.num_heads == cfg.hidden_size and cfg.num_heads % cfg.num_kv_heads == 0
 
 
-@pytest.mark.parametrize("bad", [dict(num_heads=3), dict(num_kv_heads=3), dict(head_size=7), dict(pad_token_id=97),
-                                 dict(hidden_size=0)])
+@pytest.mark.parametrize(
+    "bad", [dict(num_heads=3), dict(num_kv_heads=3), dict(head_size=7), dict(pad_token_id=97), dict(hidden_size=0)]
+)
 def test_config_validation(bad):
     fields = dict(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
     with pytest.raises(ValueError):

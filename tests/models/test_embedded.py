@@ -1,4 +1,5 @@
 """Tests of the embedded byte-level model's codec and shipped files (no torch needed)."""
+
 from __future__ import annotations
 
 import json

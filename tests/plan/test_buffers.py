@@ -54,7 +54,7 @@ def test_recycle_keeps_this_runs_buffers_and_frees_stale_and_viewed_ones():
     a, _ = bufs.take(0, (4, 4), np.dtype(np.float32))
     b, _ = bufs.take(1, (10,), np.dtype(np.float64))
     c, _ = bufs.take(2, (3,), np.dtype(np.int32))
-    out = c.reshape(3, 1)                     # an output viewing c's buffer
+    out = c.reshape(3, 1)  # an output viewing c's buffer
     out[...] = rng.integers(0, 9, (3, 1))
     want = out.copy()
     bufs.recycle([out, rng.standard_normal(3)])

@@ -1,12 +1,13 @@
 """RunBuffers with allocators that break their contract or whose free fails."""
+
 from __future__ import annotations
 
 import logging
 
 import numpy as np
 import pytest
-
 from hostile_allocators import MODES, Hostile
+
 from onnxkv.errors import StateError
 from onnxkv.plan.buffers import RunBuffers
 

@@ -62,8 +62,13 @@ def test_a_nested_context_allocates_on_its_own_and_shares_everything_the_run_own
     rt = RunContext(lambda _rt, _i, shape, dtype: np.zeros(shape, dtype), True, 7, caches, "cache allocator", token)
     rt._node = 3
     inner = rt.nested(lambda _rt, _i, shape, dtype: np.ones(shape, dtype))
-    assert (inner.recording, inner.step, inner.caches, inner.cache_allocator, inner.cancel) == \
-        (True, 7, caches, "cache allocator", token)
+    assert (inner.recording, inner.step, inner.caches, inner.cache_allocator, inner.cancel) == (
+        True,
+        7,
+        caches,
+        "cache allocator",
+        token,
+    )
     assert inner._node == 0 and inner.empty(0, (2,), np.float32).tolist() == [1, 1]
     calls = []
     inner.defer(None, lambda: calls.append("inner rollback"))

@@ -16,9 +16,11 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 def _gate_model(swap: bool, expose_sigmoid: bool = False):
     m1_inputs = ["s", "g"] if swap else ["g", "s"]
-    nodes = [helper.make_node("Sigmoid", ["g"], ["s"]),
-             helper.make_node("Mul", m1_inputs, ["m"]),
-             helper.make_node("Mul", ["u", "m"] if swap else ["m", "u"], ["y"], name="gate_mul")]
+    nodes = [
+        helper.make_node("Sigmoid", ["g"], ["s"]),
+        helper.make_node("Mul", m1_inputs, ["m"]),
+        helper.make_node("Mul", ["u", "m"] if swap else ["m", "u"], ["y"], name="gate_mul"),
+    ]
     vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 8]) for n in ("g", "u")]
     outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])]
     if expose_sigmoid:
@@ -43,8 +45,12 @@ def test_observable_intermediates_block_fusion():
 
 
 def test_builder_and_exported_models_fuse_every_layer():
-    for model in (build_model("gqa", MICRO), build_model("concat", MICRO), DATA / "genai_tiny_llama",
-                  DATA / "torch_tiny_llama" / "model.onnx"):
+    for model in (
+        build_model("gqa", MICRO),
+        build_model("concat", MICRO),
+        DATA / "genai_tiny_llama",
+        DATA / "torch_tiny_llama" / "model.onnx",
+    ):
         nodes = list(_with_bodies(Session(model, threads=1).plan.nodes))  # a SiluMul may sit in a PrologueMatMul
         assert sum(n.op_type == "SiluMul" for n in nodes) == 2, model
         assert not any(n.op_type == "Sigmoid" for n in nodes)
@@ -63,16 +69,20 @@ def test_repeat_kv_matmuls_are_fused_in_exported_graphs():
         assert sum(n.op_type == "RepeatKvMatMul" for n in nodes) == 2 * MICRO.num_layers, model
         # no node copies the cache per query head any more
         presents = {f"present.{i}.{kv}" for i in range(MICRO.num_layers) for kv in ("key", "value")}
-        assert all(n.op_type in ("RepeatKvMatMul", "RepeatKvShape", "Shape", "Concat") or not presents & set(n.input)
-                   for n in nodes)
+        assert all(
+            n.op_type in ("RepeatKvMatMul", "RepeatKvShape", "Shape", "Concat") or not presents & set(n.input)
+            for n in nodes
+        )
 
 
 def _repeat_model(transpose: bool, expand_shape, with_scale: bool):
     from onnx import numpy_helper
 
-    nodes = [helper.make_node("Unsqueeze", ["k", "axes"], ["ku"]),
-             helper.make_node("Expand", ["ku", "eshape"], ["ke"]),
-             helper.make_node("Reshape", ["ke", "rshape"], ["kr"])]
+    nodes = [
+        helper.make_node("Unsqueeze", ["k", "axes"], ["ku"]),
+        helper.make_node("Expand", ["ku", "eshape"], ["ke"]),
+        helper.make_node("Reshape", ["ke", "rshape"], ["kr"]),
+    ]
     rhs = "kr"
     if transpose:
         nodes.append(helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]))
@@ -81,13 +91,17 @@ def _repeat_model(transpose: bool, expand_shape, with_scale: bool):
             nodes.append(helper.make_node("Mul", ["kt", "scale"], ["ks"]))
             rhs = "ks"
     nodes.append(helper.make_node("MatMul", ["a", rhs], ["y"]))
-    inits = [numpy_helper.from_array(np.array([2], np.int64), "axes"),
-             numpy_helper.from_array(np.array(expand_shape, np.int64), "eshape"),
-             numpy_helper.from_array(np.array([0, 6, -1, 8], np.int64), "rshape"),
-             numpy_helper.from_array(np.array(0.3, np.float32), "scale")]
+    inits = [
+        numpy_helper.from_array(np.array([2], np.int64), "axes"),
+        numpy_helper.from_array(np.array(expand_shape, np.int64), "eshape"),
+        numpy_helper.from_array(np.array([0, 6, -1, 8], np.int64), "rshape"),
+        numpy_helper.from_array(np.array(0.3, np.float32), "scale"),
+    ]
     a_shape = [1, 6, 5, 8] if transpose else [1, 6, 5, 7]
-    vi = [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_shape),
-          helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, 2, 7, 8])]
+    vi = [
+        helper.make_tensor_value_info("a", TensorProto.FLOAT, a_shape),
+        helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, 2, 7, 8]),
+    ]
     g = helper.make_graph(nodes, "g", vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
@@ -99,8 +113,10 @@ def test_repeat_kv_matmul_matches_the_literal_graph(transpose, with_scale, expan
 
     m = _repeat_model(transpose, expand_shape, with_scale)
     rng = np.random.default_rng(3)
-    feeds = {"a": rng.standard_normal([1, 6, 5, 8] if transpose else [1, 6, 5, 7]).astype(np.float32),
-             "k": rng.standard_normal((1, 2, 7, 8)).astype(np.float32)}
+    feeds = {
+        "a": rng.standard_normal([1, 6, 5, 8] if transpose else [1, 6, 5, 7]).astype(np.float32),
+        "k": rng.standard_normal((1, 2, 7, 8)).astype(np.float32),
+    }
     sess = Session(m, threads=1)
     assert [n.op_type for n in sess.plan.nodes] == ["RepeatKvMatMul"]
     want = ReferenceEvaluator(m).run(None, feeds)[0]
@@ -113,13 +129,17 @@ def test_repeat_kv_matmul_falls_back_when_the_shapes_are_not_a_head_repeat():
     # Repeat along a different layout: reshape to [1, 6, -1, 8] after expanding the *time* axis is not a
     # head repeat; the fused node must evaluate the literal expression.
     m = _repeat_model(False, [1, 2, 3, 7, 8], False)
-    m.graph.initializer[2].CopyFrom(__import__("onnx").numpy_helper.from_array(np.array([1, 6, 7, 8], np.int64),
-                                                                                 "rshape"))
+    m.graph.initializer[2].CopyFrom(
+        __import__("onnx").numpy_helper.from_array(np.array([1, 6, 7, 8], np.int64), "rshape")
+    )
     m.graph.initializer[0].CopyFrom(__import__("onnx").numpy_helper.from_array(np.array([1], np.int64), "axes"))
-    m.graph.initializer[1].CopyFrom(__import__("onnx").numpy_helper.from_array(np.array([1, 3, 2, 7, 8], np.int64),
-                                                                                 "eshape"))
+    m.graph.initializer[1].CopyFrom(
+        __import__("onnx").numpy_helper.from_array(np.array([1, 3, 2, 7, 8], np.int64), "eshape")
+    )
     rng = np.random.default_rng(4)
-    feeds = {"a": rng.standard_normal((1, 6, 5, 7)).astype(np.float32),
-             "k": rng.standard_normal((1, 2, 7, 8)).astype(np.float32)}
+    feeds = {
+        "a": rng.standard_normal((1, 6, 5, 7)).astype(np.float32),
+        "k": rng.standard_normal((1, 2, 7, 8)).astype(np.float32),
+    }
     want = ReferenceEvaluator(m).run(None, feeds)[0]
     np.testing.assert_allclose(Session(m, threads=1).run(feeds)["y"], want, rtol=1e-5, atol=1e-5)

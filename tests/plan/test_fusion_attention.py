@@ -60,10 +60,11 @@ def test_every_layer_is_fused(form):
     assert ops.count("MaskedAttention") == 2  # both fixtures have two layers
     assert "Softmax" not in ops and "RepeatKvMatMul" not in ops
     # the export scales Q by head_size ** -0.25 in a Mul of its own: it joins the fused node
-    q_scales = [n.input[MASKED_ATTENTION_INPUTS.index("q_scale")] for n in sess.plan.nodes
-                if n.op_type == "MaskedAttention"]
+    q_scales = [
+        n.input[MASKED_ATTENTION_INPUTS.index("q_scale")] for n in sess.plan.nodes if n.op_type == "MaskedAttention"
+    ]
     if form == "torch":
-        assert [float(sess.plan.build_context.constant(x)) for x in q_scales] == [16 ** -0.25] * 2
+        assert [float(sess.plan.build_context.constant(x)) for x in q_scales] == [16**-0.25] * 2
     else:
         assert q_scales == ["", ""]
 
@@ -121,13 +122,12 @@ def test_state_run_of_the_torch_export_matches_transformers(calls):
     sess = onnxkv.Session(TORCH, threads=2)
     state = sess.new_state()
     prompt = REF["prompt_ids"][None, :].astype(np.int64)
-    builder = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 258,
-                          thread_cache=False)
+    builder = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 258, thread_cache=False)
     feeds, _ = builder.first()
     out = state.run(feeds, ["logits"])
     np.testing.assert_allclose(out["logits"][0], REF["prefill_logits"], atol=1e-4, rtol=0)
     for i in range(16):
-        out = state.run(builder.next(REF["greedy_tokens"][i:i + 1].astype(np.int64), out), ["logits"])
+        out = state.run(builder.next(REF["greedy_tokens"][i : i + 1].astype(np.int64), out), ["logits"])
         np.testing.assert_allclose(out["logits"][0, -1], REF["decode_logits"][i], atol=1e-4, rtol=0)
     assert calls["kernel"] == 2 * 17 and calls["literal_rows"] == []
     # the kernel read the state's caches in place (no copy of K or V)

@@ -10,12 +10,12 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
 import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.plan.fusion_export import repeats_halves
 from onnxkv.plan.ops import _body, norm, rotary
-from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
 #: Plan nodes the fusions remove.  Torch export: each norm is [Cast,] Pow, ReduceMean, Add, Sqrt, Div, Mul,
 #: Cast, Mul (the leading Cast is fused into the last norm only; in the layers its output also feeds the residual
@@ -47,8 +47,9 @@ def calls(monkeypatch):
     def counting_evaluate(self, names, inputs, rt):
         kinds = {n.op_type for n, _ in self.steps}
         if "Pow" in kinds or "Neg" in kinds or "RMSNormChain" in kinds:
-            seen["literal"].append("RotateHalf" if "Neg" in kinds else "SkipRMSNormChain"
-                                   if "RMSNormChain" in kinds else "RMSNormChain")
+            seen["literal"].append(
+                "RotateHalf" if "Neg" in kinds else "SkipRMSNormChain" if "RMSNormChain" in kinds else "RMSNormChain"
+            )
         return evaluate(self, names, inputs, rt)
 
     monkeypatch.setattr(norm.K, "rms_norm", counting_rms)
@@ -118,8 +119,9 @@ def _rms_model(exponent_input: bool, output_sqrt: bool = False) -> onnx.ModelPro
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 8])]
     if output_sqrt:
         outputs.append(helper.make_tensor_value_info("std", TensorProto.FLOAT, [2, 3, 1]))
-    return helper.make_model(helper.make_graph(nodes, "rms", inputs, outputs, inits),
-                             opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(
+        helper.make_graph(nodes, "rms", inputs, outputs, inits), opset_imports=[helper.make_opsetid("", 18)]
+    )
 
 
 @pytest.mark.parametrize("exponent", [2.0, 4.0])
@@ -146,8 +148,9 @@ def test_rms_chain_with_float64_input_runs_the_original_nodes(calls, monkeypatch
     for vi in model.graph.input:
         vi.type.tensor_type.elem_type = TensorProto.DOUBLE
     model.graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE
-    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(
-        numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64), "w"))
+    model.graph.initializer[0].CopyFrom(
+        numpy_helper.from_array(numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64), "w")
+    )
     for n in model.graph.node:
         if n.op_type == "Constant" and n.output[0] in ("p", "eps", "one"):
             v = numpy_helper.to_array(n.attribute[0].t).astype(np.float64)
@@ -179,12 +182,15 @@ def _rotary_model(split: int) -> onnx.ModelProto:
         helper.make_node("Mul", ["rot", "sin"], ["rs"]),
         helper.make_node("Add", ["xc", "rs"], ["y"]),
     ]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 8]),
-              helper.make_tensor_value_info("cos", TensorProto.FLOAT, [2, 1, 4, 8]),
-              helper.make_tensor_value_info("sin", TensorProto.FLOAT, [2, 1, 4, 8])]
-    return helper.make_model(helper.make_graph(nodes, "rope", inputs,
-                                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 8])]),
-                             opset_imports=[helper.make_opsetid("", 18)])
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 8]),
+        helper.make_tensor_value_info("cos", TensorProto.FLOAT, [2, 1, 4, 8]),
+        helper.make_tensor_value_info("sin", TensorProto.FLOAT, [2, 1, 4, 8]),
+    ]
+    return helper.make_model(
+        helper.make_graph(nodes, "rope", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 8])]),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
 
 
 @pytest.mark.parametrize("case", ["halves", "unequal_halves", "uneven_split"])
@@ -214,9 +220,15 @@ def _proof_nodes(kind: str) -> list[onnx.NodeProto]:
     """Nodes making ``c`` from graph input ``f`` [2, 3, 4] (and ``g``, the same shape) as ``kind`` says."""
     cat = helper.make_node("Concat", ["f", "f"], ["cat"], axis=-1)
     if kind == "concat_cos_scaled":
-        return [cat, helper.make_node("Cos", ["cat"], ["cc"]), _const("k", np.float32(1.5)),
-                helper.make_node("Mul", ["cc", "k"], ["m"]), helper.make_node("Cast", ["m"], ["cm"], to=1),
-                _const("ax", np.array([1], np.int64)), helper.make_node("Unsqueeze", ["cm", "ax"], ["c"])]
+        return [
+            cat,
+            helper.make_node("Cos", ["cat"], ["cc"]),
+            _const("k", np.float32(1.5)),
+            helper.make_node("Mul", ["cc", "k"], ["m"]),
+            helper.make_node("Cast", ["m"], ["cm"], to=1),
+            _const("ax", np.array([1], np.int64)),
+            helper.make_node("Unsqueeze", ["cm", "ax"], ["c"]),
+        ]
     if kind == "concat_of_two":
         return [helper.make_node("Concat", ["f", "g"], ["c"], axis=-1)]
     if kind == "concat_axis_0":
@@ -224,7 +236,11 @@ def _proof_nodes(kind: str) -> list[onnx.NodeProto]:
     if kind == "times_unequal_halves":
         return [cat, _const("k", np.arange(8, dtype=np.float32)), helper.make_node("Mul", ["cat", "k"], ["c"])]
     if kind == "times_repeated_halves":
-        return [cat, _const("k", np.tile(np.arange(4, dtype=np.float32), 2)), helper.make_node("Mul", ["cat", "k"], ["c"])]
+        return [
+            cat,
+            _const("k", np.tile(np.arange(4, dtype=np.float32), 2)),
+            helper.make_node("Mul", ["cat", "k"], ["c"]),
+        ]
     if kind == "reshaped":
         return [cat, _const("s", np.array([2, 3, 2, 4], np.int64)), helper.make_node("Reshape", ["cat", "s"], ["c"])]
     if kind == "graph_input":
@@ -232,20 +248,40 @@ def _proof_nodes(kind: str) -> list[onnx.NodeProto]:
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind, proven", [("concat_cos_scaled", True), ("times_repeated_halves", True),
-                                          ("concat_of_two", False), ("concat_axis_0", False),
-                                          ("times_unequal_halves", False), ("reshaped", False),
-                                          ("graph_input", False)])
+@pytest.mark.parametrize(
+    "kind, proven",
+    [
+        ("concat_cos_scaled", True),
+        ("times_repeated_halves", True),
+        ("concat_of_two", False),
+        ("concat_axis_0", False),
+        ("times_unequal_halves", False),
+        ("reshaped", False),
+        ("graph_input", False),
+    ],
+)
 def test_repeats_halves_proves_only_what_holds(kind, proven):
     assert repeats_halves("c", _proof_nodes(kind)) is proven
     if proven:  # the property itself, on the values the nodes compute
-        sess = onnxkv.Session(helper.make_model(helper.make_graph(
-            _proof_nodes(kind), "proof", [helper.make_tensor_value_info(v, TensorProto.FLOAT, [2, 3, 4]) for v in "fg"],
-            [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)]),
-            opset_imports=[helper.make_opsetid("", 18)]), threads=1)
+        sess = onnxkv.Session(
+            helper.make_model(
+                helper.make_graph(
+                    _proof_nodes(kind),
+                    "proof",
+                    [helper.make_tensor_value_info(v, TensorProto.FLOAT, [2, 3, 4]) for v in "fg"],
+                    [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
+                ),
+                opset_imports=[helper.make_opsetid("", 18)],
+            ),
+            threads=1,
+        )
         rng = np.random.default_rng(12)
-        c = sess.run({"f": rng.standard_normal((2, 3, 4)).astype(np.float32),
-                      "g": rng.standard_normal((2, 3, 4)).astype(np.float32)})["c"]
+        c = sess.run(
+            {
+                "f": rng.standard_normal((2, 3, 4)).astype(np.float32),
+                "g": rng.standard_normal((2, 3, 4)).astype(np.float32),
+            }
+        )["c"]
         np.testing.assert_array_equal(c[..., :4], c[..., 4:])
 
 
@@ -262,13 +298,17 @@ def _proven_rotary_model(split_input: bool) -> onnx.ModelProto:
     model = _rotary_model(4)
     graph = model.graph
     nodes = [n for n in graph.node if not (split_input and n.output[0] == "mid")]
-    nodes[:0] = [helper.make_node("Concat", ["f", "f"], ["cat"], axis=-1),
-                 helper.make_node("Cos", ["cat"], ["cos"]), helper.make_node("Sin", ["cat"], ["sin"])]
+    nodes[:0] = [
+        helper.make_node("Concat", ["f", "f"], ["cat"], axis=-1),
+        helper.make_node("Cos", ["cat"], ["cos"]),
+        helper.make_node("Sin", ["cat"], ["sin"]),
+    ]
     inputs = [graph.input[0], helper.make_tensor_value_info("f", TensorProto.FLOAT, [2, 1, 4, 4])]
     if split_input:
         inputs.append(helper.make_tensor_value_info("mid", TensorProto.INT64, [1]))
-    return helper.make_model(helper.make_graph(nodes, "rope", inputs, list(graph.output)),
-                             opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(
+        helper.make_graph(nodes, "rope", inputs, list(graph.output)), opset_imports=[helper.make_opsetid("", 18)]
+    )
 
 
 @pytest.mark.parametrize("mid", [4, 3, None], ids=["split_4", "split_3", "constant_split"])
@@ -278,8 +318,10 @@ def test_a_proven_rotate_half_runs_the_kernel_and_still_checks_its_layout(mid, c
     fused = [(n, k) for n, k in zip(sess.plan.nodes, sess.plan.kernels) if n.op_type == "RotateHalf"]
     assert len(fused) == 1 and fused[0][1]._halves_proven
     rng = np.random.default_rng(14)
-    feeds = {"x": rng.standard_normal((2, 3, 4, 8)).astype(np.float32),
-             "f": rng.uniform(0, 6.0, (2, 1, 4, 4)).astype(np.float32)}
+    feeds = {
+        "x": rng.standard_normal((2, 3, 4, 8)).astype(np.float32),
+        "f": rng.uniform(0, 6.0, (2, 1, 4, 4)).astype(np.float32),
+    }
     if mid is not None:
         feeds["mid"] = np.array([mid], np.int64)
     got = [sess.run(feeds)["y"] for _ in range(2)]  # the second call reuses the learnt layout

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
 import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.models.builders import MICRO, build_model
-from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
 FORMS = {**MODELS, "gqa": lambda: build_model("gqa", MICRO, seed=3)}
 
@@ -55,8 +55,9 @@ def _three_projections(weight_input: bool = False):
     if weight_input:
         inputs.append(helper.make_tensor_value_info("w2", TensorProto.FLOAT, [32, 16]))
     outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in (1, 2, 3)]
-    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
-                              opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", inputs, outputs, inits), opset_imports=[helper.make_opsetid("", 18)]
+    )
     return model, ws
 
 

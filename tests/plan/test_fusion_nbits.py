@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from nbits_weights import make_weight
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxkv import Session
@@ -14,7 +15,6 @@ from onnxkv.alloc import SystemAllocator
 from onnxkv.plan.ops.matmul_nbits import MatMulNBits, SiblingMatMulNBits
 from onnxkv.plan.ops.prologue_matmul import PrologueMatMul
 from onnxkv.plan.plan import Plan
-from nbits_weights import make_weight
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -28,28 +28,50 @@ def sibling_model(level=4, norm=False):
     if norm:
         a = "h"
         inits.append(numpy_helper.from_array((1 + 0.1 * rng.standard_normal(K)).astype(np.float32), "gamma"))
-        nodes.append(helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["h"], name="norm",
-                                      epsilon=1e-5, axis=-1))
+        nodes.append(
+            helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["h"], name="norm", epsilon=1e-5, axis=-1)
+        )
     for i, (N, bs, bias) in enumerate(((64, 32, False), (24, 32, True), (24, 32, False), (40, 64, False))):
         B, s, z = make_weight(rng, K, N, 4, bs, "uint8")
         names = [f"B{i}", f"s{i}", f"z{i}"] + ([f"b{i}"] if bias else [])
-        inits += [numpy_helper.from_array(B, f"B{i}"), numpy_helper.from_array(s, f"s{i}"),
-                  numpy_helper.from_array(z, f"z{i}")]
+        inits += [
+            numpy_helper.from_array(B, f"B{i}"),
+            numpy_helper.from_array(s, f"s{i}"),
+            numpy_helper.from_array(z, f"z{i}"),
+        ]
         if bias:
             names = [f"B{i}", f"s{i}", f"z{i}", "", f"b{i}"]
             inits.append(numpy_helper.from_array(rng.standard_normal(N).astype(np.float32), f"b{i}"))
-        nodes.append(helper.make_node("MatMulNBits", [a, *names], [f"y{i}"], name=f"m{i}", domain="com.microsoft",
-                                      K=K, N=N, bits=4, block_size=bs, accuracy_level=level))
+        nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                [a, *names],
+                [f"y{i}"],
+                name=f"m{i}",
+                domain="com.microsoft",
+                K=K,
+                N=N,
+                bits=4,
+                block_size=bs,
+                accuracy_level=level,
+            )
+        )
         outs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", K])],
-                              outs, inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", K])], outs, inits
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
 
 
 def _products(plan):
     """The MatMulNBits-family kernels of a plan, also inside PrologueMatMul nodes."""
-    return [k.product if isinstance(k, PrologueMatMul) else k for k in plan.kernels
-            if isinstance(k, (MatMulNBits, PrologueMatMul))]
+    return [
+        k.product if isinstance(k, PrologueMatMul) else k
+        for k in plan.kernels
+        if isinstance(k, (MatMulNBits, PrologueMatMul))
+    ]
 
 
 @pytest.mark.parametrize("level", [0, 4])
@@ -69,7 +91,7 @@ def test_siblings_fuse_into_one_product(level, norm):
         x = np.random.default_rng(rows).standard_normal((1, rows, 128)).astype(np.float32)
         got = s.run({"x": x})
         h = x
-        if norm:   # the norm node's own kernel
+        if norm:  # the norm node's own kernel
             gamma = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "gamma"))
             h = np.empty_like(x)
             K.rms_norm(x.reshape(rows, 128), gamma, 1e-5, h.reshape(rows, 128))
@@ -78,8 +100,14 @@ def test_siblings_fuse_into_one_product(level, norm):
             # one product per weight or one for all: the same arithmetic per column, bit for bit
             ref = np.empty_like(got[name])
             node = next(k for k in unfused.kernels if isinstance(k, MatMulNBits) and k.node.output[0] == name)
-            bias = next((numpy_helper.to_array(i) for i in model.graph.initializer
-                         if len(node.node.input) > 5 and i.name == node.node.input[5]), None)
+            bias = next(
+                (
+                    numpy_helper.to_array(i)
+                    for i in model.graph.initializer
+                    if len(node.node.input) > 5 and i.name == node.node.input[5]
+                ),
+                None,
+            )
             ref[...] = node._product(h, bias, None).reshape(ref.shape)
             np.testing.assert_array_equal(got[name], ref)
             tol = 2e-2 if level == 4 else 1e-4
@@ -91,18 +119,44 @@ def prologue_model(level=4):
     rng = np.random.default_rng(21)
     K, N = 96, 80
     B, s, z = make_weight(rng, K, N, 4, 32, "none")
-    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(s, "s"),
-             numpy_helper.from_array((1 + 0.1 * rng.standard_normal(K)).astype(np.float32), "gamma")]
-    nodes = [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["h", "", "", "sum"],
-                              name="norm", domain="com.microsoft", epsilon=1e-5),
-             helper.make_node("MatMulNBits", ["h", "B", "s"], ["y"], name="mm", domain="com.microsoft", K=K, N=N,
-                              bits=4, block_size=32, accuracy_level=level)]
+    inits = [
+        numpy_helper.from_array(B, "B"),
+        numpy_helper.from_array(s, "s"),
+        numpy_helper.from_array((1 + 0.1 * rng.standard_normal(K)).astype(np.float32), "gamma"),
+    ]
+    nodes = [
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            ["x", "skip", "gamma"],
+            ["h", "", "", "sum"],
+            name="norm",
+            domain="com.microsoft",
+            epsilon=1e-5,
+        ),
+        helper.make_node(
+            "MatMulNBits",
+            ["h", "B", "s"],
+            ["y"],
+            name="mm",
+            domain="com.microsoft",
+            K=K,
+            N=N,
+            bits=4,
+            block_size=32,
+            accuracy_level=level,
+        ),
+    ]
     f = TensorProto.FLOAT
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["B", "S", K]),
-                                           helper.make_tensor_value_info("skip", f, ["B", "S", K])],
-                              [helper.make_tensor_value_info("y", f, None), helper.make_tensor_value_info("sum", f, None)],
-                              inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", f, ["B", "S", K]), helper.make_tensor_value_info("skip", f, ["B", "S", K])],
+        [helper.make_tensor_value_info("y", f, None), helper.make_tensor_value_info("sum", f, None)],
+        inits,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
 
 
 @pytest.mark.parametrize("level", [0, 4])

@@ -12,11 +12,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
+import onnxkv.plan.ops.prologue_matmul as prologue_module
 import onnxkv.plan.plan as plan_module
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
 from onnxkv.plan.ops._body import Body
-import onnxkv.plan.ops.prologue_matmul as prologue_module
 
 
 def _session(model, fused: bool, monkeypatch, threads: int = 1) -> onnxkv.Session:
@@ -30,16 +30,21 @@ def test_builder_graph_fuses_every_norm_and_gate_with_its_projection(monkeypatch
     model = build_model("gqa", MICRO, seed=3)
     fused = _session(model, True, monkeypatch).plan.nodes
     plain = _session(model, False, monkeypatch).plan.nodes
-    kinds = sorted(next(a.g for a in n.attribute if a.name == "body").node[0].op_type
-                   for n in fused if n.op_type == "PrologueMatMul")
+    kinds = sorted(
+        next(a.g for a in n.attribute if a.name == "body").node[0].op_type
+        for n in fused
+        if n.op_type == "PrologueMatMul"
+    )
     # per layer: input norm + q/k/v (a skip norm after layer 0), post-attention skip norm + gate/up, SiluMul +
     # down; then the final skip norm + lm_head
     L = MICRO.num_layers
-    assert kinds == sorted(["SimplifiedLayerNormalization"] + ["SkipSimplifiedLayerNormalization"] * (2 * L)
-                           + ["SiluMul"] * L)
+    assert kinds == sorted(
+        ["SimplifiedLayerNormalization"] + ["SkipSimplifiedLayerNormalization"] * (2 * L) + ["SiluMul"] * L
+    )
     assert len(plain) - len(fused) == 3 * L + 1
-    assert not any(n.op_type in ("SiluMul", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization")
-                   for n in fused)
+    assert not any(
+        n.op_type in ("SiluMul", "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization") for n in fused
+    )
 
 
 def _generate(session, prompt_len: int, steps: int, evaluate_calls: list, check: bool = False):
@@ -50,7 +55,7 @@ def _generate(session, prompt_len: int, steps: int, evaluate_calls: list, check:
         feeds, _ = b.first()
         out = st.run(feeds, ["logits"])
         got.append(out["logits"].copy())
-        if check:   # the prompt: fused kernels up to the row limit, the literal body above it
+        if check:  # the prompt: fused kernels up to the row limit, the literal body above it
             assert bool(evaluate_calls) == (prompt_len > prologue_module.BLAS_M)
         evaluate_calls.clear()
         for i in range(steps):
@@ -76,7 +81,7 @@ def test_results_are_bitwise_those_of_the_unfused_plan(threads, prompt_len, monk
     monkeypatch.setattr(Body, "evaluate", spy)
     model = build_model("gqa", MICRO, seed=4)
     got = _generate(_session(model, True, monkeypatch, threads), prompt_len, 6, calls, check=True)
-    assert calls == []                     # every decode step ran the fused kernels
+    assert calls == []  # every decode step ran the fused kernels
     want = _generate(_session(model, False, monkeypatch, threads), prompt_len, 6, [])
     assert len(got) == len(want)
     for g, w in zip(got, want):
@@ -87,23 +92,31 @@ def _norm_graph(y_readers: int, y_is_output: bool):
     """y = SimplifiedLayerNormalization(x, g); z = y @ w; with 2 readers also n = Neg(y) (y a graph output if
     asked)."""
     rng = np.random.default_rng(8)
-    inits = [numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "g"),
-             numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")]
-    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["y"], epsilon=1e-5),
-             helper.make_node("MatMul", ["y", "w"], ["z"])]
+    inits = [
+        numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "g"),
+        numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w"),
+    ]
+    nodes = [
+        helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["y"], epsilon=1e-5),
+        helper.make_node("MatMul", ["y", "w"], ["z"]),
+    ]
     outputs = [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)]
     if y_readers == 2:
         nodes.append(helper.make_node("Neg", ["y"], ["n"]))
         outputs.append(helper.make_tensor_value_info("n", TensorProto.FLOAT, None))
     if y_is_output:
         outputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, None))
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])],
-                              outputs, inits)
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])], outputs, inits
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
-@pytest.mark.parametrize("readers, y_is_output, fused", [(1, False, True), (1, True, False), (2, False, False)],
-                         ids=["one-reader", "observable", "two-readers"])
+@pytest.mark.parametrize(
+    "readers, y_is_output, fused",
+    [(1, False, True), (1, True, False), (2, False, False)],
+    ids=["one-reader", "observable", "two-readers"],
+)
 def test_only_a_norm_read_by_one_product_alone_is_fused(readers, y_is_output, fused, monkeypatch):
     model = _norm_graph(readers, y_is_output)
     sess = _session(model, True, monkeypatch)
@@ -120,8 +133,9 @@ def test_non_float32_norm_input_takes_the_literal_body_with_its_error(monkeypatc
     """A float64 x: the fused node evaluates the two nodes, whose MatMul refuses it as it would unfused."""
     model = _norm_graph(1, False)
     model.graph.input[0].type.tensor_type.elem_type = TensorProto.DOUBLE
-    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(
-        numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64), "g"))
+    model.graph.initializer[0].CopyFrom(
+        numpy_helper.from_array(numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64), "g")
+    )
     x = np.random.default_rng(10).standard_normal((2, 16))
     errors = []
     for fused in (True, False):

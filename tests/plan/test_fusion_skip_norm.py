@@ -10,11 +10,11 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_fusion_attention import TORCH, torch_batch_runs
 
 import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.plan.ops import _body, norm
-from test_fusion_attention import TORCH, torch_batch_runs
 
 
 @pytest.fixture
@@ -71,8 +71,11 @@ def _model(b_shape, elem=TensorProto.FLOAT, cast: bool = True, stream: bool = Tr
     """y = rms_norm(c) * w with c = [Cast](a + b) over a [N, 3, 8]; with ``stream`` also z = 2 * c."""
     dtype = np.float64 if elem == TensorProto.DOUBLE else np.float32
     nodes = [
-        _const("p", dtype(2.0)), _const("axes", np.array([-1], np.int64)), _const("eps", dtype(1e-5)),
-        _const("one", dtype(1.0)), _const("two", dtype(2.0)),
+        _const("p", dtype(2.0)),
+        _const("axes", np.array([-1], np.int64)),
+        _const("eps", dtype(1e-5)),
+        _const("one", dtype(1.0)),
+        _const("two", dtype(2.0)),
         helper.make_node("Add", ["a", "b"], ["s"]),
         helper.make_node("Pow", ["c", "p"], ["sq"]),
         helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1),
@@ -93,8 +96,9 @@ def _model(b_shape, elem=TensorProto.FLOAT, cast: bool = True, stream: bool = Tr
         outputs.append(helper.make_tensor_value_info("z", elem, ["N", 3, 8]))
     inputs = [helper.make_tensor_value_info("a", elem, ["N", 3, 8]), helper.make_tensor_value_info("b", elem, b_shape)]
     w = numpy_helper.from_array(np.random.default_rng(5).uniform(0.5, 1.5, 8).astype(dtype), "w")
-    return helper.make_model(helper.make_graph(nodes, "skip_rms", inputs, outputs, [w]),
-                             opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(
+        helper.make_graph(nodes, "skip_rms", inputs, outputs, [w]), opset_imports=[helper.make_opsetid("", 18)]
+    )
 
 
 def _feeds(rows: int, b_shape, dtype=np.float32, seed: int = 3) -> dict:

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_fusion_attention import TORCH, _generate, left_padded_batch, torch_batch_runs
 
 import onnxkv
 import onnxkv.plan.plan as plan_module
@@ -18,7 +19,6 @@ from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.ops.view_chain import ViewChain
 from onnxkv.plan.registry import BuildContext
-from test_fusion_attention import TORCH, _generate, left_padded_batch, torch_batch_runs
 
 
 def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
@@ -60,18 +60,23 @@ def _ints(name: str, values) -> onnx.TensorProto:
 def _model(nodes, outputs=("y",)) -> onnx.ModelProto:
     """x [N, S, 8] -> nodes; ``target`` (a graph input) and a few constant shapes available."""
     inits = [_ints("split", [0, 0, 2, 4]), _ints("merge", [0, 0, -1]), _ints("axis0", [0])]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "S", 8]),
-              helper.make_tensor_value_info("target", TensorProto.INT64, [3])]
-    graph = helper.make_graph(nodes, "views", inputs,
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits)
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "S", 8]),
+        helper.make_tensor_value_info("target", TensorProto.INT64, [3]),
+    ]
+    graph = helper.make_graph(
+        nodes, "views", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
 def _split_merge(extra_transpose: bool = False) -> list[onnx.NodeProto]:
     """Relu, then split 8 into 2 heads of 4, swap S and heads, [swap back,] merge with a run-time target."""
-    nodes = [helper.make_node("Relu", ["x"], ["r"]),
-             helper.make_node("Reshape", ["r", "split"], ["heads"]),
-             helper.make_node("Transpose", ["heads"], ["swapped"], perm=[0, 2, 1, 3])]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Reshape", ["r", "split"], ["heads"]),
+        helper.make_node("Transpose", ["heads"], ["swapped"], perm=[0, 2, 1, 3]),
+    ]
     last = "swapped"
     if extra_transpose:
         nodes.append(helper.make_node("Transpose", ["swapped"], ["back"], perm=[0, 2, 1, 3]))
@@ -117,11 +122,13 @@ def test_an_intermediate_graph_output_or_second_reader_ends_the_chain():
 
 
 def test_a_view_only_chain_returns_a_view_of_its_data():
-    nodes = [helper.make_node("Relu", ["x"], ["r"]),
-             helper.make_node("Reshape", ["r", "merge"], ["flat"]),
-             helper.make_node("Unsqueeze", ["flat", "axis0"], ["u"]),
-             helper.make_node("Squeeze", ["u", "axis0"], ["y"]),
-             helper.make_node("Sigmoid", ["r"], ["z"])]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Reshape", ["r", "merge"], ["flat"]),
+        helper.make_node("Unsqueeze", ["flat", "axis0"], ["u"]),
+        helper.make_node("Squeeze", ["u", "axis0"], ["y"]),
+        helper.make_node("Sigmoid", ["r"], ["z"]),
+    ]
     sess = onnxkv.Session(_model(nodes, ("y", "z")), threads=1)
     fused = [x for x in sess.plan.nodes if x.op_type == "ViewChain"]
     assert len(fused) == 1 and _body_ops(fused[0]) == ["Reshape", "Unsqueeze", "Squeeze"]
@@ -139,9 +146,12 @@ def test_a_failing_step_names_its_node():
 
 
 def test_a_body_that_is_not_a_chain_is_rejected():
-    body = helper.make_graph([helper.make_node("Reshape", ["other", "s"], ["y"])], "b",
-                             [helper.make_empty_tensor_value_info(v) for v in ("x", "s", "other")],
-                             [helper.make_empty_tensor_value_info("y")])
+    body = helper.make_graph(
+        [helper.make_node("Reshape", ["other", "s"], ["y"])],
+        "b",
+        [helper.make_empty_tensor_value_info(v) for v in ("x", "s", "other")],
+        [helper.make_empty_tensor_value_info("y")],
+    )
     node = helper.make_node("ViewChain", ["x", "s", "other"], ["y"], name="vc", domain="ai.onnxkv", body=body)
     with pytest.raises(onnxkv.ModelError, match="ViewChain node 'vc'"):
         ViewChain(node, BuildContext({"": 18, "ai.onnxkv": 1}))
@@ -179,15 +189,19 @@ SPLIT = np.array([0, 0, 4, 6], np.int64)
 
 def _split() -> list[onnx.NodeProto]:
     """[B, S, 24] -> [B, 4, S, 6]."""
-    return [helper.make_node("Reshape", ["q", "split"], ["h"]),
-            helper.make_node("Transpose", ["h"], ["t"], perm=[0, 2, 1, 3])]
+    return [
+        helper.make_node("Reshape", ["q", "split"], ["h"]),
+        helper.make_node("Transpose", ["h"], ["t"], perm=[0, 2, 1, 3]),
+    ]
 
 
 def _merge() -> list[onnx.NodeProto]:
     """[B, H, S, D] -> [B, S, H * D] with run-time targets ``bhsd`` and ``bsh``."""
-    return [helper.make_node("Reshape", ["a", "bhsd"], ["r"]),
-            helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3]),
-            helper.make_node("Reshape", ["t", "bsh"], ["y"])]
+    return [
+        helper.make_node("Reshape", ["a", "bhsd"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["t", "bsh"], ["y"]),
+    ]
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -281,8 +295,10 @@ def test_decode_steps_of_the_torch_export_run_no_literal_chain(state, monkeypatc
 
 
 def test_a_chain_without_transpose_runs_its_views_without_learning():
-    kernel = _kernel([helper.make_node("Unsqueeze", ["v", "a0"], ["u"]),
-                      helper.make_node("Unsqueeze", ["u", "a0"], ["w"])], {"a0": np.array([0], np.int64)})
+    kernel = _kernel(
+        [helper.make_node("Unsqueeze", ["v", "a0"], ["u"]), helper.make_node("Unsqueeze", ["u", "a0"], ["w"])],
+        {"a0": np.array([0], np.int64)},
+    )
     for n in (5, 6, 7):  # a vector growing by one position per decode step
         v = np.random.default_rng(n).integers(0, 9, n)
         (y,) = kernel.run([v, np.array([0], np.int64)], _CountingRun())

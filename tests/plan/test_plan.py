@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
@@ -17,16 +17,17 @@ def _vi(name, shape, elem=TensorProto.FLOAT):
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=21):
-    return helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
-                             opset_imports=[helper.make_opsetid("", opset)])
+    return helper.make_model(
+        helper.make_graph(nodes, "g", inputs, outputs, list(inits)), opset_imports=[helper.make_opsetid("", opset)]
+    )
 
 
 def test_constant_subgraphs_are_folded_at_build_time():
     w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
     nodes = [
-        helper.make_node("Mul", ["w", "w"], ["w2"]),          # constant
-        helper.make_node("Transpose", ["w2"], ["w2t"]),       # constant
-        helper.make_node("MatMul", ["x", "w2t"], ["y"]),      # depends on x
+        helper.make_node("Mul", ["w", "w"], ["w2"]),  # constant
+        helper.make_node("Transpose", ["w2"], ["w2t"]),  # constant
+        helper.make_node("MatMul", ["x", "w2t"], ["y"]),  # depends on x
     ]
     m = _model(nodes, [_vi("x", [4, 3])], [_vi("y", [4, 2])], [w])
     sess = Session(m, threads=1)
@@ -40,10 +41,12 @@ def test_a_folded_view_of_a_whole_constant_is_not_copied(tmp_path):
     """Reshape(w) folds to a view of w: a weight mapped from external data stays mapped (not copied, not read);
     a folded node making new values (Transpose) still gets its own copy."""
     w = np.arange(4096, dtype=np.float32).reshape(64, 64)
-    nodes = [helper.make_node("Reshape", ["w", "shape"], ["flat"]),
-             helper.make_node("Transpose", ["w"], ["wt"]),
-             helper.make_node("Gather", ["flat", "i"], ["y"]),
-             helper.make_node("Gather", ["wt", "i"], ["z"])]
+    nodes = [
+        helper.make_node("Reshape", ["w", "shape"], ["flat"]),
+        helper.make_node("Transpose", ["w"], ["wt"]),
+        helper.make_node("Gather", ["flat", "i"], ["y"]),
+        helper.make_node("Gather", ["wt", "i"], ["z"]),
+    ]
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([32, 128], np.int64), "shape")]
     m = _model(nodes, [_vi("i", [2], TensorProto.INT64)], [_vi("y", None), _vi("z", None)], inits)
     onnx.save(m, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.onnx.data", size_threshold=64)
@@ -69,9 +72,11 @@ def test_views_keep_arena_buffers_alive_until_their_last_use():
         helper.make_node("Mul", ["b", "two"], ["d"]),
         helper.make_node("Add", ["d", "c2"], ["y"]),
     ]
-    inits = [numpy_helper.from_array(np.array(1, np.float32), "one"),
-             numpy_helper.from_array(np.array(2, np.float32), "two"),
-             numpy_helper.from_array(np.array([6], np.int64), "shape")]
+    inits = [
+        numpy_helper.from_array(np.array(1, np.float32), "one"),
+        numpy_helper.from_array(np.array(2, np.float32), "two"),
+        numpy_helper.from_array(np.array([6], np.int64), "shape"),
+    ]
     m = _model(nodes, [_vi("x", [6])], [_vi("y", [6])], inits)
     arena = ArenaAllocator(1 << 16)
     sess = Session(m, threads=1, allocator=arena)
@@ -163,8 +168,9 @@ def test_bad_allocator_is_rejected():
 def test_omitted_inputs_and_outputs_run_and_free_their_buffers():
     # Slice without axes (an omitted input in the middle: rows 1..2) and LayerNormalization whose mean / inv_std_var
     # outputs are omitted: the run loop reads None for the first and drops what the kernel returns for the second.
-    consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
-              (("starts", [1]), ("ends", [3]), ("steps", [1]))]
+    consts = [
+        numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("starts", [1]), ("ends", [3]), ("steps", [1]))
+    ]
     gamma = numpy_helper.from_array(np.linspace(0.5, 1.5, 5, dtype=np.float32), "gamma")
     nodes = [
         helper.make_node("Add", ["x", "x"], ["n"]),
@@ -187,19 +193,19 @@ def test_omitted_inputs_and_outputs_run_and_free_their_buffers():
 
 
 def _decode_feeds(rng, past):
-    feeds = {"input_ids": rng.integers(0, MICRO.vocab_size, (1, 1)),
-             "attention_mask": np.ones((1, past + 1), np.int64)}
+    feeds = {"input_ids": rng.integers(0, MICRO.vocab_size, (1, 1)), "attention_mask": np.ones((1, past + 1), np.int64)}
     for i in range(MICRO.num_layers):
         for kv in ("key", "value"):
             feeds[f"past_key_values.{i}.{kv}"] = rng.standard_normal(
-                (1, MICRO.num_kv_heads, past, MICRO.head_size)).astype(np.float32)
+                (1, MICRO.num_kv_heads, past, MICRO.head_size)
+            ).astype(np.float32)
     return feeds
 
 
 def test_session_keeps_temporaries_between_runs_so_a_repeated_step_allocates_nothing():
     m = build_model("gqa", MICRO, seed=0)
     sess = Session(m, threads=1, events=True)
-    own = Session(m, threads=1, allocator=SystemAllocator())      # a caller's allocator: all back after each run
+    own = Session(m, threads=1, allocator=SystemAllocator())  # a caller's allocator: all back after each run
     rng = np.random.default_rng(6)
     feeds = _decode_feeds(rng, 5)
     first = sess.run(feeds)
@@ -207,8 +213,8 @@ def test_session_keeps_temporaries_between_runs_so_a_repeated_step_allocates_not
     allocated = sess.allocator.stats().allocations
     assert allocated > 0 and sess.allocator.stats().live > 0
     second = sess.run(_decode_feeds(rng, 5))
-    assert sess.allocator.stats().allocations == allocated     # every temporary came from the last run
-    for k in first:                                            # earlier outputs are never overwritten
+    assert sess.allocator.stats().allocations == allocated  # every temporary came from the last run
+    for k in first:  # earlier outputs are never overwritten
         np.testing.assert_array_equal(first[k], kept[k])
     want = own.run(_decode_feeds(np.random.default_rng(6), 5))
     for k in first:
@@ -237,8 +243,11 @@ def test_kept_buffer_viewed_by_an_output_is_not_reused():
 
 
 def test_failed_run_of_a_session_allocator_returns_every_buffer():
-    nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Mul", ["a", "a"], ["b"]),
-             helper.make_node("Reshape", ["b", "s"], ["y"])]
+    nodes = [
+        helper.make_node("Add", ["x", "x"], ["a"]),
+        helper.make_node("Mul", ["a", "a"], ["b"]),
+        helper.make_node("Reshape", ["b", "s"], ["y"]),
+    ]
     m = _model(nodes, [_vi("x", [4]), _vi("s", [2], TensorProto.INT64)], [_vi("y", None)])
     sess = Session(m, threads=1)
     assert sess.run({"x": np.ones(4, np.float32), "s": np.array([2, 2])})["y"].shape == (2, 2)
@@ -306,10 +315,12 @@ def test_attributes_of_the_wrong_type_or_bad_utf8_name_node_and_attribute():
     pads = numpy_helper.from_array(np.array([1, 1], np.int64), "pads")
     with pytest.raises(ModelError, match=r"Pad node 'padder': attribute 'mode' holds the bytes .*UTF-8"):
         Session(_model([pad], [_vi("x", [2])], [_vi("y", [4])], [pads]))
-    const = helper.make_node("Constant", [], ["y"], name="k",
-                             value=_tensor("v", [1 << 20], raw=b"\0" * 4))
-    with pytest.raises(ModelError, match=r"Constant node 'k': attribute 'value' holds 4 bytes of raw_data, "
-                                         r"expected 4194304"):
+    const = helper.make_node("Constant", [], ["y"], name="k", value=_tensor("v", [1 << 20], raw=b"\0" * 4))
+    with pytest.raises(
+        ModelError,
+        match=r"Constant node 'k': attribute 'value' holds 4 bytes of raw_data, "
+        r"expected 4194304",
+    ):
         Session(_model([const], [], [_vi("y", [1 << 20])]))
 
 
@@ -322,9 +333,12 @@ def test_attribute_type_with_no_value_is_a_model_error():
 
 
 def test_kernel_failing_on_its_attributes_is_a_model_error_naming_the_node():
-    node = helper.make_node("RotaryEmbedding", ["x", "p", "c", "s"], ["y"], name="rope", domain="com.microsoft",
-                            num_heads="four")
-    m = helper.make_model(helper.make_graph([node], "g", [_vi(n, [1, 1, 1, 4]) for n in "xpcs"], [_vi("y", None)]),
-                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    node = helper.make_node(
+        "RotaryEmbedding", ["x", "p", "c", "s"], ["y"], name="rope", domain="com.microsoft", num_heads="four"
+    )
+    m = helper.make_model(
+        helper.make_graph([node], "g", [_vi(n, [1, 1, 1, 4]) for n in "xpcs"], [_vi("y", None)]),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+    )
     with pytest.raises(ModelError, match=r"RotaryEmbedding node 'rope'"):
         Session(m)

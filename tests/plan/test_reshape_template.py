@@ -11,13 +11,13 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_fusion_attention import TORCH, torch_batch_runs
 
 import onnxkv
+from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.fusion import RESHAPE_FROM_X
 from onnxkv.plan.ops import masked_attention as ma
 from onnxkv.plan.shape_fold import ShapeFolder
-from onnxkv.generate.feeds import FeedBuilder
-from test_fusion_attention import TORCH, torch_batch_runs
 
 
 def _plain(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
@@ -40,9 +40,11 @@ def test_the_torch_export_loses_the_repeat_target_chains(monkeypatch):
     # per layer, the K and V targets would each cost a ShapeOf(present) (what is left of Shape, 2 Gather,
     # 2 Unsqueeze and a Concat after shape folding)
     assert len(plain.plan.nodes) - len(sess.plan.nodes) == 2 * 2
+
     def shape_readers(plan):
-        return [n for n in plan.nodes if n.op_type in ("Shape", "ShapeOf") and
-                any(x.startswith("present") for x in n.input)]
+        return [
+            n for n in plan.nodes if n.op_type in ("Shape", "ShapeOf") and any(x.startswith("present") for x in n.input)
+        ]
 
     assert len(shape_readers(plain.plan)) == 4 and shape_readers(sess.plan) == []
 
@@ -101,13 +103,22 @@ def _repeat_product_model() -> onnx.ModelProto:
         helper.make_node("MatMul", ["q", "k_t"], ["y"]),
     ]
     inits = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", 0), ("two", 2))]
-    inits += [_ints("axis0", [0]), _ints("axis2", [2]), _ints("kv_heads", [2]), _ints("group", [2]),
-              _ints("heads", [4]), _ints("head", [8])]
-    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["N", 4, "S", 8]),
-              helper.make_tensor_value_info("k", TensorProto.FLOAT, ["N", 2, "T", 8])]
+    inits += [
+        _ints("axis0", [0]),
+        _ints("axis2", [2]),
+        _ints("kv_heads", [2]),
+        _ints("group", [2]),
+        _ints("heads", [4]),
+        _ints("head", [8]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("q", TensorProto.FLOAT, ["N", 4, "S", 8]),
+        helper.make_tensor_value_info("k", TensorProto.FLOAT, ["N", 2, "T", 8]),
+    ]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
-    return helper.make_model(helper.make_graph(nodes, "repeat", inputs, outputs, inits),
-                             opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(
+        helper.make_graph(nodes, "repeat", inputs, outputs, inits), opset_imports=[helper.make_opsetid("", 18)]
+    )
 
 
 @pytest.mark.parametrize("n, t", [(2, 5), (1, 1), (0, 3)])
@@ -119,14 +130,17 @@ def test_repeat_kv_product_with_a_template_target(n, t, monkeypatch):
     assert _attr(node, RESHAPE_FROM_X) == [4]
     np.testing.assert_array_equal(sess.plan.build_context.constant(node.input[4]), [0, 4, 0, 8])
     rng = np.random.default_rng(n * 10 + t)
-    feeds = {"q": rng.standard_normal((n, 4, 3, 8)).astype(np.float32),
-             "k": rng.standard_normal((n, 2, t, 8)).astype(np.float32)}
+    feeds = {
+        "q": rng.standard_normal((n, 4, 3, 8)).astype(np.float32),
+        "k": rng.standard_normal((n, 2, t, 8)).astype(np.float32),
+    }
     got = sess.run(feeds)["y"]
     want = _plain(model, monkeypatch, 1).run(feeds)["y"]
     assert got.shape == want.shape == (n, 4, 3, t)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got, feeds["q"] @ np.repeat(feeds["k"], 2, axis=1).swapaxes(-1, -2),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        got, feeds["q"] @ np.repeat(feeds["k"], 2, axis=1).swapaxes(-1, -2), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_no_keys_fail_as_in_the_original_graph(monkeypatch):

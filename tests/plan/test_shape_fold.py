@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_fusion_attention import _generate  # prefill + decode steps of a left-padded batch
 
 import onnxkv
 import onnxkv.runtime.session as session_module
 from onnxkv.models.builders import MICRO, build_model
 from onnxkv.plan.plan import Plan
-from test_fusion_attention import _generate  # prefill + decode steps of a left-padded batch
 
 TORCH = Path(__file__).resolve().parents[1] / "data" / "torch_tiny_llama" / "model.onnx"
 
@@ -67,6 +67,7 @@ def test_results_are_bitwise_those_of_the_unfolded_plan(form, state):
 
 
 # -- small graphs ---------------------------------------------------------------------------------
+
 
 def _vi(name, shape, elem=TensorProto.FLOAT):
     return helper.make_tensor_value_info(name, elem, shape)
@@ -155,8 +156,7 @@ def test_repeated_shape_chains_are_merged():
         helper.make_node("Add", ["n1", "n2"], ["a"]),
         helper.make_node("Add", ["a", "n3"], ["y"]),
     ]
-    graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 3])], [_vi("y", None, TensorProto.INT64)],
-                              [_ints("i0", 0)])
+    graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 3])], [_vi("y", None, TensorProto.INT64)], [_ints("i0", 0)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     sess, plain = _session(model, True), _session(model, False)
     # one ShapeOf (x's dim 0) left; Relu is ordinary compute and stays
@@ -198,8 +198,9 @@ def test_torch_export_builds_the_mask_once():
 
 def test_graph_outputs_are_never_folded_away():
     nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Shape", ["x"], ["t"])]
-    graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 3])],
-                              [_vi("s", None, TensorProto.INT64), _vi("t", None, TensorProto.INT64)])
+    graph = helper.make_graph(
+        nodes, "g", [_vi("x", ["N", 3])], [_vi("s", None, TensorProto.INT64), _vi("t", None, TensorProto.INT64)]
+    )
     sess = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), True)
     assert len(sess.plan.nodes) == 2
     out = sess.run({"x": np.zeros((4, 3), np.float32)})
@@ -215,11 +216,15 @@ def test_same_declared_symbol_on_two_inputs_is_not_trusted():
         helper.make_node("Gather", ["sz", "i0"], ["nz"]),
         helper.make_node("Add", ["nx", "nz"], ["y"]),
     ]
-    graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 3]), _vi("z", ["N", 3])],
-                              [_vi("y", None, TensorProto.INT64)], [_ints("i0", 0)])
+    graph = helper.make_graph(
+        nodes, "g", [_vi("x", ["N", 3]), _vi("z", ["N", 3])], [_vi("y", None, TensorProto.INT64)], [_ints("i0", 0)]
+    )
     sess = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), True)
-    assert [(n.op_type, list(n.input)) for n in sess.plan.nodes] == [("ShapeOf", ["x"]), ("ShapeOf", ["z"]),
-                                                                      ("Add", ["nx", "nz"])]
+    assert [(n.op_type, list(n.input)) for n in sess.plan.nodes] == [
+        ("ShapeOf", ["x"]),
+        ("ShapeOf", ["z"]),
+        ("Add", ["nx", "nz"]),
+    ]
     out = sess.run({"x": np.zeros((2, 3), np.float32), "z": np.zeros((5, 3), np.float32)})
     assert int(out["y"]) == 7
 
@@ -238,8 +243,13 @@ def test_a_dim_onnx_leaves_unknown_is_read_from_its_own_tensor():
         helper.make_node("Add", ["n", "n"], ["twice"]),
     ]
     inits = [_ints("flat", [-1, 4]), _ints("i0", 0), _ints("ax", [0]), _ints("two", [2])]
-    graph = helper.make_graph(nodes, "g", [_vi("x", ["N", 12])],
-                              [_vi("y", None), _vi("z", None), _vi("twice", None, TensorProto.INT64)], inits)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [_vi("x", ["N", 12])],
+        [_vi("y", None), _vi("z", None), _vi("twice", None, TensorProto.INT64)],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     sess, plain = _session(model, True), _session(model, False)
     ops = [(n.op_type, list(n.input)) for n in sess.plan.nodes]
@@ -257,8 +267,14 @@ def test_a_dim_onnx_leaves_unknown_is_read_from_its_own_tensor():
         assert got["twice"].shape == () and int(got["twice"]) == int(want["twice"]) == 6 * n
 
 
-@pytest.mark.parametrize("attrs", [dict(sources=[0, 1], values=[0, 2]), dict(sources=[0], values=[0, 1]),
-                                   dict(sources=[0, -1], values=[1, 3], rank=0)])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        dict(sources=[0, 1], values=[0, 2]),
+        dict(sources=[0], values=[0, 1]),
+        dict(sources=[0, -1], values=[1, 3], rank=0),
+    ],
+)
 def test_shape_of_rejects_attributes_that_describe_no_value(attrs):
     from onnxkv.plan.ops.shape import ShapeOf
     from onnxkv.plan.registry import BuildContext

@@ -29,8 +29,7 @@ from onnxkv import _kernels
 from onnxkv._kernels import attention as _attention_kernel
 from onnxkv.errors import InputError
 
-__all__ = ["Scores", "causal_attention", "paged_causal_attention", "dense_attention", "position_bias",
-           "check_written"]
+__all__ = ["Scores", "causal_attention", "paged_causal_attention", "dense_attention", "position_bias", "check_written"]
 
 
 def check_written(op, cache, past: np.ndarray | int, claim: Callable[[int], str]) -> None:
@@ -49,9 +48,11 @@ def check_written(op, cache, past: np.ndarray | int, claim: Callable[[int], str]
     short = cache.short_row(past)
     if short is not None:
         row, claimed, written = short
-        raise InputError(f"{op.op_type} node '{op.name}': row {row} claims a past of {claimed} positions "
-                         f"({claim(row)}) but has written only {written}; a row may attend only over the "
-                         "positions it wrote")
+        raise InputError(
+            f"{op.op_type} node '{op.name}': row {row} claims a past of {claimed} positions "
+            f"({claim(row)}) but has written only {written}; a row may attend only over the "
+            "positions it wrote"
+        )
 
 
 @dataclass
@@ -98,8 +99,18 @@ def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
     return x if group == 1 else np.repeat(x, group, axis=1)
 
 
-def paged_causal_attention(q: np.ndarray, keys, values, kv_len: np.ndarray, q_pos: np.ndarray, scale: float,
-                           softcap: float, window: int, out: np.ndarray, kv_start: np.ndarray | None = None) -> dict:
+def paged_causal_attention(
+    q: np.ndarray,
+    keys,
+    values,
+    kv_len: np.ndarray,
+    q_pos: np.ndarray,
+    scale: float,
+    softcap: float,
+    window: int,
+    out: np.ndarray,
+    kv_start: np.ndarray | None = None,
+) -> dict:
     """:func:`causal_attention` over the pages of a paged cache (no gather), into ``out``.
 
     ``keys``/``values`` are the :class:`~onnxkv.cache.paged.PagedPlane` s of
@@ -111,12 +122,25 @@ def paged_causal_attention(q: np.ndarray, keys, values, kv_len: np.ndarray, q_po
     log.
     """
     return _kernels.paged_attention(
-        np.ascontiguousarray(q, dtype=np.float32), keys.ptrs, values.ptrs, keys.tables, keys.block_size, keys.heads,
-        np.ascontiguousarray(kv_len, dtype=np.int32), np.ascontiguousarray(q_pos, dtype=np.int32), float(scale),
-        float(softcap), int(window), out,
+        np.ascontiguousarray(q, dtype=np.float32),
+        keys.ptrs,
+        values.ptrs,
+        keys.tables,
+        keys.block_size,
+        keys.heads,
+        np.ascontiguousarray(kv_len, dtype=np.int32),
+        np.ascontiguousarray(q_pos, dtype=np.int32),
+        float(scale),
+        float(softcap),
+        int(window),
+        out,
         kv_start=None if kv_start is None else np.ascontiguousarray(kv_start, dtype=np.int32),
-        kv_dtype=keys.storage, k_formats=keys.formats, v_formats=values.formats,
-        k_group=keys.groups, v_group=values.groups, k_header=keys.header,
+        kv_dtype=keys.storage,
+        k_formats=keys.formats,
+        v_formats=values.formats,
+        k_group=keys.groups,
+        v_group=values.groups,
+        k_header=keys.header,
     )
 
 
@@ -196,8 +220,13 @@ def causal_attention(
     if kv_start is not None:
         kv_start = np.ascontiguousarray(kv_start, dtype=np.int32)
     narrow = kv_dtype == "bfloat16" or k.dtype == np.float16
-    if q.dtype == out.dtype == np.float32 and k.dtype == v.dtype and (k.dtype == np.float32 or narrow) \
-            and v.shape[3] == q.shape[3] and out.flags.c_contiguous:
+    if (
+        q.dtype == out.dtype == np.float32
+        and k.dtype == v.dtype
+        and (k.dtype == np.float32 or narrow)
+        and v.shape[3] == q.shape[3]
+        and out.flags.c_contiguous
+    ):
         _attention_kernel(
             np.ascontiguousarray(q),
             np.ascontiguousarray(k),

@@ -49,7 +49,7 @@ def stage(buffer: np.ndarray, new: np.ndarray, resident: np.ndarray) -> np.ndarr
     for row in range(b):
         r = int(resident[row])
         staged[row, :, :r] = buffer[row, :, :r]
-        staged[row, :, r:r + s] = new[row]
+        staged[row, :, r : r + s] = new[row]
     return staged
 
 
@@ -59,4 +59,4 @@ def keep(staged: np.ndarray, resident: np.ndarray, s: int, kept: np.ndarray, pre
     present.fill(0)
     for row in range(staged.shape[0]):
         end, n = int(resident[row]) + s, int(kept[row])
-        present[row, :, :n] = staged[row, :, end - n:end]
+        present[row, :, :n] = staged[row, :, end - n : end]

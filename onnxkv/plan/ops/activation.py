@@ -74,8 +74,13 @@ class SiluMul(Op):
 
     def run(self, inputs: list, rt) -> tuple:
         gate, up = inputs
-        if gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in (np.float32, np.float64) \
-                and gate.flags.c_contiguous and up.flags.c_contiguous:
+        if (
+            gate.shape == up.shape
+            and gate.dtype == up.dtype
+            and gate.dtype in (np.float32, np.float64)
+            and gate.flags.c_contiguous
+            and up.flags.c_contiguous
+        ):
             out = rt.empty(0, gate.shape, gate.dtype)
             K.silu_mul(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
             return (out,)

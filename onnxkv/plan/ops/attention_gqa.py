@@ -88,11 +88,15 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
+from onnxkv._kernels import decode_token as _decode_kernel
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
-from onnxkv._kernels import decode_token as _decode_kernel
 from onnxkv.plan.ops._attention_math import (
-    causal_attention, check_written, dense_attention, paged_causal_attention, position_bias,
+    causal_attention,
+    check_written,
+    dense_attention,
+    paged_causal_attention,
+    position_bias,
 )
 from onnxkv.plan.ops._gqa_lengths import check_int32, row_lengths, scalar_total
 from onnxkv.plan.ops._gqa_window import keep, stage, window_end
@@ -201,8 +205,12 @@ class GroupQueryAttention(Op):
         present_len = max(total, past_len)
         kv_len, past_lens = row_lengths(self._input_error, seqlens_k, b, s, total, past_len, first_prompt)
         if in_place and not first_prompt:
-            check_written(self, rt.caches[past_k_name], past_lens,
-                          lambda row: f"seqlens_k[{row}]={int(kv_len[row]) - 1} with {s} new token(s)")
+            check_written(
+                self,
+                rt.caches[past_k_name],
+                past_lens,
+                lambda row: f"seqlens_k[{row}]={int(kv_len[row]) - 1} with {s} new token(s)",
+            )
         q_pos = past_lens[:, None] + np.arange(s)[None, :]
 
         if self.do_rotary:
@@ -222,14 +230,38 @@ class GroupQueryAttention(Op):
             present_v = self._present(rt, 2, past_value, v, past_lens, present_len, dtype)
             keys, values = present_k, present_v
 
-        output = self._attend(rt, q, keys, values, kv_len, q_pos, total, attn_bias, head_sink, dtype,
-                              (rt.caches[past_k_name], rt.caches[past_v_name]) if in_place else None, kv_dtype)
+        output = self._attend(
+            rt,
+            q,
+            keys,
+            values,
+            kv_len,
+            q_pos,
+            total,
+            attn_bias,
+            head_sink,
+            dtype,
+            (rt.caches[past_k_name], rt.caches[past_v_name]) if in_place else None,
+            kv_dtype,
+        )
         outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
         return outs[: len(self.node.output)]
 
-    def _attend(self, rt: RunContext, q: np.ndarray, keys, values, kv_len: np.ndarray, q_pos: np.ndarray,
-                total: int, attn_bias: np.ndarray | None, head_sink: np.ndarray | None, dtype: np.dtype,
-                state: tuple | None = None, kv_dtype: str | None = None) -> np.ndarray:
+    def _attend(
+        self,
+        rt: RunContext,
+        q: np.ndarray,
+        keys,
+        values,
+        kv_len: np.ndarray,
+        q_pos: np.ndarray,
+        total: int,
+        attn_bias: np.ndarray | None,
+        head_sink: np.ndarray | None,
+        dtype: np.dtype,
+        state: tuple | None = None,
+        kv_dtype: str | None = None,
+    ) -> np.ndarray:
         """The attention output [B, S, Hq*D] of ``dtype`` (output 0) of Q [B, Hq, S, D] over ``keys``/``values``.
 
         Query ``s`` of row ``b`` at position ``q_pos[b, s]`` sees the keys the
@@ -265,8 +297,9 @@ class GroupQueryAttention(Op):
             output.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
         return output
 
-    def _run_window_cache(self, rt: RunContext, q: np.ndarray, k: np.ndarray, v: np.ndarray, inputs: list,
-                          dtype: np.dtype) -> Sequence[np.ndarray | None]:
+    def _run_window_cache(
+        self, rt: RunContext, q: np.ndarray, k: np.ndarray, v: np.ndarray, inputs: list, dtype: np.dtype
+    ) -> Sequence[np.ndarray | None]:
         """The outputs of a ``sliding_window_cache=1`` node fed window-sized past buffers (:mod:`._gqa_window`).
 
         ``q`` [B, Hq, S, D], ``k``/``v`` [B, Hkv, S, D] as split; ``inputs`` the
@@ -279,16 +312,20 @@ class GroupQueryAttention(Op):
         b, s, d = q.shape[0], q.shape[2], q.shape[3]
         w = self.window + 1
         if past_key is None or past_value is None:
-            raise self._input_error("sliding_window_cache=1 needs past_key and past_value (window-sized buffers of "
-                                    f"at least local_window_size={w} positions)")
+            raise self._input_error(
+                "sliding_window_cache=1 needs past_key and past_value (window-sized buffers of "
+                f"at least local_window_size={w} positions)"
+            )
         capacity = self._check_past(past_key, past_value, b, d, dtype)
         if capacity < w:
-            raise self._input_error(f"sliding_window_cache=1 needs past buffers of at least local_window_size={w} "
-                                    f"positions, got {capacity}")
+            raise self._input_error(
+                f"sliding_window_cache=1 needs past buffers of at least local_window_size={w} positions, got {capacity}"
+            )
         t = np.zeros(0) if total_seqlen is None else np.asarray(total_seqlen)
         if t.size != 1 or not s <= int(t.item()):
-            raise self._input_error(f"total_sequence_length must be one int32 >= {s} (the new tokens), got "
-                                    f"{t.reshape(-1)[:4].tolist()}")
+            raise self._input_error(
+                f"total_sequence_length must be one int32 >= {s} (the new tokens), got {t.reshape(-1)[:4].tolist()}"
+            )
         total = int(t.item())
         if seqlens_k is None or np.shape(seqlens_k) != (b,):
             raise self._input_error(f"seqlens_k must have shape ({b},), got {np.shape(seqlens_k)}")
@@ -296,9 +333,11 @@ class GroupQueryAttention(Op):
         bad = (totals < s) | (totals > total)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise self._input_error(f"seqlens_k[{row}]={int(totals[row]) - 1} out of range: with a window-sized cache "
-                                    f"it is the absolute total minus one, in [{s - 1}, {total - 1}] "
-                                    f"(total_sequence_length={total}, {s} new tokens)")
+            raise self._input_error(
+                f"seqlens_k[{row}]={int(totals[row]) - 1} out of range: with a window-sized cache "
+                f"it is the absolute total minus one, in [{s - 1}, {total - 1}] "
+                f"(total_sequence_length={total}, {s} new tokens)"
+            )
         past_lens = totals - s
         steps = np.arange(s)[None, :]
         if self.do_rotary:
@@ -315,12 +354,16 @@ class GroupQueryAttention(Op):
             if wanted:
                 new_kept = np.minimum(kept, s)
                 row = self.kv_num_heads * d * present.itemsize
-                rt.count(allocations=1, allocated_bytes=present.nbytes,
-                         prefix_copied_bytes=int((kept - new_kept).sum()) * row,
-                         append_copied_bytes=int(new_kept.sum()) * row)
+                rt.count(
+                    allocations=1,
+                    allocated_bytes=present.nbytes,
+                    prefix_copied_bytes=int((kept - new_kept).sum()) * row,
+                    append_copied_bytes=int(new_kept.sum()) * row,
+                )
             presents.append(present if wanted else None)
-        output = self._attend(rt, q, keys, values, resident + s, resident[:, None] + steps, keys.shape[2], None,
-                              head_sink, dtype)
+        output = self._attend(
+            rt, q, keys, values, resident + s, resident[:, None] + steps, keys.shape[2], None, head_sink, dtype
+        )
         return (output, *presents)[: len(self.node.output)]
 
     def _decode_token(self, inputs: list, rt: RunContext) -> tuple | None:
@@ -347,12 +390,22 @@ class GroupQueryAttention(Op):
         if caches is None or past_k_name not in caches or past_key is None or past_value is None:
             return None
         ck, cv = caches[past_k_name], caches[past_v_name]
-        if getattr(ck, "paged", False) or ck.storage != "float32" or cv.storage != "float32" \
-                or past_key.shape != past_value.shape or past_key.ndim != 4:
+        if (
+            getattr(ck, "paged", False)
+            or ck.storage != "float32"
+            or cv.storage != "float32"
+            or past_key.shape != past_value.shape
+            or past_key.ndim != 4
+        ):
             return None
-        if not isinstance(seqlens_k, np.ndarray) or seqlens_k.shape != (1,) or seqlens_k.dtype.kind not in "iu" \
-                or not isinstance(total_seqlen, np.ndarray) or total_seqlen.size != 1 \
-                or total_seqlen.dtype.kind not in "iu":
+        if (
+            not isinstance(seqlens_k, np.ndarray)
+            or seqlens_k.shape != (1,)
+            or seqlens_k.dtype.kind not in "iu"
+            or not isinstance(total_seqlen, np.ndarray)
+            or total_seqlen.size != 1
+            or total_seqlen.dtype.kind not in "iu"
+        ):
             return None
         past_len = past_key.shape[2]
         total, total_b = int(total_seqlen.reshape(-1)[0]), int(seqlens_k[0]) + 1
@@ -364,30 +417,61 @@ class GroupQueryAttention(Op):
         cos = sin = None
         if self.do_rotary:
             tables = self._tables
-            if tables is None or len(inputs) < 9 or inputs[7] is not tables[0] or inputs[8] is not tables[1] \
-                    or total_b > tables[2].shape[0]:
+            if (
+                tables is None
+                or len(inputs) < 9
+                or inputs[7] is not tables[0]
+                or inputs[8] is not tables[1]
+                or total_b > tables[2].shape[0]
+            ):
                 return None
             cos, sin = tables[2], tables[3]
         hq, hkv = self.num_heads, self.kv_num_heads
-        if key is None and value is None and isinstance(query, np.ndarray) and query.ndim == 3 \
-                and query.shape[:2] == (1, 1) and query.shape[2] == (hq + 2 * hkv) * past_key.shape[3]:
+        if (
+            key is None
+            and value is None
+            and isinstance(query, np.ndarray)
+            and query.ndim == 3
+            and query.shape[:2] == (1, 1)
+            and query.shape[2] == (hq + 2 * hkv) * past_key.shape[3]
+        ):
             # packed QKV (the GenAI builder's fused projection): one token's q, k, v are contiguous slices
             d = past_key.shape[3]
-            query, key, value = query[..., :hq * d], query[..., hq * d:(hq + hkv) * d], query[..., (hq + hkv) * d:]
+            query, key, value = query[..., : hq * d], query[..., hq * d : (hq + hkv) * d], query[..., (hq + hkv) * d :]
         if query.ndim != 3 or past_key.shape[:2] != (1, hkv) or past_key.shape[3] * hq != query.shape[2]:
             return None
         present_len = max(total, past_len)
         if present_len > ck.capacity or present_len > cv.capacity:
             # growth, as the general path's cache writes grow: only for arguments it accepts up to there
             shape = (1, 1, hkv * past_key.shape[3])
-            if query.dtype != np.float32 or query.shape[:2] != (1, 1) or key is None or value is None \
-                    or key.dtype != np.float32 or value.dtype != np.float32 or key.shape != shape \
-                    or value.shape != shape:
+            if (
+                query.dtype != np.float32
+                or query.shape[:2] != (1, 1)
+                or key is None
+                or value is None
+                or key.dtype != np.float32
+                or value.dtype != np.float32
+                or key.shape != shape
+                or value.shape != shape
+            ):
                 return None
         grown = ck.reserve(present_len), cv.reserve(present_len)
         output = rt.empty(0, (1, 1, query.shape[2]), np.float32)
-        done = _decode_kernel(query, key, value, cos, sin, self.interleaved, ck.buffer, cv.buffer, total_b - 1,
-                              float(self._softmax_scale(query.shape[2] // hq)), self.softcap, self.window, output)
+        done = _decode_kernel(
+            query,
+            key,
+            value,
+            cos,
+            sin,
+            self.interleaved,
+            ck.buffer,
+            cv.buffer,
+            total_b - 1,
+            float(self._softmax_scale(query.shape[2] // hq)),
+            self.softcap,
+            self.window,
+            output,
+        )
         # Record growth even when the kernel declined (the general path then finds the room made).
         present_k = rt.cache_appended(past_k_name, int(done), present_len, grown[0], total_b - 1)
         present_v = rt.cache_appended(past_v_name, int(done), present_len, grown[1], total_b - 1)

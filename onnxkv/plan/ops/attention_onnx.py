@@ -133,8 +133,10 @@ class Attention23(Op):
         a = self.attrs
         unknown = sorted(set(a) - self.attributes)
         if unknown:
-            raise self.error(f"unsupported attribute(s) {unknown} for opset {ctx.opset('')} "
-                             f"(Attention-{self.since} has {sorted(self.attributes)})")
+            raise self.error(
+                f"unsupported attribute(s) {unknown} for opset {ctx.opset('')} "
+                f"(Attention-{self.since} has {sorted(self.attributes)})"
+            )
         #: Window bounds of Attention-25 (-1: unbounded).
         self.left, self.right = (int(a.get(w, -1)) for w in ("left_window_size", "right_window_size"))
         for w, value in (("left_window_size", self.left), ("right_window_size", self.right)):
@@ -194,8 +196,9 @@ class Attention23(Op):
             bad = V.outside(nonpad, 0, k.shape[2])
             if bad.any():
                 row = int(np.argmax(bad))
-                raise self._input_error(f"nonpad_kv_seqlen[{row}] = {int(nonpad[row])} is outside [0, {k.shape[2]}] "
-                                        "(the keys of the row)")
+                raise self._input_error(
+                    f"nonpad_kv_seqlen[{row}] = {int(nonpad[row])} is outside [0, {k.shape[2]}] (the keys of the row)"
+                )
             nonpad = nonpad.astype(np.int64)
 
         total = past_len + k.shape[2]
@@ -212,8 +215,9 @@ class Attention23(Op):
             # In place: append after the past in the state's caches; present is a view (contiguous),
             # or the kernel reads the pages (paged; gathered only for the dense path).
             ck, cv = rt.caches[self.node.input[4]], rt.caches[self.node.input[5]]
-            check_written(self, ck, past_len,
-                          lambda row: f"past_key: the state's past of {past_len} positions, its longest row")
+            check_written(
+                self, ck, past_len, lambda row: f"past_key: the state's past of {past_len} positions, its longest row"
+            )
             paged = getattr(ck, "paged", False)
             gather = paged and not fast
             present_k = rt.cache_write(self.node.input[4], k, past_len, total, materialize=gather)
@@ -243,8 +247,9 @@ class Attention23(Op):
             y = np.empty((b, hq, sq, v.shape[3]), np.float32)
             kv_start, q_pos, window = seen
             if paged:
-                rt.count(**paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, window, y,
-                                                  kv_start))
+                rt.count(
+                    **paged_causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, window, y, kv_start)
+                )
             else:
                 causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, window, y, kv_start=kv_start)
         else:
@@ -265,8 +270,9 @@ class Attention23(Op):
             outs[3][...] = qk
         return outs[: len(self.node.output)]
 
-    def _kernel_ranges(self, mask, b: int, sq: int, total: int, offsets: np.ndarray,
-                       kv_len: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, int] | None:
+    def _kernel_ranges(
+        self, mask, b: int, sq: int, total: int, offsets: np.ndarray, kv_len: np.ndarray
+    ) -> tuple[np.ndarray | None, np.ndarray, int] | None:
         """``(kv_start, q_pos, window)`` of the streaming kernel (``kv_start`` None: 0) for the causal rule,
         the window and the mask, or None when the kernel cannot express them: the dense path then takes the
         call (and raises its errors).

@@ -43,8 +43,7 @@ def _partial_view(array: np.ndarray) -> bool:
         root = root.base
     if root is array:
         return False
-    return root.nbytes != array.nbytes or \
-        root.__array_interface__["data"][0] != array.__array_interface__["data"][0]
+    return root.nbytes != array.nbytes or root.__array_interface__["data"][0] != array.__array_interface__["data"][0]
 
 
 def check_writable_target(cache: np.ndarray, name: str, rt, fail: Callable[[str], Exception]) -> None:
@@ -61,8 +60,9 @@ def check_writable_target(cache: np.ndarray, name: str, rt, fail: Callable[[str]
         if bound.is_bound(cache):
             raise fail(f"cache '{name}' is storage bound to a state")
         if _partial_view(cache):
-            raise fail(f"cache '{name}' is a view of part of other storage (shared); "
-                       "pass an array that owns its memory")
+            raise fail(
+                f"cache '{name}' is a view of part of other storage (shared); pass an array that owns its memory"
+            )
     if not cache.flags.c_contiguous:
         raise fail(f"cache '{name}' must be C-contiguous")
 
@@ -102,16 +102,18 @@ class CacheUpdate(Op):
             raise self._fail(f"position must be >= 0, got {pos.tolist()}")
         end = int(starts.max(initial=0)) + s
         if end > cap:
-            raise CacheCapacityError(f"CacheUpdate node '{self.name}': position {pos.tolist()} + {s} new positions "
-                                     f"exceeds the capacity {cap} of '{self.cache_name}'")
+            raise CacheCapacityError(
+                f"CacheUpdate node '{self.name}': position {pos.tolist()} + {s} new positions "
+                f"exceeds the capacity {cap} of '{self.cache_name}'"
+            )
         if pos.ndim == 0:
             p = int(pos)
-            rt.preserve(cache, np.s_[:, :, p:p + s])
-            cache[:, :, p:p + s] = values
+            rt.preserve(cache, np.s_[:, :, p : p + s])
+            cache[:, :, p : p + s] = values
         else:
             for row in range(b):
                 p = int(starts[row])
-                rt.preserve(cache, np.s_[row, :, p:p + s])
-                cache[row, :, p:p + s] = values[row]
+                rt.preserve(cache, np.s_[row, :, p : p + s])
+                cache[row, :, p : p + s] = values[row]
         rt.count(append_copied_bytes=values.nbytes)
         return (cache,)

@@ -122,39 +122,55 @@ class _ControlFlow(Op):
         """The element of ``value``, a ``dtype`` tensor of one element, as a Python scalar."""
         if not isinstance(value, np.ndarray) or value.dtype != dtype or value.size != 1:
             got = f"{value.dtype} of shape {value.shape}" if isinstance(value, np.ndarray) else repr(value)
-            raise error(f"{self.op_type} node '{self.name}': {what} must be a tensor of one {np.dtype(dtype)} "
-                        f"element, got {got}")
+            raise error(
+                f"{self.op_type} node '{self.name}': {what} must be a tensor of one {np.dtype(dtype)} "
+                f"element, got {got}"
+            )
         return value.reshape(()).item()
 
-    def _check_types(self, values: Sequence, declared: Sequence, names: Sequence[str], what: str,
-                     error: type[OnnxkvError] = InputError) -> None:
+    def _check_types(
+        self,
+        values: Sequence,
+        declared: Sequence,
+        names: Sequence[str],
+        what: str,
+        error: type[OnnxkvError] = InputError,
+    ) -> None:
         """Each value is an array of the declared input's element type, if any (``names`` name the values)."""
         for value, want, name in zip(values, declared, names):
             if not isinstance(value, np.ndarray) or want.dtype not in (None, value.dtype):
                 got = value.dtype if isinstance(value, np.ndarray) else repr(value)
-                raise error(f"{self.op_type} node '{self.name}': {what} '{name}' is {got}, but the body input "
-                            f"'{want.name}' it feeds is {want.dtype}")
+                raise error(
+                    f"{self.op_type} node '{self.name}': {what} '{name}' is {got}, but the body input "
+                    f"'{want.name}' it feeds is {want.dtype}"
+                )
 
     def _collect(self, items: list, value, output: str, where: str) -> None:
         """Add a scan output element, which has the shape and element type of the first one."""
         if not isinstance(value, np.ndarray):
-            raise OperatorError(f"{self.op_type} node '{self.name}', {where}: scan output '{output}' is "
-                                f"{value!r}, not a tensor")
+            raise OperatorError(
+                f"{self.op_type} node '{self.name}', {where}: scan output '{output}' is {value!r}, not a tensor"
+            )
         if items and (value.shape != items[0].shape or value.dtype != items[0].dtype):
-            raise OperatorError(f"{self.op_type} node '{self.name}', {where}: scan output '{output}' is "
-                                f"{value.dtype} of shape {value.shape}, but the first iteration's was "
-                                f"{items[0].dtype} of shape {items[0].shape}; scan outputs keep their shape")
+            raise OperatorError(
+                f"{self.op_type} node '{self.name}', {where}: scan output '{output}' is "
+                f"{value.dtype} of shape {value.shape}, but the first iteration's was "
+                f"{items[0].dtype} of shape {items[0].shape}; scan outputs keep their shape"
+            )
         items.append(value)
 
-    def _stacked(self, rt: RunContext, index: int, items: list, axis: int, reverse: bool,
-                 declared: tuple) -> np.ndarray:
+    def _stacked(
+        self, rt: RunContext, index: int, items: list, axis: int, reverse: bool, declared: tuple
+    ) -> np.ndarray:
         """Output ``index``: the scan elements ``items`` stacked along ``axis`` (reversed if asked)."""
         if not items:
             return self._empty(rt, index, axis, declared)
         rank = items[0].ndim
         if not -rank - 1 <= axis <= rank:
-            raise OperatorError(f"{self.op_type} node '{self.name}': output {index} stacks elements of rank {rank}, "
-                                f"so its scan output axis must lie in [{-rank - 1}, {rank}], got {axis}")
+            raise OperatorError(
+                f"{self.op_type} node '{self.name}': output {index} stacks elements of rank {rank}, "
+                f"so its scan output axis must lie in [{-rank - 1}, {rank}], got {axis}"
+            )
         axis %= rank + 1
         shape = items[0].shape
         out = rt.empty(index, shape[:axis] + (len(items),) + shape[axis:], items[0].dtype)
@@ -168,8 +184,10 @@ class _ControlFlow(Op):
         """A scan output after zero iterations: zero along ``axis`` of the declared dims (see the module docstring)."""
         dtype, dims = declared
         if dtype is None:
-            raise OperatorError(f"{self.op_type} node '{self.name}': output {index} has no elements and its body "
-                                "output declares no element type")
+            raise OperatorError(
+                f"{self.op_type} node '{self.name}': output {index} has no elements and its body "
+                "output declares no element type"
+            )
         dims = () if dims is None else dims
         axis = axis % (len(dims) + 1) if -len(dims) - 1 <= axis <= len(dims) else 0
         return rt.empty(index, dims[:axis] + (0,) + dims[axis:], dtype)
@@ -206,26 +224,31 @@ class Loop(_ControlFlow):
         graph = self.attrs["body"]
         n = len(node.input) - 2
         if n < 0 or len(graph.input) != n + 2 or len(graph.output) < n + 1:
-            raise self.error(f"has {len(node.input)} inputs (M, cond and {max(n, 0)} loop-carried values), so its "
-                             f"body needs {max(n, 0) + 2} inputs and at least {max(n, 0) + 1} outputs; it has "
-                             f"{len(graph.input)} and {len(graph.output)}")
+            raise self.error(
+                f"has {len(node.input)} inputs (M, cond and {max(n, 0)} loop-carried values), so its "
+                f"body needs {max(n, 0) + 2} inputs and at least {max(n, 0) + 1} outputs; it has "
+                f"{len(graph.input)} and {len(graph.output)}"
+            )
         self.carried = n
         self.scans = len(graph.output) - 1 - n
         if len(node.output) > n + self.scans:
-            raise self.error(f"has {len(node.output)} outputs; its body gives {n} loop-carried values and "
-                             f"{self.scans} scan outputs")
+            raise self.error(
+                f"has {len(node.output)} outputs; its body gives {n} loop-carried values and {self.scans} scan outputs"
+            )
         counter, cond = self.body.inputs[:2]
         if counter.dtype not in (None, np.int64) or cond.dtype not in (None, np.bool_):
-            raise self.error(f"body inputs '{counter.name}' and '{cond.name}' must be the int64 iteration number "
-                             f"and the bool condition, but are {counter.dtype} and {cond.dtype}")
-        self._declared = [_declared(vi) for vi in graph.output[1 + n:]]
+            raise self.error(
+                f"body inputs '{counter.name}' and '{cond.name}' must be the int64 iteration number "
+                f"and the bool condition, but are {counter.dtype} and {cond.dtype}"
+            )
+        self._declared = [_declared(vi) for vi in graph.output[1 + n :]]
         self._outputs = [vi.name for vi in graph.output]
         self._capture([self.body])
 
     def run(self, inputs: list, rt: RunContext) -> list:
         node, n = self.node, self.carried
         m, cond = inputs[0], inputs[1]
-        carried = inputs[2:len(node.input)]
+        carried = inputs[2 : len(node.input)]
         self._check_types(carried, self.body.inputs[2:], node.input[2:], "loop-carried input")
         limit = None if m is None else self._one(m, np.int64, f"trip count M '{node.input[0]}'")
         going = True if cond is None else self._one(cond, np.bool_, f"condition '{node.input[1]}'")
@@ -237,15 +260,18 @@ class Loop(_ControlFlow):
             self._cancel_point(rt, where)
             outs = self._run_body(self.body, [np.array(i, np.int64), np.array(going), *carried, *scope], rt, where)
             going = self._one(outs[0], np.bool_, f"{where}: body output '{self._outputs[0]}'", OperatorError)
-            carried = outs[1:1 + n]
-            self._check_types(carried, self.body.inputs[2:], self._outputs[1:1 + n],
-                              f"{where}: loop-carried output", OperatorError)
-            for k, value in enumerate(outs[1 + n:]):
+            carried = outs[1 : 1 + n]
+            self._check_types(
+                carried, self.body.inputs[2:], self._outputs[1 : 1 + n], f"{where}: loop-carried output", OperatorError
+            )
+            for k, value in enumerate(outs[1 + n :]):
                 self._collect(scans[k], value, self._outputs[1 + n + k], where)
             i += 1
-        stacked = [self._stacked(rt, n + k, items, 0, False, self._declared[k]) if n + k < len(node.output) else None
-                   for k, items in enumerate(scans)]
-        return [*carried, *stacked][:len(node.output)]
+        stacked = [
+            self._stacked(rt, n + k, items, 0, False, self._declared[k]) if n + k < len(node.output) else None
+            for k, items in enumerate(scans)
+        ]
+        return [*carried, *stacked][: len(node.output)]
 
 
 class _ScanBody(_ControlFlow):
@@ -260,16 +286,19 @@ class _ScanBody(_ControlFlow):
         graph = self.attrs["body"]
         m = self.attrs.get("num_scan_inputs")
         if not isinstance(m, int) or not 1 <= m <= len(node.input) - self.lead:
-            raise self.error(f"num_scan_inputs must be an int in [1, {len(node.input) - self.lead}] (its scan "
-                             f"inputs are among its last inputs), got {m!r}")
+            raise self.error(
+                f"num_scan_inputs must be an int in [1, {len(node.input) - self.lead}] (its scan "
+                f"inputs are among its last inputs), got {m!r}"
+            )
         n = len(node.input) - self.lead - m
         if len(graph.input) != n + m or len(graph.output) < n:
-            raise self.error(f"has {n} state and {m} scan inputs, so its body needs {n + m} inputs and at least "
-                             f"{n} outputs; it has {len(graph.input)} and {len(graph.output)}")
+            raise self.error(
+                f"has {n} state and {m} scan inputs, so its body needs {n + m} inputs and at least "
+                f"{n} outputs; it has {len(graph.input)} and {len(graph.output)}"
+            )
         self.states, self.inputs, self.scans = n, m, len(graph.output) - n
         if len(node.output) > n + self.scans:
-            raise self.error(f"has {len(node.output)} outputs; its body gives {n} states and {self.scans} "
-                             "scan outputs")
+            raise self.error(f"has {len(node.output)} outputs; its body gives {n} states and {self.scans} scan outputs")
         self.directions = self._flags(directions, m)
         self._declared = [_declared(vi) for vi in graph.output[n:]]
         self._outputs = [vi.name for vi in graph.output]
@@ -289,8 +318,9 @@ class _ScanBody(_ControlFlow):
             raise self.error(f"attribute '{attr}' must hold 0 (forward) or 1 (reverse), got {values}")
         return [bool(v) for v in values]
 
-    def _iterate(self, states: list, sequences: list, length: int, scope: list, rt: RunContext,
-                 prefix: str = "") -> tuple[list, list[list]]:
+    def _iterate(
+        self, states: list, sequences: list, length: int, scope: list, rt: RunContext, prefix: str = ""
+    ) -> tuple[list, list[list]]:
         """Run the body over positions ``[0, length)`` of ``sequences`` (scan axis first, C-contiguous).
 
         Returns the final states and each scan output's elements in iteration order.
@@ -304,8 +334,7 @@ class _ScanBody(_ControlFlow):
             slices = [s[last - t if rev else t, ...] for s, rev in zip(sequences, self.directions)]
             outs = self._run_body(self.body, [*states, *slices, *scope], rt, where)
             states = outs[:n]
-            self._check_types(states, self.body.inputs[:n], self._outputs[:n], f"{where}: state output",
-                              OperatorError)
+            self._check_types(states, self.body.inputs[:n], self._outputs[:n], f"{where}: state output", OperatorError)
             for k, value in enumerate(outs[n:]):
                 self._collect(elements[k], value, self._outputs[n + k], where)
         return states, elements
@@ -324,26 +353,33 @@ class Scan(_ScanBody):
 
     def run(self, inputs: list, rt: RunContext) -> list:
         node, n = self.node, self.states
-        states, xs = inputs[:n], inputs[n:len(node.input)]
+        states, xs = inputs[:n], inputs[n : len(node.input)]
         names = node.input[n:]
         self._check_types(states, self.body.inputs[:n], node.input[:n], "state input")
         self._check_types(xs, self.body.inputs[n:], names, "scan input")
         sequences, length = [], None
         for x, axis, name in zip(xs, self.axes, names):
             if not -x.ndim <= axis < x.ndim:
-                raise InputError(f"Scan node '{self.name}': scan input '{name}' of shape {x.shape} has no axis {axis} "
-                                 f"(scan_input_axes must lie in [{-x.ndim}, {x.ndim - 1}])")
+                raise InputError(
+                    f"Scan node '{self.name}': scan input '{name}' of shape {x.shape} has no axis {axis} "
+                    f"(scan_input_axes must lie in [{-x.ndim}, {x.ndim - 1}])"
+                )
             axis %= x.ndim
             if length is not None and x.shape[axis] != length:
-                raise InputError(f"Scan node '{self.name}': scan input '{name}' has length {x.shape[axis]} along axis "
-                                 f"{axis}, but '{names[0]}' has {length}; every scan input needs the same length")
+                raise InputError(
+                    f"Scan node '{self.name}': scan input '{name}' has length {x.shape[axis]} along axis "
+                    f"{axis}, but '{names[0]}' has {length}; every scan input needs the same length"
+                )
             length = x.shape[axis]
             sequences.append(np.ascontiguousarray(np.moveaxis(x, axis, 0)))
         states, elements = self._iterate(states, sequences, length, self._scope(inputs, 0), rt)
-        outputs = [self._stacked(rt, n + k, items, axis, rev, declared) if n + k < len(node.output) else None
-                   for k, (items, axis, rev, declared) in enumerate(
-                       zip(elements, self.output_axes, self.output_reversed, self._declared))]
-        return [*states, *outputs][:len(node.output)]
+        outputs = [
+            self._stacked(rt, n + k, items, axis, rev, declared) if n + k < len(node.output) else None
+            for k, (items, axis, rev, declared) in enumerate(
+                zip(elements, self.output_axes, self.output_reversed, self._declared)
+            )
+        ]
+        return [*states, *outputs][: len(node.output)]
 
 
 @register("Scan", since=8)
@@ -358,16 +394,24 @@ class Scan8(_ScanBody):
 
     def run(self, inputs: list, rt: RunContext) -> list:
         node, n = self.node, self.states
-        states, xs = inputs[1:1 + n], inputs[1 + n:len(node.input)]
+        states, xs = inputs[1 : 1 + n], inputs[1 + n : len(node.input)]
         names = node.input[1:]
         batch, length = self._batch(states, xs, names)
         lens = self._lengths(inputs[0], batch, length)
         self._check_types(states, self.body.inputs[:n], names[:n], "state input")
         self._check_types(xs, self.body.inputs[n:], names[n:], "scan input")
         scope = self._scope(inputs, 0)
-        rows = [self._iterate([np.ascontiguousarray(s[b, ...]) for s in states],
-                              [np.ascontiguousarray(x[b, :lens[b]]) for x in xs], lens[b], scope, rt, f"batch row {b}, ")
-                for b in range(batch)]
+        rows = [
+            self._iterate(
+                [np.ascontiguousarray(s[b, ...]) for s in states],
+                [np.ascontiguousarray(x[b, : lens[b]]) for x in xs],
+                lens[b],
+                scope,
+                rt,
+                f"batch row {b}, ",
+            )
+            for b in range(batch)
+        ]
         finals = [self._rows(rt, k, [r[0][k] for r in rows]) for k in range(n)] if batch else states
         outputs = []
         for k in range(self.scans):
@@ -376,20 +420,25 @@ class Scan8(_ScanBody):
             items = [r[1][k] for r in rows]
             shaped = next((row[0] for row in items if row), None)
             if shaped is None:
-                outputs.append(self._empty(rt, n + k, 0, self._declared[k])
-                               if batch == 0 else self._padded(rt, n + k, batch, length, self._declared[k]))
+                outputs.append(
+                    self._empty(rt, n + k, 0, self._declared[k])
+                    if batch == 0
+                    else self._padded(rt, n + k, batch, length, self._declared[k])
+                )
                 continue
             out = rt.empty(n + k, (batch, length) + shaped.shape, shaped.dtype)
             for b, row in enumerate(items):
                 for t, item in enumerate(row):
                     if item.shape != shaped.shape:
-                        raise OperatorError(f"Scan node '{self.name}', batch row {b}: scan output "
-                                            f"'{self._outputs[n + k]}' has shape {item.shape}, but batch rows "
-                                            f"before it gave {shaped.shape}")
+                        raise OperatorError(
+                            f"Scan node '{self.name}', batch row {b}: scan output "
+                            f"'{self._outputs[n + k]}' has shape {item.shape}, but batch rows "
+                            f"before it gave {shaped.shape}"
+                        )
                     out[b, t] = item
-                out[b, len(row):] = 0
+                out[b, len(row) :] = 0
             outputs.append(out)
-        return [*finals, *outputs][:len(node.output)]
+        return [*finals, *outputs][: len(node.output)]
 
     def _batch(self, states: list, xs: list, names: Sequence[str]) -> tuple[int, int]:
         """The batch size (axis 0 of every input) and the sequence length (axis 1 of every scan input)."""
@@ -397,16 +446,21 @@ class Scan8(_ScanBody):
         for i, x in enumerate([*states, *xs]):
             scan = i >= len(states)
             if x.ndim < 1 + scan:
-                raise InputError(f"Scan node '{self.name}': input '{names[i]}' has shape {x.shape}; Scan 8 needs a "
-                                 f"batch axis{' and a sequence axis' if scan else ''}")
+                raise InputError(
+                    f"Scan node '{self.name}': input '{names[i]}' has shape {x.shape}; Scan 8 needs a "
+                    f"batch axis{' and a sequence axis' if scan else ''}"
+                )
             if batch is not None and x.shape[0] != batch:
-                raise InputError(f"Scan node '{self.name}': input '{names[i]}' has batch {x.shape[0]}, but "
-                                 f"'{names[0]}' has {batch}")
+                raise InputError(
+                    f"Scan node '{self.name}': input '{names[i]}' has batch {x.shape[0]}, but '{names[0]}' has {batch}"
+                )
             batch = x.shape[0]
             if scan:
                 if length is not None and x.shape[1] != length:
-                    raise InputError(f"Scan node '{self.name}': scan input '{names[i]}' has sequence length "
-                                     f"{x.shape[1]}, but another scan input has {length}")
+                    raise InputError(
+                        f"Scan node '{self.name}': scan input '{names[i]}' has sequence length "
+                        f"{x.shape[1]}, but another scan input has {length}"
+                    )
                 length = x.shape[1]
         return batch, length
 
@@ -416,12 +470,16 @@ class Scan8(_ScanBody):
         name = self.node.input[0]
         if not isinstance(given, np.ndarray) or given.dtype != np.int64 or given.shape != (batch,):
             got = f"{given.dtype} of shape {given.shape}" if isinstance(given, np.ndarray) else repr(given)
-            raise InputError(f"Scan node '{self.name}': sequence_lens '{name}' must be int64 of shape [{batch}] "
-                             f"(the batch), got {got}")
+            raise InputError(
+                f"Scan node '{self.name}': sequence_lens '{name}' must be int64 of shape [{batch}] "
+                f"(the batch), got {got}"
+            )
         lens = given.tolist()
         if any(not 0 <= v <= length for v in lens):
-            raise InputError(f"Scan node '{self.name}': sequence_lens '{name}' is {lens}; each must lie in "
-                             f"[0, {length}] (the sequence length)")
+            raise InputError(
+                f"Scan node '{self.name}': sequence_lens '{name}' is {lens}; each must lie in "
+                f"[0, {length}] (the sequence length)"
+            )
         return lens
 
     def _rows(self, rt: RunContext, index: int, values: list) -> np.ndarray:
@@ -429,8 +487,10 @@ class Scan8(_ScanBody):
         out = rt.empty(index, (len(values),) + values[0].shape, values[0].dtype)
         for b, value in enumerate(values):
             if value.shape != values[0].shape:
-                raise OperatorError(f"Scan node '{self.name}', batch row {b}: state '{self._outputs[index]}' has "
-                                    f"shape {value.shape}, but batch row 0 gave {values[0].shape}")
+                raise OperatorError(
+                    f"Scan node '{self.name}', batch row {b}: state '{self._outputs[index]}' has "
+                    f"shape {value.shape}, but batch row 0 gave {values[0].shape}"
+                )
             out[b] = value
         return out
 
@@ -438,8 +498,9 @@ class Scan8(_ScanBody):
         """A scan output of rows that all had length zero: zeros of the declared element dims."""
         dtype, dims = declared
         if dtype is None:
-            raise OperatorError(f"Scan node '{self.name}': output {index} has no elements and its body output "
-                                "declares no element type")
+            raise OperatorError(
+                f"Scan node '{self.name}': output {index} has no elements and its body output declares no element type"
+            )
         out = rt.empty(index, (batch, length) + (dims or ()), dtype)
         out[...] = 0
         return out

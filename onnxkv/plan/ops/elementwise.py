@@ -219,8 +219,9 @@ class Sigmoid(Op):
 
 
 #: Float 8 types whose conversion clamps out-of-range values to the largest finite value when ``saturate=1``.
-_SATURATING = frozenset({TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2,
-                         TensorProto.FLOAT8E5M2FNUZ})
+_SATURATING = frozenset(
+    {TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2, TensorProto.FLOAT8E5M2FNUZ}
+)
 _ROUND_MODES = ("up", "down", "nearest")
 
 

@@ -79,7 +79,7 @@ class _Packed:
         """The logical slices ``rows`` (int64, normalised) of the gathered axis: int16 ``[M, len(rows), ...]``."""
         b = np.take(self.array, rows, axis=1)
         if self.per_byte == 2:
-            b = np.stack((b & 15, b >> 4), axis=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))[..., :self.count]
+            b = np.stack((b & 15, b >> 4), axis=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))[..., : self.count]
         elif self.bits == 4:
             b &= 15
         v = b.astype(np.int16)
@@ -96,7 +96,7 @@ def _int4(values: np.ndarray, axis: int, pack: bool) -> _Packed:
     constants); otherwise the values' own bytes (no copy).
     """
     shape, signed = values.shape, values.dtype == _INT4
-    m, g, rest = prod(shape[:axis]), shape[axis], prod(shape[axis + 1:])
+    m, g, rest = prod(shape[:axis]), shape[axis], prod(shape[axis + 1 :])
     if not pack:
         return _Packed(values.view(np.uint8).reshape(m, g, rest), 1, rest, 4, signed, shape)
     nib = values.view(np.uint8).reshape(m, g, rest) & 15
@@ -145,8 +145,7 @@ class GatherBlockQuantized(Op):
         if self.bits not in (4, 8):
             raise self.error(f"attribute bits is {self.bits}; onnxkv supports 4 and 8")
         if len(node.input) not in (3, 4) or not all(node.input[:3]):
-            raise self.error(f"has inputs {list(node.input)}; expected data, indices, scales and optional "
-                             "zero_points")
+            raise self.error(f"has inputs {list(node.input)}; expected data, indices, scales and optional zero_points")
         positions = [p for p in (0, 2, 3) if p < len(node.input) and node.input[p]]
         consts = [ctx.constant(node.input[p]) for p in positions]
         self.table: _Table | None = None
@@ -158,8 +157,10 @@ class GatherBlockQuantized(Op):
     def _axes(self, rank: int) -> tuple[int, int]:
         what = f"{self.op_type} node '{self.name}'"
         try:
-            return (normalize_axis(self._gather_axis, rank, f"{what}: gather_axis"),
-                    normalize_axis(self._quantize_axis, rank, f"{what}: quantize_axis"))
+            return (
+                normalize_axis(self._gather_axis, rank, f"{what}: gather_axis"),
+                normalize_axis(self._quantize_axis, rank, f"{what}: quantize_axis"),
+            )
         except ValueError as e:
             raise ModelError(str(e)) from None
 
@@ -173,8 +174,10 @@ class GatherBlockQuantized(Op):
         g, q = self._axes(data.ndim)
         if data.dtype == np.uint8:
             if g != 0 or q != data.ndim - 1 or g == q:
-                raise self.error(f"uint8 data of shape {list(data.shape)} needs gather_axis 0 and quantize_axis "
-                                 f"the last axis, different axes; got {g} and {q}")
+                raise self.error(
+                    f"uint8 data of shape {list(data.shape)} needs gather_axis 0 and quantize_axis "
+                    f"the last axis, different axes; got {g} and {q}"
+                )
             shape = data.shape[:-1] + (data.shape[-1] * (8 // bits),)
             values = _uint8(data, bits, shape[-1], shape)
             default_zp = 1 << (bits - 1)
@@ -188,10 +191,12 @@ class GatherBlockQuantized(Op):
             raise self.error(f"data has element type {data.dtype}; expected uint8, int4 or uint4")
         if scales.dtype not in _SCALE_TYPES:
             raise self.error(f"scales have element type {scales.dtype}; expected float32 or float16")
-        want = shape[:q] + (-(-shape[q] // bs),) + shape[q + 1:]
+        want = shape[:q] + (-(-shape[q] // bs),) + shape[q + 1 :]
         if scales.shape != want:
-            raise self.error(f"scales have shape {list(scales.shape)}; data of logical shape {list(shape)} with "
-                             f"block_size {bs} along axis {q} needs {list(want)}")
+            raise self.error(
+                f"scales have shape {list(scales.shape)}; data of logical shape {list(shape)} with "
+                f"block_size {bs} along axis {q} needs {list(want)}"
+            )
         if zp is None:
             return _Table(values, scales, None, default_zp, (g, q))
         if zp.dtype != data.dtype:
@@ -199,8 +204,10 @@ class GatherBlockQuantized(Op):
         if data.dtype == np.uint8:
             stored = want[:-1] + (-(-want[-1] // (8 // bits)),)
             if zp.shape != stored:
-                raise self.error(f"zero_points have shape {list(zp.shape)}; scales of shape {list(want)} need "
-                                 f"{list(stored)} ({8 // bits} per byte along the last axis)")
+                raise self.error(
+                    f"zero_points have shape {list(zp.shape)}; scales of shape {list(want)} need "
+                    f"{list(stored)} ({8 // bits} per byte along the last axis)"
+                )
             return _Table(values, scales, _uint8(zp, bits, want[-1], want), default_zp, (g, q))
         if zp.shape != want:
             raise self.error(f"zero_points have shape {list(zp.shape)}; expected {list(want)}, the scales'")
@@ -209,14 +216,18 @@ class GatherBlockQuantized(Op):
     def _indices(self, idx: np.ndarray, size: int, axis: int) -> np.ndarray:
         """``idx`` checked against ``[-size, size - 1]`` in its own width, as normalised int64 (flattened)."""
         if idx.dtype not in _INDEX_TYPES:
-            raise InputError(f"{self.op_type} node '{self.name}': indices (input '{self.node.input[1]}') have "
-                             f"element type {idx.dtype}; expected int32 or int64")
+            raise InputError(
+                f"{self.op_type} node '{self.name}': indices (input '{self.node.input[1]}') have "
+                f"element type {idx.dtype}; expected int32 or int64"
+            )
         if idx.size:
             lo, hi = int(idx.min()), int(idx.max())
             if lo < -size or hi >= size:
-                raise InputError(f"{self.op_type} node '{self.name}': index {lo if lo < -size else hi} (input "
-                                 f"'{self.node.input[1]}') is out of range: gather_axis {axis} has size {size}, "
-                                 f"indices must lie in [{-size}, {size - 1}]")
+                raise InputError(
+                    f"{self.op_type} node '{self.name}': index {lo if lo < -size else hi} (input "
+                    f"'{self.node.input[1]}') is out of range: gather_axis {axis} has size {size}, "
+                    f"indices must lie in [{-size}, {size - 1}]"
+                )
         flat = idx.reshape(-1).astype(np.int64)
         if idx.size and lo < 0:
             flat[flat < 0] += size
@@ -231,10 +242,10 @@ class GatherBlockQuantized(Op):
         shape = t.data.shape
         g, q = t.axes
         rows = self._indices(idx, shape[g], g)
-        out_shape = shape[:g] + idx.shape + shape[g + 1:]
+        out_shape = shape[:g] + idx.shape + shape[g + 1 :]
         # Scale and zero-point rows: the gathered rows, or their blocks when both axes are the same one.
         srows = rows // self.block_size if q == g else rows
-        gathered = t.scales.shape[:g] + idx.shape + t.scales.shape[g + 1:]
+        gathered = t.scales.shape[:g] + idx.shape + t.scales.shape[g + 1 :]
         scale = self._expand(np.take(t.scales, srows, axis=g).reshape(gathered), q, g, idx.ndim, shape[q])
         values = t.data.take(rows).reshape(out_shape)
         if t.zero_points is None:

@@ -70,8 +70,9 @@ __all__ = ["MaskedAttention", "mask_ranges", "visible_ranges", "cached_mask_rang
 #: Additive mask values at or below this hide a key (float32 min and -inf included).
 MASKED = -1e30
 
-_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE, _Q_SCALE = (MASKED_ATTENTION_INPUTS.index(r) for r in (
-    "q", "k", "v", "mask", "k_scale", "score_scale", "q_scale"))
+_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE, _Q_SCALE = (
+    MASKED_ATTENTION_INPUTS.index(r) for r in ("q", "k", "v", "mask", "k_scale", "score_scale", "q_scale")
+)
 _K_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("k_axes"), MASKED_ATTENTION_INPUTS.index("k_reshape") + 1)
 _V_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("v_axes"), MASKED_ATTENTION_INPUTS.index("v_reshape") + 1)
 
@@ -121,9 +122,11 @@ def visible_ranges(visible: np.ndarray, b: int, s: int) -> tuple[np.ndarray, np.
         return None  # rows of one batch row starting at different keys
     start = np.where(start == t, 0, start)
     q_pos = np.where(filled, last, start[:, None] - 1)
-    return (np.ascontiguousarray(np.broadcast_to(start, (b,)), dtype=np.int32),
-            np.ascontiguousarray(np.broadcast_to(q_pos, (b, s)), dtype=np.int32),
-            np.broadcast_to(~filled, (b, s)))
+    return (
+        np.ascontiguousarray(np.broadcast_to(start, (b,)), dtype=np.int32),
+        np.ascontiguousarray(np.broadcast_to(q_pos, (b, s)), dtype=np.int32),
+        np.broadcast_to(~filled, (b, s)),
+    )
 
 
 #: Per thread: the last mask that mask_ranges described (key, copy of the mask, result).
@@ -209,8 +212,11 @@ class MaskedAttention(Op):
         names = node.input
         #: Repeat parameters and scales only known at run time: their values join the layout memo key (each
         #: is a tensor of a fixed dtype, so equal bytes mean equal values).
-        self._keyed = tuple(i for i in range(_K_REPEAT.start, _Q_SCALE + 1)
-                            if i < len(names) and names[i] and ctx.constant(names[i]) is None)
+        self._keyed = tuple(
+            i
+            for i in range(_K_REPEAT.start, _Q_SCALE + 1)
+            if i < len(names) and names[i] and ctx.constant(names[i]) is None
+        )
         self._any_length = self._length_free(ctx, templates)
         self._memo = LayoutMemo()
 
@@ -230,8 +236,9 @@ class MaskedAttention(Op):
             e, r = int_list(values[1]), int_list(values[2])
             if len(e) != 5 or e[3] != 1 or len(r) != 4:
                 return False
-            if not (r[2] == 0 and -1 not in r if reshape in templates else
-                    r[2] == -1 and r.count(-1) == 1 and r[3] != 0):
+            if not (
+                r[2] == 0 and -1 not in r if reshape in templates else r[2] == -1 and r.count(-1) == 1 and r[3] != 0
+            ):
                 return False
         return True
 
@@ -249,8 +256,10 @@ class MaskedAttention(Op):
     def run(self, inputs: list, rt: RunContext) -> tuple:
         q, k, v = inputs[_Q], inputs[_K], inputs[_V]
         if q.shape[0] < 1:
-            raise InputError(f"{self.op_type} node '{self.name}': the batch is empty (query shape {q.shape}); "
-                             "expected at least one row")
+            raise InputError(
+                f"{self.op_type} node '{self.name}': the batch is empty (query shape {q.shape}); "
+                "expected at least one row"
+            )
         scale = self._memo.get(self._key(inputs), self._scale, inputs)
         b, _, s, _ = q.shape
         ranges = None if scale is None else cached_mask_ranges(inputs[_MASK], b, s, k.shape[2])
@@ -259,8 +268,18 @@ class MaskedAttention(Op):
         kv_start, q_pos, empty = ranges
         out = rt.empty(0, q.shape, np.float32)
         kv_len = np.full(b, k.shape[2], np.int32)
-        _attention_kernel(np.ascontiguousarray(q), _kv_rows(k), _kv_rows(v), kv_len, q_pos, scale, 0.0, -1, out,
-                          kv_start if kv_start.any() else None)
+        _attention_kernel(
+            np.ascontiguousarray(q),
+            _kv_rows(k),
+            _kv_rows(v),
+            kv_len,
+            q_pos,
+            scale,
+            0.0,
+            -1,
+            out,
+            kv_start if kv_start.any() else None,
+        )
         if empty.any():
             rows = np.flatnonzero(empty.any(axis=0))
             sub = list(self._templated(inputs))
@@ -277,9 +296,19 @@ class MaskedAttention(Op):
         :meth:`_key` holds."""
         inputs = self._templated(inputs)
         q, k, v = inputs[_Q], inputs[_K], inputs[_V]
-        if not self._last_axis_softmax or q.dtype != np.float32 or q.ndim != 4 or k.ndim != 4 \
-                or v.shape != k.shape or k.dtype != v.dtype or k.dtype not in (np.float32, np.float16) \
-                or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or 0 in q.shape or 0 in k.shape:
+        if (
+            not self._last_axis_softmax
+            or q.dtype != np.float32
+            or q.ndim != 4
+            or k.ndim != 4
+            or v.shape != k.shape
+            or k.dtype != v.dtype
+            or k.dtype not in (np.float32, np.float16)
+            or k.shape[0] != q.shape[0]
+            or k.shape[3] != q.shape[3]
+            or 0 in q.shape
+            or 0 in k.shape
+        ):
             return None
         group = self._group(k, inputs[_K_REPEAT])
         if not group or group != self._group(v, inputs[_V_REPEAT]) or q.shape[1] != k.shape[1] * group:

@@ -85,8 +85,10 @@ class MatMul(Op):
         if packed is not None:
             k = packed.shape[1]
             if a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != k:
-                raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and ({k}, {self._n}) "
-                                 f"do not align (A must be float32 [..., {k}], got {a.dtype})")
+                raise ValueError(
+                    f"MatMul node '{self.name}': shapes {a.shape} and ({k}, {self._n}) "
+                    f"do not align (A must be float32 [..., {k}], got {a.dtype})"
+                )
             out = rt.empty(0, a.shape[:-1] + (self._n,), np.float32)
             x = np.ascontiguousarray(a).reshape(-1, k)
             o = out.reshape(-1, self._n)

@@ -76,11 +76,14 @@ class MatMulNBits(Op):
         super().__init__(node, ctx)
         inputs = list(node.input) + [""] * (6 - len(node.input))
         if inputs[4]:
-            raise self.error(f"input g_idx ('{inputs[4]}') is not supported: onnxkv runs weights grouped by "
-                             f"k // block_size, without act-order indices")
+            raise self.error(
+                f"input g_idx ('{inputs[4]}') is not supported: onnxkv runs weights grouped by "
+                f"k // block_size, without act-order indices"
+            )
         self._layout(self.attrs.get("N"))
-        B, scales, zp = (_constant(self, ctx, inputs[i], role) for i, role in ((1, "B"), (2, "scales"),
-                                                                               (3, "zero_points")))
+        B, scales, zp = (
+            _constant(self, ctx, inputs[i], role) for i, role in ((1, "B"), (2, "scales"), (3, "zero_points"))
+        )
         if B is None or scales is None:
             raise self.error("inputs B and scales are required")
         self._pack(B, scales, zp)
@@ -107,12 +110,20 @@ class MatMulNBits(Op):
     def _pack(self, B: np.ndarray, scales: np.ndarray, zp: np.ndarray | None) -> None:
         """Packs the weight (ORT layout, self.n columns) into self.weight; a load error for a bad layout."""
         try:
-            self.weight = pack_nbits(np.ascontiguousarray(B), np.ascontiguousarray(_float32(scales)),
-                                     None if zp is None else np.ascontiguousarray(_float32(zp)), self.k, self.n,
-                                     self.bits, self.block_size)
+            self.weight = pack_nbits(
+                np.ascontiguousarray(B),
+                np.ascontiguousarray(_float32(scales)),
+                None if zp is None else np.ascontiguousarray(_float32(zp)),
+                self.k,
+                self.n,
+                self.bits,
+                self.block_size,
+            )
         except ValueError as e:
-            raise self.error(f"{e} (K={self.k}, N={self.n}, bits={self.bits}, block_size={self.block_size}, "
-                             f"{-(-self.k // self.block_size)} blocks per column)") from None
+            raise self.error(
+                f"{e} (K={self.k}, N={self.n}, bits={self.bits}, block_size={self.block_size}, "
+                f"{-(-self.k // self.block_size)} blocks per column)"
+            ) from None
         _release_pages(B)
 
     def _blas(self, x: np.ndarray, out: np.ndarray) -> None:
@@ -127,8 +138,10 @@ class MatMulNBits(Op):
         """A [..., K] (checked here) @ w (+ bias, checked by the caller) as float32 [rows, n], into ``out``
         (float32 [..., n], or None for a new array)."""
         if a.dtype not in _FLOATS or a.ndim < 1 or a.shape[-1] != self.k:
-            raise ValueError(f"{self.op_type} node '{self.name}': input A must be float32 or float16 [..., {self.k}], "
-                             f"got {a.dtype} {a.shape}")
+            raise ValueError(
+                f"{self.op_type} node '{self.name}': input A must be float32 or float16 [..., {self.k}], "
+                f"got {a.dtype} {a.shape}"
+            )
         x = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, self.k)
         o = (np.empty((x.shape[0], self.n), np.float32) if out is None else out).reshape(-1, self.n)
         if self.int8 or x.shape[0] <= BLAS_M:
@@ -142,8 +155,9 @@ class MatMulNBits(Op):
     def run(self, inputs: list, rt) -> tuple:
         a, bias = inputs[0], inputs[5] if len(inputs) > 5 else None
         if bias is not None and (bias.dtype not in _FLOATS or bias.shape != (self.n,)):
-            raise ValueError(f"MatMulNBits node '{self.name}': bias must be float [{self.n}], got {bias.dtype} "
-                             f"{bias.shape}")
+            raise ValueError(
+                f"MatMulNBits node '{self.name}': bias must be float [{self.n}], got {bias.dtype} {bias.shape}"
+            )
         f32 = a.dtype == np.float32
         out = rt.empty(0, a.shape[:-1] + (self.n,), np.float32) if f32 and a.ndim else None
         o = self._product(a, None if bias is None else np.ascontiguousarray(bias, dtype=np.float32), out)
@@ -166,25 +180,40 @@ class SiblingMatMulNBits(MatMulNBits):
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         Op.__init__(self, node, ctx)
         ns = self.attrs.get("N")
-        if not (isinstance(ns, list) and len(ns) >= 2 and len(node.input) == 1 + 4 * len(ns)
-                and len(node.output) == len(ns)):
-            raise self.error(f"needs A, then B, scales, zero_points, bias per member and N per member, got "
-                             f"{len(node.input)} inputs and N={ns!r}")
+        if not (
+            isinstance(ns, list) and len(ns) >= 2 and len(node.input) == 1 + 4 * len(ns) and len(node.output) == len(ns)
+        ):
+            raise self.error(
+                f"needs A, then B, scales, zero_points, bias per member and N per member, got "
+                f"{len(node.input)} inputs and N={ns!r}"
+            )
         self._layout(sum(ns) if all(isinstance(n, int) and n >= 1 for n in ns) else ns)
-        members = [[_constant(self, ctx, node.input[1 + 4 * i + j], role)
-                    for j, role in enumerate(("B", "scales", "zero_points", "bias"))] for i in range(len(ns))]
+        members = [
+            [
+                _constant(self, ctx, node.input[1 + 4 * i + j], role)
+                for j, role in enumerate(("B", "scales", "zero_points", "bias"))
+            ]
+            for i in range(len(ns))
+        ]
         kinds = {None if m[2] is None else m[2].dtype for m in members}
         if any(m[0] is None or m[1] is None for m in members) or len(kinds) != 1:
             raise self.error("every member needs B and scales, and one zero-point kind")
         rows = lambda a, n: np.ascontiguousarray(a).reshape(n, -1)  # noqa: E731
-        self._pack(np.concatenate([rows(m[0], n) for m, n in zip(members, ns)]),
-                   np.concatenate([rows(_float32(m[1]), n) for m, n in zip(members, ns)]),
-                   None if kinds == {None} else np.concatenate([rows(_float32(m[2]), n) for m, n in zip(members, ns)]))
+        self._pack(
+            np.concatenate([rows(m[0], n) for m, n in zip(members, ns)]),
+            np.concatenate([rows(_float32(m[1]), n) for m, n in zip(members, ns)]),
+            None if kinds == {None} else np.concatenate([rows(_float32(m[2]), n) for m, n in zip(members, ns)]),
+        )
         for m, n in zip(members, ns):
             if m[3] is not None and m[3].shape != (n,):
                 raise self.error(f"bias of shape {m[3].shape}: expected ({n},)")
-        self._bias = None if all(m[3] is None for m in members) else np.concatenate(
-            [np.zeros(n, np.float32) if m[3] is None else m[3].astype(np.float32) for m, n in zip(members, ns)])
+        self._bias = (
+            None
+            if all(m[3] is None for m in members)
+            else np.concatenate(
+                [np.zeros(n, np.float32) if m[3] is None else m[3].astype(np.float32) for m, n in zip(members, ns)]
+            )
+        )
         ends = np.cumsum(ns).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
         self.absorbed_inputs = tuple(i for i in range(1, len(node.input)) if node.input[i])

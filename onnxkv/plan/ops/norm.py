@@ -40,8 +40,13 @@ class _RMSBase(Op):
 
     def rms(self, x: np.ndarray, gamma: np.ndarray, rt) -> np.ndarray:
         n = x.shape[-1] if x.ndim else 1
-        if self.axis in (-1, x.ndim - 1) and x.dtype in _KERNEL_DTYPES and gamma.dtype == x.dtype \
-                and gamma.shape == (n,) and x.flags.c_contiguous:
+        if (
+            self.axis in (-1, x.ndim - 1)
+            and x.dtype in _KERNEL_DTYPES
+            and gamma.dtype == x.dtype
+            and gamma.shape == (n,)
+            and x.flags.c_contiguous
+        ):
             out = rt.empty(0, x.shape, x.dtype)
             K.rms_norm(x.reshape(-1, n), gamma, self.eps, out.reshape(-1, n))
             return out
@@ -86,12 +91,25 @@ class SkipSimplifiedLayerNormalization(_RMSBase):
         x, skip, gamma = inputs[0], inputs[1], inputs[2]
         bias = inputs[3] if len(inputs) > 3 else None
         n = x.shape[-1]
-        if x.dtype in _KERNEL_DTYPES and skip.shape == x.shape and skip.dtype == x.dtype and gamma.dtype == x.dtype \
-                and x.flags.c_contiguous and skip.flags.c_contiguous:
+        if (
+            x.dtype in _KERNEL_DTYPES
+            and skip.shape == x.shape
+            and skip.dtype == x.dtype
+            and gamma.dtype == x.dtype
+            and x.flags.c_contiguous
+            and skip.flags.c_contiguous
+        ):
             out = rt.empty(0, x.shape, x.dtype)
             s = rt.empty(3, x.shape, x.dtype) if self.want_sum else None
-            K.skip_rms_norm(x.reshape(-1, n), skip.reshape(-1, n), gamma, bias, self.eps,
-                            out.reshape(-1, n), None if s is None else s.reshape(-1, n))
+            K.skip_rms_norm(
+                x.reshape(-1, n),
+                skip.reshape(-1, n),
+                gamma,
+                bias,
+                self.eps,
+                out.reshape(-1, n),
+                None if s is None else s.reshape(-1, n),
+            )
             return (out, None, None, s)
         s = x + skip if bias is None else x + skip + bias
         return (_rms_reference(s, gamma, self.eps, -1), None, None, s if self.want_sum else None)
@@ -129,7 +147,7 @@ class RMSNormChain(Op):
         reduce = BuildContext.attributes(self._body.node("ReduceMean"))
         self._keepdims = int(reduce.get("keepdims", 1)) == 1
         self._axes_attr = reduce.get("axes")
-        params = [ctx.constant(x) if x else None for x in node.input[:len(RMS_NORM_INPUTS)]]
+        params = [ctx.constant(x) if x else None for x in node.input[: len(RMS_NORM_INPUTS)]]
         static = all(p is not None or not node.input[i] for i, p in enumerate(params) if i > 1)
         #: (eps, axis) checked at build time, or None to check on every call.
         self._static = self._params(params) if static else None
@@ -138,8 +156,11 @@ class RMSNormChain(Op):
     def _params(self, inputs: list) -> tuple[float, int] | None:
         """(eps, reduced axis: -1 or a non-negative axis) when the parameters are the kernel's, else None."""
         one = inputs[_ONE]
-        if not self._keepdims or not _scalar_equal(inputs[_EXPONENT], 2.0) or (
-                one is not None and not _scalar_equal(one, 1.0)):
+        if (
+            not self._keepdims
+            or not _scalar_equal(inputs[_EXPONENT], 2.0)
+            or (one is not None and not _scalar_equal(one, 1.0))
+        ):
             return None
         eps = inputs[_EPS]
         if eps is None or eps.size != 1 or eps.dtype.kind != "f":
@@ -156,8 +177,16 @@ class RMSNormChain(Op):
         is not read from them), else None."""
         params = self._params(inputs) if self._dynamic else self._static
         w = inputs[1]
-        if params is not None and x.dtype == np.float32 and x.ndim and x.shape[-1] and params[1] in (-1, x.ndim - 1) \
-                and w is not None and w.dtype == np.float32 and w.shape == (x.shape[-1],):
+        if (
+            params is not None
+            and x.dtype == np.float32
+            and x.ndim
+            and x.shape[-1]
+            and params[1] in (-1, x.ndim - 1)
+            and w is not None
+            and w.dtype == np.float32
+            and w.shape == (x.shape[-1],)
+        ):
             return params[0]
         return None
 
@@ -196,8 +225,11 @@ class SkipRMSNormChain(Op):
         super().__init__(node, ctx)
         self._body = Body.of(self, ctx, SKIP_RMS_NORM_INPUTS)
         norm = self._body.kernel("RMSNormChain")
-        if not isinstance(norm, RMSNormChain) or len(node.output) != 2 or len(self._body.outputs) != 1 + bool(
-                node.output[1]):
+        if (
+            not isinstance(norm, RMSNormChain)
+            or len(node.output) != 2
+            or len(self._body.outputs) != 1 + bool(node.output[1])
+        ):
             raise self.error("needs a 'body' ending in an RMSNormChain and outputs (y, sum or empty)")
         self._norm = norm
         self._want_sum = bool(node.output[1])
@@ -210,9 +242,15 @@ class SkipRMSNormChain(Op):
                 n = a.shape[-1]
                 out = rt.empty(0, a.shape, np.float32)
                 s = rt.empty(1, a.shape, np.float32) if self._want_sum else None
-                K.skip_rms_norm(np.ascontiguousarray(a).reshape(-1, n), np.ascontiguousarray(b).reshape(-1, n),
-                                inputs[_SKIP_NORM_PARAMS.start], None, eps, out.reshape(-1, n),
-                                None if s is None else s.reshape(-1, n))
+                K.skip_rms_norm(
+                    np.ascontiguousarray(a).reshape(-1, n),
+                    np.ascontiguousarray(b).reshape(-1, n),
+                    inputs[_SKIP_NORM_PARAMS.start],
+                    None,
+                    eps,
+                    out.reshape(-1, n),
+                    None if s is None else s.reshape(-1, n),
+                )
                 return (out, s)
         values = self._body.evaluate(self.node.input, inputs, rt)
         return (values[0], values[1] if self._want_sum else None)
@@ -235,7 +273,9 @@ class LayerNormalization(Op):
     def run(self, inputs: list, rt) -> tuple:
         x, gamma = inputs[0], inputs[1]
         beta = inputs[2] if len(inputs) > 2 else None
-        y, mu, inv = _layer_norm(x, gamma, beta, float(self.attrs.get("epsilon", 1e-5)), int(self.attrs.get("axis", -1)))
+        y, mu, inv = _layer_norm(
+            x, gamma, beta, float(self.attrs.get("epsilon", 1e-5)), int(self.attrs.get("axis", -1))
+        )
         return (y, mu, inv)
 
 

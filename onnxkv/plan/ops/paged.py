@@ -107,8 +107,12 @@ def check_cache_target(cache: np.ndarray, name: str, rt: RunContext, fail: Calla
     if rt.caches is not None and name not in rt.caches:
         address = cache.__array_interface__["data"][0]
         for key, held in rt.caches.items():
-            if isinstance(held, np.ndarray) and held.shape == cache.shape and held.dtype == cache.dtype \
-                    and held.__array_interface__["data"][0] == address:
+            if (
+                isinstance(held, np.ndarray)
+                and held.shape == cache.shape
+                and held.dtype == cache.dtype
+                and held.__array_interface__["data"][0] == address
+            ):
                 name = key
                 break
     check_writable_target(cache, name, rt, fail)
@@ -123,17 +127,20 @@ def _reject_converted(handle: PageSet | None, pages: np.ndarray, name: str, fail
         plane, i = (int(x) for x in np.argwhere(hit)[0])
         page = int(pages[i])
         fmt = formats.page_format(int(handle.formats[plane, page])).name
-        raise fail(f"a new token goes to page {page} of cache '{name}', which QuantizePagedCache converted to "
-                   f"{fmt} (plane {plane}); new tokens go only into pages of the cache's own type "
-                   f"{handle.native.name} (quantize only full pages)")
+        raise fail(
+            f"a new token goes to page {page} of cache '{name}', which QuantizePagedCache converted to "
+            f"{fmt} (plane {plane}); new tokens go only into pages of the cache's own type "
+            f"{handle.native.name} (quantize only full pages)"
+        )
 
 
 def _block_table(table: np.ndarray, name: str, batch: int, fail: Callable[[str], Exception]) -> np.ndarray:
     """The block table as int64 [B, M] after checking its dtype and shape (entries are checked on use)."""
     table = np.asarray(table)
     if table.dtype not in _TABLE_TYPES or table.ndim != 2 or table.shape[0] != batch or table.shape[1] < 1:
-        raise fail(f"block table '{name}' must be int32/int64 [{batch}, max_blocks >= 1], "
-                   f"got {table.dtype} {table.shape}")
+        raise fail(
+            f"block table '{name}' must be int32/int64 [{batch}, max_blocks >= 1], got {table.dtype} {table.shape}"
+        )
     return table.astype(np.int64, copy=False)
 
 
@@ -143,19 +150,23 @@ def _blocks_used(first: np.ndarray, end: np.ndarray, max_blocks: int) -> np.ndar
     return (blocks >= first[:, None]) & (blocks < end[:, None])
 
 
-def _check_pages(table: np.ndarray, name: str, used: np.ndarray, num_pages: int,
-                 fail: Callable[[str], Exception]) -> None:
+def _check_pages(
+    table: np.ndarray, name: str, used: np.ndarray, num_pages: int, fail: Callable[[str], Exception]
+) -> None:
     """Every used entry of ``table`` (``used`` from :func:`_blocks_used`) must be a page index in ``[0, num_pages)``."""
     bad = used & ((table < 0) | (table >= num_pages))
     if bad.any():
         row, block = (int(x) for x in np.argwhere(bad)[0])
         blocks = np.flatnonzero(used[row])
-        raise fail(f"block table '{name}'[{row}, {block}] = {int(table[row, block])} is not a page index in "
-                   f"[0, {num_pages}) (row {row} uses logical blocks {int(blocks[0])}..{int(blocks[-1])})")
+        raise fail(
+            f"block table '{name}'[{row}, {block}] = {int(table[row, block])} is not a page index in "
+            f"[0, {num_pages}) (row {row} uses logical blocks {int(blocks[0])}..{int(blocks[-1])})"
+        )
 
 
-def _write_slots(table: np.ndarray, name: str, starts: np.ndarray, count: int, block_size: int,
-                 fail: Callable[[str], Exception]) -> tuple[np.ndarray, np.ndarray]:
+def _write_slots(
+    table: np.ndarray, name: str, starts: np.ndarray, count: int, block_size: int, fail: Callable[[str], Exception]
+) -> tuple[np.ndarray, np.ndarray]:
     """(page [B*S], offset [B*S]) of each row's tokens ``starts[b] .. starts[b] + count - 1``.
 
     The table entries must already be valid pages; raises ``fail`` when two
@@ -169,14 +180,24 @@ def _write_slots(table: np.ndarray, name: str, starts: np.ndarray, count: int, b
     same = np.flatnonzero(slots[order][1:] == slots[order][:-1])
     if same.size:
         a, b = (divmod(int(order[i]), count) for i in (same[0], same[0] + 1))
-        raise fail(f"rows {a[0]} and {b[0]} write logical positions {int(positions[a])} and {int(positions[b])} "
-                   f"to the same physical slot (page {int(pages[order[same[0]]])}, offset "
-                   f"{int(offsets[order[same[0]]])}) through block table '{name}'")
+        raise fail(
+            f"rows {a[0]} and {b[0]} write logical positions {int(positions[a])} and {int(positions[b])} "
+            f"to the same physical slot (page {int(pages[order[same[0]]])}, offset "
+            f"{int(offsets[order[same[0]]])}) through block table '{name}'"
+        )
     return pages, offsets
 
 
-def _starts(values: np.ndarray, name: str, batch: int, scalar_ok: bool, count: int, limit: int, capacity: str,
-            fail: Callable[..., Exception]) -> np.ndarray:
+def _starts(
+    values: np.ndarray,
+    name: str,
+    batch: int,
+    scalar_ok: bool,
+    count: int,
+    limit: int,
+    capacity: str,
+    fail: Callable[..., Exception],
+) -> np.ndarray:
     """Per-row start positions as int64 [B] (an int scalar broadcasts when ``scalar_ok``) after checking, in
     the tensor's own integer width, that each row's ``count`` new tokens fit positions ``[0, limit)``.
 
@@ -185,8 +206,12 @@ def _starts(values: np.ndarray, name: str, batch: int, scalar_ok: bool, count: i
     is); the returned int64 values are exact and ``starts + count`` cannot overflow.
     """
     arr = np.asarray(values)
-    if arr.dtype.kind not in "iu" or arr.ndim > 1 or (arr.ndim == 1 and arr.shape != (batch,)) or \
-            (arr.ndim == 0 and not scalar_ok):
+    if (
+        arr.dtype.kind not in "iu"
+        or arr.ndim > 1
+        or (arr.ndim == 1 and arr.shape != (batch,))
+        or (arr.ndim == 0 and not scalar_ok)
+    ):
         expected = f"an int scalar or [{batch}] ints" if scalar_ok else f"[{batch}] ints"
         raise fail(f"'{name}' must be {expected}, got {arr.dtype} {arr.shape}")
     rows = np.broadcast_to(arr, (batch,))
@@ -225,21 +250,32 @@ class PagedCacheUpdate(Op):
     def run(self, inputs: list, rt: RunContext) -> tuple[np.ndarray]:
         cache, page_id, values, position = inputs
         if cache.ndim != 4 or cache.shape[2] != self.block_size:
-            raise self._fail(f"cache '{self.cache_name}' must be [num_pages, heads, block_size={self.block_size}, "
-                             f"head_size], got {cache.shape}")
+            raise self._fail(
+                f"cache '{self.cache_name}' must be [num_pages, heads, block_size={self.block_size}, "
+                f"head_size], got {cache.shape}"
+            )
         num_pages, heads, bs, d = cache.shape
         if values.ndim != 4 or values.shape[1] != heads or values.shape[3] != d:
-            raise self._fail(f"values '{self.values_name}' shape {values.shape} does not fit cache shape "
-                             f"{cache.shape} (expected [batch, {heads}, new, {d}])")
+            raise self._fail(
+                f"values '{self.values_name}' shape {values.shape} does not fit cache shape "
+                f"{cache.shape} (expected [batch, {heads}, new, {d}])"
+            )
         if values.dtype != cache.dtype:
             raise self._fail(f"values '{self.values_name}' dtype {values.dtype} differs from cache dtype {cache.dtype}")
         check_cache_target(cache, self.cache_name, rt, self._fail)
         b, _, s, _ = values.shape
         table = _block_table(page_id, self.table_name, b, self._fail)
         max_tokens = table.shape[1] * bs
-        starts = _starts(position, self.position_name, b, True, s, max_tokens,
-                         f"max_tokens = {max_tokens} ({table.shape[1]} blocks of {bs}) of '{self.table_name}'",
-                         self._fail)
+        starts = _starts(
+            position,
+            self.position_name,
+            b,
+            True,
+            s,
+            max_tokens,
+            f"max_tokens = {max_tokens} ({table.shape[1]} blocks of {bs}) of '{self.table_name}'",
+            self._fail,
+        )
         if s == 0:
             return (cache,)
         used = _blocks_used(starts // bs, (starts + s - 1) // bs + 1, table.shape[1])
@@ -274,8 +310,9 @@ class PagedAttention(Op):
             if getattr(self, attr) <= 0:
                 raise self.error(f"attribute {attr} is required and must be positive, got {getattr(self, attr)}")
         if self.max_tokens > _MAX_TOKENS:
-            raise self.error(f"attribute max_tokens must be at most {_MAX_TOKENS} (positions are int32), "
-                             f"got {self.max_tokens}")
+            raise self.error(
+                f"attribute max_tokens must be at most {_MAX_TOKENS} (positions are int32), got {self.max_tokens}"
+            )
         if self.num_heads % self.kv_num_heads:
             raise self.error(f"num_heads={self.num_heads} must be a multiple of kv_num_heads={self.kv_num_heads}")
         self.is_causal = int(a.get("is_causal", 1))
@@ -304,18 +341,23 @@ class PagedAttention(Op):
         hkv, bs = self.kv_num_heads, self.block_size
         want = (past.shape[0] if past.ndim == 5 else -1, 2, hkv, bs, d)
         if past.shape != want:
-            raise self._fail(f"past '{self.past_name}' must be [num_pages, 2, kv_num_heads, block_size, head_size]="
-                             f"{list(want)}, got {past.shape}")
+            raise self._fail(
+                f"past '{self.past_name}' must be [num_pages, 2, kv_num_heads, block_size, head_size]="
+                f"{list(want)}, got {past.shape}"
+            )
         if past.dtype != query.dtype:
             raise self._fail(f"past '{self.past_name}' dtype {past.dtype} differs from Q dtype {query.dtype}")
         check_cache_target(past, self.past_name, rt, self._fail)
         names = self.node.input
         table = _block_table(block_table, names[4], b, self._fail)
         if self.max_tokens > table.shape[1] * bs:
-            raise self._fail(f"max_tokens={self.max_tokens} exceeds the {table.shape[1]} blocks of {bs} tokens of "
-                             f"block table '{names[4]}'")
-        past_lens = _starts(seqlens_k, names[5], b, False, s, self.max_tokens, f"max_tokens = {self.max_tokens}",
-                            self._fail)
+            raise self._fail(
+                f"max_tokens={self.max_tokens} exceeds the {table.shape[1]} blocks of {bs} tokens of "
+                f"block table '{names[4]}'"
+            )
+        past_lens = _starts(
+            seqlens_k, names[5], b, False, s, self.max_tokens, f"max_tokens = {self.max_tokens}", self._fail
+        )
         kv_len = past_lens + s
         y = rt.empty(0, (b, s, hq * d), query.dtype)
         if s == 0 or b == 0:  # no query reads a key, no token is written: no table entry is used
@@ -335,8 +377,18 @@ class PagedAttention(Op):
             q_pos = np.broadcast_to((kv_len - 1)[:, None], (b, s))
         out = np.empty((b, hq, s, d), np.float32)
         scale = self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
-        self._attend(q.astype(np.float32), past, handle if handle is not None and handle.any_converted else None,
-                     table, used, kv_len, q_pos, scale, out, rt)
+        self._attend(
+            q.astype(np.float32),
+            past,
+            handle if handle is not None and handle.any_converted else None,
+            table,
+            used,
+            kv_len,
+            q_pos,
+            scale,
+            out,
+            rt,
+        )
         y.reshape(b, s, hq, d)[...] = out.transpose(0, 2, 1, 3)
         return y, past
 
@@ -345,21 +397,25 @@ class PagedAttention(Op):
         hq, hkv = self.num_heads, self.kv_num_heads
         names = self.node.input
         if query.ndim != 3 or query.shape[2] % hq:
-            raise self._fail(f"Q '{names[0]}' must be [batch, seq, num_heads*head_size] with num_heads={hq}, "
-                             f"got {query.shape}")
+            raise self._fail(
+                f"Q '{names[0]}' must be [batch, seq, num_heads*head_size] with num_heads={hq}, got {query.shape}"
+            )
         if query.dtype not in _FLOATS:
             raise self._fail(f"Q '{names[0]}' must be float32 or float16, got {query.dtype}")
         b, s, hidden = query.shape
         d = hidden // hq
         for name, t in ((names[1], key), (names[2], value)):
             if t.shape != (b, s, hkv * d):
-                raise self._fail(f"'{name}' must be [batch, seq, kv_num_heads*head_size]={[b, s, hkv * d]}, "
-                                 f"got {list(t.shape)}")
+                raise self._fail(
+                    f"'{name}' must be [batch, seq, kv_num_heads*head_size]={[b, s, hkv * d]}, got {list(t.shape)}"
+                )
             if t.dtype != query.dtype:
                 raise self._fail(f"'{name}' dtype {t.dtype} differs from Q dtype {query.dtype}")
-        return (query.reshape(b, s, hq, d).transpose(0, 2, 1, 3),
-                key.reshape(b, s, hkv, d).transpose(0, 2, 1, 3),
-                value.reshape(b, s, hkv, d).transpose(0, 2, 1, 3))
+        return (
+            query.reshape(b, s, hq, d).transpose(0, 2, 1, 3),
+            key.reshape(b, s, hkv, d).transpose(0, 2, 1, 3),
+            value.reshape(b, s, hkv, d).transpose(0, 2, 1, 3),
+        )
 
     def _first_visible(self, past_lens: np.ndarray) -> np.ndarray:
         """Per row, the first key position any query of this call sees."""
@@ -367,8 +423,19 @@ class PagedAttention(Op):
             return np.zeros_like(past_lens)
         return np.maximum(past_lens - self.window, 0)
 
-    def _attend(self, q: np.ndarray, past: np.ndarray, handle: PageSet | None, table: np.ndarray, used: np.ndarray,
-                kv_len: np.ndarray, q_pos: np.ndarray, scale: float, out: np.ndarray, rt: RunContext) -> None:
+    def _attend(
+        self,
+        q: np.ndarray,
+        past: np.ndarray,
+        handle: PageSet | None,
+        table: np.ndarray,
+        used: np.ndarray,
+        kv_len: np.ndarray,
+        q_pos: np.ndarray,
+        scale: float,
+        out: np.ndarray,
+        rt: RunContext,
+    ) -> None:
         """Attention of float32 ``q`` over the ``used`` blocks of ``past`` into ``out`` [B, Hq, S, D].
 
         When every page half (K or V) is 64-byte aligned -- a state's storage is, when a half is a multiple
@@ -387,14 +454,29 @@ class PagedAttention(Op):
                 pages, per_page = (k_pages, k_pages + np.uint64(past.strides[1])), {}
             else:
                 pages = (handle.ptrs[0], handle.ptrs[1])
-                per_page = {"k_formats": handle.formats[0], "v_formats": handle.formats[1],
-                            "k_group": max(handle.groups[0], 1), "v_group": max(handle.groups[1], 1),
-                            "k_header": handle.headers[0]}
+                per_page = {
+                    "k_formats": handle.formats[0],
+                    "v_formats": handle.formats[1],
+                    "k_group": max(handle.groups[0], 1),
+                    "v_group": max(handle.groups[1], 1),
+                    "k_header": handle.headers[0],
+                }
             with handle.lock if handle is not None else contextlib.nullcontext():  # no payload freed meanwhile
                 stats = _kernels.paged_attention(
-                    np.ascontiguousarray(q), *pages, np.where(used, table, -1).astype(np.int32), bs,
-                    self.kv_num_heads, kv_len.astype(np.int32), np.ascontiguousarray(q_pos, dtype=np.int32),
-                    float(scale), self.softcap, self.window, out, kv_dtype=past.dtype.name, **per_page)
+                    np.ascontiguousarray(q),
+                    *pages,
+                    np.where(used, table, -1).astype(np.int32),
+                    bs,
+                    self.kv_num_heads,
+                    kv_len.astype(np.int32),
+                    np.ascontiguousarray(q_pos, dtype=np.int32),
+                    float(scale),
+                    self.softcap,
+                    self.window,
+                    out,
+                    kv_dtype=past.dtype.name,
+                    **per_page,
+                )
             if handle is not None:
                 rt.count(dequantized_bytes=stats["dequantized_bytes"])
             return

@@ -53,11 +53,17 @@ class PrologueMatMul(Op):
         self.body = Body.of(self, ctx, ())
         n_in = int(self.attrs.get("prologue_inputs", 0))
         steps = self.body.steps
-        if len(steps) != 2 or steps[0][0].op_type not in (_SKIP, _NORM, _SILU) or not 1 <= n_in <= len(node.input) \
-                or (getattr(steps[1][1], "packed", None) is None and not isinstance(steps[1][1], MatMulNBits)):
-            raise self.error("needs a body of an RMS norm or SiluMul and a MatMul / SiblingMatMul with a packed "
-                             f"weight or a MatMulNBits, and prologue_inputs in [1, {len(node.input)}]; got body "
-                             f"{[n.op_type for n, _ in steps]}, prologue_inputs={n_in}")
+        if (
+            len(steps) != 2
+            or steps[0][0].op_type not in (_SKIP, _NORM, _SILU)
+            or not 1 <= n_in <= len(node.input)
+            or (getattr(steps[1][1], "packed", None) is None and not isinstance(steps[1][1], MatMulNBits))
+        ):
+            raise self.error(
+                "needs a body of an RMS norm or SiluMul and a MatMul / SiblingMatMul with a packed "
+                f"weight or a MatMulNBits, and prologue_inputs in [1, {len(node.input)}]; got body "
+                f"{[n.op_type for n, _ in steps]}, prologue_inputs={n_in}"
+            )
         self.kind = steps[0][0].op_type
         self.n_in = n_in
         self.eps = getattr(steps[0][1], "eps", 0.0)
@@ -89,8 +95,15 @@ class PrologueMatMul(Op):
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
         k = self.k
-        if not (x.dtype == _F32 and x.ndim >= 1 and x.shape[-1] == k and x.size and x.flags.c_contiguous
-                and x.size // k <= BLAS_M and self._prologue_ok(x, inputs)):
+        if not (
+            x.dtype == _F32
+            and x.ndim >= 1
+            and x.shape[-1] == k
+            and x.size
+            and x.flags.c_contiguous
+            and x.size // k <= BLAS_M
+            and self._prologue_ok(x, inputs)
+        ):
             return tuple(self.body.evaluate(self.node.input, inputs, rt))
         rows = x.size // k
         h = np.empty((rows, k), _F32)
@@ -99,8 +112,9 @@ class PrologueMatMul(Op):
         if self.kind == _SKIP:
             s = None if self.sum_index is None else rt.empty(self.sum_index, x.shape, _F32)
             bias = inputs[3] if self.n_in > 3 else None
-            K.skip_rms_norm(x2, inputs[1].reshape(rows, k), inputs[2], bias, self.eps, h,
-                            None if s is None else s.reshape(rows, k))
+            K.skip_rms_norm(
+                x2, inputs[1].reshape(rows, k), inputs[2], bias, self.eps, h, None if s is None else s.reshape(rows, k)
+            )
         elif self.kind == _NORM:
             K.rms_norm(x2, inputs[1], self.eps, h)
         else:

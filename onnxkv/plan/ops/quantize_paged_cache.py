@@ -96,8 +96,10 @@ class QuantizePagedCache(Op):
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
         if len(node.input) != 6 or not all(node.input) or len(node.output) != 1 or not node.output[0]:
-            raise self.error("expects inputs (cache, block_indices, key_scale, key_zero_point, value_scale, "
-                             "value_zero_point) and one output")
+            raise self.error(
+                "expects inputs (cache, block_indices, key_scale, key_zero_point, value_scale, "
+                "value_zero_point) and one output"
+            )
         if ctx.constant(node.input[0]) is not None:
             raise self.error(f"cache input '{node.input[0]}' is an initializer; MUST_ALIAS needs writable storage")
         self.cache_name = node.input[0]
@@ -110,37 +112,57 @@ class QuantizePagedCache(Op):
     def _fail(self, message: str) -> InputError:
         return InputError(f"QuantizePagedCache node '{self.name}': {message}")
 
-    def _target(self, scale: np.ndarray, zero_point: np.ndarray, scale_name: str, zp_name: str,
-                header: str = formats.HEADER_FLOAT32) -> PlaneTarget:
+    def _target(
+        self,
+        scale: np.ndarray,
+        zero_point: np.ndarray,
+        scale_name: str,
+        zp_name: str,
+        header: str = formats.HEADER_FLOAT32,
+    ) -> PlaneTarget:
         kind = zero_point.dtype.name
         if kind in _MARKERS:
             return PlaneTarget(kind)
         if kind not in _INTEGER:
-            raise self._fail(f"zero point '{zp_name}' has element type {kind}; expected one of "
-                             f"{', '.join(_INTEGER)} (quantize) or {', '.join(_MARKERS)} (a float marker)")
+            raise self._fail(
+                f"zero point '{zp_name}' has element type {kind}; expected one of "
+                f"{', '.join(_INTEGER)} (quantize) or {', '.join(_MARKERS)} (a float marker)"
+            )
         if scale.dtype != np.float32:
             raise self._fail(f"scale '{scale_name}' must be float32, got {scale.dtype}")
-        return PlaneTarget(kind, scale, zero_point.astype(np.float32),
-                           (f"scale '{scale_name}'", f"zero point '{zp_name}'"), header)
+        return PlaneTarget(
+            kind, scale, zero_point.astype(np.float32), (f"scale '{scale_name}'", f"zero point '{zp_name}'"), header
+        )
 
     def run(self, inputs: list, rt: RunContext) -> tuple[np.ndarray]:
         cache, indices, key_scale, key_zp, value_scale, value_zp = inputs
         names = self.node.input
         if cache.ndim != 5 or cache.shape[1] != 2 or cache.dtype not in _CACHE_TYPES or 0 in cache.shape:
-            raise self._fail(f"cache '{self.cache_name}' must be float32/float16 [num_pages, 2, kv_heads, "
-                             f"block_size, head_size] with every dim >= 1, got {cache.dtype} {list(cache.shape)}")
+            raise self._fail(
+                f"cache '{self.cache_name}' must be float32/float16 [num_pages, 2, kv_heads, "
+                f"block_size, head_size] with every dim >= 1, got {cache.dtype} {list(cache.shape)}"
+            )
         check_cache_target(cache, self.cache_name, rt, self._fail)
         if indices.ndim != 1 or indices.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
-            raise self._fail(f"block_indices '{names[1]}' must be int32/int64 [N], got {indices.dtype} "
-                             f"{list(indices.shape)}")
-        targets = [self._target(key_scale, key_zp, names[2], names[3], self.key_header),
-                   self._target(value_scale, value_zp, names[4], names[5])]
+            raise self._fail(
+                f"block_indices '{names[1]}' must be int32/int64 [N], got {indices.dtype} {list(indices.shape)}"
+            )
+        targets = [
+            self._target(key_scale, key_zp, names[2], names[3], self.key_header),
+            self._target(value_scale, value_zp, names[4], names[5]),
+        ]
         if indices.size == 0:
             return (cache,)
         handle = PageSet.attach(cache, rt.cache_allocator)
-        cost = handle.convert(indices, targets, f"QuantizePagedCache node '{self.name}'", f"block_indices '{names[1]}'",
-                              staged=rt.holds(cache))
+        cost = handle.convert(
+            indices,
+            targets,
+            f"QuantizePagedCache node '{self.name}'",
+            f"block_indices '{names[1]}'",
+            staged=rt.holds(cache),
+        )
         rt.defer(cost.commit, cost.rollback)
-        rt.count(allocations=cost.allocations, allocated_bytes=cost.allocated_bytes,
-                 dequantized_bytes=cost.dequantized_bytes)
+        rt.count(
+            allocations=cost.allocations, allocated_bytes=cost.allocated_bytes, dequantized_bytes=cost.dequantized_bytes
+        )
         return (cache,)

@@ -120,8 +120,10 @@ class RepeatKvMatMul(Op):
                 out *= scale.astype(out.dtype, copy=False)
             return (out,)
         # Literal evaluation of the original expression.
-        rep = np.broadcast_to(np.expand_dims(x, tuple(int_list(axes))), np.broadcast_shapes(
-            np.expand_dims(x, tuple(int_list(axes))).shape, tuple(int_list(eshape))))
+        rep = np.broadcast_to(
+            np.expand_dims(x, tuple(int_list(axes))),
+            np.broadcast_shapes(np.expand_dims(x, tuple(int_list(axes))).shape, tuple(int_list(eshape))),
+        )
         rep = rep.reshape(_reshape_dims(int_list(rshape), rep.shape))
         if self.transpose_b:
             rep = rep.transpose(0, 1, 3, 2)

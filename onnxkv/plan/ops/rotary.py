@@ -101,14 +101,17 @@ def check_positions(op: Op, position_ids: np.ndarray, max_pos: int, shape: tuple
     if ids.ndim == 0:
         steps = shape[1]
         if V.outside(ids, 0, max_pos - steps):
-            raise InputError(f"{where}: position ids must lie in [0, {max_pos}) (cos_cache rows), got a start of "
-                             f"{int(ids)} for {steps} tokens (valid starts: [0, {max_pos - steps}])")
+            raise InputError(
+                f"{where}: position ids must lie in [0, {max_pos}) (cos_cache rows), got a start of "
+                f"{int(ids)} for {steps} tokens (valid starts: [0, {max_pos - steps}])"
+            )
         return int(ids) + np.broadcast_to(np.arange(steps, dtype=np.int64), shape)
     bad = V.outside(ids, 0, max_pos - 1)
     if bad.any():
         at = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), ids.shape))
-        raise InputError(f"{where}: position ids must lie in [0, {max_pos}) (cos_cache rows), got "
-                         f"{int(ids[at])} at {list(at)}")
+        raise InputError(
+            f"{where}: position ids must lie in [0, {max_pos}) (cos_cache rows), got {int(ids[at])} at {list(at)}"
+        )
     return ids.astype(np.int64, copy=False)
 
 
@@ -302,7 +305,7 @@ class RotateHalf(Op):
         axis = BuildContext.attributes(self._body.node("Concat")).get("axis")
         self._concat_last = axis in (-1, 3)
         self._halves_proven = bool(self.attrs.get("halves_equal", 0))
-        names = node.input[:len(ROTATE_HALF_INPUTS)]
+        names = node.input[: len(ROTATE_HALF_INPUTS)]
         params = [ctx.constant(x) if x else None for x in names]
         #: Slice parameter positions only known at run time (their values join the memo key).
         self._keyed = tuple(i for i in range(_LO.start, len(names)) if names[i] and params[i] is None)
@@ -319,8 +322,13 @@ class RotateHalf(Op):
         b, h, s, d = x.shape
         half = d // 2
         lo, hi = (_last_axis_slice(inputs[_LO]), _last_axis_slice(inputs[_HI])) if self._keyed else self._slices
-        if d % 2 or lo is None or hi is None or (_resolve(lo[0], d), _resolve(lo[1], d)) != (0, half) \
-                or (_resolve(hi[0], d), _resolve(hi[1], d)) != (half, d):
+        if (
+            d % 2
+            or lo is None
+            or hi is None
+            or (_resolve(lo[0], d), _resolve(lo[1], d)) != (0, half)
+            or (_resolve(hi[0], d), _resolve(hi[1], d)) != (half, d)
+        ):
             return None
         c4 = (1,) * (4 - cos.ndim) + cos.shape
         bc = c4[0]
@@ -352,6 +360,12 @@ class RotateHalf(Op):
             return tuple(self._body.evaluate(self.node.input, inputs, rt))
         x_shape, table_shape, positions = layout
         out = rt.empty(0, x.shape, _F32)
-        _rotary_kernel(np.ascontiguousarray(x).reshape(x_shape), np.ascontiguousarray(cos).reshape(table_shape),
-                       np.ascontiguousarray(sin).reshape(table_shape), positions, False, out.reshape(x_shape))
+        _rotary_kernel(
+            np.ascontiguousarray(x).reshape(x_shape),
+            np.ascontiguousarray(cos).reshape(table_shape),
+            np.ascontiguousarray(sin).reshape(table_shape),
+            positions,
+            False,
+            out.reshape(x_shape),
+        )
         return (out,)

@@ -51,16 +51,20 @@ def _checked_shape(op: Op, shape: Sequence[int], itemsize: int, what: str) -> tu
         raise InputError(f"{op.op_type} node '{op.name}': {what} {list(shape)} has a negative dim")
     nbytes = prod(shape) * itemsize
     if nbytes > MAX_TENSOR_BYTES:
-        raise InputError(f"{op.op_type} node '{op.name}': {what} {list(shape)} of {itemsize}-byte elements needs "
-                         f"{nbytes} bytes, more than this machine's memory ({MAX_TENSOR_BYTES} bytes)")
+        raise InputError(
+            f"{op.op_type} node '{op.name}': {what} {list(shape)} of {itemsize}-byte elements needs "
+            f"{nbytes} bytes, more than this machine's memory ({MAX_TENSOR_BYTES} bytes)"
+        )
     return tuple(shape)
 
 
 def _check_indices(op: Op, idx: np.ndarray, dim: int, axis: int) -> None:
     """Every entry of ``idx`` in ``[-dim, dim - 1]`` (ONNX's range for an axis of size ``dim``), else OperatorError."""
     if idx.size and (idx.min() < -dim or idx.max() >= dim):
-        raise OperatorError(f"{op.op_type} node '{op.name}': indices (input '{op.node.input[1]}') must be in "
-                            f"[{-dim}, {dim - 1}] for axis {axis} of size {dim}, got min {idx.min()}, max {idx.max()}")
+        raise OperatorError(
+            f"{op.op_type} node '{op.name}': indices (input '{op.node.input[1]}') must be in "
+            f"[{-dim}, {dim - 1}] for axis {axis} of size {dim}, got min {idx.min()}, max {idx.max()}"
+        )
 
 
 @register("Shape")
@@ -88,15 +92,24 @@ class ShapeOf(Op):
         sources, values = list(self.attrs.get("sources", [])), list(self.attrs.get("values", []))
         rank = self.attrs.get("rank", 1)
         self._shape = (len(values),) if rank == 1 else ()
-        if len(sources) != len(values) or rank not in (0, 1) or (rank == 0 and len(values) != 1) or any(
-                not -1 <= i < len(node.input) for i in sources):
-            raise self.error(f"attributes sources {sources} / values {values} / rank {rank} "
-                             f"do not describe a value over {len(node.input)} input(s)")
+        if (
+            len(sources) != len(values)
+            or rank not in (0, 1)
+            or (rank == 0 and len(values) != 1)
+            or any(not -1 <= i < len(node.input) for i in sources)
+        ):
+            raise self.error(
+                f"attributes sources {sources} / values {values} / rank {rank} "
+                f"do not describe a value over {len(node.input)} input(s)"
+            )
         self._recipe = tuple(zip(sources, values))
 
     def run(self, inputs: list, rt) -> tuple:
-        return (np.array([inputs[i].shape[v] if i >= 0 else v for i, v in self._recipe],
-                         dtype=np.int64).reshape(self._shape),)
+        return (
+            np.array([inputs[i].shape[v] if i >= 0 else v for i, v in self._recipe], dtype=np.int64).reshape(
+                self._shape
+            ),
+        )
 
 
 @register("Size")
@@ -136,8 +149,9 @@ class Flatten(Op):
         x = inputs[0]
         axis, rank = int(self.attrs.get("axis", 1)), x.ndim
         if not -rank <= axis <= rank:  # axis may be the rank itself (one row); a negative axis counts from the end
-            raise OperatorError(f"Flatten node '{self.name}': axis {axis} must be in [{-rank}, {rank}] for an input "
-                                f"of shape {x.shape}")
+            raise OperatorError(
+                f"Flatten node '{self.name}': axis {axis} must be in [{-rank}, {rank}] for an input of shape {x.shape}"
+            )
         axis += rank if axis < 0 else 0
         lead = prod(x.shape[:axis])
         return (x.reshape(lead, -1) if x.size else x.reshape(lead, prod(x.shape[axis:])),)
@@ -295,8 +309,10 @@ class GatherElements(Op):
         x, idx = inputs
         axis = normalize_axis(self.attrs.get("axis", 0), x.ndim, f"GatherElements '{self.name}'")
         if idx.ndim != x.ndim or any(i > d for a, (i, d) in enumerate(zip(idx.shape, x.shape)) if a != axis):
-            raise OperatorError(f"GatherElements node '{self.name}': indices of shape {idx.shape} do not fit data "
-                                f"of shape {x.shape} (same rank, no larger on every axis but {axis})")
+            raise OperatorError(
+                f"GatherElements node '{self.name}': indices of shape {idx.shape} do not fit data "
+                f"of shape {x.shape} (same rank, no larger on every axis but {axis})"
+            )
         _check_indices(self, idx, x.shape[axis], axis)
         idx = np.where(idx < 0, idx + x.shape[axis], idx)
         # ONNX reads data[..., idx, ...] at the indices' own positions: no broadcast over the other axes.
@@ -311,11 +327,13 @@ class GatherND(Op):
         b = self.attrs.get("batch_dims", 0)
         k = idx.shape[-1]
         if not 0 <= b < idx.ndim or b + k > x.ndim:
-            raise OperatorError(f"GatherND node '{self.name}': indices of shape {idx.shape} with batch_dims {b} do "
-                                f"not index data of shape {x.shape}")
+            raise OperatorError(
+                f"GatherND node '{self.name}': indices of shape {idx.shape} with batch_dims {b} do "
+                f"not index data of shape {x.shape}"
+            )
         for j in range(k):
             _check_indices(self, idx[..., j], x.shape[b + j], b + j)
-        idx = np.where(idx < 0, idx + np.array(x.shape[b:b + k]), idx)
+        idx = np.where(idx < 0, idx + np.array(x.shape[b : b + k]), idx)
         if b == 0:
             return (x[tuple(np.moveaxis(idx, -1, 0))],)
         batch_shape = x.shape[:b]
@@ -323,7 +341,7 @@ class GatherND(Op):
         xb = x.reshape((nb,) + x.shape[b:])
         ib = idx.reshape((nb,) + idx.shape[b:])
         outs = [xb[i][tuple(np.moveaxis(ib[i], -1, 0))] for i in range(nb)]
-        return (np.stack(outs).reshape(idx.shape[:-1] + x.shape[b + k:]),)
+        return (np.stack(outs).reshape(idx.shape[:-1] + x.shape[b + k :]),)
 
 
 @register("Expand")
@@ -342,8 +360,10 @@ class Tile(Op):
     def run(self, inputs: list, rt) -> tuple:
         x, repeats = inputs[0], int_list(inputs[1])
         if len(repeats) != x.ndim:
-            raise InputError(f"Tile node '{self.name}': repeats {repeats} must have one entry per dim of the input "
-                             f"of shape {x.shape}")
+            raise InputError(
+                f"Tile node '{self.name}': repeats {repeats} must have one entry per dim of the input "
+                f"of shape {x.shape}"
+            )
         if any(r < 0 for r in repeats):
             raise InputError(f"Tile node '{self.name}': repeats {repeats} has a negative entry")
         _checked_shape(self, [d * r for d, r in zip(x.shape, repeats)], x.dtype.itemsize, "output shape")
@@ -356,8 +376,9 @@ class Range(Op):
         start, limit, delta = (np.asarray(v).reshape(()) for v in inputs)
         a, b, d = (v.item() for v in (start, limit, delta))
         if not all(math.isfinite(v) for v in (a, b, d)) or d == 0:
-            raise InputError(f"Range node '{self.name}': start {a}, limit {b}, delta {d} must be finite with a "
-                             "non-zero delta")
+            raise InputError(
+                f"Range node '{self.name}': start {a}, limit {b}, delta {d} must be finite with a non-zero delta"
+            )
         count = -((a - b) // d) if all(isinstance(v, int) for v in (a, b, d)) else math.ceil((b - a) / d)
         _checked_shape(self, [max(count, 0)], start.dtype.itemsize, "output shape")
         return (np.arange(start, limit, delta, dtype=start.dtype),)
@@ -408,4 +429,3 @@ class Trilu(Op):
         x = inputs[0]
         k = int(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else 0
         return ((np.triu if self.attrs.get("upper", 1) else np.tril)(x, k),)
-

@@ -40,11 +40,22 @@ class SiblingMatMul(MatMul):
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         Op.__init__(self, node, ctx)
         weights = [ctx.constant(w) for w in node.input[1:]]
-        if len(weights) < 2 or len(node.output) != len(weights) or any(
-                not isinstance(w, np.ndarray) or w.ndim != 2 or w.dtype != np.float32 or not w.size
-                or w.shape[0] != weights[0].shape[0] for w in weights):
-            raise self.error("needs one input and at least two 2-D float32 initializer weights with one row count "
-                             f"(one output each), got weights {[getattr(w, 'shape', None) for w in weights]}")
+        if (
+            len(weights) < 2
+            or len(node.output) != len(weights)
+            or any(
+                not isinstance(w, np.ndarray)
+                or w.ndim != 2
+                or w.dtype != np.float32
+                or not w.size
+                or w.shape[0] != weights[0].shape[0]
+                for w in weights
+            )
+        ):
+            raise self.error(
+                "needs one input and at least two 2-D float32 initializer weights with one row count "
+                f"(one output each), got weights {[getattr(w, 'shape', None) for w in weights]}"
+            )
         ends = np.cumsum([w.shape[1] for w in weights]).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
         self.packed = pack_weight(np.concatenate(weights, axis=1))
@@ -58,8 +69,7 @@ class SiblingMatMul(MatMul):
         a = inputs[0]
         k = self.packed.shape[1]
         if a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != k:
-            raise ValueError(f"SiblingMatMul node '{self.name}': A must be float32 [..., {k}], "
-                             f"got {a.dtype} {a.shape}")
+            raise ValueError(f"SiblingMatMul node '{self.name}': A must be float32 [..., {k}], got {a.dtype} {a.shape}")
         x = np.ascontiguousarray(a).reshape(-1, k)
         rows, lead = x.shape[0], a.shape[:-1]
         full = np.empty((rows, self._n), np.float32)

@@ -63,10 +63,13 @@ class ViewChain(Op):
         previous = node.input[0]
         for n, kernel in body.steps:
             if not n.input or n.input[0] != previous or any(x and x != previous and x not in names for x in n.input):
-                raise self.error(f"body node '{n.name or n.output[0]}' does not continue the chain from "
-                                 f"'{previous}' over the node's inputs")
-            steps.append((kernel.run, tuple(_PREVIOUS if x == previous else names.index(x) if x else None
-                                            for x in n.input)))
+                raise self.error(
+                    f"body node '{n.name or n.output[0]}' does not continue the chain from "
+                    f"'{previous}' over the node's inputs"
+                )
+            steps.append(
+                (kernel.run, tuple(_PREVIOUS if x == previous else names.index(x) if x else None for x in n.input))
+            )
             perms.append((tuple(kernel.attrs.get("perm") or ()) or None) if n.op_type == "Transpose" else ())
             previous = n.output[0]
         self._steps = tuple(steps)

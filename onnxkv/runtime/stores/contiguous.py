@@ -44,8 +44,9 @@ class ContiguousStore:
         cap = ctx.capacity if ctx.capacity is not None else max(ctx.initial_capacity, length)
         if length > cap:
             raise CacheCapacityError(f"State: initial length {length} exceeds the fixed capacity {cap}")
-        return CacheTensor(name, shape, dtype, ctx.allocator, cap, growable=ctx.capacity is None,
-                           storage=ctx.cache_dtype)
+        return CacheTensor(
+            name, shape, dtype, ctx.allocator, cap, growable=ctx.capacity is None, storage=ctx.cache_dtype
+        )
 
     # -- a run ---------------------------------------------------------------------
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> dict[str, CacheTensor]:
@@ -64,7 +65,9 @@ class ContiguousStore:
         else:
             have = next(iter(self.caches.values())).batch if self.caches else batch
             if have != batch:
-                raise InputError(f"State.run: batch size {batch} differs from the state's {have}; reset the state first")
+                raise InputError(
+                    f"State.run: batch size {batch} differs from the state's {have}; reset the state first"
+                )
         return self.caches
 
     def feeds(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -105,8 +108,10 @@ class ContiguousStore:
                 new[name] = c
                 want = self.ctx.graph_inputs[name].dtype
                 if a.shape[1:] != (c.heads, a.shape[2], c.head_size) or a.dtype != want:
-                    raise InputError(f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
-                                     f"[{batch}, {c.heads}, L, {c.head_size}] {want}")
+                    raise InputError(
+                        f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
+                        f"[{batch}, {c.heads}, L, {c.head_size}] {want}"
+                    )
                 c.write(a, 0, c.capacity if self.ctx.static else length)
                 c.commit()
         except Exception:
@@ -124,4 +129,3 @@ class ContiguousStore:
         for c in (self.caches or {}).values():
             c.release()
         self.caches = None
-

@@ -60,8 +60,10 @@ class DeclaredStore:
             for name in self._fresh:
                 g = self.ctx.graph_inputs[name]
                 if g.shape is None or not all(isinstance(d, int) for d in g.shape):
-                    raise StateError(f"State: persistent input '{name}' has no static shape {g.shape}; "
-                                     "give its first value with new_state(initial=...)")
+                    raise StateError(
+                        f"State: persistent input '{name}' has no static shape {g.shape}; "
+                        "give its first value with new_state(initial=...)"
+                    )
                 self._store(name, np.zeros(g.shape, g.dtype))
         except BaseException:
             self.discard()
@@ -83,8 +85,10 @@ class DeclaredStore:
         for name, produced in self.declared.items():
             value = out[produced]
             mine = self.held[name][1]
-            if not (value.shape == mine.shape and
-                    value.__array_interface__["data"][0] == mine.__array_interface__["data"][0]):
+            if not (
+                value.shape == mine.shape
+                and value.__array_interface__["data"][0] == mine.__array_interface__["data"][0]
+            ):
                 self._store(name, value)
 
     def discard(self) -> None:

@@ -72,8 +72,15 @@ class PagedStore:
     ``key_header``: the header kind of quantized key pages.
     """
 
-    def __init__(self, ctx: StoreContext, selector, key_header: str, block_size: int, max_pages: int | None,
-                 pool: BlockPool | None = None) -> None:
+    def __init__(
+        self,
+        ctx: StoreContext,
+        selector,
+        key_header: str,
+        block_size: int,
+        max_pages: int | None,
+        pool: BlockPool | None = None,
+    ) -> None:
         self.ctx = ctx
         self.selector = selector
         self.key_header = key_header
@@ -94,15 +101,26 @@ class PagedStore:
         ctx = self.ctx
         declared = ctx.session.declared_bindings
         if declared or not ctx.bindings:
-            raise InputError("new_state: cache='paged' needs a model whose past/present pairs onnxkv runs in place "
-                             f"(this model's cache is '{ctx.session.model.convention.kind}' with "
-                             f"{'declared persistent bindings' if declared else 'no in-place binding'})")
+            raise InputError(
+                "new_state: cache='paged' needs a model whose past/present pairs onnxkv runs in place "
+                f"(this model's cache is '{ctx.session.model.convention.kind}' with "
+                f"{'declared persistent bindings' if declared else 'no in-place binding'})"
+            )
         planes = []
         for b in ctx.bindings:
             (_, heads, head), dtype = ctx.geometry(b.past, 1)
             header = self.key_header if b.role == "key" else HEADER_FLOAT32
-            planes.append(PlaneSpec(b.past, heads, head, ctx.cache_dtype or np.dtype(dtype).name,
-                                    np.dtype(dtype).name, 1 if header == HEADER_FLOAT32 else head, header))
+            planes.append(
+                PlaneSpec(
+                    b.past,
+                    heads,
+                    head,
+                    ctx.cache_dtype or np.dtype(dtype).name,
+                    np.dtype(dtype).name,
+                    1 if header == HEADER_FLOAT32 else head,
+                    header,
+                )
+            )
         return BlockPool(planes, block_size, ctx.allocator, max_pages)
 
     def _model_window(self) -> int | None:
@@ -131,8 +149,12 @@ class PagedStore:
         page of its capacity, zero-filled, with nothing written yet (lengths 0)."""
         ctx = self.ctx
         static = ctx.static_capacity if ctx.static else None
-        cache = PagedCache(self.pool, table if table is not None else PageTable(self.pool, batch),
-                           static_length=static, max_tokens=static if ctx.static else ctx.capacity)
+        cache = PagedCache(
+            self.pool,
+            table if table is not None else PageTable(self.pool, batch),
+            static_length=static,
+            max_tokens=static if ctx.static else ctx.capacity,
+        )
         if ctx.static and table is None:
             try:
                 for plane in cache.planes.values():
@@ -157,8 +179,10 @@ class PagedStore:
         if self.cache is None:
             self.cache = self._new_cache(batch)
         elif self.cache.table.batch != batch:
-            raise InputError(f"State.run: batch size {batch} differs from the state's {self.cache.table.batch}; "
-                             "reorder or reset the state first")
+            raise InputError(
+                f"State.run: batch size {batch} differs from the state's {self.cache.table.batch}; "
+                "reorder or reset the state first"
+            )
         lengths = self.cache.lengths
         self._before = int(lengths.max()) if lengths.size else 0
         self._chosen = []
@@ -186,10 +210,15 @@ class PagedStore:
             if new_k is None:
                 continue
             pair = self.selector(layer, self._before, new_k, new_v)
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or \
-                    not all(f is None or isinstance(f, str) for f in pair):
-                raise InputError(f"kv_format: the selector must return (k_format, v_format), each a page format "
-                                 f"name or None, for layer {layer}; got {pair!r}")
+            if (
+                not isinstance(pair, (tuple, list))
+                or len(pair) != 2
+                or not all(f is None or isinstance(f, str) for f in pair)
+            ):
+                raise InputError(
+                    f"kv_format: the selector must return (k_format, v_format), each a page format "
+                    f"name or None, for layer {layer}; got {pair!r}"
+                )
             for name, fmt in zip((k, v), pair):
                 if fmt is None:
                     continue
@@ -224,8 +253,12 @@ class PagedStore:
                 converted += n
                 copied += c
         except Exception as e:  # noqa: BLE001 - reported, never swallowed silently
-            warnings.warn(f"State.run: converting full pages to the kv_format failed after the run was committed "
-                          f"({type(e).__name__}: {e}); those pages keep their format", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"State.run: converting full pages to the kv_format failed after the run was committed "
+                f"({type(e).__name__}: {e}); those pages keep their format",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             self.ctx.log("quantize_failed", allocations=0)
         if converted:
             self.ctx.log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
@@ -249,15 +282,20 @@ class PagedStore:
     def reset(self, arrays: dict[str, np.ndarray]) -> None:
         batch, length = batch_and_length(arrays)
         ctx = self.ctx
-        cache = self._new_cache(batch) if ctx.static else \
-            PagedCache(self.pool, PageTable(self.pool, batch), max_tokens=ctx.capacity)
+        cache = (
+            self._new_cache(batch)
+            if ctx.static
+            else PagedCache(self.pool, PageTable(self.pool, batch), max_tokens=ctx.capacity)
+        )
         try:
             for name, a in arrays.items():
                 plane = cache.planes[name]
                 want = ctx.graph_inputs[name].dtype
                 if a.shape != (batch, plane.heads, length, plane.head_size) or a.dtype != want:
-                    raise InputError(f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
-                                     f"[{batch}, {plane.heads}, {length}, {plane.head_size}] {want}")
+                    raise InputError(
+                        f"State.reset: initial '{name}' has shape {a.shape} {a.dtype}, expected "
+                        f"[{batch}, {plane.heads}, {length}, {plane.head_size}] {want}"
+                    )
                 plane.write(a, 0, length)
             cache.commit()
         except Exception:
@@ -270,11 +308,12 @@ class PagedStore:
     def truncate(self, length: int) -> None:
         table = self.cache.table
         if self.window is not None and int(table.first.max(initial=0)) > max(0, length - self.window):
-            raise StateError(f"State.truncate: positions below {int(table.first.max())} were evicted by the "
-                             f"sliding window; cannot go back to length {length}")
+            raise StateError(
+                f"State.truncate: positions below {int(table.first.max())} were evicted by the "
+                f"sliding window; cannot go back to length {length}"
+            )
         freed = table.truncate(int(length))
-        self.ctx.log("truncate", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0,
-                     extra={"pages_freed": freed})
+        self.ctx.log("truncate", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0, extra={"pages_freed": freed})
 
     def close(self) -> None:
         if self.cache is not None:
@@ -314,11 +353,14 @@ class PagedStore:
 
     def quantize_pages(self, indices, k_format: str | None, v_format: str | None) -> None:
         """:func:`onnxkv.cache.page_convert.quantize_blocks` over every layer's key / value planes."""
-        planes = [(self.pool.plane_index[n], f) for k, v in self.layer_pairs()
-                  for n, f in ((k, k_format), (v, v_format)) if f is not None]
+        planes = [
+            (self.pool.plane_index[n], f)
+            for k, v in self.layer_pairs()
+            for n, f in ((k, k_format), (v, v_format))
+            if f is not None
+        ]
         converted, shared = quantize_blocks(self.cache.table, indices, planes, "State.quantize_pages")
-        self.ctx.log("quantize", cow_copied_bytes=shared * self.pool.page_bytes,
-                     extra={"pages_converted": converted})
+        self.ctx.log("quantize", cow_copied_bytes=shared * self.pool.page_bytes, extra={"pages_converted": converted})
 
     # -- serialisation ---------------------------------------------------------------------
     def layer_pairs(self) -> list[tuple[str, str]]:
@@ -354,9 +396,14 @@ class PagedStore:
     def load(self, snapshot) -> None:
         """Replace the cache by ``snapshot``'s contents; all or nothing (:func:`paged_from_snapshot`)."""
         ctx = self.ctx
-        cache = paged_from_snapshot(snapshot, self.pool, self.layer_pairs(),
-                                    ctx.static_capacity if ctx.static else ctx.capacity,
-                                    self.window, "State.load_cache")
+        cache = paged_from_snapshot(
+            snapshot,
+            self.pool,
+            self.layer_pairs(),
+            ctx.static_capacity if ctx.static else ctx.capacity,
+            self.window,
+            "State.load_cache",
+        )
         cache.static_length = ctx.static_capacity if ctx.static else None
         self.close()
         self.cache = cache

@@ -90,11 +90,14 @@ class StoreContext:
     def __post_init__(self) -> None:
         conv = self.session.model.convention
         if self.cache_dtype not in (None, "float32", "float16", "bfloat16"):
-            raise InputError(f"new_state: cache_dtype must be None, 'float32', 'float16' or 'bfloat16', "
-                             f"got {self.cache_dtype!r}")
+            raise InputError(
+                f"new_state: cache_dtype must be None, 'float32', 'float16' or 'bfloat16', got {self.cache_dtype!r}"
+            )
         if self.cache_dtype is not None and conv.kind != "group_query_attention":
-            raise InputError(f"new_state: cache_dtype={self.cache_dtype!r} needs a GroupQueryAttention model (its "
-                             f"cache is read only by the attention kernel); this model's cache is '{conv.kind}'")
+            raise InputError(
+                f"new_state: cache_dtype={self.cache_dtype!r} needs a GroupQueryAttention model (its "
+                f"cache is read only by the attention kernel); this model's cache is '{conv.kind}'"
+            )
         self.bindings = list(self.session.bindings)
         self.static = conv.kind == "tensor_scatter"
         self.static_capacity = conv.capacity
@@ -116,8 +119,16 @@ class StoreContext:
         log = self.session.events
         if log.enabled:
             st = self.allocator.stats()
-            log.record(max(self.session._step - 1, 0), "", "", action, committed=st.committed, live=st.live,
-                       peak=st.peak, **counters)
+            log.record(
+                max(self.session._step - 1, 0),
+                "",
+                "",
+                action,
+                committed=st.committed,
+                live=st.live,
+                peak=st.peak,
+                **counters,
+            )
 
     def export(self, present: str, value: np.ndarray, cache, paged: bool) -> np.ndarray:
         """A copy of bound present ``present`` (``value``: what the plan returned, ``cache``: its cache) in the
@@ -130,9 +141,18 @@ class StoreContext:
         log = self.session.events
         if log.enabled:
             st = self.allocator.stats()
-            log.record(self.session._step - 1, present, "export", "export", allocations=1,
-                       allocated_bytes=copy.nbytes, prefix_copied_bytes=copy.nbytes,
-                       committed=st.committed, live=st.live, peak=st.peak)
+            log.record(
+                self.session._step - 1,
+                present,
+                "export",
+                "export",
+                allocations=1,
+                allocated_bytes=copy.nbytes,
+                prefix_copied_bytes=copy.nbytes,
+                committed=st.committed,
+                live=st.live,
+                peak=st.peak,
+            )
         return copy
 
     def batch_of(self, feeds: Mapping[str, np.ndarray]) -> int:
@@ -154,6 +174,7 @@ def batch_and_length(arrays: dict[str, np.ndarray]) -> tuple[int, int]:
     lengths = {a.shape[2] if a.ndim == 4 else None for a in arrays.values()}
     batches = {a.shape[0] if a.ndim == 4 else None for a in arrays.values()}
     if None in lengths or len(lengths) != 1 or len(batches) != 1:
-        raise InputError("State.reset: initial arrays must be [batch, heads, length, head_size] "
-                         "with one batch size and one length")
+        raise InputError(
+            "State.reset: initial arrays must be [batch, heads, length, head_size] with one batch size and one length"
+        )
     return batches.pop(), lengths.pop()

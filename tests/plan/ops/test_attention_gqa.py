@@ -246,6 +246,7 @@ def test_output_only_counts_nothing():
 def _run_bounded(model, ins, limit=1 << 20):
     """Run the node with a run context whose output allocations fail the test above ``limit`` bytes: no
     output may be sized by an unchecked length."""
+
     def empty(rt, index, shape, dtype):
         assert int(np.prod(shape)) * dtype.itemsize <= limit, f"output {index} of shape {shape} allocated"
         return np.empty(shape, dtype)
@@ -254,17 +255,30 @@ def _run_bounded(model, ins, limit=1 << 20):
     return build_op(GroupQueryAttention, model).run(args, RunContext(empty, recording=False, step=0))
 
 
-@pytest.mark.parametrize("name, value, match", [
-    ("seqlens_k", np.array([3, 2**32 + 4], np.int64),
-     r"seqlens_k\[1\] = 4294967300 is outside the int32 range \[-2147483648, 2147483647\]"),
-    ("seqlens_k", np.array([3, 2**64 - 1], np.uint64), r"seqlens_k\[1\] = 18446744073709551615 is outside"),
-    ("seqlens_k", np.array([3.0, 2.0], np.float32), "seqlens_k must be int32, got float32"),
-    ("total_sequence_length", np.array(2**63 - 1, np.int64),
-     r"total_sequence_length\[0\] = 9223372036854775807 is outside the int32 range"),
-    ("total_sequence_length", np.array(4.0), "total_sequence_length must be int32, got float64"),
-    ("total_sequence_length", np.array(2**31 - 1, np.int32),
-     r"total_sequence_length must be in \[1, 4\] \(past length 3 \+ 1 new tokens\), got 2147483647"),
-], ids=["seqlens-int64", "seqlens-uint64", "seqlens-float", "total-int64", "total-float", "total-past-the-cache"])
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        (
+            "seqlens_k",
+            np.array([3, 2**32 + 4], np.int64),
+            r"seqlens_k\[1\] = 4294967300 is outside the int32 range \[-2147483648, 2147483647\]",
+        ),
+        ("seqlens_k", np.array([3, 2**64 - 1], np.uint64), r"seqlens_k\[1\] = 18446744073709551615 is outside"),
+        ("seqlens_k", np.array([3.0, 2.0], np.float32), "seqlens_k must be int32, got float32"),
+        (
+            "total_sequence_length",
+            np.array(2**63 - 1, np.int64),
+            r"total_sequence_length\[0\] = 9223372036854775807 is outside the int32 range",
+        ),
+        ("total_sequence_length", np.array(4.0), "total_sequence_length must be int32, got float64"),
+        (
+            "total_sequence_length",
+            np.array(2**31 - 1, np.int32),
+            r"total_sequence_length must be in \[1, 4\] \(past length 3 \+ 1 new tokens\), got 2147483647",
+        ),
+    ],
+    ids=["seqlens-int64", "seqlens-uint64", "seqlens-float", "total-int64", "total-float", "total-past-the-cache"],
+)
 def test_integer_inputs_are_checked_in_their_own_width_before_any_allocation(name, value, match):
     ins = _inputs(np.random.default_rng(10), 2, 1, 4, 2, 32, 3, [3, 2], 4)
     ins[name] = value
@@ -272,14 +286,24 @@ def test_integer_inputs_are_checked_in_their_own_width_before_any_allocation(nam
         _run_bounded(_model(ins, 4, 2), ins)
 
 
-@pytest.mark.parametrize("position_ids, s, match", [
-    (np.array([[2**64 - 1], [2]], np.uint64), 1,
-     r"position ids must lie in \[0, 12\) \(cos_cache rows\), got 18446744073709551615 at \[0, 0\]"),
-    (np.array([[2**63 - 1] * 3, [0, 1, 2]], np.int64), 3,
-     r"lie in \[0, 11\) \(cos_cache rows\), got a start of 9223372036854775807 for 3 tokens "
-     r"\(valid starts: \[0, 8\]\)"),
-    (np.array([[1.0], [2.0]], np.float32), 1, "position ids must be integers, got float32"),
-], ids=["uint64", "int64-max-start", "float"])
+@pytest.mark.parametrize(
+    "position_ids, s, match",
+    [
+        (
+            np.array([[2**64 - 1], [2]], np.uint64),
+            1,
+            r"position ids must lie in \[0, 12\) \(cos_cache rows\), got 18446744073709551615 at \[0, 0\]",
+        ),
+        (
+            np.array([[2**63 - 1] * 3, [0, 1, 2]], np.int64),
+            3,
+            r"lie in \[0, 11\) \(cos_cache rows\), got a start of 9223372036854775807 for 3 tokens "
+            r"\(valid starts: \[0, 8\]\)",
+        ),
+        (np.array([[1.0], [2.0]], np.float32), 1, "position ids must be integers, got float32"),
+    ],
+    ids=["uint64", "int64-max-start", "float"],
+)
 def test_position_ids_are_checked_in_their_own_width(position_ids, s, match):
     rng = np.random.default_rng(11)
     past, seqlens, total = (3, [3, 2], 4) if s == 1 else (None, [2, 2], 3)

@@ -6,6 +6,7 @@ it should be, that every step's logits and cache contents are bitwise those of
 the general path (forced by disabling it), and that calls it does not serve --
 or that the general path refuses -- behave exactly as before.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -77,8 +78,11 @@ def _decode(session, state, steps: int, batch: int = 1) -> tuple[list[np.ndarray
     return logits, [np.array(v) for v in state.values.values()]
 
 
-@pytest.mark.parametrize("attrs", [{}, {"softcap": 2.5}, {"local_window_size": 6}, "packed"],
-                         ids=["plain", "softcap", "window", "packed-qkv"])
+@pytest.mark.parametrize(
+    "attrs",
+    [{}, {"softcap": 2.5}, {"local_window_size": 6}, "packed"],
+    ids=["plain", "softcap", "window", "packed-qkv"],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
     """Every decode step takes the path (growth of the cache included) with results bitwise equal to
@@ -86,7 +90,7 @@ def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
     session = onnxkv.Session(_packed_model() if attrs == "packed" else _model(**attrs), threads=threads)
     with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:  # grows during prefill and decode
         got_logits, got_values = _decode(session, st, steps=9)
-    decode_calls = spy[-9 * MICRO.num_layers:]
+    decode_calls = spy[-9 * MICRO.num_layers :]
     assert all(decode_calls) and len(decode_calls) == 9 * MICRO.num_layers
     monkeypatch.setattr(GroupQueryAttention, "_decode_token", lambda self, inputs, rt: None)
     with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:
@@ -128,9 +132,11 @@ def test_refused_seqlens_k_keeps_the_general_error_and_the_state(spy):
         feeds = b.next(np.array([4]), out)
         feeds["attention_mask"] = np.ones((1, PROMPT + 3), feeds["attention_mask"].dtype)
         spy.clear()
-        with pytest.raises((InputError, OperatorError),
-                           match=r"total_sequence_length must be in \[1, 14\] \(past length 13 \+ 1 new tokens\), "
-                                 r"got 16"):
+        with pytest.raises(
+            (InputError, OperatorError),
+            match=r"total_sequence_length must be in \[1, 14\] \(past length 13 \+ 1 new tokens\), "
+            r"got 16",
+        ):
             st.run(feeds, ["logits"])
         assert spy == [False]
         for name, value in st.values.items():

@@ -24,24 +24,45 @@ def _inputs(rng, s: int, past: int, buffers, rotary: bool, batch: int = 1) -> di
     if rotary:
         angles = rng.uniform(0, 2 * np.pi, (64, D // 2)).astype(np.float32)
         cos, sin = np.cos(angles), np.sin(angles)
-    return {"query": f(batch, s, HQ * D), "key": f(batch, s, HKV * D), "value": f(batch, s, HKV * D),
-            "past_key": buffers[0], "past_value": buffers[1],
-            "seqlens_k": np.full(batch, past + s - 1, np.int32),
-            "total_sequence_length": np.array(past + s, np.int32), "cos_cache": cos, "sin_cache": sin,
-            "position_ids": None, "attention_bias": None, "head_sink": None}
+    return {
+        "query": f(batch, s, HQ * D),
+        "key": f(batch, s, HKV * D),
+        "value": f(batch, s, HKV * D),
+        "past_key": buffers[0],
+        "past_value": buffers[1],
+        "seqlens_k": np.full(batch, past + s - 1, np.int32),
+        "total_sequence_length": np.array(past + s, np.int32),
+        "cos_cache": cos,
+        "sin_cache": sin,
+        "position_ids": None,
+        "attention_bias": None,
+        "head_sink": None,
+    }
 
 
 def _model(ins, window: int, **attrs):
-    return make_model("GroupQueryAttention", ins, ["output", "present_key", "present_value"], OPSETS,
-                      domain="com.microsoft", num_heads=HQ, kv_num_heads=HKV, local_window_size=window,
-                      sliding_window_cache=1, **attrs)
+    return make_model(
+        "GroupQueryAttention",
+        ins,
+        ["output", "present_key", "present_value"],
+        OPSETS,
+        domain="com.microsoft",
+        num_heads=HQ,
+        kv_num_heads=HKV,
+        local_window_size=window,
+        sliding_window_cache=1,
+        **attrs,
+    )
 
 
-@pytest.mark.parametrize("window,capacity,steps,rotary", [
-    (4, 6, [5, 1, 1, 1, 3, 1, 1, 1], False),   # prompt inside the buffer, decode steps that compact
-    (4, 4, [2, 1, 1, 1, 1, 1, 1], True),       # capacity == window: every step past it compacts
-    (3, 8, [11, 1, 2, 1, 1, 4, 1], True),      # prompt longer than the buffer (staged), chunks
-])
+@pytest.mark.parametrize(
+    "window,capacity,steps,rotary",
+    [
+        (4, 6, [5, 1, 1, 1, 3, 1, 1, 1], False),  # prompt inside the buffer, decode steps that compact
+        (4, 4, [2, 1, 1, 1, 1, 1, 1], True),  # capacity == window: every step past it compacts
+        (3, 8, [11, 1, 2, 1, 1, 4, 1], True),  # prompt longer than the buffer (staged), chunks
+    ],
+)
 def test_steps_match_ort(window, capacity, steps, rotary):
     rng = np.random.default_rng(window * 100 + capacity)
     buffers = (np.zeros((1, HKV, capacity, D), np.float32),) * 2

@@ -28,12 +28,17 @@ def test_attention_nan_query_head(sq, past, mask):
     b, hq, hkv, d = 2, 4, 2, 32
     q = _f(rng, b, hq, sq, d)
     q[1, 2, :, 5] = np.nan
-    ins = {"Q": q, "K": _f(rng, b, hkv, sq, d), "V": _f(rng, b, hkv, sq, d),
-           "attn_mask": np.ones((b, 1, sq, past + sq), bool) if mask else None,
-           "past_key": _f(rng, b, hkv, past, d) if past else None,
-           "past_value": _f(rng, b, hkv, past, d) if past else None}
-    model = make_model("Attention", ins, ["Y", "present_key", "present_value"] if past else ["Y"], {"": 23},
-                       is_causal=int(not mask))
+    ins = {
+        "Q": q,
+        "K": _f(rng, b, hkv, sq, d),
+        "V": _f(rng, b, hkv, sq, d),
+        "attn_mask": np.ones((b, 1, sq, past + sq), bool) if mask else None,
+        "past_key": _f(rng, b, hkv, past, d) if past else None,
+        "past_value": _f(rng, b, hkv, past, d) if past else None,
+    }
+    model = make_model(
+        "Attention", ins, ["Y", "present_key", "present_value"] if past else ["Y"], {"": 23}, is_causal=int(not mask)
+    )
     got, _ = run_op(Attention23, model, ins)
     with np.errstate(invalid="ignore"):
         want = run_reference(model, ins)[0]
@@ -48,12 +53,24 @@ def test_group_query_attention_nan_query_head(s, past):
     total = s if past is None else past + s
     q = _f(rng, b, s, hq * d)
     q[0, :, 1 * d + 3] = np.nan  # query head 1 of row 0
-    ins = {"query": q, "key": _f(rng, b, s, hkv * d), "value": _f(rng, b, s, hkv * d),
-           "past_key": None if past is None else _f(rng, b, hkv, past, d),
-           "past_value": None if past is None else _f(rng, b, hkv, past, d),
-           "seqlens_k": np.full(b, total - 1, np.int32), "total_sequence_length": np.array(total, np.int32)}
-    model = make_model("GroupQueryAttention", ins, ["output", "present_key", "present_value"],
-                       {"": 21, "com.microsoft": 1}, domain="com.microsoft", num_heads=hq, kv_num_heads=hkv)
+    ins = {
+        "query": q,
+        "key": _f(rng, b, s, hkv * d),
+        "value": _f(rng, b, s, hkv * d),
+        "past_key": None if past is None else _f(rng, b, hkv, past, d),
+        "past_value": None if past is None else _f(rng, b, hkv, past, d),
+        "seqlens_k": np.full(b, total - 1, np.int32),
+        "total_sequence_length": np.array(total, np.int32),
+    }
+    model = make_model(
+        "GroupQueryAttention",
+        ins,
+        ["output", "present_key", "present_value"],
+        {"": 21, "com.microsoft": 1},
+        domain="com.microsoft",
+        num_heads=hq,
+        kv_num_heads=hkv,
+    )
     got, _ = run_op(GroupQueryAttention, model, ins)
     heads = got[0].reshape(b, s, hq, d)
     assert np.isnan(heads[0, :, 1]).all() and np.isfinite(np.delete(heads, 1, axis=2)).all()

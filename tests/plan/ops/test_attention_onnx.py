@@ -91,7 +91,9 @@ def test_value_head_size_differs_softcap_scale():
 def test_bool_mask_short_broadcast_with_causal():
     rng = np.random.default_rng(4)
     mask = rng.random((3, 6)) > 0.3  # [Sq, T - 2]: last two key columns padded as masked
-    _check_against_peers(_inputs(rng, 2, 4, 2, 3, 3, 32, past=5, mask=mask), is_causal=1, ort=False)  # ORT needs a full mask
+    _check_against_peers(
+        _inputs(rng, 2, 4, 2, 3, 3, 32, past=5, mask=mask), is_causal=1, ort=False
+    )  # ORT needs a full mask
 
 
 def test_float_mask_and_fully_masked_row():
@@ -130,13 +132,17 @@ def test_nonpad_kv_seqlen_static_cache(causal):
     _check_against_peers(ins, opset=24, is_causal=causal)
 
 
-@pytest.mark.parametrize("nonpad, match", [
-    (np.array([6, 2**64 - 1], np.uint64), r"nonpad_kv_seqlen\[1\] = 18446744073709551615 is outside \[0, 8\]"),
-    (np.array([-2**63, 2], np.int64), r"nonpad_kv_seqlen\[0\] = -9223372036854775808 is outside \[0, 8\]"),
-    (np.array([9, 2], np.int32), r"nonpad_kv_seqlen\[0\] = 9 is outside \[0, 8\] \(the keys of the row\)"),
-    (np.array([6.5, 2.0]), r"nonpad_kv_seqlen must be \[2\] integers, got float64 \(2,\)"),
-    (np.array([6, 2, 1], np.int64), r"nonpad_kv_seqlen must be \[2\] integers, got int64 \(3,\)"),
-], ids=["uint64", "int64-min", "int32", "float", "shape"])
+@pytest.mark.parametrize(
+    "nonpad, match",
+    [
+        (np.array([6, 2**64 - 1], np.uint64), r"nonpad_kv_seqlen\[1\] = 18446744073709551615 is outside \[0, 8\]"),
+        (np.array([-(2**63), 2], np.int64), r"nonpad_kv_seqlen\[0\] = -9223372036854775808 is outside \[0, 8\]"),
+        (np.array([9, 2], np.int32), r"nonpad_kv_seqlen\[0\] = 9 is outside \[0, 8\] \(the keys of the row\)"),
+        (np.array([6.5, 2.0]), r"nonpad_kv_seqlen must be \[2\] integers, got float64 \(2,\)"),
+        (np.array([6, 2, 1], np.int64), r"nonpad_kv_seqlen must be \[2\] integers, got int64 \(3,\)"),
+    ],
+    ids=["uint64", "int64-min", "int32", "float", "shape"],
+)
 def test_nonpad_kv_seqlen_is_checked_in_its_own_width(nonpad, match):
     ins = dict(_inputs(np.random.default_rng(12), 2, 4, 2, 3, 8, 32), nonpad_kv_seqlen=nonpad)
     model = make_model("Attention", ins, ["Y"], {"": 24})
@@ -195,8 +201,9 @@ def test_float16_inputs():
         np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), atol=5e-3, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)],
-                         ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", [np.float16, helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)], ids=["float16", "bfloat16"]
+)
 @pytest.mark.parametrize("layout", ["4d-past-mask", "3d-scores"])
 def test_narrow_inputs_are_computed_in_float32_and_rounded_once(dtype, layout):
     """float16/bfloat16: every output is the float32 computation on the same values, rounded once, and the

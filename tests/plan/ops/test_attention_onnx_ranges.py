@@ -30,7 +30,7 @@ def _padded_causal(b, sq, t, pads, dtype=bool):
     key = np.arange(t)[None, None, None, :]
     query = np.arange(sq)[None, None, :, None]
     visible = (key >= np.asarray(pads)[:, None, None, None]) & (key <= t - sq + query)
-    if dtype == bool:
+    if dtype is bool:
         return visible
     return np.where(visible, 0.0, dtype).astype(np.float32)
 
@@ -46,8 +46,14 @@ def dense_calls(monkeypatch):
 def _run(mask, b=2, hq=4, hkv=2, sq=3, skv=3, past=5, d=32, seed=0, ort=True, **attrs):
     rng = np.random.default_rng(seed)
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    ins = {"Q": f(b, hq, sq, d), "K": f(b, hkv, skv, d), "V": f(b, hkv, skv, d), "attn_mask": mask,
-           "past_key": f(b, hkv, past, d), "past_value": f(b, hkv, past, d)}
+    ins = {
+        "Q": f(b, hq, sq, d),
+        "K": f(b, hkv, skv, d),
+        "V": f(b, hkv, skv, d),
+        "attn_mask": mask,
+        "past_key": f(b, hkv, past, d),
+        "past_value": f(b, hkv, past, d),
+    }
     model = make_model("Attention", ins, ["Y", "present_key", "present_value"], {"": 23}, **attrs)
     got, _ = run_op(Attention23, model, ins)
     peers = [run_reference(model, ins)] + ([run_ort(model, ins)] if ort else [])
@@ -114,9 +120,15 @@ def test_attn_mask_ranges_describe_exactly_the_visible_keys():
 def _run_window(rng, b=2, hq=4, hkv=2, sq=5, skv=5, past=0, nonpad=None, mask=None, d=16, **attrs):
     """Attention-25 on random inputs against onnx.reference; returns Y."""
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    ins = {"Q": f(b, hq, sq, d), "K": f(b, hkv, skv, d), "V": f(b, hkv, skv, d), "attn_mask": mask,
-           "past_key": f(b, hkv, past, d) if past else None, "past_value": f(b, hkv, past, d) if past else None,
-           "nonpad_kv_seqlen": None if nonpad is None else np.asarray(nonpad, np.int64)}
+    ins = {
+        "Q": f(b, hq, sq, d),
+        "K": f(b, hkv, skv, d),
+        "V": f(b, hkv, skv, d),
+        "attn_mask": mask,
+        "past_key": f(b, hkv, past, d) if past else None,
+        "past_value": f(b, hkv, past, d) if past else None,
+        "nonpad_kv_seqlen": None if nonpad is None else np.asarray(nonpad, np.int64),
+    }
     outputs = ["Y", "present_key", "present_value"] if past else ["Y"]
     model = make_model("Attention", ins, outputs, {"": 25}, **attrs)
     got, _ = run_op(Attention25, model, ins)
@@ -126,19 +138,33 @@ def _run_window(rng, b=2, hq=4, hkv=2, sq=5, skv=5, past=0, nonpad=None, mask=No
     return got[0]
 
 
-@pytest.mark.parametrize("attrs,kw", [
-    ({"is_causal": 1, "left_window_size": 2}, {}),
-    ({"is_causal": 1, "left_window_size": 0}, {}),
-    ({"is_causal": 1, "left_window_size": 3}, {"sq": 2, "skv": 2, "past": 6}),
-    ({"is_causal": 1, "left_window_size": 3}, {"sq": 1, "skv": 1, "past": 9}),
-    ({"is_causal": 1, "left_window_size": 3, "right_window_size": 1}, {"sq": 3, "skv": 3, "past": 4}),
-    ({"left_window_size": 1, "right_window_size": 2}, {}),
-    ({"left_window_size": 2, "right_window_size": 40}, {"sq": 3, "skv": 3, "past": 4}),
-    ({"right_window_size": 0}, {}),
-    ({"is_causal": 1, "left_window_size": 2}, {"sq": 3, "skv": 8, "nonpad": [7, 2]}),
-    ({"is_causal": 1, "left_window_size": 2, "softcap": 2.0}, {"mask": _padded_causal(2, 5, 5, [0, 2])}),
-], ids=["causal", "self-only", "past", "decode", "causal-right", "both-sides", "right-beyond-keys", "right-only",
-        "nonpad", "mask-ranges"])
+@pytest.mark.parametrize(
+    "attrs,kw",
+    [
+        ({"is_causal": 1, "left_window_size": 2}, {}),
+        ({"is_causal": 1, "left_window_size": 0}, {}),
+        ({"is_causal": 1, "left_window_size": 3}, {"sq": 2, "skv": 2, "past": 6}),
+        ({"is_causal": 1, "left_window_size": 3}, {"sq": 1, "skv": 1, "past": 9}),
+        ({"is_causal": 1, "left_window_size": 3, "right_window_size": 1}, {"sq": 3, "skv": 3, "past": 4}),
+        ({"left_window_size": 1, "right_window_size": 2}, {}),
+        ({"left_window_size": 2, "right_window_size": 40}, {"sq": 3, "skv": 3, "past": 4}),
+        ({"right_window_size": 0}, {}),
+        ({"is_causal": 1, "left_window_size": 2}, {"sq": 3, "skv": 8, "nonpad": [7, 2]}),
+        ({"is_causal": 1, "left_window_size": 2, "softcap": 2.0}, {"mask": _padded_causal(2, 5, 5, [0, 2])}),
+    ],
+    ids=[
+        "causal",
+        "self-only",
+        "past",
+        "decode",
+        "causal-right",
+        "both-sides",
+        "right-beyond-keys",
+        "right-only",
+        "nonpad",
+        "mask-ranges",
+    ],
+)
 def test_windows_take_the_kernel_and_agree_with_onnx_reference(attrs, kw, dense_calls):
     _run_window(np.random.default_rng(20), **kw, **attrs)
     assert dense_calls == []
@@ -161,8 +187,11 @@ def test_kernel_ranges_describe_exactly_the_keys_the_bias_leaves_visible():
     taken = 0
     for trial in range(400):
         b, sq, total = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(1, 10))
-        attrs = {"is_causal": int(rng.integers(0, 2)), "left_window_size": int(rng.integers(-1, total + 2)),
-                 "right_window_size": int(rng.integers(-1, total + 2))}
+        attrs = {
+            "is_causal": int(rng.integers(0, 2)),
+            "left_window_size": int(rng.integers(-1, total + 2)),
+            "right_window_size": int(rng.integers(-1, total + 2)),
+        }
         op = build_op(Attention25, make_model("Attention", {"Q": np.zeros(1)}, ["Y"], {"": 25}, **attrs))
         nonpad = rng.integers(0, total + 1, b).astype(np.int64) if trial % 3 == 0 else None
         offsets = nonpad - sq if nonpad is not None else np.full(b, int(rng.integers(0, total + 1)), np.int64)
@@ -181,14 +210,18 @@ def test_kernel_ranges_describe_exactly_the_keys_the_bias_leaves_visible():
         if window >= 0:
             got &= key >= q_pos[:, :, None] - window
         bias = op._bias(mask, b, 1, sq, total, offsets, nonpad, np.dtype(np.float32))
-        np.testing.assert_array_equal(got, np.isfinite(np.broadcast_to(bias, (b, 1, sq, total))[:, 0]),
-                                      err_msg=str((attrs, nonpad, offsets)))
+        np.testing.assert_array_equal(
+            got, np.isfinite(np.broadcast_to(bias, (b, 1, sq, total))[:, 0]), err_msg=str((attrs, nonpad, offsets))
+        )
     assert taken > 200
 
 
 @pytest.mark.parametrize("name", ["left_window_size", "right_window_size"])
 def test_window_below_minus_one_is_a_model_error_naming_the_attribute(name):
     model = make_model("Attention", {"Q": np.zeros(1)}, ["Y"], {"": 25}, **{name: -2})
-    with pytest.raises(ModelError, match=rf"Attention node 'n0': attribute {name} must be -1 \(unbounded\) or "
-                                         r">= 0, got -2"):
+    with pytest.raises(
+        ModelError,
+        match=rf"Attention node 'n0': attribute {name} must be -1 \(unbounded\) or "
+        r">= 0, got -2",
+    ):
         build_op(Attention25, model)

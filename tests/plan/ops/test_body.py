@@ -1,4 +1,5 @@
 """The literal fallback of fused nodes (``Body``) hands what its nodes leave for the run to the fused node's run."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -16,11 +16,15 @@ CAP, H, D = 8, 2, 4
 def cache_model(new_len: int = 2, bind: bool = True, cache_initializer: bool = False):
     node = helper.make_node("CacheUpdate", ["past", "new", "pos"], ["present"], domain="ai.onnxkv", name="update")
     total = helper.make_node("ReduceSum", ["present"], ["total"], keepdims=0)
-    inputs = [helper.make_tensor_value_info("past", TensorProto.FLOAT, [1, H, CAP, D]),
-              helper.make_tensor_value_info("new", TensorProto.FLOAT, [1, H, new_len, D]),
-              helper.make_tensor_value_info("pos", TensorProto.INT64, [])]
-    outputs = [helper.make_tensor_value_info("present", TensorProto.FLOAT, [1, H, CAP, D]),
-               helper.make_tensor_value_info("total", TensorProto.FLOAT, [])]
+    inputs = [
+        helper.make_tensor_value_info("past", TensorProto.FLOAT, [1, H, CAP, D]),
+        helper.make_tensor_value_info("new", TensorProto.FLOAT, [1, H, new_len, D]),
+        helper.make_tensor_value_info("pos", TensorProto.INT64, []),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("present", TensorProto.FLOAT, [1, H, CAP, D]),
+        helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
+    ]
     inits = []
     if cache_initializer:
         inits = [numpy_helper.from_array(np.zeros((1, H, CAP, D), np.float32), "past")]
@@ -78,7 +82,7 @@ def test_persistent_state_accumulates_in_place_and_publishes_atomically():
     for step, pos in enumerate((0, 2, 4)):
         f = feeds(pos, seed=step)
         out = state.run(f)
-        expected[:, :, pos:pos + 2] = f["new"]
+        expected[:, :, pos : pos + 2] = f["new"]
         assert set(out) == {"total"}
         np.testing.assert_allclose(out["total"], expected.sum(), rtol=1e-6)
     np.testing.assert_array_equal(state.values["past"], expected)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from faults import failing_after
 from onnx import TensorProto, helper
 
-from faults import failing_after
 import onnxkv
 from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import OperatorError
@@ -24,14 +24,20 @@ CAP, H, D = 8, 2, 4
 
 
 def update_then_sum():
-    nodes = [helper.make_node("CacheUpdate", ["past", "new", "pos"], ["present"], domain="ai.onnxkv", name="update"),
-             helper.make_node("ReduceSum", ["present"], ["total"], keepdims=0, name="sum")]
-    inputs = [helper.make_tensor_value_info("past", TensorProto.FLOAT, [1, H, CAP, D]),
-              helper.make_tensor_value_info("new", TensorProto.FLOAT, [1, H, 2, D]),
-              helper.make_tensor_value_info("pos", TensorProto.INT64, [])]
+    nodes = [
+        helper.make_node("CacheUpdate", ["past", "new", "pos"], ["present"], domain="ai.onnxkv", name="update"),
+        helper.make_node("ReduceSum", ["present"], ["total"], keepdims=0, name="sum"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("past", TensorProto.FLOAT, [1, H, CAP, D]),
+        helper.make_tensor_value_info("new", TensorProto.FLOAT, [1, H, 2, D]),
+        helper.make_tensor_value_info("pos", TensorProto.INT64, []),
+    ]
     outputs = [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])]
-    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs),
-                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)])
+    m = helper.make_model(
+        helper.make_graph(nodes, "g", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)],
+    )
     set_output_alias(m.graph.node[0], [OutputAlias(0, 0)])
     set_access(m.graph.input[0], Access.READ_WRITE)
     return m
@@ -55,12 +61,17 @@ def test_paged_operators_follow_the_same_rule_on_a_caller_cache():
     rng = np.random.default_rng(1)
     past = rng.standard_normal(cfg.past_shape).astype(np.float32)
     table = np.arange(cfg.max_blocks, dtype=np.int32)[None]
-    feeds = {"past.0": past, "hidden": rng.standard_normal((1, 1, cfg.hidden_size)).astype(np.float32),
-             "block_table": table, "seqlens_k": np.array([5], np.int32), "quantize_blocks": np.array([0], np.int32),
-             "key_scale.0": np.full((1, cfg.num_kv_heads), 0.05, np.float32),
-             "value_scale.0": np.full((1, cfg.num_kv_heads), 0.05, np.float32),
-             "key_zero_point.0": np.zeros((1, cfg.num_kv_heads), np.int8),
-             "value_zero_point.0": np.zeros((1, cfg.num_kv_heads), np.int8)}
+    feeds = {
+        "past.0": past,
+        "hidden": rng.standard_normal((1, 1, cfg.hidden_size)).astype(np.float32),
+        "block_table": table,
+        "seqlens_k": np.array([5], np.int32),
+        "quantize_blocks": np.array([0], np.int32),
+        "key_scale.0": np.full((1, cfg.num_kv_heads), 0.05, np.float32),
+        "value_scale.0": np.full((1, cfg.num_kv_heads), 0.05, np.float32),
+        "key_zero_point.0": np.zeros((1, cfg.num_kv_heads), np.int8),
+        "value_zero_point.0": np.zeros((1, cfg.num_kv_heads), np.int8),
+    }
     before = past.copy()
     attention = next(k for k, n in enumerate(sess.plan.nodes) if n.op_type == "PagedAttention")
     with failing_after(sess.plan, attention), pytest.raises(OperatorError, match="injected failure"):

@@ -20,8 +20,9 @@ VALUES = np.array([0.0, 1.0, -2.5, 3.0, 5.0, 300.0, 6.2e4, -6.2e4, np.inf, -np.i
 def _model(op: str, x: np.ndarray, like: np.ndarray | None = None, **attrs):
     inputs = {"x": x} if like is None else {"x": x, "like": like}
     node = helper.make_node(op, list(inputs), ["y"], name="n", **attrs)
-    g_in = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-            for k, v in inputs.items()]
+    g_in = [
+        helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for k, v in inputs.items()
+    ]
     graph = helper.make_graph([node], "g", g_in, [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25)]), inputs
 
@@ -61,12 +62,16 @@ def test_castlike_to_float8_saturates_by_default(to):
     _check("CastLike", VALUES, like, saturate=0)
 
 
-@pytest.mark.parametrize("round_mode,want", [("up", [4, 8, 0.25]), ("down", [2, 4, 0.125]),
-                                             ("nearest", [4, 4, 0.25])])
+@pytest.mark.parametrize("round_mode,want", [("up", [4, 8, 0.25]), ("down", [2, 4, 0.125]), ("nearest", [4, 4, 0.25])])
 @pytest.mark.parametrize("saturate", [0, 1])
 def test_cast_to_float8e8m0_rounds_as_round_mode_says(round_mode, want, saturate):
-    got = _check("Cast", np.array([3.0, 5.0, 0.1875], np.float32), to=TensorProto.FLOAT8E8M0, saturate=saturate,
-                 round_mode=round_mode)
+    got = _check(
+        "Cast",
+        np.array([3.0, 5.0, 0.1875], np.float32),
+        to=TensorProto.FLOAT8E8M0,
+        saturate=saturate,
+        round_mode=round_mode,
+    )
     np.testing.assert_array_equal(got.astype(np.float32), want)
     _check("Cast", VALUES, to=TensorProto.FLOAT8E8M0, saturate=saturate, round_mode=round_mode)
 
@@ -77,11 +82,17 @@ def test_cast_and_castlike_to_string_give_the_decimal_text():
     _check("CastLike", VALUES, np.array(["a"], dtype=object))
 
 
-@pytest.mark.parametrize("attrs,match", [
-    ({"saturate": 2}, r"Cast node 'n': attribute saturate must be 0 or 1, got 2"),
-    ({"round_mode": "half"}, r"Cast node 'n': attribute round_mode must be one of \['up', 'down', 'nearest'\], "
-                             r"got 'half'"),
-])
+@pytest.mark.parametrize(
+    "attrs,match",
+    [
+        ({"saturate": 2}, r"Cast node 'n': attribute saturate must be 0 or 1, got 2"),
+        (
+            {"round_mode": "half"},
+            r"Cast node 'n': attribute round_mode must be one of \['up', 'down', 'nearest'\], "
+            r"got 'half'",
+        ),
+    ],
+)
 def test_bad_cast_attributes_are_model_errors_naming_the_node(attrs, match):
     model, _ = _model("Cast", VALUES, to=TensorProto.FLOAT8E8M0, **attrs)
     with pytest.raises(ModelError, match=match):

@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper
-
 from ort_loop import ort_session
+
 from onnxkv import CacheConfig, Session
 from onnxkv.errors import Cancelled
 from onnxkv.models.concat import build_concat_model
@@ -34,21 +34,38 @@ def _decoder_with_if(read_past: bool = False) -> onnx.ModelProto:
     allowed, zero, low = where.input
     then_nodes = [h.make_node("Where", [allowed, zero, low], ["then_bias"])]
     if read_past:
-        then_nodes += [h.make_node("ReduceSum", ["past_key_values.0.key"], ["past_sum"], keepdims=0),
-                       h.make_node("Mul", ["past_sum", zero], ["nothing"]),
-                       h.make_node("Add", ["then_bias", "nothing"], ["then_out"])]
+        then_nodes += [
+            h.make_node("ReduceSum", ["past_key_values.0.key"], ["past_sum"], keepdims=0),
+            h.make_node("Mul", ["past_sum", zero], ["nothing"]),
+            h.make_node("Add", ["then_bias", "nothing"], ["then_out"]),
+        ]
     then_out = h.make_tensor_value_info(then_nodes[-1].output[0], T.FLOAT, None)
     then_branch = h.make_graph(then_nodes, "prefill", [], [then_out])
-    else_branch = h.make_graph([h.make_node("Cast", [allowed], ["allowed_f"], to=T.FLOAT),
-                                h.make_node("Sub", ["one_f", "allowed_f"], ["blocked"]),
-                                h.make_node("Mul", ["blocked", low], ["else_bias"])], "decode", [],
-                               [h.make_tensor_value_info("else_bias", T.FLOAT, None)],
-                               [numpy_helper.from_array(np.array(1, np.float32), "one_f")])
+    else_branch = h.make_graph(
+        [
+            h.make_node("Cast", [allowed], ["allowed_f"], to=T.FLOAT),
+            h.make_node("Sub", ["one_f", "allowed_f"], ["blocked"]),
+            h.make_node("Mul", ["blocked", low], ["else_bias"]),
+        ],
+        "decode",
+        [],
+        [h.make_tensor_value_info("else_bias", T.FLOAT, None)],
+        [numpy_helper.from_array(np.array(1, np.float32), "one_f")],
+    )
     seq = "/model/attn_mask/Gather_seq/output_0"
     graph.initializer.append(numpy_helper.from_array(np.array(1, np.int64), "one_token"))
     del graph.node[index]
-    graph.node.insert(index, h.make_node("If", ["prefill"], list(where.output), name="/model/attn_mask/If",
-                                         then_branch=then_branch, else_branch=else_branch))
+    graph.node.insert(
+        index,
+        h.make_node(
+            "If",
+            ["prefill"],
+            list(where.output),
+            name="/model/attn_mask/If",
+            then_branch=then_branch,
+            else_branch=else_branch,
+        ),
+    )
     graph.node.insert(index, h.make_node("Greater", [seq, "one_token"], ["prefill"], name="/model/attn_mask/Greater"))
     return model
 
@@ -58,10 +75,16 @@ def _spinning(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     lm_head = next(n for n in graph.node if n.output[0] == "logits")
     lm_head.output[0] = "raw_logits"
-    body = h.make_graph([], "spin_body", [h.make_tensor_value_info("i", T.INT64, []),
-                                          h.make_tensor_value_info("c", T.BOOL, []),
-                                          h.make_tensor_value_info("l", T.FLOAT, None)],
-                        [h.make_tensor_value_info("c", T.BOOL, []), h.make_tensor_value_info("l", T.FLOAT, None)])
+    body = h.make_graph(
+        [],
+        "spin_body",
+        [
+            h.make_tensor_value_info("i", T.INT64, []),
+            h.make_tensor_value_info("c", T.BOOL, []),
+            h.make_tensor_value_info("l", T.FLOAT, None),
+        ],
+        [h.make_tensor_value_info("c", T.BOOL, []), h.make_tensor_value_info("l", T.FLOAT, None)],
+    )
     graph.node.append(h.make_node("Loop", ["trips", "", "raw_logits"], ["logits"], name="spin", body=body))
     graph.input.append(h.make_tensor_value_info("trips", T.INT64, []))
     return model
@@ -69,19 +92,26 @@ def _spinning(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _feeds(tokens: np.ndarray, past: int) -> dict:
     batch, count = tokens.shape
-    return {"input_ids": tokens, "attention_mask": np.ones((batch, past + count), np.int64),
-            "position_ids": np.broadcast_to(np.arange(past, past + count), tokens.shape).copy()}
+    return {
+        "input_ids": tokens,
+        "attention_mask": np.ones((batch, past + count), np.int64),
+        "position_ids": np.broadcast_to(np.arange(past, past + count), tokens.shape).copy(),
+    }
 
 
 def _empty_past(batch: int) -> dict:
     shape = (batch, MICRO.num_kv_heads, 0, MICRO.head_size)
-    return {f"past_key_values.{i}.{r}": np.zeros(shape, np.float32) for i in range(MICRO.num_layers)
-            for r in ("key", "value")}
+    return {
+        f"past_key_values.{i}.{r}": np.zeros(shape, np.float32)
+        for i in range(MICRO.num_layers)
+        for r in ("key", "value")
+    }
 
 
 def _presents_as_past(out: dict) -> dict:
-    return {f"past_key_values.{i}.{r}": out[f"present.{i}.{r}"] for i in range(MICRO.num_layers)
-            for r in ("key", "value")}
+    return {
+        f"past_key_values.{i}.{r}": out[f"present.{i}.{r}"] for i in range(MICRO.num_layers) for r in ("key", "value")
+    }
 
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
@@ -130,8 +160,9 @@ def test_cancelling_a_state_stops_a_loop_between_iterations_and_leaves_the_state
     session = Session(_spinning(_decoder_with_if()), threads=1)
     state, twin = session.new_state(), session.new_state()
     prompt = _feeds(np.array([[5, 17, 42]], np.int64), 0)
-    np.testing.assert_array_equal(state.run({**prompt, "trips": np.array(1)})["logits"],
-                                  twin.run({**prompt, "trips": np.array(3)})["logits"])
+    np.testing.assert_array_equal(
+        state.run({**prompt, "trips": np.array(1)})["logits"], twin.run({**prompt, "trips": np.array(3)})["logits"]
+    )
     step = _feeds(np.array([[9]], np.int64), 3)
     token = Cancellation()
     timer = threading.Timer(0.2, token.cancel)
@@ -142,18 +173,28 @@ def test_cancelling_a_state_stops_a_loop_between_iterations_and_leaves_the_state
     finally:
         timer.cancel()
     assert state.length == 3 and state.steps == 1
-    np.testing.assert_array_equal(state.run({**step, "trips": np.array(1)})["logits"],
-                                  twin.run({**step, "trips": np.array(1)})["logits"])
+    np.testing.assert_array_equal(
+        state.run({**step, "trips": np.array(1)})["logits"], twin.run({**step, "trips": np.array(1)})["logits"]
+    )
 
 
 def test_a_loop_event_counts_what_its_body_allocated():
-    body = h.make_graph([h.make_node("Add", ["y_in", "y_in"], ["y_out"])], "body",
-                        [h.make_tensor_value_info("i", T.INT64, []), h.make_tensor_value_info("c", T.BOOL, []),
-                         h.make_tensor_value_info("y_in", T.FLOAT, None)],
-                        [h.make_tensor_value_info("c", T.BOOL, []), h.make_tensor_value_info("y_out", T.FLOAT, None)])
-    graph = h.make_graph([h.make_node("Loop", ["M", "", "y0"], ["y"], name="twice", body=body)], "g",
-                         [h.make_tensor_value_info("M", T.INT64, []), h.make_tensor_value_info("y0", T.FLOAT, [8])],
-                         [h.make_tensor_value_info("y", T.FLOAT, [8])])
+    body = h.make_graph(
+        [h.make_node("Add", ["y_in", "y_in"], ["y_out"])],
+        "body",
+        [
+            h.make_tensor_value_info("i", T.INT64, []),
+            h.make_tensor_value_info("c", T.BOOL, []),
+            h.make_tensor_value_info("y_in", T.FLOAT, None),
+        ],
+        [h.make_tensor_value_info("c", T.BOOL, []), h.make_tensor_value_info("y_out", T.FLOAT, None)],
+    )
+    graph = h.make_graph(
+        [h.make_node("Loop", ["M", "", "y0"], ["y"], name="twice", body=body)],
+        "g",
+        [h.make_tensor_value_info("M", T.INT64, []), h.make_tensor_value_info("y0", T.FLOAT, [8])],
+        [h.make_tensor_value_info("y", T.FLOAT, [8])],
+    )
     session = Session(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), events=True)
     out = session.run({"M": np.array(3, np.int64), "y0": np.ones(8, np.float32)})
     np.testing.assert_array_equal(out["y"], np.full(8, 8))

@@ -20,8 +20,12 @@ from onnxkv.models.builders import DecoderConfig, build_gqa_model, random_weight
 from onnxkv.plan.ops.gather_block_quantized import GatherBlockQuantized
 
 #: kind -> (stored element type, bits, lowest and highest quantized value)
-KINDS = {"u8-4": (np.uint8, 4, 0, 15), "u8-8": (np.uint8, 8, 0, 255),
-         "int4": (ml_dtypes.int4, 4, -8, 7), "uint4": (ml_dtypes.uint4, 4, 0, 15)}
+KINDS = {
+    "u8-4": (np.uint8, 4, 0, 15),
+    "u8-8": (np.uint8, 8, 0, 255),
+    "int4": (ml_dtypes.int4, 4, -8, 7),
+    "uint4": (ml_dtypes.uint4, 4, 0, 15),
+}
 
 
 def pack_last(values: np.ndarray) -> np.ndarray:
@@ -63,9 +67,13 @@ def gbq_model(data, scales, zp, index_type=TensorProto.INT64, constant=True, tai
         inputs += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits]
         inits = []
     out_type = helper.np_dtype_to_tensor_dtype(scales.dtype)
-    graph = helper.make_graph([node, *tail], "g", inputs,
-                              [helper.make_tensor_value_info("out" if tail else "y", out_type, None)],
-                              initializer=inits)
+    graph = helper.make_graph(
+        [node, *tail],
+        "g",
+        inputs,
+        [helper.make_tensor_value_info("out" if tail else "y", out_type, None)],
+        initializer=inits,
+    )
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
@@ -160,17 +168,22 @@ def test_tied_lm_head_pattern():
     blocks = -(-hidden // block)
     packed = np.zeros((vocab, blocks, block // 2), np.uint8)
     scales = np.zeros((vocab, blocks), np.float32)
-    quantize_matmul_4bits(packed, np.ascontiguousarray(embedding.T), scales, np.zeros((vocab, 1), np.uint8), block,
-                          vocab, hidden, True)
+    quantize_matmul_4bits(
+        packed, np.ascontiguousarray(embedding.T), scales, np.zeros((vocab, 1), np.uint8), block, vocab, hidden, True
+    )
     tail = [helper.make_node("Slice", ["y", "zero", "hidden", "last"], ["out"], name="slice")]
-    model = gbq_model(packed.reshape(vocab, -1), scales, None, tail=tail, gather_axis=0, quantize_axis=1,
-                      block_size=block, bits=4)
+    model = gbq_model(
+        packed.reshape(vocab, -1), scales, None, tail=tail, gather_axis=0, quantize_axis=1, block_size=block, bits=4
+    )
     model.graph.node[0].input[0] = "reshaped"
     model.graph.initializer[0].CopyFrom(numpy_helper.from_array(packed, "weight_Q4"))
     model.graph.node.insert(0, helper.make_node("Reshape", ["weight_Q4", "flat"], ["reshaped"], name="reshape"))
-    model.graph.initializer.extend([numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
-                                    (("flat", [vocab, blocks * block // 2]), ("zero", [0]), ("hidden", [hidden]),
-                                     ("last", [-1]))])
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(v, np.int64), n)
+            for n, v in (("flat", [vocab, blocks * block // 2]), ("zero", [0]), ("hidden", [hidden]), ("last", [-1]))
+        ]
+    )
     ids = np.array([[3, 39, 0, 17]], np.int64)
     ours, theirs = run_both(model, {"ids": ids})
     assert ours.shape == (1, 4, hidden)
@@ -187,8 +200,9 @@ def test_tied_lm_head_pattern():
 def test_out_of_range_index_is_an_error(index_type, bad):
     """ORT writes zeros for an index outside [-s, s-1]; onnxkv refuses it, naming the node, value and range."""
     data, scales, _ = table("u8-4", (10, 32), 1, 16, False)
-    session = Session(gbq_model(data, scales, None, helper.np_dtype_to_tensor_dtype(np.dtype(index_type)),
-                                block_size=16), threads=1)
+    session = Session(
+        gbq_model(data, scales, None, helper.np_dtype_to_tensor_dtype(np.dtype(index_type)), block_size=16), threads=1
+    )
     value = {"high": 10, "low": -11}[bad]
     with pytest.raises(InputError, match=rf"GatherBlockQuantized node 'gbq': index {value} .*\[-10, 9\]"):
         session.run({"ids": np.array([[0, value, 3]], index_type)})
@@ -210,16 +224,22 @@ def test_index_dtype_is_checked():
         Session(model, threads=1).run({"ids": np.array([1], np.int16)})
 
 
-@pytest.mark.parametrize("attrs,match", [
-    ({"block_size": 8}, "block_size is 8; expected a power of two >= 16"),
-    ({"block_size": 48}, "block_size is 48"),
-    ({"bits": 2}, "bits is 2; onnxkv supports 4 and 8"),
-    ({"gather_axis": 1}, "uint8 data of shape \\[10, 16\\] needs gather_axis 0"),
-    ({"quantize_axis": 0}, "needs gather_axis 0 and quantize_axis the last axis"),
-    ({"quantize_axis": 2}, "quantize_axis: axis 2 is out of range for rank 2"),
-    ({"block_size": 32}, r"scales have shape \[10, 2\]; data of logical shape \[10, 32\] with block_size 32 along "
-                         r"axis 1 needs \[10, 1\]"),
-])
+@pytest.mark.parametrize(
+    "attrs,match",
+    [
+        ({"block_size": 8}, "block_size is 8; expected a power of two >= 16"),
+        ({"block_size": 48}, "block_size is 48"),
+        ({"bits": 2}, "bits is 2; onnxkv supports 4 and 8"),
+        ({"gather_axis": 1}, "uint8 data of shape \\[10, 16\\] needs gather_axis 0"),
+        ({"quantize_axis": 0}, "needs gather_axis 0 and quantize_axis the last axis"),
+        ({"quantize_axis": 2}, "quantize_axis: axis 2 is out of range for rank 2"),
+        (
+            {"block_size": 32},
+            r"scales have shape \[10, 2\]; data of logical shape \[10, 32\] with block_size 32 along "
+            r"axis 1 needs \[10, 1\]",
+        ),
+    ],
+)
 def test_bad_attributes_are_model_errors(attrs, match):
     data, scales, _ = table("u8-4", (10, 32), 1, 16, False)
     model = gbq_model(data, scales, None, **{"block_size": 16, **attrs})
@@ -229,11 +249,13 @@ def test_bad_attributes_are_model_errors(attrs, match):
 
 def test_bad_tensors_are_model_errors():
     data, scales, zp = table("u8-4", (10, 32), 1, 16, True)
-    for args, match in [((data, scales, zp.view(np.int8)), "zero_points have element type int8; expected uint8"),
-                        ((data, scales, zp[:, :0]), r"zero_points have shape \[10, 0\]; .* need \[10, 1\]"),
-                        ((data, scales.astype(np.float64), None), "scales have element type float64"),
-                        ((data.view(np.int8), scales, None), "data has element type int8"),
-                        ((data.astype(ml_dtypes.int4), scales[:, :1], None), "int4 data needs bits 4, got 8")]:
+    for args, match in [
+        ((data, scales, zp.view(np.int8)), "zero_points have element type int8; expected uint8"),
+        ((data, scales, zp[:, :0]), r"zero_points have shape \[10, 0\]; .* need \[10, 1\]"),
+        ((data, scales.astype(np.float64), None), "scales have element type float64"),
+        ((data.view(np.int8), scales, None), "data has element type int8"),
+        ((data.astype(ml_dtypes.int4), scales[:, :1], None), "int4 data needs bits 4, got 8"),
+    ]:
         bits = 8 if "bits 4" in match else 4
         with pytest.raises(ModelError, match=match):
             Session(gbq_model(*args, block_size=16, bits=bits), threads=1)
@@ -265,8 +287,9 @@ def test_tied_int4_decoder_matches_ort(tmp_path):
     """The GenAI builder's int4 export with tied embeddings: every MatMul a MatMulNBits, the embedding a
     GatherBlockQuantized over the LM head's quantized weight (Reshape, then Slice off the block padding).
     onnxkv and ORT agree on prefill and decode logits (needs onnxkv's MatMulNBits)."""
-    cfg = DecoderConfig(vocab_size=97, hidden_size=80, num_layers=2, num_heads=5, num_kv_heads=1,
-                        intermediate_size=128, max_length=128)
+    cfg = DecoderConfig(
+        vocab_size=97, hidden_size=80, num_layers=2, num_heads=5, num_kv_heads=1, intermediate_size=128, max_length=128
+    )
     w = random_weights(cfg, seed=5)
     save_genai_folder(build_gqa_model(cfg, replace(w, lm_head=np.ascontiguousarray(w.embed.T))), cfg, tmp_path / "f")
     report = onnxkv.quantize_weights(tmp_path / "f", tmp_path / "q", block_size=32, accuracy_level=0)
@@ -276,20 +299,36 @@ def test_tied_int4_decoder_matches_ort(tmp_path):
     graph = model.graph
     (gather,) = [n for n in graph.node if n.name == "/model/embed_tokens/Gather"]
     flat = -(-cfg.hidden_size // 32) * 32 // 2
-    lookup = [helper.make_node("Reshape", ["lm_head.MatMul.weight_Q4", "flat_shape"], ["table"], name="/embed/Reshape"),
-              helper.make_node("GatherBlockQuantized", ["table", "input_ids", "lm_head.MatMul.weight_scales"],
-                               ["padded"], domain="com.microsoft", name="/embed/GatherBlockQuantized", bits=4,
-                               block_size=32, gather_axis=0, quantize_axis=1),
-              helper.make_node("Slice", ["padded", "zero", "hidden", "last"], [gather.output[0]], name="/embed/Slice")]
+    lookup = [
+        helper.make_node("Reshape", ["lm_head.MatMul.weight_Q4", "flat_shape"], ["table"], name="/embed/Reshape"),
+        helper.make_node(
+            "GatherBlockQuantized",
+            ["table", "input_ids", "lm_head.MatMul.weight_scales"],
+            ["padded"],
+            domain="com.microsoft",
+            name="/embed/GatherBlockQuantized",
+            bits=4,
+            block_size=32,
+            gather_axis=0,
+            quantize_axis=1,
+        ),
+        helper.make_node("Slice", ["padded", "zero", "hidden", "last"], [gather.output[0]], name="/embed/Slice"),
+    ]
     at = list(graph.node).index(gather)
     graph.node.remove(gather)
     for node in reversed(lookup):
         graph.node.insert(at, node)
     (embed,) = [t for t in graph.initializer if t.name == "model.embed_tokens.weight"]
     graph.initializer.remove(embed)
-    graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
-                             (("flat_shape", [cfg.vocab_size, flat]), ("zero", [0]), ("hidden", [cfg.hidden_size]),
-                              ("last", [-1])))
+    graph.initializer.extend(
+        numpy_helper.from_array(np.array(v, np.int64), n)
+        for n, v in (
+            ("flat_shape", [cfg.vocab_size, flat]),
+            ("zero", [0]),
+            ("hidden", [cfg.hidden_size]),
+            ("last", [-1]),
+        )
+    )
     onnx.save(model, str(path))
     session = Session(onnxkv.load(tmp_path / "q"), threads=1)
     assert not session.fallback_nodes

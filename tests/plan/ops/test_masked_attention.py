@@ -28,10 +28,15 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
     ``torch``: Q and Kᵀ each scaled by sqrt(scale), NaN guard after the Softmax (torch.onnx.export);
     ``mha``: no repeat, MatMul(Q, Transpose(K)) / sqrt(D).
     """
-    inits = {"axes": np.array([2], np.int64), "eshape": np.array([1, 1, HQ // HKV, 1, 1], np.int64),
-             "rshape": np.array([0, HQ, -1, D], np.int64), "scale": np.array(D ** -0.5, np.float32),
-             "half": np.array(D ** -0.25, np.float32), "sqrt_d": np.array(D ** 0.5, np.float32),
-             "zero": np.array(0.0, np.float32)}
+    inits = {
+        "axes": np.array([2], np.int64),
+        "eshape": np.array([1, 1, HQ // HKV, 1, 1], np.int64),
+        "rshape": np.array([0, HQ, -1, D], np.int64),
+        "scale": np.array(D**-0.5, np.float32),
+        "half": np.array(D**-0.25, np.float32),
+        "sqrt_d": np.array(D**0.5, np.float32),
+        "zero": np.array(0.0, np.float32),
+    }
     nodes = []
 
     def node(op, ins, out, **attrs):
@@ -39,8 +44,11 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
         return out
 
     def repeat(x):
-        return node("Reshape", [node("Expand", [node("Unsqueeze", [x, "axes"], x + "_u"), "eshape"], x + "_e"),
-                                "rshape"], x + "_r")
+        return node(
+            "Reshape",
+            [node("Expand", [node("Unsqueeze", [x, "axes"], x + "_u"), "eshape"], x + "_e"), "rshape"],
+            x + "_r",
+        )
 
     if form == "mha":
         kt = node("Transpose", ["k"], "kt", perm=[0, 1, 3, 2])
@@ -61,12 +69,17 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
     h = HQ if form == "mha" else HKV
     f = TensorProto.FLOAT
     graph = helper.make_graph(
-        nodes, "block",
-        [helper.make_tensor_value_info("q", f, [B, HQ, "S", D]), helper.make_tensor_value_info("k", f, [B, h, "T", D]),
-         helper.make_tensor_value_info("v", f, [B, h, "T", D]),
-         helper.make_tensor_value_info("mask", f, [None] * len(mask_shape))],
+        nodes,
+        "block",
+        [
+            helper.make_tensor_value_info("q", f, [B, HQ, "S", D]),
+            helper.make_tensor_value_info("k", f, [B, h, "T", D]),
+            helper.make_tensor_value_info("v", f, [B, h, "T", D]),
+            helper.make_tensor_value_info("mask", f, [None] * len(mask_shape)),
+        ],
         [helper.make_tensor_value_info("y", f, None)],
-        [numpy_helper.from_array(a, n) for n, a in inits.items()])
+        [numpy_helper.from_array(a, n) for n, a in inits.items()],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
@@ -81,9 +94,12 @@ def _causal_padded(s: int, t: int, pads, masked=FMIN) -> np.ndarray:
 def _feeds(form: str, s: int, t: int, mask: np.ndarray, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     h = HQ if form == "mha" else HKV
-    return {"q": rng.standard_normal((B, HQ, s, D)).astype(np.float32),
-            "k": rng.standard_normal((B, h, t, D)).astype(np.float32),
-            "v": rng.standard_normal((B, h, t, D)).astype(np.float32), "mask": mask}
+    return {
+        "q": rng.standard_normal((B, HQ, s, D)).astype(np.float32),
+        "k": rng.standard_normal((B, h, t, D)).astype(np.float32),
+        "v": rng.standard_normal((B, h, t, D)).astype(np.float32),
+        "mask": mask,
+    }
 
 
 @pytest.fixture
@@ -104,7 +120,7 @@ def _check(form: str, feeds: dict, threads: int = 1) -> np.ndarray:
     model = _block(form, feeds["mask"].shape)
     sess = Session(model, threads=threads)
     # the torch form's scale on Q stays a Mul of its own
-    assert [n.op_type for n in sess.plan.nodes] == ["Mul", "MaskedAttention"][form != "torch":]
+    assert [n.op_type for n in sess.plan.nodes] == ["Mul", "MaskedAttention"][form != "torch" :]
     got = sess.run(feeds)["y"]
     want = ReferenceEvaluator(model).run(None, feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -231,7 +247,7 @@ def test_the_query_scaling_joins_the_fusion(per_channel, kernel_calls):
     mul = next(n for n in graph.node if n.output[0] == "qs")
     mul.input[:] = ["q_made", "q_half"]
     graph.node.insert(0, helper.make_node("Add", ["q", "zero"], ["q_made"]))
-    scale = np.random.default_rng(8).uniform(0.2, 0.5, D) if per_channel else np.full((), D ** -0.25)
+    scale = np.random.default_rng(8).uniform(0.2, 0.5, D) if per_channel else np.full((), D**-0.25)
     graph.initializer.append(numpy_helper.from_array(scale.astype(np.float32), "q_half"))
     feeds = _feeds("torch", 3, 9, _causal_padded(3, 9, [0, 2]), seed=3)
     sess = Session(model, threads=1)
@@ -276,8 +292,9 @@ def test_a_repeat_that_fixes_the_key_length_is_checked_for_every_length(layout_c
     rshape.CopyFrom(numpy_helper.from_array(np.array([0, HQ, 6, D], np.int64), "rshape"))  # T spelled out: 6
     sess = Session(model, threads=1)
     feeds = _feeds("repeat", 1, 6, _causal_padded(1, 6, [0, 1]), seed=3)
-    np.testing.assert_allclose(sess.run(feeds)["y"], ReferenceEvaluator(model).run(None, feeds)[0],
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        sess.run(feeds)["y"], ReferenceEvaluator(model).run(None, feeds)[0], rtol=1e-5, atol=1e-5
+    )
     assert len(kernel_calls) == 1
     # seven keys do not fit the target: learnt anew, the literal nodes run and fail as the unfused graph does
     with pytest.raises(OperatorError, match="Reshape|reshape"):

@@ -6,49 +6,79 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from nbits_weights import make_weight
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxkv import Session
 from onnxkv._kernels import reference as R
 from onnxkv.errors import ModelError, OperatorError
 from onnxkv.plan.ops.matmul_nbits import BLAS_M, DECODE_M, MatMulNBits
-from nbits_weights import make_weight
 
 ort = pytest.importorskip("onnxruntime")
 
 
-def nbits_model(K, N, bits=4, bs=32, zp_kind="none", level=4, bias=False, g_idx=None, dtype=np.float32,
-                seed=0, inits_override=None) -> onnx.ModelProto:
+def nbits_model(
+    K, N, bits=4, bs=32, zp_kind="none", level=4, bias=False, g_idx=None, dtype=np.float32, seed=0, inits_override=None
+) -> onnx.ModelProto:
     """y = MatMulNBits(x, B, scales[, zero_points][, g_idx][, bias]) with random constant inputs."""
     rng = np.random.default_rng(seed)
     B, s, z = make_weight(rng, K, N, bits, bs, zp_kind)
     if dtype == np.float16:
         s = s.astype(np.float16)
         z = z.astype(np.float16) if z is not None and z.dtype == np.float32 else z
-    arrays = {"B": B, "scales": s, "zero_points": z, "g_idx": g_idx,
-              "bias": rng.standard_normal(N).astype(dtype) if bias else None}
+    arrays = {
+        "B": B,
+        "scales": s,
+        "zero_points": z,
+        "g_idx": g_idx,
+        "bias": rng.standard_normal(N).astype(dtype) if bias else None,
+    }
     arrays.update(inits_override or {})
     names = [name if arrays[name] is not None else "" for name in ("B", "scales", "zero_points", "g_idx", "bias")]
     while names and not names[-1]:
         names.pop()
     inits = [numpy_helper.from_array(arrays[n], n) for n in names if n]
-    node = helper.make_node("MatMulNBits", ["x"] + names, ["y"], name="mnb", domain="com.microsoft", K=K, N=N,
-                            bits=bits, block_size=bs, accuracy_level=level)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["x"] + names,
+        ["y"],
+        name="mnb",
+        domain="com.microsoft",
+        K=K,
+        N=N,
+        bits=bits,
+        block_size=bs,
+        accuracy_level=level,
+    )
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", et, ["B", "S", "K"])],
-                              [helper.make_tensor_value_info("y", et, ["B", "S", N])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", et, ["B", "S", "K"])],
+        [helper.make_tensor_value_info("y", et, ["B", "S", N])],
+        inits,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
 
 
 def ort_run(model, x):
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
-@pytest.mark.parametrize("bits,bs,K,N,zp_kind,bias", [
-    (4, 32, 256, 96, "none", False), (4, 32, 200, 70, "uint8", True), (4, 16, 64, 33, "float", False),
-    (4, 128, 512, 48, "uint8", False), (8, 32, 256, 96, "none", True), (8, 64, 300, 40, "uint8", False),
-    (8, 256, 512, 20, "uint8", True),
-])
+@pytest.mark.parametrize(
+    "bits,bs,K,N,zp_kind,bias",
+    [
+        (4, 32, 256, 96, "none", False),
+        (4, 32, 200, 70, "uint8", True),
+        (4, 16, 64, 33, "float", False),
+        (4, 128, 512, 48, "uint8", False),
+        (8, 32, 256, 96, "none", True),
+        (8, 64, 300, 40, "uint8", False),
+        (8, 256, 512, 20, "uint8", True),
+    ],
+)
 @pytest.mark.parametrize("level", [0, 4])
 def test_matches_onnxruntime(bits, bs, K, N, zp_kind, bias, level):
     model = nbits_model(K, N, bits, bs, zp_kind, level, bias, seed=K + N)
@@ -97,13 +127,16 @@ def test_weight_packed_once_and_absorbed():
     np.testing.assert_allclose(s.run({"x": x})["y"], ort_run(model, x), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(bits=2), "bits=2 is not supported"),
-    (dict(block_size=48), "block_size=48: expected a power of two"),
-    (dict(accuracy_level=7), "accuracy_level=7"),
-    (dict(K=300), "B: expected"),
-    (dict(N=2**40), "K=128, N=1099511627776"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(bits=2), "bits=2 is not supported"),
+        (dict(block_size=48), "block_size=48: expected a power of two"),
+        (dict(accuracy_level=7), "accuracy_level=7"),
+        (dict(K=300), "B: expected"),
+        (dict(N=2**40), "K=128, N=1099511627776"),
+    ],
+)
 def test_bad_attributes_are_load_errors(change, message):
     model = nbits_model(128, 16)
     node = model.graph.node[0]
@@ -126,6 +159,7 @@ def test_g_idx_and_runtime_weights_are_refused():
 
 def test_wrong_input_width_names_the_node():
     s = Session(nbits_model(128, 16))
-    with pytest.raises(OperatorError, match="MatMulNBits node 'mnb': input A must be float32 or float16 \\[..., 128\\]"):
+    with pytest.raises(
+        OperatorError, match="MatMulNBits node 'mnb': input A must be float32 or float16 \\[..., 128\\]"
+    ):
         s.run({"x": np.ones((1, 1, 100), np.float32)})
-

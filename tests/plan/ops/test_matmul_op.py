@@ -20,8 +20,12 @@ def weight_model(w: np.ndarray, x_rank: int = 2) -> onnx.ModelProto:
     dims = ["B", "S", "K"][-x_rank:]
     node = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
     graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[numpy_helper.from_array(w, "w")])
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
@@ -76,8 +80,7 @@ def test_external_weight_packed_from_memmap(tmp_path):
     assert matmul_kernel(session).packed is not None
     for M in (1, 4, 16):
         x = rng.standard_normal((M, 300)).astype(F)
-        np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w),
-                                   rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w), rtol=1e-5, atol=1e-4)
 
 
 def test_many_rows_unpack_in_column_chunks(monkeypatch):
@@ -106,9 +109,13 @@ def test_a_weight_read_elsewhere_is_kept():
     rng = np.random.default_rng(4)
     w = rng.standard_normal((8, 8)).astype(F)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), helper.make_node("Add", ["y", "w"], ["z"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 8])],
-                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
-                              initializer=[numpy_helper.from_array(w, "w")])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
     session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), threads=1)
     assert session.plan._template[session.plan.slot_of["w"]] is not None
     x = rng.standard_normal((8, 8)).astype(F)

@@ -31,7 +31,7 @@ from onnxkv.plan.ops.tensor_scatter import TensorScatter
 
 INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 #: Integers at the limits of the widths an id, length or position may come in.
-EDGES = [-2**63, -2**31 - 1, -2**31, -1, 2**31 - 1, 2**31, 2**31 + 4, 2**32 + 4, 2**63 - 1, 2**64 - 1]
+EDGES = [-(2**63), -(2**31) - 1, -(2**31), -1, 2**31 - 1, 2**31, 2**31 + 4, 2**32 + 4, 2**63 - 1, 2**64 - 1]
 FLOATS = [np.float32, np.float16]
 #: Errors a refused call may raise (the onnxkv errors the operators raise themselves).
 REFUSED = (InputError, CacheCapacityError)
@@ -44,14 +44,18 @@ def int_tensor(draw, shape: tuple[int, ...], lo: int, hi: int, hostile: bool) ->
     booleans, or another shape."""
     if not hostile:
         dtype = np.dtype(draw(st.sampled_from([np.int32, np.int64])))
-        return np.array(draw(st.lists(st.integers(lo, hi), min_size=int(np.prod(shape)),
-                                      max_size=int(np.prod(shape)))), dtype).reshape(shape)
+        return np.array(
+            draw(st.lists(st.integers(lo, hi), min_size=int(np.prod(shape)), max_size=int(np.prod(shape)))), dtype
+        ).reshape(shape)
     kind = draw(st.sampled_from(["int"] * 6 + ["float", "bool", "shape"]))
     if kind == "shape":
         shape = draw(st.sampled_from([(), (1,), (2, 1), shape + (1,), tuple(n + 1 for n in shape)]))
     size = int(np.prod(shape))
-    values = draw(st.lists(st.one_of(st.integers(lo, hi), st.sampled_from(EDGES + [lo - 1, hi + 1])),
-                           min_size=size, max_size=size))
+    values = draw(
+        st.lists(
+            st.one_of(st.integers(lo, hi), st.sampled_from(EDGES + [lo - 1, hi + 1])), min_size=size, max_size=size
+        )
+    )
     if kind in ("float", "bool"):
         return np.array(values, np.float32 if kind == "float" else bool).reshape(shape)
     dtype = np.dtype(draw(st.sampled_from(INTS)))
@@ -96,8 +100,12 @@ def paged_cache(draw, planes: bool) -> tuple[np.random.Generator, np.ndarray]:
     owning its buffer, 64-byte aligned or not."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     dtype = np.dtype(draw(st.sampled_from(FLOATS)))
-    p, h, bs, d = draw(st.integers(0, 12)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4])), \
-        draw(st.sampled_from([4, 8, 16]))
+    p, h, bs, d = (
+        draw(st.integers(0, 12)),
+        draw(st.integers(1, 2)),
+        draw(st.sampled_from([1, 2, 4])),
+        draw(st.sampled_from([4, 8, 16])),
+    )
     shape = (p, 2, h, bs, d) if planes else (p, h, bs, d)
     cache = owned_zeros(shape, dtype, draw(st.sampled_from([0, 16])))
     cache[...] = rng.standard_normal(shape)
@@ -111,8 +119,7 @@ def written_slots(starts: list[int], count: int, table: np.ndarray, bs: int) -> 
 
 def bad_table(table: np.ndarray, batch: int) -> bool:
     """True if ``table`` is not an int32/int64 [batch, M >= 1] block table."""
-    return table.dtype not in (np.int32, np.int64) or table.ndim != 2 or table.shape[0] != batch or \
-        table.shape[1] < 1
+    return table.dtype not in (np.int32, np.int64) or table.ndim != 2 or table.shape[0] != batch or table.shape[1] < 1
 
 
 def fitting_starts(starts: np.ndarray, batch: int, scalar_ok: bool, count: int, limit: int) -> list[int] | None:
@@ -127,6 +134,7 @@ def fitting_starts(starts: np.ndarray, batch: int, scalar_ok: bool, count: int, 
 
 # -- PagedCacheUpdate ---------------------------------------------------------------------------------------------
 
+
 @hypothesis_settings(60)
 @given(data=st.data())
 def test_paged_cache_update_is_refused_or_writes_exactly_its_slots(data):
@@ -138,15 +146,26 @@ def test_paged_cache_update_is_refused_or_writes_exactly_its_slots(data):
     table = draw(page_table(b, m, num_pages, hostile and draw(st.booleans())))
     pos = draw(int_tensor(draw(st.sampled_from([(b,), ()])), 0, max(m * bs - s, 0), hostile and draw(st.booleans())))
     values = rng.standard_normal((b, heads, s, d)).astype(dtype)
-    op = build_op(PagedCacheUpdate, make_model(
-        "PagedCacheUpdate", {"cache": cache, "page_id": table, "values": values, "position": pos}, ["out"],
-        {"": 21, "ai.onnxkv": 1}, domain="ai.onnxkv", block_size=bs))
+    op = build_op(
+        PagedCacheUpdate,
+        make_model(
+            "PagedCacheUpdate",
+            {"cache": cache, "page_id": table, "values": values, "position": pos},
+            ["out"],
+            {"": 21, "ai.onnxkv": 1},
+            domain="ai.onnxkv",
+            block_size=bs,
+        ),
+    )
     call = lambda: op.run([cache, table, values, pos], run_context())  # noqa: E731
 
     starts = None if bad_table(table, b) else fitting_starts(pos, b, True, s, table.shape[1] * bs)
     slots = [] if starts is None else written_slots(starts, s, table, bs)
-    valid = starts is not None and all(0 <= page < num_pages for _, page, _ in slots) and \
-        len({(page, offset) for _, page, offset in slots}) == len(slots)
+    valid = (
+        starts is not None
+        and all(0 <= page < num_pages for _, page, _ in slots)
+        and len({(page, offset) for _, page, offset in slots}) == len(slots)
+    )
     if not valid:
         check_refused(call, cache)
         return
@@ -161,23 +180,37 @@ def test_paged_cache_update_is_refused_or_writes_exactly_its_slots(data):
 
 # -- QuantizePagedCache, then PagedAttention over the converted pages ---------------------------------------------
 
+
 def quantize(draw, cache: np.ndarray) -> tuple[PageSet | None, set[int]]:
     """Run QuantizePagedCache with random block_indices (int8 keys, float16 values) on ``cache``; returns its
     handle and the converted pages, or (None, {}) when the call was (rightly) refused or converted nothing."""
     num_pages, _, heads, _, _ = cache.shape
     hostile = draw(st.booleans())
     n = draw(st.integers(0, num_pages + 1))
-    indices = draw(int_tensor((n,), 0, num_pages - 1, hostile)) if hostile else \
-        np.array(draw(st.permutations(range(num_pages)))[:n], draw(st.sampled_from([np.int32, np.int64])))
+    indices = (
+        draw(int_tensor((n,), 0, num_pages - 1, hostile))
+        if hostile
+        else np.array(draw(st.permutations(range(num_pages)))[:n], draw(st.sampled_from([np.int32, np.int64])))
+    )
     count = indices.size
-    feeds = {"cache": cache, "block_indices": indices, "key_scale": np.full((count, heads), 0.05, np.float32),
-             "key_zero_point": np.zeros((count, heads), np.int8), "value_scale": np.zeros(0, np.float32),
-             "value_zero_point": np.zeros(0, np.float16)}
-    op = build_op(QuantizePagedCache, make_model("QuantizePagedCache", feeds, ["out"], {"": 21, "ai.rt": 1},
-                                                 domain="ai.rt"))
+    feeds = {
+        "cache": cache,
+        "block_indices": indices,
+        "key_scale": np.full((count, heads), 0.05, np.float32),
+        "key_zero_point": np.zeros((count, heads), np.int8),
+        "value_scale": np.zeros(0, np.float32),
+        "value_zero_point": np.zeros(0, np.float16),
+    }
+    op = build_op(
+        QuantizePagedCache, make_model("QuantizePagedCache", feeds, ["out"], {"": 21, "ai.rt": 1}, domain="ai.rt")
+    )
     ids = int_values(indices)
-    valid = indices.dtype in (np.int32, np.int64) and indices.ndim == 1 and \
-        all(0 <= i < num_pages for i in ids) and len(set(ids)) == len(ids)
+    valid = (
+        indices.dtype in (np.int32, np.int64)
+        and indices.ndim == 1
+        and all(0 <= i < num_pages for i in ids)
+        and len(set(ids)) == len(ids)
+    )
     if not valid:
         check_refused(lambda: op.run(list(feeds.values()), run_context()), cache)
         handle = PageSet.of(cache)
@@ -237,30 +270,50 @@ def test_paged_attention_is_refused_or_matches_the_reference(data):
     seqlens = draw(int_tensor((b,), 0, max(max_tokens - s, 0), hostile and draw(st.booleans())))
     q, k, v = (rng.standard_normal((b, s, heads * d)).astype(dtype) for heads in (hq, hkv, hkv))
     feeds = {"Q": q, "K": k, "V": v, "past": cache, "block_table": table, "seqlens_k": seqlens}
-    op = build_op(PagedAttention, make_model(
-        "PagedAttention", feeds, ["Y", "present"], {"": 21, "ai.rt": 1}, domain="ai.rt", num_heads=hq,
-        kv_num_heads=hkv, block_size=bs, max_tokens=max_tokens, is_causal=int(causal), left_window_size=window,
-        softcap=softcap))
+    op = build_op(
+        PagedAttention,
+        make_model(
+            "PagedAttention",
+            feeds,
+            ["Y", "present"],
+            {"": 21, "ai.rt": 1},
+            domain="ai.rt",
+            num_heads=hq,
+            kv_num_heads=hkv,
+            block_size=bs,
+            max_tokens=max_tokens,
+            is_causal=int(causal),
+            left_window_size=window,
+            softcap=softcap,
+        ),
+    )
     call = lambda: op.run(list(feeds.values()), run_context())  # noqa: E731
 
-    lengths = None if bad_table(table, b) or max_tokens > table.shape[1] * bs else \
-        fitting_starts(seqlens, b, False, s, max_tokens)
+    lengths = (
+        None
+        if bad_table(table, b) or max_tokens > table.shape[1] * bs
+        else fitting_starts(seqlens, b, False, s, max_tokens)
+    )
     valid = lengths is not None
     if valid and s and b:
         first = [0 if window < 0 else max(n - window, 0) for n in lengths]
         used = [int(table[row, i]) for row in range(b) for i in range(first[row] // bs, -(-(lengths[row] + s) // bs))]
         slots = written_slots(lengths, s, table, bs)
-        valid = all(0 <= page < num_pages for page in used) and \
-            len({(page, offset) for _, page, offset in slots}) == len(slots) and \
-            not any(page in converted for _, page, _ in slots)
+        valid = (
+            all(0 <= page < num_pages for page in used)
+            and len({(page, offset) for _, page, offset in slots}) == len(slots)
+            and not any(page in converted for _, page, _ in slots)
+        )
     if not valid:
         formats = None if handle is None else handle.formats.copy()
         check_refused(call, cache)
         if handle is not None:
             np.testing.assert_array_equal(handle.formats, formats)
         return
-    event(f"valid ({'converted pages' if converted else 'native pages'}, "
-          f"{'aligned' if cache.__array_interface__['data'][0] % 64 == 0 else 'unaligned'})")
+    event(
+        f"valid ({'converted pages' if converted else 'native pages'}, "
+        f"{'aligned' if cache.__array_interface__['data'][0] % 64 == 0 else 'unaligned'})"
+    )
     expected = cache.copy()
     if s and b:
         for i, (row, page, offset) in enumerate(written_slots(lengths, s, table, bs)):
@@ -276,14 +329,25 @@ def test_paged_attention_is_refused_or_matches_the_reference(data):
         keys, values = logical_kv(cache, handle, table, row, kv_len, bs)
         q_pos = np.arange(lengths[row], kv_len)[None] if causal else np.full((1, s), kv_len - 1)
         want = np.empty((1, hq, s, d), np.float32)
-        R.attention(q[row].reshape(1, s, hq, d).transpose(0, 2, 1, 3).astype(np.float32), keys, values,
-                    np.array([kv_len]), q_pos, scale, softcap, window if window < max_tokens else -1, want)
+        R.attention(
+            q[row].reshape(1, s, hq, d).transpose(0, 2, 1, 3).astype(np.float32),
+            keys,
+            values,
+            np.array([kv_len]),
+            q_pos,
+            scale,
+            softcap,
+            window if window < max_tokens else -1,
+            want,
+        )
         tol = 5e-3 if dtype == np.float16 else 1e-4
-        np.testing.assert_allclose(y[row].reshape(s, hq, d).astype(np.float32), want[0].transpose(1, 0, 2),
-                                   rtol=tol, atol=tol)
+        np.testing.assert_allclose(
+            y[row].reshape(s, hq, d).astype(np.float32), want[0].transpose(1, 0, 2), rtol=tol, atol=tol
+        )
 
 
 # -- TensorScatter ------------------------------------------------------------------------------------------------
+
 
 @hypothesis_settings(60)
 @given(data=st.data())
@@ -298,15 +362,23 @@ def test_tensor_scatter_is_refused_or_matches_the_spec_loop(data):
     seq = draw(st.integers(0, length))
     update = (rng.standard_normal((b, 2, seq, 3)) * 50).astype(dtype)
     hostile = draw(st.booleans())
-    indices = None if draw(st.integers(0, 5)) == 0 else \
-        draw(int_tensor((b,), 0 if not circular or not hostile else -2 * length, length - seq, hostile))
+    indices = (
+        None
+        if draw(st.integers(0, 5)) == 0
+        else draw(int_tensor((b,), 0 if not circular or not hostile else -2 * length, length - seq, hostile))
+    )
     ins = {"past_cache": past, "update": update, "write_indices": indices}
-    op = build_op(TensorScatter, make_model("TensorScatter", ins, ["present"], {"": 24}, axis=axis,
-                                            mode="circular" if circular else "linear"))
+    op = build_op(
+        TensorScatter,
+        make_model("TensorScatter", ins, ["present"], {"": 24}, axis=axis, mode="circular" if circular else "linear"),
+    )
     call = lambda: op.run([a for a in ins.values() if a is not None], run_context())  # noqa: E731
     starts = [0] * b if indices is None else int_values(indices)
-    valid = starts is not None and (indices is None or indices.shape == (b,)) and \
-        (circular or all(0 <= w <= length - seq for w in starts))
+    valid = (
+        starts is not None
+        and (indices is None or indices.shape == (b,))
+        and (circular or all(0 <= w <= length - seq for w in starts))
+    )
     if not valid:
         check_refused(call, past, update)
         return
@@ -321,6 +393,7 @@ def test_tensor_scatter_is_refused_or_matches_the_spec_loop(data):
 
 
 # -- the paged decoder in a state: hostile tables and lengths, compared with the stateless run --------------------
+
 
 @pytest.fixture(scope="module")
 def paged_session():
@@ -341,15 +414,20 @@ def test_paged_state_is_refused_unchanged_or_matches_its_stateless_run(paged_ses
     table = draw(page_table(b, cfg.max_blocks, cfg.num_pages, False))
     seqlens = draw(int_tensor((b,), 0, cfg.max_blocks * cfg.block_size - s, False)).astype(np.int32)
     if hostile:  # an edge of int32 in the table or the lengths
-        edges = [v for v in EDGES if -2**31 <= v < 2**31] + [cfg.num_pages, cfg.max_blocks * cfg.block_size]
+        edges = [v for v in EDGES if -(2**31) <= v < 2**31] + [cfg.num_pages, cfg.max_blocks * cfg.block_size]
         target = table if draw(st.booleans()) else seqlens
         target.reshape(-1)[draw(st.integers(0, target.size - 1))] = draw(st.sampled_from(edges))
-    feeds = {"hidden": rng.standard_normal((b, s, cfg.hidden_size)).astype(np.float32),
-             "block_table": table.astype(np.int32), "seqlens_k": seqlens}
+    feeds = {
+        "hidden": rng.standard_normal((b, s, cfg.hidden_size)).astype(np.float32),
+        "block_table": table.astype(np.int32),
+        "seqlens_k": seqlens,
+    }
     with session.new_state() as state:
-        prompt = {"hidden": rng.standard_normal((b, 2, cfg.hidden_size)).astype(np.float32),
-                  "block_table": np.arange(b * cfg.max_blocks, dtype=np.int32).reshape(b, -1) % cfg.num_pages,
-                  "seqlens_k": np.zeros(b, np.int32)}
+        prompt = {
+            "hidden": rng.standard_normal((b, 2, cfg.hidden_size)).astype(np.float32),
+            "block_table": np.arange(b * cfg.max_blocks, dtype=np.int32).reshape(b, -1) % cfg.num_pages,
+            "seqlens_k": np.zeros(b, np.int32),
+        }
         state.run(prompt)  # pages with content, so that a refused run has something to keep
         before = {name: value.copy() for name, value in state.values.items()}
         stateless = dict(feeds, **{name: value.copy() for name, value in before.items()})

@@ -1,4 +1,5 @@
 """ai.rt::QuantizePagedCache: per-page formats of an explicit paged cache, read by PagedAttention."""
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -17,34 +18,78 @@ from onnxkv.models.paged import PagedConfig, build_paged_model, paged_weights
 from onnxkv.plan.ops import paged as paged_ops
 
 P, HQ, H, BS, D = 12, 4, 2, 4, 8
-ZP_TYPES = {"int8": (np.int8, TensorProto.INT8), "uint8": (np.uint8, TensorProto.UINT8),
-            "int4": (ml_dtypes.int4, TensorProto.INT4), "uint4": (ml_dtypes.uint4, TensorProto.UINT4),
-            "int2": (ml_dtypes.int2, TensorProto.INT2), "uint2": (ml_dtypes.uint2, TensorProto.UINT2),
-            "float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16),
-            "bfloat16": (ml_dtypes.bfloat16, TensorProto.BFLOAT16), "int16": (np.int16, TensorProto.INT16)}
+ZP_TYPES = {
+    "int8": (np.int8, TensorProto.INT8),
+    "uint8": (np.uint8, TensorProto.UINT8),
+    "int4": (ml_dtypes.int4, TensorProto.INT4),
+    "uint4": (ml_dtypes.uint4, TensorProto.UINT4),
+    "int2": (ml_dtypes.int2, TensorProto.INT2),
+    "uint2": (ml_dtypes.uint2, TensorProto.UINT2),
+    "float32": (np.float32, TensorProto.FLOAT),
+    "float16": (np.float16, TensorProto.FLOAT16),
+    "bfloat16": (ml_dtypes.bfloat16, TensorProto.BFLOAT16),
+    "int16": (np.int16, TensorProto.INT16),
+}
 
 
-def quantize_model(k_fmt="int8", v_fmt="int8", attend=True, dtype=TensorProto.FLOAT, cache_shape=None,
-                   scale_type=TensorProto.FLOAT, **attrs):
+def quantize_model(
+    k_fmt="int8",
+    v_fmt="int8",
+    attend=True,
+    dtype=TensorProto.FLOAT,
+    cache_shape=None,
+    scale_type=TensorProto.FLOAT,
+    **attrs,
+):
     """``c = QuantizePagedCache(past, blocks, ks, kz, vs, vz)`` (node attributes ``attrs``), then
     (``attend``) ``PagedAttention`` over ``c``."""
     shape = cache_shape or ["P", 2, H, BS, D]
-    nodes = [helper.make_node("QuantizePagedCache", ["past", "blocks", "ks", "kz", "vs", "vz"], ["c"],
-                              domain="ai.rt", name="quantize", **attrs)]
-    inputs = [vi("past", dtype, shape), vi("blocks", TensorProto.INT64, ["N"]),
-              vi("ks", scale_type, None), vi("kz", ZP_TYPES[k_fmt][1], None),
-              vi("vs", TensorProto.FLOAT, None), vi("vz", ZP_TYPES[v_fmt][1], None)]
+    nodes = [
+        helper.make_node(
+            "QuantizePagedCache",
+            ["past", "blocks", "ks", "kz", "vs", "vz"],
+            ["c"],
+            domain="ai.rt",
+            name="quantize",
+            **attrs,
+        )
+    ]
+    inputs = [
+        vi("past", dtype, shape),
+        vi("blocks", TensorProto.INT64, ["N"]),
+        vi("ks", scale_type, None),
+        vi("kz", ZP_TYPES[k_fmt][1], None),
+        vi("vs", TensorProto.FLOAT, None),
+        vi("vz", ZP_TYPES[v_fmt][1], None),
+    ]
     outputs = [vi("c", dtype, shape)]
     if attend:
-        nodes.append(helper.make_node("PagedAttention", ["Q", "K", "V", "c", "table", "seqlens"], ["Y", "present"],
-                                      domain="ai.rt", name="attn", num_heads=HQ, kv_num_heads=H, block_size=BS,
-                                      max_tokens=16))
-        inputs += [vi("Q", dtype, ["B", "S", HQ * D]), vi("K", dtype, ["B", "S", H * D]),
-                   vi("V", dtype, ["B", "S", H * D]), vi("table", TensorProto.INT32, ["B", "M"]),
-                   vi("seqlens", TensorProto.INT32, ["B"])]
+        nodes.append(
+            helper.make_node(
+                "PagedAttention",
+                ["Q", "K", "V", "c", "table", "seqlens"],
+                ["Y", "present"],
+                domain="ai.rt",
+                name="attn",
+                num_heads=HQ,
+                kv_num_heads=H,
+                block_size=BS,
+                max_tokens=16,
+            )
+        )
+        inputs += [
+            vi("Q", dtype, ["B", "S", HQ * D]),
+            vi("K", dtype, ["B", "S", H * D]),
+            vi("V", dtype, ["B", "S", H * D]),
+            vi("table", TensorProto.INT32, ["B", "M"]),
+            vi("seqlens", TensorProto.INT32, ["B"]),
+        ]
         outputs = [vi("Y", dtype, ["B", "S", HQ * D]), vi("present", dtype, shape)]
-    m = helper.make_model(helper.make_graph(nodes, "quantize_paged", inputs, outputs),
-                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.rt", 1)], ir_version=13)
+    m = helper.make_model(
+        helper.make_graph(nodes, "quantize_paged", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.rt", 1)],
+        ir_version=13,
+    )
     set_output_alias(m.graph.node[0], [OutputAlias(0, 0)])
     if attend:
         set_output_alias(m.graph.node[1], [OutputAlias(1, 3)])
@@ -70,20 +115,31 @@ def slot_addresses(pages):
     """uint64 [2, P]: the address of every (plane, page) slot of a [P, 2, H, bs, D] tensor."""
     base = pages.__array_interface__["data"][0]
     return (base + np.arange(2)[:, None] * pages.strides[1] + np.arange(len(pages))[None] * pages.strides[0]).astype(
-        np.uint64)
+        np.uint64
+    )
 
 
 def logical_kv(handle, table, row, length, bs=BS):
     """Float32 [length, 2, H, D] of ``row`` read through the handle (every page in its own format)."""
-    return np.stack([np.stack([handle.page_values(plane, int(table[row, t // bs]))[:, t % bs] for plane in (0, 1)])
-                     for t in range(length)])
+    return np.stack(
+        [
+            np.stack([handle.page_values(plane, int(table[row, t // bs]))[:, t % bs] for plane in (0, 1)])
+            for t in range(length)
+        ]
+    )
 
 
-@pytest.mark.parametrize("k_fmt, v_fmt, k_channel, dtype", [
-    ("int8", "uint4", True, np.float32), ("int4", "int8", False, np.float32), ("uint2", "int2", True, np.float32),
-    ("uint8", "float16", False, np.float32), ("int8", "bfloat16", True, np.float16),
-    ("uint4", "int4", False, np.float16),
-])
+@pytest.mark.parametrize(
+    "k_fmt, v_fmt, k_channel, dtype",
+    [
+        ("int8", "uint4", True, np.float32),
+        ("int4", "int8", False, np.float32),
+        ("uint2", "int2", True, np.float32),
+        ("uint8", "float16", False, np.float32),
+        ("int8", "bfloat16", True, np.float16),
+        ("uint4", "int4", False, np.float16),
+    ],
+)
 def test_quantized_pages_are_replaced_and_read_by_attention(k_fmt, v_fmt, k_channel, dtype):
     rng = np.random.default_rng(1)
     elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
@@ -98,8 +154,21 @@ def test_quantized_pages_are_replaced_and_read_by_attention(k_fmt, v_fmt, k_chan
     before = past.copy()
     q = rng.standard_normal((2, 2, HQ * D)).astype(dtype)
     k, v = (rng.standard_normal((2, 2, H * D)).astype(dtype) for _ in range(2))
-    out = sess.run({"past": past, "blocks": full, "ks": ks, "kz": kz, "vs": vs, "vz": vz, "Q": q, "K": k, "V": v,
-                    "table": table, "seqlens": seqlens})
+    out = sess.run(
+        {
+            "past": past,
+            "blocks": full,
+            "ks": ks,
+            "kz": kz,
+            "vs": vs,
+            "vz": vz,
+            "Q": q,
+            "K": k,
+            "V": v,
+            "table": table,
+            "seqlens": seqlens,
+        }
+    )
     handle = PageSet.of(out["present"])
     assert handle is PageSet.of(past) and out["present"] is past
     keep = np.setdiff1d(np.arange(P), full)
@@ -118,7 +187,7 @@ def test_quantized_pages_are_replaced_and_read_by_attention(k_fmt, v_fmt, k_chan
     np.testing.assert_array_equal(past[untouched], before[untouched])
     for row in range(2):
         kv = logical_kv(handle, table, row, int(seqlens[row]) + 2)
-        np.testing.assert_array_equal(kv[seqlens[row]:, 0], k[row].reshape(2, H, D))  # appended to float pages
+        np.testing.assert_array_equal(kv[seqlens[row] :, 0], k[row].reshape(2, H, D))  # appended to float pages
         want = reference_attention(q[row].reshape(2, HQ, D), kv[:, 0], kv[:, 1], int(seqlens[row]), 1 / np.sqrt(D))
         tol = 1e-5 if dtype == np.float32 else 2e-3
         np.testing.assert_allclose(out["Y"][row].reshape(2, HQ, D).astype(np.float64), want, rtol=tol, atol=tol)
@@ -130,8 +199,8 @@ def channel_zp_feed(pages_f32, fmt):
     each head (float32), zero points [N, H, D] of the format's type centring each channel (clipped)."""
     f = page_format(fmt)
     x = pages_f32.astype(np.float64)
-    ctr = (x.max(axis=2) + x.min(axis=2)) / 2                               # [N, H, D]
-    hr = ((x.max(axis=2) - x.min(axis=2)) / 2).max(axis=2, keepdims=True)   # [N, H, 1]
+    ctr = (x.max(axis=2) + x.min(axis=2)) / 2  # [N, H, D]
+    hr = ((x.max(axis=2) - x.min(axis=2)) / 2).max(axis=2, keepdims=True)  # [N, H, 1]
     scale = np.broadcast_to(hr / ((f.qmax - f.qmin) // 2 - 1), ctr.shape).astype(np.float32)
     zero = np.clip(np.rint((f.qmin + f.qmax + 1) // 2 - ctr / scale), f.qmin, f.qmax)
     return np.ascontiguousarray(scale), zero.astype(ZP_TYPES[fmt][0])
@@ -142,7 +211,7 @@ def test_channel_zp_key_pages_are_replaced_and_read_by_attention(k_fmt):
     rng = np.random.default_rng(11)
     sess = onnxkv.Session(quantize_model(k_fmt, "int8", key_channel_zero_points=1), threads=1)
     past = rng.standard_normal((P, 2, H, BS, D)).astype(np.float32)
-    past[:, 0] += rng.uniform(-6, 6, (1, 1, 1, D)).astype(np.float32)       # keys: per-channel offsets
+    past[:, 0] += rng.uniform(-6, 6, (1, 1, 1, D)).astype(np.float32)  # keys: per-channel offsets
     table = shuffled_table(rng, 2, 4, P).astype(np.int32)
     seqlens = np.array([8, 5], np.int32)
     full = np.array([table[0, 0], table[0, 1], table[1, 0]], np.int64)
@@ -151,11 +220,24 @@ def test_channel_zp_key_pages_are_replaced_and_read_by_attention(k_fmt):
     slots, before = slot_addresses(past), past.copy()
     q = rng.standard_normal((2, 2, HQ * D)).astype(np.float32)
     k, v = (rng.standard_normal((2, 2, H * D)).astype(np.float32) for _ in range(2))
-    out = sess.run({"past": past, "blocks": full, "ks": ks, "kz": kz, "vs": vs, "vz": vz, "Q": q, "K": k, "V": v,
-                    "table": table, "seqlens": seqlens})
+    out = sess.run(
+        {
+            "past": past,
+            "blocks": full,
+            "ks": ks,
+            "kz": kz,
+            "vs": vs,
+            "vz": vz,
+            "Q": q,
+            "K": k,
+            "V": v,
+            "table": table,
+            "seqlens": seqlens,
+        }
+    )
     handle = PageSet.of(past)
     keep = np.setdiff1d(np.arange(P), full)
-    np.testing.assert_array_equal(handle.ptrs[:, keep], slots[:, keep])     # unselected pages keep their storage
+    np.testing.assert_array_equal(handle.ptrs[:, keep], slots[:, keep])  # unselected pages keep their storage
     assert (handle.ptrs[:, full] != slots[:, full]).all()
     assert handle.groups == [D, 1] and handle.headers == ["channel-zp", "float32"]
     f = page_format(k_fmt)
@@ -175,12 +257,20 @@ def test_channel_zp_key_pages_are_replaced_and_read_by_attention(k_fmt):
     handle.audit()
 
 
-@pytest.mark.parametrize("over, match", [
-    ({"ks": np.full((2, H), 0.05, np.float32), "kz": np.zeros((2, H), np.int8)},
-     r"scale 'ks' must be \[2, 2, 8\] for channel-zp pages"),
-    ({"ks": np.full((2, H, D), 0.05, np.float32) + np.float32(0.01) * (np.arange(D) == 5)},
-     r"page 0 of scale 'ks' / zero point 'kz': scale\[5\] = .* differs from scale\[0\] = .*one scale per head"),
-], ids=["per-head-shape", "scales-differ-in-a-head"])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (
+            {"ks": np.full((2, H), 0.05, np.float32), "kz": np.zeros((2, H), np.int8)},
+            r"scale 'ks' must be \[2, 2, 8\] for channel-zp pages",
+        ),
+        (
+            {"ks": np.full((2, H, D), 0.05, np.float32) + np.float32(0.01) * (np.arange(D) == 5)},
+            r"page 0 of scale 'ks' / zero point 'kz': scale\[5\] = .* differs from scale\[0\] = .*one scale per head",
+        ),
+    ],
+    ids=["per-head-shape", "scales-differ-in-a-head"],
+)
 def test_channel_zp_rejections_leave_the_cache_unchanged(over, match):
     rng = np.random.default_rng(12)
     sess = onnxkv.Session(quantize_model(attend=False, key_channel_zero_points=1), threads=1)
@@ -202,8 +292,11 @@ def test_channel_zp_and_float32_key_pages_do_not_mix_in_a_plane():
     assert handle.headers == ["float32", "float32"] and handle.groups == [D, 1]
     fmts = handle.formats.copy()
     ks, kz = channel_zp_feed(past[[4], 0], "int8")
-    with pytest.raises(InputError, match=r"scale 'ks' gives channel-zp scales but plane 0 already holds pages "
-                                         r"quantized per channel \(e.g. page 3\); one granularity per plane"):
+    with pytest.raises(
+        InputError,
+        match=r"scale 'ks' gives channel-zp scales but plane 0 already holds pages "
+        r"quantized per channel \(e.g. page 3\); one granularity per plane",
+    ):
         czp.run({"past": past, "blocks": np.array([4]), "ks": ks, "kz": kz, "vs": vs[:1], "vz": vz[:1]})
     np.testing.assert_array_equal(handle.formats, fmts)
 
@@ -215,21 +308,30 @@ def test_key_channel_zero_points_attribute_is_checked():
 
 def _feeds(rng, **over):
     past = rng.standard_normal((P, 2, H, BS, D)).astype(np.float32)
-    feeds = {"past": past, "blocks": np.array([3, 7]), "ks": np.full((2, H), 0.05, np.float32),
-             "kz": np.zeros((2, H), np.int8), "vs": np.full((2, H), 0.05, np.float32),
-             "vz": np.zeros((2, H), np.int8)}
+    feeds = {
+        "past": past,
+        "blocks": np.array([3, 7]),
+        "ks": np.full((2, H), 0.05, np.float32),
+        "kz": np.zeros((2, H), np.int8),
+        "vs": np.full((2, H), 0.05, np.float32),
+        "vz": np.zeros((2, H), np.int8),
+    }
     feeds.update(over)
     return feeds
 
 
-@pytest.mark.parametrize("over, match", [
-    ({"blocks": np.array([3, 12])}, r"block_indices 'blocks'\[1\] = 12 is not a page id in \[0, 12\)"),
-    ({"blocks": np.array([5, 5])}, "block_indices 'blocks' must be distinct, page 5 is selected 2 times"),
-    ({"ks": np.array([[0.1, 0.0], [0.1, 0.1]], np.float32)}, r"scale 'ks'\[0, 1\] = .*finite and > 0"),
-    ({"vs": np.array([[0.1, np.nan], [0.1, 0.1]], np.float32)}, r"scale 'vs'\[0, 1\] = .*finite and > 0"),
-    ({"ks": np.full((3, H), 0.1, np.float32)}, r"scale 'ks' must be \[2, 2\] .* or \[2, 2, 8\]"),
-    ({"kz": np.zeros((2, H, D), np.int8)}, r"'ks' shape \[2, 2\] differs from zero point 'kz' shape \[2, 2, 8\]"),
-], ids=["index-range", "duplicate", "zero-scale", "nan-scale", "scale-shape", "zp-shape"])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"blocks": np.array([3, 12])}, r"block_indices 'blocks'\[1\] = 12 is not a page id in \[0, 12\)"),
+        ({"blocks": np.array([5, 5])}, "block_indices 'blocks' must be distinct, page 5 is selected 2 times"),
+        ({"ks": np.array([[0.1, 0.0], [0.1, 0.1]], np.float32)}, r"scale 'ks'\[0, 1\] = .*finite and > 0"),
+        ({"vs": np.array([[0.1, np.nan], [0.1, 0.1]], np.float32)}, r"scale 'vs'\[0, 1\] = .*finite and > 0"),
+        ({"ks": np.full((3, H), 0.1, np.float32)}, r"scale 'ks' must be \[2, 2\] .* or \[2, 2, 8\]"),
+        ({"kz": np.zeros((2, H, D), np.int8)}, r"'ks' shape \[2, 2\] differs from zero point 'kz' shape \[2, 2, 8\]"),
+    ],
+    ids=["index-range", "duplicate", "zero-scale", "nan-scale", "scale-shape", "zp-shape"],
+)
 def test_rejections_name_the_value_and_leave_the_cache_unchanged(over, match):
     rng = np.random.default_rng(2)
     sess = onnxkv.Session(quantize_model(attend=False), threads=1)
@@ -250,11 +352,19 @@ def assert_rejected(sess, feeds, match):
     return handle
 
 
-@pytest.mark.parametrize("k_fmt, scale_type, over, match", [
-    ("int16", TensorProto.FLOAT, {"kz": np.zeros((2, H), np.int16)},
-     "zero point 'kz' has element type int16; expected one of int8"),
-    ("int8", TensorProto.DOUBLE, {"ks": np.full((2, H), 0.1)}, "scale 'ks' must be float32, got float64"),
-], ids=["zero-point-type", "scale-type"])
+@pytest.mark.parametrize(
+    "k_fmt, scale_type, over, match",
+    [
+        (
+            "int16",
+            TensorProto.FLOAT,
+            {"kz": np.zeros((2, H), np.int16)},
+            "zero point 'kz' has element type int16; expected one of int8",
+        ),
+        ("int8", TensorProto.DOUBLE, {"ks": np.full((2, H), 0.1)}, "scale 'ks' must be float32, got float64"),
+    ],
+    ids=["zero-point-type", "scale-type"],
+)
 def test_element_types_are_checked_before_anything_changes(k_fmt, scale_type, over, match):
     rng = np.random.default_rng(3)
     sess = onnxkv.Session(quantize_model(k_fmt, "int8", attend=False, scale_type=scale_type), threads=1)
@@ -275,8 +385,9 @@ def test_granularity_must_match_pages_already_quantized():
     assert handle.formats[:, [3, 7]].tolist() == [[3, 3], [1, 1]] and handle.groups == [1, 0]
     before = feeds["past"].copy()
     with pytest.raises(InputError, match="per-channel scales but plane 0 already holds pages quantized per head"):
-        sess.run(dict(feeds, blocks=np.array([1]), ks=np.full((1, H, D), 0.1, np.float32),
-                      kz=np.zeros((1, H, D), np.int8)))
+        sess.run(
+            dict(feeds, blocks=np.array([1]), ks=np.full((1, H, D), 0.1, np.float32), kz=np.zeros((1, H, D), np.int8))
+        )
     np.testing.assert_array_equal(feeds["past"], before, strict=True)
     assert (handle.formats[0] == 3).sum() == 2
 
@@ -290,7 +401,7 @@ def test_a_float_marker_dequantizes_and_the_cache_type_returns_pages_to_the_tens
     sess = onnxkv.Session(quantize_model("bfloat16", "float32", attend=False), threads=1)
     sess.run(dict(feeds, blocks=np.array([3]), kz=np.zeros(0, ml_dtypes.bfloat16), vz=np.zeros((0,), np.float32)))
     assert handle.formats[:, 3].tolist() == [16, 1] and handle.formats[:, 7].tolist() == [3, 3]
-    np.testing.assert_allclose(handle.page_values(0, 3), int8, rtol=2 ** -8)
+    np.testing.assert_allclose(handle.page_values(0, 3), int8, rtol=2**-8)
     np.testing.assert_array_equal(handle.page_values(1, 3), feeds["past"][3, 1])  # back in its slot
     assert np.isnan(feeds["past"][3, 0]).all() and np.isnan(feeds["past"][7]).all()
 
@@ -307,8 +418,14 @@ def test_events_count_the_payloads_allocated():
 
 def test_no_selected_pages_change_nothing():
     rng = np.random.default_rng(7)
-    feeds = _feeds(rng, blocks=np.zeros(0, np.int64), ks=np.zeros((0, H), np.float32), kz=np.zeros((0, H), np.int8),
-                   vs=np.zeros((0, H), np.float32), vz=np.zeros((0, H), np.int8))
+    feeds = _feeds(
+        rng,
+        blocks=np.zeros(0, np.int64),
+        ks=np.zeros((0, H), np.float32),
+        kz=np.zeros((0, H), np.int8),
+        vs=np.zeros((0, H), np.float32),
+        vz=np.zeros((0, H), np.int8),
+    )
     before = feeds["past"].copy()
     out = onnxkv.Session(quantize_model(attend=False), threads=1).run(feeds)
     assert out["c"] is feeds["past"] and PageSet.of(feeds["past"]) is None
@@ -317,8 +434,9 @@ def test_no_selected_pages_change_nothing():
 
 def test_build_and_shape_checks():
     model = quantize_model(attend=False)
-    model.graph.initializer.append(helper.make_tensor("past", TensorProto.FLOAT, [1, 2, H, BS, D],
-                                                      np.zeros(2 * H * BS * D, np.float32)))
+    model.graph.initializer.append(
+        helper.make_tensor("past", TensorProto.FLOAT, [1, 2, H, BS, D], np.zeros(2 * H * BS * D, np.float32))
+    )
     with pytest.raises(ModelError, match="MUST_ALIAS input 'past' is an initializer"):
         onnxkv.Session(model, threads=1)
     with pytest.raises(ContractError, match=r"dim 1 of 'past' is 3, but K/V index \(2\) is 2"):
@@ -332,13 +450,25 @@ def test_writes_into_converted_pages_are_rejected_before_writing():
     table = np.array([[3, 4, 5, 6]], np.int32)
     q = rng.standard_normal((1, 1, HQ * D)).astype(np.float32)
     k, v = (rng.standard_normal((1, 1, H * D)).astype(np.float32) for _ in range(2))
-    feeds = {"past": past, "blocks": np.array([4]), "ks": np.full((1, H), 0.05, np.float32),
-             "kz": np.zeros((1, H), np.int8), "vs": np.full((1, H), 0.05, np.float32),
-             "vz": np.zeros((1, H), np.int8), "Q": q, "K": k, "V": v, "table": table,
-             "seqlens": np.array([6], np.int32)}  # token 6 goes to page 4 (block 1), which this run quantizes
+    feeds = {
+        "past": past,
+        "blocks": np.array([4]),
+        "ks": np.full((1, H), 0.05, np.float32),
+        "kz": np.zeros((1, H), np.int8),
+        "vs": np.full((1, H), 0.05, np.float32),
+        "vz": np.zeros((1, H), np.int8),
+        "Q": q,
+        "K": k,
+        "V": v,
+        "table": table,
+        "seqlens": np.array([6], np.int32),
+    }  # token 6 goes to page 4 (block 1), which this run quantizes
     original = past.copy()
-    with pytest.raises(InputError, match="PagedAttention node 'attn': a new token goes to page 4 of cache 'c', which "
-                                         r"QuantizePagedCache converted to int8 \(plane 0\).*quantize only full pages"):
+    with pytest.raises(
+        InputError,
+        match="PagedAttention node 'attn': a new token goes to page 4 of cache 'c', which "
+        r"QuantizePagedCache converted to int8 \(plane 0\).*quantize only full pages",
+    ):
         sess.run(feeds)
     # the caller's cache is the node's output (MUST_ALIAS): the conversion stays, no token was written
     handle = PageSet.of(past)
@@ -350,8 +480,16 @@ def test_writes_into_converted_pages_are_rejected_before_writing():
     assert handle.formats[:, 4].tolist() == [3, 3] and np.isnan(past[4]).all()
     converted = past.copy()
     with pytest.raises(InputError, match="page 4"):
-        sess.run(dict(feeds, blocks=np.zeros(0, np.int64), ks=np.zeros((0, H), np.float32),
-                      kz=np.zeros((0, H), np.int8), vs=np.zeros((0, H), np.float32), vz=np.zeros((0, H), np.int8)))
+        sess.run(
+            dict(
+                feeds,
+                blocks=np.zeros(0, np.int64),
+                ks=np.zeros((0, H), np.float32),
+                kz=np.zeros((0, H), np.int8),
+                vs=np.zeros((0, H), np.float32),
+                vz=np.zeros((0, H), np.int8),
+            )
+        )
     np.testing.assert_array_equal(past, converted)
     assert handle.formats[:, 4].tolist() == [3, 3]
     # PagedCacheUpdate on a one-plane page tensor with a converted page
@@ -360,8 +498,11 @@ def test_writes_into_converted_pages_are_rejected_before_writing():
     update = onnxkv.Session(update_model(cache_shape=(P, H, BS, D)), threads=1)
     before = cache.copy()
     new = rng.standard_normal((1, H, 2, D)).astype(np.float32)
-    with pytest.raises(InputError, match="PagedCacheUpdate node 'update': a new token goes to page 2 of cache 'past', "
-                                         "which QuantizePagedCache converted to float16"):
+    with pytest.raises(
+        InputError,
+        match="PagedCacheUpdate node 'update': a new token goes to page 2 of cache 'past', "
+        "which QuantizePagedCache converted to float16",
+    ):
         update.run({"past": cache, "table": np.array([[1, 2]]), "new": new, "pos": np.array(3)})
     np.testing.assert_array_equal(cache, before)
     update.run({"past": cache, "table": np.array([[1, 0]]), "new": new, "pos": np.array(2)})  # native pages: fine
@@ -374,12 +515,18 @@ def test_a_state_storage_is_never_converted_from_outside_the_state():
     outside = onnxkv.Session(quantize_model(attend=False, cache_shape=list(cfg.past_shape)), threads=1)
     with sess.new_state() as state:
         hidden = np.random.default_rng(10).standard_normal((1, 8, cfg.hidden_size)).astype(np.float32)
-        state.run({"hidden": hidden, "block_table": np.arange(cfg.max_blocks, dtype=np.int32)[None],
-                   "seqlens_k": np.zeros(1, np.int32)})
+        state.run(
+            {
+                "hidden": hidden,
+                "block_table": np.arange(cfg.max_blocks, dtype=np.int32)[None],
+                "seqlens_k": np.zeros(1, np.int32),
+            }
+        )
         storage = state._values["past.0"][1]
         before = storage.copy()
-        with pytest.raises(InputError, match="QuantizePagedCache node 'quantize': cache 'past' is storage bound to a "
-                                             "state"):
+        with pytest.raises(
+            InputError, match="QuantizePagedCache node 'quantize': cache 'past' is storage bound to a state"
+        ):
             outside.run(_feeds(np.random.default_rng(11), past=storage))
         np.testing.assert_array_equal(storage, before)
         assert PageSet.of(storage) is None
@@ -393,31 +540,45 @@ def test_out_of_memory_in_a_state_publishes_nothing_and_the_step_can_be_retried(
     rng = np.random.default_rng(12)
     table = np.arange(cfg.max_blocks, dtype=np.int32)[None]
     with sess.new_state(allocator=arena) as state:
-        state.run({"hidden": rng.standard_normal((1, 8, cfg.hidden_size)).astype(np.float32), "block_table": table,
-                   "seqlens_k": np.zeros(1, np.int32)})
+        state.run(
+            {
+                "hidden": rng.standard_normal((1, 8, cfg.hidden_size)).astype(np.float32),
+                "block_table": table,
+                "seqlens_k": np.zeros(1, np.int32),
+            }
+        )
         storage = state._values["past.0"][1]
         before, live = storage.copy(), arena.stats().live
         one = {name: np.full((2, H), 0.05, np.float32) for name in ("key_scale.0", "value_scale.0")}
         one.update({name: np.zeros((2, H), np.int8) for name in ("key_zero_point.0", "value_zero_point.0")})
-        step = {"hidden": rng.standard_normal((1, 1, cfg.hidden_size)).astype(np.float32), "block_table": table,
-                "seqlens_k": np.array([8], np.int32)}
+        step = {
+            "hidden": rng.standard_normal((1, 1, cfg.hidden_size)).astype(np.float32),
+            "block_table": table,
+            "seqlens_k": np.array([8], np.int32),
+        }
         with pytest.raises(OutOfMemory, match=f"{page} bytes"):
             state.run({**step, "quantize_blocks": np.array([0, 1], np.int32), **one})
         np.testing.assert_array_equal(storage, before)
         assert not PageSet.of(storage).any_converted and arena.stats().live == live
-        state.run({**step, "quantize_blocks": np.array([1], np.int32),
-                   **{name: value[:1] for name, value in one.items()}})
+        state.run(
+            {**step, "quantize_blocks": np.array([1], np.int32), **{name: value[:1] for name, value in one.items()}}
+        )
         assert PageSet.of(storage).formats[:, 1].tolist() == [3, 3] and arena.stats().live == live + 2 * page
         assert state.committed_bytes == storage.nbytes + 2 * page
 
 
 # -- in a state: the paged decoder with QuantizePagedCache nodes ----------------------------------------------------
 
-@pytest.mark.parametrize("config, in_place", [
-    ({"key_format": "int8", "value_format": "int4", "key_channel_scales": True}, True),
-    ({"key_format": "int8", "value_format": "int8", "key_channel_zero_points": True}, True),
-    ({"key_format": "uint4", "num_kv_heads": 1, "block_size": 1, "max_blocks": 14}, False),  # 32-byte page halves
-], ids=["aligned-int8-int4", "aligned-channel-zp-int8", "small-pages-uint4"])
+
+@pytest.mark.parametrize(
+    "config, in_place",
+    [
+        ({"key_format": "int8", "value_format": "int4", "key_channel_scales": True}, True),
+        ({"key_format": "int8", "value_format": "int8", "key_channel_zero_points": True}, True),
+        ({"key_format": "uint4", "num_kv_heads": 1, "block_size": 1, "max_blocks": 14}, False),  # 32-byte page halves
+    ],
+    ids=["aligned-int8-int4", "aligned-channel-zp-int8", "small-pages-uint4"],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, config, in_place, threads):
     calls = []
@@ -452,7 +613,8 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
                     channel = name == "key" and cfg.key_channel_scales
                     czp = name == "key" and cfg.key_channel_zero_points
                     feeds[f"{name}_scale.{i}"], feeds[f"{name}_zero_point.{i}"] = (
-                        channel_zp_feed(pages[full, plane], fmt) if czp else params(pages[full, plane], fmt, channel))
+                        channel_zp_feed(pages[full, plane], fmt) if czp else params(pages[full, plane], fmt, channel)
+                    )
         allocator_before = state.allocator.stats().live
         for step in range(3):  # the first decode step converts the pages, then its attention reads them
             hidden = rng.standard_normal((batch, 1, cfg.hidden_size)).astype(np.float32)
@@ -469,12 +631,13 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
                     for row in range(batch):
                         logical[i][row] = logical_kv(handle, table, row, int(seqlens[row]), bs).astype(np.float64)
                 assert state.allocator.stats().live - allocator_before == sum(
-                    PageSet.of(a).payload_bytes for a in storage)
+                    PageSet.of(a).payload_bytes for a in storage
+                )
             want = reference_decoder(weights, hidden, logical, seqlens, cfg)
             np.testing.assert_allclose(out["output"], want, rtol=1e-5, atol=1e-5)
             seqlens = seqlens + 1
     if in_place:
-        assert calls and all(f is not None for f in calls[-2 * 3:])  # per-page formats through the kernel
+        assert calls and all(f is not None for f in calls[-2 * 3 :])  # per-page formats through the kernel
     else:
         assert not calls
 
@@ -487,7 +650,8 @@ def test_paged_config_key_channel_zero_points():
     cfg = PagedConfig(num_layers=2, key_format="int8", key_channel_zero_points=True)
     model = build_paged_model(cfg, paged_weights(cfg, seed=1))
     nodes = [n for n in model.graph.node if n.op_type == "QuantizePagedCache"]
-    assert len(nodes) == 2 and all([(a.name, a.i) for a in n.attribute] == [("key_channel_zero_points", 1)]
-                                   for n in nodes)
+    assert len(nodes) == 2 and all(
+        [(a.name, a.i) for a in n.attribute] == [("key_channel_zero_points", 1)] for n in nodes
+    )
     key_scale = next(i for i in model.graph.input if i.name == "key_scale.0")
-    assert len(key_scale.type.tensor_type.shape.dim) == 3          # [N, kv_heads, head_size]
+    assert len(key_scale.type.tensor_type.shape.dim) == 3  # [N, kv_heads, head_size]

@@ -104,19 +104,29 @@ def test_errors():
                                                is_packed_batching=1))  # fmt: skip
 
 
-@pytest.mark.parametrize("position_ids, match", [
-    (np.array([2**63 - 1], np.int64),  # start + s used to wrap negative (a range of garbage in the message)
-     r"lie in \[0, 16\) \(cos_cache rows\), got a start of 9223372036854775807 for 3 tokens "
-     r"\(valid starts: \[0, 13\]\)"),
-    (np.array([14], np.int64), r"got a start of 14 for 3 tokens \(valid starts: \[0, 13\]\)"),
-    (np.array([[0, 1, 2**64 - 1], [0, 1, 2]], np.uint64), r"got 18446744073709551615 at \[0, 2\]"),
-    (np.array([[0, 1, 2], [0, 1, 2]], np.float32), "position ids must be integers, got float32"),
-], ids=["int64-max-start", "start", "uint64", "float"])
+@pytest.mark.parametrize(
+    "position_ids, match",
+    [
+        (
+            np.array([2**63 - 1], np.int64),  # start + s used to wrap negative (a range of garbage in the message)
+            r"lie in \[0, 16\) \(cos_cache rows\), got a start of 9223372036854775807 for 3 tokens "
+            r"\(valid starts: \[0, 13\]\)",
+        ),
+        (np.array([14], np.int64), r"got a start of 14 for 3 tokens \(valid starts: \[0, 13\]\)"),
+        (np.array([[0, 1, 2**64 - 1], [0, 1, 2]], np.uint64), r"got 18446744073709551615 at \[0, 2\]"),
+        (np.array([[0, 1, 2], [0, 1, 2]], np.float32), "position ids must be integers, got float32"),
+    ],
+    ids=["int64-max-start", "start", "uint64", "float"],
+)
 def test_ms_position_ids_are_checked_in_their_own_width(position_ids, match):
     rng = np.random.default_rng(20)
     cos, sin = _caches(rng, 16, 16)
-    ins = {"input": rng.standard_normal((2, 3, 4 * 32)).astype(np.float32), "position_ids": position_ids,
-           "cos_cache": cos, "sin_cache": sin}
+    ins = {
+        "input": rng.standard_normal((2, 3, 4 * 32)).astype(np.float32),
+        "position_ids": position_ids,
+        "cos_cache": cos,
+        "sin_cache": sin,
+    }
     model = make_model("RotaryEmbedding", ins, ["y"], MS_OPSETS, domain="com.microsoft")
     with pytest.raises(InputError, match=match):
         run_op(RotaryEmbeddingMS, model, ins)
@@ -126,8 +136,12 @@ def test_ms_position_ids_are_checked_in_their_own_width(position_ids, match):
 def test_onnx_position_ids_of_any_integer_width_rotate_as_int64(dtype):
     rng = np.random.default_rng(21)
     cos, sin = _caches(rng, 16, 16)
-    ins = {"X": rng.standard_normal((2, 4, 3, 32)).astype(np.float32), "cos_cache": cos, "sin_cache": sin,
-           "position_ids": rng.integers(0, 16, (2, 3)).astype(dtype)}
+    ins = {
+        "X": rng.standard_normal((2, 4, 3, 32)).astype(np.float32),
+        "cos_cache": cos,
+        "sin_cache": sin,
+        "position_ids": rng.integers(0, 16, (2, 3)).astype(dtype),
+    }
     model = make_model("RotaryEmbedding", ins, ["Y"], {"": 23})
     got, _ = run_op(RotaryEmbedding23, model, ins)
     want, _ = run_op(RotaryEmbedding23, model, dict(ins, position_ids=ins["position_ids"].astype(np.int64)))

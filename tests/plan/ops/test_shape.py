@@ -12,27 +12,51 @@ from onnxkv import InputError, OperatorError, Session
 def _session(op, inputs, **attrs):
     """A session of one ``op`` node named 'n' whose inputs are the graph inputs ``inputs`` (name -> array)."""
     node = helper.make_node(op, list(inputs), ["y"], name="n", **attrs)
-    g_in = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-            for k, v in inputs.items()]
+    g_in = [
+        helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for k, v in inputs.items()
+    ]
     g = helper.make_graph([node], "g", g_in, [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)])
     return Session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), threads=1)
 
 
-@pytest.mark.parametrize("op,inputs,match", [
-    ("ConstantOfShape", {"s": np.array([4, -1])}, r"ConstantOfShape node 'n': shape \[4, -1\] has a negative dim"),
-    ("ConstantOfShape", {"s": np.array([1 << 62, 1 << 62])}, r"ConstantOfShape node 'n': shape .* needs "
-                                                              r"\d+ bytes, more than this machine's memory"),
-    ("Expand", {"x": np.ones(1, np.float32), "s": np.array([1 << 40, 1 << 30])}, r"Expand node 'n': shape .* more"),
-    ("Expand", {"x": np.ones(1, np.float32), "s": np.array([-3])}, r"Expand node 'n': shape \[-3\] has a negative"),
-    ("Tile", {"x": np.ones((2, 2), np.float32), "r": np.array([1 << 62, 4])}, r"Tile node 'n': output shape .* more"),
-    ("Tile", {"x": np.ones((2, 2), np.float32), "r": np.array([-1, 4])}, r"Tile node 'n': repeats \[-1, 4\] has a neg"),
-    ("Tile", {"x": np.ones((2, 2), np.float32), "r": np.array([2])}, r"Tile node 'n': repeats \[2\] must have one"),
-    ("Range", {"a": np.array(0), "b": np.array(1 << 62), "c": np.array(1)}, r"Range node 'n': output shape "
-                                                                            r"\[4611686018427387904\].* more than"),
-    ("Range", {"a": np.array(0.0), "b": np.array(np.inf), "c": np.array(1.0)}, r"Range node 'n': .*limit inf.*finite"),
-    ("Range", {"a": np.array(0.0), "b": np.array(4.0), "c": np.array(np.nan)}, r"Range node 'n': .*delta nan"),
-    ("Range", {"a": np.array(0), "b": np.array(4), "c": np.array(0)}, r"Range node 'n': .*non-zero delta"),
-])
+@pytest.mark.parametrize(
+    "op,inputs,match",
+    [
+        ("ConstantOfShape", {"s": np.array([4, -1])}, r"ConstantOfShape node 'n': shape \[4, -1\] has a negative dim"),
+        (
+            "ConstantOfShape",
+            {"s": np.array([1 << 62, 1 << 62])},
+            r"ConstantOfShape node 'n': shape .* needs "
+            r"\d+ bytes, more than this machine's memory",
+        ),
+        ("Expand", {"x": np.ones(1, np.float32), "s": np.array([1 << 40, 1 << 30])}, r"Expand node 'n': shape .* more"),
+        ("Expand", {"x": np.ones(1, np.float32), "s": np.array([-3])}, r"Expand node 'n': shape \[-3\] has a negative"),
+        (
+            "Tile",
+            {"x": np.ones((2, 2), np.float32), "r": np.array([1 << 62, 4])},
+            r"Tile node 'n': output shape .* more",
+        ),
+        (
+            "Tile",
+            {"x": np.ones((2, 2), np.float32), "r": np.array([-1, 4])},
+            r"Tile node 'n': repeats \[-1, 4\] has a neg",
+        ),
+        ("Tile", {"x": np.ones((2, 2), np.float32), "r": np.array([2])}, r"Tile node 'n': repeats \[2\] must have one"),
+        (
+            "Range",
+            {"a": np.array(0), "b": np.array(1 << 62), "c": np.array(1)},
+            r"Range node 'n': output shape "
+            r"\[4611686018427387904\].* more than",
+        ),
+        (
+            "Range",
+            {"a": np.array(0.0), "b": np.array(np.inf), "c": np.array(1.0)},
+            r"Range node 'n': .*limit inf.*finite",
+        ),
+        ("Range", {"a": np.array(0.0), "b": np.array(4.0), "c": np.array(np.nan)}, r"Range node 'n': .*delta nan"),
+        ("Range", {"a": np.array(0), "b": np.array(4), "c": np.array(0)}, r"Range node 'n': .*non-zero delta"),
+    ],
+)
 def test_sizes_asked_for_at_run_time_are_checked_before_allocating(op, inputs, match):
     sess = _session(op, inputs)
     with pytest.raises(InputError, match=match):
@@ -47,15 +71,18 @@ def test_reasonable_sizes_still_run():
     np.testing.assert_array_equal(_session("Range", feeds).run(feeds)["y"], [0.5, 1.0, 1.5])
 
 
-@pytest.mark.parametrize("op,index,attrs", [
-    ("Gather", np.array([0, -3]), {}),
-    ("Gather", np.array([2]), {}),
-    ("Gather", np.array([[0, 2]]), {"axis": 1}),
-    ("GatherElements", np.array([[0, -5]]), {"axis": 1}),
-    ("GatherElements", np.array([[0], [-4]]), {}),
-    ("GatherND", np.array([[0, -3]]), {}),
-    ("GatherND", np.array([[-5, 0]]), {}),
-])
+@pytest.mark.parametrize(
+    "op,index,attrs",
+    [
+        ("Gather", np.array([0, -3]), {}),
+        ("Gather", np.array([2]), {}),
+        ("Gather", np.array([[0, 2]]), {"axis": 1}),
+        ("GatherElements", np.array([[0, -5]]), {"axis": 1}),
+        ("GatherElements", np.array([[0], [-4]]), {}),
+        ("GatherND", np.array([[0, -3]]), {}),
+        ("GatherND", np.array([[-5, 0]]), {}),
+    ],
+)
 def test_indices_outside_the_axis_are_an_operator_error_naming_the_node(op, index, attrs):
     x = np.arange(4, dtype=np.float32).reshape(2, 2)
     sess = _session(op, {"x": x, "i": index}, **attrs)
@@ -87,7 +114,7 @@ def test_flatten_takes_every_axis_from_minus_rank_to_rank(axis):
     """A negative axis counts from the end (-1 keeps the last dim as columns); the rank itself gives one row."""
     x = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)
     got = _session("Flatten", {"x": x}, axis=axis).run({"x": x})["y"]
-    rows = int(np.prod(x.shape[:axis + 4 if axis < 0 else axis]))
+    rows = int(np.prod(x.shape[: axis + 4 if axis < 0 else axis]))
     assert got.shape == (rows, x.size // rows)
     np.testing.assert_array_equal(got.reshape(-1), x.reshape(-1))
 
@@ -95,6 +122,9 @@ def test_flatten_takes_every_axis_from_minus_rank_to_rank(axis):
 @pytest.mark.parametrize("axis", [-5, 5])
 def test_flatten_axis_beyond_the_rank_is_an_operator_error_naming_the_node(axis):
     x = np.zeros((2, 3, 4, 5), np.float32)
-    with pytest.raises(OperatorError, match=rf"Flatten node 'n': axis {axis} must be in \[-4, 4\] for an input of "
-                                            r"shape \(2, 3, 4, 5\)"):
+    with pytest.raises(
+        OperatorError,
+        match=rf"Flatten node 'n': axis {axis} must be in \[-4, 4\] for an input of "
+        r"shape \(2, 3, 4, 5\)",
+    ):
         _session("Flatten", {"x": x}, axis=axis).run({"x": x})

@@ -18,8 +18,11 @@ def one_node(op, inputs, n_out=1, domain="", opset=21, **attrs):
     names = [f"x{i}" if v is not None else "" for i, v in enumerate(inputs)]
     outs = [f"y{i}" for i in range(n_out)]
     node = helper.make_node(op, names, outs, domain=domain, **attrs)
-    g_in = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-            for n, v in zip(names, inputs) if n]
+    g_in = [
+        helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+        for n, v in zip(names, inputs)
+        if n
+    ]
     g_out = [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outs]
     imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
     model = helper.make_model(helper.make_graph([node], "g", g_in, g_out), opset_imports=imports)
@@ -112,18 +115,23 @@ def test_shape_ops():
     check("Size", [x])
 
 
-@pytest.mark.parametrize("starts,ends,axes,steps", [
-    ([0], [2], [1], [1]),
-    ([1, 0], [3, 4], [1, 2], [1, 2]),
-    ([-1], [-4], [2], [-1]),
-    ([0], [np.iinfo(np.int64).max], [0], [1]),
-    ([2], [np.iinfo(np.int64).min], [1], [-1]),
-    ([-100], [100], [2], [1]),
-])
+@pytest.mark.parametrize(
+    "starts,ends,axes,steps",
+    [
+        ([0], [2], [1], [1]),
+        ([1, 0], [3, 4], [1, 2], [1, 2]),
+        ([-1], [-4], [2], [-1]),
+        ([0], [np.iinfo(np.int64).max], [0], [1]),
+        ([2], [np.iinfo(np.int64).min], [1], [-1]),
+        ([-100], [100], [2], [1]),
+    ],
+)
 def test_slice(starts, ends, axes, steps):
     x = r(3, 4, 5)
-    check("Slice", [x, np.array(starts, np.int64), np.array(ends, np.int64), np.array(axes, np.int64),
-                    np.array(steps, np.int64)])
+    check(
+        "Slice",
+        [x, np.array(starts, np.int64), np.array(ends, np.int64), np.array(axes, np.int64), np.array(steps, np.int64)],
+    )
 
 
 def test_split_gather():
@@ -153,10 +161,16 @@ def test_reduce(op, keepdims):
     check(op, [x], keepdims=keepdims, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,low,high", [
-    (np.float32, -np.inf, np.inf), (np.float16, -np.inf, np.inf), (np.int32, -2**31, 2**31 - 1),
-    (np.uint8, 0, 255), (np.bool_, False, True),
-])
+@pytest.mark.parametrize(
+    "dtype,low,high",
+    [
+        (np.float32, -np.inf, np.inf),
+        (np.float16, -np.inf, np.inf),
+        (np.int32, -(2**31), 2**31 - 1),
+        (np.uint8, 0, 255),
+        (np.bool_, False, True),
+    ],
+)
 @pytest.mark.parametrize("keepdims", [0, 1])
 def test_reduce_max_min_over_an_empty_set_give_the_extreme_values(dtype, low, high, keepdims):
     """Max of nothing is -inf (the dtype's minimum where there is no infinity), min of nothing +inf (its maximum)."""
@@ -178,8 +192,9 @@ def test_argmax_softmax():
     check("LogSoftmax", [x], axis=-1, atol=1e-5)
 
 
-@pytest.mark.parametrize("shapes", [((4, 8), (8, 3)), ((2, 5, 8), (8, 6)), ((2, 3, 4, 5), (2, 3, 5, 6)),
-                                    ((3, 4, 5), (5,)), ((5,), (5, 2))])
+@pytest.mark.parametrize(
+    "shapes", [((4, 8), (8, 3)), ((2, 5, 8), (8, 6)), ((2, 3, 4, 5), (2, 3, 5, 6)), ((3, 4, 5), (5,)), ((5,), (5, 2))]
+)
 def test_matmul(shapes):
     check("MatMul", [r(*shapes[0]), r(*shapes[1])], atol=1e-5)
 
@@ -200,12 +215,19 @@ def test_rms_normalization_23():
 def _skip_norm_model(x, skip, g):
     """SkipSimplifiedLayerNormalization with outputs 0 (normalised) and 3 (sum) only."""
     elem = helper.np_dtype_to_tensor_dtype(x.dtype)
-    node = helper.make_node("SkipSimplifiedLayerNormalization", ["x0", "x1", "x2"], ["y0", "", "", "y3"],
-                            domain="com.microsoft", epsilon=1e-6)
+    node = helper.make_node(
+        "SkipSimplifiedLayerNormalization",
+        ["x0", "x1", "x2"],
+        ["y0", "", "", "y3"],
+        domain="com.microsoft",
+        epsilon=1e-6,
+    )
     g_in = [helper.make_tensor_value_info(n, elem, v.shape) for n, v in zip(["x0", "x1", "x2"], [x, skip, g])]
     g_out = [helper.make_tensor_value_info(n, elem, x.shape) for n in ("y0", "y3")]
-    model = helper.make_model(helper.make_graph([node], "g", g_in, g_out),
-                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(
+        helper.make_graph([node], "g", g_in, g_out),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+    )
     return model, {"x0": x, "x1": skip, "x2": g}
 
 
@@ -228,12 +250,21 @@ def test_ms_norms_against_onnxruntime():
     np.testing.assert_allclose(got["y3"], want[1], atol=1e-6)
     node = helper.make_node("SimplifiedLayerNormalization", ["x0", "x1"], ["y0"], epsilon=1e-6, axis=-1)
     model = helper.make_model(
-        helper.make_graph([node], "g", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, x.shape),
-                                        helper.make_tensor_value_info("x1", TensorProto.FLOAT, g.shape)],
-                          [helper.make_tensor_value_info("y0", TensorProto.FLOAT, x.shape)]),
-        opset_imports=[helper.make_opsetid("", 21)])
+        helper.make_graph(
+            [node],
+            "g",
+            [
+                helper.make_tensor_value_info("x0", TensorProto.FLOAT, x.shape),
+                helper.make_tensor_value_info("x1", TensorProto.FLOAT, g.shape),
+            ],
+            [helper.make_tensor_value_info("y0", TensorProto.FLOAT, x.shape)],
+        ),
+        opset_imports=[helper.make_opsetid("", 21)],
+    )
     got = Session(model, threads=1).run({"x0": x, "x1": g})["y0"]
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x0": x, "x1": g})
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x0": x, "x1": g}
+    )
     np.testing.assert_allclose(got, want[0], atol=1e-5)
 
 

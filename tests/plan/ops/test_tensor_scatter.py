@@ -84,12 +84,16 @@ def _scattered(past, update, starts, circular):
     return present
 
 
-@pytest.mark.parametrize("indices", [
-    np.array([2**63 - 1, 2**63 - 2], np.int64),  # start + s used to wrap to -2**63 (the wrong slot)
-    np.array([2**64 - 1, 2**63 + 5], np.uint64),  # not wrapped to -1 and -2**63 + 5
-    np.array([-2**63, -7], np.int64),
-    np.array([5, 250], np.uint8),
-], ids=["int64-max", "uint64", "int64-min", "uint8"])
+@pytest.mark.parametrize(
+    "indices",
+    [
+        np.array([2**63 - 1, 2**63 - 2], np.int64),  # start + s used to wrap to -2**63 (the wrong slot)
+        np.array([2**64 - 1, 2**63 + 5], np.uint64),  # not wrapped to -1 and -2**63 + 5
+        np.array([-(2**63), -7], np.int64),
+        np.array([5, 250], np.uint8),
+    ],
+    ids=["int64-max", "uint64", "int64-min", "uint8"],
+)
 def test_circular_indices_of_every_width_are_reduced_exactly(indices):
     rng = np.random.default_rng(20)
     past = rng.standard_normal((2, 3, 6, 4)).astype(np.float32)
@@ -99,17 +103,28 @@ def test_circular_indices_of_every_width_are_reduced_exactly(indices):
     np.testing.assert_array_equal(got, _scattered(past, update, indices.tolist(), circular=True))
 
 
-@pytest.mark.parametrize("indices, match", [
-    (np.array([2**63 - 1, 0], np.int64),  # start + 2 used to wrap negative, pass the check and fail as IndexError
-     r"write_indices\[0\]=9223372036854775807 with 2 update steps exceeds the cache: linear mode needs "
-     r"0 <= index <= 2 \(index \+ 2 <= 4\)"),
-    (np.array([0, 2**64 - 1], np.uint64), r"write_indices\[1\]=18446744073709551615 with 2 update steps"),
-    (np.array([0, 1.0]), r"write_indices must be \[2\] integers, got float64 \(2,\)"),
-    (np.array([0, 1, 2], np.int64), r"write_indices must be \[2\] integers, got int64 \(3,\)"),
-], ids=["int64-max", "uint64", "float", "shape"])
+@pytest.mark.parametrize(
+    "indices, match",
+    [
+        (
+            np.array(
+                [2**63 - 1, 0], np.int64
+            ),  # start + 2 used to wrap negative, pass the check and fail as IndexError
+            r"write_indices\[0\]=9223372036854775807 with 2 update steps exceeds the cache: linear mode needs "
+            r"0 <= index <= 2 \(index \+ 2 <= 4\)",
+        ),
+        (np.array([0, 2**64 - 1], np.uint64), r"write_indices\[1\]=18446744073709551615 with 2 update steps"),
+        (np.array([0, 1.0]), r"write_indices must be \[2\] integers, got float64 \(2,\)"),
+        (np.array([0, 1, 2], np.int64), r"write_indices must be \[2\] integers, got int64 \(3,\)"),
+    ],
+    ids=["int64-max", "uint64", "float", "shape"],
+)
 def test_linear_indices_are_checked_in_their_own_width(indices, match):
-    ins = {"past_cache": np.zeros((2, 2, 4, 8), np.float32), "update": np.ones((2, 2, 2, 8), np.float32),
-           "write_indices": indices}
+    ins = {
+        "past_cache": np.zeros((2, 2, 4, 8), np.float32),
+        "update": np.ones((2, 2, 2, 8), np.float32),
+        "write_indices": indices,
+    }
     with pytest.raises(InputError, match=match):
         run_op(TensorScatter, make_model("TensorScatter", ins, ["p"], {"": 24}), ins)
 
@@ -124,8 +139,11 @@ def test_a_state_refuses_an_index_near_the_int64_limit_before_writing():
         out = state.run(feeds, [session.model.io.logits])
         feeds = builder.next(np.array([1, 2]), out)
         before = {name: value.copy() for name, value in state.values.items()}
-        with pytest.raises(InputError, match=r"TensorScatter_key': write_indices\[0\]=9223372036854775807 with 1 "
-                                             r"update steps exceeds the cache"):
+        with pytest.raises(
+            InputError,
+            match=r"TensorScatter_key': write_indices\[0\]=9223372036854775807 with 1 "
+            r"update steps exceeds the cache",
+        ):
             state.run(dict(feeds, write_indices=np.array([2**63 - 1, 5], np.int64)), [session.model.io.logits])
         for name, value in state.values.items():
             np.testing.assert_array_equal(value, before[name])
