@@ -52,7 +52,8 @@ def test_sliding_window_decode_in_a_state_equals_onnx_reference_over_the_whole_s
     builder = _feeds(windowed, prompt, lengths)
     feeds, _ = builder.first()
     got, copied, tokens = [], [], []
-    with windowed.new_state(cache=CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache)) as state:
+    config = CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache)
+    with windowed.new_state(cache=config) as state:
         for _ in range(steps):
             windowed.events.clear()
             out = state.run(feeds, [logits])

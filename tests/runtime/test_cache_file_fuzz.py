@@ -89,7 +89,8 @@ def _quantize_pages(state) -> None:
     state.quantize_pages([2], "bfloat16", "float16")
 
 
-#: name -> (session fixture, CacheConfig fields (paged, block_size 4 unless given), rows, prompt tokens, decode steps, edit after the steps)
+#: name -> (session fixture, CacheConfig fields (paged, block_size 4 unless given), rows, prompt tokens,
+#: decode steps, edit after the steps)
 CASES: dict[str, tuple[str, dict, int, int, int, Callable | None]] = {
     "float32": ("embedded", {}, 1, 9, 1, None),
     "float16": ("embedded", {"kv_format": "fp16"}, 1, 9, 1, None),

@@ -58,7 +58,8 @@ def test_mask_that_is_no_set_of_ranges_is_gathered_and_counted(attention):
     logits_name = attention.model.io.logits
     outs, copied = [], []
     for cache in ("contiguous", "paged"):
-        with attention.new_state(cache=CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache)) as st:
+        config = CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache)
+        with attention.new_state(cache=config) as st:
             b = FeedBuilder(attention.plan.inputs, attention.model, prompt, np.array([6]), 0, thread_cache=False)
             feeds, _ = b.first()
             out = st.run(feeds, [logits_name])

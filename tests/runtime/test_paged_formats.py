@@ -122,7 +122,8 @@ def test_selector_key_channel_scales_must_be_a_bool(session):
 def test_residual_policy_keeps_recent_tokens_native(session):
     from onnxkv.cache.policy import ResidualPolicy
     prompt = np.random.default_rng(1).integers(0, MICRO.vocab_size, (1, 30))
-    with session.new_state(cache=CacheConfig("paged", block_size=4, kv_format=ResidualPolicy("int8", "int8", 12))) as st:
+    config = CacheConfig("paged", block_size=4, kv_format=ResidualPolicy("int8", "int8", 12))
+    with session.new_state(cache=config) as st:
         _run(session, st, prompt, 3)  # 33 tokens: blocks wholly before 21 are int8
         t = st._paged.table.tables[0]
         fmts = st.pool.formats[0][t].tolist()
@@ -189,7 +190,8 @@ def test_quantize_pages_out_of_memory_changes_nothing():
 
 def test_writing_into_a_converted_page_makes_a_native_copy(session):
     prompt = np.random.default_rng(5).integers(0, MICRO.vocab_size, (1, 16))
-    with session.new_state(cache=CacheConfig("paged", block_size=4)) as ref, session.new_state(cache=CacheConfig("paged", block_size=4)) as st:
+    paged = CacheConfig("paged", block_size=4)
+    with session.new_state(cache=paged) as ref, session.new_state(cache=paged) as st:
         want, b_ref, out_ref = _run(session, ref, prompt, 0)
         _, b, out = _run(session, st, prompt, 0)
         st.quantize_pages([0, 1, 2, 3], "float16", "float16")
@@ -230,7 +232,7 @@ def _layout_state(session, options):
     non-default layouts use the deprecated keywords."""
     if not options:
         return session.new_state(cache=CacheConfig("paged", block_size=4))
-    with warns_deprecated(__file__, "deprecated"):
+    with warns_deprecated(__file__, r"block_size=, key_channel_(scales|zero_points)= are deprecated"):
         return session.new_state(cache="paged", block_size=4, **options)
 
 
@@ -306,14 +308,14 @@ def test_key_channel_zero_points_state_quantizes_keys_per_head_scale_per_channel
 def test_key_channel_options_are_mutually_exclusive(session):
     with pytest.raises(InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually "
                                          "exclusive"):
-        with warns_deprecated(__file__, "deprecated"):
+        with warns_deprecated(__file__, "key_channel_scales=, key_channel_zero_points= are deprecated"):
             session.new_state(cache="paged", key_channel_scales=True, key_channel_zero_points=True)
     with pytest.raises(InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually "
                                          "exclusive"):
-        with warns_deprecated(__file__, "deprecated"):   # "int8": channel zero points
-            session.new_state(cache="paged", kv_format="int8", key_channel_scales=True)
+        with warns_deprecated(__file__, "kv_format=, key_channel_scales= are deprecated"):
+            session.new_state(cache="paged", kv_format="int8", key_channel_scales=True)   # "int8": channel zero points
     with pytest.raises(InputError, match="new_state: key_channel_zero_points must be a bool, got 1"):
-        with warns_deprecated(__file__, "deprecated"):
+        with warns_deprecated(__file__, "key_channel_zero_points= is deprecated"):
             session.new_state(cache="paged", key_channel_zero_points=1)
 
 

@@ -336,7 +336,8 @@ def test_load_cache_rejects_bad_input_and_leaves_the_state_unchanged(gqa):
     other_block = gqa.new_state(cache=CacheConfig("paged", block_size=8))
     with pytest.raises(InputError, match="block_size=4"):
         other_block.load_cache(data)
-    other_model = onnxkv.Session(build_model("attention", MICRO, seed=1), threads=1).new_state(cache=CacheConfig("paged", block_size=4))
+    other_model = onnxkv.Session(build_model("attention", MICRO, seed=1), threads=1).new_state(
+        cache=CacheConfig("paged", block_size=4))
     with pytest.raises(InputError, match="another model"):
         other_model.load_cache(data)
     for k, v in target.values.items():
@@ -358,7 +359,8 @@ def test_load_cache_rejects_bad_input_and_leaves_the_state_unchanged(gqa):
 def test_sliding_window_state_round_trips():
     s = _windowed(6)
     prompt = np.random.default_rng(12).integers(0, MICRO.vocab_size, (1, 10))
-    with s.new_state(cache=CacheConfig("paged", block_size=2)) as st, s.new_state(cache=CacheConfig("paged", block_size=2)) as back:
+    paged = CacheConfig("paged", block_size=2)
+    with s.new_state(cache=paged) as st, s.new_state(cache=paged) as back:
         d = Driver(s, st, prompt)
         d.greedy(8)
         assert int(st._paged.table.first[0]) > 0  # pages were evicted
