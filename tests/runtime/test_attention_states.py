@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import onnxkv
+from onnxkv import CacheConfig
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
 
@@ -51,7 +52,8 @@ def test_sliding_window_decode_in_a_state_equals_onnx_reference_over_the_whole_s
     builder = _feeds(windowed, prompt, lengths)
     feeds, _ = builder.first()
     got, copied, tokens = [], [], []
-    with windowed.new_state(cache=cache, block_size=4) as state:
+    config = CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache)
+    with windowed.new_state(cache=config) as state:
         for _ in range(steps):
             windowed.events.clear()
             out = state.run(feeds, [logits])
@@ -87,7 +89,7 @@ def test_narrow_attention_in_a_state_equals_the_stateless_run(elem_type, cache):
     dtype = helper.tensor_dtype_to_np_dtype(elem_type)
     rng = np.random.default_rng(1)
     keys, values = np.zeros((1, 1, 0, 8), dtype), np.zeros((1, 1, 0, 8), dtype)
-    with session.new_state(cache=cache, block_size=4) as state:
+    with session.new_state(cache=CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache)) as state:
         for n in (5, 1, 1, 3):
             q, k, v = (rng.standard_normal((1, h, n, 8)).astype(dtype) for h in (2, 1, 1))
             got = state.run({"q": q, "k": k, "v": v}, ["y"])["y"]

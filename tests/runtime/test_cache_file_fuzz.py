@@ -19,6 +19,7 @@ names the case, the seed and the iteration.
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import struct
 import zlib
@@ -31,6 +32,7 @@ import pytest
 
 import onnxkv
 from fuzzing import SCALE, examples
+from onnxkv import CacheConfig
 from onnxkv.cache import serialize
 from onnxkv.cache.serialize import MAGIC, VERSION, PagedCacheProto
 from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, SerializationError
@@ -87,11 +89,12 @@ def _quantize_pages(state) -> None:
     state.quantize_pages([2], "bfloat16", "float16")
 
 
-#: name -> (session fixture, new_state options, rows, prompt tokens, decode steps, edit after the steps)
+#: name -> (session fixture, CacheConfig fields (paged, block_size 4 unless given), rows, prompt tokens,
+#: decode steps, edit after the steps)
 CASES: dict[str, tuple[str, dict, int, int, int, Callable | None]] = {
     "float32": ("embedded", {}, 1, 9, 1, None),
-    "float16": ("embedded", {"cache_dtype": "float16"}, 1, 9, 1, None),
-    "bfloat16": ("embedded", {"cache_dtype": "bfloat16"}, 1, 9, 1, None),
+    "float16": ("embedded", {"kv_format": "fp16"}, 1, 9, 1, None),
+    "bfloat16": ("embedded", {"kv_format": "bf16"}, 1, 9, 1, None),
     "int8": ("embedded", {"kv_format": "int8"}, 1, 13, 1, None),
     "int4": ("embedded", {"kv_format": "int4"}, 1, 13, 1, None),
     "int8-kivi": ("embedded", {"kv_format": "int8-kivi"}, 1, 13, 1, None),
@@ -107,8 +110,8 @@ class Case:
 
     def __init__(self, name: str, session, options: dict, rows: int, tokens: int, steps: int, edit) -> None:
         self.name, self.session = name, session
-        self.options = {"cache": "paged", "block_size": 4, **options}
-        src = session.new_state(**self.options)
+        self.config = CacheConfig("paged", **{"block_size": 4, **options})
+        src = session.new_state(cache=self.config)
         _prompt(src, rows, tokens, 1)
         for i in range(steps):
             _step(src, 10 + i)
@@ -118,7 +121,7 @@ class Case:
         src.close()
         # a bounded pool for half the cases: loads can run out of pages and files can be too large
         bounded = name in ("float32", "int8", "int8-kivi", "quantize_pages", "window")
-        self.target = session.new_state(**self.options, max_pages=48 if bounded else None)
+        self.target = session.new_state(cache=dataclasses.replace(self.config, max_pages=48 if bounded else None))
         _prompt(self.target, 1, 6, 2)
         (self.sibling,) = self.target.fork()
         _step(self.sibling, 3)
@@ -190,7 +193,7 @@ def _check_load(case: Case, blob: bytes, where: str) -> str:
         np.testing.assert_array_equal(after["sibling_lengths"], before["sibling_lengths"], err_msg=where)
         for name, bits in before["sibling"].items():
             np.testing.assert_array_equal(after["sibling"][name], bits, err_msg=f"{where}: sibling {name}")
-        with case.session.new_state(**case.options) as again:
+        with case.session.new_state(cache=case.config) as again:
             again.load_cache(case.target.save_cache())
             assert _bits(again.values).keys() == after["target"].keys()
             for name, bits in _bits(again.values).items():
@@ -448,7 +451,7 @@ def _edited(blob: bytes, edit: Callable[[PagedCacheProto], None]) -> bytes:
 def _state_with_fork(session, windowed: bool = False) -> tuple:
     """A paged state (block size 4) whose fork alone holds the pool's last page id, with free ids below it."""
     if not windowed:  # max_pages 5: the fork's copy of block 3 is id 4; id 3 is free again
-        target = session.new_state(cache="paged", block_size=4, max_pages=5)
+        target = session.new_state(cache=CacheConfig("paged", block_size=4, max_pages=5))
         _prompt(target, 1, 13, 2)
         (fork,) = target.fork()
         _step(fork, 3)
@@ -456,7 +459,7 @@ def _state_with_fork(session, windowed: bool = False) -> tuple:
         assert target._paged.table.tables.tolist() == [[0, 1]] and fork._paged.table.tables.tolist() == [[0, 1, 2, 4]]
         return target, fork
     # max_pages 6: the window evicts ids 0..3, the target's copy of block 5 is id 3; the fork keeps id 5
-    target = session.new_state(cache="paged", block_size=4, max_pages=6)
+    target = session.new_state(cache=CacheConfig("paged", block_size=4, max_pages=6))
     _prompt(target, 1, 21, 2)
     (fork,) = target.fork()
     _step(target, 3)
@@ -486,7 +489,7 @@ def _assert_refused(state, fork, blob: bytes, error, pattern: str) -> None:
 def test_a_block_below_the_first_position_never_writes_into_a_forks_page(embedded):
     """The saved row keeps blocks 0 and 1 below its first position 8: the table had no page for them, and the
     load wrote them into page id -1, the fork's last page."""
-    with embedded.new_state(cache="paged", block_size=4) as src:
+    with embedded.new_state(cache=CacheConfig("paged", block_size=4)) as src:
         _prompt(src, 1, 9, 1)
         blob = _edited(src.save_cache(), lambda p: setattr(p.sequences[0], "first_position", 8))
     target, fork = _state_with_fork(embedded)
@@ -509,7 +512,7 @@ def _add_blocks_below_first(proto: PagedCacheProto) -> None:
 
 def test_a_windowed_load_drops_the_blocks_below_the_first_position(windowed):
     """Blocks below the first position are allowed in a file; they used to be installed into page id -1."""
-    with windowed.new_state(cache="paged", block_size=4) as src:
+    with windowed.new_state(cache=CacheConfig("paged", block_size=4)) as src:
         _prompt(src, 1, 13, 1)
         saved = src.save_cache()
         want = {name: v[:, :, 8:] for name, v in src.values.items()}
@@ -551,7 +554,7 @@ def test_positions_a_file_declares_but_does_not_hold_are_refused_before_any_page
     """2^36 and 2^62 used to fail allocating the page table after the other rows' pages were taken (MemoryError or
     ValueError, pages leaked); a 5 KB file declaring 2^27 positions was accepted at a cost of 256 MB."""
     session = request.getfixturevalue(model)
-    with session.new_state(cache="paged", block_size=4) as src:
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as src:
         _prompt(src, 1, 4, 1)  # one page: the pool has room for this row and the held part of the other
         saved = src.save_cache()
     held = None if model == "embedded" else 5  # the windowed model's next query reads the last 5 positions

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import onnxkv
+from onnxkv import CacheConfig
 from onnxkv._kernels import _validate as V
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
@@ -79,7 +80,7 @@ def test_float16_cache_decode_never_reaches_python_checks(counting):
     session = onnxkv.Session(build_model("gqa", MICRO, seed=31), threads=2)
     with session.new_state() as ref:
         want, _ = _decode(session, ref, counting)
-    with session.new_state(cache_dtype="float16") as st:
+    with session.new_state(cache=CacheConfig(kv_format="fp16")) as st:
         got, calls = _decode(session, st, counting)
     assert calls == {}
     np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
@@ -92,7 +93,7 @@ def test_paged_decode_attention_never_reaches_python_checks(session, counting, m
     monkeypatch.setattr(ATTENTION, "V", attention_calls)
     with session.new_state() as ref:
         want, _ = _decode(session, ref, counting)
-    with session.new_state(cache="paged", block_size=4) as st:
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as st:
         got, _ = _decode(session, st, counting)
     assert dict(attention_calls.calls) == {}
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import onnxkv
+from onnxkv import CacheConfig
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
 
@@ -42,7 +43,7 @@ def test_mask_read_from_pages_without_gather(attention):
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, MICRO.vocab_size, (2, 7))
     lengths = [7, 4]  # row 1 left-padded by 3: its keys start at 3
-    with attention.new_state() as ref, attention.new_state(cache="paged", block_size=4) as st:
+    with attention.new_state() as ref, attention.new_state(cache=CacheConfig("paged", block_size=4)) as st:
         want, _ = _decode(attention, ref, prompt, lengths, 12)
         got, copied = _decode(attention, st, prompt, lengths, 12)
     assert copied == [0] * 13
@@ -57,7 +58,8 @@ def test_mask_that_is_no_set_of_ranges_is_gathered_and_counted(attention):
     logits_name = attention.model.io.logits
     outs, copied = [], []
     for cache in ("contiguous", "paged"):
-        with attention.new_state(cache=cache, block_size=4) as st:
+        config = CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache)
+        with attention.new_state(cache=config) as st:
             b = FeedBuilder(attention.plan.inputs, attention.model, prompt, np.array([6]), 0, thread_cache=False)
             feeds, _ = b.first()
             out = st.run(feeds, [logits_name])

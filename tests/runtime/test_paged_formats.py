@@ -5,8 +5,11 @@ import numpy as np
 import pytest
 
 import onnxkv
+from deprecations import warns_deprecated
+from onnxkv import CacheConfig
 from onnxkv.alloc import ArenaAllocator
 from onnxkv.cache import formats, serialize
+from onnxkv.cache.policy import POLICIES
 from onnxkv.errors import InputError, OutOfMemory
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
@@ -39,10 +42,10 @@ def _formats(state, plane=0):
 @pytest.mark.parametrize("policy,tol", [("fp16", 2e-3), ("int8-head", 5e-2), ("int4", 0.6)])
 def test_policies_convert_full_pages_and_stay_close(session, policy, tol):
     prompt = np.random.default_rng(0).integers(0, MICRO.vocab_size, (1, 18))
-    with session.new_state(cache="paged", block_size=4) as ref:
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
         want, _, _ = _run(session, ref, prompt, 11)
         native_bytes = ref.committed_bytes
-    with session.new_state(cache="paged", block_size=4, kv_format=policy) as st:
+    with session.new_state(cache=CacheConfig("paged", block_size=4, kv_format=POLICIES[policy])) as st:
         got, _, _ = _run(session, st, prompt, 11)
         fmts = _formats(st)
         assert fmts[:-1] == [CODES[{"fp16": "float16", "int8-head": "int8"}.get(policy, policy)]] * (len(fmts) - 1)
@@ -56,9 +59,9 @@ def test_policies_convert_full_pages_and_stay_close(session, policy, tol):
                                                      ("int8-kivi", "uint8", "compact")])
 def test_int8_policies_give_keys_per_channel_layouts(session, policy, key_fmt, header):
     prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 18))
-    with session.new_state(cache="paged", block_size=4) as ref:
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
         want, _, _ = _run(session, ref, prompt, 11)
-    with session.new_state(cache="paged", block_size=4, kv_format=policy) as st:
+    with session.new_state(cache=CacheConfig("paged", block_size=4, kv_format=POLICIES[policy])) as st:
         got, _, _ = _run(session, st, prompt, 11)
         keys = [i for i, p in enumerate(st.pool.planes) if p.groups > 1]
         values = [i for i, p in enumerate(st.pool.planes) if p.groups == 1]
@@ -84,7 +87,10 @@ def test_int8_policies_give_keys_per_channel_layouts(session, policy, key_fmt, h
 
 def test_loading_parameters_a_compact_header_cannot_hold_changes_nothing(session):
     prompt = np.random.default_rng(8).integers(0, MICRO.vocab_size, (1, 13))
-    with session.new_state(cache="paged", block_size=4, key_channel_scales=True) as st:
+    # key_channel_scales without a kv_format (pages quantized by hand) has no CacheConfig spelling
+    with warns_deprecated(__file__, "key_channel_scales= are deprecated"):
+        st = session.new_state(cache="paged", block_size=4, key_channel_scales=True)
+    with st:
         _run(session, st, prompt, 0)
         st.quantize_pages([0, 1], "uint8", "int8")
         snap = serialize.decode(st.save_cache())
@@ -110,13 +116,14 @@ def test_selector_key_channel_scales_must_be_a_bool(session):
             return "int8", "int8"
 
     with pytest.raises(InputError, match="key_channel_scales must be a bool, got 'yes'"):
-        session.new_state(cache="paged", kv_format=Selector())
+        session.new_state(cache=CacheConfig("paged", kv_format=Selector()))
 
 
 def test_residual_policy_keeps_recent_tokens_native(session):
     from onnxkv.cache.policy import ResidualPolicy
     prompt = np.random.default_rng(1).integers(0, MICRO.vocab_size, (1, 30))
-    with session.new_state(cache="paged", block_size=4, kv_format=ResidualPolicy("int8", "int8", 12)) as st:
+    config = CacheConfig("paged", block_size=4, kv_format=ResidualPolicy("int8", "int8", 12))
+    with session.new_state(cache=config) as st:
         _run(session, st, prompt, 3)  # 33 tokens: blocks wholly before 21 are int8
         t = st._paged.table.tables[0]
         fmts = st.pool.formats[0][t].tolist()
@@ -125,7 +132,7 @@ def test_residual_policy_keeps_recent_tokens_native(session):
 
 def test_quantize_pages_replaces_only_the_selected_pages(session):
     prompt = np.random.default_rng(2).integers(0, MICRO.vocab_size, (1, 17))
-    st = session.new_state(cache="paged", block_size=4)
+    st = session.new_state(cache=CacheConfig("paged", block_size=4))
     _, b, out = _run(session, st, prompt, 0)
     pool, t = st.pool, st._paged.table.tables[0].copy()
     before_ptrs = [pool.ptrs[i][t].copy() for i in range(len(pool.planes))]
@@ -149,7 +156,7 @@ def test_quantize_pages_replaces_only_the_selected_pages(session):
 
 def test_quantize_pages_is_all_or_nothing(session):
     prompt = np.random.default_rng(3).integers(0, MICRO.vocab_size, (1, 12))
-    st = session.new_state(cache="paged", block_size=4)
+    st = session.new_state(cache=CacheConfig("paged", block_size=4))
     _run(session, st, prompt, 0)
     before = {k: v.copy() for k, v in st.values.items()}
     fmts = [f.copy() for f in st.pool.formats]
@@ -169,7 +176,7 @@ def test_quantize_pages_is_all_or_nothing(session):
 def test_quantize_pages_out_of_memory_changes_nothing():
     s = onnxkv.Session(build_model("concat", MICRO, seed=4), threads=1)
     pool_bytes = 2 * MICRO.num_layers * 3 * MICRO.num_kv_heads * 4 * MICRO.head_size * 4
-    st = s.new_state(cache="paged", block_size=4, allocator=ArenaAllocator(pool_bytes + 256))
+    st = s.new_state(allocator=ArenaAllocator(pool_bytes + 256), cache=CacheConfig("paged", block_size=4))
     prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 12))
     _run(s, st, prompt, 0)
     before = {k: v.copy() for k, v in st.values.items()}
@@ -183,7 +190,8 @@ def test_quantize_pages_out_of_memory_changes_nothing():
 
 def test_writing_into_a_converted_page_makes_a_native_copy(session):
     prompt = np.random.default_rng(5).integers(0, MICRO.vocab_size, (1, 16))
-    with session.new_state(cache="paged", block_size=4) as ref, session.new_state(cache="paged", block_size=4) as st:
+    paged = CacheConfig("paged", block_size=4)
+    with session.new_state(cache=paged) as ref, session.new_state(cache=paged) as st:
         want, b_ref, out_ref = _run(session, ref, prompt, 0)
         _, b, out = _run(session, st, prompt, 0)
         st.quantize_pages([0, 1, 2, 3], "float16", "float16")
@@ -200,21 +208,39 @@ def test_writing_into_a_converted_page_makes_a_native_copy(session):
 
 
 def test_kv_format_needs_a_paged_state(session):
-    with pytest.raises(InputError, match="cache='paged'"):
+    # State's own checks, reached through the deprecated keywords
+    with warns_deprecated(__file__, "kv_format= is deprecated"), pytest.raises(InputError, match="cache='paged'"):
         session.new_state(kv_format="int8")
-    with pytest.raises(InputError, match="kv_format must be one of"):
+    with warns_deprecated(__file__, "kv_format= is deprecated"), \
+            pytest.raises(InputError, match="kv_format must be one of"):
         session.new_state(cache="paged", kv_format="int9")
+    # the same mistakes through CacheConfig
+    with pytest.raises(InputError, match="kv_format='int8' .page formats. needs kind='paged'"):
+        CacheConfig(kv_format="int8")
+    with pytest.raises(InputError, match="kv_format must be None, one of .* got 'int9'"):
+        CacheConfig("paged", kv_format="int9")
 
 
 KEY_LAYOUTS = {"float32": {}, "compact": {"key_channel_scales": True},
                "channel-zp": {"key_channel_zero_points": True}}
 
 
+def _layout_state(session, options):
+    """A paged state (no kv_format) whose key pages get the header ``options`` ask for.
+
+    A key layout without a page format has no CacheConfig spelling, so the
+    non-default layouts use the deprecated keywords."""
+    if not options:
+        return session.new_state(cache=CacheConfig("paged", block_size=4))
+    with warns_deprecated(__file__, r"block_size=, key_channel_(scales|zero_points)= are deprecated"):
+        return session.new_state(cache="paged", block_size=4, **options)
+
+
 @pytest.mark.parametrize("header", list(KEY_LAYOUTS))
 def test_mixed_format_cache_round_trips(session, header):
     prompt = np.random.default_rng(6).integers(0, MICRO.vocab_size, (1, 21))
     options = KEY_LAYOUTS[header]
-    st = session.new_state(cache="paged", block_size=4, **options)
+    st = _layout_state(session, options)
     assert {p.header for p in st.pool.planes if p.name in dict(st._layer_pairs())} == {header}
     _, b, out = _run(session, st, prompt, 0)
     st.quantize_pages([0, 1], "int4", "uint8")
@@ -222,7 +248,7 @@ def test_mixed_format_cache_round_trips(session, header):
     st.quantize_pages([3], "bfloat16", "int8")
     data = st.save_cache()
     feeds = b.next(np.array([4]), out)
-    with session.new_state(cache="paged", block_size=4, **options) as back:
+    with _layout_state(session, options) as back:
         back.load_cache(data)
         for i in range(len(st.pool.planes)):
             t, t2 = st._paged.table.tables[0], back._paged.table.tables[0]
@@ -233,7 +259,7 @@ def test_mixed_format_cache_round_trips(session, header):
     if header == "float32":
         for other_header, other_options in KEY_LAYOUTS.items():
             if other_options:
-                with session.new_state(cache="paged", block_size=4, **other_options) as other:
+                with _layout_state(session, other_options) as other:
                     with pytest.raises(InputError, match=f"1 scale.s. per head, the state's plane has "
                                                          f"{MICRO.head_size} group.s. per head with "
                                                          f"'{other_header}' headers"):
@@ -246,7 +272,7 @@ def test_key_channel_zero_points_state_quantizes_keys_per_head_scale_per_channel
     headers; quantize_pages chooses the parameters from each page (channel_zp_params) and every key
     reads back within half its head's scale, values within half their per-head scale."""
     prompt = np.random.default_rng(12).integers(0, MICRO.vocab_size, (1, 13))
-    with session.new_state(cache="paged", block_size=4, key_channel_zero_points=True) as st:
+    with _layout_state(session, {"key_channel_zero_points": True}) as st:
         _run(session, st, prompt, 0)
         pool, bs = st.pool, 4
         keys = {pool.plane_index[k] for k, _ in st._layer_pairs()}
@@ -282,12 +308,15 @@ def test_key_channel_zero_points_state_quantizes_keys_per_head_scale_per_channel
 def test_key_channel_options_are_mutually_exclusive(session):
     with pytest.raises(InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually "
                                          "exclusive"):
-        session.new_state(cache="paged", key_channel_scales=True, key_channel_zero_points=True)
+        with warns_deprecated(__file__, "key_channel_scales=, key_channel_zero_points= are deprecated"):
+            session.new_state(cache="paged", key_channel_scales=True, key_channel_zero_points=True)
     with pytest.raises(InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually "
                                          "exclusive"):
-        session.new_state(cache="paged", kv_format="int8", key_channel_scales=True)   # "int8": channel zero points
+        with warns_deprecated(__file__, "kv_format=, key_channel_scales= are deprecated"):
+            session.new_state(cache="paged", kv_format="int8", key_channel_scales=True)   # "int8": channel zero points
     with pytest.raises(InputError, match="new_state: key_channel_zero_points must be a bool, got 1"):
-        session.new_state(cache="paged", key_channel_zero_points=1)
+        with warns_deprecated(__file__, "key_channel_zero_points= is deprecated"):
+            session.new_state(cache="paged", key_channel_zero_points=1)
 
 
 def _state_bytes(st):
@@ -307,7 +336,7 @@ def test_a_failing_selector_fails_the_run_and_changes_nothing(session, result):
             raise RuntimeError("selector broke")
         return result
 
-    st = session.new_state(cache="paged", block_size=4, kv_format=selector)
+    st = session.new_state(cache=CacheConfig("paged", block_size=4, kv_format=selector))
     _, b, out = _run(session, st, prompt, 0)
     before = _state_bytes(st)
     with pytest.raises((RuntimeError, InputError, ValueError, TypeError), match="selector|int3|format"):
@@ -336,14 +365,14 @@ def test_a_conversion_the_allocator_refuses_keeps_the_run_and_warns():
         alloc.refuse = True  # the run's pages are taken; the conversion's payloads will be refused
         return "int8", "int8"
 
-    st = s.new_state(cache="paged", block_size=4, allocator=alloc, kv_format=selector)
+    st = s.new_state(cache=CacheConfig("paged", block_size=4, kv_format=selector), allocator=alloc)
     prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 12))
     with pytest.warns(RuntimeWarning, match="keep their format"):
         got, _, _ = _run(s, st, prompt, 0)
     assert st.length == 12 and st.steps == 1
     assert any(e.action == "quantize_failed" for e in s.events.events)
     assert set(np.concatenate(st.pool.formats).tolist()) == {CODES["float32"]}
-    with s.new_state(cache="paged", block_size=4) as ref:
+    with s.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
         want, _, _ = _run(s, ref, prompt, 0)
     np.testing.assert_array_equal(got, want)  # nothing was converted: exactly the native result
     st.pool.audit()

@@ -6,6 +6,7 @@ import onnx
 import pytest
 
 import onnxkv
+from onnxkv import CacheConfig
 from onnxkv.errors import Cancelled, InputError, OutOfMemory, StateError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
@@ -59,7 +60,7 @@ def _events(session, action):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_matches_contiguous_for_every_family(session, block_size):
     prompt = np.random.default_rng(0).integers(0, MICRO.vocab_size, (2, 7))
-    with session.new_state() as ref_state, session.new_state(cache="paged", block_size=block_size) as st:
+    with session.new_state() as ref_state, session.new_state(cache=CacheConfig("paged", block_size=block_size)) as st:
         want = Driver(session, ref_state, prompt).greedy(18)
         got = Driver(session, st, prompt).greedy(18)
         for w, g in zip(want, got):
@@ -75,7 +76,7 @@ def test_paged_exports_present_like_contiguous(gqa):
     present = gqa.model.convention.present_outputs[0]
     outs = []
     for cache in ("contiguous", "paged"):
-        with gqa.new_state(cache=cache, block_size=4) as st:
+        with gqa.new_state(cache=CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache)) as st:
             b = FeedBuilder(gqa.plan.inputs, gqa.model, prompt, np.array([5]), 0, thread_cache=False)
             feeds, _ = b.first()
             outs.append(st.run(feeds, [present])[present])
@@ -84,7 +85,7 @@ def test_paged_exports_present_like_contiguous(gqa):
 
 def test_fork_shares_pages_and_diverges_by_copy_on_write(gqa):
     prompt = np.random.default_rng(2).integers(0, MICRO.vocab_size, (1, 6))
-    st = gqa.new_state(cache="paged", block_size=4)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
     d = Driver(gqa, st, prompt)
     live = st.pool.live_pages
     gqa.events.clear()
@@ -123,7 +124,7 @@ def test_fork_shares_pages_and_diverges_by_copy_on_write(gqa):
 def test_reorder_expands_beams_without_copies_and_bounds_committed_bytes(gqa):
     k, bs = 4, 4
     prompt = np.random.default_rng(3).integers(0, MICRO.vocab_size, (1, 9))
-    st = gqa.new_state(cache="paged", block_size=bs)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=bs))
     d = Driver(gqa, st, prompt)
     gqa.events.clear()
     st.reorder(np.zeros(k, np.int64))
@@ -158,7 +159,7 @@ def _permute(b, idx):
 
 def test_checkpoint_restore_replays_identically(session):
     prompt = np.random.default_rng(5).integers(0, MICRO.vocab_size, (1, 5))
-    st = session.new_state(cache="paged", block_size=4)
+    st = session.new_state(cache=CacheConfig("paged", block_size=4))
     d = Driver(session, st, prompt)
     cp = st.checkpoint()
     mask = d.b.mask.copy()
@@ -178,7 +179,7 @@ def test_checkpoint_restore_replays_identically(session):
 
 def test_truncate_paged_frees_pages_and_copies_nothing(gqa):
     prompt = np.random.default_rng(6).integers(0, MICRO.vocab_size, (1, 15))
-    st = gqa.new_state(cache="paged", block_size=4)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
     d = Driver(gqa, st, prompt)
     mask, total = d.b.mask.copy(), d.b.total
     want = d.step([7])
@@ -190,7 +191,7 @@ def test_truncate_paged_frees_pages_and_copies_nothing(gqa):
     assert st.pool.live_pages == 2 and st.length == 6
     st.close()
     # replay after truncation matches: truncate to the prompt and feed the same token
-    st = gqa.new_state(cache="paged", block_size=4)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
     d = Driver(gqa, st, prompt)
     d.step([9])
     st.truncate(15)
@@ -201,7 +202,7 @@ def test_truncate_paged_frees_pages_and_copies_nothing(gqa):
 
 def test_pool_exhaustion_leaves_the_state_unchanged(gqa):
     prompt = np.random.default_rng(7).integers(0, MICRO.vocab_size, (1, 8))
-    st = gqa.new_state(cache="paged", block_size=4, max_pages=2)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4, max_pages=2))
     d = Driver(gqa, st, prompt)  # exactly 2 pages
     before = {k: v.copy() for k, v in st.values.items()}
     feeds = d.b.next(np.array([1]), d.out)
@@ -215,7 +216,7 @@ def test_pool_exhaustion_leaves_the_state_unchanged(gqa):
 
 def test_cancelled_run_leaves_the_paged_state_unchanged(gqa):
     prompt = np.random.default_rng(8).integers(0, MICRO.vocab_size, (1, 8))
-    st = gqa.new_state(cache="paged", block_size=4)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
     d = Driver(gqa, st, prompt)
     live = st.pool.live_pages
     before = {k: v.copy() for k, v in st.values.items()}
@@ -242,7 +243,7 @@ def _windowed(window):
 def test_sliding_window_evicts_pages_and_keeps_outputs():
     s = _windowed(6)
     prompt = np.random.default_rng(9).integers(0, MICRO.vocab_size, (1, 10))
-    with s.new_state() as ref, s.new_state(cache="paged", block_size=2) as st:
+    with s.new_state() as ref, s.new_state(cache=CacheConfig("paged", block_size=2)) as st:
         want = Driver(s, ref, prompt).greedy(20)
         d = Driver(s, st, prompt)
         got = d.greedy(20)
@@ -258,7 +259,9 @@ def test_sliding_window_evicts_pages_and_keeps_outputs():
 def test_narrow_paged_cache_matches_narrow_contiguous(gqa):
     prompt = np.random.default_rng(10).integers(0, MICRO.vocab_size, (1, 6))
     for dt in ("float16", "bfloat16"):
-        with gqa.new_state(cache_dtype=dt) as ref, gqa.new_state(cache="paged", cache_dtype=dt, block_size=4) as st:
+        fmt = {"float16": "fp16", "bfloat16": "bf16"}[dt]
+        with gqa.new_state(cache=CacheConfig(kv_format=fmt)) as ref, \
+                gqa.new_state(cache=CacheConfig("paged", block_size=4, kv_format=fmt)) as st:
             want = Driver(gqa, ref, prompt).greedy(6)
             got = Driver(gqa, st, prompt).greedy(6)
             for w, g in zip(want, got):
@@ -295,7 +298,7 @@ def test_paged_operations_check_their_arguments(gqa):
 
 
 def test_fixed_capacity_caps_positions_per_sequence(gqa):
-    st = gqa.new_state(cache="paged", capacity=4, block_size=2)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=2, capacity=4))
     with pytest.raises(onnxkv.CacheCapacityError, match="fixed capacity is 4"):
         Driver(gqa, st, np.array([[1, 2, 3, 4, 5]]))
     assert st.length == 0 and st.pool.live_pages == 0
@@ -304,7 +307,7 @@ def test_fixed_capacity_caps_positions_per_sequence(gqa):
 
 def test_saved_cache_resumes_with_identical_next_logits(session, tmp_path):
     prompt = np.random.default_rng(11).integers(0, MICRO.vocab_size, (2, 7))
-    st = session.new_state(cache="paged", block_size=4)
+    st = session.new_state(cache=CacheConfig("paged", block_size=4))
     d = Driver(session, st, prompt)
     d.step([3, 4])
     path = tmp_path / "cache.okvc"
@@ -313,7 +316,7 @@ def test_saved_cache_resumes_with_identical_next_logits(session, tmp_path):
     saved_lengths = st.lengths.tolist()
     feeds = d.b.next(np.array([5, 6]), d.out)
     want = st.run(feeds, [d.logits_name])[d.logits_name]
-    with session.new_state(cache="paged", block_size=4) as resumed:
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as resumed:
         resumed.load_cache(path)
         assert resumed.lengths.tolist() == saved_lengths
         got = resumed.run(feeds, [d.logits_name])[d.logits_name]
@@ -322,18 +325,19 @@ def test_saved_cache_resumes_with_identical_next_logits(session, tmp_path):
 
 
 def test_load_cache_rejects_bad_input_and_leaves_the_state_unchanged(gqa):
-    st = gqa.new_state(cache="paged", block_size=4)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
     Driver(gqa, st, np.array([[1, 2, 3, 4, 5]]))
     data = st.save_cache()
-    target = gqa.new_state(cache="paged", block_size=4)
+    target = gqa.new_state(cache=CacheConfig("paged", block_size=4))
     Driver(gqa, target, np.array([[7, 8]]))
     before = {k: v.copy() for k, v in target.values.items()}
     with pytest.raises(onnxkv.errors.SerializationError):
         target.load_cache(data[:-7])
-    other_block = gqa.new_state(cache="paged", block_size=8)
+    other_block = gqa.new_state(cache=CacheConfig("paged", block_size=8))
     with pytest.raises(InputError, match="block_size=4"):
         other_block.load_cache(data)
-    other_model = onnxkv.Session(build_model("attention", MICRO, seed=1), threads=1).new_state(cache="paged", block_size=4)
+    other_model = onnxkv.Session(build_model("attention", MICRO, seed=1), threads=1).new_state(
+        cache=CacheConfig("paged", block_size=4))
     with pytest.raises(InputError, match="another model"):
         other_model.load_cache(data)
     for k, v in target.values.items():
@@ -355,7 +359,8 @@ def test_load_cache_rejects_bad_input_and_leaves_the_state_unchanged(gqa):
 def test_sliding_window_state_round_trips():
     s = _windowed(6)
     prompt = np.random.default_rng(12).integers(0, MICRO.vocab_size, (1, 10))
-    with s.new_state(cache="paged", block_size=2) as st, s.new_state(cache="paged", block_size=2) as back:
+    paged = CacheConfig("paged", block_size=2)
+    with s.new_state(cache=paged) as st, s.new_state(cache=paged) as back:
         d = Driver(s, st, prompt)
         d.greedy(8)
         assert int(st._paged.table.first[0]) > 0  # pages were evicted

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import onnxkv
+from onnxkv import CacheConfig
 from onnxkv.alloc import ArenaAllocator, SlabAllocator, SlabLane, SystemAllocator
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
@@ -34,7 +35,7 @@ def _decode(session, state, prompt, steps, rng):
 
 def test_paged_state_uses_slab_lanes_by_default(gqa):
     rng = np.random.default_rng(0)
-    with gqa.new_state(cache="paged", block_size=BS) as st:
+    with gqa.new_state(cache=CacheConfig("paged", block_size=BS)) as st:
         slab = st.allocator
         assert isinstance(slab, SlabAllocator) and st.pool.allocator is slab
         assert all(isinstance(a, SlabLane) and a.parent is slab and a.index == i
@@ -55,7 +56,7 @@ def test_paged_state_uses_slab_lanes_by_default(gqa):
 def test_an_explicit_allocator_serves_every_plane(gqa, make):
     rng = np.random.default_rng(1)
     alloc = make()
-    with gqa.new_state(cache="paged", block_size=BS, allocator=alloc) as st:
+    with gqa.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=BS)) as st:
         assert st.allocator is alloc and st.pool.allocator is alloc
         assert all(a is alloc for a in st.pool.allocators)
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (1, 6)), 3, rng)
@@ -66,7 +67,7 @@ def test_an_explicit_allocator_serves_every_plane(gqa, make):
 def test_an_explicit_slab_allocator_gets_one_lane_per_plane(gqa):
     rng = np.random.default_rng(2)
     slab = SlabAllocator(1 << 16, huge_pages=False)
-    with gqa.new_state(cache="paged", block_size=BS, allocator=slab) as st:
+    with gqa.new_state(allocator=slab, cache=CacheConfig("paged", block_size=BS)) as st:
         assert st.allocator is slab and [a.index for a in st.pool.allocators] == list(range(2 * MICRO.num_layers))
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (1, 10)), 2, rng)
         assert slab.stats().live == st.committed_bytes
@@ -78,7 +79,7 @@ def test_an_explicit_slab_allocator_gets_one_lane_per_plane(gqa):
 @pytest.mark.parametrize("prompt_len, steps", [(1, 30), (13, 19), (32, 0)])
 def test_successive_pages_of_a_plane_are_adjacent(gqa, prompt_len, steps):
     rng = np.random.default_rng(prompt_len)
-    with gqa.new_state(cache="paged", block_size=BS) as st:
+    with gqa.new_state(cache=CacheConfig("paged", block_size=BS)) as st:
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (1, prompt_len)), steps, rng)
         table = st._paged.table.tables[0]
         blocks = -(-(prompt_len + steps) // BS)
@@ -90,7 +91,7 @@ def test_successive_pages_of_a_plane_are_adjacent(gqa, prompt_len, steps):
 
 def test_batch_rows_interleave_page_ids_but_each_plane_stays_in_its_lane(gqa):
     rng = np.random.default_rng(3)
-    with gqa.new_state(cache="paged", block_size=BS) as st:
+    with gqa.new_state(cache=CacheConfig("paged", block_size=BS)) as st:
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (3, 8)), 6, rng)
         pool, table = st.pool, st._paged.table.tables
         chunk = st.allocator.chunk_bytes
@@ -103,7 +104,7 @@ def test_batch_rows_interleave_page_ids_but_each_plane_stays_in_its_lane(gqa):
 
 def test_every_operation_returns_its_slots(gqa):
     rng = np.random.default_rng(4)
-    st = gqa.new_state(cache="paged", block_size=BS)
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=BS))
     slab = st.allocator
     b, out = _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (1, 17)), 2, rng)
     cp = st.checkpoint()

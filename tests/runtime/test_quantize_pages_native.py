@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import onnxkv
+from onnxkv import CacheConfig
 from onnxkv.models.builders import MICRO, build_model
 from state_steps import assert_same_values, last_logits, step_feeds, values_copy
 
@@ -32,8 +33,8 @@ def _all_native(state) -> None:
 def test_native_pages_converted_to_their_own_format_stay_as_they_are(session, cache_dtype):
     feeds = step_feeds(session, 9, 2)
     native = cache_dtype or "float32"
-    with session.new_state(cache="paged", block_size=BS, cache_dtype=cache_dtype) as ref, \
-            session.new_state(cache="paged", block_size=BS, cache_dtype=cache_dtype) as st:
+    config = CacheConfig("paged", block_size=BS, kv_format={None: None, "float16": "fp16"}[cache_dtype])
+    with session.new_state(cache=config) as ref, session.new_state(cache=config) as st:
         want = [last_logits(ref, f) for f in feeds]
         last_logits(st, feeds[0])
         before, saved = values_copy(st), st.save_cache()
@@ -53,8 +54,8 @@ def test_native_pages_converted_to_their_own_format_stay_as_they_are(session, ca
 @pytest.mark.parametrize("fmt", ["int8", "int4", "float16"])
 def test_converted_pages_become_native_pages_again(session, fmt):
     feeds = step_feeds(session, 9, 2)
-    with session.new_state(cache="paged", block_size=BS) as quantized, \
-            session.new_state(cache="paged", block_size=BS) as st:
+    with session.new_state(cache=CacheConfig("paged", block_size=BS)) as quantized, \
+            session.new_state(cache=CacheConfig("paged", block_size=BS)) as st:
         for s in (quantized, st):
             last_logits(s, feeds[0])
             s.quantize_pages([0, 1], fmt, fmt)
@@ -63,7 +64,7 @@ def test_converted_pages_become_native_pages_again(session, fmt):
         st.quantize_pages([0, 1], "float32", "float32")
         _all_native(st)
         assert_same_values(values_copy(st), held)
-        restored = session.new_state(cache="paged", block_size=BS)
+        restored = session.new_state(cache=CacheConfig("paged", block_size=BS))
         restored.load_cache(st.save_cache())  # save / load read and write the native pages
         _all_native(restored)
         assert_same_values(values_copy(restored), held)

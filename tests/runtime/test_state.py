@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import onnxkv
-from onnxkv import CacheCapacityError
+from deprecations import warns_deprecated
+from onnxkv import CacheCapacityError, CacheConfig
 from onnxkv.errors import Cancelled, InputError, StateError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.models.builders import MICRO, build_model
@@ -50,7 +51,7 @@ def _drive(session, prompt, steps, state=None):
 def test_in_place_matches_tensor_path(session):
     prompt = np.random.default_rng(0).integers(0, MICRO.vocab_size, (2, 7))
     want, tensor_out, _ = _drive(session, prompt, 16)
-    state = session.new_state(initial_capacity=4)
+    state = session.new_state(cache=CacheConfig(initial_capacity=4))
     got, _, _ = _drive(session, prompt, 16, state)
     for w, g in zip(want, got):
         np.testing.assert_array_equal(w, g)
@@ -68,7 +69,7 @@ def test_counted_costs_over_64_decode_steps(session):
     batch = 2
     prompt = np.random.default_rng(1).integers(0, MICRO.vocab_size, (batch, 5))
     static = session.model.convention.kind == "tensor_scatter"
-    state = session.new_state(initial_capacity=8)
+    state = session.new_state(cache=CacheConfig(initial_capacity=8))
     session.events.clear()
     _drive(session, prompt, 64, state)
     by_step: dict[int, list] = {}
@@ -97,7 +98,7 @@ def test_counted_costs_over_64_decode_steps(session):
 
 def test_fixed_capacity_overflow_is_an_error_and_state_unchanged():
     sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
-    state = sess.new_state(capacity=6)
+    state = sess.new_state(cache=CacheConfig(capacity=6))
     prompt = np.array([[1, 2, 3, 4, 5]])
     b = _builders(sess, prompt, True)
     feeds, _ = b.first()
@@ -180,7 +181,7 @@ def test_bound_inputs_closed_state_and_bad_arguments():
     with pytest.raises(StateError, match="closed"):
         state.run(feeds)
     with pytest.raises(onnxkv.InputError, match="capacity"):
-        sess.new_state(capacity=0)
+        sess.new_state(cache=CacheConfig(capacity=0))
     s2 = sess.new_state()
     s2.run(feeds)
     feeds3, _ = _builders(sess, np.array([[1, 2], [3, 4]]), True).first()
@@ -264,9 +265,10 @@ def test_narrow_cache_storage_halves_the_bytes_and_stays_close(cache_dtype, tol)
     sess = onnxkv.Session(build_model("gqa", MICRO, seed=5), threads=1, events=True)
     prompt = np.random.default_rng(3).integers(0, MICRO.vocab_size, (2, 9))
     want, _, _ = _drive(sess, prompt, 12)
-    wide = sess.new_state(initial_capacity=32)
+    wide = sess.new_state(cache=CacheConfig(initial_capacity=32))
     _drive(sess, prompt, 12, wide)
-    narrow = sess.new_state(initial_capacity=32, cache_dtype=cache_dtype)
+    fmt = {"float16": "fp16", "bfloat16": "bf16"}[cache_dtype]
+    narrow = sess.new_state(cache=CacheConfig(initial_capacity=32, kv_format=fmt))
     sess.events.clear()
     got, _, _ = _drive(sess, prompt, 12, narrow)
     for w, g in zip(want, got):
@@ -278,7 +280,7 @@ def test_narrow_cache_storage_halves_the_bytes_and_stays_close(cache_dtype, tol)
     assert all(e.append_copied_bytes == 2 * MICRO.num_kv_heads * MICRO.head_size * 2 for e in writes)
     # an exported present comes back in the model's type
     b = _builders(sess, prompt, True)
-    s3 = sess.new_state(cache_dtype=cache_dtype)
+    s3 = sess.new_state(cache=CacheConfig(kv_format=fmt))
     f, _ = b.first()
     out = s3.run(f, ["logits", "present.0.key"])
     assert out["present.0.key"].dtype == np.float32 and out["present.0.key"].shape[2] == 9
@@ -287,9 +289,13 @@ def test_narrow_cache_storage_halves_the_bytes_and_stays_close(cache_dtype, tol)
 def test_narrow_cache_needs_a_gqa_model():
     sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
     with pytest.raises(onnxkv.InputError, match="GroupQueryAttention"):
-        sess.new_state(cache_dtype="float16")
-    with pytest.raises(onnxkv.InputError, match="cache_dtype"):
-        onnxkv.Session(build_model("gqa", MICRO), threads=1).new_state(cache_dtype="int8")
+        sess.new_state(cache=CacheConfig(kv_format="fp16"))
+    gqa = onnxkv.Session(build_model("gqa", MICRO), threads=1)
+    with warns_deprecated(__file__, "cache_dtype= is deprecated"), \
+            pytest.raises(onnxkv.InputError, match="cache_dtype"):
+        gqa.new_state(cache_dtype="int8")   # State's own check, through the deprecated keyword
+    with pytest.raises(onnxkv.InputError, match="kv_format='int8' .page formats. needs kind='paged'"):
+        CacheConfig(kv_format="int8")
 
 
 

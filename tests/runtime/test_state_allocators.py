@@ -13,6 +13,7 @@ import pytest
 
 import onnxkv
 from hostile_allocators import MODES, TYPED_ONLY, Hostile
+from onnxkv import CacheConfig
 from onnxkv.alloc import SlabAllocator
 from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import OutOfMemory, StateError
@@ -95,10 +96,10 @@ def test_pages_viewed_with_negative_strides_are_rejected_not_written_past(tmp_pa
 @pytest.mark.parametrize("mode", sorted(ALL))
 def test_contiguous_state_rejects_broken_storage_and_goes_on(session, mode):
     feeds = step_feeds(session, 4, 3)
-    with session.new_state(initial_capacity=4) as ref:
+    with session.new_state(cache=CacheConfig(initial_capacity=4)) as ref:
         want = [last_logits(ref, f) for f in feeds]
     alloc = Hostile()
-    with session.new_state(allocator=alloc, initial_capacity=4) as st:
+    with session.new_state(allocator=alloc, cache=CacheConfig(initial_capacity=4)) as st:
         _reject(alloc, mode, lambda: st.run(feeds[0]))  # the first caches
         assert st.length == 0 and st.values == {}
         np.testing.assert_array_equal(last_logits(st, feeds[0]), want[0])
@@ -114,10 +115,10 @@ def test_contiguous_state_rejects_broken_storage_and_goes_on(session, mode):
 @pytest.mark.parametrize("mode", sorted(ALL))
 def test_paged_state_rejects_broken_pages_and_goes_on(session, mode):
     feeds = step_feeds(session, 4, 3)
-    with session.new_state(cache="paged", block_size=4) as ref:
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
         want = [last_logits(ref, f) for f in feeds]
     alloc = Hostile()
-    with session.new_state(cache="paged", block_size=4, allocator=alloc) as st:
+    with session.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=4)) as st:
         np.testing.assert_array_equal(last_logits(st, feeds[0]), want[0])
         before, committed = values_copy(st), st.committed_bytes
         _reject(alloc, mode, lambda: st.run(feeds[1]))  # position 4 needs a new page
@@ -133,11 +134,11 @@ def test_paged_state_rejects_broken_pages_and_goes_on(session, mode):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_int8_policy_rejects_broken_payloads_and_converts_later(session, mode):
     feeds = step_feeds(session, 7, 3)  # block 0 is full after the prompt, block 1 after the first step
-    with session.new_state(cache="paged", block_size=4, kv_format="int8") as ref:
+    with session.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int8")) as ref:
         want = [last_logits(ref, f) for f in feeds]
         want_formats = [f[ref._paged.table.tables[0]].tolist() for f in ref.pool.formats]
     alloc = Hostile()
-    with session.new_state(cache="paged", block_size=4, kv_format="int8", allocator=alloc) as st:
+    with session.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=4, kv_format="int8")) as st:
         np.testing.assert_array_equal(last_logits(st, feeds[0]), want[0])
         alloc.mode = mode  # converting block 1 fails after the step's commit: the step stands, with a warning
         try:
@@ -160,8 +161,8 @@ def test_int8_policy_rejects_broken_payloads_and_converts_later(session, mode):
 def test_quantize_pages_rejects_broken_payloads_and_changes_nothing(session, mode):
     feeds = step_feeds(session, 9, 0)
     alloc = Hostile()
-    with session.new_state(cache="paged", block_size=4, allocator=alloc) as st, \
-            session.new_state(cache="paged", block_size=4) as ref:
+    with session.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=4)) as st, \
+            session.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
         st.run(feeds[0])
         ref.run(feeds[0])
         fork = st.fork()[0]  # shared pages: the call copies them first
@@ -185,7 +186,7 @@ def test_quantize_pages_after_a_failed_batch_reuses_its_addresses(session):
     free slot): they are not mistaken for live ones."""
     feeds = step_feeds(session, 9, 0)
     alloc = Hostile(inner=SlabAllocator(1 << 16))
-    with session.new_state(cache="paged", block_size=4, allocator=alloc) as st:
+    with session.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=4)) as st:
         st.run(feeds[0])
         before = values_copy(st)
         alloc.mode, alloc.after = "raise-memory", alloc.calls + 3  # three payloads are built, the fourth fails
@@ -259,10 +260,10 @@ def test_contiguous_growth_whose_free_fails_publishes_the_run_and_logs(session, 
     """A growth keeps the committed buffer until the run ends; the run's commit frees it, so a failing free
     comes after the publish: logged, and the state runs on in its new storage."""
     feeds = step_feeds(session, 4, 2)
-    with session.new_state(initial_capacity=4) as ref:
+    with session.new_state(cache=CacheConfig(initial_capacity=4)) as ref:
         want = [last_logits(ref, f) for f in feeds]
     alloc = Hostile()
-    with session.new_state(allocator=alloc, initial_capacity=4) as st:
+    with session.new_state(allocator=alloc, cache=CacheConfig(initial_capacity=4)) as st:
         last_logits(st, feeds[0])
         alloc.free_raises = True
         with caplog.at_level(logging.WARNING, logger="onnxkv.alloc"):
@@ -277,10 +278,10 @@ def test_contiguous_growth_whose_free_fails_publishes_the_run_and_logs(session, 
 
 def test_paged_state_whose_free_fails_stays_whole(session, caplog):
     feeds = step_feeds(session, 9, 2)
-    with session.new_state(cache="paged", block_size=4) as ref:
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
         want = [last_logits(ref, f) for f in feeds]
     alloc = Hostile()
-    st = session.new_state(cache="paged", block_size=4, allocator=alloc)
+    st = session.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=4))
     np.testing.assert_array_equal(last_logits(st, feeds[0]), want[0])
     fork = st.fork()[0]
     alloc.free_raises = True

@@ -21,6 +21,7 @@ from onnx import TensorProto, helper
 
 from faults import CancelOnCheck, failing_after
 import onnxkv
+from onnxkv import CacheConfig
 from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import Cancelled, OperatorError
 from onnxkv.generate.feeds import FeedBuilder
@@ -97,7 +98,8 @@ def test_failed_and_cancelled_runs_leave_the_state_byte_identical(family, events
     session = family_session(family, events)
     prompt = np.random.default_rng(3).integers(1, 90, (2, 5))
     feeds = steps(session, prompt)
-    make = functools.partial(session.new_state, cache=cache, block_size=4, initial_capacity=6)
+    make = functools.partial(session.new_state, cache=CacheConfig(cache, block_size=4) if cache == "paged"
+                             else CacheConfig(cache, initial_capacity=6))
     reference = make()
     want = [reference.run(f) for f in feeds]
 
@@ -135,7 +137,7 @@ def test_a_static_cache_rewriting_committed_slots_is_restored(cache):
     """TensorScatter writing below the valid length (a rewind) overwrites committed slots: they come back."""
     session = family_session("tensorscatter")
     prompt = np.random.default_rng(4).integers(1, 90, (1, 6))
-    state = session.new_state(cache=cache, block_size=4)
+    state = session.new_state(cache=CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache))
     state.run(steps(session, prompt)[0])
     cap = MICRO.max_length
     rewind = {"input_ids": np.array([[7, 8]]), "attention_mask": (np.arange(cap) < 4).astype(np.int64)[None],
@@ -160,7 +162,7 @@ def test_static_slots_never_written_read_as_zeros(origin, length):
     page a loaded cache did not hold and the rest of a loaded partial page (all from recycled, dirty memory)."""
     session = family_session("tensorscatter")
     feeds = steps(session, np.random.default_rng(8).integers(1, 90, (1, length)))
-    state = session.new_state(cache="paged", block_size=2)
+    state = session.new_state(cache=CacheConfig("paged", block_size=2))
     reference = session.new_state()
     for st in (state, reference):
         st.run(feeds[0])

@@ -35,7 +35,10 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from faults import CancelOnCheck, failing_after
 from fuzzing import hypothesis_settings
 import onnxkv
+from deprecations import warns_deprecated
+from onnxkv import CacheConfig
 from onnxkv.cache.paged import PagedCache
+from onnxkv.cache.policy import POLICIES as PAGE_POLICIES
 from onnxkv.errors import Cancelled, InputError, OperatorError, OutOfMemory, StateError
 from onnxkv.models.builders import DecoderConfig, build_model
 
@@ -152,12 +155,17 @@ class StateMachine(RuleBasedStateMachine):
             header = "float32" if policy else data.draw(st.sampled_from(["float32", "compact", "channel-zp"]),
                                                         label="key header")
             max_pages = data.draw(st.sampled_from([None, *self.max_pages]), label="max_pages")
-            state = self.sess.new_state(cache="paged", block_size=BLOCK, max_pages=max_pages, kv_format=policy,
-                                        key_channel_scales=header == "compact",
-                                        key_channel_zero_points=header == "channel-zp")
+            if header == "float32":   # "fp16" as the policy object: full pages converted, as the old kv_format="fp16"
+                state = self.sess.new_state(cache=CacheConfig("paged", block_size=BLOCK, max_pages=max_pages,
+                                                              kv_format=policy and PAGE_POLICIES[policy]))
+            else:   # a key layout without a page format has no CacheConfig spelling: the deprecated keywords
+                with warns_deprecated(__file__, "key_channel_.* deprecated"):
+                    state = self.sess.new_state(cache="paged", block_size=BLOCK, max_pages=max_pages,
+                                                key_channel_scales=header == "compact",
+                                                key_channel_zero_points=header == "channel-zp")
             tolerance = POLICIES.get(policy, NATIVE)
         else:
-            state = self.sess.new_state(initial_capacity=4)
+            state = self.sess.new_state(cache=CacheConfig(initial_capacity=4))
         h = Handle(state, [], tolerance)
         self.live.append(h)
         return h

@@ -13,6 +13,7 @@ import onnx
 import pytest
 
 import onnxkv
+from onnxkv import CacheConfig
 from onnxkv.alloc import SlabAllocator, SystemAllocator
 from onnxkv.alloc.protocol import AllocatorStats
 from onnxkv.errors import InputError
@@ -80,8 +81,8 @@ def gqa_smooth():
 
 def _state(session, kind: str, allocator):
     if kind == "paged":
-        return session.new_state(cache="paged", block_size=4, allocator=allocator)
-    return session.new_state(initial_capacity=8, allocator=allocator)
+        return session.new_state(allocator=allocator, cache=CacheConfig("paged", block_size=4))
+    return session.new_state(allocator=allocator, cache=CacheConfig(initial_capacity=8))
 
 
 def _pollute(session, kind: str, allocator) -> None:
@@ -147,7 +148,7 @@ def test_over_claiming_row_raises_with_state_unchanged(gqa, kind):
 
 
 def test_contiguous_lengths_follow_rows_and_truncate(gqa):
-    st = gqa.new_state(initial_capacity=4)
+    st = gqa.new_state(cache=CacheConfig(initial_capacity=4))
     for f in ROWS_APART:
         st.run(f)
     assert st.length == 5
@@ -167,7 +168,7 @@ def test_uniform_writers_refuse_rows_of_different_lengths(family, message):
     """Attention and Concat graphs append every row at the past length: a paged cache whose rows differ
     (as a loaded cache may declare) is refused before anything is written, not padded with stale bytes."""
     session = onnxkv.Session(build_model(family, MICRO, seed=3), threads=1)
-    st = session.new_state(cache="paged", block_size=4)
+    st = session.new_state(cache=CacheConfig("paged", block_size=4))
     ids = np.arange(1, 13, dtype=np.int64).reshape(2, 6)
     st.run({"input_ids": ids, "attention_mask": np.ones((2, 6), np.int64),
             "position_ids": np.broadcast_to(np.arange(6), (2, 6)).copy()})
