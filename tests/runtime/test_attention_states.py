@@ -6,6 +6,7 @@ state's cache, attention over the cache); its logits must equal those of
 the pages without gathering them.  A bfloat16 model's state holds its
 caches as uint16 bit patterns, which the operator reads as bfloat16.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -71,14 +72,25 @@ def test_sliding_window_decode_in_a_state_equals_onnx_reference_over_the_whole_s
 
 def _attention_model(elem_type: int) -> onnx.ModelProto:
     """One causal Attention node over a past/present cache pair, all of ``elem_type``."""
-    node = helper.make_node("Attention", ["q", "k", "v", "", "past_key_values.0.key", "past_key_values.0.value"],
-                            ["y", "present.0.key", "present.0.value"], name="attn", is_causal=1)
-    shapes = {"q": ["b", 2, "s", 8], "k": ["b", 1, "s", 8], "v": ["b", 1, "s", 8],
-              "past_key_values.0.key": ["b", 1, "p", 8], "past_key_values.0.value": ["b", 1, "p", 8]}
+    node = helper.make_node(
+        "Attention",
+        ["q", "k", "v", "", "past_key_values.0.key", "past_key_values.0.value"],
+        ["y", "present.0.key", "present.0.value"],
+        name="attn",
+        is_causal=1,
+    )
+    shapes = {
+        "q": ["b", 2, "s", 8],
+        "k": ["b", 1, "s", 8],
+        "v": ["b", 1, "s", 8],
+        "past_key_values.0.key": ["b", 1, "p", 8],
+        "past_key_values.0.value": ["b", 1, "p", 8],
+    }
     inputs = [helper.make_tensor_value_info(n, elem_type, s) for n, s in shapes.items()]
     outputs = [helper.make_tensor_value_info(n, elem_type, None) for n in node.output]
-    return helper.make_model(helper.make_graph([node], "g", inputs, outputs),
-                             opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    return helper.make_model(
+        helper.make_graph([node], "g", inputs, outputs), opset_imports=[helper.make_opsetid("", 23)], ir_version=10
+    )
 
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
@@ -93,8 +105,9 @@ def test_narrow_attention_in_a_state_equals_the_stateless_run(elem_type, cache):
         for n in (5, 1, 1, 3):
             q, k, v = (rng.standard_normal((1, h, n, 8)).astype(dtype) for h in (2, 1, 1))
             got = state.run({"q": q, "k": k, "v": v}, ["y"])["y"]
-            want = session.run({"q": q, "k": k, "v": v, "past_key_values.0.key": keys,
-                                "past_key_values.0.value": values}, ["y"])["y"]
+            want = session.run(
+                {"q": q, "k": k, "v": v, "past_key_values.0.key": keys, "past_key_values.0.value": values}, ["y"]
+            )["y"]
             assert got.dtype == want.dtype == dtype
             np.testing.assert_array_equal(got, want)
             keys, values = np.concatenate([keys, k], axis=2), np.concatenate([values, v], axis=2)

@@ -35,18 +35,32 @@ BAD = [
     (dict(kind="paged", initial_capacity=8), r"initial_capacity=8 needs kind='contiguous' \(a paged cache grows"),
     (dict(kind="tensor", capacity=8), r"capacity=8 needs a state's cache \(kind='contiguous' or 'paged'\)"),
     (dict(kind="tensor", kv_format="fp16"), r"kv_format='fp16' needs a state's cache"),
-    (dict(kv_format="int8"), r"kv_format='int8' \(page formats\) needs kind='paged', got kind='contiguous'; a "
-                             r"contiguous cache takes None, 'fp32', 'fp16' or 'bf16'"),
-    (dict(kind="paged", kv_format="float16"), r"kv_format must be None, one of 'fp32', 'fp16', 'bf16', 'int4', .* "
-                                              r"or a FormatSelector callable, got 'float16'"),
+    (
+        dict(kv_format="int8"),
+        r"kv_format='int8' \(page formats\) needs kind='paged', got kind='contiguous'; a "
+        r"contiguous cache takes None, 'fp32', 'fp16' or 'bf16'",
+    ),
+    (
+        dict(kind="paged", kv_format="float16"),
+        r"kv_format must be None, one of 'fp32', 'fp16', 'bf16', 'int4', .* "
+        r"or a FormatSelector callable, got 'float16'",
+    ),
     (dict(kind="paged", kv_format=8), r"kv_format must be None, .* got 8"),
-    (dict(kind="paged", kv_format="int8", key_layout="rows"), r"key_layout must be a KeyLayout \('head', "
-                                                              r"'channel', 'channel-zp'\) or None, got 'rows'"),
-    (dict(kind="paged", key_layout=KeyLayout.HEAD), r"key_layout='head' needs quantized key pages .* got "
-                                                    r"kv_format=None"),
+    (
+        dict(kind="paged", kv_format="int8", key_layout="rows"),
+        r"key_layout must be a KeyLayout \('head', "
+        r"'channel', 'channel-zp'\) or None, got 'rows'",
+    ),
+    (
+        dict(kind="paged", key_layout=KeyLayout.HEAD),
+        r"key_layout='head' needs quantized key pages .* got "
+        r"kv_format=None",
+    ),
     (dict(kind="paged", kv_format="bf16", key_layout="channel"), r"key_layout='channel' needs quantized key pages"),
-    (dict(kind="paged", kv_format=POLICIES["int8"], key_layout=KeyLayout.CHANNEL),
-     r"key_layout='channel' conflicts with the kv_format selector's own layout 'channel-zp'"),
+    (
+        dict(kind="paged", kv_format=POLICIES["int8"], key_layout=KeyLayout.CHANNEL),
+        r"key_layout='channel' conflicts with the kv_format selector's own layout 'channel-zp'",
+    ),
 ]
 
 
@@ -66,7 +80,12 @@ def test_state_keywords_of_each_kind_and_format():
     assert state_keywords(CacheConfig(initial_capacity=8), 100)["initial_capacity"] == 8
     assert state_keywords(CacheConfig(), 100)["initial_capacity"] == 100
     assert state_keywords(CacheConfig("paged", capacity=64)) == {
-        "cache": "paged", "capacity": 64, "initial_capacity": 32, "block_size": 16, "max_pages": None}
+        "cache": "paged",
+        "capacity": 64,
+        "initial_capacity": 32,
+        "block_size": 16,
+        "max_pages": None,
+    }
     assert state_keywords(CacheConfig("paged", block_size=4, max_pages=9))["max_pages"] == 9
     for name, dtype in (("fp32", "float32"), ("fp16", "float16"), ("bf16", "bfloat16")):
         for kind in ("contiguous", "paged"):

@@ -17,6 +17,7 @@ and its fork are exactly as they were.
 Budgets come from ``tests/fuzzing.py`` (``ONNXKV_FUZZ_SCALE``); a failure
 names the case, the seed and the iteration.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,11 +28,10 @@ from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
-import onnx
 import pytest
+from fuzzing import SCALE, examples
 
 import onnxkv
-from fuzzing import SCALE, examples
 from onnxkv import CacheConfig
 from onnxkv.cache import serialize
 from onnxkv.cache.serialize import MAGIC, VERSION, PagedCacheProto
@@ -150,11 +150,20 @@ def _bits(values: dict) -> dict:
 def _facts(case: Case) -> dict:
     """Everything a refused load must leave as it was."""
     t, pool = case.target._paged.table, case.target.pool
-    return {"tables": t.tables.copy(), "lengths": t.lengths.copy(), "first": t.first.copy(),
-            "refs": pool.core.refs().copy(), "live_pages": pool.live_pages, "converted": list(pool.converted),
-            "formats": np.concatenate(pool.formats).copy(), "committed": pool.committed_bytes,
-            "allocator_live": case.target.allocator.stats().live, "target": _bits(case.target.values),
-            "sibling": _bits(case.sibling.values), "sibling_lengths": case.sibling.lengths.copy()}
+    return {
+        "tables": t.tables.copy(),
+        "lengths": t.lengths.copy(),
+        "first": t.first.copy(),
+        "refs": pool.core.refs().copy(),
+        "live_pages": pool.live_pages,
+        "converted": list(pool.converted),
+        "formats": np.concatenate(pool.formats).copy(),
+        "committed": pool.committed_bytes,
+        "allocator_live": case.target.allocator.stats().live,
+        "target": _bits(case.target.values),
+        "sibling": _bits(case.sibling.values),
+        "sibling_lengths": case.sibling.lengths.copy(),
+    }
 
 
 def _assert_same_facts(before: dict, after: dict, where: str) -> None:
@@ -381,8 +390,14 @@ def m_same_size_format(rng, proto) -> str:
         block.value.CopyFrom(key)
         return "swap key and value pages"
     page = block.key if rng.random() < 0.5 else block.value
-    page.format = {"float16": "bfloat16", "bfloat16": "float16", "int8": "uint8", "uint8": "int8", "int4": "uint4",
-                   "uint4": "int4"}.get(page.format, page.format)
+    page.format = {
+        "float16": "bfloat16",
+        "bfloat16": "float16",
+        "int8": "uint8",
+        "uint8": "int8",
+        "int4": "uint4",
+        "uint4": "int4",
+    }.get(page.format, page.format)
     return f"format -> {page.format}"
 
 
@@ -400,8 +415,22 @@ def m_huge_counts(rng, proto) -> str:
     return f"huge {op}"
 
 
-MUTATIONS = [m_integer, m_integer, m_scale_dims, m_repeated, m_repeated, m_payload, m_scale_values, m_strings,
-             m_truncate_row, m_evict, m_evict, m_same_size_format, m_same_size_format, m_huge_counts]
+MUTATIONS = [
+    m_integer,
+    m_integer,
+    m_scale_dims,
+    m_repeated,
+    m_repeated,
+    m_payload,
+    m_scale_values,
+    m_strings,
+    m_truncate_row,
+    m_evict,
+    m_evict,
+    m_same_size_format,
+    m_same_size_format,
+    m_huge_counts,
+]
 
 
 def _mutated(case: Case, rng) -> tuple[bytes, list[str]]:
@@ -470,8 +499,15 @@ def _state_with_fork(session, windowed: bool = False) -> tuple:
 
 def _snapshot_facts(state, fork) -> tuple:
     t = state._paged.table
-    return (t.tables.tolist(), t.lengths.tolist(), t.first.tolist(), state.pool.core.refs().tolist(),
-            state.allocator.stats().live, _bits(state.values), _bits(fork.values))
+    return (
+        t.tables.tolist(),
+        t.lengths.tolist(),
+        t.first.tolist(),
+        state.pool.core.refs().tolist(),
+        state.allocator.stats().live,
+        _bits(state.values),
+        _bits(fork.values),
+    )
 
 
 def _assert_refused(state, fork, blob: bytes, error, pattern: str) -> None:
@@ -493,8 +529,14 @@ def test_a_block_below_the_first_position_never_writes_into_a_forks_page(embedde
         _prompt(src, 1, 9, 1)
         blob = _edited(src.save_cache(), lambda p: setattr(p.sequences[0], "first_position", 8))
     target, fork = _state_with_fork(embedded)
-    _assert_refused(target, fork, blob, InputError, "State.load_cache: sequence 0 has first_position 8 .*the model "
-                                                    "attends to every position: first_position must be at most 0")
+    _assert_refused(
+        target,
+        fork,
+        blob,
+        InputError,
+        "State.load_cache: sequence 0 has first_position 8 .*the model "
+        "attends to every position: first_position must be at most 0",
+    )
     fork.close()
     target.close()
 
@@ -517,7 +559,9 @@ def test_a_windowed_load_drops_the_blocks_below_the_first_position(windowed):
         saved = src.save_cache()
         want = {name: v[:, :, 8:] for name, v in src.values.items()}
     blob = _edited(saved, _add_blocks_below_first)
-    assert serialize.decode(blob).sequences[0].first_position == 8 and len(serialize.decode(blob).sequences[0].blocks) == 8
+    assert (
+        serialize.decode(blob).sequences[0].first_position == 8 and len(serialize.decode(blob).sequences[0].blocks) == 8
+    )
     target, fork = _state_with_fork(windowed, windowed=True)
     fork_before = _bits(fork.values)
     target.load_cache(blob)
@@ -534,6 +578,7 @@ def test_a_windowed_load_drops_the_blocks_below_the_first_position(windowed):
 def _row_without_payload(length: int, held: int | None) -> Callable[[PagedCacheProto], None]:
     """Append a row of ``length`` positions holding none (first_position = length), or only its last ``held``
     positions (copies of row 0's first full block)."""
+
     def edit(proto):
         seq = proto.sequences.add(length=length, first_position=length)
         if held is not None:
@@ -545,6 +590,7 @@ def _row_without_payload(length: int, held: int | None) -> Callable[[PagedCacheP
                     extra = seq.blocks.add()
                     extra.CopyFrom(block)
                     extra.start = start
+
     return edit
 
 
@@ -561,8 +607,11 @@ def test_positions_a_file_declares_but_does_not_hold_are_refused_before_any_page
     blob = _edited(saved, _row_without_payload(length, held))
     assert len(blob) < 70_000
     target, fork = _state_with_fork(session, windowed=held is not None)
-    pattern = ("sequence 1 has first_position .* attends to every position" if held is None else
-               rf"declares rows of up to {length} positions, a page table of 2 x {length // 4} int32 entries")
+    pattern = (
+        "sequence 1 has first_position .* attends to every position"
+        if held is None
+        else rf"declares rows of up to {length} positions, a page table of 2 x {length // 4} int32 entries"
+    )
     _assert_refused(target, fork, blob, InputError, pattern)
     fork.close()
     target.close()
@@ -574,7 +623,13 @@ def test_a_file_larger_than_the_pool_can_hold_is_refused_before_it_is_read(embed
     with open(path, "wb") as f:
         f.write(target.save_cache())
         f.truncate(64 << 20)  # sparse
-    _assert_refused(target, fork, str(path), InputError, rf"load\('.*huge\.okvc'\): the input holds {64 << 20} "
-                                                         r"bytes, more than max_bytes=\d+ \(nothing was parsed\)")
+    _assert_refused(
+        target,
+        fork,
+        str(path),
+        InputError,
+        rf"load\('.*huge\.okvc'\): the input holds {64 << 20} "
+        r"bytes, more than max_bytes=\d+ \(nothing was parsed\)",
+    )
     fork.close()
     target.close()

@@ -5,6 +5,7 @@ path taken only by arguments the compiled checks refuse; a decode step with
 valid arguments must never reach them (counted).  Results are compared with
 the float32 contiguous state.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,6 +37,7 @@ class _Counting:
         def counted(*args, **kwargs):
             self.calls[name] += 1
             return value(*args, **kwargs)
+
         return counted
 
 

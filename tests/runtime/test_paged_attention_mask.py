@@ -6,6 +6,7 @@ ranges go to the paged kernel as ``kv_start`` / ``q_pos``, so no step gathers
 the past (``prefix_copied_bytes`` 0 in every ``cache_write`` event); a mask
 that is not a set of row ranges still works, through a counted gathered copy.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,11 +1,12 @@
 """Paged states with per-page formats: policies, quantize_pages, conversion back on writes."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from deprecations import warns_deprecated
 
 import onnxkv
-from deprecations import warns_deprecated
 from onnxkv import CacheConfig
 from onnxkv.alloc import ArenaAllocator
 from onnxkv.cache import formats, serialize
@@ -55,8 +56,7 @@ def test_policies_convert_full_pages_and_stay_close(session, policy, tol):
     np.testing.assert_allclose(got, want, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("policy, key_fmt, header", [("int8", "int8", "channel-zp"),
-                                                     ("int8-kivi", "uint8", "compact")])
+@pytest.mark.parametrize("policy, key_fmt, header", [("int8", "int8", "channel-zp"), ("int8-kivi", "uint8", "compact")])
 def test_int8_policies_give_keys_per_channel_layouts(session, policy, key_fmt, header):
     prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 18))
     with session.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
@@ -97,7 +97,7 @@ def test_loading_parameters_a_compact_header_cannot_hold_changes_nothing(session
         key = snap.sequences[0].blocks[0].key
         assert key.format == "uint8" and key.scale.size == key.data.shape[0] * snap.layers[0].head_size
         key.scale = key.scale.copy()
-        key.scale[1] = np.nextafter(key.scale[1], np.float32(1))   # valid, but not S * 2^(-e/16)
+        key.scale[1] = np.nextafter(key.scale[1], np.float32(1))  # valid, but not S * 2^(-e/16)
         bad = serialize.encode(snap)
         before = {k: v.copy() for k, v in st.values.items()}
         committed = st.committed_bytes
@@ -121,6 +121,7 @@ def test_selector_key_channel_scales_must_be_a_bool(session):
 
 def test_residual_policy_keeps_recent_tokens_native(session):
     from onnxkv.cache.policy import ResidualPolicy
+
     prompt = np.random.default_rng(1).integers(0, MICRO.vocab_size, (1, 30))
     config = CacheConfig("paged", block_size=4, kv_format=ResidualPolicy("int8", "int8", 12))
     with session.new_state(cache=config) as st:
@@ -211,8 +212,10 @@ def test_kv_format_needs_a_paged_state(session):
     # State's own checks, reached through the deprecated keywords
     with warns_deprecated(__file__, "kv_format= is deprecated"), pytest.raises(InputError, match="cache='paged'"):
         session.new_state(kv_format="int8")
-    with warns_deprecated(__file__, "kv_format= is deprecated"), \
-            pytest.raises(InputError, match="kv_format must be one of"):
+    with (
+        warns_deprecated(__file__, "kv_format= is deprecated"),
+        pytest.raises(InputError, match="kv_format must be one of"),
+    ):
         session.new_state(cache="paged", kv_format="int9")
     # the same mistakes through CacheConfig
     with pytest.raises(InputError, match="kv_format='int8' .page formats. needs kind='paged'"):
@@ -221,8 +224,7 @@ def test_kv_format_needs_a_paged_state(session):
         CacheConfig("paged", kv_format="int9")
 
 
-KEY_LAYOUTS = {"float32": {}, "compact": {"key_channel_scales": True},
-               "channel-zp": {"key_channel_zero_points": True}}
+KEY_LAYOUTS = {"float32": {}, "compact": {"key_channel_scales": True}, "channel-zp": {"key_channel_zero_points": True}}
 
 
 def _layout_state(session, options):
@@ -260,9 +262,12 @@ def test_mixed_format_cache_round_trips(session, header):
         for other_header, other_options in KEY_LAYOUTS.items():
             if other_options:
                 with _layout_state(session, other_options) as other:
-                    with pytest.raises(InputError, match=f"1 scale.s. per head, the state's plane has "
-                                                         f"{MICRO.head_size} group.s. per head with "
-                                                         f"'{other_header}' headers"):
+                    with pytest.raises(
+                        InputError,
+                        match=f"1 scale.s. per head, the state's plane has "
+                        f"{MICRO.head_size} group.s. per head with "
+                        f"'{other_header}' headers",
+                    ):
                         other.load_cache(data)
     st.close()
 
@@ -284,9 +289,9 @@ def test_key_channel_zero_points_state_quantizes_keys_per_head_scale_per_channel
         before_ptrs = [pool.ptrs[i][t[[1, 3]]].copy() for i in range(len(pool.planes))]
         st.quantize_pages([0, 2], "int8", "int8")
         t2 = st._paged.table.tables[0]
-        assert (t2 == t).all()                                  # held by this state alone: converted in place
+        assert (t2 == t).all()  # held by this state alone: converted in place
         for i, spec in enumerate(pool.planes):
-            assert (pool.ptrs[i][t2[[1, 3]]] == before_ptrs[i]).all()   # unselected pages: same storage
+            assert (pool.ptrs[i][t2[[1, 3]]] == before_ptrs[i]).all()  # unselected pages: same storage
             for blk in (0, 2):
                 p = int(t2[blk])
                 assert pool.formats[i][p] == CODES["int8"]
@@ -294,26 +299,29 @@ def test_key_channel_zero_points_state_quantizes_keys_per_head_scale_per_channel
                 scale, zp = formats.decode_header(pool.pages[i][p], "int8", spec.heads, spec.groups, spec.header)
                 if i in keys:
                     ref_s, ref_z, header = formats.channel_zp_params(x, "int8")
-                    np.testing.assert_array_equal(pool.pages[i][p][:header.size], header)
+                    np.testing.assert_array_equal(pool.pages[i][p][: header.size], header)
                     np.testing.assert_array_equal(scale, ref_s)
                     np.testing.assert_array_equal(zp, ref_z)
-                    assert pool.sizes[i][p] == formats.page_bytes("int8", spec.heads, bs, spec.head_size,
-                                                                  spec.head_size, "channel-zp")
+                    assert pool.sizes[i][p] == formats.page_bytes(
+                        "int8", spec.heads, bs, spec.head_size, spec.head_size, "channel-zp"
+                    )
                 err = np.abs(pool.read_page(i, p, bs) - x)
                 bound = np.broadcast_to(scale.reshape(spec.heads, 1, -1), x.shape) * np.float32(0.5) * (1 + 1e-5)
                 assert (err <= bound).all(), (i, blk, float(err.max()))
-                assert err.max() > 0                              # really quantized
+                assert err.max() > 0  # really quantized
 
 
 def test_key_channel_options_are_mutually_exclusive(session):
-    with pytest.raises(InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually "
-                                         "exclusive"):
+    with pytest.raises(
+        InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually exclusive"
+    ):
         with warns_deprecated(__file__, "key_channel_scales=, key_channel_zero_points= are deprecated"):
             session.new_state(cache="paged", key_channel_scales=True, key_channel_zero_points=True)
-    with pytest.raises(InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually "
-                                         "exclusive"):
+    with pytest.raises(
+        InputError, match="new_state: key_channel_scales and key_channel_zero_points are mutually exclusive"
+    ):
         with warns_deprecated(__file__, "kv_format=, key_channel_scales= are deprecated"):
-            session.new_state(cache="paged", kv_format="int8", key_channel_scales=True)   # "int8": channel zero points
+            session.new_state(cache="paged", kv_format="int8", key_channel_scales=True)  # "int8": channel zero points
     with pytest.raises(InputError, match="new_state: key_channel_zero_points must be a bool, got 1"):
         with warns_deprecated(__file__, "key_channel_zero_points= is deprecated"):
             session.new_state(cache="paged", key_channel_zero_points=1)
@@ -321,8 +329,14 @@ def test_key_channel_options_are_mutually_exclusive(session):
 
 def _state_bytes(st):
     t = st._paged.table
-    return ({k: v.tobytes() for k, v in st.values.items()}, t.tables.tobytes(), t.lengths.tolist(), st.steps,
-            [f.tolist() for f in st.pool.formats], st.pool.live_pages)
+    return (
+        {k: v.tobytes() for k, v in st.values.items()},
+        t.tables.tobytes(),
+        t.lengths.tolist(),
+        st.steps,
+        [f.tolist() for f in st.pool.formats],
+        st.pool.live_pages,
+    )
 
 
 @pytest.mark.parametrize("result", ["raise", ("int3", None), (4, None), ["int8"]])

@@ -1,8 +1,8 @@
 """Paged states: parity with contiguous caches, copy-on-write operations, exhaustion, eviction."""
+
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 
 import onnxkv
@@ -33,8 +33,9 @@ class Driver:
     def __init__(self, session, state, prompt):
         self.session, self.state = session, state
         self.logits_name = session.model.io.logits
-        self.b = FeedBuilder(session.plan.inputs, session.model, prompt, np.full(prompt.shape[0], prompt.shape[1]),
-                             0, thread_cache=False)
+        self.b = FeedBuilder(
+            session.plan.inputs, session.model, prompt, np.full(prompt.shape[0], prompt.shape[1]), 0, thread_cache=False
+        )
         feeds, _ = self.b.first()
         self.out = state.run(feeds, [self.logits_name])
 
@@ -135,7 +136,7 @@ def test_reorder_expands_beams_without_copies_and_bounds_committed_bytes(gqa):
     assert st.batch == k
     rng = np.random.default_rng(4)
     generated = 0
-    for step in range(6):
+    for _ in range(6):
         toks = rng.integers(0, MICRO.vocab_size, k)
         gqa.events.clear()
         d.step(toks)
@@ -260,8 +261,10 @@ def test_narrow_paged_cache_matches_narrow_contiguous(gqa):
     prompt = np.random.default_rng(10).integers(0, MICRO.vocab_size, (1, 6))
     for dt in ("float16", "bfloat16"):
         fmt = {"float16": "fp16", "bfloat16": "bf16"}[dt]
-        with gqa.new_state(cache=CacheConfig(kv_format=fmt)) as ref, \
-                gqa.new_state(cache=CacheConfig("paged", block_size=4, kv_format=fmt)) as st:
+        with (
+            gqa.new_state(cache=CacheConfig(kv_format=fmt)) as ref,
+            gqa.new_state(cache=CacheConfig("paged", block_size=4, kv_format=fmt)) as st,
+        ):
             want = Driver(gqa, ref, prompt).greedy(6)
             got = Driver(gqa, st, prompt).greedy(6)
             for w, g in zip(want, got):
@@ -337,7 +340,8 @@ def test_load_cache_rejects_bad_input_and_leaves_the_state_unchanged(gqa):
     with pytest.raises(InputError, match="block_size=4"):
         other_block.load_cache(data)
     other_model = onnxkv.Session(build_model("attention", MICRO, seed=1), threads=1).new_state(
-        cache=CacheConfig("paged", block_size=4))
+        cache=CacheConfig("paged", block_size=4)
+    )
     with pytest.raises(InputError, match="another model"):
         other_model.load_cache(data)
     for k, v in target.values.items():
@@ -366,5 +370,6 @@ def test_sliding_window_state_round_trips():
         assert int(st._paged.table.first[0]) > 0  # pages were evicted
         back.load_cache(st.save_cache())
         feeds = d.b.next(np.array([1]), d.out)
-        np.testing.assert_array_equal(back.run(feeds, [d.logits_name])[d.logits_name],
-                                      st.run(feeds, [d.logits_name])[d.logits_name])
+        np.testing.assert_array_equal(
+            back.run(feeds, [d.logits_name])[d.logits_name], st.run(feeds, [d.logits_name])[d.logits_name]
+        )

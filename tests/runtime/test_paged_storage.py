@@ -1,5 +1,6 @@
 """Where a paged state's pages live: slab storage by default (one lane per plane), an explicit allocator
 when given, adjacent pages per plane, and every slot returned by every operation."""
+
 from __future__ import annotations
 
 from itertools import pairwise
@@ -24,8 +25,9 @@ def gqa():
 
 def _decode(session, state, prompt, steps, rng):
     """Prefill ``prompt`` [B, S], then ``steps`` random tokens per row; returns the feed builder and outputs."""
-    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.full(prompt.shape[0], prompt.shape[1]), 0,
-                    thread_cache=False)
+    b = FeedBuilder(
+        session.plan.inputs, session.model, prompt, np.full(prompt.shape[0], prompt.shape[1]), 0, thread_cache=False
+    )
     feeds, _ = b.first()
     out = state.run(feeds, ["logits"])
     for _ in range(steps):
@@ -38,8 +40,9 @@ def test_paged_state_uses_slab_lanes_by_default(gqa):
     with gqa.new_state(cache=CacheConfig("paged", block_size=BS)) as st:
         slab = st.allocator
         assert isinstance(slab, SlabAllocator) and st.pool.allocator is slab
-        assert all(isinstance(a, SlabLane) and a.parent is slab and a.index == i
-                   for i, a in enumerate(st.pool.allocators))
+        assert all(
+            isinstance(a, SlabLane) and a.parent is slab and a.index == i for i, a in enumerate(st.pool.allocators)
+        )
         assert len(st.pool.allocators) == 2 * MICRO.num_layers
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (2, 9)), 5, rng)
         s = slab.stats()

@@ -1,14 +1,15 @@
 """State.quantize_pages to the plane's native format: a no-op on native pages, a proper native page again for
 converted ones (values, save_cache / load_cache, copy-on-write and attention all read it)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from state_steps import assert_same_values, last_logits, step_feeds, values_copy
 
 import onnxkv
 from onnxkv import CacheConfig
 from onnxkv.models.builders import MICRO, build_model
-from state_steps import assert_same_values, last_logits, step_feeds, values_copy
 
 BS = 4
 
@@ -54,8 +55,10 @@ def test_native_pages_converted_to_their_own_format_stay_as_they_are(session, ca
 @pytest.mark.parametrize("fmt", ["int8", "int4", "float16"])
 def test_converted_pages_become_native_pages_again(session, fmt):
     feeds = step_feeds(session, 9, 2)
-    with session.new_state(cache=CacheConfig("paged", block_size=BS)) as quantized, \
-            session.new_state(cache=CacheConfig("paged", block_size=BS)) as st:
+    with (
+        session.new_state(cache=CacheConfig("paged", block_size=BS)) as quantized,
+        session.new_state(cache=CacheConfig("paged", block_size=BS)) as st,
+    ):
         for s in (quantized, st):
             last_logits(s, feeds[0])
             s.quantize_pages([0, 1], fmt, fmt)

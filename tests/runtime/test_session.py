@@ -8,20 +8,22 @@ import warnings
 
 import numpy as np
 import pytest
+from deprecations import warns_deprecated
 from onnx import TensorProto, helper, numpy_helper
+from state_steps import step_feeds
 
 import onnxkv
-from deprecations import warns_deprecated
 from onnxkv import CacheConfig, InputError, KeyLayout, _kernels
 from onnxkv._deprecation import OnnxkvDeprecationWarning
 from onnxkv.models.builders import MICRO, build_model
-from state_steps import step_feeds
 
 
 def _feeds(batch=1, length=4):
-    f = {"input_ids": np.arange(1, length + 1)[None].repeat(batch, 0).astype(np.int64),
-         "attention_mask": np.ones((batch, length), np.int64),
-         "position_ids": np.arange(length)[None].repeat(batch, 0).astype(np.int64)}
+    f = {
+        "input_ids": np.arange(1, length + 1)[None].repeat(batch, 0).astype(np.int64),
+        "attention_mask": np.ones((batch, length), np.int64),
+        "position_ids": np.arange(length)[None].repeat(batch, 0).astype(np.int64),
+    }
     for i in range(MICRO.num_layers):
         for kv in ("key", "value"):
             f[f"past_key_values.{i}.{kv}"] = np.zeros((batch, MICRO.num_kv_heads, 0, MICRO.head_size), np.float32)
@@ -73,7 +75,9 @@ def test_event_log_counts_tensor_path_cache_copies_and_exports_json(tmp_path):
     assert t2["prefix_copied_bytes"] == 2 * layers * 5 * kv_row and t2["append_copied_bytes"] == 2 * layers * kv_row
     assert t2["allocations"] > 0 and t2["allocated_bytes"] > 0
     data = json.loads(log.to_json(str(tmp_path / "ev.json")))
-    assert len(data["events"]) == len(log) and data["totals"]["prefix_copied_bytes"] == log.totals()["prefix_copied_bytes"]
+    assert (
+        len(data["events"]) == len(log) and data["totals"]["prefix_copied_bytes"] == log.totals()["prefix_copied_bytes"]
+    )
     assert json.loads((tmp_path / "ev.json").read_text()) == data
     table = log.summary()
     assert table.splitlines()[0].split()[0] == "step" and len(table.splitlines()) == 4
@@ -89,8 +93,17 @@ def test_show_config_prints_versions_openmp_threads_and_kernel_levels():
     buf = io.StringIO()
     onnxkv.show_config(file=buf)
     text = buf.getvalue()
-    for key in ("onnxkv:", "openmp:", "threads:", "simd:", "simd_levels:", "amx:", "kernels:\n",
-                "\n  paged_attention: ", "\n  matmul_nbits_int8: "):
+    for key in (
+        "onnxkv:",
+        "openmp:",
+        "threads:",
+        "simd:",
+        "simd_levels:",
+        "amx:",
+        "kernels:\n",
+        "\n  paged_attention: ",
+        "\n  matmul_nbits_int8: ",
+    ):
         assert key in text
     cfg = onnxkv.config()
     assert cfg["simd"] == onnxkv.kernels.current_settings().simd == cfg["simd_levels"][-1]
@@ -108,8 +121,11 @@ def test_token_ids_outside_the_vocabulary_are_rejected_by_run_and_state_run(fami
     sess = onnxkv.Session(build_model(family, MICRO), threads=1)
     feeds = _feeds()
     feeds["input_ids"] = np.array([[1, bad, 2, 3]])
-    with pytest.raises(InputError, match=rf"input 'input_ids' holds token ids from {min(bad, 1)} to {max(bad, 3)}; "
-                                         rf"expected ids in \[0, {MICRO.vocab_size}\)"):
+    with pytest.raises(
+        InputError,
+        match=rf"input 'input_ids' holds token ids from {min(bad, 1)} to {max(bad, 3)}; "
+        rf"expected ids in \[0, {MICRO.vocab_size}\)",
+    ):
         sess.run(feeds)
     state = sess.new_state()
     state_feeds = {k: v for k, v in feeds.items() if not k.startswith("past")}
@@ -120,9 +136,13 @@ def test_token_ids_outside_the_vocabulary_are_rejected_by_run_and_state_run(fami
 
 def test_token_limit_comes_from_the_embedding_table_when_the_vocabulary_is_unknown():
     emb = numpy_helper.from_array(np.arange(10, dtype=np.float32).reshape(5, 2), "emb")
-    g = helper.make_graph([helper.make_node("Gather", ["emb", "input_ids"], ["logits"])], "g",
-                          [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["b", "s"])],
-                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", "h"])], [emb])
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["emb", "input_ids"], ["logits"])],
+        "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["b", "s"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", "h"])],
+        [emb],
+    )
     sess = onnxkv.Session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), threads=1)
     assert sess.model.vocab_size is None and sess.token_limit == 5
     np.testing.assert_array_equal(sess.run({"input_ids": np.array([[4]], np.int32)})["logits"], [[[8, 9]]])
@@ -147,8 +167,9 @@ def test_ids_of_every_integer_width_are_checked(size, dtype):
             sess._check_token_ids(bad)
 
 
-@pytest.mark.parametrize("family, node", [("attention", "Attention"), ("concat", "MaskedAttention"),
-                                          ("gqa", "GroupQueryAttention")])
+@pytest.mark.parametrize(
+    "family, node", [("attention", "Attention"), ("concat", "MaskedAttention"), ("gqa", "GroupQueryAttention")]
+)
 def test_a_stateless_run_of_an_empty_batch_names_the_attention_node(family, node):
     s = onnxkv.Session(build_model(family, MICRO, seed=1), threads=1)
     feeds = {}
@@ -188,13 +209,19 @@ def test_new_state_takes_a_cache_config_or_a_kind(gqa):
 
 
 def test_new_state_rejects_tensor_kinds_mixed_spellings_and_unknown_keywords(gqa):
-    with pytest.raises(InputError, match=r"^Session.new_state: cache must be a CacheConfig, one of 'contiguous', "
-                                         r"'paged' or None, got 'tensor'"):
+    with pytest.raises(
+        InputError,
+        match=r"^Session.new_state: cache must be a CacheConfig, one of 'contiguous', "
+        r"'paged' or None, got 'tensor'",
+    ):
         gqa.new_state(cache="tensor")
     with pytest.raises(InputError, match=r"^Session.new_state: cache kind 'tensor' is not supported here"):
         gqa.new_state(cache=CacheConfig("tensor"))
-    with pytest.raises(InputError, match=r"^Session.new_state: block_size= cannot be combined with "
-                                         r"cache=CacheConfig\(...\); put them in the CacheConfig"):
+    with pytest.raises(
+        InputError,
+        match=r"^Session.new_state: block_size= cannot be combined with "
+        r"cache=CacheConfig\(...\); put them in the CacheConfig",
+    ):
         gqa.new_state(cache=CacheConfig("paged"), block_size=4)
     with pytest.raises(TypeError, match="unexpected keyword argument 'blocksize'"):
         gqa.new_state(blocksize=4)
@@ -207,10 +234,14 @@ LEGACY_STATE = [
     (dict(cache="paged", block_size=4), CacheConfig("paged", block_size=4)),
     (dict(cache="paged", block_size=4, max_pages=64), CacheConfig("paged", block_size=4, max_pages=64)),
     (dict(cache="paged", block_size=4, kv_format="int8"), CacheConfig("paged", block_size=4, kv_format="int8")),
-    (dict(cache="paged", block_size=4, kv_format="int4", key_channel_scales=True),
-     CacheConfig("paged", block_size=4, kv_format="int4", key_layout=KeyLayout.CHANNEL)),
-    (dict(cache="paged", block_size=4, kv_format="int8-head", key_channel_zero_points=True),
-     CacheConfig("paged", block_size=4, kv_format="int8-head", key_layout=KeyLayout.CHANNEL_ZERO_POINT)),
+    (
+        dict(cache="paged", block_size=4, kv_format="int4", key_channel_scales=True),
+        CacheConfig("paged", block_size=4, kv_format="int4", key_layout=KeyLayout.CHANNEL),
+    ),
+    (
+        dict(cache="paged", block_size=4, kv_format="int8-head", key_channel_zero_points=True),
+        CacheConfig("paged", block_size=4, kv_format="int8-head", key_layout=KeyLayout.CHANNEL_ZERO_POINT),
+    ),
 ]
 
 
@@ -219,8 +250,11 @@ def test_deprecated_state_keywords_warn_and_match_their_cache_config(gqa, legacy
     feeds = step_feeds(gqa, 9, 4)
     want, want_bytes = _drive(gqa.new_state(cache=config), feeds)
     names = ", ".join(k + "=" for k in legacy if k != "cache")
-    with warns_deprecated(__file__, rf"^Session.new_state: {names} (is|are) deprecated; pass "
-                                    r"cache=onnxkv.CacheConfig\(kind=..., ...\) instead \("):
+    with warns_deprecated(
+        __file__,
+        rf"^Session.new_state: {names} (is|are) deprecated; pass "
+        r"cache=onnxkv.CacheConfig\(kind=..., ...\) instead \(",
+    ):
         state = gqa.new_state(**legacy)
     assert state.capacity == config.capacity
     got, got_bytes = _drive(state, feeds)
@@ -231,9 +265,12 @@ def test_deprecated_state_keywords_warn_and_match_their_cache_config(gqa, legacy
 
 def test_key_layouts_are_applied(gqa):
     feeds = step_feeds(gqa, 9, 4)
-    runs = {layout: _drive(gqa.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int4",
-                                                           key_layout=layout)), feeds)
-            for layout in KeyLayout}
+    runs = {
+        layout: _drive(
+            gqa.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int4", key_layout=layout)), feeds
+        )
+        for layout in KeyLayout
+    }
     assert runs[KeyLayout.HEAD][1] < runs[KeyLayout.CHANNEL][1]  # a scale per channel costs header bytes
     last = [logits[-1] for logits, _ in runs.values()]  # each layout rounds the keys its own way
     assert not any(np.array_equal(last[i], last[j]) for i in range(3) for j in range(i))

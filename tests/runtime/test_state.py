@@ -7,9 +7,9 @@ import threading
 
 import numpy as np
 import pytest
+from deprecations import warns_deprecated
 
 import onnxkv
-from deprecations import warns_deprecated
 from onnxkv import CacheCapacityError, CacheConfig
 from onnxkv.errors import Cancelled, InputError, StateError
 from onnxkv.generate.feeds import FeedBuilder
@@ -60,8 +60,8 @@ def test_in_place_matches_tensor_path(session):
     for layer in conv.layers:
         for past, present in ((layer.past_key, layer.present_key), (layer.past_value, layer.present_value)):
             # the valid positions; a static cache's present also holds its zeros up to the capacity
-            np.testing.assert_array_equal(state.values[past], tensor_out[present][:, :, :state.length])
-            assert not tensor_out[present][:, :, state.length:].any()
+            np.testing.assert_array_equal(state.values[past], tensor_out[present][:, :, : state.length])
+            assert not tensor_out[present][:, :, state.length :].any()
     state.close()
 
 
@@ -291,12 +291,13 @@ def test_narrow_cache_needs_a_gqa_model():
     with pytest.raises(onnxkv.InputError, match="GroupQueryAttention"):
         sess.new_state(cache=CacheConfig(kv_format="fp16"))
     gqa = onnxkv.Session(build_model("gqa", MICRO), threads=1)
-    with warns_deprecated(__file__, "cache_dtype= is deprecated"), \
-            pytest.raises(onnxkv.InputError, match="cache_dtype"):
-        gqa.new_state(cache_dtype="int8")   # State's own check, through the deprecated keyword
+    with (
+        warns_deprecated(__file__, "cache_dtype= is deprecated"),
+        pytest.raises(onnxkv.InputError, match="cache_dtype"),
+    ):
+        gqa.new_state(cache_dtype="int8")  # State's own check, through the deprecated keyword
     with pytest.raises(onnxkv.InputError, match="kv_format='int8' .page formats. needs kind='paged'"):
         CacheConfig(kv_format="int8")
-
 
 
 def test_truncate_rolls_back_and_replays_identically(session):

@@ -1,5 +1,6 @@
 """States and sessions given allocators that break their contract: every buffer is rejected before a kernel
 writes to it, the state is unchanged and goes on with a good allocator; a failing free leaves it whole."""
+
 from __future__ import annotations
 
 import gc
@@ -10,16 +11,16 @@ import textwrap
 
 import numpy as np
 import pytest
+from hostile_allocators import MODES, TYPED_ONLY, Hostile
+from state_steps import assert_same_values, last_logits, step_feeds, values_copy
 
 import onnxkv
-from hostile_allocators import MODES, TYPED_ONLY, Hostile
 from onnxkv import CacheConfig
 from onnxkv.alloc import SlabAllocator
 from onnxkv.cache.page_set import PageSet
-from onnxkv.errors import OutOfMemory, StateError
+from onnxkv.errors import OutOfMemory
 from onnxkv.models.builders import MICRO, build_model
 from onnxkv.models.paged import PagedConfig, build_paged_model
-from state_steps import assert_same_values, last_logits, step_feeds, values_copy
 
 ALL = {**MODES, **TYPED_ONLY}
 
@@ -161,8 +162,10 @@ def test_int8_policy_rejects_broken_payloads_and_converts_later(session, mode):
 def test_quantize_pages_rejects_broken_payloads_and_changes_nothing(session, mode):
     feeds = step_feeds(session, 9, 0)
     alloc = Hostile()
-    with session.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=4)) as st, \
-            session.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
+    with (
+        session.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=4)) as st,
+        session.new_state(cache=CacheConfig("paged", block_size=4)) as ref,
+    ):
         st.run(feeds[0])
         ref.run(feeds[0])
         fork = st.fork()[0]  # shared pages: the call copies them first
@@ -201,14 +204,30 @@ def test_quantize_pages_after_a_failed_batch_reuses_its_addresses(session):
 
 def _paged_model_feeds(cfg, rng, batch=1):
     table = np.arange(cfg.max_blocks * batch, dtype=np.int32).reshape(batch, cfg.max_blocks)
-    prompt = {"hidden": rng.standard_normal((batch, 8, cfg.hidden_size)).astype(np.float32), "block_table": table,
-              "seqlens_k": np.zeros(batch, np.int32)}
-    params = {f"{p}_scale.{i}": np.full((2, cfg.num_kv_heads), 0.05, np.float32)
-              for p in ("key", "value") for i in range(cfg.num_layers)}
-    params.update({f"{p}_zero_point.{i}": np.zeros((2, cfg.num_kv_heads), np.int8)
-                   for p in ("key", "value") for i in range(cfg.num_layers)})
-    step = {"hidden": rng.standard_normal((batch, 1, cfg.hidden_size)).astype(np.float32), "block_table": table,
-            "seqlens_k": np.full(batch, 8, np.int32), "quantize_blocks": np.array([0, 1], np.int32), **params}
+    prompt = {
+        "hidden": rng.standard_normal((batch, 8, cfg.hidden_size)).astype(np.float32),
+        "block_table": table,
+        "seqlens_k": np.zeros(batch, np.int32),
+    }
+    params = {
+        f"{p}_scale.{i}": np.full((2, cfg.num_kv_heads), 0.05, np.float32)
+        for p in ("key", "value")
+        for i in range(cfg.num_layers)
+    }
+    params.update(
+        {
+            f"{p}_zero_point.{i}": np.zeros((2, cfg.num_kv_heads), np.int8)
+            for p in ("key", "value")
+            for i in range(cfg.num_layers)
+        }
+    )
+    step = {
+        "hidden": rng.standard_normal((batch, 1, cfg.hidden_size)).astype(np.float32),
+        "block_table": table,
+        "seqlens_k": np.full(batch, 8, np.int32),
+        "quantize_blocks": np.array([0, 1], np.int32),
+        **params,
+    }
     return prompt, step
 
 
@@ -221,13 +240,13 @@ def test_declared_binding_state_rejects_broken_storage_and_payloads(mode):
         want = [ref.run(f)["output"] for f in (prompt, step)]
     alloc = Hostile()
     with sess.new_state(allocator=alloc) as st:
-        _reject(alloc, mode, lambda: st.run(prompt))  # the page tensors themselves
+        _reject(alloc, mode, lambda: st.run(prompt))  # the page tensors themselves  # noqa: F821  (ruff misreads the with-target inside the lambda)
         assert st.steps == 0 and not any(v.any() for v in st.values.values())  # at most a layer's fresh zeros
         np.testing.assert_array_equal(st.run(prompt)["output"], want[0])
         storage = [st._values[f"past.{i}"][1] for i in range(cfg.num_layers)]
         before = [a.copy() for a in storage]
         if mode not in TYPED_ONLY:  # the converted pages' payloads are bytes
-            _reject(alloc, mode, lambda: st.run(step))
+            _reject(alloc, mode, lambda: st.run(step))  # noqa: F821
             for a, b in zip(storage, before):
                 np.testing.assert_array_equal(a, b)
                 assert PageSet.of(a) is None or not PageSet.of(a).any_converted
@@ -268,8 +287,10 @@ def test_contiguous_growth_whose_free_fails_publishes_the_run_and_logs(session, 
         alloc.free_raises = True
         with caplog.at_level(logging.WARNING, logger="onnxkv.alloc"):
             np.testing.assert_array_equal(last_logits(st, feeds[1]), want[1])
-        assert any("past_key_values.0.key" in r.getMessage() and "hostile free refuses" in r.getMessage()
-                   for r in caplog.records)
+        assert any(
+            "past_key_values.0.key" in r.getMessage() and "hostile free refuses" in r.getMessage()
+            for r in caplog.records
+        )
         assert st.length == 5  # the 4-token prompt and one step: past the initial capacity of 4
         alloc.free_raises = False
         for f, w in zip(feeds[2:], want[2:]):
@@ -320,4 +341,3 @@ def test_a_state_closes_whatever_its_allocator_free_does(session, caplog):
         st.close()
     assert st.closed and st.values == {}
     assert sum("hostile free refuses" in r.getMessage() for r in caplog.records) == 2 * MICRO.num_layers
-

@@ -17,9 +17,9 @@ import functools
 
 import numpy as np
 import pytest
+from faults import CancelOnCheck, failing_after
 from onnx import TensorProto, helper
 
-from faults import CancelOnCheck, failing_after
 import onnxkv
 from onnxkv import CacheConfig
 from onnxkv.cache.page_set import PageSet
@@ -37,11 +37,17 @@ def snapshot(states) -> list[dict]:
     """Everything a failed run must leave as it was, for each state (and its pool, audited)."""
     out = []
     for st in states:
-        snap = {"lengths": st.lengths.tolist(), "length": st.length, "committed": st.committed_bytes,
-                "steps": st.steps, "values": {k: v.tobytes() for k, v in st.values.items()}}
+        snap = {
+            "lengths": st.lengths.tolist(),
+            "length": st.length,
+            "committed": st.committed_bytes,
+            "steps": st.steps,
+            "values": {k: v.tobytes() for k, v in st.values.items()},
+        }
         if st._static and st._caches:  # a static cache's whole storage is what the model reads
-            snap["storage"] = {k: (c.gather(st._static_capacity) if st.paged else c.buffer).tobytes()
-                               for k, c in st._caches.items()}
+            snap["storage"] = {
+                k: (c.gather(st._static_capacity) if st.paged else c.buffer).tobytes() for k, c in st._caches.items()
+            }
         if st._paged is not None:
             t = st._paged.table
             snap["table"] = (t.tables.tobytes(), t.tables.shape, t.lengths.tolist(), t.first.tolist())
@@ -49,8 +55,13 @@ def snapshot(states) -> list[dict]:
             st.pool.audit()
             refs = st.pool.core.refs()
             live = np.flatnonzero(refs)
-            snap["pool"] = (st.pool.live_pages, st.pool.committed_bytes, live.tolist(), refs[live].tolist(),
-                            [f[live].tolist() for f in st.pool.formats])
+            snap["pool"] = (
+                st.pool.live_pages,
+                st.pool.committed_bytes,
+                live.tolist(),
+                refs[live].tolist(),
+                [f[live].tolist() for f in st.pool.formats],
+            )
         for name, (_, arr) in st._values.items():  # pages QuantizePagedCache converted (none: every page native)
             handle = PageSet.of(arr)
             if handle is not None:
@@ -77,7 +88,7 @@ def assert_every_stop_leaves_states_unchanged(session, state, feeds, watched=())
         assert snapshot(states) == before, f"cancellation before node {k} ({plan.nodes[k].op_type}) changed a state"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family_session(family: str, events: bool = False) -> onnxkv.Session:
     model = embedded.embedded_model_dir() if family == "embedded" else build_model(family, MICRO, seed=7)
     return onnxkv.Session(model, threads=1, events=events)
@@ -85,21 +96,25 @@ def family_session(family: str, events: bool = False) -> onnxkv.Session:
 
 def steps(session, prompt):
     """Feeds of a prefill of ``prompt`` and of two decode steps (tokens fixed, not sampled)."""
-    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.full(len(prompt), prompt.shape[1]), 0,
-                    thread_cache=False)
+    b = FeedBuilder(
+        session.plan.inputs, session.model, prompt, np.full(len(prompt), prompt.shape[1]), 0, thread_cache=False
+    )
     first, _ = b.first()
     return [first, b.next(np.arange(3, 3 + len(prompt)), {}), b.next(np.arange(5, 5 + len(prompt)), {})]
 
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
-@pytest.mark.parametrize("family, events", [(f, False) for f in FAMILIES] + [("gqa", True)],
-                         ids=FAMILIES + ["gqa-events"])
+@pytest.mark.parametrize(
+    "family, events", [(f, False) for f in FAMILIES] + [("gqa", True)], ids=FAMILIES + ["gqa-events"]
+)
 def test_failed_and_cancelled_runs_leave_the_state_byte_identical(family, events, cache):
     session = family_session(family, events)
     prompt = np.random.default_rng(3).integers(1, 90, (2, 5))
     feeds = steps(session, prompt)
-    make = functools.partial(session.new_state, cache=CacheConfig(cache, block_size=4) if cache == "paged"
-                             else CacheConfig(cache, initial_capacity=6))
+    make = functools.partial(
+        session.new_state,
+        cache=CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache, initial_capacity=6),
+    )
     reference = make()
     want = [reference.run(f) for f in feeds]
 
@@ -140,8 +155,12 @@ def test_a_static_cache_rewriting_committed_slots_is_restored(cache):
     state = session.new_state(cache=CacheConfig(cache, block_size=4) if cache == "paged" else CacheConfig(cache))
     state.run(steps(session, prompt)[0])
     cap = MICRO.max_length
-    rewind = {"input_ids": np.array([[7, 8]]), "attention_mask": (np.arange(cap) < 4).astype(np.int64)[None],
-              "position_ids": np.array([[2, 3]]), "write_indices": np.array([2])}
+    rewind = {
+        "input_ids": np.array([[7, 8]]),
+        "attention_mask": (np.arange(cap) < 4).astype(np.int64)[None],
+        "position_ids": np.array([[2, 3]]),
+        "write_indices": np.array([2]),
+    }
     assert_every_stop_leaves_states_unchanged(session, state, rewind)
     assert state.length == 6
     state.run(rewind)
@@ -152,8 +171,12 @@ def test_a_static_cache_rewriting_committed_slots_is_restored(cache):
 def jump(session, to: int, tokens: int = 1) -> dict:
     """Feeds writing ``tokens`` tokens from slot ``to`` of a static cache (the slots before it may be skipped)."""
     cap = session.model.convention.capacity
-    return {"input_ids": np.arange(9, 9 + tokens)[None], "position_ids": np.arange(to, to + tokens)[None],
-            "attention_mask": (np.arange(cap) < to + tokens).astype(np.int64)[None], "write_indices": np.array([to])}
+    return {
+        "input_ids": np.arange(9, 9 + tokens)[None],
+        "position_ids": np.arange(to, to + tokens)[None],
+        "attention_mask": (np.arange(cap) < to + tokens).astype(np.int64)[None],
+        "write_indices": np.array([to]),
+    }
 
 
 @pytest.mark.parametrize("origin, length", [("fork", 6), ("load", 6), ("load", 5)])
@@ -196,19 +219,25 @@ CAP, H, D = 8, 2, 4
 
 def cache_update_model():
     """Two CacheUpdate nodes (per-row positions) on declared persistent caches, read by later nodes."""
-    nodes = [helper.make_node("CacheUpdate", ["past_k", "new", "pos"], ["present_k"], domain="ai.onnxkv", name="k"),
-             helper.make_node("Neg", ["new"], ["new_v"], name="neg"),
-             helper.make_node("CacheUpdate", ["past_v", "new_v", "pos"], ["present_v"], domain="ai.onnxkv", name="v"),
-             helper.make_node("Mul", ["present_k", "present_v"], ["product"], name="mul"),
-             helper.make_node("ReduceSum", ["product"], ["total"], keepdims=0, name="sum")]
+    nodes = [
+        helper.make_node("CacheUpdate", ["past_k", "new", "pos"], ["present_k"], domain="ai.onnxkv", name="k"),
+        helper.make_node("Neg", ["new"], ["new_v"], name="neg"),
+        helper.make_node("CacheUpdate", ["past_v", "new_v", "pos"], ["present_v"], domain="ai.onnxkv", name="v"),
+        helper.make_node("Mul", ["present_k", "present_v"], ["product"], name="mul"),
+        helper.make_node("ReduceSum", ["product"], ["total"], keepdims=0, name="sum"),
+    ]
     cache = [2, H, CAP, D]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in ("past_k", "past_v")]
-    inputs += [helper.make_tensor_value_info("new", TensorProto.FLOAT, [2, H, "S", D]),
-               helper.make_tensor_value_info("pos", TensorProto.INT64, [2])]
+    inputs += [
+        helper.make_tensor_value_info("new", TensorProto.FLOAT, [2, H, "S", D]),
+        helper.make_tensor_value_info("pos", TensorProto.INT64, [2]),
+    ]
     outputs = [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])]
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache) for n in ("present_k", "present_v")]
-    m = helper.make_model(helper.make_graph(nodes, "declared", inputs, outputs),
-                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)])
+    m = helper.make_model(
+        helper.make_graph(nodes, "declared", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)],
+    )
     for node in (m.graph.node[0], m.graph.node[2]):
         set_output_alias(node, [OutputAlias(0, 0)])
     for i in (0, 1):
@@ -219,18 +248,32 @@ def cache_update_model():
 
 def paged_cache_update_model():
     """PagedCacheUpdate on a declared persistent page tensor [P, H, 2, D], read by a later node."""
-    nodes = [helper.make_node("PagedCacheUpdate", ["past", "table", "new", "pos"], ["present"], domain="ai.onnxkv",
-                              name="update", block_size=2),
-             helper.make_node("ReduceSum", ["present"], ["total"], keepdims=0, name="sum")]
+    nodes = [
+        helper.make_node(
+            "PagedCacheUpdate",
+            ["past", "table", "new", "pos"],
+            ["present"],
+            domain="ai.onnxkv",
+            name="update",
+            block_size=2,
+        ),
+        helper.make_node("ReduceSum", ["present"], ["total"], keepdims=0, name="sum"),
+    ]
     pages = [6, H, 2, D]
-    inputs = [helper.make_tensor_value_info("past", TensorProto.FLOAT, pages),
-              helper.make_tensor_value_info("table", TensorProto.INT64, [2, 3]),
-              helper.make_tensor_value_info("new", TensorProto.FLOAT, [2, H, "S", D]),
-              helper.make_tensor_value_info("pos", TensorProto.INT64, [2])]
-    outputs = [helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
-               helper.make_tensor_value_info("present", TensorProto.FLOAT, pages)]
-    m = helper.make_model(helper.make_graph(nodes, "declared_pages", inputs, outputs),
-                          opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)])
+    inputs = [
+        helper.make_tensor_value_info("past", TensorProto.FLOAT, pages),
+        helper.make_tensor_value_info("table", TensorProto.INT64, [2, 3]),
+        helper.make_tensor_value_info("new", TensorProto.FLOAT, [2, H, "S", D]),
+        helper.make_tensor_value_info("pos", TensorProto.INT64, [2]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
+        helper.make_tensor_value_info("present", TensorProto.FLOAT, pages),
+    ]
+    m = helper.make_model(
+        helper.make_graph(nodes, "declared_pages", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)],
+    )
     set_output_alias(m.graph.node[0], [OutputAlias(0, 0)])
     set_access(m.graph.input[0], Access.READ_WRITE)
     set_persistent_bindings(m.graph, {"past": "present"})
@@ -246,8 +289,11 @@ def cache_update_steps():
     rng = np.random.default_rng(5)
     new = [rng.standard_normal((2, H, s, D)).astype(np.float32) for s in (3, 1, 2)]
     # the third step rewrites committed positions (row 1 from 2): they must come back after a failure
-    return [{"new": new[0], "pos": np.array([0, 0])}, {"new": new[1], "pos": np.array([3, 3])},
-            {"new": new[2], "pos": np.array([4, 2])}]
+    return [
+        {"new": new[0], "pos": np.array([0, 0])},
+        {"new": new[1], "pos": np.array([3, 3])},
+        {"new": new[2], "pos": np.array([4, 2])},
+    ]
 
 
 def paged_steps(cfg, quantize):
@@ -280,8 +326,9 @@ def test_declared_bindings_are_restored_after_every_node(model, events):
         feeds = paged_cache_update_steps()
     else:
         quantize = model == "paged-quantize"
-        cfg = PagedConfig(num_layers=2, num_pages=16, **({"key_format": "int8", "value_format": "int8"}
-                                                         if quantize else {}))
+        cfg = PagedConfig(
+            num_layers=2, num_pages=16, **({"key_format": "int8", "value_format": "int8"} if quantize else {})
+        )
         session = onnxkv.Session(build_paged_model(cfg, seed=2), threads=1, events=events)
         feeds = paged_steps(cfg, quantize)
     reference = session.new_state()

@@ -29,21 +29,22 @@ import functools
 
 import numpy as np
 import pytest
+from deprecations import warns_deprecated
+from faults import CancelOnCheck, failing_after
+from fuzzing import hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
-from faults import CancelOnCheck, failing_after
-from fuzzing import hypothesis_settings
 import onnxkv
-from deprecations import warns_deprecated
 from onnxkv import CacheConfig
 from onnxkv.cache.paged import PagedCache
 from onnxkv.cache.policy import POLICIES as PAGE_POLICIES
 from onnxkv.errors import Cancelled, InputError, OperatorError, OutOfMemory, StateError
 from onnxkv.models.builders import DecoderConfig, build_model
 
-CFG = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                    max_length=64)
+CFG = DecoderConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_length=64
+)
 BLOCK = 2
 MAX_TOKENS = 20
 #: Page formats quantize_pages may pick, with the error bound of a value stored in them, relative to the range
@@ -55,7 +56,7 @@ NATIVE = 1e-5
 POLICIES = {"fp16": FORMATS["float16"], "int8": FORMATS["int8"], "int8-kivi": FORMATS["uint8"]}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def session(family: str) -> onnxkv.Session:
     cfg = dataclasses.replace(CFG, max_length=MAX_TOKENS + 4) if family == "tensorscatter" else CFG  # static: small
     return onnxkv.Session(build_model(family, cfg, seed=11), threads=1)
@@ -67,8 +68,10 @@ def feeds(sess: onnxkv.Session, length: int, tokens: np.ndarray) -> dict:
     io = sess.model.io
     capacity = sess.model.convention.capacity
     columns = np.arange(capacity if capacity else length + s)  # a static cache's mask spans its capacity
-    out = {io.input_ids: tokens.astype(np.int64),
-           io.attention_mask: np.broadcast_to(columns < length + s, (b, len(columns))).astype(np.int64)}
+    out = {
+        io.input_ids: tokens.astype(np.int64),
+        io.attention_mask: np.broadcast_to(columns < length + s, (b, len(columns))).astype(np.int64),
+    }
     if io.position_ids:
         out[io.position_ids] = np.broadcast_to(np.arange(length, length + s), (b, s)).astype(np.int64)
     if capacity:
@@ -145,24 +148,41 @@ class StateMachine(RuleBasedStateMachine):
 
     # -- making states -------------------------------------------------------------------------------------------
     def _prompt(self, data, batch: int, length: int) -> np.ndarray:
-        return np.array(data.draw(st.lists(st.lists(st.integers(0, CFG.vocab_size - 1), min_size=length,
-                                                     max_size=length), min_size=batch, max_size=batch)))
+        return np.array(
+            data.draw(
+                st.lists(
+                    st.lists(st.integers(0, CFG.vocab_size - 1), min_size=length, max_size=length),
+                    min_size=batch,
+                    max_size=batch,
+                )
+            )
+        )
 
     def _new_state(self, cache: str, data) -> Handle:
         tolerance = NATIVE
         if cache == "paged":
             policy = data.draw(st.sampled_from([None, None, "fp16", "int8", "int8-kivi"]), label="kv_format")
-            header = "float32" if policy else data.draw(st.sampled_from(["float32", "compact", "channel-zp"]),
-                                                        label="key header")
+            header = (
+                "float32"
+                if policy
+                else data.draw(st.sampled_from(["float32", "compact", "channel-zp"]), label="key header")
+            )
             max_pages = data.draw(st.sampled_from([None, *self.max_pages]), label="max_pages")
-            if header == "float32":   # "fp16" as the policy object: full pages converted, as the old kv_format="fp16"
-                state = self.sess.new_state(cache=CacheConfig("paged", block_size=BLOCK, max_pages=max_pages,
-                                                              kv_format=policy and PAGE_POLICIES[policy]))
-            else:   # a key layout without a page format has no CacheConfig spelling: the deprecated keywords
+            if header == "float32":  # "fp16" as the policy object: full pages converted, as the old kv_format="fp16"
+                state = self.sess.new_state(
+                    cache=CacheConfig(
+                        "paged", block_size=BLOCK, max_pages=max_pages, kv_format=policy and PAGE_POLICIES[policy]
+                    )
+                )
+            else:  # a key layout without a page format has no CacheConfig spelling: the deprecated keywords
                 with warns_deprecated(__file__, "key_channel_.* deprecated"):
-                    state = self.sess.new_state(cache="paged", block_size=BLOCK, max_pages=max_pages,
-                                                key_channel_scales=header == "compact",
-                                                key_channel_zero_points=header == "channel-zp")
+                    state = self.sess.new_state(
+                        cache="paged",
+                        block_size=BLOCK,
+                        max_pages=max_pages,
+                        key_channel_scales=header == "compact",
+                        key_channel_zero_points=header == "channel-zp",
+                    )
             tolerance = POLICIES.get(policy, NATIVE)
         else:
             state = self.sess.new_state(cache=CacheConfig(initial_capacity=4))
@@ -170,13 +190,23 @@ class StateMachine(RuleBasedStateMachine):
         self.live.append(h)
         return h
 
-    @initialize(target=states, cache=st.sampled_from(["contiguous", "paged", "paged"]), batch=st.integers(1, 3),
-                length=st.integers(1, 8), data=st.data())
+    @initialize(
+        target=states,
+        cache=st.sampled_from(["contiguous", "paged", "paged"]),
+        batch=st.integers(1, 3),
+        length=st.integers(1, 8),
+        data=st.data(),
+    )
     def first_state(self, cache, batch, length, data):
         return self._started(cache, batch, length, data)
 
-    @rule(target=states, cache=st.sampled_from(["contiguous", "paged", "paged"]), batch=st.integers(1, 3),
-          length=st.integers(1, 8), data=st.data())
+    @rule(
+        target=states,
+        cache=st.sampled_from(["contiguous", "paged", "paged"]),
+        batch=st.integers(1, 3),
+        length=st.integers(1, 8),
+        data=st.data(),
+    )
     def new_state(self, cache, batch, length, data):
         return self._started(cache, batch, length, data)
 
@@ -300,11 +330,14 @@ class StateMachine(RuleBasedStateMachine):
     def quantize_pages(self, h, data):
         if h not in self.live or not h.paged or h.length < BLOCK:
             return
-        blocks = data.draw(st.lists(st.integers(0, h.length // BLOCK - 1), min_size=1, max_size=3, unique=True),
-                           label="blocks")
+        blocks = data.draw(
+            st.lists(st.integers(0, h.length // BLOCK - 1), min_size=1, max_size=3, unique=True), label="blocks"
+        )
         names = [None, *FORMATS]
-        k_fmt, v_fmt = data.draw(st.tuples(st.sampled_from(names), st.sampled_from(names))
-                                 .filter(lambda f: f != (None, None)), label="formats")
+        k_fmt, v_fmt = data.draw(
+            st.tuples(st.sampled_from(names), st.sampled_from(names)).filter(lambda f: f != (None, None)),
+            label="formats",
+        )
         before = snapshot(h)
         try:
             h.state.quantize_pages(blocks, k_fmt, v_fmt)
@@ -363,7 +396,7 @@ class StateMachine(RuleBasedStateMachine):
             if h.state._static and h.state._caches:  # what the model reads past the written positions: zeros
                 cap = h.state._static_capacity
                 for name, c in h.state._caches.items():
-                    rest = (c.gather(cap) if h.paged else c.buffer)[:, :, h.length:]
+                    rest = (c.gather(cap) if h.paged else c.buffer)[:, :, h.length :]
                     assert not rest.any(), f"{h}: '{name}' holds non-zero values past the positions written"
 
     @invariant()
@@ -379,9 +412,17 @@ class StateMachine(RuleBasedStateMachine):
     def closed_states_reject_every_call(self):
         for h in self.closed:
             s = h.state
-            calls = [lambda: s.run(feeds(self.sess, 0, np.zeros((1, 1), np.int64))), lambda: s.fork(1),
-                     lambda: s.reorder([0]), lambda: s.truncate(0), s.checkpoint, lambda: s.quantize_pages([0], "int8", None),
-                     s.save_cache, lambda: s.load_cache(b""), s.reset]
+            calls = [
+                lambda: s.run(feeds(self.sess, 0, np.zeros((1, 1), np.int64))),
+                lambda: s.fork(1),
+                lambda: s.reorder([0]),
+                lambda: s.truncate(0),
+                s.checkpoint,
+                lambda: s.quantize_pages([0], "int8", None),
+                s.save_cache,
+                lambda: s.load_cache(b""),
+                s.reset,
+            ]
             for call in calls:
                 with pytest.raises(StateError, match="closed"):
                     call()
@@ -396,8 +437,11 @@ class StateMachine(RuleBasedStateMachine):
 def snapshot(h: Handle) -> dict:
     """What a failed call must leave as it was: lengths, bytes held, page table and every value's bytes."""
     s = h.state
-    snap = {"lengths": s.lengths.tolist() if s.batch else [], "committed": s.committed_bytes,
-            "values": {k: v.tobytes() for k, v in s.values.items()}}
+    snap = {
+        "lengths": s.lengths.tolist() if s.batch else [],
+        "committed": s.committed_bytes,
+        "values": {k: v.tobytes() for k, v in s.values.items()},
+    }
     if s._paged is not None:
         snap["table"] = (s._paged.table.tables.tobytes(), s._paged.table.lengths.tolist())
     return snap

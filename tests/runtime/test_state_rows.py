@@ -6,6 +6,7 @@ longest row's length, and new cache storage (contiguous buffers, growth,
 pages) is zero-filled.  The same feeds then give bit-identical outputs
 whatever another state sharing the allocator or page pool did before.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -159,23 +160,39 @@ def test_contiguous_lengths_follow_rows_and_truncate(gqa):
     np.testing.assert_array_equal(st.lengths, [4, 4])
 
 
-@pytest.mark.parametrize("family,message", [
-    ("attention", r"Attention node '/model/layers.0/self_attn/Attention': row 1 claims a past of 6 positions "
-                  r"\(past_key: the state's past of 6 positions, its longest row\) but has written only 5"),
-    ("concat", r"paged cache: row 1 would be written at position 6 but has written only 5 positions"),
-])
+@pytest.mark.parametrize(
+    "family,message",
+    [
+        (
+            "attention",
+            r"Attention node '/model/layers.0/self_attn/Attention': row 1 claims a past of 6 positions "
+            r"\(past_key: the state's past of 6 positions, its longest row\) but has written only 5",
+        ),
+        ("concat", r"paged cache: row 1 would be written at position 6 but has written only 5 positions"),
+    ],
+)
 def test_uniform_writers_refuse_rows_of_different_lengths(family, message):
     """Attention and Concat graphs append every row at the past length: a paged cache whose rows differ
     (as a loaded cache may declare) is refused before anything is written, not padded with stale bytes."""
     session = onnxkv.Session(build_model(family, MICRO, seed=3), threads=1)
     st = session.new_state(cache=CacheConfig("paged", block_size=4))
     ids = np.arange(1, 13, dtype=np.int64).reshape(2, 6)
-    st.run({"input_ids": ids, "attention_mask": np.ones((2, 6), np.int64),
-            "position_ids": np.broadcast_to(np.arange(6), (2, 6)).copy()})
+    st.run(
+        {
+            "input_ids": ids,
+            "attention_mask": np.ones((2, 6), np.int64),
+            "position_ids": np.broadcast_to(np.arange(6), (2, 6)).copy(),
+        }
+    )
     st._paged.table.lengths[1] = 5  # row 1 holds one position less
     live = st.pool.live_pages
     with pytest.raises(InputError, match=message):
-        st.run({"input_ids": np.array([[13], [14]]), "attention_mask": np.ones((2, 7), np.int64),
-                "position_ids": np.array([[6], [6]])})
+        st.run(
+            {
+                "input_ids": np.array([[13], [14]]),
+                "attention_mask": np.ones((2, 7), np.int64),
+                "position_ids": np.array([[6], [6]]),
+            }
+        )
     assert st.pool.live_pages == live
     st.pool.audit()
