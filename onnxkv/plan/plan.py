@@ -31,14 +31,13 @@ or a node failing on constant inputs, is a ModelError too.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
-from onnxkv.errors import Cancelled, InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
+from onnxkv.errors import InputError, ModelError, OnnxkvError, OperatorError, UnsupportedOperatorError
 from onnxkv.events import EventLog
 from onnxkv.model.contract import get_output_alias
 from onnxkv.model.tensors import check_attributes, tensor_array
@@ -54,7 +53,9 @@ from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
 from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
-from onnxkv.plan.shape_fold import ShapeFolder, static_dims
+from onnxkv.plan.run_loops import run_plain, run_recording
+from onnxkv.plan.shape_fold import ShapeFolder
+from onnxkv.plan.static_dims import static_dims
 from onnxkv.plan.subgraph import subgraph_model, type_kind
 
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
@@ -458,9 +459,9 @@ class Plan:
         rt = RunContext(bufs.plan_alloc, recording, step, caches, cache_allocator, cancel)
         try:
             if recording:
-                self._run_recording(slots, bufs, rt, events, step, cache_allocator, cancel)
+                run_recording(self, slots, bufs, rt, events, step, cache_allocator, cancel)
             else:
-                self._run_plain(slots, bufs, rt, cancel)
+                run_plain(self, slots, bufs, rt, cancel)
         except BaseException:
             try:
                 rt.finish(False)
@@ -495,7 +496,7 @@ class Plan:
             slots[s] = v
         bufs = self._take_buffers()
         try:
-            self._run_plain(slots, bufs, rt.nested(bufs.plan_alloc), rt.cancel)
+            run_plain(self, slots, bufs, rt.nested(bufs.plan_alloc), rt.cancel)
         except BaseException:
             bufs.close()
             raise
@@ -541,101 +542,3 @@ class Plan:
             return arr
 
         return alloc
-
-    def _node_failure(self, k: int, e: Exception) -> OperatorError:
-        node = self.nodes[k]
-        return OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}")
-
-    def _run_plain(self, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
-        release = bufs.release
-        get = slots.__getitem__
-        k = -1
-        try:
-            for (run, ins, outs), (check, clear, free) in zip(self._steps, self._after):
-                k += 1
-                rt._node = k
-                if cancel is not None and cancel.cancelled:
-                    raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
-                args = list(map(get, ins))
-                results = run(args, rt)
-                if check:
-                    self._check_aliases(k, args, results)
-                if len(outs) == 1:  # most nodes: no zip
-                    slots[outs[0]] = results[0]
-                else:
-                    for s, v in zip(outs, results):
-                        slots[s] = v
-                for s in clear:
-                    slots[s] = None
-                for s in free:
-                    release(s)
-        except OnnxkvError:
-            raise
-        except Exception as e:
-            raise self._node_failure(k, e) from e
-
-    def _run_recording(
-        self,
-        slots: list,
-        bufs: RunBuffers,
-        rt: RunContext,
-        events: EventLog,
-        step: int,
-        cache_allocator=None,
-        cancel=None,
-    ) -> None:
-        allocator = self.allocator
-        release = bufs.release
-        after = self._after
-        k = 0
-        try:
-            for k, (run, ins, outs) in enumerate(self._steps):
-                rt._node = k
-                if cancel is not None and cancel.cancelled:
-                    raise Cancelled(f"run cancelled before node '{self.nodes[k].name or self.nodes[k].output[0]}'")
-                rt.counters = {}
-                t0 = time.perf_counter()
-                args = [slots[i] for i in ins]
-                results = run(args, rt)
-                dt = time.perf_counter() - t0
-                check, clear, free = after[k]
-                if check:
-                    self._check_aliases(k, args, results)
-                for s, v in zip(outs, results):
-                    slots[s] = v
-                st = allocator.stats()
-                node = self.nodes[k]
-                events.record(
-                    step,
-                    node.name or node.output[0],
-                    node.op_type,
-                    "execute",
-                    seconds=dt,
-                    committed=st.committed,
-                    live=st.live,
-                    peak=st.peak,
-                    **rt.counters,
-                )
-                if rt.cache_events:
-                    cst = cache_allocator.stats()
-                    for past, cost in rt.cache_events:
-                        events.record(
-                            step,
-                            node.name or node.output[0],
-                            node.op_type,
-                            "cache_write",
-                            committed=cst.committed,
-                            live=cst.live,
-                            peak=cst.peak,
-                            extra={"cache": past},
-                            **vars(cost),
-                        )
-                    rt.cache_events.clear()
-                for s in clear:
-                    slots[s] = None
-                for s in free:
-                    release(s)
-        except OnnxkvError:
-            raise
-        except Exception as e:
-            raise self._node_failure(k, e) from e

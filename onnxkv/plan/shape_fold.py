@@ -7,7 +7,7 @@ head size) and the others are the same few run-time dims (batch, sequence
 lengths) read again and again.  :class:`ShapeFolder` removes that work while
 :class:`onnxkv.plan.plan.Plan` is built:
 
-1. **Dims** (:func:`static_dims`): ONNX shape inference on a copy of the graph
+1. **Dims** (:func:`onnxkv.plan.static_dims.static_dims`): ONNX shape inference on a copy of the graph
    whose only sources of dims are checked ones.  Graph inputs keep their
    declared positive integer dims (``Plan.bind_inputs`` rejects any feed that
    differs); every other input dim gets a symbol of its own (``"x[0]"``), so
@@ -57,14 +57,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from onnxkv.errors import ModelError
-from onnxkv.model.shape_inference import _light_model
 from onnxkv.plan.fusion import REPEAT_KV_INPUTS, RESHAPE_FROM_X, default_op
+from onnxkv.plan.static_dims import Entry
 
-__all__ = ["ShapeFolder", "static_dims"]
+__all__ = ["Entry", "ShapeFolder"]
 
-#: An entry of a shape value: the dim, a symbol (equal entries are equal at run time) or None (unknown).
-Entry = int | str | None
 #: Constants with at most this many elements are compared by value when merging nodes.
 _FINGERPRINT_LIMIT = 64
 #: Where a fused node's body may read a rewritten expand shape / reshape target: the RepeatKvMatMul inputs.
@@ -78,49 +75,6 @@ _RANDOM_WHEN_TRAINING = {"Dropout"}
 _KINDS = {"i": np.dtype(np.int64), "b": np.dtype(np.bool_)}
 #: A 0-/1-D value known in part: (flat entries, shape, kind); entries are Entry (kind "i") or bool / None ("b").
 Partial = tuple[tuple, tuple[int, ...], str]
-
-
-def static_dims(model: onnx.ModelProto) -> dict[str, tuple[Entry, ...]]:
-    """Value name -> dims (int, symbol or None) for every main-graph value of known rank.
-
-    Only checked facts feed the inference (see the module docstring): each
-    input dim that is not a declared positive integer becomes a symbol of its
-    own, ``value_info`` / output shapes and overridable initializer defaults are
-    removed before ONNX shape inference runs.  Raises ModelError when ONNX
-    shape inference itself fails.
-    """
-    light = _light_model(model)
-    graph = light.graph
-    del graph.value_info[:]
-    for out in graph.output:
-        if out.type.HasField("tensor_type"):
-            out.type.tensor_type.ClearField("shape")
-    declared = {vi.name for vi in model.graph.input}
-    kept = [t for t in graph.initializer if t.name not in declared]  # an input's default may be overridden
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    for vi in graph.input:
-        tt = vi.type.tensor_type
-        if tt.HasField("shape"):
-            for axis, d in enumerate(tt.shape.dim):
-                if not (d.HasField("dim_value") and d.dim_value > 0):
-                    d.Clear()
-                    d.dim_param = f"{vi.name}[{axis}]"
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, check_type=False, strict_mode=False, data_prop=True)
-    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-        raise ModelError(f"ONNX shape inference failed while folding shapes: {exc}") from None
-    dims: dict[str, tuple[Entry, ...]] = {}
-    for t in model.graph.initializer:
-        if t.name not in declared:
-            dims[t.name] = tuple(int(d) for d in t.dims)
-    for vi in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
-        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-        if tt is not None and tt.HasField("shape") and vi.name not in dims:
-            dims[vi.name] = tuple(
-                int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-            )
-    return dims
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -196,7 +150,7 @@ class ShapeFolder:
     """Partial evaluation, CSE and dead-node removal for one plan build; see the module docstring.
 
     Args:
-        dims: :func:`static_dims` of the plan's model.
+        dims: :func:`~onnxkv.plan.static_dims.static_dims` of the plan's model.
         protected: value names that must stay produced by their own node.
         merge: merge repeated deterministic nodes (pass False when some
             intermediate value may be written in place: merged values are shared).

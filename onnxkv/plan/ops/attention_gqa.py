@@ -98,7 +98,7 @@ from onnxkv.plan.ops._attention_math import (
     paged_causal_attention,
     position_bias,
 )
-from onnxkv.plan.ops._gqa_lengths import check_int32, row_lengths, scalar_total
+from onnxkv.plan.ops._gqa_inputs import check_int32, check_past, row_lengths, scalar_total, split_qkv
 from onnxkv.plan.ops._gqa_window import keep, stage, window_end
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -112,7 +112,6 @@ _INPUTS = (
 )  # fmt: skip
 _SUPPORTED_INPUTS = 12
 _INT32_MAX = 2**31 - 1
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 @register("GroupQueryAttention", domain="com.microsoft")
@@ -187,7 +186,7 @@ class GroupQueryAttention(Op):
         check_int32(self._input_error, "seqlens_k", seqlens_k)
         check_int32(self._input_error, "total_sequence_length", total_seqlen)
 
-        q, k, v = self._split_qkv(query, key, value)
+        q, k, v = split_qkv(self._input_error, self.num_heads, self.kv_num_heads, query, key, value)
         b, s, d = q.shape[0], q.shape[2], q.shape[3]
         dtype = query.dtype
         past_k_name, past_v_name = self._past_names
@@ -195,7 +194,9 @@ class GroupQueryAttention(Op):
         if self.window_cache and not in_place:
             return self._run_window_cache(rt, q, k, v, inputs, dtype)
         # A state's cache may be stored narrower (float16/bfloat16) than the model's type.
-        past_len = self._check_past(past_key, past_value, b, d, past_key.dtype if in_place else dtype)
+        past_len = check_past(
+            self._input_error, self.kv_num_heads, past_key, past_value, b, d, past_key.dtype if in_place else dtype
+        )
         total = scalar_total(self._input_error, total_seqlen, past_len, s)
         first_prompt = s == total
         if not first_prompt and s > 1 and b != 1:
@@ -316,7 +317,7 @@ class GroupQueryAttention(Op):
                 "sliding_window_cache=1 needs past_key and past_value (window-sized buffers of "
                 f"at least local_window_size={w} positions)"
             )
-        capacity = self._check_past(past_key, past_value, b, d, dtype)
+        capacity = check_past(self._input_error, self.kv_num_heads, past_key, past_value, b, d, dtype)
         if capacity < w:
             raise self._input_error(
                 f"sliding_window_cache=1 needs past buffers of at least local_window_size={w} positions, got {capacity}"
@@ -483,61 +484,6 @@ class GroupQueryAttention(Op):
     def _softmax_scale(self, d: int) -> float:
         """The ``scale`` attribute, or ``1/sqrt(head_size)`` when it is 0."""
         return self.scale if self.scale != 0 else 1.0 / np.sqrt(d)
-
-    def _split_qkv(
-        self, query: np.ndarray, key: np.ndarray | None, value: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Q [B, Hq, S, D], K and V [B, Hkv, S, D] views of the (possibly packed) inputs."""
-        hq, hkv = self.num_heads, self.kv_num_heads
-        if query.ndim != 3:
-            raise self._input_error(f"query must be 3-D [batch, seq, hidden], got shape {query.shape}")
-        if query.dtype not in _FLOATS:
-            raise self._input_error(f"query must be float32 or float16, got {query.dtype}")
-        b, s, hidden = query.shape
-        if (key is None) != (value is None):
-            raise self._input_error("key and value must be both present or both absent (packed QKV)")
-        if key is None:
-            heads = hq + 2 * hkv
-            if hidden % heads:
-                raise self._input_error(
-                    f"packed QKV hidden size {hidden} is not a multiple of num_heads + 2*kv_num_heads={heads}"
-                )
-            d = hidden // heads
-            qkv = query.reshape(b, s, heads, d).transpose(0, 2, 1, 3)
-            return qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
-        if hidden % hq:
-            raise self._input_error(f"query hidden size {hidden} is not a multiple of num_heads={hq}")
-        d = hidden // hq
-        for name, t in (("key", key), ("value", value)):
-            if t.shape != (b, s, hkv * d):
-                raise self._input_error(
-                    f"{name} must have shape {(b, s, hkv * d)} ([batch, seq, kv_num_heads*head_size]), got {t.shape}"
-                )
-            if t.dtype != query.dtype:
-                raise self._input_error(f"{name} dtype {t.dtype} differs from query dtype {query.dtype}")
-        return (
-            query.reshape(b, s, hq, d).transpose(0, 2, 1, 3),
-            key.reshape(b, s, hkv, d).transpose(0, 2, 1, 3),
-            value.reshape(b, s, hkv, d).transpose(0, 2, 1, 3),
-        )
-
-    def _check_past(
-        self, past_key: np.ndarray | None, past_value: np.ndarray | None, b: int, d: int, dtype: np.dtype
-    ) -> int:
-        """Validate the past buffers; return their sequence length P (0 when absent)."""
-        if (past_key is None) != (past_value is None):
-            raise self._input_error("past_key and past_value must be both present or both absent")
-        if past_key is None:
-            return 0
-        want = (b, self.kv_num_heads, past_key.shape[2] if past_key.ndim == 4 else -1, d)
-        for name, t in (("past_key", past_key), ("past_value", past_value)):
-            if t.ndim != 4 or t.shape != want:
-                raise self._input_error(
-                    f"{name} must be [batch, kv_num_heads, past_len, head_size]={want}, got {t.shape}"
-                )
-            if t.dtype != dtype:
-                raise self._input_error(f"{name} dtype {t.dtype} differs from query dtype {dtype}")
-        return past_key.shape[2]
 
     def _rotary(
         self,

@@ -1,0 +1,127 @@
+"""The loops that run a plan's nodes: plain, and recording every node in an event log.
+
+Both read the plan's prepared steps (``Plan._steps``: kernel call, input and
+output slots per node) and after-lists (``Plan._after``: alias check, slots to
+clear, buffers to free) and stop before a node when the run is cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from onnxkv.errors import Cancelled, OnnxkvError, OperatorError
+from onnxkv.events import EventLog
+from onnxkv.plan.buffers import RunBuffers
+from onnxkv.plan.context import RunContext
+
+if TYPE_CHECKING:
+    from onnxkv.plan.plan import Plan
+
+__all__ = ["run_plain", "run_recording"]
+
+
+def _node_failure(plan: Plan, k: int, e: Exception) -> OperatorError:
+    node = plan.nodes[k]
+    return OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}")
+
+
+def run_plain(plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
+    """Run every node of ``plan`` on ``slots`` (bound inputs; outputs land in their slots), releasing
+    values and buffers after their last use; a kernel's non-onnxkv exception becomes an OperatorError
+    naming the node."""
+    release = bufs.release
+    get = slots.__getitem__
+    k = -1
+    try:
+        for (run, ins, outs), (check, clear, free) in zip(plan._steps, plan._after):
+            k += 1
+            rt._node = k
+            if cancel is not None and cancel.cancelled:
+                raise Cancelled(f"run cancelled before node '{plan.nodes[k].name or plan.nodes[k].output[0]}'")
+            args = list(map(get, ins))
+            results = run(args, rt)
+            if check:
+                plan._check_aliases(k, args, results)
+            if len(outs) == 1:  # most nodes: no zip
+                slots[outs[0]] = results[0]
+            else:
+                for s, v in zip(outs, results):
+                    slots[s] = v
+            for s in clear:
+                slots[s] = None
+            for s in free:
+                release(s)
+    except OnnxkvError:
+        raise
+    except Exception as e:
+        raise _node_failure(plan, k, e) from e
+
+
+def run_recording(
+    plan: Plan,
+    slots: list,
+    bufs: RunBuffers,
+    rt: RunContext,
+    events: EventLog,
+    step: int,
+    cache_allocator=None,
+    cancel=None,
+) -> None:
+    """``run_plain`` that also records each node's time, counters and allocator figures, and each cache
+    write, in ``events`` under ``step``."""
+    allocator = plan.allocator
+    release = bufs.release
+    after = plan._after
+    k = 0
+    try:
+        for k, (run, ins, outs) in enumerate(plan._steps):
+            rt._node = k
+            if cancel is not None and cancel.cancelled:
+                raise Cancelled(f"run cancelled before node '{plan.nodes[k].name or plan.nodes[k].output[0]}'")
+            rt.counters = {}
+            t0 = time.perf_counter()
+            args = [slots[i] for i in ins]
+            results = run(args, rt)
+            dt = time.perf_counter() - t0
+            check, clear, free = after[k]
+            if check:
+                plan._check_aliases(k, args, results)
+            for s, v in zip(outs, results):
+                slots[s] = v
+            st = allocator.stats()
+            node = plan.nodes[k]
+            events.record(
+                step,
+                node.name or node.output[0],
+                node.op_type,
+                "execute",
+                seconds=dt,
+                committed=st.committed,
+                live=st.live,
+                peak=st.peak,
+                **rt.counters,
+            )
+            if rt.cache_events:
+                cst = cache_allocator.stats()
+                for past, cost in rt.cache_events:
+                    events.record(
+                        step,
+                        node.name or node.output[0],
+                        node.op_type,
+                        "cache_write",
+                        committed=cst.committed,
+                        live=cst.live,
+                        peak=cst.peak,
+                        extra={"cache": past},
+                        **vars(cost),
+                    )
+                rt.cache_events.clear()
+            for s in clear:
+                slots[s] = None
+            for s in free:
+                release(s)
+    except OnnxkvError:
+        raise
+    except Exception as e:
+        raise _node_failure(plan, k, e) from e
