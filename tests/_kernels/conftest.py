@@ -8,7 +8,11 @@ skipped with the reason the kernel settings give.  CI (.ci/levels) runs the
 kernel tests once more under ``ONNXKV_MAX_SIMD`` for each narrower level, and
 on the ``-Dsimd=disabled`` build, so that what a narrower machine runs by
 default (tests without this fixture, the defaults a module reads at import) is
-tested on a wider one too."""
+tested on a wider one too.  ``ONNXKV_TEST_LEVELS`` (comma-separated levels)
+narrows the levels this fixture runs: the capped CI runs take only their own
+level, since the main run has forced every level already."""
+
+import os
 
 import numpy as np
 import pytest
@@ -22,8 +26,8 @@ def threads(request):
         yield request.param
 
 
-#: Every instruction-set level of the kernels, widest first.
-LEVELS = ("avx512", "avx2", "scalar")
+#: Every instruction-set level of the kernels, widest first (or those ONNXKV_TEST_LEVELS names).
+LEVELS = tuple(x for x in os.environ.get("ONNXKV_TEST_LEVELS", "avx512,avx2,scalar").split(",") if x)
 
 
 @pytest.fixture(params=LEVELS)
