@@ -1,6 +1,6 @@
 """End-to-end decode speed and memory: onnxkv vs ONNX Runtime (and ONNX Runtime GenAI).
 
-Models are built by ``onnxkv.models`` (random weights, same weights in every
+Models are built by ``onnxkv.zoo`` (random weights, same weights in every
 graph form) into a temporary folder; every engine reads the same files.
 Engines, each measured in its own subprocess (so peak RSS is its own), one
 after the other in the same run, with the same thread count (``--rounds N``
@@ -259,7 +259,7 @@ def dispatch_overhead(folder: Path, threads: int, repeats: int = 200) -> dict:
 def build(tmp: Path, size: str, family: str, max_length: int, threads: int) -> tuple[Path, int]:
     from dataclasses import replace
 
-    from onnxkv.models.builders import SMALL, TINY, build_model, save_genai_folder
+    from onnxkv.zoo.builders import SMALL, TINY, build_model, save_genai_folder
 
     cfg = replace({"tiny": TINY, "small": SMALL}[size], max_length=max_length)
     folder = tmp / f"{size}-{family}-{max_length}"
@@ -406,10 +406,10 @@ def main() -> None:
             elif family in ("int8", "int4"):
                 base, vocab = build(tmp, size, "gqa", max_length, args.threads)
                 folder, weight_bytes = quantized_copy(tmp, base, int(family[3:]))
-                source = f"onnxkv.models builder, onnxkv.quantize_weights bits={family[3:]} block 32 accuracy_level 4"
+                source = f"onnxkv.zoo builder, onnxkv.quantize_weights bits={family[3:]} block 32 accuracy_level 4"
             else:
                 folder, vocab = build(tmp, size, family, max_length, args.threads)
-                source = "onnxkv.models builder"
+                source = "onnxkv.zoo builder"
             entry = {
                 "model": "small" if size == "builder" else size,
                 "graph": family,

@@ -1,9 +1,9 @@
 """Quality of quantized KV pages: greedy decoding per page-format policy vs float32 pages.
 
-Models: the embedded **trained** byte-level model (``onnxkv.models.embedded``:
+Models: the embedded **trained** byte-level model (``onnxkv.zoo.embedded``:
 random-weight models have flat next-token distributions, where argmax
 agreement says little) and a random-weight small GenAI-builder model
-(``onnxkv.models.builders.SMALL``).
+(``onnxkv.zoo.builders.SMALL``).
 
 For every policy of ``onnxkv.cache.policy.POLICIES`` (``--policies``) it
 runs, on a paged state with that ``kv_format``:
@@ -188,8 +188,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import onnxkv
-    from onnxkv.models import embedded
-    from onnxkv.models.builders import SMALL, build_model, save_genai_folder
+    from onnxkv.zoo import embedded
+    from onnxkv.zoo.builders import SMALL, build_model, save_genai_folder
 
     policies = [p for p in args.policies.split(",") if p]
     if not 1 <= args.prompts <= len(PROMPTS):

@@ -1,7 +1,7 @@
 """Benchmark onnxkv's decode matmuls against NumPy's matmul (BLAS, thread
 count set with threadpoolctl) and ONNX Runtime's MatMul (MatMul nodes with
 initializer weights, intra-op threads set), for decode-sized x [M, K] @ W
-[K, N] on the weight shapes of the SMALL decoder (onnxkv.models.config).
+[K, N] on the weight shapes of the SMALL decoder (onnxkv.zoo.config).
 
 Engines: ``onnxkv_packed`` (``matmul_packed`` on ``pack_weight`` panels, what
 a MatMul with an initializer weight runs; AVX-512 tiles where the CPU has
@@ -55,7 +55,7 @@ from _common import emit, machine  # noqa: E402
 import onnxkv._kernels as K  # noqa: E402
 from onnxkv._kernels import matmul as MM  # noqa: E402
 from onnxkv._kernels import reference as R  # noqa: E402
-from onnxkv.models.config import SMALL  # noqa: E402
+from onnxkv.zoo.config import SMALL  # noqa: E402
 
 _H, _KV, _I = (
     SMALL.hidden_size,

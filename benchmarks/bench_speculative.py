@@ -1,6 +1,6 @@
 """Speculative decoding vs plain greedy generation on the embedded trained model.
 
-Target: the embedded byte-level model (``onnxkv.models.embedded``); draft: the
+Target: the embedded byte-level model (``onnxkv.zoo.embedded``); draft: the
 embedded draft model (same vocabulary, trained by the same
 ``scripts/train_embedded.py --preset draft``).  For each prompt (a natural one
 and a repetitive code snippet) it measures, in one process with one thread
@@ -68,7 +68,7 @@ def main() -> None:
 
     import onnxkv
     from onnxkv.generate.speculative import speculative_generate
-    from onnxkv.models import embedded
+    from onnxkv.zoo import embedded
 
     ks = [int(k) for k in args.draft_tokens.split(",")]
     n = args.new_tokens

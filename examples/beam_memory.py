@@ -25,7 +25,7 @@ import numpy as np
 from _report import new_figure, parser, save, table
 
 import onnxkv
-from onnxkv.models import embedded
+from onnxkv.zoo import embedded
 
 TEXT = "Return a new list of the items of the iterable, sorted by the given key function. "
 MODES = {"paged": "copy-on-write pages", "tensor": "copy per beam"}

@@ -32,7 +32,7 @@ from _report import new_figure, parser, save, table
 
 import onnxkv
 from onnxkv.cache.policy import POLICIES
-from onnxkv.models import embedded
+from onnxkv.zoo import embedded
 
 PROMPTS = (
     "The context manager is used to ",

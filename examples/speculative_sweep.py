@@ -25,7 +25,7 @@ import numpy as np
 from _report import new_figure, parser, save, table
 
 import onnxkv
-from onnxkv.models import embedded
+from onnxkv.zoo import embedded
 
 #: A prompt in the style of the training text, and one whose continuation repeats it (prompt lookup's case).
 PROMPTS = {

@@ -19,7 +19,7 @@ import numpy as np
 from onnx import helper
 
 import onnxkv
-from onnxkv.models import embedded
+from onnxkv.zoo import embedded
 
 __all__ = ["main"]
 

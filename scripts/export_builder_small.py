@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Export onnxkv's "small" Llama (onnxkv.models.config.SMALL: hidden 1024, 8 layers, 16/4 heads,
+"""Export onnxkv's "small" Llama (onnxkv.zoo.config.SMALL: hidden 1024, 8 layers, 16/4 heads,
 intermediate 2816, vocabulary 8000; 106M parameters) through the ONNX Runtime GenAI model builder, as a
 CPU user gets it: ``-p int4 -e cpu`` (MatMulNBits, block 32, accuracy_level 4) and ``-p fp32``.
 
@@ -25,7 +25,7 @@ SEED = 4321
 
 
 def _small_config():
-    """onnxkv.models.config.SMALL, read from its file (this environment need not have onnxkv built)."""
+    """onnxkv.zoo.config.SMALL, read from its file (this environment need not have onnxkv built)."""
     import importlib.util
 
     path = pathlib.Path(__file__).resolve().parent.parent / "onnxkv" / "models" / "config.py"

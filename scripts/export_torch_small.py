@@ -2,7 +2,7 @@
 """Export bench_generate's small model with ``torch.onnx.export`` (the real "past -> Concat -> present" form).
 
 The model is a Hugging Face ``LlamaForCausalLM`` with the configuration and
-weights of ``onnxkv.models.builders.SMALL`` / ``random_weights(cfg, seed)`` (the
+weights of ``onnxkv.zoo.builders.SMALL`` / ``random_weights(cfg, seed)`` (the
 graphs ``benchmarks/bench_generate.py`` builds): projections are transposed
 into ``torch.nn.Linear`` layout, norms and embeddings copied.  It is exported
 by the same TorchScript exporter call as the test fixture
@@ -37,7 +37,7 @@ from make_fixtures import export_torch  # noqa: E402
 
 
 def hf_model(cfg, weights):
-    """A ``LlamaForCausalLM`` holding ``weights`` (an ``onnxkv.models.weights.DecoderWeights``) of ``cfg``."""
+    """A ``LlamaForCausalLM`` holding ``weights`` (an ``onnxkv.zoo.weights.DecoderWeights``) of ``cfg``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -118,7 +118,7 @@ def main() -> None:
     import onnx
     import torch
 
-    from onnxkv.models.builders import SMALL, build_model, random_weights
+    from onnxkv.zoo.builders import SMALL, build_model, random_weights
 
     torch.set_num_threads(2)
     cfg = replace(SMALL, max_length=args.max_length)

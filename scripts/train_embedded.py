@@ -10,7 +10,7 @@ Vocabulary: ids 0..255 are the byte values, 256 = BOS, 257 = EOS, 258 = PAD,
 259..263 unused (vocab rounded up to 264).
 
 The trained Hugging Face folder lives in a temp dir (``--work``); the GenAI
-model builder (fp32, cpu) exports it into ``onnxkv/models/data/embedded/``
+model builder (fp32, cpu) exports it into ``onnxkv/zoo/data/embedded/``
 (or ``embedded_draft/`` with ``--preset draft``) and the script checks that
 onnxruntime's greedy continuation of "The " equals the torch model's.
 

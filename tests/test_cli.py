@@ -12,8 +12,8 @@ import pytest
 import onnxkv
 from onnxkv import load
 from onnxkv.cli import main
-from onnxkv.models import embedded
-from onnxkv.models.builders import MICRO, build_model, save_genai_folder
+from onnxkv.zoo import embedded
+from onnxkv.zoo.builders import MICRO, build_model, save_genai_folder
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from onnxkv.cli import main
 from onnxkv.events import EventLog
-from onnxkv.models.builders import MICRO, build_model, save_genai_folder
+from onnxkv.zoo.builders import MICRO, build_model, save_genai_folder
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 8

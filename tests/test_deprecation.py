@@ -48,3 +48,19 @@ def test_renamed_argument_forwards_the_old_keyword_with_a_warning():
         with pytest.raises(InputError, match=r"^f: old= is the deprecated name of new; pass new only once"):
             call()
     assert f.__name__ == "f" and f.__wrapped__(3) == (3, 0)
+
+
+def test_onnxkv_models_is_the_deprecated_name_of_onnxkv_zoo(monkeypatch):
+    import sys
+
+    import onnxkv.zoo
+    import onnxkv.zoo.gqa
+
+    for name in [n for n in sys.modules if n == "onnxkv.models" or n.startswith("onnxkv.models.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with warns_deprecated(__file__, r"onnxkv.models is deprecated; import onnxkv.zoo"):
+        import onnxkv.models  # noqa: F401
+    from onnxkv.models.gqa import build_gqa_model  # the submodules under their old names, without a second warning
+
+    assert build_gqa_model is onnxkv.zoo.gqa.build_gqa_model
+    assert sys.modules["onnxkv.models"].embedded is onnxkv.zoo.embedded

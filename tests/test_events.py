@@ -10,7 +10,7 @@ import pytest
 
 import onnxkv
 from onnxkv.events import COUNTER_FIELDS, STEP_FIELDS, Event, EventLog
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -14,7 +14,7 @@ pytest.importorskip("onnxruntime")
 from ort_loop import compare_runs, ort_greedy  # noqa: E402
 
 import onnxkv  # noqa: E402
-from onnxkv.models.builders import MICRO, TINY, build_model  # noqa: E402
+from onnxkv.zoo.builders import MICRO, TINY, build_model  # noqa: E402
 
 FAMILIES = ["gqa", "attention", "concat", "tensorscatter"]
 

@@ -14,7 +14,7 @@ from threadpoolctl import threadpool_info
 import onnxkv
 from onnxkv import InputError, _kernels
 from onnxkv._threads import ThreadControl
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 
 def _blas_threads():

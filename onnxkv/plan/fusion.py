@@ -265,7 +265,7 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
 
     Run after :func:`fuse_repeat_kv_matmul`.  The block, as exported from
     eager attention (``torch.onnx.export`` of Llama-style models and
-    :mod:`onnxkv.models.concat`)::
+    :mod:`onnxkv.zoo.concat`)::
 
         scores = S(Q, K)                      # see below
         P      = Softmax(Add(scores, mask))   # mask: either Add operand

@@ -15,7 +15,7 @@ import pytest
 import onnxkv
 from onnxkv import InputError
 from onnxkv.generate import beam_search, generate, speculative_generate
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 PROMPT = np.array([[1, 2, 3]])
 V = MICRO.vocab_size

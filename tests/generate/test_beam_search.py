@@ -18,7 +18,7 @@ import onnxkv
 from onnxkv import InputError
 from onnxkv.generate.beam_search import BeamScorer, _top, beam_search, log_softmax
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 REF = np.load(DATA / "tiny_llama_reference.npz")

@@ -16,7 +16,7 @@ import onnxkv
 from onnxkv import CacheConfig, InputError
 from onnxkv._deprecation import OnnxkvDeprecationWarning
 from onnxkv.generate import beam_search, generate, speculative_generate
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 PROMPT = np.array([[5, 9, 2, 7, 1]])
 

@@ -8,7 +8,7 @@ import pytest
 import onnxkv
 from onnxkv import InputError
 from onnxkv.generate.sampling import SamplingConfig, probabilities, select_next
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 
 @pytest.fixture(scope="module", params=["gqa", "attention", "concat", "tensorscatter"])

@@ -11,8 +11,8 @@ import onnxkv
 from onnxkv import InputError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.speculative import accept_or_resample, prompt_lookup, speculative_generate
-from onnxkv.models import embedded
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo import embedded
+from onnxkv.zoo.builders import MICRO, build_model
 
 CACHES = ["contiguous", "paged"]
 FAMILIES = ["gqa", "attention", "concat"]

@@ -19,7 +19,7 @@ from onnxkv.model.contract import (
     set_output_alias,
     set_persistent_bindings,
 )
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 CACHE = [1, 2, 8, 4]
 F32 = TensorProto.FLOAT

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 import onnxkv
 from onnxkv import ModelError, UnsupportedOperatorError
-from onnxkv.models.builders import MICRO, build_model, save_genai_folder
+from onnxkv.zoo.builders import MICRO, build_model, save_genai_folder
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmu
 import onnxkv
 from onnxkv import InputError, ModelError
 from onnxkv.model.quantize_weights import quantize_blockwise
-from onnxkv.models.builders import MICRO, build_model, save_genai_folder
+from onnxkv.zoo.builders import MICRO, build_model, save_genai_folder
 
 #: Relative RMS error of the logits of the quantized model against the float one (random-weight MICRO model,
 #: accuracy_level 4): Gaussian weights lose about this much per MatMul at 4 bits, compounding over layers.

@@ -8,8 +8,8 @@ from onnx import helper as h
 
 from onnxkv.model.convention import recognize_cache
 from onnxkv.model.rewrite import inplace_bindings
-from onnxkv.models.concat import build_concat_model
-from onnxkv.models.config import MICRO
+from onnxkv.zoo.concat import build_concat_model
+from onnxkv.zoo.config import MICRO
 
 
 def _vi(name: str, elem=TensorProto.FLOAT):

@@ -11,7 +11,7 @@ from onnx import helper
 
 import onnxkv
 from onnxkv import ModelError
-from onnxkv.models.builders import MICRO, build_model, save_genai_folder
+from onnxkv.zoo.builders import MICRO, build_model, save_genai_folder
 
 PROMPT = np.arange(3, 15, dtype=np.int64)[None]  # 12 tokens: longer than every window below
 

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxkv import Session
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -1,6 +1,6 @@
 """Plan-time fusion of eager attention blocks into ai.onnxkv::MaskedAttention, on whole models.
 
-Both Concat-cache graph forms: onnxkv's builder (onnxkv.models.concat) and the
+Both Concat-cache graph forms: onnxkv's builder (onnxkv.zoo.concat) and the
 real torch.onnx.export fixture (tests/data/torch_tiny_llama).  The oracle is
 the same model planned without this fusion (and transformers' logits for the
 fixture).
@@ -16,9 +16,9 @@ import pytest
 import onnxkv
 import onnxkv.plan.plan as plan_module
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
 from onnxkv.plan.ops import masked_attention as ma
+from onnxkv.zoo.builders import MICRO, build_model
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 REF = np.load(DATA / "tiny_llama_reference.npz")

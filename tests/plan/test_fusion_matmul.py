@@ -12,7 +12,7 @@ from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Co
 
 import onnxkv
 import onnxkv.plan.plan as plan_module
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 FORMS = {**MODELS, "gqa": lambda: build_model("gqa", MICRO, seed=3)}
 

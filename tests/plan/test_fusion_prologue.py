@@ -15,8 +15,8 @@ import onnxkv
 import onnxkv.plan.ops.prologue_matmul as prologue_module
 import onnxkv.plan.plan as plan_module
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
 from onnxkv.plan.ops._body import Body
+from onnxkv.zoo.builders import MICRO, build_model
 
 
 def _session(model, fused: bool, monkeypatch, threads: int = 1) -> onnxkv.Session:

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
 from onnxkv import ArenaAllocator, InputError, ModelError, Session, SystemAllocator, UnsupportedOperatorError
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 
 def _vi(name, shape, elem=TensorProto.FLOAT):

@@ -16,8 +16,8 @@ from test_fusion_attention import _generate  # prefill + decode steps of a left-
 
 import onnxkv
 import onnxkv.runtime.session as session_module
-from onnxkv.models.builders import MICRO, build_model
 from onnxkv.plan.plan import Plan
+from onnxkv.zoo.builders import MICRO, build_model
 
 TORCH = Path(__file__).resolve().parents[1] / "data" / "torch_tiny_llama" / "model.onnx"
 

@@ -18,7 +18,7 @@ from onnx.reference import ReferenceEvaluator
 import onnxkv
 from onnxkv import CacheConfig
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 WINDOW = 3
 

@@ -36,8 +36,8 @@ from onnxkv import CacheConfig
 from onnxkv.cache import serialize
 from onnxkv.cache.serialize import MAGIC, VERSION, PagedCacheProto
 from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, SerializationError
-from onnxkv.models.builders import MICRO, build_model
-from onnxkv.models.embedded import embedded_model_dir
+from onnxkv.zoo.builders import MICRO, build_model
+from onnxkv.zoo.embedded import embedded_model_dir
 
 HEADER = 24  # magic, uint32 version, uint32 CRC-32, uint64 body length (paged_cache.proto)
 REJECTIONS = (SerializationError, InputError, OutOfMemory, CacheCapacityError)

@@ -18,7 +18,7 @@ import onnxkv
 from onnxkv import CacheConfig
 from onnxkv._kernels import _validate as V
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 ATTENTION = sys.modules["onnxkv._kernels.attention"]
 

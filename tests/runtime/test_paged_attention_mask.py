@@ -1,6 +1,6 @@
 """Paged states of the opset-23 ``Attention`` model read the pages directly, its attention mask included.
 
-The builder model (``onnxkv.models.attention23``) feeds every Attention node a
+The builder model (``onnxkv.zoo.attention23``) feeds every Attention node a
 boolean ``attn_mask`` (left padding and the causal band).  The mask's row
 ranges go to the paged kernel as ``kv_start`` / ``q_pos``, so no step gathers
 the past (``prefix_copied_bytes`` 0 in every ``cache_write`` event); a mask
@@ -15,7 +15,7 @@ import pytest
 import onnxkv
 from onnxkv import CacheConfig
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 
 @pytest.fixture(scope="module")

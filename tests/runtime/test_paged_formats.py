@@ -13,7 +13,7 @@ from onnxkv.cache import formats, serialize
 from onnxkv.cache.policy import POLICIES
 from onnxkv.errors import InputError, OutOfMemory
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 FAMILIES = ["gqa", "attention", "concat"]
 CODES = {"float32": 1, "float16": 10, "int8": 3, "int4": 22}

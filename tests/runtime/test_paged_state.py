@@ -9,8 +9,8 @@ import onnxkv
 from onnxkv import CacheConfig
 from onnxkv.errors import Cancelled, InputError, OutOfMemory, StateError
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
 from onnxkv.runtime.state import Cancellation
+from onnxkv.zoo.builders import MICRO, build_model
 
 FAMILIES = ["gqa", "attention", "concat", "tensorscatter"]
 PLANES = 2 * MICRO.num_layers

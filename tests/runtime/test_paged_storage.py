@@ -12,7 +12,7 @@ import onnxkv
 from onnxkv import CacheConfig
 from onnxkv.alloc import ArenaAllocator, SlabAllocator, SlabLane, SystemAllocator
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 BS = 4
 PAGE = MICRO.num_kv_heads * BS * (MICRO.hidden_size // MICRO.num_heads) * 4  # one float32 page of one plane

@@ -9,7 +9,7 @@ from state_steps import assert_same_values, last_logits, step_feeds, values_copy
 
 import onnxkv
 from onnxkv import CacheConfig
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 BS = 4
 

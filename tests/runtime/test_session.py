@@ -15,7 +15,7 @@ from state_steps import step_feeds
 import onnxkv
 from onnxkv import CacheConfig, InputError, KeyLayout, _kernels
 from onnxkv._deprecation import OnnxkvDeprecationWarning
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 
 def _feeds(batch=1, length=4):

@@ -13,8 +13,8 @@ import onnxkv
 from onnxkv import CacheCapacityError, CacheConfig
 from onnxkv.errors import Cancelled, InputError, StateError
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
 from onnxkv.runtime.state import Cancellation
+from onnxkv.zoo.builders import MICRO, build_model
 
 FAMILIES = ["gqa", "attention", "concat", "tensorscatter"]
 KV_ROW = MICRO.num_kv_heads * MICRO.head_size * 4  # bytes of one position of K (or V), one sequence

@@ -19,8 +19,8 @@ from onnxkv import CacheConfig
 from onnxkv.alloc import SlabAllocator
 from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import OutOfMemory
-from onnxkv.models.builders import MICRO, build_model
-from onnxkv.models.paged import PagedConfig, build_paged_model
+from onnxkv.zoo.builders import MICRO, build_model
+from onnxkv.zoo.paged import PagedConfig, build_paged_model
 
 ALL = {**MODES, **TYPED_ONLY}
 
@@ -48,7 +48,7 @@ GUARDED = textwrap.dedent("""
     import onnxkv
     from onnxkv.alloc import AllocatorStats
     from onnxkv.generate.feeds import FeedBuilder
-    from onnxkv.models.builders import MICRO, build_model
+    from onnxkv.zoo.builders import MICRO, build_model
 
     libc = ctypes.CDLL(None)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

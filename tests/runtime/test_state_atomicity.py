@@ -2,7 +2,7 @@
 
 For every model family (contiguous and paged states of the builders and the
 embedded model, and states of contract-declared bindings: a ``CacheUpdate``
-graph and ``onnxkv.models.paged`` with and without ``QuantizePagedCache``),
+graph and ``onnxkv.zoo.paged`` with and without ``QuantizePagedCache``),
 a run is made to fail right after node ``k`` (the real kernel runs, then an
 error is raised) and to be cancelled by a token that fires on its ``k``-th
 check, for every ``k``.  After each: values (the whole storage of static
@@ -26,9 +26,9 @@ from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import Cancelled, OperatorError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.model.contract import Access, OutputAlias, set_access, set_output_alias, set_persistent_bindings
-from onnxkv.models import embedded
-from onnxkv.models.builders import MICRO, build_model
-from onnxkv.models.paged import PagedConfig, build_paged_model
+from onnxkv.zoo import embedded
+from onnxkv.zoo.builders import MICRO, build_model
+from onnxkv.zoo.paged import PagedConfig, build_paged_model
 
 FAMILIES = ["gqa", "attention", "concat", "tensorscatter", "embedded"]
 

@@ -40,7 +40,7 @@ from onnxkv import CacheConfig
 from onnxkv.cache.paged import PagedCache
 from onnxkv.cache.policy import POLICIES as PAGE_POLICIES
 from onnxkv.errors import Cancelled, InputError, OperatorError, OutOfMemory, StateError
-from onnxkv.models.builders import DecoderConfig, build_model
+from onnxkv.zoo.builders import DecoderConfig, build_model
 
 CFG = DecoderConfig(
     vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_length=64

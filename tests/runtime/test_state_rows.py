@@ -18,7 +18,7 @@ from onnxkv import CacheConfig
 from onnxkv.alloc import SlabAllocator, SystemAllocator
 from onnxkv.alloc.protocol import AllocatorStats
 from onnxkv.errors import InputError
-from onnxkv.models.builders import MICRO, build_model
+from onnxkv.zoo.builders import MICRO, build_model
 
 KINDS = ["contiguous", "paged"]
 

@@ -40,7 +40,7 @@ be a set of row ranges (:func:`attn_mask_ranges`:
 bool, or float with 0 for visible keys and ``-inf``/``<= -1e30`` for masked
 ones, one range of keys per query whose start is shared by its batch row,
 the same for every head -- padding plus a causal band, as the builder model
-``onnxkv.models.attention23`` makes); everything else through NumPy.  In a
+``onnxkv.zoo.attention23`` makes); everything else through NumPy.  In a
 paged state the kernel reads the pages directly, with the mask's ranges as
 ``kv_start`` and ``q_pos``; only a mask that is not a set of row ranges
 gets a gathered copy of the past (counted as ``prefix_copied_bytes`` of the

@@ -52,7 +52,7 @@ bound), so the natural place of this node is the decoder itself, between the
 cache input and ``PagedAttention``, with the parameters as optional inputs
 whose defaults are empty: decode steps feed nothing and the node does nothing;
 a step that feeds ``block_indices`` and parameters converts those pages before
-the attention of the same step reads them.  :func:`onnxkv.models.paged.build_paged_model`
+the attention of the same step reads them.  :func:`onnxkv.zoo.paged.build_paged_model`
 builds that form (``key_format`` / ``value_format``).  The new pages are
 read by the rest of the run at once, but the conversion is staged
 (:meth:`~onnxkv.plan.context.RunContext.defer`): the replaced payloads are

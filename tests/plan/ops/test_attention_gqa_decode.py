@@ -16,8 +16,8 @@ import pytest
 import onnxkv
 from onnxkv.errors import InputError, OperatorError
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
 from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
+from onnxkv.zoo.builders import MICRO, build_model
 
 PROMPT = 13
 

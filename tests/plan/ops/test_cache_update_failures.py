@@ -18,7 +18,7 @@ import onnxkv
 from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import OperatorError
 from onnxkv.model.contract import Access, OutputAlias, set_access, set_output_alias
-from onnxkv.models.paged import PagedConfig, build_paged_model
+from onnxkv.zoo.paged import PagedConfig, build_paged_model
 
 CAP, H, D = 8, 2, 4
 

@@ -14,9 +14,9 @@ from ort_loop import ort_session
 
 from onnxkv import CacheConfig, Session
 from onnxkv.errors import Cancelled
-from onnxkv.models.concat import build_concat_model
-from onnxkv.models.config import MICRO
 from onnxkv.runtime.state import Cancellation
+from onnxkv.zoo.concat import build_concat_model
+from onnxkv.zoo.config import MICRO
 
 MASK = "/model/attn_mask/Where"
 

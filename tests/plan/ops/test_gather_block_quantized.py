@@ -16,8 +16,8 @@ from ort_loop import compare_runs
 
 import onnxkv
 from onnxkv import InputError, ModelError, Session
-from onnxkv.models.builders import DecoderConfig, build_gqa_model, random_weights, save_genai_folder
 from onnxkv.plan.ops.gather_block_quantized import GatherBlockQuantized
+from onnxkv.zoo.builders import DecoderConfig, build_gqa_model, random_weights, save_genai_folder
 
 #: kind -> (stored element type, bits, lowest and highest quantized value)
 KINDS = {

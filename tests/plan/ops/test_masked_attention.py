@@ -24,7 +24,7 @@ FMIN = np.finfo(np.float32).min
 def _block(form: str, mask_shape) -> onnx.ModelProto:
     """Q [B, HQ, S, D], K/V [B, h, T, D], mask -> Y, in one of the exporters' spellings.
 
-    ``repeat``: repeat_kv + Transpose + MatMul, then Mul by the scale (onnxkv.models.concat);
+    ``repeat``: repeat_kv + Transpose + MatMul, then Mul by the scale (onnxkv.zoo.concat);
     ``torch``: Q and Kᵀ each scaled by sqrt(scale), NaN guard after the Softmax (torch.onnx.export);
     ``mha``: no repeat, MatMul(Q, Transpose(K)) / sqrt(D).
     """

@@ -23,11 +23,11 @@ import onnxkv
 from onnxkv._kernels import reference as R
 from onnxkv.cache.page_set import PageSet
 from onnxkv.errors import CacheCapacityError, InputError, OnnxkvError, OperatorError
-from onnxkv.models.paged import PagedConfig, build_paged_model
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops.paged import PagedAttention, PagedCacheUpdate
 from onnxkv.plan.ops.quantize_paged_cache import QuantizePagedCache
 from onnxkv.plan.ops.tensor_scatter import TensorScatter
+from onnxkv.zoo.paged import PagedConfig, build_paged_model
 
 INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 #: Integers at the limits of the widths an id, length or position may come in.

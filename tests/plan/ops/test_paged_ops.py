@@ -11,8 +11,8 @@ from onnx import TensorProto, helper
 import onnxkv
 from onnxkv import CacheCapacityError, ContractError, InputError, ModelError
 from onnxkv.model.contract import Access, OutputAlias, get_output_alias, set_access, set_output_alias
-from onnxkv.models.paged import PagedConfig, build_paged_model, paged_weights
 from onnxkv.plan.ops import paged as paged_ops
+from onnxkv.zoo.paged import PagedConfig, build_paged_model, paged_weights
 
 P, H, BS, D = 10, 2, 4, 8
 TYPES = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
@@ -639,7 +639,7 @@ def test_models_survive_an_onnx_save_load_round_trip(tmp_path):
     np.testing.assert_array_equal(got["present"], expected["present"])
 
 
-# -- the paged decoder model (onnxkv.models.paged) in a persistent state ------------------------------------------
+# -- the paged decoder model (onnxkv.zoo.paged) in a persistent state ------------------------------------------
 
 
 def reference_decoder(weights, hidden, logical, seqlens, cfg):

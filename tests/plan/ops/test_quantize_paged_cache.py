@@ -14,8 +14,8 @@ from onnxkv.alloc import ArenaAllocator
 from onnxkv.cache.formats import decode_header, page_bytes, page_format, params_for
 from onnxkv.cache.page_set import PageSet, PlaneTarget
 from onnxkv.model.contract import Access, OutputAlias, set_access, set_output_alias
-from onnxkv.models.paged import PagedConfig, build_paged_model, paged_weights
 from onnxkv.plan.ops import paged as paged_ops
+from onnxkv.zoo.paged import PagedConfig, build_paged_model, paged_weights
 
 P, HQ, H, BS, D = 12, 4, 2, 4, 8
 ZP_TYPES = {

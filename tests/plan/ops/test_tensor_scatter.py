@@ -9,8 +9,8 @@ from _attn_harness import build_op, make_model, run_op, run_reference
 import onnxkv
 from onnxkv.errors import InputError, ModelError
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.models.builders import MICRO, build_model
 from onnxkv.plan.ops.tensor_scatter import TensorScatter
+from onnxkv.zoo.builders import MICRO, build_model
 
 
 def _check_against_peers(past, update, indices=None, **attrs):

@@ -77,7 +77,7 @@ class GraphBuilder:
             graph,
             opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
             ir_version=ir_version,
-            producer_name="onnxkv.models",
+            producer_name="onnxkv.zoo",
         )
 
 

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx.defs import OpSchema
 
-from onnxkv.models.builders import (
+from onnxkv.zoo.builders import (
     FAMILIES,
     MICRO,
     SMALL,

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from onnxkv.models import embedded
-from onnxkv.models.embedded import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, decode, encode
+from onnxkv.zoo import embedded
+from onnxkv.zoo.embedded import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, decode, encode
 
 MAIN = embedded.embedded_model_dir()
 DRAFT = embedded.embedded_draft_dir()
