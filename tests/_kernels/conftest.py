@@ -9,8 +9,9 @@ kernel tests once more under ``ONNXKV_MAX_SIMD`` for each narrower level, and
 on the ``-Dsimd=disabled`` build, so that what a narrower machine runs by
 default (tests without this fixture, the defaults a module reads at import) is
 tested on a wider one too.  ``ONNXKV_TEST_LEVELS`` (comma-separated levels)
-narrows the levels this fixture runs: the capped CI runs take only their own
-level, since the main run has forced every level already."""
+narrows the levels this fixture runs; CI forces each level in one job: the
+widest in the main run, AVX2 in its capped run, scalar in the instrumented
+run and in the ``-Dsimd=disabled`` build."""
 
 import os
 
