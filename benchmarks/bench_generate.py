@@ -45,13 +45,18 @@ each engine's weight bytes per second, and that rate as a fraction of the
 machine's read bandwidth measured just before and after the case (best of five
 reads of a 256 MiB array with onnxkv's compiled reader, same threads:
 ``read_bandwidth_gb_per_s``, ``weight_read_fraction``).
+``--background-load`` runs every engine of a case once more while one other
+process spins on a core (a Python busy loop, started before the engine's
+process and stopped after it) and reports that run's per-token samples with
+their median, 90th percentile and ``p90_over_quiet_median``: the loaded 90th
+percentile over the median of the quiet rounds.
 ``small-int8:N`` / ``small-int4:N`` run the small GroupQueryAttention model
 after ``onnxkv.quantize_weights`` (8 or 4 bits, block 32, symmetric,
 accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
 
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
        [--cases small-gqa:128,...,small-int8:128,builder-int4:128] [--engines onnxkv,ort,ort-genai]
-       [--torch-model FILE] [--builder-folder DIR] [--rounds 1] [--out FILE]
+       [--torch-model FILE] [--builder-folder DIR] [--rounds 1] [--background-load] [--out FILE]
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -220,6 +226,32 @@ def _pool_rounds(rounds: list[dict]) -> dict:
     return pooled
 
 
+def busy_process() -> subprocess.Popen:
+    """One process spinning on a core until it is killed (the background load of ``--background-load``)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def loaded_run(worker_args: list, threads: int, quiet: dict) -> dict:
+    """One run of an engine (``worker_args``) beside :func:`busy_process`: its per-token samples, their
+    median and 90th percentile, and that percentile over ``quiet``'s median per-token time."""
+    busy = busy_process()
+    try:
+        time.sleep(0.2)  # the busy loop is running before the engine starts
+        r = run_worker(__file__, worker_args, threads)
+    finally:
+        busy.kill()
+        busy.wait()
+    if "error" in r:
+        return r
+    p90 = float(np.percentile(r["per_token_s"], 90))
+    return {
+        "per_token_s": r["per_token_s"],
+        "median_token_s": r["median_token_s"],
+        "p90_token_s": p90,
+        "p90_over_quiet_median": p90 / quiet["median_token_s"],
+    }
+
+
 def dispatch_overhead(folder: Path, threads: int, repeats: int = 200) -> dict:
     """µs per node of the plan loop alone: kernels replaced by their recorded outputs."""
     import onnxkv
@@ -359,6 +391,11 @@ def main() -> None:
         default=1,
         help="run each case's engines this many times, alternating their order (default 1)",
     )
+    ap.add_argument(
+        "--background-load",
+        action="store_true",
+        help="run each engine once more beside one busy process and report its per-token 90th percentile",
+    )
     ap.add_argument("--out")
     ap.add_argument(
         "--worker", nargs=6, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS"), help=argparse.SUPPRESS
@@ -445,6 +482,22 @@ def main() -> None:
                     )
             for engine in todo:
                 entry["engines"][engine] = _pool_rounds(runs[engine])
+            if args.background_load:
+                for engine in todo:
+                    quiet = entry["engines"][engine]
+                    if "error" in quiet:
+                        continue
+                    loaded = loaded_run(
+                        [engine, folder, plen, vocab, args.new_tokens, args.threads], args.threads, quiet
+                    )
+                    quiet["background_load"] = loaded
+                    if "error" not in loaded:
+                        print(
+                            f"# {case} {engine} beside a busy process: median {loaded['median_token_s'] * 1e3:.2f} "
+                            f"ms/token, p90 {loaded['p90_token_s'] * 1e3:.2f} ms "
+                            f"({loaded['p90_over_quiet_median']:.2f}x the quiet median)",
+                            file=sys.stderr,
+                        )
             kv = entry["engines"].get("onnxkv", {})
             for peer in ("ort", "ort-genai", "onnxkv-tensor", "onnxkv-f16"):
                 p = entry["engines"].get(peer, {})
