@@ -242,7 +242,7 @@ def test_channel_zp_key_pages_are_replaced_and_read_by_attention(k_fmt):
     assert handle.groups == [D, 1] and handle.headers == ["channel-zp", "float32"]
     f = page_format(k_fmt)
     for i, p in enumerate(full):
-        payload = handle._payloads[(0, int(p))][1]
+        payload = handle.payloads.pages[0][int(p)]
         assert payload.nbytes == page_bytes(k_fmt, H, BS, D, D, "channel-zp")
         s, z = decode_header(payload, k_fmt, H, D, "channel-zp")
         np.testing.assert_array_equal(s, ks[i].reshape(-1))
