@@ -24,8 +24,10 @@ D: per head and channel; 0 while the plane holds no quantized page) and
 per head and a zero point per channel, G = D).  Only the handle writes them.
 
 Binding.  A handle belongs to one tensor object.  :meth:`PageSet.of` finds
-it from that object or any full view of it (an array whose base chain
-reaches it, with the same address, shape and dtype); :meth:`PageSet.attach`
+it from that object or any full view of it (an array over the same memory
+with the same address, shape, strides and dtype: NumPy collapses the base
+chain of a view of a view, so memory, not ``base``, says what an array
+views); :meth:`PageSet.attach`
 makes it the first time.  The graph value of the cache stays the tensor
 itself, so a state's persistent bindings and the plan's MUST_ALIAS pointer
 checks work unchanged, and the operators look the handle up.  The handle
@@ -129,6 +131,12 @@ def _address(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
 
+def _span(a: np.ndarray) -> tuple[int, int]:
+    """The byte range [lo, hi) ``a`` covers."""
+    lo, hi = np.byte_bounds(a) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(a)
+    return int(lo), int(hi)
+
+
 def _release_payloads(key: int, payloads: PlanePayloads) -> None:
     """Finalizer of a handle's tensor: forget the handle, free its payloads."""
     with _lock:
@@ -178,13 +186,19 @@ class PageSet:
 
     @staticmethod
     def _find(tensor: np.ndarray) -> tuple[PageSet | None, bool]:
-        """(handle of ``tensor`` or of a tensor it views, True if it views that tensor whole); registry locked."""
-        a = tensor
-        while isinstance(a, np.ndarray):
-            handle = _handles.get(id(a))
-            if handle is not None and handle._tensor() is a:
-                return handle, _address(a) == _address(tensor) and a.shape == tensor.shape and a.dtype == tensor.dtype
-            a = a.base
+        """(handle of the live tensor whose memory ``tensor`` overlaps, True if it views that tensor whole);
+        registry locked."""
+        if not isinstance(tensor, np.ndarray) or tensor.size == 0:
+            return None, False
+        lo, hi = _span(tensor)
+        for handle in _handles.values():
+            t = handle._tensor()
+            if t is None:
+                continue
+            t_lo, t_hi = _span(t)
+            if lo < t_hi and t_lo < hi:
+                same = (_address(t), t.shape, t.strides, t.dtype)
+                return handle, same == (_address(tensor), tensor.shape, tensor.strides, tensor.dtype)
         return None, False
 
     @classmethod
