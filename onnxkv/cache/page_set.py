@@ -191,7 +191,7 @@ class PageSet:
         if not isinstance(tensor, np.ndarray) or tensor.size == 0:
             return None, False
         lo, hi = _span(tensor)
-        for handle in _handles.values():
+        for handle in tuple(_handles.values()):  # a collection here may run a finalizer that drops one
             t = handle._tensor()
             if t is None:
                 continue
