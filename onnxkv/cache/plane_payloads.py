@@ -277,10 +277,15 @@ class PlanePayloads:
         record ``(buf, arr, code, address)``, which the caller frees or keeps (cannot fail; frees nothing).
 
         ``arr`` None records a lent page at ``address`` (its owner's storage, never freed here) or, with
-        address 0, a free one.  Passing a returned record back restores the page exactly.
+        address 0, a free one.  Passing a returned record back restores the page exactly.  Called under
+        the owner's lock.
         """
-        old = (self._bufs[plane][page], self.pages[plane][page], int(self.formats[plane, page]))
-        old += (int(self.ptrs[plane, page]),)
+        old = (
+            self._bufs[plane][page],
+            self.pages[plane][page],
+            int(self.formats[plane, page]),
+            int(self.ptrs[plane, page]),
+        )
         self._built.pop(id(buf), None)
         self._bufs[plane][page], self.pages[plane][page] = buf, arr
         self.ptrs[plane, page] = address if arr is None else arr.__array_interface__["data"][0]
