@@ -15,8 +15,8 @@ start meanwhile leave it alone.  Only speed depends on it, never a result.
 Decode-sized runs (few tokens) do their heavy work in onnxkv's own OpenMP
 kernels; there BLAS gets one thread, because BLAS worker threads that wake
 for a small product and then busy-wait hold the cores the OpenMP kernels need
-next (measured: 2-3 ms stalls per kernel call on 2 cores).  Larger runs
-(prefill) give BLAS every thread.
+next, stalling every kernel call.  Larger runs (prefill) give BLAS every
+thread.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ class _BlasLimit:
     """The process-wide BLAS thread limit, held by one run at a time (see the module docstring).
 
     It drives threadpoolctl's per-library controllers directly (the thread
-    count of each library is read, set where it differs, and put back):
-    ``ThreadpoolController.limit`` costs about 50 us per run for the same
-    effect, a few percent of a small model's decode step."""
+    count of each library is read, set where it differs, and put back), so a
+    run whose limits are already right changes nothing; ``ThreadpoolController.limit``
+    would set and restore every library on every run, a cost a small model's
+    decode step feels."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -12,17 +12,22 @@ format (the layout of :mod:`onnxkv.cache.formats`):
   (64-byte aligned): a float page of another float type, or a quantized page
   (header, then codes).
 
-``ptrs`` (uint64 ``[planes, P]``) holds each page's address and ``formats``
-(uint8 ``[planes, P]``) its ONNX element type code: the tables
-``onnxkv._kernels.paged_attention`` reads.  ``groups[plane]`` is G of the
-plane's quantized pages (1: one scale per head, D: per head and channel; 0
-while the plane holds no quantized page) and ``headers[plane]`` their header
-kind ("float32", or "channel-zp": one scale per head and a zero point per
-channel, G = D).  Only the handle writes them.
+The pages are held by a :class:`~onnxkv.cache.plane_payloads.PlanePayloads`
+(``payloads``: the payload store of the states' paged caches too), one
+plane per key/value index, every page id live, a page in the tensor's type
+lent to it as the address of its slot.  ``ptrs`` (uint64 ``[planes, P]``)
+holds each page's address and ``formats`` (uint8 ``[planes, P]``) its ONNX
+element type code: the tables ``onnxkv._kernels.paged_attention`` reads.
+``groups[plane]`` is G of the plane's quantized pages (1: one scale per head,
+D: per head and channel; 0 while the plane holds no quantized page) and
+``headers[plane]`` their header kind ("float32", or "channel-zp": one scale
+per head and a zero point per channel, G = D).  Only the handle writes them.
 
 Binding.  A handle belongs to one tensor object.  :meth:`PageSet.of` finds
-it from that object or any full view of it (an array whose base chain
-reaches it, with the same address, shape and dtype); :meth:`PageSet.attach`
+it from that object or any full view of it (an array over the same memory
+with the same address, shape, strides and dtype: NumPy collapses the base
+chain of a view of a view, so memory, not ``base``, says what an array
+views); :meth:`PageSet.attach`
 makes it the first time.  The graph value of the cache stays the tensor
 itself, so a state's persistent bindings and the plan's MUST_ALIAS pointer
 checks work unchanged, and the operators look the handle up.  The handle
@@ -51,12 +56,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnxkv import _kernels
 from onnxkv._kernels import _validate as V
 from onnxkv.alloc import as_allocator
 from onnxkv.alloc.checked import release
 from onnxkv.cache import formats
-from onnxkv.cache.plane_payloads import float_view, payload_values
+from onnxkv.cache.plane_payloads import PageParams, PlanePayloads, PlaneSpec
 from onnxkv.errors import InputError, StateError
 
 __all__ = ["PageSet", "PlaneTarget", "ConvertCost"]
@@ -111,7 +115,6 @@ class ConvertCost:
     dequantized_bytes: int = 0
     _pending: tuple | None = field(default=None, repr=False)
     _handle: PageSet | None = field(default=None, repr=False)
-    _replaced: dict = field(default_factory=dict, repr=False)
 
     def commit(self) -> None:
         """Free what a staged conversion replaced (see :meth:`PageSet.convert`); a no-op when not staged."""
@@ -128,13 +131,18 @@ def _address(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
 
-def _release_payloads(key: int, payloads: dict, allocator) -> None:
+def _span(a: np.ndarray) -> tuple[int, int]:
+    """The byte range [lo, hi) ``a`` covers."""
+    lo, hi = np.byte_bounds(a) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(a)
+    return int(lo), int(hi)
+
+
+def _release_payloads(key: int, payloads: PlanePayloads) -> None:
     """Finalizer of a handle's tensor: forget the handle, free its payloads."""
     with _lock:
         _handles.pop(key, None)
-    bufs = [buf for buf, _ in payloads.values()]
-    payloads.clear()
-    release(allocator, bufs, "PageSet")
+    pages = np.arange(payloads.ptrs.shape[1])
+    release(payloads.allocator, payloads.forget_pages(pages), "PageSet")
 
 
 class PageSet:
@@ -153,20 +161,20 @@ class PageSet:
         self.two_planes = tensor.ndim == 5
         self.num_pages = tensor.shape[0]
         self.heads, self.block_size, self.head_size = (int(x) for x in tensor.shape[-3:])
-        planes = 2 if self.two_planes else 1
+        names = ("keys", "values") if self.two_planes else ("pages",)
+        specs = [PlaneSpec(name, self.heads, self.head_size, self.native.name) for name in names]
+        self.lock = threading.RLock()
+        self.payloads = PlanePayloads(specs, self.block_size, allocator, self.lock, "PageSet", ["PageSet"] * len(names))
+        self.payloads.grow(self.num_pages)
         base = np.uint64(_address(tensor))
         pages = np.arange(self.num_pages, dtype=np.uint64) * np.uint64(tensor.strides[0])
         plane_step = np.uint64(tensor.strides[1]) if self.two_planes else np.uint64(0)
-        self._slots = np.stack([base + pages + np.uint64(i) * plane_step for i in range(planes)])
+        self._slots = np.stack([base + pages + np.uint64(i) * plane_step for i in range(len(names))])
         self._slots.flags.writeable = False
-        self.ptrs = self._slots.copy()
-        self.formats = np.full((planes, self.num_pages), self.native.code, np.uint8)
-        self.groups = [0] * planes
-        self.headers = [formats.HEADER_FLOAT32] * planes
-        #: (plane, page) -> (buffer, uint8 payload array) of every converted page.
-        self._payloads: dict[tuple[int, int], tuple] = {}
-        self.lock = threading.RLock()
-        weakref.finalize(tensor, _release_payloads, id(tensor), self._payloads, allocator)
+        for plane in range(len(names)):
+            for page in range(self.num_pages):
+                self._lend(plane, page)
+        weakref.finalize(tensor, _release_payloads, id(tensor), self.payloads)
 
     # -- binding ---------------------------------------------------------------------
     @staticmethod
@@ -178,13 +186,19 @@ class PageSet:
 
     @staticmethod
     def _find(tensor: np.ndarray) -> tuple[PageSet | None, bool]:
-        """(handle of ``tensor`` or of a tensor it views, True if it views that tensor whole); registry locked."""
-        a = tensor
-        while isinstance(a, np.ndarray):
-            handle = _handles.get(id(a))
-            if handle is not None and handle._tensor() is a:
-                return handle, _address(a) == _address(tensor) and a.shape == tensor.shape and a.dtype == tensor.dtype
-            a = a.base
+        """(handle of the live tensor whose memory ``tensor`` overlaps, True if it views that tensor whole);
+        registry locked."""
+        if not isinstance(tensor, np.ndarray) or tensor.size == 0:
+            return None, False
+        lo, hi = _span(tensor)
+        for handle in tuple(_handles.values()):  # a collection here may run a finalizer that drops one
+            t = handle._tensor()
+            if t is None:
+                continue
+            t_lo, t_hi = _span(t)
+            if lo < t_hi and t_lo < hi:
+                same = (_address(t), t.shape, t.strides, t.dtype)
+                return handle, same == (_address(tensor), tensor.shape, tensor.strides, tensor.dtype)
         return None, False
 
     @classmethod
@@ -232,7 +246,27 @@ class PageSet:
     # -- reads -----------------------------------------------------------------------
     @property
     def planes(self) -> int:
-        return self.formats.shape[0]
+        return len(self.payloads.planes)
+
+    @property
+    def ptrs(self) -> np.ndarray:
+        """uint64 ``[planes, P]``: each page's address (its tensor slot, or its payload)."""
+        return self.payloads.ptrs
+
+    @property
+    def formats(self) -> np.ndarray:
+        """uint8 ``[planes, P]``: each page's ONNX element type code."""
+        return self.payloads.formats
+
+    @property
+    def groups(self) -> list[int]:
+        """G of each plane's quantized pages (0: the plane holds none)."""
+        return [spec.groups if self.quantized(i).any() else 0 for i, spec in enumerate(self.payloads.planes)]
+
+    @property
+    def headers(self) -> list[str]:
+        """Header kind of each plane's quantized pages ("float32" while it holds none)."""
+        return [spec.header for spec in self.payloads.planes]
 
     def converted(self, plane: int | None = None) -> np.ndarray:
         """Bool ``[P]`` (or ``[planes, P]`` for plane None): pages not in the tensor's own type."""
@@ -245,32 +279,26 @@ class PageSet:
 
     @property
     def any_converted(self) -> bool:
-        return bool(self._payloads)
+        return any(self.payloads.converted)
 
     @property
     def payload_bytes(self) -> int:
         """Bytes of every converted page's payload (held besides the tensor)."""
-        return sum(arr.nbytes for _, arr in self._payloads.values())
+        return self.payloads.committed_bytes
 
     def _slot(self, tensor: np.ndarray, plane: int, page: int) -> np.ndarray:
         return tensor[page, plane] if self.two_planes else tensor[page]
 
+    def _lend(self, plane: int, page: int) -> tuple:
+        """Make the tensor slot of ``page`` its storage in ``plane``; return the replaced record."""
+        return self.payloads.swap(plane, page, None, None, self.native.code, int(self._slots[plane, page]))
+
     def page_values(self, plane: int, page: int) -> np.ndarray:
         """Float32 ``[H, bs, D]`` of ``page`` in ``plane``, read in its own format."""
         with self.lock:
-            fmt = formats.page_format(int(self.formats[plane, page]))
-            if fmt.code == self.native.code:
+            if int(self.formats[plane, page]) == self.native.code:
                 return self._slot(self._live_tensor(), plane, page).astype(np.float32)
-            return payload_values(
-                self._payloads[(plane, page)][1],
-                fmt,
-                self.heads,
-                self.block_size,
-                self.head_size,
-                self.groups[plane],
-                self.headers[plane],
-                self.block_size,
-            )
+            return self.payloads.read_page(plane, page, self.block_size)
 
     # -- conversion ------------------------------------------------------------------
     def _check_target(self, api: str, plane: int, target: PlaneTarget, n: int, selected: np.ndarray) -> tuple:
@@ -327,30 +355,6 @@ class PageSet:
             ]
         return fmt, g, scale, zero, headers
 
-    def _build(
-        self, plane: int, page: int, fmt: formats.PageFormat, g: int, scale, zero, header: np.ndarray | None
-    ) -> tuple:
-        """(buffer, payload, values) of ``page`` in ``fmt``; buffer None when it returns to its tensor slot.
-        ``header``: channel-zp header bytes, or None for a float32 header."""
-        x = self.page_values(plane, page)
-        if fmt.code == self.native.code:
-            return None, None, x
-        kind = formats.HEADER_FLOAT32 if header is None else formats.HEADER_CHANNEL_ZP
-        nbytes = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, max(g, 1), kind)
-        buf, arr = formats.allocate_payload(self.allocator, fmt, nbytes, "PageSet")
-        if fmt.is_float:
-            typed = float_view(arr, fmt, self.heads, self.block_size, self.head_size)
-            if fmt.name == "bfloat16":
-                _kernels.f32_to_bf16(x, typed)
-            else:
-                typed[...] = x
-        else:
-            extra = {} if header is None else {"header": header, "header_kind": kind}
-            _kernels.quantize_page(
-                x, fmt.code, np.ascontiguousarray(scale), np.ascontiguousarray(zero), g, arr, self.block_size, **extra
-            )
-        return buf, arr, None
-
     def convert(
         self,
         indices: np.ndarray,
@@ -378,22 +382,7 @@ class PageSet:
         """
         with self.lock:
             tensor = self._live_tensor()
-            idx = np.asarray(indices)
-            if idx.ndim != 1 or idx.dtype.kind not in "iu":
-                raise InputError(f"{api}: {indices_name} must be a 1-D int array, got {idx.dtype} {list(idx.shape)}")
-            bad = np.flatnonzero(V.outside(idx, 0, self.num_pages - 1))  # in the ids' own width: none wraps
-            if bad.size:
-                raise InputError(
-                    f"{api}: {indices_name}[{int(bad[0])}] = {int(idx[bad[0]])} is not a page id in "
-                    f"[0, {self.num_pages})"
-                )
-            idx = idx.astype(np.int64)
-            unique, counts = np.unique(idx, return_counts=True)
-            if (counts > 1).any():
-                raise InputError(
-                    f"{api}: {indices_name} must be distinct, page {int(unique[counts > 1][0])} is "
-                    f"selected {int(counts[counts > 1][0])} times"
-                )
+            idx = self._check_indices(api, indices, indices_name)
             if len(targets) != self.planes:
                 raise InputError(f"{api}: {len(targets)} plane target(s) for {self.planes} plane(s)")
             selected = np.zeros(self.num_pages, bool)
@@ -402,150 +391,129 @@ class PageSet:
                 None if t is None else self._check_target(api, i, t, idx.size, selected) for i, t in enumerate(targets)
             ]
             cost = ConvertCost()
-            built = []
-            try:
-                for plane, spec in enumerate(checked):
-                    if spec is None:
-                        continue
-                    fmt, g, scale, zero, headers = spec
-                    for i, page in enumerate(idx.tolist()):
-                        if fmt.is_float and int(self.formats[plane, page]) == fmt.code:
-                            continue
-                        if int(self.formats[plane, page]) not in _FLOAT_CODES:
-                            cost.dequantized_bytes += self._payloads[(plane, page)][1].nbytes
-                        buf, arr, x = self._build(
-                            plane,
-                            page,
-                            fmt,
-                            g,
-                            None if scale is None else scale[i],
-                            None if zero is None else zero[i],
-                            None if headers is None else headers[i],
-                        )
-                        built.append((plane, page, fmt, g, buf, arr, x))
-                        if buf is not None:
-                            cost.allocations += 1
-                            cost.allocated_bytes += arr.nbytes
-            except BaseException:
-                release(self.allocator, [buf for *_, buf, _, _ in built], "PageSet")
-                raise
-            undo = (self.ptrs.copy(), self.formats.copy(), list(self.groups), list(self.headers))
-            replaced = [
-                self._publish(tensor, plane, page, fmt, g, buf, arr, x, cost, staged)
-                for plane, page, fmt, g, buf, arr, x in built
-            ]
+            built = self._build_all(idx, checked, cost)
+            layouts = list(self.payloads.planes)
+            swapped = []  # (plane, page, the record the new page replaced)
+            for plane, page, fmt, buf, arr, x in built:
+                if buf is None:  # back to the tensor's own type: into its slot
+                    self._slot(tensor, plane, page)[...] = x
+                    swapped.append((plane, page, self._lend(plane, page)))
+                else:
+                    swapped.append((plane, page, self.payloads.swap(plane, page, buf, arr, fmt.code)))
+                cost.pages += 1
             for plane, (spec, target) in enumerate(zip(checked, targets)):
                 if spec is not None:
-                    self._sync_group(plane, spec[1], target.header)
-            release(self.allocator, replaced, "PageSet")
-            if staged:
-                cost._pending = (undo, built)
-                cost._handle = self
+                    self._sync_layout(plane, spec[1], target.header)
+            cost._pending, cost._handle = (layouts, swapped), self
+            if not staged:
+                cost.commit()
             return cost
 
+    def _check_indices(self, api: str, indices: np.ndarray, indices_name: str) -> np.ndarray:
+        """``indices`` as int64 after checking they are distinct page ids (InputError starting with ``api``)."""
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or idx.dtype.kind not in "iu":
+            raise InputError(f"{api}: {indices_name} must be a 1-D int array, got {idx.dtype} {list(idx.shape)}")
+        bad = np.flatnonzero(V.outside(idx, 0, self.num_pages - 1))  # in the ids' own width: none wraps
+        if bad.size:
+            raise InputError(
+                f"{api}: {indices_name}[{int(bad[0])}] = {int(idx[bad[0]])} is not a page id in [0, {self.num_pages})"
+            )
+        idx = idx.astype(np.int64)
+        unique, counts = np.unique(idx, return_counts=True)
+        if (counts > 1).any():
+            raise InputError(
+                f"{api}: {indices_name} must be distinct, page {int(unique[counts > 1][0])} is "
+                f"selected {int(counts[counts > 1][0])} times"
+            )
+        return idx
+
+    def _build_all(self, idx: np.ndarray, checked: list, cost: ConvertCost) -> list[tuple]:
+        """(plane, page, format, buffer, payload, values) of every page the validated targets ``checked``
+        change: a new payload, or (buffer None) the float32 values going back to the tensor slot.
+        All or nothing: an error gives back what was built and is raised."""
+        built = []
+        try:
+            for plane, spec in enumerate(checked):
+                if spec is None:
+                    continue
+                fmt, g, scale, zero, headers = spec
+                for i, page in enumerate(idx.tolist()):
+                    code = int(self.formats[plane, page])
+                    if fmt.is_float and code == fmt.code:
+                        continue
+                    if code not in _FLOAT_CODES:
+                        cost.dequantized_bytes += int(self.payloads.sizes[plane, page])
+                    x = self.page_values(plane, page)
+                    if fmt.code == self.native.code:
+                        built.append((plane, page, fmt, None, None, x))
+                        continue
+                    params = None
+                    if not fmt.is_float:
+                        header = None if headers is None else headers[i]
+                        kind = formats.HEADER_FLOAT32 if header is None else formats.HEADER_CHANNEL_ZP
+                        params = PageParams(scale[i], zero[i], g, kind, header)
+                    buf, arr = self.payloads.encode_payload(plane, fmt.name, x, params)
+                    built.append((plane, page, fmt, buf, arr, None))
+                    cost.allocations += 1
+                    cost.allocated_bytes += arr.nbytes
+        except BaseException:
+            for *_, buf, _, _ in built:
+                self.payloads.discard_payload(buf)
+            raise
+        return built
+
     def _finish(self, cost: ConvertCost, keep: bool) -> None:
-        """Commit (``keep``) or roll back the staged conversion ``cost`` (see :meth:`convert`)."""
-        (ptrs, fmts, groups, headers), built = cost._pending
+        """Commit (``keep``) or roll back the conversion ``cost`` (see :meth:`convert`)."""
+        layouts, swapped = cost._pending
         cost._pending = None
         unused = []  # the payloads the outcome leaves without a page
         with self.lock:
             tensor = self._tensor()
-            for plane, page, _, _, buf, _, _ in built:
-                was_native = int(fmts[plane, page]) == self.native.code
-                old = cost._replaced.get((plane, page))
+            for plane, page, old in reversed(swapped):
+                now_lent = self.payloads.pages[plane][page] is None
                 if keep:
-                    if old is not None:
+                    if old[1] is not None:
                         unused.append(old[0])
                         cost.freed_bytes += old[1].nbytes
-                    if was_native and buf is not None and tensor is not None:
-                        self._slot(tensor, plane, page)[...] = np.nan  # the slot is dead storage now
-                    continue
-                if buf is not None:
-                    self._payloads.pop((plane, page), None)
-                    unused.append(buf)
-                if old is not None:
-                    self._payloads[(plane, page)] = old
-                    if buf is None and tensor is not None:  # the page had come back to its slot
+                    elif tensor is not None:  # the page left its slot: dead storage now
                         self._slot(tensor, plane, page)[...] = np.nan
+                    continue
+                new = self.payloads.swap(plane, page, *old)
+                unused.append(new[0])
+                if now_lent and tensor is not None:  # the page had come back to its slot
+                    self._slot(tensor, plane, page)[...] = np.nan
             if not keep:
-                self.ptrs[...] = ptrs
-                self.formats[...] = fmts
-                self.groups[:] = groups
-                self.headers[:] = headers
-        release(self.allocator, unused, "PageSet")
+                for plane, spec in enumerate(layouts):
+                    self.payloads.set_layout(plane, spec.groups, spec.header)
+        for buf in unused:
+            self.payloads.discard_payload(buf)
 
-    def _publish(
-        self,
-        tensor: np.ndarray,
-        plane: int,
-        page: int,
-        fmt: formats.PageFormat,
-        g: int,
-        buf,
-        arr: np.ndarray | None,
-        x: np.ndarray | None,
-        cost: ConvertCost,
-        staged: bool,
-    ) -> object | None:
-        """Install one built page (cannot fail); ``staged`` keeps the old storage for commit/rollback.
-        Returns the replaced payload's buffer for the caller to free (None: none, or kept for the stage)."""
-        slot = self._slot(tensor, plane, page)
-        old = self._payloads.pop((plane, page), None)
-        replaced = None
-        if staged:
-            if old is not None:
-                cost._replaced[(plane, page)] = old
-        elif old is None:
-            slot[...] = np.nan  # the slot is dead storage now
-        else:
-            replaced = old[0]
-            cost.freed_bytes += old[1].nbytes
-        if buf is None:
-            slot[...] = x
-            self.ptrs[plane, page] = self._slots[plane, page]
-        else:
-            self._payloads[(plane, page)] = (buf, arr)
-            self.ptrs[plane, page] = _address(arr)
-        self.formats[plane, page] = fmt.code
-        cost.pages += 1
-        return replaced
-
-    def _sync_group(self, plane: int, g: int, header: str) -> None:
-        """G and header kind of ``plane`` after a conversion whose target had G = ``g`` (0: a float
-        target) and header kind ``header``."""
-        quantized = self.quantized(plane).any()
-        if g and quantized:
-            self.headers[plane] = header
-        elif not quantized:
-            self.headers[plane] = formats.HEADER_FLOAT32
-        self.groups[plane] = (g or self.groups[plane]) if quantized else 0
+    def _sync_layout(self, plane: int, g: int, header: str) -> None:
+        """The layout of ``plane``'s quantized pages after a conversion whose target had G = ``g`` (0: a
+        float target) and header kind ``header``."""
+        if not self.quantized(plane).any():
+            self.payloads.set_layout(plane, 1, formats.HEADER_FLOAT32)
+        elif g:
+            self.payloads.set_layout(plane, g, header)
 
     # -- checks ----------------------------------------------------------------------
     def audit(self) -> None:
         """Check tables and payloads agree; raises :class:`~onnxkv.errors.StateError` naming the first mismatch."""
         with self.lock:
-            for plane in range(self.planes):
+            for plane, spec in enumerate(self.payloads.planes):
                 for page in range(self.num_pages):
                     code = int(self.formats[plane, page])
-                    held = self._payloads.get((plane, page))
+                    held = self.payloads.pages[plane][page]
+                    ptr = int(self.ptrs[plane, page])
                     if code == self.native.code:
-                        ok = held is None and self.ptrs[plane, page] == self._slots[plane, page]
+                        ok = held is None and ptr == int(self._slots[plane, page])
                     else:
                         fmt = formats.page_format(code)
-                        g = max(self.groups[plane], 1) if not fmt.is_float else 1
-                        want = formats.page_bytes(
-                            fmt,
-                            self.heads,
-                            self.block_size,
-                            self.head_size,
-                            g,
-                            self.headers[plane] if not fmt.is_float else formats.HEADER_FLOAT32,
-                        )
+                        g, header = (1, formats.HEADER_FLOAT32) if fmt.is_float else (spec.groups, spec.header)
+                        want = formats.page_bytes(fmt, self.heads, self.block_size, self.head_size, g, header)
                         ok = (
-                            held is not None
-                            and int(self.ptrs[plane, page]) == _address(held[1])
-                            and held[1].nbytes == want
-                            and int(self.ptrs[plane, page]) % _ALIGNMENT == 0
+                            held is not None and ptr == _address(held) and held.nbytes == want and ptr % _ALIGNMENT == 0
                         )
                     if not ok:
                         raise StateError(

@@ -12,14 +12,27 @@ header, then codes).  A page's payload never changes format in place:
 conversion builds a new payload (:meth:`PlanePayloads.build_payload`) and
 swaps it in (:meth:`PlanePayloads.install_payload`).
 
+Two owners use it.  A :class:`~onnxkv.cache.block_pool.BlockPool` (the
+states' paged caches): every live id holds a leased payload per plane, the
+plane layouts (``groups``, ``header``) are fixed.  A
+:class:`~onnxkv.cache.page_set.PageSet` (the explicit paged graph form):
+every page id is live for the life of its page tensor, a page in the
+tensor's type is *lent* -- its record is the address of the tensor's slot,
+with no array and no buffer (size 0), read and written by the PageSet --
+and a converted page holds a payload from here; the layout of a plane's
+quantized pages follows the parameters its conversions are given
+(:meth:`PlanePayloads.set_layout`, :class:`PageParams`), and a staged
+conversion swaps records without freeing (:meth:`PlanePayloads.swap`).
+
 Who may write: a page's bytes only through a holder of the page's only
-reference (the pool's rule); the records here only through the pool (ids
-handed out and freed) and the conversion calls below, under the pool's
-lock.
+reference (the pool's rule; a PageSet holds every page alone); the records
+here only through the owner (ids handed out and freed, pages lent) and the
+conversion calls below, under the owner's lock.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -32,7 +45,7 @@ from onnxkv.cache import formats
 from onnxkv.cache.contiguous import stored_to_float32
 from onnxkv.errors import InputError, StateError
 
-__all__ = ["PlaneSpec", "PlanePayloads", "STORAGE", "NATIVE_CODE", "float_view", "payload_values"]
+__all__ = ["PlaneSpec", "PageParams", "PlanePayloads", "STORAGE", "NATIVE_CODE", "float_view", "payload_values"]
 
 #: Native stored element types of a plane: name -> NumPy dtype (bfloat16 as uint16 bit patterns).
 STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
@@ -128,6 +141,24 @@ class PlaneSpec:
             )
 
 
+@dataclass(frozen=True)
+class PageParams:
+    """Given quantization parameters of one new page (instead of parameters computed from its values).
+
+    ``scale`` and ``zero_point``: float32 ``[H * groups]`` (index ``h * groups + g``),
+    checked by the caller (:func:`onnxkv.cache.formats.check_params`);
+    ``groups``: 1 (per head) or head_size (per channel); ``header``: the header
+    kind, "float32" or "channel-zp" (then ``header_bytes`` holds the header
+    :func:`onnxkv.cache.formats.encode_header` made from them).
+    """
+
+    scale: np.ndarray
+    zero_point: np.ndarray
+    groups: int
+    header: str = formats.HEADER_FLOAT32
+    header_bytes: np.ndarray | None = None
+
+
 class PlanePayloads:
     """Per plane and page id: payload buffer and array, address, format and size (module docstring).
 
@@ -140,17 +171,27 @@ class PlanePayloads:
             payload.
         lock: the owner's lock (re-entrant), taken around every record change.
         owner: the owner's name, leading error messages.
+        labels: per plane, what an allocation error names (default
+            ``"{owner}: plane '{name}'"``).
 
-    Records, by plane ``i`` and page id (lists grown by :meth:`grow`):
-    ``pages[i][p]`` the payload array (None: free), ``ptrs[i]`` uint64
-    addresses (0: free), ``formats[i]`` uint8 ONNX element codes (the
-    native code while free: the attention kernel validates the whole
-    table), ``sizes[i]`` int64 payload bytes (0: free), ``converted[i]``
-    how many live pages are not native (0: the kernel reads plain pages).
+    Records, by plane ``i`` and page id (grown by :meth:`grow`):
+    ``pages[i][p]`` the payload array (None: free or lent), ``ptrs[i, p]``
+    uint64 addresses (0: free), ``formats[i, p]`` uint8 ONNX element codes
+    (the native code while free: the attention kernel validates the whole
+    table), ``sizes[i, p]`` int64 payload bytes (0: free or lent);
+    ``ptrs``, ``formats`` and ``sizes`` are ``[planes, capacity]`` arrays.
+    ``converted[i]`` counts the live pages that are not native (0: the
+    kernel reads plain pages).
     """
 
     def __init__(
-        self, planes: list[PlaneSpec], block_size: int, allocator, lock: threading.RLock, owner: str = "BlockPool"
+        self,
+        planes: list[PlaneSpec],
+        block_size: int,
+        allocator,
+        lock: threading.RLock,
+        owner: str = "BlockPool",
+        labels: list[str] | None = None,
     ) -> None:
         for p in planes:
             p.check(owner)
@@ -163,43 +204,42 @@ class PlanePayloads:
             else [allocator] * len(self.planes)
         )
         self.owner = owner
+        self._labels = labels or [f"{owner}: plane '{p.name}'" for p in self.planes]
         self._lock = lock
+        n = len(self.planes)
         self._bufs: list[list] = [[] for _ in self.planes]
         self.pages: list[list] = [[] for _ in self.planes]
-        self.ptrs: list[np.ndarray] = [np.zeros(0, np.uint64) for _ in self.planes]
-        self.formats: list[np.ndarray] = [np.zeros(0, np.uint8) for _ in self.planes]
+        self.ptrs = np.zeros((n, 0), np.uint64)
+        self.formats = np.zeros((n, 0), np.uint8)
         self.converted: list[int] = [0 for _ in self.planes]
-        self.sizes: list[np.ndarray] = [np.zeros(0, np.int64) for _ in self.planes]
+        self.sizes = np.zeros((n, 0), np.int64)
         #: id(buffer) -> buffer of each payload build_payload handed out and nobody installed or discarded yet.
         self._built: dict[int, object] = {}
 
     # -- records ---------------------------------------------------------------
     def grow(self, capacity: int) -> None:
         """Extend every plane's records to ``capacity`` page ids (new ids free)."""
+        have = self.ptrs.shape[1]
+        if capacity <= have:
+            return
         for i in range(len(self.planes)):
-            grow = capacity - len(self.pages[i])
-            if grow > 0:
-                self._bufs[i].extend([None] * grow)
-                self.pages[i].extend([None] * grow)
-                ptrs = np.zeros(capacity, np.uint64)
-                ptrs[: len(self.ptrs[i])] = self.ptrs[i]
-                self.ptrs[i] = ptrs
-                fmts = np.full(capacity, NATIVE_CODE[self.planes[i].storage], np.uint8)
-                fmts[: len(self.formats[i])] = self.formats[i]
-                self.formats[i] = fmts
-                sizes = np.zeros(capacity, np.int64)
-                sizes[: len(self.sizes[i])] = self.sizes[i]
-                self.sizes[i] = sizes
+            self._bufs[i].extend([None] * (capacity - have))
+            self.pages[i].extend([None] * (capacity - have))
+        n = len(self.planes)
+        ptrs, sizes = np.zeros((n, capacity), np.uint64), np.zeros((n, capacity), np.int64)
+        fmts = np.array([[NATIVE_CODE[p.storage]] * capacity for p in self.planes], np.uint8).reshape(n, capacity)
+        ptrs[:, :have], fmts[:, :have], sizes[:, :have] = self.ptrs, self.formats, self.sizes
+        self.ptrs, self.formats, self.sizes = ptrs, fmts, sizes
 
     @property
     def committed_bytes(self) -> int:
         """Bytes of payload held by live pages (each in its own format)."""
-        return int(sum(int(s.sum()) for s in self.sizes))
+        return int(self.sizes.sum())
 
     def pages_bytes(self, ids: np.ndarray) -> int:
         """Payload bytes of the distinct live pages ``ids`` over all planes."""
         u = np.unique(ids[ids >= 0])
-        return int(sum(int(s[u].sum()) for s in self.sizes))
+        return int(self.sizes[:, u].sum())
 
     def lease_pages(self, ids: np.ndarray) -> None:
         """Give each new page id of ``ids`` a native payload in every plane, leased and checked
@@ -209,7 +249,7 @@ class PlanePayloads:
             for p in ids.tolist():
                 for i, spec in enumerate(self.planes):
                     buf, arr = self._lease_native(i)
-                    self._hold(i, p, buf, arr, NATIVE_CODE[spec.storage])
+                    self.swap(i, p, buf, arr, NATIVE_CODE[spec.storage])
                     done.append((i, p))
         except BaseException:
             release(self.allocator, [self._forget(i, p) for i, p in done], self.owner)
@@ -232,25 +272,38 @@ class PlanePayloads:
             f"{self.owner}: plane '{spec.name}'",
         )
 
-    def _hold(self, i: int, p: int, buf, arr: np.ndarray, code: int) -> None:
-        """Make ``buf`` / ``arr`` the payload of page ``p`` in plane ``i``, format ``code`` (cannot fail)."""
-        self._bufs[i][p], self.pages[i][p] = buf, arr
-        self.ptrs[i][p] = arr.__array_interface__["data"][0]
-        self.converted[i] -= self.quantized(i, p)
-        self.formats[i][p] = code
-        self.converted[i] += self.quantized(i, p)
-        self.sizes[i][p] = arr.nbytes
+    def swap(self, plane: int, page: int, buf, arr: np.ndarray | None, code: int, address: int = 0) -> tuple:
+        """Make ``buf`` / ``arr`` the payload of ``page`` in ``plane``, format ``code``; return the previous
+        record ``(buf, arr, code, address)``, which the caller frees or keeps (cannot fail; frees nothing).
+
+        ``arr`` None records a lent page at ``address`` (its owner's storage, never freed here) or, with
+        address 0, a free one.  Passing a returned record back restores the page exactly.  Called under
+        the owner's lock.
+        """
+        old = (
+            self._bufs[plane][page],
+            self.pages[plane][page],
+            int(self.formats[plane, page]),
+            int(self.ptrs[plane, page]),
+        )
+        self._built.pop(id(buf), None)
+        self._bufs[plane][page], self.pages[plane][page] = buf, arr
+        self.ptrs[plane, page] = address if arr is None else arr.__array_interface__["data"][0]
+        self.converted[plane] -= self.quantized(plane, page)
+        self.formats[plane, page] = code
+        self.converted[plane] += self.quantized(plane, page)
+        self.sizes[plane, page] = 0 if arr is None else arr.nbytes
+        return old
 
     def _forget(self, i: int, p: int):
         """Clear every record of page ``p``'s payload in plane ``i``; return its buffer (for the caller to free)."""
-        buf = self._bufs[i][p]
-        self._bufs[i][p] = self.pages[i][p] = None
-        self.ptrs[i][p] = 0
-        if self.quantized(i, p):
-            self.converted[i] -= 1
-        self.formats[i][p] = NATIVE_CODE[self.planes[i].storage]
-        self.sizes[i][p] = 0
-        return buf
+        return self.swap(i, p, None, None, NATIVE_CODE[self.planes[i].storage])[0]
+
+    def set_layout(self, plane: int, groups: int, header: str) -> None:
+        """Declare the scale groups and header kind of ``plane``'s quantized pages (a PageSet, whose
+        conversions carry their own parameters: any header kind of :class:`PageParams` with groups 1 or
+        head_size); the caller makes every quantized page of the plane agree."""
+        self.planes[plane] = dataclasses.replace(self.planes[plane], groups=int(groups), header=header)
 
     def end_batch(self) -> None:
         """Forget the payloads :meth:`build_payload` handed out that were neither installed nor discarded
@@ -345,37 +398,51 @@ class PlanePayloads:
         :class:`~onnxkv.errors.InputError` when the allocator fails (see
         :func:`onnxkv.alloc.checked.lease`), with nothing allocated.
         """
+        if formats.page_format(fmt_name).name == self.planes[plane].storage and not self.quantized(plane, page):
+            return None, None
+        return self.encode_payload(plane, fmt_name, self.read_page(plane, page, tokens))
+
+    def encode_payload(self, plane: int, fmt_name: str, x: np.ndarray, params: PageParams | None = None):
+        """A new payload of ``plane`` in ``fmt_name`` holding float32 ``x`` ``[H, tokens, D]``: (buffer, array).
+
+        The plane's native format gives a native page (positions past
+        ``tokens`` zero); an integer format is quantized with ``params``, or
+        with parameters computed from ``x`` in the plane's layout when None.
+        Nothing is installed and the ownership rules are those of
+        :meth:`build_payload`; raises as it does, with nothing allocated.
+        """
         spec = self.planes[plane]
         fmt = formats.page_format(fmt_name)
-        bs = self.block_size
-        native = fmt.name == spec.storage
-        if native and not self.quantized(plane, page):
-            return None, None
-        x = self.read_page(plane, page, tokens)
-        if native:
+        if fmt.name == spec.storage:
             buf, arr = self._lease_native(plane)
         else:
-            nbytes = formats.page_bytes(fmt, spec.heads, bs, spec.head_size, spec.groups, spec.header)
-            buf, arr = formats.allocate_payload(
-                self.allocators[plane], fmt, nbytes, f"{self.owner}: plane '{spec.name}'"
-            )
+            groups, header = (spec.groups, spec.header) if params is None else (params.groups, params.header)
+            nbytes = formats.page_bytes(fmt, spec.heads, self.block_size, spec.head_size, groups, header)
+            buf, arr = formats.allocate_payload(self.allocators[plane], fmt, nbytes, self._labels[plane])
         with self._lock:
             self._built[id(buf)] = buf
         try:
-            self._encode(spec, fmt, x, arr)
+            self._encode(spec, fmt, x, arr, params)
         except BaseException:
             self.discard_payload(buf)
             raise
         return buf, arr
 
-    def _encode(self, spec: PlaneSpec, fmt: formats.PageFormat, x: np.ndarray, arr: np.ndarray) -> None:
+    def _encode(
+        self, spec: PlaneSpec, fmt: formats.PageFormat, x: np.ndarray, arr: np.ndarray, params: PageParams | None
+    ) -> None:
         """Write float32 ``x`` [H, tokens, D] into the new payload ``arr`` of format ``fmt`` (a native page
-        [H, bs, D], else uint8 bytes); float positions past ``tokens`` are zero."""
+        [H, bs, D], else uint8 bytes; quantized with ``params`` if given); float positions past ``tokens``
+        are zero."""
         bs, tokens = self.block_size, x.shape[1]
         if fmt.is_float:
             typed = arr if arr.ndim == 3 else float_view(arr, fmt, spec.heads, bs, spec.head_size)
             typed[:, :tokens] = self.native(PlaneSpec(spec.name, spec.heads, spec.head_size, fmt.name), x)
             typed[:, tokens:] = 0
+        elif params is not None:
+            extra = {} if params.header_bytes is None else {"header": params.header_bytes, "header_kind": params.header}
+            scale, zero = np.ascontiguousarray(params.scale), np.ascontiguousarray(params.zero_point)
+            _kernels.quantize_page(x, fmt.code, scale, zero, params.groups, arr, bs, **extra)
         elif spec.header == formats.HEADER_COMPACT:
             scale, zero, header = formats.compact_params(x, fmt)
             _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs, header=header)
@@ -398,14 +465,12 @@ class PlanePayloads:
         if buf is None:
             return
         with self._lock:
-            self._built.pop(id(buf), None)
-            old = self._bufs[plane][page]
-            self._hold(plane, page, buf, arr, formats.page_format(fmt_name).code)
+            old = self.swap(plane, page, buf, arr, formats.page_format(fmt_name).code)[0]
         release(self.allocator, [old], self.owner)
 
     def discard_payload(self, buf) -> None:
-        """Give back a payload from :meth:`build_payload` that will not be installed (None: nothing);
-        a ``free`` that raises is logged."""
+        """Give back a payload from :meth:`build_payload` that will not be installed, or one a
+        :meth:`swap` replaced (None: nothing); a ``free`` that raises is logged."""
         if buf is not None:
             with self._lock:
                 self._built.pop(id(buf), None)

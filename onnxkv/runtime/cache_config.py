@@ -13,7 +13,7 @@ or None (the entry point's default kind).  The kinds:
   truncate, full pages optionally quantized (``kv_format``).
 * ``"tensor"``: no state at all; ``generate`` and ``beam_search`` thread the
   cache through the graph as tensors (past -> present), the baseline the
-  other two are measured against.  ``Session.new_state`` and
+  other two are compared with.  ``Session.new_state`` and
   ``speculative_generate`` (which truncates its states) reject it.
 
 ``kv_format`` is what the cache is stored as: None (the model's own type),

@@ -21,7 +21,6 @@ import numpy as np
 
 from onnxkv.alloc import SlabAllocator, as_allocator
 from onnxkv.cache import serialize
-from onnxkv.cache.formats import HEADER_CHANNEL_ZP, HEADER_COMPACT
 from onnxkv.cache.paged import BlockPool
 from onnxkv.cache.policy import key_header, make_selector
 from onnxkv.errors import InputError, StateError
@@ -41,31 +40,24 @@ class State:
     Args:
         session: the :class:`~onnxkv.Session` whose plan runs.
         initial: bound input name -> array [B, H, L, D] to start from (copied in; all, one length).
-        capacity: fixed capacity in positions (overflow raises :class:`~onnxkv.errors.CacheCapacityError`);
-            None = grow geometrically from ``initial_capacity``.
-        initial_capacity: first capacity of growable caches.
-        allocator: persistent allocator of the caches (its ``stats()`` are what the
-            event log reports).  Default: a :class:`~onnxkv.alloc.SystemAllocator`;
-            for ``cache="paged"`` a :class:`~onnxkv.alloc.SlabAllocator`, lane ``i``
-            holding plane ``i``'s pages.
-        cache_dtype: store the caches as ``"float16"`` or ``"bfloat16"`` (rounded to
-            nearest even; GroupQueryAttention models only); ``values`` then shows the
-            stored format (bfloat16 as uint16 bits).
-        cache: ``"contiguous"`` (one buffer per cache value, grown geometrically)
-            or ``"paged"`` (pages of ``block_size`` tokens with copy-on-write;
-            ``capacity`` then caps the positions per sequence).
-        block_size: tokens per page (paged).
-        max_pages: at most this many live pages (paged; None = unbounded); running
-            out raises :class:`~onnxkv.errors.OutOfMemory` before anything is written.
-        kv_format: page formats of a paged cache (:mod:`onnxkv.cache.policy`): None,
-            a policy name ("fp16", "int8", "residual-int4", ...) or a ``FormatSelector``
-            ``(layer, past_length, k, v) -> (k_format, v_format)``; after every run the
+        capacity: fixed capacity in positions (per sequence when paged; overflow raises
+            :class:`~onnxkv.errors.CacheCapacityError`); None = grow geometrically from ``initial_capacity``.
+        allocator: persistent allocator of the caches (its ``stats()`` are what the event log reports).
+            Default: a :class:`~onnxkv.alloc.SystemAllocator`; paged, a :class:`~onnxkv.alloc.SlabAllocator`
+            whose lane ``i`` holds plane ``i``'s pages.
+        cache_dtype: store the caches as ``"float16"`` or ``"bfloat16"`` (rounded to nearest even;
+            GroupQueryAttention models; ``values`` shows the stored format, bfloat16 as uint16 bits).
+        cache: ``"contiguous"`` (one buffer per cache value, grown geometrically) or ``"paged"`` (pages of
+            ``block_size`` tokens with copy-on-write, at most ``max_pages`` live, None = unbounded: running
+            out raises :class:`~onnxkv.errors.OutOfMemory` before anything is written).
+        kv_format: page formats of a paged cache (:mod:`onnxkv.cache.policy`): None, a policy name or a
+            ``FormatSelector`` ``(layer, past_length, k, v) -> (k_format, v_format)``; after every run the
             full pages it makes eligible are converted (each page once).
-        key_channel_scales: quantized key pages get a scale and zero point per channel (KIVI, compact
-            headers; also set by a policy such as "int8-kivi").
-        key_channel_zero_points: quantized key pages get a scale per head and a zero point per channel
-            (channel-zp headers; also set by a policy such as "int8").  Not with ``key_channel_scales``.
+        key_channel_scales / key_channel_zero_points: quantized key pages get a scale and zero point per
+            channel (KIVI, compact headers) / a scale per head and a zero point per channel (channel-zp
+            headers); a policy such as "int8-kivi" / "int8" sets them too.  Not both.
 
+    :func:`~onnxkv.runtime.cache_config.state_keywords` makes the keywords of a ``CacheConfig``.
     One state per request, many per session; two states never share writable storage.  Calls on one
     state must not overlap (a second concurrent call raises :class:`~onnxkv.errors.StateError`).
     """
@@ -86,20 +78,16 @@ class State:
         key_channel_zero_points: bool = False,
         _pool: BlockPool | None = None,
     ) -> None:
+        #: The storage keywords (every parameter but the session, the contents and the pool): a fork's.
+        self._keywords = {k: v for k, v in locals().items() if k not in ("self", "session", "initial", "_pool")}
         if cache not in _CACHES:
             raise InputError(f"new_state: cache must be one of {_CACHES}, got {cache!r}")
-        for name, v in (("capacity", capacity), ("initial_capacity", initial_capacity)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-                raise InputError(f"new_state: {name} must be a positive int, got {v!r}")
         self.session = session
         self.bindings = list(session.bindings)
-        self.capacity = None if capacity is None else int(capacity)
-        self.initial_capacity = int(initial_capacity)
         self.allocator = SlabAllocator() if allocator is None and cache == "paged" else as_allocator(allocator)
-        self._ctx = StoreContext(session, self.allocator, self.capacity, self.initial_capacity, cache_dtype)
-        self.cache_dtype = cache_dtype
-        self.cache = cache
-        self.steps = 0
+        self._ctx = StoreContext(session, self.allocator, capacity, initial_capacity, cache_dtype)
+        self.capacity, self.initial_capacity = self._ctx.capacity, self._ctx.initial_capacity
+        self.cache_dtype, self.cache, self.kv_format, self.steps = cache_dtype, cache, kv_format, 0
         self.declared = dict(session.declared_bindings)
         self._bound = frozenset(self.bound_inputs)
         self._presents = {b.present: b.past for b in self.bindings}
@@ -108,7 +96,6 @@ class State:
         selector = make_selector(kv_format)
         if selector is not None and cache != "paged":
             raise InputError(f"new_state: kv_format={kv_format!r} needs cache='paged'")
-        self.kv_format = kv_format
         #: Header kind of quantized key pages: "float32" (per head), "compact" or "channel-zp" (groups = head_size).
         self._key_header = key_header(selector, "new_state", key_channel_scales, key_channel_zero_points)
         if cache == "paged":
@@ -170,10 +157,20 @@ class State:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def page_tables(self) -> np.ndarray | None:
+        """A paged state's page tables (None for another cache; a read-only copy): int32 [batch, max_blocks],
+        [b, i] the :attr:`pool` page id of row b's block i, -1: none (not written yet, or evicted)."""
+        return self._store.committed_table("tables") if self.paged else None
+
+    @property
+    def first_positions(self) -> np.ndarray | None:
+        """A paged state's first position still held per row (None for another cache; a read-only copy),
+        int64 [batch]: above 0 once a sliding window evicted the pages before it."""
+        return self._store.committed_table("first") if self.paged else None
+
     # The storage a store holds, for tests and audits (read only).
     _caches = property(lambda self: self._store.caches)
-    _paged = property(lambda self: self._store.cache if self.paged else None)
-    _values = property(lambda self: self._store.held if isinstance(self._store, DeclaredStore) else {})
     _static = property(lambda self: self._ctx.static)
     _static_capacity = property(lambda self: self._ctx.static_capacity)
     _layer_pairs = property(lambda self: self._store.layer_pairs)
@@ -230,13 +227,7 @@ class State:
         self._check_open("reset")
         with self._exclusive("reset"):
             if initial is not None:
-                missing = [n for n in self.bound_inputs if n not in initial]
-                unknown = [n for n in initial if n not in self.bound_inputs]
-                if missing or unknown:
-                    raise InputError(
-                        f"State.reset: initial must give exactly the bound inputs {self.bound_inputs}; "
-                        f"missing {missing}, unknown {unknown}"
-                    )
+                self._ctx.check_initial(initial, self.bound_inputs)
                 self._store.reset({n: np.asarray(a) for n, a in initial.items()})
             else:
                 self._store.close()
@@ -274,10 +265,8 @@ class State:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._store.close()
-        except Exception:
-            pass
 
     def _require_paged(self, api: str, held: bool = True) -> PagedStore:
         self._check_open(api)
@@ -298,23 +287,10 @@ class State:
             raise InputError(f"State.fork: n must be an int in [1, {MAX_FORKS}], got {n!r}")
         with self._exclusive("fork"):
             store = self._require_paged("fork")
-            out = []
-            for _ in range(int(n)):
-                st = State(
-                    self.session,
-                    capacity=self.capacity,
-                    initial_capacity=self.initial_capacity,
-                    allocator=self.allocator,
-                    cache_dtype=self.cache_dtype,
-                    cache="paged",
-                    kv_format=self.kv_format,
-                    key_channel_scales=self._key_header == HEADER_COMPACT,
-                    key_channel_zero_points=self._key_header == HEADER_CHANNEL_ZP,
-                    _pool=store.pool,
-                )
-                st._store.cache = store.share()
-                st.steps = self.steps
-                out.append(st)
+            keywords = {**self._keywords, "allocator": self.allocator}
+            out = [State(self.session, **keywords, _pool=store.pool) for _ in range(int(n))]
+            for st in out:
+                st._store.cache, st.steps = store.share(), self.steps
             self._ctx.log("fork", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
             return out
 
@@ -337,11 +313,11 @@ class State:
     def quantize_pages(self, indices, k_format: str | None, v_format: str | None) -> None:
         """Convert logical blocks ``indices`` (full blocks of every row) of every layer to new formats.
 
-        ``k_format``/``v_format``: a page format name (:mod:`onnxkv.cache.formats`; a float
-        format dequantizes) or None to leave that plane; integer parameters are chosen from
-        each page's values.  Each selected page gets one new payload; pages shared with other
-        states or checkpoints are copied first (:func:`~onnxkv.cache.page_convert.quantize_blocks`).
-        An error (bad index, unknown format, OutOfMemory) leaves the state as it was.
+        ``k_format``/``v_format``: a page format name (:mod:`onnxkv.cache.formats`; a float format
+        dequantizes) or None to leave that plane; integer parameters are chosen from each page's values.
+        Each selected page gets one new payload; pages shared with other states or checkpoints are copied
+        first (:func:`~onnxkv.cache.page_convert.quantize_blocks`).  An error (bad index, unknown format,
+        OutOfMemory) leaves the state as it was.
         """
         with self._exclusive("quantize_pages"):
             self._require_paged("quantize_pages").quantize_pages(indices, k_format, v_format)
@@ -356,14 +332,14 @@ class State:
     def load_cache(self, source: bytes | str | os.PathLike) -> None:
         """Replace the caches by a saved cache (bytes or a file from :meth:`save_cache`); all or nothing.
 
-        The next run continues where the saved state stopped.  A cache file is untrusted: before a
-        page is taken, the load checks its size against what ``max_pages`` could hold (InputError,
-        before it is read), the frame (SerializationError), the model (signature, block size,
-        layers; InputError), every rule of :func:`onnxkv.cache.serialize.validate`, and the state
-        (:func:`onnxkv.cache.snapshot.paged_from_snapshot`: capacity, window, table size,
-        InputError; free pages, OutOfMemory).  On any error the state, its pool, forks and
-        checkpoints are exactly as they were.  StateError on a contiguous state; InputError for a
-        ``source`` neither bytes nor a path, or an unreadable file (the OSError chained).
+        The next run continues where the saved state stopped.  A cache file is untrusted: before a page
+        is taken, the load checks its size against what ``max_pages`` could hold (InputError, before it is
+        read), the frame (SerializationError), the model (signature, block size, layers; InputError), every
+        rule of :func:`onnxkv.cache.serialize.validate`, and the state
+        (:func:`onnxkv.cache.snapshot.paged_from_snapshot`: capacity, window, table size, InputError; free
+        pages, OutOfMemory).  On any error the state, its pool, forks and checkpoints are exactly as they
+        were.  StateError on a contiguous state; InputError for a ``source`` neither bytes nor a path, or an
+        unreadable file (the OSError chained).
         """
         store = self._require_paged("load_cache", held=False)
         snapshot = store.decode(source)

@@ -149,11 +149,11 @@ def _bits(values: dict) -> dict:
 
 def _facts(case: Case) -> dict:
     """Everything a refused load must leave as it was."""
-    t, pool = case.target._paged.table, case.target.pool
+    target, pool = case.target, case.target.pool
     return {
-        "tables": t.tables.copy(),
-        "lengths": t.lengths.copy(),
-        "first": t.first.copy(),
+        "tables": target.page_tables,
+        "lengths": target.lengths,
+        "first": target.first_positions,
         "refs": pool.core.refs().copy(),
         "live_pages": pool.live_pages,
         "converted": list(pool.converted),
@@ -197,7 +197,7 @@ def _check_load(case: Case, blob: bytes, where: str) -> str:
         case.target.pool.audit()
         saved = serialize.decode(blob)
         assert case.target.lengths.tolist() == [s.length for s in saved.sequences], where
-        assert case.target._paged.table.first.tolist() == [s.first_position for s in saved.sequences], where
+        assert case.target.first_positions.tolist() == [s.first_position for s in saved.sequences], where
         after = _facts(case)
         np.testing.assert_array_equal(after["sibling_lengths"], before["sibling_lengths"], err_msg=where)
         for name, bits in before["sibling"].items():
@@ -485,24 +485,23 @@ def _state_with_fork(session, windowed: bool = False) -> tuple:
         (fork,) = target.fork()
         _step(fork, 3)
         target.truncate(8)
-        assert target._paged.table.tables.tolist() == [[0, 1]] and fork._paged.table.tables.tolist() == [[0, 1, 2, 4]]
+        assert target.page_tables.tolist() == [[0, 1]] and fork.page_tables.tolist() == [[0, 1, 2, 4]]
         return target, fork
     # max_pages 6: the window evicts ids 0..3, the target's copy of block 5 is id 3; the fork keeps id 5
     target = session.new_state(cache=CacheConfig("paged", block_size=4, max_pages=6))
     _prompt(target, 1, 21, 2)
     (fork,) = target.fork()
     _step(target, 3)
-    assert target._paged.table.tables.tolist() == [[-1, -1, -1, -1, 4, 3]]
-    assert fork._paged.table.tables.tolist() == [[-1, -1, -1, -1, 4, 5]]
+    assert target.page_tables.tolist() == [[-1, -1, -1, -1, 4, 3]]
+    assert fork.page_tables.tolist() == [[-1, -1, -1, -1, 4, 5]]
     return target, fork
 
 
 def _snapshot_facts(state, fork) -> tuple:
-    t = state._paged.table
     return (
-        t.tables.tolist(),
-        t.lengths.tolist(),
-        t.first.tolist(),
+        state.page_tables.tolist(),
+        state.lengths.tolist(),
+        state.first_positions.tolist(),
         state.pool.core.refs().tolist(),
         state.allocator.stats().live,
         _bits(state.values),
@@ -565,7 +564,7 @@ def test_a_windowed_load_drops_the_blocks_below_the_first_position(windowed):
     target, fork = _state_with_fork(windowed, windowed=True)
     fork_before = _bits(fork.values)
     target.load_cache(blob)
-    assert target._paged.table.tables[0, :2].tolist() == [-1, -1] and target.pool.live_pages == 4
+    assert target.page_tables[0, :2].tolist() == [-1, -1] and target.pool.live_pages == 4
     for name, v in target.values.items():
         np.testing.assert_array_equal(v[:, :, 8:], want[name])
     for name, bits in _bits(fork.values).items():

@@ -36,7 +36,7 @@ def _run(session, state, prompt, steps):
 
 
 def _formats(state, plane=0):
-    t = state._paged.table.tables
+    t = state.page_tables
     return state.pool.formats[plane][t[t >= 0]].tolist()
 
 
@@ -71,7 +71,7 @@ def test_int8_policies_give_keys_per_channel_layouts(session, policy, key_fmt, h
         assert _formats(st, keys[0])[:-1] == [key_code] * (len(_formats(st, keys[0])) - 1)
         assert _formats(st, values[0])[:-1] == [CODES["int8"]] * (len(_formats(st, values[0])) - 1)
         # committed: per-channel key headers (compact or channel-zp), float32 value headers
-        pool, t = st.pool, st._paged.table.tables[0]
+        pool, t = st.pool, st.page_tables[0]
         full, last = t[:-1], t[-1]
         want_bytes = 0
         for i, spec in enumerate(pool.planes):
@@ -126,7 +126,7 @@ def test_residual_policy_keeps_recent_tokens_native(session):
     config = CacheConfig("paged", block_size=4, kv_format=ResidualPolicy("int8", "int8", 12))
     with session.new_state(cache=config) as st:
         _run(session, st, prompt, 3)  # 33 tokens: blocks wholly before 21 are int8
-        t = st._paged.table.tables[0]
+        t = st.page_tables[0]
         fmts = st.pool.formats[0][t].tolist()
         assert fmts[:5] == [CODES["int8"]] * 5 and set(fmts[5:]) == {CODES["float32"]}
 
@@ -135,13 +135,13 @@ def test_quantize_pages_replaces_only_the_selected_pages(session):
     prompt = np.random.default_rng(2).integers(0, MICRO.vocab_size, (1, 17))
     st = session.new_state(cache=CacheConfig("paged", block_size=4))
     _, b, out = _run(session, st, prompt, 0)
-    pool, t = st.pool, st._paged.table.tables[0].copy()
+    pool, t = st.pool, st.page_tables[0]
     before_ptrs = [pool.ptrs[i][t].copy() for i in range(len(pool.planes))]
     fork = st.fork()[0]  # shares every page: selected pages must be copied for `st`, not changed under the fork
     fork_values = {k: v.copy() for k, v in fork.values.items()}
     session.events.clear()
     st.quantize_pages([1, 3], "int8", "int4")
-    t2 = st._paged.table.tables[0]
+    t2 = st.page_tables[0]
     assert (t2[[0, 2, 4]] == t[[0, 2, 4]]).all()  # unselected pages: same ids ...
     for i in range(len(pool.planes)):
         assert (pool.ptrs[i][t2[[0, 2, 4]]] == before_ptrs[i][[0, 2, 4]]).all()  # ... and same storage
@@ -204,7 +204,7 @@ def test_writing_into_a_converted_page_makes_a_native_copy(session):
         got = st.run(f, ["logits"])["logits"]
         exp = ref.run(b_ref.next(np.array([9]), out_ref), ["logits"])["logits"]
         np.testing.assert_allclose(got, exp, atol=2e-3)
-        t = st._paged.table.tables[0]
+        t = st.page_tables[0]
         assert st.pool.formats[0][t[3]] == CODES["float32"]  # the written page is native again
 
 
@@ -253,7 +253,7 @@ def test_mixed_format_cache_round_trips(session, header):
     with _layout_state(session, options) as back:
         back.load_cache(data)
         for i in range(len(st.pool.planes)):
-            t, t2 = st._paged.table.tables[0], back._paged.table.tables[0]
+            t, t2 = st.page_tables[0], back.page_tables[0]
             assert st.pool.formats[i][t].tolist() == back.pool.formats[i][t2].tolist()
         for k, v in st.values.items():
             np.testing.assert_array_equal(back.values[k], v)
@@ -284,11 +284,11 @@ def test_key_channel_zero_points_state_quantizes_keys_per_head_scale_per_channel
         for i, spec in enumerate(pool.planes):
             want = ("channel-zp", spec.head_size) if i in keys else ("float32", 1)
             assert (spec.header, spec.groups) == want
-        t = st._paged.table.tables[0].copy()
+        t = st.page_tables[0]
         floats = {i: [pool.read_page(i, int(p), bs) for p in t[:3]] for i in range(len(pool.planes))}
         before_ptrs = [pool.ptrs[i][t[[1, 3]]].copy() for i in range(len(pool.planes))]
         st.quantize_pages([0, 2], "int8", "int8")
-        t2 = st._paged.table.tables[0]
+        t2 = st.page_tables[0]
         assert (t2 == t).all()  # held by this state alone: converted in place
         for i, spec in enumerate(pool.planes):
             assert (pool.ptrs[i][t2[[1, 3]]] == before_ptrs[i]).all()  # unselected pages: same storage
@@ -328,11 +328,10 @@ def test_key_channel_options_are_mutually_exclusive(session):
 
 
 def _state_bytes(st):
-    t = st._paged.table
     return (
         {k: v.tobytes() for k, v in st.values.items()},
-        t.tables.tobytes(),
-        t.lengths.tolist(),
+        st.page_tables.tobytes(),
+        st.lengths.tolist(),
         st.steps,
         [f.tolist() for f in st.pool.formats],
         st.pool.live_pages,

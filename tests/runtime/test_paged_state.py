@@ -291,7 +291,7 @@ def test_paged_operations_check_their_arguments(gqa):
         st.fork(0)
     with pytest.raises(InputError, match=r"n must be an int in \[1, 65536\], got 1099511627776"):
         st.fork(2**40)  # refused at once, not 2^40 states made one by one
-    assert st.pool.refcount(int(st._paged.table.tables[0, 0])) == 1
+    assert st.pool.refcount(int(st.page_tables[0, 0])) == 1
     other = gqa.new_state(cache="paged")
     Driver(gqa, other, np.array([[1, 2, 3]]))
     with pytest.raises(InputError, match="not made by this state"):
@@ -367,7 +367,7 @@ def test_sliding_window_state_round_trips():
     with s.new_state(cache=paged) as st, s.new_state(cache=paged) as back:
         d = Driver(s, st, prompt)
         d.greedy(8)
-        assert int(st._paged.table.first[0]) > 0  # pages were evicted
+        assert int(st.first_positions[0]) > 0  # pages were evicted
         back.load_cache(st.save_cache())
         feeds = d.b.next(np.array([1]), d.out)
         np.testing.assert_array_equal(

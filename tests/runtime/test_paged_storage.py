@@ -74,7 +74,7 @@ def test_an_explicit_slab_allocator_gets_one_lane_per_plane(gqa):
         assert st.allocator is slab and [a.index for a in st.pool.allocators] == list(range(2 * MICRO.num_layers))
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (1, 10)), 2, rng)
         assert slab.stats().live == st.committed_bytes
-        firsts = [int(st.pool.ptrs[i][st._paged.table.tables[0, 0]]) for i in range(len(st.pool.planes))]
+        firsts = [int(st.pool.ptrs[i][st.page_tables[0, 0]]) for i in range(len(st.pool.planes))]
         assert all(a % (1 << 16) == 0 for a in firsts) and len(set(firsts)) == len(firsts)  # a chunk per plane
     assert slab.stats().live == 0
 
@@ -84,7 +84,7 @@ def test_successive_pages_of_a_plane_are_adjacent(gqa, prompt_len, steps):
     rng = np.random.default_rng(prompt_len)
     with gqa.new_state(cache=CacheConfig("paged", block_size=BS)) as st:
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (1, prompt_len)), steps, rng)
-        table = st._paged.table.tables[0]
+        table = st.page_tables[0]
         blocks = -(-(prompt_len + steps) // BS)
         assert (table[:blocks] >= 0).all()
         for plane in range(len(st.pool.planes)):
@@ -96,7 +96,7 @@ def test_batch_rows_interleave_page_ids_but_each_plane_stays_in_its_lane(gqa):
     rng = np.random.default_rng(3)
     with gqa.new_state(cache=CacheConfig("paged", block_size=BS)) as st:
         _decode(gqa, st, rng.integers(0, MICRO.vocab_size, (3, 8)), 6, rng)
-        pool, table = st.pool, st._paged.table.tables
+        pool, table = st.pool, st.page_tables
         chunk = st.allocator.chunk_bytes
         for plane in range(len(pool.planes)):
             addresses = pool.ptrs[plane][table[table >= 0]].astype(np.int64)

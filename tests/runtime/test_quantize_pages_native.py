@@ -20,7 +20,7 @@ def session():
 
 
 def _all_native(state) -> None:
-    pool, t = state.pool, state._paged.table.tables
+    pool, t = state.pool, state.page_tables
     ids = t[t >= 0]
     for i, spec in enumerate(pool.planes):
         assert pool.converted[i] == 0 and not any(pool.quantized(i, int(p)) for p in ids)
@@ -84,7 +84,7 @@ def test_converted_pages_become_native_pages_again(session, fmt):
         last_logits(fork, step_feeds(session, 6, 1)[1])  # a step at position 6
         for k, v in values_copy(fork).items():
             np.testing.assert_array_equal(v[:, :, :6], cow[k])
-        assert st.pool.refcount(int(st._paged.table.tables[0, 1])) == 1  # the fork has its own copy now
+        assert st.pool.refcount(int(st.page_tables[0, 1])) == 1  # the fork has its own copy now
         for s in (fork, restored):
             s.close()
         st.pool.audit()

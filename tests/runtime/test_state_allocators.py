@@ -137,7 +137,7 @@ def test_int8_policy_rejects_broken_payloads_and_converts_later(session, mode):
     feeds = step_feeds(session, 7, 3)  # block 0 is full after the prompt, block 1 after the first step
     with session.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int8")) as ref:
         want = [last_logits(ref, f) for f in feeds]
-        want_formats = [f[ref._paged.table.tables[0]].tolist() for f in ref.pool.formats]
+        want_formats = [f[ref.page_tables[0]].tolist() for f in ref.pool.formats]
     alloc = Hostile()
     with session.new_state(allocator=alloc, cache=CacheConfig("paged", block_size=4, kv_format="int8")) as st:
         np.testing.assert_array_equal(last_logits(st, feeds[0]), want[0])
@@ -149,11 +149,11 @@ def test_int8_policy_rejects_broken_payloads_and_converts_later(session, mode):
             alloc.mode = None
         assert st.length == 8
         st.pool.audit()
-        t = st._paged.table.tables[0]
+        t = st.page_tables[0]
         assert [st.pool.quantized(i, t[1]) for i in range(len(st.pool.planes))] == [False] * len(st.pool.planes)
         for f, w in zip(feeds[2:], want[2:]):  # block 1 is read unconverted once, then converted as well
             np.testing.assert_allclose(last_logits(st, f), w, atol=5e-2)
-        assert [f[st._paged.table.tables[0]].tolist() for f in st.pool.formats] == want_formats
+        assert [f[st.page_tables[0]].tolist() for f in st.pool.formats] == want_formats
         st.pool.audit()
     assert alloc.inner.stats().live == 0
 
@@ -243,7 +243,7 @@ def test_declared_binding_state_rejects_broken_storage_and_payloads(mode):
         _reject(alloc, mode, lambda: st.run(prompt))  # the page tensors themselves  # noqa: F821  (ruff misreads the with-target inside the lambda)
         assert st.steps == 0 and not any(v.any() for v in st.values.values())  # at most a layer's fresh zeros
         np.testing.assert_array_equal(st.run(prompt)["output"], want[0])
-        storage = [st._values[f"past.{i}"][1] for i in range(cfg.num_layers)]
+        storage = [st.values[f"past.{i}"] for i in range(cfg.num_layers)]  # views of the page tensors
         before = [a.copy() for a in storage]
         if mode not in TYPED_ONLY:  # the converted pages' payloads are bytes
             _reject(alloc, mode, lambda: st.run(step))  # noqa: F821
@@ -254,10 +254,9 @@ def test_declared_binding_state_rejects_broken_storage_and_payloads(mode):
         for a in storage:
             assert PageSet.of(a).any_converted
             PageSet.of(a).audit()
-    assert alloc.inner.stats().live > 0  # converted payloads live as long as their page tensor
-    del st, storage, before, a
+    del storage, before, a  # views over the page tensors' memory: they do not keep the tensor objects
     gc.collect()
-    assert alloc.inner.stats().live == 0
+    assert alloc.inner.stats().live == 0  # the closed state dropped its page tensors, their payloads with them
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

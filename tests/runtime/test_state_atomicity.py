@@ -48,9 +48,9 @@ def snapshot(states) -> list[dict]:
             snap["storage"] = {
                 k: (c.gather(st._static_capacity) if st.paged else c.buffer).tobytes() for k, c in st._caches.items()
             }
-        if st._paged is not None:
-            t = st._paged.table
-            snap["table"] = (t.tables.tobytes(), t.tables.shape, t.lengths.tolist(), t.first.tolist())
+        if st.page_tables is not None:
+            t = st.page_tables
+            snap["table"] = (t.tobytes(), t.shape, st.lengths.tolist(), st.first_positions.tolist())
         if st.pool is not None:  # reference counts and formats of live ids (the id table may have grown)
             st.pool.audit()
             refs = st.pool.core.refs()
@@ -62,7 +62,7 @@ def snapshot(states) -> list[dict]:
                 refs[live].tolist(),
                 [f[live].tolist() for f in st.pool.formats],
             )
-        for name, (_, arr) in st._values.items():  # pages QuantizePagedCache converted (none: every page native)
+        for name, arr in st.values.items():  # pages QuantizePagedCache converted (none: every page native)
             handle = PageSet.of(arr)
             if handle is not None:
                 handle.audit()
@@ -338,13 +338,13 @@ def test_declared_bindings_are_restored_after_every_node(model, events):
     assert_every_stop_leaves_states_unchanged(session, state, feeds[0])
     assert state.committed_bytes == 0
     state.run(feeds[0])
-    storage = {name: arr for name, (_, arr) in state._values.items()}
+    storage = dict(state.values)  # views of the declared values' storage
     for f, w in zip(feeds[1:], want[1:]):
         assert_every_stop_leaves_states_unchanged(session, state, f)
         got = state.run(f)
         for name in w:
             np.testing.assert_array_equal(got[name], w[name])
-    assert all(state._values[name][1] is arr for name, arr in storage.items())  # written in place throughout
+    assert all(np.shares_memory(state.values[name], arr) for name, arr in storage.items())  # written in place
     for name, v in reference.values.items():
         assert state.values[name].tobytes() == v.tobytes()
     if model == "paged-quantize":

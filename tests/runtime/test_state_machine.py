@@ -442,8 +442,8 @@ def snapshot(h: Handle) -> dict:
         "committed": s.committed_bytes,
         "values": {k: v.tobytes() for k, v in s.values.items()},
     }
-    if s._paged is not None:
-        snap["table"] = (s._paged.table.tables.tobytes(), s._paged.table.lengths.tolist())
+    if s.page_tables is not None:
+        snap["table"] = (s.page_tables.tobytes(), s.page_tables.shape)
     return snap
 
 

@@ -184,7 +184,8 @@ def test_uniform_writers_refuse_rows_of_different_lengths(family, message):
             "position_ids": np.broadcast_to(np.arange(6), (2, 6)).copy(),
         }
     )
-    st._paged.table.lengths[1] = 5  # row 1 holds one position less
+    # a ragged state, made through the store's private page table: row 1 holds one position less
+    st._store.cache.table.lengths[1] = 5
     live = st.pool.live_pages
     with pytest.raises(InputError, match=message):
         st.run(

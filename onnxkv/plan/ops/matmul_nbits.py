@@ -20,13 +20,11 @@ given, even for the identity grouping).
 
 ``accuracy_level`` 4 quantizes A to int8 per block at every row count (as
 ONNX Runtime's CPU kernel does; qmatmul.h gives the exact arithmetic, the same
-bits on every instruction set), which for prompt-sized products is also 2.3 to
-4 times faster than float32 (measured on 2 threads, 512 and 1024 rows of
-1024 x 2816 and 2816 x 1024).  Levels 0..3 keep A in float32: up to
-``DECODE_M`` rows in the block kernels, up to ``BLAS_M`` rows on dequantized
-panels with the packed float32 kernel (a prompt chunk of 512 rows is faster
-there, measured 33 ms against 43 ms for 512 x 1024 x 2816 on 2 threads, while
-1024 rows are faster through BLAS, 54 ms against 85 ms), and above that through
+bits on every instruction set); for prompt-sized products the integer dot
+products are also faster than float32 ones.  Levels 0..3 keep A in float32:
+up to ``DECODE_M`` rows in the block kernels, up to ``BLAS_M`` rows (a prompt
+chunk) on dequantized panels with the packed float32 kernel, which is faster
+than BLAS up to that size and slower past it, and above that through
 NumPy's BLAS on ``BLAS_COLS`` dequantized columns at a time.  float16 A,
 scales, zero points and bias are converted to float32 and Y back to float16.
 """

@@ -273,6 +273,16 @@ class PagedStore:
     def values(self) -> dict[str, np.ndarray]:
         return {name: c.gather() for name, c in (self.caches or {}).items()}
 
+    def committed_table(self, field: str) -> np.ndarray:
+        """A read-only copy of the committed page table's ``field``: "tables" (int32 [B, M] page ids,
+        -1: none) or "first" (int64 [B], the first position still held); empty before the first run."""
+        if self.cache is None:
+            out = np.full((0, 0), -1, np.int32) if field == "tables" else np.zeros(0, np.int64)
+        else:
+            out = getattr(self.cache.table, field).copy()
+        out.flags.writeable = False
+        return out
+
     @property
     def committed_bytes(self) -> int:
         """Every page the table references, once, in its own format (pages shared with forks or

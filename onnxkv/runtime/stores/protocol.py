@@ -88,6 +88,11 @@ class StoreContext:
     cache_dtype: str | None
 
     def __post_init__(self) -> None:
+        for name in ("capacity", "initial_capacity"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise InputError(f"new_state: {name} must be a positive int, got {v!r}")
+            setattr(self, name, None if v is None else int(v))
         conv = self.session.model.convention
         if self.cache_dtype not in (None, "float32", "float16", "bfloat16"):
             raise InputError(
@@ -102,6 +107,16 @@ class StoreContext:
         self.static = conv.kind == "tensor_scatter"
         self.static_capacity = conv.capacity
         self.graph_inputs = {g.name: g for g in self.session.plan.inputs}
+
+    @staticmethod
+    def check_initial(initial: Mapping[str, np.ndarray], bound: list[str]) -> None:
+        """Raise :class:`InputError` unless ``initial`` gives exactly the ``bound`` inputs (State.reset)."""
+        missing = [n for n in bound if n not in initial]
+        unknown = [n for n in initial if n not in bound]
+        if missing or unknown:
+            raise InputError(
+                f"State.reset: initial must give exactly the bound inputs {bound}; missing {missing}, unknown {unknown}"
+            )
 
     def geometry(self, name: str, batch: int) -> tuple[tuple[int, int, int], np.dtype]:
         """((batch, KV heads, head size), model dtype) of bound past input ``name``."""

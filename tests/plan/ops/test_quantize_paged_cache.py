@@ -242,7 +242,7 @@ def test_channel_zp_key_pages_are_replaced_and_read_by_attention(k_fmt):
     assert handle.groups == [D, 1] and handle.headers == ["channel-zp", "float32"]
     f = page_format(k_fmt)
     for i, p in enumerate(full):
-        payload = handle._payloads[(0, int(p))][1]
+        payload = handle.payloads.pages[0][int(p)]
         assert payload.nbytes == page_bytes(k_fmt, H, BS, D, D, "channel-zp")
         s, z = decode_header(payload, k_fmt, H, D, "channel-zp")
         np.testing.assert_array_equal(s, ks[i].reshape(-1))
@@ -522,7 +522,8 @@ def test_a_state_storage_is_never_converted_from_outside_the_state():
                 "seqlens_k": np.zeros(1, np.int32),
             }
         )
-        storage = state._values["past.0"][1]
+        storage = state.values["past.0"]
+        storage.flags.writeable = True  # a caller forcing its view of the state's storage writable
         before = storage.copy()
         with pytest.raises(
             InputError, match="QuantizePagedCache node 'quantize': cache 'past' is storage bound to a state"
@@ -547,7 +548,7 @@ def test_out_of_memory_in_a_state_publishes_nothing_and_the_step_can_be_retried(
                 "seqlens_k": np.zeros(1, np.int32),
             }
         )
-        storage = state._values["past.0"][1]
+        storage = state.values["past.0"]
         before, live = storage.copy(), arena.stats().live
         one = {name: np.full((2, H), 0.05, np.float32) for name in ("key_scale.0", "value_scale.0")}
         one.update({name: np.zeros((2, H), np.int8) for name in ("key_zero_point.0", "value_zero_point.0")})
@@ -602,7 +603,7 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
         state.run({"hidden": hidden, "block_table": table, "seqlens_k": seqlens})
         reference_decoder(weights, hidden, logical, seqlens, cfg)
         seqlens = seqlens + 9
-        storage = [state._values[f"past.{i}"][1] for i in range(cfg.num_layers)]
+        storage = [state.values[f"past.{i}"] for i in range(cfg.num_layers)]  # views of the page tensors
         assert all(PageSet.of(a) is None for a in storage)
         slots = [slot_addresses(a) for a in storage]
         full = table[:, : 9 // bs].reshape(-1)  # every full page of both rows
@@ -623,7 +624,7 @@ def test_decoder_state_reads_mixed_pages_like_dense_attention(monkeypatch, confi
             if step == 0:
                 for i, pages in enumerate(storage):  # the quantized K/V replace the logical float values
                     handle = PageSet.of(pages)
-                    assert handle is not None and state._values[f"past.{i}"][1] is pages
+                    assert handle is not None and np.shares_memory(state.values[f"past.{i}"], pages)
                     assert handle.headers[0] == ("channel-zp" if cfg.key_channel_zero_points else "float32")
                     keep = np.setdiff1d(np.arange(cfg.num_pages), full)
                     np.testing.assert_array_equal(handle.ptrs[:, keep], slots[i][:, keep])
