@@ -50,6 +50,8 @@ process spins on a core (a Python busy loop, started before the engine's
 process and stopped after it) and reports that run's per-token samples with
 their median, 90th percentile and ``p90_over_quiet_median``: the loaded 90th
 percentile over the median of the quiet rounds.
+``embedded-gqa:N`` runs the embedded model (``onnxkv.zoo.embedded``, 4 layers,
+hidden 128), whose per-token time is mostly per-step overhead.
 ``small-int8:N`` / ``small-int4:N`` run the small GroupQueryAttention model
 after ``onnxkv.quantize_weights`` (8 or 4 bits, block 32, symmetric,
 accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
@@ -253,11 +255,11 @@ def loaded_run(worker_args: list, threads: int, quiet: dict) -> dict:
 
 
 def dispatch_overhead(folder: Path, threads: int, repeats: int = 200) -> dict:
-    """µs per node of the plan loop alone: kernels replaced by their recorded outputs."""
+    """µs per node of the Python plan loop alone (no compiled steps): kernels replaced by their recorded outputs."""
     import onnxkv
     from onnxkv.generate.feeds import FeedBuilder
 
-    session = onnxkv.Session(folder, threads=threads)
+    session = onnxkv.Session(folder, threads=threads, compiled_steps=False)
     plan, model = session.plan, session.model
     b = FeedBuilder(plan.inputs, model, np.arange(1, 17)[None], np.array([16]), 0)
     feeds, _ = b.first()
@@ -437,6 +439,12 @@ def main() -> None:
                     ap.error(f"case {case}: needs --builder-folder (scripts/export_builder_small.py makes it)")
                 folder, vocab, weight_bytes = builder_copy(tmp, args.builder_folder / family, args.threads)
                 source = f"ONNX Runtime GenAI builder -p {family} -e cpu ({args.builder_folder / family})"
+            elif size == "embedded":
+                from onnxkv.zoo import embedded
+
+                folder, vocab, weight_bytes = builder_copy(tmp, embedded.embedded_model_dir(), args.threads)
+                weight_bytes = None  # cache resident: no bandwidth figures
+                source = "onnxkv.zoo.embedded (the trained embedded model, a GenAI folder)"
             elif exported:
                 folder, vocab = args.torch_model, exported_vocab(args.torch_model)
                 source = f"torch.onnx.export ({folder})"

@@ -31,7 +31,8 @@ class CancelOnCheck:
 
 @contextlib.contextmanager
 def failing_after(plan, k: int):
-    """Make node ``k`` of ``plan`` raise right after its kernel ran; restored on exit."""
+    """Make node ``k`` of ``plan`` raise right after its kernel ran; restored on exit.  The plan runs
+    node by node meanwhile (a compiled step replays recorded kernel calls, not ``plan._steps``)."""
     run, ins, outs = plan._steps[k]
 
     def fail(args, rt):
@@ -39,7 +40,9 @@ def failing_after(plan, k: int):
         raise RuntimeError(f"injected failure after node {k}")
 
     plan._steps[k] = (fail, ins, outs)
+    steps, plan.steps = plan.steps, None
     try:
         yield
     finally:
         plan._steps[k] = (run, ins, outs)
+        plan.steps = steps

@@ -12,6 +12,7 @@ from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels._ranges cimport _same_or_disjoint
+from onnxkv._kernels._record cimport KIND_ACTIVATION, recorder, refuse
 import numpy as np
 
 from . import _validate as V
@@ -27,8 +28,11 @@ ctypedef fused real:
 DEF CHUNK = 16384
 
 
-cdef void _act(int mode, const real[::1] x, const real[::1] up, real[::1] out, okv_settings s) noexcept nogil:
-    cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
+cdef void act_f32_ptr(int mode, const float *x, const float *up, float *out, int64_t n,
+                      okv_settings s) noexcept nogil:
+    """Activation ``mode`` (0 sigmoid, 1 silu, 2 silu_mul with ``up``) of n float32 values on checked,
+    non-empty arguments (``up`` NULL unless mode 2)."""
+    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
     cdef int simd = s.simd
     cdef int nt = s.threads if nchunks > 1 else 1
     for c in prange(nchunks, num_threads=nt, schedule='static'):
@@ -36,10 +40,31 @@ cdef void _act(int mode, const real[::1] x, const real[::1] up, real[::1] out, o
         m = n - i0
         if m > CHUNK:
             m = CHUNK
-        if real is float:
-            okv_act_f32(mode, &x[i0], &up[i0] if mode == 2 else NULL, &out[i0], m, simd)
+        okv_act_f32(mode, x + i0, up + i0 if mode == 2 else NULL, out + i0, m, simd)
+
+
+cdef void _act(int mode, const real[::1] x, const real[::1] up, real[::1] out, okv_settings s) noexcept nogil:
+    cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
+    cdef int nt = s.threads if nchunks > 1 else 1
+    if real is float:
+        act_f32_ptr(mode, &x[0], &up[0] if mode == 2 else NULL, &out[0], n, s)
+        return
+    for c in prange(nchunks, num_threads=nt, schedule='static'):
+        i0 = c * CHUNK
+        m = n - i0
+        if m > CHUNK:
+            m = CHUNK
+        okv_act_f64(mode, &x[i0], &up[i0] if mode == 2 else NULL, &out[i0], m)
+
+
+cdef void _note_act(int mode, x, up, out):
+    """Note an activation that ran on float32 (for a recording thread: _record.pyx); refuse float64."""
+    rec = recorder()
+    if rec is not None:
+        if x.dtype == V.F32:
+            rec.note(KIND_ACTIVATION, (x, up if mode == 2 else None, out), (mode, x.size), ())
         else:
-            okv_act_f64(mode, &x[i0], &up[i0] if mode == 2 else NULL, &out[i0], m)
+            rec.refused.append("activation: float64 is not replayed")
 
 
 cdef bint _act_fast(real tag, int mode, x, up, out) except -1:
@@ -72,9 +97,9 @@ cdef bint _act_fast(real tag, int mode, x, up, out) except -1:
 
 def _run(int mode, x, up, out):
     if isinstance(x, np.ndarray):
-        if x.dtype is V.F32 and _act_fast(<float>0, mode, x, up, out):
-            return
-        if x.dtype is V.F64 and _act_fast(<double>0, mode, x, up, out):
+        if x.dtype is V.F32 and _act_fast(<float>0, mode, x, up, out) \
+                or x.dtype is V.F64 and _act_fast(<double>0, mode, x, up, out):
+            _note_act(mode, x, up, out)
             return
     V.array("gate" if mode == 2 else "x", x, (V.F32, V.F64))
     xname = "gate" if mode == 2 else "x"
@@ -84,6 +109,7 @@ def _run(int mode, x, up, out):
     V.no_overlap("out", out, x, xname, allow_identical=True)
     V.no_overlap("out", out, up, "up", allow_identical=True)
     if x.size == 0:
+        refuse("activation: an empty input (nothing written)")
         return
     xf = x.reshape(-1)
     of = out.reshape(-1)
@@ -92,6 +118,7 @@ def _run(int mode, x, up, out):
         _act[float](mode, xf, uf, of, okv_settings_get())
     else:
         _act[double](mode, xf, uf, of, okv_settings_get())
+    _note_act(mode, x, up, out)
 
 
 def sigmoid(x, out):

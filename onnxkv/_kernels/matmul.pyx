@@ -33,6 +33,7 @@ from cython.parallel cimport prange
 from onnxkv._kernels._runtime cimport (okv_avx512_usable, okv_now_ns, okv_settings, okv_settings_get,
                                        okv_settings_mine, okv_team_finished, okv_team_solo, okv_team_threads)
 from onnxkv._kernels._ranges cimport _disjoint
+from onnxkv._kernels._record cimport KIND_MATMUL_PACKED, recorder, refuse
 import numpy as np
 
 from . import _validate as V
@@ -238,17 +239,19 @@ def _set_adaptive(enabled, solo=0):
     return old
 
 
-cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
-                         float[:, ::1] out, okv_settings s) noexcept nogil:
-    """Threads claim chunks of panels (okv_matmul_packed_claim): each its own
+cdef void matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *wp, int64_t P, int64_t N,
+                            const float *bias, float *out, okv_settings s) noexcept nogil:
+    """out [M, N] = x [M, K] @ w (+ bias) with w packed as wp [P, K, PANEL], P = ceil(N / PANEL); checked,
+    non-empty, non-overlapping arguments (``matmul_packed``'s conditions).
+
+    Threads claim chunks of panels (okv_matmul_packed_claim): each its own
     contiguous range from the front, then the others' from the back, so a
     thread that starts late or runs slower costs the team one chunk.  The team
     size comes from the late-team heuristic (okv_team_threads, _runtime.pyx),
     which this product then informs.  The result does not depend on any of it
     (one summation order for any split).  Called with the GIL held (the
     heuristic's counters are module state)."""
-    cdef int64_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
-    cdef int64_t P = wp.shape[0], t, t0, chunk
+    cdef int64_t t, t0, chunk
     cdef uint64_t ranges[8 * MAX_TEAM]
     cdef int64_t done[1]
     cdef int isa = _packed_isa(s)
@@ -261,7 +264,7 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
         nt = 1
     nt = okv_team_threads(s, nt)
     if nt == 1:
-        okv_matmul_packed_f32(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], 0, P, isa)
+        okv_matmul_packed_f32(x, M, K, wp, N, bias, out, 0, P, isa)
         return
     if nt > MAX_TEAM:
         nt = MAX_TEAM
@@ -269,10 +272,23 @@ cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const
     t0 = okv_now_ns()
     done[0] = t0
     for t in prange(nt, num_threads=nt, schedule='static'):
-        okv_matmul_packed_claim(&x[0, 0], M, K, &wp[0, 0, 0], N, bias, &out[0, 0], ranges, nt, t, chunk, isa)
+        okv_matmul_packed_claim(x, M, K, wp, N, bias, out, ranges, nt, t, chunk, isa)
         if t == 0:
             done[0] = okv_now_ns()
     okv_team_finished(s, t0, done[0])
+
+
+cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
+                         float[:, ::1] out, okv_settings s) noexcept nogil:
+    """``matmul_packed_ptr`` on typed buffers."""
+    matmul_packed_ptr(&x[0, 0], x.shape[0], x.shape[1], &wp[0, 0, 0], wp.shape[0], out.shape[1], bias, &out[0, 0], s)
+
+
+cdef void _note_packed(x, wp, out, bias):
+    """Note a packed product that ran (for a recording thread: _record.pyx)."""
+    rec = recorder()
+    if rec is not None:
+        rec.note(KIND_MATMUL_PACKED, (x, wp, bias, out), (x.shape[0], x.shape[1], wp.shape[0], out.shape[1]), ())
 
 
 def _claim_in_turn(x, wp, out, int nt, order):
@@ -350,6 +366,7 @@ def matmul_packed(x, wp, out, bias=None):
     arguments are checked in C; only a failing check takes the Python checks.)
     """
     if _packed_fast(x, wp, out, bias):
+        _note_packed(x, wp, out, bias)
         return
     V.array("x", x, (V.F32,), ndim=2)
     V.array("wp", wp, (V.F32,), ndim=3)
@@ -364,3 +381,6 @@ def matmul_packed(x, wp, out, bias=None):
                          f"(wp.shape[0]), got {out.shape}")
     if _check_bias_overlap_empty(x, wp, "wp", out, bias):
         _matmul_packed(x, wp, _data_or_null(bias), out, okv_settings_get())
+        _note_packed(x, wp, out, bias)
+    else:
+        refuse("matmul_packed: an empty product (nothing or only the bias written)")

@@ -11,6 +11,7 @@ from cython.parallel cimport prange
 
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels._ranges cimport _disjoint, _same_or_disjoint
+from onnxkv._kernels._record cimport KIND_RMS_NORM, KIND_SKIP_RMS_NORM, recorder, refuse
 import numpy as np
 
 from . import _validate as V
@@ -34,13 +35,31 @@ cdef inline int _nt(Py_ssize_t work, int threads) noexcept nogil:
     return threads if work >= PAR_MIN else 1
 
 
-cdef void _rms(const real[:, ::1] x, const real[::1] g, double eps, real[:, ::1] out, okv_settings s) noexcept nogil:
-    cdef Py_ssize_t r, rows = x.shape[0], n = x.shape[1]
+cdef void rms_f32_ptr(const float *x, const float *g, float eps, float *out, int64_t rows, int64_t n,
+                      okv_settings s) noexcept nogil:
+    """``rms_norm`` of float32 rows on checked, non-empty arguments (x, out [rows, n]; g [n])."""
+    cdef Py_ssize_t r
     cdef int simd = s.simd
     for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
-        if real is float:
-            okv_rms_row_f32(&x[r, 0], &g[0], <float>eps, &out[r, 0], n, simd)
-        else:
+        okv_rms_row_f32(x + r * n, g, eps, out + r * n, n, simd)
+
+
+cdef void skip_rms_f32_ptr(const float *x, const float *skip, const float *bias, const float *g, float eps,
+                           float *out, float *sum_out, int64_t rows, int64_t n, okv_settings s) noexcept nogil:
+    """``skip_rms_norm`` of float32 rows on checked, non-empty arguments (bias, sum_out may be NULL)."""
+    cdef Py_ssize_t r
+    cdef int simd = s.simd
+    for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
+        okv_skip_rms_row_f32(x + r * n, skip + r * n, bias, g, eps, out + r * n,
+                             sum_out + r * n if sum_out != NULL else NULL, n, simd)
+
+
+cdef void _rms(const real[:, ::1] x, const real[::1] g, double eps, real[:, ::1] out, okv_settings s) noexcept nogil:
+    cdef Py_ssize_t r, rows = x.shape[0], n = x.shape[1]
+    if real is float:
+        rms_f32_ptr(&x[0, 0], &g[0], <float>eps, &out[0, 0], rows, n, s)
+    else:
+        for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
             okv_rms_row_f64(&x[r, 0], &g[0], eps, &out[r, 0], n)
 
 
@@ -48,15 +67,35 @@ cdef void _skip_rms(const real[:, ::1] x, const real[:, ::1] skip, const real[::
                     bint has_bias, double eps, real[:, ::1] out, real[:, ::1] sum_out,
                     bint has_sum, okv_settings s) noexcept nogil:
     cdef Py_ssize_t r, rows = x.shape[0], n = x.shape[1]
-    cdef int simd = s.simd
     cdef const real *bp = &bias[0] if has_bias else NULL
-    for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
-        if real is float:
-            okv_skip_rms_row_f32(&x[r, 0], &skip[r, 0], bp, &g[0], <float>eps, &out[r, 0],
-                                 &sum_out[r, 0] if has_sum else NULL, n, simd)
-        else:
+    if real is float:
+        skip_rms_f32_ptr(&x[0, 0], &skip[0, 0], bp, &g[0], <float>eps, &out[0, 0],
+                         &sum_out[0, 0] if has_sum else NULL, rows, n, s)
+    else:
+        for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
             okv_skip_rms_row_f64(&x[r, 0], &skip[r, 0], bp, &g[0], eps, &out[r, 0],
                                  &sum_out[r, 0] if has_sum else NULL, n)
+
+
+cdef void _note_rms(x, gamma, eps, out):
+    """Note an rms_norm that ran on float32 (for a recording thread: _record.pyx); refuse float64."""
+    rec = recorder()
+    if rec is not None:
+        if x.dtype == V.F32:
+            rec.note(KIND_RMS_NORM, (x, gamma, out), (x.shape[0], x.shape[1]), (float(eps),))
+        else:
+            rec.refused.append("rms_norm: float64 is not replayed")
+
+
+cdef void _note_skip_rms(x, skip, gamma, bias, eps, out, sum_out):
+    """Note a skip_rms_norm that ran on float32 (for a recording thread); refuse float64."""
+    rec = recorder()
+    if rec is not None:
+        if x.dtype == V.F32:
+            rec.note(KIND_SKIP_RMS_NORM, (x, skip, gamma, bias, out, sum_out), (x.shape[0], x.shape[1]),
+                     (float(eps),))
+        else:
+            rec.refused.append("skip_rms_norm: float64 is not replayed")
 
 
 cdef bint _rms_fast(real tag, x, gamma, eps, out) except -1:
@@ -148,9 +187,9 @@ def rms_norm(x, gamma, eps, out):
     before writing anything when a check fails.
     """
     if isinstance(x, np.ndarray):
-        if x.dtype is V.F32 and _rms_fast(<float>0, x, gamma, eps, out):
-            return
-        if x.dtype is V.F64 and _rms_fast(<double>0, x, gamma, eps, out):
+        if x.dtype is V.F32 and _rms_fast(<float>0, x, gamma, eps, out) \
+                or x.dtype is V.F64 and _rms_fast(<double>0, x, gamma, eps, out):
+            _note_rms(x, gamma, eps, out)
             return
     V.array("x", x, (V.F32, V.F64), ndim=2)
     V.array("gamma", gamma, (x.dtype,), ndim=1, shape=(x.shape[1],))
@@ -159,11 +198,13 @@ def rms_norm(x, gamma, eps, out):
     V.no_overlap("out", out, gamma, "gamma")
     eps = _check_eps(eps)
     if x.size == 0:
+        refuse("rms_norm: an empty input (nothing written)")
         return
     if x.dtype == V.F32:
         _rms[float](x, gamma, eps, out, okv_settings_get())
     else:
         _rms[double](x, gamma, eps, out, okv_settings_get())
+    _note_rms(x, gamma, eps, out)
 
 
 def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
@@ -177,9 +218,9 @@ def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
     a check fails.
     """
     if isinstance(x, np.ndarray):
-        if x.dtype is V.F32 and _skip_rms_fast(<float>0, x, skip, gamma, bias, eps, out, sum_out):
-            return
-        if x.dtype is V.F64 and _skip_rms_fast(<double>0, x, skip, gamma, bias, eps, out, sum_out):
+        if x.dtype is V.F32 and _skip_rms_fast(<float>0, x, skip, gamma, bias, eps, out, sum_out) \
+                or x.dtype is V.F64 and _skip_rms_fast(<double>0, x, skip, gamma, bias, eps, out, sum_out):
+            _note_skip_rms(x, skip, gamma, bias, eps, out, sum_out)
             return
     V.array("x", x, (V.F32, V.F64), ndim=2)
     V.array("skip", skip, (x.dtype,), shape=x.shape)
@@ -200,6 +241,7 @@ def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
     V.no_overlap("out", out, bias, "bias")
     eps = _check_eps(eps)
     if x.size == 0:
+        refuse("skip_rms_norm: an empty input (nothing written)")
         return
     has_bias = bias is not None
     has_sum = sum_out is not None
@@ -209,3 +251,4 @@ def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
     else:
         _skip_rms[double](x, skip, gamma, bias if has_bias else gamma, has_bias, eps, out,
                           sum_out if has_sum else out, has_sum, okv_settings_get())
+    _note_skip_rms(x, skip, gamma, bias, eps, out, sum_out)

@@ -43,6 +43,7 @@ from onnxkv.model.contract import get_output_alias
 from onnxkv.model.tensors import check_attributes, tensor_array
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.buffers import RunBuffers
+from onnxkv.plan.compiled_step import StepPool
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.folding import NON_DETERMINISTIC, fold_node, foldable
@@ -108,6 +109,10 @@ class Plan:
         keep_buffers: after a successful run keep its temporaries (taken from
             ``allocator``) for the next run instead of returning them (see
             :mod:`onnxkv.plan.buffers`); a failed run returns them all.
+        compile_steps: replay the kernel calls of compilable nodes on runs that repeat a
+            recorded run's shapes (see :mod:`onnxkv.plan.compiled_step`; runs with an
+            event log always run node by node).  The steps keep their buffers between
+            runs, so only with ``keep_buffers``.
         scope: None for a model's graph; for a subgraph's plan (built by a
             node's kernel through ``BuildContext.subplan``), the names it reads
             from enclosing scopes at run time, fed after its graph inputs by
@@ -129,6 +134,7 @@ class Plan:
         fold_shapes: bool = True,
         keep_buffers: bool = False,
         scope: Sequence[str] | None = None,
+        compile_steps: bool = False,
     ) -> None:
         graph = model.graph
         self.allocator = allocator
@@ -138,6 +144,8 @@ class Plan:
         #: Keep a successful run's temporaries for the next run (see onnxkv.plan.buffers).
         self.keep_buffers = bool(keep_buffers)
         self._idle_buffers: list[RunBuffers] = []
+        #: Compiled steps (onnxkv.plan.compiled_step) of runs without an event log, or None: plain runs only.
+        self.steps = StepPool() if compile_steps and self.keep_buffers else None
         self.opsets = _opsets(model)
         bad = unsupported_nodes(model)
         if bad:
@@ -457,9 +465,12 @@ class Plan:
         bufs = self._take_buffers()
         recording = events is not None and events.enabled
         rt = RunContext(bufs.plan_alloc, recording, step, caches, cache_allocator, cancel)
+        compiled = None
         try:
             if recording:
                 run_recording(self, slots, bufs, rt, events, step, cache_allocator, cancel)
+            elif self.steps is not None:
+                compiled = self.steps.run(self, slots, bufs, rt, cancel)
             else:
                 run_plain(self, slots, bufs, rt, cancel)
         except BaseException:
@@ -472,8 +483,15 @@ class Plan:
             rt.finish(True)
         except BaseException:
             bufs.close()
+            if compiled is not None:
+                self.steps.done(compiled)
             raise
         outputs = {name: slots[s] for name, s in zip(output_names, out_slots)}
+        if compiled is not None:
+            for name, s in zip(output_names, out_slots):
+                if s in compiled.owned_outputs:
+                    outputs[name] = outputs[name].copy()  # the step's memory: the next replay rewrites it
+            self.steps.done(compiled)
         self._end_buffers(bufs, outputs.values())
         return outputs
 

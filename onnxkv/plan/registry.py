@@ -143,6 +143,19 @@ class Op:
     def run(self, inputs: list, rt: RunContext) -> Sequence[Any]:  # pragma: no cover
         raise NotImplementedError(f"{type(self).__name__}.run")
 
+    def compilable(self, inputs: list) -> bool:
+        """True when ``run(inputs, rt)`` would write only through kernels a compiled step replays.
+
+        That is: every write goes through the noting kernels of
+        :mod:`onnxkv._kernels._record` (packed products, RMS norms, activations),
+        every other value is a fresh allocation or a view, and no scalar read
+        from ``inputs`` steers the calls (their arguments depend on the input
+        shapes only).  A compiled step (:mod:`onnxkv.plan.compiled_step`) then
+        records the node's kernel calls once and replays them while the inputs
+        keep their shapes.  The default is False: the node always runs in Python.
+        """
+        return False
+
     def error(self, message: str) -> ModelError:
         """A ModelError naming this node and operator."""
         return ModelError(f"{self.op_type} node '{self.name}': {message}")

@@ -18,7 +18,7 @@ from onnxkv.plan.context import RunContext
 if TYPE_CHECKING:
     from onnxkv.plan.plan import Plan
 
-__all__ = ["run_plain", "run_recording"]
+__all__ = ["run_nodes", "run_plain", "run_recording"]
 
 
 def _node_failure(plan: Plan, k: int, e: Exception) -> OperatorError:
@@ -30,11 +30,16 @@ def run_plain(plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=
     """Run every node of ``plan`` on ``slots`` (bound inputs; outputs land in their slots), releasing
     values and buffers after their last use; a kernel's non-onnxkv exception becomes an OperatorError
     naming the node."""
+    run_nodes(plan, 0, len(plan._steps), slots, bufs, rt, cancel)
+
+
+def run_nodes(plan: Plan, first: int, end: int, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
+    """``run_plain`` for the nodes ``[first, end)`` only (the others run elsewhere: a compiled step)."""
     release = bufs.release
     get = slots.__getitem__
-    k = -1
+    k = first - 1
     try:
-        for (run, ins, outs), (check, clear, free) in zip(plan._steps, plan._after):
+        for (run, ins, outs), (check, clear, free) in zip(plan._steps[first:end], plan._after[first:end]):
             k += 1
             rt._node = k
             if cancel is not None and cancel.cancelled:

@@ -43,6 +43,11 @@ class Session:
             temporaries for the next run, so repeated decode steps allocate
             nothing -- see :mod:`onnxkv.plan.buffers`).
         events: record an :class:`~onnxkv.events.EventLog` (``session.events``).
+        compiled_steps: with the session's own allocator, a run that repeats the
+            shapes of the run before it (a decode step) replays the recorded kernel
+            calls of its compilable nodes instead of running them through Python,
+            bit for bit the same (see :mod:`onnxkv.plan.compiled_step`); False runs
+            every node through Python.
 
     The plan is built once here.  ``run`` may be called any number of times;
     each call is independent.  One session must not run from two threads at once.
@@ -54,6 +59,7 @@ class Session:
         threads: int | None = None,
         allocator=None,
         events: bool = False,
+        compiled_steps: bool = True,
     ) -> None:
         self.model = model if isinstance(model, Model) else load(model)
         self.allocator = as_allocator(allocator)
@@ -77,6 +83,7 @@ class Session:
             bindings=self.bindings,
             external=self.model.external,
             keep_buffers=allocator is None,
+            compile_steps=compiled_steps,
         )
         self._step = 0
         #: Token ids fed as ``input_ids`` must lie in ``[0, token_limit)`` (None: not checked), see Model.token_limit.

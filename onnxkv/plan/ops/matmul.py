@@ -79,6 +79,21 @@ class MatMul(Op):
             np.copyto(tmp[:, : p1 - p0], self.packed[p0:p1].transpose(1, 0, 2))
             np.matmul(x, flat[:, : n1 - n0], out=out[:, n0:n1])
 
+    def compilable(self, inputs: list) -> bool:
+        """A packed weight and a C-contiguous float32 A [..., K] of at most ``BLAS_M`` rows (one kernel call)."""
+        a = inputs[0]
+        packed = self.packed
+        return (
+            packed is not None
+            and isinstance(a, np.ndarray)
+            and a.dtype == np.float32
+            and a.ndim >= 1
+            and a.shape[-1] == packed.shape[1]
+            and a.size > 0
+            and a.flags.c_contiguous
+            and a.size // packed.shape[1] <= BLAS_M
+        )
+
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
         packed = self.packed

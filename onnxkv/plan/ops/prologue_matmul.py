@@ -92,10 +92,10 @@ class PrologueMatMul(Op):
         skip = inputs[1]
         return skip.shape == x.shape and skip.dtype == _F32 and skip.flags.c_contiguous
 
-    def run(self, inputs: list, rt) -> tuple:
-        x = inputs[0]
+    def _fused(self, x, inputs: list) -> bool:
+        """True when ``run`` takes the fused path (the prologue's kernel, then the product's)."""
         k = self.k
-        if not (
+        return (
             x.dtype == _F32
             and x.ndim >= 1
             and x.shape[-1] == k
@@ -103,7 +103,22 @@ class PrologueMatMul(Op):
             and x.flags.c_contiguous
             and x.size // k <= BLAS_M
             and self._prologue_ok(x, inputs)
-        ):
+        )
+
+    def compilable(self, inputs: list) -> bool:
+        """The fused path with a product the compiled step replays (a packed float32 product)."""
+        x = inputs[0]
+        return (
+            isinstance(x, np.ndarray)
+            and all(isinstance(v, np.ndarray) for v in inputs[1 : self.n_in])
+            and self._fused(x, inputs)
+            and self.product.compilable([np.empty(x.shape, _F32)])
+        )
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        k = self.k
+        if not self._fused(x, inputs):
             return tuple(self.body.evaluate(self.node.input, inputs, rt))
         rows = x.size // k
         h = np.empty((rows, k), _F32)

@@ -65,6 +65,10 @@ class SiblingMatMul(MatMul):
         for w in weights:
             _release_pages(w)
 
+    def compilable(self, inputs: list) -> bool:
+        """One C-contiguous float32 row: one kernel call whose outputs are views of its result."""
+        return MatMul.compilable(self, inputs) and inputs[0].size == self.packed.shape[1]
+
     def run(self, inputs: list, rt) -> tuple:
         a = inputs[0]
         k = self.packed.shape[1]

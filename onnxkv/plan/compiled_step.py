@@ -1,0 +1,250 @@
+"""Compiled steps: a plan's run with its compilable nodes replayed as recorded kernel calls.
+
+A decode step runs the same nodes on the same shapes as the step before it.
+A :class:`CompiledStep` is made by one recording run (:func:`record`) that runs
+every node as the plain loop does and, for each node whose operator says it
+is compilable at these inputs (:meth:`onnxkv.plan.registry.Op.compilable`),
+records the kernel calls it made (:mod:`onnxkv._kernels._record`).  Runs of
+consecutive compiled nodes become *segments*, each one
+:class:`onnxkv._kernels.step.Program`; the other nodes stay Python nodes.
+Later runs (:meth:`CompiledStep.run`) run the Python nodes as the plain loop
+does and each segment as one call into its program, which takes the segment's
+*external* values -- the slots it reads that the segment does not produce and
+that are not constants: graph inputs and Python nodes' outputs -- checks that
+they have the recorded shapes, dtypes and memory relations, and replays the
+calls with their current addresses.  A segment whose check fails runs its
+nodes in Python instead, and the step is then marked stale (the plan records
+a new one on a later run).
+
+Memory: the values produced inside segments live in buffers the step owns
+(the recording run's :class:`~onnxkv.plan.buffers.RunBuffers`, never handed to
+another run), so a replay writes the same addresses as the recording.  Slots
+that later nodes or the graph outputs read are set to those arrays after the
+segment ran; :meth:`CompiledStep.owned_outputs` names the graph outputs that
+are the step's memory, which the plan copies before returning them.
+
+A step is used by one run at a time (the plan keeps idle steps in a pool, as
+its idle buffers).  Outputs equal the plain loop's bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnxkv._kernels._record import Recorder
+from onnxkv._kernels.step import Program
+from onnxkv.errors import Cancelled
+from onnxkv.plan.buffers import RunBuffers
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.run_loops import run_nodes
+
+if TYPE_CHECKING:
+    from onnxkv.plan.plan import Plan
+
+__all__ = ["CompiledStep", "Segment", "record"]
+
+
+class Segment:
+    """Consecutive compiled nodes ``[first, end)`` replayed as one program.
+
+    Attributes:
+        program: the recorded kernel calls.
+        external_slots: the slots whose values :attr:`program` takes each run, in its order.
+        exports: ``(slot, array)`` for every value produced here that a later node or a graph output reads.
+    """
+
+    __slots__ = ("first", "end", "program", "external_slots", "exports")
+
+    def __init__(self, first: int, end: int, program: Program, external_slots: list[int], exports: list) -> None:
+        self.first, self.end = first, end
+        self.program = program
+        self.external_slots = external_slots
+        self.exports = exports
+
+
+class CompiledStep:
+    """A recorded run of a plan: Python nodes (ints) and :class:`Segment` items in node order.
+
+    Attributes:
+        items: node indices and segments, covering every node once, in order.
+        buffers: the recording run's buffers (the memory of every segment), owned by this step.
+        stale: a segment's check failed on a run (the plan drops the step).
+    """
+
+    def __init__(self, items: list, buffers: RunBuffers, output_slots: set[int]) -> None:
+        self.items = items
+        self.buffers = buffers
+        self.stale = False
+        exported = {s for item in items if isinstance(item, Segment) for s, _ in item.exports}
+        #: Graph output slots whose value is this step's memory (copied before they are returned).
+        self.owned_outputs = exported & output_slots
+
+    @property
+    def compiled_nodes(self) -> int:
+        """How many nodes run as recorded kernel calls."""
+        return sum(item.end - item.first for item in self.items if isinstance(item, Segment))
+
+    def run(self, plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
+        """Run ``plan`` on ``slots`` (bound inputs) as the plain loop does, segments replayed.
+
+        Python nodes take their temporaries from ``bufs`` (the run's); a segment
+        whose external values differ from the recording runs its nodes through
+        the plain loop too (with ``bufs``) and marks the step stale.
+        """
+        for item in self.items:
+            if type(item) is int:
+                run_nodes(plan, item, item + 1, slots, bufs, rt, cancel)
+                continue
+            if cancel is not None and cancel.cancelled:
+                node = plan.nodes[item.first]
+                raise Cancelled(f"run cancelled before node '{node.name or node.output[0]}'")
+            if item.program.run([slots[s] for s in item.external_slots]):
+                for s, v in item.exports:
+                    slots[s] = v
+            else:
+                self.stale = True
+                run_nodes(plan, item.first, item.end, slots, bufs, rt, cancel)
+
+    def close(self) -> None:
+        """Return the step's buffers to the allocator."""
+        self.buffers.close()
+
+
+def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, cancel=None) -> CompiledStep:
+    """Run ``plan`` on ``slots`` like the plain loop, recording its compilable nodes; return the step.
+
+    ``rt`` must allocate from ``bufs`` (``bufs.plan_alloc``), buffers the
+    returned step then owns.  Raises what the plain loop raises (the step is
+    then not made and ``bufs`` is the caller's to close).
+    """
+    steps = plan._steps
+    constant = [v is not None for v in plan._template]
+    last_read = _last_reads(plan)
+    outputs = set(plan.output_slots)
+    items: list = []
+    current: list = []  # the open segment: node indices
+    calls: list = []
+    external: dict[int, np.ndarray] = {}  # slot -> the value the open segment read
+    produced: dict[int, np.ndarray] = {}  # slot -> value made in the open segment
+
+    def close_segment() -> None:
+        if not current:
+            return
+        first, end = current[0], current[-1] + 1
+        exports = [(s, v) for s, v in produced.items() if s in outputs or last_read.get(s, -1) >= end]
+        try:
+            program = Program(list(calls), list(external.values()))
+        except ValueError:
+            items.extend(current)
+        else:
+            items.append(Segment(first, end, program, list(external), exports))
+        current.clear()
+        calls.clear()
+        external.clear()
+        produced.clear()
+
+    for k, (_, ins, outs) in enumerate(steps):
+        args = [slots[i] for i in ins]
+        op = plan.kernels[k]
+        if not (op is not None and all(isinstance(a, np.ndarray) or a is None for a in args) and op.compilable(args)):
+            close_segment()
+            run_nodes(plan, k, k + 1, slots, bufs, rt, cancel)
+            items.append(k)
+            continue
+        reads = {i: slots[i] for i in ins if not constant[i] and i not in produced and slots[i] is not None}
+        recorder = Recorder()
+        with recorder:
+            run_nodes(plan, k, k + 1, slots, bufs, rt, cancel)
+        results = [slots[s] for s in outs]
+        if recorder.refused or not _fresh(results, {**external, **reads}):
+            close_segment()
+            items.append(k)
+            continue
+        current.append(k)
+        calls.extend(recorder.calls)
+        external.update(reads)
+        produced.update((s, v) for s, v in zip(outs, results) if v is not None)
+    close_segment()
+    return CompiledStep(items, bufs, outputs)
+
+
+def _fresh(results: list, external: dict) -> bool:
+    """True when every result is an ndarray (or None) sharing no memory with an external value."""
+    for r in results:
+        if r is None:
+            continue
+        if not isinstance(r, np.ndarray):
+            return False
+        if any(np.may_share_memory(r, v) for v in external.values() if isinstance(v, np.ndarray)):
+            return False
+    return True
+
+
+def _last_reads(plan: Plan) -> dict[int, int]:
+    """slot -> index of the last node reading it."""
+    last: dict[int, int] = {}
+    for k, (_, ins, _) in enumerate(plan._steps):
+        for i in ins:
+            last[i] = k
+    return last
+
+
+class StepPool:
+    """A plan's idle compiled steps, and when to record one.
+
+    The first run of a plan runs plain (a prompt rarely repeats its shapes);
+    every later run without an idle step records one, which the runs after it
+    replay.  A step is taken for one run and given back after it (stale steps
+    are closed instead), so concurrent runs never share one.
+    """
+
+    def __init__(self) -> None:
+        self.idle: list[CompiledStep] = []
+        self.runs = 0
+
+    def run(self, plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> CompiledStep | None:
+        """Run ``plan`` on ``slots``: replay an idle step, record one, or run plain (the first run).
+
+        Returns the step used (give it back with :meth:`done`), or None.
+        """
+        self.runs += 1
+        try:
+            step = self.idle.pop()
+        except IndexError:
+            step = None
+        if step is not None:
+            try:
+                step.run(plan, slots, bufs, rt, cancel)
+            except BaseException:
+                self.done(step)
+                raise
+            return step
+        if self.runs == 1:
+            run_nodes(plan, 0, len(plan._steps), slots, bufs, rt, cancel)
+            return None
+        own = RunBuffers(plan.allocator)
+        own.plan_alloc = plan._allocator_for(own)
+        alloc, rt._plan_alloc = rt._plan_alloc, own.plan_alloc
+        try:
+            return record(plan, slots, rt, own, cancel)
+        except BaseException:
+            own.close()
+            raise
+        finally:
+            rt._plan_alloc = alloc
+
+    def done(self, step: CompiledStep | None) -> None:
+        """Give back the step a run used: idle again, or closed when stale or compiling nothing."""
+        if step is None:
+            return
+        if step.stale or not step.compiled_nodes:
+            step.close()
+        else:
+            self.idle.append(step)
+
+    def close(self) -> None:
+        """Close every idle step."""
+        while self.idle:
+            self.idle.pop().close()

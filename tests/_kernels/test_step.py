@@ -1,0 +1,158 @@
+"""onnxkv._kernels.step.Program and _record.Recorder: recorded kernel calls replayed bit for bit,
+external arrays checked before anything runs."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from onnxkv._kernels._record import Recorder
+from onnxkv._kernels.activation import silu, silu_mul
+from onnxkv._kernels.matmul import matmul_packed, pack_weight
+from onnxkv._kernels.norm import rms_norm, skip_rms_norm
+from onnxkv._kernels.step import Program
+
+from .conftest import rand
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (3, 40, 100), (8, 128, 256)])
+def test_replay_equals_the_calls_run_one_by_one(simd, threads, rows, k, n):
+    rng = np.random.default_rng(rows * 1000 + k)
+    w1, w2 = pack_weight(rand(rng, (k, n))), pack_weight(rand(rng, (k, n)))
+    g, bias = rand(rng, (k,)), rand(rng, (k,))
+
+    def chain(x, skip, h, s, up, gate, act):
+        """Every replayable kind: a norm reading an external, products, activations, a skip norm."""
+        rms_norm(x, g, 1e-5, h)
+        matmul_packed(h, w1, gate)
+        matmul_packed(h, w2, up, bias=bias[:n].copy() if n <= k else None)
+        silu(gate, gate)
+        silu_mul(gate, up, act)
+        skip_rms_norm(x, skip, g, bias, 1e-5, h, s)
+
+    def buffers():
+        f = np.float32
+        return [np.empty((rows, k), f), np.empty((rows, k), f)] + [np.empty((rows, n), f) for _ in range(3)]
+
+    x, skip = rand(rng, (rows, k)), rand(rng, (rows, k))
+    got = buffers()
+    rec = Recorder()
+    with rec:
+        chain(x, skip, *got)
+    assert not rec.refused and [c[0] for c in rec.calls] == [2, 1, 1, 4, 4, 3]
+    program = Program(rec.calls, [x, skip])
+    assert program.externals == 2 and program.calls_count == 6
+    for _ in range(2):
+        x2, skip2 = rand(rng, (rows, k)), rand(rng, (rows, k))
+        assert program.run([x2, skip2])
+        want = buffers()
+        chain(x2, skip2, *want)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_baked_arrays_stay_alive_after_the_caller_drops_them():
+    rng = np.random.default_rng(1)
+    x = rand(rng, (2, 32))
+    rec = Recorder()
+    with rec:
+        out = np.empty((2, 16), np.float32)
+        matmul_packed(x, pack_weight(rand(rng, (32, 16))), out)  # the packed weight: only the recorder holds it
+    program = Program(rec.calls, [x])
+    del rec
+    x2 = rand(rng, (2, 32))
+    before = out.copy()
+    assert program.run([x2])
+    assert not np.array_equal(out, before)
+
+
+def _one_norm_program(rng, rows=2, k=16):
+    x, g = rand(rng, (rows, k)), rand(rng, (k,))
+    out = np.empty((rows, k), np.float32)
+    rec = Recorder()
+    with rec:
+        rms_norm(x, g, 1e-5, out)
+    return Program(rec.calls, [x]), x, out
+
+
+def test_run_refuses_external_arrays_unlike_the_recorded_ones_and_runs_nothing():
+    rng = np.random.default_rng(2)
+    program, x, out = _one_norm_program(rng)
+    out[...] = 7.0
+    for bad in (
+        rand(rng, (3, 16)),  # shape
+        rand(rng, (2, 16), np.float64),  # dtype
+        rand(rng, (2, 32))[:, ::2],  # not C-contiguous
+        out,  # memory the program writes
+        [[1.0] * 16] * 2,  # not an array with a buffer of floats
+    ):
+        assert not program.run([bad])
+    assert not program.run([])  # count
+    np.testing.assert_array_equal(out, 7.0)
+
+
+def test_an_external_the_program_writes_must_be_writable():
+    rng = np.random.default_rng(3)
+    x, g = rand(rng, (2, 16)), rand(rng, (16,))
+    rec = Recorder()
+    with rec:
+        rms_norm(x, g, 1e-5, x)  # in place: the external is written
+    program = Program(rec.calls, [x])
+    y = rand(rng, (2, 16))
+    y.flags.writeable = False
+    assert not program.run([y])
+    y = rand(rng, (2, 16))
+    want = np.empty_like(y)
+    rms_norm(y, g, 1e-5, want)
+    assert program.run([y])
+    np.testing.assert_array_equal(y, want)
+
+
+def test_operand_straddling_an_external_is_refused_at_build():
+    rng = np.random.default_rng(4)
+    big = rand(rng, (4, 16))
+    g = rand(rng, (16,))
+    out = np.empty((2, 16), np.float32)
+    rec = Recorder()
+    with rec:
+        rms_norm(big[1:3], g, 1e-5, out)
+    with pytest.raises(ValueError, match="straddles external array 0"):
+        Program(rec.calls, [big[2:]])
+
+
+def test_calls_that_cannot_be_replayed_are_refused_not_noted():
+    rng = np.random.default_rng(5)
+    rec = Recorder()
+    with rec:
+        rms_norm(rand(rng, (2, 8), np.float64), rand(rng, (8,), np.float64), 1e-5, np.empty((2, 8)))
+        rms_norm(np.empty((0, 8), np.float32), rand(rng, (8,)), 1e-5, np.empty((0, 8), np.float32))
+        silu(rand(rng, (4,), np.float64), np.empty(4))
+        matmul_packed(np.empty((0, 8), np.float32), pack_weight(rand(rng, (8, 16))), np.empty((0, 16), np.float32))
+    assert rec.calls == []
+    assert rec.refused == [
+        "rms_norm: float64 is not replayed",
+        "rms_norm: an empty input (nothing written)",
+        "activation: float64 is not replayed",
+        "matmul_packed: an empty product (nothing or only the bias written)",
+    ]
+
+
+def test_a_recorder_notes_its_own_thread_only_and_does_not_nest():
+    rng = np.random.default_rng(6)
+    x, g = rand(rng, (2, 8)), rand(rng, (8,))
+    rec = Recorder()
+    with rec:
+        other = threading.Thread(target=rms_norm, args=(x, g, 1e-5, np.empty_like(x)))
+        other.start()
+        other.join()
+        with pytest.raises(RuntimeError, match="already installed"), Recorder():
+            pass
+    assert rec.calls == []
+    rms_norm(x, g, 1e-5, np.empty_like(x))  # uninstalled: noted nowhere
+    assert rec.calls == []
+
+
+def test_unknown_kinds_are_refused_at_build():
+    with pytest.raises(ValueError, match="call 0 has an unknown kind"):
+        Program([(99, (), (), ())], [])
