@@ -16,9 +16,11 @@ calls with their current addresses.  A segment whose check fails runs its
 nodes in Python instead, and the step is then marked stale (the plan records
 a new one on a later run).
 
-Memory: the values produced inside segments live in buffers the step owns
-(the recording run's :class:`~onnxkv.plan.buffers.RunBuffers`, never handed to
-another run), so a replay writes the same addresses as the recording.  Slots
+Memory: the values produced inside segments live in buffers the step owns (a
+:class:`~onnxkv.plan.buffers.RunBuffers` the compilable nodes of the
+recording run allocate from, never handed to another run; Python nodes take
+the run's buffers, when recording as when replaying), so a replay writes the
+same addresses as the recording and never memory a Python node holds.  Slots
 that later nodes or the graph outputs read are set to those arrays after the
 segment ran; :meth:`CompiledStep.owned_outputs` names the graph outputs that
 are the step's memory, which the plan copies before returning them.
@@ -112,12 +114,13 @@ class CompiledStep:
         self.buffers.close()
 
 
-def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, cancel=None) -> CompiledStep:
+def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBuffers, cancel=None) -> CompiledStep:
     """Run ``plan`` on ``slots`` like the plain loop, recording its compilable nodes; return the step.
 
-    ``rt`` must allocate from ``bufs`` (``bufs.plan_alloc``), buffers the
-    returned step then owns.  Raises what the plain loop raises (the step is
-    then not made and ``bufs`` is the caller's to close).
+    Compilable nodes take their buffers from ``own`` (which the returned step
+    then owns), the others from ``bufs`` (the run's), as they do when the step
+    is replayed: the two never share memory.  Raises what the plain loop raises
+    (the step is then not made and ``own`` is the caller's to close).
     """
     steps = plan._steps
     constant = [v is not None for v in plan._template]
@@ -155,10 +158,14 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, cancel=Non
             continue
         reads = {i: slots[i] for i in ins if not constant[i] and i not in produced and slots[i] is not None}
         recorder = Recorder()
-        with recorder:
-            run_nodes(plan, k, k + 1, slots, bufs, rt, cancel)
+        rt._plan_alloc = own.plan_alloc
+        try:
+            with recorder:
+                run_nodes(plan, k, k + 1, slots, own, rt, cancel)
+        finally:
+            rt._plan_alloc = bufs.plan_alloc
         results = [slots[s] for s in outs]
-        if recorder.refused or not _fresh(results, {**external, **reads}):
+        if recorder.refused or op.view_inputs or not all(r is None or isinstance(r, np.ndarray) for r in results):
             close_segment()
             items.append(k)
             continue
@@ -167,19 +174,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, cancel=Non
         external.update(reads)
         produced.update((s, v) for s, v in zip(outs, results) if v is not None)
     close_segment()
-    return CompiledStep(items, bufs, outputs)
-
-
-def _fresh(results: list, external: dict) -> bool:
-    """True when every result is an ndarray (or None) sharing no memory with an external value."""
-    for r in results:
-        if r is None:
-            continue
-        if not isinstance(r, np.ndarray):
-            return False
-        if any(np.may_share_memory(r, v) for v in external.values() if isinstance(v, np.ndarray)):
-            return False
-    return True
+    return CompiledStep(items, own, outputs)
 
 
 def _last_reads(plan: Plan) -> dict[int, int]:
@@ -226,14 +221,11 @@ class StepPool:
             return None
         own = RunBuffers(plan.allocator)
         own.plan_alloc = plan._allocator_for(own)
-        alloc, rt._plan_alloc = rt._plan_alloc, own.plan_alloc
         try:
-            return record(plan, slots, rt, own, cancel)
+            return record(plan, slots, rt, bufs, own, cancel)
         except BaseException:
             own.close()
             raise
-        finally:
-            rt._plan_alloc = alloc
 
     def done(self, step: CompiledStep | None) -> None:
         """Give back the step a run used: idle again, or closed when stale or compiling nothing."""

@@ -113,3 +113,14 @@ def test_runs_with_an_event_log_or_a_callers_allocator_run_node_by_node():
     )  # the prompt and 3 steps
     assert onnxkv.Session(model, threads=1, allocator=SystemAllocator()).plan.steps is None
     assert onnxkv.Session(model, threads=1, compiled_steps=False).plan.steps is None
+
+
+def test_every_packed_product_of_a_decode_step_is_compiled_and_stays_so():
+    session = onnxkv.Session(build_model("gqa", MICRO, seed=10), threads=1)
+    onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=12)
+    products = [k for k, op in enumerate(session.plan.kernels) if type(op).__name__ in ("MatMul", "PrologueMatMul")]
+    assert products
+    (step,) = session.plan.steps.idle
+    compiled = {k for item in step.items if isinstance(item, Segment) for k in range(item.first, item.end)}
+    assert compiled == set(products)
+    assert not step.stale
