@@ -9,3 +9,4 @@ cdef enum:
     KIND_RMS_NORM = 2        # arrays (x, gamma, out); ints (rows, n); floats (eps,)
     KIND_SKIP_RMS_NORM = 3   # arrays (x, skip, gamma, bias or None, out, sum_out or None); ints (rows, n); floats (eps,)
     KIND_ACTIVATION = 4      # arrays (x, up or None, out); ints (mode, n)
+    KIND_GATHER_ROWS = 5     # arrays (table, indices, out); ints (N, D, m); fails on an index out of range

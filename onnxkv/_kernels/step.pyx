@@ -17,7 +17,8 @@ item size and format, writable where a call writes it, and the same relation
 to the program's own memory (an external array that viewed baked memory when
 recorded must be that same memory now; one that did not must not overlap any
 memory the program writes) -- and returns False, with nothing run, when one
-differs.  The calls then run with the calling thread's kernel settings, as the
+differs.  A call may also refuse its values of the run (a gather index out of
+range): the replay then stops there and returns False.  The calls then run with the calling thread's kernel settings, as the
 recorded calls did; the results are bit for bit those of the calls run one by
 one (the kernels' summation orders do not depend on the thread count).
 
@@ -30,9 +31,11 @@ from libc.stdint cimport int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strcmp
 
-from onnxkv._kernels._record cimport KIND_ACTIVATION, KIND_MATMUL_PACKED, KIND_RMS_NORM, KIND_SKIP_RMS_NORM
+from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_GATHER_ROWS, KIND_MATMUL_PACKED, KIND_RMS_NORM,
+                                      KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
+from onnxkv._kernels.gather cimport gather_rows_ptr
 from onnxkv._kernels.matmul cimport matmul_packed_ptr
 from onnxkv._kernels.norm cimport rms_f32_ptr, skip_rms_f32_ptr
 
@@ -45,9 +48,10 @@ DEF NI = 4      # int parameters at most
 DEF MAX_FORMAT = 8
 
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
-WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,)}
+WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
+           KIND_GATHER_ROWS: (2,)}
 #: Operand count of each kind.
-_OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3}
+_OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3}
 
 
 cdef struct call_t:
@@ -168,7 +172,9 @@ cdef class Program:
         """Replay the calls with ``externals`` (one array per external of the recording, in order).
 
         Returns False, having run nothing, when an external array differs from
-        the recorded one (see the module docstring); True once every call ran.
+        the recorded one (see the module docstring), or when a call refuses its
+        values of this run (a gather index out of range: the calls before it
+        ran, that one and the rest did not); True once every call ran.
         """
         cdef int e, c, j, flags
         cdef Py_buffer view
@@ -214,12 +220,17 @@ cdef class Program:
             for j in range(NP):
                 if cl.ext[j] >= 0:
                     cl.p[j] = <char *>bases[cl.ext[j]] + cl.off[j]
-            _dispatch(cl, s)
+            if not _dispatch(cl, s):
+                return False
         return True
 
 
-cdef inline void _dispatch(call_t *c, okv_settings s) noexcept:
-    """Run one recorded call (the operand order of ``_record.pxd``)."""
+cdef inline bint _dispatch(call_t *c, okv_settings s) noexcept:
+    """Run one recorded call (the operand order of ``_record.pxd``); False when its values are refused
+    (a gather index out of range: nothing of that call written)."""
+    if c.kind == KIND_GATHER_ROWS:
+        return gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2],
+                               <float *>c.p[2]) < 0
     if c.kind == KIND_MATMUL_PACKED:
         matmul_packed_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const float *>c.p[1], c.i[2], c.i[3],
                           <const float *>c.p[2], <float *>c.p[3], s)
@@ -230,3 +241,4 @@ cdef inline void _dispatch(call_t *c, okv_settings s) noexcept:
                          <const float *>c.p[2], c.f, <float *>c.p[4], <float *>c.p[5], c.i[0], c.i[1], s)
     elif c.kind == KIND_ACTIVATION:
         act_f32_ptr(<int>c.i[0], <const float *>c.p[0], <const float *>c.p[1], <float *>c.p[2], c.i[1], s)
+    return True

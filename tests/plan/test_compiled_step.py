@@ -115,10 +115,11 @@ def test_runs_with_an_event_log_or_a_callers_allocator_run_node_by_node():
     assert onnxkv.Session(model, threads=1, compiled_steps=False).plan.steps is None
 
 
-def test_every_packed_product_of_a_decode_step_is_compiled_and_stays_so():
+def test_every_packed_product_and_the_embedding_of_a_decode_step_are_compiled_and_stay_so():
     session = onnxkv.Session(build_model("gqa", MICRO, seed=10), threads=1)
     onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=12)
-    products = [k for k, op in enumerate(session.plan.kernels) if type(op).__name__ in ("MatMul", "PrologueMatMul")]
+    kinds = ("MatMul", "PrologueMatMul", "Gather")
+    products = [k for k, op in enumerate(session.plan.kernels) if type(op).__name__ in kinds]
     assert products
     (step,) = session.plan.steps.idle
     compiled = {k for item in step.items if isinstance(item, Segment) for k in range(item.first, item.end)}

@@ -29,6 +29,7 @@ from math import prod
 
 import numpy as np
 
+from onnxkv._kernels.gather import gather_rows
 from onnxkv.errors import InputError, OperatorError
 from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -292,13 +293,39 @@ class Slice(Op):
 
 @register("Gather")
 class Gather(Op):
+    """ONNX Gather.  Rows of a 2-D float32 table by int64 indices (an embedding lookup) go through the
+    ``gather_rows`` kernel, which compiled steps replay; everything else through NumPy."""
+
+    def _rows(self, x, idx) -> bool:
+        """True for the kernel's case: axis 0 of a C-contiguous float32 [N, D > 0] table, C-contiguous
+        int64 indices of rank <= 2, at least one."""
+        return (
+            isinstance(x, np.ndarray)
+            and isinstance(idx, np.ndarray)
+            and x.ndim == 2
+            and self.attrs.get("axis", 0) in (0, -2)
+            and x.dtype == np.float32
+            and x.shape[1] > 0
+            and x.flags.c_contiguous
+            and idx.dtype == np.int64
+            and 0 < idx.size
+            and idx.ndim <= 2
+            and idx.flags.c_contiguous
+        )
+
+    def compilable(self, inputs: list) -> bool:
+        return self._rows(*inputs)
+
     def run(self, inputs: list, rt) -> tuple:
         x, idx = inputs
         axis = normalize_axis(self.attrs.get("axis", 0), x.ndim, f"Gather '{self.name}'")
         _check_indices(self, idx, x.shape[axis], axis)
         if axis == 0 and idx.ndim <= 2 and x.ndim == 2:
             out = rt.empty(0, idx.shape + x.shape[1:], x.dtype)
-            np.take(x, idx, axis=0, out=out, mode="wrap")
+            if self._rows(x, idx):
+                gather_rows(x, idx.reshape(-1), out.reshape(-1, x.shape[1]))
+            else:
+                np.take(x, idx, axis=0, out=out, mode="wrap")
             return (out,)
         return (np.take(x, idx, axis=axis),)
 
