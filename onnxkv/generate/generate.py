@@ -196,7 +196,7 @@ def generate(
             tok = np.where(finished, pad_token_id, tok)
             new_tokens.append(tok)
             if eos_arr.size:
-                finished |= np.isin(tok, eos_arr)
+                finished |= (tok[:, None] == eos_arr).any(axis=1)  # a few ids: no np.isin set-up per token
             if callback is not None:
                 callback(step, tok)
             if finished.all() or step == max_new_tokens - 1:
