@@ -38,8 +38,7 @@
  * when okv_cpu_avx512_ok(); float32 K/V keep the AVX2 tiles, which are as
  * fast on this memory-bound stream).  With a->amx (okv_cpu_amx_ok(), per-page
  * formats) the AVX-512 unit scores the keys of quantized pages with per-head
- * key scales (OKV_AMX_QK) and / or multiplies the probabilities by quantized
- * values with per-head scales (OKV_AMX_PV) on the AMX-INT8 tiles
+ * key scales, and 8-bit keys with per-channel scales, on the AMX-INT8 tiles
  * (attention_amx.h); a work unit then needs okv_attn_amx_ws_floats more
  * workspace.
  *
@@ -61,9 +60,6 @@
 #define OKV_BK 32      /* keys per streamed block */
 #define OKV_MAX_TQ 64  /* max query tokens per work unit */
 #define OKV_RG 8       /* query rows sharing one K/V row load (one row group) */
-
-#define OKV_AMX_QK 1   /* okv_attn_args.amx: key scores on AMX */
-#define OKV_AMX_PV 2   /* okv_attn_args.amx: p.v on AMX */
 
 #define OKV_KV_F32 0
 #define OKV_KV_F16 1
@@ -96,11 +92,9 @@ typedef struct {
     int k_compact;                 /* quantized K pages: 0 float32 header, 1 compact header (quant.h) */
     int k_czp;                     /* quantized K pages carry the channel-zero-point header (quant.h): one
                                     * scale per head (kG == 1), D zero points per head; k_compact 0 */
-    int amx;                       /* OKV_AMX_QK | OKV_AMX_PV bits: the AVX-512 unit of per-page formats
-                                    * scores quantized keys (QK: kG == 1 only) and / or multiplies the
-                                    * probabilities by quantized values (PV: their per-head scales only) on
-                                    * the AMX-INT8 tiles (attention_amx.h; the caller checked
-                                    * okv_cpu_amx_ok()); 0: neither */
+    int amx;                       /* nonzero: the AVX-512 unit of per-page formats scores quantized keys
+                                    * (per-head key scales, or per-channel ones of 8-bit codes) on the
+                                    * AMX-INT8 tiles (attention_amx.h; the caller checked okv_cpu_amx_ok()) */
 } okv_attn_args;
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -482,11 +476,10 @@ static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
 static inline int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq) {
 #if OKV_HAVE_AMX
     const int64_t R = a->Hq / a->Hkv * tq, w2 = a->prefill_rg;
-    const int pv = (a->amx & OKV_AMX_PV) != 0;   /* the p.v scratch too */
     int64_t b1, b2;
     if (!a->amx || !a->k_fmt) return 0;
-    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG, pv);
-    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2, pv);
+    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG);
+    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2);
     return (b1 > b2 ? b1 : b2) / 4;
 #else
     (void)a;

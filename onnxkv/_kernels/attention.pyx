@@ -24,9 +24,7 @@ scalar.  ``set_simd_enabled(False)`` forces scalar, ``set_attention_avx512
 paged_attention scores the keys of quantized pages with per-head scales, and
 8-bit keys with per-channel scales, on the AMX-INT8 tiles where the CPU and
 OS allow it (level "avx512+amx";
-``set_attention_amx(False)`` keeps AVX-512 FMAs), and can multiply the
-probabilities by quantized values with per-head scales there too
-(``_set_attention_amx_pv``, off by default).
+``set_attention_amx(False)`` keeps AVX-512 FMAs).
 
 Paged caches may give every page its own format (k_formats / v_formats:
 float32, float16, bfloat16, or 8/4/2-bit codes with a per-page header of
@@ -82,8 +80,6 @@ cdef extern from "attention.h" nogil:
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
     int64_t okv_attn_part_floats(int64_t R, int64_t D)
     int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq)
-    int OKV_AMX_QK
-    int OKV_AMX_PV
     float *okv_align64(float *p)
     int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                           int64_t c1, float *ws, float *part, int64_t pstride, int simd)
@@ -193,9 +189,7 @@ cdef int _amx_usable = okv_amx_usable()
 
 def set_attention_amx(enabled: bool) -> bool:
     """Let paged_attention score the keys of quantized pages (8-, 4- and 2-bit
-    codes with per-head scales, 8-bit codes with per-channel scales), and if
-    ``_set_attention_amx_pv`` says so multiply the probabilities by their
-    values (per-head scales), on the
+    codes with per-head scales, 8-bit codes with per-channel scales) on the
     AMX-INT8 tiles inside its AVX-512 tiles (the default where the CPU has AMX-TILE and
     AMX-INT8 and the OS grants the tile state; attention_amx.h), or with
     AVX-512 FMAs only (to
@@ -205,22 +199,6 @@ def set_attention_amx(enabled: bool) -> bool:
     Returns whether AMX is now enabled (False where it is not usable)."""
     okv_settings_mine().amx = _amx_usable if enabled else 0
     return bool(okv_settings_mine().amx)
-
-
-def _set_attention_amx_pv(mode):
-    """Private switch for tests and benchmarks: probabilities times values of
-    quantized pages with per-head value scales on the AMX-INT8 tiles while
-    AMX is enabled (``set_attention_amx``): 0 (default) never, 1 only in
-    calls with per-head key scales (whose keys AMX scores), 2 always.  Off by
-    default: at 16384 tokens on 2 threads (bench_quant_decode shapes, variants
-    interleaved in shuffled order) it measured slower than AVX-512 p.v behind
-    AMX keys (int8 2.18 vs 2.08 ms, int4 1.76 vs 1.62 ms; per-channel keys
-    3.27 vs 2.65 ms), faster only on cache-resident data (1024 tokens, one
-    thread: int4 about 8% faster).  Calling thread only.  Returns the old mode."""
-    cdef okv_settings *s = okv_settings_mine()
-    old = s.amx_pv
-    s.amx_pv = min(2, max(0, int(mode)))
-    return old
 
 
 def attention_simd_level() -> str:
@@ -698,8 +676,7 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api, okv_settings s):
     a.amx = 0
     if simd == OKV_ATTN_AVX512 and s.amx:
         # keys: every call (per-channel key scales: only 8-bit pages go to AMX, attention_impl.h decides per page)
-        a.amx = (OKV_AMX_QK
-                 | (OKV_AMX_PV if s.amx_pv == 2 or (s.amx_pv == 1 and a.kG == 1) else 0))
+        a.amx = 1
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
         a.hpu = Hkv if s.paged_heads <= 0 else max(h for h in range(1, min(s.paged_heads, Hkv) + 1) if Hkv % h == 0)

@@ -392,7 +392,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
     int qi_ready = 0;
 #endif
 #ifdef OKV_SIMD512_AMX
-    okv_amx_ws ax;                    /* a->amx: scratch, B tiles and pending p.v of the AMX tiles */
+    okv_amx_ws ax;                    /* a->amx: scratch and B tiles of the AMX key scores */
 #endif
 #endif
     int64_t lo[OKV_MAX_TQ], hi[OKV_MAX_TQ];
@@ -429,7 +429,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #if defined(OKV_MIXED) && defined(OKV_SIMD512_AMX)
     if (a->amx) {   /* B tiles per (head, row group) item, after the float workspace; tiles configured */
         okv_amx_ws_init(&ax, (char *)(ws + okv_attn_ws_floats(RT, D)), D, nh * ((R + rgw - 1) / rgw),
-                        R < rgw ? R : rgw, (a->amx & OKV_AMX_PV) != 0);
+                        R < rgw ? R : rgw);
         okv_amx_begin();
     }
 #endif
@@ -541,7 +541,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         const okv_pf pfn = {pft.k ? pft.k + hw * pf.khs : NULL, pft.v ? pft.v + hw * pf.vhs : NULL,
                                             pft.ks, pft.vs, pft.n, pft.hint};
                         const okv_pf *pfp = rg != 0                  ? &nopf
-                                            : (a->amx & OKV_AMX_QK) ? &pfn
+                                            : a->amx                ? &pfn
                                             : hw + 1 == nh          ? &pft
                                                                     : &pfh;
 #else
@@ -562,7 +562,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #endif
 #ifdef OKV_SIMD512_AMX
                         /* AMX key scores: per-head key scales, or per-channel ones of 8-bit codes */
-                        if ((a->amx & OKV_AMX_QK) && okv_q_bits(pg.kf) && (a->kG == 1 || okv_q_bits(pg.kf) == 8)) {
+                        if (a->amx && okv_q_bits(pg.kf) && (a->kG == 1 || okv_q_bits(pg.kf) == 8)) {
                             okv_pf pfa = *pfp;
                             if (pfa.n > pf_nq) {
                                 pend = pfa;
@@ -633,9 +633,6 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 #ifdef OKV_MIXED
                                 zc[hw * R + rr] *= alpha;
                                 if (acci_used) OKV_I(okv_scal_f32)(alpha, accir[i], D);
-#ifdef OKV_SIMD512_AMX
-                                if (a->amx & OKV_AMX_PV) okv_amx_pv_scale(&ax, w - 1, i, alpha);   /* pending p.v */
-#endif
 #endif
                             }
                             mxh[rr] = mnew;
@@ -643,15 +640,6 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
                         smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                     }
 #ifdef OKV_MIXED
-#ifdef OKV_SIMD512_AMX
-                    /* per-head value scales (>= 0: the AMX digits are unsigned) on AMX */
-                    if ((a->amx & OKV_AMX_PV) && a->vG == 1 && okv_q_bits(pg.vf) && dv.s1 >= 0.f) {
-                        okv_pf_rows(&pend, 0, (int)pend.n);
-                        pend.n = 0;
-                        okv_pv_amx(&ax, w - 1, pg.vf, sw, nr, vh + (u0 - j0) * pg.vst, pg.vst, n, D, accr, &dv,
-                                   zc + hw * R + rg);
-                    } else
-#endif
                     {
                         if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
                             memset(acci, 0, (size_t)(RT * D) * sizeof(float));
@@ -697,10 +685,7 @@ OKV_ATTR static int64_t OKV_F(okv_attn_unit)(const okv_attn_args *a, int64_t b, 
 
 #ifdef OKV_MIXED
 #ifdef OKV_SIMD512_AMX
-    if (a->amx) {   /* the pending p.v of every item, then the tiles released */
-        for (h = 0; h < ax.nitem; h++) okv_amx_pv_flush(&ax, h, D);
-        okv_amx_end();
-    }
+    if (a->amx) okv_amx_end();   /* the tiles released */
 #endif
 #ifdef OKV_SIMD512
     if (acci_used)   /* the interleaved accumulators, in natural order */

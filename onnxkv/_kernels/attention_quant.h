@@ -435,7 +435,7 @@ OKV_ATTR static void OKV_QX(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const
 
 #ifdef OKV_SIMD512_AMX
 /* okv_qk_fmt for quantized keys of format fmt on the AMX tiles
- * (attention_amx.h; a->amx & OKV_AMX_QK): n keys at k, kst bytes apart,
+ * (attention_amx.h; a->amx): n keys at k, kst bytes apart,
  * scored for the nr rows qr of work item w (a (head, row group) of the unit)
  * into s.  Per-head scales (pc == 0): item w's B tiles are built from qr at
  * its first page of this code order and kept (x->tag[w]); the head's scale
@@ -482,19 +482,6 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, int pc, const
         if (dq->zo) OKV_QX(okv_qk_czp)(qr, nr, n, D, scale * dq->s1 * dq->zw, dq->zo, x->qp, s);
     }
     if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
-}
-
-/* okv_pv_fmt for quantized values of format fmt with per-head scales s >= 0
- * on the AMX tiles (a->amx & OKV_AMX_PV, a->vG == 1): acc rows accr += p * V
- * of the n value rows at v (vst bytes apart) for the nr rows of work item w, by the item's
- * pending p.v (okv_amx_pv_push: the sums reach accr at the latest when the
- * unit runs every pending p.v at its end); the zero point's share is added
- * to zc now (okv_pv_zc).  p is not modified.  (Per-channel value scales keep
- * the AVX-512 tiles.) */
-OKV_ATTR static void okv_pv_amx(okv_amx_ws *x, int64_t w, int fmt, const float *p, int nr, const char *v,
-                                int64_t vst, int64_t n, int64_t D, float *const *accr, const okv_dq *dq, float *zc) {
-    okv_pv_zc(p, nr, n, zc, dq);
-    okv_amx_pv_push(x, w, fmt, p, nr, (const uint8_t *)v, vst, n, dq->s1, accr, D);
 }
 #endif
 

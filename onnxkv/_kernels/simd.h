@@ -82,7 +82,6 @@ typedef struct okv_settings {
     int simd;         /* 1: AVX2+FMA+F16C paths, 0: the scalar path */
     int avx512;       /* 1: attention and matmul_packed may run their AVX-512 tiles */
     int amx;          /* 1: inside the AVX-512 attention tiles, quantized keys on AMX-INT8 */
-    int amx_pv;       /* probabilities x values on AMX: 0 never, 1 with per-head key scales, 2 always */
     int prefetch;     /* okv_attn_args.prefetch: 0 off, 1 into L1, 2 into L2, n >= 3 into L2 n-1 blocks ahead */
     int pf_qk_lines;  /* okv_attn_args.pf_qk_lines */
     int prefill_rg;   /* okv_attn_args.prefill_rg: query rows per row group of prefill units (1..8) */
