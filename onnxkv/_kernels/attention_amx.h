@@ -1,7 +1,7 @@
 /* onnxkv/_kernels/attention_amx.h -- key scores of quantized pages on the
- * AMX-INT8 tiles, for the AVX-512 unit of per-page formats (attention_impl.h
- * with OKV_MIXED and OKV_SIMD512, when a->amx: okv_cpu_amx_ok() and the
- * switches of attention.pyx).
+ * AMX-INT8 tiles, for the AVX-512 unit of per-page formats
+ * (okv_attn_unit_mixed_avx512 and okv_qk_amx of attention_unit.h, when
+ * a->amx: okv_cpu_amx_ok() and the switches of attention.pyx).
  *
  * Scores of nr <= OKV_RG query rows against up to 16 keys at a time:
  *   A tile (tile 2): 16 keys x 64 code bytes, int8 (signed formats) or uint8
@@ -55,6 +55,8 @@
 #ifndef ONNXKV_ATTENTION_AMX_H
 #define ONNXKV_ATTENTION_AMX_H
 
+#include "attention_softmax.h"
+#include "attention_types.h"
 #include "quant.h"
 
 #if OKV_X86_SIMD && OKV_HAVE_AMX
