@@ -379,9 +379,9 @@ cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil:
     parallel region then waits for it (a decode step runs dozens of products):
     after LATE_RUN products in a row whose caller waited for its team longer
     than its own share took (and LATE_MIN_NS), the next SOLO_CALLS products run
-    on the calling thread alone, then the team is tried again (measured on 2
-    busy cores: a small-model decode step 32 ms instead of 91 ms; on free cores
-    no product is found late).  Callers hold the GIL (it guards the counters)."""
+    on the calling thread alone, then the team is tried again (on free cores no
+    product is late, so the team always runs).  Callers hold the GIL (it guards
+    the counters)."""
     global _solo_left
     if nt > 1 and s.adaptive and _solo_left > 0:
         _solo_left -= 1
