@@ -367,9 +367,7 @@ def check_paths(cache, q, kv_len, q_pos, scale, want):
                 assert A.attention_simd_level() == level
                 out = np.full_like(q, np.nan)
                 stats = cache.kernel(q, Hkv, kv_len, q_pos, scale, out)
-                np.testing.assert_allclose(
-                    out, want, rtol=1e-5, atol=1e-5, err_msg=f"threads={threads} path={level}"
-                )
+                np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"threads={threads} path={level}")
                 assert (stats["dequantized_bytes"] > 0) == quantized
     finally:
         K.set_num_threads(old)
