@@ -48,7 +48,7 @@ measured for comparison, without a bar.)
 
     python benchmarks/bench_quant_decode.py [--threads 2] [--contexts 4096 16384 32768]
         [--repeat N] [--no-ort] [--allocator slab|system] [--isa auto|avx512|avx2]
-        [--amx-pv off|keys|all] [--prefetch-qk-lines N] [--out FILE]
+        [--prefetch-qk-lines N] [--out FILE]
 
 --allocator: where the pages live -- slab (default, as a paged state without
 an allocator argument) or system (one allocation per page); recorded as
@@ -57,10 +57,6 @@ config.page_allocator.
 --isa: the attention tiles -- auto (AVX-512 where usable, keys of quantized
 pages on AMX-INT8 where usable: level "avx512+amx"), avx512 (AVX-512 without
 AMX) or avx2; the level in use is recorded as config.attention_isa.
---amx-pv: with AMX, probabilities times values of quantized pages with
-per-head value scales on AMX too -- off (default, as the library), keys (in
-calls with per-head key scales) or all; recorded as
-config.attention_amx_pv.
 --prefetch-qk-lines: with AMX key scores, the cache lines of each (head, row
 group) item's share of the next block's software prefetch issued together
 with its key tiles (0: all of them, the earlier schedule); the rest are
@@ -85,7 +81,6 @@ import onnxkv._kernels as K  # noqa: E402
 from onnxkv.cache import formats  # noqa: E402
 
 BS = 16
-AMX_PV = {"off": 0, "keys": 1, "all": 2}  # --amx-pv: modes of attention._set_attention_amx_pv
 RECENT = 1024  # mixed variant: tokens kept float32
 INT8, INT4, UINT8, F32 = 3, 22, 2, 1
 BARS = {
@@ -284,14 +279,6 @@ def main(argv=None):
         help="attention tiles: auto (AVX-512 and AMX where usable), avx512 (no AMX) or avx2 (to compare)",
     )
     ap.add_argument(
-        "--amx-pv",
-        choices=tuple(AMX_PV),
-        default="off",
-        help="with AMX: probabilities times values on AMX too -- off (the library's default: keys only), "
-        "keys (in calls with per-head key scales) or all (also with per-channel key "
-        "scales)",
-    )
-    ap.add_argument(
         "--prefetch-qk-lines",
         type=int,
         default=None,
@@ -305,7 +292,6 @@ def main(argv=None):
     attn = sys.modules["onnxkv._kernels.attention"]
     attn.set_attention_avx512(args.isa != "avx2")
     attn.set_attention_amx(args.isa == "auto")
-    attn._set_attention_amx_pv(AMX_PV[args.amx_pv])
     qk_lines = attn._set_prefetch_qk_lines(0)  # the library's value, unless --prefetch-qk-lines
     if args.prefetch_qk_lines is not None:
         qk_lines = max(0, args.prefetch_qk_lines)
@@ -330,7 +316,6 @@ def main(argv=None):
             "bars": BARS,
             "page_allocator": args.allocator,
             "attention_isa": attn.attention_simd_level(),
-            "attention_amx_pv": args.amx_pv,
             "prefetch_qk_lines": qk_lines,
             "quantization": "symmetric, zero point 0, round half to even; per-head scales unless named",
             "peer": "onnxruntime com.microsoft.GroupQueryAttention, CPUExecutionProvider, past/present "

@@ -33,11 +33,10 @@ import os as _os
 # after each parallel region: on cores shared with other processes (or with
 # BLAS's own pool) a spinning worker holds a core another thread needs, and 2
 # threads can become slower than 1.  Fully PASSIVE workers sleep at once and pay
-# a futex wake-up per kernel call, which costs ~20% of decode speed when the
+# a futex wake-up per kernel call, a noticeable share of decode time when the
 # cores are free (about 100 parallel regions per token).  A short bounded spin
-# keeps both cases good: measured on 2 cores, small-model decode 21.8 ms
-# (spin 50k) vs 26.5 ms (PASSIVE) vs 21.3 ms (default), prefill 1.24 s vs
-# 1.10 s vs 1.31 s.  The OpenMP runtime reads these once, when it is loaded --
+# keeps both cases good: a worker waits through the gap between the kernel
+# calls of one token, not through another process's time slice.  The OpenMP runtime reads these once, when it is loaded --
 # i.e. when the first compiled module below is imported -- so they are set
 # before them; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT is respected.
 # Process-global: it also applies to other libgomp users in the same process.

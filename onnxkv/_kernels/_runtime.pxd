@@ -8,7 +8,6 @@ cdef extern from "simd.h" nogil:
         int simd
         int avx512
         int amx
-        int amx_pv
         int prefetch
         int pf_qk_lines
         int prefill_rg

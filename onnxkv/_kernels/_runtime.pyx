@@ -75,7 +75,7 @@ def _max_level(environ) -> int:
 _KEEP = object()   # KernelSettings.replace: a field not given
 # Fields of okv_settings below the public three (threads, simd level, amx): tuning switches of the
 # attention and matmul modules, in the order of the struct.
-_TUNING = ("amx_pv", "prefetch", "pf_qk_lines", "prefill_rg", "split_tasks", "paged_heads", "adaptive", "vnni")
+_TUNING = ("prefetch", "pf_qk_lines", "prefill_rg", "split_tasks", "paged_heads", "adaptive", "vnni")
 
 cdef int _max = _max_level(os.environ)
 # What this process may run: the build (okv_simd_compiled; the CPU checks answer 0 for a set it left
@@ -85,7 +85,7 @@ cdef int _avx512_ok = _cpu_ok and _max >= 2 and okv_cpu_avx512_ok()
 cdef int _amx_ok = _avx512_ok and okv_cpu_amx_ok()
 # The process defaults: set here, at import, and never changed (a thread's settings start as a copy).
 cdef okv_settings _defaults = okv_settings(
-    threads=default_threads(), simd=_cpu_ok, avx512=_avx512_ok, amx=_amx_ok, amx_pv=0, prefetch=2,
+    threads=default_threads(), simd=_cpu_ok, avx512=_avx512_ok, amx=_amx_ok, prefetch=2,
     pf_qk_lines=48, prefill_rg=4, split_tasks=0, paged_heads=0, adaptive=1, vnni=1)
 
 
@@ -173,7 +173,7 @@ cdef int _set_amx(okv_settings *s, amx) except -1:
 
 
 cdef tuple _fields(const okv_settings *s):
-    return (s.threads, s.simd, s.avx512, s.amx, s.amx_pv, s.prefetch, s.pf_qk_lines, s.prefill_rg,
+    return (s.threads, s.simd, s.avx512, s.amx, s.prefetch, s.pf_qk_lines, s.prefill_rg,
             s.split_tasks, s.paged_heads, s.adaptive, s.vnni)
 
 
@@ -379,9 +379,9 @@ cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil:
     parallel region then waits for it (a decode step runs dozens of products):
     after LATE_RUN products in a row whose caller waited for its team longer
     than its own share took (and LATE_MIN_NS), the next SOLO_CALLS products run
-    on the calling thread alone, then the team is tried again (measured on 2
-    busy cores: a small-model decode step 32 ms instead of 91 ms; on free cores
-    no product is found late).  Callers hold the GIL (it guards the counters)."""
+    on the calling thread alone, then the team is tried again (on free cores no
+    product is late, so the team always runs).  Callers hold the GIL (it guards
+    the counters)."""
     global _solo_left
     if nt > 1 and s.adaptive and _solo_left > 0:
         _solo_left -= 1

@@ -12,7 +12,7 @@
  *     call are read (the caller checks them).
  * Key addressing is by page (okv_kv_page, okv_attn_page): a contiguous cache is
  * one page [0, Cap) per (b, hk).  Work units stream keys in tiles that never
- * straddle a page, one page lookup per page (attention_impl.h); a work unit
+ * straddle a page, one page lookup per page (attention_unit.h); a work unit
  * covers hpu KV heads (paged decode: all of them, so that it reads each page
  * front to back).
  * Query token t of batch b at absolute position p = q_pos[b, t] sees keys j with
@@ -38,8 +38,7 @@
  * when okv_cpu_avx512_ok(); float32 K/V keep the AVX2 tiles, which are as
  * fast on this memory-bound stream).  With a->amx (okv_cpu_amx_ok(), per-page
  * formats) the AVX-512 unit scores the keys of quantized pages with per-head
- * key scales (OKV_AMX_QK) and / or multiplies the probabilities by quantized
- * values with per-head scales (OKV_AMX_PV) on the AMX-INT8 tiles
+ * key scales, and 8-bit keys with per-channel scales, on the AMX-INT8 tiles
  * (attention_amx.h); a work unit then needs okv_attn_amx_ws_floats more
  * workspace.
  *
@@ -51,442 +50,67 @@
  * compact one (quant.h; kG <= OKV_Q_COMPACT_MAX_G), decoded per page and head.
  * Each tile is loaded by its page's format: codes are dequantized,
  * (q - zp) * scale, in the load step -- no float copy of a page exists.
+ *
+ * A work unit is (batch b, kv heads [hk0, hk0+nh), query tokens [t0, t1), keys
+ * [c0, c1)).  Per KV head hk, the G = Hq/Hkv query heads of the group and the
+ * nt = t1-t0 query tokens form R = G*nt rows (r = g*nt + t); the heads are
+ * taken one after the other inside each block (a multi-head unit reads a
+ * page's heads in memory order, front to back).  Keys are streamed in blocks
+ * (tiles) of up to OKV_BK keys that never straddle a page (okv_attn_page: one
+ * page lookup per page; a contiguous cache is one page) and start at a key
+ * some token of the unit sees, so keys and pages no token sees are skipped and
+ * their page table entries never read.  Inside a block the rows are taken in
+ * row groups (up to OKV_RG = 8 rows for decode, a->prefill_rg rows when the
+ * unit has several query tokens), and for each row group every K row and
+ * every V row of the block is loaded (and converted to float32) exactly once
+ * in registers and used by all rows of the group (the tiles).  Decode (Sq =
+ * 1) with G <= 8 is one row group, so each K/V byte is read from memory and
+ * converted once per token; with G > 8 or in prefill, further row groups
+ * re-read the block from L1.  The next block is software-prefetched (into L2
+ * by default, through its own page) while the current one is scored; with
+ * AMX key scores, which take a fraction of the time of the others, only the
+ * first a->pf_qk_lines cache lines of each item's share go with its key
+ * tiles, the rest spread over the p*v of the item before (a burst of
+ * prefetches stalls the loads behind it).  Online softmax per row (running
+ * max, sum and accumulator in float32); a NaN or +inf visible score sets the
+ * row's max and sum to NaN, which the final normalisation (and
+ * okv_attn_merge) turn into a NaN row.
  */
 #ifndef ONNXKV_ATTENTION_H
 #define ONNXKV_ATTENTION_H
 
-#include "simd.h"
 #include <stdlib.h>
 
-#define OKV_BK 32      /* keys per streamed block */
-#define OKV_MAX_TQ 64  /* max query tokens per work unit */
-#define OKV_RG 8       /* query rows sharing one K/V row load (one row group) */
+#include "attention_amx.h"
+#include "attention_softmax.h"
+#include "attention_types.h"
 
-#define OKV_AMX_QK 1   /* okv_attn_args.amx: key scores on AMX */
-#define OKV_AMX_PV 2   /* okv_attn_args.amx: p.v on AMX */
-
-#define OKV_KV_F32 0
-#define OKV_KV_F16 1
-#define OKV_KV_BF16 2
-
-/* instruction sets of the work units (the simd argument of okv_attn_unit) */
-#define OKV_ATTN_SCALAR 0
-#define OKV_ATTN_AVX2 1
-#define OKV_ATTN_AVX512 2
-
-typedef struct {
-    const float *q;
-    const void *k, *v;              /* contiguous caches (block_tables == NULL) */
-    const uint64_t *k_pages, *v_pages; /* paged: page addresses */
-    const int32_t *block_tables;    /* paged: [B, M] page ids, NULL for contiguous */
-    int64_t M, bs;                  /* paged: blocks per row, keys per block */
-    float *out;
-    const int32_t *kv_len, *q_pos, *kv_start;
-    int64_t B, Hq, Hkv, Sq, Cap, D;
-    float scale, softcap;
-    int64_t window;
-    int kv_type;   /* OKV_KV_F32, OKV_KV_F16 or OKV_KV_BF16 */
-    int prefetch;  /* software prefetch of the next K/V block: 0 off, 1 into L1, 2 into L2 */
-    int pf_qk_lines; /* AMX key scores: cache lines of that prefetch issued with them (0: all), the rest
-                      * spread over the p*v of the item before (attention_impl.h) */
-    int prefill_rg; /* row-group width (1..8) of work units with several query tokens */
-    int64_t hpu;    /* KV heads per work unit: 1, or Hkv (paged decode: a unit reads whole pages) */
-    const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
-    int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
-    int k_compact;                 /* quantized K pages: 0 float32 header, 1 compact header (quant.h) */
-    int k_czp;                     /* quantized K pages carry the channel-zero-point header (quant.h): one
-                                    * scale per head (kG == 1), D zero points per head; k_compact 0 */
-    int amx;                       /* OKV_AMX_QK | OKV_AMX_PV bits: the AVX-512 unit of per-page formats
-                                    * scores quantized keys (QK: kG == 1 only) and / or multiplies the
-                                    * probabilities by quantized values (PV: their per-head scales only) on
-                                    * the AMX-INT8 tiles (attention_amx.h; the caller checked
-                                    * okv_cpu_amx_ok()); 0: neither */
-} okv_attn_args;
-
-#if defined(__GNUC__) || defined(__clang__)
-#define OKV_INLINE static inline __attribute__((always_inline))
-#else
-#define OKV_INLINE static inline
-#endif
-
-/* The K/V data of one KV head (hk) in one page: keys [start, end), key start
- * of head hk at k (v), kst (vst) bytes from one key's row to the next, khs
- * (vhs) bytes from head hk's rows to head hk+1's.  kf, vf: the formats
- * (OKV_FMT_* codes; only set by okv_attn_qpage).  Quantized pages: ksc, kzp
- * (vsc, vzp) point at head hk's scales / zero points in the page header;
- * NULL for float pages.  A compact K header: ksc points at head hk's S, kce at
- * its exponent codes (zero-point codes Hkv*kG bytes further), kzp is NULL;
- * kce is NULL otherwise.  A channel-zero-point K header: ksc points at head
- * hk's scale s, kzw at its zero-point unit w, kzo at its D zero-point codes o
- * (kzp NULL); kzw / kzo are NULL otherwise.  khb, vhb: header bytes per head
- * (0 for float pages; set by okv_attn_qpage). */
-typedef struct {
-    const char *k, *v;
-    int64_t start, end, kst, vst, khs, vhs;
-    int kf, vf;
-    const float *ksc, *kzp, *vsc, *vzp;
-    const uint8_t *kce;
-    const float *kzw;
-    const int8_t *kzo;
-    int64_t khb, vhb;
-} okv_kv_page;
-
-/* Dequantization parameters of one head of a quantized page: s, z its
- * scales / zero points (kG or vG of them); s1, z1 = s[0], z[0].  A compact
- * header: s, z NULL until decoded; cS, ce, cz the head's S, exponent codes
- * and zero-point codes (ce NULL for a float32 header).  A channel-zero-point
- * header (keys): s, z NULL, s1 the head's scale, z1 its z0 (okv_q_czp_z0),
- * zo its D zero-point codes and zw their unit, so that zero point c = z1 + zw
- * * zo[c]; zo NULL otherwise. */
-typedef struct {
-    const float *s, *z;
-    float s1, z1;
-    const uint8_t *ce, *cz;
-    float cS;
-    const int8_t *zo;
-    float zw;
-} okv_dq;
-
-/* Rows a tile function software-prefetches while it works: n rows of K at k
- * (ks bytes apart) and of V at v (vs bytes apart); hint 2: into L2, else L1. */
-typedef struct {
-    const char *k, *v;
-    int64_t ks, vs, n;
-    int hint;
-} okv_pf;
-
-/* The page holding key j of (b, hk); esz: bytes per element.  Contiguous caches
- * are one page [0, Cap).  Paged: reads one block table entry (that of key j). */
-OKV_INLINE okv_kv_page okv_attn_page(const okv_attn_args *a, int64_t b, int64_t hk, int64_t j, size_t esz) {
-    okv_kv_page pg;
-    if (a->block_tables) {
-        const int64_t blk = j / a->bs;
-        const int32_t id = a->block_tables[b * a->M + blk];
-        const size_t off = (size_t)(hk * a->bs * a->D) * esz;
-        pg.k = (const char *)(uintptr_t)a->k_pages[id] + off;
-        pg.v = (const char *)(uintptr_t)a->v_pages[id] + off;
-        pg.start = blk * a->bs;
-        pg.end = pg.start + a->bs;
-        pg.khs = pg.vhs = a->bs * a->D * (int64_t)esz;
-    } else {
-        const size_t off = (size_t)((b * a->Hkv + hk) * a->Cap * a->D) * esz;
-        pg.k = (const char *)a->k + off;
-        pg.v = (const char *)a->v + off;
-        pg.start = 0;
-        pg.end = a->Cap;
-        pg.khs = pg.vhs = a->Cap * a->D * (int64_t)esz;
-    }
-    pg.kst = pg.vst = a->D * (int64_t)esz;
-    return pg;
-}
-
-/* Smallest key >= j that some of the n query tokens sees (token t sees
- * [lo[t], hi[t])); INT64_MAX if none.  Keys no token sees are skipped, so the
- * pages (and block table entries) holding only such keys are never read. */
-OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n, int64_t j) {
-    int64_t best = INT64_MAX, t;
-    for (t = 0; t < n; t++)
-        if (hi[t] > j && lo[t] < hi[t]) {
-            const int64_t x = lo[t] > j ? lo[t] : j;
-            if (x < best) best = x;
-        }
-    return best;
-}
-
-#if OKV_X86_SIMD
-/* Software prefetch, by a tile function, of rows j..j+nk-1 (those < pf->n) of
- * the next block's K and V: the streams cross a 4 KiB page every few rows,
- * where the hardware prefetcher restarts.  K and V rows interleaved; rows of
- * different lengths (per-page formats) are prefetched over the longer length
- * (a prefetch past a row is harmless); hint >= 2 into L2, else L1. */
-OKV_INLINE void okv_pf_rows(const okv_pf *pf, int64_t j, int nk) {
-    const int64_t rowb = pf->ks > pf->vs ? pf->ks : pf->vs;
-    int kk;
-    for (kk = 0; kk < nk; kk++)
-        if (j + kk < pf->n) {
-            const char *pk = pf->k + (j + kk) * pf->ks, *pv = pf->v + (j + kk) * pf->vs;
-            int64_t o;
-            if (pf->hint >= 2)
-                for (o = 0; o < rowb; o += 64) {
-                    _mm_prefetch(pk + o, _MM_HINT_T1);
-                    _mm_prefetch(pv + o, _MM_HINT_T1);
-                }
-            else
-                for (o = 0; o < rowb; o += 64) {
-                    _mm_prefetch(pk + o, _MM_HINT_T0);
-                    _mm_prefetch(pv + o, _MM_HINT_T0);
-                }
-        }
-}
-
-/* The 16 horizontal sums of a[0..15] in one vector, by a transposing tree of
- * 128-bit block and in-block shuffles (45 operations): the sum of a[s] lands
- * in lane OKV_HSUM16_LANE(s). */
-#define OKV_HSUM16_LANE(s) ((((s) & 3) << 2) | ((s) >> 2))
-OKV_INLINE OKV_AVX512BW __m512 okv_hsum16x16(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
-    int p;
-    for (p = 0; p < 8; p++)   /* 256-bit halves folded: [a(2p) 8 lanes | a(2p+1) 8 lanes] */
-        b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
-    for (p = 0; p < 4; p++)   /* block k: a(4p+k) folded to 4 lanes */
-        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], 0xDD));
-    for (p = 0; p < 2; p++)   /* block k: 2 lanes each of a(8p+k), a(8p+4+k) */
-        d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * p], c[2 * p + 1], 0x44),
-                             _mm512_shuffle_ps(c[2 * p], c[2 * p + 1], 0xEE));
-    /* block k: a(k), a(4+k), a(8+k), a(12+k) */
-    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-}
-
-/* The first min(r, 16) lanes. */
-OKV_INLINE __mmask16 okv_mask16(int64_t r) { return r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1u); }
-
-/* exp(x) in the lanes of k, 0 elsewhere, for x <= 0 or -inf (scores minus
- * their running max): n = round(x log2(e)), r = x - n ln(2) (ln(2) in two
- * parts), e^r by the Cephes polynomial (as okv_exp256), times 2^n by
- * vscalefps; x < -87.34 gives 0, as okv_exp256. */
-OKV_INLINE OKV_AVX512BW __m512 okv_exp512_nonpos(__m512 x, __mmask16 k) {
-    static const float poly[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
-                                  4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
-    const __m512 lo = _mm512_set1_ps(-87.3365447505531f);
-    const __mmask16 keep = k & _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    __m512 n, r, y;
-    int i;
-    x = _mm512_max_ps(x, lo);
-    n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    y = _mm512_set1_ps(poly[0]);
-    for (i = 1; i < 6; i++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(poly[i]));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, y, n);
-}
-
-/* The softmax steps of the AVX-512 unit over at most OKV_BK scores: the
- * maximum of x[0..n) (okv_attn_max: NaN when one of them is NaN), and x[i] =
- * exp(x[i] - m) (-inf -> 0) returning their sum, 16 lanes at a time. */
-OKV_INLINE OKV_AVX512BW float okv_attn_max_avx512(const float *x, int64_t n) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
-    int64_t i;
-    for (i = 0; i < n; i += 16) {
-        const __m512 v = _mm512_mask_loadu_ps(m, okv_mask16(n - i), x + i);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        m = _mm512_max_ps(m, v);
-    }
-    return nan ? NAN : _mm512_reduce_max_ps(m);
-}
-
-OKV_INLINE OKV_AVX512BW float okv_exp_sub_sum_f32_avx512(float *x, float m, int64_t n) {
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 s = _mm512_setzero_ps();
-    int64_t i;
-    for (i = 0; i < n; i += 16) {
-        const __mmask16 k = okv_mask16(n - i);
-        const __m512 e = okv_exp512_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vm), k);
-        _mm512_mask_storeu_ps(x + i, k, e);
-        s = _mm512_add_ps(s, e);
-    }
-    return _mm512_reduce_add_ps(s);
-}
-
-/* The AVX-512 unit and tiles take these simd.h primitives as they are. */
-#define okv_scal_f32_avx512 okv_scal_f32_avx2
-#define okv_scale_mul_f32_avx512 okv_scale_mul_f32_avx2
-#define okv_dot_f32_avx512 okv_dot_f32_avx2
-#endif
-
-/* The largest score of x[0..n) for a work unit's softmax, or NaN when one of
- * them is NaN: the running max of the max instructions (and of a plain
- * compare) drops NaN, which would turn a NaN score into weight 0 instead of
- * the NaN row the dense softmax gives.  The NaN test costs one compare per
- * vector of scores, none per key element. */
-static inline float okv_attn_max_scalar(const float *x, int64_t n) {
-    float m = -INFINITY;
-    int nan = 0;
-    int64_t i;
-    for (i = 0; i < n; i++) {
-        m = x[i] > m ? x[i] : m;
-        nan |= x[i] != x[i];
-    }
-    return nan ? NAN : m;
-}
-
-#if OKV_X86_SIMD
-OKV_AVX2 static inline float okv_attn_max_avx2(const float *x, int64_t n) {
-    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
-    int64_t i = 0;
-    float r;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        m = _mm256_max_ps(m, v);
-    }
-    r = okv_hmax256(m);
-    if (_mm256_movemask_ps(nan)) return NAN;
-    for (; i < n; i++) {
-        if (x[i] != x[i]) return NAN;
-        r = x[i] > r ? x[i] : r;
-    }
-    return r;
-}
-#endif
-
-/* Floats of workspace one work unit of R rows needs (attention_impl.h: for
- * every row its accumulator, max, sum, query sum, zero-point correction, and,
- * with 4-bit pages on AVX-512, an interleaved query row and accumulator; two
- * score slots of OKV_RG rows; OKV_RG folded query rows), rounded up to whole
- * 64-byte lines so that per-thread workspaces never share a cache line. */
-static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
-    return (R * (3 * D + 4) + OKV_RG * (D + 2 * OKV_BK) + 15) & ~(int64_t)15;
-}
-
-/* One instantiation of attention_impl.h per (instruction set, K/V element type).
- * OKV_KT: type suffix; OKV_KT_T: C element type; OKV_LD1(p, d): element d of
- * the row at p as float; OKV_LD8(p, i): elements i..i+7 as __m256 (AVX2 and
- * AVX-512); OKV_LD16(p, i): elements i..i+15 as __m512 (AVX-512 only).
- * Then attention_quant.h: the quantized formats' tile functions and the unit
- * of per-page formats. */
+/* The work units of each instruction set: attention_unit.h once per level
+ * (every function there carries its level's target attribute). */
 #define OKV_SFX _scalar
 #define OKV_ATTR
-#define OKV_RS(D) (D)
-
-#define OKV_KT f32
-#define OKV_KT_T float
-#define OKV_LD1(p, d) ((p)[d])
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-
-#define OKV_KT f16
-#define OKV_KT_T uint16_t
-#define OKV_LD1(p, d) okv_h2f_scalar((p)[d])
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-
-#define OKV_KT bf16
-#define OKV_KT_T uint16_t
-#define OKV_LD1(p, d) okv_bf2f_scalar((p)[d])
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-#undef OKV_RS
-
-#include "attention_quant.h"
-
-#undef OKV_SFX
-#undef OKV_ATTR
-
+#include "attention_unit.h"
 #if OKV_X86_SIMD
 #define OKV_SFX _avx2
 #define OKV_ATTR OKV_AVX2
-#define OKV_SIMD_BODY 1
-#define OKV_RS(D) (D)
-
-#define OKV_KT f32
-#define OKV_KT_T float
-#define OKV_LD1(p, d) ((p)[d])
-#define OKV_LD8(p, i) _mm256_loadu_ps((p) + (i))
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-#undef OKV_LD8
-
-#define OKV_KT f16
-#define OKV_KT_T uint16_t
-#define OKV_LD1(p, d) okv_h2f_scalar((p)[d])
-#define OKV_LD8(p, i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + (i))))
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-#undef OKV_LD8
-
-#define OKV_KT bf16
-#define OKV_KT_T uint16_t
-#define OKV_LD1(p, d) okv_bf2f_scalar((p)[d])
-#define OKV_LD8(p, i) okv_bf16x8_to_ps((p) + (i))
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-#undef OKV_LD8
-#undef OKV_RS
-
-#include "attention_quant.h"
-
-#undef OKV_SIMD_BODY
-#undef OKV_SFX
-#undef OKV_ATTR
-
-#include "attention_amx.h"
-
-/* AVX-512 (16 lanes).  Float32 K/V take the AVX2 unit and tiles (aliases
- * below): streaming float32 is memory bound, and 16 lanes measured no faster
- * on 2 threads and ~4% slower on one (16384 keys, GQA 32/8, D 128). */
+#include "attention_unit.h"
 #define OKV_SFX _avx512
 #define OKV_ATTR OKV_AVX512BW
 #define OKV_SIMD512 1
-#if OKV_HAVE_AMX
-#define OKV_SIMD512_AMX 1   /* the unit of per-page formats may run the AMX tiles (attention_amx.h) */
-#endif
-#define OKV_RS(D) (D)
-#define okv_qk_rows_f32_avx512 okv_qk_rows_f32_avx2
-#define okv_pv_rows_f32_avx512 okv_pv_rows_f32_avx2
-
-#define OKV_KT f16
-#define OKV_KT_T uint16_t
-#define OKV_LD1(p, d) okv_h2f_scalar((p)[d])
-#define OKV_LD8(p, i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + (i))))
-#define OKV_LD16(p, i) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((p) + (i))))
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-#undef OKV_LD8
-#undef OKV_LD16
-
-#define OKV_KT bf16
-#define OKV_KT_T uint16_t
-#define OKV_LD1(p, d) okv_bf2f_scalar((p)[d])
-#define OKV_LD8(p, i) okv_bf16x8_to_ps((p) + (i))
-#define OKV_LD16(p, i) \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((p) + (i)))), 16))
-#include "attention_impl.h"
-#undef OKV_KT
-#undef OKV_KT_T
-#undef OKV_LD1
-#undef OKV_LD8
-#undef OKV_LD16
-#undef OKV_RS
-
-#include "attention_quant.h"
-
-#undef OKV_SIMD512
-#undef OKV_SIMD512_AMX
-#undef OKV_SFX
-#undef OKV_ATTR
+#include "attention_unit.h"
 #endif
 
 /* Floats of the AMX scratch (attention_amx.h) a work unit of nt <= tq query
  * tokens needs after its okv_attn_ws_floats (0 unless a->amx with per-page
  * formats): B tiles of every (head, row group) item, for either row-group
- * width the unit may pick (attention_impl.h). */
+ * width the unit may pick (attention_unit.h). */
 static inline int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq) {
 #if OKV_HAVE_AMX
     const int64_t R = a->Hq / a->Hkv * tq, w2 = a->prefill_rg;
-    const int pv = (a->amx & OKV_AMX_PV) != 0;   /* the p.v scratch too */
     int64_t b1, b2;
     if (!a->amx || !a->k_fmt) return 0;
-    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG, pv);
-    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2, pv);
+    b1 = okv_amx_ws_bytes(a->D, a->hpu * ((R + OKV_RG - 1) / OKV_RG), R < OKV_RG ? R : OKV_RG);
+    b2 = okv_amx_ws_bytes(a->D, a->hpu * ((R + w2 - 1) / w2), R < w2 ? R : w2);
     return (b1 > b2 ? b1 : b2) / 4;
 #else
     (void)a;
@@ -501,37 +125,26 @@ static inline int64_t okv_attn_part_floats(int64_t R, int64_t D) { return (R * (
 /* 64-byte aligned pointer inside a block allocated with 16 spare floats. */
 static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
-/* Work unit (b, KV heads [hk0, hk0+a->hpu), query tokens [t0, t1), keys [c0, c1)); see attention_impl.h.
+/* Work unit (b, KV heads [hk0, hk0+a->hpu), query tokens [t0, t1), keys [c0, c1)); see attention_unit.h.
  * ws: okv_attn_ws_floats(hpu*G*(t1-t0), D) floats.  part (or NULL): head hk0+h's
  * partial state block at part + h*pstride.  Returns the bytes of quantized
  * codes and header entries it loaded (0 without per-page formats). */
 /* simd: OKV_ATTN_SCALAR, OKV_ATTN_AVX2 or OKV_ATTN_AVX512 (the caller has checked the CPU). */
-#define OKV_ATTN_UNIT_OF(sfx)                                                                                  \
-    do {                                                                                                       \
-        if (a->k_fmt) return OKV_CAT(okv_attn_unit_mixed, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); \
-        switch (a->kv_type) {                                                                                  \
-        case OKV_KV_F16: return OKV_CAT(okv_attn_unit_f16, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride); \
-        case OKV_KV_BF16:                                                                                      \
-            return OKV_CAT(okv_attn_unit_bf16, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);         \
-        default: return OKV_CAT(okv_attn_unit_f32, sfx)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);    \
-        }                                                                                                      \
-    } while (0)
 static int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                              int64_t c1, float *ws, float *part, int64_t pstride, int simd) {
     const int64_t nh = a->hpu;
 #if OKV_X86_SIMD
-    if (simd == OKV_ATTN_AVX512) {   /* float32 K/V: the AVX2 unit (see the AVX-512 instantiation) */
-        if (a->k_fmt) return okv_attn_unit_mixed_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        if (a->kv_type == OKV_KV_F16) return okv_attn_unit_f16_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-        if (a->kv_type == OKV_KV_BF16)
-            return okv_attn_unit_bf16_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    }
-    if (simd) OKV_ATTN_UNIT_OF(_avx2);
+    if (simd == OKV_ATTN_AVX512)
+        return a->k_fmt ? okv_attn_unit_mixed_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride)
+                        : okv_attn_unit_native_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+    if (simd)
+        return a->k_fmt ? okv_attn_unit_mixed_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride)
+                        : okv_attn_unit_native_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
 #endif
     (void)simd;
-    OKV_ATTN_UNIT_OF(_scalar);
+    return a->k_fmt ? okv_attn_unit_mixed_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride)
+                    : okv_attn_unit_native_scalar(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
 }
-#undef OKV_ATTN_UNIT_OF
 
 /* Union [lo, hi) of the keys visible to any query token of batch b. */
 static void okv_attn_range(const okv_attn_args *a, int64_t b, int64_t *lo, int64_t *hi) {
@@ -588,7 +201,7 @@ static void okv_attn_merge(const okv_attn_args *a, int64_t b, int64_t hk, const 
         for (c = 0; c < nchunks; c++) {
             float m = parts[c * okv_attn_part_floats(R, D) + r * (D + 2)];
             if (m > M) M = m;
-            nan |= m != m;   /* a chunk that met a NaN or +inf score (attention_impl.h): the row is NaN */
+            nan |= m != m;   /* a chunk that met a NaN or +inf score (attention_unit.h): the row is NaN */
         }
         if (nan) {
             for (i = 0; i < D; i++) o[i] = NAN;

@@ -1,8 +1,7 @@
-/* onnxkv/_kernels/attention_amx.h -- key scores and probabilities times
- * values of quantized pages on the AMX-INT8 tiles, for the AVX-512 unit of
- * per-page formats (attention_impl.h with OKV_MIXED and OKV_SIMD512, when
- * a->amx (OKV_AMX_QK / OKV_AMX_PV bits): okv_cpu_amx_ok() and the switches of
- * attention.pyx).
+/* onnxkv/_kernels/attention_amx.h -- key scores of quantized pages on the
+ * AMX-INT8 tiles, for the AVX-512 unit of per-page formats
+ * (okv_attn_unit_mixed_avx512 and okv_qk_amx of attention_unit.h, when
+ * a->amx: okv_cpu_amx_ok() and the switches of attention.pyx).
  *
  * Scores of nr <= OKV_RG query rows against up to 16 keys at a time:
  *   A tile (tile 2): 16 keys x 64 code bytes, int8 (signed formats) or uint8
@@ -49,46 +48,15 @@
  * their high nibbles), so that widening a block is one shift and one mask per
  * code of one load.
  *
- * Probabilities times values of quantized values with per-head scales
- * (okv_amx_pv_push / okv_amx_pv_flush / okv_amx_pv_combine), per work item
- * (head, row group) over up to OKV_AMX_PVK = 64 keys of one or more pages:
- *   Stash (okv_amx_pv_push, per page tile): the rows' probabilities times the
- *     page's value scale, p' = p * s >= 0 (the zero point's share goes to the
- *     unit's row corrections as on the AVX-512 path), into the item's 64-key
- *     rows, and the page's value codes into the item's B tiles.  The stash is
- *     run first when it holds another format, a number of keys that is not a
- *     multiple of 4 (then every run starts at a multiple of 4), or too many
- *     keys to take the tile; a rescale of the accumulators by the running max
- *     rescales the stash too (okv_amx_pv_scale).
- *   A tile (tile 5): rows 3i + dg = digit dg of row i's p' as a 24-bit
- *     unsigned fixed point, p_int = round(p' / S_i), S_i = max_t p'_i[t] /
- *     OKV_AMX_PMAX, p_int = d2 * 2^16 + d1 * 2^8 + d0 (uint8 digits);
- *     columns past the stash's keys and rows past 3 x (rows of the pass) are
- *     zero.  At most OKV_AMX_RPT rows per pass: 6..8 rows take two passes
- *     over the same B tiles.
- *   B tiles (tiles 6, 7, alternating): the value codes in the VNNI layout
- *     B[t/4][col][t%4] (okv_amx_vnni: four token rows' 64 code bytes, a dword
- *     transpose by vpermd and two rounds of byte / word unpacks; 4- and 2-bit
- *     codes then split by one shift and mask per code of a byte, so chunk
- *     per * g + kk holds code kk of byte group g: element per * (16 g + c) +
- *     kk in column c); keys past the stash's are ignored (zero A columns).
- *   C tiles (tiles 0..3, up to 4 chunks in flight): int32 [(row, digit)]
- *     [col] by _tile_dpbusd (signed codes) or _tile_dpbuud (unsigned), exact:
- *     |C| <= 64 * 255 * 255 < 2^24; stored, then added (okv_amx_pv_combine):
- *     acc_i[d] += (S_i 2^(bits - 8)) ((C2 * 256 + C1) * 256 + C0) in float32
- *     (C2 * 256 + C1 exact in int32), chunks put back in element order
- *     (okv_amx_pv_order).  The only error beyond float32 rounding is p''s
- *     fixed-point rounding, |p' - S_i p_int| <= S_i / 2 = max p'_i / (2^25 -
- *     2) per element (6e-8 relative to the run's largest p').
- *
  * Tile state: okv_amx_begin configures tiles 0..7 (16 rows x 64 bytes) on
  * the calling thread at the start of a work unit, okv_amx_end releases them
- * at its end (after every item's pending p.v is run and added); every
- * function here runs between the two on the same thread.
+ * at its end; every function here runs between the two on the same thread.
  */
 #ifndef ONNXKV_ATTENTION_AMX_H
 #define ONNXKV_ATTENTION_AMX_H
 
+#include "attention_softmax.h"
+#include "attention_types.h"
 #include "quant.h"
 
 #if OKV_X86_SIMD && OKV_HAVE_AMX
@@ -99,11 +67,6 @@
 #define OKV_AMX_QMAX 8323072.f
 #define OKV_AMX_RPT 5      /* query rows per C tile: 3 digit columns each, 15 of 16 columns */
 #define OKV_AMX_TILE 1024  /* bytes of one B tile: 16 rows x 64 bytes */
-/* p_int bound of the probabilities: 2^24 - 1, the largest value of three
- * uint8 digits (and exact in float32). */
-#define OKV_AMX_PMAX 16777215.f
-#define OKV_AMX_PVK 64     /* keys (K) of the p.v A tile */
-#define OKV_AMX_PVSEG 16   /* value row runs of one pending p.v: OKV_AMX_PVK / 4 */
 #define OKV_AMX_TAG_PC (-1) /* okv_amx_ws.tag: tiles of rows folded with a page's per-channel key scales */
 
 /* The tile configuration (palette 1) of ldtilecfg. */
@@ -134,18 +97,6 @@ static inline int64_t okv_amx_pmax(int64_t D) {
     return p8 > p4 ? (p8 > p2 ? p8 : p2) : (p4 > p2 ? p4 : p2);
 }
 
-/* A pending p.v of one work item (okv_amx_pv_push): nseg runs of value rows,
- * run s n[s] rows at v[s], vst[s] bytes apart, cnt rows in all (every run
- * but the last starts and ends at a multiple of 4), of format fmt, for the nr
- * rows whose accumulators are accr. */
-typedef struct {
-    const uint8_t *v[OKV_AMX_PVSEG];
-    int64_t vst[OKV_AMX_PVSEG], n[OKV_AMX_PVSEG];
-    float *accr[OKV_RG];
-    int64_t cnt;
-    int nseg, nr, fmt;
-} okv_amx_pvq;
-
 /* Per-thread scratch of the AMX scores, inside the work unit's workspace
  * (okv_amx_ws_bytes bytes at a 64-byte aligned address; okv_amx_ws_init):
  *   cbuf   2 x 256 int32: the stored C tiles
@@ -161,8 +112,6 @@ typedef struct {
  *   qc     nitem x OKV_RG ints: a channel where it is reached, at qc + w * OKV_RG
  *   tag    nitem ints: bits of the code order item w's tiles hold (0: none;
  *          OKV_AMX_TAG_PC: a page's rows folded with per-channel key scales)
- *   pq, pp, pa, pb, pc: the pending p.v of the items and the p.v tiles'
- *          scratch (see the fields)
  * Pm = okv_amx_pmax(D) = 64 * nchm; P = okv_amx_positions(D, bits) <= Pm for
  * the format at hand; tpi = B tiles per item (1 for at most 4 rows
  * per item, else 2). */
@@ -176,33 +125,22 @@ typedef struct {
     float *qm;
     int *qc;
     int *tag;
-    okv_amx_pvq *pq;  /* nitem pending p.v of the items (okv_amx_pv_push) */
-    float *pp;        /* nitem x OKV_RG x OKV_AMX_PVK floats: their stashed probabilities p * s, row i of
-                       * item w at pp + (w * OKV_RG + i) * OKV_AMX_PVK */
-    uint8_t *pa;      /* 16 x 64 bytes: the p.v A tile; rows pa_rows.. are zero */
-    uint8_t *pb;      /* ceil(D/16) x OKV_AMX_TILE: the p.v B tiles, chunk c at pb + c * OKV_AMX_TILE */
-    int32_t *pc;      /* nchp x 256 int32: the stored p.v C tiles of one pass, chunk c at pc + 256 * c */
-    int64_t Pm, nchm, tpi, nitem, nchp;
-    int pa_rows;
+    int64_t Pm, nchm, tpi, nitem;
 } okv_amx_ws;
 
 static inline int64_t okv_amx_line(int64_t n) { return (n + 63) & ~(int64_t)63; }
 
 /* Bytes of okv_amx_ws for head size D, nitem work items (head, row group) of
- * at most rgw rows each, with the p.v scratch or not (pv; a multiple of 64). */
-static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw, int pv) {
+ * at most rgw rows each (a multiple of 64). */
+static inline int64_t okv_amx_ws_bytes(int64_t D, int64_t nitem, int64_t rgw) {
     const int64_t Pm = okv_amx_pmax(D), tpi = rgw > 4 ? 2 : 1;
     return 2 * OKV_AMX_TILE + 16 * Pm + 3 * OKV_RG * Pm + 4 * Pm + nitem * (Pm / 64) * tpi * OKV_AMX_TILE +
-           3 * okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem) +
-           okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq)) +
-           (pv ? nitem * OKV_RG * OKV_AMX_PVK * 4 + OKV_AMX_TILE + (nitem + 1) * 4 * ((D + 63) / 64) * OKV_AMX_TILE
-               : 0);
+           3 * okv_amx_line(4 * nitem * OKV_RG) + okv_amx_line(4 * nitem);
 }
 
-/* Lay out okv_amx_ws_bytes(D, nitem, rgw, pv) bytes at mem (64-byte
- * aligned); no B tiles built yet, no p.v pending.  pv == 0: no p.v scratch
- * (pp, pa, pb, pc NULL; only the empty pending p.v of the items). */
-static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw, int pv) {
+/* Lay out okv_amx_ws_bytes(D, nitem, rgw) bytes at mem (64-byte aligned); no
+ * B tiles built yet. */
+static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t nitem, int64_t rgw) {
     int64_t i;
     x->Pm = okv_amx_pmax(D);
     x->nchm = x->Pm / 64;
@@ -225,29 +163,7 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
     x->qc = (int *)mem;
     mem += okv_amx_line(4 * nitem * OKV_RG);
     x->tag = (int *)mem;
-    mem += okv_amx_line(4 * nitem);
-    x->pq = (okv_amx_pvq *)mem;
-    mem += okv_amx_line(nitem * (int64_t)sizeof(okv_amx_pvq));
-    for (i = 0; i < nitem; i++) {
-        x->tag[i] = 0;
-        x->pq[i].nseg = 0;
-        x->pq[i].cnt = 0;
-        x->pq[i].fmt = OKV_FMT_I8;
-    }
-    x->nchp = 4 * ((D + 63) / 64);
-    x->pa_rows = 0;
-    x->pp = NULL;
-    x->pa = x->pb = NULL;
-    x->pc = NULL;
-    if (!pv) return;
-    x->pp = (float *)mem;
-    mem += nitem * OKV_RG * OKV_AMX_PVK * 4;
-    x->pa = (uint8_t *)mem;
-    memset(x->pa, 0, OKV_AMX_TILE);
-    mem += OKV_AMX_TILE;
-    x->pb = (uint8_t *)mem;
-    mem += nitem * x->nchp * OKV_AMX_TILE;
-    x->pc = (int32_t *)mem;
+    for (i = 0; i < nitem; i++) x->tag[i] = 0;
 }
 
 /* Compiler barrier around the tile loads and stores: GCC's tile intrinsics
@@ -257,7 +173,7 @@ static inline void okv_amx_ws_init(okv_amx_ws *x, char *mem, int64_t D, int64_t 
  * they write must not move above them. */
 #define OKV_AMX_FENCE() __asm__ volatile("" ::: "memory")
 
-/* Tiles 0..7 16 rows x 64 bytes (q.k: tiles 0..4; p.v: C 0..3, A 5, B 6, 7). */
+/* Tiles 0..7 16 rows x 64 bytes (the scores use tiles 0..4). */
 static const okv_amx_cfg okv_amx_cfg16 = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64},
                                           {16, 16, 16, 16, 16, 16, 16, 16}};
 
@@ -653,219 +569,5 @@ OKV_AMX static void okv_amx_qk(const uint8_t *k, int64_t kst, int64_t n, int fmt
     if (pf->n > j0) okv_pf_rows(pf, j0, (int)(pf->n - j0));   /* rows of a longer next tile */
 }
 
-/* The p.v B tiles of tokens 4 * k0 .. 4 * k0 + n - 1: the n value rows at v
- * (vst bytes apart, format fmt, head size D) into pb (see the top of this
- * file).  For each group of 4 tokens and 64 code bytes: the rows' dwords
- * transposed (dword 4L + m <- 4m + L) so that the byte and word unpacks
- * leave byte group g = 4h + m's 16 bytes in order, 4 tokens per dword; code
- * kk of those bytes (per = 8 / bits codes per byte) moved to the bytes' top
- * bits by one shift and mask is chunk per * g + kk, whose column c holds
- * element d = per * (16 g + c) + kk (okv_amx_pv_flush puts them back in
- * order).  Tokens past n in the last group are zero. */
-OKV_AMX static void okv_amx_vnni(const uint8_t *v, int64_t vst, int64_t n, int fmt, int64_t D, int64_t k0,
-                                 uint8_t *pb) {
-    const __m512i tr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    const int bits = okv_q_bits(fmt), per = 8 / bits;
-    const __m512i top = _mm512_set1_epi8((char)(0xFF << (8 - bits)));
-    const int64_t nb = okv_q_row_bytes(fmt, D);
-    int64_t k, h;
-    int i, m, kk;
-    for (k = 0; 4 * k < n; k++)
-        for (h = 0; 64 * h < nb; h++) {
-            const __mmask64 bm = okv_amx_bmask(nb - 64 * h);
-            __m512i r[4], lo01, hi01, lo23, hi23, o[4];
-            for (i = 0; i < 4; i++)
-                r[i] = 4 * k + i < n
-                           ? _mm512_permutexvar_epi32(tr, _mm512_maskz_loadu_epi8(bm, v + (4 * k + i) * vst + 64 * h))
-                           : _mm512_setzero_si512();
-            lo01 = _mm512_unpacklo_epi8(r[0], r[1]);
-            hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
-            lo23 = _mm512_unpacklo_epi8(r[2], r[3]);
-            hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
-            o[0] = _mm512_unpacklo_epi16(lo01, lo23);
-            o[1] = _mm512_unpackhi_epi16(lo01, lo23);
-            o[2] = _mm512_unpacklo_epi16(hi01, hi23);
-            o[3] = _mm512_unpackhi_epi16(hi01, hi23);
-            for (m = 0; m < 4 && 64 * h + 16 * m < nb; m++)
-                for (kk = 0; kk < per; kk++) {   /* code kk of each byte to its top bits */
-                    const unsigned sh = (unsigned)(8 - bits * (kk + 1));
-                    _mm512_storeu_si512(pb + (per * (4 * h + m) + kk) * OKV_AMX_TILE + 64 * (k0 + k),
-                                        bits == 8 ? o[m] : _mm512_and_si512(_mm512_slli_epi32(o[m], sh), top));
-                }
-        }
-}
-
-/* The p.v chunks per * g .. per * g + per - 1 of one row, y[kk] (column c:
- * element per * (16 g + c) + kk; per = 1, 2 or 4), in natural order: out[j]
- * = elements 16 (per g + j) .. +15. */
-OKV_INLINE OKV_AMX void okv_amx_pv_order(const __m512 *y, int per, __m512 *out) {
-    const __m512i i2lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i i2hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    /* out[l] = (l % 4 < 2 ? u : v)[8 j' + 2 (l / 4) + l % 2] for j' = 0, 1 */
-    const __m512i i40 = _mm512_set_epi32(23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
-    const __m512i i41 = _mm512_set_epi32(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8);
-    if (per == 1) {
-        out[0] = y[0];
-    } else if (per == 2) {   /* interleave y0, y1 */
-        out[0] = _mm512_permutex2var_ps(y[0], i2lo, y[1]);
-        out[1] = _mm512_permutex2var_ps(y[0], i2hi, y[1]);
-    } else {   /* u = y0, y1 interleaved (u[p] = y_{p%2}[p/2]), v = y2, y3; then pairs of u and v */
-        const __m512 ulo = _mm512_permutex2var_ps(y[0], i2lo, y[1]), uhi = _mm512_permutex2var_ps(y[0], i2hi, y[1]);
-        const __m512 vlo = _mm512_permutex2var_ps(y[2], i2lo, y[3]), vhi = _mm512_permutex2var_ps(y[2], i2hi, y[3]);
-        out[0] = _mm512_permutex2var_ps(ulo, i40, vlo);
-        out[1] = _mm512_permutex2var_ps(ulo, i41, vlo);
-        out[2] = _mm512_permutex2var_ps(uhi, i40, vhi);
-        out[3] = _mm512_permutex2var_ps(uhi, i41, vhi);
-    }
-}
-
-/* The p.v A tile of the nr <= OKV_AMX_RPT rows p + i * OKV_AMX_PVK (n <=
- * OKV_AMX_PVK values >= 0 each) into x->pa, S_i into sr[i] (0 for an all-zero
- * row); columns n.. and rows 3 * nr.. zero (x->pa_rows: the rows that may be
- * nonzero). */
-OKV_AMX static void okv_amx_pdigits(const float *p, int nr, int64_t n, okv_amx_ws *x, float *sr) {
-    const __m512i top = _mm512_set1_epi32((int)OKV_AMX_PMAX);
-    int i;
-    int64_t t;
-    if (x->pa_rows > 3 * nr) memset(x->pa + 3 * nr * 64, 0, (size_t)(x->pa_rows - 3 * nr) * 64);
-    x->pa_rows = 3 * nr;
-    for (i = 0; i < nr; i++) {
-        const float *pr = p + i * OKV_AMX_PVK;
-        __m512 mx = _mm512_setzero_ps(), inv;
-        float m;
-        for (t = 0; t < n; t += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(okv_mask16(n - t), pr + t));
-        m = _mm512_reduce_max_ps(mx);
-        sr[i] = m > 0.f ? m / OKV_AMX_PMAX : 0.f;
-        inv = _mm512_set1_ps(m > 0.f ? OKV_AMX_PMAX / m : 0.f);
-        for (t = 0; t < OKV_AMX_PVK; t += 16) {   /* zero digits past n */
-            const __m512 pv = _mm512_maskz_loadu_ps(okv_mask16(n > t ? n - t : 0), pr + t);
-            const __m512i pi = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(pv, inv)), top);
-            uint8_t *a = x->pa + 3 * i * 64 + t;
-            _mm_storeu_si128((__m128i *)a, _mm512_cvtepi32_epi8(pi));
-            _mm_storeu_si128((__m128i *)(a + 64), _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 8)));
-            _mm_storeu_si128((__m128i *)(a + 128), _mm512_cvtepi32_epi8(_mm512_srli_epi32(pi, 16)));
-        }
-    }
-}
-
-/* Add the stored C tiles of the pass of rows i0 .. i0 + rows - 1 of pending
- * p.v q (format q->fmt, S_i of row i0 + i in sr[i]) to the rows'
- * accumulators: acc_i += 2^(bits - 8) S_i ((C2 * 256 + C1) * 256 + C0),
- * elements put back in order (okv_amx_pv_order). */
-OKV_AMX static void okv_amx_pv_combine(const okv_amx_ws *x, const okv_amx_pvq *q, int i0, int rows, const float *sr,
-                                       int64_t D) {
-    const int per = 8 / okv_q_bits(q->fmt);
-    const int64_t nch = per * ((okv_q_row_bytes(q->fmt, D) + 15) / 16);
-    const float unit = (float)(1 << okv_q_bits(q->fmt)) / 256.f;   /* the widened codes' 2^(8 - bits), undone */
-    const __m512 f8 = _mm512_set1_ps(256.f);
-    int64_t c;
-    int i, kk;
-    for (i = 0; i < rows; i++) {
-        const __m512 f = _mm512_set1_ps(unit * sr[i]);
-        for (c = 0; c < nch; c += per) {   /* chunk group c / per: elements from 16 c */
-            __m512 y[4], out[4];
-            for (kk = 0; kk < per; kk++) {
-                const int32_t *cc = x->pc + 256 * (c + kk) + 16 * 3 * i;
-                /* C2 * 256 + C1 exact in int32: |C2| <= 64 * 255 * 128 < 2^21 */
-                const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(cc + 32), 8),
-                                                    _mm512_loadu_si512(cc + 16));
-                y[kk] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), f8, _mm512_cvtepi32_ps(_mm512_loadu_si512(cc)));
-            }
-            okv_amx_pv_order(y, per, out);
-            for (kk = 0; kk < per && 16 * (c + kk) < D; kk++) {
-                const __mmask16 dm = okv_mask16(D - 16 * (c + kk));
-                float *o = q->accr[i0 + i] + 16 * (c + kk);
-                _mm512_mask_storeu_ps(o, dm, _mm512_fmadd_ps(out[kk], f, _mm512_maskz_loadu_ps(dm, o)));
-            }
-        }
-    }
-}
-
-/* Run the pending p.v of item w (head size D), if any, on the tiles and add
- * it to the item's accumulator rows: per pass of up to OKV_AMX_RPT rows, the
- * A tile built, up to 4 chunks in flight, every chunk's C tile stored, then
- * added (okv_amx_pv_combine); then nothing is pending. */
-OKV_AMX static void okv_amx_pv_flush(okv_amx_ws *x, int64_t w, int64_t D) {
-    okv_amx_pvq *q = x->pq + w;
-    const int sgn = okv_q_signed(q->fmt), per = q->nseg ? 8 / okv_q_bits(q->fmt) : 1;
-    const int64_t nch = per * ((okv_q_row_bytes(q->fmt, D) + 15) / 16);
-    const uint8_t *pb = x->pb + w * x->nchp * OKV_AMX_TILE;
-    float sr[OKV_AMX_RPT];
-    int i0;
-    int64_t c0;
-    if (!q->nseg) return;
-    for (i0 = 0; i0 < q->nr; i0 += OKV_AMX_RPT) {
-        const int rows = q->nr - i0 < OKV_AMX_RPT ? q->nr - i0 : OKV_AMX_RPT;
-        OKV_AMX_FENCE();   /* the B tiles are in memory */
-        _tile_loadd(6, pb, 64);   /* the first chunks' B tiles load while the A tile is built */
-        if (nch > 1) _tile_loadd(7, pb + OKV_AMX_TILE, 64);
-        okv_amx_pdigits(x->pp + (w * OKV_RG + i0) * OKV_AMX_PVK, rows, q->cnt, x, sr);
-        OKV_AMX_FENCE();   /* the A tile is in memory */
-        _tile_loadd(5, x->pa, 64);
-        for (c0 = 0; c0 < nch; c0 += 4) {
-            const int nc = nch - c0 < 4 ? (int)(nch - c0) : 4;
-#define OKV_AMX_PV_CHUNK(T, B)                                                        \
-    if ((T) < nc) {                                                                   \
-        _tile_zero(T);                                                                \
-        if (c0 > 0 || (T) > 1) _tile_loadd(B, pb + (c0 + (T)) * OKV_AMX_TILE, 64);    \
-        if (sgn) _tile_dpbusd(T, 5, B);                                               \
-        else _tile_dpbuud(T, 5, B);                                                   \
-    }
-            OKV_AMX_PV_CHUNK(0, 6)
-            OKV_AMX_PV_CHUNK(1, 7)
-            OKV_AMX_PV_CHUNK(2, 6)
-            OKV_AMX_PV_CHUNK(3, 7)
-#undef OKV_AMX_PV_CHUNK
-            _tile_stored(0, x->pc + 256 * c0, 64);
-            if (nc > 1) _tile_stored(1, x->pc + 256 * (c0 + 1), 64);
-            if (nc > 2) _tile_stored(2, x->pc + 256 * (c0 + 2), 64);
-            if (nc > 3) _tile_stored(3, x->pc + 256 * (c0 + 3), 64);
-        }
-        OKV_AMX_FENCE();   /* the C tiles are in memory before they are read */
-        okv_amx_pv_combine(x, q, i0, rows, sr, D);
-    }
-    q->nseg = 0;
-    q->cnt = 0;
-}
-
-/* Add acc rows accr[i] += s * sum_t p[i * OKV_BK + t] * code_t (raw codes; s
- * >= 0 the page's per-head value scale) of the nr <= OKV_RG rows of item w
- * against the n <= OKV_BK value rows of format fmt at v (vst bytes apart) to
- * the item's pending p.v: the stash takes p * s and the rows' run; it is run
- * first (okv_amx_pv_flush) if it holds another format, a number of rows that
- * is not a multiple of 4, or too many rows to take n more.  The sums reach
- * the accumulators at the latest at okv_amx_pv_flush; a rescale of the
- * accumulators in between must rescale the stash too (okv_amx_pv_scale). */
-OKV_AMX static void okv_amx_pv_push(okv_amx_ws *x, int64_t w, int fmt, const float *p, int nr, const uint8_t *v,
-                                    int64_t vst, int64_t n, float s, float *const *accr, int64_t D) {
-    okv_amx_pvq *q = x->pq + w;
-    const __m512 sv = _mm512_set1_ps(s);
-    int i;
-    int64_t t;
-    if (q->nseg && (q->fmt != fmt || q->cnt % 4 || q->cnt + n > OKV_AMX_PVK)) okv_amx_pv_flush(x, w, D);
-    if (!q->nseg) {
-        q->fmt = fmt;
-        q->nr = nr;
-        for (i = 0; i < nr; i++) q->accr[i] = accr[i];
-    }
-    for (i = 0; i < nr; i++) {
-        float *o = x->pp + (w * OKV_RG + i) * OKV_AMX_PVK + q->cnt;
-        for (t = 0; t < n; t += 16) {
-            const __mmask16 k = okv_mask16(n - t);
-            _mm512_mask_storeu_ps(o + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i * OKV_BK + t), sv));
-        }
-    }
-    okv_amx_vnni(v, vst, n, fmt, D, q->cnt / 4, x->pb + w * x->nchp * OKV_AMX_TILE);
-    q->nseg++;
-    q->cnt += n;
-}
-
-/* Row i of item w's pending p.v times alpha (the accumulator row's
- * rescale). */
-OKV_AMX static void okv_amx_pv_scale(okv_amx_ws *x, int64_t w, int i, float alpha) {
-    float *o = x->pp + (w * OKV_RG + i) * OKV_AMX_PVK;
-    int64_t t;
-    for (t = 0; t < x->pq[w].cnt; t++) o[t] *= alpha;
-}
 #endif /* OKV_X86_SIMD && OKV_HAVE_AMX */
 #endif /* ONNXKV_ATTENTION_AMX_H */

@@ -372,7 +372,7 @@ OKV_AVX2 static void okv_mmp_tile_avx2_any(int mr, int np, int split, const floa
  * broadcasts), summed in k order.  The NP panels are NP sequential streams
  * read side by side: more streams keep more lines in flight from memory, so
  * the product stays bound by reading the weights as MR grows (one stream per
- * tile left a few rows 15-30% slower than one row).  pstride: floats from one
+ * tile is not: it leaves several rows slower than one).  pstride: floats from one
  * panel to the next (K * 16).  m masks the columns of the last panel (all 16
  * when NP > 1: those tiles cover full panels only). */
 #define OKV_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))

@@ -13,7 +13,7 @@ out[M, N] = x[M, K] @ w (+ bias), w[k, n] = (q[n, k] - zp[n, b]) * scale[n, b]:
   gives the same bits).  AMX-INT8 tiles are not used: with per-block scales
   every 16 x 16 C tile must be stored and scaled once per block (32 values of
   K for the GenAI builder's weights), and that store bounds the tiles below
-  the VNNI kernels' speed (measured on a 512 x 1024 x 2816 product);
+  the VNNI kernels' speed;
 * ``int8=False``, up to ``DECODE_M`` rows (decode): the block kernels with
   float32 activations against weights converted in registers;
 * ``int8=False``, more rows (prefill): each thread dequantizes four panels at

@@ -1,21 +1,17 @@
 """Quantized pages on the AMX-INT8 tiles (attention_amx.h): key scores
-(per-head key scales, and per-channel ones of 8-bit codes) and probabilities
-times values (per-head value scales).
+(per-head key scales, and per-channel ones of 8-bit codes).
 paged_attention with set_attention_amx(True) must equal the NumPy twin
 (reference.paged_attention over the dequantized pages) and the AVX-512 tiles
-without AMX (set_attention_amx(False)) within 1e-5, with AMX p.v off (keys
-only) and on for every call (_set_attention_amx_pv 0 and 2), for every
+without AMX (set_attention_amx(False)) within 1e-5, for every
 integer format (8-, 4- and 2-bit, signed and unsigned) of keys and values,
 per-head and per-channel key scales (float32 and compact headers; 4- and
 2-bit per-channel keys keep the AVX-512 tiles), keys with large per-channel
 offsets, values with non-zero zero points, pages of mixed
 formats with float pages between, all-float pages, head sizes that are and
-are not multiples of 16 / 64, block sizes that give partial tiles and stashes
-of values, 1..8 query rows per KV head, decode and prefill, 1 and 2 threads,
+are not multiples of 16 / 64, block sizes that give partial tiles, 1..8 query rows per KV head, decode and prefill, 1 and 2 threads,
 query rows of very different magnitudes including an all-zero row, queries
 large where per-channel key scales are small (the folded rows' fixed-point
-unit), and long contexts (many pending p.v runs, rescaled by the running max
-in between).
+unit), and long contexts (many rescales by the running max).
 
 Every kernel test is skipped where AMX is not usable (CPU without AMX-TILE /
 AMX-INT8 or AVX-512, or the OS did not grant the tile data state); the switch
@@ -78,16 +74,15 @@ def build(seed, kspec, vspec, kG, Hq, Hkv, D, bs, kv_len, Sq=1, spread=False, vG
     return q, pg, kv_len, q_pos, scale, want
 
 
-MODES = ((False, 0), (True, 0), (True, 2))  # (AMX, p.v mode): AVX-512 only, AMX keys only (default), AMX keys and p.v
+MODES = (False, True)  # AMX key scores: off (AVX-512 FMAs only), on (the default)
 
 
 def check(q, pg, kv_len, q_pos, scale, want):
-    """AVX-512 only, AMX keys only and AMX keys and p.v (MODES), 1 and 2
-    threads: each result within 1e-5 of the twin and of the AVX-512 tiles,
-    the same quantized bytes loaded, AMX scratch in the workspace exactly when
-    something may run on AMX (key scores in every call, p.v's stash on top;
-    taken per call, before the page formats are read); returns the result
-    of AMX keys and p.v."""
+    """AVX-512 only and AMX keys (MODES), 1 and 2 threads: each result within
+    1e-5 of the twin and of the AVX-512 tiles, the same quantized bytes
+    loaded, AMX scratch in the workspace exactly when something may run on AMX
+    (key scores in every call; taken per call, before the page formats are
+    read); returns the result of AMX keys."""
     Hkv = pg.kd.shape[1]
     quantized = bool(np.isin(np.concatenate([pg.formats["k"], pg.formats["v"]]), INTS).any())
     old = K.get_num_threads()
@@ -95,29 +90,24 @@ def check(q, pg, kv_len, q_pos, scale, want):
         for threads in (1, 2):
             K.set_num_threads(threads)
             got, stats = {}, {}
-            for amx, pv in MODES:
+            for amx in MODES:
                 A.set_attention_amx(amx)
-                A._set_attention_amx_pv(pv)
                 assert A.attention_simd_level() == ("avx512+amx" if amx else "avx512")
                 out = np.full_like(q, np.nan)
                 counters = pg.kernel(q, Hkv, kv_len, q_pos, scale, 0.0, -1, out)
                 np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-                got[amx, pv], stats[amx, pv] = out, counters
-            base = stats[False, 0]
-            for mode in MODES[1:]:
-                np.testing.assert_allclose(got[mode], got[False, 0], rtol=1e-5, atol=1e-5)
-                assert stats[mode]["dequantized_bytes"] == base["dequantized_bytes"]
+                got[amx], stats[amx] = out, counters
+            base = stats[False]
+            np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
+            assert stats[True]["dequantized_bytes"] == base["dequantized_bytes"]
             assert (base["dequantized_bytes"] > 0) == quantized
-            pv_ws = stats[True, 2]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
-            keys_ws = stats[True, 0]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
+            keys_ws = stats[True]["workspace_peak_bytes"] - base["workspace_peak_bytes"]
             assert keys_ws > 0  # every call may score keys on AMX (per-channel scales: its 8-bit pages)
-            assert pv_ws > keys_ws  # the p.v stash comes on top
     finally:
         K.set_num_threads(old)
         reset_level()
         A.set_attention_amx(True)
-        A._set_attention_amx_pv(0)
-    return got[True, 2]
+    return got[True]
 
 
 @needs_amx
@@ -135,8 +125,7 @@ def test_every_format_and_key_scale_mode(fmt, kG):
 @pytest.mark.parametrize("fmt", [3, 22, 25], ids=["i8", "i4", "u2"])
 def test_head_sizes_and_block_sizes(fmt, D, bs):
     # keys: D % 64 != 0 and tiles of fewer than 16 keys take the widened copy; int8 with D = 64, 128 and bs >= 16
-    # the page itself.  Values: the p.v stash runs early on a run of keys that is not a multiple of 4 (bs 1, 5)
-    # and takes two pages (bs 32) or half a tile (bs 64, tiles of 32 keys); D % 16 != 0 leaves masked columns.
+    # the page itself; D % 16 != 0 leaves masked columns.
     check(*build(100 + D + bs, fmt, fmt, 1, 8, 2, D, bs, (29, 71, 130)))
 
 
@@ -194,7 +183,7 @@ def test_per_channel_keys_query_large_where_key_scales_are_small(fmt, kG, octave
 @pytest.mark.parametrize("fmt", INTS, ids=[NAMES[f] for f in INTS])
 def test_which_keys_take_amx(fmt, kG):
     # AMX scores (the fixed-point digits) round differently from the AVX-512 FMAs, so a result bitwise equal to
-    # AVX-512's (p.v off) means the keys stayed on AVX-512: every per-head format and 8-bit per-channel keys go to
+    # AVX-512's means the keys stayed on AVX-512: every per-head format and 8-bit per-channel keys go to
     # AMX, 4- and 2-bit per-channel keys do not
     q, pg, kv_len, q_pos, scale, _ = build(980 + fmt, fmt, 3, kG, 16, 4, 64, 16, (45, 90))
     got = {}
@@ -226,7 +215,7 @@ def test_every_value_format_and_zero_points(vfmt, kG):
 @needs_amx
 @pytest.mark.parametrize("kG", [1, "D"], ids=["per_head", "per_channel"])
 def test_per_channel_values_keep_the_avx512_tiles(kG):
-    # per-channel value scales are not routed to AMX p.v: the same results with every mode
+    # per-channel value scales (and every value) keep the AVX-512 tiles: the same results with AMX keys on and off
     q, pg, kv_len, q_pos, scale, want = build(650, (3, 22, 2), (3, 21, 25), kG, 16, 4, 64, 16, (61, 130), vG=64)
     assert pg.group["v"] == 64
     check(q, pg, kv_len, q_pos, scale, want)
@@ -241,18 +230,16 @@ def test_float_pages_only():
 @needs_amx
 @pytest.mark.parametrize("vfmt", [3, 21], ids=["i8", "u4"])
 def test_long_context_and_peaked_rows(vfmt):
-    # thousands of keys: many 64-key p.v runs per item, running-max rescales of pending runs; spread query rows
-    # make some rows' probabilities peaked and others flat (each run scales its rows by their own max).  Every
-    # mode stays within 1e-5 of the twin: AMX p.v sums the codes exactly in int32, and the AVX-512 p.v tiles apply
-    # the uint4 zero points' share per tile (deferred to the end of the work unit, it reached ~3e-5 here).
+    # thousands of keys: many running-max rescales; spread query rows make some rows' probabilities peaked and
+    # others flat.  Both modes stay within 1e-5 of the twin: the AVX-512 p.v tiles apply the uint4 zero points'
+    # share per tile (deferred to the end of the work unit, it reached ~3e-5 here).
     q, pg, kv_len, q_pos, scale, want = build(800 + vfmt, 22, vfmt, 1, 8, 2, 128, 16, (3001, 1700), spread=True)
     old = K.get_num_threads()
     try:
         for threads in (1, 2):
             K.set_num_threads(threads)
-            for amx, pv in MODES:
+            for amx in MODES:
                 A.set_attention_amx(amx)
-                A._set_attention_amx_pv(pv)
                 out = np.full_like(q, np.nan)
                 pg.kernel(q, 2, kv_len, q_pos, scale, 0.0, -1, out)
                 np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
@@ -260,7 +247,6 @@ def test_long_context_and_peaked_rows(vfmt):
         K.set_num_threads(old)
         reset_level()
         A.set_attention_amx(True)
-        A._set_attention_amx_pv(0)
 
 
 @needs_amx
@@ -316,9 +302,6 @@ def test_switch_and_level_name():
         assert A.attention_simd_level() == widest
         assert A.set_attention_amx(True) is AMX
         assert A.attention_simd_level() == ("avx512+amx" if AMX else widest)
-        assert A._set_attention_amx_pv(2) == 0  # p.v on AMX: off by default, the old mode returned
-        assert A._set_attention_amx_pv(7) == 2  # clamped to 0..2
-        assert A._set_attention_amx_pv(0) == 2
         A.set_attention_avx512(False)  # AMX runs inside the AVX-512 tiles only
         assert A.attention_simd_level() == ("avx2" if "avx2" in K.simd_levels() else "scalar")
         K.set_simd_enabled(False)

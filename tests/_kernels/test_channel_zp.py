@@ -341,12 +341,12 @@ def setup(seed, Hkv, ratio, D, bs, M, Sq, kspec, vspec, ks=range(9), softcap=0.0
     return cache, q, kv_len, q_pos, scale, want
 
 
-# (name, simd on, AVX-512 tiles, AMX keys, AMX p.v mode): every instruction set this machine runs
+# (name, simd on, AVX-512 tiles, AMX keys): every instruction set this machine runs
 PATHS = (
-    [("scalar", False, False, False, 0)]
-    + ([("avx2", True, False, False, 0)] if K.cpu_features()["simd_usable"] else [])
-    + ([("avx512", True, True, False, 0)] if AVX512 else [])
-    + ([("avx512+amx", True, True, True, 0), ("avx512+amx", True, True, True, 2)] if AMX else [])
+    [("scalar", False, False, False)]
+    + ([("avx2", True, False, False)] if K.cpu_features()["simd_usable"] else [])
+    + ([("avx512", True, True, False)] if AVX512 else [])
+    + ([("avx512+amx", True, True, True)] if AMX else [])
 )
 
 
@@ -360,23 +360,19 @@ def check_paths(cache, q, kv_len, q_pos, scale, want):
     try:
         for threads in (1, 2):
             K.set_num_threads(threads)
-            for level, simd, avx512, amx, pv in PATHS:
+            for level, simd, avx512, amx in PATHS:
                 K.set_simd_enabled(simd)
                 A.set_attention_avx512(avx512)
                 A.set_attention_amx(amx)
-                A._set_attention_amx_pv(pv)
                 assert A.attention_simd_level() == level
                 out = np.full_like(q, np.nan)
                 stats = cache.kernel(q, Hkv, kv_len, q_pos, scale, out)
-                np.testing.assert_allclose(
-                    out, want, rtol=1e-5, atol=1e-5, err_msg=f"threads={threads} path={level} pv={pv}"
-                )
+                np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"threads={threads} path={level}")
                 assert (stats["dequantized_bytes"] > 0) == quantized
     finally:
         K.set_num_threads(old)
         reset_level()
         A.set_attention_amx(True)
-        A._set_attention_amx_pv(0)
 
 
 SHAPES = [  # Hkv, GQA ratio, D, block size, pages per row, query tokens
