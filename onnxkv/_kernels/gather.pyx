@@ -35,9 +35,41 @@ cdef int64_t gather_rows_ptr(const float *table, int64_t N, int64_t D, const int
     return -1
 
 
+cdef bint _gather_fast(table, indices, out) except -1:
+    """Run ``gather_rows`` when every argument is valid (typed buffers, shapes, disjoint ranges, every
+    index in range: the conditions of the Python checks) and there is a row to write, all checked at C
+    speed; return False, with nothing written, to send the call through those checks."""
+    cdef const float[:, ::1] tv
+    cdef const int64_t[::1] iv
+    cdef float[:, ::1] ov
+    if not (isinstance(table, np.ndarray) and isinstance(indices, np.ndarray) and isinstance(out, np.ndarray)):
+        return False
+    try:
+        tv = table
+        iv = indices
+        ov = out
+    except (ValueError, TypeError, BufferError):
+        return False
+    cdef int64_t m = iv.shape[0], N = tv.shape[0], D = tv.shape[1]
+    if m == 0 or D == 0 or ov.shape[0] != m or ov.shape[1] != D:
+        return False
+    cdef size_t onb = <size_t>(m * D) * sizeof(float)
+    if not (_disjoint(&ov[0, 0], onb, &tv[0, 0], <size_t>(N * D) * sizeof(float))
+            and _disjoint(&ov[0, 0], onb, &iv[0], <size_t>m * sizeof(int64_t))):
+        return False
+    cdef int64_t bad
+    with nogil:
+        bad = gather_rows_ptr(&tv[0, 0], N, D, &iv[0], m, &ov[0, 0])
+    return bad < 0
+
+
 def gather_rows(table, indices, out):
     """out[i] = table[indices[i]] (see the module docstring); raises ValueError naming the argument,
-    or the first index out of range, before writing anything."""
+    or the first index out of range, before writing anything.  (Called once per decode step, so valid
+    arguments are checked in C; only a failing check takes the Python checks.)"""
+    if _gather_fast(table, indices, out):
+        _note(table, indices, out)
+        return
     V.array("table", table, (V.F32,), ndim=2)
     V.array("indices", indices, (np.dtype(np.int64),), ndim=1)
     V.array("out", out, (V.F32,), shape=(indices.shape[0], table.shape[1]), writeable=True)
@@ -54,6 +86,11 @@ def gather_rows(table, indices, out):
         bad = gather_rows_ptr(&tv[0, 0], N, D, &iv[0], m, &ov[0, 0])
     if bad >= 0:
         raise ValueError(f"indices: indices[{bad}] = {int(indices[bad])} is out of range [{-N}, {N})")
+    _note(table, indices, out)
+
+
+cdef void _note(table, indices, out):
+    """Note a gather that ran (for a recording thread: _record.pyx)."""
     rec = recorder()
     if rec is not None:
-        rec.note(KIND_GATHER_ROWS, (table, indices, out), (N, D, m), ())
+        rec.note(KIND_GATHER_ROWS, (table, indices, out), (table.shape[0], table.shape[1], indices.shape[0]), ())
