@@ -53,9 +53,10 @@ class State:
         kv_format: page formats of a paged cache (:mod:`onnxkv.cache.policy`): None, a policy name or a
             ``FormatSelector`` ``(layer, past_length, k, v) -> (k_format, v_format)``; after every run the
             full pages it makes eligible are converted (each page once).
-        key_channel_scales / key_channel_zero_points: quantized key pages get a scale and zero point per
-            channel (KIVI, compact headers) / a scale per head and a zero point per channel (channel-zp
-            headers); a policy such as "int8-kivi" / "int8" sets them too.  Not both.
+        key_channel_scales: quantized key pages get a scale and zero point per channel (KIVI, compact
+            headers; policy "int8-kivi" sets it).
+        key_channel_zero_points: a scale per head and a zero point per channel (channel-zp headers;
+            policy "int8" sets it).  Not both.
 
     :func:`~onnxkv.runtime.cache_config.state_keywords` makes the keywords of a ``CacheConfig``.
     One state per request, many per session; two states never share writable storage.  Calls on one
