@@ -39,13 +39,12 @@ from onnxkv._kernels.gather cimport gather_rows_ptr
 from onnxkv._kernels.matmul cimport matmul_packed_ptr
 from onnxkv._kernels.norm cimport rms_f32_ptr, skip_rms_f32_ptr
 
-import numpy as np
-
 __all__ = ["Program", "WRITTEN"]
 
 DEF NP = 6      # array operands of a call at most
 DEF NI = 4      # int parameters at most
 DEF MAX_FORMAT = 8
+DEF MAX_EXT = 64  # external arrays at most (a larger segment is not made: its nodes run in Python)
 
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
@@ -84,25 +83,30 @@ cdef class Program:
     them (only the kinds of ``_record.pxd``); ``externals`` the arrays of the
     recorded run whose memory changes from run to run (each C-contiguous).
     Raises ValueError naming the call when an operand straddles an external
-    array's bounds or a kind is unknown.
+    array's bounds or a kind is unknown, or when there are more than 64
+    external arrays.
     """
     cdef call_t *calls
     cdef int n
     cdef ext_t *exts
     cdef int n_ext
     cdef list keep              # the baked arrays
-    cdef object written_ranges  # int64 [m, 2]: [start, end) of the baked memory the calls write
+    cdef uintptr_t *written      # [n_written, 2]: [start, end) of the baked memory the calls write
+    cdef int n_written
     cdef readonly int calls_count
 
     def __cinit__(self):
         self.calls = NULL
         self.exts = NULL
+        self.written = NULL
 
     def __init__(self, list calls, list externals):
         cdef int c, j, e
         cdef call_t *cl
         self.n = len(calls)
         self.n_ext = len(externals)
+        if self.n_ext > MAX_EXT:
+            raise ValueError(f"Program: {self.n_ext} external arrays, at most {MAX_EXT}")
         self.calls_count = self.n
         self.calls = <call_t *>malloc(max(1, self.n) * sizeof(call_t))
         self.exts = <ext_t *>malloc(max(1, self.n_ext) * sizeof(ext_t))
@@ -154,7 +158,13 @@ cdef class Program:
                     self.keep.append(a)
                     if j in WRITTEN[kind]:
                         written.append((lo, hi))
-        self.written_ranges = np.array(written, np.uint64).reshape(-1, 2)
+        self.n_written = len(written)
+        self.written = <uintptr_t *>malloc(max(1, 2 * self.n_written) * sizeof(uintptr_t))
+        if self.written == NULL:
+            raise MemoryError("Program: could not allocate the written ranges")
+        for j, (w0, w1) in enumerate(written):
+            self.written[2 * j] = w0
+            self.written[2 * j + 1] = w1
         for e, (b0, b1) in enumerate(bounds):
             if any(b0 < w1 and w0 < b1 for w0, w1 in written):
                 self.exts[e].pinned = b0     # the external viewed memory this program writes
@@ -162,6 +172,7 @@ cdef class Program:
     def __dealloc__(self):
         free(self.calls)
         free(self.exts)
+        free(self.written)
 
     @property
     def externals(self) -> int:
@@ -181,11 +192,10 @@ cdef class Program:
         cdef ext_t *x
         cdef call_t *cl
         cdef char *base
-        cdef void *bases[64]
+        cdef void *bases[MAX_EXT]
         cdef uintptr_t lo, hi
-        if len(externals) != self.n_ext or self.n_ext > 64:
+        if len(externals) != self.n_ext:
             return False
-        cdef const unsigned long long[:, ::1] wr = self.written_ranges
         for e in range(self.n_ext):
             x = &self.exts[e]
             flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
@@ -208,8 +218,8 @@ cdef class Program:
                     if lo != x.pinned:
                         return False
                 else:
-                    for j in range(wr.shape[0]):
-                        if lo < wr[j, 1] and wr[j, 0] < hi:
+                    for j in range(self.n_written):
+                        if lo < self.written[2 * j + 1] and self.written[2 * j] < hi:
                             return False
                 bases[e] = view.buf
             finally:

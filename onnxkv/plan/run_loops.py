@@ -37,10 +37,12 @@ def run_nodes(plan: Plan, first: int, end: int, slots: list, bufs: RunBuffers, r
     """``run_plain`` for the nodes ``[first, end)`` only (the others run elsewhere: a compiled step)."""
     release = bufs.release
     get = slots.__getitem__
-    k = first - 1
+    steps, after = plan._steps, plan._after  # indexed, not sliced: no copy of the step lists per call
+    k = first
     try:
-        for (run, ins, outs), (check, clear, free) in zip(plan._steps[first:end], plan._after[first:end]):
-            k += 1
+        for k in range(first, end):
+            run, ins, outs = steps[k]
+            check, clear, free = after[k]
             rt._node = k
             if cancel is not None and cancel.cancelled:
                 raise Cancelled(f"run cancelled before node '{plan.nodes[k].name or plan.nodes[k].output[0]}'")

@@ -156,3 +156,9 @@ def test_a_recorder_notes_its_own_thread_only_and_does_not_nest():
 def test_unknown_kinds_are_refused_at_build():
     with pytest.raises(ValueError, match="call 0 has an unknown kind"):
         Program([(99, (), (), ())], [])
+
+
+def test_more_than_64_externals_are_refused_at_build():
+    externals = [np.zeros(1, np.float32) for _ in range(65)]
+    with pytest.raises(ValueError, match="65 external arrays, at most 64"):
+        Program([], externals)

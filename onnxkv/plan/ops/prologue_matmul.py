@@ -112,7 +112,7 @@ class PrologueMatMul(Op):
             isinstance(x, np.ndarray)
             and all(isinstance(v, np.ndarray) for v in inputs[1 : self.n_in])
             and self._fused(x, inputs)
-            and self.product.compilable([np.empty(x.shape, _F32)])
+            and self.product.compilable([x])  # the prologue's result has x's shape and dtype
         )
 
     def run(self, inputs: list, rt) -> tuple:
