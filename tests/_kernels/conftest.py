@@ -9,9 +9,8 @@ kernel tests once more under ``ONNXKV_MAX_SIMD`` for each narrower level, and
 on the ``-Dsimd=disabled`` build, so that what a narrower machine runs by
 default (tests without this fixture, the defaults a module reads at import) is
 tested on a wider one too.  ``ONNXKV_TEST_LEVELS`` (comma-separated levels)
-narrows the levels this fixture runs; CI forces each level in one job: the
-widest in the main run, AVX2 in its capped run, scalar in the instrumented
-run and in the ``-Dsimd=disabled`` build."""
+narrows the levels this fixture runs: CI's main run forces every level, its
+capped runs and its instrumented run take fewer."""
 
 import os
 
