@@ -85,20 +85,9 @@
 #include "attention_softmax.h"
 #include "attention_types.h"
 
-/* The work units of each instruction set: attention_unit.h once per level
- * (every function there carries its level's target attribute). */
-#define OKV_SFX _scalar
-#define OKV_ATTR
-#include "attention_unit.h"
-#if OKV_X86_SIMD
-#define OKV_SFX _avx2
-#define OKV_ATTR OKV_AVX2
-#include "attention_unit.h"
-#define OKV_SFX _avx512
-#define OKV_ATTR OKV_AVX512BW
-#define OKV_SIMD512 1
-#include "attention_unit.h"
-#endif
+/* The work units of each instruction set, compiled once per level in a
+ * translation unit of its own (attention_unit_<level>.c). */
+#include "attention_units.h"
 
 /* Floats of the AMX scratch (attention_amx.h) a work unit of nt <= tq query
  * tokens needs after its okv_attn_ws_floats (0 unless a->amx with per-page

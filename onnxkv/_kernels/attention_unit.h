@@ -2,16 +2,19 @@
  * instruction set (the work unit: attention.h), and the per-page-format tile
  * dispatchers they use.
  *
- * Included by attention.h once per level with OKV_SFX (_scalar, _avx2 or
- * _avx512: the suffix of every function here and of the level's tiles
- * okv_qk_rows<SFX> / okv_pv_rows<SFX>), OKV_ATTR (the level's target
- * attribute) and, for AVX-512, OKV_SIMD512 (the interleaved 4-bit order, the
- * AMX key scores when the build has them); it undefines them.  The level is
- * the one axis instantiated textually: every function here carries its
- * level's target attribute, and a function with a target attribute cannot be
- * inlined into one without it.  Element formats and the family of a unit are
- * constant arguments of always-inlined functions instead.  Without OKV_SFX
- * (the header compiled on its own) it instantiates the scalar level.
+ * Included once, by the translation unit of one level
+ * (attention_unit_<level>.c), with OKV_SFX (_scalar, _avx2 or _avx512: the
+ * suffix of every function here and of the level's tiles okv_qk_rows<SFX> /
+ * okv_pv_rows<SFX>), OKV_ATTR (the level's target attribute) and, for
+ * AVX-512, OKV_SIMD512 (the interleaved 4-bit order, the AMX key scores when
+ * the build has them); it undefines them.  The level is the one axis
+ * instantiated textually: every function here carries its level's target
+ * attribute, and a function with a target attribute cannot be inlined into
+ * one without it.  Element formats and the family of a unit are constant
+ * arguments of always-inlined functions instead.  Without OKV_SFX (the
+ * header compiled on its own) it instantiates the scalar level.  The two
+ * unit functions are external (attention_units.h declares them); the rest
+ * is static to the level's translation unit.
  *
  * Two families of units per level:
  *   okv_attn_unit_native<SFX>: every page (or the contiguous cache) holds
@@ -32,6 +35,7 @@
 
 #include "attention_quant.h"
 #include "attention_softmax.h"
+#include "attention_units.h"
 #include "attention_tiles_avx512.h"
 #include "attention_tiles_scalar.h"
 
@@ -567,7 +571,7 @@ OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(const okv_attn_args *a, in
 }
 
 /* The unit of a->kv_type pages (or contiguous cache).  Returns 0. */
-OKV_ATTR static int64_t OKV_I(okv_attn_unit_native)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,
+OKV_ATTR int64_t OKV_I(okv_attn_unit_native)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,
                                                     int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,
                                                     float *part, int64_t pstride) {
     switch (a->kv_type) {
@@ -586,7 +590,7 @@ OKV_ATTR static int64_t OKV_I(okv_attn_unit_native)(const okv_attn_args *a, int6
 
 /* The unit of per-page formats.  Returns the bytes of quantized codes and
  * header entries it loaded. */
-OKV_ATTR static int64_t OKV_I(okv_attn_unit_mixed)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,
+OKV_ATTR int64_t OKV_I(okv_attn_unit_mixed)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,
                                                    int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,
                                                    float *part, int64_t pstride) {
     return OKV_I(okv_attn_unit_body)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride, OKV_FMT_F32, 1);

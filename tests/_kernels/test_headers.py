@@ -2,12 +2,10 @@
 root the tests run from): every header compiles on its own with the C
 compiler, in the default build and in the portable one (the macro meson.build
 sets for ``-Dsimd=disabled``), and the include structure stays flat: no
-include cycle, and no header's text expanded more than twice into the
-translation unit of a kernel module -- except attention_unit.h, the work
-units of one instruction set, which attention.h expands once per level
-(scalar, AVX2, AVX-512): its functions carry the level's target attribute,
-and a function with a target attribute cannot be inlined into one without
-it, so the level is instantiated textually.
+include cycle, and no header's text expanded more than twice into any
+translation unit of a kernel module (its Cython module and its C sources:
+attention_unit.h, the work units of one instruction set, is expanded once,
+by the C file of each level).
 """
 
 import re
@@ -22,8 +20,7 @@ import pytest
 
 KERNELS = Path(__file__).resolve().parents[2] / "onnxkv" / "_kernels"
 HEADERS = sorted(p.name for p in KERNELS.glob("*.h"))
-#: Headers expanded more than twice into one translation unit, and how often they may be (see the docstring).
-PER_LEVEL = {"attention_unit.h": 3}
+SOURCES = sorted(p.name for p in KERNELS.glob("*.c"))
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 GUARD = re.compile(r"\A(?:\s*/\*.*?\*/)*\s*#ifndef\s+(\w+)[ \t]*\n\s*#define\s+\1[ \t]*\n", re.S)
@@ -125,16 +122,38 @@ def _entry_headers(pyx):
     return [h for h in re.findall(r'cdef\s+extern\s+from\s+"([^"]+\.h)"', text) if _local(h)]
 
 
-@pytest.mark.parametrize("module", sorted(p.name for p in KERNELS.glob("*.pyx")) or ["<none>"])
-def test_no_header_expanded_more_than_twice(sources, module):
-    counts = _expansions(_entry_headers(KERNELS / module))
-    too_often = {h: n for h, n in counts.items() if n > PER_LEVEL.get(h, 2)}
-    assert not too_often, f"{module}: headers expanded more often than allowed: {too_often}"
+def _c_headers(source):
+    """The local headers a C source includes, in order."""
+    return [h for h in _includes(source) if _local(h)]
+
+
+@pytest.mark.parametrize("unit", sorted(p.name for p in KERNELS.glob("*.pyx")) + SOURCES or ["<none>"])
+def test_no_header_expanded_more_than_twice(sources, unit):
+    roots = _c_headers(unit) if unit.endswith(".c") else _entry_headers(KERNELS / unit)
+    counts = _expansions(roots)
+    too_often = {h: n for h, n in counts.items() if n > 2}
+    assert not too_often, f"{unit}: headers expanded more often than allowed: {too_often}"
 
 
 def test_the_checks_follow_the_includes(sources):
-    # the expansion count reaches attention.pyx's headers through its extern blocks and their includes: guarded
-    # headers once, the per-level template more often
+    # the expansion count reaches attention.pyx's headers through its extern blocks and their includes (guarded
+    # headers once), and each level's C file expands the unguarded per-level template once
     counts = _expansions(_entry_headers(KERNELS / "attention.pyx"))
     assert counts["attention.h"] == counts["attention_types.h"] == counts["simd_cpu.h"] == 1
-    assert counts["attention_unit.h"] > 1
+    assert counts["attention_units.h"] == 1 and "attention_unit.h" not in counts
+    for level in ("scalar", "avx2", "avx512"):
+        assert _expansions(_c_headers(f"attention_unit_{level}.c"))["attention_unit.h"] == 1
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
+@pytest.mark.parametrize("source", SOURCES or ["<none>"])
+def test_c_source_compiles(sources, source, portable):
+    # each level's translation unit compiles on its own, with every warning the build shows, in both builds
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C compiler (sysconfig CC or cc) on PATH")
+    flags = [f"-D{_portable_macro()}"] if portable else []
+    cmd = [*cc, "-fsyntax-only", "-std=c11", "-Wall", "-Werror=implicit-function-declaration", *flags,
+           "-I", str(KERNELS), str(KERNELS / source)]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stderr}"
