@@ -9,6 +9,14 @@ of other kinds note nothing; a caller that records must therefore only record
 code whose every write goes through noting kernels (the plan's compilable
 operators).  Installing a recorder is per thread: kernel calls of other threads
 are never noted.
+
+Operators that run a kernel whose call depends on per-run state outside the
+step's values (a cache's committed length) note the call themselves
+(:func:`current`), name the cache buffers the call writes (:meth:`Recorder.cache`:
+the replay takes them from the run's caches) and register an *effect*
+(:meth:`Recorder.effect`): an object whose ``before(rt)`` prepares a replay
+and ``after(rt)`` stages what the recorded call did, as the operator would
+have (see :mod:`onnxkv.plan.compiled_step`).
 """
 from cpython.ref cimport PyObject, Py_XINCREF, Py_XDECREF
 
@@ -33,20 +41,42 @@ cdef void refuse(str reason):
         rec.refused.append(reason)
 
 
+#: The kind code of a decode-token call, for operators that note it themselves (see the .pxd).
+DECODE_TOKEN = KIND_DECODE_TOKEN
+
+
+def current():
+    """The calling thread's installed :class:`Recorder`, or None."""
+    return recorder()
+
+
 class Recorder:
     """The kernel calls noted on this thread while installed (``with rec:``).
 
     Attributes:
         calls: ``(kind, arrays, ints, floats)`` per noted call, in call order.
         refused: why calls that ran could not be noted (a recording with any cannot be replayed).
+        caches: cache name -> the buffer of that cache a noted call wrote (:meth:`cache`).
+        effects: the effects of noted calls, in call order (:meth:`effect`).
     """
 
     def __init__(self) -> None:
         self.calls = []
         self.refused = []
+        self.caches = {}
+        self.effects = []
 
     def note(self, int kind, tuple arrays, tuple ints, tuple floats) -> None:
         self.calls.append((kind, arrays, ints, floats))
+
+    def cache(self, str name, buffer) -> None:
+        """A noted call used ``buffer``, the whole buffer of the run's cache ``name`` (replays take the
+        buffer that cache has then)."""
+        self.caches[name] = buffer
+
+    def effect(self, effect) -> None:
+        """Register the effect of the call just noted (``before(rt)`` / ``after(rt)``)."""
+        self.effects.append(effect)
 
     def __enter__(self):
         global okv_rec_current

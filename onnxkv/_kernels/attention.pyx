@@ -357,12 +357,9 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
     cdef float[:, :, :, ::1] vc
     cdef const float[:, ::1] cv
     cdef const float[:, ::1] sv
-    cdef int64_t Hq, Hkv, Cap, D, half = 0, h
+    cdef int64_t Hq, Hkv, Cap, D, half = 0
     cdef okv_settings s = okv_settings_get()
-    cdef int rot = cos is not None, inter = 1 if interleaved else 0, simd = s.simd
-    cdef int32_t kl, qp
-    cdef float *qr = NULL
-    cdef okv_attn_args a
+    cdef int rot = cos is not None, inter = 1 if interleaved else 0
     if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
             and isinstance(k_cache, np.ndarray) and isinstance(v_cache, np.ndarray) and isinstance(out, np.ndarray)
             and (sin is None) == (not rot) and _scalars_ok(scale, softcap, window)):
@@ -402,30 +399,46 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
             and _disjoint(&kv[0, 0, 0], knb, &kc[0, 0, 0, 0], cnb) and _disjoint(&vv[0, 0, 0], knb, &vc[0, 0, 0, 0], cnb)
             and _disjoint(&kv[0, 0, 0], knb, &vc[0, 0, 0, 0], cnb) and _disjoint(&vv[0, 0, 0], knb, &kc[0, 0, 0, 0], cnb)):
         return False
-    if rot:
-        qr = <float *>malloc(qnb)
-        if qr == NULL:
-            raise MemoryError("decode_token: could not allocate the rotated query")
-    kl, qp = <int32_t>(pos + 1), <int32_t>pos
-    with nogil:
-        for h in range(Hkv):
-            if rot:
-                okv_rope_row_f32(&kv[0, 0, h * D], &cv[pos, 0], &sv[pos, 0], &kc[0, h, pos, 0], half, D, inter, simd)
-            else:
-                memcpy(&kc[0, h, pos, 0], &kv[0, 0, h * D], <size_t>D * sizeof(float))
-            memcpy(&vc[0, h, pos, 0], &vv[0, 0, h * D], <size_t>D * sizeof(float))
-        if rot:
-            for h in range(Hq):
-                okv_rope_row_f32(&qv[0, 0, h * D], &cv[pos, 0], &sv[pos, 0], qr + h * D, half, D, inter, simd)
-    _fill_args(&a, qr if rot else &qv[0, 0, 0], &ov[0, 0, 0], &kl, &qp, 1, Hq, 1, D, Hkv, Cap, scale, softcap,
-               window, OKV_KV_F32)
-    a.k = &kc[0, 0, 0, 0]
-    a.v = &vc[0, 0, 0, 0]
-    try:
-        _run(&a, pos + 1, "decode_token", s)
-    finally:
-        free(qr)
+    if decode_token_ptr(&qv[0, 0, 0], &kv[0, 0, 0], &vv[0, 0, 0], &cv[0, 0] if rot else NULL,
+                        &sv[0, 0] if rot else NULL, half, inter, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], Hq, Hkv, Cap, D,
+                        pos, scale, softcap, window, &ov[0, 0, 0], s) != 0:
+        raise MemoryError("decode_token: could not allocate the rotated query or the workspace")
     return True
+
+
+cdef int decode_token_ptr(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                          int64_t half, int inter, float *k_cache, float *v_cache, int64_t Hq, int64_t Hkv,
+                          int64_t Cap, int64_t D, int64_t pos, float scale, float softcap, int64_t window,
+                          float *out, okv_settings s) noexcept nogil:
+    """``decode_token`` on checked pointers (the compiled step's replay calls it): q, out [Hq*D]; k, v
+    [Hkv*D]; caches [Hkv, Cap, D]; cos, sin [>pos, half] tables or NULL (no rotary); 0 <= pos < Cap,
+    Hq % Hkv == 0, 2*half <= D, out disjoint from the others and the caches from each other and from k, v.
+    Returns 0, or -1 (nothing but cache rows written) when memory cannot be allocated."""
+    cdef int64_t h
+    cdef int64_t stats[2]
+    cdef int32_t kl = <int32_t>(pos + 1), qp = <int32_t>pos
+    cdef float *qr = NULL
+    cdef okv_attn_args a
+    cdef int rot = cos != NULL, rc
+    for h in range(Hkv):
+        if rot:
+            okv_rope_row_f32(k + h * D, cos + pos * half, sin + pos * half, k_cache + (h * Cap + pos) * D, half, D,
+                             inter, s.simd)
+        else:
+            memcpy(k_cache + (h * Cap + pos) * D, k + h * D, <size_t>D * sizeof(float))
+        memcpy(v_cache + (h * Cap + pos) * D, v + h * D, <size_t>D * sizeof(float))
+    if rot:
+        qr = <float *>malloc(<size_t>(Hq * D) * sizeof(float))
+        if qr == NULL:
+            return -1
+        for h in range(Hq):
+            okv_rope_row_f32(q + h * D, cos + pos * half, sin + pos * half, qr + h * D, half, D, inter, s.simd)
+    _fill_args(&a, qr if rot else q, out, &kl, &qp, 1, Hq, 1, D, Hkv, Cap, scale, softcap, window, OKV_KV_F32)
+    a.k = k_cache
+    a.v = v_cache
+    rc = _run_units(&a, pos + 1, s, stats)
+    free(qr)
+    return rc
 
 
 cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64_t Cap, float scale, float softcap,
@@ -475,19 +488,32 @@ cdef void _fill_args(okv_attn_args *a, const float *q, float *out, const int32_t
 
 
 cdef dict _run(okv_attn_args *a, int64_t maxlen, str api, okv_settings s):
+    """``_run_units`` for a Python caller: raises MemoryError naming ``api``
+    when the workspace cannot be allocated.  Returns {"dequantized_bytes":
+    quantized codes and header bytes loaded, "workspace_peak_bytes": workspace
+    allocated}."""
+    cdef int64_t stats[2]
+    cdef int rc
+    with nogil:
+        rc = _run_units(a, maxlen, s, stats)
+    if rc != 0:
+        raise MemoryError(f"{api}: could not allocate the workspace")
+    return {"dequantized_bytes": int(stats[0]), "workspace_peak_bytes": int(stats[1])}
+
+
+cdef int _run_units(okv_attn_args *a, int64_t maxlen, okv_settings s, int64_t *stats) noexcept nogil:
     """Run the work units of a fully described call: query tiles of whole
     (b, KV head) groups (all KV heads of b in one unit for paged decode), or
     cache-split chunks merged exactly when the units do not fill the threads.
-    maxlen: the longest kv_len; s: the settings of the call.  Returns
-    {"dequantized_bytes": quantized codes and header bytes loaded,
-    "workspace_peak_bytes": workspace allocated}."""
+    maxlen: the longest kv_len; s: the settings of the call.  stats[0]: the
+    quantized codes and header bytes loaded, stats[1]: the workspace bytes
+    allocated.  Returns 0, or -1 when the workspace cannot be allocated."""
     a.prefetch = s.prefetch
     a.pf_qk_lines = s.pf_qk_lines
     a.prefill_rg = s.prefill_rg
-    cdef int nt = s.threads, simd = 0, rc
-    cdef int64_t stats[2]
+    cdef int nt = s.threads, simd = 0
     cdef int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, Sq = a.Sq, D = a.D
-    cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1
+    cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1, h
     # Paged decode: one unit takes every KV head of its keys, so it reads each
     # page (all heads, head-major) front to back instead of one short run per head.
     if s.simd:
@@ -498,7 +524,12 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api, okv_settings s):
         a.amx = 1
     a.hpu = 1
     if a.block_tables != NULL and Hq * Sq * D <= MULTI_HEAD_MAX_FLOATS:
-        a.hpu = Hkv if s.paged_heads <= 0 else max(h for h in range(1, min(s.paged_heads, Hkv) + 1) if Hkv % h == 0)
+        if s.paged_heads <= 0:
+            a.hpu = Hkv
+        else:   # the most heads per unit, up to s.paged_heads, that divide Hkv
+            for h in range(1, min(s.paged_heads, Hkv) + 1):
+                if Hkv % h == 0:
+                    a.hpu = h
     units = B * (Hkv // a.hpu)
     if B * Hq * Sq * max(maxlen, 1) * D < PAR_MIN_WORK:
         nt = 1          # too small to amortise waking the thread team
@@ -515,15 +546,9 @@ cdef dict _run(okv_attn_args *a, int64_t maxlen, str api, okv_settings s):
     stats[0] = 0
     stats[1] = 0
     if nchunks > 1:
-        with nogil:
-            rc = _split(a, nchunks, nt, simd, stats)
-    else:
-        tq = max(1, min(Sq, OKV_MAX_TQ, ROW_BUDGET // G))
-        with nogil:
-            rc = _tiles(a, tq, nt, simd, stats)
-    if rc != 0:
-        raise MemoryError(f"{api}: could not allocate the workspace")
-    return {"dequantized_bytes": int(stats[0]), "workspace_peak_bytes": int(stats[1])}
+        return _split(a, nchunks, nt, simd, stats)
+    tq = max(1, min(Sq, OKV_MAX_TQ, ROW_BUDGET // G))
+    return _tiles(a, tq, nt, simd, stats)
 
 
 include "attention_paged.pxi"

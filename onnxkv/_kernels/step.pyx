@@ -15,11 +15,14 @@ Before the first call, :meth:`Program.run` checks every external array through
 the buffer protocol against what was recorded -- C-contiguous, the same shape,
 item size and format, writable where a call writes it, and the same relation
 to the program's own memory (an external array that viewed baked memory when
-recorded must be that same memory now; one that did not must not overlap any
-memory the program writes) -- and returns False, with nothing run, when one
-differs.  A call may also refuse its values of the run (a gather index out of
-range): the replay then stops there and returns False.  The calls then run with the calling thread's kernel settings, as the
-recorded calls did; the results are bit for bit those of the calls run one by
+recorded, or that the caller pinned, must be that same memory now; one that did not must not overlap any
+memory the program writes, and an external a call writes must not overlap
+another external) -- and returns False, with nothing run, when one differs.
+A call may also refuse its values of the run (a gather index out of range, a
+decode position other than the cache's committed length), read from operands
+no call writes: every call is asked before any runs, and one refusal returns
+False with nothing run.  The calls then run with the calling thread's
+kernel settings, as the recorded calls did; the results are bit for bit those of the calls run one by
 one (the kernels' summation orders do not depend on the thread count).
 
 Ownership: the program holds references to every baked array; the caller owns
@@ -27,30 +30,36 @@ the external arrays and must not let two runs of one program overlap (a
 program is not thread-safe).
 """
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strcmp
 
-from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_GATHER_ROWS, KIND_MATMUL_PACKED, KIND_RMS_NORM,
-                                      KIND_SKIP_RMS_NORM)
+from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MATMUL_PACKED,
+                                      KIND_RMS_NORM, KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
+from onnxkv._kernels.attention cimport decode_token_ptr
 from onnxkv._kernels.gather cimport gather_rows_ptr
 from onnxkv._kernels.matmul cimport matmul_packed_ptr
 from onnxkv._kernels.norm cimport rms_f32_ptr, skip_rms_f32_ptr
 
 __all__ = ["Program", "WRITTEN"]
 
-DEF NP = 6      # array operands of a call at most
-DEF NI = 4      # int parameters at most
+DEF NP = 11     # array operands of a call at most
+DEF NI = 8      # int parameters at most
+DEF NF = 2      # float parameters at most
 DEF MAX_FORMAT = 8
 DEF MAX_EXT = 64  # external arrays at most (a larger segment is not made: its nodes run in Python)
 
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
-           KIND_GATHER_ROWS: (2,)}
+           KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10)}
+#: Operands whose values decide whether a call accepts the run (read before any call runs: never written by a
+#: call of the program).
+CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8)}
 #: Operand count of each kind.
-_OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3}
+_OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
+             KIND_DECODE_TOKEN: 11}
 
 
 cdef struct call_t:
@@ -59,7 +68,7 @@ cdef struct call_t:
     int ext[NP]          # -1: baked; else the index of the external array the operand lies in
     int64_t off[NP]      # byte offset of an external operand in its array
     int64_t i[NI]
-    float f
+    float f[NF]
 
 
 cdef struct ext_t:
@@ -79,9 +88,12 @@ cdef inline uintptr_t _addr(a):
 cdef class Program:
     """Recorded kernel calls replayed as one (see the module docstring).
 
-    ``Program(calls, externals)``: ``calls`` as :attr:`Recorder.calls` noted
-    them (only the kinds of ``_record.pxd``); ``externals`` the arrays of the
-    recorded run whose memory changes from run to run (each C-contiguous).
+    ``Program(calls, externals, pinned)``: ``calls`` as :attr:`Recorder.calls`
+    noted them (only the kinds of ``_record.pxd``); ``externals`` the arrays of
+    the recorded run whose memory changes from run to run (each C-contiguous);
+    ``pinned`` the indices of externals that must be at their recorded address
+    in every run (memory the caller owns and may hand to the calls for reuse:
+    an operand inside a pinned external's bounds is that same memory).
     Raises ValueError naming the call when an operand straddles an external
     array's bounds or a kind is unknown, or when there are more than 64
     external arrays.
@@ -100,7 +112,7 @@ cdef class Program:
         self.exts = NULL
         self.written = NULL
 
-    def __init__(self, list calls, list externals):
+    def __init__(self, list calls, list externals, pinned=()):
         cdef int c, j, e
         cdef call_t *cl
         self.n = len(calls)
@@ -131,14 +143,14 @@ cdef class Program:
             self.exts[e].format[len(fmt)] = 0
             self.exts[e].nbytes = x.nbytes
         for c, (kind, arrays, ints, floats) in enumerate(calls):
-            if kind not in _OPERANDS or len(arrays) != _OPERANDS[kind] or len(ints) > NI or len(floats) > 1:
+            if kind not in _OPERANDS or len(arrays) != _OPERANDS[kind] or len(ints) > NI or len(floats) > NF:
                 raise ValueError(f"Program: call {c} has an unknown kind or arity ({kind}, {len(arrays)} arrays)")
             cl = &self.calls[c]
             cl.kind = kind
             for j, v in enumerate(ints):
                 cl.i[j] = v
-            if floats:
-                cl.f = floats[0]
+            for j, v in enumerate(floats):
+                cl.f[j] = v
             for j, a in enumerate(arrays):
                 cl.ext[j] = -1
                 if a is None:
@@ -166,8 +178,14 @@ cdef class Program:
             self.written[2 * j] = w0
             self.written[2 * j + 1] = w1
         for e, (b0, b1) in enumerate(bounds):
-            if any(b0 < w1 and w0 < b1 for w0, w1 in written):
-                self.exts[e].pinned = b0     # the external viewed memory this program writes
+            if e in pinned or any(b0 < w1 and w0 < b1 for w0, w1 in written):
+                self.exts[e].pinned = b0     # the external viewed memory this program writes, or the caller's
+        for c, (kind, arrays, _, _) in enumerate(calls):
+            for j in CHECKED.get(kind, ()):
+                lo, hi = _addr(arrays[j]), _addr(arrays[j]) + arrays[j].nbytes
+                e = self.calls[c].ext[j]
+                if any(lo < w1 and w0 < hi for w0, w1 in written) or (e >= 0 and self.exts[e].written):
+                    raise ValueError(f"Program: operand {j} of call {c} decides the call but a call writes it")
 
     def __dealloc__(self):
         free(self.calls)
@@ -184,8 +202,10 @@ cdef class Program:
 
         Returns False, having run nothing, when an external array differs from
         the recorded one (see the module docstring), or when a call refuses its
-        values of this run (a gather index out of range: the calls before it
-        ran, that one and the rest did not); True once every call ran.
+        values of this run (a gather index out of range, a decode position
+        other than the committed length); True once every call ran.  Raises
+        MemoryError when a call cannot allocate its workspace (the calls before
+        it ran).
         """
         cdef int e, c, j, flags
         cdef Py_buffer view
@@ -193,6 +213,7 @@ cdef class Program:
         cdef call_t *cl
         cdef char *base
         cdef void *bases[MAX_EXT]
+        cdef uintptr_t his[MAX_EXT]
         cdef uintptr_t lo, hi
         if len(externals) != self.n_ext:
             return False
@@ -222,33 +243,73 @@ cdef class Program:
                         if lo < self.written[2 * j + 1] and self.written[2 * j] < hi:
                             return False
                 bases[e] = view.buf
+                his[e] = hi
             finally:
                 PyBuffer_Release(&view)
+        for e in range(self.n_ext):     # an external a call writes overlaps no other external
+            if self.exts[e].written:
+                for j in range(self.n_ext):
+                    if j != e and <uintptr_t>bases[j] < his[e] and <uintptr_t>bases[e] < his[j]:
+                        return False
         cdef okv_settings s = okv_settings_get()
         for c in range(self.n):
             cl = &self.calls[c]
             for j in range(NP):
                 if cl.ext[j] >= 0:
                     cl.p[j] = <char *>bases[cl.ext[j]] + cl.off[j]
-            if not _dispatch(cl, s):
+        for c in range(self.n):    # every call accepts this run's values before any runs
+            if not _admit(&self.calls[c]):
                 return False
+        for c in range(self.n):
+            if _dispatch(&self.calls[c], s) != 0:
+                raise MemoryError(f"Program: call {c} could not allocate its workspace")
         return True
 
 
-cdef inline bint _dispatch(call_t *c, okv_settings s) noexcept:
-    """Run one recorded call (the operand order of ``_record.pxd``); False when its values are refused
-    (a gather index out of range: nothing of that call written)."""
+cdef inline bint _admit(const call_t *c) noexcept nogil:
+    """Whether a call accepts the values of this run (read from operands no call writes: CHECKED)."""
+    cdef int64_t i, v, pos, total
+    cdef const int64_t *idx
+    if c.kind == KIND_GATHER_ROWS:     # every index in [-N, N)
+        idx = <const int64_t *>c.p[1]
+        for i in range(c.i[2]):
+            v = idx[i]
+            if v < -c.i[0] or v >= c.i[0]:
+                return False
+    elif c.kind == KIND_DECODE_TOKEN:  # the committed length, room in the cache and the rotary tables
+        pos, total = (<const int32_t *>c.p[7])[0], (<const int32_t *>c.p[8])[0]
+        if pos != (<const int64_t *>c.p[10])[0] or total != pos + 1 or pos < 1 or pos >= c.i[2] \
+                or (c.p[3] != NULL and pos >= c.i[7]):
+            return False
+    return True
+
+
+cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
+    """Run one admitted call (the operand order of ``_record.pxd``); 0, or -1 when memory ran out."""
+    if c.kind == KIND_DECODE_TOKEN:
+        return _decode_token(c, s)
     if c.kind == KIND_GATHER_ROWS:
-        return gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2],
-                               <float *>c.p[2]) < 0
-    if c.kind == KIND_MATMUL_PACKED:
+        gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2], <float *>c.p[2])
+    elif c.kind == KIND_MATMUL_PACKED:
         matmul_packed_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const float *>c.p[1], c.i[2], c.i[3],
                           <const float *>c.p[2], <float *>c.p[3], s)
     elif c.kind == KIND_RMS_NORM:
-        rms_f32_ptr(<const float *>c.p[0], <const float *>c.p[1], c.f, <float *>c.p[2], c.i[0], c.i[1], s)
+        rms_f32_ptr(<const float *>c.p[0], <const float *>c.p[1], c.f[0], <float *>c.p[2], c.i[0], c.i[1], s)
     elif c.kind == KIND_SKIP_RMS_NORM:
         skip_rms_f32_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[3],
-                         <const float *>c.p[2], c.f, <float *>c.p[4], <float *>c.p[5], c.i[0], c.i[1], s)
+                         <const float *>c.p[2], c.f[0], <float *>c.p[4], <float *>c.p[5], c.i[0], c.i[1], s)
     elif c.kind == KIND_ACTIVATION:
         act_f32_ptr(<int>c.i[0], <const float *>c.p[0], <const float *>c.p[1], <float *>c.p[2], c.i[1], s)
-    return True
+    return 0
+
+
+cdef inline int _decode_token(call_t *c, okv_settings s) noexcept nogil:
+    """KIND_DECODE_TOKEN (_record.pxd), admitted: the position read now; pos_io[1] = pos once done."""
+    cdef int64_t pos = (<const int32_t *>c.p[7])[0]
+    if decode_token_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[2],
+                        <const float *>c.p[3], <const float *>c.p[4], c.i[4], <int>c.i[5], <float *>c.p[5],
+                        <float *>c.p[6], c.i[0], c.i[1], c.i[2], c.i[3], pos, c.f[0], c.f[1], c.i[6],
+                        <float *>c.p[9], s) != 0:
+        return -1
+    (<int64_t *>c.p[10])[1] = pos
+    return 0

@@ -23,7 +23,17 @@ the run's buffers, when recording as when replaying), so a replay writes the
 same addresses as the recording and never memory a Python node holds.  Slots
 that later nodes or the graph outputs read are set to those arrays after the
 segment ran; :meth:`CompiledStep.owned_outputs` names the graph outputs that
-are the step's memory, which the plan copies before returning them.
+are the step's memory, which the plan copies before returning them.  A
+segment's external values that an earlier segment made are step memory too,
+which the buffers may have handed to this segment's calls again: they are
+pinned (a replay needs them at their recorded address, so a segment after one
+that ran in Python runs in Python too).
+
+Calls that write a state's cache (the fused decode attention) take the cache
+buffers of the run by name, and carry an *effect* (see
+:mod:`onnxkv._kernels._record`) that the replay runs around the program: its
+``before`` prepares what the calls check, its ``after`` stages what they wrote
+as the operator would and sets the node outputs it names.
 
 A step is used by one run at a time (the plan keeps idle steps in a pool, as
 its idle buffers).  Outputs equal the plain loop's bit for bit.
@@ -53,17 +63,44 @@ class Segment:
 
     Attributes:
         program: the recorded kernel calls.
-        external_slots: the slots whose values :attr:`program` takes each run, in its order.
+        external_slots: the values :attr:`program` takes each run, in its order: a slot (int), or the name
+            of a cache (str) whose current buffer the calls write.
         exports: ``(slot, array)`` for every value produced here that a later node or a graph output reads.
+        effects: ``(effect, output slots of its node)`` per recorded call with an effect (see
+            :mod:`onnxkv._kernels._record`), in node order.
     """
 
-    __slots__ = ("first", "end", "program", "external_slots", "exports")
+    __slots__ = ("first", "end", "program", "external_slots", "exports", "effects")
 
-    def __init__(self, first: int, end: int, program: Program, external_slots: list[int], exports: list) -> None:
+    def __init__(
+        self, first: int, end: int, program: Program, external_slots: list, exports: list, effects: list
+    ) -> None:
         self.first, self.end = first, end
         self.program = program
         self.external_slots = external_slots
         self.exports = exports
+        self.effects = effects
+
+    def replay(self, slots: list, rt: RunContext) -> bool:
+        """Run the program on this run's values; False (nothing run, or a call refused) when they differ
+        from the recording's."""
+        caches = rt.caches
+        try:
+            if self.effects:
+                for effect, _ in self.effects:
+                    if not effect.before(caches):
+                        return False
+            externals = [slots[s] if type(s) is int else caches[s].buffer for s in self.external_slots]
+        except (KeyError, TypeError, AttributeError):  # a cache this run does not have, or not a contiguous one
+            return False
+        if not self.program.run(externals):
+            return False
+        for s, v in self.exports:
+            slots[s] = v
+        for effect, outs in self.effects:
+            for index, value in effect.after(rt):
+                slots[outs[index]] = value
+        return True
 
 
 class CompiledStep:
@@ -102,10 +139,7 @@ class CompiledStep:
             if cancel is not None and cancel.cancelled:
                 node = plan.nodes[item.first]
                 raise Cancelled(f"run cancelled before node '{node.name or node.output[0]}'")
-            if item.program.run([slots[s] for s in item.external_slots]):
-                for s, v in item.exports:
-                    slots[s] = v
-            else:
+            if not item.replay(slots, rt):
                 self.stale = True
                 run_nodes(plan, item.first, item.end, slots, bufs, rt, cancel)
 
@@ -129,24 +163,31 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     items: list = []
     current: list = []  # the open segment: node indices
     calls: list = []
-    external: dict[int, np.ndarray] = {}  # slot -> the value the open segment read
+    external: dict = {}  # slot, or cache name -> the value the open segment read (or the cache buffer it wrote)
     produced: dict[int, np.ndarray] = {}  # slot -> value made in the open segment
+    effects: list = []  # (effect, output slots of its node)
+    step_memory: set[int] = set()  # ids of the values closed segments export (kept alive by them)
 
     def close_segment() -> None:
         if not current:
             return
         first, end = current[0], current[-1] + 1
         exports = [(s, v) for s, v in produced.items() if s in outputs or last_read.get(s, -1) >= end]
+        # Values of earlier segments are the step's memory, which the buffers may have handed to this
+        # segment's calls again: a replay needs them where they were recorded.
+        pinned = [e for e, v in enumerate(external.values()) if _derived(v, step_memory)]
         try:
-            program = Program(list(calls), list(external.values()))
+            program = Program(list(calls), list(external.values()), pinned)
         except ValueError:
             items.extend(current)
         else:
-            items.append(Segment(first, end, program, list(external), exports))
+            items.append(Segment(first, end, program, list(external), exports, list(effects)))
+            step_memory.update(id(v) for _, v in exports)
         current.clear()
         calls.clear()
         external.clear()
         produced.clear()
+        effects.clear()
 
     for k, (_, ins, outs) in enumerate(steps):
         args = [slots[i] for i in ins]
@@ -156,7 +197,12 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
             run_nodes(plan, k, k + 1, slots, bufs, rt, cancel)
             items.append(k)
             continue
-        reads = {i: slots[i] for i in ins if not constant[i] and i not in produced and slots[i] is not None}
+        unread = getattr(op, "replay_unread", ())
+        reads = {
+            i: slots[i]
+            for j, i in enumerate(ins)
+            if j not in unread and not constant[i] and i not in produced and slots[i] is not None
+        }
         recorder = Recorder()
         rt._plan_alloc = own.plan_alloc
         try:
@@ -165,16 +211,35 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         finally:
             rt._plan_alloc = bufs.plan_alloc
         results = [slots[s] for s in outs]
-        if recorder.refused or op.view_inputs or not all(r is None or isinstance(r, np.ndarray) for r in results):
+        set_by_effects = {j for effect in recorder.effects for j in effect.outputs}
+        if (
+            recorder.refused
+            or op.view_inputs
+            or not all(r is None or isinstance(r, np.ndarray) for r in results)
+            or any(last_read.get(outs[j], -1) > k for j in set_by_effects)  # a node reads a present: Python
+        ):
             close_segment()
             items.append(k)
             continue
         current.append(k)
         calls.extend(recorder.calls)
         external.update(reads)
-        produced.update((s, v) for s, v in zip(outs, results) if v is not None)
+        external.update(recorder.caches)
+        effects.extend((effect, outs) for effect in recorder.effects)
+        produced.update(
+            (s, v) for j, (s, v) in enumerate(zip(outs, results)) if v is not None and j not in set_by_effects
+        )
     close_segment()
     return CompiledStep(items, own, outputs)
+
+
+def _derived(value: np.ndarray, arrays: set[int]) -> bool:
+    """Whether ``value`` is one of ``arrays`` (ids) or a view of one."""
+    while value is not None:
+        if id(value) in arrays:
+            return True
+        value = value.base
+    return False
 
 
 def _last_reads(plan: Plan) -> dict[int, int]:

@@ -162,3 +162,93 @@ def test_more_than_64_externals_are_refused_at_build():
     externals = [np.zeros(1, np.float32) for _ in range(65)]
     with pytest.raises(ValueError, match="65 external arrays, at most 64"):
         Program([], externals)
+
+
+def _decode_call(rng, hq=4, hkv=2, d=16, cap=12, rows=20, rot=True):
+    """The arrays and parameters of one recorded decode-token call (the operand order of _record.pxd)."""
+    from onnxkv._kernels._record import DECODE_TOKEN
+
+    q, k, v = rand(rng, (1, 1, hq * d)), rand(rng, (1, 1, hkv * d)), rand(rng, (1, 1, hkv * d))
+    cos, sin = (rand(rng, (rows, d // 2)), rand(rng, (rows, d // 2))) if rot else (None, None)
+    kc, vc = rand(rng, (1, hkv, cap, d)), rand(rng, (1, hkv, cap, d))
+    seq, total = np.array([0], np.int32), np.array([0], np.int32)
+    out, io = np.empty((1, 1, hq * d), np.float32), np.zeros(2, np.int64)
+    half = 0 if cos is None else d // 2
+    call = (DECODE_TOKEN, (q, k, v, cos, sin, kc, vc, seq, total, out, io), (hq, hkv, cap, d, half, 0, -1, rows),
+            (d**-0.5, 0.0))  # fmt: skip
+    return call, dict(q=q, k=k, v=v, cos=cos, sin=sin, kc=kc, vc=vc, seq=seq, total=total, out=out, io=io)
+
+
+@pytest.mark.parametrize("rot", [True, False], ids=["rotary", "plain"])
+def test_a_decode_token_replay_reads_its_position_and_equals_the_kernel(simd, threads, rot):
+    from onnxkv._kernels import decode_token
+
+    rng = np.random.default_rng(7)
+    call, a = _decode_call(rng, rot=rot)
+    program = Program([call], [a["kc"], a["vc"]])
+    for pos in (3, 4, 9):
+        kc, vc = a["kc"].copy(), a["vc"].copy()  # new cache buffers of the same shape: externals
+        a["seq"][0], a["total"][0], a["io"][0] = pos, pos + 1, pos
+        a["q"][:] = rand(rng, a["q"].shape)  # baked operands: read at their recorded addresses
+        wk, wv, want = kc.copy(), vc.copy(), np.empty_like(a["out"])
+        assert decode_token(a["q"], a["k"], a["v"], a["cos"], a["sin"], False, wk, wv, pos, 16**-0.5, 0.0, -1, want)
+        assert program.run([kc, vc])
+        np.testing.assert_array_equal(a["out"], want)
+        np.testing.assert_array_equal(kc, wk)
+        np.testing.assert_array_equal(vc, wv)
+        assert a["io"][1] == pos
+
+
+@pytest.mark.parametrize(
+    "seq,total,committed",
+    [(5, 6, 4), (5, 5, 5), (0, 1, 0), (12, 13, 12), (-1, 0, -1), (2**31 - 1, -(2**31), 2**31 - 1)],
+    ids=["not-the-committed-length", "total-not-pos-plus-one", "first-token", "past-capacity", "negative", "wrap"],
+)
+def test_a_decode_token_replay_refuses_positions_it_cannot_take_and_writes_nothing(seq, total, committed):
+    rng = np.random.default_rng(8)
+    call, a = _decode_call(rng, cap=12, rows=20)
+    program = Program([call], [a["kc"], a["vc"]])
+    a["seq"][0], a["total"][0], a["io"][:] = seq, total, (committed, -7)
+    kc, vc, out = a["kc"].copy(), a["vc"].copy(), a["out"].copy()
+    assert not program.run([a["kc"], a["vc"]])
+    np.testing.assert_array_equal(a["kc"], kc)
+    np.testing.assert_array_equal(a["vc"], vc)
+    np.testing.assert_array_equal(a["out"], out)
+    assert a["io"][1] == -7
+
+
+def test_a_decode_token_replay_refuses_rotary_tables_shorter_than_the_position():
+    rng = np.random.default_rng(9)
+    call, a = _decode_call(rng, cap=12, rows=6)
+    program = Program([call], [a["kc"], a["vc"]])
+    a["seq"][0], a["total"][0], a["io"][0] = 6, 7, 6
+    assert not program.run([a["kc"], a["vc"]])
+    a["seq"][0], a["total"][0], a["io"][0] = 5, 6, 5
+    assert program.run([a["kc"], a["vc"]])
+
+
+def test_written_externals_must_not_overlap_another_external():
+    rng = np.random.default_rng(10)
+    call, a = _decode_call(rng)
+    program = Program([call], [a["kc"], a["vc"]])
+    a["seq"][0], a["total"][0], a["io"][0] = 3, 4, 3
+    kc = a["kc"].copy()
+    assert not program.run([kc, kc])  # the key and value caches one buffer: refused, nothing written
+    np.testing.assert_array_equal(kc, a["kc"])
+    assert program.run([a["kc"], a["vc"]])
+
+
+def test_a_pinned_external_must_be_the_recorded_memory():
+    # a caller's memory the calls reuse (a value an earlier segment made, whose buffer this segment writes again):
+    # an operand inside the pinned external is that memory, so another array there refuses the replay
+    rng = np.random.default_rng(11)
+    x, y = rand(rng, (2, 16)), rand(rng, (1, 16))
+    rec = Recorder()
+    with rec:
+        silu(y, x[1:])  # writes into the external's memory
+    assert Program(rec.calls, [x]).run([x.copy()])  # unpinned: the write goes to the array passed
+    program = Program(rec.calls, [x], [0])
+    other = x.copy()
+    assert not program.run([other])
+    np.testing.assert_array_equal(other, x)
+    assert program.run([x])

@@ -115,13 +115,93 @@ def test_runs_with_an_event_log_or_a_callers_allocator_run_node_by_node():
     assert onnxkv.Session(model, threads=1, compiled_steps=False).plan.steps is None
 
 
-def test_every_packed_product_and_the_embedding_of_a_decode_step_are_compiled_and_stay_so():
+def test_every_packed_product_the_embedding_and_the_attention_of_a_decode_step_are_compiled_and_stay_so():
     session = onnxkv.Session(build_model("gqa", MICRO, seed=10), threads=1)
     onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=12)
-    kinds = ("MatMul", "PrologueMatMul", "Gather")
+    kinds = ("MatMul", "PrologueMatMul", "Gather", "GroupQueryAttention")
     products = [k for k, op in enumerate(session.plan.kernels) if type(op).__name__ in kinds]
     assert products
     (step,) = session.plan.steps.idle
     compiled = {k for item in step.items if isinstance(item, Segment) for k in range(item.first, item.end)}
     assert compiled == set(products)
     assert not step.stale
+
+
+def _compiled_kinds(session):
+    (step,) = session.plan.steps.idle
+    return {type(session.plan.kernels[k]).__name__ for it in step.items if isinstance(it, Segment)
+            for k in range(it.first, it.end)}  # fmt: skip
+
+
+def test_decode_attention_replays_through_cache_growth_and_a_new_step_is_recorded_after_it():
+    model = build_model("gqa", MICRO, seed=11)
+    rng = np.random.default_rng(3)
+    prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 3)), rng.integers(1, MICRO.vocab_size, (12, 1))
+    runs = {}
+    for compiled in (False, True):
+        session = onnxkv.Session(model, threads=1, compiled_steps=compiled)
+        with session.new_state(cache=CacheConfig("contiguous", initial_capacity=4)) as state:
+            runs[compiled] = _steps(session, state, prompt, tokens)
+            assert state.length == 15  # grown 4 -> 8 -> 16 while replaying
+        if compiled:
+            assert "GroupQueryAttention" in _compiled_kinds(session)
+    for plain, replayed in zip(runs[False], runs[True]):
+        np.testing.assert_array_equal(plain, replayed)
+
+
+def test_states_taking_turns_on_one_session_replay_against_their_own_caches():
+    model = build_model("gqa", MICRO, seed=12)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, MICRO.vocab_size, (1, n)) for n in (3, 7)]
+    tokens = rng.integers(1, MICRO.vocab_size, (6, 1))
+    name = None
+    runs = {}
+    for compiled in (False, True):
+        session = onnxkv.Session(model, threads=1, compiled_steps=compiled)
+        name = session.model.io.logits
+        states = [session.new_state() for _ in prompts]
+        builders, outs, got = [], [], []
+        for state, prompt in zip(states, prompts):
+            b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([prompt.shape[1]]), 0, False)
+            feeds, _ = b.first()
+            builders.append(b)
+            outs.append(state.run(feeds, [name]))
+        for t in tokens:  # one step of each state in turn
+            for i, state in enumerate(states):
+                outs[i] = state.run(builders[i].next(np.asarray(t, np.int64), outs[i]), [name])
+                got.append(outs[i][name].copy())
+        for state in states:
+            state.close()
+        runs[compiled] = got
+    for plain, replayed in zip(runs[False], runs[True]):
+        np.testing.assert_array_equal(plain, replayed)
+
+
+def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_by_node():
+    model = build_model("gqa", MICRO, seed=13)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(1, MICRO.vocab_size, (1, 4))
+    outcomes = {}
+    for compiled in (False, True):
+        session = onnxkv.Session(model, threads=1, compiled_steps=compiled)
+        name = session.model.io.logits
+        with session.new_state() as state:
+            _steps(session, state, prompt, [[5], [6], [7]])
+            length = state.length
+            feeds = {"input_ids": np.array([[8]]), "attention_mask": np.ones((1, length + 3), np.int64)}
+            try:
+                state.run(feeds, [name])
+                outcomes[compiled] = ("ran", state.length)
+            except onnxkv.errors.OnnxkvError as e:
+                outcomes[compiled] = (type(e).__name__, str(e), state.length)
+            out = state.run({"input_ids": np.array([[9]]), "attention_mask": np.ones((1, state.length + 1), np.int64)})
+            outcomes[compiled] += (out[name].copy(),)
+    assert outcomes[False][:-1] == outcomes[True][:-1]
+    np.testing.assert_array_equal(outcomes[False][-1], outcomes[True][-1])
+
+
+def test_paged_decode_attention_stays_a_python_node():
+    session = onnxkv.Session(build_model("gqa", MICRO, seed=14), threads=1)
+    onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=6, cache=CacheConfig("paged", block_size=4))
+    kinds = _compiled_kinds(session)
+    assert "GroupQueryAttention" not in kinds and "MatMul" in kinds

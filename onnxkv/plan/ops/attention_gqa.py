@@ -89,6 +89,7 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels import decode_token as _decode_kernel
+from onnxkv._kernels._record import current as _recorder
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._attention_math import (
@@ -99,6 +100,7 @@ from onnxkv.plan.ops._attention_math import (
     position_bias,
 )
 from onnxkv.plan.ops._gqa_inputs import check_int32, check_past, row_lengths, scalar_total, split_qkv
+from onnxkv.plan.ops._gqa_record import note_decode
 from onnxkv.plan.ops._gqa_window import keep, stage, window_end
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -176,10 +178,21 @@ class GroupQueryAttention(Op):
 
     # -- run --------------------------------------------------------------------------------
 
+    def compilable(self, inputs: list) -> bool:
+        """A node bound to a state's caches may take the fused decode path, whose call a compiled step
+        replays (:meth:`_decode_token` notes it); any other run refuses the recording."""
+        return self.bound and not self.smooth_softmax
+
+    #: Inputs a recorded decode call does not read (the past views: it writes the cache buffers directly).
+    replay_unread = (3, 4)
+
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray | None]:
         fast = self._decode_token(inputs, rt)
         if fast is not None:
             return fast
+        rec = _recorder()
+        if rec is not None:
+            rec.refused.append(f"{self.op_type} node '{self.name}': not a fused decode call")
         inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
         cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]
@@ -479,6 +492,9 @@ class GroupQueryAttention(Op):
         if not done:
             return None
         outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
+        rec = _recorder()
+        if rec is not None:
+            note_decode(self, rec, (query, key, value, cos, sin), ck, cv, seqlens_k, total_seqlen, output)
         return outs[: len(self.node.output)]
 
     def _softmax_scale(self, d: int) -> float:

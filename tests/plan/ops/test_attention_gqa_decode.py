@@ -87,7 +87,9 @@ def _decode(session, state, steps: int, batch: int = 1) -> tuple[list[np.ndarray
 def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
     """Every decode step takes the path (growth of the cache included) with results bitwise equal to
     the general path's."""
-    session = onnxkv.Session(_packed_model() if attrs == "packed" else _model(**attrs), threads=threads)
+    # node by node: every step calls the path (the compiled step's replays of it: tests/plan/test_compiled_step.py)
+    model = _packed_model() if attrs == "packed" else _model(**attrs)
+    session = onnxkv.Session(model, threads=threads, compiled_steps=False)
     with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:  # grows during prefill and decode
         got_logits, got_values = _decode(session, st, steps=9)
     decode_calls = spy[-9 * MICRO.num_layers :]
