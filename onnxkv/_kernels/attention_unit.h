@@ -570,20 +570,35 @@ OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(const okv_attn_args *a, in
 #undef OKV_PAGE_AT
 }
 
+/* One function per native element format: each inlines the body once, with
+ * its format a constant (three bodies in one function optimise worse). */
+#define OKV_NATIVE_UNIT(name, fmt)                                                                               \
+    OKV_NOINLINE OKV_ATTR static int64_t OKV_I(name)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,  \
+                                                     int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,  \
+                                                     float *part, int64_t pstride) {                             \
+        return OKV_I(okv_attn_unit_body)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride, fmt, 0);              \
+    }
+OKV_NATIVE_UNIT(okv_attn_unit_f16, OKV_FMT_F16)
+OKV_NATIVE_UNIT(okv_attn_unit_bf16, OKV_FMT_BF16)
+#ifndef OKV_SIMD512
+OKV_NATIVE_UNIT(okv_attn_unit_f32, OKV_FMT_F32)
+#endif
+#undef OKV_NATIVE_UNIT
+
 /* The unit of a->kv_type pages (or contiguous cache).  Returns 0. */
 OKV_ATTR int64_t OKV_I(okv_attn_unit_native)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,
-                                                    int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,
-                                                    float *part, int64_t pstride) {
+                                             int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,
+                                             float *part, int64_t pstride) {
     switch (a->kv_type) {
     case OKV_KV_F16:
-        return OKV_I(okv_attn_unit_body)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride, OKV_FMT_F16, 0);
+        return OKV_I(okv_attn_unit_f16)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
     case OKV_KV_BF16:
-        return OKV_I(okv_attn_unit_body)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride, OKV_FMT_BF16, 0);
+        return OKV_I(okv_attn_unit_bf16)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
     default:
 #ifdef OKV_SIMD512   /* float32 K/V: the AVX2 unit (attention_tiles_avx512.h) */
         return okv_attn_unit_native_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
 #else
-        return OKV_I(okv_attn_unit_body)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride, OKV_FMT_F32, 0);
+        return OKV_I(okv_attn_unit_f32)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
 #endif
     }
 }

@@ -27,10 +27,14 @@ static int okv_thread_num(void) { return 0; }
 
 /* A function the compiler must inline into every caller (a constant argument
  * such as an element type or a tile width then folds into its loops). */
+/* OKV_NOINLINE: a function kept out of line (a large body the optimiser
+ * handles better alone than inlined next to its siblings). */
 #if defined(__GNUC__) || defined(__clang__)
 #define OKV_INLINE static inline __attribute__((always_inline))
+#define OKV_NOINLINE __attribute__((noinline))
 #else
 #define OKV_INLINE static inline
+#define OKV_NOINLINE
 #endif
 
 #if !defined(OKV_NO_SIMD) && (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
