@@ -49,6 +49,7 @@ from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.folding import NON_DETERMINISTIC, fold_node, foldable
 from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
+from onnxkv.plan.fusion_mask import fuse_mask_lengths
 from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls, fuse_sibling_nbits
 from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
@@ -198,6 +199,7 @@ class Plan:
             nodes = fuse_sibling_nbits(nodes, constants)
             nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
             nodes = fuse_prologue_matmuls(nodes, protected, constants)
+            nodes = fuse_mask_lengths(nodes, protected)
 
         self.bindings = list(bindings)
         by_node: dict[str, list] = {}

@@ -8,6 +8,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     control_flow,
     elementwise,
     gather_block_quantized,
+    mask_lengths,
     masked_attention,
     matmul,
     matmul_nbits,
