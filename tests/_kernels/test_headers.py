@@ -55,12 +55,17 @@ def sources():
 @pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("header", HEADERS or ["<none>"])
 def test_header_compiles_on_its_own(sources, header, portable):
+    _syntax_check(["-x", "c", "-I", str(KERNELS), str(KERNELS / header)], portable)
+
+
+def _syntax_check(source: list[str], portable: bool, warnings: tuple[str, ...] = ()) -> None:
+    """``cc -fsyntax-only`` on ``source`` (arguments), in the default or the portable build; skips without a
+    compiler."""
     cc = _compiler()
     if cc is None:
         pytest.skip("no C compiler (sysconfig CC or cc) on PATH")
     flags = [f"-D{_portable_macro()}"] if portable else []
-    source = ["-x", "c", "-I", str(KERNELS), str(KERNELS / header)]
-    cmd = [*cc, "-fsyntax-only", "-Werror=implicit-function-declaration", *flags, *source]
+    cmd = [*cc, "-fsyntax-only", *warnings, "-Werror=implicit-function-declaration", *flags, *source]
     run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stderr}"
 
@@ -148,12 +153,5 @@ def test_the_checks_follow_the_includes(sources):
 @pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("source", SOURCES or ["<none>"])
 def test_c_source_compiles(sources, source, portable):
-    # each level's translation unit compiles on its own, with every warning the build shows, in both builds
-    cc = _compiler()
-    if cc is None:
-        pytest.skip("no C compiler (sysconfig CC or cc) on PATH")
-    flags = [f"-D{_portable_macro()}"] if portable else []
-    warn = ["-std=c11", "-Wall", "-Werror=implicit-function-declaration"]
-    cmd = [*cc, "-fsyntax-only", *warn, *flags, "-I", str(KERNELS), str(KERNELS / source)]
-    run = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stderr}"
+    # each level's translation unit compiles on its own, with the build's warnings, in both builds
+    _syntax_check(["-I", str(KERNELS), str(KERNELS / source)], portable, ("-std=c11", "-Wall"))

@@ -58,7 +58,12 @@ def test_replayed_steps_equal_node_by_node_runs(family, cache, batch):
             step = session.plan.steps.idle[0]
             assert step.compiled_nodes > 0
             assert any(isinstance(item, Segment) for item in step.items)
-    for plain, replayed in zip(runs[False], runs[True]):
+    _assert_equal_runs(runs)
+
+
+def _assert_equal_runs(runs: dict) -> None:
+    """The node-by-node run's values (``runs[False]``) equal the replayed run's bit for bit."""
+    for plain, replayed in zip(runs[False], runs[True], strict=True):
         np.testing.assert_array_equal(plain, replayed)
 
 
@@ -145,8 +150,7 @@ def test_decode_attention_replays_through_cache_growth_and_a_new_step_is_recorde
             assert state.length == 15  # grown 4 -> 8 -> 16 while replaying
         if compiled:
             assert "GroupQueryAttention" in _compiled_kinds(session)
-    for plain, replayed in zip(runs[False], runs[True]):
-        np.testing.assert_array_equal(plain, replayed)
+    _assert_equal_runs(runs)
 
 
 def test_states_taking_turns_on_one_session_replay_against_their_own_caches():
@@ -173,8 +177,7 @@ def test_states_taking_turns_on_one_session_replay_against_their_own_caches():
         for state in states:
             state.close()
         runs[compiled] = got
-    for plain, replayed in zip(runs[False], runs[True]):
-        np.testing.assert_array_equal(plain, replayed)
+    _assert_equal_runs(runs)
 
 
 def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_by_node():
