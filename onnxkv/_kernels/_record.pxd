@@ -16,3 +16,4 @@ cdef enum:
     # pos = seqlens_k[0]; refused unless pos == pos_io[0] (the committed length, set before each replay),
     # total == pos + 1, 1 <= pos < Cap and pos < cos rows; on success pos_io[1] = pos.
     KIND_DECODE_TOKEN = 6
+    KIND_MATMUL_NBITS = 7    # arrays (x, PackedNBits weight, bias or None, out); ints (M, int8)

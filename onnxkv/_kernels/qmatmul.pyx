@@ -27,7 +27,7 @@ them alone for a while when a team member keeps arriving late.
 The exact arithmetic of each path is the contract in qmatmul.h; the NumPy
 twins are ``reference.matmul_nbits_int8`` and ``reference.matmul_nbits_f32``.
 """
-from libc.stdint cimport int8_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 from cython.parallel cimport prange
@@ -35,6 +35,7 @@ from cython.parallel cimport prange
 from onnxkv._kernels._runtime cimport (okv_now_ns, okv_settings, okv_settings_get, okv_settings_mine,
                                        okv_team_finished, okv_team_threads)
 from onnxkv._kernels._ranges cimport _disjoint
+from onnxkv._kernels._record cimport KIND_MATMUL_NBITS, recorder
 import numpy as np
 
 from . import _validate as V
@@ -75,7 +76,8 @@ cdef extern from "matmul.h" nogil:
 
 #: Rows up to which the float32 (int8=False) products run on the block kernels; more rows take the
 #: dequantize + float32 path.  int8 products run on the block kernels at every row count.
-DECODE_M = 8
+DEF DECODE_ROWS = 8
+DECODE_M = DECODE_ROWS
 DEF DEQ_G = 4            # panels (of 16 columns) a prefill thread dequantizes at a time
 #: Panels (of 16 columns) a prefill thread dequantizes at a time.
 DEQ_PANELS = DEQ_G
@@ -258,10 +260,10 @@ cdef void _decode(okv_qmm *a, int int8, int isa, int nt, int64_t *done) noexcept
             done[0] = okv_now_ns()
 
 
-cdef int _prefill(okv_qmm *a, const float *x, int fisa, int misa, int nt) except -1 nogil:
+cdef int _prefill(okv_qmm *a, const float *x, int fisa, int misa, int nt) noexcept nogil:
     """Groups of DEQ_PANELS panels: dequantized into a buffer of each thread, then
-    the packed float32 kernel for all M rows.  Returns -1 (MemoryError) when a
-    buffer cannot be allocated (out is then partly written)."""
+    the packed float32 kernel for all M rows.  Returns -1 when a buffer cannot
+    be allocated (out is then partly written)."""
     cdef int64_t G = DEQ_G, ng = (a.P + G - 1) // G, t, g, g0, g1, p0, p1, ncol
     cdef int failed = 0
     cdef float *buf
@@ -282,10 +284,7 @@ cdef int _prefill(okv_qmm *a, const float *x, int fisa, int misa, int nt) except
                 okv_matmul_packed_f32_ld(x, a.M, a.K, buf, ncol, a.N, NULL if a.bias == NULL else a.bias + p0 * 16,
                                          a.out + p0 * 16, 0, p1 - p0, misa)
             free(buf)
-    if failed:
-        with gil:
-            raise MemoryError(f"matmul_nbits: no memory for a {G * a.K * 16 * 4}-byte dequantization buffer")
-    return 0
+    return -1 if failed else 0
 
 
 cdef int _mmp_isa(okv_settings s) noexcept nogil:
@@ -295,40 +294,69 @@ cdef int _mmp_isa(okv_settings s) noexcept nogil:
 
 
 cdef int _run(okv_qmm *a, const float *x, bint int8, okv_settings s) except -1:
-    """Every path of matmul_nbits on checked arguments (a: weight, out, bias and M set)."""
+    """``_run_units`` for a Python caller: raises MemoryError when a buffer cannot be allocated."""
+    cdef int rc
+    with nogil:
+        rc = _run_units(a, x, int8, s)
+    if rc == -1:
+        raise MemoryError(f"matmul_nbits: no memory for {a.M} rows of activation blocks")
+    if rc == -2:
+        raise MemoryError(f"matmul_nbits: no memory for a {DEQ_G * a.K * 16 * 4}-byte dequantization buffer")
+    return 0
+
+
+cdef int _run_units(okv_qmm *a, const float *x, bint int8, okv_settings s) noexcept nogil:
+    """Every path of matmul_nbits on checked arguments (a: weight, out, bias and M set).  Returns 0; -1
+    when the activation blocks, -2 when a dequantization buffer cannot be allocated."""
     cdef int nt = s.threads
     cdef int64_t span = a.nblk * a.bs, t0, done = 0
-    cdef bint decode = a.M <= DECODE_M
+    cdef bint decode = a.M <= DECODE_ROWS
     cdef void *scratch
     if a.M * a.K * a.N < PAR_MIN:
         nt = 1
     if not int8 and not decode:
-        with nogil:
-            _prefill(a, x, _float_isa(s), _mmp_isa(s), nt)
-        return 0
+        return -2 if _prefill(a, x, _float_isa(s), _mmp_isa(s), nt) != 0 else 0
     nt = min(nt, MAX_TEAM, <int>((a.P + 3) // 4))
     if decode:
         nt = okv_team_threads(s, nt)
     # int8: xq [M, span] int8 + xs, xsum [M, nblk]; float: xp [M, span] (a copy when K % bs) + xsum
     scratch = malloc(<size_t>(a.M * (span * (1 if int8 else 4) + 8 * a.nblk)) + 64)
     if scratch == NULL:
-        raise MemoryError(f"matmul_nbits: no memory for {a.M} rows of activation blocks")
-    with nogil:
-        a.xsum = <float *>scratch
-        if int8:
-            a.xs = a.xsum + a.M * a.nblk
-            a.xq = <int8_t *>(a.xs + a.M * a.nblk)
-            okv_qmm_quant_rows(x, a.M, a.K, a.bs, a.nblk, <int8_t *>a.xq, <float *>a.xs, <float *>a.xsum,
-                               _float_isa(s))
-        else:
-            a.x = x if span == a.K else a.xsum + a.M * a.nblk
-            okv_qmm_float_rows(x, a.M, a.K, a.bs, a.nblk, <float *>a.x, <float *>a.xsum)
-        t0 = okv_now_ns()
-        _decode(a, int8, _int8_isa(s) if int8 else _float_isa(s), nt, &done)
+        return -1
+    a.xsum = <float *>scratch
+    if int8:
+        a.xs = a.xsum + a.M * a.nblk
+        a.xq = <int8_t *>(a.xs + a.M * a.nblk)
+        okv_qmm_quant_rows(x, a.M, a.K, a.bs, a.nblk, <int8_t *>a.xq, <float *>a.xs, <float *>a.xsum,
+                           _float_isa(s))
+    else:
+        a.x = x if span == a.K else a.xsum + a.M * a.nblk
+        okv_qmm_float_rows(x, a.M, a.K, a.bs, a.nblk, <float *>a.x, <float *>a.xsum)
+    t0 = okv_now_ns()
+    _decode(a, int8, _int8_isa(s) if int8 else _float_isa(s), nt, &done)
     free(scratch)
     if nt > 1 and decode:
         okv_team_finished(s, t0, done)
     return 0
+
+
+cdef uintptr_t nbits_weight_address(object w) except 0:
+    """The address of a PackedNBits' call arguments (for ``matmul_nbits_ptr``; valid while ``w`` lives)."""
+    if not isinstance(w, PackedNBits):
+        raise TypeError(f"expected a PackedNBits, got {type(w).__name__}")
+    return <uintptr_t>&(<PackedNBits>w).base
+
+
+cdef int matmul_nbits_ptr(const void *w, const float *x, int64_t M, const float *bias, float *out, int int8,
+                          okv_settings s) noexcept nogil:
+    """``matmul_nbits`` on checked pointers (the compiled step's replay calls it): w from
+    ``nbits_weight_address``, x [M, K], out [M, N] disjoint from x and bias [N] (or NULL), M >= 1.
+    Returns 0, or a negative code when memory runs out (see ``_run_units``)."""
+    cdef okv_qmm a = (<const okv_qmm *>w)[0]
+    a.M = M
+    a.bias = bias
+    a.out = out
+    return _run_units(&a, x, int8, s)
 
 
 cdef bint _fast(x, PackedNBits w, out, bias, bint int8) except -1:
@@ -375,6 +403,9 @@ def matmul_nbits(x, PackedNBits w, out, bias=None, bint int8=True):
     arguments are checked in C; only a failing check takes the Python checks.)
     """
     if _fast(x, w, out, bias, int8):
+        rec = recorder()
+        if rec is not None:
+            rec.note(KIND_MATMUL_NBITS, (x, w, bias, out), (x.shape[0], int(int8)), ())
         return
     V.array("x", x, (V.F32,), ndim=2)
     if x.shape[1] != w.K:

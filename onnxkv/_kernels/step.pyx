@@ -34,14 +34,15 @@ from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strcmp
 
-from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MATMUL_PACKED,
-                                      KIND_RMS_NORM, KIND_SKIP_RMS_NORM)
+from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MATMUL_NBITS,
+                                      KIND_MATMUL_PACKED, KIND_RMS_NORM, KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
 from onnxkv._kernels.attention cimport decode_token_ptr
 from onnxkv._kernels.gather cimport gather_rows_ptr
 from onnxkv._kernels.matmul cimport matmul_packed_ptr
 from onnxkv._kernels.norm cimport rms_f32_ptr, skip_rms_f32_ptr
+from onnxkv._kernels.qmatmul cimport matmul_nbits_ptr, nbits_weight_address
 
 __all__ = ["Program", "WRITTEN"]
 
@@ -53,13 +54,15 @@ DEF MAX_EXT = 64  # external arrays at most (a larger segment is not made: its n
 
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
-           KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10)}
+           KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,)}
 #: Operands whose values decide whether a call accepts the run (read before any call runs: never written by a
 #: call of the program).
 CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8)}
 #: Operand count of each kind.
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
-             KIND_DECODE_TOKEN: 11}
+             KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4}
+#: Operands that are not arrays: (kind, position) -> the address of the C arguments they stand for.
+_OPAQUE = {(KIND_MATMUL_NBITS, 1)}
 
 
 cdef struct call_t:
@@ -154,6 +157,10 @@ cdef class Program:
             for j, a in enumerate(arrays):
                 cl.ext[j] = -1
                 if a is None:
+                    continue
+                if (kind, j) in _OPAQUE:   # a packed weight object: baked, kept alive here
+                    cl.p[j] = <void *>nbits_weight_address(a)
+                    self.keep.append(a)
                     continue
                 lo, hi = _addr(a), _addr(a) + a.nbytes
                 inside = [k for k, (b0, b1) in enumerate(bounds) if b0 <= lo and hi <= b1 and hi > lo]
@@ -290,6 +297,9 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
         return _decode_token(c, s)
     if c.kind == KIND_GATHER_ROWS:
         gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2], <float *>c.p[2])
+    elif c.kind == KIND_MATMUL_NBITS:
+        return -1 if matmul_nbits_ptr(c.p[1], <const float *>c.p[0], c.i[0], <const float *>c.p[2],
+                                      <float *>c.p[3], <int>c.i[1], s) != 0 else 0
     elif c.kind == KIND_MATMUL_PACKED:
         matmul_packed_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const float *>c.p[1], c.i[2], c.i[3],
                           <const float *>c.p[2], <float *>c.p[3], s)

@@ -252,3 +252,36 @@ def test_a_pinned_external_must_be_the_recorded_memory():
     assert not program.run([other])
     np.testing.assert_array_equal(other, x)
     assert program.run([x])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12])
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_a_block_quantized_product_replays_bit_for_bit(simd, threads, rows, int8, with_bias):
+    from nbits_weights import make_weight
+    from onnxkv._kernels.qmatmul import matmul_nbits, pack_nbits
+
+    rng = np.random.default_rng(rows)
+    K_, N = 96, 40
+    w = pack_nbits(*make_weight(rng, K_, N, 4, 32, "uint8"), K_, N, 4, 32)
+    bias = rand(rng, (N,)) if with_bias else None
+    x, out = rand(rng, (rows, K_)), np.empty((rows, N), np.float32)
+    rec = Recorder()
+    with rec:
+        matmul_nbits(x, w, out, bias, int8=int8)
+    assert not rec.refused and [c[0] for c in rec.calls] == [7]
+    program = Program(rec.calls, [x])
+    del w  # the program keeps the weight alive
+    for _ in range(2):
+        x2 = rand(rng, (rows, K_))
+        want = np.empty_like(out)
+        matmul_nbits(x2, rec.calls[0][1][1], want, bias, int8=int8)
+        assert program.run([x2])
+        np.testing.assert_array_equal(out, want)
+
+
+def test_an_opaque_operand_must_be_a_packed_weight():
+    rng = np.random.default_rng(12)
+    x, out = rand(rng, (1, 32)), np.empty((1, 16), np.float32)
+    with pytest.raises(TypeError, match="PackedNBits"):
+        Program([(7, (x, np.zeros(4, np.uint8), None, out), (1, 1), ())], [x])

@@ -208,3 +208,20 @@ def test_paged_decode_attention_stays_a_python_node():
     onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=6, cache=CacheConfig("paged", block_size=4))
     kinds = _compiled_kinds(session)
     assert "GroupQueryAttention" not in kinds and "MatMul" in kinds
+
+
+@pytest.mark.parametrize("accuracy_level", [4, 0], ids=["int8-activations", "float-activations"])
+def test_block_quantized_products_replay_with_the_node_by_node_results(tmp_path, accuracy_level):
+    path = tmp_path / "int4.onnx"
+    onnxkv.quantize_weights(build_model("gqa", MICRO, seed=15), path, bits=4, accuracy_level=accuracy_level)
+    rng = np.random.default_rng(6)
+    prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 5)), rng.integers(1, MICRO.vocab_size, (6, 1))
+    runs = {}
+    for compiled in (False, True):
+        session = onnxkv.Session(path, threads=1, compiled_steps=compiled)
+        with session.new_state() as state:
+            runs[compiled] = _steps(session, state, prompt, tokens)
+        if compiled:
+            kinds = _compiled_kinds(session)
+            assert {"MatMulNBits", "SiblingMatMulNBits"} & kinds and "GroupQueryAttention" in kinds
+    _assert_equal_runs(runs)

@@ -150,6 +150,25 @@ class MatMulNBits(Op):
                 o += bias
         return o
 
+    def compilable(self, inputs: list) -> bool:
+        """One kernel call on A as it is: C-contiguous float32 [..., K], rows the kernel takes, and no bias
+        or a float32 one (no per-run copies)."""
+        bias = inputs[5] if len(inputs) > 5 else None
+        return self._one_call(inputs[0]) and (
+            bias is None or (bias.dtype == np.float32 and bias.shape == (self.n,) and bias.flags.c_contiguous)
+        )
+
+    def _one_call(self, a) -> bool:
+        return (
+            isinstance(a, np.ndarray)
+            and a.dtype == np.float32
+            and a.ndim >= 1
+            and a.shape[-1] == self.k
+            and a.size > 0
+            and a.flags.c_contiguous
+            and (self.int8 or a.size // self.k <= BLAS_M)
+        )
+
     def run(self, inputs: list, rt) -> tuple:
         a, bias = inputs[0], inputs[5] if len(inputs) > 5 else None
         if bias is not None and (bias.dtype not in _FLOATS or bias.shape != (self.n,)):
@@ -215,6 +234,10 @@ class SiblingMatMulNBits(MatMulNBits):
         ends = np.cumsum(ns).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
         self.absorbed_inputs = tuple(i for i in range(1, len(node.input)) if node.input[i])
+
+    def compilable(self, inputs: list) -> bool:
+        """One kernel call and one row (the outputs are views of the product, no copies)."""
+        return self._one_call(inputs[0]) and inputs[0].size == self.k
 
     def run(self, inputs: list, rt) -> tuple:
         a = inputs[0]
