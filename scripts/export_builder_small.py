@@ -28,7 +28,7 @@ def _small_config():
     """onnxkv.zoo.config.SMALL, read from its file (this environment need not have onnxkv built)."""
     import importlib.util
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "onnxkv" / "models" / "config.py"
+    path = pathlib.Path(__file__).resolve().parent.parent / "onnxkv" / "zoo" / "config.py"
     spec = importlib.util.spec_from_file_location("_onnxkv_model_config", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look the module up while the class is made

@@ -343,7 +343,7 @@ def main() -> None:
     gcfg["model"]["context_length"] = MAX_POS
     gcfg["search"]["max_length"] = MAX_POS
     gcfg_path.write_text(json.dumps(gcfg, indent=4) + "\n")
-    dst = REPO / "onnxkv" / "models" / "data" / cfg["out"]
+    dst = REPO / "onnxkv" / "zoo" / "data" / cfg["out"]
     names = ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "tokenizer_config.json"]
     copy_only(out_tmp, dst, names)
     print("exported files:", sorted(p.name for p in dst.iterdir()), f"total {dir_size(dst) / 2**20:.2f} MiB")
