@@ -147,10 +147,12 @@ class Op:
         """True when ``run(inputs, rt)`` would write only through kernels a compiled step replays.
 
         That is: every write goes through the noting kernels of
-        :mod:`onnxkv._kernels._record` (packed products, RMS norms, activations),
-        every other value is a fresh allocation or a view, and no scalar read
-        from ``inputs`` steers the calls (their arguments depend on the input
-        shapes only).  A compiled step (:mod:`onnxkv.plan.compiled_step`) then
+        :mod:`onnxkv._kernels._record` (packed and block-quantized products,
+        RMS norms, activations, embedding rows), every other value is a fresh
+        allocation or a view, and no scalar read from ``inputs`` steers the
+        calls (their arguments depend on the input shapes only; an operator
+        that reads one notes it as a call that checks it when replayed, as
+        GroupQueryAttention's fused decode does).  A compiled step (:mod:`onnxkv.plan.compiled_step`) then
         records the node's kernel calls once and replays them while the inputs
         keep their shapes.  The default is False: the node always runs in Python.
         """
