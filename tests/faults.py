@@ -6,14 +6,16 @@
   ``"injected failure after node k"``.
 * :class:`CancelOnCheck` is a cancellation token that fires on its ``k``-th
   check (0-based); the plan checks before every node, so the run stops
-  before node ``k`` (after node ``k - 1`` ran).
+  before node ``k`` (after node ``k - 1`` ran) -- when it runs node by node
+  (:func:`node_by_node`): a compiled step checks before each of its items
+  (a Python node or a segment of nodes).
 """
 
 from __future__ import annotations
 
 import contextlib
 
-__all__ = ["CancelOnCheck", "failing_after"]
+__all__ = ["CancelOnCheck", "failing_after", "node_by_node"]
 
 
 class CancelOnCheck:
@@ -40,9 +42,18 @@ def failing_after(plan, k: int):
         raise RuntimeError(f"injected failure after node {k}")
 
     plan._steps[k] = (fail, ins, outs)
+    try:
+        with node_by_node(plan):
+            yield
+    finally:
+        plan._steps[k] = (run, ins, outs)
+
+
+@contextlib.contextmanager
+def node_by_node(plan):
+    """Run ``plan`` without compiled steps (every node through Python) while inside; restored on exit."""
     steps, plan.steps = plan.steps, None
     try:
         yield
     finally:
-        plan._steps[k] = (run, ins, outs)
         plan.steps = steps

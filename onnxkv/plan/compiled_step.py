@@ -112,13 +112,24 @@ class CompiledStep:
         stale: a segment's check failed on a run (the plan drops the step).
     """
 
-    def __init__(self, items: list, buffers: RunBuffers, output_slots: set[int]) -> None:
+    def __init__(self, items: list, buffers: RunBuffers, output_slots: set[int], signature: tuple = ()) -> None:
         self.items = items
         self.buffers = buffers
         self.stale = False
         exported = {s for item in items if isinstance(item, Segment) for s, _ in item.exports}
         #: Graph output slots whose value is this step's memory (copied before they are returned).
         self.owned_outputs = exported & output_slots
+        #: ``(slot, shape)`` of the graph inputs the segments take (a run whose inputs differ there would fail
+        #: their checks: :class:`StepPool` gives it another step).
+        self.signature = signature
+
+    def fits(self, slots: list) -> bool:
+        """Whether the graph inputs of ``slots`` have the shapes this step's segments were recorded with."""
+        for s, shape in self.signature:
+            v = slots[s]
+            if v is None or v.shape != shape:
+                return False
+        return True
 
     @property
     def compiled_nodes(self) -> int:
@@ -230,7 +241,9 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
             (s, v) for j, (s, v) in enumerate(zip(outs, results)) if v is not None and j not in set_by_effects
         )
     close_segment()
-    return CompiledStep(items, own, outputs)
+    inputs = set(plan.input_slots)
+    taken = {s for item in items if isinstance(item, Segment) for s in item.external_slots if s in inputs}
+    return CompiledStep(items, own, outputs, tuple((s, slots[s].shape) for s in sorted(taken)))
 
 
 def _derived(value: np.ndarray, arrays: set[int]) -> bool:
@@ -254,14 +267,20 @@ def _last_reads(plan: Plan) -> dict[int, int]:
 class StepPool:
     """A plan's idle compiled steps, and when to record one.
 
-    The first run of a plan runs plain (a prompt rarely repeats its shapes);
-    every later run without an idle step records one, which the runs after it
-    replay.  A step is taken for one run and given back after it (stale steps
-    are closed instead), so concurrent runs never share one.
+    The first run of a plan runs plain (a prompt rarely repeats its shapes).
+    A later run takes the most recently used idle step whose graph-input
+    shapes fit (:meth:`CompiledStep.fits`: a decode step and a speculative
+    verification of several tokens each keep their own), or records one when
+    none fits; at most :attr:`MAX_IDLE` steps are kept (the least recently
+    used is closed).  A step is taken for one run and given back after it
+    (stale steps are closed instead), so concurrent runs never share one.
     """
 
+    #: Idle steps kept at most.
+    MAX_IDLE = 4
+
     def __init__(self) -> None:
-        self.idle: list[CompiledStep] = []
+        self.idle: list[CompiledStep] = []  # least recently used first
         self.runs = 0
 
     def run(self, plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> CompiledStep | None:
@@ -270,10 +289,12 @@ class StepPool:
         Returns the step used (give it back with :meth:`done`), or None.
         """
         self.runs += 1
-        try:
-            step = self.idle.pop()
-        except IndexError:
-            step = None
+        step = None
+        idle = self.idle
+        for i in range(len(idle) - 1, -1, -1):
+            if idle[i].fits(slots):
+                step = idle.pop(i)
+                break
         if step is not None:
             try:
                 step.run(plan, slots, bufs, rt, cancel)
@@ -293,13 +314,16 @@ class StepPool:
             raise
 
     def done(self, step: CompiledStep | None) -> None:
-        """Give back the step a run used: idle again, or closed when stale or compiling nothing."""
+        """Give back the step a run used: idle again (the most recent), or closed when stale or compiling
+        nothing; the least recently used idle step is closed past :attr:`MAX_IDLE`."""
         if step is None:
             return
         if step.stale or not step.compiled_nodes:
             step.close()
-        else:
-            self.idle.append(step)
+            return
+        self.idle.append(step)
+        if len(self.idle) > self.MAX_IDLE:
+            self.idle.pop(0).close()
 
     def close(self) -> None:
         """Close every idle step."""

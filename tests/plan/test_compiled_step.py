@@ -225,3 +225,26 @@ def test_block_quantized_products_replay_with_the_node_by_node_results(tmp_path,
             kinds = _compiled_kinds(session)
             assert {"MatMulNBits", "SiblingMatMulNBits"} & kinds and "GroupQueryAttention" in kinds
     _assert_equal_runs(runs)
+
+
+def test_a_replay_cancelled_before_any_of_its_items_leaves_the_state_as_it_was():
+    from faults import CancelOnCheck
+
+    session = onnxkv.Session(build_model("gqa", MICRO, seed=16), threads=1)
+    rng = np.random.default_rng(7)
+    with session.new_state() as state:
+        _steps(session, state, rng.integers(1, MICRO.vocab_size, (1, 4)), [[5], [6]])  # records, replays
+        (step,) = session.plan.steps.idle
+        items = len(step.items)
+        feeds = {"input_ids": np.array([[7]]), "attention_mask": np.ones((1, state.length + 1), np.int64)}
+        before = {n: np.array(v) for n, v in state.values.items()}, state.length
+        for k in range(items):  # a compiled step checks before each item (a Python node or a segment)
+            token = CancelOnCheck(k)
+            with pytest.raises(onnxkv.errors.Cancelled):
+                state.run(feeds, cancel=token)
+            assert token.checks == k + 1
+            assert state.length == before[1]
+            for n, v in state.values.items():
+                np.testing.assert_array_equal(v, before[0][n])
+        state.run(feeds)
+        assert state.length == before[1] + 1

@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 import pytest
-from faults import CancelOnCheck, failing_after
+from faults import CancelOnCheck, failing_after, node_by_node
 from onnx import TensorProto, helper
 
 import onnxkv
@@ -82,7 +82,7 @@ def assert_every_stop_leaves_states_unchanged(session, state, feeds, watched=())
             state.run(feeds)
         assert snapshot(states) == before, f"failure after node {k} ({plan.nodes[k].op_type}) changed a state"
         token = CancelOnCheck(k)
-        with pytest.raises(Cancelled):
+        with node_by_node(plan), pytest.raises(Cancelled):
             state.run(feeds, cancel=token)
         assert token.checks == k + 1
         assert snapshot(states) == before, f"cancellation before node {k} ({plan.nodes[k].op_type}) changed a state"

@@ -30,7 +30,7 @@ import functools
 import numpy as np
 import pytest
 from deprecations import warns_deprecated
-from faults import CancelOnCheck, failing_after
+from faults import CancelOnCheck, failing_after, node_by_node
 from fuzzing import hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
@@ -264,7 +264,7 @@ class StateMachine(RuleBasedStateMachine):
         k = data.draw(st.integers(0, len(self.sess.plan.nodes) - 1), label="node")
         before = snapshot(h)
         if how == "cancel":
-            with pytest.raises((Cancelled, OutOfMemory)):
+            with node_by_node(self.sess.plan), pytest.raises((Cancelled, OutOfMemory)):
                 h.state.run(feeds(self.sess, h.length, tokens), cancel=CancelOnCheck(k))
         else:
             with failing_after(self.sess.plan, k), pytest.raises((OperatorError, OutOfMemory)):
