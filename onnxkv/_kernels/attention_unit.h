@@ -2,27 +2,22 @@
  * instruction set (the work unit: attention.h), and the per-page-format tile
  * dispatchers they use.
  *
- * Included once, by the translation unit of one level
- * (attention_unit_<level>.c), with OKV_SFX (_scalar, _avx2 or _avx512: the
- * suffix of every function here and of the level's tiles okv_qk_rows<SFX> /
- * okv_pv_rows<SFX>), OKV_ATTR (the level's target attribute) and, for
- * AVX-512, OKV_SIMD512 (the interleaved 4-bit order, the AMX key scores when
- * the build has them); it undefines them.  The level is the one axis
- * instantiated textually: every function here carries its level's target
- * attribute, and a function with a target attribute cannot be inlined into
- * one without it.  Element formats and the family of a unit are constant
- * arguments of always-inlined functions instead.  Without OKV_SFX (the
- * header compiled on its own) it instantiates the scalar level.  The two
- * unit functions are external (attention_units.h declares them); the rest
- * is static to the level's translation unit.
+ * Included once, by the C file of one level (attention_unit_<level>.c), with
+ * OKV_SFX (_scalar, _avx2 or _avx512: the suffix of every function here and
+ * of the level's tiles okv_qk_rows<SFX> / okv_pv_rows<SFX>), OKV_ATTR (the
+ * level's target attribute) and, for AVX-512, OKV_SIMD512 (the interleaved
+ * 4-bit order, the AMX key scores when the build has them); it undefines
+ * them (without OKV_SFX, compiled alone, it instantiates the scalar level).
+ * The level is the one axis instantiated textually, since a function with a
+ * target attribute cannot be inlined into one without it; element formats
+ * and the unit family are constant arguments of always-inlined functions.
  *
- * Two families of units per level:
+ * The two external units of a level (attention_units.h):
  *   okv_attn_unit_native<SFX>: every page (or the contiguous cache) holds
- *     a->kv_type elements, a constant of each of the unit's inlined bodies.
- *   okv_attn_unit_mixed<SFX>: per-page formats (a->k_fmt / a->v_fmt); the
- *     page's formats, read once per page by okv_attn_qpage, select the tiles
- *     of that page (okv_qk_fmt<SFX> / okv_pv_fmt<SFX>); the unit returns the
- *     bytes of quantized codes and header entries it loaded.
+ *     a->kv_type elements;
+ *   okv_attn_unit_mixed<SFX>: per-page formats (a->k_fmt / a->v_fmt), read
+ *     once per page by okv_attn_qpage, select the page's tiles
+ *     (okv_qk_fmt<SFX> / okv_pv_fmt<SFX>).
  * ws: okv_attn_ws_floats(nh*R, D) floats, plus okv_attn_amx_ws_floats with
  * AMX key scores.  part == NULL: normalise and write out[b, hk*G+g, t, :];
  * else write the unnormalised state per row of head hk0+h as part[h*pstride
@@ -48,6 +43,11 @@
 #define OKV_CAT(a, b) OKV_CAT_(a, b)
 /* name + instruction set */
 #define OKV_I(name) OKV_CAT(name, OKV_SFX)
+/* The parameters of a work unit (attention_units.h), and passing them on. */
+#define OKV_UNIT_ARGS                                                                                        \
+    const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, int64_t t0, int64_t t1, int64_t c0, int64_t c1, \
+        float *ws, float *part, int64_t pstride
+#define OKV_UNIT_PASS a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride
 
 /* Formats whose raw-code tiles work in the interleaved order (AVX-512 4-bit),
  * and the query rows / accumulator rows the dispatchers pass them. */
@@ -144,12 +144,9 @@ OKV_ATTR static void OKV_I(okv_qk_fmt)(int fmt, int pc, const float *const *qr, 
     switch (fmt) {
     case OKV_FMT_F16: OKV_I(okv_qk_rows)(qr, nr, k, n, D, scale, s, pf, OKV_FMT_F16); return;
     case OKV_FMT_BF16: OKV_I(okv_qk_rows)(qr, nr, k, n, D, scale, s, pf, OKV_FMT_BF16); return;
-    OKV_QK_CASE(OKV_FMT_U8);
-    OKV_QK_CASE(OKV_FMT_I8);
-    OKV_QK_CASE(OKV_FMT_U4);
-    OKV_QK_CASE(OKV_FMT_I4);
-    OKV_QK_CASE(OKV_FMT_U2);
-    OKV_QK_CASE(OKV_FMT_I2);
+    OKV_QK_CASE(OKV_FMT_U8); OKV_QK_CASE(OKV_FMT_I8);
+    OKV_QK_CASE(OKV_FMT_U4); OKV_QK_CASE(OKV_FMT_I4);
+    OKV_QK_CASE(OKV_FMT_U2); OKV_QK_CASE(OKV_FMT_I2);
     default: OKV_I(okv_qk_rows)(qr, nr, k, n, D, scale, s, pf, OKV_FMT_F32); return;
     }
 #undef OKV_QK_CASE
@@ -169,12 +166,9 @@ OKV_ATTR static void OKV_I(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const 
     switch (fmt) {
     case OKV_FMT_F16: OKV_I(okv_pv_rows)(p, nr, v, n, D, accr, dq, pf, OKV_FMT_F16, 0); return;
     case OKV_FMT_BF16: OKV_I(okv_pv_rows)(p, nr, v, n, D, accr, dq, pf, OKV_FMT_BF16, 0); return;
-    OKV_PV_CASE(OKV_FMT_U8);
-    OKV_PV_CASE(OKV_FMT_I8);
-    OKV_PV_CASE(OKV_FMT_U4);
-    OKV_PV_CASE(OKV_FMT_I4);
-    OKV_PV_CASE(OKV_FMT_U2);
-    OKV_PV_CASE(OKV_FMT_I2);
+    OKV_PV_CASE(OKV_FMT_U8); OKV_PV_CASE(OKV_FMT_I8);
+    OKV_PV_CASE(OKV_FMT_U4); OKV_PV_CASE(OKV_FMT_I4);
+    OKV_PV_CASE(OKV_FMT_U2); OKV_PV_CASE(OKV_FMT_I2);
     default: OKV_I(okv_pv_rows)(p, nr, v, n, D, accr, dq, pf, OKV_FMT_F32, 0); return;
     }
 #undef OKV_PV_CASE
@@ -231,9 +225,7 @@ OKV_ATTR static void okv_qk_amx(okv_amx_ws *x, int64_t w, int fmt, int pc, const
 
 /* The work unit (see the top of this file) of K/V element format fmt (a
  * constant: OKV_FMT_F32, F16 or BF16) or, with mixed, of per-page formats. */
-OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,
-                                                      int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,
-                                                      float *part, int64_t pstride, const int fmt, const int mixed) {
+OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(OKV_UNIT_ARGS, const int fmt, const int mixed) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, nt = t1 - t0, R = G * nt, RT = nh * R;
     const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
 #define OKV_PAGE_AT(j) (mixed ? okv_attn_qpage(a, b, hk0, j) : okv_attn_page(a, b, hk0, j, fmt == OKV_FMT_F32 ? 4 : 2))
@@ -570,47 +562,36 @@ OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(const okv_attn_args *a, in
 #undef OKV_PAGE_AT
 }
 
-/* One function per native element format: each inlines the body once, with
- * its format a constant (three bodies in one function optimise worse). */
-#define OKV_NATIVE_UNIT(name, fmt)                                                                               \
-    OKV_NOINLINE OKV_ATTR static int64_t OKV_I(name)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,  \
-                                                     int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,  \
-                                                     float *part, int64_t pstride) {                             \
-        return OKV_I(okv_attn_unit_body)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride, fmt, 0);              \
-    }
+/* The units.  The native unit (returns 0) calls one function per element
+ * format, each inlining the body once with its format a constant (three
+ * bodies in one function optimise worse); float32 at the AVX-512 level is the
+ * AVX2 unit (attention_tiles_avx512.h).  The mixed unit returns the bytes of
+ * quantized codes and header entries it loaded. */
+#define OKV_NATIVE_UNIT(name, fmt)                                   \
+    OKV_NOINLINE OKV_ATTR static int64_t OKV_I(name)(OKV_UNIT_ARGS) { \
+        return OKV_I(okv_attn_unit_body)(OKV_UNIT_PASS, fmt, 0); }
 OKV_NATIVE_UNIT(okv_attn_unit_f16, OKV_FMT_F16)
 OKV_NATIVE_UNIT(okv_attn_unit_bf16, OKV_FMT_BF16)
 #ifndef OKV_SIMD512
 OKV_NATIVE_UNIT(okv_attn_unit_f32, OKV_FMT_F32)
 #endif
-#undef OKV_NATIVE_UNIT
 
-/* The unit of a->kv_type pages (or contiguous cache).  Returns 0. */
-OKV_ATTR int64_t OKV_I(okv_attn_unit_native)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,
-                                             int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,
-                                             float *part, int64_t pstride) {
-    switch (a->kv_type) {
-    case OKV_KV_F16:
-        return OKV_I(okv_attn_unit_f16)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    case OKV_KV_BF16:
-        return OKV_I(okv_attn_unit_bf16)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
-    default:
-#ifdef OKV_SIMD512   /* float32 K/V: the AVX2 unit (attention_tiles_avx512.h) */
-        return okv_attn_unit_native_avx2(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+OKV_ATTR int64_t OKV_I(okv_attn_unit_native)(OKV_UNIT_ARGS) {
+    if (a->kv_type == OKV_KV_F16) return OKV_I(okv_attn_unit_f16)(OKV_UNIT_PASS);
+    if (a->kv_type == OKV_KV_BF16) return OKV_I(okv_attn_unit_bf16)(OKV_UNIT_PASS);
+#ifdef OKV_SIMD512
+    return okv_attn_unit_native_avx2(OKV_UNIT_PASS);
 #else
-        return OKV_I(okv_attn_unit_f32)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride);
+    return OKV_I(okv_attn_unit_f32)(OKV_UNIT_PASS);
 #endif
-    }
+}
+OKV_ATTR int64_t OKV_I(okv_attn_unit_mixed)(OKV_UNIT_ARGS) {
+    return OKV_I(okv_attn_unit_body)(OKV_UNIT_PASS, OKV_FMT_F32, 1);
 }
 
-/* The unit of per-page formats.  Returns the bytes of quantized codes and
- * header entries it loaded. */
-OKV_ATTR int64_t OKV_I(okv_attn_unit_mixed)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh,
-                                                   int64_t t0, int64_t t1, int64_t c0, int64_t c1, float *ws,
-                                                   float *part, int64_t pstride) {
-    return OKV_I(okv_attn_unit_body)(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride, OKV_FMT_F32, 1);
-}
-
+#undef OKV_NATIVE_UNIT
+#undef OKV_UNIT_PASS
+#undef OKV_UNIT_ARGS
 #undef OKV_ILV_FMT
 #undef OKV_I
 #undef OKV_UNIT_AMX
