@@ -112,13 +112,15 @@ OKV_INLINE OKV_AVX2 void okv_pv_tile_avx2(const float *p, const char *v, int64_t
     int64_t i, j, pfr = 0, pfc = 0;   /* prefetch: rows issued, their error term */
     int r, c;
     for (i = i0; i + 8 * NC <= i1; i += 8 * NC) {
+        const char *vi = v + i * okv_fmt_bits(fmt) / 8;   /* the chunk's column: constant offsets in the loop */
+        const float *dqsi = pc ? dqs + i : NULL, *dqzi = pc ? dqz + i : NULL;
         __m256 acc[8][8];
         for (r = 0; r < NR; r++)
             for (c = 0; c < NC; c++) acc[r][c] = _mm256_loadu_ps(accr[r] + i + 8 * c);
         for (j = 0; j < n; j++) {
-            const char *vj = v + j * rb;
+            const char *vj = vi + j * rb;
             __m256 vv[8];
-            for (c = 0; c < NC; c++) vv[c] = okv_kv_ld8(vj, i + 8 * c, fmt, pc, dqs, dqz);
+            for (c = 0; c < NC; c++) vv[c] = okv_kv_ld8(vj, 8 * c, fmt, pc, dqsi, dqzi);
             if (pf && i == i0)   /* the m rows of pf spread over the first pass: up to row (j + 1) m / n */
                 for (pfc += pf->n; pfc >= n; pfc -= n) okv_pf_rows(pf, pfr++, 1);
             for (r = 0; r < NR; r++) {
