@@ -106,10 +106,37 @@ class ThreadControl:
             )
         self.threads = threads
 
+    def decode_loop(self) -> _BlasHold:
+        """A context manager around a loop of decode-sized runs (a generation loop): BLAS
+        keeps the one thread a decode run gives it for the whole loop, instead of each run
+        setting and restoring the limit (three threadpoolctl calls per token).  Runs inside
+        that are not decode-sized then also see BLAS at one thread: only their speed changes."""
+        return _BlasHold(1)
+
     def __call__(self, blas_threads: int | None = None) -> _Run:
         """A context manager for one run: the calling thread's kernels use
         ``threads``, BLAS ``blas_threads`` (default: ``threads``)."""
         return _Run(self.threads, self.threads if blas_threads is None else max(1, min(blas_threads, self.threads)))
+
+
+class _BlasHold:
+    """``ThreadControl.decode_loop``: holds the BLAS limit from enter to exit (unless a run
+    or another loop holds it already)."""
+
+    __slots__ = ("_blas", "_holds")
+
+    def __init__(self, blas: int) -> None:
+        self._blas = blas
+        self._holds = False
+
+    def __enter__(self) -> _BlasHold:
+        self._holds = _BLAS.take(self._blas)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._holds:
+            self._holds = False
+            _BLAS.release()
 
 
 class _Run:

@@ -149,3 +149,29 @@ def test_a_run_limits_blas_after_a_run_in_another_live_thread():
 def test_thread_count_is_checked(bad):
     with pytest.raises(InputError, match="threads must be a positive int"):
         ThreadControl(bad)
+
+
+def test_a_generation_loop_sets_the_blas_limit_once(monkeypatch):
+    """generate holds BLAS at one thread for its whole decode loop: the limit is
+    taken (set, then restored) by the prompt run and once by the loop, not by
+    every token's run; the callback (inside the loop) sees it, and the original
+    comes back after."""
+    from threadpoolctl import threadpool_limits
+
+    from onnxkv import _threads
+
+    sess = onnxkv.Session(build_model("gqa", MICRO), threads=2)
+    ids = np.arange(1, 9, dtype=np.int64)[None] % MICRO.vocab_size
+    taken = []
+    take = _threads._BLAS.take
+    monkeypatch.setattr(_threads._BLAS, "take", lambda n: taken.append(take(n)) or taken[-1])
+    with threadpool_limits(limits=2, user_api="blas"):
+        original = _blas_threads()
+        for tokens in (4, 16):
+            taken.clear()
+            onnxkv.generate(sess, ids, max_new_tokens=tokens, eos_token_id=[])
+            assert taken.count(True) == 2, (tokens, taken)
+            assert _blas_threads() == original
+        seen = []
+        onnxkv.generate(sess, ids, max_new_tokens=4, callback=lambda s, t: seen.append(_blas_threads()))
+    assert seen and all(s == [1] * len(original) for s in seen)

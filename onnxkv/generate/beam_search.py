@@ -460,25 +460,26 @@ def beam_search(
             prompt_copied = _copies(log, n0, len(log), _ALL_COPIES)
         prompt_seconds = time.perf_counter() - t0
         logits = logits[expand]
-        while True:
-            t0 = time.perf_counter()
-            tokens, beam_idx = scorer.process(log_softmax(logits))
-            if callback is not None:
-                callback(scorer.step - 1, tokens, beam_idx)
-            if scorer.done:
-                break
-            n0 = len(log) if log is not None else 0
-            out, moved = beams.reorder(out, beam_idx)
-            builder.select_rows(beam_idx)
-            n1 = len(log) if log is not None else 0
-            out = beams.run(builder.next(tokens, out))
-            logits = out[logits_name][:, -1] if out[logits_name].ndim == 3 else out[logits_name]
-            step_seconds.append(time.perf_counter() - t0)
-            if reorder_copied is not None:
-                reorder_copied.append(moved if moved is not None else _copies(log, n0, n1, _ALL_COPIES))
-            if cache_copied is not None:
-                cache_copied.append(_copies(log, n1, len(log), _RUN_COPIES))
-            committed.append(beams.committed_bytes(out))
+        with sess.decode_loop(B * k):
+            while True:
+                t0 = time.perf_counter()
+                tokens, beam_idx = scorer.process(log_softmax(logits))
+                if callback is not None:
+                    callback(scorer.step - 1, tokens, beam_idx)
+                if scorer.done:
+                    break
+                n0 = len(log) if log is not None else 0
+                out, moved = beams.reorder(out, beam_idx)
+                builder.select_rows(beam_idx)
+                n1 = len(log) if log is not None else 0
+                out = beams.run(builder.next(tokens, out))
+                logits = out[logits_name][:, -1] if out[logits_name].ndim == 3 else out[logits_name]
+                step_seconds.append(time.perf_counter() - t0)
+                if reorder_copied is not None:
+                    reorder_copied.append(moved if moved is not None else _copies(log, n0, n1, _ALL_COPIES))
+                if cache_copied is not None:
+                    cache_copied.append(_copies(log, n1, len(log), _RUN_COPIES))
+                committed.append(beams.committed_bytes(out))
     finally:
         beams.close()
     gen, scores, _ = scorer.finalize(n_ret)

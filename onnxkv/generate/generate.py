@@ -188,23 +188,24 @@ def generate(
             out = run(builder.next(chunk, out), fetch)
             read = np.array([chunk.shape[1] - 1])
         prefill = time.perf_counter() - t0
-        for step in range(max_new_tokens):
-            logits = out[model.io.logits]
-            if logits.ndim == 3:
-                logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]
-            tok = select_next(logits, sampling)
-            tok = np.where(finished, pad_token_id, tok)
-            new_tokens.append(tok)
-            if eos_arr.size:
-                finished |= (tok[:, None] == eos_arr).any(axis=1)  # a few ids: no np.isin set-up per token
-            if callback is not None:
-                callback(step, tok)
-            if finished.all() or step == max_new_tokens - 1:
-                break
-            feeds = builder.next(tok, out)
-            t0 = time.perf_counter()
-            out = run(feeds, fetch)
-            step_seconds.append(time.perf_counter() - t0)
+        with sess.decode_loop(B):
+            for step in range(max_new_tokens):
+                logits = out[model.io.logits]
+                if logits.ndim == 3:
+                    logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]
+                tok = select_next(logits, sampling)
+                tok = np.where(finished, pad_token_id, tok)
+                new_tokens.append(tok)
+                if eos_arr.size:
+                    finished |= (tok[:, None] == eos_arr).any(axis=1)  # a few ids: no np.isin set-up per token
+                if callback is not None:
+                    callback(step, tok)
+                if finished.all() or step == max_new_tokens - 1:
+                    break
+                feeds = builder.next(tok, out)
+                t0 = time.perf_counter()
+                out = run(feeds, fetch)
+                step_seconds.append(time.perf_counter() - t0)
     if state is not None:
         state.close()
     tokens = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((B, 0), dtype=np.int64)

@@ -320,39 +320,40 @@ def speculative_generate(
             return token in eos or step == max_new_tokens - 1
 
         done = emit(int(select_next(last[None], cfg)[0]))
-        while not done:
-            k = min(num_draft_tokens, L + max_new_tokens - len(seq) - 1)
-            if drf is None:
-                proposal = prompt_lookup(np.array(seq, dtype=np.int64), ngram, k)
-                qs = None
-            else:
-                proposal, qs = _propose(drf, dsess, seq, k, cfg, eos)
-            # The target caches seq[:-1]; seq[-1] is verified together with the proposal.
-            chunk = np.array([seq[-1], *proposal.tolist()], dtype=np.int64)
-            rows = _logit_rows(tgt.feed(chunk), tsess, chunk.shape[0], "target")
-            proposed += proposal.shape[0]
-            for i, x in enumerate(proposal.tolist()):
-                if cfg.greedy:
-                    token = int(np.argmax(rows[i]))
-                    ok = token == x
+        with tsess.decode_loop(num_draft_tokens + 1):
+            while not done:
+                k = min(num_draft_tokens, L + max_new_tokens - len(seq) - 1)
+                if drf is None:
+                    proposal = prompt_lookup(np.array(seq, dtype=np.int64), ngram, k)
+                    qs = None
                 else:
-                    p = probabilities(rows[i][None], cfg)[0]
-                    if qs is None:
-                        q = np.zeros_like(p)
-                        q[x] = 1.0
+                    proposal, qs = _propose(drf, dsess, seq, k, cfg, eos)
+                # The target caches seq[:-1]; seq[-1] is verified together with the proposal.
+                chunk = np.array([seq[-1], *proposal.tolist()], dtype=np.int64)
+                rows = _logit_rows(tgt.feed(chunk), tsess, chunk.shape[0], "target")
+                proposed += proposal.shape[0]
+                for i, x in enumerate(proposal.tolist()):
+                    if cfg.greedy:
+                        token = int(np.argmax(rows[i]))
+                        ok = token == x
                     else:
-                        q = qs[i]
-                    ok, token = accept_or_resample(p, q, x, cfg.rng)
-                accepted += ok
-                done = emit(token)
-                if done or not ok:
-                    break
-            else:
-                done = emit(int(select_next(rows[-1:], cfg)[0]))  # all accepted: the bonus token
-            if not done:  # keep seq[:-1]: the accepted tokens; drop the rejected ones (and the draft's)
-                tgt.truncate(len(seq) - 1)
-                if drf is not None:
-                    drf.truncate(len(seq) - 1)
+                        p = probabilities(rows[i][None], cfg)[0]
+                        if qs is None:
+                            q = np.zeros_like(p)
+                            q[x] = 1.0
+                        else:
+                            q = qs[i]
+                        ok, token = accept_or_resample(p, q, x, cfg.rng)
+                    accepted += ok
+                    done = emit(token)
+                    if done or not ok:
+                        break
+                else:
+                    done = emit(int(select_next(rows[-1:], cfg)[0]))  # all accepted: the bonus token
+                if not done:  # keep seq[:-1]: the accepted tokens; drop the rejected ones (and the draft's)
+                    tgt.truncate(len(seq) - 1)
+                    if drf is not None:
+                        drf.truncate(len(seq) - 1)
         seconds = time.perf_counter() - t0
     finally:
         tgt.state.close()

@@ -280,6 +280,18 @@ class Plan:
             node.input[i] for node, pairs in zip(kept_nodes, self.must_alias) for _, i in pairs
         ) & {g.name for g in self.inputs}
         self._input_names = frozenset(g.name for g in self.inputs)
+        #: Per graph input: (input, slot, dtype, rank or -1, ((axis, size) of each fixed dim), fed as given).
+        self._input_checks = [
+            (
+                g,
+                s,
+                g.dtype,
+                -1 if g.shape is None else len(g.shape),
+                () if g.shape is None else tuple((a, d) for a, d in enumerate(g.shape) if isinstance(d, int) and d > 0),
+                g.name in self.aliased_inputs,
+            )
+            for g, s in zip(self.inputs, self.input_slots)
+        ]
         if self.scope is not None:
             self._check_nested_writes(kept_nodes)
         self._plan_lifetimes(kept_nodes, set(constants))
@@ -413,26 +425,26 @@ class Plan:
             if name not in names:
                 expected = ", ".join(g.name for g in self.inputs)
                 raise InputError(f"Session.run: unknown input '{name}'; the model's inputs are: {expected}")
-        for g, s in zip(self.inputs, self.input_slots):
+        views = views or {}
+        for g, s, dtype, rank, fixed, aliased in self._input_checks:
             v = feeds.get(g.name, _MISSING)
             if v is _MISSING:
                 if g.has_default:
                     continue
                 raise InputError(f"Session.run: missing input '{g.name}' (dtype {g.dtype}, shape {g.shape})")
-            if not isinstance(v, np.ndarray):
+            if type(v) is not np.ndarray:
                 v = np.asarray(v)
-            if v.dtype != g.dtype and not (views and g.name in views):  # a state's cache may store another dtype
+            held = g.name in views  # a state's cache: may store another dtype, fed as given
+            if v.dtype != dtype and not held:
                 raise InputError(f"Session.run: input '{g.name}' has dtype {v.dtype}, expected {g.dtype}")
-            if g.shape is not None:
-                if v.ndim != len(g.shape):
-                    raise InputError(
-                        f"Session.run: input '{g.name}' has shape {v.shape}, expected rank {len(g.shape)} {g.shape}"
-                    )
-                for have, want in zip(v.shape, g.shape):
-                    if isinstance(want, int) and want > 0 and have != want:
-                        raise InputError(f"Session.run: input '{g.name}' has shape {v.shape}, expected {g.shape}")
-            keep = v.flags.c_contiguous or (views and g.name in views) or g.name in self.aliased_inputs
-            slots[s] = v if keep else v.copy(order="C")
+            if rank >= 0:
+                shape = v.shape
+                if len(shape) != rank:
+                    raise InputError(f"Session.run: input '{g.name}' has shape {shape}, expected rank {rank} {g.shape}")
+                for axis, size in fixed:
+                    if shape[axis] != size:
+                        raise InputError(f"Session.run: input '{g.name}' has shape {shape}, expected {g.shape}")
+            slots[s] = v if held or aliased or v.flags.c_contiguous else v.copy(order="C")
         return slots
 
     def run(

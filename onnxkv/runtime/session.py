@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 
@@ -140,6 +141,14 @@ class Session:
                 f"Session.run: input '{self.model.io.input_ids}' holds token ids from {ids.min()} to "
                 f"{ids.max()}; expected ids in [0, {limit}) (the model's vocabulary)"
             )
+
+    def decode_loop(self, tokens: int = 1):
+        """A context manager around a generation loop whose runs feed ``tokens`` ids each (at
+        most): when those runs are decode-sized (``tokens`` ≤ ``DECODE_ROWS``), the thread
+        limits they need are set once for the loop instead of per run
+        (:meth:`onnxkv._threads.ThreadControl.decode_loop`); otherwise it does nothing.
+        Results never depend on it."""
+        return self._threads.decode_loop() if tokens <= DECODE_ROWS else contextlib.nullcontext()
 
     def _run_plan(self, feeds, output_names, caches=None, cache_allocator=None, cancel=None) -> dict:
         ids = feeds.get(self.model.io.input_ids) if self.model.io.input_ids else None
