@@ -17,3 +17,9 @@ cdef enum:
     # total == pos + 1, 1 <= pos < Cap and pos < cos rows; on success pos_io[1] = pos.
     KIND_DECODE_TOKEN = 6
     KIND_MATMUL_NBITS = 7    # arrays (x, PackedNBits weight, bias or None, out); ints (M, int8)
+    # GroupQueryAttention's lengths from the mask (plan/ops/mask_lengths.py): arrays (mask int64 [B, L], seqlens
+    # int32 [B], total int32 of one element); ints (B, L).  The mask is a whole external array whose last dim may
+    # change from run to run (Program's ``ragged``): the replay reads L from it, then seqlens[b] =
+    # int32(sum(mask[b]) - 1) (int64 arithmetic wrapping as NumPy's), total = L.  A *prelude* call: it reads
+    # only externals and runs before every other call is admitted, so those may check what it wrote.
+    KIND_MASK_LENGTHS = 8

@@ -41,8 +41,9 @@ cdef void refuse(str reason):
         rec.refused.append(reason)
 
 
-#: The kind code of a decode-token call, for operators that note it themselves (see the .pxd).
+#: The kind codes of the calls operators note themselves (see the .pxd).
 DECODE_TOKEN = KIND_DECODE_TOKEN
+MASK_LENGTHS = KIND_MASK_LENGTHS
 
 
 def current():
@@ -58,6 +59,8 @@ class Recorder:
         refused: why calls that ran could not be noted (a recording with any cannot be replayed).
         caches: cache name -> the buffer of that cache a noted call wrote (:meth:`cache`).
         effects: the effects of noted calls, in call order (:meth:`effect`).
+        ragged: the arrays a noted call reads whole with a last dim that may differ from run to run
+            (:meth:`ragged_last`).
     """
 
     def __init__(self) -> None:
@@ -65,6 +68,7 @@ class Recorder:
         self.refused = []
         self.caches = {}
         self.effects = []
+        self.ragged = []
 
     def note(self, int kind, tuple arrays, tuple ints, tuple floats) -> None:
         self.calls.append((kind, arrays, ints, floats))
@@ -73,6 +77,11 @@ class Recorder:
         """A noted call used ``buffer``, the whole buffer of the run's cache ``name`` (replays take the
         buffer that cache has then)."""
         self.caches[name] = buffer
+
+    def ragged_last(self, array) -> None:
+        """The call just noted reads ``array`` whole and takes its last dim from it when replayed (a kind that
+        says so in ``_record.pxd``): a replay accepts any length there."""
+        self.ragged.append(array)
 
     def effect(self, effect) -> None:
         """Register the effect of the call just noted (``before(rt)`` / ``after(rt)``)."""

@@ -18,10 +18,15 @@ to the program's own memory (an external array that viewed baked memory when
 recorded, or that the caller pinned, must be that same memory now; one that did not must not overlap any
 memory the program writes, and an external a call writes must not overlap
 another external) -- and returns False, with nothing run, when one differs.
-A call may also refuse its values of the run (a gather index out of range, a
-decode position other than the cache's committed length), read from operands
-no call writes: every call is asked before any runs, and one refusal returns
-False with nothing run.  The calls then run with the calling thread's
+An external array may be *ragged*: its last dim may differ from the
+recording's (an attention mask that grows by a column per step); only a call
+of a kind that reads its length from it (``KIND_MASK_LENGTHS``) may take it,
+whole.  Such *prelude* calls read only externals and run first.  A call may
+then refuse its values of the run (a gather index out of range, a decode
+position other than the cache's committed length), read from operands no call
+but a prelude call writes: every call is asked before any other runs, and one
+refusal returns False with nothing but the prelude calls run (they write only
+the program's own memory).  The calls then run with the calling thread's
 kernel settings, as the recorded calls did; the results are bit for bit those of the calls run one by
 one (the kernels' summation orders do not depend on the thread count).
 
@@ -30,12 +35,12 @@ the external arrays and must not let two runs of one program overlap (a
 program is not thread-safe).
 """
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyObject_GetBuffer, PyBuffer_Release
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strcmp
 
-from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MATMUL_NBITS,
-                                      KIND_MATMUL_PACKED, KIND_RMS_NORM, KIND_SKIP_RMS_NORM)
+from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MASK_LENGTHS,
+                                      KIND_MATMUL_NBITS, KIND_MATMUL_PACKED, KIND_RMS_NORM, KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
 from onnxkv._kernels.attention cimport decode_token_ptr
@@ -54,13 +59,17 @@ DEF MAX_EXT = 64  # external arrays at most (a larger segment is not made: its n
 
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
-           KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,)}
-#: Operands whose values decide whether a call accepts the run (read before any call runs: never written by a
-#: call of the program).
+           KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,),
+           KIND_MASK_LENGTHS: (1, 2)}
+#: Operands whose values decide whether a call accepts the run (read before any call but the prelude ones runs:
+#: never written by another call of the program).
 CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8)}
 #: Operand count of each kind.
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
-             KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4}
+             KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3}
+#: Kinds run before the others are admitted (they read externals only), and the operand each takes whole from a
+#: ragged external (its last dim read when replayed).
+PRELUDE = {KIND_MASK_LENGTHS: 0}
 #: Operands that are not arrays: (kind, position) -> the address of the C arguments they stand for.
 _OPAQUE = {(KIND_MATMUL_NBITS, 1)}
 
@@ -82,6 +91,7 @@ cdef struct ext_t:
     int written          # some call writes into it
     uintptr_t pinned     # the baked address it must have (it viewed program memory when recorded), or 0
     int64_t nbytes
+    int ragged           # its last dim may differ from run to run (taken whole by prelude calls only)
 
 
 cdef inline uintptr_t _addr(a):
@@ -91,15 +101,18 @@ cdef inline uintptr_t _addr(a):
 cdef class Program:
     """Recorded kernel calls replayed as one (see the module docstring).
 
-    ``Program(calls, externals, pinned)``: ``calls`` as :attr:`Recorder.calls`
+    ``Program(calls, externals, pinned, ragged)``: ``calls`` as :attr:`Recorder.calls`
     noted them (only the kinds of ``_record.pxd``); ``externals`` the arrays of
     the recorded run whose memory changes from run to run (each C-contiguous);
     ``pinned`` the indices of externals that must be at their recorded address
     in every run (memory the caller owns and may hand to the calls for reuse:
-    an operand inside a pinned external's bounds is that same memory).
-    Raises ValueError naming the call when an operand straddles an external
-    array's bounds or a kind is unknown, or when there are more than 64
-    external arrays.
+    an operand inside a pinned external's bounds is that same memory);
+    ``ragged`` the indices of externals whose last dim may change (see the
+    module docstring).  Raises ValueError naming the call when an operand
+    straddles an external array's bounds, a kind is unknown, a ragged external
+    is taken other than whole by a prelude call, a prelude call reads memory
+    that is not external or that a call writes or writes external memory, or
+    when there are more than 64 external arrays.
     """
     cdef call_t *calls
     cdef int n
@@ -115,7 +128,7 @@ cdef class Program:
         self.exts = NULL
         self.written = NULL
 
-    def __init__(self, list calls, list externals, pinned=()):
+    def __init__(self, list calls, list externals, pinned=(), ragged=()):
         cdef int c, j, e
         cdef call_t *cl
         self.n = len(calls)
@@ -145,6 +158,8 @@ cdef class Program:
             memcpy(self.exts[e].format, <const char *>fmt, len(fmt))
             self.exts[e].format[len(fmt)] = 0
             self.exts[e].nbytes = x.nbytes
+            self.exts[e].ragged = e in ragged and x.ndim >= 1
+        prelude_written = []
         for c, (kind, arrays, ints, floats) in enumerate(calls):
             if kind not in _OPERANDS or len(arrays) != _OPERANDS[kind] or len(ints) > NI or len(floats) > NF:
                 raise ValueError(f"Program: call {c} has an unknown kind or arity ({kind}, {len(arrays)} arrays)")
@@ -167,6 +182,13 @@ cdef class Program:
                 crossing = [k for k, (b0, b1) in enumerate(bounds) if lo < b1 and b0 < hi and k not in inside]
                 if crossing:
                     raise ValueError(f"Program: operand {j} of call {c} straddles external array {crossing[0]}")
+                whole = PRELUDE.get(kind) == j and inside and bounds[inside[0]] == (lo, hi)
+                if inside and self.exts[inside[0]].ragged and not whole:
+                    raise ValueError(f"Program: operand {j} of call {c} lies in ragged external array {inside[0]}")
+                if kind in PRELUDE and (PRELUDE[kind] == j) != bool(inside):
+                    raise ValueError(f"Program: operand {j} of prelude call {c} must be external iff it is read")
+                if kind in PRELUDE and j in WRITTEN[kind]:
+                    prelude_written.append((lo, hi))
                 if inside:
                     cl.ext[j] = inside[0]
                     cl.off[j] = lo - bounds[inside[0]][0]
@@ -187,12 +209,18 @@ cdef class Program:
         for e, (b0, b1) in enumerate(bounds):
             if e in pinned or any(b0 < w1 and w0 < b1 for w0, w1 in written):
                 self.exts[e].pinned = b0     # the external viewed memory this program writes, or the caller's
+        decided = [w for w in written if w not in prelude_written]
+        for w0, w1 in prelude_written:   # run first, so only their own memory may hold what they write
+            if sum(w0 < x1 and x0 < w1 for x0, x1 in written) > 1:
+                raise ValueError("Program: another call writes the memory a prelude call writes")
         for c, (kind, arrays, _, _) in enumerate(calls):
             for j in CHECKED.get(kind, ()):
                 lo, hi = _addr(arrays[j]), _addr(arrays[j]) + arrays[j].nbytes
                 e = self.calls[c].ext[j]
-                if any(lo < w1 and w0 < hi for w0, w1 in written) or (e >= 0 and self.exts[e].written):
+                if any(lo < w1 and w0 < hi for w0, w1 in decided) or (e >= 0 and self.exts[e].written):
                     raise ValueError(f"Program: operand {j} of call {c} decides the call but a call writes it")
+            if kind in PRELUDE and self.exts[self.calls[c].ext[PRELUDE[kind]]].written:
+                raise ValueError(f"Program: prelude call {c} reads an external array a call writes")
 
     def __dealloc__(self):
         free(self.calls)
@@ -221,6 +249,7 @@ cdef class Program:
         cdef char *base
         cdef void *bases[MAX_EXT]
         cdef uintptr_t his[MAX_EXT]
+        cdef int64_t lens[MAX_EXT]    # the last dim of each ragged external now
         cdef uintptr_t lo, hi
         if len(externals) != self.n_ext:
             return False
@@ -234,11 +263,15 @@ cdef class Program:
             except (BufferError, TypeError, ValueError):
                 return False
             try:
-                if view.ndim != x.ndim or view.itemsize != x.itemsize or view.len != x.nbytes \
+                if view.ndim != x.ndim or view.itemsize != x.itemsize or (view.len != x.nbytes and not x.ragged) \
                         or view.format == NULL or strcmp(view.format, x.format) != 0:
                     return False
-                for j in range(x.ndim):
+                for j in range(x.ndim - 1 if x.ragged else x.ndim):
                     if view.shape[j] != x.shape[j]:
+                        return False
+                if x.ragged:
+                    lens[e] = view.shape[x.ndim - 1]
+                    if lens[e] > INT32_MAX:
                         return False
                 lo = <uintptr_t>view.buf
                 hi = lo + <uintptr_t>view.len
@@ -264,11 +297,17 @@ cdef class Program:
             for j in range(NP):
                 if cl.ext[j] >= 0:
                     cl.p[j] = <char *>bases[cl.ext[j]] + cl.off[j]
-        for c in range(self.n):    # every call accepts this run's values before any runs
+        for c in range(self.n):    # the prelude calls, from the externals alone
+            cl = &self.calls[c]
+            if cl.kind == KIND_MASK_LENGTHS:
+                if self.exts[cl.ext[0]].ragged:
+                    cl.i[1] = lens[cl.ext[0]]
+                _mask_lengths(cl)
+        for c in range(self.n):    # every other call accepts this run's values before any runs
             if not _admit(&self.calls[c]):
                 return False
         for c in range(self.n):
-            if _dispatch(&self.calls[c], s) != 0:
+            if self.calls[c].kind != KIND_MASK_LENGTHS and _dispatch(&self.calls[c], s) != 0:
                 raise MemoryError(f"Program: call {c} could not allocate its workspace")
         return True
 
@@ -311,6 +350,21 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
     elif c.kind == KIND_ACTIVATION:
         act_f32_ptr(<int>c.i[0], <const float *>c.p[0], <const float *>c.p[1], <float *>c.p[2], c.i[1], s)
     return 0
+
+
+cdef inline void _mask_lengths(call_t *c) noexcept nogil:
+    """KIND_MASK_LENGTHS (_record.pxd): seqlens[b] = int32(sum(mask[b]) - 1), wrapping as NumPy's int64 does
+    (unsigned arithmetic, then the low 32 bits), and total = L (at most INT32_MAX, checked by the caller)."""
+    cdef const uint64_t *mask = <const uint64_t *>c.p[0]
+    cdef int32_t *seqlens = <int32_t *>c.p[1]
+    cdef int64_t b, l, L = c.i[1]
+    cdef uint64_t acc
+    for b in range(c.i[0]):
+        acc = 0
+        for l in range(L):
+            acc += mask[b * L + l]
+        seqlens[b] = <int32_t><uint32_t>(acc - 1)
+    (<int32_t *>c.p[2])[0] = <int32_t>L
 
 
 cdef inline int _decode_token(call_t *c, okv_settings s) noexcept nogil:

@@ -29,6 +29,13 @@ which the buffers may have handed to this segment's calls again: they are
 pinned (a replay needs them at their recorded address, so a segment after one
 that ran in Python runs in Python too).
 
+A value a call takes whole with its length read when replayed (the attention
+mask of ``MaskLengths``: :meth:`~onnxkv._kernels._record.Recorder.ragged_last`)
+is a *ragged* external of its program, and a graph input that is one enters
+the step's signature without its last dim, so that one step serves a mask
+that grows by a column per token; a node reading it is only compiled when no
+other node reads it (another compiled node would have its shape baked).
+
 Calls that write a state's cache (the fused decode attention) take the cache
 buffers of the run by name, and carry an *effect* (see
 :mod:`onnxkv._kernels._record`) that the replay runs around the program: its
@@ -120,14 +127,15 @@ class CompiledStep:
         #: Graph output slots whose value is this step's memory (copied before they are returned).
         self.owned_outputs = exported & output_slots
         #: ``(slot, shape)`` of the graph inputs the segments take (a run whose inputs differ there would fail
-        #: their checks: :class:`StepPool` gives it another step).
+        #: their checks: :class:`StepPool` gives it another step); the shape of a ragged one lacks its last dim.
         self.signature = signature
 
     def fits(self, slots: list) -> bool:
-        """Whether the graph inputs of ``slots`` have the shapes this step's segments were recorded with."""
-        for s, shape in self.signature:
+        """Whether the graph inputs of ``slots`` have the shapes this step's segments were recorded with
+        (a ragged input's last dim aside)."""
+        for s, shape, ragged in self.signature:
             v = slots[s]
-            if v is None or v.shape != shape:
+            if v is None or (v.shape[:-1] != shape if ragged else v.shape != shape):
                 return False
         return True
 
@@ -177,7 +185,10 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     external: dict = {}  # slot, or cache name -> the value the open segment read (or the cache buffer it wrote)
     produced: dict[int, np.ndarray] = {}  # slot -> value made in the open segment
     effects: list = []  # (effect, output slots of its node)
+    ragged: set[int] = set()  # ids of the open segment's external values taken ragged
+    ragged_slots: set[int] = set()  # slots of the values segments take ragged
     step_memory: set[int] = set()  # ids of the values closed segments export (kept alive by them)
+    readers = _reader_counts(plan)
 
     def close_segment() -> None:
         if not current:
@@ -187,18 +198,21 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         # Values of earlier segments are the step's memory, which the buffers may have handed to this
         # segment's calls again: a replay needs them where they were recorded.
         pinned = [e for e, v in enumerate(external.values()) if _derived(v, step_memory)]
+        uneven = [e for e, v in enumerate(external.values()) if id(v) in ragged]
         try:
-            program = Program(list(calls), list(external.values()), pinned)
+            program = Program(list(calls), list(external.values()), pinned, uneven)
         except ValueError:
             items.extend(current)
         else:
             items.append(Segment(first, end, program, list(external), exports, list(effects)))
             step_memory.update(id(v) for _, v in exports)
+            ragged_slots.update(s for s, v in external.items() if id(v) in ragged)
         current.clear()
         calls.clear()
         external.clear()
         produced.clear()
         effects.clear()
+        ragged.clear()
 
     for k, (_, ins, outs) in enumerate(steps):
         args = [slots[i] for i in ins]
@@ -223,8 +237,10 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
             rt._plan_alloc = bufs.plan_alloc
         results = [slots[s] for s in outs]
         set_by_effects = {j for effect in recorder.effects for j in effect.outputs}
+        uneven = {id(a) for a in recorder.ragged}
         if (
             recorder.refused
+            or any(readers.get(s, 0) > 1 for s, v in reads.items() if id(v) in uneven)  # its shape read elsewhere
             or op.view_inputs
             or not all(r is None or isinstance(r, np.ndarray) for r in results)
             or any(last_read.get(outs[j], -1) > k for j in set_by_effects)  # a node reads a present: Python
@@ -237,13 +253,17 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         external.update(reads)
         external.update(recorder.caches)
         effects.extend((effect, outs) for effect in recorder.effects)
+        ragged.update(uneven)
         produced.update(
             (s, v) for j, (s, v) in enumerate(zip(outs, results)) if v is not None and j not in set_by_effects
         )
     close_segment()
     inputs = set(plan.input_slots)
     taken = {s for item in items if isinstance(item, Segment) for s in item.external_slots if s in inputs}
-    return CompiledStep(items, own, outputs, tuple((s, slots[s].shape) for s in sorted(taken)))
+    signature = tuple(
+        (s, slots[s].shape[:-1], True) if s in ragged_slots else (s, slots[s].shape, False) for s in sorted(taken)
+    )
+    return CompiledStep(items, own, outputs, signature)
 
 
 def _derived(value: np.ndarray, arrays: set[int]) -> bool:
@@ -253,6 +273,17 @@ def _derived(value: np.ndarray, arrays: set[int]) -> bool:
             return True
         value = value.base
     return False
+
+
+def _reader_counts(plan: Plan) -> dict[int, int]:
+    """slot -> how many nodes read it (a graph output counts as one more)."""
+    counts: dict[int, int] = {}
+    for _, ins, _ in plan._steps:
+        for i in set(ins):
+            counts[i] = counts.get(i, 0) + 1
+    for s in plan.output_slots:
+        counts[s] = counts.get(s, 0) + 1
+    return counts
 
 
 def _last_reads(plan: Plan) -> dict[int, int]:

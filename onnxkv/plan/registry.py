@@ -152,7 +152,8 @@ class Op:
         allocation or a view, and no scalar read from ``inputs`` steers the
         calls (their arguments depend on the input shapes only; an operator
         that reads one notes it as a call that checks it when replayed, as
-        GroupQueryAttention's fused decode does).  A compiled step (:mod:`onnxkv.plan.compiled_step`) then
+        GroupQueryAttention's fused decode does, and one whose call takes a
+        length from an input notes that input ragged, as MaskLengths does).  A compiled step (:mod:`onnxkv.plan.compiled_step`) then
         records the node's kernel calls once and replays them while the inputs
         keep their shapes.  The default is False: the node always runs in Python.
         """

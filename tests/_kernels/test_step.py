@@ -285,3 +285,90 @@ def test_an_opaque_operand_must_be_a_packed_weight():
     x, out = rand(rng, (1, 32)), np.empty((1, 16), np.float32)
     with pytest.raises(TypeError, match="PackedNBits"):
         Program([(7, (x, np.zeros(4, np.uint8), None, out), (1, 1), ())], [x])
+
+
+def _mask_lengths_call(mask, seqlens, total):
+    from onnxkv._kernels._record import MASK_LENGTHS
+
+    return (MASK_LENGTHS, (mask, seqlens, total), mask.shape, ())
+
+
+def _mask_lengths_twin(mask):
+    """MaskLengths' values as NumPy computes them (int64 sum, minus one, to int32; total = L)."""
+    return np.subtract(mask.sum(axis=1), np.int64(1)).astype(np.int32), np.int32(mask.shape[1])
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_mask_lengths_replays_any_mask_length_of_a_ragged_external_as_numpy_computes_it(rows):
+    """The ragged external's last dim is read on every replay; hostile values (negative, huge: the int64 sum
+    wraps) give NumPy's values; the other dims are still checked."""
+    rng = np.random.default_rng(rows)
+    mask = np.ones((rows, 5), np.int64)
+    seqlens, total = np.empty(rows, np.int32), np.empty(1, np.int32)
+    program = Program([_mask_lengths_call(mask, seqlens, total)], [mask], (), [0])
+    big = np.iinfo(np.int64).max
+    for length in (5, 6, 1, 40, 0):
+        for values in (np.ones((rows, length), np.int64), rng.integers(-big, big, (rows, length), dtype=np.int64)):
+            assert program.run([values])
+            want_seqlens, want_total = _mask_lengths_twin(values)
+            np.testing.assert_array_equal(seqlens, want_seqlens)
+            assert total[0] == want_total
+    assert not program.run([np.ones((rows + 1, 5), np.int64)])  # a different batch
+    assert not program.run([np.ones((rows, 5), np.int32)])  # another dtype
+
+
+def test_a_fixed_mask_external_keeps_its_recorded_length():
+    mask = np.ones((1, 4), np.int64)
+    seqlens, total = np.empty(1, np.int32), np.empty(1, np.int32)
+    program = Program([_mask_lengths_call(mask, seqlens, total)], [mask])
+    assert not program.run([np.ones((1, 5), np.int64)])
+    assert program.run([np.full((1, 4), 2, np.int64)]) and seqlens[0] == 7 and total[0] == 4
+
+
+def test_ragged_externals_and_prelude_calls_are_checked_at_build():
+    rng = np.random.default_rng(4)
+    mask = np.ones((2, 8), np.int64)
+    seqlens, total = np.empty(2, np.int32), np.empty(1, np.int32)
+    x, g = rand(rng, (2, 16)), rand(rng, (16,))
+    rec = Recorder()
+    with rec:
+        rms_norm(x, g, 1e-5, x)  # writes its (external) input in place
+    with pytest.raises(ValueError, match="operand 0 of call 0 lies in ragged external array 0"):
+        Program(rec.calls, [x], (), [0])  # only a prelude call may take a ragged external
+    with pytest.raises(ValueError, match="operand 0 of call 0 lies in ragged external array 0"):
+        Program([_mask_lengths_call(mask[:, :4], seqlens, total)], [mask], (), [0])  # not whole
+    with pytest.raises(ValueError, match="operand 0 of prelude call 0 must be external"):
+        Program([_mask_lengths_call(mask, seqlens, total)], [])  # baked: it would run before its producer
+    with pytest.raises(ValueError, match="operand 1 of prelude call 0 must be external iff"):
+        Program([_mask_lengths_call(mask, seqlens, total)], [mask, seqlens])
+    with pytest.raises(ValueError, match="another call writes the memory a prelude call writes"):
+        wide = np.empty((2, 16), np.float32)
+        with Recorder() as rec2:
+            rms_norm(x, g, 1e-5, wide)
+        Program([_mask_lengths_call(mask, wide[0, :2].view(np.int32), total), *rec2.calls], [mask, x], (), [0])
+    as_float = mask.view(np.float32)
+    with Recorder() as rec3:
+        rms_norm(as_float, rand(rng, (16,)), 1e-5, as_float)
+    with pytest.raises(ValueError, match="prelude call 0 reads an external array a call writes"):
+        Program([_mask_lengths_call(mask, seqlens, total), *rec3.calls], [mask])
+
+
+def test_a_refused_call_after_a_prelude_call_runs_nothing_but_the_prelude():
+    """A decode call may check what a prelude call wrote (its seqlens); when it refuses, no other call ran."""
+    from onnxkv._kernels._record import DECODE_TOKEN
+
+    rng = np.random.default_rng(5)
+    call, a = _decode_call(rng)
+    arrays = list(call[1])
+    mask = np.ones((1, 6), np.int64)
+    arrays[7], arrays[8] = np.empty(1, np.int32), np.empty(1, np.int32)
+    decode = (DECODE_TOKEN, tuple(arrays), call[2], call[3])
+    program = Program([_mask_lengths_call(mask, arrays[7], arrays[8]), decode], [mask, a["kc"], a["vc"]], (), [0])
+    kc0 = a["kc"].copy()
+    arrays[10][0] = 5  # the committed length: a mask of 6 ones gives seqlens 5, total 6
+    assert program.run([mask, a["kc"], a["vc"]])
+    assert arrays[10][1] == 5 and not np.array_equal(a["kc"], kc0)
+    kc1 = a["kc"].copy()
+    assert not program.run([np.ones((1, 8), np.int64), a["kc"], a["vc"]])  # seqlens 7: not the committed 5
+    np.testing.assert_array_equal(a["kc"], kc1)
+    assert arrays[7][0] == 7 and arrays[8][0] == 8  # the prelude ran (its own memory only)

@@ -120,10 +120,11 @@ def test_runs_with_an_event_log_or_a_callers_allocator_run_node_by_node():
     assert onnxkv.Session(model, threads=1, compiled_steps=False).plan.steps is None
 
 
-def test_every_packed_product_the_embedding_and_the_attention_of_a_decode_step_are_compiled_and_stay_so():
+def test_every_packed_product_the_embedding_the_mask_lengths_and_the_attention_of_a_decode_step_are_compiled():
+    """...and stay so: one step serves every token, whose attention mask grows by a column each."""
     session = onnxkv.Session(build_model("gqa", MICRO, seed=10), threads=1)
     onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=12)
-    kinds = ("MatMul", "PrologueMatMul", "Gather", "GroupQueryAttention")
+    kinds = ("MatMul", "PrologueMatMul", "Gather", "GroupQueryAttention", "MaskLengths")
     products = [k for k, op in enumerate(session.plan.kernels) if type(op).__name__ in kinds]
     assert products
     (step,) = session.plan.steps.idle
@@ -180,7 +181,20 @@ def test_states_taking_turns_on_one_session_replay_against_their_own_caches():
     _assert_equal_runs(runs)
 
 
-def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_by_node():
+def _hostile_mask(kind, length):
+    if kind == "too-long":
+        return np.ones((1, length + 3), np.int64)
+    if kind == "hole":  # the committed length's sum, over one column more
+        mask = np.ones((1, length + 2), np.int64)
+        mask[0, 1] = 0
+        return mask
+    mask = np.ones((1, length + 1), np.int64)  # the int64 sum wraps round to the committed length
+    mask[0, :2] = (np.iinfo(np.int64).max, 2)
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["too-long", "hole", "wrapping"])
+def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_by_node(kind):
     model = build_model("gqa", MICRO, seed=13)
     rng = np.random.default_rng(5)
     prompt = rng.integers(1, MICRO.vocab_size, (1, 4))
@@ -191,7 +205,7 @@ def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_
         with session.new_state() as state:
             _steps(session, state, prompt, [[5], [6], [7]])
             length = state.length
-            feeds = {"input_ids": np.array([[8]]), "attention_mask": np.ones((1, length + 3), np.int64)}
+            feeds = {"input_ids": np.array([[8]]), "attention_mask": _hostile_mask(kind, length)}
             try:
                 state.run(feeds, [name])
                 outcomes[compiled] = ("ran", state.length)

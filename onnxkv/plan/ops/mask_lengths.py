@@ -9,12 +9,17 @@ one) [B] and ``total`` = int32(L), of the shape of ``index`` (a scalar or
 constants are axes [1] (or [-1]), one 1 and index 1 (int64, at most one
 dimension, checked once per constant array); else the body runs literally
 (the same values and errors as the unfused graph).
+
+Compilable on that fast path: the call is noted as ``KIND_MASK_LENGTHS``
+(:mod:`onnxkv._kernels._record`), with the mask taken whole and its length
+read when replayed, so one compiled decode step serves every mask length.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from onnxkv._kernels import _record
 from onnxkv.plan.fusion import FUSED_DOMAIN
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -62,11 +67,21 @@ class MaskLengths(Op):
             self._checked = key
         return ok
 
-    def run(self, inputs: list, rt) -> tuple:
+    def _fast(self, inputs: list) -> bool:
         mask = inputs[0]
-        if type(mask) is not np.ndarray or mask.ndim != 2 or mask.dtype != np.int64 or not self._fits(inputs):
+        return type(mask) is np.ndarray and mask.ndim == 2 and mask.dtype == np.int64 and self._fits(inputs)
+
+    def compilable(self, inputs: list) -> bool:
+        return self._fast(inputs) and inputs[0].flags.c_contiguous and inputs[0].shape[1] <= np.iinfo(np.int32).max
+
+    def run(self, inputs: list, rt) -> tuple:
+        if not self._fast(inputs):
             return tuple(self.body.evaluate(self.node.input, inputs, rt))
-        one = inputs[self._one]
+        mask, one = inputs[0], inputs[self._one]
         seqlens = np.subtract(mask.sum(axis=1), one).astype(np.int32)
         total = np.full(inputs[self._index].shape, mask.shape[1], dtype=np.int32)
+        rec = _record.current()
+        if rec is not None:
+            rec.note(_record.MASK_LENGTHS, (mask, seqlens, total), mask.shape, ())
+            rec.ragged_last(mask)
         return seqlens, total
