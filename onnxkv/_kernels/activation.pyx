@@ -35,6 +35,9 @@ cdef void act_f32_ptr(int mode, const float *x, const float *up, float *out, int
     cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
     cdef int simd = s.simd
     cdef int nt = s.threads if nchunks > 1 else 1
+    if nt == 1:   # no OpenMP region: entering one costs a decode-sized call more than its work
+        okv_act_f32(mode, x, up, out, n, simd)
+        return
     for c in prange(nchunks, num_threads=nt, schedule='static'):
         i0 = c * CHUNK
         m = n - i0

@@ -119,14 +119,20 @@ cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd, int64_t *stats) 
     if ws0 == NULL:
         return -1
     ws = okv_align64(ws0)
-    for i in prange(ntask, num_threads=nt, schedule='dynamic'):
-        u = i // ntiles
-        t0 = (i % ntiles) * tq
-        t1 = t0 + tq
-        if t1 > a.Sq:
-            t1 = a.Sq
-        nb += okv_attn_unit(a, u // upb, (u % upb) * a.hpu, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz, NULL,
-                            0, simd)
+    if nt == 1:   # no OpenMP region: entering one costs a decode-sized call more than its work
+        for i in range(ntask):
+            u = i // ntiles
+            t0 = (i % ntiles) * tq
+            nb += okv_attn_unit(a, u // upb, (u % upb) * a.hpu, t0, min(t0 + tq, a.Sq), 0, a.Cap, ws, NULL, 0, simd)
+    else:
+        for i in prange(ntask, num_threads=nt, schedule='dynamic'):
+            u = i // ntiles
+            t0 = (i % ntiles) * tq
+            t1 = t0 + tq
+            if t1 > a.Sq:
+                t1 = a.Sq
+            nb += okv_attn_unit(a, u // upb, (u % upb) * a.hpu, t0, t1, 0, a.Cap, ws + okv_thread_num() * wsz,
+                                NULL, 0, simd)
     stats[0] += nb
     free(ws0)
     return 0

@@ -39,8 +39,12 @@ cdef void rms_f32_ptr(const float *x, const float *g, float eps, float *out, int
                       okv_settings s) noexcept nogil:
     """``rms_norm`` of float32 rows on checked, non-empty arguments (x, out [rows, n]; g [n])."""
     cdef Py_ssize_t r
-    cdef int simd = s.simd
-    for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
+    cdef int simd = s.simd, nt = _nt(rows * n, s.threads)
+    if nt == 1:   # no OpenMP region: entering one costs a decode-sized call more than its work
+        for r in range(rows):
+            okv_rms_row_f32(x + r * n, g, eps, out + r * n, n, simd)
+        return
+    for r in prange(rows, num_threads=nt, schedule='static'):
         okv_rms_row_f32(x + r * n, g, eps, out + r * n, n, simd)
 
 
@@ -48,8 +52,13 @@ cdef void skip_rms_f32_ptr(const float *x, const float *skip, const float *bias,
                            float *out, float *sum_out, int64_t rows, int64_t n, okv_settings s) noexcept nogil:
     """``skip_rms_norm`` of float32 rows on checked, non-empty arguments (bias, sum_out may be NULL)."""
     cdef Py_ssize_t r
-    cdef int simd = s.simd
-    for r in prange(rows, num_threads=_nt(rows * n, s.threads), schedule='static'):
+    cdef int simd = s.simd, nt = _nt(rows * n, s.threads)
+    if nt == 1:   # no OpenMP region (as rms_f32_ptr)
+        for r in range(rows):
+            okv_skip_rms_row_f32(x + r * n, skip + r * n, bias, g, eps, out + r * n,
+                                 sum_out + r * n if sum_out != NULL else NULL, n, simd)
+        return
+    for r in prange(rows, num_threads=nt, schedule='static'):
         okv_skip_rms_row_f32(x + r * n, skip + r * n, bias, g, eps, out + r * n,
                              sum_out + r * n if sum_out != NULL else NULL, n, simd)
 
