@@ -357,14 +357,18 @@ def cpu_features():
 
 # -- the late-team heuristic of the decode-sized products (matmul_packed, matmul_nbits) -----------------
 
-DEF SOLO_CALLS = 64          # products run on the calling thread alone once a team member was late
+DEF SOLO_CALLS = 64          # products run on the calling thread alone the first time a team member was late
+DEF SOLO_MAX = 8192          # ... doubling each time the team is late again, up to this
+DEF ON_TIME_RESET = 4096     # team products on time in a row that bring the solo span back to SOLO_CALLS
 DEF LATE_MIN_NS = 300000     # a wait for the team (ns) counts as late above this and above the caller's own share
-DEF LATE_RUN = 2             # late products in a row that start SOLO_CALLS (one alone is a wake-up hiccup)
+DEF LATE_RUN = 2             # late products in a row that start a solo span (one alone is a wake-up hiccup)
 
 # Process-wide state (changed with the GIL held; results never depend on it).  Whether it is used is a
 # setting of the calling thread (okv_settings.adaptive).
 cdef int _solo_left = 0      # products still to run alone
 cdef int _late_run = 0       # late products in a row
+cdef int _solo_span = SOLO_CALLS   # products the next solo span runs alone
+cdef int _on_time = 0        # team products on time in a row
 
 
 cdef int64_t okv_now_ns() noexcept nogil:
@@ -378,10 +382,14 @@ cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil:
     shared with other processes a team member is often off its core, and every
     parallel region then waits for it (a decode step runs dozens of products):
     after LATE_RUN products in a row whose caller waited for its team longer
-    than its own share took (and LATE_MIN_NS), the next SOLO_CALLS products run
-    on the calling thread alone, then the team is tried again (on free cores no
-    product is late, so the team always runs).  Callers hold the GIL (it guards
-    the counters)."""
+    than its own share took (and LATE_MIN_NS), the next products run on the
+    calling thread alone, then the team is tried again.  The solo span starts
+    at SOLO_CALLS and doubles (up to SOLO_MAX) each time the team is late again
+    before ON_TIME_RESET of its products in a row were on time: under a steady
+    load on the other cores, where every retry of the team costs a stall of a
+    scheduler time slice, retries become rare.  On free cores no product is
+    late, so the team always runs.  Callers hold the GIL (it guards the
+    counters)."""
     global _solo_left
     if nt > 1 and s.adaptive and _solo_left > 0:
         _solo_left -= 1
@@ -392,15 +400,21 @@ cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil:
 cdef void okv_team_finished(okv_settings s, int64_t t0, int64_t caller_done) noexcept nogil:
     """A product of a team ended: it started at t0 and the calling thread finished its share at
     caller_done (okv_now_ns); informs okv_team_threads.  With the GIL held."""
-    global _solo_left, _late_run
+    global _solo_left, _late_run, _solo_span, _on_time
     cdef int64_t wait = okv_now_ns() - caller_done
     if s.adaptive and wait > LATE_MIN_NS and wait > caller_done - t0:
+        _on_time = 0
         _late_run += 1
         if _late_run >= LATE_RUN:
-            _solo_left = SOLO_CALLS
+            _solo_left = _solo_span
+            _solo_span = min(2 * _solo_span, SOLO_MAX)
             _late_run = 0
     else:
         _late_run = 0
+        _on_time += 1
+        if _on_time >= ON_TIME_RESET:
+            _solo_span = SOLO_CALLS
+            _on_time = 0
 
 
 cdef int okv_team_solo(int solo) noexcept:
@@ -409,3 +423,18 @@ cdef int okv_team_solo(int solo) noexcept:
     cdef int old = _solo_left
     _solo_left = solo
     return old
+
+
+def _team_report(bint late, int times=1):
+    """Test hook: report ``times`` team products to the late-team heuristic as late (the caller waited 1 ms
+    after a 1 ns share) or on time, under the calling thread's settings; returns the products now left to
+    run alone."""
+    cdef int64_t now
+    cdef okv_settings s = okv_settings_get()
+    for _ in range(times):
+        now = okv_now_ns()
+        if late:
+            okv_team_finished(s, now - 1000001, now - 1000000)
+        else:
+            okv_team_finished(s, now - 1000000000, now)
+    return _solo_left

@@ -99,3 +99,24 @@ def test_first_thread_takes_every_panel_of_a_late_team(nt, order, N):
     want = np.full((M, N), np.nan, np.float32)
     MM.matmul_packed(x, wp, want)
     np.testing.assert_array_equal(out, want)
+
+
+def test_solo_spans_double_while_the_team_stays_late_and_restart_once_it_is_on_time(two_threads):
+    """Each time the team is late twice in a row the products left to run alone are set to the solo span,
+    which then doubles (64 up to 8192) until 4096 team products in a row were on time; a late one in
+    between starts that count again."""
+    from onnxkv._kernels._runtime import _team_report
+
+    MM._set_adaptive(True)
+    _team_report(False, 4096)  # a span at its start, whatever ran before
+    assert _team_report(True) == MM._set_adaptive(True, solo=0)[1]  # one late product alone starts nothing
+    spans = [_team_report(True, 2) for _ in range(9)]
+    assert spans == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 8192]
+    _team_report(False, 4095)
+    _team_report(True)  # late once: the on-time count starts again
+    _team_report(False, 4095)
+    assert _team_report(True, 2) == 8192
+    _team_report(False, 4096)
+    assert _team_report(True, 2) == 64
+    MM._set_adaptive(False)  # (sets the products left to 0)
+    assert _team_report(True, 4) == 0  # switched off: late products start nothing
