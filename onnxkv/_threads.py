@@ -120,8 +120,8 @@ class ThreadControl:
 
 
 class _BlasHold:
-    """``ThreadControl.decode_loop``: holds the BLAS limit from enter to exit (unless a run
-    or another loop holds it already)."""
+    """Holds the BLAS limit from enter to exit, unless a run or a loop holds it already
+    (``ThreadControl.decode_loop``, and the BLAS part of each run)."""
 
     __slots__ = ("_blas", "_holds")
 
@@ -142,17 +142,16 @@ class _BlasHold:
 class _Run:
     """The settings of one run (``ThreadControl.__call__``)."""
 
-    __slots__ = ("_scope", "_blas", "_holds_blas")
+    __slots__ = ("_scope", "_blas")
 
     def __init__(self, threads: int, blas: int) -> None:
         self._scope = _kernels.use_settings(_kernels.current_settings().replace(threads=threads))
-        self._blas = blas
-        self._holds_blas = False
+        self._blas = _BlasHold(blas)
 
     def __enter__(self) -> _Run:
         self._scope.__enter__()
         try:
-            self._holds_blas = _BLAS.take(self._blas)
+            self._blas.__enter__()
         except BaseException:
             self._scope.__exit__(None, None, None)
             raise
@@ -160,8 +159,6 @@ class _Run:
 
     def __exit__(self, *exc) -> None:
         try:
-            if self._holds_blas:
-                self._holds_blas = False
-                _BLAS.release()
+            self._blas.__exit__(*exc)
         finally:
             self._scope.__exit__(*exc)

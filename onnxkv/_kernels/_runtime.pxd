@@ -25,3 +25,12 @@ cdef int64_t okv_now_ns() noexcept nogil
 cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil
 cdef void okv_team_finished(okv_settings s, int64_t t0, int64_t caller_done) noexcept nogil
 cdef int okv_team_solo(int solo) noexcept
+
+
+cdef inline int okv_grain(int nt, int64_t work, int64_t per_thread) noexcept nogil:
+    """Threads for a call of ``work`` units (a product's multiply-adds): at most ``nt``, each with at least
+    ``per_thread`` of them (a thread woken for less costs more than its share; below 2 * per_thread the call
+    runs with no team), as MLAS's thread complexity."""
+    if work < per_thread * nt:
+        return <int>max(1, work // per_thread)
+    return nt

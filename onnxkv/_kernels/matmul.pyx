@@ -29,8 +29,9 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport (okv_avx512_usable, okv_now_ns, okv_settings, okv_settings_get,
-                                       okv_settings_mine, okv_team_finished, okv_team_solo, okv_team_threads)
+from onnxkv._kernels._runtime cimport (okv_avx512_usable, okv_grain, okv_now_ns, okv_settings,
+                                       okv_settings_get, okv_settings_mine, okv_team_finished, okv_team_solo,
+                                       okv_team_threads)
 from onnxkv._kernels._ranges cimport _disjoint
 from onnxkv._kernels._record cimport KIND_MATMUL_PACKED, recorder, refuse
 import numpy as np
@@ -52,15 +53,7 @@ cdef extern from "matmul.h" nogil:
     int okv_mmp_avx512_usable()
     int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
 
-DEF PAR_MIN = 1 << 16   # multiply-adds (M*K*N) each thread of a product gets at least (as MLAS's thread complexity)
-
-
-cdef inline int _grain(int nt, int64_t work) noexcept nogil:
-    """Threads for a product of ``work`` multiply-adds: at most ``nt``, each with at least PAR_MIN of them
-    (a thread woken for less costs more than its share; one below 2 * PAR_MIN runs with no team)."""
-    if work < <int64_t>PAR_MIN * nt:
-        return <int>max(1, work // PAR_MIN)
-    return nt
+DEF PAR_MIN = 1 << 16   # multiply-adds (M*K*N) each thread of a product gets at least (okv_grain)
 DEF SPLIT_K_MIN = 256    # one-row products with K at least this are split in two halves of K
 
 
@@ -109,7 +102,7 @@ cdef void _matmul(const float[:, ::1] x, const float[:, ::1] w, const float *bia
     cdef int64_t M = x.shape[0], K = x.shape[1], N = w.shape[1]
     cdef int64_t width = 0, nseg, s, n0, nb
     cdef int simd = st.simd
-    cdef int nt = _grain(st.threads, M * K * N)
+    cdef int nt = okv_grain(st.threads, M * K * N, PAR_MIN)
     if M == 1 and K >= SPLIT_K_MIN and _one_row_split_k(x, w, bias, out, nt, simd) == 0:
         return
     nseg = okv_matmul_plan(M, N, nt, &width)
@@ -260,7 +253,7 @@ cdef void matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *w
     cdef uint64_t ranges[8 * MAX_TEAM]
     cdef int64_t done[1]
     cdef int isa = _packed_isa(s)
-    cdef int nt = _grain(s.threads, M * K * N)
+    cdef int nt = okv_grain(s.threads, M * K * N, PAR_MIN)
     if nt > P:
         nt = <int>P
     if P >= (<int64_t>1 << 31):   # beyond the claim words (a weight of > 2^35 columns)

@@ -32,7 +32,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport (okv_now_ns, okv_settings, okv_settings_get, okv_settings_mine,
+from onnxkv._kernels._runtime cimport (okv_grain, okv_now_ns, okv_settings, okv_settings_get, okv_settings_mine,
                                        okv_team_finished, okv_team_threads)
 from onnxkv._kernels._ranges cimport _disjoint
 from onnxkv._kernels._record cimport KIND_MATMUL_NBITS, recorder
@@ -81,7 +81,7 @@ DECODE_M = DECODE_ROWS
 DEF DEQ_G = 4            # panels (of 16 columns) a prefill thread dequantizes at a time
 #: Panels (of 16 columns) a prefill thread dequantizes at a time.
 DEQ_PANELS = DEQ_G
-DEF PAR_MIN = 1 << 15   # multiply-adds (M*K*N) each thread of a product gets at least
+DEF PAR_MIN = 1 << 15   # multiply-adds (M*K*N) each thread of a product gets at least (okv_grain)
 DEF MAX_TEAM = 64        # threads of one product at most (the claim ranges live on the stack)
 
 cdef int _vnni512 = okv_cpu_vnni512_ok()
@@ -308,12 +308,10 @@ cdef int _run(okv_qmm *a, const float *x, bint int8, okv_settings s) except -1:
 cdef int _run_units(okv_qmm *a, const float *x, bint int8, okv_settings s) noexcept nogil:
     """Every path of matmul_nbits on checked arguments (a: weight, out, bias and M set).  Returns 0; -1
     when the activation blocks, -2 when a dequantization buffer cannot be allocated."""
-    cdef int nt = s.threads
-    cdef int64_t span = a.nblk * a.bs, t0, done = 0, work = a.M * a.K * a.N
+    cdef int nt = okv_grain(s.threads, a.M * a.K * a.N, PAR_MIN)
+    cdef int64_t span = a.nblk * a.bs, t0, done = 0
     cdef bint decode = a.M <= DECODE_ROWS
     cdef void *scratch
-    if work < <int64_t>PAR_MIN * nt:   # each thread at least PAR_MIN multiply-adds
-        nt = <int>max(1, work // PAR_MIN)
     if not int8 and not decode:
         return -2 if _prefill(a, x, _float_isa(s), _mmp_isa(s), nt) != 0 else 0
     nt = min(nt, MAX_TEAM, <int>((a.P + 3) // 4))
