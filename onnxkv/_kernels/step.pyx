@@ -51,12 +51,6 @@ from onnxkv._kernels.qmatmul cimport matmul_nbits_ptr, nbits_weight_address
 
 __all__ = ["Program", "WRITTEN"]
 
-DEF NP = 11     # array operands of a call at most
-DEF NI = 8      # int parameters at most
-DEF NF = 2      # float parameters at most
-DEF MAX_FORMAT = 8
-DEF MAX_EXT = 64  # external arrays at most (a larger segment is not made: its nodes run in Python)
-
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
            KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,),
@@ -72,26 +66,6 @@ _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIN
 PRELUDE = {KIND_MASK_LENGTHS: 0}
 #: Operands that are not arrays: (kind, position) -> the address of the C arguments they stand for.
 _OPAQUE = {(KIND_MATMUL_NBITS, 1)}
-
-
-cdef struct call_t:
-    int kind
-    void *p[NP]          # operand addresses (baked, or set per run for external ones)
-    int ext[NP]          # -1: baked; else the index of the external array the operand lies in
-    int64_t off[NP]      # byte offset of an external operand in its array
-    int64_t i[NI]
-    float f[NF]
-
-
-cdef struct ext_t:
-    int ndim
-    int64_t shape[8]
-    int64_t itemsize
-    char format[MAX_FORMAT]
-    int written          # some call writes into it
-    uintptr_t pinned     # the baked address it must have (it viewed program memory when recorded), or 0
-    int64_t nbytes
-    int ragged           # its last dim may differ from run to run (taken whole by prelude calls only)
 
 
 cdef inline uintptr_t _addr(a):
@@ -114,15 +88,6 @@ cdef class Program:
     that is not external or that a call writes or writes external memory, or
     when there are more than 64 external arrays.
     """
-    cdef call_t *calls
-    cdef int n
-    cdef ext_t *exts
-    cdef int n_ext
-    cdef list keep              # the baked arrays
-    cdef uintptr_t *written      # [n_written, 2]: [start, end) of the baked memory the calls write
-    cdef int n_written
-    cdef readonly int calls_count
-
     def __cinit__(self):
         self.calls = NULL
         self.exts = NULL
@@ -242,14 +207,23 @@ cdef class Program:
         MemoryError when a call cannot allocate its workspace (the calls before
         it ran).
         """
-        cdef int e, c, j, flags
+        cdef void *bases[MAX_EXT]
+        cdef int64_t lens[MAX_EXT]    # the last dim of each ragged external now
+        cdef int done
+        if not self.bind(externals, bases, lens):
+            return False
+        done = self.execute(bases, lens, okv_settings_get())
+        if done < 0:
+            raise MemoryError(f"Program: call {-1 - done} could not allocate its workspace")
+        return done == 1
+
+    cdef bint bind(self, list externals, void **bases, int64_t *lens) except -1:
+        """Check ``externals`` against the recording (the module docstring); fill ``bases`` (their addresses)
+        and ``lens`` (the last dim of each ragged one) and return True, or False when one differs."""
+        cdef int e, j, flags
         cdef Py_buffer view
         cdef ext_t *x
-        cdef call_t *cl
-        cdef char *base
-        cdef void *bases[MAX_EXT]
         cdef uintptr_t his[MAX_EXT]
-        cdef int64_t lens[MAX_EXT]    # the last dim of each ragged external now
         cdef uintptr_t lo, hi
         if len(externals) != self.n_ext:
             return False
@@ -291,7 +265,14 @@ cdef class Program:
                 for j in range(self.n_ext):
                     if j != e and <uintptr_t>bases[j] < his[e] and <uintptr_t>bases[e] < his[j]:
                         return False
-        cdef okv_settings s = okv_settings_get()
+        return True
+
+    cdef int execute(self, void **bases, const int64_t *lens, okv_settings s) noexcept:
+        """Run the calls on externals at ``bases`` (checked by :meth:`bind`; a ragged one ``lens[e]`` long
+        in its last dim, within what was bound): 1 when every call ran, 0 when one refused its values (only
+        the prelude calls ran), ``-1 - c`` when call ``c`` could not allocate its workspace."""
+        cdef int c, j
+        cdef call_t *cl
         for c in range(self.n):
             cl = &self.calls[c]
             for j in range(NP):
@@ -305,11 +286,11 @@ cdef class Program:
                 _mask_lengths(cl)
         for c in range(self.n):    # every other call accepts this run's values before any runs
             if not _admit(&self.calls[c]):
-                return False
+                return 0
         for c in range(self.n):
             if self.calls[c].kind != KIND_MASK_LENGTHS and _dispatch(&self.calls[c], s) != 0:
-                raise MemoryError(f"Program: call {c} could not allocate its workspace")
-        return True
+                return -1 - c
+        return 1
 
 
 cdef inline bint _admit(const call_t *c) noexcept nogil:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv.errors import InputError
+from onnxkv.plan.step_loop import DecodeNames
 
 __all__ = ["FeedBuilder"]
 
@@ -162,6 +163,15 @@ class FeedBuilder:
         if self.kind == "tensor_scatter":
             self._scatter_feeds(feeds, valid, valid + S)
         return feeds
+
+    @property
+    def decode_names(self) -> DecodeNames | None:
+        """The values :meth:`State.decode_greedy <onnxkv.runtime.state.State.decode_greedy>` makes for the
+        steps :meth:`next` would feed one token at a time (None: the model has no attention mask)."""
+        io = self.io
+        if io.attention_mask is None:
+            return None
+        return DecodeNames(io.input_ids, io.attention_mask, io.logits, io.position_ids)
 
     def select_rows(self, indices) -> None:
         """Make row ``i`` of every later feed continue old row ``indices[i]`` (beam search).

@@ -54,6 +54,9 @@ class GenerationResult:
 
 #: Deprecated State keywords of generate (now fields of CacheConfig).
 _LEGACY = ("capacity", "cache_dtype", "block_size", "kv_format")
+#: With a callback, greedy steps run in C (State.decode_greedy) at most this many at a time, so that the
+#: callback sees each token at most this many steps after it was chosen.
+CALLBACK_EVERY = 16
 #: Frames from generate's body to its caller's (the renamed_argument wrapper is one), for deprecation warnings.
 _DEPTH = 2
 
@@ -99,7 +102,10 @@ def generate(
         pad_token_id: id written after a row ended and into padding
             (default: the model's pad id, else the first EOS, else 0).
         attention_mask: 0/1 [B, L]; zeros mark left padding.
-        callback: called after each new token as ``callback(step, tokens[B])``.
+        callback: called once per new token, in order, as ``callback(step, tokens[B])``.  Greedy
+            steps of one sequence on a state run in C several at a time
+            (:meth:`State.decode_greedy <onnxkv.runtime.state.State.decode_greedy>`); the callback is then
+            called for each of them after they ran, at most ``CALLBACK_EVERY`` (16) steps late.
         cache: a :class:`~onnxkv.CacheConfig` or a kind (see
             :mod:`onnxkv.runtime.cache_config`): ``"contiguous"`` runs the cache in
             place on a persistent state (nothing of cache size copied per token),
@@ -188,12 +194,16 @@ def generate(
             out = run(builder.next(chunk, out), fetch)
             read = np.array([chunk.shape[1] - 1])
         prefill = time.perf_counter() - t0
+        # Greedy steps of one sequence on a contiguous state may run as one call (State.decode_greedy).
+        names = builder.decode_names
+        loop = state is not None and sampling.greedy and B == 1 and names is not None
+        logits = out[model.io.logits]
+        if logits.ndim == 3:
+            logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]
+        tok = select_next(logits, sampling)
+        step = 0
         with sess.decode_loop(B):
-            for step in range(max_new_tokens):
-                logits = out[model.io.logits]
-                if logits.ndim == 3:
-                    logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]
-                tok = select_next(logits, sampling)
+            while True:
                 tok = np.where(finished, pad_token_id, tok)
                 new_tokens.append(tok)
                 if eos_arr.size:
@@ -203,9 +213,33 @@ def generate(
                 if finished.all() or step == max_new_tokens - 1:
                     break
                 feeds = builder.next(tok, out)
+                fast = None
+                if loop:
+                    left = max_new_tokens - 1 - step
+                    fast = state.decode_greedy(
+                        feeds, left if callback is None else min(CALLBACK_EVERY, left), names, eos
+                    )
+                if fast is not None and fast.steps:
+                    # Its steps fed tok, then each id it chose but the last, which the next turn feeds.
+                    if fast.steps > 1:
+                        builder.next(fast.tokens[None, :-1], None)
+                    step_seconds.extend(fast.seconds.tolist())
+                    for t in fast.tokens[:-1].tolist():  # neither an EOS nor the last token: the loop stops there
+                        step += 1
+                        new_tokens.append(np.array([t], dtype=np.int64))
+                        if callback is not None:
+                            callback(step, new_tokens[-1])
+                    step += 1
+                    tok = fast.tokens[-1:].copy()
+                    continue
                 t0 = time.perf_counter()
                 out = run(feeds, fetch)
                 step_seconds.append(time.perf_counter() - t0)
+                step += 1
+                logits = out[model.io.logits]
+                if logits.ndim == 3:
+                    logits = logits[np.arange(B), 0]
+                tok = select_next(logits, sampling)
     if state is not None:
         state.close()
     tokens = np.stack(new_tokens, axis=1) if new_tokens else np.zeros((B, 0), dtype=np.int64)

@@ -157,8 +157,9 @@ def _logit_rows(out: dict, sess, count: int, role: str) -> np.ndarray:
 class _Stepper:
     """One model's state, feed builder and run counter for a batch-1 sequence."""
 
-    def __init__(self, sess, prompt: np.ndarray, state_keywords: dict) -> None:
+    def __init__(self, sess, prompt: np.ndarray, state_keywords: dict, role: str) -> None:
         self.sess = sess
+        self.role = role
         self.builder = FeedBuilder(
             sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False
         )
@@ -179,6 +180,31 @@ class _Stepper:
         """Run ``tokens`` (int64 [S]) after the cached positions."""
         self.runs += 1
         return self.state.run(self.builder.next(tokens[None, :], None), self.fetch)
+
+    def greedy(self, token: int, count: int, eos: set[int]) -> list[int]:
+        """Feed ``token`` and then each chosen id: ``count`` greedy steps (fewer after an EOS); the ids chosen.
+
+        Steps run as one call into C where the state can (:meth:`State.decode_greedy`), else one by one.
+        """
+        names = self.builder.decode_names
+        chosen: list[int] = []
+        while len(chosen) < count:
+            feeds = self.builder.next(np.array([[token]], dtype=np.int64), None)
+            run = None if names is None else self.state.decode_greedy(feeds, count - len(chosen), names, sorted(eos))
+            if run is not None and run.steps:
+                self.runs += run.steps
+                if run.steps > 1:  # fed by the steps after the first: every chosen id but the last
+                    self.builder.next(run.tokens[None, :-1], None)
+                chosen.extend(run.tokens.tolist())
+            else:
+                self.runs += 1
+                chosen.append(
+                    int(np.argmax(_logit_rows(self.state.run(feeds, self.fetch), self.sess, 1, self.role)[0]))
+                )
+            token = chosen[-1]
+            if token in eos:
+                break
+        return chosen
 
     def truncate(self, length: int) -> None:
         """Keep at most the first ``length`` positions (cache and feed bookkeeping)."""
@@ -297,10 +323,10 @@ def speculative_generate(
     proposed = accepted = 0
     if max_new_tokens == 0:
         return SpeculativeResult(ids.copy(), 0, 0, 0, 0, 0, 0.0)
-    tgt = _Stepper(tsess, ids, options)
+    tgt = _Stepper(tsess, ids, options, "target")
     drf = None
     try:
-        drf = None if dsess is None else _Stepper(dsess, ids, options)
+        drf = None if dsess is None else _Stepper(dsess, ids, options, "draft")
         t0 = time.perf_counter()
         last = _logit_rows(tgt.prefill(), tsess, 1, "target")[0]
         if drf is not None:
@@ -395,22 +421,23 @@ def _propose(
 ) -> tuple[np.ndarray, list[np.ndarray] | None]:
     """Run the draft on the tokens of ``seq`` it has not cached, then ``k - 1`` more single tokens.
 
-    Returns the proposal (int64 [≤ k]; it stops after an EOS) and, when
+    Greedy, those ``k - 1`` steps run as one call into C where the draft's state can
+    (:meth:`_Stepper.greedy`).  Returns the proposal (int64 [≤ k]; it stops after an EOS) and, when
     sampling, each proposed token's draft distribution (float64 [V]).
     """
-    tokens: list[int] = []
-    dists: list[np.ndarray] | None = None if cfg.greedy else []
     if k < 1:
-        return np.zeros(0, dtype=np.int64), dists
+        return np.zeros(0, dtype=np.int64), None if cfg.greedy else []
     pending = np.array(seq[drf.length :], dtype=np.int64)
+    if cfg.greedy:
+        x = int(np.argmax(_logit_rows(drf.feed(pending), dsess, 1, "draft")[0]))
+        tokens = [x] if k == 1 or x in eos else [x, *drf.greedy(x, k - 1, eos)]
+        return np.array(tokens, dtype=np.int64), None
+    tokens: list[int] = []
+    dists: list[np.ndarray] = []
     while True:
-        logits = _logit_rows(drf.feed(pending), dsess, 1, "draft")
-        if cfg.greedy:
-            x = int(np.argmax(logits[0]))
-        else:
-            q = probabilities(logits, cfg)[0]
-            x = _draw(q, cfg.rng)
-            dists.append(q)
+        q = probabilities(_logit_rows(drf.feed(pending), dsess, 1, "draft"), cfg)[0]
+        x = _draw(q, cfg.rng)
+        dists.append(q)
         tokens.append(x)
         if len(tokens) == k or x in eos:
             return np.array(tokens, dtype=np.int64), dists

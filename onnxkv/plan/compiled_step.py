@@ -320,12 +320,7 @@ class StepPool:
         Returns the step used (give it back with :meth:`done`), or None.
         """
         self.runs += 1
-        step = None
-        idle = self.idle
-        for i in range(len(idle) - 1, -1, -1):
-            if idle[i].fits(slots):
-                step = idle.pop(i)
-                break
+        step = self.take(slots)
         if step is not None:
             try:
                 step.run(plan, slots, bufs, rt, cancel)
@@ -343,6 +338,15 @@ class StepPool:
         except BaseException:
             own.close()
             raise
+
+    def take(self, slots: list) -> CompiledStep | None:
+        """The most recently used idle step that fits ``slots``, taken out of the pool (give it back with
+        :meth:`done`), or None."""
+        idle = self.idle
+        for i in range(len(idle) - 1, -1, -1):
+            if idle[i].fits(slots):
+                return idle.pop(i)
+        return None
 
     def done(self, step: CompiledStep | None) -> None:
         """Give back the step a run used: idle again (the most recent), or closed when stale or compiling

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from onnxkv.cache import serialize
 from onnxkv.cache.paged import BlockPool
 from onnxkv.cache.policy import key_header, make_selector
 from onnxkv.errors import InputError, StateError
+from onnxkv.plan.step_loop import DecodeNames, GreedyRun, greedy_decode
 from onnxkv.runtime.cancellation import Cancellation
 from onnxkv.runtime.stores import Checkpoint, ContiguousStore, DeclaredStore, PagedStore, StoreContext
 
@@ -222,6 +223,53 @@ class State:
                 if name in presents:
                     out[name] = self._ctx.export(name, out[name], own[presents[name]], self.paged)
             return {n: (np.array(out[n]) if n in produced else out[n]) for n in output_names}
+
+    def decode_greedy(
+        self, feeds: Mapping[str, np.ndarray], count: int, names: DecodeNames, eos: Sequence[int] = ()
+    ) -> GreedyRun | None:
+        """Run up to ``count`` greedy decode steps of a batch-1 sequence in one call (a compiled generation loop).
+
+        ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` (a
+        :class:`~onnxkv.plan.step_loop.DecodeNames`) says which are the token id (one int64), the attention
+        mask (int64 [1, L] of ones) and the position (one int64, if the model has one), and which output
+        holds the logits.  Each later step feeds the argmax of the previous step's logits (ties: the lowest
+        id), a mask one column longer and the next position.  The steps stop after ``count``, after an id
+        in ``eos``, when a cache is full, or before a step that :meth:`run` must take (its values are
+        outside what the recorded kernel calls accept); they run in C with no Python between them
+        (:mod:`onnxkv.plan.step_loop`) and leave exactly what the same steps through :meth:`run` leave.
+
+        Returns a :class:`~onnxkv.plan.step_loop.GreedyRun` (the chosen ids and per-step times), or None
+        with nothing run when the steps cannot run that way: a paged or declared cache, the session's event
+        log on, or no recorded step of these feeds' shapes that covers the whole plan (after one or two
+        :meth:`run` calls of decode shape there usually is one).  The runs count in :attr:`steps`.
+
+        Raises:
+            StateError: closed, busy, or a bound input fed.
+            InputError: ``feeds`` do not fit the model's inputs, or ``count`` is not an int >= 1.
+            MemoryError: a kernel could not allocate its workspace; the state is unchanged.
+        """
+        self._check_open("decode_greedy")
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise InputError(f"State.decode_greedy: count must be an int >= 1, got {count!r}")
+        if not self._bound.isdisjoint(feeds):
+            fed = sorted(self._bound.intersection(feeds))
+            raise StateError(f"State.decode_greedy: {fed} are bound to the state's caches and must not be fed")
+        with self._exclusive("decode_greedy"):
+            store = self._store
+            session = self.session
+            if type(store) is not ContiguousStore or store.caches is None or session.events.enabled:
+                return None
+            try:
+                with session._threads(1):
+                    run = greedy_decode(session.plan, store.feeds(feeds), store.caches, int(count), names, eos)
+            except BaseException:
+                store.discard()
+                raise
+            if run is None or not run.steps:
+                return run
+            store.commit({})
+            self.steps += run.steps
+            return run
 
     def reset(self, initial: Mapping[str, np.ndarray] | None = None) -> None:
         """Drop the caches (back to empty), or start from ``initial`` contents (copied); all or nothing."""

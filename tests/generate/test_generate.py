@@ -136,3 +136,43 @@ def test_paged_cache_gives_the_same_tokens(session):
         InputError, match="cache must be a CacheConfig, one of 'contiguous', 'paged', 'tensor' or None, got 'pages'"
     ):
         onnxkv.generate(session, ids, 2, cache="pages")
+
+
+@pytest.mark.parametrize("new", [1, 2, 3, 40, 300])
+def test_greedy_steps_run_in_c_give_the_tokens_callbacks_and_timings_of_steps_run_one_by_one(new, monkeypatch):
+    """Greedy generation of one sequence runs its decode steps as one call into C (State.decode_greedy)
+    after the steps that record it; 300 tokens pass the initial capacity (272): the cache grows in between."""
+    from onnxkv.zoo import embedded
+
+    path = str(embedded.embedded_model_dir())
+    ids = np.array([embedded.encode("The ")])
+    seen = {}
+    results = {}
+    for compiled in (False, True):
+        sess = onnxkv.Session(path, threads=1, compiled_steps=compiled)
+        runs = []
+        real = sess.plan.run
+        monkeypatch.setattr(sess.plan, "run", lambda *a, **k: runs.append(1) or real(*a, **k))
+        calls = seen[compiled] = []
+        for callback in (None, lambda step, tok: calls.append((step, tok.dtype, tok.tolist()))):
+            results[compiled, callback is None] = onnxkv.generate(sess, ids, new, eos_token_id=[], callback=callback)
+        if compiled and new == 300:  # prefill, two steps recording, 1 growing the cache, 1 recording again
+            assert len(runs) <= 2 * 6 + 300 // 16
+    for plain in (True, False):
+        a, b = results[False, plain], results[True, plain]
+        np.testing.assert_array_equal(a.sequences, b.sequences)
+        assert len(a.step_seconds) == len(b.step_seconds) == new - 1
+    assert seen[False] == seen[True] == [(s, np.dtype(np.int64), [int(t)]) for s, t in enumerate(a.tokens[0])]
+
+
+def test_greedy_steps_in_c_stop_at_an_end_of_sequence_id():
+    from onnxkv.zoo import embedded
+
+    path = str(embedded.embedded_model_dir())
+    ids = np.array([embedded.encode("The ")])
+    free = onnxkv.generate(onnxkv.Session(path, threads=1, compiled_steps=False), ids, 30, eos_token_id=[]).tokens[0]
+    eos = int(free[20])
+    stop = free.tolist().index(eos) + 1
+    for compiled in (False, True):
+        got = onnxkv.generate(onnxkv.Session(path, threads=1, compiled_steps=compiled), ids, 30, eos_token_id=eos)
+        assert got.tokens[0].tolist() == free[:stop].tolist() and got.finished.tolist() == [True]

@@ -1,0 +1,183 @@
+"""Greedy decode steps of a batch-1 sequence as one call: the compiled generation loop.
+
+When a decode step's compiled step (:mod:`onnxkv.plan.compiled_step`) is one
+segment covering every node of the plan, the whole step is one
+:class:`~onnxkv._kernels.step.Program`, and the steps of a greedy generation
+differ only in values the loop itself can make: the token id (the argmax of
+the previous step's logits), the attention mask (one more column of ones),
+the position (one more) and the committed cache length (one more).
+:func:`greedy_decode` replays that program token after token in C
+(:func:`onnxkv._kernels.token_loop.greedy_steps`), with no Python between the
+tokens, and stages the rows the steps appended in the caches; the caller (a
+state) commits them, or discards them when the call raises.
+
+Tokens, logits and caches are those of the steps run one by one through
+:meth:`Plan.run` bit for bit.  Anything the loop cannot replay returns None
+with nothing run or staged, and the caller runs its steps one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnxkv._kernels.token_loop import MISMATCH, REFUSED, greedy_steps
+from onnxkv.plan.compiled_step import Segment
+from onnxkv.plan.ops._gqa_record import CacheAppend
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from onnxkv.plan.plan import Plan
+
+__all__ = ["DecodeNames", "GreedyRun", "greedy_decode"]
+
+
+@dataclass(frozen=True)
+class DecodeNames:
+    """The graph values a greedy decode loop makes and reads.
+
+    Attributes:
+        token: the input of the step's token id (int64, one element).
+        mask: the attention mask input (int64 [1, L], all ones; a column longer each step).
+        logits: the output whose argmax is the next token (float32, one row of V).
+        position: the position input (int64, one element; one more each step), or None: the model has none.
+    """
+
+    token: str
+    mask: str
+    logits: str
+    position: str | None = None
+
+
+@dataclass
+class GreedyRun:
+    """What :func:`greedy_decode` ran.
+
+    Attributes:
+        tokens: int64 [steps]: the id each step chose (step ``t`` fed the id before it, the first the
+            caller's token).
+        seconds: float64 [steps]: each step's time.
+        refused: the step after the last one refused its values (a position or id its calls do not take);
+            run it through :meth:`Plan.run`, which raises or takes the general path.
+    """
+
+    tokens: np.ndarray
+    seconds: np.ndarray
+    refused: bool
+
+    @property
+    def steps(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def greedy_decode(
+    plan: Plan, feeds: Mapping[str, np.ndarray], caches: dict, count: int, names: DecodeNames, eos: Sequence[int] = ()
+) -> GreedyRun | None:
+    """Run up to ``count`` greedy decode steps of ``plan`` from ``feeds`` in one call.
+
+    ``feeds`` are the first step's full feeds (a state's cache views included) of a batch-1 sequence, the
+    values ``names`` (:class:`DecodeNames`) describes.  ``caches`` (past input name -> contiguous
+    :class:`~onnxkv.cache.contiguous.CacheTensor`) are written in place; the steps' rows are staged (the
+    caller commits or discards them).  Later steps feed the previous step's argmax of ``names.logits``,
+    a mask one column longer and the next position.  Stops after ``count`` steps, after an id in ``eos``,
+    when the caches are full (the next step grows them through :meth:`Plan.run`) or before a step whose
+    calls refuse their values.
+
+    Returns None, with nothing run or staged, unless the plan holds an idle compiled step fitting these
+    feeds that is one segment of every node whose only effects are decode-token cache appends, whose
+    logits it exports as float32 [V], and whose external values are those inputs and the caches.
+
+    Raises:
+        InputError: ``feeds`` do not fit the graph inputs (as :meth:`Plan.run`).
+        MemoryError: a kernel could not allocate its workspace (nothing staged).
+    """
+    if plan.steps is None or count < 1:
+        return None
+    slots = plan.bind_inputs(feeds, caches)
+    step = plan.steps.take(slots)
+    if step is None:
+        return None
+    try:
+        return _replay(plan, step, slots, caches, count, names, eos)
+    finally:
+        plan.steps.done(step)
+
+
+def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos) -> GreedyRun | None:
+    items = step.items
+    if len(items) != 1 or type(items[0]) is not Segment:
+        return None
+    seg = items[0]
+    slot_of = plan.slot_of
+    logits = next((v for s, v in seg.exports if s == slot_of[names.logits]), None)
+    if (
+        logits is None
+        or logits.dtype != np.float32
+        or logits.size != logits.shape[-1]
+        or not logits.flags.c_contiguous
+        or not seg.effects
+        or any(type(effect) is not CacheAppend for effect, _ in seg.effects)
+    ):
+        return None
+    try:
+        named = [caches[n] for effect, _ in seg.effects for n in effect.names]
+    except KeyError:
+        return None
+    room = min(c.capacity - c.length for c in named)
+    count = min(count, room)
+    if count < 1:
+        return None
+    roles = {slot_of[names.token]: "token", slot_of[names.mask]: "mask"}
+    if names.position is not None:
+        roles[slot_of[names.position]] = "position"
+    externals: list = []
+    where = {"position": -1}
+    for e, s in enumerate(seg.external_slots):
+        if type(s) is str:
+            if s not in caches or getattr(caches[s], "paged", False):
+                return None
+            externals.append(caches[s].buffer)
+            continue
+        role, value = roles.get(s), slots[s]
+        if role is None or value is None or value.dtype != np.int64:
+            return None
+        if role == "mask":
+            if value.ndim != 2 or value.shape[0] != 1 or not (value == 1).all():
+                return None
+            value = np.ones((1, value.shape[1] + count - 1), dtype=np.int64)
+        elif value.size != 1:
+            return None
+        else:
+            value = value.copy()  # the loop writes the next id / position into it
+        where[role] = e
+        externals.append(value)
+    if "token" not in where or "mask" not in where:
+        return None
+    for effect, _ in seg.effects:
+        if not effect.before(caches):
+            return None
+    start = {id(c): c.length for c in named}
+    tokens = np.empty(count, dtype=np.int64)
+    seconds = np.empty(count, dtype=np.float64)
+    done, why = greedy_steps(
+        seg.program,
+        externals,
+        where["token"],
+        where["mask"],
+        where["position"],
+        slots[slot_of[names.mask]].shape[1],
+        logits.reshape(-1),
+        np.asarray(eos, dtype=np.int64).reshape(-1),
+        tokens,
+        seconds,
+    )
+    if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one
+        step.stale = True
+        return None
+    if done:
+        for c in named:
+            c.appended(done, start[id(c)] + done, None, start[id(c)])
+    return GreedyRun(tokens[:done], seconds[:done], why == REFUSED)

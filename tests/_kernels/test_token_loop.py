@@ -1,0 +1,147 @@
+"""onnxkv._kernels.token_loop.greedy_steps: a program replayed once per token, each step fed the argmax of the
+last, equals the steps run one by one (NumPy's argmax, the kernels called directly)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnxkv._kernels._record import DECODE_TOKEN, MASK_LENGTHS, Recorder
+from onnxkv._kernels.gather import gather_rows
+from onnxkv._kernels.step import Program
+from onnxkv._kernels.token_loop import DONE, EOS, MISMATCH, REFUSED, greedy_steps
+
+from onnxkv._kernels import decode_token
+
+from .conftest import rand
+
+HQ, HKV, D, CAP = 2, 1, 16, 24
+
+
+class Chain:
+    """A tiny 'model': the mask's lengths, one decode-token call into two caches at the position they give,
+    the logits as the token's row of a table, and a second table's row at the position input.
+
+    Externals: token int64 [1], mask int64 [1, L] (ragged), position int64 [1], key cache, value cache.
+    """
+
+    def __init__(self, rng, table, length):
+        self.table = table
+        self.pos_table = rand(rng, (CAP + 4, 3))
+        self.q, self.k, self.v = rand(rng, (1, 1, HQ * D)), rand(rng, (1, 1, HKV * D)), rand(rng, (1, 1, HKV * D))
+        self.seqlens, self.total = np.zeros(1, np.int32), np.zeros(1, np.int32)
+        self.att = np.empty((1, 1, HQ * D), np.float32)
+        self.io = np.zeros(2, np.int64)
+        self.logits = np.empty((1, table.shape[1]), np.float32)
+        self.at_pos = np.empty((1, 3), np.float32)
+        self.token, self.position = np.array([1], np.int64), np.array([length], np.int64)
+        self.mask = np.ones((1, length + 1), np.int64)
+        self.kc, self.vc = rand(rng, (1, HKV, CAP, D)), rand(rng, (1, HKV, CAP, D))
+        calls = [
+            (MASK_LENGTHS, (self.mask, self.seqlens, self.total), self.mask.shape, ()),
+            (
+                DECODE_TOKEN,
+                (self.q, self.k, self.v, None, None, self.kc, self.vc, self.seqlens, self.total, self.att, self.io),
+                (HQ, HKV, CAP, D, 0, 0, -1, 0),
+                (D**-0.5, 0.0),
+            ),
+        ]
+        rec = Recorder()
+        with rec:
+            gather_rows(table, self.token, self.logits)
+            gather_rows(self.pos_table, self.position, self.at_pos)
+        self.program = Program(calls + rec.calls, [self.token, self.mask, self.position, self.kc, self.vc], (), [1])
+
+    def externals(self, columns):
+        return [self.token, np.ones((1, columns), np.int64), self.position, self.kc, self.vc]
+
+
+def _twin(chain, kc, vc, first, length, count, eos=()):
+    """The steps one by one: decode_token at each position, the argmax of the table row of each token."""
+    tok, tokens, att = first, [], np.empty_like(chain.att)
+    for t in range(count):
+        pos = length + t
+        assert decode_token(chain.q, chain.k, chain.v, None, None, False, kc, vc, pos, D**-0.5, 0.0, -1, att)
+        tok = int(np.argmax(chain.table[tok]))
+        tokens.append(tok)
+        if tok in eos:
+            break
+    return tokens, att
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "nan"])
+def test_greedy_steps_equal_the_steps_one_by_one(simd, threads, kind):
+    rng = np.random.default_rng(5)
+    v = 37
+    table = rand(rng, (v, v))
+    if kind == "ties":  # few distinct values: argmax must take the first maximum
+        table = rng.integers(0, 3, (v, v)).astype(np.float32)
+    elif kind == "nan":  # NumPy's argmax gives the first NaN
+        table[rng.integers(0, v, 12), rng.integers(0, v, 12)] = np.nan
+    length, count = 5, 12
+    chain = Chain(rng, table, length)
+    kc, vc = chain.kc.copy(), chain.vc.copy()
+    chain.io[0] = length
+    tokens, seconds = np.empty(count, np.int64), np.empty(count)
+    steps, why = greedy_steps(chain.program, chain.externals(length + count), 0, 1, 2, length + 1,
+                              chain.logits.reshape(-1), np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
+    want, att = _twin(chain, kc, vc, 1, length, count)
+    assert (steps, why) == (count, DONE)
+    assert tokens.tolist() == want
+    assert (seconds > 0).all()
+    np.testing.assert_array_equal(chain.kc, kc)
+    np.testing.assert_array_equal(chain.vc, vc)
+    np.testing.assert_array_equal(chain.att, att)
+    assert chain.io.tolist() == [length + count, length + count - 1]
+    assert chain.position[0] == length + count - 1  # advanced after each step but the last
+    np.testing.assert_array_equal(chain.at_pos[0], chain.pos_table[length + count - 1])
+
+
+def test_greedy_steps_stop_after_an_end_of_sequence_id():
+    rng = np.random.default_rng(6)
+    chain = Chain(rng, rand(rng, (29, 29)), 4)
+    chain.io[0] = 4
+    free, _ = _twin(chain, chain.kc.copy(), chain.vc.copy(), 1, 4, 10)
+    eos = np.array([free[3], 10**9], np.int64)
+    stop = free.index(free[3]) + 1
+    tokens, seconds = np.empty(10, np.int64), np.empty(10)
+    steps, why = greedy_steps(chain.program, chain.externals(14), 0, 1, 2, 5, chain.logits.reshape(-1), eos,
+                              tokens, seconds)  # fmt: skip
+    assert (steps, why) == (stop, EOS) and tokens[:steps].tolist() == free[:stop]
+
+
+def test_a_refused_step_runs_nothing_and_the_steps_before_it_stand():
+    """Logits wider than the embedding table: a chosen id past the table's rows is refused by the gather."""
+    rng = np.random.default_rng(7)
+    table = rand(rng, (40, 40))
+    table[:, 30] = 100.0  # every row's argmax is 30
+    small = Chain(rng, table[:30].copy(), 3)  # 30 rows: id 30 is out of range
+    small.io[0] = 3
+    kc = small.kc.copy()
+    tokens, seconds = np.empty(5, np.int64), np.empty(5)
+    steps, why = greedy_steps(small.program, small.externals(8), 0, 1, 2, 4, small.logits.reshape(-1),
+                              np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
+    assert (steps, why) == (1, REFUSED) and tokens[0] == 30
+    # the refused step wrote no cache row: only position 3 (the first step's) changed
+    changed = np.flatnonzero((small.kc != kc).any(axis=(0, 1, 3)))
+    assert changed.tolist() == [3]
+
+
+def test_externals_unlike_the_recording_run_nothing_and_bad_arguments_raise():
+    rng = np.random.default_rng(8)
+    chain = Chain(rng, rand(rng, (9, 9)), 2)
+    chain.io[0] = 2
+    tokens, seconds = np.empty(4, np.int64), np.empty(4)
+    logits, none = chain.logits.reshape(-1), np.zeros(0, np.int64)
+    other = chain.externals(6)
+    other[3] = np.zeros((1, HKV, CAP + 1, D), np.float32)  # a cache of another capacity
+    assert greedy_steps(chain.program, other, 0, 1, 2, 3, logits, none, tokens, seconds) == (0, MISMATCH)
+    with pytest.raises(ValueError, match="need 6 columns, the mask has 5"):
+        greedy_steps(chain.program, chain.externals(5), 0, 1, 2, 3, logits, none, tokens, seconds)
+    with pytest.raises(ValueError, match="external 3 must be one int64"):
+        greedy_steps(chain.program, chain.externals(6), 3, 1, 2, 3, logits, none, tokens, seconds)
+    with pytest.raises(ValueError, match="external 0 is not the ragged"):
+        greedy_steps(chain.program, chain.externals(6), 2, 0, -1, 3, logits, none, tokens, seconds)
+    with pytest.raises(ValueError, match="one element per step"):
+        greedy_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds[:2])
+    with pytest.raises(ValueError, match="token external 7 out of"):
+        greedy_steps(chain.program, chain.externals(6), 7, 1, 2, 3, logits, none, tokens, seconds)
