@@ -10,11 +10,12 @@ cdef enum:
     KIND_SKIP_RMS_NORM = 3   # arrays (x, skip, gamma, bias or None, out, sum_out or None); ints (rows, n); floats (eps,)
     KIND_ACTIVATION = 4      # arrays (x, up or None, out); ints (mode, n)
     KIND_GATHER_ROWS = 5     # arrays (table, indices, out); ints (N, D, m); fails on an index out of range
-    # One decode token into float32 caches (attention.decode_token_ptr), its position read when replayed:
-    # arrays (q, k, v, cos or None, sin or None, k_cache, v_cache, seqlens_k int32 [1], total int32 [1], out,
-    # pos_io int64 [2]); ints (Hq, Hkv, Cap, D, half, interleaved, window, cos rows); floats (scale, softcap).
-    # pos = seqlens_k[0]; refused unless pos == pos_io[0] (the committed length, set before each replay),
-    # total == pos + 1, 1 <= pos < Cap and pos < cos rows; on success pos_io[1] = pos.
+    # S decode tokens of one sequence into float32 caches (attention.decode_token_ptr), their position read when
+    # replayed: arrays (q, k, v (each the memory its S rows span), cos or None, sin or None, k_cache, v_cache,
+    # seqlens_k int32 [1], total int32 [1], out, pos_io int64 [2]); ints (Hq, Hkv, Cap, D, half, interleaved,
+    # window, cos rows, S, q / k / v row strides in floats); floats (scale, softcap).  pos = seqlens_k[0] + 1 - S;
+    # refused unless pos == pos_io[0] (the committed length, set before each replay), total == pos + S,
+    # 1 <= pos, pos + S <= Cap and pos + S <= cos rows; on success pos_io[1] = pos.
     KIND_DECODE_TOKEN = 6
     KIND_MATMUL_NBITS = 7    # arrays (x, PackedNBits weight, bias or None, out); ints (M, int8)
     # GroupQueryAttention's lengths from the mask (plan/ops/mask_lengths.py): arrays (mask int64 [B, L], seqlens

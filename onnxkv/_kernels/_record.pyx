@@ -61,6 +61,9 @@ class Recorder:
         effects: the effects of noted calls, in call order (:meth:`effect`).
         ragged: the arrays a noted call reads whole with a last dim that may differ from run to run
             (:meth:`ragged_last`).
+        transient: a call could not be noted for values of this run that later runs of the same shapes
+            need not share (a prompt's attention, where a verification of as many tokens takes the fused
+            decode call): a step recorded from it is used for this run only.
     """
 
     def __init__(self) -> None:
@@ -69,6 +72,7 @@ class Recorder:
         self.caches = {}
         self.effects = []
         self.ragged = []
+        self.transient = False
 
     def note(self, int kind, tuple arrays, tuple ints, tuple floats) -> None:
         self.calls.append((kind, arrays, ints, floats))

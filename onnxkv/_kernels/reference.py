@@ -130,29 +130,33 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
 
 
 def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out):
-    """Twin of the fused kernel: rotary on q and k, rows written at ``pos``, attention over [0, pos]."""
+    """Twin of the fused kernel: rotary on the S tokens' q and k, rows written at ``pos .. pos + S - 1``,
+    causal attention of each query over [0, its position]."""
     hkv, d = k_cache.shape[1], k_cache.shape[3]
+    n = q.shape[1]
     hq = q.shape[2] // d
-    q4, k4 = q.reshape(1, 1, hq, d), k.reshape(1, 1, hkv, d)
+    q4, k4 = q.reshape(1, n, hq, d), k.reshape(1, n, hkv, d)
+    positions = np.arange(pos, pos + n, dtype=np.int64)[None, :]
     if cos is not None:
-        positions = np.array([[pos]], np.int64)
         q_rot, k_rot = np.empty_like(q4), np.empty_like(k4)
-        rotary_embedding(q4, cos, sin, positions, interleaved, q_rot)
-        rotary_embedding(k4, cos, sin, positions, interleaved, k_rot)
+        rotary_embedding(np.ascontiguousarray(q4), cos, sin, positions, interleaved, q_rot)
+        rotary_embedding(np.ascontiguousarray(k4), cos, sin, positions, interleaved, k_rot)
         q4, k4 = q_rot, k_rot
-    k_cache[0, :, pos] = k4[0, 0]
-    v_cache[0, :, pos] = v.reshape(hkv, d)
+    k_cache[0, :, pos : pos + n] = k4[0].transpose(1, 0, 2)
+    v_cache[0, :, pos : pos + n] = v.reshape(n, hkv, d).transpose(1, 0, 2)
+    res = np.empty((1, hq, n, d), np.float32)
     attention(
-        q4.reshape(1, hq, 1, d),
+        np.ascontiguousarray(q4.transpose(0, 2, 1, 3)),
         k_cache,
         v_cache,
-        np.array([pos + 1], np.int32),
-        np.array([[pos]], np.int32),
+        np.array([pos + n], np.int32),
+        positions.astype(np.int32),
         scale,
         softcap,
         window,
-        out.reshape(1, hq, 1, d),
+        res,
     )
+    out.reshape(1, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
     return True
 
 

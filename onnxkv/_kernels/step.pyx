@@ -295,7 +295,7 @@ cdef class Program:
 
 cdef inline bint _admit(const call_t *c) noexcept nogil:
     """Whether a call accepts the values of this run (read from operands no call writes: CHECKED)."""
-    cdef int64_t i, v, pos, total
+    cdef int64_t i, v, pos, total, n
     cdef const int64_t *idx
     if c.kind == KIND_GATHER_ROWS:     # every index in [-N, N)
         idx = <const int64_t *>c.p[1]
@@ -304,9 +304,10 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
             if v < -c.i[0] or v >= c.i[0]:
                 return False
     elif c.kind == KIND_DECODE_TOKEN:  # the committed length, room in the cache and the rotary tables
-        pos, total = (<const int32_t *>c.p[7])[0], (<const int32_t *>c.p[8])[0]
-        if pos != (<const int64_t *>c.p[10])[0] or total != pos + 1 or pos < 1 or pos >= c.i[2] \
-                or (c.p[3] != NULL and pos >= c.i[7]):
+        n = c.i[8]
+        pos, total = <int64_t>(<const int32_t *>c.p[7])[0] + 1 - n, (<const int32_t *>c.p[8])[0]
+        if pos != (<const int64_t *>c.p[10])[0] or total != pos + n or pos < 1 or pos > c.i[2] - n \
+                or (c.p[3] != NULL and pos > c.i[7] - n):
             return False
     return True
 
@@ -350,11 +351,12 @@ cdef inline void _mask_lengths(call_t *c) noexcept nogil:
 
 cdef inline int _decode_token(call_t *c, okv_settings s) noexcept nogil:
     """KIND_DECODE_TOKEN (_record.pxd), admitted: the position read now; pos_io[1] = pos once done."""
-    cdef int64_t pos = (<const int32_t *>c.p[7])[0]
-    if decode_token_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[2],
-                        <const float *>c.p[3], <const float *>c.p[4], c.i[4], <int>c.i[5], <float *>c.p[5],
-                        <float *>c.p[6], c.i[0], c.i[1], c.i[2], c.i[3], pos, c.f[0], c.f[1], c.i[6],
-                        <float *>c.p[9], s) != 0:
+    cdef int64_t n = c.i[8]
+    cdef int64_t pos = <int64_t>(<const int32_t *>c.p[7])[0] + 1 - n
+    if decode_token_ptr(<const float *>c.p[0], c.i[9], <const float *>c.p[1], c.i[10], <const float *>c.p[2],
+                        c.i[11], <const float *>c.p[3], <const float *>c.p[4], c.i[4], <int>c.i[5],
+                        <float *>c.p[5], <float *>c.p[6], c.i[0], c.i[1], c.i[2], c.i[3], n, pos, c.f[0], c.f[1],
+                        c.i[6], <float *>c.p[9], s) != 0:
         return -1
     (<int64_t *>c.p[10])[1] = pos
     return 0

@@ -112,7 +112,7 @@ def greedy_steps(Program program, list externals, int token_ext, int mask_ext, i
             cl = &program.calls[c]
             if cl.kind == KIND_DECODE_TOKEN:
                 pos_io = <int64_t *>cl.p[10]
-                pos_io[0] = pos_io[1] + 1
+                pos_io[0] = pos_io[1] + cl.i[8]
         for k in range(eos.shape[0]):
             if eos[k] == tok:
                 why = EOS

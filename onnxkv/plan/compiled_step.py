@@ -116,7 +116,8 @@ class CompiledStep:
     Attributes:
         items: node indices and segments, covering every node once, in order.
         buffers: the recording run's buffers (the memory of every segment), owned by this step.
-        stale: a segment's check failed on a run (the plan drops the step).
+        stale: a segment's check failed on a run, or the recording run was transient (a node ran in Python
+            for values of that run only, see ``Recorder.transient``): the plan drops the step.
     """
 
     def __init__(self, items: list, buffers: RunBuffers, output_slots: set[int], signature: tuple = ()) -> None:
@@ -189,6 +190,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     ragged_slots: set[int] = set()  # slots of the values segments take ragged
     step_memory: set[int] = set()  # ids of the values closed segments export (kept alive by them)
     readers = _reader_counts(plan)
+    transient = False  # a node could not be recorded for this run's values only: the step serves this run
 
     def close_segment() -> None:
         if not current:
@@ -236,6 +238,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         finally:
             rt._plan_alloc = bufs.plan_alloc
         results = [slots[s] for s in outs]
+        transient |= recorder.transient
         set_by_effects = {j for effect in recorder.effects for j in effect.outputs}
         uneven = {id(a) for a in recorder.ragged}
         if (
@@ -263,7 +266,9 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     signature = tuple(
         (s, slots[s].shape[:-1], True) if s in ragged_slots else (s, slots[s].shape, False) for s in sorted(taken)
     )
-    return CompiledStep(items, own, outputs, signature)
+    step = CompiledStep(items, own, outputs, signature)
+    step.stale = transient
+    return step
 
 
 def _derived(value: np.ndarray, arrays: set[int]) -> bool:
@@ -308,7 +313,7 @@ class StepPool:
     """
 
     #: Idle steps kept at most.
-    MAX_IDLE = 4
+    MAX_IDLE = 8
 
     def __init__(self) -> None:
         self.idle: list[CompiledStep] = []  # least recently used first

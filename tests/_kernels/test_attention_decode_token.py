@@ -46,19 +46,26 @@ def test_equals_unfused_calls_and_twin(hq, hkv, d, rot, interleaved, softcap, wi
     half = {"none": 0, "full": d // 2, "partial": d // 4}[rot]
     for pos in (0, 1, 37):
         q, k, v, cos, sin, kc, vc = _case(rng, hq, hkv, d, 48, half)
-        scale = float(d**-0.5)
-        got_k, got_v, got = kc.copy(), vc.copy(), np.full((1, 1, hq * d), np.nan, np.float32)
-        assert K.decode_token(q, k, v, cos, sin, interleaved, got_k, got_v, pos, scale, softcap, window, got)
-        want_k, want_v, want = kc.copy(), vc.copy(), np.full_like(got, np.nan)
-        _unfused(q, k, v, cos, sin, interleaved, want_k, want_v, pos, scale, softcap, window, want)
-        np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(got_k, want_k)
-        np.testing.assert_array_equal(got_v, want_v)
-        twin_k, twin_v, twin = kc.copy(), vc.copy(), np.empty_like(got)
-        R.decode_token(q, k, v, cos, sin, interleaved, twin_k, twin_v, pos, scale, softcap, window, twin)
-        np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(got_k, twin_k, rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(got_v, twin_v)
+        _check(q, k, v, cos, sin, interleaved, kc, vc, pos, float(d**-0.5), softcap, window)
+
+
+def _check(q, k, v, cos, sin, interleaved, kc, vc, pos, scale, softcap, window):
+    """decode_token on copies of the caches equals the unfused calls bit for bit, the twin within float32
+    tolerance, and writes no cache row past its tokens."""
+    n = q.shape[1]
+    got_k, got_v, got = kc.copy(), vc.copy(), np.full(q.shape[:2] + (q.shape[2],), np.nan, np.float32)
+    assert K.decode_token(q, k, v, cos, sin, interleaved, got_k, got_v, pos, scale, softcap, window, got)
+    want_k, want_v, want = kc.copy(), vc.copy(), np.full_like(got, np.nan)
+    _unfused(q, k, v, cos, sin, interleaved, want_k, want_v, pos, scale, softcap, window, want)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
+    assert np.array_equal(got_k[:, :, pos + n :], kc[:, :, pos + n :])
+    twin_k, twin_v, twin = kc.copy(), vc.copy(), np.empty_like(got)
+    R.decode_token(q, k, v, cos, sin, interleaved, twin_k, twin_v, pos, scale, softcap, window, twin)
+    np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_k, twin_k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got_v, twin_v)
 
 
 def test_long_cache_splits_like_attention(threads):
@@ -128,3 +135,49 @@ def test_declines_what_it_does_not_take_and_writes_nothing():
     ro = kc.copy()
     ro.flags.writeable = False
     assert _declined_untouched(call(k_cache=ro), kc, vc, out)
+
+
+def _tokens(rng, n, hq, hkv, d, packed):
+    """q, k, v of ``n`` tokens: separate arrays, or strided slices of packed QKV rows (the builder's layout)."""
+    if packed:
+        qkv = rand(rng, (1, n, (hq + 2 * hkv) * d))
+        return qkv[..., : hq * d], qkv[..., hq * d : (hq + hkv) * d], qkv[..., (hq + hkv) * d :]
+    return rand(rng, (1, n, hq * d)), rand(rng, (1, n, hkv * d)), rand(rng, (1, n, hkv * d))
+
+
+@pytest.mark.parametrize("n", [2, 5, 16])
+@pytest.mark.parametrize("hq, hkv, d", SHAPES[:3])
+@pytest.mark.parametrize("rot", ["none", "partial"])
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("softcap, window", [(0.0, -1), (3.0, 3)], ids=["plain", "softcap-window"])
+def test_several_tokens_equal_unfused_calls_and_twin(n, hq, hkv, d, rot, packed, softcap, window, threads, simd):
+    """A speculative verification's tokens: each query attends causally to the past and the tokens before it."""
+    rng = np.random.default_rng([n, hq, hkv, d, len(rot), packed, window + 1])
+    half = {"none": 0, "partial": d // 4}[rot]
+    for pos in (1, 30):
+        _, _, _, cos, sin, kc, vc = _case(rng, hq, hkv, d, 48, half)
+        q, k, v = _tokens(rng, n, hq, hkv, d, packed)
+        _check(q, k, v, cos, sin, False, kc, vc, pos, float(d**-0.5), softcap, window)
+
+
+def test_several_tokens_decline_what_they_do_not_take_and_write_nothing():
+    rng = np.random.default_rng(13)
+    _, _, _, cos, sin, kc, vc = _case(rng, 4, 2, 32, 16, 8, max_pos=20)
+    q, k, v = _tokens(rng, 4, 4, 2, 32, True)
+    out = rand(rng, (1, 4, 4 * 32))
+    args = dict(q=q, k=k, v=v, cos=cos, sin=sin, interleaved=False, k_cache=kc, v_cache=vc, pos=3, scale=0.125,
+                softcap=0.0, window=-1, out=out)  # fmt: skip
+    wide = rand(rng, (1, 4, 2 * 4 * 32))
+    for change in (
+        dict(pos=13),  # the last token past the capacity
+        dict(cos=cos[:6].copy(), sin=sin[:6].copy()),  # the last token past the rotary tables
+        dict(k=k[:, :3]),  # token counts differ
+        dict(v=v[:, :3]),
+        dict(out=wide[..., ::2]),  # out strided
+        dict(out=rand(rng, (1, 3, 4 * 32))),
+        dict(q=q[:, ::-1]),  # rows backwards
+        dict(q=np.lib.stride_tricks.as_strided(q, (1, 4, 4 * 32), (0, 64, 4))),  # rows overlapping
+        dict(q=wide[..., ::2]),  # elements strided
+    ):
+        assert _declined_untouched(list({**args, **change}.values()), kc, vc, out), change
+    assert K.decode_token(*args.values())

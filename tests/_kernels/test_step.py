@@ -164,31 +164,34 @@ def test_more_than_64_externals_are_refused_at_build():
         Program([], externals)
 
 
-def _decode_call(rng, hq=4, hkv=2, d=16, cap=12, rows=20, rot=True):
-    """The arrays and parameters of one recorded decode-token call (the operand order of _record.pxd)."""
+def _decode_call(rng, hq=4, hkv=2, d=16, cap=12, rows=20, rot=True, n=1):
+    """The arrays and parameters of one recorded decode-token call of ``n`` tokens (the operand order of
+    _record.pxd)."""
     from onnxkv._kernels._record import DECODE_TOKEN
 
-    q, k, v = rand(rng, (1, 1, hq * d)), rand(rng, (1, 1, hkv * d)), rand(rng, (1, 1, hkv * d))
+    q, k, v = rand(rng, (1, n, hq * d)), rand(rng, (1, n, hkv * d)), rand(rng, (1, n, hkv * d))
     cos, sin = (rand(rng, (rows, d // 2)), rand(rng, (rows, d // 2))) if rot else (None, None)
     kc, vc = rand(rng, (1, hkv, cap, d)), rand(rng, (1, hkv, cap, d))
     seq, total = np.array([0], np.int32), np.array([0], np.int32)
-    out, io = np.empty((1, 1, hq * d), np.float32), np.zeros(2, np.int64)
+    out, io = np.empty((1, n, hq * d), np.float32), np.zeros(2, np.int64)
     half = 0 if cos is None else d // 2
-    call = (DECODE_TOKEN, (q, k, v, cos, sin, kc, vc, seq, total, out, io), (hq, hkv, cap, d, half, 0, -1, rows),
-            (d**-0.5, 0.0))  # fmt: skip
+    ints = (hq, hkv, cap, d, half, 0, -1, rows, n, hq * d, hkv * d, hkv * d)
+    call = (DECODE_TOKEN, (q, k, v, cos, sin, kc, vc, seq, total, out, io), ints, (d**-0.5, 0.0))
     return call, dict(q=q, k=k, v=v, cos=cos, sin=sin, kc=kc, vc=vc, seq=seq, total=total, out=out, io=io)
 
 
+@pytest.mark.parametrize("n", [1, 2, 5])
 @pytest.mark.parametrize("rot", [True, False], ids=["rotary", "plain"])
-def test_a_decode_token_replay_reads_its_position_and_equals_the_kernel(simd, threads, rot):
+def test_a_decode_token_replay_reads_its_position_and_equals_the_kernel(simd, threads, rot, n):
+    """seqlens_k is the last token's position: the n tokens start at seqlens_k + 1 - n (the committed length)."""
     from onnxkv._kernels import decode_token
 
-    rng = np.random.default_rng(7)
-    call, a = _decode_call(rng, rot=rot)
+    rng = np.random.default_rng(7 + n)
+    call, a = _decode_call(rng, cap=14, rows=12, rot=rot, n=n)
     program = Program([call], [a["kc"], a["vc"]])
-    for pos in (3, 4, 9):
+    for pos in (1, 4, 12 - n):
         kc, vc = a["kc"].copy(), a["vc"].copy()  # new cache buffers of the same shape: externals
-        a["seq"][0], a["total"][0], a["io"][0] = pos, pos + 1, pos
+        a["seq"][0], a["total"][0], a["io"][0] = pos + n - 1, pos + n, pos
         a["q"][:] = rand(rng, a["q"].shape)  # baked operands: read at their recorded addresses
         wk, wv, want = kc.copy(), vc.copy(), np.empty_like(a["out"])
         assert decode_token(a["q"], a["k"], a["v"], a["cos"], a["sin"], False, wk, wv, pos, 16**-0.5, 0.0, -1, want)
@@ -197,6 +200,22 @@ def test_a_decode_token_replay_reads_its_position_and_equals_the_kernel(simd, th
         np.testing.assert_array_equal(kc, wk)
         np.testing.assert_array_equal(vc, wv)
         assert a["io"][1] == pos
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_a_decode_replay_of_several_tokens_refuses_positions_it_cannot_take(n):
+    """Not the committed length, total not the last position + 1, past the rotary tables (12 rows; the
+    capacity is 14), the first tokens of a sequence: nothing written."""
+    call, a = _decode_call(np.random.default_rng(n), cap=14, rows=12, n=n)
+    program = Program([call], [a["kc"], a["vc"]])
+    for seq, total, committed in ((n + 3, n + 4, 3), (n + 3, n + 3, 4), (12, 13, 13 - n), (n - 1, n, 0)):
+        a["seq"][0], a["total"][0], a["io"][:] = seq, total, (committed, -7)
+        kc, vc, out = a["kc"].copy(), a["vc"].copy(), a["out"].copy()
+        assert not program.run([a["kc"], a["vc"]])
+        np.testing.assert_array_equal(a["kc"], kc)
+        np.testing.assert_array_equal(a["vc"], vc)
+        np.testing.assert_array_equal(a["out"], out)
+        assert a["io"][1] == -7
 
 
 @pytest.mark.parametrize(

@@ -262,3 +262,46 @@ def test_a_replay_cancelled_before_any_of_its_items_leaves_the_state_as_it_was()
                 np.testing.assert_array_equal(v, before[0][n])
         state.run(feeds)
         assert state.length == before[1] + 1
+
+
+def _verifications(session, state, prompt, chunks):
+    """Logits of a prompt, then of each chunk of tokens fed at once, keeping ``keep`` of them (a speculative
+    verification: the rest is truncated) -- ``chunks`` a list of (tokens, keep)."""
+    name = session.model.io.logits
+    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False)
+    feeds, _ = b.first()
+    got = [state.run(feeds, [name])[name]]
+    for tokens, keep in chunks:
+        got.append(state.run(b.next(np.array([tokens], np.int64), None), [name])[name])
+        length = state.length - len(tokens) + keep
+        state.truncate(length)
+        b.rewind(length)
+    return got
+
+
+@pytest.mark.parametrize("which", ["gqa", "embedded"])
+def test_verifications_of_several_tokens_replay_the_fused_attention_bit_for_bit(which):
+    """Every node of a few-token run is compiled (the fused attention takes S tokens; the builder's packed
+    QKV rows are strided), and a prompt as long as a verification does not leave a step with Python
+    attention behind (its recording is transient)."""
+    from onnxkv.zoo import embedded
+
+    model = build_model("gqa", MICRO, seed=17) if which == "gqa" else str(embedded.embedded_model_dir())
+    rng = np.random.default_rng(8)
+    vocab = 90
+    prompt = rng.integers(1, vocab, (1, 5))
+    chunks = [(rng.integers(1, vocab, n).tolist(), keep) for n, keep in
+              [(5, 2), (3, 3), (5, 5), (2, 1), (5, 1), (3, 2), (1, 1), (5, 4), (16, 9), (16, 16)]]  # fmt: skip
+    runs = {}
+    for compiled in (False, True):
+        session = onnxkv.Session(model, threads=1, compiled_steps=compiled)
+        with session.new_state() as state:  # the session's first run: plain; the 5-token prompt then records
+            _verifications(session, state, prompt[:, :3], [])
+        for _ in range(2):  # the second prompt of length 5 finds the recorded 5-token step
+            with session.new_state() as state:
+                runs[compiled] = _verifications(session, state, prompt, chunks)
+    _assert_equal_runs(runs)
+    steps = session.plan.steps.idle
+    assert {s.signature[0][1] for s in steps} >= {(1, 5), (1, 3), (1, 16)}
+    for step in steps:
+        assert step.compiled_nodes == len(session.plan.nodes), step.signature

@@ -94,3 +94,37 @@ def test_wrong_input_width_is_an_operator_error():
     sess = onnxkv.Session(model, threads=1)
     with pytest.raises(onnxkv.OperatorError, match="SiblingMatMul node .* float32 \\[\\.\\.\\., 32\\]"):
         sess.plan.run({"x": np.ones((1, 2, 31), np.float32)})
+
+
+@pytest.mark.parametrize("widths", [(48, 16, 20), (40, 16)], ids=["panel-aligned", "unaligned"])
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_several_rows_equal_the_column_blocks_of_the_one_product_bit_for_bit(widths, rows):
+    """Panel-aligned outputs take one product each (a replayable kernel call per output: compilable); others
+    are copies of the one product's column blocks (not compilable).  The values are the same either way."""
+    from onnxkv._kernels.matmul import matmul_packed
+
+    from onnxkv.plan.context import RunContext
+
+    rng = np.random.default_rng(rows)
+    ws = [rng.standard_normal((32, n)).astype(np.float32) for n in widths]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(len(ws))]
+    model = helper.make_model(
+        helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 32])],
+            [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(len(ws))],
+            [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)],
+        ),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    sess = onnxkv.Session(model, threads=2)
+    (op,) = sess.plan.kernels
+    x = rng.standard_normal((1, rows, 32)).astype(np.float32)
+    assert op.compilable([x]) == (widths == (48, 16, 20))
+    full = np.empty((rows, sum(widths)), np.float32)
+    matmul_packed(x.reshape(rows, 32), op.packed, full)
+    outs = op.run([x], RunContext(lambda rt, i, shape, dtype: np.empty(shape, dtype), False, 0))
+    for (n0, n1), y in zip(op.bounds, outs, strict=True):
+        assert y.shape == (1, rows, n1 - n0) and y.flags.c_contiguous
+        np.testing.assert_array_equal(y.reshape(rows, -1), full[:, n0:n1])

@@ -18,43 +18,58 @@ __all__ = ["CacheAppend", "note_decode"]
 
 def note_decode(op, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total_seqlen: np.ndarray, output) -> None:
     """Note the fused call of ``op`` (a GroupQueryAttention) that just ran into the contiguous float32
-    caches ``ck`` / ``cv``: ``qkv_rot`` its (q, k, v, cos or None, sin or None) arrays, ``output`` its
-    result.  A replay reads the position from ``seqlens_k``, takes the caches the run has then, and its
-    effect stages the appended row and the presents as the fused path does.  Refuses the recording
-    when a replay could not read the position as this run did (seqlens_k or total_sequence_length not
-    int32)."""
+    caches ``ck`` / ``cv``: ``qkv_rot`` its (q, k, v, cos or None, sin or None) arrays (q, k, v [1, S, H*D],
+    rows possibly strided), ``output`` its result.  A replay reads the position from ``seqlens_k``, takes
+    the caches the run has then, and its effect stages the appended rows and the presents as the fused path
+    does.  Refuses the recording when a replay could not read the position as this run did (seqlens_k or
+    total_sequence_length not int32)."""
     if seqlens_k.dtype != np.int32 or total_seqlen.dtype != np.int32 or total_seqlen.shape not in ((), (1,)):
         rec.refused.append(f"{op.op_type} node '{op.name}': positions not int32")
         return
     q, k, v, cos, sin = qkv_rot
+    n = q.shape[1]
     d = ck.buffer.shape[3]
     pos_io = np.zeros(2, dtype=np.int64)
     half, rows = (0, 0) if cos is None else (cos.shape[1], cos.shape[0])
+    strides = [x.shape[2] if n == 1 else x.strides[1] // x.itemsize for x in (q, k, v)]
+    q, k, v = (_span(x) for x in (q, k, v))
     arrays = (q, k, v, cos, sin, ck.buffer, cv.buffer, seqlens_k, total_seqlen.reshape(1), output, pos_io)
-    ints = (op.num_heads, op.kv_num_heads, ck.buffer.shape[2], d, half, int(bool(op.interleaved)), op.window, rows)
+    ints = (op.num_heads, op.kv_num_heads, ck.buffer.shape[2], d, half, int(bool(op.interleaved)), op.window, rows,
+            n, *strides)  # fmt: skip
     rec.note(DECODE_TOKEN, arrays, ints, (float(op._softmax_scale(d)), float(op.softcap)))
     rec.cache(op._past_names[0], ck.buffer)
     rec.cache(op._past_names[1], cv.buffer)
-    rec.effect(CacheAppend(op._past_names, pos_io, op.has_present))
+    rec.effect(CacheAppend(op._past_names, pos_io, op.has_present, n))
+
+
+def _span(x: np.ndarray) -> np.ndarray:
+    """``x`` [1, S, W] as the flat float32 view of the memory it spans, first element to last (its rows may
+    be strided, as slices of packed QKV rows): the operand a program checks and addresses."""
+    if x.flags.c_contiguous:
+        return x
+    span = (x.shape[1] - 1) * (x.strides[1] // x.itemsize) + x.shape[2]
+    return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(x.itemsize,))
 
 
 class CacheAppend:
     """The effect of a recorded decode-token call (``_record.KIND_DECODE_TOKEN``) on the run's caches.
 
     ``before(caches)`` sets ``pos_io[0]`` to the committed length of the two caches (False when they
-    differ or are missing: no replay); the replayed call appends one row at ``pos_io[1]`` when that is
-    the position it read; ``after(rt)`` then stages that row in both caches as the operator's own path
-    does (:meth:`RunContext.cache_appended`) and returns ``(output index, present view)`` for the
-    node's present outputs.
+    differ or are missing: no replay); the replayed call appends ``tokens`` rows at ``pos_io[1]`` when that
+    is the position it read; ``after(rt)`` then stages those rows in both caches as the operator's own path
+    does (:meth:`RunContext.cache_appended`) and returns ``(output index, present view)`` for the node's
+    present outputs.
     """
 
-    __slots__ = ("names", "pos_io", "outputs")
+    __slots__ = ("names", "pos_io", "outputs", "tokens")
 
-    def __init__(self, names: tuple[str, str], pos_io: np.ndarray, has_present: tuple[bool, bool]) -> None:
+    def __init__(self, names: tuple[str, str], pos_io: np.ndarray, has_present: tuple[bool, bool], tokens: int) -> None:
         self.names = names
         self.pos_io = pos_io
         #: The node outputs this effect sets (present key 1, present value 2).
         self.outputs = tuple(i + 1 for i in (0, 1) if has_present[i])
+        #: Rows the call appends to each cache per run.
+        self.tokens = tokens
 
     def before(self, caches: dict) -> bool:
         ck, cv = caches[self.names[0]], caches[self.names[1]]
@@ -64,6 +79,6 @@ class CacheAppend:
         return True
 
     def after(self, rt: RunContext) -> list:
-        pos = int(self.pos_io[1])
-        presents = [rt.cache_appended(name, 1, pos + 1, None, pos) for name in self.names]
+        pos, n = int(self.pos_io[1]), self.tokens
+        presents = [rt.cache_appended(name, n, pos + n, None, pos) for name in self.names]
         return [(i, presents[i - 1]) for i in self.outputs]

@@ -113,6 +113,9 @@ _INPUTS = (
     "k_scale", "v_scale", "q_norm_weight", "k_norm_weight", "query_seqlens",
 )  # fmt: skip
 _SUPPORTED_INPUTS = 12
+#: New tokens of one sequence the fused call takes at most (a decode step, a speculative verification); a
+#: longer run (a prompt chunk) takes the general path, whose attention splits its queries into tiles.
+FUSED_TOKENS = 16
 _INT32_MAX = 2**31 - 1
 
 
@@ -193,6 +196,10 @@ class GroupQueryAttention(Op):
         rec = _recorder()
         if rec is not None:
             rec.refused.append(f"{self.op_type} node '{self.name}': not a fused decode call")
+            total = inputs[6] if len(inputs) > 6 else None
+            query = inputs[0]
+            if isinstance(total, np.ndarray) and total.size == 1 and getattr(query, "ndim", 0) == 3:
+                rec.transient |= int(total.reshape(-1)[0]) == query.shape[1]  # a prompt: the shapes of a verification
         inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
         cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]
@@ -381,15 +388,16 @@ class GroupQueryAttention(Op):
         return (output, *presents)[: len(self.node.output)]
 
     def _decode_token(self, inputs: list, rt: RunContext) -> tuple | None:
-        """The outputs of one token of one sequence into a state's float32 cache, or None.
+        """The outputs of a few tokens of one sequence into a state's float32 cache, or None.
 
-        The general path's result for the common decode call -- batch 1, one
-        new token after a past, float32 Q/K/V (separate or packed), the state's contiguous
-        float32 caches bound in place with room for the token, no position_ids /
-        attention_bias / head_sink / smooth_softmax, rotary (if any) from the
-        node's constant tables -- computed by the fused kernel
-        (:func:`onnxkv._kernels.decode_token`: the general path's rotary,
-        append and attention in one call, bit for bit), which skips the
+        The general path's result for the common decode call -- batch 1, S new
+        tokens (1 <= S <= ``FUSED_TOKENS``: a decode step, or a speculative
+        verification) after a past, float32 Q/K/V (separate or packed), the
+        state's contiguous float32 caches bound in place with room for the
+        tokens, no position_ids / attention_bias / head_sink / smooth_softmax,
+        rotary (if any) from the node's constant tables -- computed by the
+        fused kernel (:func:`onnxkv._kernels.decode_token`: the general path's
+        rotary, append and attention in one call, bit for bit), which skips the
         general path's per-call array building and Python.  A cache that must
         grow grows first, as in the general path.  Anything else, including
         every argument the general path would refuse, returns None with no
@@ -410,6 +418,10 @@ class GroupQueryAttention(Op):
             or cv.storage != "float32"
             or past_key.shape != past_value.shape
             or past_key.ndim != 4
+            or not isinstance(query, np.ndarray)
+            or query.ndim != 3
+            or query.shape[0] != 1
+            or not 1 <= query.shape[1] <= FUSED_TOKENS
         ):
             return None
         if (
@@ -421,12 +433,13 @@ class GroupQueryAttention(Op):
             or total_seqlen.dtype.kind not in "iu"
         ):
             return None
+        n = query.shape[1]
         past_len = past_key.shape[2]
         total, total_b = int(total_seqlen.reshape(-1)[0]), int(seqlens_k[0]) + 1
         # Not a first prompt (S == total), the general path's total_sequence_length and seqlens_k ranges, and
         # an append exactly at the committed length: a past the row never wrote is refused there, and a rewrite
         # of committed positions is saved there first so that a failed run can restore it.
-        if not 1 < total <= past_len + 1 or not 1 <= total_b <= total or total_b - 1 != ck.length:
+        if not n < total <= past_len + n or not n <= total_b <= total or total_b - n != ck.length:
             return None
         cos = sin = None
         if self.do_rotary:
@@ -441,26 +454,18 @@ class GroupQueryAttention(Op):
                 return None
             cos, sin = tables[2], tables[3]
         hq, hkv = self.num_heads, self.kv_num_heads
-        if (
-            key is None
-            and value is None
-            and isinstance(query, np.ndarray)
-            and query.ndim == 3
-            and query.shape[:2] == (1, 1)
-            and query.shape[2] == (hq + 2 * hkv) * past_key.shape[3]
-        ):
-            # packed QKV (the GenAI builder's fused projection): one token's q, k, v are contiguous slices
+        if key is None and value is None and query.shape[2] == (hq + 2 * hkv) * past_key.shape[3]:
+            # packed QKV (the GenAI builder's fused projection): each token's q, k, v are contiguous slices
             d = past_key.shape[3]
             query, key, value = query[..., : hq * d], query[..., hq * d : (hq + hkv) * d], query[..., (hq + hkv) * d :]
-        if query.ndim != 3 or past_key.shape[:2] != (1, hkv) or past_key.shape[3] * hq != query.shape[2]:
+        if past_key.shape[:2] != (1, hkv) or past_key.shape[3] * hq != query.shape[2]:
             return None
         present_len = max(total, past_len)
         if present_len > ck.capacity or present_len > cv.capacity:
             # growth, as the general path's cache writes grow: only for arguments it accepts up to there
-            shape = (1, 1, hkv * past_key.shape[3])
+            shape = (1, n, hkv * past_key.shape[3])
             if (
                 query.dtype != np.float32
-                or query.shape[:2] != (1, 1)
                 or key is None
                 or value is None
                 or key.dtype != np.float32
@@ -470,7 +475,7 @@ class GroupQueryAttention(Op):
             ):
                 return None
         grown = ck.reserve(present_len), cv.reserve(present_len)
-        output = rt.empty(0, (1, 1, query.shape[2]), np.float32)
+        output = rt.empty(0, (1, n, query.shape[2]), np.float32)
         done = _decode_kernel(
             query,
             key,
@@ -480,15 +485,16 @@ class GroupQueryAttention(Op):
             self.interleaved,
             ck.buffer,
             cv.buffer,
-            total_b - 1,
+            total_b - n,
             float(self._softmax_scale(query.shape[2] // hq)),
             self.softcap,
             self.window,
             output,
         )
         # Record growth even when the kernel declined (the general path then finds the room made).
-        present_k = rt.cache_appended(past_k_name, int(done), present_len, grown[0], total_b - 1)
-        present_v = rt.cache_appended(past_v_name, int(done), present_len, grown[1], total_b - 1)
+        written = n if done else 0
+        present_k = rt.cache_appended(past_k_name, written, present_len, grown[0], total_b - n)
+        present_v = rt.cache_appended(past_v_name, written, present_len, grown[1], total_b - n)
         if not done:
             return None
         outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)

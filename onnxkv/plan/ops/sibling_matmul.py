@@ -11,8 +11,13 @@ its own copies of the initializers), then every call is one product exactly
 as :class:`onnxkv.plan.ops.matmul.MatMul` computes it (``matmul_packed`` up to
 ``BLAS_M`` rows, NumPy's BLAS above).  Each output element is summed over K
 in the same order as the separate kernel would.  A single row (decoding)
-returns the outputs as views of the one product (each is C-contiguous);
-several rows get contiguous copies of the column blocks.
+returns the outputs as views of the one product (each is C-contiguous).
+Several rows (up to ``BLAS_M``: a speculative verification, a short chunk)
+take one product per output when every output starts on a panel boundary
+(the panels of an output are then a contiguous slice of the packed weight,
+and each element is summed as in the one product); otherwise, and above
+``BLAS_M`` rows, they get contiguous copies of the column blocks of the one
+product.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from onnxkv._kernels.matmul import matmul_packed, pack_weight
+from onnxkv._kernels.matmul import PANEL, matmul_packed, pack_weight
 from onnxkv.plan.ops.matmul import BLAS_M, MatMul, _release_pages
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -61,13 +66,20 @@ class SiblingMatMul(MatMul):
         self.packed = pack_weight(np.concatenate(weights, axis=1))
         self.packed.flags.writeable = False
         self._n = ends[-1]
+        #: Each output's own slice of the packed panels, when every output starts on a panel boundary.
+        self.panels = (
+            [self.packed[n0 // PANEL : -(-n1 // PANEL)] for n0, n1 in self.bounds]
+            if all(n0 % PANEL == 0 for n0, _ in self.bounds)
+            else None
+        )
         self.absorbed_inputs = tuple(range(1, len(node.input)))
         for w in weights:
             _release_pages(w)
 
     def compilable(self, inputs: list) -> bool:
-        """One C-contiguous float32 row: one kernel call whose outputs are views of its result."""
-        return MatMul.compilable(self, inputs) and inputs[0].size == self.packed.shape[1]
+        """One C-contiguous float32 row (one kernel call whose outputs are views of its result), or up to
+        ``BLAS_M`` rows with panel-aligned outputs (one call per output)."""
+        return MatMul.compilable(self, inputs) and (inputs[0].size == self.packed.shape[1] or self.panels is not None)
 
     def run(self, inputs: list, rt) -> tuple:
         a = inputs[0]
@@ -76,6 +88,13 @@ class SiblingMatMul(MatMul):
             raise ValueError(f"SiblingMatMul node '{self.name}': A must be float32 [..., {k}], got {a.dtype} {a.shape}")
         x = np.ascontiguousarray(a).reshape(-1, k)
         rows, lead = x.shape[0], a.shape[:-1]
+        if 1 < rows <= BLAS_M and self.panels is not None:
+            outs = []
+            for i, ((n0, n1), panels) in enumerate(zip(self.bounds, self.panels)):
+                out = rt.empty(i, lead + (n1 - n0,), np.float32)
+                matmul_packed(x, panels, out.reshape(rows, n1 - n0))
+                outs.append(out)
+            return tuple(outs)
         full = np.empty((rows, self._n), np.float32)
         if rows <= BLAS_M:
             matmul_packed(x, self.packed, full)
