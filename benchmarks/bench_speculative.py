@@ -9,8 +9,11 @@ setting:
 * ``greedy``  -- ``onnxkv.generate`` (greedy, in-place cache): the baseline;
 * ``lookup``  -- ``onnxkv.generate.speculative.speculative_generate`` with prompt lookup;
 * ``draft``   -- the same with the draft model proposing,
+* ``tree``    -- the draft proposing a tree (``tree=(branches, depth)``: its most likely next tokens,
+  each continued greedily), verified in one run of the target forked into one row per branch
+  (a paged target cache: its page tables are forked),
 
-each speculative mode for every ``--draft-tokens`` value.  Every run generates
+the first two for every ``--draft-tokens`` value, ``tree`` for every ``--trees`` value.  Every run generates
 exactly ``--new-tokens`` tokens (EOS disabled) from the same prompt; a
 speculative run must reproduce the baseline's tokens (``identical``).
 Samples are whole-call wall times in seconds (prefill included, both sides),
@@ -20,7 +23,7 @@ proposed/accepted counts, target and draft runs, tokens/s from the median, and
 the speed-up over the baseline from the medians and from the minima.
 
 Usage: python benchmarks/bench_speculative.py [--threads 2] [--new-tokens 128]
-       [--draft-tokens 2,4,8] [--repeats 5] [--out FILE]
+       [--draft-tokens 2,4,8] [--trees 2x3,3x4] [--repeats 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft-tokens", default="2,4,8", help="comma-separated num_draft_tokens values")
+    ap.add_argument("--trees", default="2x3,3x4", help="comma-separated BRANCHESxDEPTH tree shapes ('' for none)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -71,6 +75,7 @@ def main() -> None:
     from onnxkv.zoo import embedded
 
     ks = [int(k) for k in args.draft_tokens.split(",")]
+    trees = [tuple(int(x) for x in t.split("x")) for t in args.trees.split(",") if t]
     n = args.new_tokens
     target = onnxkv.Session(embedded.embedded_model_dir(), threads=args.threads)
     draft = onnxkv.Session(embedded.embedded_draft_dir(), threads=args.threads)
@@ -88,6 +93,10 @@ def main() -> None:
                     max_new_tokens=n,
                     eos_token_id=[],
                 )
+        for tree in trees:
+            calls[("tree", "x".join(map(str, tree)))] = lambda tree=tree: speculative_generate(
+                target, ids, draft=draft, max_new_tokens=n, eos_token_id=[], tree=tree
+            )
         samples, last = interleaved(calls, args.repeats)
         base = last[("greedy", 0)]
         base_median, base_min = median(samples[("greedy", 0)]), min(samples[("greedy", 0)])
@@ -97,7 +106,8 @@ def main() -> None:
                 "prompt": prompt_name,
                 "prompt_tokens": ids.shape[1],
                 "mode": mode,
-                "num_draft_tokens": k,
+                "num_draft_tokens": k if mode != "tree" else int(k.split("x")[1]),
+                "tree": [int(x) for x in k.split("x")] if mode == "tree" else None,
                 "new_tokens": res.new_tokens,
                 "samples": samples[(mode, k)],
                 "median_seconds": med,
@@ -125,6 +135,7 @@ def main() -> None:
             "shapes": {
                 "new_tokens": n,
                 "draft_tokens": ks,
+                "trees": [list(t) for t in trees],
                 "repeats": args.repeats,
                 "target": str(embedded.embedded_model_dir()),
                 "draft": str(embedded.embedded_draft_dir()),

@@ -16,6 +16,13 @@ Proposals come from
   to shorter n-grams down to 1; no match proposes nothing (a plain one-token
   target step).
 
+With ``tree=(k, depth)`` the draft proposes a tree instead of one chain: its
+``k`` most likely next tokens, each continued greedily to ``depth`` tokens.
+The target's paged state is forked into ``k`` rows (``State.reorder``: page
+tables shared, no payload copied), every branch is verified in one run of
+batch ``k``, and the row of the longest accepted branch is kept (the first
+such, so the draft's own chain wins ties).
+
 Greedy decoding accepts a proposed token when it is the target's argmax, so
 the output is token-identical to greedy :func:`onnxkv.generate`.  Sampling
 uses the standard rejection rule (:func:`accept_or_resample`), which makes
@@ -52,6 +59,8 @@ __all__ = ["speculative_generate", "SpeculativeResult", "accept_or_resample", "p
 API = "speculative_generate"
 #: Frames from speculative_generate's body to its caller's (the renamed_argument wrapper is one).
 _DEPTH = 2
+#: Largest ``tree=(branches, depth)``: the rows of one verification run and the tokens of each.
+MAX_BRANCHES, MAX_DEPTH = 16, 15
 
 
 @dataclass
@@ -206,6 +215,16 @@ class _Stepper:
                 break
         return chosen
 
+    def fork(self, rows: int) -> None:
+        """Make ``rows`` copies of the sequence (page tables shared: a paged state)."""
+        self.state.reorder(np.zeros(rows, dtype=np.int64))
+        self.builder.select_rows(np.zeros(rows, dtype=np.int64))
+
+    def keep(self, row: int) -> None:
+        """Keep only row ``row`` of a forked sequence."""
+        self.state.reorder(np.array([row], dtype=np.int64))
+        self.builder.select_rows(np.array([row], dtype=np.int64))
+
     def truncate(self, length: int) -> None:
         """Keep at most the first ``length`` positions (cache and feed bookkeeping)."""
         if length < self.length:
@@ -230,6 +249,7 @@ def speculative_generate(
     threads: int | None = None,
     cache: CacheConfig | str | None = None,
     callback: Callable[[int, np.ndarray], None] | None = None,
+    tree: tuple[int, int] | None = None,
     **deprecated,
 ) -> SpeculativeResult:
     """Generate up to ``max_new_tokens`` tokens after one prompt with speculative decoding.
@@ -260,6 +280,10 @@ def speculative_generate(
             ``"paged"``, for both states (``"tensor"`` cannot be truncated).  A
             contiguous cache without ``initial_capacity`` holds the whole output.
         callback: called after each new token as ``callback(step, tokens[1])``.
+        tree: ``(k, depth)``: verify a tree of ``k`` branches of ``depth`` draft tokens per step
+            (the draft's ``k`` most likely next tokens, each continued greedily) in one run of the
+            target forked into ``k`` rows; ``depth`` replaces ``num_draft_tokens``.  Needs a draft,
+            greedy decoding and a paged target cache (None: paged; the draft's stays contiguous).
         deprecated: ``state_options=`` (a mapping of the deprecated
             ``Session.new_state`` keywords) works for one release with a
             DeprecationWarning.
@@ -270,8 +294,9 @@ def speculative_generate(
     Raises:
         InputError: bad arguments (the message names the argument and its
             value), a batch larger than 1, a draft whose vocabulary (or logits
-            width) differs from the target's, or a model whose cache cannot be
-            truncated (static TensorScatter caches).
+            width) differs from the target's, a model whose cache cannot be
+            truncated (static TensorScatter caches), or a tree without a draft,
+            with sampling or with a contiguous target cache.
     """
     unknown = sorted(set(deprecated) - {"state_options"})
     if unknown:
@@ -281,6 +306,7 @@ def speculative_generate(
     ngram = int_arg(API, "prompt_lookup_ngram", prompt_lookup_ngram, 1)
     cfg = sampling_arguments(API, do_sample, temperature, top_k, top_p, seed, depth=_DEPTH)
     callback_arg(API, "callback", callback)
+    branches, num_draft_tokens = _tree_arg(tree, draft, cfg, num_draft_tokens)
     request = cache_request(
         API,
         cache,
@@ -318,12 +344,18 @@ def speculative_generate(
                 f"model's max_length {s.model.max_length}"
             )
     options = request.state_keywords("contiguous", initial_capacity=L + max_new_tokens + 1)
+    target_options = request.state_keywords("paged" if branches else "contiguous", L + max_new_tokens + 1)
+    if branches and target_options["cache"] != "paged":
+        raise InputError(
+            f"{API}: tree={tree!r} forks the target's page tables: cache must be 'paged' or None, got "
+            f"{target_options['cache']!r}"
+        )
 
     seq = list(ids[0].tolist())
     proposed = accepted = 0
     if max_new_tokens == 0:
         return SpeculativeResult(ids.copy(), 0, 0, 0, 0, 0, 0.0)
-    tgt = _Stepper(tsess, ids, options, "target")
+    tgt = _Stepper(tsess, ids, target_options, "target")
     drf = None
     try:
         drf = None if dsess is None else _Stepper(dsess, ids, options, "draft")
@@ -346,18 +378,22 @@ def speculative_generate(
             return token in eos or step == max_new_tokens - 1
 
         done = emit(int(select_next(last[None], cfg)[0]))
-        with tsess.decode_loop(num_draft_tokens + 1):
+        with tsess.decode_loop(max(1, branches) * (num_draft_tokens + 1)):
             while not done:
                 k = min(num_draft_tokens, L + max_new_tokens - len(seq) - 1)
-                if drf is None:
-                    proposal = prompt_lookup(np.array(seq, dtype=np.int64), ngram, k)
-                    qs = None
+                qs = None
+                if branches and k:
+                    proposal, rows, verified = _tree_step(tgt, drf, dsess, tsess, seq, branches, k, eos)
+                    proposed += verified
                 else:
-                    proposal, qs = _propose(drf, dsess, seq, k, cfg, eos)
-                # The target caches seq[:-1]; seq[-1] is verified together with the proposal.
-                chunk = np.array([seq[-1], *proposal.tolist()], dtype=np.int64)
-                rows = _logit_rows(tgt.feed(chunk), tsess, chunk.shape[0], "target")
-                proposed += proposal.shape[0]
+                    if drf is None:
+                        proposal = prompt_lookup(np.array(seq, dtype=np.int64), ngram, k)
+                    else:
+                        proposal, qs = _propose(drf, dsess, seq, k, cfg, eos)
+                    # The target caches seq[:-1]; seq[-1] is verified together with the proposal.
+                    chunk = np.array([seq[-1], *proposal.tolist()], dtype=np.int64)
+                    rows = _logit_rows(tgt.feed(chunk), tsess, chunk.shape[0], "target")
+                    proposed += proposal.shape[0]
                 for i, x in enumerate(proposal.tolist()):
                     if cfg.greedy:
                         token = int(np.argmax(rows[i]))
@@ -374,8 +410,8 @@ def speculative_generate(
                     done = emit(token)
                     if done or not ok:
                         break
-                else:
-                    done = emit(int(select_next(rows[-1:], cfg)[0]))  # all accepted: the bonus token
+                else:  # all accepted: the bonus token
+                    done = emit(int(select_next(rows[proposal.shape[0]][None], cfg)[0]))
                 if not done:  # keep seq[:-1]: the accepted tokens; drop the rejected ones (and the draft's)
                     tgt.truncate(len(seq) - 1)
                     if drf is not None:
@@ -442,3 +478,65 @@ def _propose(
         if len(tokens) == k or x in eos:
             return np.array(tokens, dtype=np.int64), dists
         pending = np.array([x], dtype=np.int64)
+
+
+def _tree_arg(tree, draft, cfg: SamplingConfig, num_draft_tokens: int) -> tuple[int, int]:
+    """``(branches, depth)`` of the ``tree`` argument, or ``(0, num_draft_tokens)`` without one."""
+    if tree is None:
+        return 0, num_draft_tokens
+    if (
+        not isinstance(tree, (tuple, list))
+        or len(tree) != 2
+        or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in tree)
+        or not 1 <= tree[0] <= MAX_BRANCHES
+        or not 1 <= tree[1] <= MAX_DEPTH
+    ):
+        raise InputError(
+            f"{API}: tree must be (branches, depth) with 1 <= branches <= {MAX_BRANCHES} and 1 <= depth <= "
+            f"{MAX_DEPTH}, got {tree!r}"
+        )
+    if draft is None:
+        raise InputError(f"{API}: tree={tuple(tree)!r} needs a draft model (its most likely tokens are the branches)")
+    if not cfg.greedy:
+        raise InputError(f"{API}: tree={tuple(tree)!r} verifies greedily; do_sample must be False")
+    return int(tree[0]), int(tree[1])
+
+
+def _tree_step(
+    tgt: _Stepper, drf: _Stepper, dsess, tsess, seq: list[int], k: int, depth: int, eos: set[int]
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Propose a tree of ``k`` branches of up to ``depth`` tokens, verify them in one run of the target forked
+    into ``k`` rows, and keep the row of the branch with the longest accepted prefix (the first such).
+
+    The draft catches up on the tokens of ``seq`` it has not cached; branch ``i`` starts with its ``i``-th
+    most likely next token (branch 0 is its greedy chain) and continues greedily (stopping after an EOS).
+    Returns the kept branch (int64 [n]), the target's logits at ``seq[-1]`` and after each of its tokens
+    (float [≥ n + 1, V]), and how many tokens the target verified; the draft is left at ``seq``.
+    """
+    first = _logit_rows(drf.feed(np.array(seq[drf.length :], dtype=np.int64)), dsess, 1, "draft")[0]
+    root = drf.length
+    branches = []
+    for i, x in enumerate(np.argsort(-first, kind="stable")[:k].tolist()):
+        if i:
+            drf.truncate(root)
+        branches.append([x] if depth == 1 or x in eos else [x, *drf.greedy(x, depth - 1, eos)])
+    drf.truncate(root)
+    width = max(map(len, branches))
+    # Rows verify [seq[-1], branch..., padding]: a branch shorter than the widest ended with an EOS, after
+    # which nothing is emitted, so what pads it is never read.
+    chunk = np.array([[seq[-1], *b, *[b[-1]] * (width - len(b))] for b in branches], dtype=np.int64)
+    tgt.fork(len(branches))
+    out = tgt.state.run(tgt.builder.next(chunk, None), tgt.fetch)
+    tgt.runs += 1
+    logits = out[tsess.model.io.logits]
+    if logits.ndim != 3 or logits.shape[1] < width + 1:
+        raise InputError(
+            f"{API}: the target model returned logits of shape {logits.shape} for a {width + 1}-token run; "
+            "verification needs the logits of every fed position"
+        )
+    rows = logits[:, logits.shape[1] - width - 1 :]
+    guesses = rows.argmax(axis=-1)
+    accepted = [next((j for j, x in enumerate(b) if guesses[i, j] != x), len(b)) for i, b in enumerate(branches)]
+    best = int(np.argmax(accepted))
+    tgt.keep(best)
+    return np.array(branches[best], dtype=np.int64), rows[best], sum(map(len, branches))

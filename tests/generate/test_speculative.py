@@ -291,3 +291,65 @@ def test_static_cache_cannot_be_truncated():
         speculative_generate(ts, _prompt(1), max_new_tokens=4)
     with pytest.raises(InputError, match="draft model's cache convention is 'tensor_scatter'"):
         speculative_generate(gqa, _prompt(1), draft=ts, max_new_tokens=4)
+
+
+# -- tree verification ---------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", [(1, 4), (2, 3), (4, 2), (3, 15)])
+def test_tree_greedy_equals_generate_and_verifies_every_branch_in_one_forked_run(pair, tree, monkeypatch):
+    target, other = pair
+    k, depth = tree
+    shapes = []
+    real = onnxkv.State.run
+
+    def run(state, feeds, *args, **kw):
+        if state.session is target:
+            shapes.append(feeds[target.model.io.input_ids].shape)
+        return real(state, feeds, *args, **kw)
+
+    monkeypatch.setattr(onnxkv.State, "run", run)
+    for seed in (1, 2):
+        ids = _prompt(seed)
+        want = onnxkv.generate(target, ids, 30, eos_token_id=[])
+        shapes.clear()
+        got = speculative_generate(target, ids, draft=other, max_new_tokens=30, eos_token_id=[], tree=tree)
+        np.testing.assert_array_equal(got.sequences, want.sequences)
+        assert got.new_tokens == 30 and got.target_runs == len(shapes)
+        # the prompt, then one run per step of k rows (fewer tokens once the budget is short; with no budget
+        # left for a proposal, one token)
+        assert shapes[0] == ids.shape
+        assert all((b == k and 2 <= s <= depth + 1) or (b, s) == (1, 1) for b, s in shapes[1:]), shapes
+        assert got.target_runs == 1 + (30 - 1 - got.accepted)
+
+
+def test_tree_greedy_equals_generate_on_the_embedded_pair_with_an_eos(emb):
+    target, draft = emb
+    ids = np.array([embedded.encode("The ")])
+    free = onnxkv.generate(target, ids, 60, eos_token_id=[]).tokens[0]
+    eos = int(free[40])
+    want = onnxkv.generate(target, ids, 60, eos_token_id=eos)
+    for tree in ((3, 4), (2, 6)):
+        got = speculative_generate(target, ids, draft=draft, max_new_tokens=60, eos_token_id=eos, tree=tree)
+        np.testing.assert_array_equal(got.sequences, want.sequences)
+
+
+def test_tree_argument_errors(pair):
+    target, other = pair
+    ids = _prompt(1)
+    for tree, match in (
+        ((0, 3), "tree must be"),
+        ((2, 0), "tree must be"),
+        ((17, 2), "tree must be"),
+        ((2, 16), "tree must be"),
+        ((2.0, 3), "tree must be"),
+        ((True, 3), "tree must be"),
+        ((2, 3, 4), "tree must be"),
+        (3, "tree must be"),
+    ):
+        with pytest.raises(InputError, match=match):
+            speculative_generate(target, ids, draft=other, tree=tree)
+    with pytest.raises(InputError, match="needs a draft model"):
+        speculative_generate(target, ids, tree=(2, 3))
+    with pytest.raises(InputError, match="do_sample must be False"):
+        speculative_generate(target, ids, draft=other, tree=(2, 3), do_sample=True)
+    with pytest.raises(InputError, match="cache must be 'paged' or None, got 'contiguous'"):
+        speculative_generate(target, ids, draft=other, tree=(2, 3), cache="contiguous")

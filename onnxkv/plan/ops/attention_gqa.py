@@ -219,12 +219,15 @@ class GroupQueryAttention(Op):
         )
         total = scalar_total(self._input_error, total_seqlen, past_len, s)
         first_prompt = s == total
-        if not first_prompt and s > 1 and b != 1:
-            raise self._input_error(
-                f"batch_size must be 1 when sequence_length={s} > 1 differs from total_sequence_length={total}"
-            )
         present_len = max(total, past_len)
         kv_len, past_lens = row_lengths(self._input_error, seqlens_k, b, s, total, past_len, first_prompt)
+        if not first_prompt and s > 1 and b != 1 and (kv_len != kv_len[0]).any():
+            # ONNX Runtime takes one row only here; rows of one length (a tree of speculative branches forked
+            # from one sequence) are unambiguous: each continues its past with the same S tokens' positions
+            raise self._input_error(
+                f"batch_size must be 1, or every row's seqlens_k equal, when sequence_length={s} > 1 differs "
+                f"from total_sequence_length={total}; got seqlens_k {(kv_len - 1).tolist()}"
+            )
         if in_place and not first_prompt:
             check_written(
                 self,

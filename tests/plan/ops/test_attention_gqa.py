@@ -196,9 +196,25 @@ def test_errors_at_run():
     ins["past_key"] = ins["past_key"][0]
     with pytest.raises(InputError, match="past_key must be"):
         run_op(GroupQueryAttention, _model(ins, 4, 2), ins)
-    ins = _inputs(rng, 2, 3, 4, 2, 32, 3, [5, 5], 6)
-    with pytest.raises(InputError, match="batch_size must be 1"):
+    ins = _inputs(rng, 2, 3, 4, 2, 32, 3, [5, 4], 6)
+    with pytest.raises(InputError, match=r"batch_size must be 1, or every row's seqlens_k equal.*\[5, 4\]"):
         run_op(GroupQueryAttention, _model(ins, 4, 2), ins)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_rows_of_one_length_continue_their_pasts_with_several_tokens_each(rotary):
+    """Batch 2, 3 new tokens after a past of 3 in each row (ONNX Runtime takes batch 1 only here): each row's
+    outputs are those of the row run alone."""
+    rng = np.random.default_rng(11)
+    ins = _inputs(rng, 2, 3, 4, 2, 32, 3, [5, 5], 6, rotary=rotary)
+    model = _model(ins, 4, 2, do_rotary=int(rotary))
+    got, _ = run_op(GroupQueryAttention, model, ins)
+    for row in (0, 1):
+        alone = {n: (a if a is None or n in ("total_sequence_length", "cos_cache", "sin_cache") else a[row : row + 1])
+                 for n, a in ins.items()}  # fmt: skip
+        want, _ = run_op(GroupQueryAttention, model, alone)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g[row : row + 1], w)
 
 
 def test_float16_rotary_decode():
