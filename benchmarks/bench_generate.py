@@ -8,7 +8,14 @@ repeats the engines of a case N times, in alternating order, so that a slow
 minute of a shared machine falls on all of them):
 
 * ``onnxkv``         -- in-place persistent cache (``Session.new_state``), prompt
-                        fed in chunks of 512 tokens like ``onnxkv.generate``;
+                        fed in chunks of 512 tokens like ``onnxkv.generate``, one
+                        ``State.run`` per token;
+* ``onnxkv-generate`` -- ``onnxkv.generate`` itself (greedy): its decode steps run
+                        back to back in C where the model's step is compiled whole
+                        (``State.decode_greedy``); a sample is one step as the
+                        generation reports it (``step_seconds``), and
+                        ``decode_wall_per_token_s`` is the whole decode's wall time
+                        per token;
 * ``onnxkv-f16``     -- the same with the cache stored as float16 (``kv_format="fp16"``;
                         GroupQueryAttention models, opt-in: not in the default set);
 * ``onnxkv-tensor``  -- onnxkv with the cache threaded as tensors (past -> present);
@@ -140,6 +147,16 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             samples.append(time.perf_counter() - t0)
         seq = list(gen.get_sequence(0))
         tokens = [int(t) for t in seq[prompt_len : prompt_len + new_tokens + 1]]
+    elif engine == "onnxkv-generate":
+        sess = onnxkv.Session(path, threads=threads)
+        onnxkv.generate(sess, prompt[:, :8], 4, eos_token_id=[])
+        cache = onnxkv.CacheConfig(initial_capacity=prompt_len + new_tokens + 2)
+        t0 = time.perf_counter()
+        res = onnxkv.generate(sess, prompt, new_tokens + 1, eos_token_id=[], cache=cache)
+        wall = time.perf_counter() - t0
+        prefill, samples = res.prefill_seconds, res.step_seconds
+        tokens = [int(t) for t in res.tokens[0][:new_tokens]]
+        result["decode_wall_per_token_s"] = (wall - prefill) / len(samples)
     else:
         sess = onnxkv.Session(path, threads=threads)
         if engine in ("onnxkv", "onnxkv-f16"):
@@ -506,16 +523,18 @@ def main() -> None:
                             f"({loaded['p90_over_quiet_median']:.2f}x the quiet median)",
                             file=sys.stderr,
                         )
+            for ours in ("onnxkv", "onnxkv-generate"):
+                kv = entry["engines"].get(ours, {})
+                for peer in ("ort", "ort-genai", "onnxkv-tensor", "onnxkv-f16"):
+                    p = entry["engines"].get(peer, {})
+                    if "median_token_s" in kv and "median_token_s" in p:
+                        entry[f"ratio_{ours}_over_{peer}"] = kv["median_token_s"] / p["median_token_s"]
+                        entry[f"rss_ratio_{ours}_over_{peer}"] = kv["peak_rss_bytes"] / p["peak_rss_bytes"]
+                        if args.rounds > 1:
+                            entry[f"ratio_{ours}_over_{peer}_per_round"] = [
+                                a["median_token_s"] / b["median_token_s"] for a, b in zip(kv["rounds"], p["rounds"])
+                            ]
             kv = entry["engines"].get("onnxkv", {})
-            for peer in ("ort", "ort-genai", "onnxkv-tensor", "onnxkv-f16"):
-                p = entry["engines"].get(peer, {})
-                if "median_token_s" in kv and "median_token_s" in p:
-                    entry[f"ratio_onnxkv_over_{peer}"] = kv["median_token_s"] / p["median_token_s"]
-                    entry[f"rss_ratio_onnxkv_over_{peer}"] = kv["peak_rss_bytes"] / p["peak_rss_bytes"]
-                    if args.rounds > 1:
-                        entry[f"ratio_onnxkv_over_{peer}_per_round"] = [
-                            a["median_token_s"] / b["median_token_s"] for a, b in zip(kv["rounds"], p["rounds"])
-                        ]
             for peer in ("ort", "ort-genai"):
                 if "tokens" in kv and "tokens" in entry["engines"].get(peer, {}):
                     entry[f"same_tokens_as_{peer}"] = kv["tokens"][:8] == entry["engines"][peer]["tokens"][:8]
