@@ -62,7 +62,7 @@ from onnxkv.plan.run_loops import run_nodes
 if TYPE_CHECKING:
     from onnxkv.plan.plan import Plan
 
-__all__ = ["CompiledStep", "Segment", "record"]
+__all__ = ["CompiledStep", "Segment", "cache_kinds", "record"]
 
 
 class Segment:
@@ -120,7 +120,9 @@ class CompiledStep:
             for values of that run only, see ``Recorder.transient``): the plan drops the step.
     """
 
-    def __init__(self, items: list, buffers: RunBuffers, output_slots: set[int], signature: tuple = ()) -> None:
+    def __init__(
+        self, items: list, buffers: RunBuffers, output_slots: set[int], signature: tuple = (), caches: tuple = ()
+    ) -> None:
         self.items = items
         self.buffers = buffers
         self.stale = False
@@ -130,10 +132,15 @@ class CompiledStep:
         #: ``(slot, shape)`` of the graph inputs the segments take (a run whose inputs differ there would fail
         #: their checks: :class:`StepPool` gives it another step); the shape of a ragged one lacks its last dim.
         self.signature = signature
+        #: :func:`cache_kinds` of the recording run's caches: a run whose caches are stored otherwise (paged,
+        #: or in another format) takes other operator paths, so it takes another step.
+        self.caches = caches
 
-    def fits(self, slots: list) -> bool:
+    def fits(self, slots: list, caches: tuple) -> bool:
         """Whether the graph inputs of ``slots`` have the shapes this step's segments were recorded with
-        (a ragged input's last dim aside)."""
+        (a ragged input's last dim aside) and ``caches`` (:func:`cache_kinds` of the run's) are its."""
+        if caches != self.caches:
+            return False
         for s, shape, ragged in self.signature:
             v = slots[s]
             if v is None or (v.shape[:-1] != shape if ragged else v.shape != shape):
@@ -266,9 +273,16 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     signature = tuple(
         (s, slots[s].shape[:-1], True) if s in ragged_slots else (s, slots[s].shape, False) for s in sorted(taken)
     )
-    step = CompiledStep(items, own, outputs, signature)
+    step = CompiledStep(items, own, outputs, signature, cache_kinds(rt.caches))
     step.stale = transient
     return step
+
+
+def cache_kinds(caches: dict | None) -> tuple:
+    """How a run's caches (past input name -> cache) are stored: (paged, storage format) of each, in order."""
+    if not caches:
+        return ()
+    return tuple((getattr(c, "paged", False), getattr(c, "storage", None)) for c in caches.values())
 
 
 def _derived(value: np.ndarray, arrays: set[int]) -> bool:
@@ -305,8 +319,9 @@ class StepPool:
 
     The first run of a plan runs plain (a prompt rarely repeats its shapes).
     A later run takes the most recently used idle step whose graph-input
-    shapes fit (:meth:`CompiledStep.fits`: a decode step and a speculative
-    verification of several tokens each keep their own), or records one when
+    shapes and cache storage fit (:meth:`CompiledStep.fits`: a decode step and
+    a speculative verification of several tokens each keep their own, and so
+    do contiguous and paged caches), or records one when
     none fits; at most :attr:`MAX_IDLE` steps are kept (the least recently
     used is closed).  A step is taken for one run and given back after it
     (stale steps are closed instead), so concurrent runs never share one.
@@ -325,7 +340,7 @@ class StepPool:
         Returns the step used (give it back with :meth:`done`), or None.
         """
         self.runs += 1
-        step = self.take(slots)
+        step = self.take(slots, rt.caches)
         if step is not None:
             try:
                 step.run(plan, slots, bufs, rt, cancel)
@@ -344,12 +359,13 @@ class StepPool:
             own.close()
             raise
 
-    def take(self, slots: list) -> CompiledStep | None:
-        """The most recently used idle step that fits ``slots``, taken out of the pool (give it back with
-        :meth:`done`), or None."""
+    def take(self, slots: list, caches: dict | None) -> CompiledStep | None:
+        """The most recently used idle step that fits ``slots`` and ``caches`` (the run's), taken out of the
+        pool (give it back with :meth:`done`), or None."""
         idle = self.idle
+        kinds = cache_kinds(caches)
         for i in range(len(idle) - 1, -1, -1):
-            if idle[i].fits(slots):
+            if idle[i].fits(slots, kinds):
                 return idle.pop(i)
         return None
 

@@ -97,7 +97,7 @@ def greedy_decode(
     if plan.steps is None or count < 1:
         return None
     slots = plan.bind_inputs(feeds, caches)
-    step = plan.steps.take(slots)
+    step = plan.steps.take(slots, caches)
     if step is None:
         return None
     try:

@@ -305,3 +305,18 @@ def test_verifications_of_several_tokens_replay_the_fused_attention_bit_for_bit(
     assert {s.signature[0][1] for s in steps} >= {(1, 5), (1, 3), (1, 16)}
     for step in steps:
         assert step.compiled_nodes == len(session.plan.nodes), step.signature
+
+
+def test_steps_recorded_with_paged_caches_are_not_taken_by_contiguous_runs():
+    """The same input shapes over another cache storage take other operator paths (paged attention stays
+    Python): each storage records and keeps its own step, and a contiguous run still replays every node."""
+    session = onnxkv.Session(build_model("gqa", MICRO, seed=18), threads=1)
+    rng = np.random.default_rng(9)
+    prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 4)), rng.integers(1, MICRO.vocab_size, (4, 1))
+    for cache in ("paged", "contiguous", "paged", "contiguous"):
+        with session.new_state(cache=cache) as state:
+            _steps(session, state, prompt, tokens)
+    kinds = sorted(step.caches[0] for step in session.plan.steps.idle)
+    assert kinds == [(False, "float32"), (True, "float32")]
+    (whole,) = [s for s in session.plan.steps.idle if not s.caches[0][0]]
+    assert whole.compiled_nodes == len(session.plan.nodes)
