@@ -12,7 +12,7 @@ minute of a shared machine falls on all of them):
                         ``State.run`` per token;
 * ``onnxkv-generate`` -- ``onnxkv.generate`` itself (greedy): its decode steps run
                         back to back in C where the model's step is compiled whole
-                        (``State.decode_greedy``); a sample is one step as the
+                        (``State.decode_steps``); a sample is one step as the
                         generation reports it (``step_seconds``), and
                         ``decode_wall_per_token_s`` is the whole decode's wall time
                         per token;

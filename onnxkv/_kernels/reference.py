@@ -521,3 +521,29 @@ def matmul_nbits_f32(x, w, out, bias=None):
     to float32 rounding)."""
     r = x.astype(np.float64) @ nbits_dequantize(w).astype(np.float64)
     out[...] = (r if bias is None else r + bias).astype(np.float32)
+
+
+def sample(logits, temperature, top_k, top_p, u, probs=None):
+    """Twin of ``sampling.sample``: one token per row of ``logits`` [B, V], drawn with ``u`` [B] after
+    temperature, top-k and top-p, in float64 NumPy (``probs`` [B, V] receives the filtered probabilities)."""
+    x = logits.astype(np.float64) / temperature
+    v = x.shape[-1]
+    if top_k is not None and top_k < v:
+        kth = np.partition(x, v - top_k, axis=-1)[:, v - top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        cum = np.cumsum(sorted_p, axis=-1)
+        keep_sorted = (cum - sorted_p) < top_p  # always keeps the most likely token
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    if probs is not None:
+        probs[...] = p
+    ids = (np.cumsum(p, axis=-1) < u[:, None]).sum(axis=-1)
+    return np.minimum(ids, v - 1).astype(np.int64)

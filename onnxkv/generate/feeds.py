@@ -166,7 +166,7 @@ class FeedBuilder:
 
     @property
     def decode_names(self) -> DecodeNames | None:
-        """The values :meth:`State.decode_greedy <onnxkv.runtime.state.State.decode_greedy>` makes for the
+        """The values :meth:`State.decode_steps <onnxkv.runtime.state.State.decode_steps>` makes for the
         steps :meth:`next` would feed one token at a time (None: the model has no attention mask)."""
         io = self.io
         if io.attention_mask is None:

@@ -12,7 +12,8 @@ from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
 from onnxkv.generate.arguments import as_session, callback_arg, check_prompt, int_arg, optional_int, token_id, token_ids
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.sampling import sampling_arguments, select_next
+from onnxkv.generate.sampling import SamplingConfig, sampling_arguments, select_next
+from onnxkv.plan.step_loop import Draws
 from onnxkv.runtime.cache_config import KINDS, CacheConfig, cache_request
 from onnxkv.runtime.state import State
 
@@ -54,7 +55,7 @@ class GenerationResult:
 
 #: Deprecated State keywords of generate (now fields of CacheConfig).
 _LEGACY = ("capacity", "cache_dtype", "block_size", "kv_format")
-#: With a callback, greedy steps run in C (State.decode_greedy) at most this many at a time, so that the
+#: With a callback, decode steps run in C (State.decode_steps) at most this many at a time, so that the
 #: callback sees each token at most this many steps after it was chosen.
 CALLBACK_EVERY = 16
 #: Frames from generate's body to its caller's (the renamed_argument wrapper is one), for deprecation warnings.
@@ -102,9 +103,9 @@ def generate(
         pad_token_id: id written after a row ended and into padding
             (default: the model's pad id, else the first EOS, else 0).
         attention_mask: 0/1 [B, L]; zeros mark left padding.
-        callback: called once per new token, in order, as ``callback(step, tokens[B])``.  Greedy
+        callback: called once per new token, in order, as ``callback(step, tokens[B])``.  The decode
             steps of one sequence on a state run in C several at a time
-            (:meth:`State.decode_greedy <onnxkv.runtime.state.State.decode_greedy>`); the callback is then
+            (:meth:`State.decode_steps <onnxkv.runtime.state.State.decode_steps>`); the callback is then
             called for each of them after they ran, at most ``CALLBACK_EVERY`` (16) steps late.
         cache: a :class:`~onnxkv.CacheConfig` or a kind (see
             :mod:`onnxkv.runtime.cache_config`): ``"contiguous"`` runs the cache in
@@ -194,9 +195,9 @@ def generate(
             out = run(builder.next(chunk, out), fetch)
             read = np.array([chunk.shape[1] - 1])
         prefill = time.perf_counter() - t0
-        # Greedy steps of one sequence on a contiguous state may run as one call (State.decode_greedy).
+        # The steps of one sequence on a contiguous state may run as one call (State.decode_steps).
         names = builder.decode_names
-        loop = state is not None and sampling.greedy and B == 1 and names is not None
+        loop = state is not None and B == 1 and names is not None
         logits = out[model.io.logits]
         if logits.ndim == 3:
             logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]
@@ -216,9 +217,8 @@ def generate(
                 fast = None
                 if loop:
                     left = max_new_tokens - 1 - step
-                    fast = state.decode_greedy(
-                        feeds, left if callback is None else min(CALLBACK_EVERY, left), names, eos
-                    )
+                    fast = _compiled_steps(state, feeds, left if callback is None else min(CALLBACK_EVERY, left),
+                                           names, eos, sampling)  # fmt: skip
                 if fast is not None and fast.steps:
                     # Its steps fed tok, then each id it chose but the last, which the next turn feeds.
                     if fast.steps > 1:
@@ -252,3 +252,23 @@ def generate(
         float(sum(step_seconds)),
         step_seconds,
     )
+
+
+def _compiled_steps(state: State, feeds: dict, count: int, names, eos: list[int], sampling: SamplingConfig):
+    """Up to ``count`` steps in one call (:meth:`State.decode_steps`), drawing as :func:`select_next` does
+    when sampling; the sampling generator then stands where ``select_next`` one step at a time would have
+    left it (one number per step that ran).  None when the state cannot run them so."""
+    if sampling.greedy:
+        return state.decode_steps(feeds, count, names, eos)
+    rng = sampling.rng
+    before = rng.bit_generator.state
+    uniforms = rng.random(count)
+    draws = Draws(
+        sampling.temperature, sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p, uniforms
+    )
+    try:
+        run = state.decode_steps(feeds, count, names, eos, draws)
+    finally:
+        rng.bit_generator.state = before
+    rng.random(0 if run is None else run.steps)  # exactly the numbers the steps drew with
+    return run

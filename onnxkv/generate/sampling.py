@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv._deprecation import warn_deprecated
+from onnxkv._kernels.sampling import sample as _kernels_sample
 from onnxkv.generate.arguments import bool_arg, optional_int, real_arg
 
 __all__ = ["SamplingConfig", "select_next", "sampling_arguments"]
@@ -76,34 +77,26 @@ def sampling_arguments(
     return SamplingConfig(1.0 if temperature is None else temperature, top_k or None, top_p, seed, api=api)
 
 
+def _logits(logits: np.ndarray) -> np.ndarray:
+    """``logits`` as the sampling kernel takes them: float32 or float64, C-contiguous (float16 and bfloat16
+    widen exactly to float32, other types to float64)."""
+    if logits.dtype not in (np.float32, np.float64):
+        logits = logits.astype(np.float32 if logits.dtype.itemsize <= 2 else np.float64)
+    return np.ascontiguousarray(logits)
+
+
 def probabilities(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
-    """The filtered sampling distribution of each row of ``logits`` [B, V] (float64)."""
-    x = logits.astype(np.float64) / cfg.temperature
-    v = x.shape[-1]
-    if cfg.top_k is not None and cfg.top_k < v:
-        kth = np.partition(x, v - cfg.top_k, axis=-1)[:, v - cfg.top_k][:, None]
-        x = np.where(x < kth, -np.inf, x)
-    x = x - x.max(axis=-1, keepdims=True)
-    p = np.exp(x)
-    p /= p.sum(axis=-1, keepdims=True)
-    if cfg.top_p is not None and cfg.top_p < 1.0:
-        order = np.argsort(-p, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, axis=-1)
-        cum = np.cumsum(sorted_p, axis=-1)
-        keep_sorted = (cum - sorted_p) < cfg.top_p  # always keeps the most likely token
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        p = np.where(keep, p, 0.0)
-        p /= p.sum(axis=-1, keepdims=True)
+    """The filtered sampling distribution of each row of ``logits`` [B, V] (float64), as
+    :func:`onnxkv._kernels.sampling.sample` computes it before a draw."""
+    x = _logits(logits)
+    p = np.empty(x.shape, np.float64)
+    _kernels_sample(x, cfg.temperature, cfg.top_k, cfg.top_p, np.zeros(x.shape[0]), p)
     return p
 
 
 def select_next(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
-    """One next token id per row of ``logits`` [B, V] (int64 [B])."""
+    """One next token id per row of ``logits`` [B, V] (int64 [B]): the argmax, or a draw of
+    :func:`onnxkv._kernels.sampling.sample` with one number of ``cfg.rng`` per row."""
     if cfg.greedy:
         return np.argmax(logits, axis=-1).astype(np.int64)
-    p = probabilities(logits, cfg)
-    u = cfg.rng.random(p.shape[0])
-    cum = np.cumsum(p, axis=-1)
-    ids = (cum < u[:, None]).sum(axis=-1)
-    return np.minimum(ids, p.shape[-1] - 1).astype(np.int64)
+    return _kernels_sample(_logits(logits), cfg.temperature, cfg.top_k, cfg.top_p, cfg.rng.random(logits.shape[0]))

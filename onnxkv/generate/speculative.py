@@ -193,13 +193,13 @@ class _Stepper:
     def greedy(self, token: int, count: int, eos: set[int]) -> list[int]:
         """Feed ``token`` and then each chosen id: ``count`` greedy steps (fewer after an EOS); the ids chosen.
 
-        Steps run as one call into C where the state can (:meth:`State.decode_greedy`), else one by one.
+        Steps run as one call into C where the state can (:meth:`State.decode_steps`), else one by one.
         """
         names = self.builder.decode_names
         chosen: list[int] = []
         while len(chosen) < count:
             feeds = self.builder.next(np.array([[token]], dtype=np.int64), None)
-            run = None if names is None else self.state.decode_greedy(feeds, count - len(chosen), names, sorted(eos))
+            run = None if names is None else self.state.decode_steps(feeds, count - len(chosen), names, sorted(eos))
             if run is not None and run.steps:
                 self.runs += run.steps
                 if run.steps > 1:  # fed by the steps after the first: every chosen id but the last

@@ -1,13 +1,14 @@
-"""Greedy decode steps of a batch-1 sequence as one call: the compiled generation loop.
+"""Decode steps of a batch-1 sequence as one call: the compiled generation loop.
 
 When a decode step's compiled step (:mod:`onnxkv.plan.compiled_step`) is one
 segment covering every node of the plan, the whole step is one
 :class:`~onnxkv._kernels.step.Program`, and the steps of a greedy generation
 differ only in values the loop itself can make: the token id (the argmax of
-the previous step's logits), the attention mask (one more column of ones),
+the previous step's logits, or a draw from them: :class:`Draws`), the attention
+mask (one more column of ones),
 the position (one more) and the committed cache length (one more).
-:func:`greedy_decode` replays that program token after token in C
-(:func:`onnxkv._kernels.token_loop.greedy_steps`), with no Python between the
+:func:`run_steps` replays that program token after token in C
+(:func:`onnxkv._kernels.token_loop.decode_steps`), with no Python between the
 tokens, and stages the rows the steps appended in the caches; the caller (a
 state) commits them, or discards them when the call raises.
 
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from onnxkv._kernels.token_loop import MISMATCH, REFUSED, greedy_steps
+from onnxkv._kernels.token_loop import MISMATCH, REFUSED, decode_steps
 from onnxkv.plan.compiled_step import Segment
 from onnxkv.plan.ops._gqa_record import CacheAppend
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
     from onnxkv.plan.plan import Plan
 
-__all__ = ["DecodeNames", "GreedyRun", "greedy_decode"]
+__all__ = ["DecodeNames", "Draws", "StepsRun", "run_steps"]
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,26 @@ class DecodeNames:
     position: str | None = None
 
 
+@dataclass(frozen=True)
+class Draws:
+    """How the steps draw their tokens instead of taking the argmax (:mod:`onnxkv._kernels.sampling`).
+
+    Attributes:
+        temperature: > 0 and finite.
+        top_k: keep the ``top_k`` highest logits (0: all).
+        top_p: then the nucleus of probability ``top_p`` (1.0: all).
+        uniforms: float64 [>= count] in [0, 1): step ``t`` draws with ``uniforms[t]``.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    uniforms: np.ndarray
+
+
 @dataclass
-class GreedyRun:
-    """What :func:`greedy_decode` ran.
+class StepsRun:
+    """What :func:`run_steps` ran.
 
     Attributes:
         tokens: int64 [steps]: the id each step chose (step ``t`` fed the id before it, the first the
@@ -73,15 +91,23 @@ class GreedyRun:
         return int(self.tokens.shape[0])
 
 
-def greedy_decode(
-    plan: Plan, feeds: Mapping[str, np.ndarray], caches: dict, count: int, names: DecodeNames, eos: Sequence[int] = ()
-) -> GreedyRun | None:
-    """Run up to ``count`` greedy decode steps of ``plan`` from ``feeds`` in one call.
+def run_steps(
+    plan: Plan,
+    feeds: Mapping[str, np.ndarray],
+    caches: dict,
+    count: int,
+    names: DecodeNames,
+    eos: Sequence[int] = (),
+    draws: Draws | None = None,
+) -> StepsRun | None:
+    """Run up to ``count`` decode steps of ``plan`` from ``feeds`` in one call: greedy, or drawing with
+    ``draws``.
 
     ``feeds`` are the first step's full feeds (a state's cache views included) of a batch-1 sequence, the
     values ``names`` (:class:`DecodeNames`) describes.  ``caches`` (past input name -> contiguous
     :class:`~onnxkv.cache.contiguous.CacheTensor`) are written in place; the steps' rows are staged (the
-    caller commits or discards them).  Later steps feed the previous step's argmax of ``names.logits``,
+    caller commits or discards them).  Later steps feed the previous step's argmax of ``names.logits`` (or
+    its draw),
     a mask one column longer and the next position.  Stops after ``count`` steps, after an id in ``eos``,
     when the caches are full (the next step grows them through :meth:`Plan.run`) or before a step whose
     calls refuse their values.
@@ -101,12 +127,12 @@ def greedy_decode(
     if step is None:
         return None
     try:
-        return _replay(plan, step, slots, caches, count, names, eos)
+        return _replay(plan, step, slots, caches, count, names, eos, draws)
     finally:
         plan.steps.done(step)
 
 
-def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos) -> GreedyRun | None:
+def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draws: Draws | None) -> StepsRun | None:
     items = step.items
     if len(items) != 1 or type(items[0]) is not Segment:
         return None
@@ -162,7 +188,7 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos) -> G
     start = {id(c): c.length for c in named}
     tokens = np.empty(count, dtype=np.int64)
     seconds = np.empty(count, dtype=np.float64)
-    done, why = greedy_steps(
+    done, why = decode_steps(
         seg.program,
         externals,
         where["token"],
@@ -173,6 +199,7 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos) -> G
         np.asarray(eos, dtype=np.int64).reshape(-1),
         tokens,
         seconds,
+        *(() if draws is None else (draws.temperature, draws.top_k, draws.top_p, draws.uniforms[:count])),
     )
     if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one
         step.stale = True
@@ -180,4 +207,4 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos) -> G
     if done:
         for c in named:
             c.appended(done, start[id(c)] + done, None, start[id(c)])
-    return GreedyRun(tokens[:done], seconds[:done], why == REFUSED)
+    return StepsRun(tokens[:done], seconds[:done], why == REFUSED)

@@ -24,7 +24,7 @@ from onnxkv.cache import serialize
 from onnxkv.cache.paged import BlockPool
 from onnxkv.cache.policy import key_header, make_selector
 from onnxkv.errors import InputError, StateError
-from onnxkv.plan.step_loop import DecodeNames, GreedyRun, greedy_decode
+from onnxkv.plan.step_loop import DecodeNames, Draws, StepsRun, run_steps
 from onnxkv.runtime.cancellation import Cancellation
 from onnxkv.runtime.stores import Checkpoint, ContiguousStore, DeclaredStore, PagedStore, StoreContext
 
@@ -224,44 +224,64 @@ class State:
                     out[name] = self._ctx.export(name, out[name], own[presents[name]], self.paged)
             return {n: (np.array(out[n]) if n in produced else out[n]) for n in output_names}
 
-    def decode_greedy(
-        self, feeds: Mapping[str, np.ndarray], count: int, names: DecodeNames, eos: Sequence[int] = ()
-    ) -> GreedyRun | None:
-        """Run up to ``count`` greedy decode steps of a batch-1 sequence in one call (a compiled generation loop).
+    def decode_steps(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        count: int,
+        names: DecodeNames,
+        eos: Sequence[int] = (),
+        draws: Draws | None = None,
+    ) -> StepsRun | None:
+        """Run up to ``count`` decode steps of a batch-1 sequence in one call (a compiled generation loop).
 
         ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` (a
         :class:`~onnxkv.plan.step_loop.DecodeNames`) says which are the token id (one int64), the attention
         mask (int64 [1, L] of ones) and the position (one int64, if the model has one), and which output
         holds the logits.  Each later step feeds the argmax of the previous step's logits (ties: the lowest
-        id), a mask one column longer and the next position.  The steps stop after ``count``, after an id
+        id), or with ``draws`` (a :class:`~onnxkv.plan.step_loop.Draws`) the token drawn from them with
+        its uniform number (as :func:`onnxkv._kernels.sampling.sample` draws), a mask one column longer and
+        the next position.  The steps stop after ``count``, after an id
         in ``eos``, when a cache is full, or before a step that :meth:`run` must take (its values are
         outside what the recorded kernel calls accept); they run in C with no Python between them
         (:mod:`onnxkv.plan.step_loop`) and leave exactly what the same steps through :meth:`run` leave.
 
-        Returns a :class:`~onnxkv.plan.step_loop.GreedyRun` (the chosen ids and per-step times), or None
+        Returns a :class:`~onnxkv.plan.step_loop.StepsRun` (the chosen ids and per-step times), or None
         with nothing run when the steps cannot run that way: a paged or declared cache, the session's event
         log on, or no recorded step of these feeds' shapes that covers the whole plan (after one or two
         :meth:`run` calls of decode shape there usually is one).  The runs count in :attr:`steps`.
 
         Raises:
             StateError: closed, busy, or a bound input fed.
-            InputError: ``feeds`` do not fit the model's inputs, or ``count`` is not an int >= 1.
+            InputError: ``feeds`` do not fit the model's inputs, ``count`` is not an int >= 1, or
+                ``draws.uniforms`` is not float64 with a number per step (the kernel names a number outside
+                [0, 1) or a bad temperature, top_k or top_p with a ValueError).
             MemoryError: a kernel could not allocate its workspace; the state is unchanged.
         """
-        self._check_open("decode_greedy")
+        self._check_open("decode_steps")
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
-            raise InputError(f"State.decode_greedy: count must be an int >= 1, got {count!r}")
+            raise InputError(f"State.decode_steps: count must be an int >= 1, got {count!r}")
+        if draws is not None and not (
+            isinstance(draws.uniforms, np.ndarray)
+            and draws.uniforms.dtype == np.float64
+            and draws.uniforms.ndim == 1
+            and draws.uniforms.shape[0] >= count
+        ):
+            raise InputError(
+                f"State.decode_steps: draws.uniforms must be float64 [>= count={count}], got "
+                f"{getattr(draws.uniforms, 'dtype', type(draws.uniforms).__name__)} "
+                f"{getattr(draws.uniforms, 'shape', '')}"
+            )
         if not self._bound.isdisjoint(feeds):
             fed = sorted(self._bound.intersection(feeds))
-            raise StateError(f"State.decode_greedy: {fed} are bound to the state's caches and must not be fed")
-        with self._exclusive("decode_greedy"):
+            raise StateError(f"State.decode_steps: {fed} are bound to the state's caches and must not be fed")
+        with self._exclusive("decode_steps"):
             store = self._store
             session = self.session
             if type(store) is not ContiguousStore or store.caches is None or session.events.enabled:
                 return None
             try:
                 with session._threads(1):
-                    run = greedy_decode(session.plan, store.feeds(feeds), store.caches, int(count), names, eos)
+                    run = run_steps(session.plan, store.feeds(feeds), store.caches, int(count), names, eos, draws)
             except BaseException:
                 store.discard()
                 raise

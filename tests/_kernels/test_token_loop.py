@@ -1,4 +1,4 @@
-"""onnxkv._kernels.token_loop.greedy_steps: a program replayed once per token, each step fed the argmax of the
+"""onnxkv._kernels.token_loop.decode_steps: a program replayed once per token, each step fed the argmax of the
 last, equals the steps run one by one (NumPy's argmax, the kernels called directly)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from onnxkv._kernels._record import DECODE_TOKEN, MASK_LENGTHS, Recorder
 from onnxkv._kernels.gather import gather_rows
+from onnxkv._kernels.sampling import sample
 from onnxkv._kernels.step import Program
-from onnxkv._kernels.token_loop import DONE, EOS, MISMATCH, REFUSED, greedy_steps
+from onnxkv._kernels.token_loop import DONE, EOS, MISMATCH, REFUSED, decode_steps
 
 from onnxkv._kernels import decode_token
 
@@ -69,7 +70,7 @@ def _twin(chain, kc, vc, first, length, count, eos=()):
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "nan"])
-def test_greedy_steps_equal_the_steps_one_by_one(simd, threads, kind):
+def test_decode_steps_equal_the_steps_one_by_one(simd, threads, kind):
     rng = np.random.default_rng(5)
     v = 37
     table = rand(rng, (v, v))
@@ -82,7 +83,7 @@ def test_greedy_steps_equal_the_steps_one_by_one(simd, threads, kind):
     kc, vc = chain.kc.copy(), chain.vc.copy()
     chain.io[0] = length
     tokens, seconds = np.empty(count, np.int64), np.empty(count)
-    steps, why = greedy_steps(chain.program, chain.externals(length + count), 0, 1, 2, length + 1,
+    steps, why = decode_steps(chain.program, chain.externals(length + count), 0, 1, 2, length + 1,
                               chain.logits.reshape(-1), np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
     want, att = _twin(chain, kc, vc, 1, length, count)
     assert (steps, why) == (count, DONE)
@@ -96,7 +97,7 @@ def test_greedy_steps_equal_the_steps_one_by_one(simd, threads, kind):
     np.testing.assert_array_equal(chain.at_pos[0], chain.pos_table[length + count - 1])
 
 
-def test_greedy_steps_stop_after_an_end_of_sequence_id():
+def test_decode_steps_stop_after_an_end_of_sequence_id():
     rng = np.random.default_rng(6)
     chain = Chain(rng, rand(rng, (29, 29)), 4)
     chain.io[0] = 4
@@ -104,7 +105,7 @@ def test_greedy_steps_stop_after_an_end_of_sequence_id():
     eos = np.array([free[3], 10**9], np.int64)
     stop = free.index(free[3]) + 1
     tokens, seconds = np.empty(10, np.int64), np.empty(10)
-    steps, why = greedy_steps(chain.program, chain.externals(14), 0, 1, 2, 5, chain.logits.reshape(-1), eos,
+    steps, why = decode_steps(chain.program, chain.externals(14), 0, 1, 2, 5, chain.logits.reshape(-1), eos,
                               tokens, seconds)  # fmt: skip
     assert (steps, why) == (stop, EOS) and tokens[:steps].tolist() == free[:stop]
 
@@ -118,7 +119,7 @@ def test_a_refused_step_runs_nothing_and_the_steps_before_it_stand():
     small.io[0] = 3
     kc = small.kc.copy()
     tokens, seconds = np.empty(5, np.int64), np.empty(5)
-    steps, why = greedy_steps(small.program, small.externals(8), 0, 1, 2, 4, small.logits.reshape(-1),
+    steps, why = decode_steps(small.program, small.externals(8), 0, 1, 2, 4, small.logits.reshape(-1),
                               np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
     assert (steps, why) == (1, REFUSED) and tokens[0] == 30
     # the refused step wrote no cache row: only position 3 (the first step's) changed
@@ -134,14 +135,51 @@ def test_externals_unlike_the_recording_run_nothing_and_bad_arguments_raise():
     logits, none = chain.logits.reshape(-1), np.zeros(0, np.int64)
     other = chain.externals(6)
     other[3] = np.zeros((1, HKV, CAP + 1, D), np.float32)  # a cache of another capacity
-    assert greedy_steps(chain.program, other, 0, 1, 2, 3, logits, none, tokens, seconds) == (0, MISMATCH)
+    assert decode_steps(chain.program, other, 0, 1, 2, 3, logits, none, tokens, seconds) == (0, MISMATCH)
     with pytest.raises(ValueError, match="need 6 columns, the mask has 5"):
-        greedy_steps(chain.program, chain.externals(5), 0, 1, 2, 3, logits, none, tokens, seconds)
+        decode_steps(chain.program, chain.externals(5), 0, 1, 2, 3, logits, none, tokens, seconds)
     with pytest.raises(ValueError, match="external 3 must be one int64"):
-        greedy_steps(chain.program, chain.externals(6), 3, 1, 2, 3, logits, none, tokens, seconds)
+        decode_steps(chain.program, chain.externals(6), 3, 1, 2, 3, logits, none, tokens, seconds)
     with pytest.raises(ValueError, match="external 0 is not the ragged"):
-        greedy_steps(chain.program, chain.externals(6), 2, 0, -1, 3, logits, none, tokens, seconds)
+        decode_steps(chain.program, chain.externals(6), 2, 0, -1, 3, logits, none, tokens, seconds)
     with pytest.raises(ValueError, match="one element per step"):
-        greedy_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds[:2])
+        decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds[:2])
     with pytest.raises(ValueError, match="token external 7 out of"):
-        greedy_steps(chain.program, chain.externals(6), 7, 1, 2, 3, logits, none, tokens, seconds)
+        decode_steps(chain.program, chain.externals(6), 7, 1, 2, 3, logits, none, tokens, seconds)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.9, 8, 0.9)])
+def test_sampled_steps_draw_as_the_sampling_kernel_one_by_one(temperature, top_k, top_p):
+    rng = np.random.default_rng(11)
+    v, length, count = 41, 4, 15
+    chain = Chain(rng, rand(rng, (v, v), scale=2.0), length)
+    chain.io[0] = length
+    uniforms = rng.random(count)
+    tokens, seconds = np.empty(count, np.int64), np.empty(count)
+    steps, why = decode_steps(chain.program, chain.externals(length + count), 0, 1, 2, length + 1,
+                              chain.logits.reshape(-1), np.zeros(0, np.int64), tokens, seconds, temperature, top_k,
+                              top_p, uniforms)  # fmt: skip
+    want, tok = [], 1
+    for t in range(count):
+        tok = int(sample(chain.table[tok][None], temperature, top_k or None, top_p, uniforms[t : t + 1])[0])
+        want.append(tok)
+    assert (steps, why) == (count, DONE) and tokens.tolist() == want
+    assert len(set(want)) > 3  # draws, not an argmax chain
+
+
+def test_sampled_steps_check_their_arguments():
+    rng = np.random.default_rng(12)
+    chain = Chain(rng, rand(rng, (9, 9)), 2)
+    tokens, seconds = np.empty(3, np.int64), np.empty(3)
+    args = (chain.program, chain.externals(5), 0, 1, 2, 3, chain.logits.reshape(-1), np.zeros(0, np.int64), tokens,
+            seconds)  # fmt: skip
+    for extra, match in (
+        ((1.0, 0, 1.0, None), "one uniform number per step"),
+        ((1.0, 0, 1.0, np.full(2, 0.5)), "one uniform number per step"),
+        ((1.0, 0, 1.0, np.array([0.5, 1.0, 0.2])), r"uniforms\[1\] = 1.0 is not in \[0, 1\)"),
+        ((-1.0, 0, 1.0, np.full(3, 0.5)), "temperature -1.0"),
+        ((1.0, -2, 1.0, np.full(3, 0.5)), "top_k -2"),
+        ((1.0, 0, 0.0, np.full(3, 0.5)), "top_p 0.0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            decode_steps(*args, *extra)

@@ -139,8 +139,8 @@ def test_paged_cache_gives_the_same_tokens(session):
 
 
 @pytest.mark.parametrize("new", [1, 2, 3, 40, 300])
-def test_greedy_steps_run_in_c_give_the_tokens_callbacks_and_timings_of_steps_run_one_by_one(new, monkeypatch):
-    """Greedy generation of one sequence runs its decode steps as one call into C (State.decode_greedy)
+def test_decode_steps_run_in_c_give_the_tokens_callbacks_and_timings_of_steps_run_one_by_one(new, monkeypatch):
+    """Greedy generation of one sequence runs its decode steps as one call into C (State.decode_steps)
     after the steps that record it; 300 tokens pass the initial capacity (272): the cache grows in between."""
     from onnxkv.zoo import embedded
 
@@ -165,7 +165,7 @@ def test_greedy_steps_run_in_c_give_the_tokens_callbacks_and_timings_of_steps_ru
     assert seen[False] == seen[True] == [(s, np.dtype(np.int64), [int(t)]) for s, t in enumerate(a.tokens[0])]
 
 
-def test_greedy_steps_in_c_stop_at_an_end_of_sequence_id():
+def test_decode_steps_in_c_stop_at_an_end_of_sequence_id():
     from onnxkv.zoo import embedded
 
     path = str(embedded.embedded_model_dir())
@@ -176,3 +176,26 @@ def test_greedy_steps_in_c_stop_at_an_end_of_sequence_id():
     for compiled in (False, True):
         got = onnxkv.generate(onnxkv.Session(path, threads=1, compiled_steps=compiled), ids, 30, eos_token_id=eos)
         assert got.tokens[0].tolist() == free[:stop].tolist() and got.finished.tolist() == [True]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(top_k=20), dict(temperature=0.9, top_p=0.9),
+                                dict(temperature=1.2, top_k=40, top_p=0.95)])  # fmt: skip
+@pytest.mark.parametrize("new", [2, 40, 300])
+def test_sampled_steps_run_in_c_draw_the_tokens_of_steps_run_one_by_one(kw, new):
+    """The compiled loop draws with the sampling kernel and numbers of the same generator, which it leaves
+    where the steps one by one would have: across chunks (a callback), cache growth and the steps in
+    Python between them, the tokens are the same."""
+    from onnxkv.zoo import embedded
+
+    path = str(embedded.embedded_model_dir())
+    ids = np.array([embedded.encode("The ")])
+    got = {}
+    for compiled in (False, True):
+        sess = onnxkv.Session(path, threads=1, compiled_steps=compiled)
+        for callback in (None, lambda step, tok: None):
+            got[compiled, callback is None] = onnxkv.generate(
+                sess, ids, new, do_sample=True, seed=5, eos_token_id=[], callback=callback, **kw
+            ).tokens
+    for plain in (True, False):
+        np.testing.assert_array_equal(got[False, plain], got[True, plain])
+    assert len(set(got[True, True][0].tolist())) > 1

@@ -1,4 +1,4 @@
-"""The compiled generation loop (onnxkv.plan.step_loop, State.decode_greedy): greedy decode steps run in C
+"""The compiled generation loop (onnxkv.plan.step_loop, State.decode_steps): greedy decode steps run in C
 leave the tokens, logits and caches of the same steps run one by one; anything else runs nothing."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _models():
 
 @pytest.mark.parametrize("which", ["embedded", "gqa"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_greedy_steps_in_one_call_equal_the_steps_one_by_one(which, threads):
+def test_decode_steps_in_one_call_equal_the_steps_one_by_one(which, threads):
     model = _models()[which]
     prompt = np.array([[1, 7, 9, 4, 12, 3]])
     count = 20
@@ -69,7 +69,7 @@ def test_greedy_steps_in_one_call_equal_the_steps_one_by_one(which, threads):
         b, feeds, chosen = _start(sess, st, prompt, 2)
         assert chosen == rchosen
         before = st.steps
-        run = st.decode_greedy(feeds, count, **_io(sess))
+        run = st.decode_steps(feeds, count, **_io(sess))
         assert run is not None and run.steps == count and not run.refused
         assert run.tokens.tolist() == want
         assert run.seconds.shape == (count,) and (run.seconds > 0).all()
@@ -95,14 +95,14 @@ def test_the_loop_stops_after_an_end_of_sequence_id_and_where_the_cache_is_full(
     stop = free.index(free[6]) + 1
     with sess.new_state() as st:
         _, feeds, _ = _start(sess, st, prompt, 1)
-        run = st.decode_greedy(feeds, 12, eos=eos, **_io(sess))
+        run = st.decode_steps(feeds, 12, eos=eos, **_io(sess))
         assert run.tokens.tolist() == free[:stop] and st.length == 4 + 1 + stop
     with sess.new_state(cache=CacheConfig("contiguous", initial_capacity=10)) as st:
         # a step recorded with these caches (the one recorded above has other capacities: it fails its check)
         _, feeds, _ = _start(sess, st, prompt, 2)  # 6 positions cached, room for 4
-        run = st.decode_greedy(feeds, 12, **_io(sess))
+        run = st.decode_steps(feeds, 12, **_io(sess))
         assert run.tokens.tolist() == free[1:5] and st.length == 10
-        assert st.decode_greedy(feeds, 12, **_io(sess)) is None  # full: State.run grows it
+        assert st.decode_steps(feeds, 12, **_io(sess)) is None  # full: State.run grows it
 
 
 def test_nothing_runs_where_the_loop_cannot_replay_the_step():
@@ -111,19 +111,19 @@ def test_nothing_runs_where_the_loop_cannot_replay_the_step():
     sess = onnxkv.Session(model, threads=1)
     with sess.new_state() as st:
         _, feeds, _ = _start(sess, st, prompt, 0)  # the first decode step: none recorded yet
-        assert st.decode_greedy(feeds, 5, **_io(sess)) is None and st.length == 4 and st.steps == 1
+        assert st.decode_steps(feeds, 5, **_io(sess)) is None and st.length == 4 and st.steps == 1
     with sess.new_state(cache=CacheConfig("paged", block_size=4)) as st:
         _, feeds, _ = _start(sess, st, prompt, 3)
         length = st.length
-        assert st.decode_greedy(feeds, 5, **_io(sess)) is None and st.length == length
+        assert st.decode_steps(feeds, 5, **_io(sess)) is None and st.length == length
     logged = onnxkv.Session(model, threads=1, events=True)
     with logged.new_state() as st:
         _, feeds, _ = _start(logged, st, prompt, 3)
-        assert st.decode_greedy(feeds, 5, **_io(logged)) is None and st.length == 7
+        assert st.decode_steps(feeds, 5, **_io(logged)) is None and st.length == 7
     concat = onnxkv.Session(build_model("concat", MICRO, seed=22), threads=1)  # Python nodes in its step
     with concat.new_state() as st:
         _, feeds, _ = _start(concat, st, prompt, 3)
-        assert st.decode_greedy(feeds, 5, **_io(concat)) is None and st.length == 7
+        assert st.decode_steps(feeds, 5, **_io(concat)) is None and st.length == 7
 
 
 def test_a_token_the_step_refuses_runs_nothing_and_state_run_then_raises():
@@ -132,7 +132,7 @@ def test_a_token_the_step_refuses_runs_nothing_and_state_run_then_raises():
         b, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4]]), 3)
         values = {n: v.copy() for n, v in st.values.items()}
         feeds[sess.model.io.input_ids] = np.array([[sess.model.vocab_size + 5]], np.int64)
-        run = st.decode_greedy(feeds, 5, **_io(sess))
+        run = st.decode_steps(feeds, 5, **_io(sess))
         assert run.steps == 0 and run.refused and st.length == 7
         for n, v in values.items():
             np.testing.assert_array_equal(st.values[n], v)
@@ -145,21 +145,21 @@ def test_a_failed_loop_leaves_the_state_as_it_was(monkeypatch):
     prompt = np.array([[1, 7, 9, 4]])
     ref = onnxkv.Session(model, threads=1, compiled_steps=False)
     sess = onnxkv.Session(model, threads=1)
-    real = step_loop.greedy_steps
+    real = step_loop.decode_steps
 
     def fails(*args):
         real(*args)  # the steps write their cache rows, then a call runs out of memory
-        raise MemoryError("greedy_steps: call 3 of step 4 could not allocate its workspace")
+        raise MemoryError("decode_steps: call 3 of step 4 could not allocate its workspace")
 
     with ref.new_state() as rs, sess.new_state() as st:
         rb, rfeeds, _ = _start(ref, rs, prompt, 2)
         want, _ = _one_by_one(ref, rs, rb, rfeeds, 6)
         b, feeds, _ = _start(sess, st, prompt, 2)
-        monkeypatch.setattr(step_loop, "greedy_steps", fails)
+        monkeypatch.setattr(step_loop, "decode_steps", fails)
         with pytest.raises(MemoryError, match="step 4"):
-            st.decode_greedy(feeds, 6, **_io(sess))
+            st.decode_steps(feeds, 6, **_io(sess))
         assert st.length == 6 and st.steps == 3
-        monkeypatch.setattr(step_loop, "greedy_steps", real)
+        monkeypatch.setattr(step_loop, "decode_steps", real)
         got, _ = _one_by_one(sess, st, b, feeds, 6)
         assert got == want
 
@@ -170,10 +170,24 @@ def test_bad_arguments_are_refused():
         _, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4]]), 2)
         for count in (0, -1, 2.5, True):
             with pytest.raises(InputError, match=f"count must be an int >= 1, got {count!r}"):
-                st.decode_greedy(feeds, count, **_io(sess))
+                st.decode_steps(feeds, count, **_io(sess))
         past = sess.bindings[0].past
         with pytest.raises(StateError, match="bound to the state's caches"):
-            st.decode_greedy({**feeds, past: np.zeros(1)}, 3, **_io(sess))
+            st.decode_steps({**feeds, past: np.zeros(1)}, 3, **_io(sess))
     st.close()
     with pytest.raises(StateError, match="closed"):
-        st.decode_greedy(feeds, 3, **_io(sess))
+        st.decode_steps(feeds, 3, **_io(sess))
+
+
+def test_draws_that_do_not_fit_are_refused():
+    from onnxkv.plan.step_loop import Draws
+
+    sess = onnxkv.Session(_models()["embedded"], threads=1)
+    with sess.new_state() as st:
+        _, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4]]), 2)
+        for uniforms in (np.full(2, 0.5), np.full(5, 0.5, np.float32), [0.5] * 5):
+            with pytest.raises(InputError, match="draws.uniforms must be float64"):
+                st.decode_steps(feeds, 5, draws=Draws(1.0, 0, 1.0, uniforms), **_io(sess))
+        with pytest.raises(ValueError, match=r"uniforms\[0\] = 1.5"):
+            st.decode_steps(feeds, 5, draws=Draws(1.0, 0, 1.0, np.full(5, 1.5)), **_io(sess))
+        assert st.length == 6

@@ -1,0 +1,249 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True
+"""Next-token draws: temperature, top-k and top-p (nucleus) sampling of a row of logits, in float64.
+
+``sample(logits, temperature, top_k, top_p, u, probs=None)`` draws one token
+per row of ``logits`` [B, V] (float32 or float64) with the uniform numbers
+``u`` [B] (float64 in [0, 1)), as transformers' warpers order it:
+
+1. ``x = logits / temperature`` (float64);
+2. top-k (``top_k`` < V): every ``x`` below the ``top_k``-th largest becomes -inf (ties with it stay);
+3. ``p = exp(x - max(x))``, divided by its sum;
+4. top-p (``top_p`` < 1): the tokens sorted by ``p`` descending (ties: lower id first) are kept while
+   the sum of the ones before each is below ``top_p`` (the most likely is always kept); the others get 0,
+   and ``p`` is divided by its new sum;
+5. the token is the number of entries of ``cumsum(p)`` below ``u`` (at most V - 1).
+
+Sums are NumPy's pairwise sums and cumulative sums are sequential, as NumPy
+computes them, so the result is the NumPy twin's (``reference.sample``) up to
+the last bits of ``exp``; a draw whose ``u`` falls within those bits of a
+boundary of ``cumsum(p)`` may pick the neighbouring token.  ``probs`` [B, V]
+float64, when given, receives step 4's ``p``.  One call per token of a
+sampled generation (the compiled generation loop calls the row function
+directly), every argument checked first.
+"""
+from libc.math cimport INFINITY, exp, isnan
+from libc.stdint cimport int64_t
+from libc.stdlib cimport free, malloc
+
+import numpy as np
+
+from . import _validate as V
+
+__all__ = ["sample"]
+
+ctypedef fused real:
+    float
+    double
+
+
+cdef inline double _pairwise(const double *a, int64_t n) noexcept nogil:
+    """NumPy's pairwise sum of n doubles (pairwise_sum_DOUBLE: 8 accumulators over blocks of up to 128)."""
+    cdef double r[8]
+    cdef double res
+    cdef int64_t i, n2
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[i]
+        return res
+    if n <= 128:
+        for i in range(8):
+            r[i] = a[i]
+        i = 8
+        while i < n - (n % 8):
+            r[0] += a[i]
+            r[1] += a[i + 1]
+            r[2] += a[i + 2]
+            r[3] += a[i + 3]
+            r[4] += a[i + 4]
+            r[5] += a[i + 5]
+            r[6] += a[i + 6]
+            r[7] += a[i + 7]
+            i += 8
+        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+        while i < n:
+            res += a[i]
+            i += 1
+        return res
+    n2 = n // 2
+    n2 -= n2 % 8
+    return _pairwise(a, n2) + _pairwise(a + n2, n - n2)
+
+
+cdef inline bint _before(double a, double b) noexcept nogil:
+    """a sorts before b in NumPy's ascending order (NaN last)."""
+    return a < b or (isnan(b) and not isnan(a))
+
+
+cdef double _kth(double *w, int64_t n, int64_t k) noexcept nogil:
+    """The k-th smallest of w[:n] (0-based, NaN largest: np.partition(w, k)[k]); reorders w."""
+    cdef int64_t lo = 0, hi = n - 1, i, j
+    cdef double pivot, t
+    while lo < hi:
+        pivot = w[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:
+            while _before(w[i], pivot):
+                i += 1
+            while _before(pivot, w[j]):
+                j -= 1
+            if i <= j:
+                t = w[i]
+                w[i] = w[j]
+                w[j] = t
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            return w[k]
+    return w[k]
+
+
+cdef void _order_desc(const double *p, int64_t *order, int64_t *tmp, int64_t n) noexcept nogil:
+    """order = the ids 0..n-1 sorted by p descending, ties by id (a stable merge sort: np.argsort(-p,
+    kind="stable")); tmp: n ints of workspace."""
+    cdef int64_t width, lo, mid, hi, i, j, k
+    cdef int64_t *src = order
+    cdef int64_t *dst = tmp
+    cdef int64_t *t
+    for i in range(n):
+        order[i] = i
+    width = 1
+    while width < n:
+        lo = 0
+        while lo < n:
+            mid = min(lo + width, n)
+            hi = min(lo + 2 * width, n)
+            i, j, k = lo, mid, lo
+            while i < mid and j < hi:
+                # -p[j] sorts before -p[i] only when strictly smaller (stability: i first on ties)
+                if _before(-p[src[j]], -p[src[i]]):
+                    dst[k] = src[j]
+                    j += 1
+                else:
+                    dst[k] = src[i]
+                    i += 1
+                k += 1
+            while i < mid:
+                dst[k] = src[i]
+                i += 1
+                k += 1
+            while j < hi:
+                dst[k] = src[j]
+                j += 1
+                k += 1
+            lo += 2 * width
+        t = src
+        src = dst
+        dst = t
+        width *= 2
+    if src != order:
+        for i in range(n):
+            order[i] = src[i]
+
+
+cdef int64_t _sample(const real *logits, int64_t V, double temperature, int64_t top_k, double top_p, double u,
+                     double *p, double *work, int64_t *order) noexcept nogil:
+    """One draw (the module docstring) from logits[:V] into p[:V] (its probabilities); work: V doubles and
+    order: 2V ints of workspace (used by top-k and top-p only)."""
+    cdef int64_t i, ids
+    cdef double m, s, c, kth
+    for i in range(V):
+        p[i] = <double>logits[i] / temperature
+    if 0 < top_k < V:
+        for i in range(V):
+            work[i] = p[i]
+        kth = _kth(work, V, V - top_k)
+        for i in range(V):
+            if p[i] < kth:
+                p[i] = -INFINITY
+    m = p[0]
+    for i in range(1, V):     # np.max: the largest, NaN if any is
+        if isnan(p[i]) or p[i] > m or isnan(m):
+            m = p[i] if not isnan(m) else m
+    for i in range(V):
+        p[i] = exp(p[i] - m)
+    s = _pairwise(p, V)
+    for i in range(V):
+        p[i] /= s
+    if top_p < 1.0:
+        _order_desc(p, order, order + V, V)
+        c = 0.0
+        for i in range(V):
+            work[i] = p[order[i]]
+        for i in range(V):   # keep while the cumulative sum before the token is below top_p
+            c += work[i]
+            if not (c - work[i] < top_p):
+                p[order[i]] = 0.0
+        s = _pairwise(p, V)
+        for i in range(V):
+            p[i] /= s
+    c = 0.0
+    ids = 0
+    for i in range(V):
+        c += p[i]
+        if c < u:
+            ids += 1
+    return min(ids, V - 1)
+
+
+cdef int64_t sample_row_f32(const float *logits, int64_t V, double temperature, int64_t top_k, double top_p,
+                            double u, double *p, double *work, int64_t *order) noexcept nogil:
+    """The draw of one float32 row (for the token loop): p, work: V doubles; order: 2V ints."""
+    return _sample(logits, V, temperature, top_k, top_p, u, p, work, order)
+
+
+def sample(logits, double temperature, top_k, top_p, u, probs=None):
+    """One token per row of ``logits`` (see the module docstring); returns int64 [B].
+
+    logits [B, V] float32 or float64, C-contiguous, V >= 1; temperature > 0 and finite; top_k None or an
+    int >= 1; top_p None or in (0, 1]; u [B] float64 in [0, 1); probs None or [B, V] float64, writable,
+    C-contiguous.  Raises ValueError naming the argument before anything is written.
+    """
+    V.array("logits", logits, (np.dtype(np.float32), np.dtype(np.float64)), ndim=2)
+    cdef int64_t B = logits.shape[0], n = logits.shape[1], b
+    if n < 1:
+        raise ValueError(f"logits: expected at least one column, got shape {logits.shape}")
+    if not (temperature > 0 and temperature < INFINITY):
+        raise ValueError(f"temperature: expected a finite value > 0, got {temperature}")
+    cdef int64_t k = 0 if top_k is None else int(top_k)
+    if top_k is not None and k < 1:
+        raise ValueError(f"top_k: expected None or an int >= 1, got {top_k}")
+    cdef double tp = 1.0 if top_p is None else float(top_p)
+    if not (0.0 < tp <= 1.0):
+        raise ValueError(f"top_p: expected None or a value in (0, 1], got {top_p}")
+    V.array("u", u, (np.dtype(np.float64),), shape=(B,))
+    if not ((u >= 0) & (u < 1)).all():
+        raise ValueError(f"u: expected values in [0, 1), got {u}")
+    if probs is not None:
+        V.array("probs", probs, (np.dtype(np.float64),), shape=(B, n), writeable=True)
+    out = np.empty(B, np.int64)
+    cdef double[:, ::1] pv = probs if probs is not None else np.empty((B, n), np.float64)
+    cdef double[::1] uv = u
+    cdef int64_t[::1] ov = out
+    cdef double *work = <double *>malloc(<size_t>n * sizeof(double))
+    cdef int64_t *order = <int64_t *>malloc(<size_t>(2 * n) * sizeof(int64_t))
+    cdef const float[:, ::1] lf
+    cdef const double[:, ::1] ld
+    if work == NULL or order == NULL:
+        free(work)
+        free(order)
+        raise MemoryError("sample: could not allocate the workspace")
+    try:
+        if logits.dtype == np.float32:
+            lf = logits
+            with nogil:
+                for b in range(B):
+                    ov[b] = _sample(&lf[b, 0], n, temperature, k, tp, uv[b], &pv[b, 0], work, order)
+        else:
+            ld = logits
+            with nogil:
+                for b in range(B):
+                    ov[b] = _sample(&ld[b, 0], n, temperature, k, tp, uv[b], &pv[b, 0], work, order)
+    finally:
+        free(work)
+        free(order)
+    return out

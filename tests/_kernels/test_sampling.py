@@ -1,0 +1,72 @@
+"""onnxkv._kernels.sampling.sample: temperature, top-k and top-p draws equal the NumPy twin (reference.sample)
+on random logits of both float widths, ties and every vocabulary size class of the pairwise sums."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnxkv._kernels.sampling import sample
+
+from onnxkv._kernels import reference as R
+
+from .conftest import rand
+
+SETTINGS = [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.9), (0.8, 40, 0.95), (2.0, 1, 0.5), (1.0, 10**6, 1.0)]
+
+
+@pytest.mark.parametrize("v", [1, 7, 8, 9, 127, 128, 129, 264, 1000, 32000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS)
+def test_draws_equal_the_numpy_twin(v, dtype, temperature, top_k, top_p):
+    rng = np.random.default_rng([v, len(str(dtype)), int(temperature * 10)])
+    logits = rand(rng, (3, v), dtype, scale=3.0)
+    u = rng.random(3)
+    got_p, want_p = np.full((3, v), np.nan), np.full((3, v), np.nan)
+    got = sample(logits, temperature, top_k, top_p, u, got_p)
+    want = R.sample(logits, temperature, top_k, top_p, u, want_p)
+    np.testing.assert_allclose(got_p, want_p, rtol=1e-14, atol=1e-300)
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int64 and ((got >= 0) & (got < v)).all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, None), (None, 0.6), (4, 0.7)])
+def test_ties_keep_every_tied_token_and_sort_lower_ids_first(top_k, top_p):
+    """Few distinct values: top-k keeps the ties of its k-th value, top-p's stable order puts lower ids
+    first; every u of a fine grid draws the twin's token."""
+    rng = np.random.default_rng(4)
+    logits = rng.integers(0, 4, (2, 50)).astype(np.float32)
+    for u in np.linspace(0.0, 0.999, 101):
+        uu = np.array([u, 1 - u - 1e-3])
+        got_p, want_p = np.empty((2, 50)), np.empty((2, 50))
+        np.testing.assert_array_equal(
+            sample(logits, 1.0, top_k, top_p, uu, got_p), R.sample(logits, 1.0, top_k, top_p, uu, want_p)
+        )
+        np.testing.assert_allclose(got_p, want_p, rtol=1e-14)
+
+
+def test_a_nan_logit_gives_the_twins_draw():
+    logits = np.array([[0.5, np.nan, 1.0, -2.0]], np.float32)
+    for top_k, top_p in ((None, None), (2, None), (None, 0.5)):
+        u = np.array([0.3])
+        with np.errstate(invalid="ignore"):
+            want = R.sample(logits, 1.0, top_k, top_p, u)
+        assert sample(logits, 1.0, top_k, top_p, u).tolist() == want.tolist()
+
+
+def test_bad_arguments_raise_naming_them():
+    x, u = np.zeros((2, 5), np.float32), np.full(2, 0.5)
+    for args, match in (
+        ((x.astype(np.float16), 1.0, None, None, u), "logits: dtype float16"),
+        ((x[:, :0].copy(), 1.0, None, None, u), "at least one column"),
+        ((x, 0.0, None, None, u), "temperature"),
+        ((x, float("inf"), None, None, u), "temperature"),
+        ((x, 1.0, 0, None, u), "top_k"),
+        ((x, 1.0, None, 0.0, u), "top_p"),
+        ((x, 1.0, None, 1.5, u), "top_p"),
+        ((x, 1.0, None, None, u[:1]), "u: expected shape"),
+        ((x, 1.0, None, None, np.array([0.5, 1.0])), r"u: expected values in \[0, 1\)"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            sample(*args)
+    with pytest.raises(ValueError, match="probs: expected shape"):
+        sample(x, 1.0, None, None, u, np.empty((2, 4)))
