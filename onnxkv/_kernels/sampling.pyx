@@ -164,8 +164,8 @@ cdef int64_t _sample(const real *logits, int64_t V, double temperature, int64_t 
     for i in range(1, V):     # np.max: the largest, NaN if any is
         if isnan(p[i]) or p[i] > m or isnan(m):
             m = p[i] if not isnan(m) else m
-    for i in range(V):
-        p[i] = exp(p[i] - m)
+    for i in range(V):   # exp(-inf - m) is 0: the entries top-k dropped cost no exp
+        p[i] = 0.0 if p[i] == -INFINITY and m > -INFINITY else exp(p[i] - m)
     s = _pairwise(p, V)
     for i in range(V):
         p[i] /= s
