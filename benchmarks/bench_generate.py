@@ -34,7 +34,10 @@ several rounds an engine's ``per_token_s`` pools the samples of every round
 (``median_token_s`` is their median, ``peak_rss_bytes`` the largest), its
 ``rounds`` list keeps each round's median, prefill and peak RSS, and each
 ratio also comes per round (``ratio_onnxkv_over_<peer>_per_round``).  Also
-reports onnxkv's Python dispatch overhead per node on the tiny model.
+reports onnxkv's Python dispatch overhead per node on the tiny model (and with
+``--dispatch-model FILE`` on that file too, per plan node and per graph node:
+e.g. the ``torch.onnx.export`` of the tiny model, ``scripts/export_torch_small.py
+--size tiny``, whose 688 nodes besides Constants the plan folds to 115).
 
 ``--torch-model FILE`` runs the ``concat`` cases on that file instead of the
 builder's Concat graph: a real ``torch.onnx.export`` of the same model, made by
@@ -65,7 +68,8 @@ accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
 
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
        [--cases small-gqa:128,...,small-int8:128,builder-int4:128] [--engines onnxkv,ort,ort-genai]
-       [--torch-model FILE] [--builder-folder DIR] [--rounds 1] [--background-load] [--out FILE]
+       [--torch-model FILE] [--dispatch-model FILE] [--builder-folder DIR] [--rounds 1] [--background-load]
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -393,6 +397,12 @@ def main() -> None:
     ap.add_argument("--cases", default=DEFAULT_CASES)
     ap.add_argument("--engines", default=DEFAULT_ENGINES)
     ap.add_argument(
+        "--dispatch-model",
+        type=Path,
+        help="also measure the dispatch overhead on this file, e.g. a torch.onnx.export of the tiny model "
+        "(scripts/export_torch_small.py --size tiny): per plan node and per graph node",
+    )
+    ap.add_argument(
         "--torch-model",
         type=Path,
         help="run the concat cases on this torch.onnx.export file "
@@ -426,6 +436,7 @@ def main() -> None:
         e, p, n, v, new, t = args.worker
         print(json.dumps(worker(e, p, int(n), int(v), int(new), int(t))))
         return
+    import onnx
     import onnxruntime
 
     try:
@@ -444,6 +455,21 @@ def main() -> None:
             f"# dispatch overhead: {overhead['us_per_node']:.2f} µs/node over {overhead['nodes']} nodes",
             file=sys.stderr,
         )
+        dispatch_export = None
+        if args.dispatch_model is not None:
+            dispatch_export = dispatch_overhead(args.dispatch_model, args.threads)
+            graph = onnx.load(str(args.dispatch_model), load_external_data=False).graph
+            dispatch_export["file"] = str(args.dispatch_model)
+            dispatch_export["graph_nodes"] = sum(n.op_type != "Constant" for n in graph.node)
+            dispatch_export["us_per_graph_node"] = (
+                dispatch_export["median_run_s"] / dispatch_export["graph_nodes"] * 1e6
+            )
+            print(
+                f"# dispatch overhead of {args.dispatch_model}: {dispatch_export['us_per_node']:.2f} µs per plan node "
+                f"({dispatch_export['nodes']}), {dispatch_export['us_per_graph_node']:.3f} µs per graph node "
+                f"({dispatch_export['graph_nodes']} besides Constant)",
+                file=sys.stderr,
+            )
         for case in args.cases.split(","):
             name, plen = case.split(":")
             size, family = name.split("-")
@@ -554,6 +580,7 @@ def main() -> None:
             "threads": args.threads,
             "results": results,
             "dispatch_overhead_tiny": overhead,
+            "dispatch_overhead_export": dispatch_export,
         },
         args.out,
     )

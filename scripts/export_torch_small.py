@@ -18,8 +18,9 @@ float64, so they agree closely, not bit for bit).
 Needs torch==2.13.0, transformers 5.x, onnx, onnxruntime (build-time only;
 nothing is downloaded).
 
-    python scripts/export_torch_small.py OUT [--max-length 8192] [--seed 0]
+    python scripts/export_torch_small.py OUT [--max-length 8192] [--seed 0] [--size small|tiny]
     python benchmarks/bench_generate.py --cases small-concat:4096 --torch-model OUT/model.onnx
+    python benchmarks/bench_generate.py --dispatch-model TINY_OUT/model.onnx  (``--size tiny``)
 """
 
 from __future__ import annotations
@@ -113,15 +114,21 @@ def main() -> None:
         "--max-length", type=int, default=8192, help="max_position_embeddings (bench: 8192 above 2048 tokens)"
     )
     ap.add_argument("--seed", type=int, default=0, help="random_weights seed (bench_generate uses 0)")
+    ap.add_argument(
+        "--size",
+        choices=("small", "tiny"),
+        default="small",
+        help="the configuration: SMALL (bench_generate's small cases) or TINY (its dispatch measure)",
+    )
     args = ap.parse_args()
 
     import onnx
     import torch
 
-    from onnxkv.zoo.builders import SMALL, build_model, random_weights
+    from onnxkv.zoo.builders import SMALL, TINY, build_model, random_weights
 
     torch.set_num_threads(2)
-    cfg = replace(SMALL, max_length=args.max_length)
+    cfg = replace(SMALL if args.size == "small" else TINY, max_length=args.max_length)
     weights = random_weights(cfg, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "model.onnx"
