@@ -30,6 +30,7 @@ cdef struct ext_t:
     uintptr_t pinned     # the baked address it must have (it viewed program memory when recorded), or 0
     int64_t nbytes
     int ragged           # its last dim may differ from run to run (taken whole by prelude calls only)
+    int resizable        # a cache [1, H, Cap, D] whose capacity (dim 2) may differ (taken whole by decode calls)
 
 
 cdef class Program:
@@ -41,6 +42,7 @@ cdef class Program:
     cdef uintptr_t *written      # [n_written, 2]: [start, end) of the baked memory the calls write
     cdef int n_written
     cdef readonly int calls_count
+    cdef readonly bint refused   # the last run's externals were the recording's but a call refused its values
 
     cdef bint bind(self, list externals, void **bases, int64_t *lens) except -1
     cdef int execute(self, void **bases, const int64_t *lens, okv_settings s) noexcept

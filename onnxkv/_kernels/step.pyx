@@ -21,7 +21,11 @@ another external) -- and returns False, with nothing run, when one differs.
 An external array may be *ragged*: its last dim may differ from the
 recording's (an attention mask that grows by a column per step); only a call
 of a kind that reads its length from it (``KIND_MASK_LENGTHS``) may take it,
-whole.  Such *prelude* calls read only externals and run first.  A call may
+whole.  Such *prelude* calls read only externals and run first.  An external
+may be *resizable*: a cache [1, H, Cap, D] whose capacity (dim 2) may differ
+from the recording's (a new state's cache, or one that grew); only the cache
+operands of decode-token calls may take it, whole, and they read their
+capacity from it when replayed.  A call may
 then refuse its values of the run (a gather index out of range, a decode
 position other than the cache's committed length), read from operands no call
 but a prelude call writes: every call is asked before any other runs, and one
@@ -75,16 +79,17 @@ cdef inline uintptr_t _addr(a):
 cdef class Program:
     """Recorded kernel calls replayed as one (see the module docstring).
 
-    ``Program(calls, externals, pinned, ragged)``: ``calls`` as :attr:`Recorder.calls`
+    ``Program(calls, externals, pinned, ragged, resizable)``: ``calls`` as :attr:`Recorder.calls`
     noted them (only the kinds of ``_record.pxd``); ``externals`` the arrays of
     the recorded run whose memory changes from run to run (each C-contiguous);
     ``pinned`` the indices of externals that must be at their recorded address
     in every run (memory the caller owns and may hand to the calls for reuse:
     an operand inside a pinned external's bounds is that same memory);
-    ``ragged`` the indices of externals whose last dim may change (see the
-    module docstring).  Raises ValueError naming the call when an operand
-    straddles an external array's bounds, a kind is unknown, a ragged external
-    is taken other than whole by a prelude call, a prelude call reads memory
+    ``ragged`` the indices of externals whose last dim may change and
+    ``resizable`` those whose dim 2 may (see the module docstring).  Raises
+    ValueError naming the call when an operand straddles an external array's
+    bounds, a kind is unknown, a ragged external is taken other than whole by a
+    prelude call, a resizable one other than whole as a decode call's cache, a prelude call reads memory
     that is not external or that a call writes or writes external memory, or
     when there are more than 64 external arrays.
     """
@@ -93,7 +98,7 @@ cdef class Program:
         self.exts = NULL
         self.written = NULL
 
-    def __init__(self, list calls, list externals, pinned=(), ragged=()):
+    def __init__(self, list calls, list externals, pinned=(), ragged=(), resizable=()):
         cdef int c, j, e
         cdef call_t *cl
         self.n = len(calls)
@@ -124,6 +129,7 @@ cdef class Program:
             self.exts[e].format[len(fmt)] = 0
             self.exts[e].nbytes = x.nbytes
             self.exts[e].ragged = e in ragged and x.ndim >= 1
+            self.exts[e].resizable = e in resizable and x.ndim == 4 and not self.exts[e].ragged
         prelude_written = []
         for c, (kind, arrays, ints, floats) in enumerate(calls):
             if kind not in _OPERANDS or len(arrays) != _OPERANDS[kind] or len(ints) > NI or len(floats) > NF:
@@ -150,6 +156,9 @@ cdef class Program:
                 whole = PRELUDE.get(kind) == j and inside and bounds[inside[0]] == (lo, hi)
                 if inside and self.exts[inside[0]].ragged and not whole:
                     raise ValueError(f"Program: operand {j} of call {c} lies in ragged external array {inside[0]}")
+                if inside and self.exts[inside[0]].resizable and not (
+                        kind == KIND_DECODE_TOKEN and j in (5, 6) and bounds[inside[0]] == (lo, hi)):
+                    raise ValueError(f"Program: operand {j} of call {c} lies in resizable external array {inside[0]}")
                 if kind in PRELUDE and (PRELUDE[kind] == j) != bool(inside):
                     raise ValueError(f"Program: operand {j} of prelude call {c} must be external iff it is read")
                 if kind in PRELUDE and j in WRITTEN[kind]:
@@ -203,23 +212,27 @@ cdef class Program:
         Returns False, having run nothing, when an external array differs from
         the recorded one (see the module docstring), or when a call refuses its
         values of this run (a gather index out of range, a decode position
-        other than the committed length); True once every call ran.  Raises
+        other than the committed length, a full cache: :attr:`refused` is then
+        True); True once every call ran.  Raises
         MemoryError when a call cannot allocate its workspace (the calls before
         it ran).
         """
         cdef void *bases[MAX_EXT]
         cdef int64_t lens[MAX_EXT]    # the last dim of each ragged external now
         cdef int done
+        self.refused = False
         if not self.bind(externals, bases, lens):
             return False
         done = self.execute(bases, lens, okv_settings_get())
         if done < 0:
             raise MemoryError(f"Program: call {-1 - done} could not allocate its workspace")
+        self.refused = done == 0
         return done == 1
 
     cdef bint bind(self, list externals, void **bases, int64_t *lens) except -1:
         """Check ``externals`` against the recording (the module docstring); fill ``bases`` (their addresses)
-        and ``lens`` (the last dim of each ragged one) and return True, or False when one differs."""
+        and ``lens`` (the last dim of each ragged one, dim 2 of each resizable one) and return True, or False
+        when one differs."""
         cdef int e, j, flags
         cdef Py_buffer view
         cdef ext_t *x
@@ -237,16 +250,19 @@ cdef class Program:
             except (BufferError, TypeError, ValueError):
                 return False
             try:
-                if view.ndim != x.ndim or view.itemsize != x.itemsize or (view.len != x.nbytes and not x.ragged) \
+                if view.ndim != x.ndim or view.itemsize != x.itemsize \
+                        or (view.len != x.nbytes and not x.ragged and not x.resizable) \
                         or view.format == NULL or strcmp(view.format, x.format) != 0:
                     return False
                 for j in range(x.ndim - 1 if x.ragged else x.ndim):
-                    if view.shape[j] != x.shape[j]:
+                    if view.shape[j] != x.shape[j] and not (x.resizable and j == 2):
                         return False
                 if x.ragged:
                     lens[e] = view.shape[x.ndim - 1]
                     if lens[e] > INT32_MAX:
                         return False
+                elif x.resizable:
+                    lens[e] = view.shape[2]
                 lo = <uintptr_t>view.buf
                 hi = lo + <uintptr_t>view.len
                 if x.pinned:
@@ -269,7 +285,7 @@ cdef class Program:
 
     cdef int execute(self, void **bases, const int64_t *lens, okv_settings s) noexcept:
         """Run the calls on externals at ``bases`` (checked by :meth:`bind`; a ragged one ``lens[e]`` long
-        in its last dim, within what was bound): 1 when every call ran, 0 when one refused its values (only
+        in its last dim, within what was bound; a resizable one of capacity ``lens[e]``): 1 when every call ran, 0 when one refused its values (only
         the prelude calls ran), ``-1 - c`` when call ``c`` could not allocate its workspace."""
         cdef int c, j
         cdef call_t *cl
@@ -284,6 +300,12 @@ cdef class Program:
                 if self.exts[cl.ext[0]].ragged:
                     cl.i[1] = lens[cl.ext[0]]
                 _mask_lengths(cl)
+        for c in range(self.n):    # decode calls take the capacity of this run's caches
+            cl = &self.calls[c]
+            if cl.kind == KIND_DECODE_TOKEN and cl.ext[5] >= 0 and self.exts[cl.ext[5]].resizable:
+                if cl.ext[6] < 0 or not self.exts[cl.ext[6]].resizable or lens[cl.ext[5]] != lens[cl.ext[6]]:
+                    return 0
+                cl.i[2] = lens[cl.ext[5]]
         for c in range(self.n):    # every other call accepts this run's values before any runs
             if not _admit(&self.calls[c]):
                 return 0

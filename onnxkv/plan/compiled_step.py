@@ -14,7 +14,11 @@ that are not constants: graph inputs and Python nodes' outputs -- checks that
 they have the recorded shapes, dtypes and memory relations, and replays the
 calls with their current addresses.  A segment whose check fails runs its
 nodes in Python instead, and the step is then marked stale (the plan records
-a new one on a later run).
+a new one on a later run); one whose calls refuse the run's values (a full
+cache, which the Python path grows; an id out of range, which it refuses)
+runs in Python too but stays.  The caches the decode calls write are
+*resizable* externals: a replay reads their capacity, so a step serves a
+cache that grew and the caches of a new state.
 
 Memory: the values produced inside segments live in buffers the step owns (a
 :class:`~onnxkv.plan.buffers.RunBuffers` the compilable nodes of the
@@ -156,8 +160,10 @@ class CompiledStep:
         """Run ``plan`` on ``slots`` (bound inputs) as the plain loop does, segments replayed.
 
         Python nodes take their temporaries from ``bufs`` (the run's); a segment
-        whose external values differ from the recording runs its nodes through
-        the plain loop too (with ``bufs``) and marks the step stale.
+        whose external values differ from the recording, or whose calls refuse
+        this run's values (a full cache, an id out of range), runs its nodes
+        through the plain loop too (with ``bufs``); the first marks the step
+        stale, the second does not (the next run may replay it).
         """
         for item in self.items:
             if type(item) is int:
@@ -167,7 +173,8 @@ class CompiledStep:
                 node = plan.nodes[item.first]
                 raise Cancelled(f"run cancelled before node '{node.name or node.output[0]}'")
             if not item.replay(slots, rt):
-                self.stale = True
+                # values a call refuses (a full cache, a hostile id) are this run's; other externals are not
+                self.stale |= not item.program.refused
                 run_nodes(plan, item.first, item.end, slots, bufs, rt, cancel)
 
     def close(self) -> None:
@@ -209,7 +216,8 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         pinned = [e for e, v in enumerate(external.values()) if _derived(v, step_memory)]
         uneven = [e for e, v in enumerate(external.values()) if id(v) in ragged]
         try:
-            program = Program(list(calls), list(external.values()), pinned, uneven)
+            caches = [e for e, s in enumerate(external) if type(s) is str]  # a new state's, or grown: any capacity
+            program = Program(list(calls), list(external.values()), pinned, uneven, caches)
         except ValueError:
             items.extend(current)
         else:

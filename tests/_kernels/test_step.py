@@ -391,3 +391,41 @@ def test_a_refused_call_after_a_prelude_call_runs_nothing_but_the_prelude():
     assert not program.run([np.ones((1, 8), np.int64), a["kc"], a["vc"]])  # seqlens 7: not the committed 5
     np.testing.assert_array_equal(a["kc"], kc1)
     assert arrays[7][0] == 7 and arrays[8][0] == 8  # the prelude ran (its own memory only)
+
+
+def test_resizable_caches_replay_at_any_capacity_and_a_full_cache_is_refused():
+    """A decode call's caches as resizable externals: the replay reads their capacity (a cache that grew, a
+    new state's), refuses a position past it (``refused``: this run's values) and caches of two capacities."""
+    from onnxkv._kernels import decode_token
+
+    rng = np.random.default_rng(21)
+    call, a = _decode_call(rng, cap=8, rows=40, n=2)
+    program = Program([call], [a["kc"], a["vc"]], (), (), [0, 1])
+    for cap, pos in ((8, 6), (20, 6), (20, 18), (5, 3)):
+        kc, vc = rand(rng, (1, 2, cap, 16)), rand(rng, (1, 2, cap, 16))
+        a["seq"][0], a["total"][0], a["io"][0] = pos + 1, pos + 2, pos
+        wk, wv, want = kc.copy(), vc.copy(), np.empty_like(a["out"])
+        assert decode_token(a["q"], a["k"], a["v"], a["cos"], a["sin"], False, wk, wv, pos, 16**-0.5, 0.0, -1, want)
+        assert program.run([kc, vc]) and not program.refused
+        np.testing.assert_array_equal(a["out"], want)
+        np.testing.assert_array_equal(kc, wk)
+        np.testing.assert_array_equal(vc, wv)
+    kc, vc = rand(rng, (1, 2, 7, 16)), rand(rng, (1, 2, 7, 16))
+    a["seq"][0], a["total"][0], a["io"][0] = 6, 7, 5  # tokens 5 and 6 need a capacity of 7: fits
+    assert program.run([kc, vc])
+    a["seq"][0], a["total"][0], a["io"][0] = 7, 8, 6  # 6 and 7: past it
+    before = kc.copy()
+    assert not program.run([kc, vc]) and program.refused
+    np.testing.assert_array_equal(kc, before)
+    assert not program.run([kc, rand(rng, (1, 2, 9, 16))]) and program.refused  # two capacities
+    assert not program.run([kc, rand(rng, (1, 3, 7, 16))]) and not program.refused  # another head count
+
+
+def test_only_a_decode_calls_caches_may_be_resizable():
+    rng = np.random.default_rng(22)
+    x = rand(rng, (1, 2, 8, 16))
+    rec = Recorder()
+    with rec:
+        rms_norm(x.reshape(16, 16), rand(rng, (16,)), 1e-5, np.empty((16, 16), np.float32))
+    with pytest.raises(ValueError, match="lies in resizable external array 0"):
+        Program(rec.calls, [x], (), (), [0])

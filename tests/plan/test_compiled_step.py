@@ -139,19 +139,30 @@ def _compiled_kinds(session):
             for k in range(it.first, it.end)}  # fmt: skip
 
 
-def test_decode_attention_replays_through_cache_growth_and_a_new_step_is_recorded_after_it():
+def test_decode_attention_replays_through_cache_growth_and_new_states_without_a_new_recording(monkeypatch):
+    """The caches are resizable externals: a replay reads their capacity, so one recorded step serves a cache
+    that grew (4 -> 8 -> 16) and new states of other capacities."""
+    import onnxkv.plan.compiled_step as compiled_step
+
     model = build_model("gqa", MICRO, seed=11)
     rng = np.random.default_rng(3)
     prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 3)), rng.integers(1, MICRO.vocab_size, (12, 1))
+    recordings = []
+    real = compiled_step.record
+    monkeypatch.setattr(compiled_step, "record", lambda *a, **k: recordings.append(1) or real(*a, **k))
     runs = {}
     for compiled in (False, True):
         session = onnxkv.Session(model, threads=1, compiled_steps=compiled)
-        with session.new_state(cache=CacheConfig("contiguous", initial_capacity=4)) as state:
-            runs[compiled] = _steps(session, state, prompt, tokens)
-            assert state.length == 15  # grown 4 -> 8 -> 16 while replaying
+        for capacity in (4, 7, 30):
+            with session.new_state(cache=CacheConfig("contiguous", initial_capacity=capacity)) as state:
+                runs[compiled, capacity] = _steps(session, state, prompt, tokens)
+                assert state.length == 15  # grown 4 -> 8 -> 16, 7 -> 14 -> 28 while replaying
         if compiled:
             assert "GroupQueryAttention" in _compiled_kinds(session)
-    _assert_equal_runs(runs)
+            # the prompt of the second and third states records a transient step (dropped); the decode step once
+            assert len(recordings) == 3
+    for capacity in (4, 7, 30):
+        _assert_equal_runs({c: runs[c, capacity] for c in (False, True)})
 
 
 def test_states_taking_turns_on_one_session_replay_against_their_own_caches():
