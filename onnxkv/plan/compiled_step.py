@@ -92,9 +92,10 @@ class Segment:
         self.exports = exports
         self.effects = effects
 
-    def replay(self, slots: list, rt: RunContext) -> bool:
-        """Run the program on this run's values; False (nothing run, or a call refused) when they differ
-        from the recording's."""
+    def replay(self, slots: list, rt: RunContext) -> bool | None:
+        """Run the program on this run's values: True once it ran; False (nothing run) when they differ from
+        the recording's; None (nothing run but prelude calls) when they are the recording's but a call
+        refuses them (a full cache, an id out of range: the Python path grows or raises)."""
         caches = rt.caches
         try:
             if self.effects:
@@ -105,7 +106,7 @@ class Segment:
         except (KeyError, TypeError, AttributeError):  # a cache this run does not have, or not a contiguous one
             return False
         if not self.program.run(externals):
-            return False
+            return None if self.program.refused else False
         for s, v in self.exports:
             slots[s] = v
         for effect, outs in self.effects:
@@ -172,9 +173,10 @@ class CompiledStep:
             if cancel is not None and cancel.cancelled:
                 node = plan.nodes[item.first]
                 raise Cancelled(f"run cancelled before node '{node.name or node.output[0]}'")
-            if not item.replay(slots, rt):
-                # values a call refuses (a full cache, a hostile id) are this run's; other externals are not
-                self.stale |= not item.program.refused
+            ran = item.replay(slots, rt)
+            if not ran:
+                # values a call refuses (a full cache, a hostile id) are this run's (None); other externals are not
+                self.stale |= ran is False
                 run_nodes(plan, item.first, item.end, slots, bufs, rt, cancel)
 
     def close(self) -> None:

@@ -331,3 +331,29 @@ def test_steps_recorded_with_paged_caches_are_not_taken_by_contiguous_runs():
     assert kinds == [(False, "float32"), (True, "float32")]
     (whole,) = [s for s in session.plan.steps.idle if not s.caches[0][0]]
     assert whole.compiled_nodes == len(session.plan.nodes)
+
+
+def test_a_segment_tells_values_it_refuses_from_externals_unlike_its_recording():
+    """replay: None when the calls refuse this run's values (the step stays: a full cache, which the Python
+    path grows), False when the externals differ (a cache missing: the step is dropped)."""
+    from onnxkv.plan.context import RunContext
+
+    session = onnxkv.Session(build_model("gqa", MICRO, seed=19), threads=1)
+    rng = np.random.default_rng(10)
+    with session.new_state(cache=CacheConfig("contiguous", initial_capacity=6)) as state:
+        b = FeedBuilder(session.plan.inputs, session.model, rng.integers(1, 90, (1, 4)), np.array([4]), 0, False)
+        feeds, _ = b.first()
+        state.run(feeds)
+        for t in (5, 6):
+            feeds = b.next(np.array([t]), None)
+            state.run(feeds)
+        (step,) = session.plan.steps.idle
+        (seg,) = [it for it in step.items if isinstance(it, Segment)]
+        caches = state._store.caches
+        feeds = b.next(np.array([7]), None)
+        slots = session.plan.bind_inputs(state._store.feeds(feeds), caches)
+        assert state.length == 6  # full: the next token has no room
+        assert seg.replay(list(slots), RunContext(None, False, 0, caches)) is None
+        assert seg.replay(list(slots), RunContext(None, False, 0, {})) is False
+        state.run(feeds)  # refused by the replay, grown by the Python path: the step stays
+        assert state.length == 7 and session.plan.steps.idle == [step] and not step.stale
