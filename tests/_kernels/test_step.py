@@ -209,13 +209,19 @@ def test_a_decode_replay_of_several_tokens_refuses_positions_it_cannot_take(n):
     call, a = _decode_call(np.random.default_rng(n), cap=14, rows=12, n=n)
     program = Program([call], [a["kc"], a["vc"]])
     for seq, total, committed in ((n + 3, n + 4, 3), (n + 3, n + 3, 4), (12, 13, 13 - n), (n - 1, n, 0)):
-        a["seq"][0], a["total"][0], a["io"][:] = seq, total, (committed, -7)
-        kc, vc, out = a["kc"].copy(), a["vc"].copy(), a["out"].copy()
-        assert not program.run([a["kc"], a["vc"]])
-        np.testing.assert_array_equal(a["kc"], kc)
-        np.testing.assert_array_equal(a["vc"], vc)
-        np.testing.assert_array_equal(a["out"], out)
-        assert a["io"][1] == -7
+        _assert_refused(program, a, seq, total, committed)
+
+
+def _assert_refused(program, a, seq, total, committed):
+    """The decode call of ``_decode_call`` arrays ``a`` refuses seqlens_k ``seq``, total ``total`` at committed
+    length ``committed``: the run returns False and writes no cache byte, no output and no position."""
+    a["seq"][0], a["total"][0], a["io"][:] = seq, total, (committed, -7)
+    kc, vc, out = a["kc"].copy(), a["vc"].copy(), a["out"].copy()
+    assert not program.run([a["kc"], a["vc"]])
+    np.testing.assert_array_equal(a["kc"], kc)
+    np.testing.assert_array_equal(a["vc"], vc)
+    np.testing.assert_array_equal(a["out"], out)
+    assert a["io"][1] == -7
 
 
 @pytest.mark.parametrize(
@@ -226,14 +232,7 @@ def test_a_decode_replay_of_several_tokens_refuses_positions_it_cannot_take(n):
 def test_a_decode_token_replay_refuses_positions_it_cannot_take_and_writes_nothing(seq, total, committed):
     rng = np.random.default_rng(8)
     call, a = _decode_call(rng, cap=12, rows=20)
-    program = Program([call], [a["kc"], a["vc"]])
-    a["seq"][0], a["total"][0], a["io"][:] = seq, total, (committed, -7)
-    kc, vc, out = a["kc"].copy(), a["vc"].copy(), a["out"].copy()
-    assert not program.run([a["kc"], a["vc"]])
-    np.testing.assert_array_equal(a["kc"], kc)
-    np.testing.assert_array_equal(a["vc"], vc)
-    np.testing.assert_array_equal(a["out"], out)
-    assert a["io"][1] == -7
+    _assert_refused(Program([call], [a["kc"], a["vc"]]), a, seq, total, committed)
 
 
 def test_a_decode_token_replay_refuses_rotary_tables_shorter_than_the_position():
