@@ -182,8 +182,10 @@ okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, i
  * 4-bit high nibbles enter masked in place, as 16 q (no shift per line; VPDPBUSD
  * does not saturate), and their sum is divided by 16 exactly once per block. */
 OKV_VNNI512 static inline __attribute__((always_inline)) void
-okv_qmm_i8_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int64_t m0) {
-    const int64_t LB = okv_qmm_lb(a), ldq = a->nblk * a->bs, pstride = a->nblk * LB;
+okv_qmm_i8_512_body(const int MR, const int NP, const int BITS, const int BS, const okv_qmm *a, int64_t p,
+                    int64_t m0) {
+    const int bits = BITS ? BITS : a->bits;
+    const int64_t bs = BS ? BS : a->bs, LB = 16 * bs * bits / 8, ldq = a->nblk * bs, pstride = a->nblk * LB;
     const __m512i nib = _mm512_set1_epi8(0x0F);
     __m512 accf[4][4];
     int64_t b, j;
@@ -195,16 +197,16 @@ okv_qmm_i8_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int
         const uint8_t *w0 = a->qw + p * pstride + b * LB;
         for (r = 0; r < MR; r++)
             for (q = 0; q < NP; q++) lo[r][q] = hi[r][q] = _mm512_setzero_si512();
-        for (j = 0; j < a->bs / 4; j += 2) {
+        for (j = 0; j < bs / 4; j += 2) {
             __m512i xa[4], xb[4];
             for (r = 0; r < MR; r++) {
-                const int8_t *xr = a->xq + (m0 + r) * ldq + b * a->bs + 4 * j;
+                const int8_t *xr = a->xq + (m0 + r) * ldq + b * bs + 4 * j;
                 xa[r] = _mm512_set1_epi32(okv_qmm_x4(xr));
                 xb[r] = _mm512_set1_epi32(okv_qmm_x4(xr + 4));
             }
             for (q = 0; q < NP; q++) {
                 __m512i wa, wb;
-                if (a->bits == 4) {
+                if (bits == 4) {
                     const __m512i L = _mm512_loadu_si512((const void *)(w0 + q * pstride + 32 * j));
                     wa = _mm512_and_si512(L, nib);
                     wb = _mm512_andnot_si512(nib, L); /* 16 x the high nibble: no shift (port 0) per line */
@@ -225,7 +227,7 @@ okv_qmm_i8_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int
             for (r = 0; r < MR; r++) {
                 const int64_t mb = (m0 + r) * a->nblk + b;
                 const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xsum[mb]),
-                                                  _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r][q], a->bits == 4
+                                                  _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r][q], bits == 4
                                                       ? _mm512_srai_epi32(hi[r][q], 4) : hi[r][q])));
                 accf[r][q] = _mm512_fmadd_ps(t, _mm512_mul_ps(s, _mm512_set1_ps(a->xs[mb])), accf[r][q]);
             }
@@ -239,6 +241,12 @@ okv_qmm_i8_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int
             _mm512_mask_storeu_ps(a->out + (m0 + r) * a->N + n0, mask, _mm512_add_ps(accf[r][q], bv));
     }
 }
+/* The tile for the two shapes the exporters emit (4 and 8 bits, block 32) with both fixed at compile
+ * time, so the line loop unrolls and no bit-width test stays inside it; any other block size reads them
+ * from a. */
+#define OKV_QMM_I8_512_T4(MR, NP, a, p, m0) okv_qmm_i8_512_body(MR, NP, 4, 32, a, p, m0)
+#define OKV_QMM_I8_512_T8(MR, NP, a, p, m0) okv_qmm_i8_512_body(MR, NP, 8, 32, a, p, m0)
+#define OKV_QMM_I8_512_TN(MR, NP, a, p, m0) okv_qmm_i8_512_body(MR, NP, 0, 0, a, p, m0)
 #endif /* OKV_HAVE_VNNI */
 
 /* Float path, 16 columns (AVX-512 F; no VNNI needed). */
@@ -475,7 +483,9 @@ OKV_AVXVNNI static void okv_qmm_i8_avxvnni(const okv_qmm *a, int64_t p0, int64_t
     OKV_QMM_RANGE8(okv_qmm_i8_avxvnni_tile, a, p0, p1);
 }
 OKV_VNNI512 static void okv_qmm_i8_512(const okv_qmm *a, int64_t p0, int64_t p1) {
-    OKV_QMM_RANGE16(okv_qmm_i8_512_tile, a, p0, p1);
+    if (a->bs == 32 && a->bits == 4) OKV_QMM_RANGE16(OKV_QMM_I8_512_T4, a, p0, p1);
+    else if (a->bs == 32 && a->bits == 8) OKV_QMM_RANGE16(OKV_QMM_I8_512_T8, a, p0, p1);
+    else OKV_QMM_RANGE16(OKV_QMM_I8_512_TN, a, p0, p1);
 }
 #endif
 #endif /* OKV_X86_SIMD */
