@@ -15,6 +15,7 @@ cdef extern from "simd.h" nogil:
         int paged_heads
         int adaptive
         int vnni
+        int flash
 
 cdef okv_settings okv_settings_get() noexcept nogil
 cdef okv_settings *okv_settings_mine() noexcept nogil

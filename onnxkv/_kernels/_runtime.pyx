@@ -75,7 +75,7 @@ def _max_level(environ) -> int:
 _KEEP = object()   # KernelSettings.replace: a field not given
 # Fields of okv_settings below the public three (threads, simd level, amx): tuning switches of the
 # attention and matmul modules, in the order of the struct.
-_TUNING = ("prefetch", "pf_qk_lines", "prefill_rg", "split_tasks", "paged_heads", "adaptive", "vnni")
+_TUNING = ("prefetch", "pf_qk_lines", "prefill_rg", "split_tasks", "paged_heads", "adaptive", "vnni", "flash")
 
 cdef int _max = _max_level(os.environ)
 # What this process may run: the build (okv_simd_compiled; the CPU checks answer 0 for a set it left
@@ -86,7 +86,7 @@ cdef int _amx_ok = _avx512_ok and okv_cpu_amx_ok()
 # The process defaults: set here, at import, and never changed (a thread's settings start as a copy).
 cdef okv_settings _defaults = okv_settings(
     threads=default_threads(), simd=_cpu_ok, avx512=_avx512_ok, amx=_amx_ok, prefetch=2,
-    pf_qk_lines=48, prefill_rg=4, split_tasks=0, paged_heads=0, adaptive=1, vnni=1)
+    pf_qk_lines=48, prefill_rg=4, split_tasks=0, paged_heads=0, adaptive=1, vnni=1, flash=1)
 
 
 cdef inline okv_thread_settings *_thread() noexcept nogil:
@@ -174,7 +174,7 @@ cdef int _set_amx(okv_settings *s, amx) except -1:
 
 cdef tuple _fields(const okv_settings *s):
     return (s.threads, s.simd, s.avx512, s.amx, s.prefetch, s.pf_qk_lines, s.prefill_rg,
-            s.split_tasks, s.paged_heads, s.adaptive, s.vnni)
+            s.split_tasks, s.paged_heads, s.adaptive, s.vnni, s.flash)
 
 
 cdef class KernelSettings:

@@ -114,6 +114,24 @@ static inline int64_t okv_attn_part_floats(int64_t R, int64_t D) { return (R * (
 /* 64-byte aligned pointer inside a block allocated with 16 spare floats. */
 static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
+/* Whether a work unit takes the prefill unit (attention_flash.h): a->flash, native K/V, the output written
+ * (no partial state), every key (c0 = 0, c1 = Cap), and at least OKV_FLASH_MIN_ROWS query rows of
+ * OKV_FLASH_MIN_TOKENS tokens (fewer fill too few lanes of its row blocks). */
+#define OKV_FLASH_MIN_TOKENS 4
+#define OKV_FLASH_MIN_ROWS 16
+static inline int okv_attn_flash_unit(const okv_attn_args *a, int64_t t0, int64_t t1, int64_t c0, int64_t c1,
+                                      const float *part) {
+    return a->flash && !a->k_fmt && !part && c0 == 0 && c1 >= a->Cap && t1 - t0 >= OKV_FLASH_MIN_TOKENS &&
+           a->Hq / a->Hkv * (t1 - t0) >= OKV_FLASH_MIN_ROWS;
+}
+
+/* Floats of workspace a work unit of tq query tokens needs, whichever unit it takes. */
+static inline int64_t okv_attn_unit_ws_floats(const okv_attn_args *a, int64_t tq) {
+    const int64_t w = okv_attn_ws_floats(a->hpu * (a->Hq / a->Hkv) * tq, a->D) + okv_attn_amx_ws_floats(a, tq);
+    const int64_t f = okv_attn_flash_ws_floats(a->D);
+    return w > f ? w : f;
+}
+
 /* Work unit (b, KV heads [hk0, hk0+a->hpu), query tokens [t0, t1), keys [c0, c1)); see attention_unit.h.
  * ws: okv_attn_ws_floats(hpu*G*(t1-t0), D) floats.  part (or NULL): head hk0+h's
  * partial state block at part + h*pstride.  Returns the bytes of quantized
@@ -122,6 +140,15 @@ static inline float *okv_align64(float *p) { return (float *)(((uintptr_t)p + 63
 static int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                              int64_t c1, float *ws, float *part, int64_t pstride, int simd) {
     const int64_t nh = a->hpu;
+    if (okv_attn_flash_unit(a, t0, t1, c0, c1, part)) {
+#if OKV_X86_SIMD
+        if (simd == OKV_ATTN_AVX512) okv_attn_unit_flash_avx512(a, b, hk0, nh, t0, t1, ws);
+        else if (simd) okv_attn_unit_flash_avx2(a, b, hk0, nh, t0, t1, ws);
+        else
+#endif
+        okv_attn_unit_flash_scalar(a, b, hk0, nh, t0, t1, ws);
+        return 0;
+    }
 #if OKV_X86_SIMD
     if (simd == OKV_ATTN_AVX512)
         return a->k_fmt ? okv_attn_unit_mixed_avx512(a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride)

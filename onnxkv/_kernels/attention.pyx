@@ -65,6 +65,7 @@ cdef extern from "attention.h" nogil:
         int prefetch
         int pf_qk_lines
         int prefill_rg
+        int flash
         int64_t hpu
         const uint8_t *k_fmt
         const uint8_t *v_fmt
@@ -80,6 +81,7 @@ cdef extern from "attention.h" nogil:
     int64_t okv_attn_ws_floats(int64_t R, int64_t D)
     int64_t okv_attn_part_floats(int64_t R, int64_t D)
     int64_t okv_attn_amx_ws_floats(const okv_attn_args *a, int64_t tq)
+    int64_t okv_attn_unit_ws_floats(const okv_attn_args *a, int64_t tq)
     float *okv_align64(float *p)
     int64_t okv_attn_unit(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t t0, int64_t t1, int64_t c0,
                           int64_t c1, float *ws, float *part, int64_t pstride, int simd)
@@ -106,10 +108,13 @@ DEF MULTI_HEAD_MIN_KEYS = 512
 
 cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd, int64_t *stats) noexcept nogil:
     """Query tiles of whole units; stats[0] += quantized bytes loaded,
-    stats[1] = bytes of workspace allocated."""
-    cdef int64_t G = a.Hq // a.Hkv, upb = a.Hkv // a.hpu, units = a.B * upb, ntiles = (a.Sq + tq - 1) // tq
+    stats[1] = bytes of workspace allocated.  The tiles of a unit are taken
+    last first: under the causal mask the later query tokens see more keys,
+    so the dynamic schedule starts the longest tasks first and ends on short
+    ones."""
+    cdef int64_t upb = a.Hkv // a.hpu, units = a.B * upb, ntiles = (a.Sq + tq - 1) // tq
     cdef int64_t ntask = units * ntiles, i, u, t0, t1, nb = 0
-    cdef int64_t wsz = okv_attn_ws_floats(a.hpu * G * tq, a.D) + okv_attn_amx_ws_floats(a, tq)
+    cdef int64_t wsz = okv_attn_unit_ws_floats(a, tq)
     cdef float *ws0
     cdef float *ws
     if ntask < nt:
@@ -122,12 +127,12 @@ cdef int _tiles(okv_attn_args *a, int64_t tq, int nt, int simd, int64_t *stats) 
     if nt == 1:   # no OpenMP region: entering one costs a decode-sized call more than its work
         for i in range(ntask):
             u = i // ntiles
-            t0 = (i % ntiles) * tq
+            t0 = (ntiles - 1 - i % ntiles) * tq
             nb += okv_attn_unit(a, u // upb, (u % upb) * a.hpu, t0, min(t0 + tq, a.Sq), 0, a.Cap, ws, NULL, 0, simd)
     else:
         for i in prange(ntask, num_threads=nt, schedule='dynamic'):
             u = i // ntiles
-            t0 = (i % ntiles) * tq
+            t0 = (ntiles - 1 - i % ntiles) * tq
             t1 = t0 + tq
             if t1 > a.Sq:
                 t1 = a.Sq
@@ -567,6 +572,7 @@ cdef int _run_units(okv_attn_args *a, int64_t maxlen, okv_settings s, int64_t *s
     a.prefetch = s.prefetch
     a.pf_qk_lines = s.pf_qk_lines
     a.prefill_rg = s.prefill_rg
+    a.flash = s.flash
     cdef int nt = s.threads, simd = 0
     cdef int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, Sq = a.Sq, D = a.D
     cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1, h

@@ -76,6 +76,16 @@ def _set_prefill_rg(n):
     return old
 
 
+def _set_flash(flag):
+    """Private switch for tests and benchmarks: work units of several query tokens over native K/V take
+    the tiled prefill unit (attention_flash.h; 1, the default) or the streaming unit (0).  Returns the old
+    value."""
+    cdef okv_settings *s = okv_settings_mine()
+    old = s.flash
+    s.flash = 1 if flag else 0
+    return old
+
+
 def _set_prefetch(flag):
     """Private switch for benchmarks: software prefetch of the next K/V block
     (0: off, 1: into L1, 2: into L2 (default), n >= 3: into L2, n-1 blocks ahead).  Returns the previous setting."""

@@ -40,6 +40,7 @@ typedef struct {
     int pf_qk_lines; /* AMX key scores: cache lines of that prefetch issued with them (0: all), the rest
                       * spread over the p*v of the item before (attention_unit.h) */
     int prefill_rg; /* row-group width (1..8) of work units with several query tokens */
+    int flash;      /* 1: units of several query tokens over native K/V take the prefill unit (attention_flash.h) */
     int64_t hpu;    /* KV heads per work unit: 1, or Hkv (paged decode: a unit reads whole pages) */
     const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
     int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */
@@ -170,6 +171,13 @@ OKV_INLINE void okv_pf_rows(const okv_pf *pf, int64_t j, int nk) {
  * 64-byte lines so that per-thread workspaces never share a cache line. */
 static inline int64_t okv_attn_ws_floats(int64_t R, int64_t D) {
     return (R * (3 * D + 4) + OKV_RG * (D + 2 * OKV_BK) + 15) & ~(int64_t)15;
+}
+
+/* Floats of workspace the prefill unit (attention_flash.h) needs at any level: Qt, Ot, S, Kf, Vf, m, l
+ * and the lanes' key ranges of its widest row block (OKV_FLASH_RB rows), whole lines. */
+#define OKV_FLASH_RB 32
+static inline int64_t okv_attn_flash_ws_floats(int64_t D) {
+    return (2 * D * OKV_FLASH_RB + OKV_BK * OKV_FLASH_RB + 2 * OKV_BK * D + 4 * OKV_FLASH_RB + 15) & ~(int64_t)15;
 }
 
 #endif /* ONNXKV_ATTENTION_TYPES_H */

@@ -49,6 +49,8 @@
         float *ws, float *part, int64_t pstride
 #define OKV_UNIT_PASS a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride
 
+#include "attention_flash.h"
+
 /* Formats whose raw-code tiles work in the interleaved order (AVX-512 4-bit),
  * and the query rows / accumulator rows the dispatchers pass them. */
 #ifdef OKV_SIMD512
@@ -598,3 +600,4 @@ OKV_ATTR int64_t OKV_I(okv_attn_unit_mixed)(OKV_UNIT_ARGS) {
 #undef OKV_SFX
 #undef OKV_ATTR
 #undef OKV_SIMD512
+#undef OKV_SIMD256

@@ -6,5 +6,6 @@
 #if OKV_X86_SIMD
 #define OKV_SFX _avx2
 #define OKV_ATTR OKV_AVX2
+#define OKV_SIMD256 1
 #include "attention_unit.h"
 #endif

@@ -7,6 +7,8 @@
  *   a->kv_type elements; returns 0.
  * okv_attn_unit_mixed<level>: per-page formats (a->k_fmt / a->v_fmt); returns
  *   the bytes of quantized codes and header entries it loaded.
+ * okv_attn_unit_flash<level>: the prefill unit (attention_flash.h) of native
+ *   K/V: every key its query tokens see, output written.
  * Arguments (attention.h, okv_attn_unit): batch b, KV heads [hk0, hk0+nh),
  * query tokens [t0, t1), keys [c0, c1), workspace ws, partial state part (or
  * NULL) with stride pstride.  Callers pick a level the CPU runs (simd_cpu.h);
@@ -23,7 +25,9 @@
                                       int64_t t1, int64_t c0, int64_t c1, float *ws, float *part,                \
                                       int64_t pstride);                                                          \
     int64_t okv_attn_unit_mixed##sfx(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, int64_t t0,     \
-                                     int64_t t1, int64_t c0, int64_t c1, float *ws, float *part, int64_t pstride);
+                                     int64_t t1, int64_t c0, int64_t c1, float *ws, float *part, int64_t pstride); \
+    void okv_attn_unit_flash##sfx(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, int64_t t0,        \
+                                  int64_t t1, float *ws);
 
 OKV_UNIT_DECLARE(_scalar)
 #if OKV_X86_SIMD

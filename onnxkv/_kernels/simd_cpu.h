@@ -95,6 +95,7 @@ typedef struct okv_settings {
     int paged_heads;  /* KV heads per paged decode work unit (0: all) */
     int adaptive;     /* 1: matmul_packed runs alone for a while after a late thread team */
     int vnni;         /* 1: qmatmul's int8 dot products use VNNI (AVX-512 or AVX-VNNI) where the CPU has it */
+    int flash;        /* okv_attn_args.flash: prefill units of native K/V take the tiled unit (attention_flash.h) */
 } okv_settings;
 
 /* ------------------------------------------------------------------ */
