@@ -2,7 +2,7 @@
 
 The oracle is the same model planned without this fusion: outputs and caches
 must be bit for bit equal, on the fused fast path (decode rows) and on the
-literal body (prefill rows above BLAS_M).
+literal body (prefill rows above STEP_M).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _generate(session, prompt_len: int, steps: int, evaluate_calls: list, check:
         out = st.run(feeds, ["logits"])
         got.append(out["logits"].copy())
         if check:  # the prompt: fused kernels up to the row limit, the literal body above it
-            assert bool(evaluate_calls) == (prompt_len > prologue_module.BLAS_M)
+            assert bool(evaluate_calls) == (prompt_len > prologue_module.STEP_M)
         evaluate_calls.clear()
         for i in range(steps):
             out = st.run(b.next(np.array([(7 * i + 1) % MICRO.vocab_size]), out), ["logits"])
@@ -70,7 +70,7 @@ def _generate(session, prompt_len: int, steps: int, evaluate_calls: list, check:
 def test_results_are_bitwise_those_of_the_unfused_plan(threads, prompt_len, monkeypatch):
     """Decode steps take the fused path (no literal evaluation); a prefill above the fused path's row limit
     (lowered to 8 here: the model's positions stop at 128) evaluates the body."""
-    monkeypatch.setattr(prologue_module, "BLAS_M", 8)
+    monkeypatch.setattr(prologue_module, "STEP_M", 8)
     calls = []
     original = Body.evaluate
 

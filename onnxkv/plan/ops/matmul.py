@@ -5,10 +5,14 @@ when the kernel object is built, into the panel layout of
 ``onnxkv._kernels.matmul.pack_weight`` and keeps only that copy: the plan's
 own reference to the initializer stays, but for a weight mapped from external
 data (``np.memmap``) the pages read while packing are released again, so the
-weights are resident once.  Products against the packed weight with at most
-``BLAS_M`` rows run in the compiled ``matmul_packed`` kernel (onnxkv's OpenMP
-pool); larger ones (long prefills) use NumPy's BLAS, unpacking the weight
-``BLAS_COLS`` columns at a time into a temporary [K, BLAS_COLS] array.
+weights are resident once.  Every product against the packed weight runs in
+the compiled ``matmul_packed`` kernel (onnxkv's OpenMP pool), prompt chunks
+included: its register tiles reach NumPy's BLAS on prompt-sized products,
+read the one packed copy (no unpacked copy for BLAS), and leave no BLAS
+thread spinning on a core after the call (OpenBLAS's workers busy-wait for
+tens of milliseconds, which halved the speed of the attention kernel that
+followed each projection).  Up to ``STEP_M`` rows a product is compilable: a
+compiled step records it.
 
 Other 2-D float32 weights (computed at run time) use the ``matmul_rows``
 kernel for at most ``SMALL_M`` rows and BLAS above.  All paths use the
@@ -29,10 +33,9 @@ from onnxkv.plan.registry import BuildContext, Op, register
 
 #: Up to this many rows a MatMul with a run-time 2-D float32 weight uses ``matmul_rows``.
 SMALL_M = 16
-#: Up to this many rows a MatMul with a packed (initializer) weight uses ``matmul_packed``.
-BLAS_M = 256
-#: Columns of the packed weight unpacked at a time for a BLAS product (a multiple of 16).
-BLAS_COLS = 2048
+#: Up to this many rows a product with a packed (initializer) weight is compilable (recorded in compiled
+#: steps); longer prompt chunks run through the plan's Python loop, where one call's dispatch is negligible.
+STEP_M = 256
 
 
 def _release_pages(w: np.ndarray) -> None:
@@ -67,20 +70,8 @@ class MatMul(Op):
             self.absorbed_inputs = (1,)  # the plan may drop its own copy of the weight
             _release_pages(w)
 
-    def _blas(self, x: np.ndarray, out: np.ndarray) -> None:
-        """out [M, N] = x [M, K] @ w through BLAS, w unpacked BLAS_COLS columns at a time."""
-        p, k, nr = self.packed.shape
-        step = BLAS_COLS // nr
-        tmp = np.empty((k, min(p, step), nr), np.float32)
-        flat = tmp.reshape(k, -1)
-        for p0 in range(0, p, step):
-            p1 = min(p, p0 + step)
-            n0, n1 = p0 * nr, min(self._n, p1 * nr)
-            np.copyto(tmp[:, : p1 - p0], self.packed[p0:p1].transpose(1, 0, 2))
-            np.matmul(x, flat[:, : n1 - n0], out=out[:, n0:n1])
-
     def compilable(self, inputs: list) -> bool:
-        """A packed weight and a C-contiguous float32 A [..., K] of at most ``BLAS_M`` rows (one kernel call)."""
+        """A packed weight and a C-contiguous float32 A [..., K] of at most ``STEP_M`` rows."""
         a = inputs[0]
         packed = self.packed
         return (
@@ -91,7 +82,7 @@ class MatMul(Op):
             and a.shape[-1] == packed.shape[1]
             and a.size > 0
             and a.flags.c_contiguous
-            and a.size // packed.shape[1] <= BLAS_M
+            and a.size // packed.shape[1] <= STEP_M
         )
 
     def run(self, inputs: list, rt) -> tuple:
@@ -107,10 +98,7 @@ class MatMul(Op):
             out = rt.empty(0, a.shape[:-1] + (self._n,), np.float32)
             x = np.ascontiguousarray(a).reshape(-1, k)
             o = out.reshape(-1, self._n)
-            if x.shape[0] <= BLAS_M:
-                matmul_packed(x, packed, o)
-            else:
-                self._blas(x, o)
+            matmul_packed(x, packed, o)
             return (out,)
         if a.ndim >= 2 and b.ndim == 2 and a.flags.c_contiguous:
             if a.shape[-1] != b.shape[0]:

@@ -35,13 +35,15 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels.qmatmul import DECODE_M, dequantize_nbits, matmul_nbits, pack_nbits
-from onnxkv.plan.ops.matmul import BLAS_COLS, _release_pages
+from onnxkv.plan.ops.matmul import _release_pages
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
 #: Up to this many rows a float32-activation product runs in matmul_nbits (decode kernels, or dequantized
 #: panels); above, BLAS.  int8 products always run in matmul_nbits.
 BLAS_M = 512
+#: Columns dequantized at a time for a BLAS product (a multiple of 16).
+BLAS_COLS = 2048
 
 __all__ = ["MatMulNBits", "SiblingMatMulNBits", "DECODE_M", "BLAS_M"]
 

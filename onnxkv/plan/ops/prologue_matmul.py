@@ -15,7 +15,7 @@ A decode step is dominated by streaming the weights; what remains is mostly
 per-node work around small kernels whose data the weight stream has pushed out
 of the caches.  One node per norm + projection halves that.  For float32,
 C-contiguous inputs of the shapes the prologue's kernel takes and at most
-``BLAS_M`` rows, ``run`` calls the prologue's compiled kernel into a private
+``STEP_M`` rows, ``run`` calls the prologue's compiled kernel into a private
 buffer and the product node's own kernel on it -- the calls, arguments and
 summation order of the two separate nodes, so the outputs are bit for bit
 theirs.  Anything else evaluates the two nodes literally (``body``), errors
@@ -29,7 +29,7 @@ import onnx
 
 from onnxkv import _kernels as K
 from onnxkv.plan.ops._body import Body
-from onnxkv.plan.ops.matmul import BLAS_M
+from onnxkv.plan.ops.matmul import STEP_M
 from onnxkv.plan.ops.matmul_nbits import MatMulNBits
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -101,7 +101,7 @@ class PrologueMatMul(Op):
             and x.shape[-1] == k
             and x.size
             and x.flags.c_contiguous
-            and x.size // k <= BLAS_M
+            and x.size // k <= STEP_M
             and self._prologue_ok(x, inputs)
         )
 

@@ -8,16 +8,13 @@ MatMuls it replaces.
 The weights are concatenated along N and packed once when the plan is built
 (the panel layout of ``onnxkv._kernels.matmul.pack_weight``; the plan drops
 its own copies of the initializers), then every call is one product exactly
-as :class:`onnxkv.plan.ops.matmul.MatMul` computes it (``matmul_packed`` up to
-``BLAS_M`` rows, NumPy's BLAS above).  Each output element is summed over K
+as :class:`onnxkv.plan.ops.matmul.MatMul` computes it (``matmul_packed``).  Each output element is summed over K
 in the same order as the separate kernel would.  A single row (decoding)
 returns the outputs as views of the one product (each is C-contiguous).
-Several rows (up to ``BLAS_M``: a speculative verification, a short chunk)
-take one product per output when every output starts on a panel boundary
+Several rows (a speculative verification, a prompt chunk) take one product per output when every output starts on a panel boundary
 (the panels of an output are then a contiguous slice of the packed weight,
-and each element is summed as in the one product); otherwise, and above
-``BLAS_M`` rows, they get contiguous copies of the column blocks of the one
-product.
+and each element is summed as in the one product); otherwise they get
+contiguous copies of the column blocks of the one product.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels.matmul import PANEL, matmul_packed, pack_weight
-from onnxkv.plan.ops.matmul import BLAS_M, MatMul, _release_pages
+from onnxkv.plan.ops.matmul import MatMul, _release_pages
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["SiblingMatMul"]
@@ -78,7 +75,7 @@ class SiblingMatMul(MatMul):
 
     def compilable(self, inputs: list) -> bool:
         """One C-contiguous float32 row (one kernel call whose outputs are views of its result), or up to
-        ``BLAS_M`` rows with panel-aligned outputs (one call per output)."""
+        ``STEP_M`` rows with panel-aligned outputs (one call per output)."""
         return MatMul.compilable(self, inputs) and (inputs[0].size == self.packed.shape[1] or self.panels is not None)
 
     def run(self, inputs: list, rt) -> tuple:
@@ -88,7 +85,7 @@ class SiblingMatMul(MatMul):
             raise ValueError(f"SiblingMatMul node '{self.name}': A must be float32 [..., {k}], got {a.dtype} {a.shape}")
         x = np.ascontiguousarray(a).reshape(-1, k)
         rows, lead = x.shape[0], a.shape[:-1]
-        if 1 < rows <= BLAS_M and self.panels is not None:
+        if rows > 1 and self.panels is not None:
             outs = []
             for i, ((n0, n1), panels) in enumerate(zip(self.bounds, self.panels)):
                 out = rt.empty(i, lead + (n1 - n0,), np.float32)
@@ -96,10 +93,7 @@ class SiblingMatMul(MatMul):
                 outs.append(out)
             return tuple(outs)
         full = np.empty((rows, self._n), np.float32)
-        if rows <= BLAS_M:
-            matmul_packed(x, self.packed, full)
-        else:
-            self._blas(x, full)
+        matmul_packed(x, self.packed, full)
         if rows == 1:
             return tuple(full[:, n0:n1].reshape(lead + (n1 - n0,)) for n0, n1 in self.bounds)
         outs = []

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxkv
 from onnxkv import Session
 from onnxkv.plan.ops import matmul as matmul_op
-from onnxkv.plan.ops.matmul import BLAS_M, MatMul
+from onnxkv.plan.ops.matmul import STEP_M, MatMul
 
 F = np.float32
 
@@ -42,7 +42,7 @@ def test_initializer_weight_is_packed(Kd, N, threads):
     session = Session(weight_model(w), threads=threads)
     kernel = matmul_kernel(session)
     assert kernel.packed is not None and kernel.packed.shape == (-(-N // 16), Kd, 16)
-    for M in [*range(1, 17), 17, 40, BLAS_M + 1]:
+    for M in [*range(1, 17), 17, 40, STEP_M + 1]:
         x = rng.standard_normal((M, Kd)).astype(F)
         got = session.run({"x": x})["y"]
         assert got.shape == (M, N) and got.dtype == F
@@ -83,14 +83,21 @@ def test_external_weight_packed_from_memmap(tmp_path):
         np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w), rtol=1e-5, atol=1e-4)
 
 
-def test_many_rows_unpack_in_column_chunks(monkeypatch):
-    """Above BLAS_M rows the weight is unpacked a few panels at a time (last chunk partial)."""
-    monkeypatch.setattr(matmul_op, "BLAS_COLS", 32)
+def test_many_rows_run_the_packed_kernel(monkeypatch):
+    """Above STEP_M rows (a prompt chunk) the product is the packed kernel's too: NumPy's BLAS is never
+    called."""
     rng = np.random.default_rng(8)
     w = rng.standard_normal((40, 100)).astype(F)
-    session = Session(weight_model(w), threads=1)
-    x = rng.standard_normal((BLAS_M + 3, 40)).astype(F)
-    np.testing.assert_allclose(session.run({"x": x})["y"], np.matmul(x.astype(np.float64), w), rtol=1e-5, atol=1e-4)
+    session = Session(weight_model(w), threads=2)
+    calls = []
+    real = matmul_op.matmul_packed
+    monkeypatch.setattr(matmul_op, "matmul_packed", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(matmul_op.np, "matmul", lambda *a, **k: pytest.fail("NumPy's matmul was called"))
+    x = rng.standard_normal((STEP_M + 3, 40)).astype(F)
+    got = session.run({"x": x})["y"]
+    monkeypatch.undo()
+    np.testing.assert_allclose(got, np.matmul(x.astype(np.float64), w), rtol=1e-5, atol=1e-4)
+    assert calls == [(STEP_M + 3, 40)]
 
 
 def test_plan_drops_its_copy_of_an_absorbed_weight():
