@@ -7,8 +7,9 @@ prompt length (``--prompts``) each engine runs in its own process, one after
 the other (``--rounds`` alternates their order), with the same thread count:
 
 * ``onnxkv``    -- ``onnxkv.generate``'s prompt path: a persistent state fed in
-                   chunks of ``prefill_chunk`` (512) tokens; the time of the
-                   whole prompt.  A second, recorded run of the same prompt
+                   chunks of ``Session.prompt_chunk()`` tokens (what
+                   ``generate``'s ``prefill_chunk="auto"`` takes; reported as
+                   ``chunk``); the time of the whole prompt.  A second, recorded run of the same prompt
                    (``events=True``) gives the seconds of every operator type
                    (``per_op_seconds``), whose timing the recording perturbs a
                    little;
@@ -19,11 +20,12 @@ every MatMul weight of the layers and the LM head; its causal attention FLOPs
 ``4 * layers * heads * head_size * L * (L + 1) / 2`` (Q·Kᵀ and P·V over the
 causal triangle).  onnxkv's products (MatMul, SiblingMatMul, PrologueMatMul
 nodes) and attention (GroupQueryAttention) achieve those FLOPs in the event
-log's seconds; each rate is also given as a fraction of ``blas_gemm_gflops``:
-the best of five float32 GEMMs of 2048³ through NumPy's BLAS at the same
-thread count, measured at the start of the run.  That is what a tuned BLAS
-reaches here, not the FMA units' peak: on a CPU whose AVX-512 the BLAS does
-not use, onnxkv's products can exceed it.
+log's seconds; each rate is given as a fraction of ``fma_peak_gflops``, the
+float32 FMA throughput of this machine (``onnxkv._kernels.matmul.
+fma_peak_gflops``: independent FMA chains of the widest vectors on every
+thread, best of five, measured at the start of the run), and of
+``blas_gemm_gflops``, the best of five float32 GEMMs of 2048³ through NumPy's
+BLAS at the same thread count (what a tuned BLAS reaches here).
 
 Prints JSON: machine, versions, threads, shapes, raw samples, per-op seconds,
 rates, the ratio onnxkv / GenAI per prompt (and per round).
@@ -45,7 +47,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, median, run_worker, versions  # noqa: E402
 
-CHUNK = 512
 PRODUCTS = ("MatMul", "SiblingMatMul", "PrologueMatMul", "MatMulNBits", "SiblingMatMulNBits")
 
 
@@ -63,6 +64,16 @@ def blas_gemm_gflops(threads: int, n: int = 2048, runs: int = 5) -> float:
             a @ b
             best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
+
+
+def fma_peak(threads: int, runs: int = 5) -> float:
+    """Best GFLOP/s of the FMA throughput probe at ``threads`` threads."""
+    from onnxkv._kernels.matmul import fma_peak_gflops
+
+    import onnxkv._kernels as K
+
+    with K.use_settings(K.current_settings().replace(threads=threads)):
+        return max(fma_peak_gflops(50_000_000) for _ in range(runs))
 
 
 def product_weights(path: Path) -> int:
@@ -97,7 +108,7 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) ->
     def prefill(session) -> float:
         model = session.model
         state = session.new_state(cache=onnxkv.CacheConfig(initial_capacity=prompt_len + 2))
-        first = min(CHUNK, prompt_len)
+        first = min(session.prompt_chunk(), prompt_len)
         b = FeedBuilder(session.plan.inputs, model, prompt[:, :first], np.array([first]), 0, thread_cache=False)
         feeds, _ = b.first()
         fetch = [model.io.logits]
@@ -111,7 +122,7 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) ->
 
     session = onnxkv.Session(path, threads=threads)
     prefill(session) if prompt_len <= 1024 else None  # warm the session's buffers on short prompts only
-    result = {"prefill_s": prefill(session)}
+    result = {"prefill_s": prefill(session), "chunk": session.prompt_chunk()}
     logged = onnxkv.Session(path, threads=threads, events=True)
     prefill(logged)
     per_op: dict[str, float] = {}
@@ -153,6 +164,8 @@ def main() -> None:
     cfg = SMALL
     blas = blas_gemm_gflops(args.threads)
     print(f"# float32 GEMM through NumPy's BLAS (2048^3, {args.threads} threads): {blas:.1f} GFLOP/s", file=sys.stderr)
+    peak = fma_peak(args.threads)
+    print(f"# float32 FMA peak ({args.threads} threads): {peak:.1f} GFLOP/s", file=sys.stderr)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         folder, vocab = build(Path(tmp), "small", "gqa", max(prompts) + 16, args.threads)
@@ -181,6 +194,8 @@ def main() -> None:
                 samples = [r["prefill_s"] for r in ok]
                 entry[engine] = {"samples_s": samples, "median_s": median(samples)}
                 if engine == "onnxkv":
+                    entry[engine]["chunk"] = ok[0]["chunk"]
+                if engine == "onnxkv":
                     ops = ok[0]["per_op_seconds"]
                     prod_s = sum(v for k, v in ops.items() if k in PRODUCTS)
                     attn_s = ops.get("GroupQueryAttention", 0.0)
@@ -194,6 +209,7 @@ def main() -> None:
                     for what in ("product", "attention"):
                         rate = entry[engine][f"{what}_gflops"]
                         entry[engine][f"{what}_blas_fraction"] = rate / blas if rate else None
+                        entry[engine][f"{what}_peak_fraction"] = rate / peak if rate else None
             a, b = entry.get("onnxkv", {}), entry.get("ort-genai", {})
             if "median_s" in a and "median_s" in b:
                 entry["ratio_onnxkv_over_ort-genai"] = a["median_s"] / b["median_s"]
@@ -209,8 +225,9 @@ def main() -> None:
             line += f", GenAI {e['ort-genai']['median_s']:.3f} s, ratio {e['ratio_onnxkv_over_ort-genai']:.2f}"
         if kv.get("product_gflops") is not None:
             line += (
-                f"; products {kv['product_gflops']:.0f} GFLOP/s ({kv['product_blas_fraction']:.0%} of the BLAS GEMM), "
-                f"attention {kv.get('attention_gflops') or 0:.0f} GFLOP/s"
+                f"; products {kv['product_gflops']:.0f} GFLOP/s ({kv['product_peak_fraction']:.0%} of the FMA peak, "
+                f"{kv['product_blas_fraction']:.0%} of the BLAS GEMM), attention {kv.get('attention_gflops') or 0:.0f} "
+                f"GFLOP/s ({kv.get('attention_peak_fraction') or 0:.0%} of the peak)"
             )
         summary.append(line)
     emit(
@@ -222,11 +239,11 @@ def main() -> None:
             "shapes": {
                 "model": "small (onnxkv.zoo.builders.SMALL, GroupQueryAttention, GenAI folder)",
                 "prompts": prompts,
-                "chunk": CHUNK,
                 "rounds": args.rounds,
                 "product_weights": weights,
             },
             "blas_gemm_gflops": blas,
+            "fma_peak_gflops": peak,
             "results": results,
         },
         args.out,

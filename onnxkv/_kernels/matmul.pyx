@@ -52,6 +52,9 @@ cdef extern from "matmul.h" nogil:
     int64_t okv_matmul_claim_setup(uint64_t *ranges, int isa, int64_t M, int64_t K, int64_t P, int nt)
     int okv_mmp_avx512_usable()
     int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
+    float okv_fma_probe(int isa, int64_t n)
+    int okv_fma_lanes(int isa)
+    int OKV_FMA_CHAINS
 
 DEF PAR_MIN = 1 << 16   # multiply-adds (M*K*N) each thread of a product gets at least (okv_grain)
 DEF SPLIT_K_MIN = 256    # one-row products with K at least this are split in two halves of K
@@ -380,3 +383,24 @@ def matmul_packed(x, wp, out, bias=None):
         _note_packed(x, wp, out, bias)
     else:
         refuse("matmul_packed: an empty product (nothing or only the bias written)")
+
+
+def fma_peak_gflops(steps=20_000_000) -> float:
+    """The float32 FMA throughput of this machine in GFLOP/s, measured now: every thread of the calling
+    thread's settings runs ``steps`` steps of independent FMA chains of the widest vectors its SIMD level
+    allows (the level ``matmul_packed`` uses); the FLOP of all threads over the wall time.  The peak the
+    benchmarks measure the products and the attention against (``benchmarks/bench_prefill.py``)."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 1 << 40:
+        raise ValueError(f"fma_peak_gflops: steps must be an int in [1, 2**40], got {steps!r}")
+    cdef okv_settings s = okv_settings_get()
+    cdef int isa = _packed_isa(s), nt = s.threads, t
+    cdef int64_t n = steps, t0
+    cdef float sink = okv_fma_probe(isa, 1000)   # the vector units warmed
+    t0 = okv_now_ns()
+    for t in prange(nt, num_threads=nt, schedule="static", nogil=True):
+        sink += okv_fma_probe(isa, n)
+    seconds = (okv_now_ns() - t0) * 1e-9
+    if sink != sink:  # consumed; the chains never reach NaN
+        raise RuntimeError("fma_peak_gflops: the probe's chains became NaN")
+    return 2.0 * OKV_FMA_CHAINS * okv_fma_lanes(isa) * n * nt / seconds / 1e9
+

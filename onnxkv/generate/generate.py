@@ -15,6 +15,7 @@ from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.sampling import SamplingConfig, sampling_arguments, select_next
 from onnxkv.plan.step_loop import Draws
 from onnxkv.runtime.cache_config import KINDS, CacheConfig, cache_request
+from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.state import State
 
 __all__ = ["generate", "GenerationResult"]
@@ -77,7 +78,7 @@ def generate(
     threads: int | None = None,
     callback: Callable[[int, np.ndarray], None] | None = None,
     cache: CacheConfig | str | None = None,
-    prefill_chunk: int | None = 512,
+    prefill_chunk: int | str | None = "auto",
     *,
     do_sample: bool = False,
     **deprecated,
@@ -116,7 +117,10 @@ def generate(
             ``initial_capacity`` starts at the prompt length plus up to 256 tokens.
         prefill_chunk: on a state, a single unpadded prompt longer than this is
             fed in chunks of this many tokens (the same result with far smaller
-            temporaries); None feeds it whole.
+            temporaries); ``"auto"``: the session's choice for the model and the
+            cache (:meth:`~onnxkv.Session.prompt_chunk`); None feeds it whole.
+            With ``Session(events=True)`` a chunked prompt records a
+            ``"prompt_chunk"`` event (``extra``: chunk, prompt_tokens, chunks).
         deprecated: ``capacity=``, ``cache_dtype=``, ``block_size=``,
             ``kv_format=`` (now CacheConfig fields) work for one release with a
             DeprecationWarning; ``cache="auto"`` is the deprecated spelling of None.
@@ -134,7 +138,9 @@ def generate(
     )
     callback_arg(api, "callback", callback)
     request = cache_request(api, cache, KINDS, deprecated, depth=_DEPTH, auto=True)
-    prefill_chunk = optional_int(api, "prefill_chunk", prefill_chunk, 1)
+    auto_chunk = isinstance(prefill_chunk, str) and prefill_chunk == "auto"
+    if not auto_chunk:
+        prefill_chunk = optional_int(api, "prefill_chunk", prefill_chunk, 1)
     sess = as_session(api, "model", model, threads)
     model = sess.model
     vocab = sess.token_limit
@@ -163,8 +169,19 @@ def generate(
         raise InputError(
             f"generate: {narrowed[0]}={request.legacy[narrowed[0]]!r} needs a state's cache, got cache kind 'tensor'"
         )
+    state_kw = request.state_keywords(kind, initial_capacity=max(32, L + min(max_new_tokens, 256))) if in_place else {}
+    if auto_chunk:
+        prefill_chunk = prompt_chunk(sess.plan.kernels, state_kw.get("block_size") if kind == "paged" else None)
     chunked = in_place and prefill_chunk is not None and B == 1 and L > prefill_chunk
     first_len = int(prefill_chunk) if chunked else L
+    if chunked and sess.events.enabled:
+        sess.events.record(
+            sess._step,
+            "",
+            "",
+            "prompt_chunk",
+            extra={"chunk": first_len, "prompt_tokens": L, "chunks": -(-L // first_len)},
+        )
     builder = FeedBuilder(
         sess.plan.inputs,
         model,
@@ -174,7 +191,7 @@ def generate(
         thread_cache=not in_place,
     )
     if in_place:
-        state = State(sess, **request.state_keywords(kind, initial_capacity=max(32, L + min(max_new_tokens, 256))))
+        state = State(sess, **state_kw)
         fetch = [model.io.logits]
         run = state.run
     else:

@@ -19,6 +19,7 @@ from onnxkv.model.contract import Contract
 from onnxkv.model.rewrite import inplace_bindings
 from onnxkv.plan.plan import Plan
 from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_request
+from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.state import State
 
 __all__ = ["Session", "DECODE_ROWS"]
@@ -162,6 +163,13 @@ class Session:
             return self.plan.run(
                 feeds, output_names, self.events if self.events.enabled else None, step, caches, cache_allocator, cancel
             )
+
+    def prompt_chunk(self, cache: CacheConfig | str | None = None) -> int:
+        """Tokens per chunk in which ``generate`` feeds a long single prompt on a state of ``cache`` (a
+        :class:`~onnxkv.CacheConfig` or its kind; None: contiguous): chosen from the widest input of the
+        model's products and, for a paged cache, its page size (:mod:`onnxkv.runtime.prompt_chunk`)."""
+        keywords = cache_request("Session.prompt_chunk", cache, ("contiguous", "paged")).state_keywords("contiguous")
+        return prompt_chunk(self.plan.kernels, keywords.get("block_size") if keywords["cache"] == "paged" else None)
 
     def new_state(
         self,

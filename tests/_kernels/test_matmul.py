@@ -292,3 +292,15 @@ def test_matmul_packed_fast_checks_defer_to_named_errors(tmp_path):
     MM.matmul_packed(mapped, wp, got, b)
     R.matmul_packed(x, R.pack_weight(w), want, b)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fma_peak_probe(simd, threads):
+    """The benchmarks' FMA throughput probe runs at every level and thread count and reports a finite
+    positive rate; bad step counts are refused by name."""
+    from onnxkv._kernels.matmul import fma_peak_gflops
+
+    rate = fma_peak_gflops(10_000)
+    assert np.isfinite(rate) and rate > 0
+    for bad in (0, -1, 1.5, True, 1 << 41):
+        with pytest.raises(ValueError, match="fma_peak_gflops: steps"):
+            fma_peak_gflops(bad)
