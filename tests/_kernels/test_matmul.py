@@ -179,10 +179,11 @@ def test_matmul_packed(M, Kd, N, threads, simd):
     check_packed(x, w, b)
 
 
-@pytest.mark.parametrize("M", [17, 23, 40, 70])
-@pytest.mark.parametrize("Kd", [255, 600])
+@pytest.mark.parametrize("M", [9, 17, 23, 40, 70])
+@pytest.mark.parametrize("Kd", [255, 600, 2100])
 def test_matmul_packed_many_rows(M, Kd, threads, simd):
-    """More rows than one register tile: k-chunks (partial sums kept in out) and row-tile tails."""
+    """More rows than one register tile: k-chunks (partial sums kept in out: 256 lines of one panel, 2048 of
+    a multi-panel tile) and row-tile tails."""
     rng = np.random.default_rng([M, Kd])
     N = 50
     check_packed(rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,)))
