@@ -113,9 +113,9 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) ->
         feeds, _ = b.first()
         fetch = [model.io.logits]
         t0 = time.perf_counter()
-        out = state.run(feeds, fetch)
+        out = state.run(feeds, fetch if first >= prompt_len else [])  # as generate: no logits before the last
         for c0 in range(first, prompt_len, first):
-            out = state.run(b.next(prompt[:, c0 : c0 + first], out), fetch)
+            out = state.run(b.next(prompt[:, c0 : c0 + first], out), fetch if c0 + first >= prompt_len else [])
         seconds = time.perf_counter() - t0
         state.close()
         return seconds

@@ -206,10 +206,11 @@ def generate(
     if max_new_tokens > 0:
         feeds, read = builder.first()
         t0 = time.perf_counter()
-        out = run(feeds, fetch)
+        # A chunk before the last asks for no output: only its cache writes run (not the LM head).
+        out = run(feeds, [] if chunked else fetch)
         for c0 in range(first_len, L if chunked else 0, first_len):
             chunk = ids[:, c0 : c0 + first_len]
-            out = run(builder.next(chunk, out), fetch)
+            out = run(builder.next(chunk, out), fetch if c0 + first_len >= L else [])
             read = np.array([chunk.shape[1] - 1])
         prefill = time.perf_counter() - t0
         # The steps of one sequence on a contiguous state may run as one call (State.decode_steps).

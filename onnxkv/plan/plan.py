@@ -147,6 +147,10 @@ class Plan:
         self._idle_buffers: list[RunBuffers] = []
         #: Compiled steps (onnxkv.plan.compiled_step) of runs without an event log, or None: plain runs only.
         self.steps = StepPool() if compile_steps and self.keep_buffers else None
+        #: Present (cache) outputs: a run always computes them, whatever outputs it is asked for.
+        self.present_output_names = frozenset(present_outputs)
+        #: Requested output slots -> the nodes a run needs for them (None: every node); see :meth:`needed`.
+        self._needed: dict[tuple, list[bool] | None] = {}
         self.opsets = _opsets(model)
         bad = unsupported_nodes(model)
         if bad:
@@ -447,6 +451,25 @@ class Plan:
             slots[s] = v if held or aliased or v.flags.c_contiguous else v.copy(order="C")
         return slots
 
+    def needed(self, out_slots: tuple) -> list[bool] | None:
+        """Per node, whether a run asked for the outputs in slots ``out_slots`` must run it: it computes
+        one of them, a present (cache) output, or a value another needed node reads, or it writes an input
+        in place; None when every node is needed.  Nodes that only feed outputs nobody asked for (the
+        logits of a prompt chunk whose caller wants only its cache) are skipped.  Cached per request."""
+        hit = self._needed.get(out_slots, False)
+        if hit is not False:
+            return hit
+        live = set(out_slots) | {self.slot_of[n] for n in self.output_names if n in self.present_output_names}
+        need = [False] * len(self._steps)
+        for k in range(len(self._steps) - 1, -1, -1):
+            if self.must_alias[k] or not live.isdisjoint(self.out_idx[k]):
+                need[k] = True
+                live.update(self.in_idx[k])
+        result = None if all(need) else need
+        if len(self._needed) < 16:  # a few output sets per plan (all, logits, nothing)
+            self._needed[out_slots] = result
+        return result
+
     def run(
         self,
         feeds: Mapping[str, np.ndarray],
@@ -462,8 +485,11 @@ class Plan:
         ``caches`` (past input name -> CacheTensor) makes bound nodes write in
         place; their past feeds are the caches' zero-copy views.  Staged cache
         lengths are committed or discarded by the caller (the state).
-        ``cancel`` (an object with a ``cancelled`` flag) is checked between nodes.
+        ``cancel`` (an object with a ``cancelled`` flag) is checked between nodes.  A run asked for some
+        outputs skips the nodes none of them, no cache output and no in-place write needs (:meth:`needed`;
+        such a run takes the node loop, not a compiled step).
         """
+        needed = None
         if output_names is None:
             out_slots = self.output_slots
             output_names = self.output_names
@@ -475,6 +501,7 @@ class Plan:
                         f"Session.run: unknown output '{name}'; outputs are: {', '.join(self.output_names)}"
                     )
                 out_slots.append(self.slot_of[name])
+            needed = self.needed(tuple(out_slots))
         slots = self.bind_inputs(feeds, caches)
         bufs = self._take_buffers()
         recording = events is not None and events.enabled
@@ -482,11 +509,11 @@ class Plan:
         compiled = None
         try:
             if recording:
-                run_recording(self, slots, bufs, rt, events, step, cache_allocator, cancel)
-            elif self.steps is not None:
+                run_recording(self, slots, bufs, rt, events, step, cache_allocator, cancel, needed)
+            elif self.steps is not None and needed is None:
                 compiled = self.steps.run(self, slots, bufs, rt, cancel)
             else:
-                run_plain(self, slots, bufs, rt, cancel)
+                run_plain(self, slots, bufs, rt, cancel, needed)
         except BaseException:
             try:
                 rt.finish(False)

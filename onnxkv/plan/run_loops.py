@@ -26,14 +26,17 @@ def _node_failure(plan: Plan, k: int, e: Exception) -> OperatorError:
     return OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}")
 
 
-def run_plain(plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
+def run_plain(plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None, needed=None) -> None:
     """Run every node of ``plan`` on ``slots`` (bound inputs; outputs land in their slots), releasing
     values and buffers after their last use; a kernel's non-onnxkv exception becomes an OperatorError
-    naming the node."""
-    run_nodes(plan, 0, len(plan._steps), slots, bufs, rt, cancel)
+    naming the node.  ``needed`` (per node, or None for all): nodes to run; the others are skipped, their
+    releases still made."""
+    run_nodes(plan, 0, len(plan._steps), slots, bufs, rt, cancel, needed)
 
 
-def run_nodes(plan: Plan, first: int, end: int, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
+def run_nodes(
+    plan: Plan, first: int, end: int, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None, needed=None
+) -> None:
     """``run_plain`` for the nodes ``[first, end)`` only (the others run elsewhere: a compiled step)."""
     release = bufs.release
     get = slots.__getitem__
@@ -46,6 +49,12 @@ def run_nodes(plan: Plan, first: int, end: int, slots: list, bufs: RunBuffers, r
             rt._node = k
             if cancel is not None and cancel.cancelled:
                 raise Cancelled(f"run cancelled before node '{plan.nodes[k].name or plan.nodes[k].output[0]}'")
+            if needed is not None and not needed[k]:
+                for s in clear:
+                    slots[s] = None
+                for s in free:
+                    release(s)
+                continue
             args = list(map(get, ins))
             results = run(args, rt)
             if check:
@@ -74,9 +83,10 @@ def run_recording(
     step: int,
     cache_allocator=None,
     cancel=None,
+    needed=None,
 ) -> None:
     """``run_plain`` that also records each node's time, counters and allocator figures, and each cache
-    write, in ``events`` under ``step``."""
+    write, in ``events`` under ``step`` (a skipped node records nothing)."""
     allocator = plan.allocator
     release = bufs.release
     after = plan._after
@@ -86,6 +96,12 @@ def run_recording(
             rt._node = k
             if cancel is not None and cancel.cancelled:
                 raise Cancelled(f"run cancelled before node '{plan.nodes[k].name or plan.nodes[k].output[0]}'")
+            if needed is not None and not needed[k]:
+                for s in after[k][1]:
+                    slots[s] = None
+                for s in after[k][2]:
+                    release(s)
+                continue
             rt.counters = {}
             t0 = time.perf_counter()
             args = [slots[i] for i in ins]
