@@ -16,11 +16,14 @@ the other (``--rounds`` alternates their order), with the same thread count:
 * ``ort-genai`` -- ``Generator.append_tokens`` of the whole prompt.
 
 Work and rates: the prompt's product FLOPs are ``2 * tokens * weights`` over
-every MatMul weight of the layers and the LM head; its causal attention FLOPs
-``4 * layers * heads * head_size * L * (L + 1) / 2`` (Q·Kᵀ and P·V over the
-causal triangle).  onnxkv's products (MatMul, SiblingMatMul, PrologueMatMul
-nodes) and attention (GroupQueryAttention) achieve those FLOPs in the event
-log's seconds; each rate is given as a fraction of ``fma_peak_gflops``, the
+every MatMul weight of the layers and the LM head (``product_gflop``, what
+GenAI computes); onnxkv asks for no output on every chunk but the last, so
+those chunks skip the LM head and the last layer's work after its cache
+write (``skipped_weights``; ``product_gflop_done``: the products it runs).
+Its causal attention FLOPs are ``4 * layers * heads * head_size * L * (L + 1)
+/ 2`` (Q·Kᵀ and P·V over the causal triangle).  onnxkv's products (MatMul,
+SiblingMatMul, PrologueMatMul nodes) and attention (GroupQueryAttention)
+achieve those FLOPs in the event log's seconds; each rate is given as a fraction of ``fma_peak_gflops``, the
 float32 FMA throughput of this machine (``onnxkv._kernels.matmul.
 fma_peak_gflops``: independent FMA chains of the widest vectors on every
 thread, best of five, measured at the start of the run), and of
@@ -90,6 +93,20 @@ def product_weights(path: Path) -> int:
     return total
 
 
+def skipped_weights(session) -> int:
+    """Weight elements of the packed products a prompt chunk that asks for no output skips
+    (``Plan.needed``): the LM head, and the last layer's work after its cache write."""
+    need = session.plan.needed(())
+    total = 0
+    for kernel, needed in zip(session.plan.kernels, need or ()):
+        packed = getattr(kernel, "packed", None)
+        if packed is None:
+            packed = getattr(getattr(kernel, "product", None), "packed", None)
+        if not needed and packed is not None:
+            total += packed.shape[0] * packed.shape[1] * packed.shape[2]
+    return total
+
+
 def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) -> dict:
     prompt = np.random.default_rng(prompt_len).integers(0, vocab, (1, prompt_len))
     if engine == "ort-genai":
@@ -122,7 +139,7 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) ->
 
     session = onnxkv.Session(path, threads=threads)
     prefill(session) if prompt_len <= 1024 else None  # warm the session's buffers on short prompts only
-    result = {"prefill_s": prefill(session), "chunk": session.prompt_chunk()}
+    result = {"prefill_s": prefill(session), "chunk": session.prompt_chunk(), "skipped": skipped_weights(session)}
     logged = onnxkv.Session(path, threads=threads, events=True)
     prefill(logged)
     per_op: dict[str, float] = {}
@@ -171,7 +188,7 @@ def main() -> None:
         folder, vocab = build(Path(tmp), "small", "gqa", max(prompts) + 16, args.threads)
         weights = product_weights(folder)
         for plen in prompts:
-            product_flops = 2.0 * plen * weights
+            product_flops = 2.0 * plen * weights  # every token through every product (GenAI's work)
             head = cfg.hidden_size // cfg.num_heads
             attention_flops = 4.0 * cfg.num_layers * cfg.num_heads * head * plen * (plen + 1) / 2
             runs: dict[str, list[dict]] = {e: [] for e in engines}
@@ -194,16 +211,20 @@ def main() -> None:
                 samples = [r["prefill_s"] for r in ok]
                 entry[engine] = {"samples_s": samples, "median_s": median(samples)}
                 if engine == "onnxkv":
-                    entry[engine]["chunk"] = ok[0]["chunk"]
-                if engine == "onnxkv":
+                    chunk = ok[0]["chunk"]
+                    last = plen - (plen - 1) // chunk * chunk  # tokens of the last chunk: the only logits made
+                    done = product_flops - 2.0 * (plen - last) * ok[0]["skipped"]
                     ops = ok[0]["per_op_seconds"]
                     prod_s = sum(v for k, v in ops.items() if k in PRODUCTS)
                     attn_s = ops.get("GroupQueryAttention", 0.0)
                     entry[engine].update(
+                        chunk=chunk,
+                        skipped_weights=ok[0]["skipped"],
+                        product_gflop_done=done / 1e9,
                         per_op_seconds=ops,
                         product_seconds=prod_s,
                         attention_seconds=attn_s,
-                        product_gflops=product_flops / prod_s / 1e9 if prod_s else None,
+                        product_gflops=done / prod_s / 1e9 if prod_s else None,
                         attention_gflops=attention_flops / attn_s / 1e9 if attn_s else None,
                     )
                     for what in ("product", "attention"):
