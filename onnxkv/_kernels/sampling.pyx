@@ -15,21 +15,28 @@ per row of ``logits`` [B, V] (float32 or float64) with the uniform numbers
 
 Sums are NumPy's pairwise sums and cumulative sums are sequential, as NumPy
 computes them, so the result is the NumPy twin's (``reference.sample``) up to
-the last bits of ``exp``; a draw whose ``u`` falls within those bits of a
+the last bits of ``exp`` (``sampling_exp.h``: within 2 ulp, vectorised, the
+same bits at every SIMD level); a draw whose ``u`` falls within those bits of a
 boundary of ``cumsum(p)`` may pick the neighbouring token.  ``probs`` [B, V]
 float64, when given, receives step 4's ``p``.  One call per token of a
 sampled generation (the compiled generation loop calls the row function
 directly), every argument checked first.
 """
-from libc.math cimport INFINITY, exp, isnan
+from libc.math cimport INFINITY, isnan
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
+
+from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 
 import numpy as np
 
 from . import _validate as V
 
 __all__ = ["sample"]
+
+cdef extern from "sampling_exp.h" nogil:
+    void okv_exp_sub_f64(double *x, int64_t n, double m, int level)
+
 
 ctypedef fused real:
     float
@@ -151,6 +158,7 @@ cdef int64_t _sample(const real *logits, int64_t V, double temperature, int64_t 
     order: 2V ints of workspace (used by top-k and top-p only)."""
     cdef int64_t i, ids
     cdef double m, s, c, kth
+    cdef okv_settings s_
     for i in range(V):
         p[i] = <double>logits[i] / temperature
     if 0 < top_k < V:
@@ -164,8 +172,8 @@ cdef int64_t _sample(const real *logits, int64_t V, double temperature, int64_t 
     for i in range(1, V):     # np.max: the largest, NaN if any is
         if isnan(p[i]) or p[i] > m or isnan(m):
             m = p[i] if not isnan(m) else m
-    for i in range(V):   # exp(-inf - m) is 0: the entries top-k dropped cost no exp
-        p[i] = 0.0 if p[i] == -INFINITY and m > -INFINITY else exp(p[i] - m)
+    s_ = okv_settings_get()   # exp(-inf - m) is 0: the entries top-k dropped; one exp's bits on every level
+    okv_exp_sub_f64(p, V, m, 2 if s_.avx512 else (1 if s_.simd else 0))
     s = _pairwise(p, V)
     for i in range(V):
         p[i] /= s
