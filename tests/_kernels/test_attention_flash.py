@@ -1,6 +1,6 @@
 """The tiled prefill unit (attention_flash.h) against the NumPy twin and the streaming unit.
 
-Work units of at least 4 query tokens and 16 query rows over native K/V
+Work units of at least 4 query tokens and 24 query rows over native K/V
 (float32, float16, bfloat16; contiguous and paged) take the tiled unit; the
 private switch ``_set_flash(0)`` sends them to the streaming unit.  Every case
 runs both at every SIMD level and thread count, on random data: each must
