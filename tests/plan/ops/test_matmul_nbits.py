@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxkv import Session
 from onnxkv._kernels import reference as R
 from onnxkv.errors import ModelError, OperatorError
-from onnxkv.plan.ops.matmul_nbits import BLAS_M, DECODE_M, MatMulNBits
+from onnxkv.plan.ops.matmul_nbits import DECODE_M, STEP_M, MatMulNBits
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -106,9 +106,10 @@ def test_8bit_float_zero_points():
     np.testing.assert_allclose(s.run({"x": x})["y"], want, rtol=1e-4, atol=1e-4)
 
 
-def test_blas_rows_and_float16():
+def test_prompt_rows_and_float16():
+    """Past STEP_M rows: dequantized panels in the packed kernel, as below it; float16 A."""
     model = nbits_model(96, 50, 4, 32, "uint8", 0, bias=True, seed=3)
-    x = np.random.default_rng(2).standard_normal((1, BLAS_M + 3, 96)).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((1, STEP_M + 3, 96)).astype(np.float32)
     np.testing.assert_allclose(Session(model).run({"x": x})["y"], ort_run(model, x), rtol=1e-4, atol=1e-4)
     m16 = nbits_model(96, 50, 4, 32, "float", 0, bias=True, dtype=np.float16, seed=4)
     x16 = x[:, :5].astype(np.float16)
