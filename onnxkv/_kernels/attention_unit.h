@@ -600,4 +600,3 @@ OKV_ATTR int64_t OKV_I(okv_attn_unit_mixed)(OKV_UNIT_ARGS) {
 #undef OKV_SFX
 #undef OKV_ATTR
 #undef OKV_SIMD512
-#undef OKV_SIMD256

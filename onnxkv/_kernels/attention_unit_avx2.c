@@ -8,4 +8,5 @@
 #define OKV_ATTR OKV_AVX2
 #define OKV_SIMD256 1
 #include "attention_unit.h"
+#undef OKV_SIMD256
 #endif

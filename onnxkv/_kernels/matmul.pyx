@@ -52,6 +52,8 @@ cdef extern from "matmul.h" nogil:
     int64_t okv_matmul_claim_setup(uint64_t *ranges, int isa, int64_t M, int64_t K, int64_t P, int nt)
     int okv_mmp_avx512_usable()
     int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
+
+cdef extern from "fma_probe.h" nogil:
     float okv_fma_probe(int isa, int64_t n)
     int okv_fma_lanes(int isa)
     int OKV_FMA_CHAINS

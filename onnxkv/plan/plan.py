@@ -55,7 +55,7 @@ from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
 from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
-from onnxkv.plan.run_loops import run_plain, run_recording
+from onnxkv.plan.run_loops import needed_nodes, run_plain, run_recording
 from onnxkv.plan.shape_fold import ShapeFolder
 from onnxkv.plan.static_dims import static_dims
 from onnxkv.plan.subgraph import subgraph_model, type_kind
@@ -459,13 +459,7 @@ class Plan:
         hit = self._needed.get(out_slots, False)
         if hit is not False:
             return hit
-        live = set(out_slots) | {self.slot_of[n] for n in self.output_names if n in self.present_output_names}
-        need = [False] * len(self._steps)
-        for k in range(len(self._steps) - 1, -1, -1):
-            if self.must_alias[k] or not live.isdisjoint(self.out_idx[k]):
-                need[k] = True
-                live.update(self.in_idx[k])
-        result = None if all(need) else need
+        result = needed_nodes(self, out_slots)
         if len(self._needed) < 16:  # a few output sets per plan (all, logits, nothing)
             self._needed[out_slots] = result
         return result

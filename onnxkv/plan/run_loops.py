@@ -18,12 +18,24 @@ from onnxkv.plan.context import RunContext
 if TYPE_CHECKING:
     from onnxkv.plan.plan import Plan
 
-__all__ = ["run_nodes", "run_plain", "run_recording"]
+__all__ = ["needed_nodes", "run_nodes", "run_plain", "run_recording"]
 
 
 def _node_failure(plan: Plan, k: int, e: Exception) -> OperatorError:
     node = plan.nodes[k]
     return OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}")
+
+
+def needed_nodes(plan: Plan, out_slots: tuple) -> list[bool] | None:
+    """Per node of ``plan``, whether a run asked for the outputs in ``out_slots`` must run it (see
+    :meth:`Plan.needed`, which caches this); None when every node is."""
+    live = set(out_slots) | {plan.slot_of[n] for n in plan.output_names if n in plan.present_output_names}
+    need = [False] * len(plan._steps)
+    for k in range(len(plan._steps) - 1, -1, -1):
+        if plan.must_alias[k] or not live.isdisjoint(plan.out_idx[k]):
+            need[k] = True
+            live.update(plan.in_idx[k])
+    return None if all(need) else need
 
 
 def run_plain(plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None, needed=None) -> None:
