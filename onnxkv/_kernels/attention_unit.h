@@ -587,9 +587,7 @@ OKV_ATTR int64_t OKV_I(okv_attn_unit_native)(OKV_UNIT_ARGS) {
     return OKV_I(okv_attn_unit_f32)(OKV_UNIT_PASS);
 #endif
 }
-OKV_ATTR int64_t OKV_I(okv_attn_unit_mixed)(OKV_UNIT_ARGS) {
-    return OKV_I(okv_attn_unit_body)(OKV_UNIT_PASS, OKV_FMT_F32, 1);
-}
+OKV_ATTR int64_t OKV_I(okv_attn_unit_mixed)(OKV_UNIT_ARGS) { return OKV_I(okv_attn_unit_body)(OKV_UNIT_PASS, OKV_FMT_F32, 1); }
 
 #undef OKV_NATIVE_UNIT
 #undef OKV_UNIT_PASS

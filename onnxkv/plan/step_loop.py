@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv._kernels.token_loop import MISMATCH, REFUSED, decode_steps
+from onnxkv.errors import InputError
 from onnxkv.plan.compiled_step import Segment
 from onnxkv.plan.ops._gqa_record import CacheAppend
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from onnxkv.plan.plan import Plan
 
-__all__ = ["DecodeNames", "Draws", "StepsRun", "run_steps"]
+__all__ = ["DecodeNames", "Draws", "StepsRun", "check_steps", "run_steps"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,21 @@ class StepsRun:
     @property
     def steps(self) -> int:
         return int(self.tokens.shape[0])
+
+
+def check_steps(api: str, count: int, draws: Draws | None) -> None:
+    """Raise InputError (naming ``api``) unless ``count`` is an int >= 1 and ``draws`` is None or holds
+    float64 ``uniforms`` with a number per step."""
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise InputError(f"{api}: count must be an int >= 1, got {count!r}")
+    u = None if draws is None else draws.uniforms
+    if draws is not None and not (
+        isinstance(u, np.ndarray) and u.dtype == np.float64 and u.ndim == 1 and u.shape[0] >= count
+    ):
+        raise InputError(
+            f"{api}: draws.uniforms must be float64 [>= count={count}], got "
+            f"{getattr(u, 'dtype', type(u).__name__)} {getattr(u, 'shape', '')}"
+        )
 
 
 def run_steps(

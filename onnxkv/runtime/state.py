@@ -13,29 +13,26 @@ before, so the call can be retried.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from onnxkv.alloc import SlabAllocator, as_allocator
-from onnxkv.cache import serialize
 from onnxkv.cache.paged import BlockPool
 from onnxkv.cache.policy import key_header, make_selector
 from onnxkv.errors import InputError, StateError
-from onnxkv.plan.step_loop import DecodeNames, Draws, StepsRun, run_steps
+from onnxkv.plan.step_loop import DecodeNames, Draws, StepsRun, check_steps
 from onnxkv.runtime.cancellation import Cancellation
+from onnxkv.runtime.state_paged import PagedAPI
 from onnxkv.runtime.stores import Checkpoint, ContiguousStore, DeclaredStore, PagedStore, StoreContext
 
 __all__ = ["State", "Cancellation", "Checkpoint"]
 
 _CACHES = ("contiguous", "paged")
-#: Most forks one :meth:`State.fork` call makes (each is a state of its own; beams and trees need far fewer).
-MAX_FORKS = 1 << 16
 
 
-class State:
+class State(PagedAPI):
     """One request's persistent values (see the module docstring).
 
     Args:
@@ -181,6 +178,12 @@ class State:
         if self._closed:
             raise StateError(f"State.{api}: the state is closed")
 
+    def _check_feeds(self, api: str, feeds: Mapping[str, np.ndarray]) -> None:
+        self._check_open(api)
+        if not self._bound.isdisjoint(feeds):
+            fed = sorted(self._bound.intersection(feeds))
+            raise StateError(f"State.{api}: {fed} are bound to the state's caches and must not be fed")
+
     @contextlib.contextmanager
     def _exclusive(self, api: str) -> Iterator[None]:
         if not self._busy.acquire(blocking=False):
@@ -200,10 +203,7 @@ class State:
         (closed, busy, a bound input fed) or, with the state unchanged, InputError / OperatorError /
         CacheCapacityError / Cancelled.
         """
-        self._check_open("run")
-        if not self._bound.isdisjoint(feeds):
-            fed = sorted(self._bound.intersection(feeds))
-            raise StateError(f"State.run: {fed} are bound to the state's caches and must not be fed")
+        self._check_feeds("run", feeds)
         presents, produced = self._presents, self.declared.values()
         if output_names is None:
             output_names = [n for n in self.session.output_names if n not in presents and n not in produced]
@@ -234,21 +234,16 @@ class State:
     ) -> StepsRun | None:
         """Run up to ``count`` decode steps of a batch-1 sequence in one call (a compiled generation loop).
 
-        ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` (a
-        :class:`~onnxkv.plan.step_loop.DecodeNames`) says which are the token id (one int64), the attention
-        mask (int64 [1, L] of ones) and the position (one int64, if the model has one), and which output
-        holds the logits.  Each later step feeds the argmax of the previous step's logits (ties: the lowest
-        id), or with ``draws`` (a :class:`~onnxkv.plan.step_loop.Draws`) the token drawn from them with
-        its uniform number (as :func:`onnxkv._kernels.sampling.sample` draws), a mask one column longer and
-        the next position.  The steps stop after ``count``, after an id
-        in ``eos``, when a cache is full, or before a step that :meth:`run` must take (its values are
-        outside what the recorded kernel calls accept); they run in C with no Python between them
-        (:mod:`onnxkv.plan.step_loop`) and leave exactly what the same steps through :meth:`run` leave.
+        ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` say which are the token id, the
+        attention mask and the position, and which output holds the logits.  Each later step feeds the
+        argmax of the previous step's logits (ties: the lowest id), or the token ``draws`` draws from them,
+        a mask one column longer and the next position (:func:`onnxkv.plan.step_loop.run_steps`).  The
+        steps stop after ``count``, after an id in ``eos``, when a cache is full, or before a step that
+        :meth:`run` must take; they run in C and leave exactly what the same steps through :meth:`run` leave.
 
-        Returns a :class:`~onnxkv.plan.step_loop.StepsRun` (the chosen ids and per-step times), or None
-        with nothing run when the steps cannot run that way: a paged or declared cache, the session's event
-        log on, or no recorded step of these feeds' shapes that covers the whole plan (after one or two
-        :meth:`run` calls of decode shape there usually is one).  The runs count in :attr:`steps`.
+        Returns the chosen ids and per-step times (a :class:`~onnxkv.plan.step_loop.StepsRun`), or None
+        with nothing run: a paged or declared cache, the event log on, or no recorded step of these shapes
+        covering the whole plan (after one or two :meth:`run` calls of decode shape there usually is one).
 
         Raises:
             StateError: closed, busy, or a bound input fed.
@@ -257,38 +252,14 @@ class State:
                 [0, 1) or a bad temperature, top_k or top_p with a ValueError).
             MemoryError: a kernel could not allocate its workspace; the state is unchanged.
         """
-        self._check_open("decode_steps")
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
-            raise InputError(f"State.decode_steps: count must be an int >= 1, got {count!r}")
-        if draws is not None and not (
-            isinstance(draws.uniforms, np.ndarray)
-            and draws.uniforms.dtype == np.float64
-            and draws.uniforms.ndim == 1
-            and draws.uniforms.shape[0] >= count
-        ):
-            raise InputError(
-                f"State.decode_steps: draws.uniforms must be float64 [>= count={count}], got "
-                f"{getattr(draws.uniforms, 'dtype', type(draws.uniforms).__name__)} "
-                f"{getattr(draws.uniforms, 'shape', '')}"
-            )
-        if not self._bound.isdisjoint(feeds):
-            fed = sorted(self._bound.intersection(feeds))
-            raise StateError(f"State.decode_steps: {fed} are bound to the state's caches and must not be fed")
+        self._check_feeds("decode_steps", feeds)
+        check_steps("State.decode_steps", count, draws)
         with self._exclusive("decode_steps"):
-            store = self._store
-            session = self.session
-            if type(store) is not ContiguousStore or store.caches is None or session.events.enabled:
+            if self.session.events.enabled:
                 return None
-            try:
-                with session._threads(1):
-                    run = run_steps(session.plan, store.feeds(feeds), store.caches, int(count), names, eos, draws)
-            except BaseException:
-                store.discard()
-                raise
-            if run is None or not run.steps:
-                return run
-            store.commit({})
-            self.steps += run.steps
+            with self.session._threads(1):
+                run = self._store.decode_steps(self.session.plan, feeds, count, names, eos, draws)
+            self.steps += run.steps if run is not None else 0
             return run
 
     def reset(self, initial: Mapping[str, np.ndarray] | None = None) -> None:
@@ -336,82 +307,3 @@ class State:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._store.close()
-
-    def _require_paged(self, api: str, held: bool = True) -> PagedStore:
-        self._check_open(api)
-        if not self.paged:
-            raise StateError(
-                f"State.{api}: needs a paged state (session.new_state(cache='paged')); "
-                f"this state's cache is '{self.cache}'"
-            )
-        if held and self._store.cache is None:
-            raise StateError(f"State.{api}: the state holds no cache yet (run it first)")
-        return self._store
-
-    def fork(self, n: int = 1) -> list[State]:
-        """``n`` new states sharing every page of this one (no payload byte copied); each continues on its
-        own, its first write into a shared page copying that page only (``cow_copied_bytes``).  ``n``: an
-        int in ``[1, MAX_FORKS]`` (InputError otherwise, before any fork is made)."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_FORKS:
-            raise InputError(f"State.fork: n must be an int in [1, {MAX_FORKS}], got {n!r}")
-        with self._exclusive("fork"):
-            store = self._require_paged("fork")
-            keywords = {**self._keywords, "allocator": self.allocator}
-            out = [State(self.session, **keywords, _pool=store.pool) for _ in range(int(n))]
-            for st in out:
-                st._store.cache, st.steps = store.share(), self.steps
-            self._ctx.log("fork", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
-            return out
-
-    def reorder(self, indices) -> None:
-        """Row ``i`` becomes old row ``indices[i]`` (beam search; ``len(indices)`` may differ from the
-        batch): page tables permuted, reference counts adjusted, no payload byte copied."""
-        with self._exclusive("reorder"):
-            self._require_paged("reorder").reorder(indices)
-
-    def checkpoint(self) -> Checkpoint:
-        """The cache contents now, held by page references (no copy); see :meth:`restore`."""
-        with self._exclusive("checkpoint"):
-            return self._require_paged("checkpoint").checkpoint(self, self.steps)
-
-    def restore(self, checkpoint: Checkpoint) -> None:
-        """Return the caches to ``checkpoint`` (made by this state, not released); no payload copy."""
-        with self._exclusive("restore"):
-            self.steps = self._require_paged("restore").restore(checkpoint, self)
-
-    def quantize_pages(self, indices, k_format: str | None, v_format: str | None) -> None:
-        """Convert logical blocks ``indices`` (full blocks of every row) of every layer to new formats.
-
-        ``k_format``/``v_format``: a page format name (:mod:`onnxkv.cache.formats`; a float format
-        dequantizes) or None to leave that plane; integer parameters are chosen from each page's values.
-        Each selected page gets one new payload; pages shared with other states or checkpoints are copied
-        first (:func:`~onnxkv.cache.page_convert.quantize_blocks`).  An error (bad index, unknown format,
-        OutOfMemory) leaves the state as it was.
-        """
-        with self._exclusive("quantize_pages"):
-            self._require_paged("quantize_pages").quantize_pages(indices, k_format, v_format)
-
-    def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
-        """The committed cache as ``PagedCacheProto`` bytes (:mod:`onnxkv.cache.serialize`), also written
-        atomically to ``path`` if given (:func:`onnxkv.cache.serialize.save`; a file readable by its owner only)."""
-        with self._exclusive("save_cache"):
-            snapshot = self._require_paged("save_cache").snapshot()
-        return serialize.encode(snapshot) if path is None else serialize.save(snapshot, path)
-
-    def load_cache(self, source: bytes | str | os.PathLike) -> None:
-        """Replace the caches by a saved cache (bytes or a file from :meth:`save_cache`); all or nothing.
-
-        The next run continues where the saved state stopped.  A cache file is untrusted: before a page
-        is taken, the load checks its size against what ``max_pages`` could hold (InputError, before it is
-        read), the frame (SerializationError), the model (signature, block size, layers; InputError), every
-        rule of :func:`onnxkv.cache.serialize.validate`, and the state
-        (:func:`onnxkv.cache.snapshot.paged_from_snapshot`: capacity, window, table size, InputError; free
-        pages, OutOfMemory).  On any error the state, its pool, forks and checkpoints are exactly as they
-        were.  StateError on a contiguous state; InputError for a ``source`` neither bytes nor a path, or an
-        unreadable file (the OSError chained).
-        """
-        store = self._require_paged("load_cache", held=False)
-        snapshot = store.decode(source)
-        with self._exclusive("load_cache"):
-            store.load(snapshot)
-            self.steps = 0

@@ -88,7 +88,6 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
-from onnxkv._kernels import decode_token as _decode_kernel
 from onnxkv._kernels._record import current as _recorder
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
@@ -99,8 +98,8 @@ from onnxkv.plan.ops._attention_math import (
     paged_causal_attention,
     position_bias,
 )
+from onnxkv.plan.ops._gqa_decode import fused_decode
 from onnxkv.plan.ops._gqa_inputs import check_int32, check_past, row_lengths, scalar_total, split_qkv
-from onnxkv.plan.ops._gqa_record import note_decode
 from onnxkv.plan.ops._gqa_window import keep, stage, window_end
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -113,9 +112,6 @@ _INPUTS = (
     "k_scale", "v_scale", "q_norm_weight", "k_norm_weight", "query_seqlens",
 )  # fmt: skip
 _SUPPORTED_INPUTS = 12
-#: New tokens of one sequence the fused call takes at most (a decode step, a speculative verification); a
-#: longer run (a prompt chunk) takes the general path, whose attention splits its queries into tiles.
-FUSED_TOKENS = 16
 _INT32_MAX = 2**31 - 1
 
 
@@ -391,120 +387,8 @@ class GroupQueryAttention(Op):
         return (output, *presents)[: len(self.node.output)]
 
     def _decode_token(self, inputs: list, rt: RunContext) -> tuple | None:
-        """The outputs of a few tokens of one sequence into a state's float32 cache, or None.
-
-        The general path's result for the common decode call -- batch 1, S new
-        tokens (1 <= S <= ``FUSED_TOKENS``: a decode step, or a speculative
-        verification) after a past, float32 Q/K/V (separate or packed), the
-        state's contiguous float32 caches bound in place with room for the
-        tokens, no position_ids / attention_bias / head_sink / smooth_softmax,
-        rotary (if any) from the node's constant tables -- computed by the
-        fused kernel (:func:`onnxkv._kernels.decode_token`: the general path's
-        rotary, append and attention in one call, bit for bit), which skips the
-        general path's per-call array building and Python.  A cache that must
-        grow grows first, as in the general path.  Anything else, including
-        every argument the general path would refuse, returns None with no
-        cache byte written and takes the general path (which raises its
-        errors).
-        """
-        if len(inputs) < 7 or any(x is not None for x in inputs[9:]) or self.smooth_softmax or not self.bound:
-            return None
-        query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
-        caches = rt.caches
-        past_k_name, past_v_name = self._past_names
-        if caches is None or past_k_name not in caches or past_key is None or past_value is None:
-            return None
-        ck, cv = caches[past_k_name], caches[past_v_name]
-        if (
-            getattr(ck, "paged", False)
-            or ck.storage != "float32"
-            or cv.storage != "float32"
-            or past_key.shape != past_value.shape
-            or past_key.ndim != 4
-            or not isinstance(query, np.ndarray)
-            or query.ndim != 3
-            or query.shape[0] != 1
-            or not 1 <= query.shape[1] <= FUSED_TOKENS
-        ):
-            return None
-        if (
-            not isinstance(seqlens_k, np.ndarray)
-            or seqlens_k.shape != (1,)
-            or seqlens_k.dtype.kind not in "iu"
-            or not isinstance(total_seqlen, np.ndarray)
-            or total_seqlen.size != 1
-            or total_seqlen.dtype.kind not in "iu"
-        ):
-            return None
-        n = query.shape[1]
-        past_len = past_key.shape[2]
-        total, total_b = int(total_seqlen.reshape(-1)[0]), int(seqlens_k[0]) + 1
-        # Not a first prompt (S == total), the general path's total_sequence_length and seqlens_k ranges, and
-        # an append exactly at the committed length: a past the row never wrote is refused there, and a rewrite
-        # of committed positions is saved there first so that a failed run can restore it.
-        if not n < total <= past_len + n or not n <= total_b <= total or total_b - n != ck.length:
-            return None
-        cos = sin = None
-        if self.do_rotary:
-            tables = self._tables
-            if (
-                tables is None
-                or len(inputs) < 9
-                or inputs[7] is not tables[0]
-                or inputs[8] is not tables[1]
-                or total_b > tables[2].shape[0]
-            ):
-                return None
-            cos, sin = tables[2], tables[3]
-        hq, hkv = self.num_heads, self.kv_num_heads
-        if key is None and value is None and query.shape[2] == (hq + 2 * hkv) * past_key.shape[3]:
-            # packed QKV (the GenAI builder's fused projection): each token's q, k, v are contiguous slices
-            d = past_key.shape[3]
-            query, key, value = query[..., : hq * d], query[..., hq * d : (hq + hkv) * d], query[..., (hq + hkv) * d :]
-        if past_key.shape[:2] != (1, hkv) or past_key.shape[3] * hq != query.shape[2]:
-            return None
-        present_len = max(total, past_len)
-        if present_len > ck.capacity or present_len > cv.capacity:
-            # growth, as the general path's cache writes grow: only for arguments it accepts up to there
-            shape = (1, n, hkv * past_key.shape[3])
-            if (
-                query.dtype != np.float32
-                or key is None
-                or value is None
-                or key.dtype != np.float32
-                or value.dtype != np.float32
-                or key.shape != shape
-                or value.shape != shape
-            ):
-                return None
-        grown = ck.reserve(present_len), cv.reserve(present_len)
-        output = rt.empty(0, (1, n, query.shape[2]), np.float32)
-        done = _decode_kernel(
-            query,
-            key,
-            value,
-            cos,
-            sin,
-            self.interleaved,
-            ck.buffer,
-            cv.buffer,
-            total_b - n,
-            float(self._softmax_scale(query.shape[2] // hq)),
-            self.softcap,
-            self.window,
-            output,
-        )
-        # Record growth even when the kernel declined (the general path then finds the room made).
-        written = n if done else 0
-        present_k = rt.cache_appended(past_k_name, written, present_len, grown[0], total_b - n)
-        present_v = rt.cache_appended(past_v_name, written, present_len, grown[1], total_b - n)
-        if not done:
-            return None
-        outs = (output, present_k if self.has_present[0] else None, present_v if self.has_present[1] else None)
-        rec = _recorder()
-        if rec is not None:
-            note_decode(self, rec, (query, key, value, cos, sin), ck, cv, seqlens_k, total_seqlen, output)
-        return outs[: len(self.node.output)]
+        """The fused decode call's outputs, or None for the general path (:func:`._gqa_decode.fused_decode`)."""
+        return fused_decode(self, inputs, rt)
 
     def _softmax_scale(self, d: int) -> float:
         """The ``scale`` attribute, or ``1/sqrt(head_size)`` when it is 0."""

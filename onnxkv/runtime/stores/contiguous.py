@@ -23,6 +23,7 @@ import numpy as np
 
 from onnxkv.cache.contiguous import CacheTensor
 from onnxkv.errors import CacheCapacityError, InputError
+from onnxkv.plan.step_loop import StepsRun, run_steps
 from onnxkv.runtime.stores.protocol import StoreContext, batch_and_length
 
 __all__ = ["ContiguousStore"]
@@ -89,6 +90,21 @@ class ContiguousStore:
             c.discard()
         if self._fresh:  # the first run made the caches: a failure leaves the store holding nothing, as before
             self.close()
+
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> StepsRun | None:
+        """Decode steps replayed in C (:func:`~onnxkv.plan.step_loop.run_steps`), committed; discarded if
+        they raise (the caches stay: they were made by an earlier run)."""
+        if self.caches is None:
+            return None
+        self._fresh = False
+        try:
+            run = run_steps(plan, self.feeds(feeds), self.caches, int(count), names, eos, draws)
+        except BaseException:
+            self.discard()
+            raise
+        if run is not None and run.steps:
+            self.commit({})
+        return run
 
     # -- contents ----------------------------------------------------------------------
     @property

@@ -91,6 +91,10 @@ class DeclaredStore:
             ):
                 self._store(name, value)
 
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> None:
+        """Whole decode steps are replayed over contiguous caches only: None, nothing run."""
+        return None
+
     def discard(self) -> None:
         for name in self._fresh:
             self._drop(name)

@@ -263,6 +263,10 @@ class PagedStore:
         if converted:
             self.ctx.log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
 
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> None:
+        """Whole decode steps are replayed over contiguous caches only: None, nothing run."""
+        return None
+
     def discard(self) -> None:
         self.cache.discard()
         if self._fresh:  # the first run made the cache: a failure leaves the store holding nothing, as before

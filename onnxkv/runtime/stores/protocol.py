@@ -53,6 +53,10 @@ class Store(Protocol):
     def discard(self) -> None:
         """Forget the run: every value, length, page and byte count as before :meth:`prepare`."""
 
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> Any:
+        """Up to ``count`` decode steps of ``plan`` in one call, committed (:func:`onnxkv.plan.step_loop.run_steps`,
+        its arguments and result), or None with nothing run: only contiguous caches replay whole steps."""
+
     @property
     def values(self) -> dict[str, np.ndarray]:
         """Views or copies of the valid contents, by bound input name."""

@@ -1,0 +1,126 @@
+"""The paged API of a :class:`~onnxkv.runtime.state.State`: fork, reorder, checkpoint and restore, page
+formats, saving and loading the cache.
+
+Every method needs a paged state (``session.new_state(cache="paged")``;
+StateError otherwise) and works on its
+:class:`~onnxkv.runtime.stores.paged.PagedStore` under the state's rules:
+one call at a time, and an error leaves the state, its pool, forks and
+checkpoints exactly as they were.  Page payloads are never copied by these
+calls except where a method says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnxkv.cache import serialize
+from onnxkv.errors import InputError, StateError
+from onnxkv.runtime.stores import Checkpoint, PagedStore, StoreContext
+
+if TYPE_CHECKING:
+    from onnxkv.runtime.state import State
+
+__all__ = ["MAX_FORKS", "PagedAPI"]
+
+#: Most forks one :meth:`State.fork` call makes (each is a state of its own; beams and trees need far fewer).
+MAX_FORKS = 1 << 16
+
+
+class PagedAPI:
+    """The paged methods of :class:`~onnxkv.runtime.state.State` (module docstring); a State's base class,
+    reading the state's store, storage keywords and call guard."""
+
+    session: object
+    paged: bool
+    cache: str
+    steps: int
+    allocator: object
+    _store: PagedStore
+    _ctx: StoreContext
+    _keywords: dict
+    _check_open: Callable[[str], None]
+    _exclusive: Callable[[str], contextlib.AbstractContextManager]
+
+    def _require_paged(self, api: str, held: bool = True) -> PagedStore:
+        self._check_open(api)
+        if not self.paged:
+            raise StateError(
+                f"State.{api}: needs a paged state (session.new_state(cache='paged')); "
+                f"this state's cache is '{self.cache}'"
+            )
+        if held and self._store.cache is None:
+            raise StateError(f"State.{api}: the state holds no cache yet (run it first)")
+        return self._store
+
+    def fork(self, n: int = 1) -> list[State]:
+        """``n`` new states sharing every page of this one (no payload byte copied); each continues on its
+        own, its first write into a shared page copying that page only (``cow_copied_bytes``).  ``n``: an
+        int in ``[1, MAX_FORKS]`` (InputError otherwise, before any fork is made)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_FORKS:
+            raise InputError(f"State.fork: n must be an int in [1, {MAX_FORKS}], got {n!r}")
+        with self._exclusive("fork"):
+            store = self._require_paged("fork")
+            keywords = {**self._keywords, "allocator": self.allocator}
+            out = [type(self)(self.session, **keywords, _pool=store.pool) for _ in range(int(n))]
+            for st in out:
+                st._store.cache, st.steps = store.share(), self.steps
+            self._ctx.log("fork", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+            return out
+
+    def reorder(self, indices) -> None:
+        """Row ``i`` becomes old row ``indices[i]`` (beam search; ``len(indices)`` may differ from the
+        batch): page tables permuted, reference counts adjusted, no payload byte copied."""
+        with self._exclusive("reorder"):
+            self._require_paged("reorder").reorder(indices)
+
+    def checkpoint(self) -> Checkpoint:
+        """The cache contents now, held by page references (no copy); see :meth:`restore`."""
+        with self._exclusive("checkpoint"):
+            return self._require_paged("checkpoint").checkpoint(self, self.steps)
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        """Return the caches to ``checkpoint`` (made by this state, not released); no payload copy."""
+        with self._exclusive("restore"):
+            self.steps = self._require_paged("restore").restore(checkpoint, self)
+
+    def quantize_pages(self, indices, k_format: str | None, v_format: str | None) -> None:
+        """Convert logical blocks ``indices`` (full blocks of every row) of every layer to new formats.
+
+        ``k_format``/``v_format``: a page format name (:mod:`onnxkv.cache.formats`; a float format
+        dequantizes) or None to leave that plane; integer parameters are chosen from each page's values.
+        Each selected page gets one new payload; pages shared with other states or checkpoints are copied
+        first (:func:`~onnxkv.cache.page_convert.quantize_blocks`).  An error (bad index, unknown format,
+        OutOfMemory) leaves the state as it was.
+        """
+        with self._exclusive("quantize_pages"):
+            self._require_paged("quantize_pages").quantize_pages(indices, k_format, v_format)
+
+    def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
+        """The committed cache as ``PagedCacheProto`` bytes (:mod:`onnxkv.cache.serialize`), also written
+        atomically to ``path`` if given (:func:`onnxkv.cache.serialize.save`; a file readable by its owner only)."""
+        with self._exclusive("save_cache"):
+            snapshot = self._require_paged("save_cache").snapshot()
+        return serialize.encode(snapshot) if path is None else serialize.save(snapshot, path)
+
+    def load_cache(self, source: bytes | str | os.PathLike) -> None:
+        """Replace the caches by a saved cache (bytes or a file from :meth:`save_cache`); all or nothing.
+
+        The next run continues where the saved state stopped.  A cache file is untrusted: before a page
+        is taken, the load checks its size against what ``max_pages`` could hold (InputError, before it is
+        read), the frame (SerializationError), the model (signature, block size, layers; InputError), every
+        rule of :func:`onnxkv.cache.serialize.validate`, and the state
+        (:func:`onnxkv.cache.snapshot.paged_from_snapshot`: capacity, window, table size, InputError; free
+        pages, OutOfMemory).  On any error the state, its pool, forks and checkpoints are exactly as they
+        were.  StateError on a contiguous state; InputError for a ``source`` neither bytes nor a path, or an
+        unreadable file (the OSError chained).
+        """
+        store = self._require_paged("load_cache", held=False)
+        snapshot = store.decode(source)
+        with self._exclusive("load_cache"):
+            store.load(snapshot)
+            self.steps = 0
