@@ -159,6 +159,12 @@ def test_a_failed_loop_leaves_the_state_as_it_was(monkeypatch):
         with pytest.raises(MemoryError, match="step 4"):
             st.decode_steps(feeds, 6, **_io(sess))
         assert st.length == 6 and st.steps == 3
+        # a second state whose only run made its caches (the prefill) replays the step the first recorded
+        with sess.new_state() as fresh:
+            _, ffeeds, _ = _start(sess, fresh, prompt, 0)
+            with pytest.raises(MemoryError, match="step 4"):
+                fresh.decode_steps(ffeeds, 6, **_io(sess))
+            assert fresh.length == 4 and fresh.steps == 1 and len(fresh.values) == len(st.values)
         monkeypatch.setattr(step_loop, "decode_steps", real)
         got, _ = _one_by_one(sess, st, b, feeds, 6)
         assert got == want
