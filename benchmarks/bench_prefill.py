@@ -13,6 +13,10 @@ the other (``--rounds`` alternates their order), with the same thread count:
                    (``events=True``) gives the seconds of every operator type
                    (``per_op_seconds``), whose timing the recording perturbs a
                    little;
+* ``onnxkv-bf16`` -- the same with ``Session(prefill_precision="bf16")``:
+                   the products of prompt chunks on bfloat16-rounded operands
+                   with float32 sums (AVX-512-BF16; left out, named on stderr,
+                   where the CPU has none);
 * ``ort-genai`` -- ``Generator.append_tokens`` of the whole prompt.
 
 Work and rates: the prompt's product FLOPs are ``2 * tokens * weights`` over
@@ -137,10 +141,11 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) ->
         state.close()
         return seconds
 
-    session = onnxkv.Session(path, threads=threads)
+    precision = "bf16" if engine == "onnxkv-bf16" else None
+    session = onnxkv.Session(path, threads=threads, prefill_precision=precision)
     prefill(session) if prompt_len <= 1024 else None  # warm the session's buffers on short prompts only
     result = {"prefill_s": prefill(session), "chunk": session.prompt_chunk(), "skipped": skipped_weights(session)}
-    logged = onnxkv.Session(path, threads=threads, events=True)
+    logged = onnxkv.Session(path, threads=threads, events=True, prefill_precision=precision)
     prefill(logged)
     per_op: dict[str, float] = {}
     for e in logged.events:
@@ -155,7 +160,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", default="128,1024,4096,16384")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--engines", default="onnxkv,ort-genai")
+    ap.add_argument("--engines", default="onnxkv,onnxkv-bf16,ort-genai")
     ap.add_argument("--out")
     ap.add_argument(
         "--worker", nargs=5, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "THREADS"), help=argparse.SUPPRESS
@@ -176,7 +181,12 @@ def main() -> None:
     except ImportError:
         genai_version = None
         engines = [e for e in engines if e != "ort-genai"]
+    from onnxkv.kernels import bf16_available
     from onnxkv.zoo.builders import SMALL
+
+    if "onnxkv-bf16" in engines and not bf16_available():
+        print("# onnxkv-bf16 left out: this CPU has no AVX-512-BF16", file=sys.stderr)
+        engines.remove("onnxkv-bf16")
 
     cfg = SMALL
     blas = blas_gemm_gflops(args.threads)
@@ -210,7 +220,7 @@ def main() -> None:
                     continue
                 samples = [r["prefill_s"] for r in ok]
                 entry[engine] = {"samples_s": samples, "median_s": median(samples)}
-                if engine == "onnxkv":
+                if engine.startswith("onnxkv"):
                     chunk = ok[0]["chunk"]
                     last = plen - (plen - 1) // chunk * chunk  # tokens of the last chunk: the only logits made
                     done = product_flops - 2.0 * (plen - last) * ok[0]["skipped"]
@@ -231,26 +241,32 @@ def main() -> None:
                         rate = entry[engine][f"{what}_gflops"]
                         entry[engine][f"{what}_blas_fraction"] = rate / blas if rate else None
                         entry[engine][f"{what}_peak_fraction"] = rate / peak if rate else None
-            a, b = entry.get("onnxkv", {}), entry.get("ort-genai", {})
-            if "median_s" in a and "median_s" in b:
-                entry["ratio_onnxkv_over_ort-genai"] = a["median_s"] / b["median_s"]
-                entry["ratio_onnxkv_over_ort-genai_per_round"] = [
-                    x / y for x, y in zip(a["samples_s"], b["samples_s"], strict=False)
-                ]
+            b = entry.get("ort-genai", {})
+            for name in ("onnxkv", "onnxkv-bf16"):
+                a = entry.get(name, {})
+                if "median_s" in a and "median_s" in b:
+                    entry[f"ratio_{name}_over_ort-genai"] = a["median_s"] / b["median_s"]
+                    entry[f"ratio_{name}_over_ort-genai_per_round"] = [
+                        x / y for x, y in zip(a["samples_s"], b["samples_s"], strict=False)
+                    ]
             results.append(entry)
     summary = []
     for e in results:
-        kv = e.get("onnxkv", {})
-        line = f"prompt {e['prompt']}: onnxkv {kv.get('median_s', float('nan')):.3f} s"
-        if "ratio_onnxkv_over_ort-genai" in e:
-            line += f", GenAI {e['ort-genai']['median_s']:.3f} s, ratio {e['ratio_onnxkv_over_ort-genai']:.2f}"
-        if kv.get("product_gflops") is not None:
-            line += (
-                f"; products {kv['product_gflops']:.0f} GFLOP/s ({kv['product_peak_fraction']:.0%} of the FMA peak, "
-                f"{kv['product_blas_fraction']:.0%} of the BLAS GEMM), attention {kv.get('attention_gflops') or 0:.0f} "
-                f"GFLOP/s ({kv.get('attention_peak_fraction') or 0:.0%} of the peak)"
-            )
-        summary.append(line)
+        for name in ("onnxkv", "onnxkv-bf16"):
+            kv = e.get(name)
+            if kv is None:
+                continue
+            line = f"prompt {e['prompt']}: {name} {kv.get('median_s', float('nan')):.3f} s"
+            if f"ratio_{name}_over_ort-genai" in e:
+                line += f", GenAI {e['ort-genai']['median_s']:.3f} s, ratio {e[f'ratio_{name}_over_ort-genai']:.2f}"
+            if kv.get("product_gflops") is not None:
+                line += (
+                    f"; products {kv['product_gflops']:.0f} GFLOP/s ({kv['product_peak_fraction']:.0%} of the FMA "
+                    f"peak, {kv['product_blas_fraction']:.0%} of the BLAS GEMM), attention "
+                    f"{kv.get('attention_gflops') or 0:.0f} GFLOP/s ({kv.get('attention_peak_fraction') or 0:.0%} "
+                    "of the peak)"
+                )
+            summary.append(line)
     emit(
         {
             "benchmark": "prefill",

@@ -97,7 +97,7 @@ class ThreadControl:
     """Applies one thread count to the kernels and BLAS around each run:
     ``with control(blas_threads):`` (see the module docstring)."""
 
-    def __init__(self, threads: int | None) -> None:
+    def __init__(self, threads: int | None, prefill_precision: str | None = None) -> None:
         if threads is None:
             threads = default_threads()
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= _kernels.MAX_THREADS:
@@ -105,6 +105,8 @@ class ThreadControl:
                 f"threads must be a positive int (at most {_kernels.MAX_THREADS}) or None, got {threads!r}"
             )
         self.threads = threads
+        #: The kernels' prefill_precision around each run (None: the calling thread's).
+        self.precision = prefill_precision
 
     def decode_loop(self) -> _BlasHold:
         """A context manager around a loop of decode-sized runs (a generation loop): BLAS
@@ -116,7 +118,8 @@ class ThreadControl:
     def __call__(self, blas_threads: int | None = None) -> _Run:
         """A context manager for one run: the calling thread's kernels use
         ``threads``, BLAS ``blas_threads`` (default: ``threads``)."""
-        return _Run(self.threads, self.threads if blas_threads is None else max(1, min(blas_threads, self.threads)))
+        blas = self.threads if blas_threads is None else max(1, min(blas_threads, self.threads))
+        return _Run(self.threads, blas, self.precision)
 
 
 class _BlasHold:
@@ -144,8 +147,11 @@ class _Run:
 
     __slots__ = ("_scope", "_blas")
 
-    def __init__(self, threads: int, blas: int) -> None:
-        self._scope = _kernels.use_settings(_kernels.current_settings().replace(threads=threads))
+    def __init__(self, threads: int, blas: int, precision: str | None = None) -> None:
+        settings = _kernels.current_settings().replace(threads=threads)
+        if precision is not None:
+            settings = settings.replace(prefill_precision=precision)
+        self._scope = _kernels.use_settings(settings)
         self._blas = _BlasHold(blas)
 
     def __enter__(self) -> _Run:

@@ -4,7 +4,9 @@ Settings (thread count, instruction-set level, AMX) belong to the calling
 Python thread and travel with each kernel call:
 
 * :class:`KernelSettings` -- an immutable value (``threads``, ``simd`` =
-  ``"auto" | "avx512" | "avx2" | "scalar"``, ``amx``);
+  ``"auto" | "avx512" | "avx2" | "scalar"``, ``amx``, ``prefill_precision`` =
+  ``"float32" | "bf16"``: prompt products in bfloat16 where
+  :func:`bf16_available`);
 * :func:`use_settings` -- a context manager installing one for the calling
   thread (restored on exit); :func:`current_settings`; :func:`simd_levels`
   (the levels this CPU and OS run, lowest first);
@@ -29,6 +31,7 @@ import importlib
 
 from onnxkv._kernels import (
     KernelSettings,
+    bf16_available,
     current_settings,
     get_num_threads,
     set_num_threads,
@@ -42,6 +45,7 @@ __all__ = [
     "use_settings",
     "current_settings",
     "simd_levels",
+    "bf16_available",
     "set_num_threads",
     "get_num_threads",
     "set_simd_enabled",

@@ -49,6 +49,7 @@ _MODULES = {
         "current_settings",
         "use_settings",
         "simd_levels",
+        "bf16_available",
         "MAX_THREADS",
         "set_num_threads",
         "get_num_threads",

@@ -16,11 +16,13 @@ cdef extern from "simd.h" nogil:
         int adaptive
         int vnni
         int flash
+        int bf16
 
 cdef okv_settings okv_settings_get() noexcept nogil
 cdef okv_settings *okv_settings_mine() noexcept nogil
 cdef int okv_avx512_usable() noexcept nogil
 cdef int okv_amx_usable() noexcept nogil
+cdef int okv_bf16_usable() noexcept nogil
 
 cdef int64_t okv_now_ns() noexcept nogil
 cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil

@@ -40,9 +40,11 @@ cdef extern from "simd.h" nogil:
     int okv_cpu_simd_ok()
     int okv_cpu_avx512_ok()
     int okv_cpu_amx_ok()
+    int okv_cpu_bf16_ok()
     void okv_cpu_flags(int *flags)
     int OKV_HAVE_VNNI
     int OKV_HAVE_AMX
+    int OKV_HAVE_BF16
 
 cdef extern from *:
     """
@@ -83,10 +85,13 @@ cdef int _max = _max_level(os.environ)
 cdef int _cpu_ok = _max >= 1 and okv_simd_compiled() and okv_cpu_simd_ok()
 cdef int _avx512_ok = _cpu_ok and _max >= 2 and okv_cpu_avx512_ok()
 cdef int _amx_ok = _avx512_ok and okv_cpu_amx_ok()
+# bfloat16 products (prefill_precision="bf16") need AVX-512-BF16 at the AVX-512 level; AMX-BF16 is not used.
+cdef int _bf16_ok = _avx512_ok and okv_cpu_bf16_ok()
+_PRECISIONS = ("float32", "bf16")
 # The process defaults: set here, at import, and never changed (a thread's settings start as a copy).
 cdef okv_settings _defaults = okv_settings(
     threads=default_threads(), simd=_cpu_ok, avx512=_avx512_ok, amx=_amx_ok, prefetch=2,
-    pf_qk_lines=48, prefill_rg=4, split_tasks=0, paged_heads=0, adaptive=1, vnni=1, flash=1)
+    pf_qk_lines=48, prefill_rg=4, split_tasks=0, paged_heads=0, adaptive=1, vnni=1, flash=1, bf16=0)
 
 
 cdef inline okv_thread_settings *_thread() noexcept nogil:
@@ -118,6 +123,11 @@ cdef int okv_avx512_usable() noexcept nogil:
 cdef int okv_amx_usable() noexcept nogil:
     """1 when this process may run the AMX tiles (inside the AVX-512 level)."""
     return _amx_ok
+
+
+cdef int okv_bf16_usable() noexcept nogil:
+    """1 when this process may run the AVX-512-BF16 products (prefill_precision="bf16")."""
+    return _bf16_ok
 
 
 def simd_levels() -> tuple:
@@ -172,8 +182,25 @@ cdef int _set_amx(okv_settings *s, amx) except -1:
     return 0
 
 
+cdef int _set_precision(okv_settings *s, precision) except -1:
+    if not isinstance(precision, str) or precision not in _PRECISIONS:
+        raise ValueError(f"KernelSettings: prefill_precision must be 'float32' or 'bf16', got {precision!r}")
+    if precision == "bf16" and not _bf16_ok:
+        why = ("this build has no AVX-512-BF16 kernels" if not OKV_HAVE_BF16 else
+               "the AVX-512 level cannot run here" if not _avx512_ok else "this CPU has no AVX-512-BF16")
+        raise ValueError(f"KernelSettings: prefill_precision='bf16' is not available: {why} (it needs the "
+                         "AVX-512-BF16 dot products; 'float32' runs everywhere)")
+    s.bf16 = precision == "bf16"
+    return 0
+
+
+def bf16_available() -> bool:
+    """True when ``prefill_precision="bf16"`` can be set in this process (AVX-512-BF16 at the AVX-512 level)."""
+    return bool(_bf16_ok)
+
+
 cdef tuple _fields(const okv_settings *s):
-    return (s.threads, s.simd, s.avx512, s.amx, s.prefetch, s.pf_qk_lines, s.prefill_rg,
+    return (s.threads, s.simd, s.avx512, s.amx, s.bf16, s.prefetch, s.pf_qk_lines, s.prefill_rg,
             s.split_tasks, s.paged_heads, s.adaptive, s.vnni, s.flash)
 
 
@@ -190,6 +217,13 @@ cdef class KernelSettings:
     amx: let paged_attention score quantized keys on the AMX-INT8 tiles inside
         its AVX-512 tiles where the CPU and OS allow it (the ``amx`` attribute
         is False where they do not).
+    prefill_precision: "float32", or "bf16": ``matmul_packed`` products of at
+        least ``BF16_MIN_ROWS`` rows (prompt chunks; decode steps and
+        speculative verifications have fewer) round their activations and
+        weights to bfloat16 (nearest even, subnormals to zero) and accumulate
+        in float32 (AVX-512-BF16 dot products; the portable twin at a lower
+        ``simd`` level).  Refused, naming why, where the CPU has no
+        AVX-512-BF16 (:func:`bf16_available`).
 
     Every value is checked: a bad one raises ValueError naming the field.  The
     settings also carry the private tuning switches of the attention and
@@ -200,11 +234,12 @@ cdef class KernelSettings:
     """
     cdef okv_settings s
 
-    def __init__(self, threads=None, simd="auto", amx=True):
+    def __init__(self, threads=None, simd="auto", amx=True, prefill_precision="float32"):
         self.s = _defaults
         self.s.threads = _checked_threads(threads)
         _set_level(&self.s, simd)
         _set_amx(&self.s, amx)
+        _set_precision(&self.s, prefill_precision)
 
     @property
     def threads(self) -> int:
@@ -220,7 +255,11 @@ cdef class KernelSettings:
     def amx(self) -> bool:
         return bool(self.s.amx)
 
-    def replace(self, *, threads=_KEEP, simd=_KEEP, amx=_KEEP) -> KernelSettings:
+    @property
+    def prefill_precision(self) -> str:
+        return "bf16" if self.s.bf16 else "float32"
+
+    def replace(self, *, threads=_KEEP, simd=_KEEP, amx=_KEEP, prefill_precision=_KEEP) -> KernelSettings:
         """A copy with the given fields changed (checked as in the constructor)."""
         cdef KernelSettings r = KernelSettings.__new__(KernelSettings)
         r.s = self.s
@@ -230,6 +269,8 @@ cdef class KernelSettings:
             _set_level(&r.s, simd)
         if amx is not _KEEP:
             _set_amx(&r.s, amx)
+        if prefill_precision is not _KEEP:
+            _set_precision(&r.s, prefill_precision)
         return r
 
     def __eq__(self, other):
@@ -241,9 +282,10 @@ cdef class KernelSettings:
         return hash(_fields(&self.s))
 
     def __repr__(self):
-        tuning = [f"_{name}={v}" for name, v, d in zip(_TUNING, _fields(&self.s)[4:], _fields(&_defaults)[4:])
+        tuning = [f"_{name}={v}" for name, v, d in zip(_TUNING, _fields(&self.s)[5:], _fields(&_defaults)[5:])
                   if v != d]
         return (f"KernelSettings(threads={self.s.threads}, simd={self.simd!r}, amx={self.amx}"
+                + (", prefill_precision='bf16'" if self.s.bf16 else "")
                 + "".join(", " + t for t in tuning) + ")")
 
 
@@ -349,6 +391,7 @@ def cpu_features():
         "avx512f": bool(f[4]), "sse4_2": bool(f[5]), "popcnt": bool(f[6]),
         "simd_compiled": bool(okv_simd_compiled()),
         "vnni_compiled": bool(OKV_HAVE_VNNI), "amx_compiled": bool(OKV_HAVE_AMX),
+        "bf16_compiled": bool(OKV_HAVE_BF16), "bf16_usable": bool(_bf16_ok),
         "simd_usable": bool(_cpu_ok),
         "openmp": bool(okv_openmp_enabled()),
         "omp_num_procs": int(okv_omp_num_procs()),

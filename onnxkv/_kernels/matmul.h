@@ -379,11 +379,11 @@ OKV_AVX2 static void okv_mmp_tile_avx2_any(int mr, int np, int split, const floa
  * when NP > 1: those tiles cover full panels only). */
 #define OKV_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
+/* The accumulators of an MR x NP AVX-512 register tile: from the partial sums
+ * in c, or (first) from bias or 0; and their store (columns of mask m). */
 OKV_AVX512 static inline __attribute__((always_inline)) void
-okv_mmp_tile_avx512(const int MR, const int NP, const float *x, int64_t ldx, const float *wp, int64_t pstride,
-                    int64_t kn, float *c, int64_t ldc, __mmask16 m, int first, const float *bias) {
-    __m512 a[4][OKV_MMP_MR512], w[4];
-    int64_t k;
+okv_mmp_acc_load512(const int MR, const int NP, __m512 a[4][OKV_MMP_MR512], const float *c, int64_t ldc,
+                    __mmask16 m, int first, const float *bias) {
     int r, q;
 #pragma GCC unroll 16
     for (q = 0; q < NP; q++)
@@ -391,6 +391,24 @@ okv_mmp_tile_avx512(const int MR, const int NP, const float *x, int64_t ldx, con
         for (r = 0; r < MR; r++)
             a[q][r] = !first ? _mm512_maskz_loadu_ps(m, c + r * ldc + 16 * q)
                              : (bias ? _mm512_maskz_loadu_ps(m, bias + 16 * q) : _mm512_setzero_ps());
+}
+
+OKV_AVX512 static inline __attribute__((always_inline)) void
+okv_mmp_acc_store512(const int MR, const int NP, __m512 a[4][OKV_MMP_MR512], float *c, int64_t ldc, __mmask16 m) {
+    int r, q;
+#pragma GCC unroll 16
+    for (q = 0; q < NP; q++)
+#pragma GCC unroll 16
+        for (r = 0; r < MR; r++) _mm512_mask_storeu_ps(c + r * ldc + 16 * q, m, a[q][r]);
+}
+
+OKV_AVX512 static inline __attribute__((always_inline)) void
+okv_mmp_tile_avx512(const int MR, const int NP, const float *x, int64_t ldx, const float *wp, int64_t pstride,
+                    int64_t kn, float *c, int64_t ldc, __mmask16 m, int first, const float *bias) {
+    __m512 a[4][OKV_MMP_MR512], w[4];
+    int64_t k;
+    int r, q;
+    okv_mmp_acc_load512(MR, NP, a, c, ldc, m, first, bias);
     for (k = 0; k < kn; k++) {
 #pragma GCC unroll 16
         for (q = 0; q < NP; q++) {
@@ -405,10 +423,7 @@ okv_mmp_tile_avx512(const int MR, const int NP, const float *x, int64_t ldx, con
             for (q = 0; q < NP; q++) a[q][r] = _mm512_fmadd_ps(xb, w[q], a[q][r]);
         }
     }
-#pragma GCC unroll 16
-    for (q = 0; q < NP; q++)
-#pragma GCC unroll 16
-        for (r = 0; r < MR; r++) _mm512_mask_storeu_ps(c + r * ldc + 16 * q, m, a[q][r]);
+    okv_mmp_acc_store512(MR, NP, a, c, ldc, m);
 }
 
 /* np: panels in the tile (1, or the okv_mmp_shape choice: 4, 3 or 2). */

@@ -25,11 +25,11 @@ in the same order whatever the thread count, so results do not depend on it.
   next products run on the calling thread alone, then the team is tried
   again (on free cores no product is late, so the team always runs).
 """
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from cython.parallel cimport prange
 
-from onnxkv._kernels._runtime cimport (okv_avx512_usable, okv_grain, okv_now_ns, okv_settings,
+from onnxkv._kernels._runtime cimport (okv_avx512_usable, okv_bf16_usable, okv_grain, okv_now_ns, okv_settings,
                                        okv_settings_get, okv_settings_mine, okv_team_finished, okv_team_solo,
                                        okv_team_threads)
 from onnxkv._kernels._ranges cimport _disjoint
@@ -52,6 +52,26 @@ cdef extern from "matmul.h" nogil:
     int64_t okv_matmul_claim_setup(uint64_t *ranges, int isa, int64_t M, int64_t K, int64_t P, int nt)
     int okv_mmp_avx512_usable()
     int OKV_MMP_SCALAR, OKV_MMP_AVX2, OKV_MMP_AVX512
+
+cdef extern from "claim.h" nogil:
+    int64_t okv_claim_setup(uint64_t *ranges, int64_t P, int nt, int64_t unit)
+    int64_t okv_claim_run(uint64_t *ranges, int nt, int t, int64_t chunk, void (*fn)(void *, int64_t, int64_t),
+                          void *ctx)
+
+cdef extern from "matmul_bf16.h" nogil:
+    ctypedef struct okv_mmb_work:
+        const uint32_t *xb
+        const float *wp
+        const float *bias
+        float *out
+        uint16_t *wb
+        int64_t M, K, N, ws
+        int hw
+    void okv_mmb_work_range(void *ctx, int64_t lo, int64_t hi)
+    int64_t okv_mmb_ws_halves(int64_t M, int64_t K)
+    void okv_bf16_rows_scalar(const float *x, int64_t M, int64_t K, uint32_t *xb)
+    void okv_bf16_rows_avx512(const float *x, int64_t M, int64_t K, uint32_t *xb)
+    int OKV_BF16_MIN_ROWS
 
 cdef extern from "fma_probe.h" nogil:
     float okv_fma_probe(int isa, int64_t n)
@@ -242,10 +262,12 @@ def _set_adaptive(enabled, solo=0):
     return old
 
 
-cdef void matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *wp, int64_t P, int64_t N,
-                            const float *bias, float *out, okv_settings s) noexcept nogil:
+cdef int matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *wp, int64_t P, int64_t N,
+                           const float *bias, float *out, okv_settings s) noexcept nogil:
     """out [M, N] = x [M, K] @ w (+ bias) with w packed as wp [P, K, PANEL], P = ceil(N / PANEL); checked,
-    non-empty, non-overlapping arguments (``matmul_packed``'s conditions).
+    non-empty, non-overlapping arguments (``matmul_packed``'s conditions).  Returns 0, or -1 with nothing
+    written when the bfloat16 path (``s.bf16`` and M >= OKV_BF16_MIN_ROWS: :func:`_matmul_bf16`) could not
+    allocate its workspace.
 
     Threads claim chunks of panels (okv_matmul_packed_claim): each its own
     contiguous range from the front, then the others' from the back, so a
@@ -263,10 +285,12 @@ cdef void matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *w
         nt = <int>P
     if P >= (<int64_t>1 << 31):   # beyond the claim words (a weight of > 2^35 columns)
         nt = 1
+    if s.bf16 and M >= OKV_BF16_MIN_ROWS:
+        return _matmul_bf16(x, M, K, wp, P, N, bias, out, s, nt)
     nt = okv_team_threads(s, nt)
     if nt == 1:
         okv_matmul_packed_f32(x, M, K, wp, N, bias, out, 0, P, isa)
-        return
+        return 0
     if nt > MAX_TEAM:
         nt = MAX_TEAM
     chunk = okv_matmul_claim_setup(ranges, isa, M, K, P, nt)
@@ -277,12 +301,52 @@ cdef void matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *w
         if t == 0:
             done[0] = okv_now_ns()
     okv_team_finished(s, t0, done[0])
+    return 0
 
 
-cdef void _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
-                         float[:, ::1] out, okv_settings s) noexcept nogil:
-    """``matmul_packed_ptr`` on typed buffers."""
-    matmul_packed_ptr(&x[0, 0], x.shape[0], x.shape[1], &wp[0, 0, 0], wp.shape[0], out.shape[1], bias, &out[0, 0], s)
+cdef int _matmul_bf16(const float *x, int64_t M, int64_t K, const float *wp, int64_t P, int64_t N,
+                      const float *bias, float *out, okv_settings s, int nt) noexcept nogil:
+    """``matmul_packed_ptr`` in bfloat16 (matmul_bf16.h): x rounded once into pairs, each thread rounding the
+    panel lines of its tiles; the AVX-512-BF16 tiles at the AVX-512 level (``s.bf16`` is set only where the
+    CPU has them), the portable twin below it.  Panels are claimed as in the float32 product (one summation
+    order whatever the split).  Returns 0, or -1 with nothing written when memory cannot be allocated."""
+    cdef okv_mmb_work w
+    cdef uint64_t ranges[8 * MAX_TEAM]
+    cdef int64_t chunk, t
+    cdef uint32_t *xb = <uint32_t *>malloc(<size_t>(M * ((K + 1) // 2)) * sizeof(uint32_t))
+    if nt > MAX_TEAM:
+        nt = MAX_TEAM
+    w.ws = okv_mmb_ws_halves(M, K)
+    w.wb = <uint16_t *>malloc(<size_t>(w.ws * nt) * sizeof(uint16_t))
+    if xb == NULL or w.wb == NULL:
+        free(xb)
+        free(w.wb)
+        return -1
+    w.hw = s.avx512
+    if w.hw:
+        okv_bf16_rows_avx512(x, M, K, xb)
+    else:
+        okv_bf16_rows_scalar(x, M, K, xb)
+    w.xb, w.wp, w.bias, w.out, w.M, w.K, w.N = xb, wp, bias, out, M, K, N
+    if nt == 1:
+        okv_mmb_work_range(&w, 0, P)
+    else:
+        chunk = okv_matmul_claim_setup(ranges, OKV_MMP_AVX512, M, K, P, nt)
+        for t in prange(nt, num_threads=nt, schedule='static'):
+            okv_claim_run(ranges, nt, <int>t, chunk, okv_mmb_work_range, &w)
+    free(xb)
+    free(w.wb)
+    return 0
+
+
+cdef int _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
+                        float[:, ::1] out, okv_settings s) except -1:
+    """``matmul_packed_ptr`` on typed buffers; MemoryError when its workspace cannot be allocated."""
+    if matmul_packed_ptr(&x[0, 0], x.shape[0], x.shape[1], &wp[0, 0, 0], wp.shape[0], out.shape[1], bias,
+                         &out[0, 0], s) != 0:
+        raise MemoryError(f"matmul_packed: could not allocate the bfloat16 workspace of a {x.shape[0]} x "
+                          f"{x.shape[1]} x {out.shape[1]} product")
+    return 0
 
 
 cdef void _note_packed(x, wp, out, bias):
@@ -290,6 +354,27 @@ cdef void _note_packed(x, wp, out, bias):
     rec = recorder()
     if rec is not None:
         rec.note(KIND_MATMUL_PACKED, (x, wp, bias, out), (x.shape[0], x.shape[1], wp.shape[0], out.shape[1]), ())
+
+
+BF16_MIN_ROWS = OKV_BF16_MIN_ROWS
+
+
+def _bf16_pairs(x, bint hw):
+    """Test hook: the bfloat16 pairs [M, ceil(K/2)] (uint32: low half x[2j], high x[2j+1]) that a bf16
+    product rounds float32 ``x`` [M, K] into, by the AVX-512-BF16 conversion (``hw``, where
+    :func:`onnxkv._kernels._runtime.bf16_available`) or the portable one."""
+    cdef const float[:, ::1] xv = x
+    cdef int64_t M = xv.shape[0], K = xv.shape[1]
+    out = np.zeros((M, (K + 1) // 2), np.uint32)
+    cdef uint32_t[:, ::1] ov = out
+    if hw and not okv_bf16_usable():
+        raise ValueError("_bf16_pairs: the AVX-512-BF16 conversion cannot run in this process")
+    if M and K:
+        if hw:
+            okv_bf16_rows_avx512(&xv[0, 0], M, K, &ov[0, 0])
+        else:
+            okv_bf16_rows_scalar(&xv[0, 0], M, K, &ov[0, 0])
+    return out
 
 
 def _claim_in_turn(x, wp, out, int nt, order):

@@ -211,6 +211,24 @@ def bf16_from_f32(x):
     return r.astype(np.uint16)
 
 
+def bf16_round(x):
+    """The bfloat16 rounding of the bf16 products (matmul_bf16.h): nearest even, a subnormal to a zero of its
+    sign, NaN quiet; returned as float32 values."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    r = f32_from_bf16(bf16_from_f32(x))
+    return np.where((u & 0x7F800000) == 0, np.copysign(np.float32(0), x), r).astype(np.float32)
+
+
+def matmul_bf16(x, wp, out, bias=None):
+    """``matmul_packed`` with prefill_precision="bf16" (>= BF16_MIN_ROWS rows): the float64 product of the
+    bfloat16-rounded x and w (+ bias), stored as float32."""
+    n = out.shape[1]
+    w = wp.transpose(1, 0, 2).reshape(wp.shape[1], -1)[:, :n]
+    y = bf16_round(x).astype(np.float64) @ bf16_round(w).astype(np.float64)
+    out[...] = y if bias is None else y + bias
+
+
 def bf16_to_f32(x, out):
     out[...] = f32_from_bf16(x)
 

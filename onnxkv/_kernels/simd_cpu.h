@@ -1,6 +1,6 @@
 /* onnxkv/_kernels/simd_cpu.h -- platform layer of the kernels: OpenMP helpers,
  * the instruction-set macros (OKV_X86_SIMD, OKV_AVX2, OKV_AVX512BW,
- * OKV_HAVE_VNNI, OKV_HAVE_AMX), the settings of one kernel call
+ * OKV_HAVE_VNNI, OKV_HAVE_AMX, OKV_HAVE_BF16), the settings of one kernel call
  * (okv_settings) and the run-time CPU checks (okv_cpu_*_ok).
  *
  * Define OKV_NO_SIMD to compile the scalar path only (also automatic on
@@ -65,11 +65,16 @@ static int okv_thread_num(void) { return 0; }
 #ifndef OKV_HAVE_AMX
 #define OKV_HAVE_AMX OKV_CC_HAS_VNNI_AMX
 #endif
+#ifndef OKV_HAVE_BF16 /* AVX-512-BF16: matmul_bf16.h (GCC 10, Clang 9) */
+#define OKV_HAVE_BF16 OKV_CC_HAS_VNNI_AMX
+#endif
 #else
 #undef OKV_HAVE_VNNI
 #undef OKV_HAVE_AMX
+#undef OKV_HAVE_BF16
 #define OKV_HAVE_VNNI 0
 #define OKV_HAVE_AMX 0
+#define OKV_HAVE_BF16 0
 #endif
 
 /* ------------------------------------------------------------------ */
@@ -96,6 +101,7 @@ typedef struct okv_settings {
     int adaptive;     /* 1: matmul_packed runs alone for a while after a late thread team */
     int vnni;         /* 1: qmatmul's int8 dot products use VNNI (AVX-512 or AVX-VNNI) where the CPU has it */
     int flash;        /* okv_attn_args.flash: prefill units of native K/V take the tiled unit (attention_flash.h) */
+    int bf16;         /* 1: matmul_packed products of >= OKV_BF16_MIN_ROWS rows in bfloat16 (matmul_bf16.h) */
 } okv_settings;
 
 /* ------------------------------------------------------------------ */
@@ -150,6 +156,20 @@ static int okv_cpu_avx512_ok(void) {
     __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
     (void)xhi;
     return (xlo & 0xE6u) == 0xE6u;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when the AVX-512-BF16 dot products and conversions can run: the AVX-512
+ * set can, and CPUID leaf 7 sub-leaf 1 EAX bit 5 says AVX512_BF16 (compiled
+ * out, 0, without OKV_HAVE_BF16). */
+static int okv_cpu_bf16_ok(void) {
+#if OKV_X86_SIMD && OKV_HAVE_BF16
+    unsigned int a, b, c, d;
+    if (!okv_cpu_avx512_ok() || __get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 1, a, b, c, d);
+    return (a >> 5) & 1u;
 #else
     return 0;
 #endif

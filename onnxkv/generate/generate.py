@@ -16,6 +16,7 @@ from onnxkv.generate.sampling import SamplingConfig, sampling_arguments, select_
 from onnxkv.plan.step_loop import Draws
 from onnxkv.runtime.cache_config import KINDS, CacheConfig, cache_request
 from onnxkv.runtime.prompt_chunk import prompt_chunk
+from onnxkv.runtime.session import check_precision
 from onnxkv.runtime.state import State
 
 __all__ = ["generate", "GenerationResult"]
@@ -81,6 +82,7 @@ def generate(
     prefill_chunk: int | str | None = "auto",
     *,
     do_sample: bool = False,
+    prefill_precision: str | None = None,
     **deprecated,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt row.
@@ -121,6 +123,8 @@ def generate(
             cache (:meth:`~onnxkv.Session.prompt_chunk`); None feeds it whole.
             With ``Session(events=True)`` a chunked prompt records a
             ``"prompt_chunk"`` event (``extra``: chunk, prompt_tokens, chunks).
+        prefill_precision: the prompt's products in ``"bf16"`` or ``"float32"`` for this call
+            (see :class:`~onnxkv.Session`); None: the session's.  Decode steps are float32 either way.
         deprecated: ``capacity=``, ``cache_dtype=``, ``block_size=``,
             ``kv_format=`` (now CacheConfig fields) work for one release with a
             DeprecationWarning; ``cache="auto"`` is the deprecated spelling of None.
@@ -141,6 +145,7 @@ def generate(
     auto_chunk = isinstance(prefill_chunk, str) and prefill_chunk == "auto"
     if not auto_chunk:
         prefill_chunk = optional_int(api, "prefill_chunk", prefill_chunk, 1)
+    check_precision(api, prefill_precision)
     sess = as_session(api, "model", model, threads)
     model = sess.model
     vocab = sess.token_limit
@@ -206,12 +211,13 @@ def generate(
     if max_new_tokens > 0:
         feeds, read = builder.first()
         t0 = time.perf_counter()
-        # A chunk before the last asks for no output: only its cache writes run (not the LM head).
-        out = run(feeds, [] if chunked else fetch)
-        for c0 in range(first_len, L if chunked else 0, first_len):
-            chunk = ids[:, c0 : c0 + first_len]
-            out = run(builder.next(chunk, out), fetch if c0 + first_len >= L else [])
-            read = np.array([chunk.shape[1] - 1])
+        with sess.precision(prefill_precision):
+            # A chunk before the last asks for no output: only its cache writes run (not the LM head).
+            out = run(feeds, [] if chunked else fetch)
+            for c0 in range(first_len, L if chunked else 0, first_len):
+                chunk = ids[:, c0 : c0 + first_len]
+                out = run(builder.next(chunk, out), fetch if c0 + first_len >= L else [])
+                read = np.array([chunk.shape[1] - 1])
         prefill = time.perf_counter() - t0
         # The steps of one sequence on a contiguous state may run as one call (State.decode_steps).
         names = builder.decode_names

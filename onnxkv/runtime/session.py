@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
+from onnxkv._kernels import current_settings
 from onnxkv._threads import ThreadControl
 from onnxkv.alloc import as_allocator
 from onnxkv.errors import InputError
@@ -22,10 +23,22 @@ from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_requ
 from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.state import State
 
-__all__ = ["Session", "DECODE_ROWS"]
+__all__ = ["Session", "DECODE_ROWS", "check_precision"]
 
 #: Runs feeding at most this many tokens keep BLAS single-threaded (see onnxkv._threads).
 DECODE_ROWS = 16
+
+
+def check_precision(api: str, precision: str | None) -> str | None:
+    """``precision`` if it is None, ``"float32"``, or ``"bf16"`` where this process can run it; else InputError
+    naming ``api`` and why."""
+    if precision is None:
+        return None
+    try:
+        current_settings().replace(prefill_precision=precision)
+    except ValueError as e:
+        raise InputError(f"{api}: prefill_precision={precision!r}: {str(e).split(': ', 1)[1]}") from None
+    return precision
 
 
 class Session:
@@ -50,6 +63,14 @@ class Session:
             calls of its compilable nodes instead of running them through Python,
             bit for bit the same (see :mod:`onnxkv.plan.compiled_step`); False runs
             every node through Python.
+        prefill_precision: ``"bf16"`` runs the products of packed weights with at
+            least ``BF16_MIN_ROWS`` (32) rows -- prompt chunks, not decode steps or
+            speculative verifications -- on bfloat16-rounded activations and weights
+            with float32 sums (AVX-512-BF16; caches and decode stay float32; the
+            fidelity is measured in ``docs/sessions.md``); ``"float32"`` keeps every
+            product in float32; None (default) keeps the calling thread's kernel
+            setting (``KernelSettings.prefill_precision``, float32 unless changed).
+            ``"bf16"`` raises InputError where the CPU has no AVX-512-BF16.
 
     The plan is built once here.  ``run`` may be called any number of times;
     each call is independent.  One session must not run from two threads at once.
@@ -62,11 +83,12 @@ class Session:
         allocator=None,
         events: bool = False,
         compiled_steps: bool = True,
+        prefill_precision: str | None = None,
     ) -> None:
         self.model = model if isinstance(model, Model) else load(model)
         self.allocator = as_allocator(allocator)
         self.events = EventLog(enabled=bool(events))
-        self._threads = ThreadControl(threads)
+        self._threads = ThreadControl(threads, check_precision("Session", prefill_precision))
         conv = self.model.convention
         contract = Contract.from_model(self.model.proto)
         if contract.output_aliases or contract.access or contract.alias_of or contract.persistent_bindings:
@@ -150,6 +172,24 @@ class Session:
         (:meth:`onnxkv._threads.ThreadControl.decode_loop`); otherwise it does nothing.
         Results never depend on it."""
         return self._threads.decode_loop() if tokens <= DECODE_ROWS else contextlib.nullcontext()
+
+    @property
+    def prefill_precision(self) -> str | None:
+        """The ``prefill_precision`` of this session's runs (None: the calling thread's kernel setting)."""
+        return self._threads.precision
+
+    @contextlib.contextmanager
+    def precision(self, prefill_precision: str | None):
+        """A context manager: runs inside take ``prefill_precision`` (checked as the constructor's; None:
+        the session's own); the session's setting is back afterwards (``generate(prefill_precision=...)``)."""
+        checked = check_precision("Session.precision", prefill_precision)
+        saved = self._threads.precision
+        if checked is not None:
+            self._threads.precision = checked
+        try:
+            yield self
+        finally:
+            self._threads.precision = saved
 
     def _run_plan(self, feeds, output_names, caches=None, cache_allocator=None, cancel=None) -> dict:
         ids = feeds.get(self.model.io.input_ids) if self.model.io.input_ids else None
