@@ -218,11 +218,12 @@ cdef class KernelSettings:
         its AVX-512 tiles where the CPU and OS allow it (the ``amx`` attribute
         is False where they do not).
     prefill_precision: "float32", or "bf16": ``matmul_packed`` products of at
-        least ``BF16_MIN_ROWS`` rows (prompt chunks; decode steps and
-        speculative verifications have fewer) round their activations and
-        weights to bfloat16 (nearest even, subnormals to zero) and accumulate
-        in float32 (AVX-512-BF16 dot products; the portable twin at a lower
-        ``simd`` level).  Refused, naming why, where the CPU has no
+        least ``BF16_MIN_ROWS`` rows and the tiled prefill attention of calls of
+        at least as many query tokens (prompt chunks; decode steps and
+        speculative verifications have fewer) round their operands to bfloat16
+        (nearest even, subnormals to zero) and accumulate in float32
+        (AVX-512-BF16 dot products; the portable twin at a lower ``simd``
+        level).  Refused, naming why, where the CPU has no
         AVX-512-BF16 (:func:`bf16_available`).
 
     Every value is checked: a bad one raises ValueError naming the field.  The

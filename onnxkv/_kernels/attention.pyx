@@ -66,6 +66,7 @@ cdef extern from "attention.h" nogil:
         int pf_qk_lines
         int prefill_rg
         int flash
+        int bf16
         int64_t hpu
         const uint8_t *k_fmt
         const uint8_t *v_fmt
@@ -74,6 +75,7 @@ cdef extern from "attention.h" nogil:
         int k_czp
         int amx
     int OKV_BK
+    int OKV_BF16_MIN_ROWS
     int OKV_KV_F32
     int OKV_KV_F16
     int OKV_KV_BF16
@@ -412,6 +414,7 @@ cdef int _run_units(okv_attn_args *a, int64_t maxlen, okv_settings s, int64_t *s
     a.pf_qk_lines = s.pf_qk_lines
     a.prefill_rg = s.prefill_rg
     a.flash = s.flash
+    a.bf16 = s.bf16 and a.Sq >= OKV_BF16_MIN_ROWS
     cdef int nt = s.threads, simd = 0
     cdef int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, Sq = a.Sq, D = a.D
     cdef int64_t G = Hq // Hkv, units, tq, nchunks = 1, h

@@ -39,6 +39,7 @@
 #include "attention_kv.h"
 #include "attention_softmax.h"
 #include "attention_types.h"
+#include "bf16_round.h"
 
 #ifndef OKV_I   /* compiled alone: the scalar level */
 #define OKV_FL_ALONE 1
@@ -173,29 +174,144 @@ OKV_INLINE OKV_ATTR void OKV_I(okv_fl_pv_db)(const float *P, int64_t n, const fl
         for (v = 0; v < OKV_FL_RV; v++) FV_ST(Ot + dd * OKV_FL_RB + v * OKV_FL_W, acc[dd][v]);
 }
 
-/* n rows of format fmt (float16 or bfloat16), rs bytes apart, as float rows dst [n][D]. */
+/* n rows of format fmt, rs bytes apart, as float rows dst [n][D]; rounded to bfloat16 if rnd. */
 OKV_INLINE OKV_ATTR void OKV_I(okv_fl_rows)(const char *src, int64_t n, int64_t rs, int64_t D, float *dst,
-                                            const int fmt) {
+                                            const int fmt, int rnd) {
     int64_t j, d;
     for (j = 0; j < n; j++) {
         const char *p = src + j * rs;
         float *o = dst + j * D;
         d = 0;
+        if (fmt == OKV_FMT_F32) {
+            memcpy(o, p, (size_t)D * sizeof(float));
+        } else {
 #if defined(OKV_SIMD512) || defined(OKV_SIMD256)
-        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, okv_kv_ld8(p, d, fmt, 0, NULL, NULL));
+            for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, okv_kv_ld8(p, d, fmt, 0, NULL, NULL));
 #endif
-        for (; d < D; d++) o[d] = okv_kv_ld1(p, d, fmt, 0, NULL, NULL);
+            for (; d < D; d++) o[d] = okv_kv_ld1(p, d, fmt, 0, NULL, NULL);
+        }
+        if (rnd && fmt != OKV_FMT_BF16)
+            for (d = 0; d < D; d++) o[d] = okv_bf16_rounded(o[d]);
+    }
+}
+
+/* The lanes of the row block of rows [rb0, rb0 + nr) of KV head hk (token t0 + r / G, head r % G): Qt
+ * [D][RB] their query rows times scale (rounded to bfloat16 if rnd), lo / hi the key range each sees
+ * (empty: 0, 0), m = -inf, l = 0.  rng: the union [0], [1] and intersection [2], [3] of the ranges. */
+OKV_INLINE OKV_ATTR void OKV_I(okv_fl_lanes)(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t rb0,
+                                             int64_t nr, float *Qt, int32_t *lo, int32_t *hi, float *mv, float *lv,
+                                             int64_t *rng, int rnd) {
+    const int64_t D = a->D, G = a->Hq / a->Hkv, RB = OKV_FL_RB;
+    const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
+    int64_t i, d;
+    rng[0] = rng[3] = INT64_MAX;
+    rng[1] = rng[2] = INT64_MIN;
+    for (i = 0; i < RB; i++) {
+        int64_t l = 0, e = 0;
+        if (i < nr) {
+            const int64_t r = rb0 + i, t = t0 + r / G, g = r % G, p = a->q_pos[b * a->Sq + t];
+            const float *q = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t) * D;
+            l = kvs;
+            e = p + 1;
+            if (a->window >= 0 && p - a->window > l) l = p - a->window;
+            if (kvl < e) e = kvl;
+            if (l < e) {
+                if (l < rng[0]) rng[0] = l;
+                if (e > rng[1]) rng[1] = e;
+                if (l > rng[2]) rng[2] = l;
+                if (e < rng[3]) rng[3] = e;
+            } else {
+                l = e = 0;
+            }
+            for (d = 0; d < D; d++) Qt[d * RB + i] = rnd ? okv_bf16_rounded(a->scale * q[d]) : a->scale * q[d];
+        } else {
+            for (d = 0; d < D; d++) Qt[d * RB + i] = 0.f;
+        }
+        lo[i] = (int32_t)l;   /* 0 <= l <= e <= kv_len: int32 */
+        hi[i] = (int32_t)e;
+        mv[i] = -INFINITY;
+        lv[i] = 0.f;
+    }
+}
+
+/* The softmax step of a tile of n keys from j0 over the scores S [n][RB]: softcap, the visibility mask (if
+ * mask), the NaN / +inf marks (bad), the running max m and sum l, Ot [D][RB] rescaled where the max grew;
+ * S becomes the probabilities (float32; the sums l take them unrounded). */
+OKV_INLINE OKV_ATTR void OKV_I(okv_fl_softmax)(const okv_attn_args *a, float *S, int64_t n, int64_t j0, int mask,
+                                               const int32_t *lo, const int32_t *hi, float *mv, float *lv,
+                                               float *Ot, unsigned *bad) {
+    enum { RB = OKV_FL_RB, W = OKV_FL_W, RV = OKV_FL_RV };
+    const int64_t D = a->D;
+    okv_fv mt[RV], mu[RV], ls[RV];
+    int64_t i, j, d;
+    int v;
+    if (a->softcap > 0.f)
+        for (i = 0; i < n * RB; i++) S[i] = a->softcap * tanhf(S[i] / a->softcap);
+    /* mask, marks, tile max */
+    for (v = 0; v < RV; v++) mt[v] = FV_SET(-INFINITY);
+    for (j = 0; j < n; j++)
+        for (v = 0; v < RV; v++) {
+            okv_fv s = FV_LD(S + j * RB + v * W);
+            if (mask) {
+                const okv_iv lov = IV_LD(lo + v * W), hiv = IV_LD(hi + v * W);
+                s = FV_VIS(s, j0 + j, lov, hiv);
+                FV_ST(S + j * RB + v * W, s);
+            }
+            bad[v] |= FV_BAD(s);
+            mt[v] = FV_MAX(mt[v], s);
+        }
+    /* running max: rescale l and Ot where it grew */
+    for (v = 0; v < RV; v++) {
+        const okv_fv mo = FV_LD(mv + v * W), mn = FV_MAX(mo, mt[v]);
+        const okv_fv alpha = FV_EXP(FV_SUB(mo, FV_FINITE_OR0(mn)));
+        mu[v] = FV_FINITE_OR0(mn);
+        FV_ST(mv + v * W, mn);
+        FV_ST(lv + v * W, FV_MUL(FV_LD(lv + v * W), alpha));
+        if (FV_NOT1(alpha))
+            for (d = 0; d < D; d++) FV_ST(Ot + d * RB + v * W, FV_MUL(FV_LD(Ot + d * RB + v * W), alpha));
+        ls[v] = FV_ZERO();
+    }
+    /* probabilities, their sums */
+    for (j = 0; j < n; j++)
+        for (v = 0; v < RV; v++) {
+            const okv_fv p = FV_EXP(FV_SUB(FV_LD(S + j * RB + v * W), mu[v]));
+            FV_ST(S + j * RB + v * W, p);
+            ls[v] = FV_ADD(ls[v], p);
+        }
+    for (v = 0; v < RV; v++) FV_ST(lv + v * W, FV_ADD(FV_LD(lv + v * W), ls[v]));
+}
+
+/* The rows [rb0, rb0 + nr) of KV head hk normalised into out: NaN rows where marked, zeros where no key
+ * is visible or the sum is 0. */
+OKV_INLINE OKV_ATTR void OKV_I(okv_fl_out)(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t rb0,
+                                           int64_t nr, const float *Ot, const float *lv, const int32_t *lo,
+                                           const int32_t *hi, const unsigned *bad) {
+    const int64_t D = a->D, G = a->Hq / a->Hkv, RB = OKV_FL_RB, W = OKV_FL_W;
+    int64_t i, d;
+    for (i = 0; i < nr; i++) {
+        const int64_t r = rb0 + i, t = t0 + r / G, g = r % G;
+        float *o = a->out + ((b * a->Hq + hk * G + g) * a->Sq + t) * D;
+        if (lo[i] < hi[i] && ((bad[i / W] >> (i % W)) & 1u)) {
+            for (d = 0; d < D; d++) o[d] = NAN;
+        } else if (lo[i] >= hi[i] || lv[i] == 0.f) {
+            memset(o, 0, (size_t)D * sizeof(float));
+        } else {
+            const float inv = 1.f / lv[i];
+            for (d = 0; d < D; d++) o[d] = Ot[d * RB + i] * inv;
+        }
     }
 }
 
 /* The prefill unit of one KV head (see the top of this file) for K/V elements of format fmt (a constant:
- * OKV_FMT_F32, F16 or BF16). */
+ * OKV_FMT_F32, F16 or BF16).  a->bf16: the query rows (times scale), keys, probabilities and values are
+ * rounded to bfloat16 before their products, which sum in float32 (the portable twin of
+ * attention_flash_bf16.h). */
 OKV_INLINE OKV_ATTR void OKV_I(okv_fl_head)(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t t1,
                                             float *ws, const int fmt) {
-    enum { RB = OKV_FL_RB, W = OKV_FL_W, RV = OKV_FL_RV };
-    const int64_t D = a->D, G = a->Hq / a->Hkv, R = G * (t1 - t0);
-    const int64_t kvl = a->kv_len[b], kvs = a->kv_start ? a->kv_start[b] : 0;
+    enum { RB = OKV_FL_RB, RV = OKV_FL_RV };
+    const int64_t D = a->D, R = a->Hq / a->Hkv * (t1 - t0);
     const size_t esz = fmt == OKV_FMT_F32 ? 4 : 2;
+    const int rnd = a->bf16;
     float *Qt = ws, *Ot = Qt + D * RB, *S = Ot + D * RB, *Kf = S + OKV_BK * RB, *Vf = Kf + OKV_BK * D;
     float *mv = Vf + OKV_BK * D, *lv = mv + RB;
     int32_t *lo = (int32_t *)(lv + RB), *hi = lo + RB;
@@ -203,57 +319,29 @@ OKV_INLINE OKV_ATTR void OKV_I(okv_fl_head)(const okv_attn_args *a, int64_t b, i
     int v;
     for (rb0 = 0; rb0 < R; rb0 += RB) {
         const int64_t nr = R - rb0 < RB ? R - rb0 : RB;
-        int64_t ulo = INT64_MAX, uhi = INT64_MIN, maxlo = INT64_MIN, minhi = INT64_MAX, j0, j1;
+        int64_t rng[4], j0, j1;
         unsigned bad[RV];
         okv_kv_page pg;
-        for (i = 0; i < RB; i++) {   /* the lanes: query rows, their key ranges */
-            int64_t l = 0, e = 0;
-            if (i < nr) {
-                const int64_t r = rb0 + i, t = t0 + r / G, g = r % G, p = a->q_pos[b * a->Sq + t];
-                const float *q = a->q + ((b * a->Hq + hk * G + g) * a->Sq + t) * D;
-                l = kvs;
-                e = p + 1;
-                if (a->window >= 0 && p - a->window > l) l = p - a->window;
-                if (kvl < e) e = kvl;
-                if (l < e) {
-                    if (l < ulo) ulo = l;
-                    if (e > uhi) uhi = e;
-                    if (l > maxlo) maxlo = l;
-                    if (e < minhi) minhi = e;
-                } else {
-                    l = e = 0;
-                }
-                for (d = 0; d < D; d++) Qt[d * RB + i] = a->scale * q[d];
-            } else {
-                for (d = 0; d < D; d++) Qt[d * RB + i] = 0.f;
-            }
-            lo[i] = (int32_t)l;   /* 0 <= l <= e <= kv_len: int32 */
-            hi[i] = (int32_t)e;
-            mv[i] = -INFINITY;
-            lv[i] = 0.f;
-        }
+        OKV_I(okv_fl_lanes)(a, b, hk, t0, rb0, nr, Qt, lo, hi, mv, lv, rng, rnd);
         memset(Ot, 0, (size_t)(D * RB) * sizeof(float));
         for (v = 0; v < RV; v++) bad[v] = 0;
         pg.start = pg.end = INT64_MIN;
-        for (j0 = ulo; j0 < uhi; j0 = j1) {
+        for (j0 = rng[0]; j0 < rng[1]; j0 = j1) {
             const float *kf, *vf;
             int64_t ks, vs, n;
-            int mask;
-            okv_fv mt[RV], mu[RV], ls[RV];
             if (j0 >= pg.end || j0 < pg.start) pg = okv_attn_page(a, b, hk, j0, esz);
             j1 = j0 + OKV_BK;
             if (j1 > pg.end) j1 = pg.end;
-            if (j1 > uhi) j1 = uhi;
+            if (j1 > rng[1]) j1 = rng[1];
             n = j1 - j0;
-            mask = !(j0 >= maxlo && j1 <= minhi);   /* some row of the block does not see every key */
-            if (fmt == OKV_FMT_F32) {
+            if (fmt == OKV_FMT_F32 && !rnd) {
                 kf = (const float *)(pg.k + (j0 - pg.start) * pg.kst);
                 vf = (const float *)(pg.v + (j0 - pg.start) * pg.vst);
                 ks = pg.kst / 4;
                 vs = pg.vst / 4;
             } else {
-                OKV_I(okv_fl_rows)(pg.k + (j0 - pg.start) * pg.kst, n, pg.kst, D, Kf, fmt);
-                OKV_I(okv_fl_rows)(pg.v + (j0 - pg.start) * pg.vst, n, pg.vst, D, Vf, fmt);
+                OKV_I(okv_fl_rows)(pg.k + (j0 - pg.start) * pg.kst, n, pg.kst, D, Kf, fmt, rnd);
+                OKV_I(okv_fl_rows)(pg.v + (j0 - pg.start) * pg.vst, n, pg.vst, D, Vf, fmt, rnd);
                 kf = Kf;
                 vf = Vf;
                 ks = vs = D;
@@ -262,60 +350,30 @@ OKV_INLINE OKV_ATTR void OKV_I(okv_fl_head)(const okv_attn_args *a, int64_t b, i
             for (j = 0; j + OKV_FL_KJ <= n; j += OKV_FL_KJ)
                 OKV_I(okv_fl_qk_kj)(Qt, kf + j * ks, ks, D, S + j * RB, OKV_FL_KJ);
             for (; j < n; j++) OKV_I(okv_fl_qk_kj)(Qt, kf + j * ks, ks, D, S + j * RB, 1);
-            if (a->softcap > 0.f)
-                for (i = 0; i < n * RB; i++) S[i] = a->softcap * tanhf(S[i] / a->softcap);
-            /* mask, marks, tile max */
-            for (v = 0; v < RV; v++) mt[v] = FV_SET(-INFINITY);
-            for (j = 0; j < n; j++)
-                for (v = 0; v < RV; v++) {
-                    okv_fv s = FV_LD(S + j * RB + v * W);
-                    if (mask) {
-                        const okv_iv lov = IV_LD(lo + v * W), hiv = IV_LD(hi + v * W);
-                        s = FV_VIS(s, j0 + j, lov, hiv);
-                        FV_ST(S + j * RB + v * W, s);
-                    }
-                    bad[v] |= FV_BAD(s);
-                    mt[v] = FV_MAX(mt[v], s);
-                }
-            /* running max: rescale l and Ot where it grew */
-            for (v = 0; v < RV; v++) {
-                const okv_fv mo = FV_LD(mv + v * W), mn = FV_MAX(mo, mt[v]);
-                const okv_fv alpha = FV_EXP(FV_SUB(mo, FV_FINITE_OR0(mn)));
-                mu[v] = FV_FINITE_OR0(mn);
-                FV_ST(mv + v * W, mn);
-                FV_ST(lv + v * W, FV_MUL(FV_LD(lv + v * W), alpha));
-                if (FV_NOT1(alpha))
-                    for (d = 0; d < D; d++)
-                        FV_ST(Ot + d * RB + v * W, FV_MUL(FV_LD(Ot + d * RB + v * W), alpha));
-                ls[v] = FV_ZERO();
-            }
-            /* probabilities, their sums */
-            for (j = 0; j < n; j++)
-                for (v = 0; v < RV; v++) {
-                    const okv_fv p = FV_EXP(FV_SUB(FV_LD(S + j * RB + v * W), mu[v]));
-                    FV_ST(S + j * RB + v * W, p);
-                    ls[v] = FV_ADD(ls[v], p);
-                }
-            for (v = 0; v < RV; v++) FV_ST(lv + v * W, FV_ADD(FV_LD(lv + v * W), ls[v]));
+            /* some row of the block does not see every key: mask */
+            OKV_I(okv_fl_softmax)(a, S, n, j0, !(j0 >= rng[2] && j1 <= rng[3]), lo, hi, mv, lv, Ot, bad);
+            if (rnd)
+                for (i = 0; i < n * RB; i++) S[i] = okv_bf16_rounded(S[i]);
             /* values */
             for (d = 0; d + OKV_FL_DB <= D; d += OKV_FL_DB)
                 OKV_I(okv_fl_pv_db)(S, n, vf + d, vs, Ot + d * RB, OKV_FL_DB);
             for (; d < D; d++) OKV_I(okv_fl_pv_db)(S, n, vf + d, vs, Ot + d * RB, 1);
         }
-        for (i = 0; i < nr; i++) {   /* the rows, normalised */
-            const int64_t r = rb0 + i, t = t0 + r / G, g = r % G;
-            float *o = a->out + ((b * a->Hq + hk * G + g) * a->Sq + t) * D;
-            if (lo[i] < hi[i] && ((bad[i / W] >> (i % W)) & 1u)) {
-                for (d = 0; d < D; d++) o[d] = NAN;
-            } else if (lo[i] >= hi[i] || lv[i] == 0.f) {
-                memset(o, 0, (size_t)D * sizeof(float));
-            } else {
-                const float inv = 1.f / lv[i];
-                for (d = 0; d < D; d++) o[d] = Ot[d * RB + i] * inv;
-            }
-        }
+        OKV_I(okv_fl_out)(a, b, hk, t0, rb0, nr, Ot, lv, lo, hi, bad);
     }
 }
+
+#if defined(OKV_SIMD512) && OKV_HAVE_BF16
+/* The bfloat16 prefill units (a->bf16) of this level: attention_flash_bf16.h, which attention_unit.h
+ * includes after this file. */
+#define OKV_FLASH_BF16_DECL(name)                                                                      \
+    OKV_NOINLINE OKV_BF16 static void name(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, \
+                                           int64_t t0, int64_t t1, float *ws);
+OKV_FLASH_BF16_DECL(okv_attn_flashb_f32)
+OKV_FLASH_BF16_DECL(okv_attn_flashb_f16)
+OKV_FLASH_BF16_DECL(okv_attn_flashb_bf16)
+#undef OKV_FLASH_BF16_DECL
+#endif
 
 /* The prefill unit of KV heads [hk0, hk0 + nh), query tokens [t0, t1) (every key the tokens see), for native
  * K/V (a->kv_type); ws: okv_attn_flash_ws_floats(a->D) floats. */
@@ -332,6 +390,14 @@ OKV_FLASH_UNIT(okv_attn_flash_bf16, OKV_FMT_BF16)
 
 OKV_ATTR void OKV_I(okv_attn_unit_flash)(const okv_attn_args *a, int64_t b, int64_t hk0, int64_t nh, int64_t t0,
                                          int64_t t1, float *ws) {
+#if defined(OKV_SIMD512) && OKV_HAVE_BF16
+    if (a->bf16) { /* the setting is on only where the CPU has AVX-512-BF16 */
+        if (a->kv_type == OKV_KV_F16) okv_attn_flashb_f16(a, b, hk0, nh, t0, t1, ws);
+        else if (a->kv_type == OKV_KV_BF16) okv_attn_flashb_bf16(a, b, hk0, nh, t0, t1, ws);
+        else okv_attn_flashb_f32(a, b, hk0, nh, t0, t1, ws);
+        return;
+    }
+#endif
     if (a->kv_type == OKV_KV_F16) OKV_I(okv_attn_flash_f16)(a, b, hk0, nh, t0, t1, ws);
     else if (a->kv_type == OKV_KV_BF16) OKV_I(okv_attn_flash_bf16)(a, b, hk0, nh, t0, t1, ws);
     else OKV_I(okv_attn_flash_f32)(a, b, hk0, nh, t0, t1, ws);

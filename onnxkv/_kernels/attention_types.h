@@ -9,6 +9,7 @@
 #ifndef ONNXKV_ATTENTION_TYPES_H
 #define ONNXKV_ATTENTION_TYPES_H
 
+#include "bf16_round.h"
 #include "simd.h"
 
 #define OKV_BK 32      /* keys per streamed block */
@@ -41,6 +42,8 @@ typedef struct {
                       * spread over the p*v of the item before (attention_unit.h) */
     int prefill_rg; /* row-group width (1..8) of work units with several query tokens */
     int flash;      /* 1: units of several query tokens over native K/V take the prefill unit (attention_flash.h) */
+    int bf16;       /* 1: the prefill unit rounds its products' operands to bfloat16 (prefill_precision="bf16",
+                     * calls of at least OKV_BF16_MIN_ROWS query tokens: attention_flash.h) */
     int64_t hpu;    /* KV heads per work unit: 1, or Hkv (paged decode: a unit reads whole pages) */
     const uint8_t *k_fmt, *v_fmt;  /* paged, per-page formats: [P] codes each, or both NULL (all kv_type) */
     int64_t kG, vG;                /* scale groups per head of quantized K / V pages: 1 or D */

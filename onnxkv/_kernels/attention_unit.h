@@ -8,9 +8,8 @@
  * level's target attribute) and, for AVX-512, OKV_SIMD512 (the interleaved
  * 4-bit order, the AMX key scores when the build has them); it undefines
  * them (without OKV_SFX, compiled alone, it instantiates the scalar level).
- * The level is the one axis instantiated textually, since a function with a
- * target attribute cannot be inlined into one without it; element formats
- * and the unit family are constant arguments of always-inlined functions.
+ * The level is the one axis instantiated textually (a function with a target attribute cannot be inlined
+ * into one without it); element formats and unit families are constant arguments of inlined functions.
  *
  * The two external units of a level (attention_units.h):
  *   okv_attn_unit_native<SFX>: every page (or the contiguous cache) holds
@@ -50,6 +49,7 @@
 #define OKV_UNIT_PASS a, b, hk0, nh, t0, t1, c0, c1, ws, part, pstride
 
 #include "attention_flash.h"
+#include "attention_flash_bf16.h"
 
 /* Formats whose raw-code tiles work in the interleaved order (AVX-512 4-bit),
  * and the query rows / accumulator rows the dispatchers pass them. */

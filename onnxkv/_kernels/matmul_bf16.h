@@ -3,9 +3,7 @@
  * w given as the float32 panels of matmul.h (wp[P][K][16]); no second copy of
  * the weights is kept.
  *
- * Rounding: okv_bf16_round -- nearest even, a subnormal float32 to a zero of
- * its sign, a NaN to a quiet NaN (the rounding of VCVTNEPS2BF16, so the
- * scalar and AVX-512-BF16 conversions give the same bits).
+ * Rounding: okv_bf16_round (bf16_round.h).
  *
  * Layout.  The caller rounds x once into xb [M][K2] (K2 = ceil(K/2) pairs:
  * the low half of pair j is x[2j], the high half x[2j+1], 0 past K).  Each
@@ -26,28 +24,8 @@
 #ifndef ONNXKV_MATMUL_BF16_H
 #define ONNXKV_MATMUL_BF16_H
 
+#include "bf16_round.h"
 #include "matmul.h"
-
-/* Products of at least this many rows take the bfloat16 path when the setting
- * is on: decode steps and speculative verifications (<= 16 rows) stay float32,
- * and a chunk of this many rows pays for rounding its weights. */
-#define OKV_BF16_MIN_ROWS 32
-
-/* bfloat16 bits of v (module comment). */
-static inline uint16_t okv_bf16_round(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);     /* zero, subnormal */
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN: quiet */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float okv_bf16_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
-}
 
 /* xb[m][0:K2] = the rounded pairs of x[m][0:K] (K2 = (K + 1) / 2). */
 static void okv_bf16_rows_scalar(const float *x, int64_t M, int64_t K, uint32_t *xb) {
@@ -107,7 +85,6 @@ static void okv_mmb_tile_scalar(int mr, int np, const uint32_t *xb, int64_t ldx,
 }
 
 #if OKV_X86_SIMD && OKV_HAVE_BF16
-#define OKV_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
 /* okv_bf16_rows_scalar with the hardware conversion (same bits). */
 OKV_BF16 static void okv_bf16_rows_avx512(const float *x, int64_t M, int64_t K, uint32_t *xb) {
@@ -130,8 +107,6 @@ OKV_BF16 static void okv_bf16_rows_avx512(const float *x, int64_t M, int64_t K, 
 OKV_BF16 static void okv_bf16_panels_avx512(const float *wp, int64_t pstride, int np, int64_t k0, int64_t kn,
                                             int64_t K, uint16_t *wb) {
     const int64_t kn2 = (kn + 1) / 2;
-    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     int64_t j;
     int q;
     for (q = 0; q < np; q++)
@@ -139,8 +114,7 @@ OKV_BF16 static void okv_bf16_panels_avx512(const float *wp, int64_t pstride, in
             const float *l0 = wp + q * pstride + (k0 + 2 * j) * OKV_MMP_NR;
             const int odd = k0 + 2 * j + 1 < K && 2 * j + 1 < kn;
             const __m512 hi = odd ? _mm512_loadu_ps(l0 + OKV_MMP_NR) : _mm512_setzero_ps();
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, _mm512_loadu_ps(l0));
-            _mm512_storeu_si512((void *)(wb + (q * kn2 + j) * 2 * OKV_MMP_NR), _mm512_permutexvar_epi16(ilv, both));
+            _mm512_storeu_si512((void *)(wb + (q * kn2 + j) * 2 * OKV_MMP_NR), okv_bf16_pairs16(_mm512_loadu_ps(l0), hi));
         }
 }
 

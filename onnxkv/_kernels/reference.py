@@ -94,11 +94,15 @@ def kv_to_f32(x, kv_dtype=None):
     return x.astype(np.float32)
 
 
-def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None, *, kv_dtype=None):
+def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None, *, kv_dtype=None, bf16=False):
     """Masked softmax attention with explicit score matrices (float64 math).
-    FLOAT16/BFLOAT16 caches are converted to float32 first (kv_to_f32)."""
+    FLOAT16/BFLOAT16 caches are converted to float32 first (kv_to_f32).  bf16: the prefill unit of
+    prefill_precision="bf16" -- q * scale, k, v and the probabilities (exp(s - max), before the sum that
+    normalises them) rounded to bfloat16 (bf16_round); the kernel rounds them against its running max."""
     k = kv_to_f32(k, kv_dtype)
     v = kv_to_f32(v, kv_dtype)
+    if bf16:
+        q, k, v, scale = bf16_round(q * np.float32(scale)), bf16_round(k), bf16_round(v), 1.0
     B, Hq, Sq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -124,6 +128,8 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
         dead = np.isneginf(m)
         e = np.exp(s - np.where(dead, 0.0, m))
         den = e.sum(axis=-1, keepdims=True)
+        if bf16:
+            e = bf16_round(e.astype(np.float32)).astype(np.float64)
         w = np.where(dead, 0.0, e / np.where(dead, 1.0, den))
         res[b] = (w @ vb).reshape(Hq, Sq, D)
     out[...] = res.astype(out.dtype)

@@ -140,6 +140,8 @@ static int okv_cpu_simd_ok(void) {
 /* Target of the 16-lane (AVX-512 F/BW/VL/DQ) kernels, on top of the AVX2 set;
  * only executed when okv_cpu_avx512_ok() says so. */
 #define OKV_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+/* ... and the AVX-512-BF16 conversions and dot products on top (okv_cpu_bf16_ok). */
+#define OKV_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 #endif
 
 /* 1 when the AVX-512 F/BW/VL/DQ path can run: the AVX2 path can, the CPU has

@@ -64,12 +64,13 @@ class Session:
             bit for bit the same (see :mod:`onnxkv.plan.compiled_step`); False runs
             every node through Python.
         prefill_precision: ``"bf16"`` runs the products of packed weights with at
-            least ``BF16_MIN_ROWS`` (32) rows -- prompt chunks, not decode steps or
-            speculative verifications -- on bfloat16-rounded activations and weights
-            with float32 sums (AVX-512-BF16; caches and decode stay float32; the
-            fidelity is measured in ``docs/sessions.md``); ``"float32"`` keeps every
-            product in float32; None (default) keeps the calling thread's kernel
-            setting (``KernelSettings.prefill_precision``, float32 unless changed).
+            least ``BF16_MIN_ROWS`` (32) rows and the tiled attention of calls of at
+            least 32 query tokens -- prompt chunks, not decode steps or speculative
+            verifications -- on bfloat16-rounded operands with float32 sums
+            (AVX-512-BF16; caches and decode stay float32; the fidelity is measured
+            in ``docs/sessions.md``); ``"float32"`` keeps them float32; None
+            (default) keeps the calling thread's kernel setting
+            (``KernelSettings.prefill_precision``, float32 unless changed).
             ``"bf16"`` raises InputError where the CPU has no AVX-512-BF16.
 
     The plan is built once here.  ``run`` may be called any number of times;

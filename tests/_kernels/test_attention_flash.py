@@ -55,17 +55,24 @@ def _run(q, k, v, kv_len, q_pos, D, softcap, window, kv_start, dtype, flash):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_contiguous(case, dtype, threads, simd):
-    B, Hq, Hkv, Sq, past, D, window, softcap, starts = CASES[case]
-    rng = np.random.default_rng(case)
+def case_arrays(case: tuple, seed: int, dtype: str) -> tuple:
+    """Random q, k, v (caches of ``dtype``), kv_len, q_pos and kv_start of a case (B, Hq, Hkv, Sq, past, D,
+    window, softcap, kv_start): the Sq tokens follow a past of ``past`` keys, three spare positions."""
+    B, Hq, Hkv, Sq, past, D, window, softcap, starts = case
+    rng = np.random.default_rng(seed)
     Cap = past + Sq + 3
     q = rand(rng, (B, Hq, Sq, D))
     k, v = to_cache(rand(rng, (B, Hkv, Cap, D)), dtype), to_cache(rand(rng, (B, Hkv, Cap, D)), dtype)
     kv_len = np.full(B, past + Sq, np.int32)
     q_pos = np.tile(np.arange(past, past + Sq, dtype=np.int32), (B, 1))
-    kv_start = None if starts is None else np.array(starts, np.int32)
+    return q, k, v, kv_len, q_pos, None if starts is None else np.array(starts, np.int32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_contiguous(case, dtype, threads, simd):
+    D, window, softcap = CASES[case][5:8]
+    q, k, v, kv_len, q_pos, kv_start = case_arrays(CASES[case], case, dtype)
     want = np.empty_like(q)
     R.attention(q, k, v, kv_len, q_pos, D**-0.5, softcap, window, want, kv_start, kv_dtype=kvd(dtype))
     tiled = _run(q, k, v, kv_len, q_pos, D, softcap, window, kv_start, dtype, True)
@@ -75,18 +82,29 @@ def test_contiguous(case, dtype, threads, simd):
     assert not np.array_equal(tiled, streaming)  # the two units ran
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("bs", [16, 48])
-def test_paged(bs, dtype, threads, simd):
-    """Tiles never straddle a page: page sizes below and above the 32-key tile, a past in shuffled pages."""
+PAGED = (2, 8, 2, 50, 30, 64)  # B, Hq, Hkv, Sq, past, D: 50 tokens after a past of 30
+
+
+def paged_arrays(bs: int, dtype: str) -> tuple:
+    """q, k, v, their ``Paged`` copy in pages of ``bs`` tokens, kv_len (the second row 7 keys shorter) and
+    q_pos of the PAGED case."""
     rng = np.random.default_rng(bs)
-    B, Hq, Hkv, Sq, past, D = 2, 8, 2, 50, 30, 64
+    B, Hq, Hkv, Sq, past, D = PAGED
     Cap = past + Sq
     k, v = to_cache(rand(rng, (B, Hkv, Cap, D)), dtype), to_cache(rand(rng, (B, Hkv, Cap, D)), dtype)
     paged = Paged(rng, k, v, bs)
     q = rand(rng, (B, Hq, Sq, D))
     kv_len = np.array([Cap, Cap - 7], np.int32)
     q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
+    return q, k, v, paged, kv_len, q_pos
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("bs", [16, 48])
+def test_paged(bs, dtype, threads, simd):
+    """Tiles never straddle a page: page sizes below and above the 32-key tile, a past in shuffled pages."""
+    Hkv, D = PAGED[2], PAGED[5]
+    q, k, v, paged, kv_len, q_pos = paged_arrays(bs, dtype)
     want = np.empty_like(q)
     paged.twin(q, Hkv, kv_len, q_pos, D**-0.5, 0.0, -1, want, dtype)
     outs = []
