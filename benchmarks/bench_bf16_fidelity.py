@@ -9,8 +9,15 @@ steps float32 in both).  Reported per prompt:
   logits, largest absolute difference and that over the largest |logit| of
   the float32 run; ``argmax_equal``;
 * ``greedy_agreement``: the fraction of ``--new-tokens`` positions where the two
-  greedy generations (``onnxkv.generate``, prompt fed whole) chose the same
-  id, and ``first_divergence`` (None: none).
+  free-running greedy generations (``onnxkv.generate``, prompt fed whole)
+  chose the same id, ``first_divergence`` (None: none) and the float32 run's
+  top-2 logit margin there (``divergence_margin``): after a first difference
+  the two texts usually part ways, so one flipped near-tie costs every later
+  position;
+* ``forced_agreement``: teacher-forced on the float32 run's tokens (each
+  session's own prompt cache, then the same float32 decode steps), the
+  fraction of positions whose argmax equals the float32 token, and
+  ``forced_max_logit_diff`` (as ``bench_kv_quality.py`` measures page formats).
 
 Models: the trained embedded model (byte-level, trained on the standard
 library's docstrings; prompts are docstrings of standard modules, the bar's
@@ -40,16 +47,22 @@ MODULES = ("json", "inspect", "collections", "argparse", "pathlib", "subprocess"
 LENGTHS = (64, 192, 360)  # + BOS + 128 new tokens within the embedded model's 512 positions
 
 
-def prompt_logits(session, ids: np.ndarray) -> np.ndarray:
-    """The last position's logits of ``ids`` [1, L] fed whole to a new state."""
+def forced_logits(session, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Logits [1 + len(tokens), V] (float64): the prompt ``ids`` [1, L] fed whole to a new state (its last
+    position), then each of ``tokens`` fed as a decode step."""
     from onnxkv.generate.feeds import FeedBuilder
 
     name = session.model.io.logits
     b = FeedBuilder(session.plan.inputs, session.model, ids, np.array([ids.shape[1]]), 0, thread_cache=False)
     feeds, _ = b.first()
+    rows = []
     with session.new_state() as st:
-        out = st.run(feeds, [name])[name]
-    return np.asarray(out, np.float64).reshape(-1, out.shape[-1])[-1]
+        out = st.run(feeds, [name])
+        rows.append(np.asarray(out[name], np.float64).reshape(-1, out[name].shape[-1])[-1])
+        for t in tokens:
+            out = st.run(b.next(np.array([int(t)]), out), [name])
+            rows.append(np.asarray(out[name], np.float64).reshape(-1, out[name].shape[-1])[-1])
+    return np.stack(rows)
 
 
 def compare(path, prompts, new_tokens: int, threads: int) -> list[dict]:
@@ -59,11 +72,13 @@ def compare(path, prompts, new_tokens: int, threads: int) -> list[dict]:
     bf16 = onnxkv.Session(path, threads=threads, prefill_precision="bf16")
     rows = []
     for label, ids in prompts:
-        a, b = prompt_logits(f32, ids), prompt_logits(bf16, ids)
         ga = onnxkv.generate(f32, ids, new_tokens, prefill_chunk=None).tokens.ravel()
         gb = onnxkv.generate(bf16, ids, new_tokens, prefill_chunk=None).tokens.ravel()
         n = min(ga.size, gb.size)
         diff = np.nonzero(ga[:n] != gb[:n])[0]
+        fa, fb = forced_logits(f32, ids, ga[: n - 1]), forced_logits(bf16, ids, ga[: n - 1])
+        a, b = fa[0], fb[0]
+        top2 = np.sort(fa, axis=1)[:, -2:]
         rows.append(
             {
                 "prompt": label,
@@ -74,6 +89,9 @@ def compare(path, prompts, new_tokens: int, threads: int) -> list[dict]:
                 "generated": int(n),
                 "greedy_agreement": float((ga[:n] == gb[:n]).mean()) if n else None,
                 "first_divergence": int(diff[0]) if diff.size else None,
+                "divergence_margin": float(top2[diff[0], 1] - top2[diff[0], 0]) if diff.size else None,
+                "forced_agreement": float((fb.argmax(axis=1) == ga[:n]).mean()) if n else None,
+                "forced_max_logit_diff": float(np.abs(fa - fb).max()),
             }
         )
     return rows
@@ -116,7 +134,10 @@ def main() -> None:
         f"embedded: greedy agreement {np.mean([r['greedy_agreement'] for r in emb]):.4f} over {len(emb)} prompts "
         f"x {args.new_tokens} tokens (min {min(r['greedy_agreement'] for r in emb):.4f}), first-token argmax equal "
         f"{sum(r['argmax_equal'] for r in emb)}/{len(emb)}, logits rel diff max "
-        f"{max(r['logits_rel_diff'] for r in emb):.2e}"
+        f"{max(r['logits_rel_diff'] for r in emb):.2e}; teacher-forced agreement "
+        f"{np.mean([r['forced_agreement'] for r in emb]):.4f} (min {min(r['forced_agreement'] for r in emb):.4f}); "
+        "divergence margins "
+        + str([round(r["divergence_margin"], 4) for r in emb if r["divergence_margin"] is not None])
     ]
     for name, rows in models.items():
         if name != "embedded":
@@ -126,7 +147,7 @@ def main() -> None:
                 r = rows[0]
                 summary.append(
                     f"{name}: logits rel diff {r['logits_rel_diff']:.2e}, argmax equal {r['argmax_equal']}, "
-                    f"greedy agreement {r['greedy_agreement']:.3f}"
+                    f"greedy agreement {r['greedy_agreement']:.3f}, teacher-forced {r['forced_agreement']:.3f}"
                 )
     emit(
         {
