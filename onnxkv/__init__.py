@@ -25,6 +25,7 @@ from onnxkv import (
 from onnxkv._config import config, show_config  # noqa: E402
 from onnxkv.alloc import Allocator, AllocatorStats, ArenaAllocator, SystemAllocator  # noqa: E402
 from onnxkv.contract import check_model  # noqa: E402
+from onnxkv.engine import Engine, Request  # noqa: E402
 from onnxkv.errors import (  # noqa: E402
     CacheCapacityError,
     Cancelled,
@@ -75,6 +76,8 @@ __all__ = [
     "BeamSearchResult",
     "speculative_generate",
     "SpeculativeResult",
+    "Engine",
+    "Request",
     "Event",
     "EventLog",
     "Allocator",

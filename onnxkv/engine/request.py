@@ -1,0 +1,103 @@
+"""One request of an :class:`~onnxkv.engine.engine.Engine`: its prompt, sampling, limits, state and tokens.
+
+A request is made by :meth:`Engine.add_request` and advanced only by the
+engine's steps.  Its fields are read-only to the caller; ``tokens`` grows by
+one id per decode step, and ``stream()`` yields each new id as it is made,
+stepping the engine when it has nothing new.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.generate.sampling import SamplingConfig
+from onnxkv.runtime.state import State
+
+if TYPE_CHECKING:
+    from onnxkv.engine.engine import Engine
+
+__all__ = ["Request"]
+
+
+class Request:
+    """A generation request (see the module docstring).
+
+    Attributes:
+        id: the engine's number for it (0, 1, ... in arrival order).
+        prompt: int64 [L] prompt ids.
+        max_new_tokens: most tokens it produces.
+        eos: ids that end it (the EOS id itself is its last token).
+        tokens: the ids produced so far (a list of ints).
+        chunk: prompt tokens per run (the session's prompt chunk for the request's cache, as ``generate``).
+        prompt_done: prompt tokens already run.
+        finished: None while it runs, else why it stopped: "eos", "length" or "aborted".
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        rid: int,
+        prompt: np.ndarray,
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        eos: list[int],
+        chunk: int,
+        state_kw: dict,
+        pad_id: int,
+    ) -> None:
+        self.engine = engine
+        self.id = rid
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.eos = eos
+        self.chunk = chunk
+        self.pad_id = pad_id
+        self.tokens: list[int] = []
+        self.prompt_done = 0
+        self.finished: str | None = None if max_new_tokens > 0 else "length"
+        self._state_kw = state_kw
+        self._state: State | None = None
+        self._builder: FeedBuilder | None = None
+        self._out: dict | None = None
+        self._read = 0  # tokens stream() has yielded
+        self._skipped = False  # its prompt chunk did not fit the last step's budget: first in the next
+
+    def __repr__(self) -> str:
+        status = self.finished or ("prompt" if self.prompt_done < self.prompt.size else "decoding")
+        return f"Request(id={self.id}, prompt={self.prompt.size} tokens, new={len(self.tokens)}, {status})"
+
+    @property
+    def state(self) -> State | None:
+        """The request's state while it runs (None before its first run and once finished)."""
+        return self._state
+
+    @property
+    def next_tokens(self) -> int:
+        """Tokens its next run feeds: its next prompt chunk, or 1 while decoding (0 when finished)."""
+        if self.finished is not None:
+            return 0
+        left = self.prompt.size - self.prompt_done
+        return min(self.chunk, left) if left > 0 else 1
+
+    def stream(self) -> Iterator[int]:
+        """Yield every id of this request in order as it is produced, stepping the engine (and so every
+        other request with it) while this one has nothing new; ends when the request finishes."""
+        while True:
+            while self._read < len(self.tokens):
+                self._read += 1
+                yield self.tokens[self._read - 1]
+            if self.finished is not None:
+                return
+            self.engine.step()
+
+    def _release(self, reason: str) -> None:
+        """Finish with ``reason`` and close the state (its caches or pages go back)."""
+        self.finished = reason
+        if self._state is not None:
+            self._state.close()
+        self._state = self._builder = self._out = None

@@ -1,0 +1,200 @@
+"""onnxkv.Engine: requests of different lengths, joining at different steps, each token for token what
+``generate`` makes for it alone (greedy and sampled, contiguous and paged caches), within the per-step
+token budget, with streaming, EOS, abort, and runs that fail leaving their request as before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxkv
+from onnxkv.errors import InputError
+from onnxkv.runtime.state import State
+from onnxkv.zoo import embedded
+
+MODEL = str(embedded.embedded_model_dir())
+PROMPTS = [
+    "def main():\n    ",
+    "Return the number of items in the sequence. " * 6,
+    "x",
+    'class Stack:\n    """A last-in, first-out container."""\n',
+]
+
+
+@pytest.fixture(scope="module")
+def session():
+    return onnxkv.Session(MODEL, threads=1, events=True)
+
+
+def _ids(text: str) -> np.ndarray:
+    return np.array(embedded.encode(text), np.int64)
+
+
+def _alone(session, request, cache, **sampling) -> list[int]:
+    out = onnxkv.generate(
+        session, request.prompt[None], request.max_new_tokens, cache=cache, prefill_chunk=request.chunk,
+        eos_token_id=request.eos, **sampling,
+    )  # fmt: skip
+    return out.tokens[0].tolist()
+
+
+@pytest.mark.parametrize("cache", ["contiguous", onnxkv.CacheConfig("paged", block_size=16)], ids=["contig", "paged"])
+@pytest.mark.parametrize("budget", [2048, 40])
+def test_requests_joining_at_different_steps_equal_generate_alone(session, cache, budget):
+    engine = onnxkv.Engine(session, cache=cache, max_batch_tokens=budget)
+    sampling = [{}, {"do_sample": True, "temperature": 0.8, "seed": 7}, {}, {"do_sample": True, "top_k": 5, "seed": 1}]
+    limits = [25, 18, 30, 12]
+    requests = [engine.add_request(_ids(PROMPTS[0]), limits[0], **sampling[0])]
+    engine.step()
+    engine.step()
+    requests.append(engine.add_request(_ids(PROMPTS[1]), limits[1], **sampling[1]))
+    requests.append(engine.add_request(_ids(PROMPTS[2]), limits[2], **sampling[2]))
+    for _ in range(5):
+        engine.step()
+    requests.append(engine.add_request(_ids(PROMPTS[3]), limits[3], **sampling[3]))
+    assert engine.run() == requests
+    for r, kw, n in zip(requests, sampling, limits, strict=True):
+        assert r.finished in ("length", "eos") and r.state is None
+        assert r.tokens == _alone(session, r, cache, **kw)
+        assert len(r.tokens) == n or r.finished == "eos"
+    assert requests[1].chunk == min(budget, session.prompt_chunk(cache if cache != "contiguous" else None))
+
+
+def test_the_budget_bounds_each_step_and_no_prompt_waits_two_steps(session):
+    engine = onnxkv.Engine(session, max_batch_tokens=24)
+    session.events.clear()
+    decoders = [engine.add_request(_ids("ab"), 40) for _ in range(3)]
+    engine.step()  # their prompts: 3 tokens each
+    long = engine.add_request(_ids(PROMPTS[1]), 5)
+    assert long.chunk == 24
+    last_done, waited = 0, 0
+    while long.prompt_done < long.prompt.size:
+        engine.step()
+        waited = waited + 1 if long.prompt_done == last_done else 0
+        assert waited <= 1
+        last_done = long.prompt_done
+    steps = [e for e in session.events if e.action == "engine_step"]
+    assert steps and all(e.extra["tokens_fed"] <= 24 for e in steps)
+    assert all(len(d.tokens) >= 2 for d in decoders)
+    engine.run()
+    assert long.tokens == _alone(session, long, None)
+
+
+def test_eos_ends_a_request_with_its_eos_token(session):
+    engine = onnxkv.Engine(session)
+    probe = engine.add_request(_ids(PROMPTS[0]), 10)
+    engine.run()
+    eos = probe.tokens[4]
+    r = engine.add_request(_ids(PROMPTS[0]), 10, eos_token_id=eos)
+    engine.run()
+    assert r.finished == "eos" and r.tokens[-1] == eos and r.tokens == probe.tokens[: probe.tokens.index(eos) + 1]
+
+
+def test_stream_yields_each_token_as_it_is_made_and_steps_the_others(session):
+    engine = onnxkv.Engine(session)
+    a = engine.add_request(_ids(PROMPTS[0]), 12)
+    b = engine.add_request(_ids(PROMPTS[3]), 30)
+    got = []
+    for i, token in enumerate(a.stream()):
+        got.append(token)
+        assert len(a.tokens) == i + 1  # one step per token
+    assert got == a.tokens and a.finished == "length"
+    assert len(b.tokens) == 12 and b.finished is None
+    assert list(b.stream()) == b.tokens and b.finished == "length"
+    assert list(b.stream()) == []  # everything was read
+
+
+def test_abort_releases_the_state_and_the_others_go_on(session):
+    engine = onnxkv.Engine(session, cache="paged")
+    a = engine.add_request(_ids(PROMPTS[1]), 50)
+    b = engine.add_request(_ids(PROMPTS[0]), 20)
+    for _ in range(3):
+        engine.step()
+    state = a.state
+    assert state is not None and state.committed_bytes > 0
+    engine.abort(a)
+    assert a.finished == "aborted" and a.state is None and state.closed
+    n = len(a.tokens)
+    engine.run()
+    assert len(a.tokens) == n and b.finished == "length"
+    assert b.tokens == _alone(session, b, "paged")
+    engine.abort(a)  # finished: nothing to do
+    assert a.finished == "aborted"
+    with pytest.raises(InputError, match="Engine.abort: expected a Request of this engine"):
+        onnxkv.Engine(session).abort(b)
+
+
+def test_a_failed_run_leaves_its_request_as_before(session, monkeypatch):
+    engine = onnxkv.Engine(session)
+    a = engine.add_request(_ids(PROMPTS[0]), 15)
+    b = engine.add_request(_ids(PROMPTS[3]), 15)
+    for _ in range(4):
+        engine.step()
+    real, calls = State.run, {"n": 0}
+
+    def fails_once(self, feeds, output_names=None, cancel=None):
+        calls["n"] += 1
+        if calls["n"] == 2:  # b's run in this step
+            raise MemoryError("State.run: no memory")
+        return real(self, feeds, output_names, cancel)
+
+    monkeypatch.setattr(State, "run", fails_once)
+    before = (len(a.tokens), len(b.tokens), b.state.length)
+    with pytest.raises(MemoryError):
+        engine.step()
+    assert (len(a.tokens), len(b.tokens), b.state.length) == (before[0] + 1, before[1], before[2])
+    engine.run()
+    assert a.tokens == _alone(session, a, None) and b.tokens == _alone(session, b, None)
+
+
+def test_a_failed_first_run_closes_the_new_state(session, monkeypatch):
+    engine = onnxkv.Engine(session)
+    r = engine.add_request(_ids(PROMPTS[0]), 5)
+
+    def fails(self, feeds, output_names=None, cancel=None):
+        raise MemoryError("State.run: no memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(State, "run", fails)
+        with pytest.raises(MemoryError):
+            engine.step()
+    assert r.state is None and r.prompt_done == 0
+    engine.run()
+    assert r.tokens == _alone(session, r, None)
+
+
+def test_zero_new_tokens_and_describe(session):
+    engine = onnxkv.Engine(session, max_batch_tokens=100)
+    r = engine.add_request(_ids("abc"), 0)
+    assert r.finished == "length" and engine.active == [] and engine.step() == {}
+    d = engine.describe()
+    assert d["cache"] == "contiguous" and d["max_batch_tokens"] == 100 and d["requests"] == 1
+    assert "not batched" in d["batching"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt_ids": [[1, 2], [3, 4]]}, "prompt_ids must be one sequence"),
+        ({"prompt_ids": []}, "input_ids must be"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"temperature": 0.0, "do_sample": True}, "temperature"),
+        ({"max_new_tokens": 10**6}, "exceeds the model's max_length"),
+        ({"eos_token_id": -3}, "eos_token_id"),
+    ],
+)
+def test_bad_requests_are_refused_and_nothing_is_queued(session, kwargs, message):
+    engine = onnxkv.Engine(session)
+    args = {"prompt_ids": [1, 2, 3], "max_new_tokens": 4, **kwargs}
+    with pytest.raises(InputError, match=message):
+        engine.add_request(**args)
+    assert engine.requests == []
+
+
+def test_bad_engines_are_refused(session):
+    with pytest.raises(InputError, match="Engine: session must be an onnxkv.Session"):
+        onnxkv.Engine(MODEL)
+    with pytest.raises(InputError, match="max_batch_tokens"):
+        onnxkv.Engine(session, max_batch_tokens=0)
+    with pytest.raises(InputError, match="cache"):
+        onnxkv.Engine(session, cache="tensor")
