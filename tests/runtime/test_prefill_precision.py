@@ -38,15 +38,18 @@ def test_bad_values_are_refused_naming_the_api(bad):
         onnxkv.generate(MODEL, [1, 2, 3], 2, prefill_precision=bad)
 
 
-def test_bf16_is_refused_where_the_process_cannot_run_it():
-    """ONNXKV_MAX_SIMD=avx2 takes the AVX-512 level away, and with it the AVX-512-BF16 products."""
+def test_bf16_is_refused_where_the_process_cannot_run_it(tmp_path):
+    """ONNXKV_MAX_SIMD=avx2 takes the AVX-512 level away, and with it the AVX-512-BF16 products.  (The child
+    runs with -P in an empty folder: the installed onnxkv, not a source tree in the working directory.)"""
     code = (
         "import onnxkv\nfrom onnxkv.errors import InputError\n"
         f"try:\n    onnxkv.Session({MODEL!r}, prefill_precision='bf16')\n"
         "except InputError as e:\n    print(e)\n"
     )
     env = {**os.environ, "ONNXKV_MAX_SIMD": "avx2"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([sys.executable, "-P", "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
     assert "Session: prefill_precision='bf16': prefill_precision='bf16' is not available: " in out
     assert "AVX-512" in out
 
