@@ -69,8 +69,7 @@ cdef extern from "matmul_bf16.h" nogil:
         int hw
     void okv_mmb_work_range(void *ctx, int64_t lo, int64_t hi)
     int64_t okv_mmb_ws_halves(int64_t M, int64_t K)
-    void okv_bf16_rows_scalar(const float *x, int64_t M, int64_t K, uint32_t *xb)
-    void okv_bf16_rows_avx512(const float *x, int64_t M, int64_t K, uint32_t *xb)
+    void okv_bf16_rows(const float *x, int64_t M, int64_t K, uint32_t *xb, int hw)
     int OKV_BF16_MIN_ROWS
 
 cdef extern from "fma_probe.h" nogil:
@@ -323,10 +322,7 @@ cdef int _matmul_bf16(const float *x, int64_t M, int64_t K, const float *wp, int
         free(w.wb)
         return -1
     w.hw = s.avx512
-    if w.hw:
-        okv_bf16_rows_avx512(x, M, K, xb)
-    else:
-        okv_bf16_rows_scalar(x, M, K, xb)
+    okv_bf16_rows(x, M, K, xb, w.hw)
     w.xb, w.wp, w.bias, w.out, w.M, w.K, w.N = xb, wp, bias, out, M, K, N
     if nt == 1:
         okv_mmb_work_range(&w, 0, P)
@@ -370,10 +366,7 @@ def _bf16_pairs(x, bint hw):
     if hw and not okv_bf16_usable():
         raise ValueError("_bf16_pairs: the AVX-512-BF16 conversion cannot run in this process")
     if M and K:
-        if hw:
-            okv_bf16_rows_avx512(&xv[0, 0], M, K, &ov[0, 0])
-        else:
-            okv_bf16_rows_scalar(&xv[0, 0], M, K, &ov[0, 0])
+        okv_bf16_rows(&xv[0, 0], M, K, &ov[0, 0], 1 if hw else 0)
     return out
 
 

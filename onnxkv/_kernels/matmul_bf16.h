@@ -167,6 +167,19 @@ OKV_BF16 static void okv_mmb_tile_avx512_any(int mr, int np, const uint32_t *xb,
 #undef OKV_MMB_T
 #endif /* OKV_X86_SIMD && OKV_HAVE_BF16 */
 
+/* xb from x (okv_bf16_rows_scalar) by the AVX-512-BF16 conversion when hw (the caller checked the CPU; a
+ * build without it takes the portable one), else the portable one: the same bits either way. */
+static void okv_bf16_rows(const float *x, int64_t M, int64_t K, uint32_t *xb, int hw) {
+#if OKV_X86_SIMD && OKV_HAVE_BF16
+    if (hw) {
+        okv_bf16_rows_avx512(x, M, K, xb);
+        return;
+    }
+#endif
+    (void)hw;
+    okv_bf16_rows_scalar(x, M, K, xb);
+}
+
 /* Floats of one thread's wb (whole float32 lines of NP panels of a k-chunk, as 16-bit halves). */
 static int64_t okv_mmb_ws_halves(int64_t M, int64_t K) {
     int64_t mr, kc;
