@@ -14,6 +14,7 @@ from onnxkv._kernels import reference as R
 
 from .conftest import rand
 from .test_attention_flash import PAGED, case_arrays, paged_arrays
+from .test_attention_nan import _poison
 from .test_paged_attention import kvd
 
 pytestmark = pytest.mark.skipif(not K.bf16_available(), reason="this CPU has no AVX-512-BF16")
@@ -78,3 +79,26 @@ def test_fewer_query_tokens_stay_float32(simd):
         q_pos = np.arange(Cap - Sq, Cap, dtype=np.int32)[None]
         args = (q, k, v, kv_len, q_pos, D, 0.0, -1, None, "float32")
         np.testing.assert_array_equal(_attention(*args, "bf16"), _attention(*args, "float32"))
+
+
+@pytest.mark.parametrize("case", ["q-nan", "q-inf", "k-nan", "k-inf", "v-nan", "k-all-neg-inf"])
+def test_nan_and_infinities(case, simd):
+    """The rules of attention.h hold in bfloat16 too (rounding keeps NaN and infinities): a NaN or +inf
+    visible score makes the row NaN, all -inf visible scores give zeros, a NaN value reaches the output."""
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, Sq, Cap, D = 2, 8, 2, 40, 100, 64
+    q, k, v = rand(rng, (B, Hq, Sq, D)), rand(rng, (B, Hkv, Cap, D)), rand(rng, (B, Hkv, Cap, D))
+    kv_len = np.array([Cap, Cap - 10], np.int32)  # every query of row 1 sees key 50, the poisoned one
+    q_pos = (kv_len[:, None] - Sq + np.arange(Sq)[None, :]).astype(np.int32)
+    _poison(case, q, k, v)
+    want = np.full_like(q, 42.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        R.attention(q, k, v, kv_len, q_pos, D**-0.5, 0.0, -1, want, bf16=True)
+    got = _attention(q, k, v, kv_len, q_pos, D, 0.0, -1, None, "float32", "bf16")
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=4e-3)
+    if case == "k-all-neg-inf":
+        assert (got[0] == 0).all() and np.isfinite(got[1]).all()
+    elif case != "v-nan":
+        assert np.isnan(got).any()
