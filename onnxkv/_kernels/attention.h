@@ -22,9 +22,12 @@
  * NaN and infinities follow the dense softmax (NumPy, onnx.reference): a query
  * row one of whose visible scores is NaN or +inf outputs NaN (whatever the
  * other scores), a row whose visible scores are all -inf outputs zeros, -inf
- * scores get weight 0, and a NaN or infinite value of a key with a nonzero
- * weight reaches the output through p * v.  Scores of keys a row does not see
- * never enter its softmax.  (Quantized keys scored on the AMX tiles: a query
+ * scores get weight 0, and a NaN or infinite value of a key the row sees
+ * reaches its output through p * v (IEEE rules: a weight of 0 times an
+ * infinity is NaN).  Neither the scores nor the values of keys a row does not
+ * see enter its output, not even as 0 * NaN: the tiles a group of rows shares
+ * along the causal diagonal or a window edge take such values row by row
+ * (test_attention_unseen_values.py).  (Quantized keys scored on the AMX tiles: a query
  * row holding a NaN or an infinity -- whose fixed-point form cannot hold it --
  * scores NaN.)
  *

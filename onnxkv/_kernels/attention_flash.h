@@ -281,6 +281,33 @@ OKV_INLINE OKV_ATTR void OKV_I(okv_fl_softmax)(const okv_attn_args *a, float *S,
     for (v = 0; v < RV; v++) FV_ST(lv + v * W, FV_ADD(FV_LD(lv + v * W), ls[v]));
 }
 
+/* A key a lane does not see adds nothing to it, not even 0 * NaN (attention.h).  In a masked tile (keys [j0,
+ * j0 + n), not every lane seeing each), an element of its value rows (n rows of format fmt at v, vst bytes
+ * apart; rounded to bfloat16 if rnd) that is NaN or infinite, at a key outside the intersection [rng[2],
+ * rng[3]) of the lanes' ranges, is added here to the lanes that see that key (Ot[d][i] += p * v, p from S,
+ * rounded if rnd); the caller then leaves it out of the tile's product.  Returns how many
+ * such elements there are (none in all but hostile or overflowing inputs). */
+OKV_INLINE OKV_ATTR int64_t OKV_I(okv_fl_vpartial)(const char *v, int64_t vst, const int fmt, int rnd, int64_t n,
+                                                   int64_t j0, int64_t D, const int64_t *rng, const float *S,
+                                                   const int32_t *lo, const int32_t *hi, float *Ot) {
+    enum { RB = OKV_FL_RB };
+    int64_t j, d, i, found = 0;
+    for (j = 0; j < n; j++) {
+        const int64_t key = j0 + j;
+        if (key >= rng[2] && key < rng[3]) continue; /* every lane sees it */
+        for (d = 0; d < D; d++) {
+            float x = okv_kv_ld1(v + j * vst, d, fmt, 0, NULL, NULL);
+            if (rnd) x = okv_bf16_rounded(x);
+            if (isfinite(x)) continue;
+            found++;
+            for (i = 0; i < RB; i++)
+                if (lo[i] <= key && key < hi[i])
+                    Ot[d * RB + i] += (rnd ? okv_bf16_rounded(S[j * RB + i]) : S[j * RB + i]) * x;
+        }
+    }
+    return found;
+}
+
 /* The rows [rb0, rb0 + nr) of KV head hk normalised into out: NaN rows where marked, zeros where no key
  * is visible or the sum is 0. */
 OKV_INLINE OKV_ATTR void OKV_I(okv_fl_out)(const okv_attn_args *a, int64_t b, int64_t hk, int64_t t0, int64_t rb0,
@@ -329,6 +356,7 @@ OKV_INLINE OKV_ATTR void OKV_I(okv_fl_head)(const okv_attn_args *a, int64_t b, i
         for (j0 = rng[0]; j0 < rng[1]; j0 = j1) {
             const float *kf, *vf;
             int64_t ks, vs, n;
+            int mask;
             if (j0 >= pg.end || j0 < pg.start) pg = okv_attn_page(a, b, hk, j0, esz);
             j1 = j0 + OKV_BK;
             if (j1 > pg.end) j1 = pg.end;
@@ -351,9 +379,24 @@ OKV_INLINE OKV_ATTR void OKV_I(okv_fl_head)(const okv_attn_args *a, int64_t b, i
                 OKV_I(okv_fl_qk_kj)(Qt, kf + j * ks, ks, D, S + j * RB, OKV_FL_KJ);
             for (; j < n; j++) OKV_I(okv_fl_qk_kj)(Qt, kf + j * ks, ks, D, S + j * RB, 1);
             /* some row of the block does not see every key: mask */
-            OKV_I(okv_fl_softmax)(a, S, n, j0, !(j0 >= rng[2] && j1 <= rng[3]), lo, hi, mv, lv, Ot, bad);
+            mask = !(j0 >= rng[2] && j1 <= rng[3]);
+            OKV_I(okv_fl_softmax)(a, S, n, j0, mask, lo, hi, mv, lv, Ot, bad);
             if (rnd)
                 for (i = 0; i < n * RB; i++) S[i] = okv_bf16_rounded(S[i]);
+            if (mask && OKV_I(okv_fl_vpartial)(pg.v + (j0 - pg.start) * pg.vst, pg.vst, fmt, rnd, n, j0, D, rng, S,
+                                               lo, hi, Ot)) {
+                /* those values, added to the lanes that see them, left out of the product: as zeros in a
+                 * float copy of the tile */
+                if (vf != Vf) {
+                    for (j = 0; j < n; j++) memcpy(Vf + j * D, vf + j * vs, (size_t)D * sizeof(float));
+                    vf = Vf;
+                    vs = D;
+                }
+                for (j = 0; j < n; j++)
+                    if (!(j0 + j >= rng[2] && j0 + j < rng[3]))
+                        for (d = 0; d < D; d++)
+                            if (!isfinite(Vf[j * D + d])) Vf[j * D + d] = 0.f;
+            }
             /* values */
             for (d = 0; d + OKV_FL_DB <= D; d += OKV_FL_DB)
                 OKV_I(okv_fl_pv_db)(S, n, vf + d, vs, Ot + d * RB, OKV_FL_DB);

@@ -125,6 +125,7 @@ OKV_INLINE OKV_BF16 void okv_fl_head_bf16(const okv_attn_args *a, int64_t b, int
         for (j0 = rng[0]; j0 < rng[1]; j0 = j1) {
             int64_t n, n2;
             const char *kp, *vp;
+            int mask;
             if (j0 >= pg.end || j0 < pg.start) pg = okv_attn_page(a, b, hk, j0, esz);
             j1 = j0 + OKV_BK;
             if (j1 > pg.end) j1 = pg.end;
@@ -151,7 +152,18 @@ OKV_INLINE OKV_BF16 void okv_fl_head_bf16(const okv_attn_args *a, int64_t b, int
                 }
             for (j = 0; j + 8 <= n; j += 8) okv_flb_qk((const uint32_t *)Qt, Kb + j * D2, D2, S + j * RB, 8);
             for (; j < n; j++) okv_flb_qk((const uint32_t *)Qt, Kb + j * D2, D2, S + j * RB, 1);
-            okv_fl_softmax_avx512(a, S, n, j0, !(j0 >= rng[2] && j1 <= rng[3]), lo, hi, mv, lv, Ot, bad);
+            mask = !(j0 >= rng[2] && j1 <= rng[3]);
+            okv_fl_softmax_avx512(a, S, n, j0, mask, lo, hi, mv, lv, Ot, bad);
+            if (mask && okv_fl_vpartial_avx512(vp, pg.vst, fmt, 1, n, j0, D, rng, S, lo, hi, Ot)) {
+                /* those values, added to the lanes that see them (okv_fl_vpartial), left out of the product */
+                uint16_t *vh = (uint16_t *)Vb;   /* value v[j][d]: half j % 2 of pair Vb[j / 2][d] */
+                for (j = 0; j < n; j++)
+                    if (!(j0 + j >= rng[2] && j0 + j < rng[3]))
+                        for (d = 0; d < D; d++) {
+                            uint16_t *e = vh + 2 * ((j / 2) * D + d) + (j % 2);
+                            if ((*e & 0x7F80u) == 0x7F80u) *e = 0;
+                        }
+            }
             okv_flb_pair_rows(S, n);
             for (d = 0; d + 8 <= D; d += 8) okv_flb_pv((const uint32_t *)S, n2, Vb + d, D, Ot + d * RB, 8);
             for (; d < D; d++) okv_flb_pv((const uint32_t *)S, n2, Vb + d, D, Ot + d * RB, 1);

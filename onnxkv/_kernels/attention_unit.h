@@ -59,122 +59,7 @@
 #define OKV_ILV_FMT(f) 0
 #endif
 
-/* Per-channel key scales s[c] and zero points z[c] folded into the nr query
- * rows: qs[r] = qb + r*D with qs[r][c] = q[r][c] * s[c], and zc[r] = scale *
- * sum_c qs[r][c] z[c], so that scale * q.((code - z) s) = scale * qs.code -
- * zc[r]: per-channel keys are scored on their raw codes by the per-head tiles
- * (one multiply per query element and tile instead of two per key element).
- * ilv (AVX-512 only): qs[r] then in the interleaved order of 4-bit tiles. */
-OKV_INLINE OKV_ATTR void OKV_I(okv_qk_chan_fold)(const float *const *qr, int nr, int64_t D, float scale,
-                                                 const okv_dq *dq, float *qb, const float **qs, float *zc, int ilv) {
-    float cs[OKV_Q_COMPACT_MAX_G], cz[OKV_Q_COMPACT_MAX_G];
-    okv_dq cd;
-    int r;
-    if (dq->ce) {   /* compact header: the head's D scales and zero points, decoded here */
-        OKV_I(okv_q_cdec)(dq->cS, dq->ce, dq->cz, cs, cz, D);
-        cd = *dq;
-        cd.s = cs;
-        cd.z = cz;
-        dq = &cd;
-    }
-    for (r = 0; r < nr; r++) {
-        float *q = qb + r * D;
-        OKV_I(okv_scale_mul_f32)(qr[r], 1.f, dq->s, q, D);
-        qs[r] = q;
-        zc[r] = scale * OKV_I(okv_dot_f32)(q, dq->z, D);
-#ifdef OKV_SIMD512
-        if (ilv) okv_q4_to_ilv(q, q, D);
-#endif
-    }
-}
-
-/* Channel-zero-point keys (dq->zo): s[r*OKV_BK + j] -= f * q_r.zo, j < n, for
- * the nr rows qr (D floats each, natural order; f = scale * s * w); zo
- * decoded into qb (D floats of scratch). */
-OKV_INLINE OKV_ATTR void OKV_I(okv_qk_czp)(const float *const *qr, int nr, int64_t n, int64_t D, float f,
-                                           const int8_t *zo, float *qb, float *s) {
-    float zc[OKV_RG];
-    int64_t c;
-    int r;
-    for (c = 0; c < D; c++) qb[c] = (float)zo[c];
-    for (r = 0; r < nr; r++) zc[r] = f * OKV_I(okv_dot_f32)(qr[r], qb, D);
-    okv_qk_sub_rows(s, nr, n, zc);
-}
-
-/* Scores of quantized keys of format fmt (arguments as okv_qk_fmt): per-channel scales (pc) folded into the
- * query rows (okv_qk_chan_fold); per-head scales score the raw codes c: scale q.((c - z) s) = (scale s) q.c -
- * (scale s z) sum(q). */
-OKV_INLINE OKV_ATTR void OKV_I(okv_qk_quant)(int pc, const float *const *qr, const float *const *qi, int nr,
-                                             const char *k, int64_t n, int64_t D, float scale, float *s,
-                                             const okv_dq *dq, const okv_pf *pf, float *qb, const float *qsum,
-                                             const int fmt) {
-    if (pc) {
-        const float *qs[OKV_RG] = {NULL};
-        float zc[OKV_RG];
-        OKV_I(okv_qk_chan_fold)(qr, nr, D, scale, dq, qb, qs, zc, OKV_ILV_FMT(fmt));
-        OKV_I(okv_qk_rows)(qs, nr, k, n, D, scale, s, pf, fmt);
-        okv_qk_sub_rows(s, nr, n, zc);
-    } else {
-        OKV_I(okv_qk_rows)(OKV_ILV_FMT(fmt) ? qi : qr, nr, k, n, D, scale * dq->s1, s, pf, fmt);
-        if (dq->z1 != 0.f) okv_qk_zp(qsum, nr, n, scale * dq->s1 * dq->z1, s);
-        if (dq->zo) OKV_I(okv_qk_czp)(qr, nr, n, D, scale * dq->s1 * dq->zw, dq->zo, qb, s);
-    }
-}
-
-/* Probabilities times quantized values of format fmt (arguments as okv_pv_fmt): per-channel scales (pc)
- * dequantize in the load step; per-head: sum_j p_j (c_j - z) s = sum_j (s p_j) c_j - s z sum_j p_j. */
-OKV_INLINE OKV_ATTR void OKV_I(okv_pv_quant)(int pc, float *p, int nr, const char *v, int64_t n, int64_t D,
-                                             float *const *accr, float *const *acci, const okv_dq *dq, float *zc,
-                                             const okv_pf *pf, const int fmt) {
-    if (pc) {
-        OKV_I(okv_pv_rows)(p, nr, v, n, D, accr, dq, pf, fmt, 1);
-    } else {
-        okv_pv_fold(p, nr, n, zc, dq);
-        OKV_I(okv_pv_rows)(p, nr, v, n, D, OKV_ILV_FMT(fmt) ? acci : accr, dq, pf, fmt, 0);
-    }
-}
-
-/* Scores of nr rows against n keys of a tile in format fmt (see okv_qk_rows);
- * pc: per-channel scales; qi: the nr q rows in the interleaved order (read
- * only if OKV_ILV_FMT(fmt) with per-head scales); qb: nr*D floats of scratch
- * (the folded rows); qsum: the sums of the nr q rows. */
-OKV_ATTR static void OKV_I(okv_qk_fmt)(int fmt, int pc, const float *const *qr, const float *const *qi, int nr,
-                                       const char *k, int64_t n, int64_t D, float scale, float *s, const okv_dq *dq,
-                                       const okv_pf *pf, float *qb, const float *qsum) {
-#define OKV_QK_CASE(F) \
-    case F: OKV_I(okv_qk_quant)(pc, qr, qi, nr, k, n, D, scale, s, dq, pf, qb, qsum, F); return
-    switch (fmt) {
-    case OKV_FMT_F16: OKV_I(okv_qk_rows)(qr, nr, k, n, D, scale, s, pf, OKV_FMT_F16); return;
-    case OKV_FMT_BF16: OKV_I(okv_qk_rows)(qr, nr, k, n, D, scale, s, pf, OKV_FMT_BF16); return;
-    OKV_QK_CASE(OKV_FMT_U8); OKV_QK_CASE(OKV_FMT_I8);
-    OKV_QK_CASE(OKV_FMT_U4); OKV_QK_CASE(OKV_FMT_I4);
-    OKV_QK_CASE(OKV_FMT_U2); OKV_QK_CASE(OKV_FMT_I2);
-    default: OKV_I(okv_qk_rows)(qr, nr, k, n, D, scale, s, pf, OKV_FMT_F32); return;
-    }
-#undef OKV_QK_CASE
-}
-
-/* acc rows += p * V rows of a tile in format fmt (see okv_pv_rows); with
- * per-head scales the probabilities p are scaled in place and the zero
- * point's share is added to the rows' corrections zc (see okv_pv_fold).
- * acci: the rows' accumulators in the interleaved order, taking the tile
- * instead of accr if OKV_ILV_FMT(fmt) with per-head scales.  pf (or NULL):
- * rows to software-prefetch, spread over the tile's token loop. */
-OKV_ATTR static void OKV_I(okv_pv_fmt)(int fmt, int pc, float *p, int nr, const char *v, int64_t n, int64_t D,
-                                       float *const *accr, float *const *acci, const okv_dq *dq, float *zc,
-                                       const okv_pf *pf) {
-#define OKV_PV_CASE(F) \
-    case F: OKV_I(okv_pv_quant)(pc, p, nr, v, n, D, accr, acci, dq, zc, pf, F); return
-    switch (fmt) {
-    case OKV_FMT_F16: OKV_I(okv_pv_rows)(p, nr, v, n, D, accr, dq, pf, OKV_FMT_F16, 0); return;
-    case OKV_FMT_BF16: OKV_I(okv_pv_rows)(p, nr, v, n, D, accr, dq, pf, OKV_FMT_BF16, 0); return;
-    OKV_PV_CASE(OKV_FMT_U8); OKV_PV_CASE(OKV_FMT_I8);
-    OKV_PV_CASE(OKV_FMT_U4); OKV_PV_CASE(OKV_FMT_I4);
-    OKV_PV_CASE(OKV_FMT_U2); OKV_PV_CASE(OKV_FMT_I2);
-    default: OKV_I(okv_pv_rows)(p, nr, v, n, D, accr, dq, pf, OKV_FMT_F32, 0); return;
-    }
-#undef OKV_PV_CASE
-}
+#include "attention_fmt.h"
 
 #ifdef OKV_UNIT_AMX
 /* okv_qk_fmt for quantized keys of format fmt on the AMX tiles (a->amx): n
@@ -442,11 +327,15 @@ OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(OKV_UNIT_ARGS, const int f
                     float *mxh = mx + hw * R, *smh = sm + hw * R;
                     const char *vh = vt + hw * pg.vhs;
                     float *const *accir = it[(w - 1) & 1].accir;   /* mixed */
-                    int i;
+                    int64_t va0[OKV_RG], va1[OKV_RG];   /* the keys [va0, va1) of the tile each row sees */
+                    int i, c, part = 0;
                     for (i = 0; i < nr; i++) {
                         int64_t rr = rg + i, tt = rr % nt, a0 = lo[tt] > u0 ? lo[tt] : u0;
                         int64_t a1 = hi[tt] < u1 ? hi[tt] : u1;
                         float *s = sw + i * OKV_BK, bm, mnew;
+                        va0[i] = a0;
+                        va1[i] = a1;
+                        part |= a0 != u0 || a1 != u1;
                         if (a0 >= a1) {               /* nothing visible in this block: p = 0 */
                             memset(s, 0, (size_t)n * sizeof(float));
                             continue;
@@ -481,8 +370,17 @@ OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(OKV_UNIT_ARGS, const int f
                         }
                         smh[rr] += OKV_I(okv_exp_sub_sum_f32)(s, mnew, n);   /* -inf -> 0 */
                     }
+                    /* p * v over the whole tile for every row at once, or, where some row does not see
+                     * every key of it, row by row over the keys that row sees: a key a row does not see adds
+                     * nothing to it, not even 0 * NaN (a value NaN or infinite) */
                     if (!mixed) {
-                        OKV_I(okv_pv_rows)(sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, NULL, NULL, fmt, 0);
+                        for (c = 0; c < (part ? nr : 1); c++) {
+                            const int64_t c0 = part ? va0[c] : u0, c1 = part ? va1[c] : u1;
+                            if (c0 < c1)
+                                OKV_I(okv_pv_rows)(sw + c * OKV_BK + (c0 - u0), part ? 1 : nr,
+                                                   vh + (c0 - j0) * pg.vst, c1 - c0, D, accr + c, NULL, NULL, fmt,
+                                                   0);
+                        }
                     } else {
                         const okv_dq dv = okv_dq_head(a, &pg, 0, hw);
                         if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
@@ -494,8 +392,14 @@ OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(OKV_UNIT_ARGS, const int f
 #else
                         const okv_pf *pvp = NULL;
 #endif
-                        OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir,
-                                          &dv, zc + hw * R + rg, pvp);
+                        for (c = 0; c < (part ? nr : 1); c++) {
+                            const int64_t c0 = part ? va0[c] : u0, c1 = part ? va1[c] : u1;
+                            if (c0 < c1)
+                                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw + c * OKV_BK + (c0 - u0), part ? 1 : nr,
+                                                  vh + (c0 - j0) * pg.vst, c1 - c0, D, accr + c,
+                                                  accir + c, &dv, zc + hw * R + rg + c,
+                                                  c == 0 ? pvp : NULL);
+                        }
 #ifdef OKV_SIMD512
                         pend.n = 0;
 #endif

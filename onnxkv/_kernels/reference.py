@@ -131,8 +131,19 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
         if bf16:
             e = bf16_round(e.astype(np.float32)).astype(np.float64)
         w = np.where(dead, 0.0, e / np.where(dead, 1.0, den))
-        res[b] = (w @ vb).reshape(Hq, Sq, D)
+        res[b] = _weighted_values(w, vb, mask).reshape(Hq, Sq, D)
     out[...] = res.astype(out.dtype)
+
+
+def _weighted_values(w, v, mask):
+    """sum_j w[h, r, j] * v[h, j] over the keys row r sees (mask [rows, n]): a key a row does not see adds
+    nothing, not even 0 * NaN; a visible key adds w * v as IEEE does (0 * inf is NaN)."""
+    finite = np.isfinite(v)
+    with np.errstate(invalid="ignore"):
+        res = w @ np.where(finite, v, 0.0)
+        for h, j, d in zip(*np.nonzero(~finite)):
+            res[h, mask[:, j], d] += w[h, mask[:, j], j] * v[h, j, d]
+    return res
 
 
 def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out):
