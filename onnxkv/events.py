@@ -32,7 +32,9 @@ COUNTER_FIELDS = (
 )
 
 #: Actions whose allocator figures are the *cache* allocator's (not the temporaries').
-CACHE_ACTIONS = frozenset({"cache_write", "fork", "reorder", "truncate", "checkpoint", "restore", "evict"})
+CACHE_ACTIONS = frozenset(
+    {"cache_write", "fork", "reorder", "append_rows", "truncate", "checkpoint", "restore", "evict"}
+)
 
 #: Keys of every row of :meth:`EventLog.per_step`, in table order.
 STEP_FIELDS = (

@@ -164,6 +164,29 @@ class FeedBuilder:
             self._scatter_feeds(feeds, valid, valid + S)
         return feeds
 
+    def ragged(self, tokens: np.ndarray, lengths: np.ndarray) -> dict:
+        """Feeds of ``tokens`` (int [B] one per row, or [B, S]) for rows that hold ``lengths`` (int [B])
+        cached tokens each, rows of different generations batched into one run: the layout :meth:`next`
+        feeds a right-padded GroupQueryAttention graph (mask ones on each row's first ``length + S``
+        columns, positions ``length .. length + S - 1``), built from the lengths alone; this builder's own
+        rows are neither read nor changed.  Several tokens per row need rows of one length.  InputError
+        for any other graph form (its rows share one length)."""
+        if self.kind != "group_query_attention":
+            raise InputError(f"FeedBuilder.ragged: needs a GroupQueryAttention graph, this one is '{self.kind}'")
+        lengths = np.asarray(lengths, np.int64)
+        tokens = np.asarray(tokens)
+        tokens = tokens[:, None] if tokens.ndim == 1 else tokens
+        S = tokens.shape[1]
+        if S > 1 and (lengths != lengths[0]).any():
+            raise InputError(f"FeedBuilder.ragged: {S} tokens per row need rows of one length, got {lengths.tolist()}")
+        feeds = {self.io.input_ids: self._cast(self.io.input_ids, tokens)}
+        if self.io.attention_mask:
+            mask = np.arange(int(lengths.max()) + S)[None, :] < (lengths + S)[:, None]
+            feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask.astype(np.int64))
+        if self.io.position_ids:
+            feeds[self.io.position_ids] = self._cast(self.io.position_ids, lengths[:, None] + np.arange(S)[None, :])
+        return feeds
+
     @property
     def decode_names(self) -> DecodeNames | None:
         """The values :meth:`State.decode_steps <onnxkv.runtime.state.State.decode_steps>` makes for the

@@ -72,6 +72,48 @@ class PagedAPI:
             self._ctx.log("fork", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
             return out
 
+    def sibling(self) -> State:
+        """A new empty state over this state's page pool, with its settings (no page shared yet): the rows
+        it writes can later move into this state with :meth:`append_rows` (how the engine batches requests)."""
+        with self._exclusive("sibling"):
+            store = self._require_paged("sibling", held=False)
+            return type(self)(self.session, **{**self._keywords, "allocator": self.allocator}, _pool=store.pool)
+
+    def start_on_pages(self, pages, length: int) -> None:
+        """Start this empty state as one row holding ``pages`` (page ids of its pool, in order: logical
+        blocks 0, 1, ...) by reference, its first ``length`` positions written (a cached prompt prefix):
+        the next run continues at ``length``, and a write into a shared page copies that page first.
+        InputError, nothing changed, for a state that holds a cache, an id that is not a live page of the
+        pool, or a ``length`` the pages do not end in."""
+        with self._exclusive("start_on_pages"):
+            self._require_paged("start_on_pages", held=False).start_on_pages(pages, length)
+
+    def append_rows(self, other: State) -> None:
+        """Move every row of ``other`` (a state over the same page pool, see :meth:`sibling`) after this
+        state's rows, each keeping its own length: ``other``'s page references pass to this state (no
+        payload byte copied) and ``other`` is closed.  InputError, both states as they were, when ``other``
+        is this state, not a state over this pool, or holds no rows."""
+        if other is self or not isinstance(other, PagedAPI) or not other.paged:
+            raise InputError(f"State.append_rows: expected another paged State, got {other!r}")
+        with self._exclusive("append_rows"), other._exclusive("append_rows"):
+            store, theirs = self._require_paged("append_rows", held=False), other._require_paged("append_rows")
+            store.append_rows(theirs)
+            self.steps = max(self.steps, other.steps)
+        other.close()
+
+    def keep_rows(self, indices) -> None:
+        """Keep rows ``indices`` (distinct, in their new order; empty: none) and drop every other row's page
+        references: what :meth:`reorder` does, but rows may all go (the state then holds no cache)."""
+        with self._exclusive("keep_rows"):
+            store = self._require_paged("keep_rows")
+            idx = np.asarray(indices)
+            if idx.ndim == 1 and idx.size and np.unique(idx).size != idx.size:
+                raise InputError(f"State.keep_rows: indices must be distinct, got {idx.tolist()}")
+            if idx.ndim == 1 and idx.size == 0:
+                store.close()
+            else:
+                store.reorder(idx)
+
     def reorder(self, indices) -> None:
         """Row ``i`` becomes old row ``indices[i]`` (beam search; ``len(indices)`` may differ from the
         batch): page tables permuted, reference counts adjusted, no payload byte copied."""

@@ -348,6 +348,57 @@ class PagedStore:
         cache.replace_table(cache.table.share(idx))
         self.ctx.log("reorder", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
 
+    def start_on_pages(self, pages, length: int) -> None:
+        """One row over ``pages`` (live ids of this pool, one reference taken each), ``length`` written."""
+        api = "State.start_on_pages"
+        if self.cache is not None:
+            raise InputError(f"{api}: the state already holds a cache (use a new state, e.g. sibling())")
+        ids = np.asarray(pages)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise InputError(f"{api}: pages must be a non-empty 1-D int array, got {pages!r}")
+        refs = self.pool.core.refs()
+        if int(ids.min()) < 0 or int(ids.max()) >= len(refs) or (refs[ids.astype(np.int64)] <= 0).any():
+            raise InputError(f"{api}: pages must be live page ids of this state's pool, got {ids.tolist()}")
+        bs = self.pool.block_size
+        if (
+            isinstance(length, bool)
+            or not isinstance(length, (int, np.integer))
+            or not ((ids.size - 1) * bs < length <= ids.size * bs)
+        ):
+            raise InputError(f"{api}: length must end in the last of {ids.size} page(s) of {bs} tokens, got {length!r}")
+        if self.ctx.static:
+            raise InputError(f"{api}: static caches hold every page of their capacity from the start")
+        table = PageTable(self.pool, 1)
+        table.tables = ids.astype(np.int32)[None].copy()
+        table.lengths[0] = int(length)
+        self.pool.incref(table.held_ids())
+        self.cache = self._new_cache(1, table)
+        self.ctx.log("append_rows", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+
+    def append_rows(self, other: PagedStore) -> None:
+        """Rows of ``other``'s committed table after this one's (the same pool): this store holds a
+        reference to each of their pages; ``other`` keeps its own until it is closed."""
+        if other.pool is not self.pool:
+            raise InputError("State.append_rows: the other state's pages are in another pool (make it with sibling())")
+        if self.ctx.static:
+            raise InputError("State.append_rows: static caches have one capacity per state and cannot take rows")
+        mine = self.cache.table if self.cache is not None else PageTable(self.pool, 0)
+        theirs = other.cache.table
+        table = PageTable(self.pool, mine.batch + theirs.batch)
+        m = max(mine.tables.shape[1], theirs.tables.shape[1])
+        table.tables = np.full((table.batch, m), -1, np.int32)
+        table.tables[: mine.batch, : mine.tables.shape[1]] = mine.tables
+        table.tables[mine.batch :, : theirs.tables.shape[1]] = theirs.tables
+        table.lengths = np.concatenate([mine.lengths, theirs.lengths])
+        table.first = np.concatenate([mine.first, theirs.first])
+        self.pool.incref(table.held_ids())
+        if self.cache is None:
+            mine.release()
+            self.cache = self._new_cache(table.batch, table)
+        else:
+            self.cache.replace_table(table)
+        self.ctx.log("append_rows", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
+
     def checkpoint(self, owner: object, steps: int) -> Checkpoint:
         """A :class:`Checkpoint` of the committed table for ``owner`` (the state), at its ``steps``."""
         cp = Checkpoint(owner, self.cache.table.share(), steps)
