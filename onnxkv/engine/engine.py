@@ -17,20 +17,31 @@ stopping rule; ``generate``'s default chunk when ``max_batch_tokens`` is at
 least that): greedy requests token for token, sampled ones draw for draw with
 the same seed.
 
-This version runs the requests of a step one after the other, each on its own
-state (a run per request: rows of different lengths are not yet batched into
-one forward pass, and pages are not yet shared between requests);
-:meth:`Engine.describe` says so.
+Batching.  With paged caches on a GroupQueryAttention graph (the ONNX Runtime
+GenAI builder's form, which takes a length per row), every request's pages
+live in one page pool and the decode tokens of all requests run as one
+batched forward pass over one state whose rows have their own lengths and
+page tables (the weights are read once per step, not once per request).  A
+prompt runs in chunks on a state of its own over the same pool, one run per
+request; when its last chunk has made the first token, its rows move into
+the batched state (:meth:`State.append_rows`, no payload copied) and a
+finished request's row leaves it (:meth:`State.keep_rows`).  Other graph
+forms (one length per batch) and contiguous caches run one request per run;
+:meth:`Engine.describe` says which.  Batched rows run the same kernels as a
+row alone, whose per-row results do not depend on the rows beside them
+(tests/engine compare tokens with ``generate``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
+from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request
-from onnxkv.errors import InputError
+from onnxkv.errors import InputError, OutOfMemory
 from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.sampling import sampling_arguments, select_next
@@ -55,12 +66,25 @@ class Engine:
             None: contiguous.  The model must have a cache that runs in place.
         max_batch_tokens: tokens fed per step at most (an int >= 1), decode tokens and prompt chunks
             together.
+        max_pages: pages the engine's pool holds at most (paged; the same as the cache's ``max_pages``,
+            which it must not contradict).
+        prefix_caching: share full prompt pages between requests (batched engines; see
+            :mod:`onnxkv.engine.prefix`).
+        prefix_pages: most pages the prefix cache keeps (default: ``max_pages``, else 4096); unreferenced
+            ones leave first, least recently used first, and whenever the pool needs room.
 
-    The engine is not thread-safe: one thread calls its methods.
+    The engine is not thread-safe: one thread calls its methods.  :meth:`close` releases every page.
     """
 
     def __init__(
-        self, session: Session, cache: CacheConfig | str | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+        self,
+        session: Session,
+        cache: CacheConfig | str | None = None,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        *,
+        max_pages: int | None = None,
+        prefix_caching: bool = True,
+        prefix_pages: int | None = None,
     ) -> None:
         api = "Engine"
         if not isinstance(session, Session):
@@ -72,10 +96,25 @@ class Engine:
             )
         self.session = session
         self.max_batch_tokens = int_arg(api, "max_batch_tokens", max_batch_tokens, 1)
+        if max_pages is not None:
+            max_pages = int_arg(api, "max_pages", max_pages, 1)
+            config = cache if isinstance(cache, CacheConfig) else CacheConfig(cache or "paged")
+            if config.max_pages not in (None, max_pages):
+                raise InputError(f"{api}: max_pages={max_pages} contradicts the cache's max_pages={config.max_pages}")
+            cache = replace(config, max_pages=max_pages)
         self._cache = cache_request(api, cache, _KINDS, {}, auto=True)
         self.kind = self._cache.kind("contiguous")
+        if not isinstance(prefix_caching, bool):
+            raise InputError(f"{api}: prefix_caching must be a bool, got {prefix_caching!r}")
+        self.prefix_caching = prefix_caching
+        self._prefix_pages = int_arg(api, "prefix_pages", prefix_pages, 0) if prefix_pages is not None else None
+        self._prefix: PrefixCache | None = None  # made with the batched state
         self._requests: list[Request] = []
         self.steps = 0
+        self.batched = self.kind == "paged" and session.model.convention.kind == "group_query_attention"
+        self._batch: State | None = None  # batched: the state of every decoding request's rows
+        self._rows: list[Request] = []  # batched: the request of each of its rows, in order
+        self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)
 
     @property
     def requests(self) -> list[Request]:
@@ -90,9 +129,25 @@ class Engine:
     def describe(self) -> dict:
         """How the engine runs: batching, cache kind, budget, and the requests it holds (each request's
         prompt chunk is ``Request.chunk``)."""
+        if self.batched:
+            batching = (
+                "decode tokens of every request in one batched run over one page pool (rows of their own "
+                "lengths and page tables); prompt chunks one run per request"
+            )
+        elif self.kind != "paged":
+            batching = "one run per request and step, not batched: contiguous caches are one state per request"
+        else:
+            batching = (
+                f"one run per request and step: this graph form ('{self.session.model.convention.kind}') "
+                "takes one length per batch, so rows of different lengths are not batched"
+            )
+        prefix = self._prefix
         return {
-            "batching": "one run per request and step: rows of different lengths are not batched into one "
-            "forward pass, and requests do not share prefix pages",
+            "batching": batching,
+            "prefix_caching": self.prefix_caching and self.batched,
+            "prefix_cached_pages": len(prefix) if prefix is not None else 0,
+            "prefix_evictions": prefix.evictions if prefix is not None else 0,
+            "decode_rows": len(self._rows),
             "cache": self.kind,
             "max_batch_tokens": self.max_batch_tokens,
             "requests": len(self._requests),
@@ -134,46 +189,213 @@ class Engine:
         chunk = min(chunk, self.max_batch_tokens)
         pad = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
         request = Request(self, len(self._requests), ids[0], max_new_tokens, sampling, eos, chunk, state_kw, pad)
+        if request.finished is None:
+            self._start_on_prefix(request)
         self._requests.append(request)
         return request
+
+    def _start_on_prefix(self, r: Request) -> None:
+        """Batched with prefix caching: give ``r`` the cached pages of the longest prefix of its prompt
+        (whole pages, before its last token) and a state that continues after them."""
+        if not (self.batched and self.prefix_caching) or self._prefix is None:
+            return
+        prefix = self._prefix
+        hits = prefix.lookup(prefix.keys(r.prompt[: r.prompt.size - 1]))
+        events = self.session.events
+        if events.enabled:
+            events.record(
+                self.session._step, "", "", "prefix_lookup",
+                extra={"request": r.id, "prefix_hit_tokens": len(hits) * prefix.block_size,
+                       "prefix_cached_pages": len(prefix)},
+            )  # fmt: skip
+        if not hits:
+            return
+        done = len(hits) * prefix.block_size
+        state = self._batch.sibling()
+        state.start_on_pages(np.array(hits, np.int32), done)
+        builder = FeedBuilder(
+            self.session.plan.inputs, self.session.model, r.prompt[None, :done], np.array([done]), r.pad_id,
+            thread_cache=False,
+        )  # fmt: skip
+        builder.first()  # its bookkeeping of the cached tokens; they are not run
+        r._state, r._builder, r.prompt_done, r.prefix_hit_tokens = state, builder, done, done
 
     def abort(self, request: Request) -> None:
         """Stop ``request`` now (``finished == "aborted"`` unless it had finished) and release its state."""
         if not isinstance(request, Request) or request.engine is not self:
             raise InputError(f"Engine.abort: expected a Request of this engine, got {request!r}")
         if request.finished is None:
-            request._release("aborted")
+            self._finish(request, "aborted")
 
     def step(self) -> dict[int, int]:
-        """One run for every unfinished request the budget admits; returns {request id: id produced} for
-        the requests that produced a token in this step.  A run that raises propagates: its request is as
-        before that run, and the requests after it were not run in this step (step again to go on, or
-        abort it)."""
+        """One run for every unfinished request the budget admits (batched: one run for all decode rows,
+        then one per prompt chunk); returns {request id: id produced} for the requests that produced a
+        token in this step.  A run that raises propagates: the requests it ran are as before it, and the
+        runs after it were not made in this step (step again to go on, or abort a request)."""
         active = self.active
-        decoding = [r for r in active if r.prompt_done >= r.prompt.size]
+        rows = list(self._rows)
+        decoding = [r for r in active if r.prompt_done >= r.prompt.size and r not in rows]
         waiting = [r for r in active if r.prompt_done < r.prompt.size]
         starved = [r for r in waiting if r._skipped]
-        budget, chosen = self.max_batch_tokens, []
-        for r in starved + decoding + [r for r in waiting if not r._skipped]:
+        others = decoding + [r for r in waiting if not r._skipped]
+        budget, chosen, decode_rows = self.max_batch_tokens, [], False
+
+        def admit(r: Request) -> None:
+            nonlocal budget
             need = r.next_tokens
-            r._skipped = need > budget
+            r._skipped = need > budget or (r._state is None and not self._room_for_row())
             if not r._skipped:
                 chosen.append(r)
                 budget -= need
-        produced: dict[int, int] = {}
-        for r in chosen:
-            token = self._advance(r)
+
+        if rows and self._decode_waited and len(rows) <= budget:
+            decode_rows, budget = True, budget - len(rows)
+        for r in starved:
+            admit(r)
+        if rows and not decode_rows:
+            decode_rows = len(rows) <= budget
+            budget -= len(rows) if decode_rows else 0
+        self._decode_waited = bool(rows) and not decode_rows
+        for r in others:
+            admit(r)
+        produced: dict[int, int] = self._decode_batch() if decode_rows else {}
+        for group in self._groups(chosen):
+            if len(group) > 1:
+                produced.update(self._advance_group(group))
+                continue
+            token = self._advance(group[0])
             if token is not None:
-                produced[r.id] = token
+                produced[group[0].id] = token
         self.steps += 1
+        if self._prefix is not None and len(self._prefix) > self._prefix.capacity:
+            self._trim()
         events = self.session.events
         if events.enabled:
             events.record(
                 self.session._step, "", "", "engine_step",
-                extra={"requests": len(chosen), "tokens_fed": self.max_batch_tokens - budget,
+                extra={"requests": len(chosen) + (len(rows) if decode_rows else 0),
+                       "batched_rows": len(rows) if decode_rows else 0,
+                       "tokens_fed": self.max_batch_tokens - budget,
                        "produced": len(produced), "active": len(self.active)},
             )  # fmt: skip
         return produced
+
+    def _groups(self, chosen: list[Request]) -> list[list[Request]]:
+        """``chosen`` in runs: batched, the last prompt chunks of requests at one position, of one length and
+        alike in having a state (prefix hits) or not, run together (one run of their rows); the others
+        alone.  In the order of their first request."""
+        groups: dict[object, list[Request]] = {}
+        for r in chosen:
+            n = r.next_tokens
+            last = r.prompt_done < r.prompt.size and r.prompt_done + n == r.prompt.size
+            key = (r.prompt_done, n, r._state is None) if self.batched and last else r.id
+            groups.setdefault(key, []).append(r)
+        return list(groups.values())
+
+    def _advance_group(self, group: list[Request]) -> dict[int, int]:
+        """Batched: the last prompt chunks of ``group`` (one position, one length) as one run of
+        ``len(group)`` rows, then each row's first token and its move into the batched state.  A run that
+        raises leaves every request of the group as before it."""
+        model = self.session.model
+        name, done = model.io.logits, group[0].prompt_done
+        tokens = np.stack([r.prompt[done:] for r in group])
+        if done == 0:
+            builder = FeedBuilder(
+                self.session.plan.inputs, model, tokens, np.full(len(group), tokens.shape[1]), group[0].pad_id,
+                thread_cache=False,
+            )  # fmt: skip
+            feeds, _ = builder.first()
+            state = self._new_state(group[0])
+            try:
+                out = self._run(state, feeds, [name])
+            except BaseException:
+                state.close()
+                raise
+        else:  # prefix hits: their states' rows into one state for the run
+            builder = group[0]._builder
+            state = self._batch.sibling()
+            for r in group:
+                state.append_rows(r._state)
+            try:
+                out = self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name])
+            except BaseException:
+                for i, (r, own) in enumerate(zip(group, state.fork(len(group)), strict=True)):
+                    own.keep_rows([i])
+                    r._state = own
+                state.close()
+                raise
+        logits = out[name]
+        logits = logits[:, -1] if logits.ndim == 3 else logits
+        produced, keep = {}, []
+        tables = state.page_tables
+        for i, r in enumerate(group):
+            token = int(select_next(logits[i : i + 1], r.sampling)[0])
+            r.tokens.append(token)
+            r.prompt_done = r._cached = r.prompt.size
+            r._builder, r._state, r._out = builder, None, None
+            produced[r.id] = token
+            self._cache_prompt(r, tables[i])
+            if token in r.eos:
+                r.finished = "eos"
+            elif len(r.tokens) >= r.max_new_tokens:
+                r.finished = "length"
+            else:
+                keep.append(i)
+        if keep:
+            if len(keep) < len(group):
+                state.keep_rows(keep)
+            self._batch.append_rows(state)
+            self._rows.extend(group[i] for i in keep)
+        else:
+            state.close()
+        return produced
+
+    def _room_for_row(self) -> bool:
+        """Batched: whether a new prompt may start (every started request will hold a decode row, and
+        the decode rows of a step must fit ``max_batch_tokens``)."""
+        if not self.batched:
+            return True
+        started = sum(1 for r in self.active if r._state is not None or r in self._rows)
+        return started < self.max_batch_tokens
+
+    def _decode_batch(self) -> dict[int, int]:
+        """Batched: one run of every decode row; each row's token chosen with its request's sampling."""
+        rows, model = self._rows, self.session.model
+        name = model.io.logits
+        tokens = np.array([r.tokens[-1] for r in rows])
+        lengths = np.array([r._cached for r in rows])
+        out = self._run(self._batch, rows[0]._builder.ragged(tokens, lengths), [name])
+        logits = out[name]
+        logits = logits[:, -1] if logits.ndim == 3 else logits
+        produced, done = {}, []
+        for i, r in enumerate(rows):
+            token = int(select_next(logits[i : i + 1], r.sampling)[0])
+            r.tokens.append(token)
+            r._cached += 1
+            produced[r.id] = token
+            reason = "eos" if token in r.eos else "length" if len(r.tokens) >= r.max_new_tokens else None
+            if reason is not None:
+                r.finished = reason
+                done.append(r)
+        if done:
+            self._drop_rows(done)
+        return produced
+
+    def _drop_rows(self, gone: list[Request]) -> None:
+        """Batched: remove the rows of ``gone`` from the batched state (their pages go back unless shared)."""
+        keep = [i for i, r in enumerate(self._rows) if r not in gone]
+        self._batch.keep_rows(keep)
+        self._rows = [self._rows[i] for i in keep]
+        for r in gone:
+            r._builder = r._out = None
+
+    def _finish(self, r: Request, reason: str) -> None:
+        """``r`` stops with ``reason``: its own state closed, or its batched row removed."""
+        if r in self._rows:
+            r.finished = reason
+            self._drop_rows([r])
+        else:
+            r._release(reason)
 
     def run(self) -> list[Request]:
         """Step until every request has finished; returns every request in arrival order."""
@@ -194,10 +416,10 @@ class Engine:
                 self.session.plan.inputs, model, r.prompt[None, :first], np.array([first]), r.pad_id,
                 thread_cache=False,
             )  # fmt: skip
-            state = State(self.session, **r._state_kw)
+            state = self._new_state(r)
             feeds, read = builder.first()
             try:
-                r._out = state.run(feeds, [name] if first >= length else [])
+                r._out = self._run(state, feeds, [name] if first >= length else [])
             except BaseException:
                 state.close()
                 raise
@@ -208,7 +430,7 @@ class Engine:
             tokens = np.array([r.tokens[-1]]) if decoding else r.prompt[None, r.prompt_done : r.prompt_done + r.chunk]
             last = decoding or r.prompt_done + tokens.shape[-1] >= length
             try:
-                r._out = r._state.run(r._builder.next(tokens, r._out), [name] if last else [])
+                r._out = self._run(r._state, r._builder.next(tokens, r._out), [name] if last else [])
             except BaseException:
                 r._builder.rewind(fed)
                 raise
@@ -222,8 +444,71 @@ class Engine:
             logits = logits[np.arange(1), read_at if read_at is not None and logits.shape[1] > 1 else 0]
         token = int(select_next(logits, r.sampling)[0])
         r.tokens.append(token)
+        if self.batched:
+            self._cache_prompt(r, r._state.page_tables[0])
         if token in r.eos:
             r._release("eos")
         elif len(r.tokens) >= r.max_new_tokens:
             r._release("length")
+        elif self.batched:  # its prompt is done: its rows join the batched state
+            r._cached = length
+            self._batch.append_rows(r._state)
+            r._state, r._out = None, None
+            self._rows.append(r)
         return token
+
+    def _run(self, state: State, feeds: dict, outputs: list[str]) -> dict:
+        """``state.run``; when the pool is out of pages, the prefix cache's unreferenced pages are evicted
+        (least recently used first) and the run is made once more (a failed run changes nothing)."""
+        try:
+            return state.run(feeds, outputs)
+        except OutOfMemory:
+            if self._prefix is None or not self._evict(len(self._prefix)):
+                raise
+            return state.run(feeds, outputs)
+
+    def _evict(self, n: int) -> int:
+        return self._log_evictions(self._prefix.evict(n))
+
+    def _trim(self) -> int:
+        return self._log_evictions(self._prefix.trim())
+
+    def _log_evictions(self, freed: int) -> int:
+        events = self.session.events
+        if freed and events.enabled:
+            events.record(self.session._step, "", "", "prefix_evict", extra={"evictions": freed})
+        return freed
+
+    def _cache_prompt(self, r: Request, table: np.ndarray) -> None:
+        """Batched with prefix caching: ``r``'s full prompt pages (its prompt has run; ``table`` its row's
+        page ids) into the cache."""
+        if self._prefix is None:
+            return
+        keys = self._prefix.keys(r.prompt)
+        if keys:
+            self._prefix.insert(keys, table[: len(keys)])
+
+    def close(self) -> None:
+        """Finish every request ("aborted") and release every page, the prefix cache's included."""
+        for r in self.active:
+            self._finish(r, "aborted")
+        if self._prefix is not None:
+            self._prefix.clear()
+        if self._batch is not None:
+            self._batch.close()
+
+    def _new_state(self, r: Request) -> State:
+        """A request's own state; batched: over the page pool of the batched state (made with the first)."""
+        if not self.batched:
+            return State(self.session, **r._state_kw)
+        if self._batch is None:
+            first = State(self.session, **r._state_kw)
+            self._batch = first.sibling()
+            if self.prefix_caching:
+                capacity = self._prefix_pages
+                if capacity is None:
+                    capacity = first.pool.max_pages or 4096
+                salt = repr((self._cache.config, first.pool.block_size)).encode()
+                self._prefix = PrefixCache(first.pool, salt, capacity)
+            return first
+        return self._batch.sibling()

@@ -33,7 +33,8 @@ class Request:
         eos: ids that end it (the EOS id itself is its last token).
         tokens: the ids produced so far (a list of ints).
         chunk: prompt tokens per run (the session's prompt chunk for the request's cache, as ``generate``).
-        prompt_done: prompt tokens already run.
+        prompt_done: prompt tokens already run (or taken from the prefix cache).
+        prefix_hit_tokens: prompt tokens whose cached pages it took instead of running them.
         finished: None while it runs, else why it stopped: "eos", "length" or "aborted".
     """
 
@@ -64,6 +65,8 @@ class Request:
         self._state: State | None = None
         self._builder: FeedBuilder | None = None
         self._out: dict | None = None
+        self.prefix_hit_tokens = 0
+        self._cached = 0  # batched decode rows: tokens its row holds in the batched state
         self._read = 0  # tokens stream() has yielded
         self._skipped = False  # its prompt chunk did not fit the last step's budget: first in the next
 
@@ -73,7 +76,10 @@ class Request:
 
     @property
     def state(self) -> State | None:
-        """The request's state while it runs (None before its first run and once finished)."""
+        """The state holding the request's cache while it runs: its own, or the engine's batched state
+        once its decode row joined it (one row among others); None before its first run and once finished."""
+        if self._state is None and self.finished is None and self in self.engine._rows:
+            return self.engine._batch
         return self._state
 
     @property

@@ -11,6 +11,8 @@ import onnxkv
 from onnxkv.errors import InputError
 from onnxkv.runtime.state import State
 from onnxkv.zoo import embedded
+from onnxkv.zoo.concat import build_concat_model
+from onnxkv.zoo.config import MICRO
 
 MODEL = str(embedded.embedded_model_dir())
 PROMPTS = [
@@ -104,20 +106,26 @@ def test_stream_yields_each_token_as_it_is_made_and_steps_the_others(session):
     assert list(b.stream()) == []  # everything was read
 
 
-def test_abort_releases_the_state_and_the_others_go_on(session):
-    engine = onnxkv.Engine(session, cache="paged")
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_abort_releases_the_state_and_the_others_go_on(session, cache):
+    engine = onnxkv.Engine(session, cache=cache)
     a = engine.add_request(_ids(PROMPTS[1]), 50)
     b = engine.add_request(_ids(PROMPTS[0]), 20)
     for _ in range(3):
         engine.step()
     state = a.state
     assert state is not None and state.committed_bytes > 0
+    rows, held = state.batch, state.committed_bytes
     engine.abort(a)
-    assert a.finished == "aborted" and a.state is None and state.closed
+    assert a.finished == "aborted" and a.state is None
+    if cache == "paged":  # one batched state: a's row left it, its pages went back
+        assert state is b.state and state.batch == rows - 1 == 1 and state.committed_bytes < held
+    else:
+        assert state.closed
     n = len(a.tokens)
     engine.run()
     assert len(a.tokens) == n and b.finished == "length"
-    assert b.tokens == _alone(session, b, "paged")
+    assert b.tokens == _alone(session, b, cache)
     engine.abort(a)  # finished: nothing to do
     assert a.finished == "aborted"
     with pytest.raises(InputError, match="Engine.abort: expected a Request of this engine"):
@@ -198,3 +206,56 @@ def test_bad_engines_are_refused(session):
         onnxkv.Engine(session, max_batch_tokens=0)
     with pytest.raises(InputError, match="cache"):
         onnxkv.Engine(session, cache="tensor")
+
+
+def test_paged_decode_rows_of_every_request_run_as_one_batched_run(session, monkeypatch):
+    """Paged caches on a GroupQueryAttention graph: one run per step for every decode row (rows of their
+    own lengths), prompts on states of their own over the same page pool; tokens as generate alone."""
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+    assert engine.batched and "one batched run" in engine.describe()["batching"]
+    requests = [engine.add_request(_ids(p), 14) for p in PROMPTS]
+    engine.step()  # every prompt (one chunk each): each makes its first token and joins the batched rows
+    assert engine.describe()["decode_rows"] == 4
+    states = {id(r.state) for r in requests}
+    assert len(states) == 1 and requests[0].state.batch == 4
+    assert requests[0].state.lengths.tolist() == [r.prompt.size for r in requests]
+    runs = {"n": 0}
+    real = State.run
+
+    def counted(self, feeds, output_names=None, cancel=None):
+        runs["n"] += 1
+        return real(self, feeds, output_names, cancel)
+
+    monkeypatch.setattr(State, "run", counted)
+    session.events.clear()
+    engine.step()
+    assert runs["n"] == 1 and all(len(r.tokens) == 2 for r in requests)
+    (step,) = [e for e in session.events if e.action == "engine_step"]
+    assert step.extra["batched_rows"] == 4 and step.extra["tokens_fed"] == 4
+    monkeypatch.undo()
+    late = engine.add_request(_ids(PROMPTS[1][:30]), 9)
+    engine.run()
+    for r in [*requests, late]:
+        assert r.tokens == _alone(session, r, onnxkv.CacheConfig("paged", block_size=16))
+    assert engine.describe()["decode_rows"] == 0
+    pool = engine._batch.pool
+    pool.audit()  # every reference held by a live table or the prefix cache
+    assert pool.live_pages == engine.describe()["prefix_cached_pages"] > 0  # only cached prompt pages stay
+    engine.close()
+    assert pool.live_pages == 0
+    pool.audit()
+
+
+def test_graph_forms_with_one_length_per_batch_run_one_request_per_run(tmp_path):
+    """A past -> Concat -> present export takes one length per batch: the engine runs its requests one per
+    run, says so, and each request's tokens are generate's."""
+    import onnx
+
+    onnx.save(build_concat_model(MICRO), tmp_path / "model.onnx")
+    sess = onnxkv.Session(str(tmp_path / "model.onnx"), threads=1)
+    engine = onnxkv.Engine(sess, cache="paged")
+    assert not engine.batched and "one length per batch" in engine.describe()["batching"]
+    requests = [engine.add_request(np.arange(1, n + 1) % MICRO.vocab_size, 6) for n in (5, 9)]
+    engine.run()
+    for r in requests:
+        assert r.tokens == _alone(sess, r, "paged")

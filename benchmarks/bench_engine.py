@@ -1,0 +1,262 @@
+"""Many requests on one engine: throughput and latency of onnxkv.Engine against ONNX Runtime GenAI.
+
+For each concurrency N (default 1, 2, 4, 8, 16), N requests (random prompts
+of ``--prompt`` tokens, ``--new-tokens`` greedy tokens each) arrive at times
+drawn from a seeded Poisson process of ``--rate`` requests per second (0: all
+at once) and run on one ``onnxkv.Engine`` with paged caches: decode rows of
+every request in one batched run per step.  Reported per N: aggregate new
+tokens per second, its ratio to one request alone on the same engine (the
+N = 1 case of the same run), time-to-first-token and inter-token latency
+percentiles, and what the cache holds at its peak: committed page bytes, the
+bytes of the tokens they hold, internal fragmentation (the unfilled part of
+the last page of each request), page-table bytes.
+
+The peer, side by side in the same process and run: ONNX Runtime GenAI
+decoding the same N prompts as one batch (``append_tokens`` of an [N, L]
+array; its static batching, all arriving at once) on the same builder-style
+folder, and the same N requests one after the other.
+
+Usage:
+  python benchmarks/bench_engine.py [--model small|tiny|embedded] [--concurrency 1,2,4,8,16]
+      [--prompt 128] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
+      [--shared-prefix 0] [--no-peer] [--json FILE]
+
+The ratio to one request alone is taken within each round (N = 1 of the same
+round) and reported per round and as the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine, median, versions  # noqa: E402
+
+
+def _folder(tmp: Path, size: str, threads: int) -> tuple[Path, int]:
+    """A GroupQueryAttention folder with genai_config.json (the embedded model's, or a built one)."""
+    from dataclasses import replace
+
+    if size == "embedded":
+        from onnxkv.zoo import embedded
+
+        return embedded.embedded_model_dir(), 256  # byte ids; the rest are special or unused
+    from onnxkv.zoo.builders import SMALL, TINY, build_model, save_genai_folder
+
+    cfg = replace({"tiny": TINY, "small": SMALL}[size], max_length=4096)
+    folder = tmp / f"{size}-gqa"
+    save_genai_folder(build_model("gqa", cfg, seed=0), cfg, folder)
+    return folder, cfg.vocab_size
+
+
+def _percentiles(xs) -> dict:
+    if not xs:
+        return {}
+    a = np.asarray(xs)
+    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}
+
+
+def run_engine(
+    session, prompts: list[np.ndarray], arrivals: np.ndarray, new_tokens: int, after_first: bool = False
+) -> dict:
+    """The requests through one Engine, arriving at ``arrivals`` seconds from the start (``after_first``:
+    every request but the first arrives once the first has its first token, its prompt cached)."""
+    import onnxkv
+
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+    pending = list(range(len(prompts)))
+    requests: dict[int, object] = {}
+    added: dict[int, float] = {}
+    stamps: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
+    peak = {"committed": 0, "tokens": 0, "rows": 0, "table_bytes": 0}
+    t0 = time.perf_counter()
+    while pending or engine.active:
+        now = time.perf_counter() - t0
+        while (
+            pending and arrivals[pending[0]] <= now and not (after_first and pending[0] > 0 and not requests[0].tokens)
+        ):
+            i = pending.pop(0)
+            requests[i] = engine.add_request(prompts[i], new_tokens, eos_token_id=[])
+            added[i] = time.perf_counter()
+        if not engine.active:
+            time.sleep(max(0.0, arrivals[pending[0]] - now))
+            continue
+        produced = engine.step()
+        t = time.perf_counter()
+        for i, r in requests.items():
+            if r.id in produced:
+                stamps[i].append(t)
+        batch = engine._batch
+        if batch is not None and batch.batch:
+            pool = batch.pool
+            committed = pool.live_pages * pool.page_bytes
+            if committed > peak["committed"]:
+                held = int(batch.lengths.sum())
+                peak = {
+                    "committed": committed,
+                    "tokens": held,
+                    "rows": batch.batch,
+                    "table_bytes": int(batch.page_tables.nbytes + batch.lengths.nbytes),
+                    "live_pages": pool.live_pages,
+                    "page_bytes": pool.page_bytes,
+                    "block_size": pool.block_size,
+                }
+    wall = time.perf_counter() - t0
+    total = sum(len(r.tokens) for r in requests.values())
+    ttft = [stamps[i][0] - added[i] for i in stamps if stamps[i]]
+    itl = [b - a for i in stamps for a, b in zip(stamps[i], stamps[i][1:])]
+    if peak["committed"]:
+        per_token = peak["page_bytes"] / peak["block_size"]
+        peak["token_bytes"] = int(peak["tokens"] * per_token)
+        peak["fragmentation"] = 1 - peak["token_bytes"] / peak["committed"]
+    order = sorted(stamps)
+    ttft_each = [stamps[i][0] - added[i] for i in order if stamps[i]]
+    return {
+        "wall_s": wall,
+        "new_tokens": total,
+        "ttft_each_s": ttft_each,
+        "prefix_hit_tokens": [requests[i].prefix_hit_tokens for i in order],
+        "prefix": engine.describe()["prefix_cached_pages"],
+        "tokens_per_s": total / wall,
+        "ttft_s": _percentiles(ttft),
+        "inter_token_s": _percentiles(itl),
+        "steps": engine.steps,
+        "cache_at_peak": peak,
+        "tokens": {i: list(requests[i].tokens) for i in requests},
+    }
+
+
+def run_genai(folder: Path, prompts: list[np.ndarray], new_tokens: int, batched: bool) -> dict | None:
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return None
+    model = og.Model(str(folder))
+    groups = [np.stack(prompts)] if batched else [p[None] for p in prompts]
+    t0 = time.perf_counter()
+    total = 0
+    for ids in groups:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=ids.shape[1] + new_tokens, do_sample=False, batch_size=ids.shape[0])
+        gen = og.Generator(model, params)
+        gen.append_tokens(ids)
+        while not gen.is_done():
+            gen.generate_next_token()
+        total += sum(len(gen.get_sequence(b)) - ids.shape[1] for b in range(ids.shape[0]))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "new_tokens": total, "tokens_per_s": total / wall}
+
+
+def _genai_threads(folder: Path, threads: int) -> None:
+    import json
+
+    path = folder / "genai_config.json"
+    gc = json.loads(path.read_text())
+    gc["model"]["decoder"]["session_options"] = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+    gc["search"]["past_present_share_buffer"] = False
+    path.write_text(json.dumps(gc, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="small", choices=["small", "tiny", "embedded"])
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens every prompt starts with (then --prompt tokens of its own); the first request arrives "
+        "alone and the others once its prompt has run (the prefix cached)",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="every concurrency level once per round")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import onnxkv
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, vocab = _folder(Path(tmp), args.model, args.threads)
+        if args.model != "embedded":
+            _genai_threads(folder, args.threads)
+        session = onnxkv.Session(str(folder), threads=args.threads)
+        rng = np.random.default_rng(args.seed)
+        warm = rng.integers(3, vocab, args.prompt)
+        run_engine(session, [warm, warm], np.zeros(2), 4)  # the step's plans, threads and pages warmed
+        work = []
+        for n in levels:
+            shared = rng.integers(3, vocab, args.shared_prefix)
+            prompts = [np.concatenate([shared, rng.integers(3, vocab, args.prompt)]) for _ in range(n)]
+            gaps = rng.exponential(1 / args.rate, n) if args.rate > 0 else np.zeros(n)
+            work.append((n, prompts, np.cumsum(gaps) - gaps[0]))
+        cases = [{"concurrency": n, "arrivals_s": arr.tolist(), "rounds": []} for n, _, arr in work]
+        for _ in range(args.rounds):  # every level once per round: a slow minute hits all levels alike
+            for case, (n, prompts, arrivals) in zip(cases, work):
+                res = run_engine(session, prompts, arrivals, args.new_tokens, after_first=args.shared_prefix > 0)
+                res.pop("tokens")
+                one = {"onnxkv_engine": res}
+                if args.shared_prefix and n > 1:
+                    ttft, peak = res["ttft_each_s"], res["cache_at_peak"]
+                    own = sum(-(-(p.size + args.new_tokens) // 16) - args.shared_prefix // 16 for p in prompts)
+                    one["shared_prefix"] = {
+                        "ttft_first_s": ttft[0],
+                        "ttft_others_max_s": max(ttft[1:]),
+                        "ttft_others_over_first_max": max(ttft[1:]) / ttft[0],
+                        "committed_pages_at_peak": peak.get("live_pages"),
+                        "prefix_once_plus_own_pages": args.shared_prefix // 16 + own,
+                    }
+                if not args.no_peer and args.model != "embedded":
+                    one["ort_genai_batch"] = run_genai(folder, prompts, args.new_tokens, batched=True)
+                    one["ort_genai_one_by_one"] = run_genai(folder, prompts, args.new_tokens, batched=False)
+                case["rounds"].append(one)
+        summary = []
+        for case in cases:
+            rounds = case["rounds"]
+            tps = [r["onnxkv_engine"]["tokens_per_s"] for r in rounds]
+            case["onnxkv_tokens_per_s_median"] = median(tps)
+            line = f"# N={case['concurrency']}: onnxkv engine {median(tps):.1f} tok/s"
+            if levels[0] == 1:  # the ratio within each round, against N = 1 of the same round
+                ratios = [t / r1["onnxkv_engine"]["tokens_per_s"] for t, r1 in zip(tps, cases[0]["rounds"])]
+                case["speedup_vs_one_alone"] = ratios
+                line += f" ({median(ratios):.2f}x one alone; rounds {', '.join(f'{x:.2f}' for x in ratios)})"
+            if "shared_prefix" in rounds[0]:
+                worst = [r["shared_prefix"]["ttft_others_over_first_max"] for r in rounds]
+                sp = rounds[0]["shared_prefix"]
+                line += f", TTFT others/first max {', '.join(f'{x:.3f}' for x in worst)}"
+                line += f", pages at peak {sp['committed_pages_at_peak']} (prefix once + own {sp['prefix_once_plus_own_pages']})"
+            for peer in ("ort_genai_batch", "ort_genai_one_by_one"):
+                if rounds[0].get(peer):
+                    v = median([r[peer]["tokens_per_s"] for r in rounds])
+                    case[f"{peer}_tokens_per_s_median"] = v
+                    line += f", {peer} {v:.1f} tok/s"
+            summary.append(line)
+        doc = {
+            "benchmark": "engine",
+            "machine": machine(),
+            "versions": versions("onnxruntime_genai"),
+            "threads": args.threads,
+            "model": args.model,
+            "prompt": args.prompt,
+            "new_tokens": args.new_tokens,
+            "rate_per_s": args.rate,
+            "seed": args.seed,
+            "rounds": args.rounds,
+            "cases": cases,
+        }
+        emit(doc, args.json, summary, loadavg=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Automatic prefix caching: full prompt pages shared across an engine's requests.
+
+A page of ``block_size`` prompt tokens is keyed by a hash of the previous
+page's key, the page's token ids and the cache's page format (``salt``), so
+a key names one whole prefix, never a page out of context.  When a request's
+prompt has run, its full prompt pages enter the cache; a request that
+arrives later looks its own keys up, takes the longest run of hits from its
+first page by reference (its writes past them copy nothing: full pages are
+never written again; a page it did write into would be copied on write),
+and computes only the rest of its prompt.
+
+The cache holds one pool reference per page, and is a holder of the pool's
+audit (``held_ids``).  A cached page no request holds (reference count 1)
+is *unreferenced*: such pages stay, in least-recently-used order, until the
+pool needs room (:meth:`PrefixCache.evict`) or more than ``capacity`` pages
+are cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from onnxkv.cache.block_pool import BlockPool
+
+__all__ = ["PrefixCache"]
+
+
+class PrefixCache:
+    """Cached prompt pages of one pool (module docstring).
+
+    Args:
+        pool: the engine's page pool.
+        salt: bytes naming the page format (pages of different formats never match).
+        capacity: most pages cached (referenced ones included); the least recently used unreferenced
+            pages go first when it is passed.
+    """
+
+    def __init__(self, pool: BlockPool, salt: bytes, capacity: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.salt = salt
+        self.capacity = int(capacity)
+        self._pages: OrderedDict[bytes, int] = OrderedDict()  # key -> page id, least recently used first
+        self.evictions = 0
+        pool.register(self)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def held_ids(self) -> np.ndarray:
+        return np.fromiter(self._pages.values(), np.int32, len(self._pages))
+
+    def keys(self, tokens: np.ndarray) -> list[bytes]:
+        """The key of every full page of ``tokens`` (int [L]), in order."""
+        bs, out, prev = self.block_size, [], self.salt
+        ids = np.ascontiguousarray(tokens, np.int64)
+        for i in range(ids.size // bs):
+            prev = hashlib.blake2b(prev + ids[i * bs : (i + 1) * bs].tobytes(), digest_size=16).digest()
+            out.append(prev)
+        return out
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """Page ids of the longest run of cached keys from the first; each hit becomes most recently used."""
+        hits = []
+        for key in keys:
+            page = self._pages.get(key)
+            if page is None:
+                break
+            self._pages.move_to_end(key)
+            hits.append(page)
+        return hits
+
+    def insert(self, keys: list[bytes], pages: np.ndarray) -> int:
+        """Cache ``pages[i]`` under ``keys[i]`` where the key is new (one reference each); returns pages
+        added.  Keys already cached keep their page (the same tokens, computed before)."""
+        added = [(k, int(p)) for k, p in zip(keys, pages) if k not in self._pages and p >= 0]
+        if added:
+            self.pool.incref(np.array([p for _, p in added], np.int32))
+            for k, p in added:
+                self._pages[k] = p
+        self.trim()
+        return len(added)
+
+    def trim(self) -> int:
+        """Evict unreferenced pages while more than ``capacity`` are cached; returns pages freed."""
+        return self.evict(len(self._pages) - self.capacity) if len(self._pages) > self.capacity else 0
+
+    def evict(self, n: int) -> int:
+        """Drop up to ``n`` unreferenced pages, least recently used first; returns pages freed."""
+        refs = self.pool.core.refs()
+        gone = [k for k, p in self._pages.items() if refs[p] == 1][: max(0, int(n))]
+        if not gone:
+            return 0
+        ids = np.array([self._pages.pop(k) for k in gone], np.int32)
+        freed = self.pool.decref(ids)
+        self.evictions += len(gone)
+        return freed
+
+    def clear(self) -> None:
+        """Drop every cached page's reference."""
+        ids = self.held_ids()
+        self._pages.clear()
+        if ids.size:
+            self.pool.decref(ids)
