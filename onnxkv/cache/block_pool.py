@@ -98,6 +98,10 @@ class BlockPool:
         self.planes = self.payloads.planes
         self.plane_index = {p.name: i for i, p in enumerate(self.planes)}
         self.max_pages = None if max_pages is None else int(max_pages)
+        #: Payload bytes the live pages may hold at most (None: no bound), checked when ids are handed
+        #: out (a native page's bytes each): pages converted to smaller formats make room under it.  Set
+        #: between runs (an engine's cache budget).
+        self.max_bytes: int | None = None
         self.core = PageCore(64 if max_pages is None else min(64, int(max_pages)), self.max_pages)
         self._holders: weakref.WeakSet = weakref.WeakSet()
         self.payloads.grow(self.core.capacity)
@@ -133,6 +137,12 @@ class BlockPool:
         """
         with self._lock:
             self.payloads.end_batch()
+            held = self.payloads.committed_bytes if self.max_bytes is not None else 0
+            if self.max_bytes is not None and held + int(n) * self.page_bytes > self.max_bytes:
+                raise OutOfMemory(
+                    f"BlockPool: {n} page(s) of {self.page_bytes} bytes needed but the pages hold {held} of "
+                    f"max_bytes={self.max_bytes}"
+                )
             ids = self.core.reserve(int(n))
             if ids is None:
                 raise OutOfMemory(

@@ -39,9 +39,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from onnxkv.cache.formats import page_format
+from onnxkv.engine.batched import BatchedSteps, WaitForRoom
 from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request
-from onnxkv.errors import InputError, OutOfMemory
+from onnxkv.errors import InputError
 from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.sampling import sampling_arguments, select_next
@@ -57,7 +59,7 @@ DEFAULT_MAX_BATCH_TOKENS = 2048
 _KINDS = ("contiguous", "paged")
 
 
-class Engine:
+class Engine(BatchedSteps):
     """Continuous generation over one :class:`~onnxkv.Session` (see the module docstring).
 
     Args:
@@ -72,6 +74,12 @@ class Engine:
             :mod:`onnxkv.engine.prefix`).
         prefix_pages: most pages the prefix cache keeps (default: ``max_pages``, else 4096); unreferenced
             ones leave first, least recently used first, and whenever the pool needs room.
+        max_cache_bytes: payload bytes the pool's pages may hold at most (batched; None: no bound).  Under
+            it a full pool is relieved by converting cold pages to smaller formats before any request is
+            paused (:mod:`onnxkv.engine.batched`).
+        preempt_formats: the page formats cold pages step down through, in order (each smaller than the
+            last).
+        keep_native_tokens: the most recent positions of each request that are never converted.
 
     The engine is not thread-safe: one thread calls its methods.  :meth:`close` releases every page.
     """
@@ -85,6 +93,9 @@ class Engine:
         max_pages: int | None = None,
         prefix_caching: bool = True,
         prefix_pages: int | None = None,
+        max_cache_bytes: int | None = None,
+        preempt_formats: Sequence[str] = ("int8", "int4"),
+        keep_native_tokens: int = 32,
     ) -> None:
         api = "Engine"
         if not isinstance(session, Session):
@@ -109,6 +120,9 @@ class Engine:
         self.prefix_caching = prefix_caching
         self._prefix_pages = int_arg(api, "prefix_pages", prefix_pages, 0) if prefix_pages is not None else None
         self._prefix: PrefixCache | None = None  # made with the batched state
+        self._max_cache_bytes = int_arg(api, "max_cache_bytes", max_cache_bytes, 1) if max_cache_bytes else None
+        self.preempt_formats = tuple(page_format(f).name for f in preempt_formats)
+        self.keep_native_tokens = int_arg(api, "keep_native_tokens", keep_native_tokens, 0)
         self._requests: list[Request] = []
         self.steps = 0
         self.batched = self.kind == "paged" and session.model.convention.kind == "group_query_attention"
@@ -194,32 +208,6 @@ class Engine:
         self._requests.append(request)
         return request
 
-    def _start_on_prefix(self, r: Request) -> None:
-        """Batched with prefix caching: give ``r`` the cached pages of the longest prefix of its prompt
-        (whole pages, before its last token) and a state that continues after them."""
-        if not (self.batched and self.prefix_caching) or self._prefix is None:
-            return
-        prefix = self._prefix
-        hits = prefix.lookup(prefix.keys(r.prompt[: r.prompt.size - 1]))
-        events = self.session.events
-        if events.enabled:
-            events.record(
-                self.session._step, "", "", "prefix_lookup",
-                extra={"request": r.id, "prefix_hit_tokens": len(hits) * prefix.block_size,
-                       "prefix_cached_pages": len(prefix)},
-            )  # fmt: skip
-        if not hits:
-            return
-        done = len(hits) * prefix.block_size
-        state = self._batch.sibling()
-        state.start_on_pages(np.array(hits, np.int32), done)
-        builder = FeedBuilder(
-            self.session.plan.inputs, self.session.model, r.prompt[None, :done], np.array([done]), r.pad_id,
-            thread_cache=False,
-        )  # fmt: skip
-        builder.first()  # its bookkeeping of the cached tokens; they are not run
-        r._state, r._builder, r.prompt_done, r.prefix_hit_tokens = state, builder, done, done
-
     def abort(self, request: Request) -> None:
         """Stop ``request`` now (``finished == "aborted"`` unless it had finished) and release its state."""
         if not isinstance(request, Request) or request.engine is not self:
@@ -233,9 +221,14 @@ class Engine:
         token in this step.  A run that raises propagates: the requests it ran are as before it, and the
         runs after it were not made in this step (step again to go on, or abort a request)."""
         active = self.active
+        for r in active:
+            if r._lookup:  # paused in an earlier step, and not run again since
+                r._lookup = False
+                if r._state is None and r.prompt_done == 0 and r not in self._rows:
+                    self._start_on_prefix(r)
         rows = list(self._rows)
-        decoding = [r for r in active if r.prompt_done >= r.prompt.size and r not in rows]
-        waiting = [r for r in active if r.prompt_done < r.prompt.size]
+        decoding = [r for r in active if r.prompt_done >= r._seq.size and r not in rows]
+        waiting = [r for r in active if r.prompt_done < r._seq.size]
         starved = [r for r in waiting if r._skipped]
         others = decoding + [r for r in waiting if not r._skipped]
         budget, chosen, decode_rows = self.max_batch_tokens, [], False
@@ -260,10 +253,15 @@ class Engine:
             admit(r)
         produced: dict[int, int] = self._decode_batch() if decode_rows else {}
         for group in self._groups(chosen):
-            if len(group) > 1:
-                produced.update(self._advance_group(group))
+            try:
+                if len(group) > 1:
+                    produced.update(self._advance_group(group))
+                    continue
+                token = self._advance(group[0])
+            except WaitForRoom:  # the pool is held by earlier requests: first in a later step
+                for r in group:
+                    r._skipped = True
                 continue
-            token = self._advance(group[0])
             if token is not None:
                 produced[group[0].id] = token
         self.steps += 1
@@ -279,115 +277,6 @@ class Engine:
                        "produced": len(produced), "active": len(self.active)},
             )  # fmt: skip
         return produced
-
-    def _groups(self, chosen: list[Request]) -> list[list[Request]]:
-        """``chosen`` in runs: batched, the last prompt chunks of requests at one position, of one length and
-        alike in having a state (prefix hits) or not, run together (one run of their rows); the others
-        alone.  In the order of their first request."""
-        groups: dict[object, list[Request]] = {}
-        for r in chosen:
-            n = r.next_tokens
-            last = r.prompt_done < r.prompt.size and r.prompt_done + n == r.prompt.size
-            key = (r.prompt_done, n, r._state is None) if self.batched and last else r.id
-            groups.setdefault(key, []).append(r)
-        return list(groups.values())
-
-    def _advance_group(self, group: list[Request]) -> dict[int, int]:
-        """Batched: the last prompt chunks of ``group`` (one position, one length) as one run of
-        ``len(group)`` rows, then each row's first token and its move into the batched state.  A run that
-        raises leaves every request of the group as before it."""
-        model = self.session.model
-        name, done = model.io.logits, group[0].prompt_done
-        tokens = np.stack([r.prompt[done:] for r in group])
-        if done == 0:
-            builder = FeedBuilder(
-                self.session.plan.inputs, model, tokens, np.full(len(group), tokens.shape[1]), group[0].pad_id,
-                thread_cache=False,
-            )  # fmt: skip
-            feeds, _ = builder.first()
-            state = self._new_state(group[0])
-            try:
-                out = self._run(state, feeds, [name])
-            except BaseException:
-                state.close()
-                raise
-        else:  # prefix hits: their states' rows into one state for the run
-            builder = group[0]._builder
-            state = self._batch.sibling()
-            for r in group:
-                state.append_rows(r._state)
-            try:
-                out = self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name])
-            except BaseException:
-                for i, (r, own) in enumerate(zip(group, state.fork(len(group)), strict=True)):
-                    own.keep_rows([i])
-                    r._state = own
-                state.close()
-                raise
-        logits = out[name]
-        logits = logits[:, -1] if logits.ndim == 3 else logits
-        produced, keep = {}, []
-        tables = state.page_tables
-        for i, r in enumerate(group):
-            token = int(select_next(logits[i : i + 1], r.sampling)[0])
-            r.tokens.append(token)
-            r.prompt_done = r._cached = r.prompt.size
-            r._builder, r._state, r._out = builder, None, None
-            produced[r.id] = token
-            self._cache_prompt(r, tables[i])
-            if token in r.eos:
-                r.finished = "eos"
-            elif len(r.tokens) >= r.max_new_tokens:
-                r.finished = "length"
-            else:
-                keep.append(i)
-        if keep:
-            if len(keep) < len(group):
-                state.keep_rows(keep)
-            self._batch.append_rows(state)
-            self._rows.extend(group[i] for i in keep)
-        else:
-            state.close()
-        return produced
-
-    def _room_for_row(self) -> bool:
-        """Batched: whether a new prompt may start (every started request will hold a decode row, and
-        the decode rows of a step must fit ``max_batch_tokens``)."""
-        if not self.batched:
-            return True
-        started = sum(1 for r in self.active if r._state is not None or r in self._rows)
-        return started < self.max_batch_tokens
-
-    def _decode_batch(self) -> dict[int, int]:
-        """Batched: one run of every decode row; each row's token chosen with its request's sampling."""
-        rows, model = self._rows, self.session.model
-        name = model.io.logits
-        tokens = np.array([r.tokens[-1] for r in rows])
-        lengths = np.array([r._cached for r in rows])
-        out = self._run(self._batch, rows[0]._builder.ragged(tokens, lengths), [name])
-        logits = out[name]
-        logits = logits[:, -1] if logits.ndim == 3 else logits
-        produced, done = {}, []
-        for i, r in enumerate(rows):
-            token = int(select_next(logits[i : i + 1], r.sampling)[0])
-            r.tokens.append(token)
-            r._cached += 1
-            produced[r.id] = token
-            reason = "eos" if token in r.eos else "length" if len(r.tokens) >= r.max_new_tokens else None
-            if reason is not None:
-                r.finished = reason
-                done.append(r)
-        if done:
-            self._drop_rows(done)
-        return produced
-
-    def _drop_rows(self, gone: list[Request]) -> None:
-        """Batched: remove the rows of ``gone`` from the batched state (their pages go back unless shared)."""
-        keep = [i for i, r in enumerate(self._rows) if r not in gone]
-        self._batch.keep_rows(keep)
-        self._rows = [self._rows[i] for i in keep]
-        for r in gone:
-            r._builder = r._out = None
 
     def _finish(self, r: Request, reason: str) -> None:
         """``r`` stops with ``reason``: its own state closed, or its batched row removed."""
@@ -409,17 +298,18 @@ class Engine:
         state unchanged, its feeds rewound; a first run's new state closed)."""
         model = self.session.model
         name = model.io.logits
-        length = r.prompt.size
+        seq = r._seq
+        length = seq.size
         if r._state is None:
             first = min(r.chunk, length)
             builder = FeedBuilder(
-                self.session.plan.inputs, model, r.prompt[None, :first], np.array([first]), r.pad_id,
+                self.session.plan.inputs, model, seq[None, :first], np.array([first]), r.pad_id,
                 thread_cache=False,
             )  # fmt: skip
             state = self._new_state(r)
             feeds, read = builder.first()
             try:
-                r._out = self._run(state, feeds, [name] if first >= length else [])
+                r._out = self._run(state, feeds, [name] if first >= length else [], [r])
             except BaseException:
                 state.close()
                 raise
@@ -427,10 +317,10 @@ class Engine:
         else:
             fed = r._builder.total
             decoding = r.prompt_done >= length
-            tokens = np.array([r.tokens[-1]]) if decoding else r.prompt[None, r.prompt_done : r.prompt_done + r.chunk]
+            tokens = np.array([r.tokens[-1]]) if decoding else seq[None, r.prompt_done : r.prompt_done + r.chunk]
             last = decoding or r.prompt_done + tokens.shape[-1] >= length
             try:
-                r._out = self._run(r._state, r._builder.next(tokens, r._out), [name] if last else [])
+                r._out = self._run(r._state, r._builder.next(tokens, r._out), [name] if last else [], [r])
             except BaseException:
                 r._builder.rewind(fed)
                 raise
@@ -439,54 +329,30 @@ class Engine:
                 r.prompt_done += tokens.shape[1]
         if r.prompt_done < length:
             return None
+        if self.batched:
+            self._cache_prompt(r, r._state.page_tables[0])
+        if r._resuming:  # a paused request: its next token is the one it had made; its row joins
+            r._resuming = False
+            return self._join(r)  # (only a batched engine pauses)
         logits = r._out[name]
         if logits.ndim == 3:
             logits = logits[np.arange(1), read_at if read_at is not None and logits.shape[1] > 1 else 0]
         token = int(select_next(logits, r.sampling)[0])
         r.tokens.append(token)
-        if self.batched:
-            self._cache_prompt(r, r._state.page_tables[0])
         if token in r.eos:
             r._release("eos")
         elif len(r.tokens) >= r.max_new_tokens:
             r._release("length")
         elif self.batched:  # its prompt is done: its rows join the batched state
-            r._cached = length
-            self._batch.append_rows(r._state)
-            r._state, r._out = None, None
-            self._rows.append(r)
+            self._join(r)
         return token
 
-    def _run(self, state: State, feeds: dict, outputs: list[str]) -> dict:
-        """``state.run``; when the pool is out of pages, the prefix cache's unreferenced pages are evicted
-        (least recently used first) and the run is made once more (a failed run changes nothing)."""
-        try:
-            return state.run(feeds, outputs)
-        except OutOfMemory:
-            if self._prefix is None or not self._evict(len(self._prefix)):
-                raise
-            return state.run(feeds, outputs)
-
-    def _evict(self, n: int) -> int:
-        return self._log_evictions(self._prefix.evict(n))
-
-    def _trim(self) -> int:
-        return self._log_evictions(self._prefix.trim())
-
-    def _log_evictions(self, freed: int) -> int:
-        events = self.session.events
-        if freed and events.enabled:
-            events.record(self.session._step, "", "", "prefix_evict", extra={"evictions": freed})
-        return freed
-
-    def _cache_prompt(self, r: Request, table: np.ndarray) -> None:
-        """Batched with prefix caching: ``r``'s full prompt pages (its prompt has run; ``table`` its row's
-        page ids) into the cache."""
-        if self._prefix is None:
-            return
-        keys = self._prefix.keys(r.prompt)
-        if keys:
-            self._prefix.insert(keys, table[: len(keys)])
+    def _join(self, r: Request) -> None:
+        """Batched: ``r``'s row (its tokens run) moves into the batched state."""
+        r._cached = r._seq.size
+        self._batch.append_rows(r._state)
+        r._state, r._out = None, None
+        self._rows.append(r)
 
     def close(self) -> None:
         """Finish every request ("aborted") and release every page, the prefix cache's included."""
@@ -503,6 +369,7 @@ class Engine:
             return State(self.session, **r._state_kw)
         if self._batch is None:
             first = State(self.session, **r._state_kw)
+            first.pool.max_bytes = self._max_cache_bytes
             self._batch = first.sibling()
             if self.prefix_caching:
                 capacity = self._prefix_pages

@@ -35,6 +35,8 @@ class Request:
         chunk: prompt tokens per run (the session's prompt chunk for the request's cache, as ``generate``).
         prompt_done: prompt tokens already run (or taken from the prefix cache).
         prefix_hit_tokens: prompt tokens whose cached pages it took instead of running them.
+        preemptions: times it was paused to make room in the page pool (it then ran its prompt and
+            tokens again).
         finished: None while it runs, else why it stopped: "eos", "length" or "aborted".
     """
 
@@ -66,12 +68,16 @@ class Request:
         self._builder: FeedBuilder | None = None
         self._out: dict | None = None
         self.prefix_hit_tokens = 0
+        self.preemptions = 0
+        self._seq = prompt  # the ids it runs before decoding: its prompt; after a pause, its tokens too
+        self._resuming = False  # paused after a token: the run of _seq makes none
+        self._lookup = False  # paused: look its prefix up when the next step starts
         self._cached = 0  # batched decode rows: tokens its row holds in the batched state
         self._read = 0  # tokens stream() has yielded
         self._skipped = False  # its prompt chunk did not fit the last step's budget: first in the next
 
     def __repr__(self) -> str:
-        status = self.finished or ("prompt" if self.prompt_done < self.prompt.size else "decoding")
+        status = self.finished or ("prompt" if self.prompt_done < self._seq.size else "decoding")
         return f"Request(id={self.id}, prompt={self.prompt.size} tokens, new={len(self.tokens)}, {status})"
 
     @property
@@ -87,7 +93,7 @@ class Request:
         """Tokens its next run feeds: its next prompt chunk, or 1 while decoding (0 when finished)."""
         if self.finished is not None:
             return 0
-        left = self.prompt.size - self.prompt_done
+        left = self._seq.size - self.prompt_done
         return min(self.chunk, left) if left > 0 else 1
 
     def stream(self) -> Iterator[int]:

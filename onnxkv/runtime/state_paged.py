@@ -142,6 +142,18 @@ class PagedAPI:
         with self._exclusive("quantize_pages"):
             self._require_paged("quantize_pages").quantize_pages(indices, k_format, v_format)
 
+    def compress_rows(self, rows, fmt_name: str, keep_tokens: int = 0) -> int:
+        """Convert the full pages of ``rows`` (row indices) older than each row's last ``keep_tokens``
+        positions to the smaller page format ``fmt_name`` (e.g. "int8", "int4") in every layer, where this
+        state alone holds them and their format has more bits; returns the payload bytes freed (an
+        engine's relief for a full pool).  All or nothing; InputError for an unknown format."""
+        with self._exclusive("compress_rows"):
+            store = self._require_paged("compress_rows")
+            rows = [int(b) for b in rows]
+            if any(not 0 <= b < store.cache.table.batch for b in rows):
+                raise InputError(f"State.compress_rows: rows must be in [0, {store.cache.table.batch}), got {rows}")
+            return store.compress_rows(rows, fmt_name, int(keep_tokens))
+
     def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
         """The committed cache as ``PagedCacheProto`` bytes (:mod:`onnxkv.cache.serialize`), also written
         atomically to ``path`` if given (:func:`onnxkv.cache.serialize.save`; a file readable by its owner only)."""

@@ -83,3 +83,42 @@ def test_bad_moves_leave_both_states_as_they_were(session):
     assert a.batch == 1 and a.lengths.tolist() == [18]
     with pytest.raises(StateError, match="needs a paged state"):
         session.new_state().sibling()
+
+
+def test_compress_rows_converts_only_the_cold_pages_a_row_holds_alone(session):
+    first = session.new_state(cache=PAGED)
+    _prompt_state(first, session, 70)  # 5 pages, 4 full
+    pool = first.pool
+    before, values = pool.committed_bytes, first.values
+    other = first.fork(1)[0]  # shares every page: nothing may be converted
+    assert first.compress_rows([0], "int8", keep_tokens=16) == 0
+    other.close()
+    with pytest.raises(InputError, match="rows must be in"):
+        first.compress_rows([1], "int8")
+    with pytest.raises(InputError, match="int9"):
+        first.compress_rows([0], "int9")
+    freed = first.compress_rows([0], "int8", keep_tokens=16)  # blocks 0..2: the last 16 + 6 positions stay
+    assert freed > 0 and pool.committed_bytes == before - freed
+    assert first.compress_rows([0], "int8", keep_tokens=16) == 0  # already int8
+    for name, arr in first.values.items():
+        cold = values[name][0, :, :48]
+        assert not np.array_equal(arr[0, :, :48], cold)  # converted: int8 steps of 1/255 of a head's range
+        np.testing.assert_allclose(arr[0, :, :48], cold, atol=np.abs(cold).max() / 50)
+        np.testing.assert_array_equal(arr[0, :, 48:70], values[name][0, :, 48:70])
+    assert first.compress_rows([0], "int4", keep_tokens=16) > 0
+    pool.audit()
+
+
+def test_a_byte_budget_refuses_pages_past_it_and_converted_pages_make_room(session):
+    state = session.new_state(cache=PAGED)
+    _prompt_state(state, session, 64)  # 4 full pages
+    pool = state.pool
+    pool.max_bytes = pool.committed_bytes + pool.page_bytes // 2
+    builder = _prompt_state(session.new_state(cache=PAGED), session, 3)
+    with pytest.raises(onnxkv.errors.OutOfMemory, match="max_bytes"):
+        state.run(builder.ragged(np.array([5]), state.lengths), [])
+    assert state.lengths.tolist() == [64]  # nothing changed
+    state.compress_rows([0], "int8", keep_tokens=0)
+    state.run(builder.ragged(np.array([5]), state.lengths), [])
+    assert state.lengths.tolist() == [65] and pool.committed_bytes <= pool.max_bytes
+    pool.audit()

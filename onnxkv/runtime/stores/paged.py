@@ -25,7 +25,7 @@ import numpy as np
 
 from onnxkv.cache import serialize
 from onnxkv.cache.formats import HEADER_FLOAT32, page_format
-from onnxkv.cache.page_convert import quantize_blocks
+from onnxkv.cache.page_convert import convert_pages, quantize_blocks
 from onnxkv.cache.paged import BlockPool, PagedCache, PagedPlane, PageTable, PlaneSpec
 from onnxkv.cache.snapshot import expectation, file_bytes_limit, paged_from_snapshot, take_snapshot
 from onnxkv.errors import InputError, StateError
@@ -426,6 +426,30 @@ class PagedStore:
         ]
         converted, shared = quantize_blocks(self.cache.table, indices, planes, "State.quantize_pages")
         self.ctx.log("quantize", cow_copied_bytes=shared * self.pool.page_bytes, extra={"pages_converted": converted})
+
+    def compress_rows(self, rows, fmt_name: str, keep_tokens: int) -> int:
+        """Convert the full pages of ``rows`` older than each row's last ``keep_tokens`` positions, held by
+        this table alone and with more bits per element than ``fmt_name``, to ``fmt_name`` in every plane
+        (all or nothing); returns the payload bytes freed."""
+        target = page_format(fmt_name).bits
+        table, pool, bs = self.cache.table, self.pool, self.pool.block_size
+        payloads = pool.payloads
+        where: dict[int, list[tuple[int, int]]] = {}
+        for b in rows:
+            upto = min(max(0, int(table.lengths[b]) - keep_tokens) // bs, table.tables.shape[1])
+            for blk in range(int(table.first[b]) // bs, upto):
+                p = int(table.tables[b, blk])
+                if p < 0 or pool.refcount(p) != 1:  # shared: converting would copy it
+                    continue
+                if any(page_format(int(f[p])).bits > target for f in payloads.formats):
+                    where[p] = [(b, blk)]
+        if not where:
+            return 0
+        before = payloads.committed_bytes
+        convert_pages(table, where, [(i, fmt_name) for i in range(len(payloads.formats))])
+        freed = before - payloads.committed_bytes
+        self.ctx.log("quantize", cow_copied_bytes=0, extra={"pages_converted": len(where), "bytes_freed": freed})
+        return freed
 
     # -- serialisation ---------------------------------------------------------------------
     def layer_pairs(self) -> list[tuple[str, str]]:

@@ -1,0 +1,311 @@
+"""The batched steps of an :class:`~onnxkv.engine.engine.Engine`: one page pool, decode rows of every
+request in one state, grouped prompt chunks, the prefix cache, and preemption.
+
+A mixin of Engine (its base class), used only when ``Engine.batched`` (paged caches on a
+GroupQueryAttention graph; see the engine module).
+
+Memory.  A run that finds the pool full (``max_pages`` ids, or ``max_cache_bytes`` of payload) is made
+again after room is made, in this order:
+
+1. the prefix cache's unreferenced pages are evicted, least recently used first;
+2. under a byte budget, the cold pages (all but the last ``keep_native_tokens`` positions) of the
+   latest-arriving requests are converted to the next of ``preempt_formats`` (every candidate to int8
+   before any to int4; pages shared with others are left alone): event ``preempt_quantize``;
+3. the latest-arriving request holding pages is paused: its row or state goes (unshared pages back to
+   the pool), and it waits to run its prompt and the tokens it had made again (``Request.preemptions``;
+   event ``preempt``), from what the prefix cache still holds, before it decodes on with the same
+   sampling stream.
+
+Only requests that arrived after the ones a run is for are converted or paused (the decode run keeps its
+earliest row), so the earliest request always progresses; a prompt run that finds the pool held by
+earlier requests waits for a later step.  A run that does not fit with every other request paused
+raises OutOfMemory.  Converted pages change a request's logits a little (int8 pages kept greedy tokens
+equal on the tests' model; int4 may not); pauses do not change its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnxkv.engine.prefix import PrefixCache
+from onnxkv.engine.request import Request
+from onnxkv.errors import OutOfMemory
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.generate.sampling import select_next
+from onnxkv.runtime.state import State
+
+if TYPE_CHECKING:
+    from onnxkv.runtime.session import Session
+
+__all__ = ["BatchedSteps", "WaitForRoom"]
+
+
+class WaitForRoom(OutOfMemory):
+    """A prompt run found the pool full of earlier requests' pages: its requests wait (internal to a step)."""
+
+
+class BatchedSteps:
+    """The batched steps of :class:`~onnxkv.engine.engine.Engine` (module docstring)."""
+
+    session: Session
+    max_batch_tokens: int
+    batched: bool
+    _batch: State | None
+    _rows: list[Request]
+    _prefix: PrefixCache | None
+    preempt_formats: tuple[str, ...]
+    keep_native_tokens: int
+
+    def _start_on_prefix(self, r: Request) -> None:
+        """Batched with prefix caching: give ``r`` the cached pages of the longest prefix of the tokens it
+        must run (its prompt; after a pause, its tokens too), whole pages before the last one, and a state
+        that continues after them."""
+        if not (self.batched and self.prefix_caching) or self._prefix is None:
+            return
+        prefix = self._prefix
+        hits = prefix.lookup(prefix.keys(r._seq[: r._seq.size - 1]))
+        events = self.session.events
+        if events.enabled:
+            events.record(
+                self.session._step, "", "", "prefix_lookup",
+                extra={"request": r.id, "prefix_hit_tokens": len(hits) * prefix.block_size,
+                       "prefix_cached_pages": len(prefix)},
+            )  # fmt: skip
+        if not hits:
+            return
+        done = len(hits) * prefix.block_size
+        state = self._batch.sibling()
+        state.start_on_pages(np.array(hits, np.int32), done)
+        builder = FeedBuilder(
+            self.session.plan.inputs, self.session.model, r._seq[None, :done], np.array([done]), r.pad_id,
+            thread_cache=False,
+        )  # fmt: skip
+        builder.first()  # its bookkeeping of the cached tokens; they are not run
+        r._state, r._builder, r.prompt_done, r.prefix_hit_tokens = state, builder, done, done
+
+    def _groups(self, chosen: list[Request]) -> list[list[Request]]:
+        """``chosen`` in runs: batched, the last prompt chunks of requests at one position, of one length and
+        alike in having a state (prefix hits) or not, run together (one run of their rows); the others
+        alone.  In the order of their first request."""
+        groups: dict[object, list[Request]] = {}
+        for r in chosen:
+            n = r.next_tokens
+            last = r.prompt_done < r._seq.size and r.prompt_done + n == r._seq.size
+            key = (r.prompt_done, n, r._state is None) if self.batched and last else r.id
+            groups.setdefault(key, []).append(r)
+        return list(groups.values())
+
+    def _advance_group(self, group: list[Request]) -> dict[int, int]:
+        """Batched: the last prompt chunks of ``group`` (one position, one length) as one run of
+        ``len(group)`` rows, then each row's first token and its move into the batched state.  A run that
+        raises leaves every request of the group as before it."""
+        model = self.session.model
+        name, done = model.io.logits, group[0].prompt_done
+        tokens = np.stack([r._seq[done:] for r in group])
+        if done == 0:
+            builder = FeedBuilder(
+                self.session.plan.inputs, model, tokens, np.full(len(group), tokens.shape[1]), group[0].pad_id,
+                thread_cache=False,
+            )  # fmt: skip
+            feeds, _ = builder.first()
+            state = self._new_state(group[0])
+            try:
+                out = self._run(state, feeds, [name], group)
+            except BaseException:
+                state.close()
+                raise
+        else:  # prefix hits: their states' rows into one state for the run
+            builder = group[0]._builder
+            state = self._batch.sibling()
+            for r in group:
+                state.append_rows(r._state)
+            try:
+                out = self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name], group)
+            except BaseException:
+                for i, (r, own) in enumerate(zip(group, state.fork(len(group)), strict=True)):
+                    own.keep_rows([i])
+                    r._state = own
+                state.close()
+                raise
+        logits = out[name]
+        logits = logits[:, -1] if logits.ndim == 3 else logits
+        produced, keep = {}, []
+        tables = state.page_tables
+        for i, r in enumerate(group):
+            self._cache_prompt(r, tables[i])
+            r.prompt_done = r._cached = r._seq.size
+            r._builder, r._state, r._out = builder, None, None
+            if r._resuming:  # a paused request: its next token is the one it had made
+                r._resuming = False
+                keep.append(i)
+                continue
+            token = int(select_next(logits[i : i + 1], r.sampling)[0])
+            r.tokens.append(token)
+            produced[r.id] = token
+            if token in r.eos:
+                r.finished = "eos"
+            elif len(r.tokens) >= r.max_new_tokens:
+                r.finished = "length"
+            else:
+                keep.append(i)
+        if keep:
+            if len(keep) < len(group):
+                state.keep_rows(keep)
+            self._batch.append_rows(state)
+            self._rows.extend(group[i] for i in keep)
+        else:
+            state.close()
+        return produced
+
+    def _room_for_row(self) -> bool:
+        """Batched: whether a new prompt may start (every started request will hold a decode row, and
+        the decode rows of a step must fit ``max_batch_tokens``)."""
+        if not self.batched:
+            return True
+        started = sum(1 for r in self.active if r._state is not None or r in self._rows)
+        return started < self.max_batch_tokens
+
+    def _decode_batch(self) -> dict[int, int]:
+        """Batched: one run of every decode row; each row's token chosen with its request's sampling.  When
+        the pool is full: the prefix cache's unreferenced pages go first, then the latest request (its row,
+        or another's own state) is paused, and the run is made again over the rows left."""
+        name = self.session.model.io.logits
+        while True:
+            rows = self._rows
+            tokens = np.array([r.tokens[-1] for r in rows])
+            lengths = np.array([r._cached for r in rows])
+            try:
+                out = self._batch.run(rows[0]._builder.ragged(tokens, lengths), [name])
+                break
+            except OutOfMemory:
+                if not self._make_room([min(rows, key=lambda r: r.id)]):  # the earliest row always goes on
+                    raise
+                if not self._rows:
+                    return {}
+        logits = out[name]
+        logits = logits[:, -1] if logits.ndim == 3 else logits
+        produced, done = {}, []
+        for i, r in enumerate(rows):
+            token = int(select_next(logits[i : i + 1], r.sampling)[0])
+            r.tokens.append(token)
+            r._cached += 1
+            produced[r.id] = token
+            reason = "eos" if token in r.eos else "length" if len(r.tokens) >= r.max_new_tokens else None
+            if reason is not None:
+                r.finished = reason
+                done.append(r)
+        if done:
+            self._drop_rows(done)
+        return produced
+
+    def _drop_rows(self, gone: list[Request]) -> None:
+        """Batched: remove the rows of ``gone`` from the batched state (their pages go back unless shared)."""
+        keep = [i for i, r in enumerate(self._rows) if r not in gone]
+        self._batch.keep_rows(keep)
+        self._rows = [self._rows[i] for i in keep]
+        for r in gone:
+            r._builder = r._out = None
+
+    def _run(self, state: State, feeds: dict, outputs: list[str], owners: list[Request]) -> dict:
+        """``state.run`` for the prompt runs of ``owners``; while the pool is out of pages, room is made
+        from requests that arrived after them (:meth:`_make_room`) and the run is made again (a failed run
+        changes nothing).  When only earlier requests hold pages, WaitForRoom: the owners wait for them to
+        finish.  OutOfMemory when nobody else holds a page: the run does not fit even alone."""
+        while True:
+            try:
+                return state.run(feeds, outputs)
+            except OutOfMemory:
+                if self._make_room(owners, newer_than=max(r.id for r in owners)):
+                    continue
+                if self.batched and any(r not in owners for r in self._holders()):
+                    raise WaitForRoom from None
+                raise
+
+    def _holders(self) -> list[Request]:
+        """The active requests that hold pages (a row of the batched state, or a state of their own)."""
+        return [r for r in self.active if r._state is not None or r in self._rows]
+
+    def _make_room(self, keep: list[Request], newer_than: int = -1) -> bool:
+        """Free pages: the prefix cache's unreferenced ones (least recently used first), else pause the
+        latest-arriving request holding pages that is not in ``keep`` and arrived after request
+        ``newer_than`` (its unshared pages go back; it runs its prompt and tokens again when it
+        resumes).  Returns whether anything was freed."""
+        if not self.batched:  # each request has a pool of its own: another's pages are no room
+            return False
+        if self._prefix is not None and self._evict(len(self._prefix)):
+            return True
+        pool = self._batch.pool
+        before = pool.live_pages
+        holders = sorted(
+            (r for r in self._holders() if r not in keep and r.id > newer_than), key=lambda r: r.id, reverse=True
+        )
+        if pool.max_bytes is not None and self._compress(holders):
+            return True
+        for r in holders:
+            self._pause(r)
+            if self._prefix is not None:  # the pages it shared with the prefix cache are unreferenced now
+                self._evict(len(self._prefix))
+            if pool.live_pages < before:
+                return True
+        return False
+
+    def _compress(self, holders: list[Request]) -> bool:
+        """Under a byte budget: the cold pages (all but the last ``keep_native_tokens`` positions) of the
+        first of ``holders`` (latest first) that has any, stepped down to the next of ``preempt_formats``
+        (every holder to the first format before any to the second).  Returns whether bytes were freed."""
+        for fmt in self.preempt_formats:
+            for r in holders:
+                state, row = (self._batch, self._rows.index(r)) if r in self._rows else (r._state, 0)
+                freed = state.compress_rows([row], fmt, self.keep_native_tokens)
+                if freed > 0:
+                    events = self.session.events
+                    if events.enabled:
+                        events.record(
+                            self.session._step, "", "", "preempt_quantize",
+                            extra={"request": r.id, "format": fmt, "bytes_freed": freed},
+                        )  # fmt: skip
+                    return True
+        return False
+
+    def _pause(self, r: Request) -> None:
+        """Preempt ``r``: drop its row or close its state; it waits to run its prompt and the tokens it
+        made (all but the last, which it feeds next) again, from whatever prefix pages stay cached."""
+        if r in self._rows:
+            self._drop_rows([r])
+        elif r._state is not None:
+            r._state.close()
+        if r.tokens:
+            r._seq = np.concatenate([r.prompt, np.asarray(r.tokens[:-1], np.int64)])
+            r._resuming = True
+        r._state = r._builder = r._out = None
+        r.prompt_done = r._cached = r.prefix_hit_tokens = 0
+        r.preemptions += 1
+        r._lookup = True  # its prefix pages are looked up when the next step starts, not now
+        events = self.session.events
+        if events.enabled:
+            events.record(
+                self.session._step, "", "", "preempt", extra={"request": r.id, "rerun_tokens": int(r._seq.size)}
+            )
+
+    def _evict(self, n: int) -> int:
+        return self._log_evictions(self._prefix.evict(n))
+
+    def _trim(self) -> int:
+        return self._log_evictions(self._prefix.trim())
+
+    def _log_evictions(self, freed: int) -> int:
+        events = self.session.events
+        if freed and events.enabled:
+            events.record(self.session._step, "", "", "prefix_evict", extra={"evictions": freed})
+        return freed
+
+    def _cache_prompt(self, r: Request, table: np.ndarray) -> None:
+        """Batched with prefix caching: ``r``'s full pages of the tokens it ran before decoding (its prompt,
+        after a pause its tokens too; ``table`` its row's page ids) into the cache."""
+        if self._prefix is None:
+            return
+        keys = self._prefix.keys(r._seq)
+        if keys:
+            self._prefix.insert(keys, table[: len(keys)])

@@ -1,0 +1,119 @@
+"""Preemption: a batched engine whose page pool cannot hold every request pauses the latest-arriving one
+(its pages go back; it runs its prompt and tokens again when it resumes), so every request finishes with
+the tokens it makes alone; OutOfMemory only for a request that cannot fit even alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxkv
+from onnxkv.errors import OutOfMemory
+from onnxkv.zoo import embedded
+
+MODEL = str(embedded.embedded_model_dir())
+PROMPTS = ["def f(x):\n    return", "class Node:\n    def __init__(self", "for i in range(10):\n", "import sys\n#"]
+
+
+@pytest.fixture(scope="module")
+def session():
+    return onnxkv.Session(MODEL, threads=1, events=True)
+
+
+def _alone(session, r) -> list[int]:
+    kw = {"do_sample": True, "temperature": 0.9, "seed": r.id} if r.sampling.temperature > 0 else {}
+    out = onnxkv.generate(
+        session, r.prompt[None], r.max_new_tokens, cache=onnxkv.CacheConfig("paged", block_size=16),
+        eos_token_id=r.eos, **kw,
+    )  # fmt: skip
+    return out.tokens[0].tolist()
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_pool_of_half_the_pages_finishes_every_request_as_alone(session, prefix_caching):
+    new = 48
+    requests_pages = [-(-(len(embedded.encode(p)) + new) // 16) for p in PROMPTS]
+    engine = onnxkv.Engine(
+        session, cache=onnxkv.CacheConfig("paged", block_size=16), max_pages=sum(requests_pages) // 2,
+        prefix_caching=prefix_caching,
+    )  # fmt: skip
+    assert max(requests_pages) <= sum(requests_pages) // 2  # each fits alone
+    session.events.clear()
+    reqs = [
+        engine.add_request(
+            np.array(embedded.encode(p), np.int64),
+            new,
+            eos_token_id=[],
+            **({"do_sample": True, "temperature": 0.9, "seed": i} if i % 2 else {}),
+        )  # fmt: skip
+        for i, p in enumerate(PROMPTS)
+    ]
+    engine.run()
+    paused = [e.extra["request"] for e in session.events if e.action == "preempt"]
+    assert paused and sum(r.preemptions for r in reqs) == len(paused)
+    assert reqs[0].preemptions == 0  # the first to arrive is never the one paused
+    for r in reqs:
+        assert r.finished == "length" and r.tokens == _alone(session, r)
+    engine._batch.pool.audit()
+    engine.close()
+    assert engine._batch.pool.live_pages == 0
+
+
+def test_a_request_that_cannot_fit_alone_raises_out_of_memory(session):
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16), max_pages=3)
+    small = engine.add_request(np.array(embedded.encode("ab"), np.int64), 4, eos_token_id=[])
+    big = engine.add_request(np.array(embedded.encode("x" * 80), np.int64), 4, eos_token_id=[])
+    with pytest.raises(OutOfMemory):
+        engine.run()
+    assert big.tokens == [] and big.state is None
+    engine.abort(big)
+    engine.run()
+    assert small.finished == "length" and small.tokens == _alone(session, small)
+    engine._batch.pool.audit()
+
+
+def _budget_engine(session, new, **kw):
+    pages = [-(-(len(embedded.encode(p)) + new) // 16) for p in PROMPTS]
+    probe = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+    probe.add_request(np.array(embedded.encode("ab"), np.int64), 1)
+    probe.run()
+    budget = sum(pages) * probe._batch.pool.page_bytes // 2  # half the bytes the requests need native
+    probe.close()
+    engine = onnxkv.Engine(
+        session, cache=onnxkv.CacheConfig("paged", block_size=16), max_cache_bytes=budget, prefix_caching=False, **kw
+    )
+    reqs = [engine.add_request(np.array(embedded.encode(p), np.int64), new, eos_token_id=[]) for p in PROMPTS]
+    return engine, reqs
+
+
+def test_a_byte_budget_quantizes_cold_pages_before_pausing_anyone(session):
+    """Half the bytes the requests need: cold pages of the latest requests go to int8 (their last 32
+    positions stay native) before any request is paused; every request finishes with the tokens it makes
+    alone (greedy; int8 pages on this model)."""
+    engine, reqs = _budget_engine(session, 80, preempt_formats=("int8",))
+    session.events.clear()
+    engine.run()
+    relief = [(e.action, e.extra["request"]) for e in session.events if e.action in ("preempt", "preempt_quantize")]
+    assert relief and relief[0][0] == "preempt_quantize"
+    first_pause = next((i for i, (a, _) in enumerate(relief) if a == "preempt"), len(relief))
+    assert first_pause > 0 and all(r != 0 for _, r in relief)  # the first request is never touched
+    for r in reqs:
+        assert r.finished == "length" and r.tokens == _alone(session, r)
+    engine._batch.pool.audit()
+    engine.close()
+
+
+def test_the_formats_step_down_in_order(session):
+    """With int8 then int4, no page reaches int4 before every candidate was tried in int8, and the pages
+    held stay within the budget after each step."""
+    engine, reqs = _budget_engine(session, 80)
+    session.events.clear()
+    pool = None
+    while engine.active:
+        engine.step()
+        pool = engine._batch.pool
+        assert pool.committed_bytes <= pool.max_bytes
+    steps = [e.extra["format"] for e in session.events if e.action == "preempt_quantize"]
+    assert "int4" in steps and steps.index("int4") > steps.index("int8")
+    assert all(r.finished == "length" and len(r.tokens) == 80 for r in reqs)
+    pool.audit()
