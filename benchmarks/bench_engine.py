@@ -20,6 +20,7 @@ Usage:
   python benchmarks/bench_engine.py [--model small|tiny|embedded] [--concurrency 1,2,4,8,16]
       [--prompt 128] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
       [--shared-prefix 0] [--no-peer] [--json FILE]
+  python benchmarks/bench_engine.py --churn 1000 [--model embedded]
 
 The ratio to one request alone is taken within each round (N = 1 of the same
 round) and reported per round and as the median.
@@ -132,6 +133,50 @@ def run_engine(
     }
 
 
+def run_churn(session, vocab: int, count: int, seed: int) -> dict:
+    """``count`` requests (random prompt and output lengths, 30% sampled, half sharing a 64-token prefix)
+    arriving about one per step, 10% aborted at a random step, on a pool of 256 pages: the process's
+    resident memory after every 100 requests, and the pool audit at the end."""
+    import psutil
+
+    import onnxkv
+
+    rng = np.random.default_rng(seed)
+    proc = psutil.Process()
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16), max_pages=256)
+    shared = rng.integers(3, vocab, 64)
+    added, rss, aborted = 0, [], 0
+    t0 = time.perf_counter()
+    while added < count or engine.active:
+        for _ in range(int(rng.poisson(1.0)) if added < count else 0):
+            own = rng.integers(3, vocab, int(rng.integers(4, 200)))
+            prompt = np.concatenate([shared, own]) if rng.random() < 0.5 else own
+            kw = {"do_sample": True, "temperature": 0.8, "seed": added} if rng.random() < 0.3 else {}
+            engine.add_request(prompt, int(rng.integers(1, 64)), eos_token_id=[], **kw)
+            added += 1
+            if added % 100 == 0:
+                rss.append({"requests": added, "rss_bytes": proc.memory_info().rss})
+        live = engine.active
+        if live and rng.random() < 0.1:
+            engine.abort(live[int(rng.integers(len(live)))])
+            aborted += 1
+        engine.step()
+    pool = engine._batch.pool
+    pool.audit()
+    engine.close()
+    after = [x["rss_bytes"] for x in rss[2:]]  # after warm-up (200 requests)
+    return {
+        "requests": added,
+        "aborted": aborted,
+        "wall_s": time.perf_counter() - t0,
+        "rss": rss,
+        "rss_growth_after_warmup_bytes": (max(after) - after[0]) if after else None,
+        "pool_audit": "whole",
+        "pool_live_pages_after_close": pool.live_pages,
+        "preemptions": sum(r.preemptions for r in engine.requests),
+    }
+
+
 def run_genai(folder: Path, prompts: list[np.ndarray], new_tokens: int, batched: bool) -> dict | None:
     try:
         import onnxruntime_genai as og
@@ -180,6 +225,9 @@ def main() -> None:
         "alone and the others once its prompt has run (the prefix cached)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="every concurrency level once per round")
+    ap.add_argument(
+        "--churn", type=int, default=0, help="instead: this many random requests with aborts (resident memory)"
+    )
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -193,6 +241,12 @@ def main() -> None:
             _genai_threads(folder, args.threads)
         session = onnxkv.Session(str(folder), threads=args.threads)
         rng = np.random.default_rng(args.seed)
+        if args.churn:
+            res = run_churn(session, vocab, args.churn, args.seed)
+            doc = {"benchmark": "engine-churn", "machine": machine(), "versions": versions(), "threads": args.threads}
+            growth = res["rss_growth_after_warmup_bytes"]
+            emit({**doc, "model": args.model, **res}, args.json, [f"# churn: RSS growth after warm-up {growth} bytes"])
+            return
         warm = rng.integers(3, vocab, args.prompt)
         run_engine(session, [warm, warm], np.zeros(2), 4)  # the step's plans, threads and pages warmed
         work = []

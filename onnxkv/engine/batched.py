@@ -56,6 +56,7 @@ class BatchedSteps:
     _rows: list[Request]
     _prefix: PrefixCache | None
     preempt_formats: tuple[str, ...]
+    _paused_now: set[Request]
     keep_native_tokens: int
 
     def _start_on_prefix(self, r: Request) -> None:
@@ -166,6 +167,23 @@ class BatchedSteps:
             return True
         started = sum(1 for r in self.active if r._state is not None or r in self._rows)
         return started < self.max_batch_tokens
+
+    def _room_for_prompt(self, r: Request) -> bool:
+        """Batched: whether ``r``'s first prompt chunk may start now: the pool has room for its pages and a
+        page for every decode row besides (free ids and bytes, the prefix cache's unreferenced pages
+        counted free), or holds no request at all.  Starting it on less would pause others (thrashing)."""
+        if not self.batched or self._batch is None:
+            return True
+        pool = self._batch.pool
+        free = []
+        if pool.max_pages is not None:
+            free.append(pool.max_pages - pool.live_pages)
+        if pool.max_bytes is not None:
+            free.append((pool.max_bytes - pool.committed_bytes) // pool.page_bytes)
+        if not free or not self._holders():
+            return True
+        spare = self._prefix.unreferenced() if self._prefix is not None else 0
+        return min(free) + spare >= -(-r.next_tokens // pool.block_size) + len(self._rows)
 
     def _decode_batch(self) -> dict[int, int]:
         """Batched: one run of every decode row; each row's token chosen with its request's sampling.  When
@@ -282,6 +300,7 @@ class BatchedSteps:
         r._state = r._builder = r._out = None
         r.prompt_done = r._cached = r.prefix_hit_tokens = 0
         r.preemptions += 1
+        self._paused_now.add(r)
         r._lookup = True  # its prefix pages are looked up when the next step starts, not now
         events = self.session.events
         if events.enabled:

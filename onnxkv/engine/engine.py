@@ -129,6 +129,7 @@ class Engine(BatchedSteps):
         self._batch: State | None = None  # batched: the state of every decoding request's rows
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)
+        self._paused_now: set[Request] = set()  # batched: paused in this step (not run again in it)
 
     @property
     def requests(self) -> list[Request]:
@@ -221,6 +222,7 @@ class Engine(BatchedSteps):
         token in this step.  A run that raises propagates: the requests it ran are as before it, and the
         runs after it were not made in this step (step again to go on, or abort a request)."""
         active = self.active
+        self._paused_now = set()
         for r in active:
             if r._lookup:  # paused in an earlier step, and not run again since
                 r._lookup = False
@@ -236,7 +238,7 @@ class Engine(BatchedSteps):
         def admit(r: Request) -> None:
             nonlocal budget
             need = r.next_tokens
-            r._skipped = need > budget or (r._state is None and not self._room_for_row())
+            r._skipped = need > budget or (r._state is None and not (self._room_for_row() and self._room_for_prompt(r)))
             if not r._skipped:
                 chosen.append(r)
                 budget -= need
@@ -253,6 +255,9 @@ class Engine(BatchedSteps):
             admit(r)
         produced: dict[int, int] = self._decode_batch() if decode_rows else {}
         for group in self._groups(chosen):
+            group = [r for r in group if r not in self._paused_now]  # paused by an earlier run of this step
+            if not group:
+                continue
             try:
                 if len(group) > 1:
                     produced.update(self._advance_group(group))

@@ -53,6 +53,11 @@ class PrefixCache:
     def held_ids(self) -> np.ndarray:
         return np.fromiter(self._pages.values(), np.int32, len(self._pages))
 
+    def unreferenced(self) -> int:
+        """Cached pages no request holds (what :meth:`evict` can free)."""
+        refs = self.pool.core.refs()
+        return sum(1 for p in self._pages.values() if refs[p] == 1)
+
     def keys(self, tokens: np.ndarray) -> list[bytes]:
         """The key of every full page of ``tokens`` (int [L]), in order."""
         bs, out, prev = self.block_size, [], self.salt
