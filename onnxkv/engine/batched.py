@@ -32,8 +32,6 @@ import numpy as np
 from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request
 from onnxkv.errors import OutOfMemory
-from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.sampling import select_next
 from onnxkv.runtime.state import State
 
 if TYPE_CHECKING:
@@ -79,10 +77,7 @@ class BatchedSteps:
         done = len(hits) * prefix.block_size
         state = self._batch.sibling()
         state.start_on_pages(np.array(hits, np.int32), done)
-        builder = FeedBuilder(
-            self.session.plan.inputs, self.session.model, r._seq[None, :done], np.array([done]), r.pad_id,
-            thread_cache=False,
-        )  # fmt: skip
+        builder = r._feeds(r._seq[None, :done])
         builder.first()  # its bookkeeping of the cached tokens; they are not run
         r._state, r._builder, r.prompt_done, r.prefix_hit_tokens = state, builder, done, done
 
@@ -106,10 +101,7 @@ class BatchedSteps:
         name, done = model.io.logits, group[0].prompt_done
         tokens = np.stack([r._seq[done:] for r in group])
         if done == 0:
-            builder = FeedBuilder(
-                self.session.plan.inputs, model, tokens, np.full(len(group), tokens.shape[1]), group[0].pad_id,
-                thread_cache=False,
-            )  # fmt: skip
+            builder = group[0]._feeds(tokens)
             feeds, _ = builder.first()
             state = self._new_state(group[0])
             try:
@@ -142,14 +134,8 @@ class BatchedSteps:
                 r._resuming = False
                 keep.append(i)
                 continue
-            token = int(select_next(logits[i : i + 1], r.sampling)[0])
-            r.tokens.append(token)
-            produced[r.id] = token
-            if token in r.eos:
-                r.finished = "eos"
-            elif len(r.tokens) >= r.max_new_tokens:
-                r.finished = "length"
-            else:
+            produced[r.id], r.finished = r._take(logits[i : i + 1])
+            if r.finished is None:
                 keep.append(i)
         if keep:
             if len(keep) < len(group):
@@ -206,13 +192,9 @@ class BatchedSteps:
         logits = logits[:, -1] if logits.ndim == 3 else logits
         produced, done = {}, []
         for i, r in enumerate(rows):
-            token = int(select_next(logits[i : i + 1], r.sampling)[0])
-            r.tokens.append(token)
+            produced[r.id], r.finished = r._take(logits[i : i + 1])
             r._cached += 1
-            produced[r.id] = token
-            reason = "eos" if token in r.eos else "length" if len(r.tokens) >= r.max_new_tokens else None
-            if reason is not None:
-                r.finished = reason
+            if r.finished is not None:
                 done.append(r)
         if done:
             self._drop_rows(done)

@@ -45,8 +45,7 @@ from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request
 from onnxkv.errors import InputError
 from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
-from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.sampling import sampling_arguments, select_next
+from onnxkv.generate.sampling import sampling_arguments
 from onnxkv.runtime.cache_config import CacheConfig, cache_request
 from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.session import Session
@@ -307,10 +306,7 @@ class Engine(BatchedSteps):
         length = seq.size
         if r._state is None:
             first = min(r.chunk, length)
-            builder = FeedBuilder(
-                self.session.plan.inputs, model, seq[None, :first], np.array([first]), r.pad_id,
-                thread_cache=False,
-            )  # fmt: skip
+            builder = r._feeds(seq[None, :first])
             state = self._new_state(r)
             feeds, read = builder.first()
             try:
@@ -342,12 +338,9 @@ class Engine(BatchedSteps):
         logits = r._out[name]
         if logits.ndim == 3:
             logits = logits[np.arange(1), read_at if read_at is not None and logits.shape[1] > 1 else 0]
-        token = int(select_next(logits, r.sampling)[0])
-        r.tokens.append(token)
-        if token in r.eos:
-            r._release("eos")
-        elif len(r.tokens) >= r.max_new_tokens:
-            r._release("length")
+        token, stop = r._take(logits)
+        if stop is not None:
+            r._release(stop)
         elif self.batched:  # its prompt is done: its rows join the batched state
             self._join(r)
         return token

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.sampling import SamplingConfig
+from onnxkv.generate.sampling import SamplingConfig, select_next
 from onnxkv.runtime.state import State
 
 if TYPE_CHECKING:
@@ -95,6 +95,22 @@ class Request:
             return 0
         left = self._seq.size - self.prompt_done
         return min(self.chunk, left) if left > 0 else 1
+
+    def _take(self, logits: np.ndarray) -> tuple[int, str | None]:
+        """Choose its next id from ``logits`` [1, V] with its sampling, append it, and say why it stops
+        there ("eos", "length") or None; the caller finishes it."""
+        token = int(select_next(logits, self.sampling)[0])
+        self.tokens.append(token)
+        stop = "eos" if token in self.eos else "length" if len(self.tokens) >= self.max_new_tokens else None
+        return token, stop
+
+    def _feeds(self, ids: np.ndarray) -> FeedBuilder:
+        """A builder of its feeds over its engine's session, ``ids`` [B, L] its first tokens (every row
+        whole; the state supplies the cache)."""
+        plan, model = self.engine.session.plan, self.engine.session.model
+        return FeedBuilder(
+            plan.inputs, model, ids, np.full(ids.shape[0], ids.shape[1]), self.pad_id, thread_cache=False
+        )
 
     def stream(self) -> Iterator[int]:
         """Yield every id of this request in order as it is produced, stepping the engine (and so every
