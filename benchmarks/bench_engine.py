@@ -9,7 +9,10 @@ tokens per second, its ratio to one request alone on the same engine (the
 N = 1 case of the same run), time-to-first-token and inter-token latency
 percentiles, and what the cache holds at its peak: committed page bytes, the
 bytes of the tokens they hold, internal fragmentation (the unfilled part of
-the last page of each request), page-table bytes.
+the last page of each request), page-table bytes.  Once per N, untimed
+(``probe_engine``): K/V bytes attention reads per decode token, the peak of
+the plan's temporaries, and at the most pages held: payload bytes, the page
+allocator's committed bytes, page-table and pool-metadata bytes.
 
 The peer, side by side in the same process and run: ONNX Runtime GenAI
 decoding the same N prompts as one batch (``append_tokens`` of an [N, L]
@@ -130,6 +133,76 @@ def run_engine(
         "steps": engine.steps,
         "cache_at_peak": peak,
         "tokens": {i: list(requests[i].tokens) for i in requests},
+    }
+
+
+def _attended_bytes(pool, tables: np.ndarray, lengths: np.ndarray) -> float:
+    """Payload bytes of the first ``lengths[r]`` positions of each row's page table (every plane, each page
+    in its own format; a partly filled page by its filled fraction, a page not yet allocated as native)."""
+    bs, total = pool.block_size, 0.0
+    per_page = pool.sizes.sum(axis=0)
+    for table, n in zip(tables, lengths.tolist(), strict=True):
+        full, part = divmod(int(n), bs)
+        ids = table[:full]
+        total += float(per_page[ids[ids >= 0]].sum())
+        if part:
+            page = int(table[full]) if full < table.size else -1
+            total += (float(per_page[page]) if page >= 0 else pool.page_bytes) * part / bs
+    return total
+
+
+def probe_engine(session, prompts: list[np.ndarray], new_tokens: int) -> dict:
+    """One untimed pass of the requests (all arriving at once) with the session's event log on: what a
+    cache benchmark owes its reader beyond time.
+
+    - ``attention_bytes_per_token``: K/V payload bytes the decode runs' attention reads per decode token
+      (each row's positions in its pages' formats; :func:`_attended_bytes` before each decode run);
+    - ``temp_peak_bytes``: the largest live bytes of the plan's temporaries after any node of any run
+      (the event log's ``temp_live_max_bytes``);
+    - at the step of most live pages: payload bytes, the bytes the page allocator holds from the
+      system, page-table and pool-metadata bytes (page records and reference counts).
+    """
+    import onnxkv
+
+    events = session.events
+    was = events.enabled
+    events.clear()
+    events.enabled = True
+    try:
+        engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+        for p in prompts:
+            engine.add_request(p, new_tokens, eos_token_id=[])
+        read, decoded, peak = 0.0, 0, {"live_pages": 0}
+        while engine.active:
+            batch, rows = engine._batch, list(engine._rows)
+            if batch is not None and rows:
+                lengths = np.array([r._cached + 1 for r in rows])
+                read += _attended_bytes(batch.pool, batch.page_tables, lengths)
+                decoded += len(rows)
+            engine.step()
+            batch = engine._batch
+            if batch is not None and batch.pool.live_pages > peak["live_pages"]:
+                pool = batch.pool
+                tables = [batch.page_tables] + [r._state.page_tables for r in engine.active if r._state is not None]
+                peak = {
+                    "live_pages": pool.live_pages,
+                    "payload_bytes": pool.committed_bytes,
+                    "allocator_committed_bytes": pool.allocator.stats().committed,
+                    "page_table_bytes": int(sum(t.nbytes for t in tables)),
+                    "pool_metadata_bytes": int(
+                        pool.ptrs.nbytes + pool.formats.nbytes + pool.sizes.nbytes + 8 * pool.core.capacity
+                    ),
+                }
+        engine.close()
+        temp = [r["temp_live_max_bytes"] for r in events.per_step() if r["temp_live_max_bytes"] is not None]
+    finally:
+        events.enabled = was
+        events.clear()
+    return {
+        "attention_bytes_per_token": read / decoded if decoded else None,
+        "decode_tokens": decoded,
+        "temp_peak_bytes": max(temp) if temp else None,
+        "cache_at_most_pages": peak,
     }
 
 
@@ -256,6 +329,8 @@ def main() -> None:
             gaps = rng.exponential(1 / args.rate, n) if args.rate > 0 else np.zeros(n)
             work.append((n, prompts, np.cumsum(gaps) - gaps[0]))
         cases = [{"concurrency": n, "arrivals_s": arr.tolist(), "rounds": []} for n, _, arr in work]
+        for case, (_, prompts, _) in zip(cases, work):  # untimed, before the timed rounds
+            case["memory"] = probe_engine(session, prompts, args.new_tokens)
         for _ in range(args.rounds):  # every level once per round: a slow minute hits all levels alike
             for case, (n, prompts, arrivals) in zip(cases, work):
                 res = run_engine(session, prompts, arrivals, args.new_tokens, after_first=args.shared_prefix > 0)
@@ -281,6 +356,12 @@ def main() -> None:
             tps = [r["onnxkv_engine"]["tokens_per_s"] for r in rounds]
             case["onnxkv_tokens_per_s_median"] = median(tps)
             line = f"# N={case['concurrency']}: onnxkv engine {median(tps):.1f} tok/s"
+            mem = case["memory"]
+            line += (
+                f" [attention reads {mem['attention_bytes_per_token'] / 2**20:.2f} MiB/token, temporaries peak "
+                f"{mem['temp_peak_bytes'] / 2**20:.1f} MiB, pool metadata "
+                f"{mem['cache_at_most_pages'].get('pool_metadata_bytes', 0) / 2**10:.1f} KiB]"
+            )
             if levels[0] == 1:  # the ratio within each round, against N = 1 of the same round
                 ratios = [t / r1["onnxkv_engine"]["tokens_per_s"] for t, r1 in zip(tps, cases[0]["rounds"])]
                 case["speedup_vs_one_alone"] = ratios

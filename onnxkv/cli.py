@@ -199,9 +199,11 @@ def _cmd_report(args) -> int:
     import importlib.util
 
     from onnxkv.events import EventLog
+    from onnxkv.occupancy import plot_pool, pool_table
 
     try:
         log = EventLog.from_json(args.events)
+        pool = pool_table(log)
     except (OSError, ValueError) as e:
         print(f"onnxkv report: error: {e}", file=sys.stderr)
         return 2
@@ -216,11 +218,13 @@ def _cmd_report(args) -> int:
             f"{t['prefix_copied_bytes'] * mb:.3f} MiB prefix + {t['append_copied_bytes'] * mb:.3f} MiB append + "
             f"{t['cow_copied_bytes'] * mb:.3f} MiB copy-on-write"
         )
+    if pool:
+        print(pool)
     try:
         have_mpl = importlib.util.find_spec("matplotlib") is not None
     except (ImportError, ValueError):
         have_mpl = False
-    if args.output is None:
+    if args.output is None and args.pool is None:
         if not have_mpl:
             print(
                 "onnxkv report: note: matplotlib is not installed, table only "
@@ -228,15 +232,25 @@ def _cmd_report(args) -> int:
                 file=sys.stderr,
             )
         return 0
-    if not rows:
+    if args.output is not None and not rows:
         print("onnxkv report: error: the log holds no events, nothing to draw", file=sys.stderr)
         return 2
-    try:
-        log.plot(args.output, title=args.title)
-    except (ImportError, OSError, ValueError) as e:
-        print(f"onnxkv report: error: cannot write {args.output}: {e}", file=sys.stderr)
+    if args.pool is not None and not pool:
+        print(
+            "onnxkv report: error: the log holds no engine pool records, no pool to draw (log an Engine's "
+            "steps: a batched Engine over a Session built with events=True)",
+            file=sys.stderr,
+        )
         return 2
-    print(f"figure: {args.output}")
+    for path, draw in ((args.output, log.plot), (args.pool, lambda p, title: plot_pool(log, p, title=title))):
+        if path is None:
+            continue
+        try:
+            draw(path, title=args.title)
+        except (ImportError, OSError, ValueError) as e:
+            print(f"onnxkv report: error: cannot write {path}: {e}", file=sys.stderr)
+            return 2
+        print(f"figure: {path}")
     return 0
 
 
@@ -296,6 +310,12 @@ def _parser() -> argparse.ArgumentParser:
         "--output",
         metavar="FIGURE",
         help="also draw the figure (.png, .svg, .pdf; needs matplotlib: pip install onnxkv[plot])",
+    )
+    r.add_argument(
+        "--pool",
+        metavar="FIGURE",
+        help="draw an Engine's page pool over its steps: pages by request, bytes by page format "
+        "(the log of an onnxkv.Engine whose session logged events; needs matplotlib)",
     )
     r.add_argument("--title", help="figure title (default: step and event counts and the log's file name)")
     r.set_defaults(func=_cmd_report)

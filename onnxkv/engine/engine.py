@@ -41,6 +41,7 @@ import numpy as np
 
 from onnxkv.cache.formats import page_format
 from onnxkv.engine.batched import BatchedSteps, WaitForRoom
+from onnxkv.engine.occupancy import pool_occupancy
 from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request
 from onnxkv.errors import InputError
@@ -169,6 +170,12 @@ class Engine(BatchedSteps):
             "steps": self.steps,
         }
 
+    def pool_occupancy(self) -> dict:
+        """What the page pool holds now, pages and bytes by request and page format (batched engines; ``{}``
+        otherwise): :func:`onnxkv.engine.occupancy.pool_occupancy`.  Logged with every ``engine_step`` event
+        when the session's event log is on."""
+        return pool_occupancy(self)
+
     def add_request(
         self,
         prompt_ids,
@@ -278,7 +285,8 @@ class Engine(BatchedSteps):
                 extra={"requests": len(chosen) + (len(rows) if decode_rows else 0),
                        "batched_rows": len(rows) if decode_rows else 0,
                        "tokens_fed": self.max_batch_tokens - budget,
-                       "produced": len(produced), "active": len(self.active)},
+                       "produced": len(produced), "active": len(self.active),
+                       "pool": self.pool_occupancy()},
             )  # fmt: skip
         return produced
 
