@@ -20,7 +20,8 @@ array; its static batching, all arriving at once) on the same builder-style
 folder, and the same N requests one after the other.
 
 Usage:
-  python benchmarks/bench_engine.py [--model small|tiny|embedded] [--concurrency 1,2,4,8,16]
+  python benchmarks/bench_engine.py [--model small|tiny|embedded] [--family gqa|attention]
+      [--concurrency 1,2,4,8,16]
       [--prompt 128] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
       [--shared-prefix 0] [--no-peer] [--json FILE]
   python benchmarks/bench_engine.py --churn 1000 [--model embedded]
@@ -43,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, median, versions  # noqa: E402
 
 
-def _folder(tmp: Path, size: str, threads: int) -> tuple[Path, int]:
-    """A GroupQueryAttention folder with genai_config.json (the embedded model's, or a built one)."""
+def _folder(tmp: Path, size: str, family: str = "gqa") -> tuple[Path, int]:
+    """A model folder with genai_config.json: the embedded model's, or a built GroupQueryAttention
+    (``family`` "gqa", the GenAI builder's form) or opset-23 Attention ("attention") graph."""
     from dataclasses import replace
 
     if size == "embedded":
@@ -54,8 +56,8 @@ def _folder(tmp: Path, size: str, threads: int) -> tuple[Path, int]:
     from onnxkv.zoo.builders import SMALL, TINY, build_model, save_genai_folder
 
     cfg = replace({"tiny": TINY, "small": SMALL}[size], max_length=4096)
-    folder = tmp / f"{size}-gqa"
-    save_genai_folder(build_model("gqa", cfg, seed=0), cfg, folder)
+    folder = tmp / f"{size}-{family}"
+    save_genai_folder(build_model(family, cfg, seed=0), cfg, folder)
     return folder, cfg.vocab_size
 
 
@@ -284,6 +286,13 @@ def _genai_threads(folder: Path, threads: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small", choices=["small", "tiny", "embedded"])
+    ap.add_argument(
+        "--family",
+        default="gqa",
+        choices=["gqa", "attention"],
+        help="graph form of a built model: GroupQueryAttention (GenAI's; the peers run it) or opset-23 "
+        "Attention (onnxkv only: GenAI does not run it)",
+    )
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -309,7 +318,8 @@ def main() -> None:
 
     levels = [int(x) for x in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        folder, vocab = _folder(Path(tmp), args.model, args.threads)
+        folder, vocab = _folder(Path(tmp), args.model, args.family)
+        peers = not args.no_peer and args.model != "embedded" and args.family == "gqa"
         if args.model != "embedded":
             _genai_threads(folder, args.threads)
         session = onnxkv.Session(str(folder), threads=args.threads)
@@ -346,7 +356,7 @@ def main() -> None:
                         "committed_pages_at_peak": peak.get("live_pages"),
                         "prefix_once_plus_own_pages": args.shared_prefix // 16 + own,
                     }
-                if not args.no_peer and args.model != "embedded":
+                if peers:
                     one["ort_genai_batch"] = run_genai(folder, prompts, args.new_tokens, batched=True)
                     one["ort_genai_one_by_one"] = run_genai(folder, prompts, args.new_tokens, batched=False)
                 case["rounds"].append(one)
@@ -383,6 +393,7 @@ def main() -> None:
             "versions": versions("onnxruntime_genai"),
             "threads": args.threads,
             "model": args.model,
+            "family": args.family,
             "prompt": args.prompt,
             "new_tokens": args.new_tokens,
             "rate_per_s": args.rate,

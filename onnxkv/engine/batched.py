@@ -2,7 +2,7 @@
 request in one state, grouped prompt chunks, the prefix cache, and preemption.
 
 A mixin of Engine (its base class), used only when ``Engine.batched`` (paged caches on a
-GroupQueryAttention graph; see the engine module).
+GroupQueryAttention or Attention graph; see the engine module).
 
 Memory.  A run that finds the pool full (``max_pages`` ids, or ``max_cache_bytes`` of payload) is made
 again after room is made, in this order:

@@ -18,7 +18,9 @@ least that): greedy requests token for token, sampled ones draw for draw with
 the same seed.
 
 Batching.  With paged caches on a GroupQueryAttention graph (the ONNX Runtime
-GenAI builder's form, which takes a length per row), every request's pages
+GenAI builder's form, which takes a length per row) or an opset-23 Attention
+graph (whose mask hides the positions a shorter row never wrote: the kernel
+stores each row's new keys after its own), every request's pages
 live in one page pool and the decode tokens of all requests run as one
 batched forward pass over one state whose rows have their own lengths and
 page tables (the weights are read once per step, not once per request).  A
@@ -125,7 +127,7 @@ class Engine(BatchedSteps):
         self.keep_native_tokens = int_arg(api, "keep_native_tokens", keep_native_tokens, 0)
         self._requests: list[Request] = []
         self.steps = 0
-        self.batched = self.kind == "paged" and session.model.convention.kind == "group_query_attention"
+        self.batched = self.kind == "paged" and session.model.convention.kind in ("group_query_attention", "attention")
         self._batch: State | None = None  # batched: the state of every decoding request's rows
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)

@@ -166,13 +166,20 @@ class FeedBuilder:
 
     def ragged(self, tokens: np.ndarray, lengths: np.ndarray) -> dict:
         """Feeds of ``tokens`` (int [B] one per row, or [B, S]) for rows that hold ``lengths`` (int [B])
-        cached tokens each, rows of different generations batched into one run: the layout :meth:`next`
-        feeds a right-padded GroupQueryAttention graph (mask ones on each row's first ``length + S``
-        columns, positions ``length .. length + S - 1``), built from the lengths alone; this builder's own
-        rows are neither read nor changed.  Several tokens per row need rows of one length.  InputError
-        for any other graph form (its rows share one length)."""
-        if self.kind != "group_query_attention":
-            raise InputError(f"FeedBuilder.ragged: needs a GroupQueryAttention graph, this one is '{self.kind}'")
+        cached tokens each, rows of different generations batched into one run, built from the lengths
+        alone (this builder's own rows are neither read nor changed); positions ``length .. length + S - 1``.
+
+        * GroupQueryAttention (right padded): mask ones on each row's first ``length + S`` columns.
+        * Attention (HF style, in a state): the graph's keys are the longest row's ``max(lengths)``
+          positions and then the new ones, so the mask has ones on each row's first ``length`` columns and
+          on the last ``S``, zeros on the columns the row never wrote between them (the Attention kernel
+          then stores the row's new keys after its own: :func:`onnxkv.plan.ops.attention_onnx.ragged_mask`).
+
+        Several tokens per row need rows of one length.  InputError for any other graph form."""
+        if self.kind not in ("group_query_attention", "attention"):
+            raise InputError(
+                f"FeedBuilder.ragged: needs a GroupQueryAttention or Attention graph, this one is '{self.kind}'"
+            )
         lengths = np.asarray(lengths, np.int64)
         tokens = np.asarray(tokens)
         tokens = tokens[:, None] if tokens.ndim == 1 else tokens
@@ -181,7 +188,12 @@ class FeedBuilder:
             raise InputError(f"FeedBuilder.ragged: {S} tokens per row need rows of one length, got {lengths.tolist()}")
         feeds = {self.io.input_ids: self._cast(self.io.input_ids, tokens)}
         if self.io.attention_mask:
-            mask = np.arange(int(lengths.max()) + S)[None, :] < (lengths + S)[:, None]
+            longest = int(lengths.max())
+            cols = np.arange(longest + S)[None, :]
+            if self.kind == "group_query_attention":
+                mask = cols < (lengths + S)[:, None]
+            else:
+                mask = (cols < lengths[:, None]) | (cols >= longest)
             feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask.astype(np.int64))
         if self.io.position_ids:
             feeds[self.io.position_ids] = self._cast(self.io.position_ids, lengths[:, None] + np.arange(S)[None, :])

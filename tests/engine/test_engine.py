@@ -11,8 +11,9 @@ import onnxkv
 from onnxkv.errors import InputError
 from onnxkv.runtime.state import State
 from onnxkv.zoo import embedded
+from onnxkv.zoo.builders import build_model
 from onnxkv.zoo.concat import build_concat_model
-from onnxkv.zoo.config import MICRO
+from onnxkv.zoo.config import MICRO, TINY
 
 MODEL = str(embedded.embedded_model_dir())
 PROMPTS = [
@@ -30,6 +31,19 @@ def session():
 
 def _ids(text: str) -> np.ndarray:
     return np.array(embedded.encode(text), np.int64)
+
+
+def _count_runs(monkeypatch) -> dict:
+    """Count State.run calls from now on (until monkeypatch.undo()): {"n": runs}."""
+    runs = {"n": 0}
+    real = State.run
+
+    def counted(self, feeds, output_names=None, cancel=None):
+        runs["n"] += 1
+        return real(self, feeds, output_names, cancel)
+
+    monkeypatch.setattr(State, "run", counted)
+    return runs
 
 
 def _alone(session, request, cache, **sampling) -> list[int]:
@@ -219,14 +233,7 @@ def test_paged_decode_rows_of_every_request_run_as_one_batched_run(session, monk
     states = {id(r.state) for r in requests}
     assert len(states) == 1 and requests[0].state.batch == 4
     assert requests[0].state.lengths.tolist() == [r.prompt.size for r in requests]
-    runs = {"n": 0}
-    real = State.run
-
-    def counted(self, feeds, output_names=None, cancel=None):
-        runs["n"] += 1
-        return real(self, feeds, output_names, cancel)
-
-    monkeypatch.setattr(State, "run", counted)
+    runs = _count_runs(monkeypatch)
     session.events.clear()
     engine.step()
     assert runs["n"] == 1 and all(len(r.tokens) == 2 for r in requests)
@@ -244,6 +251,55 @@ def test_paged_decode_rows_of_every_request_run_as_one_batched_run(session, monk
     engine.close()
     assert pool.live_pages == 0
     pool.audit()
+
+
+def test_attention_graph_requests_batch_their_decode_rows(monkeypatch):
+    """Paged caches on an opset-23 Attention graph: decode rows of different lengths in one run per step
+    (the mask hides the positions a shorter row never wrote), tokens as generate alone."""
+    sess = onnxkv.Session(build_model("attention", TINY, seed=11), threads=1, events=True)
+    cache = onnxkv.CacheConfig("paged", block_size=16)
+    engine = onnxkv.Engine(sess, cache=cache, max_batch_tokens=64)
+    assert engine.batched and "one batched run" in engine.describe()["batching"]
+    rng = np.random.default_rng(4)
+    requests = []
+    for n, new in ((5, 16), (37, 12), (20, 18)):
+        requests.append(engine.add_request(rng.integers(3, TINY.vocab_size, n), new, eos_token_id=[]))
+        engine.step()
+    while engine.describe()["decode_rows"] < 3:
+        engine.step()
+    assert len(set(requests[0].state.lengths.tolist())) == 3  # rows of three lengths in one state
+    runs = _count_runs(monkeypatch)
+    engine.step()
+    assert runs["n"] == 1
+    monkeypatch.undo()
+    engine.run()
+    for r in requests:
+        assert r.finished == "length" and r.tokens == _alone(sess, r, cache)
+    engine.close()
+    engine._batch.pool.audit()
+
+
+def test_attention_graph_requests_share_prefix_pages_and_resume_after_a_pause():
+    """The same graph with a shared prompt prefix and a pool too small for every request: hits skip the
+    prefix, a request is paused and resumes, and every request's tokens are generate's alone."""
+    sess = onnxkv.Session(build_model("attention", TINY, seed=11), threads=1, events=True)
+    cache = onnxkv.CacheConfig("paged", block_size=16)
+    engine = onnxkv.Engine(sess, cache=cache, max_batch_tokens=256, max_pages=12)
+    rng = np.random.default_rng(1)
+    shared = rng.integers(3, TINY.vocab_size, 50)
+    first = engine.add_request(np.concatenate([shared, rng.integers(3, 500, 7)]), 20, eos_token_id=[])
+    while not first.tokens:
+        engine.step()
+    tails = (3, 9, 9, 30)
+    requests = [first] + [
+        engine.add_request(np.concatenate([shared, rng.integers(3, 500, n)]), 20, eos_token_id=[]) for n in tails
+    ]
+    engine.run()
+    assert [r.prefix_hit_tokens for r in requests[1:]] == [48] * len(tails)
+    assert sum(r.preemptions for r in requests) >= 1
+    for r in requests:
+        assert r.tokens == _alone(sess, r, cache)
+    engine._batch.pool.audit()
 
 
 def test_graph_forms_with_one_length_per_batch_run_one_request_per_run(tmp_path):

@@ -166,14 +166,17 @@ def test_contiguous_lengths_follow_rows_and_truncate(gqa):
         (
             "attention",
             r"Attention node '/model/layers.0/self_attn/Attention': row 1 claims a past of 6 positions "
-            r"\(past_key: the state's past of 6 positions, its longest row\) but has written only 5",
+            r"\(past_key: the state's past of 6 positions, its longest row, and an attn_mask that does not hide "
+            r"the positions row 1 never wrote\) but has written only 5",
         ),
         ("concat", r"paged cache: row 1 would be written at position 6 but has written only 5 positions"),
     ],
 )
 def test_uniform_writers_refuse_rows_of_different_lengths(family, message):
-    """Attention and Concat graphs append every row at the past length: a paged cache whose rows differ
-    (as a loaded cache may declare) is refused before anything is written, not padded with stale bytes."""
+    """Concat graphs append every row at the past length, and an Attention graph whose mask shows a row the
+    positions it never wrote would read them: a paged cache whose rows differ (as a loaded cache may
+    declare) is refused before anything is written, not padded with stale bytes.  (An Attention mask that
+    hides them runs: tests/plan/ops/test_attention_onnx_ragged.py.)"""
     session = onnxkv.Session(build_model(family, MICRO, seed=3), threads=1)
     st = session.new_state(cache=CacheConfig("paged", block_size=4))
     ids = np.arange(1, 13, dtype=np.int64).reshape(2, 6)

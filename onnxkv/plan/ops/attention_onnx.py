@@ -45,9 +45,13 @@ paged state the kernel reads the pages directly, with the mask's ranges as
 ``kv_start`` and ``q_pos``; only a mask that is not a set of row ranges
 gets a gathered copy of the past (counted as ``prefix_copied_bytes`` of the
 node's ``cache_write`` events).  In a state, every row attends over the
-positions it wrote: a past beyond a row's written length (possible only
-after rows of different lengths were loaded) raises
-:class:`~onnxkv.errors.InputError` before anything is written.  Storage
+positions it wrote.  Rows that wrote different numbers of positions (a batch
+of requests, or a loaded cache) run when the mask hides from each row the
+positions between its own length and the past (:func:`ragged_mask`; what
+``FeedBuilder.ragged`` feeds): the row's new keys are stored right after its
+own and it attends over its own keys, as the row alone.  A mask that shows a
+row a position it never wrote raises :class:`~onnxkv.errors.InputError`
+before anything is written.  Storage
 counters per present output: one allocation of its size,
 ``prefix_copied_bytes`` = bytes of the past, ``append_copied_bytes`` = bytes
 of the new K (or V).
@@ -117,6 +121,44 @@ def attn_mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarr
         visible = np.concatenate([visible, np.zeros((mb, ms, t - mt), bool)], axis=-1)
     ranges = visible_ranges(np.broadcast_to(visible, (mb, ms, t)), b, s)
     return None if ranges is None else (ranges[0], ranges[1], exact)
+
+
+def ragged_mask(mask, written: np.ndarray, past: int, s: int) -> tuple[np.ndarray, int] | None:
+    """The mask of a state whose rows wrote different numbers of positions, over each row's own keys.
+
+    Row ``r`` of the state wrote ``written[r] <= past`` positions (int [B]); the graph's keys are the
+    ``past`` positions of the longest row and then the ``s`` new ones.  When ``mask`` (bool, or float
+    with hidden keys at or below ``MASKED``; broadcastable to ``[B, H, s, past + s]``, a shorter last
+    dimension hiding the keys it lacks) hides the positions ``[written[r], past)`` from every query of
+    row ``r``, the row's new keys are stored right after its own (at ``written[r]``, as a
+    GroupQueryAttention row's at its ``seqlens_k``) and its queries attend over its ``written[r] + s``
+    keys: returns ``(m, written.max() + s)`` with ``m[r, ..., j]`` the mask of row ``r``'s own key
+    ``j`` (its written keys, then its new ones; hidden beyond).  None when the mask does not hide them
+    or has another form: the caller's check of the written positions then raises.  O(mask).
+    """
+    if not isinstance(mask, np.ndarray) or mask.ndim < 1 or mask.ndim > 4 or mask.dtype.kind not in "bf":
+        return None
+    b, total = written.size, past + s
+    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if m.shape[0] not in (1, b) or m.shape[3] > total:
+        return None
+    boolean = m.dtype == np.bool_
+    hidden = False if boolean else -np.inf
+    if m.shape[3] < total:
+        m = np.concatenate([m, np.full(m.shape[:3] + (total - m.shape[3],), hidden, m.dtype)], axis=3)
+    m = np.broadcast_to(m, (b,) + m.shape[1:])
+    cols = np.arange(total)
+    gap = (cols[None, :] >= written[:, None]) & (cols[None, :] < past)  # [B, total]: never written
+    shown = m if boolean else m > MASKED
+    if (shown & gap[:, None, None, :]).any():
+        return None
+    width = int(written.max()) + s
+    j = np.arange(width)[None, :]
+    own = j < written[:, None] + s  # [B, width]: the row's written keys, then its new ones
+    src = np.where(j < written[:, None], j, past + j - written[:, None])
+    out = np.take_along_axis(m, np.where(own, src, 0)[:, None, None, :], axis=3)
+    out = np.where(own[:, None, None, :], out, hidden)
+    return out, width
 
 
 @register("Attention", since=23)
@@ -204,6 +246,15 @@ class Attention23(Op):
         total = past_len + k.shape[2]
         offsets = self._causal_offsets(b, sq, past_len, nonpad)
         kv_len = nonpad if nonpad is not None else np.full(b, total, np.int64)
+        starts: np.ndarray | int = past_len  # where each row's new keys are stored
+        if in_place and past_len:
+            written = rt.caches[self.node.input[4]].lengths
+            if int(written.min()) < past_len and not self.want[3]:  # rows of different lengths (a batch of requests)
+                compact = ragged_mask(mask, written, past_len, sq)
+                if compact is not None:
+                    mask, total = compact
+                    starts = offsets = written.astype(np.int64)
+                    kv_len = offsets + sq
         seen = None  # (kv_start or None, q_pos, window) of the streaming kernel, or None: the dense path
         if not self.want[3] and q.dtype == np.float32 and self.softmax_dtype in (None, np.dtype(np.float32)):
             seen = self._kernel_ranges(mask, b, sq, total, offsets, kv_len)
@@ -216,12 +267,18 @@ class Attention23(Op):
             # or the kernel reads the pages (paged; gathered only for the dense path).
             ck, cv = rt.caches[self.node.input[4]], rt.caches[self.node.input[5]]
             check_written(
-                self, ck, past_len, lambda row: f"past_key: the state's past of {past_len} positions, its longest row"
+                self,
+                ck,
+                starts,
+                lambda row: (
+                    f"past_key: the state's past of {past_len} positions, its longest row, and an "
+                    f"attn_mask that does not hide the positions row {row} never wrote"
+                ),
             )
             paged = getattr(ck, "paged", False)
             gather = paged and not fast
-            present_k = rt.cache_write(self.node.input[4], k, past_len, total, materialize=gather)
-            present_v = rt.cache_write(self.node.input[5], v, past_len, total, materialize=gather)
+            present_k = rt.cache_write(self.node.input[4], k, starts, total, materialize=gather)
+            present_v = rt.cache_write(self.node.input[5], v, starts, total, materialize=gather)
             if not paged:
                 keys, values = ck.buffer, cv.buffer
             elif fast:
