@@ -24,6 +24,7 @@ Usage:
       [--concurrency 1,2,4,8,16]
       [--prompt 128] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
       [--shared-prefix 0] [--no-peer] [--json FILE]
+      [--pool-fraction 0.5]
   python benchmarks/bench_engine.py --churn 1000 [--model embedded]
 
 The ratio to one request alone is taken within each round (N = 1 of the same
@@ -68,14 +69,36 @@ def _percentiles(xs) -> dict:
     return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}
 
 
-def run_engine(
-    session, prompts: list[np.ndarray], arrivals: np.ndarray, new_tokens: int, after_first: bool = False
-) -> dict:
-    """The requests through one Engine, arriving at ``arrivals`` seconds from the start (``after_first``:
-    every request but the first arrives once the first has its first token, its prompt cached)."""
+def _pool_bytes(session, prompts: list[np.ndarray], new_tokens: int, fraction: float | None) -> int | None:
+    """``fraction`` of the float32 page bytes the requests need together (pages of 16 tokens), but at least
+    what the largest needs alone (each request must fit alone), or None."""
+    if not fraction:
+        return None
+    conv = session.model.convention
+    page = 2 * len(conv.layers) * conv.kv_heads * 16 * conv.head_size * 4
+    pages = [-(-(p.size + new_tokens) // 16) for p in prompts]
+    return int(max(fraction * sum(pages), max(pages)) * page)
+
+
+def _engine(session, prompts: list[np.ndarray], new_tokens: int, pool_fraction: float | None):
     import onnxkv
 
-    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+    budget = _pool_bytes(session, prompts, new_tokens, pool_fraction)
+    return onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16), max_cache_bytes=budget)
+
+
+def run_engine(
+    session,
+    prompts: list[np.ndarray],
+    arrivals: np.ndarray,
+    new_tokens: int,
+    after_first: bool = False,
+    pool_fraction: float | None = None,
+) -> dict:
+    """The requests through one Engine, arriving at ``arrivals`` seconds from the start (``after_first``:
+    every request but the first arrives once the first has its first token, its prompt cached;
+    ``pool_fraction``: the pool's payload bytes bounded to that fraction of what the requests need)."""
+    engine = _engine(session, prompts, new_tokens, pool_fraction)
     pending = list(range(len(prompts)))
     requests: dict[int, object] = {}
     added: dict[int, float] = {}
@@ -133,6 +156,7 @@ def run_engine(
         "ttft_s": _percentiles(ttft),
         "inter_token_s": _percentiles(itl),
         "steps": engine.steps,
+        "preemptions": sum(r.preemptions for r in requests.values()),
         "cache_at_peak": peak,
         "tokens": {i: list(requests[i].tokens) for i in requests},
     }
@@ -153,7 +177,7 @@ def _attended_bytes(pool, tables: np.ndarray, lengths: np.ndarray) -> float:
     return total
 
 
-def probe_engine(session, prompts: list[np.ndarray], new_tokens: int) -> dict:
+def probe_engine(session, prompts: list[np.ndarray], new_tokens: int, pool_fraction: float | None = None) -> dict:
     """One untimed pass of the requests (all arriving at once) with the session's event log on: what a
     cache benchmark owes its reader beyond time.
 
@@ -162,16 +186,16 @@ def probe_engine(session, prompts: list[np.ndarray], new_tokens: int) -> dict:
     - ``temp_peak_bytes``: the largest live bytes of the plan's temporaries after any node of any run
       (the event log's ``temp_live_max_bytes``);
     - at the step of most live pages: payload bytes, the bytes the page allocator holds from the
-      system, page-table and pool-metadata bytes (page records and reference counts).
+      system, page-table and pool-metadata bytes (page records and reference counts);
+    - the relief events of a bounded pool (``pool_fraction``): pages' conversions and pauses.
     """
-    import onnxkv
 
     events = session.events
     was = events.enabled
     events.clear()
     events.enabled = True
     try:
-        engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+        engine = _engine(session, prompts, new_tokens, pool_fraction)
         for p in prompts:
             engine.add_request(p, new_tokens, eos_token_id=[])
         read, decoded, peak = 0.0, 0, {"live_pages": 0}
@@ -197,6 +221,7 @@ def probe_engine(session, prompts: list[np.ndarray], new_tokens: int) -> dict:
                 }
         engine.close()
         temp = [r["temp_live_max_bytes"] for r in events.per_step() if r["temp_live_max_bytes"] is not None]
+        relief = [e.action for e in events if e.action in ("preempt_quantize", "preempt")]
     finally:
         events.enabled = was
         events.clear()
@@ -205,6 +230,9 @@ def probe_engine(session, prompts: list[np.ndarray], new_tokens: int) -> dict:
         "decode_tokens": decoded,
         "temp_peak_bytes": max(temp) if temp else None,
         "cache_at_most_pages": peak,
+        "preempt_quantize_events": relief.count("preempt_quantize"),
+        "preempt_events": relief.count("preempt"),
+        "first_relief": relief[0] if relief else None,
     }
 
 
@@ -306,6 +334,13 @@ def main() -> None:
         help="tokens every prompt starts with (then --prompt tokens of its own); the first request arrives "
         "alone and the others once its prompt has run (the prefix cached)",
     )
+    ap.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=None,
+        help="bound the pool's payload bytes to this fraction of the float32 pages the requests need "
+        "(e.g. 0.5): cold pages are quantized, then requests paused",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="every concurrency level once per round")
     ap.add_argument(
         "--churn", type=int, default=0, help="instead: this many random requests with aborts (resident memory)"
@@ -340,10 +375,12 @@ def main() -> None:
             work.append((n, prompts, np.cumsum(gaps) - gaps[0]))
         cases = [{"concurrency": n, "arrivals_s": arr.tolist(), "rounds": []} for n, _, arr in work]
         for case, (_, prompts, _) in zip(cases, work):  # untimed, before the timed rounds
-            case["memory"] = probe_engine(session, prompts, args.new_tokens)
+            case["memory"] = probe_engine(session, prompts, args.new_tokens, args.pool_fraction)
         for _ in range(args.rounds):  # every level once per round: a slow minute hits all levels alike
             for case, (n, prompts, arrivals) in zip(cases, work):
-                res = run_engine(session, prompts, arrivals, args.new_tokens, after_first=args.shared_prefix > 0)
+                res = run_engine(
+                    session, prompts, arrivals, args.new_tokens, args.shared_prefix > 0, args.pool_fraction
+                )
                 res.pop("tokens")
                 one = {"onnxkv_engine": res}
                 if args.shared_prefix and n > 1:
@@ -372,6 +409,12 @@ def main() -> None:
                 f"{mem['temp_peak_bytes'] / 2**20:.1f} MiB, pool metadata "
                 f"{mem['cache_at_most_pages'].get('pool_metadata_bytes', 0) / 2**10:.1f} KiB]"
             )
+            if args.pool_fraction:
+                pauses = [r["onnxkv_engine"]["preemptions"] for r in rounds]
+                line += (
+                    f" [pool {args.pool_fraction:g} of need: {mem['preempt_quantize_events']} conversions, "
+                    f"{mem['preempt_events']} pauses, first {mem['first_relief']}; pauses per round {pauses}]"
+                )
             if levels[0] == 1:  # the ratio within each round, against N = 1 of the same round
                 ratios = [t / r1["onnxkv_engine"]["tokens_per_s"] for t, r1 in zip(tps, cases[0]["rounds"])]
                 case["speedup_vs_one_alone"] = ratios
@@ -397,6 +440,7 @@ def main() -> None:
             "prompt": args.prompt,
             "new_tokens": args.new_tokens,
             "rate_per_s": args.rate,
+            "pool_fraction": args.pool_fraction,
             "seed": args.seed,
             "rounds": args.rounds,
             "cases": cases,

@@ -10,7 +10,8 @@ again after room is made, in this order:
 1. the prefix cache's unreferenced pages are evicted, least recently used first;
 2. under a byte budget, the cold pages (all but the last ``keep_native_tokens`` positions) of the
    latest-arriving requests are converted to the next of ``preempt_formats`` (every candidate to int8
-   before any to int4; pages shared with others are left alone): event ``preempt_quantize``;
+   before any to int4; pages shared with other requests are left alone, and the prefix cache first lets
+   go of the pages it holds with that request alone: ``prefix_evict``): event ``preempt_quantize``;
 3. the latest-arriving request holding pages is paused: its row or state goes (unshared pages back to
    the pool), and it waits to run its prompt and the tokens it had made again (``Request.preemptions``;
    event ``preempt``), from what the prefix cache still holds, before it decodes on with the same
@@ -154,10 +155,16 @@ class BatchedSteps:
         started = sum(1 for r in self.active if r._state is not None or r in self._rows)
         return started < self.max_batch_tokens
 
-    def _room_for_prompt(self, r: Request) -> bool:
-        """Batched: whether ``r``'s first prompt chunk may start now: the pool has room for its pages and a
-        page for every decode row besides (free ids and bytes, the prefix cache's unreferenced pages
-        counted free), or holds no request at all.  Starting it on less would pause others (thrashing)."""
+    def _prompt_pages(self, r: Request) -> int:
+        """Batched: pages ``r``'s next prompt chunk writes (0 before the pool exists)."""
+        return -(-r.next_tokens // self._batch.pool.block_size) if self.batched and self._batch is not None else 0
+
+    def _room_for_prompt(self, r: Request, starting: int = 0) -> bool:
+        """Batched: whether ``r``'s first prompt chunk may start now, after prompts of ``starting`` pages
+        admitted before it in this step: the pool has room for all of them and a page for every decode row
+        besides (free ids and bytes, the prefix cache's unreferenced pages counted free), or holds no
+        request and nothing was admitted yet.  Starting it on less would pause others (thrashing), or make
+        a run of several prompts' last chunks that does not fit together."""
         if not self.batched or self._batch is None:
             return True
         pool = self._batch.pool
@@ -166,10 +173,10 @@ class BatchedSteps:
             free.append(pool.max_pages - pool.live_pages)
         if pool.max_bytes is not None:
             free.append((pool.max_bytes - pool.committed_bytes) // pool.page_bytes)
-        if not free or not self._holders():
+        if not free or (not self._holders() and not starting):
             return True
         spare = self._prefix.unreferenced() if self._prefix is not None else 0
-        return min(free) + spare >= -(-r.next_tokens // pool.block_size) + len(self._rows)
+        return min(free) + spare >= starting + self._prompt_pages(r) + len(self._rows)
 
     def _decode_batch(self) -> dict[int, int]:
         """Batched: one run of every decode row; each row's token chosen with its request's sampling.  When
@@ -258,6 +265,8 @@ class BatchedSteps:
         for fmt in self.preempt_formats:
             for r in holders:
                 state, row = (self._batch, self._rows.index(r)) if r in self._rows else (r._state, 0)
+                if self._prefix is not None:  # its prompt pages the cache holds with it alone: its own now
+                    self._log_evictions(self._prefix.release(state.page_tables[row]))
                 freed = state.compress_rows([row], fmt, self.keep_native_tokens)
                 if freed > 0:
                     events = self.session.events

@@ -46,7 +46,7 @@ from onnxkv.engine.batched import BatchedSteps, WaitForRoom
 from onnxkv.engine.occupancy import pool_occupancy
 from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request
-from onnxkv.errors import InputError
+from onnxkv.errors import InputError, OutOfMemory
 from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
 from onnxkv.generate.sampling import sampling_arguments
 from onnxkv.runtime.cache_config import CacheConfig, cache_request
@@ -241,15 +241,17 @@ class Engine(BatchedSteps):
         waiting = [r for r in active if r.prompt_done < r._seq.size]
         starved = [r for r in waiting if r._skipped]
         others = decoding + [r for r in waiting if not r._skipped]
-        budget, chosen, decode_rows = self.max_batch_tokens, [], False
+        budget, chosen, decode_rows, starting = self.max_batch_tokens, [], False, 0
 
         def admit(r: Request) -> None:
-            nonlocal budget
+            nonlocal budget, starting
             need = r.next_tokens
-            r._skipped = need > budget or (r._state is None and not (self._room_for_row() and self._room_for_prompt(r)))
+            new = r._state is None
+            r._skipped = need > budget or (new and not (self._room_for_row() and self._room_for_prompt(r, starting)))
             if not r._skipped:
                 chosen.append(r)
                 budget -= need
+                starting += self._prompt_pages(r) if new else 0
 
         if rows and self._decode_waited and len(rows) <= budget:
             decode_rows, budget = True, budget - len(rows)
@@ -266,14 +268,18 @@ class Engine(BatchedSteps):
             group = [r for r in group if r not in self._paused_now]  # paused by an earlier run of this step
             if not group:
                 continue
-            try:
-                if len(group) > 1:
+            if len(group) > 1:
+                try:
                     produced.update(self._advance_group(group))
                     continue
+                except OutOfMemory:  # the rows do not fit together (nothing changed): the first alone, the rest wait
+                    for r in group[1:]:
+                        r._skipped = True
+                    group = group[:1]
+            try:
                 token = self._advance(group[0])
             except WaitForRoom:  # the pool is held by earlier requests: first in a later step
-                for r in group:
-                    r._skipped = True
+                group[0]._skipped = True
                 continue
             if token is not None:
                 produced[group[0].id] = token

@@ -13,7 +13,9 @@ The cache holds one pool reference per page, and is a holder of the pool's
 audit (``held_ids``).  A cached page no request holds (reference count 1)
 is *unreferenced*: such pages stay, in least-recently-used order, until the
 pool needs room (:meth:`PrefixCache.evict`) or more than ``capacity`` pages
-are cached.
+are cached.  Under a byte budget the engine may also take back the cache's
+reference to pages only one request holds besides it (:meth:`release`), so
+that request's cold pages can be converted to a smaller format.
 """
 
 from __future__ import annotations
@@ -103,6 +105,20 @@ class PrefixCache:
         freed = self.pool.decref(ids)
         self.evictions += len(gone)
         return freed
+
+    def release(self, pages: np.ndarray) -> int:
+        """Drop the cache's reference to each of ``pages`` (page ids) that exactly one request holds
+        besides it (reference count 2), so that request alone holds it and may convert it; returns
+        entries dropped.  The engine's relief of a full byte budget, before it converts a request's
+        pages: a prompt page only its own request holds would otherwise stay native."""
+        refs = self.pool.core.refs()
+        mine = {int(p) for p in np.asarray(pages).ravel() if p >= 0 and refs[p] == 2}
+        gone = [k for k, p in self._pages.items() if p in mine]
+        if not gone:
+            return 0
+        self.pool.decref(np.array([self._pages.pop(k) for k in gone], np.int32))  # frees none: a row holds each
+        self.evictions += len(gone)
+        return len(gone)
 
     def clear(self) -> None:
         """Drop every cached page's reference."""

@@ -72,7 +72,7 @@ def test_a_request_that_cannot_fit_alone_raises_out_of_memory(session):
     engine._batch.pool.audit()
 
 
-def _budget_engine(session, new, **kw):
+def _budget_engine(session, new, prefix_caching=False, **kw):
     pages = [-(-(len(embedded.encode(p)) + new) // 16) for p in PROMPTS]
     probe = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
     probe.add_request(np.array(embedded.encode("ab"), np.int64), 1)
@@ -80,17 +80,20 @@ def _budget_engine(session, new, **kw):
     budget = sum(pages) * probe._batch.pool.page_bytes // 2  # half the bytes the requests need native
     probe.close()
     engine = onnxkv.Engine(
-        session, cache=onnxkv.CacheConfig("paged", block_size=16), max_cache_bytes=budget, prefix_caching=False, **kw
-    )
+        session, cache=onnxkv.CacheConfig("paged", block_size=16), max_cache_bytes=budget,
+        prefix_caching=prefix_caching, **kw,
+    )  # fmt: skip
     reqs = [engine.add_request(np.array(embedded.encode(p), np.int64), new, eos_token_id=[]) for p in PROMPTS]
     return engine, reqs
 
 
-def test_a_byte_budget_quantizes_cold_pages_before_pausing_anyone(session):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_byte_budget_quantizes_cold_pages_before_pausing_anyone(session, prefix_caching):
     """Half the bytes the requests need: cold pages of the latest requests go to int8 (their last 32
-    positions stay native) before any request is paused; every request finishes with the tokens it makes
-    alone (greedy; int8 pages on this model)."""
-    engine, reqs = _budget_engine(session, 80, preempt_formats=("int8",))
+    positions stay native) before any request is paused -- with prefix caching too, whose cache lets go of
+    the prompt pages it holds with one request alone -- and every request finishes with the tokens it
+    makes alone (greedy; int8 pages on this model)."""
+    engine, reqs = _budget_engine(session, 80, prefix_caching, preempt_formats=("int8",))
     session.events.clear()
     engine.run()
     relief = [(e.action, e.extra["request"]) for e in session.events if e.action in ("preempt", "preempt_quantize")]
@@ -117,3 +120,24 @@ def test_the_formats_step_down_in_order(session):
     assert "int4" in steps and steps.index("int4") > steps.index("int8")
     assert all(r.finished == "length" and len(r.tokens) == 80 for r in reqs)
     pool.audit()
+
+
+def test_prompts_arriving_together_that_fit_only_one_by_one_all_finish(session):
+    """Eight prompts arriving at once whose last chunks would run as one grouped run that the byte budget
+    cannot hold (the pool does not exist yet, so admission cannot count it): the group splits, the first
+    runs, the others wait, and every request finishes with its tokens alone."""
+    prompt = np.array(embedded.encode("def area(r):\n    return 3.14159 * r * r  # circle area\n"), np.int64)
+    pages = -(-(prompt.size + 24) // 16)
+    probe = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+    probe.add_request(prompt[:3], 1)
+    probe.run()
+    page_bytes = probe._batch.pool.page_bytes
+    probe.close()
+    engine = onnxkv.Engine(
+        session, cache=onnxkv.CacheConfig("paged", block_size=16), max_cache_bytes=3 * pages * page_bytes
+    )
+    reqs = [engine.add_request(prompt.copy(), 24, eos_token_id=[]) for _ in range(8)]
+    engine.run()
+    alone = _alone(session, reqs[0])
+    assert all(r.finished == "length" and r.tokens == alone for r in reqs)
+    engine._batch.pool.audit()
