@@ -345,6 +345,13 @@ def main() -> None:
     ap.add_argument(
         "--churn", type=int, default=0, help="instead: this many random requests with aborts (resident memory)"
     )
+    ap.add_argument(
+        "--prefill-precision",
+        default=None,
+        choices=["float32", "bf16"],
+        help="the session's prefill_precision (bf16: prompt products on bfloat16 operands where the CPU "
+        "has AVX-512-BF16; decode stays float32)",
+    )
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -357,7 +364,7 @@ def main() -> None:
         peers = not args.no_peer and args.model != "embedded" and args.family == "gqa"
         if args.model != "embedded":
             _genai_threads(folder, args.threads)
-        session = onnxkv.Session(str(folder), threads=args.threads)
+        session = onnxkv.Session(str(folder), threads=args.threads, prefill_precision=args.prefill_precision)
         rng = np.random.default_rng(args.seed)
         if args.churn:
             res = run_churn(session, vocab, args.churn, args.seed)
@@ -441,6 +448,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "rate_per_s": args.rate,
             "pool_fraction": args.pool_fraction,
+            "prefill_precision": args.prefill_precision or "float32",
             "seed": args.seed,
             "rounds": args.rounds,
             "cases": cases,

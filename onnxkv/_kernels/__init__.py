@@ -62,7 +62,7 @@ _MODULES = {
     "softmax": ("softmax",),
     "activation": ("sigmoid", "silu", "silu_mul"),
     "rotary": ("rotary_embedding",),
-    "attention": ("attention", "paged_attention", "decode_token"),
+    "attention": ("attention", "paged_attention", "decode_token", "decode_token_paged"),
     "convert": ("f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16", "read_sum"),
     "matmul": ("matmul_rows",),
     "qmatmul": ("pack_nbits", "matmul_nbits"),

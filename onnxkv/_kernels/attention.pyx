@@ -456,3 +456,4 @@ cdef int _run_units(okv_attn_args *a, int64_t maxlen, okv_settings s, int64_t *s
 
 
 include "attention_paged.pxi"
+include "attention_decode_paged.pxi"

@@ -161,19 +161,30 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, s
         q4, k4 = q_rot, k_rot
     k_cache[0, :, pos : pos + n] = k4[0].transpose(1, 0, 2)
     v_cache[0, :, pos : pos + n] = v.reshape(n, hkv, d).transpose(1, 0, 2)
-    res = np.empty((1, hq, n, d), np.float32)
-    attention(
-        np.ascontiguousarray(q4.transpose(0, 2, 1, 3)),
-        k_cache,
-        v_cache,
-        np.array([pos + n], np.int32),
-        positions.astype(np.int32),
-        scale,
-        softcap,
-        window,
-        res,
-    )
+    res, qh, kl = np.empty((1, hq, n, d), np.float32), np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), [pos + n]
+    attention(qh, k_cache, v_cache, np.array(kl, np.int32), positions.astype(np.int32), scale, softcap, window, res)
     out.reshape(1, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
+    return True
+
+
+def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, tables, bs, kv_heads, pos, scale, softcap,
+                       window, out):  # fmt: skip
+    """Twin of the fused paged kernel: rotary on each row's q and k at ``pos[b]``, the rows written into
+    the pages (``k_pages`` / ``v_pages`` the page arrays, as :func:`paged_attention` takes them), then
+    paged attention of each row over its positions [0, pos[b]]."""
+    b, d = q.shape[0], k.shape[2] // kv_heads
+    hq, p = q.shape[2] // d, np.asarray(pos, np.int64)
+    q4, k4 = q.reshape(b, 1, hq, d).copy(), k.reshape(b, 1, kv_heads, d).copy()
+    if cos is not None:
+        for x in (q4, k4):
+            rotary_embedding(x.copy(), cos, sin, p[:, None], interleaved, x)
+    for r in range(b):
+        page, off = int(tables[r, p[r] // bs]), int(p[r] % bs)
+        k_pages[page][:, off], v_pages[page][:, off] = k4[r, 0], v[r, 0].reshape(kv_heads, d)
+    qh, kl, qp = np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), (p + 1).astype(np.int32), p[:, None].astype(np.int32)
+    paged_attention(
+        qh, k_pages, v_pages, tables, bs, kv_heads, kl, qp, scale, softcap, window, out.reshape(b, hq, 1, d)
+    )
     return True
 
 

@@ -94,6 +94,9 @@ class PagedCache:
         self._kept: list[tuple[int, int, int]] = []
         #: plane name -> the new values [B, H, S, D] the last run wrote (for format selectors); cleared by the state.
         self.last_written: dict[str, np.ndarray] = {}
+        #: Whether a run's writes must be kept in :attr:`last_written` (a format selector reads them); when
+        #: False a kernel may write the pages itself (:meth:`appended`).  Set by the state's store.
+        self.keep_written = True
         self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
 
     @property
@@ -242,6 +245,20 @@ class PagedCache:
         else:  # a static cache: the high-water mark of the positions written
             np.maximum(self._staged_lengths, starts + s, out=self._staged_lengths)
         return cost
+
+    def appended(self, plane: int, starts: np.ndarray, s: int) -> WriteCost:
+        """Stage ``s`` positions per row from ``starts`` (int64 [B]) of plane ``plane`` that a kernel wrote
+        into the pages :meth:`prepare` staged for exactly this write (the fused paged decode); as
+        :meth:`write` stages what it scatters.  Only while :attr:`keep_written` is False."""
+        spec = self.pool.planes[plane]
+        if self.keep_written or self._prepared != (starts.tobytes(), s):
+            raise InputError(f"paged cache '{spec.name}': appended rows without their prepared pages")
+        self._save(plane)
+        if self.static_length is None:
+            self._staged_lengths[:] = starts + s
+        else:
+            np.maximum(self._staged_lengths, starts + s, out=self._staged_lengths)
+        return WriteCost(append_copied_bytes=starts.size * spec.heads * s * spec.head_size * spec.dtype.itemsize)
 
     def _kept_slots(self, starts: np.ndarray, s: int) -> list[tuple[int, int, int]]:
         """(page, first, last offset) of the committed positions a write of ``s`` positions from ``starts``
@@ -398,9 +415,11 @@ class PagedPlane:
         return self.cache.write(self.index, new, starts, length)
 
     def placeholder(self, length: int) -> np.ndarray:
-        """A zero-byte stand-in of the present/past value ``[B, H, length, D]`` (nothing may read it)."""
-        zero = np.zeros((), np.dtype(self.spec.model_dtype))
-        return np.broadcast_to(zero, (self.batch, self.heads, int(length), self.head_size))
+        """A zero-byte stand-in of the present/past value ``[B, H, length, D]`` (nothing may read it): a
+        read-only array of zeros, every stride 0 (made per layer and step, so without broadcast_to's cost)."""
+        dtype = np.dtype(self.spec.model_dtype)
+        shape = (self.batch, self.heads, int(length), self.head_size)
+        return np.ndarray(shape, dtype, buffer=bytes(dtype.itemsize), strides=(0, 0, 0, 0))
 
     def gather(self, length: int | None = None) -> np.ndarray:
         """A contiguous copy of the valid cache in the stored type (the price of a tensor consumer)."""

@@ -121,6 +121,12 @@ class RunContext:
             self.cache_events.append((past, cost))
         return present
 
+    def cache_staged(self, past: str, cost) -> None:
+        """Record the :class:`WriteCost` ``cost`` of rows a kernel wrote into the paged cache bound to
+        ``past`` (staged by the cache's ``appended``), as :meth:`cache_write` records its writes."""
+        if self.recording:
+            self.cache_events.append((past, cost))
+
     def cache_appended(self, past: str, s: int, length: int, grown, starts) -> np.ndarray:
         """Record that a kernel wrote ``s`` new positions of every row of the
         contiguous cache bound to ``past`` in place at ``starts`` (one int or

@@ -37,10 +37,22 @@ def _unfused(*args):
         R.decode_token(*args)
 
 
-@pytest.mark.parametrize("hq, hkv, d", SHAPES)
-@pytest.mark.parametrize("rot", ["none", "full", "partial"])
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("softcap, window", [(0.0, -1), (3.0, -1), (0.0, 5)], ids=["plain", "softcap", "window"])
+def decode_matrix(test):
+    """The parameters of a fused decode kernel's comparison test: shapes, rotary widths (none, every
+    dimension, a quarter), interleaving, and plain / softcap / window attention."""
+    for mark in (
+        pytest.mark.parametrize(
+            "softcap, window", [(0.0, -1), (3.0, -1), (0.0, 5)], ids=["plain", "softcap", "window"]
+        ),
+        pytest.mark.parametrize("interleaved", [False, True]),
+        pytest.mark.parametrize("rot", ["none", "full", "partial"]),
+        pytest.mark.parametrize("hq, hkv, d", SHAPES),
+    ):
+        test = mark(test)
+    return test
+
+
+@decode_matrix
 def test_equals_unfused_calls_and_twin(hq, hkv, d, rot, interleaved, softcap, window, threads, simd):
     rng = np.random.default_rng([hq, hkv, d, len(rot), interleaved, int(softcap), window + 1])
     half = {"none": 0, "full": d // 2, "partial": d // 4}[rot]

@@ -21,11 +21,22 @@ from onnxkv.plan.ops._gqa_record import note_decode
 if TYPE_CHECKING:
     from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
 
-__all__ = ["FUSED_TOKENS", "fused_decode"]
+__all__ = ["FUSED_TOKENS", "constant_rotary", "fused_decode"]
 
 #: New tokens of one sequence the fused call takes at most (a decode step, a speculative verification); a
 #: longer run (a prompt chunk) takes the general path, whose attention splits its queries into tiles.
 FUSED_TOKENS = 16
+
+
+def constant_rotary(op: GroupQueryAttention, inputs: list, end: int) -> tuple | None:
+    """The node's constant (cos, sin) tables for positions below ``end``, (None, None) without rotary, or
+    None when the call's tables are not the node's constants or are too short (the general path then)."""
+    if not op.do_rotary:
+        return None, None
+    tables = op._tables
+    if tables is None or len(inputs) < 9 or inputs[7] is not tables[0] or inputs[8] is not tables[1]:
+        return None
+    return (tables[2], tables[3]) if end <= tables[2].shape[0] else None
 
 
 def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple | None:
@@ -82,18 +93,10 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     # of committed positions is saved there first so that a failed run can restore it.
     if not n < total <= past_len + n or not n <= total_b <= total or total_b - n != ck.length:
         return None
-    cos = sin = None
-    if op.do_rotary:
-        tables = op._tables
-        if (
-            tables is None
-            or len(inputs) < 9
-            or inputs[7] is not tables[0]
-            or inputs[8] is not tables[1]
-            or total_b > tables[2].shape[0]
-        ):
-            return None
-        cos, sin = tables[2], tables[3]
+    rotary = constant_rotary(op, inputs, total_b)
+    if rotary is None:
+        return None
+    cos, sin = rotary
     hq, hkv = op.num_heads, op.kv_num_heads
     if key is None and value is None and query.shape[2] == (hq + 2 * hkv) * past_key.shape[3]:
         # packed QKV (the GenAI builder's fused projection): each token's q, k, v are contiguous slices

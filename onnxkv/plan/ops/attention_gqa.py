@@ -100,6 +100,7 @@ from onnxkv.plan.ops._attention_math import (
 )
 from onnxkv.plan.ops._gqa_decode import fused_decode
 from onnxkv.plan.ops._gqa_inputs import check_int32, check_past, row_lengths, scalar_total, split_qkv
+from onnxkv.plan.ops._gqa_paged_decode import paged_decode
 from onnxkv.plan.ops._gqa_window import keep, stage, window_end
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -196,6 +197,9 @@ class GroupQueryAttention(Op):
             query = inputs[0]
             if isinstance(total, np.ndarray) and total.size == 1 and getattr(query, "ndim", 0) == 3:
                 rec.transient |= int(total.reshape(-1)[0]) == query.shape[1]  # a prompt: the shapes of a verification
+        fast = paged_decode(self, inputs, rt)
+        if fast is not None:
+            return fast
         inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
         cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]

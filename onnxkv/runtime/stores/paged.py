@@ -155,6 +155,7 @@ class PagedStore:
             static_length=static,
             max_tokens=static if ctx.static else ctx.capacity,
         )
+        cache.keep_written = self.selector is not None  # only a selector reads a run's written values
         if ctx.static and table is None:
             try:
                 for plane in cache.planes.values():

@@ -1,0 +1,119 @@
+# onnxkv/_kernels/attention_decode_paged.pxi: decode_token_paged -- rotary, each row's new K/V row written into
+# its page and paged attention of one new token per row of a paged float32 cache, in one call checked at C speed.
+# Included by attention.pyx after attention_paged.pxi (a Cython include: it shares that module's names).
+
+
+def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_tables, block_size, kv_heads, pos,
+                       scale, softcap, window, out):
+    """One new token of each of B rows of a paged float32 cache, fused: rotary on q and k, each row's k and v
+    written into its page at position ``pos[b]`` (every KV head), then causal attention of each row's query
+    over its positions [0, pos[b]] read through the block tables into ``out`` (a batched decode step: rows
+    of their own lengths).
+
+    q            [B, 1, Hq * D] float32 (rows may be strided, as slices of packed QKV rows; each contiguous)
+    k, v         [B, 1, Hkv * D] float32 (likewise)
+    cos, sin     [max_pos, R / 2] float32 tables with 2 <= R <= D and every pos[b] < max_pos (row p rotates
+                 the first R dims of each head at position p, as ``rotary_embedding``), or both None
+    k_pages,     uint64 [P] page addresses (as ``paged_attention``): float32 pages [Hkv, block_size, D], every
+    v_pages      page the call reads or writes native float32
+    block_tables int32 [B, M]; entry [b, pos[b] // block_size] is the page row b writes, which the caller's
+                 run holds alone (copy-on-write done), and no other row's table names it
+    pos          int32 [B]: each row's position (its length before the token), 0 <= pos[b] < M * block_size
+    out          [B, 1, Hq * D] float32, C-contiguous, disjoint from q, k, v and every page
+    kv_heads, block_size: ints >= 1; scale, softcap, window as ``attention``.
+
+    Writes the pages' rows at ``pos`` and ``out`` only; the result is bit for bit that of
+    ``rotary_embedding`` on q and k, ``page_write`` of the rows and ``paged_attention`` with kv_len = pos + 1
+    and q_pos = pos.  Returns the storage figures of ``paged_attention`` when done; None, with nothing
+    written, when an argument does not fit that description -- the caller then takes the unfused calls,
+    whose checks name the bad argument.  (One call per layer per batched decode step.)
+    """
+    cdef const float[:, :, :] qv     # rows may be strided (checked below: each row contiguous)
+    cdef const float[:, :, :] kv
+    cdef const float[:, :, :] vv
+    cdef float[:, :, ::1] ov
+    cdef const float[:, ::1] cv
+    cdef const float[:, ::1] sv
+    cdef const uint64_t[::1] kp
+    cdef const uint64_t[::1] vp
+    cdef const int32_t[:, ::1] tv
+    cdef const int32_t[::1] pv
+    cdef float[:, :, :, ::1] rq
+    cdef int64_t B, Hq, Hkv, D, M, P, bs, half = 0, b, h, p, page, off
+    cdef int rot = cos is not None, inter = 1 if interleaved else 0
+    cdef okv_settings s = okv_settings_get()
+    cdef float *dst
+    if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
+            and isinstance(k_pages, np.ndarray) and isinstance(v_pages, np.ndarray)
+            and isinstance(block_tables, np.ndarray) and isinstance(pos, np.ndarray) and isinstance(out, np.ndarray)
+            and (sin is None) == (not rot) and _positive_int_ok(block_size) and _positive_int_ok(kv_heads)
+            and _scalars_ok(scale, softcap, window) and out.flags.c_contiguous):
+        return None
+    try:
+        qv = q
+        kv = k
+        vv = v
+        ov = out
+        kp = k_pages
+        vp = v_pages
+        tv = block_tables
+        pv = pos
+        if rot:
+            cv = cos
+            sv = sin
+    except (ValueError, TypeError, BufferError):
+        return None
+    B, Hkv, bs, M, P = qv.shape[0], kv_heads, block_size, tv.shape[1], kp.shape[0]
+    if B == 0 or M == 0 or P == 0 or vp.shape[0] != P or tv.shape[0] != B or pv.shape[0] != B:
+        return None
+    if qv.shape[1] != 1 or kv.shape[0] != B or kv.shape[1] != 1 or vv.shape[0] != B or vv.shape[1] != 1 \
+            or kv.shape[2] % Hkv or kv.shape[2] == 0 or vv.shape[2] != kv.shape[2]:
+        return None
+    D = kv.shape[2] // Hkv
+    Hq = qv.shape[2] // D
+    if Hq == 0 or Hq * D != qv.shape[2] or Hq % Hkv or ov.shape[0] != B or ov.shape[1] != 1 \
+            or ov.shape[2] != Hq * D:
+        return None
+    if qv.strides[2] != 4 or kv.strides[2] != 4 or vv.strides[2] != 4:
+        return None
+    if rot:
+        half = cv.shape[1]
+        if half == 0 or 2 * half > D or sv.shape[0] != cv.shape[0] or sv.shape[1] != half:
+            return None
+    cdef size_t onb = <size_t>(B * Hq * D) * sizeof(float)
+    cdef const void *o = &ov[0, 0, 0]
+    if not (_disjoint(o, onb, &qv[0, 0, 0], <size_t>((B - 1) * qv.strides[0] + Hq * D * 4))
+            and _disjoint(o, onb, &kv[0, 0, 0], <size_t>((B - 1) * kv.strides[0] + Hkv * D * 4))
+            and _disjoint(o, onb, &vv[0, 0, 0], <size_t>((B - 1) * vv.strides[0] + Hkv * D * 4))):
+        return None
+    # every position, written page and read table entry checked before anything is written
+    for b in range(B):
+        p = pv[b]
+        if p < 0 or p >= M * bs or (rot and p >= cv.shape[0]) or not _page_ok(tv[b, p // bs], kp, vp):
+            return None
+    kv_len = np.asarray(pos, np.int32) + 1
+    q_pos = np.asarray(pos, np.int32).reshape(B, 1)
+    cdef const int32_t[::1] lv = kv_len
+    cdef const int32_t[:, ::1] qpv = q_pos
+    if not _tables_ok(tv, kp, vp, lv, qpv, window, bs, NULL):
+        return None
+    rotated = np.empty((B, Hq, 1, D), np.float32)
+    rq = rotated
+    with nogil:
+        for b in range(B):
+            p = pv[b]
+            page, off = tv[b, p // bs], p % bs
+            for h in range(Hkv):
+                dst = <float *><size_t>kp[page] + (h * bs + off) * D
+                if rot:
+                    okv_rope_row_f32(&kv[b, 0, h * D], &cv[p, 0], &sv[p, 0], dst, half, D, inter, s.simd)
+                else:
+                    memcpy(dst, &kv[b, 0, h * D], <size_t>D * sizeof(float))
+                memcpy(<float *><size_t>vp[page] + (h * bs + off) * D, &vv[b, 0, h * D], <size_t>D * sizeof(float))
+            for h in range(Hq):
+                if rot:
+                    okv_rope_row_f32(&qv[b, 0, h * D], &cv[p, 0], &sv[p, 0], &rq[b, h, 0, 0], half, D, inter, s.simd)
+                else:
+                    memcpy(&rq[b, h, 0, 0], &qv[b, 0, h * D], <size_t>D * sizeof(float))
+    return _paged_fast(rotated, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale,
+                       softcap, window, out.reshape(B, Hq, 1, D), None, None, None, None, 1, 1, "float32")

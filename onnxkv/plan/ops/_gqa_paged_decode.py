@@ -1,0 +1,115 @@
+"""The fused batched decode call of :class:`~onnxkv.plan.ops.attention_gqa.GroupQueryAttention` on pages.
+
+:func:`paged_decode` serves the node's call for one new token of each row of a state's paged float32
+cache (an engine's batched decode step, or ``generate`` on paged caches) with one kernel call,
+:func:`onnxkv._kernels.decode_token_paged` (rotary, each row's new K/V row written into its page, paged
+attention), after the cache has staged the pages the rows write (:meth:`PagedCache.prepare`: fresh and
+copy-on-write pages, as the general path's first write does).  It declines (None, no cache byte written)
+whatever the general path would treat otherwise or refuse, so that path runs and raises its errors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnxkv._kernels import decode_token_paged as _paged_kernel
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._gqa_decode import constant_rotary
+
+if TYPE_CHECKING:
+    from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
+
+__all__ = ["paged_decode"]
+
+_I32 = np.dtype(np.int32)
+
+
+def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple | None:
+    """The outputs of node ``op`` for one new token per row into a state's paged float32 cache, or None.
+
+    Taken when: one token per row after a past (not a first prompt), float32 Q/K/V (separate, or packed as
+    the GenAI builder's fused projection), int32 ``seqlens_k`` [B] whose row totals minus one are exactly
+    the rows' committed lengths (an append; ``total_sequence_length`` int32, at least every row's total and
+    at most the past plus one), the state's paged float32 caches bound in place with every page native and
+    no format selector reading the run's writes, no position_ids / attention_bias / head_sink /
+    smooth_softmax / window-sized caches, rotary (if any) from the node's constant tables.  The result,
+    the pages written and the event-log figures are the general path's.
+    """
+    if len(inputs) < 7 or any(x is not None for x in inputs[9:]) or op.smooth_softmax or not op.bound:
+        return None
+    if op.window_cache:
+        return None
+    query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
+    caches = rt.caches
+    past_k_name, past_v_name = op._past_names
+    if caches is None or past_k_name not in caches or past_v_name not in caches or past_key is None:
+        return None
+    ck, cv = caches[past_k_name], caches[past_v_name]
+    if not (getattr(ck, "paged", False) and getattr(cv, "paged", False)) or ck.cache is not cv.cache:
+        return None
+    cache = ck.cache
+    if ck.storage != "float32" or cv.storage != "float32" or cache.keep_written or any(cache.payloads.converted):
+        return None
+    if not isinstance(query, np.ndarray) or query.ndim != 3 or query.shape[1] != 1 or query.dtype != np.float32:
+        return None
+    b = query.shape[0]
+    if (
+        not isinstance(seqlens_k, np.ndarray)
+        or seqlens_k.dtype != _I32
+        or seqlens_k.shape != (b,)
+        or not isinstance(total_seqlen, np.ndarray)
+        or total_seqlen.dtype != _I32
+        or total_seqlen.size != 1
+        or not isinstance(past_key, np.ndarray)
+        or past_key.ndim != 4
+    ):
+        return None
+    starts = seqlens_k.astype(np.int64)  # each row's position: its total minus one
+    total, past_len = int(total_seqlen.reshape(-1)[0]), past_key.shape[2]
+    if (
+        b != ck.batch
+        or total <= 1
+        or total > past_len + 1
+        or int(starts.min()) < 0
+        or int(starts.max()) + 1 > total
+        or starts.tobytes() != ck.lengths.tobytes()  # int64 both: an append at each row's length
+    ):
+        return None
+    rotary = constant_rotary(op, inputs, int(starts.max()) + 1)
+    if rotary is None:
+        return None
+    cos, sin = rotary
+    hq, hkv, d = op.num_heads, op.kv_num_heads, ck.head_size
+    if key is None and value is None and query.shape[2] == (hq + 2 * hkv) * d:
+        query, key, value = query[..., : hq * d], query[..., hq * d : (hq + hkv) * d], query[..., (hq + hkv) * d :]
+    if (
+        not isinstance(key, np.ndarray)
+        or not isinstance(value, np.ndarray)
+        or key.dtype != np.float32
+        or value.dtype != np.float32
+        or query.shape[2] != hq * d
+        or key.shape != (b, 1, hkv * d)
+        or value.shape != (b, 1, hkv * d)
+        or ck.heads != hkv
+    ):
+        return None
+    prep = cache.prepare(starts, 1)  # the pages the rows write, held by this run alone (may raise as a write)
+    output = rt.empty(0, (b, 1, hq * d), np.float32)
+    stats = _paged_kernel(
+        query, key, value, cos, sin, op.interleaved, ck.ptrs, cv.ptrs, cache.tables, ck.block_size, hkv,
+        starts.astype(np.int32), float(op._softmax_scale(d)), op.softcap, op.window, output,
+    )  # fmt: skip
+    if stats is None:  # declined: the general path writes the rows (its first write's cost is the pages')
+        return None
+    for name, plane, extra in ((past_k_name, ck, prep), (past_v_name, cv, None)):
+        cost = cache.appended(plane.index, starts, 1)
+        if extra is not None:
+            for field in ("allocations", "allocated_bytes", "cow_copied_bytes"):
+                setattr(cost, field, getattr(cost, field) + getattr(extra, field))
+        rt.cache_staged(name, cost)
+    rt.count(**stats)
+    present_len = max(total, past_len)
+    presents = [c.placeholder(present_len) if want else None for c, want in zip((ck, cv), op.has_present)]
+    return (output, *presents)[: len(op.node.output)]

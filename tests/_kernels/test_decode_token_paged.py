@@ -1,0 +1,151 @@
+"""decode_token_paged: rotary, each row's new K/V row written into its page and paged attention of one
+token per row (rows of their own lengths) in one call.
+
+Bit for bit the unfused compiled calls (rotary_embedding, page_write, paged_attention) and within float32
+tolerance of the NumPy twin, on random data over MHA / GQA / MQA, head sizes, rotary widths, interleaving,
+softcap and window, packed QKV rows, 1 and 2 threads, every SIMD level.  Arguments it does not take are
+declined (None) with no page and no output byte written.
+"""
+
+import numpy as np
+
+import onnxkv._kernels as K
+from onnxkv._kernels import reference as R
+
+from .conftest import rand
+from .test_attention_decode_token import decode_matrix
+from .test_paged_attention import Paged
+
+BS, CAP = 16, 64
+
+
+def _case(rng, hq, hkv, d, pos, rot_half, packed=False, cap=CAP):
+    """Pages holding random caches of len(pos) rows (every block allocated, ids shuffled), the new token's
+    q, k, v per row (slices of packed rows if ``packed``), rotary tables or None."""
+    b = len(pos)
+    kc, vc = rand(rng, (b, hkv, cap, d)), rand(rng, (b, hkv, cap, d))
+    if packed:
+        qkv = rand(rng, (b, 1, (hq + 2 * hkv) * d))
+        q, k, v = qkv[..., : hq * d], qkv[..., hq * d : (hq + hkv) * d], qkv[..., (hq + hkv) * d :]
+    else:
+        q, k, v = rand(rng, (b, 1, hq * d)), rand(rng, (b, 1, hkv * d)), rand(rng, (b, 1, hkv * d))
+    cos = sin = None
+    if rot_half:
+        ang = rng.uniform(-3, 3, (cap, rot_half))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return Paged(rng, kc, vc, BS), q, k, v, cos, sin
+
+
+def _snapshot(pg: Paged) -> list:
+    return [p.copy() for p in pg.k_pages + pg.v_pages]
+
+
+def _restore(pg: Paged, snap: list) -> None:
+    for page, saved in zip(pg.k_pages + pg.v_pages, snap, strict=True):
+        page[...] = saved
+
+
+def _unfused(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, window, out):
+    """The compiled calls the fused kernel stands for: rotary, page_write of the rows, paged_attention."""
+    b, d = q.shape[0], k.shape[2] // hkv
+    hq = q.shape[2] // d
+    q4, k4 = np.ascontiguousarray(q).reshape(b, 1, hq, d), np.ascontiguousarray(k).reshape(b, 1, hkv, d)
+    if cos is not None:
+        qr, kr = np.empty_like(q4), np.empty_like(k4)
+        K.rotary_embedding(q4, cos, sin, pos[:, None].astype(np.int64), interleaved, qr)
+        K.rotary_embedding(k4, cos, sin, pos[:, None].astype(np.int64), interleaved, kr)
+        q4, k4 = qr, kr
+    v4 = np.ascontiguousarray(v).reshape(b, 1, hkv, d)
+    for new, addr in ((k4, pg.k_addr), (v4, pg.v_addr)):
+        K.page_write(np.ascontiguousarray(new.transpose(0, 2, 1, 3)), addr, pg.table, pos.astype(np.int64), BS)
+    K.paged_attention(
+        np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), pg.k_addr, pg.v_addr, pg.table, BS, hkv,
+        (pos + 1).astype(np.int32), pos[:, None].astype(np.int32), scale, softcap, window, out.reshape(b, hq, 1, d),
+    )  # fmt: skip
+
+
+def _check(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, window):
+    """The fused call equals the unfused calls bit for bit (output and every page), the twin within float32
+    tolerance, and writes no page position but the rows' own."""
+    b, hq_d = q.shape[0], q.shape[2]
+    before = _snapshot(pg)
+    got = np.full((b, 1, hq_d), np.nan, np.float32)
+    stats = K.decode_token_paged(q, k, v, cos, sin, interleaved, pg.k_addr, pg.v_addr, pg.table, BS, hkv, pos,
+                                 scale, softcap, window, got)  # fmt: skip
+    assert stats is not None and set(stats) == {"dequantized_bytes", "workspace_peak_bytes"}
+    fused_pages = _snapshot(pg)
+    _restore(pg, before)
+    want = np.full_like(got, np.nan)
+    _unfused(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, window, want)
+    np.testing.assert_array_equal(got, want)
+    for a, w in zip(fused_pages, _snapshot(pg), strict=True):
+        np.testing.assert_array_equal(a, w)
+    written = {(int(pg.table[r, pos[r] // BS]), int(pos[r] % BS)) for r in range(b)}
+    n = len(pg.k_pages)
+    for i, (a, w) in enumerate(zip(fused_pages, before, strict=True)):
+        keep = np.ones(a.shape[1], bool)
+        for page, off in written:
+            keep[off] &= page != i % n
+        np.testing.assert_array_equal(a[:, keep], w[:, keep])
+    _restore(pg, before)
+    twin = np.empty_like(got)
+    R.decode_token_paged(q, k, v, cos, sin, interleaved, pg.k_pages, pg.v_pages, pg.table, BS, hkv, pos, scale,
+                         softcap, window, twin)  # fmt: skip
+    np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-5)
+
+
+@decode_matrix
+def test_equals_unfused_calls_and_twin(hq, hkv, d, rot, interleaved, softcap, window, threads, simd):
+    rng = np.random.default_rng([hq, hkv, d, len(rot), interleaved, int(softcap), window + 1])
+    half = {"none": 0, "full": d // 2, "partial": d // 4}[rot]
+    pos = np.array([0, 17, 37, 15, 63], np.int32)  # first position, mid page, page ends, the last position
+    pg, q, k, v, cos, sin = _case(rng, hq, hkv, d, pos, half, packed=rot == "full")
+    _check(pg, q, k, v, cos, sin, interleaved, hkv, pos, float(d**-0.5), softcap, window)
+
+
+def _declined(pg, args: dict, case: str) -> None:
+    """decode_token_paged(**args) returns None with no page and no output byte written."""
+    before = _snapshot(pg)
+    out = args["out"]
+    out_before = out.copy()
+    assert K.decode_token_paged(**args) is None, case
+    for a, w in zip(_snapshot(pg), before, strict=True):
+        np.testing.assert_array_equal(a, w)
+    np.testing.assert_array_equal(out, out_before)
+
+
+def test_declines_what_it_does_not_take():
+    rng = np.random.default_rng(3)
+    pos = np.array([5, 20], np.int32)
+    pg, q, k, v, cos, sin = _case(rng, 8, 2, 32, pos, 16)
+    base = dict(q=q, k=k, v=v, cos=cos, sin=sin, interleaved=False, k_pages=pg.k_addr, v_pages=pg.v_addr,
+                block_tables=pg.table, block_size=BS, kv_heads=2, pos=pos, scale=0.2, softcap=0.0, window=-1,
+                out=np.full((2, 1, 256), 7.0, np.float32))  # fmt: skip
+    bad_table = pg.table.copy()
+    bad_table[1, 20 // BS] = -1  # the block row 1 writes has no page
+    cases = {
+        "q float64": dict(q=q.astype(np.float64)),
+        "pos negative": dict(pos=np.array([5, -1], np.int32)),
+        "pos past the table": dict(pos=np.array([5, CAP], np.int32)),
+        "pos int64": dict(pos=pos.astype(np.int64)),
+        "pos past the rotary table": dict(cos=cos[:10], sin=sin[:10]),
+        "sin without cos": dict(cos=None),
+        "written block without a page": dict(block_tables=bad_table),
+        "kv_heads not dividing": dict(kv_heads=3),
+        "two tokens per row": dict(q=np.repeat(q, 2, axis=1), k=np.repeat(k, 2, axis=1), v=np.repeat(v, 2, axis=1)),
+        "out strided": dict(out=np.full((2, 1, 512), 7.0, np.float32)[:, :, ::2]),
+        "block_size 0": dict(block_size=0),
+        "window not an int": dict(window=1.5),
+    }
+    for case, change in cases.items():
+        _declined(pg, {**base, **change}, case)
+    alias = base["out"]
+    _declined(pg, {**base, "q": alias, "out": alias}, "out is q")
+
+
+def test_long_rows_split_like_paged_attention(threads):
+    """Rows long enough for the thread split (2 KV heads, hundreds of keys): the unfused result bit for bit."""
+    rng = np.random.default_rng(11)
+    pos = np.array([1199, 640, 3], np.int32)
+    pg, q, k, v, cos, sin = _case(rng, 8, 2, 64, pos, 32, cap=1200)
+    _check(pg, q, k, v, cos, sin, False, 2, pos, 0.125, 0.0, -1)

@@ -1,0 +1,148 @@
+"""The fused batched decode of GroupQueryAttention on paged caches (_gqa_paged_decode.paged_decode): one
+kernel call per layer for one token per row, bit for bit the general path -- logits, every page byte, the
+rows' lengths and the event log's cache counters -- for rows of different lengths, forked rows sharing a
+partly filled page (copy-on-write), and a failed run; and the cases it leaves to the general path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxkv
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.plan.ops import _gqa_paged_decode, attention_gqa
+from onnxkv.zoo import embedded
+
+PAGED = onnxkv.CacheConfig("paged", block_size=16)
+COUNTERS = ("allocations", "allocated_bytes", "append_copied_bytes", "cow_copied_bytes", "prefix_copied_bytes")
+
+
+@pytest.fixture(scope="module")
+def session():
+    return onnxkv.Session(str(embedded.embedded_model_dir()), threads=2, events=True)
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """Counts the calls the fused path served: {"n": calls}."""
+    count = {"n": 0}
+    real = _gqa_paged_decode.paged_decode
+
+    def counted(op, inputs, rt):
+        out = real(op, inputs, rt)
+        count["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(attention_gqa, "paged_decode", counted)
+    return count
+
+
+def _batch(session, prompts, cache=PAGED):
+    """One paged state holding a row per prompt (each run alone, then moved in); a builder for its feeds."""
+    batch = session.new_state(cache=cache).sibling()
+    builder = None
+    for p in prompts:
+        ids = np.array(embedded.encode(p), np.int64)
+        builder = FeedBuilder(session.plan.inputs, session.model, ids[None], np.array([ids.size]), 0, False)
+        st = batch.sibling()
+        st.run(builder.first()[0], [])
+        batch.append_rows(st)
+    return batch, builder
+
+
+def _decode(session, batch, builder, steps: int) -> tuple[list, list]:
+    """``steps`` greedy decode steps of every row; the logits of each and the cache_write counters."""
+    name, logits, counters = session.model.io.logits, [], []
+    tokens = np.full(batch.batch, 10)
+    for _ in range(steps):
+        session.events.clear()
+        out = batch.run(builder.ragged(tokens, batch.lengths), [name])[name][:, -1]
+        logits.append(out.copy())
+        counters.append([tuple(getattr(e, c) for c in COUNTERS) for e in session.events if e.action == "cache_write"])
+        tokens = out.argmax(-1)
+    return logits, counters
+
+
+def _general(monkeypatch):
+    monkeypatch.setattr(attention_gqa, "paged_decode", lambda op, inputs, rt: None)
+
+
+PROMPTS = ["def f(x):\n    return x", "import sys\n", "class Stack:\n    def push(self, item):\n        self"]
+
+
+def test_rows_of_different_lengths_equal_the_general_path(session, taken, monkeypatch):
+    batch, builder = _batch(session, PROMPTS)
+    got, got_counts = _decode(session, batch, builder, 20)  # crosses page ends of every row
+    values, lengths = batch.values, batch.lengths
+    layers = len(session.model.convention.layers)
+    assert taken["n"] == 20 * layers
+    _general(monkeypatch)
+    ref, ref_counts = _decode(session, *_batch(session, PROMPTS), 20)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got_counts == ref_counts
+    ref_batch = _batch(session, PROMPTS)[0]
+    _decode(session, ref_batch, builder, 20)
+    np.testing.assert_array_equal(lengths, ref_batch.lengths)
+    for key, arr in values.items():
+        np.testing.assert_array_equal(arr, ref_batch.values[key])
+    batch.pool.audit()
+
+
+def test_forked_rows_copy_the_shared_page_on_write(session, taken, monkeypatch):
+    """Two rows forked from one (their partly filled last page shared): each writes its own copy."""
+
+    def forked():
+        st, builder = _batch(session, PROMPTS[:1])
+        st.reorder(np.array([0, 0]))
+        return st, builder
+
+    st, builder = forked()
+    got, got_counts = _decode(session, st, builder, 3)
+    assert taken["n"] > 0 and any(c[3] > 0 for step in got_counts for c in step)  # copy-on-write counted
+    _general(monkeypatch)
+    ref_st, _ = forked()
+    ref, ref_counts = _decode(session, ref_st, builder, 3)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got_counts == ref_counts
+    for key, arr in st.values.items():
+        np.testing.assert_array_equal(arr, ref_st.values[key])
+    st.pool.audit()
+
+
+def test_a_failed_run_leaves_the_state_as_it_was(session, monkeypatch):
+    """The fused path wrote three layers' pages, then the run raised: the state and pool are as before."""
+    batch, builder = _batch(session, PROMPTS)
+    before = {k: v.copy() for k, v in batch.values.items()}
+    lengths, live = batch.lengths.copy(), batch.pool.live_pages
+    real = _gqa_paged_decode.paged_decode
+    calls = {"n": 0}
+
+    def failing(op, inputs, rt):
+        out = real(op, inputs, rt)
+        calls["n"] += out is not None
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return out
+
+    monkeypatch.setattr(attention_gqa, "paged_decode", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        batch.run(builder.ragged(np.full(3, 10), batch.lengths), [])
+    np.testing.assert_array_equal(batch.lengths, lengths)
+    assert batch.pool.live_pages == live
+    for k, v in batch.values.items():
+        np.testing.assert_array_equal(v, before[k])
+    batch.pool.audit()
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [onnxkv.CacheConfig("paged", block_size=16, kv_format="int8"), onnxkv.CacheConfig("paged", kv_format="bf16")],
+    ids=["int8-pages", "bf16-storage"],
+)
+def test_quantized_or_narrow_caches_take_the_general_path(session, taken, cache):
+    batch, builder = _batch(session, PROMPTS, cache)
+    _decode(session, batch, builder, 18)
+    assert taken["n"] == 0
+    batch.pool.audit()
