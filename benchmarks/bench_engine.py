@@ -23,7 +23,7 @@ Usage:
   python benchmarks/bench_engine.py [--model small|tiny|embedded] [--family gqa|attention]
       [--concurrency 1,2,4,8,16]
       [--prompt 128] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
-      [--shared-prefix 0] [--no-peer] [--json FILE]
+      [--shared-prefix 0] [--prefix-arrivals after-first|together] [--no-peer] [--json FILE]
       [--pool-fraction 0.5]
   python benchmarks/bench_engine.py --churn 1000 [--model embedded]
 
@@ -331,8 +331,7 @@ def main() -> None:
         "--shared-prefix",
         type=int,
         default=0,
-        help="tokens every prompt starts with (then --prompt tokens of its own); the first request arrives "
-        "alone and the others once its prompt has run (the prefix cached)",
+        help="tokens every prompt starts with (then --prompt tokens of its own); see --prefix-arrivals",
     )
     ap.add_argument(
         "--pool-fraction",
@@ -340,6 +339,13 @@ def main() -> None:
         default=None,
         help="bound the pool's payload bytes to this fraction of the float32 pages the requests need "
         "(e.g. 0.5): cold pages are quantized, then requests paused",
+    )
+    ap.add_argument(
+        "--prefix-arrivals",
+        default="after-first",
+        choices=["after-first", "together"],
+        help="with --shared-prefix: the others arrive once the first has its first token (after-first), or "
+        "all at the times --rate draws (together)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="every concurrency level once per round")
     ap.add_argument(
@@ -386,7 +392,12 @@ def main() -> None:
         for _ in range(args.rounds):  # every level once per round: a slow minute hits all levels alike
             for case, (n, prompts, arrivals) in zip(cases, work):
                 res = run_engine(
-                    session, prompts, arrivals, args.new_tokens, args.shared_prefix > 0, args.pool_fraction
+                    session,
+                    prompts,
+                    arrivals,
+                    args.new_tokens,
+                    args.shared_prefix > 0 and args.prefix_arrivals == "after-first",
+                    args.pool_fraction,
                 )
                 res.pop("tokens")
                 one = {"onnxkv_engine": res}
@@ -448,6 +459,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "rate_per_s": args.rate,
             "pool_fraction": args.pool_fraction,
+            "prefix_arrivals": args.prefix_arrivals if args.shared_prefix else None,
             "prefill_precision": args.prefill_precision or "float32",
             "seed": args.seed,
             "rounds": args.rounds,

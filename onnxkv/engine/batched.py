@@ -58,16 +58,24 @@ class BatchedSteps:
     _paused_now: set[Request]
     keep_native_tokens: int
 
-    def _start_on_prefix(self, r: Request) -> None:
+    def _prompt_keys(self, r: Request) -> list[bytes]:
+        """The prefix-cache keys of ``r``'s full pages before its last id (the tokens it runs before
+        decoding), computed once per sequence."""
+        if r._keys is None or r._keys[0] is not r._seq:
+            r._keys = (r._seq, self._prefix.keys(r._seq[: r._seq.size - 1]))
+        return r._keys[1]
+
+    def _start_on_prefix(self, r: Request, again: bool = False) -> None:
         """Batched with prefix caching: give ``r`` the cached pages of the longest prefix of the tokens it
         must run (its prompt; after a pause, its tokens too), whole pages before the last one, and a state
-        that continues after them."""
+        that continues after them.  ``again``: a request that waited for another's prompt pages looks up
+        once more (logged only when it finds some)."""
         if not (self.batched and self.prefix_caching) or self._prefix is None:
             return
         prefix = self._prefix
-        hits = prefix.lookup(prefix.keys(r._seq[: r._seq.size - 1]))
+        hits = prefix.lookup(self._prompt_keys(r))
         events = self.session.events
-        if events.enabled:
+        if events.enabled and (hits or not again):
             events.record(
                 self.session._step, "", "", "prefix_lookup",
                 extra={"request": r.id, "prefix_hit_tokens": len(hits) * prefix.block_size,
@@ -81,6 +89,28 @@ class BatchedSteps:
         builder = r._feeds(r._seq[None, :done])
         builder.first()  # its bookkeeping of the cached tokens; they are not run
         r._state, r._builder, r.prompt_done, r.prefix_hit_tokens = state, builder, done, done
+
+    def _pending_keys(self) -> set[bytes]:
+        """Keys of the prompt pages that requests running their prompts now will cache (batched, prefix
+        caching): a request not started whose next page is among them waits for them (:meth:`_shares`)."""
+        if self._prefix is None:
+            return set()
+        out: set[bytes] = set()
+        for r in self.active:
+            if r._state is not None and r.prompt_done < r._seq.size:
+                out.update(self._prompt_keys(r)[r.prompt_done // self._prefix.block_size :])
+        return out
+
+    def _shares(self, r: Request, pending: set[bytes]) -> bool:
+        """Whether ``r`` (not started) waits for prompt pages another request is computing now: its first
+        uncached page's key is in ``pending``.  It then takes them from the cache a step or more later
+        instead of computing and holding them again (prompts sharing a prefix that arrive together compute
+        and store it once)."""
+        if self._prefix is None:
+            return False
+        keys = self._prompt_keys(r)
+        n = self._prefix.cached_run(keys)
+        return n < len(keys) and keys[n] in pending
 
     def _groups(self, chosen: list[Request]) -> list[list[Request]]:
         """``chosen`` in runs: batched, the last prompt chunks of requests at one position, of one length and
@@ -311,11 +341,12 @@ class BatchedSteps:
             events.record(self.session._step, "", "", "prefix_evict", extra={"evictions": freed})
         return freed
 
-    def _cache_prompt(self, r: Request, table: np.ndarray) -> None:
+    def _cache_prompt(self, r: Request, table: np.ndarray, done: int | None = None) -> None:
         """Batched with prefix caching: ``r``'s full pages of the tokens it ran before decoding (its prompt,
-        after a pause its tokens too; ``table`` its row's page ids) into the cache."""
+        after a pause its tokens too; ``table`` its row's page ids) into the cache; ``done``: only the pages
+        of its first ``done`` tokens (after a prompt chunk: requests waiting for them take them)."""
         if self._prefix is None:
             return
-        keys = self._prefix.keys(r._seq)
+        keys = self._prefix.keys(r._seq[:done])
         if keys:
             self._prefix.insert(keys, table[: len(keys)])

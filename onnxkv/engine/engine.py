@@ -231,11 +231,17 @@ class Engine(BatchedSteps):
         runs after it were not made in this step (step again to go on, or abort a request)."""
         active = self.active
         self._paused_now = set()
+        if self.batched and self._batch is None and active:  # the pool and prefix cache, before any admission
+            self._new_state(active[0]).close()
+        pending = self._pending_keys()
         for r in active:
+            fresh = r._state is None and r.prompt_done == 0 and r not in self._rows
             if r._lookup:  # paused in an earlier step, and not run again since
                 r._lookup = False
-                if r._state is None and r.prompt_done == 0 and r not in self._rows:
+                if fresh:
                     self._start_on_prefix(r)
+            elif fresh and self._prefix is not None and not self._shares(r, pending):
+                self._start_on_prefix(r, again=True)  # the pages others cached since it arrived (or it waited for)
         rows = list(self._rows)
         decoding = [r for r in active if r.prompt_done >= r._seq.size and r not in rows]
         waiting = [r for r in active if r.prompt_done < r._seq.size]
@@ -247,11 +253,15 @@ class Engine(BatchedSteps):
             nonlocal budget, starting
             need = r.next_tokens
             new = r._state is None
+            if new and self._shares(r, pending):  # another request computes its next prompt page: it waits for it
+                return
             r._skipped = need > budget or (new and not (self._room_for_row() and self._room_for_prompt(r, starting)))
             if not r._skipped:
                 chosen.append(r)
                 budget -= need
                 starting += self._prompt_pages(r) if new else 0
+                if new and self._prefix is not None:  # the pages it will compute: later ones wait for them
+                    pending.update(self._prompt_keys(r))
 
         if rows and self._decode_waited and len(rows) <= budget:
             decode_rows, budget = True, budget - len(rows)
@@ -345,6 +355,8 @@ class Engine(BatchedSteps):
             if not decoding:
                 r.prompt_done += tokens.shape[1]
         if r.prompt_done < length:
+            if self.batched:  # its full pages so far, for requests waiting for them
+                self._cache_prompt(r, r._state.page_tables[0], r.prompt_done)
             return None
         if self.batched:
             self._cache_prompt(r, r._state.page_tables[0])

@@ -2,12 +2,14 @@
 
 A page of ``block_size`` prompt tokens is keyed by a hash of the previous
 page's key, the page's token ids and the cache's page format (``salt``), so
-a key names one whole prefix, never a page out of context.  When a request's
-prompt has run, its full prompt pages enter the cache; a request that
-arrives later looks its own keys up, takes the longest run of hits from its
-first page by reference (its writes past them copy nothing: full pages are
-never written again; a page it did write into would be copied on write),
-and computes only the rest of its prompt.
+a key names one whole prefix, never a page out of context.  After each prompt
+chunk of a request, the full pages it completed enter the cache; a request
+looks its own keys up when it arrives (and, while it has not started, at each
+step), takes the longest run of hits from its first page by reference (its
+writes past them copy nothing: full pages are never written again; a page it
+did write into would be copied on write), and computes only the rest of its
+prompt.  The engine makes a request wait while another computes its next
+page (:meth:`~onnxkv.engine.batched.BatchedSteps._shares`).
 
 The cache holds one pool reference per page, and is a holder of the pool's
 audit (``held_ids``).  A cached page no request holds (reference count 1)
@@ -79,6 +81,13 @@ class PrefixCache:
             self._pages.move_to_end(key)
             hits.append(page)
         return hits
+
+    def cached_run(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` from the first are cached (what :meth:`lookup` would hit; nothing moves)."""
+        n = 0
+        while n < len(keys) and keys[n] in self._pages:
+            n += 1
+        return n
 
     def insert(self, keys: list[bytes], pages: np.ndarray) -> int:
         """Cache ``pages[i]`` under ``keys[i]`` where the key is new (one reference each); returns pages

@@ -128,12 +128,12 @@ def test_last_prompt_chunks_at_one_position_run_as_one_batch(session, monkeypatc
     """Prompts of one length arriving together, and prefix hits of one tail length, each run as one run of
     their rows; the tokens stay those of each request alone."""
     engine = onnxkv.Engine(session, cache=PAGED)
-    fresh = [engine.add_request(_ids("x" * 40 + t), 7) for t in TAIL_SAME]
+    fresh = [engine.add_request(_ids(t + "x" * 40), 7) for t in TAIL_SAME]  # no page in common
     runs = _count_runs(monkeypatch)
     engine.step()
     assert runs["n"] == 1 and all(len(r.tokens) == 1 for r in fresh)
     assert engine.describe()["decode_rows"] == 3
-    hits = [engine.add_request(_ids("x" * 40 + t + "yy"), 7) for t in TAIL_SAME]
+    hits = [engine.add_request(_ids(t + "x" * 40 + "yy"), 7) for t in TAIL_SAME]
     assert all(r.prefix_hit_tokens == 32 for r in hits)
     runs["n"] = 0
     engine.step()  # the decode rows, then the three tails together
@@ -164,3 +164,45 @@ def test_a_failed_batched_prompt_run_leaves_its_requests_as_before(session, monk
     for r in group:
         assert r.tokens == _alone(session, r)
     engine._batch.pool.audit()
+
+
+LONG = "Return the sum of the squares of the items, skipping None. " * 5  # 300 tokens: several chunks of 128
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(session):
+    """Prompts sharing a long prefix, all added before the first step: the first computes it chunk by chunk
+    (its full pages cached after each chunk), the others wait for those pages and compute only their tails;
+    the pool never holds the prefix twice; tokens as each alone."""
+    engine = onnxkv.Engine(session, cache=PAGED, max_batch_tokens=128)
+    reqs = [engine.add_request(_ids(LONG + t), 6, eos_token_id=[]) for t in TAILS]
+    shared = len(_ids(LONG)) // 16
+    session.events.clear()
+    peak = 0
+    while engine.active:
+        engine.step()
+        peak = max(peak, engine._batch.pool.live_pages)
+    assert [r.prefix_hit_tokens for r in reqs] == [0] + [shared * 16] * (len(TAILS) - 1)
+    fed = sum(e.extra["tokens_fed"] for e in session.events if e.action == "engine_step")
+    decode = sum(len(r.tokens) - 1 for r in reqs)
+    assert fed == reqs[0].prompt.size + sum(r.prompt.size - shared * 16 for r in reqs[1:]) + decode
+    own = sum(-(-(r.prompt.size + 6) // 16) - shared for r in reqs)
+    assert peak <= shared + own
+    for r in reqs:
+        assert r.tokens == _alone(session, r)
+    engine._batch.pool.audit()
+    engine.close()
+
+
+def test_requests_waiting_for_an_aborted_prompt_compute_it_themselves(session):
+    engine = onnxkv.Engine(session, cache=PAGED, max_batch_tokens=128)
+    reqs = [engine.add_request(_ids(LONG + t), 5, eos_token_id=[]) for t in TAILS[:3]]
+    engine.step()  # the first runs its first chunk; the others wait for its pages
+    assert reqs[0].prompt_done == 128 and all(r.prompt_done == 0 for r in reqs[1:])
+    engine.abort(reqs[0])
+    engine.run()
+    assert reqs[0].finished == "aborted"
+    assert reqs[1].prefix_hit_tokens == 128  # the pages the aborted request cached stay usable
+    for r in reqs[1:]:
+        assert r.finished == "length" and r.tokens == _alone(session, r)
+    engine._batch.pool.audit()
+    engine.close()
