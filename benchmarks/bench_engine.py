@@ -62,6 +62,14 @@ def _folder(tmp: Path, size: str, family: str = "gqa") -> tuple[Path, int]:
     return folder, cfg.vocab_size
 
 
+def _decode_phase(stamps: dict) -> float | None:
+    """Tokens after each request's first per second, from the last first token to the last token."""
+    firsts = [v[0] for v in stamps.values() if v]
+    later = sum(max(0, len(v) - 1) for v in stamps.values())
+    end = max((v[-1] for v in stamps.values() if v), default=None)
+    return later / (end - max(firsts)) if firsts and end is not None and end > max(firsts) else None
+
+
 def _percentiles(xs) -> dict:
     if not xs:
         return {}
@@ -153,6 +161,9 @@ def run_engine(
         "prefix_hit_tokens": [requests[i].prefix_hit_tokens for i in order],
         "prefix": engine.describe()["prefix_cached_pages"],
         "tokens_per_s": total / wall,
+        # tokens after each request's first, per second from the last first token to the end (the decode
+        # phase when every request arrives at once; prompts excluded)
+        "decode_phase_tokens_per_s": _decode_phase(stamps),
         "ttft_s": _percentiles(ttft),
         "inter_token_s": _percentiles(itl),
         "steps": engine.steps,
@@ -437,6 +448,13 @@ def main() -> None:
                 ratios = [t / r1["onnxkv_engine"]["tokens_per_s"] for t, r1 in zip(tps, cases[0]["rounds"])]
                 case["speedup_vs_one_alone"] = ratios
                 line += f" ({median(ratios):.2f}x one alone; rounds {', '.join(f'{x:.2f}' for x in ratios)})"
+                phase = [
+                    (r["onnxkv_engine"]["decode_phase_tokens_per_s"], r1["onnxkv_engine"]["decode_phase_tokens_per_s"])
+                    for r, r1 in zip(rounds, cases[0]["rounds"])
+                ]
+                if all(a and b for a, b in phase):
+                    case["decode_phase_speedup_vs_one_alone"] = [a / b for a, b in phase]
+                    line += f" (decode phase {median([a / b for a, b in phase]):.2f}x)"
             if "shared_prefix" in rounds[0]:
                 worst = [r["shared_prefix"]["ttft_others_over_first_max"] for r in rounds]
                 sp = rounds[0]["shared_prefix"]
