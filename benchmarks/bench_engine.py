@@ -249,8 +249,9 @@ def probe_engine(session, prompts: list[np.ndarray], new_tokens: int, pool_fract
 
 def run_churn(session, vocab: int, count: int, seed: int) -> dict:
     """``count`` requests (random prompt and output lengths, 30% sampled, half sharing a 64-token prefix)
-    arriving about one per step, 10% aborted at a random step, on a pool of 256 pages: the process's
-    resident memory after every 100 requests, and the pool audit at the end."""
+    arriving about one per step, 10% aborted at a random step, on a pool of 256 pages, finished ones let go
+    after each step (Engine.pop_finished): the process's resident memory after every 100 requests, and the
+    pool audit at the end."""
     import psutil
 
     import onnxkv
@@ -259,7 +260,7 @@ def run_churn(session, vocab: int, count: int, seed: int) -> dict:
     proc = psutil.Process()
     engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16), max_pages=256)
     shared = rng.integers(3, vocab, 64)
-    added, rss, aborted = 0, [], 0
+    added, rss, aborted, preempted = 0, [], 0, 0
     t0 = time.perf_counter()
     while added < count or engine.active:
         for _ in range(int(rng.poisson(1.0)) if added < count else 0):
@@ -275,6 +276,8 @@ def run_churn(session, vocab: int, count: int, seed: int) -> dict:
             engine.abort(live[int(rng.integers(len(live)))])
             aborted += 1
         engine.step()
+        for r in engine.pop_finished():  # a server lets finished requests go
+            preempted += r.preemptions
     pool = engine._batch.pool
     pool.audit()
     engine.close()
@@ -287,7 +290,7 @@ def run_churn(session, vocab: int, count: int, seed: int) -> dict:
         "rss_growth_after_warmup_bytes": (max(after) - after[0]) if after else None,
         "pool_audit": "whole",
         "pool_live_pages_after_close": pool.live_pages,
-        "preemptions": sum(r.preemptions for r in engine.requests),
+        "preemptions": preempted + sum(r.preemptions for r in engine.pop_finished()),
     }
 
 

@@ -160,7 +160,7 @@ class BatchedSteps:
         for i, r in enumerate(group):
             self._cache_prompt(r, tables[i])
             r.prompt_done = r._cached = r._seq.size
-            r._builder, r._state, r._out = builder, None, None
+            r._builder, r._state, r._out, r._keys = builder, None, None, None
             if r._resuming:  # a paused request: its next token is the one it had made
                 r._resuming = False
                 keep.append(i)
@@ -243,7 +243,7 @@ class BatchedSteps:
         self._batch.keep_rows(keep)
         self._rows = [self._rows[i] for i in keep]
         for r in gone:
-            r._builder = r._out = None
+            r._builder = r._out = r._keys = None
 
     def _run(self, state: State, feeds: dict, outputs: list[str], owners: list[Request]) -> dict:
         """``state.run`` for the prompt runs of ``owners``; while the pool is out of pages, room is made

@@ -125,7 +125,8 @@ class Engine(BatchedSteps):
         self._max_cache_bytes = int_arg(api, "max_cache_bytes", max_cache_bytes, 1) if max_cache_bytes else None
         self.preempt_formats = tuple(page_format(f).name for f in preempt_formats)
         self.keep_native_tokens = int_arg(api, "keep_native_tokens", keep_native_tokens, 0)
-        self._requests: list[Request] = []
+        self._requests: list[Request] = []  # added and not let go (pop_finished)
+        self._added = 0  # requests ever added: the next request's id
         self.steps = 0
         self.batched = self.kind == "paged" and session.model.convention.kind in ("group_query_attention", "attention")
         self._batch: State | None = None  # batched: the state of every decoding request's rows
@@ -135,8 +136,17 @@ class Engine(BatchedSteps):
 
     @property
     def requests(self) -> list[Request]:
-        """Every request added, in arrival order (finished ones included)."""
+        """Every request added, in arrival order (finished ones included, until :meth:`pop_finished`)."""
         return list(self._requests)
+
+    def pop_finished(self) -> list[Request]:
+        """The finished requests the engine still lists, in arrival order; the engine lets them go (the
+        caller's references stay valid).  A long-running loop of :meth:`step` calls it, so that the
+        records of finished requests (prompt, tokens) do not accumulate."""
+        done = [r for r in self._requests if r.finished is not None]
+        if done:
+            self._requests = [r for r in self._requests if r.finished is None]
+        return done
 
     @property
     def active(self) -> list[Request]:
@@ -144,7 +154,7 @@ class Engine(BatchedSteps):
         return [r for r in self._requests if r.finished is None]
 
     def describe(self) -> dict:
-        """How the engine runs: batching, cache kind, budget, and the requests it holds (each request's
+        """How the engine runs: batching, cache kind, budget, requests added and active (each request's
         prompt chunk is ``Request.chunk``)."""
         if self.batched:
             batching = (
@@ -167,7 +177,7 @@ class Engine(BatchedSteps):
             "decode_rows": len(self._rows),
             "cache": self.kind,
             "max_batch_tokens": self.max_batch_tokens,
-            "requests": len(self._requests),
+            "requests": self._added,
             "active": len(self.active),
             "steps": self.steps,
         }
@@ -211,7 +221,8 @@ class Engine(BatchedSteps):
         chunk = prompt_chunk(sess.plan.kernels, state_kw.get("block_size") if self.kind == "paged" else None)
         chunk = min(chunk, self.max_batch_tokens)
         pad = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
-        request = Request(self, len(self._requests), ids[0], max_new_tokens, sampling, eos, chunk, state_kw, pad)
+        request = Request(self, self._added, ids[0], max_new_tokens, sampling, eos, chunk, state_kw, pad)
+        self._added += 1
         if request.finished is None:
             self._start_on_prefix(request)
         self._requests.append(request)
@@ -377,7 +388,7 @@ class Engine(BatchedSteps):
         """Batched: ``r``'s row (its tokens run) moves into the batched state."""
         r._cached = r._seq.size
         self._batch.append_rows(r._state)
-        r._state, r._out = None, None
+        r._state, r._out, r._keys = None, None, None  # its keys served its prompt
         self._rows.append(r)
 
     def close(self) -> None:

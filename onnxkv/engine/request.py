@@ -129,4 +129,4 @@ class Request:
         self.finished = reason
         if self._state is not None:
             self._state.close()
-        self._state = self._builder = self._out = None
+        self._state = self._builder = self._out = self._keys = None

@@ -41,12 +41,15 @@ def test_random_requests_and_aborts_leave_the_pool_whole():
             engine.abort(victim)
             aborted.add(victim.id)
         engine.step()
+        popped = engine.pop_finished()  # let go as a server would: the engine lists active requests only
+        assert all(r.finished is not None for r in popped) and all(r.finished is None for r in engine.requests)
         seen.update(e.action for e in session.events if e.action.startswith("preempt"))
         hits += sum(1 for e in session.events if e.action == "prefix_lookup" and e.extra["prefix_hit_tokens"])
         session.events.clear()
     engine.run()
     assert seen == {"preempt", "preempt_quantize"} and hits > 20  # every relief ran, prefixes were shared
-    assert len(requests) > 200
+    assert len(requests) > 200 and engine.describe()["requests"] == len(requests)
+    assert [r.id for r in requests] == list(range(len(requests)))
     for r in requests:
         if r.id in aborted:
             assert r.finished == "aborted"

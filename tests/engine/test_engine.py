@@ -213,6 +213,19 @@ def test_bad_requests_are_refused_and_nothing_is_queued(session, kwargs, message
     assert engine.requests == []
 
 
+def test_pop_finished_lets_finished_requests_go(session):
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+    short, long = engine.add_request(_ids("ab"), 1), engine.add_request(_ids("cd"), 6)
+    assert engine.pop_finished() == []
+    engine.step()
+    assert short.finished == "length" and long.finished is None
+    assert engine.pop_finished() == [short] and engine.requests == [long]
+    later = engine.add_request(_ids("ef"), 2)
+    assert later.id == 2 and engine.describe()["requests"] == 3
+    assert engine.run() == [long, later] and engine.pop_finished() == [long, later] and engine.requests == []
+    assert long.tokens == _alone(session, long, onnxkv.CacheConfig("paged", block_size=16))
+
+
 def test_bad_engines_are_refused(session):
     with pytest.raises(InputError, match="Engine: session must be an onnxkv.Session"):
         onnxkv.Engine(MODEL)
