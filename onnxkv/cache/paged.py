@@ -240,11 +240,16 @@ class PagedCache:
             self.pool.block_size,
         )
         cost.append_copied_bytes += b * h * s * d * spec.dtype.itemsize
+        self._stage_lengths(starts, s)
+        return cost
+
+    def _stage_lengths(self, starts: np.ndarray, s: int) -> None:
+        """Each row's staged length after writing ``s`` positions from ``starts`` (a static cache: the
+        high-water mark of the positions written)."""
         if self.static_length is None:
             self._staged_lengths[:] = starts + s
-        else:  # a static cache: the high-water mark of the positions written
+        else:
             np.maximum(self._staged_lengths, starts + s, out=self._staged_lengths)
-        return cost
 
     def appended(self, plane: int, starts: np.ndarray, s: int) -> WriteCost:
         """Stage ``s`` positions per row from ``starts`` (int64 [B]) of plane ``plane`` that a kernel wrote
@@ -254,10 +259,7 @@ class PagedCache:
         if self.keep_written or self._prepared != (starts.tobytes(), s):
             raise InputError(f"paged cache '{spec.name}': appended rows without their prepared pages")
         self._save(plane)
-        if self.static_length is None:
-            self._staged_lengths[:] = starts + s
-        else:
-            np.maximum(self._staged_lengths, starts + s, out=self._staged_lengths)
+        self._stage_lengths(starts, s)
         return WriteCost(append_copied_bytes=starts.size * spec.heads * s * spec.head_size * spec.dtype.itemsize)
 
     def _kept_slots(self, starts: np.ndarray, s: int) -> list[tuple[int, int, int]]:

@@ -347,6 +347,6 @@ class BatchedSteps:
         of its first ``done`` tokens (after a prompt chunk: requests waiting for them take them)."""
         if self._prefix is None:
             return
-        keys = self._prefix.keys(r._seq[:done])
+        keys = self._prefix.keys(r._seq) if done is None else self._prompt_keys(r)[: done // self._prefix.block_size]
         if keys:
             self._prefix.insert(keys, table[: len(keys)])
