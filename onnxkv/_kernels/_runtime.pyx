@@ -156,9 +156,10 @@ def _why_not(level: str) -> str:
     if not okv_simd_compiled():
         return ("this build has the scalar path only (built with -Dsimd=disabled, or by a compiler or for a "
                 "target without the x86 SIMD paths)")
-    if _LEVELS.index(level) > _max:
-        return f"ONNXKV_MAX_SIMD={_LEVELS[_max]!r} caps the levels of this process"
-    return "this CPU and OS cannot run it"
+    cpu = {"avx2": okv_cpu_simd_ok(), "avx512": okv_cpu_simd_ok() and okv_cpu_avx512_ok()}.get(level, 1)
+    if not cpu:  # the CPU first: lifting the cap would not make it runnable
+        return "this CPU and OS cannot run it"
+    return f"ONNXKV_MAX_SIMD={_LEVELS[_max]!r} caps the levels of this process"
 
 
 cdef int _set_level(okv_settings *s, simd) except -1:

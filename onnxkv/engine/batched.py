@@ -131,12 +131,13 @@ class BatchedSteps:
         model = self.session.model
         name, done = model.io.logits, group[0].prompt_done
         tokens = np.stack([r._seq[done:] for r in group])
+        at = np.full(len(group), tokens.shape[1] - 1)  # each row's logits at its last token only
         if done == 0:
             builder = group[0]._feeds(tokens)
             feeds, _ = builder.first()
             state = self._new_state(group[0])
             try:
-                out = self._run(state, feeds, [name], group)
+                out = self._run(state, feeds, [name], group, at)
             except BaseException:
                 state.close()
                 raise
@@ -146,7 +147,7 @@ class BatchedSteps:
             for r in group:
                 state.append_rows(r._state)
             try:
-                out = self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name], group)
+                out = self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name], group, at)
             except BaseException:
                 for i, (r, own) in enumerate(zip(group, state.fork(len(group)), strict=True)):
                     own.keep_rows([i])
@@ -245,14 +246,14 @@ class BatchedSteps:
         for r in gone:
             r._builder = r._out = r._keys = None
 
-    def _run(self, state: State, feeds: dict, outputs: list[str], owners: list[Request]) -> dict:
-        """``state.run`` for the prompt runs of ``owners``; while the pool is out of pages, room is made
+    def _run(self, state: State, feeds: dict, outputs: list[str], owners: list[Request], logits_at=None) -> dict:
+        """``state.run`` for the prompt runs of ``owners`` (``logits_at``: see :meth:`State.run`); while the pool is out of pages, room is made
         from requests that arrived after them (:meth:`_make_room`) and the run is made again (a failed run
         changes nothing).  When only earlier requests hold pages, WaitForRoom: the owners wait for them to
         finish.  OutOfMemory when nobody else holds a page: the run does not fit even alone."""
         while True:
             try:
-                return state.run(feeds, outputs)
+                return state.run(feeds, outputs, logits_at=logits_at)
             except OutOfMemory:
                 if self._make_room(owners, newer_than=max(r.id for r in owners)):
                     continue

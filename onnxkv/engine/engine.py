@@ -346,8 +346,9 @@ class Engine(BatchedSteps):
             builder = r._feeds(seq[None, :first])
             state = self._new_state(r)
             feeds, read = builder.first()
+            whole = first >= length  # its last chunk: the logits at its last token only
             try:
-                r._out = self._run(state, feeds, [name] if first >= length else [], [r])
+                r._out = self._run(state, feeds, [name] if whole else [], [r], read if whole else None)
             except BaseException:
                 state.close()
                 raise
@@ -358,11 +359,11 @@ class Engine(BatchedSteps):
             tokens = np.array([r.tokens[-1]]) if decoding else seq[None, r.prompt_done : r.prompt_done + r.chunk]
             last = decoding or r.prompt_done + tokens.shape[-1] >= length
             try:
-                r._out = self._run(r._state, r._builder.next(tokens, r._out), [name] if last else [], [r])
+                read_at = None if decoding else np.array([tokens.shape[1] - 1])
+                r._out = self._run(r._state, r._builder.next(tokens, r._out), [name] if last else [], [r], read_at)
             except BaseException:
                 r._builder.rewind(fed)
                 raise
-            read_at = None if decoding else np.array([tokens.shape[1] - 1])
             if not decoding:
                 r.prompt_done += tokens.shape[1]
         if r.prompt_done < length:

@@ -271,8 +271,8 @@ class _PagedBeams:
         self.state = State(session, **state_keywords)
         self.fetch = [session.model.io.logits]
 
-    def run(self, feeds: dict) -> dict:
-        return self.state.run(feeds, self.fetch)
+    def run(self, feeds: dict, logits_at=None) -> dict:
+        return self.state.run(feeds, self.fetch, logits_at=logits_at)
 
     def reorder(self, out: dict, indices: np.ndarray) -> tuple[dict, int | None]:
         self.state.reorder(indices)
@@ -293,8 +293,8 @@ class _TensorBeams:
         self.presents = list(session.model.convention.present_outputs)
         self.fetch = [session.model.io.logits, *self.presents]
 
-    def run(self, feeds: dict) -> dict:
-        return self.session.run(feeds, self.fetch)
+    def run(self, feeds: dict, logits_at=None) -> dict:
+        return self.session.run(feeds, self.fetch, logits_at=logits_at)
 
     def reorder(self, out: dict, indices: np.ndarray) -> tuple[dict, int]:
         moved = {name: np.take(out[name], indices, axis=0) for name in self.presents}
@@ -449,9 +449,9 @@ def beam_search(
     try:
         feeds, read = builder.first()
         t0 = time.perf_counter()
-        out = beams.run(feeds)
+        out = beams.run(feeds, logits_at=read)  # each row's logits at its last token only: [B, 1, V]
         logits = out[logits_name]
-        logits = logits[np.arange(B), read] if logits.ndim == 3 else logits
+        logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0] if logits.ndim == 3 else logits
         expand = np.repeat(np.arange(B), k)
         n0 = len(log) if log is not None else 0
         out, prompt_copied = beams.reorder(out, expand)

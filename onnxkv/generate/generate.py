@@ -212,18 +212,20 @@ def generate(
         feeds, read = builder.first()
         t0 = time.perf_counter()
         with sess.precision(prefill_precision):
-            # A chunk before the last asks for no output: only its cache writes run (not the LM head).
-            out = run(feeds, [] if chunked else fetch)
+            # A chunk before the last asks for no output: only its cache writes run (not the LM head);
+            # the last asks for the logits at each row's last token only (logits_at: [B, 1, V]).
+            out = run(feeds, [], logits_at=None) if chunked else run(feeds, fetch, logits_at=read)
             for c0 in range(first_len, L if chunked else 0, first_len):
                 chunk = ids[:, c0 : c0 + first_len]
-                out = run(builder.next(chunk, out), fetch if c0 + first_len >= L else [])
+                last = c0 + first_len >= L
                 read = np.array([chunk.shape[1] - 1])
+                out = run(builder.next(chunk, out), fetch if last else [], logits_at=read if last else None)
         prefill = time.perf_counter() - t0
         # The steps of one sequence on a contiguous state may run as one call (State.decode_steps).
         names = builder.decode_names
         loop = state is not None and B == 1 and names is not None
         logits = out[model.io.logits]
-        if logits.ndim == 3:
+        if logits.ndim == 3:  # [B, 1, V] (logits_at), or the graph's own shape
             logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]
         tok = select_next(logits, sampling)
         step = 0

@@ -181,9 +181,10 @@ class _Stepper:
         return self.builder.total
 
     def prefill(self) -> dict:
-        feeds, _ = self.builder.first()
+        """Run the prompt; its logits at the last token only ([1, 1, V], ``logits_at``)."""
+        feeds, read = self.builder.first()
         self.runs += 1
-        return self.state.run(feeds, self.fetch)
+        return self.state.run(feeds, self.fetch, logits_at=read)
 
     def feed(self, tokens: np.ndarray) -> dict:
         """Run ``tokens`` (int64 [S]) after the cached positions."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from onnxkv.alloc import checked
 
-__all__ = ["RunBuffers"]
+__all__ = ["RunBuffers", "slot_allocator"]
 
 _WHO = "Plan temporaries"
 
@@ -48,7 +48,7 @@ class RunBuffers:
         self.pooled = 0
         self.pool_limit = pool_limit
         self.used: set[int] = set()  # id() of the entries taken since the last recycle
-        #: The run's allocation function (see Plan._allocator_for), made once per RunBuffers.
+        #: The run's allocation function (see slot_allocator), made once per RunBuffers.
         self.plan_alloc = None
 
     def take(self, slot: int, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
@@ -122,3 +122,27 @@ class RunBuffers:
         self.free_lists.clear()
         self.pooled = 0
         checked.release(self.allocator, gone, _WHO)
+
+
+def slot_allocator(bufs: RunBuffers, persistent: list[bool], out_idx: list[tuple]):
+    """The ``rt.empty`` of a plan's runs using ``bufs``: output ``index`` of the running node as a new
+    array when its slot is persistent (it may reach the caller) or the node has no such output, else
+    a buffer of ``bufs`` owned by the slot; counted in the run's counters when it records."""
+    take = bufs.take
+
+    def alloc(rt, index: int, shape, dtype: np.dtype) -> np.ndarray:
+        s = out_idx[rt._node][index]
+        if s < 0 or persistent[s]:
+            arr, reused = np.empty(shape, dtype), False
+        else:
+            arr, reused = take(s, shape, dtype)
+        if rt.recording:
+            c = rt.counters
+            if reused:
+                c["reuse_count"] = c.get("reuse_count", 0) + 1
+            else:
+                c["allocations"] = c.get("allocations", 0) + 1
+                c["allocated_bytes"] = c.get("allocated_bytes", 0) + arr.nbytes
+        return arr
+
+    return alloc

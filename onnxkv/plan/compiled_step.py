@@ -59,7 +59,7 @@ import numpy as np
 from onnxkv._kernels._record import Recorder
 from onnxkv._kernels.step import Program
 from onnxkv.errors import Cancelled
-from onnxkv.plan.buffers import RunBuffers
+from onnxkv.plan.buffers import RunBuffers, slot_allocator
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.run_loops import run_nodes
 
@@ -362,7 +362,7 @@ class StepPool:
             run_nodes(plan, 0, len(plan._steps), slots, bufs, rt, cancel)
             return None
         own = RunBuffers(plan.allocator)
-        own.plan_alloc = plan._allocator_for(own)
+        own.plan_alloc = slot_allocator(own, plan.persistent, plan.out_idx)
         try:
             return record(plan, slots, rt, bufs, own, cancel)
         except BaseException:

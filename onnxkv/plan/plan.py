@@ -42,7 +42,7 @@ from onnxkv.events import EventLog
 from onnxkv.model.contract import get_output_alias
 from onnxkv.model.tensors import check_attributes, tensor_array
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
-from onnxkv.plan.buffers import RunBuffers
+from onnxkv.plan.buffers import RunBuffers, slot_allocator
 from onnxkv.plan.compiled_step import StepPool
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
@@ -54,6 +54,7 @@ from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmul
 from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
 from onnxkv.plan.lifetimes import plan_lifetimes
+from onnxkv.plan.logit_rows import LogitHead, find_head, rows_of_output
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
 from onnxkv.plan.run_loops import needed_nodes, run_plain, run_recording
 from onnxkv.plan.shape_fold import ShapeFolder
@@ -151,6 +152,7 @@ class Plan:
         self.present_output_names = frozenset(present_outputs)
         #: Requested output slots -> the nodes a run needs for them (None: every node); see :meth:`needed`.
         self._needed: dict[tuple, list[bool] | None] = {}
+        self._heads: dict[str, LogitHead | None] = {}  # see logit_head
         self.opsets = _opsets(model)
         bad = unsupported_nodes(model)
         if bad:
@@ -303,7 +305,7 @@ class Plan:
             (k.run, tuple(none_slot if s < 0 else s for s in i), tuple(sink_slot if s < 0 else s for s in o))
             for k, i, o in zip(kernels, in_idx, out_idx)
         ]
-        # Only non-persistent node outputs ever hold a run buffer (see _allocator_for).
+        # Only non-persistent node outputs ever hold a run buffer (see buffers.slot_allocator).
         owners = {x for o in out_idx for x in o if x >= 0 and not self.persistent[x]}
         #: Per node, what the run loop does after it: (MUST_ALIAS pairs to check, slots to clear, slots whose
         #: storage class ends there and may hold a run buffer).
@@ -473,6 +475,7 @@ class Plan:
         caches: dict | None = None,
         cache_allocator=None,
         cancel=None,
+        logits_at: tuple[str, np.ndarray, int] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run every node once and return the requested graph outputs (all by default).
 
@@ -481,7 +484,10 @@ class Plan:
         lengths are committed or discarded by the caller (the state).
         ``cancel`` (an object with a ``cancelled`` flag) is checked between nodes.  A run asked for some
         outputs skips the nodes none of them, no cache output and no in-place write needs (:meth:`needed`;
-        such a run takes the node loop, not a compiled step).
+        such a run takes the node loop, not a compiled step).  ``logits_at`` (an output's name, [B] positions
+        in [0, S) and S, the tokens fed; checked by the caller): that output, when it is [B, S, V], is
+        [B, 1, V], its rows at those positions, computed for them alone where the graph allows
+        (:mod:`.logit_rows`).
         """
         needed = None
         if output_names is None:
@@ -500,14 +506,16 @@ class Plan:
         bufs = self._take_buffers()
         recording = events is not None and events.enabled
         rt = RunContext(bufs.plan_alloc, recording, step, caches, cache_allocator, cancel)
-        compiled = None
+        compiled, taken = None, False
+        head = None if logits_at is None else self.logit_head(logits_at[0])
+        rows = None if head is None else (head, logits_at[1])
         try:
             if recording:
-                run_recording(self, slots, bufs, rt, events, step, cache_allocator, cancel, needed)
-            elif self.steps is not None and needed is None:
+                taken = run_recording(self, slots, bufs, rt, events, step, cache_allocator, cancel, needed, rows)
+            elif self.steps is not None and needed is None and logits_at is None:
                 compiled = self.steps.run(self, slots, bufs, rt, cancel)
             else:
-                run_plain(self, slots, bufs, rt, cancel, needed)
+                taken = run_plain(self, slots, bufs, rt, cancel, needed, rows)
         except BaseException:
             try:
                 rt.finish(False)
@@ -522,6 +530,8 @@ class Plan:
                 self.steps.done(compiled)
             raise
         outputs = {name: slots[s] for name, s in zip(output_names, out_slots)}
+        if logits_at is not None and not taken and logits_at[0] in outputs:
+            outputs[logits_at[0]] = rows_of_output(outputs[logits_at[0]], logits_at[1], logits_at[2])
         if compiled is not None:
             for name, s in zip(output_names, out_slots):
                 if s in compiled.owned_outputs:
@@ -529,6 +539,12 @@ class Plan:
             self.steps.done(compiled)
         self._end_buffers(bufs, outputs.values())
         return outputs
+
+    def logit_head(self, logits: str) -> LogitHead | None:
+        """Where runs given ``logits_at`` for the output ``logits`` take rows (:func:`.logit_rows.find_head`)."""
+        if logits not in self._heads:
+            self._heads[logits] = find_head(self, logits)
+        return self._heads[logits]
 
     def run_nested(self, values: Sequence, rt: RunContext) -> list:
         """Run this plan of a subgraph inside the node ``rt`` is running; return the graph outputs in order.
@@ -563,7 +579,7 @@ class Plan:
             return self._idle_buffers.pop()
         except IndexError:
             bufs = RunBuffers(self.allocator)
-            bufs.plan_alloc = self._allocator_for(bufs)
+            bufs.plan_alloc = slot_allocator(bufs, self.persistent, self.out_idx)
             return bufs
 
     def _end_buffers(self, bufs: RunBuffers, outputs: Iterable[np.ndarray]) -> None:
@@ -573,25 +589,3 @@ class Plan:
             self._idle_buffers.append(bufs)
         else:
             bufs.close()
-
-    def _allocator_for(self, bufs: RunBuffers):
-        persistent = self.persistent
-        out_idx = self.out_idx
-        take = bufs.take
-
-        def alloc(rt: RunContext, index: int, shape, dtype: np.dtype) -> np.ndarray:
-            s = out_idx[rt._node][index]
-            if s < 0 or persistent[s]:
-                arr, reused = np.empty(shape, dtype), False
-            else:
-                arr, reused = take(s, shape, dtype)
-            if rt.recording:
-                c = rt.counters
-                if reused:
-                    c["reuse_count"] = c.get("reuse_count", 0) + 1
-                else:
-                    c["allocations"] = c.get("allocations", 0) + 1
-                    c["allocated_bytes"] = c.get("allocated_bytes", 0) + arr.nbytes
-            return arr
-
-        return alloc

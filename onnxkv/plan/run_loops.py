@@ -14,6 +14,7 @@ from onnxkv.errors import Cancelled, OnnxkvError, OperatorError
 from onnxkv.events import EventLog
 from onnxkv.plan.buffers import RunBuffers
 from onnxkv.plan.context import RunContext
+from onnxkv.plan.logit_rows import take_rows
 
 if TYPE_CHECKING:
     from onnxkv.plan.plan import Plan
@@ -38,12 +39,21 @@ def needed_nodes(plan: Plan, out_slots: tuple) -> list[bool] | None:
     return None if all(need) else need
 
 
-def run_plain(plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None, needed=None) -> None:
+def run_plain(plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None, needed=None, rows=None) -> bool:
     """Run every node of ``plan`` on ``slots`` (bound inputs; outputs land in their slots), releasing
     values and buffers after their last use; a kernel's non-onnxkv exception becomes an OperatorError
     naming the node.  ``needed`` (per node, or None for all): nodes to run; the others are skipped, their
-    releases still made."""
-    run_nodes(plan, 0, len(plan._steps), slots, bufs, rt, cancel, needed)
+    releases still made.  ``rows`` (a :class:`~onnxkv.plan.logit_rows.LogitHead` and the [B] positions
+    of a run given ``logits_at``, or None): the head's inputs are replaced by those rows just before it
+    runs; returns whether they were (see :func:`~onnxkv.plan.logit_rows.take_rows`)."""
+    if rows is None:
+        run_nodes(plan, 0, len(plan._steps), slots, bufs, rt, cancel, needed)
+        return False
+    head, at = rows
+    run_nodes(plan, 0, head.node, slots, bufs, rt, cancel, needed)
+    taken = take_rows(head, slots, at)
+    run_nodes(plan, head.node, len(plan._steps), slots, bufs, rt, cancel, needed)
+    return taken
 
 
 def run_nodes(
@@ -96,16 +106,19 @@ def run_recording(
     cache_allocator=None,
     cancel=None,
     needed=None,
-) -> None:
+    rows=None,
+) -> bool:
     """``run_plain`` that also records each node's time, counters and allocator figures, and each cache
     write, in ``events`` under ``step`` (a skipped node records nothing)."""
     allocator = plan.allocator
     release = bufs.release
     after = plan._after
-    k = 0
+    k, taken = 0, False
     try:
         for k, (run, ins, outs) in enumerate(plan._steps):
             rt._node = k
+            if rows is not None and k == rows[0].node:
+                taken = take_rows(rows[0], slots, rows[1])
             if cancel is not None and cancel.cancelled:
                 raise Cancelled(f"run cancelled before node '{plan.nodes[k].name or plan.nodes[k].output[0]}'")
             if needed is not None and not needed[k]:
@@ -160,3 +173,4 @@ def run_recording(
         raise
     except Exception as e:
         raise _node_failure(plan, k, e) from e
+    return taken

@@ -18,6 +18,7 @@ from onnxkv.model import Model, load
 from onnxkv.model.checker import check_model
 from onnxkv.model.contract import Contract
 from onnxkv.model.rewrite import inplace_bindings
+from onnxkv.plan.logit_rows import checked_positions
 from onnxkv.plan.plan import Plan
 from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_request
 from onnxkv.runtime.prompt_chunk import prompt_chunk
@@ -131,15 +132,22 @@ class Session:
         """Names of nodes run by ``onnx.reference`` fallbacks."""
         return list(self.plan.fallback_nodes)
 
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None) -> dict[str, np.ndarray]:
+    def run(
+        self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None, logits_at=None
+    ) -> dict[str, np.ndarray]:
         """Run the model on ``feeds`` (input name -> array) and return the outputs by name.
+
+        ``logits_at`` (one integer position per batch row, each in ``[0, S)`` for token ids fed as
+        [B, S]): a logits output of [B, S, V] is then [B, 1, V], row b the logits at position
+        ``logits_at[b]``, and the LM head computes those rows alone where the graph allows
+        (:mod:`onnxkv.plan.logit_rows`); a logits output of another shape is returned as computed.
 
         Raises:
             InputError: unknown/missing inputs, wrong dtype or shape, token ids
-                of ``input_ids`` outside ``[0, token_limit)``.
+                of ``input_ids`` outside ``[0, token_limit)``, ``logits_at`` not as above.
             OperatorError: a node failed (the message names it).
         """
-        return self._run_plan(feeds, output_names)
+        return self._run_plan(feeds, output_names, logits_at=logits_at)
 
     def _check_token_ids(self, ids) -> None:
         """InputError unless every entry of the ``input_ids`` feed lies in ``[0, token_limit)``.
@@ -192,18 +200,22 @@ class Session:
         finally:
             self._threads.precision = saved
 
-    def _run_plan(self, feeds, output_names, caches=None, cache_allocator=None, cancel=None) -> dict:
-        ids = feeds.get(self.model.io.input_ids) if self.model.io.input_ids else None
+    def _run_plan(self, feeds, output_names, caches=None, cache_allocator=None, cancel=None, logits_at=None) -> dict:
+        io = self.model.io
+        ids = feeds.get(io.input_ids) if io.input_ids else None
         if ids is not None and not isinstance(ids, np.ndarray):
             ids = np.asarray(ids)
         self._check_token_ids(ids)
+        if logits_at is not None:
+            if not io.logits:
+                raise InputError("Session.run: logits_at was given, but the model has no logits output")
+            logits_at = (io.logits, *checked_positions(logits_at, ids, "Session.run"))
         step = self._step
         self._step += 1
         decode = ids is not None and ids.size <= DECODE_ROWS
         with self._threads(1 if decode else None):
-            return self.plan.run(
-                feeds, output_names, self.events if self.events.enabled else None, step, caches, cache_allocator, cancel
-            )
+            events = self.events if self.events.enabled else None
+            return self.plan.run(feeds, output_names, events, step, caches, cache_allocator, cancel, logits_at)
 
     def prompt_chunk(self, cache: CacheConfig | str | None = None) -> int:
         """Tokens per chunk in which ``generate`` feeds a long single prompt on a state of ``cache`` (a

@@ -194,9 +194,14 @@ class State(PagedAPI):
             self._busy.release()
 
     def run(
-        self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None, cancel: Cancellation | None = None
+        self,
+        feeds: Mapping[str, np.ndarray],
+        output_names: list[str] | None = None,
+        cancel: Cancellation | None = None,
+        logits_at=None,
     ) -> dict[str, np.ndarray]:
-        """Run one step: bound inputs come from the state, the caller feeds the rest.
+        """Run one step: bound inputs come from the state, the caller feeds the rest (``logits_at``: as
+        :meth:`Session.run`'s).
 
         Returns the requested outputs (default: every output that is not a bound present; one asked
         for by name is exported as a copy of the valid cache, an ``export`` event).  Raises StateError
@@ -212,7 +217,7 @@ class State(PagedAPI):
             own = store.prepare(feeds)
             try:
                 fetch = list(dict.fromkeys([*output_names, *produced]))
-                out = self.session._run_plan(store.feeds(feeds), fetch, own, self.allocator, cancel)
+                out = self.session._run_plan(store.feeds(feeds), fetch, own, self.allocator, cancel, logits_at)
                 store.finish()
             except BaseException:
                 store.discard()

@@ -111,11 +111,11 @@ def _count_runs(monkeypatch, fail_at: int | None = None) -> dict:
     runs = {"n": 0}
     real = onnxkv.State.run
 
-    def counted(self, feeds, output_names=None, cancel=None):
+    def counted(self, feeds, output_names=None, cancel=None, logits_at=None):
         runs["n"] += 1
         if runs["n"] == fail_at:
             raise MemoryError("State.run: no memory")
-        return real(self, feeds, output_names, cancel)
+        return real(self, feeds, output_names, cancel, logits_at)
 
     monkeypatch.setattr(onnxkv.State, "run", counted)
     return runs
