@@ -23,7 +23,9 @@ Work and rates: the prompt's product FLOPs are ``2 * tokens * weights`` over
 every MatMul weight of the layers and the LM head (``product_gflop``, what
 GenAI computes); onnxkv asks for no output on every chunk but the last, so
 those chunks skip the LM head and the last layer's work after its cache
-write (``skipped_weights``; ``product_gflop_done``: the products it runs).
+write (``skipped_weights``), and for the last token's logits alone on the
+last chunk, which runs the LM head on one row (``head_weights``;
+``product_gflop_done``: the products it runs).
 Its causal attention FLOPs are ``4 * layers * heads * head_size * L * (L + 1)
 / 2`` (Q·Kᵀ and P·V over the causal triangle).  onnxkv's products (MatMul,
 SiblingMatMul, PrologueMatMul nodes) and attention (GroupQueryAttention)
@@ -111,6 +113,19 @@ def skipped_weights(session) -> int:
     return total
 
 
+def head_weights(session) -> int:
+    """Weight elements of the LM head product that a run asking for one position's logits
+    (``logits_at``) runs on that row alone (:mod:`onnxkv.plan.logit_rows`); 0 where the graph has none."""
+    head = session.plan.logit_head(session.model.io.logits)
+    if head is None:
+        return 0
+    kernel = session.plan.kernels[head.node]
+    packed = getattr(kernel, "packed", None)
+    if packed is None:
+        packed = getattr(getattr(kernel, "product", None), "packed", None)
+    return 0 if packed is None else packed.shape[0] * packed.shape[1] * packed.shape[2]
+
+
 def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) -> dict:
     prompt = np.random.default_rng(prompt_len).integers(0, vocab, (1, prompt_len))
     if engine == "ort-genai":
@@ -134,9 +149,13 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) ->
         feeds, _ = b.first()
         fetch = [model.io.logits]
         t0 = time.perf_counter()
-        out = state.run(feeds, fetch if first >= prompt_len else [])  # as generate: no logits before the last
+        # As generate: no logits before the last chunk, and there the last token's alone (logits_at).
+        whole = first >= prompt_len
+        out = state.run(feeds, fetch if whole else [], logits_at=[first - 1] if whole else None)
         for c0 in range(first, prompt_len, first):
-            out = state.run(b.next(prompt[:, c0 : c0 + first], out), fetch if c0 + first >= prompt_len else [])
+            chunk = prompt[:, c0 : c0 + first]
+            last = c0 + first >= prompt_len
+            out = state.run(b.next(chunk, out), fetch if last else [], logits_at=[chunk.shape[1] - 1] if last else None)
         seconds = time.perf_counter() - t0
         state.close()
         return seconds
@@ -144,7 +163,12 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) ->
     precision = "bf16" if engine == "onnxkv-bf16" else None
     session = onnxkv.Session(path, threads=threads, prefill_precision=precision)
     prefill(session) if prompt_len <= 1024 else None  # warm the session's buffers on short prompts only
-    result = {"prefill_s": prefill(session), "chunk": session.prompt_chunk(), "skipped": skipped_weights(session)}
+    result = {
+        "prefill_s": prefill(session),
+        "chunk": session.prompt_chunk(),
+        "skipped": skipped_weights(session),
+        "head": head_weights(session),
+    }
     logged = onnxkv.Session(path, threads=threads, events=True, prefill_precision=precision)
     prefill(logged)
     per_op: dict[str, float] = {}
@@ -223,13 +247,14 @@ def main() -> None:
                 if engine.startswith("onnxkv"):
                     chunk = ok[0]["chunk"]
                     last = plen - (plen - 1) // chunk * chunk  # tokens of the last chunk: the only logits made
-                    done = product_flops - 2.0 * (plen - last) * ok[0]["skipped"]
+                    done = product_flops - 2.0 * (plen - last) * ok[0]["skipped"] - 2.0 * (last - 1) * ok[0]["head"]
                     ops = ok[0]["per_op_seconds"]
                     prod_s = sum(v for k, v in ops.items() if k in PRODUCTS)
                     attn_s = ops.get("GroupQueryAttention", 0.0)
                     entry[engine].update(
                         chunk=chunk,
                         skipped_weights=ok[0]["skipped"],
+                        head_weights=ok[0]["head"],
                         product_gflop_done=done / 1e9,
                         per_op_seconds=ops,
                         product_seconds=prod_s,
