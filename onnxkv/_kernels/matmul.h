@@ -490,10 +490,10 @@ static int okv_mmp_avx512_usable(void) {
  * 212).  AVX2's tiles of 4 to 12 rows take short chunks (OKV_MMP_KC_AHEAD)
  * and prefetch the next chunk into L2 while they compute ("ahead" in
  * okv_matmul_packed_f32_ld), so the first row tile no longer waits for memory
- * alone (Zen 3, weights from DRAM, in-process A/B: 0.68 to 0.89 of the time
+ * alone (Zen 3, weights from DRAM, in-process A/B: 0.68 to 0.93 of the time
  * of 2,048-line chunks without it).  AVX2's 6-row tiles of longer products
- * take 64 KB slices (OKV_MMP_KC_AVX2; 16 to 1,024 rows: 0.67 to 0.95 of the
- * time of 256-line chunks; prefetching ahead added nothing there). */
+ * take 64 KB slices (OKV_MMP_KC_AVX2; 16 to 1,024 rows: 0.70 to 1.01, most
+ * 0.84 to 0.95, of the time of 256-line chunks; prefetching ahead added nothing). */
 static void okv_mmp_shape(int isa, int64_t M, int64_t K, int64_t *mr, int *np, int64_t *kc) {
     if (isa == OKV_MMP_AVX512) {
         *mr = M <= OKV_MMP_MR512 ? OKV_MMP_MR512 : 8;
