@@ -99,31 +99,26 @@ def product_weights(path: Path) -> int:
     return total
 
 
+def _packed_weights(kernel) -> int:
+    """Weight elements of a kernel's packed product (a MatMul's, or a fused node's ``product``); 0 if none."""
+    packed = getattr(kernel, "packed", None)
+    if packed is None:
+        packed = getattr(getattr(kernel, "product", None), "packed", None)
+    return 0 if packed is None else packed.shape[0] * packed.shape[1] * packed.shape[2]
+
+
 def skipped_weights(session) -> int:
     """Weight elements of the packed products a prompt chunk that asks for no output skips
     (``Plan.needed``): the LM head, and the last layer's work after its cache write."""
     need = session.plan.needed(())
-    total = 0
-    for kernel, needed in zip(session.plan.kernels, need or ()):
-        packed = getattr(kernel, "packed", None)
-        if packed is None:
-            packed = getattr(getattr(kernel, "product", None), "packed", None)
-        if not needed and packed is not None:
-            total += packed.shape[0] * packed.shape[1] * packed.shape[2]
-    return total
+    return sum(_packed_weights(k) for k, needed in zip(session.plan.kernels, need or ()) if not needed)
 
 
 def head_weights(session) -> int:
     """Weight elements of the LM head product that a run asking for one position's logits
     (``logits_at``) runs on that row alone (:mod:`onnxkv.plan.logit_rows`); 0 where the graph has none."""
     head = session.plan.logit_head(session.model.io.logits)
-    if head is None:
-        return 0
-    kernel = session.plan.kernels[head.node]
-    packed = getattr(kernel, "packed", None)
-    if packed is None:
-        packed = getattr(getattr(kernel, "product", None), "packed", None)
-    return 0 if packed is None else packed.shape[0] * packed.shape[1] * packed.shape[2]
+    return 0 if head is None else _packed_weights(session.plan.kernels[head.node])
 
 
 def worker(engine: str, path: str, prompt_len: int, vocab: int, threads: int) -> dict:
