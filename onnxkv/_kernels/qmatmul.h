@@ -25,8 +25,8 @@
  * Rows past K in the last block are zero in x (the caller pads), so the
  * weight padding is never read into a result.
  *
- * Paths (the SIMD ones in qmatmul_x86.h): scalar; AVX2 (8 columns, int8 by VPMADDUBSW; 8-bit weights split
- * into nibbles so the int16 pairs cannot saturate); AVX-VNNI (8 columns,
+ * Paths (the SIMD ones in qmatmul_x86.h): scalar; AVX2 (8 columns, int8 by VPMADDUBSW; 8-bit weights as
+ * w - 128 by the sign trick, the int16 pairs cannot saturate); AVX-VNNI (8 columns,
  * VPDPBUSD on YMM); AVX-512 VNNI (16 columns).  All sum each output in the
  * same order, so paths differ only by FMA contraction (int8: not at all).
  */

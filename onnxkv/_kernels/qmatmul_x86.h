@@ -26,8 +26,9 @@ static inline int32_t okv_qmm_x4(const int8_t *p) {
 
 /* One 8-column tile body: MR rows x NH half-panels (8 columns each; half h is
  * columns 8 (h & 1).. of panel p + (h >> 1)), int8 path.  DOT(acc, w_u8, x_s8)
- * adds the 4-way u8 x s8 dot products of every int32 lane to acc. */
-#define OKV_QMM_I8_256_BODY(DOT)                                                                           \
+ * adds the 4-way dot products of every int32 lane to acc: of w or, OFF = 128, of
+ * w - 128, whose block sums get OFF * xsum back (exact int32: |xsum| <= 256 * 127). */
+#define OKV_QMM_I8_256_BODY(DOT, OFF)                                                                        \
     const int64_t LB = okv_qmm_lb(a), ldq = a->nblk * a->bs, pstride = a->nblk * LB;                               \
     const __m256i nib = _mm256_set1_epi8(0x0F);                                                                    \
     __m256 accf[2][4];                                                                                             \
@@ -70,7 +71,9 @@ static inline int32_t okv_qmm_x4(const int8_t *p) {
             const __m256 z = a->zp ? _mm256_loadu_ps(a->zp + o) : _mm256_set1_ps(a->zconst);                       \
             for (r = 0; r < MR; r++) {                                                                             \
                 const int64_t mb = (m0 + r) * a->nblk + b;                                                         \
-                const __m256 t = _mm256_fnmadd_ps(z, _mm256_set1_ps(a->xsum[mb]), _mm256_cvtepi32_ps(acc[r][h]));  \
+                const __m256i d = OFF ? _mm256_add_epi32(acc[r][h], _mm256_set1_epi32(OFF * (int32_t)a->xsum[mb])) \
+                                      : acc[r][h];                                                                 \
+                const __m256 t = _mm256_fnmadd_ps(z, _mm256_set1_ps(a->xsum[mb]), _mm256_cvtepi32_ps(d));          \
                 accf[r][h] = _mm256_fmadd_ps(t, _mm256_mul_ps(s, _mm256_set1_ps(a->xs[mb])), accf[r][h]);          \
             }                                                                                                      \
         }                                                                                                          \
@@ -97,23 +100,20 @@ okv_qmm_store8(const okv_qmm *a, int64_t m0, const int MR, int64_t n0, __m256 ac
 /* VPMADDUBSW pairs into int16 (no saturation: |q x| <= 15 * 127 or, signed, 128 * 127), VPMADDWD into int32. */
 #define OKV_QMM_DOT_MADDUBS(acc, w, x) \
     _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1)))
-/* 8-bit weights: q = 16 hi + lo, two VPMADDUBSW on the nibbles (pairs <= 2 * 15 * 127), the high one weighted
- * 16 by VPMADDWD (a sign trick on q - 128 would overflow at q = 0 with x < 0). */
-#define OKV_QMM_DOT_SPLIT(acc, w, x)                                                                               \
-    _mm256_add_epi32(                                                                                          \
-        _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256((w), _mm256_set1_epi8(15)), \
-                                                                       (x)),                                   \
-                                                  _mm256_set1_epi16(1))),                                      \
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16((w), 4), _mm256_set1_epi8(15)),  \
-                                               (x)),                                                           \
-                          _mm256_set1_epi16(16)))
+/* 8-bit weights, by the sign trick on w - 128 (as s8): VPMADDUBSW of |w - 128| (u8, up to 128) and x with the
+ * sign of w - 128 (x in [-127, 127]: pairs <= 2 * 128 * 127, no saturation); the caller adds 128 * xsum. */
+#define OKV_QMM_DOT_SIGNED(acc, w, x)                                                                              \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16(                                              \
+                                                  _mm256_abs_epi8(_mm256_xor_si256((w), _mm256_set1_epi8(-128))), \
+                                                  _mm256_sign_epi8((x), _mm256_xor_si256((w), _mm256_set1_epi8(-128)))), \
+                                              _mm256_set1_epi16(1)))
 
 OKV_AVX2 static inline __attribute__((always_inline)) void
 okv_qmm_i8_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, int64_t m0) {
     if (a->bits == 4) {
-        OKV_QMM_I8_256_BODY(OKV_QMM_DOT_MADDUBS)
+        OKV_QMM_I8_256_BODY(OKV_QMM_DOT_MADDUBS, 0)
     } else {
-        OKV_QMM_I8_256_BODY(OKV_QMM_DOT_SPLIT)
+        OKV_QMM_I8_256_BODY(OKV_QMM_DOT_SIGNED, 128)
     }
 }
 
@@ -121,7 +121,7 @@ okv_qmm_i8_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, in
 #define OKV_QMM_DOT_VNNI256(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
 OKV_AVXVNNI static inline __attribute__((always_inline)) void
 okv_qmm_i8_avxvnni_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, int64_t m0) {
-    OKV_QMM_I8_256_BODY(OKV_QMM_DOT_VNNI256)
+    OKV_QMM_I8_256_BODY(OKV_QMM_DOT_VNNI256, 0)
 }
 #endif
 

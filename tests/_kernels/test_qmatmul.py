@@ -143,12 +143,33 @@ def test_prefill_rows(path, threads, M, bits):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def test_paths_agree_bit_for_bit():
-    """The int8 contract has one result: every path gives the same bits."""
+def _extreme_8bit(rng, K_, N, bs):
+    """8-bit weights at the ends of the range (0 and 255, some 127 and 128) and activation rows whose
+    int8 blocks are all +-127: the largest VPMADDUBSW pairs of every path, both signs."""
+    B, s, z = make_weight(rng, K_, N, 8, bs, "uint8")
+    B[...] = rng.choice(np.array([0, 255, 127, 128], np.uint8), B.shape, p=[0.4, 0.4, 0.1, 0.1])
+    B[0] = 0
+    B[1] = 255
+    x = np.where(rng.random((40, K_)) < 0.5, -1.0, 1.0).astype(np.float32)
+    x[0] = 1.0
+    x[1] = -1.0
+    return B, s, z, x
+
+
+@pytest.mark.parametrize("weights", ["4-bit", "8-bit", "8-bit extremes"])
+def test_paths_agree_bit_for_bit(weights):
+    """The int8 contract has one result: every path gives the same bits (also at the largest products
+    the 8-bit paths' int16 pairs can hold), equal to the twin's within rounding."""
     rng = np.random.default_rng(5)
-    B, s, z = make_weight(rng, 320, 70, 4, 32, "uint8")
-    w = pack_nbits(B, s, z, 320, 70, 4, 32)
-    x = rng.standard_normal((40, 320)).astype(np.float32)
+    bits = 4 if weights == "4-bit" else 8
+    if weights == "8-bit extremes":
+        B, s, z, x = _extreme_8bit(rng, 320, 70, 32)
+    else:
+        B, s, z = make_weight(rng, 320, 70, bits, 32, "uint8")
+        x = rng.standard_normal((40, 320)).astype(np.float32)
+    w = pack_nbits(B, s, z, 320, 70, bits, 32)
+    want = np.empty((40, 70), np.float32)
+    R.matmul_nbits_int8(x, w, want)
     results = {}
     for level, vnni, name in PATHS:
         for M in (3, 40):  # decode- and prompt-sized: the int8 contract holds at every row count
@@ -159,6 +180,7 @@ def test_paths_agree_bit_for_bit():
     for (name, M), r in results.items():
         np.testing.assert_array_equal(r, results[PATHS[0][2], M], err_msg=name)
     np.testing.assert_array_equal(results[PATHS[0][2], 40][:3], results[PATHS[0][2], 3])
+    np.testing.assert_allclose(results[PATHS[0][2], 40], want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("bs", [16, 32, 64, 256])
