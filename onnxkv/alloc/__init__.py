@@ -4,7 +4,9 @@
 carves buffers from one region reserved up front and never grows;
 ``SlabAllocator`` carves equal-size slots, adjacent in allocation order, from
 huge-page backed chunks it maps as needed (the default page storage of paged
-caches). Any object with ``allocate``/``free``/``stats`` (see
+caches; chunks it releases go, zeroed, to the process's bounded reserve in
+:mod:`onnxkv.alloc.chunk_reserve` for the next one). Any object with
+``allocate``/``free``/``stats`` (see
 :mod:`onnxkv.alloc.protocol`) can be used instead; :func:`as_allocator`
 accepts it.
 """

@@ -30,10 +30,17 @@ Lanes.  :meth:`SlabAllocator.lane` gives allocators over separate sets of
 size classes (a paged cache uses one lane per plane), so buffers of one lane
 stay adjacent however the lanes' requests interleave.
 
-Lifetime.  Releasing a chunk drops the allocator's references to its ``mmap``;
-the mapping goes away once no NumPy view of it is left (a view taken before
-``free`` keeps its bytes mapped, but it must not be used: see
-:mod:`onnxkv.alloc.protocol`).  The allocator never calls ``mmap.close``.
+Lifetime.  A chunk the allocator releases (a second empty chunk of a class,
+the empty chunks :meth:`SlabAllocator.trim` hands back, the empty chunks of a
+collected allocator) is offered to the process's chunk reserve
+(:mod:`onnxkv.alloc.chunk_reserve`), zeroed, and a chunk the allocator needs
+is taken from there before a new one is mapped: a cache that lives for one
+request does not pay the page faults of fresh memory again for the next.  A
+region the reserve does not keep is dropped: the mapping goes away once no
+NumPy view of it is left (a view taken before ``free`` keeps its bytes
+mapped, but it must not be used: see :mod:`onnxkv.alloc.protocol`; the bytes
+may belong to another allocator by then).  Oversize regions are dropped on
+``free``.  The allocator never calls ``mmap.close``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import bisect
 import heapq
 import mmap
 import threading
+import weakref
 
 import numpy as np
 import numpy.typing as npt
@@ -49,6 +57,7 @@ import numpy.typing as npt
 from onnxkv.errors import OutOfMemory
 
 from ._checks import byte_view, check_alignment, check_nbytes
+from .chunk_reserve import RESERVE
 from .protocol import AllocatorStats, Buffer
 
 #: ``madvise`` flag asking for transparent huge pages (None where the platform lacks it).
@@ -61,12 +70,17 @@ class _Chunk:
 
     ``lane``: the lane of a class chunk (see :meth:`SlabAllocator.lane`).
     ``bump``: slots below it were handed out at least once since the chunk
-    was last empty; ``freed``: a min-heap of free slot indices below ``bump``.
+    was last empty; ``freed``: a min-heap of free slot indices below ``bump``;
+    ``touched``: slots below it were handed out at least once since the
+    chunk was mapped (what the chunk reserve zeroes).  ``align`` / ``huge``:
+    the alignment and huge-page advice it was mapped with.
     """
 
-    __slots__ = ("region", "address", "size", "slot", "nslots", "lane", "used", "bump", "freed")
+    __slots__ = (
+        "region", "address", "size", "slot", "nslots", "lane", "used", "bump", "freed", "touched", "align", "huge"
+    )  # fmt: skip
 
-    def __init__(self, region: np.ndarray, slot: int, nslots: int) -> None:
+    def __init__(self, region: np.ndarray, slot: int, nslots: int, align: int = 0, huge: bool = False) -> None:
         self.region = region  # uint8 [size] over the mmap; keeps the mapping alive
         self.address: int = region.__array_interface__["data"][0]
         self.size = region.size
@@ -76,6 +90,9 @@ class _Chunk:
         self.used = 0
         self.bump = 0
         self.freed: list[int] = []
+        self.touched = 0
+        self.align = align
+        self.huge = huge
 
     def take(self) -> int:
         """Lease the lowest free slot; return its offset (the chunk must have one)."""
@@ -84,6 +101,7 @@ class _Chunk:
         else:
             index = self.bump
             self.bump += 1
+            self.touched = max(self.touched, self.bump)
         self.used += 1
         return index * self.slot
 
@@ -218,6 +236,9 @@ class SlabAllocator:
         self._peak = 0
         self._allocations = 0
         self._frees = 0
+        self._reused = 0
+        # a collected allocator's empty chunks go to the chunk reserve (the finalizer holds the classes, not self)
+        weakref.finalize(self, _offer_empty, self._classes)
 
     @property
     def chunk_bytes(self) -> int:
@@ -235,6 +256,11 @@ class SlabAllocator:
     def huge_pages(self) -> bool:
         """True if chunks are advised ``MADV_HUGEPAGE`` (asked for and known to the platform)."""
         return self._huge_pages
+
+    @property
+    def reused_chunks(self) -> int:
+        """Chunks this allocator took from the process's chunk reserve instead of mapping them."""
+        return self._reused
 
     @property
     def chunk_count(self) -> int:
@@ -268,7 +294,7 @@ class SlabAllocator:
         slot = -(-max(n, 1) // a) * a
         with self._lock:
             if slot > self._chunk_bytes:
-                chunk = self._map(slot, max(a, self._chunk_bytes), n, a, True)
+                chunk = self._map(slot, max(a, self._chunk_bytes), n, a, True, reuse=False)
                 self._oversize.add(chunk)
                 offset = chunk.take()
             else:
@@ -295,14 +321,22 @@ class SlabAllocator:
             self._allocations += 1
         return SlabBuffer(self, chunk, offset, n)
 
-    def _map(self, size: int, align: int, nbytes: int, alignment: int, huge: bool) -> _Chunk:
+    def _map(self, size: int, align: int, nbytes: int, alignment: int, huge: bool, reuse: bool = True) -> _Chunk:
         """Map ``size`` bytes (rounded up to the page size) aligned to ``align``; counts them committed.
-        ``huge``: advise ``MADV_HUGEPAGE`` (if the allocator does).
+        ``huge``: advise ``MADV_HUGEPAGE`` (if the allocator does).  ``reuse``: take a region of the chunk
+        reserve first (zeroed, mapped alike).
 
         The chunk comes back with one slot of its whole size; the caller sets
         the slot size of a class chunk.
         """
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        huge = huge and self._huge_pages
+        if reuse:
+            kept = RESERVE.take(size, align, huge)
+            if kept is not None:
+                self._committed += size
+                self._reused += 1
+                return _Chunk(kept, size, 1, align, huge)
         slack = align - mmap.PAGESIZE if align > mmap.PAGESIZE else 0
         try:
             region = mmap.mmap(-1, size + slack, flags=_MAP_PRIVATE)
@@ -313,13 +347,13 @@ class SlabAllocator:
             ) from None
         whole = np.frombuffer(region, dtype=np.uint8)
         start = -whole.__array_interface__["data"][0] % align
-        if huge and self._huge_pages:
+        if huge:
             try:
                 region.madvise(_MADV_HUGEPAGE, start, size)
             except OSError:  # only a hint: kernels without transparent huge pages refuse it
                 pass
         self._committed += size
-        return _Chunk(whole[start : start + size], size, 1)
+        return _Chunk(whole[start : start + size], size, 1, align, huge)
 
     def free(self, buffer: Buffer) -> None:
         """Take back a live buffer of this allocator; ``ValueError`` (nothing changed) otherwise."""
@@ -349,6 +383,26 @@ class SlabAllocator:
                     del cls.chunks[drop.address]
                     del cls.room[bisect.bisect_left(cls.room, drop.address)]
                     self._committed -= drop.size
+                    _offer(drop)
+
+    def trim(self) -> int:
+        """Release every empty chunk (the spares included) to the process's chunk reserve, where the next
+        allocator that needs one takes it (:mod:`onnxkv.alloc.chunk_reserve`); returns the bytes released.
+        Leased buffers are untouched; the allocator stays usable (it maps or takes chunks again as needed).
+        A state or pool that owns its allocator calls this when it closes."""
+        released = 0
+        with self._lock:
+            for key, cls in list(self._classes.items()):
+                for chunk in [c for c in cls.chunks.values() if c.used == 0]:
+                    del cls.chunks[chunk.address]
+                    del cls.room[bisect.bisect_left(cls.room, chunk.address)]
+                    self._committed -= chunk.size
+                    released += chunk.size
+                    _offer(chunk)
+                cls.spare = None
+                if not cls.chunks:  # the class starts small again, as a new allocator's
+                    del self._classes[key]
+        return released
 
     def stats(self) -> AllocatorStats:
         """Snapshot; ``committed`` counts mapped chunks, ``live`` leased slot bytes (``committed >= live``)."""
@@ -366,6 +420,21 @@ class SlabAllocator:
             f"SlabAllocator(chunk_bytes={self._chunk_bytes}, first_chunk_bytes={self._first_chunk_bytes}, "
             f"at {id(self):#x})"
         )
+
+
+def _offer(chunk: _Chunk) -> None:
+    """Hand a released class chunk to the chunk reserve (it zeroes the slots ever handed out)."""
+    RESERVE.offer(chunk.region, chunk.align, chunk.huge, chunk.touched * chunk.slot)
+
+
+def _offer_empty(classes: dict[tuple[int, int], _SizeClass]) -> None:
+    """A collected allocator's empty class chunks to the chunk reserve (a chunk with a slot still leased
+    belongs to a buffer that outlived its allocator, against the contract: it is dropped, not reused)."""
+    for cls in classes.values():
+        for chunk in cls.chunks.values():
+            if chunk.used == 0:
+                _offer(chunk)
+    classes.clear()
 
 
 class SlabLane:

@@ -84,6 +84,8 @@ class State(PagedAPI):
         self.session = session
         self.bindings = list(session.bindings)
         self.allocator = SlabAllocator() if allocator is None and cache == "paged" else as_allocator(allocator)
+        #: A page allocator of the state's own: its empty chunks go to the process's chunk reserve at close.
+        self._own_slab = allocator is None and cache == "paged"
         self._ctx = StoreContext(session, self.allocator, capacity, initial_capacity, cache_dtype)
         self.capacity, self.initial_capacity = self._ctx.capacity, self._ctx.initial_capacity
         self.cache_dtype, self.cache, self.kv_format, self.steps = cache_dtype, cache, kv_format, 0
@@ -302,6 +304,8 @@ class State(PagedAPI):
             with self._exclusive("close"):
                 self._store.close()
                 self._closed = True
+                if self._own_slab:  # pages no fork still holds: their chunks, zeroed, for the next state
+                    self.allocator.trim()
 
     def __enter__(self) -> State:
         return self

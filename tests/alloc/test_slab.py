@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from onnxkv.alloc import ArenaAllocator, OutOfMemory, SlabAllocator, SlabLane, SystemAllocator
+from onnxkv.alloc.chunk_reserve import set_chunk_reserve_limit
 
 CHUNK = 64 << 10  # small chunks keep the tests light; the default is 2 MiB (64 KiB first chunks: all chunks equal)
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -298,6 +299,14 @@ def test_lane_index_checks(index):
 
 
 def test_views_kept_past_free_and_release_stay_mapped():
+    old = set_chunk_reserve_limit(0)  # released chunks unmapped, not zeroed into the reserve
+    try:
+        _views_stay_mapped()
+    finally:
+        set_chunk_reserve_limit(old)
+
+
+def _views_stay_mapped():
     slab = SlabAllocator(CHUNK)
     per_chunk = CHUNK // 4096
     bufs = [slab.allocate(4096) for _ in range(2 * per_chunk)]  # two chunks of one class
