@@ -402,18 +402,27 @@ def cpu_features():
 
 # -- the late-team heuristic of the decode-sized products (matmul_packed, matmul_nbits) -----------------
 
-DEF SOLO_CALLS = 64          # products run on the calling thread alone the first time a team member was late
-DEF SOLO_MAX = 8192          # ... doubling each time the team is late again, up to this
-DEF ON_TIME_RESET = 4096     # team products on time in a row that bring the solo span back to SOLO_CALLS
+DEF SOLO_NS = 20000000       # products run on the calling thread alone for 20 ms the first time the team was late
+DEF SOLO_MAX_NS = 2000000000  # ... doubling each time the team is late again, up to 2 s
+DEF ON_TIME_RESET = 4096     # team products on time in a row that bring the solo span back to SOLO_NS
 DEF LATE_MIN_NS = 300000     # a wait for the team (ns) counts as late above this and above the caller's own share
 DEF LATE_RUN = 2             # late products in a row that start a solo span (one alone is a wake-up hiccup)
+DEF WINDOW_NS = 20000000     # the calling thread's wait for a core is read once per 20 ms of team products
+DEF OFF_SHARE = 4            # runnable but waiting for a core over 1 / OFF_SHARE of a window: a solo span starts
+
+cdef extern from "run_delay.h" nogil:
+    long long okv_thread_run_delay()
 
 # Process-wide state (changed with the GIL held; results never depend on it).  Whether it is used is a
 # setting of the calling thread (okv_settings.adaptive).
-cdef int _solo_left = 0      # products still to run alone
+cdef int _solo_left = 0      # products still to run alone whatever the time (set by tests and benchmarks)
+cdef int64_t _solo_until = 0   # team products before this time (okv_now_ns) run alone; 0: none
+cdef int64_t _solo_span = SOLO_NS   # length of the next solo span (ns)
 cdef int _late_run = 0       # late products in a row
-cdef int _solo_span = SOLO_CALLS   # products the next solo span runs alone
 cdef int _on_time = 0        # team products on time in a row
+cdef int _retrying = 0       # the team runs again after a solo span: its first product decides alone
+cdef int64_t _win_wall = 0   # the window's start (okv_now_ns) and the caller's run-queue delay then
+cdef long long _win_delay = -1
 
 
 cdef int64_t okv_now_ns() noexcept nogil:
@@ -425,61 +434,147 @@ cdef int64_t okv_now_ns() noexcept nogil:
 cdef int okv_team_threads(okv_settings s, int nt) noexcept nogil:
     """The team size of the next product that would use nt threads.  On cores
     shared with other processes a team member is often off its core, and every
-    parallel region then waits for it (a decode step runs dozens of products):
-    after LATE_RUN products in a row whose caller waited for its team longer
-    than its own share took (and LATE_MIN_NS), the next products run on the
-    calling thread alone, then the team is tried again.  The solo span starts
-    at SOLO_CALLS and doubles (up to SOLO_MAX) each time the team is late again
-    before ON_TIME_RESET of its products in a row were on time: under a steady
-    load on the other cores, where every retry of the team costs a stall of a
-    scheduler time slice, retries become rare.  On free cores no product is
-    late, so the team always runs.  Callers hold the GIL (it guards the
-    counters)."""
-    global _solo_left
-    if nt > 1 and s.adaptive and _solo_left > 0:
-        _solo_left -= 1
-        return 1
+    parallel region then waits for it, up to a scheduler time slice or more (a
+    decode step runs dozens of products): after LATE_RUN products in a row
+    whose caller waited for its team longer than its own share took (and
+    LATE_MIN_NS), products run on the calling thread alone for a solo span,
+    then the team is tried again, and if that first team product is late too
+    the next span starts at once (a retry costs one stall, not LATE_RUN).  The
+    span is a time, not a count of products (a tiny model runs thousands of
+    products where a large one runs dozens in the same time, and a stall costs
+    both the same): SOLO_NS at first, doubling up to SOLO_MAX_NS each time the
+    team is late again before ON_TIME_RESET of its products in a row were on
+    time.  Under a steady load on the other cores retries become rare; on free
+    cores no product is late, so the team always runs.
+
+    A team that waits for nobody can still cost the calling thread its core:
+    the members spinning between products, the calling thread and another
+    process are more runnable threads than cores, and the scheduler takes the
+    calling thread off its core for whole time slices.  So once per window of
+    WINDOW_NS of team products the calling thread's run-queue delay is read
+    (/proc/thread-self/schedstat, Linux): runnable but waiting for a core for
+    more than a quarter of the window, the next products start a solo span as
+    a late team does.  Callers hold the GIL (it guards the state)."""
+    global _solo_left, _solo_until, _retrying
+    cdef int64_t now
+    if nt > 1 and s.adaptive:
+        if _solo_left > 0:
+            _solo_left -= 1
+            return 1
+        now = okv_now_ns()
+        if _solo_until != 0:
+            if now < _solo_until:
+                return 1
+            _solo_until = 0
+            _retrying = 1
+        if _preempted(now):
+            _solo_start(now)
+            return 1
     return nt
+
+
+cdef int _preempted(int64_t now) noexcept nogil:
+    """Whether the calling thread waited for a core (runnable, not running) for over 1 / OFF_SHARE of the
+    window of WINDOW_NS or more that ends now (then a new one starts); 0 while the window runs, or where
+    the OS cannot say.  Time the caller sleeps or blocks is no such wait."""
+    if now - _win_wall < WINDOW_NS:
+        return 0
+    return _window_ends(now, okv_thread_run_delay())
+
+
+cdef int _window_ends(int64_t now, long long delay) noexcept nogil:
+    """The window ends at ``now`` with the caller's run-queue delay ``delay`` (-1: unknown): whether the
+    delay grew by over 1 / OFF_SHARE of it; a new window starts."""
+    global _win_wall, _win_delay
+    cdef int hit = delay >= 0 and _win_delay >= 0 and OFF_SHARE * (delay - _win_delay) > now - _win_wall
+    _win_wall, _win_delay = now, delay
+    return hit
+
+
+cdef void _solo_start(int64_t now) noexcept nogil:
+    """Products run alone from now for the solo span, which doubles for the next time (up to SOLO_MAX_NS)."""
+    global _solo_until, _solo_span, _late_run, _on_time
+    _solo_until = now + _solo_span
+    _solo_span = min(2 * _solo_span, SOLO_MAX_NS)
+    _late_run = 0
+    _on_time = 0
 
 
 cdef void okv_team_finished(okv_settings s, int64_t t0, int64_t caller_done) noexcept nogil:
     """A product of a team ended: it started at t0 and the calling thread finished its share at
     caller_done (okv_now_ns); informs okv_team_threads.  With the GIL held."""
-    global _solo_left, _late_run, _solo_span, _on_time
-    cdef int64_t wait = okv_now_ns() - caller_done
+    global _solo_until, _late_run, _solo_span, _on_time, _retrying
+    cdef int64_t now = okv_now_ns()
+    cdef int64_t wait = now - caller_done
     if s.adaptive and wait > LATE_MIN_NS and wait > caller_done - t0:
         _on_time = 0
         _late_run += 1
-        if _late_run >= LATE_RUN:
-            _solo_left = _solo_span
-            _solo_span = min(2 * _solo_span, SOLO_MAX)
-            _late_run = 0
+        if _late_run >= LATE_RUN or _retrying:
+            _solo_start(now)
     else:
         _late_run = 0
         _on_time += 1
         if _on_time >= ON_TIME_RESET:
-            _solo_span = SOLO_CALLS
+            _solo_span = SOLO_NS
             _on_time = 0
+    _retrying = 0
 
 
 cdef int okv_team_solo(int solo) noexcept:
-    """Sets the products still to run alone; returns the previous count (for tests and benchmarks)."""
-    global _solo_left
+    """Sets the products still to run alone (and ends a solo span and the run-queue window); returns the
+    previous count (for tests and benchmarks)."""
+    global _solo_left, _solo_until, _win_wall, _win_delay
     cdef int old = _solo_left
     _solo_left = solo
+    _solo_until = 0
+    _win_wall, _win_delay = 0, -1
     return old
 
 
 def _team_report(bint late, int times=1):
     """Test hook: report ``times`` team products to the late-team heuristic as late (the caller waited 1 ms
-    after a 1 ns share) or on time, under the calling thread's settings; returns the products now left to
-    run alone."""
+    after a 1 ns share) or on time, under the calling thread's settings, each after asking for a team of
+    two (okv_team_threads: a product inside a solo span runs alone and reports nothing); returns the
+    nanoseconds of the current solo span still to run (0: none)."""
     cdef int64_t now
     cdef okv_settings s = okv_settings_get()
     for _ in range(times):
+        if okv_team_threads(s, 2) == 1:
+            continue
         now = okv_now_ns()
         if late:
             okv_team_finished(s, now - 1000001, now - 1000000)
         else:
             okv_team_finished(s, now - 1000000000, now)
-    return _solo_left
+    return max(0, _solo_until - okv_now_ns()) if _solo_until else 0
+
+
+def _team_state():
+    """Test hook: the heuristic's state: products left to run alone, ns of the solo span still to run, the
+    next span's ns, late products in a row, on-time products in a row, whether a retry is pending."""
+    return {"solo_left": _solo_left, "solo_ns_left": max(0, _solo_until - okv_now_ns()) if _solo_until else 0,
+            "next_span_ns": _solo_span, "late_run": _late_run, "on_time": _on_time, "retrying": bool(_retrying)}
+
+
+def _team_window(int64_t now, long long delay):
+    """Test hook: end the run-queue window at ``now`` (ns) with the caller's delay ``delay`` (ns, -1:
+    unknown) if WINDOW_NS have passed since it started, as a team product asking for its team then would;
+    returns whether that starts a solo span (the caller was kept off its core over a quarter of it)."""
+    if now - _win_wall < WINDOW_NS:
+        return False
+    if _window_ends(now, delay):
+        _solo_start(now)
+        return True
+    return False
+
+
+def _run_delay():
+    """Test hook: the calling thread's run-queue delay in ns (-1 where the OS cannot say)."""
+    return okv_thread_run_delay()
+
+
+def _team_expire():
+    """Test hook: end the current solo span now, as if its time had run out (the next team product retries)."""
+    global _solo_until
+    if _solo_until:
+        _solo_until = 1

@@ -102,21 +102,68 @@ def test_first_thread_takes_every_panel_of_a_late_team(nt, order, N):
 
 
 def test_solo_spans_double_while_the_team_stays_late_and_restart_once_it_is_on_time(two_threads):
-    """Each time the team is late twice in a row the products left to run alone are set to the solo span,
-    which then doubles (64 up to 8192) until 4096 team products in a row were on time; a late one in
-    between starts that count again."""
-    from onnxkv._kernels._runtime import _team_report
+    """Two late team products in a row start a solo span of 20 ms (a time: products inside it run alone);
+    when it has run out, the first team product decides alone: late, it starts the next span at once, twice
+    as long (up to 2 s); on time, the team stays.  The span comes back to 20 ms once 4096 team products in a
+    row were on time; a late one in between starts that count again."""
+    from onnxkv._kernels._runtime import _team_expire, _team_report, _team_state
 
-    MM._set_adaptive(True)
+    ms = 1_000_000
+    MM._set_adaptive(True)  # no products left alone, no span running
     _team_report(False, 4096)  # a span at its start, whatever ran before
-    assert _team_report(True) == MM._set_adaptive(True, solo=0)[1]  # one late product alone starts nothing
-    spans = [_team_report(True, 2) for _ in range(9)]
-    assert spans == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 8192]
+    assert _team_state()["next_span_ns"] == 20 * ms
+    assert _team_report(True) == 0  # one late product alone starts nothing
+    assert 19 * ms < _team_report(True) <= 20 * ms  # the second in a row starts a span of 20 ms
+    assert _team_report(True, 50) > 19 * ms  # inside the span products run alone: nothing reported
+    assert _team_state()["late_run"] == 0
+    spans = []
+    for _ in range(9):
+        _team_expire()
+        spans.append(_team_report(True) // ms)  # a late retry: the next span at once, twice as long
+    want = [40, 80, 160, 320, 640, 1280, 2000, 2000, 2000]
+    assert all(w - 2 <= x <= w for x, w in zip(spans, want, strict=True)), spans
+    _team_expire()
+    assert _team_report(False) == 0 and not _team_state()["retrying"]  # an on-time retry: the team stays
+    assert _team_report(True) == 0  # ... and one late product alone starts nothing again
     _team_report(False, 4095)
-    _team_report(True)  # late once: the on-time count starts again
-    _team_report(False, 4095)
-    assert _team_report(True, 2) == 8192
+    assert _team_report(True, 2) > 1999 * ms  # the on-time count started again at the late one
+    _team_expire()
     _team_report(False, 4096)
-    assert _team_report(True, 2) == 64
-    MM._set_adaptive(False)  # (sets the products left to 0)
+    assert 19 * ms < _team_report(True, 2) <= 20 * ms  # 4096 on time in a row: back to 20 ms
+    MM._set_adaptive(False)  # (ends the span, sets the products left to 0)
     assert _team_report(True, 4) == 0  # switched off: late products start nothing
+
+
+def test_a_caller_kept_off_its_core_runs_alone():
+    """Once per window of 20 ms of team products the calling thread's run-queue delay (runnable, waiting
+    for a core) is read: over a quarter of the window starts a solo span; less, or unknown, does not."""
+    from onnxkv._kernels._runtime import _team_report, _team_state, _team_window
+
+    ms = 1_000_000
+    MM._set_adaptive(True)
+    _team_report(False, 4096)  # the next span at its start, whatever ran before
+    MM._set_adaptive(True)  # (also restarts the window)
+    try:
+        t = 10**12
+        assert not _team_window(t, 0)  # the first window starts: nothing to compare yet
+        assert not _team_window(t + 19 * ms, 19 * ms)  # the window still runs: not read
+        assert not _team_window(t + 20 * ms, 5 * ms)  # a quarter exactly: no span
+        assert _team_state()["solo_ns_left"] == 0
+        assert not _team_window(t + 40 * ms, -1)  # unknown: no span, and the next window has no start value
+        assert not _team_window(t + 60 * ms, 15 * ms)
+        assert _team_window(t + 80 * ms, 20 * ms + 1)  # over a quarter of 20 ms: a span of 20 ms starts
+        assert _team_state()["next_span_ns"] == 40 * ms
+    finally:
+        MM._set_adaptive(True)
+
+
+def test_run_queue_delay_is_read_where_linux_reports_it():
+    from pathlib import Path
+
+    from onnxkv._kernels._runtime import _run_delay
+
+    delay = _run_delay()
+    if Path("/proc/thread-self/schedstat").exists():
+        assert delay >= 0
+    else:
+        assert delay == -1
