@@ -25,7 +25,7 @@ everything as a narrower one would (the tests run the kernels at each level
 of the machine this way); unset or empty, every level the build, CPU and OS
 allow.
 """
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 import operator
@@ -412,6 +412,7 @@ DEF OFF_SHARE = 4            # runnable but waiting for a core over 1 / OFF_SHAR
 
 cdef extern from "run_delay.h" nogil:
     long long okv_thread_run_delay()
+    uint64_t okv_thread_id()
 
 # Process-wide state (changed with the GIL held; results never depend on it).  Whether it is used is a
 # setting of the calling thread (okv_settings.adaptive).
@@ -423,6 +424,7 @@ cdef int _on_time = 0        # team products on time in a row
 cdef int _retrying = 0       # the team runs again after a solo span: its first product decides alone
 cdef int64_t _win_wall = 0   # the window's start (okv_now_ns) and the caller's run-queue delay then
 cdef long long _win_delay = -1
+cdef uint64_t _win_thread = 0  # the thread whose delay _win_delay is (another thread's is not comparable)
 
 
 cdef int64_t okv_now_ns() noexcept nogil:
@@ -479,15 +481,17 @@ cdef int _preempted(int64_t now) noexcept nogil:
     the OS cannot say.  Time the caller sleeps or blocks is no such wait."""
     if now - _win_wall < WINDOW_NS:
         return 0
-    return _window_ends(now, okv_thread_run_delay())
+    return _window_ends(now, okv_thread_run_delay(), okv_thread_id())
 
 
-cdef int _window_ends(int64_t now, long long delay) noexcept nogil:
-    """The window ends at ``now`` with the caller's run-queue delay ``delay`` (-1: unknown): whether the
-    delay grew by over 1 / OFF_SHARE of it; a new window starts."""
-    global _win_wall, _win_delay
-    cdef int hit = delay >= 0 and _win_delay >= 0 and OFF_SHARE * (delay - _win_delay) > now - _win_wall
-    _win_wall, _win_delay = now, delay
+cdef int _window_ends(int64_t now, long long delay, uint64_t thread) noexcept nogil:
+    """The window ends at ``now`` with the run-queue delay ``delay`` (-1: unknown) of thread ``thread``:
+    whether the delay grew by over 1 / OFF_SHARE of it (a window another thread started is not judged);
+    a new window starts."""
+    global _win_wall, _win_delay, _win_thread
+    cdef int hit = (delay >= 0 and _win_delay >= 0 and thread == _win_thread
+                    and OFF_SHARE * (delay - _win_delay) > now - _win_wall)
+    _win_wall, _win_delay, _win_thread = now, delay, thread
     return hit
 
 
@@ -556,13 +560,13 @@ def _team_state():
             "next_span_ns": _solo_span, "late_run": _late_run, "on_time": _on_time, "retrying": bool(_retrying)}
 
 
-def _team_window(int64_t now, long long delay):
-    """Test hook: end the run-queue window at ``now`` (ns) with the caller's delay ``delay`` (ns, -1:
-    unknown) if WINDOW_NS have passed since it started, as a team product asking for its team then would;
-    returns whether that starts a solo span (the caller was kept off its core over a quarter of it)."""
+def _team_window(int64_t now, long long delay, uint64_t thread=1):
+    """Test hook: end the run-queue window at ``now`` (ns) with the delay ``delay`` (ns, -1: unknown) of
+    thread ``thread`` if WINDOW_NS have passed since it started, as a team product asking for its team then
+    would; returns whether that starts a solo span (the caller was kept off its core over a quarter of it)."""
     if now - _win_wall < WINDOW_NS:
         return False
-    if _window_ends(now, delay):
+    if _window_ends(now, delay, thread):
         _solo_start(now)
         return True
     return False

@@ -4,8 +4,10 @@
 #ifndef ONNXKV_RUN_DELAY_H
 #define ONNXKV_RUN_DELAY_H
 
+#include <stdint.h>
 #if defined(__linux__)
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <unistd.h>
 #endif
@@ -29,6 +31,16 @@ static inline long long okv_thread_run_delay(void) {
     return (long long)delay;
 #else
     return -1;
+#endif
+}
+
+/* An id of the calling thread (0 where the OS cannot say): run-queue delays of two threads are not
+ * comparable. */
+static inline uint64_t okv_thread_id(void) {
+#if defined(__linux__)
+    return (uint64_t)pthread_self();
+#else
+    return 0;
 #endif
 }
 

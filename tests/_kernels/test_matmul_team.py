@@ -151,7 +151,9 @@ def test_a_caller_kept_off_its_core_runs_alone():
         assert _team_state()["solo_ns_left"] == 0
         assert not _team_window(t + 40 * ms, -1)  # unknown: no span, and the next window has no start value
         assert not _team_window(t + 60 * ms, 15 * ms)
-        assert _team_window(t + 80 * ms, 20 * ms + 1)  # over a quarter of 20 ms: a span of 20 ms starts
+        assert not _team_window(t + 80 * ms, 40 * ms, thread=2)  # another thread's delay: not compared
+        assert not _team_window(t + 100 * ms, 60 * ms)  # ... nor the next window, which it started
+        assert _team_window(t + 120 * ms, 65 * ms + 1)  # over a quarter of 20 ms: a span of 20 ms starts
         assert _team_state()["next_span_ns"] == 40 * ms
     finally:
         MM._set_adaptive(True)
