@@ -16,7 +16,11 @@ Decode-sized runs (few tokens) do their heavy work in onnxkv's own OpenMP
 kernels; there BLAS gets one thread, because BLAS worker threads that wake
 for a small product and then busy-wait hold the cores the OpenMP kernels need
 next, stalling every kernel call.  Larger runs (prefill) give BLAS every
-thread.
+thread.  A session's run takes that limit only when its first node runs in
+Python (``ThreadControl(..., lazy_blas=True)``, the ``on_python`` hook of
+:meth:`onnxkv.plan.plan.Plan.run`): a replayed compiled step calls onnxkv's
+kernels alone, never BLAS, so it leaves every library's thread count as it is
+and pays none of threadpoolctl's calls.
 """
 
 from __future__ import annotations
@@ -115,11 +119,12 @@ class ThreadControl:
         that are not decode-sized then also see BLAS at one thread: only their speed changes."""
         return _BlasHold(1)
 
-    def __call__(self, blas_threads: int | None = None) -> _Run:
+    def __call__(self, blas_threads: int | None = None, lazy_blas: bool = False) -> _Run:
         """A context manager for one run: the calling thread's kernels use
-        ``threads``, BLAS ``blas_threads`` (default: ``threads``)."""
+        ``threads``, BLAS ``blas_threads`` (default: ``threads``); with ``lazy_blas``
+        the BLAS limit is taken only when :meth:`_Run.python_nodes` is called."""
         blas = self.threads if blas_threads is None else max(1, min(blas_threads, self.threads))
-        return _Run(self.threads, blas, self.precision)
+        return _Run(self.threads, blas, self.precision, lazy_blas)
 
 
 class _BlasHold:
@@ -145,23 +150,29 @@ class _BlasHold:
 class _Run:
     """The settings of one run (``ThreadControl.__call__``)."""
 
-    __slots__ = ("_scope", "_blas")
+    __slots__ = ("_scope", "_blas", "_lazy")
 
-    def __init__(self, threads: int, blas: int, precision: str | None = None) -> None:
+    def __init__(self, threads: int, blas: int, precision: str | None = None, lazy: bool = False) -> None:
         settings = _kernels.current_settings().replace(threads=threads)
         if precision is not None:
             settings = settings.replace(prefill_precision=precision)
         self._scope = _kernels.use_settings(settings)
         self._blas = _BlasHold(blas)
+        self._lazy = lazy
 
     def __enter__(self) -> _Run:
         self._scope.__enter__()
-        try:
-            self._blas.__enter__()
-        except BaseException:
-            self._scope.__exit__(None, None, None)
-            raise
+        if not self._lazy:
+            try:
+                self._blas.__enter__()
+            except BaseException:
+                self._scope.__exit__(None, None, None)
+                raise
         return self
+
+    def python_nodes(self) -> None:
+        """A lazy run's first node to run in Python starts: take the BLAS limit now (until the run ends)."""
+        self._blas.__enter__()
 
     def __exit__(self, *exc) -> None:
         try:

@@ -175,3 +175,38 @@ def test_a_generation_loop_sets_the_blas_limit_once(monkeypatch):
         seen = []
         onnxkv.generate(sess, ids, max_new_tokens=4, callback=lambda s, t: seen.append(_blas_threads()))
     assert seen and all(s == [1] * len(original) for s in seen)
+
+
+def test_a_replayed_step_takes_no_blas_limit_and_a_python_node_does(monkeypatch):
+    """A session run takes the BLAS limit only once a node runs in Python: the prompt and the recording run
+    take it, a decode step replayed wholly in C does not (nor does the compiled generation loop); without
+    compiled steps every run takes it."""
+    from onnxkv import _threads
+    from onnxkv.generate.feeds import FeedBuilder
+
+    taken = []
+    take = _threads._BLAS.take
+    monkeypatch.setattr(_threads._BLAS, "take", lambda n: taken.append(n) or take(n))
+    original = _blas_threads()
+    for compiled in (True, False):
+        sess = onnxkv.Session(build_model("gqa", MICRO, seed=10), threads=2, compiled_steps=compiled)
+        prompt = np.array([[3, 4, 5]])
+        builder = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([3]), 0, thread_cache=False)
+        state = sess.new_state()
+        state.run(builder.first()[0])
+        per_run = []
+        for token in range(1, 6):
+            taken.clear()
+            state.run(builder.next(np.array([[token]]), None))
+            per_run.append(taken.copy())
+        assert per_run[-1] == ([] if compiled else [1]), per_run
+        assert _blas_threads() == original
+        if compiled:
+            (step,) = sess.plan.steps.idle
+            assert step.compiled_nodes == len(sess.plan.nodes)
+            assert per_run[0] == [1]  # a node-by-node run: the limit is taken, at one thread for decode
+            taken.clear()
+            names = builder.decode_names
+            run = state.decode_steps(builder.next(np.array([[7]]), None), 4, names)
+            assert run.steps == 4 and taken == []
+        state.close()

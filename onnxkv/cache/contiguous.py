@@ -360,6 +360,12 @@ class CacheTensor:
 
     def _staged_append(self, cost: WriteCost, s: int, length: int, starts: np.ndarray | int) -> WriteCost:
         cost.append_copied_bytes += self.batch * self.heads * s * self.head_size * self.dtype.itemsize
+        self.stage(s, length, starts)
+        return cost
+
+    def stage(self, s: int, length: int, starts: np.ndarray | int) -> None:
+        """:meth:`appended` without its cost, for a run that records no events: stage ``length`` and the
+        rows' written lengths after ``s`` positions written at ``starts``."""
         self.staged = length
         if s:
             rows = self._rows
@@ -367,7 +373,6 @@ class CacheTensor:
                 self._staged_rows = max(rows, starts + s)
             else:
                 self._staged_rows = _uniform(np.maximum(rows, np.add(starts, s, dtype=np.int64)))
-        return cost
 
     def commit(self) -> None:
         """Publish the staged lengths (after a successful run); free the storage a growth replaced."""

@@ -60,6 +60,12 @@ class FeedBuilder:
         self.right_padded = self.kind in ("group_query_attention", "tensor_scatter")
         self.total = 0  # columns of the attention mask / tokens fed so far
         self.history = prompt.copy()  # used when there is no cache
+        #: The attention mask's storage: int64 [B, capacity], its first :attr:`total` columns valid (grown by
+        #: doubling, so a step writes its new columns in place instead of copying the mask); None before
+        #: :meth:`first`.
+        self._mbuf: np.ndarray | None = None
+        #: int64 [B]: the ones of each row of the mask (the row's tokens in the cache).
+        self._ones = np.zeros(self.batch, dtype=np.int64)
         known = {self.io.input_ids, self.io.attention_mask, self.io.position_ids, *self.conv.past_inputs}
         known.discard(None)
         if self.kind == "tensor_scatter":
@@ -88,6 +94,24 @@ class FeedBuilder:
             length = layer.window
         return np.zeros((self.batch, kv, length, hs), dtype=self.dtypes[name])
 
+    @property
+    def mask(self) -> np.ndarray:
+        """The attention mask fed so far: int64 [B, total], a view of the builder's storage (the next
+        step writes past it in place; copy it to keep it)."""
+        return self._mbuf[:, : self.total]
+
+    def _set_mask(self, mask: np.ndarray) -> None:
+        """Store ``mask`` (int64 [B, total]) as the mask so far, with room to grow."""
+        rows, cols = mask.shape
+        self._mbuf = np.zeros((rows, max(2 * cols, cols + 64)), dtype=np.int64)
+        self._mbuf[:, :cols] = mask
+        self._ones = mask.sum(axis=1, dtype=np.int64)
+
+    def _mask_feed(self, mask: np.ndarray) -> np.ndarray:
+        """``mask`` cast to the attention mask input's dtype, as a new C-contiguous array (never a view of
+        the builder's storage, which later steps write)."""
+        return np.array(mask, dtype=self.dtypes[self.io.attention_mask], order="C")
+
     # -- steps ---------------------------------------------------------
     def first(self) -> tuple[dict, np.ndarray]:
         """Feeds of the prefill run and, per row, the logits position to read."""
@@ -111,13 +135,13 @@ class FeedBuilder:
             pos = np.where(mask == 0, 1, pos)
             read = np.full(B, L - 1)
         self.total = L
-        self.mask = mask
+        self._set_mask(mask)
         feeds[self.io.input_ids] = self._cast(self.io.input_ids, ids)
         if self.kind == "tensor_scatter":
             pos = np.broadcast_to(np.arange(L), (B, L))
             mask = self._static_mask(self.lengths)
         if self.io.attention_mask:
-            feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
+            feeds[self.io.attention_mask] = self._mask_feed(mask)
         if self.io.position_ids:
             feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
         if self.thread_cache:
@@ -140,20 +164,30 @@ class FeedBuilder:
             self.history = np.concatenate([self.history, tokens], axis=1)
             return self._full_sequence_feeds()
         feeds: dict[str, np.ndarray] = {self.io.input_ids: self._cast(self.io.input_ids, tokens)}
-        steps = np.arange(S)[None, :]
-        if self.right_padded:
-            valid = self.mask.sum(axis=1)  # tokens already in the cache per row
-            self.mask = np.concatenate([self.mask, np.zeros((B, S), dtype=np.int64)], axis=1)
-            self.mask[np.arange(B)[:, None], valid[:, None] + steps] = 1
-            pos = valid[:, None] + steps
+        total, valid = self.total, self._ones  # valid: tokens already in the cache per row
+        if total + S > self._mbuf.shape[1]:
+            grown = np.zeros((B, 2 * (total + S)), dtype=np.int64)
+            grown[:, :total] = self._mbuf[:, :total]
+            self._mbuf = grown
+        buf = self._mbuf
+        if B == 1:
+            v = int(valid[0])
+            pos = np.arange(v, v + S, dtype=np.int64)[None, :]
         else:
-            self.mask = np.concatenate([self.mask, np.ones((B, S), dtype=np.int64)], axis=1)
-            pos = (self.mask.sum(axis=1) - S)[:, None] + steps
-            valid = None
-        self.total += S
-        mask = self._static_mask(valid + S) if self.kind == "tensor_scatter" else self.mask
+            pos = valid[:, None] + np.arange(S)[None, :]
+        if not self.right_padded:
+            buf[:, total : total + S] = 1
+        else:  # each row's new tokens right after its own
+            buf[:, total : total + S] = 0
+            if B == 1:
+                buf[0, v : v + S] = 1
+            else:
+                buf[np.arange(B)[:, None], pos] = 1
+        self.total = total + S
+        self._ones = valid + S
         if self.io.attention_mask:
-            feeds[self.io.attention_mask] = self._cast(self.io.attention_mask, mask)
+            mask = self._static_mask(valid + S) if self.kind == "tensor_scatter" else self.mask
+            feeds[self.io.attention_mask] = self._mask_feed(mask)
         if self.io.position_ids:
             feeds[self.io.position_ids] = self._cast(self.io.position_ids, pos)
         if self.thread_cache:
@@ -231,8 +265,8 @@ class FeedBuilder:
         self.prompt = self.prompt[idx]
         self.lengths = self.lengths[idx]
         self.history = self.history[idx]
-        if hasattr(self, "mask"):
-            self.mask = self.mask[idx]
+        if self._mbuf is not None:
+            self._set_mask(self.mask[idx])
 
     def _full_sequence_feeds(self) -> dict:
         ids = self.history
@@ -283,5 +317,5 @@ class FeedBuilder:
         if self.kind == "none":
             self.history = self.history[:, :total]
         else:
-            self.mask = self.mask[:, :total]
             self.total = int(total)
+            self._ones = self.mask.sum(axis=1, dtype=np.int64)

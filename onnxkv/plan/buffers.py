@@ -99,6 +99,9 @@ class RunBuffers:
         The run has succeeded: a ``free`` that raises is logged.
         """
         used = self.used
+        if not self.held and not any(self.free_lists.values()):  # a run that kept nothing (a replayed step)
+            used.clear()
+            return
         gone = []
         for n, lst in self.free_lists.items():
             stale = [e for e in lst if id(e) not in used]
@@ -112,7 +115,8 @@ class RunBuffers:
             if any(np.may_share_memory(o, entry[1]) for o in arrays) or not self._keep(entry):
                 gone.append(entry)
         used.clear()
-        checked.release(self.allocator, [e[0] for e in gone], _WHO)
+        if gone:
+            checked.release(self.allocator, [e[0] for e in gone], _WHO)
 
     def close(self) -> None:
         """Return every buffer to the allocator (the end of a run, failed or not: a ``free`` that raises is

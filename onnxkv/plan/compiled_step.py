@@ -131,6 +131,7 @@ class CompiledStep:
         self.items = items
         self.buffers = buffers
         self.stale = False
+        self._compiled_nodes = sum(item.end - item.first for item in items if isinstance(item, Segment))
         exported = {s for item in items if isinstance(item, Segment) for s, _ in item.exports}
         #: Graph output slots whose value is this step's memory (copied before they are returned).
         self.owned_outputs = exported & output_slots
@@ -155,7 +156,7 @@ class CompiledStep:
     @property
     def compiled_nodes(self) -> int:
         """How many nodes run as recorded kernel calls."""
-        return sum(item.end - item.first for item in self.items if isinstance(item, Segment))
+        return self._compiled_nodes
 
     def run(self, plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> None:
         """Run ``plan`` on ``slots`` (bound inputs) as the plain loop does, segments replayed.

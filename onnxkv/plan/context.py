@@ -58,10 +58,18 @@ class RunContext:
         "cache_allocator",
         "deferred",
         "cancel",
+        "on_python",
     )
 
     def __init__(
-        self, plan_alloc, recording: bool, step: int, caches: dict | None = None, cache_allocator=None, cancel=None
+        self,
+        plan_alloc,
+        recording: bool,
+        step: int,
+        caches: dict | None = None,
+        cache_allocator=None,
+        cancel=None,
+        on_python=None,
     ) -> None:
         self._plan_alloc = plan_alloc
         self._node = 0
@@ -73,6 +81,9 @@ class RunContext:
         self.cache_allocator = cache_allocator
         self.deferred: list[tuple] = []
         self.cancel = cancel
+        #: Called (then cleared) before the run's first node that runs in Python, or None: the session's BLAS
+        #: thread limit (:mod:`onnxkv._threads`), which a replayed compiled step does not need.
+        self.on_python = on_python
 
     def nested(self, plan_alloc) -> RunContext:
         """The context of nodes run inside the current node (a subgraph's plan, a fused node's body).
@@ -135,9 +146,10 @@ class RunContext:
         ``reserve``, or None); stage ``length`` and return the present view
         ``[:, :, :length]``.  Recorded like :meth:`cache_write`."""
         cache = self.caches[past]
-        cost = cache.appended(s, length, grown, starts)
         if self.recording:
-            self.cache_events.append((past, cost))
+            self.cache_events.append((past, cache.appended(s, length, grown, starts)))
+        else:  # the cost would go nowhere
+            cache.stage(s, length, starts)
         return cache.view(length)
 
     def defer(self, commit, rollback) -> None:

@@ -424,7 +424,8 @@ class Plan:
 
     # -- running -------------------------------------------------------
     def bind_inputs(self, feeds: Mapping[str, np.ndarray], views: Mapping | None = None) -> list:
-        """Validate feeds against the graph inputs; return the initial slot list."""
+        """Validate ``feeds`` against the graph inputs; return the initial slot list.  Inputs named in
+        ``views`` (a state's caches) are its store's views, bound as given (another stored dtype, strided)."""
         slots = self._template.copy()
         names = self._input_names
         for name in feeds:
@@ -438,10 +439,12 @@ class Plan:
                 if g.has_default:
                     continue
                 raise InputError(f"Session.run: missing input '{g.name}' (dtype {g.dtype}, shape {g.shape})")
+            if g.name in views:  # a state's cache, viewed by its store: may store another dtype, fed as given
+                slots[s] = v
+                continue
             if type(v) is not np.ndarray:
                 v = np.asarray(v)
-            held = g.name in views  # a state's cache: may store another dtype, fed as given
-            if v.dtype != dtype and not held:
+            if v.dtype != dtype:
                 raise InputError(f"Session.run: input '{g.name}' has dtype {v.dtype}, expected {g.dtype}")
             if rank >= 0:
                 shape = v.shape
@@ -450,7 +453,7 @@ class Plan:
                 for axis, size in fixed:
                     if shape[axis] != size:
                         raise InputError(f"Session.run: input '{g.name}' has shape {shape}, expected {g.shape}")
-            slots[s] = v if held or aliased or v.flags.c_contiguous else v.copy(order="C")
+            slots[s] = v if aliased or v.flags.c_contiguous else v.copy(order="C")
         return slots
 
     def needed(self, out_slots: tuple) -> list[bool] | None:
@@ -476,6 +479,7 @@ class Plan:
         cache_allocator=None,
         cancel=None,
         logits_at: tuple[str, np.ndarray, int] | None = None,
+        on_python=None,
     ) -> dict[str, np.ndarray]:
         """Run every node once and return the requested graph outputs (all by default).
 
@@ -487,7 +491,8 @@ class Plan:
         such a run takes the node loop, not a compiled step).  ``logits_at`` (an output's name, [B] positions
         in [0, S) and S, the tokens fed; checked by the caller): that output, when it is [B, S, V], is
         [B, 1, V], its rows at those positions, computed for them alone where the graph allows
-        (:mod:`.logit_rows`).
+        (:mod:`.logit_rows`).  ``on_python`` (a callable, or None) is called once, before the first node that
+        runs in Python (not at all when a compiled step replays every node: :attr:`RunContext.on_python`).
         """
         needed = None
         if output_names is None:
@@ -505,7 +510,7 @@ class Plan:
         slots = self.bind_inputs(feeds, caches)
         bufs = self._take_buffers()
         recording = events is not None and events.enabled
-        rt = RunContext(bufs.plan_alloc, recording, step, caches, cache_allocator, cancel)
+        rt = RunContext(bufs.plan_alloc, recording, step, caches, cache_allocator, cancel, on_python)
         compiled, taken = None, False
         head = None if logits_at is None else self.logit_head(logits_at[0])
         rows = None if head is None else (head, logits_at[1])

@@ -27,6 +27,14 @@ def _node_failure(plan: Plan, k: int, e: Exception) -> OperatorError:
     return OperatorError(f"{node.op_type} node '{node.name or node.output[0]}' failed: {type(e).__name__}: {e}")
 
 
+def _python_starts(rt: RunContext) -> None:
+    """Nodes of the run are about to run in Python: call the run's ``on_python`` hook, once."""
+    hook = rt.on_python
+    if hook is not None:
+        rt.on_python = None
+        hook()
+
+
 def needed_nodes(plan: Plan, out_slots: tuple) -> list[bool] | None:
     """Per node of ``plan``, whether a run asked for the outputs in ``out_slots`` must run it (see
     :meth:`Plan.needed`, which caches this); None when every node is."""
@@ -60,6 +68,7 @@ def run_nodes(
     plan: Plan, first: int, end: int, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None, needed=None
 ) -> None:
     """``run_plain`` for the nodes ``[first, end)`` only (the others run elsewhere: a compiled step)."""
+    _python_starts(rt)
     release = bufs.release
     get = slots.__getitem__
     steps, after = plan._steps, plan._after  # indexed, not sliced: no copy of the step lists per call
@@ -110,6 +119,7 @@ def run_recording(
 ) -> bool:
     """``run_plain`` that also records each node's time, counters and allocator figures, and each cache
     write, in ``events`` under ``step`` (a skipped node records nothing)."""
+    _python_starts(rt)
     allocator = plan.allocator
     release = bufs.release
     after = plan._after

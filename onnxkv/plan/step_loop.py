@@ -222,5 +222,5 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
         return None
     if done:
         for c in named:
-            c.appended(done, start[id(c)] + done, None, start[id(c)])
+            c.stage(done, start[id(c)] + done, start[id(c)])
     return StepsRun(tokens[:done], seconds[:done], why == REFUSED)

@@ -213,9 +213,11 @@ class Session:
         step = self._step
         self._step += 1
         decode = ids is not None and ids.size <= DECODE_ROWS
-        with self._threads(1 if decode else None):
+        with self._threads(1 if decode else None, lazy_blas=True) as run:
             events = self.events if self.events.enabled else None
-            return self.plan.run(feeds, output_names, events, step, caches, cache_allocator, cancel, logits_at)
+            return self.plan.run(
+                feeds, output_names, events, step, caches, cache_allocator, cancel, logits_at, run.python_nodes
+            )
 
     def prompt_chunk(self, cache: CacheConfig | str | None = None) -> int:
         """Tokens per chunk in which ``generate`` feeds a long single prompt on a state of ``cache`` (a

@@ -264,7 +264,7 @@ class State(PagedAPI):
         with self._exclusive("decode_steps"):
             if self.session.events.enabled:
                 return None
-            with self.session._threads(1):
+            with self.session._threads(1, lazy_blas=True):  # kernels only, in C: BLAS is never called
                 run = self._store.decode_steps(self.session.plan, feeds, count, names, eos, draws)
             self.steps += run.steps if run is not None else 0
             return run
