@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FUSED_TOKENS", "constant_rotary", "fused_decode"]
 
-#: New tokens of one sequence the fused call takes at most (a decode step, a speculative verification); a
-#: longer run (a prompt chunk) takes the general path, whose attention splits its queries into tiles.
+#: New tokens of one sequence the fused call takes at most (a decode step, a speculative verification, a
+#: short first prompt); a longer run (a prompt chunk) takes the general path, whose attention splits its
+#: queries into tiles.
 FUSED_TOKENS = 16
 
 
@@ -43,8 +44,8 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     """The outputs of node ``op`` for a few tokens of one sequence into a state's float32 cache, or None.
 
     The general path's result for the common decode call -- batch 1, S new
-    tokens (1 <= S <= ``FUSED_TOKENS``: a decode step, or a speculative
-    verification) after a past, float32 Q/K/V (separate or packed), the
+    tokens (1 <= S <= ``FUSED_TOKENS``: a decode step, a speculative
+    verification, or a first prompt into an empty cache) after a past, float32 Q/K/V (separate or packed), the
     state's contiguous float32 caches bound in place with room for the
     tokens, no position_ids / attention_bias / head_sink / smooth_softmax,
     rotary (if any) from the node's constant tables -- computed by the
@@ -88,10 +89,11 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     n = query.shape[1]
     past_len = past_key.shape[2]
     total, total_b = int(total_seqlen.reshape(-1)[0]), int(seqlens_k[0]) + 1
-    # Not a first prompt (S == total), the general path's total_sequence_length and seqlens_k ranges, and
-    # an append exactly at the committed length: a past the row never wrote is refused there, and a rewrite
-    # of committed positions is saved there first so that a failed run can restore it.
-    if not n < total <= past_len + n or not n <= total_b <= total or total_b - n != ck.length:
+    # The general path's total_sequence_length and seqlens_k ranges, and an append exactly at the committed
+    # length: a past the row never wrote is refused there, and a rewrite of committed positions is saved
+    # there first so that a failed run can restore it.  A first prompt (S == total) therefore only on an
+    # empty cache: its queries attend causally to its own keys, as a verification's do after a past.
+    if not n <= total <= past_len + n or not n <= total_b <= total or total_b - n != ck.length:
         return None
     rotary = constant_rotary(op, inputs, total_b)
     if rotary is None:

@@ -16,6 +16,7 @@ import pytest
 import onnxkv
 from onnxkv.errors import InputError, OperatorError
 from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.plan.ops._gqa_decode import FUSED_TOKENS
 from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
 from onnxkv.zoo.builders import MICRO, build_model
 
@@ -63,14 +64,17 @@ def spy(monkeypatch):
     return served
 
 
-def _decode(session, state, steps: int, batch: int = 1) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Prefill PROMPT random tokens per row, then ``steps`` greedy-free decode steps of fixed tokens.
-    Returns each decode step's last-token logits and the state's final values (caches)."""
-    prompt = np.random.default_rng(7).integers(0, MICRO.vocab_size, (batch, PROMPT))
-    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.full(batch, PROMPT), 0, thread_cache=False)
+def _decode(
+    session, state, steps: int, batch: int = 1, length: int = PROMPT
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Prefill ``length`` random tokens per row, then ``steps`` greedy-free decode steps of fixed tokens.
+    Returns the prompt's logits and each decode step's last-token logits, and the state's final values
+    (caches)."""
+    prompt = np.random.default_rng(7).integers(0, MICRO.vocab_size, (batch, length))
+    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.full(batch, length), 0, thread_cache=False)
     feeds, _ = b.first()
     out = state.run(feeds, ["logits"])
-    logits = []
+    logits = [out["logits"].copy()]
     for i in range(steps):
         tokens = np.array([(17 * i + 3 + r) % MICRO.vocab_size for r in range(batch)])
         out = state.run(b.next(tokens, out), ["logits"])
@@ -85,15 +89,14 @@ def _decode(session, state, steps: int, batch: int = 1) -> tuple[list[np.ndarray
 )
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
-    """Every decode step takes the path (growth of the cache included) with results bitwise equal to
-    the general path's."""
+    """The prompt (a first prompt of at most FUSED_TOKENS) and every decode step take the path (growth of
+    the cache included) with results bitwise equal to the general path's."""
     # node by node: every step calls the path (the compiled step's replays of it: tests/plan/test_compiled_step.py)
     model = _packed_model() if attrs == "packed" else _model(**attrs)
     session = onnxkv.Session(model, threads=threads, compiled_steps=False)
     with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:  # grows during prefill and decode
         got_logits, got_values = _decode(session, st, steps=9)
-    decode_calls = spy[-9 * MICRO.num_layers :]
-    assert all(decode_calls) and len(decode_calls) == 9 * MICRO.num_layers
+    assert all(spy) and len(spy) == 10 * MICRO.num_layers
     monkeypatch.setattr(GroupQueryAttention, "_decode_token", lambda self, inputs, rt: None)
     with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:
         want_logits, want_values = _decode(session, st, steps=9)
@@ -102,10 +105,10 @@ def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
 
 
 def test_calls_it_does_not_serve_take_the_general_path(spy):
-    """The prompt (a first prompt), a batch of two and the tensor path (no state) are declined."""
+    """A prompt longer than FUSED_TOKENS, a batch of two and the tensor path (no state) are declined."""
     session = onnxkv.Session(_model(), threads=2)
     with session.new_state() as st:
-        _decode(session, st, steps=0)
+        _decode(session, st, steps=0, length=FUSED_TOKENS + 1)
     assert spy and not any(spy)
     spy.clear()
     with session.new_state() as st:
