@@ -44,7 +44,7 @@ def byte_view(raw: np.ndarray, dtype: npt.DTypeLike, shape: int | Sequence[int])
     dt = np.dtype(dtype)
     if dt.hasobject or dt.itemsize == 0:
         raise TypeError(f"cannot view raw bytes as dtype {dt}")
-    if isinstance(shape, Sequence):
+    if type(shape) is tuple or isinstance(shape, Sequence):  # a tuple skips the ABC check
         dims = tuple(_as_int(d, "shape entry") for d in shape)
     else:
         dims = (_as_int(shape, "shape"),)

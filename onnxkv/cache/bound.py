@@ -13,20 +13,24 @@ import threading
 
 import numpy as np
 
-__all__ = ["register", "unregister", "is_bound"]
+__all__ = ["byte_span", "register", "unregister", "is_bound"]
 
 _lock = threading.Lock()
 _ranges: dict[int, tuple[int, int]] = {}
+# NumPy 2 moved byte_bounds to numpy.lib.array_utils; looked up once (a missing attribute of the numpy
+# module costs its module __getattr__ on every call).
+_byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds
 
 
-def _span(array: np.ndarray) -> tuple[int, int]:
-    lo, hi = np.byte_bounds(array) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(array)
+def byte_span(array: np.ndarray) -> tuple[int, int]:
+    """The byte range [lo, hi) ``array`` covers."""
+    lo, hi = _byte_bounds(array)
     return int(lo), int(hi)
 
 
 def register(key: int, array: np.ndarray) -> None:
     with _lock:
-        _ranges[key] = _span(array)
+        _ranges[key] = byte_span(array)
 
 
 def unregister(key: int) -> None:
@@ -38,6 +42,6 @@ def is_bound(array: np.ndarray) -> bool:
     """True if ``array`` overlaps storage currently held by any state's cache."""
     if array.size == 0:
         return False
-    lo, hi = _span(array)
+    lo, hi = byte_span(array)
     with _lock:
         return any(lo < e and s < hi for s, e in _ranges.values())

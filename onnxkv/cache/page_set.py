@@ -60,6 +60,7 @@ from onnxkv._kernels import _validate as V
 from onnxkv.alloc import as_allocator
 from onnxkv.alloc.checked import release
 from onnxkv.cache import formats
+from onnxkv.cache.bound import byte_span as _span
 from onnxkv.cache.plane_payloads import PageParams, PlanePayloads, PlaneSpec
 from onnxkv.errors import InputError, StateError
 
@@ -129,12 +130,6 @@ class ConvertCost:
 
 def _address(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
-
-
-def _span(a: np.ndarray) -> tuple[int, int]:
-    """The byte range [lo, hi) ``a`` covers."""
-    lo, hi = np.byte_bounds(a) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(a)
-    return int(lo), int(hi)
 
 
 def _release_payloads(key: int, payloads: PlanePayloads) -> None:
