@@ -21,7 +21,11 @@ static inline long long okv_thread_run_delay(void) {
     char buf[96];
     unsigned long long cpu = 0, delay = 0;
     ssize_t n;
-    int fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    int flags = O_RDONLY, fd;
+#ifdef O_CLOEXEC /* POSIX 2008: absent from a strict C99 compile, where the short-lived descriptor goes without */
+    flags |= O_CLOEXEC;
+#endif
+    fd = open("/proc/thread-self/schedstat", flags);
     if (fd < 0) return -1;
     n = read(fd, buf, sizeof buf - 1);
     close(fd);
