@@ -28,7 +28,14 @@ Usage:
   python benchmarks/bench_engine.py --churn 1000 [--model embedded]
 
 The ratio to one request alone is taken within each round (N = 1 of the same
-round) and reported per round and as the median.
+round) and reported per round and as the median.  Beside it, for requests
+arriving together without a shared prefix, ``prompt_bound_vs_one_alone``: the
+ratio if N prompts cost N times the lone request's prompt (prompt products are
+compute bound) and a step of N rows cost exactly one step of one row (each
+reads every weight once), N (P + D) / (N P + D) with P the lone request's time
+to first token and D the rest of its run.  It is what the prompts leave to
+batching; a machine whose speed moves between the runs of a round moves the
+measured ratio to either side of it.
 """
 
 from __future__ import annotations
@@ -68,6 +75,16 @@ def _decode_phase(stamps: dict) -> float | None:
     later = sum(max(0, len(v) - 1) for v in stamps.values())
     end = max((v[-1] for v in stamps.values() if v), default=None)
     return later / (end - max(firsts)) if firsts and end is not None and end > max(firsts) else None
+
+
+def _prompt_bound(n: int, alone: dict) -> float:
+    """The speed-up of N requests arriving together over one alone (``alone``: that request's run on the
+    same engine, in the same round) when their prompts cost N times its prompt (prompt products are
+    compute bound: no batching shares them) and a decode step of N rows costs exactly one of one row (each
+    reads every weight once): N (P + D) / (N P + D), P its time to first token, D the rest of its run.
+    Where a prompt costs as much as many decode steps, this keeps the speed-up well below N."""
+    wall, prompt = alone["wall_s"], alone["ttft_each_s"][0]
+    return n * wall / (n * prompt + (wall - prompt))
 
 
 def _percentiles(xs) -> dict:
@@ -451,6 +468,10 @@ def main() -> None:
                 ratios = [t / r1["onnxkv_engine"]["tokens_per_s"] for t, r1 in zip(tps, cases[0]["rounds"])]
                 case["speedup_vs_one_alone"] = ratios
                 line += f" ({median(ratios):.2f}x one alone; rounds {', '.join(f'{x:.2f}' for x in ratios)})"
+                if case["concurrency"] > 1 and args.rate == 0 and not args.shared_prefix:
+                    bounds = [_prompt_bound(case["concurrency"], r1["onnxkv_engine"]) for r1 in cases[0]["rounds"]]
+                    case["prompt_bound_vs_one_alone"] = bounds
+                    line += f" (prompt bound {median(bounds):.2f}x)"
                 phase = [
                     (r["onnxkv_engine"]["decode_phase_tokens_per_s"], r1["onnxkv_engine"]["decode_phase_tokens_per_s"])
                     for r, r1 in zip(rounds, cases[0]["rounds"])
