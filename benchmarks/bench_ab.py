@@ -64,8 +64,10 @@ def _page_addresses(a, bs: int, table, keep: list):
     return addr
 
 
-def _cases(rng) -> dict:
-    """Every case: name -> a function making one call."""
+def _cases(rng) -> tuple[dict, list]:
+    """Every case (name -> a function making one call), and the page buffers the paged cases read.  Only
+    kernel entry points and NumPy: the worker runs under the other build too, so it uses neither the
+    benchmark helpers nor onnxkv's allocators, whose interfaces may differ between builds."""
     import numpy as np
 
     import onnxkv._kernels as K
@@ -127,8 +129,7 @@ def _cases(rng) -> dict:
     kk, vv = (rng.standard_normal((1, HKV, S, D)).astype(f32) for _ in range(2))
     kl5, qp5, ao = np.array([S], np.int32), np.arange(S, dtype=np.int32)[None], np.empty_like(qq)
     cases["prefill_512"] = lambda: K.attention(qq, kk, vv, kl5, qp5, scale, 0.0, -1, ao)
-    cases["_keep"] = keep
-    return cases
+    return cases, keep
 
 
 def worker() -> None:
@@ -139,8 +140,7 @@ def worker() -> None:
     import onnxkv
     import onnxkv._kernels as K
 
-    cases = _cases(np.random.default_rng(0))
-    keep = cases.pop("_keep")
+    cases, keep = _cases(np.random.default_rng(0))
     print(json.dumps({"cases": sorted(cases), "onnxkv": os.path.dirname(onnxkv.__file__), "pages": len(keep)}))
     sys.stdout.flush()
     for line in sys.stdin:

@@ -6,9 +6,10 @@ storage in place asks :func:`is_bound` so that storage owned by a state is
 never written by a run that does not belong to that state (request isolation).
 
 An entry lives until :func:`unregister` or until the registered array is
-garbage collected, whichever comes first: a state dropped without ``close``
-frees its memory with its arrays, and an address range left behind would
-later refuse an unrelated caller array that happens to be allocated there.
+garbage collected, whichever comes first: storage whose release never ran (a
+cache dropped without ``release``, a close that failed part way) is freed with
+its arrays, and an address range left behind would later refuse an unrelated
+caller array that happens to be allocated there.
 Thread-safe.
 """
 
