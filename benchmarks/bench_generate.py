@@ -18,6 +18,8 @@ minute of a shared machine falls on all of them):
                         per token;
 * ``onnxkv-f16``     -- the same with the cache stored as float16 (``kv_format="fp16"``;
                         GroupQueryAttention models, opt-in: not in the default set);
+* ``onnxkv-paged``   -- the same loop as ``onnxkv`` on a paged cache (``CacheConfig("paged")``, 16-token
+                        pages: the cache of beam search and of the engine; opt-in);
 * ``onnxkv-tensor``  -- onnxkv with the cache threaded as tensors (past -> present);
 * ``ort``            -- ``onnxruntime.InferenceSession`` on the same file, cache
                         threaded as tensors by the same loop;
@@ -163,7 +165,10 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
         result["decode_wall_per_token_s"] = (wall - prefill) / len(samples)
     else:
         sess = onnxkv.Session(path, threads=threads)
-        if engine in ("onnxkv", "onnxkv-f16"):
+        if engine == "onnxkv-paged":
+            state = sess.new_state(cache=onnxkv.CacheConfig("paged"))
+            run, thread_cache = state.run, False
+        elif engine in ("onnxkv", "onnxkv-f16"):
             state = sess.new_state(
                 cache=onnxkv.CacheConfig(
                     initial_capacity=prompt_len + new_tokens + 1, kv_format="fp16" if engine == "onnxkv-f16" else None
@@ -185,10 +190,10 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             sess,
             prompt[:, :8],
             2,
-            sess.new_state().run if engine.startswith("onnxkv-f") or engine == "onnxkv" else run,
+            sess.new_state().run if engine in ("onnxkv", "onnxkv-f16", "onnxkv-paged") else run,
             thread_cache,
         )
-        chunk = PREFILL_CHUNK if engine in ("onnxkv", "onnxkv-f16") else None
+        chunk = PREFILL_CHUNK if engine in ("onnxkv", "onnxkv-f16", "onnxkv-paged") else None
         prefill, samples, tokens = _feed_loop(sess, prompt, new_tokens, run, thread_cache, chunk)
         result["peak_rss_bytes"] = peak_rss()  # before the event-log session below maps the weights again
         if engine == "onnxkv":
@@ -549,11 +554,11 @@ def main() -> None:
                             f"({loaded['p90_over_quiet_median']:.2f}x the quiet median)",
                             file=sys.stderr,
                         )
-            for ours in ("onnxkv", "onnxkv-generate"):
+            for ours in ("onnxkv", "onnxkv-generate", "onnxkv-paged"):
                 kv = entry["engines"].get(ours, {})
-                for peer in ("ort", "ort-genai", "onnxkv-tensor", "onnxkv-f16"):
+                for peer in ("ort", "ort-genai", "onnxkv", "onnxkv-tensor", "onnxkv-f16"):
                     p = entry["engines"].get(peer, {})
-                    if "median_token_s" in kv and "median_token_s" in p:
+                    if peer != ours and "median_token_s" in kv and "median_token_s" in p:
                         entry[f"ratio_{ours}_over_{peer}"] = kv["median_token_s"] / p["median_token_s"]
                         entry[f"rss_ratio_{ours}_over_{peer}"] = kv["peak_rss_bytes"] / p["peak_rss_bytes"]
                         if args.rounds > 1:

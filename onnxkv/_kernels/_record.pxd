@@ -24,3 +24,13 @@ cdef enum:
     # int32(sum(mask[b]) - 1) (int64 arithmetic wrapping as NumPy's), total = L.  A *prelude* call: it reads
     # only externals and runs before every other call is admitted, so those may check what it wrote.
     KIND_MASK_LENGTHS = 8
+    # One new token of each of B rows into a state's paged float32 cache (attention.decode_paged_ptr), the rows'
+    # positions read when replayed: arrays (q, k, v (each the memory its B rows span), cos or None, sin or None,
+    # page addresses uint64 [planes, P] (the pool's whole table), block tables int32 [B, M], seqlens_k int32 [B],
+    # total int32 [1], out, lengths int64 [B] (the committed lengths, set before each replay)); ints (Hq, Hkv, D,
+    # block size, half, interleaved, window, cos rows, B, K plane, V plane, q / k / v row strides in floats, P, M).
+    # The two tables are whole external arrays whose last dim may change (Program's ``ragged``): the replay
+    # reads P and M from them.  Refused unless every seqlens_k[b] == lengths[b], 1 < total, max(seqlens_k) <
+    # total <= max(lengths) + 1 and every position and page the call writes or reads passes
+    # attention.decode_paged_ok.
+    KIND_DECODE_PAGED = 9

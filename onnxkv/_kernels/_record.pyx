@@ -44,6 +44,7 @@ cdef void refuse(str reason):
 #: The kind codes of the calls operators note themselves (see the .pxd).
 DECODE_TOKEN = KIND_DECODE_TOKEN
 MASK_LENGTHS = KIND_MASK_LENGTHS
+DECODE_PAGED = KIND_DECODE_PAGED
 
 
 def current():
@@ -57,7 +58,7 @@ class Recorder:
     Attributes:
         calls: ``(kind, arrays, ints, floats)`` per noted call, in call order.
         refused: why calls that ran could not be noted (a recording with any cannot be replayed).
-        caches: cache name -> the buffer of that cache a noted call wrote (:meth:`cache`).
+        caches: cache name (or (name, attribute)) -> the array of that cache a noted call used (:meth:`cache`).
         effects: the effects of noted calls, in call order (:meth:`effect`).
         ragged: the arrays a noted call reads whole with a last dim that may differ from run to run
             (:meth:`ragged_last`).
@@ -77,9 +78,10 @@ class Recorder:
     def note(self, int kind, tuple arrays, tuple ints, tuple floats) -> None:
         self.calls.append((kind, arrays, ints, floats))
 
-    def cache(self, str name, buffer) -> None:
-        """A noted call used ``buffer``, the whole buffer of the run's cache ``name`` (replays take the
-        buffer that cache has then)."""
+    def cache(self, name, buffer) -> None:
+        """A noted call used ``buffer``: the whole buffer of the run's cache ``name`` (a str), or the table
+        ``attribute`` of the cache ``name`` for a key ``(name, attribute)`` (replays take what that cache has
+        then)."""
         self.caches[name] = buffer
 
     def ragged_last(self, array) -> None:

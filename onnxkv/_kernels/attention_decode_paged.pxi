@@ -117,3 +117,81 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
                     memcpy(&rq[b, h, 0, 0], &qv[b, 0, h * D], <size_t>D * sizeof(float))
     return _paged_fast(rotated, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale,
                        softcap, window, out.reshape(B, Hq, 1, D), None, None, None, None, 1, 1, "float32")
+
+
+cdef inline bint _page_at_ok(int64_t page, const uint64_t *kp, const uint64_t *vp, int64_t P) noexcept nogil:
+    """``_page_ok`` on raw page address arrays of ``P`` entries."""
+    if page < 0 or page >= P:
+        return False
+    return kp[page] != 0 and vp[page] != 0 and (kp[page] & 63) == 0 and (vp[page] & 63) == 0
+
+
+cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
+                          int64_t bs, const int32_t *pos, int64_t B, int64_t rows, int64_t window) noexcept nogil:
+    """Whether :func:`decode_paged_ptr` may run on these values of a replay: every ``pos[b]`` in
+    ``[0, M * bs)`` and below ``rows`` (the rotary table's rows; ``rows`` < 0: no rotary), and every table
+    entry the call writes or reads (row ``b``'s blocks from its window's first key to ``pos[b]``) a page in
+    ``[0, P)`` with nonzero, 64-byte aligned K and V addresses -- what ``decode_token_paged`` checks."""
+    cdef int64_t b, p, lo, i
+    for b in range(B):
+        p = pos[b]
+        if p < 0 or p >= M * bs or (rows >= 0 and p >= rows):
+            return False
+        lo = p - window if window >= 0 else 0
+        if lo < 0:
+            lo = 0
+        for i in range(lo // bs, p // bs + 1):
+            if not _page_at_ok(tables[b * M + i], kp, vp, P):
+                return False
+    return True
+
+
+cdef int decode_paged_ptr(const float *q, int64_t qs, const float *k, int64_t ks, const float *v, int64_t vs,
+                          const float *cos, const float *sin, int64_t half, int inter, const uint64_t *kp,
+                          const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *pos,
+                          int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap, int64_t window,
+                          float *out, okv_settings s) noexcept nogil:
+    """``decode_token_paged`` on values :func:`decode_paged_ok` accepted (the compiled step's replay calls it):
+    q [B rows of Hq*D, ``qs`` floats apart], k, v [B rows of Hkv*D, ``ks`` / ``vs`` apart], out [B, Hq*D]
+    contiguous and disjoint from the others and every page; cos, sin [> max pos, half] or NULL; the page each
+    row writes held by the run alone.  The same calls in the same order as ``decode_token_paged``, so the
+    result is bit for bit its.  Returns 0, or -1 (nothing but page rows written) when memory runs out."""
+    cdef int64_t b, h, p, page, off, maxlen = 0
+    cdef int64_t stats[2]
+    cdef float *dst
+    cdef float *rq = <float *>malloc(<size_t>(B * Hq * D) * sizeof(float))
+    cdef int32_t *kl = <int32_t *>malloc(<size_t>B * sizeof(int32_t))
+    cdef okv_attn_args a
+    cdef int rot = cos != NULL, rc
+    if rq == NULL or kl == NULL:
+        free(rq)
+        free(kl)
+        return -1
+    for b in range(B):
+        p = pos[b]
+        page, off = tables[b * M + p // bs], p % bs
+        for h in range(Hkv):
+            dst = <float *><size_t>kp[page] + (h * bs + off) * D
+            if rot:
+                okv_rope_row_f32(k + b * ks + h * D, cos + p * half, sin + p * half, dst, half, D, inter, s.simd)
+            else:
+                memcpy(dst, k + b * ks + h * D, <size_t>D * sizeof(float))
+            memcpy(<float *><size_t>vp[page] + (h * bs + off) * D, v + b * vs + h * D, <size_t>D * sizeof(float))
+        for h in range(Hq):
+            if rot:
+                okv_rope_row_f32(q + b * qs + h * D, cos + p * half, sin + p * half, rq + (b * Hq + h) * D, half, D,
+                                 inter, s.simd)
+            else:
+                memcpy(rq + (b * Hq + h) * D, q + b * qs + h * D, <size_t>D * sizeof(float))
+        kl[b] = <int32_t>(p + 1)
+        if p + 1 > maxlen:
+            maxlen = p + 1
+    _fill_args(&a, rq, out, kl, pos, B, Hq, 1, D, Hkv, M * bs, scale, softcap, window, OKV_KV_F32)
+    a.k_pages = kp
+    a.v_pages = vp
+    a.block_tables = tables
+    a.M, a.bs = M, bs
+    rc = _run_units(&a, maxlen, s, stats)
+    free(rq)
+    free(kl)
+    return rc

@@ -6,7 +6,7 @@ from onnxkv._kernels._runtime cimport okv_settings
 
 cdef enum:
     NP = 11          # array operands of a call at most
-    NI = 12          # int parameters at most
+    NI = 16          # int parameters at most
     NF = 2           # float parameters at most
     MAX_FORMAT = 8
     MAX_EXT = 64     # external arrays at most (a larger segment is not made: its nodes run in Python)
@@ -29,7 +29,7 @@ cdef struct ext_t:
     int written          # some call writes into it
     uintptr_t pinned     # the baked address it must have (it viewed program memory when recorded), or 0
     int64_t nbytes
-    int ragged           # its last dim may differ from run to run (taken whole by prelude calls only)
+    int ragged           # its last dim may differ from run to run (taken whole by prelude and paged calls only)
     int resizable        # a cache [1, H, Cap, D] whose capacity (dim 2) may differ (taken whole by decode calls)
 
 

@@ -19,9 +19,11 @@ recorded, or that the caller pinned, must be that same memory now; one that did 
 memory the program writes, and an external a call writes must not overlap
 another external) -- and returns False, with nothing run, when one differs.
 An external array may be *ragged*: its last dim may differ from the
-recording's (an attention mask that grows by a column per step); only a call
-of a kind that reads its length from it (``KIND_MASK_LENGTHS``) may take it,
-whole.  Such *prelude* calls read only externals and run first.  An external
+recording's (an attention mask that grows by a column per step, a pool's page
+addresses, a state's block tables); only a call of a kind that reads its length
+from it (``KIND_MASK_LENGTHS``, ``KIND_DECODE_PAGED``: ``RAGGED_WHOLE``) may take
+it, whole.  ``KIND_MASK_LENGTHS`` calls are *prelude* calls: they read only
+externals and run first.  An external
 may be *resizable*: a cache [1, H, Cap, D] whose capacity (dim 2) may differ
 from the recording's (a new state's cache, or one that grew); only the cache
 operands of decode-token calls may take it, whole, and they read their
@@ -43,11 +45,12 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t, uintpt
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strcmp
 
-from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MASK_LENGTHS,
-                                      KIND_MATMUL_NBITS, KIND_MATMUL_PACKED, KIND_RMS_NORM, KIND_SKIP_RMS_NORM)
+from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_PAGED, KIND_DECODE_TOKEN, KIND_GATHER_ROWS,
+                                      KIND_MASK_LENGTHS, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED, KIND_RMS_NORM,
+                                      KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
-from onnxkv._kernels.attention cimport decode_token_ptr
+from onnxkv._kernels.attention cimport decode_paged_ok, decode_paged_ptr, decode_token_ptr
 from onnxkv._kernels.gather cimport gather_rows_ptr
 from onnxkv._kernels.matmul cimport matmul_packed_ptr
 from onnxkv._kernels.norm cimport rms_f32_ptr, skip_rms_f32_ptr
@@ -58,16 +61,22 @@ __all__ = ["Program", "WRITTEN"]
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
            KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,),
-           KIND_MASK_LENGTHS: (1, 2)}
+           KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,)}
 #: Operands whose values decide whether a call accepts the run (read before any call but the prelude ones runs:
 #: never written by another call of the program).
-CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8)}
+CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED: (5, 6, 7, 8, 10)}
 #: Operand count of each kind.
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
-             KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3}
+             KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11}
 #: Kinds run before the others are admitted (they read externals only), and the operand each takes whole from a
 #: ragged external (its last dim read when replayed).
 PRELUDE = {KIND_MASK_LENGTHS: 0}
+#: (kind, operand) a kind takes whole from a ragged external, reading its last dim when replayed: a paged decode
+#: call's page addresses (into ``ints[RAGGED_P]``) and block tables (``ints[RAGGED_M]``).
+RAGGED_WHOLE = {(KIND_DECODE_PAGED, 5), (KIND_DECODE_PAGED, 6)}
+cdef enum:
+    RAGGED_P = 14
+    RAGGED_M = 15
 #: Operands that are not arrays: (kind, position) -> the address of the C arguments they stand for.
 _OPAQUE = {(KIND_MATMUL_NBITS, 1)}
 
@@ -89,7 +98,9 @@ cdef class Program:
     ``resizable`` those whose dim 2 may (see the module docstring).  Raises
     ValueError naming the call when an operand straddles an external array's
     bounds, a kind is unknown, a ragged external is taken other than whole by a
-    prelude call, a resizable one other than whole as a decode call's cache, a prelude call reads memory
+    prelude call or a paged decode call's tables (``RAGGED_WHOLE``, which must be), a paged decode call's
+    planes or rows do not fit its tables, a resizable one other than whole as a decode call's cache, a
+    prelude call reads memory
     that is not external or that a call writes or writes external memory, or
     when there are more than 64 external arrays.
     """
@@ -134,6 +145,12 @@ cdef class Program:
         for c, (kind, arrays, ints, floats) in enumerate(calls):
             if kind not in _OPERANDS or len(arrays) != _OPERANDS[kind] or len(ints) > NI or len(floats) > NF:
                 raise ValueError(f"Program: call {c} has an unknown kind or arity ({kind}, {len(arrays)} arrays)")
+            if kind == KIND_DECODE_PAGED and not (
+                    arrays[5] is not None and arrays[6] is not None and arrays[5].ndim == 2 and arrays[6].ndim == 2
+                    and 0 <= ints[9] < arrays[5].shape[0] and 0 <= ints[10] < arrays[5].shape[0]
+                    and ints[8] == arrays[6].shape[0] >= 1 and ints[3] >= 1):
+                raise ValueError(f"Program: paged decode call {c}: planes {ints[9]}, {ints[10]} or {ints[8]} rows "
+                                 "do not fit its page and block tables")
             cl = &self.calls[c]
             cl.kind = kind
             for j, v in enumerate(ints):
@@ -153,9 +170,11 @@ cdef class Program:
                 crossing = [k for k, (b0, b1) in enumerate(bounds) if lo < b1 and b0 < hi and k not in inside]
                 if crossing:
                     raise ValueError(f"Program: operand {j} of call {c} straddles external array {crossing[0]}")
-                whole = PRELUDE.get(kind) == j and inside and bounds[inside[0]] == (lo, hi)
+                whole = (PRELUDE.get(kind) == j or (kind, j) in RAGGED_WHOLE) and inside and bounds[inside[0]] == (lo, hi)
                 if inside and self.exts[inside[0]].ragged and not whole:
                     raise ValueError(f"Program: operand {j} of call {c} lies in ragged external array {inside[0]}")
+                if (kind, j) in RAGGED_WHOLE and not (whole and self.exts[inside[0]].ragged):
+                    raise ValueError(f"Program: operand {j} of call {c} must be a whole ragged external array")
                 if inside and self.exts[inside[0]].resizable and not (
                         kind == KIND_DECODE_TOKEN and j in (5, 6) and bounds[inside[0]] == (lo, hi)):
                     raise ValueError(f"Program: operand {j} of call {c} lies in resizable external array {inside[0]}")
@@ -300,6 +319,10 @@ cdef class Program:
                 if self.exts[cl.ext[0]].ragged:
                     cl.i[1] = lens[cl.ext[0]]
                 _mask_lengths(cl)
+        for c in range(self.n):    # paged decode calls take the sizes of this run's page and block tables
+            cl = &self.calls[c]
+            if cl.kind == KIND_DECODE_PAGED:   # both whole ragged externals (checked when built)
+                cl.i[RAGGED_P], cl.i[RAGGED_M] = lens[cl.ext[5]], lens[cl.ext[6]]
         for c in range(self.n):    # decode calls take the capacity of this run's caches
             cl = &self.calls[c]
             if cl.kind == KIND_DECODE_TOKEN and cl.ext[5] >= 0 and self.exts[cl.ext[5]].resizable:
@@ -331,13 +354,46 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
         if pos != (<const int64_t *>c.p[10])[0] or total != pos + n or pos < 1 or pos > c.i[2] - n \
                 or (c.p[3] != NULL and pos > c.i[7] - n):
             return False
+    elif c.kind == KIND_DECODE_PAGED:
+        return _paged_admitted(c)
     return True
+
+
+cdef inline bint _paged_admitted(const call_t *c) noexcept nogil:
+    """KIND_DECODE_PAGED (_record.pxd): every row appends at its committed length, the total fits, and every
+    position and page the call touches passes ``decode_paged_ok``."""
+    cdef const int32_t *seqlens = <const int32_t *>c.p[7]
+    cdef const int64_t *lengths = <const int64_t *>c.p[10]
+    cdef int64_t b, B = c.i[8], P = c.i[RAGGED_P], top = -1, committed = 0
+    cdef int64_t total = (<const int32_t *>c.p[8])[0]
+    if B < 1 or P < 1 or c.i[RAGGED_M] < 1:
+        return False
+    for b in range(B):
+        if seqlens[b] != lengths[b] or seqlens[b] < 0:
+            return False
+        if seqlens[b] > top:
+            top = seqlens[b]
+        if lengths[b] > committed:
+            committed = lengths[b]
+    if total <= 1 or total <= top or total > committed + 1:
+        return False
+    return decode_paged_ok(<const uint64_t *>c.p[5] + c.i[9] * P, <const uint64_t *>c.p[5] + c.i[10] * P, P,
+                           <const int32_t *>c.p[6], c.i[RAGGED_M], c.i[3], seqlens, B,
+                           c.i[7] if c.p[3] != NULL else -1, c.i[6])
 
 
 cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
     """Run one admitted call (the operand order of ``_record.pxd``); 0, or -1 when memory ran out."""
     if c.kind == KIND_DECODE_TOKEN:
         return _decode_token(c, s)
+    if c.kind == KIND_DECODE_PAGED:
+        return decode_paged_ptr(<const float *>c.p[0], c.i[11], <const float *>c.p[1], c.i[12],
+                                <const float *>c.p[2], c.i[13], <const float *>c.p[3], <const float *>c.p[4], c.i[4],
+                                <int>c.i[5], <const uint64_t *>c.p[5] + c.i[9] * c.i[RAGGED_P],
+                                <const uint64_t *>c.p[5] + c.i[10] * c.i[RAGGED_P], <const int32_t *>c.p[6],
+                                c.i[RAGGED_M],
+                                c.i[3], <const int32_t *>c.p[7], c.i[8], c.i[0], c.i[1], c.i[2], c.f[0], c.f[1],
+                                c.i[6], <float *>c.p[9], s)
     if c.kind == KIND_GATHER_ROWS:
         gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2], <float *>c.p[2])
     elif c.kind == KIND_MATMUL_NBITS:

@@ -16,7 +16,7 @@ from libc.math cimport INFINITY, isnan
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 
-from onnxkv._kernels._record cimport KIND_DECODE_TOKEN
+from onnxkv._kernels._record cimport KIND_DECODE_PAGED, KIND_DECODE_TOKEN
 from onnxkv._kernels._runtime cimport okv_now_ns, okv_settings, okv_settings_get
 from onnxkv._kernels.sampling cimport sample_row_f32
 from onnxkv._kernels.step cimport MAX_EXT, Program, call_t
@@ -63,7 +63,8 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     its id to ``tokens[t]`` and its time (seconds) to ``seconds[t]``; ``steps`` counts the steps that ran,
     ``why`` is :data:`DONE`, :data:`EOS` (``tokens[steps - 1]`` is in ``eos``),
     :data:`REFUSED` (step ``steps`` refused its values: nothing of it ran) or :data:`MISMATCH` (the
-    externals differ from the recording, as :meth:`Program.run` checks them: nothing ran).  Each step's
+    externals differ from the recording, as :meth:`Program.run` checks them, or the program holds a paged
+    decode call, whose pages only a run through Python stages: nothing ran).  Each step's
     decode-token calls appended rows at their committed length, which the next step takes as committed.
 
     Raises:
@@ -103,6 +104,9 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         if c >= 0 and (program.exts[c].nbytes != 8 or program.exts[c].itemsize != 8
                        or (program.exts[c].format[0] != c'l' and program.exts[c].format[0] != c'q')):
             raise ValueError(f"decode_steps: external {c} must be one int64 (a token id or a position)")
+    for c in range(program.n):   # pages are staged per step in Python: a paged step cannot loop in C
+        if program.calls[c].kind == KIND_DECODE_PAGED:
+            return 0, MISMATCH
     if not program.bind(externals, bases, lens):
         return 0, MISMATCH
     if mask_len < 1 or mask_len + count - 1 > lens[mask_ext]:

@@ -132,7 +132,11 @@ class PagedCache:
         if key == self._prepared:  # the other planes of the same write: pages are in place
             return WriteCost()
         pool, bs = self.pool, self.pool.block_size
-        short = None if self.static_length is not None else self.short_row(starts)
+        committed = self.table.lengths
+        if self.static_length is not None or (starts.shape == committed.shape and not (starts > committed).any()):
+            short = None
+        else:
+            short = self.short_row(starts)
         if short is not None:
             raise InputError(
                 f"paged cache: row {short[0]} would be written at position {short[1]} but has "
@@ -159,6 +163,12 @@ class PagedCache:
 
     def _stage_pages(self, tables: np.ndarray, starts: np.ndarray, s: int, key: tuple) -> WriteCost:
         pool, bs = self.pool, self.pool.block_size
+        if s == 1 and not any(self.payloads.converted):  # a decode step: usually every row's page is its own
+            pages = tables[np.arange(tables.shape[0]), starts // bs]
+            if pages.size and int(pages.min()) >= 0 and int(pages.max()) < pool.core.capacity:
+                if (pool.core.refs()[pages] == 1).all():  # pages_needed's KEEP for every row: nothing to stage
+                    self._prepared = key
+                    return WriteCost()
         plan = []
         total = 0
         for b in range(tables.shape[0]):
@@ -364,6 +374,7 @@ class PagedPlane:
         self.storage = self.spec.storage
         self.heads = self.spec.heads
         self.head_size = self.spec.head_size
+        self._placeholders: tuple[np.ndarray, ...] = ()
 
     @property
     def batch(self) -> int:
@@ -393,6 +404,12 @@ class PagedPlane:
         return self.cache.payloads.ptrs[self.index]
 
     @property
+    def page_addresses(self) -> np.ndarray:
+        """Every plane's page addresses (uint64 [planes, pool capacity]; :attr:`ptrs` is row :attr:`index`),
+        replaced when the pool grows."""
+        return self.cache.payloads.ptrs
+
+    @property
     def tables(self) -> np.ndarray:
         return self.cache.tables
 
@@ -418,10 +435,16 @@ class PagedPlane:
 
     def placeholder(self, length: int) -> np.ndarray:
         """A zero-byte stand-in of the present/past value ``[B, H, length, D]`` (nothing may read it): a
-        read-only array of zeros, every stride 0 (made per layer and step, so without broadcast_to's cost)."""
-        dtype = np.dtype(self.spec.model_dtype)
+        read-only array of zeros, every stride 0 (made per layer and step, so without broadcast_to's cost;
+        the last two made are kept, as the present of one step is the past of the next)."""
         shape = (self.batch, self.heads, int(length), self.head_size)
-        return np.ndarray(shape, dtype, buffer=bytes(dtype.itemsize), strides=(0, 0, 0, 0))
+        for made in self._placeholders:
+            if made.shape == shape:
+                return made
+        dtype = np.dtype(self.spec.model_dtype)
+        made = np.ndarray(shape, dtype, buffer=bytes(dtype.itemsize), strides=(0, 0, 0, 0))
+        self._placeholders = (made, self._placeholders[0]) if self._placeholders else (made,)
+        return made
 
     def gather(self, length: int | None = None) -> np.ndarray:
         """A contiguous copy of the valid cache in the stored type (the price of a tensor consumer)."""

@@ -74,8 +74,9 @@ class Segment:
 
     Attributes:
         program: the recorded kernel calls.
-        external_slots: the values :attr:`program` takes each run, in its order: a slot (int), or the name
-            of a cache (str) whose current buffer the calls write.
+        external_slots: the values :attr:`program` takes each run, in its order: a slot (int), the name
+            of a cache (str) whose current buffer the calls write, or ``(cache name, attribute)`` of a paged
+            cache's tables the calls read (``page_addresses``, ``tables``: they change as pages are staged).
         exports: ``(slot, array)`` for every value produced here that a later node or a graph output reads.
         effects: ``(effect, output slots of its node)`` per recorded call with an effect (see
             :mod:`onnxkv._kernels._record`), in node order.
@@ -102,7 +103,10 @@ class Segment:
                 for effect, _ in self.effects:
                     if not effect.before(caches):
                         return False
-            externals = [slots[s] if type(s) is int else caches[s].buffer for s in self.external_slots]
+            externals = [
+                slots[s] if type(s) is int else caches[s].buffer if type(s) is str else getattr(caches[s[0]], s[1])
+                for s in self.external_slots
+            ]
         except (KeyError, TypeError, AttributeError):  # a cache this run does not have, or not a contiguous one
             return False
         if not self.program.run(externals):
@@ -200,7 +204,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     items: list = []
     current: list = []  # the open segment: node indices
     calls: list = []
-    external: dict = {}  # slot, or cache name -> the value the open segment read (or the cache buffer it wrote)
+    external: dict = {}  # slot, cache name or (name, attribute) -> the value the open segment read (or wrote)
     produced: dict[int, np.ndarray] = {}  # slot -> value made in the open segment
     effects: list = []  # (effect, output slots of its node)
     ragged: set[int] = set()  # ids of the open segment's external values taken ragged

@@ -204,8 +204,9 @@ def _hostile_mask(kind, length):
     return mask
 
 
+@pytest.mark.parametrize("cache", ["contiguous", CacheConfig("paged", block_size=4)], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("kind", ["too-long", "hole", "wrapping"])
-def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_by_node(kind):
+def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_by_node(kind, cache):
     model = build_model("gqa", MICRO, seed=13)
     rng = np.random.default_rng(5)
     prompt = rng.integers(1, MICRO.vocab_size, (1, 4))
@@ -213,7 +214,7 @@ def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_
     for compiled in (False, True):
         session = onnxkv.Session(model, threads=1, compiled_steps=compiled)
         name = session.model.io.logits
-        with session.new_state() as state:
+        with session.new_state(cache=cache) as state:
             _steps(session, state, prompt, [[5], [6], [7]])
             length = state.length
             feeds = {"input_ids": np.array([[8]]), "attention_mask": _hostile_mask(kind, length)}
@@ -228,11 +229,98 @@ def test_a_mask_that_disagrees_with_the_cache_is_not_replayed_and_fails_as_node_
     np.testing.assert_array_equal(outcomes[False][-1], outcomes[True][-1])
 
 
-def test_paged_decode_attention_stays_a_python_node():
+def test_paged_decode_attention_is_compiled_and_one_step_serves_every_token():
+    """The fused paged decode call is recorded: the whole decode step is one segment, and one recording
+    serves every later token although the block tables gain a column and pages are staged per step."""
     session = onnxkv.Session(build_model("gqa", MICRO, seed=14), threads=1)
-    onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=6, cache=CacheConfig("paged", block_size=4))
-    kinds = _compiled_kinds(session)
-    assert "GroupQueryAttention" not in kinds and "MatMul" in kinds
+    onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=12, cache=CacheConfig("paged", block_size=4))
+    (step,) = session.plan.steps.idle
+    assert "GroupQueryAttention" in _compiled_kinds(session)
+    assert [type(item) for item in step.items] == [Segment] and not step.stale
+
+
+def _paged_runs(model, compiled, run):
+    """``run(session)``'s result with and without compiled steps, and the compiled session."""
+    session = onnxkv.Session(model, threads=1, compiled_steps=compiled)
+    return run(session), session
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_paged_replays_equal_node_by_node_through_pool_growth(block_size):
+    """Page addresses and block tables are ragged externals: the pool grows past its first 64 ids and the
+    tables by a column every ``block_size`` tokens, and the step recorded at the start keeps replaying."""
+    model = build_model("gqa", MICRO, seed=20)
+    prompt = np.random.default_rng(11).integers(1, MICRO.vocab_size, (2, 5))
+    cache = CacheConfig("paged", block_size=block_size)
+
+    def run(session):
+        return onnxkv.generate(session, prompt, max_new_tokens=40, cache=cache, do_sample=True, seed=3).tokens
+
+    plain, _ = _paged_runs(model, False, run)
+    replayed, session = _paged_runs(model, True, run)
+    np.testing.assert_array_equal(plain, replayed)
+    assert "GroupQueryAttention" in _compiled_kinds(session)
+
+
+def test_paged_replays_serve_engine_rows_of_different_lengths_and_forked_tables():
+    """A batched engine step (rows of their own lengths and page tables) and beam search (tables forked and
+    reordered: copy-on-write staged before each replayed write) give the node-by-node tokens."""
+    model = build_model("gqa", MICRO, seed=21)
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(1, MICRO.vocab_size, n) for n in (3, 9, 6)]
+
+    def engine(session):
+        eng = onnxkv.Engine(session, cache=CacheConfig("paged", block_size=4))
+        requests = [eng.add_request(p, 14) for p in prompts]
+        eng.step()
+        eng.step()
+        requests.append(eng.add_request(prompts[0][:2], 9))
+        eng.run()
+        return [r.tokens for r in requests]
+
+    def beams(session):
+        return onnxkv.beam_search(session, prompts[1][None], num_beams=3, max_new_tokens=12, cache="paged").sequences
+
+    for run in (engine, beams):
+        plain, _ = _paged_runs(model, False, run)
+        replayed, session = _paged_runs(model, True, run)
+        assert len(plain) == len(replayed)
+        for a, b in zip(plain, replayed, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert "GroupQueryAttention" in _compiled_kinds(session), run.__name__
+
+
+def test_a_paged_replay_refuses_a_bad_page_address_before_anything_runs():
+    """Page addresses are checked in C on every replay (the block tables by the staging before it): a page the
+    call would read whose address is not a page's is refused (replay None, nothing run, the step kept), and
+    the node-by-node path refuses it too, naming it."""
+    from onnxkv.plan.context import RunContext
+
+    session = onnxkv.Session(build_model("gqa", MICRO, seed=22), threads=1)
+    prompt = np.random.default_rng(13).integers(1, MICRO.vocab_size, (1, 6))
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as state:
+        b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([6]), 0, False)
+        state.run(b.first()[0])
+        for t in (5, 6):
+            state.run(b.next(np.array([t]), None))
+        (step,) = session.plan.steps.idle
+        (seg,) = [it for it in step.items if isinstance(it, Segment)]
+        caches = state._store.caches
+        cache = next(iter(caches.values())).cache
+        page = int(cache.table.tables[0, 0])  # block 0 holds keys the new token sees
+        good = int(cache.payloads.ptrs[0, page])
+        feeds = b.next(np.array([7]), None)
+        slots = session.plan.bind_inputs(state._store.feeds(feeds), caches)
+        for bad in (0, good + 4):
+            cache.payloads.ptrs[0, page] = bad
+            assert seg.replay(list(slots), RunContext(None, False, 0, caches)) is None
+            cache.discard()
+            with pytest.raises(onnxkv.errors.OnnxkvError, match="page"):
+                state.run(feeds)
+            cache.payloads.ptrs[0, page] = good
+        assert state.length == 8
+        state.run(feeds)
+        assert state.length == 9 and session.plan.steps.idle == [step] and not step.stale
 
 
 @pytest.mark.parametrize("accuracy_level", [4, 0], ids=["int8-activations", "float-activations"])
@@ -319,8 +407,8 @@ def test_verifications_of_several_tokens_replay_the_fused_attention_bit_for_bit(
 
 
 def test_steps_recorded_with_paged_caches_are_not_taken_by_contiguous_runs():
-    """The same input shapes over another cache storage take other operator paths (paged attention stays
-    Python): each storage records and keeps its own step, and a contiguous run still replays every node."""
+    """The same input shapes over another cache storage take other operator paths (paged and contiguous
+    attention calls differ): each storage records and keeps its own step, and both replay every node."""
     session = onnxkv.Session(build_model("gqa", MICRO, seed=18), threads=1)
     rng = np.random.default_rng(9)
     prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 4)), rng.integers(1, MICRO.vocab_size, (4, 1))
@@ -332,6 +420,8 @@ def test_steps_recorded_with_paged_caches_are_not_taken_by_contiguous_runs():
     contiguous = [s for s in session.plan.steps.idle if not s.caches[0][0]]
     assert len(contiguous) == 2  # the decode step and the prompt's (one fused call into an empty cache)
     assert all(whole.compiled_nodes == len(session.plan.nodes) for whole in contiguous)
+    paged = [s for s in session.plan.steps.idle if s.caches[0][0]]
+    assert [whole.compiled_nodes == len(session.plan.nodes) for whole in paged] == [True]  # the decode step
 
 
 def test_a_segment_tells_values_it_refuses_from_externals_unlike_its_recording():

@@ -6,6 +6,10 @@ cache (an engine's batched decode step, or ``generate`` on paged caches) with on
 attention), after the cache has staged the pages the rows write (:meth:`PagedCache.prepare`: fresh and
 copy-on-write pages, as the general path's first write does).  It declines (None, no cache byte written)
 whatever the general path would treat otherwise or refuse, so that path runs and raises its errors.
+
+A compiled step records the call (``_record.KIND_DECODE_PAGED``) with :class:`PagedAppend` as its effect: a
+replay stages the rows' pages as this path does, reads the tables and page addresses the run has then, and
+checks every position and page in C before anything runs.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv._kernels import decode_token_paged as _paged_kernel
+from onnxkv._kernels._record import DECODE_PAGED
+from onnxkv._kernels._record import current as _recorder
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._gqa_decode import constant_rotary
+from onnxkv.plan.ops._gqa_record import rows_span
 
 if TYPE_CHECKING:
     from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
 
-__all__ = ["paged_decode"]
+__all__ = ["PagedAppend", "paged_decode"]
 
 _I32 = np.dtype(np.int32)
 
@@ -103,6 +110,9 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     )  # fmt: skip
     if stats is None:  # declined: the general path writes the rows (its first write's cost is the pages')
         return None
+    rec = _recorder()
+    if rec is not None:
+        _note(op, rec, (query, key, value, cos, sin), ck, cv, seqlens_k, total_seqlen, output)
     for name, plane, extra in ((past_k_name, ck, prep), (past_v_name, cv, None)):
         cost = cache.appended(plane.index, starts, 1)
         if extra is not None:
@@ -113,3 +123,71 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     present_len = max(total, past_len)
     presents = [c.placeholder(present_len) if want else None for c, want in zip((ck, cv), op.has_present)]
     return (output, *presents)[: len(op.node.output)]
+
+
+def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total: np.ndarray, output):
+    """Note the fused call of ``op`` that just ran on the recording thread (``_record.KIND_DECODE_PAGED``):
+    ``qkv_rot`` its (q, k, v, cos or None, sin or None) arrays (q, k, v [B, 1, W], rows possibly strided),
+    ``ck`` / ``cv`` the planes it wrote, ``output`` its result.  The page addresses and block tables are
+    externals the replay takes from the run's caches (their last dims may change: the pool and the tables
+    grow); the effect sets the committed lengths the call checks the positions against."""
+    q, k, v, cos, sin = qkv_rot
+    cache = ck.cache
+    b = q.shape[0]
+    lengths = np.zeros(b, dtype=np.int64)
+    strides = [x.shape[2] if b == 1 else x.strides[0] // x.itemsize for x in (q, k, v)]
+    half, rows = (0, 0) if cos is None else (cos.shape[1], cos.shape[0])
+    addresses, tables = cache.payloads.ptrs, cache.tables
+    first = next(iter(cache.planes))  # every plane of the cache names the same page and block tables
+    arrays = (*(rows_span(x, 0) for x in (q, k, v)), cos, sin, addresses, tables, seqlens_k, total.reshape(1), output,
+              lengths)  # fmt: skip
+    ints = (op.num_heads, op.kv_num_heads, ck.head_size, ck.block_size, half, int(bool(op.interleaved)), op.window,
+            rows, b, ck.index, cv.index, *strides, 0, 0)  # fmt: skip
+    rec.note(DECODE_PAGED, arrays, ints, (float(op._softmax_scale(ck.head_size)), float(op.softcap)))
+    rec.cache((first, "page_addresses"), addresses)
+    rec.cache((first, "tables"), tables)
+    rec.ragged_last(addresses)
+    rec.ragged_last(tables)
+    rec.effect(PagedAppend(op._past_names, lengths, op.has_present))
+
+
+class PagedAppend:
+    """The effect of a recorded paged decode call (``_record.KIND_DECODE_PAGED``) on the run's paged cache.
+
+    ``before(caches)`` declines (False: the step is stale) unless both planes are paged float32 planes of one
+    cache whose pages are all native and whose writes no format selector reads, with the recorded batch;
+    it copies the committed lengths into ``lengths`` (the positions the call checks) and stages the pages
+    the rows write (:meth:`PagedCache.prepare`, as :func:`paged_decode` does; the other layers' calls find
+    them staged).  ``after(rt)`` stages the appended rows of both planes and returns ``(output index,
+    placeholder)`` for the node's present outputs.
+    """
+
+    __slots__ = ("names", "lengths", "outputs")
+
+    def __init__(self, names: tuple[str, str], lengths: np.ndarray, has_present: tuple[bool, bool]) -> None:
+        self.names = names
+        self.lengths = lengths
+        #: The node outputs this effect sets (present key 1, present value 2).
+        self.outputs = tuple(i + 1 for i in (0, 1) if has_present[i])
+
+    def before(self, caches: dict) -> bool:
+        ck, cv = caches[self.names[0]], caches[self.names[1]]
+        if not (getattr(ck, "paged", False) and getattr(cv, "paged", False)) or ck.cache is not cv.cache:
+            return False
+        cache = ck.cache
+        if ck.storage != "float32" or cv.storage != "float32" or cache.keep_written or any(cache.payloads.converted):
+            return False
+        committed = ck.lengths
+        if committed.shape != self.lengths.shape:
+            return False
+        self.lengths[:] = committed
+        cache.prepare(self.lengths, 1)
+        return True
+
+    def after(self, rt: RunContext) -> list:
+        planes = [rt.caches[name] for name in self.names]
+        starts = self.lengths
+        for name, plane in zip(self.names, planes):
+            rt.cache_staged(name, plane.cache.appended(plane.index, starts, 1))
+        present_len = int(starts.max()) + 1
+        return [(i, planes[i - 1].placeholder(present_len)) for i in self.outputs]

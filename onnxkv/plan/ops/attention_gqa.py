@@ -188,6 +188,8 @@ class GroupQueryAttention(Op):
 
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray | None]:
         fast = self._decode_token(inputs, rt)
+        if fast is None:
+            fast = paged_decode(self, inputs, rt)  # notes its call on a recorder, as _decode_token does
         if fast is not None:
             return fast
         rec = _recorder()
@@ -197,9 +199,6 @@ class GroupQueryAttention(Op):
             query = inputs[0]
             if isinstance(total, np.ndarray) and total.size == 1 and getattr(query, "ndim", 0) == 3:
                 rec.transient |= int(total.reshape(-1)[0]) == query.shape[1]  # a prompt: the shapes of a verification
-        fast = paged_decode(self, inputs, rt)
-        if fast is not None:
-            return fast
         inputs = list(inputs) + [None] * (_SUPPORTED_INPUTS - len(inputs))
         query, key, value, past_key, past_value, seqlens_k, total_seqlen = inputs[:7]
         cos, sin, position_ids, attn_bias, head_sink = inputs[7:12]

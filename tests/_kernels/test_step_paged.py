@@ -1,0 +1,181 @@
+"""A recorded paged decode call (``_record.KIND_DECODE_PAGED``) replayed by a Program: bit for bit
+``decode_token_paged`` (output and every page) at every SIMD level and thread count, with page addresses and
+block tables taken as ragged externals (the pool and the tables grow); values it cannot take are refused
+before anything is written; the compiled generation loop never runs it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnxkv._kernels._record import DECODE_PAGED, MASK_LENGTHS
+from onnxkv._kernels.step import Program
+from onnxkv._kernels.token_loop import MISMATCH, decode_steps
+
+import onnxkv._kernels as K
+
+from .test_decode_token_paged import BS, _case, _restore, _snapshot
+
+HQ, HKV, D, CAP, ROWS = 4, 2, 16, 64, 60
+
+
+class PagedCall:
+    """One recorded paged decode call over :class:`Paged` caches of ``len(pos)`` rows: the operands in the
+    order of ``_record.pxd``; the address table stacks K (plane 0) and V (plane 1) addresses."""
+
+    def __init__(self, rng, pos, rot=True, packed=False):
+        pos = np.asarray(pos, np.int32)
+        self.pg, self.q, self.k, self.v, self.cos, self.sin = _case(rng, HQ, HKV, D, pos, D // 2 if rot else 0, packed)
+        if rot:
+            self.cos, self.sin = self.cos[:ROWS].copy(), self.sin[:ROWS].copy()
+        b = len(pos)
+        self.seq, self.total = pos.copy(), np.array([pos.max() + 1], np.int32)
+        self.lengths = pos.astype(np.int64)
+        self.out = np.full((b, 1, HQ * D), np.nan, np.float32)
+        strides = [x.strides[0] // 4 for x in (self.q, self.k, self.v)]
+        spans = [x if x.flags.c_contiguous else self._span(x) for x in (self.q, self.k, self.v)]
+        half, rows = (D // 2, ROWS) if rot else (0, 0)
+        self.addresses = np.stack([self.pg.k_addr, self.pg.v_addr])
+        arrays = (*spans, self.cos, self.sin, self.addresses, self.pg.table, self.seq, self.total, self.out,
+                  self.lengths)  # fmt: skip
+        ints = (HQ, HKV, D, BS, half, 0, -1, rows, b, 0, 1, *strides, 0, 0)
+        self.call = (DECODE_PAGED, arrays, ints, (D**-0.5, 0.0))
+        self.program = Program([self.call], [self.addresses, self.pg.table], (), [0, 1])
+
+    @staticmethod
+    def _span(x):
+        span = (x.shape[0] - 1) * (x.strides[0] // 4) + x.shape[2]
+        return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(4,))
+
+    def kernel(self, out):
+        """decode_token_paged on the same values (its figures, or None when it declines)."""
+        return K.decode_token_paged(self.q, self.k, self.v, self.cos, self.sin, False, self.pg.k_addr,
+                                    self.pg.v_addr, self.pg.table, BS, HKV, self.seq, D**-0.5, 0.0, -1, out)  # fmt: skip
+
+
+@pytest.mark.parametrize("rot, packed", [(True, False), (False, False), (True, True)], ids=["rot", "plain", "packed"])
+def test_a_paged_replay_equals_decode_token_paged_bit_for_bit(simd, threads, rot, packed):
+    rng = np.random.default_rng([3, rot, packed])
+    c = PagedCall(rng, [0, 17, 31, 15, 59], rot, packed)
+    before = _snapshot(c.pg)
+    want = np.full_like(c.out, np.nan)
+    assert c.kernel(want) is not None
+    pages = _snapshot(c.pg)
+    _restore(c.pg, before)
+    assert c.program.run([c.addresses, c.pg.table])
+    np.testing.assert_array_equal(c.out, want)
+    for got, w in zip(_snapshot(c.pg), pages, strict=True):
+        np.testing.assert_array_equal(got, w)
+
+
+def test_page_and_block_tables_of_other_sizes_replay_and_keep_their_rows():
+    """A grown pool (more page ids) and grown tables (more columns) are the same call on this run's sizes."""
+    rng = np.random.default_rng(5)
+    c = PagedCall(rng, [3, 40])
+    want = np.full_like(c.out, np.nan)
+    before = _snapshot(c.pg)
+    assert c.kernel(want) is not None
+    _restore(c.pg, before)
+    extra = 7
+    addresses = np.zeros((2, c.addresses.shape[1] + extra), np.uint64)
+    addresses[:, : c.addresses.shape[1]] = c.addresses
+    tables = np.full((2, c.pg.table.shape[1] + 3), -1, np.int32)
+    tables[:, : c.pg.table.shape[1]] = c.pg.table
+    assert c.program.run([addresses, tables])
+    np.testing.assert_array_equal(c.out, want)
+    assert not c.program.run([addresses[:1], tables])  # the planes are the recording's: a mismatch
+    assert not c.program.refused
+    assert not c.program.run([addresses, tables[:1]])  # so are the rows
+
+
+def _refused(c, **change):
+    """Set ``change`` (seq, total, lengths, table, addresses) and assert the replay refuses: nothing written."""
+    arrays = {"seq": c.seq, "total": c.total, "lengths": c.lengths, "table": c.pg.table, "addresses": c.addresses}
+    saved = {name: a.copy() for name, a in arrays.items()}
+    for name, value in change.items():
+        arrays[name][...] = value
+    before, out = _snapshot(c.pg), c.out.copy()
+    assert not c.program.run([c.addresses, c.pg.table])
+    assert c.program.refused, change
+    np.testing.assert_array_equal(c.out, out)
+    for got, w in zip(_snapshot(c.pg), before, strict=True):
+        np.testing.assert_array_equal(got, w)
+    for name, value in saved.items():
+        arrays[name][...] = value
+
+
+def test_a_paged_replay_refuses_positions_and_pages_it_cannot_take_and_writes_nothing():
+    c = PagedCall(np.random.default_rng(9), [5, 20])
+    p = c.pg.table[1, 0]
+    bad_table = c.pg.table.copy()
+    bad_table[1, 0] = c.addresses.shape[1]  # a page id past the pool
+    unpaged = c.pg.table.copy()
+    unpaged[0, 0] = -1
+    zero, odd = c.addresses.copy(), c.addresses.copy()
+    zero[1, p] = 0  # the V plane's address of a page row 1 reads
+    odd[0, p] += 4
+    for change in (
+        {"lengths": [5, 19]},  # not at the committed length
+        {"seq": [5, 21], "total": [22]},
+        {"total": [20]},  # not past every position
+        {"total": [22]},  # past the committed length + 1
+        {"seq": [0, 0], "lengths": [0, 0], "total": [1]},  # a first token: not a decode step after a past
+        {"seq": [5, -1], "lengths": [5, -1]},
+        {"seq": [5, ROWS], "lengths": [5, ROWS], "total": [ROWS + 1]},  # past the rotary tables
+        {"table": bad_table},
+        {"table": unpaged},
+        {"addresses": zero},
+        {"addresses": odd},
+    ):
+        _refused(c, **change)
+    assert c.program.run([c.addresses, c.pg.table])  # the values restored: it runs
+
+
+def test_a_window_reads_only_the_pages_it_sees():
+    """With a window, blocks before the window's first key are not read: an unallocated one is no refusal."""
+    rng = np.random.default_rng(10)
+    c = PagedCall(rng, [40])
+    kind, arrays, ints, floats = c.call
+    ints = list(ints)
+    ints[6] = 7  # keys 33..40: blocks 2 only
+    program = Program([(kind, arrays, tuple(ints), floats)], [c.addresses, c.pg.table], (), [0, 1])
+    c.pg.table[0, :2] = -1
+    assert program.run([c.addresses, c.pg.table])
+    c.pg.table[0, 2] = -1
+    assert not program.run([c.addresses, c.pg.table]) and program.refused
+
+
+def test_paged_tables_are_taken_whole_or_not_at_all():
+    c = PagedCall(np.random.default_rng(11), [5])
+    with pytest.raises(ValueError, match="ragged external"):
+        Program([c.call], [c.addresses, c.pg.table], (), [0])  # the block tables not ragged
+    kind, arrays, ints, floats = c.call
+    wider = np.zeros((3, c.addresses.shape[1]), np.uint64)
+    wider[:2] = c.addresses
+    with pytest.raises(ValueError, match="ragged external"):  # the call's table is part of a larger external
+        Program([(kind, (*arrays[:5], wider[:2], *arrays[6:]), ints, floats)], [wider, c.pg.table], (), [0, 1])
+
+
+def test_the_compiled_generation_loop_never_runs_a_paged_step():
+    """Pages are staged per step in Python: decode_steps refuses a program with a paged call, running nothing."""
+    c = PagedCall(np.random.default_rng(12), [9])
+    mask, token = np.ones((1, 10), np.int64), np.array([1], np.int64)
+    calls = [(MASK_LENGTHS, (mask, c.seq, c.total), mask.shape, ()), c.call]
+    program = Program(calls, [token, mask, c.addresses, c.pg.table], (), [1, 2, 3])
+    before, out = _snapshot(c.pg), c.out.copy()
+    tokens, seconds = np.empty(3, np.int64), np.empty(3)
+    got = decode_steps(program, [token, np.ones((1, 12), np.int64), c.addresses, c.pg.table], 0, 1, -1, 10,
+                       c.out.reshape(-1), np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
+    assert got == (0, MISMATCH)
+    np.testing.assert_array_equal(c.out, out)
+    for a, w in zip(_snapshot(c.pg), before, strict=True):
+        np.testing.assert_array_equal(a, w)
+
+
+def test_a_paged_call_whose_planes_or_rows_miss_its_tables_is_refused_at_build():
+    c = PagedCall(np.random.default_rng(13), [5, 9])
+    kind, arrays, ints, floats = c.call
+    for slot, value in ((9, 2), (10, -1), (8, 3), (3, 0)):
+        bad = list(ints)
+        bad[slot] = value
+        with pytest.raises(ValueError, match="do not fit its page and block tables"):
+            Program([(kind, arrays, tuple(bad), floats)], [c.addresses, c.pg.table], (), [0, 1])
