@@ -148,7 +148,8 @@ cdef class Program:
             if kind == KIND_DECODE_PAGED and not (
                     arrays[5] is not None and arrays[6] is not None and arrays[5].ndim == 2 and arrays[6].ndim == 2
                     and 0 <= ints[9] < arrays[5].shape[0] and 0 <= ints[10] < arrays[5].shape[0]
-                    and ints[8] == arrays[6].shape[0] >= 1 and ints[3] >= 1):
+                    and ints[8] == arrays[6].shape[0] >= 1 and ints[3] >= 1
+                    and arrays[10] is not None and arrays[10].shape == (2, ints[8])):
                 raise ValueError(f"Program: paged decode call {c}: planes {ints[9]}, {ints[10]} or {ints[8]} rows "
                                  "do not fit its page and block tables")
             cl = &self.calls[c]
@@ -360,8 +361,8 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
 
 
 cdef inline bint _paged_admitted(const call_t *c) noexcept nogil:
-    """KIND_DECODE_PAGED (_record.pxd): every row appends at its committed length, the total fits, and every
-    position and page the call touches passes ``decode_paged_ok``."""
+    """KIND_DECODE_PAGED (_record.pxd): every row appends at its committed length, into a position whose page
+    the run staged, the total fits, and every position and page the call touches passes ``decode_paged_ok``."""
     cdef const int32_t *seqlens = <const int32_t *>c.p[7]
     cdef const int64_t *lengths = <const int64_t *>c.p[10]
     cdef int64_t b, B = c.i[8], P = c.i[RAGGED_P], top = -1, committed = 0
@@ -369,7 +370,7 @@ cdef inline bint _paged_admitted(const call_t *c) noexcept nogil:
     if B < 1 or P < 1 or c.i[RAGGED_M] < 1:
         return False
     for b in range(B):
-        if seqlens[b] != lengths[b] or seqlens[b] < 0:
+        if seqlens[b] != lengths[b] or seqlens[b] < 0 or seqlens[b] >= lengths[B + b]:
             return False
         if seqlens[b] > top:
             top = seqlens[b]

@@ -55,7 +55,9 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     caller sets for the first step; ``externals[mask_ext]`` the ragged attention mask (int64 [1, M]), of
     which step ``t`` reads the first ``mask_len + t`` columns (all ones, ``mask_len + count - 1 <= M``);
     ``externals[position_ext]`` (or -1: none) the token's position (int64, one element), one more each
-    step.  The caller has set the committed length of every decode-token call (its effect's ``before``).
+    step.  The caller has set the committed length of every decode-token call (its effect's ``before``),
+    and for a paged decode call staged the pages of every position the steps may write (a step whose
+    position is past them is refused).
     ``logits`` is the program memory holding the step's logits (float32 [V]).
 
     Step ``t`` chooses the argmax of the logits (``temperature`` 0), or draws with ``uniforms[t]`` after
@@ -63,8 +65,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     its id to ``tokens[t]`` and its time (seconds) to ``seconds[t]``; ``steps`` counts the steps that ran,
     ``why`` is :data:`DONE`, :data:`EOS` (``tokens[steps - 1]`` is in ``eos``),
     :data:`REFUSED` (step ``steps`` refused its values: nothing of it ran) or :data:`MISMATCH` (the
-    externals differ from the recording, as :meth:`Program.run` checks them, or the program holds a paged
-    decode call, whose pages only a run through Python stages: nothing ran).  Each step's
+    externals differ from the recording, as :meth:`Program.run` checks them: nothing ran).  Each step's
     decode-token calls appended rows at their committed length, which the next step takes as committed.
 
     Raises:
@@ -104,9 +105,6 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         if c >= 0 and (program.exts[c].nbytes != 8 or program.exts[c].itemsize != 8
                        or (program.exts[c].format[0] != c'l' and program.exts[c].format[0] != c'q')):
             raise ValueError(f"decode_steps: external {c} must be one int64 (a token id or a position)")
-    for c in range(program.n):   # pages are staged per step in Python: a paged step cannot loop in C
-        if program.calls[c].kind == KIND_DECODE_PAGED:
-            return 0, MISMATCH
     if not program.bind(externals, bases, lens):
         return 0, MISMATCH
     if mask_len < 1 or mask_len + count - 1 > lens[mask_ext]:
@@ -162,6 +160,10 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
             if cl.kind == KIND_DECODE_TOKEN:
                 pos_io = <int64_t *>cl.p[10]
                 pos_io[0] = pos_io[1] + cl.i[8]
+            elif cl.kind == KIND_DECODE_PAGED:
+                pos_io = <int64_t *>cl.p[10]   # row 0 of the lengths: one more token per row
+                for k in range(cl.i[8]):
+                    pos_io[k] += 1
         for k in range(eos.shape[0]):
             if eos[k] == tok:
                 why = EOS

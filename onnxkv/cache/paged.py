@@ -263,10 +263,13 @@ class PagedCache:
 
     def appended(self, plane: int, starts: np.ndarray, s: int) -> WriteCost:
         """Stage ``s`` positions per row from ``starts`` (int64 [B]) of plane ``plane`` that a kernel wrote
-        into the pages :meth:`prepare` staged for exactly this write (the fused paged decode); as
-        :meth:`write` stages what it scatters.  Only while :attr:`keep_written` is False."""
+        into the pages :meth:`prepare` staged for a write from the same ``starts`` of at least ``s``
+        positions (the fused paged decode; the compiled generation loop, which stages its steps' pages
+        first and may stop early); as :meth:`write` stages what it scatters.  Only while
+        :attr:`keep_written` is False."""
         spec = self.pool.planes[plane]
-        if self.keep_written or self._prepared != (starts.tobytes(), s):
+        prepared = self._prepared
+        if self.keep_written or prepared is None or prepared[0] != starts.tobytes() or not 0 < s <= prepared[1]:
             raise InputError(f"paged cache '{spec.name}': appended rows without their prepared pages")
         self._save(plane)
         self._stage_lengths(starts, s)
@@ -308,6 +311,26 @@ class PagedCache:
         self._new, self._replaced, self._saved, self._kept = [], [], [], []
         if replaced.size:
             self.pool.decref(replaced)
+
+    def drop_unwritten(self) -> int:
+        """Free the fresh pages this run staged wholly past every row's staged length (a compiled generation
+        loop that stopped before the positions it staged pages for: an end-of-sequence id); return how
+        many.  Their table entries become -1, as if never staged."""
+        if self._staged is None or self.static_length is not None or not self._new:
+            return 0
+        bs, tables = self.pool.block_size, self._staged
+        new = {p for ids in self._new for p in ids.tolist()}
+        drop: list[int] = []
+        for b in range(tables.shape[0]):
+            for blk in range(-(-int(self._staged_lengths[b]) // bs), tables.shape[1]):
+                if int(tables[b, blk]) in new:
+                    drop.append(int(tables[b, blk]))
+                    tables[b, blk] = -1
+        if drop:
+            gone = set(drop)
+            self._new = [np.array([p for p in ids.tolist() if p not in gone], np.int32) for ids in self._new]
+            self.pool.decref(np.array(drop, np.int32))
+        return len(drop)
 
     def discard(self) -> None:
         """Forget the run: restore the committed bytes it overwrote, free its new pages; the committed

@@ -221,7 +221,7 @@ def generate(
                 read = np.array([chunk.shape[1] - 1])
                 out = run(builder.next(chunk, out), fetch if last else [], logits_at=read if last else None)
         prefill = time.perf_counter() - t0
-        # The steps of one sequence on a contiguous state may run as one call (State.decode_steps).
+        # The steps of one sequence may run as one call (State.decode_steps: contiguous or paged float32).
         names = builder.decode_names
         loop = state is not None and B == 1 and names is not None
         logits = out[model.io.logits]

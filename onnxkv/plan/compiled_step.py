@@ -294,10 +294,14 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
 
 
 def cache_kinds(caches: dict | None) -> tuple:
-    """How a run's caches (past input name -> cache) are stored: (paged, storage format) of each, in order."""
+    """How a run's caches (past input name -> cache) are stored: (paged, storage format, block size or None)
+    of each, in order (a paged decode call addresses its pages by the block size it was recorded with)."""
     if not caches:
         return ()
-    return tuple((getattr(c, "paged", False), getattr(c, "storage", None)) for c in caches.values())
+    return tuple(
+        (getattr(c, "paged", False), getattr(c, "storage", None), getattr(c, "block_size", None))
+        for c in caches.values()
+    )
 
 
 def _derived(value: np.ndarray, arrays: set[int]) -> bool:

@@ -27,6 +27,7 @@ import numpy as np
 from onnxkv._kernels.token_loop import MISMATCH, REFUSED, decode_steps
 from onnxkv.errors import InputError
 from onnxkv.plan.compiled_step import Segment
+from onnxkv.plan.ops._gqa_paged_decode import PagedAppend
 from onnxkv.plan.ops._gqa_record import CacheAppend
 
 if TYPE_CHECKING:
@@ -155,29 +156,36 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
     seg = items[0]
     slot_of = plan.slot_of
     logits = next((v for s, v in seg.exports if s == slot_of[names.logits]), None)
+    kinds = {type(effect) for effect, _ in seg.effects}
     if (
         logits is None
         or logits.dtype != np.float32
         or logits.size != logits.shape[-1]
         or not logits.flags.c_contiguous
-        or not seg.effects
-        or any(type(effect) is not CacheAppend for effect, _ in seg.effects)
+        or kinds not in ({CacheAppend}, {PagedAppend})
     ):
         return None
+    paged = kinds == {PagedAppend}
     try:
         named = [caches[n] for effect, _ in seg.effects for n in effect.names]
     except KeyError:
         return None
-    room = min(c.capacity - c.length for c in named)
-    count = min(count, room)
+    count = min(count, _room(named, paged))
     if count < 1:
         return None
     roles = {slot_of[names.token]: "token", slot_of[names.mask]: "mask"}
     if names.position is not None:
         roles[slot_of[names.position]] = "position"
+    start = {id(c): c.length for c in named}
+    for effect, _ in seg.effects:  # a paged one stages the pages of the steps' positions
+        if not (effect.before(caches, count) if paged else effect.before(caches)):
+            return None
     externals: list = []
     where = {"position": -1}
     for e, s in enumerate(seg.external_slots):
+        if type(s) is tuple:  # a paged cache's page addresses or block tables, as staged
+            externals.append(getattr(caches[s[0]], s[1]))
+            continue
         if type(s) is str:
             if s not in caches or getattr(caches[s], "paged", False):
                 return None
@@ -198,10 +206,7 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
         externals.append(value)
     if "token" not in where or "mask" not in where:
         return None
-    for effect, _ in seg.effects:
-        if not effect.before(caches):
-            return None
-    start = {id(c): c.length for c in named}
+    starts = [effect.lengths[0].copy() for effect, _ in seg.effects] if paged else []
     tokens = np.empty(count, dtype=np.int64)
     seconds = np.empty(count, dtype=np.float64)
     done, why = decode_steps(
@@ -220,7 +225,31 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
     if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one
         step.stale = True
         return None
-    if done:
+    if done and paged:
+        for (effect, _), first in zip(seg.effects, starts, strict=True):
+            effect.stage(caches, first, done)
+        for cache in {id(c.cache): c.cache for c in named}.values():
+            cache.drop_unwritten()
+    elif done:
         for c in named:
             c.stage(done, start[id(c)] + done, start[id(c)])
     return StepsRun(tokens[:done], seconds[:done], why == REFUSED)
+
+
+#: Positions a compiled loop over a paged cache stages pages for at most, rounded up to the end of a page:
+#: the loop writes only into pages staged before it (fresh pages it did not reach are freed after it).
+PAGED_LOOP_POSITIONS = 64
+
+
+def _room(named: list, paged: bool) -> int:
+    """Steps the caches ``named`` take at most: a contiguous cache's free capacity; for paged caches (one
+    row) the positions up to the end of the page holding the next ``PAGED_LOOP_POSITIONS``-th, and below a
+    fixed capacity."""
+    if not paged:
+        return min(c.capacity - c.length for c in named)
+    cache = named[0].cache
+    if cache.table.batch != 1:
+        return 0
+    length, bs = named[0].length, named[0].block_size
+    room = ((length + PAGED_LOOP_POSITIONS - 1) // bs + 1) * bs - length
+    return room if cache.max_tokens is None else min(room, cache.max_tokens - length)

@@ -249,7 +249,8 @@ class State(PagedAPI):
         :meth:`run` must take; they run in C and leave exactly what the same steps through :meth:`run` leave.
 
         Returns the chosen ids and per-step times (a :class:`~onnxkv.plan.step_loop.StepsRun`), or None
-        with nothing run: a paged or declared cache, the event log on, or no recorded step of these shapes
+        with nothing run: a declared or static cache, a paged cache with a format selector or quantized
+        pages, the event log on, or no recorded step of these shapes
         covering the whole plan (after one or two :meth:`run` calls of decode shape there usually is one).
 
         Raises:

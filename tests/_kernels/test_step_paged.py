@@ -1,7 +1,8 @@
 """A recorded paged decode call (``_record.KIND_DECODE_PAGED``) replayed by a Program: bit for bit
 ``decode_token_paged`` (output and every page) at every SIMD level and thread count, with page addresses and
-block tables taken as ragged externals (the pool and the tables grow); values it cannot take are refused
-before anything is written; the compiled generation loop never runs it."""
+block tables taken as ragged externals (the pool and the tables grow); values it cannot take, a position past
+the pages the run staged among them, are refused before anything is written; the compiled generation loop
+runs it step after step up to the staged end."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from onnxkv._kernels._record import DECODE_PAGED, MASK_LENGTHS
 from onnxkv._kernels.step import Program
-from onnxkv._kernels.token_loop import MISMATCH, decode_steps
+from onnxkv._kernels.token_loop import DONE, REFUSED, decode_steps
 
 import onnxkv._kernels as K
 
@@ -29,7 +30,7 @@ class PagedCall:
             self.cos, self.sin = self.cos[:ROWS].copy(), self.sin[:ROWS].copy()
         b = len(pos)
         self.seq, self.total = pos.copy(), np.array([pos.max() + 1], np.int32)
-        self.lengths = pos.astype(np.int64)
+        self.lengths = np.stack([pos, pos + 1]).astype(np.int64)  # committed, staged end
         self.out = np.full((b, 1, HQ * D), np.nan, np.float32)
         strides = [x.strides[0] // 4 for x in (self.q, self.k, self.v)]
         spans = [x if x.flags.c_contiguous else self._span(x) for x in (self.q, self.k, self.v)]
@@ -88,8 +89,10 @@ def test_page_and_block_tables_of_other_sizes_replay_and_keep_their_rows():
 
 
 def _refused(c, **change):
-    """Set ``change`` (seq, total, lengths, table, addresses) and assert the replay refuses: nothing written."""
-    arrays = {"seq": c.seq, "total": c.total, "lengths": c.lengths, "table": c.pg.table, "addresses": c.addresses}
+    """Set ``change`` (seq, total, lengths, staged, table, addresses) and assert the replay refuses: nothing
+    written."""
+    arrays = {"seq": c.seq, "total": c.total, "lengths": c.lengths[0], "staged": c.lengths[1], "table": c.pg.table,
+              "addresses": c.addresses}  # fmt: skip
     saved = {name: a.copy() for name, a in arrays.items()}
     for name, value in change.items():
         arrays[name][...] = value
@@ -115,12 +118,13 @@ def test_a_paged_replay_refuses_positions_and_pages_it_cannot_take_and_writes_no
     odd[0, p] += 4
     for change in (
         {"lengths": [5, 19]},  # not at the committed length
+        {"staged": [6, 20]},  # row 1's position is past the pages the run staged
         {"seq": [5, 21], "total": [22]},
         {"total": [20]},  # not past every position
         {"total": [22]},  # past the committed length + 1
-        {"seq": [0, 0], "lengths": [0, 0], "total": [1]},  # a first token: not a decode step after a past
+        {"seq": [0, 0], "lengths": [0, 0], "staged": [1, 1], "total": [1]},  # a first token: no past
         {"seq": [5, -1], "lengths": [5, -1]},
-        {"seq": [5, ROWS], "lengths": [5, ROWS], "total": [ROWS + 1]},  # past the rotary tables
+        {"seq": [5, ROWS], "lengths": [5, ROWS], "staged": [6, ROWS + 1], "total": [ROWS + 1]},  # past the rotary
         {"table": bad_table},
         {"table": unpaged},
         {"addresses": zero},
@@ -155,19 +159,30 @@ def test_paged_tables_are_taken_whole_or_not_at_all():
         Program([(kind, (*arrays[:5], wider[:2], *arrays[6:]), ints, floats)], [wider, c.pg.table], (), [0, 1])
 
 
-def test_the_compiled_generation_loop_never_runs_a_paged_step():
-    """Pages are staged per step in Python: decode_steps refuses a program with a paged call, running nothing."""
+@pytest.mark.parametrize("staged", [3, 5])
+def test_the_compiled_generation_loop_runs_paged_steps_up_to_the_staged_end(staged):
+    """decode_steps advances the committed length after each step; a step past the pages the caller staged
+    is refused with nothing of it run, and the steps before it equal decode_token_paged one by one."""
     c = PagedCall(np.random.default_rng(12), [9])
+    c.lengths[1] = 9 + staged
     mask, token = np.ones((1, 10), np.int64), np.array([1], np.int64)
     calls = [(MASK_LENGTHS, (mask, c.seq, c.total), mask.shape, ()), c.call]
     program = Program(calls, [token, mask, c.addresses, c.pg.table], (), [1, 2, 3])
-    before, out = _snapshot(c.pg), c.out.copy()
-    tokens, seconds = np.empty(3, np.int64), np.empty(3)
-    got = decode_steps(program, [token, np.ones((1, 12), np.int64), c.addresses, c.pg.table], 0, 1, -1, 10,
-                       c.out.reshape(-1), np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
-    assert got == (0, MISMATCH)
-    np.testing.assert_array_equal(c.out, out)
-    for a, w in zip(_snapshot(c.pg), before, strict=True):
+    before = _snapshot(c.pg)
+    want = []
+    for pos in range(9, 9 + min(staged, 4)):
+        c.seq[0] = pos
+        want.append(np.full_like(c.out, np.nan))
+        assert c.kernel(want[-1]) is not None
+    pages = _snapshot(c.pg)
+    _restore(c.pg, before)
+    tokens, seconds = np.empty(4, np.int64), np.empty(4)
+    steps, why = decode_steps(program, [token, np.ones((1, 13), np.int64), c.addresses, c.pg.table], 0, 1, -1, 10,
+                              c.out.reshape(-1), np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
+    assert (steps, why) == ((3, REFUSED) if staged == 3 else (4, DONE))
+    assert c.lengths[0, 0] == 9 + steps
+    np.testing.assert_array_equal(c.out, want[steps - 1])
+    for a, w in zip(_snapshot(c.pg), pages, strict=True):
         np.testing.assert_array_equal(a, w)
 
 

@@ -290,6 +290,30 @@ def test_paged_replays_serve_engine_rows_of_different_lengths_and_forked_tables(
         assert "GroupQueryAttention" in _compiled_kinds(session), run.__name__
 
 
+def test_states_of_other_block_sizes_on_one_session_replay_their_own_steps():
+    """A paged decode call addresses pages by its block size: states of block sizes 4 and 16 taking turns on
+    one session each replay a step of their own (in State.run and in the compiled generation loop) and give
+    the node-by-node tokens."""
+    model = build_model("gqa", MICRO, seed=23)
+    prompt = np.random.default_rng(14).integers(1, MICRO.vocab_size, (1, 5))
+    caches = [CacheConfig("paged", block_size=4), CacheConfig("paged", block_size=16)]
+
+    def run(session):
+        got = []
+        for _ in range(2):
+            for cache in caches:
+                got.append(onnxkv.generate(session, prompt, max_new_tokens=30, cache=cache).tokens)
+                with session.new_state(cache=cache) as state:
+                    got.extend(_steps(session, state, prompt, [[3], [4], [5], [6], [7]]))
+        return got
+
+    plain, _ = _paged_runs(model, False, run)
+    replayed, session = _paged_runs(model, True, run)
+    for a, b in zip(plain, replayed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert {step.caches[0][2] for step in session.plan.steps.idle} == {4, 16}
+
+
 def test_a_paged_replay_refuses_a_bad_page_address_before_anything_runs():
     """Page addresses are checked in C on every replay (the block tables by the staging before it): a page the
     call would read whose address is not a page's is refused (replay None, nothing run, the step kept), and
@@ -416,7 +440,7 @@ def test_steps_recorded_with_paged_caches_are_not_taken_by_contiguous_runs():
         with session.new_state(cache=cache) as state:
             _steps(session, state, prompt, tokens)
     kinds = sorted({step.caches[0] for step in session.plan.steps.idle})
-    assert kinds == [(False, "float32"), (True, "float32")]
+    assert kinds == [(False, "float32", None), (True, "float32", 16)]
     contiguous = [s for s in session.plan.steps.idle if not s.caches[0][0]]
     assert len(contiguous) == 2  # the decode step and the prompt's (one fused call into an empty cache)
     assert all(whole.compiled_nodes == len(session.plan.nodes) for whole in contiguous)

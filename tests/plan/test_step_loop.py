@@ -83,6 +83,76 @@ def test_decode_steps_in_one_call_equal_the_steps_one_by_one(which, threads):
         np.testing.assert_array_equal(st.run(feeds, [name])[name], rs.run(rfeeds, [name])[name])
 
 
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16, 128])
+def test_paged_decode_steps_run_to_the_end_of_a_page_and_equal_the_steps_one_by_one(block_size):
+    """On a paged cache a call runs at most to the end of the page holding its 64th position (the pages are
+    staged before the loop); no page is held past the length."""
+    model = _models()["embedded"]
+    prompt = np.array([[1, 7, 9, 4, 12, 3]])
+    cache = CacheConfig("paged", block_size=block_size)
+    ref = onnxkv.Session(model, threads=1, compiled_steps=False)
+    sess = onnxkv.Session(model, threads=1)
+    with ref.new_state(cache=cache) as rs, sess.new_state(cache=cache) as st:
+        rb, rfeeds, _ = _start(ref, rs, prompt, 2)
+        want, _ = _one_by_one(ref, rs, rb, rfeeds, 90)
+        b, feeds, _ = _start(sess, st, prompt, 2)
+        got = []
+        while len(got) < 90:
+            length = st.length
+            run = st.decode_steps(feeds, 90 - len(got), **_io(sess))
+            end = ((length + step_loop.PAGED_LOOP_POSITIONS - 1) // block_size + 1) * block_size
+            assert run is not None and run.steps == min(end - length, 90 - len(got))
+            assert st.length == length + run.steps
+            got += run.tokens.tolist()
+            pages = st._store.committed_table("tables")
+            assert int((pages >= 0).sum()) == -(-st.length // block_size)  # every page holds a token
+            b.next(run.tokens[None, :-1], None)
+            feeds = b.next(run.tokens[-1:], None)
+        assert got == want
+        for name, value in rs.values.items():
+            np.testing.assert_array_equal(st.values[name], value)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_a_paged_loop_stopped_by_an_end_of_sequence_id_holds_no_page_past_it(block_size):
+    model = _models()["embedded"]
+    prompt = np.array([[1, 7, 9, 4]])
+    cache = CacheConfig("paged", block_size=block_size)
+    sess = onnxkv.Session(model, threads=1)
+    with sess.new_state(cache=cache) as st:
+        b, feeds, _ = _start(sess, st, prompt, 2)
+        free = st.fork()[0]
+        free_run = free.decode_steps(feeds, 30, **_io(sess))
+        free.close()
+        eos = [free_run.tokens[9]]
+        stop = free_run.tokens.tolist().index(eos[0]) + 1
+        run = st.decode_steps(feeds, 30, eos=eos, **_io(sess))
+        assert run.tokens.tolist() == free_run.tokens[:stop].tolist() and st.length == 6 + stop
+        pages = st._store.committed_table("tables")
+        assert int((pages >= 0).sum()) == -(-st.length // block_size)
+        st._store.pool.audit()
+
+
+def test_paged_decode_steps_copy_a_shared_page_before_writing_it():
+    """A fork shares the pages: the loop's first write into the shared last page copies it for this state,
+    and the other state's pages keep their bytes."""
+    model = _models()["embedded"]
+    sess = onnxkv.Session(model, threads=1)
+    with sess.new_state(cache=CacheConfig("paged", block_size=16)) as st:
+        b, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4, 12]]), 2)
+        st.run(feeds)  # a recorded decode step
+        feeds = b.next(np.array([5]), None)
+        (other,) = st.fork()
+        kept = {n: v.copy() for n, v in other.values.items()}
+        run = st.decode_steps(feeds, 6, **_io(sess))
+        assert run is not None and run.steps == 6
+        assert st.length == other.length + 6
+        for n, v in other.values.items():
+            np.testing.assert_array_equal(v, kept[n])
+            np.testing.assert_array_equal(st.values[n][:, :, : other.length], v)
+        other.close()
+
+
 def test_the_loop_stops_after_an_end_of_sequence_id_and_where_the_cache_is_full():
     model = _models()["embedded"]
     prompt = np.array([[1, 7, 9, 4]])
@@ -112,7 +182,7 @@ def test_nothing_runs_where_the_loop_cannot_replay_the_step():
     with sess.new_state() as st:
         _, feeds, _ = _start(sess, st, prompt, 0)  # the first decode step: none recorded yet
         assert st.decode_steps(feeds, 5, **_io(sess)) is None and st.length == 4 and st.steps == 1
-    with sess.new_state(cache=CacheConfig("paged", block_size=4)) as st:
+    with sess.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int8")) as st:  # a format selector
         _, feeds, _ = _start(sess, st, prompt, 3)
         length = st.length
         assert st.decode_steps(feeds, 5, **_io(sess)) is None and st.length == length

@@ -130,11 +130,11 @@ def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.nd
     ``qkv_rot`` its (q, k, v, cos or None, sin or None) arrays (q, k, v [B, 1, W], rows possibly strided),
     ``ck`` / ``cv`` the planes it wrote, ``output`` its result.  The page addresses and block tables are
     externals the replay takes from the run's caches (their last dims may change: the pool and the tables
-    grow); the effect sets the committed lengths the call checks the positions against."""
+    grow); the effect sets the committed lengths and staged ends the call checks the positions against."""
     q, k, v, cos, sin = qkv_rot
     cache = ck.cache
     b = q.shape[0]
-    lengths = np.zeros(b, dtype=np.int64)
+    lengths = np.zeros((2, b), dtype=np.int64)
     strides = [x.shape[2] if b == 1 else x.strides[0] // x.itemsize for x in (q, k, v)]
     half, rows = (0, 0) if cos is None else (cos.shape[1], cos.shape[0])
     addresses, tables = cache.payloads.ptrs, cache.tables
@@ -148,46 +148,57 @@ def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.nd
     rec.cache((first, "tables"), tables)
     rec.ragged_last(addresses)
     rec.ragged_last(tables)
-    rec.effect(PagedAppend(op._past_names, lengths, op.has_present))
+    rec.effect(PagedAppend(op._past_names, lengths, op.has_present, ck.block_size))
 
 
 class PagedAppend:
     """The effect of a recorded paged decode call (``_record.KIND_DECODE_PAGED``) on the run's paged cache.
 
-    ``before(caches)`` declines (False: the step is stale) unless both planes are paged float32 planes of one
-    cache whose pages are all native and whose writes no format selector reads, with the recorded batch;
-    it copies the committed lengths into ``lengths`` (the positions the call checks) and stages the pages
-    the rows write (:meth:`PagedCache.prepare`, as :func:`paged_decode` does; the other layers' calls find
-    them staged).  ``after(rt)`` stages the appended rows of both planes and returns ``(output index,
-    placeholder)`` for the node's present outputs.
+    ``before(caches, steps)`` declines (False: the step is stale) unless both planes are paged float32
+    planes of one cache whose pages are all native and whose writes no format selector reads, with the
+    recorded batch and block size (the call addresses pages by it); it sets ``lengths[0]`` to the committed lengths (the positions the call checks) and
+    stages the pages the rows write in the next ``steps`` positions (:meth:`PagedCache.prepare`, as
+    :func:`paged_decode` does for one; the other layers' calls find them staged), whose end is
+    ``lengths[1]`` (the call refuses a position past it).  ``after(rt)`` stages the appended row of both
+    planes and returns ``(output index, placeholder)`` for the node's present outputs; :meth:`stage`
+    stages the rows of several steps (the compiled generation loop, which advances ``lengths[0]`` itself).
     """
 
-    __slots__ = ("names", "lengths", "outputs")
+    __slots__ = ("names", "lengths", "outputs", "block_size")
 
-    def __init__(self, names: tuple[str, str], lengths: np.ndarray, has_present: tuple[bool, bool]) -> None:
+    def __init__(
+        self, names: tuple[str, str], lengths: np.ndarray, has_present: tuple[bool, bool], block_size: int
+    ) -> None:
         self.names = names
         self.lengths = lengths
+        self.block_size = block_size
         #: The node outputs this effect sets (present key 1, present value 2).
         self.outputs = tuple(i + 1 for i in (0, 1) if has_present[i])
 
-    def before(self, caches: dict) -> bool:
+    def before(self, caches: dict, steps: int = 1) -> bool:
         ck, cv = caches[self.names[0]], caches[self.names[1]]
         if not (getattr(ck, "paged", False) and getattr(cv, "paged", False)) or ck.cache is not cv.cache:
             return False
         cache = ck.cache
         if ck.storage != "float32" or cv.storage != "float32" or cache.keep_written or any(cache.payloads.converted):
             return False
-        committed = ck.lengths
-        if committed.shape != self.lengths.shape:
+        if ck.block_size != self.block_size:
             return False
-        self.lengths[:] = committed
-        cache.prepare(self.lengths, 1)
+        committed = ck.lengths
+        if committed.shape != self.lengths.shape[1:]:
+            return False
+        self.lengths[0] = committed
+        self.lengths[1] = committed + steps
+        cache.prepare(self.lengths[0], steps)
         return True
 
     def after(self, rt: RunContext) -> list:
-        planes = [rt.caches[name] for name in self.names]
-        starts = self.lengths
-        for name, plane in zip(self.names, planes):
-            rt.cache_staged(name, plane.cache.appended(plane.index, starts, 1))
-        present_len = int(starts.max()) + 1
-        return [(i, planes[i - 1].placeholder(present_len)) for i in self.outputs]
+        planes = self.stage(rt.caches, self.lengths[0], 1)
+        for name, cost in zip(self.names, planes):
+            rt.cache_staged(name, cost)
+        present_len = int(self.lengths[0].max()) + 1
+        return [(i, rt.caches[self.names[i - 1]].placeholder(present_len)) for i in self.outputs]
+
+    def stage(self, caches: dict, starts: np.ndarray, steps: int) -> list:
+        """Stage ``steps`` rows appended from ``starts`` (int64 [B]) in both planes; their write costs."""
+        return [caches[name].cache.appended(caches[name].index, starts, steps) for name in self.names]

@@ -29,6 +29,7 @@ from onnxkv.cache.page_convert import convert_pages, quantize_blocks
 from onnxkv.cache.paged import BlockPool, PagedCache, PagedPlane, PageTable, PlaneSpec
 from onnxkv.cache.snapshot import expectation, file_bytes_limit, paged_from_snapshot, take_snapshot
 from onnxkv.errors import InputError, StateError
+from onnxkv.plan.step_loop import StepsRun, run_steps
 from onnxkv.runtime.stores.protocol import StoreContext, batch_and_length
 
 __all__ = ["PagedStore", "Checkpoint"]
@@ -155,7 +156,6 @@ class PagedStore:
             static_length=static,
             max_tokens=static if ctx.static else ctx.capacity,
         )
-        cache.keep_written = self.selector is not None  # only a selector reads a run's written values
         if ctx.static and table is None:
             try:
                 for plane in cache.planes.values():
@@ -188,6 +188,8 @@ class PagedStore:
         self._before = int(lengths.max()) if lengths.size else 0
         self._chosen = []
         self.cache.last_written.clear()  # the selector sees this run's writes only
+        # only a selector reads a run's written values (whatever made the cache: a run, a fork, a reset, a load)
+        self.cache.keep_written = self.selector is not None
         return self.cache.planes
 
     def feeds(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -264,9 +266,24 @@ class PagedStore:
         if converted:
             self.ctx.log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
 
-    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> None:
-        """Whole decode steps are replayed over contiguous caches only: None, nothing run."""
-        return None
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> StepsRun | None:
+        """Decode steps replayed in C (:func:`~onnxkv.plan.step_loop.run_steps`, at most to the end of the
+        next position's page), committed; None, nothing staged, for a static cache, a format selector or a
+        step the loop cannot replay.  Discarded if they raise."""
+        if self.cache is None or self.ctx.static or self.selector is not None:
+            return None
+        self._fresh = False
+        self.cache.keep_written = False
+        try:
+            run = run_steps(plan, self.feeds(feeds), self.cache.planes, int(count), names, eos, draws)
+        except BaseException:
+            self.discard()
+            raise
+        if run is not None and run.steps:
+            self.commit({})
+        else:  # pages a declined or refused loop staged are dropped
+            self.cache.discard()
+        return run
 
     def discard(self) -> None:
         self.cache.discard()
