@@ -20,6 +20,8 @@ minute of a shared machine falls on all of them):
                         GroupQueryAttention models, opt-in: not in the default set);
 * ``onnxkv-paged``   -- the same loop as ``onnxkv`` on a paged cache (``CacheConfig("paged")``, 16-token
                         pages: the cache of beam search and of the engine; opt-in);
+* ``onnxkv-generate-paged`` -- ``onnxkv-generate`` on that paged cache (its steps run in C a page's worth
+                        and more per call; opt-in);
 * ``onnxkv-tensor``  -- onnxkv with the cache threaded as tensors (past -> present);
 * ``ort``            -- ``onnxruntime.InferenceSession`` on the same file, cache
                         threaded as tensors by the same loop;
@@ -153,10 +155,13 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             samples.append(time.perf_counter() - t0)
         seq = list(gen.get_sequence(0))
         tokens = [int(t) for t in seq[prompt_len : prompt_len + new_tokens + 1]]
-    elif engine == "onnxkv-generate":
+    elif engine in ("onnxkv-generate", "onnxkv-generate-paged"):
         sess = onnxkv.Session(path, threads=threads)
-        onnxkv.generate(sess, prompt[:, :8], 4, eos_token_id=[])
-        cache = onnxkv.CacheConfig(initial_capacity=prompt_len + new_tokens + 2)
+        if engine == "onnxkv-generate":
+            cache = onnxkv.CacheConfig(initial_capacity=prompt_len + new_tokens + 2)
+        else:
+            cache = onnxkv.CacheConfig("paged")
+        onnxkv.generate(sess, prompt[:, :8], 4, eos_token_id=[], cache=cache)
         t0 = time.perf_counter()
         res = onnxkv.generate(sess, prompt, new_tokens + 1, eos_token_id=[], cache=cache)
         wall = time.perf_counter() - t0
@@ -554,7 +559,7 @@ def main() -> None:
                             f"({loaded['p90_over_quiet_median']:.2f}x the quiet median)",
                             file=sys.stderr,
                         )
-            for ours in ("onnxkv", "onnxkv-generate", "onnxkv-paged"):
+            for ours in ("onnxkv", "onnxkv-generate", "onnxkv-paged", "onnxkv-generate-paged"):
                 kv = entry["engines"].get(ours, {})
                 for peer in ("ort", "ort-genai", "onnxkv", "onnxkv-tensor", "onnxkv-f16"):
                     p = entry["engines"].get(peer, {})

@@ -61,6 +61,7 @@ from onnxkv._kernels.step import Program
 from onnxkv.errors import Cancelled
 from onnxkv.plan.buffers import RunBuffers, slot_allocator
 from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._gqa_paged_decode import PagedAppend
 from onnxkv.plan.run_loops import run_nodes
 
 if TYPE_CHECKING:
@@ -228,6 +229,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         except ValueError:
             items.extend(current)
         else:
+            PagedAppend.group([effect for effect, _ in effects])  # one state's cache: staged once per replay
             items.append(Segment(first, end, program, list(external), exports, list(effects)))
             step_memory.update(id(v) for _, v in exports)
             ragged_slots.update(s for s, v in external.items() if id(v) in ragged)

@@ -237,6 +237,9 @@ def test_paged_decode_attention_is_compiled_and_one_step_serves_every_token():
     (step,) = session.plan.steps.idle
     assert "GroupQueryAttention" in _compiled_kinds(session)
     assert [type(item) for item in step.items] == [Segment] and not step.stale
+    effects = [effect for effect, _ in step.items[0].effects]  # one per layer: the first stages for all
+    assert [e.leads for e in effects] == [True] + [False] * (len(effects) - 1) and len(effects) > 1
+    assert effects[0].followers == effects[1:]
 
 
 def _paged_runs(model, compiled, run):

@@ -154,17 +154,21 @@ def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.nd
 class PagedAppend:
     """The effect of a recorded paged decode call (``_record.KIND_DECODE_PAGED``) on the run's paged cache.
 
-    ``before(caches, steps)`` declines (False: the step is stale) unless both planes are paged float32
-    planes of one cache whose pages are all native and whose writes no format selector reads, with the
-    recorded batch and block size (the call addresses pages by it); it sets ``lengths[0]`` to the committed lengths (the positions the call checks) and
-    stages the pages the rows write in the next ``steps`` positions (:meth:`PagedCache.prepare`, as
-    :func:`paged_decode` does for one; the other layers' calls find them staged), whose end is
-    ``lengths[1]`` (the call refuses a position past it).  ``after(rt)`` stages the appended row of both
-    planes and returns ``(output index, placeholder)`` for the node's present outputs; :meth:`stage`
-    stages the rows of several steps (the compiled generation loop, which advances ``lengths[0]`` itself).
+    The paged decode calls of one segment (one per layer) write one state's cache: :meth:`group` makes the
+    first effect of a segment the *leader* of the others, which then do nothing but follow it.
+
+    ``before(caches, steps)`` (the leader's) declines (False: the step is stale) unless every plane of the
+    group is a paged float32 plane of one cache whose pages are all native and whose writes no format
+    selector reads, with the recorded batch and block size (the calls address pages by it); it sets
+    ``lengths[0]`` of every effect of the group to the committed lengths (the positions the calls check)
+    and stages the pages the rows write in the next ``steps`` positions (:meth:`PagedCache.prepare`, as
+    :func:`paged_decode` does for one), whose end is ``lengths[1]`` (a call refuses a position past it).
+    ``after(rt)`` stages the appended row of every plane of the group (the leader) and returns ``(output
+    index, placeholder)`` for the node's present outputs; :meth:`stage` stages the rows of several steps
+    (the compiled generation loop, which advances ``lengths[0]`` itself).
     """
 
-    __slots__ = ("names", "lengths", "outputs", "block_size")
+    __slots__ = ("names", "lengths", "outputs", "block_size", "followers", "leads")
 
     def __init__(
         self, names: tuple[str, str], lengths: np.ndarray, has_present: tuple[bool, bool], block_size: int
@@ -174,31 +178,55 @@ class PagedAppend:
         self.block_size = block_size
         #: The node outputs this effect sets (present key 1, present value 2).
         self.outputs = tuple(i + 1 for i in (0, 1) if has_present[i])
+        #: The effects this one leads (see :meth:`group`), and whether it leads (else another leads it).
+        self.followers: list[PagedAppend] = []
+        self.leads = True
+
+    @staticmethod
+    def group(effects: list) -> None:
+        """Make the first :class:`PagedAppend` of ``effects`` (a segment's, in call order) lead the others."""
+        paged = [e for e in effects if type(e) is PagedAppend]
+        for e in paged[1:]:
+            e.leads, e.followers = False, []
+        if paged:
+            paged[0].leads, paged[0].followers = True, paged[1:]
+
+    def _names(self) -> list[str]:
+        return [n for e in (self, *self.followers) for n in e.names]
 
     def before(self, caches: dict, steps: int = 1) -> bool:
-        ck, cv = caches[self.names[0]], caches[self.names[1]]
-        if not (getattr(ck, "paged", False) and getattr(cv, "paged", False)) or ck.cache is not cv.cache:
+        if not self.leads:
+            return True
+        planes = [caches[n] for n in self._names()]
+        cache = planes[0].cache if getattr(planes[0], "paged", False) else None
+        if cache is None or cache.keep_written or any(cache.payloads.converted):
             return False
-        cache = ck.cache
-        if ck.storage != "float32" or cv.storage != "float32" or cache.keep_written or any(cache.payloads.converted):
+        for plane in planes:
+            if not getattr(plane, "paged", False) or plane.cache is not cache or plane.storage != "float32":
+                return False
+        if planes[0].block_size != self.block_size:
             return False
-        if ck.block_size != self.block_size:
-            return False
-        committed = ck.lengths
+        committed = cache.table.lengths
         if committed.shape != self.lengths.shape[1:]:
             return False
         self.lengths[0] = committed
         self.lengths[1] = committed + steps
+        for e in self.followers:
+            e.lengths[...] = self.lengths
         cache.prepare(self.lengths[0], steps)
         return True
 
     def after(self, rt: RunContext) -> list:
-        planes = self.stage(rt.caches, self.lengths[0], 1)
-        for name, cost in zip(self.names, planes):
-            rt.cache_staged(name, cost)
+        if self.leads:
+            names = self._names()
+            for name, cost in zip(names, self.stage(rt.caches, self.lengths[0], 1)):
+                rt.cache_staged(name, cost)
         present_len = int(self.lengths[0].max()) + 1
         return [(i, rt.caches[self.names[i - 1]].placeholder(present_len)) for i in self.outputs]
 
     def stage(self, caches: dict, starts: np.ndarray, steps: int) -> list:
-        """Stage ``steps`` rows appended from ``starts`` (int64 [B]) in both planes; their write costs."""
-        return [caches[name].cache.appended(caches[name].index, starts, steps) for name in self.names]
+        """Stage ``steps`` rows appended from ``starts`` (int64 [B]) in every plane of the group (the
+        leader; a follower stages nothing); their write costs."""
+        if not self.leads:
+            return []
+        return [caches[name].cache.appended(caches[name].index, starts, steps) for name in self._names()]
