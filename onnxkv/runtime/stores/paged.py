@@ -267,9 +267,9 @@ class PagedStore:
             self.ctx.log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
 
     def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> StepsRun | None:
-        """Decode steps replayed in C (:func:`~onnxkv.plan.step_loop.run_steps`, at most to the end of the
-        next position's page), committed; None, nothing staged, for a static cache, a format selector or a
-        step the loop cannot replay.  Discarded if they raise."""
+        """Decode steps replayed in C (:func:`~onnxkv.plan.step_loop.run_steps`: per call at most up to the
+        end of the page holding the 64th next position), committed; None, nothing staged, for a static
+        cache, a format selector or a step the loop cannot replay.  Discarded if they raise."""
         if self.cache is None or self.ctx.static or self.selector is not None:
             return None
         self._fresh = False
