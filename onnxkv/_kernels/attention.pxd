@@ -12,4 +12,4 @@ cdef int decode_paged_ptr(const float *q, int64_t qs, const float *k, int64_t ks
                           const float *cos, const float *sin, int64_t half, int inter, const uint64_t *kp,
                           const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *pos,
                           int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap, int64_t window,
-                          float *out, okv_settings s) noexcept nogil
+                          float *out, okv_settings s, int64_t *stats) noexcept nogil

@@ -38,11 +38,9 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
     cdef const uint64_t[::1] vp
     cdef const int32_t[:, ::1] tv
     cdef const int32_t[::1] pv
-    cdef float[:, :, :, ::1] rq
-    cdef int64_t B, Hq, Hkv, D, M, P, bs, half = 0, b, h, p, page, off
+    cdef int64_t B, Hq, Hkv, D, M, P, bs, half = 0
     cdef int rot = cos is not None, inter = 1 if interleaved else 0
     cdef okv_settings s = okv_settings_get()
-    cdef float *dst
     if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
             and isinstance(k_pages, np.ndarray) and isinstance(v_pages, np.ndarray)
             and isinstance(block_tables, np.ndarray) and isinstance(pos, np.ndarray) and isinstance(out, np.ndarray)
@@ -87,43 +85,20 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
             and _disjoint(o, onb, &vv[0, 0, 0], <size_t>((B - 1) * vv.strides[0] + Hkv * D * 4))):
         return None
     # every position, written page and read table entry checked before anything is written
-    for b in range(B):
-        p = pv[b]
-        if p < 0 or p >= M * bs or (rot and p >= cv.shape[0]) or not _page_ok(tv[b, p // bs], kp, vp):
-            return None
-    kv_len = np.asarray(pos, np.int32) + 1
-    q_pos = np.asarray(pos, np.int32).reshape(B, 1)
-    cdef const int32_t[::1] lv = kv_len
-    cdef const int32_t[:, ::1] qpv = q_pos
-    if not _tables_ok(tv, kp, vp, lv, qpv, window, bs, NULL):
+    if not decode_paged_ok(&kp[0], &vp[0], P, &tv[0, 0], M, bs, &pv[0], B, cv.shape[0] if rot else -1, window):
         return None
-    rotated = np.empty((B, Hq, 1, D), np.float32)
-    rq = rotated
+    cdef int64_t stats[2]
+    cdef float fscale = scale, fsoftcap = softcap
+    cdef int64_t iwindow = window
+    cdef int rc
     with nogil:
-        for b in range(B):
-            p = pv[b]
-            page, off = tv[b, p // bs], p % bs
-            for h in range(Hkv):
-                dst = <float *><size_t>kp[page] + (h * bs + off) * D
-                if rot:
-                    okv_rope_row_f32(&kv[b, 0, h * D], &cv[p, 0], &sv[p, 0], dst, half, D, inter, s.simd)
-                else:
-                    memcpy(dst, &kv[b, 0, h * D], <size_t>D * sizeof(float))
-                memcpy(<float *><size_t>vp[page] + (h * bs + off) * D, &vv[b, 0, h * D], <size_t>D * sizeof(float))
-            for h in range(Hq):
-                if rot:
-                    okv_rope_row_f32(&qv[b, 0, h * D], &cv[p, 0], &sv[p, 0], &rq[b, h, 0, 0], half, D, inter, s.simd)
-                else:
-                    memcpy(&rq[b, h, 0, 0], &qv[b, 0, h * D], <size_t>D * sizeof(float))
-    return _paged_fast(rotated, k_pages, v_pages, block_tables, block_size, kv_heads, kv_len, q_pos, scale,
-                       softcap, window, out.reshape(B, Hq, 1, D), None, None, None, None, 1, 1, "float32")
-
-
-cdef inline bint _page_at_ok(int64_t page, const uint64_t *kp, const uint64_t *vp, int64_t P) noexcept nogil:
-    """``_page_ok`` on raw page address arrays of ``P`` entries."""
-    if page < 0 or page >= P:
-        return False
-    return kp[page] != 0 and vp[page] != 0 and (kp[page] & 63) == 0 and (vp[page] & 63) == 0
+        rc = decode_paged_ptr(&qv[0, 0, 0], qv.strides[0] // 4, &kv[0, 0, 0], kv.strides[0] // 4, &vv[0, 0, 0],
+                              vv.strides[0] // 4, &cv[0, 0] if rot else NULL, &sv[0, 0] if rot else NULL, half, inter,
+                              &kp[0], &vp[0], &tv[0, 0], M, bs, &pv[0], B, Hq, Hkv, D, fscale, fsoftcap, iwindow,
+                              &ov[0, 0, 0], s, stats)
+    if rc != 0:
+        raise MemoryError("decode_token_paged: could not allocate the workspace")
+    return {"dequantized_bytes": int(stats[0]), "workspace_peak_bytes": int(stats[1])}
 
 
 cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
@@ -141,7 +116,7 @@ cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, con
         if lo < 0:
             lo = 0
         for i in range(lo // bs, p // bs + 1):
-            if not _page_at_ok(tables[b * M + i], kp, vp, P):
+            if not _page_at(tables[b * M + i], kp, vp, P):
                 return False
     return True
 
@@ -150,14 +125,14 @@ cdef int decode_paged_ptr(const float *q, int64_t qs, const float *k, int64_t ks
                           const float *cos, const float *sin, int64_t half, int inter, const uint64_t *kp,
                           const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *pos,
                           int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap, int64_t window,
-                          float *out, okv_settings s) noexcept nogil:
-    """``decode_token_paged`` on values :func:`decode_paged_ok` accepted (the compiled step's replay calls it):
+                          float *out, okv_settings s, int64_t *stats) noexcept nogil:
+    """``decode_token_paged`` on values :func:`decode_paged_ok` accepted (it calls this, and so does the
+    compiled step's replay):
     q [B rows of Hq*D, ``qs`` floats apart], k, v [B rows of Hkv*D, ``ks`` / ``vs`` apart], out [B, Hq*D]
     contiguous and disjoint from the others and every page; cos, sin [> max pos, half] or NULL; the page each
-    row writes held by the run alone.  The same calls in the same order as ``decode_token_paged``, so the
-    result is bit for bit its.  Returns 0, or -1 (nothing but page rows written) when memory runs out."""
+    row writes held by the run alone.  ``stats``: the figures of ``paged_attention`` (dequantized bytes,
+    workspace peak).  Returns 0, or -1 (nothing but page rows written) when memory runs out."""
     cdef int64_t b, h, p, page, off, maxlen = 0
-    cdef int64_t stats[2]
     cdef float *dst
     cdef float *rq = <float *>malloc(<size_t>(B * Hq * D) * sizeof(float))
     cdef int32_t *kl = <int32_t *>malloc(<size_t>B * sizeof(int32_t))

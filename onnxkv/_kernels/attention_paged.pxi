@@ -27,11 +27,16 @@ cdef bint _formats_ok(const uint8_t[::1] formats, int64_t D) noexcept nogil:
     return True
 
 
-cdef inline bint _page_ok(int64_t page, const uint64_t[::1] kp, const uint64_t[::1] vp) noexcept nogil:
+cdef inline bint _page_at(int64_t page, const uint64_t *kp, const uint64_t *vp, int64_t P) noexcept nogil:
     """True when ``page`` is an id in [0, P) whose K and V addresses are nonzero and 64-byte aligned."""
-    if page < 0 or page >= kp.shape[0]:
+    if page < 0 or page >= P:
         return False
     return kp[page] != 0 and vp[page] != 0 and (kp[page] & 63) == 0 and (vp[page] & 63) == 0
+
+
+cdef inline bint _page_ok(int64_t page, const uint64_t[::1] kp, const uint64_t[::1] vp) noexcept nogil:
+    """``_page_at`` on the address tables of a call (K and V of the same length)."""
+    return _page_at(page, &kp[0], &vp[0], kp.shape[0])
 
 
 cdef bint _tables_ok(const int32_t[:, ::1] tables, const uint64_t[::1] kp, const uint64_t[::1] vp,

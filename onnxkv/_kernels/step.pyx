@@ -387,6 +387,7 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
     """Run one admitted call (the operand order of ``_record.pxd``); 0, or -1 when memory ran out."""
     if c.kind == KIND_DECODE_TOKEN:
         return _decode_token(c, s)
+    cdef int64_t stats[2]     # a paged decode call's figures (a replay records no events)
     if c.kind == KIND_DECODE_PAGED:
         return decode_paged_ptr(<const float *>c.p[0], c.i[11], <const float *>c.p[1], c.i[12],
                                 <const float *>c.p[2], c.i[13], <const float *>c.p[3], <const float *>c.p[4], c.i[4],
@@ -394,7 +395,7 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
                                 <const uint64_t *>c.p[5] + c.i[10] * c.i[RAGGED_P], <const int32_t *>c.p[6],
                                 c.i[RAGGED_M],
                                 c.i[3], <const int32_t *>c.p[7], c.i[8], c.i[0], c.i[1], c.i[2], c.f[0], c.f[1],
-                                c.i[6], <float *>c.p[9], s)
+                                c.i[6], <float *>c.p[9], s, stats)
     if c.kind == KIND_GATHER_ROWS:
         gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2], <float *>c.p[2])
     elif c.kind == KIND_MATMUL_NBITS:

@@ -75,7 +75,8 @@ def stored_to_float32(v: np.ndarray, storage: str) -> np.ndarray:
 def rows_past(starts: np.ndarray | int, lengths: np.ndarray) -> tuple[int, int, int] | None:
     """``(row, start, length)`` of the first row whose start (``starts``: one int or int [B]) passes its
     length (``lengths`` int [B]), or None.  O(B)."""
-    starts = np.broadcast_to(np.asarray(starts), lengths.shape)
+    if not (isinstance(starts, np.ndarray) and starts.shape == lengths.shape):  # a row each already: as given
+        starts = np.broadcast_to(np.asarray(starts), lengths.shape)
     over = starts > lengths
     if not over.any():
         return None

@@ -132,11 +132,7 @@ class PagedCache:
         if key == self._prepared:  # the other planes of the same write: pages are in place
             return WriteCost()
         pool, bs = self.pool, self.pool.block_size
-        committed = self.table.lengths
-        if self.static_length is not None or (starts.shape == committed.shape and not (starts > committed).any()):
-            short = None
-        else:
-            short = self.short_row(starts)
+        short = None if self.static_length is not None else self.short_row(starts)
         if short is not None:
             raise InputError(
                 f"paged cache: row {short[0]} would be written at position {short[1]} but has "

@@ -54,10 +54,8 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     if caches is None or past_k_name not in caches or past_v_name not in caches or past_key is None:
         return None
     ck, cv = caches[past_k_name], caches[past_v_name]
-    if not (getattr(ck, "paged", False) and getattr(cv, "paged", False)) or ck.cache is not cv.cache:
-        return None
-    cache = ck.cache
-    if ck.storage != "float32" or cv.storage != "float32" or cache.keep_written or any(cache.payloads.converted):
+    cache = _fused_cache((ck, cv))
+    if cache is None:
         return None
     if not isinstance(query, np.ndarray) or query.ndim != 3 or query.shape[1] != 1 or query.dtype != np.float32:
         return None
@@ -123,6 +121,18 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     present_len = max(total, past_len)
     presents = [c.placeholder(present_len) if want else None for c, want in zip((ck, cv), op.has_present)]
     return (output, *presents)[: len(op.node.output)]
+
+
+def _fused_cache(planes) -> object | None:
+    """The one paged cache every plane of ``planes`` is a float32 plane of, when the fused call may write it
+    (every page native, no format selector reading the run's writes); else None."""
+    cache = getattr(planes[0], "cache", None) if getattr(planes[0], "paged", False) else None
+    if cache is None or cache.keep_written or any(cache.payloads.converted):
+        return None
+    for plane in planes:
+        if not getattr(plane, "paged", False) or plane.cache is not cache or plane.storage != "float32":
+            return None
+    return cache
 
 
 def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total: np.ndarray, output):
@@ -198,13 +208,8 @@ class PagedAppend:
         if not self.leads:
             return True
         planes = [caches[n] for n in self._names()]
-        cache = planes[0].cache if getattr(planes[0], "paged", False) else None
-        if cache is None or cache.keep_written or any(cache.payloads.converted):
-            return False
-        for plane in planes:
-            if not getattr(plane, "paged", False) or plane.cache is not cache or plane.storage != "float32":
-                return False
-        if planes[0].block_size != self.block_size:
+        cache = _fused_cache(planes)
+        if cache is None or planes[0].block_size != self.block_size:
             return False
         committed = cache.table.lengths
         if committed.shape != self.lengths.shape[1:]:
