@@ -237,8 +237,9 @@ class SlabAllocator:
         self._allocations = 0
         self._frees = 0
         self._reused = 0
-        # a collected allocator's empty chunks go to the chunk reserve (the finalizer holds the classes, not self)
-        weakref.finalize(self, _offer_empty, self._classes)
+        # a collected allocator's empty chunks go to the chunk reserve (the finalizer holds the classes, not self);
+        # not at interpreter exit, where the allocator may still be alive and its owners still free into it
+        weakref.finalize(self, _offer_empty, self._classes).atexit = False
 
     @property
     def chunk_bytes(self) -> int:

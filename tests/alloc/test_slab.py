@@ -460,3 +460,33 @@ def test_a_buffer_freed_by_a_collection_inside_the_lock_does_not_deadlock(tmp_pa
         [sys.executable, "-c", COLLECTED_WHILE_LOCKED], capture_output=True, text=True, timeout=30, cwd=tmp_path
     )
     assert done.returncode == 0 and done.stdout.split() == ["collected", "0"], done.stderr[-2000:]
+
+
+FREED_AT_EXIT = """
+import atexit
+from onnxkv.alloc import SlabAllocator
+
+slab = SlabAllocator()
+bufs = [slab.lane(i % 2).allocate(4096, 64) for i in range(6)]
+
+
+class Owner:  # frees its buffers when collected, as a state or page pool still alive at exit does
+    def __del__(self):
+        for b in bufs:
+            slab.free(b)
+        print("freed", slab.stats().live, flush=True)
+
+
+owner = Owner()
+atexit.register(print, "exiting", flush=True)
+"""
+
+
+def test_an_owner_alive_at_interpreter_exit_frees_into_its_allocator_cleanly(tmp_path):
+    # weakref.finalize runs at exit for objects still alive: the allocator's must not empty its size
+    # classes there while owners (alive as well) still free their slots into them
+    done = subprocess.run(
+        [sys.executable, "-c", FREED_AT_EXIT], capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["exiting", "freed", "0"], done.stderr[-2000:]
+    assert done.stderr == ""

@@ -94,6 +94,29 @@ def test_pages_viewed_with_negative_strides_are_rejected_not_written_past(tmp_pa
     assert "negative strides" in done.stdout
 
 
+LEFT_OPEN = textwrap.dedent("""
+    import numpy as np
+    import onnxkv
+    from onnxkv.generate.feeds import FeedBuilder
+    from onnxkv.zoo.builders import MICRO, build_model
+
+    sess = onnxkv.Session(build_model("gqa", MICRO, seed=1), threads=1)
+    states = [sess.new_state(cache=c) for c in ("paged", "contiguous")]
+    feeds, _ = FeedBuilder(sess.plan.inputs, sess.model, np.array([[1, 2, 3, 4, 5]]), np.array([5]), 0,
+                           thread_cache=False).first()
+    for state in states:
+        state.run(feeds)
+    print("left open", [s.length for s in states])
+""")
+
+
+def test_states_left_open_at_interpreter_exit_free_their_storage_without_errors(tmp_path):
+    # their pages and buffers are freed by the states' collection at exit, into allocators still alive then
+    done = subprocess.run([sys.executable, "-c", LEFT_OPEN], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.split() == ["left", "open", "[5,", "5]"], done.stderr[-2000:]
+    assert "raised" not in done.stderr and "Error" not in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("mode", sorted(ALL))
 def test_contiguous_state_rejects_broken_storage_and_goes_on(session, mode):
     feeds = step_feeds(session, 4, 3)
