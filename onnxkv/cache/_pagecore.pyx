@@ -170,6 +170,30 @@ cdef class PageCore:
                 k = okv_decref(&self._refs[0], &self._stack[0], &self._n_free, &a[0], a.shape[0], &f[0])
         return freed[:k]
 
+    def appends_in_place(self, const int32_t[:, :] tables, const int64_t[:] starts, const int64_t[:] lengths,
+                         int64_t block_size):
+        """For a write of one position per row at ``starts`` (int64 [B]): its end (the largest start + 1)
+        when every row appends (``starts[b] == lengths[b]``, int64 [B]) into a page it holds alone (the
+        block ``starts[b] // block_size`` of row ``b`` of ``tables``, int32 [B, M], is within the row and
+        holds a live id with one reference: :meth:`pages_needed` would say KEEP for every row); else -1
+        (a start that is not the row's length, a block past the row, a free, out-of-range or shared
+        page), which the caller's general path then stages or refuses."""
+        cdef int64_t b, blk, n = starts.shape[0], end = 0
+        cdef int32_t p
+        if block_size < 1 or tables.shape[0] != n or lengths.shape[0] != n:
+            return -1
+        for b in range(n):
+            if starts[b] != lengths[b] or starts[b] < 0:
+                return -1
+            blk = starts[b] // block_size
+            if blk >= tables.shape[1]:
+                return -1
+            p = tables[b, blk]
+            if p < 0 or p >= self.capacity or self._refs[p] != 1:
+                return -1
+            end = max(end, starts[b] + 1)
+        return end
+
     def pages_needed(self, row, int64_t first_block, int64_t last_block):
         """Action per logical block ``first_block .. last_block-1`` of ``row`` (KEEP/FRESH/COPY), and how many need a page."""
         cdef int32_t[::1] r = np.ascontiguousarray(row, np.int32)

@@ -50,6 +50,8 @@ Full-page format conversion after a run goes through
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from onnxkv import _kernels
@@ -132,6 +134,16 @@ class PagedCache:
         if key == self._prepared:  # the other planes of the same write: pages are in place
             return WriteCost()
         pool, bs = self.pool, self.pool.block_size
+        if s == 1 and self.static_length is None and not any(self.payloads.converted):
+            # a decode step: usually every row appends into a page of its own (nothing to stage or keep)
+            with pool._lock:  # forks in other threads must not change counts between the decision and the write
+                end = pool.core.appends_in_place(self.tables, starts, self.table.lengths, bs)
+            if end >= 0 and (self.max_tokens is None or end <= self.max_tokens):
+                if self._staged is None:
+                    self._staged = self.table.tables.copy()
+                    self._staged_lengths = self.table.lengths.copy()
+                self._prepared, self._kept = key, []
+                return WriteCost()
         short = None if self.static_length is not None else self.short_row(starts)
         if short is not None:
             raise InputError(
@@ -159,12 +171,6 @@ class PagedCache:
 
     def _stage_pages(self, tables: np.ndarray, starts: np.ndarray, s: int, key: tuple) -> WriteCost:
         pool, bs = self.pool, self.pool.block_size
-        if s == 1 and not any(self.payloads.converted):  # a decode step: usually every row's page is its own
-            pages = tables[np.arange(tables.shape[0]), starts // bs]
-            if pages.size and int(pages.min()) >= 0 and int(pages.max()) < pool.core.capacity:
-                if (pool.core.refs()[pages] == 1).all():  # pages_needed's KEEP for every row: nothing to stage
-                    self._prepared = key
-                    return WriteCost()
         plan = []
         total = 0
         for b in range(tables.shape[0]):
@@ -257,19 +263,26 @@ class PagedCache:
         else:
             np.maximum(self._staged_lengths, starts + s, out=self._staged_lengths)
 
-    def appended(self, plane: int, starts: np.ndarray, s: int) -> WriteCost:
-        """Stage ``s`` positions per row from ``starts`` (int64 [B]) of plane ``plane`` that a kernel wrote
-        into the pages :meth:`prepare` staged for a write from the same ``starts`` of at least ``s``
-        positions (the fused paged decode; the compiled generation loop, which stages its steps' pages
-        first and may stop early); as :meth:`write` stages what it scatters.  Only while
-        :attr:`keep_written` is False."""
-        spec = self.pool.planes[plane]
+    def appended(self, planes: Sequence[int], starts: np.ndarray, s: int) -> None:
+        """Stage ``s`` positions per row from ``starts`` (int64 [B]) of the planes ``planes`` (indices) that
+        a kernel wrote into the pages :meth:`prepare` staged for a write from the same ``starts`` of at least
+        ``s`` positions (the fused paged decode; the compiled generation loop, which stages its steps' pages
+        first and may stop early); as :meth:`write` stages what it scatters (:meth:`append_cost` is what
+        it costs the event log).  Only while :attr:`keep_written` is False."""
         prepared = self._prepared
         if self.keep_written or prepared is None or prepared[0] != starts.tobytes() or not 0 < s <= prepared[1]:
-            raise InputError(f"paged cache '{spec.name}': appended rows without their prepared pages")
-        self._save(plane)
+            names = ", ".join(repr(self.pool.planes[p].name) for p in planes)
+            raise InputError(f"paged cache {names}: appended rows without their prepared pages")
+        if self._kept:
+            for plane in planes:
+                self._save(plane)
         self._stage_lengths(starts, s)
-        return WriteCost(append_copied_bytes=starts.size * spec.heads * s * spec.head_size * spec.dtype.itemsize)
+
+    def append_cost(self, plane: int, rows: int, s: int) -> WriteCost:
+        """The :class:`WriteCost` of ``s`` positions of ``rows`` rows staged by :meth:`appended` in plane
+        ``plane`` (the bytes a kernel wrote)."""
+        spec = self.pool.planes[plane]
+        return WriteCost(append_copied_bytes=rows * spec.heads * s * spec.head_size * spec.dtype.itemsize)
 
     def _kept_slots(self, starts: np.ndarray, s: int) -> list[tuple[int, int, int]]:
         """(page, first, last offset) of the committed positions a write of ``s`` positions from ``starts``

@@ -63,6 +63,54 @@ def test_core_pages_needed_marks_fresh_and_shared():
     assert action.tolist() == [0, 2, 1, 0] and n == 2
 
 
+def test_core_appends_in_place_only_when_every_row_appends_into_its_own_page():
+    core = PageCore(8, None)
+    a, b, c = core.reserve(3).tolist()
+    core.incref(np.array([b], np.int32))  # page b is shared
+    tables = np.array([[a, c], [a, -1]], np.int32)
+    lengths = np.array([5, 3], np.int64)
+
+    def end(starts, tables=tables, lengths=lengths, bs=4):
+        return core.appends_in_place(tables, np.array(starts, np.int64), lengths, bs)
+
+    assert end([5, 3]) == 6  # rows 0 and 1 append into their own pages c and a
+    assert end([5, 3], lengths=np.array([6, 3], np.int64)) == -1  # a row that does not append at its length
+    assert end([5, 2], lengths=np.array([5, 2], np.int64)) == 6
+    assert end([4, 4], lengths=np.array([4, 4], np.int64)) == -1  # row 1's block 1 has no page yet
+    assert end([8, 3], lengths=np.array([8, 3], np.int64)) == -1  # block 2: past the rows of the table
+    assert end([-1, 3], lengths=np.array([-1, 3], np.int64)) == -1
+    assert end([5, 3], tables=np.array([[a, b], [a, c]], np.int32)) == -1  # a shared page: copy on write
+    assert end([5, 3], tables=np.array([[a, 7], [a, c]], np.int32)) == -1  # page 7 is free
+    assert end([5, 3], tables=np.array([[a, 99], [a, c]], np.int32)) == -1  # out of range
+    assert end([5, 3], bs=0) == -1
+    assert end([5], lengths=np.array([5], np.int64)) == -1  # fewer starts than rows
+    assert end([], tables=np.zeros((0, 2), np.int32), lengths=np.zeros(0, np.int64)) == 0
+
+
+def test_decode_appends_stage_nothing_then_appended_stages_every_plane():
+    pool = _pool(block_size=4)
+    cache = PagedCache(pool, PageTable(pool, 2))
+    cache.keep_written = False  # no format selector reads the writes: a kernel may append in place
+    rng = np.random.default_rng(0)
+    cache.write(0, _rand(rng, 2, 3), 0, 3)
+    cache.write(1, _rand(rng, 2, 3), 0, 3)
+    cache.commit()
+    live = pool.live_pages
+    starts = cache.table.lengths.copy()
+    assert cache.prepare(starts, 1) == cache.prepare(starts, 1)  # nothing allocated, nothing copied
+    assert pool.live_pages == live
+    cache.appended([0, 1], starts, 1)
+    assert cache.lengths.tolist() == [4, 4] and cache.table.lengths.tolist() == [3, 3]
+    assert cache.append_cost(1, 2, 1).append_copied_bytes == 2 * H * D * 4
+    with pytest.raises(InputError, match="'k', 'v': appended rows without their prepared pages"):
+        cache.appended([0, 1], starts + 1, 1)
+    cache.commit()
+    assert cache.table.lengths.tolist() == [4, 4]
+    starts = cache.table.lengths.copy()
+    cost = cache.prepare(starts, 1)  # position 4 starts block 1: a fresh page per row
+    assert cost.allocations == 2 * 2 and pool.live_pages == live + 2
+
+
 def test_pool_allocates_and_frees_payloads_with_the_allocator():
     arena = ArenaAllocator(1 << 20)
     pool = _pool(allocator=arena)

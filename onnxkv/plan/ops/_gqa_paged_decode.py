@@ -111,12 +111,14 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     rec = _recorder()
     if rec is not None:
         _note(op, rec, (query, key, value, cos, sin), ck, cv, seqlens_k, total_seqlen, output)
-    for name, plane, extra in ((past_k_name, ck, prep), (past_v_name, cv, None)):
-        cost = cache.appended(plane.index, starts, 1)
-        if extra is not None:
-            for field in ("allocations", "allocated_bytes", "cow_copied_bytes"):
-                setattr(cost, field, getattr(cost, field) + getattr(extra, field))
-        rt.cache_staged(name, cost)
+    cache.appended((ck.index, cv.index), starts, 1)
+    if rt.recording:
+        for name, plane, extra in ((past_k_name, ck, prep), (past_v_name, cv, None)):
+            cost = cache.append_cost(plane.index, b, 1)
+            if extra is not None:
+                for field in ("allocations", "allocated_bytes", "cow_copied_bytes"):
+                    setattr(cost, field, getattr(cost, field) + getattr(extra, field))
+            rt.cache_staged(name, cost)
     rt.count(**stats)
     present_len = max(total, past_len)
     presents = [c.placeholder(present_len) if want else None for c, want in zip((ck, cv), op.has_present)]
@@ -178,7 +180,7 @@ class PagedAppend:
     (the compiled generation loop, which advances ``lengths[0]`` itself).
     """
 
-    __slots__ = ("names", "lengths", "outputs", "block_size", "followers", "leads")
+    __slots__ = ("names", "lengths", "outputs", "block_size", "followers", "leads", "group_names", "present_len")
 
     def __init__(
         self, names: tuple[str, str], lengths: np.ndarray, has_present: tuple[bool, bool], block_size: int
@@ -191,23 +193,26 @@ class PagedAppend:
         #: The effects this one leads (see :meth:`group`), and whether it leads (else another leads it).
         self.followers: list[PagedAppend] = []
         self.leads = True
+        #: The past names of the group (the leader's and its followers', in call order).
+        self.group_names: tuple[str, ...] = names
+        #: The length of the presents after the run (set by the leader's :meth:`before`).
+        self.present_len = 0
 
     @staticmethod
     def group(effects: list) -> None:
         """Make the first :class:`PagedAppend` of ``effects`` (a segment's, in call order) lead the others."""
         paged = [e for e in effects if type(e) is PagedAppend]
         for e in paged[1:]:
-            e.leads, e.followers = False, []
+            e.leads, e.followers, e.group_names = False, [], e.names
         if paged:
-            paged[0].leads, paged[0].followers = True, paged[1:]
-
-    def _names(self) -> list[str]:
-        return [n for e in (self, *self.followers) for n in e.names]
+            lead = paged[0]
+            lead.leads, lead.followers = True, paged[1:]
+            lead.group_names = tuple(n for e in paged for n in e.names)
 
     def before(self, caches: dict, steps: int = 1) -> bool:
         if not self.leads:
             return True
-        planes = [caches[n] for n in self._names()]
+        planes = [caches[n] for n in self.group_names]
         cache = _fused_cache(planes)
         if cache is None or planes[0].block_size != self.block_size:
             return False
@@ -216,22 +221,25 @@ class PagedAppend:
             return False
         self.lengths[0] = committed
         self.lengths[1] = committed + steps
+        self.present_len = int(committed.max()) + 1
         for e in self.followers:
             e.lengths[...] = self.lengths
+            e.present_len = self.present_len
         cache.prepare(self.lengths[0], steps)
         return True
 
     def after(self, rt: RunContext) -> list:
         if self.leads:
-            names = self._names()
-            for name, cost in zip(names, self.stage(rt.caches, self.lengths[0], 1)):
-                rt.cache_staged(name, cost)
-        present_len = int(self.lengths[0].max()) + 1
-        return [(i, rt.caches[self.names[i - 1]].placeholder(present_len)) for i in self.outputs]
+            self.stage(rt.caches, self.lengths[0], 1)
+            if rt.recording:
+                for name in self.group_names:
+                    plane = rt.caches[name]
+                    rt.cache_staged(name, plane.cache.append_cost(plane.index, self.lengths.shape[1], 1))
+        return [(i, rt.caches[self.names[i - 1]].placeholder(self.present_len)) for i in self.outputs]
 
-    def stage(self, caches: dict, starts: np.ndarray, steps: int) -> list:
+    def stage(self, caches: dict, starts: np.ndarray, steps: int) -> None:
         """Stage ``steps`` rows appended from ``starts`` (int64 [B]) in every plane of the group (the
-        leader; a follower stages nothing); their write costs."""
-        if not self.leads:
-            return []
-        return [caches[name].cache.appended(caches[name].index, starts, steps) for name in self._names()]
+        leader, whose :meth:`before` found them planes of one cache; a follower stages nothing)."""
+        if self.leads:
+            planes = [caches[name] for name in self.group_names]
+            planes[0].cache.appended([p.index for p in planes], starts, steps)

@@ -194,9 +194,11 @@ class PagedStore:
 
     def feeds(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         full = dict(feeds)
-        past = self.ctx.static_capacity if self.ctx.static else None  # a static cache's past: its capacity
+        # a static cache's past: its capacity; else the committed length (every plane of the cache has it)
+        past = self.ctx.static_capacity if self.ctx.static else None
+        length = past or next(iter(self.cache.planes.values())).length
         for name, c in self.cache.planes.items():
-            full[name] = c.gather(past) if name in self._needs_data else c.placeholder(past or c.length)
+            full[name] = c.gather(past) if name in self._needs_data else c.placeholder(length)
         return full
 
     def finish(self) -> None:
