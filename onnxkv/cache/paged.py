@@ -183,6 +183,8 @@ class PagedCache:
             if n:
                 plan.append((b, lo_blk, action))
                 total += n
+        if total and self.static_length is None and not any(self.payloads.converted):
+            total -= self._keep_one_holder(tables, starts, plan)
         cost = WriteCost()
         if not total:
             self._prepared = key
@@ -213,6 +215,34 @@ class PagedCache:
         cost.allocated_bytes += total * pool.page_bytes
         self._prepared = key
         return cost
+
+    def _keep_one_holder(self, tables: np.ndarray, starts: np.ndarray, plan: list) -> int:
+        """Turn one copy-on-write of each page that every one of its holders is about to copy in this
+        write into a KEEP (in ``plan``'s actions); return how many copies that saves.
+
+        A page shared only by rows of this table, all of which write its block now (the rows of a beam
+        or a tree forked from one row, appending), needs no copy for the last of them: every other row
+        copies its valid tokens first, and the keeper (the row writing furthest) writes past the
+        committed positions of every holder, so no holder's committed token changes, even if the run
+        is discarded.  A page with another holder (a checkpoint, another state, a row that already left
+        it in this run) is copied by every row as before.  Not for static caches or converted pages.
+        """
+        copies: dict[int, list] = {}
+        for b, lo_blk, action in plan:
+            for j in np.flatnonzero(action == 2).tolist():
+                copies.setdefault(int(tables[b, lo_blk + j]), []).append((b, action, j))
+        if not copies:
+            return 0
+        refs, committed = self.pool.core.refs(), self.table.lengths
+        saved = 0
+        for page, holders in copies.items():
+            if len(holders) != int(refs[page]):
+                continue
+            keeper, action, j = max(holders, key=lambda h: int(starts[h[0]]))  # the first furthest
+            if all(int(committed[b]) <= int(starts[keeper]) for b, _, _ in holders):
+                action[j] = 0
+                saved += 1
+        return saved
 
     def _converted(self, ids: np.ndarray, action: np.ndarray) -> np.ndarray:
         """Mask of the KEEP entries of ``ids`` whose page is not native in some plane."""

@@ -214,6 +214,89 @@ def test_copy_on_write_copies_only_the_shared_partial_page():
     assert pool.live_pages == 0
 
 
+def _forked(rng, rows, length=6, block_size=4):
+    """A cache of ``rows`` rows forked from one row of ``length`` tokens (its last page partly filled);
+    the prompt."""
+    pool = _pool(block_size=block_size)
+    base = PagedCache(pool, PageTable(pool, 1))
+    prompt = _rand(rng, 1, length)
+    for plane in (0, 1):
+        base.write(plane, prompt, 0, length)
+    base.commit()
+    fork = PagedCache(pool, base.table.share(np.zeros(rows, np.int64)))
+    base.table.release()
+    return fork, prompt
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_rows_forked_from_one_row_copy_their_shared_page_once_less(rows):
+    # every holder of the partly filled page writes its block: the last of them keeps it, the others copy
+    rng = np.random.default_rng(20)
+    fork, prompt = _forked(rng, rows)
+    pool, shared = fork.pool, int(fork.table.tables[0, 1])
+    new = _rand(rng, rows, 1)
+    cost = fork.write(0, new, 6, 7)
+    assert cost.cow_copied_bytes == (rows - 1) * 2 * H * 2 * D * 4  # 2 valid tokens, both planes, per copy
+    assert cost.allocations == (rows - 1) * 2
+    fork.write(1, new, 6, 7)
+    fork.commit()
+    assert sorted(fork.table.tables[:, 1].tolist()).count(shared) == 1
+    for plane in (0, 1):
+        got = fork.gather(plane, 7)
+        np.testing.assert_array_equal(got[:, :, :6], np.broadcast_to(prompt, (rows, H, 6, D)))
+        np.testing.assert_array_equal(got[:, :, 6:], new)
+    pool.audit()
+    assert pool.core.refs()[shared] == 1
+    fork.table.release()
+    assert pool.live_pages == 0
+
+
+def test_a_discarded_write_of_forked_rows_leaves_every_row_as_committed():
+    rng = np.random.default_rng(21)
+    fork, prompt = _forked(rng, 2)
+    tables = fork.table.tables.copy()
+    fork.write(0, _rand(rng, 2, 3), 6, 9)
+    fork.discard()
+    np.testing.assert_array_equal(fork.table.tables, tables)
+    for plane in (0, 1):
+        np.testing.assert_array_equal(fork.gather(plane, 6), np.broadcast_to(prompt, (2, H, 6, D)))
+    fork.pool.audit()
+    new = _rand(rng, 2, 1)  # the next write still sees every row as committed
+    fork.write(0, new, 6, 7)
+    fork.commit()
+    np.testing.assert_array_equal(fork.gather(0, 7)[:, :, 6:], new)
+    np.testing.assert_array_equal(fork.gather(0, 7)[:, :, :6], np.broadcast_to(prompt, (2, H, 6, D)))
+
+
+def test_every_forked_row_copies_a_page_another_holder_keeps():
+    rng = np.random.default_rng(22)
+    fork, prompt = _forked(rng, 2)
+    held = fork.table.share(np.array([0]))  # a checkpoint, another state, ...
+    shared = int(held.tables[0, 1])
+    cost = fork.write(0, _rand(rng, 2, 1), 6, 7)
+    assert cost.cow_copied_bytes == 2 * 2 * H * 2 * D * 4
+    fork.commit()
+    assert shared not in fork.table.tables[:, 1].tolist()
+    np.testing.assert_array_equal(fork.pool.pages[0][shared][:, :2], prompt[0, :, 4:6])
+    held.release()
+    fork.table.release()
+    fork.pool.audit()
+
+
+def test_a_row_rewriting_its_committed_tokens_never_keeps_a_shared_page():
+    # row 0 (length 6) rewrites position 5 while row 1 (length 5) appends: both copy, so the other row's
+    # token 5 (row 0's committed one) is never overwritten in the shared page
+    rng = np.random.default_rng(23)
+    fork, prompt = _forked(rng, 2)
+    fork.table.lengths[1] = 5
+    shared = int(fork.table.tables[0, 1])
+    cost = fork.write(0, _rand(rng, 2, 1), np.array([5, 5]), 6)
+    assert cost.cow_copied_bytes == (2 + 1) * H * D * 4 * 2  # row 0: 2 valid tokens; row 1: 1; both planes
+    fork.discard()
+    np.testing.assert_array_equal(fork.pool.pages[0][shared][:, :2], prompt[0, :, 4:6])
+    fork.table.release()
+
+
 def test_truncate_and_evict_release_pages():
     rng = np.random.default_rng(3)
     pool = _pool(block_size=4)
