@@ -280,18 +280,15 @@ class PlanePayloads:
         address 0, a free one.  Passing a returned record back restores the page exactly.  Called under
         the owner's lock.
         """
-        old = (
-            self._bufs[plane][page],
-            self.pages[plane][page],
-            int(self.formats[plane, page]),
-            int(self.ptrs[plane, page]),
-        )
-        self._built.pop(id(buf), None)
+        old_code = int(self.formats[plane, page])
+        old = (self._bufs[plane][page], self.pages[plane][page], old_code, int(self.ptrs[plane, page]))
+        if self._built:
+            self._built.pop(id(buf), None)
         self._bufs[plane][page], self.pages[plane][page] = buf, arr
         self.ptrs[plane, page] = address if arr is None else arr.__array_interface__["data"][0]
-        self.converted[plane] -= self.quantized(plane, page)
+        native = NATIVE_CODE[self.planes[plane].storage]
+        self.converted[plane] += (code != native) - (old_code != native)
         self.formats[plane, page] = code
-        self.converted[plane] += self.quantized(plane, page)
         self.sizes[plane, page] = 0 if arr is None else arr.nbytes
         return old
 
