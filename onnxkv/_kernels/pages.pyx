@@ -57,27 +57,17 @@ def page_write(new, pages, tables, starts, block_size):
         got = f"{starts.dtype} {starts.shape}" if isinstance(starts, np.ndarray) else type(starts).__name__
         raise ValueError(f"starts: expected an integer array of shape ({B},), got {got}")
     if B and S:
-        bad = V.outside(starts, 0, M * bs - S)
-        if bad.any():
-            b = int(np.argmax(bad))
-            raise ValueError(f"starts: row {b} = {int(starts[b])} does not fit {S} new tokens in {M} blocks of {bs} "
-                             f"tokens (expected [0, {M * bs - S}])")
-        st = starts.astype(np.int64)    # lossless: checked in its own width above
-        first, last = st // bs, (st + S - 1) // bs
-        if (first == last).all():  # every row writes inside one block (decode)
-            rows, blocks = np.arange(B), first
-        else:
-            cols = np.arange(M)
-            rows, blocks = np.nonzero((cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]))
-        ids = tables[rows, blocks]
-        P = pages.shape[0]
-        bad = (ids < 0) | (ids >= P)
-        bad[~bad] = pages[ids[~bad]] == 0
-        if bad.any():
-            k = int(np.argmax(bad))
-            b, i = int(rows[k]), int(blocks[k])
-            raise ValueError(f"tables: row {b}, block {i} is written but holds {int(tables[b, i])} (expected a page "
-                             f"id in [0, {P}) with a nonzero address)")
+        if starts.dtype != V.I64 and starts.dtype != V.I32:  # other widths: compared in their own first
+            bad = V.outside(starts, 0, M * bs - S)
+            if bad.any():
+                _bad_start(starts, int(np.argmax(bad)), S, M, bs)
+        st = np.ascontiguousarray(starts, dtype=np.int64)    # lossless: int32/int64, or checked above
+        b, blk = _first_bad(pages, tables, st, S, bs)
+        if b >= 0 and blk < 0:
+            _bad_start(starts, b, S, M, bs)
+        if b >= 0:
+            raise ValueError(f"tables: row {b}, block {blk} is written but holds {int(tables[b, blk])} (expected a "
+                             f"page id in [0, {pages.shape[0]}) with a nonzero address)")
     if not (B and S and H and D):
         return
     cdef const char[::1] src = new.reshape(-1).view(np.int8)
@@ -87,3 +77,32 @@ def page_write(new, pages, tables, starts, block_size):
     cdef int64_t row = D * new.itemsize, b_ = B, h_ = H, s_ = S, m_ = M, bs_ = bs
     with nogil:
         _scatter(&src[0], &pg[0], &tb[0], &sv[0], b_, h_, s_, row, m_, bs_)
+
+
+def _bad_start(starts, b, S, M, bs):
+    raise ValueError(f"starts: row {b} = {int(starts[b])} does not fit {S} new tokens in {M} blocks of {bs} "
+                     f"tokens (expected [0, {M * bs - S}])")
+
+
+cdef tuple _first_bad(const uint64_t[::1] pages, const int32_t[:, ::1] tables, const int64_t[::1] starts,
+                      int64_t S, int64_t bs):
+    """``(row, -1)`` of the first row whose start does not fit ``S`` tokens in its blocks, else ``(row,
+    block)`` of the first block written (rows, then blocks, in order) whose entry is not a page id in
+    ``[0, P)`` with a nonzero address, else ``(-1, -1)``."""
+    cdef int64_t b, blk, page, B = starts.shape[0], M = tables.shape[1], P = pages.shape[0]
+    cdef int64_t hi = M * bs - S, row = -1, bad = -1
+    with nogil:
+        for b in range(B):
+            if starts[b] < 0 or starts[b] > hi:
+                row = b
+                break
+        if row < 0:
+            for b in range(B):
+                for blk in range(starts[b] // bs, (starts[b] + S - 1) // bs + 1):
+                    page = tables[b, blk]
+                    if page < 0 or page >= P or pages[page] == 0:
+                        row, bad = b, blk
+                        break
+                if row >= 0:
+                    break
+    return row, bad
