@@ -7,9 +7,10 @@ cdef int decode_token_ptr(const float *q, int64_t qs, const float *k, int64_t ks
                           float *v_cache, int64_t Hq, int64_t Hkv, int64_t Cap, int64_t D, int64_t S, int64_t pos,
                           float scale, float softcap, int64_t window, float *out, okv_settings s) noexcept nogil
 cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
-                          int64_t bs, const int32_t *pos, int64_t B, int64_t rows, int64_t window) noexcept nogil
+                          int64_t bs, const int32_t *last, int64_t B, int64_t S, int64_t rows,
+                          int64_t window) noexcept nogil
 cdef int decode_paged_ptr(const float *q, int64_t qs, const float *k, int64_t ks, const float *v, int64_t vs,
                           const float *cos, const float *sin, int64_t half, int inter, const uint64_t *kp,
-                          const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *pos,
-                          int64_t B, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap, int64_t window,
-                          float *out, okv_settings s, int64_t *stats) noexcept nogil
+                          const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *last,
+                          int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap,
+                          int64_t window, float *out, okv_settings s, int64_t *stats) noexcept nogil

@@ -148,7 +148,8 @@ cdef class Program:
             if kind == KIND_DECODE_PAGED and not (
                     arrays[5] is not None and arrays[6] is not None and arrays[5].ndim == 2 and arrays[6].ndim == 2
                     and 0 <= ints[9] < arrays[5].shape[0] and 0 <= ints[10] < arrays[5].shape[0]
-                    and ints[8] == arrays[6].shape[0] >= 1 and ints[3] >= 1
+                    and ints[8] == arrays[6].shape[0] >= 1 and ints[3] >= 1 and len(ints) > PAGED_S
+                    and ints[PAGED_S] >= 1
                     and arrays[10] is not None and arrays[10].shape == (2, ints[8])):
                 raise ValueError(f"Program: paged decode call {c}: planes {ints[9]}, {ints[10]} or {ints[8]} rows "
                                  "do not fit its page and block tables")
@@ -365,21 +366,22 @@ cdef inline bint _paged_admitted(const call_t *c) noexcept nogil:
     the run staged, the total fits, and every position and page the call touches passes ``decode_paged_ok``."""
     cdef const int32_t *seqlens = <const int32_t *>c.p[7]
     cdef const int64_t *lengths = <const int64_t *>c.p[10]
-    cdef int64_t b, B = c.i[8], P = c.i[RAGGED_P], top = -1, committed = 0
+    cdef int64_t b, B = c.i[8], S = c.i[PAGED_S], P = c.i[RAGGED_P], top = -1, committed = 0
     cdef int64_t total = (<const int32_t *>c.p[8])[0]
-    if B < 1 or P < 1 or c.i[RAGGED_M] < 1:
+    if B < 1 or S < 1 or P < 1 or c.i[RAGGED_M] < 1:
         return False
-    for b in range(B):
-        if seqlens[b] != lengths[b] or seqlens[b] < 0 or seqlens[b] >= lengths[B + b]:
+    for b in range(B):   # seqlens[b]: the row's last new position; S > 1: every row's the same (GQA's rule)
+        if <int64_t>seqlens[b] + 1 - S != lengths[b] or lengths[b] < 0 or seqlens[b] >= lengths[B + b] \
+                or (S > 1 and seqlens[b] != seqlens[0]):
             return False
         if seqlens[b] > top:
             top = seqlens[b]
         if lengths[b] > committed:
             committed = lengths[b]
-    if total <= 1 or total <= top or total > committed + 1:
+    if total <= S or total <= top or total > committed + S:
         return False
     return decode_paged_ok(<const uint64_t *>c.p[5] + c.i[9] * P, <const uint64_t *>c.p[5] + c.i[10] * P, P,
-                           <const int32_t *>c.p[6], c.i[RAGGED_M], c.i[3], seqlens, B,
+                           <const int32_t *>c.p[6], c.i[RAGGED_M], c.i[3], seqlens, B, S,
                            c.i[7] if c.p[3] != NULL else -1, c.i[6])
 
 
@@ -394,7 +396,8 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
                                 <int>c.i[5], <const uint64_t *>c.p[5] + c.i[9] * c.i[RAGGED_P],
                                 <const uint64_t *>c.p[5] + c.i[10] * c.i[RAGGED_P], <const int32_t *>c.p[6],
                                 c.i[RAGGED_M],
-                                c.i[3], <const int32_t *>c.p[7], c.i[8], c.i[0], c.i[1], c.i[2], c.f[0], c.f[1],
+                                c.i[3], <const int32_t *>c.p[7], c.i[8], c.i[PAGED_S], c.i[0], c.i[1], c.i[2],
+                                c.f[0], c.f[1],
                                 c.i[6], <float *>c.p[9], s, stats)
     if c.kind == KIND_GATHER_ROWS:
         gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2], <float *>c.p[2])

@@ -19,7 +19,7 @@ from libc.stdlib cimport free, malloc
 from onnxkv._kernels._record cimport KIND_DECODE_PAGED, KIND_DECODE_TOKEN
 from onnxkv._kernels._runtime cimport okv_now_ns, okv_settings, okv_settings_get
 from onnxkv._kernels.sampling cimport sample_row_f32
-from onnxkv._kernels.step cimport MAX_EXT, Program, call_t
+from onnxkv._kernels.step cimport MAX_EXT, PAGED_S, Program, call_t
 
 __all__ = ["decode_steps", "DONE", "EOS", "REFUSED", "MISMATCH"]
 
@@ -161,9 +161,9 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                 pos_io = <int64_t *>cl.p[10]
                 pos_io[0] = pos_io[1] + cl.i[8]
             elif cl.kind == KIND_DECODE_PAGED:
-                pos_io = <int64_t *>cl.p[10]   # row 0 of the lengths: one more token per row
+                pos_io = <int64_t *>cl.p[10]   # row 0 of the lengths: the call's tokens per row more
                 for k in range(cl.i[8]):
-                    pos_io[k] += 1
+                    pos_io[k] += cl.i[PAGED_S]
         for k in range(eos.shape[0]):
             if eos[k] == tok:
                 why = EOS

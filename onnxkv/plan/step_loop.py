@@ -166,6 +166,8 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
     ):
         return None
     paged = kinds == {PagedAppend}
+    if paged and any(effect.tokens != 1 for effect, _ in seg.effects):  # a step of one token per row only
+        return None
     try:
         named = [caches[n] for effect, _ in seg.effects for n in effect.names]
     except KeyError:

@@ -8,6 +8,7 @@ declined (None) with no page and no output byte written.
 """
 
 import numpy as np
+import pytest
 
 import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
@@ -19,16 +20,16 @@ from .test_paged_attention import Paged
 BS, CAP = 16, 64
 
 
-def _case(rng, hq, hkv, d, pos, rot_half, packed=False, cap=CAP):
-    """Pages holding random caches of len(pos) rows (every block allocated, ids shuffled), the new token's
-    q, k, v per row (slices of packed rows if ``packed``), rotary tables or None."""
+def _case(rng, hq, hkv, d, pos, rot_half, packed=False, cap=CAP, n=1):
+    """Pages holding random caches of len(pos) rows (every block allocated, ids shuffled), the ``n`` new
+    tokens' q, k, v per row (slices of packed rows if ``packed``), rotary tables or None."""
     b = len(pos)
     kc, vc = rand(rng, (b, hkv, cap, d)), rand(rng, (b, hkv, cap, d))
     if packed:
-        qkv = rand(rng, (b, 1, (hq + 2 * hkv) * d))
+        qkv = rand(rng, (b, n, (hq + 2 * hkv) * d))
         q, k, v = qkv[..., : hq * d], qkv[..., hq * d : (hq + hkv) * d], qkv[..., (hq + hkv) * d :]
     else:
-        q, k, v = rand(rng, (b, 1, hq * d)), rand(rng, (b, 1, hkv * d)), rand(rng, (b, 1, hkv * d))
+        q, k, v = rand(rng, (b, n, hq * d)), rand(rng, (b, n, hkv * d)), rand(rng, (b, n, hkv * d))
     cos = sin = None
     if rot_half:
         ang = rng.uniform(-3, 3, (cap, rot_half))
@@ -47,29 +48,32 @@ def _restore(pg: Paged, snap: list) -> None:
 
 def _unfused(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, window, out):
     """The compiled calls the fused kernel stands for: rotary, page_write of the rows, paged_attention."""
-    b, d = q.shape[0], k.shape[2] // hkv
+    b, n, d = q.shape[0], q.shape[1], k.shape[2] // hkv
     hq = q.shape[2] // d
-    q4, k4 = np.ascontiguousarray(q).reshape(b, 1, hq, d), np.ascontiguousarray(k).reshape(b, 1, hkv, d)
+    p = pos.astype(np.int64)[:, None] + np.arange(n)[None, :]
+    q4, k4 = np.ascontiguousarray(q).reshape(b, n, hq, d), np.ascontiguousarray(k).reshape(b, n, hkv, d)
     if cos is not None:
         qr, kr = np.empty_like(q4), np.empty_like(k4)
-        K.rotary_embedding(q4, cos, sin, pos[:, None].astype(np.int64), interleaved, qr)
-        K.rotary_embedding(k4, cos, sin, pos[:, None].astype(np.int64), interleaved, kr)
+        K.rotary_embedding(q4, cos, sin, p, interleaved, qr)
+        K.rotary_embedding(k4, cos, sin, p, interleaved, kr)
         q4, k4 = qr, kr
-    v4 = np.ascontiguousarray(v).reshape(b, 1, hkv, d)
+    v4 = np.ascontiguousarray(v).reshape(b, n, hkv, d)
     for new, addr in ((k4, pg.k_addr), (v4, pg.v_addr)):
         K.page_write(np.ascontiguousarray(new.transpose(0, 2, 1, 3)), addr, pg.table, pos.astype(np.int64), BS)
+    res = np.empty((b, hq, n, d), np.float32)
     K.paged_attention(
         np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), pg.k_addr, pg.v_addr, pg.table, BS, hkv,
-        (pos + 1).astype(np.int32), pos[:, None].astype(np.int32), scale, softcap, window, out.reshape(b, hq, 1, d),
+        (pos + n).astype(np.int32), p.astype(np.int32), scale, softcap, window, res,
     )  # fmt: skip
+    out.reshape(b, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
 
 
 def _check(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, window):
     """The fused call equals the unfused calls bit for bit (output and every page), the twin within float32
     tolerance, and writes no page position but the rows' own."""
-    b, hq_d = q.shape[0], q.shape[2]
+    b, n, hq_d = q.shape
     before = _snapshot(pg)
-    got = np.full((b, 1, hq_d), np.nan, np.float32)
+    got = np.full((b, n, hq_d), np.nan, np.float32)
     stats = K.decode_token_paged(q, k, v, cos, sin, interleaved, pg.k_addr, pg.v_addr, pg.table, BS, hkv, pos,
                                  scale, softcap, window, got)  # fmt: skip
     assert stats is not None and set(stats) == {"dequantized_bytes", "workspace_peak_bytes"}
@@ -80,12 +84,12 @@ def _check(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, window)
     np.testing.assert_array_equal(got, want)
     for a, w in zip(fused_pages, _snapshot(pg), strict=True):
         np.testing.assert_array_equal(a, w)
-    written = {(int(pg.table[r, pos[r] // BS]), int(pos[r] % BS)) for r in range(b)}
-    n = len(pg.k_pages)
+    written = {(int(pg.table[r, (pos[r] + t) // BS]), int((pos[r] + t) % BS)) for r in range(b) for t in range(n)}
+    pages = len(pg.k_pages)
     for i, (a, w) in enumerate(zip(fused_pages, before, strict=True)):
         keep = np.ones(a.shape[1], bool)
         for page, off in written:
-            keep[off] &= page != i % n
+            keep[off] &= page != i % pages
         np.testing.assert_array_equal(a[:, keep], w[:, keep])
     _restore(pg, before)
     twin = np.empty_like(got)
@@ -132,7 +136,29 @@ def test_declines_what_it_does_not_take():
         "sin without cos": dict(cos=None),
         "written block without a page": dict(block_tables=bad_table),
         "kv_heads not dividing": dict(kv_heads=3),
-        "two tokens per row": dict(q=np.repeat(q, 2, axis=1), k=np.repeat(k, 2, axis=1), v=np.repeat(v, 2, axis=1)),
+        "out of one token, q of two": dict(
+            q=np.repeat(q, 2, axis=1), k=np.repeat(k, 2, axis=1), v=np.repeat(v, 2, axis=1)
+        ),
+        "rows of two tokens not one after another": dict(
+            q=np.repeat(q, 2, axis=1)[::-1],
+            k=np.repeat(k, 2, axis=1),
+            v=np.repeat(v, 2, axis=1),
+            out=np.full((2, 2, 256), 7.0, np.float32),
+        ),
+        "last token past the table": dict(
+            q=np.repeat(q, 2, axis=1),
+            k=np.repeat(k, 2, axis=1),
+            v=np.repeat(v, 2, axis=1),
+            pos=np.array([5, CAP - 1], np.int32),
+            out=np.full((2, 2, 256), 7.0, np.float32),
+        ),
+        "pos near the int32 limit": dict(
+            q=np.repeat(q, 2, axis=1),
+            k=np.repeat(k, 2, axis=1),
+            v=np.repeat(v, 2, axis=1),
+            pos=np.array([5, 2**31 - 1], np.int32),
+            out=np.full((2, 2, 256), 7.0, np.float32),
+        ),
         "out strided": dict(out=np.full((2, 1, 512), 7.0, np.float32)[:, :, ::2]),
         "block_size 0": dict(block_size=0),
         "window not an int": dict(window=1.5),
@@ -149,3 +175,16 @@ def test_long_rows_split_like_paged_attention(threads):
     pos = np.array([1199, 640, 3], np.int32)
     pg, q, k, v, cos, sin = _case(rng, 8, 2, 64, pos, 32, cap=1200)
     _check(pg, q, k, v, cos, sin, False, 2, pos, 0.125, 0.0, -1)
+
+
+@pytest.mark.parametrize("n", [2, 4, 7])
+@pytest.mark.parametrize("window", [-1, 9])
+def test_several_tokens_per_row_equal_unfused_calls_and_twin(n, window, threads, simd):
+    """S tokens per row (a speculative tree's rows, a verification): each token sees its row's keys up to its
+    own position, pages crossed between the tokens; packed rows; bit for bit the unfused calls."""
+    rng = np.random.default_rng([n, window + 1])
+    pos = np.array([13, 13, 13], np.int32) if n > 2 else np.array([0, 30, 57], np.int32)
+    pg, q, k, v, cos, sin = _case(rng, 8, 2, 32, pos, 16, packed=True, n=n)
+    _check(pg, q, k, v, cos, sin, False, 2, pos, 0.2, 0.0, window)
+    pg, q, k, v, cos, sin = _case(rng, 4, 4, 16, pos[:1], 0, n=n)  # one row, no rotary, MHA
+    _check(pg, q, k, v, cos, sin, False, 4, pos[:1], 0.25, 30.0, window)

@@ -23,40 +23,44 @@ class PagedCall:
     """One recorded paged decode call over :class:`Paged` caches of ``len(pos)`` rows: the operands in the
     order of ``_record.pxd``; the address table stacks K (plane 0) and V (plane 1) addresses."""
 
-    def __init__(self, rng, pos, rot=True, packed=False):
+    def __init__(self, rng, pos, rot=True, packed=False, n=1):
         pos = np.asarray(pos, np.int32)
-        self.pg, self.q, self.k, self.v, self.cos, self.sin = _case(rng, HQ, HKV, D, pos, D // 2 if rot else 0, packed)
+        self.pos, self.n = pos, n
+        self.pg, self.q, self.k, self.v, self.cos, self.sin = _case(
+            rng, HQ, HKV, D, pos, D // 2 if rot else 0, packed, n=n
+        )
         if rot:
             self.cos, self.sin = self.cos[:ROWS].copy(), self.sin[:ROWS].copy()
         b = len(pos)
-        self.seq, self.total = pos.copy(), np.array([pos.max() + 1], np.int32)
-        self.lengths = np.stack([pos, pos + 1]).astype(np.int64)  # committed, staged end
-        self.out = np.full((b, 1, HQ * D), np.nan, np.float32)
-        strides = [x.strides[0] // 4 for x in (self.q, self.k, self.v)]
+        # seqlens_k: each row's last new position; total: past every row's
+        self.seq, self.total = pos + np.int32(n - 1), np.array([pos.max() + n], np.int32)
+        self.lengths = np.stack([pos, pos + n]).astype(np.int64)  # committed, staged end
+        self.out = np.full((b, n, HQ * D), np.nan, np.float32)
+        strides = [x.strides[1 if n > 1 else 0] // 4 for x in (self.q, self.k, self.v)]
         spans = [x if x.flags.c_contiguous else self._span(x) for x in (self.q, self.k, self.v)]
         half, rows = (D // 2, ROWS) if rot else (0, 0)
         self.addresses = np.stack([self.pg.k_addr, self.pg.v_addr])
         arrays = (*spans, self.cos, self.sin, self.addresses, self.pg.table, self.seq, self.total, self.out,
                   self.lengths)  # fmt: skip
-        ints = (HQ, HKV, D, BS, half, 0, -1, rows, b, 0, 1, *strides, 0, 0)
+        ints = (HQ, HKV, D, BS, half, 0, -1, rows, b, 0, 1, *strides, 0, 0, n)
         self.call = (DECODE_PAGED, arrays, ints, (D**-0.5, 0.0))
         self.program = Program([self.call], [self.addresses, self.pg.table], (), [0, 1])
 
     @staticmethod
     def _span(x):
-        span = (x.shape[0] - 1) * (x.strides[0] // 4) + x.shape[2]
+        span = sum((x.shape[i] - 1) * (x.strides[i] // 4) for i in (0, 1)) + x.shape[2]
         return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(4,))
 
     def kernel(self, out):
         """decode_token_paged on the same values (its figures, or None when it declines)."""
+        first = self.seq - np.int32(self.n - 1)
         return K.decode_token_paged(self.q, self.k, self.v, self.cos, self.sin, False, self.pg.k_addr,
-                                    self.pg.v_addr, self.pg.table, BS, HKV, self.seq, D**-0.5, 0.0, -1, out)  # fmt: skip
+                                    self.pg.v_addr, self.pg.table, BS, HKV, first, D**-0.5, 0.0, -1, out)  # fmt: skip
 
 
-@pytest.mark.parametrize("rot, packed", [(True, False), (False, False), (True, True)], ids=["rot", "plain", "packed"])
-def test_a_paged_replay_equals_decode_token_paged_bit_for_bit(simd, threads, rot, packed):
-    rng = np.random.default_rng([3, rot, packed])
-    c = PagedCall(rng, [0, 17, 31, 15, 59], rot, packed)
+def _assert_replay_is_the_kernel(c):
+    """The replay of ``c`` writes what decode_token_paged writes on the same values, bit for bit (output and
+    every page)."""
     before = _snapshot(c.pg)
     want = np.full_like(c.out, np.nan)
     assert c.kernel(want) is not None
@@ -66,6 +70,37 @@ def test_a_paged_replay_equals_decode_token_paged_bit_for_bit(simd, threads, rot
     np.testing.assert_array_equal(c.out, want)
     for got, w in zip(_snapshot(c.pg), pages, strict=True):
         np.testing.assert_array_equal(got, w)
+
+
+@pytest.mark.parametrize("rot, packed", [(True, False), (False, False), (True, True)], ids=["rot", "plain", "packed"])
+def test_a_paged_replay_equals_decode_token_paged_bit_for_bit(simd, threads, rot, packed):
+    rng = np.random.default_rng([3, rot, packed])
+    c = PagedCall(rng, [0, 17, 31, 15, 59], rot, packed)
+    _assert_replay_is_the_kernel(c)
+
+
+@pytest.mark.parametrize("n, pos", [(4, [13, 13]), (3, [46]), (2, [1, 1, 1])], ids=["tree", "one-row", "first-page"])
+def test_a_replay_of_several_tokens_per_row_equals_decode_token_paged(simd, threads, n, pos):
+    """A speculative tree's verification (rows of one length, S tokens each, pages crossed) replays as the
+    fused call it recorded."""
+    rng = np.random.default_rng([n, len(pos)])
+    c = PagedCall(rng, pos, packed=True, n=n)
+    _assert_replay_is_the_kernel(c)
+
+
+def test_a_replay_of_several_tokens_refuses_what_the_general_path_would_treat_otherwise():
+    c = PagedCall(np.random.default_rng(19), [13, 13], n=4)  # positions 13..16 of each row
+    for change in (
+        {"seq": [16, 15], "lengths": [13, 12]},  # rows of different lengths: the general path raises
+        {"lengths": [12, 13]},  # row 0 not appending at its committed length
+        {"staged": [17, 16]},  # row 1's last token past the pages the run staged
+        {"total": [16]},  # not past every row's last position
+        {"total": [18]},  # past the committed length + S
+        {"seq": [3, 3], "lengths": [0, 0], "staged": [4, 4], "total": [4]},  # S tokens of a total of S: a prompt
+        {"seq": [ROWS, ROWS], "lengths": [ROWS - 3] * 2, "staged": [ROWS + 1] * 2, "total": [ROWS + 1]},  # rotary
+    ):
+        _refused(c, **change)
+    assert c.program.run([c.addresses, c.pg.table])
 
 
 def test_page_and_block_tables_of_other_sizes_replay_and_keep_their_rows():

@@ -405,11 +405,12 @@ def _verifications(session, state, prompt, chunks):
     return got
 
 
+@pytest.mark.parametrize("cache", [None, CacheConfig("paged", block_size=4)], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("which", ["gqa", "embedded"])
-def test_verifications_of_several_tokens_replay_the_fused_attention_bit_for_bit(which):
-    """Every node of a few-token run is compiled (the fused attention takes S tokens; the builder's packed
-    QKV rows are strided), and a prompt as long as a verification does not leave a step with Python
-    attention behind (its recording is transient)."""
+def test_verifications_of_several_tokens_replay_the_fused_attention_bit_for_bit(which, cache):
+    """Every node of a few-token run is compiled (the fused attention takes S tokens, on contiguous and on
+    paged caches, pages crossed; the builder's packed QKV rows are strided), and a prompt as long as a
+    verification does not leave a step with Python attention behind (its recording is transient)."""
     from onnxkv.zoo import embedded
 
     model = build_model("gqa", MICRO, seed=17) if which == "gqa" else str(embedded.embedded_model_dir())
@@ -421,16 +422,35 @@ def test_verifications_of_several_tokens_replay_the_fused_attention_bit_for_bit(
     runs = {}
     for compiled in (False, True):
         session = onnxkv.Session(model, threads=1, compiled_steps=compiled)
-        with session.new_state() as state:  # the session's first run: plain; the 5-token prompt then records
+        with session.new_state(cache=cache) as state:  # the session's first run: plain; the 5-token prompt then records
             _verifications(session, state, prompt[:, :3], [])
         for _ in range(2):  # the second prompt of length 5 finds the recorded 5-token step
-            with session.new_state() as state:
+            with session.new_state(cache=cache) as state:
                 runs[compiled] = _verifications(session, state, prompt, chunks)
     _assert_equal_runs(runs)
     steps = session.plan.steps.idle
     assert {s.signature[0][1] for s in steps} >= {(1, 5), (1, 3), (1, 16)}
     for step in steps:
         assert step.compiled_nodes == len(session.plan.nodes), step.signature
+
+
+def test_a_speculative_tree_verification_replays_whole_on_forked_page_tables():
+    """The target's run of a tree (rows forked from one sequence, S tokens each) is one recorded segment on
+    the forked tables, and the tree's tokens are greedy generation's with and without compiled steps."""
+    from onnxkv.generate.speculative import speculative_generate
+
+    model, draft = build_model("gqa", MICRO, seed=24), build_model("gqa", MICRO, seed=25)
+    prompt = np.random.default_rng(13).integers(1, MICRO.vocab_size, (1, 6))
+    want = onnxkv.generate(onnxkv.Session(model, threads=1), prompt, max_new_tokens=30, eos_token_id=[]).sequences
+    for compiled in (False, True):
+        target = onnxkv.Session(model, threads=1, compiled_steps=compiled)
+        got = speculative_generate(
+            target, prompt, draft=onnxkv.Session(draft, threads=1), max_new_tokens=30, eos_token_id=[], tree=(2, 3)
+        )
+        np.testing.assert_array_equal(got.sequences, want)
+    trees = [s for s in target.plan.steps.idle if s.signature and s.signature[0][1] == (2, 4)]
+    assert trees and all([type(i) for i in s.items] == [Segment] for s in trees)
+    assert "GroupQueryAttention" in _compiled_kinds(target)
 
 
 def test_steps_recorded_with_paged_caches_are_not_taken_by_contiguous_runs():

@@ -1,9 +1,9 @@
 """The fused batched decode call of :class:`~onnxkv.plan.ops.attention_gqa.GroupQueryAttention` on pages.
 
-:func:`paged_decode` serves the node's call for one new token of each row of a state's paged float32
-cache (an engine's batched decode step, or ``generate`` on paged caches) with one kernel call,
-:func:`onnxkv._kernels.decode_token_paged` (rotary, each row's new K/V row written into its page, paged
-attention), after the cache has staged the pages the rows write (:meth:`PagedCache.prepare`: fresh and
+:func:`paged_decode` serves the node's call for S new tokens of each row of a state's paged float32
+cache (an engine's batched decode step, ``generate`` on paged caches, the verification of a speculative
+tree or of a draft's tokens) with one kernel call, :func:`onnxkv._kernels.decode_token_paged` (rotary, each
+row's new K/V rows written into their pages, paged attention), after the cache has staged the pages the rows write (:meth:`PagedCache.prepare`: fresh and
 copy-on-write pages, as the general path's first write does).  It declines (None, no cache byte written)
 whatever the general path would treat otherwise or refuse, so that path runs and raises its errors.
 
@@ -34,12 +34,13 @@ _I32 = np.dtype(np.int32)
 
 
 def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple | None:
-    """The outputs of node ``op`` for one new token per row into a state's paged float32 cache, or None.
+    """The outputs of node ``op`` for S new tokens per row into a state's paged float32 cache, or None.
 
-    Taken when: one token per row after a past (not a first prompt), float32 Q/K/V (separate, or packed as
-    the GenAI builder's fused projection), int32 ``seqlens_k`` [B] whose row totals minus one are exactly
-    the rows' committed lengths (an append; ``total_sequence_length`` int32, at least every row's total and
-    at most the past plus one), the state's paged float32 caches bound in place with every page native and
+    Taken when: S tokens per row after a past (not a first prompt; with S > 1 every row of one length, the
+    general path's rule), float32 Q/K/V (separate, or packed as the GenAI builder's fused projection), int32
+    ``seqlens_k`` [B] whose row totals minus S are exactly the rows' committed lengths (an append;
+    ``total_sequence_length`` int32, at least every row's total and at most the past plus S), the state's
+    paged float32 caches bound in place with every page native and
     no format selector reading the run's writes, no position_ids / attention_bias / head_sink /
     smooth_softmax / window-sized caches, rotary (if any) from the node's constant tables.  The result,
     the pages written and the event-log figures are the general path's.
@@ -57,9 +58,9 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     cache = _fused_cache((ck, cv))
     if cache is None:
         return None
-    if not isinstance(query, np.ndarray) or query.ndim != 3 or query.shape[1] != 1 or query.dtype != np.float32:
+    if not isinstance(query, np.ndarray) or query.ndim != 3 or query.shape[1] < 1 or query.dtype != np.float32:
         return None
-    b = query.shape[0]
+    b, n = query.shape[:2]
     if (
         not isinstance(seqlens_k, np.ndarray)
         or seqlens_k.dtype != _I32
@@ -71,18 +72,19 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         or past_key.ndim != 4
     ):
         return None
-    starts = seqlens_k.astype(np.int64)  # each row's position: its total minus one
+    starts = seqlens_k.astype(np.int64) + (1 - n)  # each row's first position: its total minus the n new tokens
     total, past_len = int(total_seqlen.reshape(-1)[0]), past_key.shape[2]
     if (
         b != ck.batch
-        or total <= 1
-        or total > past_len + 1
+        or total <= n  # n tokens of a total of n: a prompt
+        or total > past_len + n
         or int(starts.min()) < 0
-        or int(starts.max()) + 1 > total
+        or int(starts.max()) + n > total
+        or (n > 1 and (starts != starts[0]).any())  # the general path's rule for several tokens per row
         or starts.tobytes() != ck.lengths.tobytes()  # int64 both: an append at each row's length
     ):
         return None
-    rotary = constant_rotary(op, inputs, int(starts.max()) + 1)
+    rotary = constant_rotary(op, inputs, int(starts.max()) + n)
     if rotary is None:
         return None
     cos, sin = rotary
@@ -95,13 +97,13 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         or key.dtype != np.float32
         or value.dtype != np.float32
         or query.shape[2] != hq * d
-        or key.shape != (b, 1, hkv * d)
-        or value.shape != (b, 1, hkv * d)
+        or key.shape != (b, n, hkv * d)
+        or value.shape != (b, n, hkv * d)
         or ck.heads != hkv
     ):
         return None
-    prep = cache.prepare(starts, 1)  # the pages the rows write, held by this run alone (may raise as a write)
-    output = rt.empty(0, (b, 1, hq * d), np.float32)
+    prep = cache.prepare(starts, n)  # the pages the rows write, held by this run alone (may raise as a write)
+    output = rt.empty(0, (b, n, hq * d), np.float32)
     stats = _paged_kernel(
         query, key, value, cos, sin, op.interleaved, ck.ptrs, cv.ptrs, cache.tables, ck.block_size, hkv,
         starts.astype(np.int32), float(op._softmax_scale(d)), op.softcap, op.window, output,
@@ -111,10 +113,10 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     rec = _recorder()
     if rec is not None:
         _note(op, rec, (query, key, value, cos, sin), ck, cv, seqlens_k, total_seqlen, output)
-    cache.appended((ck.index, cv.index), starts, 1)
+    cache.appended((ck.index, cv.index), starts, n)
     if rt.recording:
         for name, plane, extra in ((past_k_name, ck, prep), (past_v_name, cv, None)):
-            cost = cache.append_cost(plane.index, b, 1)
+            cost = cache.append_cost(plane.index, b, n)
             if extra is not None:
                 for field in ("allocations", "allocated_bytes", "cow_copied_bytes"):
                     setattr(cost, field, getattr(cost, field) + getattr(extra, field))
@@ -145,22 +147,23 @@ def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.nd
     grow); the effect sets the committed lengths and staged ends the call checks the positions against."""
     q, k, v, cos, sin = qkv_rot
     cache = ck.cache
-    b = q.shape[0]
+    b, n = q.shape[:2]
     lengths = np.zeros((2, b), dtype=np.int64)
-    strides = [x.shape[2] if b == 1 else x.strides[0] // x.itemsize for x in (q, k, v)]
+    # between consecutive token rows (the kernel took them: one stride, row b's tokens after row b - 1's)
+    strides = [x.strides[1 if n > 1 else 0] // x.itemsize if b * n > 1 else x.shape[2] for x in (q, k, v)]
     half, rows = (0, 0) if cos is None else (cos.shape[1], cos.shape[0])
     addresses, tables = cache.payloads.ptrs, cache.tables
     first = next(iter(cache.planes))  # every plane of the cache names the same page and block tables
-    arrays = (*(rows_span(x, 0) for x in (q, k, v)), cos, sin, addresses, tables, seqlens_k, total.reshape(1), output,
+    arrays = (*(rows_span(x) for x in (q, k, v)), cos, sin, addresses, tables, seqlens_k, total.reshape(1), output,
               lengths)  # fmt: skip
     ints = (op.num_heads, op.kv_num_heads, ck.head_size, ck.block_size, half, int(bool(op.interleaved)), op.window,
-            rows, b, ck.index, cv.index, *strides, 0, 0)  # fmt: skip
+            rows, b, ck.index, cv.index, *strides, 0, 0, n)  # fmt: skip
     rec.note(DECODE_PAGED, arrays, ints, (float(op._softmax_scale(ck.head_size)), float(op.softcap)))
     rec.cache((first, "page_addresses"), addresses)
     rec.cache((first, "tables"), tables)
     rec.ragged_last(addresses)
     rec.ragged_last(tables)
-    rec.effect(PagedAppend(op._past_names, lengths, op.has_present, ck.block_size))
+    rec.effect(PagedAppend(op._past_names, lengths, op.has_present, ck.block_size, n))
 
 
 class PagedAppend:
@@ -173,21 +176,30 @@ class PagedAppend:
     group is a paged float32 plane of one cache whose pages are all native and whose writes no format
     selector reads, with the recorded batch and block size (the calls address pages by it); it sets
     ``lengths[0]`` of every effect of the group to the committed lengths (the positions the calls check)
-    and stages the pages the rows write in the next ``steps`` positions (:meth:`PagedCache.prepare`, as
-    :func:`paged_decode` does for one), whose end is ``lengths[1]`` (a call refuses a position past it).
-    ``after(rt)`` stages the appended row of every plane of the group (the leader) and returns ``(output
-    index, placeholder)`` for the node's present outputs; :meth:`stage` stages the rows of several steps
-    (the compiled generation loop, which advances ``lengths[0]`` itself).
+    and stages the pages the rows write in the next ``steps`` runs (``tokens`` positions per row each;
+    :meth:`PagedCache.prepare`, as :func:`paged_decode` does for one), whose end is ``lengths[1]`` (a call
+    refuses a position past it).  ``after(rt)`` stages the appended rows of every plane of the group (the
+    leader) and returns ``(output index, placeholder)`` for the node's present outputs; :meth:`stage` stages
+    the rows of several steps (the compiled generation loop, one token per step, which advances
+    ``lengths[0]`` itself).
     """
 
-    __slots__ = ("names", "lengths", "outputs", "block_size", "followers", "leads", "group_names", "present_len")
+    __slots__ = ("names", "lengths", "outputs", "block_size", "tokens", "followers", "leads", "group_names",
+                 "present_len")  # fmt: skip
 
     def __init__(
-        self, names: tuple[str, str], lengths: np.ndarray, has_present: tuple[bool, bool], block_size: int
+        self,
+        names: tuple[str, str],
+        lengths: np.ndarray,
+        has_present: tuple[bool, bool],
+        block_size: int,
+        tokens: int = 1,
     ) -> None:
         self.names = names
         self.lengths = lengths
         self.block_size = block_size
+        #: New tokens per row of the recorded call (its ``S``).
+        self.tokens = tokens
         #: The node outputs this effect sets (present key 1, present value 2).
         self.outputs = tuple(i + 1 for i in (0, 1) if has_present[i])
         #: The effects this one leads (see :meth:`group`), and whether it leads (else another leads it).
@@ -219,22 +231,23 @@ class PagedAppend:
         committed = cache.table.lengths
         if committed.shape != self.lengths.shape[1:]:
             return False
+        n = self.tokens * steps
         self.lengths[0] = committed
-        self.lengths[1] = committed + steps
-        self.present_len = int(committed.max()) + 1
+        self.lengths[1] = committed + n
+        self.present_len = int(committed.max()) + self.tokens
         for e in self.followers:
             e.lengths[...] = self.lengths
             e.present_len = self.present_len
-        cache.prepare(self.lengths[0], steps)
+        cache.prepare(self.lengths[0], n)
         return True
 
     def after(self, rt: RunContext) -> list:
         if self.leads:
-            self.stage(rt.caches, self.lengths[0], 1)
+            self.stage(rt.caches, self.lengths[0], self.tokens)
             if rt.recording:
                 for name in self.group_names:
                     plane = rt.caches[name]
-                    rt.cache_staged(name, plane.cache.append_cost(plane.index, self.lengths.shape[1], 1))
+                    rt.cache_staged(name, plane.cache.append_cost(plane.index, self.lengths.shape[1], self.tokens))
         return [(i, rt.caches[self.names[i - 1]].placeholder(self.present_len)) for i in self.outputs]
 
     def stage(self, caches: dict, starts: np.ndarray, steps: int) -> None:

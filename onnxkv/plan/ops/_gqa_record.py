@@ -32,7 +32,7 @@ def note_decode(op, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total_se
     pos_io = np.zeros(2, dtype=np.int64)
     half, rows = (0, 0) if cos is None else (cos.shape[1], cos.shape[0])
     strides = [x.shape[2] if n == 1 else x.strides[1] // x.itemsize for x in (q, k, v)]
-    q, k, v = (rows_span(x, 1) for x in (q, k, v))
+    q, k, v = (rows_span(x) for x in (q, k, v))
     arrays = (q, k, v, cos, sin, ck.buffer, cv.buffer, seqlens_k, total_seqlen.reshape(1), output, pos_io)
     ints = (op.num_heads, op.kv_num_heads, ck.buffer.shape[2], d, half, int(bool(op.interleaved)), op.window, rows,
             n, *strides)  # fmt: skip
@@ -42,13 +42,12 @@ def note_decode(op, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total_se
     rec.effect(CacheAppend(op._past_names, pos_io, op.has_present, n))
 
 
-def rows_span(x: np.ndarray, axis: int) -> np.ndarray:
-    """``x`` (3-D, its rows along ``axis``: [1, S, W] or [B, 1, W]) as the flat float32 view of the memory it
-    spans, first element to last (its rows may be strided, as slices of packed QKV rows): the operand a program
-    checks and addresses."""
+def rows_span(x: np.ndarray) -> np.ndarray:
+    """``x`` (3-D [B, S, W] with contiguous rows of W at nonnegative strides, as slices of packed QKV rows) as
+    the flat view of the memory it spans, first element to last: the operand a program checks and addresses."""
     if x.flags.c_contiguous:
         return x
-    span = (x.shape[axis] - 1) * (x.strides[axis] // x.itemsize) + x.shape[2]
+    span = sum((x.shape[i] - 1) * (x.strides[i] // x.itemsize) for i in (0, 1)) + x.shape[2]
     return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(x.itemsize,))
 
 
