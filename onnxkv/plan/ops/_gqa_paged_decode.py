@@ -22,7 +22,7 @@ from onnxkv._kernels import decode_token_paged as _paged_kernel
 from onnxkv._kernels._record import DECODE_PAGED
 from onnxkv._kernels._record import current as _recorder
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.ops._gqa_decode import constant_rotary
+from onnxkv.plan.ops._gqa_decode import FUSED_TOKENS, constant_rotary
 from onnxkv.plan.ops._gqa_record import rows_span
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ _I32 = np.dtype(np.int32)
 def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple | None:
     """The outputs of node ``op`` for S new tokens per row into a state's paged float32 cache, or None.
 
-    Taken when: S tokens per row after a past (not a first prompt; with S > 1 every row of one length, the
-    general path's rule), float32 Q/K/V (separate, or packed as the GenAI builder's fused projection), int32
+    Taken when: 1 <= S <= ``FUSED_TOKENS`` tokens per row after a past (not a first prompt; with S > 1 every
+    row of one length, the general path's rule), float32 Q/K/V (separate, or packed as the GenAI builder's fused projection), int32
     ``seqlens_k`` [B] whose row totals minus S are exactly the rows' committed lengths (an append;
     ``total_sequence_length`` int32, at least every row's total and at most the past plus S), the state's
     paged float32 caches bound in place with every page native and
@@ -58,7 +58,12 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     cache = _fused_cache((ck, cv))
     if cache is None:
         return None
-    if not isinstance(query, np.ndarray) or query.ndim != 3 or query.shape[1] < 1 or query.dtype != np.float32:
+    if (
+        not isinstance(query, np.ndarray)
+        or query.ndim != 3
+        or not 1 <= query.shape[1] <= FUSED_TOKENS  # a longer run (a prompt chunk): the general path's tiles
+        or query.dtype != np.float32
+    ):
         return None
     b, n = query.shape[:2]
     if (

@@ -1,5 +1,5 @@
 """The fused batched decode of GroupQueryAttention on paged caches (_gqa_paged_decode.paged_decode): one
-kernel call per layer for one token per row, bit for bit the general path -- logits, every page byte, the
+kernel call per layer for one token per row, or a few tokens per row of one length, bit for bit the general path -- logits, every page byte, the
 rows' lengths and the event log's cache counters -- for rows of different lengths, forked rows sharing a
 partly filled page (copy-on-write), and a failed run; and the cases it leaves to the general path."""
 
@@ -106,6 +106,44 @@ def test_forked_rows_copy_the_shared_page_on_write(session, taken, monkeypatch):
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_array_equal(a, b)
     assert got_counts == ref_counts
+    for key, arr in st.values.items():
+        np.testing.assert_array_equal(arr, ref_st.values[key])
+    st.pool.audit()
+
+
+def _verify(session, state, builder, chunks) -> tuple[list, list]:
+    """Runs of ``chunks`` (int [B, S] each) after the state's rows; the logits of each and its cache_write
+    counters."""
+    name, logits, counters = session.model.io.logits, [], []
+    for chunk in chunks:
+        session.events.clear()
+        logits.append(state.run(builder.next(chunk, None), [name])[name].copy())
+        counters.append([tuple(getattr(e, c) for c in COUNTERS) for e in session.events if e.action == "cache_write"])
+    return logits, counters
+
+
+def test_several_tokens_per_row_equal_the_general_path(session, taken, monkeypatch):
+    """A speculative tree's runs (two rows forked from one, S tokens each, their shared page copied by one
+    row); a run of more than FUSED_TOKENS tokens per row is left to the general path."""
+    rng = np.random.default_rng(4)
+    chunks = [rng.integers(1, 90, (2, n)) for n in (4, 3, 7, 17)]
+
+    def forked():
+        st, builder = _batch(session, PROMPTS[:1])
+        st.reorder(np.array([0, 0]))
+        builder.select_rows(np.array([0, 0]))
+        return st, builder
+
+    st, builder = forked()
+    got, got_counts = _verify(session, st, builder, chunks)
+    assert taken["n"] == 3 * len(session.model.convention.layers)
+    _general(monkeypatch)
+    ref_st, ref_builder = forked()
+    ref, ref_counts = _verify(session, ref_st, ref_builder, chunks)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got_counts == ref_counts
+    np.testing.assert_array_equal(st.lengths, ref_st.lengths)
     for key, arr in st.values.items():
         np.testing.assert_array_equal(arr, ref_st.values[key])
     st.pool.audit()
