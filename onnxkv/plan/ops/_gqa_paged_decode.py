@@ -2,9 +2,10 @@
 
 :func:`paged_decode` serves the node's call for S new tokens of each row of a state's paged float32
 cache (an engine's batched decode step, ``generate`` on paged caches, the verification of a speculative
-tree or of a draft's tokens) with one kernel call, :func:`onnxkv._kernels.decode_token_paged` (rotary, each
-row's new K/V rows written into their pages, paged attention), after the cache has staged the pages the rows write (:meth:`PagedCache.prepare`: fresh and
-copy-on-write pages, as the general path's first write does).  It declines (None, no cache byte written)
+tree or of a draft's tokens) with one kernel call, :func:`onnxkv._kernels.decode_token_paged` (rotary,
+each row's new K/V rows written into their pages, paged attention), after the cache has staged the pages
+the rows write (:meth:`PagedCache.prepare`: fresh and copy-on-write pages, as the general path's first
+write does).  It declines (None, no cache byte written)
 whatever the general path would treat otherwise or refuse, so that path runs and raises its errors.
 
 A compiled step records the call (``_record.KIND_DECODE_PAGED``) with :class:`PagedAppend` as its effect: a
@@ -36,14 +37,14 @@ _I32 = np.dtype(np.int32)
 def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple | None:
     """The outputs of node ``op`` for S new tokens per row into a state's paged float32 cache, or None.
 
-    Taken when: 1 <= S <= ``FUSED_TOKENS`` tokens per row after a past (not a first prompt; with S > 1 every
-    row of one length, the general path's rule), float32 Q/K/V (separate, or packed as the GenAI builder's fused projection), int32
-    ``seqlens_k`` [B] whose row totals minus S are exactly the rows' committed lengths (an append;
-    ``total_sequence_length`` int32, at least every row's total and at most the past plus S), the state's
-    paged float32 caches bound in place with every page native and
-    no format selector reading the run's writes, no position_ids / attention_bias / head_sink /
-    smooth_softmax / window-sized caches, rotary (if any) from the node's constant tables.  The result,
-    the pages written and the event-log figures are the general path's.
+    Taken when: 1 <= S <= ``FUSED_TOKENS`` tokens per row after a past (not a first prompt; with S > 1
+    every row of one length, the general path's rule), float32 Q/K/V (separate, or packed as the GenAI
+    builder's fused projection), int32 ``seqlens_k`` [B] whose row totals minus S are exactly the rows'
+    committed lengths (an append; ``total_sequence_length`` int32, at least every row's total and at most
+    the past plus S), the state's paged float32 caches bound in place with every page native and no format
+    selector reading the run's writes, no position_ids / attention_bias / head_sink / smooth_softmax /
+    window-sized caches, rotary (if any) from the node's constant tables.  The result, the pages written
+    and the event-log figures are the general path's.
     """
     if len(inputs) < 7 or any(x is not None for x in inputs[9:]) or op.smooth_softmax or not op.bound:
         return None

@@ -1,7 +1,8 @@
 """The fused batched decode of GroupQueryAttention on paged caches (_gqa_paged_decode.paged_decode): one
-kernel call per layer for one token per row, or a few tokens per row of one length, bit for bit the general path -- logits, every page byte, the
-rows' lengths and the event log's cache counters -- for rows of different lengths, forked rows sharing a
-partly filled page (copy-on-write), and a failed run; and the cases it leaves to the general path."""
+kernel call per layer for one token per row, or a few tokens per row of one length, bit for bit the general
+path -- logits, every page byte, the rows' lengths and the event log's cache counters -- for rows of
+different lengths, forked rows sharing a partly filled page (copy-on-write), a speculative tree's runs and
+a failed run; and the cases it leaves to the general path."""
 
 from __future__ import annotations
 
