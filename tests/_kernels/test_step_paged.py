@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fuzzing import examples
 from onnxkv._kernels._record import DECODE_PAGED, MASK_LENGTHS
 from onnxkv._kernels.step import Program
 from onnxkv._kernels.token_loop import DONE, REFUSED, decode_steps
@@ -101,6 +102,45 @@ def test_a_replay_of_several_tokens_refuses_what_the_general_path_would_treat_ot
     ):
         _refused(c, **change)
     assert c.program.run([c.addresses, c.pg.table])
+
+
+def test_hostile_lengths_and_tables_of_several_tokens_are_refused_or_replay_as_the_kernel():
+    """Random seqlens, totals, committed lengths, staged ends and table entries at and past their limits for a
+    3-row call of 4 tokens: a replay either refuses with nothing written or runs on values the admission rule
+    accepts, writing exactly what decode_token_paged writes on them."""
+    c = PagedCall(np.random.default_rng(31), [13, 13, 13], n=4)
+    pages = c.addresses.shape[1]
+    edges = np.array([-(2**31), -1, 0, 1, 15, 16, ROWS - 4, ROWS, CAP - 1, CAP, pages, 2**31 - 1])
+    clean = {"seq": c.seq.copy(), "total": c.total.copy(), "lengths": c.lengths.copy(), "table": c.pg.table.copy()}
+    ran = refused = 0
+    for it in range(examples(150)):
+        rng = np.random.default_rng([32, it])
+        c.seq[...], c.total[...], c.lengths[...], c.pg.table[...] = (
+            clean[k] for k in ("seq", "total", "lengths", "table")
+        )
+        for a in (c.seq, c.total, c.lengths.reshape(-1), c.pg.table.reshape(-1)):
+            pick = rng.random(a.shape) < 0.15
+            a[pick] = rng.choice(edges, int(pick.sum())).astype(a.dtype)
+        before, out = _snapshot(c.pg), c.out.copy()
+        if not c.program.run([c.addresses, c.pg.table]):
+            refused += 1
+            assert c.program.refused
+            np.testing.assert_array_equal(c.out, out)
+            for got, w in zip(_snapshot(c.pg), before, strict=True):
+                np.testing.assert_array_equal(got, w)
+            continue
+        ran += 1
+        first = c.seq.astype(np.int64) - 3
+        assert (first == c.lengths[0]).all() and (c.seq == c.seq[0]).all() and (c.seq < c.lengths[1]).all()
+        assert 4 < int(c.total[0]) <= int(c.lengths[0].max()) + 4 and int(c.total[0]) > int(c.seq.max())
+        pages_after = _snapshot(c.pg)
+        _restore(c.pg, before)
+        want = np.full_like(c.out, np.nan)
+        assert c.kernel(want) is not None
+        np.testing.assert_array_equal(c.out, want)
+        for got, w in zip(pages_after, _snapshot(c.pg), strict=True):
+            np.testing.assert_array_equal(got, w)
+    assert ran and refused
 
 
 def test_page_and_block_tables_of_other_sizes_replay_and_keep_their_rows():
