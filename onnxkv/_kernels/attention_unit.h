@@ -372,15 +372,18 @@ OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(OKV_UNIT_ARGS, const int f
                     }
                     /* p * v over the whole tile for every row at once, or, where some row does not see
                      * every key of it, row by row over the keys that row sees: a key a row does not see adds
-                     * nothing to it, not even 0 * NaN (a value NaN or infinite) */
+                     * nothing to it, not even 0 * NaN (a value NaN or infinite).  The whole-tile call is a
+                     * branch of its own, not the row loop's single pass: GCC compiles the unit worse around
+                     * that form (benchmarks/README.md, Kernel design measurements). */
                     if (!mixed) {
-                        for (c = 0; c < (part ? nr : 1); c++) {
-                            const int64_t c0 = part ? va0[c] : u0, c1 = part ? va1[c] : u1;
-                            if (c0 < c1)
-                                OKV_I(okv_pv_rows)(sw + c * OKV_BK + (c0 - u0), part ? 1 : nr,
-                                                   vh + (c0 - j0) * pg.vst, c1 - c0, D, accr + c, NULL, NULL, fmt,
-                                                   0);
-                        }
+                        if (!part)
+                            OKV_I(okv_pv_rows)(sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, NULL, NULL, fmt, 0);
+                        else
+                            for (c = 0; c < nr; c++)
+                                if (va0[c] < va1[c])
+                                    OKV_I(okv_pv_rows)(sw + c * OKV_BK + (va0[c] - u0), 1,
+                                                       vh + (va0[c] - j0) * pg.vst, va1[c] - va0[c], D, accr + c,
+                                                       NULL, NULL, fmt, 0);
                     } else {
                         const okv_dq dv = okv_dq_head(a, &pg, 0, hw);
                         if (!acci_used && a->vG == 1 && OKV_ILV_FMT(pg.vf)) {
@@ -392,14 +395,15 @@ OKV_INLINE OKV_ATTR int64_t OKV_I(okv_attn_unit_body)(OKV_UNIT_ARGS, const int f
 #else
                         const okv_pf *pvp = NULL;
 #endif
-                        for (c = 0; c < (part ? nr : 1); c++) {
-                            const int64_t c0 = part ? va0[c] : u0, c1 = part ? va1[c] : u1;
-                            if (c0 < c1)
-                                OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw + c * OKV_BK + (c0 - u0), part ? 1 : nr,
-                                                  vh + (c0 - j0) * pg.vst, c1 - c0, D, accr + c,
-                                                  accir + c, &dv, zc + hw * R + rg + c,
-                                                  c == 0 ? pvp : NULL);
-                        }
+                        if (!part)
+                            OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw, nr, vh + (u0 - j0) * pg.vst, n, D, accr, accir,
+                                              &dv, zc + hw * R + rg, pvp);
+                        else
+                            for (c = 0; c < nr; c++)
+                                if (va0[c] < va1[c])
+                                    OKV_I(okv_pv_fmt)(pg.vf, a->vG > 1, sw + c * OKV_BK + (va0[c] - u0), 1,
+                                                      vh + (va0[c] - j0) * pg.vst, va1[c] - va0[c], D, accr + c,
+                                                      accir + c, &dv, zc + hw * R + rg + c, c == 0 ? pvp : NULL);
 #ifdef OKV_SIMD512
                         pend.n = 0;
 #endif
