@@ -11,8 +11,10 @@ The cases call kernel entry points whose signatures both builds share (32 query 
 128, batch 1):
 
 * ``dattn_{f32,f16}_{ctx}``: ``attention`` decode, one token over ctx keys of a contiguous cache;
-* ``paged_{f32,f16}_bs16_{ctx}``: ``paged_attention`` decode over pages of 16 tokens, one aligned NumPy
-  buffer per page, page ids shuffled;
+* ``paged_{f32,f16}_bs16_{ctx}``: ``paged_attention`` decode over pages of 16 tokens, page ids shuffled,
+  each plane's pages side by side in one 2 MiB-aligned buffer, as a paged state's slab chunks hold them
+  (with one heap buffer per page, where the pages land depends on what each build's import left on the
+  heap: the same kernel measured 7 or 9 ms per call at 16,384 keys depending on the build beside it);
 * ``mm_M{M}_{K}x{N}``: ``matmul_packed`` over four distinct packed weights;
 * ``rms_norm``, ``skip_rms_norm``, ``softmax``, ``silu_mul``, ``rotary``, ``prefill_512`` (causal
   ``attention`` over a 512-token prompt): the shapes of ``bench_kernels.py``.
@@ -45,22 +47,24 @@ HQ, HKV, D = 32, 8, 128
 
 
 def _page_addresses(a, bs: int, table, keep: list):
-    """``a`` [1, HKV, ctx, D] copied into pages of bs tokens ([HKV, bs, D], one 64-byte aligned buffer
-    each, kept alive in ``keep``), logical block i in page table[0, i]; returns the addresses by page id."""
+    """``a`` [1, HKV, ctx, D] copied into pages of bs tokens ([HKV, bs, D]), logical block i in page
+    table[0, i]; the pages side by side in page id order in one 2 MiB-aligned buffer (kept alive in
+    ``keep``).  Returns the addresses by page id."""
     import numpy as np
 
     ctx = a.shape[2]
     m = table.shape[1]
-    addr = np.zeros(m, np.uint64)
     nbytes = HKV * bs * D * a.itemsize
+    raw = np.zeros(nbytes * m + (1 << 21), np.uint8)
+    off = -raw.ctypes.data % (1 << 21)
+    keep.append(raw)
+    addr = np.zeros(m, np.uint64)
     for i in range(m):
-        raw = np.zeros(nbytes + 64, np.uint8)
-        off = -raw.ctypes.data % 64
-        page = raw[off : off + nbytes].view(a.dtype).reshape(HKV, bs, D)
+        pid = int(table[0, i])
+        page = raw[off + pid * nbytes : off + (pid + 1) * nbytes].view(a.dtype).reshape(HKV, bs, D)
         n = min(bs, ctx - i * bs)
         page[:, :n] = a[0, :, i * bs : i * bs + n]
-        addr[table[0, i]] = page.ctypes.data
-        keep.append(raw)
+        addr[pid] = page.ctypes.data
     return addr
 
 
@@ -141,7 +145,7 @@ def worker() -> None:
     import onnxkv._kernels as K
 
     cases, keep = _cases(np.random.default_rng(0))
-    print(json.dumps({"cases": sorted(cases), "onnxkv": os.path.dirname(onnxkv.__file__), "pages": len(keep)}))
+    print(json.dumps({"cases": sorted(cases), "onnxkv": os.path.dirname(onnxkv.__file__), "page_buffers": len(keep)}))
     sys.stdout.flush()
     for line in sys.stdin:
         name, threads, n = line.split()
