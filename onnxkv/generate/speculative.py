@@ -459,12 +459,16 @@ def _propose(
     """Run the draft on the tokens of ``seq`` it has not cached, then ``k - 1`` more single tokens.
 
     Greedy, those ``k - 1`` steps run as one call into C where the draft's state can
-    (:meth:`_Stepper.greedy`).  Returns the proposal (int64 [≤ k]; it stops after an EOS) and, when
-    sampling, each proposed token's draft distribution (float64 [V]).
+    (:meth:`_Stepper.greedy`), together with the catch-up when that is one token (it is two, the last
+    proposed token and the bonus token, only after a proposal accepted whole).  Returns the proposal
+    (int64 [≤ k]; it stops after an EOS) and, when sampling, each proposed token's draft distribution
+    (float64 [V]).
     """
     if k < 1:
         return np.zeros(0, dtype=np.int64), None if cfg.greedy else []
     pending = np.array(seq[drf.length :], dtype=np.int64)
+    if cfg.greedy and pending.shape[0] == 1:
+        return np.array(drf.greedy(int(pending[0]), k, eos), dtype=np.int64), None
     if cfg.greedy:
         x = int(np.argmax(_logit_rows(drf.feed(pending), dsess, 1, "draft")[0]))
         tokens = [x] if k == 1 or x in eos else [x, *drf.greedy(x, k - 1, eos)]

@@ -77,6 +77,30 @@ def test_greedy_equals_generate_on_embedded_model(emb, mode):
         assert got.draft_runs == 0
 
 
+def test_draft_catches_up_one_token_in_its_greedy_steps(emb, monkeypatch):
+    """A one-token catch-up (the target's correction) is the first of the draft's greedy steps, not a run of
+    its own: the draft's own runs only catch up two tokens, after a proposal accepted whole."""
+    import importlib
+
+    spec = importlib.import_module("onnxkv.generate.speculative")
+    target, draft = emb
+    fed = []
+    feed = spec._Stepper.feed
+
+    def counted(self, tokens):
+        fed.append((self.role, tokens.shape[0]))
+        return feed(self, tokens)
+
+    monkeypatch.setattr(spec._Stepper, "feed", counted)
+    ids = np.array([embedded.encode("The ")])
+    got = speculative_generate(target, ids, draft=draft, num_draft_tokens=2, max_new_tokens=48, eos_token_id=[])
+    np.testing.assert_array_equal(got.sequences, onnxkv.generate(target, ids, 48, eos_token_id=[]).sequences)
+    drafts = [n for role, n in fed if role == "draft"]
+    assert 0 < got.accepted < got.proposed
+    assert all(n == 2 for n in drafts)
+    assert len(drafts) < len([n for role, n in fed if role == "target"])
+
+
 def test_prompt_lookup_accepts_on_a_repetitive_prompt(emb):
     target, _ = emb
     ids = np.array([embedded.encode("def add(a, b):\n    return a + b\n\n" * 4)])
