@@ -69,6 +69,12 @@ hidden 128), whose per-token time is mostly per-step overhead.
 ``small-int8:N`` / ``small-int4:N`` run the small GroupQueryAttention model
 after ``onnxkv.quantize_weights`` (8 or 4 bits, block 32, symmetric,
 accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
+``same_tokens_as_PEER`` compares the first 8 greedy tokens; when they differ,
+``first_difference_PEER`` gives the step and onnxkv's top-1 minus top-2 logit
+at that step over the standard deviation of its logits (``gap_over_std``).
+With int8 activations (accuracy_level 4) the two runtimes round differently,
+so a near tie (a gap of a few thousandths of the spread) may go either way;
+a large gap there would be a wrong result.
 
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
        [--cases small-gqa:128,...,small-int8:128,builder-int4:128] [--engines onnxkv,ort,ort-genai]
@@ -109,7 +115,10 @@ def peak_rss() -> int:
 
 
 def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: bool, chunk: int | None = None):
-    """Prefill (in chunks of ``chunk`` tokens when given, as onnx.generate does) then greedy decode."""
+    """Prefill (in chunks of ``chunk`` tokens when given, as onnx.generate does) then greedy decode.
+
+    Returns (prefill seconds, per-token seconds, tokens, gaps): gaps[i] is row 0's top-1 minus top-2
+    logit over the standard deviation of its logits at step i, taken outside the timed part."""
     from onnxkv.generate.feeds import FeedBuilder
 
     model = session.model
@@ -122,15 +131,22 @@ def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: 
     for c0 in range(first, prompt.shape[1], first):
         out = run(b.next(prompt[:, c0 : c0 + first], out), fetch)
     prefill = time.perf_counter() - t0
-    samples, tokens = [], []
+    samples, tokens, gaps = [], [], []
     for _ in range(new_tokens):
+        gaps.append(_top2_gap(out[model.io.logits][0, -1]))
         # timed as GenAI's generate_next_token: choose the token (greedy), build the feeds, run the step
         t0 = time.perf_counter()
         tok = np.argmax(out[model.io.logits][:, -1], axis=-1).astype(np.int64)
         out = run(b.next(tok, out), fetch)
         samples.append(time.perf_counter() - t0)
         tokens.append(int(tok[0]))
-    return prefill, samples, tokens
+    return prefill, samples, tokens, gaps
+
+
+def _top2_gap(logits: np.ndarray) -> float:
+    """Top-1 minus top-2 of a logits row, over the row's standard deviation (how near a tie the argmax is)."""
+    top = np.partition(logits.astype(np.float64), -2)[-2:]
+    return float((top[1] - top[0]) / max(float(logits.std()), 1e-30))
 
 
 def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int, threads: int) -> dict:
@@ -199,7 +215,8 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             thread_cache,
         )
         chunk = PREFILL_CHUNK if engine in ("onnxkv", "onnxkv-f16", "onnxkv-paged") else None
-        prefill, samples, tokens = _feed_loop(sess, prompt, new_tokens, run, thread_cache, chunk)
+        prefill, samples, tokens, gaps = _feed_loop(sess, prompt, new_tokens, run, thread_cache, chunk)
+        result["gap_over_std"] = gaps
         result["peak_rss_bytes"] = peak_rss()  # before the event-log session below maps the weights again
         if engine == "onnxkv":
             result["state_committed_bytes"] = state.committed_bytes
@@ -573,7 +590,11 @@ def main() -> None:
             kv = entry["engines"].get("onnxkv", {})
             for peer in ("ort", "ort-genai"):
                 if "tokens" in kv and "tokens" in entry["engines"].get(peer, {}):
-                    entry[f"same_tokens_as_{peer}"] = kv["tokens"][:8] == entry["engines"][peer]["tokens"][:8]
+                    ours, theirs = kv["tokens"][:8], entry["engines"][peer]["tokens"][:8]
+                    entry[f"same_tokens_as_{peer}"] = ours == theirs
+                    step = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+                    if step is not None and "gap_over_std" in kv:
+                        entry[f"first_difference_{peer}"] = {"step": step, "gap_over_std": kv["gap_over_std"][step]}
             if weight_bytes is not None:
                 bandwidth.append(read_rate(256 << 20, args.threads) / 1e9)
                 entry["read_bandwidth_gb_per_s"] = {"before": bandwidth[0], "after": bandwidth[1]}
