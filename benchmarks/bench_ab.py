@@ -6,6 +6,9 @@ between runs of one script), so a 3% difference cannot be seen.  This script sta
 per build (``--before`` and ``--after``: the Python interpreters of two environments, each with its own
 onnxkv installed) and alternates the builds in short bursts (about ``--burst-ms`` each, ``--rounds`` pairs
 per case, the order swapped every round), so that both see the same phase; only one runs at a time.
+The workers are started anew ``--restarts`` times and the rounds shared among the starts: on a cache
+larger than the last-level cache a process's speed depends on where its pages landed, which changes with
+every start, so a figure from one start can be several percent off either way.
 
 The cases call kernel entry points whose signatures both builds share (32 query / 8 KV heads, head size
 128, batch 1):
@@ -22,12 +25,12 @@ The cases call kernel entry points whose signatures both builds share (32 query 
 Per case and thread count it reports the raw samples (seconds) of both builds, the ratio after/before of the
 pooled medians and of the pooled 10th percentiles, and the median over rounds of the per-round ratio of
 burst medians (``paired``: two bursts of one round ran back to back, so it is the figure least moved by
-the machine's phase).  Prints one JSON document on stdout and a table on stderr.  Give the same
+the machine's phase), with that median per start beside it.  Prints one JSON document on stdout and a table on stderr.  Give the same
 interpreter to both sides once (an A/A run): the spread of its ratios around 1 is the difference this
 machine can resolve.
 
     python benchmarks/bench_ab.py --before OLD_VENV/bin/python --after NEW_VENV/bin/python
-        [--cases dattn_f16,paged] [--threads 1 2] [--rounds 60] [--burst-ms 20] [--out FILE]
+        [--cases dattn_f16,paged] [--threads 1 2] [--rounds 60] [--restarts 4] [--burst-ms 20] [--out FILE]
 """
 
 from __future__ import annotations
@@ -199,6 +202,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default="", help="comma-separated name prefixes (default: every case)")
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=60, help="burst pairs per case and thread count")
+    ap.add_argument(
+        "--restarts", type=int, default=4, help="start the workers anew this many times, sharing the rounds"
+    )
     ap.add_argument("--burst-ms", type=float, default=20.0, help="approximate length of one burst")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -213,55 +219,66 @@ def main(argv=None) -> None:
     # Two workers per build, started in the order before, after, after, before: a process's speed on a
     # memory-bound case also depends on where its pages landed (the same build measured against itself in
     # one worker each differed by up to 1.4x on one case, the same way every run), so each build's samples
-    # pool a first- and a last-started worker.
-    started = [_Side(args.before), _Side(args.after), _Side(args.after), _Side(args.before)]
-    sides = {"before": (started[0], started[3]), "after": (started[1], started[2])}
-    names = [n for n in sides["after"][0].info["cases"] if n in sides["before"][0].info["cases"]]
-    prefixes = [p for p in args.cases.split(",") if p]
-    names = [n for n in names if not prefixes or any(n.startswith(p) for p in prefixes)]
+    # pool a first- and a last-started worker.  Where they land changes with every start: one pair of
+    # builds measured 0.96-1.05 on a 67 MB cache in four runs of this script.  So the workers are started
+    # anew --restarts times, the rounds shared among the starts, and the figures pool every start.
+    per_start = max(2, args.rounds // args.restarts)
+    acc: dict = {}
+    infos: dict = {}
+    for _ in range(args.restarts):
+        started = [_Side(args.before), _Side(args.after), _Side(args.after), _Side(args.before)]
+        sides = {"before": (started[0], started[3]), "after": (started[1], started[2])}
+        infos = {k: {x: v for x, v in s[0].info.items() if x != "cases"} for k, s in sides.items()}
+        names = [n for n in sides["after"][0].info["cases"] if n in sides["before"][0].info["cases"]]
+        prefixes = [p for p in args.cases.split(",") if p]
+        names = [n for n in names if not prefixes or any(n.startswith(p) for p in prefixes)]
+        for name in names:
+            for t in args.threads:
+                a = acc.setdefault((name, t), {"before": [], "after": [], "paired": [], "per_start": []})
+                if "n" not in a:
+                    probe = sides["after"][0].burst(name, t, 3)
+                    a["n"] = max(5, min(500, int(args.burst_ms / 1e3 / max(statistics.median(probe), 1e-7))))
+                paired = []
+                for r in range(per_start):
+                    order = ("before", "after") if r % 2 == 0 else ("after", "before")
+                    got = {k: sides[k][(r // 2) % 2].burst(name, t, a["n"]) for k in order}
+                    for k in order:
+                        a[k] += got[k]
+                    paired.append(statistics.median(got["after"]) / statistics.median(got["before"]))
+                a["paired"] += paired
+                a["per_start"].append(statistics.median(paired))
+        for side in started:
+            side.close()
     results = []
-    for name in names:
-        for t in args.threads:
-            probe = sides["after"][0].burst(name, t, 3)
-            n = max(5, min(500, int(args.burst_ms / 1e3 / max(statistics.median(probe), 1e-7))))
-            samples = {"before": [], "after": []}
-            paired = []
-            for r in range(args.rounds):
-                order = ("before", "after") if r % 2 == 0 else ("after", "before")
-                got = {k: sides[k][(r // 2) % 2].burst(name, t, n) for k in order}
-                for k in order:
-                    samples[k] += got[k]
-                paired.append(statistics.median(got["after"]) / statistics.median(got["before"]))
-            row = {
-                "case": name,
-                "threads": t,
-                "calls_per_burst": n,
-                "before_median_s": statistics.median(samples["before"]),
-                "after_median_s": statistics.median(samples["after"]),
-                "ratio_median": statistics.median(samples["after"]) / statistics.median(samples["before"]),
-                "ratio_p10": _pct(samples["after"], 0.1) / _pct(samples["before"], 0.1),
-                "ratio_paired": statistics.median(paired),
-                "paired_per_round": [round(x, 4) for x in paired],
-                "samples_s": samples,
-            }
-            results.append(row)
-            print(
-                f"{name:22s} t={t} before {row['before_median_s'] * 1e3:8.3f} ms  after/before: median "
-                f"{row['ratio_median']:.3f} p10 {row['ratio_p10']:.3f} paired {row['ratio_paired']:.3f}",
-                file=sys.stderr,
-                flush=True,
-            )
-    for side in started:
-        side.close()
+    for (name, t), a in acc.items():
+        row = {
+            "case": name,
+            "threads": t,
+            "calls_per_burst": a["n"],
+            "before_median_s": statistics.median(a["before"]),
+            "after_median_s": statistics.median(a["after"]),
+            "ratio_median": statistics.median(a["after"]) / statistics.median(a["before"]),
+            "ratio_p10": _pct(a["after"], 0.1) / _pct(a["before"], 0.1),
+            "ratio_paired": statistics.median(a["paired"]),
+            "paired_per_start": [round(x, 4) for x in a["per_start"]],
+            "paired_per_round": [round(x, 4) for x in a["paired"]],
+            "samples_s": {"before": a["before"], "after": a["after"]},
+        }
+        results.append(row)
+        print(
+            f"{name:22s} t={t} before {row['before_median_s'] * 1e3:8.3f} ms  after/before: median "
+            f"{row['ratio_median']:.3f} p10 {row['ratio_p10']:.3f} paired {row['ratio_paired']:.3f} "
+            f"(per start {' '.join(f'{x:.3f}' for x in a['per_start'])})",
+            file=sys.stderr,
+            flush=True,
+        )
     doc = {
         "benchmark": "ab_lockstep",
         "machine": machine(),
-        "builds": {
-            k: {"python": getattr(args, k), **{x: v for x, v in s[0].info.items() if x != "cases"}}
-            for k, s in sides.items()
-        },
+        "builds": {k: {"python": getattr(args, k), **info} for k, info in infos.items()},
         "config": {
             "rounds": args.rounds,
+            "restarts": args.restarts,
             "burst_ms": args.burst_ms,
             "threads": args.threads,
             "heads": [HQ, HKV],
