@@ -13,7 +13,8 @@ every start, so a figure from one start can be several percent off either way.
 The cases call kernel entry points whose signatures both builds share (32 query / 8 KV heads, head size
 128, batch 1):
 
-* ``dattn_{f32,f16}_{ctx}``: ``attention`` decode, one token over ctx keys of a contiguous cache;
+* ``dattn_{f32,f16}_{ctx}``: ``attention`` decode, one token over ctx keys of a contiguous cache whose
+  buffers start on a cache line, as onnxkv's allocators place them;
 * ``paged_{f32,f16}_bs16_{ctx}``: ``paged_attention`` decode over pages of 16 tokens, page ids shuffled,
   each plane's pages side by side in one 2 MiB-aligned buffer, as a paged state's slab chunks hold them
   (with one heap buffer per page, where the pages land depends on what each build's import left on the
@@ -71,9 +72,25 @@ def _page_addresses(a, bs: int, table, keep: list):
     return addr
 
 
+def _line_aligned(a, keep: list):
+    """A copy of ``a`` that starts on a cache line (its buffer kept alive in ``keep``), as onnxkv's
+    allocators place a cache (64-byte alignment).  Where NumPy puts an array relative to a cache line
+    depends on what the process allocated before, so it differs between builds: main's float32 decode at
+    512 and 2,048 keys measured 1.13 and 1.16 times before-19's on NumPy's placement (every one of six
+    starts above 1.09) and 1.00 and 0.99 on cache-line-aligned caches."""
+    import numpy as np
+
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    off = -raw.ctypes.data % 64
+    keep.append(raw)
+    out = raw[off : off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def _cases(rng) -> tuple[dict, list]:
-    """Every case (name -> a function making one call), and the page buffers the paged cases read.  Only
-    kernel entry points and NumPy: the worker runs under the other build too, so it uses neither the
+    """Every case (name -> a function making one call), and the buffers (pages, aligned caches) the cases
+    read.  Only kernel entry points and NumPy: the worker runs under the other build too, so it uses neither the
     benchmark helpers nor onnxkv's allocators, whose interfaces may differ between builds."""
     import numpy as np
 
@@ -82,14 +99,14 @@ def _cases(rng) -> tuple[dict, list]:
 
     cases, keep = {}, []
     scale = D**-0.5
-    q = rng.standard_normal((1, HQ, 1, D)).astype(np.float32)
-    out = np.empty_like(q)
+    q = _line_aligned(rng.standard_normal((1, HQ, 1, D)).astype(np.float32), keep)
+    out = _line_aligned(np.zeros_like(q), keep)
     for ctx in CONTEXTS:
         kf = rng.standard_normal((1, HKV, ctx, D)).astype(np.float32)
         vf = rng.standard_normal((1, HKV, ctx, D)).astype(np.float32)
         kl, qp = np.array([ctx], np.int32), np.array([[ctx - 1]], np.int32)
         for dt, npdt in (("f32", np.float32), ("f16", np.float16)):
-            k, v = kf.astype(npdt), vf.astype(npdt)
+            k, v = _line_aligned(kf.astype(npdt), keep), _line_aligned(vf.astype(npdt), keep)
             cases[f"dattn_{dt}_{ctx}"] = lambda k=k, v=v, kl=kl, qp=qp: K.attention(
                 q, k, v, kl, qp, scale, 0.0, -1, out
             )
@@ -148,7 +165,7 @@ def worker() -> None:
     import onnxkv._kernels as K
 
     cases, keep = _cases(np.random.default_rng(0))
-    print(json.dumps({"cases": sorted(cases), "onnxkv": os.path.dirname(onnxkv.__file__), "page_buffers": len(keep)}))
+    print(json.dumps({"cases": sorted(cases), "onnxkv": os.path.dirname(onnxkv.__file__), "buffers": len(keep)}))
     sys.stdout.flush()
     for line in sys.stdin:
         name, threads, n = line.split()

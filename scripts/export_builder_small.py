@@ -6,7 +6,8 @@ CPU user gets it: ``-p int4 -e cpu`` (MatMulNBits, block 32, accuracy_level 4) a
 Random weights (seeded; scaled like scripts/make_fixtures.py so logits are not flat), an offline
 byte-level tokenizer.  Writes OUT/int4 and OUT/fp32 (each a builder folder: model.onnx, model.onnx.data,
 genai_config.json, tokenizer files) for ``benchmarks/bench_generate.py --builder-folder``; about 500 MB.
-Needs torch==2.13.0, transformers 5.x, onnxruntime-genai 0.18.0, tokenizers (not onnxkv's dependencies).
+Needs torch==2.13.0, transformers 5.x, onnxruntime-genai 0.18.0 with onnx-ir (its model builder imports
+it), tokenizers (not onnxkv's dependencies).
 
     python scripts/export_builder_small.py OUT [--precisions int4 fp32]
 """
