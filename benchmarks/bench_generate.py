@@ -590,9 +590,9 @@ def main() -> None:
             kv = entry["engines"].get("onnxkv", {})
             for peer in ("ort", "ort-genai"):
                 if "tokens" in kv and "tokens" in entry["engines"].get(peer, {}):
-                    ours, theirs = kv["tokens"][:8], entry["engines"][peer]["tokens"][:8]
-                    entry[f"same_tokens_as_{peer}"] = ours == theirs
-                    step = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+                    mine, theirs = kv["tokens"][:8], entry["engines"][peer]["tokens"][:8]
+                    entry[f"same_tokens_as_{peer}"] = mine == theirs
+                    step = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
                     if step is not None and "gap_over_std" in kv:
                         entry[f"first_difference_{peer}"] = {"step": step, "gap_over_std": kv["gap_over_std"][step]}
             if weight_bytes is not None:
