@@ -372,7 +372,11 @@ class SlabAllocator:
                 self._oversize.discard(chunk)
                 self._committed -= chunk.size
                 return
-            cls = self._classes[chunk.lane, chunk.slot]
+            cls = self._classes.get((chunk.lane, chunk.slot))
+            if cls is None:  # collected in one cycle with the buffer's owner, whose free came after the
+                if chunk.used == 0:  # allocator's finalizer (_offer_empty): the chunk, once empty, to the reserve
+                    _offer(chunk)
+                return
             if chunk.used == chunk.nslots - 1:  # it was full
                 bisect.insort(cls.room, chunk.address)
             if chunk.used == 0:
@@ -429,8 +433,10 @@ def _offer(chunk: _Chunk) -> None:
 
 
 def _offer_empty(classes: dict[tuple[int, int], _SizeClass]) -> None:
-    """A collected allocator's empty class chunks to the chunk reserve (a chunk with a slot still leased
-    belongs to a buffer that outlived its allocator, against the contract: it is dropped, not reused)."""
+    """A collected allocator's empty class chunks to the chunk reserve.  A chunk with a slot still leased
+    goes there when its last slot is freed: an owner collected in the same garbage cycle (a state, a page
+    pool) frees its buffers after this finalizer has run, and :meth:`SlabAllocator.free` then finds no
+    class for the chunk."""
     for cls in classes.values():
         for chunk in cls.chunks.values():
             if chunk.used == 0:

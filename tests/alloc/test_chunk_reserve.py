@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 import numpy as np
@@ -175,3 +176,36 @@ def test_threads_each_see_only_zeros_from_the_reserve(reserve):
         t.join()
     assert not errors
     assert chunk_reserve_stats().held_bytes <= 16 * CHUNK
+
+
+def test_an_owner_collected_with_its_allocator_frees_into_it_quietly(reserve, caplog):
+    """In one garbage cycle the allocator's finalizer runs before its owner's ``__del__``: the owner's
+    frees find the classes gone, raise nothing, and each chunk goes to the reserve once its last slot
+    is freed."""
+
+    class Owner:
+        def __init__(self) -> None:
+            self.slab = SlabAllocator(CHUNK)
+            self.bufs = written_chunks(self.slab, 2)
+            self.me = self  # a cycle: collected only by the garbage collector, allocator and all
+
+        def __del__(self) -> None:
+            for b in self.bufs:
+                self.slab.free(b)
+
+    raised = []
+    old_hook, sys.unraisablehook = sys.unraisablehook, raised.append
+    try:
+        owner = Owner()
+        bases = chunk_bases(owner.bufs)
+        del owner
+        gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert raised == [] and not caplog.records
+    assert chunk_reserve_stats().held_bytes == 2 * CHUNK
+    nxt = SlabAllocator(CHUNK)
+    again = written_chunks(nxt, 2, 0)
+    assert chunk_bases(again) == bases and nxt.reused_chunks == 2
+    for b in again:
+        nxt.free(b)
