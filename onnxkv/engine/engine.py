@@ -17,8 +17,8 @@ stopping rule; ``generate``'s default chunk when ``max_batch_tokens`` is at
 least that): greedy requests token for token, sampled ones draw for draw with
 the same seed.
 
-Batching.  With paged caches on a GroupQueryAttention graph (the ONNX Runtime
-GenAI builder's form, which takes a length per row) or an opset-23 Attention
+Batching.  With paged caches (the default there) on a GroupQueryAttention graph
+(the ONNX Runtime GenAI builder's form, which takes a length per row) or an opset-23 Attention
 graph (whose mask hides the positions a shorter row never wrote: the kernel
 stores each row's new keys after its own), every request's pages
 live in one page pool and the decode tokens of all requests run as one
@@ -59,6 +59,8 @@ __all__ = ["Engine", "DEFAULT_MAX_BATCH_TOKENS"]
 #: Fed tokens per step when the engine is not told (about two prompt chunks of a small model).
 DEFAULT_MAX_BATCH_TOKENS = 2048
 _KINDS = ("contiguous", "paged")
+#: Cache conventions whose graphs take a length per row, so requests of different lengths share a run.
+_BATCHING_FORMS = ("group_query_attention", "attention")
 
 
 class Engine(BatchedSteps):
@@ -67,7 +69,9 @@ class Engine(BatchedSteps):
     Args:
         session: the session every request runs on (its threads, event log and precision).
         cache: a :class:`~onnxkv.CacheConfig` or kind ("contiguous", "paged") for every request's state;
-            None: contiguous.  The model must have a cache that runs in place.
+            None: paged (one pool, batched decode rows, prefix caching) on a GroupQueryAttention or
+            opset-23 Attention graph, else contiguous (one state per request).  The model must have a
+            cache that runs in place.
         max_batch_tokens: tokens fed per step at most (an int >= 1), decode tokens and prompt chunks
             together.
         max_pages: pages the engine's pool holds at most (paged; the same as the cache's ``max_pages``,
@@ -116,7 +120,8 @@ class Engine(BatchedSteps):
                 raise InputError(f"{api}: max_pages={max_pages} contradicts the cache's max_pages={config.max_pages}")
             cache = replace(config, max_pages=max_pages)
         self._cache = cache_request(api, cache, _KINDS, {}, auto=True)
-        self.kind = self._cache.kind("contiguous")
+        batches = session.model.convention.kind in _BATCHING_FORMS
+        self.kind = self._cache.kind("paged" if batches else "contiguous")
         if not isinstance(prefix_caching, bool):
             raise InputError(f"{api}: prefix_caching must be a bool, got {prefix_caching!r}")
         self.prefix_caching = prefix_caching
@@ -128,7 +133,7 @@ class Engine(BatchedSteps):
         self._requests: list[Request] = []  # added and not let go (pop_finished)
         self._added = 0  # requests ever added: the next request's id
         self.steps = 0
-        self.batched = self.kind == "paged" and session.model.convention.kind in ("group_query_attention", "attention")
+        self.batched = self.kind == "paged" and batches
         self._batch: State | None = None  # batched: the state of every decoding request's rows
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)

@@ -147,7 +147,7 @@ def test_abort_releases_the_state_and_the_others_go_on(session, cache):
 
 
 def test_a_failed_run_leaves_its_request_as_before(session, monkeypatch):
-    engine = onnxkv.Engine(session)
+    engine = onnxkv.Engine(session, cache="contiguous")
     a = engine.add_request(_ids(PROMPTS[0]), 15)
     b = engine.add_request(_ids(PROMPTS[3]), 15)
     for _ in range(4):
@@ -186,12 +186,32 @@ def test_a_failed_first_run_closes_the_new_state(session, monkeypatch):
 
 
 def test_zero_new_tokens_and_describe(session):
-    engine = onnxkv.Engine(session, max_batch_tokens=100)
+    engine = onnxkv.Engine(session, cache="contiguous", max_batch_tokens=100)
     r = engine.add_request(_ids("abc"), 0)
     assert r.finished == "length" and engine.active == [] and engine.step() == {}
     d = engine.describe()
     assert d["cache"] == "contiguous" and d["max_batch_tokens"] == 100 and d["requests"] == 1
     assert "not batched" in d["batching"]
+
+
+def test_the_default_cache_batches_where_the_graph_takes_a_length_per_row(session, tmp_path):
+    """Engine(session) with no cache: one page pool with batched decode rows and prefix caching on a
+    GroupQueryAttention graph; contiguous caches, one state per request, on a past -> Concat -> present
+    export, whose graph takes one length per batch."""
+    import onnx
+
+    engine = onnxkv.Engine(session)
+    d = engine.describe()
+    assert engine.batched and d["cache"] == "paged" and d["prefix_caching"]
+    requests = [engine.add_request(_ids(p), 6) for p in PROMPTS[:2]]
+    engine.run()
+    assert engine._batch is not None and engine._prefix is not None
+    for r in requests:
+        assert r.tokens == _alone(session, r, None)
+    engine.close()
+    onnx.save(build_concat_model(MICRO), tmp_path / "model.onnx")
+    concat = onnxkv.Engine(onnxkv.Session(str(tmp_path / "model.onnx"), threads=1))
+    assert not concat.batched and concat.describe()["cache"] == "contiguous"
 
 
 @pytest.mark.parametrize(
@@ -328,3 +348,21 @@ def test_graph_forms_with_one_length_per_batch_run_one_request_per_run(tmp_path)
     engine.run()
     for r in requests:
         assert r.tokens == _alone(sess, r, "paged")
+
+
+def test_an_engine_dropped_unclosed_is_collected_quietly(session, caplog):
+    """An engine let go mid-run without ``close`` (its pool, states and prefix cache one garbage cycle)
+    is collected with no allocator warning: the states' frees that come after the allocator's finalizer
+    are taken quietly."""
+    import gc
+
+    engine = onnxkv.Engine(session)
+    for p in PROMPTS[:2]:
+        engine.add_request(_ids(p), 15)
+    for _ in range(3):
+        engine.step()
+    assert engine.batched and engine._batch.pool.live_pages > 0
+    del engine
+    with caplog.at_level("WARNING", logger="onnxkv.alloc"):
+        gc.collect()
+    assert not caplog.records
