@@ -46,7 +46,7 @@ from onnxkv.engine.batched import BatchedSteps, WaitForRoom
 from onnxkv.engine.occupancy import pool_occupancy
 from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request
-from onnxkv.errors import InputError, OutOfMemory
+from onnxkv.errors import InputError, OutOfMemory, StateError
 from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
 from onnxkv.generate.sampling import sampling_arguments
 from onnxkv.runtime.cache_config import CacheConfig, cache_request
@@ -61,6 +61,17 @@ DEFAULT_MAX_BATCH_TOKENS = 2048
 _KINDS = ("contiguous", "paged")
 #: Cache conventions whose graphs take a length per row, so requests of different lengths share a run.
 _BATCHING_FORMS = ("group_query_attention", "attention")
+
+
+def _alone(r: Request, cause: OutOfMemory) -> OutOfMemory:
+    """The error of a run of ``r`` that does not fit in the pool even with every later request paused:
+    it names the request (``.request``), which the caller may abort to let the others go on."""
+    err = OutOfMemory(
+        f"Engine.step: request {r.id} ({r._seq.size} prompt tokens, {len(r.tokens)} made) does not fit even "
+        f"alone; abort it (Engine.abort(error.request)) to go on with the others: {cause}"
+    )
+    err.request = r
+    return err
 
 
 class Engine(BatchedSteps):
@@ -128,7 +139,15 @@ class Engine(BatchedSteps):
         self._prefix_pages = int_arg(api, "prefix_pages", prefix_pages, 0) if prefix_pages is not None else None
         self._prefix: PrefixCache | None = None  # made with the batched state
         self._max_cache_bytes = int_arg(api, "max_cache_bytes", max_cache_bytes, 1) if max_cache_bytes else None
-        self.preempt_formats = tuple(page_format(f).name for f in preempt_formats)
+        if isinstance(preempt_formats, (str, bytes)) or not isinstance(preempt_formats, Sequence):
+            raise InputError(f"{api}: preempt_formats must be a sequence of page format names, got {preempt_formats!r}")
+        steps = [page_format(f) for f in preempt_formats]
+        if any(b.bits >= a.bits for a, b in zip(steps, steps[1:])):
+            raise InputError(
+                f"{api}: preempt_formats must step down, each format fewer bits per element than the one before, "
+                f"got {[f.name for f in steps]} (bits {[f.bits for f in steps]})"
+            )
+        self.preempt_formats = tuple(f.name for f in steps)
         self.keep_native_tokens = int_arg(api, "keep_native_tokens", keep_native_tokens, 0)
         self._requests: list[Request] = []  # added and not let go (pop_finished)
         self._added = 0  # requests ever added: the next request's id
@@ -138,6 +157,7 @@ class Engine(BatchedSteps):
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)
         self._paused_now: set[Request] = set()  # batched: paused in this step (not run again in it)
+        self._closed = False
 
     @property
     def requests(self) -> list[Request]:
@@ -209,6 +229,8 @@ class Engine(BatchedSteps):
         arguments as :func:`onnxkv.generate` takes them; ``eos_token_id`` default: the model's.  It runs
         from the next :meth:`step` on.  Raises InputError naming a bad argument (nothing is queued)."""
         api = "Engine.add_request"
+        if self._closed:
+            raise StateError(f"{api}: the engine is closed")
         sess, model = self.session, self.session.model
         max_new_tokens = int_arg(api, "max_new_tokens", max_new_tokens, 0)
         sampling = sampling_arguments(api, do_sample, temperature, top_k, top_p, seed)
@@ -223,6 +245,12 @@ class Engine(BatchedSteps):
                 f"max_length {model.max_length}"
             )
         state_kw = self._cache.state_keywords(self.kind, initial_capacity=max(32, length + min(max_new_tokens, 256)))
+        limit = state_kw.get("max_pages") if self.kind == "paged" else None
+        if limit is not None and -(-length // state_kw["block_size"]) > limit:
+            raise OutOfMemory(
+                f"{api}: a prompt of {length} tokens needs {-(-length // state_kw['block_size'])} pages of "
+                f"{state_kw['block_size']} tokens, more than the pool's max_pages={limit} (nothing was queued)"
+            )
         chunk = prompt_chunk(sess.plan.kernels, state_kw.get("block_size") if self.kind == "paged" else None)
         chunk = min(chunk, self.max_batch_tokens)
         pad = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
@@ -244,7 +272,9 @@ class Engine(BatchedSteps):
         """One run for every unfinished request the budget admits (batched: one run for all decode rows,
         then one per prompt chunk); returns {request id: id produced} for the requests that produced a
         token in this step.  A run that raises propagates: the requests it ran are as before it, and the
-        runs after it were not made in this step (step again to go on, or abort a request)."""
+        runs after it were not made in this step (step again to go on, or abort a request).  A request
+        whose run does not fit in the pool even with every later request paused raises OutOfMemory naming
+        it (``error.request``): every step would, until it is aborted."""
         active = self.active
         self._paused_now = set()
         if self.batched and self._batch is None and active:  # the pool and prefix cache, before any admission
@@ -289,7 +319,12 @@ class Engine(BatchedSteps):
         self._decode_waited = bool(rows) and not decode_rows
         for r in others:
             admit(r)
-        produced: dict[int, int] = self._decode_batch() if decode_rows else {}
+        try:
+            produced: dict[int, int] = self._decode_batch() if decode_rows else {}
+        except WaitForRoom:
+            raise
+        except OutOfMemory as e:  # the earliest row does not fit with every later one paused
+            raise _alone(min(rows, key=lambda r: r.id), e) from e
         for group in self._groups(chosen):
             group = [r for r in group if r not in self._paused_now]  # paused by an earlier run of this step
             if not group:
@@ -307,6 +342,8 @@ class Engine(BatchedSteps):
             except WaitForRoom:  # the pool is held by earlier requests: first in a later step
                 group[0]._skipped = True
                 continue
+            except OutOfMemory as e:
+                raise _alone(group[0], e) from e
             if token is not None:
                 produced[group[0].id] = token
         self.steps += 1
@@ -398,7 +435,9 @@ class Engine(BatchedSteps):
         self._rows.append(r)
 
     def close(self) -> None:
-        """Finish every request ("aborted") and release every page, the prefix cache's included."""
+        """Finish every request ("aborted") and release every page, the prefix cache's included; the engine
+        takes no request afterwards."""
+        self._closed = True
         for r in self.active:
             self._finish(r, "aborted")
         if self._prefix is not None:

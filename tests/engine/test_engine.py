@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import onnxkv
-from onnxkv.errors import InputError
+from onnxkv.errors import InputError, StateError
 from onnxkv.runtime.state import State
 from onnxkv.zoo import embedded
 from onnxkv.zoo.builders import build_model
@@ -253,6 +253,12 @@ def test_bad_engines_are_refused(session):
         onnxkv.Engine(session, max_batch_tokens=0)
     with pytest.raises(InputError, match="cache"):
         onnxkv.Engine(session, cache="tensor")
+    with pytest.raises(InputError, match=r"preempt_formats must step down.*\['int4', 'int8'\]"):
+        onnxkv.Engine(session, preempt_formats=("int4", "int8"))
+    with pytest.raises(InputError, match="preempt_formats must be a sequence of page format names, got 'int8'"):
+        onnxkv.Engine(session, preempt_formats="int8")
+    with pytest.raises(InputError, match="unknown page format 'int3'"):
+        onnxkv.Engine(session, preempt_formats=("int3",))
 
 
 def test_paged_decode_rows_of_every_request_run_as_one_batched_run(session, monkeypatch):
@@ -366,3 +372,12 @@ def test_an_engine_dropped_unclosed_is_collected_quietly(session, caplog):
     with caplog.at_level("WARNING", logger="onnxkv.alloc"):
         gc.collect()
     assert not caplog.records
+
+
+def test_a_closed_engine_takes_no_request(session):
+    engine = onnxkv.Engine(session)
+    engine.add_request(_ids(PROMPTS[0]), 3)
+    engine.close()
+    with pytest.raises(StateError, match="Engine.add_request: the engine is closed"):
+        engine.add_request(_ids(PROMPTS[0]), 3)
+    assert engine.step() == {} and len(engine.requests) == 1

@@ -59,15 +59,35 @@ def test_a_pool_of_half_the_pages_finishes_every_request_as_alone(session, prefi
     assert engine._batch.pool.live_pages == 0
 
 
-def test_a_request_that_cannot_fit_alone_raises_out_of_memory(session):
+def test_a_prompt_that_cannot_fit_alone_is_refused_when_it_is_added(session):
     engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16), max_pages=3)
     small = engine.add_request(np.array(embedded.encode("ab"), np.int64), 4, eos_token_id=[])
-    big = engine.add_request(np.array(embedded.encode("x" * 80), np.int64), 4, eos_token_id=[])
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(OutOfMemory, match=r"Engine.add_request: a prompt of 81 tokens needs 6 pages .* max_pages=3"):
+        engine.add_request(np.array(embedded.encode("x" * 80), np.int64), 4, eos_token_id=[])
+    assert engine.requests == [small]  # nothing queued
+    engine.run()
+    assert small.finished == "length" and small.tokens == _alone(session, small)
+    engine._batch.pool.audit()
+
+
+def test_a_request_that_outgrows_the_pool_alone_is_named_and_can_be_aborted(session):
+    """A request whose prompt fits but whose tokens outgrow the pool even with every later request
+    paused: each step raises OutOfMemory naming it (``error.request``) and leaving it as it was; aborted,
+    the others go on, token for token as alone."""
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16), max_pages=3)
+    big = engine.add_request(np.array(embedded.encode("x" * 40), np.int64), 30, eos_token_id=[])  # 41 + 30 > 48
+    small = engine.add_request(np.array(embedded.encode("ab"), np.int64), 4, eos_token_id=[])
+    with pytest.raises(OutOfMemory, match=f"request {big.id} .* does not fit even alone") as caught:
         engine.run()
-    assert big.tokens == [] and big.state is None
+    assert caught.value.request is big and big.finished is None
+    made = list(big.tokens)
+    assert 41 + len(made) - 1 == 48  # every position of its three pages holds a token (the last made is not fed)
+    with pytest.raises(OutOfMemory) as again:
+        engine.step()
+    assert again.value.request is big and big.tokens == made  # as it was
     engine.abort(big)
     engine.run()
+    assert big.finished == "aborted" and big.tokens == made
     assert small.finished == "length" and small.tokens == _alone(session, small)
     engine._batch.pool.audit()
 
