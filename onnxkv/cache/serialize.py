@@ -19,8 +19,9 @@ and :func:`save` apply it before writing anything, :func:`decode` and
 :func:`load` before returning.  NaN and Inf elements of page data are data and
 are kept; quantization scales must be finite.  Decoding costs memory
 proportional to the input's size only: the body length is checked against
-the bytes present before the protobuf parser runs, and :func:`load` can refuse
-a file by its size before reading it.
+the bytes present before the protobuf parser runs, :func:`load` can refuse
+a file by its size before reading it, and sequences beyond
+:data:`FREE_SEQUENCES` must each come with :data:`SEQUENCE_BYTES` of input.
 """
 
 from __future__ import annotations
@@ -339,13 +340,29 @@ def _check_size(size: int, max_bytes: int | None, api: str) -> None:
         raise InputError(f"{api}: the input holds {size} bytes, more than max_bytes={max_bytes} (nothing was parsed)")
 
 
+#: Sequences any input may hold; beyond them, each must come with :data:`SEQUENCE_BYTES` of input.  An
+#: empty sequence is 2 bytes of protobuf, but its record and the row of the state it is loaded into cost
+#: a few hundred: without this bound a 2 MB file of empty rows would cost hundreds of MB to load.
+FREE_SEQUENCES = 1024
+#: Input bytes per sequence beyond :data:`FREE_SEQUENCES` (a row of one token of the smallest model
+#: carries more).
+SEQUENCE_BYTES = 64
+
+
 def _decode(data: bytes, api: str, max_bytes: int | None, expected: Expectation | None) -> CacheSnapshot:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise fail(api, f"expected bytes, got {type(data).__name__}")
-    _check_size(memoryview(data).nbytes, max_bytes, api)
+    size = memoryview(data).nbytes
+    _check_size(size, max_bytes, api)
     proto = _parse(memoryview(data if isinstance(data, bytes) else bytes(data)), api)
     if expected is not None:
         check_counts(expected, proto.model_signature, proto.block_size, len(proto.layers), len(proto.sequences), api)
+    if len(proto.sequences) > max(FREE_SEQUENCES, size // SEQUENCE_BYTES):
+        raise fail(
+            api,
+            f"{len(proto.sequences)} sequences in {size} bytes: at most {FREE_SEQUENCES}, or one per "
+            f"{SEQUENCE_BYTES} bytes of input, are read (rows must not cost far more memory than the input holds)",
+        )
     layers = [
         LayerSpec(
             key_name=p.key_name, value_name=p.value_name, kv_heads=p.kv_heads, head_size=p.head_size, dtype=p.dtype

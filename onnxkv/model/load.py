@@ -277,7 +277,17 @@ def _find_io(model: onnx.ModelProto, conv: CacheConvention, cfg: dict | None) ->
         return name if name in names else None
 
     logits = dec_out.get("logits", "logits")
+    if logits in conv.present_outputs:
+        raise ModelError(
+            f"load: genai_config.json: model.decoder.outputs.logits {logits!r} is a KV-cache output of the graph, "
+            "not its logits"
+        )
     if logits not in outs:
+        if "logits" in dec_out:  # named, and not there: no other output is taken in its place
+            raise ModelError(
+                f"load: genai_config.json: model.decoder.outputs.logits {logits!r} is not an output of the graph "
+                f"(outputs: {', '.join(o for o in outs if o not in conv.present_outputs) or 'none but the caches'})"
+            )
         rest = [o for o in outs if o not in conv.present_outputs]
         logits = rest[0] if rest else None
     io = ModelIO(

@@ -868,6 +868,25 @@ def test_repeated_entries_a_reader_refuses_cost_no_python_objects(field, pattern
     assert peak < 2 * len(blob)  # a copy of the body for the parser; 100002 entries as objects need ~100x
 
 
+@pytest.mark.parametrize("expected", [None, _expected()], ids=["inspect", "unbounded-state"])
+def test_empty_sequences_beyond_the_free_ones_must_come_with_bytes(expected):
+    """Empty sequences (2 bytes each) used to become records and state rows of a few hundred bytes each
+    with no bound when the reader has none (a state without max_pages): about 220x the file's size."""
+    blob = _many("sequences", 100_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(SerializationError, match=r"decode: 100002 sequences in \d+ bytes: at most 1024"):
+            decode(blob, expected=expected)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(blob)
+    few = _many("sequences", serialize.FREE_SEQUENCES - 2)  # the free ones: read
+    assert len(decode(few).sequences) == serialize.FREE_SEQUENCES
+    with pytest.raises(SerializationError, match="1025 sequences"):
+        decode(_many("sequences", serialize.FREE_SEQUENCES - 1))
+
+
 @pytest.mark.parametrize(
     "changes, pattern",
     [
