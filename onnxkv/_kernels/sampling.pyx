@@ -217,9 +217,9 @@ def sample(logits, double temperature, top_k, top_p, u, probs=None):
         raise ValueError(f"logits: expected at least one column, got shape {logits.shape}")
     if not (temperature > 0 and temperature < INFINITY):
         raise ValueError(f"temperature: expected a finite value > 0, got {temperature}")
-    cdef int64_t k = 0 if top_k is None else int(top_k)
-    if top_k is not None and k < 1:
+    if top_k is not None and int(top_k) < 1:
         raise ValueError(f"top_k: expected None or an int >= 1, got {top_k}")
+    cdef int64_t k = 0 if top_k is None else min(int(top_k), n)   # a top_k of V or more keeps every id
     cdef double tp = 1.0 if top_p is None else float(top_p)
     if not (0.0 < tp <= 1.0):
         raise ValueError(f"top_p: expected None or a value in (0, 1], got {top_p}")

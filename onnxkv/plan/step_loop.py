@@ -19,6 +19,7 @@ with nothing run or staged, and the caller runs its steps one by one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from onnxkv.plan.ops._gqa_paged_decode import PagedAppend
 from onnxkv.plan.ops._gqa_record import CacheAppend
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Sequence
 
     from onnxkv.plan.plan import Plan
 
@@ -93,9 +94,18 @@ class StepsRun:
         return int(self.tokens.shape[0])
 
 
-def check_steps(api: str, count: int, draws: Draws | None) -> None:
-    """Raise InputError (naming ``api``) unless ``count`` is an int >= 1 and ``draws`` is None or holds
-    float64 ``uniforms`` with a number per step."""
+def check_steps(
+    api: str,
+    count: int,
+    draws: Draws | None,
+    names: DecodeNames | None = None,
+    eos=(),
+    known: Mapping[str, int] | None = None,
+) -> None:
+    """Raise InputError (naming ``api``) unless ``count`` is an int >= 1; ``draws`` is None or holds a finite
+    temperature > 0, an int ``top_k`` >= 0, ``top_p`` in (0, 1] and float64 ``uniforms`` with a number per
+    step; ``names`` (when given) is a :class:`DecodeNames` whose values are in ``known`` (the plan's value
+    names); and ``eos`` is a sequence of ints in [0, 2**63)."""
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         raise InputError(f"{api}: count must be an int >= 1, got {count!r}")
     u = None if draws is None else draws.uniforms
@@ -106,6 +116,34 @@ def check_steps(api: str, count: int, draws: Draws | None) -> None:
             f"{api}: draws.uniforms must be float64 [>= count={count}], got "
             f"{getattr(u, 'dtype', type(u).__name__)} {getattr(u, 'shape', '')}"
         )
+    if draws is not None:
+        t, k, p = draws.temperature, draws.top_k, draws.top_p
+        if (
+            isinstance(t, (bool, np.bool_))
+            or not isinstance(t, (int, float, np.integer, np.floating))
+            or not (0 < t < np.inf)
+        ):
+            raise InputError(f"{api}: draws.temperature must be a finite number > 0, got {t!r}")
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise InputError(f"{api}: draws.top_k must be an int >= 0 (0: every id), got {k!r}")
+        if (
+            isinstance(p, (bool, np.bool_))
+            or not isinstance(p, (int, float, np.integer, np.floating))
+            or not (0 < p <= 1)
+        ):
+            raise InputError(f"{api}: draws.top_p must be a number in (0, 1], got {p!r}")
+    if names is not None or known is not None:
+        if not isinstance(names, DecodeNames):
+            raise InputError(f"{api}: names must be a DecodeNames, got {names!r}")
+        for field in ("token", "mask", "logits", "position"):
+            value = getattr(names, field)
+            if (value is not None or field != "position") and (not isinstance(value, str) or value not in known):
+                raise InputError(f"{api}: names.{field} {value!r} is not a value of the model's graph")
+    ids = [eos] if isinstance(eos, (int, np.integer)) else eos
+    if isinstance(ids, (str, bytes)) or not all(
+        isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_)) and 0 <= e < 2**63 for e in ids
+    ):
+        raise InputError(f"{api}: eos must be token ids (ints in [0, 2**63)), got {eos!r}")
 
 
 def run_steps(
@@ -222,7 +260,11 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
         np.asarray(eos, dtype=np.int64).reshape(-1),
         tokens,
         seconds,
-        *(() if draws is None else (draws.temperature, draws.top_k, draws.top_p, draws.uniforms[:count])),
+        *(
+            ()
+            if draws is None
+            else (draws.temperature, min(int(draws.top_k), logits.size), draws.top_p, draws.uniforms[:count])
+        ),
     )
     if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one
         step.stale = True

@@ -255,13 +255,14 @@ class State(PagedAPI):
 
         Raises:
             StateError: closed, busy, or a bound input fed.
-            InputError: ``feeds`` do not fit the model's inputs, ``count`` is not an int >= 1, or
-                ``draws.uniforms`` is not float64 with a number per step (the kernel names a number outside
-                [0, 1) or a bad temperature, top_k or top_p with a ValueError).
+            InputError: ``feeds`` do not fit the model's inputs, ``count`` is not an int >= 1, ``names``
+                is not a DecodeNames of the graph's values, ``eos`` not token ids, or ``draws`` holds a bad
+                temperature, top_k or top_p, or ``uniforms`` not float64 with a number per step (the kernel
+                names a number outside [0, 1) with a ValueError).
             MemoryError: a kernel could not allocate its workspace; the state is unchanged.
         """
         self._check_feeds("decode_steps", feeds)
-        check_steps("State.decode_steps", count, draws)
+        check_steps("State.decode_steps", count, draws, names, eos, self.session.plan.slot_of)
         with self._exclusive("decode_steps"):
             if self.session.events.enabled:
                 return None

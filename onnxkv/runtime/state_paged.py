@@ -112,7 +112,7 @@ class PagedAPI:
             if idx.ndim == 1 and idx.size == 0:
                 store.close()
             else:
-                store.reorder(idx)
+                store.reorder(idx, "State.keep_rows")
 
     def reorder(self, indices) -> None:
         """Row ``i`` becomes old row ``indices[i]`` (beam search; ``len(indices)`` may differ from the
@@ -147,12 +147,22 @@ class PagedAPI:
         positions to the smaller page format ``fmt_name`` (e.g. "int8", "int4") in every layer, where this
         state alone holds them and their format has more bits; returns the payload bytes freed (an
         engine's relief for a full pool).  All or nothing; InputError for an unknown format."""
+        api = "State.compress_rows"
+        if (
+            isinstance(keep_tokens, (bool, np.bool_))
+            or not isinstance(keep_tokens, (int, np.integer))
+            or keep_tokens < 0
+        ):
+            raise InputError(f"{api}: keep_tokens must be an int ≥ 0, got {keep_tokens!r}")
+        idx = np.asarray(rows) if isinstance(rows, (list, tuple, np.ndarray)) else None
+        if idx is None or idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+            raise InputError(f"{api}: rows must be a list or 1-D int array of row indices, got {rows!r}")
         with self._exclusive("compress_rows"):
             store = self._require_paged("compress_rows")
-            rows = [int(b) for b in rows]
-            if any(not 0 <= b < store.cache.table.batch for b in rows):
-                raise InputError(f"State.compress_rows: rows must be in [0, {store.cache.table.batch}), got {rows}")
-            return store.compress_rows(rows, fmt_name, int(keep_tokens))
+            batch = store.cache.table.batch
+            if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= batch):
+                raise InputError(f"{api}: rows must be in [0, {batch}), got {idx.tolist()}")
+            return store.compress_rows([int(b) for b in idx], fmt_name, int(keep_tokens))
 
     def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
         """The committed cache as ``PagedCacheProto`` bytes (:mod:`onnxkv.cache.serialize`), also written

@@ -53,6 +53,11 @@ def test_a_nan_logit_gives_the_twins_draw():
         assert sample(logits, 1.0, top_k, top_p, u).tolist() == want.tolist()
 
 
+def test_a_top_k_past_int64_keeps_every_id():
+    x, u = rand(np.random.default_rng(4), (3, 50), np.float32), np.array([0.1, 0.5, 0.9])
+    assert sample(x, 0.8, 2**63, None, u).tolist() == sample(x, 0.8, None, None, u).tolist()
+
+
 def test_bad_arguments_raise_naming_them():
     x, u = np.zeros((2, 5), np.float32), np.full(2, 0.5)
     for args, match in (

@@ -266,4 +266,47 @@ def test_draws_that_do_not_fit_are_refused():
                 st.decode_steps(feeds, 5, draws=Draws(1.0, 0, 1.0, uniforms), **_io(sess))
         with pytest.raises(ValueError, match=r"uniforms\[0\] = 1.5"):
             st.decode_steps(feeds, 5, draws=Draws(1.0, 0, 1.0, np.full(5, 1.5)), **_io(sess))
+        u = np.full(5, 0.5)
+        for draws, match in (
+            (Draws(0.0, 0, 1.0, u), "draws.temperature must be a finite number > 0, got 0.0"),
+            (Draws(float("nan"), 0, 1.0, u), "draws.temperature"),
+            (Draws(1.0, -1, 1.0, u), "draws.top_k must be an int >= 0"),
+            (Draws(1.0, 2.5, 1.0, u), "draws.top_k"),
+            (Draws(1.0, 0, 0.0, u), r"draws.top_p must be a number in \(0, 1\], got 0.0"),
+        ):
+            with pytest.raises(InputError, match=match):
+                st.decode_steps(feeds, 5, draws=draws, **_io(sess))
+        assert st.length == 6
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_id():
+    """top_k of 2**63 (past int64) draws as top_k 0 (every id) does; it used to raise OverflowError."""
+    from onnxkv.plan.step_loop import Draws
+
+    sess = onnxkv.Session(_models()["embedded"], threads=1)
+    runs = {}
+    for k in (0, 2**63):
+        with sess.new_state() as st:
+            _, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4]]), 2)
+            draws = Draws(1.0, k, 1.0, np.random.default_rng(3).random(5))
+            runs[k] = st.decode_steps(feeds, 5, draws=draws, **_io(sess)).tokens.tolist()
+    assert runs[0] == runs[2**63]
+
+
+def test_names_and_eos_that_do_not_fit_are_refused():
+    sess = onnxkv.Session(_models()["embedded"], threads=1)
+    io = sess.model.io
+    with sess.new_state() as st:
+        _, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4]]), 2)
+        for names, match in (
+            (None, "names must be a DecodeNames, got None"),
+            (DecodeNames("nope", io.attention_mask, io.logits), r"names.token 'nope' is not a value"),
+            (DecodeNames(io.input_ids, io.attention_mask, "scores"), r"names.logits 'scores'"),
+            (DecodeNames(io.input_ids, io.attention_mask, io.logits, 3), r"names.position 3"),
+        ):
+            with pytest.raises(InputError, match=match):
+                st.decode_steps(feeds, 3, names=names)
+        for eos in ([2**63], "ab", [1.0], [True], [-1]):
+            with pytest.raises(InputError, match="eos must be token ids"):
+                st.decode_steps(feeds, 3, eos=eos, **_io(sess))
         assert st.length == 6

@@ -335,6 +335,11 @@ def test_a_run_of_an_empty_batch_is_refused_before_any_cache_is_made(session, ca
     with session.new_state(cache=cache) as st:
         with pytest.raises(InputError, match="a batch of 0 rows; a state runs at least one row"):
             st.run(empty)
+        scalar = {**feeds, session.model.io.input_ids: 65}  # no batch axis at all: it used to be an IndexError
+        with pytest.raises(
+            InputError, match=r"State.run: 'input_ids' must be an array \[batch, length\], got shape \(\)"
+        ):
+            st.run(scalar)
         assert st.length == 0 and st.batch == 0 and st.committed_bytes == 0
         out = st.run(feeds)  # the state is as new
         assert st.length == 3 and out

@@ -78,8 +78,10 @@ def test_bad_moves_leave_both_states_as_they_were(session):
     assert a.batch == 1 and a.lengths.tolist() == [18] and other_pool.lengths.tolist() == [10]
     with pytest.raises(InputError, match="distinct"):
         a.keep_rows([0, 0])
-    with pytest.raises(InputError, match="indices must be in"):
+    with pytest.raises(InputError, match=r"State.keep_rows: indices must be in \[0, 1\), got \[1\]"):
         a.keep_rows([1])
+    with pytest.raises(InputError, match="State.keep_rows: indices must be a non-empty 1-D int array"):
+        a.keep_rows([0.0])
     assert a.batch == 1 and a.lengths.tolist() == [18]
     with pytest.raises(StateError, match="needs a paged state"):
         session.new_state().sibling()
@@ -97,6 +99,13 @@ def test_compress_rows_converts_only_the_cold_pages_a_row_holds_alone(session):
         first.compress_rows([1], "int8")
     with pytest.raises(InputError, match="int9"):
         first.compress_rows([0], "int9")
+    for rows in (None, 0, [None], [0.5], ["0"], [[0]]):
+        with pytest.raises(InputError, match="State.compress_rows: rows must be a list or 1-D int array"):
+            first.compress_rows(rows, "int8")
+    for keep in (-1, -(2**63), None, "3", 2.0, True):  # a negative one reached the partly filled last page
+        with pytest.raises(InputError, match="State.compress_rows: keep_tokens must be an int ≥ 0"):
+            first.compress_rows([0], "int8", keep)
+    assert pool.committed_bytes == before and first.compress_rows([], "int8") == 0
     freed = first.compress_rows([0], "int8", keep_tokens=16)  # blocks 0..2: the last 16 + 6 positions stay
     assert freed > 0 and pool.committed_bytes == before - freed
     assert first.compress_rows([0], "int8", keep_tokens=16) == 0  # already int8

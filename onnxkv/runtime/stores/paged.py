@@ -356,15 +356,16 @@ class PagedStore:
             self.cache = None
 
     # -- page tables -----------------------------------------------------------------------
-    def reorder(self, indices) -> None:
-        """Row ``i`` becomes old row ``indices[i]``: tables permuted, counts adjusted, no payload copied."""
+    def reorder(self, indices, api: str = "State.reorder") -> None:
+        """Row ``i`` becomes old row ``indices[i]``: tables permuted, counts adjusted, no payload copied
+        (errors name ``api``)."""
         cache = self.cache
         idx = np.asarray(indices)
         if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
-            raise InputError(f"State.reorder: indices must be a non-empty 1-D int array, got {indices!r}")
+            raise InputError(f"{api}: indices must be a non-empty 1-D int array, got {indices!r}")
         b = cache.table.batch
         if idx.min() < 0 or idx.max() >= b:
-            raise InputError(f"State.reorder: indices must be in [0, {b}), got {idx.tolist()}")
+            raise InputError(f"{api}: indices must be in [0, {b}), got {idx.tolist()}")
         cache.replace_table(cache.table.share(idx))
         self.ctx.log("reorder", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
 

@@ -178,7 +178,10 @@ class StoreContext:
         """Rows of the run ``feeds`` describe (input ids first); InputError when unknown or < 1."""
         ids = self.session.model.io.input_ids
         if ids and ids in feeds:
-            batch = int(np.shape(feeds[ids])[0])
+            shape = np.shape(feeds[ids])
+            if len(shape) < 1:
+                raise InputError(f"State.run: '{ids}' must be an array [batch, length], got shape {shape}")
+            batch = int(shape[0])
         else:
             batch = next((int(np.shape(v)[0]) for v in feeds.values() if np.ndim(v) >= 1), None)
         if batch is None:
