@@ -55,7 +55,7 @@ from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
 from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.logit_rows import LogitHead, find_head, rows_of_output
-from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup
+from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup, refuse_internal
 from onnxkv.plan.run_loops import needed_nodes, run_plain, run_recording
 from onnxkv.plan.shape_fold import ShapeFolder
 from onnxkv.plan.static_dims import static_dims
@@ -161,6 +161,7 @@ class Plan:
                 f"{len(bad)} node(s) use operators onnxkv has no implementation for: {listed}"
                 + (" ..." if len(bad) > 10 else "")
             )
+        refuse_internal(graph.node)
         external = external or {}
         if any(i.data_location == onnx.TensorProto.EXTERNAL and i.name not in external for i in graph.initializer):
             raise ModelError("initializers with external data were not loaded; load the model with onnxkv.load")

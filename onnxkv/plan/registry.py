@@ -37,14 +37,23 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxkv.errors import ModelError
+from onnxkv.errors import ModelError, UnsupportedOperatorError
 from onnxkv.model.tensors import tensor_array
 
 if TYPE_CHECKING:  # pragma: no cover
     from onnxkv.plan.context import RunContext
     from onnxkv.plan.plan import Plan
 
-__all__ = ["Op", "BuildContext", "register", "lookup", "registered_ops", "DOMAIN_ALIASES"]
+__all__ = [
+    "Op",
+    "BuildContext",
+    "register",
+    "lookup",
+    "is_internal",
+    "refuse_internal",
+    "registered_ops",
+    "DOMAIN_ALIASES",
+]
 
 #: Domain spellings that mean the default ONNX domain.
 DOMAIN_ALIASES = {"": "", "ai.onnx": ""}
@@ -165,11 +174,18 @@ class Op:
 
 
 _REGISTRY: dict[tuple[str, str], list[tuple[int, type[Op]]]] = {}
+_INTERNAL: set[tuple[str, str]] = set()  # (domain, op_type) registered internal
 
 
-def register(op_type: str, domain: str = "", since: int = 1) -> Callable[[type[Op]], type[Op]]:
-    """Class decorator registering a kernel for ``domain::op_type`` from opset ``since``."""
+def register(op_type: str, domain: str = "", since: int = 1, internal: bool = False) -> Callable[[type[Op]], type[Op]]:
+    """Class decorator registering a kernel for ``domain::op_type`` from opset ``since``.
+
+    ``internal``: an operator only onnxkv's own passes make (fusions, shape folding), whose kernel trusts
+    the structure those passes guarantee; a model given to a plan may not hold it (:func:`is_internal`).
+    """
     domain = DOMAIN_ALIASES.get(domain, domain)
+    if internal:
+        _INTERNAL.add((domain, op_type))
 
     def deco(cls: type[Op]) -> type[Op]:
         versions = _REGISTRY.setdefault((domain, op_type), [])
@@ -182,6 +198,23 @@ def register(op_type: str, domain: str = "", since: int = 1) -> Callable[[type[O
         return cls
 
     return deco
+
+
+def is_internal(domain: str, op_type: str) -> bool:
+    """Whether ``domain::op_type`` is registered ``internal`` (made only by onnxkv's passes)."""
+    return (DOMAIN_ALIASES.get(domain, domain), op_type) in _INTERNAL
+
+
+def refuse_internal(nodes) -> None:
+    """UnsupportedOperatorError naming the nodes of ``nodes`` (a model's, before any pass) whose operators
+    are :func:`is_internal`: a model may not hold them."""
+    made = [n for n in nodes if is_internal(n.domain, n.op_type)]
+    if made:
+        listed = ", ".join(f"'{n.name or n.output[0]}' ({n.domain}::{n.op_type})" for n in made[:10])
+        raise UnsupportedOperatorError(
+            f"{len(made)} node(s) use operators only onnxkv's own passes make, which a model may not hold: "
+            f"{listed} (their kernels trust the structure the passes guarantee; give the unfused nodes)"
+        )
 
 
 def lookup(domain: str, op_type: str, opset_version: int) -> type[Op] | None:

@@ -109,6 +109,30 @@ def test_unknown_operator_is_rejected_naming_nodes():
         Session(m)
 
 
+@pytest.mark.parametrize("op", ["ViewChain", "MaskedAttention", "SiluMul", "ShapeOf", "SiblingMatMul"])
+def test_operators_only_onnxkvs_passes_make_are_refused_in_a_model(op):
+    """A fusion's node trusts the structure its pass guarantees (a ViewChain body of view ops only, ...):
+    a model file holding one directly is refused, in a subgraph too; the public graph forms
+    (ai.onnxkv::CacheUpdate, ai.rt::PagedAttention, ...) are not internal."""
+    from onnxkv.plan.registry import is_internal
+
+    node = helper.make_node(op, ["x"], ["y"], name="made", domain="ai.onnxkv")
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("ai.onnxkv", 1)]
+    m = helper.make_model(helper.make_graph([node], "g", [_vi("x", [2])], [_vi("y", [2])]), opset_imports=opsets)
+    with pytest.raises(UnsupportedOperatorError, match=f"only onnxkv's own passes make.*'made' \\(ai.onnxkv::{op}\\)"):
+        Session(m)
+    body = helper.make_graph([node], "body", [], [_vi("y", [2])])
+    outer = helper.make_node("If", ["c"], ["z"], then_branch=body, else_branch=body)
+    m = helper.make_model(
+        helper.make_graph([outer], "g", [_vi("c", [], TensorProto.BOOL), _vi("x", [2])], [_vi("z", [2])]),
+        opset_imports=opsets,
+    )
+    with pytest.raises(UnsupportedOperatorError, match="only onnxkv's own passes make"):
+        Session(m).run({"c": np.array(True), "x": np.ones(2, np.float32)})
+    for public in (("ai.onnxkv", "CacheUpdate"), ("ai.onnxkv", "PagedCacheUpdate"), ("ai.rt", "PagedAttention")):
+        assert not is_internal(*public)
+
+
 def test_cycles_are_rejected():
     nodes = [helper.make_node("Neg", ["b"], ["a"]), helper.make_node("Neg", ["a"], ["b"])]
     m = _model(nodes, [_vi("x", [2])], [_vi("b", [2])])

@@ -68,7 +68,7 @@ class QuickGelu(Op):
         return (out,)
 
 
-@register("SiluMul", domain="ai.onnxkv")
+@register("SiluMul", domain="ai.onnxkv", internal=True)
 class SiluMul(Op):
     """Fused SwiGLU gate: ``gate * sigmoid(gate) * up`` (made by :mod:`onnxkv.plan.fusion`)."""
 

@@ -33,7 +33,7 @@ def _int_value(x, allowed: tuple[int, ...]) -> bool:
     )
 
 
-@register("MaskLengths", domain=FUSED_DOMAIN)
+@register("MaskLengths", domain=FUSED_DOMAIN, internal=True)
 class MaskLengths(Op):
     """Kernel of one MaskLengths node (see the module docstring)."""
 

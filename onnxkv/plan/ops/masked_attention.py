@@ -193,7 +193,7 @@ def _scalar(x: np.ndarray | None) -> float | None:
     return float(x.reshape(()))
 
 
-@register("MaskedAttention", domain="ai.onnxkv")
+@register("MaskedAttention", domain="ai.onnxkv", internal=True)
 class MaskedAttention(Op):
     """See the module docstring.  Built with one kernel object per body node (the literal path)."""
 

@@ -169,7 +169,7 @@ class MatMulNBits(Op):
         return (y if f32 else y.astype(np.float16),)
 
 
-@register("SiblingMatMulNBits", domain="ai.onnxkv")
+@register("SiblingMatMulNBits", domain="ai.onnxkv", internal=True)
 class SiblingMatMulNBits(MatMulNBits):
     """``ai.onnxkv::SiblingMatMulNBits`` (made by :func:`onnxkv.plan.fusion_matmul.fuse_sibling_nbits`):
     input A, then per member B, scales, zero_points, bias ("" when absent; every one an initializer);

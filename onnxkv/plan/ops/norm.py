@@ -122,7 +122,7 @@ def _scalar_equal(x: np.ndarray | None, value: float) -> bool:
     return x is not None and x.size == 1 and x.dtype.kind in "fiu" and float(x.reshape(())) == value
 
 
-@register("RMSNormChain", domain="ai.onnxkv")
+@register("RMSNormChain", domain="ai.onnxkv", internal=True)
 class RMSNormChain(Op):
     """The exported RMSNorm chain fused by :func:`onnxkv.plan.fusion_export.fuse_rms_norm`.
 
@@ -204,7 +204,7 @@ class RMSNormChain(Op):
 _SKIP_NORM_PARAMS = slice(SKIP_RMS_NORM_INPUTS.index("weight"), len(SKIP_RMS_NORM_INPUTS))
 
 
-@register("SkipRMSNormChain", domain="ai.onnxkv")
+@register("SkipRMSNormChain", domain="ai.onnxkv", internal=True)
 class SkipRMSNormChain(Op):
     """A residual add and the RMSNormChain reading it, fused by :func:`onnxkv.plan.fusion_export.fuse_skip_rms_norm`.
 

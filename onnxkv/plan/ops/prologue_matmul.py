@@ -39,7 +39,7 @@ _F32 = np.dtype(np.float32)
 _SKIP, _NORM, _SILU = "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization", "SiluMul"
 
 
-@register("PrologueMatMul", domain="ai.onnxkv")
+@register("PrologueMatMul", domain="ai.onnxkv", internal=True)
 class PrologueMatMul(Op):
     """See the module docstring.
 

@@ -50,7 +50,7 @@ def repeated_shape(x_shape: tuple[int, ...], axes, eshape, rshape) -> tuple[int,
     return tuple(dims)
 
 
-@register("RepeatKvShape", domain="ai.onnxkv")
+@register("RepeatKvShape", domain="ai.onnxkv", internal=True)
 class RepeatKvShape(Op):
     """``Shape`` (with start/end) of a repeat_kv result, from the shapes alone."""
 
@@ -61,7 +61,7 @@ class RepeatKvShape(Op):
         return (np.array(shape[start:end] if end is not None else shape[start:], dtype=np.int64),)
 
 
-@register("RepeatKvMatMul", domain="ai.onnxkv")
+@register("RepeatKvMatMul", domain="ai.onnxkv", internal=True)
 class RepeatKvMatMul(Op):
     def __init__(self, node, ctx: BuildContext) -> None:
         super().__init__(node, ctx)

@@ -273,7 +273,7 @@ def _resolve(index: int, d: int) -> int:
 _F32 = np.dtype(np.float32)
 
 
-@register("RotateHalf", domain="ai.onnxkv")
+@register("RotateHalf", domain="ai.onnxkv", internal=True)
 class RotateHalf(Op):
     """``y = x * cos + rotate_half(x) * sin`` fused by :func:`onnxkv.plan.fusion_export.fuse_rotate_half`.
 

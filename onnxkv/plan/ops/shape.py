@@ -77,7 +77,7 @@ class Shape(Op):
         return (np.array(shape[start:end] if end is not None else shape[start:], dtype=np.int64),)
 
 
-@register("ShapeOf", domain="ai.onnxkv")
+@register("ShapeOf", domain="ai.onnxkv", internal=True)
 class ShapeOf(Op):
     """An int64 value made of its inputs' dims and constants: what a chain of shape operators computed.
 

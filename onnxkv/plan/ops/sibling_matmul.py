@@ -29,7 +29,7 @@ from onnxkv.plan.registry import BuildContext, Op, register
 __all__ = ["SiblingMatMul"]
 
 
-@register("SiblingMatMul", domain="ai.onnxkv")
+@register("SiblingMatMul", domain="ai.onnxkv", internal=True)
 class SiblingMatMul(MatMul):
     """See the module docstring.
 

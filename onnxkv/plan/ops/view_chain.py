@@ -48,7 +48,7 @@ def _probe(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 _PROBE_RT = RunContext(lambda _rt, _i, shape, dtype: _probe(tuple(shape), dtype), False, -1)
 
 
-@register("ViewChain", domain="ai.onnxkv")
+@register("ViewChain", domain="ai.onnxkv", internal=True)
 class ViewChain(Op):
     """See the module docstring."""
 
