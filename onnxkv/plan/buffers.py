@@ -39,7 +39,7 @@ class RunBuffers:
     An entry is ``(buffer, raw uint8 view of its bytes, nbytes)``.
     """
 
-    __slots__ = ("allocator", "held", "free_lists", "pooled", "pool_limit", "used", "plan_alloc")
+    __slots__ = ("allocator", "held", "free_lists", "pooled", "pool_limit", "used", "plan_alloc", "retired")
 
     def __init__(self, allocator, pool_limit: int = 64 << 20) -> None:
         self.allocator = allocator
@@ -50,6 +50,7 @@ class RunBuffers:
         self.used: set[int] = set()  # id() of the entries taken since the last recycle
         #: The run's allocation function (see slot_allocator), made once per RunBuffers.
         self.plan_alloc = None
+        self.retired: list[tuple] = []  # entries kept until close, never handed out again (compiled steps)
 
     def take(self, slot: int, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
         """A C-contiguous ``dtype`` array of ``shape`` (non-negative ints) owned by ``slot``; True if it was a reuse."""
@@ -122,6 +123,8 @@ class RunBuffers:
         """Return every buffer to the allocator (the end of a run, failed or not: a ``free`` that raises is
         logged)."""
         gone = [e[0] for e in self.held.values()] + [e[0] for lst in self.free_lists.values() for e in lst]
+        gone += [e[0] for e in self.retired]
+        self.retired.clear()
         self.held.clear()
         self.free_lists.clear()
         self.pooled = 0

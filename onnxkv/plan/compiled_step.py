@@ -23,7 +23,9 @@ cache that grew and the caches of a new state.
 Memory: the values produced inside segments live in buffers the step owns (a
 :class:`~onnxkv.plan.buffers.RunBuffers` the compilable nodes of the
 recording run allocate from, never handed to another run; Python nodes take
-the run's buffers, when recording as when replaying), so a replay writes the
+the run's buffers, when recording as when replaying: a node tried for the
+step that stays a Python node leaves its outputs' buffers to the step, unused),
+so a replay writes the
 same addresses as the recording and never memory a Python node holds.  Slots
 that later nodes or the graph outputs read are set to those arrays after the
 segment ran; :meth:`CompiledStep.owned_outputs` names the graph outputs that
@@ -273,6 +275,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
             or any(last_read.get(outs[j], -1) > k for j in set_by_effects)  # a node reads a present: Python
         ):
             close_segment()
+            _retire(own, outs)
             items.append(k)
             continue
         current.append(k)
@@ -293,6 +296,18 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     step = CompiledStep(items, own, outputs, signature, cache_kinds(rt.caches))
     step.stale = transient
     return step
+
+
+def _retire(own: RunBuffers, outs) -> None:
+    """The buffers ``own`` holds for the output slots ``outs`` of a node that ran for the step but stays a
+    Python node: kept by the step until it closes, never handed out again.  Back in ``own``'s free lists
+    after their last read, they would go to a later compiled node, whose operand a segment reading the
+    Python node's output would take for that external's memory (and write the run's value there on
+    replay, never the step's own array)."""
+    for s in outs:
+        entry = own.held.pop(s, None)
+        if entry is not None:
+            own.retired.append(entry)
 
 
 def cache_kinds(caches: dict | None) -> tuple:

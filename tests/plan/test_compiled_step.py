@@ -495,3 +495,36 @@ def test_a_segment_tells_values_it_refuses_from_externals_unlike_its_recording()
         assert seg.replay(list(slots), RunContext(None, False, 0, {})) is False
         state.run(feeds)  # refused by the replay, grown by the Python path: the step stays
         assert state.length == 7 and session.plan.steps.idle == [step] and not step.stale
+
+
+def test_a_node_recorded_then_kept_in_python_leaves_no_memory_a_later_segment_mistakes_for_its_input():
+    """A GroupQueryAttention prompt node runs during the recording with the step's buffers, then stays a
+    Python node.  Its output's buffer used to go back to the step's free lists after its last read and be
+    handed to a later compiled node (the next layer's q projection, of the same size when the query width
+    is not the hidden size); the segment reading the attention output then took that operand for its
+    external's memory, wrote the run's value there on replay and left the exported array stale: a prompt
+    run after a chunk of another length of past gave wrong logits (1.5 off) with no error."""
+    from dataclasses import replace
+
+    model = build_model("gqa", replace(MICRO, hidden_size=96), seed=1)  # q width 64, hidden 96
+    compiled = onnxkv.Session(model, threads=1)
+    plain = onnxkv.Session(model, threads=1, compiled_steps=False)
+    ids = np.random.default_rng(0).integers(3, MICRO.vocab_size, (1, 22))
+    h, d = MICRO.num_kv_heads, MICRO.head_size
+    empty = {f"past_key_values.{i}.{w}": np.zeros((1, h, 0, d), np.float32) for i in range(2) for w in ("key", "value")}
+
+    def feeds(x, past_len, past):
+        return {"input_ids": x, "attention_mask": np.ones((1, past_len + x.shape[1]), np.int64), **past}
+
+    prompt = feeds(ids[:, :11], 0, empty)
+    names = ["logits"] + [f"present.{i}.{w}" for i in range(2) for w in ("key", "value")]
+    first = compiled.run(prompt, names)
+    past = {k.replace("present", "past_key_values"): v.copy() for k, v in first.items() if k != "logits"}
+    chunk = feeds(ids[:, 11:], 11, past)
+    np.testing.assert_array_equal(compiled.run(chunk, ["logits"])["logits"], plain.run(chunk, ["logits"])["logits"])
+    for _ in range(2):  # replays of the step the chunk recorded
+        np.testing.assert_array_equal(compiled.run(prompt, ["logits"])["logits"], first["logits"])
+        np.testing.assert_array_equal(compiled.run(chunk, ["logits"])["logits"], plain.run(chunk, ["logits"])["logits"])
+    assert compiled.plan.steps.idle and any(
+        isinstance(item, Segment) for step in compiled.plan.steps.idle for item in step.items
+    )
