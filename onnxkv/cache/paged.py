@@ -285,6 +285,12 @@ class PagedCache:
         self._stage_lengths(starts, s)
         return cost
 
+    def hold_rows(self, lengths: np.ndarray) -> None:
+        """Stage each row's length as at most ``lengths[b]`` (the positions of a right-padded prompt that
+        are the row's own; the rest were written and are overwritten by its next tokens)."""
+        if self._staged_lengths is not None and self.static_length is None:
+            np.minimum(self._staged_lengths, np.asarray(lengths, np.int64), out=self._staged_lengths)
+
     def _stage_lengths(self, starts: np.ndarray, s: int) -> None:
         """Each row's staged length after writing ``s`` positions from ``starts`` (a static cache: the
         high-water mark of the positions written)."""

@@ -132,6 +132,15 @@ class RunContext:
             self.cache_events.append((past, cost))
         return present
 
+    def cache_rows_hold(self, past: str, lengths: np.ndarray) -> None:
+        """Each row ``b`` of the paged cache bound to ``past`` holds its first ``lengths[b]`` positions (int64
+        [B], at most what this run wrote there): a first prompt of rows padded on the right wrote the
+        padding too, which the row's next token overwrites.  A sliding window evicts from these lengths,
+        not from the padded width.  A contiguous cache keeps one length for every row: nothing changes."""
+        cache = self.caches[past]
+        if getattr(cache, "paged", False):
+            cache.cache.hold_rows(lengths)
+
     def cache_staged(self, past: str, cost) -> None:
         """Record the :class:`WriteCost` ``cost`` of rows a kernel wrote into the paged cache bound to
         ``past`` (staged by the cache's ``appended``), as :meth:`cache_write` records its writes."""

@@ -254,6 +254,29 @@ def test_sliding_window_evicts_pages_and_keeps_outputs():
             st.truncate(3)
 
 
+def test_a_padded_batch_under_a_sliding_window_keeps_each_rows_visible_pages():
+    """Rows padded to one prompt width hold their own positions only: the window evicts from each row's
+    length, not from the padded width (a shorter row's next query used to find its visible keys'
+    pages evicted: OperatorError in generate with paged caches)."""
+    s = _windowed(4)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, MICRO.vocab_size, n) for n in (13, 9, 4)]
+    ids, mask = np.zeros((3, 13), np.int64), np.zeros((3, 13), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, 13 - p.size :], mask[i, 13 - p.size :] = p, 1
+    paged = CacheConfig("paged", block_size=3)
+    got = onnxkv.generate(s, ids, attention_mask=mask, max_new_tokens=6, cache=paged, eos_token_id=[])
+    for row, p in zip(got.tokens.tolist(), prompts):
+        assert row == onnxkv.generate(s, [p], max_new_tokens=6, cache=paged, eos_token_id=[]).tokens[0].tolist()
+    with s.new_state(cache=paged) as st:
+        feeds = {"input_ids": ids[:, ::-1].copy(), "attention_mask": mask[:, ::-1].copy()}  # right padded
+        feeds = {k: v for k, v in feeds.items() if k in {i.name for i in s.plan.inputs}}
+        for i, p in enumerate(prompts):
+            feeds["input_ids"][i, : p.size] = p
+        st.run(feeds)
+        assert st.lengths.tolist() == [13, 9, 4]
+
+
 def test_narrow_paged_cache_matches_narrow_contiguous(gqa):
     prompt = np.random.default_rng(10).integers(0, MICRO.vocab_size, (1, 6))
     for dt in ("float16", "bfloat16"):

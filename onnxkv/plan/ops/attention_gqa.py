@@ -244,6 +244,8 @@ class GroupQueryAttention(Op):
             # Shared-buffer mode: new rows go straight into the state's caches at past_b.
             present_k = rt.cache_write(past_k_name, k, past_lens, present_len)
             present_v = rt.cache_write(past_v_name, v, past_lens, present_len)
+            if first_prompt and (kv_len < s).any():  # rows padded on the right hold their own positions only
+                rt.cache_rows_hold(past_k_name, kv_len)
             ck, cv = rt.caches[past_k_name], rt.caches[past_v_name]
             keys, values = (None, None) if getattr(ck, "paged", False) else (ck.buffer, cv.buffer)
             if ck.storage == "bfloat16":
