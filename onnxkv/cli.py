@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import shutil
 import sys
 import tempfile
@@ -37,16 +38,18 @@ def _prompt_ids(args, model) -> tuple[np.ndarray, bool]:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
+            ids = None
+        if ids is None or any(not -(2**63) <= i < 2**63 for i in ids):
             raise SystemExit(
-                f"onnxkv generate: --prompt-ids must be comma-separated ints, got {args.prompt_ids!r}"
-            ) from None
+                f"onnxkv generate: --prompt-ids must be comma-separated token ids, got {args.prompt_ids!r:.80}"
+            )
         return np.array([ids], dtype=np.int64), byte_level
     text = args.prompt if args.prompt is not None else "The "
     if model.vocab_size is not None and model.vocab_size < 256:
         raise SystemExit("onnxkv generate: --prompt needs a byte-level model (vocabulary ≥ 256); use --prompt-ids")
     bos = model.bos_token_id is not None and model.bos_token_id >= 256
     ids = [model.bos_token_id] if bos else []
-    ids += list(text.encode("utf-8"))
+    ids += list(os.fsencode(text))  # the bytes given, also where they are not UTF-8
     return np.array([ids], dtype=np.int64), True
 
 
@@ -91,6 +94,8 @@ def _cmd_generate(args) -> int:
     """Generate with MODEL, or with a copy quantized by ``onnxkv.quantize_weights`` into a temporary folder
     (removed afterwards) when ``--weights`` is given.  A model file's ``genai_config.json`` (which
     ``onnxkv.load`` reads beside it) is copied beside the quantized file."""
+    _check_sampling(args)
+    _check_events_path(args)
     path = _model_arg(args.model)
     if args.weights is None:
         return _generate(args, path)
@@ -116,6 +121,24 @@ def _cache_config(args) -> onnxkv.CacheConfig | None:
     if kind is None:
         return None
     return onnxkv.CacheConfig(kind, block_size=args.block_size, kv_format=args.kv_format)
+
+
+def _check_sampling(args) -> None:
+    """--temperature, --top-k, --top-p and --seed act only with --do-sample: refused without it."""
+    given = [
+        f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p", "seed") if getattr(args, n) is not None
+    ]
+    if given and not args.do_sample:
+        raise SystemExit(f"onnxkv generate: {', '.join(given)} need --do-sample (greedy decoding ignores them)")
+
+
+def _check_events_path(args) -> None:
+    """--events names a file that can be written: checked before the run, not after it."""
+    if args.events is None:
+        return
+    path = Path(args.events)
+    if not args.events or path.is_dir() or not path.parent.is_dir():
+        raise SystemExit(f"onnxkv generate: --events must name a file in an existing folder, got {args.events!r}")
 
 
 def _generate(args, path: str) -> int:
@@ -202,9 +225,9 @@ def _cmd_report(args) -> int:
     from onnxkv.occupancy import plot_pool, pool_table
 
     try:
-        log = EventLog.from_json(args.events)
+        log = EventLog.from_json(Path(args.events))  # a path, even one starting with "[" or "{"
         pool = pool_table(log)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, OverflowError) as e:
         print(f"onnxkv report: error: {e}", file=sys.stderr)
         return 2
     rows = log.per_step()
@@ -247,7 +270,7 @@ def _cmd_report(args) -> int:
             continue
         try:
             draw(path, title=args.title)
-        except (ImportError, OSError, ValueError) as e:
+        except (ImportError, OSError, ValueError, TypeError, OverflowError) as e:
             print(f"onnxkv report: error: cannot write {path}: {e}", file=sys.stderr)
             return 2
         print(f"figure: {path}")
@@ -328,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (onnxkv.OnnxkvError, FileNotFoundError) as e:
-        print(f"onnxkv {args.command}: error: {e}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (| head): no traceback, and no second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (onnxkv.OnnxkvError, OSError, UnicodeError) as e:  # files that cannot be read or written, names
+        print(f"onnxkv {args.command}: error: {e!s}".encode(errors="backslashreplace").decode(), file=sys.stderr)
         return 2

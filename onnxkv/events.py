@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 
@@ -231,6 +232,8 @@ class EventLog:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{name}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        except RecursionError:
+            raise ValueError(f"{name}: JSON nested too deeply for an event log") from None
         if isinstance(data, dict):
             if "events" not in data:
                 keys = ", ".join(repr(k) for k in list(data)[:5]) or "none"
@@ -436,13 +439,23 @@ def _read_source(source) -> tuple[str, str]:
     except TypeError:
         raise TypeError(f"EventLog.from_json: expected a path or JSON text, got {type(source).__name__}") from None
     try:
-        with open(path, encoding="utf-8") as f:
-            return str(path), f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO's open would wait for a writer
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):  # a FIFO or device could block or never end
+                raise ValueError(f"{path}: not a regular file; expected the JSON written by EventLog.to_json")
+            if st.st_size > EVENT_LOG_BYTES_LIMIT:
+                raise ValueError(
+                    f"{path}: {st.st_size} bytes, more than an event log may hold ({EVENT_LOG_BYTES_LIMIT})"
+                )
+            return str(path), f.read().decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a UTF-8 text file; expected the JSON written by EventLog.to_json") from None
 
 
 _EVENT_FIELDS = {f.name for f in fields(Event)}
+#: Largest event log file read (a long Engine run with pool records is a few tens of MB).
+EVENT_LOG_BYTES_LIMIT = 1 << 30
 
 
 def _event_from_dict(d, where: str) -> Event:
@@ -456,8 +469,8 @@ def _event_from_dict(d, where: str) -> Event:
         if k not in _EVENT_FIELDS:
             continue  # written by a newer version: ignored
         if k == "step" or k in _INT_FIELDS:
-            if type(v) is not int or v < 0:
-                raise ValueError(f"{where}.{k}: expected a non-negative integer, got {v!r}")
+            if type(v) is not int or not 0 <= v < 2**63:
+                raise ValueError(f"{where}.{k}: expected a non-negative integer, got {v!r:.40} (at most 2**63 - 1)")
         elif k in ("node", "op", "action"):
             if not isinstance(v, str):
                 raise ValueError(f"{where}.{k}: expected a string, got {_kind(v)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -75,8 +76,29 @@ def test_errors_are_reported_not_raised(genai_dir, tmp_path, capsys):
     assert "error" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="comma-separated"):
         main(["generate", str(genai_dir), "--prompt-ids", "a,b"])
-    assert main(["generate", str(genai_dir), "--prompt-ids", "1,2", "--temperature", "-1"]) == 2
+    assert main(["generate", str(genai_dir), "--prompt-ids", "1,2", "--do-sample", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_hostile_arguments_end_in_one_line_errors(genai_dir, tmp_path, capsys):
+    """Each used to end in a traceback, a silently ignored option, or an error after the whole run."""
+    with pytest.raises(SystemExit, match="token ids"):
+        main(["generate", str(genai_dir), "--prompt-ids", str(2**63)])
+    with pytest.raises(SystemExit, match="--temperature, --top-k need --do-sample"):
+        main(["generate", str(genai_dir), "--prompt-ids", "1,2", "--temperature", "0.5", "--top-k", "3"])
+    for events in ("", str(tmp_path), str(tmp_path / "no" / "run.json")):
+        with pytest.raises(SystemExit, match="--events must name a file in an existing folder"):
+            main(["generate", str(genai_dir), "--prompt-ids", "1,2", "--events", events])
+    fifo = tmp_path / "fifo.onnx"
+    os.mkfifo(fifo)
+    assert main(["inspect", str(fifo)]) == 2  # it used to block reading the FIFO
+    assert "not a regular file" in capsys.readouterr().err
+    assert main(["report", str(fifo)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    deep = tmp_path / "[deep].json"  # a file name that looks like JSON text
+    deep.write_text("[" * 100_000)
+    assert main(["report", str(deep)]) == 2
+    assert "nested too deeply" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])

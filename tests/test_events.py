@@ -246,6 +246,11 @@ def _ev(**over) -> dict:
         (json.dumps({"events": [_ev(step=-1)]}), r"events\[0\]\.step: expected a non-negative integer, got -1"),
         (json.dumps({"events": [_ev(step="0")]}), r"events\[0\]\.step: expected a non-negative integer"),
         (json.dumps({"events": [_ev(step=True)]}), r"events\[0\]\.step: expected a non-negative integer"),
+        (
+            json.dumps({"events": [_ev(allocated_bytes=10**400)]}),  # used to be an OverflowError in summary
+            r"events\[0\]\.allocated_bytes: expected a non-negative integer, got 1000.* \(at most 2\*\*63 - 1\)",
+        ),
+        ("[" * 100_000, "nested too deeply"),
         (json.dumps({"events": [_ev(), _ev(allocated_bytes=1.5)]}), r"events\[1\]\.allocated_bytes"),
         (json.dumps({"events": [_ev(committed=None)]}), r"events\[0\]\.committed"),
         (json.dumps({"events": [_ev(node=3)]}), r"events\[0\]\.node: expected a string, got an integer"),

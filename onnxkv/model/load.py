@@ -438,6 +438,7 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
                 _regular_file(file, f"load: the model file {file.name} of {p}")
         else:
             file = p
+            _regular_file(p, f"load: {p}")  # a FIFO or device could block or never end
             if (p.parent / "genai_config.json").exists():
                 cfg = _read_genai_config(p.parent / "genai_config.json")
         try:
