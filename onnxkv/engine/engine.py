@@ -321,8 +321,6 @@ class Engine(BatchedSteps):
             admit(r)
         try:
             produced: dict[int, int] = self._decode_batch() if decode_rows else {}
-        except WaitForRoom:
-            raise
         except OutOfMemory as e:  # the earliest row does not fit with every later one paused
             raise _alone(min(rows, key=lambda r: r.id), e) from e
         for group in self._groups(chosen):

@@ -245,7 +245,7 @@ class GroupQueryAttention(Op):
             present_k = rt.cache_write(past_k_name, k, past_lens, present_len)
             present_v = rt.cache_write(past_v_name, v, past_lens, present_len)
             if first_prompt and (kv_len < s).any():  # rows padded on the right hold their own positions only
-                rt.cache_rows_hold(past_k_name, kv_len)
+                rt.cache_rows_hold(past_k_name, kv_len)  # one page table serves every plane: V's too
             ck, cv = rt.caches[past_k_name], rt.caches[past_v_name]
             keys, values = (None, None) if getattr(ck, "paged", False) else (ck.buffer, cv.buffer)
             if ck.storage == "bfloat16":
