@@ -25,6 +25,11 @@ from onnxkv.zoo import embedded
 __all__ = ["main"]
 
 
+class _UsageError(Exception):
+    """Arguments that do not go together or cannot be used: one line on stderr and exit status 2, as
+    argparse's own usage errors."""
+
+
 def _model_arg(value: str | None) -> str:
     return str(embedded.embedded_model_dir()) if value is None else value
 
@@ -32,21 +37,17 @@ def _model_arg(value: str | None) -> str:
 def _prompt_ids(args, model) -> tuple[np.ndarray, bool]:
     """Prompt ids and whether the model is treated as byte-level (for printing text)."""
     byte_level = model.vocab_size is not None and model.vocab_size >= 256 and (args.model is None or args.byte_level)
-    if args.prompt_ids is not None and args.prompt is not None:
-        raise SystemExit("onnxkv generate: give --prompt or --prompt-ids, not both")
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             ids = None
         if ids is None or any(not -(2**63) <= i < 2**63 for i in ids):
-            raise SystemExit(
-                f"onnxkv generate: --prompt-ids must be comma-separated token ids, got {args.prompt_ids!r:.80}"
-            )
+            raise _UsageError(f"--prompt-ids must be comma-separated token ids, got {args.prompt_ids!r:.80}")
         return np.array([ids], dtype=np.int64), byte_level
     text = args.prompt if args.prompt is not None else "The "
     if model.vocab_size is not None and model.vocab_size < 256:
-        raise SystemExit("onnxkv generate: --prompt needs a byte-level model (vocabulary ≥ 256); use --prompt-ids")
+        raise _UsageError("--prompt needs a byte-level model (vocabulary ≥ 256); use --prompt-ids")
     bos = model.bos_token_id is not None and model.bos_token_id >= 256
     ids = [model.bos_token_id] if bos else []
     ids += list(os.fsencode(text))  # the bytes given, also where they are not UTF-8
@@ -94,6 +95,8 @@ def _cmd_generate(args) -> int:
     """Generate with MODEL, or with a copy quantized by ``onnxkv.quantize_weights`` into a temporary folder
     (removed afterwards) when ``--weights`` is given.  A model file's ``genai_config.json`` (which
     ``onnxkv.load`` reads beside it) is copied beside the quantized file."""
+    if args.prompt_ids is not None and args.prompt is not None:
+        raise _UsageError("give --prompt or --prompt-ids, not both")
     _check_sampling(args)
     _check_events_path(args)
     path = _model_arg(args.model)
@@ -129,7 +132,7 @@ def _check_sampling(args) -> None:
         f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p", "seed") if getattr(args, n) is not None
     ]
     if given and not args.do_sample:
-        raise SystemExit(f"onnxkv generate: {', '.join(given)} need --do-sample (greedy decoding ignores them)")
+        raise _UsageError(f"{', '.join(given)} need --do-sample (greedy decoding ignores them)")
 
 
 def _check_events_path(args) -> None:
@@ -138,7 +141,7 @@ def _check_events_path(args) -> None:
         return
     path = Path(args.events)
     if not args.events or path.is_dir() or not path.parent.is_dir():
-        raise SystemExit(f"onnxkv generate: --events must name a file in an existing folder, got {args.events!r}")
+        raise _UsageError(f"--events must name a file in an existing folder, got {args.events!r}")
 
 
 def _generate(args, path: str) -> int:
@@ -354,6 +357,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (| head): no traceback, and no second error at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (onnxkv.OnnxkvError, OSError, UnicodeError) as e:  # files that cannot be read or written, names
+    except (_UsageError, onnxkv.OnnxkvError, OSError, UnicodeError) as e:  # files that cannot be read or written, names
         print(f"onnxkv {args.command}: error: {e!s}".encode(errors="backslashreplace").decode(), file=sys.stderr)
         return 2

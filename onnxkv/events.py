@@ -82,6 +82,16 @@ class Event:
     extra: dict = field(default_factory=dict)
 
 
+def figure_format(path: str | os.PathLike, api: str) -> str:
+    """The figure format ``path`` names by its extension (``png``, ``svg``, ``pdf``, ...), checked before
+    anything is drawn: a path without one is refused, where matplotlib would write ``path.png`` instead
+    of ``path``."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    if not suffix:
+        raise ValueError(f"{api}: {os.fspath(path)!r} has no extension; name the format: .png, .svg or .pdf")
+    return suffix
+
+
 class EventLog:
     """An append-only list of :class:`Event` records with summaries.
 
@@ -272,6 +282,7 @@ class EventLog:
             from matplotlib.ticker import FuncFormatter, MaxNLocator
         except ImportError as e:
             raise ImportError("EventLog.plot needs matplotlib: pip install onnxkv[plot]") from e
+        fmt = figure_format(path, "EventLog.plot")
         rows = self.per_step()
         if not rows:
             raise ValueError("EventLog.plot: the log is empty (was the session built with events=True?)")
@@ -360,7 +371,7 @@ class EventLog:
             if src and not src.startswith("<"):
                 title += f"\n{os.path.basename(src)}"
         fig.suptitle(title)
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, format=fmt)
         return fig
 
 

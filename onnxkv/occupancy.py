@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from onnxkv.events import EventLog
+from onnxkv.events import EventLog, figure_format
 
 __all__ = ["pool_records", "pool_table", "plot_pool"]
 
@@ -96,6 +96,7 @@ def plot_pool(log: EventLog, path: str | os.PathLike, title: str | None = None):
         from matplotlib.ticker import MaxNLocator
     except ImportError as e:
         raise ImportError("plot_pool needs matplotlib: pip install onnxkv[plot]") from e
+    fmt = figure_format(path, "plot_pool")
     records = pool_records(log)
     if not records:
         raise ValueError(
@@ -154,5 +155,5 @@ def plot_pool(log: EventLog, path: str | os.PathLike, title: str | None = None):
         if src and not src.startswith("<"):
             title += f"\n{os.path.basename(src)}"
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=fmt)
     return fig

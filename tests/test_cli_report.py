@@ -92,6 +92,15 @@ def test_report_unsupported_figure_format_is_exit_2(run_json, tmp_path, capsys):
     assert "onnxkv report: error: cannot write" in capsys.readouterr().err
 
 
+def test_report_figure_path_without_extension_is_exit_2(run_json, tmp_path, capsys):
+    """matplotlib would write memory.png and the report would name memory: the path is refused."""
+    pytest.importorskip("matplotlib")
+    assert main(["report", str(run_json), "-o", str(tmp_path / "memory")]) == 2
+    err = capsys.readouterr().err
+    assert "EventLog.plot: " in err and "has no extension; name the format" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_report_without_matplotlib_prints_the_table_and_a_note(run_json, monkeypatch, capsys):
     _no_matplotlib(monkeypatch)
     assert main(["report", str(run_json)]) == 0

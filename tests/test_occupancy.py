@@ -94,6 +94,16 @@ def test_report_prints_the_pool_lines_and_draws_it(engine_log, tmp_path, capsys)
     assert labels[:4] == [f"request {i}" for i in range(4)] and "shared" in labels and "prefix cache" in labels
 
 
+def test_report_pool_path_without_extension_is_exit_2(engine_log, tmp_path, capsys):
+    """matplotlib would write pool.png and the report would name pool: the path is refused."""
+    pytest.importorskip("matplotlib")
+    path, _ = engine_log
+    capsys.readouterr()
+    assert main(["report", str(path), "--pool", str(tmp_path / "pool")]) == 2
+    assert "plot_pool: " in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_report_pool_of_a_log_without_engine_records_is_exit_2(tmp_path, capsys):
     plain = tmp_path / "plain.json"
     log = EventLog()
