@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv.engine.prefix import PrefixCache
-from onnxkv.engine.request import Request
+from onnxkv.engine.request import Request, choose_tokens
 from onnxkv.errors import OutOfMemory
 from onnxkv.runtime.state import State
 
@@ -127,17 +127,24 @@ class BatchedSteps:
     def _advance_group(self, group: list[Request]) -> dict[int, int]:
         """Batched: the last prompt chunks of ``group`` (one position, one length) as one run of
         ``len(group)`` rows, then each row's first token and its move into the batched state.  A run that
-        raises leaves every request of the group as before it."""
+        raises, or whose token choice raises, leaves every request of the group as before it."""
         model = self.session.model
         name, done = model.io.logits, group[0].prompt_done
         tokens = np.stack([r._seq[done:] for r in group])
         at = np.full(len(group), tokens.shape[1] - 1)  # each row's logits at its last token only
+        taking = [i for i, r in enumerate(group) if not r._resuming]  # a paused request had made its token
+
+        def choice(out: dict) -> list[int]:
+            logits = out[name]
+            logits = logits[:, -1] if logits.ndim == 3 else logits
+            return choose_tokens([group[i] for i in taking], logits[taking])
+
         if done == 0:
             builder = group[0]._feeds(tokens)
             feeds, _ = builder.first()
             state = self._new_state(group[0])
             try:
-                out = self._run(state, feeds, [name], group, at)
+                chosen = choice(self._run(state, feeds, [name], group, at))
             except BaseException:
                 state.close()
                 raise
@@ -147,15 +154,14 @@ class BatchedSteps:
             for r in group:
                 state.append_rows(r._state)
             try:
-                out = self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name], group, at)
+                chosen = choice(self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name], group, at))
             except BaseException:
                 for i, (r, own) in enumerate(zip(group, state.fork(len(group)), strict=True)):
                     own.keep_rows([i])
                     r._state = own
                 state.close()
                 raise
-        logits = out[name]
-        logits = logits[:, -1] if logits.ndim == 3 else logits
+        tokens_of = dict(zip(taking, chosen, strict=True))
         produced, keep = {}, []
         tables = state.page_tables
         for i, r in enumerate(group):
@@ -166,7 +172,8 @@ class BatchedSteps:
                 r._resuming = False
                 keep.append(i)
                 continue
-            produced[r.id], r.finished = r._take(logits[i : i + 1])
+            produced[r.id] = tokens_of[i]
+            r.finished = r._take(tokens_of[i])
             if r.finished is None:
                 keep.append(i)
         if keep:
@@ -227,10 +234,12 @@ class BatchedSteps:
                 if not self._rows:
                     return {}
         logits = out[name]
-        logits = logits[:, -1] if logits.ndim == 3 else logits
+        # All or none: if a choice raises, no request moves on, and the next run writes the same positions again.
+        chosen = choose_tokens(rows, logits[:, -1] if logits.ndim == 3 else logits)
         produced, done = {}, []
-        for i, r in enumerate(rows):
-            produced[r.id], r.finished = r._take(logits[i : i + 1])
+        for r, token in zip(rows, chosen, strict=True):
+            produced[r.id] = token
+            r.finished = r._take(token)
             r._cached += 1
             if r.finished is not None:
                 done.append(r)

@@ -45,7 +45,7 @@ from onnxkv.cache.formats import page_format
 from onnxkv.engine.batched import BatchedSteps, WaitForRoom
 from onnxkv.engine.occupancy import pool_occupancy
 from onnxkv.engine.prefix import PrefixCache
-from onnxkv.engine.request import Request
+from onnxkv.engine.request import Request, choose_tokens
 from onnxkv.errors import InputError, OutOfMemory, StateError
 from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
 from onnxkv.generate.sampling import sampling_arguments
@@ -375,12 +375,23 @@ class Engine(BatchedSteps):
 
     def _advance(self, r: Request) -> int | None:
         """Run ``r``'s next prompt chunk or decode step (as :func:`onnxkv.generate` runs them for one
-        sequence); returns the id it produced, if any.  A run that raises leaves ``r`` as before it (its
-        state unchanged, its feeds rewound; a first run's new state closed)."""
+        sequence); returns the id it produced, if any.  A run that raises, or whose token choice raises,
+        leaves ``r`` as before it (its feeds rewound, a first run's new state closed; positions the run
+        wrote past ``r``'s own are written again by its next run)."""
         model = self.session.model
         name = model.io.logits
         seq = r._seq
         length = seq.size
+
+        def choice(out: dict, last: bool, read_at) -> int | None:
+            """The id ``r`` takes from the run's logits (all or none: :func:`choose_tokens`), if it takes one."""
+            if not last or r._resuming:  # a paused request's next token is the one it had made
+                return None
+            logits = out[name]
+            if logits.ndim == 3:
+                logits = logits[np.arange(1), read_at if read_at is not None and logits.shape[1] > 1 else 0]
+            return choose_tokens([r], logits)[0]
+
         if r._state is None:
             first = min(r.chunk, length)
             builder = r._feeds(seq[None, :first])
@@ -388,11 +399,12 @@ class Engine(BatchedSteps):
             feeds, read = builder.first()
             whole = first >= length  # its last chunk: the logits at its last token only
             try:
-                r._out = self._run(state, feeds, [name] if whole else [], [r], read if whole else None)
+                out = self._run(state, feeds, [name] if whole else [], [r], read if whole else None)
+                token = choice(out, whole, read)
             except BaseException:
                 state.close()
                 raise
-            r._state, r._builder, r.prompt_done, read_at = state, builder, first, read
+            r._state, r._builder, r._out, r.prompt_done = state, builder, out, first
         else:
             fed = r._builder.total
             decoding = r.prompt_done >= length
@@ -400,10 +412,12 @@ class Engine(BatchedSteps):
             last = decoding or r.prompt_done + tokens.shape[-1] >= length
             try:
                 read_at = None if decoding else np.array([tokens.shape[1] - 1])
-                r._out = self._run(r._state, r._builder.next(tokens, r._out), [name] if last else [], [r], read_at)
+                out = self._run(r._state, r._builder.next(tokens, r._out), [name] if last else [], [r], read_at)
+                token = choice(out, last, read_at)
             except BaseException:
                 r._builder.rewind(fed)
                 raise
+            r._out = out
             if not decoding:
                 r.prompt_done += tokens.shape[1]
         if r.prompt_done < length:
@@ -415,10 +429,7 @@ class Engine(BatchedSteps):
         if r._resuming:  # a paused request: its next token is the one it had made; its row joins
             r._resuming = False
             return self._join(r)  # (only a batched engine pauses)
-        logits = r._out[name]
-        if logits.ndim == 3:
-            logits = logits[np.arange(1), read_at if read_at is not None and logits.shape[1] > 1 else 0]
-        token, stop = r._take(logits)
+        stop = r._take(token)
         if stop is not None:
             r._release(stop)
         elif self.batched:  # its prompt is done: its rows join the batched state

@@ -20,7 +20,7 @@ from onnxkv.runtime.state import State
 if TYPE_CHECKING:
     from onnxkv.engine.engine import Engine
 
-__all__ = ["Request"]
+__all__ = ["Request", "choose_tokens"]
 
 
 class Request:
@@ -97,13 +97,11 @@ class Request:
         left = self._seq.size - self.prompt_done
         return min(self.chunk, left) if left > 0 else 1
 
-    def _take(self, logits: np.ndarray) -> tuple[int, str | None]:
-        """Choose its next id from ``logits`` [1, V] with its sampling, append it, and say why it stops
-        there ("eos", "length") or None; the caller finishes it."""
-        token = int(select_next(logits, self.sampling)[0])
+    def _take(self, token: int) -> str | None:
+        """Append ``token`` (chosen by :func:`choose_tokens`) and say why it stops there ("eos",
+        "length") or None; the caller finishes it."""
         self.tokens.append(token)
-        stop = "eos" if token in self.eos else "length" if len(self.tokens) >= self.max_new_tokens else None
-        return token, stop
+        return "eos" if token in self.eos else "length" if len(self.tokens) >= self.max_new_tokens else None
 
     def _feeds(self, ids: np.ndarray) -> FeedBuilder:
         """A builder of its feeds over its engine's session, ``ids`` [B, L] its first tokens (every row
@@ -130,3 +128,17 @@ class Request:
         if self._state is not None:
             self._state.close()
         self._state = self._builder = self._out = self._keys = None
+
+
+def choose_tokens(requests: list[Request], logits: np.ndarray) -> list[int]:
+    """The next id of each of ``requests`` from its row of ``logits`` [N, V], each with its own sampling:
+    all or none.  A choice that raises (a sampling kernel's MemoryError) puts every request's random
+    stream back where it was, so the engine can leave the requests as before the run that made the
+    logits and make it again."""
+    streams = [r.sampling.rng.bit_generator.state for r in requests if not r.sampling.greedy]
+    try:
+        return [int(select_next(logits[i : i + 1], r.sampling)[0]) for i, r in enumerate(requests)]
+    except BaseException:
+        for r, state in zip((r for r in requests if not r.sampling.greedy), streams, strict=True):
+            r.sampling.rng.bit_generator.state = state
+        raise

@@ -185,6 +185,46 @@ def test_a_failed_first_run_closes_the_new_state(session, monkeypatch):
     assert r.tokens == _alone(session, r, None)
 
 
+@pytest.mark.parametrize("cache", ["contiguous", onnxkv.CacheConfig("paged", block_size=16)], ids=["contig", "paged"])
+@pytest.mark.parametrize("fail_at", [(1,), (2, 3), (4,), (6, 7, 8), (11,)])
+def test_a_token_choice_that_raises_leaves_every_request_as_before(session, cache, fail_at, monkeypatch):
+    """The choice after a run (a sampling kernel's MemoryError) used to leave its requests half-advanced:
+    a prompt marked done with no token (its next step then failed), earlier rows of a decode run with
+    their token and sampled ones' streams a draw ahead.  Now no request of the run moves on, streams go
+    back, and a later step runs them again: every request ends with the tokens it makes alone."""
+    import onnxkv.engine.request as request_module
+
+    real, calls = request_module.select_next, {"n": 0}
+
+    def fails_at(logits, cfg):
+        calls["n"] += 1
+        if calls["n"] in fail_at:
+            if not cfg.greedy:
+                cfg.rng.random(logits.shape[0])  # as the kernel's caller draws before the kernel fails
+            raise MemoryError("sample: could not allocate the workspace")
+        return real(logits, cfg)
+
+    monkeypatch.setattr(request_module, "select_next", fails_at)
+    engine = onnxkv.Engine(session, cache=cache)
+    sampling = [{}, {"do_sample": True, "temperature": 0.8, "seed": 3}, {}, {"do_sample": True, "top_k": 7, "seed": 5}]
+    prompts = [_ids(PROMPTS[0]), _ids(PROMPTS[3]), _ids("abcd"), _ids("wxyz")]  # the last two: one group run
+    requests = [engine.add_request(p, 9, **kw) for p, kw in zip(prompts, sampling, strict=True)]
+    failures = 0
+    while engine.active:
+        try:
+            engine.step()
+        except MemoryError:
+            failures += 1
+            # no request is left with its prompt done and no token (its next step used to fail on that)
+            assert all(r.tokens or r.prompt_done < r.prompt.size for r in requests)
+    assert failures == len(fail_at)
+    for r, kw in zip(requests, sampling, strict=True):
+        assert r.tokens == _alone(session, r, cache, **kw)
+    if engine.batched:
+        engine._batch.pool.audit()
+    engine.close()
+
+
 def test_zero_new_tokens_and_describe(session):
     engine = onnxkv.Engine(session, cache="contiguous", max_batch_tokens=100)
     r = engine.add_request(_ids("abc"), 0)
