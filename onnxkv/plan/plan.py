@@ -47,11 +47,7 @@ from onnxkv.plan.compiled_step import StepPool
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.folding import NON_DETERMINISTIC, fold_node, foldable
-from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
-from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
-from onnxkv.plan.fusion_mask import fuse_mask_lengths
-from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls, fuse_sibling_nbits
-from onnxkv.plan.fusion_view import fuse_view_chains
+from onnxkv.plan.fusion_passes import fuse_graph
 from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
 from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.logit_rows import LogitHead, find_head, rows_of_output
@@ -192,21 +188,17 @@ class Plan:
                 raise ModelError(f"graph input '{vi.name}' is {kind}; onnxkv runs tensor values only")
             dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)) if elem else None
             self.inputs.append(GraphInput(vi.name, dtype, dims(vi), vi.name in constants))
+        # An initializer listed as a graph input is from IR 4 on a default a feed may replace (as in ONNX
+        # Runtime): never folded or packed.  Before IR 4 every initializer was listed: a constant, not fed.
+        self._fixed_inputs = frozenset(g.name for g in self.inputs if g.has_default and model.ir_version < 4)
+        defaults = {g.name: constants.pop(g.name) for g in self.inputs if g.has_default and model.ir_version >= 4}
         self.output_names = [o.name for o in graph.output]
         known = set(constants) | {i.name for i in self.inputs} | set(self.scope or ())
         nodes = topological(list(graph.node), known)
         subgraph_reads = {x for n in nodes for x in node_reads(n)} - {x for n in nodes for x in n.input}
         protected = {o.name for o in graph.output} | subgraph_reads
         if fuse:
-            nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
-            nodes = fuse_masked_attention(nodes, protected)
-            nodes = fuse_sibling_matmuls(
-                fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants
-            )
-            nodes = fuse_sibling_nbits(nodes, constants)
-            nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
-            nodes = fuse_prologue_matmuls(nodes, protected, constants)
-            nodes = fuse_mask_lengths(nodes, protected)
+            nodes = fuse_graph(nodes, protected, constants)
 
         self.bindings = list(bindings)
         by_node: dict[str, list] = {}
@@ -278,7 +270,7 @@ class Plan:
         # (written for an omitted output), so the run loop needs no test for -1.
         none_slot, sink_slot = self.n_slots, self.n_slots + 1
         template: list = [None] * (self.n_slots + 2)
-        for name, arr in constants.items():
+        for name, arr in [*constants.items(), *defaults.items()]:
             template[slot_of[name]] = arr
         self._template = template
         self.must_alias = [self._aliases(node, kernel, constants) for node, kernel in zip(kept_nodes, kernels)]
@@ -433,6 +425,10 @@ class Plan:
             if name not in names:
                 expected = ", ".join(g.name for g in self.inputs)
                 raise InputError(f"Session.run: unknown input '{name}'; the model's inputs are: {expected}")
+            if name in self._fixed_inputs:
+                raise InputError(
+                    f"Session.run: input '{name}' is a constant of an IR 3 model (an initializer); not fed"
+                )
         views = views or {}
         for g, s, dtype, rank, fixed, aliased in self._input_checks:
             v = feeds.get(g.name, _MISSING)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import onnxkv
-import onnxkv.plan.plan as plan_module
+import onnxkv.plan.fusion_passes as fusion_passes
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS
 from onnxkv.plan.ops import masked_attention as ma
@@ -49,7 +49,7 @@ def calls(monkeypatch):
 
 def _unfused(model, monkeypatch) -> onnxkv.Session:
     with monkeypatch.context() as m:
-        m.setattr(plan_module, "fuse_masked_attention", lambda nodes, protected: nodes)
+        m.setattr(fusion_passes, "fuse_masked_attention", lambda nodes, protected: nodes)
         return onnxkv.Session(model, threads=2)
 
 

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
 import onnxkv
-import onnxkv.plan.plan as plan_module
+import onnxkv.plan.fusion_passes as fusion_passes
 from onnxkv.plan.fusion_export import repeats_halves
 from onnxkv.plan.ops import _body, norm, rotary
 
@@ -61,9 +61,9 @@ def calls(monkeypatch):
 
 def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
     with monkeypatch.context() as m:
-        m.setattr(plan_module, "fuse_rms_norm", lambda nodes, protected: nodes)
-        m.setattr(plan_module, "fuse_rotate_half", lambda nodes, protected, constants: nodes)
-        m.setattr(plan_module, "fuse_skip_rms_norm", lambda nodes, protected: nodes)
+        m.setattr(fusion_passes, "fuse_rms_norm", lambda nodes, protected: nodes)
+        m.setattr(fusion_passes, "fuse_rotate_half", lambda nodes, protected, constants: nodes)
+        m.setattr(fusion_passes, "fuse_skip_rms_norm", lambda nodes, protected: nodes)
         return onnxkv.Session(model, threads=threads)
 
 

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
-import onnxkv.plan.plan as plan_module
+import onnxkv.plan.fusion_passes as fusion_passes
 from onnxkv.plan.ops import _body
 from onnxkv.zoo.builders import MICRO, build_model
 
@@ -21,7 +21,7 @@ MASK_OPS = {"ReduceSum", "Sub", "Shape", "Cast", "ShapeOf"}  # (Gather: the embe
 
 def _unfused(model, monkeypatch) -> onnxkv.Session:
     with monkeypatch.context() as m:
-        m.setattr(plan_module, "fuse_mask_lengths", lambda nodes, protected: nodes)
+        m.setattr(fusion_passes, "fuse_mask_lengths", lambda nodes, protected: nodes)
         return onnxkv.Session(model, threads=1)
 
 

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from test_fusion_attention import MODELS, _generate, left_padded_batch  # the Concat-cache fixtures, generation
 
 import onnxkv
-import onnxkv.plan.plan as plan_module
+import onnxkv.plan.fusion_passes as fusion_passes
 from onnxkv.zoo.builders import MICRO, build_model
 
 FORMS = {**MODELS, "gqa": lambda: build_model("gqa", MICRO, seed=3)}
@@ -19,13 +19,13 @@ FORMS = {**MODELS, "gqa": lambda: build_model("gqa", MICRO, seed=3)}
 
 def _unfused(model, monkeypatch) -> onnxkv.Session:
     with monkeypatch.context() as m:
-        m.setattr(plan_module, "fuse_sibling_matmuls", lambda nodes, constants: nodes)
+        m.setattr(fusion_passes, "fuse_sibling_matmuls", lambda nodes, constants: nodes)
         return onnxkv.Session(model, threads=2)
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_qkv_and_gate_up_projections_are_fused(form, monkeypatch):
-    monkeypatch.setattr(plan_module, "fuse_prologue_matmuls", lambda nodes, protected, constants: nodes)
+    monkeypatch.setattr(fusion_passes, "fuse_prologue_matmuls", lambda nodes, protected, constants: nodes)
     fused = [n.op_type for n in onnxkv.Session(FORMS[form](), threads=1).plan.nodes]
     unfused = [n.op_type for n in _unfused(FORMS[form](), monkeypatch).plan.nodes]
     # two layers, each with q/k/v (3 -> 1) and gate/up (2 -> 1)

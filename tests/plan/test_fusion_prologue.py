@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxkv
+import onnxkv.plan.fusion_passes as fusion_passes
 import onnxkv.plan.ops.prologue_matmul as prologue_module
-import onnxkv.plan.plan as plan_module
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.ops._body import Body
 from onnxkv.zoo.builders import MICRO, build_model
@@ -22,7 +22,7 @@ from onnxkv.zoo.builders import MICRO, build_model
 def _session(model, fused: bool, monkeypatch, threads: int = 1) -> onnxkv.Session:
     with monkeypatch.context() as m:
         if not fused:
-            m.setattr(plan_module, "fuse_prologue_matmuls", lambda nodes, protected, constants: nodes)
+            m.setattr(fusion_passes, "fuse_prologue_matmuls", lambda nodes, protected, constants: nodes)
         return onnxkv.Session(model, threads=threads)
 
 

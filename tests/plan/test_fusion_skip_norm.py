@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from test_fusion_attention import TORCH, torch_batch_runs
 
 import onnxkv
-import onnxkv.plan.plan as plan_module
+import onnxkv.plan.fusion_passes as fusion_passes
 from onnxkv.plan.ops import _body, norm
 
 
@@ -39,7 +39,7 @@ def calls(monkeypatch):
 
 def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
     with monkeypatch.context() as m:
-        m.setattr(plan_module, "fuse_skip_rms_norm", lambda nodes, protected: nodes)
+        m.setattr(fusion_passes, "fuse_skip_rms_norm", lambda nodes, protected: nodes)
         return onnxkv.Session(model, threads=threads)
 
 

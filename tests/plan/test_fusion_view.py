@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from test_fusion_attention import TORCH, _generate, left_padded_batch, torch_batch_runs
 
 import onnxkv
-import onnxkv.plan.plan as plan_module
+import onnxkv.plan.fusion_passes as fusion_passes
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion_view import fuse_view_chains
 from onnxkv.plan.ops.view_chain import ViewChain
@@ -23,7 +23,7 @@ from onnxkv.plan.registry import BuildContext
 
 def _unfused(model, monkeypatch, threads: int = 2) -> onnxkv.Session:
     with monkeypatch.context() as m:
-        m.setattr(plan_module, "fuse_view_chains", lambda nodes, protected: nodes)
+        m.setattr(fusion_passes, "fuse_view_chains", lambda nodes, protected: nodes)
         return onnxkv.Session(model, threads=threads)
 
 

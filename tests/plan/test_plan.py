@@ -155,6 +155,34 @@ def test_feed_validation_errors():
         sess.run({"x": np.zeros((2, 3), np.float32)}, ["nope"])
 
 
+@pytest.mark.parametrize("ir", [8, 3])
+def test_an_initializer_listed_as_an_input_is_a_default_a_feed_replaces_from_ir_4(ir):
+    """From IR 4 on it is a default (ONNX Runtime honours a feed): the fed value used to be ignored, the
+    initializer folded into w * w and packed as the MatMul's weight.  In IR 3 every initializer is listed
+    as an input and is a constant: a feed is refused by name."""
+    nodes = [
+        helper.make_node("Mul", ["w", "w"], ["w2"]),
+        helper.make_node("MatMul", ["x", "w2"], ["y"]),
+        helper.make_node("MatMul", ["x", "v"], ["z"]),
+    ]
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    v = numpy_helper.from_array(np.full((4, 3), 3, np.float32), "v")  # an initializer only: a constant
+    m = _model(nodes, [_vi("x", [2, 4]), _vi("w", [4, 3])], [_vi("y", [2, 3]), _vi("z", [2, 3])], [w, v])
+    m.ir_version = ir
+    sess = Session(m, threads=1)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    out = sess.run({"x": x})
+    np.testing.assert_array_equal(out["y"], x @ np.ones((4, 3), np.float32))
+    np.testing.assert_array_equal(out["z"], x @ np.full((4, 3), 3, np.float32))
+    fed = np.full((4, 3), 2, np.float32)
+    if ir >= 4:
+        np.testing.assert_array_equal(sess.run({"x": x, "w": fed})["y"], x @ (fed * fed))
+        np.testing.assert_array_equal(sess.run({"x": x})["y"], x @ np.ones((4, 3), np.float32))  # the default again
+    else:
+        with pytest.raises(InputError, match="input 'w' is a constant of an IR 3 model"):
+            sess.run({"x": x, "w": fed})
+
+
 def test_failed_run_returns_every_buffer():
     nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Reshape", ["a", "s"], ["y"])]
     m = _model(nodes, [_vi("x", [4]), _vi("s", [2], TensorProto.INT64)], [_vi("y", None)])

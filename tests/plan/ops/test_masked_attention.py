@@ -153,14 +153,14 @@ def test_rows_with_no_visible_key_keep_the_exports_result(form, masked, kernel_c
 
 def test_unguarded_empty_rows_match_the_unfused_plan(monkeypatch, kernel_calls):
     # Without a guard the empty rows are whatever the unfused operators make of an all -inf row.
-    import onnxkv.plan.plan as plan_module
+    import onnxkv.plan.fusion_passes as fusion_passes
 
     s = t = 5
     mask = _causal_padded(s, t, [0, 2], -np.inf)
     feeds = _feeds("repeat", s, t, mask, seed=3)
     got = Session(_block("repeat", mask.shape), threads=1).run(feeds)["y"]
     assert len(kernel_calls) == 1
-    monkeypatch.setattr(plan_module, "fuse_masked_attention", lambda nodes, protected: nodes)
+    monkeypatch.setattr(fusion_passes, "fuse_masked_attention", lambda nodes, protected: nodes)
     unfused = Session(_block("repeat", mask.shape), threads=1)
     assert "MaskedAttention" not in [n.op_type for n in unfused.plan.nodes]
     np.testing.assert_allclose(got, unfused.run(feeds)["y"], rtol=1e-5, atol=1e-5)

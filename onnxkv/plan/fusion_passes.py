@@ -1,0 +1,37 @@
+"""The plan's fusion passes, in the order they run over a graph's nodes (``Plan(fuse=True)``).
+
+Each pass rewrites node patterns into one ``ai.onnxkv`` node whose body is the original nodes (see
+:mod:`onnxkv.plan.fusion`); none fuses across a value in ``protected`` (graph outputs and values
+subgraphs read).  A later pass sees the nodes the earlier ones made: the sibling MatMuls that read one
+RMS norm are found after that norm is one node, and the prologue MatMuls (a norm feeding its products)
+after both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
+from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
+from onnxkv.plan.fusion_mask import fuse_mask_lengths
+from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls, fuse_sibling_nbits
+from onnxkv.plan.fusion_view import fuse_view_chains
+
+__all__ = ["fuse_graph"]
+
+
+def fuse_graph(
+    nodes: Sequence[onnx.NodeProto], protected: set[str], constants: Mapping[str, np.ndarray | None]
+) -> list[onnx.NodeProto]:
+    """``nodes`` (topologically ordered) with every fusion applied; ``constants`` the graph's constant
+    values (read, never changed: passes that pack weights check their operands are constants)."""
+    nodes = fuse_repeat_kv_matmul(fuse_silu_gate(list(nodes), protected), protected)
+    nodes = fuse_masked_attention(nodes, protected)
+    nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)
+    nodes = fuse_sibling_nbits(nodes, constants)
+    nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
+    nodes = fuse_prologue_matmuls(nodes, protected, constants)
+    return fuse_mask_lengths(nodes, protected)
