@@ -33,9 +33,12 @@ def _rms_reference(x: np.ndarray, gamma: np.ndarray, eps: float, axis: int) -> n
 
 
 class _RMSBase(Op):
+    #: ``epsilon`` when the node has none (the operator schema's default).
+    default_epsilon = 1e-5
+
     def __init__(self, node, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
-        self.eps = float(self.attrs.get("epsilon", 1e-5))
+        self.eps = float(self.attrs.get("epsilon", self.default_epsilon))
         self.axis = int(self.attrs.get("axis", -1))
 
     def rms(self, x: np.ndarray, gamma: np.ndarray, rt) -> np.ndarray:
@@ -77,8 +80,11 @@ class RMSNormalization(_RMSBase):
 class SkipSimplifiedLayerNormalization(_RMSBase):
     """Inputs (input, skip, gamma[, bias]); outputs (output, mean, inv_std_var, input_skip_bias_sum).
 
-    Output 3 is the sum input + skip (+ bias); outputs 1 and 2 are not supported.
+    Output 3 is the sum input + skip (+ bias); outputs 1 and 2 are not supported.  ``epsilon`` defaults
+    to 1e-12, as ONNX Runtime's contrib schema (SimplifiedLayerNormalization's is 1e-5).
     """
+
+    default_epsilon = 1e-12
 
     def __init__(self, node, ctx: BuildContext) -> None:
         super().__init__(node, ctx)

@@ -212,15 +212,16 @@ def test_rms_normalization_23():
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _skip_norm_model(x, skip, g):
-    """SkipSimplifiedLayerNormalization with outputs 0 (normalised) and 3 (sum) only."""
+def _skip_norm_model(x, skip, g, epsilon: float | None = 1e-6):
+    """SkipSimplifiedLayerNormalization with outputs 0 (normalised) and 3 (sum) only (no ``epsilon``
+    attribute when None)."""
     elem = helper.np_dtype_to_tensor_dtype(x.dtype)
     node = helper.make_node(
         "SkipSimplifiedLayerNormalization",
         ["x0", "x1", "x2"],
         ["y0", "", "", "y3"],
         domain="com.microsoft",
-        epsilon=1e-6,
+        **({} if epsilon is None else {"epsilon": epsilon}),
     )
     g_in = [helper.make_tensor_value_info(n, elem, v.shape) for n, v in zip(["x0", "x1", "x2"], [x, skip, g])]
     g_out = [helper.make_tensor_value_info(n, elem, x.shape) for n in ("y0", "y3")]
@@ -266,6 +267,24 @@ def test_ms_norms_against_onnxruntime():
         None, {"x0": x, "x1": g}
     )
     np.testing.assert_allclose(got, want[0], atol=1e-5)
+
+
+def test_skip_simplified_layer_norm_without_epsilon_takes_onnxruntimes_default():
+    """The contrib schema's default is 1e-12 (onnxkv used SimplifiedLayerNormalization's 1e-5: 1.28 off on
+    inputs near 1e-3), also where a MatMul reading the norm fuses it into its prologue."""
+    ort = pytest.importorskip("onnxruntime")
+    x, skip, g = r(2, 5, 32) * 1e-3, r(2, 5, 32) * 1e-3, r(32)
+    model, feeds = _skip_norm_model(x, skip, g, epsilon=None)
+    w = helper.make_tensor("w", TensorProto.FLOAT, (32, 16), r(32, 16).ravel())
+    model.graph.initializer.append(w)
+    model.graph.node.append(helper.make_node("MatMul", ["y0", "w"], ["p"]))
+    model.graph.output.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, (2, 5, 16)))
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(Session(model, threads=1).run(feeds)["y0"], want[0], atol=1e-5)
+    model.graph.output.remove(model.graph.output[0])  # y0 read by the MatMul alone: fused into its prologue
+    sess = Session(model, threads=1)
+    assert "PrologueMatMul" in [n.op_type for n in sess.plan.nodes]
+    np.testing.assert_allclose(sess.run(feeds)["p"], want[2], rtol=1e-5, atol=1e-5)
 
 
 def test_fallback_runs_long_tail_operator():
