@@ -75,7 +75,7 @@ def test_repeat_kv_matmuls_are_fused_in_exported_graphs():
         )
 
 
-def _repeat_model(transpose: bool, expand_shape, with_scale: bool):
+def _repeat_model(transpose: bool, expand_shape, with_scale: bool, scale_shape=()):
     from onnx import numpy_helper
 
     nodes = [
@@ -95,7 +95,9 @@ def _repeat_model(transpose: bool, expand_shape, with_scale: bool):
         numpy_helper.from_array(np.array([2], np.int64), "axes"),
         numpy_helper.from_array(np.array(expand_shape, np.int64), "eshape"),
         numpy_helper.from_array(np.array([0, 6, -1, 8], np.int64), "rshape"),
-        numpy_helper.from_array(np.array(0.3, np.float32), "scale"),
+        numpy_helper.from_array(
+            np.linspace(0.3, 0.9, int(np.prod(scale_shape))).reshape(scale_shape).astype(np.float32), "scale"
+        ),
     ]
     a_shape = [1, 6, 5, 8] if transpose else [1, 6, 5, 7]
     vi = [
@@ -106,12 +108,16 @@ def _repeat_model(transpose: bool, expand_shape, with_scale: bool):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
 
-@pytest.mark.parametrize("transpose,with_scale", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize(
+    "transpose,with_scale,scale_shape",
+    [(True, False, ()), (True, True, ()), (False, False, ()), (True, True, (8, 1)), (True, True, (1, 1, 1, 1, 1))],
+    ids=["kt", "kt-scalar", "k", "kt-per-row", "kt-rank-5"],  # per row of Kᵀ: used to scale the product's rows
+)
 @pytest.mark.parametrize("expand_shape", [[1, 1, 3, 1, 1], [1, 2, 3, 7, 8]])
-def test_repeat_kv_matmul_matches_the_literal_graph(transpose, with_scale, expand_shape):
+def test_repeat_kv_matmul_matches_the_literal_graph(transpose, with_scale, scale_shape, expand_shape):
     from onnx.reference import ReferenceEvaluator
 
-    m = _repeat_model(transpose, expand_shape, with_scale)
+    m = _repeat_model(transpose, expand_shape, with_scale, scale_shape)
     rng = np.random.default_rng(3)
     feeds = {
         "a": rng.standard_normal([1, 6, 5, 8] if transpose else [1, 6, 5, 7]).astype(np.float32),

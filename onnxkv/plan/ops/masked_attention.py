@@ -185,10 +185,11 @@ def _kv_rows(x: np.ndarray) -> np.ndarray:
 
 
 def _scalar(x: np.ndarray | None) -> float | None:
-    """A one-element float tensor as a float (absent: 1.0); None for anything else."""
+    """A one-element float tensor of rank <= 4 (it broadcasts without adding a dim) as a float (absent:
+    1.0); None for anything else."""
     if x is None:
         return 1.0
-    if x.size != 1 or x.dtype.kind != "f":
+    if x.size != 1 or x.ndim > 4 or x.dtype.kind != "f":
         return None
     return float(x.reshape(()))
 

@@ -100,14 +100,16 @@ class RepeatKvMatMul(Op):
         (y,) = self._product(a, x, axes, eshape, rshape, scale, rt)
         if post is None:
             return (y,)
-        if post.size == 1 and post.dtype == y.dtype and y.flags.writeable:  # y is this node's own result
+        if post.size == 1 and post.ndim <= y.ndim and post.dtype == y.dtype and y.flags.writeable:  # y: its own result
             y *= post.reshape(())
             return (y,)
         return (np.multiply(y, post),)
 
     def _product(self, a, x, axes, eshape, rshape, scale, rt) -> tuple:
         n = self._is_repeat(x, axes, eshape, rshape)
-        if n and a.ndim == 4 and a.shape[0] == x.shape[0] and a.shape[1] == x.shape[1] * n and a.dtype == x.dtype:
+        # Only a scalar K scale moves from K to the product (one per row of Kᵀ does not).
+        scalar = scale is None or (scale.size == 1 and scale.ndim <= 4)
+        if n and scalar and a.ndim == 4 and a.shape[0] == x.shape[0] and a.shape[1] == x.shape[1] * n and a.dtype == x.dtype:
             b, h = x.shape[0], x.shape[1]
             s = a.shape[2]
             grouped = np.ascontiguousarray(a).reshape(b, h, n * s, a.shape[3])
