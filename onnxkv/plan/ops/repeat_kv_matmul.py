@@ -109,7 +109,14 @@ class RepeatKvMatMul(Op):
         n = self._is_repeat(x, axes, eshape, rshape)
         # Only a scalar K scale moves from K to the product (one per row of Kᵀ does not).
         scalar = scale is None or (scale.size == 1 and scale.ndim <= 4)
-        if n and scalar and a.ndim == 4 and a.shape[0] == x.shape[0] and a.shape[1] == x.shape[1] * n and a.dtype == x.dtype:
+        if (
+            n
+            and scalar
+            and a.ndim == 4
+            and a.shape[0] == x.shape[0]
+            and a.shape[1] == x.shape[1] * n
+            and a.dtype == x.dtype
+        ):
             b, h = x.shape[0], x.shape[1]
             s = a.shape[2]
             grouped = np.ascontiguousarray(a).reshape(b, h, n * s, a.shape[3])
