@@ -161,6 +161,22 @@ def test_rms_chain_with_float64_input_runs_the_original_nodes(calls, monkeypatch
     np.testing.assert_array_equal(got, _unfused(model, monkeypatch, 1).run({"x": x})["y"])
 
 
+@pytest.mark.parametrize("param", ["p", "eps", "one"])
+def test_rms_chain_with_a_parameter_of_higher_rank_than_x_keeps_its_broadcast_shape(param, calls, monkeypatch):
+    """A one-element parameter shaped [1, 1, 1, 1] makes y rank 4 for x rank 3; the kernel used to return
+    x's shape."""
+    model = _rms_model(False)
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.output[0] == param:
+            v = numpy_helper.to_array(n.attribute[0].t).reshape(1, 1, 1, 1)
+            n.attribute[0].t.CopyFrom(numpy_helper.from_array(v, param))
+    model.graph.output[0].type.tensor_type.ClearField("shape")
+    x = np.random.default_rng(9).standard_normal((2, 3, 8)).astype(np.float32)
+    got = onnxkv.Session(model, threads=1).run({"x": x})["y"]
+    assert got.shape == (1, 2, 3, 8) and calls["rms_norm"] == 0
+    np.testing.assert_array_equal(got, _unfused(model, monkeypatch, 1).run({"x": x})["y"])
+
+
 def test_rms_chain_whose_intermediate_is_a_graph_output_is_not_fused():
     sess = onnxkv.Session(_rms_model(False, output_sqrt=True), threads=1)
     ops = [n.op_type for n in sess.plan.nodes]

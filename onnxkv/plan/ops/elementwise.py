@@ -93,7 +93,10 @@ class Div(Op):
         if a.dtype.kind in "iu":
             if np.any(b == 0):
                 raise ZeroDivisionError(f"Div node '{self.name}': integer division by zero")
-            return (np.trunc(np.true_divide(a, b)).astype(a.dtype),)
+            # truncated toward zero in integers (float64 is exact only below 2**53)
+            q, r = np.divmod(a, b)  # floored
+            q += ((r != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
+            return (q.astype(a.dtype, copy=False),)
         out = rt.empty(0, broadcast_shape(a, b), a.dtype)
         np.divide(a, b, out=out)
         return (out,)
@@ -117,7 +120,7 @@ class Pow(Op):
 
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
-        if self.square:
+        if self.square and b.ndim <= a.ndim:  # a higher-rank exponent broadcasts the result to its rank
             out = rt.empty(0, a.shape, a.dtype)
             np.multiply(a, a, out=out)
             return (out,)
@@ -190,7 +193,9 @@ class IsInf(Op):
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
         pos, neg = self.attrs.get("detect_positive", 1), self.attrs.get("detect_negative", 1)
-        return ((np.isposinf(x) if pos else False) | (np.isneginf(x) if neg else False),)
+        if pos and neg:
+            return (np.isinf(x),)
+        return (np.isposinf(x) if pos else np.isneginf(x) if neg else np.zeros(x.shape, bool),)
 
 
 @register("Where")

@@ -187,6 +187,8 @@ class RMSNormChain(Op):
             params is not None
             and x.dtype == np.float32
             and x.ndim
+            # a one-element parameter of higher rank than x broadcasts y to its rank: the body's result
+            and all(inputs[i] is None or inputs[i].ndim <= x.ndim for i in (_EXPONENT, _EPS, _ONE))
             and x.shape[-1]
             and params[1] in (-1, x.ndim - 1)
             and w is not None

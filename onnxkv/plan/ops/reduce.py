@@ -1,7 +1,7 @@
 """Reductions: ReduceSum/Mean/Max/Min/Prod/SumSquare/L2, ArgMax/ArgMin.
 
 Axes come from the ``axes`` input (ReduceSum ≥ 13, the others ≥ 18) or the
-``axes`` attribute (older opsets); ``noop_with_empty_axes`` is honoured.
+``axes`` attribute (older opsets); ``noop_with_empty_axes`` reduces each element alone.
 A reduction over an empty set of values gives the operator's identity:
 ReduceMax ``-inf`` (the dtype's minimum for integers, False for bool),
 ReduceMin ``+inf`` (the maximum, True), ReduceSum/SumSquare/L2 0, ReduceProd 1.
@@ -58,9 +58,8 @@ class _Reduce(Op):
         else:
             axes = self.attrs.get("axes")
         if not axes:
-            if self.attrs.get("noop_with_empty_axes", 0):
-                return (x,)
-            axes = None
+            # noop: a reduction of each element alone (ReduceSumSquare x², ReduceL2 |x|, the others x)
+            axes = () if self.attrs.get("noop_with_empty_axes", 0) else None
         else:
             axes = normalize_axes(axes, x.ndim, f"{self.op_type} '{self.name}'")
         return (np.asarray(self.fn(x, axes, keep)).astype(x.dtype, copy=False),)

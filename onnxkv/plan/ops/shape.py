@@ -276,18 +276,16 @@ class Slice(Op):
             dim = x.shape[a]
             if st == 0:
                 raise ValueError(f"Slice node '{self.name}': step 0 on axis {a}")
-            # Clamp like ONNX: INT64 extremes mean "to the end".
-            s = max(-dim - 1, min(dim, s))
-            e = max(-dim - 1, min(dim, e))
+            # As ONNX defines it: negatives count from the end, then clamp to [0, dim] (step > 0) or
+            # start to [0, dim - 1] and end to [-1, dim - 1] (step < 0, -1: past the first element).
+            s, e = s + dim if s < 0 else s, e + dim if e < 0 else e
             if st > 0:
-                s = max(0, s + dim if s < 0 else s)
-                e = max(0, e + dim if e < 0 else e)
+                index[a] = slice(min(max(s, 0), dim), min(max(e, 0), dim), st)
+            elif dim == 0:
+                index[a] = slice(0, 0)
             else:
-                s = s + dim if s < 0 else min(s, dim - 1)
-                e = e + dim if e < 0 else e
-                if e < 0:
-                    e = None
-            index[a] = slice(s, e, st)
+                e = min(max(e, -1), dim - 1)
+                index[a] = slice(min(max(s, 0), dim - 1), None if e < 0 else e, st)
         return (x[tuple(index)],)
 
 

@@ -134,6 +134,56 @@ def test_slice(starts, ends, axes, steps):
     )
 
 
+def test_slice_agrees_with_onnx_over_every_start_end_and_step():
+    """Starts below -dim with a negative step used to walk from the last element (36 of 484 cases).
+
+    ONNX Runtime and onnx.reference disagree on two corners, where the operator's clamping rule decides:
+    onnx.reference (NumPy slicing) takes a start below -dim with a negative step as before the first
+    element (the rule clamps it to 0), ONNX Runtime an end of INT64_MAX with a negative step as past the
+    first element (the rule clamps it to dim - 1).  Each is compared with the runtime that follows the rule.
+    """
+    ort = pytest.importorskip("onnxruntime")
+    big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+    bounds = [small, -7, -6, -5, -2, -1, 0, 1, 4, 5, 6, big]
+    for dim in (0, 1, 5):
+        x = np.arange(dim, dtype=F)
+        model, _ = one_node("Slice", [x, *[np.zeros(1, np.int64)] * 4])
+        model.graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT  # ONNX Runtime needs it
+        sess, ref = Session(model, threads=1), ReferenceEvaluator(model)
+        peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        for start in bounds:
+            for end in bounds:
+                for step in (-3, -1, 1, 2):
+                    values = ((1, start), (2, end), (3, 0), (4, step))
+                    feeds = {"x0": x, **{f"x{i}": np.array([v], np.int64) for i, v in values}}
+                    want = ref.run(None, feeds)[0] if end == big and step < 0 else peer.run(None, feeds)[0]
+                    assert sess.run(feeds)["y0"].tolist() == want.tolist(), (dim, start, end, step)
+
+
+def test_integer_div_pow_isinf_and_noop_reductions_agree_with_onnx():
+    """Integer Div went through float64 (wrong above 2**53); Pow by a constant 2 of higher rank kept x's
+    shape; IsInf detecting neither sign returned a 0-d False; ReduceSumSquare/L2 with noop_with_empty_axes
+    returned x itself."""
+    a = np.array([2**62 + 1, 2**63 - 1, -7, 7, -7, 7, -8, 0, -(2**63)], np.int64)
+    b = np.array([1, 2, 2, -2, -2, 2, 2, -3, 3], np.int64)
+    check("Div", [a, b])
+    check(
+        "Div", [a.astype(np.int32) if False else np.array([-7, 7, -1, 9], np.int32), np.array([2, -2, 3, -4], np.int32)]
+    )
+    x = r(3)
+    model, feeds = one_node("Pow", [x, np.full((1, 1), 2.0, F)])
+    model.graph.initializer.append(
+        helper.make_tensor("x1", TensorProto.FLOAT, (1, 1), [2.0])
+    )  # a constant: the square path
+    model.graph.input.remove(model.graph.input[1])
+    assert Session(model, threads=1).run({"x0": x})["y0"].shape == (1, 3)
+    inf = np.array([np.inf, -np.inf, 1.0, np.nan], F)
+    for pos, neg in ((0, 0), (1, 0), (0, 1), (1, 1)):
+        check("IsInf", [inf], detect_positive=pos, detect_negative=neg)
+    for op in ("ReduceSumSquare", "ReduceL2", "ReduceL1", "ReduceSum", "ReduceMax", "ReduceLogSumExp"):
+        check(op, [r(2, 3), np.zeros(0, np.int64)], noop_with_empty_axes=1, opset=18)
+
+
 def test_split_gather():
     x = r(6, 4)
     check("Split", [x, np.array([2, 4], np.int64)], n_out=2, axis=0)
