@@ -29,15 +29,15 @@ def skip_rms_norm(x, skip, gamma, bias, eps, out, sum_out):
     rms_norm(s, gamma, eps, out)
 
 
-def softmax(x, out):
-    """Row softmax; a row of all -inf gives zeros (the kernels' documented rule)."""
+def softmax(x, out, empty_row=0.0):
+    """Row softmax; a row of all -inf gives ``empty_row`` in every entry (the kernels' documented rule)."""
     xd = x.astype(np.float64)
     m = np.max(xd, axis=-1, keepdims=True) if xd.shape[-1] else np.zeros(xd.shape[:-1] + (1,))
     dead = np.isneginf(m)
     m = np.where(dead, 0.0, m)
     e = np.exp(xd - m)
     s = np.sum(e, axis=-1, keepdims=True)
-    r = np.where(dead, 0.0, e / np.where(dead, 1.0, s))
+    r = np.where(dead, float(empty_row), e / np.where(dead, 1.0, s))
     out[...] = r.astype(out.dtype)
 
 

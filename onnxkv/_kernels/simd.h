@@ -55,8 +55,8 @@ static void okv_skip_rms_row_f64(const double *x, const double *skip, const doub
     okv_rms_row_f64(out, g, eps, out, n);
 }
 
-static void okv_softmax_row_f32(const float *x, float *out, int64_t n, int simd) {
-    OKV_DISPATCH(simd, okv_softmax_row_f32_avx2(x, out, n), okv_softmax_row_f32_scalar(x, out, n));
+static void okv_softmax_row_f32(const float *x, float *out, int64_t n, float dead, int simd) {
+    OKV_DISPATCH(simd, okv_softmax_row_f32_avx2(x, out, n, dead), okv_softmax_row_f32_scalar(x, out, n, dead));
 }
 
 static void okv_act_f32(int mode, const float *x, const float *up, float *out, int64_t n, int simd) {

@@ -367,9 +367,10 @@ OKV_AVX2 static inline void okv_rope_inter_f32_avx2(const float *x, const float 
     }
 }
 
-OKV_AVX2 static inline void okv_softmax_row_f32_avx2(const float *x, float *out, int64_t n) {
+OKV_AVX2 static inline void okv_softmax_row_f32_avx2(const float *x, float *out, int64_t n, float dead) {
     float m = okv_max_f32_avx2(x, n), s;
-    if (m == -INFINITY) { memset(out, 0, (size_t)n * sizeof(float)); return; }
+    int64_t i;
+    if (m == -INFINITY) { for (i = 0; i < n; i++) out[i] = dead; return; }
     if (out != x) memcpy(out, x, (size_t)n * sizeof(float));
     s = okv_exp_sub_sum_f32_avx2(out, m, n);
     okv_scal_f32_avx2(1.f / s, out, n);

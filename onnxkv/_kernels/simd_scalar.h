@@ -160,19 +160,21 @@ static inline void okv_act_f64(int mode, const double *x, const double *up, doub
     else                for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoid(x[i]) * up[i];
 }
 
-static inline void okv_softmax_row_f64(const double *x, double *out, int64_t n) {
+/* Softmax rows: a row that is entirely -inf is written as `dead` (0, or NaN as ONNX's Softmax gives). */
+static inline void okv_softmax_row_f64(const double *x, double *out, int64_t n, double dead) {
     double m = -INFINITY, s = 0.;
     int64_t i;
     for (i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
-    if (m == -INFINITY) { for (i = 0; i < n; i++) out[i] = 0.; return; }
+    if (m == -INFINITY) { for (i = 0; i < n; i++) out[i] = dead; return; }
     for (i = 0; i < n; i++) { double e = exp(x[i] - m); out[i] = e; s += e; }
     s = 1.0 / s;
     for (i = 0; i < n; i++) out[i] *= s;
 }
 
-static inline void okv_softmax_row_f32_scalar(const float *x, float *out, int64_t n) {
+static inline void okv_softmax_row_f32_scalar(const float *x, float *out, int64_t n, float dead) {
     float m = okv_max_f32_scalar(x, n), s;
-    if (m == -INFINITY) { memset(out, 0, (size_t)n * sizeof(float)); return; }
+    int64_t i;
+    if (m == -INFINITY) { for (i = 0; i < n; i++) out[i] = dead; return; }
     if (out != x) memcpy(out, x, (size_t)n * sizeof(float));
     s = okv_exp_sub_sum_f32_scalar(out, m, n);
     okv_scal_f32_scalar(1.f / s, out, n);

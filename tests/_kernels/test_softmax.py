@@ -20,18 +20,21 @@ def test_softmax(shape, dtype, scale, threads, simd):
     np.testing.assert_allclose(out.sum(axis=-1), 1.0, rtol=1e-5)
 
 
-def test_softmax_neg_inf(threads, simd):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("empty_row", [0.0, np.nan, -2.5])
+def test_softmax_neg_inf(dtype, empty_row, threads, simd):
     rng = np.random.default_rng(12)
-    x = rand(rng, (6, 37), scale=5.0)
+    x = rand(rng, (6, 37), dtype, scale=5.0)
     x[0, ::3] = -np.inf  # some masked entries
-    x[1, :] = -np.inf  # fully masked row -> zeros
+    x[1, :] = -np.inf  # fully masked row -> empty_row (0 by default; ONNX's Softmax: NaN)
     x[2, 1:] = -np.inf  # a single survivor -> one-hot
-    out, want = np.full_like(x, np.nan), np.empty_like(x)
-    K.softmax(x, out)
-    R.softmax(x, want)
-    assert_close(out, want)
+    out, want = np.full_like(x, 7.0), np.empty_like(x)
+    K.softmax(x, out, empty_row=empty_row)
+    R.softmax(x, want, empty_row=empty_row)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert_close(np.nan_to_num(out), np.nan_to_num(want))
     assert np.all(out[0, ::3] == 0.0)
-    assert np.all(out[1] == 0.0)
+    np.testing.assert_array_equal(out[1], np.full(37, empty_row, dtype))
     assert out[2, 0] == 1.0 and np.all(out[2, 1:] == 0.0)
 
 

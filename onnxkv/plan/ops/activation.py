@@ -10,11 +10,12 @@ from onnxkv.plan.registry import BuildContext, Op, register
 
 
 def _softmax_np(x: np.ndarray, axis: int) -> np.ndarray:
+    """Softmax along ``axis``; a slice that is entirely -inf gives NaN (0 / 0), as ONNX's."""
     m = np.max(x, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
     e = np.exp(x - m)
-    s = np.sum(e, axis=axis, keepdims=True)
-    return e / s
+    with np.errstate(invalid="ignore"):
+        return e / np.sum(e, axis=axis, keepdims=True)
 
 
 @register("Softmax", since=13)
@@ -25,9 +26,24 @@ class Softmax(Op):
         if axis == x.ndim - 1 and x.dtype == np.float32 and x.flags.c_contiguous and x.size:
             out = rt.empty(0, x.shape, x.dtype)
             n = x.shape[-1]
-            K.softmax(x.reshape(-1, n), out.reshape(-1, n))
+            K.softmax(x.reshape(-1, n), out.reshape(-1, n), empty_row=np.nan)  # all -inf: NaN, as ONNX
             return (out,)
         return (_softmax_np(x, axis).astype(x.dtype, copy=False),)
+
+
+def _log_softmax_np(x: np.ndarray, axis: int) -> np.ndarray:
+    """LogSoftmax along ``axis``; a slice that is entirely -inf gives NaN, as ONNX's."""
+    m = np.max(x, axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        return x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
+
+
+def _hardmax_np(x: np.ndarray, axis: int) -> np.ndarray:
+    """1 at the first maximum along ``axis``, 0 elsewhere."""
+    y = np.zeros(x.shape, x.dtype)
+    if x.size:
+        np.put_along_axis(y, np.expand_dims(np.argmax(x, axis=axis), axis), 1, axis=axis)
+    return y
 
 
 @register("LogSoftmax", since=13)
@@ -35,9 +51,32 @@ class LogSoftmax(Op):
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
         axis = normalize_axis(self.attrs.get("axis", -1), x.ndim, f"LogSoftmax '{self.name}'")
-        m = np.max(x, axis=axis, keepdims=True)
-        y = x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
-        return (y.astype(x.dtype, copy=False),)
+        return (_log_softmax_np(x, axis).astype(x.dtype, copy=False),)
+
+
+@register("Hardmax", since=13)
+class Hardmax(Op):
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        return (_hardmax_np(x, normalize_axis(self.attrs.get("axis", -1), x.ndim, f"Hardmax '{self.name}'")),)
+
+
+class _Coerced2D(Op):
+    """Softmax, LogSoftmax and Hardmax of opsets 1-12: the input coerced to 2-D at ``axis`` (default 1),
+    [prod(shape[:axis]), prod(shape[axis:])], the operator along the second dimension (every element
+    from ``axis`` on together), reshaped back.  Opset 13 made them act along one axis."""
+
+    fn = staticmethod(_softmax_np)
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        axis = normalize_axis(self.attrs.get("axis", 1), x.ndim, f"{self.op_type} '{self.name}'")
+        flat = x.reshape(int(np.prod(x.shape[:axis])), int(np.prod(x.shape[axis:])))
+        return (self.fn(flat, 1).astype(x.dtype, copy=False).reshape(x.shape),)
+
+
+for _name, _fn in (("Softmax", _softmax_np), ("LogSoftmax", _log_softmax_np), ("Hardmax", _hardmax_np)):
+    register(_name, since=1)(type(f"{_name}Opset1", (_Coerced2D,), {"fn": staticmethod(_fn)}))
 
 
 @register("Gelu", since=20)

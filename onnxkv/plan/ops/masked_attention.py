@@ -285,9 +285,12 @@ class MaskedAttention(Op):
             rows = np.flatnonzero(empty.any(axis=0))
             sub = list(self._templated(inputs))
             sub[_Q] = q[:, :, rows]
-            mask = inputs[_MASK]
-            if mask.ndim >= 2 and mask.shape[-2] != 1:
-                sub[_MASK] = mask[..., rows, :]
+            # the mask and the other score-shaped values the block reads (a NaN guard's fill): those rows
+            for i in (_MASK, *range(len(MASKED_ATTENTION_INPUTS), len(sub))):
+                x = sub[i]
+                if i == _MASK or (x is not None and x.ndim >= 2 and x.shape[-1] in (1, k.shape[2])):
+                    if x.ndim >= 2 and x.shape[-2] != 1:
+                        sub[i] = x[..., rows, :]
             out[:, :, rows] = self._literal(sub, rt)
         return (out,)
 

@@ -300,3 +300,38 @@ def test_a_repeat_that_fixes_the_key_length_is_checked_for_every_length(layout_c
     with pytest.raises(OperatorError, match="Reshape|reshape"):
         sess.run(_feeds("repeat", 1, 7, _causal_padded(1, 7, [0, 1]), seed=4))
     assert len(layout_calls) == 2 and len(kernel_calls) == 1
+
+
+@pytest.mark.parametrize("mask_value", [np.finfo(np.float32).min, -np.inf])
+def test_a_row_that_sees_no_key_under_a_nan_guard_with_a_fill_tensor(mask_value):
+    """The rows that see no key are evaluated literally on their slice of the queries; a [1, 1, S, T] fill
+    of the NaN guard was passed whole and the call raised (shape mismatch).  Under -inf such a row is
+    NaN after the Softmax, as ONNX's (the guard then fills it)."""
+    ort = pytest.importorskip("onnxruntime")
+    b, h, s, t, d = 2, 2, 3, 5, 4
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["sc"]),
+        helper.make_node("Add", ["sc", "mask"], ["a"]),
+        helper.make_node("Softmax", ["a"], ["p"], axis=-1),
+        helper.make_node("IsNaN", ["p"], ["isn"]),
+        helper.make_node("Where", ["isn", "fill", "p"], ["pg"]),
+        helper.make_node("MatMul", ["pg", "v"], ["y"]),
+    ]
+    shapes = {"q": [b, h, s, d], "k": [b, h, t, d], "v": [b, h, t, d], "mask": [b, 1, s, t]}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in shapes.items()]
+    fill = numpy_helper.from_array(np.linspace(0, 0.1, s * t, dtype=np.float32).reshape(1, 1, s, t), "fill")
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, h, s, d])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", inputs, [y], [fill]), opset_imports=[helper.make_opsetid("", 18)]
+    )
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(shapes[n]).astype(np.float32) for n in "qkv"}
+    feeds["mask"] = np.zeros(shapes["mask"], np.float32)
+    for i in range(s):
+        feeds["mask"][:, 0, i, t - s + i + 1 :] = mask_value
+    feeds["mask"][1, 0, :, : t - s + 1] = mask_value  # batch row 1: its first query sees no key
+    sess = Session(model, threads=1)
+    assert [n.op_type for n in sess.plan.nodes] == ["MaskedAttention"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(sess.run(feeds)["y"], want, rtol=1e-5, atol=1e-5)

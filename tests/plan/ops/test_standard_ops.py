@@ -184,6 +184,27 @@ def test_integer_div_pow_isinf_and_noop_reductions_agree_with_onnx():
         check(op, [r(2, 3), np.zeros(0, np.int64)], noop_with_empty_axes=1, opset=18)
 
 
+@pytest.mark.parametrize("opset", [11, 13])
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax", "Hardmax"])
+def test_softmax_family_agrees_with_onnxruntime_at_each_opset(op, opset):
+    """Before opset 13 these act on the input coerced to 2-D at ``axis`` (they ran with opset-13 semantics,
+    0.6-1.3 off); a Softmax row that is entirely -inf is NaN (the kernel gave zeros); Hardmax ties take the
+    first maximum."""
+    ort = pytest.importorskip("onnxruntime")
+    x = r(2, 3, 4)
+    x[0, 1, :] = -np.inf  # a whole last-axis row masked
+    x[1, 2, 1] = x[1, 2, 3] = 9.0  # a tie
+    for axis in (0, 1, 2, -1):
+        model, feeds = one_node(op, [x], opset=opset, axis=axis)
+        model.graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT  # ONNX Runtime needs it
+        got = Session(model, threads=1).run(feeds)["y0"]
+        with np.errstate(invalid="ignore"):
+            want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[
+                0
+            ]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{op} axis {axis}")
+
+
 def test_split_gather():
     x = r(6, 4)
     check("Split", [x, np.array([2, 4], np.int64)], n_out=2, axis=0)
