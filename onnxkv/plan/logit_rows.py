@@ -51,14 +51,15 @@ class LogitHead:
 
 
 def _row_wise(plan: Plan, k: int, value: int) -> bool:
-    """Node ``k`` is elementwise, reads ``value`` once, and its other inputs are constants of rank at most 1
-    or with every axis but the last of size 1 (they broadcast the same way over [B, 1, V] as over [B, S, V])."""
+    """Node ``k`` is elementwise, reads ``value`` once, and its other inputs are constants of rank at most 3
+    with every axis but the last of size 1 (they broadcast the same way over [B, 1, V] as over [B, S, V],
+    and add no axis)."""
     ins = plan.in_idx[k]
     if plan.nodes[k].op_type not in _ELEMENTWISE or ins.count(value) != 1:
         return False
     for s in ins:
         c = plan._template[s] if s >= 0 and s != value else None
-        if s != value and (not isinstance(c, np.ndarray) or any(d != 1 for d in c.shape[:-1])):
+        if s != value and (not isinstance(c, np.ndarray) or c.ndim > 3 or any(d != 1 for d in c.shape[:-1])):
             return False
     return True
 

@@ -270,8 +270,9 @@ class Plan:
         # (written for an omitted output), so the run loop needs no test for -1.
         none_slot, sink_slot = self.n_slots, self.n_slots + 1
         template: list = [None] * (self.n_slots + 2)
-        for name, arr in [*constants.items(), *defaults.items()]:
+        for name, arr in constants.items():
             template[slot_of[name]] = arr
+        self._defaults = {slot_of[name]: arr for name, arr in defaults.items()}  # not constants: bound per run
         self._template = template
         self.must_alias = [self._aliases(node, kernel, constants) for node, kernel in zip(kept_nodes, kernels)]
         #: Graph inputs written in place (MUST_ALIAS): fed as given, never copied.
@@ -434,6 +435,8 @@ class Plan:
             v = feeds.get(g.name, _MISSING)
             if v is _MISSING:
                 if g.has_default:
+                    if s in self._defaults:
+                        slots[s] = self._defaults[s]
                     continue
                 raise InputError(f"Session.run: missing input '{g.name}' (dtype {g.dtype}, shape {g.shape})")
             if g.name in views:  # a state's cache, viewed by its store: may store another dtype, fed as given

@@ -147,15 +147,32 @@ def test_the_head_is_taken_only_where_rows_stay_independent(model, found):
     np.testing.assert_allclose(part[:, 0], full[np.arange(2), at], rtol=1e-5, atol=1e-6)
 
 
-def test_a_logits_output_of_another_shape_is_returned_as_computed():
-    model = _graph([oh.make_node("ReduceSum", ["z", "axes"], ["logits"], keepdims=0)])
-    model.graph.initializer.append(nh.from_array(np.array([1], np.int64), "axes"))
+@pytest.mark.parametrize("case", ["reduced", "rank-4 constant", "overridable constant"])
+def test_a_logits_output_of_another_shape_is_returned_as_computed(case):
+    """A constant [1, 1, 1, V] after the head makes the logits rank 4: taking rows before it gave
+    [1, B, 1, V].  A default the caller may replace (an initializer listed as an input) is no constant."""
+    if case == "reduced":
+        model = _graph([oh.make_node("ReduceSum", ["z", "axes"], ["logits"], keepdims=0)])
+        model.graph.initializer.append(nh.from_array(np.array([1], np.int64), "axes"))
+        shape = (2, V)
+    else:
+        model = _graph(SOFTCAP, const=np.full((1, 1, 1, V) if case == "rank-4 constant" else (), 3.0, np.float32))
+        model.graph.output[0].type.tensor_type.ClearField("shape")
+        shape = (1, 2, 6, V) if case == "rank-4 constant" else (2, 6, V)
+        if case == "overridable constant":
+            model.graph.input.append(oh.make_tensor_value_info("c", TensorProto.FLOAT, None))
     sess = onnxkv.Session(model)
+    assert sess.plan.logit_head("logits") is None
     ids = np.random.default_rng(3).integers(0, V, size=(2, 6))
-    full = sess.run({"input_ids": ids}, ["logits"])["logits"]
-    part = sess.run({"input_ids": ids}, ["logits"], logits_at=np.array([5, 2]))["logits"]
-    assert part.shape == full.shape == (2, V)
-    np.testing.assert_array_equal(part, full)
+    feeds = (
+        {"input_ids": ids}
+        if case != "overridable constant"
+        else {"input_ids": ids, "c": np.full((1, 6, 1), 2.0, np.float32)}
+    )
+    full = sess.run(feeds, ["logits"])["logits"]
+    part = sess.run(feeds, ["logits"], logits_at=np.array([5, 2]))["logits"]
+    assert full.shape == shape and part.shape == (shape if case != "overridable constant" else (2, 1, V))
+    np.testing.assert_array_equal(part, full if case != "overridable constant" else full[np.arange(2), [5, 2]][:, None])
 
 
 def test_generate_feeds_the_head_one_row_per_prompt(session):
