@@ -101,6 +101,9 @@ class QuickGelu(Op):
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
         alpha = float(self.attrs.get("alpha", 1.702))
+        if x.dtype not in (np.float32, np.float64):  # float16, bfloat16: in float32 (the kernel's types)
+            xf = x.astype(np.float32)
+            return ((xf / (1.0 + np.exp(-alpha * xf))).astype(x.dtype),)
         out = rt.empty(0, x.shape, x.dtype)
         K.sigmoid((alpha * x).reshape(-1), out.reshape(-1))
         np.multiply(out, x, out=out)

@@ -132,7 +132,7 @@ class Gemm(Op):
         y = np.matmul(a, b)
         alpha, beta = self.attrs.get("alpha", 1.0), self.attrs.get("beta", 1.0)
         if alpha != 1.0:
-            y *= alpha
+            y = y * alpha  # float attributes: integer products are cast back below
         if c is not None:
-            y += beta * c
+            y = y + (c if beta == 1.0 else beta * c)
         return (y.astype(a.dtype, copy=False),)

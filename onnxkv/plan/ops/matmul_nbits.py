@@ -18,10 +18,10 @@ A node with ``g_idx`` is a load error (the GenAI builder never emits it, and
 ONNX Runtime's CPU kernel reads packed zero points differently when it is
 given, even for the identity grouping).
 
-``accuracy_level`` 4 quantizes A to int8 per block at every row count (as
-ONNX Runtime's CPU kernel does; qmatmul.h gives the exact arithmetic, the same
-bits on every instruction set); for prompt-sized products the integer dot
-products are also faster than float32 ones.  Levels 0..3 keep A in float32:
+``accuracy_level`` 4 quantizes A to int8 per block at every row count unless
+the zero points are floats (as ONNX Runtime's CPU kernel does; qmatmul.h gives
+the exact arithmetic, the same bits on every instruction set); for prompt-sized
+products the integer dot products are also faster than float32 ones.  Levels 0..3 keep A in float32:
 up to ``DECODE_M`` rows in the block kernels, above on dequantized panels
 with the packed float32 kernel (faster than NumPy's BLAS on dequantized
 columns at every prompt size: 1,024 x 1,024 x 2,816 at 2 threads 28 ms
@@ -106,7 +106,10 @@ class MatMulNBits(Op):
         self.int8 = level == 4
 
     def _pack(self, B: np.ndarray, scales: np.ndarray, zp: np.ndarray | None) -> None:
-        """Packs the weight (ORT layout, self.n columns) into self.weight; a load error for a bad layout."""
+        """Packs the weight (ORT layout, self.n columns) into self.weight; a load error for a bad layout.
+        Float zero points keep A in float32 at every accuracy level, as ONNX Runtime's CPU kernel."""
+        if zp is not None and zp.dtype.kind == "f":
+            self.int8 = False
         try:
             self.weight = pack_nbits(
                 np.ascontiguousarray(B),

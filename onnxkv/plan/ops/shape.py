@@ -406,6 +406,10 @@ class Range(Op):
             )
         count = -((a - b) // d) if all(isinstance(v, int) for v in (a, b, d)) else math.ceil((b - a) / d)
         _checked_shape(self, [max(count, 0)], start.dtype.itemsize, "output shape")
+        if start.dtype.kind in "iu":  # start + delta * i wraps where np.arange overflows near the dtype's limits
+            steps = np.arange(max(count, 0), dtype=start.dtype)
+            with np.errstate(over="ignore"):
+                return ((start + delta * steps).astype(start.dtype, copy=False),)
         return (np.arange(start, limit, delta, dtype=start.dtype),)
 
 

@@ -88,9 +88,9 @@ def test_matches_onnxruntime(bits, bs, K, N, zp_kind, bias, level):
         x = rng.standard_normal((1, rows, K)).astype(np.float32)
         want, got = ort_run(model, x), s.run({"x": x})["y"]
         assert got.shape == want.shape and got.dtype == np.float32
-        # at level 4 ORT quantizes A to int8 for any row count, onnxkv for decode rows only: each
-        # differs from the float product by up to ~1% of the output scale
-        tol = 2e-2 if level == 4 else 1e-4
+        # at level 4 both quantize A to int8 (rounding may differ: up to ~1% of the output scale), except
+        # with float zero points, where both keep A in float32 (onnxkv used int8 there: 0.12 off at 18)
+        tol = 2e-2 if level == 4 and zp_kind != "float" else 1e-4
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 

@@ -205,6 +205,41 @@ def test_softmax_family_agrees_with_onnxruntime_at_each_opset(op, opset):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{op} axis {axis}")
 
 
+def test_range_near_the_int64_limits_gemm_on_integers_and_quick_gelu_in_float16():
+    """Range(-2**62, 2**62, 2**61) came back empty (np.arange overflowed); an int32 Gemm with the default
+    beta raised (onnx.reference is its peer: ONNX Runtime has no integer Gemm); QuickGelu refused float16
+    (its kernel takes float32 and float64)."""
+    ort = pytest.importorskip("onnxruntime")
+    cases = [
+        ("Range", [np.array(v, np.int64) for v in (-(2**62), 2**62, 2**61)], {}, ""),
+        ("Range", [np.array(v, np.int64) for v in (2**63 - 1, -(2**63), -(2**62))], {}, ""),
+        (
+            "Gemm",
+            [
+                np.arange(6, dtype=np.int32).reshape(2, 3),
+                np.arange(12, dtype=np.int32).reshape(3, 4),
+                np.arange(4, dtype=np.int32),
+            ],
+            {},
+            "",
+        ),  # fmt: skip
+        ("QuickGelu", [r(3, 5).astype(np.float16)], {"alpha": 1.5}, "com.microsoft"),
+    ]
+    for op, inputs, attrs, domain in cases:
+        model, feeds = one_node(op, inputs, domain=domain, **attrs)
+        elem = helper.np_dtype_to_tensor_dtype(inputs[0].dtype)
+        model.graph.output[0].type.tensor_type.elem_type = elem  # ONNX Runtime needs it
+        if op == "Gemm":
+            want = ReferenceEvaluator(model).run(None, feeds)[0]
+        else:
+            want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[
+                0
+            ]
+        got = Session(model, threads=1).run(feeds)["y0"]
+        assert got.dtype == want.dtype and got.shape == want.shape, op
+        np.testing.assert_allclose(got, want, rtol=1e-3, err_msg=op)
+
+
 def test_split_gather():
     x = r(6, 4)
     check("Split", [x, np.array([2, 4], np.int64)], n_out=2, axis=0)
