@@ -166,13 +166,16 @@ def _logit_rows(out: dict, sess, count: int, role: str) -> np.ndarray:
 class _Stepper:
     """One model's state, feed builder and run counter for a batch-1 sequence."""
 
-    def __init__(self, sess, prompt: np.ndarray, state_keywords: dict, role: str) -> None:
+    def __init__(self, sess, prompt: np.ndarray, state_keywords: dict, role: str, rollback: int) -> None:
+        """``rollback``: the positions one step may take back (kept behind a sliding window)."""
         self.sess = sess
         self.role = role
         self.builder = FeedBuilder(
             sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False
         )
         self.state = State(sess, **state_keywords)
+        if self.state.paged:
+            self.state.keep_for_truncate(rollback)
         self.fetch = [sess.model.io.logits]
         self.runs = 0
 
@@ -356,10 +359,11 @@ def speculative_generate(
     proposed = accepted = 0
     if max_new_tokens == 0:
         return SpeculativeResult(ids.copy(), 0, 0, 0, 0, 0, 0.0)
-    tgt = _Stepper(tsess, ids, target_options, "target")
+    # a step feeds at most num_draft_tokens + 1 tokens per row (the tree's depth + 1) and takes back as many
+    tgt = _Stepper(tsess, ids, target_options, "target", num_draft_tokens + 1)
     drf = None
     try:
-        drf = None if dsess is None else _Stepper(dsess, ids, options, "draft")
+        drf = None if dsess is None else _Stepper(dsess, ids, options, "draft", num_draft_tokens + 1)
         t0 = time.perf_counter()
         last = _logit_rows(tgt.prefill(), tsess, 1, "target")[0]
         if drf is not None:

@@ -57,6 +57,18 @@ class PagedAPI:
             raise StateError(f"State.{api}: the state holds no cache yet (run it first)")
         return self._store
 
+    def keep_for_truncate(self, positions: int) -> None:
+        """Keep ``positions`` more positions behind a sliding window (int >= 0; 0 by default), so that
+        :meth:`State.truncate` can take back that many after a run.
+
+        A state of a model with a ``local_window_size`` frees, after each run, the pages no later query
+        can see; truncating into them is then refused.  Speculative decoding sets this to the tokens one
+        of its steps may take back.  No effect without a window."""
+        store = self._require_paged("keep_for_truncate", held=False)
+        if isinstance(positions, bool) or not isinstance(positions, (int, np.integer)) or not 0 <= positions < 2**31:
+            raise InputError(f"State.keep_for_truncate: positions must be an int in [0, 2**31), got {positions!r}")
+        store.rollback = int(positions)
+
     def fork(self, n: int = 1) -> list[State]:
         """``n`` new states sharing every page of this one (no payload byte copied); each continues on its
         own, its first write into a shared page copying that page only (``cow_copied_bytes``).  ``n``: an

@@ -377,3 +377,52 @@ def test_tree_argument_errors(pair):
         speculative_generate(target, ids, draft=other, tree=(2, 3), do_sample=True)
     with pytest.raises(InputError, match="cache must be 'paged' or None, got 'contiguous'"):
         speculative_generate(target, ids, draft=other, tree=(2, 3), cache="contiguous")
+
+
+def _windowed(seed: int, window: int = 8) -> onnxkv.Session:
+    """A MICRO GroupQueryAttention model whose attention sees the last ``window`` positions."""
+    model = build_model("gqa", MICRO, seed=seed)
+    for node in model.graph.node:
+        for a in node.attribute:
+            if node.op_type == "GroupQueryAttention" and a.name == "local_window_size":
+                a.i = window
+    return onnxkv.Session(model, threads=1)
+
+
+@pytest.mark.parametrize("k", [4, 7])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_sliding_window_with_paged_caches_keeps_what_a_step_takes_back(k, block_size):
+    """A paged state frees the pages behind the window after each run: a verification that took back
+    tokens then raised StateError (and tree= never worked on such models).  The states keep k + 1
+    positions behind the window, and every mode equals generate."""
+    target, draft = _windowed(3), _windowed(4)
+    ids = np.random.default_rng(0).integers(0, MICRO.vocab_size, (1, 20))
+    want = onnxkv.generate(target, ids, 40, eos_token_id=[]).sequences
+    cache = onnxkv.CacheConfig("paged", block_size=block_size)
+    for kw in ({}, {"draft": draft}, {"draft": draft, "tree": (2, k)}):
+        got = speculative_generate(
+            target, ids, max_new_tokens=40, eos_token_id=[], num_draft_tokens=k, cache=cache, **kw
+        )
+        np.testing.assert_array_equal(got.sequences, want, err_msg=str(kw))
+
+
+def test_keep_for_truncate_lets_a_windowed_state_take_back_what_it_keeps():
+    sess = _windowed(3)
+    ids = np.random.default_rng(1).integers(0, MICRO.vocab_size, (1, 40))
+    for keep in (0, 6):
+        state = sess.new_state(cache=onnxkv.CacheConfig("paged", block_size=4))
+        state.keep_for_truncate(keep)
+        builder = FeedBuilder(sess.plan.inputs, sess.model, ids, np.array([40]), 0, thread_cache=False)
+        state.run(builder.first()[0], [sess.model.io.logits])
+        if keep:
+            state.truncate(40 - keep)  # 8 visible + 6 kept behind the window
+            assert state.length == 34
+        else:
+            with pytest.raises(onnxkv.StateError, match="evicted by the sliding window"):
+                state.truncate(34)
+        for bad in (-1, 1.5, True, 2**31):
+            with pytest.raises(InputError, match="State.keep_for_truncate"):
+                state.keep_for_truncate(bad)
+        state.close()
+    with pytest.raises(onnxkv.StateError, match="needs a paged state"):
+        sess.new_state().keep_for_truncate(2)

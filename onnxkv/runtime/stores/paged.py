@@ -87,6 +87,8 @@ class PagedStore:
         self.key_header = key_header
         self.pool = pool if pool is not None else self._new_pool(block_size, max_pages)
         self.window = self._model_window()
+        #: Positions kept behind the window for State.truncate (State.keep_for_truncate).
+        self.rollback = 0
         self._needs_data = self._pasts_read_elsewhere()
         self.cache: PagedCache | None = None
         self._fresh = False
@@ -237,7 +239,7 @@ class PagedStore:
         if self._chosen:
             self._convert(self._chosen)
         if self.window is not None:
-            freed = self.cache.table.evict(self.window)
+            freed = self.cache.table.evict(self.window + self.rollback)
             if freed:
                 self.ctx.log("evict", allocations=0, extra={"pages_freed": freed})
 
