@@ -119,6 +119,8 @@ class PagedAPI:
         with self._exclusive("keep_rows"):
             store = self._require_paged("keep_rows")
             idx = np.asarray(indices)
+            if idx.ndim == 1 and idx.size and not np.issubdtype(idx.dtype, np.integer):
+                raise InputError(f"State.keep_rows: indices must be a 1-D int array, got {indices!r}")
             if idx.ndim == 1 and idx.size and np.unique(idx).size != idx.size:
                 raise InputError(f"State.keep_rows: indices must be distinct, got {idx.tolist()}")
             if idx.ndim == 1 and idx.size == 0:
@@ -179,9 +181,16 @@ class PagedAPI:
     def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
         """The committed cache as ``PagedCacheProto`` bytes (:mod:`onnxkv.cache.serialize`), also written
         atomically to ``path`` if given (:func:`onnxkv.cache.serialize.save`; a file readable by its owner only)."""
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"State.save_cache: path must be a str or os.PathLike, got {type(path).__name__}")
         with self._exclusive("save_cache"):
             snapshot = self._require_paged("save_cache").snapshot()
-        return serialize.encode(snapshot) if path is None else serialize.save(snapshot, path)
+        if path is None:
+            return serialize.encode(snapshot)
+        try:
+            return serialize.save(snapshot, path)
+        except OSError as e:
+            raise InputError(f"State.save_cache: cannot write {os.fspath(path)!r}: {e.strerror or e}") from e
 
     def load_cache(self, source: bytes | str | os.PathLike) -> None:
         """Replace the caches by a saved cache (bytes or a file from :meth:`save_cache`); all or nothing.

@@ -374,6 +374,12 @@ def test_load_cache_rejects_bad_input_and_leaves_the_state_unchanged(gqa):
     with pytest.raises(InputError, match="cannot read '/nonexistent/cache.okvc'") as err:
         target.load_cache("/nonexistent/cache.okvc")
     assert isinstance(err.value.__cause__, FileNotFoundError)
+    # save_cache used to let TypeError through and name its temporary file in FileNotFoundError
+    with pytest.raises(InputError, match="State.save_cache: path must be a str or os.PathLike, got int"):
+        target.save_cache(3)
+    with pytest.raises(InputError, match="State.save_cache: cannot write '/nonexistent/x.okvc'") as err:
+        target.save_cache("/nonexistent/x.okvc")
+    assert isinstance(err.value.__cause__, FileNotFoundError)
     for k, v in target.values.items():
         np.testing.assert_array_equal(v, before[k])
     for s in (st, target, other_block, other_model):
