@@ -134,17 +134,19 @@ class BatchedSteps:
         at = np.full(len(group), tokens.shape[1] - 1)  # each row's logits at its last token only
         taking = [i for i, r in enumerate(group) if not r._resuming]  # a paused request had made its token
 
-        def choice(out: dict) -> list[int]:
+        chosen: list[int] = []
+
+        def choice(out: dict) -> None:  # before the run is committed: if it raises, the run is undone
             logits = out[name]
             logits = logits[:, -1] if logits.ndim == 3 else logits
-            return choose_tokens([group[i] for i in taking], logits[taking])
+            chosen.extend(choose_tokens([group[i] for i in taking], logits[taking]))
 
         if done == 0:
             builder = group[0]._feeds(tokens)
             feeds, _ = builder.first()
             state = self._new_state(group[0])
             try:
-                chosen = choice(self._run(state, feeds, [name], group, at))
+                self._run(state, feeds, [name], group, at, choice)
             except BaseException:
                 state.close()
                 raise
@@ -154,7 +156,7 @@ class BatchedSteps:
             for r in group:
                 state.append_rows(r._state)
             try:
-                chosen = choice(self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name], group, at))
+                self._run(state, builder.ragged(tokens, np.full(len(group), done)), [name], group, at, choice)
             except BaseException:
                 for i, (r, own) in enumerate(zip(group, state.fork(len(group)), strict=True)):
                     own.keep_rows([i])
@@ -221,21 +223,24 @@ class BatchedSteps:
         the pool is full: the prefix cache's unreferenced pages go first, then the latest request (its row,
         or another's own state) is paused, and the run is made again over the rows left."""
         name = self.session.model.io.logits
+        chosen: list[int] = []
+
+        def choice(out: dict) -> None:  # before the run is committed: if it raises, the run is undone
+            logits = out[name]
+            chosen[:] = choose_tokens(rows, logits[:, -1] if logits.ndim == 3 else logits)
+
         while True:
             rows = self._rows
             tokens = np.array([r.tokens[-1] for r in rows])
             lengths = np.array([r._cached for r in rows])
             try:
-                out = self._batch.run(rows[0]._builder.ragged(tokens, lengths), [name])
+                self._batch.run(rows[0]._builder.ragged(tokens, lengths), [name], before_commit=choice)
                 break
             except OutOfMemory:
                 if not self._make_room([min(rows, key=lambda r: r.id)]):  # the earliest row always goes on
                     raise
                 if not self._rows:
                     return {}
-        logits = out[name]
-        # All or none: if a choice raises, no request moves on, and the next run writes the same positions again.
-        chosen = choose_tokens(rows, logits[:, -1] if logits.ndim == 3 else logits)
         produced, done = {}, []
         for r, token in zip(rows, chosen, strict=True):
             produced[r.id] = token
@@ -255,14 +260,16 @@ class BatchedSteps:
         for r in gone:
             r._builder = r._out = r._keys = None
 
-    def _run(self, state: State, feeds: dict, outputs: list[str], owners: list[Request], logits_at=None) -> dict:
-        """``state.run`` for the prompt runs of ``owners`` (``logits_at``: see :meth:`State.run`); while the pool is out of pages, room is made
+    def _run(
+        self, state: State, feeds: dict, outputs: list[str], owners: list[Request], logits_at=None, before_commit=None
+    ) -> dict:
+        """``state.run`` for the prompt runs of ``owners`` (``logits_at``, ``before_commit``: see :meth:`State.run`); while the pool is out of pages, room is made
         from requests that arrived after them (:meth:`_make_room`) and the run is made again (a failed run
         changes nothing).  When only earlier requests hold pages, WaitForRoom: the owners wait for them to
         finish.  OutOfMemory when nobody else holds a page: the run does not fit even alone."""
         while True:
             try:
-                return state.run(feeds, outputs, logits_at=logits_at)
+                return state.run(feeds, outputs, logits_at=logits_at, before_commit=before_commit)
             except OutOfMemory:
                 if self._make_room(owners, newer_than=max(r.id for r in owners)):
                     continue

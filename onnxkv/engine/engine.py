@@ -375,22 +375,27 @@ class Engine(BatchedSteps):
 
     def _advance(self, r: Request) -> int | None:
         """Run ``r``'s next prompt chunk or decode step (as :func:`onnxkv.generate` runs them for one
-        sequence); returns the id it produced, if any.  A run that raises, or whose token choice raises,
-        leaves ``r`` as before it (its feeds rewound, a first run's new state closed; positions the run
-        wrote past ``r``'s own are written again by its next run)."""
+        sequence); returns the id it produced, if any.  A run that raises, or whose token choice raises
+        (made before the run is committed, which it then undoes), leaves ``r`` as before it (its feeds
+        rewound, a first run's new state closed)."""
         model = self.session.model
         name = model.io.logits
         seq = r._seq
         length = seq.size
+        chosen: list[int] = []
 
-        def choice(out: dict, last: bool, read_at) -> int | None:
-            """The id ``r`` takes from the run's logits (all or none: :func:`choose_tokens`), if it takes one."""
+        def choice(last: bool, read_at):
+            """``before_commit`` of the run: the id ``r`` takes from its logits, if it takes one."""
             if not last or r._resuming:  # a paused request's next token is the one it had made
                 return None
-            logits = out[name]
-            if logits.ndim == 3:
-                logits = logits[np.arange(1), read_at if read_at is not None and logits.shape[1] > 1 else 0]
-            return choose_tokens([r], logits)[0]
+
+            def choose(out: dict) -> None:
+                logits = out[name]
+                if logits.ndim == 3:
+                    logits = logits[np.arange(1), read_at if read_at is not None and logits.shape[1] > 1 else 0]
+                chosen[:] = choose_tokens([r], logits)
+
+            return choose
 
         if r._state is None:
             first = min(r.chunk, length)
@@ -399,8 +404,9 @@ class Engine(BatchedSteps):
             feeds, read = builder.first()
             whole = first >= length  # its last chunk: the logits at its last token only
             try:
-                out = self._run(state, feeds, [name] if whole else [], [r], read if whole else None)
-                token = choice(out, whole, read)
+                out = self._run(
+                    state, feeds, [name] if whole else [], [r], read if whole else None, choice(whole, read)
+                )
             except BaseException:
                 state.close()
                 raise
@@ -412,8 +418,8 @@ class Engine(BatchedSteps):
             last = decoding or r.prompt_done + tokens.shape[-1] >= length
             try:
                 read_at = None if decoding else np.array([tokens.shape[1] - 1])
-                out = self._run(r._state, r._builder.next(tokens, r._out), [name] if last else [], [r], read_at)
-                token = choice(out, last, read_at)
+                feeds = r._builder.next(tokens, r._out)
+                out = self._run(r._state, feeds, [name] if last else [], [r], read_at, choice(last, read_at))
             except BaseException:
                 r._builder.rewind(fed)
                 raise
@@ -429,6 +435,7 @@ class Engine(BatchedSteps):
         if r._resuming:  # a paused request: its next token is the one it had made; its row joins
             r._resuming = False
             return self._join(r)  # (only a batched engine pauses)
+        (token,) = chosen
         stop = r._take(token)
         if stop is not None:
             r._release(stop)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -201,9 +201,13 @@ class State(PagedAPI):
         output_names: list[str] | None = None,
         cancel: Cancellation | None = None,
         logits_at=None,
+        *,
+        before_commit: Callable[[dict], object] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run one step: bound inputs come from the state, the caller feeds the rest (``logits_at``: as
-        :meth:`Session.run`'s).
+        :meth:`Session.run`'s).  ``before_commit`` is called with the outputs before the run is committed:
+        if it raises, the run is discarded (the state as before; values a model's contract declares are
+        written in place by its own nodes and keep the run) and the error propagates.
 
         Returns the requested outputs (default: every output that is not a bound present; one asked
         for by name is exported as a copy of the valid cache, an ``export`` event).  Raises StateError
@@ -221,6 +225,8 @@ class State(PagedAPI):
                 fetch = list(dict.fromkeys([*output_names, *produced]))
                 out = self.session._run_plan(store.feeds(feeds), fetch, own, self.allocator, cancel, logits_at)
                 store.finish()
+                if before_commit is not None:
+                    before_commit(out)
             except BaseException:
                 store.discard()
                 raise

@@ -185,14 +185,27 @@ def test_a_failed_first_run_closes_the_new_state(session, monkeypatch):
     assert r.tokens == _alone(session, r, None)
 
 
+@pytest.fixture(scope="module")
+def attention_session():
+    """An opset-23 Attention graph: its state, not the feeds, says where a run writes."""
+    return onnxkv.Session(build_model("attention", TINY, seed=11), threads=1)
+
+
+@pytest.mark.parametrize("graph", ["gqa", "attention"])
 @pytest.mark.parametrize("cache", ["contiguous", onnxkv.CacheConfig("paged", block_size=16)], ids=["contig", "paged"])
 @pytest.mark.parametrize("fail_at", [(1,), (2, 3), (4,), (6, 7, 8), (11,)])
-def test_a_token_choice_that_raises_leaves_every_request_as_before(session, cache, fail_at, monkeypatch):
+def test_a_token_choice_that_raises_leaves_every_request_as_before(
+    session, attention_session, graph, cache, fail_at, monkeypatch
+):
     """The choice after a run (a sampling kernel's MemoryError) used to leave its requests half-advanced:
     a prompt marked done with no token (its next step then failed), earlier rows of a decode run with
     their token and sampled ones' streams a draw ahead.  Now no request of the run moves on, streams go
-    back, and a later step runs them again: every request ends with the tokens it makes alone."""
+    back, and a later step runs them again: every request ends with the tokens it makes alone.  The choice
+    is made before the run is committed, which it undoes: an Attention graph's state, which places a
+    run's keys after what it holds, then writes the same positions again."""
     import onnxkv.engine.request as request_module
+
+    session = session if graph == "gqa" else attention_session
 
     real, calls = request_module.select_next, {"n": 0}
 
@@ -208,6 +221,7 @@ def test_a_token_choice_that_raises_leaves_every_request_as_before(session, cach
     engine = onnxkv.Engine(session, cache=cache)
     sampling = [{}, {"do_sample": True, "temperature": 0.8, "seed": 3}, {}, {"do_sample": True, "top_k": 7, "seed": 5}]
     prompts = [_ids(PROMPTS[0]), _ids(PROMPTS[3]), _ids("abcd"), _ids("wxyz")]  # the last two: one group run
+    prompts = [p % session.model.vocab_size for p in prompts]
     requests = [engine.add_request(p, 9, **kw) for p, kw in zip(prompts, sampling, strict=True)]
     failures = 0
     while engine.active:

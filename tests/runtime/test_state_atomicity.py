@@ -72,8 +72,10 @@ def snapshot(states) -> list[dict]:
     return out
 
 
-def assert_every_stop_leaves_states_unchanged(session, state, feeds, watched=()):
-    """Fail ``state.run(feeds)`` after every node and cancel it before every node; nothing may change."""
+def assert_every_stop_leaves_states_unchanged(session, state, feeds, watched=(), staged=True):
+    """Fail ``state.run(feeds)`` after every node and cancel it before every node, and (``staged``: a state
+    whose store stages a run until it commits, not declared values written in place) refuse the finished
+    run in ``before_commit``; nothing may change."""
     plan = session.plan
     states = [state, *watched]
     before = snapshot(states)
@@ -86,6 +88,17 @@ def assert_every_stop_leaves_states_unchanged(session, state, feeds, watched=())
             state.run(feeds, cancel=token)
         assert token.checks == k + 1
         assert snapshot(states) == before, f"cancellation before node {k} ({plan.nodes[k].op_type}) changed a state"
+    if not staged:
+        return
+    seen = []
+
+    def refuse(out):  # the outputs are made; the run is not committed yet
+        seen.append(sorted(out))
+        raise MemoryError("before_commit")
+
+    with pytest.raises(MemoryError, match="before_commit"):
+        state.run(feeds, before_commit=refuse)
+    assert seen and snapshot(states) == before, "a before_commit that raised left the run committed"
 
 
 @functools.cache
@@ -335,12 +348,12 @@ def test_declared_bindings_are_restored_after_every_node(model, events):
     want = [reference.run(f) for f in feeds]
 
     state = session.new_state()
-    assert_every_stop_leaves_states_unchanged(session, state, feeds[0])
+    assert_every_stop_leaves_states_unchanged(session, state, feeds[0], staged=False)
     assert state.committed_bytes == 0
     state.run(feeds[0])
     storage = dict(state.values)  # views of the declared values' storage
     for f, w in zip(feeds[1:], want[1:]):
-        assert_every_stop_leaves_states_unchanged(session, state, f)
+        assert_every_stop_leaves_states_unchanged(session, state, f, staged=False)
         got = state.run(f)
         for name in w:
             np.testing.assert_array_equal(got[name], w[name])
