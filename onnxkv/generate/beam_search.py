@@ -41,12 +41,14 @@ from onnxkv.plan.ops.shape import MAX_TENSOR_BYTES
 from onnxkv.runtime.cache_config import CacheConfig, cache_request
 from onnxkv.runtime.state import State
 
-__all__ = ["beam_search", "BeamSearchResult", "BeamScorer", "log_softmax"]
+__all__ = ["beam_search", "BeamSearchResult", "BeamScorer", "MAX_BEAM_ROWS", "log_softmax"]
 
 #: transformers' "minus infinity" for beam scores (added, in float32).
 NEG = np.float32(-1.0e9)
 #: ``|length_penalty| * ln(max_new_tokens + 1)`` above this would take the length factor out of the float32 range.
 _LENGTH_EXPONENT_LIMIT = 80.0
+#: Most beam rows (prompt rows * num_beams) one search runs: the paged state's rows, as State.fork's limit.
+MAX_BEAM_ROWS = 1 << 16
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -346,7 +348,7 @@ def beam_search(
         model: a :class:`~onnxkv.Session`, or anything it accepts (then a session
             is built with ``threads``).  ``session_or_model=`` is its deprecated keyword.
         input_ids: int [B, L] or [L] prompt ids, left-padded when rows differ in length.
-        num_beams: k ≥ 1 beams per prompt row.
+        num_beams: k ≥ 1 beams per prompt row; prompt rows × k at most :data:`MAX_BEAM_ROWS` (65,536).
         max_new_tokens: at most this many generated tokens (≥ 1).
         length_penalty: exponent of the generated length dividing a hypothesis' log-probability.
         early_stopping: ``True``, ``False`` or ``"never"`` (see :class:`BeamScorer`).
@@ -383,6 +385,8 @@ def beam_search(
             "deterministic (use do_sample=False, or onnxkv.generate(do_sample=True) to sample)"
         )
     k = int_arg(api, "num_beams", num_beams, 1)
+    if k > MAX_BEAM_ROWS:
+        raise InputError(f"beam_search: num_beams must be at most {MAX_BEAM_ROWS}, got {k}")
     max_new = int_arg(api, "max_new_tokens", max_new_tokens, 1)
     n_ret = int_arg(api, "num_return_sequences", num_return_sequences, 1)
     if n_ret > k:
@@ -423,6 +427,10 @@ def beam_search(
         raise InputError(
             f"beam_search: prompt length {L} + max_new_tokens {max_new} exceeds the model's "
             f"max_length {model.max_length}"
+        )
+    if B * k > MAX_BEAM_ROWS:
+        raise InputError(
+            f"beam_search: {B} row(s) * num_beams {k} = {B * k} beam rows; at most {MAX_BEAM_ROWS} run together"
         )
     table = 2 * B * k * max_new * np.dtype(np.int64).itemsize
     if table > MAX_TENSOR_BYTES:

@@ -355,12 +355,20 @@ def test_one_new_token_returns_the_k_most_likely_tokens(micro, cache):
         (dict(pad_token_id=-1), r"pad_token_id -1"),
         (dict(num_beams=True), r"num_beams.*True"),
         (dict(max_new_tokens=2.0), r"max_new_tokens.*2\.0"),
+        (dict(num_beams=10**6), r"num_beams must be at most 65536, got 1000000"),  # it ran for minutes
     ],
 )
 def test_bad_arguments_raise_input_error_naming_beam_search(micro, kwargs, match):
     args = dict(num_beams=2, max_new_tokens=3, cache="tensor") | kwargs
     with pytest.raises(InputError, match=r"^beam_search: .*" + match):
         beam_search(micro, np.array([[1, 2, 3]]), **args)
+
+
+def test_beam_rows_of_a_batch_are_bounded(micro):
+    with pytest.raises(
+        InputError, match=r"beam_search: 3 row\(s\) \* num_beams 30000 = 90000 beam rows; at most 65536"
+    ):
+        beam_search(micro, np.array([[1, 2, 3]] * 3), num_beams=30000, max_new_tokens=2, cache="tensor")
 
 
 def test_scorer_rejects_too_small_vocab_and_wrong_shapes():
