@@ -69,8 +69,9 @@ class BatchedSteps:
         """Batched with prefix caching: give ``r`` the cached pages of the longest prefix of the tokens it
         must run (its prompt; after a pause, its tokens too), whole pages before the last one, and a state
         that continues after them.  ``again``: a request that waited for another's prompt pages looks up
-        once more (logged only when it finds some)."""
-        if not (self.batched and self.prefix_caching) or self._prefix is None:
+        once more (logged only when it finds some).  Not while the started requests fill
+        ``max_batch_tokens``: a state makes a decode row, and a step runs its decode rows only together."""
+        if not (self.batched and self.prefix_caching) or self._prefix is None or not self._room_for_row():
             return
         prefix = self._prefix
         hits = prefix.lookup(self._prompt_keys(r))

@@ -38,9 +38,9 @@ def _count_runs(monkeypatch) -> dict:
     runs = {"n": 0}
     real = State.run
 
-    def counted(self, feeds, output_names=None, cancel=None, logits_at=None):
+    def counted(self, feeds, output_names=None, cancel=None, logits_at=None, **kw):
         runs["n"] += 1
-        return real(self, feeds, output_names, cancel, logits_at)
+        return real(self, feeds, output_names, cancel, logits_at, **kw)
 
     monkeypatch.setattr(State, "run", counted)
     return runs
@@ -154,11 +154,11 @@ def test_a_failed_run_leaves_its_request_as_before(session, monkeypatch):
         engine.step()
     real, calls = State.run, {"n": 0}
 
-    def fails_once(self, feeds, output_names=None, cancel=None, logits_at=None):
+    def fails_once(self, feeds, output_names=None, cancel=None, logits_at=None, **kw):
         calls["n"] += 1
         if calls["n"] == 2:  # b's run in this step
             raise MemoryError("State.run: no memory")
-        return real(self, feeds, output_names, cancel, logits_at)
+        return real(self, feeds, output_names, cancel, logits_at, **kw)
 
     monkeypatch.setattr(State, "run", fails_once)
     before = (len(a.tokens), len(b.tokens), b.state.length)
@@ -173,7 +173,7 @@ def test_a_failed_first_run_closes_the_new_state(session, monkeypatch):
     engine = onnxkv.Engine(session)
     r = engine.add_request(_ids(PROMPTS[0]), 5)
 
-    def fails(self, feeds, output_names=None, cancel=None, logits_at=None):
+    def fails(self, feeds, output_names=None, cancel=None, logits_at=None, **kw):
         raise MemoryError("State.run: no memory")
 
     with monkeypatch.context() as m:

@@ -111,11 +111,11 @@ def _count_runs(monkeypatch, fail_at: int | None = None) -> dict:
     runs = {"n": 0}
     real = onnxkv.State.run
 
-    def counted(self, feeds, output_names=None, cancel=None, logits_at=None):
+    def counted(self, feeds, output_names=None, cancel=None, logits_at=None, **kw):
         runs["n"] += 1
         if runs["n"] == fail_at:
             raise MemoryError("State.run: no memory")
-        return real(self, feeds, output_names, cancel, logits_at)
+        return real(self, feeds, output_names, cancel, logits_at, **kw)
 
     monkeypatch.setattr(onnxkv.State, "run", counted)
     return runs
@@ -205,4 +205,25 @@ def test_requests_waiting_for_an_aborted_prompt_compute_it_themselves(session):
     for r in reqs[1:]:
         assert r.finished == "length" and r.tokens == _alone(session, r)
     engine._batch.pool.audit()
+    engine.close()
+
+
+@pytest.mark.parametrize("budget", [1, 4])
+def test_prefix_hits_never_start_more_requests_than_a_step_runs_decode_rows_for(session, budget):
+    """A prefix hit gave a request its state (so a decode row) without the room check a prompt's first
+    run has: with more decode rows than max_batch_tokens no step ran them, and run() never returned."""
+    engine = onnxkv.Engine(session, cache=PAGED, max_batch_tokens=budget)
+    system = np.arange(40, 80, dtype=np.int64)  # 40 tokens: two full pages to share
+    first = engine.add_request(np.concatenate([system, [90]]), 6)
+    while first.prompt_done < 32:
+        engine.step()
+    others = [engine.add_request(np.concatenate([system, [91 + i]]), 6) for i in range(5)]
+    for _ in range(500):
+        if not engine.active:
+            break
+        engine.step()
+    assert not engine.active
+    assert any(r.prefix_hit_tokens for r in others)
+    for r in [first, *others]:
+        assert r.tokens == _alone(session, r)
     engine.close()
