@@ -317,6 +317,7 @@ class BatchedSteps:
                     self._log_evictions(self._prefix.release(state.page_tables[row]))
                 freed = state.compress_rows([row], fmt, self.keep_native_tokens)
                 if freed > 0:
+                    r._converted = True  # its pages, and those it computes over them, are no prefix for others
                     events = self.session.events
                     if events.enabled:
                         events.record(
@@ -338,6 +339,7 @@ class BatchedSteps:
             r._resuming = True
         r._state = r._builder = r._out = None
         r.prompt_done = r._cached = r.prefix_hit_tokens = 0
+        r._converted = False  # it computes its pages again, over cached pages that were never converted
         r.preemptions += 1
         self._paused_now.add(r)
         r._lookup = True  # its prefix pages are looked up when the next step starts, not now
@@ -363,7 +365,7 @@ class BatchedSteps:
         """Batched with prefix caching: ``r``'s full pages of the tokens it ran before decoding (its prompt,
         after a pause its tokens too; ``table`` its row's page ids) into the cache; ``done``: only the pages
         of its first ``done`` tokens (after a prompt chunk: requests waiting for them take them)."""
-        if self._prefix is None:
+        if self._prefix is None or r._converted:  # converted pages would change other requests' tokens
             return
         keys = self._prefix.keys(r._seq) if done is None else self._prompt_keys(r)[: done // self._prefix.block_size]
         if keys:

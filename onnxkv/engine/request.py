@@ -76,6 +76,7 @@ class Request:
         self._read = 0  # tokens stream() has yielded
         self._skipped = False  # its prompt chunk did not fit the last step's budget: first in the next
         self._keys: tuple | None = None  # prefix caching: (_seq, the keys of its full pages before its last id)
+        self._converted = False  # pages of its row were converted to make room: it caches no prefix pages
 
     def __repr__(self) -> str:
         status = self.finished or ("prompt" if self.prompt_done < self._seq.size else "decoding")

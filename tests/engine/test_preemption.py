@@ -126,6 +126,37 @@ def test_a_byte_budget_quantizes_cold_pages_before_pausing_anyone(session, prefi
     engine.close()
 
 
+def test_converted_pages_never_become_a_prefix_of_other_requests(session):
+    """A request whose cold pages were converted mid-prompt (to make room) went on caching its prompt
+    pages after each chunk: the converted ones, and the ones it computed over them, came back to a later
+    request with the same prompt, whose tokens then differed from generate alone from the first one on."""
+    from onnxkv.cache.plane_payloads import NATIVE_CODE
+
+    rng = np.random.default_rng(0)
+    first, second = rng.integers(3, 256, 100), rng.integers(3, 256, 200)
+    engine = onnxkv.Engine(
+        session, cache=onnxkv.CacheConfig("paged", block_size=16), max_batch_tokens=17,
+        max_cache_bytes=13 * 32768, keep_native_tokens=0,
+    )  # fmt: skip
+    engine.add_request(first, 14, eos_token_id=[])
+    engine.add_request(second, 2, eos_token_id=[])
+    session.events.clear()
+    engine.run()
+    assert 1 in {e.extra["request"] for e in session.events if e.action == "preempt_quantize"}
+    pool, cached = engine._batch.pool, engine._prefix.held_ids()
+    for plane, spec in enumerate(pool.planes):
+        assert (pool.payloads.formats[plane][cached] == NATIVE_CODE[spec.storage]).all()
+    later = engine.add_request(second[:150], 5, eos_token_id=[])  # alone, after the pressure: fits native
+    engine.run()
+    alone = onnxkv.generate(
+        session, later.prompt[None], 5, cache=onnxkv.CacheConfig("paged", block_size=16),
+        prefill_chunk=later.chunk, eos_token_id=[],
+    )  # fmt: skip
+    assert later.tokens == alone.tokens[0].tolist()
+    engine._batch.pool.audit()
+    engine.close()
+
+
 def test_the_formats_step_down_in_order(session):
     """With int8 then int4, no page reaches int4 before every candidate was tried in int8, and the pages
     held stay within the budget after each step."""
