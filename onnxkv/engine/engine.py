@@ -15,7 +15,10 @@ Each request's tokens are those :func:`onnxkv.generate` makes for it alone
 with ``prefill_chunk=request.chunk`` (the same feeds, sampling stream and
 stopping rule; ``generate``'s default chunk when ``max_batch_tokens`` is at
 least that): greedy requests token for token, sampled ones draw for draw with
-the same seed.
+the same seed -- except that under a ``kv_format`` that quantizes pages, a
+prefix hit runs the rest of the prompt over the cached pages in that format
+(``generate`` alone runs its first chunk over native values), which can change
+tokens; ``prefix_caching=False`` keeps them identical.
 
 Batching.  With paged caches (the default there) on a GroupQueryAttention graph
 (the ONNX Runtime GenAI builder's form, which takes a length per row) or an opset-23 Attention
