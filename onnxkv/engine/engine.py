@@ -49,7 +49,7 @@ from onnxkv.engine.batched import BatchedSteps, WaitForRoom
 from onnxkv.engine.occupancy import pool_occupancy
 from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request, choose_tokens
-from onnxkv.errors import InputError, OutOfMemory, StateError
+from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, StateError
 from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
 from onnxkv.generate.sampling import sampling_arguments
 from onnxkv.runtime.cache_config import CacheConfig, cache_request
@@ -66,12 +66,14 @@ _KINDS = ("contiguous", "paged")
 _BATCHING_FORMS = ("group_query_attention", "attention")
 
 
-def _alone(r: Request, cause: OutOfMemory) -> OutOfMemory:
-    """The error of a run of ``r`` that does not fit in the pool even with every later request paused:
-    it names the request (``.request``), which the caller may abort to let the others go on."""
-    err = OutOfMemory(
-        f"Engine.step: request {r.id} ({r._seq.size} prompt tokens, {len(r.tokens)} made) does not fit even "
-        f"alone; abort it (Engine.abort(error.request)) to go on with the others: {cause}"
+def _alone(r: Request, cause: OutOfMemory | CacheCapacityError) -> OutOfMemory | CacheCapacityError:
+    """The error of a run of ``r`` that does not fit in the pool even with every later request paused, or
+    past its cache's fixed capacity: it names the request (``.request``), which the caller may abort to
+    let the others go on (every step would raise it again)."""
+    what = "does not fit even alone" if isinstance(cause, OutOfMemory) else "is past its cache's fixed capacity"
+    err = type(cause)(
+        f"Engine.step: request {r.id} ({r.prompt.size} prompt tokens, {len(r.tokens)} made) {what}; abort it "
+        f"(Engine.abort(error.request)) to go on with the others: {cause}"
     )
     err.request = r
     return err
@@ -141,7 +143,8 @@ class Engine(BatchedSteps):
         self.prefix_caching = prefix_caching
         self._prefix_pages = int_arg(api, "prefix_pages", prefix_pages, 0) if prefix_pages is not None else None
         self._prefix: PrefixCache | None = None  # made with the batched state
-        self._max_cache_bytes = int_arg(api, "max_cache_bytes", max_cache_bytes, 1) if max_cache_bytes else None
+        # None: no byte bound (0 and False used to mean that too, silently)
+        self._max_cache_bytes = None if max_cache_bytes is None else int_arg(api, "max_cache_bytes", max_cache_bytes, 1)
         if isinstance(preempt_formats, (str, bytes)) or not isinstance(preempt_formats, Sequence):
             raise InputError(f"{api}: preempt_formats must be a sequence of page format names, got {preempt_formats!r}")
         steps = [page_format(f) for f in preempt_formats]
@@ -326,6 +329,8 @@ class Engine(BatchedSteps):
             produced: dict[int, int] = self._decode_batch() if decode_rows else {}
         except OutOfMemory as e:  # the earliest row does not fit with every later one paused
             raise _alone(min(rows, key=lambda r: r.id), e) from e
+        except CacheCapacityError as e:  # the longest row is at the fixed capacity
+            raise _alone(max(rows, key=lambda r: (r._cached, -r.id)), e) from e
         for group in self._groups(chosen):
             group = [r for r in group if r not in self._paused_now]  # paused by an earlier run of this step
             if not group:
@@ -343,7 +348,7 @@ class Engine(BatchedSteps):
             except WaitForRoom:  # the pool is held by earlier requests: first in a later step
                 group[0]._skipped = True
                 continue
-            except OutOfMemory as e:
+            except (OutOfMemory, CacheCapacityError) as e:
                 raise _alone(group[0], e) from e
             if token is not None:
                 produced[group[0].id] = token

@@ -313,6 +313,9 @@ def test_bad_engines_are_refused(session):
         onnxkv.Engine(session, preempt_formats="int8")
     with pytest.raises(InputError, match="unknown page format 'int3'"):
         onnxkv.Engine(session, preempt_formats=("int3",))
+    for bound in (0, False, -1):  # 0 and False used to mean no bound, silently
+        with pytest.raises(InputError, match="max_cache_bytes"):
+            onnxkv.Engine(session, max_cache_bytes=bound)
 
 
 def test_paged_decode_rows_of_every_request_run_as_one_batched_run(session, monkeypatch):
@@ -435,3 +438,20 @@ def test_a_closed_engine_takes_no_request(session):
     with pytest.raises(StateError, match="Engine.add_request: the engine is closed"):
         engine.add_request(_ids(PROMPTS[0]), 3)
     assert engine.step() == {} and len(engine.requests) == 1
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_a_request_past_a_fixed_capacity_is_named_and_can_be_aborted(session, kind):
+    """Every step raised CacheCapacityError without naming the request, so the documented way on
+    (abort(error.request)) was impossible."""
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig(kind, capacity=40), max_batch_tokens=64)
+    a = engine.add_request(np.arange(40, 45, dtype=np.int64), 10, eos_token_id=[])
+    b = engine.add_request(np.arange(40, 75, dtype=np.int64), 10, eos_token_id=[])  # 35 + 10 > 40
+    with pytest.raises(onnxkv.CacheCapacityError, match=r"request 1 \(35 prompt tokens, \d+ made\)") as err:
+        for _ in range(20):
+            engine.step()
+    assert err.value.request is b
+    engine.abort(b)
+    engine.run()
+    assert a.finished == "length" and a.tokens == _alone(session, a, onnxkv.CacheConfig(kind, capacity=40))
+    engine.close()
