@@ -138,6 +138,10 @@ class Engine(BatchedSteps):
         self._cache = cache_request(api, cache, _KINDS, {}, auto=True)
         batches = session.model.convention.kind in _BATCHING_FORMS
         self.kind = self._cache.kind("paged" if batches else "contiguous")
+        try:  # the state's checks of the cache against the model, now rather than at the first step
+            State(session, **self._cache.state_keywords(self.kind, initial_capacity=32)).close()
+        except InputError as e:
+            raise InputError(f"{api}: the cache does not suit this model: {e}") from None
         if not isinstance(prefix_caching, bool):
             raise InputError(f"{api}: prefix_caching must be a bool, got {prefix_caching!r}")
         self.prefix_caching = prefix_caching

@@ -313,6 +313,9 @@ def test_bad_engines_are_refused(session):
         onnxkv.Engine(session, preempt_formats="int8")
     with pytest.raises(InputError, match="unknown page format 'int3'"):
         onnxkv.Engine(session, preempt_formats=("int3",))
+    attention = onnxkv.Session(build_model("attention", TINY, seed=11), threads=1)
+    with pytest.raises(InputError, match="Engine: the cache does not suit this model: .*GroupQueryAttention"):
+        onnxkv.Engine(attention, cache=onnxkv.CacheConfig("paged", kv_format="fp16"))  # used to fail at every step
     for bound in (0, False, -1):  # 0 and False used to mean no bound, silently
         with pytest.raises(InputError, match="max_cache_bytes"):
             onnxkv.Engine(session, max_cache_bytes=bound)
