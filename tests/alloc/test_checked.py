@@ -183,3 +183,37 @@ def test_ownership_index_matches_a_brute_force_model(ops):
         assert tracked(region) == len(live)
     release(region, [b for _, _, b in live.values()], "test")
     assert tracked(region) == 0
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 8, 512])
+def test_the_ownership_index_agrees_with_a_model_of_its_ranges(block):
+    """Random leases and releases in any address order (the index is kept in blocks; a split or an
+    emptied block must keep every range findable): overlaps found exactly as a list of the live ranges
+    finds them, ranges sorted, block starts right."""
+    from onnxkv.alloc.checked import _Leases
+
+    rng = np.random.default_rng(block)
+    leases = type("Leases", (_Leases,), {"BLOCK": block})()
+    live: dict[int, tuple[int, int]] = {}
+    held: list[object] = []
+    for _ in range(3000):
+        if held and rng.random() < 0.4:
+            buf = held.pop(int(rng.integers(len(held))))
+            leases.remove(buf)
+            del live[id(buf)]
+        else:
+            start = int(rng.integers(0, 20_000))
+            end = start + int(rng.integers(1, 60))
+            hit = leases.overlapping(start, end)
+            overlaps = [r for r in live.values() if r[0] < end and start < r[1]]
+            assert (hit is None) == (not overlaps)
+            if hit is None:
+                buf = object()
+                held.append(buf)
+                leases.add(start, end, buf)
+                live[id(buf)] = (start, end)
+            else:
+                assert live[hit[2]] == hit[:2] and hit[0] < end and start < hit[1]
+        assert len(leases) == len(live)
+        flat = [e for b in leases.blocks for e in b]
+        assert flat == sorted(flat) and leases.firsts == [b[0][0] for b in leases.blocks] and all(leases.blocks)
