@@ -117,6 +117,37 @@ def test_paged(bs, dtype, threads, simd):
     assert not np.array_equal(*outs)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("G", [1, 6])
+def test_paged_keys_no_query_sees_between_windows_are_never_read(G, dtype, threads, simd):
+    """Queries far apart under a window leave blocks between their windows that no query sees: their
+    table entries may be -1.  The tiled unit walked every key from the lowest to the highest seen one and
+    looked those blocks up (a segfault at every level); it now skips them, as the streaming unit does."""
+    from onnxkv._kernels._validate import paged_blocks_read
+
+    rng = np.random.default_rng(G)
+    D, Hkv, bs, window, L, Sq = 8, 1, 4, 2, 401, 40  # 40 tokens: the bfloat16 unit takes them too
+    q_pos = np.linspace(0, L - 1, Sq).astype(np.int32)[None, :]
+    kv_len = np.array([L], np.int32)
+    k, v = to_cache(rand(rng, (1, Hkv, L, D)), dtype), to_cache(rand(rng, (1, Hkv, L, D)), dtype)
+    read = paged_blocks_read(kv_len, q_pos.astype(np.int64), window, bs, -(-L // bs))
+    assert not read.all()
+    paged = Paged(rng, k, v, bs, read=read)
+    q = rand(rng, (1, Hkv * G, Sq, D))
+    want = np.empty_like(q)
+    paged.twin(q, Hkv, kv_len, q_pos, D**-0.5, 0.0, window, want, dtype)
+    for flash in (True, False):
+        out = np.full_like(q, 42.0)
+        with unit(flash):
+            paged.kernel(q, Hkv, kv_len, q_pos, D**-0.5, 0.0, window, out, dtype)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"flash={flash}")
+    if K.bf16_available():  # attention_flash_bf16.h walked the keys the same way
+        out = np.full_like(q, 42.0)
+        with K.use_settings(K.current_settings().replace(prefill_precision="bf16")):
+            paged.kernel(q, Hkv, kv_len, q_pos, D**-0.5, 0.0, window, out, dtype)
+        np.testing.assert_allclose(out, want, rtol=0, atol=3e-2)
+
+
 @pytest.mark.parametrize("case", ["q-nan", "q-inf", "k-nan", "k-inf", "v-nan", "k-all-neg-inf"])
 def test_nan_and_infinities(case, simd):
     """The rules of attention.h in the tiled unit: a NaN or +inf visible score makes the row NaN, all -inf
