@@ -260,23 +260,39 @@ OKV_AVX2 static inline void okv_scal_f32_avx2(float a, float *y, int64_t n) {
     for (; i < n; i++) y[i] *= a;
 }
 
+/* The largest of x[0..n), or NaN if one is NaN (maxps alone would drop it). */
 OKV_AVX2 static inline float okv_max_f32_avx2(const float *x, int64_t n) {
-    __m256 m = _mm256_set1_ps(-INFINITY);
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     int64_t i = 0;
     float r;
-    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        m = _mm256_max_ps(m, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
     r = okv_hmax256(m);
-    for (; i < n; i++) r = x[i] > r ? x[i] : r;
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return NAN;
+        r = x[i] > r ? x[i] : r;
+    }
     return r;
 }
 
+/* x[i] = exp(x[i] - m); returns the sum: eight float lanes over 256 elements at a time, those partial
+ * sums added in double (a vocabulary-sized row summed in float lanes alone drifts 3e-5 relative). */
 OKV_AVX2 static inline float okv_exp_sub_sum_f32_avx2(float *x, float m, int64_t n) {
     __m256 vm = _mm256_set1_ps(m), s = _mm256_setzero_ps();
+    double total = 0.;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 e = okv_exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
         _mm256_storeu_ps(x + i, e);
         s = _mm256_add_ps(s, e);
+        if ((i & 255) == 248) {
+            total += okv_hsum256(s);
+            s = _mm256_setzero_ps();
+        }
     }
     if (i < n) {
         __m256i mk = okv_tailmask(n - i);
@@ -285,7 +301,7 @@ OKV_AVX2 static inline float okv_exp_sub_sum_f32_avx2(float *x, float m, int64_t
         _mm256_maskstore_ps(x + i, mk, e);
         s = _mm256_add_ps(s, e);
     }
-    return okv_hsum256(s);
+    return (float)(total + okv_hsum256(s));
 }
 
 OKV_AVX2 static inline float okv_sumsq_f32_avx2(const float *x, int64_t n) {
@@ -314,10 +330,13 @@ OKV_AVX2 static inline void okv_add3_f32_avx2(const float *x, const float *y, co
     }
 }
 
+/* 1 / (1 + exp(-x)); NaN for NaN, 0 where exp(-x) overflows (okv_exp256 saturates there instead). */
 OKV_AVX2 static inline __m256 okv_sigmoid256(__m256 x) {
     const __m256 one = _mm256_set1_ps(1.f);
     __m256 e = okv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
-    return _mm256_div_ps(one, _mm256_add_ps(one, e));
+    __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    r = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-88.3762626647949f), _CMP_LT_OQ), r);
+    return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
 OKV_AVX2 static inline void okv_act_f32_avx2(int mode, const float *x, const float *up, float *out, int64_t n) {
@@ -378,7 +397,7 @@ OKV_AVX2 static inline void okv_softmax_row_f32_avx2(const float *x, float *out,
 
 OKV_AVX2 static inline void okv_rms_row_f32_avx2(const float *x, const float *g, float eps, float *out, int64_t n) {
     float ms = okv_sumsq_f32_avx2(x, n) / (float)n;
-    okv_scale_mul_f32_avx2(x, 1.f / sqrtf(ms + eps), g, out, n);
+    okv_scale_mul_f32_avx2(x, ms < INFINITY ? 1.f / sqrtf(ms + eps) : okv_rms_inv_f64(x, n, eps), g, out, n);
 }
 
 #endif /* OKV_X86_SIMD */

@@ -42,16 +42,18 @@ static inline float okv_max_f32_scalar(const float *x, int64_t n) {
     return m;
 }
 
-/* x[i] = exp(x[i] - m); returns the sum.  exp(-inf) = 0. */
+/* x[i] = exp(x[i] - m); returns the sum (accumulated in double: a vocabulary-sized row summed in one
+ * float drifts past 1e-5 of the largest term, where the vector paths' eight partial sums do not).
+ * exp(-inf) = 0. */
 static inline float okv_exp_sub_sum_f32_scalar(float *x, float m, int64_t n) {
-    float s = 0.f;
+    double s = 0.;
     int64_t i;
     for (i = 0; i < n; i++) {
         float e = expf(x[i] - m);
         x[i] = e;
         s += e;
     }
-    return s;
+    return (float)s;
 }
 
 static inline float okv_sumsq_f32_scalar(const float *x, int64_t n) {
@@ -180,9 +182,18 @@ static inline void okv_softmax_row_f32_scalar(const float *x, float *out, int64_
     okv_scal_f32_scalar(1.f / s, out, n);
 }
 
+/* 1 / sqrt(mean(x^2) + eps) with the squares summed in double: for rows whose float32 sum overflows
+ * (|x| from about 1e18), where 1 / sqrt(inf) would make the whole row 0. */
+static inline float okv_rms_inv_f64(const float *x, int64_t n, float eps) {
+    double s = 0.;
+    int64_t i;
+    for (i = 0; i < n; i++) s += (double)x[i] * (double)x[i];
+    return (float)(1.0 / sqrt(s / (double)n + (double)eps));
+}
+
 static inline void okv_rms_row_f32_scalar(const float *x, const float *g, float eps, float *out, int64_t n) {
     float ms = okv_sumsq_f32_scalar(x, n) / (float)n;
-    okv_scale_mul_f32_scalar(x, 1.f / sqrtf(ms + eps), g, out, n);
+    okv_scale_mul_f32_scalar(x, ms < INFINITY ? 1.f / sqrtf(ms + eps) : okv_rms_inv_f64(x, n, eps), g, out, n);
 }
 
 #endif /* ONNXKV_SIMD_SCALAR_H */

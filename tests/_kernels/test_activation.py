@@ -23,6 +23,22 @@ def test_unary(name, n, dtype, scale, threads, simd):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+def test_unary_at_the_edges_of_the_float_range(name, dtype, simd):
+    """The vector paths gave sigmoid(NaN) = 1 and a floor of 4.2e-39 below x = -88.4, so silu(-3e38) was
+    -1.25 and silu(-inf) -inf (the twin: NaN, 0, -0 and NaN); every lane position is tried."""
+    edges = np.array([np.nan, -np.inf, np.inf, -3e38, 3e38, -1e30, -100.0, -88.5, -88.3, 0.0, -0.0, 1e-30], dtype)
+    for shift in range(8):
+        x = np.roll(np.concatenate([edges, np.linspace(-3, 3, 9).astype(dtype)]), shift)
+        out, want = np.full_like(x, 7.0), np.empty_like(x)
+        getattr(K, name)(x, out)
+        with np.errstate(all="ignore"):
+            getattr(R, name)(x, want)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+        np.testing.assert_allclose(np.nan_to_num(out), np.nan_to_num(want), rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("scale", [1.0, 40.0])
 def test_silu_mul(n, dtype, scale, threads, simd):

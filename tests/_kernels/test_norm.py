@@ -22,6 +22,23 @@ def test_rms_norm(shape, dtype, scale, threads, simd):
     assert_close(out, want)
 
 
+@pytest.mark.parametrize("n", [7, 64, 1000])
+def test_rms_norm_of_rows_whose_float32_sum_of_squares_overflows(n, simd):
+    """Values near 1e19 overflow a float32 sum of squares: the row came out all zeros (1 / sqrt(inf))."""
+    rng = np.random.default_rng(n)
+    x = (rand(rng, (3, n), np.float32) * np.float32(1e19)).astype(np.float32)
+    x[1] = rand(rng, (n,), np.float32)  # an ordinary row beside them
+    x[2, 0] = np.nan
+    g = rand(rng, (n,), np.float32)
+    out, want = np.full_like(x, 7.0), np.empty_like(x)
+    K.rms_norm(x, g, 1e-6, out)
+    with np.errstate(all="ignore"):
+        R.rms_norm(x, g, 1e-6, want)
+    assert np.isnan(out[2]).all() and np.isnan(want[2]).all()
+    assert_close(out[:2], want[:2])
+    assert np.abs(out[0]).max() > 0.1
+
+
 def test_rms_norm_in_place(threads, simd):
     rng = np.random.default_rng(1)
     x = rand(rng, (9, 257))

@@ -38,6 +38,22 @@ def test_softmax_neg_inf(dtype, empty_row, threads, simd):
     assert out[2, 0] == 1.0 and np.all(out[2, 1:] == 0.0)
 
 
+@pytest.mark.parametrize("n", [9, 37, 262_144])
+def test_softmax_of_a_row_holding_nan_is_nan_and_long_rows_stay_accurate(n, threads, simd):
+    """The vector paths dropped a NaN (maxps) and gave the rest of its row finite values; the scalar
+    path summed a vocabulary-sized row in one float and drifted 1.4e-5 off the largest output."""
+    rng = np.random.default_rng(n)
+    x = rand(rng, (3, n), np.float32, scale=3.0)
+    x[1, n // 2] = np.nan
+    out, want = np.full_like(x, 7.0), np.empty_like(x)
+    K.softmax(x, out)
+    with np.errstate(all="ignore"):
+        R.softmax(x, want)
+    assert np.isnan(out[1]).all() and np.isnan(want[1]).all()
+    rows = [0, 2]
+    np.testing.assert_allclose(out[rows], want[rows], rtol=0, atol=1e-5 * float(want[rows].max()))
+
+
 def test_softmax_in_place(simd):
     rng = np.random.default_rng(13)
     x = rand(rng, (3, 100))
