@@ -262,16 +262,22 @@ OKV_AVX2 static inline void okv_scal_f32_avx2(float a, float *y, int64_t n) {
 
 /* The largest of x[0..n), or NaN if one is NaN (maxps alone would drop it). */
 OKV_AVX2 static inline float okv_max_f32_avx2(const float *x, int64_t n) {
-    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    __m256 m = _mm256_set1_ps(-INFINITY), m1 = m, nan = _mm256_setzero_ps();
     int64_t i = 0;
     float r;
+    for (; i + 16 <= n; i += 16) {   /* two chains of maxps */
+        const __m256 v = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
+        m = _mm256_max_ps(m, v);
+        m1 = _mm256_max_ps(m1, w);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, w, _CMP_UNORD_Q));
+    }
     for (; i + 8 <= n; i += 8) {
         const __m256 v = _mm256_loadu_ps(x + i);
         m = _mm256_max_ps(m, v);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
     if (_mm256_movemask_ps(nan)) return NAN;
-    r = okv_hmax256(m);
+    r = okv_hmax256(_mm256_max_ps(m, m1));
     for (; i < n; i++) {
         if (x[i] != x[i]) return NAN;
         r = x[i] > r ? x[i] : r;
@@ -330,13 +336,13 @@ OKV_AVX2 static inline void okv_add3_f32_avx2(const float *x, const float *y, co
     }
 }
 
-/* 1 / (1 + exp(-x)); NaN for NaN, 0 where exp(-x) overflows (okv_exp256 saturates there instead). */
+/* 1 / (1 + exp(-x)) where x >= -88.38, else 0 (okv_exp256 saturates there instead of overflowing), and
+ * 0 for NaN: silu's product with x makes that NaN again; sigmoid puts x back (okv_act_f32_avx2). */
 OKV_AVX2 static inline __m256 okv_sigmoid256(__m256 x) {
     const __m256 one = _mm256_set1_ps(1.f);
     __m256 e = okv_exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
     __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    r = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-88.3762626647949f), _CMP_LT_OQ), r);
-    return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(-88.3762626647949f), _CMP_GE_OQ));
 }
 
 OKV_AVX2 static inline void okv_act_f32_avx2(int mode, const float *x, const float *up, float *out, int64_t n) {
@@ -344,6 +350,7 @@ OKV_AVX2 static inline void okv_act_f32_avx2(int mode, const float *x, const flo
     for (; i + 8 <= n; i += 8) {
         __m256 vx = _mm256_loadu_ps(x + i);
         __m256 r = okv_sigmoid256(vx);
+        if (mode == 0) r = _mm256_blendv_ps(r, vx, _mm256_cmp_ps(vx, vx, _CMP_UNORD_Q));  /* NaN stays NaN */
         if (mode >= 1) r = _mm256_mul_ps(r, vx);
         if (mode == 2) r = _mm256_mul_ps(r, _mm256_loadu_ps(up + i));
         _mm256_storeu_ps(out + i, r);
