@@ -281,10 +281,11 @@ class Engine(BatchedSteps):
     def step(self) -> dict[int, int]:
         """One run for every unfinished request the budget admits (batched: one run for all decode rows,
         then one per prompt chunk); returns {request id: id produced} for the requests that produced a
-        token in this step.  A run that raises (or whose token choice raises) propagates: the requests it ran
-        are as before it, and the runs after it were not made in this step (step again to go on, or abort a request).  A request
-        whose run does not fit in the pool even with every later request paused raises OutOfMemory naming
-        it (``error.request``): every step would, until it is aborted."""
+        token in this step.  A run that raises (or whose token choice raises) propagates: the requests it
+        ran are as before it, and the runs after it were not made in this step (step again to go on, or
+        abort a request).  A request whose run does not fit in the pool even with every later request
+        paused raises OutOfMemory naming it (``error.request``), and one past its cache's fixed capacity
+        CacheCapacityError naming it: every step would, until it is aborted."""
         active = self.active
         self._paused_now = set()
         if self.batched and self._batch is None and active:  # the pool and prefix cache, before any admission
