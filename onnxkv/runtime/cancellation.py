@@ -10,8 +10,8 @@ __all__ = ["Cancellation"]
 class Cancellation:
     """A token to cancel a running :meth:`State.run` from another thread.
 
-    The plan checks it between nodes; a cancelled run raises
-    :class:`~onnxkv.errors.Cancelled` and publishes nothing.
+    The plan checks it between nodes (a replayed compiled step: between its recorded segments); a
+    cancelled run raises :class:`~onnxkv.errors.Cancelled` and publishes nothing.
     """
 
     def __init__(self) -> None:
