@@ -195,18 +195,6 @@ OKV_INLINE OKV_ATTR void OKV_I(okv_fl_rows)(const char *src, int64_t n, int64_t 
     }
 }
 
-/* The first key >= j that some lane sees (lo / hi: the OKV_FL_RB lanes' ranges, empty: lo == hi), or
- * INT64_MAX.  Keys no lane sees are skipped whole: their pages may be absent (page id -1). */
-OKV_INLINE int64_t OKV_I(okv_fl_next_seen)(const int32_t *lo, const int32_t *hi, int64_t j) {
-    int64_t best = INT64_MAX, i;
-    for (i = 0; i < OKV_FL_RB; i++)
-        if (hi[i] > j && lo[i] < hi[i]) {
-            const int64_t x = lo[i] > j ? lo[i] : j;
-            if (x < best) best = x;
-        }
-    return best;
-}
-
 /* The lanes of the row block of rows [rb0, rb0 + nr) of KV head hk (token t0 + r / G, head r % G): Qt
  * [D][RB] their query rows times scale (rounded to bfloat16 if rnd), lo / hi the key range each sees
  * (empty: 0, 0), m = -inf, l = 0.  rng: the union [0], [1] and intersection [2], [3] of the ranges. */
@@ -365,7 +353,8 @@ OKV_INLINE OKV_ATTR void OKV_I(okv_fl_head)(const okv_attn_args *a, int64_t b, i
         memset(Ot, 0, (size_t)(D * RB) * sizeof(float));
         for (v = 0; v < RV; v++) bad[v] = 0;
         pg.start = pg.end = INT64_MIN;
-        for (j0 = OKV_I(okv_fl_next_seen)(lo, hi, rng[0]); j0 < rng[1]; j0 = OKV_I(okv_fl_next_seen)(lo, hi, j1)) {
+        /* keys no lane sees are skipped whole: their pages may be absent (page id -1) */
+        for (j0 = okv_next_seen32(lo, hi, RB, rng[0]); j0 < rng[1]; j0 = okv_next_seen32(lo, hi, RB, j1)) {
             const float *kf, *vf;
             int64_t ks, vs, n;
             int mask;

@@ -122,7 +122,7 @@ OKV_INLINE OKV_BF16 void okv_fl_head_bf16(const okv_attn_args *a, int64_t b, int
         okv_flb_pair_rows(Qt, D);
         memset(Ot, 0, (size_t)(D * RB) * sizeof(float));
         pg.start = pg.end = INT64_MIN;
-        for (j0 = okv_fl_next_seen_avx512(lo, hi, rng[0]); j0 < rng[1]; j0 = okv_fl_next_seen_avx512(lo, hi, j1)) {
+        for (j0 = okv_next_seen32(lo, hi, RB, rng[0]); j0 < rng[1]; j0 = okv_next_seen32(lo, hi, RB, j1)) {
             int64_t n, n2;
             const char *kp, *vp;
             int mask;

@@ -129,15 +129,20 @@ OKV_INLINE okv_kv_page okv_attn_page(const okv_attn_args *a, int64_t b, int64_t 
 /* Smallest key >= j that some of the n query tokens sees (token t sees
  * [lo[t], hi[t])); INT64_MAX if none.  Keys no token sees are skipped, so the
  * pages (and block table entries) holding only such keys are never read. */
-OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n, int64_t j) {
-    int64_t best = INT64_MAX, t;
-    for (t = 0; t < n; t++)
-        if (hi[t] > j && lo[t] < hi[t]) {
-            const int64_t x = lo[t] > j ? lo[t] : j;
-            if (x < best) best = x;
-        }
+#define OKV_NEXT_SEEN_BODY                                        \
+    int64_t best = INT64_MAX, t;                                  \
+    for (t = 0; t < n; t++)                                       \
+        if (hi[t] > j && lo[t] < hi[t]) {                         \
+            const int64_t x = lo[t] > j ? (int64_t)lo[t] : j;     \
+            if (x < best) best = x;                               \
+        }                                                         \
     return best;
-}
+
+OKV_INLINE int64_t okv_next_seen(const int64_t *lo, const int64_t *hi, int64_t n, int64_t j) { OKV_NEXT_SEEN_BODY }
+
+/* The same over int32 ranges (the tiled prefill unit's lanes, attention_flash.h). */
+OKV_INLINE int64_t okv_next_seen32(const int32_t *lo, const int32_t *hi, int64_t n, int64_t j) { OKV_NEXT_SEEN_BODY }
+#undef OKV_NEXT_SEEN_BODY
 
 #if OKV_X86_SIMD
 /* Software prefetch, by a tile function, of rows j..j+nk-1 (those < pf->n) of
