@@ -65,6 +65,17 @@ from onnxkv.errors import CacheCapacityError, InputError
 __all__ = ["PlaneSpec", "BlockPool", "PageTable", "PagedCache", "PagedPlane", "live_pools"]
 
 
+def _stored(spec: PlaneSpec, new: np.ndarray) -> np.ndarray:
+    """New values as plane ``spec`` stores them: C-contiguous, of its element type (bfloat16 rounded to
+    nearest even, as uint16 bits)."""
+    if spec.storage == "bfloat16":
+        src = np.ascontiguousarray(new, dtype=np.float32)
+        bits = np.empty(src.shape, np.uint16)
+        _kernels.f32_to_bf16(src, bits)
+        return bits
+    return np.ascontiguousarray(new, dtype=spec.dtype)
+
+
 class PagedCache:
     """One state's paged cache: a committed :class:`PageTable` and a run's staged edits.
 
@@ -99,6 +110,9 @@ class PagedCache:
         #: Whether a run's writes must be kept in :attr:`last_written` (a format selector reads them); when
         #: False a kernel may write the pages itself (:meth:`appended`).  Set by the state's store.
         self.keep_written = True
+        #: int64 [B] tokens per row of the current run when it is a run of segments (set by the state's store
+        #: for one run), else None.
+        self.segments: np.ndarray | None = None
         self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
 
     @property
@@ -122,19 +136,21 @@ class PagedCache:
         old.release()
 
     # -- staging ---------------------------------------------------------------
-    def prepare(self, starts: np.ndarray, s: int) -> WriteCost:
-        """Give every block that rows write at ``starts[b] .. starts[b]+s-1`` a page they own alone.
+    def prepare(self, starts: np.ndarray, s) -> WriteCost:
+        """Give every block that rows write at ``starts[b] .. starts[b]+s-1`` a page they own alone (``s``:
+        an int for every row, or int64 [B] a count per row, 0 for a row not written: a run of segments).
 
         Allocates all fresh and copy-on-write pages in one pool call before
         changing anything (OutOfMemory leaves the staging as it was); new
         pages are zero-filled.  InputError, nothing staged, when a row would
         start past its committed length (except in static caches).
         """
-        key = (starts.tobytes(), s)
+        ragged = isinstance(s, np.ndarray)
+        key = (starts.tobytes(), s.tobytes() if ragged else s)
         if key == self._prepared:  # the other planes of the same write: pages are in place
             return WriteCost()
         pool, bs = self.pool, self.pool.block_size
-        if s == 1 and self.static_length is None and not any(self.payloads.converted):
+        if not ragged and s == 1 and self.static_length is None and not any(self.payloads.converted):
             # a decode step: usually every row appends into a page of its own (nothing to stage or keep)
             with pool._lock:  # forks in other threads must not change counts between the decision and the write
                 end = pool.core.appends_in_place(self.tables, starts, self.table.lengths, bs)
@@ -153,7 +169,7 @@ class PagedCache:
         if self._staged is None:
             self._staged = self.table.tables.copy()
             self._staged_lengths = self.table.lengths.copy()
-        hi = int((starts + s).max()) if s else 0
+        hi = int((starts + s).max()) if np.any(s) else 0
         if self.max_tokens is not None and hi > self.max_tokens:
             raise CacheCapacityError(f"paged cache: {hi} positions needed, fixed capacity is {self.max_tokens}")
         if int(starts.min(initial=0)) < 0:
@@ -173,8 +189,11 @@ class PagedCache:
         pool, bs = self.pool, self.pool.block_size
         plan = []
         total = 0
+        counts = np.broadcast_to(np.asarray(s, np.int64), starts.shape)
         for b in range(tables.shape[0]):
-            lo_blk, hi_blk = int(starts[b]) // bs, -(-(int(starts[b]) + s) // bs)
+            if not counts[b]:
+                continue
+            lo_blk, hi_blk = int(starts[b]) // bs, -(-(int(starts[b]) + int(counts[b])) // bs)
             action, n = pool.core.pages_needed(tables[b], lo_blk, hi_blk)
             converted = self._converted(tables[b, lo_blk:hi_blk], action)
             if converted.any():  # a page no longer native is written: back to a native copy first
@@ -267,15 +286,11 @@ class PagedCache:
         starts = np.broadcast_to(np.asarray(starts, np.int64), (b,))
         cost = self.prepare(starts, s)
         self.last_written[spec.name] = new
-        if spec.storage == "bfloat16":
-            src = np.ascontiguousarray(new, dtype=np.float32)
-            conv = np.empty(src.shape, np.uint16)
-            _kernels.f32_to_bf16(src, conv)
-            new = conv
+        new = _stored(spec, new)
         self._save(plane)
         # every block written is native and held by this run alone (prepare), so scatter by address
         _kernels.page_write(
-            np.ascontiguousarray(new, dtype=spec.dtype),
+            new,
             self.payloads.ptrs[plane],
             self._staged,
             starts,
@@ -285,13 +300,40 @@ class PagedCache:
         self._stage_lengths(starts, s)
         return cost
 
+    def write_segments(self, plane: int, new: np.ndarray, counts: np.ndarray) -> WriteCost:
+        """Write a run of segments into plane ``plane``: ``new`` [1, H, T, D] holds ``counts[b]`` tokens of
+        row ``b`` after those of the rows before it (``counts`` int64 [B], summing to T), each row's written
+        at its committed length; stage lengths.  The caller (the state) checked ``counts``."""
+        spec = self.pool.planes[plane]
+        one, h, t, d = new.shape
+        if (one, h, d) != (1, spec.heads, spec.head_size) or counts.shape != (self.table.batch,) or t != counts.sum():
+            raise InputError(
+                f"paged cache '{spec.name}': a run of segments {counts.tolist()} got an update of shape {new.shape}; "
+                f"expected [1, {spec.heads}, {int(counts.sum())}, {spec.head_size}]"
+            )
+        starts = self.table.lengths.copy()
+        cost = self.prepare(starts, counts)
+        self.last_written[spec.name] = new
+        new = _stored(spec, new)
+        self._save(plane)
+        ptrs, bs, at = self.payloads.ptrs[plane], self.pool.block_size, 0
+        for b in np.flatnonzero(counts).tolist():  # each row's tokens by address, into pages it holds alone
+            n = int(counts[b])
+            _kernels.page_write(
+                np.ascontiguousarray(new[:, :, at : at + n]), ptrs, self._staged[b : b + 1], starts[b : b + 1], bs
+            )
+            at += n
+        cost.append_copied_bytes += h * t * d * spec.dtype.itemsize
+        self._stage_lengths(starts, counts)
+        return cost
+
     def hold_rows(self, lengths: np.ndarray) -> None:
         """Stage each row's length as at most ``lengths[b]`` (the positions of a right-padded prompt that
         are the row's own; the rest were written and are overwritten by its next tokens)."""
         if self._staged_lengths is not None and self.static_length is None:
             np.minimum(self._staged_lengths, np.asarray(lengths, np.int64), out=self._staged_lengths)
 
-    def _stage_lengths(self, starts: np.ndarray, s: int) -> None:
+    def _stage_lengths(self, starts: np.ndarray, s) -> None:
         """Each row's staged length after writing ``s`` positions from ``starts`` (a static cache: the
         high-water mark of the positions written)."""
         if self.static_length is None:
@@ -320,7 +362,7 @@ class PagedCache:
         spec = self.pool.planes[plane]
         return WriteCost(append_copied_bytes=rows * spec.heads * s * spec.head_size * spec.dtype.itemsize)
 
-    def _kept_slots(self, starts: np.ndarray, s: int) -> list[tuple[int, int, int]]:
+    def _kept_slots(self, starts: np.ndarray, s) -> list[tuple[int, int, int]]:
         """(page, first, last offset) of the committed positions a write of ``s`` positions from ``starts``
         replaces in pages the committed table holds (``prepare`` kept them: this state alone references them).
 
@@ -329,9 +371,10 @@ class PagedCache:
         """
         table, bs = self.table, self.pool.block_size
         extent = table.lengths if self.static_length is None else np.full(table.batch, self.static_length)
+        counts = np.broadcast_to(np.asarray(s, np.int64), starts.shape)
         out = []
-        for b in np.flatnonzero(starts < extent).tolist():
-            lo, hi = int(starts[b]), min(int(starts[b]) + s, int(extent[b]))
+        for b in np.flatnonzero((starts < extent) & (counts > 0)).tolist():
+            lo, hi = int(starts[b]), min(int(starts[b]) + int(counts[b]), int(extent[b]))
             for blk in range(lo // bs, min(-(-hi // bs), table.tables.shape[1])):
                 page = int(self._staged[b, blk])
                 if page >= 0 and page == int(table.tables[b, blk]):
@@ -347,6 +390,7 @@ class PagedCache:
 
     def commit(self) -> None:
         """Publish the staged tables and lengths; drop references of pages replaced by copies."""
+        self.segments = None
         if self._staged is None:
             return
         self.table.tables = self._staged
@@ -381,7 +425,7 @@ class PagedCache:
         """Forget the run: restore the committed bytes it overwrote, free its new pages; the committed
         table is untouched."""
         new, saved = self._new, self._saved
-        self._staged = self._staged_lengths = self._prepared = None
+        self._staged = self._staged_lengths = self._prepared = self.segments = None
         self._new, self._replaced, self._saved, self._kept = [], [], [], []
         pages = self.payloads.pages
         for plane, page, first, old in reversed(saved):
@@ -500,6 +544,17 @@ class PagedPlane:
 
     def write(self, new: np.ndarray, starts, length: int) -> WriteCost:
         return self.cache.write(self.index, new, starts, length)
+
+    @property
+    def segments(self) -> np.ndarray | None:
+        """int64 [B]: the tokens of each row in this run when it is a run of segments (its token axis the
+        rows' new tokens one after another, batch 1; :meth:`State.run <onnxkv.runtime.state.State.run>`),
+        else None."""
+        return self.cache.segments
+
+    def write_segments(self, new: np.ndarray) -> WriteCost:
+        """:meth:`PagedCache.write_segments` of this plane with the run's :attr:`segments`."""
+        return self.cache.write_segments(self.index, new, self.cache.segments)
 
     def placeholder(self, length: int) -> np.ndarray:
         """A zero-byte stand-in of the present/past value ``[B, H, length, D]`` (nothing may read it): a

@@ -132,6 +132,17 @@ class RunContext:
             self.cache_events.append((past, cost))
         return present
 
+    def cache_write_segments(self, past: str, new: np.ndarray) -> np.ndarray:
+        """Write ``new`` [1, H, T, D], the new tokens of a run of segments (each row's after the rows before
+        it, :attr:`PagedPlane.segments <onnxkv.cache.paged.PagedPlane.segments>`), into the paged cache bound
+        to ``past``, each row's at its committed length; returns the present placeholder (the longest row's
+        length after the write).  Recorded like :meth:`cache_write`."""
+        cache = self.caches[past]
+        cost = cache.write_segments(new)
+        if self.recording:
+            self.cache_events.append((past, cost))
+        return cache.placeholder(int(cache.cache.lengths.max()))
+
     def cache_rows_hold(self, past: str, lengths: np.ndarray) -> None:
         """Each row ``b`` of the paged cache bound to ``past`` holds its first ``lengths[b]`` positions (int64
         [B], at most what this run wrote there): a first prompt of rows padded on the right wrote the

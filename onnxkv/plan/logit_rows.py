@@ -6,7 +6,9 @@ products of a decoder (V columns; 8,000 to 256,000), so computing it for all S
 rows costs up to a quarter of a prompt's time and S * V * 4 bytes.  A run given
 ``logits_at`` (one position per batch row) instead feeds the head only those
 rows: its logits output is [B, 1, V], row b equal to row ``logits_at[b]`` of
-the full output.
+the full output.  ``logits_at`` [B, K] (K positions per row, as a run of
+segments reads the last token of each of its rows: :meth:`State.run
+<onnxkv.runtime.state.State.run>`) makes [B, K, V].
 
 :func:`find_head` finds, once per plan and logits output, the node where rows
 can be taken: a product computing each row of its output from the same row of
@@ -105,41 +107,45 @@ def find_head(plan: Plan, logits: str | None) -> LogitHead | None:
 
 
 def take_rows(head: LogitHead, slots: list, at: np.ndarray) -> bool:
-    """Replace the values of ``head.rows`` in ``slots`` by their rows at ``at`` ([B] positions, checked by
-    the caller to lie in [0, S)): new C-contiguous [B, 1, H] arrays.  False, with nothing replaced, when
-    one of them is not [B, S, H] with the same B and S (the caller then takes the rows from the output)."""
+    """Replace the values of ``head.rows`` in ``slots`` by their rows at ``at`` ([B] positions, or [B, K]
+    positions per row, checked by the caller to lie in [0, S)): new C-contiguous [B, 1, H] ([B, K, H])
+    arrays.  False, with nothing replaced, when one of them is not [B, S, H] with the same B and S (the
+    caller then takes the rows from the output)."""
     values = [slots[s] for s in head.rows]
     shape = getattr(values[0], "shape", ())
     if any(not isinstance(v, np.ndarray) or v.ndim != 3 or v.shape[:2] != shape[:2] for v in values):
         return False
     if shape[0] != at.shape[0]:
         return False
-    b = np.arange(shape[0])
+    b, cols = np.arange(shape[0])[:, None], at.reshape(shape[0], -1)
     for s, v in zip(head.rows, values):
-        slots[s] = np.ascontiguousarray(v[b, at][:, None, :])
+        slots[s] = np.ascontiguousarray(v[b, cols])
     return True
 
 
 def rows_of_output(logits: np.ndarray, at: np.ndarray, length: int) -> np.ndarray:
-    """The logits of a run that computed every row, at positions ``at``: [B, 1, V] from [B, S, V] (S =
-    ``length``, the tokens fed); an output of another shape (a graph that computes some positions only)
-    is returned as it is."""
+    """The logits of a run that computed every row, at positions ``at``: [B, 1, V] ([B, K, V] for ``at``
+    [B, K]) from [B, S, V] (S = ``length``, the tokens fed); an output of another shape (a graph that
+    computes some positions only) is returned as it is."""
     if logits.ndim != 3 or logits.shape[:2] != (at.shape[0], length):
         return logits
-    return np.ascontiguousarray(logits[np.arange(logits.shape[0]), at][:, None, :])
+    return np.ascontiguousarray(logits[np.arange(logits.shape[0])[:, None], at.reshape(at.shape[0], -1)])
 
 
 def checked_positions(at, ids, api: str) -> tuple[np.ndarray, int]:
-    """``at`` as int64 [B] (one position per row of the fed token ids ``ids`` [B, S], each in [0, S)),
-    and S.  InputError naming ``api`` otherwise (compared in ``at``'s own width, before any conversion)."""
+    """``at`` as int64 [B] (one position per row of the fed token ids ``ids`` [B, S], each in [0, S)) or
+    [B, K] (K >= 1 positions per row), and S.  InputError naming ``api`` otherwise (compared in ``at``'s
+    own width, before any conversion)."""
     shape = getattr(ids, "shape", None)
     if shape is None or len(shape) != 2:
         raise InputError(f"{api}: logits_at needs token ids fed as [batch, tokens]; the feed has shape {shape}")
     a = np.asarray(at)
-    if a.dtype.kind not in "iu" or a.shape != (shape[0],):
+    if a.dtype.kind not in "iu" or not (
+        a.shape == (shape[0],) or (a.ndim == 2 and a.shape[0] == shape[0] and a.shape[1])
+    ):
         raise InputError(
             f"{api}: logits_at has dtype {a.dtype} and shape {a.shape}; expected {shape[0]} integer "
-            "positions (one per batch row)"
+            f"positions (one per batch row), or [{shape[0]}, K] (K >= 1 per row)"
         )
     if a.size and (int(a.min()) < 0 or int(a.max()) >= shape[1]):
         raise InputError(

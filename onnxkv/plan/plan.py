@@ -52,7 +52,7 @@ from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
 from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.logit_rows import LogitHead, find_head, rows_of_output
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup, refuse_internal
-from onnxkv.plan.run_loops import needed_nodes, run_plain, run_recording
+from onnxkv.plan.run_loops import needed_nodes, run_plain, run_recording, segmented
 from onnxkv.plan.shape_fold import ShapeFolder
 from onnxkv.plan.static_dims import static_dims
 from onnxkv.plan.subgraph import subgraph_model, type_kind
@@ -517,7 +517,7 @@ class Plan:
         try:
             if recording:
                 taken = run_recording(self, slots, bufs, rt, events, step, cache_allocator, cancel, needed, rows)
-            elif self.steps is not None and needed is None and logits_at is None:
+            elif self.steps is not None and needed is None and logits_at is None and not segmented(caches):
                 compiled = self.steps.run(self, slots, bufs, rt, cancel)
             else:
                 taken = run_plain(self, slots, bufs, rt, cancel, needed, rows)

@@ -19,7 +19,13 @@ from onnxkv.plan.logit_rows import take_rows
 if TYPE_CHECKING:
     from onnxkv.plan.plan import Plan
 
-__all__ = ["needed_nodes", "run_nodes", "run_plain", "run_recording"]
+__all__ = ["needed_nodes", "run_nodes", "run_plain", "run_recording", "segmented"]
+
+
+def segmented(caches: dict | None) -> bool:
+    """Whether a run over ``caches`` is a run of segments (:meth:`State.run
+    <onnxkv.runtime.state.State.run>`): a compiled step never replays one."""
+    return bool(caches) and getattr(next(iter(caches.values())), "segments", None) is not None
 
 
 def _node_failure(plan: Plan, k: int, e: Exception) -> OperatorError:

@@ -24,6 +24,13 @@ from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_requ
 from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.state import State
 
+#: Operators that relate the tokens of their input to each other (besides GroupQueryAttention, which takes
+#: segments itself), or run graphs that may: a model holding one does not run segments.
+TOKEN_MIXING = frozenset({
+    "Attention", "MultiHeadAttention", "PagedAttention", "PagedCacheUpdate", "TensorScatter", "CumSum", "Conv",
+    "ConvTranspose", "Scan", "Loop", "If", "LSTM", "GRU", "RNN", "MaxPool", "AveragePool", "LpPool",
+})  # fmt: skip
+
 __all__ = ["Session", "DECODE_ROWS", "check_precision"]
 
 #: Runs feeding at most this many tokens keep BLAS single-threaded (see onnxkv._threads).
@@ -112,6 +119,7 @@ class Session:
             compile_steps=compiled_steps,
         )
         self._step = 0
+        self._segments: bool | None = None  # takes_segments, found at its first use
         #: Token ids fed as ``input_ids`` must lie in ``[0, token_limit)`` (None: not checked), see Model.token_limit.
         self.token_limit = self.model.token_limit
 
@@ -128,6 +136,26 @@ class Session:
         return list(self.plan.output_names)
 
     @property
+    def takes_segments(self) -> bool:
+        """Whether a state of this session may run segments (:meth:`State.run
+        <onnxkv.runtime.state.State.run>`): a GroupQueryAttention graph whose every GroupQueryAttention node
+        is bound to the state's cache and takes them (no attention_bias, head_sink or smooth_softmax), and
+        no other node relates tokens to each other (:data:`TOKEN_MIXING`, control flow included): every
+        other node acts on each token alone, so the rows' tokens may share one axis."""
+        if self._segments is None:
+            from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
+
+            attention = [k for k in self.plan.kernels if isinstance(k, GroupQueryAttention)]
+            self._segments = (
+                self.model.convention.kind == "group_query_attention"
+                and bool(self.bindings)
+                and bool(attention)
+                and all(k.takes_segments for k in attention)
+                and not any(n.op_type in TOKEN_MIXING for n in self.model.proto.graph.node)
+            )
+        return self._segments
+
+    @property
     def fallback_nodes(self) -> list[str]:
         """Names of nodes run by ``onnx.reference`` fallbacks."""
         return list(self.plan.fallback_nodes)
@@ -141,6 +169,7 @@ class Session:
         [B, S]): a logits output of [B, S, V] is then [B, 1, V], row b the logits at position
         ``logits_at[b]``, and the LM head computes those rows alone where the graph allows
         (:mod:`onnxkv.plan.logit_rows`); a logits output of another shape is returned as computed.
+        ``logits_at`` [B, K] (K >= 1 positions per row) makes [B, K, V].
 
         Raises:
             InputError: unknown/missing inputs, wrong dtype or shape, token ids

@@ -203,11 +203,19 @@ class State(PagedAPI):
         logits_at=None,
         *,
         before_commit: Callable[[dict], object] | None = None,
+        segments=None,
     ) -> dict[str, np.ndarray]:
         """Run one step: bound inputs come from the state, the caller feeds the rest (``logits_at``: as
         :meth:`Session.run`'s).  ``before_commit`` is called with the outputs before the run is committed:
         if it raises, the run is discarded (the state as before; values a model's contract declares are
         written in place by its own nodes and keep the run) and the error propagates.
+
+        ``segments`` (a paged state holding B rows; int [B], counts >= 0 summing to T): a run of segments,
+        the token ids fed as [1, T], row 0's next ``segments[0]`` tokens, then row 1's, ... (0: the row is
+        not run), each continuing at its row's length, over its own page table (token-wise feeds such as
+        ``position_ids`` follow the same axis).  Its attention nodes must take segments
+        (:attr:`Session.takes_segments`); the engine batches decode rows and prompt chunks of different
+        lengths this way.  ``logits_at`` then holds [1, K] positions of that axis.
 
         Returns the requested outputs (default: every output that is not a bound present; one asked
         for by name is exported as a copy of the valid cache, an ``export`` event).  Raises StateError
@@ -220,7 +228,12 @@ class State(PagedAPI):
             output_names = [n for n in self.session.output_names if n not in presents and n not in produced]
         with self._exclusive("run"):
             store = self._store
-            own = store.prepare(feeds)
+            if segments is not None and not (self.paged and self.session.takes_segments):
+                raise InputError(
+                    "State.run: segments need a paged state of a model whose attention takes them "
+                    "(Session.takes_segments)"
+                )
+            own = store.prepare(feeds) if segments is None else store.prepare(feeds, segments)
             try:
                 fetch = list(dict.fromkeys([*output_names, *produced]))
                 out = self.session._run_plan(store.feeds(feeds), fetch, own, self.allocator, cancel, logits_at)

@@ -113,6 +113,14 @@ class PagedAPI:
             self.steps = max(self.steps, other.steps)
         other.close()
 
+    def append_empty_rows(self, n: int) -> None:
+        """``n`` rows holding nothing (length 0, no page) after this state's rows (an int in [1,
+        MAX_FORKS]): the engine starts prompts in them within a run of segments (:meth:`State.run`)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_FORKS:
+            raise InputError(f"State.append_empty_rows: n must be an int in [1, {MAX_FORKS}], got {n!r}")
+        with self._exclusive("append_empty_rows"):
+            self._require_paged("append_empty_rows", held=False).append_empty(int(n))
+
     def keep_rows(self, indices) -> None:
         """Keep rows ``indices`` (distinct, in their new order; empty: none) and drop every other row's page
         references: what :meth:`reorder` does, but rows may all go (the state then holds no cache)."""

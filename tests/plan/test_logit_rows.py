@@ -55,6 +55,10 @@ def test_every_built_family_has_a_head_and_rows_equal_the_full_logits(session):
         part = session.run(feeds, [io.logits], logits_at=at)[io.logits]
         assert part.shape == (3, 1, full.shape[-1])
         np.testing.assert_allclose(part[:, 0], full[np.arange(3), at.astype(np.int64)], rtol=1e-5, atol=1e-5)
+    at = np.array([[0, 3], [6, 1], [2, 2]], np.int32)  # K = 2 positions per row (a run of segments reads K rows)
+    part = session.run(feeds, [io.logits], logits_at=at)[io.logits]
+    assert part.shape == (3, 2, full.shape[-1])
+    np.testing.assert_allclose(part, full[np.arange(3)[:, None], at], rtol=1e-5, atol=1e-5)
 
 
 def test_the_head_computes_only_the_chosen_rows(session):
@@ -62,6 +66,8 @@ def test_the_head_computes_only_the_chosen_rows(session):
     out, nbytes = _head_bytes(session, feeds, read)
     vocab = out[session.model.io.logits].shape[-1]
     assert nbytes == 3 * 1 * vocab * 4  # not 3 * 11 * vocab * 4
+    out, nbytes = _head_bytes(session, feeds, np.stack([read, read - 1], axis=1))
+    assert nbytes == 3 * 2 * vocab * 4
 
 
 def test_a_state_run_with_logits_at_equals_its_rows_and_keeps_its_cache(session):
@@ -85,6 +91,8 @@ def test_a_state_run_with_logits_at_equals_its_rows_and_keeps_its_cache(session)
         (np.array([0, 2**64 - 1, 3], np.uint64), "18446744073709551615"),
         (np.array([0.0, 1.0, 2.0]), "dtype float64"),
         (np.array([[0, 1, 2]]), "shape (1, 3)"),
+        (np.zeros((3, 0), np.int64), "shape (3, 0)"),
+        (np.array([[0, 1], [2, 11], [3, 3]]), "from 0 to 11"),
     ],
 )
 def test_bad_positions_are_refused_before_the_state_changes(at, words):

@@ -101,6 +101,7 @@ from onnxkv.plan.ops._attention_math import (
 from onnxkv.plan.ops._gqa_decode import fused_decode
 from onnxkv.plan.ops._gqa_inputs import check_int32, check_past, row_lengths, scalar_total, split_qkv
 from onnxkv.plan.ops._gqa_paged_decode import paged_decode
+from onnxkv.plan.ops._gqa_segments import run_segments, segments_of
 from onnxkv.plan.ops._gqa_window import keep, stage, window_end
 from onnxkv.plan.ops.rotary import check_positions, rotate
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -186,7 +187,17 @@ class GroupQueryAttention(Op):
     #: Inputs a recorded decode call does not read (the past views: it writes the cache buffers directly).
     replay_unread = (3, 4)
 
+    @property
+    def takes_segments(self) -> bool:
+        """Whether runs of segments may reach this node (:mod:`._gqa_segments`): bound to a state's cache,
+        without attention_bias, head_sink or smooth_softmax."""
+        inputs = self.node.input
+        return self.bound and not self.smooth_softmax and not any(len(inputs) > i and inputs[i] for i in (10, 11))
+
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray | None]:
+        counts = segments_of(self, rt)
+        if counts is not None:
+            return run_segments(self, inputs, rt, counts)
         fast = self._decode_token(inputs, rt)
         if fast is None:
             fast = paged_decode(self, inputs, rt)  # notes its call on a recorder, as _decode_token does

@@ -176,8 +176,9 @@ class PagedStore:
         return PagedCache(self.pool, c.table.share(), c.static_length, c.max_tokens)
 
     # -- a run -------------------------------------------------------------------------
-    def prepare(self, feeds: Mapping[str, np.ndarray]) -> dict[str, PagedPlane]:
-        batch = self.ctx.batch_of(feeds)
+    def prepare(self, feeds: Mapping[str, np.ndarray], segments=None) -> dict[str, PagedPlane]:
+        counts = None if segments is None else self._segments(feeds, segments)
+        batch = self.ctx.batch_of(feeds) if counts is None else counts.size
         self._fresh = self.cache is None
         if self.cache is None:
             self.cache = self._new_cache(batch)
@@ -192,7 +193,29 @@ class PagedStore:
         self.cache.last_written.clear()  # the selector sees this run's writes only
         # only a selector reads a run's written values (whatever made the cache: a run, a fork, a reset, a load)
         self.cache.keep_written = self.selector is not None
+        self.cache.segments = counts
         return self.cache.planes
+
+    def _segments(self, feeds: Mapping[str, np.ndarray], segments) -> np.ndarray:
+        """``segments`` of a run (:meth:`State.run`) as int64 [B], checked in its own width: one count >= 0
+        per row this state holds, summing to the T token ids fed as [1, T]."""
+        api = "State.run"
+        if self.cache is None or self.ctx.static:
+            raise InputError(f"{api}: segments need a paged state that holds rows (not a static cache)")
+        rows = self.cache.table.batch
+        seg = np.asarray(segments)
+        if seg.dtype.kind not in "iu" or seg.shape != (rows,):
+            raise InputError(
+                f"{api}: segments must be {rows} integer token counts (one per row), got {seg.dtype} {seg.shape}"
+            )
+        name = self.ctx.session.model.io.input_ids
+        shape = np.shape(feeds.get(name)) if name else None
+        if shape is None or len(shape) != 2 or shape[0] != 1 or shape[1] < 1:
+            raise InputError(f"{api}: segments need the token ids '{name}' fed as [1, T], got shape {shape}")
+        t = shape[1]
+        if seg.size and (int(seg.min()) < 0 or int(seg.max()) > t) or int(seg.astype(np.int64).sum()) != t:
+            raise InputError(f"{api}: segments {seg.tolist()} must be counts >= 0 summing to the {t} token ids fed")
+        return seg.astype(np.int64)
 
     def feeds(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         full = dict(feeds)
@@ -403,10 +426,21 @@ class PagedStore:
         reference to each of their pages; ``other`` keeps its own until it is closed."""
         if other.pool is not self.pool:
             raise InputError("State.append_rows: the other state's pages are in another pool (make it with sibling())")
+        self._append_table(other.cache.table, "State.append_rows")
+
+    def append_empty(self, n: int) -> None:
+        """``n`` rows holding nothing (length 0, no page) after this store's rows."""
+        empty = PageTable(self.pool, n)
+        try:
+            self._append_table(empty, "State.append_empty_rows")
+        finally:
+            empty.release()
+
+    def _append_table(self, theirs: PageTable, api: str) -> None:
+        """The rows of ``theirs`` after this store's, a reference taken to each of their pages."""
         if self.ctx.static:
-            raise InputError("State.append_rows: static caches have one capacity per state and cannot take rows")
+            raise InputError(f"{api}: static caches have one capacity per state and cannot take rows")
         mine = self.cache.table if self.cache is not None else PageTable(self.pool, 0)
-        theirs = other.cache.table
         table = PageTable(self.pool, mine.batch + theirs.batch)
         m = max(mine.tables.shape[1], theirs.tables.shape[1])
         table.tables = np.full((table.batch, m), -1, np.int32)

@@ -1,0 +1,103 @@
+"""GroupQueryAttention over a run of segments (:meth:`State.run <onnxkv.runtime.state.State.run>` with
+``segments``): rows of different lengths and token counts in one run, their tokens on one axis.
+
+The node's caches are a paged state's planes whose ``segments`` (int64 [R], counts summing to T) say that
+the T query, key and value tokens of the batch-1 inputs are row 0's new tokens, then row 1's, and so on.
+Row ``r``'s ``n_r`` tokens continue at its committed length ``L_r`` (positions ``L_r .. L_r + n_r - 1``):
+rotary (``do_rotary=1``) rotates each token at its own position (``position_ids`` [1, T] when fed, else
+that position); its keys and values go into its own pages; its queries attend causally over its first
+``L_r + n_r`` keys, with the node's window and softcap, exactly as a run of that row alone would.  The
+graph's ``seqlens_k`` and ``total_sequence_length`` describe the flattened batch (one row of T tokens)
+and are not read.  Rows of one new token run as one batched kernel call; each longer segment as a call of
+its own (one row of ``n_r`` queries), all over the rows' page tables in place.
+
+A node that cannot take segments (``attention_bias``, ``head_sink`` or ``smooth_softmax``, or not bound
+to the state) raises InputError: the plan refuses such runs before they start
+(:attr:`~onnxkv.plan.plan.Plan.takes_segments`), so this is defence in depth.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._attention_math import paged_causal_attention
+from onnxkv.plan.ops._gqa_inputs import split_qkv
+
+if TYPE_CHECKING:
+    from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
+
+__all__ = ["run_segments", "segments_of"]
+
+
+class _Rows:
+    """The attributes the paged attention kernel reads of a :class:`~onnxkv.cache.paged.PagedPlane`, for
+    some of its rows (``tables`` the staged tables of those rows, a contiguous copy)."""
+
+    def __init__(self, plane, rows: np.ndarray) -> None:
+        self.ptrs, self.block_size, self.heads, self.storage = plane.ptrs, plane.block_size, plane.heads, plane.storage
+        self.formats, self.groups, self.header = plane.formats, plane.groups, plane.header
+        self.tables = np.ascontiguousarray(plane.tables[rows])
+
+
+def segments_of(op: GroupQueryAttention, rt: RunContext) -> np.ndarray | None:
+    """The run's segments when ``op`` reads a state's paged cache in a run of segments, else None."""
+    if rt.caches is None or not op.bound:
+        return None
+    plane = rt.caches.get(op._past_names[0])
+    return getattr(plane, "segments", None)
+
+
+def run_segments(op: GroupQueryAttention, inputs: list, rt: RunContext, counts: np.ndarray) -> tuple:
+    """The outputs of ``op`` in a run of segments ``counts`` (see the module docstring)."""
+    if op.smooth_softmax or any(len(inputs) > i and inputs[i] is not None for i in (10, 11)):
+        raise op._input_error("a run of segments takes no attention_bias, head_sink or smooth_softmax")
+    query, key, value = inputs[:3]
+    cos, sin = (inputs[i] if len(inputs) > i else None for i in (7, 8))
+    position_ids = inputs[9] if len(inputs) > 9 else None
+    q, k, v = split_qkv(op._input_error, op.num_heads, op.kv_num_heads, query, key, value)
+    one, hq, t, d = q.shape
+    if one != 1 or t != int(counts.sum()):
+        raise op._input_error(
+            f"a run of segments {counts.tolist()} needs [1, {int(counts.sum())}, ...] queries, got {query.shape}"
+        )
+    past_k, past_v = op._past_names
+    ck, cv = rt.caches[past_k], rt.caches[past_v]
+    starts = ck.lengths.astype(np.int64)  # each row continues at its committed length
+    rows = np.repeat(np.arange(counts.size), counts)
+    first = np.cumsum(counts) - counts  # each row's first token on the axis
+    pos = starts[rows] + np.arange(t) - first[rows]
+    if op.do_rotary:
+        q, k = op._rotary(q, k, cos, sin, position_ids, pos[None, :], False)
+    present_k = rt.cache_write_segments(past_k, k)
+    present_v = rt.cache_write_segments(past_v, v)
+    qf = q.astype(np.float32, copy=False)
+    scale = op._softmax_scale(d)
+    out = np.empty((t, hq, d), np.float32)
+    single = np.flatnonzero(counts == 1)
+    if single.size:  # rows of one new token: one batched call over their page tables
+        at = first[single]
+        got = np.empty((single.size, hq, 1, d), np.float32)
+        ends = starts[single] + 1
+        cost = paged_causal_attention(
+            qf[0][:, at].transpose(1, 0, 2)[:, :, None], _Rows(ck, single), _Rows(cv, single), ends,
+            starts[single][:, None], scale, op.softcap, op.window, got,
+        )  # fmt: skip
+        rt.count(**cost)
+        out[at] = got[:, :, 0]
+    for r in np.flatnonzero(counts > 1).tolist():
+        a, n = int(first[r]), int(counts[r])
+        got = np.empty((1, hq, n, d), np.float32)
+        row = np.array([r])
+        cost = paged_causal_attention(
+            qf[:, :, a : a + n], _Rows(ck, row), _Rows(cv, row), starts[row] + n,
+            pos[None, a : a + n], scale, op.softcap, op.window, got,
+        )  # fmt: skip
+        rt.count(**cost)
+        out[a : a + n] = got[0].transpose(1, 0, 2)
+    output = rt.empty(0, (1, t, hq * d), query.dtype)
+    output.reshape(t, hq, d)[...] = out
+    outs = (output, present_k if op.has_present[0] else None, present_v if op.has_present[1] else None)
+    return outs[: len(op.node.output)]
