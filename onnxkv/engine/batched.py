@@ -56,6 +56,7 @@ class BatchedSteps:
     _prefix: PrefixCache | None
     preempt_formats: tuple[str, ...]
     _paused_now: set[Request]
+    _runs: int
     keep_native_tokens: int
 
     def _prompt_keys(self, r: Request) -> list[bytes]:
@@ -235,6 +236,7 @@ class BatchedSteps:
             tokens = np.array([r.tokens[-1] for r in rows])
             lengths = np.array([r._cached for r in rows])
             try:
+                self._runs += 1
                 self._batch.run(rows[0]._builder.ragged(tokens, lengths), [name], before_commit=choice)
                 break
             except OutOfMemory:
@@ -270,6 +272,7 @@ class BatchedSteps:
         finish.  OutOfMemory when nobody else holds a page: the run does not fit even alone."""
         while True:
             try:
+                self._runs += 1
                 return state.run(feeds, outputs, logits_at=logits_at, before_commit=before_commit)
             except OutOfMemory:
                 if self._make_room(owners, newer_than=max(r.id for r in owners)):

@@ -27,10 +27,14 @@ stores each row's new keys after its own), every request's pages
 live in one page pool and the decode tokens of all requests run as one
 batched forward pass over one state whose rows have their own lengths and
 page tables (the weights are read once per step, not once per request).  A
-prompt runs in chunks on a state of its own over the same pool, one run per
-request; when its last chunk has made the first token, its rows move into
-the batched state (:meth:`State.append_rows`, no payload copied) and a
-finished request's row leaves it (:meth:`State.keep_rows`).  Other graph
+prompt runs in chunks on a state of its own over the same pool; when its last
+chunk has made the first token, its rows move into the batched state
+(:meth:`State.append_rows`, no payload copied) and a finished request's row
+leaves it (:meth:`State.keep_rows`).  On a GroupQueryAttention graph
+(:attr:`Session.takes_segments`) a step's prompt chunks run in the same run
+as its decode rows, a run of segments (:mod:`onnxkv.engine.segments`): one
+run per step; on an Attention graph one run per prompt chunk (the last chunks
+of prompts alike together).  Other graph
 forms (one length per batch) and contiguous caches run one request per run;
 :meth:`Engine.describe` says which.  Batched rows run the same kernels as a
 row alone, whose per-row results do not depend on the rows beside them
@@ -49,6 +53,7 @@ from onnxkv.engine.batched import BatchedSteps, WaitForRoom
 from onnxkv.engine.occupancy import pool_occupancy
 from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request, choose_tokens
+from onnxkv.engine.segments import SegmentSteps
 from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, StateError
 from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
 from onnxkv.generate.sampling import sampling_arguments
@@ -79,7 +84,7 @@ def _alone(r: Request, cause: OutOfMemory | CacheCapacityError) -> OutOfMemory |
     return err
 
 
-class Engine(BatchedSteps):
+class Engine(SegmentSteps, BatchedSteps):
     """Continuous generation over one :class:`~onnxkv.Session` (see the module docstring).
 
     Args:
@@ -163,6 +168,9 @@ class Engine(BatchedSteps):
         self._added = 0  # requests ever added: the next request's id
         self.steps = 0
         self.batched = self.kind == "paged" and batches
+        #: Batched steps run decode rows and prompt chunks as one run of segments (onnxkv.engine.segments).
+        self._segmented = self.batched and session.takes_segments
+        self._runs = 0  # State runs the current step made
         self._batch: State | None = None  # batched: the state of every decoding request's rows
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)
@@ -191,10 +199,16 @@ class Engine(BatchedSteps):
     def describe(self) -> dict:
         """How the engine runs: batching, cache kind, budget, requests added and active (each request's
         prompt chunk is ``Request.chunk``)."""
-        if self.batched:
+        if self._segmented:
             batching = (
-                "decode tokens of every request in one batched run over one page pool (rows of their own "
-                "lengths and page tables); prompt chunks one run per request"
+                "one batched run per step over one page pool: decode tokens of every request and chunks of "
+                "waiting prompts in one run of segments (rows of their own lengths, token counts and page tables)"
+            )
+        elif self.batched:
+            batching = (
+                f"decode tokens of every request in one batched run over one page pool (rows of their own "
+                f"lengths and page tables); prompt chunks one run per request (this graph form "
+                f"('{self.session.model.convention.kind}') does not take segments: Session.takes_segments)"
             )
         elif self.kind != "paged":
             batching = "one run per request and step, not batched: contiguous caches are one state per request"
@@ -330,6 +344,28 @@ class Engine(BatchedSteps):
         self._decode_waited = bool(rows) and not decode_rows
         for r in others:
             admit(r)
+        self._runs = 0
+        produced = self._segment_step(decode_rows, chosen) if self._segmented else None
+        if produced is None:
+            produced = self._separate_runs(decode_rows, rows, chosen)
+        self.steps += 1
+        if self._prefix is not None and len(self._prefix) > self._prefix.capacity:
+            self._trim()
+        events = self.session.events
+        if events.enabled:
+            events.record(
+                self.session._step, "", "", "engine_step",
+                extra={"requests": len(chosen) + (len(rows) if decode_rows else 0),
+                       "batched_rows": len(rows) if decode_rows else 0,
+                       "tokens_fed": self.max_batch_tokens - budget, "runs": self._runs,
+                       "produced": len(produced), "active": len(self.active),
+                       "pool": self.pool_occupancy()},
+            )  # fmt: skip
+        return produced
+
+    def _separate_runs(self, decode_rows: bool, rows: list[Request], chosen: list[Request]) -> dict[int, int]:
+        """A step's runs one by one: every decode row in one run (when ``decode_rows``), then the prompt
+        chunks of ``chosen``, the last chunks of prompts alike run together; returns the ids produced."""
         try:
             produced: dict[int, int] = self._decode_batch() if decode_rows else {}
         except OutOfMemory as e:  # the earliest row does not fit with every later one paused
@@ -357,19 +393,6 @@ class Engine(BatchedSteps):
                 raise _alone(group[0], e) from e
             if token is not None:
                 produced[group[0].id] = token
-        self.steps += 1
-        if self._prefix is not None and len(self._prefix) > self._prefix.capacity:
-            self._trim()
-        events = self.session.events
-        if events.enabled:
-            events.record(
-                self.session._step, "", "", "engine_step",
-                extra={"requests": len(chosen) + (len(rows) if decode_rows else 0),
-                       "batched_rows": len(rows) if decode_rows else 0,
-                       "tokens_fed": self.max_batch_tokens - budget,
-                       "produced": len(produced), "active": len(self.active),
-                       "pool": self.pool_occupancy()},
-            )  # fmt: skip
         return produced
 
     def _finish(self, r: Request, reason: str) -> None:

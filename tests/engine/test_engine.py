@@ -352,6 +352,39 @@ def test_paged_decode_rows_of_every_request_run_as_one_batched_run(session, monk
     pool.audit()
 
 
+@pytest.mark.parametrize("budget", [2048, 40])
+def test_decode_rows_and_prompt_chunks_run_as_one_forward_per_step(session, budget):
+    """A GroupQueryAttention graph takes segments: every step is one run (decode rows and the chunks of
+    prompts arriving at different steps, of different lengths, on one token axis); the tokens are those
+    of each request alone, greedy and sampled; the pool holds only the prefix cache's pages at the end."""
+    cache = onnxkv.CacheConfig("paged", block_size=16)
+    engine = onnxkv.Engine(session, cache=cache, max_batch_tokens=budget)
+    assert engine._segmented and "one run of segments" in engine.describe()["batching"]
+    sampling = [
+        {},
+        {"do_sample": True, "temperature": 0.8, "seed": 3},
+        {},
+        {"do_sample": True, "top_p": 0.9, "seed": 5},
+    ]
+    requests, session.events.enabled = [], True
+    session.events.clear()
+    for i, (text, kw) in enumerate(zip(PROMPTS, sampling, strict=True)):
+        requests.append(engine.add_request(_ids(text), 12 + 3 * i, **kw))
+        for _ in range(i + 1):
+            engine.step()
+    engine.run()
+    steps = [e.extra for e in session.events if e.action == "engine_step"]
+    assert all(s["runs"] == 1 for s in steps)
+    mixed = [s for s in steps if s["batched_rows"] and s["tokens_fed"] > s["batched_rows"]]
+    assert mixed  # steps that fed decode rows and prompt tokens together: one run each
+    for r, kw in zip(requests, sampling, strict=True):
+        assert r.tokens == _alone(session, r, cache, **kw)
+    pool = engine._batch.pool
+    pool.audit()
+    assert pool.live_pages == engine.describe()["prefix_cached_pages"]
+    engine.close()
+
+
 def test_attention_graph_requests_batch_their_decode_rows(monkeypatch):
     """Paged caches on an opset-23 Attention graph: decode rows of different lengths in one run per step
     (the mask hides the positions a shorter row never wrote), tokens as generate alone."""

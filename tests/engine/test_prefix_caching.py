@@ -124,10 +124,14 @@ def _count_runs(monkeypatch, fail_at: int | None = None) -> dict:
 TAIL_SAME = ["a = 1\n", "b = 2\n", "c = 3\n"]  # one length each
 
 
-def test_last_prompt_chunks_at_one_position_run_as_one_batch(session, monkeypatch):
+@pytest.mark.parametrize("segmented", [True, False])
+def test_last_prompt_chunks_at_one_position_run_as_one_batch(session, monkeypatch, segmented):
     """Prompts of one length arriving together, and prefix hits of one tail length, each run as one run of
-    their rows; the tokens stay those of each request alone."""
+    their rows (separate runs: the decode rows' run, then the tails'; a run of segments: one run for all);
+    the tokens stay those of each request alone."""
     engine = onnxkv.Engine(session, cache=PAGED)
+    assert engine._segmented
+    engine._segmented = segmented
     fresh = [engine.add_request(_ids(t + "x" * 40), 7) for t in TAIL_SAME]  # no page in common
     runs = _count_runs(monkeypatch)
     engine.step()
@@ -137,7 +141,7 @@ def test_last_prompt_chunks_at_one_position_run_as_one_batch(session, monkeypatc
     assert all(r.prefix_hit_tokens == 32 for r in hits)
     runs["n"] = 0
     engine.step()  # the decode rows, then the three tails together
-    assert runs["n"] == 2 and engine.describe()["decode_rows"] == 6
+    assert runs["n"] == (1 if segmented else 2) and engine.describe()["decode_rows"] == 6
     monkeypatch.undo()
     engine.run()
     for r in fresh + hits:
