@@ -175,19 +175,21 @@ def run_engine(
         peak["fragmentation"] = 1 - peak["token_bytes"] / peak["committed"]
     order = sorted(stamps)
     ttft_each = [stamps[i][0] - added[i] for i in order if stamps[i]]
+    prefix, steps = engine.describe()["prefix_cached_pages"], engine.steps
+    engine.close()  # its pages' chunks to the process's reserve now, not when the collector finds it
     return {
         "wall_s": wall,
         "new_tokens": total,
         "ttft_each_s": ttft_each,
         "prefix_hit_tokens": [requests[i].prefix_hit_tokens for i in order],
-        "prefix": engine.describe()["prefix_cached_pages"],
+        "prefix": prefix,
         "tokens_per_s": total / wall,
         # tokens after each request's first, per second from the last first token to the end (the decode
         # phase when every request arrives at once; prompts excluded)
         "decode_phase_tokens_per_s": _decode_phase(stamps),
         "ttft_s": _percentiles(ttft),
         "inter_token_s": _percentiles(itl),
-        "steps": engine.steps,
+        "steps": steps,
         "preemptions": sum(r.preemptions for r in requests.values()),
         "cache_at_peak": peak,
         "tokens": {i: list(requests[i].tokens) for i in requests},

@@ -172,6 +172,7 @@ class Engine(SegmentSteps, BatchedSteps):
         self._segmented = self.batched and session.takes_segments
         self._runs = 0  # State runs the current step made
         self._batch: State | None = None  # batched: the state of every decoding request's rows
+        self._batch_slab = False  # batched: the pool's page allocator was made for it (close trims it)
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)
         self._paused_now: set[Request] = set()  # batched: paused in this step (not run again in it)
@@ -487,8 +488,9 @@ class Engine(SegmentSteps, BatchedSteps):
         self._rows.append(r)
 
     def close(self) -> None:
-        """Finish every request ("aborted") and release every page, the prefix cache's included; the engine
-        takes no request afterwards."""
+        """Finish every request ("aborted") and release every page, the prefix cache's included (the empty
+        chunks of a page allocator the engine made go to the process's chunk reserve at once, for the next
+        engine or state: :mod:`onnxkv.alloc.chunk_reserve`); the engine takes no request afterwards."""
         self._closed = True
         for r in self.active:
             self._finish(r, "aborted")
@@ -496,6 +498,8 @@ class Engine(SegmentSteps, BatchedSteps):
             self._prefix.clear()
         if self._batch is not None:
             self._batch.close()
+            if self._batch_slab:  # the pool's allocator is the engine's: its chunks go to the process's reserve now
+                self._batch.allocator.trim()
 
     def _new_state(self, r: Request) -> State:
         """A request's own state; batched: over the page pool of the batched state (made with the first)."""
@@ -504,6 +508,7 @@ class Engine(SegmentSteps, BatchedSteps):
         if self._batch is None:
             first = State(self.session, **r._state_kw)
             first.pool.max_bytes = self._max_cache_bytes
+            self._batch_slab = first._own_slab
             self._batch = first.sibling()
             if self.prefix_caching:
                 capacity = self._prefix_pages

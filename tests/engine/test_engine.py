@@ -467,6 +467,23 @@ def test_an_engine_dropped_unclosed_is_collected_quietly(session, caplog):
     assert not caplog.records
 
 
+def test_a_closed_engine_gives_its_page_chunks_to_the_reserve(session):
+    """The pool's page allocator is the engine's: close releases its chunks to the process's reserve at
+    once (the next engine's pages come from there, not from fresh mappings), not when it is collected."""
+    from onnxkv.alloc.chunk_reserve import chunk_reserve_stats
+
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16))
+    engine.add_request(_ids(PROMPTS[1]), 4)
+    engine.run()
+    allocator = engine._batch.allocator
+    assert allocator.stats().committed > 0
+    before = chunk_reserve_stats()
+    engine.close()
+    after = chunk_reserve_stats()
+    assert allocator.stats().committed == 0
+    assert after.kept + after.dropped > before.kept + before.dropped
+
+
 def test_a_closed_engine_takes_no_request(session):
     engine = onnxkv.Engine(session)
     engine.add_request(_ids(PROMPTS[0]), 3)
