@@ -209,16 +209,23 @@ class BatchedSteps:
         a run of several prompts' last chunks that does not fit together."""
         if not self.batched or self._batch is None:
             return True
+        free = self._free_pages()
+        if free is None or (not self._holders() and not starting):
+            return True
+        return free >= starting + self._prompt_pages(r) + len(self._rows)
+
+    def _free_pages(self) -> int | None:
+        """Batched: pages the pool can still hand out (free ids and bytes, the prefix cache's unreferenced
+        pages counted free), or None when it is bounded by neither."""
         pool = self._batch.pool
         free = []
         if pool.max_pages is not None:
             free.append(pool.max_pages - pool.live_pages)
         if pool.max_bytes is not None:
             free.append((pool.max_bytes - pool.committed_bytes) // pool.page_bytes)
-        if not free or (not self._holders() and not starting):
-            return True
-        spare = self._prefix.unreferenced() if self._prefix is not None else 0
-        return min(free) + spare >= starting + self._prompt_pages(r) + len(self._rows)
+        if not free:
+            return None
+        return min(free) + (self._prefix.unreferenced() if self._prefix is not None else 0)
 
     def _decode_batch(self) -> dict[int, int]:
         """Batched: one run of every decode row; each row's token chosen with its request's sampling.  When

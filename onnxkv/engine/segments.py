@@ -16,13 +16,16 @@ no payload copied); a prompt whose last chunk ran keeps its row and decodes from
 separate runs would have it.  The tokens are those of the separate runs: every node but attention acts
 on each token alone, and attention computes each row as alone (tests/engine compares with ``generate``).
 
-A run that does not fit the pool (OutOfMemory) or a cache's fixed capacity leaves everything as before it
-and the step falls back to its separate runs, which make room (:mod:`onnxkv.engine.batched`) or name the
-request that does not fit; any other error propagates with every request as before the step.
+A step whose run would need more pages than the pool has free (counted before it starts) makes its
+separate runs instead, which make room (:mod:`onnxkv.engine.batched`) or name the request that does not
+fit; so does a run that raises OutOfMemory anyway (pages copied on write) or passes a cache's fixed
+capacity, after leaving everything as before it.  Any other error propagates with every request as before
+the step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,6 +49,7 @@ class SegmentSteps:
     _rows: list[Request]
     _prefix: PrefixCache | None
     _runs: int
+    _free_pages: Callable[[], int | None]
 
     def _segment_step(self, decode_rows: bool, chosen: list[Request]) -> dict[int, int] | None:
         """Run the decode rows (when ``decode_rows``) and the prompt chunks of ``chosen`` as one run of
@@ -56,6 +60,9 @@ class SegmentSteps:
         if len(prompts) + (1 if rows else 0) < 2 or len(prompts) != len(chosen):
             return None
         batch, n_rows = self._batch, len(self._rows)
+        chunks = [r._seq[r.prompt_done : r.prompt_done + r.next_tokens] for r in prompts]
+        if not self._segments_fit(rows, prompts, chunks):
+            return None
         had_state = [r._state is not None for r in prompts]
         for r in prompts:  # their rows after the decode rows
             if r._state is not None:
@@ -63,7 +70,6 @@ class SegmentSteps:
                 r._state = None
             else:
                 batch.append_empty_rows(1)
-        chunks = [r._seq[r.prompt_done : r.prompt_done + r.next_tokens] for r in prompts]
         counts = np.array([1 if decode_rows else 0] * n_rows + [c.size for c in chunks], np.int64)
         tokens = np.concatenate([np.array([r.tokens[-1] for r in rows], np.int64), *chunks])
         ends = np.cumsum(counts) - 1  # each row's last token on the axis
@@ -100,6 +106,21 @@ class SegmentSteps:
         return self._after_segments(
             rows, prompts, chunks, last, n_rows, dict(zip((r.id for _, r in takers), chosen_ids))
         )
+
+    def _segments_fit(self, rows: list[Request], prompts: list[Request], chunks: list) -> bool:
+        """Whether the pages a run of segments adds (a page per row crossing into a new block; shared
+        pages copied on write not counted) fit the pool's free pages and bytes, the prefix cache's
+        unreferenced pages counted free.  When not, the step makes its runs one by one at once (they make
+        room), instead of a run that would fail at its first cache write."""
+        free = self._free_pages()
+        if free is None:
+            return True
+        bs = self._batch.pool.block_size
+        need = sum(1 for r in rows if r._cached % bs == 0)
+        for r, chunk in zip(prompts, chunks, strict=True):
+            done = r.prompt_done
+            need += -(-(done + chunk.size) // bs) - -(-done // bs)
+        return need <= free
 
     def _after_segments(
         self, rows: list[Request], prompts: list[Request], chunks: list, last: list[bool], n_rows: int, ids: dict

@@ -385,6 +385,26 @@ def test_decode_rows_and_prompt_chunks_run_as_one_forward_per_step(session, budg
     engine.close()
 
 
+def test_a_step_whose_single_run_would_not_fit_makes_its_runs_one_by_one(session):
+    """A pool too small for the decode rows and a prompt chunk together: the step does not try the run of
+    segments (it would fail at its first cache write) but makes its runs one by one, which pause the later
+    request; every token as generate alone."""
+    cache = onnxkv.CacheConfig("paged", block_size=16)
+    engine = onnxkv.Engine(session, cache=cache, max_batch_tokens=32, max_pages=10, prefix_caching=False)
+    first = engine.add_request(_ids(PROMPTS[0]), 40)
+    engine.step()
+    late = engine.add_request(_ids(PROMPTS[1][:132]), 10)
+    session.events.enabled = True
+    session.events.clear()
+    engine.run()
+    runs = [e.extra["runs"] for e in session.events if e.action == "engine_step"]
+    assert 2 in runs and max(runs) == 2  # one by one, never a run of segments that failed first
+    assert late.preemptions == 1
+    for r in (first, late):
+        assert r.tokens == _alone(session, r, cache)
+    engine.close()
+
+
 def test_attention_graph_requests_batch_their_decode_rows(monkeypatch):
     """Paged caches on an opset-23 Attention graph: decode rows of different lengths in one run per step
     (the mask hides the positions a shorter row never wrote), tokens as generate alone."""

@@ -1,0 +1,37 @@
+"""The engine on the builder exports of tests/data/arch (sliding windows, softcap, tied and int4 weights):
+prompts of different lengths arriving at different steps, their chunks and the decode rows in one run of
+segments per step, each request's tokens those of ``generate`` alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import onnxkv
+
+DATA = Path(__file__).parents[1] / "data" / "arch"
+FOLDERS = sorted(p.name + "/" + q.name for p in DATA.iterdir() if p.is_dir() for q in p.glob("genai_*"))
+PAGED = onnxkv.CacheConfig("paged", block_size=4)
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_requests_on_builder_exports_equal_generate_alone(folder):
+    session = onnxkv.Session(str(DATA / folder), threads=1, events=True)
+    rng = np.random.default_rng(1)
+    vocab = min(session.token_limit or 100, 100)
+    engine = onnxkv.Engine(session, cache=PAGED, max_batch_tokens=24)
+    assert engine._segmented
+    requests = []
+    for i, n in enumerate((5, 30, 11, 17, 2)):  # past the exports' window of 8 positions
+        requests.append(engine.add_request(rng.integers(1, vocab, n), 12 + i, eos_token_id=[]))
+        engine.step()
+    engine.run()
+    assert all(e.extra["runs"] == 1 for e in session.events if e.action == "engine_step")
+    for r in requests:
+        alone = onnxkv.generate(
+            session, r.prompt[None], r.max_new_tokens, cache=PAGED, prefill_chunk=r.chunk, eos_token_id=[]
+        )
+        assert r.tokens == alone.tokens[0].tolist()
+    engine.close()
