@@ -206,10 +206,14 @@ class Engine(SegmentSteps, BatchedSteps):
                 "waiting prompts in one run of segments (rows of their own lengths, token counts and page tables)"
             )
         elif self.batched:
+            why = (
+                "its logits are not one row per token"
+                if self.session.takes_segments
+                else f"this graph form ('{self.session.model.convention.kind}') does not take segments"
+            )
             batching = (
-                f"decode tokens of every request in one batched run over one page pool (rows of their own "
-                f"lengths and page tables); prompt chunks one run per request (this graph form "
-                f"('{self.session.model.convention.kind}') does not take segments: Session.takes_segments)"
+                "decode tokens of every request in one batched run over one page pool (rows of their own "
+                f"lengths and page tables); prompt chunks one run per request ({why})"
             )
         elif self.kind != "paged":
             batching = "one run per request and step, not batched: contiguous caches are one state per request"

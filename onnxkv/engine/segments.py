@@ -19,8 +19,9 @@ on each token alone, and attention computes each row as alone (tests/engine comp
 A step whose run would need more pages than the pool has free (counted before it starts) makes its
 separate runs instead, which make room (:mod:`onnxkv.engine.batched`) or name the request that does not
 fit; so does a run that raises OutOfMemory anyway (pages copied on write) or passes a cache's fixed
-capacity, after leaving everything as before it.  Any other error propagates with every request as before
-the step.
+capacity, after leaving everything as before it.  A model whose logits are not one row per token (a graph
+that computes the last position only) is found at its first such run, which is undone: the engine then
+runs its steps one by one.  Any other error propagates with every request as before the step.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ if TYPE_CHECKING:
 __all__ = ["SegmentSteps"]
 
 
+class _NotPerToken(Exception):
+    """The logits of a run of segments are not one row per token (a graph that computes some positions
+    only): the engine makes this model's steps one run at a time from then on."""
+
+
 class SegmentSteps:
     """The single-run steps of :class:`~onnxkv.engine.engine.Engine` (module docstring)."""
 
@@ -49,6 +55,7 @@ class SegmentSteps:
     _rows: list[Request]
     _prefix: PrefixCache | None
     _runs: int
+    _segmented: bool
     _free_pages: Callable[[], int | None]
 
     def _segment_step(self, decode_rows: bool, chosen: list[Request]) -> dict[int, int] | None:
@@ -82,7 +89,10 @@ class SegmentSteps:
 
         def choice(out: dict) -> None:  # before the run is committed: if it raises, the run is undone
             if takers:
-                chosen_ids[:] = choose_tokens([r for _, r in takers], out[name][0])
+                logits = out[name]
+                if logits.ndim != 3 or logits.shape[:2] != (1, len(takers)):
+                    raise _NotPerToken(logits.shape)
+                chosen_ids[:] = choose_tokens([r for _, r in takers], logits[0])
 
         starts = batch.lengths
         positions = (
@@ -100,6 +110,9 @@ class SegmentSteps:
                 if had_state[j]:
                     r._state = self._row_out(n_rows + j)
             batch.keep_rows(list(range(n_rows)))
+            if isinstance(e, _NotPerToken):  # logits not one row per token: this model's steps run one by one
+                self._segmented = False
+                return None
             if isinstance(e, (OutOfMemory, CacheCapacityError)):
                 return None
             raise

@@ -405,6 +405,32 @@ def test_a_step_whose_single_run_would_not_fit_makes_its_runs_one_by_one(session
     engine.close()
 
 
+def test_a_graph_whose_logits_are_the_last_position_only_runs_its_steps_one_by_one():
+    """A GroupQueryAttention graph that slices its logits to the last position (one row, whatever the
+    tokens fed): its first run of segments is undone and the engine runs its steps one by one from then
+    on; every token as generate alone."""
+    from onnx import helper as oh
+    from onnx import numpy_helper as nh
+
+    model = build_model("gqa", MICRO, seed=3)
+    graph = model.graph
+    head = next(n for n in graph.node if "logits" in n.output)
+    head.output[list(head.output).index("logits")] = "logits_all"
+    for name, value in (("last_start", [-1]), ("last_end", [2**62]), ("last_axis", [1])):
+        graph.initializer.append(nh.from_array(np.array(value, np.int64), name))
+    graph.node.append(oh.make_node("Slice", ["logits_all", "last_start", "last_end", "last_axis"], ["logits"]))
+    sess = onnxkv.Session(model, threads=1, events=True)
+    cache = onnxkv.CacheConfig("paged", block_size=16)
+    engine = onnxkv.Engine(sess, cache=cache, max_batch_tokens=24)
+    assert engine._segmented
+    requests = [engine.add_request(np.arange(3, 3 + n) % 50 + 2, 6, eos_token_id=[]) for n in (9, 30)]
+    engine.run()
+    assert not engine._segmented and "logits are not one row per token" in engine.describe()["batching"]
+    for r in requests:
+        assert r.tokens == _alone(sess, r, cache)
+    engine.close()
+
+
 def test_attention_graph_requests_batch_their_decode_rows(monkeypatch):
     """Paged caches on an opset-23 Attention graph: decode rows of different lengths in one run per step
     (the mask hides the positions a shorter row never wrote), tokens as generate alone."""
