@@ -24,11 +24,16 @@ from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_requ
 from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.state import State
 
-#: Operators that relate the tokens of their input to each other (besides GroupQueryAttention, which takes
-#: segments itself), or run graphs that may: a model holding one does not run segments.
-TOKEN_MIXING = frozenset({
-    "Attention", "MultiHeadAttention", "PagedAttention", "PagedCacheUpdate", "TensorScatter", "CumSum", "Conv",
-    "ConvTranspose", "Scan", "Loop", "If", "LSTM", "GRU", "RNN", "MaxPool", "AveragePool", "LpPool",
+#: Operators whose every output token is computed from the same token of its inputs in the exporters'
+#: GroupQueryAttention graphs (elementwise, norms, products, reshapes of a token, embeddings, the mask's
+#: lengths), besides GroupQueryAttention itself: a model whose every node is one of them may run segments.
+TOKEN_WISE = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Abs", "Exp", "Log", "Erf", "Tanh",
+    "Sigmoid", "Relu", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Softplus", "Clip", "Max", "Min", "Where",
+    "Equal", "Cast", "CastLike", "Constant", "Identity", "Shape", "Reshape", "Transpose", "Split", "Squeeze",
+    "Unsqueeze", "Softmax", "MatMul", "MatMulNBits", "Gather", "GatherBlockQuantized", "ReduceSum",
+    "LayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
+    "SkipLayerNormalization", "RMSNormalization", "RotaryEmbedding", "GroupQueryAttention",
 })  # fmt: skip
 
 __all__ = ["Session", "DECODE_ROWS", "check_precision"]
@@ -140,8 +145,9 @@ class Session:
         """Whether a state of this session may run segments (:meth:`State.run
         <onnxkv.runtime.state.State.run>`): a GroupQueryAttention graph whose every GroupQueryAttention node
         is bound to the state's cache and takes them (no attention_bias, head_sink or smooth_softmax), and
-        no other node relates tokens to each other (:data:`TOKEN_MIXING`, control flow included): every
-        other node acts on each token alone, so the rows' tokens may share one axis."""
+        every other node is of an operator that acts on each token alone (:data:`TOKEN_WISE`; control flow,
+        other attention, convolutions, ``Range``, ``Slice``, ``Concat`` and every operator not listed
+        refuse them), so the rows' tokens may share one axis."""
         if self._segments is None:
             from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
 
@@ -151,7 +157,7 @@ class Session:
                 and bool(self.bindings)
                 and bool(attention)
                 and all(k.takes_segments for k in attention)
-                and not any(n.op_type in TOKEN_MIXING for n in self.model.proto.graph.node)
+                and all(n.op_type in TOKEN_WISE for n in self.model.proto.graph.node)
             )
         return self._segments
 

@@ -406,7 +406,7 @@ def test_a_step_whose_single_run_would_not_fit_makes_its_runs_one_by_one(session
 
 
 def test_a_graph_whose_logits_are_the_last_position_only_runs_its_steps_one_by_one():
-    """A GroupQueryAttention graph that slices its logits to the last position (one row, whatever the
+    """A GroupQueryAttention graph that gathers its logits at the last position (one row, whatever the
     tokens fed): its first run of segments is undone and the engine runs its steps one by one from then
     on; every token as generate alone."""
     from onnx import helper as oh
@@ -416,9 +416,8 @@ def test_a_graph_whose_logits_are_the_last_position_only_runs_its_steps_one_by_o
     graph = model.graph
     head = next(n for n in graph.node if "logits" in n.output)
     head.output[list(head.output).index("logits")] = "logits_all"
-    for name, value in (("last_start", [-1]), ("last_end", [2**62]), ("last_axis", [1])):
-        graph.initializer.append(nh.from_array(np.array(value, np.int64), name))
-    graph.node.append(oh.make_node("Slice", ["logits_all", "last_start", "last_end", "last_axis"], ["logits"]))
+    graph.initializer.append(nh.from_array(np.array([-1], np.int64), "last"))
+    graph.node.append(oh.make_node("Gather", ["logits_all", "last"], ["logits"], axis=1))
     sess = onnxkv.Session(model, threads=1, events=True)
     cache = onnxkv.CacheConfig("paged", block_size=16)
     engine = onnxkv.Engine(sess, cache=cache, max_batch_tokens=24)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 import onnxkv
@@ -128,6 +129,14 @@ def test_bad_segments_leave_the_state_as_it_was(tiny, segments, match):
 def test_models_whose_attention_does_not_take_segments_refuse_them(tiny):
     attention = onnxkv.Session(build_model("attention", MICRO, seed=8), threads=1)
     assert not attention.takes_segments
+    gqa = build_model("gqa", MICRO, seed=8)
+    assert onnxkv.Session(gqa, threads=1).takes_segments
+    positions = onnx.helper.make_node("Range", ["zero", "zero", "one"], ["unused"])  # any operator not token-wise
+    gqa.graph.initializer.extend(
+        onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", 0), ("one", 1))
+    )
+    gqa.graph.node.append(positions)
+    assert not onnxkv.Session(gqa, threads=1).takes_segments
     state = attention.new_state(cache=PAGED)
     with pytest.raises(InputError, match="takes_segments"):
         state.run(_flat(attention, np.array([3, 4]), np.arange(2)), [], segments=np.array([2]))

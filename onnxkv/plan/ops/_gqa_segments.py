@@ -12,8 +12,9 @@ and are not read.  Rows of one new token run as one batched kernel call; each lo
 its own (one row of ``n_r`` queries), all over the rows' page tables in place.
 
 A node that cannot take segments (``attention_bias``, ``head_sink`` or ``smooth_softmax``, or not bound
-to the state) raises InputError: the plan refuses such runs before they start
-(:attr:`~onnxkv.plan.plan.Plan.takes_segments`), so this is defence in depth.
+to the state) raises InputError: the state refuses such runs before they start
+(:attr:`Session.takes_segments <onnxkv.runtime.session.Session.takes_segments>`), so this is defence in
+depth.
 """
 
 from __future__ import annotations
