@@ -189,13 +189,14 @@ class BatchedSteps:
             state.close()
         return produced
 
-    def _room_for_row(self) -> bool:
-        """Batched: whether a new prompt may start (every started request will hold a decode row, and
-        the decode rows of a step must fit ``max_batch_tokens``)."""
+    def _room_for_row(self, admitted: int = 0) -> bool:
+        """Batched: whether a new prompt may start, after ``admitted`` new prompts this step (every started
+        request will hold a decode row, and the decode rows of a step must fit ``max_batch_tokens``: more
+        rows than that would never run again)."""
         if not self.batched:
             return True
         started = sum(1 for r in self.active if r._state is not None or r in self._rows)
-        return started < self.max_batch_tokens
+        return started + admitted < self.max_batch_tokens
 
     def _prompt_pages(self, r: Request) -> int:
         """Batched: pages ``r``'s next prompt chunk writes (0 before the pool exists)."""

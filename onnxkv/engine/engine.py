@@ -323,19 +323,22 @@ class Engine(SegmentSteps, BatchedSteps):
         waiting = [r for r in active if r.prompt_done < r._seq.size]
         starved = [r for r in waiting if r._skipped]
         others = decoding + [r for r in waiting if not r._skipped]
-        budget, chosen, decode_rows, starting = self.max_batch_tokens, [], False, 0
+        budget, chosen, decode_rows, starting, started = self.max_batch_tokens, [], False, 0, 0
 
         def admit(r: Request) -> None:
-            nonlocal budget, starting
+            nonlocal budget, starting, started
             need = r.next_tokens
             new = r._state is None
             if new and self._shares(r, pending):  # another request computes its next prompt page: it waits for it
                 return
-            r._skipped = need > budget or (new and not (self._room_for_row() and self._room_for_prompt(r, starting)))
+            r._skipped = need > budget or (
+                new and not (self._room_for_row(started) and self._room_for_prompt(r, starting))
+            )
             if not r._skipped:
                 chosen.append(r)
                 budget -= need
                 starting += self._prompt_pages(r) if new else 0
+                started += 1 if new else 0
                 if new and self._prefix is not None:  # the pages it will compute: later ones wait for them
                     pending.update(self._prompt_keys(r))
 

@@ -405,6 +405,29 @@ def test_a_step_whose_single_run_would_not_fit_makes_its_runs_one_by_one(session
     engine.close()
 
 
+@pytest.mark.parametrize("segmented", [True, False])
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_decode_rows_never_outnumber_the_budget(session, budget, segmented):
+    """Prompts left waiting a step go first in the next and may take its whole budget: the prompts a step
+    starts never make more decode rows than ``max_batch_tokens`` (rows that could never run again: every
+    later step produced nothing and run() never returned)."""
+    cache = onnxkv.CacheConfig("paged", block_size=4)
+    engine = onnxkv.Engine(session, cache=cache, max_batch_tokens=budget)
+    engine._segmented = segmented
+    requests = [engine.add_request(np.array([10]), 6, eos_token_id=[])]
+    engine.step()
+    requests += [engine.add_request(np.array([11 + i]), 6, eos_token_id=[]) for i in range(3)]
+    for _ in range(100):
+        engine.step()
+        assert engine.describe()["decode_rows"] <= budget
+        if not engine.active:
+            break
+    assert not engine.active
+    for r in requests:
+        assert r.tokens == _alone(session, r, cache)
+    engine.close()
+
+
 def test_a_graph_whose_logits_are_the_last_position_only_runs_its_steps_one_by_one():
     """A GroupQueryAttention graph that gathers its logits at the last position (one row, whatever the
     tokens fed): its first run of segments is undone and the engine runs its steps one by one from then
