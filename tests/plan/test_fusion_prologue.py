@@ -1,8 +1,9 @@
 """Plan-time fusion of an RMS norm / SiluMul with the packed product reading it (ai.onnxkv::PrologueMatMul).
 
 The oracle is the same model planned without this fusion: outputs and caches
-must be bit for bit equal, on the fused fast path (decode rows) and on the
-literal body (prefill rows above STEP_M).
+must be bit for bit equal, on the fused path (decode rows and prompts of any
+length, compilable up to STEP_M rows) and on the literal body (inputs the
+prologue's kernel does not take).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def _generate(session, prompt_len: int, steps: int, evaluate_calls: list, check:
         feeds, _ = b.first()
         out = st.run(feeds, ["logits"])
         got.append(out["logits"].copy())
-        if check:  # the prompt: fused kernels up to the row limit, the literal body above it
-            assert bool(evaluate_calls) == (prompt_len > prologue_module.STEP_M)
+        if check:  # the prompt: the fused kernels, above the compilable row limit too
+            assert evaluate_calls == []
         evaluate_calls.clear()
         for i in range(steps):
             out = st.run(b.next(np.array([(7 * i + 1) % MICRO.vocab_size]), out), ["logits"])
@@ -68,8 +69,9 @@ def _generate(session, prompt_len: int, steps: int, evaluate_calls: list, check:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("prompt_len", [5, 20])
 def test_results_are_bitwise_those_of_the_unfused_plan(threads, prompt_len, monkeypatch):
-    """Decode steps take the fused path (no literal evaluation); a prefill above the fused path's row limit
-    (lowered to 8 here: the model's positions stop at 128) evaluates the body."""
+    """Decode steps and prompts take the fused path (no literal evaluation), a prompt above the compilable
+    row limit too (lowered to 8 here: the model's positions stop at 128); the plan without the fusion is the
+    oracle."""
     monkeypatch.setattr(prologue_module, "STEP_M", 8)
     calls = []
     original = Body.evaluate
@@ -143,3 +145,30 @@ def test_non_float32_norm_input_takes_the_literal_body_with_its_error(monkeypatc
             _session(model, fused, monkeypatch).run({"x": x})
         errors.append(str(e.value))
     assert "A must be float32" in errors[0] and "A must be float32" in errors[1]
+
+
+def test_compilable_up_to_step_m_rows_and_fused_above(monkeypatch):
+    """Up to STEP_M rows a compiled step may record the node; above it the node still runs its own kernels
+    (not the body), its product's output taken from the run's buffers."""
+    monkeypatch.setattr(prologue_module, "STEP_M", 8)
+    model = _norm_graph(1, False)
+    sess = _session(model, True, monkeypatch)
+    (op,) = [k for n, k in zip(sess.plan.nodes, sess.plan.kernels) if n.op_type == "PrologueMatMul"]
+    g = numpy_helper.to_array(model.graph.initializer[0])
+    rng = np.random.default_rng(12)
+    for rows, compilable in [(8, True), (9, False)]:
+        x = rng.standard_normal((rows, 16)).astype(np.float32)
+        assert op.compilable([x, g]) is compilable
+        assert op._fused(x, [x, g])
+    taken = []
+
+    def take(rt, index, shape, dtype):
+        taken.append(index)
+        return np.empty(shape, dtype)
+
+    monkeypatch.setattr(Body, "evaluate", lambda *a: pytest.fail("the body was evaluated"))
+    x = rng.standard_normal((40, 16)).astype(np.float32)
+    (z,) = op.run([x, g], onnxkv.plan.context.RunContext(take, False, 0))
+    assert taken == [0]
+    want = _session(model, False, monkeypatch).run({"x": x})["z"]
+    np.testing.assert_array_equal(z, want)

@@ -14,12 +14,14 @@ two nodes it replaces.
 A decode step is dominated by streaming the weights; what remains is mostly
 per-node work around small kernels whose data the weight stream has pushed out
 of the caches.  One node per norm + projection halves that.  For float32,
-C-contiguous inputs of the shapes the prologue's kernel takes and at most
-``STEP_M`` rows, ``run`` calls the prologue's compiled kernel into a private
-buffer and the product node's own kernel on it -- the calls, arguments and
-summation order of the two separate nodes, so the outputs are bit for bit
-theirs.  Anything else evaluates the two nodes literally (``body``), errors
-included.
+C-contiguous inputs of the shapes the prologue's kernel takes, ``run`` calls
+the prologue's compiled kernel into a private buffer and the product node's
+own kernel on it -- the calls, arguments and summation order of the two
+separate nodes, so the outputs are bit for bit theirs -- at any row count:
+the product's outputs come from the run's buffers (``rt.empty``), which a
+prompt's later layers and runs reuse.  Up to ``STEP_M`` rows the node is
+compilable (a compiled step records it).  Anything else evaluates the two
+nodes literally (``body``), errors included.
 """
 
 from __future__ import annotations
@@ -101,7 +103,6 @@ class PrologueMatMul(Op):
             and x.shape[-1] == k
             and x.size
             and x.flags.c_contiguous
-            and x.size // k <= STEP_M
             and self._prologue_ok(x, inputs)
         )
 
@@ -112,6 +113,7 @@ class PrologueMatMul(Op):
             isinstance(x, np.ndarray)
             and all(isinstance(v, np.ndarray) for v in inputs[1 : self.n_in])
             and self._fused(x, inputs)
+            and x.size // self.k <= STEP_M
             and self.product.compilable([x])  # the prologue's result has x's shape and dtype
         )
 
