@@ -55,7 +55,7 @@ from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request, choose_tokens
 from onnxkv.engine.segments import SegmentSteps
 from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory, StateError
-from onnxkv.generate.arguments import check_prompt, int_arg, token_ids
+from onnxkv.generate.arguments import check_length, check_prompt, int_arg, token_ids
 from onnxkv.generate.sampling import sampling_arguments
 from onnxkv.runtime.cache_config import CacheConfig, cache_request
 from onnxkv.runtime.prompt_chunk import prompt_chunk
@@ -268,11 +268,7 @@ class Engine(SegmentSteps, BatchedSteps):
             raise InputError(f"{api}: prompt_ids must be one sequence ([L] or [1, L]), got shape {ids.shape}")
         eos = token_ids(api, "eos_token_id", eos_token_id, model.eos_token_id, sess.token_limit)
         length = ids.shape[1]
-        if model.max_length is not None and length + max_new_tokens > model.max_length:
-            raise InputError(
-                f"{api}: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the model's "
-                f"max_length {model.max_length}"
-            )
+        check_length(api, sess, length, max_new_tokens)
         state_kw = self._cache.state_keywords(self.kind, initial_capacity=max(32, length + min(max_new_tokens, 256)))
         limit = state_kw.get("max_pages") if self.kind == "paged" else None
         if limit is not None and -(-length // state_kw["block_size"]) > limit:

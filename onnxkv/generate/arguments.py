@@ -172,3 +172,21 @@ def check_prompt(api: str, input_ids, attention_mask, vocab: int | None) -> tupl
     if real.size and (real.min() < 0 or (vocab is not None and real.max() >= vocab)):
         raise InputError(f"{api}: input_ids must be in [0, {vocab}), got min {real.min()}, max {real.max()}")
     return ids, mask, lengths
+
+
+def check_length(api: str, session, length: int, max_new_tokens: int, whose: str = "the model's") -> None:
+    """InputError unless ``length`` prompt tokens and ``max_new_tokens`` more fit the positions of
+    ``session``'s model: its ``max_length`` and the rows of every table its graph indexes by position
+    (:attr:`Session.position_tables <onnxkv.runtime.session.Session.position_tables>`).  ``whose`` names
+    the model in the message ("the draft model's")."""
+    if session.model.max_length is not None and length + max_new_tokens > session.model.max_length:
+        raise InputError(
+            f"{api}: prompt length {length} + max_new_tokens {max_new_tokens} exceeds {whose} "
+            f"max_length {session.model.max_length}"
+        )
+    for table, rows in session.position_tables.items():
+        if length + max_new_tokens > rows:
+            raise InputError(
+                f"{api}: prompt length {length} + max_new_tokens {max_new_tokens} exceeds the {rows} positions "
+                f"of {whose} {table}"
+            )

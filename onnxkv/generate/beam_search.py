@@ -30,6 +30,7 @@ from onnxkv.generate.arguments import (
     as_session,
     bool_arg,
     callback_arg,
+    check_length,
     check_prompt,
     int_arg,
     real_arg,
@@ -423,11 +424,7 @@ def beam_search(
         pad_token_id = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
     pad_token_id = token_id(api, "pad_token_id", pad_token_id, vocab)
     B, L = ids.shape
-    if model.max_length is not None and L + max_new > model.max_length:
-        raise InputError(
-            f"beam_search: prompt length {L} + max_new_tokens {max_new} exceeds the model's "
-            f"max_length {model.max_length}"
-        )
+    check_length(api, sess, L, max_new)
     if B * k > MAX_BEAM_ROWS:
         raise InputError(
             f"beam_search: {B} row(s) * num_beams {k} = {B * k} beam rows; at most {MAX_BEAM_ROWS} run together"

@@ -10,7 +10,16 @@ import numpy as np
 
 from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
-from onnxkv.generate.arguments import as_session, callback_arg, check_prompt, int_arg, optional_int, token_id, token_ids
+from onnxkv.generate.arguments import (
+    as_session,
+    callback_arg,
+    check_length,
+    check_prompt,
+    int_arg,
+    optional_int,
+    token_id,
+    token_ids,
+)
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.sampling import SamplingConfig, sampling_arguments, select_next
 from onnxkv.plan.step_loop import Draws
@@ -155,11 +164,7 @@ def generate(
         pad_token_id = model.pad_token_id if model.pad_token_id is not None else (eos[0] if eos else 0)
     pad_token_id = token_id(api, "pad_token_id", pad_token_id, vocab)
     B, L = ids.shape
-    if model.max_length is not None and L + max_new_tokens > model.max_length:
-        raise InputError(
-            f"generate: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the model's "
-            f"max_length {model.max_length}"
-        )
+    check_length(api, sess, L, max_new_tokens)
     ids = np.where(mask == 1, ids, pad_token_id)
 
     kind = request.kind("contiguous" if sess.bindings else "tensor")

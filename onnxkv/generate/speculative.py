@@ -40,7 +40,7 @@ import numpy as np
 
 from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
-from onnxkv.generate.arguments import as_session, callback_arg, check_prompt, int_arg, token_ids
+from onnxkv.generate.arguments import as_session, callback_arg, check_length, check_prompt, int_arg, token_ids
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.sampling import SamplingConfig, probabilities, sampling_arguments, select_next
 from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_request
@@ -342,11 +342,7 @@ def speculative_generate(
         if s is None:
             continue
         _check_model(s, role)
-        if s.model.max_length is not None and L + max_new_tokens > s.model.max_length:
-            raise InputError(
-                f"{API}: prompt length {L} + max_new_tokens {max_new_tokens} exceeds the {role} "
-                f"model's max_length {s.model.max_length}"
-            )
+        check_length(API, s, L, max_new_tokens, f"the {role} model's")
     options = request.state_keywords("contiguous", initial_capacity=L + max_new_tokens + 1)
     target_options = request.state_keywords("paged" if branches else "contiguous", L + max_new_tokens + 1)
     if branches and target_options["cache"] != "paged":

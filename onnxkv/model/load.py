@@ -114,6 +114,49 @@ class Model:
                 limits.append(int(dims[n.input[0]][0]))
         return min(limits) if limits else None
 
+    @property
+    def position_tables(self) -> dict[str, int]:
+        """The tables the graph indexes by absolute position, each with its rows: an exclusive upper bound
+        of the positions of a sequence (empty when none does; :attr:`max_length` is another bound).
+
+        Such tables: the ``cos_cache`` initializer of a GroupQueryAttention
+        with ``do_rotary=1`` or of a RotaryEmbedding given position ids
+        (com.microsoft and ONNX), and an initializer gathered (axis 0) by the
+        ``position_ids`` input (rotary tables of torch exports, learned
+        absolute positions).  Keys name the table and the first node reading
+        it: ``"cos_cache 'name' of GroupQueryAttention 'node'"``.  A prompt
+        plus new tokens longer than a bound has positions the model cannot
+        take.  Angles computed in the graph bound nothing.  O(nodes): callers
+        keep the value.
+        """
+        limits: dict[str, int] = {}
+        seen: set[str] = set()
+        fed = {i.name for i in self.proto.graph.input}  # an initializer that is also an input may be replaced
+        dims = {t.name: t.dims for t in self.proto.graph.initializer if t.name not in fed}
+        for n in self.proto.graph.node:
+            ins = list(n.input)
+            attrs = {a.name: a.i for a in n.attribute if a.type == onnx.AttributeProto.INT}
+            table, kind = None, "cos_cache"
+            if n.domain == "com.microsoft" and n.op_type == "GroupQueryAttention" and attrs.get("do_rotary", 0):
+                table = ins[7] if len(ins) > 7 else None
+            elif n.domain == "com.microsoft" and n.op_type == "RotaryEmbedding":
+                table = ins[2] if len(ins) > 2 else None
+            elif n.domain in ("", "ai.onnx") and n.op_type == "RotaryEmbedding" and len(ins) > 3 and ins[3]:
+                table = ins[1]
+            elif (
+                n.domain in ("", "ai.onnx")
+                and n.op_type == "Gather"
+                and len(ins) == 2
+                and self.io.position_ids is not None
+                and ins[1] == self.io.position_ids
+                and attrs.get("axis", 0) == 0
+            ):
+                table, kind = ins[0], "table"
+            if table and table not in seen and len(dims.get(table, ())) >= 1:
+                seen.add(table)
+                limits[f"{kind} '{table}' of {n.op_type} '{n.name}'"] = int(dims[table][0])
+        return limits
+
 
 #: Keys an external-data entry may hold (ONNX's list).
 _EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum", "basepath"})

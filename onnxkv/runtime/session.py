@@ -127,6 +127,9 @@ class Session:
         self._segments: bool | None = None  # takes_segments, found at its first use
         #: Token ids fed as ``input_ids`` must lie in ``[0, token_limit)`` (None: not checked), see Model.token_limit.
         self.token_limit = self.model.token_limit
+        #: Tables the graph indexes by position and their rows (Model.position_tables; with the model's
+        #: max_length they bound prompt + new tokens, :func:`onnxkv.generate.arguments.check_length`).
+        self.position_tables = self.model.position_tables
 
     @property
     def threads(self) -> int:

@@ -4,6 +4,8 @@ token budget, with streaming, EOS, abort, and runs that fail leaving their reque
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -576,3 +578,23 @@ def test_a_request_past_a_fixed_capacity_is_named_and_can_be_aborted(session, ki
     engine.run()
     assert a.finished == "length" and a.tokens == _alone(session, a, onnxkv.CacheConfig(kind, capacity=40))
     engine.close()
+
+
+def test_a_request_past_the_rotary_table_is_refused_when_it_is_added():
+    """A model without max_length (no genai_config.json): its rotary table bounds prompt + new tokens, and
+    the request that would pass it is refused by add_request, naming the table (before: the step's run
+    raised, naming positions but not the request)."""
+    session = onnxkv.Session(build_model("gqa", dataclasses.replace(MICRO, max_length=24), seed=0), threads=1)
+    assert session.model.max_length is None
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=4))
+    with pytest.raises(
+        InputError,
+        match=r"prompt length 20 \+ max_new_tokens 5 exceeds the 24 positions of the model's cos_cache 'cos_cache' of GroupQueryAttention",
+    ):
+        engine.add_request(np.arange(20) % MICRO.vocab_size, 5)
+    assert engine.requests == []
+    fits = engine.add_request(np.arange(20) % MICRO.vocab_size, 4, eos_token_id=[])
+    engine.run()
+    assert fits.finished == "length" and len(fits.tokens) == 4
+    with pytest.raises(InputError, match="exceeds the 24 positions"):
+        onnxkv.generate(session, np.arange(20)[None] % MICRO.vocab_size, max_new_tokens=5)

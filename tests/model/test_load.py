@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -370,3 +371,29 @@ def test_missing_decoder_file_is_file_not_found(tmp_path):
     folder = _genai_folder(tmp_path, **{"model.decoder.filename": "other.onnx"})
     with pytest.raises(FileNotFoundError, match=r"model\.decoder\.filename.*'other.onnx', which does not exist"):
         onnxkv.load(folder)
+
+
+@pytest.mark.parametrize(
+    "family, kind, op",
+    [
+        ("gqa", "cos_cache", "GroupQueryAttention"),
+        ("attention", "cos_cache", "RotaryEmbedding"),
+        ("concat", "table", "Gather"),
+    ],
+)
+def test_position_tables_name_the_tables_that_bound_positions(family, kind, op):
+    """Each table the graph indexes by position once, named with the first node that reads it."""
+    model = onnxkv.load(build_model(family, dataclasses.replace(MICRO, max_length=40), seed=0))
+    assert model.max_length is None  # no genai_config.json: the tables are the only bound
+    tables = model.position_tables
+    assert tables and set(tables.values()) == {40}
+    assert all(re.fullmatch(rf"{kind} '\w+' of {op} '[^']+'", k) for k in tables)
+    assert len(tables) == (2 if family == "concat" else 1)  # cos and sin gathered apart; one cos_cache
+
+
+def test_position_tables_leave_out_a_table_a_feed_may_replace():
+    proto = build_model("gqa", MICRO, seed=0)
+    cos = next(t for t in proto.graph.initializer if t.name == "cos_cache")
+    assert onnxkv.load(proto).position_tables
+    proto.graph.input.append(helper.make_tensor_value_info("cos_cache", TensorProto.FLOAT, list(cos.dims)))
+    assert onnxkv.load(proto).position_tables == {}
