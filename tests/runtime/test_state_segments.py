@@ -59,15 +59,20 @@ def _batch(session, rng, lengths: list[int], cache=PAGED) -> tuple[onnxkv.State,
 
 
 @pytest.mark.parametrize(
+    "counts",
+    [[1, 6, 0, 11, 1], [5, 1, 5, 5, 0]],
+    ids=["counts-apart", "equal-counts"],  # each longer segment a call of its own; three rows of 5 in one
+)
+@pytest.mark.parametrize(
     ("folder", "stored"),
     [(f, None) for f in FOLDERS] + [("genai_tiny_llama", f) for f in ("fp16", "bf16", "int8")],
 )
-def test_each_row_of_a_run_of_segments_is_the_row_run_alone(folder, stored):
+def test_each_row_of_a_run_of_segments_is_the_row_run_alone(folder, stored, counts):
     session = onnxkv.Session(str(DATA / folder), threads=1)
     assert session.takes_segments
     rng = np.random.default_rng(len(folder))
     lengths = [9, 14, 3, 0, 6]
-    counts = np.array([1, 6, 0, 11, 1])
+    counts = np.array(counts)
     batch, builder = _batch(session, rng, lengths, onnxkv.CacheConfig("paged", block_size=4, kv_format=stored))
     alone = batch.fork(1)[0]
     tokens = _ids(rng, session, int(counts.sum()))

@@ -8,8 +8,8 @@ rotary (``do_rotary=1``) rotates each token at its own position (``position_ids`
 that position); its keys and values go into its own pages; its queries attend causally over its first
 ``L_r + n_r`` keys, with the node's window and softcap, exactly as a run of that row alone would.  The
 graph's ``seqlens_k`` and ``total_sequence_length`` describe the flattened batch (one row of T tokens)
-and are not read.  Rows of one new token run as one batched kernel call; each longer segment as a call of
-its own (one row of ``n_r`` queries), all over the rows' page tables in place.
+and are not read.  The rows of one token count ``n`` run as one batched kernel call of ``n`` queries per
+row (the decode rows together, equal prompt chunks together), over the rows' page tables in place.
 
 A node that cannot take segments (``attention_bias``, ``head_sink`` or ``smooth_softmax``, or not bound
 to the state) raises InputError: the state refuses such runs before they start
@@ -77,27 +77,16 @@ def run_segments(op: GroupQueryAttention, inputs: list, rt: RunContext, counts: 
     qf = q.astype(np.float32, copy=False)
     scale = op._softmax_scale(d)
     out = np.empty((t, hq, d), np.float32)
-    single = np.flatnonzero(counts == 1)
-    if single.size:  # rows of one new token: one batched call over their page tables
-        at = first[single]
-        got = np.empty((single.size, hq, 1, d), np.float32)
-        ends = starts[single] + 1
+    for n in np.unique(counts[counts > 0]).tolist():  # the rows of n new tokens: one call over their tables
+        group = np.flatnonzero(counts == n)
+        at = first[group][:, None] + np.arange(n)  # [G, n]: their tokens on the axis
+        got = np.empty((group.size, hq, n, d), np.float32)
         cost = paged_causal_attention(
-            qf[0][:, at].transpose(1, 0, 2)[:, :, None], _Rows(ck, single), _Rows(cv, single), ends,
-            starts[single][:, None], scale, op.softcap, op.window, got,
+            qf[0][:, at].transpose(1, 0, 2, 3), _Rows(ck, group), _Rows(cv, group), starts[group] + n, pos[at],
+            scale, op.softcap, op.window, got,
         )  # fmt: skip
         rt.count(**cost)
-        out[at] = got[:, :, 0]
-    for r in np.flatnonzero(counts > 1).tolist():
-        a, n = int(first[r]), int(counts[r])
-        got = np.empty((1, hq, n, d), np.float32)
-        row = np.array([r])
-        cost = paged_causal_attention(
-            qf[:, :, a : a + n], _Rows(ck, row), _Rows(cv, row), starts[row] + n,
-            pos[None, a : a + n], scale, op.softcap, op.window, got,
-        )  # fmt: skip
-        rt.count(**cost)
-        out[a : a + n] = got[0].transpose(1, 0, 2)
+        out[at] = got.transpose(0, 2, 1, 3)
     output = rt.empty(0, (1, t, hq * d), query.dtype)
     output.reshape(t, hq, d)[...] = out
     outs = (output, present_k if op.has_present[0] else None, present_v if op.has_present[1] else None)
