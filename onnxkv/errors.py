@@ -13,6 +13,7 @@ __all__ = [
     "ContractError",
     "InputError",
     "SerializationError",
+    "SegmentsRefused",
     "OperatorError",
     "OutOfMemory",
     "CacheCapacityError",
@@ -43,6 +44,12 @@ class InputError(OnnxkvError, ValueError):
 
 class SerializationError(InputError):
     """A serialised KV cache is malformed, truncated or of another format, or a snapshot to write breaks a rule."""
+
+
+class SegmentsRefused(InputError):
+    """An attention node cannot take this run of segments (``State.run(segments=...)``): its graph gave it
+    something other than plain causal attention over the run's token axis.  Nothing was written; the same
+    rows run one at a time (:class:`~onnxkv.Engine` then does so for the model's steps)."""
 
 
 class OperatorError(OnnxkvError, RuntimeError):

@@ -30,11 +30,12 @@ page tables (the weights are read once per step, not once per request).  A
 prompt runs in chunks on a state of its own over the same pool; when its last
 chunk has made the first token, its rows move into the batched state
 (:meth:`State.append_rows`, no payload copied) and a finished request's row
-leaves it (:meth:`State.keep_rows`).  On a GroupQueryAttention graph
-(:attr:`Session.takes_segments`) a step's prompt chunks run in the same run
-as its decode rows, a run of segments (:mod:`onnxkv.engine.segments`): one
-run per step; on an Attention graph one run per prompt chunk (the last chunks
-of prompts alike together).  Other graph
+leaves it (:meth:`State.keep_rows`).  When the session takes segments
+(:attr:`Session.takes_segments`: GroupQueryAttention graphs, and Attention
+graphs whose mask the graph builds) a step's prompt chunks run in the same
+run as its decode rows, a run of segments (:mod:`onnxkv.engine.segments`):
+one run per step; otherwise one run per prompt chunk (the last chunks of
+prompts alike together).  Other graph
 forms (one length per batch) and contiguous caches run one request per run;
 :meth:`Engine.describe` says which.  Batched rows run the same kernels as a
 row alone, whose per-row results do not depend on the rows beside them
@@ -170,6 +171,8 @@ class Engine(SegmentSteps, BatchedSteps):
         self.batched = self.kind == "paged" and batches
         #: Batched steps run decode rows and prompt chunks as one run of segments (onnxkv.engine.segments).
         self._segmented = self.batched and session.takes_segments
+        #: Why a model that takes segments stopped running its steps as one run (describe()), or None.
+        self._unsegmented: str | None = None
         self._runs = 0  # State runs the current step made
         self._batch: State | None = None  # batched: the state of every decoding request's rows
         self._batch_slab = False  # batched: the pool's page allocator was made for it (close trims it)
@@ -207,8 +210,8 @@ class Engine(SegmentSteps, BatchedSteps):
             )
         elif self.batched:
             why = (
-                "its logits are not one row per token"
-                if self.session.takes_segments
+                self._unsegmented
+                if self._unsegmented is not None
                 else f"this graph form ('{self.session.model.convention.kind}') does not take segments"
             )
             batching = (

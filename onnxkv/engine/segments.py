@@ -3,7 +3,7 @@
 
 A mixin of Engine, used when the engine batches (paged caches over one pool) and its session's model takes
 segments (:attr:`Session.takes_segments <onnxkv.runtime.session.Session.takes_segments>`: the ONNX Runtime
-GenAI builder's GroupQueryAttention graphs).  A step with more than one thing to run (decode rows and a
+GenAI builder's GroupQueryAttention graphs, and opset-23 Attention graphs whose mask the graph builds).  A step with more than one thing to run (decode rows and a
 prompt chunk, or the chunks of several prompts) moves the prompts' rows into the batched state after the
 decode rows (a prompt's first chunk gets an empty row: :meth:`State.append_empty_rows`), and runs them all
 at once (:meth:`State.run` with ``segments``): the token axis holds one token per decode row, then each
@@ -20,8 +20,10 @@ A step whose run would need more pages than the pool has free (counted before it
 separate runs instead, which make room (:mod:`onnxkv.engine.batched`) or name the request that does not
 fit; so does a run that raises OutOfMemory anyway (pages copied on write) or passes a cache's fixed
 capacity, after leaving everything as before it.  A model whose logits are not one row per token (a graph
-that computes the last position only) is found at its first such run, which is undone: the engine then
-runs its steps one by one.  Any other error propagates with every request as before the step.
+that computes the last position only), or whose attention refuses the run (:class:`~onnxkv.errors.
+SegmentsRefused`: an Attention graph whose mask is not causal attention over the run's tokens), is found at
+its first such run, which is undone: the engine then runs its steps one by one, and ``describe()`` says
+why.  Any other error propagates with every request as before the step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv.engine.request import Request, choose_tokens
-from onnxkv.errors import CacheCapacityError, OutOfMemory
+from onnxkv.errors import CacheCapacityError, OutOfMemory, SegmentsRefused
 from onnxkv.runtime.state import State
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ class SegmentSteps:
     _prefix: PrefixCache | None
     _runs: int
     _segmented: bool
+    _unsegmented: str | None
     _free_pages: Callable[[], int | None]
 
     def _segment_step(self, decode_rows: bool, chosen: list[Request]) -> dict[int, int] | None:
@@ -110,8 +113,9 @@ class SegmentSteps:
                 if had_state[j]:
                     r._state = self._row_out(n_rows + j)
             batch.keep_rows(list(range(n_rows)))
-            if isinstance(e, _NotPerToken):  # logits not one row per token: this model's steps run one by one
+            if isinstance(e, (_NotPerToken, SegmentsRefused)):  # this model's steps run one by one from now on
                 self._segmented = False
+                self._unsegmented = "its logits are not one row per token" if isinstance(e, _NotPerToken) else str(e)
                 return None
             if isinstance(e, (OutOfMemory, CacheCapacityError)):
                 return None

@@ -146,21 +146,34 @@ class Session:
     @property
     def takes_segments(self) -> bool:
         """Whether a state of this session may run segments (:meth:`State.run
-        <onnxkv.runtime.state.State.run>`): a GroupQueryAttention graph whose every GroupQueryAttention node
-        is bound to the state's cache and takes them (no attention_bias, head_sink or smooth_softmax), and
-        every other node is of an operator that acts on each token alone (:data:`TOKEN_WISE`; control flow,
-        other attention, convolutions, ``Range``, ``Slice``, ``Concat`` and every operator not listed
-        refuse them), so the rows' tokens may share one axis."""
+        <onnxkv.runtime.state.State.run>`): a GroupQueryAttention or ONNX Attention graph whose every such
+        node is bound to the state's cache and takes them (GroupQueryAttention: no attention_bias,
+        head_sink or smooth_softmax; Attention: no qk_matmul_output or nonpad_kv_seqlen, a float32
+        softmax), and every other node is of an operator that acts on each token alone
+        (:data:`TOKEN_WISE`; control flow, other attention, convolutions, ``Range``, ``Slice``, ``Concat``
+        and every operator not listed refuse them) or builds Attention masks only (their values reach
+        nothing else; the Attention nodes take only the mask of causal attention over the run's tokens,
+        :mod:`onnxkv.plan.ops._attention_segments`), so the rows' tokens may share one axis."""
         if self._segments is None:
+            from onnxkv.plan.ops._attention_segments import mask_only_nodes
             from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
+            from onnxkv.plan.ops.attention_onnx import Attention23
 
-            attention = [k for k in self.plan.kernels if isinstance(k, GroupQueryAttention)]
+            kinds = {"group_query_attention": GroupQueryAttention, "attention": Attention23}
+            kind = kinds.get(self.model.convention.kind)
+            attention = [k for k in self.plan.kernels if kind is not None and isinstance(k, kind)]
+            graph = self.model.proto.graph
+            masks = mask_only_nodes(graph) if kind is Attention23 else set()
             self._segments = (
-                self.model.convention.kind == "group_query_attention"
-                and bool(self.bindings)
+                bool(self.bindings)
                 and bool(attention)
                 and all(k.takes_segments for k in attention)
-                and all(n.op_type in TOKEN_WISE for n in self.model.proto.graph.node)
+                and all(
+                    n.op_type in TOKEN_WISE
+                    or (kind is Attention23 and n.op_type == "Attention" and n.domain in ("", "ai.onnx"))
+                    or i in masks
+                    for i, n in enumerate(graph.node)
+                )
             )
         return self._segments
 

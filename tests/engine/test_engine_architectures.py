@@ -1,6 +1,6 @@
-"""The engine on the builder exports of tests/data/arch (sliding windows, softcap, tied and int4 weights):
-prompts of different lengths arriving at different steps, their chunks and the decode rows in one run of
-segments per step, each request's tokens those of ``generate`` alone."""
+"""The engine on the builder exports of tests/data/arch (sliding windows, softcap, tied and int4 weights) and
+on opset-23 Attention graphs: prompts of different lengths arriving at different steps, their chunks and
+the decode rows in one run of segments per step, each request's tokens those of ``generate`` alone."""
 
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 import onnxkv
+from onnxkv.zoo.builders import TINY, build_model
 
 DATA = Path(__file__).parents[1] / "data" / "arch"
 FOLDERS = sorted(p.name + "/" + q.name for p in DATA.iterdir() if p.is_dir() for q in p.glob("genai_*"))
 PAGED = onnxkv.CacheConfig("paged", block_size=4)
 
 
-@pytest.mark.parametrize("folder", FOLDERS)
+@pytest.mark.parametrize("folder", [*FOLDERS, "attention"])
 def test_requests_on_builder_exports_equal_generate_alone(folder):
-    session = onnxkv.Session(str(DATA / folder), threads=1, events=True)
+    model = build_model("attention", TINY, seed=11) if folder == "attention" else str(DATA / folder)
+    session = onnxkv.Session(model, threads=1, events=True)
     rng = np.random.default_rng(1)
     vocab = min(session.token_limit or 100, 100)
     engine = onnxkv.Engine(session, cache=PAGED, max_batch_tokens=24)
@@ -34,4 +36,30 @@ def test_requests_on_builder_exports_equal_generate_alone(folder):
             session, r.prompt[None], r.max_new_tokens, cache=PAGED, prefill_chunk=r.chunk, eos_token_id=[]
         )
         assert r.tokens == alone.tokens[0].tolist()
+    engine.close()
+
+
+def test_an_attention_graph_whose_mask_is_not_causal_runs_its_steps_one_by_one():
+    """A graph whose Attention nodes read the padding mask alone (every prompt token sees the whole prompt):
+    its first run of segments is refused and undone, the engine makes that step's runs and every later
+    step's one by one, says why, and each request's tokens are those of ``generate`` alone."""
+    model = build_model("attention", TINY, seed=11)
+    padding = next(n for n in model.graph.node if n.op_type == "Unsqueeze" and "padding" in n.output[0]).output[0]
+    for n in model.graph.node:
+        if n.op_type == "Attention":
+            n.input[3] = padding
+    session = onnxkv.Session(model, threads=1, events=True)
+    engine = onnxkv.Engine(session, cache=PAGED, max_batch_tokens=24)
+    assert engine._segmented
+    rng = np.random.default_rng(2)
+    requests = [engine.add_request(rng.integers(1, 100, n), 6, eos_token_id=[]) for n in (5, 9)]
+    engine.run()
+    assert not engine._segmented
+    assert "causal attention over its" in engine.describe()["batching"]
+    for r in requests:
+        alone = onnxkv.generate(
+            session, r.prompt[None], r.max_new_tokens, cache=PAGED, prefill_chunk=r.chunk, eos_token_id=[]
+        )
+        assert r.tokens == alone.tokens[0].tolist()
+    engine._batch.pool.audit()
     engine.close()

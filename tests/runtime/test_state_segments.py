@@ -2,8 +2,9 @@
 their tokens on one axis (how the engine runs decode rows and prompt chunks together).
 
 Every row's logits and cache contents equal those of the row run alone, bit for bit, on every builder
-architecture of tests/data/arch (windows, softcaps, int4 weights); bad segments, and models that cannot
-take them, raise InputError with the state unchanged; a run that does not fit the pool changes nothing.
+architecture of tests/data/arch (windows, softcaps, int4 weights) and on opset-23 Attention graphs; bad
+segments, and models that cannot take them, raise InputError with the state unchanged; a run that does not
+fit the pool changes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from onnxkv.zoo.builders import MICRO, build_model
 DATA = Path(__file__).parents[1] / "data"
 FOLDERS = sorted(str(p.relative_to(DATA)) for p in DATA.glob("arch/*/genai_*")) + ["genai_tiny_llama"]
 PAGED = onnxkv.CacheConfig("paged", block_size=4)
+#: In-memory models beside the folders: the builder's opset-23 Attention graph (its mask built in the graph).
+ZOO = {"zoo:attention": lambda: build_model("attention", MICRO, seed=5)}
+
+
+def _session(name: str) -> onnxkv.Session:
+    return onnxkv.Session(ZOO[name]() if name in ZOO else str(DATA / name), threads=1)
 
 
 def _ids(rng, session, n: int) -> np.ndarray:
@@ -65,10 +72,12 @@ def _batch(session, rng, lengths: list[int], cache=PAGED) -> tuple[onnxkv.State,
 )
 @pytest.mark.parametrize(
     ("folder", "stored"),
-    [(f, None) for f in FOLDERS] + [("genai_tiny_llama", f) for f in ("fp16", "bf16", "int8")],
+    [(f, None) for f in FOLDERS + list(ZOO)]
+    + [("genai_tiny_llama", f) for f in ("fp16", "bf16", "int8")]
+    + [("zoo:attention", "int8")],  # float16 and bfloat16 caches are GroupQueryAttention's alone
 )
 def test_each_row_of_a_run_of_segments_is_the_row_run_alone(folder, stored, counts):
-    session = onnxkv.Session(str(DATA / folder), threads=1)
+    session = _session(folder)
     assert session.takes_segments
     rng = np.random.default_rng(len(folder))
     lengths = [9, 14, 3, 0, 6]
@@ -131,9 +140,18 @@ def test_bad_segments_leave_the_state_as_it_was(tiny, segments, match):
     assert (batch.lengths.tolist(), batch.page_tables.tolist(), batch.pool.live_pages) == before
 
 
+def _attention_graph(seed: int = 8) -> onnx.ModelProto:
+    return build_model("attention", MICRO, seed=seed)
+
+
+def _with_output(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """``model`` with its value ``name`` also a graph output (through an Identity)."""
+    model.graph.node.append(onnx.helper.make_node("Identity", [name], [name + "/seen"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info(name + "/seen", onnx.TensorProto.BOOL, None))
+    return model
+
+
 def test_models_whose_attention_does_not_take_segments_refuse_them(tiny):
-    attention = onnxkv.Session(build_model("attention", MICRO, seed=8), threads=1)
-    assert not attention.takes_segments
     gqa = build_model("gqa", MICRO, seed=8)
     assert onnxkv.Session(gqa, threads=1).takes_segments
     positions = onnx.helper.make_node("Range", ["zero", "zero", "one"], ["unused"])  # any operator not token-wise
@@ -142,6 +160,16 @@ def test_models_whose_attention_does_not_take_segments_refuse_them(tiny):
     )
     gqa.graph.node.append(positions)
     assert not onnxkv.Session(gqa, threads=1).takes_segments
+    # an Attention graph: its mask-building nodes (Range, LessOrEqual, And) may reach masks only
+    assert onnxkv.Session(_attention_graph(), threads=1).takes_segments
+    mask = next(n for n in _attention_graph().graph.node if n.op_type == "LessOrEqual").output[0]
+    assert not onnxkv.Session(_with_output(_attention_graph(), mask), threads=1).takes_segments
+    scores = _attention_graph()  # a node that returns its scores cannot take segments
+    node = next(n for n in scores.graph.node if n.op_type == "Attention")
+    node.output.append("scores")
+    scores.graph.output.append(onnx.helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, None))
+    attention = onnxkv.Session(scores, threads=1)
+    assert not attention.takes_segments
     state = attention.new_state(cache=PAGED)
     with pytest.raises(InputError, match="takes_segments"):
         state.run(_flat(attention, np.array([3, 4]), np.arange(2)), [], segments=np.array([2]))
@@ -150,6 +178,26 @@ def test_models_whose_attention_does_not_take_segments_refuse_them(tiny):
         contiguous.run(_flat(tiny, np.array([3, 4]), np.arange(2)), [], segments=np.array([2]))
     with pytest.raises(InputError, match="that holds rows"):
         tiny.new_state(cache=PAGED).run(_flat(tiny, np.array([3, 4]), np.arange(2)), [], segments=np.array([2]))
+
+
+def test_an_attention_mask_other_than_causal_over_the_run_is_refused_with_nothing_written():
+    """The graph's mask of a run of segments must be causal attention over its tokens (what an attention
+    mask of ones gives): a padded one is refused by the first Attention node, before any write."""
+    session = _session("zoo:attention")
+    rng = np.random.default_rng(4)
+    batch, _ = _batch(session, rng, [5, 0])
+    before = (batch.lengths.tolist(), batch.page_tables.tolist(), batch.pool.live_pages, batch.values)
+    feeds = _flat(session, _ids(rng, session, 4), np.r_[5, np.arange(3)])
+    feeds[session.model.io.attention_mask][0, 1] = 0
+    with pytest.raises(onnxkv.SegmentsRefused, match=r"Attention node .*causal attention over its 4 tokens"):
+        batch.run(feeds, [], segments=np.array([1, 3]))
+    assert (batch.lengths.tolist(), batch.page_tables.tolist(), batch.pool.live_pages) == before[:3]
+    for name, values in batch.values.items():
+        np.testing.assert_array_equal(values, before[3][name])
+    feeds[session.model.io.attention_mask][0, 1] = 1
+    batch.run(feeds, [], segments=np.array([1, 3]))
+    assert batch.lengths.tolist() == [6, 3]
+    batch.pool.audit()
 
 
 def test_a_run_of_segments_that_does_not_fit_the_pool_changes_nothing(tiny):

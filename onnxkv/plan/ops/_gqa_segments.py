@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.ops._attention_math import paged_causal_attention
 from onnxkv.plan.ops._gqa_inputs import split_qkv
+from onnxkv.plan.ops._segments import attend_rows, cache_segments, token_layout
 
 if TYPE_CHECKING:
     from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
@@ -33,22 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["run_segments", "segments_of"]
 
 
-class _Rows:
-    """The attributes the paged attention kernel reads of a :class:`~onnxkv.cache.paged.PagedPlane`, for
-    some of its rows (``tables`` the staged tables of those rows, a contiguous copy)."""
-
-    def __init__(self, plane, rows: np.ndarray) -> None:
-        self.ptrs, self.block_size, self.heads, self.storage = plane.ptrs, plane.block_size, plane.heads, plane.storage
-        self.formats, self.groups, self.header = plane.formats, plane.groups, plane.header
-        self.tables = np.ascontiguousarray(plane.tables[rows])
-
-
 def segments_of(op: GroupQueryAttention, rt: RunContext) -> np.ndarray | None:
     """The run's segments when ``op`` reads a state's paged cache in a run of segments, else None."""
-    if rt.caches is None or not op.bound:
-        return None
-    plane = rt.caches.get(op._past_names[0])
-    return getattr(plane, "segments", None)
+    return cache_segments(rt, op._past_names[0], op.bound)
 
 
 def run_segments(op: GroupQueryAttention, inputs: list, rt: RunContext, counts: np.ndarray) -> tuple:
@@ -67,26 +54,15 @@ def run_segments(op: GroupQueryAttention, inputs: list, rt: RunContext, counts: 
     past_k, past_v = op._past_names
     ck, cv = rt.caches[past_k], rt.caches[past_v]
     starts = ck.lengths.astype(np.int64)  # each row continues at its committed length
-    rows = np.repeat(np.arange(counts.size), counts)
-    first = np.cumsum(counts) - counts  # each row's first token on the axis
-    pos = starts[rows] + np.arange(t) - first[rows]
+    first, pos = token_layout(counts, starts)
     if op.do_rotary:
         q, k = op._rotary(q, k, cos, sin, position_ids, pos[None, :], False)
     present_k = rt.cache_write_segments(past_k, k)
     present_v = rt.cache_write_segments(past_v, v)
-    qf = q.astype(np.float32, copy=False)
-    scale = op._softmax_scale(d)
-    out = np.empty((t, hq, d), np.float32)
-    for n in np.unique(counts[counts > 0]).tolist():  # the rows of n new tokens: one call over their tables
-        group = np.flatnonzero(counts == n)
-        at = first[group][:, None] + np.arange(n)  # [G, n]: their tokens on the axis
-        got = np.empty((group.size, hq, n, d), np.float32)
-        cost = paged_causal_attention(
-            qf[0][:, at].transpose(1, 0, 2, 3), _Rows(ck, group), _Rows(cv, group), starts[group] + n, pos[at],
-            scale, op.softcap, op.window, got,
-        )  # fmt: skip
-        rt.count(**cost)
-        out[at] = got.transpose(0, 2, 1, 3)
+    out = attend_rows(
+        q.astype(np.float32, copy=False), ck, cv, counts, starts, first, pos, op._softmax_scale(d), op.softcap,
+        op.window, rt, d,
+    )  # fmt: skip
     output = rt.empty(0, (1, t, hq * d), query.dtype)
     output.reshape(t, hq, d)[...] = out
     outs = (output, present_k if op.has_present[0] else None, present_v if op.has_present[1] else None)

@@ -51,7 +51,9 @@ positions between its own length and the past (:func:`ragged_mask`; what
 ``FeedBuilder.ragged`` feeds): the row's new keys are stored right after its
 own and it attends over its own keys, as the row alone.  A mask that shows a
 row a position it never wrote raises :class:`~onnxkv.errors.InputError`
-before anything is written.  Storage
+before anything is written.  In a run of segments (rows of different
+lengths and token counts on one token axis) the node takes the mask of
+causal attention over that axis as each row's own (:mod:`._attention_segments`).  Storage
 counters per present output: one allocation of its size,
 ``prefix_copied_bytes`` = bytes of the past, ``append_copied_bytes`` = bytes
 of the new K (or V).
@@ -68,7 +70,9 @@ from onnx import TensorProto, helper
 from onnxkv._kernels import _validate as V
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops import _attention_segments as segment_run
 from onnxkv.plan.ops._attention_math import causal_attention, check_written, dense_attention, paged_causal_attention
+from onnxkv.plan.ops._segments import cache_segments
 from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges, visible_ranges
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -216,8 +220,16 @@ class Attention23(Op):
 
     # -- run --------------------------------------------------------------------------------
 
+    @property
+    def takes_segments(self) -> bool:
+        """Whether runs of segments may reach this node (:mod:`._attention_segments`)."""
+        return segment_run.takes_segments(self)
+
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray | None]:
         inputs = list(inputs) + [None] * (7 - len(inputs))
+        counts = cache_segments(rt, self.node.input[4], self.bound) if len(self.node.input) > 4 else None
+        if counts is not None:
+            return segment_run.run_segments(self, inputs, rt, counts)
         q_in, k_in, v_in, mask, past_k, past_v = inputs[:6]
         nonpad = inputs[6] if self.has_nonpad else None
         q, k, v = self._to_bnsh(q_in, k_in, v_in)
