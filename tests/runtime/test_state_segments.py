@@ -67,8 +67,9 @@ def _batch(session, rng, lengths: list[int], cache=PAGED) -> tuple[onnxkv.State,
 
 @pytest.mark.parametrize(
     "counts",
-    [[1, 6, 0, 11, 1], [5, 1, 5, 5, 0]],
-    ids=["counts-apart", "equal-counts"],  # each longer segment a call of its own; three rows of 5 in one
+    [[1, 6, 0, 11, 1], [5, 1, 5, 5, 0], [1, 13, 0, 13, 1]],
+    # each longer segment a call of its own; three rows of 5 in one; two of 13 (the prefill unit's tiles)
+    ids=["counts-apart", "equal-counts", "long-equal"],
 )
 @pytest.mark.parametrize(
     ("folder", "stored"),
@@ -243,3 +244,24 @@ def test_a_compiled_step_never_replays_a_run_of_segments(tiny, monkeypatch):
     state.append_empty_rows(1)
     out = state.run(_flat(tiny, _ids(rng, tiny, 1), np.array([9])), None, segments=np.array([1, 0]))
     assert tiny.model.io.logits in out and state.lengths.tolist() == [10, 0]
+
+
+@pytest.mark.parametrize("graph", ["attention", "gqa"])
+def test_a_prompt_reads_native_pages_alike_whatever_other_pages_the_pool_converted(graph):
+    """With int8 pages, the pool's planes list per-page formats once any page is converted, and the kernel
+    then took another path through native pages too: a 12-token prompt gave other bits (1.4e-6) on a pool
+    where an earlier state's full pages were quantized, and a run of segments differed from its row run
+    alone after it.  A call whose pages are all native now reads them as an unconverted pool does."""
+    session = onnxkv.Session(build_model(graph, MICRO, seed=5), threads=1)
+    name = session.model.io.logits
+    cache = onnxkv.CacheConfig("paged", block_size=4, kv_format="int8")
+    tokens = np.random.default_rng(0).integers(1, 97, 12)
+
+    def prompt(state):
+        b = FeedBuilder(session.plan.inputs, session.model, tokens[None], np.array([tokens.size]), 0, False)
+        return state.run(b.first()[0], [name])[name]
+
+    first = session.new_state(cache=cache)
+    fresh = prompt(first)
+    assert any(first.pool.payloads.converted)  # its full pages were quantized after the run
+    np.testing.assert_array_equal(prompt(first.sibling()), fresh)

@@ -27,6 +27,7 @@ import numpy as np
 
 from onnxkv import _kernels
 from onnxkv._kernels import attention as _attention_kernel
+from onnxkv.cache.plane_payloads import NATIVE_CODE
 from onnxkv.errors import InputError
 
 __all__ = ["Scores", "causal_attention", "paged_causal_attention", "dense_attention", "position_bias", "check_written"]
@@ -119,8 +120,16 @@ def paged_causal_attention(
     float32 [B, Hq, Sq, D]; ``kv_start`` [B] (None: 0) the first key of each
     row (pages wholly before it are not read).  Returns the kernel's storage
     figures (``dequantized_bytes``, ``workspace_peak_bytes``) for the event
-    log.
+    log.  A call whose pages are all native reads them as a pool without
+    converted pages would (no per-page formats): a row's result does not
+    depend on the formats of pages it does not read, as long as the rows of
+    one call are all native or not (:func:`native_rows`).
     """
+    k_formats, v_formats = keys.formats, values.formats
+    if (k_formats is not None or v_formats is not None) and native_rows(
+        keys, values, keys.tables, kv_len, kv_start
+    ).all():
+        k_formats = v_formats = None
     return _kernels.paged_attention(
         np.ascontiguousarray(q, dtype=np.float32),
         keys.ptrs,
@@ -136,12 +145,37 @@ def paged_causal_attention(
         out,
         kv_start=None if kv_start is None else np.ascontiguousarray(kv_start, dtype=np.int32),
         kv_dtype=keys.storage,
-        k_formats=keys.formats,
-        v_formats=values.formats,
+        k_formats=k_formats,
+        v_formats=v_formats,
         k_group=keys.groups,
         v_group=values.groups,
         k_header=keys.header,
     )
+
+
+def native_rows(keys, values, tables: np.ndarray, kv_len, kv_start=None) -> np.ndarray:
+    """bool [B]: whether every page row ``b`` of a paged attention call reads (the blocks of ``tables[b]``
+    from ``kv_start[b]`` to ``kv_len[b]``; absent entries skipped) is in its plane's native format, in the
+    K and V planes ``keys`` / ``values`` (True for every row while neither lists per-page formats).  False
+    for a row whose table names a page outside the planes' records: the kernel then names it."""
+    b = tables.shape[0]
+    if keys.formats is None and values.formats is None:
+        return np.ones(b, bool)
+    bs = keys.block_size
+    lens = np.asarray(kv_len, np.int64).reshape(-1, 1)
+    first = np.zeros_like(lens) if kv_start is None else np.asarray(kv_start, np.int64).reshape(-1, 1) // bs
+    cols = np.arange(tables.shape[1])[None, :]
+    read = (cols >= first) & (cols * bs < lens) & (tables >= 0)
+    ok = np.ones(b, bool)
+    for plane in (keys, values):
+        f = plane.formats
+        if f is None:
+            continue
+        inside = tables < f.size
+        ok &= ~(read & ~inside).any(axis=1)
+        codes = f[np.where(read & inside, tables, 0)]
+        ok &= ~(read & inside & (codes != NATIVE_CODE[plane.storage])).any(axis=1)
+    return ok
 
 
 def dense_attention(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.ops._attention_math import paged_causal_attention
+from onnxkv.plan.ops._attention_math import native_rows, paged_causal_attention
 
 __all__ = ["Rows", "attend_rows", "cache_segments", "token_layout"]
 
@@ -65,18 +65,23 @@ def attend_rows(
     the node's :class:`~onnxkv.cache.paged.PagedPlane` s, this run's keys already written; ``counts``,
     ``starts``, ``first``, ``positions`` as :func:`token_layout` gives them.  The rows of one token count
     ``n`` run as one kernel call of ``n`` queries per row (the decode rows together, equal prompt chunks
-    together); each row's result is that of the row alone.  The kernel's storage figures go to ``rt``.
+    together; the rows whose pages are all native apart from the others, :func:`native_rows`); each row's
+    result is that of the row alone.  The kernel's storage figures go to ``rt``.
     """
     hq, t = q.shape[1], q.shape[2]
     out = np.empty((t, hq, dv), np.float32)
     for n in np.unique(counts[counts > 0]).tolist():
-        group = np.flatnonzero(counts == n)
-        at = first[group][:, None] + np.arange(n)  # [G, n]: their tokens on the axis
-        got = np.empty((group.size, hq, n, dv), np.float32)
-        cost = paged_causal_attention(
-            q[0][:, at].transpose(1, 0, 2, 3), Rows(keys, group), Rows(values, group), starts[group] + n,
-            positions[at], scale, softcap, window, got,
-        )  # fmt: skip
-        rt.count(**cost)
-        out[at] = got.transpose(0, 2, 1, 3)
+        rows = np.flatnonzero(counts == n)
+        native = native_rows(keys, values, keys.tables[rows], starts[rows] + n)
+        for group in (rows[native], rows[~native]):  # a call reads native pages alike only if all its rows do
+            if not group.size:
+                continue
+            at = first[group][:, None] + np.arange(n)  # [G, n]: their tokens on the axis
+            got = np.empty((group.size, hq, n, dv), np.float32)
+            cost = paged_causal_attention(
+                q[0][:, at].transpose(1, 0, 2, 3), Rows(keys, group), Rows(values, group), starts[group] + n,
+                positions[at], scale, softcap, window, got,
+            )  # fmt: skip
+            rt.count(**cost)
+            out[at] = got.transpose(0, 2, 1, 3)
     return out
