@@ -85,6 +85,18 @@ def _alone(r: Request, cause: OutOfMemory | CacheCapacityError) -> OutOfMemory |
     return err
 
 
+def _unmasked_attention(session: Session) -> bool | None:
+    """For an opset-23 Attention graph with a node that takes no ``attn_mask``: True when every such node is
+    causal (``is_causal=1``), else False; None when every node takes a mask, or for other graph forms."""
+    if session.model.convention.kind != "attention":
+        return None
+    nodes = [n for n in session.model.proto.graph.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+    bare = [n for n in nodes if len(n.input) < 4 or not n.input[3]]
+    if not bare:
+        return None
+    return all(any(a.name == "is_causal" and a.i == 1 for a in n.attribute) for n in bare)
+
+
 class Engine(SegmentSteps, BatchedSteps):
     """Continuous generation over one :class:`~onnxkv.Session` (see the module docstring).
 
@@ -142,7 +154,11 @@ class Engine(SegmentSteps, BatchedSteps):
                 raise InputError(f"{api}: max_pages={max_pages} contradicts the cache's max_pages={config.max_pages}")
             cache = replace(config, max_pages=max_pages)
         self._cache = cache_request(api, cache, _KINDS, {}, auto=True)
-        batches = session.model.convention.kind in _BATCHING_FORMS
+        unmasked = _unmasked_attention(session)
+        #: An Attention graph whose nodes take no attn_mask cannot hide from a row what it never wrote, so
+        #: its decode rows batch only in runs of segments (causal over each row's own keys), every step.
+        self._decode_segments = unmasked is True and session.takes_segments
+        batches = session.model.convention.kind in _BATCHING_FORMS and (unmasked is None or self._decode_segments)
         self.kind = self._cache.kind("paged" if batches else "contiguous")
         try:  # the state's checks of the cache against the model, now rather than at the first step
             State(session, **self._cache.state_keywords(self.kind, initial_capacity=32)).close()

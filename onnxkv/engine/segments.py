@@ -59,15 +59,18 @@ class SegmentSteps:
     _runs: int
     _segmented: bool
     _unsegmented: str | None
+    _decode_segments: bool
     _free_pages: Callable[[], int | None]
 
     def _segment_step(self, decode_rows: bool, chosen: list[Request]) -> dict[int, int] | None:
         """Run the decode rows (when ``decode_rows``) and the prompt chunks of ``chosen`` as one run of
         segments; returns {request id: id produced}, or None with nothing changed when the step should make
-        its separate runs instead (fewer than two things to run, or the run did not fit)."""
+        its separate runs instead (fewer than two things to run, unless the decode rows batch only in runs
+        of segments, or the run did not fit)."""
         prompts = [r for r in chosen if r.prompt_done < r._seq.size]
         rows = list(self._rows) if decode_rows else []
-        if len(prompts) + (1 if rows else 0) < 2 or len(prompts) != len(chosen):
+        alone = len(prompts) + (1 if rows else 0) < 2 and not (rows and self._decode_segments)
+        if alone or len(prompts) != len(chosen):
             return None
         batch, n_rows = self._batch, len(self._rows)
         chunks = [r._seq[r.prompt_done : r.prompt_done + r.next_tokens] for r in prompts]

@@ -17,6 +17,15 @@ FOLDERS = sorted(p.name + "/" + q.name for p in DATA.iterdir() if p.is_dir() for
 PAGED = onnxkv.CacheConfig("paged", block_size=4)
 
 
+def _assert_alone(session, requests) -> None:
+    """Each request's tokens are those of ``generate`` alone, its prompt in the engine's chunks."""
+    for r in requests:
+        alone = onnxkv.generate(
+            session, r.prompt[None], r.max_new_tokens, cache=PAGED, prefill_chunk=r.chunk, eos_token_id=[]
+        )
+        assert r.tokens == alone.tokens[0].tolist()
+
+
 @pytest.mark.parametrize("folder", [*FOLDERS, "attention"])
 def test_requests_on_builder_exports_equal_generate_alone(folder):
     model = build_model("attention", TINY, seed=11) if folder == "attention" else str(DATA / folder)
@@ -31,11 +40,7 @@ def test_requests_on_builder_exports_equal_generate_alone(folder):
         engine.step()
     engine.run()
     assert all(e.extra["runs"] == 1 for e in session.events if e.action == "engine_step")
-    for r in requests:
-        alone = onnxkv.generate(
-            session, r.prompt[None], r.max_new_tokens, cache=PAGED, prefill_chunk=r.chunk, eos_token_id=[]
-        )
-        assert r.tokens == alone.tokens[0].tolist()
+    _assert_alone(session, requests)
     engine.close()
 
 
@@ -56,10 +61,41 @@ def test_an_attention_graph_whose_mask_is_not_causal_runs_its_steps_one_by_one()
     engine.run()
     assert not engine._segmented
     assert "causal attention over its" in engine.describe()["batching"]
-    for r in requests:
-        alone = onnxkv.generate(
-            session, r.prompt[None], r.max_new_tokens, cache=PAGED, prefill_chunk=r.chunk, eos_token_id=[]
-        )
-        assert r.tokens == alone.tokens[0].tolist()
+    _assert_alone(session, requests)
     engine._batch.pool.audit()
     engine.close()
+
+
+def _unmasked(causal: bool):
+    """The builder's Attention graph with no attn_mask (is_causal as given), its mask nodes dropped."""
+    import onnx
+
+    model = build_model("attention", TINY, seed=11)
+    for n in model.graph.node:
+        if n.op_type == "Attention":
+            n.input[3] = ""
+            n.attribute.append(onnx.helper.make_attribute("is_causal", int(causal)))
+    while True:
+        used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+        dead = [n for n in model.graph.node if not any(o in used for o in n.output)]
+        if not dead:
+            return model
+        for n in dead:
+            model.graph.node.remove(n)
+
+
+def test_an_attention_graph_without_a_mask_batches_its_rows_in_runs_of_segments_only():
+    """Without attn_mask nothing hides from a row the positions it never wrote, so the batched decode of rows
+    of different lengths used to fail at its first step.  A causal graph now runs every step, decode rows
+    alone too, as a run of segments; a graph that is not causal is not batched."""
+    session = onnxkv.Session(_unmasked(True), threads=1, events=True)
+    engine = onnxkv.Engine(session, cache=PAGED, max_batch_tokens=24)
+    assert engine.batched and engine._decode_segments
+    rng = np.random.default_rng(3)
+    requests = [engine.add_request(rng.integers(1, 100, n), 7, eos_token_id=[]) for n in (5, 9, 2)]
+    engine.run()
+    _assert_alone(session, requests)
+    engine._batch.pool.audit()
+    engine.close()
+    plain = onnxkv.Engine(onnxkv.Session(_unmasked(False), threads=1), cache=PAGED)
+    assert not plain.batched and "not batched" in plain.describe()["batching"]
