@@ -21,11 +21,13 @@ __all__ = ["Rows", "attend_rows", "cache_segments", "token_layout"]
 
 class Rows:
     """The attributes the paged attention kernel reads of a :class:`~onnxkv.cache.paged.PagedPlane`, for
-    some of its rows (``tables`` the staged tables of those rows, a contiguous copy)."""
+    some of its rows (``tables`` the staged tables of those rows, a contiguous copy; ``native``: the caller
+    found every page they read native, so no per-page formats)."""
 
-    def __init__(self, plane, rows: np.ndarray) -> None:
+    def __init__(self, plane, rows: np.ndarray, native: bool = False) -> None:
         self.ptrs, self.block_size, self.heads, self.storage = plane.ptrs, plane.block_size, plane.heads, plane.storage
-        self.formats, self.groups, self.header = plane.formats, plane.groups, plane.header
+        self.formats = None if native else plane.formats
+        self.groups, self.header = plane.groups, plane.header
         self.tables = np.ascontiguousarray(plane.tables[rows])
 
 
@@ -73,14 +75,14 @@ def attend_rows(
     for n in np.unique(counts[counts > 0]).tolist():
         rows = np.flatnonzero(counts == n)
         native = native_rows(keys, values, keys.tables[rows], starts[rows] + n)
-        for group in (rows[native], rows[~native]):  # a call reads native pages alike only if all its rows do
+        for group, all_native in ((rows[native], True), (rows[~native], False)):  # native rows apart
             if not group.size:
                 continue
             at = first[group][:, None] + np.arange(n)  # [G, n]: their tokens on the axis
             got = np.empty((group.size, hq, n, dv), np.float32)
             cost = paged_causal_attention(
-                q[0][:, at].transpose(1, 0, 2, 3), Rows(keys, group), Rows(values, group), starts[group] + n,
-                positions[at], scale, softcap, window, got,
+                q[0][:, at].transpose(1, 0, 2, 3), Rows(keys, group, all_native), Rows(values, group, all_native),
+                starts[group] + n, positions[at], scale, softcap, window, got,
             )  # fmt: skip
             rt.count(**cost)
             out[at] = got.transpose(0, 2, 1, 3)
