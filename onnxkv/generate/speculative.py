@@ -42,6 +42,7 @@ from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
 from onnxkv.generate.arguments import as_session, callback_arg, check_length, check_prompt, int_arg, token_ids
 from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.generate.lookup import MAX_INDEXED_NGRAM, PromptIndex, prompt_lookup
 from onnxkv.generate.sampling import SamplingConfig, probabilities, sampling_arguments, select_next
 from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_request
 from onnxkv.runtime.state import State
@@ -117,26 +118,6 @@ def accept_or_resample(p: np.ndarray, q: np.ndarray, x: int, rng: np.random.Gene
         return True, int(x)
     residual = np.maximum(p - q, 0.0)
     return False, _draw(residual if residual.sum() > 0 else p, rng)
-
-
-def prompt_lookup(tokens: np.ndarray, ngram: int, k: int) -> np.ndarray:
-    """Up to ``k`` tokens that followed the most recent earlier occurrence of the last n-gram.
-
-    Tries n = ``ngram`` down to 1: the last n tokens of ``tokens`` (int64 [T])
-    are searched at every earlier start; the latest match proposes the tokens
-    after it (at least one, at most ``k``).  Returns int64 [0] when no n-gram
-    matches or ``k`` is 0.
-    """
-    T = tokens.shape[0]
-    for n in range(min(ngram, T - 1), 0, -1):
-        if k < 1:
-            break
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: T - 1], n)
-        hits = np.flatnonzero((windows == tokens[T - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].copy()
-    return np.zeros(0, dtype=np.int64)
 
 
 def _check_model(sess, role: str) -> None:
@@ -357,6 +338,8 @@ def speculative_generate(
         return SpeculativeResult(ids.copy(), 0, 0, 0, 0, 0, 0.0)
     # a step feeds at most num_draft_tokens + 1 tokens per row (the tree's depth + 1) and takes back as many
     tgt = _Stepper(tsess, ids, target_options, "target", num_draft_tokens + 1)
+    # proposals of prompt lookup: from an index of the sequence's n-grams (a search per step costs O(length))
+    lookup = PromptIndex(ngram) if dsess is None and ngram <= MAX_INDEXED_NGRAM else None
     drf = None
     try:
         drf = None if dsess is None else _Stepper(dsess, ids, options, "draft", num_draft_tokens + 1)
@@ -388,7 +371,11 @@ def speculative_generate(
                     proposed += verified
                 else:
                     if drf is None:
-                        proposal = prompt_lookup(np.array(seq, dtype=np.int64), ngram, k)
+                        if lookup is None:
+                            proposal = prompt_lookup(np.array(seq, dtype=np.int64), ngram, k)
+                        else:
+                            lookup.extend(seq[len(lookup) :])
+                            proposal = lookup.propose(k)
                     else:
                         proposal, qs = _propose(drf, dsess, seq, k, cfg, eos)
                     # The target caches seq[:-1]; seq[-1] is verified together with the proposal.

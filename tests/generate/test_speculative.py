@@ -10,7 +10,7 @@ import pytest
 import onnxkv
 from onnxkv import InputError
 from onnxkv.generate.feeds import FeedBuilder
-from onnxkv.generate.speculative import accept_or_resample, prompt_lookup, speculative_generate
+from onnxkv.generate.speculative import accept_or_resample, speculative_generate
 from onnxkv.zoo import embedded
 from onnxkv.zoo.builders import MICRO, build_model
 
@@ -267,17 +267,6 @@ def test_sampled_eos_ends_generation(pair):
     got = speculative_generate(target, ids, draft=other, max_new_tokens=16, eos_token_id=eos, do_sample=True, seed=1)
     new = got.sequences[0, ids.shape[1] :].tolist()
     assert new[-1] == eos and eos not in new[:-1] and len(new) <= 4
-
-
-# -- prompt lookup --------------------------------------------------------------------------------------
-def test_prompt_lookup_proposals():
-    t = np.array([1, 2, 3, 9, 8, 1, 2, 3, 7, 1, 2, 3], dtype=np.int64)
-    np.testing.assert_array_equal(prompt_lookup(t, 3, 2), [7, 1])  # the most recent occurrence
-    np.testing.assert_array_equal(prompt_lookup(t, 3, 10), [7, 1, 2, 3])
-    t = np.array([5, 6, 7, 4, 5], dtype=np.int64)
-    np.testing.assert_array_equal(prompt_lookup(t, 3, 2), [6, 7])  # falls back to the 1-gram [5]
-    assert prompt_lookup(np.array([1, 2, 3, 4]), 3, 4).size == 0
-    assert prompt_lookup(np.array([4, 4]), 3, 0).size == 0
 
 
 # -- errors ------------------------------------------------------------------------------------------
