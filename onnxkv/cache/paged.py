@@ -113,6 +113,9 @@ class PagedCache:
         #: int64 [B] tokens per row of the current run when it is a run of segments (set by the state's store
         #: for one run), else None.
         self.segments: np.ndarray | None = None
+        #: Whether the current run's positions a row never wrote, below the longest row's length, are padding
+        #: its attention drops (``State.run(gaps_padding=True)``; set by the state's store for one run).
+        self.gaps_padding = False
         self.planes = {spec.name: PagedPlane(self, i) for i, spec in enumerate(pool.planes)}
 
     @property
@@ -390,7 +393,7 @@ class PagedCache:
 
     def commit(self) -> None:
         """Publish the staged tables and lengths; drop references of pages replaced by copies."""
-        self.segments = None
+        self.segments, self.gaps_padding = None, False
         if self._staged is None:
             return
         self.table.tables = self._staged
@@ -426,6 +429,7 @@ class PagedCache:
         table is untouched."""
         new, saved = self._new, self._saved
         self._staged = self._staged_lengths = self._prepared = self.segments = None
+        self.gaps_padding = False
         self._new, self._replaced, self._saved, self._kept = [], [], [], []
         pages = self.payloads.pages
         for plane, page, first, old in reversed(saved):
@@ -551,6 +555,12 @@ class PagedPlane:
         rows' new tokens one after another, batch 1; :meth:`State.run <onnxkv.runtime.state.State.run>`),
         else None."""
         return self.cache.segments
+
+    @property
+    def gaps_padding(self) -> bool:
+        """Whether this run's positions a row never wrote below the longest row's are padding (see
+        :meth:`State.run <onnxkv.runtime.state.State.run>`)."""
+        return self.cache.gaps_padding
 
     def write_segments(self, new: np.ndarray) -> WriteCost:
         """:meth:`PagedCache.write_segments` of this plane with the run's :attr:`segments`."""

@@ -245,7 +245,8 @@ class BatchedSteps:
             lengths = np.array([r._cached for r in rows])
             try:
                 self._runs += 1
-                self._batch.run(rows[0]._builder.ragged(tokens, lengths), [name], before_commit=choice)
+                feeds = rows[0]._builder.ragged(tokens, lengths)
+                self._batch.run(feeds, [name], before_commit=choice, gaps_padding=True)
                 break
             except OutOfMemory:
                 if not self._make_room([min(rows, key=lambda r: r.id)]):  # the earliest row always goes on

@@ -204,6 +204,7 @@ class State(PagedAPI):
         *,
         before_commit: Callable[[dict], object] | None = None,
         segments=None,
+        gaps_padding: bool = False,
     ) -> dict[str, np.ndarray]:
         """Run one step: bound inputs come from the state, the caller feeds the rest (``logits_at``: as
         :meth:`Session.run`'s).  ``before_commit`` is called with the outputs before the run is committed:
@@ -215,7 +216,10 @@ class State(PagedAPI):
         not run), each continuing at its row's length, over its own page table (token-wise feeds such as
         ``position_ids`` follow the same axis).  Its attention nodes must take segments
         (:attr:`Session.takes_segments`); the engine batches decode rows and prompt chunks of different
-        lengths this way.  ``logits_at`` then holds [1, K] positions of that axis.
+        lengths this way.  ``logits_at`` then holds [1, K] positions of that axis.  ``gaps_padding`` (paged
+        rows of different lengths; an Attention graph sees the longest row's past): True when the feeds pad
+        each row's unwritten positions, which its attention then drops whatever the graph's mask holds there
+        (a finite bias such as -1e9); False: the mask must hide them, else InputError.
 
         Returns the requested outputs (default: every output that is not a bound present; one asked
         for by name is exported as a copy of the valid cache, an ``export`` event).  Raises StateError
@@ -233,7 +237,11 @@ class State(PagedAPI):
                     "State.run: segments need a paged state of a model whose attention takes them "
                     "(Session.takes_segments)"
                 )
-            own = store.prepare(feeds) if segments is None else store.prepare(feeds, segments)
+            if not isinstance(gaps_padding, bool) or (gaps_padding and not self.paged):
+                raise InputError(
+                    f"State.run: gaps_padding must be a bool, True only on a paged state, got {gaps_padding!r}"
+                )
+            own = store.prepare(feeds, segments, gaps_padding) if self.paged else store.prepare(feeds)
             try:
                 fetch = list(dict.fromkeys([*output_names, *produced]))
                 out = self.session._run_plan(store.feeds(feeds), fetch, own, self.allocator, cancel, logits_at)

@@ -93,11 +93,22 @@ def standard_decoder(
 
 
 def build_attention_model(
-    cfg: DecoderConfig, weights: DecoderWeights | None = None, seed: int = 0, opset: int = 23
+    cfg: DecoderConfig,
+    weights: DecoderWeights | None = None,
+    seed: int = 0,
+    opset: int = 23,
+    mask_bias: float | None = None,
 ) -> onnx.ModelProto:
-    """Build the ``Attention`` (opset 23 or 24) decoder with past/present inputs and outputs."""
+    """Build the ``Attention`` (opset 23 or 24) decoder with past/present inputs and outputs.
+
+    ``mask_bias``: None gives the nodes the boolean mask; a negative float gives them a float mask of 0
+    where the boolean one is True and ``mask_bias`` elsewhere (``Where``), as exports that hide keys with a
+    finite bias such as -1e9 or ``finfo(float32).min`` do.
+    """
     if opset not in (23, 24):
         raise ValueError(f"opset must be 23 or 24, got {opset}")
+    if mask_bias is not None and not (np.isfinite(mask_bias) and mask_bias < 0):
+        raise ValueError(f"mask_bias must be a finite negative float or None, got {mask_bias!r}")
     w = weights if weights is not None else random_weights(cfg, seed)
     g = GraphBuilder("main_graph")
     kv_shape = ["batch_size", cfg.num_kv_heads, "past_sequence_length", cfg.head_size]
@@ -109,6 +120,9 @@ def build_attention_model(
         g.input(f"past_key_values.{i}.value", FLOAT, kv_shape)
 
     attn_mask = causal_padding_mask(g, input_ids, mask)
+    if mask_bias is not None:
+        zero, bias = g.constant(0.0, np.float32), g.constant(mask_bias, np.float32)
+        attn_mask = g.node("Where", [attn_mask, zero, bias], "/model/attn_mask/Where")
 
     def attend(i: int, q: str, k: str, v: str) -> str:
         return g.node(

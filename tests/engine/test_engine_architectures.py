@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import onnxkv
+from onnxkv.zoo.attention23 import build_attention_model
 from onnxkv.zoo.builders import TINY, build_model
 
 DATA = Path(__file__).parents[1] / "data" / "arch"
@@ -61,6 +62,28 @@ def test_an_attention_graph_whose_mask_is_not_causal_runs_its_steps_one_by_one()
     engine.run()
     assert not engine._segmented
     assert "causal attention over its" in engine.describe()["batching"]
+    _assert_alone(session, requests)
+    engine._batch.pool.audit()
+    engine.close()
+
+
+def test_an_attention_graph_masking_with_a_finite_bias_batches_its_decode_rows():
+    """A graph whose mask hides keys with the finite bias -1e9: a run of segments cannot read that as causal
+    attention (its first is refused and undone, describe() says why), and the batched decode run used to
+    raise InputError at its first step (the bias over a row's unwritten positions counted as shown).  The
+    engine now says those positions are padding (State.run(gaps_padding=True)): decode rows of different
+    lengths still run in one run per step, and each request's tokens are those of ``generate`` alone."""
+    session = onnxkv.Session(build_attention_model(TINY, seed=11, mask_bias=-1e9), threads=1, events=True)
+    engine = onnxkv.Engine(session, cache=PAGED, max_batch_tokens=24)
+    rng = np.random.default_rng(4)
+    requests = []
+    for i, n in enumerate((5, 30, 11, 17, 2)):
+        requests.append(engine.add_request(rng.integers(1, 100, n), 12 + i, eos_token_id=[]))
+        engine.step()
+    engine.run()
+    assert not engine._segmented
+    assert "finite bias -1e+09" in engine.describe()["batching"]
+    assert max(e.extra["batched_rows"] for e in session.events if e.action == "engine_step") >= 3
     _assert_alone(session, requests)
     engine._batch.pool.audit()
     engine.close()

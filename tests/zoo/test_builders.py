@@ -192,6 +192,21 @@ def test_attention_opset24_matches_reference(weights):
     check_against_reference(Runner("attention", weights, session=session), weights, 2)
 
 
+def test_attention_with_a_finite_mask_bias_matches_reference(weights):
+    """mask_bias: a float attn_mask (0 / the bias) built with Where; ONNX Runtime runs it as the reference,
+    left padding included."""
+    model = build_attention_model(CFG, weights, mask_bias=-1e9)
+    assert any(n.op_type == "Where" for n in model.graph.node)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    check_against_reference(Runner("attention", weights, session=session), weights, 2)
+
+
+@pytest.mark.parametrize("bias", [0.0, 1.0, float("-inf"), float("nan")])
+def test_attention_mask_bias_must_be_finite_and_negative(bias):
+    with pytest.raises(ValueError, match="mask_bias must be a finite negative float or None"):
+        build_attention_model(CFG, mask_bias=bias)
+
+
 def test_tensorscatter_with_reference_evaluator(weights):
     from onnx.reference import ReferenceEvaluator
 

@@ -31,7 +31,7 @@ import onnx
 from onnxkv.errors import SegmentsRefused
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._segments import attend_rows, token_layout
-from onnxkv.plan.ops.masked_attention import cached_mask_ranges
+from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges
 
 if TYPE_CHECKING:
     from onnxkv.plan.ops.attention_onnx import Attention23
@@ -71,10 +71,15 @@ def _check_causal(op: Attention23, mask, t: int) -> None:
             hi = np.minimum(hi, i + op.right)
         if (kv_start is None or not kv_start.any()) and np.array_equal(hi, i):
             return
+    got = f"another mask of shape {np.shape(mask)}"
+    if ok and mask.dtype.kind == "f" and mask.size:
+        low = float(np.min(mask))
+        if MASKED < low < 0 and np.isin(mask, (0.0, low)).all():  # its hiding value is a finite bias
+            got = f"a mask that hides keys with the finite bias {low:g} (above {MASKED:g})"
     raise _refuse(
         op,
         f"needs the attn_mask of causal attention over its {t} tokens (query i sees keys 0 .. i), as a graph "
-        f"builds it from an attention_mask of ones; got another mask of shape {np.shape(mask)}",
+        f"builds it from an attention_mask of ones, hiding with False, -inf or at most {MASKED:g}; got {got}",
     )
 
 

@@ -51,7 +51,9 @@ positions between its own length and the past (:func:`ragged_mask`; what
 ``FeedBuilder.ragged`` feeds): the row's new keys are stored right after its
 own and it attends over its own keys, as the row alone.  A mask that shows a
 row a position it never wrote raises :class:`~onnxkv.errors.InputError`
-before anything is written.  In a run of segments (rows of different
+before anything is written, unless the run says the feeds padded them
+(``State.run(gaps_padding=True)``): they are then dropped whatever the mask
+holds there (a graph that hides with a finite bias).  In a run of segments (rows of different
 lengths and token counts on one token axis) the node takes the mask of
 causal attention over that axis as each row's own (:mod:`._attention_segments`).  Storage
 counters per present output: one allocation of its size,
@@ -127,7 +129,7 @@ def attn_mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarr
     return None if ranges is None else (ranges[0], ranges[1], exact)
 
 
-def ragged_mask(mask, written: np.ndarray, past: int, s: int) -> tuple[np.ndarray, int] | None:
+def ragged_mask(mask, written: np.ndarray, past: int, s: int, padding: bool = False) -> tuple[np.ndarray, int] | None:
     """The mask of a state whose rows wrote different numbers of positions, over each row's own keys.
 
     Row ``r`` of the state wrote ``written[r] <= past`` positions (int [B]); the graph's keys are the
@@ -138,7 +140,9 @@ def ragged_mask(mask, written: np.ndarray, past: int, s: int) -> tuple[np.ndarra
     GroupQueryAttention row's at its ``seqlens_k``) and its queries attend over its ``written[r] + s``
     keys: returns ``(m, written.max() + s)`` with ``m[r, ..., j]`` the mask of row ``r``'s own key
     ``j`` (its written keys, then its new ones; hidden beyond).  None when the mask does not hide them
-    or has another form: the caller's check of the written positions then raises.  O(mask).
+    or has another form: the caller's check of the written positions then raises.  ``padding``: the caller
+    fed those positions as padding (``State.run(gaps_padding=True)``), so they are dropped whatever the
+    mask holds there (a graph that hides with a finite bias).  O(mask).
     """
     if not isinstance(mask, np.ndarray) or mask.ndim < 1 or mask.ndim > 4 or mask.dtype.kind not in "bf":
         return None
@@ -154,7 +158,7 @@ def ragged_mask(mask, written: np.ndarray, past: int, s: int) -> tuple[np.ndarra
     cols = np.arange(total)
     gap = (cols[None, :] >= written[:, None]) & (cols[None, :] < past)  # [B, total]: never written
     shown = m if boolean else m > MASKED
-    if (shown & gap[:, None, None, :]).any():
+    if not padding and (shown & gap[:, None, None, :]).any():
         return None
     width = int(written.max()) + s
     j = np.arange(width)[None, :]
@@ -260,9 +264,10 @@ class Attention23(Op):
         kv_len = nonpad if nonpad is not None else np.full(b, total, np.int64)
         starts: np.ndarray | int = past_len  # where each row's new keys are stored
         if in_place and past_len:
-            written = rt.caches[self.node.input[4]].lengths
+            cache = rt.caches[self.node.input[4]]
+            written = cache.lengths
             if int(written.min()) < past_len and not self.want[3]:  # rows of different lengths (a batch of requests)
-                compact = ragged_mask(mask, written, past_len, sq)
+                compact = ragged_mask(mask, written, past_len, sq, getattr(cache, "gaps_padding", False))
                 if compact is not None:
                     mask, total = compact
                     starts = offsets = written.astype(np.int64)

@@ -176,7 +176,7 @@ class PagedStore:
         return PagedCache(self.pool, c.table.share(), c.static_length, c.max_tokens)
 
     # -- a run -------------------------------------------------------------------------
-    def prepare(self, feeds: Mapping[str, np.ndarray], segments=None) -> dict[str, PagedPlane]:
+    def prepare(self, feeds: Mapping[str, np.ndarray], segments=None, gaps_padding=False) -> dict[str, PagedPlane]:
         counts = None if segments is None else self._segments(feeds, segments)
         batch = self.ctx.batch_of(feeds) if counts is None else counts.size
         self._fresh = self.cache is None
@@ -194,6 +194,7 @@ class PagedStore:
         # only a selector reads a run's written values (whatever made the cache: a run, a fork, a reset, a load)
         self.cache.keep_written = self.selector is not None
         self.cache.segments = counts
+        self.cache.gaps_padding = gaps_padding
         return self.cache.planes
 
     def _segments(self, feeds: Mapping[str, np.ndarray], segments) -> np.ndarray:

@@ -13,6 +13,7 @@ from onnxkv.errors import InputError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.ops.attention_onnx import ragged_mask
 from onnxkv.plan.ops.masked_attention import MASKED
+from onnxkv.zoo.attention23 import build_attention_model
 from onnxkv.zoo.builders import TINY, build_model
 
 PAGED = onnxkv.CacheConfig("paged", block_size=4)
@@ -126,3 +127,74 @@ def test_a_mask_showing_unwritten_positions_is_refused_and_changes_nothing(sessi
     for k, v in batch.values.items():
         np.testing.assert_array_equal(v, before[k])
     batch.pool.audit()
+
+
+def test_ragged_mask_drops_padded_gaps_whatever_the_mask_holds_there():
+    """``padding`` (State.run(gaps_padding=True)): the feeds padded the positions a row never wrote, so they
+    are dropped even where the graph's mask holds a finite bias or shows them."""
+    written = np.array([5, 3])
+    mask = np.ones((2, 1, 1, 6), bool)
+    mask[1, ..., 3:5] = False
+    fmask = np.where(mask, 0.0, -1e9).astype(np.float32)
+    for m in (fmask, np.ones((2, 1, 1, 6), bool)):
+        assert ragged_mask(m, written, 5, 1) is None
+        out, width = ragged_mask(m, written, 5, 1, padding=True)
+        assert width == 6
+        np.testing.assert_array_equal(out, _direct(m, written, 5, 1))
+    assert ragged_mask(None, written, 5, 1, padding=True) is None
+
+
+def _feeds(session, ids: np.ndarray) -> dict:
+    """The first run's feeds of the prompt ``ids`` on a state."""
+    return FeedBuilder(
+        session.plan.inputs, session.model, ids[None], np.array([ids.size]), 0, thread_cache=False
+    ).first()[0]
+
+
+def _two_rows(session, lengths=(9, 5)):
+    """A paged state of two rows of ``lengths`` (prompts run apart, rows moved into one state) and the
+    builder of the last prompt."""
+    batch = session.new_state(cache=PAGED).sibling()
+    for n in lengths:
+        st, builder = _prompt(session, np.arange(3, 3 + n), batch.sibling())
+        batch.append_rows(st)
+    return batch, builder
+
+
+@pytest.fixture(scope="module")
+def biased():
+    """The builder's Attention graph hiding keys with the finite bias -1e9 (a float attn_mask)."""
+    return onnxkv.Session(build_attention_model(TINY, seed=5, mask_bias=-1e9), threads=1, events=True)
+
+
+def test_a_finite_bias_mask_decodes_rows_of_different_lengths_with_padded_gaps(biased):
+    """Without gaps_padding the gap a finite bias "hides" counts as shown: refused, nothing changed.  With it,
+    each row decodes as the row alone (whose mask over its own keys is all 0: the streaming kernel)."""
+    prompts = [np.arange(3, 12), np.arange(3, 8)]
+    batch, builder = _two_rows(biased)
+    alone = [_prompt(biased, p) for p in prompts]
+    before = {k: v.copy() for k, v in batch.values.items()}
+    feeds = builder.ragged(np.array([4, 5]), batch.lengths)
+    with pytest.raises(InputError, match="row 1 claims a past of 9 positions .* but has written only 5"):
+        batch.run(feeds, [])
+    assert batch.lengths.tolist() == [9, 5]
+    for k, v in batch.values.items():
+        np.testing.assert_array_equal(v, before[k])
+    name = biased.model.io.logits
+    out = batch.run(feeds, [name], gaps_padding=True)[name]
+    assert batch.lengths.tolist() == [10, 6]
+    for r, (st, b) in enumerate(alone):
+        own = st.run(b.next(np.array([[(4, 5)[r]]]), None), [name])[name]
+        np.testing.assert_array_equal(out[r, -1], own[0, -1])
+    batch.pool.audit()
+
+
+def test_gaps_padding_is_a_bool_on_a_paged_state(biased):
+    batch, builder = _two_rows(biased)
+    feeds = builder.ragged(np.array([4, 5]), batch.lengths)
+    with pytest.raises(InputError, match="gaps_padding must be a bool, True only on a paged state, got 1"):
+        batch.run(feeds, [], gaps_padding=1)
+    contiguous = biased.new_state(cache="contiguous")
+    with pytest.raises(InputError, match="gaps_padding must be a bool, True only on a paged state, got True"):
+        contiguous.run(_feeds(biased, np.array([3, 4])), [], gaps_padding=True)
+    assert batch.lengths.tolist() == [9, 5] and contiguous.length == 0
