@@ -217,12 +217,14 @@ cdef class PageCore:
                 raise ValueError(f"PageCore.{api}: page id {hi} out of range [0, {self.capacity})")
             live = a[a >= 0]
             if api != "incref" and api != "pages_needed" and live.size:
-                counts = np.asarray(self._refs)[live]
-                need = np.bincount(live, minlength=self.capacity)[live]
+                # per distinct id (memory in the ids' size, not the pool's: a failed allocation's undo runs
+                # when memory has run out)
+                pages, need = np.unique(live, return_counts=True)
+                counts = np.asarray(self._refs)[pages]
                 if (counts < need).any():
-                    bad = int(live[np.flatnonzero(counts < need)[0]])
-                    raise ValueError(f"PageCore.{api}: page {bad} has {int(np.asarray(self._refs)[bad])} "
-                                     f"reference(s), fewer than the {int(np.bincount(live)[bad])} dropped")
+                    first = np.flatnonzero(counts < need)[0]
+                    raise ValueError(f"PageCore.{api}: page {int(pages[first])} has {int(counts[first])} "
+                                     f"reference(s), fewer than the {int(need[first])} dropped")
             if api == "incref" and live.size and (np.asarray(self._refs)[live] <= 0).any():
                 bad = int(live[np.flatnonzero(np.asarray(self._refs)[live] <= 0)[0]])
                 raise ValueError(f"PageCore.incref: page {bad} is free")

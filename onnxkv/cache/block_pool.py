@@ -24,7 +24,12 @@ from onnxkv.cache._pagecore import PageCore
 from onnxkv.cache.plane_payloads import PlanePayloads, PlaneSpec
 from onnxkv.errors import InputError, OutOfMemory, StateError
 
-__all__ = ["PlaneSpec", "BlockPool", "live_pools"]
+__all__ = ["PlaneSpec", "BlockPool", "live_pools", "MAX_PAGE_IDS"]
+
+#: Page ids live at once at most: block tables hold them as int32.
+MAX_PAGE_IDS = 2**31 - 1
+#: Ids a failed allocation gives back per call (each call's result array is that small).
+_UNDO_CHUNK = 1 << 12
 
 _pools: weakref.WeakSet = weakref.WeakSet()
 
@@ -125,6 +130,24 @@ class BlockPool:
     def refcount(self, page: int) -> int:
         return int(self.core.refs()[page])
 
+    def check_room(self, n: int, api: str) -> None:
+        """Raise :class:`~onnxkv.errors.OutOfMemory` naming ``api``, with nothing allocated, unless ``n`` more
+        pages may be live at once: within ``max_pages`` (else within :data:`MAX_PAGE_IDS`) and ``max_bytes``.
+        Callers check before they size tables by ``n``; whether the allocator has the memory is known only
+        when :meth:`allocate` asks it."""
+        free = self.free_pages if self.max_pages is not None else MAX_PAGE_IDS - self.live_pages
+        if n > free:
+            limit = f"max_pages={self.max_pages}" if self.max_pages is not None else "the int32 page ids"
+            raise OutOfMemory(
+                f"{api}: {n} page(s) needed but only {free} of {limit} are free (block_size={self.block_size})"
+            )
+        held = self.payloads.committed_bytes if self.max_bytes is not None else 0
+        if self.max_bytes is not None and held + n * self.page_bytes > self.max_bytes:
+            raise OutOfMemory(
+                f"{api}: {n} page(s) of {self.page_bytes} bytes needed but the pages hold {held} of "
+                f"max_bytes={self.max_bytes}"
+            )
+
     # -- references ------------------------------------------------------------
     def allocate(self, n: int) -> np.ndarray:
         """Hand out ``n`` fresh page ids (one reference each), native payloads allocated.
@@ -143,17 +166,23 @@ class BlockPool:
                     f"BlockPool: {n} page(s) of {self.page_bytes} bytes needed but the pages hold {held} of "
                     f"max_bytes={self.max_bytes}"
                 )
-            ids = self.core.reserve(int(n))
+            try:
+                ids = self.core.reserve(int(n))
+            except MemoryError as e:  # its id arrays could not grow (nothing reserved)
+                raise OutOfMemory(f"BlockPool: no memory for the ids of {n} page(s)") from e
             if ids is None:
                 raise OutOfMemory(
                     f"BlockPool: {n} page(s) needed but only {self.core.free_pages} of "
                     f"max_pages={self.max_pages} are free (block_size={self.block_size})"
                 )
-            self.payloads.grow(self.core.capacity)
             try:
+                self.payloads.grow(self.core.capacity)
                 self.payloads.lease_pages(ids)
-            except BaseException:
-                self.core.decref(ids)
+            except BaseException as e:
+                for i in range(0, ids.size, _UNDO_CHUNK):  # memory may have run out: no array of ids.size
+                    self.core.decref(ids[i : i + _UNDO_CHUNK])
+                if isinstance(e, MemoryError) and not isinstance(e, OutOfMemory):  # NumPy's, or the lists'
+                    raise OutOfMemory(f"BlockPool: no memory for the records of {n} page(s)") from e
                 raise
             return ids
 

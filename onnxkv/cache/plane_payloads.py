@@ -218,17 +218,24 @@ class PlanePayloads:
 
     # -- records ---------------------------------------------------------------
     def grow(self, capacity: int) -> None:
-        """Extend every plane's records to ``capacity`` page ids (new ids free)."""
+        """Extend every plane's records to ``capacity`` page ids (new ids free); all or nothing (a
+        MemoryError leaves them as they were)."""
         have = self.ptrs.shape[1]
         if capacity <= have:
             return
-        for i in range(len(self.planes)):
-            self._bufs[i].extend([None] * (capacity - have))
-            self.pages[i].extend([None] * (capacity - have))
         n = len(self.planes)
         ptrs, sizes = np.zeros((n, capacity), np.uint64), np.zeros((n, capacity), np.int64)
-        fmts = np.array([[NATIVE_CODE[p.storage]] * capacity for p in self.planes], np.uint8).reshape(n, capacity)
+        fmts = np.array([NATIVE_CODE[p.storage] for p in self.planes], np.uint8)[:, None].repeat(capacity, axis=1)
         ptrs[:, :have], fmts[:, :have], sizes[:, :have] = self.ptrs, self.formats, self.sizes
+        pad, lists = [None] * (capacity - have), [*self._bufs, *self.pages]
+        try:  # the record lists grow in place (their holders see the new records)
+            for records in lists:
+                records.extend(pad)
+        except BaseException:
+            for records in lists:  # those extended (a failed extend changes nothing), one by one: a slice
+                while len(records) > have:  # deletion would allocate a buffer of its size
+                    records.pop()
+            raise
         self.ptrs, self.formats, self.sizes = ptrs, fmts, sizes
 
     @property
@@ -243,16 +250,22 @@ class PlanePayloads:
 
     def lease_pages(self, ids: np.ndarray) -> None:
         """Give each new page id of ``ids`` a native payload in every plane, leased and checked
-        (:func:`onnxkv.alloc.checked.lease`); on an error none is kept (they are freed) and it is raised."""
-        done: list[tuple[int, int]] = []
+        (:func:`onnxkv.alloc.checked.lease`); on an error none is kept (they are freed) and it is raised.
+
+        The undo allocates nothing in proportion to ``ids`` (it runs when memory has run out: each payload
+        is freed as it is forgotten, the last leased first)."""
+        k = plane = 0  # leased so far: pages ids[:k] in every plane, then page ids[k] in planes [0, plane)
         try:
-            for p in ids.tolist():
-                for i, spec in enumerate(self.planes):
-                    buf, arr = self._lease_native(i)
-                    self.swap(i, p, buf, arr, NATIVE_CODE[spec.storage])
-                    done.append((i, p))
+            for k in range(ids.size):
+                p = int(ids[k])
+                for plane in range(len(self.planes)):
+                    buf, arr = self._lease_native(plane)
+                    self.swap(plane, p, buf, arr, NATIVE_CODE[self.planes[plane].storage])
+                plane = 0
         except BaseException:
-            release(self.allocator, [self._forget(i, p) for i, p in done], self.owner)
+            for j in range(k, -1, -1):
+                for i in range(plane if j == k else len(self.planes))[::-1]:
+                    release(self.allocator, (self._forget(i, int(ids[j])),), self.owner)
             raise
 
     def forget_pages(self, ids: np.ndarray) -> list:
@@ -311,7 +324,14 @@ class PlanePayloads:
 
     def check(self, refs: np.ndarray) -> None:
         """Audit: a payload exactly on every id whose count in ``refs`` is > 0, and ``converted`` right.
-        Raises :class:`~onnxkv.errors.StateError` naming the first mismatch."""
+        Raises :class:`~onnxkv.errors.StateError` naming the first mismatch.  Ids past the records (the id
+        table grew, the records could not: a failed allocation) must be free."""
+        beyond = np.flatnonzero(refs[self.ptrs.shape[1] :] > 0)
+        if beyond.size:
+            raise StateError(
+                f"{self.owner}.audit: page {self.ptrs.shape[1] + int(beyond[0])} is referenced but has no record"
+            )
+        refs = refs[: self.ptrs.shape[1]]
         for i in range(len(self.planes)):
             has = self.ptrs[i][: len(refs)] != 0
             if (has != (refs > 0)).any():

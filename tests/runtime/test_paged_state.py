@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -326,6 +330,80 @@ def test_fixed_capacity_caps_positions_per_sequence(gqa):
         Driver(gqa, st, np.array([[1, 2, 3, 4, 5]]))
     assert st.length == 0 and st.pool.live_pages == 0
     st.close()
+
+
+@pytest.mark.parametrize(
+    ("rows", "length", "limits", "error", "message"),
+    [
+        (0, 4, {}, InputError, "hold 1 to 65536 rows, got 0"),
+        (2**40, 4, {"capacity": 64}, InputError, "hold 1 to 65536 rows, got 1099511627776"),
+        (1, 2**40, {"max_pages": 8}, OutOfMemory, "274877906944 page\\(s\\) needed but only 7 of max_pages=8"),
+        (1, 2**40, {}, OutOfMemory, "of the int32 page ids are free"),
+        (3, 8, {"max_pages": 5}, OutOfMemory, "6 page\\(s\\) needed but only 4 of max_pages=5"),
+    ],
+)
+def test_reset_sizes_the_pages_it_needs_before_any_table(gqa, rows, length, limits, error, message):
+    """Initial arrays (zero-stride broadcasts cost no memory, so their shapes are hostile) are checked
+    against the row limit and the pool's room before a page table is made: numpy's MemoryError (a table of
+    2**38 blocks) or ValueError (no rows) used to escape.  The state keeps what it held."""
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4, **limits))
+    d = Driver(gqa, st, np.array([[1, 2, 3]]))
+    before = {k: v.copy() for k, v in st.values.items()}
+    live = st.pool.live_pages
+    conv = gqa.model.convention
+    shape = (rows, conv.kv_heads, length, conv.head_size)
+    initial = {b.past: np.broadcast_to(np.float32(0), shape) for b in gqa.bindings}
+    with pytest.raises(error, match=message):
+        st.reset(initial)
+    assert st.length == 3 and st.pool.live_pages == live
+    for k, v in st.values.items():
+        np.testing.assert_array_equal(v, before[k])
+    d.step([4])
+    st.close()
+
+
+_OUT_OF_MEMORY = """
+import resource, sys
+import numpy as np, onnxkv
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.zoo.builders import TINY, build_model
+
+s = onnxkv.Session(build_model("gqa", TINY, seed=1), threads=1)
+st = onnxkv.State(s, cache="paged", block_size=4)
+b = FeedBuilder(s.plan.inputs, s.model, np.arange(1, 4)[None], np.array([3]), 0, thread_cache=False)
+st.run(b.first()[0], [])
+conv = s.model.convention
+initial = {x.past: np.broadcast_to(np.float32(0), (2**16, conv.kv_heads, 64, conv.head_size)) for x in s.bindings}
+vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + int(sys.argv[1]) * 2**20, resource.RLIM_INFINITY))
+try:
+    st.reset(initial)
+except onnxkv.OutOfMemory:
+    pass
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+assert st.lengths.tolist() == [3] and st.pool.live_pages == 1, (st.lengths, st.pool.live_pages)
+st.pool.audit()
+st.run(b.next(np.array([[4]]), None), [])
+st.pool.audit()
+print("whole")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status: Linux")
+@pytest.mark.parametrize("headroom_mb", [16, 64, 256])
+def test_a_reset_that_runs_out_of_memory_leaves_the_pool_whole(headroom_mb):
+    """A reset of 2**16 rows (a zero-stride broadcast: 2**20 pages) in a process whose address space ends
+    ``headroom_mb`` past its size: the pool's id table grows, then its records, the payload leases or the
+    undo run out of memory.  That used to leak the reserved ids and payloads (numpy's MemoryError from the
+    records' growth and from the undo's own lists); now the call raises OutOfMemory and the pool is whole."""
+    run = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_MEMORY, str(headroom_mb)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "whole", run.stderr[-2000:]
 
 
 def test_saved_cache_resumes_with_identical_next_logits(session, tmp_path):

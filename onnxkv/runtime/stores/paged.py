@@ -32,7 +32,10 @@ from onnxkv.errors import InputError, StateError
 from onnxkv.plan.step_loop import StepsRun, run_steps
 from onnxkv.runtime.stores.protocol import StoreContext, batch_and_length
 
-__all__ = ["PagedStore", "Checkpoint"]
+__all__ = ["PagedStore", "Checkpoint", "MAX_ROWS"]
+
+#: Rows a paged state's initial arrays hold at most (as many as one fork call makes).
+MAX_ROWS = 1 << 16
 
 
 class Checkpoint:
@@ -341,6 +344,9 @@ class PagedStore:
 
     def reset(self, arrays: dict[str, np.ndarray]) -> None:
         batch, length = batch_and_length(arrays)
+        if not 1 <= batch <= MAX_ROWS:
+            raise InputError(f"State.reset: a paged state's initial arrays hold 1 to {MAX_ROWS} rows, got {batch}")
+        self.pool.check_room(batch * -(-length // self.pool.block_size), "State.reset")  # before any table
         ctx = self.ctx
         cache = (
             self._new_cache(batch)
