@@ -209,8 +209,20 @@ class BlockPool:
 
     # -- audit ---------------------------------------------------------------
     def register(self, holder) -> None:
-        """Count ``holder`` (anything with ``held_ids()``: a page table) among the reference holders audited."""
+        """Count ``holder`` among the reference holders audited: anything with ``held_ids()`` (the ids it
+        holds a reference to, with repeats) and ``written_ids()`` (each page it holds and how many of its
+        positions were written: a page table, the engine's prefix cache)."""
         self._holders.add(holder)
+
+    def written(self, ids: np.ndarray) -> np.ndarray:
+        """int64 [len(ids)]: the most positions any holder says were written in each page of ``ids`` (0 for
+        a page no holder has written): what a new row may claim it holds (``State.start_on_pages``)."""
+        with self._lock:
+            most = np.zeros(self.core.capacity, np.int64)
+            for holder in list(self._holders):
+                held, positions = holder.written_ids()
+                np.maximum.at(most, held, positions)
+            return most[ids]
 
     def audit(self) -> None:
         """Check the pool is whole: counts equal live holders' references, payloads exactly on live ids.

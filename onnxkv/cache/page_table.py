@@ -42,6 +42,14 @@ class PageTable:
         t = self.tables
         return t[t >= 0]
 
+    def written_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, positions): every page a row holds and how many of its block's positions that row wrote
+        (1 .. block size)."""
+        bs, t = self.pool.block_size, self.tables
+        written = np.clip(self.lengths[:, None] - np.arange(t.shape[1])[None, :] * bs, 0, bs)
+        held = (t >= 0) & (written > 0)
+        return t[held], written[held]
+
     def share(self, rows: np.ndarray | None = None) -> PageTable:
         """A new table holding rows ``rows`` (default all) of this one, sharing their pages."""
         sel = np.arange(self.batch) if rows is None else np.asarray(rows, np.int64)

@@ -57,6 +57,11 @@ class PrefixCache:
     def held_ids(self) -> np.ndarray:
         return np.fromiter(self._pages.values(), np.int32, len(self._pages))
 
+    def written_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, positions): every cached page, each full (the cache holds full pages only)."""
+        ids = self.held_ids()
+        return ids, np.full(ids.size, self.block_size, np.int64)
+
     def unreferenced(self) -> int:
         """Cached pages no request holds (what :meth:`evict` can free)."""
         refs = self.pool.core.refs()

@@ -96,7 +96,9 @@ class PagedAPI:
         blocks 0, 1, ...) by reference, its first ``length`` positions written (a cached prompt prefix):
         the next run continues at ``length``, and a write into a shared page copies that page first.
         InputError, nothing changed, for a state that holds a cache, an id that is not a live page of the
-        pool, or a ``length`` the pages do not end in."""
+        pool, a ``length`` the pages do not end in, or a page some of whose claimed positions no row or
+        cache of the pool holds as written (every page but the last must be full: a page a row truncated
+        keeps stale positions)."""
         with self._exclusive("start_on_pages"):
             self._require_paged("start_on_pages", held=False).start_on_pages(pages, length)
 

@@ -406,6 +406,50 @@ def test_a_reset_that_runs_out_of_memory_leaves_the_pool_whole(headroom_mb):
     assert run.returncode == 0 and run.stdout.strip() == "whole", run.stderr[-2000:]
 
 
+def test_start_on_pages_continues_a_rows_written_pages(gqa):
+    """A new row over another state's pages (a cached prefix, its last page partly written) continues as
+    that state does; its first write into the shared last page copies it."""
+    prompt = np.random.default_rng(3).integers(0, MICRO.vocab_size, (1, 10))
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
+    d = Driver(gqa, st, prompt)
+    other = st.sibling()
+    other.start_on_pages(st.page_tables[0][:3], 10)  # blocks 0 and 1 full, block 2 holding 2 positions
+    assert other.lengths.tolist() == [10]
+    feeds = d.b.next(np.array([5]), d.out)
+    got = other.run(feeds, [d.logits_name])[d.logits_name]
+    want = st.run(feeds, [d.logits_name])[d.logits_name]
+    np.testing.assert_array_equal(got, want)
+    st.pool.audit()
+
+
+def test_start_on_pages_refuses_positions_no_row_holds_as_written(gqa):
+    """A page a row truncated keeps the positions it dropped (stale values): a new row may not claim them,
+    as a middle block or as more of its last block than is written.  Found by a fuzzing helper: the row read
+    values no state held, so two states with one history gave different rows."""
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
+    Driver(gqa, st, np.arange(1, 9)[None])
+    st.truncate(6)
+    p0, p1 = (int(p) for p in st.page_tables[0][:2])  # p1 holds positions 4 and 5 of its block
+    refs = st.pool.core.refs().copy()
+    other = st.sibling()
+    for pages, length, message in (
+        (
+            [p0, p1, p0],
+            9,
+            f"page {p1} \\(block 1\\) would hold 4 written position\\(s\\), but no row or cache holds more than 2",
+        ),
+        ([p0, p1], 8, f"page {p1} \\(block 1\\) would hold 4"),
+        ([p1], 3, f"page {p1} \\(block 0\\) would hold 3"),
+    ):
+        with pytest.raises(InputError, match=message):
+            other.start_on_pages(np.array(pages), length)
+        np.testing.assert_array_equal(st.pool.core.refs(), refs)
+        assert other.page_tables.size == 0
+    other.start_on_pages(np.array([p0, p1]), 6)
+    assert other.lengths.tolist() == [6]
+    st.pool.audit()
+
+
 def test_saved_cache_resumes_with_identical_next_logits(session, tmp_path):
     prompt = np.random.default_rng(11).integers(0, MICRO.vocab_size, (2, 7))
     st = session.new_state(cache=CacheConfig("paged", block_size=4))

@@ -402,7 +402,8 @@ class PagedStore:
         self.ctx.log("reorder", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
 
     def start_on_pages(self, pages, length: int) -> None:
-        """One row over ``pages`` (live ids of this pool, one reference taken each), ``length`` written."""
+        """One row over ``pages`` (live ids of this pool, one reference taken each), ``length`` written: each
+        page but the last must be held full by some row or cache, the last with its share of ``length``."""
         api = "State.start_on_pages"
         if self.cache is not None:
             raise InputError(f"{api}: the state already holds a cache (use a new state, e.g. sibling())")
@@ -421,6 +422,16 @@ class PagedStore:
             raise InputError(f"{api}: length must end in the last of {ids.size} page(s) of {bs} tokens, got {length!r}")
         if self.ctx.static:
             raise InputError(f"{api}: static caches hold every page of their capacity from the start")
+        claimed = np.full(ids.size, bs, np.int64)
+        claimed[-1] = int(length) - (ids.size - 1) * bs
+        have = self.pool.written(ids.astype(np.int64))
+        short = np.flatnonzero(have < claimed)
+        if short.size:  # a row may only hold positions some row wrote (not a truncated page's stale ones)
+            j = int(short[0])
+            raise InputError(
+                f"{api}: page {int(ids[j])} (block {j}) would hold {int(claimed[j])} written position(s), but no "
+                f"row or cache holds more than {int(have[j])} of it"
+            )
         table = PageTable(self.pool, 1)
         table.tables = ids.astype(np.int32)[None].copy()
         table.lengths[0] = int(length)
