@@ -574,7 +574,9 @@ def matmul_nbits_f32(x, w, out, bias=None):
 def sample(logits, temperature, top_k, top_p, u, probs=None):
     """Twin of ``sampling.sample``: one token per row of ``logits`` [B, V], drawn with ``u`` [B] after
     temperature, top-k and top-p, in float64 NumPy (``probs`` [B, V] receives the filtered probabilities)."""
-    x = logits.astype(np.float64) / temperature
+    x = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # a tiny temperature: -inf below the largest, as the kernel has it
+        x = (x - x.max(axis=-1, keepdims=True)) / temperature
     v = x.shape[-1]
     if top_k is not None and top_k < v:
         kth = np.partition(x, v - top_k, axis=-1)[:, v - top_k][:, None]
@@ -593,5 +595,6 @@ def sample(logits, temperature, top_k, top_p, u, probs=None):
         p /= p.sum(axis=-1, keepdims=True)
     if probs is not None:
         probs[...] = p
-    ids = (np.cumsum(p, axis=-1) < u[:, None]).sum(axis=-1)
-    return np.minimum(ids, v - 1).astype(np.int64)
+    ids = (np.cumsum(p, axis=-1) <= u[:, None]).sum(axis=-1)
+    last = v - 1 - np.argmax((p > 0)[:, ::-1], axis=-1)  # the last token of nonzero probability (0 if none)
+    return np.minimum(ids, last).astype(np.int64)

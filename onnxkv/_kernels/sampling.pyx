@@ -5,13 +5,16 @@
 per row of ``logits`` [B, V] (float32 or float64) with the uniform numbers
 ``u`` [B] (float64 in [0, 1)), as transformers' warpers order it:
 
-1. ``x = logits / temperature`` (float64);
+1. ``x = (logits - max(logits)) / temperature`` (float64: the largest is 0, so that a tiny temperature
+   drives the others to -inf, never the largest to +inf);
 2. top-k (``top_k`` < V): every ``x`` below the ``top_k``-th largest becomes -inf (ties with it stay);
 3. ``p = exp(x - max(x))``, divided by its sum;
 4. top-p (``top_p`` < 1): the tokens sorted by ``p`` descending (ties: lower id first) are kept while
    the sum of the ones before each is below ``top_p`` (the most likely is always kept); the others get 0,
    and ``p`` is divided by its new sum;
-5. the token is the number of entries of ``cumsum(p)`` below ``u`` (at most V - 1).
+5. the token is the number of entries of ``cumsum(p)`` at or below ``u``: the first whose sum passes
+   ``u``, so never one of probability 0 (``u`` 0 drew token 0 when it had none); where rounding leaves
+   the total at or below ``u``, the last token of nonzero probability.
 
 Sums are NumPy's pairwise sums and cumulative sums are sequential, as NumPy
 computes them, so the result is the NumPy twin's (``reference.sample``) up to
@@ -156,11 +159,15 @@ cdef int64_t _sample(const real *logits, int64_t V, double temperature, int64_t 
                      double *p, double *work, int64_t *order) noexcept nogil:
     """One draw (the module docstring) from logits[:V] into p[:V] (its probabilities); work: V doubles and
     order: 2V ints of workspace (used by top-k and top-p only)."""
-    cdef int64_t i, ids
+    cdef int64_t i, ids, last
     cdef double m, s, c, kth
     cdef okv_settings s_
+    m = <double>logits[0]
+    for i in range(1, V):     # np.max: the largest, NaN if any is
+        if isnan(<double>logits[i]) or <double>logits[i] > m or isnan(m):
+            m = <double>logits[i] if not isnan(m) else m
     for i in range(V):
-        p[i] = <double>logits[i] / temperature
+        p[i] = (<double>logits[i] - m) / temperature
     if 0 < top_k < V:
         for i in range(V):
             work[i] = p[i]
@@ -191,11 +198,14 @@ cdef int64_t _sample(const real *logits, int64_t V, double temperature, int64_t 
             p[i] /= s
     c = 0.0
     ids = 0
+    last = 0
     for i in range(V):
         c += p[i]
-        if c < u:
+        if c <= u:
             ids += 1
-    return min(ids, V - 1)
+        if p[i] > 0:
+            last = i
+    return min(ids, last)
 
 
 cdef int64_t sample_row_f32(const float *logits, int64_t V, double temperature, int64_t top_k, double top_p,

@@ -97,9 +97,10 @@ class SpeculativeResult:
 
 
 def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One index drawn from the (unnormalised, non-negative) weights ``p`` [V]."""
+    """One index drawn from the (unnormalised, non-negative, not all 0) weights ``p`` [V]: the first whose
+    cumulative sum passes the draw, so never one of weight 0."""
     cum = np.cumsum(p)
-    return min(int((cum < rng.random() * cum[-1]).sum()), p.shape[0] - 1)
+    return min(int((cum <= rng.random() * cum[-1]).sum()), int(np.flatnonzero(p)[-1]))
 
 
 def accept_or_resample(p: np.ndarray, q: np.ndarray, x: int, rng: np.random.Generator) -> tuple[bool, int]:

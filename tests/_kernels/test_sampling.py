@@ -53,6 +53,40 @@ def test_a_nan_logit_gives_the_twins_draw():
         assert sample(logits, 1.0, top_k, top_p, u).tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-308, 5e-324])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_tiny_temperature_draws_the_argmax(temperature, dtype):
+    """A temperature whose inverse overflows float64 (the logits' spread over it passes 1.8e308) draws the
+    argmax, as the limit means, at every u: dividing before subtracting the max made the largest logits +inf,
+    exp(inf - inf) NaN, and every draw id 0 (found by a fuzzing helper)."""
+    rng = np.random.default_rng(9)
+    logits = rand(rng, (4, 300), dtype, scale=3.0)
+    best = logits.argmax(axis=-1)
+    for u in (0.0, 0.5, 0.999999):
+        uu = np.full(4, u)
+        got_p, want_p = np.empty((4, 300)), np.empty((4, 300))
+        got = sample(logits, temperature, 7, 0.9, uu, got_p)
+        np.testing.assert_array_equal(got, best)
+        np.testing.assert_array_equal(R.sample(logits, temperature, 7, 0.9, uu, want_p), best)
+        np.testing.assert_array_equal(got_p, want_p)
+        assert (got_p.sum(axis=-1) == 1.0).all()
+
+
+def test_a_draw_never_takes_a_token_of_probability_zero():
+    """u = 0 drew token 0 whatever its probability (the count of sums below u was 0): with top-k or top-p
+    excluding it, a token outside them.  The first token whose cumulative sum passes u is drawn now; u above a
+    total that rounding left below 1 draws the last token of nonzero probability."""
+    logits = np.array([[0.0, 5.0, 1.0, 4.0, -1.0], [3.0, 0.0, 0.0, 0.0, 2.0]], np.float32)
+    for top_k, top_p in ((2, None), (None, 0.5), (None, None)):
+        for u in (0.0, 1.0 - 2**-53):
+            uu = np.full(2, u)
+            probs = np.empty((2, 5))
+            got = sample(logits, 1.0, top_k, top_p, uu, probs)
+            assert (probs[np.arange(2), got] > 0).all(), (top_k, top_p, u, got)
+            np.testing.assert_array_equal(got, R.sample(logits, 1.0, top_k, top_p, uu))
+    assert sample(logits, 1.0, 2, None, np.zeros(2)).tolist() == [1, 0]
+
+
 def test_a_top_k_past_int64_keeps_every_id():
     x, u = rand(np.random.default_rng(4), (3, 50), np.float32), np.array([0.1, 0.5, 0.9])
     assert sample(x, 0.8, 2**63, None, u).tolist() == sample(x, 0.8, None, None, u).tolist()
