@@ -26,6 +26,7 @@ a file by its size before reading it, and sequences beyond
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import struct
@@ -222,7 +223,7 @@ def save(snapshot: CacheSnapshot, path: str | os.PathLike[str]) -> bytes:
     failure never leaves a partial file or destroys the previous one.
     """
     blob = encode(snapshot)
-    path = os.fspath(path)
+    path = _os_path(path)
     fd, tmp = tempfile.mkstemp(prefix=".paged-cache-", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:
@@ -411,6 +412,15 @@ def decode(data: bytes, max_bytes: int | None = None, expected: Expectation | No
     return _decode(data, "decode", max_bytes, expected)
 
 
+def _os_path(path: str | os.PathLike[str]) -> str | bytes:
+    """``os.fspath(path)``; OSError (EINVAL) for a path the OS cannot name (a NUL byte: Python's os calls raise
+    ValueError for it, not the OSError every other bad path gives)."""
+    path = os.fspath(path)
+    if ("\0" if isinstance(path, str) else b"\0") in path:
+        raise OSError(errno.EINVAL, "a path cannot hold a NUL byte", path)
+    return path
+
+
 def load(
     path: str | os.PathLike[str], max_bytes: int | None = None, expected: Expectation | None = None
 ) -> CacheSnapshot:
@@ -422,6 +432,7 @@ def load(
     ``max_bytes + 1`` bytes should the file grow meanwhile).
     """
     api = f"load({os.fspath(path)!r})"
+    path = _os_path(path)
     # O_NONBLOCK: opening a FIFO must not wait for a writer (its status is refused below)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:

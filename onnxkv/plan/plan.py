@@ -49,6 +49,7 @@ from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.folding import NON_DETERMINISTIC, fold_node, foldable
 from onnxkv.plan.fusion_passes import fuse_graph
 from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
+from onnxkv.plan.inputs import bind
 from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.logit_rows import LogitHead, find_head, rows_of_output
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup, refuse_internal
@@ -60,7 +61,6 @@ from onnxkv.plan.subgraph import subgraph_model, type_kind
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]
 
 #: Marks an input absent from the feeds.
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -418,43 +418,8 @@ class Plan:
 
     # -- running -------------------------------------------------------
     def bind_inputs(self, feeds: Mapping[str, np.ndarray], views: Mapping | None = None) -> list:
-        """Validate ``feeds`` against the graph inputs; return the initial slot list.  Inputs named in
-        ``views`` (a state's caches) are its store's views, bound as given (another stored dtype, strided)."""
-        slots = self._template.copy()
-        names = self._input_names
-        for name in feeds:
-            if name not in names:
-                expected = ", ".join(g.name for g in self.inputs)
-                raise InputError(f"Session.run: unknown input '{name}'; the model's inputs are: {expected}")
-            if name in self._fixed_inputs:
-                raise InputError(
-                    f"Session.run: input '{name}' is a constant of an IR 3 model (an initializer); not fed"
-                )
-        views = views or {}
-        for g, s, dtype, rank, fixed, aliased in self._input_checks:
-            v = feeds.get(g.name, _MISSING)
-            if v is _MISSING:
-                if g.has_default:
-                    if s in self._defaults:
-                        slots[s] = self._defaults[s]
-                    continue
-                raise InputError(f"Session.run: missing input '{g.name}' (dtype {g.dtype}, shape {g.shape})")
-            if g.name in views:  # a state's cache, viewed by its store: may store another dtype, fed as given
-                slots[s] = v
-                continue
-            if type(v) is not np.ndarray:
-                v = np.asarray(v)
-            if v.dtype != dtype:
-                raise InputError(f"Session.run: input '{g.name}' has dtype {v.dtype}, expected {g.dtype}")
-            if rank >= 0:
-                shape = v.shape
-                if len(shape) != rank:
-                    raise InputError(f"Session.run: input '{g.name}' has shape {shape}, expected rank {rank} {g.shape}")
-                for axis, size in fixed:
-                    if shape[axis] != size:
-                        raise InputError(f"Session.run: input '{g.name}' has shape {shape}, expected {g.shape}")
-            slots[s] = v if aliased or v.flags.c_contiguous else v.copy(order="C")
-        return slots
+        """Validate ``feeds`` against the graph inputs; return the initial slot list (:func:`.inputs.bind`)."""
+        return bind(self, feeds, views)
 
     def needed(self, out_slots: tuple) -> list[bool] | None:
         """Per node, whether a run asked for the outputs in slots ``out_slots`` must run it: it computes

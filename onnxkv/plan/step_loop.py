@@ -263,7 +263,12 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
         *(
             ()
             if draws is None
-            else (draws.temperature, min(int(draws.top_k), logits.size), draws.top_p, draws.uniforms[:count])
+            else (
+                draws.temperature,
+                min(int(draws.top_k), logits.size),
+                draws.top_p,
+                np.ascontiguousarray(draws.uniforms[:count]),  # a strided view is the caller's to give
+            )
         ),
     )
     if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one

@@ -9,6 +9,7 @@ SerializationError with a message naming its problem.
 
 from __future__ import annotations
 
+import errno
 import importlib.resources
 import json
 import os
@@ -260,6 +261,18 @@ def test_load_names_the_file(tmp_path):
     with pytest.raises(SerializationError, match=r"load\('.*broken\.okv'\): truncated input"):
         load(path)
     assert issubclass(SerializationError, InputError)
+
+
+@pytest.mark.parametrize("path", ["cache\x00.okv", b"cache\x00.okv"])
+def test_a_path_with_a_nul_byte_is_an_os_error(tmp_path, path):
+    """Python's os calls raise ValueError for a NUL byte in a path, where every other bad path gives the
+    OSError that State.save_cache / load_cache name as InputError (found by a fuzzing helper)."""
+    full = os.path.join(os.fsencode(tmp_path) if isinstance(path, bytes) else str(tmp_path), path)
+    for call in (lambda: save(_small(1), full), lambda: load(full)):
+        with pytest.raises(OSError, match="a path cannot hold a NUL byte") as e:
+            call()
+        assert e.value.errno == errno.EINVAL
+    assert list(tmp_path.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- the .proto file

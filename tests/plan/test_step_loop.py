@@ -293,6 +293,21 @@ def test_a_top_k_beyond_the_vocabulary_keeps_every_id():
     assert runs[0] == runs[2**63]
 
 
+def test_strided_uniforms_draw_as_contiguous_ones():
+    """Uniforms given as a strided float64 view passed the checks and then made the kernel raise NumPy's
+    ValueError (not C-contiguous); they draw as the same numbers contiguous do (found by a fuzzing helper)."""
+    from onnxkv.plan.step_loop import Draws
+
+    sess = onnxkv.Session(_models()["embedded"], threads=1)
+    u = np.random.default_rng(5).random(10)
+    runs = []
+    for uniforms in (u[::2], np.ascontiguousarray(u[::2])):
+        with sess.new_state() as st:
+            _, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4]]), 2)
+            runs.append(st.decode_steps(feeds, 5, draws=Draws(1.0, 0, 1.0, uniforms), **_io(sess)).tokens.tolist())
+    assert runs[0] == runs[1] and len(runs[0]) == 5
+
+
 def test_names_and_eos_that_do_not_fit_are_refused():
     sess = onnxkv.Session(_models()["embedded"], threads=1)
     io = sess.model.io

@@ -450,6 +450,17 @@ def test_start_on_pages_refuses_positions_no_row_holds_as_written(gqa):
     st.pool.audit()
 
 
+def test_cache_paths_with_a_nul_byte_are_input_errors(gqa, tmp_path):
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
+    Driver(gqa, st, np.array([[1, 2, 3]]))
+    bad = str(tmp_path / "x\x00y")
+    with pytest.raises(InputError, match="State.save_cache: cannot write .*: a path cannot hold a NUL byte"):
+        st.save_cache(bad)
+    with pytest.raises(InputError, match="State.load_cache: cannot read .*a path cannot hold a NUL byte"):
+        st.load_cache(bad)
+    assert st.lengths.tolist() == [3] and list(tmp_path.iterdir()) == []
+
+
 def test_saved_cache_resumes_with_identical_next_logits(session, tmp_path):
     prompt = np.random.default_rng(11).integers(0, MICRO.vocab_size, (2, 7))
     st = session.new_state(cache=CacheConfig("paged", block_size=4))
