@@ -10,11 +10,12 @@ from onnxkv.plan.registry import BuildContext, Op, register
 
 
 def _softmax_np(x: np.ndarray, axis: int) -> np.ndarray:
-    """Softmax along ``axis``; a slice that is entirely -inf gives NaN (0 / 0), as ONNX's."""
-    m = np.max(x, axis=axis, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)
-    e = np.exp(x - m)
+    """Softmax along ``axis`` as ONNX Runtime computes it, ``exp(x - max) / sum``: a slice that is entirely
+    -inf, or holds +inf, gives NaN throughout (-inf - -inf, inf - inf); an empty axis gives the empty input."""
+    if x.shape[axis] == 0:
+        return x.copy()
     with np.errstate(invalid="ignore"):
+        e = np.exp(x - np.max(x, axis=axis, keepdims=True))
         return e / np.sum(e, axis=axis, keepdims=True)
 
 
@@ -32,7 +33,10 @@ class Softmax(Op):
 
 
 def _log_softmax_np(x: np.ndarray, axis: int) -> np.ndarray:
-    """LogSoftmax along ``axis``; a slice that is entirely -inf gives NaN, as ONNX's."""
+    """LogSoftmax along ``axis``; a slice that is entirely -inf gives NaN, as ONNX's; an empty axis gives
+    the empty input."""
+    if x.shape[axis] == 0:
+        return x.copy()
     m = np.max(x, axis=axis, keepdims=True)
     with np.errstate(invalid="ignore"):
         return x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))

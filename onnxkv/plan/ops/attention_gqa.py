@@ -49,8 +49,9 @@ Semantics:
   written length raises :class:`~onnxkv.errors.InputError` naming the row,
   ``seqlens_k`` and the written length, before anything is written.  Padding
   query rows of a first prompt (``s >= total_b``) are computed by the same
-  rule as every other row (they see all valid keys inside the window), which
-  reproduces ORT; callers ignore them.
+  rule as every other row (they see all valid keys inside the window); their
+  values are not defined (ORT 1.32's own float16 and float32 CPU kernels give
+  different ones under a ``local_window_size``), and callers ignore them.
 * **Masking.** Query ``s`` of row ``b`` has absolute position
   ``p = past_b + s`` and sees keys ``j <= p``, ``j < total_b`` and, when
   ``local_window_size = W > 0``, ``j > p - W`` (the ``W`` most recent

@@ -86,6 +86,17 @@ class Sum(_Variadic):
     ufunc = staticmethod(np.add)
 
 
+@register("Mean")
+class Mean(_Variadic):
+    """The inputs' sum (broadcast as Sum's) divided by their count, in their type."""
+
+    ufunc = staticmethod(np.add)
+
+    def run(self, inputs: list, rt) -> tuple:
+        (total,) = super().run(inputs, rt)
+        return ((total / len(inputs)).astype(total.dtype, copy=False),)
+
+
 @register("Div")
 class Div(Op):
     def run(self, inputs: list, rt) -> tuple:
@@ -257,7 +268,9 @@ class _CastOp(Op):
         if to in _SATURATING and self.saturate:
             return numpy_helper.saturate_cast(x, dtype)
         if to == TensorProto.FLOAT8E8M0:
-            return numpy_helper.to_float8e8m0(x, bool(self.saturate), self.round_mode).astype(dtype, copy=False)
+            # at least 1-D: onnx's converter assigns into its 0-d intermediate (a TypeError)
+            y = numpy_helper.to_float8e8m0(np.atleast_1d(x), bool(self.saturate), self.round_mode)
+            return y.reshape(x.shape).astype(dtype, copy=False)
         if to == TensorProto.STRING:
             return x.astype(np.str_).astype(object)
         out = rt.empty(0, x.shape, dtype)

@@ -104,7 +104,10 @@ class MatMul(Op):
             if a.shape[-1] != b.shape[0]:
                 raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and {b.shape} do not align")
             out = rt.empty(0, a.shape[:-1] + (b.shape[1],), np.result_type(a, b))
-            rows = a.size // a.shape[-1] if a.shape[-1] else 0
+            if out.size == 0 or a.shape[-1] == 0:  # no output, or sums of nothing (K = 0): zeros
+                out[...] = 0
+                return (out,)
+            rows = a.size // a.shape[-1]
             if rows <= SMALL_M and a.dtype == b.dtype == np.float32 and b.flags.c_contiguous:
                 K.matmul_rows(a.reshape(-1, a.shape[-1]), b, out.reshape(-1, b.shape[1]))
             else:

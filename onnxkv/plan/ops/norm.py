@@ -32,6 +32,18 @@ def _rms_reference(x: np.ndarray, gamma: np.ndarray, eps: float, axis: int) -> n
     return (xf * inv * gamma).astype(x.dtype, copy=False)
 
 
+def _skip_sum(x: np.ndarray, skip: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(the sum x + skip (+ bias) the norm reads, the sum output in x's type): a float16 / bfloat16 sum is
+    normalised in float32, before its rounding to the output type, as ONNX Runtime does."""
+    if x.dtype.kind == "f" and x.dtype.itemsize >= 4:
+        s = x + skip if bias is None else x + skip + bias
+        return s, s
+    wide = x.astype(np.float32) + skip.astype(np.float32)
+    if bias is not None:
+        wide += bias.astype(np.float32)
+    return wide, wide.astype(x.dtype)
+
+
 class _RMSBase(Op):
     #: ``epsilon`` when the node has none (the operator schema's default).
     default_epsilon = 1e-5
@@ -117,8 +129,9 @@ class SkipSimplifiedLayerNormalization(_RMSBase):
                 None if s is None else s.reshape(-1, n),
             )
             return (out, None, None, s)
-        s = x + skip if bias is None else x + skip + bias
-        return (_rms_reference(s, gamma, self.eps, -1), None, None, s if self.want_sum else None)
+        wide, s = _skip_sum(x, skip, bias)
+        y = _rms_reference(wide, gamma, self.eps, -1).astype(x.dtype, copy=False)
+        return (y, None, None, s if self.want_sum else None)
 
 
 _EXPONENT, _AXES, _EPS, _ONE = (RMS_NORM_INPUTS.index(r) for r in ("exponent", "axes", "eps", "one"))
@@ -293,6 +306,6 @@ class SkipLayerNormalization(Op):
         x, skip, gamma = inputs[0], inputs[1], inputs[2]
         beta = inputs[3] if len(inputs) > 3 else None
         bias = inputs[4] if len(inputs) > 4 else None
-        s = x + skip if bias is None else x + skip + bias
-        y, mu, inv = _layer_norm(s, gamma, beta, float(self.attrs.get("epsilon", 1e-12)), -1)
-        return (y, mu, inv, s)
+        wide, s = _skip_sum(x, skip, bias)
+        y, mu, inv = _layer_norm(wide, gamma, beta, float(self.attrs.get("epsilon", 1e-12)), -1)
+        return (y.astype(x.dtype, copy=False), mu, inv, s)

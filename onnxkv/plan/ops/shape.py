@@ -365,8 +365,11 @@ class GatherND(Op):
         nb = int(np.prod(batch_shape, dtype=np.int64))
         xb = x.reshape((nb,) + x.shape[b:])
         ib = idx.reshape((nb,) + idx.shape[b:])
+        shape = idx.shape[:-1] + x.shape[b + k :]
+        if nb == 0:  # an empty batch: nothing to stack
+            return (np.empty(shape, x.dtype),)
         outs = [xb[i][tuple(np.moveaxis(ib[i], -1, 0))] for i in range(nb)]
-        return (np.stack(outs).reshape(idx.shape[:-1] + x.shape[b + k :]),)
+        return (np.stack(outs).reshape(shape),)
 
 
 @register("Expand")
@@ -410,7 +413,8 @@ class Range(Op):
             steps = np.arange(max(count, 0), dtype=start.dtype)
             with np.errstate(over="ignore"):
                 return ((start + delta * steps).astype(start.dtype, copy=False),)
-        return (np.arange(start, limit, delta, dtype=start.dtype),)
+        # the spec's start + i * delta, each element in the input type (np.arange's fill accumulates its error)
+        return ((start + np.arange(max(count, 0), dtype=start.dtype) * delta).astype(start.dtype, copy=False),)
 
 
 @register("Constant")
