@@ -108,7 +108,13 @@ def quantize_blocks(table: PageTable, indices, planes: Sequence[tuple[int, str]]
     for _, f in planes:
         formats.page_format(f)  # raises InputError naming the value
     idx = np.asarray(indices)
-    if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer) or len(set(idx.tolist())) != idx.size:
+    # distinct blocks are at most the table's blocks: a longer list repeats one (counted before it is read)
+    if (
+        idx.ndim != 1
+        or not np.issubdtype(idx.dtype, np.integer)
+        or idx.size > table.tables.shape[1]
+        or len(set(idx.tolist())) != idx.size
+    ):
         raise InputError(f"{api}: indices must be distinct ints, got {indices!r}")
     full = int(table.lengths.min()) // bs if table.batch else 0
     lo = int(table.first.max(initial=0)) // bs

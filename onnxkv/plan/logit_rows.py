@@ -134,18 +134,18 @@ def rows_of_output(logits: np.ndarray, at: np.ndarray, length: int) -> np.ndarra
 
 def checked_positions(at, ids, api: str) -> tuple[np.ndarray, int]:
     """``at`` as int64 [B] (one position per row of the fed token ids ``ids`` [B, S], each in [0, S)) or
-    [B, K] (K >= 1 positions per row), and S.  InputError naming ``api`` otherwise (compared in ``at``'s
-    own width, before any conversion)."""
+    [B, K] (1 <= K <= S positions per row: more would repeat one), and S.  InputError naming ``api``
+    otherwise (compared in ``at``'s own width, before any conversion)."""
     shape = getattr(ids, "shape", None)
     if shape is None or len(shape) != 2:
         raise InputError(f"{api}: logits_at needs token ids fed as [batch, tokens]; the feed has shape {shape}")
     a = np.asarray(at)
     if a.dtype.kind not in "iu" or not (
-        a.shape == (shape[0],) or (a.ndim == 2 and a.shape[0] == shape[0] and a.shape[1])
+        a.shape == (shape[0],) or (a.ndim == 2 and a.shape[0] == shape[0] and 1 <= a.shape[1] <= shape[1])
     ):
         raise InputError(
             f"{api}: logits_at has dtype {a.dtype} and shape {a.shape}; expected {shape[0]} integer "
-            f"positions (one per batch row), or [{shape[0]}, K] (K >= 1 per row)"
+            f"positions (one per batch row), or [{shape[0]}, K] (1 <= K <= {shape[1]} per row)"
         )
     if a.size and (int(a.min()) < 0 or int(a.max()) >= shape[1]):
         raise InputError(

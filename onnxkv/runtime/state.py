@@ -26,6 +26,7 @@ from onnxkv.plan.step_loop import DecodeNames, Draws, StepsRun, check_steps
 from onnxkv.runtime.cancellation import Cancellation
 from onnxkv.runtime.state_paged import PagedAPI
 from onnxkv.runtime.stores import Checkpoint, ContiguousStore, DeclaredStore, PagedStore, StoreContext
+from onnxkv.runtime.stores.protocol import as_arrays
 
 __all__ = ["State", "Cancellation", "Checkpoint"]
 
@@ -180,11 +181,12 @@ class State(PagedAPI):
         if self._closed:
             raise StateError(f"State.{api}: the state is closed")
 
-    def _check_feeds(self, api: str, feeds: Mapping[str, np.ndarray]) -> None:
+    def _check_feeds(self, api: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self._check_open(api)
         if not self._bound.isdisjoint(feeds):
             fed = sorted(self._bound.intersection(feeds))
             raise StateError(f"State.{api}: {fed} are bound to the state's caches and must not be fed")
+        return as_arrays(f"State.{api}", feeds)
 
     @contextlib.contextmanager
     def _exclusive(self, api: str) -> Iterator[None]:
@@ -226,7 +228,7 @@ class State(PagedAPI):
         (closed, busy, a bound input fed) or, with the state unchanged, InputError / OperatorError /
         CacheCapacityError / Cancelled.
         """
-        self._check_feeds("run", feeds)
+        feeds = self._check_feeds("run", feeds)
         presents, produced = self._presents, self.declared.values()
         if output_names is None:
             output_names = [n for n in self.session.output_names if n not in presents and n not in produced]
@@ -288,7 +290,7 @@ class State(PagedAPI):
                 names a number outside [0, 1) with a ValueError).
             MemoryError: a kernel could not allocate its workspace; the state is unchanged.
         """
-        self._check_feeds("decode_steps", feeds)
+        feeds = self._check_feeds("decode_steps", feeds)
         check_steps("State.decode_steps", count, draws, names, eos, self.session.plan.slot_of)
         with self._exclusive("decode_steps"):
             if self.session.events.enabled:

@@ -131,8 +131,9 @@ class PagedAPI:
             idx = np.asarray(indices)
             if idx.ndim == 1 and idx.size and not np.issubdtype(idx.dtype, np.integer):
                 raise InputError(f"State.keep_rows: indices must be a 1-D int array, got {indices!r}")
-            if idx.ndim == 1 and idx.size and np.unique(idx).size != idx.size:
-                raise InputError(f"State.keep_rows: indices must be distinct, got {idx.tolist()}")
+            # more than the rows held repeats one (counted before the indices are read)
+            if idx.ndim == 1 and idx.size and (idx.size > store.cache.table.batch or np.unique(idx).size != idx.size):
+                raise InputError(f"State.keep_rows: indices must be distinct, got {idx!r}")
             if idx.ndim == 1 and idx.size == 0:
                 store.close()
             else:

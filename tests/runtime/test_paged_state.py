@@ -461,6 +461,36 @@ def test_cache_paths_with_a_nul_byte_are_input_errors(gqa, tmp_path):
     assert st.lengths.tolist() == [3] and list(tmp_path.iterdir()) == []
 
 
+def test_index_arrays_of_a_hostile_count_are_refused_before_they_are_read(gqa):
+    """Zero-stride broadcasts of 2**30 valid indices cost no memory; sizing a table by them, or listing them
+    in a message, asked NumPy for 8-16 GiB (found by a fuzzing helper).  Each count is now checked first."""
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
+    d = Driver(gqa, st, np.array([[1, 2, 3, 4, 5, 6, 7, 8, 9]]))
+    live, many = st.pool.live_pages, np.broadcast_to(np.int64(0), (2**30,))
+    page = np.broadcast_to(np.int64(st.page_tables[0][0]), (2**30,))
+    for call, message in (
+        (lambda: st.reorder(many), "indices make 1073741824 rows, more than the 65536 a state holds"),
+        (lambda: st.keep_rows(many), "indices must be distinct"),
+        (lambda: st.quantize_pages(many, "int8", "int8"), "indices must be distinct ints"),
+        (lambda: st.sibling().start_on_pages(page, 8), "1073741824 pages given, more than the 64 ids of the pool"),
+        (
+            lambda: st.run(d.b.next(np.array([1]), d.out), [d.logits_name], logits_at=np.zeros((1, 2**24), np.int64)),
+            "expected 1 integer positions \\(one per batch row\\), or \\[1, K\\] \\(1 <= K <= 1 per row\\)",
+        ),
+    ):
+        with pytest.raises(InputError, match=message):
+            call()
+        assert st.lengths.tolist() == [9] and st.pool.live_pages == live
+    st.pool.audit()
+
+
+def test_a_ragged_feed_is_an_input_error(gqa):
+    st = gqa.new_state(cache=CacheConfig("paged", block_size=4))
+    with pytest.raises(InputError, match="State.run: input 'input_ids' must be a rectangular array, got list"):
+        st.run({"input_ids": [[1, 2], [3]]}, [])
+    assert st.lengths.size == 0
+
+
 def test_saved_cache_resumes_with_identical_next_logits(session, tmp_path):
     prompt = np.random.default_rng(11).integers(0, MICRO.vocab_size, (2, 7))
     st = session.new_state(cache=CacheConfig("paged", block_size=4))

@@ -395,6 +395,8 @@ class PagedStore:
         idx = np.asarray(indices)
         if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
             raise InputError(f"{api}: indices must be a non-empty 1-D int array, got {indices!r}")
+        if idx.size > MAX_ROWS:
+            raise InputError(f"{api}: indices make {idx.size} rows, more than the {MAX_ROWS} a state holds")
         b = cache.table.batch
         if idx.min() < 0 or idx.max() >= b:
             raise InputError(f"{api}: indices must be in [0, {b}), got {idx.tolist()}")
@@ -410,6 +412,8 @@ class PagedStore:
         ids = np.asarray(pages)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
             raise InputError(f"{api}: pages must be a non-empty 1-D int array, got {pages!r}")
+        if ids.size > self.pool.core.capacity:  # more would repeat ids (counted before they are read)
+            raise InputError(f"{api}: {ids.size} pages given, more than the {self.pool.core.capacity} ids of the pool")
         refs = self.pool.core.refs()
         if int(ids.min()) < 0 or int(ids.max()) >= len(refs) or (refs[ids.astype(np.int64)] <= 0).any():
             raise InputError(f"{api}: pages must be live page ids of this state's pool, got {ids.tolist()}")

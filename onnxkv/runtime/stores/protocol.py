@@ -191,6 +191,25 @@ class StoreContext:
         return batch
 
 
+def as_arrays(api: str, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
+    """``feeds`` with every value an ndarray (lists and scalars converted, arrays as given); InputError naming
+    ``api`` and the input for a value that is no array (a ragged nested list: NumPy's ValueError)."""
+    if not isinstance(feeds, Mapping):
+        raise InputError(f"{api}: feeds must be a mapping of input names to arrays, got {type(feeds).__name__}")
+    out = {}
+    for name, value in feeds.items():
+        if type(value) is np.ndarray:
+            out[name] = value
+            continue
+        try:
+            out[name] = np.asarray(value)
+        except (ValueError, TypeError) as e:
+            raise InputError(
+                f"{api}: input '{name}' must be a rectangular array, got {type(value).__name__}: {e}"
+            ) from None
+    return out
+
+
 def batch_and_length(arrays: dict[str, np.ndarray]) -> tuple[int, int]:
     """(batch, length) of initial arrays [B, H, L, D] that agree on both; InputError otherwise."""
     lengths = {a.shape[2] if a.ndim == 4 else None for a in arrays.values()}
