@@ -171,7 +171,8 @@ class PagedAPI:
         """Convert the full pages of ``rows`` (row indices) older than each row's last ``keep_tokens``
         positions to the smaller page format ``fmt_name`` (e.g. "int8", "int4") in every layer, where this
         state alone holds them and their format has more bits; returns the payload bytes freed (an
-        engine's relief for a full pool).  All or nothing; InputError for an unknown format."""
+        engine's relief for a full pool).  All or nothing; InputError for an unknown format or rows that are
+        not distinct indices of this state's rows."""
         api = "State.compress_rows"
         if (
             isinstance(keep_tokens, (bool, np.bool_))
@@ -186,7 +187,10 @@ class PagedAPI:
             store = self._require_paged("compress_rows")
             batch = store.cache.table.batch
             if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= batch):
-                raise InputError(f"{api}: rows must be in [0, {batch}), got {idx.tolist()}")
+                raise InputError(f"{api}: rows must be in [0, {batch}), got {idx!r}")
+            # distinct (more than the rows held repeats one: counted before the indices are read)
+            if idx.size > batch or np.unique(idx).size != idx.size:
+                raise InputError(f"{api}: rows must be distinct, got {idx!r}")
             return store.compress_rows([int(b) for b in idx], fmt_name, int(keep_tokens))
 
     def save_cache(self, path: str | os.PathLike | None = None) -> bytes:

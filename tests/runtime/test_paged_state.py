@@ -472,6 +472,8 @@ def test_index_arrays_of_a_hostile_count_are_refused_before_they_are_read(gqa):
         (lambda: st.reorder(many), "indices make 1073741824 rows, more than the 65536 a state holds"),
         (lambda: st.keep_rows(many), "indices must be distinct"),
         (lambda: st.quantize_pages(many, "int8", "int8"), "indices must be distinct ints"),
+        (lambda: st.compress_rows(many, "int8"), "rows must be distinct"),
+        (lambda: st.compress_rows([0, 0], "int8"), "rows must be distinct"),
         (lambda: st.sibling().start_on_pages(page, 8), "1073741824 pages given, more than the 64 ids of the pool"),
         (
             lambda: st.run(d.b.next(np.array([1]), d.out), [d.logits_name], logits_at=np.zeros((1, 2**24), np.int64)),
