@@ -6,13 +6,13 @@ import importlib
 
 import numpy as np
 import pytest
+from fuzzing import hypothesis_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
 import onnxkv
 from onnxkv.generate.lookup import MAX_INDEXED_NGRAM, PromptIndex, prompt_lookup
 from onnxkv.zoo.builders import MICRO, build_model
-from tests.fuzzing import hypothesis_settings
 
 
 def test_prompt_lookup_proposals():

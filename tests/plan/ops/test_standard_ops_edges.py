@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_standard_ops import one_node
 
 from onnxkv import Session
-from tests.plan.ops.test_standard_ops import one_node
 
 ort = pytest.importorskip("onnxruntime")
 
