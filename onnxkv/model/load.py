@@ -33,6 +33,7 @@ import onnx
 from onnxkv.errors import ModelError, UnsupportedOperatorError
 from onnxkv.model.convention import CacheConvention, recognize_cache
 from onnxkv.model.tensors import check_attributes, data_nbytes, element_count
+from onnxkv.model.well_formed import check_arity, check_text
 from onnxkv.model.windows import apply_config_window
 
 __all__ = ["Model", "ModelIO", "load", "KNOWN_DOMAINS"]
@@ -299,7 +300,17 @@ def _map_external_data(proto: onnx.ModelProto, file: Path) -> dict[str, np.ndarr
     return mapped
 
 
+def _no_broken_link(path: Path) -> None:
+    """ModelError when ``path`` is a symbolic link that leads nowhere (dangling, or a loop): such a config
+    file is not absent, and loading without it would drop what it states (a sliding window)."""
+    if path.is_symlink() and not path.exists():
+        raise ModelError(f"load: {path} is a symbolic link that resolves to no file (dangling or a loop)")
+
+
 def _check_domains(model: onnx.ModelProto) -> None:
+    for o in model.opset_import:  # the schema lookups take an int32 version
+        if not 1 <= o.version < 2**31:
+            raise ModelError(f"load: the model imports opset {o.version} of domain '{o.domain or 'ai.onnx'}'")
     bad = [n for n in model.graph.node if n.domain not in KNOWN_DOMAINS]
     if bad:
         listed = ", ".join(f"'{n.name or n.output[0]}' ({n.domain}::{n.op_type})" for n in bad[:10])
@@ -458,12 +469,14 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
     external: dict[str, np.ndarray] = {}
     if isinstance(path, onnx.ModelProto):
         proto = path
+        check_text(proto)
     else:
         p = Path(path)
         if not p.exists():
             raise FileNotFoundError(f"load: no such model file or folder: {p}")
         if p.is_dir():
             cfg_path = p / "genai_config.json"
+            _no_broken_link(cfg_path)
             if cfg_path.exists():
                 cfg = _read_genai_config(cfg_path)
                 fname = _config_section(cfg, ("model", "decoder")).get("filename")
@@ -482,17 +495,21 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
         else:
             file = p
             _regular_file(p, f"load: {p}")  # a FIFO or device could block or never end
+            _no_broken_link(p.parent / "genai_config.json")
             if (p.parent / "genai_config.json").exists():
                 cfg = _read_genai_config(p.parent / "genai_config.json")
         try:
             proto = onnx.load(str(file), load_external_data=False)
         except Exception as e:
             raise ModelError(f"load: cannot read ONNX model {file}: {e}") from e
+        check_text(proto)
         external = _map_external_data(proto, file)
     if not proto.graph.node:
         raise ModelError("load: the model's graph has no nodes")
     _check_domains(proto)
-    check_attributes(proto.graph, {o.domain if o.domain != "ai.onnx" else "": o.version for o in proto.opset_import})
+    opsets = {o.domain if o.domain != "ai.onnx" else "": o.version for o in proto.opset_import}
+    check_attributes(proto.graph, opsets)
+    check_arity(proto.graph, opsets)
     try:
         conv = recognize_cache(proto)
         if cfg is not None and apply_config_window(proto, conv, cfg, file.parent / "genai_config.json"):

@@ -58,12 +58,16 @@ def _type_name(data_type: int) -> str:
 
 
 def element_count(tensor: TensorProto, what: str) -> int:
-    """The number of elements ``tensor``'s dims declare (a Python int); ModelError for a negative dim."""
-    count = 1
+    """The number of elements ``tensor``'s dims declare (a Python int); ModelError for a negative dim, or
+    dims whose nonzero ones multiply past 2**62 (no array has that shape, even with a 0 dim beside them)."""
+    count = extent = 1
     for d in tensor.dims:
         if d < 0:
             raise ModelError(f"{what} has dims {list(tensor.dims)}: a dim is negative")
         count *= int(d)
+        extent *= max(int(d), 1)
+    if extent > 2**62:
+        raise ModelError(f"{what} has dims {list(tensor.dims)}: no array has that shape (dims past 2**62)")
     return count
 
 

@@ -322,8 +322,9 @@ def cache_kinds(caches: dict | None) -> tuple:
 
 
 def _derived(value: np.ndarray, arrays: set[int]) -> bool:
-    """Whether ``value`` is one of ``arrays`` (ids) or a view of one."""
-    while value is not None:
+    """Whether ``value`` is one of ``arrays`` (ids) or a view of one (its bases end at the first object that is
+    no array: a buffer such as the bytes a model's constant was read from)."""
+    while isinstance(value, np.ndarray):
         if id(value) in arrays:
             return True
         value = value.base

@@ -186,7 +186,12 @@ class Plan:
             if not elem and self.scope is None:  # a subgraph's untyped input is checked by its node's kernel
                 kind = type_kind(vi.type) or "a tensor without an element type"
                 raise ModelError(f"graph input '{vi.name}' is {kind}; onnxkv runs tensor values only")
-            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)) if elem else None
+            try:
+                dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)) if elem else None
+            except (KeyError, TypeError, ValueError):
+                raise ModelError(
+                    f"graph input '{vi.name}' has element type {elem}, not a tensor type onnxkv reads"
+                ) from None
             self.inputs.append(GraphInput(vi.name, dtype, dims(vi), vi.name in constants))
         # An initializer listed as a graph input is from IR 4 on a default a feed may replace (as in ONNX
         # Runtime): never folded or packed.  Before IR 4 every initializer was listed: a constant, not fed.

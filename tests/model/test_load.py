@@ -397,3 +397,46 @@ def test_position_tables_leave_out_a_table_a_feed_may_replace():
     assert onnxkv.load(proto).position_tables
     proto.graph.input.append(helper.make_tensor_value_info("cos_cache", TensorProto.FLOAT, list(cos.dims)))
     assert onnxkv.load(proto).position_tables == {}
+
+
+# -- hostile folders a fuzzing helper found wanting (each raised a raw exception, or dropped the config) ------
+def test_an_external_tensor_whose_dims_no_array_has_is_refused(tmp_path):
+    """dims [3, 0, 2**63 - 1]: zero bytes pass the offset and length checks, then NumPy refused the shape."""
+    save_genai_folder(build_model("gqa", MICRO, seed=1), MICRO, tmp_path)
+    model = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
+    t = next(t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL)
+    del t.dims[:]
+    t.dims.extend([3, 0, 2**63 - 1])
+    for e in t.external_data:
+        if e.key == "length":
+            e.value = "0"
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    with pytest.raises(ModelError, match=r"has dims \[3, 0, 9223372036854775807\]: no array has that shape"):
+        onnxkv.load(tmp_path)
+
+
+@pytest.mark.parametrize("version", [0, 2**31, 2**62])
+def test_an_opset_version_outside_int32_is_refused(version):
+    model = build_model("gqa", MICRO, seed=1)
+    model.opset_import[0].version = version
+    with pytest.raises(ModelError, match=f"the model imports opset {version} of domain 'ai.onnx'"):
+        onnxkv.load(model)
+
+
+@pytest.mark.parametrize("elem", [30, 99])
+def test_a_graph_input_of_an_unknown_element_type_is_refused(elem):
+    model = build_model("gqa", MICRO, seed=1)
+    model.graph.input[0].type.tensor_type.elem_type = elem
+    with pytest.raises(ModelError, match=f"graph input '{model.graph.input[0].name}' has element type {elem}"):
+        onnxkv.Session(model, threads=1)
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_a_genai_config_link_that_leads_nowhere_is_refused(tmp_path, kind):
+    """It was taken for an absent config: the folder loaded without what it states (a sliding window)."""
+    save_genai_folder(build_model("gqa", MICRO, seed=1), MICRO, tmp_path)
+    (tmp_path / "genai_config.json").unlink()
+    (tmp_path / "genai_config.json").symlink_to("genai_config.json" if kind == "loop" else tmp_path / "nowhere.json")
+    for path in (tmp_path, tmp_path / "model.onnx"):
+        with pytest.raises(ModelError, match="genai_config.json is a symbolic link that resolves to no file"):
+            onnxkv.load(path)

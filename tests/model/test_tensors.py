@@ -55,9 +55,12 @@ def test_any_tensor_is_an_array_of_its_dims_or_a_model_error(data_type, dims, ra
 
 
 def test_sizes_are_counted_in_python_ints():
-    t = TensorProto(name="t", data_type=TensorProto.FLOAT, dims=[1 << 40, 1 << 40])
-    assert element_count(t, "t") == 1 << 80
-    assert data_nbytes(TensorProto.FLOAT, 1 << 80, "t") == 1 << 82
+    t = TensorProto(name="t", data_type=TensorProto.FLOAT, dims=[1 << 31, 1 << 31])
+    assert element_count(t, "t") == 1 << 62
+    assert data_nbytes(TensorProto.FLOAT, 1 << 62, "t") == 1 << 64  # past int64: no overflow
+    for dims in ([1 << 40, 1 << 40], [3, 0, (1 << 63) - 1]):  # no array has such a shape, even of 0 elements
+        with pytest.raises(ModelError, match="no array has that shape"):
+            element_count(TensorProto(name="t", data_type=TensorProto.FLOAT, dims=dims), "t")
     assert data_nbytes(TensorProto.INT4, 3, "t") == 2 and data_nbytes(TensorProto.UINT2, 5, "t") == 2
     with pytest.raises(ModelError, match="STRING tensor"):
         data_nbytes(TensorProto.STRING, 1, "t")

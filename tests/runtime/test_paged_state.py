@@ -391,7 +391,7 @@ print("whole")
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status: Linux")
 @pytest.mark.parametrize("headroom_mb", [16, 64, 256])
-def test_a_reset_that_runs_out_of_memory_leaves_the_pool_whole(headroom_mb):
+def test_a_reset_that_runs_out_of_memory_leaves_the_pool_whole(headroom_mb, tmp_path):
     """A reset of 2**16 rows (a zero-stride broadcast: 2**20 pages) in a process whose address space ends
     ``headroom_mb`` past its size: the pool's id table grows, then its records, the payload leases or the
     undo run out of memory.  That used to leak the reserved ids and payloads (numpy's MemoryError from the
@@ -402,6 +402,7 @@ def test_a_reset_that_runs_out_of_memory_leaves_the_pool_whole(headroom_mb):
         text=True,
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,  # the installed onnxkv, not a source tree's
     )
     assert run.returncode == 0 and run.stdout.strip() == "whole", run.stderr[-2000:]
 
