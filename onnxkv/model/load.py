@@ -301,8 +301,8 @@ def _map_external_data(proto: onnx.ModelProto, file: Path) -> dict[str, np.ndarr
 
 
 def _no_broken_link(path: Path) -> None:
-    """ModelError when ``path`` is a symbolic link that leads nowhere (dangling, or a loop): such a config
-    file is not absent, and loading without it would drop what it states (a sliding window)."""
+    """ModelError when ``path`` is a symbolic link that leads nowhere (dangling, or a loop): such a file is
+    not absent (a config loaded without would drop what it states, a sliding window), nor a missing model."""
     if path.is_symlink() and not path.exists():
         raise ModelError(f"load: {path} is a symbolic link that resolves to no file (dangling or a loop)")
 
@@ -472,6 +472,7 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
         check_text(proto)
     else:
         p = Path(path)
+        _no_broken_link(p)
         if not p.exists():
             raise FileNotFoundError(f"load: no such model file or folder: {p}")
         if p.is_dir():
@@ -485,6 +486,8 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
                 file = p / fname
             else:
                 candidates = sorted(p.glob("*.onnx"))
+                for c in candidates:
+                    _no_broken_link(c)
                 if len(candidates) != 1:
                     raise FileNotFoundError(
                         f"load: folder {p} has no genai_config.json and "

@@ -440,3 +440,11 @@ def test_a_genai_config_link_that_leads_nowhere_is_refused(tmp_path, kind):
     for path in (tmp_path, tmp_path / "model.onnx"):
         with pytest.raises(ModelError, match="genai_config.json is a symbolic link that resolves to no file"):
             onnxkv.load(path)
+
+
+def test_a_model_file_link_that_leads_nowhere_is_named(tmp_path):
+    """A model.onnx symlink loop was reported as a missing file (FileNotFoundError "no such model file")."""
+    (tmp_path / "model.onnx").symlink_to("model.onnx")
+    for path in (tmp_path / "model.onnx", tmp_path):  # the file itself, and a folder without genai_config.json
+        with pytest.raises(ModelError, match="model.onnx is a symbolic link that resolves to no file"):
+            onnxkv.load(path)
