@@ -160,21 +160,11 @@ class BlockPool:
         """
         with self._lock:
             self.payloads.end_batch()
-            held = self.payloads.committed_bytes if self.max_bytes is not None else 0
-            if self.max_bytes is not None and held + int(n) * self.page_bytes > self.max_bytes:
-                raise OutOfMemory(
-                    f"BlockPool: {n} page(s) of {self.page_bytes} bytes needed but the pages hold {held} of "
-                    f"max_bytes={self.max_bytes}"
-                )
+            self.check_room(int(n), "BlockPool")  # under the lock: reserve then finds the ids free
             try:
                 ids = self.core.reserve(int(n))
             except MemoryError as e:  # its id arrays could not grow (nothing reserved)
                 raise OutOfMemory(f"BlockPool: no memory for the ids of {n} page(s)") from e
-            if ids is None:
-                raise OutOfMemory(
-                    f"BlockPool: {n} page(s) needed but only {self.core.free_pages} of "
-                    f"max_pages={self.max_pages} are free (block_size={self.block_size})"
-                )
             try:
                 self.payloads.grow(self.core.capacity)
                 self.payloads.lease_pages(ids)
