@@ -24,7 +24,9 @@ does.  The two are mutually exclusive.
 
 The selector is called during the run, before it is committed: a selector
 that raises, or returns anything but format names or None, fails the run and
-leaves the state unchanged.  The conversion itself happens after the commit;
+leaves the state unchanged.  The conversion itself happens after the commit
+(on a state that keeps positions for a truncate, ``State.keep_for_truncate``,
+at the start of its next run instead);
 if it fails (an allocator refusing a payload), the run stays published, the
 pages not yet converted keep their format (a later run converts them) and the
 state logs a ``quantize_failed`` event and warns (``RuntimeWarning``).

@@ -24,7 +24,10 @@ batch ``k``, and the row of the longest accepted branch is kept (the first
 such, so the draft's own chain wins ties).
 
 Greedy decoding accepts a proposed token when it is the target's argmax, so
-the output is token-identical to greedy :func:`onnxkv.generate`.  Sampling
+the output is token-identical to greedy :func:`onnxkv.generate`.  Over pages
+that a ``kv_format`` converts when full, a verification runs in pieces that end
+where a conversion falls due (:meth:`~onnxkv.generate.verification.Stepper.pieces`), each made only while
+the proposal is accepted, so every token reads the formats its own run would.  Sampling
 uses the standard rejection rule (:func:`accept_or_resample`), which makes
 every emitted token distributed exactly as the target's warped distribution.
 """
@@ -41,11 +44,10 @@ import numpy as np
 from onnxkv._deprecation import renamed_argument
 from onnxkv.errors import InputError
 from onnxkv.generate.arguments import as_session, callback_arg, check_length, check_prompt, int_arg, token_ids
-from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.lookup import MAX_INDEXED_NGRAM, PromptIndex, prompt_lookup
 from onnxkv.generate.sampling import SamplingConfig, probabilities, sampling_arguments, select_next
+from onnxkv.generate.verification import Stepper, Verification, logit_rows
 from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_request
-from onnxkv.runtime.state import State
 
 if TYPE_CHECKING:
     import os
@@ -130,92 +132,6 @@ def _check_model(sess, role: str) -> None:
             "rejected tokens back with State.truncate, which needs a growing in-place KV cache "
             "(a static TensorScatter cache, declared persistent bindings or no cache cannot be truncated)"
         )
-
-
-def _logit_rows(out: dict, sess, count: int, role: str) -> np.ndarray:
-    """The last ``count`` positions' logits of a batch-1 run as float [count, V]."""
-    x = out[sess.model.io.logits]
-    if x.ndim == 2:
-        x = x[:, None, :]
-    if x.shape[1] < count:
-        raise InputError(
-            f"{API}: the {role} model returned logits for {x.shape[1]} position(s) of a "
-            f"{count}-token run; verification needs the logits of every fed position"
-        )
-    return x[0, x.shape[1] - count :]
-
-
-class _Stepper:
-    """One model's state, feed builder and run counter for a batch-1 sequence."""
-
-    def __init__(self, sess, prompt: np.ndarray, state_keywords: dict, role: str, rollback: int) -> None:
-        """``rollback``: the positions one step may take back (kept behind a sliding window)."""
-        self.sess = sess
-        self.role = role
-        self.builder = FeedBuilder(
-            sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False
-        )
-        self.state = State(sess, **state_keywords)
-        if self.state.paged:
-            self.state.keep_for_truncate(rollback)
-        self.fetch = [sess.model.io.logits]
-        self.runs = 0
-
-    @property
-    def length(self) -> int:
-        return self.builder.total
-
-    def prefill(self) -> dict:
-        """Run the prompt; its logits at the last token only ([1, 1, V], ``logits_at``)."""
-        feeds, read = self.builder.first()
-        self.runs += 1
-        return self.state.run(feeds, self.fetch, logits_at=read)
-
-    def feed(self, tokens: np.ndarray) -> dict:
-        """Run ``tokens`` (int64 [S]) after the cached positions."""
-        self.runs += 1
-        return self.state.run(self.builder.next(tokens[None, :], None), self.fetch)
-
-    def greedy(self, token: int, count: int, eos: set[int]) -> list[int]:
-        """Feed ``token`` and then each chosen id: ``count`` greedy steps (fewer after an EOS); the ids chosen.
-
-        Steps run as one call into C where the state can (:meth:`State.decode_steps`), else one by one.
-        """
-        names = self.builder.decode_names
-        chosen: list[int] = []
-        while len(chosen) < count:
-            feeds = self.builder.next(np.array([[token]], dtype=np.int64), None)
-            run = None if names is None else self.state.decode_steps(feeds, count - len(chosen), names, sorted(eos))
-            if run is not None and run.steps:
-                self.runs += run.steps
-                if run.steps > 1:  # fed by the steps after the first: every chosen id but the last
-                    self.builder.next(run.tokens[None, :-1], None)
-                chosen.extend(run.tokens.tolist())
-            else:
-                self.runs += 1
-                chosen.append(
-                    int(np.argmax(_logit_rows(self.state.run(feeds, self.fetch), self.sess, 1, self.role)[0]))
-                )
-            token = chosen[-1]
-            if token in eos:
-                break
-        return chosen
-
-    def fork(self, rows: int) -> None:
-        """Make ``rows`` copies of the sequence (page tables shared: a paged state)."""
-        self.state.reorder(np.zeros(rows, dtype=np.int64))
-        self.builder.select_rows(np.zeros(rows, dtype=np.int64))
-
-    def keep(self, row: int) -> None:
-        """Keep only row ``row`` of a forked sequence."""
-        self.state.reorder(np.array([row], dtype=np.int64))
-        self.builder.select_rows(np.array([row], dtype=np.int64))
-
-    def truncate(self, length: int) -> None:
-        """Keep at most the first ``length`` positions (cache and feed bookkeeping)."""
-        if length < self.length:
-            self.state.truncate(length)
-            self.builder.rewind(length)
 
 
 @renamed_argument(API, "target", "model")
@@ -338,16 +254,16 @@ def speculative_generate(
     if max_new_tokens == 0:
         return SpeculativeResult(ids.copy(), 0, 0, 0, 0, 0, 0.0)
     # a step feeds at most num_draft_tokens + 1 tokens per row (the tree's depth + 1) and takes back as many
-    tgt = _Stepper(tsess, ids, target_options, "target", num_draft_tokens + 1)
+    tgt = Stepper(tsess, ids, target_options, "target", num_draft_tokens + 1)
     # proposals of prompt lookup: from an index of the sequence's n-grams (a search per step costs O(length))
     lookup = PromptIndex(ngram) if dsess is None and ngram <= MAX_INDEXED_NGRAM else None
     drf = None
     try:
-        drf = None if dsess is None else _Stepper(dsess, ids, options, "draft", num_draft_tokens + 1)
+        drf = None if dsess is None else Stepper(dsess, ids, options, "draft", num_draft_tokens + 1)
         t0 = time.perf_counter()
-        last = _logit_rows(tgt.prefill(), tsess, 1, "target")[0]
+        last = logit_rows(tgt.prefill(), tsess, 1, "target")[0]
         if drf is not None:
-            width = _logit_rows(drf.prefill(), dsess, 1, "draft").shape[-1]
+            width = logit_rows(drf.prefill(), dsess, 1, "draft").shape[-1]
             if width != last.shape[-1]:
                 raise InputError(
                     f"{API}: the draft model's logits have width {width}, the target's "
@@ -380,8 +296,7 @@ def speculative_generate(
                     else:
                         proposal, qs = _propose(drf, dsess, seq, k, cfg, eos)
                     # The target caches seq[:-1]; seq[-1] is verified together with the proposal.
-                    chunk = np.array([seq[-1], *proposal.tolist()], dtype=np.int64)
-                    rows = _logit_rows(tgt.feed(chunk), tsess, chunk.shape[0], "target")
+                    rows = Verification(tgt, tsess, np.array([seq[-1], *proposal.tolist()], dtype=np.int64))
                     proposed += proposal.shape[0]
                 for i, x in enumerate(proposal.tolist()):
                     if cfg.greedy:
@@ -442,12 +357,12 @@ def _state_options(deprecated: dict) -> dict:
 
 
 def _propose(
-    drf: _Stepper, dsess, seq: list[int], k: int, cfg: SamplingConfig, eos: set[int]
+    drf: Stepper, dsess, seq: list[int], k: int, cfg: SamplingConfig, eos: set[int]
 ) -> tuple[np.ndarray, list[np.ndarray] | None]:
     """Run the draft on the tokens of ``seq`` it has not cached, then ``k - 1`` more single tokens.
 
     Greedy, those ``k - 1`` steps run as one call into C where the draft's state can
-    (:meth:`_Stepper.greedy`), together with the catch-up when that is one token (it is two, the last
+    (:meth:`Stepper.greedy`), together with the catch-up when that is one token (it is two, the last
     proposed token and the bonus token, only after a proposal accepted whole).  Returns the proposal
     (int64 [≤ k]; it stops after an EOS) and, when sampling, each proposed token's draft distribution
     (float64 [V]).
@@ -458,13 +373,13 @@ def _propose(
     if cfg.greedy and pending.shape[0] == 1:
         return np.array(drf.greedy(int(pending[0]), k, eos), dtype=np.int64), None
     if cfg.greedy:
-        x = int(np.argmax(_logit_rows(drf.feed(pending), dsess, 1, "draft")[0]))
+        x = int(np.argmax(logit_rows(drf.feed(pending), dsess, 1, "draft")[0]))
         tokens = [x] if k == 1 or x in eos else [x, *drf.greedy(x, k - 1, eos)]
         return np.array(tokens, dtype=np.int64), None
     tokens: list[int] = []
     dists: list[np.ndarray] = []
     while True:
-        q = probabilities(_logit_rows(drf.feed(pending), dsess, 1, "draft"), cfg)[0]
+        q = probabilities(logit_rows(drf.feed(pending), dsess, 1, "draft"), cfg)[0]
         x = _draw(q, cfg.rng)
         dists.append(q)
         tokens.append(x)
@@ -496,7 +411,7 @@ def _tree_arg(tree, draft, cfg: SamplingConfig, num_draft_tokens: int) -> tuple[
 
 
 def _tree_step(
-    tgt: _Stepper, drf: _Stepper, dsess, tsess, seq: list[int], k: int, depth: int, eos: set[int]
+    tgt: Stepper, drf: Stepper, dsess, tsess, seq: list[int], k: int, depth: int, eos: set[int]
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Propose a tree of ``k`` branches of up to ``depth`` tokens, verify them in one run of the target forked
     into ``k`` rows, and keep the row of the branch with the longest accepted prefix (the first such).
@@ -506,7 +421,7 @@ def _tree_step(
     Returns the kept branch (int64 [n]), the target's logits at ``seq[-1]`` and after each of its tokens
     (float [≥ n + 1, V]), and how many tokens the target verified; the draft is left at ``seq``.
     """
-    first = _logit_rows(drf.feed(np.array(seq[drf.length :], dtype=np.int64)), dsess, 1, "draft")[0]
+    first = logit_rows(drf.feed(np.array(seq[drf.length :], dtype=np.int64)), dsess, 1, "draft")[0]
     root = drf.length
     branches = []
     for i, x in enumerate(np.argsort(-first, kind="stable")[:k].tolist()):
@@ -519,15 +434,23 @@ def _tree_step(
     # which nothing is emitted, so what pads it is never read.
     chunk = np.array([[seq[-1], *b, *[b[-1]] * (width - len(b))] for b in branches], dtype=np.int64)
     tgt.fork(len(branches))
-    out = tgt.state.run(tgt.builder.next(chunk, None), tgt.fetch)
-    tgt.runs += 1
-    logits = out[tsess.model.io.logits]
-    if logits.ndim != 3 or logits.shape[1] < width + 1:
-        raise InputError(
-            f"{API}: the target model returned logits of shape {logits.shape} for a {width + 1}-token run; "
-            "verification needs the logits of every fed position"
-        )
-    rows = logits[:, logits.shape[1] - width - 1 :]
+    parts, fed = [], 0
+    # in runs that end where a page conversion falls due (Stepper.pieces); the next runs only while some
+    # branch has matched every token so far, so the row kept never ends before a conversion made
+    for size in tgt.pieces(width + 1):
+        out = tgt.state.run(tgt.builder.next(chunk[:, fed : fed + size], None), tgt.fetch)
+        tgt.runs += 1
+        logits = out[tsess.model.io.logits]
+        if logits.ndim != 3 or logits.shape[1] < size:
+            raise InputError(
+                f"{API}: the target model returned logits of shape {logits.shape} for a {size}-token run; "
+                "verification needs the logits of every fed position"
+            )
+        parts.append(logits[:, logits.shape[1] - size :])
+        fed += size
+        if fed <= width and not (np.concatenate(parts, axis=1).argmax(axis=-1) == chunk[:, 1 : fed + 1]).all(1).any():
+            break
+    rows = np.concatenate(parts, axis=1)
     guesses = rows.argmax(axis=-1)
     accepted = [next((j for j, x in enumerate(b) if guesses[i, j] != x), len(b)) for i, b in enumerate(branches)]
     best = int(np.argmax(accepted))

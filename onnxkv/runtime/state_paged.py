@@ -62,12 +62,26 @@ class PagedAPI:
         :meth:`State.truncate` can take back that many after a run.
 
         A state of a model with a ``local_window_size`` frees, after each run, the pages no later query
-        can see; truncating into them is then refused.  Speculative decoding sets this to the tokens one
-        of its steps may take back.  No effect without a window."""
+        can see; truncating into them is then refused.  Under a ``kv_format`` that converts full pages, a
+        state with ``positions`` > 0 converts the pages a run fills at the start of its next run rather
+        than after it (a converted page cannot be restored): a truncate between the two leaves them as
+        written, and the next run converts what is full at the length it starts from, as runs of the
+        kept tokens alone would (:attr:`conversion_cycle`).  Speculative decoding sets this to the
+        tokens one of its steps may take back."""
         store = self._require_paged("keep_for_truncate", held=False)
         if isinstance(positions, bool) or not isinstance(positions, (int, np.integer)) or not 0 <= positions < 2**31:
             raise InputError(f"State.keep_for_truncate: positions must be an int in [0, 2**31), got {positions!r}")
         store.rollback = int(positions)
+
+    @property
+    def conversion_cycle(self) -> tuple[int, int] | None:
+        """``(block_size, residual_tokens)`` of the ``kv_format``'s page conversions, None without one (a
+        contiguous state, or no selector).  A run that leaves a row at a length ``n`` with
+        ``n - residual_tokens`` a positive multiple of ``block_size`` makes that row's page before it
+        eligible; the selector's choice for it is made once per run, so tokens fed as one run see
+        native values where runs of fewer tokens would see converted ones.  Split a run at those lengths
+        to get what token-by-token runs get (speculative decoding does)."""
+        return self._store.conversion_cycle() if self.paged else None
 
     def fork(self, n: int = 1) -> list[State]:
         """``n`` new states sharing every page of this one (no payload byte copied); each continues on its

@@ -82,16 +82,16 @@ def test_draft_catches_up_one_token_in_its_greedy_steps(emb, monkeypatch):
     its own: the draft's own runs only catch up two tokens, after a proposal accepted whole."""
     import importlib
 
-    spec = importlib.import_module("onnxkv.generate.speculative")
+    stepper = importlib.import_module("onnxkv.generate.verification").Stepper
     target, draft = emb
     fed = []
-    feed = spec._Stepper.feed
+    feed = stepper.feed
 
     def counted(self, tokens):
         fed.append((self.role, tokens.shape[0]))
         return feed(self, tokens)
 
-    monkeypatch.setattr(spec._Stepper, "feed", counted)
+    monkeypatch.setattr(stepper, "feed", counted)
     ids = np.array([embedded.encode("The ")])
     got = speculative_generate(target, ids, draft=draft, num_draft_tokens=2, max_new_tokens=48, eos_token_id=[])
     np.testing.assert_array_equal(got.sequences, onnxkv.generate(target, ids, 48, eos_token_id=[]).sequences)

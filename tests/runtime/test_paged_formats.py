@@ -131,6 +131,49 @@ def test_residual_policy_keeps_recent_tokens_native(session):
         assert fmts[:5] == [CODES["int8"]] * 5 and set(fmts[5:]) == {CODES["float32"]}
 
 
+@pytest.mark.parametrize("keep", [0, 3])
+def test_keep_for_truncate_defers_conversions_to_the_next_run(session, keep):
+    """Three tokens fed as one run fill block 4 (16..19); taking two back and feeding them one by one must
+    give what one-by-one runs give, which read block 4 native until it is full.  Converted at once (keep 0),
+    the truncate lands in an int8 page."""
+    prompt = np.random.default_rng(11).integers(0, MICRO.vocab_size, (1, 18))
+    tokens = np.array([5, 9, 2])
+    config = CacheConfig("paged", block_size=4, kv_format="int8")
+    with session.new_state(cache=config) as ref:
+        b_ref = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([18]), 0, thread_cache=False)
+        ref.run(b_ref.first()[0], [])
+        want = [ref.run(b_ref.next(tokens[None, i : i + 1], None), ["logits"])["logits"][0, -1] for i in range(3)]
+        want_bytes = ref.committed_bytes
+    with session.new_state(cache=config) as st:
+        st.keep_for_truncate(keep)
+        assert st.conversion_cycle == (4, 0)
+        b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([18]), 0, thread_cache=False)
+        st.run(b.first()[0], [])
+        st.run(b.next(tokens[None, :], None), [])
+        t = st.page_tables[0]
+        fmts = st.pool.formats[0][t[t >= 0]].tolist()
+        # the prompt's blocks 0..3 were converted before the 3-token run; block 4 waits for the next run
+        assert fmts[:4] == [CODES["int8"]] * 4
+        assert fmts[4] == (CODES["float32"] if keep else CODES["int8"])
+        st.truncate(19)
+        b.rewind(19)
+        got = [st.run(b.next(tokens[None, i : i + 1], None), ["logits"])["logits"][0, -1] for i in (1, 2)]
+        if keep:
+            np.testing.assert_array_equal(got, want[1:])
+            assert st.committed_bytes == want_bytes
+        else:
+            assert not np.array_equal(got[0], want[1])
+
+
+def test_conversion_cycle_names_block_size_and_residual_tokens(session):
+    from onnxkv.cache.policy import ResidualPolicy
+
+    assert session.new_state().conversion_cycle is None
+    assert session.new_state(cache=CacheConfig("paged", block_size=8)).conversion_cycle is None
+    residual = CacheConfig("paged", block_size=8, kv_format=ResidualPolicy("int8", "int8", 12))
+    assert session.new_state(cache=residual).conversion_cycle == (8, 12)
+
+
 def test_quantize_pages_replaces_only_the_selected_pages(session):
     prompt = np.random.default_rng(2).integers(0, MICRO.vocab_size, (1, 17))
     st = session.new_state(cache=CacheConfig("paged", block_size=4))

@@ -90,13 +90,16 @@ class PagedStore:
         self.key_header = key_header
         self.pool = pool if pool is not None else self._new_pool(block_size, max_pages)
         self.window = self._model_window()
-        #: Positions kept behind the window for State.truncate (State.keep_for_truncate).
+        #: Positions State.truncate may take back (State.keep_for_truncate): kept behind the window, and
+        #: a run's page conversions wait for the next run.
         self.rollback = 0
         self._needs_data = self._pasts_read_elsewhere()
         self.cache: PagedCache | None = None
         self._fresh = False
         self._before = 0
         self._chosen: list[tuple[int, str]] = []
+        #: Conversions a committed run chose, made at the start of the next run when ``rollback`` > 0.
+        self._pending: list[tuple[int, str]] = []
 
     @property
     def caches(self) -> dict[str, PagedPlane] | None:
@@ -190,6 +193,9 @@ class PagedStore:
                 f"State.run: batch size {batch} differs from the state's {self.cache.table.batch}; "
                 "reorder or reset the state first"
             )
+        if self._pending:  # owed by the last run: before this run's queries read the pages
+            pending, self._pending = self._pending, []
+            self._convert(pending)
         lengths = self.cache.lengths
         self._before = int(lengths.max()) if lengths.size else 0
         self._chosen = []
@@ -263,7 +269,9 @@ class PagedStore:
 
     def commit(self, out: Mapping[str, np.ndarray]) -> None:
         self.cache.commit()
-        if self._chosen:
+        if self._chosen and self.rollback:  # a truncate within the margin may still take the pages back
+            self._pending = self._chosen
+        elif self._chosen:
             self._convert(self._chosen)
         if self.window is not None:
             freed = self.cache.table.evict(self.window + self.rollback)
@@ -296,6 +304,12 @@ class PagedStore:
             self.ctx.log("quantize_failed", allocations=0)
         if converted:
             self.ctx.log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
+
+    def conversion_cycle(self) -> tuple[int, int] | None:
+        """``(block_size, residual_tokens)`` of the selector's conversions (State.conversion_cycle)."""
+        if self.selector is None:
+            return None
+        return self.pool.block_size, int(getattr(self.selector, "residual_tokens", 0))
 
     def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> StepsRun | None:
         """Decode steps replayed in C (:func:`~onnxkv.plan.step_loop.run_steps`: per call at most up to the
@@ -382,6 +396,7 @@ class PagedStore:
         self.ctx.log("truncate", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0, extra={"pages_freed": freed})
 
     def close(self) -> None:
+        self._pending = []
         if self.cache is not None:
             self.cache.discard()
             self.cache.table.release()
