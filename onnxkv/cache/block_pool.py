@@ -43,6 +43,7 @@ _PAYLOAD_API = (
     "allocators",
     "committed_bytes",
     "pages_bytes",
+    "native_pages",
     "quantized",
     "read_page",
     "copy_page",

@@ -243,6 +243,11 @@ class PlanePayloads:
         """Bytes of payload held by live pages (each in its own format)."""
         return int(self.sizes.sum())
 
+    def native_pages(self, ids: np.ndarray) -> np.ndarray:
+        """bool [len(ids)]: whether each of the live pages ``ids`` is in its native format in every plane."""
+        want = np.array([NATIVE_CODE[p.storage] for p in self.planes], np.uint8)[:, None]
+        return (self.formats[:, np.asarray(ids, np.int64)] == want).all(axis=0)
+
     def pages_bytes(self, ids: np.ndarray) -> int:
         """Payload bytes of the distinct live pages ``ids`` over all planes."""
         u = np.unique(ids[ids >= 0])

@@ -55,6 +55,7 @@ class BatchedSteps:
     _rows: list[Request]
     _prefix: PrefixCache | None
     preempt_formats: tuple[str, ...]
+    _conversion_cycle: tuple[int, int] | None
     _paused_now: set[Request]
     _runs: int
     keep_native_tokens: int
@@ -76,6 +77,7 @@ class BatchedSteps:
             return
         prefix = self._prefix
         hits = prefix.lookup(self._prompt_keys(r))
+        hits = hits[: self._exact_pages(r, hits)]
         events = self.session.events
         if events.enabled and (hits or not again):
             events.record(
@@ -91,6 +93,24 @@ class BatchedSteps:
         builder = r._feeds(r._seq[None, :done])
         builder.first()  # its bookkeeping of the cached tokens; they are not run
         r._state, r._builder, r.prompt_done, r.prefix_hit_tokens = state, builder, done, done
+
+    def _exact_pages(self, r: Request, hits: list[int]) -> int:
+        """How many of the cached pages ``hits`` (``r``'s first blocks) ``r`` takes: all, or over pages a
+        ``kv_format`` converts, the most after which ``r`` goes on as :func:`onnxkv.generate` alone would:
+        at a length where one of its runs ends (a multiple of its chunk within its prompt, or any length
+        past it: Request.next_tokens), over pages in the formats its state holds there (converted before
+        that length less the residual tokens, native after).  A page cached at another point of a prompt
+        would give the tokens after it other values."""
+        if self._conversion_cycle is None or not hits:
+            return len(hits)
+        block, residual = self._conversion_cycle
+        native = self._batch.pool.native_pages(np.array(hits, np.int64))
+        for n in range(len(hits), 0, -1):
+            length = n * block
+            due = max(0, (length - residual) // block)
+            if (length >= r.prompt.size or length % r.chunk == 0) and not native[:due].any() and native[due:n].all():
+                return n
+        return 0
 
     def _pending_keys(self) -> set[bytes]:
         """Keys of the prompt pages that requests running their prompts now will cache (batched, prefix

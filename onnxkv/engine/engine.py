@@ -161,9 +161,13 @@ class Engine(SegmentSteps, BatchedSteps):
         batches = session.model.convention.kind in _BATCHING_FORMS and (unmasked is None or self._decode_segments)
         self.kind = self._cache.kind("paged" if batches else "contiguous")
         try:  # the state's checks of the cache against the model, now rather than at the first step
-            State(session, **self._cache.state_keywords(self.kind, initial_capacity=32)).close()
+            probe = State(session, **self._cache.state_keywords(self.kind, initial_capacity=32))
         except InputError as e:
             raise InputError(f"{api}: the cache does not suit this model: {e}") from None
+        #: (block size, residual tokens) of the kv_format's page conversions (State.conversion_cycle), or
+        #: None: where pages convert, runs end where generate's would (Request.next_tokens)
+        self._conversion_cycle = probe.conversion_cycle
+        probe.close()
         if not isinstance(prefix_caching, bool):
             raise InputError(f"{api}: prefix_caching must be a bool, got {prefix_caching!r}")
         self.prefix_caching = prefix_caching
@@ -457,7 +461,7 @@ class Engine(SegmentSteps, BatchedSteps):
             return choose
 
         if r._state is None:
-            first = min(r.chunk, length)
+            first = r.next_tokens
             builder = r._feeds(seq[None, :first])
             state = self._new_state(r)
             feeds, read = builder.first()
@@ -473,7 +477,7 @@ class Engine(SegmentSteps, BatchedSteps):
         else:
             fed = r._builder.total
             decoding = r.prompt_done >= length
-            tokens = np.array([r.tokens[-1]]) if decoding else seq[None, r.prompt_done : r.prompt_done + r.chunk]
+            tokens = np.array([r.tokens[-1]]) if decoding else seq[None, r.prompt_done : r.prompt_done + r.next_tokens]
             last = decoding or r.prompt_done + tokens.shape[-1] >= length
             try:
                 read_at = None if decoding else np.array([tokens.shape[1] - 1])

@@ -92,11 +92,26 @@ class Request:
 
     @property
     def next_tokens(self) -> int:
-        """Tokens its next run feeds: its next prompt chunk, or 1 while decoding (0 when finished)."""
+        """Tokens its next run feeds: its next prompt chunk, or 1 while decoding (0 when finished).
+
+        Over pages a ``kv_format`` converts (the engine's conversion cycle), a run ends where the runs of
+        :func:`onnxkv.generate` alone end, since a token reads the pages converted before its run: its
+        prompt in chunks counted from the prompt's start, then (a paused request) the tokens it had made
+        at each length where a page falls due (``State.conversion_cycle``), as its single-token runs did.
+        """
         if self.finished is not None:
             return 0
-        left = self._seq.size - self.prompt_done
-        return min(self.chunk, left) if left > 0 else 1
+        done, size = self.prompt_done, self._seq.size
+        if done >= size:
+            return 1
+        cycle = self.engine._conversion_cycle
+        if cycle is None:
+            return min(self.chunk, size - done)
+        if done < self.prompt.size:
+            return min((done // self.chunk + 1) * self.chunk, self.prompt.size) - done
+        block, residual = cycle
+        due = residual + block * max(1, (done - residual) // block + 1)  # the next length a page falls due
+        return min(due, size) - done
 
     def _take(self, token: int) -> str | None:
         """Append ``token`` (chosen by :func:`choose_tokens`) and say why it stops there ("eos",
