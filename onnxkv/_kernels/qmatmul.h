@@ -15,13 +15,16 @@
  * Two arithmetic contracts (the NumPy twins in reference.py follow them):
  *  - int8 (accuracy_level 4): each row's block b is quantized once per call
  *    (okv_qmm_quant_rows): xs = amax / 127, xq = rint(x * (127 / amax)) in
- *    [-127, 127] (amax 0: xs = 0, xq = 0; a NaN or inf in the block: xs = NaN,
- *    so the row's outputs are NaN), xsum = sum(xq).  Then per column, blocks in
- *    order: d = sum(xq * q) (exact int32), t = fl(d - zp * xsum) (one rounding),
- *    acc = fma(t, fl(sc * xs), acc); out = acc + bias.
- *  - float (accuracy_level 0..3): per block, d = sum_k x[k] * q[k] in k order
- *    (float FMA chain, per column), t = fl(d - zp * xsum) with xsum = sum of x
- *    over the block, acc = fma(t, sc, acc); out = acc + bias.
+ *    [-127, 127] (127 / amax not finite, amax 0 or below 127 / FLT_MAX: xs = 0,
+ *    xq = 0; a NaN or inf in the block: xs = NaN, so the row's outputs are NaN),
+ *    xsum = sum(xq).  Then per column, blocks in order: d = sum(xq * q) (exact
+ *    int32), t = fl(d - zp * xsum) (one rounding), acc = fma(t, fl(sc * xs), acc);
+ *    out = acc + bias.
+ *  - float (accuracy_level 0..3): per block, d = sum_k x[k] * fl(q[k] - zp) in k
+ *    order (float FMA chain, per column), acc = fma(d, sc, acc); out = acc + bias.
+ *    The zero point is taken off each weight, not off a block sum of x, so an
+ *    inf or a large x gives what x @ dequant(w) gives (no inf - inf, no
+ *    cancellation).
  * Rows past K in the last block are zero in x (the caller pads), so the
  * weight padding is never read into a result.
  *
@@ -47,7 +50,7 @@ typedef struct okv_qmm {
     float *out;          /* [M][N] */
     const int8_t *xq;    /* int8 path: [M][nblk * bs] */
     const float *xs;     /* int8 path: [M][nblk] */
-    const float *xsum;   /* [M][nblk]: sum of xq (int8) or of x (float) per block */
+    const float *xsum;   /* int8 path: [M][nblk], sum of xq per block */
     const float *x;      /* float path: [M][nblk * bs], zero past K */
 } okv_qmm;
 
@@ -91,7 +94,7 @@ static void okv_qmm_quant_block(const float *xb, int64_t n, int64_t bs, int8_t *
         bad |= !(v <= 3.4028234663852886e38f);
         amax = v > amax ? v : amax;
     }
-    if (bad || amax == 0.f) {
+    if (bad || !(127.f / amax <= 3.4028234663852886e38f)) { /* amax 0, or so small 127 / amax overflows */
         memset(qb, 0, (size_t)bs);
         *xs = bad ? NAN : 0.f;
         *xsum = 0.f;
@@ -111,22 +114,12 @@ static void okv_qmm_quant_block(const float *xb, int64_t n, int64_t bs, int8_t *
     }
 }
 
-/* Float path: x copied into xp [M][nblk * bs] (zero past K) unless the caller
- * passes xp == x (K a multiple of bs), and xsum [M][nblk] = block sums in k order. */
-static void okv_qmm_float_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, float *xp,
-                               float *xsum) {
-    int64_t m, b, k;
+/* Float path: x [M][K] copied into xp [M][nblk * bs], zero past K (K not a multiple of bs). */
+static void okv_qmm_float_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, float *xp) {
+    int64_t m;
     for (m = 0; m < M; m++) {
-        if (xp != x) {
-            memcpy(xp + m * nblk * bs, x + m * K, (size_t)K * sizeof(float));
-            memset(xp + m * nblk * bs + K, 0, (size_t)(nblk * bs - K) * sizeof(float));
-        }
-        for (b = 0; b < nblk; b++) {
-            const float *xb = xp + m * nblk * bs + b * bs;
-            float s = 0.f;
-            for (k = 0; k < bs; k++) s += xb[k];
-            xsum[m * nblk + b] = s;
-        }
+        memcpy(xp + m * nblk * bs, x + m * K, (size_t)K * sizeof(float));
+        memset(xp + m * nblk * bs + K, 0, (size_t)(nblk * bs - K) * sizeof(float));
     }
 }
 
@@ -166,10 +159,10 @@ static void okv_qmm_f32_scalar(const okv_qmm *a, int64_t p0, int64_t p1) {
                 float acc = 0.f;
                 for (b = 0; b < a->nblk; b++) {
                     const float *xb = a->x + (m * a->nblk + b) * a->bs;
-                    float d = 0.f, t;
-                    for (k = 0; k < a->bs; k++) d = fmaf(xb[k], (float)okv_qmm_q(a, p, b, c, k), d);
-                    t = fmaf(-okv_qmm_zp(a, p, b, c), a->xsum[m * a->nblk + b], d);
-                    acc = fmaf(t, a->sc[(p * a->nblk + b) * 16 + c], acc);
+                    const float z = okv_qmm_zp(a, p, b, c);
+                    float d = 0.f;
+                    for (k = 0; k < a->bs; k++) d = fmaf(xb[k], (float)okv_qmm_q(a, p, b, c, k) - z, d);
+                    acc = fmaf(d, a->sc[(p * a->nblk + b) * 16 + c], acc);
                 }
                 okv_qmm_store_col(a, m, p * 16 + c, acc);
             }

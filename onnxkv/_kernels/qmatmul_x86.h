@@ -136,8 +136,12 @@ okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, i
     for (r = 0; r < MR; r++)
         for (h = 0; h < NH; h++) accf[r][h] = _mm256_setzero_ps();
     for (b = 0; b < a->nblk; b++) {
-        __m256 d[2][4];
+        __m256 d[2][4], z[4];
         const uint8_t *w0 = a->qw + p * pstride + b * LB;
+        for (h = 0; h < NH; h++) {
+            const int64_t o = ((p + (h >> 1)) * a->nblk + b) * 16 + 8 * (h & 1);
+            z[h] = a->zp ? _mm256_loadu_ps(a->zp + o) : _mm256_set1_ps(a->zconst);
+        }
         for (r = 0; r < MR; r++)
             for (h = 0; h < NH; h++) d[r][h] = _mm256_setzero_ps();
         for (j = 0; j < a->bs / 4; j += 2)
@@ -153,21 +157,16 @@ okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, i
                     w[1] = _mm256_loadu_si256((const __m256i *)(wl + 64 * j + 64));
                 }
                 for (kk = 0; kk < 8; kk++) {
-                    const __m256 wf =
-                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb));
+                    const __m256 wf = _mm256_sub_ps(
+                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb)), z[h]);
                     for (r = 0; r < MR; r++)
                         d[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(a->x[(m0 + r) * ldx + b * a->bs + 4 * j + kk]), wf,
                                                   d[r][h]);
                 }
             }
         for (h = 0; h < NH; h++) {
-            const int64_t o = ((p + (h >> 1)) * a->nblk + b) * 16 + 8 * (h & 1);
-            const __m256 s = _mm256_loadu_ps(a->sc + o);
-            const __m256 z = a->zp ? _mm256_loadu_ps(a->zp + o) : _mm256_set1_ps(a->zconst);
-            for (r = 0; r < MR; r++) {
-                const __m256 t = _mm256_fnmadd_ps(z, _mm256_set1_ps(a->xsum[(m0 + r) * a->nblk + b]), d[r][h]);
-                accf[r][h] = _mm256_fmadd_ps(t, s, accf[r][h]);
-            }
+            const __m256 s = _mm256_loadu_ps(a->sc + ((p + (h >> 1)) * a->nblk + b) * 16 + 8 * (h & 1));
+            for (r = 0; r < MR; r++) accf[r][h] = _mm256_fmadd_ps(d[r][h], s, accf[r][h]);
         }
     }
     for (h = 0; h < NH; h++) okv_qmm_store8(a, m0, MR, p * 16 + 8 * h, accf, h);
@@ -260,8 +259,10 @@ okv_qmm_f32_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, in
     for (r = 0; r < MR; r++)
         for (q = 0; q < NP; q++) accf[r][q] = _mm512_setzero_ps();
     for (b = 0; b < a->nblk; b++) {
-        __m512 d[4][4];
+        __m512 d[4][4], z[4];
         const uint8_t *w0 = a->qw + p * pstride + b * LB;
+        for (q = 0; q < NP; q++)
+            z[q] = a->zp ? _mm512_loadu_ps(a->zp + ((p + q) * a->nblk + b) * 16) : _mm512_set1_ps(a->zconst);
         for (r = 0; r < MR; r++)
             for (q = 0; q < NP; q++) d[r][q] = _mm512_setzero_ps();
         for (j = 0; j < a->bs / 4; j += 2)
@@ -276,21 +277,16 @@ okv_qmm_f32_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, in
                     w[1] = _mm512_loadu_si512((const void *)(w0 + q * pstride + 64 * j + 64));
                 }
                 for (kk = 0; kk < 8; kk++) {
-                    const __m512 wf =
-                        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb));
+                    const __m512 wf = _mm512_sub_ps(
+                        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb)), z[q]);
                     for (r = 0; r < MR; r++)
                         d[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a->x[(m0 + r) * ldx + b * a->bs + 4 * j + kk]), wf,
                                                   d[r][q]);
                 }
             }
         for (q = 0; q < NP; q++) {
-            const int64_t o = ((p + q) * a->nblk + b) * 16;
-            const __m512 s = _mm512_loadu_ps(a->sc + o);
-            const __m512 z = a->zp ? _mm512_loadu_ps(a->zp + o) : _mm512_set1_ps(a->zconst);
-            for (r = 0; r < MR; r++) {
-                const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xsum[(m0 + r) * a->nblk + b]), d[r][q]);
-                accf[r][q] = _mm512_fmadd_ps(t, s, accf[r][q]);
-            }
+            const __m512 s = _mm512_loadu_ps(a->sc + ((p + q) * a->nblk + b) * 16);
+            for (r = 0; r < MR; r++) accf[r][q] = _mm512_fmadd_ps(d[r][q], s, accf[r][q]);
         }
     }
     for (q = 0; q < NP; q++) {
@@ -370,7 +366,7 @@ OKV_AVX2 static void okv_qmm_quant_block_avx2(const float *xb, int64_t n, int64_
     h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    if (_mm256_movemask_ps(bad) || amax == 0.f) {
+    if (_mm256_movemask_ps(bad) || !(127.f / amax <= 3.4028234663852886e38f)) {
         memset(qb, 0, (size_t)bs);
         *xs = _mm256_movemask_ps(bad) ? NAN : 0.f;
         *xsum = 0.f;
@@ -412,7 +408,7 @@ OKV_AVX512BW static void okv_qmm_quant_block_512(const float *xb, int64_t n, int
         vmax = _mm512_max_ps(vmax, v);
     }
     amax = _mm512_reduce_max_ps(vmax);
-    if (bad || amax == 0.f) {
+    if (bad || !(127.f / amax <= 3.4028234663852886e38f)) {
         memset(qb, 0, (size_t)bs);
         *xs = bad ? NAN : 0.f;
         *xsum = 0.f;

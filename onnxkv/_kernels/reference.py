@@ -542,8 +542,10 @@ def quantize_rows_int8(x, block_size):
     xb = xp.reshape(M, nblk, block_size)
     amax = np.abs(xb).max(axis=2)
     bad = ~np.isfinite(xb).all(axis=2)
-    ok = (amax > 0) & ~bad
-    inv = np.where(ok, np.float32(127) / np.where(ok, amax, 1), 0).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inv = (np.float32(127) / amax).astype(np.float32)
+    ok = np.isfinite(inv) & ~bad  # amax 0, or below 127 / FLT_MAX: a zero block
+    inv = np.where(ok, inv, 0).astype(np.float32)
     safe = np.where(ok[..., None], xb, 0).astype(np.float32)  # NaN/inf blocks quantize to zeros
     xq = np.clip(np.rint((safe * inv[..., None]).astype(np.float32)), -127, 127).astype(np.int8)
     xs = np.where(bad, np.float32(np.nan), np.where(ok, amax / np.float32(127), 0)).astype(np.float32)

@@ -38,6 +38,7 @@ import onnx
 from onnx import helper
 
 from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_index
+from onnxkv.plan.ops.matmul_nbits import layout_problem
 
 __all__ = ["fuse_sibling_matmuls", "fuse_sibling_nbits", "fuse_prologue_matmuls"]
 
@@ -110,7 +111,11 @@ def _nbits_key(n: onnx.NodeProto, constants: Mapping[str, np.ndarray | None]) ->
     if "N" not in attrs:
         return None
     zp = constants.get(ins[3]) if ins[3] else None
-    return (ins[0], tuple(attrs.get(k, d) for k, d in NBITS_SHARED.items()), None if zp is None else zp.dtype.str)
+    shared = {k: attrs.get(k, d) for k, d in NBITS_SHARED.items()}
+    if layout_problem(shared["K"], attrs["N"], shared["bits"], shared["block_size"], constants[ins[1]],
+                      constants[ins[2]], zp) is not None:  # fmt: skip
+        return None  # alone, its own build names what is wrong
+    return (ins[0], tuple(shared.values()), None if zp is None else zp.dtype.str)
 
 
 def fuse_sibling_nbits(nodes: list[onnx.NodeProto], constants: Mapping[str, np.ndarray | None]) -> list[onnx.NodeProto]:

@@ -195,6 +195,9 @@ def test_activation_blocks_match_twin(path, bs, K_):
     x[3, -1] = -np.inf
     x[4, :] = np.round(rng.uniform(-127, 127, K_)) + 0.5  # amax-scaled ties (127 / amax ~ 1)
     x[4, 0] = 127.0 if K_ > 1 else x[4, 0]
+    # 127 / amax overflows below amax = 127 / FLT_MAX (3.7e-37): a zero block; just above, a scaled one
+    tiny = (rng.standard_normal((2, K_)) * np.array([[1e-39], [1e-35]])).astype(np.float32)
+    x = np.vstack([x, tiny])
     got = quantize_rows(x, bs)
     want = R.quantize_rows_int8(x, bs)
     for g, w, name in zip(got, want, ("xq", "xs", "xsum")):
@@ -216,6 +219,33 @@ def test_nan_inf_and_zero_blocks(path):
     np.testing.assert_allclose(got[2:], want[2:], rtol=1e-6, atol=1e-6)
     matmul_nbits(x, w, got, int8=False)
     assert np.isnan(got[0]).all() and not np.isfinite(got[1]).any()
+
+
+@pytest.mark.parametrize("M", [1, DECODE_M, DECODE_M + 1])
+def test_float_path_takes_the_zero_point_off_each_weight(path, M):
+    """The float path (decode rows and prompt panels) gives what x @ dequant(w) gives where a block sum
+    of x would not: an inf times weights of one sign is an inf, not inf - inf; 3e37 times a weight of 1
+    (code 255, zero point 254) is 3e37, not an overflow of 3e37 * 255; codes next to their zero point
+    under activations of mean 5 keep float32 precision."""
+    rng = np.random.default_rng(M)
+    K_, N, bs = 512, 40, 64
+    q = np.full((N, K_), 9, np.uint8)  # zero point 128 (8-bit, none given): every weight (9 - 128) * scale
+    q[:, 64:] = (128 + rng.integers(-1, 2, (N, K_ - 64))).astype(np.uint8)
+    scales = (rng.random((N, K_ // bs)) * 0.01 + 0.001).astype(np.float32)
+    w = pack_nbits(q.reshape(N, K_ // bs, bs), scales.reshape(-1), None, K_, N, 8, bs)
+    x = (rng.standard_normal((M, K_)) + 5.0).astype(np.float32)
+    x[0, 3] = np.inf
+    got, want = np.empty((M, N), np.float32), np.empty((M, N), np.float32)
+    matmul_nbits(x, w, got, int8=False)
+    R.matmul_nbits_f32(x, w, want)
+    assert (got[0] == -np.inf).all()
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-5 * np.abs(want[1:]).max(initial=0))
+    q1 = np.full((N, bs), 255, np.uint8)
+    w1 = pack_nbits(q1.reshape(N, 1, bs), np.ones(N, np.float32), np.full(N, 254, np.uint8), bs, N, 8, bs)
+    big = np.zeros((M, bs), np.float32)
+    big[:, 0] = 3e37
+    matmul_nbits(big, w1, got, int8=False)
+    np.testing.assert_array_equal(got, np.float32(3e37))
 
 
 def test_agrees_with_onnxruntime():

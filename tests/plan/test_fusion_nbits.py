@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxkv import Session
 from onnxkv import _kernels as K
 from onnxkv.alloc import SystemAllocator
+from onnxkv.errors import ModelError
 from onnxkv.plan.ops.matmul_nbits import MatMulNBits, SiblingMatMulNBits
 from onnxkv.plan.ops.prologue_matmul import PrologueMatMul
 from onnxkv.plan.plan import Plan
@@ -177,3 +178,14 @@ def test_norm_joins_the_quantized_product(level):
             np.testing.assert_array_equal(got[name], ref[name])
             tol = 2e-2 if level == 4 and name == "y" else 1e-5
             np.testing.assert_allclose(got[name], want[name], rtol=tol, atol=tol * np.abs(want[name]).max())
+
+
+def test_a_sibling_of_the_wrong_layout_is_not_fused_and_names_itself():
+    """A member whose B has the right size but not its shape stays alone, so its load error names it and
+    its B, not the group's first member and a NumPy message."""
+    model = sibling_model()
+    (b1,) = [i for i in model.graph.initializer if i.name == "B1"]
+    B = numpy_helper.to_array(b1)
+    b1.CopyFrom(numpy_helper.from_array(B.reshape(B.shape[0] // 2, B.shape[1] * 2, B.shape[2]), "B1"))
+    with pytest.raises(ModelError, match=r"MatMulNBits node 'm1': B: expected shape \[N=24, 4 blocks, 16 bytes\]"):
+        Session(model)

@@ -40,10 +40,30 @@ from onnxkv.plan.ops.matmul import _release_pages
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+_BLOCKS = (16, 32, 64, 128, 256)
 #: Up to this many rows a float32-activation product is compilable (int8 products at every row count).
 STEP_M = 512
 
-__all__ = ["MatMulNBits", "SiblingMatMulNBits", "DECODE_M", "STEP_M"]
+__all__ = ["MatMulNBits", "SiblingMatMulNBits", "DECODE_M", "STEP_M", "layout_problem"]
+
+
+def layout_problem(k, n, bits, block_size, B: np.ndarray, scales: np.ndarray, zp: np.ndarray | None) -> str | None:
+    """What is wrong with the shapes of a MatMulNBits node's B, scales and zero_points for its attributes
+    K, N, bits and block_size, as ONNX Runtime's layout has them (B [N, blocks, block bytes], scales
+    [N * blocks] or [N, blocks], zero points N * ceil(blocks * bits / 8) bytes or N * blocks floats),
+    or None."""
+    if not all(isinstance(v, int) and v >= 1 for v in (k, n)) or bits not in (4, 8) or block_size not in _BLOCKS:
+        return f"K={k!r}, N={n!r}, bits={bits!r}, block_size={block_size!r}: not a layout onnxkv runs"
+    nblk, blob = -(-k // block_size), block_size * bits // 8
+    if B.shape != (n, nblk, blob):
+        return f"B: expected shape [N={n}, {nblk} blocks, {blob} bytes], got {list(B.shape)}"
+    if scales.shape not in ((n * nblk,), (n, nblk)):
+        return f"scales: expected shape [{n * nblk}] or [N={n}, {nblk} blocks], got {list(scales.shape)}"
+    if zp is not None:
+        want = n * nblk if zp.dtype.kind == "f" else n * -(-nblk * bits // 8)
+        if zp.size != want:
+            return f"zero_points: expected {want} elements, got shape {list(zp.shape)}"
+    return None
 
 
 def _constant(op: Op, ctx: BuildContext, name: str, role: str) -> np.ndarray | None:
@@ -84,6 +104,9 @@ class MatMulNBits(Op):
         )
         if B is None or scales is None:
             raise self.error("inputs B and scales are required")
+        problem = layout_problem(self.k, self.n, self.bits, self.block_size, B, scales, zp)
+        if problem is not None:
+            raise self.error(problem)
         self._pack(B, scales, zp)
         self.absorbed_inputs = tuple(i for i in (1, 2, 3) if inputs[i])
 

@@ -148,6 +148,27 @@ def test_bad_attributes_are_load_errors(change, message):
         Session(model)
 
 
+@pytest.mark.parametrize(
+    "name,array,message",
+    [
+        ("B", np.zeros((32, 2, 16), np.uint8), r"B: expected shape \[N=16, 4 blocks, 16 bytes\], got \[32, 2, 16\]"),
+        ("B", np.zeros((16, 64), np.uint8), r"B: expected shape \[N=16, 4 blocks, 16 bytes\], got \[16, 64\]"),
+        ("scales", np.ones((4, 16), np.float32), r"scales: expected shape \[64\] or \[N=16, 4 blocks\], got \[4, 16\]"),
+        ("zero_points", np.zeros(48, np.uint8), r"zero_points: expected 32 elements, got shape \[48\]"),
+    ],
+)
+def test_weights_of_the_wrong_shape_are_load_errors(name, array, message):
+    """B, scales and zero points of the right size but the wrong shape would be read in the wrong order:
+    refused as ONNX Runtime refuses them; scales as [N, blocks] are ONNX Runtime's other layout."""
+    with pytest.raises(ModelError, match=f"MatMulNBits node 'mnb': {message}"):
+        Session(nbits_model(128, 16, zp_kind="uint8", inits_override={name: array}))
+    model = nbits_model(128, 16, zp_kind="uint8")
+    scales = numpy_helper.to_array(model.graph.initializer[1])
+    x = np.random.default_rng(0).standard_normal((1, 2, 128)).astype(np.float32)
+    two_d = nbits_model(128, 16, zp_kind="uint8", inits_override={"scales": scales.reshape(16, 4)})
+    np.testing.assert_array_equal(Session(two_d).run({"x": x})["y"], Session(model).run({"x": x})["y"])
+
+
 def test_g_idx_and_runtime_weights_are_refused():
     with pytest.raises(ModelError, match="input g_idx \\('g_idx'\\) is not supported"):
         Session(nbits_model(128, 16, g_idx=(np.arange(128) // 32).astype(np.int32)))
