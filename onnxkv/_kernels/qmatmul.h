@@ -20,11 +20,13 @@
  *    xsum = sum(xq).  Then per column, blocks in order: d = sum(xq * q) (exact
  *    int32), t = fl(d - zp * xsum) (one rounding), acc = fma(t, fl(sc * xs), acc);
  *    out = acc + bias.
- *  - float (accuracy_level 0..3): per block, d = sum_k x[k] * fl(q[k] - zp) in k
- *    order (float FMA chain, per column), acc = fma(d, sc, acc); out = acc + bias.
- *    The zero point is taken off each weight, not off a block sum of x, so an
- *    inf or a large x gives what x @ dequant(w) gives (no inf - inf, no
- *    cancellation).
+ *  - float (accuracy_level 0..3): per block, d = sum_k x[k] * q[k] in k order
+ *    (float FMA chain, per column), t = fl(d - zp * xsum) with xsum = sum of x
+ *    over the block; where t is not finite (an inf in x, or x * q past FLT_MAX
+ *    where x * (q - zp) is not), t = sum_k x[k] * fl(q[k] - zp) in k order
+ *    (okv_qmm_f32_block), as x @ dequant(w) has it; acc = fma(t, sc, acc);
+ *    out = acc + bias.  Codes next to their zero point under activations of a
+ *    large mean lose precision to the cancellation in d - zp * xsum.
  * Rows past K in the last block are zero in x (the caller pads), so the
  * weight padding is never read into a result.
  *
@@ -50,7 +52,7 @@ typedef struct okv_qmm {
     float *out;          /* [M][N] */
     const int8_t *xq;    /* int8 path: [M][nblk * bs] */
     const float *xs;     /* int8 path: [M][nblk] */
-    const float *xsum;   /* int8 path: [M][nblk], sum of xq per block */
+    const float *xsum;   /* [M][nblk]: sum of xq (int8) or of x (float) per block */
     const float *x;      /* float path: [M][nblk * bs], zero past K */
 } okv_qmm;
 
@@ -114,12 +116,22 @@ static void okv_qmm_quant_block(const float *xb, int64_t n, int64_t bs, int8_t *
     }
 }
 
-/* Float path: x [M][K] copied into xp [M][nblk * bs], zero past K (K not a multiple of bs). */
-static void okv_qmm_float_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, float *xp) {
-    int64_t m;
+/* Float path: x copied into xp [M][nblk * bs] (zero past K) unless the caller
+ * passes xp == x (K a multiple of bs), and xsum [M][nblk] = block sums in k order. */
+static void okv_qmm_float_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, float *xp,
+                               float *xsum) {
+    int64_t m, b, k;
     for (m = 0; m < M; m++) {
-        memcpy(xp + m * nblk * bs, x + m * K, (size_t)K * sizeof(float));
-        memset(xp + m * nblk * bs + K, 0, (size_t)(nblk * bs - K) * sizeof(float));
+        if (xp != x) {
+            memcpy(xp + m * nblk * bs, x + m * K, (size_t)K * sizeof(float));
+            memset(xp + m * nblk * bs + K, 0, (size_t)(nblk * bs - K) * sizeof(float));
+        }
+        for (b = 0; b < nblk; b++) {
+            const float *xb = xp + m * nblk * bs + b * bs;
+            float s = 0.f;
+            for (k = 0; k < bs; k++) s += xb[k];
+            xsum[m * nblk + b] = s;
+        }
     }
 }
 
@@ -150,22 +162,47 @@ static void okv_qmm_i8_scalar(const okv_qmm *a, int64_t p0, int64_t p1) {
             }
 }
 
+/* The float contract's t where d - zp * xsum is not finite: block b of lane c of panel p, row m, as
+ * sum x * (q - zp) (an inf or a large x then gives what x @ dequant(w) gives). */
+static float okv_qmm_f32_block(const okv_qmm *a, int64_t p, int64_t b, int c, int64_t m) {
+    const float *xb = a->x + (m * a->nblk + b) * a->bs;
+    const float z = okv_qmm_zp(a, p, b, c);
+    float d = 0.f;
+    int64_t k;
+    for (k = 0; k < a->bs; k++) d = fmaf(xb[k], (float)okv_qmm_q(a, p, b, c, k) - z, d);
+    return d;
+}
+
+/* The float contract's acc of lane c of panel p, row m (without bias). */
+static float okv_qmm_f32_col(const okv_qmm *a, int64_t p, int c, int64_t m) {
+    float acc = 0.f;
+    int64_t b, k;
+    for (b = 0; b < a->nblk; b++) {
+        const float *xb = a->x + (m * a->nblk + b) * a->bs;
+        float d = 0.f, t;
+        for (k = 0; k < a->bs; k++) d = fmaf(xb[k], (float)okv_qmm_q(a, p, b, c, k), d);
+        t = fmaf(-okv_qmm_zp(a, p, b, c), a->xsum[m * a->nblk + b], d);
+        if (!(t - t == 0.f)) t = okv_qmm_f32_block(a, p, b, c, m);
+        acc = fmaf(t, a->sc[(p * a->nblk + b) * 16 + c], acc);
+    }
+    return acc;
+}
+
 static void okv_qmm_f32_scalar(const okv_qmm *a, int64_t p0, int64_t p1) {
-    int64_t p, m, b, k;
+    int64_t p, m;
     int c;
     for (p = p0; p < p1; p++)
         for (c = 0; c < 16 && p * 16 + c < a->N; c++)
-            for (m = 0; m < a->M; m++) {
-                float acc = 0.f;
-                for (b = 0; b < a->nblk; b++) {
-                    const float *xb = a->x + (m * a->nblk + b) * a->bs;
-                    const float z = okv_qmm_zp(a, p, b, c);
-                    float d = 0.f;
-                    for (k = 0; k < a->bs; k++) d = fmaf(xb[k], (float)okv_qmm_q(a, p, b, c, k) - z, d);
-                    acc = fmaf(d, a->sc[(p * a->nblk + b) * 16 + c], acc);
-                }
-                okv_qmm_store_col(a, m, p * 16 + c, acc);
-            }
+            for (m = 0; m < a->M; m++) okv_qmm_store_col(a, m, p * 16 + c, okv_qmm_f32_col(a, p, c, m));
+}
+
+/* Columns [n0, n1) (within N) of rows m0..m0+MR-1 by okv_qmm_f32_col: a SIMD tile's outputs again when one
+ * of its blocks' t was not finite (the same arithmetic, with okv_qmm_f32_block where needed). */
+static void __attribute__((noinline)) okv_qmm_f32_redo(const okv_qmm *a, int64_t n0, int64_t n1, int64_t m0, int MR) {
+    int64_t n;
+    int r;
+    for (n = n0; n < n1 && n < a->N; n++)
+        for (r = 0; r < MR; r++) okv_qmm_store_col(a, m0 + r, n, okv_qmm_f32_col(a, n / 16, (int)(n % 16), m0 + r));
 }
 
 /* Panels [p0, p1) dequantized into dst [p1 - p0][K][16] (the panel layout of

@@ -57,7 +57,8 @@ cdef extern from "qmatmul.h" nogil:
     int OKV_QMM_SCALAR, OKV_QMM_AVX2, OKV_QMM_AVXVNNI, OKV_QMM_AVX512
     void okv_qmm_quant_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, int8_t *xq,
                             float *xs, float *xsum, int isa)
-    void okv_qmm_float_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, float *xp)
+    void okv_qmm_float_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, float *xp,
+                            float *xsum)
     void okv_qmm_range(const okv_qmm *a, int int8, int64_t p0, int64_t p1, int isa)
     void okv_qmm_dequant_isa(const okv_qmm *a, int64_t p0, int64_t p1, float *dst, int isa)
     int okv_cpu_vnni512_ok()
@@ -316,23 +317,19 @@ cdef int _run_units(okv_qmm *a, const float *x, bint int8, okv_settings s) noexc
     nt = min(nt, MAX_TEAM, <int>((a.P + 3) // 4))
     if decode:
         nt = okv_team_threads(s, nt)
-    # int8: xq [M, span] int8 + xs, xsum [M, nblk]; float: xp [M, span] (a copy of x when K % bs)
-    scratch = NULL
-    if int8 or span != a.K:
-        scratch = malloc(<size_t>(a.M * (span + 8 * a.nblk) if int8 else a.M * span * 4) + 64)
-        if scratch == NULL:
-            return -1
+    # int8: xq [M, span] int8 + xs, xsum [M, nblk]; float: xp [M, span] (a copy when K % bs) + xsum
+    scratch = malloc(<size_t>(a.M * (span * (1 if int8 else 4) + 8 * a.nblk)) + 64)
+    if scratch == NULL:
+        return -1
+    a.xsum = <float *>scratch
     if int8:
-        a.xsum = <float *>scratch
         a.xs = a.xsum + a.M * a.nblk
         a.xq = <int8_t *>(a.xs + a.M * a.nblk)
         okv_qmm_quant_rows(x, a.M, a.K, a.bs, a.nblk, <int8_t *>a.xq, <float *>a.xs, <float *>a.xsum,
                            _float_isa(s))
-    elif span == a.K:
-        a.x = x
     else:
-        a.x = <float *>scratch
-        okv_qmm_float_rows(x, a.M, a.K, a.bs, a.nblk, <float *>a.x)
+        a.x = x if span == a.K else a.xsum + a.M * a.nblk
+        okv_qmm_float_rows(x, a.M, a.K, a.bs, a.nblk, <float *>a.x, <float *>a.xsum)
     t0 = okv_now_ns()
     _decode(a, int8, _int8_isa(s) if int8 else _float_isa(s), nt, &done)
     free(scratch)

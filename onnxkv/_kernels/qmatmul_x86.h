@@ -130,18 +130,14 @@ OKV_AVX2 static inline __attribute__((always_inline)) void
 okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, int64_t m0) {
     const int64_t LB = okv_qmm_lb(a), ldx = a->nblk * a->bs, pstride = a->nblk * LB;
     const __m256i lowb = _mm256_set1_epi32(0xFF), nib = _mm256_set1_epi8(0x0F);
-    __m256 accf[2][4];
+    __m256 accf[2][4], bad = _mm256_setzero_ps();
     int64_t b, j;
     int r, h, kk;
     for (r = 0; r < MR; r++)
         for (h = 0; h < NH; h++) accf[r][h] = _mm256_setzero_ps();
     for (b = 0; b < a->nblk; b++) {
-        __m256 d[2][4], z[4];
+        __m256 d[2][4];
         const uint8_t *w0 = a->qw + p * pstride + b * LB;
-        for (h = 0; h < NH; h++) {
-            const int64_t o = ((p + (h >> 1)) * a->nblk + b) * 16 + 8 * (h & 1);
-            z[h] = a->zp ? _mm256_loadu_ps(a->zp + o) : _mm256_set1_ps(a->zconst);
-        }
         for (r = 0; r < MR; r++)
             for (h = 0; h < NH; h++) d[r][h] = _mm256_setzero_ps();
         for (j = 0; j < a->bs / 4; j += 2)
@@ -157,17 +153,27 @@ okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, i
                     w[1] = _mm256_loadu_si256((const __m256i *)(wl + 64 * j + 64));
                 }
                 for (kk = 0; kk < 8; kk++) {
-                    const __m256 wf = _mm256_sub_ps(
-                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb)), z[h]);
+                    const __m256 wf =
+                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb));
                     for (r = 0; r < MR; r++)
                         d[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(a->x[(m0 + r) * ldx + b * a->bs + 4 * j + kk]), wf,
                                                   d[r][h]);
                 }
             }
         for (h = 0; h < NH; h++) {
-            const __m256 s = _mm256_loadu_ps(a->sc + ((p + (h >> 1)) * a->nblk + b) * 16 + 8 * (h & 1));
-            for (r = 0; r < MR; r++) accf[r][h] = _mm256_fmadd_ps(d[r][h], s, accf[r][h]);
+            const int64_t o = ((p + (h >> 1)) * a->nblk + b) * 16 + 8 * (h & 1);
+            const __m256 s = _mm256_loadu_ps(a->sc + o);
+            const __m256 z = a->zp ? _mm256_loadu_ps(a->zp + o) : _mm256_set1_ps(a->zconst);
+            for (r = 0; r < MR; r++) {
+                const __m256 t = _mm256_fnmadd_ps(z, _mm256_set1_ps(a->xsum[(m0 + r) * a->nblk + b]), d[r][h]);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(t, t), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+                accf[r][h] = _mm256_fmadd_ps(t, s, accf[r][h]);
+            }
         }
+    }
+    if (_mm256_movemask_ps(bad)) { /* an inf or NaN t: the tile by the scalar contract, exact there */
+        okv_qmm_f32_redo(a, p * 16, p * 16 + 8 * NH, m0, MR);
+        return;
     }
     for (h = 0; h < NH; h++) okv_qmm_store8(a, m0, MR, p * 16 + 8 * h, accf, h);
 }
@@ -254,15 +260,14 @@ okv_qmm_f32_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, in
     const int64_t LB = okv_qmm_lb(a), ldx = a->nblk * a->bs, pstride = a->nblk * LB;
     const __m512i lowb = _mm512_set1_epi32(0xFF), nib = _mm512_set1_epi8(0x0F);
     __m512 accf[4][4];
+    __mmask16 bad = 0;
     int64_t b, j;
     int r, q, kk;
     for (r = 0; r < MR; r++)
         for (q = 0; q < NP; q++) accf[r][q] = _mm512_setzero_ps();
     for (b = 0; b < a->nblk; b++) {
-        __m512 d[4][4], z[4];
+        __m512 d[4][4];
         const uint8_t *w0 = a->qw + p * pstride + b * LB;
-        for (q = 0; q < NP; q++)
-            z[q] = a->zp ? _mm512_loadu_ps(a->zp + ((p + q) * a->nblk + b) * 16) : _mm512_set1_ps(a->zconst);
         for (r = 0; r < MR; r++)
             for (q = 0; q < NP; q++) d[r][q] = _mm512_setzero_ps();
         for (j = 0; j < a->bs / 4; j += 2)
@@ -277,17 +282,27 @@ okv_qmm_f32_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, in
                     w[1] = _mm512_loadu_si512((const void *)(w0 + q * pstride + 64 * j + 64));
                 }
                 for (kk = 0; kk < 8; kk++) {
-                    const __m512 wf = _mm512_sub_ps(
-                        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb)), z[q]);
+                    const __m512 wf =
+                        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb));
                     for (r = 0; r < MR; r++)
                         d[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a->x[(m0 + r) * ldx + b * a->bs + 4 * j + kk]), wf,
                                                   d[r][q]);
                 }
             }
         for (q = 0; q < NP; q++) {
-            const __m512 s = _mm512_loadu_ps(a->sc + ((p + q) * a->nblk + b) * 16);
-            for (r = 0; r < MR; r++) accf[r][q] = _mm512_fmadd_ps(d[r][q], s, accf[r][q]);
+            const int64_t o = ((p + q) * a->nblk + b) * 16;
+            const __m512 s = _mm512_loadu_ps(a->sc + o);
+            const __m512 z = a->zp ? _mm512_loadu_ps(a->zp + o) : _mm512_set1_ps(a->zconst);
+            for (r = 0; r < MR; r++) {
+                const __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xsum[(m0 + r) * a->nblk + b]), d[r][q]);
+                bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(t, t), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                accf[r][q] = _mm512_fmadd_ps(t, s, accf[r][q]);
+            }
         }
+    }
+    if (bad) { /* an inf or NaN t: the tile by the scalar contract, exact there */
+        okv_qmm_f32_redo(a, p * 16, (p + NP) * 16, m0, MR);
+        return;
     }
     for (q = 0; q < NP; q++) {
         const int64_t n0 = (p + q) * 16;

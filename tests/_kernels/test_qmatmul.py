@@ -222,30 +222,31 @@ def test_nan_inf_and_zero_blocks(path):
 
 
 @pytest.mark.parametrize("M", [1, DECODE_M, DECODE_M + 1])
-def test_float_path_takes_the_zero_point_off_each_weight(path, M):
-    """The float path (decode rows and prompt panels) gives what x @ dequant(w) gives where a block sum
-    of x would not: an inf times weights of one sign is an inf, not inf - inf; 3e37 times a weight of 1
-    (code 255, zero point 254) is 3e37, not an overflow of 3e37 * 255; codes next to their zero point
-    under activations of mean 5 keep float32 precision."""
+def test_float_path_gives_infinities_and_large_products_as_dequantized_weights_do(path, M):
+    """The float path (decode rows and prompt panels) gives what x @ dequant(w) gives where d - zp * xsum
+    is not finite: an inf times weights of one sign is an inf, not inf - inf; 3e37 times a weight of 1
+    (code 255, zero point 254) is 3e37, not an overflow of 3e37 * 255.  Other blocks keep the fast form."""
     rng = np.random.default_rng(M)
     K_, N, bs = 512, 40, 64
-    q = np.full((N, K_), 9, np.uint8)  # zero point 128 (8-bit, none given): every weight (9 - 128) * scale
-    q[:, 64:] = (128 + rng.integers(-1, 2, (N, K_ - 64))).astype(np.uint8)
+    q = rng.integers(0, 256, (N, K_)).astype(np.uint8)
+    q[:, :bs] = 9  # zero point 128 (8-bit, none given): block 0's weights are (9 - 128) * scale
     scales = (rng.random((N, K_ // bs)) * 0.01 + 0.001).astype(np.float32)
     w = pack_nbits(q.reshape(N, K_ // bs, bs), scales.reshape(-1), None, K_, N, 8, bs)
-    x = (rng.standard_normal((M, K_)) + 5.0).astype(np.float32)
+    x = rng.standard_normal((M, K_)).astype(np.float32)
     x[0, 3] = np.inf
     got, want = np.empty((M, N), np.float32), np.empty((M, N), np.float32)
     matmul_nbits(x, w, got, int8=False)
     R.matmul_nbits_f32(x, w, want)
     assert (got[0] == -np.inf).all()
-    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-5 * np.abs(want[1:]).max(initial=0))
-    q1 = np.full((N, bs), 255, np.uint8)
-    w1 = pack_nbits(q1.reshape(N, 1, bs), np.ones(N, np.float32), np.full(N, 254, np.uint8), bs, N, 8, bs)
-    big = np.zeros((M, bs), np.float32)
-    big[:, 0] = 3e37
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-4, atol=1e-4 * np.abs(want[1:]).max(initial=0))
+    q1 = np.full((N, 2 * bs), 255, np.uint8)
+    zp = np.full(2 * N, 254, np.uint8)
+    w1 = pack_nbits(q1.reshape(N, 2, bs), np.ones(2 * N, np.float32), zp, 2 * bs, N, 8, bs)
+    big = np.zeros((M, 2 * bs), np.float32)
+    big[:, 0] = 3e37  # block 0 past FLT_MAX in the fast form, block 1 (ones) within it
+    big[:, bs:] = 1.0
     matmul_nbits(big, w1, got, int8=False)
-    np.testing.assert_array_equal(got, np.float32(3e37))
+    np.testing.assert_array_equal(got, np.float32(3e37) + np.float32(bs))
 
 
 def test_agrees_with_onnxruntime():
