@@ -105,6 +105,9 @@ class MatMulNBits(Op):
         if B is None or scales is None:
             raise self.error("inputs B and scales are required")
         problem = layout_problem(self.k, self.n, self.bits, self.block_size, B, scales, zp)
+        bias = ctx.constant(inputs[5]) if inputs[5] else None  # an initializer is checked now, a feed per run
+        if problem is None and bias is not None and (bias.dtype not in _FLOATS or bias.shape != (self.n,)):
+            problem = f"bias must be float [{self.n}], got {bias.dtype} {list(bias.shape)}"
         if problem is not None:
             raise self.error(problem)
         self._pack(B, scales, zp)

@@ -155,6 +155,8 @@ def test_bad_attributes_are_load_errors(change, message):
         ("B", np.zeros((16, 64), np.uint8), r"B: expected shape \[N=16, 4 blocks, 16 bytes\], got \[16, 64\]"),
         ("scales", np.ones((4, 16), np.float32), r"scales: expected shape \[64\] or \[N=16, 4 blocks\], got \[4, 16\]"),
         ("zero_points", np.zeros(48, np.uint8), r"zero_points: expected 32 elements, got shape \[48\]"),
+        ("bias", np.zeros(17, np.float32), r"bias must be float \[16\], got float32 \[17\]"),
+        ("bias", np.zeros(16, np.int32), r"bias must be float \[16\], got int32 \[16\]"),
     ],
 )
 def test_weights_of_the_wrong_shape_are_load_errors(name, array, message):
