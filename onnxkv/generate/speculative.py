@@ -209,6 +209,8 @@ def speculative_generate(
     cfg = sampling_arguments(API, do_sample, temperature, top_k, top_p, seed, depth=_DEPTH)
     callback_arg(API, "callback", callback)
     branches, num_draft_tokens = _tree_arg(tree, draft, cfg, num_draft_tokens)
+    # a step proposes fewer than max_new_tokens tokens: more sizes nothing (the states' rollback included)
+    num_draft_tokens = min(num_draft_tokens, max(1, max_new_tokens))
     request = cache_request(
         API,
         cache,

@@ -290,6 +290,20 @@ def test_argument_errors(pair):
             speculative_generate(target, draft=other, **args)
 
 
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_huge_num_draft_tokens_is_capped_by_the_budget(pair, cache):
+    """num_draft_tokens past the states' limits (2**31 - 1 positions kept for a truncate) proposes at most
+    the budget, as a contiguous cache always did; a paged one used to raise naming keep_for_truncate."""
+    target, other = pair
+    ids = _prompt(5)
+    want = onnxkv.generate(target, ids, 8, eos_token_id=[], cache=cache).sequences
+    for draft in (None, other):
+        got = speculative_generate(
+            target, ids, draft=draft, num_draft_tokens=2**31 - 1, max_new_tokens=8, eos_token_id=[], cache=cache
+        )
+        np.testing.assert_array_equal(got.sequences, want)
+
+
 def test_draft_with_another_vocabulary_is_rejected():
     target = onnxkv.Session(build_model("gqa", MICRO, seed=3), threads=1)
     draft = onnxkv.Session(build_model("gqa", dataclasses.replace(MICRO, vocab_size=50), seed=3), threads=1)
