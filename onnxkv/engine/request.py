@@ -16,6 +16,7 @@ import numpy as np
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.generate.sampling import SamplingConfig, select_next
 from onnxkv.runtime.state import State
+from onnxkv.runtime.state_paged import conversion_lengths
 
 if TYPE_CHECKING:
     from onnxkv.engine.engine import Engine
@@ -109,9 +110,7 @@ class Request:
             return min(self.chunk, size - done)
         if done < self.prompt.size:
             return min((done // self.chunk + 1) * self.chunk, self.prompt.size) - done
-        block, residual = cycle
-        due = residual + block * max(1, (done - residual) // block + 1)  # the next length a page falls due
-        return min(due, size) - done
+        return next(iter(conversion_lengths(cycle, done, size)), size) - done
 
     def _take(self, token: int) -> str | None:
         """Append ``token`` (chosen by :func:`choose_tokens`) and say why it stops there ("eos",

@@ -10,6 +10,7 @@ from onnxkv.errors import InputError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.state import State
+from onnxkv.runtime.state_paged import conversion_lengths
 
 __all__ = ["Stepper", "Verification", "logit_rows"]
 
@@ -77,10 +78,8 @@ class Stepper:
         the pages in the formats its own run would."""
         if self.cycle is None:
             return [count]
-        size, residual = self.cycle
         start = self.length
-        ends = [n for n in range(start + 1, start + count) if n - residual >= size and (n - residual) % size == 0]
-        return np.diff([start, *ends, start + count]).tolist()
+        return np.diff([start, *conversion_lengths(self.cycle, start, start + count), start + count]).tolist()
 
     def feed(self, tokens: np.ndarray) -> dict:
         """Run ``tokens`` (int64 [S]) after the cached positions."""

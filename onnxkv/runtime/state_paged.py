@@ -25,10 +25,18 @@ from onnxkv.runtime.stores import Checkpoint, PagedStore, StoreContext
 if TYPE_CHECKING:
     from onnxkv.runtime.state import State
 
-__all__ = ["MAX_FORKS", "PagedAPI"]
+__all__ = ["MAX_FORKS", "PagedAPI", "conversion_lengths"]
 
 #: Most forks one :meth:`State.fork` call makes (each is a state of its own; beams and trees need far fewer).
 MAX_FORKS = 1 << 16
+
+
+def conversion_lengths(cycle: tuple[int, int], start: int, stop: int) -> range:
+    """The lengths in (``start``, ``stop``) at which a run ending there makes a page due for conversion, for
+    ``cycle`` = :attr:`PagedAPI.conversion_cycle` (block size, residual tokens): ``n - residual`` a positive
+    multiple of the block size."""
+    block, residual = cycle
+    return range(residual + block * max(1, (start - residual) // block + 1), stop, block)
 
 
 class PagedAPI:
