@@ -1,19 +1,22 @@
-"""Converting the committed pages of one page table to other formats, copy-on-write.
+"""Converting the pages of one page table to other formats, copy-on-write, all or nothing.
 
-One routine, :func:`convert_pages`, does the page-table surgery of every
-format change of a paged state: a page the table shares with other holders
-(forks, checkpoints) is first copied for this table (one copy shared by all
-the table's places of that page), so other holders never see a change; then
-each selected (page, plane) gets one new payload built from its values
-(:meth:`~onnxkv.cache.plane_payloads.PlanePayloads.build_payload`).  It is
-all or nothing: ids and payloads are allocated and built before anything is
-published; an error frees them and leaves table, counts and payloads as
-they were.
+:func:`prepare_conversion` does the work of every format change of a paged
+state without publishing any of it: a page the table shares with other
+holders (forks, checkpoints, the engine's prefix cache) is first copied into
+a fresh page id for this table (one copy shared by all the table's places of
+that page), so other holders never see a change; then each selected (page,
+plane) gets one new payload built from its values
+(:meth:`~onnxkv.cache.plane_payloads.PlanePayloads.build_payload`).  The
+:class:`Conversion` it returns is then installed (page-table surgery and
+payload swaps, which cannot fail) or abandoned (everything freed): an error
+while preparing leaves table, counts and payloads as they were.
 
-:func:`convert_full_pages` (after a run, the ``kv_format`` selector's
-choice) converts page by page through it; :func:`quantize_blocks`
-(``State.quantize_pages``) converts every selected page in one call.
-Call both between runs, on the committed table.
+A run's ``kv_format`` conversions are prepared on the run's staged table
+before it commits (:func:`full_pages_conversion`), so a conversion that
+cannot get its memory fails the run, never leaving a page in a format the
+run's later reads would not expect; :func:`quantize_blocks`
+(``State.quantize_pages``) and :func:`convert_full_pages` prepare and
+install on the committed table, between runs.
 """
 
 from __future__ import annotations
@@ -26,7 +29,100 @@ from onnxkv.cache import formats
 from onnxkv.cache.page_table import PageTable
 from onnxkv.errors import InputError
 
-__all__ = ["convert_pages", "convert_full_pages", "quantize_blocks"]
+__all__ = [
+    "Conversion",
+    "prepare_conversion",
+    "convert_pages",
+    "full_pages_conversion",
+    "convert_full_pages",
+    "quantize_blocks",
+]
+
+
+class Conversion:
+    """Pages of one table built in new formats, not yet published (:func:`prepare_conversion`).
+
+    Holds the new payloads and, for each page the table shares with other
+    holders, a fresh page id already holding a copy of it.  Nothing any
+    reader sees has changed: :meth:`install` publishes everything and
+    cannot fail; :meth:`abandon` frees it all.  Exactly one of the two is
+    called.
+    """
+
+    def __init__(self, pool, where: dict[int, list[tuple[int, int]]], shared: list[int], fresh: np.ndarray) -> None:
+        self.pool = pool
+        self.where = where
+        self.shared = shared
+        self.fresh = fresh
+        self.built: list[tuple[int, int, object, np.ndarray, str]] = []
+        #: Bytes read by the copies of shared pages.
+        self.copied = 0
+
+    @property
+    def pages(self) -> int:
+        """Pages converted (each counted once, whatever its planes)."""
+        return len(self.where)
+
+    def install(self, table: PageTable) -> None:
+        """Publish the payloads and point ``table``'s places of each shared page at its copy."""
+        pool, payloads = self.pool, self.pool.payloads
+        for plane, p, buf, arr, fmt in self.built:
+            payloads.install_payload(plane, p, buf, arr, fmt)
+        for p, new in zip(self.shared, self.fresh.tolist()):
+            places = self.where[p]
+            pool.incref(np.full(len(places) - 1, new, np.int32))
+            for b, blk in places:
+                table.tables[b, blk] = new
+            pool.decref(np.full(len(places), p, np.int32))
+        self.built = []
+
+    def abandon(self) -> None:
+        """Free the built payloads and the copies' page ids."""
+        for _, _, buf, _, _ in self.built:
+            self.pool.payloads.discard_payload(buf)
+        self.built = []
+        if self.fresh.size:
+            self.pool.decref(self.fresh)
+            self.fresh = np.zeros(0, np.int32)
+
+
+def prepare_conversion(
+    pool,
+    where: dict[int, list[tuple[int, int]]],
+    targets: dict[int, Sequence[tuple[int, str]]],
+    dropped: Sequence[int] = (),
+) -> Conversion:
+    """Build every page of ``where`` (page id -> its (row, block) places in one table) in the formats of
+    ``targets[page]`` ((plane, format name) pairs); publish nothing.
+
+    A page with more references than places (after the references
+    ``dropped`` lists go: a run's commit drops those of the pages it
+    replaced by copies) is first copied into a fresh page id, which gets
+    the payloads instead.  Raises :class:`~onnxkv.errors.OutOfMemory` (no
+    free page id for a copy, the allocator failed) or
+    :class:`~onnxkv.errors.InputError` (the allocator broke its contract)
+    with nothing allocated.
+    """
+    payloads, bs = pool.payloads, pool.block_size
+    drops: dict[int, int] = {}
+    for p in dropped:
+        drops[p] = drops.get(p, 0) + 1
+    shared = [p for p, places in where.items() if pool.refcount(p) - drops.get(p, 0) > len(places)]
+    fresh = pool.allocate(len(shared)) if shared else np.zeros(0, np.int32)
+    conversion = Conversion(pool, where, shared, fresh)
+    target = {p: p for p in where}
+    target.update(zip(shared, fresh.tolist()))
+    try:
+        for p, new in zip(shared, fresh.tolist()):
+            conversion.copied += payloads.copy_page(p, new, bs)
+        for p in where:
+            for plane, fmt in targets[p]:
+                buf, arr = payloads.build_payload(plane, target[p], fmt, bs)
+                conversion.built.append((plane, target[p], buf, arr, fmt))
+    except BaseException:
+        conversion.abandon()
+        raise
+    return conversion
 
 
 def convert_pages(
@@ -37,63 +133,56 @@ def convert_pages(
 
     A page whose reference count exceeds its places is copied for this
     table first.  Returns (pages copied, bytes read by those copies).
-    Raises :class:`~onnxkv.errors.OutOfMemory` or
-    :class:`~onnxkv.errors.InputError` (the allocator failed) with nothing
-    changed.
+    Raises as :func:`prepare_conversion` does, with nothing changed.
+    """
+    conversion = prepare_conversion(table.pool, where, dict.fromkeys(where, targets))
+    conversion.install(table)
+    return len(conversion.shared), conversion.copied
+
+
+def full_pages_conversion(
+    table: PageTable,
+    tables: np.ndarray,
+    lengths: np.ndarray,
+    chosen: Sequence[tuple[int, str]],
+    residual_tokens: int = 0,
+    dropped: Sequence[int] = (),
+) -> Conversion:
+    """:func:`prepare_conversion` of the full native pages of each (plane, format name) of ``chosen`` that
+    are older than ``length - residual_tokens`` in their row of ``tables`` / ``lengths`` (``table``'s own,
+    or a run's staged ones, whose commit drops the references ``dropped`` lists), from each row's first
+    kept position (``table.first``).
+
+    A page held only by this table is converted once (every row holding
+    it sees the new payload); a page also held elsewhere is copied first.
+    Raises as :func:`prepare_conversion` does, with nothing allocated.
     """
     pool, bs = table.pool, table.pool.block_size
     payloads = pool.payloads
-    shared = [p for p, places in where.items() if pool.refcount(p) > len(places)]
-    fresh = pool.allocate(len(shared)) if shared else np.zeros(0, np.int32)
-    target = {p: p for p in where}
-    target.update(zip(shared, fresh.tolist()))
-    built, copied = [], 0
-    try:
-        for p, new in zip(shared, fresh.tolist()):
-            copied += payloads.copy_page(p, new, bs)
-        for p in where:
-            for plane, fmt in targets:
-                buf, arr = payloads.build_payload(plane, target[p], fmt, bs)
-                built.append((plane, target[p], buf, arr, fmt))
-    except BaseException:
-        for _, _, buf, _, _ in built:
-            payloads.discard_payload(buf)
-        pool.decref(fresh)
-        raise
-    for plane, p, buf, arr, fmt in built:
-        payloads.install_payload(plane, p, buf, arr, fmt)
-    for p, new in zip(shared, fresh.tolist()):
-        places = where[p]
-        pool.incref(np.full(len(places) - 1, new, np.int32))
-        for b, blk in places:
-            table.tables[b, blk] = new
-        pool.decref(np.full(len(places), p, np.int32))
-    return len(shared), copied
+    where: dict[int, list[tuple[int, int]]] = {}
+    targets: dict[int, list[tuple[int, str]]] = {}
+    for plane, fmt_name in chosen:
+        code = formats.page_format(fmt_name).code
+        for b in range(tables.shape[0]):
+            upto = min(max(0, int(lengths[b]) - residual_tokens) // bs, tables.shape[1])
+            for blk in range(int(table.first[b]) // bs, upto):
+                p = int(tables[b, blk])
+                if p >= 0 and not payloads.quantized(plane, p) and int(payloads.formats[plane][p]) != code:
+                    places = where.setdefault(p, [])
+                    if (b, blk) not in places:
+                        places.append((b, blk))
+                    if (plane, fmt_name) not in targets.setdefault(p, []):
+                        targets[p].append((plane, fmt_name))
+    return prepare_conversion(pool, where, targets, dropped)
 
 
 def convert_full_pages(table: PageTable, plane: int, fmt_name: str, residual_tokens: int = 0) -> tuple[int, int]:
-    """Convert ``table``'s full native pages of ``plane`` older than ``length - residual_tokens`` to ``fmt_name``.
-
-    A page referenced only by this table is converted once (every row
-    holding it sees the new payload); a page also held elsewhere is copied
-    first (:func:`convert_pages`).  Page by page: an error leaves the pages
-    converted before it in their new format and raises.  Returns (pages
-    converted, bytes copied for copy-on-write).
-    """
-    pool, bs = table.pool, table.pool.block_size
-    payloads = pool.payloads
-    code = formats.page_format(fmt_name).code
-    where: dict[int, list[tuple[int, int]]] = {}
-    for b in range(table.batch):
-        upto = min(max(0, int(table.lengths[b]) - residual_tokens) // bs, table.tables.shape[1])
-        for blk in range(int(table.first[b]) // bs, upto):
-            p = int(table.tables[b, blk])
-            if p >= 0 and not payloads.quantized(plane, p) and int(payloads.formats[plane][p]) != code:
-                where.setdefault(p, []).append((b, blk))
-    copied = 0
-    for p, places in where.items():
-        copied += convert_pages(table, {p: places}, [(plane, fmt_name)])[1]
-    return len(where), copied
+    """Convert ``table``'s full native pages of ``plane`` older than ``length - residual_tokens`` to
+    ``fmt_name`` (:func:`full_pages_conversion`), all or nothing.  Returns (pages converted, bytes copied
+    for copy-on-write)."""
+    conversion = full_pages_conversion(table, table.tables, table.lengths, [(plane, fmt_name)], residual_tokens)
+    conversion.install(table)
+    return conversion.pages, conversion.copied
 
 
 def quantize_blocks(table: PageTable, indices, planes: Sequence[tuple[int, str]], api: str) -> tuple[int, int]:

@@ -57,7 +57,7 @@ import numpy as np
 from onnxkv import _kernels
 from onnxkv.cache.block_pool import BlockPool, PlaneSpec, live_pools
 from onnxkv.cache.contiguous import WriteCost, rows_past, stored_to_float32
-from onnxkv.cache.page_convert import convert_full_pages
+from onnxkv.cache.page_convert import Conversion, full_pages_conversion
 from onnxkv.cache.page_table import PageTable
 from onnxkv.cache.plane_payloads import NATIVE_CODE
 from onnxkv.errors import CacheCapacityError, InputError
@@ -466,10 +466,13 @@ class PagedCache:
         return out
 
     # -- page formats ----------------------------------------------------------
-    def convert_full_pages(self, plane: int, fmt_name: str, residual_tokens: int = 0) -> tuple[int, int]:
-        """:func:`onnxkv.cache.page_convert.convert_full_pages` on the committed table: returns (pages
-        converted, bytes copied for copy-on-write).  Call between runs."""
-        return convert_full_pages(self.table, plane, fmt_name, residual_tokens)
+    def full_pages_conversion(self, chosen, residual_tokens: int = 0) -> Conversion:
+        """:func:`~onnxkv.cache.page_convert.full_pages_conversion` of ``chosen`` ((plane, format name)
+        pairs) over the staged run's tables (whose commit drops the pages it replaced), else the committed
+        ones: install it on :attr:`table` after the commit, or abandon it."""
+        staged = self._staged is not None
+        tables, lengths = (self._staged, self._staged_lengths) if staged else (self.table.tables, self.table.lengths)
+        return full_pages_conversion(self.table, tables, lengths, chosen, residual_tokens, self._replaced)
 
 
 class PagedPlane:

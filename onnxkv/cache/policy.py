@@ -24,12 +24,14 @@ does.  The two are mutually exclusive.
 
 The selector is called during the run, before it is committed: a selector
 that raises, or returns anything but format names or None, fails the run and
-leaves the state unchanged.  The conversion itself happens after the commit
-(on a state that keeps positions for a truncate, ``State.keep_for_truncate``,
-at the start of its next run instead);
-if it fails (an allocator refusing a payload), the run stays published, the
-pages not yet converted keep their format (a later run converts them) and the
-state logs a ``quantize_failed`` event and warns (``RuntimeWarning``).
+leaves the state unchanged.  The conversion is part of the run: its payloads
+(and the copies of pages other holders share) are built before the run
+commits and published with it (on a state that keeps positions for a
+truncate, ``State.keep_for_truncate``, at the start of its next run
+instead).  A conversion that cannot get its memory (an allocator refusing a
+payload, no free page to copy a shared page into) fails its run with
+``OutOfMemory`` and leaves the state unchanged; made again once there is
+room, the run converts as it would have.
 
 Signed integer formats are quantized symmetrically (zero point 0), unsigned
 ones asymmetrically (:func:`onnxkv.cache.formats.params_for`), except key

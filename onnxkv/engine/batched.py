@@ -15,7 +15,10 @@ again after room is made, in this order:
 3. the latest-arriving request holding pages is paused: its row or state goes (unshared pages back to
    the pool), and it waits to run its prompt and the tokens it had made again (``Request.preemptions``;
    event ``preempt``), from what the prefix cache still holds, before it decodes on with the same
-   sampling stream.
+   sampling stream;
+4. the prefix cache lets go of the pages it holds with the run's state alone (``prefix_evict``):
+   the run's ``kv_format`` conversion (part of the run) then converts them in place, where it would
+   have needed a free page to copy each into.
 
 Only requests that arrived after the ones a run is for are converted or paused (the decode run keeps its
 earliest row), so the earliest request always progresses; a prompt run that finds the pool held by
@@ -269,7 +272,7 @@ class BatchedSteps:
                 self._batch.run(feeds, [name], before_commit=choice, gaps_padding=True)
                 break
             except OutOfMemory:
-                if not self._make_room([min(rows, key=lambda r: r.id)]):  # the earliest row always goes on
+                if not self._make_room([min(rows, key=lambda r: r.id)], state=self._batch):  # the earliest goes on
                     raise
                 if not self._rows:
                     return {}
@@ -304,7 +307,7 @@ class BatchedSteps:
                 self._runs += 1
                 return state.run(feeds, outputs, logits_at=logits_at, before_commit=before_commit)
             except OutOfMemory:
-                if self._make_room(owners, newer_than=max(r.id for r in owners)):
+                if self._make_room(owners, newer_than=max(r.id for r in owners), state=state):
                     continue
                 if self.batched and any(r not in owners for r in self._holders()):
                     raise WaitForRoom from None
@@ -314,11 +317,12 @@ class BatchedSteps:
         """The active requests that hold pages (a row of the batched state, or a state of their own)."""
         return [r for r in self.active if r._state is not None or r in self._rows]
 
-    def _make_room(self, keep: list[Request], newer_than: int = -1) -> bool:
+    def _make_room(self, keep: list[Request], newer_than: int = -1, state: State | None = None) -> bool:
         """Free pages: the prefix cache's unreferenced ones (least recently used first), else pause the
         latest-arriving request holding pages that is not in ``keep`` and arrived after request
         ``newer_than`` (its unshared pages go back; it runs its prompt and tokens again when it
-        resumes).  Returns whether anything was freed."""
+        resumes), else drop the prefix cache's references to the pages it holds with ``state`` (the run's)
+        alone (the run's conversion then needs no copy of them).  Returns whether anything changed."""
         if not self.batched:  # each request has a pool of its own: another's pages are no room
             return False
         if self._prefix is not None and self._evict(len(self._prefix)):
@@ -336,7 +340,9 @@ class BatchedSteps:
                 self._evict(len(self._prefix))
             if pool.live_pages < before:
                 return True
-        return False
+        # last: the cache lets go of the pages it holds with the run alone, which the run's kv_format may
+        # then convert in place instead of copying them into pages the pool does not have
+        return self._prefix is not None and state is not None and self._release(state.page_tables) > 0
 
     def _compress(self, holders: list[Request]) -> bool:
         """Under a byte budget: the cold pages (all but the last ``keep_native_tokens`` positions) of the
@@ -346,7 +352,7 @@ class BatchedSteps:
             for r in holders:
                 state, row = (self._batch, self._rows.index(r)) if r in self._rows else (r._state, 0)
                 if self._prefix is not None:  # its prompt pages the cache holds with it alone: its own now
-                    self._log_evictions(self._prefix.release(state.page_tables[row]))
+                    self._release(state.page_tables[row])
                 freed = state.compress_rows([row], fmt, self.keep_native_tokens)
                 if freed > 0:
                     r._converted = True  # its pages, and those it computes over them, are no prefix for others
@@ -380,6 +386,10 @@ class BatchedSteps:
             events.record(
                 self.session._step, "", "", "preempt", extra={"request": r.id, "rerun_tokens": int(r._seq.size)}
             )
+
+    def _release(self, pages: np.ndarray) -> int:
+        """The prefix cache's references dropped to those of ``pages`` (page ids) one other holder has."""
+        return self._log_evictions(self._prefix.release(pages))
 
     def _evict(self, n: int) -> int:
         return self._log_evictions(self._prefix.evict(n))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from onnxkv.cache import formats, serialize
+from onnxkv.cache.page_convert import convert_full_pages
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec
 from onnxkv.cache.snapshot import paged_from_snapshot, take_snapshot
 from onnxkv.errors import InputError
@@ -36,7 +37,7 @@ def test_channel_zp_plane_builds_pages_from_the_data(fmt):
     pool = _pool()
     cache = _filled(pool, rng, 3 * BS)
     x = cache.gather(0, 3 * BS)[0]
-    assert cache.convert_full_pages(0, fmt) == (3, 0)
+    assert convert_full_pages(cache.table, 0, fmt) == (3, 0)
     for blk in range(3):
         p = int(cache.table.tables[0, blk])
         page_x = np.ascontiguousarray(x[:, blk * BS : (blk + 1) * BS])

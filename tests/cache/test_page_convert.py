@@ -120,3 +120,47 @@ def test_quantize_blocks_checks_indices_before_anything_changes():
     assert quantize_blocks(cache.table, [0, 2], [(0, "int8"), (1, "int8")], "api") == (4, 0)
     pool.audit()
     cache.table.release()
+
+
+def test_a_run_conversion_counts_the_references_its_commit_drops():
+    """Two rows holding a partly filled page both fill it in one run: one keeps the page, the other copies
+    it.  Built on the staged run, the conversion sees the kept page held once after the commit (the copy's
+    reference to it is dropped then) and converts it in place, needing no free page."""
+    pool = BlockPool([PlaneSpec("k", H, D, "float32"), PlaneSpec("v", H, D, "float32")], BS, max_pages=3)
+    rng = np.random.default_rng(5)
+    one = PagedCache(pool, PageTable(pool, 1))
+    for plane in (0, 1):
+        one.write(plane, rng.standard_normal((1, H, 6, D)).astype(np.float32), 0, 6)
+    one.commit()
+    cache = PagedCache(pool, one.table.share(np.array([0, 0])))  # a beam of two rows over both pages
+    one.table.release()
+    tail = rng.standard_normal((2, H, 2, D)).astype(np.float32)
+    for plane in (0, 1):
+        cache.write(plane, tail, 6, 2)
+    assert pool.live_pages == 3  # one row copied page 1; the other writes into it
+    want = [cache.gather(i, 2 * BS) for i in (0, 1)]
+    conversion = cache.full_pages_conversion([(0, "int8"), (1, "int8")])
+    assert conversion.shared == [] and conversion.pages == 3
+    cache.commit()
+    conversion.install(cache.table)
+    assert pool.live_pages == 3
+    assert {int(pool.formats[i][p]) for i in (0, 1) for p in cache.table.tables.ravel()} == {INT8}
+    for i in (0, 1):
+        np.testing.assert_allclose(cache.gather(i, 2 * BS), want[i], atol=0.05)
+    pool.audit()
+    cache.table.release()
+
+
+def test_an_abandoned_conversion_frees_its_copies_and_payloads():
+    alloc = ArenaAllocator(1 << 20)
+    pool, cache = _cache(alloc)
+    other = cache.table.share()
+    before, live = _pool_state(pool, cache.table, other), alloc.stats().live
+    conversion = cache.full_pages_conversion([(0, "int8"), (1, "int4")])
+    assert len(conversion.shared) == 3 and conversion.copied == 3 * pool.page_bytes
+    assert pool.live_pages == 6
+    conversion.abandon()
+    assert _pool_state(pool, cache.table, other) == before and alloc.stats().live == live
+    pool.audit()
+    other.release()
+    cache.table.release()

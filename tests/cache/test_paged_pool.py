@@ -8,6 +8,7 @@ from onnxkv.cache._pagecore import PageCore
 
 from onnxkv.alloc import ArenaAllocator
 from onnxkv.cache import formats
+from onnxkv.cache.page_convert import convert_full_pages
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable, PlaneSpec, live_pools
 from onnxkv.errors import InputError, OutOfMemory
 
@@ -340,7 +341,10 @@ def test_per_channel_key_plane_stores_compact_headers():
     cache.write(0, k, 0, 2 * bs)
     cache.write(1, v, 0, 2 * bs)
     cache.commit()
-    assert cache.convert_full_pages(0, "uint8") == (2, 0) and cache.convert_full_pages(1, "int8") == (2, 0)
+    assert convert_full_pages(cache.table, 0, "uint8") == (2, 0) and convert_full_pages(cache.table, 1, "int8") == (
+        2,
+        0,
+    )
     k_page, v_page = formats.page_bytes("uint8", Hk, bs, Dk, Dk, "compact"), formats.page_bytes("int8", Hk, bs, Dk)
     assert k_page == 256 + Hk * bs * Dk  # 4*3 + 2*3*32 = 204 header bytes, padded to 256
     assert pool.committed_bytes == 2 * (k_page + v_page)

@@ -96,3 +96,39 @@ def test_a_paused_request_reruns_its_tokens_in_runs_that_end_where_pages_convert
     # the prompt in 32-token chunks and its end (57), then pages of 4 fall due at 60 and 64, and 66 is the end
     assert sizes == [32, 25, 3, 4, 2]
     engine.close()
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no conversion may fail and leave a page native
+@pytest.mark.parametrize("residual", [4, 8])
+@pytest.mark.parametrize("new", [5, 9, 14])
+def test_a_full_pool_converts_pages_the_prefix_cache_shares(session, residual, new):
+    """A residual policy converts prompt pages the prefix cache already holds.  With the pool exactly as
+    large as the request needs, no page is free to copy one into: the cache lets go of them instead, and
+    the request gets its tokens alone (not an error, not a page left native)."""
+    cache = onnxkv.CacheConfig("paged", block_size=4, kv_format=ResidualPolicy("int8", "int8", residual))
+    prompt = _prompts()[0][:20]
+    need = -(-(prompt.size + new - 1) // 4)
+    engine = onnxkv.Engine(session, cache=cache, max_pages=need)
+    r = engine.add_request(prompt, new, eos_token_id=[])
+    engine.run()
+    assert r.finished == "length" and r.tokens == _alone(session, r, cache)
+    engine.close()
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("max_pages", [10, 12, 14])
+def test_a_request_converting_pages_another_holds_pauses_the_later_one(session, max_pages):
+    """Two requests share prompt pages a residual policy converts later: converting them for the first
+    copies them, and in a tight pool the later request is paused to make that room; both get their
+    tokens alone."""
+    cache = onnxkv.CacheConfig("paged", block_size=4, kv_format=ResidualPolicy("int4", "int4", 8))
+    p = _prompts()[0]
+    engine = onnxkv.Engine(session, cache=cache, max_pages=max_pages)
+    first = engine.add_request(p[:14], 24, eos_token_id=[])
+    engine.step()
+    second = engine.add_request(np.concatenate([p[:12], p[40:43]]), 24, eos_token_id=[])
+    engine.run()
+    assert second.preemptions > 0
+    for r in (first, second):
+        assert r.finished == "length" and r.tokens == _alone(session, r, cache), r.id
+    engine.close()

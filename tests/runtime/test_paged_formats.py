@@ -413,24 +413,78 @@ class _Refusing(ArenaAllocator):
         return super().allocate(nbytes, alignment)
 
 
-def test_a_conversion_the_allocator_refuses_keeps_the_run_and_warns():
-    s = onnxkv.Session(build_model("concat", MICRO, seed=4), threads=1, events=True)
+def test_a_conversion_the_allocator_refuses_fails_the_run_and_changes_nothing():
+    s = onnxkv.Session(build_model("concat", MICRO, seed=4), threads=1)
     alloc = _Refusing(1 << 20)
+    refusals = []
 
     def selector(layer, past_length, k, v):
-        alloc.refuse = True  # the run's pages are taken; the conversion's payloads will be refused
+        # the first run filling block 1 has its page; then the conversion's payloads are refused
+        alloc.refuse = past_length == 7 and len(refusals) < 1
         return "int8", "int8"
 
-    st = s.new_state(cache=CacheConfig("paged", block_size=4, kv_format=selector), allocator=alloc)
-    prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 12))
-    with pytest.warns(RuntimeWarning, match="keep their format"):
-        got, _, _ = _run(s, st, prompt, 0)
-    assert st.length == 12 and st.steps == 1
-    assert any(e.action == "quantize_failed" for e in s.events.events)
-    assert set(np.concatenate(st.pool.formats).tolist()) == {CODES["float32"]}
-    with s.new_state(cache=CacheConfig("paged", block_size=4)) as ref:
-        want, _, _ = _run(s, ref, prompt, 0)
-    np.testing.assert_array_equal(got, want)  # nothing was converted: exactly the native result
-    st.pool.audit()
+    config = CacheConfig("paged", block_size=4, kv_format=selector)
+    prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 7))
+    with s.new_state(cache=config) as ref:
+        want, _, _ = _run(s, ref, prompt, 3)
+    st = s.new_state(cache=config, allocator=alloc)
+    _, b, out = _run(s, st, prompt, 0)
+    before = _state_bytes(st)
+    with pytest.raises(OutOfMemory, match=r"State.run: converting full pages to the kv_format \(int8\).*refusing"):
+        st.run(b.next(np.array([3]), out), ["logits"])
+    refusals.append(alloc.refuse)
     alloc.refuse = False
+    assert _state_bytes(st) == before
+    st.pool.audit()
+    b.rewind(st.length)
+    got = [out["logits"][0, -1].copy()]
+    for i in range(3):  # made again with the payloads granted: what the runs give untroubled
+        out = st.run(b.next(np.array([(7 * i + 3) % MICRO.vocab_size]), out), ["logits"])
+        got.append(out["logits"][0, -1].copy())
+    np.testing.assert_array_equal(got, want)
+    st.pool.audit()
+    st.close()
+
+
+def _steps(state, b, out, tokens):
+    got = []
+    for t in tokens:
+        out = state.run(b.next(np.array([t]), out), ["logits"])
+        got.append(out["logits"][0, -1].copy())
+    return got, out
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_a_shared_page_with_no_page_to_copy_into_fails_the_run_and_changes_nothing(session, keep):
+    """Converting pages a fork also holds copies them first.  In a full pool the run (keeping positions
+    for a truncate: the next run, which owes the conversion) raises OutOfMemory and changes nothing;
+    once the fork is gone the pages convert in place and the tokens are those of a state never forked."""
+    prompt = np.random.default_rng(8).integers(0, MICRO.vocab_size, (1, 8))
+    tokens = [5, 9, 2]
+
+    def selector(layer, past_length, k, v):  # the prompt's pages stay native; every later run converts
+        return ("int8", "int8") if past_length >= 8 else (None, None)
+
+    config = CacheConfig("paged", block_size=4, kv_format=selector, max_pages=4)
+    with session.new_state(cache=config) as ref:
+        ref.keep_for_truncate(keep)
+        _, b, out = _run(session, ref, prompt, 0)
+        want, _ = _steps(ref, b, out, tokens)
+    st = session.new_state(cache=config)
+    st.keep_for_truncate(keep)
+    _, b, out = _run(session, st, prompt, 0)  # two full native pages
+    fork = st.fork()[0]
+    done = 1 if keep else 0  # kept positions: the first step's conversion waits for the next run
+    got, out = _steps(st, b, out, tokens[:done])
+    before = _state_bytes(st)
+    with pytest.raises(OutOfMemory, match=r"State.run: converting full pages to the kv_format \(int8\).*max_pages=4"):
+        st.run(b.next(np.array([tokens[done]]), out), ["logits"])  # 3 pages live: none for 2 copies
+    assert _state_bytes(st) == before
+    st.pool.audit()
+    b.rewind(st.length)
+    fork.close()
+    rest, _ = _steps(st, b, out, tokens[done:])
+    np.testing.assert_array_equal(got + rest, want)
+    assert st.pool.live_pages == 3
+    st.pool.audit()
     st.close()

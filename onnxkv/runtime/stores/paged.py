@@ -5,10 +5,12 @@
 fork, reorder, checkpoint / restore and truncate change page tables only,
 and a write into a shared page copies that page first (copy-on-write).  A
 run stages a private table and commits or discards it whole
-(:class:`~onnxkv.cache.paged.PagedCache`).  After a committed run, the full
-pages the ``kv_format`` selector makes eligible are converted
-(:mod:`onnxkv.cache.page_convert`), and models with a ``local_window_size``
-evict pages that left the window.
+(:class:`~onnxkv.cache.paged.PagedCache`).  The full pages the
+``kv_format`` selector makes eligible are converted as part of the run
+(:mod:`onnxkv.cache.page_convert`: built before it commits, published with
+it, so a conversion that cannot get its memory fails the run and changes
+nothing), and models with a ``local_window_size`` evict pages that left the
+window after it.
 
 Every page-table change here goes through :mod:`onnxkv.cache`; this module
 decides when, and counts it in the event log.
@@ -18,17 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import warnings
 from collections.abc import Mapping
 
 import numpy as np
 
 from onnxkv.cache import serialize
 from onnxkv.cache.formats import HEADER_FLOAT32, page_format
-from onnxkv.cache.page_convert import convert_pages, quantize_blocks
+from onnxkv.cache.page_convert import Conversion, convert_pages, quantize_blocks
 from onnxkv.cache.paged import BlockPool, PagedCache, PagedPlane, PageTable, PlaneSpec
 from onnxkv.cache.snapshot import expectation, file_bytes_limit, paged_from_snapshot, take_snapshot
-from onnxkv.errors import InputError, StateError
+from onnxkv.errors import InputError, OutOfMemory, StateError
 from onnxkv.plan.step_loop import StepsRun, run_steps
 from onnxkv.runtime.stores.protocol import StoreContext, batch_and_length
 
@@ -100,6 +101,8 @@ class PagedStore:
         self._chosen: list[tuple[int, str]] = []
         #: Conversions a committed run chose, made at the start of the next run when ``rollback`` > 0.
         self._pending: list[tuple[int, str]] = []
+        #: The conversion of the run in progress (built before it commits, installed by the commit).
+        self._conversion: Conversion | None = None
 
     @property
     def caches(self) -> dict[str, PagedPlane] | None:
@@ -193,9 +196,9 @@ class PagedStore:
                 f"State.run: batch size {batch} differs from the state's {self.cache.table.batch}; "
                 "reorder or reset the state first"
             )
-        if self._pending:  # owed by the last run: before this run's queries read the pages
-            pending, self._pending = self._pending, []
-            self._convert(pending)
+        if self._pending:  # owed by the last run, before this run's queries read the pages (else it fails)
+            self._install(self._prepare_conversion(self._pending))
+            self._pending = []
         lengths = self.cache.lengths
         self._before = int(lengths.max()) if lengths.size else 0
         self._chosen = []
@@ -237,10 +240,13 @@ class PagedStore:
         return full
 
     def finish(self) -> None:
-        """Ask the selector (user code) which planes' full pages to convert after this run.
+        """Ask the selector (user code) which planes' full pages to convert with this run, and build them.
 
         Every chosen name must be a known page format.  A selector that
-        raises or names an unknown format fails the run.
+        raises or names an unknown format fails the run, and so does a
+        conversion that cannot get its memory (OutOfMemory).  On a state
+        that keeps positions for a truncate the conversion waits for the
+        start of the next run, which it fails likewise.
         """
         if self.selector is None:
             return
@@ -266,44 +272,38 @@ class PagedStore:
                 plane = pool.plane_index[name]
                 if fmt != pool.planes[plane].storage:
                     self._chosen.append((plane, fmt))
+        if self._chosen and not self.rollback:  # part of the run: it fails the run when it cannot be made
+            self._conversion = self._prepare_conversion(self._chosen)
 
     def commit(self, out: Mapping[str, np.ndarray]) -> None:
         self.cache.commit()
-        if self._chosen and self.rollback:  # a truncate within the margin may still take the pages back
+        conversion, self._conversion = self._conversion, None
+        if conversion is not None:
+            self._install(conversion)
+        elif self._chosen:  # a truncate within the margin may still take the pages back
             self._pending = self._chosen
-        elif self._chosen:
-            self._convert(self._chosen)
         if self.window is not None:
             freed = self.cache.table.evict(self.window + self.rollback)
             if freed:
                 self.ctx.log("evict", allocations=0, extra={"pages_freed": freed})
 
-    def _convert(self, chosen: list[tuple[int, str]]) -> None:
-        """Convert the full pages :meth:`finish` made eligible, after the run was committed.
-
-        The run is already published, so a conversion that fails (the
-        allocator refusing a payload) does not fail it: pages converted
-        before the failure keep their new format, the others stay as they
-        are (their values unchanged; a later run converts them), and the
-        failure is logged as a ``quantize_failed`` event and warned about.
-        """
+    def _prepare_conversion(self, chosen: list[tuple[int, str]]) -> Conversion:
+        """The conversion of the full pages ``chosen`` ((plane, format) pairs) makes eligible, built on the
+        staged run (else the committed table) and not yet published.  Raises OutOfMemory / InputError naming
+        State.run when it cannot get its memory (a free page id to copy a shared page into, a payload)."""
         residual = int(getattr(self.selector, "residual_tokens", 0))
-        converted = copied = 0
         try:
-            for plane, fmt in chosen:
-                n, c = self.cache.convert_full_pages(plane, fmt, residual)
-                converted += n
-                copied += c
-        except Exception as e:  # noqa: BLE001 - reported, never swallowed silently
-            warnings.warn(
-                f"State.run: converting full pages to the kv_format failed after the run was committed "
-                f"({type(e).__name__}: {e}); those pages keep their format",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            self.ctx.log("quantize_failed", allocations=0)
-        if converted:
-            self.ctx.log("quantize", cow_copied_bytes=copied, extra={"pages_converted": converted})
+            return self.cache.full_pages_conversion(chosen, residual)
+        except (OutOfMemory, InputError) as e:
+            cls = OutOfMemory if isinstance(e, OutOfMemory) else InputError
+            names = ", ".join(sorted({fmt for _, fmt in chosen}))
+            raise cls(f"State.run: converting full pages to the kv_format ({names}) failed: {e}") from e
+
+    def _install(self, conversion: Conversion) -> None:
+        conversion.install(self.cache.table)
+        if conversion.pages:
+            extra = {"pages_converted": conversion.pages}
+            self.ctx.log("quantize", cow_copied_bytes=conversion.copied, extra=extra)
 
     def conversion_cycle(self) -> tuple[int, int] | None:
         """``(block_size, residual_tokens)`` of the selector's conversions (State.conversion_cycle)."""
@@ -331,6 +331,9 @@ class PagedStore:
         return run
 
     def discard(self) -> None:
+        if self._conversion is not None:
+            self._conversion.abandon()
+            self._conversion = None
         self.cache.discard()
         if self._fresh:  # the first run made the cache: a failure leaves the store holding nothing, as before
             self.close()
