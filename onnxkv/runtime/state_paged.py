@@ -93,7 +93,8 @@ class PagedAPI:
 
     def fork(self, n: int = 1) -> list[State]:
         """``n`` new states sharing every page of this one (no payload byte copied); each continues on its
-        own, its first write into a shared page copying that page only (``cow_copied_bytes``).  ``n``: an
+        own, its first write into a shared page copying that page only (``cow_copied_bytes``), and owes
+        its next run the page conversions this state owes its own (:meth:`keep_for_truncate`).  ``n``: an
         int in ``[1, MAX_FORKS]`` (InputError otherwise, before any fork is made)."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_FORKS:
             raise InputError(f"State.fork: n must be an int in [1, {MAX_FORKS}], got {n!r}")
@@ -102,7 +103,8 @@ class PagedAPI:
             keywords = {**self._keywords, "allocator": self.allocator}
             out = [type(self)(self.session, **keywords, _pool=store.pool) for _ in range(int(n))]
             for st in out:
-                st._store.cache, st.steps = store.share(), self.steps
+                st._store.adopt(store)
+                st.steps = self.steps
             self._ctx.log("fork", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
             return out
 
@@ -173,7 +175,8 @@ class PagedAPI:
             return self._require_paged("checkpoint").checkpoint(self, self.steps)
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Return the caches to ``checkpoint`` (made by this state, not released); no payload copy."""
+        """Return the caches to ``checkpoint`` (made by this state, not released), and the page
+        conversions the state owed its next run then (:meth:`keep_for_truncate`); no payload copy."""
         with self._exclusive("restore"):
             self.steps = self._require_paged("restore").restore(checkpoint, self)
 

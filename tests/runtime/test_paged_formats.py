@@ -488,3 +488,32 @@ def test_a_shared_page_with_no_page_to_copy_into_fails_the_run_and_changes_nothi
     assert st.pool.live_pages == 3
     st.pool.audit()
     st.close()
+
+
+def test_forks_and_restores_owe_the_conversions_the_state_owed(session):
+    """Keeping positions for a truncate, a run's conversions wait for the next run.  A fork made in
+    between owes them too, and so does a restore of a checkpoint made then: each next run converts the
+    pages first, as the state itself does (here the selector chooses nothing after the prompt)."""
+
+    def selector(layer, past_length, k, v):
+        return ("int8", "int8") if past_length == 0 else (None, None)
+
+    config = CacheConfig("paged", block_size=4, kv_format=selector)
+    prompt = np.random.default_rng(12).integers(0, MICRO.vocab_size, (1, 7))
+    with session.new_state(cache=config) as st:
+        st.keep_for_truncate(2)
+        _, b, out = _run(session, st, prompt, 0)
+        assert _formats(st) == [CODES["float32"]] * 2  # block 0 waits for the next run
+        fork = st.fork()[0]
+        mark = st.checkpoint()
+        feed = b.next(np.array([5]), out)
+        want = st.run(feed, ["logits"])["logits"]
+        assert _formats(st)[0] == CODES["int8"]
+        np.testing.assert_array_equal(fork.run(feed, ["logits"])["logits"], want)
+        assert _formats(fork)[0] == CODES["int8"]
+        st.restore(mark)
+        np.testing.assert_array_equal(st.run(feed, ["logits"])["logits"], want)
+        assert _formats(st)[0] == CODES["int8"]
+        mark.release()
+        fork.close()
+        st.pool.audit()

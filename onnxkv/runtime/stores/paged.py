@@ -31,42 +31,13 @@ from onnxkv.cache.paged import BlockPool, PagedCache, PagedPlane, PageTable, Pla
 from onnxkv.cache.snapshot import expectation, file_bytes_limit, paged_from_snapshot, take_snapshot
 from onnxkv.errors import InputError, OutOfMemory, StateError
 from onnxkv.plan.step_loop import StepsRun, run_steps
+from onnxkv.runtime.stores.checkpoint import Checkpoint
 from onnxkv.runtime.stores.protocol import StoreContext, batch_and_length
 
-__all__ = ["PagedStore", "Checkpoint", "MAX_ROWS"]
+__all__ = ["PagedStore", "MAX_ROWS"]
 
 #: Rows a paged state's initial arrays hold at most (as many as one fork call makes).
 MAX_ROWS = 1 << 16
-
-
-class Checkpoint:
-    """A paged state's cache contents at one moment, held by page references (no copy).
-
-    Made by :meth:`State.checkpoint <onnxkv.runtime.state.State.checkpoint>`;
-    :meth:`State.restore <onnxkv.runtime.state.State.restore>` returns the
-    state to it (any number of times).  Holding a checkpoint keeps its pages
-    alive; :meth:`release` (or garbage collection) drops them.
-    """
-
-    def __init__(self, owner: object, table: PageTable, steps: int) -> None:
-        self._owner = owner
-        self.table: PageTable | None = table
-        self.steps = steps
-
-    @property
-    def length(self) -> int:
-        return 0 if self.table is None or not self.table.batch else int(self.table.lengths.max())
-
-    def release(self) -> None:
-        if self.table is not None:
-            self.table.release()
-            self.table = None
-
-    def __del__(self) -> None:
-        try:
-            self.release()
-        except Exception:
-            pass
 
 
 class PagedStore:
@@ -179,10 +150,12 @@ class PagedStore:
             cache.table.lengths[:] = 0
         return cache
 
-    def share(self) -> PagedCache:
-        """A new cache sharing every page of this one's committed table (a fork's)."""
-        c = self.cache
-        return PagedCache(self.pool, c.table.share(), c.static_length, c.max_tokens)
+    def adopt(self, source: PagedStore) -> None:
+        """Hold a share of every page of ``source``'s committed table (a fork of it, over the same pool)
+        and owe its next run the conversions ``source`` owes its own."""
+        c = source.cache
+        self.cache = PagedCache(self.pool, c.table.share(), c.static_length, c.max_tokens)
+        self._pending = list(source._pending)
 
     # -- a run -------------------------------------------------------------------------
     def prepare(self, feeds: Mapping[str, np.ndarray], segments=None, gaps_padding=False) -> dict[str, PagedPlane]:
@@ -498,7 +471,7 @@ class PagedStore:
 
     def checkpoint(self, owner: object, steps: int) -> Checkpoint:
         """A :class:`Checkpoint` of the committed table for ``owner`` (the state), at its ``steps``."""
-        cp = Checkpoint(owner, self.cache.table.share(), steps)
+        cp = Checkpoint(owner, self.cache.table.share(), steps, self._pending)
         self.ctx.log("checkpoint", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
         return cp
 
@@ -510,6 +483,7 @@ class PagedStore:
         if checkpoint.table is None:
             raise StateError("State.restore: the checkpoint was released")
         self.cache.replace_table(checkpoint.table.share())
+        self._pending = list(checkpoint._pending)
         self.ctx.log("restore", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
         return checkpoint.steps
 
