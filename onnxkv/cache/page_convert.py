@@ -27,6 +27,7 @@ import numpy as np
 
 from onnxkv.cache import formats
 from onnxkv.cache.page_table import PageTable
+from onnxkv.cache.plane_payloads import NATIVE_CODE
 from onnxkv.errors import InputError
 
 __all__ = [
@@ -159,20 +160,24 @@ def full_pages_conversion(
     """
     pool, bs = table.pool, table.pool.block_size
     payloads = pool.payloads
+    blocks = np.arange(tables.shape[1])
+    upto = np.minimum(np.maximum(lengths.astype(np.int64) - residual_tokens, 0) // bs, tables.shape[1])
+    full = (blocks >= (table.first.astype(np.int64) // bs)[:, None]) & (blocks < upto[:, None]) & (tables >= 0)
+    rows, cols = np.nonzero(full)  # the full pages' places, row by row (read once per run: vectorised)
+    ids = tables[rows, cols]
     where: dict[int, list[tuple[int, int]]] = {}
     targets: dict[int, list[tuple[int, str]]] = {}
     for plane, fmt_name in chosen:
-        code = formats.page_format(fmt_name).code
-        for b in range(tables.shape[0]):
-            upto = min(max(0, int(lengths[b]) - residual_tokens) // bs, tables.shape[1])
-            for blk in range(int(table.first[b]) // bs, upto):
-                p = int(tables[b, blk])
-                if p >= 0 and not payloads.quantized(plane, p) and int(payloads.formats[plane][p]) != code:
-                    places = where.setdefault(p, [])
-                    if (b, blk) not in places:
-                        places.append((b, blk))
-                    if (plane, fmt_name) not in targets.setdefault(p, []):
-                        targets[p].append((plane, fmt_name))
+        native = NATIVE_CODE[pool.planes[plane].storage]
+        if formats.page_format(fmt_name).code == native:
+            continue
+        for i in np.flatnonzero(payloads.formats[plane][ids] == native).tolist():
+            p, place = int(ids[i]), (int(rows[i]), int(cols[i]))
+            places = where.setdefault(p, [])
+            if place not in places:
+                places.append(place)
+            if (plane, fmt_name) not in targets.setdefault(p, []):
+                targets[p].append((plane, fmt_name))
     return prepare_conversion(pool, where, targets, dropped)
 
 

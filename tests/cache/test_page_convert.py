@@ -164,3 +164,36 @@ def test_an_abandoned_conversion_frees_its_copies_and_payloads():
     pool.audit()
     other.release()
     cache.table.release()
+
+
+def test_full_pages_are_those_of_each_row_between_its_first_kept_block_and_its_length():
+    """Rows of different lengths, the first evicted past a window, a residual, pages shared between rows
+    and one already converted: the places chosen are those a per-block walk of each row gives."""
+    pool, cache = _cache(blocks=6, rows=3)
+    table = cache.table
+    table.lengths[:] = [6 * BS, 4 * BS + 1, 2 * BS - 1]
+    table.first[:] = [2 * BS, 0, 0]
+    for blk in range(2):  # row 2 shares row 1's first two pages (a fork's)
+        pool.decref(np.array([table.tables[2, blk]], np.int32))
+        table.tables[2, blk] = table.tables[1, blk]
+        pool.incref(np.array([table.tables[1, blk]], np.int32))
+    pool.decref(np.array([table.tables[0, 5]], np.int32))
+    table.tables[0, 5] = -1  # a block the row never got
+    table.lengths[2] = 2 * BS
+    done = int(table.tables[0, 2])
+    assert convert_pages(table, {done: [(0, 2)]}, [(1, "int8")]) == (0, 0)  # its values plane converted already
+    want: dict[int, list] = {}
+    for b in range(3):
+        for blk in range(int(table.first[b]) // BS, max(0, int(table.lengths[b]) - 1) // BS):
+            p = int(table.tables[b, blk])
+            if p >= 0 and int(pool.formats[0][p]) == 1:
+                want.setdefault(p, []).append((b, blk))
+    conversion = cache.full_pages_conversion([(0, "int8"), (1, "int4")], residual_tokens=1)
+    assert conversion.where == want and done in want
+    assert conversion.shared == [int(table.tables[1, 1])]  # row 2 holds it too, not yet full there
+    built = sorted((plane, page) for plane, page, *_ in conversion.built)
+    into = dict(zip(conversion.shared, conversion.fresh.tolist()))  # a shared page's payloads go to its copy
+    assert built == sorted([(0, into.get(p, p)) for p in want] + [(1, into.get(p, p)) for p in want if p != done])
+    conversion.abandon()
+    pool.audit()
+    table.release()
