@@ -45,9 +45,12 @@ class Conversion:
 
     Holds the new payloads and, for each page the table shares with other
     holders, a fresh page id already holding a copy of it.  Nothing any
-    reader sees has changed: :meth:`install` publishes everything and
-    cannot fail; :meth:`abandon` frees it all.  Exactly one of the two is
-    called.
+    reader sees has changed until :meth:`install` publishes everything
+    (it cannot fail); :meth:`abandon` frees it all instead.  A conversion
+    a run must see before it knows whether it commits is published with
+    the old payloads and page references kept (:meth:`publish`), then
+    settled (:meth:`settle`: they are freed) or undone (:meth:`undo`: the
+    table, payloads and counts are as they were, the new ones freed).
     """
 
     def __init__(self, pool, where: dict[int, list[tuple[int, int]]], shared: list[int], fresh: np.ndarray) -> None:
@@ -58,6 +61,8 @@ class Conversion:
         self.built: list[tuple[int, int, object, np.ndarray, str]] = []
         #: Bytes read by the copies of shared pages.
         self.copied = 0
+        self._kept: list[tuple[int, int, tuple]] = []  # published: (plane, page, old payload record)
+        self._table: PageTable | None = None
 
     @property
     def pages(self) -> int:
@@ -65,20 +70,47 @@ class Conversion:
         return len(self.where)
 
     def install(self, table: PageTable) -> None:
-        """Publish the payloads and point ``table``'s places of each shared page at its copy."""
-        pool, payloads = self.pool, self.pool.payloads
+        """Publish the payloads and point ``table``'s places of each shared page at its copy; free what
+        they replace."""
+        self.publish(table)
+        self.settle()
+
+    def publish(self, table: PageTable) -> None:
+        """As :meth:`install`, keeping the replaced payloads and the shared pages' references until
+        :meth:`settle` or :meth:`undo`."""
+        payloads = self.pool.payloads
         for plane, p, buf, arr, fmt in self.built:
-            payloads.install_payload(plane, p, buf, arr, fmt)
+            old = payloads.install_payload(plane, p, buf, arr, fmt, keep_old=True)
+            if old is not None:
+                self._kept.append((plane, p, old))
         for p, new in zip(self.shared, self.fresh.tolist()):
             places = self.where[p]
-            pool.incref(np.full(len(places) - 1, new, np.int32))
+            self.pool.incref(np.full(len(places) - 1, new, np.int32))
             for b, blk in places:
                 table.tables[b, blk] = new
-            pool.decref(np.full(len(places), p, np.int32))
-        self.built = []
+        self.built, self._table = [], table
+
+    def settle(self) -> None:
+        """Free the payloads and drop the page references :meth:`publish` replaced."""
+        for _, _, old in self._kept:
+            self.pool.payloads.discard_payload(old[0])
+        for p in self.shared:
+            self.pool.decref(np.full(len(self.where[p]), p, np.int32))
+        self._kept, self.shared, self.fresh, self._table = [], [], np.zeros(0, np.int32), None
+
+    def undo(self) -> None:
+        """Return the table, payloads and counts :meth:`publish` changed to what they were."""
+        payloads = self.pool.payloads
+        for plane, p, old in reversed(self._kept):
+            payloads.restore_payload(plane, p, old)
+        for p, new in zip(self.shared, self.fresh.tolist()):
+            for b, blk in self.where[p]:
+                self._table.tables[b, blk] = p
+            self.pool.decref(np.full(len(self.where[p]), new, np.int32))
+        self._kept, self.shared, self.fresh, self._table = [], [], np.zeros(0, np.int32), None
 
     def abandon(self) -> None:
-        """Free the built payloads and the copies' page ids."""
+        """Free the built payloads and the copies' page ids (nothing published)."""
         for _, _, buf, _, _ in self.built:
             self.pool.payloads.discard_payload(buf)
         self.built = []
@@ -99,7 +131,8 @@ def prepare_conversion(
     A page with more references than places (after the references
     ``dropped`` lists go: a run's commit drops those of the pages it
     replaced by copies) is first copied into a fresh page id, which gets
-    the payloads instead.  Raises :class:`~onnxkv.errors.OutOfMemory` (no
+    the payloads instead (its planes not converted now keep their formats,
+    byte for byte).  Raises :class:`~onnxkv.errors.OutOfMemory` (no
     free page id for a copy, the allocator failed) or
     :class:`~onnxkv.errors.InputError` (the allocator broke its contract)
     with nothing allocated.
@@ -115,7 +148,13 @@ def prepare_conversion(
     target.update(zip(shared, fresh.tolist()))
     try:
         for p, new in zip(shared, fresh.tolist()):
-            conversion.copied += payloads.copy_page(p, new, bs)
+            conversion.copied += payloads.copy_page(p, new, bs)  # every plane native (dequantized) ...
+            chosen = {plane for plane, _ in targets[p]}
+            for plane in range(len(pool.planes)):  # ... but a plane not converted now keeps its format
+                if plane not in chosen and payloads.quantized(plane, p):
+                    buf, arr = payloads.duplicate_payload(plane, p)
+                    fmt = formats.page_format(int(payloads.formats[plane][p])).name
+                    conversion.built.append((plane, new, buf, arr, fmt))
         for p in where:
             for plane, fmt in targets[p]:
                 buf, arr = payloads.build_payload(plane, target[p], fmt, bs)
@@ -137,8 +176,9 @@ def convert_pages(
     Raises as :func:`prepare_conversion` does, with nothing changed.
     """
     conversion = prepare_conversion(table.pool, where, dict.fromkeys(where, targets))
+    copies = len(conversion.shared)
     conversion.install(table)
-    return len(conversion.shared), conversion.copied
+    return copies, conversion.copied
 
 
 def full_pages_conversion(

@@ -477,18 +477,43 @@ class PlanePayloads:
             scale, zero = formats.params_for(x, fmt, "head")
             _kernels.quantize_page(x, fmt.code, scale, zero, spec.groups, arr, bs)
 
-    def install_payload(self, plane: int, page: int, buf, arr: np.ndarray | None, fmt_name: str) -> None:
-        """Swap a payload from :meth:`build_payload` into ``page`` (held exclusively); free the old one.
+    def install_payload(
+        self, plane: int, page: int, buf, arr: np.ndarray | None, fmt_name: str, keep_old: bool = False
+    ) -> tuple | None:
+        """Swap a payload from :meth:`build_payload` into ``page`` (held exclusively); free the old one, or
+        with ``keep_old`` return its record for :meth:`restore_payload` (or :meth:`discard_payload` of its
+        buffer, the first item).
 
         ``buf`` None (a conversion to the page's own native format) changes
-        nothing.  The page's records change first; a ``free`` of the old
-        payload that raises is then logged: the new payload stays published.
+        nothing (returns None).  The page's records change first; a ``free``
+        of the old payload that raises is then logged: the new payload stays
+        published.
         """
         if buf is None:
-            return
+            return None
         with self._lock:
-            old = self.swap(plane, page, buf, arr, formats.page_format(fmt_name).code)[0]
-        release(self.allocator, [old], self.owner)
+            old = self.swap(plane, page, buf, arr, formats.page_format(fmt_name).code)
+        if keep_old:
+            return old
+        release(self.allocator, [old[0]], self.owner)
+        return None
+
+    def restore_payload(self, plane: int, page: int, old: tuple) -> None:
+        """Put back the record :meth:`install_payload` kept (``keep_old``); free the payload it replaced."""
+        with self._lock:
+            new = self.swap(plane, page, *old)[0]
+        release(self.allocator, [new], self.owner)
+
+    def duplicate_payload(self, plane: int, page: int):
+        """A new payload holding a byte copy of ``page``'s payload in ``plane``, which is not native (its
+        format; header and codes alike): (buffer, array), as :meth:`build_payload` returns them."""
+        src = self.pages[plane][page]
+        fmt = formats.page_format(int(self.formats[plane][page]))
+        buf, arr = formats.allocate_payload(self.allocators[plane], fmt, src.nbytes, self._labels[plane])
+        with self._lock:
+            self._built[id(buf)] = buf
+        arr[:] = src.reshape(-1).view(np.uint8)
+        return buf, arr
 
     def discard_payload(self, buf) -> None:
         """Give back a payload from :meth:`build_payload` that will not be installed, or one a

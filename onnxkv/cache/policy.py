@@ -28,7 +28,7 @@ leaves the state unchanged.  The conversion is part of the run: its payloads
 (and the copies of pages other holders share) are built before the run
 commits and published with it (on a state that keeps positions for a
 truncate, ``State.keep_for_truncate``, at the start of its next run
-instead).  A conversion that cannot get its memory (an allocator refusing a
+instead, undone if that run fails).  A conversion that cannot get its memory (an allocator refusing a
 payload, no free page to copy a shared page into) fails its run with
 ``OutOfMemory`` and leaves the state unchanged; made again once there is
 room, the run converts as it would have.

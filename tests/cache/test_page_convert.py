@@ -197,3 +197,23 @@ def test_full_pages_are_those_of_each_row_between_its_first_kept_block_and_its_l
     conversion.abandon()
     pool.audit()
     table.release()
+
+
+def test_a_published_conversion_undone_leaves_table_payloads_and_counts_as_they_were():
+    alloc = ArenaAllocator(1 << 20)
+    pool, cache = _cache(alloc)
+    other = cache.table.share()  # pages 0 and 1 shared: copied; page 2 ours alone: converted in place
+    pool.decref(np.array([other.tables[0, 2]], np.int32))
+    other.tables[0, 2] = -1
+    before, live = _pool_state(pool, cache.table, other), alloc.stats().live
+    values = [cache.gather(i, 3 * BS) for i in (0, 1)]
+    conversion = cache.full_pages_conversion([(0, "int8"), (1, "int4")])
+    conversion.publish(cache.table)
+    assert int(pool.formats[0][cache.table.tables[0, 2]]) == INT8 and len(conversion.shared) == 2
+    conversion.undo()
+    assert _pool_state(pool, cache.table, other) == before and alloc.stats().live == live
+    for i in (0, 1):
+        np.testing.assert_array_equal(cache.gather(i, 3 * BS), values[i])
+    pool.audit()
+    other.release()
+    cache.table.release()

@@ -517,3 +517,57 @@ def test_forks_and_restores_owe_the_conversions_the_state_owed(session):
         mark.release()
         fork.close()
         st.pool.audit()
+
+
+def test_a_failed_run_takes_back_the_conversions_owed_to_it(session):
+    """Keeping positions for a truncate, the conversions a run owes are published before the next run's
+    queries read the pages; when that run fails (here: no pages for its own tokens) they are undone with
+    it, so the truncate keep_for_truncate promised still lands in native pages."""
+    prompt = np.random.default_rng(13).integers(0, MICRO.vocab_size, (1, 3))
+
+    def started(max_pages):
+        st = session.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int8", max_pages=max_pages))
+        st.keep_for_truncate(2)
+        _, b, out = _run(session, st, prompt, 0)
+        st.run(b.next(np.array([8]), out), [])  # fills page 0: its conversion is owed to the next run
+        return st, b
+
+    (st, b), (ref, b_ref) = started(2), started(None)
+    before = _state_bytes(st)
+    with pytest.raises(OutOfMemory, match="max_pages=2"):
+        st.run(b.next(np.array([[1, 2, 3, 4, 5]]), None), ["logits"])  # needs 2 new pages, 1 free
+    assert _state_bytes(st) == before and _formats(st) == [CODES["float32"]]
+    st.pool.audit()
+    for s, fb in ((st, b), (ref, b_ref)):
+        s.truncate(2)
+        fb.rewind(2)
+    got = st.run(b.next(np.array([9]), None), ["logits"])["logits"]
+    np.testing.assert_array_equal(got, ref.run(b_ref.next(np.array([9]), None), ["logits"])["logits"])
+    st.close()
+    ref.close()
+
+
+def test_a_copy_made_to_convert_a_shared_page_keeps_its_other_planes_formats(session):
+    """A conversion copies a page a fork shares; the copy's planes the conversion does not choose keep
+    their formats byte for byte (not dequantized), so the state stays as one never forked."""
+
+    def selector(layer, past_length, k, v):
+        if past_length < 8:
+            return "float16", None  # the prompt's keys
+        return (None, "int8") if past_length < 12 else ("int8", None)  # then values; float16 keys stay
+
+    config = CacheConfig("paged", block_size=4, kv_format=selector)
+    prompt = np.random.default_rng(14).integers(0, MICRO.vocab_size, (1, 8))
+    with session.new_state(cache=config) as st, session.new_state(cache=config) as ref:
+        _, b, out = _run(session, st, prompt, 0)
+        _, b_ref, out_ref = _run(session, ref, prompt, 0)
+        fork = st.fork()[0]
+        for tok in (3, 4, 1, 2, 7):  # the first converts the shared pages' values: copies for st
+            out = st.run(b.next(np.array([tok]), out), ["logits"])
+            out_ref = ref.run(b_ref.next(np.array([tok]), out_ref), ["logits"])
+            np.testing.assert_array_equal(out["logits"], out_ref["logits"])
+        for plane in range(len(st.pool.planes)):
+            assert _formats(st, plane) == _formats(ref, plane)
+        assert _formats(st, 0)[:2] == [CODES["float16"]] * 2 and st.committed_bytes == ref.committed_bytes
+        fork.close()
+        st.pool.audit()

@@ -72,8 +72,10 @@ class PagedStore:
         self._chosen: list[tuple[int, str]] = []
         #: Conversions a committed run chose, made at the start of the next run when ``rollback`` > 0.
         self._pending: list[tuple[int, str]] = []
-        #: The conversion of the run in progress (built before it commits, installed by the commit).
+        #: The conversion of the run in progress (built before it commits, installed by the commit), and
+        #: the one owed by the last run (published before the run, settled by its commit or undone).
         self._conversion: Conversion | None = None
+        self._owed: Conversion | None = None
 
     @property
     def caches(self) -> dict[str, PagedPlane] | None:
@@ -169,9 +171,9 @@ class PagedStore:
                 f"State.run: batch size {batch} differs from the state's {self.cache.table.batch}; "
                 "reorder or reset the state first"
             )
-        if self._pending:  # owed by the last run, before this run's queries read the pages (else it fails)
-            self._install(self._prepare_conversion(self._pending))
-            self._pending = []
+        if self._pending:  # owed by the last run: published before this run's queries read the pages (else
+            self._owed = self._prepare_conversion(self._pending)  # it fails), undone if the run is discarded
+            self._owed.publish(self.cache.table)
         lengths = self.cache.lengths
         self._before = int(lengths.max()) if lengths.size else 0
         self._chosen = []
@@ -250,9 +252,14 @@ class PagedStore:
 
     def commit(self, out: Mapping[str, np.ndarray]) -> None:
         self.cache.commit()
+        owed, self._owed = self._owed, None
+        if owed is not None:
+            self._pending = []
+            self._converted(owed)
         conversion, self._conversion = self._conversion, None
         if conversion is not None:
-            self._install(conversion)
+            conversion.publish(self.cache.table)
+            self._converted(conversion)
         elif self._chosen:  # a truncate within the margin may still take the pages back
             self._pending = self._chosen
         if self.window is not None:
@@ -272,8 +279,9 @@ class PagedStore:
             names = ", ".join(sorted({fmt for _, fmt in chosen}))
             raise cls(f"State.run: converting full pages to the kv_format ({names}) failed: {e}") from e
 
-    def _install(self, conversion: Conversion) -> None:
-        conversion.install(self.cache.table)
+    def _converted(self, conversion: Conversion) -> None:
+        """Settle a published ``conversion`` (free what it replaced) and log it."""
+        conversion.settle()
         if conversion.pages:
             extra = {"pages_converted": conversion.pages}
             self.ctx.log("quantize", cow_copied_bytes=conversion.copied, extra=extra)
@@ -308,6 +316,9 @@ class PagedStore:
             self._conversion.abandon()
             self._conversion = None
         self.cache.discard()
+        if self._owed is not None:  # the conversions stay owed
+            self._owed.undo()
+            self._owed = None
         if self._fresh:  # the first run made the cache: a failure leaves the store holding nothing, as before
             self.close()
 
