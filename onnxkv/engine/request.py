@@ -98,7 +98,8 @@ class Request:
         Over pages a ``kv_format`` converts (the engine's conversion cycle), a run ends where the runs of
         :func:`onnxkv.generate` alone end, since a token reads the pages converted before its run: its
         prompt in chunks counted from the prompt's start, then (a paused request) the tokens it had made
-        at each length where a page falls due (``State.conversion_cycle``), as its single-token runs did.
+        in runs ending at each length where a page falls due (``State.conversion_cycle``), as its
+        single-token runs did, and never wider than its chunk (so within every step's budget).
         """
         if self.finished is not None:
             return 0
@@ -110,7 +111,7 @@ class Request:
             return min(self.chunk, size - done)
         if done < self.prompt.size:
             return min((done // self.chunk + 1) * self.chunk, self.prompt.size) - done
-        return next(iter(conversion_lengths(cycle, done, size)), size) - done
+        return min(self.chunk, next(iter(conversion_lengths(cycle, done, size)), size) - done)
 
     def _take(self, token: int) -> str | None:
         """Append ``token`` (chosen by :func:`choose_tokens`) and say why it stops there ("eos",

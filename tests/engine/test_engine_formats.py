@@ -98,6 +98,28 @@ def test_a_paused_request_reruns_its_tokens_in_runs_that_end_where_pages_convert
     engine.close()
 
 
+def test_a_paused_request_reruns_its_tokens_within_the_step_budget(session):
+    """Its runs end where pages fall due and are never wider than its chunk (at most max_batch_tokens): a
+    run of 4 tokens up to the next page would never fit a budget of 2, and the request, holding pages
+    others wait for, would stall the engine."""
+    cache = onnxkv.CacheConfig("paged", block_size=4, kv_format="int8")
+    prompts = [np.array(embedded.encode(t), np.int64) for t in ("def f(x):\n", "def g(y):\n")]
+    engine = onnxkv.Engine(session, cache=cache, max_batch_tokens=2, max_pages=20)  # 18 and 10 pages alone
+    first = engine.add_request(prompts[0], 60, eos_token_id=[])
+    while len(first.tokens) < 6:
+        engine.step()
+    second = engine.add_request(prompts[1], 30, eos_token_id=[])  # paused after it made tokens
+    for _ in range(2000):
+        if not engine.active:
+            break
+        assert all(r.next_tokens <= r.chunk <= 2 for r in engine.active)
+        engine.step()
+    assert not engine.active and second.preemptions > 0
+    for r in (first, second):
+        assert r.tokens == _alone(session, r, cache), r.id
+    engine.close()
+
+
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # no conversion may fail and leave a page native
 @pytest.mark.parametrize("residual", [4, 8])
 @pytest.mark.parametrize("new", [5, 9, 14])
