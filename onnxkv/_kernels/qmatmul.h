@@ -246,30 +246,6 @@ static void okv_qmm_quant_rows(const float *x, int64_t M, int64_t K, int64_t bs,
         }
 }
 
-/* 1 when this build and CPU run the AVX-512 VNNI path (on top of okv_cpu_avx512_ok). */
-static int okv_cpu_vnni512_ok(void) {
-#if OKV_X86_SIMD && OKV_HAVE_VNNI
-    unsigned int a, b, c, d;
-    if (!okv_cpu_avx512_ok() || __get_cpuid_max(0, NULL) < 7) return 0;
-    __cpuid_count(7, 0, a, b, c, d);
-    return (c >> 11) & 1;
-#else
-    return 0;
-#endif
-}
-
-/* 1 when this build and CPU run the AVX-VNNI (VEX) path. */
-static int okv_cpu_avxvnni_ok(void) {
-#if OKV_X86_SIMD && OKV_HAVE_VNNI
-    unsigned int a, b, c, d;
-    if (!okv_cpu_simd_ok() || __get_cpuid_max(0, NULL) < 7) return 0;
-    __cpuid_count(7, 1, a, b, c, d);
-    return (a >> 4) & 1;
-#else
-    return 0;
-#endif
-}
-
 /* okv_qmm_dequant on isa (the float paths' instruction set). */
 static void okv_qmm_dequant_isa(const okv_qmm *a, int64_t p0, int64_t p1, float *dst, int isa) {
 #if OKV_X86_SIMD

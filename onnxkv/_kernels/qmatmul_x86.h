@@ -9,10 +9,6 @@
 #ifndef ONNXKV_QMATMUL_X86_H
 #define ONNXKV_QMATMUL_X86_H
 #if OKV_X86_SIMD
-#if OKV_HAVE_VNNI
-#define OKV_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-#define OKV_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#endif
 
 /* ------------------------------------------------------------------ */
 /* 8-column paths (AVX2 and AVX-VNNI)                                   */

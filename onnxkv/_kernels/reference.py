@@ -8,6 +8,10 @@ then cast to the output dtype.
 
 import numpy as np
 
+from onnxkv._kernels.reference_integer import (  # noqa: F401 - the twins of imatmul
+    dynamic_quantize_linear,
+    matmul_integer,
+)
 from onnxkv._kernels.reference_nbits import (  # noqa: F401 - the twins of qmatmul, here with the others
     matmul_nbits_f32,
     matmul_nbits_int8,

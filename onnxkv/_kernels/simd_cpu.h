@@ -47,7 +47,7 @@ static int okv_thread_num(void) { return 0; }
 #endif
 
 /* Instruction sets on top of AVX2 and AVX-512 that the compiler may lack:
- * OKV_HAVE_VNNI (AVX-512 VNNI and AVX-VNNI: qmatmul_x86.h) and OKV_HAVE_AMX
+ * OKV_HAVE_VNNI (AVX-512 VNNI and AVX-VNNI: qmatmul_x86.h, imatmul.h) and OKV_HAVE_AMX
  * (AMX-TILE and AMX-INT8: attention_amx.h).  The build (meson.build of this
  * folder) defines each as 1 or 0 after compiling a test of its target
  * attribute and intrinsics; a set that is 0 is compiled out and its CPU check
@@ -172,6 +172,37 @@ static int okv_cpu_bf16_ok(void) {
     if (!okv_cpu_avx512_ok() || __get_cpuid_max(0, NULL) < 7) return 0;
     __cpuid_count(7, 1, a, b, c, d);
     return (a >> 5) & 1u;
+#else
+    return 0;
+#endif
+}
+
+#if OKV_X86_SIMD && OKV_HAVE_VNNI
+/* Targets of the VNNI dot products (qmatmul_x86.h, imatmul.h): AVX-VNNI (VEX, 8 lanes) on the AVX2 set,
+ * AVX-512 VNNI on the AVX-512 set; run only where okv_cpu_avxvnni_ok / okv_cpu_vnni512_ok say so. */
+#define OKV_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define OKV_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#endif
+
+/* 1 when this build and CPU run the AVX-512 VNNI path (on top of okv_cpu_avx512_ok). */
+static int okv_cpu_vnni512_ok(void) {
+#if OKV_X86_SIMD && OKV_HAVE_VNNI
+    unsigned int a, b, c, d;
+    if (!okv_cpu_avx512_ok() || __get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (c >> 11) & 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when this build and CPU run the AVX-VNNI (VEX) path. */
+static int okv_cpu_avxvnni_ok(void) {
+#if OKV_X86_SIMD && OKV_HAVE_VNNI
+    unsigned int a, b, c, d;
+    if (!okv_cpu_simd_ok() || __get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 1, a, b, c, d);
+    return (a >> 4) & 1;
 #else
     return 0;
 #endif
