@@ -199,9 +199,19 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
     return CacheConvention(kind, layers, num_heads, kv, head_size, capacity, attrs)
 
 
+def _is_key(name: str) -> bool:
+    """Whether a past input ``name`` holds keys: the later of the words 'key' and 'value' in it decides
+    (``past_key_values.0.value`` holds values), else a ``.k`` component."""
+    low = name.lower()
+    k, v = low.rfind("key"), low.rfind("value")
+    if k >= 0 or v >= 0:
+        return k > v
+    return re.search(r"\.k(\b|_|$)", name) is not None
+
+
 def _pair_singles(kind: str, singles: list[tuple[str, str, str]]) -> list[tuple]:
     """Pair key and value entries (by 'key'/'value' in the names, else in order)."""
-    keys = [s for s in singles if "key" in s[0].lower() or re.search(r"\.k(\b|_|$)", s[0])]
+    keys = [s for s in singles if _is_key(s[0])]
     values = [s for s in singles if s not in keys]
     if len(keys) != len(values):
         keys, values = singles[0::2], singles[1::2]

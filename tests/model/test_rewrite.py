@@ -48,3 +48,25 @@ def test_a_present_fed_to_a_loop_binds_nothing():
         [_vi("c_out", TensorProto.BOOL), _vi("v_out")],
     )
     assert _with(h.make_node("Loop", ["", "flag", "present.1.key"], ["looped"], body=body)) == []
+
+
+def test_concat_pairs_keys_and_values_by_name_in_any_node_order():
+    """``past_key_values.N.value`` holds values although its name has 'key' in it: with the value Concat
+    before the key Concat (the node order ONNX Runtime's tools write), keys still pair with keys."""
+    model = build_concat_model(MICRO)
+    nodes = list(model.graph.node)
+    concats = [n for n in nodes if n.op_type == "Concat" and n.output[0].startswith("present")]
+    keys = [n for n in concats if n.output[0].endswith(".key")]
+    values = [n for n in concats if n.output[0].endswith(".value")]
+    assert len(keys) == len(values) == MICRO.num_layers
+    for v in values:  # each value Concat just before its layer's key Concat
+        k = next(n for n in keys if n.output[0].split(".")[1] == v.output[0].split(".")[1])
+        nodes.remove(v)
+        nodes.insert(nodes.index(k), v)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    conv = recognize_cache(model)
+    assert [(x.past_key, x.past_value, x.present_key, x.present_value) for x in conv.layers] == [
+        (f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value")
+        for i in range(MICRO.num_layers)
+    ]
