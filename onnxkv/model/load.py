@@ -32,6 +32,7 @@ import onnx
 
 from onnxkv.errors import ModelError, UnsupportedOperatorError
 from onnxkv.model.convention import CacheConvention, recognize_cache
+from onnxkv.model.hf_config import read_hf_settings
 from onnxkv.model.tensors import check_attributes, data_nbytes, element_count
 from onnxkv.model.well_formed import check_arity, check_text
 from onnxkv.model.windows import apply_config_window
@@ -66,7 +67,9 @@ class Model:
         io: names of input_ids / attention_mask / position_ids / logits.
         genai_config: the parsed ``genai_config.json`` or None.
         max_length, vocab_size, bos_token_id, eos_token_id, pad_token_id:
-            generation settings from genai_config (None when unknown);
+            generation settings from genai_config, else from the Hugging Face
+            ``config.json`` / ``generation_config.json`` next to the file or
+            its folder (:mod:`onnxkv.model.hf_config`; None when unknown);
             ``eos_token_id`` is a list.
         external: initializer name -> read-only array mapped from its
             external data file (zero-copy: the weights are in memory once).
@@ -489,9 +492,14 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
                 for c in candidates:
                     _no_broken_link(c)
                 if len(candidates) != 1:
+                    # a Hugging Face export keeps its files (float, quantized, fp16...) in onnx/
+                    listed = candidates
+                    if not listed and (p / "onnx").is_dir():
+                        listed = sorted((p / "onnx").glob("*.onnx"))
+                    names = ", ".join(str(c.relative_to(p)) for c in listed[:12])
                     raise FileNotFoundError(
-                        f"load: folder {p} has no genai_config.json and "
-                        f"{len(candidates)} .onnx files (need exactly one)"
+                        f"load: folder {p} has no genai_config.json and {len(candidates)} .onnx files (need exactly "
+                        f"one)" + (f"; give the path of one of: {names}" if listed else "")
                     )
                 file = candidates[0]
                 _regular_file(file, f"load: the model file {file.name} of {p}")
@@ -522,6 +530,11 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
     m = Model(proto, file, conv, _find_io(proto, conv, cfg), cfg, external=external)
     if cfg is not None:
         _apply_genai_config(m, cfg)
+    elif file is not None:
+        hf = read_hf_settings(file)
+        if hf is not None:
+            m.vocab_size, m.max_length = hf["vocab_size"], hf["max_length"]
+            m.bos_token_id, m.eos_token_id, m.pad_token_id = hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]
     if m.vocab_size is None and m.io.logits:
         for o in proto.graph.output:
             if o.name == m.io.logits and o.type.tensor_type.HasField("shape"):

@@ -1,0 +1,106 @@
+"""The generation settings of a Hugging Face export: ``config.json`` and ``generation_config.json``.
+
+Optimum's exports (the layout of the ``onnx-community`` and ``Xenova`` repositories) keep the model
+files in an ``onnx/`` folder and the model's ``config.json`` and ``generation_config.json`` beside
+that folder, or beside the file itself.  :func:`read_hf_settings` finds them for a model file that has
+no ``genai_config.json`` and returns what onnxkv reads from them: ``eos_token_id`` (a list; the
+generation config's over the model config's, as transformers takes them), ``bos_token_id``,
+``pad_token_id``, ``vocab_size`` and ``max_length`` (``max_position_embeddings``).  The files are
+untrusted input: each is read only if it is a regular file of at most 16 MiB holding a JSON object,
+and every key read must be an int in its range (token ids below ``vocab_size``), else
+:class:`~onnxkv.errors.ModelError` names the file, the key and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+from onnxkv.errors import ModelError
+
+__all__ = ["read_hf_settings"]
+
+#: Largest config file read (they hold a few KB).
+_BYTES_LIMIT = 16 << 20
+#: Largest vocabulary size or context length taken.
+_INT_LIMIT = 1 << 31
+_TOKENS = ("eos_token_id", "bos_token_id", "pad_token_id")
+
+
+def _read(path: Path) -> dict | None:
+    """The JSON object in ``path``, or None when there is no such file."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ModelError(f"load: cannot stat {path}: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"load: {path} is not a regular file")
+    if st.st_size > _BYTES_LIMIT:
+        raise ModelError(f"load: {path} is larger than {_BYTES_LIMIT} bytes")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelError(f"load: {path} is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"load: {path} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _int(cfg: dict, key: str, path: Path, low: int, high: int) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise ModelError(f"load: {path}: {key} must be an int in [{low}, {high}), got {value!r:.60}")
+    return value
+
+
+def _tokens(cfg: dict, key: str, path: Path, vocab: int) -> list[int] | None:
+    """``cfg[key]`` as a list of token ids (None when absent or null)."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    return [_int({key: v}, key, path, 0, vocab) for v in items]
+
+
+def read_hf_settings(model_file: Path) -> dict | None:
+    """The generation settings of the Hugging Face configs next to ``model_file`` (its folder, else the
+    folder above it), or None when neither folder has a ``config.json``.  Keys: ``eos_token_id`` (list),
+    ``bos_token_id``, ``pad_token_id``, ``vocab_size``, ``max_length`` (each None when unknown).
+
+    Raises:
+        ModelError: a config file that is not a regular file, too large, not a JSON object, or a key
+            read from it of another type or out of range (naming the file, key and value).
+    """
+    for folder in (model_file.parent, model_file.parent.parent):
+        config = _read(folder / "config.json")
+        if config is not None:
+            break
+    else:
+        return None
+    path = folder / "config.json"
+    vocab = _int(config, "vocab_size", path, 1, _INT_LIMIT)
+    top = vocab if vocab is not None else _INT_LIMIT
+    out = {
+        "vocab_size": vocab,
+        "max_length": _int(config, "max_position_embeddings", path, 1, _INT_LIMIT),
+        "eos_token_id": _tokens(config, "eos_token_id", path, top),
+        "bos_token_id": _int(config, "bos_token_id", path, 0, top),
+        "pad_token_id": _int(config, "pad_token_id", path, 0, top),
+    }
+    gen_path = folder / "generation_config.json"
+    generation = _read(gen_path)
+    if generation is not None:
+        eos = _tokens(generation, "eos_token_id", gen_path, top)
+        if eos is not None:
+            out["eos_token_id"] = eos
+        for key in ("bos_token_id", "pad_token_id"):
+            value = _int(generation, key, gen_path, 0, top)
+            if value is not None:
+                out[key] = value
+    out["eos_token_id"] = out["eos_token_id"] or []
+    return out
