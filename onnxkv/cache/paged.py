@@ -466,12 +466,13 @@ class PagedCache:
         return out
 
     # -- page formats ----------------------------------------------------------
-    def full_pages_conversion(self, chosen, residual_tokens: int = 0) -> Conversion:
+    def full_pages_conversion(self, chosen, residual_tokens: int = 0, valid=None) -> Conversion:
         """:func:`~onnxkv.cache.page_convert.full_pages_conversion` of ``chosen`` ((plane, format name)
         pairs) over the staged run's tables (whose commit drops the pages it replaced), else the committed
-        ones: install it on :attr:`table` after the commit, or abandon it."""
+        ones, rows no longer than ``valid`` (int64 [B] or None): install it on :attr:`table` after the commit."""
         staged = self._staged is not None
         tables, lengths = (self._staged, self._staged_lengths) if staged else (self.table.tables, self.table.lengths)
+        lengths = lengths if valid is None else np.minimum(lengths, valid)
         return full_pages_conversion(self.table, tables, lengths, chosen, residual_tokens, self._replaced)
 
 

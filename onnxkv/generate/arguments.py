@@ -71,11 +71,11 @@ def real_arg(
     api: str, name: str, value, low: float | None = None, high: float | None = None, low_open: bool = False
 ) -> float:
     """``value`` as a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``; None: unbounded)."""
-    ok = (
-        isinstance(value, (int, float, np.integer, np.floating))
-        and not isinstance(value, (bool, np.bool_))
-        and math.isfinite(value)
-    )
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    try:
+        ok = ok and math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        ok = False
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
@@ -85,7 +85,7 @@ def real_arg(
         hi = "inf" if high is None else f"{high}"
         raise InputError(
             f"{api}: {name} must be a finite number in {'(' if low_open or low is None else '['}{lo}, "
-            f"{hi}{')' if high is None else ']'}, got {value!r}"
+            f"{hi}{')' if high is None else ']'}, got {value!r:.80}"
         )
     return float(value)
 

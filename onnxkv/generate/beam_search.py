@@ -122,7 +122,9 @@ class BeamScorer:
         self.running_scores = np.zeros((B, k), dtype=np.float32)
         self.running_scores[:, 1:] = NEG
         self.finished = np.full((B, k, n), self.pad_token_id, dtype=np.int64)
-        self.finished_scores = np.full((B, k), NEG, dtype=np.float32)
+        # empty finished slots and candidates that may not finish: -inf, below every finished score (a negative
+        # length_penalty multiplies a score far below NEG)
+        self.finished_scores = np.full((B, k), -np.inf, dtype=np.float32)
         self.finished_lengths = np.zeros((B, k), dtype=np.int64)
         self.is_finished = np.zeros((B, k), dtype=bool)
         self.improvable = np.ones(B, dtype=bool)  # transformers' is_early_stop_heuristic_unsatisfied
@@ -173,11 +175,9 @@ class BeamScorer:
 
         # Finished hypotheses: merge the top-k candidates that just finished.
         just = hits & (np.arange(self.keep) < k)[None, :]
-        fin = cand_scores / np.float32((t + 1) ** self.length_penalty)
         full = self.is_finished.all(axis=1) & (self.early_stopping is True)
-        fin = fin + full[:, None].astype(np.float32) * NEG
-        fin = fin + (~self.improvable)[:, None].astype(np.float32) * NEG
-        fin = fin + (~just).astype(np.float32) * NEG
+        takes = just & ~full[:, None] & self.improvable[:, None]
+        fin = np.where(takes, cand_scores / np.float32((t + 1) ** self.length_penalty), np.float32(-np.inf))
         merged_scores = np.concatenate([self.finished_scores, fin], axis=1)
         sel = _top(merged_scores, k)
         self.finished_scores = np.take_along_axis(merged_scores, sel, axis=1)
@@ -192,7 +192,9 @@ class BeamScorer:
         else:
             best_len = self.step
         best = self.running_scores[:, 0] / np.float32(best_len**self.length_penalty)
-        worst = np.where(self.is_finished, self.finished_scores.min(axis=1, keepdims=True), NEG)
+        # a row with an empty finished slot can always improve (transformers' -1e9 there fails once a negative
+        # length_penalty takes the best running score below it)
+        worst = np.where(self.is_finished, self.finished_scores.min(axis=1, keepdims=True), np.float32(-np.inf))
         self.improvable &= np.any(best[:, None] > worst, axis=1)
         all_full = bool(self.is_finished.all()) and self.early_stopping is True
         self.done = not (bool(self.improvable.any()) and not all_full and not bool(hits.all()))
@@ -210,7 +212,7 @@ class BeamScorer:
         n = int(num_return_sequences)
         lengths = self.finished_lengths[:, :n].reshape(-1)
         width = int(lengths.max()) if lengths.size else 0
-        tokens = self.finished[:, :n, :width].reshape(-1, width)
+        tokens = self.finished[:, :n, :width].reshape(self.batch * n, width)
         return tokens.copy(), self.finished_scores[:, :n].reshape(-1).copy(), lengths.copy()
 
 

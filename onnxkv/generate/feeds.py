@@ -120,11 +120,14 @@ class FeedBuilder:
         if self.kind == "none":
             return self._full_sequence_feeds(), np.full(B, L - 1)
         if self.right_padded:
+            # columns past the longest row are padding in every row: left out, so that the mask is as wide
+            # as the longest row (a paged state's cache holds each row's tokens only, no padding after them)
+            L = int(self.lengths.max())
             ids = np.full((B, L), self.pad_id, dtype=np.int64)
             mask = np.zeros((B, L), dtype=np.int64)
             for b in range(B):
                 n = int(self.lengths[b])
-                ids[b, :n] = self.prompt[b, L - n :]
+                ids[b, :n] = self.prompt[b, self.prompt_len - n :]
                 mask[b, :n] = 1
             read = self.lengths - 1
             pos = np.where(mask == 1, np.arange(L)[None, :], 0)

@@ -312,6 +312,48 @@ def test_left_padded_batch_rows_equal_rows_alone(micro, cache):
         np.testing.assert_allclose(batch.sequences_scores[2 * b : 2 * b + 2], alone.sequences_scores, atol=1e-4)
 
 
+def test_every_row_left_padded_equals_rows_alone(micro, cache):
+    """No row spans the prompt's width: the GroupQueryAttention layout leaves the common padding column out,
+    so a paged state (which holds each row's tokens only) is fed a mask as wide as its cache."""
+    rows = [[9, 23, 4], [12, 5, 77, 31]]
+    ids = np.array([[0] * (5 - len(r)) + r for r in rows])
+    mask = np.array([[0] * (5 - len(r)) + [1] * len(r) for r in rows])
+    kw = dict(eos_token_id=[], num_return_sequences=2, pad_token_id=0, cache=cache)
+    batch = beam_search(micro, ids, 3, 5, attention_mask=mask, **kw)
+    for b, r in enumerate(rows):
+        alone = beam_search(micro, np.array(r), 3, 5, **kw)
+        np.testing.assert_array_equal(batch.sequences[2 * b : 2 * b + 2, 5:], alone.sequences[:, len(r) :])
+        np.testing.assert_allclose(batch.sequences_scores[2 * b : 2 * b + 2], alone.sequences_scores, atol=1e-4)
+
+
+def test_quantized_pages_of_a_left_padded_row_equal_the_row_alone(micro):
+    """A static (TensorScatter) cache's prompt run writes each short row's padding after its tokens, as a
+    GroupQueryAttention one does: those positions are not full pages of the row, so int8 pages hold what the
+    row alone holds.  (A left-padded row of the other forms holds its padding in its first pages:
+    docs/paged-caches.md.)"""
+    if micro.model.convention.kind not in ("group_query_attention", "tensor_scatter"):
+        pytest.skip("left padding lies in the row's first pages: not the row alone's pages")
+    short, long_ = [5, 6], list(range(10, 22))
+    ids = np.array([[0] * 10 + short, long_])
+    mask = (np.arange(12) >= np.array([[10], [0]])).astype(np.int64)
+    cfg = onnxkv.CacheConfig("paged", block_size=4, kv_format="int8")
+    batch = beam_search(micro, ids, 2, 6, attention_mask=mask, eos_token_id=[], cache=cfg)
+    alone = beam_search(micro, np.array(short), 2, 6, eos_token_id=[], cache=cfg)
+    np.testing.assert_array_equal(batch.sequences[0, 12:], alone.sequences[0, 2:])
+    np.testing.assert_allclose(batch.sequences_scores[0], alone.sequences_scores[0], atol=1e-5)
+
+
+def test_negative_length_penalty_returns_full_hypotheses(micro, cache):
+    """A negative length_penalty multiplies finished scores far below transformers' -1e9 markers of empty
+    slots: the search still returns its hypotheses, scored as the formula says."""
+    prompt = [5, 6, 7]
+    res = beam_search(micro, np.array(prompt), 3, 30, length_penalty=-5.0, eos_token_id=[], cache=cache)
+    assert res.sequences.shape == (1, 33)
+    seq = res.sequences[0].tolist()
+    total = sum(float(full_logprobs(micro, seq[:i])[seq[i]]) for i in range(3, 33))
+    np.testing.assert_allclose(res.sequences_scores[0], total / 30.0**-5.0, rtol=1e-4)
+
+
 def test_callback_sees_every_step(micro):
     seen = []
     res = beam_search(
@@ -347,6 +389,7 @@ def test_one_new_token_returns_the_k_most_likely_tokens(micro, cache):
         (dict(max_new_tokens=0), r"max_new_tokens.*0"),
         (dict(length_penalty="1"), r"length_penalty.*'1'"),
         (dict(length_penalty=True), r"length_penalty.*True"),
+        (dict(length_penalty=10**400), r"length_penalty must be a finite number .*, got 1000"),
         (dict(early_stopping="sometimes"), r"early_stopping.*'sometimes'"),
         (dict(cache="contiguous"), r"cache.*'contiguous'"),
         (dict(do_sample=True), r"do_sample=True \(beam sampling\) is not supported"),

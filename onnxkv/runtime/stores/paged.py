@@ -76,6 +76,10 @@ class PagedStore:
         #: the one owed by the last run (published before the run, settled by its commit or undone).
         self._conversion: Conversion | None = None
         self._owed: Conversion | None = None
+        g = ctx.session.model.proto.graph
+        nonpad = {n.input[6] for n in g.node if n.op_type == "Attention" and len(n.input) > 6}
+        #: The graph input Attention reads as nonpad_kv_seqlen (static caches), and the run's valid lengths.
+        self._nonpad, self._valid = min(nonpad & {x.name for x in g.input}, default=None), None
 
     @property
     def caches(self) -> dict[str, PagedPlane] | None:
@@ -174,6 +178,7 @@ class PagedStore:
         if self._pending:  # owed by the last run: published before this run's queries read the pages (else
             self._owed = self._prepare_conversion(self._pending)  # it fails), undone if the run is discarded
             self._owed.publish(self.cache.table)
+        self._valid = self._valid_lengths(feeds, batch) if self.ctx.static else None
         lengths = self.cache.lengths
         self._before = int(lengths.max()) if lengths.size else 0
         self._chosen = []
@@ -267,13 +272,25 @@ class PagedStore:
             if freed:
                 self.ctx.log("evict", allocations=0, extra={"pages_freed": freed})
 
+    def _valid_lengths(self, feeds: Mapping[str, np.ndarray], batch: int) -> np.ndarray | None:
+        """A static cache's valid positions per row after the run: its Attention nodes' ``nonpad_kv_seqlen`` if
+        fed, else the leading ones of each row of the attention mask (None: neither fed as int [batch, ...]).
+        Past them lie the padding a right-padded prompt wrote, which later runs overwrite: not full pages."""
+        v = feeds.get(self._nonpad) if self._nonpad else None
+        if isinstance(v, np.ndarray) and v.dtype.kind in "iu" and v.shape == (batch,):
+            return np.maximum(v.astype(np.int64), 0)
+        m = feeds.get(self.ctx.session.model.io.attention_mask or "")
+        if isinstance(m, np.ndarray) and m.dtype.kind in "iub" and m.ndim == 2 and m.shape[0] == batch:
+            return np.cumprod(m != 0, axis=1).sum(axis=1)
+        return None
+
     def _prepare_conversion(self, chosen: list[tuple[int, str]]) -> Conversion:
         """The conversion of the full pages ``chosen`` ((plane, format) pairs) makes eligible, built on the
         staged run (else the committed table) and not yet published.  Raises OutOfMemory / InputError naming
         State.run when it cannot get its memory (a free page id to copy a shared page into, a payload)."""
         residual = int(getattr(self.selector, "residual_tokens", 0))
         try:
-            return self.cache.full_pages_conversion(chosen, residual)
+            return self.cache.full_pages_conversion(chosen, residual, self._valid)
         except (OutOfMemory, InputError) as e:
             cls = OutOfMemory if isinstance(e, OutOfMemory) else InputError
             names = ", ".join(sorted({fmt for _, fmt in chosen}))
