@@ -131,10 +131,15 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
     found: list[tuple] = []
     attrs: dict = {}
     num_heads = kv_heads = None
+    from_input, to_output = _casts(g, inputs, outputs)
+
+    def graph_names(ins: list, outs: list) -> tuple[list, list]:
+        """ins / outs with each value a Cast makes from a graph input, or casts to a graph output, named by it."""
+        return [from_input.get(x, x) for x in ins], [to_output.get(x, x) for x in outs]
 
     for n in g.node:
         if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft":
-            ins, outs = list(n.input) + [""] * 9, list(n.output) + [""] * 3
+            ins, outs = graph_names(list(n.input) + [""] * 9, list(n.output) + [""] * 3)
             if ins[3] in inputs and outs[1] in outputs:
                 a = _head_counts(n, ("num_heads", "kv_num_heads"))
                 window = a.get("local_window_size", -1)
@@ -155,7 +160,7 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
                     if k in a:
                         attrs.setdefault(k, []).append(a[k])
         elif n.op_type == "Attention" and n.domain in ("", "ai.onnx"):
-            ins, outs = list(n.input) + [""] * 7, list(n.output) + [""] * 4
+            ins, outs = graph_names(list(n.input) + [""] * 7, list(n.output) + [""] * 4)
             if ins[4] in inputs and outs[1] in outputs:
                 found.append(("attention", ins[4], ins[5], outs[1], outs[2], n.name))
                 a = _head_counts(n, ("q_num_heads", "kv_num_heads"))
@@ -173,10 +178,12 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
         for n in g.node:
             if n.op_type == "TensorScatter" and n.input and n.input[0] in inputs and n.output[0] in outputs:
                 scatter.append((n.input[0], n.output[0], n.name))
-            elif n.op_type == "Concat" and n.output[0] in outputs:
-                pasts = [x for x in n.input if x in inputs]
-                if pasts:
-                    concat.append((pasts[0], n.output[0], n.name))
+            elif n.op_type == "Concat" and n.output:
+                # a float16 export with float32 inputs and outputs casts around the Concat
+                present = n.output[0] if n.output[0] in outputs else to_output.get(n.output[0])
+                pasts = [x if x in inputs else from_input[x] for x in n.input if x in inputs or x in from_input]
+                if present and pasts:
+                    concat.append((pasts[0], present, n.name))
         for kind, singles in (("tensor_scatter", scatter), ("concat", concat)):
             if singles:
                 kinds = {kind}
@@ -207,6 +214,19 @@ def _is_key(name: str) -> bool:
     if k >= 0 or v >= 0:
         return k > v
     return re.search(r"\.k(\b|_|$)", name) is not None
+
+
+def _casts(g: onnx.GraphProto, inputs: dict, outputs: dict) -> tuple[dict, dict]:
+    """({Cast output: the graph input it casts}, {value: the graph output a Cast of it makes}): the Casts a
+    float16 export with float32 inputs and outputs puts around its cache Concats."""
+    from_input, to_output = {}, {}
+    for n in g.node:
+        if n.op_type == "Cast" and n.input and n.output:
+            if n.input[0] in inputs:
+                from_input[n.output[0]] = n.input[0]
+            if n.output[0] in outputs:
+                to_output[n.input[0]] = n.output[0]
+    return from_input, to_output
 
 
 def _pair_singles(kind: str, singles: list[tuple[str, str, str]]) -> list[tuple]:
