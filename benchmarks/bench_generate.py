@@ -69,6 +69,8 @@ hidden 128), whose per-token time is mostly per-step overhead.
 ``small-int8:N`` / ``small-int4:N`` run the small GroupQueryAttention model
 after ``onnxkv.quantize_weights`` (8 or 4 bits, block 32, symmetric,
 accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
+``small-dq8:N`` runs it after ONNX Runtime's ``quantize_dynamic`` (int8 weights; DynamicQuantizeLinear,
+MatMulInteger and a quantized embedding read through DequantizeLinear).
 ``same_tokens_as_PEER`` compares the first 8 greedy tokens; when they differ,
 ``first_difference_PEER`` gives the step and onnxkv's top-1 minus top-2 logit
 at that step over the standard deviation of its logits (``gap_over_std``).
@@ -408,6 +410,34 @@ def quantized_copy(tmp: Path, folder: Path, bits: int) -> tuple[Path, int]:
     )
 
 
+def dynamic_quantized_copy(tmp: Path, folder: Path) -> tuple[Path, int]:
+    """``folder`` with its model rewritten by ONNX Runtime's ``quantize_dynamic`` (int8 weights per tensor;
+    MatMul and Gather, as the model_quantized.onnx files of model repositories): (folder, weight bytes)."""
+    import shutil
+
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    out = tmp / f"{folder.name}-dq8"
+    if not out.exists():
+        out.mkdir()
+        for f in folder.iterdir():
+            if f.suffix == ".json":
+                shutil.copy(f, out / f.name)
+        quantize_dynamic(
+            str(folder / "model.onnx"),
+            str(out / "model.onnx"),
+            weight_type=QuantType.QInt8,
+            op_types_to_quantize=["MatMul", "Gather"],
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+        )
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    return out, sum(
+        onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
+        for t in model.graph.initializer
+    )
+
+
 def exported_vocab(path: Path) -> int:
     """Vocabulary size of a decoder file: the last dimension of its ``logits`` output."""
     import onnx
@@ -522,6 +552,10 @@ def main() -> None:
                 base, vocab = build(tmp, size, "gqa", max_length, args.threads)
                 folder, weight_bytes = quantized_copy(tmp, base, int(family[3:]))
                 source = f"onnxkv.zoo builder, onnxkv.quantize_weights bits={family[3:]} block 32 accuracy_level 4"
+            elif family == "dq8":
+                base, vocab = build(tmp, size, "gqa", max_length, args.threads)
+                folder, weight_bytes = dynamic_quantized_copy(tmp, base)
+                source = "onnxkv.zoo builder, onnxruntime.quantization.quantize_dynamic QInt8 (MatMul, Gather)"
             else:
                 folder, vocab = build(tmp, size, family, max_length, args.threads)
                 source = "onnxkv.zoo builder"
@@ -536,7 +570,7 @@ def main() -> None:
             }
             if weight_bytes is not None:
                 entry["weight_bytes_read_per_token"] = weight_bytes
-            genai_ok = family in ("gqa", "int8", "int4") or size == "builder"
+            genai_ok = family in ("gqa", "int8", "int4", "dq8") or size == "builder"
             todo = [
                 e
                 for e in engines
