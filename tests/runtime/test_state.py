@@ -288,7 +288,9 @@ def test_narrow_cache_storage_halves_the_bytes_and_stays_close(cache_dtype, tol)
 
 def test_narrow_cache_needs_a_gqa_model():
     sess = onnxkv.Session(build_model("concat", MICRO), threads=1)
-    with pytest.raises(onnxkv.InputError, match="GroupQueryAttention"):
+    with pytest.raises(
+        onnxkv.InputError, match=r"cache_dtype='float16' \(kv_format='fp16'\) needs a GroupQueryAttention"
+    ):
         sess.new_state(cache=CacheConfig(kv_format="fp16"))
     gqa = onnxkv.Session(build_model("gqa", MICRO), threads=1)
     with (

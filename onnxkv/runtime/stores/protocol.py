@@ -103,9 +103,10 @@ class StoreContext:
                 f"new_state: cache_dtype must be None, 'float32', 'float16' or 'bfloat16', got {self.cache_dtype!r}"
             )
         if self.cache_dtype is not None and conv.kind != "group_query_attention":
+            fmt = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.cache_dtype]
             raise InputError(
-                f"new_state: cache_dtype={self.cache_dtype!r} needs a GroupQueryAttention model (its "
-                f"cache is read only by the attention kernel); this model's cache is '{conv.kind}'"
+                f"new_state: cache_dtype={self.cache_dtype!r} (kv_format={fmt!r}) needs a GroupQueryAttention model "
+                f"(its cache is read only by the attention kernel); this model's cache is '{conv.kind}'"
             )
         self.bindings = list(self.session.bindings)
         self.static = conv.kind == "tensor_scatter"
