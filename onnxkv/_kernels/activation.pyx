@@ -1,4 +1,4 @@
-"""Element-wise activations: sigmoid, silu, silu_mul (float32 / float64).
+"""Element-wise activations: sigmoid, silu, silu_mul, erf (float32 / float64).
 
 Arrays of any shape are accepted as long as they are C-contiguous and of equal
 shape; they are processed as flat 1-D vectors.  The caller owns ``out``; it may
@@ -20,6 +20,10 @@ from . import _validate as V
 cdef extern from "simd.h" nogil:
     void okv_act_f32(int mode, const float *x, const float *up, float *out, int64_t n, int simd)
     void okv_act_f64(int mode, const double *x, const double *up, double *out, int64_t n)
+
+cdef extern from "<math.h>" nogil:
+    float erff(float x)
+    double c_erf "erf"(double x)
 
 ctypedef fused real:
     float
@@ -138,3 +142,33 @@ def silu_mul(gate, up, out):
     """out = gate * sigmoid(gate) * up (SwiGLU).  gate, up, out: same shape and dtype
     (float32 or float64), C-contiguous, processed flat."""
     _run(2, gate, up, out)
+
+
+cdef void _erf(const real[::1] x, real[::1] out, int nt) noexcept nogil:
+    cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i, i1
+    if nchunks < 2:
+        nt = 1
+    for c in prange(nchunks, num_threads=nt, schedule='static'):
+        i1 = (c + 1) * CHUNK
+        if i1 > n:
+            i1 = n
+        for i in range(c * CHUNK, i1):
+            if real is float:
+                out[i] = erff(x[i])
+            else:
+                out[i] = c_erf(x[i])
+
+
+def erf(x, out):
+    """out = erf(x), by the C library's erff / erf (within an ulp or two of the exact value).  x, out:
+    same shape, float32 or float64, C-contiguous; out may be x itself (not a partial overlap)."""
+    V.array("x", x, (V.F32, V.F64))
+    V.array("out", out, (x.dtype,), shape=x.shape, writeable=True)
+    V.no_overlap("out", out, x, "x", allow_identical=True)
+    if x.size == 0:
+        return
+    cdef int nt = okv_settings_get().threads
+    if x.dtype == V.F32:
+        _erf[float](x.reshape(-1), out.reshape(-1), nt)
+    else:
+        _erf[double](x.reshape(-1), out.reshape(-1), nt)

@@ -71,6 +71,13 @@ def silu_mul(gate, up, out):
     out[...] = (gate.astype(np.float64) * _sigmoid(gate) * up).astype(out.dtype)
 
 
+def erf(x, out):
+    """erf in float64 (math.erf), rounded to out's dtype."""
+    import math
+
+    out[...] = np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(out.dtype)
+
+
 def rotary_embedding(x, cos, sin, positions, interleaved, out):
     positions = np.asarray(positions)
     if positions.size and (positions.min() < 0 or positions.max() >= cos.shape[0]):

@@ -127,3 +127,36 @@ def test_activation_fast_checks_defer_to_named_errors(dtype):
     ]
     for call, message in cases:
         assert_refused(call, message, out, buf)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scale", [0.3, 3.0])
+def test_erf_within_an_ulp_of_the_float64_twin(n, dtype, scale, threads):
+    rng = np.random.default_rng(n)
+    x = rand(rng, (n,), dtype, scale)
+    out, want = np.full_like(x, np.nan), np.empty_like(x)
+    K.erf(x, out)
+    R.erf(x, want)
+    ulps = np.abs(out.astype(np.float64) - want) / np.spacing(np.abs(want))
+    assert ulps.max() <= 1.0
+
+
+def test_erf_edges_shapes_and_aliasing():
+    x = np.array([[np.nan, -np.inf, np.inf, 0.0], [-0.0, 1e-30, 6.0, -6.0]], np.float32)
+    out = np.empty_like(x)
+    K.erf(x, out)
+    np.testing.assert_array_equal(
+        out, np.array([[np.nan, -1, 1, 0], [-0.0, np.float32(1.1283792e-30), 1, -1]], np.float32)
+    )
+    assert np.signbit(out[1, 0])
+    y = x.copy()
+    K.erf(y, y)
+    np.testing.assert_array_equal(y, out)
+    K.erf(np.empty(0, np.float32), np.empty(0, np.float32))
+    with pytest.raises(ValueError, match="x: dtype float16"):
+        K.erf(x.astype(np.float16), out)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        K.erf(x, out[:1])
+    with pytest.raises(ValueError, match="out: must not overlap x"):
+        K.erf(x.reshape(-1)[1:], x.reshape(-1)[:-1])

@@ -1,4 +1,5 @@
-"""Softmax / LogSoftmax (kernel over the last axis), Gelu, and FastGelu/QuickGelu."""
+"""Softmax / LogSoftmax (kernel over the last axis), Gelu, and ONNX Runtime's Gelu family (Gelu, BiasGelu,
+FastGelu, QuickGelu: what its transformer optimizer fuses GELUs into)."""
 
 from __future__ import annotations
 
@@ -94,9 +95,57 @@ class Gelu(Op):
         if self.approx == "tanh":
             y = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
         else:
-            from math import erf
+            return (_gelu_erf(x),)
+        return (y.astype(x.dtype, copy=False),)
 
-            y = 0.5 * x * (1 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2)))
+
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    """0.5 x (1 + erf(x / sqrt(2))) in x's type (float32 / float64; others through float64)."""
+    xf = np.asarray(x, np.float64) if x.dtype not in (np.float32, np.float64) else x
+    e = np.empty(xf.shape, xf.dtype)
+    K.erf(np.ascontiguousarray(xf / xf.dtype.type(np.sqrt(2))), e)
+    return (xf.dtype.type(0.5) * xf * (1 + e)).astype(x.dtype, copy=False)
+
+
+def _plus_bias(op: Op, x: np.ndarray, bias) -> np.ndarray:
+    """x + bias, bias broadcast along x's last axis (ONNX Runtime's BiasGelu / FastGelu contract)."""
+    if bias is None:
+        return x
+    if bias.ndim != 1 or x.ndim == 0 or bias.shape[0] != x.shape[-1] or bias.dtype != x.dtype:
+        raise ValueError(
+            f"{op.op_type} node '{op.name}': bias must be 1-D of x's last dimension {x.shape[-1:]} and type "
+            f"{x.dtype}, got {bias.dtype} {list(bias.shape)}"
+        )
+    return x + bias
+
+
+@register("Gelu", domain="com.microsoft")
+class MsGelu(Op):
+    """com.microsoft::Gelu: 0.5 x (1 + erf(x / sqrt(2)))."""
+
+    def run(self, inputs: list, rt) -> tuple:
+        return (_gelu_erf(inputs[0]),)
+
+
+@register("BiasGelu", domain="com.microsoft")
+class BiasGelu(Op):
+    """com.microsoft::BiasGelu: Gelu(A + B), B 1-D along A's last axis."""
+
+    def run(self, inputs: list, rt) -> tuple:
+        return (_gelu_erf(_plus_bias(self, inputs[0], inputs[1])),)
+
+
+@register("FastGelu", domain="com.microsoft")
+class FastGelu(Op):
+    """com.microsoft::FastGelu: the tanh approximation 0.5 x (1 + tanh(x (a + g x^2))), a = sqrt(2 / pi),
+    g = 0.044715 a, of x = X (+ bias along the last axis), in X's type (float16 through float32)."""
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = _plus_bias(self, inputs[0], inputs[1] if len(inputs) > 1 else None)
+        xf = x.astype(np.float32) if x.dtype not in (np.float32, np.float64) else x
+        a = xf.dtype.type(0.7978845608028654)
+        g = xf.dtype.type(0.035677408136300125)
+        y = xf.dtype.type(0.5) * xf * (1 + np.tanh(xf * (a + g * xf * xf)))
         return (y.astype(x.dtype, copy=False),)
 
 

@@ -186,11 +186,17 @@ class Relu(Op):
 
 @register("Erf")
 class Erf(Op):
-    def run(self, inputs: list, rt) -> tuple:
-        from math import erf
+    """float32 / float64 in the ``erf`` kernel (the C library's erff / erf); other types through float64."""
 
+    def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
-        return (np.vectorize(erf, otypes=[x.dtype])(x) if x.size else x.copy(),)
+        if x.dtype in (np.float32, np.float64):
+            out = rt.empty(0, x.shape, x.dtype)
+            K.erf(np.ascontiguousarray(x), out)
+            return (out,)
+        y = np.empty(x.shape, np.float64)
+        K.erf(np.ascontiguousarray(x, dtype=np.float64), y)
+        return (y.astype(x.dtype),)
 
 
 @register("IsNaN")
