@@ -66,7 +66,7 @@ _MODULES = {
     "convert": ("f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16", "read_sum"),
     "matmul": ("matmul_rows",),
     "qmatmul": ("pack_nbits", "matmul_nbits"),
-    "imatmul": ("pack_int8_weight", "matmul_integer", "dynamic_quantize_linear"),
+    "imatmul": ("pack_int8_weight", "matmul_integer", "dynamic_quantize_linear", "matmul_dynamic"),
     "quant": ("quantize_page", "dequantize_page"),
     "pages": ("page_write",),
 }

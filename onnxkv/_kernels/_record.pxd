@@ -35,3 +35,4 @@ cdef enum:
     # lengths[1, b] (with S > 1 every row's seqlens_k equal), S < total, max(seqlens_k) < total <=
     # max(lengths[0]) + S and every position and page the call writes or reads passes attention.decode_paged_ok.
     KIND_DECODE_PAGED = 9
+    KIND_MATMUL_DYNAMIC = 10  # arrays (x, PackedInt8Weight weight, ws, out); ints (M,): imatmul.matmul_dynamic

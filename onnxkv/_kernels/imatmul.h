@@ -20,6 +20,10 @@
  * int16 pairs cannot saturate, 2 * 15 * 128 < 2^15); AVX-512 VNNI (16 columns).  All compute the
  * same integers mod 2^32, so every path gives the same bits.
  *
+ * With fout, the int32 results become float32 as a Cast and a scale per column would make them (ONNX
+ * Runtime's dynamically quantized products: DynamicQuantizeLinear, MatMulInteger, Cast, Mul; the
+ * activations then come from okv_dql_rows).
+ *
  * DynamicQuantizeLinear (okv_dql), as ONNX Runtime's CPU kernel: over the elements of x that are not
  * NaN, lo = min(0, min x), hi = max(0, max x); scale = (hi - lo) / 255 in float32, 1 when hi == lo;
  * zp = rint(clamp(0 - lo / scale)) where clamp takes a NaN to 255 (v < 255 ? v : 255, then
@@ -40,7 +44,9 @@ typedef struct okv_imm {
     const uint8_t *a;     /* [M][K4] */
     const int32_t *azp;   /* [M] */
     const int32_t *rsum;  /* [M] */
-    int32_t *out;         /* [M][N] */
+    int32_t *out;         /* [M][N], unless fout */
+    float *fout;          /* or [M][N] float32: (float)result * fs[n] (the Cast and scale of a dynamic product) */
+    const float *fs;      /* [P * 16] with fout: each column's scale */
 } okv_imm;
 
 enum { OKV_IMM_SCALAR = 0, OKV_IMM_AVX2 = 1, OKV_IMM_AVX512 = 2 };
@@ -54,6 +60,12 @@ static inline int32_t okv_imm_fix(const okv_imm *a, int64_t m, int64_t n, uint32
     return r;
 }
 
+/* Store out[m, n] = v, or with fout its float: (float)v * fs[n] (round to nearest, then one product). */
+static inline void okv_imm_put(const okv_imm *a, int64_t m, int64_t n, int32_t v) {
+    if (a->fout) a->fout[m * a->N + n] = (float)v * a->fs[n];
+    else a->out[m * a->N + n] = v;
+}
+
 static void okv_imm_scalar(const okv_imm *a, int64_t p0, int64_t p1) {
     int64_t p, m, k;
     int c;
@@ -64,7 +76,7 @@ static void okv_imm_scalar(const okv_imm *a, int64_t p0, int64_t p1) {
                 const int8_t *w = a->wq + p * a->K4 * 16 + 4 * c;
                 uint32_t d = 0;
                 for (k = 0; k < a->K4; k++) d += (uint32_t)((int32_t)x[k] * (int32_t)w[(k >> 2) * 64 + (k & 3)]);
-                a->out[m * a->N + p * 16 + c] = okv_imm_fix(a, m, p * 16 + c, d);
+                okv_imm_put(a, m, p * 16 + c, okv_imm_fix(a, m, p * 16 + c, d));
             }
 }
 
@@ -86,6 +98,17 @@ OKV_AVX2 static inline __attribute__((always_inline)) void okv_imm_store8(const 
     int64_t c, cnt = a->N - n0 < 8 ? a->N - n0 : 8;
     v = _mm256_sub_epi32(v, _mm256_mullo_epi32(bz, rs));
     v = _mm256_add_epi32(v, _mm256_mullo_epi32(_mm256_mullo_epi32(az, bz), _mm256_set1_epi32((int32_t)a->K)));
+    if (a->fout) {
+        float ftmp[8];
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_loadu_ps(a->fs + n0));
+        if (cnt == 8) {
+            _mm256_storeu_ps(a->fout + m * a->N + n0, f);
+            return;
+        }
+        _mm256_storeu_ps(ftmp, f);
+        for (c = 0; c < cnt; c++) a->fout[m * a->N + n0 + c] = ftmp[c];
+        return;
+    }
     if (cnt == 8) {
         _mm256_storeu_si256((__m256i *)(a->out + m * a->N + n0), v);
         return;
@@ -169,7 +192,11 @@ OKV_VNNI512 static inline __attribute__((always_inline)) void okv_imm_512_tile(c
             __m512i v = _mm512_sub_epi32(acc[r][q], _mm512_mullo_epi32(az, cs));
             v = _mm512_sub_epi32(v, _mm512_mullo_epi32(bz, _mm512_set1_epi32(a->rsum[m0 + r])));
             v = _mm512_add_epi32(v, _mm512_mullo_epi32(az, bzk));
-            _mm512_mask_storeu_epi32(a->out + (m0 + r) * a->N + n0, mask, v);
+            if (a->fout)
+                _mm512_mask_storeu_ps(a->fout + (m0 + r) * a->N + n0, mask,
+                                      _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(a->fs + n0)));
+            else
+                _mm512_mask_storeu_epi32(a->out + (m0 + r) * a->N + n0, mask, v);
         }
     }
 }
@@ -312,31 +339,60 @@ OKV_AVX512BW static void okv_dql_quant_512(const float *x, int64_t n, float scal
 }
 #endif
 
-/* DynamicQuantizeLinear of x [n] into y [n]; *scale and *zp its outputs (see the top). simd: the AVX-512
- * path (checked by the caller). */
-static void okv_dql(const float *x, int64_t n, uint8_t *y, float *scale, uint8_t *zp, int simd) {
+/* The scale and zero point of x [n] (see the top). simd: the AVX-512 path (checked by the caller). */
+static void okv_dql_params(const float *x, int64_t n, float *scale, float *zp, int simd) {
     float lo, hi, s, z;
 #if OKV_X86_SIMD
     if (simd) okv_dql_range_512(x, n, &lo, &hi);
     else
+#else
+    (void)simd;
 #endif
         okv_dql_range_scalar(x, n, &lo, &hi);
     s = hi == lo ? 1.f : (hi - lo) / 255.f;
     z = 0.f - lo / s;
     z = z < 255.f ? z : 255.f; /* a NaN to 255 */
     z = 0.f < z ? z : 0.f;
-    z = rintf(z);
     *scale = s;
-    *zp = (uint8_t)z;
+    *zp = rintf(z);
+}
+
+static void okv_dql_quant(const float *x, int64_t n, float scale, float zp, uint8_t *y, int simd) {
 #if OKV_X86_SIMD
     if (simd) {
-        okv_dql_quant_512(x, n, s, z, y);
+        okv_dql_quant_512(x, n, scale, zp, y);
         return;
     }
 #else
     (void)simd;
 #endif
-    okv_dql_quant_scalar(x, n, s, z, y);
+    okv_dql_quant_scalar(x, n, scale, zp, y);
+}
+
+/* DynamicQuantizeLinear of x [n] into y [n]; *scale and *zp its outputs (see the top). */
+static void okv_dql(const float *x, int64_t n, uint8_t *y, float *scale, uint8_t *zp, int simd) {
+    float z;
+    okv_dql_params(x, n, scale, &z, simd);
+    *zp = (uint8_t)z;
+    okv_dql_quant(x, n, *scale, z, y, simd);
+}
+
+/* The activations of a dynamic product: DynamicQuantizeLinear of the whole x [M][K] (one scale and zero
+ * point, as the node computes them) into A' [M][K4] (0 past K) with the row sums rsum [M]. */
+static void okv_dql_rows(const float *x, int64_t M, int64_t K, int64_t K4, uint8_t *ap, int32_t *rsum, float *scale,
+                         uint8_t *zp, int simd) {
+    float z;
+    int64_t m, k;
+    okv_dql_params(x, M * K, scale, &z, simd);
+    *zp = (uint8_t)z;
+    for (m = 0; m < M; m++) {
+        uint8_t *y = ap + m * K4;
+        uint32_t s = 0;
+        okv_dql_quant(x + m * K, K, *scale, z, y, simd);
+        for (k = 0; k < K; k++) s += y[k];
+        for (; k < K4; k++) y[k] = 0;
+        memcpy(rsum + m, &s, 4);
+    }
 }
 
 #endif /* ONNXKV_IMATMUL_H */

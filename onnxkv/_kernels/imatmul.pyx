@@ -12,10 +12,12 @@ ONNX Runtime's CPU kernel computes (the rule is in imatmul.h).  The threads clai
 
 The NumPy twins are ``reference.matmul_integer`` and ``reference.dynamic_quantize_linear``.
 """
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
+from libc.string cimport memset
 from cython.parallel cimport prange
 
+from onnxkv._kernels._record cimport KIND_MATMUL_DYNAMIC, recorder
 from onnxkv._kernels._runtime cimport (okv_grain, okv_now_ns, okv_settings, okv_settings_get, okv_settings_mine,
                                        okv_team_finished, okv_team_threads)
 import numpy as np
@@ -32,11 +34,15 @@ cdef extern from "imatmul.h" nogil:
         const int32_t *azp
         const int32_t *rsum
         int32_t *out
+        float *fout
+        const float *fs
     int OKV_IMM_SCALAR, OKV_IMM_AVX2, OKV_IMM_AVX512
     void okv_imm_range(const okv_imm *a, int64_t p0, int64_t p1, int isa)
     int64_t okv_imm_claim(const okv_imm *a, int isa, uint64_t *ranges, int nt, int t, int64_t chunk)
     void okv_imm_rows(const uint8_t *A, int64_t M, int64_t K, int64_t K4, int sgn, uint8_t *ap, int32_t *rsum)
     void okv_dql(const float *x, int64_t n, uint8_t *y, float *scale, uint8_t *zp, int simd)
+    void okv_dql_rows(const float *x, int64_t M, int64_t K, int64_t K4, uint8_t *ap, int32_t *rsum, float *scale,
+                      uint8_t *zp, int simd)
     int okv_cpu_vnni512_ok()
 
 cdef extern from "claim.h" nogil:
@@ -73,6 +79,7 @@ cdef class PackedInt8Weight:
     """
     cdef readonly int64_t K, N, P, K4
     cdef readonly object dtype, wq, csum, bzp
+    cdef okv_imm base   # the weight fields of every call's arguments (pointers into the arrays above)
 
     @property
     def nbytes(self) -> int:
@@ -116,17 +123,54 @@ def pack_int8_weight(B, zero_point=None) -> PackedInt8Weight:
     w.bzp = bzp
     for a in (w.wq, w.csum, w.bzp):
         a.flags.writeable = False
+    _set_base(w)
     return w
+
+
+cdef void _set_base(PackedInt8Weight w):
+    cdef const int8_t[:, ::1] wv = w.wq
+    cdef const int32_t[::1] cv = w.csum, bv = w.bzp
+    memset(&w.base, 0, sizeof(okv_imm))
+    w.base.K, w.base.N, w.base.P, w.base.K4 = w.K, w.N, w.P, w.K4
+    w.base.wq, w.base.csum, w.base.bzp = &wv[0, 0], &cv[0], &bv[0]
+
+
+cdef uintptr_t int8_weight_address(object w) except 0:
+    """The address of a PackedInt8Weight's call arguments (for ``matmul_dynamic_ptr``; valid while ``w`` lives)."""
+    if not isinstance(w, PackedInt8Weight):
+        raise TypeError(f"expected a PackedInt8Weight, got {type(w).__name__}")
+    return <uintptr_t>&(<PackedInt8Weight>w).base
+
+
+cdef void _product(okv_imm *a, okv_settings s) noexcept nogil:
+    """The product on prepared arguments (weight, activations, zero points, row sums and the output set),
+    its panels shared by the team through claims."""
+    cdef uint64_t ranges[8 * MAX_TEAM]
+    cdef int isa = _isa(s), nt
+    cdef int64_t chunk, t, t0, done = 0
+    cdef int64_t *donep = &done   # written by thread 0 of the team (a variable assigned in prange is lastprivate)
+    cdef bint decode = a.M <= DECODE_ROWS
+    nt = okv_grain(s.threads, a.M * a.K * a.N, PAR_MIN)
+    nt = min(nt, MAX_TEAM, <int>((a.P + 3) // 4))
+    if decode:
+        nt = okv_team_threads(s, nt)
+    t0 = okv_now_ns()
+    if nt <= 1:
+        okv_imm_range(a, 0, a.P, isa)
+        return
+    chunk = okv_claim_setup(ranges, a.P, nt, 4)
+    for t in prange(nt, num_threads=nt, schedule='static'):
+        okv_imm_claim(a, isa, ranges, nt, <int>t, chunk)
+        if t == 0:
+            donep[0] = okv_now_ns()
+    if decode:
+        okv_team_finished(s, t0, done)
 
 
 cdef int _run(okv_imm *a, const uint8_t *A, int sgn, const int32_t *azp_src, int64_t nazp, okv_settings s) noexcept nogil:
     """The product on checked arguments (a: weight fields, M and out set; azp_src: nazp zero points, one for
     every row when nazp == 1, already shifted by 128 for int8 A).  Returns 0, -1 without memory."""
-    cdef uint64_t ranges[8 * MAX_TEAM]
-    cdef int isa = _isa(s), nt
-    cdef int64_t m, chunk, t, t0, done = 0
-    cdef int64_t *donep = &done   # written by thread 0 of the team (a variable assigned in prange is lastprivate)
-    cdef bint decode = a.M <= DECODE_ROWS
+    cdef int64_t m
     cdef void *scratch = malloc(<size_t>(a.M * a.K4 + 8 * a.M + 64))
     if scratch == NULL:
         return -1
@@ -136,22 +180,35 @@ cdef int _run(okv_imm *a, const uint8_t *A, int sgn, const int32_t *azp_src, int
     for m in range(a.M):
         (<int32_t *>a.azp)[m] = azp_src[0 if nazp == 1 else m]
     okv_imm_rows(A, a.M, a.K, a.K4, sgn, <uint8_t *>a.a, <int32_t *>a.rsum)
-    nt = okv_grain(s.threads, a.M * a.K * a.N, PAR_MIN)
-    nt = min(nt, MAX_TEAM, <int>((a.P + 3) // 4))
-    if decode:
-        nt = okv_team_threads(s, nt)
-    t0 = okv_now_ns()
-    if nt <= 1:
-        okv_imm_range(a, 0, a.P, isa)
-        done = okv_now_ns()
-    else:
-        chunk = okv_claim_setup(ranges, a.P, nt, 4)
-        for t in prange(nt, num_threads=nt, schedule='static'):
-            okv_imm_claim(a, isa, ranges, nt, <int>t, chunk)
-            if t == 0:
-                donep[0] = okv_now_ns()
-        if decode:
-            okv_team_finished(s, t0, done)
+    _product(a, s)
+    free(scratch)
+    return 0
+
+
+cdef int matmul_dynamic_ptr(const void *w, const float *x, int64_t M, const float *ws, float *out,
+                            okv_settings s) noexcept nogil:
+    """``matmul_dynamic`` on checked pointers (the compiled step's replay calls it): w from
+    ``int8_weight_address``, x [M, K], ws [N], out [M, N] disjoint from x, M >= 1.  Returns 0, or -1
+    when memory runs out."""
+    cdef okv_imm a = (<const okv_imm *>w)[0]
+    cdef int64_t m, n, P16 = a.P * 16
+    cdef float scale
+    cdef uint8_t zp
+    cdef void *scratch = malloc(<size_t>(M * a.K4 + 8 * M + 4 * P16 + 64))
+    if scratch == NULL:
+        return -1
+    a.M = M
+    a.rsum = <int32_t *>scratch
+    a.azp = a.rsum + M
+    a.fs = <float *>(a.azp + M)
+    a.a = <uint8_t *>(a.fs + P16)
+    okv_dql_rows(x, M, a.K, a.K4, <uint8_t *>a.a, <int32_t *>a.rsum, &scale, &zp, 1 if (s.simd and s.avx512) else 0)
+    for m in range(M):
+        (<int32_t *>a.azp)[m] = zp
+    for n in range(P16):
+        (<float *>a.fs)[n] = scale * ws[n] if n < a.N else 0.0
+    a.fout = out
+    _product(&a, s)
     free(scratch)
     return 0
 
@@ -186,11 +243,9 @@ def matmul_integer(a, PackedInt8Weight w, a_zero_point, out):
     cdef const int32_t[::1] zv = z
     cdef const uint8_t[:, ::1] av = a.view(np.uint8)
     cdef int32_t[:, ::1] ov = out
-    cdef const int8_t[:, ::1] wv = w.wq
-    cdef const int32_t[::1] cv = w.csum, bv = w.bzp
-    cdef okv_imm arg
-    arg.M, arg.K, arg.N, arg.P, arg.K4 = M, w.K, w.N, w.P, w.K4
-    arg.wq, arg.csum, arg.bzp, arg.out = &wv[0, 0], &cv[0], &bv[0], &ov[0, 0]
+    cdef okv_imm arg = w.base   # fout NULL: int32 results
+    arg.M = M
+    arg.out = &ov[0, 0]
     cdef int rc, is_signed = sgn
     cdef int64_t nz = zv.shape[0]
     cdef okv_settings s = okv_settings_get()
@@ -221,3 +276,35 @@ def dynamic_quantize_linear(x, y) -> tuple:
     with nogil:
         okv_dql(&xv[0], n, &yv[0], &scale, &zp, simd)
     return float(scale), int(zp)
+
+
+def matmul_dynamic(x, PackedInt8Weight w, ws, out):
+    """The dynamically quantized product of ONNX Runtime's quantize_dynamic models in one call:
+    DynamicQuantizeLinear of the whole x (one scale and zero point), MatMulInteger against the packed
+    weight, each int32 result rounded to float32 and multiplied by ``x_scale * ws[n]`` (computed in
+    float32): the bits of the graph's DynamicQuantizeLinear, MatMulInteger, Cast and two Muls.
+
+    x: float32 [M, K] (K of the weight); ws: float32 [N]; out: float32 [M, N]; all C-contiguous, out
+    disjoint from x.  Any M >= 0.  Raises ValueError naming the argument before writing."""
+    V.array("x", x, (V.F32,), ndim=2)
+    if x.shape[1] != w.K:
+        raise ValueError(f"x: expected shape (M, {w.K}) (K of the weight), got {x.shape}")
+    V.array("ws", ws, (V.F32,), shape=(w.N,))
+    V.array("out", out, (V.F32,), shape=(x.shape[0], w.N), writeable=True)
+    V.no_overlap("out", out, x, "x")
+    V.no_overlap("out", out, ws, "ws")
+    cdef int64_t M = x.shape[0]
+    if M == 0:
+        return
+    cdef const float[:, ::1] xv = x
+    cdef const float[::1] sv = ws
+    cdef float[:, ::1] ov = out
+    cdef okv_settings st = okv_settings_get()
+    cdef int rc
+    with nogil:
+        rc = matmul_dynamic_ptr(&w.base, &xv[0, 0], M, &sv[0], &ov[0, 0], st)
+    if rc != 0:
+        raise MemoryError(f"matmul_dynamic: no memory for {M} rows of {w.K4} activation bytes")
+    rec = recorder()
+    if rec is not None:
+        rec.note(KIND_MATMUL_DYNAMIC, (x, w, ws, out), (M,), ())

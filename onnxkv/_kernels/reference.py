@@ -10,6 +10,7 @@ import numpy as np
 
 from onnxkv._kernels.reference_integer import (  # noqa: F401 - the twins of imatmul
     dynamic_quantize_linear,
+    matmul_dynamic,
     matmul_integer,
 )
 from onnxkv._kernels.reference_nbits import (  # noqa: F401 - the twins of qmatmul, here with the others

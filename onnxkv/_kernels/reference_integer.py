@@ -36,3 +36,11 @@ def dynamic_quantize_linear(x):
     v = np.where(np.isnan(v), np.float32(0), v)  # a NaN to 0
     y = np.clip(v, 0, 255).astype(np.uint8)
     return y, np.float32(scale), np.uint8(zp)
+
+
+def matmul_dynamic(x, b, b_zero_point, ws):
+    """The chain DynamicQuantizeLinear(x) -> MatMulInteger(., b) -> Cast(float32) -> Mul(., x_scale * ws):
+    float32 [M, N] for x float32 [M, K], b uint8 or int8 [K, N], ws float32 [N] (or one value)."""
+    y, scale, zp = dynamic_quantize_linear(x)
+    products = matmul_integer(y, b, zp, b_zero_point)
+    return products.astype(np.float32) * (np.float32(scale) * np.asarray(ws, np.float32))

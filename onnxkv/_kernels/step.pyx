@@ -46,12 +46,13 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strcmp
 
 from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_PAGED, KIND_DECODE_TOKEN, KIND_GATHER_ROWS,
-                                      KIND_MASK_LENGTHS, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED, KIND_RMS_NORM,
-                                      KIND_SKIP_RMS_NORM)
+                                      KIND_MASK_LENGTHS, KIND_MATMUL_DYNAMIC, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED,
+                                      KIND_RMS_NORM, KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
 from onnxkv._kernels.attention cimport decode_paged_ok, decode_paged_ptr, decode_token_ptr
 from onnxkv._kernels.gather cimport gather_rows_ptr
+from onnxkv._kernels.imatmul cimport int8_weight_address, matmul_dynamic_ptr
 from onnxkv._kernels.matmul cimport matmul_packed_ptr
 from onnxkv._kernels.norm cimport rms_f32_ptr, skip_rms_f32_ptr
 from onnxkv._kernels.qmatmul cimport matmul_nbits_ptr, nbits_weight_address
@@ -61,13 +62,14 @@ __all__ = ["Program", "WRITTEN"]
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
            KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,),
-           KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,)}
+           KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,), KIND_MATMUL_DYNAMIC: (3,)}
 #: Operands whose values decide whether a call accepts the run (read before any call but the prelude ones runs:
 #: never written by another call of the program).
 CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED: (5, 6, 7, 8, 10)}
 #: Operand count of each kind.
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
-             KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11}
+             KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11,
+             KIND_MATMUL_DYNAMIC: 4}
 #: Kinds run before the others are admitted (they read externals only), and the operand each takes whole from a
 #: ragged external (its last dim read when replayed).
 PRELUDE = {KIND_MASK_LENGTHS: 0}
@@ -78,7 +80,7 @@ cdef enum:
     RAGGED_P = 14
     RAGGED_M = 15
 #: Operands that are not arrays: (kind, position) -> the address of the C arguments they stand for.
-_OPAQUE = {(KIND_MATMUL_NBITS, 1)}
+_OPAQUE = {(KIND_MATMUL_NBITS, 1), (KIND_MATMUL_DYNAMIC, 1)}
 
 
 cdef inline uintptr_t _addr(a):
@@ -164,7 +166,7 @@ cdef class Program:
                 if a is None:
                     continue
                 if (kind, j) in _OPAQUE:   # a packed weight object: baked, kept alive here
-                    cl.p[j] = <void *>nbits_weight_address(a)
+                    cl.p[j] = <void *>(nbits_weight_address(a) if kind == KIND_MATMUL_NBITS else int8_weight_address(a))
                     self.keep.append(a)
                     continue
                 lo, hi = _addr(a), _addr(a) + a.nbytes
@@ -404,6 +406,9 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
     elif c.kind == KIND_MATMUL_NBITS:
         return -1 if matmul_nbits_ptr(c.p[1], <const float *>c.p[0], c.i[0], <const float *>c.p[2],
                                       <float *>c.p[3], <int>c.i[1], s) != 0 else 0
+    elif c.kind == KIND_MATMUL_DYNAMIC:
+        return -1 if matmul_dynamic_ptr(c.p[1], <const float *>c.p[0], c.i[0], <const float *>c.p[2],
+                                        <float *>c.p[3], s) != 0 else 0
     elif c.kind == KIND_MATMUL_PACKED:
         return -1 if matmul_packed_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const float *>c.p[1], c.i[2],
                                        c.i[3], <const float *>c.p[2], <float *>c.p[3], s) != 0 else 0

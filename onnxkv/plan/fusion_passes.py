@@ -16,6 +16,7 @@ import onnx
 
 from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
+from onnxkv.plan.fusion_integer import fuse_dynamic_quant_matmuls
 from onnxkv.plan.fusion_mask import fuse_mask_lengths
 from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls, fuse_sibling_nbits
 from onnxkv.plan.fusion_view import fuse_view_chains
@@ -32,6 +33,7 @@ def fuse_graph(
     nodes = fuse_masked_attention(nodes, protected)
     nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)
     nodes = fuse_sibling_nbits(nodes, constants)
+    nodes = fuse_dynamic_quant_matmuls(nodes, protected, constants)
     nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
     nodes = fuse_prologue_matmuls(nodes, protected, constants)
     return fuse_mask_lengths(nodes, protected)

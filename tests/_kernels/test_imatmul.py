@@ -10,7 +10,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from onnxkv._kernels.imatmul import dynamic_quantize_linear, integer_path, matmul_integer, pack_int8_weight
+from onnxkv._kernels.imatmul import (
+    dynamic_quantize_linear,
+    integer_path,
+    matmul_dynamic,
+    matmul_integer,
+    pack_int8_weight,
+)
 from onnxkv._kernels.qmatmul import _set_vnni
 
 import onnxkv._kernels as K
@@ -220,3 +226,35 @@ def test_dynamic_quantize_linear_shapes_and_refusals():
         dynamic_quantize_linear(x, np.empty(14, np.uint8))
     with pytest.raises(ValueError, match="y: must not overlap x"):
         dynamic_quantize_linear(x, x.view(np.uint8).reshape(-1)[:15])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bdt", [np.uint8, np.int8], ids=["b_u8", "b_s8"])
+@pytest.mark.parametrize("zp", ["none", "one", "each"])
+def test_matmul_dynamic_equals_the_chain(path, threads, bdt, zp):
+    """DynamicQuantizeLinear, MatMulInteger, Cast and the scale in one call: the chain's bits."""
+    rng = np.random.default_rng(zlib.crc32(f"dyn {path} {threads} {np.dtype(bdt)} {zp}".encode()))
+    with K.use_settings(K.current_settings().replace(threads=threads)):
+        for M, K_, N in CASES:
+            x = (rng.standard_normal((M, K_)) * 10 ** rng.uniform(-2, 2)).astype(np.float32)
+            b = _ints(rng, bdt, (K_, N))
+            bz = _zero_point(rng, bdt, zp, N)
+            ws = (rng.random(N) * 0.02 + 1e-4).astype(np.float32)
+            out = np.full((M, N), np.nan, np.float32)
+            matmul_dynamic(x, pack_int8_weight(b, bz), ws, out)
+            np.testing.assert_array_equal(out, R.matmul_dynamic(x, b, bz, ws), err_msg=f"M={M} K={K_} N={N}")
+
+
+def test_matmul_dynamic_refuses_before_writing():
+    w = pack_int8_weight(np.ones((3, 4), np.int8))
+    x, ws, out = np.ones((2, 3), np.float32), np.ones(4, np.float32), np.full((2, 4), 9.0, np.float32)
+    for args, message in [
+        ((x.astype(np.float64), w, ws, out), "x: dtype float64"),
+        ((np.ones((2, 5), np.float32), w, ws, out), r"x: expected shape \(M, 3\)"),
+        ((x, w, np.ones(3, np.float32), out), r"ws: expected shape \(4,\)"),
+        ((x, w, ws, np.empty((2, 4), np.int32)), "out: dtype int32"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            matmul_dynamic(*args)
+    assert (out == 9).all()
+    matmul_dynamic(np.empty((0, 3), np.float32), w, ws, np.empty((0, 4), np.float32))

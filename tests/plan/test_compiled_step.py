@@ -354,17 +354,41 @@ def test_a_paged_replay_refuses_a_bad_page_address_before_anything_runs():
 def test_block_quantized_products_replay_with_the_node_by_node_results(tmp_path, accuracy_level):
     path = tmp_path / "int4.onnx"
     onnxkv.quantize_weights(build_model("gqa", MICRO, seed=15), path, bits=4, accuracy_level=accuracy_level)
-    rng = np.random.default_rng(6)
+    kinds = _replays_equal_node_by_node(path, seed=6)
+    assert {"MatMulNBits", "SiblingMatMulNBits"} & kinds and "GroupQueryAttention" in kinds
+
+
+def _replays_equal_node_by_node(path, seed: int) -> set[str]:
+    """A prompt and 6 tokens through a state of the model at ``path``, node by node and replayed: equal bit for
+    bit.  Returns the operators the compiled step recorded."""
+    rng = np.random.default_rng(seed)
     prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 5)), rng.integers(1, MICRO.vocab_size, (6, 1))
     runs = {}
     for compiled in (False, True):
         session = onnxkv.Session(path, threads=1, compiled_steps=compiled)
         with session.new_state() as state:
             runs[compiled] = _steps(session, state, prompt, tokens)
-        if compiled:
-            kinds = _compiled_kinds(session)
-            assert {"MatMulNBits", "SiblingMatMulNBits"} & kinds and "GroupQueryAttention" in kinds
     _assert_equal_runs(runs)
+    return _compiled_kinds(session)
+
+
+@pytest.mark.parametrize("family", ["gqa", "concat"])
+def test_dynamically_quantized_products_replay_with_the_node_by_node_results(tmp_path, family):
+    """quantize_dynamic's DynamicQuantizeLinear / MatMulInteger / Cast / Mul chains, fused into
+    DynamicQuantMatMul, are recorded and replayed with the node-by-node values."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    float_path, path = tmp_path / "float.onnx", tmp_path / "int8.onnx"
+    onnx.save(build_model(family, MICRO, seed=15), str(float_path))
+    quantize_dynamic(
+        str(float_path),
+        str(path),
+        weight_type=QuantType.QInt8,
+        op_types_to_quantize=["MatMul"],
+        extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+    )
+    assert "DynamicQuantMatMul" in _replays_equal_node_by_node(path, seed=7)
 
 
 def test_a_replay_cancelled_before_any_of_its_items_leaves_the_state_as_it_was():

@@ -167,6 +167,20 @@ class QuickGelu(Op):
 class SiluMul(Op):
     """Fused SwiGLU gate: ``gate * sigmoid(gate) * up`` (made by :mod:`onnxkv.plan.fusion`)."""
 
+    def compilable(self, inputs: list) -> bool:
+        """float32 gate and up of one shape, C-contiguous: one ``silu_mul`` call."""
+        gate, up = inputs
+        return (
+            isinstance(gate, np.ndarray)
+            and isinstance(up, np.ndarray)
+            and gate.dtype == np.float32
+            and up.dtype == np.float32
+            and gate.shape == up.shape
+            and gate.size > 0
+            and gate.flags.c_contiguous
+            and up.flags.c_contiguous
+        )
+
     def run(self, inputs: list, rt) -> tuple:
         gate, up = inputs
         if (

@@ -13,7 +13,10 @@ A's type, one value or one per row of A's matrices ([M] for A [..., M, K]); b_ze
 one value or one per column of B.  A 2-D initializer B with an initializer (or absent) b_zero_point is
 packed once at load (the op absorbs both, so the plan drops its copies); every product then runs in
 ``matmul_integer``.  Other forms (B computed at run time, batched B) run exactly in NumPy int64 and
-wrap to int32.  Neither operator is compilable: a compiled step runs them as Python nodes.
+wrap to int32.  Neither operator is compilable: a compiled step runs them as Python nodes, but the
+plan fuses each whole chain of a constant weight into ``ai.onnxkv::DynamicQuantMatMul``
+(:mod:`onnxkv.plan.fusion_integer`), one compiled call with the chain's bits, which a compiled step
+records.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from onnxkv._kernels.imatmul import dynamic_quantize_linear, matmul_integer, pack_int8_weight
+from onnxkv._kernels.imatmul import dynamic_quantize_linear, matmul_dynamic, matmul_integer, pack_int8_weight
 from onnxkv.plan.ops.matmul import _release_pages
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["MatMulInteger", "DynamicQuantizeLinear"]
+__all__ = ["MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantMatMul", "STEP_M"]
+
+#: Up to this many rows a DynamicQuantMatMul is compilable (recorded in compiled steps).
+STEP_M = 512
 
 _INT8 = (np.dtype(np.int8), np.dtype(np.uint8))
 
@@ -126,3 +132,47 @@ class MatMulInteger(Op):
             return np.matmul(a64, b64).astype(np.int32)
         except ValueError as e:
             raise self._fail(f"A {list(a.shape)} and B {list(b.shape)} do not multiply: {e}") from None
+
+
+@register("DynamicQuantMatMul", domain="ai.onnxkv", internal=True)
+class DynamicQuantMatMul(Op):
+    """``ai.onnxkv::DynamicQuantMatMul(x, W, wz, ws) -> y`` (made by
+    :func:`onnxkv.plan.fusion_integer.fuse_dynamic_quant_matmuls`): y = DynamicQuantizeLinear(x),
+    MatMulInteger against W with zero points wz, Cast to float32 and times x_scale * ws, in one
+    ``matmul_dynamic`` call.  W, wz and ws are constants, packed and absorbed at build; x float32
+    [..., K] gives y float32 [..., N].
+
+    Attributes: weight (the packed W), ws (float32 [N], the weight scales per column).
+    """
+
+    def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        w, wz, ws = (ctx.constant(node.input[i]) if node.input[i] else None for i in (1, 2, 3))
+        self.weight = pack_int8_weight(np.ascontiguousarray(w), None if wz is None else np.ascontiguousarray(wz))
+        self.ws = np.ascontiguousarray(np.broadcast_to(ws.reshape(-1), (self.weight.N,)), dtype=np.float32)
+        self.ws.flags.writeable = False
+        self.absorbed_inputs = tuple(i for i in (1, 2, 3) if node.input[i])
+        _release_pages(w)
+
+    def compilable(self, inputs: list) -> bool:
+        """One kernel call on x as it is: C-contiguous float32 [..., K] of at most ``STEP_M`` rows."""
+        x = inputs[0]
+        return (
+            isinstance(x, np.ndarray)
+            and x.dtype == np.float32
+            and x.ndim >= 1
+            and x.size > 0
+            and x.shape[-1] == self.weight.K
+            and x.flags.c_contiguous
+            and x.size // self.weight.K <= STEP_M
+        )
+
+    def run(self, inputs: list, rt) -> tuple:
+        x, w = inputs[0], self.weight
+        if x.dtype != np.float32 or x.ndim == 0 or x.shape[-1] != w.K:
+            raise ValueError(
+                f"DynamicQuantMatMul node '{self.name}': x must be float32 [..., {w.K}], got {x.dtype} {list(x.shape)}"
+            )
+        out = rt.empty(0, x.shape[:-1] + (w.N,), np.float32)
+        matmul_dynamic(np.ascontiguousarray(x).reshape(-1, w.K), w, self.ws, out.reshape(-1, w.N))
+        return (out,)

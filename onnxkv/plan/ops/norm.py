@@ -53,6 +53,21 @@ class _RMSBase(Op):
         self.eps = float(self.attrs.get("epsilon", self.default_epsilon))
         self.axis = int(self.attrs.get("axis", -1))
 
+    def compilable(self, inputs: list) -> bool:
+        """float32 x (C-contiguous, normalised over its last axis) and gamma: one ``rms_norm`` call."""
+        x, gamma = inputs[0], inputs[1]
+        return (
+            isinstance(x, np.ndarray)
+            and x.dtype == np.float32
+            and x.ndim >= 1
+            and x.size > 0
+            and self.axis in (-1, x.ndim - 1)
+            and x.flags.c_contiguous
+            and isinstance(gamma, np.ndarray)
+            and gamma.dtype == np.float32
+            and gamma.shape == (x.shape[-1],)
+        )
+
     def rms(self, x: np.ndarray, gamma: np.ndarray, rt) -> np.ndarray:
         n = x.shape[-1] if x.ndim else 1
         if (
@@ -104,6 +119,19 @@ class SkipSimplifiedLayerNormalization(_RMSBase):
         if outs[1] or outs[2]:
             raise self.error("the optional mean / inv_std_var outputs are not supported")
         self.want_sum = bool(outs[3])
+
+    def compilable(self, inputs: list) -> bool:
+        """float32 input and skip of one shape (C-contiguous), gamma (and a bias) [n]: one ``skip_rms_norm``."""
+        x, skip = inputs[0], inputs[1]
+        bias = inputs[3] if len(inputs) > 3 else None
+        return (
+            super().compilable([x, inputs[2]])
+            and isinstance(skip, np.ndarray)
+            and skip.dtype == np.float32
+            and skip.shape == x.shape
+            and skip.flags.c_contiguous
+            and (bias is None or (bias.dtype == np.float32 and bias.shape == (x.shape[-1],)))
+        )
 
     def run(self, inputs: list, rt) -> tuple:
         x, skip, gamma = inputs[0], inputs[1], inputs[2]
