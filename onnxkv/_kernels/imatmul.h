@@ -28,7 +28,8 @@
  * NaN, lo = min(0, min x), hi = max(0, max x); scale = (hi - lo) / 255 in float32, 1 when hi == lo;
  * zp = rint(clamp(0 - lo / scale)) where clamp takes a NaN to 255 (v < 255 ? v : 255, then
  * 0 < v ? v : 0); y = clamp(rint(x / scale) + zp) to [0, 255], a NaN to 0.  Division, rint (ties to
- * even) and the clamps are exact operations, so the SIMD path equals the scalar one.
+ * even) and the clamps are exact operations, so the SIMD path equals the scalar one.  (ONNX Runtime's
+ * range takes a NaN in or not depending on its position in x; this one never does.)
  */
 #ifndef ONNXKV_IMATMUL_H
 #define ONNXKV_IMATMUL_H

@@ -70,7 +70,8 @@ def _tokens(cfg: dict, key: str, path: Path, vocab: int) -> list[int] | None:
 def read_hf_settings(model_file: Path) -> dict | None:
     """The generation settings of the Hugging Face configs next to ``model_file`` (its folder, else the
     folder above it), or None when neither folder has a ``config.json``.  Keys: ``eos_token_id`` (list),
-    ``bos_token_id``, ``pad_token_id``, ``vocab_size``, ``max_length`` (each None when unknown).
+    ``bos_token_id``, ``pad_token_id``, ``vocab_size``, ``max_length`` (each None when unknown), and
+    ``path`` (the config.json read).
 
     Raises:
         ModelError: a config file that is not a regular file, too large, not a JSON object, or a key
@@ -86,6 +87,7 @@ def read_hf_settings(model_file: Path) -> dict | None:
     vocab = _int(config, "vocab_size", path, 1, _INT_LIMIT)
     top = vocab if vocab is not None else _INT_LIMIT
     out = {
+        "path": path,
         "vocab_size": vocab,
         "max_length": _int(config, "max_position_embeddings", path, 1, _INT_LIMIT),
         "eos_token_id": _tokens(config, "eos_token_id", path, top),

@@ -530,15 +530,22 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
     m = Model(proto, file, conv, _find_io(proto, conv, cfg), cfg, external=external)
     if cfg is not None:
         _apply_genai_config(m, cfg)
-    elif file is not None:
+    width = None  # the logits' static last dim
+    for o in proto.graph.output:
+        if m.io.logits and o.name == m.io.logits and o.type.tensor_type.HasField("shape"):
+            d = o.type.tensor_type.shape.dim
+            if d and d[-1].HasField("dim_value") and d[-1].dim_value > 0:
+                width = int(d[-1].dim_value)
+    if cfg is None and file is not None:
         hf = read_hf_settings(file)
         if hf is not None:
+            if hf["vocab_size"] is not None and width is not None and hf["vocab_size"] < width:
+                raise ModelError(
+                    f"load: {hf['path']}: vocab_size {hf['vocab_size']} is below the {width} logits the model "
+                    f"computes per position (its token ids would be refused)"
+                )
             m.vocab_size, m.max_length = hf["vocab_size"], hf["max_length"]
             m.bos_token_id, m.eos_token_id, m.pad_token_id = hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]
-    if m.vocab_size is None and m.io.logits:
-        for o in proto.graph.output:
-            if o.name == m.io.logits and o.type.tensor_type.HasField("shape"):
-                d = o.type.tensor_type.shape.dim
-                if d and d[-1].HasField("dim_value") and d[-1].dim_value > 0:
-                    m.vocab_size = int(d[-1].dim_value)
+    if m.vocab_size is None:
+        m.vocab_size = width
     return m

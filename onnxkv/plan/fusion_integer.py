@@ -32,7 +32,7 @@ def _weights_fit(w, wz, ws) -> bool:
     if not isinstance(w, np.ndarray) or w.ndim != 2 or w.dtype not in (np.int8, np.uint8) or 0 in w.shape:
         return False
     n = w.shape[1]
-    if wz is not None and (wz.dtype != w.dtype or wz.ndim > 1 or wz.size not in (1, n)):
+    if wz is not None and (wz.dtype != w.dtype or wz.ndim > 2 or wz.size not in (1, n)):
         return False
     return isinstance(ws, np.ndarray) and ws.dtype == np.float32 and ws.ndim <= 1 and ws.size in (1, n)
 

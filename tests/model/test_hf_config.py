@@ -101,3 +101,9 @@ def test_config_that_is_no_regular_file_or_too_large(repo):
         f.truncate((16 << 20) + 1)
     with pytest.raises(ModelError, match="config.json is larger than"):
         onnxkv.load(repo / "onnx" / "model.onnx")
+
+
+def test_a_vocabulary_below_the_logits_width_is_refused(repo):
+    (repo / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    with pytest.raises(ModelError, match=rf"config.json: vocab_size 10 is below the {MICRO.vocab_size} logits"):
+        onnxkv.load(repo / "onnx" / "model.onnx")

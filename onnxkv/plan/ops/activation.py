@@ -103,7 +103,7 @@ def _gelu_erf(x: np.ndarray) -> np.ndarray:
     """0.5 x (1 + erf(x / sqrt(2))) in x's type (float32 / float64; others through float64)."""
     xf = np.asarray(x, np.float64) if x.dtype not in (np.float32, np.float64) else x
     e = np.empty(xf.shape, xf.dtype)
-    K.erf(np.ascontiguousarray(xf / xf.dtype.type(np.sqrt(2))), e)
+    K.erf(np.require(xf / xf.dtype.type(np.sqrt(2)), requirements="C"), e)  # a 0-D x stays 0-D
     return (xf.dtype.type(0.5) * xf * (1 + e)).astype(x.dtype, copy=False)
 
 

@@ -3,8 +3,8 @@
 Dynamically quantized models (:mod:`onnxkv.plan.ops.matmul_integer`) dequantize the rows their
 quantized embedding and rotary tables gather, every run.  This kernel takes x int8, uint8, int16,
 uint16 or int32 with float32 scales, one per tensor or one per slice of ``axis``, and no blocks
-(``block_size`` 0): x - x_zero_point is formed in int64 and rounded to float32 once before the scale
-multiplies it, as ONNX Runtime computes it (for 8- and 16-bit x every such difference is exact in
+(``block_size`` 0): x - x_zero_point is formed exactly (int32 x: wrapping in int32) and rounded to
+float32 once before the scale multiplies it, as ONNX Runtime computes it (for 8- and 16-bit x every such difference is exact in
 float32, so this is also ``onnx.reference``'s result).  Other forms (float8 and 4-bit x, float16 or
 bfloat16 scales, blocked scales) run through the ``onnx.reference`` implementation of the model's opset
 where it has one, else fail naming the node and what it was given.
@@ -58,8 +58,8 @@ class DequantizeLinear(Op):
                     f"has no DequantizeLinear at this model's opset"
                 )
             return tuple(self._fallback.run(inputs, rt))
-        if scale.ndim == 0 or (scale.shape == (1,) and (x.ndim == 0 or x.shape[self._axis(x)] != 1)):
-            scale = scale.reshape(())  # one scale for the tensor
+        if scale.size == 1 and scale.ndim <= 1:
+            scale = scale.reshape(())  # one scale for the tensor (whatever the axis says, as ONNX Runtime)
         else:
             axis = self._axis(x)
             if scale.ndim != 1 or not 0 <= axis < x.ndim or x.shape[axis] != scale.size:
@@ -80,6 +80,8 @@ class DequantizeLinear(Op):
         diff = x.astype(np.int64)
         if zp is not None:
             diff = diff - zp.astype(np.int64)
+            if x.dtype == np.int32:  # ONNX Runtime subtracts in int32, which wraps
+                diff = diff.astype(np.int32)
         out = rt.empty(0, x.shape, np.float32)
         np.multiply(diff.astype(np.float32), scale, out=out)
         return (out,)

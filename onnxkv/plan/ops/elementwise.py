@@ -192,10 +192,10 @@ class Erf(Op):
         x = inputs[0]
         if x.dtype in (np.float32, np.float64):
             out = rt.empty(0, x.shape, x.dtype)
-            K.erf(np.ascontiguousarray(x), out)
+            K.erf(np.require(x, requirements="C"), out)  # np.require keeps a 0-D x 0-D
             return (out,)
         y = np.empty(x.shape, np.float64)
-        K.erf(np.ascontiguousarray(x, dtype=np.float64), y)
+        K.erf(np.require(x, np.float64, "C"), y)
         return (y.astype(x.dtype),)
 
 

@@ -6,7 +6,8 @@ many model repositories) turns each float MatMul with a constant weight into
 Both operators run here in compiled kernels (:mod:`onnxkv._kernels.imatmul`) with the results ONNX
 Runtime gives, bit for bit: the product is integer arithmetic (int32, wrapping), and the quantization
 follows ONNX Runtime's CPU kernel, including where it departs from ``onnx.reference``: an input whose
-range is empty (all zeros) gets scale 1, NaNs are left out of the range and quantize to 0.
+range is empty (all zeros) gets scale 1.  NaNs are left out of the range and quantize to 0 (whether
+ONNX Runtime's range takes a NaN in depends on its position in x, so such inputs can differ).
 
 MatMulInteger (numpy.matmul semantics): A uint8 or int8 [..., K]; B uint8 or int8; a_zero_point of
 A's type, one value or one per row of A's matrices ([M] for A [..., M, K]); b_zero_point of B's type,
@@ -44,7 +45,7 @@ class DynamicQuantizeLinear(Op):
         x = inputs[0]
         if x.dtype != np.float32:
             raise ValueError(f"DynamicQuantizeLinear node '{self.name}': x must be float32, got {x.dtype}")
-        x = np.ascontiguousarray(x)
+        x = np.require(x, requirements="C")  # a 0-D x stays 0-D
         y = rt.empty(0, x.shape, np.uint8)
         scale, zp = dynamic_quantize_linear(x, y)
         return y, np.array(scale, np.float32), np.array(zp, np.uint8)
@@ -69,6 +70,8 @@ class MatMulInteger(Op):
             return
         if b.dtype not in _INT8:
             raise self.error(f"B must be int8 or uint8, got {b.dtype}")
+        if bz is not None and bz.ndim == 2 and bz.shape[0] == 1:  # [1, N]: one per column, as [N]
+            bz = bz.reshape(-1)
         if bz is not None and (bz.dtype != b.dtype or bz.ndim > 1):
             raise self.error(
                 f"b_zero_point must be a scalar or 1-D array of B's type {b.dtype}, got {bz.dtype} {list(bz.shape)}"
@@ -88,6 +91,8 @@ class MatMulInteger(Op):
         """A zero-point input checked against its operand: None, or a flat array of 1 or ``count`` values."""
         if z is None:
             return None
+        if z.ndim == 2 and z.shape[0] == 1:  # [1, count] (the N-D form of one per column)
+            z = z.reshape(-1)
         if z.dtype != dtype or z.ndim > 1 or z.size not in (1, count):
             raise self._fail(
                 f"{role} must be one value or {count} ({what}) of type {dtype}, got {z.dtype} {list(z.shape)}"
@@ -148,7 +153,8 @@ class DynamicQuantMatMul(Op):
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
         w, wz, ws = (ctx.constant(node.input[i]) if node.input[i] else None for i in (1, 2, 3))
-        self.weight = pack_int8_weight(np.ascontiguousarray(w), None if wz is None else np.ascontiguousarray(wz))
+        wz = None if wz is None else np.ascontiguousarray(wz).reshape(-1)
+        self.weight = pack_int8_weight(np.ascontiguousarray(w), wz)
         self.ws = np.ascontiguousarray(np.broadcast_to(ws.reshape(-1), (self.weight.N,)), dtype=np.float32)
         self.ws.flags.writeable = False
         self.absorbed_inputs = tuple(i for i in (1, 2, 3) if node.input[i])

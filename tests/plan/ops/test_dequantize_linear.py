@@ -50,6 +50,8 @@ CASES = [  # (x shape, x dtype, scale shape, zero point, axis)
     ((4, 3, 5), np.uint8, (5,), False, -1),
     ((9,), np.int32, (), False, 1),
     ((1, 3), np.uint8, (1,), True, 0),
+    ((4,), np.uint8, (1,), True, 1),  # one scale in a [1] array: per tensor whatever the axis
+    ((4, 1), np.int8, (1,), False, -3),
 ]
 
 
@@ -94,3 +96,11 @@ def test_errors_name_the_node():
     model = dequantize_model((2, 3), np.uint8, np.ones(3, np.float32), np.zeros(2, np.uint8), opset=13, axis=1)
     with pytest.raises(OperatorError, match=r"DequantizeLinear node 'dq'.*x_zero_point \[2\] must match x_scale"):
         Session(model, threads=1).run({"x": np.ones((2, 3), np.uint8)})
+
+
+def test_int32_differences_wrap_as_onnxruntime_computes_them():
+    model = dequantize_model((3,), np.int32, np.array(0.5, np.float32), np.array(-10, np.int32), opset=13)
+    x = np.array([2**31 - 1, -(2**31), 5], np.int32)
+    got = Session(model, threads=1).run({"x": x})["y"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)

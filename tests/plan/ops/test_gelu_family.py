@@ -5,6 +5,7 @@ the erf kernel."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -56,3 +57,15 @@ def test_bias_of_another_shape_is_refused_by_name():
     session = Session(_model("BiasGelu", "com.microsoft", 2, np.ones(7, np.float32)), threads=1)
     with pytest.raises(OperatorError, match=r"BiasGelu node 'g'.*bias must be 1-D of x's last dimension \(40,\)"):
         session.run({"x": np.ones((2, 3, 40), np.float32)})
+
+
+@pytest.mark.parametrize("name", ["ms_gelu", "onnx_gelu", "erf"])
+def test_a_scalar_keeps_its_shape(name):
+    model = onnx.ModelProto()
+    model.CopyFrom(CASES[name])
+    model.graph.input[0].type.tensor_type.shape.ClearField("dim")
+    x = np.array(0.5, np.float32)
+    got = Session(model, threads=1).run({"x": x})["y"]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.shape == want.shape == ()
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -164,3 +164,33 @@ def test_dynamic_quantize_linear_node():
         assert got[name].dtype == w.dtype and got[name].shape == w.shape
         np.testing.assert_array_equal(got[name], w)
     assert session.fallback_nodes == []
+
+
+def test_a_zero_point_per_column_given_as_one_row():
+    """b_zero_point [1, N] (the N-D form) is one zero point per column, as ONNX Runtime takes it."""
+    rng = np.random.default_rng(8)
+    b, bz = _ints(rng, np.uint8, (12, 3)), _ints(rng, np.uint8, (1, 3))
+    for bz_const in (True, False):
+        model = integer_model((2, 12), b, None, bz, bz_const=bz_const)
+        feeds = {"a": _ints(rng, np.uint8, (2, 12))} | ({} if bz_const else {"bz": bz})
+        np.testing.assert_array_equal(Session(model, threads=1).run(feeds)["y"], _ort(model, feeds))
+
+
+def test_dynamic_quantize_linear_of_a_scalar_keeps_its_shape():
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"], name="dql")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+        [
+            helper.make_tensor_value_info(n, t, None)
+            for n, t in (("y", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8))
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array(3.5, np.float32)
+    got = Session(model, threads=1).run({"x": x})
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for name, w in zip(("y", "s", "z"), want):
+        assert got[name].shape == w.shape == ()
+        np.testing.assert_array_equal(got[name], w)
