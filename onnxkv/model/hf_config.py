@@ -7,14 +7,17 @@ no ``genai_config.json`` and returns what onnxkv reads from them: ``eos_token_id
 generation config's over the model config's, as transformers takes them), ``bos_token_id``,
 ``pad_token_id``, ``vocab_size`` and ``max_length`` (``max_position_embeddings``).  The files are
 untrusted input: each is read only if it is a regular file of at most 16 MiB holding a JSON object,
-and every key read must be an int in its range (token ids below ``vocab_size``), else
-:class:`~onnxkv.errors.ModelError` names the file, the key and the value.
+and every key read must be an int in its range, else :class:`~onnxkv.errors.ModelError` names the file,
+the key and the value.  A token id at or past ``vocab_size`` is left out with a ``RuntimeWarning``
+naming it: the model never makes such an id (the tiny random-weight models of test repositories keep
+their family's default ids, 50256 in a vocabulary of 512).
 """
 
 from __future__ import annotations
 
 import json
 import stat
+import warnings
 from pathlib import Path
 
 from onnxkv.errors import ModelError
@@ -59,12 +62,28 @@ def _int(cfg: dict, key: str, path: Path, low: int, high: int) -> int | None:
 
 
 def _tokens(cfg: dict, key: str, path: Path, vocab: int) -> list[int] | None:
-    """``cfg[key]`` as a list of token ids (None when absent or null)."""
+    """``cfg[key]`` as a list of token ids (None when absent or null).  An id at or past ``vocab`` is left
+    out with a warning: the model never makes it (tiny test configs keep their family's default ids)."""
     value = cfg.get(key)
     if value is None:
         return None
-    items = value if isinstance(value, list) else [value]
-    return [_int({key: v}, key, path, 0, vocab) for v in items]
+    items = [_int({key: v}, key, path, 0, _INT_LIMIT) for v in (value if isinstance(value, list) else [value])]
+    kept = [t for t in items if t < vocab]
+    if len(kept) < len(items):
+        warnings.warn(
+            f"load: {path}: {key} {[t for t in items if t >= vocab]} lies outside the vocabulary [0, {vocab}): ignored",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return kept
+
+
+def _token(cfg: dict, key: str, path: Path, vocab: int) -> int | None:
+    """``cfg[key]`` as one token id (None when absent, null, or outside the vocabulary: see :func:`_tokens`)."""
+    if isinstance(cfg.get(key), list):
+        raise ModelError(f"load: {path}: {key} must be an int in [0, {vocab}), got {cfg[key]!r:.60}")
+    ids = _tokens(cfg, key, path, vocab)
+    return ids[0] if ids else None
 
 
 def read_hf_settings(model_file: Path) -> dict | None:
@@ -91,17 +110,17 @@ def read_hf_settings(model_file: Path) -> dict | None:
         "vocab_size": vocab,
         "max_length": _int(config, "max_position_embeddings", path, 1, _INT_LIMIT),
         "eos_token_id": _tokens(config, "eos_token_id", path, top),
-        "bos_token_id": _int(config, "bos_token_id", path, 0, top),
-        "pad_token_id": _int(config, "pad_token_id", path, 0, top),
+        "bos_token_id": _token(config, "bos_token_id", path, top),
+        "pad_token_id": _token(config, "pad_token_id", path, top),
     }
     gen_path = folder / "generation_config.json"
     generation = _read(gen_path)
     if generation is not None:
         eos = _tokens(generation, "eos_token_id", gen_path, top)
-        if eos is not None:
+        if eos:
             out["eos_token_id"] = eos
         for key in ("bos_token_id", "pad_token_id"):
-            value = _int(generation, key, gen_path, 0, top)
+            value = _token(generation, key, gen_path, top)
             if value is not None:
                 out[key] = value
     out["eos_token_id"] = out["eos_token_id"] or []

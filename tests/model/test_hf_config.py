@@ -78,7 +78,6 @@ def test_repository_folder_lists_the_files(repo):
     [
         ("{not json", "config.json is not valid JSON"),
         ("[1, 2]", "config.json must hold a JSON object, got list"),
-        ('{"vocab_size": 100, "eos_token_id": 100}', r"eos_token_id must be an int in \[0, 100\), got 100"),
         ('{"eos_token_id": [1, true]}', r"eos_token_id must be an int in \[0, 2147483648\), got True"),
         ('{"max_position_embeddings": 0}', r"max_position_embeddings must be an int in \[1, 2147483648\), got 0"),
         ('{"vocab_size": "big"}', "vocab_size must be an int"),
@@ -107,3 +106,18 @@ def test_a_vocabulary_below_the_logits_width_is_refused(repo):
     (repo / "config.json").write_text(json.dumps({"vocab_size": 10}))
     with pytest.raises(ModelError, match=rf"config.json: vocab_size 10 is below the {MICRO.vocab_size} logits"):
         onnxkv.load(repo / "onnx" / "model.onnx")
+
+
+def test_token_ids_outside_the_vocabulary_are_left_out_with_a_warning(repo):
+    """Tiny random-weight test models keep their family's default ids (GPT-2's 50256 in a vocabulary of 512):
+    the model never makes such an id, so it is left out, and the load says so."""
+    (repo / "config.json").write_text(
+        json.dumps({"vocab_size": MICRO.vocab_size, "eos_token_id": [2, 50256], "pad_token_id": 50256})
+    )
+    with pytest.warns(RuntimeWarning) as caught:
+        m = onnxkv.load(repo / "onnx" / "model.onnx")
+    assert m.eos_token_id == [2] and m.pad_token_id is None
+    assert sorted(str(w.message).split(": ", 2)[2] for w in caught) == [
+        f"eos_token_id [50256] lies outside the vocabulary [0, {MICRO.vocab_size}): ignored",
+        f"pad_token_id [50256] lies outside the vocabulary [0, {MICRO.vocab_size}): ignored",
+    ]
