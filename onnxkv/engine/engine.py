@@ -65,6 +65,10 @@ from onnxkv.runtime.state import State
 
 __all__ = ["Engine", "DEFAULT_MAX_BATCH_TOKENS"]
 
+#: Kernels that quantize a run's activations with one scale over all its rows (ONNX Runtime's
+#: quantize_dynamic models): a request's values then depend on the rows it runs with.
+_SHARED_SCALE_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantMatMul"})
+
 #: Fed tokens per step when the engine is not told (about two prompt chunks of a small model).
 DEFAULT_MAX_BATCH_TOKENS = 2048
 _KINDS = ("contiguous", "paged")
@@ -222,7 +226,8 @@ class Engine(SegmentSteps, BatchedSteps):
 
     def describe(self) -> dict:
         """How the engine runs: batching, cache kind, budget, requests added and active (each request's
-        prompt chunk is ``Request.chunk``)."""
+        prompt chunk is ``Request.chunk``), and ``shared_activation_scales``: the operators of the model that
+        quantize a run's activations per tensor, whose rows then depend on one another (docs/engine.md)."""
         if self._segmented:
             batching = (
                 "one batched run per step over one page pool: decode tokens of every request and chunks of "
@@ -246,8 +251,11 @@ class Engine(SegmentSteps, BatchedSteps):
                 "takes one length per batch, so rows of different lengths are not batched"
             )
         prefix = self._prefix
+        # operators that quantize a run's activations with one scale for all its rows (docs/engine.md)
+        shared = sorted({type(k).__name__ for k in self.session.plan.kernels} & _SHARED_SCALE_OPS)
         return {
             "batching": batching,
+            "shared_activation_scales": shared,
             "prefix_caching": self.prefix_caching and self.batched,
             "prefix_cached_pages": len(prefix) if prefix is not None else 0,
             "prefix_evictions": prefix.evictions if prefix is not None else 0,
