@@ -15,17 +15,15 @@ their family's default ids, 50256 in a vocabulary of 512).
 
 from __future__ import annotations
 
-import json
 import stat
 import warnings
 from pathlib import Path
 
 from onnxkv.errors import ModelError
+from onnxkv.model.config_files import BYTES_LIMIT, config_int, read_object
 
 __all__ = ["read_hf_settings"]
 
-#: Largest config file read (they hold a few KB).
-_BYTES_LIMIT = 16 << 20
 #: Largest vocabulary size or context length taken.
 _INT_LIMIT = 1 << 31
 _TOKENS = ("eos_token_id", "bos_token_id", "pad_token_id")
@@ -41,24 +39,9 @@ def _read(path: Path) -> dict | None:
         raise ModelError(f"load: cannot stat {path}: {e}") from None
     if not stat.S_ISREG(st.st_mode):
         raise ModelError(f"load: {path} is not a regular file")
-    if st.st_size > _BYTES_LIMIT:
-        raise ModelError(f"load: {path} is larger than {_BYTES_LIMIT} bytes")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ModelError(f"load: {path} is not valid JSON: {type(e).__name__}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ModelError(f"load: {path} must hold a JSON object, got {type(cfg).__name__}")
-    return cfg
-
-
-def _int(cfg: dict, key: str, path: Path, low: int, high: int) -> int | None:
-    value = cfg.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-        raise ModelError(f"load: {path}: {key} must be an int in [{low}, {high}), got {value!r:.60}")
-    return value
+    if st.st_size > BYTES_LIMIT:
+        raise ModelError(f"load: {path} is larger than {BYTES_LIMIT} bytes")
+    return read_object(path)
 
 
 def _tokens(cfg: dict, key: str, path: Path, vocab: int) -> list[int] | None:
@@ -67,7 +50,7 @@ def _tokens(cfg: dict, key: str, path: Path, vocab: int) -> list[int] | None:
     value = cfg.get(key)
     if value is None:
         return None
-    items = [_int({key: v}, key, path, 0, _INT_LIMIT) for v in (value if isinstance(value, list) else [value])]
+    items = [config_int({key: v}, key, path, 0, _INT_LIMIT) for v in (value if isinstance(value, list) else [value])]
     kept = [t for t in items if t < vocab]
     if len(kept) < len(items):
         warnings.warn(
@@ -103,12 +86,12 @@ def read_hf_settings(model_file: Path) -> dict | None:
     else:
         return None
     path = folder / "config.json"
-    vocab = _int(config, "vocab_size", path, 1, _INT_LIMIT)
+    vocab = config_int(config, "vocab_size", path, 1, _INT_LIMIT)
     top = vocab if vocab is not None else _INT_LIMIT
     out = {
         "path": path,
         "vocab_size": vocab,
-        "max_length": _int(config, "max_position_embeddings", path, 1, _INT_LIMIT),
+        "max_length": config_int(config, "max_position_embeddings", path, 1, _INT_LIMIT),
         "eos_token_id": _tokens(config, "eos_token_id", path, top),
         "bos_token_id": _token(config, "bos_token_id", path, top),
         "pad_token_id": _token(config, "pad_token_id", path, top),

@@ -20,7 +20,6 @@ key or node and the offending value, before anything is read from a data file.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -31,6 +30,7 @@ import numpy as np
 import onnx
 
 from onnxkv.errors import ModelError, UnsupportedOperatorError
+from onnxkv.model.config_files import BYTES_LIMIT, config_int, read_object
 from onnxkv.model.convention import CacheConvention, recognize_cache
 from onnxkv.model.hf_config import read_hf_settings
 from onnxkv.model.tensors import check_attributes, data_nbytes, element_count
@@ -360,8 +360,6 @@ def _find_io(model: onnx.ModelProto, conv: CacheConvention, cfg: dict | None) ->
 
 #: Largest size, length or head count a genai_config.json may declare.
 _CONFIG_INT_LIMIT = 1 << 31
-#: Largest genai_config.json read (the builder writes a few KB).
-_CONFIG_BYTES_LIMIT = 16 << 20
 
 
 def _config_section(cfg: dict, keys: tuple[str, ...], path: Path = Path("genai_config.json")) -> dict:
@@ -376,16 +374,6 @@ def _config_section(cfg: dict, keys: tuple[str, ...], path: Path = Path("genai_c
     return section
 
 
-def _config_int(section: dict, key: str, where: str, path: Path, low: int, high: int) -> int | None:
-    """``section[key]`` as an int in [low, high) or None when absent/null; ModelError naming the key otherwise."""
-    value = section.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-        raise ModelError(f"load: {path}: {where}.{key} must be an int in [{low}, {high}), got {value!r:.60}")
-    return value
-
-
 def _read_genai_config(path: Path) -> dict:
     """Parse and check ``genai_config.json``: every key onnxkv reads has the JSON type and range it needs.
 
@@ -393,14 +381,9 @@ def _read_genai_config(path: Path) -> dict:
         ModelError: unreadable, not JSON, or a key of another type or out of
             range (the message names the key and the value).
     """
-    if _regular_file(path, f"load: {path}") > _CONFIG_BYTES_LIMIT:
-        raise ModelError(f"load: {path} is larger than {_CONFIG_BYTES_LIMIT} bytes")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ModelError(f"load: {path} is not valid JSON: {type(e).__name__}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ModelError(f"load: {path} must hold a JSON object, got {type(cfg).__name__}")
+    if _regular_file(path, f"load: {path}") > BYTES_LIMIT:
+        raise ModelError(f"load: {path} is larger than {BYTES_LIMIT} bytes")
+    cfg = read_object(path)
     model = _config_section(cfg, ("model",), path)
     search = _config_section(cfg, ("search",), path)
     decoder = _config_section(cfg, ("model", "decoder"), path)
@@ -413,19 +396,19 @@ def _read_genai_config(path: Path) -> dict:
     if filename is not None and not isinstance(filename, str):
         raise ModelError(f"load: {path}: model.decoder.filename must be a string, got {filename!r:.60}")
     for key in ("head_size", "num_key_value_heads", "num_attention_heads"):
-        _config_int(decoder, key, "model.decoder", path, 1, _CONFIG_INT_LIMIT)
-    _config_int(search, "max_length", "search", path, 1, _CONFIG_INT_LIMIT)
-    _config_int(model, "context_length", "model", path, 1, _CONFIG_INT_LIMIT)
-    vocab = _config_int(model, "vocab_size", "model", path, 1, _CONFIG_INT_LIMIT)
+        config_int(decoder, key, path, 1, _CONFIG_INT_LIMIT, "model.decoder")
+    config_int(search, "max_length", path, 1, _CONFIG_INT_LIMIT, "search")
+    config_int(model, "context_length", path, 1, _CONFIG_INT_LIMIT, "model")
+    vocab = config_int(model, "vocab_size", path, 1, _CONFIG_INT_LIMIT, "model")
     top = vocab if vocab is not None else _CONFIG_INT_LIMIT
     for key in ("bos_token_id", "pad_token_id"):
-        _config_int(model, key, "model", path, 0, top)
+        config_int(model, key, path, 0, top, "model")
     eos = model.get("eos_token_id")
     if isinstance(eos, list):
         for i, e in enumerate(eos):
-            _config_int({f"eos_token_id[{i}]": e}, f"eos_token_id[{i}]", "model", path, 0, top)
+            config_int({f"eos_token_id[{i}]": e}, f"eos_token_id[{i}]", path, 0, top, "model")
     else:
-        _config_int(model, "eos_token_id", "model", path, 0, top)
+        config_int(model, "eos_token_id", path, 0, top, "model")
     return cfg
 
 

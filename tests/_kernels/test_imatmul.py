@@ -103,10 +103,13 @@ def test_matmul_integer_wraps_as_int32(path):
     np.testing.assert_array_equal(out, want)
 
 
-def test_zero_rows_write_nothing():
+def test_zero_rows_are_checked_and_write_nothing():
+    """M = 0 returns before the kernel, after every argument check (a zero point for 2 rows is refused)."""
     w = pack_int8_weight(np.ones((3, 4), np.int8))
-    out = np.empty((0, 4), np.int32)
-    matmul_integer(np.empty((0, 3), np.uint8), w, None, out)
+    a, out = np.empty((0, 3), np.uint8), np.empty((0, 4), np.int32)
+    assert matmul_integer(a, w, np.array([7], np.uint8), out) is None and out.shape == (0, 4)
+    with pytest.raises(ValueError, match="a_zero_point: expected a uint8 array of 1 or M=0"):
+        matmul_integer(a, w, np.array([1, 2], np.uint8), out)
 
 
 def test_pack_layout():
