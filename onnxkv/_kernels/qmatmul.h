@@ -30,6 +30,11 @@
  * Rows past K in the last block are zero in x (the caller pads), so the
  * weight padding is never read into a result.
  *
+ * Codebook weights (MatMulBnb4's FP4 and NF4): with lut set (16 floats; bits
+ * 4, zp NULL, zconst 0) a code stands for lut[q] instead of q, so
+ * w[k, n] = lut[q[n, k]] * sc[n, b], on the float paths only (d = sum x * lut[q],
+ * t = d, acc = fma(t, sc, acc)).
+ *
  * Paths (the SIMD ones in qmatmul_x86.h): scalar; AVX2 (8 columns, int8 by VPMADDUBSW; 8-bit weights as
  * w - 128 by the sign trick, the int16 pairs cannot saturate); AVX-VNNI (8 columns,
  * VPDPBUSD on YMM); AVX-512 VNNI (16 columns).  All sum each output in the
@@ -54,6 +59,7 @@ typedef struct okv_qmm {
     const float *xs;     /* int8 path: [M][nblk] */
     const float *xsum;   /* [M][nblk]: sum of xq (int8) or of x (float) per block */
     const float *x;      /* float path: [M][nblk * bs], zero past K */
+    const float *lut;    /* float path: 16 code values (4-bit codebook weights), or NULL (the code itself) */
 } okv_qmm;
 
 /* Instruction sets of the int8 and float kernels. */
@@ -71,6 +77,9 @@ static inline int okv_qmm_q(const okv_qmm *a, int64_t p, int64_t b, int c, int64
         return (k & 4) ? v >> 4 : v & 15;
     }
 }
+
+/* The value code q stands for in the float paths: lut[q], or q itself. */
+static inline float okv_qmm_wq(const okv_qmm *a, int q) { return a->lut ? a->lut[q] : (float)q; }
 
 static inline float okv_qmm_zp(const okv_qmm *a, int64_t p, int64_t b, int c) {
     return a->zp ? a->zp[(p * a->nblk + b) * 16 + c] : a->zconst;
@@ -169,7 +178,7 @@ static float okv_qmm_f32_block(const okv_qmm *a, int64_t p, int64_t b, int c, in
     const float z = okv_qmm_zp(a, p, b, c);
     float d = 0.f;
     int64_t k;
-    for (k = 0; k < a->bs; k++) d = fmaf(xb[k], (float)okv_qmm_q(a, p, b, c, k) - z, d);
+    for (k = 0; k < a->bs; k++) d = fmaf(xb[k], okv_qmm_wq(a, okv_qmm_q(a, p, b, c, k)) - z, d);
     return d;
 }
 
@@ -180,7 +189,7 @@ static float okv_qmm_f32_col(const okv_qmm *a, int64_t p, int c, int64_t m) {
     for (b = 0; b < a->nblk; b++) {
         const float *xb = a->x + (m * a->nblk + b) * a->bs;
         float d = 0.f, t;
-        for (k = 0; k < a->bs; k++) d = fmaf(xb[k], (float)okv_qmm_q(a, p, b, c, k), d);
+        for (k = 0; k < a->bs; k++) d = fmaf(xb[k], okv_qmm_wq(a, okv_qmm_q(a, p, b, c, k)), d);
         t = fmaf(-okv_qmm_zp(a, p, b, c), a->xsum[m * a->nblk + b], d);
         if (!(t - t == 0.f)) t = okv_qmm_f32_block(a, p, b, c, m);
         acc = fmaf(t, a->sc[(p * a->nblk + b) * 16 + c], acc);
@@ -206,7 +215,7 @@ static void __attribute__((noinline)) okv_qmm_f32_redo(const okv_qmm *a, int64_t
 }
 
 /* Panels [p0, p1) dequantized into dst [p1 - p0][K][16] (the panel layout of
- * matmul.h's packed float32 kernel): dst[p][k][c] = (q - zp) * sc, zero for
+ * matmul.h's packed float32 kernel): dst[p][k][c] = (q - zp) * sc (lut[q] * sc), zero for
  * columns past N. */
 static void okv_qmm_dequant(const okv_qmm *a, int64_t p0, int64_t p1, float *dst) {
     int64_t p, k;
@@ -217,7 +226,7 @@ static void okv_qmm_dequant(const okv_qmm *a, int64_t p0, int64_t p1, float *dst
             float *row = dst + ((p - p0) * a->K + k) * 16;
             for (c = 0; c < 16; c++)
                 row[c] = p * 16 + c < a->N
-                             ? ((float)okv_qmm_q(a, p, b, c, k % a->bs) - okv_qmm_zp(a, p, b, c)) *
+                             ? (okv_qmm_wq(a, okv_qmm_q(a, p, b, c, k % a->bs)) - okv_qmm_zp(a, p, b, c)) *
                                    a->sc[(p * a->nblk + b) * 16 + c]
                              : 0.f;
         }

@@ -54,6 +54,7 @@ cdef extern from "qmatmul.h" nogil:
         const float *xs
         const float *xsum
         const float *x
+        const float *lut
     int OKV_QMM_SCALAR, OKV_QMM_AVX2, OKV_QMM_AVXVNNI, OKV_QMM_AVX512
     void okv_qmm_quant_rows(const float *x, int64_t M, int64_t K, int64_t bs, int64_t nblk, int8_t *xq,
                             float *xs, float *xsum, int isa)
@@ -129,16 +130,18 @@ cdef class PackedNBits:
     Attributes: K, N, bits (4 or 8), block_size, nblk = ceil(K / block_size),
     P = ceil(N / 16); qw uint8 [P, nblk, 16 * block_size * bits / 8]; sc float32
     [P, nblk, 16]; zp float32 [P, nblk, 16] or None (every zero point is
-    ``zconst`` = 2^(bits-1)); nbytes: bytes held.
+    ``zconst``: 2^(bits-1), or 0 with a codebook); lut: float32 [16], the values
+    the 4-bit codes stand for (codebook weights: w = lut[q] * scale, float
+    activations only), or None (w = (q - zp) * scale); nbytes: bytes held.
     """
     cdef readonly int64_t K, N, bits, block_size, nblk, P
-    cdef readonly object qw, sc, zp
+    cdef readonly object qw, sc, zp, lut
     cdef readonly float zconst
     cdef okv_qmm base   # the weight fields of every call's arguments (pointers into the arrays above)
 
     @property
     def nbytes(self) -> int:
-        return self.qw.nbytes + self.sc.nbytes + (0 if self.zp is None else self.zp.nbytes)
+        return self.qw.nbytes + self.sc.nbytes + sum(0 if a is None else a.nbytes for a in (self.zp, self.lut))
 
 
 def _panels(a, P, N, fill):
@@ -149,7 +152,7 @@ def _panels(a, P, N, fill):
     return np.ascontiguousarray(full.reshape(P, 16, nblk).transpose(0, 2, 1))
 
 
-def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t block_size) -> PackedNBits:
+def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t block_size, lut=None) -> PackedNBits:
     """Repack an ONNX Runtime MatMulNBits weight for ``matmul_nbits``.
 
     B: uint8 [N, nblk, block_size * bits / 8] (or the same bytes flat), nblk =
@@ -158,6 +161,8 @@ def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t b
     (2^(bits-1) everywhere), uint8 with N * ceil(nblk * bits / 8) elements
     (packed like B along the blocks of a column), or float32 with N * nblk
     elements.  bits: 4 or 8; block_size: a power of two in [16, 256]; K, N >= 1.
+    lut: None, or float32 [16] (bits 4, no zero points): code q stands for
+    lut[q] (w = lut[q] * scale), and only ``int8=False`` products take the weight.
     The arguments are only read.  Raises ValueError naming the argument and
     the expected shape, size or value.
     """
@@ -167,6 +172,13 @@ def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t b
         raise ValueError(f"block_size: expected a power of two in [16, 256], got {block_size}")
     if K < 1 or N < 1:
         raise ValueError(f"K, N: expected >= 1, got K={K}, N={N}")
+    if lut is not None:
+        if not isinstance(lut, np.ndarray) or lut.dtype != np.float32 or lut.shape != (16,):
+            raise ValueError(f"lut: expected a float32 array of shape (16,), got "
+                             f"{getattr(lut, 'dtype', type(lut).__name__)} {getattr(lut, 'shape', '')}")
+        if bits != 4 or zero_points is not None:
+            raise ValueError(f"lut: a codebook takes 4-bit codes and no zero points, got bits={bits}"
+                             f"{'' if zero_points is None else ' and zero points'}")
     nblk = (K + block_size - 1) // block_size
     blob = block_size * bits // 8
     P = (N + 15) // 16
@@ -196,11 +208,12 @@ def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t b
     w.K, w.N, w.bits, w.block_size, w.nblk, w.P = K, N, bits, block_size, nblk, P
     w.qw = np.ascontiguousarray(lines).reshape(P, nblk, 16 * blob)
     w.sc = _panels(scales.reshape(N, nblk), P, N, 0.0)
-    w.zconst = float(1 << (bits - 1))
+    w.zconst = 0.0 if lut is not None else float(1 << (bits - 1))
     w.zp = None
+    w.lut = None if lut is None else np.array(lut, np.float32)
     if zero_points is not None:
         w.zp = _panels(_zero_points(zero_points, N, nblk, bits), P, N, w.zconst)
-    for a in (w.qw, w.sc, w.zp):
+    for a in (w.qw, w.sc, w.zp, w.lut):
         if a is not None:
             a.flags.writeable = False
     _set_base(w)
@@ -211,12 +224,16 @@ cdef void _set_base(PackedNBits w):
     cdef const uint8_t[:, :, ::1] qv = w.qw
     cdef const float[:, :, ::1] sv = w.sc
     cdef const float[:, :, ::1] zv
+    cdef const float[::1] lv
     memset(&w.base, 0, sizeof(okv_qmm))
     w.base.K, w.base.N, w.base.P, w.base.nblk, w.base.bs, w.base.bits = w.K, w.N, w.P, w.nblk, w.block_size, w.bits
     w.base.qw, w.base.sc, w.base.zconst = &qv[0, 0, 0], &sv[0, 0, 0], w.zconst
     if w.zp is not None:
         zv = w.zp
         w.base.zp = &zv[0, 0, 0]
+    if w.lut is not None:
+        lv = w.lut
+        w.base.lut = &lv[0]
 
 
 def _zero_points(z, N, nblk, bits):
@@ -367,6 +384,8 @@ cdef bint _fast(x, PackedNBits w, out, bias, bint int8) except -1:
     cdef okv_qmm a = w.base
     if not (type(x) is np.ndarray and type(out) is np.ndarray and (bias is None or type(bias) is np.ndarray)):
         return False
+    if int8 and w.lut is not None:
+        return False
     try:
         xv = x
         ov = out
@@ -394,7 +413,8 @@ def matmul_nbits(x, PackedNBits w, out, bias=None, bint int8=True):
     x: float32 [M, K]; out: float32 [M, N], written whole; bias: optional
     float32 [N]; all C-contiguous, native byte order; out must not overlap x
     or bias.  int8: quantize x per block to int8 (accuracy_level 4) in the
-    decode kernels (M <= DECODE_M), else float32 activations.  Any M >= 0.
+    decode kernels (M <= DECODE_M), else float32 activations (a codebook weight
+    takes only int8=False).  Any M >= 0.
     NaN or inf in a row's block makes that row's int8 outputs NaN; the float
     paths propagate them as IEEE arithmetic does.  Raises ValueError naming
     the argument before writing.  (Called per weight per decode step: valid
@@ -405,6 +425,8 @@ def matmul_nbits(x, PackedNBits w, out, bias=None, bint int8=True):
         if rec is not None:
             rec.note(KIND_MATMUL_NBITS, (x, w, bias, out), (x.shape[0], int(int8)), ())
         return
+    if int8 and w.lut is not None:
+        raise ValueError("matmul_nbits: int8=True on a codebook weight (lut): its products take float32 activations")
     V.array("x", x, (V.F32,), ndim=2)
     if x.shape[1] != w.K:
         raise ValueError(f"x: expected shape (M, {w.K}) (K of the weight), got {x.shape}")

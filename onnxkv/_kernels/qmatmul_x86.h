@@ -121,11 +121,19 @@ okv_qmm_i8_avxvnni_tile(const int MR, const int NH, const okv_qmm *a, int64_t p,
 }
 #endif
 
-/* Float path, 8 columns: MR rows x NH half-panels. */
+/* lut[i] for 8 codes i (0..15) from the two halves of a 16-entry codebook. */
+OKV_AVX2 static inline __attribute__((always_inline)) __m256 okv_qmm_lut8(__m256i i, __m256 lo, __m256 hi) {
+    const __m256 a = _mm256_permutevar8x32_ps(lo, i), b = _mm256_permutevar8x32_ps(hi, i);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28))); /* bit 3 of i picks hi */
+}
+
+/* Float path, 8 columns: MR rows x NH half-panels; LUT: codes stand for a->lut[q] (a constant argument). */
 OKV_AVX2 static inline __attribute__((always_inline)) void
-okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, int64_t m0) {
+okv_qmm_f32_avx2_tile(const int MR, const int NH, const int LUT, const okv_qmm *a, int64_t p, int64_t m0) {
     const int64_t LB = okv_qmm_lb(a), ldx = a->nblk * a->bs, pstride = a->nblk * LB;
     const __m256i lowb = _mm256_set1_epi32(0xFF), nib = _mm256_set1_epi8(0x0F);
+    const __m256 lut_lo = LUT ? _mm256_loadu_ps(a->lut) : _mm256_setzero_ps();
+    const __m256 lut_hi = LUT ? _mm256_loadu_ps(a->lut + 8) : _mm256_setzero_ps();
     __m256 accf[2][4], bad = _mm256_setzero_ps();
     int64_t b, j;
     int r, h, kk;
@@ -149,8 +157,8 @@ okv_qmm_f32_avx2_tile(const int MR, const int NH, const okv_qmm *a, int64_t p, i
                     w[1] = _mm256_loadu_si256((const __m256i *)(wl + 64 * j + 64));
                 }
                 for (kk = 0; kk < 8; kk++) {
-                    const __m256 wf =
-                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb));
+                    const __m256i code = _mm256_and_si256(_mm256_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb);
+                    const __m256 wf = LUT ? okv_qmm_lut8(code, lut_lo, lut_hi) : _mm256_cvtepi32_ps(code);
                     for (r = 0; r < MR; r++)
                         d[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(a->x[(m0 + r) * ldx + b * a->bs + 4 * j + kk]), wf,
                                                   d[r][h]);
@@ -250,11 +258,12 @@ okv_qmm_i8_512_body(const int MR, const int NP, const int BITS, const int BS, co
 #define OKV_QMM_I8_512_TN(MR, NP, a, p, m0) okv_qmm_i8_512_body(MR, NP, 0, 0, a, p, m0)
 #endif /* OKV_HAVE_VNNI */
 
-/* Float path, 16 columns (AVX-512 F; no VNNI needed). */
+/* Float path, 16 columns (AVX-512 F; no VNNI needed); LUT as in the 8-column tile. */
 OKV_AVX512BW static inline __attribute__((always_inline)) void
-okv_qmm_f32_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, int64_t m0) {
+okv_qmm_f32_512_tile(const int MR, const int NP, const int LUT, const okv_qmm *a, int64_t p, int64_t m0) {
     const int64_t LB = okv_qmm_lb(a), ldx = a->nblk * a->bs, pstride = a->nblk * LB;
     const __m512i lowb = _mm512_set1_epi32(0xFF), nib = _mm512_set1_epi8(0x0F);
+    const __m512 lutv = LUT ? _mm512_loadu_ps(a->lut) : _mm512_setzero_ps();
     __m512 accf[4][4];
     __mmask16 bad = 0;
     int64_t b, j;
@@ -278,8 +287,8 @@ okv_qmm_f32_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, in
                     w[1] = _mm512_loadu_si512((const void *)(w0 + q * pstride + 64 * j + 64));
                 }
                 for (kk = 0; kk < 8; kk++) {
-                    const __m512 wf =
-                        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb));
+                    const __m512i code = _mm512_and_si512(_mm512_srli_epi32(w[kk >> 2], 8 * (kk & 3)), lowb);
+                    const __m512 wf = LUT ? _mm512_permutexvar_ps(code, lutv) : _mm512_cvtepi32_ps(code);
                     for (r = 0; r < MR; r++)
                         d[r][q] = _mm512_fmadd_ps(_mm512_set1_ps(a->x[(m0 + r) * ldx + b * a->bs + 4 * j + kk]), wf,
                                                   d[r][q]);
@@ -310,7 +319,7 @@ okv_qmm_f32_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, in
 }
 
 /* Dequantized panel rows (okv_qmm_dequant): line by line, each k row of 16
- * (AVX-512) or 8 (AVX2) columns converted, shifted by zp and scaled at once. */
+ * (AVX-512) or 8 (AVX2) columns converted (CVT: the code, or lut[code]), shifted by zp and scaled at once. */
 #define OKV_QMM_DEQ_BODY(VEC, W, LOADI, LOADF, SET1I, SET1F, AND, SRLI16, SRLI32, CVT, SUB, MUL, STORE)             \
     const int64_t LB = okv_qmm_lb(a), pstride = a->nblk * LB;                                                       \
     int64_t p, b, j, k;                                                                                             \
@@ -344,15 +353,18 @@ okv_qmm_f32_512_tile(const int MR, const int NP, const okv_qmm *a, int64_t p, in
 OKV_AVX2 static void okv_qmm_dequant_avx2(const okv_qmm *a, int64_t p0, int64_t p1, float *dst) {
 #define OKV_QMM_LDI256(ptr) _mm256_loadu_si256((const __m256i *)(ptr))
 #define OKV_QMM_ST256(ptr, v) _mm256_storeu_ps((ptr), (v))
+#define OKV_QMM_CVT256(code) \
+    (a->lut ? okv_qmm_lut8((code), _mm256_loadu_ps(a->lut), _mm256_loadu_ps(a->lut + 8)) : _mm256_cvtepi32_ps(code))
     OKV_QMM_DEQ_BODY(__m256, 8, OKV_QMM_LDI256, _mm256_loadu_ps, _mm256_set1_epi32, _mm256_set1_ps, _mm256_and_si256,
-                     _mm256_srli_epi16, _mm256_srli_epi32, _mm256_cvtepi32_ps, _mm256_sub_ps, _mm256_mul_ps,
+                     _mm256_srli_epi16, _mm256_srli_epi32, OKV_QMM_CVT256, _mm256_sub_ps, _mm256_mul_ps,
                      OKV_QMM_ST256)
 }
 
 OKV_AVX512BW static void okv_qmm_dequant_512(const okv_qmm *a, int64_t p0, int64_t p1, float *dst) {
 #define OKV_QMM_LDI512(ptr) _mm512_loadu_si512((const void *)(ptr))
+#define OKV_QMM_CVT512(code) (a->lut ? _mm512_permutexvar_ps((code), _mm512_loadu_ps(a->lut)) : _mm512_cvtepi32_ps(code))
     OKV_QMM_DEQ_BODY(__m512, 16, OKV_QMM_LDI512, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_set1_ps, _mm512_and_si512,
-                     _mm512_srli_epi16, _mm512_srli_epi32, _mm512_cvtepi32_ps, _mm512_sub_ps, _mm512_mul_ps,
+                     _mm512_srli_epi16, _mm512_srli_epi32, OKV_QMM_CVT512, _mm512_sub_ps, _mm512_mul_ps,
                      _mm512_storeu_ps)
 }
 
@@ -479,11 +491,17 @@ OKV_AVX512BW static void okv_qmm_quant_block_512(const float *xb, int64_t n, int
 OKV_AVX2 static void okv_qmm_i8_avx2(const okv_qmm *a, int64_t p0, int64_t p1) {
     OKV_QMM_RANGE8(okv_qmm_i8_avx2_tile, a, p0, p1);
 }
+#define OKV_QMM_F32_256(MR, NH, a, p, m0) okv_qmm_f32_avx2_tile(MR, NH, 0, a, p, m0)
+#define OKV_QMM_F32_256_LUT(MR, NH, a, p, m0) okv_qmm_f32_avx2_tile(MR, NH, 1, a, p, m0)
+#define OKV_QMM_F32_512(MR, NP, a, p, m0) okv_qmm_f32_512_tile(MR, NP, 0, a, p, m0)
+#define OKV_QMM_F32_512_LUT(MR, NP, a, p, m0) okv_qmm_f32_512_tile(MR, NP, 1, a, p, m0)
 OKV_AVX2 static void okv_qmm_f32_avx2(const okv_qmm *a, int64_t p0, int64_t p1) {
-    OKV_QMM_RANGE8(okv_qmm_f32_avx2_tile, a, p0, p1);
+    if (a->lut) OKV_QMM_RANGE8(OKV_QMM_F32_256_LUT, a, p0, p1);
+    else OKV_QMM_RANGE8(OKV_QMM_F32_256, a, p0, p1);
 }
 OKV_AVX512BW static void okv_qmm_f32_512(const okv_qmm *a, int64_t p0, int64_t p1) {
-    OKV_QMM_RANGE16(okv_qmm_f32_512_tile, a, p0, p1);
+    if (a->lut) OKV_QMM_RANGE16(OKV_QMM_F32_512_LUT, a, p0, p1);
+    else OKV_QMM_RANGE16(OKV_QMM_F32_512, a, p0, p1);
 }
 #if OKV_HAVE_VNNI
 OKV_AVXVNNI static void okv_qmm_i8_avxvnni(const okv_qmm *a, int64_t p0, int64_t p1) {

@@ -14,6 +14,7 @@ from onnxkv._kernels.reference_integer import (  # noqa: F401 - the twins of ima
     matmul_integer,
 )
 from onnxkv._kernels.reference_nbits import (  # noqa: F401 - the twins of qmatmul, here with the others
+    bnb4_dequantize,
     matmul_nbits_f32,
     matmul_nbits_int8,
     nbits_codes,

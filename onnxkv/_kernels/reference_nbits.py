@@ -38,9 +38,11 @@ def _packed_codes(w):
 
 
 def nbits_dequantize(w):
-    """float32 [K, N] of a ``qmatmul.PackedNBits`` w: (q - zp) * scale."""
+    """float32 [K, N] of a ``qmatmul.PackedNBits`` w: (q - zp) * scale, or lut[q] * scale for a codebook
+    weight."""
     q, zp, sc = _packed_codes(w)
-    deq = (q.astype(np.float32) - zp[..., None]) * sc[..., None]
+    v = q.astype(np.float32) if w.lut is None else np.asarray(w.lut)[q]
+    deq = (v - zp[..., None]) * sc[..., None]
     return np.ascontiguousarray(deq.reshape(w.N, -1)[:, : w.K].T)
 
 
@@ -89,3 +91,15 @@ def matmul_nbits_f32(x, w, out, bias=None):
     to float32 rounding)."""
     r = x.astype(np.float64) @ nbits_dequantize(w).astype(np.float64)
     out[...] = (r if bias is None else r + bias).astype(np.float32)
+
+
+def bnb4_dequantize(B, absmax, K, N, block_size, lut):
+    """float32 [K, N] of a MatMulBnb4 weight, as ONNX Runtime defines it: B (uint8, (N * K + 1) // 2 bytes)
+    holds the codes of the flattened [N, K] weight, the even flat index in the high nibble; element i is
+    lut[code] * absmax[i // block_size], one float32 product."""
+    b = np.asarray(B, np.uint8).reshape(-1)
+    codes = np.empty(2 * b.size, np.uint8)
+    codes[0::2], codes[1::2] = b >> 4, b & 15
+    i = np.arange(N * K)
+    w = np.asarray(lut, np.float32)[codes[: N * K]] * np.asarray(absmax, np.float32).reshape(-1)[i // block_size]
+    return np.ascontiguousarray(w.astype(np.float32).reshape(N, K).T)

@@ -338,3 +338,78 @@ def test_decode_products_share_the_late_team_heuristic():
     finally:
         _set_adaptive(*old)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def _codebook(rng):
+    """A 16-value codebook (MatMulBnb4's are fixed; any values exercise the lookup): random, with a zero."""
+    lut = rng.standard_normal(16).astype(np.float32)
+    lut[7] = 0.0
+    return lut
+
+
+@pytest.mark.parametrize(
+    "bs,K_,N,M",
+    [(16, 64, 33, 1), (32, 256, 80, 3), (64, 200, 48, DECODE_M), (128, 384, 17, DECODE_M + 1), (32, 96, 70, 40)],
+)
+def test_codebook_weights_match_twin(path, threads, bs, K_, N, M):
+    """Codes standing for lut[q] (w = lut[q] * scale) on the float path: decode rows on the block kernels,
+    more rows on dequantized panels, against the twin (lut[q] * scale, float64 products)."""
+    rng = np.random.default_rng(K_ + N + M)
+    B, s, _ = make_weight(rng, K_, N, 4, bs, "none")
+    lut = _codebook(rng)
+    w = pack_nbits(B, s, None, K_, N, 4, bs, lut=lut)
+    assert w.zconst == 0.0 and not w.lut.flags.writeable and w.nbytes == w.qw.nbytes + w.sc.nbytes + 64
+    q = R.nbits_codes(B, K_, N, 4, bs)
+    blk = np.arange(K_) // bs
+    np.testing.assert_array_equal(R.nbits_dequantize(w), (lut[q] * s.reshape(N, -1)[:, blk]).T)
+    cols = dequantize_nbits(w, 0, w.P)
+    np.testing.assert_array_equal(cols[:, :N], R.nbits_dequantize(w))
+    x = rng.standard_normal((M, K_)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32) if M % 2 else None
+    want = x.astype(np.float64) @ R.nbits_dequantize(w).astype(np.float64) + (0 if bias is None else bias)
+    got = np.empty((M, N), np.float32)
+    matmul_nbits(x, w, got, bias, int8=False)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_codebook_paths_agree_and_infinities_propagate():
+    """Every path gives the scalar path's products to float32 rounding, and an inf in x gives what x @ W
+    gives (inf * 0 = NaN where a column holds the zero code, inf where it does not)."""
+    rng = np.random.default_rng(4)
+    K_, N, bs = 64, 32, 32
+    B, s, _ = make_weight(rng, K_, N, 4, bs, "none")
+    w = pack_nbits(B, s, None, K_, N, 4, bs, lut=_codebook(rng))
+    x = rng.standard_normal((3, K_)).astype(np.float32)
+    x[1, 5] = np.inf
+    outs = []
+    for level in dict.fromkeys(p[0] for p in PATHS):  # the float path depends on the level alone
+        with K.use_settings(K.current_settings().replace(simd=level)):
+            out = np.empty((3, N), np.float32)
+            matmul_nbits(x, w, out, int8=False)
+            outs.append(out)
+    with np.errstate(invalid="ignore"):
+        want = x.astype(np.float64) @ R.nbits_dequantize(w).astype(np.float64)
+    assert np.isnan(want[1]).any() and np.isinf(want[1]).any()
+    for out in outs:
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+        np.testing.assert_allclose(out[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-5 * np.abs(want[[0, 2]]).max())
+        finite = ~np.isnan(want[1])
+        np.testing.assert_array_equal(out[1, finite], want[1, finite])
+
+
+def test_codebook_bad_arguments():
+    rng = np.random.default_rng(0)
+    B, s, z = make_weight(rng, 64, 16, 4, 32, "uint8")
+    lut = _codebook(rng)
+    with pytest.raises(ValueError, match=r"lut: expected a float32 array of shape \(16,\), got float64"):
+        pack_nbits(B, s, None, 64, 16, 4, 32, lut=lut.astype(np.float64))
+    with pytest.raises(ValueError, match=r"lut: expected a float32 array of shape \(16,\)"):
+        pack_nbits(B, s, None, 64, 16, 4, 32, lut=lut[:8])
+    with pytest.raises(ValueError, match="lut: a codebook takes 4-bit codes and no zero points, got bits=4 and zero"):
+        pack_nbits(B, s, z, 64, 16, 4, 32, lut=lut)
+    B8, s8, _ = make_weight(rng, 64, 16, 8, 32, "none")
+    with pytest.raises(ValueError, match="got bits=8"):
+        pack_nbits(B8, s8, None, 64, 16, 8, 32, lut=lut)
+    w = pack_nbits(B, s, None, 64, 16, 4, 32, lut=lut)
+    with pytest.raises(ValueError, match="int8=True on a codebook weight"):
+        matmul_nbits(np.ones((1, 64), np.float32), w, np.empty((1, 16), np.float32), int8=True)
