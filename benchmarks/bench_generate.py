@@ -71,6 +71,8 @@ after ``onnxkv.quantize_weights`` (8 or 4 bits, block 32, symmetric,
 accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
 ``small-dq8:N`` runs it after ONNX Runtime's ``quantize_dynamic`` (int8 weights; DynamicQuantizeLinear,
 MatMulInteger and a quantized embedding read through DequantizeLinear).
+``small-bnb4:N`` runs it after ONNX Runtime's ``MatMulBnb4Quantizer`` (NF4, blocks of 64: the
+``model_bnb4.onnx`` of Transformers.js repositories; float32 activations in both runtimes).
 ``same_tokens_as_PEER`` compares the first 8 greedy tokens; when they differ,
 ``first_difference_PEER`` gives the step and onnxkv's top-1 minus top-2 logit
 at that step over the standard deviation of its logits (``gap_over_std``).
@@ -394,48 +396,72 @@ def builder_copy(tmp: Path, source: Path, threads: int) -> tuple[Path, int, int]
     return folder, exported_vocab(folder / "model.onnx"), weight_bytes
 
 
-def quantized_copy(tmp: Path, folder: Path, bits: int) -> tuple[Path, int]:
-    """``folder`` rewritten by onnxkv.quantize_weights (bits, block 32, accuracy_level 4): (folder, weight bytes)."""
+def initializer_bytes(path: Path) -> int:
+    """Bytes of the initializers of the model file at ``path`` (its weights read per token)."""
     import onnx
 
+    model = onnx.load(str(path), load_external_data=False)
+    return sum(
+        onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
+        for t in model.graph.initializer
+    )
+
+
+def quantized_copy(tmp: Path, folder: Path, bits: int) -> tuple[Path, int]:
+    """``folder`` rewritten by onnxkv.quantize_weights (bits, block 32, accuracy_level 4): (folder, weight bytes)."""
     import onnxkv
 
     out = tmp / f"{folder.name}-int{bits}"
     if not out.exists():
         onnxkv.quantize_weights(folder, out, bits=bits, block_size=32, accuracy_level=4)
-    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    return out, sum(
-        onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
-        for t in model.graph.initializer
-    )
+    return out, initializer_bytes(out / "model.onnx")
 
 
-def dynamic_quantized_copy(tmp: Path, folder: Path) -> tuple[Path, int]:
-    """``folder`` with its model rewritten by ONNX Runtime's ``quantize_dynamic`` (int8 weights per tensor;
-    MatMul and Gather, as the model_quantized.onnx files of model repositories): (folder, weight bytes)."""
+def rewritten_copy(tmp: Path, folder: Path, suffix: str, write) -> tuple[Path, int]:
+    """``folder``'s JSON files and ``write(source model path, new model path)``'s rewrite of its model in
+    ``tmp / (folder name + suffix)`` (made once): (folder, weight bytes)."""
     import shutil
 
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    out = tmp / f"{folder.name}-dq8"
+    out = tmp / f"{folder.name}{suffix}"
     if not out.exists():
         out.mkdir()
         for f in folder.iterdir():
             if f.suffix == ".json":
                 shutil.copy(f, out / f.name)
+        write(folder / "model.onnx", out / "model.onnx")
+    return out, initializer_bytes(out / "model.onnx")
+
+
+def dynamic_quantized_copy(tmp: Path, folder: Path) -> tuple[Path, int]:
+    """``folder`` with its model rewritten by ONNX Runtime's ``quantize_dynamic`` (int8 weights per tensor;
+    MatMul and Gather, as the model_quantized.onnx files of model repositories): (folder, weight bytes)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    def write(source: Path, out: Path) -> None:
         quantize_dynamic(
-            str(folder / "model.onnx"),
-            str(out / "model.onnx"),
+            str(source),
+            str(out),
             weight_type=QuantType.QInt8,
             op_types_to_quantize=["MatMul", "Gather"],
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
         )
-    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    return out, sum(
-        onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
-        for t in model.graph.initializer
-    )
+
+    return rewritten_copy(tmp, folder, "-dq8", write)
+
+
+def bnb4_copy(tmp: Path, folder: Path) -> tuple[Path, int]:
+    """``folder`` with its model's MatMuls rewritten by ONNX Runtime's ``MatMulBnb4Quantizer`` (NF4, blocks
+    of 64, as Transformers.js converts its ``model_bnb4.onnx`` files): (folder, weight bytes)."""
+    import onnx
+    from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
+
+    def write(source: Path, out: Path) -> None:
+        quantizer = MatMulBnb4Quantizer(onnx.load(str(source)), MatMulBnb4Quantizer.NF4, 64)
+        quantizer.process()
+        onnx.save(quantizer.model.model, str(out), save_as_external_data=True, location=out.name + ".data")
+
+    return rewritten_copy(tmp, folder, "-bnb4", write)
 
 
 def exported_vocab(path: Path) -> int:
@@ -556,6 +582,10 @@ def main() -> None:
                 base, vocab = build(tmp, size, "gqa", max_length, args.threads)
                 folder, weight_bytes = dynamic_quantized_copy(tmp, base)
                 source = "onnxkv.zoo builder, onnxruntime.quantization.quantize_dynamic QInt8 (MatMul, Gather)"
+            elif family == "bnb4":
+                base, vocab = build(tmp, size, "gqa", max_length, args.threads)
+                folder, weight_bytes = bnb4_copy(tmp, base)
+                source = "onnxkv.zoo builder, onnxruntime.quantization MatMulBnb4Quantizer NF4 block 64"
             else:
                 folder, vocab = build(tmp, size, family, max_length, args.threads)
                 source = "onnxkv.zoo builder"
@@ -570,7 +600,7 @@ def main() -> None:
             }
             if weight_bytes is not None:
                 entry["weight_bytes_read_per_token"] = weight_bytes
-            genai_ok = family in ("gqa", "int8", "int4", "dq8") or size == "builder"
+            genai_ok = family in ("gqa", "int8", "int4", "dq8", "bnb4") or size == "builder"
             todo = [
                 e
                 for e in engines

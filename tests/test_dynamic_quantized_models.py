@@ -84,7 +84,7 @@ def quantized_embedded(request, tmp_path_factory):
     return onnxkv.Session(folder, threads=2)
 
 
-@pytest.mark.parametrize("cache", ["auto", "paged"])
+@pytest.mark.parametrize("cache", [None, "paged"], ids=["contiguous", "paged"])
 def test_greedy_tokens_equal_onnxruntime(quantized_embedded, cache):
     assert not quantized_embedded.fallback_nodes
     prompt = np.array([embedded.encode("The cat sat on the mat and")], np.int64)

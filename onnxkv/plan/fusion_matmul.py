@@ -16,7 +16,10 @@ nodes sharing input A whose weights are initializers of one layout (K, bits,
 block_size, accuracy_level, zero-point kind; constant or absent bias, no
 g_idx): one ``ai.onnxkv::SiblingMatMulNBits`` node, so A is quantized once and
 one kernel call covers every weight
-(:class:`onnxkv.plan.ops.matmul_nbits.SiblingMatMulNBits`).
+(:class:`onnxkv.plan.ops.matmul_nbits.SiblingMatMulNBits`); and for
+``com.microsoft::MatMulBnb4`` nodes of one K, block_size and quant_type: one
+``ai.onnxkv::SiblingMatMulBnb4``
+(:class:`onnxkv.plan.ops.matmul_bnb4.SiblingMatMulBnb4`).
 
 ``fuse_prologue_matmuls`` then joins each RMS norm (ORT's
 SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization) or
@@ -38,6 +41,7 @@ import onnx
 from onnx import helper
 
 from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_index
+from onnxkv.plan.ops import matmul_bnb4
 from onnxkv.plan.ops.matmul_nbits import layout_problem
 
 __all__ = ["fuse_sibling_matmuls", "fuse_sibling_nbits", "fuse_prologue_matmuls"]
@@ -94,10 +98,33 @@ def fuse_sibling_matmuls(
 NBITS_SHARED = {"K": None, "bits": 4, "block_size": None, "accuracy_level": 0}
 
 
+#: Attributes of ``MatMulBnb4`` that siblings must share.
+BNB4_SHARED = ("K", "block_size", "quant_type")
+
+
+def _bnb4_key(n: onnx.NodeProto, constants: Mapping[str, np.ndarray | None]) -> tuple | None:
+    """_nbits_key of a MatMulBnb4 node: (A, ("bnb4", K, block_size, quant_type), None), or None."""
+    if len(n.input) != 3 or any(constants.get(x) is None for x in n.input[1:]):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    if attrs.get("transB", 1) != 1 or attrs.get("training_mode", 0) != 0:
+        return None
+    shared = tuple(attrs.get(k) for k in BNB4_SHARED)
+    k, block_size, quant_type = shared
+    if matmul_bnb4.layout_problem(k, attrs.get("N"), block_size, quant_type, constants[n.input[1]],
+                                  constants[n.input[2]]) is not None:  # fmt: skip
+        return None  # alone, its own build names what is wrong
+    return (n.input[0], ("bnb4", *shared), None)
+
+
 def _nbits_key(n: onnx.NodeProto, constants: Mapping[str, np.ndarray | None]) -> tuple | None:
-    """What a MatMulNBits node's siblings must share, or None when it cannot join a group: (A, the shared
-    attributes, zero-point dtype or None)."""
-    if n.op_type != "MatMulNBits" or n.domain != "com.microsoft" or len(n.output) != 1:
+    """What a MatMulNBits (or MatMulBnb4) node's siblings must share, or None when it cannot join a group:
+    (A, the shared attributes, zero-point dtype or None)."""
+    if n.domain != "com.microsoft" or len(n.output) != 1:
+        return None
+    if n.op_type == "MatMulBnb4":
+        return _bnb4_key(n, constants)
+    if n.op_type != "MatMulNBits":
         return None
     ins = list(n.input) + [""] * (6 - len(n.input))
     if (
@@ -133,6 +160,10 @@ def fuse_sibling_nbits(nodes: list[onnx.NodeProto], constants: Mapping[str, np.n
     for (x, shared, _), members in groups.items():
         if len(members) < 2:
             continue
+        if shared[0] == "bnb4":
+            replace[members[0]] = _sibling_bnb4(x, [nodes[i] for i in members], shared[1:])
+            drop.update(members[1:])
+            continue
         inputs, ns = [x], []
         for i in members:
             ins = list(nodes[i].input) + [""] * (6 - len(nodes[i].input))
@@ -152,6 +183,19 @@ def fuse_sibling_nbits(nodes: list[onnx.NodeProto], constants: Mapping[str, np.n
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
+def _sibling_bnb4(x: str, members: list[onnx.NodeProto], shared: tuple) -> onnx.NodeProto:
+    """The SiblingMatMulBnb4 node of MatMulBnb4 ``members`` reading ``x`` (``shared``: BNB4_SHARED's values)."""
+    return helper.make_node(
+        "SiblingMatMulBnb4",
+        [x, *(name for m in members for name in m.input[1:3])],
+        [m.output[0] for m in members],
+        name=members[0].name or members[0].output[0],
+        domain=FUSED_DOMAIN,
+        N=[next(helper.get_attribute_value(a) for a in m.attribute if a.name == "N") for m in members],
+        **dict(zip(BNB4_SHARED, shared)),
+    )
+
+
 def fuse_prologue_matmuls(
     nodes: list[onnx.NodeProto], protected: set[str], constants: Mapping[str, np.ndarray | None]
 ) -> list[onnx.NodeProto]:
@@ -160,8 +204,8 @@ def fuse_prologue_matmuls(
     A prologue qualifies when its output 0 is not ``protected`` and is read by
     exactly one node, once, as input 0 of a ``MatMul`` whose weight is a
     packable initializer (non-empty 2-D float32), of a ``SiblingMatMul`` or
-    ``SiblingMatMulNBits``, or of a ``MatMulNBits`` with initializer weights
-    and no bias or g_idx;
+    ``SiblingMatMulNBits`` / ``SiblingMatMulBnb4``, or of a ``MatMulNBits`` with
+    initializer weights and no bias or g_idx, or of a ``MatMulBnb4``;
     a norm must have no optional statistics outputs and normalise over the
     last axis.  The ``ai.onnxkv::PrologueMatMul`` node replaces the prologue
     (where it stands, so every reader of its other outputs still follows it)
@@ -185,7 +229,7 @@ def fuse_prologue_matmuls(
         if list(m.input).count(p.output[0]) != 1 or m.input[0] != p.output[0]:
             continue
         if not (
-            (m.op_type in ("SiblingMatMul", "SiblingMatMulNBits") and m.domain == FUSED_DOMAIN)
+            (m.op_type in ("SiblingMatMul", "SiblingMatMulNBits", "SiblingMatMulBnb4") and m.domain == FUSED_DOMAIN)
             or (
                 default_op(m, "MatMul")
                 and len(m.input) == 2

@@ -68,15 +68,16 @@ def _row_wise(plan: Plan, k: int, value: int) -> bool:
 
 def _is_head(kernel) -> bool:
     """A product computing each output row from the same row of its non-constant inputs alone: a MatMul
-    with a packed weight, a MatMulNBits, or a PrologueMatMul (a row-wise norm, then one of those) whose
+    with a packed weight, a MatMulNBits or MatMulBnb4, or a PrologueMatMul (a row-wise norm, then one of those) whose
     skip sum the graph does not read."""
     from onnxkv.plan.ops.matmul import MatMul
+    from onnxkv.plan.ops.matmul_bnb4 import MatMulBnb4
     from onnxkv.plan.ops.matmul_nbits import MatMulNBits
     from onnxkv.plan.ops.prologue_matmul import PrologueMatMul
 
     if isinstance(kernel, PrologueMatMul):
         return kernel.sum_index is None and kernel.kind != "SiluMul" and _is_head(kernel.product)
-    return (isinstance(kernel, MatMul) and kernel.packed is not None) or type(kernel) is MatMulNBits
+    return (isinstance(kernel, MatMul) and kernel.packed is not None) or type(kernel) in (MatMulNBits, MatMulBnb4)
 
 
 def find_head(plan: Plan, logits: str | None) -> LogitHead | None:

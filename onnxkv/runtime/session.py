@@ -31,7 +31,7 @@ TOKEN_WISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Abs", "Exp", "Log", "Erf", "Tanh",
     "Sigmoid", "Relu", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Softplus", "Clip", "Max", "Min", "Where",
     "Equal", "Cast", "CastLike", "Constant", "Identity", "Shape", "Reshape", "Transpose", "Split", "Squeeze",
-    "Unsqueeze", "Softmax", "MatMul", "MatMulNBits", "Gather", "GatherBlockQuantized", "ReduceSum",
+    "Unsqueeze", "Softmax", "MatMul", "MatMulNBits", "MatMulBnb4", "Gather", "GatherBlockQuantized", "ReduceSum",
     "LayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
     "SkipLayerNormalization", "RMSNormalization", "RotaryEmbedding", "GroupQueryAttention",
 })  # fmt: skip

@@ -12,6 +12,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     mask_lengths,
     masked_attention,
     matmul,
+    matmul_bnb4,
     matmul_integer,
     matmul_nbits,
     norm,
