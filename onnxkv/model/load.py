@@ -33,6 +33,7 @@ from onnxkv.errors import ModelError, UnsupportedOperatorError
 from onnxkv.model.config_files import BYTES_LIMIT, config_int, read_object
 from onnxkv.model.convention import CacheConvention, recognize_cache
 from onnxkv.model.hf_config import read_hf_settings
+from onnxkv.model.inline_data import read_model
 from onnxkv.model.tensors import check_attributes, data_nbytes, element_count
 from onnxkv.model.well_formed import check_arity, check_text
 from onnxkv.model.windows import apply_config_window
@@ -493,7 +494,7 @@ def load(path: str | os.PathLike | onnx.ModelProto) -> Model:
             if (p.parent / "genai_config.json").exists():
                 cfg = _read_genai_config(p.parent / "genai_config.json")
         try:
-            proto = onnx.load(str(file), load_external_data=False)
+            proto = read_model(file) or onnx.load(str(file), load_external_data=False)
         except Exception as e:
             raise ModelError(f"load: cannot read ONNX model {file}: {e}") from e
         check_text(proto)

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 from onnxkv.errors import ModelError
+from onnxkv.plan.constant_data import kernel_view
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fold_limit import FoldBudget, FoldTooLarge, fold_fits, has_schema
 from onnxkv.plan.graph_order import node_label
@@ -39,7 +40,7 @@ def foldable(node: onnx.NodeProto, constants: dict) -> bool:
 def fold_node(node: onnx.NodeProto, kernel: Op, constants: dict, opsets: dict[str, int]) -> bool:
     """Run ``node`` on its constant inputs and add its outputs to ``constants``; False when it is not
     folded (its outputs would exceed the fold limit).  A node failing on constants is a ModelError."""
-    inputs = [constants[x] if x else None for x in node.input]
+    inputs = [kernel_view(constants[x]) if x else None for x in node.input]
     if has_schema(node, opsets) and not fold_fits(node, inputs, opsets):
         return False
     rt = RunContext(FoldBudget(sum(a.size for a in inputs if a is not None)), False, -1)

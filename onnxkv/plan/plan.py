@@ -275,8 +275,9 @@ class Plan:
         # (written for an omitted output), so the run loop needs no test for -1.
         none_slot, sink_slot = self.n_slots, self.n_slots + 1
         template: list = [None] * (self.n_slots + 2)
-        for name, arr in constants.items():
-            template[slot_of[name]] = arr
+        for name in constants:
+            template[slot_of[name]] = self.build_context.constant(name)
+        self.build_context.drop_aligned()
         self._defaults = {slot_of[name]: arr for name, arr in defaults.items()}  # not constants: bound per run
         self._template = template
         self.must_alias = [self._aliases(node, kernel, constants) for node, kernel in zip(kept_nodes, kernels)]

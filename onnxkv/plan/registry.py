@@ -39,6 +39,7 @@ from onnx import helper
 
 from onnxkv.errors import ModelError, UnsupportedOperatorError
 from onnxkv.model.tensors import tensor_array
+from onnxkv.plan.constant_data import kernel_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from onnxkv.plan.context import RunContext
@@ -92,6 +93,7 @@ class BuildContext:
         self.past_inputs = past_inputs
         self.bindings = bindings or {}
         self.subplan = subplan
+        self._aligned: dict[str, np.ndarray] = {}
 
     def opset(self, domain: str = "") -> int:
         return self.opsets.get(DOMAIN_ALIASES.get(domain, domain), 0)
@@ -126,8 +128,19 @@ class BuildContext:
         return {b.past: b for b in self.bindings.get(node.name or node.output[0], [])}
 
     def constant(self, name: str) -> np.ndarray | None:
-        """The value of ``name`` if it is known at build time (initializer/Constant)."""
-        return self.constants.get(name)
+        """The value of ``name`` if it is known at build time (initializer/Constant), as kernels may read it
+        (:func:`~onnxkv.plan.constant_data.kernel_view`: a misaligned map is copied once per build)."""
+        value = self.constants.get(name)
+        if not isinstance(value, np.ndarray) or value.flags.aligned:
+            return value
+        if name not in self._aligned:
+            self._aligned[name] = kernel_view(value)
+        return self._aligned[name]
+
+    def drop_aligned(self) -> None:
+        """Forget the aligned copies :meth:`constant` made (the plan calls it once its values are set, so a
+        copy only a packing kernel read is freed)."""
+        self._aligned.clear()
 
 
 class Op:

@@ -21,13 +21,12 @@ session's thread setting.
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 import onnx
 
 from onnxkv import _kernels as K
 from onnxkv._kernels.matmul import matmul_packed, pack_weight
+from onnxkv.plan.constant_data import release_pages
 from onnxkv.plan.ops._util import broadcast_shape
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -36,16 +35,6 @@ SMALL_M = 16
 #: Up to this many rows a product with a packed (initializer) weight is compilable (recorded in compiled
 #: steps); longer prompt chunks run through the plan's Python loop, where one call's dispatch is negligible.
 STEP_M = 256
-
-
-def _release_pages(w: np.ndarray) -> None:
-    """Drop this process's resident pages of ``w`` if it is a read-only file
-    mapping (its packed copy replaces it for the op; any later reader faults
-    the pages back in from the file).  Anything else is left alone."""
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    mapping = getattr(w, "_mmap", None)
-    if isinstance(w, np.memmap) and w.mode == "r" and advice is not None and hasattr(mapping, "madvise"):
-        mapping.madvise(advice)
 
 
 @register("MatMul")
@@ -68,7 +57,7 @@ class MatMul(Op):
             self.packed.flags.writeable = False
             self._n = w.shape[1]
             self.absorbed_inputs = (1,)  # the plan may drop its own copy of the weight
-            _release_pages(w)
+            release_pages(w)
 
     def compilable(self, inputs: list) -> bool:
         """A packed weight and a C-contiguous float32 A [..., K] of at most ``STEP_M`` rows."""

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels.qmatmul import pack_nbits
-from onnxkv.plan.ops.matmul import _release_pages
+from onnxkv.plan.constant_data import release_pages
 from onnxkv.plan.ops.matmul_nbits import MatMulNBits, SiblingMatMulNBits, _constant
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -130,7 +130,7 @@ class MatMulBnb4(MatMulNBits):
             q, sc, g = repack(B, absmax, self.k, n, self.block_size)
             qs.append(q)
             scales.append(sc)
-            _release_pages(B)
+            release_pages(B)
         self.weight = pack_nbits(
             np.concatenate(qs), np.concatenate(scales), None, self.k, sum(ns), 4, g, lut=CODEBOOKS[self.quant_type]
         )

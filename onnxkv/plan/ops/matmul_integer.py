@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels.imatmul import dynamic_quantize_linear, matmul_dynamic, matmul_integer, pack_int8_weight
-from onnxkv.plan.ops.matmul import _release_pages
+from onnxkv.plan.constant_data import release_pages
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantMatMul", "STEP_M"]
@@ -82,7 +82,7 @@ class MatMulInteger(Op):
             raise self.error(f"b_zero_point has {bz.size} values; expected 1 or N={b.shape[1]} (B is {list(b.shape)})")
         self.weight = pack_int8_weight(np.ascontiguousarray(b), None if bz is None else np.ascontiguousarray(bz))
         self.absorbed_inputs = (1, 3) if inputs[3] else (1,)
-        _release_pages(b)
+        release_pages(b)
 
     def _fail(self, message: str) -> ValueError:
         return ValueError(f"MatMulInteger node '{self.name}': {message}")
@@ -158,7 +158,7 @@ class DynamicQuantMatMul(Op):
         self.ws = np.ascontiguousarray(np.broadcast_to(ws.reshape(-1), (self.weight.N,)), dtype=np.float32)
         self.ws.flags.writeable = False
         self.absorbed_inputs = tuple(i for i in (1, 2, 3) if node.input[i])
-        _release_pages(w)
+        release_pages(w)
 
     def compilable(self, inputs: list) -> bool:
         """One kernel call on x as it is: C-contiguous float32 [..., K] of at most ``STEP_M`` rows."""

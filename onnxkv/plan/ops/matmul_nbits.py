@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels.qmatmul import DECODE_M, matmul_nbits, pack_nbits
-from onnxkv.plan.ops.matmul import _release_pages
+from onnxkv.plan.constant_data import release_pages
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
@@ -151,7 +151,7 @@ class MatMulNBits(Op):
                 f"{e} (K={self.k}, N={self.n}, bits={self.bits}, block_size={self.block_size}, "
                 f"{-(-self.k // self.block_size)} blocks per column)"
             ) from None
-        _release_pages(B)
+        release_pages(B)
 
     def _product(self, a: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
         """A [..., K] (checked here) @ w (+ bias, checked by the caller) as float32 [rows, n], into ``out``

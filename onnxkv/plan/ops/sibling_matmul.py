@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels.matmul import PANEL, matmul_packed, pack_weight
-from onnxkv.plan.ops.matmul import MatMul, _release_pages
+from onnxkv.plan.constant_data import release_pages
+from onnxkv.plan.ops.matmul import MatMul
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["SiblingMatMul"]
@@ -71,7 +72,7 @@ class SiblingMatMul(MatMul):
         )
         self.absorbed_inputs = tuple(range(1, len(node.input)))
         for w in weights:
-            _release_pages(w)
+            release_pages(w)
 
     def compilable(self, inputs: list) -> bool:
         """One C-contiguous float32 row (one kernel call whose outputs are views of its result), or up to
