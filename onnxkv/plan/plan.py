@@ -277,7 +277,6 @@ class Plan:
         template: list = [None] * (self.n_slots + 2)
         for name in constants:
             template[slot_of[name]] = self.build_context.constant(name)
-        self.build_context.drop_aligned()
         self._defaults = {slot_of[name]: arr for name, arr in defaults.items()}  # not constants: bound per run
         self._template = template
         self.must_alias = [self._aliases(node, kernel, constants) for node, kernel in zip(kept_nodes, kernels)]

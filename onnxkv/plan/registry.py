@@ -30,6 +30,7 @@ with the highest ``since`` not above the model's opset for that domain.
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +94,9 @@ class BuildContext:
         self.past_inputs = past_inputs
         self.bindings = bindings or {}
         self.subplan = subplan
-        self._aligned: dict[str, np.ndarray] = {}
+        # The aligned copies constant() made, shared while a kernel or the plan's values hold them (weakly
+        # held: a copy only a packing kernel read is freed once packed).
+        self._aligned: weakref.WeakValueDictionary[str, np.ndarray] = weakref.WeakValueDictionary()
 
     def opset(self, domain: str = "") -> int:
         return self.opsets.get(DOMAIN_ALIASES.get(domain, domain), 0)
@@ -133,14 +136,10 @@ class BuildContext:
         value = self.constants.get(name)
         if not isinstance(value, np.ndarray) or value.flags.aligned:
             return value
-        if name not in self._aligned:
-            self._aligned[name] = kernel_view(value)
-        return self._aligned[name]
-
-    def drop_aligned(self) -> None:
-        """Forget the aligned copies :meth:`constant` made (the plan calls it once its values are set, so a
-        copy only a packing kernel read is freed)."""
-        self._aligned.clear()
+        copy = self._aligned.get(name)
+        if copy is None:
+            copy = self._aligned[name] = kernel_view(value)
+        return copy
 
 
 class Op:

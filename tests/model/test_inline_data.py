@@ -143,3 +143,18 @@ def test_damaged_files_load_or_raise_model_errors(tmp_path):
             continue
         for a in model.external.values():
             assert a.offset + a.nbytes <= len(copy)
+
+
+def test_aligned_copies_live_only_while_a_kernel_or_the_plans_values_hold_them(tmp_path):
+    """A misaligned weight a kernel packs is copied for the packing only: no copy of it outlives the build."""
+    _, path = _saved(tmp_path)
+    session = onnxkv.Session(path, threads=1)
+    plan, model = session.plan, session.model
+    misaligned = {name for name, a in model.external.items() if not a.flags.aligned}
+    absorbed = {n for n in misaligned if n in plan.slot_of and plan._template[plan.slot_of[n]] is None}
+    kept = misaligned - absorbed
+    assert absorbed and kept  # packed weights, and tables the kernels read as they are (rotary caches)
+    assert set(plan.build_context._aligned.keys()) == kept
+    for name in kept:
+        value = plan._template[plan.slot_of[name]]
+        assert value.flags.aligned and value is plan.build_context._aligned[name]
