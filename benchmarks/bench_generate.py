@@ -69,6 +69,9 @@ hidden 128), whose per-token time is mostly per-step overhead.
 ``small-int8:N`` / ``small-int4:N`` run the small GroupQueryAttention model
 after ``onnxkv.quantize_weights`` (8 or 4 bits, block 32, symmetric,
 accuracy_level 4): MatMulNBits files ONNX Runtime (GenAI) runs as well.
+``small-q4:N`` runs it with 4-bit weights and accuracy_level 0 (float32 activations), as the
+``model_q4.onnx`` of Transformers.js repositories (ONNX Runtime's ``MatMul4BitsQuantizer``, symmetric,
+blocks of 32, no accuracy level).
 ``small-dq8:N`` runs it after ONNX Runtime's ``quantize_dynamic`` (int8 weights; DynamicQuantizeLinear,
 MatMulInteger and a quantized embedding read through DequantizeLinear).
 ``small-bnb4:N`` runs it after ONNX Runtime's ``MatMulBnb4Quantizer`` (NF4, blocks of 64: the
@@ -407,13 +410,14 @@ def initializer_bytes(path: Path) -> int:
     )
 
 
-def quantized_copy(tmp: Path, folder: Path, bits: int) -> tuple[Path, int]:
-    """``folder`` rewritten by onnxkv.quantize_weights (bits, block 32, accuracy_level 4): (folder, weight bytes)."""
+def quantized_copy(tmp: Path, folder: Path, bits: int, level: int = 4) -> tuple[Path, int]:
+    """``folder`` rewritten by onnxkv.quantize_weights (bits, block 32, symmetric, ``level`` the accuracy_level):
+    (folder, weight bytes)."""
     import onnxkv
 
-    out = tmp / f"{folder.name}-int{bits}"
+    out = tmp / f"{folder.name}-int{bits}-level{level}"
     if not out.exists():
-        onnxkv.quantize_weights(folder, out, bits=bits, block_size=32, accuracy_level=4)
+        onnxkv.quantize_weights(folder, out, bits=bits, block_size=32, accuracy_level=level)
     return out, initializer_bytes(out / "model.onnx")
 
 
@@ -574,6 +578,10 @@ def main() -> None:
             elif exported:
                 folder, vocab = args.torch_model, exported_vocab(args.torch_model)
                 source = f"torch.onnx.export ({folder})"
+            elif family == "q4":
+                base, vocab = build(tmp, size, "gqa", max_length, args.threads)
+                folder, weight_bytes = quantized_copy(tmp, base, 4, level=0)
+                source = "onnxkv.zoo builder, onnxkv.quantize_weights bits=4 block 32 accuracy_level 0"
             elif family in ("int8", "int4"):
                 base, vocab = build(tmp, size, "gqa", max_length, args.threads)
                 folder, weight_bytes = quantized_copy(tmp, base, int(family[3:]))
@@ -600,7 +608,7 @@ def main() -> None:
             }
             if weight_bytes is not None:
                 entry["weight_bytes_read_per_token"] = weight_bytes
-            genai_ok = family in ("gqa", "int8", "int4", "dq8", "bnb4") or size == "builder"
+            genai_ok = family in ("gqa", "int8", "int4", "q4", "dq8", "bnb4") or size == "builder"
             todo = [
                 e
                 for e in engines
