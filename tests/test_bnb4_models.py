@@ -93,3 +93,16 @@ def test_greedy_tokens_equal_onnxruntime(quantized_embedded, cache):
     prompt = np.array([embedded.encode("The cat sat on the mat and")], np.int64)
     ours = onnxkv.generate(quantized_embedded, prompt, 32, cache=cache, eos_token_id=[]).tokens
     np.testing.assert_array_equal(ours, ort_greedy(quantized_embedded, prompt, 32))
+
+
+def test_engine_batches_requests_with_the_tokens_each_gets_alone(quantized_embedded):
+    """Requests of different lengths in one batched run per step (siblings and prologues through runs of
+    segments) get the tokens generate gives each alone."""
+    assert quantized_embedded.takes_segments
+    prompts = [embedded.encode(t) for t in ("The cat", "Once upon a time there", "A")]
+    engine = onnxkv.Engine(quantized_embedded, cache=onnxkv.CacheConfig("paged", block_size=4), max_batch_tokens=64)
+    requests = [engine.add_request(p, max_new_tokens=12, eos_token_id=[]) for p in prompts]
+    engine.run()
+    for prompt, request in zip(prompts, requests):
+        alone = onnxkv.generate(quantized_embedded, [prompt], max_new_tokens=12, eos_token_id=[]).tokens[0]
+        np.testing.assert_array_equal(list(request.tokens), alone)
