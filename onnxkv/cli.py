@@ -205,6 +205,11 @@ def _cmd_inspect(args) -> int:
         print(f"  {c:5d}  {dom}::{op}")
     fb = sess.fallback_nodes
     print(f"fallback nodes (onnx.reference): {len(fb)}" + ("" if not fb else ": " + ", ".join(fb[:20])))
+    w = sess.weight_bytes()
+    print(
+        f"weights: {w.kernels / 2**20:.2f} MiB in kernel layouts, {w.mapped / 2**20:.2f} MiB read from file "
+        f"mappings, {w.in_memory / 2**20:.2f} MiB other constants in memory"
+    )
     print("inputs:")
     for gi in sess.plan.inputs:
         print(f"  {gi.name}: {gi.dtype} {list(gi.shape) if gi.shape is not None else '?'}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,9 @@ def test_inspect_reports_convention_ops_fallbacks_io(genai_dir, capsys):
     assert "com.microsoft::GroupQueryAttention" in out
     assert "fallback nodes (onnx.reference): 0" in out
     assert "input_ids: int64" in out and "present.0.key" in out
+    assert re.search(
+        r"weights: \d+\.\d\d MiB in kernel layouts, \d+\.\d\d MiB read from file mappings, \d+\.\d\d MiB other", out
+    )
 
 
 def test_errors_are_reported_not_raised(genai_dir, tmp_path, capsys):

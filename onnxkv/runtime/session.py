@@ -20,6 +20,7 @@ from onnxkv.model.contract import Contract
 from onnxkv.model.rewrite import inplace_bindings
 from onnxkv.plan.logit_rows import checked_positions
 from onnxkv.plan.plan import Plan
+from onnxkv.plan.weight_bytes import WeightBytes, weight_bytes
 from onnxkv.runtime.cache_config import LEGACY_KEYWORDS, CacheConfig, cache_request
 from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.state import State
@@ -181,6 +182,11 @@ class Session:
     def fallback_nodes(self) -> list[str]:
         """Names of nodes run by ``onnx.reference`` fallbacks."""
         return list(self.plan.fallback_nodes)
+
+    def weight_bytes(self) -> WeightBytes:
+        """Where the model's weights live: bytes the kernels hold in their own layouts, constants read
+        from file mappings (page cache) and constants held in memory (:mod:`onnxkv.plan.weight_bytes`)."""
+        return weight_bytes(self.plan)
 
     def run(
         self, feeds: Mapping[str, np.ndarray], output_names: list[str] | None = None, logits_at=None
