@@ -25,10 +25,13 @@ with another data field besides ``raw_data``, two ``raw_data`` fields, a
 
 from __future__ import annotations
 
+import math
 import mmap
+from collections import Counter
 from pathlib import Path
 
 import onnx
+from onnx import serialization
 
 from onnxkv.model import _wire
 
@@ -38,22 +41,45 @@ __all__ = ["read_model", "MIN_BYTES"]
 MIN_BYTES = 64 << 10
 
 _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
-# TensorProto fields: raw_data, the other data fields, external_data, data_location, segment.
-_RAW_DATA, _EXTERNAL_DATA, _DATA_LOCATION, _SEGMENT = 9, 13, 14, 3
+# TensorProto fields: dims, data_type, name, raw_data, the other data fields, external_data, data_location,
+# segment.
+_DIMS, _DATA_TYPE, _NAME, _RAW_DATA, _EXTERNAL_DATA, _DATA_LOCATION, _SEGMENT = 1, 2, 8, 9, 13, 14, 3
 _OTHER_DATA = frozenset({4, 5, 6, 7, 10, 11})
+#: Bytes per element of the types load maps (float, float16, bfloat16, the ints, bool, double).
+_ITEMSIZE = {
+    onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2,
+    onnx.TensorProto.DOUBLE: 8, onnx.TensorProto.BOOL: 1, onnx.TensorProto.INT8: 1, onnx.TensorProto.UINT8: 1,
+    onnx.TensorProto.INT16: 2, onnx.TensorProto.UINT16: 2, onnx.TensorProto.INT32: 4, onnx.TensorProto.UINT32: 4,
+    onnx.TensorProto.INT64: 8, onnx.TensorProto.UINT64: 8,
+}  # fmt: skip
 
 
 def _fields(view: memoryview, start: int, end: int):
-    """(number, wire type, field start, payload start, field end) of each field in ``view[start:end]``;
-    ValueError for anything but varint, fixed and length-delimited fields within those bounds."""
+    """(number, wire type, field start, payload start, field end) of each field in ``view[start:end]``.
+
+    ValueError for anything protobuf's parser would refuse in the headers this module re-encodes or drops
+    (a tag or length varint above 5 bytes or 32 bits), for groups, and for a field past ``end``."""
     pos = start
     while pos < end:
-        field_start = pos
-        number, wire_type, value, pos = _wire._read_field(view, pos)
-        if pos > end or wire_type not in (_wire.VARINT, _wire.I64, _wire.LEN, _wire.I32):
-            raise ValueError(f"field {number} (wire type {wire_type}) does not fit its message")
-        payload = pos - len(value) if wire_type == _wire.LEN else pos
-        yield number, wire_type, field_start, payload, pos
+        tag, payload = _wire.decode_varint(view, pos)
+        if payload - pos > 5 or tag >> 32 or tag >> 3 == 0:
+            raise ValueError(f"a field tag at byte {pos} that protobuf refuses")
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == _wire.VARINT:
+            field_end = _wire.decode_varint(view, payload)[1]
+        elif wire_type == _wire.LEN:
+            size, body = _wire.decode_varint(view, payload)
+            if body - payload > 5 or size >> 31:
+                raise ValueError(f"field {number}: a length at byte {payload} that protobuf refuses")
+            payload, field_end = body, body + size
+        elif wire_type in (_wire.I64, _wire.I32):
+            field_end = payload + (8 if wire_type == _wire.I64 else 4)
+        else:
+            raise ValueError(f"field {number}: wire type {wire_type}")
+        if field_end > end:
+            raise ValueError(f"field {number} does not fit its message")
+        yield number, wire_type, pos, payload, field_end
+        pos = field_end
 
 
 def _entry(key: str, value: str) -> bytes:
@@ -62,8 +88,39 @@ def _entry(key: str, value: str) -> bytes:
     return _wire.encode_fields([_wire.Field(_EXTERNAL_DATA, _wire.LEN, body)])
 
 
+def _packed_varints(view: memoryview, start: int, end: int) -> list[int]:
+    values, pos = [], start
+    while pos < end:
+        value, pos = _wire.decode_varint(view, pos)
+        values.append(value)
+    if pos != end:
+        raise ValueError("packed varints overrun their field")
+    return values
+
+
+def _mappable_bytes(view: memoryview, fields: list) -> int | None:
+    """The byte count a tensor's dims and data_type give (the last data_type, as protobuf keeps), when its
+    type is one onnxkv maps (fixed-width numbers and bool) and no dim is negative; else None."""
+    dims: list[int] = []
+    data_type = 0
+    for number, wire_type, _, payload, end in fields:
+        if number == _DIMS:
+            if wire_type == _wire.LEN:
+                dims += _packed_varints(view, payload, end)
+            elif wire_type == _wire.VARINT:
+                dims.append(_wire.decode_varint(view, payload)[0])
+        elif number == _DATA_TYPE and wire_type == _wire.VARINT:
+            data_type = _wire.decode_varint(view, payload)[0]
+    size = _ITEMSIZE.get(data_type)
+    if size is None or any(d >> 63 for d in dims):  # a negative int64 dim as its unsigned varint
+        return None
+    return math.prod(dims) * size
+
+
 def _tensor(view: memoryview, start: int, end: int, location: str) -> list | None:
-    """The parts of one initializer with its raw_data replaced by a reference to the file, or None to keep it."""
+    """The parts of one initializer with its raw_data replaced by a reference to the file, or None to keep it
+    as it is: another data field or a data location, a type onnxkv does not map, or raw_data of another size
+    than its dims and type give (left for the checks that refuse it, as onnx.load gives it)."""
     fields = list(_fields(view, start, end))
     numbers = [f[0] for f in fields]
     if numbers.count(_RAW_DATA) != 1 or {_EXTERNAL_DATA, _DATA_LOCATION, _SEGMENT} & set(numbers):
@@ -71,12 +128,20 @@ def _tensor(view: memoryview, start: int, end: int, location: str) -> list | Non
     if _OTHER_DATA & set(numbers):
         return None
     (raw,) = [f for f in fields if f[0] == _RAW_DATA]
-    if raw[1] != _wire.LEN or raw[4] - raw[3] < MIN_BYTES:
+    length = raw[4] - raw[3]
+    if raw[1] != _wire.LEN or length < MIN_BYTES or _mappable_bytes(view, fields) != length:
         return None
     parts: list = [view[f[2] : f[4]] for f in fields if f[0] != _RAW_DATA]
     parts.append(_wire.encode_fields([_wire.Field(_DATA_LOCATION, _wire.VARINT, onnx.TensorProto.EXTERNAL)]))
-    parts += [_entry("location", location), _entry("offset", str(raw[3])), _entry("length", str(raw[4] - raw[3]))]
+    parts += [_entry("location", location), _entry("offset", str(raw[3])), _entry("length", str(length))]
     return parts
+
+
+def _name(view: memoryview, start: int, end: int) -> bytes | None:
+    """An initializer's name (the last name field, as protobuf keeps), or None when it has none."""
+    names = [bytes(view[payload:e]) for number, wire_type, _, payload, e in _fields(view, start, end)
+             if number == _NAME and wire_type == _wire.LEN]  # fmt: skip
+    return names[-1] if names else None
 
 
 def _message(number: int, parts: list) -> bytes:
@@ -93,11 +158,13 @@ def _stripped(view: memoryview, location: str) -> bytes | None:
     if len(graphs) != 1 or graphs[0][1] != _wire.LEN:
         return None  # several graph fields merge when parsed: leave such a file to onnx.load
     graph = graphs[0]
+    fields = list(_fields(view, graph[3], graph[4]))
+    names = Counter(_name(view, f[3], f[4]) for f in fields if f[0] == _GRAPH_INITIALIZER and f[1] == _wire.LEN)
     graph_parts: list = []
     changed = 0
-    for number, wire_type, start, payload, end in _fields(view, graph[3], graph[4]):
+    for number, wire_type, start, payload, end in fields:
         tensor = None
-        if number == _GRAPH_INITIALIZER and wire_type == _wire.LEN:
+        if number == _GRAPH_INITIALIZER and wire_type == _wire.LEN and names[_name(view, payload, end)] == 1:
             tensor = _tensor(view, payload, end, location)
         if tensor is None:
             graph_parts.append(view[start:end])
@@ -114,6 +181,13 @@ def read_model(file: Path) -> onnx.ModelProto | None:
     """The ModelProto of the model file ``file`` with the raw_data of its large main-graph initializers left
     in the file (see the module docstring), or None when the scan finds none or cannot walk the file (the
     caller then reads it with ``onnx.load``).  OSError from opening or mapping the file propagates."""
+    if serialization.registry.get_format_from_file_extension(file.suffix) not in (None, "protobuf"):
+        return None  # onnx.load reads such a file as text or JSON
+    try:  # the file must be reachable by its name (not a deleted file or a memfd), as its mappings are
+        if not file.resolve(strict=True).is_file():
+            return None
+    except (OSError, RuntimeError):
+        return None
     with open(file, "rb") as f:
         size = f.seek(0, 2)
         if size < MIN_BYTES:

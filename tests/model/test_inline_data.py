@@ -158,3 +158,53 @@ def test_aligned_copies_live_only_while_a_kernel_or_the_plans_values_hold_them(t
     for name in kept:
         value = plan._template[plan.slot_of[name]]
         assert value.flags.aligned and value is plan.build_context._aligned[name]
+
+
+def test_what_the_walk_leaves_to_onnx_load_behaves_as_before(tmp_path):
+    """Found by fuzzing: a duplicated initializer name, raw_data of another size than its dims give, a type
+    onnxkv does not map, an over-long varint protobuf refuses, a text or JSON file name and a file reached
+    by no name all give what onnx.load gives (the same values or the same refusal)."""
+    proto = build_model("gqa", MICRO, seed=3)
+    big = [t for t in proto.graph.initializer if len(t.raw_data) >= LIMIT]
+    dup = onnx.TensorProto()
+    dup.CopyFrom(big[0])
+    dup.raw_data = (-numpy_helper.to_array(big[0])).tobytes()
+    proto.graph.initializer.append(dup)  # the same name twice: the plan takes the last, as before
+    big[1].dims[0] += 1  # dims needing more bytes than raw_data holds
+    path = tmp_path / "model.onnx"
+    onnx.save(proto, str(path))
+    model = onnxkv.load(path)
+    assert big[0].name not in model.external and big[1].name not in model.external and big[2].name in model.external
+    with pytest.raises(ModelError, match=f"initializer '{big[1].name}' holds .* bytes of raw_data"):
+        onnxkv.Session(model)
+    # a raw_data length written as an over-long (6-byte) varint: protobuf refuses it, so load does
+    data = (tmp_path / "model.onnx").read_bytes()
+    tensor = big[2].SerializeToString()
+    raw = len(big[2].raw_data)
+    header = bytes([0x4A]) + _varint(raw)
+    padded = bytes([0x4A]) + _varint(raw, pad=6)
+    at = data.index(tensor) + tensor.index(header + big[2].raw_data[:16])
+    bad = tmp_path / "overlong.onnx"
+    bad.write_bytes(data[:at] + padded + data[at + len(header) :])
+    with pytest.raises(ModelError, match="cannot read ONNX model"):
+        onnxkv.load(bad)
+    # a binary model named as text: onnx.load reads it as JSON and fails
+    (tmp_path / "model.json").write_bytes(data)
+    with pytest.raises(ModelError, match="cannot read ONNX model"):
+        onnxkv.load(tmp_path / "model.json")
+    # a file reached through a descriptor whose file has no name left: parsed whole
+    with open(path, "rb") as f:
+        path.unlink()
+        assert not onnxkv.load(f"/proc/self/fd/{f.fileno()}").external
+
+
+def _varint(value: int, pad: int = 0) -> bytes:
+    """``value`` as a protobuf varint, made ``pad`` bytes long with continuation bytes when pad is given."""
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+        if not value and len(out) >= max(pad, 1):
+            break
+    out[-1] &= 0x7F
+    return bytes(out)
