@@ -172,6 +172,8 @@ class Plan:
         check_attributes(graph, self.opsets)
         constants: dict[str, np.ndarray] = {}
         for init in graph.initializer:
+            if init.name in constants:  # ONNX names a value once; which copy counted depended on its storage
+                raise ModelError(f"initializer '{init.name}' is defined twice; a value has one producer")
             arr = external[init.name] if init.name in external else tensor_array(init, f"initializer '{init.name}'")
             if not arr.flags.c_contiguous:
                 arr = arr.copy(order="C")

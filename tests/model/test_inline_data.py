@@ -208,3 +208,17 @@ def _varint(value: int, pad: int = 0) -> bytes:
             break
     out[-1] &= 0x7F
     return bytes(out)
+
+
+def test_an_initializer_defined_twice_is_a_model_error(tmp_path):
+    """Found by fuzzing: with one copy mapped from external data and one inline, the plan read the first
+    for both, where the parsed model takes the last. A value has one producer: refused, whatever the storage."""
+    proto = build_model("gqa", MICRO, seed=3)
+    dup = onnx.TensorProto()
+    dup.CopyFrom(proto.graph.initializer[0])
+    proto.graph.initializer.append(dup)
+    with pytest.raises(ModelError, match=f"initializer '{dup.name}' is defined twice"):
+        onnxkv.Session(proto)
+    onnx.save(proto, str(tmp_path / "model.onnx"))
+    with pytest.raises(ModelError, match="is defined twice"):
+        onnxkv.Session(tmp_path / "model.onnx")
