@@ -67,3 +67,13 @@ def ort_greedy(session, prompt: np.ndarray, n: int, mask: np.ndarray | None = No
         toks.append(tok)
         feeds = builder.next(tok, out)
     return np.stack(toks, axis=1)
+
+
+def assert_greedy_equals_ort(session, prompt: np.ndarray, n: int, cache=None) -> None:
+    """onnxkv's greedy tokens for ``prompt`` (no EOS, ``cache`` as ``generate`` takes it) equal ORT's, with
+    no node left to the onnx.reference fallback."""
+    import onnxkv
+
+    assert not session.fallback_nodes
+    ours = onnxkv.generate(session, prompt, n, cache=cache, eos_token_id=[]).tokens
+    np.testing.assert_array_equal(ours, ort_greedy(session, prompt, n))

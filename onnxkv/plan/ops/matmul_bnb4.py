@@ -92,7 +92,8 @@ def repack(B: np.ndarray, absmax: np.ndarray, k: int, n: int, block_size: int) -
 @register("MatMulBnb4", domain="com.microsoft")
 class MatMulBnb4(MatMulNBits):
     """Kernel object of one MatMulBnb4 node (see the module docstring); ``weight`` is a codebook
-    ``PackedNBits`` (owned by this object, read-only arrays), ``int8`` always False."""
+    ``PackedNBits`` (owned by this object, read-only arrays), ``int8`` always False.  It runs as MatMulNBits
+    does (its inputs stop before MatMulNBits' bias)."""
 
     op_type = "MatMulBnb4"  # not MatMulNBits' (the registry names only classes without one)
 
@@ -135,25 +136,13 @@ class MatMulBnb4(MatMulNBits):
             np.concatenate(qs), np.concatenate(scales), None, self.k, sum(ns), 4, g, lut=CODEBOOKS[self.quant_type]
         )
 
-    def compilable(self, inputs: list) -> bool:
-        """One kernel call on A as it is (see MatMulNBits)."""
-        return self._one_call(inputs[0])
-
-    def run(self, inputs: list, rt) -> tuple:
-        a = inputs[0]
-        f32 = a.dtype == np.float32
-        out = rt.empty(0, a.shape[:-1] + (self.n,), np.float32) if f32 and a.ndim else None
-        o = self._product(a, None, out)
-        y = out if out is not None else o.reshape(a.shape[:-1] + (self.n,))
-        return (y if f32 else y.astype(np.float16),)
-
 
 @register("SiblingMatMulBnb4", domain="ai.onnxkv", internal=True)
 class SiblingMatMulBnb4(SiblingMatMulNBits, MatMulBnb4):
     """``ai.onnxkv::SiblingMatMulBnb4`` (made by :func:`onnxkv.plan.fusion_matmul.fuse_sibling_nbits`):
     input A, then per member B and absmax (initializers); attributes those of MatMulBnb4 with ``N`` one int
     per member; outputs Y_i = A @ W_i, as the MatMulBnb4 nodes it replaces, from one kernel call on the
-    members' weights packed side by side (outputs as SiblingMatMulNBits gives them).
+    members' weights packed side by side (run as SiblingMatMulNBits runs, which comes first in its bases).
 
     Attributes: weight (the packed concatenation), bounds ((start, end) columns of each output).
     """
@@ -183,6 +172,3 @@ class SiblingMatMulBnb4(SiblingMatMulNBits, MatMulBnb4):
         ends = np.cumsum(ns).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
         self.absorbed_inputs = tuple(range(1, len(node.input)))
-
-    compilable = SiblingMatMulNBits.compilable
-    run = SiblingMatMulNBits.run
