@@ -5,7 +5,7 @@ cdef void refuse(str reason)
 
 # Kinds of noted calls (the replay in step.pyx switches on them).
 cdef enum:
-    KIND_MATMUL_PACKED = 1   # arrays (x, wp, bias or None, out); ints (M, K, P, N)
+    KIND_MATMUL_PACKED = 1   # arrays (x, wp, bias or None, out); ints (M, K, P, N, float16 panels)
     KIND_RMS_NORM = 2        # arrays (x, gamma, out); ints (rows, n); floats (eps,)
     KIND_SKIP_RMS_NORM = 3   # arrays (x, skip, gamma, bias or None, out, sum_out or None); ints (rows, n); floats (eps,)
     KIND_ACTIVATION = 4      # arrays (x, up or None, out); ints (mode, n)

@@ -6,6 +6,7 @@ kernel run before the kernel writes anything.
 
 import numpy as np
 
+F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
 I32 = np.dtype(np.int32)

@@ -4,7 +4,7 @@
 #ifndef ONNXKV_FMA_PROBE_H
 #define ONNXKV_FMA_PROBE_H
 
-#include "matmul.h"
+#include "matmul_packed.h"
 
 /* n steps of OKV_FMA_CHAINS independent float32 FMA chains of the widest
  * vectors of isa (OKV_MMP_*): 2 * OKV_FMA_CHAINS * lanes * n FLOP, enough

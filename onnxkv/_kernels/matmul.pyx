@@ -25,7 +25,7 @@ in the same order whatever the thread count, so results do not depend on it.
   next products run on the calling thread alone, then the team is tried
   again (on free cores no product is late, so the team always runs).
 """
-from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from cython.parallel cimport prange
 
@@ -42,11 +42,13 @@ cdef extern from "matmul.h" nogil:
     int64_t okv_matmul_plan(int64_t M, int64_t N, int nt, int64_t *width)
     void okv_matmul_seg_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                             const float *bias, float *out, int64_t n0, int64_t nb, int simd)
+
+cdef extern from "matmul_packed.h" nogil:
     int64_t okv_mmp_panels(int64_t N)
-    void okv_mmp_pack_rows(const float *w, int64_t K, int64_t N, float *wp, int64_t k0, int64_t k1)
-    void okv_matmul_packed_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
-                               const float *bias, float *out, int64_t p0, int64_t p1, int isa)
-    int64_t okv_matmul_packed_claim(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+    void okv_mmp_pack_rows(const void *w, int64_t K, int64_t N, void *wp, int64_t k0, int64_t k1, size_t esz)
+    void okv_matmul_packed_ld(const float *x, int64_t M, int64_t K, const void *wp, int half, int64_t N,
+                              int64_t ldc, const float *bias, float *out, int64_t p0, int64_t p1, int isa)
+    int64_t okv_matmul_packed_claim(const float *x, int64_t M, int64_t K, const void *wp, int half, int64_t N,
                                     const float *bias, float *out, uint64_t *ranges, int nt, int t,
                                     int64_t chunk, int isa)
     int64_t okv_matmul_claim_setup(uint64_t *ranges, int isa, int64_t M, int64_t K, int64_t P, int nt)
@@ -210,8 +212,7 @@ cdef inline int _packed_isa(okv_settings s) noexcept nogil:
     return OKV_MMP_AVX512 if s.avx512 and _avx512_usable else OKV_MMP_AVX2
 
 
-cdef void _pack(const float[:, ::1] w, float[:, :, ::1] wp, okv_settings s) noexcept nogil:
-    cdef int64_t K = w.shape[0], N = w.shape[1]
+cdef void _pack(const char *w, int64_t K, int64_t N, char *wp, size_t esz, okv_settings s) noexcept nogil:
     cdef int64_t nblk = (K + 15) // 16, t, b0, b1
     cdef int nt = s.threads
     if K * N < PAR_MIN:
@@ -221,28 +222,33 @@ cdef void _pack(const float[:, ::1] w, float[:, :, ::1] wp, okv_settings s) noex
     for t in prange(nt, num_threads=nt, schedule='static'):
         b0 = nblk * t // nt
         b1 = nblk * (t + 1) // nt
-        okv_mmp_pack_rows(&w[0, 0], K, N, &wp[0, 0, 0], b0 * 16, K if b1 * 16 > K else b1 * 16)
+        okv_mmp_pack_rows(w, K, N, wp, b0 * 16, K if b1 * 16 > K else b1 * 16, esz)
+
+
+cdef uintptr_t _address(a):
+    return <uintptr_t>a.__array_interface__["data"][0]
 
 
 def pack_weight(w):
     """The packed layout of a MatMul weight, for ``matmul_packed``.
 
-    w: [K, N] float32, C-contiguous, native byte order (ONNX MatMul layout).
-    Returns a new float32 array wp [P, K, 16] with P = ceil(N / 16): wp[p, k, j]
-    is w[k, 16 p + j], zero where 16 p + j >= N.  Each panel wp[p] is one
-    contiguous block and the array starts on a 64-byte boundary (every wp[p, k]
-    is one cache line).  The caller owns the result; w is only read.  Raises
-    ValueError naming ``w`` for a bad argument.
+    w: [K, N] float32 or float16, C-contiguous, native byte order (ONNX MatMul
+    layout).  Returns a new array wp [P, K, 16] of w's dtype with P = ceil(N /
+    16): wp[p, k, j] is w[k, 16 p + j], zero where 16 p + j >= N.  Each panel
+    wp[p] is one contiguous block and the array starts on a 64-byte boundary
+    (every float32 wp[p, k] is one cache line, two float16 ones share one).  The
+    caller owns the result; w is only read.  Raises ValueError naming ``w`` for
+    a bad argument.
     """
-    V.array("w", w, (V.F32,), ndim=2)
+    V.array("w", w, (V.F32, V.F16), ndim=2)
     Kd, N = w.shape
     P = (N + PANEL - 1) // PANEL
     n = P * Kd * PANEL
-    buf = np.empty(n + PANEL, np.float32)
-    off = (-buf.ctypes.data % 64) // 4
+    buf = np.empty(n + 64 // w.itemsize, w.dtype)
+    off = (-buf.ctypes.data % 64) // w.itemsize
     wp = buf[off:off + n].reshape(P, Kd, PANEL)
     if n:
-        _pack(w, wp, okv_settings_get())
+        _pack(<const char *>_address(w), Kd, N, <char *>_address(wp), w.itemsize, okv_settings_get())
     return wp
 
 
@@ -261,12 +267,12 @@ def _set_adaptive(enabled, solo=0):
     return old
 
 
-cdef int matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *wp, int64_t P, int64_t N,
-                           const float *bias, float *out, okv_settings s) noexcept nogil:
-    """out [M, N] = x [M, K] @ w (+ bias) with w packed as wp [P, K, PANEL], P = ceil(N / PANEL); checked,
-    non-empty, non-overlapping arguments (``matmul_packed``'s conditions).  Returns 0, or -1 with nothing
-    written when the bfloat16 path (``s.bf16`` and M >= OKV_BF16_MIN_ROWS: :func:`_matmul_bf16`) could not
-    allocate its workspace.
+cdef int matmul_packed_ptr(const float *x, int64_t M, int64_t K, const void *wp, int half, int64_t P,
+                           int64_t N, const float *bias, float *out, okv_settings s) noexcept nogil:
+    """out [M, N] = x [M, K] @ w (+ bias) with w packed as wp [P, K, PANEL] of float32 values, or of float16
+    ones (``half``), P = ceil(N / PANEL); checked, non-empty, non-overlapping arguments (``matmul_packed``'s
+    conditions).  Returns 0, or -1 with nothing written when the bfloat16 path (float32 panels, ``s.bf16`` and
+    M >= OKV_BF16_MIN_ROWS: :func:`_matmul_bf16`) could not allocate its workspace.
 
     Threads claim chunks of panels (okv_matmul_packed_claim): each its own
     contiguous range from the front, then the others' from the back, so a
@@ -284,11 +290,11 @@ cdef int matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *wp
         nt = <int>P
     if P >= (<int64_t>1 << 31):   # beyond the claim words (a weight of > 2^35 columns)
         nt = 1
-    if s.bf16 and M >= OKV_BF16_MIN_ROWS:
-        return _matmul_bf16(x, M, K, wp, P, N, bias, out, s, nt)
+    if s.bf16 and M >= OKV_BF16_MIN_ROWS and not half:
+        return _matmul_bf16(x, M, K, <const float *>wp, P, N, bias, out, s, nt)
     nt = okv_team_threads(s, nt)
     if nt == 1:
-        okv_matmul_packed_f32(x, M, K, wp, N, bias, out, 0, P, isa)
+        okv_matmul_packed_ld(x, M, K, wp, half, N, N, bias, out, 0, P, isa)
         return 0
     if nt > MAX_TEAM:
         nt = MAX_TEAM
@@ -296,7 +302,7 @@ cdef int matmul_packed_ptr(const float *x, int64_t M, int64_t K, const float *wp
     t0 = okv_now_ns()
     done[0] = t0
     for t in prange(nt, num_threads=nt, schedule='static'):
-        okv_matmul_packed_claim(x, M, K, wp, N, bias, out, ranges, nt, t, chunk, isa)
+        okv_matmul_packed_claim(x, M, K, wp, half, N, bias, out, ranges, nt, t, chunk, isa)
         if t == 0:
             done[0] = okv_now_ns()
     okv_team_finished(s, t0, done[0])
@@ -335,11 +341,10 @@ cdef int _matmul_bf16(const float *x, int64_t M, int64_t K, const float *wp, int
     return 0
 
 
-cdef int _matmul_packed(const float[:, ::1] x, const float[:, :, ::1] wp, const float *bias,
+cdef int _matmul_packed(const float[:, ::1] x, const void *wp, int half, int64_t P, const float *bias,
                         float[:, ::1] out, okv_settings s) except -1:
     """``matmul_packed_ptr`` on typed buffers; MemoryError when its workspace cannot be allocated."""
-    if matmul_packed_ptr(&x[0, 0], x.shape[0], x.shape[1], &wp[0, 0, 0], wp.shape[0], out.shape[1], bias,
-                         &out[0, 0], s) != 0:
+    if matmul_packed_ptr(&x[0, 0], x.shape[0], x.shape[1], wp, half, P, out.shape[1], bias, &out[0, 0], s) != 0:
         raise MemoryError(f"matmul_packed: could not allocate the bfloat16 workspace of a {x.shape[0]} x "
                           f"{x.shape[1]} x {out.shape[1]} product")
     return 0
@@ -349,7 +354,8 @@ cdef void _note_packed(x, wp, out, bias):
     """Note a packed product that ran (for a recording thread: _record.pyx)."""
     rec = recorder()
     if rec is not None:
-        rec.note(KIND_MATMUL_PACKED, (x, wp, bias, out), (x.shape[0], x.shape[1], wp.shape[0], out.shape[1]), ())
+        rec.note(KIND_MATMUL_PACKED, (x, wp, bias, out),
+                 (x.shape[0], x.shape[1], wp.shape[0], out.shape[1], wp.dtype == np.float16), ())
 
 
 BF16_MIN_ROWS = OKV_BF16_MIN_ROWS
@@ -389,7 +395,7 @@ def _claim_in_turn(x, wp, out, int nt, order):
     if not 1 <= nt <= min(P, MAX_TEAM):
         raise ValueError(f"nt: expected 1..{min(P, MAX_TEAM)}, got {nt}")
     chunk = okv_matmul_claim_setup(ranges, isa, M, K, P, nt)
-    return [okv_matmul_packed_claim(&xv[0, 0], M, K, &wv[0, 0, 0], N, NULL, &ov[0, 0], ranges, nt, <int>t, chunk,
+    return [okv_matmul_packed_claim(&xv[0, 0], M, K, &wv[0, 0, 0], 0, N, NULL, &ov[0, 0], ranges, nt, <int>t, chunk,
                                     isa) for t in order]
 
 
@@ -399,24 +405,28 @@ cdef bint _packed_fast(x, wp, out, bias) except -1:
     conditions of the Python checks); return False, with nothing written, to send
     the call through those checks instead (which name the bad argument)."""
     cdef const float[:, ::1] xv
-    cdef const float[:, :, ::1] wv
+    cdef const unsigned char[:, :, ::1] wv
     cdef float[:, ::1] ov
     cdef const float[::1] bv
     cdef const float *bp = NULL
     cdef int64_t M, K, N
+    cdef int half
     if not (isinstance(x, np.ndarray) and isinstance(wp, np.ndarray) and isinstance(out, np.ndarray)
             and (bias is None or isinstance(bias, np.ndarray))):
         return False
+    if wp.dtype != np.float32 and wp.dtype != np.float16 or not wp.dtype.isnative:
+        return False
+    half = wp.dtype == np.float16
     try:
         xv = x
-        wv = wp
+        wv = wp.view(np.uint8)
         ov = out
         if bias is not None:
             bv = bias
     except (ValueError, TypeError, BufferError):
         return False
     M, K, N = xv.shape[0], xv.shape[1], ov.shape[1]
-    if M == 0 or K == 0 or N == 0 or wv.shape[1] != K or wv.shape[2] != PANEL or ov.shape[0] != M \
+    if M == 0 or K == 0 or N == 0 or wv.shape[1] != K or wv.shape[2] != PANEL * wp.itemsize or ov.shape[0] != M \
             or wv.shape[0] != (N + PANEL - 1) // PANEL:
         return False
     if bias is not None:
@@ -425,18 +435,22 @@ cdef bint _packed_fast(x, wp, out, bias) except -1:
         bp = &bv[0]
     cdef size_t onb = <size_t>(M * N) * sizeof(float)
     if not (_disjoint(&ov[0, 0], onb, &xv[0, 0], <size_t>(M * K) * sizeof(float))
-            and _disjoint(&ov[0, 0], onb, &wv[0, 0, 0], <size_t>(wv.shape[0] * K * PANEL) * sizeof(float))
+            and _disjoint(&ov[0, 0], onb, &wv[0, 0, 0], <size_t>(wv.shape[0] * K * wv.shape[2]))
             and (bp == NULL or _disjoint(&ov[0, 0], onb, bp, <size_t>N * sizeof(float)))):
         return False
-    _matmul_packed(xv, wv, bp, ov, okv_settings_get())
+    _matmul_packed(xv, &wv[0, 0, 0], half, wv.shape[0], bp, ov, okv_settings_get())
     return True
 
 
 def matmul_packed(x, wp, out, bias=None):
-    """out = x @ w (+ bias) with w given packed by ``pack_weight``; float32.
+    """out = x @ w (+ bias) with w given packed by ``pack_weight``; float32 sums.
 
-    x: [M, K]; wp: [ceil(N / 16), K, 16] (``pack_weight(w)`` of w [K, N]); out:
-    [M, N]; bias: optional [N]; all float32, C-contiguous, native byte order.
+    x: [M, K]; wp: [ceil(N / 16), K, 16] (``pack_weight(w)`` of w [K, N]), float32
+    or float16 (widened exactly in registers: the result is that of the float32
+    widening of w); out: [M, N]; bias: optional [N]; x, out and bias float32; all
+    C-contiguous, native byte order.  The bfloat16 prompt path
+    (``prefill_precision``) takes float32 panels only; float16 ones keep float32
+    products.
     ``out`` must not overlap x, wp or bias.  Any M is correct; the kernel is
     built for few rows (the weights are read once per call and each thread
     streams a contiguous range of panels).  Each output element is summed in
@@ -448,7 +462,7 @@ def matmul_packed(x, wp, out, bias=None):
         _note_packed(x, wp, out, bias)
         return
     V.array("x", x, (V.F32,), ndim=2)
-    V.array("wp", wp, (V.F32,), ndim=3)
+    V.array("wp", wp, (V.F32, V.F16), ndim=3)
     M, Kd = x.shape
     if wp.shape[1:] != (Kd, PANEL):
         raise ValueError(f"wp: expected shape (P, {Kd}, {PANEL}) (pack_weight of a [{Kd}, N] weight), "
@@ -459,7 +473,8 @@ def matmul_packed(x, wp, out, bias=None):
         raise ValueError(f"out: expected shape ({M}, N) with ceil(N / {PANEL}) == {wp.shape[0]} "
                          f"(wp.shape[0]), got {out.shape}")
     if _check_bias_overlap_empty(x, wp, "wp", out, bias):
-        _matmul_packed(x, wp, _data_or_null(bias), out, okv_settings_get())
+        _matmul_packed(x, <const void *>_address(wp), wp.dtype == np.float16, wp.shape[0], _data_or_null(bias), out,
+                       okv_settings_get())
         _note_packed(x, wp, out, bias)
     else:
         refuse("matmul_packed: an empty product (nothing or only the bias written)")

@@ -25,7 +25,7 @@
 #define ONNXKV_MATMUL_BF16_H
 
 #include "bf16_round.h"
-#include "matmul.h"
+#include "matmul_packed.h"
 
 /* xb[m][0:K2] = the rounded pairs of x[m][0:K] (K2 = (K + 1) / 2). */
 static void okv_bf16_rows_scalar(const float *x, int64_t M, int64_t K, uint32_t *xb) {

@@ -69,7 +69,7 @@ cdef extern from "qmatmul.h" nogil:
 cdef extern from "claim.h" nogil:
     int64_t okv_claim_setup(uint64_t *ranges, int64_t P, int nt, int64_t unit)
 
-cdef extern from "matmul.h" nogil:
+cdef extern from "matmul_packed.h" nogil:
     void okv_matmul_packed_f32_ld(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, int64_t ldc,
                                   const float *bias, float *out, int64_t p0, int64_t p1, int isa)
     int okv_mmp_avx512_usable()

@@ -238,7 +238,8 @@ def pack_weight(w, panel=16):
 
 
 def matmul_packed(x, wp, out, bias=None):
-    """out = x @ w (+ bias) for wp = pack_weight(w), w [K, out.shape[1]]; float64 sums."""
+    """out = x @ w (+ bias) for wp = pack_weight(w), w [K, out.shape[1]] float32 or float16 (widened exactly);
+    float64 sums."""
     n = out.shape[1]
     w = wp.transpose(1, 0, 2).reshape(wp.shape[1], -1)[:, :n]
     matmul_rows(x, w, out, bias)

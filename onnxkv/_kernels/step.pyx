@@ -410,7 +410,7 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
         return -1 if matmul_dynamic_ptr(c.p[1], <const float *>c.p[0], c.i[0], <const float *>c.p[2],
                                         <float *>c.p[3], s) != 0 else 0
     elif c.kind == KIND_MATMUL_PACKED:
-        return -1 if matmul_packed_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const float *>c.p[1], c.i[2],
+        return -1 if matmul_packed_ptr(<const float *>c.p[0], c.i[0], c.i[1], c.p[1], <int>c.i[4], c.i[2],
                                        c.i[3], <const float *>c.p[2], <float *>c.p[3], s) != 0 else 0
     elif c.kind == KIND_RMS_NORM:
         rms_f32_ptr(<const float *>c.p[0], <const float *>c.p[1], c.f[0], <float *>c.p[2], c.i[0], c.i[1], s)

@@ -158,35 +158,58 @@ def check_packed(x, w, bias=None):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(max(Kd, 1)))
 
 
+#: Weight dtypes of the packed products: float32 panels, and float16 panels widened in registers.
+WDTYPES = [np.float32, np.float16]
+
+
+@pytest.mark.parametrize("wdtype", WDTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("Kd,N", [(1, 7), (7, 1), (15, 17), (17, 15), (100, 1023), (1023, 100), (33, 16)])
-def test_pack_weight(Kd, N):
-    """Same values as the NumPy twin (padding zero), each panel line on a 64-byte boundary."""
+def test_pack_weight(Kd, N, wdtype):
+    """Same values as the NumPy twin (padding zero), in w's dtype, the array on a 64-byte boundary."""
     rng = np.random.default_rng(Kd * 7 + N)
-    w = rand(rng, (Kd, N))
+    w = rand(rng, (Kd, N), wdtype)
     w.flags.writeable = False
     wp = MM.pack_weight(w)
-    assert wp.shape == (-(-N // 16), Kd, 16) and wp.dtype == np.float32 and wp.flags.c_contiguous
+    assert wp.shape == (-(-N // 16), Kd, 16) and wp.dtype == wdtype and wp.flags.c_contiguous
     assert wp.ctypes.data % 64 == 0
     np.testing.assert_array_equal(wp, R.pack_weight(w))
 
 
+@pytest.mark.parametrize("wdtype", WDTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("Kd,N", [(1, 7), (7, 1), (15, 17), (17, 15), (100, 1023), (1023, 100)], ids=lambda v: str(v))
 @pytest.mark.parametrize("M", range(1, 17))
-def test_matmul_packed(M, Kd, N, threads, simd):
+def test_matmul_packed(M, Kd, N, wdtype, threads, simd):
     rng = np.random.default_rng([M, Kd, N])
-    x, w, b = rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,))
+    x, w, b = rand(rng, (M, Kd)), rand(rng, (Kd, N), wdtype), rand(rng, (N,))
     check_packed(x, w)
     check_packed(x, w, b)
 
 
+@pytest.mark.parametrize("wdtype", WDTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("M", [9, 17, 23, 40, 70])
 @pytest.mark.parametrize("Kd", [255, 600, 2100])
-def test_matmul_packed_many_rows(M, Kd, threads, simd):
+def test_matmul_packed_many_rows(M, Kd, wdtype, threads, simd):
     """More rows than one register tile: k-chunks (partial sums kept in out: 256 lines of one panel, 2048 of
     a multi-panel tile) and row-tile tails."""
     rng = np.random.default_rng([M, Kd])
     N = 50
-    check_packed(rand(rng, (M, Kd)), rand(rng, (Kd, N)), rand(rng, (N,)))
+    check_packed(rand(rng, (M, Kd)), rand(rng, (Kd, N), wdtype), rand(rng, (N,)))
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 12, 13, 40])
+@pytest.mark.parametrize("Kd,N", [(300, 70), (1024, 1000), (2100, 33)])
+def test_matmul_packed_float16_is_its_float32_widening(M, Kd, N, threads, simd):
+    """float16 panels are widened exactly and summed in the float32 panels' order: bit for bit the product
+    of the float32 widening of the weight (subnormal, zero, inf-free extremes included)."""
+    rng = np.random.default_rng([M, Kd, N, 16])
+    w = rand(rng, (Kd, N), np.float16)
+    w.reshape(-1)[::97] = np.float16(6.0e-8)  # subnormal halves
+    w.reshape(-1)[1::89] = np.float16(-65504.0)
+    x, b = rand(rng, (M, Kd), scale=1e-3), rand(rng, (N,))
+    got, want = np.empty((M, N), np.float32), np.empty((M, N), np.float32)
+    MM.matmul_packed(x, MM.pack_weight(w), got, b)
+    MM.matmul_packed(x, MM.pack_weight(w.astype(np.float32)), want, b)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_matmul_packed_exact_small_integers(simd):
@@ -243,6 +266,10 @@ def test_matmul_packed_bad_args():
         ("bias", lambda: MM.matmul_packed(x, wp, out, np.ones(21, f))),
         ("bias", lambda: MM.matmul_packed(x, wp, out, b.astype(np.float64))),
         ("w", lambda: MM.pack_weight(np.ones((8, 20), np.float64))),
+        ("w", lambda: MM.pack_weight(np.ones((8, 20), ">f2"))),
+        ("x", lambda: MM.matmul_packed(x.astype(np.float16), MM.pack_weight(np.ones((8, 20), np.float16)), out)),
+        ("wp", lambda: MM.matmul_packed(x, wp.astype(np.float64), out)),
+        ("wp", lambda: MM.matmul_packed(x, MM.pack_weight(np.ones((8, 20), np.float16)).astype(">f2"), out)),
         ("w", lambda: MM.pack_weight(np.ones(8, f))),
     ]
     for name, call in cases:

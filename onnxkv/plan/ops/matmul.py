@@ -1,8 +1,10 @@
 """MatMul and Gemm.
 
-A MatMul whose weight (input 1) is a 2-D float32 initializer packs it once,
-when the kernel object is built, into the panel layout of
-``onnxkv._kernels.matmul.pack_weight`` and keeps only that copy: the plan's
+A MatMul whose weight (input 1) is a 2-D float32 or float16 initializer packs
+it once, when the kernel object is built, into the panel layout of
+``onnxkv._kernels.matmul.pack_weight`` (in the weight's own dtype: float16
+panels are widened in registers, so a float16 model's products read half the
+bytes of a float32 one's) and keeps only that copy: the plan's
 own reference to the initializer stays, but for a weight mapped from external
 data (``np.memmap``) the pages read while packing are released again, so the
 weights are resident once.  Every product against the packed weight runs in
@@ -11,8 +13,11 @@ included: its register tiles reach NumPy's BLAS on prompt-sized products,
 read the one packed copy (no unpacked copy for BLAS), and leave no BLAS
 thread spinning on a core after the call (OpenBLAS's workers busy-wait for
 tens of milliseconds, which halved the speed of the attention kernel that
-followed each projection).  Up to ``STEP_M`` rows a product is compilable: a
-compiled step records it.
+followed each projection).  Up to ``STEP_M`` rows a float32 product is
+compilable: a compiled step records it.  A float16 product (float16 A and
+weight, as every MatMul of a float16 model) widens A to float32, sums in
+float32 and rounds Y to float16 once: ONNX Runtime's CPU result, whose float16
+MatMul runs as a float32 one between casts.
 
 Other 2-D float32 weights (computed at run time) use the ``matmul_rows``
 kernel for at most ``SMALL_M`` rows and BLAS above.  All paths use the
@@ -30,6 +35,8 @@ from onnxkv.plan.constant_data import release_pages
 from onnxkv.plan.ops._util import broadcast_shape
 from onnxkv.plan.registry import BuildContext, Op, register
 
+#: Weight dtypes packed at build time.
+_PACKED = (np.dtype(np.float32), np.dtype(np.float16))
 #: Up to this many rows a MatMul with a run-time 2-D float32 weight uses ``matmul_rows``.
 SMALL_M = 16
 #: Up to this many rows a product with a packed (initializer) weight is compilable (recorded in compiled
@@ -42,9 +49,9 @@ class MatMul(Op):
     """ONNX MatMul (numpy.matmul semantics); 2-D weights use one GEMM over all rows.
 
     Attributes:
-        packed: the packed weight ([ceil(N/16), K, 16] float32, owned by this
-            object, read-only) when input 1 is a non-empty 2-D float32
-            initializer, else None.
+        packed: the packed weight ([ceil(N/16), K, 16] of the weight's dtype,
+            owned by this object, read-only) when input 1 is a non-empty 2-D
+            float32 or float16 initializer, else None.
     """
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
@@ -52,7 +59,7 @@ class MatMul(Op):
         w = ctx.constant(node.input[1]) if len(node.input) > 1 else None
         self.packed: np.ndarray | None = None
         self._n = 0
-        if isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32 and w.size:
+        if isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype in _PACKED and w.size:
             self.packed = pack_weight(np.ascontiguousarray(w))
             self.packed.flags.writeable = False
             self._n = w.shape[1]
@@ -60,11 +67,12 @@ class MatMul(Op):
             release_pages(w)
 
     def compilable(self, inputs: list) -> bool:
-        """A packed weight and a C-contiguous float32 A [..., K] of at most ``STEP_M`` rows."""
+        """A packed float32 weight and a C-contiguous float32 A [..., K] of at most ``STEP_M`` rows."""
         a = inputs[0]
         packed = self.packed
         return (
             packed is not None
+            and packed.dtype == np.float32
             and isinstance(a, np.ndarray)
             and a.dtype == np.float32
             and a.ndim >= 1
@@ -79,15 +87,18 @@ class MatMul(Op):
         packed = self.packed
         if packed is not None:
             k = packed.shape[1]
-            if a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != k:
+            if a.dtype != packed.dtype or a.ndim < 1 or a.shape[-1] != k:
                 raise ValueError(
                     f"MatMul node '{self.name}': shapes {a.shape} and ({k}, {self._n}) "
-                    f"do not align (A must be float32 [..., {k}], got {a.dtype})"
+                    f"do not align (A must be {packed.dtype} [..., {k}], got {a.dtype})"
                 )
-            out = rt.empty(0, a.shape[:-1] + (self._n,), np.float32)
-            x = np.ascontiguousarray(a).reshape(-1, k)
-            o = out.reshape(-1, self._n)
-            matmul_packed(x, packed, o)
+            out = rt.empty(0, a.shape[:-1] + (self._n,), a.dtype)
+            if a.dtype == np.float32:
+                matmul_packed(np.ascontiguousarray(a).reshape(-1, k), packed, out.reshape(-1, self._n))
+            else:  # float16: float32 sums, Y rounded once
+                y = np.empty(out.shape, np.float32)
+                matmul_packed(a.reshape(-1, k).astype(np.float32), packed, y.reshape(-1, self._n))
+                np.copyto(out, y, casting="same_kind")
             return (out,)
         if a.ndim >= 2 and b.ndim == 2 and a.flags.c_contiguous:
             if a.shape[-1] != b.shape[0]:

@@ -127,3 +127,44 @@ def test_a_weight_read_elsewhere_is_kept():
     assert session.plan._template[session.plan.slot_of["w"]] is not None
     x = rng.standard_normal((8, 8)).astype(F)
     np.testing.assert_allclose(session.run({"x": x})["z"], x @ w + w, rtol=1e-5, atol=1e-5)
+
+
+def float16_model(w: np.ndarray, x_rank: int = 2) -> onnx.ModelProto:
+    """weight_model with float16 x, weight and y (as every MatMul of a float16 model)."""
+    model = weight_model(w, x_rank)
+    for vi in (*model.graph.input, *model.graph.output):
+        vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+    return model
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("Kd,N", [(64, 100), (33, 16), (300, 7)])
+def test_float16_weight_is_packed_as_float16_with_onnxruntimes_result(Kd, N, threads):
+    """A float16 initializer is packed in float16 (half the bytes); Y is the float32 product of the float16
+    operands rounded once to float16, as ONNX Runtime's CPU MatMul gives it."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng([Kd, N, 16])
+    w = rng.standard_normal((Kd, N)).astype(np.float16)
+    model = float16_model(w, x_rank=3)
+    session = Session(model, threads=threads)
+    kernel = matmul_kernel(session)
+    assert kernel.packed.dtype == np.float16 and kernel.packed.shape == (-(-N // 16), Kd, 16)
+    assert session.run({"x": rng.standard_normal((1, 1, Kd)).astype(np.float16)})["y"].dtype == np.float16
+    peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for M in (1, 3, 17, STEP_M + 1):
+        x = rng.standard_normal((2, M, Kd)).astype(np.float16)
+        got = session.run({"x": x})["y"]
+        want = (x.astype(np.float64) @ w.astype(np.float64)).astype(np.float32).astype(np.float16)
+        assert got.dtype == np.float16 and got.shape == (2, M, N)
+        # float32 sums in another order than float64's: at most one float16 step apart
+        np.testing.assert_array_less(np.abs(got.astype(np.float64) - want), np.abs(want) * 2.0**-10 + 1e-6)
+        np.testing.assert_allclose(
+            got.astype(np.float32), peer.run(None, {"x": x})[0].astype(np.float32), rtol=2e-3, atol=1e-3
+        )
+
+
+def test_float16_product_refuses_float32_rows():
+    w = np.ones((8, 4), np.float16)
+    session = Session(float16_model(w), threads=1)
+    with pytest.raises(onnxkv.InputError, match="float16"):
+        session.run({"x": np.ones((2, 8), F)})
