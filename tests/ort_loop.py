@@ -18,6 +18,15 @@ def ort_session(model) -> ort.InferenceSession:
     return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
 
 
+def declared_feeds(session, feeds: dict) -> dict:
+    """``feeds`` in the model's declared dtypes (the float32 pasts of a float16 model whose session holds its
+    caches as float16: ``Session.cast_boundary``), as ORT takes them."""
+    boundary = session.cast_boundary
+    if boundary is None:
+        return feeds
+    return {k: v.astype(boundary.inputs[k]) if k in boundary.inputs else v for k, v in feeds.items()}
+
+
 def step_feeds(session, prompt: np.ndarray, mask: np.ndarray | None = None, pad: int = 0) -> FeedBuilder:
     lengths = (mask if mask is not None else np.ones_like(prompt)).sum(axis=1)
     return FeedBuilder(session.plan.inputs, session.model, prompt, lengths, pad)
@@ -37,7 +46,7 @@ def compare_runs(session, prompt: np.ndarray, steps: int, mask: np.ndarray | Non
     B = prompt.shape[0]
     for step in range(steps + 1):
         ours = session.run(feeds, fetch)
-        theirs = dict(zip(fetch, peer.run(fetch, feeds)))
+        theirs = dict(zip(fetch, peer.run(fetch, declared_feeds(session, feeds))))
         for name in fetch:
             assert ours[name].shape == theirs[name].shape, (name, ours[name].shape, theirs[name].shape)
         d = float(np.max(np.abs(ours[model.io.logits] - theirs[model.io.logits])))
@@ -60,7 +69,7 @@ def ort_greedy(session, prompt: np.ndarray, n: int, mask: np.ndarray | None = No
     B = prompt.shape[0]
     toks = []
     for step in range(n):
-        out = dict(zip(fetch, peer.run(fetch, feeds)))
+        out = dict(zip(fetch, peer.run(fetch, declared_feeds(session, feeds))))
         logits = out[model.io.logits]
         logits = logits[np.arange(B), read if logits.shape[1] > 1 and step == 0 else -1]
         tok = np.argmax(logits, axis=-1).astype(np.int64)

@@ -15,6 +15,7 @@ from onnxkv.alloc import as_allocator
 from onnxkv.errors import InputError
 from onnxkv.events import EventLog
 from onnxkv.model import Model, load
+from onnxkv.model.cache_casts import CastBoundary, lift_cache_casts
 from onnxkv.model.checker import check_model
 from onnxkv.model.contract import Contract
 from onnxkv.model.rewrite import inplace_bindings
@@ -112,10 +113,19 @@ class Session:
         self.declared_bindings = dict(contract.persistent_bindings)
         #: Past/present pairs that a state runs in place (empty: tensor path only).
         self.bindings = [] if self.declared_bindings else inplace_bindings(self.model.proto, conv)
+        #: The conversions of a float16 model's cache Casts, moved to the session's boundary so its pairs run
+        #: in place (:mod:`onnxkv.model.cache_casts`; the plan then holds those values as float16), or None.
+        self.cast_boundary: CastBoundary | None = None
+        graph = self.model.proto
+        if not self.declared_bindings and not self.bindings:
+            lifted = lift_cache_casts(graph, conv)
+            bindings = inplace_bindings(lifted[0], conv) if lifted is not None else []
+            if bindings:
+                (graph, self.cast_boundary), self.bindings = lifted, bindings
         # With its own allocator the plan keeps a run's temporaries for the next run (a decode step then
         # allocates nothing); a caller's allocator gets every temporary back at the end of each run.
         self.plan = Plan(
-            self.model.proto,
+            graph,
             self.allocator,
             present_outputs=conv.present_outputs,
             past_inputs=conv.past_inputs,
@@ -199,12 +209,20 @@ class Session:
         (:mod:`onnxkv.plan.logit_rows`); a logits output of another shape is returned as computed.
         ``logits_at`` [B, K] (K >= 1 positions per row) makes [B, K, V].
 
+        A float16 model whose caches the session holds as float16 (:attr:`cast_boundary`) keeps its
+        declared types here: float32 pasts are rounded to float16 as the graph's Casts round them, presents
+        come back float32.
+
         Raises:
             InputError: unknown/missing inputs, wrong dtype or shape, token ids
                 of ``input_ids`` outside ``[0, token_limit)``, ``logits_at`` not as above.
             OperatorError: a node failed (the message names it).
         """
-        return self._run_plan(feeds, output_names, logits_at=logits_at)
+        boundary = self.cast_boundary
+        if boundary is None:
+            return self._run_plan(feeds, output_names, logits_at=logits_at)
+        out = self._run_plan(boundary.graph_feeds(feeds, "Session.run"), output_names, logits_at=logits_at)
+        return boundary.model_outputs(out)
 
     def _check_token_ids(self, ids) -> None:
         """InputError unless every entry of the ``input_ids`` feed lies in ``[0, token_limit)``.

@@ -123,7 +123,7 @@ class State(PagedAPI):
     @property
     def values(self) -> dict[str, np.ndarray]:
         """Read-only views of the valid cache contents (positions ``[0, length)``) by bound input name: zero
-        copy for contiguous caches, gathered copies of a paged cache, declared values whole."""
+        copy for contiguous caches, gathered copies of a paged cache, declared values whole; in the dtype held."""
         out = self._store.values
         for v in out.values():
             v.flags.writeable = False
@@ -306,7 +306,7 @@ class State(PagedAPI):
         with self._exclusive("reset"):
             if initial is not None:
                 self._ctx.check_initial(initial, self.bound_inputs)
-                self._store.reset({n: np.asarray(a) for n, a in initial.items()})
+                self._store.reset(self._ctx.held(initial))
             else:
                 self._store.close()
             self.steps = 0

@@ -1,7 +1,8 @@
 """Cache conventions of float16 models with float32 inputs and outputs (ONNX Runtime's float16 converter
 with keep_io_types=True, the model_fp16.onnx of many repositories): each past reaches its joining node
-through a Cast and each present leaves through one.  The pairs are recognised (by the graph names), no
-binding runs them in place, and generate threads the caches as tensors with ONNX Runtime's tokens."""
+through a Cast and each present leaves through one.  The pairs are recognised (by the graph names), the
+session moves the Casts to its boundary (onnxkv.model.cache_casts) so the pairs run in place on float16
+caches, and every cache kind gives ONNX Runtime's tokens while Session.run keeps the declared types."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 from onnxruntime.transformers.float16 import convert_float_to_float16  # noqa: E402
-from ort_loop import ort_greedy  # noqa: E402
+from ort_loop import compare_runs, ort_greedy, ort_session, step_feeds  # noqa: E402
 
 import onnxkv  # noqa: E402
 from onnxkv.model.convention import recognize_cache  # noqa: E402
@@ -30,7 +31,7 @@ def fp16(request, tmp_path_factory):
     return request.param, onnxkv.Session(str(path), threads=1)
 
 
-def test_pairs_recognised_through_casts(fp16):
+def test_pairs_recognised_through_casts_and_lifted(fp16):
     family, session = fp16
     proto = session.model.proto
     conv = recognize_cache(proto)
@@ -40,13 +41,62 @@ def test_pairs_recognised_through_casts(fp16):
         for i in range(MICRO.num_layers)
     ]
     elem = {i.name: i.type.tensor_type.elem_type for i in proto.graph.input}
-    assert elem["past_key_values.0.key"] == onnx.TensorProto.FLOAT
+    assert elem["past_key_values.0.key"] == onnx.TensorProto.FLOAT  # the model as the file declares it
     assert inplace_bindings(proto, conv) == []
+    # ... and as the session runs it: float16 pairs, every one bound, the Casts at the boundary
+    assert len(session.bindings) == 2 * MICRO.num_layers
+    held = {g.name: g.dtype for g in session.plan.inputs}
+    assert all(held[name] == np.float16 for name in conv.past_inputs)
+    assert set(session.cast_boundary.inputs) == set(conv.past_inputs)
+    assert set(session.cast_boundary.outputs) == set(conv.present_outputs)
 
 
-def test_generate_threads_the_caches_with_onnxruntime_tokens(fp16):
+@pytest.mark.parametrize("cache", [None, "tensor", "paged"])
+def test_generate_gives_onnxruntimes_tokens(fp16, cache):
     _, session = fp16
     prompt = np.random.default_rng(1).integers(0, MICRO.vocab_size, (1, 7))
-    np.testing.assert_array_equal(onnxkv.generate(session, prompt, 16).tokens, ort_greedy(session, prompt, 16))
-    with pytest.raises(onnxkv.InputError, match="needs a model with a recognised in-place cache"):
-        onnxkv.generate(session, prompt, 2, cache="paged")
+    np.testing.assert_array_equal(
+        onnxkv.generate(session, prompt, 16, cache=cache).tokens, ort_greedy(session, prompt, 16)
+    )
+
+
+def test_session_run_keeps_the_declared_types(fp16):
+    """float32 pasts in, float32 presents out, ORT's values (prefill and decode steps on the same feeds)."""
+    _, session = fp16
+    prompt = np.random.default_rng(2).integers(0, MICRO.vocab_size, (2, 5))
+    compare_runs(session, prompt, 3, atol=2e-2)
+    feeds, _ = step_feeds(session, prompt).first()
+    feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
+    out = session.run(feeds)
+    present = session.model.convention.present_outputs[0]
+    assert out[present].dtype == np.float32
+    theirs = dict(zip(session.output_names, ort_session(session.model).run(session.output_names, feeds)))
+    np.testing.assert_allclose(out[present], theirs[present], rtol=4e-3, atol=4e-3)  # float16 steps apart
+
+
+def test_session_run_names_a_past_of_another_type(fp16):
+    _, session = fp16
+    prompt = np.random.default_rng(3).integers(0, MICRO.vocab_size, (1, 4))
+    feeds, _ = step_feeds(session, prompt).first()
+    past = session.model.convention.past_inputs[0]
+    feeds[past] = feeds[past].astype(np.float64)
+    with pytest.raises(onnxkv.InputError, match=f"Session.run: input '{past}' must be float32"):
+        session.run(feeds)
+
+
+def test_state_exports_presents_in_the_declared_type(fp16):
+    """A state holds the caches as float16; presents asked of a run come back float32, and a float32
+    initial cache is taken as the graph's Casts take it."""
+    _, session = fp16
+    prompt = np.random.default_rng(4).integers(0, MICRO.vocab_size, (1, 6))
+    state = session.new_state(cache="paged")
+    feeds, _ = step_feeds(session, prompt).first()
+    feeds = {k: v for k, v in feeds.items() if k not in session.model.convention.past_inputs}
+    present = session.model.convention.present_outputs[0]
+    out = state.run(feeds, [session.model.io.logits, present])
+    assert out[present].dtype == np.float32 and out[present].shape[2] == 6
+    held = state.values
+    assert all(v.dtype == np.float16 for v in held.values())
+    again = session.new_state(initial={k: v.astype(np.float32) for k, v in held.items()})
+    for k, v in again.values.items():
+        np.testing.assert_array_equal(v, held[k])

@@ -123,6 +123,13 @@ class StoreContext:
                 f"State.reset: initial must give exactly the bound inputs {bound}; missing {missing}, unknown {unknown}"
             )
 
+    def held(self, initial: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``initial`` cache contents as arrays in the dtype the plan holds them: a cast cache's float32
+        values rounded to float16 as the model's Casts round them (:mod:`onnxkv.model.cache_casts`)."""
+        arrays = {n: np.asarray(a) for n, a in initial.items()}
+        boundary = self.session.cast_boundary
+        return arrays if boundary is None else boundary.graph_feeds(arrays, "State.reset")
+
     def geometry(self, name: str, batch: int) -> tuple[tuple[int, int, int], np.dtype]:
         """((batch, KV heads, head size), model dtype) of bound past input ``name``."""
         g = self.graph_inputs[name]
@@ -152,8 +159,10 @@ class StoreContext:
 
     def export(self, present: str, value: np.ndarray, cache, paged: bool) -> np.ndarray:
         """A copy of bound present ``present`` (``value``: what the plan returned, ``cache``: its cache) in the
-        model's dtype, counted as an ``export`` event."""
-        model_dtype = self.graph_inputs[cache.name].dtype
+        model's dtype (the declared one of a cast cache, :mod:`onnxkv.model.cache_casts`), counted as an
+        ``export`` event."""
+        boundary = self.session.cast_boundary
+        model_dtype = boundary.outputs[present] if boundary is not None else self.graph_inputs[cache.name].dtype
         if paged or value.dtype != model_dtype:
             copy = cache.as_float32(value.shape[2]).astype(model_dtype, copy=False)
         else:
