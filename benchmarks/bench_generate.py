@@ -76,6 +76,9 @@ blocks of 32, no accuracy level).
 MatMulInteger and a quantized embedding read through DequantizeLinear).
 ``small-bnb4:N`` runs it after ONNX Runtime's ``MatMulBnb4Quantizer`` (NF4, blocks of 64: the
 ``model_bnb4.onnx`` of Transformers.js repositories; float32 activations in both runtimes).
+``small-fp16:N`` runs it after ONNX Runtime's float16 converter with float32 inputs and outputs
+(``keep_io_types``), as the ``model_fp16.onnx`` of Transformers.js repositories; ``small-q4f16:N`` after
+4-bit quantization as ``small-q4`` and then that converter, as their ``model_q4f16.onnx``.
 ``same_tokens_as_PEER`` compares the first 8 greedy tokens; when they differ,
 ``first_difference_PEER`` gives the step and onnxkv's top-1 minus top-2 logit
 at that step over the standard deviation of its logits (``gap_over_std``).
@@ -468,6 +471,20 @@ def bnb4_copy(tmp: Path, folder: Path) -> tuple[Path, int]:
     return rewritten_copy(tmp, folder, "-bnb4", write)
 
 
+def float16_copy(tmp: Path, folder: Path) -> tuple[Path, int]:
+    """``folder`` with its model converted to float16 with float32 inputs and outputs by ONNX Runtime's
+    converter (``keep_io_types=True``, as Transformers.js converts its ``model_fp16.onnx``, and its
+    ``model_q4f16.onnx`` after 4-bit quantization): (folder, weight bytes)."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    def write(source: Path, out: Path) -> None:
+        model = convert_float_to_float16(onnx.load(str(source)), keep_io_types=True)
+        onnx.save(model, str(out), save_as_external_data=True, location=out.name + ".data")
+
+    return rewritten_copy(tmp, folder, "-fp16", write)
+
+
 def exported_vocab(path: Path) -> int:
     """Vocabulary size of a decoder file: the last dimension of its ``logits`` output."""
     import onnx
@@ -594,6 +611,15 @@ def main() -> None:
                 base, vocab = build(tmp, size, "gqa", max_length, args.threads)
                 folder, weight_bytes = bnb4_copy(tmp, base)
                 source = "onnxkv.zoo builder, onnxruntime.quantization MatMulBnb4Quantizer NF4 block 64"
+            elif family in ("fp16", "q4f16"):
+                base, vocab = build(tmp, size, "gqa", max_length, args.threads)
+                if family == "q4f16":
+                    base = quantized_copy(tmp, base, 4, level=0)[0]
+                folder, weight_bytes = float16_copy(tmp, base)
+                source = "onnxkv.zoo builder, " + (
+                    "onnxkv.quantize_weights bits=4 block 32 accuracy_level 0, " if family == "q4f16" else ""
+                )
+                source += "onnxruntime.transformers.float16 keep_io_types=True"
             else:
                 folder, vocab = build(tmp, size, family, max_length, args.threads)
                 source = "onnxkv.zoo builder"
@@ -608,7 +634,7 @@ def main() -> None:
             }
             if weight_bytes is not None:
                 entry["weight_bytes_read_per_token"] = weight_bytes
-            genai_ok = family in ("gqa", "int8", "int4", "q4", "dq8", "bnb4") or size == "builder"
+            genai_ok = family in ("gqa", "int8", "int4", "q4", "dq8", "bnb4", "fp16", "q4f16") or size == "builder"
             todo = [
                 e
                 for e in engines
