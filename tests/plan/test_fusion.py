@@ -39,6 +39,22 @@ def test_gate_is_fused_in_both_operand_orders_and_exact():
         np.testing.assert_allclose(sess.run({"g": g, "u": u})["y"], want, rtol=1e-6, atol=1e-6)
 
 
+def test_float16_gate_is_computed_in_float32_and_rounded_once():
+    rng = np.random.default_rng(16)
+    g, u = (rng.standard_normal((2, 3, 8)) * 4).astype(np.float16)
+    model = _gate_model(False)
+    for vi in (*model.graph.input, *model.graph.output):
+        vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+    sess = Session(model, threads=1)
+    assert [n.op_type for n in sess.plan.nodes] == ["SiluMul"]
+    got = sess.run({"g": g, "u": u})["y"]
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    want = (g64 / (1 + np.exp(-g64)) * u64).astype(np.float16)
+    assert got.dtype == np.float16
+    # float32 sums rounded once: the float64 value's float16 rounding, or the neighbour at a near tie
+    np.testing.assert_array_less(np.abs(got.astype(np.float64) - want), np.abs(want) * 2.0**-10 + 1e-7)
+
+
 def test_observable_intermediates_block_fusion():
     sess = Session(_gate_model(False, expose_sigmoid=True), threads=1)
     assert [n.op_type for n in sess.plan.nodes] == ["Sigmoid", "Mul", "Mul"]

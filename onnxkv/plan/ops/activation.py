@@ -165,7 +165,8 @@ class QuickGelu(Op):
 
 @register("SiluMul", domain="ai.onnxkv", internal=True)
 class SiluMul(Op):
-    """Fused SwiGLU gate: ``gate * sigmoid(gate) * up`` (made by :mod:`onnxkv.plan.fusion`)."""
+    """Fused SwiGLU gate: ``gate * sigmoid(gate) * up`` (made by :mod:`onnxkv.plan.fusion`); float16 gate and
+    up are computed in float32 and rounded once."""
 
     def compilable(self, inputs: list) -> bool:
         """float32 gate and up of one shape, C-contiguous: one ``silu_mul`` call."""
@@ -192,5 +193,11 @@ class SiluMul(Op):
         ):
             out = rt.empty(0, gate.shape, gate.dtype)
             K.silu_mul(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+            return (out,)
+        if gate.shape == up.shape and gate.dtype == up.dtype == np.float16:  # in float32, rounded once
+            wide = np.empty(gate.shape, np.float32)
+            K.silu_mul(gate.reshape(-1).astype(np.float32), up.reshape(-1).astype(np.float32), wide.reshape(-1))
+            out = rt.empty(0, gate.shape, gate.dtype)
+            np.copyto(out, wide, casting="same_kind")
             return (out,)
         return ((gate / (1 + np.exp(-gate)) * up).astype(gate.dtype, copy=False),)

@@ -158,7 +158,13 @@ class SkipSimplifiedLayerNormalization(_RMSBase):
             )
             return (out, None, None, s)
         wide, s = _skip_sum(x, skip, bias)
-        y = _rms_reference(wide, gamma, self.eps, -1).astype(x.dtype, copy=False)
+        if wide.dtype == np.float32 and gamma.shape == (n,) and gamma.dtype in (np.float16, np.float32):
+            y = rt.empty(0, x.shape, x.dtype)  # float16 / bfloat16 x: the sum normalised by the float32 kernel
+            normed = np.empty(wide.shape, np.float32)
+            K.rms_norm(wide.reshape(-1, n), gamma.astype(np.float32, copy=False), self.eps, normed.reshape(-1, n))
+            np.copyto(y, normed, casting="same_kind")
+        else:
+            y = _rms_reference(wide, gamma, self.eps, -1).astype(x.dtype, copy=False)
         return (y, None, None, s if self.want_sum else None)
 
 

@@ -347,6 +347,22 @@ def test_skip_simplified_layer_norm_float64_against_numpy():
     np.testing.assert_allclose(got["y0"], s / np.sqrt(np.mean(s * s, -1, keepdims=True) + 1e-6) * g, atol=1e-10)
 
 
+def test_skip_simplified_layer_norm_float16_sums_and_normalises_in_float32():
+    """float16 input and skip: the sum is normalised in float32 before its rounding (the float32 kernel), the
+    sum output is that sum rounded to float16; ONNX Runtime's values within a float16 step."""
+    ort = pytest.importorskip("onnxruntime")
+    x, skip, g = r(2, 5, 64, dtype=np.float16), r(2, 5, 64, dtype=np.float16), r(64, dtype=np.float16)
+    model, feeds = _skip_norm_model(x, skip, g)
+    got = Session(model, threads=1).run(feeds)
+    s = x.astype(np.float64) + skip.astype(np.float64)
+    want = s / np.sqrt(np.mean(s * s, -1, keepdims=True) + 1e-6) * g.astype(np.float64)
+    assert got["y0"].dtype == got["y3"].dtype == np.float16
+    np.testing.assert_array_equal(got["y3"], s.astype(np.float32).astype(np.float16))
+    np.testing.assert_array_less(np.abs(got["y0"] - want), np.abs(want) * 2.0**-10 + 1e-6)
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(got["y0"].astype(np.float32), theirs[0].astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
 def test_ms_norms_against_onnxruntime():
     ort = pytest.importorskip("onnxruntime")
     x, skip, g = r(2, 5, 32), r(2, 5, 32), r(32)
