@@ -3,7 +3,7 @@
 Decoder graphs project the same normalised hidden state separately onto
 queries, keys and values, and onto the MLP's gate and up branches.
 ``fuse_sibling_matmuls`` replaces each such group, ``MatMul(x, W1) ...
-MatMul(x, Wn)`` with 2-D float32 initializer weights of one row count, by one
+MatMul(x, Wn)`` with 2-D initializer weights of one dtype (float32 or float16) and row count, by one
 ``ai.onnxkv::SiblingMatMul(x, W1, ..., Wn)`` node with the same outputs
 (names unchanged), run by :class:`onnxkv.plan.ops.sibling_matmul.SiblingMatMul`
 as one product against the weights packed side by side: x is read once and
@@ -57,8 +57,8 @@ PROLOGUES = {
 
 
 def _packable(w) -> bool:
-    """A weight the packed kernel takes: a non-empty 2-D float32 array."""
-    return isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32 and w.size > 0
+    """A weight the packed kernel takes: a non-empty 2-D float32 or float16 array."""
+    return isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype in (np.float32, np.float16) and w.size > 0
 
 
 def fuse_sibling_matmuls(
@@ -67,19 +67,19 @@ def fuse_sibling_matmuls(
     """``nodes`` with each group of MatMuls sharing input A and reading constant weights fused into one node.
 
     ``constants`` maps initializer names to their arrays; a weight qualifies
-    when it is a non-empty 2-D float32 array, and a group needs at least two
-    MatMuls whose weights have the same number of rows.
+    when it is a non-empty 2-D float32 or float16 array, and a group needs at
+    least two MatMuls whose weights have the same dtype and number of rows.
     """
-    groups: dict[tuple[str, int], list[int]] = {}
+    groups: dict[tuple[str, int, str], list[int]] = {}
     for i, n in enumerate(nodes):
         if not default_op(n, "MatMul") or len(n.input) != 2 or len(n.output) != 1:
             continue
         w = constants.get(n.input[1])
         if _packable(w):
-            groups.setdefault((n.input[0], w.shape[0]), []).append(i)
+            groups.setdefault((n.input[0], w.shape[0], w.dtype.str), []).append(i)
     replace: dict[int, onnx.NodeProto] = {}
     drop: set[int] = set()
-    for (x, _), members in groups.items():
+    for (x, _, _), members in groups.items():
         if len(members) < 2:
             continue
         first = nodes[members[0]]
@@ -203,7 +203,7 @@ def fuse_prologue_matmuls(
 
     A prologue qualifies when its output 0 is not ``protected`` and is read by
     exactly one node, once, as input 0 of a ``MatMul`` whose weight is a
-    packable initializer (non-empty 2-D float32), of a ``SiblingMatMul`` or
+    packable initializer (non-empty 2-D float32 or float16), of a ``SiblingMatMul`` or
     ``SiblingMatMulNBits`` / ``SiblingMatMulBnb4``, or of a ``MatMulNBits`` with
     initializer weights and no bias or g_idx, or of a ``MatMulBnb4``;
     a norm must have no optional statistics outputs and normalise over the

@@ -128,3 +128,33 @@ def test_several_rows_equal_the_column_blocks_of_the_one_product_bit_for_bit(wid
     for (n0, n1), y in zip(op.bounds, outs, strict=True):
         assert y.shape == (1, rows, n1 - n0) and y.flags.c_contiguous
         np.testing.assert_array_equal(y.reshape(rows, -1), full[:, n0:n1])
+
+
+def _as_float16(model):
+    """``model`` with float16 graph values and weights (a float16 model's projections)."""
+    from onnx import numpy_helper as nh
+
+    for vi in (*model.graph.input, *model.graph.output):
+        vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for i, init in enumerate(model.graph.initializer):
+        model.graph.initializer[i].CopyFrom(nh.from_array(nh.to_array(init).astype(np.float16), init.name))
+    return model
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_float16_siblings_are_one_product_of_float16_panels(rows, monkeypatch):
+    """float16 weights group as float32 ones do (packed in float16); each output is what the separate
+    float16 MatMul gives, bit for bit (one float32 product of the widened rows, rounded once)."""
+    model = _as_float16(_three_projections()[0])
+    sess = onnxkv.Session(model, threads=2)
+    assert [n.op_type for n in sess.plan.nodes] == ["SiblingMatMul"]
+    assert sess.plan.kernels[0].packed.dtype == np.float16
+    alone = _unfused(model, monkeypatch)
+    assert [n.op_type for n in alone.plan.nodes] == ["MatMul"] * 3
+    x = np.random.default_rng(rows).standard_normal((1, rows, 32)).astype(np.float16)
+    got, want = sess.run({"x": x}), alone.run({"x": x})
+    for name in ("y1", "y2", "y3"):
+        assert got[name].dtype == np.float16 and got[name].flags.c_contiguous
+        np.testing.assert_array_equal(got[name], want[name])
+    with pytest.raises(onnxkv.InputError, match="float16"):
+        sess.run({"x": x.astype(np.float32)})

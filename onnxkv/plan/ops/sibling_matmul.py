@@ -1,9 +1,11 @@
 """``ai.onnxkv::SiblingMatMul``: one input times several constant weights, as one packed product.
 
 Made by :func:`onnxkv.plan.fusion_matmul.fuse_sibling_matmuls`.  Inputs: ``x``
-float32 ``[..., K]`` and weights ``W1 ... Wn`` (2-D float32 initializers,
-``[K, N_i]``); outputs ``Y_i = x @ W_i`` (``[..., N_i]`` float32), as the n
-MatMuls it replaces.
+``[..., K]`` and weights ``W1 ... Wn`` (2-D initializers ``[K, N_i]``, all
+float32 or all float16, x of their dtype); outputs ``Y_i = x @ W_i``
+(``[..., N_i]``), as the n MatMuls it replaces.  float16 runs as
+:class:`onnxkv.plan.ops.matmul.MatMul` runs it: float16 panels, x widened
+once, float32 sums, each Y rounded once to float16.
 
 The weights are concatenated along N and packed once when the plan is built
 (the panel layout of ``onnxkv._kernels.matmul.pack_weight``; the plan drops
@@ -36,7 +38,7 @@ class SiblingMatMul(MatMul):
 
     Attributes:
         packed: the packed concatenation of the weights ([ceil(N/16), K, 16]
-            float32, N = sum of N_i; owned by this object, read-only).
+            of their dtype, N = sum of N_i; owned by this object, read-only).
         bounds: (start, end) columns of each output in the product.
     """
 
@@ -49,14 +51,16 @@ class SiblingMatMul(MatMul):
             or any(
                 not isinstance(w, np.ndarray)
                 or w.ndim != 2
-                or w.dtype != np.float32
+                or w.dtype not in (np.float32, np.float16)
+                or w.dtype != weights[0].dtype
                 or not w.size
                 or w.shape[0] != weights[0].shape[0]
                 for w in weights
             )
         ):
             raise self.error(
-                "needs one input and at least two 2-D float32 initializer weights with one row count "
+                "needs one input and at least two 2-D initializer weights of one dtype (float32 or float16) "
+                "and row count "
                 f"(one output each), got weights {[getattr(w, 'shape', None) for w in weights]}"
             )
         ends = np.cumsum([w.shape[1] for w in weights]).tolist()
@@ -82,10 +86,21 @@ class SiblingMatMul(MatMul):
     def run(self, inputs: list, rt) -> tuple:
         a = inputs[0]
         k = self.packed.shape[1]
-        if a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != k:
-            raise ValueError(f"SiblingMatMul node '{self.name}': A must be float32 [..., {k}], got {a.dtype} {a.shape}")
+        if a.dtype != self.packed.dtype or a.ndim < 1 or a.shape[-1] != k:
+            raise ValueError(
+                f"SiblingMatMul node '{self.name}': A must be {self.packed.dtype} [..., {k}], got {a.dtype} {a.shape}"
+            )
         x = np.ascontiguousarray(a).reshape(-1, k)
         rows, lead = x.shape[0], a.shape[:-1]
+        if a.dtype == np.float16:  # one product of the widened rows; each output rounded once
+            full = np.empty((rows, self._n), np.float32)
+            matmul_packed(x.astype(np.float32), self.packed, full)
+            outs = []
+            for i, (n0, n1) in enumerate(self.bounds):
+                out = rt.empty(i, lead + (n1 - n0,), a.dtype)
+                np.copyto(out.reshape(rows, n1 - n0), full[:, n0:n1], casting="same_kind")
+                outs.append(out)
+            return tuple(outs)
         if rows > 1 and self.panels is not None:
             outs = []
             for i, ((n0, n1), panels) in enumerate(zip(self.bounds, self.panels)):
