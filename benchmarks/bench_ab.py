@@ -19,7 +19,8 @@ The cases call kernel entry points whose signatures both builds share (32 query 
   each plane's pages side by side in one 2 MiB-aligned buffer, as a paged state's slab chunks hold them
   (with one heap buffer per page, where the pages land depends on what each build's import left on the
   heap: the same kernel measured 7 or 9 ms per call at 16,384 keys depending on the build beside it);
-* ``mm_M{M}_{K}x{N}``: ``matmul_packed`` over four distinct packed weights;
+* ``mm_M{M}_{K}x{N}``: ``matmul_packed`` over four distinct packed weights (1 and 8 rows: decode; 128: a
+  prompt chunk);
 * ``rms_norm``, ``skip_rms_norm``, ``softmax``, ``silu_mul``, ``rotary``, ``prefill_512`` (causal
   ``attention`` over a 512-token prompt): the shapes of ``bench_kernels.py``.
 
@@ -124,7 +125,7 @@ def _cases(rng) -> tuple[dict, list]:
                     raise SystemExit(f"bench_ab: paged_{dt}_bs16_{ctx} differs from the contiguous cache")
     for kd, n in MATMUL_SHAPES:
         ws = [MM.pack_weight(rng.standard_normal((kd, n), dtype=np.float32)) for _ in range(4)]
-        for m in (1, 8):
+        for m in (1, 8, 128):
             x, o = rng.standard_normal((m, kd), dtype=np.float32), np.empty((m, n), np.float32)
 
             def mm(ws=ws, x=x, o=o):

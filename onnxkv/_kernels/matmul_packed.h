@@ -411,7 +411,6 @@ static void okv_mmp_shape(int isa, int64_t M, int64_t K, int64_t *mr, int *np, i
 #else
 #define OKV_MMP_TILES_SIMD(NAME, H)
 #endif
-typedef void (*okv_mmp_tiles_fn)(OKV_MMP_TILE_ARGS);
 OKV_MMP_TILES(f32, 0)
 OKV_MMP_TILES(f16, 1)
 #undef OKV_MMP_TILES
@@ -430,14 +429,8 @@ static void okv_matmul_packed_ld(const float *x, int64_t M, int64_t K, const voi
                                  int64_t ldc, const float *bias, float *out, int64_t p0, int64_t p1, int isa) {
     int64_t mrt, kc, p, k0, m, n0, nb, kn;
     int npw, mr, np, ahead;
-    okv_mmp_tiles_fn tiles;
     okv_mmp_shape(isa, M, K, &mrt, &npw, &kc);
     ahead = isa == OKV_MMP_AVX2 && npw > 1 && M > mrt;
-    tiles = half ? okv_mmp_tiles_scalar_f16 : okv_mmp_tiles_scalar_f32;
-#if OKV_X86_SIMD
-    if (isa == OKV_MMP_AVX512) tiles = half ? okv_mmp_tiles_avx512_f16 : okv_mmp_tiles_avx512_f32;
-    else if (isa == OKV_MMP_AVX2) tiles = half ? okv_mmp_tiles_avx2_f16 : okv_mmp_tiles_avx2_f32;
-#endif
     for (p = p0; p < p1; p += np) {
         const char *panel = OKV_MMP_AT(wp, half, p * K * OKV_MMP_NR);
         np = p + npw <= p1 && (p + npw) * OKV_MMP_NR <= N ? npw : 1;
@@ -455,8 +448,21 @@ static void okv_matmul_packed_ld(const float *x, int64_t M, int64_t K, const voi
             kn = okv_mm_min(kc, K - k0);
             for (m = 0; m < M; m += mr) {
                 mr = (int)okv_mm_min(mrt, M - m);
-                tiles(mr, np, npw == 1, x + m * K + k0, K, OKV_MMP_AT(panel, half, k0 * OKV_MMP_NR), K * OKV_MMP_NR,
-                      kn, out + m * ldc + n0, ldc, nb, k0 == 0, bias ? bias + n0 : NULL, pf, far);
+                const float *xt = x + m * K + k0, *bt = bias ? bias + n0 : NULL;
+                const char *wt = OKV_MMP_AT(panel, half, k0 * OKV_MMP_NR);
+                float *ct = out + m * ldc + n0;
+                /* direct calls, one site each: the compiler may inline every tile set into this loop */
+#define OKV_MMP_CALL(SET) SET(mr, np, npw == 1, xt, K, wt, K * OKV_MMP_NR, kn, ct, ldc, nb, k0 == 0, bt, pf, far)
+#if OKV_X86_SIMD
+                if (isa == OKV_MMP_AVX512 && !half) OKV_MMP_CALL(okv_mmp_tiles_avx512_f32);
+                else if (isa == OKV_MMP_AVX512) OKV_MMP_CALL(okv_mmp_tiles_avx512_f16);
+                else if (isa == OKV_MMP_AVX2 && !half) OKV_MMP_CALL(okv_mmp_tiles_avx2_f32);
+                else if (isa == OKV_MMP_AVX2) OKV_MMP_CALL(okv_mmp_tiles_avx2_f16);
+                else
+#endif
+                if (!half) OKV_MMP_CALL(okv_mmp_tiles_scalar_f32);
+                else OKV_MMP_CALL(okv_mmp_tiles_scalar_f16);
+#undef OKV_MMP_CALL
             }
         }
     }
