@@ -32,7 +32,7 @@ import onnx
 from onnxkv import _kernels as K
 from onnxkv._kernels.matmul import matmul_packed, pack_weight
 from onnxkv.plan.constant_data import release_pages
-from onnxkv.plan.ops._util import broadcast_shape
+from onnxkv.plan.ops._util import broadcast_shape, matmul
 from onnxkv.plan.registry import BuildContext, Op, register
 
 #: Weight dtypes packed at build time.
@@ -111,16 +111,16 @@ class MatMul(Op):
             if rows <= SMALL_M and a.dtype == b.dtype == np.float32 and b.flags.c_contiguous:
                 K.matmul_rows(a.reshape(-1, a.shape[-1]), b, out.reshape(-1, b.shape[1]))
             else:
-                np.matmul(a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, b.shape[1]))
+                matmul(a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, b.shape[1]))
             return (out,)
         if a.ndim >= 2 and b.ndim >= 2:
             batch = broadcast_shape(np.empty(a.shape[:-2], np.int8), np.empty(b.shape[:-2], np.int8))
             if a.shape[-1] != b.shape[-2]:
                 raise ValueError(f"MatMul node '{self.name}': shapes {a.shape} and {b.shape} do not align")
             out = rt.empty(0, tuple(batch) + (a.shape[-2], b.shape[-1]), np.result_type(a, b))
-            np.matmul(a, b, out=out)
+            matmul(a, b, out=out)
             return (out,)
-        return (np.matmul(a, b),)
+        return (matmul(a, b),)
 
 
 @register("Gemm")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv.plan.fusion import REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
-from onnxkv.plan.ops._util import int_list
+from onnxkv.plan.ops._util import int_list, matmul
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["RepeatKvMatMul", "RepeatKvShape", "repeated_shape"]
@@ -124,7 +124,7 @@ class RepeatKvMatMul(Op):
             if grouped.shape[-1] != rhs.shape[-2]:
                 raise ValueError(f"RepeatKvMatMul node '{self.name}': shapes {a.shape} and {x.shape} do not align")
             out = rt.empty(0, (b, h * n, s, rhs.shape[-1]), a.dtype)
-            np.matmul(grouped, rhs, out=out.reshape(b, h, n * s, rhs.shape[-1]))
+            matmul(grouped, rhs, out=out.reshape(b, h, n * s, rhs.shape[-1]))
             if scale is not None:
                 out *= scale.astype(out.dtype, copy=False)
             return (out,)
@@ -138,4 +138,4 @@ class RepeatKvMatMul(Op):
             rep = rep.transpose(0, 1, 3, 2)
             if scale is not None:
                 rep = rep * scale
-        return (np.matmul(a, rep),)
+        return (matmul(a, rep),)

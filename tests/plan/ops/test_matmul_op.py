@@ -168,3 +168,23 @@ def test_float16_product_refuses_float32_rows():
     session = Session(float16_model(w), threads=1)
     with pytest.raises(onnxkv.InputError, match="float16"):
         session.run({"x": np.ones((2, 8), F)})
+
+
+@pytest.mark.parametrize("shapes", [((5, 32), (32, 7)), ((2, 3, 9, 16), (2, 3, 16, 11)), ((4, 8), (2, 8, 3))])
+def test_float16_run_time_weights_sum_in_float32_through_blas(shapes):
+    """float16 A and B both fed: float32 sums rounded once to float16 (NumPy's float16 matmul has no BLAS),
+    within a float16 step of the float64 product."""
+    rng = np.random.default_rng(len(shapes[0]) * 10 + shapes[1][-1])
+    a, b = (rng.standard_normal(s).astype(np.float16) for s in shapes)
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
+    )
+    session = Session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), threads=1)
+    got = session.run({"a": a, "b": b})["y"]
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    assert got.dtype == np.float16 and got.shape == want.shape
+    np.testing.assert_array_less(np.abs(got - want), np.abs(want) * 2.0**-10 + 1e-6)
