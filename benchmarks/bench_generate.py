@@ -77,7 +77,8 @@ MatMulInteger and a quantized embedding read through DequantizeLinear).
 ``small-bnb4:N`` runs it after ONNX Runtime's ``MatMulBnb4Quantizer`` (NF4, blocks of 64: the
 ``model_bnb4.onnx`` of Transformers.js repositories; float32 activations in both runtimes).
 ``small-fp16:N`` runs it after ONNX Runtime's float16 converter with float32 inputs and outputs
-(``keep_io_types``), as the ``model_fp16.onnx`` of Transformers.js repositories; ``small-q4f16:N`` after
+(``keep_io_types``), as the ``model_fp16.onnx`` of Transformers.js repositories (``small-concatfp16:N``: the
+Concat-cache export, the form of those repositories' exports, converted the same way); ``small-q4f16:N`` after
 4-bit quantization as ``small-q4`` and then that converter, as their ``model_q4f16.onnx``.
 ``same_tokens_as_PEER`` compares the first 8 greedy tokens; when they differ,
 ``first_difference_PEER`` gives the step and onnxkv's top-1 minus top-2 logit
@@ -215,7 +216,13 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
             peer = ort.InferenceSession(str(sess.model.path), so, providers=["CPUExecutionProvider"])
-            run = lambda f, o: dict(zip(o, peer.run(o, f)))  # noqa: E731
+            # feeds in the model's declared types (a float16 file's float32 pasts, held float16 by onnxkv)
+            declared = sess.cast_boundary.inputs if sess.cast_boundary is not None else {}
+            run = lambda f, o: dict(  # noqa: E731
+                zip(
+                    o, peer.run(o, {k: v.astype(declared[k], copy=False) if k in declared else v for k, v in f.items()})
+                )
+            )
             thread_cache = True
         _feed_loop(
             sess,
@@ -611,8 +618,8 @@ def main() -> None:
                 base, vocab = build(tmp, size, "gqa", max_length, args.threads)
                 folder, weight_bytes = bnb4_copy(tmp, base)
                 source = "onnxkv.zoo builder, onnxruntime.quantization MatMulBnb4Quantizer NF4 block 64"
-            elif family in ("fp16", "q4f16"):
-                base, vocab = build(tmp, size, "gqa", max_length, args.threads)
+            elif family in ("fp16", "q4f16", "concatfp16"):
+                base, vocab = build(tmp, size, "concat" if family == "concatfp16" else "gqa", max_length, args.threads)
                 if family == "q4f16":
                     base = quantized_copy(tmp, base, 4, level=0)[0]
                 folder, weight_bytes = float16_copy(tmp, base)

@@ -69,7 +69,7 @@ def _const(name: str, value) -> onnx.NodeProto:
 
 def _model(b_shape, elem=TensorProto.FLOAT, cast: bool = True, stream: bool = True) -> onnx.ModelProto:
     """y = rms_norm(c) * w with c = [Cast](a + b) over a [N, 3, 8]; with ``stream`` also z = 2 * c."""
-    dtype = np.float64 if elem == TensorProto.DOUBLE else np.float32
+    dtype = {TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16}.get(elem, np.float32)
     nodes = [
         _const("p", dtype(2.0)),
         _const("axes", np.array([-1], np.int64)),
@@ -122,6 +122,29 @@ def test_same_shape_float32_addends_run_the_kernel(cast, stream, calls, monkeypa
     np.testing.assert_allclose(got["y"], want["y"], rtol=1e-5, atol=1e-6)
     if stream:
         np.testing.assert_array_equal(got["z"], want["z"])  # the sum itself is exact
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "norm_only"])
+def test_float16_chains_run_the_float32_kernel_rounded_once(stream, calls, monkeypatch):
+    """A float16 export's residual norm: the float16 sum as the Add makes it, normalised by the float32 kernel
+    and rounded once (ONNX Runtime's fused float16 norm), within a float16 step of the literal chain; where the
+    chain's float16 x² overflows, the fused result stays finite."""
+    model = _model(["N", 3, 8], TensorProto.FLOAT16, cast=False, stream=stream)
+    sess = onnxkv.Session(model, threads=1)
+    assert [n.op_type for n in sess.plan.nodes][0] == "SkipRMSNormChain"
+    feeds = _feeds(4, (4, 3, 8), np.float16)
+    got = sess.run(feeds)
+    assert calls["literal"] == 0
+    want = _unfused(model, monkeypatch, 1).run(feeds)
+    assert got["y"].dtype == np.float16
+    np.testing.assert_allclose(got["y"].astype(np.float32), want["y"].astype(np.float32), rtol=4e-3, atol=4e-3)
+    if stream:
+        np.testing.assert_array_equal(got["z"], want["z"])  # the float16 sum, as the Add rounds it
+    big = {"a": feeds["a"] * np.float16(300), "b": feeds["b"] * np.float16(300)}
+    c = (big["a"] + big["b"]).astype(np.float64)  # |c| to about 1,500: c² far beyond float16's 65,504
+    w = next(numpy_helper.to_array(i) for i in model.graph.initializer if i.name == "w").astype(np.float64)
+    exact = w * c / np.sqrt(np.mean(c * c, -1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(sess.run(big)["y"].astype(np.float64), exact, rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("case", ["broadcast_addend", "empty_batch", "float64"])

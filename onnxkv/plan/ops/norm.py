@@ -23,6 +23,8 @@ from onnxkv.plan.ops._util import int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Dtypes of x an RMSNormChain runs on the rms_norm kernel (float16 widened, see RMSNormChain).
+_CHAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def _rms_reference(x: np.ndarray, gamma: np.ndarray, eps: float, axis: int) -> np.ndarray:
@@ -189,9 +191,13 @@ class RMSNormChain(Op):
     eps) * weight`` (equal to the chain up to float32 rounding) when the
     exponent is 2, the numerator 1, ``eps`` a finite scalar >= 0, the mean is
     over the last axis only with ``keepdims=1``, ``x`` is float32 and
-    ``weight`` float32 of shape ``[x.shape[-1]]``.  Constant parameters are
-    checked once when the plan is built, the rest on every call; any call
-    failing a check evaluates the body literally.
+    ``weight`` float32 of shape ``[x.shape[-1]]``.  float16 ``x`` and
+    ``weight`` (a float16 export) run the same kernel on their float32
+    widening, ``y`` rounded once to float16, as ONNX Runtime's fused
+    float16 norm computes it: the literal chain rounds after each operator,
+    and its float16 ``x²`` overflows above 255.9, where the fused result stays
+    finite.  Constant parameters are checked once when the plan is built, the
+    rest on every call; any call failing a check evaluates the body literally.
     """
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
@@ -232,26 +238,37 @@ class RMSNormChain(Op):
         w = inputs[1]
         if (
             params is not None
-            and x.dtype == np.float32
+            and x.dtype in _CHAIN_DTYPES
             and x.ndim
             # a one-element parameter of higher rank than x broadcasts y to its rank: the body's result
             and all(inputs[i] is None or inputs[i].ndim <= x.ndim for i in (_EXPONENT, _EPS, _ONE))
             and x.shape[-1]
             and params[1] in (-1, x.ndim - 1)
             and w is not None
-            and w.dtype == np.float32
+            and w.dtype == x.dtype
             and w.shape == (x.shape[-1],)
         ):
             return params[0]
         return None
 
+    @staticmethod
+    def normalise(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+        """``out`` (x's shape and dtype) = the kernel's norm of ``x`` (float32, or float16 widened and the
+        result rounded once) with ``w`` of x's dtype and ``eps`` from :meth:`kernel_params`."""
+        n = x.shape[-1]
+        if x.dtype == np.float32:
+            K.rms_norm(np.ascontiguousarray(x).reshape(-1, n), w, eps, out.reshape(-1, n))
+            return
+        wide = np.empty(x.shape, np.float32)
+        K.rms_norm(x.reshape(-1, n).astype(np.float32), w.astype(np.float32), eps, wide.reshape(-1, n))
+        np.copyto(out, wide, casting="same_kind")
+
     def run(self, inputs: list, rt) -> tuple:
         x, w = inputs[0], inputs[1]
         eps = self.kernel_params(inputs, x)
         if eps is not None:
-            n = x.shape[-1]
-            out = rt.empty(0, x.shape, np.float32)
-            K.rms_norm(np.ascontiguousarray(x).reshape(-1, n), w, eps, out.reshape(-1, n))
+            out = rt.empty(0, x.shape, x.dtype)
+            self.normalise(x, w, eps, out)
             return (out,)
         return tuple(self._body.evaluate(self.node.input, inputs, rt))
 
@@ -307,6 +324,13 @@ class SkipRMSNormChain(Op):
                     None if s is None else s.reshape(-1, n),
                 )
                 return (out, s)
+        if a.dtype == np.float16 and b.dtype == np.float16 and a.shape == b.shape and a.size:
+            eps = self._norm.kernel_params([None, *inputs[_SKIP_NORM_PARAMS]], a)  # the sum: a's shape and dtype
+            if eps is not None and len(self._body.steps) == 2:  # Add, RMSNormChain: no Cast between them
+                s = np.add(a, b, out=rt.empty(1, a.shape, a.dtype) if self._want_sum else None)  # the float16 Add
+                out = rt.empty(0, a.shape, a.dtype)
+                self._norm.normalise(s, inputs[_SKIP_NORM_PARAMS.start], eps, out)
+                return (out, s if self._want_sum else None)
         values = self._body.evaluate(self.node.input, inputs, rt)
         return (values[0], values[1] if self._want_sum else None)
 
