@@ -231,6 +231,26 @@ def test_rotate_half_falls_back_to_the_original_nodes_when_a_check_fails(case, c
         np.testing.assert_array_equal(got, want)
 
 
+def test_float16_rotate_half_runs_the_kernel_rounded_once(calls, monkeypatch):
+    """float16 x, cos and sin (a float16 export) take the kernel on their float32 widening, y rounded once:
+    within a float16 step of the float64 rotation (the literal chain rounds three times)."""
+    model = _rotary_model(4)
+    for vi in (*model.graph.input, *model.graph.output):
+        vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+    rng = np.random.default_rng(16)
+    angles = rng.uniform(0, 6.0, (2, 1, 4, 4))
+    angles = np.concatenate([angles, angles], axis=-1)
+    x = rng.standard_normal((2, 3, 4, 8)).astype(np.float16)
+    cos, sin = np.cos(angles).astype(np.float16), np.sin(angles).astype(np.float16)
+    got = onnxkv.Session(model, threads=1).run({"x": x, "cos": cos, "sin": sin})["y"]
+    assert (calls["rotary"], calls["literal"]) == (1, []) and got.dtype == np.float16
+    x64, c64, s64 = (t.astype(np.float64) for t in (x, cos, sin))
+    exact = x64 * c64 + np.concatenate([-x64[..., 4:], x64[..., :4]], axis=-1) * s64
+    np.testing.assert_array_less(np.abs(got - exact), np.abs(exact) * 2.0**-10 + 1e-6)
+    want = _unfused(model, monkeypatch, 1).run({"x": x, "cos": cos, "sin": sin})["y"]
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=4e-3, atol=4e-3)
+
+
 # -- small graphs: the halves proof ---------------------------------------------------------------------------------
 def _proof_nodes(kind: str) -> list[onnx.NodeProto]:
     """Nodes making ``c`` from graph input ``f`` [2, 3, 4] (and ``g``, the same shape) as ``kind`` says."""

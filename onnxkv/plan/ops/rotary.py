@@ -271,6 +271,8 @@ def _resolve(index: int, d: int) -> int:
 
 
 _F32 = np.dtype(np.float32)
+#: Dtypes RotateHalf runs on the kernel (float16 widened, see RotateHalf).
+_DTYPES = (_F32, np.dtype(np.float16))
 
 
 @register("RotateHalf", domain="ai.onnxkv", internal=True)
@@ -292,7 +294,11 @@ class RotateHalf(Op):
     (one angle per rotated pair, as the exported ``cat((freqs, freqs))``
     makes them; compared on every call unless ``halves_equal``): the first
     half of each (b, s) row is one row of the kernel's cos/sin table (read in
-    place).  The result equals the chain up to float32 rounding.  Constant
+    place).  The result equals the chain up to float32 rounding.  float16
+    ``x``, ``cos`` and ``sin`` (a float16 export) run the kernel on their
+    float32 widening and round ``y`` once to float16, as ONNX Runtime's fused
+    float16 rotary computes it (the literal chain rounds after each of its
+    products and its sum).  Constant
     slice parameters are read once when the plan is built; the layout checks
     (shapes, slice values) are made once per distinct (x, cos, sin) shape
     (and run-time slice values) and remembered with the kernel's positions
@@ -349,7 +355,7 @@ class RotateHalf(Op):
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
         x, cos, sin = inputs[0], inputs[1], inputs[2]
         layout = None
-        if cos is not None and sin is not None and x.dtype == _F32 and cos.dtype == _F32 and sin.dtype == _F32:
+        if cos is not None and sin is not None and x.dtype == cos.dtype == sin.dtype and x.dtype in _DTYPES:
             key = (x.shape, cos.shape, sin.shape, *[inputs[i].tobytes() for i in self._keyed])
             layout = self._memo.get(key, self._layout, inputs)
         if layout is not None and not self._halves_proven:
@@ -359,13 +365,16 @@ class RotateHalf(Op):
         if layout is None:
             return tuple(self._body.evaluate(self.node.input, inputs, rt))
         x_shape, table_shape, positions = layout
-        out = rt.empty(0, x.shape, _F32)
+        out = rt.empty(0, x.shape, x.dtype)
+        wide = out if x.dtype == _F32 else np.empty(x.shape, _F32)  # float16: widened exactly, rounded once
         _rotary_kernel(
-            np.ascontiguousarray(x).reshape(x_shape),
-            np.ascontiguousarray(cos).reshape(table_shape),
-            np.ascontiguousarray(sin).reshape(table_shape),
+            np.ascontiguousarray(x, dtype=_F32).reshape(x_shape),
+            np.ascontiguousarray(cos, dtype=_F32).reshape(table_shape),
+            np.ascontiguousarray(sin, dtype=_F32).reshape(table_shape),
             positions,
             False,
-            out.reshape(x_shape),
+            wide.reshape(x_shape),
         )
+        if wide is not out:
+            np.copyto(out, wide, casting="same_kind")
         return (out,)
