@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from onnxkv import _kernels as K
+
 __all__ = ["broadcast_shape", "normalize_axis", "normalize_axes", "int_list", "LayoutMemo"]
 
 _UNKNOWN = object()
@@ -19,17 +21,42 @@ def broadcast_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, ...]:
     return np.broadcast_shapes(a.shape, b.shape)
 
 
+def widened(a: np.ndarray) -> np.ndarray:
+    """A new float32 array of float16 ``a``'s values (exact), converted by the F16C kernel (NumPy's float16
+    casts run element by element: 1.2 ms for a 128 x 5632 activation, against 0.03)."""
+    out = np.empty(a.shape, np.float32)
+    if a.flags.c_contiguous:
+        K.f16_to_f32(a, out)
+    else:
+        out[...] = a
+    return out
+
+
+def round_into(out: np.ndarray, wide: np.ndarray) -> np.ndarray:
+    """``out`` = ``wide`` (float32) cast to out's dtype, as NumPy casts it: float16 (nearest even, overflow to
+    infinity) by the F16C kernel; returns ``out``."""
+    if (
+        out.dtype == np.float16
+        and wide.dtype == np.float32
+        and out.flags.c_contiguous
+        and wide.flags.c_contiguous
+        and out.shape == wide.shape
+    ):
+        K.f32_to_f16(wide, out)
+    else:
+        with np.errstate(over="ignore"):  # overflow to infinity is the cast's result, as in the kernel
+            np.copyto(out, wide, casting="same_kind")
+    return out
+
+
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``np.matmul(a, b, out=out)``; float16 operands as float32 sums rounded once to float16, through
     BLAS (NumPy's float16 matmul has no BLAS: a 128-token float16 attention took about 140 ms a layer),
     the result ONNX Runtime's CPU MatMul gives float16 operands (a float32 MatMul between casts)."""
     if a.dtype != np.float16 or b.dtype != np.float16:
         return np.matmul(a, b, out=out)
-    wide = np.matmul(a.astype(np.float32), b.astype(np.float32))
-    if out is None:
-        return wide.astype(np.float16)
-    np.copyto(out, wide, casting="same_kind")
-    return out
+    wide = np.matmul(widened(a), widened(b))
+    return round_into(np.empty(wide.shape, np.float16) if out is None else out, wide)
 
 
 def normalize_axis(axis: int, rank: int, what: str) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv import _kernels as K
-from onnxkv.plan.ops._util import normalize_axis
+from onnxkv.plan.ops._util import normalize_axis, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
 
@@ -196,8 +196,8 @@ class SiluMul(Op):
             return (out,)
         if gate.shape == up.shape and gate.dtype == up.dtype == np.float16:  # in float32, rounded once
             wide = np.empty(gate.shape, np.float32)
-            K.silu_mul(gate.reshape(-1).astype(np.float32), up.reshape(-1).astype(np.float32), wide.reshape(-1))
+            K.silu_mul(widened(gate).reshape(-1), widened(up).reshape(-1), wide.reshape(-1))
             out = rt.empty(0, gate.shape, gate.dtype)
-            np.copyto(out, wide, casting="same_kind")
+            round_into(out, wide)
             return (out,)
         return ((gate / (1 + np.exp(-gate)) * up).astype(gate.dtype, copy=False),)

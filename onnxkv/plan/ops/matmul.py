@@ -32,7 +32,7 @@ import onnx
 from onnxkv import _kernels as K
 from onnxkv._kernels.matmul import matmul_packed, pack_weight
 from onnxkv.plan.constant_data import release_pages
-from onnxkv.plan.ops._util import broadcast_shape, matmul
+from onnxkv.plan.ops._util import broadcast_shape, matmul, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
 #: Weight dtypes packed at build time.
@@ -97,8 +97,8 @@ class MatMul(Op):
                 matmul_packed(np.ascontiguousarray(a).reshape(-1, k), packed, out.reshape(-1, self._n))
             else:  # float16: float32 sums, Y rounded once
                 y = np.empty(out.shape, np.float32)
-                matmul_packed(a.reshape(-1, k).astype(np.float32), packed, y.reshape(-1, self._n))
-                np.copyto(out, y, casting="same_kind")
+                matmul_packed(widened(a).reshape(-1, k), packed, y.reshape(-1, self._n))
+                round_into(out, y)
             return (out,)
         if a.ndim >= 2 and b.ndim == 2 and a.flags.c_contiguous:
             if a.shape[-1] != b.shape[0]:

@@ -37,6 +37,7 @@ import onnx
 
 from onnxkv._kernels.qmatmul import DECODE_M, matmul_nbits, pack_nbits
 from onnxkv.plan.constant_data import release_pages
+from onnxkv.plan.ops._util import round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
@@ -161,7 +162,7 @@ class MatMulNBits(Op):
                 f"{self.op_type} node '{self.name}': input A must be float32 or float16 [..., {self.k}], "
                 f"got {a.dtype} {a.shape}"
             )
-        x = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, self.k)
+        x = (np.ascontiguousarray(a) if a.dtype == np.float32 else widened(a)).reshape(-1, self.k)
         o = (np.empty((x.shape[0], self.n), np.float32) if out is None else out).reshape(-1, self.n)
         matmul_nbits(x, self.weight, o, bias, int8=self.int8)
         return o
@@ -195,7 +196,7 @@ class MatMulNBits(Op):
         out = rt.empty(0, a.shape[:-1] + (self.n,), np.float32) if f32 and a.ndim else None
         o = self._product(a, None if bias is None else np.ascontiguousarray(bias, dtype=np.float32), out)
         y = out if out is not None else o.reshape(a.shape[:-1] + (self.n,))
-        return (y if f32 else y.astype(np.float16),)
+        return (y if f32 else round_into(np.empty(y.shape, np.float16), y),)
 
 
 @register("SiblingMatMulNBits", domain="ai.onnxkv", internal=True)
@@ -267,4 +268,6 @@ class SiblingMatMulNBits(MatMulNBits):
                 out = rt.empty(i, lead + (n1 - n0,), np.float32)
                 np.copyto(out.reshape(rows, n1 - n0), full[:, n0:n1])
                 outs.append(out)
-        return tuple(outs) if a.dtype == np.float32 else tuple(y.astype(np.float16) for y in outs)
+        if a.dtype == np.float32:
+            return tuple(outs)
+        return tuple(round_into(np.empty(y.shape, np.float16), np.ascontiguousarray(y)) for y in outs)

@@ -19,7 +19,7 @@ import onnx
 from onnxkv import _kernels as K
 from onnxkv.plan.fusion_export import RMS_NORM_INPUTS, SKIP_RMS_NORM_INPUTS
 from onnxkv.plan.ops._body import Body
-from onnxkv.plan.ops._util import int_list
+from onnxkv.plan.ops._util import int_list, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -164,7 +164,7 @@ class SkipSimplifiedLayerNormalization(_RMSBase):
             y = rt.empty(0, x.shape, x.dtype)  # float16 / bfloat16 x: the sum normalised by the float32 kernel
             normed = np.empty(wide.shape, np.float32)
             K.rms_norm(wide.reshape(-1, n), gamma.astype(np.float32, copy=False), self.eps, normed.reshape(-1, n))
-            np.copyto(y, normed, casting="same_kind")
+            round_into(y, normed)
         else:
             y = _rms_reference(wide, gamma, self.eps, -1).astype(x.dtype, copy=False)
         return (y, None, None, s if self.want_sum else None)
@@ -260,8 +260,8 @@ class RMSNormChain(Op):
             K.rms_norm(np.ascontiguousarray(x).reshape(-1, n), w, eps, out.reshape(-1, n))
             return
         wide = np.empty(x.shape, np.float32)
-        K.rms_norm(x.reshape(-1, n).astype(np.float32), w.astype(np.float32), eps, wide.reshape(-1, n))
-        np.copyto(out, wide, casting="same_kind")
+        K.rms_norm(widened(x).reshape(-1, n), w.astype(np.float32), eps, wide.reshape(-1, n))
+        round_into(out, wide)
 
     def run(self, inputs: list, rt) -> tuple:
         x, w = inputs[0], inputs[1]

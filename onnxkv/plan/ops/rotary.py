@@ -31,7 +31,7 @@ from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion_export import ROTATE_HALF_INPUTS
 from onnxkv.plan.ops._body import Body
-from onnxkv.plan.ops._util import LayoutMemo, int_list
+from onnxkv.plan.ops._util import LayoutMemo, int_list, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["RotaryEmbedding23", "RotaryEmbeddingMS", "RotateHalf", "rotate"]
@@ -368,7 +368,7 @@ class RotateHalf(Op):
         out = rt.empty(0, x.shape, x.dtype)
         wide = out if x.dtype == _F32 else np.empty(x.shape, _F32)  # float16: widened exactly, rounded once
         _rotary_kernel(
-            np.ascontiguousarray(x, dtype=_F32).reshape(x_shape),
+            (np.ascontiguousarray(x) if x.dtype == _F32 else widened(x)).reshape(x_shape),
             np.ascontiguousarray(cos, dtype=_F32).reshape(table_shape),
             np.ascontiguousarray(sin, dtype=_F32).reshape(table_shape),
             positions,
@@ -376,5 +376,5 @@ class RotateHalf(Op):
             wide.reshape(x_shape),
         )
         if wide is not out:
-            np.copyto(out, wide, casting="same_kind")
+            round_into(out, wide)
         return (out,)

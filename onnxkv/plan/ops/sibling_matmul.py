@@ -26,6 +26,7 @@ import onnx
 
 from onnxkv._kernels.matmul import PANEL, matmul_packed, pack_weight
 from onnxkv.plan.constant_data import release_pages
+from onnxkv.plan.ops._util import round_into, widened
 from onnxkv.plan.ops.matmul import MatMul
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -94,11 +95,11 @@ class SiblingMatMul(MatMul):
         rows, lead = x.shape[0], a.shape[:-1]
         if a.dtype == np.float16:  # one product of the widened rows; each output rounded once
             full = np.empty((rows, self._n), np.float32)
-            matmul_packed(x.astype(np.float32), self.packed, full)
+            matmul_packed(widened(x), self.packed, full)
             outs = []
             for i, (n0, n1) in enumerate(self.bounds):
                 out = rt.empty(i, lead + (n1 - n0,), a.dtype)
-                np.copyto(out.reshape(rows, n1 - n0), full[:, n0:n1], casting="same_kind")
+                round_into(out.reshape(rows, n1 - n0), full[:, n0:n1])
                 outs.append(out)
             return tuple(outs)
         if rows > 1 and self.panels is not None:
