@@ -1,6 +1,6 @@
 /* onnxkv/_kernels/matmul_bf16.h -- the bfloat16 prompt product (prefill_precision="bf16"):
  * out[M,N] = bf16(x)[M,K] @ bf16(w)[K,N] (+ bias) with float32 accumulation,
- * w given as the float32 panels of matmul.h (wp[P][K][16]); no second copy of
+ * w given as the float32 panels of matmul_packed.h (wp[P][K][16]); no second copy of
  * the weights is kept.
  *
  * Rounding: okv_bf16_round (bf16_round.h).

@@ -367,7 +367,7 @@ static int okv_mmp_avx512_usable(void) {
  * rose from 102 to 218 GFLOP/s, the other prompt shapes from about 180 to
  * 212).  AVX2's tiles of 4 to 12 rows take short chunks (OKV_MMP_KC_AHEAD)
  * and prefetch the next chunk into L2 while they compute ("ahead" in
- * okv_matmul_packed_f32_ld), so the first row tile no longer waits for memory
+ * okv_matmul_packed_ld), so the first row tile no longer waits for memory
  * alone (Zen 3, weights from DRAM, in-process A/B: 0.68 to 0.93 of the time
  * of 2,048-line chunks without it).  AVX2's 6-row tiles of longer products
  * take 64 KB slices (OKV_MMP_KC_AVX2; 16 to 1,024 rows: 0.70 to 1.01, most

@@ -215,7 +215,7 @@ static void __attribute__((noinline)) okv_qmm_f32_redo(const okv_qmm *a, int64_t
 }
 
 /* Panels [p0, p1) dequantized into dst [p1 - p0][K][16] (the panel layout of
- * matmul.h's packed float32 kernel): dst[p][k][c] = (q - zp) * sc (lut[q] * sc), zero for
+ * matmul_packed.h's float32 kernel): dst[p][k][c] = (q - zp) * sc (lut[q] * sc), zero for
  * columns past N. */
 static void okv_qmm_dequant(const okv_qmm *a, int64_t p0, int64_t p1, float *dst) {
     int64_t p, k;

@@ -102,42 +102,43 @@ def lift_cache_casts(
     g = model.graph
     if convention.kind == "none" or not convention.layers:
         return None
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    producer: dict[str, onnx.NodeProto] = {}
-    for n in g.node:
+    nodes = list(g.node)
+    readers: dict[str, list[int]] = {}  # value -> indices of the nodes reading it
+    producer: dict[str, int] = {}
+    for i, n in enumerate(nodes):
         for x in n.input:
-            readers.setdefault(x, []).append(n)
+            readers.setdefault(x, []).append(i)
         for o in n.output:
-            producer[o] = n
+            producer[o] = i
     outputs = [o.name for o in g.output]
     rename: dict[str, str] = {}  # value -> the graph input or output it becomes
-    dropped: set[int] = set()  # ids of the Cast nodes removed
+    dropped: set[int] = set()  # indices of the Cast nodes removed
     for past in convention.past_inputs:
         if _elem(g.input, past) != _F32:
             return None
-        casts = [r for r in readers.get(past, []) if r.op_type not in _SHAPE_ONLY]
-        if not casts or any(_cast_to(r) != _F16 or r.input[0] != past for r in casts):
+        casts = [i for i in readers.get(past, []) if nodes[i].op_type not in _SHAPE_ONLY]
+        if not casts or any(_cast_to(nodes[i]) != _F16 or nodes[i].input[0] != past for i in casts):
             return None
-        for c in casts:
-            if c.output[0] in outputs:
+        for i in casts:
+            if nodes[i].output[0] in outputs:
                 return None
-            rename[c.output[0]] = past
-            dropped.add(id(c))
+            rename[nodes[i].output[0]] = past
+            dropped.add(i)
     for present in convention.present_outputs:
-        cast = producer.get(present)
-        if _elem(g.output, present) != _F32 or cast is None or _cast_to(cast) != _F32 or readers.get(present):
+        at = producer.get(present)
+        if _elem(g.output, present) != _F32 or at is None or _cast_to(nodes[at]) != _F32 or readers.get(present):
             return None
-        source = cast.input[0]
+        source = nodes[at].input[0]
         if source in rename or source in outputs or source not in producer or outputs.count(present) != 1:
             return None
         rename[source] = present
-        dropped.add(id(cast))
-    if any(name in rename for n in g.node for sub in subgraphs(n) for name in scope_names(sub)):
+        dropped.add(at)
+    if any(name in rename for n in nodes for sub in subgraphs(n) for name in scope_names(sub)):
         return None  # control flow reads a value the rewrite renames
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    kept = [n for n in g.node if id(n) not in dropped]
+    kept = [n for i, n in enumerate(nodes) if i not in dropped]
     del graph.node[:]
     for n in kept:
         m = graph.node.add()
