@@ -100,3 +100,15 @@ def test_state_exports_presents_in_the_declared_type(fp16):
     again = session.new_state(initial={k: v.astype(np.float32) for k, v in held.items()})
     for k, v in again.values.items():
         np.testing.assert_array_equal(v, held[k])
+
+
+def test_beam_search_and_speculative_decoding_on_the_float16_caches(fp16):
+    """Beam forks and speculative checkpoints work on the lifted float16 caches: beams on pages equal beams on
+    tensors, and speculative decoding (the model as its own draft) gives generate's greedy tokens."""
+    _, session = fp16
+    prompt = np.random.default_rng(5).integers(0, MICRO.vocab_size, (1, 6))
+    paged = onnxkv.beam_search(session, prompt, 3, 8, cache="paged").sequences
+    np.testing.assert_array_equal(paged, onnxkv.beam_search(session, prompt, 3, 8, cache="tensor").sequences)
+    greedy = onnxkv.generate(session, prompt, 8, eos_token_id=[]).tokens
+    spec = onnxkv.speculative_generate(session, prompt, draft=session, max_new_tokens=8, eos_token_id=[])
+    np.testing.assert_array_equal(spec.sequences[:, prompt.shape[1] :], greedy)
