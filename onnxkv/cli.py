@@ -210,9 +210,13 @@ def _cmd_inspect(args) -> int:
         f"weights: {w.kernels / 2**20:.2f} MiB in kernel layouts, {w.mapped / 2**20:.2f} MiB read from file "
         f"mappings, {w.in_memory / 2**20:.2f} MiB other constants in memory"
     )
+    declared = sess.cast_boundary.inputs if sess.cast_boundary is not None else {}
+    if declared:
+        print(f"cast caches: {len(declared)} float32 pasts held as float16, their Casts moved to the session")
     print("inputs:")
     for gi in sess.plan.inputs:
-        print(f"  {gi.name}: {gi.dtype} {list(gi.shape) if gi.shape is not None else '?'}")
+        held = f" (held as {gi.dtype})" if gi.name in declared else ""
+        print(f"  {gi.name}: {declared.get(gi.name, gi.dtype)} {list(gi.shape) if gi.shape is not None else '?'}{held}")
     print("outputs:")
     for o in g.output:
         tt = o.type.tensor_type

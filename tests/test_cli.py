@@ -75,6 +75,21 @@ def test_inspect_reports_convention_ops_fallbacks_io(genai_dir, capsys):
     )
 
 
+def test_inspect_shows_a_float16_files_declared_types_and_its_cast_caches(tmp_path, capsys):
+    """A float16 file with float32 inputs (keep_io_types): its pasts as the file declares them, noted as held
+    in float16, and the count of cast caches."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    path = tmp_path / "model.onnx"
+    onnx.save(convert_float_to_float16(build_model("gqa", MICRO, seed=1), keep_io_types=True), str(path))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"cast caches: {2 * MICRO.num_layers} float32 pasts held as float16" in out
+    assert re.search(r"past_key_values\.0\.key: float32 \[.*\] \(held as float16\)", out)
+
+
 def test_errors_are_reported_not_raised(genai_dir, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing.onnx")]) == 2
     assert "error" in capsys.readouterr().err
