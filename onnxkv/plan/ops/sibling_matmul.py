@@ -93,30 +93,25 @@ class SiblingMatMul(MatMul):
             )
         x = np.ascontiguousarray(a).reshape(-1, k)
         rows, lead = x.shape[0], a.shape[:-1]
-        if a.dtype == np.float16:  # one product of the widened rows; each output rounded once
-            full = np.empty((rows, self._n), np.float32)
-            matmul_packed(widened(x), self.packed, full)
-            half = round_into(np.empty(full.shape, np.float16), full)  # whole rows: the converting kernel
-            outs = []
-            for i, (n0, n1) in enumerate(self.bounds):
-                out = rt.empty(i, lead + (n1 - n0,), a.dtype)
-                np.copyto(out.reshape(rows, n1 - n0), half[:, n0:n1])
-                outs.append(out)
-            return tuple(outs)
-        if rows > 1 and self.panels is not None:
+        if a.dtype == np.float16:  # one product of the widened rows, rounded once as a whole
+            wide = np.empty((rows, self._n), np.float32)
+            matmul_packed(widened(x), self.packed, wide)
+            full = round_into(np.empty(wide.shape, np.float16), wide)
+        elif rows > 1 and self.panels is not None:
             outs = []
             for i, ((n0, n1), panels) in enumerate(zip(self.bounds, self.panels)):
                 out = rt.empty(i, lead + (n1 - n0,), np.float32)
                 matmul_packed(x, panels, out.reshape(rows, n1 - n0))
                 outs.append(out)
             return tuple(outs)
-        full = np.empty((rows, self._n), np.float32)
-        matmul_packed(x, self.packed, full)
+        else:
+            full = np.empty((rows, self._n), np.float32)
+            matmul_packed(x, self.packed, full)
         if rows == 1:
             return tuple(full[:, n0:n1].reshape(lead + (n1 - n0,)) for n0, n1 in self.bounds)
         outs = []
         for i, (n0, n1) in enumerate(self.bounds):
-            out = rt.empty(i, lead + (n1 - n0,), np.float32)
+            out = rt.empty(i, lead + (n1 - n0,), a.dtype)
             np.copyto(out.reshape(rows, n1 - n0), full[:, n0:n1])
             outs.append(out)
         return tuple(outs)
