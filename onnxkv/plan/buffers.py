@@ -3,7 +3,7 @@
 A run allocates the outputs of its kernels through :meth:`RunBuffers.take` and
 gives them back through :meth:`RunBuffers.release` after the last use of their
 storage class.  A released buffer is kept in a free list keyed by its size and
-handed out again to the next request of exactly that size in the same run
+handed out again to the next request of that size class (:func:`size_class`) in the same run
 (decoder layers repeat the same shapes, so most requests after the first layer
 are reuses, counted as ``reuse_count``).  At most ``pool_limit`` bytes are
 kept for reuse; a released buffer that would exceed it goes straight back to
@@ -28,9 +28,20 @@ import numpy as np
 
 from onnxkv.alloc import checked
 
-__all__ = ["RunBuffers", "slot_allocator"]
+__all__ = ["RunBuffers", "size_class", "slot_allocator"]
 
 _WHO = "Plan temporaries"
+
+
+def size_class(nbytes: int) -> int:
+    """The bytes of the buffer a request of ``nbytes`` takes: a multiple of 64, and above 1 KiB of 1/16 of the
+    largest power of two not above ``nbytes`` (at most 6.25% more).  A value that grows by a column per decode
+    step (a mask over the cache length) then reuses its buffer for many steps instead of allocating one per
+    step."""
+    if nbytes <= 1024:
+        return -(-nbytes // 64) * 64
+    step = 1 << (nbytes.bit_length() - 5)
+    return -(-nbytes // step) * step
 
 
 class RunBuffers:
@@ -55,21 +66,22 @@ class RunBuffers:
     def take(self, slot: int, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
         """A C-contiguous ``dtype`` array of ``shape`` (non-negative ints) owned by ``slot``; True if it was a reuse."""
         nbytes = dtype.itemsize * int(prod(shape))
+        size = size_class(nbytes)
         held = self.held
         if slot in held:
             self.release(slot)
-        lst = self.free_lists.get(nbytes)
+        lst = self.free_lists.get(size)
         if lst:
             entry = lst.pop()
-            self.pooled -= nbytes
+            self.pooled -= size
             reused = True
         else:
-            buf, raw = checked.lease(self.allocator, nbytes, 64, np.uint8, (nbytes,), _WHO)
-            entry = (buf, raw, nbytes)
+            buf, raw = checked.lease(self.allocator, size, 64, np.uint8, (size,), _WHO)
+            entry = (buf, raw, size)
             reused = False
         held[slot] = entry
         self.used.add(id(entry))
-        return entry[1].view(dtype).reshape(shape), reused
+        return entry[1][:nbytes].view(dtype).reshape(shape), reused
 
     def release(self, slot: int) -> None:
         """Return ``slot``'s buffer to the free lists (to the allocator past ``pool_limit``); no-op if it has none.
@@ -104,12 +116,15 @@ class RunBuffers:
             used.clear()
             return
         gone = []
-        for n, lst in self.free_lists.items():
+        free_lists = self.free_lists
+        for n, lst in list(free_lists.items()):
             stale = [e for e in lst if id(e) not in used]
             if stale:
                 lst[:] = [e for e in lst if id(e) in used]
                 self.pooled -= n * len(stale)
                 gone += stale
+            if not lst:  # sizes that grow every step (a cache-length mask) must not pile up keys
+                del free_lists[n]
         arrays = [o for o in outputs if isinstance(o, np.ndarray)]
         for slot, entry in list(self.held.items()):
             del self.held[slot]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv import SystemAllocator
-from onnxkv.plan.buffers import RunBuffers
+from onnxkv.plan.buffers import RunBuffers, size_class
 
 
 def test_released_buffers_are_reused_by_size_and_returned_on_close():
@@ -20,7 +20,7 @@ def test_released_buffers_are_reused_by_size_and_returned_on_close():
     b, reused = bufs.take(1, (8, 2), np.dtype(np.int32))  # same byte size: the released buffer comes back
     assert reused and b.shape == (8, 2) and b.__array_interface__["data"][0] == address
     c, reused = bufs.take(2, (3,), np.dtype(np.float64))
-    assert not reused and arena.stats().live == 64 + 24
+    assert not reused and arena.stats().live == 64 + 64  # 24 bytes take the 64-byte size class
     bufs.release(7)  # a slot without a buffer: nothing happens
     bufs.close()
     st = arena.stats()
@@ -59,13 +59,36 @@ def test_recycle_keeps_this_runs_buffers_and_frees_stale_and_viewed_ones():
     want = out.copy()
     bufs.recycle([out, rng.standard_normal(3)])
     st = alloc.stats()
-    assert st.live == 64 + 80 and st.frees == 1 and bufs.pooled == 64 + 80 and not bufs.held
-    # next run: only the 64-byte size is taken again; the 80-byte buffer is stale at its end
+    assert st.live == 64 + 128 and st.frees == 1 and bufs.pooled == 64 + 128 and not bufs.held  # 80 -> 128
+    # next run: only the 64-byte size is taken again; the 128-byte buffer is stale at its end
     again, reused = bufs.take(0, (16,), np.dtype(np.float32))
     assert reused and again.__array_interface__["data"][0] == a.__array_interface__["data"][0]
     bufs.recycle([])
     st = alloc.stats()
     assert st.live == 64 and st.frees == 2 and bufs.pooled == 64
     np.testing.assert_array_equal(out, want)
+    bufs.close()
+    assert alloc.stats().live == 0
+
+
+def test_size_classes_round_up_by_at_most_a_sixteenth_and_to_64_bytes():
+    for n in (0, 1, 63, 64, 65, 1000, 1024, 1025, 4095, 4096, 4097, 123_457, 11 << 20, (11 << 20) + 1):
+        c = size_class(n)
+        assert c >= n and c % 64 == 0 and c - n < max(64, n / 16 + 64)
+        assert size_class(c) == c  # a class is its own class
+
+
+def test_a_value_growing_by_a_column_per_run_reuses_its_buffer_and_leaves_no_empty_free_lists():
+    """A mask over the cache length grows by one column per decode step: its buffer comes back for many runs
+    (a new size class only every few), and recycling forgets the sizes no run holds any more."""
+    alloc = SystemAllocator()
+    bufs = RunBuffers(alloc)
+    for t in range(600, 800):
+        m, _ = bufs.take(0, (1, 1, 1, t), np.dtype(np.float32))
+        m[...] = 1.0
+        bufs.recycle([])
+    st = alloc.stats()
+    assert st.allocations <= 8 and st.live == bufs.pooled == size_class(799 * 4)
+    assert list(bufs.free_lists) == [size_class(799 * 4)]
     bufs.close()
     assert alloc.stats().live == 0

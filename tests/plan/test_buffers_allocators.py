@@ -47,8 +47,8 @@ def test_the_end_of_a_run_logs_failing_frees_and_holds_nothing(caplog):
     alloc.free_raises = True
     with caplog.at_level(logging.WARNING, logger="onnxkv.alloc"):
         bufs.recycle([out])  # slot 0 is viewed by an output: freed; slot 1's buffer stays for the next run
-        assert bufs.held == {} and bufs.pooled == 32
-        bufs.take(2, (2,), np.dtype(np.float32))
+        assert bufs.held == {} and bufs.pooled == 64  # its 32 bytes in the 64-byte size class
+        bufs.take(2, (32,), np.dtype(np.float32))  # another size class: a buffer of its own
         bufs.close()
     assert bufs.held == {} and bufs.free_lists == {} and bufs.pooled == 0
     assert sum("hostile free refuses" in r.getMessage() for r in caplog.records) == 3
