@@ -32,7 +32,7 @@ scales and zero points, attention_quant.h): each tile is dequantized in the
 load step of its page's format, so old pages can be int4 while recent ones
 stay float32 within one sequence.
 """
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 from libc.math cimport isfinite
@@ -341,6 +341,9 @@ _KV_TYPES = {"float32": OKV_KV_F32, "float16": OKV_KV_F16, "bfloat16": OKV_KV_BF
 
 
 include "attention_decode_token.pxi"
+
+
+include "attention_masked_decode.pxi"
 
 
 cdef void _init_args(okv_attn_args *a, q, out, kv_len, q_pos, int64_t Hkv, int64_t Cap, float scale, float softcap,

@@ -10,6 +10,7 @@ Python checks, which name the bad argument.
 from libc.stdint cimport int64_t
 from cython.parallel cimport prange
 
+from onnxkv._kernels._record cimport KIND_ROTARY, recorder, refuse
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels._ranges cimport _disjoint
 import numpy as np
@@ -23,20 +24,33 @@ cdef extern from "simd.h" nogil:
 DEF PAR_MIN = 16384
 
 
-cdef void _rope(const float[:, :, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin,
-                const int64_t[:, ::1] pos, int interleaved, float[:, :, :, ::1] out, okv_settings st) noexcept nogil:
-    cdef Py_ssize_t B = x.shape[0], S = x.shape[1], H = x.shape[2], D = x.shape[3]
-    cdef Py_ssize_t half = cos.shape[1], rows = B * S * H, i, b, s, h
-    cdef int64_t p
-    cdef int simd = st.simd
+cdef void rope_ptr(const float *x, const float *cos, const float *sin, const int64_t *pos, int64_t B, int64_t S,
+                   int64_t H, int64_t D, int64_t half, int interleaved, float *out, okv_settings st) noexcept nogil:
+    """The kernel on checked pointers: x, out [B, S, H, D] (C order; out may be x), cos, sin [max_pos, half]
+    (C order), pos [B, S] int64 with every value in [0, max_pos)."""
+    cdef int64_t rows = B * S * H, i, b, s, h
     cdef int nt = st.threads if rows * D >= PAR_MIN else 1
     for i in prange(rows, num_threads=nt, schedule='static'):
         b = i // (S * H)
         s = (i // H) % S
         h = i % H
-        p = pos[b, s]
-        okv_rope_row_f32(&x[b, s, h, 0], &cos[p, 0], &sin[p, 0], &out[b, s, h, 0], half, D,
-                         interleaved, simd)
+        okv_rope_row_f32(x + i * D, cos + pos[b * S + s] * half, sin + pos[b * S + s] * half, out + i * D, half, D,
+                         interleaved, st.simd)
+
+
+cdef void _rope(const float[:, :, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin,
+                const int64_t[:, ::1] pos, int interleaved, float[:, :, :, ::1] out, okv_settings st) noexcept nogil:
+    rope_ptr(&x[0, 0, 0, 0], &cos[0, 0], &sin[0, 0], &pos[0, 0], x.shape[0], x.shape[1], x.shape[2], x.shape[3],
+             cos.shape[1], interleaved, &out[0, 0, 0, 0], st)
+
+
+cdef void _note(x, cos, sin, positions, interleaved, out):
+    """Note a call that ran through ``_rope_fast`` (for a recording thread: _record.pyx)."""
+    rec = recorder()
+    if rec is not None:
+        rec.note(KIND_ROTARY, (x, cos, sin, positions, out),
+                 (x.shape[0], x.shape[1], x.shape[2], x.shape[3], cos.shape[0], cos.shape[1], 1 if interleaved else 0),
+                 ())
 
 
 cdef bint _rope_fast(x, cos, sin, positions, interleaved, out) except -1:
@@ -94,7 +108,9 @@ def rotary_embedding(x, cos, sin, positions, interleaved, out):
     [0, max_pos).
     """
     if _rope_fast(x, cos, sin, positions, interleaved, out):
+        _note(x, cos, sin, positions, interleaved, out)
         return
+    refuse("rotary_embedding: a call outside the checked fast path is not replayed")
     V.array("x", x, (V.F32,), ndim=4)
     V.array("cos", cos, (V.F32,), ndim=2)
     V.array("sin", sin, (V.F32,), shape=cos.shape)

@@ -21,15 +21,16 @@ another external) -- and returns False, with nothing run, when one differs.
 An external array may be *ragged*: its last dim may differ from the
 recording's (an attention mask that grows by a column per step, a pool's page
 addresses, a state's block tables); only a call of a kind that reads its length
-from it (``KIND_MASK_LENGTHS``, ``KIND_DECODE_PAGED``: ``RAGGED_WHOLE``) may take
-it, whole.  ``KIND_MASK_LENGTHS`` calls are *prelude* calls: they read only
+from it (``KIND_MASK_LENGTHS``, ``KIND_DECODE_PAGED``, ``KIND_MASKED_DECODE``'s mask:
+``RAGGED_WHOLE``) may take it, whole.  ``KIND_MASK_LENGTHS`` calls are *prelude* calls: they read only
 externals and run first.  An external
-may be *resizable*: a cache [1, H, Cap, D] whose capacity (dim 2) may differ
+may be *resizable*: a cache [B, H, Cap, D] whose capacity (dim 2) may differ
 from the recording's (a new state's cache, or one that grew); only the cache
-operands of decode-token calls may take it, whole, and they read their
-capacity from it when replayed.  A call may
+operands of decode-token, cache-rows and masked-decode calls may take it, whole
+(``RESIZABLE_WHOLE``), and they read their capacity from it when replayed.  A call may
 then refuse its values of the run (a gather index out of range, a decode
-position other than the cache's committed length), read from operands no call
+position other than the cache's committed length, a mask the kernel cannot
+describe), read from operands no call
 but a prelude call writes: every call is asked before any other runs, and one
 refusal returns False with nothing but the prelude calls run (they write only
 the program's own memory).  The calls then run with the calling thread's
@@ -45,37 +46,46 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t, uintpt
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strcmp
 
-from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_DECODE_PAGED, KIND_DECODE_TOKEN, KIND_GATHER_ROWS,
-                                      KIND_MASK_LENGTHS, KIND_MATMUL_DYNAMIC, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED,
-                                      KIND_RMS_NORM, KIND_SKIP_RMS_NORM)
+from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_CACHE_ROWS, KIND_DECODE_PAGED, KIND_DECODE_TOKEN,
+                                      KIND_GATHER_ROWS, KIND_MASK_LENGTHS, KIND_MASKED_DECODE, KIND_MATMUL_DYNAMIC,
+                                      KIND_MATMUL_NBITS, KIND_MATMUL_PACKED, KIND_RMS_NORM, KIND_ROTARY,
+                                      KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
-from onnxkv._kernels.attention cimport decode_paged_ok, decode_paged_ptr, decode_token_ptr
+from onnxkv._kernels.attention cimport (decode_paged_ok, decode_paged_ptr, decode_token_ptr, masked_decode_ptr,
+                                        masked_ranges)
 from onnxkv._kernels.gather cimport gather_rows_ptr
 from onnxkv._kernels.imatmul cimport int8_weight_address, matmul_dynamic_ptr
 from onnxkv._kernels.matmul cimport matmul_packed_ptr
 from onnxkv._kernels.norm cimport rms_f32_ptr, skip_rms_f32_ptr
 from onnxkv._kernels.qmatmul cimport matmul_nbits_ptr, nbits_weight_address
+from onnxkv._kernels.rotary cimport rope_ptr
 
 __all__ = ["Program", "WRITTEN"]
 
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
            KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,),
-           KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,), KIND_MATMUL_DYNAMIC: (3,)}
+           KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,), KIND_MATMUL_DYNAMIC: (3,), KIND_CACHE_ROWS: (1,),
+           KIND_MASKED_DECODE: (4, 6, 7, 8), KIND_ROTARY: (4,)}
 #: Operands whose values decide whether a call accepts the run (read before any call but the prelude ones runs:
 #: never written by another call of the program).
-CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED: (5, 6, 7, 8, 10)}
+CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED: (5, 6, 7, 8, 10),
+           KIND_CACHE_ROWS: (2,), KIND_MASKED_DECODE: (3, 5), KIND_ROTARY: (3,)}
 #: Operand count of each kind.
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
              KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11,
-             KIND_MATMUL_DYNAMIC: 4}
+             KIND_MATMUL_DYNAMIC: 4, KIND_CACHE_ROWS: 3, KIND_MASKED_DECODE: 9, KIND_ROTARY: 5}
 #: Kinds run before the others are admitted (they read externals only), and the operand each takes whole from a
 #: ragged external (its last dim read when replayed).
 PRELUDE = {KIND_MASK_LENGTHS: 0}
 #: (kind, operand) a kind takes whole from a ragged external, reading its last dim when replayed: a paged decode
 #: call's page addresses (into ``ints[RAGGED_P]``) and block tables (``ints[RAGGED_M]``).
-RAGGED_WHOLE = {(KIND_DECODE_PAGED, 5), (KIND_DECODE_PAGED, 6)}
+RAGGED_WHOLE = {(KIND_DECODE_PAGED, 5), (KIND_DECODE_PAGED, 6), (KIND_MASKED_DECODE, 3)}
+#: (kind, operand) a kind may take whole from a resizable external (a cache [B, H, Cap, D]), reading its capacity
+#: when replayed (``Program.execute`` sets the kind's capacity parameter).
+RESIZABLE_WHOLE = {(KIND_DECODE_TOKEN, 5), (KIND_DECODE_TOKEN, 6), (KIND_CACHE_ROWS, 1), (KIND_MASKED_DECODE, 1),
+                   (KIND_MASKED_DECODE, 2)}
 cdef enum:
     RAGGED_P = 14
     RAGGED_M = 15
@@ -180,7 +190,7 @@ cdef class Program:
                 if (kind, j) in RAGGED_WHOLE and not (whole and self.exts[inside[0]].ragged):
                     raise ValueError(f"Program: operand {j} of call {c} must be a whole ragged external array")
                 if inside and self.exts[inside[0]].resizable and not (
-                        kind == KIND_DECODE_TOKEN and j in (5, 6) and bounds[inside[0]] == (lo, hi)):
+                        (kind, j) in RESIZABLE_WHOLE and bounds[inside[0]] == (lo, hi)):
                     raise ValueError(f"Program: operand {j} of call {c} lies in resizable external array {inside[0]}")
                 if kind in PRELUDE and (PRELUDE[kind] == j) != bool(inside):
                     raise ValueError(f"Program: operand {j} of prelude call {c} must be external iff it is read")
@@ -327,12 +337,20 @@ cdef class Program:
             cl = &self.calls[c]
             if cl.kind == KIND_DECODE_PAGED:   # both whole ragged externals (checked when built)
                 cl.i[RAGGED_P], cl.i[RAGGED_M] = lens[cl.ext[5]], lens[cl.ext[6]]
-        for c in range(self.n):    # decode calls take the capacity of this run's caches
+        for c in range(self.n):    # cache calls take the capacity of this run's caches
             cl = &self.calls[c]
             if cl.kind == KIND_DECODE_TOKEN and cl.ext[5] >= 0 and self.exts[cl.ext[5]].resizable:
                 if cl.ext[6] < 0 or not self.exts[cl.ext[6]].resizable or lens[cl.ext[5]] != lens[cl.ext[6]]:
                     return 0
                 cl.i[2] = lens[cl.ext[5]]
+            elif cl.kind == KIND_CACHE_ROWS and cl.ext[1] >= 0 and self.exts[cl.ext[1]].resizable:
+                cl.i[4] = lens[cl.ext[1]]
+            elif cl.kind == KIND_MASKED_DECODE:   # the mask: a whole ragged external (checked when built)
+                if cl.ext[1] >= 0 and self.exts[cl.ext[1]].resizable:
+                    if cl.ext[2] < 0 or not self.exts[cl.ext[2]].resizable or lens[cl.ext[1]] != lens[cl.ext[2]]:
+                        return 0
+                    cl.i[5] = lens[cl.ext[1]]
+                cl.i[8] = lens[cl.ext[3]]
         for c in range(self.n):    # every other call accepts this run's values before any runs
             if not _admit(&self.calls[c]):
                 return 0
@@ -360,6 +378,20 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
             return False
     elif c.kind == KIND_DECODE_PAGED:
         return _paged_admitted(c)
+    elif c.kind == KIND_CACHE_ROWS:    # rows at the committed length, within the capacity
+        pos = (<const int64_t *>c.p[2])[0]
+        return 0 <= pos <= c.i[4] - c.i[2]
+    elif c.kind == KIND_MASKED_DECODE:  # the new rows end the keys, and the mask describes ranges (into scratch)
+        total = c.i[8]
+        if total != (<const int64_t *>c.p[5])[0] + c.i[3] or total > c.i[5]:
+            return False
+        return masked_ranges(<const float *>c.p[3], c.i[6], c.i[7], total, c.i[0], c.i[3], <int32_t *>c.p[7],
+                             <int32_t *>c.p[8])
+    elif c.kind == KIND_ROTARY:        # every position in [0, max_pos)
+        idx = <const int64_t *>c.p[3]
+        for i in range(c.i[0] * c.i[1]):
+            if idx[i] < 0 or idx[i] >= c.i[4]:
+                return False
     return True
 
 
@@ -401,7 +433,16 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
                                 c.i[3], <const int32_t *>c.p[7], c.i[8], c.i[PAGED_S], c.i[0], c.i[1], c.i[2],
                                 c.f[0], c.f[1],
                                 c.i[6], <float *>c.p[9], s, stats)
-    if c.kind == KIND_GATHER_ROWS:
+    if c.kind == KIND_MASKED_DECODE:
+        return masked_decode_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[2], c.i[0], c.i[1],
+                                 c.i[2], c.i[3], c.i[4], c.i[5], c.i[8], <const int32_t *>c.p[7],
+                                 <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], <float *>c.p[4], s)
+    if c.kind == KIND_CACHE_ROWS:
+        _cache_rows(c)
+    elif c.kind == KIND_ROTARY:
+        rope_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[2], <const int64_t *>c.p[3], c.i[0],
+                 c.i[1], c.i[2], c.i[3], c.i[5], <int>c.i[6], <float *>c.p[4], s)
+    elif c.kind == KIND_GATHER_ROWS:
         gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2], <float *>c.p[2])
     elif c.kind == KIND_MATMUL_NBITS:
         return -1 if matmul_nbits_ptr(c.p[1], <const float *>c.p[0], c.i[0], <const float *>c.p[2],
@@ -420,6 +461,15 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
     elif c.kind == KIND_ACTIVATION:
         act_f32_ptr(<int>c.i[0], <const float *>c.p[0], <const float *>c.p[1], <float *>c.p[2], c.i[1], s)
     return 0
+
+
+cdef inline void _cache_rows(const call_t *c) noexcept nogil:
+    """KIND_CACHE_ROWS (_record.pxd), admitted: each (row, head)'s S new positions copied at pos_io[0]."""
+    cdef int64_t r, S = c.i[2], D = c.i[3], Cap = c.i[4], pos = (<const int64_t *>c.p[2])[0]
+    cdef const float *src = <const float *>c.p[0]
+    cdef float *dst = <float *>c.p[1]
+    for r in range(c.i[0] * c.i[1]):
+        memcpy(dst + (r * Cap + pos) * D, src + r * S * D, <size_t>(S * D) * sizeof(float))
 
 
 cdef inline void _mask_lengths(call_t *c) noexcept nogil:

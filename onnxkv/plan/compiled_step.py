@@ -48,6 +48,16 @@ buffers of the run by name, and carry an *effect* (see
 ``before`` prepares what the calls check, its ``after`` stages what they wrote
 as the operator would and sets the node outputs it names.
 
+A node whose operator declares ``view_inputs`` and whose viewed inputs the
+open segment made (its other inputs constants) joins the segment with no call
+when its outputs are C-contiguous views inside those inputs (a reshape of a
+product: step memory at a fixed address); a copy would be baked, so it stays
+a Python node.  A value that an effect sets (a present view) may be read by
+later nodes only at inputs their recorded calls do not read
+(``Op.replay_unread``), and a value taken ragged by several nodes only when
+every reader declares it (``Op.ragged_inputs``: an export's mask, read by
+every layer's attention).
+
 A step is used by one run at a time (the plan keeps idle steps in a pool, as
 its idle buffers).  Outputs equal the plain loop's bit for bit.
 """
@@ -214,6 +224,8 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     ragged_slots: set[int] = set()  # slots of the values segments take ragged
     step_memory: set[int] = set()  # ids of the values closed segments export (kept alive by them)
     readers = _reader_counts(plan)
+    ragged_readers = _RaggedReaders(plan)
+    unread_after = _UnreadAfter(plan)
     transient = False  # a node could not be recorded for this run's values only: the step serves this run
 
     def close_segment() -> None:
@@ -245,12 +257,20 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     for k, (_, ins, outs) in enumerate(steps):
         args = [slots[i] for i in ins]
         op = plan.kernels[k]
-        if not (op is not None and all(isinstance(a, np.ndarray) or a is None for a in args) and op.compilable(args)):
+        # a view of a value this segment makes (a reshape of a product): no call, its memory is the step's
+        segment_view = bool(op is not None and op.view_inputs and current) and all(
+            i in produced if j in op.view_inputs else constant[i] or slots[i] is None for j, i in enumerate(ins)
+        )
+        if not (
+            op is not None
+            and all(isinstance(a, np.ndarray) or a is None for a in args)
+            and (segment_view or op.compilable(args))
+        ):
             close_segment()
             run_nodes(plan, k, k + 1, slots, bufs, rt, cancel)
             items.append(k)
             continue
-        unread = getattr(op, "replay_unread", ())
+        unread = op.replay_unread
         reads = {
             i: slots[i]
             for j, i in enumerate(ins)
@@ -269,10 +289,12 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         uneven = {id(a) for a in recorder.ragged}
         if (
             recorder.refused
-            or any(readers.get(s, 0) > 1 for s, v in reads.items() if id(v) in uneven)  # its shape read elsewhere
-            or op.view_inputs
+            # its shape read elsewhere
+            or any(not ragged_readers(s) for s, v in reads.items() if id(v) in uneven and readers.get(s, 0) > 1)
+            or (op.view_inputs and not (segment_view and not recorder.calls and _views(results, args, op.view_inputs)))
             or not all(r is None or isinstance(r, np.ndarray) for r in results)
-            or any(last_read.get(outs[j], -1) > k for j in set_by_effects)  # a node reads a present: Python
+            # a node reads a present the effect sets, other than as the cache its own recorded call reads
+            or any(not unread_after(outs[j], k) for j in set_by_effects)
         ):
             close_segment()
             _retire(own, outs)
@@ -296,6 +318,66 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     step = CompiledStep(items, own, outputs, signature, cache_kinds(rt.caches))
     step.stale = transient
     return step
+
+
+def _views(results: list, args: list, view_inputs: tuple) -> bool:
+    """Whether every result of a view node is a C-contiguous array inside the memory of one of its inputs at
+    ``view_inputs`` (values of the open segment, alive while the node runs: memory a buffer could not have been
+    handed out of again), i.e. a view of step memory at a fixed address, not a copy."""
+    spans = [
+        (a, a + v.nbytes)
+        for j in view_inputs
+        if j < len(args) and isinstance(v := args[j], np.ndarray)
+        for a in (v.__array_interface__["data"][0],)
+    ]
+    for r in results:
+        if r is None:
+            continue
+        if not r.flags.c_contiguous:
+            return False
+        lo = r.__array_interface__["data"][0]
+        if not any(a <= lo and lo + r.nbytes <= b for a, b in spans):
+            return False
+    return True
+
+
+class _RaggedReaders:
+    """``(slot)`` -> whether every node reading the slot takes it as a ragged input of its recorded call
+    (``Op.ragged_inputs``) and no graph output is it: then several compiled nodes may take it ragged."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+        self._known: dict[int, bool] = {}
+
+    def __call__(self, slot: int) -> bool:
+        known = self._known.get(slot)
+        if known is None:
+            plan = self._plan
+            known = slot not in plan.output_slots and all(
+                p in getattr(plan.kernels[k], "ragged_inputs", ())
+                for k, (_, ins, _) in enumerate(plan._steps)
+                for p, i in enumerate(ins)
+                if i == slot
+            )
+            self._known[slot] = known
+        return known
+
+
+class _UnreadAfter:
+    """``(slot, node)`` -> whether every node after ``node`` reading the slot reads it at an input its recorded
+    call does not read (``Op.replay_unread``: a present view whose cache the call takes by name)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+
+    def __call__(self, slot: int, node: int) -> bool:
+        plan = self._plan
+        return all(
+            p in getattr(plan.kernels[k], "replay_unread", ())
+            for k in range(node + 1, len(plan._steps))
+            for p, i in enumerate(plan._steps[k][1])
+            if i == slot
+        )
 
 
 def _retire(own: RunBuffers, outs) -> None:

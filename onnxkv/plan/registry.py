@@ -150,6 +150,12 @@ class Op:
     absorbed_inputs: tuple[int, ...] = ()
     #: Input positions whose storage the outputs may share (views).
     view_inputs: tuple[int, ...] = ()
+    #: Input positions a recorded call of a compilable node does not read (a cache view whose buffer the call
+    #: takes by name): they are no external values of its segment (see :mod:`onnxkv.plan.compiled_step`).
+    replay_unread: tuple[int, ...] = ()
+    #: Input positions a recorded call takes whole with their last dim read when replayed (a mask over the
+    #: cache length): several nodes may take one such value when every reader declares it.
+    ragged_inputs: tuple[int, ...] = ()
     #: Names read from the enclosing scope by the node's subgraphs, passed after its inputs (see the module docstring).
     captures: tuple[str, ...] = ()
     #: Set by :func:`register`.

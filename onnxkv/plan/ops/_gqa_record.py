@@ -13,7 +13,7 @@ import numpy as np
 from onnxkv._kernels._record import DECODE_TOKEN
 from onnxkv.plan.context import RunContext
 
-__all__ = ["CacheAppend", "note_decode", "rows_span"]
+__all__ = ["CacheAppend", "committed_pair", "note_decode", "rows_span"]
 
 
 def note_decode(op, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total_seqlen: np.ndarray, output) -> None:
@@ -51,6 +51,16 @@ def rows_span(x: np.ndarray) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(x.itemsize,))
 
 
+def committed_pair(caches: dict, names: tuple[str, str], pos_io: np.ndarray) -> bool:
+    """Set ``pos_io[0]`` to the committed length of the caches ``names`` (a layer's K and V) and return True;
+    False, with nothing set, when their lengths differ."""
+    k, v = caches[names[0]], caches[names[1]]
+    if k.length != v.length:
+        return False
+    pos_io[0] = k.length
+    return True
+
+
 class CacheAppend:
     """The effect of a recorded decode-token call (``_record.KIND_DECODE_TOKEN``) on the run's caches.
 
@@ -72,11 +82,7 @@ class CacheAppend:
         self.tokens = tokens
 
     def before(self, caches: dict) -> bool:
-        ck, cv = caches[self.names[0]], caches[self.names[1]]
-        if ck.length != cv.length:
-            return False
-        self.pos_io[0] = ck.length
-        return True
+        return committed_pair(caches, self.names, self.pos_io)
 
     def after(self, rt: RunContext) -> list:
         pos, n = int(self.pos_io[1]), self.tokens

@@ -58,10 +58,12 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels import attention as _attention_kernel
+from onnxkv._kernels._record import current as _recorder
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._body import Body
+from onnxkv.plan.ops._export_record import bound_cache_name, note_masked_decode
 from onnxkv.plan.ops._util import LayoutMemo, int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -254,6 +256,16 @@ class MaskedAttention(Op):
             kv = (k.shape, v.shape)
         return (q.shape, q.dtype, k.dtype, v.dtype, kv, *[inputs[i].tobytes() for i in self._keyed])
 
+    #: Inputs a recorded decode call does not read (the present views: it reads the cache buffers directly).
+    replay_unread = (_K, _V)
+    #: Inputs a recorded decode call takes whole with their last dim read when replayed (the mask).
+    ragged_inputs = (_MASK,)
+
+    def compilable(self, inputs: list) -> bool:
+        """Attention over a state's caches with a mask whose scale and repeats are fixed at build time: its
+        kernel call is one a compiled step replays (``run`` notes it; any other run refuses the recording)."""
+        return self._any_length and not self._keyed
+
     def run(self, inputs: list, rt: RunContext) -> tuple:
         q, k, v = inputs[_Q], inputs[_K], inputs[_V]
         if q.shape[0] < 1:
@@ -265,22 +277,19 @@ class MaskedAttention(Op):
         b, _, s, _ = q.shape
         ranges = None if scale is None else cached_mask_ranges(inputs[_MASK], b, s, k.shape[2])
         if ranges is None:
+            rec = _recorder()
+            if rec is not None:
+                rec.refused.append(f"{self.op_type} node '{self.name}': evaluated literally")
             return (self._literal(self._templated(inputs), rt),)
         kv_start, q_pos, empty = ranges
         out = rt.empty(0, q.shape, np.float32)
         kv_len = np.full(b, k.shape[2], np.int32)
-        _attention_kernel(
-            np.ascontiguousarray(q),
-            _kv_rows(k),
-            _kv_rows(v),
-            kv_len,
-            q_pos,
-            scale,
-            0.0,
-            -1,
-            out,
-            kv_start if kv_start.any() else None,
-        )
+        q = np.ascontiguousarray(q)
+        k_rows, v_rows = _kv_rows(k), _kv_rows(v)
+        _attention_kernel(q, k_rows, v_rows, kv_len, q_pos, scale, 0.0, -1, out, kv_start if kv_start.any() else None)
+        rec = _recorder()
+        if rec is not None:
+            self._note(rec, rt, inputs, q, k_rows, v_rows, out, scale, empty)
         if empty.any():
             rows = np.flatnonzero(empty.any(axis=0))
             sub = list(self._templated(inputs))
@@ -293,6 +302,38 @@ class MaskedAttention(Op):
                         sub[i] = x[..., rows, :]
             out[:, :, rows] = self._literal(sub, rt)
         return (out,)
+
+    def _note(self, rec, rt: RunContext, inputs: list, q, k_rows, v_rows, out, scale: float, empty) -> None:
+        """Note the kernel call just made (a recording thread), or refuse the recording when a replay could not
+        make it: K or V not the leading positions of a state's contiguous float32 caches (their committed
+        length plus the step's tokens), q not the kernel's own operand, a mask that is not a C-contiguous
+        float32 [mb, 1, ms, T] with one column per key, or a query that sees no key (evaluated literally)."""
+        k, v, mask = inputs[_K], inputs[_V], inputs[_MASK]
+        names = bound_cache_name(rt, k), bound_cache_name(rt, v)
+        b, _, s, _ = q.shape
+        t = k.shape[2]
+        if (
+            None in names
+            or names[0] == names[1]
+            or q is not inputs[_Q]
+            or t != rt.caches[names[0]].length + s
+            or empty.any()
+            or not isinstance(mask, np.ndarray)
+            or mask.dtype != np.float32
+            or not mask.flags.c_contiguous
+            or mask.ndim != 4
+            or mask.shape[1] != 1
+            or mask.shape[0] not in (1, b)
+            or mask.shape[2] not in (1, s)
+            or mask.shape[3] != t
+        ):
+            rec.refused.append(f"{self.op_type} node '{self.name}': not a decode over a state's float32 caches")
+            return
+        k_buffer, v_buffer = (rt.caches[n].buffer for n in names)
+        if k_rows.shape != k_buffer.shape or v_rows.shape != v_buffer.shape:
+            rec.refused.append(f"{self.op_type} node '{self.name}': K or V not a whole cache")
+            return
+        note_masked_decode(rec, names, q, k_buffer, v_buffer, mask, out, scale)
 
     def _scale(self, inputs: list) -> float | None:
         """The kernel's score scale when the shapes and dtypes of q/k/v, the repeats and the scales fit the

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from onnxkv import _kernels as K
+from onnxkv._kernels._record import current as _recorder
 from onnxkv.plan.fusion_export import RMS_NORM_INPUTS, SKIP_RMS_NORM_INPUTS
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.ops._util import int_list, round_into, widened
@@ -263,6 +264,12 @@ class RMSNormChain(Op):
         K.rms_norm(widened(x).reshape(-1, n), w.astype(np.float32), eps, wide.reshape(-1, n))
         round_into(out, wide)
 
+    def compilable(self, inputs: list) -> bool:
+        """Constant parameters and a C-contiguous float32 x: one recorded ``rms_norm`` call (``run`` refuses
+        the recording when it evaluates the body literally)."""
+        x = inputs[0]
+        return not self._dynamic and isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous
+
     def run(self, inputs: list, rt) -> tuple:
         x, w = inputs[0], inputs[1]
         eps = self.kernel_params(inputs, x)
@@ -270,6 +277,7 @@ class RMSNormChain(Op):
             out = rt.empty(0, x.shape, x.dtype)
             self.normalise(x, w, eps, out)
             return (out,)
+        _refuse_literal(self)
         return tuple(self._body.evaluate(self.node.input, inputs, rt))
 
 
@@ -306,6 +314,14 @@ class SkipRMSNormChain(Op):
         self._norm = norm
         self._want_sum = bool(node.output[1])
 
+    def compilable(self, inputs: list) -> bool:
+        """Constant norm parameters and C-contiguous float32 addends: one recorded ``skip_rms_norm`` call
+        (``run`` refuses the recording when it evaluates the body literally)."""
+        a, b = inputs[0], inputs[1]
+        return not self._norm._dynamic and all(
+            isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous for x in (a, b)
+        )
+
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs[0], inputs[1]
         if a.dtype == np.float32 and b.dtype == np.float32 and a.shape == b.shape and a.size:
@@ -331,8 +347,16 @@ class SkipRMSNormChain(Op):
                 out = rt.empty(0, a.shape, a.dtype)
                 self._norm.normalise(s, inputs[_SKIP_NORM_PARAMS.start], eps, out)
                 return (out, s if self._want_sum else None)
+        _refuse_literal(self)
         values = self._body.evaluate(self.node.input, inputs, rt)
         return (values[0], values[1] if self._want_sum else None)
+
+
+def _refuse_literal(op: Op) -> None:
+    """A fused norm evaluates its body literally: refuse a recording thread's recording of it."""
+    rec = _recorder()
+    if rec is not None:
+        rec.refused.append(f"{op.op_type} node '{op.name}': evaluated literally")
 
 
 def _layer_norm(x, gamma, beta, eps, axis):

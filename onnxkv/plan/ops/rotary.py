@@ -27,6 +27,7 @@ import onnx
 
 from onnxkv._kernels import _validate as V
 from onnxkv._kernels import rotary_embedding as _rotary_kernel
+from onnxkv._kernels._record import current as _recorder
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion_export import ROTATE_HALF_INPUTS
@@ -352,6 +353,17 @@ class RotateHalf(Op):
         positions.flags.writeable = False
         return positions
 
+    def compilable(self, inputs: list) -> bool:
+        """float32 x, cos and sin, C-contiguous (the kernel reads them where they are), halves proven equal
+        when the plan was built and constant slices: one recorded rotary call whose operands depend on the
+        shapes only (``run`` refuses the recording when it evaluates the body literally)."""
+        x, cos, sin = inputs[0], inputs[1], inputs[2]
+        return (
+            self._halves_proven
+            and not self._keyed
+            and all(isinstance(a, np.ndarray) and a.dtype == _F32 and a.flags.c_contiguous for a in (x, cos, sin))
+        )
+
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
         x, cos, sin = inputs[0], inputs[1], inputs[2]
         layout = None
@@ -363,6 +375,9 @@ class RotateHalf(Op):
             if not ((cos[..., :half] == cos[..., half:]).all() and (sin[..., :half] == sin[..., half:]).all()):
                 layout = None
         if layout is None:
+            rec = _recorder()
+            if rec is not None:
+                rec.refused.append(f"{self.op_type} node '{self.name}': evaluated literally")
             return tuple(self._body.evaluate(self.node.input, inputs, rt))
         x_shape, table_shape, positions = layout
         out = rt.empty(0, x.shape, x.dtype)

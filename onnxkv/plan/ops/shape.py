@@ -29,8 +29,10 @@ from math import prod
 
 import numpy as np
 
+from onnxkv._kernels._record import current as _recorder
 from onnxkv._kernels.gather import gather_rows
 from onnxkv.errors import InputError, OperatorError
+from onnxkv.plan.ops._export_record import note_cache_rows
 from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -219,12 +221,28 @@ class Concat(Op):
         self.is_cache = node.output[0] in ctx.present_outputs
         self.bound_past = node.input[0] if ctx.bindings_for(node) else None
 
+    #: Inputs a recorded cache append does not read (the past view: it writes the cache buffer directly).
+    replay_unread = (0,)
+
+    def compilable(self, inputs: list) -> bool:
+        """A cache Concat bound to a state's past: its in-place append to a contiguous float32 cache is a
+        call a compiled step replays (``run`` notes it; any other run refuses the recording)."""
+        return self.bound_past is not None
+
     def run(self, inputs: list, rt) -> tuple:
         if self.bound_past is not None and rt.in_place(self.bound_past):
             # In place: append the new positions to the state's cache; readers get a view.
             past, new = inputs
             length = past.shape[2]
-            return (rt.cache_write(self.bound_past, new, length, length + new.shape[2], materialize=True),)
+            present = rt.cache_write(self.bound_past, new, length, length + new.shape[2], materialize=True)
+            rec = _recorder()
+            if rec is not None:
+                self._note(rec, rt, past, new)
+            return (present,)
+        if self.bound_past is not None:
+            rec = _recorder()
+            if rec is not None:
+                rec.refused.append(f"Concat node '{self.name}': not bound to a state's cache in this run")
         xs = [x for x in inputs if x is not None]
         axis = normalize_axis(self.axis, xs[0].ndim, f"Concat '{self.name}'")
         shape = list(xs[0].shape)
@@ -234,6 +252,23 @@ class Concat(Op):
         if self.is_cache and rt.recording:
             rt.count(prefix_copied_bytes=xs[0].nbytes, append_copied_bytes=sum(x.nbytes for x in xs[1:]))
         return (out,)
+
+    def _note(self, rec, rt, past: np.ndarray, new: np.ndarray) -> None:
+        """Note the append just made (a recording thread), or refuse the recording when a replay could not
+        make it: a cache other than contiguous float32, or an append at other than the committed length."""
+        cache = rt.caches[self.bound_past]
+        if (
+            getattr(cache, "paged", False)
+            or getattr(cache, "static", True)
+            or cache.storage != "float32"
+            or new.dtype != np.float32
+            or not new.flags.c_contiguous
+            or new.ndim != 4
+            or past.shape[2] != cache.length
+        ):
+            rec.refused.append(f"Concat node '{self.name}': not an append to a contiguous float32 cache")
+            return
+        note_cache_rows(rec, self.bound_past, new, cache)
 
 
 @register("Split")

@@ -1,0 +1,64 @@
+# onnxkv/_kernels/attention_masked_decode.pxi: an export's masked attention over a contiguous float32 cache pair
+# on checked pointers, for the compiled step (step.pyx's KIND_MASKED_DECODE): the additive mask described as the
+# kernel's visible-key ranges (masked_ranges), then the streaming kernel (masked_decode_ptr).  Included by
+# attention.pyx (a Cython include: it shares that module's names).
+
+DEF MASK_HIDES = -1e30   # an additive mask entry at or below this hides its key (plan/ops/masked_attention.MASKED)
+
+
+cdef bint masked_ranges(const float *mask, int64_t mb, int64_t ms, int64_t T, int64_t B, int64_t S,
+                        int32_t *kv_start, int32_t *q_pos) noexcept nogil:
+    """Describe an additive mask [mb, 1, ms, T] (C order; mb 1 or B, ms 1 or S, broadcast over batch rows and
+    queries) as the kernel's ranges: query (b, s) sees exactly the keys kv_start[b] <= key <= q_pos[b * S + s].
+    False (the outputs then undefined) unless every entry is 0 (visible) or <= -1e30 (hidden; NaN is neither),
+    every query's visible keys are one non-empty contiguous range, and the ranges of one batch row's queries
+    start at the same key -- the operator's ``mask_ranges`` for masks without empty rows, which the operator
+    evaluates literally."""
+    cdef int64_t b, s, t, lo, hi, mrow
+    cdef const float *row
+    cdef float m
+    if T < 1 or T > INT32_MAX or not (mb == 1 or mb == B) or not (ms == 1 or ms == S):
+        return False
+    for b in range(B):
+        for s in range(S):
+            mrow = (b if mb > 1 else 0) * ms + (s if ms > 1 else 0)
+            row = mask + mrow * T
+            lo = -1
+            hi = -1
+            for t in range(T):
+                m = row[t]
+                if m == 0:
+                    if lo < 0:
+                        lo = t
+                    elif hi != t - 1:
+                        return False      # a hole inside the row
+                    hi = t
+                elif not (m <= MASK_HIDES):
+                    return False
+            if lo < 0:
+                return False              # no visible key: the operator's literal path
+            if s == 0:
+                kv_start[b] = <int32_t>lo
+            elif kv_start[b] != lo:
+                return False
+            q_pos[b * S + s] = <int32_t>hi
+    return True
+
+
+cdef int masked_decode_ptr(const float *q, const float *k_cache, const float *v_cache, int64_t B, int64_t Hq,
+                           int64_t Hkv, int64_t S, int64_t D, int64_t Cap, int64_t T, const int32_t *kv_start,
+                           const int32_t *q_pos, int32_t *kv_len, float scale, float *out,
+                           okv_settings s) noexcept nogil:
+    """``attention`` of q [B, Hq, S, D] over the first T positions of the caches [B, Hkv, Cap, D] (T <= Cap)
+    with the ranges of ``masked_ranges`` (kv_len: the call's scratch [B], set to T), no softcap, no window,
+    into out: bit for bit the operator's kernel call.  0, or -1 when the workspace cannot be allocated."""
+    cdef okv_attn_args a
+    cdef int64_t stats[2]
+    cdef int64_t b
+    for b in range(B):
+        kv_len[b] = <int32_t>T
+    _fill_args(&a, q, out, kv_len, q_pos, B, Hq, S, D, Hkv, Cap, scale, 0.0, -1, OKV_KV_F32)
+    a.k = k_cache
+    a.v = v_cache
+    a.kv_start = kv_start
+    return _run_units(&a, T, s, stats)

@@ -1,0 +1,134 @@
+"""An export's cache ``Concat`` and ``MaskedAttention`` as a compiled step records them.
+
+In a state, the ``Concat`` that joins a layer's past and new keys (or values)
+writes the new positions into the state's contiguous cache in place and
+returns a view of the cache; the layer's ``MaskedAttention`` reads that view
+through the streaming kernel.  Both views grow by the step's tokens every
+step, so neither can be a recorded operand.  Instead:
+
+* :func:`note_cache_rows` notes the copy (``_record.KIND_CACHE_ROWS``) into the
+  run's cache buffer, taken by name, at the committed length that its effect
+  :class:`RowsAppend` sets before each replay; the effect then stages the rows
+  and sets the node's output (the present view) as the operator's own path does;
+* :func:`note_masked_decode` notes the attention (``_record.KIND_MASKED_DECODE``)
+  over the run's cache buffers, taken by name, for as many keys as the mask has
+  columns (the mask: a whole ragged operand); its effect :class:`CommittedLength`
+  sets the committed length before each replay, which the call checks the mask's
+  length against.
+
+The replayed calls are bit for bit the operators' kernel calls (see
+:mod:`onnxkv.plan.compiled_step` for how effects run around a replay).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxkv._kernels._record import CACHE_ROWS, MASKED_DECODE
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._gqa_record import committed_pair
+
+__all__ = ["CommittedLength", "RowsAppend", "bound_cache_name", "note_cache_rows", "note_masked_decode"]
+
+
+def bound_cache_name(rt: RunContext, view: np.ndarray) -> str | None:
+    """The name of the run's contiguous float32 cache (not static) whose buffer ``view`` is the leading part of
+    (its first ``view.shape[2]`` positions, every row and head), or None."""
+    caches = rt.caches
+    if not caches or view.ndim != 4:
+        return None
+    address = view.__array_interface__["data"][0]
+    for name, cache in caches.items():
+        buf = getattr(cache, "buffer", None)
+        if (
+            isinstance(buf, np.ndarray)
+            and not getattr(cache, "paged", False)
+            and not getattr(cache, "static", False)
+            and getattr(cache, "storage", None) == "float32"
+            and buf.dtype == np.float32
+            and buf.__array_interface__["data"][0] == address
+            and buf.shape[:2] == view.shape[:2]
+            and buf.shape[3] == view.shape[3]
+            and view.strides == buf.strides
+        ):
+            return name
+    return None
+
+
+def note_cache_rows(rec, name: str, new: np.ndarray, cache) -> None:
+    """Note the copy of ``new`` [B, H, S, D] (float32, C-contiguous) that the cache Concat just made into the
+    contiguous float32 ``cache`` bound to the past ``name``, at its committed length, with its effect."""
+    b, h, s, d = new.shape
+    pos_io = np.zeros(1, dtype=np.int64)
+    rec.note(CACHE_ROWS, (new, cache.buffer, pos_io), (b, h, s, d, cache.buffer.shape[2]), ())
+    rec.cache(name, cache.buffer)
+    rec.effect(RowsAppend(name, pos_io, s))
+
+
+def note_masked_decode(rec, names: tuple[str, str], q, k_buffer, v_buffer, mask, out, scale: float) -> None:
+    """Note the attention the MaskedAttention node just ran: q [B, Hq, S, D] and out (C-contiguous float32) over
+    the first T positions of the run's caches ``names`` (k, v) with ``mask`` [mb, 1, ms, T] (float32,
+    C-contiguous, one column per key), with its effect."""
+    b, hq, s, d = q.shape
+    mb, _, ms, t = mask.shape
+    pos_io = np.zeros(1, dtype=np.int64)
+    scratch = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, s), np.int32)  # kv_len, kv_start, q_pos
+    arrays = (q, k_buffer, v_buffer, mask, out, pos_io, *scratch)
+    ints = (b, hq, k_buffer.shape[1], s, d, k_buffer.shape[2], mb, ms, t)
+    rec.note(MASKED_DECODE, arrays, ints, (float(scale),))
+    rec.cache(names[0], k_buffer)
+    rec.cache(names[1], v_buffer)
+    rec.ragged_last(mask)
+    rec.effect(CommittedLength(names, pos_io))
+
+
+class RowsAppend:
+    """The effect of a recorded cache-rows call (``_record.KIND_CACHE_ROWS``) on the run's cache ``name``.
+
+    ``before(caches)`` sets ``pos_io[0]`` to the cache's committed length
+    (False -- no replay -- when every row has not written that far, where the
+    operator raises, or the cache is not a contiguous one); the call copies
+    ``tokens`` positions there; ``after(rt)`` stages them as the operator's
+    :meth:`RunContext.cache_write` does and returns the node's output 0, the
+    present view.
+    """
+
+    __slots__ = ("names", "pos_io", "tokens")
+
+    #: The node outputs this effect sets.
+    outputs = (0,)
+
+    def __init__(self, name: str, pos_io: np.ndarray, tokens: int) -> None:
+        self.names = (name,)
+        self.pos_io = pos_io
+        self.tokens = tokens
+
+    def before(self, caches: dict) -> bool:
+        cache = caches[self.names[0]]
+        if getattr(cache, "paged", False) or cache.short_row(cache.length) is not None:
+            return False
+        self.pos_io[0] = cache.length
+        return True
+
+    def after(self, rt: RunContext) -> list:
+        pos = int(self.pos_io[0])
+        return [(0, rt.cache_appended(self.names[0], self.tokens, pos + self.tokens, None, pos))]
+
+
+class CommittedLength:
+    """The effect of a recorded masked-decode call (``_record.KIND_MASKED_DECODE``): ``before(caches)`` sets
+    ``pos_io[0]`` to the committed length of the two caches (False when they differ); nothing after."""
+
+    __slots__ = ("names", "pos_io")
+
+    outputs = ()
+
+    def __init__(self, names: tuple[str, str], pos_io: np.ndarray) -> None:
+        self.names = names
+        self.pos_io = pos_io
+
+    def before(self, caches: dict) -> bool:
+        return committed_pair(caches, self.names, self.pos_io)
+
+    def after(self, rt: RunContext) -> list:
+        return []

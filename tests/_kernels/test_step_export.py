@@ -1,0 +1,146 @@
+"""The compiled-step kinds of an export's decode (onnxkv._kernels.step): rotary calls, cache-row appends and masked
+attention over resizable caches with a ragged mask, replayed bit for bit the kernels' calls and checked against
+their NumPy twins, refusing what the operators would not take with nothing written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnxkv._kernels._record import CACHE_ROWS, MASKED_DECODE, Recorder
+from onnxkv._kernels.rotary import rotary_embedding
+from onnxkv._kernels.step import Program
+
+from onnxkv._kernels import attention, reference
+
+from .conftest import rand
+
+HIDDEN = np.float32(-3.4028235e38)
+
+
+def test_a_rotary_replay_reads_its_positions_and_equals_the_kernel_and_its_twin(simd, threads):
+    rng = np.random.default_rng(1)
+    x, cos, sin = rand(rng, (2, 3, 4, 16)), rand(rng, (20, 6)), rand(rng, (20, 6))
+    positions = np.array([[1, 2, 3], [7, 8, 9]], np.int64)
+    out = np.empty_like(x)
+    rec = Recorder()
+    with rec:
+        rotary_embedding(x, cos, sin, positions, False, out)
+    program = Program(rec.calls, [x, positions])
+    for pos in ([[0, 5, 19], [3, 3, 3]], [[19, 18, 17], [0, 1, 2]]):
+        x2, p2 = rand(rng, x.shape), np.array(pos, np.int64)
+        assert program.run([x2, p2])
+        want = np.empty_like(x)
+        rotary_embedding(x2, cos, sin, p2, False, want)
+        np.testing.assert_array_equal(out, want)
+        twin = np.empty_like(x)
+        reference.rotary_embedding(x2, cos, sin, p2, False, twin)
+        np.testing.assert_allclose(out, twin, rtol=1e-5, atol=1e-5)
+    before = out.copy()
+    assert not program.run([x2, np.array([[0, 1, 20], [0, 0, 0]], np.int64)]) and program.refused
+    assert not program.run([x2, np.array([[0, 1, -1], [0, 0, 0]], np.int64)]) and program.refused
+    np.testing.assert_array_equal(out, before)
+
+
+def _export_program(rng, b=2, hq=4, hkv=2, s=1, d=16, cap=8, t=5, mb=2, ms=1):
+    """Two recorded calls as an export's layer makes them: the new keys appended to the K cache at the
+    committed length, then the masked attention over both caches; externals (new, K cache, V cache, mask, q)."""
+    new, q = rand(rng, (b, hkv, s, d)), rand(rng, (b, hq, s, d))
+    kc, vc = rand(rng, (b, hkv, cap, d)), rand(rng, (b, hkv, cap, d))
+    mask = np.zeros((mb, 1, ms, t), np.float32)
+    out, pos_rows, pos_attn = np.empty_like(q), np.zeros(1, np.int64), np.zeros(1, np.int64)
+    scratch = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, s), np.int32)
+    calls = [
+        (CACHE_ROWS, (new, kc, pos_rows), (b, hkv, s, d, cap), ()),
+        (MASKED_DECODE, (q, kc, vc, mask, out, pos_attn, *scratch), (b, hq, hkv, s, d, cap, mb, ms, t), (0.25,)),
+    ]
+    program = Program(calls, [new, kc, vc, mask, q], (), [3], [1, 2])
+    return program, out, (pos_rows, pos_attn)
+
+
+def _padded_causal_mask(starts, s, t, mb):
+    """Row b sees keys starts[b] .. its query's position (the last s keys are the new tokens)."""
+    mask = np.full((mb, 1, s, t), HIDDEN, np.float32)
+    for b in range(mb):
+        for j in range(s):
+            mask[b, 0, j, starts[b] : t - s + j + 1] = 0.0
+    return mask
+
+
+@pytest.mark.parametrize("s", [1, 3])
+def test_an_append_then_masked_attention_replays_any_length_and_capacity_as_the_kernels(simd, threads, s):
+    rng = np.random.default_rng(2 + s)
+    program, out, (pos_rows, pos_attn) = _export_program(rng, s=s, ms=s)
+    for committed, cap, starts in ((4, 8, [0, 2]), (9, 16, [3, 0]), (15, 18, [0, 0])):
+        t = committed + s
+        new, q = rand(rng, (2, 2, s, 16)), rand(rng, (2, 4, s, 16))
+        kc, vc = rand(rng, (2, 2, cap, 16)), rand(rng, (2, 2, cap, 16))
+        mask = _padded_causal_mask(starts, s, t, 2)
+        wk = kc.copy()
+        wk[:, :, committed:t] = new
+        pos_rows[0] = pos_attn[0] = committed
+        assert program.run([new, kc, vc, mask, q]) and not program.refused
+        np.testing.assert_array_equal(kc, wk)
+        q_pos = np.array([[t - s + j for j in range(s)]] * 2, np.int32)
+        kv_len, kv_start = np.full(2, t, np.int32), np.array(starts, np.int32)
+        want = np.empty_like(q)
+        attention(q, kc, vc, kv_len, q_pos, 0.25, 0.0, -1, want, kv_start)
+        np.testing.assert_array_equal(out, want)
+        twin = np.empty_like(q)
+        reference.attention(q, kc, vc, kv_len, q_pos, 0.25, 0.0, -1, twin, kv_start)
+        np.testing.assert_allclose(out, twin, rtol=1e-5, atol=1e-5)
+
+
+def _hole(mask):
+    mask[1, 0, 0, 1] = HIDDEN  # row 1 sees keys 0 and 2.. but not 1
+
+
+def _empty_row(mask):
+    mask[0] = HIDDEN  # row 0 sees nothing: the operator's literal path
+
+
+def _nan(mask):
+    mask[0, 0, 0, 2] = np.nan
+
+
+def _not_hidden_enough(mask):
+    mask[0, 0, 0, 0] = -1e29  # exp(-1e29 + score) is not provably 0 next to every visible score
+
+
+@pytest.mark.parametrize("spoil", [_hole, _empty_row, _nan, _not_hidden_enough])
+def test_a_mask_the_kernel_cannot_describe_is_refused_with_nothing_written(spoil):
+    rng = np.random.default_rng(7)
+    program, out, (pos_rows, pos_attn) = _export_program(rng)
+    new, q = rand(rng, (2, 2, 1, 16)), rand(rng, (2, 4, 1, 16))
+    kc, vc = rand(rng, (2, 2, 8, 16)), rand(rng, (2, 2, 8, 16))
+    mask = _padded_causal_mask([0, 0], 1, 6, 2)
+    spoil(mask)
+    pos_rows[0] = pos_attn[0] = 5
+    before_k, before_out = kc.copy(), out.copy()
+    assert not program.run([new, kc, vc, mask, q]) and program.refused
+    np.testing.assert_array_equal(kc, before_k)
+    np.testing.assert_array_equal(out, before_out)
+
+
+@pytest.mark.parametrize(
+    "committed,t,cap", [(4, 6, 8), (5, 5, 8), (8, 9, 8)], ids=["mask-too-long", "mask-too-short", "cache-full"]
+)
+def test_lengths_that_disagree_with_the_cache_are_refused_with_nothing_written(committed, t, cap):
+    rng = np.random.default_rng(8)
+    program, out, (pos_rows, pos_attn) = _export_program(rng)
+    new, q = rand(rng, (2, 2, 1, 16)), rand(rng, (2, 4, 1, 16))
+    kc, vc = rand(rng, (2, 2, cap, 16)), rand(rng, (2, 2, cap, 16))
+    pos_rows[0] = pos_attn[0] = committed
+    before = kc.copy()
+    assert not program.run([new, kc, vc, _padded_causal_mask([0, 0], 1, t, 2), q]) and program.refused
+    np.testing.assert_array_equal(kc, before)
+
+
+def test_the_new_kinds_take_caches_and_masks_only_whole():
+    rng = np.random.default_rng(9)
+    program, *_ = _export_program(rng)
+    assert program.externals == 5
+    new, kc = rand(rng, (2, 2, 1, 16)), rand(rng, (2, 2, 8, 16))
+    pos = np.zeros(1, np.int64)
+    rows = [(CACHE_ROWS, (new, kc[:1], pos), (1, 2, 1, 16, 8), ())]  # half of a resizable cache
+    with pytest.raises(ValueError, match="resizable"):
+        Program(rows, [new, kc], (), (), [1])
