@@ -109,7 +109,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, median, read_rate, run_worker, versions  # noqa: E402
 
-DEFAULT_CASES = "tiny-gqa:128,tiny-gqa:1024,small-gqa:128,small-gqa:1024,small-gqa:4096,small-concat:4096"
+DEFAULT_CASES = (
+    "tiny-gqa:128,tiny-gqa:1024,tiny-concat:128,tiny-attention:128,small-gqa:128,small-gqa:1024,small-gqa:4096,"
+    "small-concat:4096"
+)
 DEFAULT_ENGINES = "onnxkv,onnxkv-tensor,ort,ort-genai"
 #: onnxkv's in-place engine feeds long prompts in chunks, as onnxkv.generate does by default.
 PREFILL_CHUNK = 512

@@ -32,36 +32,55 @@ ctypedef fused real:
 DEF CHUNK = 16384
 
 
+DEF ADD = 3   # the mode of ``add``: out = x + up, element by element (IEEE sums, as NumPy's)
+
+
+cdef inline void _add_run(const real *x, const real *up, real *out, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = x[i] + up[i]
+
+
+cdef inline void _chunk(int mode, const real *x, const real *up, real *out, Py_ssize_t n, int simd) noexcept nogil:
+    """One chunk of activation ``mode`` (``up`` read by modes 2 and 3 only)."""
+    if mode == ADD:
+        _add_run(x, up, out, n)
+    elif real is float:
+        okv_act_f32(mode, x, up, out, n, simd)
+    else:
+        okv_act_f64(mode, x, up, out, n)
+
+
 cdef void act_f32_ptr(int mode, const float *x, const float *up, float *out, int64_t n,
                       okv_settings s) noexcept nogil:
-    """Activation ``mode`` (0 sigmoid, 1 silu, 2 silu_mul with ``up``) of n float32 values on checked,
-    non-empty arguments (``up`` NULL unless mode 2)."""
+    """Activation ``mode`` (0 sigmoid, 1 silu, 2 silu_mul with ``up``, 3 add ``up``) of n float32 values on
+    checked, non-empty arguments (``up`` NULL unless mode 2 or 3)."""
     cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
     cdef int simd = s.simd
     cdef int nt = s.threads if nchunks > 1 else 1
     if nt == 1:   # no OpenMP region: entering one costs a decode-sized call more than its work
-        okv_act_f32(mode, x, up, out, n, simd)
+        _chunk(mode, x, up, out, n, simd)
         return
     for c in prange(nchunks, num_threads=nt, schedule='static'):
         i0 = c * CHUNK
         m = n - i0
         if m > CHUNK:
             m = CHUNK
-        okv_act_f32(mode, x + i0, up + i0 if mode == 2 else NULL, out + i0, m, simd)
+        _chunk(mode, x + i0, up + i0 if mode >= 2 else NULL, out + i0, m, simd)
 
 
 cdef void _act(int mode, const real[::1] x, const real[::1] up, real[::1] out, okv_settings s) noexcept nogil:
     cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
     cdef int nt = s.threads if nchunks > 1 else 1
     if real is float:
-        act_f32_ptr(mode, &x[0], &up[0] if mode == 2 else NULL, &out[0], n, s)
+        act_f32_ptr(mode, &x[0], &up[0] if mode >= 2 else NULL, &out[0], n, s)
         return
     for c in prange(nchunks, num_threads=nt, schedule='static'):
         i0 = c * CHUNK
         m = n - i0
         if m > CHUNK:
             m = CHUNK
-        okv_act_f64(mode, &x[i0], &up[i0] if mode == 2 else NULL, &out[i0], m)
+        _chunk(mode, &x[i0], &up[i0] if mode >= 2 else NULL, &out[i0], m, 0)
 
 
 cdef void _note_act(int mode, x, up, out):
@@ -69,7 +88,7 @@ cdef void _note_act(int mode, x, up, out):
     rec = recorder()
     if rec is not None:
         if x.dtype == V.F32:
-            rec.note(KIND_ACTIVATION, (x, up if mode == 2 else None, out), (mode, x.size), ())
+            rec.note(KIND_ACTIVATION, (x, up if mode >= 2 else None, out), (mode, x.size), ())
         else:
             rec.refused.append("activation: float64 is not replayed")
 
@@ -110,11 +129,12 @@ def _run(int mode, x, up, out):
             return
     V.array("gate" if mode == 2 else "x", x, (V.F32, V.F64))
     xname = "gate" if mode == 2 else "x"
+    upname = "y" if mode == ADD else "up"
     if up is not None:
-        V.array("up", up, (x.dtype,), shape=x.shape)
+        V.array(upname, up, (x.dtype,), shape=x.shape)
     V.array("out", out, (x.dtype,), shape=x.shape, writeable=True)
     V.no_overlap("out", out, x, xname, allow_identical=True)
-    V.no_overlap("out", out, up, "up", allow_identical=True)
+    V.no_overlap("out", out, up, upname, allow_identical=True)
     if x.size == 0:
         refuse("activation: an empty input (nothing written)")
         return
@@ -136,6 +156,12 @@ def sigmoid(x, out):
 def silu(x, out):
     """out = x * sigmoid(x).  x, out: same shape, float32 or float64, C-contiguous."""
     _run(1, x, None, out)
+
+
+def add(x, y, out):
+    """out = x + y, element by element (each sum rounded once, as NumPy's ``add``).  x, y, out: same shape
+    and dtype (float32 or float64), C-contiguous, processed flat; out may be x or y."""
+    _run(ADD, x, y, out)
 
 
 def silu_mul(gate, up, out):

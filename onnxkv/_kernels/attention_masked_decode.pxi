@@ -6,58 +6,72 @@
 DEF MASK_HIDES = -1e30   # an additive mask entry at or below this hides its key (plan/ops/masked_attention.MASKED)
 
 
-cdef bint masked_ranges(const float *mask, int64_t mb, int64_t ms, int64_t T, int64_t B, int64_t S,
-                        int32_t *kv_start, int32_t *q_pos) noexcept nogil:
-    """Describe an additive mask [mb, 1, ms, T] (C order; mb 1 or B, ms 1 or S, broadcast over batch rows and
-    queries) as the kernel's ranges: query (b, s) sees exactly the keys kv_start[b] <= key <= q_pos[b * S + s].
-    False (the outputs then undefined) unless every entry is 0 (visible) or <= -1e30 (hidden; NaN is neither),
-    every query's visible keys are one non-empty contiguous range, and the ranges of one batch row's queries
-    start at the same key -- the operator's ``mask_ranges`` for masks without empty rows, which the operator
-    evaluates literally."""
-    cdef int64_t b, s, t, lo, hi, mrow
-    cdef const float *row
+cdef bint masked_ranges(const void *mask, int is_bool, int causal, int64_t mb, int64_t ms, int64_t T, int64_t B,
+                        int64_t S, int32_t *kv_start, int32_t *q_pos) noexcept nogil:
+    """Describe a mask [mb, 1, ms, T] (C order; mb 1 or B, ms 1 or S, broadcast over batch rows and queries) as
+    the kernel's ranges: query (b, s) sees exactly the keys kv_start[b] <= key <= q_pos[b * S + s].  An additive
+    float32 mask (``is_bool`` 0) shows a key at 0 and hides it at or below -1e30 (NaN is neither); a bool mask
+    (``is_bool`` 1, one byte per entry) shows it where nonzero.  ``causal``: query s also sees no key past its
+    position T - S + s.  False (the outputs then undefined) unless every float entry is one of the two, every
+    query's visible keys are one contiguous range, the ranges of one batch row's queries start at the same key
+    (``visible_ranges``), and every query sees a key -- the conditions under which the operators' Python paths
+    (``mask_ranges``, ``attn_mask_ranges``) call the same kernel with these ranges; they evaluate the rest
+    otherwise."""
+    cdef int64_t b, s, t, lo, hi, mrow, cap
+    cdef const float *fm = <const float *>mask
+    cdef const uint8_t *bm = <const uint8_t *>mask
     cdef float m
+    cdef bint seen
     if T < 1 or T > INT32_MAX or not (mb == 1 or mb == B) or not (ms == 1 or ms == S):
         return False
     for b in range(B):
         for s in range(S):
-            mrow = (b if mb > 1 else 0) * ms + (s if ms > 1 else 0)
-            row = mask + mrow * T
+            mrow = ((b if mb > 1 else 0) * ms + (s if ms > 1 else 0)) * T
             lo = -1
             hi = -1
             for t in range(T):
-                m = row[t]
-                if m == 0:
+                if is_bool:
+                    seen = bm[mrow + t] != 0
+                else:
+                    m = fm[mrow + t]
+                    seen = m == 0
+                    if not seen and not (m <= MASK_HIDES):
+                        return False
+                if seen:
                     if lo < 0:
                         lo = t
                     elif hi != t - 1:
                         return False      # a hole inside the row
                     hi = t
-                elif not (m <= MASK_HIDES):
-                    return False
             if lo < 0:
-                return False              # no visible key: the operator's literal path
+                return False              # no visible key: the operators' literal paths
             if s == 0:
                 kv_start[b] = <int32_t>lo
             elif kv_start[b] != lo:
                 return False
+            if causal:
+                cap = T - S + s
+                if hi > cap:
+                    hi = cap
+                if hi < lo:
+                    return False          # the causal bound hides every key the mask shows
             q_pos[b * S + s] = <int32_t>hi
     return True
 
 
 cdef int masked_decode_ptr(const float *q, const float *k_cache, const float *v_cache, int64_t B, int64_t Hq,
                            int64_t Hkv, int64_t S, int64_t D, int64_t Cap, int64_t T, const int32_t *kv_start,
-                           const int32_t *q_pos, int32_t *kv_len, float scale, float *out,
+                           const int32_t *q_pos, int32_t *kv_len, float scale, float softcap, float *out,
                            okv_settings s) noexcept nogil:
     """``attention`` of q [B, Hq, S, D] over the first T positions of the caches [B, Hkv, Cap, D] (T <= Cap)
-    with the ranges of ``masked_ranges`` (kv_len: the call's scratch [B], set to T), no softcap, no window,
-    into out: bit for bit the operator's kernel call.  0, or -1 when the workspace cannot be allocated."""
+    with the ranges of ``masked_ranges`` (kv_len: the call's scratch [B], set to T), ``softcap``, no window,
+    into out: bit for bit the operators' kernel call.  0, or -1 when the workspace cannot be allocated."""
     cdef okv_attn_args a
     cdef int64_t stats[2]
     cdef int64_t b
     for b in range(B):
         kv_len[b] = <int32_t>T
-    _fill_args(&a, q, out, kv_len, q_pos, B, Hq, S, D, Hkv, Cap, scale, 0.0, -1, OKV_KV_F32)
+    _fill_args(&a, q, out, kv_len, q_pos, B, Hq, S, D, Hkv, Cap, scale, softcap, -1, OKV_KV_F32)
     a.k = k_cache
     a.v = v_cache
     a.kv_start = kv_start

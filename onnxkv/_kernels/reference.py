@@ -69,6 +69,12 @@ def silu(x, out):
     out[...] = (x.astype(np.float64) * _sigmoid(x)).astype(out.dtype)
 
 
+def add(x, y, out):
+    """NumPy twin of ``add``: out = x + y."""
+    np.add(x, y, out=out)
+    return out
+
+
 def silu_mul(gate, up, out):
     out[...] = (gate.astype(np.float64) * _sigmoid(gate) * up).astype(out.dtype)
 

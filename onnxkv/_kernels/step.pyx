@@ -385,8 +385,8 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
         total = c.i[8]
         if total != (<const int64_t *>c.p[5])[0] + c.i[3] or total > c.i[5]:
             return False
-        return masked_ranges(<const float *>c.p[3], c.i[6], c.i[7], total, c.i[0], c.i[3], <int32_t *>c.p[7],
-                             <int32_t *>c.p[8])
+        return masked_ranges(c.p[3], <int>c.i[9], <int>c.i[10], c.i[6], c.i[7], total, c.i[0], c.i[3],
+                             <int32_t *>c.p[7], <int32_t *>c.p[8])
     elif c.kind == KIND_ROTARY:        # every position in [0, max_pos)
         idx = <const int64_t *>c.p[3]
         for i in range(c.i[0] * c.i[1]):
@@ -436,7 +436,7 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
     if c.kind == KIND_MASKED_DECODE:
         return masked_decode_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[2], c.i[0], c.i[1],
                                  c.i[2], c.i[3], c.i[4], c.i[5], c.i[8], <const int32_t *>c.p[7],
-                                 <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], <float *>c.p[4], s)
+                                 <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], c.f[1], <float *>c.p[4], s)
     if c.kind == KIND_CACHE_ROWS:
         _cache_rows(c)
     elif c.kind == KIND_ROTARY:

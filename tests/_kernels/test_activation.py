@@ -66,6 +66,10 @@ def test_activation_bad_args():
         K.silu_mul(g, np.ones(7, np.float32), out)
     with pytest.raises(ValueError, match="up"):
         K.silu_mul(g, np.ones(8, np.float64), out)
+    for bad in (np.ones(7, np.float32), np.ones(8, np.float64)):  # add names its second addend y
+        with pytest.raises(ValueError, match="y"):
+            K.add(g, bad, out)
+    np.testing.assert_array_equal(out, 3.0)
     with pytest.raises(ValueError, match="out"):
         K.silu(g, out[::2])
     with pytest.raises(ValueError, match="x"):
@@ -160,3 +164,16 @@ def test_erf_edges_shapes_and_aliasing():
         K.erf(x, out[:1])
     with pytest.raises(ValueError, match="out: must not overlap x"):
         K.erf(x.reshape(-1)[1:], x.reshape(-1)[:-1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", SIZES)
+def test_add_equals_its_twin_bit_for_bit_in_place_or_not(n, dtype, threads, simd):
+    rng = np.random.default_rng(n + 5)
+    x, y = rand(rng, (n,), dtype, 30.0), rand(rng, (n,), dtype)
+    out, want = np.full_like(x, np.nan), np.empty_like(x)
+    K.add(x, y, out)
+    R.add(x, y, want)
+    np.testing.assert_array_equal(out, want)  # one rounding per sum: exactly NumPy's
+    K.add(x, y, y)  # out may be an addend
+    np.testing.assert_array_equal(y, want)

@@ -10,7 +10,7 @@ from onnxkv._kernels._record import CACHE_ROWS, MASKED_DECODE, Recorder
 from onnxkv._kernels.rotary import rotary_embedding
 from onnxkv._kernels.step import Program
 
-from onnxkv._kernels import attention, reference
+from onnxkv._kernels import add, attention, reference
 
 from .conftest import rand
 
@@ -51,7 +51,12 @@ def _export_program(rng, b=2, hq=4, hkv=2, s=1, d=16, cap=8, t=5, mb=2, ms=1):
     scratch = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, s), np.int32)
     calls = [
         (CACHE_ROWS, (new, kc, pos_rows), (b, hkv, s, d, cap), ()),
-        (MASKED_DECODE, (q, kc, vc, mask, out, pos_attn, *scratch), (b, hq, hkv, s, d, cap, mb, ms, t), (0.25,)),
+        (
+            MASKED_DECODE,
+            (q, kc, vc, mask, out, pos_attn, *scratch),
+            (b, hq, hkv, s, d, cap, mb, ms, t, 0, 0),
+            (0.25, 0.0),
+        ),
     ]
     program = Program(calls, [new, kc, vc, mask, q], (), [3], [1, 2])
     return program, out, (pos_rows, pos_attn)
@@ -144,3 +149,17 @@ def test_the_new_kinds_take_caches_and_masks_only_whole():
     rows = [(CACHE_ROWS, (new, kc[:1], pos), (1, 2, 1, 16, 8), ())]  # half of a resizable cache
     with pytest.raises(ValueError, match="resizable"):
         Program(rows, [new, kc], (), (), [1])
+
+
+def test_a_residual_add_replays_as_numpy_adds(simd, threads):
+    rng = np.random.default_rng(10)
+    x, y = rand(rng, (3, 64)), rand(rng, (3, 64))
+    out = np.empty_like(x)
+    rec = Recorder()
+    with rec:
+        add(x.reshape(-1), y.reshape(-1), out.reshape(-1))
+    program = Program(rec.calls, [x, y])
+    for _ in range(2):
+        x2, y2 = rand(rng, x.shape, scale=50.0), rand(rng, y.shape)
+        assert program.run([x2, y2])
+        np.testing.assert_array_equal(out, x2 + y2)

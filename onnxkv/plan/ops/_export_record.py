@@ -28,7 +28,15 @@ from onnxkv._kernels._record import CACHE_ROWS, MASKED_DECODE
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._gqa_record import committed_pair
 
-__all__ = ["CommittedLength", "RowsAppend", "bound_cache_name", "note_cache_rows", "note_masked_decode"]
+__all__ = [
+    "CommittedLength",
+    "RowsAppend",
+    "bound_cache_name",
+    "note_attention_decode",
+    "note_cache_rows",
+    "note_masked_decode",
+    "replayable_mask",
+]
 
 
 def bound_cache_name(rt: RunContext, view: np.ndarray) -> str | None:
@@ -55,31 +63,83 @@ def bound_cache_name(rt: RunContext, view: np.ndarray) -> str | None:
     return None
 
 
-def note_cache_rows(rec, name: str, new: np.ndarray, cache) -> None:
-    """Note the copy of ``new`` [B, H, S, D] (float32, C-contiguous) that the cache Concat just made into the
-    contiguous float32 ``cache`` bound to the past ``name``, at its committed length, with its effect."""
+def replayable_mask(mask, dtypes: tuple, b: int, s: int, t: int) -> bool:
+    """Whether ``mask`` is an array a recorded masked-decode call can take: C-contiguous, of one of ``dtypes``,
+    [b or 1, 1, s or 1, t] (one column per key)."""
+    return (
+        isinstance(mask, np.ndarray)
+        and mask.dtype in dtypes
+        and mask.flags.c_contiguous
+        and mask.ndim == 4
+        and mask.shape[1] == 1
+        and mask.shape[0] in (1, b)
+        and mask.shape[2] in (1, s)
+        and mask.shape[3] == t
+    )
+
+
+def note_cache_rows(rec, name: str, new: np.ndarray, cache, output: int | None = 0) -> None:
+    """Note the copy of ``new`` [B, H, S, D] (float32, C-contiguous) that a node just made into the contiguous
+    float32 ``cache`` bound to the past ``name``, at its committed length, with its effect, which sets the
+    node's output ``output`` (None: none) to the present view."""
     b, h, s, d = new.shape
     pos_io = np.zeros(1, dtype=np.int64)
     rec.note(CACHE_ROWS, (new, cache.buffer, pos_io), (b, h, s, d, cache.buffer.shape[2]), ())
     rec.cache(name, cache.buffer)
-    rec.effect(RowsAppend(name, pos_io, s))
+    rec.effect(RowsAppend(name, pos_io, s, output))
 
 
-def note_masked_decode(rec, names: tuple[str, str], q, k_buffer, v_buffer, mask, out, scale: float) -> None:
-    """Note the attention the MaskedAttention node just ran: q [B, Hq, S, D] and out (C-contiguous float32) over
-    the first T positions of the run's caches ``names`` (k, v) with ``mask`` [mb, 1, ms, T] (float32,
-    C-contiguous, one column per key), with its effect."""
+def note_masked_decode(
+    rec, names: tuple[str, str], q, k_buffer, v_buffer, mask, out, scale: float, softcap: float = 0.0, causal=False
+) -> None:
+    """Note the attention a node just ran: q [B, Hq, S, D] and out (C-contiguous float32) over the first T
+    positions of the run's caches ``names`` (k, v) with ``mask`` [mb, 1, ms, T] (C-contiguous, one column per
+    key: additive float32, or bool), ``causal`` bounding query s at key T - S + s, with its effect."""
     b, hq, s, d = q.shape
     mb, _, ms, t = mask.shape
     pos_io = np.zeros(1, dtype=np.int64)
     scratch = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, s), np.int32)  # kv_len, kv_start, q_pos
     arrays = (q, k_buffer, v_buffer, mask, out, pos_io, *scratch)
-    ints = (b, hq, k_buffer.shape[1], s, d, k_buffer.shape[2], mb, ms, t)
-    rec.note(MASKED_DECODE, arrays, ints, (float(scale),))
+    ints = (b, hq, k_buffer.shape[1], s, d, k_buffer.shape[2], mb, ms, t, int(mask.dtype == np.bool_), int(causal))
+    rec.note(MASKED_DECODE, arrays, ints, (float(scale), float(softcap)))
     rec.cache(names[0], k_buffer)
     rec.cache(names[1], v_buffer)
     rec.ragged_last(mask)
     rec.effect(CommittedLength(names, pos_io))
+
+
+def note_attention_decode(op, rec, rt: RunContext, decode: tuple | None, starts, past_len: int, scale: float) -> None:
+    """Note what an ONNX Attention node ``op`` just ran on the streaming kernel -- its new keys and values
+    appended at the committed length of the state's contiguous float32 caches, then the attention over them
+    -- or refuse the recording when a replay could not run it as the node did.  ``decode``: the node's
+    (q, k, v [B, H, S, D] as the kernel and the appends took them, mask, y the kernel's output, y_out the
+    node's output Y when it is y's memory), or None when the call was not an in-place contiguous one without
+    a window and ``nonpad_kv_seqlen``; ``starts``: where the rows were written (an int: every row at the
+    longest row's length ``past_len``)."""
+    names = (op.node.input[4], op.node.input[5])
+    caches = rt.caches
+    if decode is None or not isinstance(starts, int) or caches is None:
+        rec.refused.append(f"{op.op_type} node '{op.name}': not a decode over a state's contiguous caches")
+        return
+    q, k, v, mask, y, y_out = decode
+    ck, cv = caches[names[0]], caches[names[1]]
+    b, _, s, _ = q.shape
+    t = past_len + s
+    if (
+        y_out is None
+        or any(getattr(c, "paged", False) or getattr(c, "static", True) or c.storage != "float32" for c in (ck, cv))
+        or past_len != ck.length
+        or past_len != cv.length
+        or ck.short_row(past_len) is not None
+        or not all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous for x in (q, k, v))
+        or not replayable_mask(mask, (np.float32, np.bool_), b, s, t)
+    ):
+        rec.refused.append(f"{op.op_type} node '{op.name}': not a decode over a state's float32 caches")
+        return
+    present = 1 if op.want[1] else None
+    note_cache_rows(rec, names[0], k, ck, present)
+    note_cache_rows(rec, names[1], v, cv, None if present is None else 2)
+    note_masked_decode(rec, names, q, ck.buffer, cv.buffer, mask, y, scale, op.softcap, op.is_causal)
 
 
 class RowsAppend:
@@ -89,19 +149,18 @@ class RowsAppend:
     (False -- no replay -- when every row has not written that far, where the
     operator raises, or the cache is not a contiguous one); the call copies
     ``tokens`` positions there; ``after(rt)`` stages them as the operator's
-    :meth:`RunContext.cache_write` does and returns the node's output 0, the
-    present view.
+    :meth:`RunContext.cache_write` does and returns the node's output
+    ``output`` (if any), the present view.
     """
 
-    __slots__ = ("names", "pos_io", "tokens")
+    __slots__ = ("names", "pos_io", "tokens", "outputs")
 
-    #: The node outputs this effect sets.
-    outputs = (0,)
-
-    def __init__(self, name: str, pos_io: np.ndarray, tokens: int) -> None:
+    def __init__(self, name: str, pos_io: np.ndarray, tokens: int, output: int | None = 0) -> None:
         self.names = (name,)
         self.pos_io = pos_io
         self.tokens = tokens
+        #: The node outputs this effect sets.
+        self.outputs = () if output is None else (output,)
 
     def before(self, caches: dict) -> bool:
         cache = caches[self.names[0]]
@@ -112,7 +171,8 @@ class RowsAppend:
 
     def after(self, rt: RunContext) -> list:
         pos = int(self.pos_io[0])
-        return [(0, rt.cache_appended(self.names[0], self.tokens, pos + self.tokens, None, pos))]
+        present = rt.cache_appended(self.names[0], self.tokens, pos + self.tokens, None, pos)
+        return [(i, present) for i in self.outputs]
 
 
 class CommittedLength:

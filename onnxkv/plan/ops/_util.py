@@ -9,7 +9,7 @@ import numpy as np
 
 from onnxkv import _kernels as K
 
-__all__ = ["broadcast_shape", "normalize_axis", "normalize_axes", "int_list", "LayoutMemo"]
+__all__ = ["broadcast_shape", "float32_pair", "normalize_axis", "normalize_axes", "int_list", "LayoutMemo"]
 
 _UNKNOWN = object()
 
@@ -57,6 +57,21 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         return np.matmul(a, b, out=out)
     wide = np.matmul(widened(a), widened(b))
     return round_into(np.empty(wide.shape, np.float16) if out is None else out, wide)
+
+
+def float32_pair(a, b) -> bool:
+    """Whether ``a`` and ``b`` are non-empty C-contiguous float32 arrays of one shape (the operands of an
+    element-by-element kernel that a compiled step replays)."""
+    return (
+        isinstance(a, np.ndarray)
+        and isinstance(b, np.ndarray)
+        and a.dtype == np.float32
+        and b.dtype == np.float32
+        and a.shape == b.shape
+        and a.size > 0
+        and a.flags.c_contiguous
+        and b.flags.c_contiguous
+    )
 
 
 def normalize_axis(axis: int, rank: int, what: str) -> int:

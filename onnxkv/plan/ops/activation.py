@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv import _kernels as K
-from onnxkv.plan.ops._util import normalize_axis, round_into, widened
+from onnxkv.plan.ops._util import float32_pair, normalize_axis, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
 
@@ -170,17 +170,7 @@ class SiluMul(Op):
 
     def compilable(self, inputs: list) -> bool:
         """float32 gate and up of one shape, C-contiguous: one ``silu_mul`` call."""
-        gate, up = inputs
-        return (
-            isinstance(gate, np.ndarray)
-            and isinstance(up, np.ndarray)
-            and gate.dtype == np.float32
-            and up.dtype == np.float32
-            and gate.shape == up.shape
-            and gate.size > 0
-            and gate.flags.c_contiguous
-            and up.flags.c_contiguous
-        )
+        return float32_pair(*inputs)
 
     def run(self, inputs: list, rt) -> tuple:
         gate, up = inputs

@@ -70,10 +70,12 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnxkv._kernels import _validate as V
+from onnxkv._kernels._record import current as _recorder
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops import _attention_segments as segment_run
 from onnxkv.plan.ops._attention_math import causal_attention, check_written, dense_attention, paged_causal_attention
+from onnxkv.plan.ops._export_record import note_attention_decode
 from onnxkv.plan.ops._segments import cache_segments
 from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges, visible_ranges
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -224,6 +226,16 @@ class Attention23(Op):
 
     # -- run --------------------------------------------------------------------------------
 
+    #: Inputs a recorded decode call does not read (the past views: it writes the cache buffers directly).
+    replay_unread = (4, 5)
+    #: Inputs a recorded decode call takes whole with their last dim read when replayed (the mask).
+    ragged_inputs = (3,)
+
+    def compilable(self, inputs: list) -> bool:
+        """Bound to a state's caches, with no window and no score output: its decode call over contiguous
+        float32 caches is one a compiled step replays (``run`` notes it; any other run refuses the recording)."""
+        return self.bound and self.left < 0 and self.right < 0 and not self.want[3]
+
     @property
     def takes_segments(self) -> bool:
         """Whether runs of segments may reach this node (:mod:`._attention_segments`)."""
@@ -233,7 +245,7 @@ class Attention23(Op):
         inputs = list(inputs) + [None] * (7 - len(inputs))
         counts = cache_segments(rt, self.node.input[4], self.bound) if len(self.node.input) > 4 else None
         if counts is not None:
-            return segment_run.run_segments(self, inputs, rt, counts)
+            return segment_run.run_segments(self, inputs, rt, counts)  # a compiled step never runs segments
         q_in, k_in, v_in, mask, past_k, past_v = inputs[:6]
         nonpad = inputs[6] if self.has_nonpad else None
         q, k, v = self._to_bnsh(q_in, k_in, v_in)
@@ -317,8 +329,10 @@ class Attention23(Op):
         scale = float(self.scale) if self.scale is not None else 1.0 / np.sqrt(d)
 
         qk = None
+        rec = _recorder()
+        y_out = None
         if fast:
-            y = np.empty((b, hq, sq, v.shape[3]), np.float32)
+            y, y_out = self._kernel_output(rt, b, hq, sq, v.shape[3], q_in)
             kv_start, q_pos, window = seen
             if paged:
                 rt.count(
@@ -326,7 +340,12 @@ class Attention23(Op):
                 )
             else:
                 causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, window, y, kv_start=kv_start)
+            if rec is not None:
+                decode = (q, k, v, mask, y, y_out) if in_place and not paged and window < 0 and nonpad is None else None
+                note_attention_decode(self, rec, rt, decode, starts, past_len, scale)
         else:
+            if rec is not None:
+                rec.refused.append(f"{self.op_type} node '{self.name}': not the streaming kernel")
             bias = self._bias(mask, b, hq, sq, total, offsets, nonpad, q.dtype)
             y, scores = dense_attention(
                 q, keys[:, :, :total], values[:, :, :total], bias, scale, self.softcap,
@@ -335,7 +354,8 @@ class Attention23(Op):
             if scores is not None:
                 qk = (scores.raw, scores.capped, scores.biased, scores.probs)[self.mode]
 
-        y_out = self._output(rt, y, q_in.ndim, q_in.dtype)
+        if y_out is None:
+            y_out = self._output(rt, y, q_in.ndim, q_in.dtype)
         outs: list[np.ndarray | None] = [y_out, None, None, None]
         if self.want[1]:
             outs[1], outs[2] = present_k, present_v
@@ -509,6 +529,15 @@ class Attention23(Op):
         if nonpad is not None:
             bias = bias + np.where(j < nonpad[:, None, None, None], dtype.type(0), neg)
         return bias
+
+    def _kernel_output(self, rt: RunContext, b: int, h: int, s: int, dv: int, q_in: np.ndarray) -> tuple:
+        """``(y, out)``: the kernel's float32 [B, H, S, Dv] operand and, when it is the node's output Y in its
+        input layout (float32 [B, H, S, Dv], or [B, S, H*Dv] of one token: the same memory), that output;
+        else a fresh operand and None (``_output`` converts it)."""
+        if q_in.dtype == np.float32 and (q_in.ndim == 4 or s == 1):
+            out = rt.empty(0, (b, h, s, dv) if q_in.ndim == 4 else (b, s, h * dv), np.float32)
+            return out.reshape(b, h, s, dv), out
+        return np.empty((b, h, s, dv), np.float32), None
 
     def _output(self, rt: RunContext, y: np.ndarray, ndim: int, dtype: np.dtype) -> np.ndarray:
         """Y in the input layout ([B, H, S, Dv] or [B, S, H*Dv]) as ``dtype``."""

@@ -11,7 +11,8 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxkv import _kernels as K
-from onnxkv.plan.ops._util import broadcast_shape
+from onnxkv._kernels._record import current as _recorder
+from onnxkv.plan.ops._util import broadcast_shape, float32_pair
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _BINARY = {
@@ -60,6 +61,25 @@ class _Binary(Op):
         return (out,)
 
 
+class Add(_Binary):
+    """``Add``: float32 addends of one shape (C-contiguous, non-empty) through the compiled ``add`` kernel,
+    whose call a compiled step replays (a residual sum); anything else as the other binary operators."""
+
+    def compilable(self, inputs: list) -> bool:
+        return float32_pair(*inputs)
+
+    def run(self, inputs: list, rt) -> tuple:
+        a, b = inputs
+        if float32_pair(a, b):
+            out = rt.empty(0, a.shape, np.float32)
+            K.add(a.reshape(-1), b.reshape(-1), out.reshape(-1))
+            return (out,)
+        rec = _recorder()
+        if rec is not None:
+            rec.refused.append(f"Add node '{self.name}': not two float32 addends of one shape")
+        return super().run(inputs, rt)
+
+
 class _Variadic(Op):
     """Max/Min/Sum/Mean with one or more inputs."""
 
@@ -75,6 +95,9 @@ class _Variadic(Op):
 
 
 for _name, _f in _BINARY.items():
+    if _name == "Add":
+        register(_name)(Add)
+        continue
     if _name in ("Max", "Min"):
         register(_name)(type(_name, (_Variadic,), {"ufunc": staticmethod(_f)}))
     else:

@@ -63,7 +63,7 @@ from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._body import Body
-from onnxkv.plan.ops._export_record import bound_cache_name, note_masked_decode
+from onnxkv.plan.ops._export_record import bound_cache_name, note_masked_decode, replayable_mask
 from onnxkv.plan.ops._util import LayoutMemo, int_list
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -318,14 +318,7 @@ class MaskedAttention(Op):
             or q is not inputs[_Q]
             or t != rt.caches[names[0]].length + s
             or empty.any()
-            or not isinstance(mask, np.ndarray)
-            or mask.dtype != np.float32
-            or not mask.flags.c_contiguous
-            or mask.ndim != 4
-            or mask.shape[1] != 1
-            or mask.shape[0] not in (1, b)
-            or mask.shape[2] not in (1, s)
-            or mask.shape[3] != t
+            or not replayable_mask(mask, (np.float32,), b, s, t)
         ):
             rec.refused.append(f"{self.op_type} node '{self.name}': not a decode over a state's float32 caches")
             return

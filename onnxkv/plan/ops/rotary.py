@@ -238,6 +238,22 @@ class RotaryEmbedding23(_RotaryBase):
     whole head.  Output: same shape and dtype as ``X``.
     """
 
+    def compilable(self, inputs: list) -> bool:
+        """A 3-D float32 input, float32 [max_pos, rot/2] tables and int64 [B, S] position_ids, all
+        C-contiguous: the kernel reads them where they are, in one recorded call whose positions a replay
+        reads (and checks) from the run's ids."""
+        x, cos, sin = inputs[:3]
+        pos = inputs[3] if len(inputs) > 3 else None
+        return (
+            all(isinstance(a, np.ndarray) and a.dtype == _F32 and a.flags.c_contiguous for a in (x, cos, sin))
+            and x.ndim == 3
+            and cos.ndim == 2
+            and isinstance(pos, np.ndarray)
+            and pos.dtype == np.int64
+            and pos.ndim == 2
+            and pos.flags.c_contiguous
+        )
+
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:
         x, cos, sin = inputs[:3]
         pos = inputs[3] if len(inputs) > 3 else None

@@ -1,6 +1,7 @@
-"""Compiled steps of an export's Concat caches: the cache Concat, MaskedAttention, RotateHalf, the fused norms
-and the views between them replay as one segment, bit for bit the node-by-node runs, through cache growth, new
-states, padded rows and masks the kernel cannot describe."""
+"""Compiled steps of exports whose graphs join their caches themselves: a Concat-cache export (the cache Concat,
+MaskedAttention, RotateHalf, the fused norms and the views between them) and an opset-23 Attention graph (Attention,
+RotaryEmbedding, the residual Adds) replay as one segment, bit for bit the node-by-node runs, through cache growth,
+new states, padded rows and masks the kernel cannot describe."""
 
 from __future__ import annotations
 
@@ -13,8 +14,19 @@ from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.compiled_step import Segment
 from onnxkv.zoo.builders import MICRO, build_model
 
-#: The nodes that build the export's mask from attention_mask: they stay Python nodes (their shapes grow).
+#: The nodes that build the graphs' masks from attention_mask: they stay Python nodes (their shapes grow).
 MASK_NODES = {"ShapeOf", "Range", "Sub", "LessOrEqual", "Cast", "And", "Where", "Unsqueeze"}
+#: Per graph form, operators its decode step now replays.
+COMPILED = {
+    "concat": {"Concat", "MaskedAttention", "RotateHalf", "SkipRMSNormChain", "ViewChain"},
+    "attention": {"Attention23", "RotaryEmbedding23", "Add"},
+}
+ATTENTION = {"concat": "MaskedAttention", "attention": "Attention23"}
+
+
+@pytest.fixture(params=sorted(COMPILED))
+def form(request) -> str:
+    return request.param
 
 
 def _runs(session, state, prompt, lengths, tokens, masks=None):
@@ -39,21 +51,21 @@ def _kinds(session, step):
             for k in range(it.first, it.end)}  # fmt: skip
 
 
-def test_a_decode_step_is_one_segment_of_every_node_but_the_mask():
-    session = onnxkv.Session(build_model("concat", MICRO, seed=21), threads=1)
+def test_a_decode_step_is_one_segment_of_every_node_but_the_mask(form):
+    session = onnxkv.Session(build_model(form, MICRO, seed=21), threads=1)
     onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=12)
     (step,) = session.plan.steps.idle
     segments = [it for it in step.items if isinstance(it, Segment)]
     python = {type(session.plan.kernels[k]).__name__ for k in step.items if type(k) is int}
     assert len(segments) == 1 and python <= MASK_NODES and not step.stale
-    assert {"Concat", "MaskedAttention", "RotateHalf", "SkipRMSNormChain", "ViewChain"} <= _kinds(session, step)
+    assert COMPILED[form] <= _kinds(session, step)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_replays_through_cache_growth_and_new_states_equal_node_by_node(threads, recordings):
+def test_replays_through_cache_growth_and_new_states_equal_node_by_node(form, threads, recordings):
     """The caches are resizable externals of the appends and of the attention: one recorded step serves a
     cache that grew (4 -> 8 -> 16) and new states of other capacities."""
-    model = build_model("concat", MICRO, seed=22)
+    model = build_model(form, MICRO, seed=22)
     rng = np.random.default_rng(3)
     prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 3)), rng.integers(1, MICRO.vocab_size, (12, 1))
     runs = {}
@@ -64,15 +76,15 @@ def test_replays_through_cache_growth_and_new_states_equal_node_by_node(threads,
                 runs[compiled, capacity] = _runs(session, state, prompt, [3], tokens)
                 assert state.length == 15
         if compiled:
-            assert {"Concat", "MaskedAttention"} <= _kinds(session, session.plan.steps.idle[0])
+            assert any(ATTENTION[form] in _kinds(session, step) for step in session.plan.steps.idle)
             assert len(recordings) == 2  # the prompt's run (then replayed by a later state's) and the decode step
     for capacity in (4, 7, 30):
         for plain, replayed in zip(runs[False, capacity], runs[True, capacity], strict=True):
             np.testing.assert_array_equal(plain, replayed)
 
 
-def test_left_padded_rows_replay_their_own_visible_ranges():
-    model = build_model("concat", MICRO, seed=23)
+def test_left_padded_rows_replay_their_own_visible_ranges(form):
+    model = build_model(form, MICRO, seed=23)
     rng = np.random.default_rng(4)
     prompt = rng.integers(1, MICRO.vocab_size, (3, 6))
     prompt[0, :2] = prompt[2, :5] = 0  # left padding of rows 0 and 2
@@ -83,7 +95,7 @@ def test_left_padded_rows_replay_their_own_visible_ranges():
         with session.new_state() as state:
             runs[compiled] = _runs(session, state, prompt, [4, 6, 1], tokens)
         if compiled:
-            assert "MaskedAttention" in _kinds(session, session.plan.steps.idle[0])
+            assert any(ATTENTION[form] in _kinds(session, step) for step in session.plan.steps.idle)
     for plain, replayed in zip(runs[False], runs[True], strict=True):
         np.testing.assert_array_equal(plain, replayed)
 
@@ -99,8 +111,8 @@ def _too_long(mask: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", [_hole, _too_long], ids=["hole", "too-long"])
-def test_a_mask_the_kernel_cannot_describe_runs_node_by_node_with_the_same_outcome(kind):
-    model = build_model("concat", MICRO, seed=24)
+def test_a_mask_the_kernel_cannot_describe_runs_node_by_node_with_the_same_outcome(form, kind):
+    model = build_model(form, MICRO, seed=24)
     rng = np.random.default_rng(5)
     prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 4)), rng.integers(1, MICRO.vocab_size, (6, 1))
     masks = [None, None, kind, None, None, None]  # the third decode step's mask is hostile
@@ -120,10 +132,10 @@ def test_a_mask_the_kernel_cannot_describe_runs_node_by_node_with_the_same_outco
         assert outcomes[False][1] == outcomes[True][1]
 
 
-def test_runs_without_a_state_keep_the_concat_a_python_node_and_equal_node_by_node():
-    """Threaded as tensors the Concat joins arrays of this run only: it refuses the recording (its copy would
-    be baked into the step) and the step replays the rest."""
-    model = build_model("concat", MICRO, seed=25)
+def test_runs_without_a_state_keep_the_cache_joins_python_nodes_and_equal_node_by_node(form):
+    """Threaded as tensors the Concat (or Attention) joins arrays of this run only: it refuses the recording
+    (its copy would be baked into the step) and the step replays the rest."""
+    model = build_model(form, MICRO, seed=25)
     prompt = np.random.default_rng(6).integers(1, MICRO.vocab_size, (1, 4))
     got = {}
     for compiled in (False, True):
@@ -131,5 +143,5 @@ def test_runs_without_a_state_keep_the_concat_a_python_node_and_equal_node_by_no
         got[compiled] = onnxkv.generate(session, prompt, max_new_tokens=10, cache="tensor").tokens
         if compiled:
             for step in session.plan.steps.idle:
-                assert "Concat" not in _kinds(session, step)
+                assert not {"Concat", "Attention23"} & _kinds(session, step)
     np.testing.assert_array_equal(got[False], got[True])
