@@ -30,6 +30,7 @@ from onnxkv.plan.ops._gqa_record import committed_pair
 
 __all__ = [
     "CommittedLength",
+    "appendable",
     "RowsAppend",
     "bound_cache_name",
     "note_attention_decode",
@@ -37,6 +38,16 @@ __all__ = [
     "note_masked_decode",
     "replayable_mask",
 ]
+
+
+def appendable(cache) -> bool:
+    """Whether ``cache`` is one the recorded appends and masked attention take: contiguous, growing (not
+    static) and stored as float32."""
+    return (
+        not getattr(cache, "paged", False)
+        and not getattr(cache, "static", True)
+        and getattr(cache, "storage", None) == "float32"
+    )
 
 
 def bound_cache_name(rt: RunContext, view: np.ndarray) -> str | None:
@@ -50,9 +61,7 @@ def bound_cache_name(rt: RunContext, view: np.ndarray) -> str | None:
         buf = getattr(cache, "buffer", None)
         if (
             isinstance(buf, np.ndarray)
-            and not getattr(cache, "paged", False)
-            and not getattr(cache, "static", False)
-            and getattr(cache, "storage", None) == "float32"
+            and appendable(cache)
             and buf.dtype == np.float32
             and buf.__array_interface__["data"][0] == address
             and buf.shape[:2] == view.shape[:2]
@@ -127,7 +136,7 @@ def note_attention_decode(op, rec, rt: RunContext, decode: tuple | None, starts,
     t = past_len + s
     if (
         y_out is None
-        or any(getattr(c, "paged", False) or getattr(c, "static", True) or c.storage != "float32" for c in (ck, cv))
+        or not (appendable(ck) and appendable(cv))
         or past_len != ck.length
         or past_len != cv.length
         or ck.short_row(past_len) is not None

@@ -32,7 +32,7 @@ import numpy as np
 from onnxkv._kernels._record import current as _recorder
 from onnxkv._kernels.gather import gather_rows
 from onnxkv.errors import InputError, OperatorError
-from onnxkv.plan.ops._export_record import note_cache_rows
+from onnxkv.plan.ops._export_record import appendable, note_cache_rows
 from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -258,9 +258,7 @@ class Concat(Op):
         make it: a cache other than contiguous float32, or an append at other than the committed length."""
         cache = rt.caches[self.bound_past]
         if (
-            getattr(cache, "paged", False)
-            or getattr(cache, "static", True)
-            or cache.storage != "float32"
+            not appendable(cache)
             or new.dtype != np.float32
             or not new.flags.c_contiguous
             or new.ndim != 4
