@@ -50,7 +50,7 @@ class RunBuffers:
     An entry is ``(buffer, raw uint8 view of its bytes, nbytes)``.
     """
 
-    __slots__ = ("allocator", "held", "free_lists", "pooled", "pool_limit", "used", "plan_alloc", "retired")
+    __slots__ = ("allocator", "held", "free_lists", "pooled", "pool_limit", "used", "plan_alloc", "retired", "lent")
 
     def __init__(self, allocator, pool_limit: int = 64 << 20) -> None:
         self.allocator = allocator
@@ -62,14 +62,37 @@ class RunBuffers:
         #: The run's allocation function (see slot_allocator), made once per RunBuffers.
         self.plan_alloc = None
         self.retired: list[tuple] = []  # entries kept until close, never handed out again (compiled steps)
+        self.lent: dict[int, tuple] = {}  # address of a lent array -> its entry (see lend)
 
     def take(self, slot: int, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
         """A C-contiguous ``dtype`` array of ``shape`` (non-negative ints) owned by ``slot``; True if it was a reuse."""
-        nbytes = dtype.itemsize * int(prod(shape))
-        size = size_class(nbytes)
         held = self.held
         if slot in held:
             self.release(slot)
+        entry, reused, view = self._entry(shape, dtype)
+        held[slot] = entry
+        return view, reused
+
+    def lend(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """A C-contiguous ``dtype`` array of ``shape`` for a node's own temporary (owned by no slot), from the
+        free lists when a buffer of its size class is there.  The node gives it back (:meth:`give_back`)
+        before it returns, and returns no view of it; one not given back goes to the allocator at the end of
+        the run."""
+        entry, _, view = self._entry(shape, dtype)
+        self.lent[view.ctypes.data] = entry
+        return view
+
+    def give_back(self, array: np.ndarray) -> None:
+        """Return an array of :meth:`lend` (the array itself, not a view at another address) to the free
+        lists (to the allocator past ``pool_limit``)."""
+        entry = self.lent.pop(array.ctypes.data)
+        if not self._keep(entry):
+            checked.release(self.allocator, [entry[0]], _WHO, strict=True)
+
+    def _entry(self, shape: tuple, dtype: np.dtype) -> tuple[tuple, bool, np.ndarray]:
+        """(entry, reused, the ``dtype`` array of ``shape`` on it) for a new request, marked used."""
+        nbytes = dtype.itemsize * int(prod(shape))
+        size = size_class(nbytes)
         lst = self.free_lists.get(size)
         if lst:
             entry = lst.pop()
@@ -79,9 +102,8 @@ class RunBuffers:
             buf, raw = checked.lease(self.allocator, size, 64, np.uint8, (size,), _WHO)
             entry = (buf, raw, size)
             reused = False
-        held[slot] = entry
         self.used.add(id(entry))
-        return entry[1][:nbytes].view(dtype).reshape(shape), reused
+        return entry, reused, entry[1][:nbytes].view(dtype).reshape(shape)
 
     def release(self, slot: int) -> None:
         """Return ``slot``'s buffer to the free lists (to the allocator past ``pool_limit``); no-op if it has none.
@@ -112,10 +134,11 @@ class RunBuffers:
         The run has succeeded: a ``free`` that raises is logged.
         """
         used = self.used
-        if not self.held and not any(self.free_lists.values()):  # a run that kept nothing (a replayed step)
+        if not self.held and not any(self.free_lists.values()) and not self.lent:  # kept nothing (a replayed step)
             used.clear()
             return
-        gone = []
+        gone = list(self.lent.values())  # lent and never given back (a node's error path): not kept
+        self.lent.clear()
         free_lists = self.free_lists
         for n, lst in list(free_lists.items()):
             stale = [e for e in lst if id(e) not in used]
@@ -138,8 +161,9 @@ class RunBuffers:
         """Return every buffer to the allocator (the end of a run, failed or not: a ``free`` that raises is
         logged)."""
         gone = [e[0] for e in self.held.values()] + [e[0] for lst in self.free_lists.values() for e in lst]
-        gone += [e[0] for e in self.retired]
+        gone += [e[0] for e in self.retired] + [e[0] for e in self.lent.values()]
         self.retired.clear()
+        self.lent.clear()
         self.held.clear()
         self.free_lists.clear()
         self.pooled = 0
@@ -149,7 +173,8 @@ class RunBuffers:
 def slot_allocator(bufs: RunBuffers, persistent: list[bool], out_idx: list[tuple]):
     """The ``rt.empty`` of a plan's runs using ``bufs``: output ``index`` of the running node as a new
     array when its slot is persistent (it may reach the caller) or the node has no such output, else
-    a buffer of ``bufs`` owned by the slot; counted in the run's counters when it records."""
+    a buffer of ``bufs`` owned by the slot; counted in the run's counters when it records.  Its attribute
+    ``buffers`` is ``bufs`` (the run's temporaries, :meth:`RunContext.scratch`)."""
     take = bufs.take
 
     def alloc(rt, index: int, shape, dtype: np.dtype) -> np.ndarray:
@@ -167,4 +192,5 @@ def slot_allocator(bufs: RunBuffers, persistent: list[bool], out_idx: list[tuple
                 c["allocated_bytes"] = c.get("allocated_bytes", 0) + arr.nbytes
         return arr
 
+    alloc.buffers = bufs
     return alloc

@@ -101,6 +101,26 @@ class RunContext:
     def empty(self, index: int, shape, dtype) -> np.ndarray:
         return self._plan_alloc(self, index, shape, np.dtype(dtype))
 
+    def scratch(self, shape, dtype) -> np.ndarray:
+        """An uninitialised C-contiguous temporary of the running node (a float32 widening of float16
+        operands, say), from the run's buffers: a reuse when one of its size class is free, so a prompt's
+        layers do not each map and fault in fresh memory.  The node hands it back with :meth:`unscratch`
+        before it returns and returns no view of it (one not handed back is freed when the run ends).
+        Without the run's buffers (a context made by hand) it is a new NumPy array."""
+        bufs = getattr(self._plan_alloc, "buffers", None)
+        shape = tuple(shape)
+        if bufs is None or 0 in shape:
+            return np.empty(shape, dtype)
+        return bufs.lend(shape, np.dtype(dtype))
+
+    def unscratch(self, *arrays: np.ndarray) -> None:
+        """Hand back temporaries of :meth:`scratch` (the arrays it returned)."""
+        bufs = getattr(self._plan_alloc, "buffers", None)
+        if bufs is not None:
+            for a in arrays:
+                if a.size:
+                    bufs.give_back(a)
+
     def in_place(self, past: str) -> bool:
         """True when this run binds the graph input ``past`` to a persistent cache."""
         return self.caches is not None and past in self.caches

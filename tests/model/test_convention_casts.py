@@ -112,3 +112,24 @@ def test_beam_search_and_speculative_decoding_on_the_float16_caches(fp16):
     greedy = onnxkv.generate(session, prompt, 8, eos_token_id=[]).tokens
     spec = onnxkv.speculative_generate(session, prompt, draft=session, max_new_tokens=8, eos_token_id=[])
     np.testing.assert_array_equal(spec.sequences[:, prompt.shape[1] :], greedy)
+
+
+def test_a_float16_exports_attention_runs_on_the_kernel_with_onnxruntimes_tokens(tmp_path, monkeypatch):
+    """The float16 Concat-cache export's attention blocks (MaskedAttention over float16 caches, a float16
+    -65504 mask) take the streaming kernel in the prompt and in every decode step of a left-padded batch;
+    greedy tokens stay ONNX Runtime's."""
+    from onnxkv.plan.ops import masked_attention as ma
+
+    calls = []
+    real = ma._attention_kernel
+    monkeypatch.setattr(ma, "_attention_kernel", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    model = convert_float_to_float16(build_model("concat", MICRO, seed=4), keep_io_types=True)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    session = onnxkv.Session(str(path), threads=2)
+    prompt = np.random.default_rng(6).integers(1, MICRO.vocab_size, (2, 9))
+    mask = np.ones_like(prompt)
+    mask[1, :3] = 0  # row 1 left-padded
+    got = onnxkv.generate(session, prompt, 12, attention_mask=mask, eos_token_id=[]).tokens
+    np.testing.assert_array_equal(got, ort_greedy(session, prompt, 12, mask))
+    assert calls.count(9) == MICRO.num_layers and calls.count(1) == 11 * MICRO.num_layers

@@ -92,3 +92,29 @@ def test_a_value_growing_by_a_column_per_run_reuses_its_buffer_and_leaves_no_emp
     assert list(bufs.free_lists) == [size_class(799 * 4)]
     bufs.close()
     assert alloc.stats().live == 0
+
+
+def test_lent_temporaries_share_the_free_lists_and_come_back_at_the_end():
+    """lend/give_back: a node's own temporary comes from the free lists of its size class and goes back to
+    them; one never given back (a node that raised) goes to the allocator when the run ends, not to the
+    free lists."""
+    alloc = SystemAllocator()
+    bufs = RunBuffers(alloc)
+    a, _ = bufs.take(0, (64, 4), np.dtype(np.float32))
+    address = a.__array_interface__["data"][0]
+    bufs.release(0)
+    t = bufs.lend((4, 64), np.dtype(np.float32))  # the released buffer's size class
+    assert t.flags.c_contiguous and t.__array_interface__["data"][0] == address
+    u = bufs.lend((100,), np.dtype(np.float16))
+    assert u.__array_interface__["data"][0] != address and alloc.stats().allocations == 2
+    t[...] = 1.0
+    bufs.give_back(t)
+    again, reused = bufs.take(1, (256,), np.dtype(np.float32))
+    assert reused and again.__array_interface__["data"][0] == address
+    bufs.recycle([])  # u was never given back: freed, not kept
+    st = alloc.stats()
+    assert st.frees == 1 and st.live == size_class(1024) and not bufs.lent
+    w = bufs.lend((3, 5), np.dtype(np.float64))
+    assert w.shape == (3, 5)
+    bufs.close()  # lent and kept buffers alike
+    assert alloc.stats().live == 0 and not bufs.lent

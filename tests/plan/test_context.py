@@ -1,4 +1,4 @@
-"""RunContext's deferred work: commits after success, rollbacks newest first after a failure."""
+"""RunContext: deferred work (commits after success, rollbacks newest first after a failure) and scratch."""
 
 from __future__ import annotations
 
@@ -77,3 +77,26 @@ def test_a_nested_context_allocates_on_its_own_and_shares_everything_the_run_own
     assert rt.counters == {"allocations": 2} and rt.cache_events == [("past", "cost")]
     rt.finish(False)
     assert calls == ["inner rollback"]
+
+
+def test_scratch_comes_from_the_runs_buffers_or_numpy_without_them():
+    from onnxkv import SystemAllocator
+    from onnxkv.plan.buffers import RunBuffers, slot_allocator
+
+    alloc = SystemAllocator()
+    bufs = RunBuffers(alloc)
+    rt = RunContext(slot_allocator(bufs, [False], [(0,)]), False, 0)
+    a = rt.scratch((8, 16), np.float32)
+    b = rt.scratch([0, 3], np.float16)  # empty: no buffer leased
+    assert a.shape == (8, 16) and a.dtype == np.float32 and b.shape == (0, 3) and b.dtype == np.float16
+    assert alloc.stats().allocations == 1
+    rt.unscratch(a, b)
+    c = rt.scratch((128,), np.float32)
+    assert c.__array_interface__["data"][0] == a.__array_interface__["data"][0] and alloc.stats().allocations == 1
+    rt.unscratch(c)
+    bufs.close()
+    assert alloc.stats().live == 0
+    plain = context()  # a context made by hand: NumPy arrays, nothing to hand back
+    d = plain.scratch((2, 2), np.int32)
+    assert d.shape == (2, 2) and d.dtype == np.int32
+    plain.unscratch(d)

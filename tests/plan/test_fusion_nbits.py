@@ -109,7 +109,7 @@ def test_siblings_fuse_into_one_product(level, norm):
                 ),
                 None,
             )
-            ref[...] = node._product(h, bias, None).reshape(ref.shape)
+            ref[...] = node._product(h, bias, None, None).reshape(ref.shape)
             np.testing.assert_array_equal(got[name], ref)
             tol = 2e-2 if level == 4 else 1e-4
             np.testing.assert_allclose(got[name], want[name], rtol=tol, atol=tol * np.abs(want[name]).max())

@@ -9,7 +9,16 @@ import numpy as np
 
 from onnxkv import _kernels as K
 
-__all__ = ["broadcast_shape", "float32_pair", "normalize_axis", "normalize_axes", "int_list", "LayoutMemo"]
+__all__ = [
+    "add_float16",
+    "broadcast_shape",
+    "float16_pair",
+    "float32_pair",
+    "normalize_axis",
+    "normalize_axes",
+    "int_list",
+    "LayoutMemo",
+]
 
 _UNKNOWN = object()
 
@@ -21,10 +30,12 @@ def broadcast_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, ...]:
     return np.broadcast_shapes(a.shape, b.shape)
 
 
-def widened(a: np.ndarray) -> np.ndarray:
-    """A new float32 array of float16 ``a``'s values (exact), converted by the F16C kernel (NumPy's float16
-    casts run element by element: 1.2 ms for a 128 x 5632 activation, against 0.03)."""
-    out = np.empty(a.shape, np.float32)
+def widened(a: np.ndarray, rt=None) -> np.ndarray:
+    """A float32 array of float16 ``a``'s values (exact), converted by the F16C kernel (NumPy's float16
+    casts run element by element: 1.2 ms for a 128 x 5632 activation, against 0.03).  With ``rt`` (the
+    running node's :class:`~onnxkv.plan.context.RunContext`) it is a temporary of :meth:`RunContext.scratch`,
+    which the node hands back (``rt.unscratch``); else a new array."""
+    out = np.empty(a.shape, np.float32) if rt is None else rt.scratch(a.shape, np.float32)
     if a.flags.c_contiguous:
         K.f16_to_f32(a, out)
     else:
@@ -49,6 +60,25 @@ def round_into(out: np.ndarray, wide: np.ndarray) -> np.ndarray:
     return out
 
 
+def float16_pair(a, b) -> bool:
+    """Whether ``a`` and ``b`` are non-empty C-contiguous float16 arrays of one shape (:func:`add_float16`)."""
+    return _pair(a, b, np.float16)
+
+
+def add_float16(a: np.ndarray, b: np.ndarray, out: np.ndarray, rt=None) -> np.ndarray:
+    """``out`` = ``a + b`` for a :func:`float16_pair` and a float16 ``out`` of their shape (C-contiguous), as
+    NumPy's float16 ``add`` gives it, bit for bit: the float32 sum of the widenings rounded to float16 (a
+    float32 sum of two float16 values rounded again to float16 is their correctly rounded float16 sum, since
+    24 >= 2 * 11 + 2 significand bits), on the F16C and ``add`` kernels instead of NumPy's element-by-element
+    float16 loop.  ``rt``: the running node's context, whose scratch holds the widenings.  Returns ``out``."""
+    wa, wb = widened(a, rt), widened(b, rt)
+    K.add(wa.reshape(-1), wb.reshape(-1), wa.reshape(-1))
+    round_into(out, wa)
+    if rt is not None:
+        rt.unscratch(wa, wb)
+    return out
+
+
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``np.matmul(a, b, out=out)``; float16 operands as float32 sums rounded once to float16, through
     BLAS (NumPy's float16 matmul has no BLAS: a 128-token float16 attention took about 140 ms a layer),
@@ -62,11 +92,15 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
 def float32_pair(a, b) -> bool:
     """Whether ``a`` and ``b`` are non-empty C-contiguous float32 arrays of one shape (the operands of an
     element-by-element kernel that a compiled step replays)."""
+    return _pair(a, b, np.float32)
+
+
+def _pair(a, b, dtype) -> bool:
     return (
         isinstance(a, np.ndarray)
         and isinstance(b, np.ndarray)
-        and a.dtype == np.float32
-        and b.dtype == np.float32
+        and a.dtype == dtype
+        and b.dtype == dtype
         and a.shape == b.shape
         and a.size > 0
         and a.flags.c_contiguous

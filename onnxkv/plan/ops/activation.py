@@ -185,9 +185,10 @@ class SiluMul(Op):
             K.silu_mul(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
             return (out,)
         if gate.shape == up.shape and gate.dtype == up.dtype == np.float16:  # in float32, rounded once
-            wide = np.empty(gate.shape, np.float32)
-            K.silu_mul(widened(gate).reshape(-1), widened(up).reshape(-1), wide.reshape(-1))
+            wg, wu = widened(gate, rt), widened(up, rt)
+            K.silu_mul(wg.reshape(-1), wu.reshape(-1), wg.reshape(-1))
             out = rt.empty(0, gate.shape, gate.dtype)
-            round_into(out, wide)
+            round_into(out, wg)
+            rt.unscratch(wg, wu)
             return (out,)
         return ((gate / (1 + np.exp(-gate)) * up).astype(gate.dtype, copy=False),)

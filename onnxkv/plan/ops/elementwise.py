@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxkv import _kernels as K
 from onnxkv._kernels._record import current as _recorder
-from onnxkv.plan.ops._util import broadcast_shape, float32_pair
+from onnxkv.plan.ops._util import add_float16, broadcast_shape, float16_pair, float32_pair
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _BINARY = {
@@ -63,7 +63,9 @@ class _Binary(Op):
 
 class Add(_Binary):
     """``Add``: float32 addends of one shape (C-contiguous, non-empty) through the compiled ``add`` kernel,
-    whose call a compiled step replays (a residual sum); anything else as the other binary operators."""
+    whose call a compiled step replays (a residual sum); float16 ones of one shape through the same kernel on
+    their widenings (:func:`~onnxkv.plan.ops._util.add_float16`: NumPy's float16 sums, bit for bit);
+    anything else as the other binary operators."""
 
     def compilable(self, inputs: list) -> bool:
         return float32_pair(*inputs)
@@ -75,6 +77,10 @@ class Add(_Binary):
             K.add(a.reshape(-1), b.reshape(-1), out.reshape(-1))
             return (out,)
         rec = _recorder()
+        if float16_pair(a, b):
+            if rec is not None:
+                rec.refused.append(f"Add node '{self.name}': float16 addends")
+            return (add_float16(a, b, rt.empty(0, a.shape, np.float16), rt),)
         if rec is not None:
             rec.refused.append(f"Add node '{self.name}': not two float32 addends of one shape")
         return super().run(inputs, rt)

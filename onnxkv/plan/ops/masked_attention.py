@@ -19,7 +19,7 @@ an optional NaN guard after the softmax).  Inputs, by position
 13...  anything else the block reads (e.g. the NaN guard's fill value)
 =====  ===========================  ===============================================
 
-Output: Y [B, Hq, S, Dv], float32 on the kernel path.  The ``body`` attribute
+Output: Y [B, Hq, S, Dv], float32 on the kernel path (float16 for a float16 block).  The ``body`` attribute
 holds the replaced nodes (a graph over the same input names).  Attribute
 ``reshape_from_x`` (:data:`~onnxkv.plan.fusion.RESHAPE_FROM_X`, set by shape
 folding) lists the reshape inputs (6, 9) that are templates over K's / V's
@@ -29,12 +29,18 @@ The compiled streaming kernel (:func:`onnxkv._kernels.attention`: K/V read
 once per KV head for its whole query group, never repeated, gathered or
 copied) runs when, checked on every call:
 
-* ``q`` is float32, K and V float32 or float16 of one shape with ``Dv == D``;
+* ``q`` is float32, K and V float32 or float16 of one shape with ``Dv == D``
+  (or all three float16: a float16 export's block, whose ``q`` the kernel
+  reads widened and whose Y it rounds once to float16, as ONNX Runtime's
+  fused float16 attention computes it -- the literal chain rounds the
+  scores, the probabilities and the products);
 * both repeats describe the same head repeat ``n`` with ``Hq = n * Hkv`` (or
   neither is present and ``Hq == Hkv``); the scales are scalars;
 * the Softmax is over the last axis;
 * the mask is float32, one value per (batch, query, key) for all heads, every
-  entry is 0 (visible) or ``<= -1e30`` (masked: float32 min, ``-inf``), and
+  entry is 0 (visible) or ``<= -1e30`` (masked: float32 min, ``-inf``) --
+  a float16 mask: 0 or ``<= -65504`` (float16's lowest, as the converter
+  writes float32 min, or ``-inf``), see below --, and
   each query row's visible keys form one range ``[lo_b, hi]`` whose start is
   shared by all rows of batch row ``b``: left padding plus a causal (or any
   per-row) end, i.e. the kernel's ``kv_start[b] = lo_b`` and ``q_pos[b, s] = hi``
@@ -42,7 +48,10 @@ copied) runs when, checked on every call:
 
 A masked score is ``s + m`` with ``m <= -1e30``, whose exponential is exactly 0
 next to any visible score, so the kernel's result equals the expression up to
-float rounding.  Rows with no visible key (left-padding rows of a prefill) are
+float rounding.  A float16 mask's finite ``-65504`` hides a key only while the
+scores are far smaller than that: the kernel runs only when
+:func:`hidden_scores_vanish` bounds every hidden score (``|scale| * |q| *
+|k|``) far enough below the visible ones, else the body runs literally.  Rows with no visible key (left-padding rows of a prefill) are
 evaluated literally, which keeps the unfused operators' answer for them
 (uniform weights under a finite mask; under ``-inf``, whatever the Softmax
 and the NaN guard, if any, make of it).  When
@@ -64,13 +73,28 @@ from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.ops._export_record import bound_cache_name, note_masked_decode, replayable_mask
-from onnxkv.plan.ops._util import LayoutMemo, int_list
+from onnxkv.plan.ops._util import LayoutMemo, int_list, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["MaskedAttention", "mask_ranges", "visible_ranges", "cached_mask_ranges", "MASKED"]
+__all__ = [
+    "MaskedAttention",
+    "mask_ranges",
+    "visible_ranges",
+    "cached_mask_ranges",
+    "hidden_scores_vanish",
+    "MASKED",
+    "MASKED_F16",
+]
 
 #: Additive mask values at or below this hide a key (float32 min and -inf included).
 MASKED = -1e30
+#: float16 masks hide a key with float16's lowest finite value (an export's ``finfo(float16).min``) or
+#: -inf.  A finite one hides a key only while the scores are far smaller (:func:`hidden_scores_vanish`).
+MASKED_F16 = float(np.finfo(np.float16).min)
+_FLOORS = {np.dtype(np.float32): MASKED, np.dtype(np.float16): MASKED_F16}
+#: :func:`hidden_scores_vanish`'s bound on twice the largest score magnitude: a hidden score is then more
+#: than 5504 below the row's largest, whose exponential is 0 in float32 and float16.
+_F16_SCORE_SPAN = 60000.0
 
 _Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE, _Q_SCALE = (
     MASKED_ATTENTION_INPUTS.index(r) for r in ("q", "k", "v", "mask", "k_scale", "score_scale", "q_scale")
@@ -83,11 +107,12 @@ def mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarray, n
     """The kernel's description of an additive ``mask`` over scores [b, H, s, t], or None.
 
     Returns :func:`visible_ranges` of the mask's zeros.  None unless ``mask``
-    is float32, broadcasts to [b, 1, s, t] without growing the scores (its
-    head axis is 1), every entry is 0 or ``<= MASKED``, and the zeros pass
+    is float32 (or float16), broadcasts to [b, 1, s, t] without growing the scores (its
+    head axis is 1), every entry is 0 or ``<= MASKED`` (float16: ``<= MASKED_F16``), and the zeros pass
     :func:`visible_ranges`.  ``t >= 1``.
     """
-    if mask.dtype != np.float32 or mask.ndim > 4:
+    floor = _FLOORS.get(mask.dtype)
+    if floor is None or mask.ndim > 4:
         return None
     m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     mb, mh, ms, mt = m.shape
@@ -95,7 +120,7 @@ def mask_ranges(mask: np.ndarray, b: int, s: int, t: int) -> tuple[np.ndarray, n
         return None
     m = m[:, 0]
     visible = m == 0
-    if not (visible | (m <= MASKED)).all():
+    if not (visible | (m <= floor)).all():
         return None
     return visible_ranges(np.broadcast_to(visible, (mb, ms, t)), b, s)
 
@@ -155,6 +180,36 @@ def cached_mask_ranges(mask: np.ndarray, b: int, s: int, t: int, describe=None):
     ranges = describe(mask, b, s, t)
     _LAST_MASK.entry = (key, mask.copy(), ranges)
     return ranges
+
+
+def hidden_scores_vanish(q: np.ndarray, k: np.ndarray, scale: float, kv_start, q_pos, empty) -> bool:
+    """Whether a float16 mask (:data:`MASKED_F16`) hides keys as the kernel does, with weight exactly 0.
+
+    ``q`` float32 [b, Hq, s, D] (a float16 query widened), ``k`` [b, Hkv, t, D], and the
+    :func:`mask_ranges` of the mask.  A hidden score is ``scale * q.k + m`` with ``m <= -65504``, not below
+    -1e30, so it vanishes next to the row's visible scores only while the scores are small: with ``B`` =
+    ``|scale| * max |q_r| * max |k_j|`` over the rows and the keys some row does not see (Cauchy-Schwarz),
+    every hidden score is at most ``B - 65504`` and the row's largest visible one at least ``-B``; True
+    when ``2 B < 60000`` (or no key is hidden).  False for a NaN or an infinity in those rows or keys.
+    The keys some row does not see: before ``kv_start[i]``, and after the smallest ``q_pos`` of the
+    rows of batch row ``i`` that see a key (rows that see none are evaluated literally).
+    """
+    t = k.shape[2]
+    kmax = 0.0
+    for i in range(k.shape[0]):
+        seen = q_pos[i][~empty[i]]
+        hi = int(seen.min()) + 1 if seen.size else t
+        for lo_key, hi_key in ((0, int(kv_start[i])), (hi, t)):
+            if lo_key < hi_key:
+                part = widened(np.ascontiguousarray(k[i, :, lo_key:hi_key]))
+                norm = float(np.einsum("hjd,hjd->hj", part, part).max())
+                if not np.isfinite(norm):
+                    return False
+                kmax = max(kmax, norm)
+    if kmax == 0.0:
+        return True
+    qmax = float(np.einsum("bhsd,bhsd->bhs", q, q).max())
+    return bool(2.0 * abs(scale) * np.sqrt(qmax) * np.sqrt(kmax) < _F16_SCORE_SPAN)  # False for NaN
 
 
 def _kv_rows(x: np.ndarray) -> np.ndarray:
@@ -276,24 +331,42 @@ class MaskedAttention(Op):
         scale = self._memo.get(self._key(inputs), self._scale, inputs)
         b, _, s, _ = q.shape
         ranges = None if scale is None else cached_mask_ranges(inputs[_MASK], b, s, k.shape[2])
+        half = q.dtype == np.float16
+        wq = widened(q, rt) if half and ranges is not None else None  # float16: in float32, Y rounded once
+        mask = inputs[_MASK]
+        if (
+            ranges is not None
+            and mask.dtype == np.float16
+            and np.isfinite(mask[mask != 0]).any()  # -inf hides a key whatever the scores
+            and not hidden_scores_vanish(q if wq is None else wq, k, scale, *ranges)
+        ):
+            ranges = None
         if ranges is None:
+            if wq is not None:
+                rt.unscratch(wq)
             rec = _recorder()
             if rec is not None:
                 rec.refused.append(f"{self.op_type} node '{self.name}': evaluated literally")
             return (self._literal(self._templated(inputs), rt),)
         kv_start, q_pos, empty = ranges
-        out = rt.empty(0, q.shape, np.float32)
+        out = rt.empty(0, q.shape, q.dtype)
+        wide = rt.scratch(q.shape, np.float32) if half else out
         kv_len = np.full(b, k.shape[2], np.int32)
-        q = np.ascontiguousarray(q)
+        q = np.ascontiguousarray(q) if wq is None else wq
         k_rows, v_rows = _kv_rows(k), _kv_rows(v)
-        _attention_kernel(q, k_rows, v_rows, kv_len, q_pos, scale, 0.0, -1, out, kv_start if kv_start.any() else None)
+        _attention_kernel(q, k_rows, v_rows, kv_len, q_pos, scale, 0.0, -1, wide, kv_start if kv_start.any() else None)
         rec = _recorder()
-        if rec is not None:
+        if half:
+            round_into(out, wide)
+            rt.unscratch(wq, wide)
+            if rec is not None:
+                rec.refused.append(f"{self.op_type} node '{self.name}': a float16 attention")
+        elif rec is not None:
             self._note(rec, rt, inputs, q, k_rows, v_rows, out, scale, empty)
         if empty.any():
             rows = np.flatnonzero(empty.any(axis=0))
             sub = list(self._templated(inputs))
-            sub[_Q] = q[:, :, rows]
+            sub[_Q] = inputs[_Q][:, :, rows]
             # the mask and the other score-shaped values the block reads (a NaN guard's fill): those rows
             for i in (_MASK, *range(len(MASKED_ATTENTION_INPUTS), len(sub))):
                 x = sub[i]
@@ -336,7 +409,8 @@ class MaskedAttention(Op):
         q, k, v = inputs[_Q], inputs[_K], inputs[_V]
         if (
             not self._last_axis_softmax
-            or q.dtype != np.float32
+            or q.dtype not in (np.float32, np.float16)
+            or (q.dtype == np.float16 and k.dtype != np.float16)
             or q.ndim != 4
             or k.ndim != 4
             or v.shape != k.shape

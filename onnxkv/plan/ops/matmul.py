@@ -96,9 +96,10 @@ class MatMul(Op):
             if a.dtype == np.float32:
                 matmul_packed(np.ascontiguousarray(a).reshape(-1, k), packed, out.reshape(-1, self._n))
             else:  # float16: float32 sums, Y rounded once
-                y = np.empty(out.shape, np.float32)
-                matmul_packed(widened(a).reshape(-1, k), packed, y.reshape(-1, self._n))
+                wa, y = widened(a, rt), rt.scratch(out.shape, np.float32)
+                matmul_packed(wa.reshape(-1, k), packed, y.reshape(-1, self._n))
                 round_into(out, y)
+                rt.unscratch(wa, y)
             return (out,)
         if a.ndim >= 2 and b.ndim == 2 and a.flags.c_contiguous:
             if a.shape[-1] != b.shape[0]:

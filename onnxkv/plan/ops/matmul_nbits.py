@@ -154,17 +154,21 @@ class MatMulNBits(Op):
             ) from None
         release_pages(B)
 
-    def _product(self, a: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
+    def _product(self, a: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None, rt) -> np.ndarray:
         """A [..., K] (checked here) @ w (+ bias, checked by the caller) as float32 [rows, n], into ``out``
-        (float32 [..., n], or None for a new array)."""
+        (float32 [..., n], or None for a new array); ``rt`` holds a float16 A's widening."""
         if a.dtype not in _FLOATS or a.ndim < 1 or a.shape[-1] != self.k:
             raise ValueError(
                 f"{self.op_type} node '{self.name}': input A must be float32 or float16 [..., {self.k}], "
                 f"got {a.dtype} {a.shape}"
             )
-        x = (np.ascontiguousarray(a) if a.dtype == np.float32 else widened(a)).reshape(-1, self.k)
-        o = (np.empty((x.shape[0], self.n), np.float32) if out is None else out).reshape(-1, self.n)
-        matmul_nbits(x, self.weight, o, bias, int8=self.int8)
+        half = a.dtype == np.float16
+        x = widened(a, rt) if half else np.ascontiguousarray(a)
+        rows = x.size // self.k
+        o = (np.empty((rows, self.n), np.float32) if out is None else out).reshape(rows, self.n)
+        matmul_nbits(x.reshape(rows, self.k), self.weight, o, bias, int8=self.int8)
+        if half and rt is not None:
+            rt.unscratch(x)
         return o
 
     def compilable(self, inputs: list) -> bool:
@@ -193,10 +197,14 @@ class MatMulNBits(Op):
                 f"MatMulNBits node '{self.name}': bias must be float [{self.n}], got {bias.dtype} {bias.shape}"
             )
         f32 = a.dtype == np.float32
-        out = rt.empty(0, a.shape[:-1] + (self.n,), np.float32) if f32 and a.ndim else None
-        o = self._product(a, None if bias is None else np.ascontiguousarray(bias, dtype=np.float32), out)
-        y = out if out is not None else o.reshape(a.shape[:-1] + (self.n,))
-        return (y if f32 else round_into(np.empty(y.shape, np.float16), y),)
+        shape = a.shape[:-1] + (self.n,)
+        out = None if not a.ndim else rt.empty(0, shape, np.float32) if f32 else rt.scratch(shape, np.float32)
+        o = self._product(a, None if bias is None else np.ascontiguousarray(bias, dtype=np.float32), out, rt)
+        if f32:
+            return (out if out is not None else o.reshape(shape),)
+        y = round_into(rt.empty(0, shape, np.float16), o.reshape(shape))
+        rt.unscratch(out)
+        return (y,)
 
 
 @register("SiblingMatMulNBits", domain="ai.onnxkv", internal=True)
@@ -258,7 +266,7 @@ class SiblingMatMulNBits(MatMulNBits):
 
     def run(self, inputs: list, rt) -> tuple:
         a = inputs[0]
-        full = self._product(a, self._bias, None)
+        full = self._product(a, self._bias, None, rt)
         lead, rows = a.shape[:-1], full.shape[0]
         if rows == 1:
             outs = [full[:, n0:n1].reshape(lead + (n1 - n0,)) for n0, n1 in self.bounds]

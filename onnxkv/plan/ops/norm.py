@@ -20,7 +20,7 @@ from onnxkv import _kernels as K
 from onnxkv._kernels._record import current as _recorder
 from onnxkv.plan.fusion_export import RMS_NORM_INPUTS, SKIP_RMS_NORM_INPUTS
 from onnxkv.plan.ops._body import Body
-from onnxkv.plan.ops._util import int_list, round_into, widened
+from onnxkv.plan.ops._util import add_float16, float16_pair, int_list, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -253,16 +253,19 @@ class RMSNormChain(Op):
         return None
 
     @staticmethod
-    def normalise(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+    def normalise(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray, rt=None) -> None:
         """``out`` (x's shape and dtype) = the kernel's norm of ``x`` (float32, or float16 widened and the
-        result rounded once) with ``w`` of x's dtype and ``eps`` from :meth:`kernel_params`."""
+        result rounded once) with ``w`` of x's dtype and ``eps`` from :meth:`kernel_params`; ``rt``: the
+        running node's context (its scratch holds a float16 x's widening)."""
         n = x.shape[-1]
         if x.dtype == np.float32:
             K.rms_norm(np.ascontiguousarray(x).reshape(-1, n), w, eps, out.reshape(-1, n))
             return
-        wide = np.empty(x.shape, np.float32)
-        K.rms_norm(widened(x).reshape(-1, n), w.astype(np.float32), eps, wide.reshape(-1, n))
+        wide = widened(x, rt)
+        K.rms_norm(wide.reshape(-1, n), w.astype(np.float32), eps, wide.reshape(-1, n))
         round_into(out, wide)
+        if rt is not None:
+            rt.unscratch(wide)
 
     def compilable(self, inputs: list) -> bool:
         """Constant parameters and a C-contiguous float32 x: one recorded ``rms_norm`` call (``run`` refuses
@@ -275,7 +278,7 @@ class RMSNormChain(Op):
         eps = self.kernel_params(inputs, x)
         if eps is not None:
             out = rt.empty(0, x.shape, x.dtype)
-            self.normalise(x, w, eps, out)
+            self.normalise(x, w, eps, out, rt)
             return (out,)
         _refuse_literal(self)
         return tuple(self._body.evaluate(self.node.input, inputs, rt))
@@ -340,12 +343,15 @@ class SkipRMSNormChain(Op):
                     None if s is None else s.reshape(-1, n),
                 )
                 return (out, s)
-        if a.dtype == np.float16 and b.dtype == np.float16 and a.shape == b.shape and a.size:
+        if float16_pair(a, b):
             eps = self._norm.kernel_params([None, *inputs[_SKIP_NORM_PARAMS]], a)  # the sum: a's shape and dtype
             if eps is not None and len(self._body.steps) == 2:  # Add, RMSNormChain: no Cast between them
-                s = np.add(a, b, out=rt.empty(1, a.shape, a.dtype) if self._want_sum else None)  # the float16 Add
+                s = rt.empty(1, a.shape, a.dtype) if self._want_sum else rt.scratch(a.shape, a.dtype)
+                add_float16(a, b, s, rt)  # the float16 Add
                 out = rt.empty(0, a.shape, a.dtype)
-                self._norm.normalise(s, inputs[_SKIP_NORM_PARAMS.start], eps, out)
+                self._norm.normalise(s, inputs[_SKIP_NORM_PARAMS.start], eps, out, rt)
+                if not self._want_sum:
+                    rt.unscratch(s)
                 return (out, s if self._want_sum else None)
         _refuse_literal(self)
         values = self._body.evaluate(self.node.input, inputs, rt)

@@ -397,15 +397,25 @@ class RotateHalf(Op):
             return tuple(self._body.evaluate(self.node.input, inputs, rt))
         x_shape, table_shape, positions = layout
         out = rt.empty(0, x.shape, x.dtype)
-        wide = out if x.dtype == _F32 else np.empty(x.shape, _F32)  # float16: widened exactly, rounded once
+        if x.dtype == _F32:
+            _rotary_kernel(
+                np.ascontiguousarray(x).reshape(x_shape),
+                np.ascontiguousarray(cos).reshape(table_shape),
+                np.ascontiguousarray(sin).reshape(table_shape),
+                positions,
+                False,
+                out.reshape(x_shape),
+            )
+            return (out,)
+        wide, wc, ws = widened(x, rt), widened(cos, rt), widened(sin, rt)  # float16: exact, rounded once
         _rotary_kernel(
-            (np.ascontiguousarray(x) if x.dtype == _F32 else widened(x)).reshape(x_shape),
-            np.ascontiguousarray(cos, dtype=_F32).reshape(table_shape),
-            np.ascontiguousarray(sin, dtype=_F32).reshape(table_shape),
+            wide.reshape(x_shape),
+            wc.reshape(table_shape),
+            ws.reshape(table_shape),
             positions,
             False,
             wide.reshape(x_shape),
         )
-        if wide is not out:
-            round_into(out, wide)
+        round_into(out, wide)
+        rt.unscratch(wide, wc, ws)
         return (out,)

@@ -15,8 +15,9 @@ in the same order as the separate kernel would.  A single row (decoding)
 returns the outputs as views of the one product (each is C-contiguous).
 Several rows (a speculative verification, a prompt chunk) take one product per output when every output starts on a panel boundary
 (the panels of an output are then a contiguous slice of the packed weight,
-and each element is summed as in the one product); otherwise they get
-contiguous copies of the column blocks of the one product.
+and each element is summed as in the one product; float16 outputs are each
+rounded from their own float32 product); otherwise they get contiguous
+copies of the column blocks of the one product.
 """
 
 from __future__ import annotations
@@ -93,10 +94,20 @@ class SiblingMatMul(MatMul):
             )
         x = np.ascontiguousarray(a).reshape(-1, k)
         rows, lead = x.shape[0], a.shape[:-1]
+        if a.dtype == np.float16 and rows > 1 and self.panels is not None:  # per output: sums, rounding
+            wx, outs = widened(x, rt), []
+            for i, ((n0, n1), panels) in enumerate(zip(self.bounds, self.panels)):
+                wide = rt.scratch((rows, n1 - n0), np.float32)
+                matmul_packed(wx, panels, wide)
+                outs.append(round_into(rt.empty(i, lead + (n1 - n0,), np.float16), wide.reshape(lead + (n1 - n0,))))
+                rt.unscratch(wide)
+            rt.unscratch(wx)
+            return tuple(outs)
         if a.dtype == np.float16:  # one product of the widened rows, rounded once as a whole
-            wide = np.empty((rows, self._n), np.float32)
-            matmul_packed(widened(x), self.packed, wide)
+            wx, wide = widened(x, rt), rt.scratch((rows, self._n), np.float32)
+            matmul_packed(wx, self.packed, wide)
             full = round_into(np.empty(wide.shape, np.float16), wide)
+            rt.unscratch(wx, wide)
         elif rows > 1 and self.panels is not None:
             outs = []
             for i, ((n0, n1), panels) in enumerate(zip(self.bounds, self.panels)):

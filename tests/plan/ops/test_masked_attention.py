@@ -335,3 +335,90 @@ def test_a_row_that_sees_no_key_under_a_nan_guard_with_a_fill_tensor(mask_value)
     assert [n.op_type for n in sess.plan.nodes] == ["MaskedAttention"]
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_allclose(sess.run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
+
+
+F16MIN = float(np.finfo(np.float16).min)
+
+
+def _float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The block converted to float16 throughout (inputs and outputs too), as ONNX Runtime's converter
+    makes a float16 export: a float32-min mask value becomes float16's lowest finite value."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    return convert_float_to_float16(model, keep_io_types=False)
+
+
+def _float16_feeds(form: str, s: int, t: int, pads, masked: float, seed: int) -> dict:
+    feeds = {x: a.astype(np.float16) for x, a in _feeds(form, s, t, _causal_padded(s, t, pads, 0), seed).items()}
+    feeds["mask"] = np.where(_causal_padded(s, t, pads) == 0, np.float16(0), np.float16(masked))
+    return feeds
+
+
+def _expected(feeds: dict, scale: float) -> np.ndarray:
+    """softmax(scale q.kᵀ + mask) v in float64 over the float16 inputs, a hidden key (mask <= -65504)
+    weighing exactly 0 (no row here sees no key)."""
+    q, k, v = (feeds[x].astype(np.float64) for x in "qkv")
+    g = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    scores = np.where(feeds["mask"] <= F16MIN, -np.inf, scale * q @ np.swapaxes(k, -1, -2))
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("form", ["repeat", "torch", "mha"])
+@pytest.mark.parametrize("s,t", [(1, 37), (6, 11)])
+@pytest.mark.parametrize("masked", [F16MIN, -np.inf])
+def test_float16_blocks_run_on_the_kernel_in_float32(form, s, t, masked, kernel_calls):
+    """A float16 block (a float16 export's attention) runs the kernel on its widened query, float16 K/V
+    read as they are, and rounds Y once: within float16 rounding of the exact expression, where the
+    node-by-node float16 evaluation rounds the scores, the probabilities and the products."""
+    feeds = _float16_feeds(form, s, t, [0, 3], masked, s + t)
+    sess = Session(_float16(_block(form, feeds["mask"].shape)), threads=2)
+    assert "MaskedAttention" in [n.op_type for n in sess.plan.nodes]
+    got = sess.run(feeds)["y"]
+    assert got.dtype == np.float16 and len(kernel_calls) == 1
+    want = _expected(feeds, D**-0.5)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # float16 scores + -65504, literally
+def test_float16_scores_that_could_cross_the_finite_mask_are_evaluated_literally(monkeypatch, kernel_calls):
+    """A finite float16 mask (-65504) hides a key only while the scores are far smaller: queries and keys
+    large enough that a hidden score could come near the visible ones keep the node-by-node evaluation
+    (the unfused plan's result, bit for bit); -inf hides a key whatever the scores."""
+    import onnxkv.plan.fusion_passes as fusion_passes
+
+    s, t = 4, 9
+    feeds = _float16_feeds("repeat", s, t, [0, 2], F16MIN, 5)
+    feeds["q"] = feeds["q"] * np.float16(40)
+    feeds["k"][1, :, 0] *= np.float16(200)  # a padding key: 2 |scale| max|q| max|k| above 60000
+    model = _float16(_block("repeat", feeds["mask"].shape))
+    got = Session(model, threads=1).run(feeds)["y"]
+    assert kernel_calls == []
+    with monkeypatch.context() as m:
+        m.setattr(fusion_passes, "fuse_masked_attention", lambda nodes, protected: nodes)
+        np.testing.assert_array_equal(got, Session(model, threads=1).run(feeds)["y"])
+    inf_mask = dict(feeds, mask=np.where(feeds["mask"] == 0, np.float16(0), np.float16(-np.inf)))
+    Session(model, threads=1).run(inf_mask)
+    assert len(kernel_calls) == 1
+
+
+def test_hidden_scores_vanish_bounds_the_scores_of_hidden_keys_only():
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 4, 3, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 10, 8)).astype(np.float16)
+    kv_start = np.array([0, 2], np.int32)
+    q_pos = np.array([[7, 8, 9], [7, 8, 9]], np.int32)
+    empty = np.zeros((2, 3), bool)
+    assert ma.hidden_scores_vanish(q, k, 1.0, kv_start, q_pos, empty)
+    big = k.copy()
+    big[1, 0, 1] = 6e4  # a padding key of batch row 1: hidden, and large
+    assert not ma.hidden_scores_vanish(q, big, 1.0, kv_start, q_pos, empty)
+    big = k.copy()
+    big[0, 1, 5] = 6e4  # a key every row sees: never hidden, so not bounded
+    assert ma.hidden_scores_vanish(q, big, 1.0, kv_start, q_pos, empty)
+    nan = k.copy()
+    nan[0, 0, 9] = np.nan  # hidden from the first row
+    assert not ma.hidden_scores_vanish(q, nan, 1.0, kv_start, q_pos, empty)
+    # decode over a cache without padding: nothing is hidden, nothing is read
+    assert ma.hidden_scores_vanish(q[:, :, :1] * 1e6, k, 1.0, np.zeros(2, np.int32), np.full((2, 1), 9), empty[:, :1])

@@ -42,3 +42,26 @@ def test_widened_is_exact(view):
     got = widened(src)
     assert got.dtype == np.float32 and got.flags.c_contiguous
     np.testing.assert_array_equal(got, src.astype(np.float32))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_float16_is_numpys_float16_add(threads):
+    """add_float16 (the float32 sum of the widenings, rounded once) gives NumPy's float16 add bit for bit:
+    cancellation, subnormal sums, overflow to infinity, infinities and NaN (any NaN for NaN)."""
+    from onnxkv import _kernels as K
+    from onnxkv.plan.ops._util import add_float16, float16_pair
+
+    rng = np.random.default_rng(2)
+    with np.errstate(over="ignore"):
+        a, b = _values(rng).astype(np.float16), _values(rng).astype(np.float16)
+    b[:8] = [-a[8], 65504, -65504, np.nan, 6e-8, -6e-8, 1e-4, 32768]  # cancellation, overflow, NaN, subnormals
+    a[:8] = [1.0, 32.0, -32.0, 1.0, 6e-8, 1.2e-7, -1e-4, 32768]
+    a, b = a.reshape(64, 64), b.reshape(64, 64)
+    assert float16_pair(a, b) and not float16_pair(a, b[:, :32]) and not float16_pair(a[:, ::2], b[:, ::2])
+    out = np.empty_like(a)
+    with K.use_settings(K.current_settings().replace(threads=threads)), np.errstate(over="ignore", invalid="ignore"):
+        add_float16(a, b, out)
+        want = a + b
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(out[~nan].view(np.uint16), want[~nan].view(np.uint16))
