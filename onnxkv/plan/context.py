@@ -49,6 +49,7 @@ class RunContext:
 
     __slots__ = (
         "_plan_alloc",
+        "_scratch",
         "_node",
         "counters",
         "recording",
@@ -72,6 +73,8 @@ class RunContext:
         on_python=None,
     ) -> None:
         self._plan_alloc = plan_alloc
+        #: The run's buffers that scratch() lends from (the ``buffers`` of a slot_allocator), or None.
+        self._scratch = getattr(plan_alloc, "buffers", None)
         self._node = 0
         self.recording = recording
         self.counters: dict[str, int] = {}
@@ -96,6 +99,8 @@ class RunContext:
         """
         sub = RunContext(plan_alloc, self.recording, self.step, self.caches, self.cache_allocator, self.cancel)
         sub.deferred, sub.counters, sub.cache_events = self.deferred, self.counters, self.cache_events
+        if sub._scratch is None:  # a fused node's body: its nodes' temporaries still come from the run
+            sub._scratch = self._scratch
         return sub
 
     def empty(self, index: int, shape, dtype) -> np.ndarray:
@@ -106,8 +111,9 @@ class RunContext:
         operands, say), from the run's buffers: a reuse when one of its size class is free, so a prompt's
         layers do not each map and fault in fresh memory.  The node hands it back with :meth:`unscratch`
         before it returns and returns no view of it (one not handed back is freed when the run ends).
-        Without the run's buffers (a context made by hand) it is a new NumPy array."""
-        bufs = getattr(self._plan_alloc, "buffers", None)
+        A nested context (a fused node's body) lends from its parent's run.  Without the run's buffers (a
+        context made by hand) it is a new NumPy array."""
+        bufs = self._scratch
         shape = tuple(shape)
         if bufs is None or 0 in shape:
             return np.empty(shape, dtype)
@@ -115,7 +121,7 @@ class RunContext:
 
     def unscratch(self, *arrays: np.ndarray) -> None:
         """Hand back temporaries of :meth:`scratch` (the arrays it returned)."""
-        bufs = getattr(self._plan_alloc, "buffers", None)
+        bufs = self._scratch
         if bufs is not None:
             for a in arrays:
                 if a.size:

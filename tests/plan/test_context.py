@@ -94,6 +94,10 @@ def test_scratch_comes_from_the_runs_buffers_or_numpy_without_them():
     c = rt.scratch((128,), np.float32)
     assert c.__array_interface__["data"][0] == a.__array_interface__["data"][0] and alloc.stats().allocations == 1
     rt.unscratch(c)
+    body = rt.nested(lambda _rt, _i, shape, dtype: np.empty(shape, dtype))  # a fused node's body
+    e = body.scratch((128,), np.float32)
+    assert e.__array_interface__["data"][0] == a.__array_interface__["data"][0] and alloc.stats().allocations == 1
+    body.unscratch(e)
     bufs.close()
     assert alloc.stats().live == 0
     plain = context()  # a context made by hand: NumPy arrays, nothing to hand back

@@ -47,6 +47,20 @@ def _skip_sum(x: np.ndarray, skip: np.ndarray, bias: np.ndarray | None) -> tuple
     return wide, wide.astype(x.dtype)
 
 
+def _float16_rows(x: np.ndarray, gamma: np.ndarray, axis: int) -> bool:
+    """Whether a norm of float16 ``x`` (C-contiguous, non-empty) over its last axis with float16 or float32
+    ``gamma`` [n] runs the float32 kernel on x's widening, rounded once."""
+    return (
+        x.dtype == np.float16
+        and x.ndim >= 1
+        and x.size > 0
+        and axis in (-1, x.ndim - 1)
+        and x.flags.c_contiguous
+        and gamma.shape == (x.shape[-1],)
+        and gamma.dtype in (np.float16, np.float32)
+    )
+
+
 class _RMSBase(Op):
     #: ``epsilon`` when the node has none (the operator schema's default).
     default_epsilon = 1e-5
@@ -82,6 +96,10 @@ class _RMSBase(Op):
         ):
             out = rt.empty(0, x.shape, x.dtype)
             K.rms_norm(x.reshape(-1, n), gamma, self.eps, out.reshape(-1, n))
+            return out
+        if _float16_rows(x, gamma, self.axis):  # the float32 kernel on the widening, rounded once
+            out = rt.empty(0, x.shape, x.dtype)
+            RMSNormChain.normalise(x, gamma, self.eps, out, rt)
             return out
         return _rms_reference(x, gamma, self.eps, self.axis)
 
@@ -160,6 +178,21 @@ class SkipSimplifiedLayerNormalization(_RMSBase):
                 None if s is None else s.reshape(-1, n),
             )
             return (out, None, None, s)
+        if (
+            float16_pair(x, skip)
+            and _float16_rows(x, gamma, -1)
+            and (bias is None or (bias.shape == (n,) and bias.dtype in (np.float16, np.float32)))
+        ):  # _skip_sum and the norm below on the F16C and float32 kernels, bit for bit
+            wide, normed = widened(x, rt), widened(skip, rt)
+            K.add(wide.reshape(-1), normed.reshape(-1), wide.reshape(-1))
+            if bias is not None:
+                wide += bias.astype(np.float32)
+            s = round_into(rt.empty(3, x.shape, x.dtype), wide) if self.want_sum else None
+            y = rt.empty(0, x.shape, x.dtype)
+            K.rms_norm(wide.reshape(-1, n), gamma.astype(np.float32, copy=False), self.eps, normed.reshape(-1, n))
+            round_into(y, normed)
+            rt.unscratch(wide, normed)
+            return (y, None, None, s)
         wide, s = _skip_sum(x, skip, bias)
         if wide.dtype == np.float32 and gamma.shape == (n,) and gamma.dtype in (np.float16, np.float32):
             y = rt.empty(0, x.shape, x.dtype)  # float16 / bfloat16 x: the sum normalised by the float32 kernel

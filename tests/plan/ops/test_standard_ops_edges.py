@@ -129,3 +129,38 @@ def test_float16_skip_norms_normalise_the_sum_before_rounding_it(op):
     else:
         truth = wide / np.sqrt((wide**2).mean(-1, keepdims=True) + 1e-6) * gamma
     assert np.abs(y - truth).max() <= np.abs(want_y - truth).max() + 1e-3
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float16_rms_norms_run_the_float32_kernel_on_the_widening(bias, threads):
+    """float16 SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization (a float16 builder graph's
+    norms): the float32 sum of the widenings (+ bias) normalised by the float32 kernel and rounded once, the
+    sum output that sum rounded -- the same values, bit for bit, as the kernels called on NumPy's casts."""
+    from onnxkv import _kernels as K
+
+    rng = np.random.default_rng(8)
+    n = 96
+    x, skip = ((rng.standard_normal((3, 7, n)) * 6).astype(np.float16) for _ in range(2))
+    gamma, b = (rng.standard_normal(n) * 2).astype(np.float16), rng.standard_normal(n).astype(np.float16)
+    model, feeds = one_node(
+        "SkipSimplifiedLayerNormalization",
+        [x, skip, gamma, *([b] if bias else [])],
+        n_out=4,
+        domain="com.microsoft",
+        epsilon=1e-6,
+    )
+    model.graph.node[0].output[1] = model.graph.node[0].output[2] = ""
+    del model.graph.output[1:3]
+    got = Session(model, threads=threads).run(feeds)
+    wide = x.astype(np.float32) + skip.astype(np.float32)
+    if bias:
+        wide += b.astype(np.float32)
+    normed = np.empty_like(wide)
+    K.rms_norm(wide.reshape(-1, n), gamma.astype(np.float32), 1e-6, normed.reshape(-1, n))
+    np.testing.assert_array_equal(got["y3"].view(np.uint16), wide.astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(got["y0"].view(np.uint16), normed.astype(np.float16).view(np.uint16))
+    model, feeds = one_node("SimplifiedLayerNormalization", [x, gamma], epsilon=1e-6, axis=-1)
+    y = Session(model, threads=threads).run(feeds)["y0"]
+    K.rms_norm(x.astype(np.float32).reshape(-1, n), gamma.astype(np.float32), 1e-6, normed.reshape(-1, n))
+    np.testing.assert_array_equal(y.view(np.uint16), normed.astype(np.float16).view(np.uint16))
