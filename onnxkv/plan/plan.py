@@ -244,6 +244,9 @@ class Plan:
             alive = shapes.prune(kept_nodes, [node_reads(n) for n in kept_nodes])
             kept_nodes = [kept_nodes[k] for k in alive]
             kernels = [kernels[k] for k in alive]
+        alive = _read_nodes(kept_nodes, protected)  # a node no output depends on never runs (nor stops a replay)
+        kept_nodes = [kept_nodes[k] for k in alive]
+        kernels = [kernels[k] for k in alive]
         self.nodes = kept_nodes
         self.kernels = kernels
         #: Names of the nodes run by ``onnx.reference`` fallbacks.
@@ -566,3 +569,17 @@ class Plan:
             self._idle_buffers.append(bufs)
         else:
             bufs.close()
+
+
+def _read_nodes(nodes: list[onnx.NodeProto], protected: set[str]) -> list[int]:
+    """Indices of ``nodes`` (topologically ordered) some graph output depends on: a node whose outputs
+    neither a later such node reads (inputs or subgraph captures) nor ``protected`` names goes.  ONNX nodes
+    have no effects beyond their outputs, so no result changes; a run asked for every output then needs
+    every node, which is what a compiled step replays (:meth:`Plan.needed`)."""
+    read = set(protected)
+    alive = []
+    for k in range(len(nodes) - 1, -1, -1):
+        if any(o and o in read for o in nodes[k].output):
+            alive.append(k)
+            read.update(x for x in node_reads(nodes[k]) if x)
+    return alive[::-1]

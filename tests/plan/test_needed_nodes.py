@@ -78,3 +78,25 @@ def test_generate_in_chunks_skips_the_heads_of_all_but_the_last_chunk():
         Session(build_model("gqa", MICRO), threads=1), prompt, 4, eos_token_id=[], prefill_chunk=None
     )
     np.testing.assert_array_equal(chunked.tokens, whole.tokens)
+
+
+def test_nodes_no_output_depends_on_are_dropped_and_decode_steps_replay():
+    """A node whose value nothing reads (an exporter's leftover) is not part of the plan: a run asked for
+    every output needs every node, so decode steps still replay as compiled steps (one recording, no
+    Python node runs when the steps replay)."""
+    model = build_model("gqa", MICRO)
+    hidden = next(n for n in model.graph.node if n.op_type == "MatMul").output[0]
+    model.graph.node.extend(
+        [
+            helper.make_node("Relu", [hidden], ["dead_relu"], name="dead_relu"),
+            helper.make_node("Neg", ["dead_relu"], ["dead_neg"], name="dead_neg"),
+        ]
+    )
+    session = Session(model, threads=1)
+    assert not {"dead_relu", "dead_neg"} & {n.name for n in session.plan.nodes}
+    assert session.plan.needed(tuple(session.plan.output_slots)) is None
+    prompt = np.random.default_rng(2).integers(3, MICRO.vocab_size, (1, 6))
+    want = onnxkv.generate(Session(build_model("gqa", MICRO), threads=1), prompt, 8, eos_token_id=[]).tokens
+    got = onnxkv.generate(session, prompt, 8, eos_token_id=[])
+    np.testing.assert_array_equal(got.tokens, want)
+    assert session.plan.steps.idle and all(s.compiled_nodes == len(session.plan.nodes) for s in session.plan.steps.idle)
