@@ -53,3 +53,6 @@ cdef enum:
     # rotary.rope_ptr: arrays (x [B, S, H, D], cos [max_pos, half], sin, positions int64 [B, S], out); ints (B,
     # S, H, D, max_pos, half, interleaved); refused unless every position is in [0, max_pos).
     KIND_ROTARY = 13
+    # float16 <-> float32 conversion (convert.convert_ptr): arrays (x, out), n elements each, C order; ints (n,
+    # mode): mode 0 widens float16 to float32, 1 rounds float32 to float16 (nearest even, overflow to inf).
+    KIND_CONVERT = 14

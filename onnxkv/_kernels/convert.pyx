@@ -12,6 +12,7 @@ flat.  Used when loading/storing FLOAT16 / BFLOAT16 cache pages.
 from libc.stdint cimport int64_t, uint16_t
 from cython.parallel cimport prange
 
+from onnxkv._kernels._record cimport KIND_CONVERT, recorder
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from . import _validate as V
 
@@ -29,19 +30,15 @@ DEF CHUNK = 65536
 
 
 cdef void _h2f(const uint16_t[::1] x, float[::1] out, okv_settings s) noexcept nogil:
-    cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
-    cdef int simd = s.simd
-    cdef int nt = s.threads if nchunks > 1 else 1
-    for c in prange(nchunks, num_threads=nt, schedule='static'):
-        i0 = c * CHUNK
-        m = n - i0
-        if m > CHUNK:
-            m = CHUNK
-        okv_h2f_row(&x[i0], &out[i0], m, simd)
+    _h2f_ptr(&x[0], &out[0], x.shape[0], s)
 
 
 cdef void _f2h(const float[::1] x, uint16_t[::1] out, okv_settings s) noexcept nogil:
-    cdef Py_ssize_t n = x.shape[0], nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
+    _f2h_ptr(&x[0], &out[0], x.shape[0], s)
+
+
+cdef void _h2f_ptr(const uint16_t *x, float *out, Py_ssize_t n, okv_settings s) noexcept nogil:
+    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
     cdef int simd = s.simd
     cdef int nt = s.threads if nchunks > 1 else 1
     for c in prange(nchunks, num_threads=nt, schedule='static'):
@@ -49,7 +46,35 @@ cdef void _f2h(const float[::1] x, uint16_t[::1] out, okv_settings s) noexcept n
         m = n - i0
         if m > CHUNK:
             m = CHUNK
-        okv_f2h_row(&x[i0], &out[i0], m, simd)
+        okv_h2f_row(x + i0, out + i0, m, simd)
+
+
+cdef void _f2h_ptr(const float *x, uint16_t *out, Py_ssize_t n, okv_settings s) noexcept nogil:
+    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
+    cdef int simd = s.simd
+    cdef int nt = s.threads if nchunks > 1 else 1
+    for c in prange(nchunks, num_threads=nt, schedule='static'):
+        i0 = c * CHUNK
+        m = n - i0
+        if m > CHUNK:
+            m = CHUNK
+        okv_f2h_row(x + i0, out + i0, m, simd)
+
+
+cdef void convert_ptr(const void *x, void *out, int64_t n, int mode, okv_settings s) noexcept nogil:
+    """KIND_CONVERT (_record.pxd) on checked pointers: mode 0 widens n float16 values at x into float32 at out,
+    mode 1 rounds n float32 values at x to float16 at out."""
+    if mode == 0:
+        _h2f_ptr(<const uint16_t *>x, <float *>out, n, s)
+    else:
+        _f2h_ptr(<const float *>x, <uint16_t *>out, n, s)
+
+
+cdef void _note(x, out, int mode):
+    """Note a conversion that ran (for a recording thread: _record.pyx)."""
+    rec = recorder()
+    if rec is not None:
+        rec.note(KIND_CONVERT, (x, out), (x.size, mode), ())
 
 
 cdef void _bf2f(const uint16_t[::1] x, float[::1] out, okv_settings s) noexcept nogil:
@@ -84,6 +109,7 @@ def f16_to_f32(x, out):
     if x.size == 0:
         return
     _h2f(x.reshape(-1).view(np.uint16), out.reshape(-1), okv_settings_get())
+    _note(x, out, 0)
 
 
 def f32_to_f16(x, out):
@@ -95,6 +121,7 @@ def f32_to_f16(x, out):
     if x.size == 0:
         return
     _f2h(x.reshape(-1), out.reshape(-1).view(np.uint16), okv_settings_get())
+    _note(x, out, 1)
 
 
 def bf16_to_f32(x, out):

@@ -277,12 +277,12 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
             if j not in unread and not constant[i] and i not in produced and slots[i] is not None
         }
         recorder = Recorder()
-        rt._plan_alloc = own.plan_alloc
+        rt._plan_alloc, rt._scratch = own.plan_alloc, own  # its outputs and temporaries: the step's memory
         try:
             with recorder:
                 run_nodes(plan, k, k + 1, slots, own, rt, cancel)
         finally:
-            rt._plan_alloc = bufs.plan_alloc
+            rt._plan_alloc, rt._scratch = bufs.plan_alloc, bufs
         results = [slots[s] for s in outs]
         transient |= recorder.transient
         set_by_effects = {j for effect in recorder.effects for j in effect.outputs}

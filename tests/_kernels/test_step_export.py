@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnxkv._kernels._record import CACHE_ROWS, MASKED_DECODE, Recorder
+from onnxkv._kernels._record import CACHE_ROWS, CONVERT, MASKED_DECODE, Recorder
 from onnxkv._kernels.rotary import rotary_embedding
 from onnxkv._kernels.step import Program
 
@@ -163,3 +163,28 @@ def test_a_residual_add_replays_as_numpy_adds(simd, threads):
         x2, y2 = rand(rng, x.shape, scale=50.0), rand(rng, y.shape)
         assert program.run([x2, y2])
         np.testing.assert_array_equal(out, x2 + y2)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # infinities, as intended
+def test_float16_conversions_replay_as_the_kernels_and_numpys_casts(simd, threads):
+    """A float16 node's widening and rounding (convert.f16_to_f32 / f32_to_f16) replay bit for bit: NumPy's
+    casts, subnormals, overflow to infinity and infinities included, at any size the chunked kernel splits."""
+    from onnxkv._kernels import f16_to_f32, f32_to_f16
+
+    rng = np.random.default_rng(11)
+    for n in (7, 4096, 70000):
+        h = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 3e4], n)).astype(np.float16)
+        wide, back = np.empty(n, np.float32), np.empty(n, np.float16)
+        rec = Recorder()
+        with rec:
+            f16_to_f32(h, wide)
+            np.multiply(wide, 3.0, out=wide)  # NumPy, not recorded: the replay below does not redo it
+            f32_to_f16(wide, back)
+        assert [c[0] for c in rec.calls] == [CONVERT, CONVERT]
+        program = Program(rec.calls, [h])
+        for _ in range(2):
+            h2 = (rng.standard_normal(n) * 2e4).astype(np.float16)
+            h2[:3] = [np.inf, -np.inf, 6e-8]
+            assert program.run([h2])
+            np.testing.assert_array_equal(wide, h2.astype(np.float32))
+            np.testing.assert_array_equal(back.view(np.uint16), wide.astype(np.float16).view(np.uint16))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv import _kernels as K
-from onnxkv.plan.ops._util import float32_pair, normalize_axis, round_into, widened
+from onnxkv.plan.ops._util import float16_pair, float32_pair, normalize_axis, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
 
@@ -169,8 +169,9 @@ class SiluMul(Op):
     up are computed in float32 and rounded once."""
 
     def compilable(self, inputs: list) -> bool:
-        """float32 gate and up of one shape, C-contiguous: one ``silu_mul`` call."""
-        return float32_pair(*inputs)
+        """float32 gate and up of one shape, C-contiguous: one ``silu_mul`` call (float16: with the widenings
+        and the rounding)."""
+        return float32_pair(*inputs) or float16_pair(*inputs)
 
     def run(self, inputs: list, rt) -> tuple:
         gate, up = inputs

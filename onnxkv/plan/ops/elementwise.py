@@ -68,7 +68,7 @@ class Add(_Binary):
     anything else as the other binary operators."""
 
     def compilable(self, inputs: list) -> bool:
-        return float32_pair(*inputs)
+        return float32_pair(*inputs) or float16_pair(*inputs)
 
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
@@ -76,11 +76,9 @@ class Add(_Binary):
             out = rt.empty(0, a.shape, np.float32)
             K.add(a.reshape(-1), b.reshape(-1), out.reshape(-1))
             return (out,)
-        rec = _recorder()
         if float16_pair(a, b):
-            if rec is not None:
-                rec.refused.append(f"Add node '{self.name}': float16 addends")
             return (add_float16(a, b, rt.empty(0, a.shape, np.float16), rt),)
+        rec = _recorder()
         if rec is not None:
             rec.refused.append(f"Add node '{self.name}': not two float32 addends of one shape")
         return super().run(inputs, rt)
@@ -309,8 +307,27 @@ class _CastOp(Op):
         if to == TensorProto.STRING:
             return x.astype(np.str_).astype(object)
         out = rt.empty(0, x.shape, dtype)
-        np.copyto(out, x, casting="unsafe")
+        if _float_halves(x, dtype):  # NumPy's casts exactly, on the F16C kernels (a float16 model's boundary)
+            (K.f16_to_f32 if x.dtype == np.float16 else K.f32_to_f16)(x, out)
+        else:
+            np.copyto(out, x, casting="unsafe")
         return out
+
+    def compilable(self, inputs: list) -> bool:
+        """A float16 <-> float32 cast of a non-empty C-contiguous array: one conversion kernel call."""
+        to = getattr(self, "to", None)
+        x = inputs[0]
+        return (
+            to is not None
+            and isinstance(x, np.ndarray)
+            and x.size > 0
+            and _float_halves(x, np.dtype(helper.tensor_dtype_to_np_dtype(to)))
+        )
+
+
+def _float_halves(x: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether casting ``x`` to ``dtype`` is float16 -> float32 or float32 -> float16 of a C-contiguous array."""
+    return {x.dtype, dtype} == {np.dtype(np.float16), np.dtype(np.float32)} and x.flags.c_contiguous
 
 
 @register("Cast")

@@ -13,11 +13,12 @@ included: its register tiles reach NumPy's BLAS on prompt-sized products,
 read the one packed copy (no unpacked copy for BLAS), and leave no BLAS
 thread spinning on a core after the call (OpenBLAS's workers busy-wait for
 tens of milliseconds, which halved the speed of the attention kernel that
-followed each projection).  Up to ``STEP_M`` rows a float32 product is
-compilable: a compiled step records it.  A float16 product (float16 A and
-weight, as every MatMul of a float16 model) widens A to float32, sums in
-float32 and rounds Y to float16 once: ONNX Runtime's CPU result, whose float16
-MatMul runs as a float32 one between casts.
+followed each projection).  Up to ``STEP_M`` rows a product is compilable: a
+compiled step records it.  A float16 product (float16 A and weight, as every
+MatMul of a float16 model) widens A to float32 (into the run's scratch), sums
+in float32 and rounds Y to float16 once: ONNX Runtime's CPU result, whose
+float16 MatMul runs as a float32 one between casts; a compiled step records the
+widening, the product and the rounding.
 
 Other 2-D float32 weights (computed at run time) use the ``matmul_rows``
 kernel for at most ``SMALL_M`` rows and BLAS above.  All paths use the
@@ -67,14 +68,14 @@ class MatMul(Op):
             release_pages(w)
 
     def compilable(self, inputs: list) -> bool:
-        """A packed float32 weight and a C-contiguous float32 A [..., K] of at most ``STEP_M`` rows."""
+        """A packed weight and a C-contiguous A [..., K] of its dtype of at most ``STEP_M`` rows (float16: the
+        widening of A, the product and the rounding)."""
         a = inputs[0]
         packed = self.packed
         return (
             packed is not None
-            and packed.dtype == np.float32
             and isinstance(a, np.ndarray)
-            and a.dtype == np.float32
+            and a.dtype == packed.dtype
             and a.ndim >= 1
             and a.shape[-1] == packed.shape[1]
             and a.size > 0

@@ -71,8 +71,11 @@ class _RMSBase(Op):
         self.axis = int(self.attrs.get("axis", -1))
 
     def compilable(self, inputs: list) -> bool:
-        """float32 x (C-contiguous, normalised over its last axis) and gamma: one ``rms_norm`` call."""
+        """float32 x (C-contiguous, normalised over its last axis) and gamma: one ``rms_norm`` call; float16
+        rows (:func:`_float16_rows`): the widening, the call and the rounding."""
         x, gamma = inputs[0], inputs[1]
+        if isinstance(x, np.ndarray) and isinstance(gamma, np.ndarray) and _float16_rows(x, gamma, self.axis):
+            return True
         return (
             isinstance(x, np.ndarray)
             and x.dtype == np.float32
@@ -142,9 +145,12 @@ class SkipSimplifiedLayerNormalization(_RMSBase):
         self.want_sum = bool(outs[3])
 
     def compilable(self, inputs: list) -> bool:
-        """float32 input and skip of one shape (C-contiguous), gamma (and a bias) [n]: one ``skip_rms_norm``."""
+        """float32 input and skip of one shape (C-contiguous), gamma (and a bias) [n]: one ``skip_rms_norm``;
+        float16 ones without a bias: the kernel calls of ``run``'s float16 path."""
         x, skip = inputs[0], inputs[1]
         bias = inputs[3] if len(inputs) > 3 else None
+        if bias is None and float16_pair(x, skip) and _float16_rows(x, inputs[2], -1):
+            return True
         return (
             super().compilable([x, inputs[2]])
             and isinstance(skip, np.ndarray)
@@ -302,9 +308,16 @@ class RMSNormChain(Op):
 
     def compilable(self, inputs: list) -> bool:
         """Constant parameters and a C-contiguous float32 x: one recorded ``rms_norm`` call (``run`` refuses
-        the recording when it evaluates the body literally)."""
+        the recording when it evaluates the body literally); a float16 x: the widening, the call and the
+        rounding."""
         x = inputs[0]
-        return not self._dynamic and isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous
+        return (
+            not self._dynamic
+            and isinstance(x, np.ndarray)
+            and x.dtype in _CHAIN_DTYPES
+            and x.size > 0
+            and x.flags.c_contiguous
+        )
 
     def run(self, inputs: list, rt) -> tuple:
         x, w = inputs[0], inputs[1]
@@ -354,8 +367,9 @@ class SkipRMSNormChain(Op):
         """Constant norm parameters and C-contiguous float32 addends: one recorded ``skip_rms_norm`` call
         (``run`` refuses the recording when it evaluates the body literally)."""
         a, b = inputs[0], inputs[1]
-        return not self._norm._dynamic and all(
-            isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous for x in (a, b)
+        return not self._norm._dynamic and (
+            float16_pair(a, b)
+            or all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous for x in (a, b))
         )
 
     def run(self, inputs: list, rt) -> tuple:

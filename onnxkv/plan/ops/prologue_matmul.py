@@ -107,8 +107,16 @@ class PrologueMatMul(Op):
         )
 
     def compilable(self, inputs: list) -> bool:
-        """The fused path with a product the compiled step replays (a packed float32 product)."""
+        """The fused path with a product the compiled step replays (a packed float32 product); a float16 x:
+        the body's two nodes, each compilable as a node of its own (their float16 paths)."""
         x = inputs[0]
+        if isinstance(x, np.ndarray) and x.dtype == np.float16:
+            return (
+                all(isinstance(v, np.ndarray) for v in inputs[1 : self.n_in])
+                and self.body.steps[0][1].compilable(list(inputs[: self.n_in]))
+                and x.size // self.k <= STEP_M
+                and self.product.compilable([x])  # the prologue's result has x's shape and dtype
+            )
         return (
             isinstance(x, np.ndarray)
             and all(isinstance(v, np.ndarray) for v in inputs[1 : self.n_in])

@@ -370,14 +370,16 @@ class RotateHalf(Op):
         return positions
 
     def compilable(self, inputs: list) -> bool:
-        """float32 x, cos and sin, C-contiguous (the kernel reads them where they are), halves proven equal
+        """float32 (or float16: widened, then rounded) x, cos and sin of one dtype, C-contiguous (the kernel
+        reads them where they are), halves proven equal
         when the plan was built and constant slices: one recorded rotary call whose operands depend on the
         shapes only (``run`` refuses the recording when it evaluates the body literally)."""
         x, cos, sin = inputs[0], inputs[1], inputs[2]
         return (
             self._halves_proven
             and not self._keyed
-            and all(isinstance(a, np.ndarray) and a.dtype == _F32 and a.flags.c_contiguous for a in (x, cos, sin))
+            and all(isinstance(a, np.ndarray) and a.dtype in _DTYPES and a.flags.c_contiguous for a in (x, cos, sin))
+            and x.dtype == cos.dtype == sin.dtype
         )
 
     def run(self, inputs: list, rt: RunContext) -> Sequence[np.ndarray]:

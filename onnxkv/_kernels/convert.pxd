@@ -1,0 +1,6 @@
+# The float16 <-> float32 conversions on checked pointers, shared by cimport with the compiled step (step.pyx).
+from libc.stdint cimport int64_t
+
+from onnxkv._kernels._runtime cimport okv_settings
+
+cdef void convert_ptr(const void *x, void *out, int64_t n, int mode, okv_settings s) noexcept nogil

@@ -1,0 +1,80 @@
+"""Compiled steps of float16 files (ONNX Runtime's converter with float32 inputs and outputs, as Transformers.js
+ships model_fp16.onnx): the products, norms, rotary, SwiGLU gates, residual Adds and boundary Casts replay as
+recorded calls with their widenings and roundings, bit for bit the node-by-node runs; the attention nodes (and
+the Concat joins of the float16 caches) stay Python nodes between segments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from onnxruntime.transformers.float16 import convert_float_to_float16  # noqa: E402
+
+import onnxkv  # noqa: E402
+from onnxkv.generate.feeds import FeedBuilder  # noqa: E402
+from onnxkv.plan.compiled_step import Segment  # noqa: E402
+from onnxkv.zoo.builders import MICRO, build_model  # noqa: E402
+
+#: Per graph form, the operators a decode step keeps in Python (besides the nodes that build an export's mask).
+PYTHON = {
+    "gqa": {"GroupQueryAttention", "Gather"},
+    "concat": {"MaskedAttention", "Concat", "ViewChain", "Gather"},
+    "attention": {"Attention23", "RotaryEmbedding23", "Gather"},
+}
+MASK_NODES = {"ShapeOf", "Range", "Sub", "LessOrEqual", "Cast", "And", "Where", "Unsqueeze", "Equal", "Expand"}
+
+
+@pytest.fixture(scope="module", params=sorted(PYTHON))
+def model(request):
+    return request.param, convert_float_to_float16(build_model(request.param, MICRO, seed=7), keep_io_types=True)
+
+
+def _logits(session, prompt: np.ndarray, lengths, steps: int) -> list[np.ndarray]:
+    """Logits of a prompt and of ``steps`` greedy decode steps of one state (copies)."""
+    name = session.model.io.logits
+    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.asarray(lengths), 0, thread_cache=False)
+    feeds, _ = b.first()
+    got = []
+    with session.new_state() as state:
+        for _ in range(steps + 1):
+            out = state.run(feeds, [name])
+            got.append(out[name].copy())
+            feeds = b.next(out[name][:, -1].argmax(-1).astype(np.int64)[:, None], out)
+    return got
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float16_decode_steps_replay_bit_for_bit(model, threads):
+    form, proto = model
+    compiled = onnxkv.Session(proto, threads=threads)
+    plain = onnxkv.Session(proto, threads=threads, compiled_steps=False)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1, MICRO.vocab_size, (2, 6))
+    lengths = [6, 4]  # row 1 left-padded by 2
+    prompt[1, :2] = 0
+    got, want = _logits(compiled, prompt, lengths, 9), _logits(plain, prompt, lengths, 9)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    (step,) = compiled.plan.steps.idle
+    python = {type(compiled.plan.kernels[k]).__name__ for k in step.items if type(k) is int}
+    assert python <= PYTHON[form] | MASK_NODES and not step.stale
+    compiled_ops = {
+        type(compiled.plan.kernels[k]).__name__
+        for it in step.items
+        if isinstance(it, Segment)
+        for k in range(it.first, it.end)
+    }
+    assert compiled_ops & {"PrologueMatMul", "SiblingMatMul", "MatMul", "SkipRMSNormChain", "RotateHalf"}
+    assert step.compiled_nodes >= len(compiled.plan.nodes) // 2
+
+
+def test_float16_generate_gives_the_same_tokens_compiled_or_not(model):
+    _, proto = model
+    prompt = np.random.default_rng(4).integers(1, MICRO.vocab_size, (1, 5))
+    runs = [
+        onnxkv.generate(onnxkv.Session(proto, threads=1, compiled_steps=c), prompt, 16, eos_token_id=[]).tokens
+        for c in (True, False)
+    ]
+    np.testing.assert_array_equal(*runs)
