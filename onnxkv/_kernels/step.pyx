@@ -166,6 +166,10 @@ cdef class Program:
                     and arrays[10] is not None and arrays[10].shape == (2, ints[8])):
                 raise ValueError(f"Program: paged decode call {c}: planes {ints[9]}, {ints[10]} or {ints[8]} rows "
                                  "do not fit its page and block tables")
+            if kind == KIND_CACHE_ROWS and not (
+                    len(ints) > 5 and ints[5] in (2, 4) and arrays[0].itemsize == arrays[1].itemsize == ints[5]):
+                raise ValueError(f"Program: cache-row call {c}: element bytes {ints[5:6]} are not its arrays' "
+                                 "(2 or 4)")
             cl = &self.calls[c]
             cl.kind = kind
             for j, v in enumerate(ints):
@@ -468,11 +472,11 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
 
 cdef inline void _cache_rows(const call_t *c) noexcept nogil:
     """KIND_CACHE_ROWS (_record.pxd), admitted: each (row, head)'s S new positions copied at pos_io[0]."""
-    cdef int64_t r, S = c.i[2], D = c.i[3], Cap = c.i[4], pos = (<const int64_t *>c.p[2])[0]
-    cdef const float *src = <const float *>c.p[0]
-    cdef float *dst = <float *>c.p[1]
+    cdef int64_t r, S = c.i[2], D = c.i[3], Cap = c.i[4], pos = (<const int64_t *>c.p[2])[0], e = c.i[5]
+    cdef const char *src = <const char *>c.p[0]
+    cdef char *dst = <char *>c.p[1]
     for r in range(c.i[0] * c.i[1]):
-        memcpy(dst + (r * Cap + pos) * D, src + r * S * D, <size_t>(S * D) * sizeof(float))
+        memcpy(dst + (r * Cap + pos) * D * e, src + r * S * D * e, <size_t>(S * D * e))
 
 
 cdef inline void _mask_lengths(call_t *c) noexcept nogil:

@@ -50,7 +50,7 @@ def _export_program(rng, b=2, hq=4, hkv=2, s=1, d=16, cap=8, t=5, mb=2, ms=1):
     out, pos_rows, pos_attn = np.empty_like(q), np.zeros(1, np.int64), np.zeros(1, np.int64)
     scratch = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, s), np.int32)
     calls = [
-        (CACHE_ROWS, (new, kc, pos_rows), (b, hkv, s, d, cap), ()),
+        (CACHE_ROWS, (new, kc, pos_rows), (b, hkv, s, d, cap, 4), ()),
         (
             MASKED_DECODE,
             (q, kc, vc, mask, out, pos_attn, *scratch),
@@ -146,7 +146,7 @@ def test_the_new_kinds_take_caches_and_masks_only_whole():
     assert program.externals == 5
     new, kc = rand(rng, (2, 2, 1, 16)), rand(rng, (2, 2, 8, 16))
     pos = np.zeros(1, np.int64)
-    rows = [(CACHE_ROWS, (new, kc[:1], pos), (1, 2, 1, 16, 8), ())]  # half of a resizable cache
+    rows = [(CACHE_ROWS, (new, kc[:1], pos), (1, 2, 1, 16, 8, 4), ())]  # half of a resizable cache
     with pytest.raises(ValueError, match="resizable"):
         Program(rows, [new, kc], (), (), [1])
 
@@ -188,3 +188,24 @@ def test_float16_conversions_replay_as_the_kernels_and_numpys_casts(simd, thread
             assert program.run([h2])
             np.testing.assert_array_equal(wide, h2.astype(np.float32))
             np.testing.assert_array_equal(back.view(np.uint16), wide.astype(np.float16).view(np.uint16))
+
+
+def test_cache_rows_of_a_float16_cache_replay_at_the_committed_length():
+    """A float16 model's cache join: its float16 rows copied as they are at the committed length; element
+    bytes other than the arrays' are refused when the program is built."""
+    rng = np.random.default_rng(12)
+    new = rand(rng, (2, 3, 1, 8)).astype(np.float16)
+    kc = np.zeros((2, 3, 6, 8), np.float16)
+    pos = np.zeros(1, np.int64)
+    program = Program([(CACHE_ROWS, (new, kc, pos), (2, 3, 1, 8, 6, 2), ())], [new, kc], (), (), [1])
+    for p in (0, 4, 5):
+        pos[0] = p
+        n2 = rand(rng, new.shape).astype(np.float16)
+        assert program.run([n2, kc])
+        np.testing.assert_array_equal(kc[:, :, p : p + 1], n2)
+    pos[0] = 6
+    before = kc.copy()
+    assert not program.run([n2, kc]) and program.refused
+    np.testing.assert_array_equal(kc, before)
+    with pytest.raises(ValueError, match="element bytes"):
+        Program([(CACHE_ROWS, (new, kc, pos), (2, 3, 1, 8, 6, 4), ())], [new, kc], (), (), [1])

@@ -1,7 +1,7 @@
 """Compiled steps of float16 files (ONNX Runtime's converter with float32 inputs and outputs, as Transformers.js
 ships model_fp16.onnx): the products, norms, rotary, SwiGLU gates, residual Adds and boundary Casts replay as
 recorded calls with their widenings and roundings, bit for bit the node-by-node runs; the attention nodes (and
-the Concat joins of the float16 caches) stay Python nodes between segments."""
+the views of their outputs) stay Python nodes between segments; the Concat joins of the float16 caches replay."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from onnxkv.zoo.builders import MICRO, build_model  # noqa: E402
 #: Per graph form, the operators a decode step keeps in Python (besides the nodes that build an export's mask).
 PYTHON = {
     "gqa": {"GroupQueryAttention", "Gather"},
-    "concat": {"MaskedAttention", "Concat", "ViewChain", "Gather"},
+    "concat": {"MaskedAttention", "ViewChain", "Gather"},
     "attention": {"Attention23", "RotaryEmbedding23", "Gather"},
 }
 MASK_NODES = {"ShapeOf", "Range", "Sub", "LessOrEqual", "Cast", "And", "Where", "Unsqueeze", "Equal", "Expand"}

@@ -87,13 +87,31 @@ def replayable_mask(mask, dtypes: tuple, b: int, s: int, t: int) -> bool:
     )
 
 
+def rows_appendable(cache, new: np.ndarray) -> bool:
+    """Whether the copy of ``new`` [B, H, S, D] into ``cache`` is a recorded append's plain copy: a C-contiguous
+    float32 ``new`` into an :func:`appendable` cache, or a float16 one into a float16 model's contiguous,
+    growing float16 cache (no conversion on the way)."""
+    if not isinstance(new, np.ndarray) or new.ndim != 4 or not new.flags.c_contiguous:
+        return False
+    if new.dtype == np.float32:
+        return appendable(cache)
+    return (
+        new.dtype == np.float16
+        and not getattr(cache, "paged", False)
+        and not getattr(cache, "static", True)
+        and getattr(cache, "storage", None) == "float16"
+        and getattr(cache, "buffer", None) is not None
+        and cache.buffer.dtype == np.float16
+    )
+
+
 def note_cache_rows(rec, name: str, new: np.ndarray, cache, output: int | None = 0) -> None:
-    """Note the copy of ``new`` [B, H, S, D] (float32, C-contiguous) that a node just made into the contiguous
-    float32 ``cache`` bound to the past ``name``, at its committed length, with its effect, which sets the
+    """Note the copy of ``new`` [B, H, S, D] (:func:`rows_appendable`) that a node just made into the
+    contiguous ``cache`` bound to the past ``name``, at its committed length, with its effect, which sets the
     node's output ``output`` (None: none) to the present view."""
     b, h, s, d = new.shape
     pos_io = np.zeros(1, dtype=np.int64)
-    rec.note(CACHE_ROWS, (new, cache.buffer, pos_io), (b, h, s, d, cache.buffer.shape[2]), ())
+    rec.note(CACHE_ROWS, (new, cache.buffer, pos_io), (b, h, s, d, cache.buffer.shape[2], new.itemsize), ())
     rec.cache(name, cache.buffer)
     rec.effect(RowsAppend(name, pos_io, s, output))
 

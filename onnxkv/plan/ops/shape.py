@@ -32,7 +32,7 @@ import numpy as np
 from onnxkv._kernels._record import current as _recorder
 from onnxkv._kernels.gather import gather_rows
 from onnxkv.errors import InputError, OperatorError
-from onnxkv.plan.ops._export_record import appendable, note_cache_rows
+from onnxkv.plan.ops._export_record import note_cache_rows, rows_appendable
 from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -255,16 +255,10 @@ class Concat(Op):
 
     def _note(self, rec, rt, past: np.ndarray, new: np.ndarray) -> None:
         """Note the append just made (a recording thread), or refuse the recording when a replay could not
-        make it: a cache other than contiguous float32, or an append at other than the committed length."""
+        make it: a copy other than :func:`rows_appendable`'s, or an append at other than the committed length."""
         cache = rt.caches[self.bound_past]
-        if (
-            not appendable(cache)
-            or new.dtype != np.float32
-            or not new.flags.c_contiguous
-            or new.ndim != 4
-            or past.shape[2] != cache.length
-        ):
-            rec.refused.append(f"Concat node '{self.name}': not an append to a contiguous float32 cache")
+        if not rows_appendable(cache, new) or past.shape[2] != cache.length:
+            rec.refused.append(f"Concat node '{self.name}': not a plain append to a contiguous cache")
             return
         note_cache_rows(rec, self.bound_past, new, cache)
 
