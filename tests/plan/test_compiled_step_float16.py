@@ -19,9 +19,9 @@ from onnxkv.zoo.builders import MICRO, build_model  # noqa: E402
 
 #: Per graph form, the operators a decode step keeps in Python (besides the nodes that build an export's mask).
 PYTHON = {
-    "gqa": {"GroupQueryAttention", "Gather"},
-    "concat": {"MaskedAttention", "ViewChain", "Gather"},
-    "attention": {"Attention23", "RotaryEmbedding23", "Gather"},
+    "gqa": {"GroupQueryAttention"},
+    "concat": {"MaskedAttention", "ViewChain"},
+    "attention": {"Attention23", "RotaryEmbedding23"},
 }
 MASK_NODES = {"ShapeOf", "Range", "Sub", "LessOrEqual", "Cast", "And", "Where", "Unsqueeze", "Equal", "Expand"}
 

@@ -319,17 +319,18 @@ class Slice(Op):
 @register("Gather")
 class Gather(Op):
     """ONNX Gather.  Rows of a 2-D float32 table by int64 indices (an embedding lookup) go through the
-    ``gather_rows`` kernel, which compiled steps replay; everything else through NumPy."""
+    ``gather_rows`` kernel, which compiled steps replay (a float16 table's rows of an even width as the same
+    bytes, two elements per float32 the kernel copies); everything else through NumPy."""
 
     def _rows(self, x, idx) -> bool:
-        """True for the kernel's case: axis 0 of a C-contiguous float32 [N, D > 0] table, C-contiguous
-        int64 indices of rank <= 2, at least one."""
+        """True for the kernel's case: axis 0 of a C-contiguous float32 [N, D > 0] table (or float16 with an
+        even D), C-contiguous int64 indices of rank <= 2, at least one."""
         return (
             isinstance(x, np.ndarray)
             and isinstance(idx, np.ndarray)
             and x.ndim == 2
             and self.attrs.get("axis", 0) in (0, -2)
-            and x.dtype == np.float32
+            and (x.dtype == np.float32 or (x.dtype == np.float16 and x.shape[1] % 2 == 0))
             and x.shape[1] > 0
             and x.flags.c_contiguous
             and idx.dtype == np.int64
@@ -348,7 +349,10 @@ class Gather(Op):
         if axis == 0 and idx.ndim <= 2 and x.ndim == 2:
             out = rt.empty(0, idx.shape + x.shape[1:], x.dtype)
             if self._rows(x, idx):
-                gather_rows(x, idx.reshape(-1), out.reshape(-1, x.shape[1]))
+                rows = out.reshape(-1, x.shape[1])
+                if x.dtype == np.float16:  # whole rows of bytes: the same copies on a float32 view
+                    x, rows = x.view(np.float32), rows.view(np.float32)
+                gather_rows(x, idx.reshape(-1), rows)
             else:
                 np.take(x, idx, axis=0, out=out, mode="wrap")
             return (out,)

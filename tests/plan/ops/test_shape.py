@@ -128,3 +128,22 @@ def test_flatten_axis_beyond_the_rank_is_an_operator_error_naming_the_node(axis)
         r"shape \(2, 3, 4, 5\)",
     ):
         _session("Flatten", {"x": x}, axis=axis).run({"x": x})
+
+
+@pytest.mark.parametrize("width", [6, 7])
+def test_float16_embedding_rows_are_gathered_bit_for_bit(width, monkeypatch):
+    """A float16 table's rows (a float16 file's embedding): an even width through the gather kernel (the same
+    bytes, NaN payloads and signed zeros included), an odd one through NumPy; both np.take's values, negative
+    indices too."""
+    from onnxkv.plan.ops import shape as shape_ops
+
+    calls = []
+    real = shape_ops.gather_rows
+    monkeypatch.setattr(shape_ops, "gather_rows", lambda *a: calls.append(a[0].dtype) or real(*a))
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((9, width)).astype(np.float16)
+    table.view(np.uint16)[2, :2] = [0x7E01, 0x8000]  # a NaN with a payload, -0.0
+    idx = np.array([[2, -1, 0], [8, 2, -9]], np.int64)
+    got = _session("Gather", {"t": table, "i": idx}).run({"t": table, "i": idx})["y"]
+    np.testing.assert_array_equal(got.view(np.uint16), np.take(table, idx, axis=0).view(np.uint16))
+    assert calls == ([np.float32] if width % 2 == 0 else [])
