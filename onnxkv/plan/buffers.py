@@ -62,7 +62,7 @@ class RunBuffers:
         #: The run's allocation function (see slot_allocator), made once per RunBuffers.
         self.plan_alloc = None
         self.retired: list[tuple] = []  # entries kept until close, never handed out again (compiled steps)
-        self.lent: dict[int, tuple] = {}  # address of a lent array -> its entry (see lend)
+        self.lent: dict[int, tuple] = {}  # id() of a lent array -> its entry (see lend)
 
     def take(self, slot: int, shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
         """A C-contiguous ``dtype`` array of ``shape`` (non-negative ints) owned by ``slot``; True if it was a reuse."""
@@ -79,13 +79,13 @@ class RunBuffers:
         before it returns, and returns no view of it; one not given back goes to the allocator at the end of
         the run."""
         entry, _, view = self._entry(shape, dtype)
-        self.lent[view.ctypes.data] = entry
+        self.lent[id(view)] = entry  # the array object itself comes back (alive until then)
         return view
 
     def give_back(self, array: np.ndarray) -> None:
-        """Return an array of :meth:`lend` (the array itself, not a view at another address) to the free
-        lists (to the allocator past ``pool_limit``)."""
-        entry = self.lent.pop(array.ctypes.data)
+        """Return an array of :meth:`lend` (the array object it returned, not a view of it) to the free lists
+        (to the allocator past ``pool_limit``)."""
+        entry = self.lent.pop(id(array))
         if not self._keep(entry):
             checked.release(self.allocator, [entry[0]], _WHO, strict=True)
 

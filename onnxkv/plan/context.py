@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from onnxkv.events import COUNTER_FIELDS
 
-__all__ = ["RunContext", "STORAGE_COUNTERS"]
+__all__ = ["RunContext", "SCRATCH_POOLED", "STORAGE_COUNTERS"]
 
 #: Counters a kernel may add to the storage event of the node it runs.
 STORAGE_COUNTERS = COUNTER_FIELDS
+#: Bytes from which :meth:`RunContext.scratch` lends the run's buffers.
+SCRATCH_POOLED = 1 << 16
 
 
 class RunContext:
@@ -108,23 +112,25 @@ class RunContext:
 
     def scratch(self, shape, dtype) -> np.ndarray:
         """An uninitialised C-contiguous temporary of the running node (a float32 widening of float16
-        operands, say), from the run's buffers: a reuse when one of its size class is free, so a prompt's
-        layers do not each map and fault in fresh memory.  The node hands it back with :meth:`unscratch`
-        before it returns and returns no view of it (one not handed back is freed when the run ends).
-        A nested context (a fused node's body) lends from its parent's run.  Without the run's buffers (a
-        context made by hand) it is a new NumPy array."""
+        operands, say).  One of at least :data:`SCRATCH_POOLED` bytes comes from the run's buffers: a reuse
+        when one of its size class is free, so a prompt's layers do not each map and fault in fresh memory;
+        a smaller one is a NumPy array (malloc's small blocks fault nothing, and cost less than the pool's
+        bookkeeping at decode sizes).  The node hands it back with :meth:`unscratch` before it returns and
+        returns no view of it (one not handed back is freed when the run ends).  A nested context (a fused
+        node's body) lends from its parent's run; one made by hand gives NumPy arrays."""
         bufs = self._scratch
         shape = tuple(shape)
-        if bufs is None or 0 in shape:
+        dtype = np.dtype(dtype)
+        if bufs is None or math.prod(shape) * dtype.itemsize < SCRATCH_POOLED:
             return np.empty(shape, dtype)
-        return bufs.lend(shape, np.dtype(dtype))
+        return bufs.lend(shape, dtype)
 
     def unscratch(self, *arrays: np.ndarray) -> None:
         """Hand back temporaries of :meth:`scratch` (the arrays it returned)."""
         bufs = self._scratch
-        if bufs is not None:
+        if bufs is not None and bufs.lent:
             for a in arrays:
-                if a.size:
+                if id(a) in bufs.lent:
                     bufs.give_back(a)
 
     def in_place(self, past: str) -> bool:

@@ -6,6 +6,7 @@ the views of their outputs) stay Python nodes between segments; the Concat joins
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 pytest.importorskip("onnxruntime")
@@ -22,13 +23,21 @@ PYTHON = {
     "gqa": {"GroupQueryAttention"},
     "concat": {"MaskedAttention", "ViewChain"},
     "attention": {"Attention23", "RotaryEmbedding23"},
+    # the norms whose products are sibling MatMulNBits: those replay one row only (float32 as well)
+    "q4f16": {"GroupQueryAttention", "PrologueMatMul"},
 }
 MASK_NODES = {"ShapeOf", "Range", "Sub", "LessOrEqual", "Cast", "And", "Where", "Unsqueeze", "Equal", "Expand"}
 
 
 @pytest.fixture(scope="module", params=sorted(PYTHON))
-def model(request):
-    return request.param, convert_float_to_float16(build_model(request.param, MICRO, seed=7), keep_io_types=True)
+def model(request, tmp_path_factory):
+    """(form, float16 model); ``q4f16``: the GroupQueryAttention graph with 4-bit MatMulNBits (float
+    activations) before the conversion, as Transformers.js' model_q4f16.onnx."""
+    if request.param != "q4f16":
+        return request.param, convert_float_to_float16(build_model(request.param, MICRO, seed=7), keep_io_types=True)
+    path = tmp_path_factory.mktemp("q4f16") / "model.onnx"
+    onnxkv.quantize_weights(build_model("gqa", MICRO, seed=7), path, bits=4, block_size=16, accuracy_level=0)
+    return "q4f16", convert_float_to_float16(onnx.load(str(path)), keep_io_types=True)
 
 
 def _logits(session, prompt: np.ndarray, lengths, steps: int) -> list[np.ndarray]:
@@ -66,7 +75,7 @@ def test_float16_decode_steps_replay_bit_for_bit(model, threads):
         if isinstance(it, Segment)
         for k in range(it.first, it.end)
     }
-    assert compiled_ops & {"PrologueMatMul", "SiblingMatMul", "MatMul", "SkipRMSNormChain", "RotateHalf"}
+    assert compiled_ops & {"PrologueMatMul", "SiblingMatMul", "MatMul", "MatMulNBits", "SkipRMSNormChain", "RotateHalf"}
     assert step.compiled_nodes >= len(compiled.plan.nodes) // 2
 
 

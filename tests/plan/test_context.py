@@ -82,25 +82,28 @@ def test_a_nested_context_allocates_on_its_own_and_shares_everything_the_run_own
 def test_scratch_comes_from_the_runs_buffers_or_numpy_without_them():
     from onnxkv import SystemAllocator
     from onnxkv.plan.buffers import RunBuffers, slot_allocator
+    from onnxkv.plan.context import SCRATCH_POOLED
 
     alloc = SystemAllocator()
     bufs = RunBuffers(alloc)
     rt = RunContext(slot_allocator(bufs, [False], [(0,)]), False, 0)
-    a = rt.scratch((8, 16), np.float32)
-    b = rt.scratch([0, 3], np.float16)  # empty: no buffer leased
-    assert a.shape == (8, 16) and a.dtype == np.float32 and b.shape == (0, 3) and b.dtype == np.float16
+    a = rt.scratch((SCRATCH_POOLED // 64, 16), np.float32)
+    b = rt.scratch([0, 3], np.float16)  # empty, and small ones: NumPy arrays, no buffer leased
+    small = rt.scratch((SCRATCH_POOLED // 4 - 1,), np.float32)
+    assert a.shape == (SCRATCH_POOLED // 64, 16) and a.dtype == np.float32
+    assert b.shape == (0, 3) and b.dtype == np.float16 and small.nbytes < SCRATCH_POOLED
     assert alloc.stats().allocations == 1
-    rt.unscratch(a, b)
-    c = rt.scratch((128,), np.float32)
+    rt.unscratch(a, b, small)
+    c = rt.scratch((SCRATCH_POOLED // 4,), np.float32)
     assert c.__array_interface__["data"][0] == a.__array_interface__["data"][0] and alloc.stats().allocations == 1
     rt.unscratch(c)
     body = rt.nested(lambda _rt, _i, shape, dtype: np.empty(shape, dtype))  # a fused node's body
-    e = body.scratch((128,), np.float32)
+    e = body.scratch((SCRATCH_POOLED // 4,), np.float32)
     assert e.__array_interface__["data"][0] == a.__array_interface__["data"][0] and alloc.stats().allocations == 1
     body.unscratch(e)
     bufs.close()
     assert alloc.stats().live == 0
     plain = context()  # a context made by hand: NumPy arrays, nothing to hand back
-    d = plain.scratch((2, 2), np.int32)
-    assert d.shape == (2, 2) and d.dtype == np.int32
+    d = plain.scratch((SCRATCH_POOLED,), np.int32)
+    assert d.shape == (SCRATCH_POOLED,) and d.dtype == np.int32
     plain.unscratch(d)

@@ -173,7 +173,8 @@ class MatMulNBits(Op):
 
     def compilable(self, inputs: list) -> bool:
         """One kernel call on A as it is: C-contiguous float32 [..., K], rows the kernel takes, and no bias
-        or a float32 one (no per-run copies)."""
+        or a float32 one (no per-run copies); float16 A (a q4f16 file): its widening, the call and the
+        rounding."""
         bias = inputs[5] if len(inputs) > 5 else None
         return self._one_call(inputs[0]) and (
             bias is None or (bias.dtype == np.float32 and bias.shape == (self.n,) and bias.flags.c_contiguous)
@@ -182,7 +183,7 @@ class MatMulNBits(Op):
     def _one_call(self, a) -> bool:
         return (
             isinstance(a, np.ndarray)
-            and a.dtype == np.float32
+            and a.dtype in _FLOATS
             and a.ndim >= 1
             and a.shape[-1] == self.k
             and a.size > 0
