@@ -38,8 +38,9 @@ cdef enum:
     KIND_MATMUL_DYNAMIC = 10  # arrays (x, PackedInt8Weight weight, ws, out); ints (M,): imatmul.matmul_dynamic
     # S new positions of every row copied into a contiguous cache [B, H, Cap, D] at its committed length, read
     # when replayed (an export's cache Concat in place): arrays (new [B, H, S, D], cache, pos_io int64 [1]);
-    # ints (B, H, S, D, Cap, element bytes: 4 for float32, 2 for a float16 model's float16 cache).  The cache is a whole resizable external (its capacity read when replayed);
-    # refused unless 0 <= pos_io[0] and pos_io[0] + S <= Cap.
+    # ints (B, H, S, D, Cap, element bytes: 4 for float32, 2 for a float16 model's float16 cache).  The cache
+    # is a whole resizable external (its capacity read when replayed); refused unless 0 <= pos_io[0] and
+    # pos_io[0] + S <= Cap.
     KIND_CACHE_ROWS = 11
     # Masked attention of S queries over a contiguous float32 cache pair [B, Hkv, Cap, D] (an export's
     # MaskedAttention, an ONNX Attention node; attention.masked_decode_ptr): arrays (q [B, Hq, S, D], k_cache,

@@ -313,17 +313,6 @@ class _CastOp(Op):
             np.copyto(out, x, casting="unsafe")
         return out
 
-    def compilable(self, inputs: list) -> bool:
-        """A float16 <-> float32 cast of a non-empty C-contiguous array: one conversion kernel call."""
-        to = getattr(self, "to", None)
-        x = inputs[0]
-        return (
-            to is not None
-            and isinstance(x, np.ndarray)
-            and x.size > 0
-            and _float_halves(x, np.dtype(helper.tensor_dtype_to_np_dtype(to)))
-        )
-
 
 def _float_halves(x: np.ndarray, dtype: np.dtype) -> bool:
     """Whether casting ``x`` to ``dtype`` is float16 -> float32 or float32 -> float16 of a C-contiguous array."""
@@ -335,6 +324,15 @@ class Cast(_CastOp):
     def __init__(self, node, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
         self.to = int(self.attrs["to"])
+
+    def compilable(self, inputs: list) -> bool:
+        """A float16 <-> float32 cast of a non-empty C-contiguous array: one conversion kernel call."""
+        x = inputs[0]
+        return (
+            isinstance(x, np.ndarray)
+            and x.size > 0
+            and _float_halves(x, np.dtype(helper.tensor_dtype_to_np_dtype(self.to)))
+        )
 
     def run(self, inputs: list, rt) -> tuple:
         return (self.cast(inputs[0], self.to, rt),)
