@@ -201,9 +201,47 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
     kind = found[0][0]
     first = inputs[layers[0].past_key]
     head_size = _static_dim(first, 3)
+    if head_size is None and kind == "group_query_attention":
+        head_size = _gqa_head_size(g, layers[0].past_key, num_heads, kv_heads)
     kv = _static_dim(first, 1) or kv_heads
     capacity = _static_dim(first, 2) if kind == "tensor_scatter" else None
     return CacheConvention(kind, layers, num_heads, kv, head_size, capacity, attrs)
+
+
+def _gqa_head_size(g: onnx.GraphProto, past_key: str, num_heads: int | None, kv_heads: int | None) -> int | None:
+    """The head size of the GroupQueryAttention node reading ``past_key``, read from the weight of the product making
+    its query (the builder's past inputs leave it symbolic, ``kv_cache_dim``, and state it only in
+    ``genai_config.json``): the last dim of a MatMul's constant weight or MatMulNBits' ``N``, past an
+    ``Add`` of a constant bias, divided by the heads that query carries (``num_heads``, plus twice
+    ``kv_heads`` when it packs q, k and v).  None when no such product makes it or the width does not
+    divide into those heads."""
+    node = next((n for n in g.node if n.op_type == "GroupQueryAttention" and past_key in n.input[3:4]), None)
+    if node is None or not num_heads or not kv_heads:
+        return None
+    producers = {o: n for n in g.node for o in n.output if o}
+    constants = {t.name: t for t in g.initializer}
+    name, width = node.input[0], None
+    for _ in range(2):  # the product, or an Add of a constant bias to it
+        n = producers.get(name)
+        if n is None:
+            return None
+        if n.op_type == "Add" and len(n.input) == 2:
+            rest = [x for x in n.input if x not in constants]
+            if len(rest) != 1:
+                return None
+            name = rest[0]
+            continue
+        if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2:
+            w = constants.get(n.input[1])
+            width = int(w.dims[-1]) if w is not None and len(w.dims) == 2 else None
+        elif n.op_type == "MatMulNBits" and n.domain == "com.microsoft":
+            width = next((a.i for a in n.attribute if a.name == "N" and a.type == onnx.AttributeProto.INT), None)
+        break
+    packed = len(node.input) < 2 or not node.input[1]
+    heads = num_heads + 2 * kv_heads if packed else num_heads
+    if width is None or not heads <= width < 2**31 or width % heads:
+        return None
+    return width // heads
 
 
 def _is_key(name: str) -> bool:
