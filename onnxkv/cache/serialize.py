@@ -52,7 +52,15 @@ from onnxkv.cache.serialize_rules import (
     row_bytes,
     validate,
 )
-from onnxkv.cache.snapshot_model import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
+from onnxkv.cache.snapshot_model import (
+    BlockRecord,
+    CacheSnapshot,
+    Expectation,
+    LayerSpec,
+    OwedConversion,
+    PagePayload,
+    SequenceRecord,
+)
 from onnxkv.errors import InputError
 
 __all__ = [
@@ -60,6 +68,7 @@ __all__ = [
     "BlockRecord",
     "LayerSpec",
     "SequenceRecord",
+    "OwedConversion",
     "CacheSnapshot",
     "Expectation",
     "PagedCacheProto",
@@ -95,6 +104,16 @@ _SCHEMA: tuple[tuple[str, tuple[tuple[str, int, str, bool], ...]], ...] = (
             ("layers", 3, "LayerProto", True),
             ("sequences", 4, "SequenceProto", True),
             ("model_signature", 5, "string", False),
+            ("owed_conversions", 6, "OwedConversionProto", True),
+            ("owed_residual_tokens", 7, "int64", False),
+        ),
+    ),
+    (
+        "OwedConversionProto",
+        (
+            ("layer", 1, "int64", False),
+            ("role", 2, "string", False),
+            ("format", 3, "string", False),
         ),
     ),
     (
@@ -210,6 +229,9 @@ def encode(snapshot: CacheSnapshot) -> bytes:
             block_proto = seq_proto.blocks.add(layer=int(block.layer), start=int(block.start), length=int(block.length))
             _encode_page(block.key, block_proto.key)
             _encode_page(block.value, block_proto.value)
+    for owed in snapshot.owed:
+        proto.owed_conversions.add(layer=int(owed.layer), role=owed.role, format=owed.format)
+    proto.owed_residual_tokens = int(snapshot.owed_residual_tokens)
     body = proto.SerializeToString()
     return _HEADER.pack(MAGIC, VERSION, zlib.crc32(body), len(body)) + body
 
@@ -391,8 +413,19 @@ def _decode(data: bytes, api: str, max_bytes: int | None, expected: Expectation 
                 )
             )
         sequences.append(SequenceRecord(length=seq.length, blocks=blocks, first_position=seq.first_position))
+    if len(proto.owed_conversions) > 2 * len(layers):
+        raise fail(
+            api,
+            f"{len(proto.owed_conversions)} owed conversions: at most one per layer and role "
+            f"({2 * len(layers)}) can be owed",
+        )
     snapshot = CacheSnapshot(
-        block_size=block_size, layers=layers, sequences=sequences, model_signature=proto.model_signature
+        block_size=block_size,
+        layers=layers,
+        sequences=sequences,
+        model_signature=proto.model_signature,
+        owed=[OwedConversion(c.layer, c.role, c.format) for c in proto.owed_conversions],
+        owed_residual_tokens=proto.owed_residual_tokens,
     )
     check_snapshot(snapshot, api)
     return snapshot

@@ -14,7 +14,15 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv.cache.formats import CHANNEL_ZP_MAX_UNIT_LOG2
-from onnxkv.cache.snapshot_model import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
+from onnxkv.cache.snapshot_model import (
+    BlockRecord,
+    CacheSnapshot,
+    Expectation,
+    LayerSpec,
+    OwedConversion,
+    PagePayload,
+    SequenceRecord,
+)
 from onnxkv.errors import InputError, SerializationError
 
 __all__ = [
@@ -274,6 +282,30 @@ def check_snapshot(snapshot: object, api: str) -> None:
             by_layer[block.layer].append((int(block.start), int(block.length), j))
         for layer, blocks in enumerate(by_layer):
             _check_coverage(sorted(blocks), layer, length, first_position, block_size, at)
+    _check_owed(snapshot, api)
+
+
+def _check_owed(snapshot: CacheSnapshot, api: str) -> None:
+    """The owed conversions: a list of :class:`OwedConversion`, each naming an existing layer, the role
+    "key" or "value" and a page format, at most one per layer and role; ``owed_residual_tokens`` >= 0."""
+    check_int(snapshot.owed_residual_tokens, api, "owed_residual_tokens", 0)
+    if not isinstance(snapshot.owed, list):
+        raise fail(api, f"owed must be a list of OwedConversion, got {_describe(snapshot.owed)}")
+    seen = set()
+    for i, owed in enumerate(snapshot.owed):
+        at = f"{api}: owed conversion {i}"
+        if not isinstance(owed, OwedConversion):
+            raise fail(at, f"expected an OwedConversion, got {type(owed).__name__}")
+        layer = check_int(owed.layer, at, "layer", 0, len(snapshot.layers) - 1)
+        if owed.role not in ("key", "value"):
+            raise fail(at, f"role must be 'key' or 'value', got {owed.role!r:.60}")
+        if owed.format not in FORMATS and owed.format not in QUANTIZED:
+            raise fail(
+                at, f"unknown page format {owed.format!r:.60} (expected one of {', '.join([*FORMATS, *QUANTIZED])})"
+            )
+        if (layer, owed.role) in seen:
+            raise fail(at, f"a second conversion of layer {layer}'s {owed.role} pages (one per layer and role)")
+        seen.add((layer, owed.role))
 
 
 def validate(snapshot: CacheSnapshot) -> None:
@@ -299,7 +331,10 @@ def validate(snapshot: CacheSnapshot) -> None:
     blocks start at the same position, no gap, every block but the last
     holds ``block_size`` positions and none ends past ``length`` (blocks
     are aligned and hold at most ``block_size`` positions, so blocks never
-    overlap); all integers fit in int64; strings are UTF-8 encodable.
+    overlap); every owed conversion names an existing layer, the role
+    ``key`` or ``value`` and a page format, at most one per layer and role,
+    and ``owed_residual_tokens >= 0``; all integers fit in int64; strings are
+    UTF-8 encodable.
 
     The rules concern the snapshot alone: whether it fits a model or a
     state (names, geometry, capacity, pages) is checked by the loader

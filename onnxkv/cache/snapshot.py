@@ -26,14 +26,23 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from onnxkv.cache.formats import encode_header
+from onnxkv.cache.formats import encode_header, page_bytes, page_format
 from onnxkv.cache.paged import BlockPool, PagedCache, PageTable
 from onnxkv.cache.serialize_rules import check_expectation, validate
-from onnxkv.cache.snapshot_model import BlockRecord, CacheSnapshot, Expectation, LayerSpec, PagePayload, SequenceRecord
+from onnxkv.cache.snapshot_model import (
+    BlockRecord,
+    CacheSnapshot,
+    Expectation,
+    LayerSpec,
+    OwedConversion,
+    PagePayload,
+    SequenceRecord,
+)
 from onnxkv.errors import InputError, OutOfMemory
 
 __all__ = [
     "take_snapshot",
+    "owed_planes",
     "paged_from_snapshot",
     "expectation",
     "file_bytes_limit",
@@ -70,8 +79,16 @@ def expectation(
     return Expectation(pool.block_size, tuple(specs), pool.max_pages, signature)
 
 
-def take_snapshot(cache: PagedCache, layers: Sequence[tuple[str, str]], signature: str = "") -> CacheSnapshot:
-    """A snapshot of the committed contents of ``cache``; ``layers`` pairs (key plane, value plane) names."""
+def take_snapshot(
+    cache: PagedCache,
+    layers: Sequence[tuple[str, str]],
+    signature: str = "",
+    owed: Sequence[tuple[int, str]] = (),
+    residual: int = 0,
+) -> CacheSnapshot:
+    """A snapshot of the committed contents of ``cache``; ``layers`` pairs (key plane, value plane) names.
+    ``owed``: the (plane index, page format) conversions the cache's state owes its next run, with the
+    ``residual`` positions they keep (:class:`~onnxkv.cache.snapshot_model.OwedConversion`)."""
     pool = cache.pool
     bs = pool.block_size
     index = pool.plane_index
@@ -89,7 +106,25 @@ def take_snapshot(cache: PagedCache, layers: Sequence[tuple[str, str]], signatur
                     BlockRecord(li, blk * bs, n, _payload(pool, index[k], p, n), _payload(pool, index[v], p, n))
                 )
         sequences.append(SequenceRecord(length, blocks, first - first % bs if first else 0))
-    return CacheSnapshot(bs, specs, sequences, signature)
+    roles = {index[name]: (li, role) for li, pair in enumerate(layers) for name, role in zip(pair, ("key", "value"))}
+    conversions = [OwedConversion(*roles[plane], fmt) for plane, fmt in owed]
+    return CacheSnapshot(bs, specs, sequences, signature, conversions, residual if conversions else 0)
+
+
+def owed_planes(pool: BlockPool, layers: Sequence[tuple[str, str]], snapshot: CacheSnapshot, api: str) -> tuple:
+    """The (plane index, page format) pairs of ``snapshot``'s owed conversions in ``pool`` (``layers`` as
+    for :func:`take_snapshot`; the snapshot checked against them).  Raises InputError naming ``api`` when
+    a plane's pages cannot take the format (a head size whose codes do not fill whole bytes)."""
+    out = []
+    for i, o in enumerate(snapshot.owed):
+        plane = pool.plane_index[layers[o.layer][o.role == "value"]]
+        spec = pool.planes[plane]
+        try:
+            page_bytes(o.format, spec.heads, pool.block_size, spec.head_size, spec.groups, spec.header)
+        except InputError as e:
+            raise InputError(f"{api}: owed conversion {i} ({spec.name} to {o.format}): {e}") from None
+        out.append((plane, page_format(o.format).name))
+    return tuple(out)
 
 
 def _payload(pool: BlockPool, plane: int, page: int, n: int) -> PagePayload:

@@ -8,11 +8,19 @@ and :mod:`onnxkv.cache.serialize_rules` states what makes one valid.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["PagePayload", "BlockRecord", "LayerSpec", "SequenceRecord", "CacheSnapshot", "Expectation"]
+__all__ = [
+    "PagePayload",
+    "BlockRecord",
+    "LayerSpec",
+    "SequenceRecord",
+    "OwedConversion",
+    "CacheSnapshot",
+    "Expectation",
+]
 
 
 def _bits(array: np.ndarray) -> np.ndarray:
@@ -121,19 +129,40 @@ class SequenceRecord:
     first_position: int = 0
 
 
+@dataclass(frozen=True)
+class OwedConversion:
+    """A conversion of full pages the saved state owed its next run: the ``role`` ("key" or "value")
+    pages of layer ``layer`` (an index into :attr:`CacheSnapshot.layers`) to page format ``format``.
+
+    A state that keeps positions for a truncate (``State.keep_for_truncate``) converts the pages its
+    ``kv_format`` selector chose at the start of the next run, not with the run that chose them; a
+    saved cache carries those choices so that the state loading it converts the same pages then.
+    """
+
+    layer: int
+    role: str
+    format: str
+
+
 @dataclass
 class CacheSnapshot:
     """A whole KV cache, independent of the cache's layout in memory.
 
     ``block_size >= 1``; at least one layer and one sequence.
     ``model_signature`` is an opaque string identifying the model; this module
-    stores it and never interprets it.
+    stores it and never interprets it.  ``owed``: the conversions the saved
+    state owed its next run (:class:`OwedConversion`, at most one per layer and
+    role), made with ``owed_residual_tokens`` of the most recent positions of
+    each row kept in their format (the ``residual_tokens`` of the selector that
+    chose them).
     """
 
     block_size: int
     layers: list[LayerSpec]
     sequences: list[SequenceRecord]
     model_signature: str = ""
+    owed: list[OwedConversion] = field(default_factory=list)
+    owed_residual_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -221,8 +221,8 @@ class PagedAPI:
     def save_cache(self, path: str | os.PathLike | None = None) -> bytes:
         """The committed cache as ``PagedCacheProto`` bytes (:mod:`onnxkv.cache.serialize`), also written
         atomically to ``path`` if given (:func:`onnxkv.cache.serialize.save`; a file readable by its owner only).
-        Page conversions the state owes its next run (:meth:`keep_for_truncate`) are not in the file: a
-        state that loads it reads those pages as saved."""
+        The page conversions the state owes its next run (:meth:`keep_for_truncate`) are in the file: a
+        state that loads it makes them at its next run, as this state would."""
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise InputError(f"State.save_cache: path must be a str or os.PathLike, got {type(path).__name__}")
         with self._exclusive("save_cache"):

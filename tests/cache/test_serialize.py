@@ -35,6 +35,7 @@ from onnxkv.cache.serialize import (
     BlockRecord,
     CacheSnapshot,
     LayerSpec,
+    OwedConversion,
     PagedCacheProto,
     PagePayload,
     SequenceRecord,
@@ -316,7 +317,14 @@ def test_proto_file_matches_module_descriptor():
     text = (importlib.resources.files("onnxkv.cache") / "paged_cache.proto").read_text()
     assert 'syntax = "proto3";' in text
     package, messages = _parse_proto_text(text)
-    assert set(messages) == {"PagedCacheProto", "LayerProto", "SequenceProto", "BlockProto", "PageProto"}
+    assert set(messages) == {
+        "PagedCacheProto",
+        "LayerProto",
+        "SequenceProto",
+        "BlockProto",
+        "PageProto",
+        "OwedConversionProto",
+    }
     assert (package, messages) == _descriptor_fields()
     assert f'"{MAGIC.decode()}"' in text and f"(currently {VERSION})" in text
 
@@ -567,7 +575,47 @@ SEMANTIC = [
         r"layer 1: value_name 'past_key_values\.0\.key' is already the key_name of layer 0",
     ),
     ("empty input name", lambda: _mutate(_set("layers.0.key_name", "")), r"layer 0: key_name must not be empty"),
+    (
+        "owed layer out of range",
+        lambda: _mutate(lambda p: p.owed_conversions.add(layer=2, role="key", format="int8")),
+        r"owed conversion 0: layer must be in \[0, 1\], got 2",
+    ),
+    (
+        "owed negative layer",
+        lambda: _mutate(lambda p: p.owed_conversions.add(layer=-1, role="key", format="int8")),
+        r"owed conversion 0: layer must be in \[0, 1\], got -1",
+    ),
+    (
+        "owed role",
+        lambda: _mutate(lambda p: p.owed_conversions.add(layer=0, role="query", format="int8")),
+        r"owed conversion 0: role must be 'key' or 'value', got 'query'",
+    ),
+    (
+        "owed format",
+        lambda: _mutate(lambda p: p.owed_conversions.add(layer=0, role="key", format="int3")),
+        r"owed conversion 0: unknown page format 'int3'",
+    ),
+    (
+        "owed twice",
+        lambda: _mutate(_owe_twice),
+        r"owed conversion 1: a second conversion of layer 1's value pages",
+    ),
+    (
+        "owed more than layers and roles",
+        lambda: _mutate(lambda p: [p.owed_conversions.add(layer=0, role="key", format="int8") for _ in range(5)]),
+        r"5 owed conversions: at most one per layer and role \(4\)",
+    ),
+    (
+        "owed negative residual",
+        lambda: _mutate(_set("owed_residual_tokens", -1)),
+        r"owed_residual_tokens must be in \[0, \d+\], got -1",
+    ),
 ]
+
+
+def _owe_twice(proto):
+    proto.owed_conversions.add(layer=1, role="value", format="int4")
+    proto.owed_conversions.add(layer=1, role="value", format="int8")
 
 
 @pytest.mark.parametrize("make, pattern", [case[1:] for case in SEMANTIC], ids=[case[0] for case in SEMANTIC])
@@ -575,6 +623,19 @@ def test_semantic_corruption_is_named(make, pattern):
     assert decode(encode(_base())) == _base()  # the base is valid: the corruption is what fails
     with pytest.raises(SerializationError, match=pattern):
         decode(make())
+
+
+def test_owed_conversions_round_trip_and_leave_other_files_unchanged():
+    plain = encode(_base())
+    owing = _base()
+    owing.owed = [OwedConversion(1, "key", "int4"), OwedConversion(0, "value", "uint8")]
+    owing.owed_residual_tokens = 8
+    blob = encode(owing)
+    back = decode(blob)
+    assert back.owed == owing.owed and back.owed_residual_tokens == 8
+    assert decode(plain).owed == [] and decode(plain).owed_residual_tokens == 0
+    # a snapshot that owes nothing writes no byte of the two fields: older readers read its files
+    assert plain == encode(decode(plain)) and len(blob) > len(plain)
 
 
 # --------------------------------------------------------------------------- snapshot rules (encode refuses)
@@ -640,6 +701,17 @@ INVALID = [
     ("signature not UTF-8", lambda s: setattr(s, "model_signature", "bad\udc80"), r"model_signature .* not encodable"),
     ("sequence type", lambda s: s.sequences.append((3, [])), r"sequence 2: expected a SequenceRecord, got tuple"),
     ("layers not a list", lambda s: setattr(s, "layers", tuple(s.layers)), r"layers must be a non-empty list"),
+    ("owed not a list", lambda s: setattr(s, "owed", (OwedConversion(0, "key", "int8"),)), r"owed must be a list"),
+    (
+        "owed entry type",
+        lambda s: setattr(s, "owed", [(0, "key", "int8")]),
+        r"encode: owed conversion 0: expected an OwedConversion, got tuple",
+    ),
+    (
+        "owed bool layer",
+        lambda s: setattr(s, "owed", [OwedConversion(True, "key", "int8")]),
+        r"owed conversion 0: layer must be an integer, got bool",
+    ),
 ]
 
 

@@ -165,6 +165,72 @@ def test_keep_for_truncate_defers_conversions_to_the_next_run(session, keep):
             assert not np.array_equal(got[0], want[1])
 
 
+@pytest.mark.parametrize("residual", [0, 5])
+@pytest.mark.parametrize("loader", ["same", "no kv_format"])
+def test_a_saved_cache_carries_the_conversions_its_state_owes(session, residual, loader):
+    """A state that keeps positions for a truncate owes its next run the conversion of the page its last
+    run filled: the file carries it (with the selector's residual_tokens), so the state that loads it
+    converts the same pages at its next run and continues bit for bit as the saving state does."""
+    from onnxkv.cache.policy import ResidualPolicy
+
+    prompt = np.random.default_rng(12).integers(0, MICRO.vocab_size, (1, 18))
+    config = CacheConfig("paged", block_size=4, kv_format=ResidualPolicy("int8", "int4", residual))
+    with session.new_state(cache=config) as st:
+        st.keep_for_truncate(3)
+        b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([18]), 0, thread_cache=False)
+        st.run(b.first()[0], [])
+        st.run(b.next(np.array([[5, 9, 2]]), None), [])  # fills block 4 (16..19): owed, not yet converted
+        data = st.save_cache()
+        snap = serialize.decode(data)
+        owed = {(o.layer, o.role, o.format) for o in snap.owed}
+        assert owed == {
+            (layer, role, fmt)
+            for layer in range(MICRO.num_layers)
+            for role, fmt in (("key", "int8"), ("value", "int4"))
+        }
+        assert snap.owed_residual_tokens == residual
+        steps = [b.next(np.array([[t]]), None) for t in (4, 7)]
+        want = [st.run(f, ["logits"])["logits"].copy() for f in steps]
+        want_formats = [st.pool.formats[i][st.page_tables[0][st.page_tables[0] >= 0]].tolist() for i in range(4)]
+        want_bytes = st.committed_bytes
+    back_config = config if loader == "same" else CacheConfig("paged", block_size=4)
+    with session.new_state(cache=back_config) as back:
+        back.load_cache(data)
+        assert serialize.decode(back.save_cache()).owed == snap.owed  # owed still, until the next run
+        got = [back.run(f, ["logits"])["logits"] for f in steps]
+        t = back.page_tables[0]
+        assert [back.pool.formats[i][t[t >= 0]].tolist() for i in range(4)] == want_formats
+        assert back.committed_bytes == want_bytes
+        assert serialize.decode(back.save_cache()).owed == []  # made by that run
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_state_that_owes_nothing_saves_no_owed_conversions(session):
+    prompt = np.random.default_rng(13).integers(0, MICRO.vocab_size, (1, 18))
+    with session.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int8")) as st:
+        _run(session, st, prompt, 3)
+        snap = serialize.decode(st.save_cache())
+        assert snap.owed == [] and snap.owed_residual_tokens == 0
+
+
+def test_an_owed_conversion_the_pages_cannot_take_is_refused_before_the_load():
+    import dataclasses
+
+    six = dataclasses.replace(MICRO, head_size=6)  # int2 codes of 6 channels do not fill whole bytes
+    session = onnxkv.Session(build_model("gqa", six, seed=3), threads=1)
+    with session.new_state(cache=CacheConfig("paged", block_size=4, kv_format="int8")) as st:
+        _run(session, st, np.arange(1, 11)[None], 0)
+        snap = serialize.decode(st.save_cache())
+        snap.owed = [serialize.OwedConversion(0, "key", "int2")]
+        before, committed = {k: v.copy() for k, v in st.values.items()}, st.committed_bytes
+        with pytest.raises(InputError, match=r"load_cache: owed conversion 0 \(past_key_values.0.key to int2\)"):
+            st.load_cache(serialize.encode(snap))
+        assert st.committed_bytes == committed and serialize.decode(st.save_cache()).owed == []
+        for k, v in st.values.items():
+            np.testing.assert_array_equal(v, before[k])
+
+
 def test_conversion_cycle_names_block_size_and_residual_tokens(session):
     from onnxkv.cache.policy import ResidualPolicy
 

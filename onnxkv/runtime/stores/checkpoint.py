@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from onnxkv.cache.page_table import PageTable
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "Owed", "NOTHING_OWED"]
+
+
+class Owed(NamedTuple):
+    """Page conversions a paged state owes its next run (see ``State.keep_for_truncate``): ``planes``,
+    (plane index, page format) pairs, made with the ``residual`` most recent positions of each row kept
+    (the ``residual_tokens`` of the ``kv_format`` selector that chose them; a loaded cache states the
+    saving state's)."""
+
+    planes: tuple[tuple[int, str], ...] = ()
+    residual: int = 0
+
+
+NOTHING_OWED = Owed()
 
 
 class Checkpoint:
@@ -16,13 +31,12 @@ class Checkpoint:
     alive; :meth:`release` (or garbage collection) drops them.
     """
 
-    def __init__(self, owner: object, table: PageTable, steps: int, pending: list[tuple[int, str]]) -> None:
+    def __init__(self, owner: object, table: PageTable, steps: int, pending: Owed) -> None:
         self._owner = owner
         self.table: PageTable | None = table
         self.steps = steps
-        #: The page conversions the state owed its next run then ((plane, format) pairs; see
-        #: ``State.keep_for_truncate``): a restore owes them again.
-        self._pending = list(pending)
+        #: The page conversions the state owed its next run then: a restore owes them again.
+        self._pending = pending
 
     @property
     def length(self) -> int:

@@ -28,10 +28,10 @@ from onnxkv.cache import serialize
 from onnxkv.cache.formats import HEADER_FLOAT32, page_format
 from onnxkv.cache.page_convert import Conversion, convert_pages, quantize_blocks
 from onnxkv.cache.paged import BlockPool, PagedCache, PagedPlane, PageTable, PlaneSpec
-from onnxkv.cache.snapshot import expectation, file_bytes_limit, paged_from_snapshot, take_snapshot
+from onnxkv.cache.snapshot import expectation, file_bytes_limit, owed_planes, paged_from_snapshot, take_snapshot
 from onnxkv.errors import InputError, OutOfMemory, StateError
 from onnxkv.plan.step_loop import StepsRun, run_steps
-from onnxkv.runtime.stores.checkpoint import Checkpoint
+from onnxkv.runtime.stores.checkpoint import NOTHING_OWED, Checkpoint, Owed
 from onnxkv.runtime.stores.protocol import StoreContext, batch_and_length
 
 __all__ = ["PagedStore", "MAX_ROWS"]
@@ -71,7 +71,7 @@ class PagedStore:
         self._before = 0
         self._chosen: list[tuple[int, str]] = []
         #: Conversions a committed run chose, made at the start of the next run when ``rollback`` > 0.
-        self._pending: list[tuple[int, str]] = []
+        self._pending = NOTHING_OWED
         #: The conversion of the run in progress (built before it commits, installed by the commit), and
         #: the one owed by the last run (published before the run, settled by its commit or undone).
         self._conversion: Conversion | None = None
@@ -98,18 +98,9 @@ class PagedStore:
         planes = []
         for b in ctx.bindings:
             (_, heads, head), dtype = ctx.geometry(b.past, 1)
-            header = self.key_header if b.role == "key" else HEADER_FLOAT32
-            planes.append(
-                PlaneSpec(
-                    b.past,
-                    heads,
-                    head,
-                    ctx.cache_dtype or np.dtype(dtype).name,
-                    np.dtype(dtype).name,
-                    1 if header == HEADER_FLOAT32 else head,
-                    header,
-                )
-            )
+            header, name = self.key_header if b.role == "key" else HEADER_FLOAT32, np.dtype(dtype).name
+            groups = 1 if header == HEADER_FLOAT32 else head
+            planes.append(PlaneSpec(b.past, heads, head, ctx.cache_dtype or name, name, groups, header))
         return BlockPool(planes, block_size, ctx.allocator, max_pages)
 
     def _model_window(self) -> int | None:
@@ -161,7 +152,7 @@ class PagedStore:
         and owe its next run the conversions ``source`` owes its own."""
         c = source.cache
         self.cache = PagedCache(self.pool, c.table.share(), c.static_length, c.max_tokens)
-        self._pending = list(source._pending)
+        self._pending = source._pending
 
     # -- a run -------------------------------------------------------------------------
     def prepare(self, feeds: Mapping[str, np.ndarray], segments=None, gaps_padding=False) -> dict[str, PagedPlane]:
@@ -175,8 +166,9 @@ class PagedStore:
                 f"State.run: batch size {batch} differs from the state's {self.cache.table.batch}; "
                 "reorder or reset the state first"
             )
-        if self._pending:  # owed by the last run: published before this run's queries read the pages (else
-            self._owed = self._prepare_conversion(self._pending)  # it fails), undone if the run is discarded
+        if self._pending.planes:  # owed by the last run: published before this run's queries read the pages
+            # (else it fails), undone if the run is discarded
+            self._owed = self._prepare_conversion(self._pending.planes, self._pending.residual)
             self._owed.publish(self.cache.table)
         self._valid = self._valid_lengths(feeds, batch) if self.ctx.static else None
         lengths = self.cache.lengths
@@ -253,20 +245,20 @@ class PagedStore:
                 if fmt != pool.planes[plane].storage:
                     self._chosen.append((plane, fmt))
         if self._chosen and not self.rollback:  # part of the run: it fails the run when it cannot be made
-            self._conversion = self._prepare_conversion(self._chosen)
+            self._conversion = self._prepare_conversion(self._chosen, self._residual())
 
     def commit(self, out: Mapping[str, np.ndarray]) -> None:
         self.cache.commit()
         owed, self._owed = self._owed, None
         if owed is not None:
-            self._pending = []
+            self._pending = NOTHING_OWED
             self._converted(owed)
         conversion, self._conversion = self._conversion, None
         if conversion is not None:
             conversion.publish(self.cache.table)
             self._converted(conversion)
         elif self._chosen:  # a truncate within the margin may still take the pages back
-            self._pending = self._chosen
+            self._pending = Owed(tuple(self._chosen), self._residual())
         if self.window is not None:
             freed = self.cache.table.evict(self.window + self.rollback)
             if freed:
@@ -284,13 +276,13 @@ class PagedStore:
             return np.cumprod(m != 0, axis=1).sum(axis=1)
         return None
 
-    def _prepare_conversion(self, chosen: list[tuple[int, str]]) -> Conversion:
-        """The conversion of the full pages ``chosen`` ((plane, format) pairs) makes eligible, built on the
-        staged run (else the committed table) and not yet published.  Raises OutOfMemory / InputError naming
-        State.run when it cannot get its memory (a free page id to copy a shared page into, a payload)."""
-        residual = int(getattr(self.selector, "residual_tokens", 0))
+    def _prepare_conversion(self, chosen, residual: int) -> Conversion:
+        """The conversion of the full pages ``chosen`` ((plane, format) pairs) makes eligible, keeping the
+        ``residual`` most recent positions, built on the staged run (else the committed table) and not yet
+        published.  Raises OutOfMemory / InputError naming State.run when it cannot get its memory (a free
+        page id to copy a shared page into, a payload)."""
         try:
-            return self.cache.full_pages_conversion(chosen, residual, self._valid)
+            return self.cache.full_pages_conversion(list(chosen), residual, self._valid)
         except (OutOfMemory, InputError) as e:
             cls = OutOfMemory if isinstance(e, OutOfMemory) else InputError
             names = ", ".join(sorted({fmt for _, fmt in chosen}))
@@ -303,11 +295,15 @@ class PagedStore:
             extra = {"pages_converted": conversion.pages}
             self.ctx.log("quantize", cow_copied_bytes=conversion.copied, extra=extra)
 
+    def _residual(self) -> int:
+        """The selector's ``residual_tokens`` (0 without a selector)."""
+        return int(getattr(self.selector, "residual_tokens", 0))
+
     def conversion_cycle(self) -> tuple[int, int] | None:
         """``(block_size, residual_tokens)`` of the selector's conversions (State.conversion_cycle)."""
         if self.selector is None:
             return None
-        return self.pool.block_size, int(getattr(self.selector, "residual_tokens", 0))
+        return self.pool.block_size, self._residual()
 
     def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> StepsRun | None:
         """Decode steps replayed in C (:func:`~onnxkv.plan.step_loop.run_steps`: per call at most up to the
@@ -400,7 +396,7 @@ class PagedStore:
         self.ctx.log("truncate", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0, extra={"pages_freed": freed})
 
     def close(self) -> None:
-        self._pending = []
+        self._pending = NOTHING_OWED
         if self.cache is not None:
             self.cache.discard()
             self.cache.table.release()
@@ -511,7 +507,7 @@ class PagedStore:
         if checkpoint.table is None:
             raise StateError("State.restore: the checkpoint was released")
         self.cache.replace_table(checkpoint.table.share())
-        self._pending = list(checkpoint._pending)
+        self._pending = checkpoint._pending
         self.ctx.log("restore", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
         return checkpoint.steps
 
@@ -564,8 +560,10 @@ class PagedStore:
         return hashlib.sha256(f"{conv.kind}|{shapes}".encode()).hexdigest()
 
     def snapshot(self):
-        """A :class:`~onnxkv.cache.snapshot.CacheSnapshot` of the committed cache."""
-        return take_snapshot(self.cache, self.layer_pairs(), self.signature())
+        """A :class:`~onnxkv.cache.snapshot.CacheSnapshot` of the committed cache and of the conversions it
+        owes its next run."""
+        owed = self._pending
+        return take_snapshot(self.cache, self.layer_pairs(), self.signature(), owed.planes, owed.residual)
 
     def decode(self, source: bytes | str | os.PathLike):
         """The snapshot saved in ``source`` (bytes or a path), checked against the pool's size limit and the
@@ -584,6 +582,7 @@ class PagedStore:
     def load(self, snapshot) -> None:
         """Replace the cache by ``snapshot``'s contents; all or nothing (:func:`paged_from_snapshot`)."""
         ctx = self.ctx
+        owed = owed_planes(self.pool, self.layer_pairs(), snapshot, "State.load_cache")  # before any page
         cache = paged_from_snapshot(
             snapshot,
             self.pool,
@@ -595,3 +594,5 @@ class PagedStore:
         cache.static_length = ctx.static_capacity if ctx.static else None
         self.close()
         self.cache = cache
+        if owed:  # the saving state owed them its next run: this state's next run makes them
+            self._pending = Owed(owed, int(snapshot.owed_residual_tokens))
