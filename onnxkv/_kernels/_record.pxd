@@ -10,10 +10,11 @@ cdef enum:
     KIND_SKIP_RMS_NORM = 3   # arrays (x, skip, gamma, bias or None, out, sum_out or None); ints (rows, n); floats (eps,)
     KIND_ACTIVATION = 4      # arrays (x, up or None, out); ints (mode, n)
     KIND_GATHER_ROWS = 5     # arrays (table, indices, out); ints (N, D, m); fails on an index out of range
-    # S decode tokens of one sequence into float32 caches (attention.decode_token_ptr), their position read when
-    # replayed: arrays (q, k, v (each the memory its S rows span), cos or None, sin or None, k_cache, v_cache,
-    # seqlens_k int32 [1], total int32 [1], out, pos_io int64 [2]); ints (Hq, Hkv, Cap, D, half, interleaved,
-    # window, cos rows, S, q / k / v row strides in floats); floats (scale, softcap).  pos = seqlens_k[0] + 1 - S;
+    # S decode tokens of one sequence into a state's contiguous caches (attention.decode_token_ptr), their position
+    # read when replayed: arrays (q, k, v (each the memory its S rows span), cos or None, sin or None, k_cache,
+    # v_cache, seqlens_k int32 [1], total int32 [1], out, pos_io int64 [2]); ints (Hq, Hkv, Cap, D, half,
+    # interleaved, window, cos rows, S, q / k / v row strides in elements, float16 tokens (0 or 1), the caches'
+    # type (_record.DECODE_CACHE_TYPES)); floats (scale, softcap).  pos = seqlens_k[0] + 1 - S;
     # refused unless pos == pos_io[0] (the committed length, set before each replay), total == pos + S,
     # 1 <= pos, pos + S <= Cap and pos + S <= cos rows; on success pos_io[1] = pos.
     KIND_DECODE_TOKEN = 6

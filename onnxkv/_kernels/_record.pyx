@@ -48,6 +48,8 @@ DECODE_PAGED = KIND_DECODE_PAGED
 CACHE_ROWS = KIND_CACHE_ROWS
 MASKED_DECODE = KIND_MASKED_DECODE
 CONVERT = KIND_CONVERT
+#: A DECODE_TOKEN call's cache type code by element type (attention_types.h's OKV_KV_*).
+DECODE_CACHE_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def current():

@@ -97,6 +97,9 @@ cdef extern from "attention.h" nogil:
 cdef extern from "simd.h" nogil:
     void okv_rope_row_f32(const float *x, const float *c, const float *s, float *out, int64_t half,
                           int64_t head_size, int interleaved, int simd)
+    void okv_h2f_row(const uint16_t *x, float *out, int64_t n, int simd)
+    void okv_f2h_row(const float *x, uint16_t *out, int64_t n, int simd)
+    void okv_f2bf_row(const float *x, uint16_t *out, int64_t n, int simd)
 
 DEF ROW_BUDGET = 64     # query rows (heads x tokens) per prefill work unit
 DEF SPLIT_MAX_ROWS = 256

@@ -1,35 +1,61 @@
 # onnxkv/_kernels/attention_decode_token.pxi: decode_token -- rotary, the new K/V rows written and attention of
-# S tokens of one sequence over float32 caches, checked at C speed (decode_token) or on checked pointers for the
-# compiled step (decode_token_ptr).  Included by attention.pyx (a Cython include: it shares that module's names).
+# S tokens of one sequence over a state's contiguous caches, checked at C speed (decode_token) or on checked
+# pointers for the compiled step (decode_token_ptr).  Included by attention.pyx (a Cython include: it shares that
+# module's names).
+
+cdef object _F32 = np.dtype(np.float32)   # (_F16: attention_checks.pxi)
+cdef object _U16 = np.dtype(np.uint16)
 
 
-def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, scale, softcap, window, out) -> bool:
-    """S new tokens of one sequence into float32 caches, fused: rotary on q and
-    k, the tokens' k and v rows written at positions ``pos .. pos + S - 1`` of
-    every KV head of the caches, then causal attention of each query over
+def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, scale, softcap, window, out,
+                 *, kv_dtype=None) -> bool:
+    """S new tokens of one sequence into a state's caches, fused: rotary on q
+    and k, the tokens' k and v rows written at positions ``pos .. pos + S - 1``
+    of every KV head of the caches, then causal attention of each query over
     positions [0, its own] into ``out`` (a decode step: S = 1; a speculative
     verification: a few).
 
-    q                [1, S, Hq * D] float32 (each token's heads side by side;
-                     rows may be strided, as slices of a packed QKV row)
-    k, v             [1, S, Hkv * D] float32 (rows may be strided)
-    out              [1, S, Hq * D] float32, C-contiguous
+    q                [1, S, Hq * D] float32, or float16 (a float16 model's tokens: then k, v and
+                     out are float16 too and the caches 2-byte; rows may be strided, as slices of
+                     a packed QKV row)
+    k, v             [1, S, Hkv * D] of q's type (rows may be strided)
+    out              [1, S, Hq * D] of q's type, C-contiguous
     cos, sin         [max_pos, R / 2] float32 with 2 <= R <= D and pos + S <= max_pos
                      (row ``p`` rotates the first R dims of each head at position p, as
                      ``rotary_embedding``), or both None: no rotary
-    k_cache, v_cache [1, Hkv, Cap, D] float32, C-contiguous, writable, 0 <= pos, pos + S <= Cap
+    k_cache, v_cache [1, Hkv, Cap, D], C-contiguous, writable, 0 <= pos, pos + S <= Cap: float32
+                     (float32 tokens only), float16, or bfloat16 bit patterns (uint16, with the
+                     keyword kv_dtype="bfloat16")
     scale, softcap, window as ``attention``; the last dim of every array contiguous.
 
     Writes k_cache[0, :, pos:pos + S], v_cache[0, :, pos:pos + S] and out only;
-    the result is bit for bit that of ``rotary_embedding`` on q and k, writing
-    the rows, and ``attention`` with kv_len = [pos + S] and q_pos = [[pos, ..,
-    pos + S - 1]] (the same kernels, row functions and thread split).  Returns
-    True when done; False, with nothing written, when an argument does not fit
-    that description or out overlaps another argument (or k, v a cache) -- the
-    caller then takes the unfused calls, whose checks name the bad argument.
-    (One call per layer per decode step: every check is at C speed.)
+    the result is bit for bit that of ``rotary_embedding`` on q and k (float16
+    widened to float32 first), writing the rows (rounded to the cache's type
+    to nearest even, as NumPy's cast and ``f32_to_bf16`` round; float16 rows
+    into a float16 cache without rotary: copied), and ``attention`` with
+    kv_len = [pos + S] and q_pos = [[pos, .., pos + S - 1]] (the same kernels,
+    row functions and thread split), its float32 result rounded to float16 for
+    float16 tokens (NaN payloads aside).  Returns True when done; False, with
+    nothing written, when an argument does not fit that description or out
+    overlaps another argument (or k, v a cache) -- the caller then takes the
+    unfused calls, whose checks name the bad argument.  (One call per layer per
+    decode step: every check is at C speed.)
     """
-    cdef const float[:, :, :] qv     # rows may be strided (checked below: each row contiguous)
+    if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
+            and isinstance(k_cache, np.ndarray) and isinstance(v_cache, np.ndarray) and isinstance(out, np.ndarray)
+            and (sin is None) == (cos is None) and _scalars_ok(scale, softcap, window) and k_cache.flags.c_contiguous
+            and v_cache.flags.c_contiguous and out.flags.c_contiguous):
+        return False
+    if kv_dtype is None and q.dtype == _F32 and k_cache.dtype == _F32:
+        return _decode_f32(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out)
+    return _decode_narrow(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out,
+                          kv_dtype)
+
+
+cdef bint _decode_f32(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, scale, softcap, window,
+                      out) except -1:
+    """``decode_token`` of float32 tokens into float32 caches (checked there but for the views)."""
+    cdef const float[:, :, :] qv     # rows may be strided (checked by _token_geometry: each row contiguous)
     cdef const float[:, :, :] kv
     cdef const float[:, :, :] vv
     cdef float[:, :, ::1] ov
@@ -37,14 +63,9 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
     cdef float[:, :, :, ::1] vc
     cdef const float[:, ::1] cv
     cdef const float[:, ::1] sv
-    cdef int64_t Hq, Hkv, Cap, D, S, half = 0, qs, ks, vs
-    cdef okv_settings s = okv_settings_get()
-    cdef int rot = cos is not None, inter = 1 if interleaved else 0
-    if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
-            and isinstance(k_cache, np.ndarray) and isinstance(v_cache, np.ndarray) and isinstance(out, np.ndarray)
-            and (sin is None) == (not rot) and _scalars_ok(scale, softcap, window) and k_cache.flags.c_contiguous
-            and v_cache.flags.c_contiguous and out.flags.c_contiguous):
-        return False
+    cdef int rot = cos is not None
+    cdef int64_t g[9]
+    cdef int64_t rd[4]
     try:
         qv = q
         kv = k
@@ -57,76 +78,172 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
             sv = sin
     except (ValueError, TypeError, BufferError):
         return False
-    if qv.strides[2] != 4 or kv.strides[2] != 4 or vv.strides[2] != 4:
-        return False
-    Hkv, Cap, D, S = kc.shape[1], kc.shape[2], kc.shape[3], qv.shape[1]
-    if kc.shape[0] != 1 or vc.shape[0] != 1 or vc.shape[1] != Hkv or vc.shape[2] != Cap or vc.shape[3] != D \
-            or Hkv == 0 or D == 0 or S == 0 or not 0 <= pos <= Cap - S:
-        return False
-    Hq = qv.shape[2] // D
-    if qv.shape[0] != 1 or Hq == 0 or Hq * D != qv.shape[2] or Hq % Hkv != 0 \
-            or ov.shape[0] != 1 or ov.shape[1] != S or ov.shape[2] != Hq * D:
-        return False
-    if kv.shape[0] != 1 or kv.shape[1] != S or kv.shape[2] != Hkv * D \
-            or vv.shape[0] != 1 or vv.shape[1] != S or vv.shape[2] != Hkv * D:
-        return False
     if rot:
-        half = cv.shape[1]
-        if half == 0 or 2 * half > D or sv.shape[0] != cv.shape[0] or sv.shape[1] != half or pos > cv.shape[0] - S:
-            return False
-    # row strides in floats (any for one row); rows must not overlap
-    qs, ks, vs = Hq * D, Hkv * D, Hkv * D
-    if S > 1:
-        qs, ks, vs = qv.strides[1], kv.strides[1], vv.strides[1]
-        if qs <= 0 or ks <= 0 or vs <= 0 or qs % 4 or ks % 4 or vs % 4:
-            return False
-        qs, ks, vs = qs // 4, ks // 4, vs // 4
-        if qs < Hq * D or ks < Hkv * D or vs < Hkv * D:
-            return False
-    cdef size_t qnb = <size_t>((S - 1) * qs + Hq * D) * sizeof(float), onb = <size_t>(S * Hq * D) * sizeof(float)
-    cdef size_t knb = <size_t>((S - 1) * ks + Hkv * D) * sizeof(float)
-    cdef size_t vnb = <size_t>((S - 1) * vs + Hkv * D) * sizeof(float)
-    cdef size_t cnb = <size_t>(Hkv * Cap * D) * sizeof(float)
-    cdef const void *o = &ov[0, 0, 0]
-    if not (_disjoint(o, onb, &qv[0, 0, 0], qnb) and _disjoint(o, onb, &kc[0, 0, 0, 0], cnb)
-            and _disjoint(o, onb, &vc[0, 0, 0, 0], cnb) and _disjoint(&kc[0, 0, 0, 0], cnb, &vc[0, 0, 0, 0], cnb)
-            and _disjoint(&kv[0, 0, 0], knb, &kc[0, 0, 0, 0], cnb) and _disjoint(&vv[0, 0, 0], vnb, &vc[0, 0, 0, 0], cnb)
-            and _disjoint(&kv[0, 0, 0], knb, &vc[0, 0, 0, 0], cnb) and _disjoint(&vv[0, 0, 0], vnb, &kc[0, 0, 0, 0], cnb)):
+        rd[0], rd[1], rd[2], rd[3] = cv.shape[0], cv.shape[1], sv.shape[0], sv.shape[1]
+    if not _token_geometry(qv.shape, qv.strides, kv.shape, kv.strides, vv.shape, vv.strides, kc.shape, vc.shape,
+                           ov.shape, rd, rot, 4, pos, g) \
+            or not _token_disjoint(&qv[0, 0, 0], &kv[0, 0, 0], &vv[0, 0, 0], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0],
+                                   &ov[0, 0, 0], g, 4, 4):
         return False
-    if decode_token_ptr(&qv[0, 0, 0], qs, &kv[0, 0, 0], ks, &vv[0, 0, 0], vs, &cv[0, 0] if rot else NULL,
-                        &sv[0, 0] if rot else NULL, half, inter, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], Hq, Hkv, Cap, D,
-                        S, pos, scale, softcap, window, &ov[0, 0, 0], s) != 0:
+    if decode_token_ptr(&qv[0, 0, 0], g[6], &kv[0, 0, 0], g[7], &vv[0, 0, 0], g[8], &cv[0, 0] if rot else NULL,
+                        &sv[0, 0] if rot else NULL, g[5], 1 if interleaved else 0, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0],
+                        g[0], g[1], g[2], g[3], g[4], pos, scale, softcap, window, &ov[0, 0, 0], okv_settings_get(),
+                        0, OKV_KV_F32) != 0:
         raise MemoryError("decode_token: could not allocate the rotated queries or the workspace")
     return True
 
 
-cdef int decode_token_ptr(const float *q, int64_t qs, const float *k, int64_t ks, const float *v, int64_t vs,
-                          const float *cos, const float *sin, int64_t half, int inter, float *k_cache,
-                          float *v_cache, int64_t Hq, int64_t Hkv, int64_t Cap, int64_t D, int64_t S, int64_t pos,
-                          float scale, float softcap, int64_t window, float *out, okv_settings s) noexcept nogil:
+cdef bint _decode_narrow(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, scale, softcap, window,
+                         out, kv_dtype) except -1:
+    """``decode_token`` into 2-byte caches (float16, or bfloat16 bit patterns), of float32 or float16 tokens."""
+    cdef const uint16_t[:, :, :] qh
+    cdef const uint16_t[:, :, :] kh
+    cdef const uint16_t[:, :, :] vh
+    cdef uint16_t[:, :, ::1] oh
+    cdef const float[:, :, :] qf
+    cdef const float[:, :, :] kf
+    cdef const float[:, :, :] vf
+    cdef float[:, :, ::1] of
+    cdef uint16_t[:, :, :, ::1] kc
+    cdef uint16_t[:, :, :, ::1] vc
+    cdef const float[:, ::1] cv
+    cdef const float[:, ::1] sv
+    cdef int rot = cos is not None, kv_type, io16 = q.dtype == _F16
+    cdef int64_t g[9]
+    cdef int64_t rd[4]
+    cdef const void *qp
+    cdef const void *kp
+    cdef const void *vp
+    cdef void *op
+    if kv_dtype is None and k_cache.dtype == _F16 and v_cache.dtype == _F16:
+        kv_type = OKV_KV_F16
+    elif kv_dtype == "bfloat16" and k_cache.dtype == _U16 and v_cache.dtype == _U16:
+        kv_type = OKV_KV_BF16
+    else:
+        return False
+    want = _F16 if io16 else _F32
+    if q.dtype != want or k.dtype != want or v.dtype != want or out.dtype != want:
+        return False
+    try:
+        kc = k_cache.view(np.uint16)
+        vc = v_cache.view(np.uint16)
+        if io16:
+            qh = q.view(np.uint16)
+            kh = k.view(np.uint16)
+            vh = v.view(np.uint16)
+            oh = out.view(np.uint16)
+        else:
+            qf = q
+            kf = k
+            vf = v
+            of = out
+        if rot:
+            cv = cos
+            sv = sin
+    except (ValueError, TypeError, BufferError):
+        return False
+    if rot:
+        rd[0], rd[1], rd[2], rd[3] = cv.shape[0], cv.shape[1], sv.shape[0], sv.shape[1]
+    if io16:
+        if not _token_geometry(qh.shape, qh.strides, kh.shape, kh.strides, vh.shape, vh.strides, kc.shape,
+                               vc.shape, oh.shape, rd, rot, 2, pos, g):
+            return False
+        qp, kp, vp, op = &qh[0, 0, 0], &kh[0, 0, 0], &vh[0, 0, 0], &oh[0, 0, 0]
+    else:
+        if not _token_geometry(qf.shape, qf.strides, kf.shape, kf.strides, vf.shape, vf.strides, kc.shape,
+                               vc.shape, of.shape, rd, rot, 4, pos, g):
+            return False
+        qp, kp, vp, op = &qf[0, 0, 0], &kf[0, 0, 0], &vf[0, 0, 0], &of[0, 0, 0]
+    if not _token_disjoint(qp, kp, vp, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], op, g, 2 if io16 else 4, 2):
+        return False
+    if decode_token_ptr(qp, g[6], kp, g[7], vp, g[8], &cv[0, 0] if rot else NULL, &sv[0, 0] if rot else NULL,
+                        g[5], 1 if interleaved else 0, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], g[0], g[1], g[2], g[3],
+                        g[4], pos, scale, softcap, window, op, okv_settings_get(), io16, kv_type) != 0:
+        raise MemoryError("decode_token: could not allocate the rotated queries or the workspace")
+    return True
+
+
+cdef bint _token_geometry(const Py_ssize_t *qd, const Py_ssize_t *qst, const Py_ssize_t *kd,
+                          const Py_ssize_t *kst, const Py_ssize_t *vd, const Py_ssize_t *vst,
+                          const Py_ssize_t *cd, const Py_ssize_t *vcd, const Py_ssize_t *od, const int64_t *rd,
+                          int rot, int64_t isz, int64_t pos, int64_t *g) noexcept nogil:
+    """Whether the arrays of a ``decode_token`` call fit it (q, k, v [1, S, W] of ``isz``-byte elements with
+    strides ``*st`` in bytes, caches [1, Hkv, Cap, D], out [1, S, Hq*D], rd: cos and sin (rows, cols));
+    g: (Hq, Hkv, Cap, D, S, half, q / k / v row strides in elements)."""
+    cdef int64_t Hq, Hkv = cd[1], Cap = cd[2], D = cd[3], S = qd[1], half = 0, qs, ks, vs
+    if qst[2] != isz or kst[2] != isz or vst[2] != isz:
+        return False
+    if cd[0] != 1 or vcd[0] != 1 or vcd[1] != Hkv or vcd[2] != Cap or vcd[3] != D \
+            or Hkv == 0 or D == 0 or S == 0 or not 0 <= pos <= Cap - S:
+        return False
+    Hq = qd[2] // D
+    if qd[0] != 1 or Hq == 0 or Hq * D != qd[2] or Hq % Hkv != 0 or od[0] != 1 or od[1] != S or od[2] != Hq * D:
+        return False
+    if kd[0] != 1 or kd[1] != S or kd[2] != Hkv * D or vd[0] != 1 or vd[1] != S or vd[2] != Hkv * D:
+        return False
+    if rot:
+        half = rd[1]
+        if half == 0 or 2 * half > D or rd[2] != rd[0] or rd[3] != half or pos > rd[0] - S:
+            return False
+    # row strides in elements (any for one row); rows must not overlap
+    qs, ks, vs = Hq * D, Hkv * D, Hkv * D
+    if S > 1:
+        qs, ks, vs = qst[1], kst[1], vst[1]
+        if qs <= 0 or ks <= 0 or vs <= 0 or qs % isz or ks % isz or vs % isz:
+            return False
+        qs, ks, vs = qs // isz, ks // isz, vs // isz
+        if qs < Hq * D or ks < Hkv * D or vs < Hkv * D:
+            return False
+    g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8] = Hq, Hkv, Cap, D, S, half, qs, ks, vs
+    return True
+
+
+cdef bint _token_disjoint(const void *q, const void *k, const void *v, const void *kc, const void *vc,
+                          const void *o, const int64_t *g, int64_t isz, int64_t csz) noexcept nogil:
+    """Whether out is disjoint from q and the caches, the caches from each other and from k and v (g as
+    ``_token_geometry`` fills it; isz, csz: the bytes of a token's and of a cache's element)."""
+    cdef int64_t Hq = g[0], Hkv = g[1], Cap = g[2], D = g[3], S = g[4]
+    cdef size_t qnb = <size_t>((S - 1) * g[6] + Hq * D) * isz, onb = <size_t>(S * Hq * D) * isz
+    cdef size_t knb = <size_t>((S - 1) * g[7] + Hkv * D) * isz
+    cdef size_t vnb = <size_t>((S - 1) * g[8] + Hkv * D) * isz
+    cdef size_t cnb = <size_t>(Hkv * Cap * D) * csz
+    return (_disjoint(o, onb, q, qnb) and _disjoint(o, onb, kc, cnb) and _disjoint(o, onb, vc, cnb)
+            and _disjoint(kc, cnb, vc, cnb) and _disjoint(k, knb, kc, cnb) and _disjoint(v, vnb, vc, cnb)
+            and _disjoint(k, knb, vc, cnb) and _disjoint(v, vnb, kc, cnb))
+
+
+cdef int decode_token_ptr(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
+                          const float *cos, const float *sin, int64_t half, int inter, void *k_cache,
+                          void *v_cache, int64_t Hq, int64_t Hkv, int64_t Cap, int64_t D, int64_t S, int64_t pos,
+                          float scale, float softcap, int64_t window, void *out, okv_settings s, int io16,
+                          int kv_type) noexcept nogil:
     """``decode_token`` on checked pointers (the compiled step's replay calls it): q [S rows of Hq*D, ``qs``
-    floats apart], k, v [S rows of Hkv*D, ``ks`` / ``vs`` apart], out [S, Hq*D] contiguous; caches [Hkv, Cap,
-    D]; cos, sin [>= pos + S, half] tables or NULL (no rotary); 0 <= pos, pos + S <= Cap, Hq % Hkv == 0,
-    2*half <= D, out disjoint from the others and the caches from each other and from k, v.  Returns 0, or
-    -1 (nothing but cache rows written) when memory cannot be allocated."""
+    elements apart], k, v [S rows of Hkv*D, ``ks`` / ``vs`` apart], out [S, Hq*D] contiguous, all float32, or
+    float16 when ``io16``; caches [Hkv, Cap, D] of ``kv_type`` (OKV_KV_F32 only with float32 tokens); cos, sin
+    [>= pos + S, half] float32 tables or NULL (no rotary); 0 <= pos, pos + S <= Cap, Hq % Hkv == 0, 2*half <= D,
+    out disjoint from the others and the caches from each other and from k, v.  Returns 0, or -1 (nothing but
+    cache rows written) when memory cannot be allocated."""
+    if io16 or kv_type != OKV_KV_F32:
+        return _decode_narrow_ptr(q, qs, k, ks, v, vs, cos, sin, half, inter, k_cache, v_cache, Hq, Hkv, Cap, D,
+                                  S, pos, scale, softcap, window, out, s, io16, kv_type)
     cdef int64_t h, t, p
-    cdef int64_t stats[2]
-    cdef int32_t kl = <int32_t>(pos + S), qp1 = <int32_t>pos
-    cdef int32_t *qp = &qp1
+    cdef float *kc = <float *>k_cache
+    cdef float *vc = <float *>v_cache
+    cdef const float *qf = <const float *>q
+    cdef const float *kf = <const float *>k
+    cdef const float *vf = <const float *>v
     cdef float *qr = NULL
-    cdef float *ow = out
     cdef const float *src
-    cdef okv_attn_args a
-    cdef int rot = cos != NULL, rc
+    cdef int rot = cos != NULL
     for t in range(S):
         p = pos + t
         for h in range(Hkv):
             if rot:
-                okv_rope_row_f32(k + t * ks + h * D, cos + p * half, sin + p * half, k_cache + (h * Cap + p) * D,
+                okv_rope_row_f32(kf + t * ks + h * D, cos + p * half, sin + p * half, kc + (h * Cap + p) * D,
                                  half, D, inter, s.simd)
             else:
-                memcpy(k_cache + (h * Cap + p) * D, k + t * ks + h * D, <size_t>D * sizeof(float))
-            memcpy(v_cache + (h * Cap + p) * D, v + t * vs + h * D, <size_t>D * sizeof(float))
+                memcpy(kc + (h * Cap + p) * D, kf + t * ks + h * D, <size_t>D * sizeof(float))
+            memcpy(vc + (h * Cap + p) * D, vf + t * vs + h * D, <size_t>D * sizeof(float))
     # queries head-major [Hq, S, D] (one token: the row itself, rotated or not), and so the output
     if rot or S > 1:
         qr = <float *>malloc(<size_t>(Hq * S * D) * sizeof(float))
@@ -134,34 +251,110 @@ cdef int decode_token_ptr(const float *q, int64_t qs, const float *k, int64_t ks
             return -1
         for t in range(S):
             for h in range(Hq):
-                src = q + t * qs + h * D
+                src = qf + t * qs + h * D
                 if rot:
                     okv_rope_row_f32(src, cos + (pos + t) * half, sin + (pos + t) * half, qr + (h * S + t) * D,
                                      half, D, inter, s.simd)
                 else:
                     memcpy(qr + (h * S + t) * D, src, <size_t>D * sizeof(float))
-    if S > 1:
+    return _token_attend(qf if qr == NULL else qr, qr, k_cache, v_cache, Hq, Hkv, Cap, D, S, pos, scale, softcap,
+                         window, out, 0, OKV_KV_F32, s)
+
+
+cdef int _decode_narrow_ptr(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
+                            const float *cos, const float *sin, int64_t half, int inter, void *k_cache,
+                            void *v_cache, int64_t Hq, int64_t Hkv, int64_t Cap, int64_t D, int64_t S, int64_t pos,
+                            float scale, float softcap, int64_t window, void *out, okv_settings s, int io16,
+                            int kv_type) noexcept nogil:
+    """``decode_token_ptr`` into 2-byte caches, or of float16 tokens: each k and v row widened to float32
+    (float16 tokens), rotated (k), rounded to the cache's type (a float16 row into a float16 cache without
+    rotary: copied); the queries widened and rotated into float32 rows."""
+    cdef int64_t h, t, p, r
+    cdef uint16_t *kc = <uint16_t *>k_cache
+    cdef uint16_t *vc = <uint16_t *>v_cache
+    cdef int rot = cos != NULL, as_is = io16 and kv_type == OKV_KV_F16
+    cdef int64_t n = Hq * S * D
+    # the queries head-major [Hq, S, D] (rotated), then two rows of scratch
+    cdef float *qr = <float *>malloc(<size_t>(n + 2 * D) * sizeof(float))
+    cdef float *wide
+    cdef float *turned
+    cdef const uint16_t *row16
+    cdef const float *row
+    if qr == NULL:
+        return -1
+    wide, turned = qr + n, qr + n + D
+    for t in range(S):
+        p = pos + t
+        for h in range(Hkv):
+            for r in range(2):   # the key row, then the value row
+                if io16:
+                    row16 = (<const uint16_t *>k + t * ks if r == 0 else <const uint16_t *>v + t * vs) + h * D
+                    if as_is and not (rot and r == 0):
+                        memcpy((kc if r == 0 else vc) + (h * Cap + p) * D, row16, <size_t>D * 2)
+                        continue
+                    okv_h2f_row(row16, wide, D, s.simd)
+                    row = wide
+                else:
+                    row = (<const float *>k + t * ks if r == 0 else <const float *>v + t * vs) + h * D
+                if rot and r == 0:
+                    okv_rope_row_f32(row, cos + p * half, sin + p * half, turned, half, D, inter, s.simd)
+                    row = turned
+                if kv_type == OKV_KV_F16:
+                    okv_f2h_row(row, (kc if r == 0 else vc) + (h * Cap + p) * D, D, s.simd)
+                else:
+                    okv_f2bf_row(row, (kc if r == 0 else vc) + (h * Cap + p) * D, D, s.simd)
+        for h in range(Hq):
+            if io16:
+                okv_h2f_row(<const uint16_t *>q + t * qs + h * D, wide, D, s.simd)
+                row = wide
+            else:
+                row = <const float *>q + t * qs + h * D
+            if rot:
+                okv_rope_row_f32(row, cos + p * half, sin + p * half, qr + (h * S + t) * D, half, D, inter, s.simd)
+            else:
+                memcpy(qr + (h * S + t) * D, row, <size_t>D * sizeof(float))
+    return _token_attend(qr, qr, k_cache, v_cache, Hq, Hkv, Cap, D, S, pos, scale, softcap, window, out, io16,
+                         kv_type, s)
+
+
+cdef int _token_attend(const float *q, float *owned, const void *k_cache, const void *v_cache, int64_t Hq,
+                       int64_t Hkv, int64_t Cap, int64_t D, int64_t S, int64_t pos, float scale, float softcap,
+                       int64_t window, void *out, int io16, int kv_type, okv_settings s) noexcept nogil:
+    """The attention of ``decode_token_ptr``: the S queries ``q`` (float32, head-major [Hq, S, D]; ``owned``:
+    the buffer to free after, or NULL) over the caches' positions [0, pos + S), causal, into ``out`` ([S,
+    Hq*D], float32, or rounded to float16 when ``io16``).  Returns 0, or -1 when memory cannot be allocated."""
+    cdef int64_t h, t
+    cdef int64_t stats[2]
+    cdef int32_t kl = <int32_t>(pos + S), qp1 = <int32_t>pos
+    cdef int32_t *qp = &qp1
+    cdef float *ow = <float *>out
+    cdef okv_attn_args a
+    cdef int rc
+    if S > 1 or io16:   # head-major results, then token-major rows of out
         ow = <float *>malloc(<size_t>(Hq * S * D) * sizeof(float))
-        qp = <int32_t *>malloc(<size_t>S * sizeof(int32_t))
+        qp = <int32_t *>malloc(<size_t>S * sizeof(int32_t)) if S > 1 else &qp1
         if ow == NULL or qp == NULL:
-            free(qr)
+            free(owned)
             free(ow)
-            free(qp)
+            if S > 1:
+                free(qp)
             return -1
         for t in range(S):
             qp[t] = <int32_t>(pos + t)
-    if qr != NULL:
-        q = qr
-    _fill_args(&a, q, ow, &kl, qp, 1, Hq, S, D, Hkv, Cap, scale, softcap, window, OKV_KV_F32)
+    _fill_args(&a, q, ow, &kl, qp, 1, Hq, S, D, Hkv, Cap, scale, softcap, window, kv_type)
     a.k = k_cache
     a.v = v_cache
     rc = _run_units(&a, pos + S, s, stats)
-    free(qr)
-    if S > 1:
+    free(owned)
+    if S > 1 or io16:
         if rc == 0:
             for t in range(S):
                 for h in range(Hq):
-                    memcpy(out + (t * Hq + h) * D, ow + (h * S + t) * D, <size_t>D * sizeof(float))
+                    if io16:
+                        okv_f2h_row(ow + (h * S + t) * D, <uint16_t *>out + (t * Hq + h) * D, D, s.simd)
+                    else:
+                        memcpy(<float *>out + (t * Hq + h) * D, ow + (h * S + t) * D, <size_t>D * sizeof(float))
         free(ow)
-        free(qp)
+        if S > 1:
+            free(qp)
     return rc

@@ -173,23 +173,29 @@ def _weighted_values(w, v, mask):
     return res
 
 
-def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out):
-    """Twin of the fused kernel: rotary on the S tokens' q and k, rows written at ``pos .. pos + S - 1``,
-    causal attention of each query over [0, its position]."""
+def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out, *, kv_dtype=None):
+    """Twin of the fused kernel: rotary on the S tokens' q and k (float16 tokens widened to float32 first),
+    rows written at ``pos .. pos + S - 1`` (rounded to the cache's type: float16, or bfloat16 bit patterns
+    with kv_dtype="bfloat16"), causal attention of each query over [0, its position], its result rounded
+    to out's type."""
     hkv, d = k_cache.shape[1], k_cache.shape[3]
     n = q.shape[1]
     hq = q.shape[2] // d
-    q4, k4 = q.reshape(1, n, hq, d), k.reshape(1, n, hkv, d)
+    q4, k4 = q.reshape(1, n, hq, d).astype(np.float32), k.reshape(1, n, hkv, d).astype(np.float32)
     positions = np.arange(pos, pos + n, dtype=np.int64)[None, :]
     if cos is not None:
         q_rot, k_rot = np.empty_like(q4), np.empty_like(k4)
         rotary_embedding(np.ascontiguousarray(q4), cos, sin, positions, interleaved, q_rot)
         rotary_embedding(np.ascontiguousarray(k4), cos, sin, positions, interleaved, k_rot)
         q4, k4 = q_rot, k_rot
-    k_cache[0, :, pos : pos + n] = k4[0].transpose(1, 0, 2)
-    v_cache[0, :, pos : pos + n] = v.reshape(n, hkv, d).transpose(1, 0, 2)
+    for cache, rows in ((k_cache, k4[0]), (v_cache, v.reshape(n, hkv, d).astype(np.float32))):
+        rows = rows.transpose(1, 0, 2)
+        cache[0, :, pos : pos + n] = bf16_from_f32(rows) if kv_dtype == "bfloat16" else rows
     res, qh, kl = np.empty((1, hq, n, d), np.float32), np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), [pos + n]
-    attention(qh, k_cache, v_cache, np.array(kl, np.int32), positions.astype(np.int32), scale, softcap, window, res)
+    attention(
+        qh, k_cache, v_cache, np.array(kl, np.int32), positions.astype(np.int32), scale, softcap, window, res,
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
     out.reshape(1, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
     return True
 

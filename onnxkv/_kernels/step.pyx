@@ -166,6 +166,11 @@ cdef class Program:
                     and arrays[10] is not None and arrays[10].shape == (2, ints[8])):
                 raise ValueError(f"Program: paged decode call {c}: planes {ints[9]}, {ints[10]} or {ints[8]} rows "
                                  "do not fit its page and block tables")
+            if kind == KIND_DECODE_TOKEN and not (
+                    len(ints) > 13 and ints[12] in (0, 1) and ints[13] in (0, 1, 2) and (ints[12] == 0 or ints[13] != 0)
+                    and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (0, 1, 2, 9))
+                    and all(arrays[j].itemsize == (4 if ints[13] == 0 else 2) for j in (5, 6))):
+                raise ValueError(f"Program: decode call {c}: token and cache types {ints[12:14]} are not its arrays'")
             if kind == KIND_CACHE_ROWS and not (
                     len(ints) > 5 and ints[5] in (2, 4) and arrays[0].itemsize == arrays[1].itemsize == ints[5]):
                 raise ValueError(f"Program: cache-row call {c}: element bytes {ints[5:6]} are not its arrays' "
@@ -498,10 +503,9 @@ cdef inline int _decode_token(call_t *c, okv_settings s) noexcept nogil:
     """KIND_DECODE_TOKEN (_record.pxd), admitted: the position read now; pos_io[1] = pos once done."""
     cdef int64_t n = c.i[8]
     cdef int64_t pos = <int64_t>(<const int32_t *>c.p[7])[0] + 1 - n
-    if decode_token_ptr(<const float *>c.p[0], c.i[9], <const float *>c.p[1], c.i[10], <const float *>c.p[2],
-                        c.i[11], <const float *>c.p[3], <const float *>c.p[4], c.i[4], <int>c.i[5],
-                        <float *>c.p[5], <float *>c.p[6], c.i[0], c.i[1], c.i[2], c.i[3], n, pos, c.f[0], c.f[1],
-                        c.i[6], <float *>c.p[9], s) != 0:
+    if decode_token_ptr(c.p[0], c.i[9], c.p[1], c.i[10], c.p[2], c.i[11], <const float *>c.p[3],
+                        <const float *>c.p[4], c.i[4], <int>c.i[5], c.p[5], c.p[6], c.i[0], c.i[1], c.i[2], c.i[3], n,
+                        pos, c.f[0], c.f[1], c.i[6], c.p[9], s, <int>c.i[12], <int>c.i[13]) != 0:
         return -1
     (<int64_t *>c.p[10])[1] = pos
     return 0

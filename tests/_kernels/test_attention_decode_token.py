@@ -1,7 +1,8 @@
 """decode_token: rotary + cache append + attention of one decode token in one call.
 
 Bit for bit the unfused compiled calls (rotary_embedding, the row writes,
-attention) and within float32 tolerance of the NumPy twin, on random data over
+attention) and within float32 tolerance of the NumPy twin (float16 tokens and
+float16 / bfloat16 caches: within their rounding), on random data over
 MHA / GQA / MQA, head sizes, rotary widths, interleaving, softcap and window,
 1 and 2 threads, SIMD and scalar.  Arguments it does not take are declined
 (False) with nothing written.
@@ -29,12 +30,13 @@ def _case(rng, hq, hkv, d, cap, rot_half, max_pos=64):
     return q, k, v, cos, sin, kc, vc
 
 
-def _unfused(*args):
-    """The unfused compiled calls: the twin's composition with the compiled rotary and attention kernels."""
+def _unfused(*args, **kwargs):
+    """The unfused compiled calls: the twin's composition with the compiled rotary and attention kernels (and
+    the compiled bfloat16 rounding, which the twin's equals)."""
     with pytest.MonkeyPatch.context() as m:
         m.setattr(R, "rotary_embedding", K.rotary_embedding)
         m.setattr(R, "attention", K.attention)
-        R.decode_token(*args)
+        R.decode_token(*args, **kwargs)
 
 
 def decode_matrix(test):
@@ -61,23 +63,100 @@ def test_equals_unfused_calls_and_twin(hq, hkv, d, rot, interleaved, softcap, wi
         _check(q, k, v, cos, sin, interleaved, kc, vc, pos, float(d**-0.5), softcap, window)
 
 
-def _check(q, k, v, cos, sin, interleaved, kc, vc, pos, scale, softcap, window):
+def _check(q, k, v, cos, sin, interleaved, kc, vc, pos, scale, softcap, window, kv_dtype=None):
     """decode_token on copies of the caches equals the unfused calls bit for bit, the twin within float32
-    tolerance, and writes no cache row past its tokens."""
+    tolerance (float16 tokens: float16's; caches of float16 or bfloat16 (kv_dtype): within a rounding of
+    their type), and writes no cache row past its tokens."""
     n = q.shape[1]
-    got_k, got_v, got = kc.copy(), vc.copy(), np.full(q.shape[:2] + (q.shape[2],), np.nan, np.float32)
-    assert K.decode_token(q, k, v, cos, sin, interleaved, got_k, got_v, pos, scale, softcap, window, got)
+    got_k, got_v, got = kc.copy(), vc.copy(), np.full(q.shape[:2] + (q.shape[2],), np.nan, q.dtype)
+    args = (cos, sin, interleaved)
+    assert K.decode_token(q, k, v, *args, got_k, got_v, pos, scale, softcap, window, got, kv_dtype=kv_dtype)
     want_k, want_v, want = kc.copy(), vc.copy(), np.full_like(got, np.nan)
-    _unfused(q, k, v, cos, sin, interleaved, want_k, want_v, pos, scale, softcap, window, want)
+    _unfused(q, k, v, *args, want_k, want_v, pos, scale, softcap, window, want, kv_dtype=kv_dtype)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_k, want_k)
     np.testing.assert_array_equal(got_v, want_v)
     assert np.array_equal(got_k[:, :, pos + n :], kc[:, :, pos + n :])
     twin_k, twin_v, twin = kc.copy(), vc.copy(), np.empty_like(got)
-    R.decode_token(q, k, v, cos, sin, interleaved, twin_k, twin_v, pos, scale, softcap, window, twin)
-    np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got_k, twin_k, rtol=1e-6, atol=1e-6)
+    R.decode_token(q, k, v, *args, twin_k, twin_v, pos, scale, softcap, window, twin, kv_dtype=kv_dtype)
+    narrow = q.dtype == np.float16
+    tol = 2e-3 if narrow else 1e-5
+    np.testing.assert_allclose(got.astype(np.float32), twin.astype(np.float32), rtol=tol, atol=tol)
+    cache_tol = 1e-6 if kc.dtype == np.float32 else 8e-3 if kv_dtype == "bfloat16" else 1e-3
+    got_kf, twin_kf = R.kv_to_f32(got_k, kv_dtype), R.kv_to_f32(twin_k, kv_dtype)
+    np.testing.assert_allclose(got_kf, twin_kf, rtol=cache_tol, atol=cache_tol)
     np.testing.assert_array_equal(got_v, twin_v)
+
+
+#: (tokens, caches) of the narrow calls: a float32 model with a float16 / bfloat16 state cache, a float16
+#: model's tokens into float16 / bfloat16 caches.
+NARROW = [(np.float32, "float16"), (np.float32, "bfloat16"), (np.float16, "float16"), (np.float16, "bfloat16")]
+NARROW_IDS = ["f32-f16cache", "f32-bf16cache", "f16", "f16-bf16cache"]
+
+
+def _narrow(x, cache):
+    """float32 cache values as a cache of type ``cache`` holds them (bfloat16: uint16 bit patterns)."""
+    return R.bf16_from_f32(x) if cache == "bfloat16" else x.astype(np.float16)
+
+
+@decode_matrix
+@pytest.mark.parametrize("tokens, cache", NARROW, ids=NARROW_IDS)
+def test_narrow_tokens_and_caches_equal_unfused_calls_and_twin(
+    hq, hkv, d, rot, interleaved, softcap, window, tokens, cache, threads, simd
+):
+    """Float16 tokens are widened before the rotary and the attention, their output rounded once; new rows
+    are rounded to a 2-byte cache's type, as the general path's cache writes round them."""
+    rng = np.random.default_rng([hq, hkv, d, len(rot), interleaved, int(softcap), window + 1, len(cache)])
+    half = {"none": 0, "full": d // 2, "partial": d // 4}[rot]
+    for pos in (0, 1, 37):
+        q, k, v, cos, sin, kc, vc = _case(rng, hq, hkv, d, 48, half)
+        q, k, v = (x.astype(tokens) for x in (q, k, v))
+        kv_dtype = "bfloat16" if cache == "bfloat16" else None
+        _check(q, k, v, cos, sin, interleaved, _narrow(kc, cache), _narrow(vc, cache), pos, float(d**-0.5),
+               softcap, window, kv_dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [2, 5])
+@pytest.mark.parametrize("tokens, cache", NARROW, ids=NARROW_IDS)
+def test_several_narrow_tokens_equal_unfused_calls(n, tokens, cache, threads, simd):
+    rng = np.random.default_rng([n, len(cache)])
+    _, _, _, cos, sin, kc, vc = _case(rng, 4, 2, 64, 48, 16)
+    q, k, v = (x.astype(tokens) for x in _tokens(rng, n, 4, 2, 64, True))
+    kv_dtype = "bfloat16" if cache == "bfloat16" else None
+    _check(q, k, v, cos, sin, False, _narrow(kc, cache), _narrow(vc, cache), 30, 0.125, 0.0, -1, kv_dtype)
+
+
+def test_narrow_calls_decline_mismatched_types_and_write_nothing():
+    rng = np.random.default_rng(14)
+    q, k, v, cos, sin, kc, vc = _case(rng, 4, 2, 32, 16, 8)
+    h = dict(q=q.astype(np.float16), k=k.astype(np.float16), v=v.astype(np.float16))
+    kc16, vc16, out16 = kc.astype(np.float16), vc.astype(np.float16), np.zeros((1, 1, 128), np.float16)
+    kcb, vcb = R.bf16_from_f32(kc), R.bf16_from_f32(vc)
+    base = dict(**h, cos=cos, sin=sin, interleaved=False, k_cache=kc16, v_cache=vc16, pos=3, scale=0.125,
+                softcap=0.0, window=-1, out=out16)  # fmt: skip
+    for change, kv_dtype in (
+        (dict(k_cache=kc, v_cache=vc), None),  # float16 tokens into float32 caches
+        (dict(k=k), None),  # token types differ
+        (dict(out=np.zeros((1, 1, 128), np.float32)), None),
+        (dict(v_cache=vc), None),  # cache types differ
+        (dict(k_cache=kcb, v_cache=vcb), None),  # uint16 caches without kv_dtype="bfloat16"
+        ({}, "bfloat16"),  # float16 caches named bfloat16
+        (dict(k_cache=kcb, v_cache=vcb), "int8"),
+        (
+            dict(
+                q=q.astype(np.float64),
+                k=k.astype(np.float64),
+                v=v.astype(np.float64),
+                out=np.zeros((1, 1, 128), np.float64),
+            ),
+            None,
+        ),
+    ):
+        a = {**base, **change}
+        before = [x.copy() for x in (a["k_cache"], a["v_cache"], a["out"])]
+        assert K.decode_token(*a.values(), kv_dtype=kv_dtype) is False, change
+        assert all(np.array_equal(x, y) for x, y in zip((a["k_cache"], a["v_cache"], a["out"]), before))
+    assert K.decode_token(*base.values())
 
 
 def test_long_cache_splits_like_attention(threads):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from onnxkv._kernels._record import Recorder
 from onnxkv._kernels.activation import silu, silu_mul
+from onnxkv._kernels.convert import f32_to_bf16
 from onnxkv._kernels.matmul import matmul_packed, pack_weight
 from onnxkv._kernels.norm import rms_norm, skip_rms_norm
 from onnxkv._kernels.step import Program
@@ -164,37 +165,84 @@ def test_more_than_64_externals_are_refused_at_build():
         Program([], externals)
 
 
-def _decode_call(rng, hq=4, hkv=2, d=16, cap=12, rows=20, rot=True, n=1):
-    """The arrays and parameters of one recorded decode-token call of ``n`` tokens (the operand order of
-    _record.pxd)."""
-    from onnxkv._kernels._record import DECODE_TOKEN
+#: Element types of a decode call's caches (as the kernel takes them) by _record.DECODE_CACHE_TYPES name.
+CACHE_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
-    q, k, v = rand(rng, (1, n, hq * d)), rand(rng, (1, n, hkv * d)), rand(rng, (1, n, hkv * d))
+
+def _decode_call(rng, hq=4, hkv=2, d=16, cap=12, rows=20, rot=True, n=1, tokens=np.float32, cache="float32"):
+    """The arrays and parameters of one recorded decode-token call of ``n`` tokens (the operand order of
+    _record.pxd) of ``tokens`` (float32 or float16) into ``cache`` caches (a DECODE_CACHE_TYPES name)."""
+    from onnxkv._kernels._record import DECODE_CACHE_TYPES, DECODE_TOKEN
+
+    q, k, v = (rand(rng, (1, n, w)).astype(tokens) for w in (hq * d, hkv * d, hkv * d))
     cos, sin = (rand(rng, (rows, d // 2)), rand(rng, (rows, d // 2))) if rot else (None, None)
-    kc, vc = rand(rng, (1, hkv, cap, d)), rand(rng, (1, hkv, cap, d))
+    kc, vc = (_cache_values(rand(rng, (1, hkv, cap, d)), cache) for _ in range(2))
     seq, total = np.array([0], np.int32), np.array([0], np.int32)
-    out, io = np.empty((1, n, hq * d), np.float32), np.zeros(2, np.int64)
+    out, io = np.empty((1, n, hq * d), tokens), np.zeros(2, np.int64)
     half = 0 if cos is None else d // 2
-    ints = (hq, hkv, cap, d, half, 0, -1, rows, n, hq * d, hkv * d, hkv * d)
+    ints = (hq, hkv, cap, d, half, 0, -1, rows, n, hq * d, hkv * d, hkv * d, int(tokens == np.float16))
+    ints += (DECODE_CACHE_TYPES[cache],)
     call = (DECODE_TOKEN, (q, k, v, cos, sin, kc, vc, seq, total, out, io), ints, (d**-0.5, 0.0))
     return call, dict(q=q, k=k, v=v, cos=cos, sin=sin, kc=kc, vc=vc, seq=seq, total=total, out=out, io=io)
 
 
+def test_decode_cache_type_codes_are_the_kernels():
+    import importlib
+
+    from onnxkv._kernels._record import DECODE_CACHE_TYPES
+
+    assert DECODE_CACHE_TYPES == importlib.import_module("onnxkv._kernels.attention")._KV_TYPES
+
+
+@pytest.mark.parametrize("tokens, cache, ints", [(np.float32, "float32", (1, 0)), (np.float16, "float16", (1, 0)),
+                                                 (np.float16, "float16", (0, 1)), (np.float32, "float16", (0, 0))])  # fmt: skip
+def test_a_decode_call_whose_types_are_not_its_arrays_is_refused(tokens, cache, ints):
+    call, a = _decode_call(np.random.default_rng(1), tokens=tokens, cache=cache)
+    bad = (call[0], call[1], call[2][:12] + ints, call[3])
+    with pytest.raises(ValueError, match=r"decode call 0: token and cache types .* are not its arrays'"):
+        Program([bad], [a["kc"], a["vc"]])
+    with pytest.raises(ValueError, match=r"decode call 0: token and cache types \(\) are not its arrays'"):
+        Program([(call[0], call[1], call[2][:12], call[3])], [a["kc"], a["vc"]])
+
+
+def _cache_values(x: np.ndarray, cache: str) -> np.ndarray:
+    """float32 values ``x`` as a cache of type ``cache`` holds them (bfloat16: uint16 bit patterns)."""
+    if cache != "bfloat16":
+        return x.astype(CACHE_TYPES[cache])
+    out = np.empty(x.shape, np.uint16)
+    f32_to_bf16(np.ascontiguousarray(x), out)
+    return out
+
+
 @pytest.mark.parametrize("n", [1, 2, 5])
 @pytest.mark.parametrize("rot", [True, False], ids=["rotary", "plain"])
-def test_a_decode_token_replay_reads_its_position_and_equals_the_kernel(simd, threads, rot, n):
+@pytest.mark.parametrize(
+    "tokens, cache",
+    [
+        (np.float32, "float32"),
+        (np.float32, "float16"),
+        (np.float32, "bfloat16"),
+        (np.float16, "float16"),
+        (np.float16, "bfloat16"),
+    ],
+    ids=["f32", "f32-f16cache", "f32-bf16cache", "f16", "f16-bf16cache"],
+)
+def test_a_decode_token_replay_reads_its_position_and_equals_the_kernel(simd, threads, rot, n, tokens, cache):
     """seqlens_k is the last token's position: the n tokens start at seqlens_k + 1 - n (the committed length)."""
     from onnxkv._kernels import decode_token
 
     rng = np.random.default_rng(7 + n)
-    call, a = _decode_call(rng, cap=14, rows=12, rot=rot, n=n)
+    call, a = _decode_call(rng, cap=14, rows=12, rot=rot, n=n, tokens=tokens, cache=cache)
     program = Program([call], [a["kc"], a["vc"]])
+    kv_dtype = "bfloat16" if cache == "bfloat16" else None
     for pos in (1, 4, 12 - n):
         kc, vc = a["kc"].copy(), a["vc"].copy()  # new cache buffers of the same shape: externals
         a["seq"][0], a["total"][0], a["io"][0] = pos + n - 1, pos + n, pos
         a["q"][:] = rand(rng, a["q"].shape)  # baked operands: read at their recorded addresses
         wk, wv, want = kc.copy(), vc.copy(), np.empty_like(a["out"])
-        assert decode_token(a["q"], a["k"], a["v"], a["cos"], a["sin"], False, wk, wv, pos, 16**-0.5, 0.0, -1, want)
+        assert decode_token(
+            a["q"], a["k"], a["v"], a["cos"], a["sin"], False, wk, wv, pos, 16**-0.5, 0.0, -1, want, kv_dtype=kv_dtype
+        )
         assert program.run([kc, vc])
         np.testing.assert_array_equal(a["out"], want)
         np.testing.assert_array_equal(kc, wk)

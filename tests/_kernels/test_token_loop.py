@@ -42,7 +42,7 @@ class Chain:
             (
                 DECODE_TOKEN,
                 (self.q, self.k, self.v, None, None, self.kc, self.vc, self.seqlens, self.total, self.att, self.io),
-                (HQ, HKV, CAP, D, 0, 0, -1, 0, 1, HQ * D, HKV * D, HKV * D),
+                (HQ, HKV, CAP, D, 0, 0, -1, 0, 1, HQ * D, HKV * D, HKV * D, 0, 0),
                 (D**-0.5, 0.0),
             ),
         ]

@@ -1,7 +1,7 @@
 """The fused decode call of :class:`~onnxkv.plan.ops.attention_gqa.GroupQueryAttention`.
 
 :func:`fused_decode` serves the node's common decode call (a few new tokens of
-one sequence into a state's contiguous float32 caches) with one kernel call,
+one sequence into a state's contiguous caches) with one kernel call,
 :func:`onnxkv._kernels.decode_token`, or declines it (None, nothing written)
 so that the node's general path runs.  It reads the node's attributes and
 tables only; the node owns the caches' bindings through ``rt``.
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FUSED_TOKENS", "constant_rotary", "fused_decode"]
 
+#: Element types of the tokens (q, k, v, output) the fused call takes.
+_TOKEN_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
 #: New tokens of one sequence the fused call takes at most (a decode step, a speculative verification, a
 #: short first prompt); a longer run (a prompt chunk) takes the general path, whose attention splits its
 #: queries into tiles.
@@ -41,13 +44,13 @@ def constant_rotary(op: GroupQueryAttention, inputs: list, end: int) -> tuple | 
 
 
 def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple | None:
-    """The outputs of node ``op`` for a few tokens of one sequence into a state's float32 cache, or None.
+    """The outputs of node ``op`` for a few tokens of one sequence into a state's contiguous cache, or None.
 
     The general path's result for the common decode call -- batch 1, S new
     tokens (1 <= S <= ``FUSED_TOKENS``: a decode step, a speculative
-    verification, or a first prompt into an empty cache) after a past, float32 Q/K/V (separate or packed), the
-    state's contiguous float32 caches bound in place with room for the
-    tokens, no position_ids / attention_bias / head_sink / smooth_softmax,
+    verification, or a first prompt into an empty cache) after a past, float32 or float16 Q/K/V (separate
+    or packed), the state's contiguous caches (float32, float16 or bfloat16; float16 tokens: not float32)
+    bound in place with room for the tokens, no position_ids / attention_bias / head_sink / smooth_softmax,
     rotary (if any) from the node's constant tables -- computed by the
     fused kernel (:func:`onnxkv._kernels.decode_token`: the general path's
     rotary, append and attention in one call, bit for bit), which skips the
@@ -67,8 +70,7 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     ck, cv = caches[past_k_name], caches[past_v_name]
     if (
         getattr(ck, "paged", False)
-        or ck.storage != "float32"
-        or cv.storage != "float32"
+        or cv.storage != ck.storage
         or past_key.shape != past_value.shape
         or past_key.ndim != 4
         or not isinstance(query, np.ndarray)
@@ -111,17 +113,19 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         # growth, as the general path's cache writes grow: only for arguments it accepts up to there
         shape = (1, n, hkv * past_key.shape[3])
         if (
-            query.dtype != np.float32
+            query.dtype not in _TOKEN_TYPES
             or key is None
             or value is None
-            or key.dtype != np.float32
-            or value.dtype != np.float32
+            or key.dtype != query.dtype
+            or value.dtype != query.dtype
             or key.shape != shape
             or value.shape != shape
         ):
             return None
+    if query.dtype not in _TOKEN_TYPES or (query.dtype == np.float16 and ck.storage == "float32"):
+        return None  # float32 tokens into float32, float16 or bfloat16 caches; float16 tokens into 2-byte ones
     grown = ck.reserve(present_len), cv.reserve(present_len)
-    output = rt.empty(0, (1, n, query.shape[2]), np.float32)
+    output = rt.empty(0, (1, n, query.shape[2]), query.dtype)
     done = _decode_kernel(
         query,
         key,
@@ -136,6 +140,7 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         op.softcap,
         op.window,
         output,
+        kv_dtype="bfloat16" if ck.storage == "bfloat16" else None,
     )
     # Record growth even when the kernel declined (the general path then finds the room made).
     written = n if done else 0

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxkv._kernels._record import DECODE_TOKEN
+from onnxkv._kernels._record import DECODE_CACHE_TYPES, DECODE_TOKEN
 from onnxkv.plan.context import RunContext
 
 __all__ = ["CacheAppend", "committed_pair", "note_decode", "rows_span"]
 
 
 def note_decode(op, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total_seqlen: np.ndarray, output) -> None:
-    """Note the fused call of ``op`` (a GroupQueryAttention) that just ran into the contiguous float32
-    caches ``ck`` / ``cv``: ``qkv_rot`` its (q, k, v, cos or None, sin or None) arrays (q, k, v [1, S, H*D],
-    rows possibly strided), ``output`` its result.  A replay reads the position from ``seqlens_k``, takes
+    """Note the fused call of ``op`` (a GroupQueryAttention) that just ran into the contiguous caches
+    ``ck`` / ``cv``: ``qkv_rot`` its (q, k, v, cos or None, sin or None) arrays (q, k, v [1, S, H*D], float32
+    or float16, rows possibly strided), ``output`` its result.  A replay reads the position from ``seqlens_k``, takes
     the caches the run has then, and its effect stages the appended rows and the presents as the fused path
     does.  Refuses the recording when a replay could not read the position as this run did (seqlens_k or
     total_sequence_length not int32)."""
@@ -35,7 +35,7 @@ def note_decode(op, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total_se
     q, k, v = (rows_span(x) for x in (q, k, v))
     arrays = (q, k, v, cos, sin, ck.buffer, cv.buffer, seqlens_k, total_seqlen.reshape(1), output, pos_io)
     ints = (op.num_heads, op.kv_num_heads, ck.buffer.shape[2], d, half, int(bool(op.interleaved)), op.window, rows,
-            n, *strides)  # fmt: skip
+            n, *strides, int(q.dtype == np.float16), DECODE_CACHE_TYPES[ck.storage])  # fmt: skip
     rec.note(DECODE_TOKEN, arrays, ints, (float(op._softmax_scale(d)), float(op.softcap)))
     rec.cache(op._past_names[0], ck.buffer)
     rec.cache(op._past_names[1], cv.buffer)

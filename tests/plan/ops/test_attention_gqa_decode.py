@@ -1,4 +1,4 @@
-"""GroupQueryAttention's one-token decode path into a state's float32 cache.
+"""GroupQueryAttention's one-token decode path into a state's contiguous cache.
 
 ``GroupQueryAttention._decode_token`` serves the common decode call with the
 general path's kernels and arguments; these tests check that it is taken where
@@ -99,6 +99,36 @@ def test_decode_token_equals_general_path(attrs, threads, spy, monkeypatch):
     assert all(spy) and len(spy) == 10 * MICRO.num_layers
     monkeypatch.setattr(GroupQueryAttention, "_decode_token", lambda self, inputs, rt: None)
     with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:
+        want_logits, want_values = _decode(session, st, steps=9)
+    for got, want in zip(got_logits + got_values, want_logits + want_values, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+#: (model, state cache) of the narrow fused calls: float32 models with a float16 / bfloat16 contiguous cache,
+#: float16 files (ONNX Runtime's converter, float32 inputs and outputs) with their float16 or a bfloat16 cache.
+NARROW = [("float32", "fp16"), ("float32", "bf16"), ("float16", None), ("float16", "bf16"), ("float16", "fp16")]
+
+
+@pytest.mark.parametrize(
+    "dtype, kv_format", NARROW, ids=["f32-f16cache", "f32-bf16cache", "f16", "f16-bf16", "f16-fp16"]
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_narrow_decode_token_equals_general_path(dtype, kv_format, threads, spy, monkeypatch):
+    """Float16 tokens and 2-byte caches take the fused path too, bitwise the general path's results: its
+    float32 rotary of widened rows, rows rounded into the cache, the attention's result rounded once."""
+    model = _model()
+    if dtype == "float16":
+        pytest.importorskip("onnxruntime")
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+
+        model = convert_float_to_float16(model, keep_io_types=True)
+    session = onnxkv.Session(model, threads=threads, compiled_steps=False)
+    config = onnxkv.CacheConfig("contiguous", initial_capacity=4, kv_format=kv_format)
+    with session.new_state(cache=config) as st:
+        got_logits, got_values = _decode(session, st, steps=9)
+    assert all(spy) and len(spy) == 10 * MICRO.num_layers
+    monkeypatch.setattr(GroupQueryAttention, "_decode_token", lambda self, inputs, rt: None)
+    with session.new_state(cache=config) as st:
         want_logits, want_values = _decode(session, st, steps=9)
     for got, want in zip(got_logits + got_values, want_logits + want_values, strict=True):
         np.testing.assert_array_equal(got, want)
