@@ -43,11 +43,12 @@ cdef enum:
     # is a whole resizable external (its capacity read when replayed); refused unless 0 <= pos_io[0] and
     # pos_io[0] + S <= Cap.
     KIND_CACHE_ROWS = 11
-    # Masked attention of S queries over a contiguous float32 cache pair [B, Hkv, Cap, D] (an export's
-    # MaskedAttention, an ONNX Attention node; attention.masked_decode_ptr): arrays (q [B, Hq, S, D], k_cache,
-    # v_cache, mask [mb, 1, ms, T] (additive float32 or bool), out [B, Hq, S, D], pos_io int64 [1], kv_len int32
-    # [B], kv_start int32 [B], q_pos int32 [B, S]: the last three the call's own scratch); ints (B, Hq, Hkv, S, D,
-    # Cap, mb, ms, T, bool mask, causal); floats (scale, softcap).  The caches are whole resizable externals and
+    # Masked attention of S queries over a contiguous cache pair [B, Hkv, Cap, D] (an export's MaskedAttention,
+    # an ONNX Attention node; attention.masked_decode_ptr): arrays (q [B, Hq, S, D], k_cache, v_cache, mask [mb,
+    # 1, ms, T], out [B, Hq, S, D], pos_io int64 [1], kv_len int32 [B], kv_start int32 [B], q_pos int32 [B, S]:
+    # the last three the call's own scratch); ints (B, Hq, Hkv, S, D, Cap, mb, ms, T, mask kind (0 additive
+    # float32, 1 bool, 2 additive float16), causal, float16 q and out (0 or 1), float16 caches (0: float32));
+    # floats (scale, softcap).  The caches are whole resizable externals and
     # the mask a whole ragged one: a replay reads Cap and T from them.  Refused unless T == pos_io[0] + S <= Cap
     # and the mask (with the causal bound) describes, for every (batch row, query), one non-empty range of
     # visible keys starting at the same key for every query of a batch row (attention.masked_ranges).

@@ -15,9 +15,9 @@ cdef int decode_paged_ptr(const float *q, int64_t qs, const float *k, int64_t ks
                           const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *last,
                           int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap,
                           int64_t window, float *out, okv_settings s, int64_t *stats) noexcept nogil
-cdef bint masked_ranges(const void *mask, int is_bool, int causal, int64_t mb, int64_t ms, int64_t T, int64_t B,
+cdef bint masked_ranges(const void *mask, int kind, int causal, int64_t mb, int64_t ms, int64_t T, int64_t B,
                         int64_t S, int32_t *kv_start, int32_t *q_pos) noexcept nogil
-cdef int masked_decode_ptr(const float *q, const float *k_cache, const float *v_cache, int64_t B, int64_t Hq,
+cdef int masked_decode_ptr(const void *q, const void *k_cache, const void *v_cache, int64_t B, int64_t Hq,
                            int64_t Hkv, int64_t S, int64_t D, int64_t Cap, int64_t T, const int32_t *kv_start,
-                           const int32_t *q_pos, int32_t *kv_len, float scale, float softcap, float *out,
-                           okv_settings s) noexcept nogil
+                           const int32_t *q_pos, int32_t *kv_len, float scale, float softcap, void *out,
+                           okv_settings s, int io16, int kv_type) noexcept nogil

@@ -1,4 +1,4 @@
-# onnxkv/_kernels/attention_masked_decode.pxi: an export's masked attention over a contiguous float32 cache pair
+# onnxkv/_kernels/attention_masked_decode.pxi: an export's masked attention over a contiguous cache pair
 # on checked pointers, for the compiled step (step.pyx's KIND_MASKED_DECODE): the additive mask described as the
 # kernel's visible-key ranges (masked_ranges), then the streaming kernel (masked_decode_ptr).  Included by
 # attention.pyx (a Cython include: it shares that module's names).
@@ -6,21 +6,25 @@
 DEF MASK_HIDES = -1e30   # an additive mask entry at or below this hides its key (plan/ops/masked_attention.MASKED)
 
 
-cdef bint masked_ranges(const void *mask, int is_bool, int causal, int64_t mb, int64_t ms, int64_t T, int64_t B,
+cdef bint masked_ranges(const void *mask, int kind, int causal, int64_t mb, int64_t ms, int64_t T, int64_t B,
                         int64_t S, int32_t *kv_start, int32_t *q_pos) noexcept nogil:
     """Describe a mask [mb, 1, ms, T] (C order; mb 1 or B, ms 1 or S, broadcast over batch rows and queries) as
-    the kernel's ranges: query (b, s) sees exactly the keys kv_start[b] <= key <= q_pos[b * S + s].  An additive
-    float32 mask (``is_bool`` 0) shows a key at 0 and hides it at or below -1e30 (NaN is neither); a bool mask
-    (``is_bool`` 1, one byte per entry) shows it where nonzero.  ``causal``: query s also sees no key past its
-    position T - S + s.  False (the outputs then undefined) unless every float entry is one of the two, every
-    query's visible keys are one contiguous range, the ranges of one batch row's queries start at the same key
-    (``visible_ranges``), and every query sees a key -- the conditions under which the operators' Python paths
-    (``mask_ranges``, ``attn_mask_ranges``) call the same kernel with these ranges; they evaluate the rest
-    otherwise."""
+    the kernel's ranges: query (b, s) sees exactly the keys kv_start[b] <= key <= q_pos[b * S + s].  ``kind`` 0:
+    an additive float32 mask, which shows a key at 0 and hides it at or below -1e30 (NaN is neither); 1: a bool
+    mask (one byte per entry), which shows it where nonzero; 2: an additive float16 mask (uint16 bits), which
+    shows it at 0 and hides it at -inf only (its lowest finite value, -65504, hides a key only while the scores
+    are small: the operator's Python path checks a bound that a replay does not, so such a mask is refused).
+    ``causal``: query s also sees no key past its position T - S + s.  False (the outputs then undefined)
+    unless every float entry is one of the two, every query's visible keys are one contiguous range, the ranges
+    of one batch row's queries start at the same key (``visible_ranges``), and every query sees a key -- the
+    conditions under which the operators' Python paths (``mask_ranges``, ``attn_mask_ranges``) call the same
+    kernel with these ranges; they evaluate the rest otherwise."""
     cdef int64_t b, s, t, lo, hi, mrow, cap
     cdef const float *fm = <const float *>mask
     cdef const uint8_t *bm = <const uint8_t *>mask
+    cdef const uint16_t *hm = <const uint16_t *>mask
     cdef float m
+    cdef uint16_t h
     cdef bint seen
     if T < 1 or T > INT32_MAX or not (mb == 1 or mb == B) or not (ms == 1 or ms == S):
         return False
@@ -30,8 +34,13 @@ cdef bint masked_ranges(const void *mask, int is_bool, int causal, int64_t mb, i
             lo = -1
             hi = -1
             for t in range(T):
-                if is_bool:
+                if kind == 1:
                     seen = bm[mrow + t] != 0
+                elif kind == 2:
+                    h = hm[mrow + t]
+                    seen = (h & 0x7FFF) == 0
+                    if not seen and h != 0xFC00:     # -inf hides the key; anything else is refused
+                        return False
                 else:
                     m = fm[mrow + t]
                     seen = m == 0
@@ -59,20 +68,35 @@ cdef bint masked_ranges(const void *mask, int is_bool, int causal, int64_t mb, i
     return True
 
 
-cdef int masked_decode_ptr(const float *q, const float *k_cache, const float *v_cache, int64_t B, int64_t Hq,
+cdef int masked_decode_ptr(const void *q, const void *k_cache, const void *v_cache, int64_t B, int64_t Hq,
                            int64_t Hkv, int64_t S, int64_t D, int64_t Cap, int64_t T, const int32_t *kv_start,
-                           const int32_t *q_pos, int32_t *kv_len, float scale, float softcap, float *out,
-                           okv_settings s) noexcept nogil:
-    """``attention`` of q [B, Hq, S, D] over the first T positions of the caches [B, Hkv, Cap, D] (T <= Cap)
-    with the ranges of ``masked_ranges`` (kv_len: the call's scratch [B], set to T), ``softcap``, no window,
-    into out: bit for bit the operators' kernel call.  0, or -1 when the workspace cannot be allocated."""
+                           const int32_t *q_pos, int32_t *kv_len, float scale, float softcap, void *out,
+                           okv_settings s, int io16, int kv_type) noexcept nogil:
+    """``attention`` of q [B, Hq, S, D] over the first T positions of the caches [B, Hkv, Cap, D] (T <= Cap; of
+    ``kv_type``: OKV_KV_F32 or OKV_KV_F16) with the ranges of ``masked_ranges`` (kv_len: the call's scratch [B],
+    set to T), ``softcap``, no window, into out: bit for bit the operators' kernel call.  ``io16``: q and out are
+    float16 (a float16 file's block), q widened first and the float32 result rounded once, as the operator's
+    Python path does.  0, or -1 when memory cannot be allocated."""
     cdef okv_attn_args a
     cdef int64_t stats[2]
-    cdef int64_t b
+    cdef int64_t b, n = B * Hq * S * D
+    cdef float *wide = NULL
+    cdef int rc
     for b in range(B):
         kv_len[b] = <int32_t>T
-    _fill_args(&a, q, out, kv_len, q_pos, B, Hq, S, D, Hkv, Cap, scale, softcap, -1, OKV_KV_F32)
+    if io16:
+        wide = <float *>malloc(<size_t>(2 * n) * sizeof(float))
+        if wide == NULL:
+            return -1
+        okv_h2f_row(<const uint16_t *>q, wide, n, s.simd)
+    _fill_args(&a, <const float *>q if wide == NULL else wide, <float *>out if wide == NULL else wide + n, kv_len,
+               q_pos, B, Hq, S, D, Hkv, Cap, scale, softcap, -1, kv_type)
     a.k = k_cache
     a.v = v_cache
     a.kv_start = kv_start
-    return _run_units(&a, T, s, stats)
+    rc = _run_units(&a, T, s, stats)
+    if wide != NULL:
+        if rc == 0:
+            okv_f2h_row(wide + n, <uint16_t *>out, n, s.simd)
+        free(wide)
+    return rc

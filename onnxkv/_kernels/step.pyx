@@ -171,6 +171,13 @@ cdef class Program:
                     and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (0, 1, 2, 9))
                     and all(arrays[j].itemsize == (4 if ints[13] == 0 else 2) for j in (5, 6))):
                 raise ValueError(f"Program: decode call {c}: token and cache types {ints[12:14]} are not its arrays'")
+            if kind == KIND_MASKED_DECODE and not (
+                    len(ints) > 12 and ints[9] in (0, 1, 2) and ints[11] in (0, 1) and ints[12] in (0, 1)
+                    and arrays[3].itemsize == (4, 1, 2)[ints[9]]
+                    and all(arrays[j].itemsize == (2 if ints[11] else 4) for j in (0, 4))
+                    and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (1, 2))):
+                raise ValueError(f"Program: masked decode call {c}: mask, token and cache types {ints[9:13]} are not "
+                                 "its arrays'")
             if kind == KIND_CACHE_ROWS and not (
                     len(ints) > 5 and ints[5] in (2, 4) and arrays[0].itemsize == arrays[1].itemsize == ints[5]):
                 raise ValueError(f"Program: cache-row call {c}: element bytes {ints[5:6]} are not its arrays' "
@@ -444,9 +451,9 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
                                 c.f[0], c.f[1],
                                 c.i[6], <float *>c.p[9], s, stats)
     if c.kind == KIND_MASKED_DECODE:
-        return masked_decode_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[2], c.i[0], c.i[1],
-                                 c.i[2], c.i[3], c.i[4], c.i[5], c.i[8], <const int32_t *>c.p[7],
-                                 <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], c.f[1], <float *>c.p[4], s)
+        return masked_decode_ptr(c.p[0], c.p[1], c.p[2], c.i[0], c.i[1], c.i[2], c.i[3], c.i[4], c.i[5], c.i[8],
+                                 <const int32_t *>c.p[7], <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], c.f[1],
+                                 c.p[4], s, <int>c.i[11], <int>c.i[12])
     if c.kind == KIND_CACHE_ROWS:
         _cache_rows(c)
     elif c.kind == KIND_ROTARY:

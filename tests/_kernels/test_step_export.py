@@ -41,20 +41,22 @@ def test_a_rotary_replay_reads_its_positions_and_equals_the_kernel_and_its_twin(
     np.testing.assert_array_equal(out, before)
 
 
-def _export_program(rng, b=2, hq=4, hkv=2, s=1, d=16, cap=8, t=5, mb=2, ms=1):
+def _export_program(rng, b=2, hq=4, hkv=2, s=1, d=16, cap=8, t=5, mb=2, ms=1, dtype=np.float32):
     """Two recorded calls as an export's layer makes them: the new keys appended to the K cache at the
-    committed length, then the masked attention over both caches; externals (new, K cache, V cache, mask, q)."""
-    new, q = rand(rng, (b, hkv, s, d)), rand(rng, (b, hq, s, d))
-    kc, vc = rand(rng, (b, hkv, cap, d)), rand(rng, (b, hkv, cap, d))
-    mask = np.zeros((mb, 1, ms, t), np.float32)
+    committed length, then the masked attention over both caches; externals (new, K cache, V cache, mask, q).
+    ``dtype`` float16: a float16 file's block (q, out, caches and additive mask float16)."""
+    new, q = rand(rng, (b, hkv, s, d)).astype(dtype), rand(rng, (b, hq, s, d)).astype(dtype)
+    kc, vc = rand(rng, (b, hkv, cap, d)).astype(dtype), rand(rng, (b, hkv, cap, d)).astype(dtype)
+    mask = np.zeros((mb, 1, ms, t), dtype)
     out, pos_rows, pos_attn = np.empty_like(q), np.zeros(1, np.int64), np.zeros(1, np.int64)
     scratch = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, s), np.int32)
+    half = int(dtype == np.float16)
     calls = [
-        (CACHE_ROWS, (new, kc, pos_rows), (b, hkv, s, d, cap, 4), ()),
+        (CACHE_ROWS, (new, kc, pos_rows), (b, hkv, s, d, cap, 2 if half else 4), ()),
         (
             MASKED_DECODE,
             (q, kc, vc, mask, out, pos_attn, *scratch),
-            (b, hq, hkv, s, d, cap, mb, ms, t, 0, 0),
+            (b, hq, hkv, s, d, cap, mb, ms, t, 2 if half else 0, 0, half, half),
             (0.25, 0.0),
         ),
     ]
@@ -62,9 +64,9 @@ def _export_program(rng, b=2, hq=4, hkv=2, s=1, d=16, cap=8, t=5, mb=2, ms=1):
     return program, out, (pos_rows, pos_attn)
 
 
-def _padded_causal_mask(starts, s, t, mb):
+def _padded_causal_mask(starts, s, t, mb, dtype=np.float32, hidden=HIDDEN):
     """Row b sees keys starts[b] .. its query's position (the last s keys are the new tokens)."""
-    mask = np.full((mb, 1, s, t), HIDDEN, np.float32)
+    mask = np.full((mb, 1, s, t), hidden, dtype)
     for b in range(mb):
         for j in range(s):
             mask[b, 0, j, starts[b] : t - s + j + 1] = 0.0
@@ -72,14 +74,18 @@ def _padded_causal_mask(starts, s, t, mb):
 
 
 @pytest.mark.parametrize("s", [1, 3])
-def test_an_append_then_masked_attention_replays_any_length_and_capacity_as_the_kernels(simd, threads, s):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_an_append_then_masked_attention_replays_any_length_and_capacity_as_the_kernels(simd, threads, s, dtype):
+    """float16: q widened, the float16 caches read as they are, the float32 result rounded once (the operator's
+    Python path); its mask hides keys with -inf."""
     rng = np.random.default_rng(2 + s)
-    program, out, (pos_rows, pos_attn) = _export_program(rng, s=s, ms=s)
+    program, out, (pos_rows, pos_attn) = _export_program(rng, s=s, ms=s, dtype=dtype)
+    hidden = HIDDEN if dtype == np.float32 else -np.inf
     for committed, cap, starts in ((4, 8, [0, 2]), (9, 16, [3, 0]), (15, 18, [0, 0])):
         t = committed + s
-        new, q = rand(rng, (2, 2, s, 16)), rand(rng, (2, 4, s, 16))
-        kc, vc = rand(rng, (2, 2, cap, 16)), rand(rng, (2, 2, cap, 16))
-        mask = _padded_causal_mask(starts, s, t, 2)
+        new, q = rand(rng, (2, 2, s, 16)).astype(dtype), rand(rng, (2, 4, s, 16)).astype(dtype)
+        kc, vc = rand(rng, (2, 2, cap, 16)).astype(dtype), rand(rng, (2, 2, cap, 16)).astype(dtype)
+        mask = _padded_causal_mask(starts, s, t, 2, dtype, hidden)
         wk = kc.copy()
         wk[:, :, committed:t] = new
         pos_rows[0] = pos_attn[0] = committed
@@ -87,12 +93,50 @@ def test_an_append_then_masked_attention_replays_any_length_and_capacity_as_the_
         np.testing.assert_array_equal(kc, wk)
         q_pos = np.array([[t - s + j for j in range(s)]] * 2, np.int32)
         kv_len, kv_start = np.full(2, t, np.int32), np.array(starts, np.int32)
-        want = np.empty_like(q)
-        attention(q, kc, vc, kv_len, q_pos, 0.25, 0.0, -1, want, kv_start)
-        np.testing.assert_array_equal(out, want)
-        twin = np.empty_like(q)
-        reference.attention(q, kc, vc, kv_len, q_pos, 0.25, 0.0, -1, twin, kv_start)
-        np.testing.assert_allclose(out, twin, rtol=1e-5, atol=1e-5)
+        wide, qf = np.empty(q.shape, np.float32), q.astype(np.float32)
+        attention(qf, kc, vc, kv_len, q_pos, 0.25, 0.0, -1, wide, kv_start)
+        np.testing.assert_array_equal(out, wide.astype(dtype))
+        twin = np.empty(q.shape, np.float32)
+        reference.attention(qf, kc, vc, kv_len, q_pos, 0.25, 0.0, -1, twin, kv_start)
+        tol = 1e-5 if dtype == np.float32 else 2e-3
+        np.testing.assert_allclose(out.astype(np.float32), twin, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("hidden", [np.float16(-65504.0), np.float16(-1.0), np.float16(np.nan)])
+def test_a_float16_mask_with_a_finite_or_nan_masked_value_is_refused_with_nothing_written(hidden):
+    """-65504 (an export's finfo(float16).min) hides a key only while the scores are small: the operator's
+    Python path checks that bound, a replay does not take such a mask."""
+    rng = np.random.default_rng(11)
+    program, out, (pos_rows, pos_attn) = _export_program(rng, dtype=np.float16)
+    new, q = rand(rng, (2, 2, 1, 16)).astype(np.float16), rand(rng, (2, 4, 1, 16)).astype(np.float16)
+    kc, vc = rand(rng, (2, 2, 8, 16)).astype(np.float16), rand(rng, (2, 2, 8, 16)).astype(np.float16)
+    pos_rows[0] = pos_attn[0] = 5
+    assert program.run([new, kc.copy(), vc, _padded_causal_mask([1, 0], 1, 6, 2, np.float16, -np.inf), q])
+    before_k, before_out = kc.copy(), out.copy()
+    assert not program.run([new, kc, vc, _padded_causal_mask([1, 0], 1, 6, 2, np.float16, hidden), q])
+    assert program.refused
+    np.testing.assert_array_equal(kc, before_k)
+    np.testing.assert_array_equal(out, before_out)
+
+
+def test_a_masked_decode_call_whose_types_are_not_its_arrays_is_refused():
+    rng = np.random.default_rng(12)
+    q, kc = rand(rng, (1, 2, 1, 8)), rand(rng, (1, 1, 4, 8))
+    mask, out = np.zeros((1, 1, 1, 3), np.float32), np.empty((1, 2, 1, 8), np.float32)
+    arrays = (
+        q,
+        kc,
+        kc.copy(),
+        mask,
+        out,
+        np.zeros(1, np.int64),
+        *(np.zeros(1, np.int32),) * 2,
+        np.zeros((1, 1), np.int32),
+    )
+    for kinds in ((0, 0, 1, 0), (0, 0, 0, 1), (2, 0, 0, 0), (1, 0, 0, 0), (0, 0)):
+        call = (MASKED_DECODE, arrays, (1, 2, 1, 1, 8, 4, 1, 1, 3, *kinds), (0.5, 0.0))
+        with pytest.raises(ValueError, match=r"masked decode call 0: mask, token and cache types"):
+            Program([call], [kc, arrays[2], mask], (), [2], [0, 1])
 
 
 def _hole(mask):

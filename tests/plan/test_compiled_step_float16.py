@@ -1,7 +1,9 @@
 """Compiled steps of float16 files (ONNX Runtime's converter with float32 inputs and outputs, as Transformers.js
 ships model_fp16.onnx): the products, norms, rotary, SwiGLU gates, residual Adds and boundary Casts replay as
-recorded calls with their widenings and roundings, bit for bit the node-by-node runs; the attention nodes (and
-the views of their outputs) stay Python nodes between segments; the Concat joins of the float16 caches replay."""
+recorded calls with their widenings and roundings, bit for bit the node-by-node runs; the Concat joins of the
+float16 caches replay, and so does the attention of one-row steps (GroupQueryAttention's fused decode call, the
+Concat form's masked kernel over its float16 caches); left-padded rows keep it in Python (a float16 mask's
+finite masked value needs the Python path's bound)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from onnxruntime.transformers.float16 import convert_float_to_float16  # noqa: E
 import onnxkv  # noqa: E402
 from onnxkv.generate.feeds import FeedBuilder  # noqa: E402
 from onnxkv.plan.compiled_step import Segment  # noqa: E402
+from onnxkv.plan.ops.attention_gqa import GroupQueryAttention  # noqa: E402
+from onnxkv.plan.ops.masked_attention import MaskedAttention  # noqa: E402
 from onnxkv.zoo.builders import MICRO, build_model  # noqa: E402
 
 #: Per graph form, the operators a decode step keeps in Python (besides the nodes that build an export's mask).
@@ -77,6 +81,33 @@ def test_float16_decode_steps_replay_bit_for_bit(model, threads):
     }
     assert compiled_ops & {"PrologueMatMul", "SiblingMatMul", "MatMul", "MatMulNBits", "SkipRMSNormChain", "RotateHalf"}
     assert step.compiled_nodes >= len(compiled.plan.nodes) // 2
+
+
+#: Per graph form, the operators a one-row decode step keeps in Python: the attention of the Concat and
+#: GroupQueryAttention forms replays too (the fused decode call; the masked kernel, its mask all zeros).
+PYTHON_ONE_ROW = {"gqa": set(), "concat": set(), "attention": PYTHON["attention"], "q4f16": {"PrologueMatMul"}}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_row_float16_decode_steps_replay_their_attention_bit_for_bit(model, threads, monkeypatch):
+    """Nine decode steps after the prompt (which runs plain): the first records, the other eight replay their
+    attention (its operator's Python path runs twice per layer, the prompt's included)."""
+    form, proto = model
+    plain = onnxkv.Session(proto, threads=threads, compiled_steps=False)
+    prompt = np.random.default_rng(5).integers(1, MICRO.vocab_size, (1, 7))
+    want = _logits(plain, prompt, [7], 9)
+    calls = []
+    for cls in (GroupQueryAttention, MaskedAttention):  # before the plan binds the operators' run methods
+        monkeypatch.setattr(cls, "run", lambda self, *a, _run=cls.run: calls.append(1) or _run(self, *a))
+    compiled = onnxkv.Session(proto, threads=threads)
+    got = _logits(compiled, prompt, [7], 9)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    (step,) = compiled.plan.steps.idle
+    python = {type(compiled.plan.kernels[k]).__name__ for k in step.items if type(k) is int}
+    assert python <= PYTHON_ONE_ROW[form] | MASK_NODES and not step.stale
+    if form != "attention":
+        assert len(calls) == 2 * MICRO.num_layers
 
 
 def test_float16_generate_gives_the_same_tokens_compiled_or_not(model):

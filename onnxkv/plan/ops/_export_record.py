@@ -40,19 +40,29 @@ __all__ = [
 ]
 
 
-def appendable(cache) -> bool:
+#: Element types of the contiguous caches recorded appends and masked-decode calls take (float16: a float16
+#: model's own cache, written and read without conversion).
+_CACHE_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def appendable(cache, dtype=np.float32) -> bool:
     """Whether ``cache`` is one the recorded appends and masked attention take: contiguous, growing (not
-    static) and stored as float32."""
+    static) and its buffer stored as ``dtype`` (float32, or a float16 model's float16)."""
+    buffer = getattr(cache, "buffer", None)
     return (
-        not getattr(cache, "paged", False)
+        np.dtype(dtype) in _CACHE_TYPES
+        and not getattr(cache, "paged", False)
         and not getattr(cache, "static", True)
-        and getattr(cache, "storage", None) == "float32"
+        and getattr(cache, "storage", None) == np.dtype(dtype).name
+        and isinstance(buffer, np.ndarray)
+        and buffer.dtype == dtype
     )
 
 
 def bound_cache_name(rt: RunContext, view: np.ndarray) -> str | None:
-    """The name of the run's contiguous float32 cache (not static) whose buffer ``view`` is the leading part of
-    (its first ``view.shape[2]`` positions, every row and head), or None."""
+    """The name of the run's contiguous cache (not static) of ``view``'s dtype (float32, or a float16 file's
+    float16) whose buffer ``view`` is the leading part of (its first ``view.shape[2]`` positions, every row and
+    head), or None."""
     caches = rt.caches
     if not caches or view.ndim != 4:
         return None
@@ -60,9 +70,7 @@ def bound_cache_name(rt: RunContext, view: np.ndarray) -> str | None:
     for name, cache in caches.items():
         buf = getattr(cache, "buffer", None)
         if (
-            isinstance(buf, np.ndarray)
-            and appendable(cache)
-            and buf.dtype == np.float32
+            appendable(cache, view.dtype)
             and buf.__array_interface__["data"][0] == address
             and buf.shape[:2] == view.shape[:2]
             and buf.shape[3] == view.shape[3]
@@ -93,16 +101,7 @@ def rows_appendable(cache, new: np.ndarray) -> bool:
     growing float16 cache (no conversion on the way)."""
     if not isinstance(new, np.ndarray) or new.ndim != 4 or not new.flags.c_contiguous:
         return False
-    if new.dtype == np.float32:
-        return appendable(cache)
-    return (
-        new.dtype == np.float16
-        and not getattr(cache, "paged", False)
-        and not getattr(cache, "static", True)
-        and getattr(cache, "storage", None) == "float16"
-        and getattr(cache, "buffer", None) is not None
-        and cache.buffer.dtype == np.float16
-    )
+    return appendable(cache, new.dtype)
 
 
 def note_cache_rows(rec, name: str, new: np.ndarray, cache, output: int | None = 0) -> None:
@@ -119,15 +118,18 @@ def note_cache_rows(rec, name: str, new: np.ndarray, cache, output: int | None =
 def note_masked_decode(
     rec, names: tuple[str, str], q, k_buffer, v_buffer, mask, out, scale: float, softcap: float = 0.0, causal=False
 ) -> None:
-    """Note the attention a node just ran: q [B, Hq, S, D] and out (C-contiguous float32) over the first T
-    positions of the run's caches ``names`` (k, v) with ``mask`` [mb, 1, ms, T] (C-contiguous, one column per
-    key: additive float32, or bool), ``causal`` bounding query s at key T - S + s, with its effect."""
+    """Note the attention a node just ran: q [B, Hq, S, D] and out (C-contiguous, both float32 or both float16)
+    over the first T positions of the run's caches ``names`` (k, v: float32 or float16) with ``mask`` [mb, 1,
+    ms, T] (C-contiguous, one column per key: additive float32 or float16, or bool), ``causal`` bounding query s
+    at key T - S + s, with its effect."""
     b, hq, s, d = q.shape
     mb, _, ms, t = mask.shape
     pos_io = np.zeros(1, dtype=np.int64)
     scratch = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, s), np.int32)  # kv_len, kv_start, q_pos
     arrays = (q, k_buffer, v_buffer, mask, out, pos_io, *scratch)
-    ints = (b, hq, k_buffer.shape[1], s, d, k_buffer.shape[2], mb, ms, t, int(mask.dtype == np.bool_), int(causal))
+    kind = {np.dtype(np.float32): 0, np.dtype(np.bool_): 1, np.dtype(np.float16): 2}[mask.dtype]
+    ints = (b, hq, k_buffer.shape[1], s, d, k_buffer.shape[2], mb, ms, t, kind, int(causal))
+    ints += (int(q.dtype == np.float16), int(k_buffer.dtype == np.float16))
     rec.note(MASKED_DECODE, arrays, ints, (float(scale), float(softcap)))
     rec.cache(names[0], k_buffer)
     rec.cache(names[1], v_buffer)

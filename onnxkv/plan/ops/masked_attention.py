@@ -355,14 +355,12 @@ class MaskedAttention(Op):
         q = np.ascontiguousarray(q) if wq is None else wq
         k_rows, v_rows = _kv_rows(k), _kv_rows(v)
         _attention_kernel(q, k_rows, v_rows, kv_len, q_pos, scale, 0.0, -1, wide, kv_start if kv_start.any() else None)
-        rec = _recorder()
         if half:
             round_into(out, wide)
             rt.unscratch(wq, wide)
-            if rec is not None:
-                rec.refused.append(f"{self.op_type} node '{self.name}': a float16 attention")
-        elif rec is not None:
-            self._note(rec, rt, inputs, q, k_rows, v_rows, out, scale, empty)
+        rec = _recorder()
+        if rec is not None:  # a float16 block's replay widens q and rounds Y itself
+            self._note(rec, rt, inputs, inputs[_Q] if half else q, k_rows, v_rows, out, scale, empty)
         if empty.any():
             rows = np.flatnonzero(empty.any(axis=0))
             sub = list(self._templated(inputs))
@@ -378,9 +376,11 @@ class MaskedAttention(Op):
 
     def _note(self, rec, rt: RunContext, inputs: list, q, k_rows, v_rows, out, scale: float, empty) -> None:
         """Note the kernel call just made (a recording thread), or refuse the recording when a replay could not
-        make it: K or V not the leading positions of a state's contiguous float32 caches (their committed
-        length plus the step's tokens), q not the kernel's own operand, a mask that is not a C-contiguous
-        float32 [mb, 1, ms, T] with one column per key, or a query that sees no key (evaluated literally)."""
+        make it: K or V not the leading positions of a state's contiguous caches (their committed length plus
+        the step's tokens), q not the kernel's own operand (a float16 block's: not its C-contiguous query), a
+        mask that is not a C-contiguous [mb, 1, ms, T] of q's type with one column per key, or a query that
+        sees no key (evaluated literally).  A float16 mask whose replay meets a finite masked value refuses that
+        run (``attention.masked_ranges``: the bound of :func:`hidden_scores_vanish` is Python's)."""
         k, v, mask = inputs[_K], inputs[_V], inputs[_MASK]
         names = bound_cache_name(rt, k), bound_cache_name(rt, v)
         b, _, s, _ = q.shape
@@ -389,11 +389,12 @@ class MaskedAttention(Op):
             None in names
             or names[0] == names[1]
             or q is not inputs[_Q]
+            or not q.flags.c_contiguous
             or t != rt.caches[names[0]].length + s
             or empty.any()
-            or not replayable_mask(mask, (np.float32,), b, s, t)
+            or not replayable_mask(mask, (q.dtype,), b, s, t)
         ):
-            rec.refused.append(f"{self.op_type} node '{self.name}': not a decode over a state's float32 caches")
+            rec.refused.append(f"{self.op_type} node '{self.name}': not a decode over a state's contiguous caches")
             return
         k_buffer, v_buffer = (rt.caches[n].buffer for n in names)
         if k_rows.shape != k_buffer.shape or v_rows.shape != v_buffer.shape:
