@@ -25,12 +25,13 @@ cdef enum:
     # int32(sum(mask[b]) - 1) (int64 arithmetic wrapping as NumPy's), total = L.  A *prelude* call: it reads
     # only externals and runs before every other call is admitted, so those may check what it wrote.
     KIND_MASK_LENGTHS = 8
-    # S new tokens of each of B rows into a state's paged float32 cache (attention.decode_paged_ptr), the rows'
+    # S new tokens of each of B rows into a state's paged cache (attention.decode_paged_ptr), the rows'
     # positions read when replayed: arrays (q, k, v (each the memory its B rows span), cos or None, sin or None,
     # page addresses uint64 [planes, P] (the pool's whole table), block tables int32 [B, M], seqlens_k int32 [B],
     # total int32 [1], out, lengths int64 [2, B] (row 0: the committed lengths; row 1: the end of the positions
     # whose pages the run staged; both set before each replay)); ints (Hq, Hkv, D, block size, half, interleaved,
-    # window, cos rows, B, K plane, V plane, q / k / v token row strides in floats, P, M, S: tokens per row).
+    # window, cos rows, B, K plane, V plane, q / k / v token row strides in elements, P, M, S: tokens per row,
+    # float16 tokens (0 or 1), the pages' type (_record.DECODE_CACHE_TYPES)).
     # The two tables are whole external arrays whose last dim may change (Program's ``ragged``): the replay
     # reads P and M from them.  Refused unless every lengths[0, b] == seqlens_k[b] + 1 - S, seqlens_k[b] <
     # lengths[1, b] (with S > 1 every row's seqlens_k equal), S < total, max(seqlens_k) < total <=

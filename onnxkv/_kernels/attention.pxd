@@ -10,11 +10,12 @@ cdef int decode_token_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
 cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
                           int64_t bs, const int32_t *last, int64_t B, int64_t S, int64_t rows,
                           int64_t window) noexcept nogil
-cdef int decode_paged_ptr(const float *q, int64_t qs, const float *k, int64_t ks, const float *v, int64_t vs,
+cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
                           const float *cos, const float *sin, int64_t half, int inter, const uint64_t *kp,
                           const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *last,
                           int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap,
-                          int64_t window, float *out, okv_settings s, int64_t *stats) noexcept nogil
+                          int64_t window, void *out, okv_settings s, int64_t *stats, int io16,
+                          int kv_type) noexcept nogil
 cdef bint masked_ranges(const void *mask, int kind, int causal, int64_t mb, int64_t ms, int64_t T, int64_t B,
                         int64_t S, int32_t *kv_start, int32_t *q_pos) noexcept nogil
 cdef int masked_decode_ptr(const void *q, const void *k_cache, const void *v_cache, int64_t B, int64_t Hq,

@@ -1,50 +1,54 @@
 # onnxkv/_kernels/attention_decode_paged.pxi: decode_token_paged -- rotary, each row's new K/V rows written into
-# their pages and paged attention of S new tokens per row of a paged float32 cache, in one call checked at C speed.
+# their pages and paged attention of S new tokens per row of a paged cache, in one call checked at C speed.
 # Included by attention.pyx after attention_paged.pxi (a Cython include: it shares that module's names).
 
 
 def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_tables, block_size, kv_heads, pos,
-                       scale, softcap, window, out):
-    """S new tokens of each of B rows of a paged float32 cache, fused: rotary on q and k, each row's k and v
-    written into its pages at positions ``pos[b] .. pos[b] + S - 1`` (every KV head), then causal attention
-    of each row's queries (query ``t`` at position ``pos[b] + t`` sees the row's positions up to its own)
-    read through the block tables into ``out`` (a batched decode step: rows of their own lengths; S > 1:
-    the rows of a speculative tree, or one sequence's verification).
+                       scale, softcap, window, out, *, kv_dtype=None):
+    """S new tokens of each of B rows of a paged cache, fused: rotary on q and k, each row's k and v written
+    into its pages at positions ``pos[b] .. pos[b] + S - 1`` (every KV head), then causal attention of each
+    row's queries (query ``t`` at position ``pos[b] + t`` sees the row's positions up to its own) read
+    through the block tables into ``out`` (a batched decode step: rows of their own lengths; S > 1: the rows
+    of a speculative tree, or one sequence's verification).
 
-    q            [B, S, Hq * D] float32: each token's row contiguous, rows ``q.strides[1]`` apart (with B > 1
+    q            [B, S, Hq * D] float32, or float16 (a float16 model's tokens: then k, v and out float16 too
+                 and the pages 2-byte): each token's row contiguous, rows ``q.strides[1]`` apart (with B > 1
                  and S > 1 a row's tokens follow the previous row's: ``strides[0] == S * strides[1]``), as
                  slices of packed QKV rows
-    k, v         [B, S, Hkv * D] float32 (likewise)
+    k, v         [B, S, Hkv * D] of q's type (likewise)
     cos, sin     [max_pos, R / 2] float32 tables with 2 <= R <= D and every pos[b] + S - 1 < max_pos (row p
                  rotates the first R dims of each head at position p, as ``rotary_embedding``), or both None
-    k_pages,     uint64 [P] page addresses (as ``paged_attention``): float32 pages [Hkv, block_size, D], every
-    v_pages      page the call reads or writes native float32
+    k_pages,     uint64 [P] page addresses (as ``paged_attention``): pages [Hkv, block_size, D] of
+    v_pages      ``kv_dtype`` (None or "float32": float32, float32 tokens only; "float16"; "bfloat16": bit
+                 patterns), every page the call reads or writes native (that type)
     block_tables int32 [B, M]; the entries of the blocks holding positions pos[b] .. pos[b] + S - 1 are the
                  pages row b writes, which the caller's run holds alone (copy-on-write done), and no other
                  row's table names them
     pos          int32 [B]: each row's first new position (its length before the tokens), 0 <= pos[b] and
                  pos[b] + S <= M * block_size
-    out          [B, S, Hq * D] float32, C-contiguous, disjoint from q, k, v and every page
+    out          [B, S, Hq * D] of q's type, C-contiguous, disjoint from q, k, v and every page
     kv_heads, block_size: ints >= 1; scale, softcap, window as ``attention``.
 
     Writes the pages' rows at those positions and ``out`` only; the result is bit for bit that of
-    ``rotary_embedding`` on q and k, ``page_write`` of the rows and ``paged_attention`` with kv_len = pos + S
-    and q_pos[b, t] = pos[b] + t.  Returns the storage figures of ``paged_attention`` when done; None, with
-    nothing written, when an argument does not fit that description -- the caller then takes the unfused
-    calls, whose checks name the bad argument.  (One call per layer per batched decode step.)
+    ``rotary_embedding`` on q and k (float16 widened first), ``page_write`` of the rows (rounded to the
+    pages' type as the plane's writes round them) and ``paged_attention`` with kv_len = pos + S and q_pos[b,
+    t] = pos[b] + t, its float32 result rounded to float16 for float16 tokens (NaN payloads aside).  Returns
+    the storage figures of ``paged_attention`` when done; None, with nothing written, when an argument does
+    not fit that description -- the caller then takes the unfused calls, whose checks name the bad
+    argument.  (One call per layer per batched decode step.)
     """
-    cdef const float[:, :, :] qv     # rows may be strided (checked below: each row contiguous)
-    cdef const float[:, :, :] kv
-    cdef const float[:, :, :] vv
-    cdef float[:, :, ::1] ov
+    cdef const void *tok[3]     # q, k, v: rows may be strided (checked below: each row contiguous)
+    cdef void *op = NULL
+    cdef Py_ssize_t sh[4][3]    # shapes of q, k, v, out
+    cdef Py_ssize_t st[4][3]    # their strides in bytes
     cdef const float[:, ::1] cv
     cdef const float[:, ::1] sv
     cdef const uint64_t[::1] kp
     cdef const uint64_t[::1] vp
     cdef const int32_t[:, ::1] tv
     cdef const int32_t[::1] lv
-    cdef int64_t B, S, Hq, Hkv, D, M, P, bs, half = 0, qs, ks, vs
-    cdef int rot = cos is not None, inter = 1 if interleaved else 0
+    cdef int64_t B, S, Hq, Hkv, D, M, P, bs, half = 0, qs, ks, vs, isz
+    cdef int rot = cos is not None, inter = 1 if interleaved else 0, io16, kv_type, j
     cdef okv_settings s = okv_settings_get()
     if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
             and isinstance(k_pages, np.ndarray) and isinstance(v_pages, np.ndarray)
@@ -53,15 +57,23 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
             and _scalars_ok(scale, softcap, window) and out.flags.c_contiguous
             and pos.dtype == np.int32 and pos.ndim == 1 and q.ndim == 3):
         return None
+    io16 = q.dtype == _F16
+    kv_type = {None: OKV_KV_F32, "float32": OKV_KV_F32, "float16": OKV_KV_F16,
+               "bfloat16": OKV_KV_BF16}.get(kv_dtype, -1) if isinstance(kv_dtype, (str, type(None))) else -1
+    want = _F16 if io16 else _F32
+    if kv_type < 0 or (io16 and kv_type == OKV_KV_F32) or q.dtype != want or k.dtype != want \
+            or v.dtype != want or out.dtype != want:
+        return None
+    isz = 2 if io16 else 4
     S = q.shape[1]
     if S < 1 or pos.shape[0] and (int(pos.min()) < 0 or int(pos.max()) > 2147483647 - S):
         return None
     last = (pos + np.int32(S - 1)) if S > 1 else pos   # each row's last position: no wrap (checked above)
+    arrays = (q, k, v, out)
     try:
-        qv = q
-        kv = k
-        vv = v
-        ov = out
+        for j in range(4):
+            if not _rows_view(arrays[j], io16, j == 3, &tok[j] if j < 3 else <const void **>&op, sh[j], st[j]):
+                return None
         kp = k_pages
         vp = v_pages
         tv = block_tables
@@ -71,37 +83,34 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
             sv = sin
     except (ValueError, TypeError, BufferError):
         return None
-    B, Hkv, bs, M, P = qv.shape[0], kv_heads, block_size, tv.shape[1], kp.shape[0]
+    B, Hkv, bs, M, P = sh[0][0], kv_heads, block_size, tv.shape[1], kp.shape[0]
     if B == 0 or M == 0 or P == 0 or vp.shape[0] != P or tv.shape[0] != B or lv.shape[0] != B:
         return None
-    if kv.shape[0] != B or kv.shape[1] != S or vv.shape[0] != B or vv.shape[1] != S \
-            or kv.shape[2] % Hkv or kv.shape[2] == 0 or vv.shape[2] != kv.shape[2]:
+    if sh[1][0] != B or sh[1][1] != S or sh[2][0] != B or sh[2][1] != S \
+            or sh[1][2] % Hkv or sh[1][2] == 0 or sh[2][2] != sh[1][2]:
         return None
-    D = kv.shape[2] // Hkv
-    Hq = qv.shape[2] // D
-    if Hq == 0 or Hq * D != qv.shape[2] or Hq % Hkv or ov.shape[0] != B or ov.shape[1] != S \
-            or ov.shape[2] != Hq * D:
+    D = sh[1][2] // Hkv
+    Hq = sh[0][2] // D
+    if Hq == 0 or Hq * D != sh[0][2] or Hq % Hkv or sh[3][0] != B or sh[3][1] != S or sh[3][2] != Hq * D:
         return None
-    if qv.strides[2] != 4 or kv.strides[2] != 4 or vv.strides[2] != 4:
+    if st[0][2] != isz or st[1][2] != isz or st[2][2] != isz:
         return None
     # one stride between consecutive token rows (b, t) -> (b, t + 1) and (b, S - 1) -> (b + 1, 0)
-    if S > 1 and B > 1 and (qv.strides[0] != S * qv.strides[1] or kv.strides[0] != S * kv.strides[1]
-                            or vv.strides[0] != S * vv.strides[1]):
+    if S > 1 and B > 1 and (st[0][0] != S * st[0][1] or st[1][0] != S * st[1][1] or st[2][0] != S * st[2][1]):
         return None
-    qs, ks, vs = ((qv.strides[1], kv.strides[1], vv.strides[1]) if S > 1
-                  else (qv.strides[0], kv.strides[0], vv.strides[0]))
-    if qs % 4 or ks % 4 or vs % 4 or (B * S > 1 and (qs < Hq * D * 4 or ks < Hkv * D * 4 or vs < Hkv * D * 4)):
+    qs, ks, vs = (st[0][1], st[1][1], st[2][1]) if S > 1 else (st[0][0], st[1][0], st[2][0])
+    if qs % isz or ks % isz or vs % isz \
+            or (B * S > 1 and (qs < Hq * D * isz or ks < Hkv * D * isz or vs < Hkv * D * isz)):
         return None
-    qs, ks, vs = qs // 4, ks // 4, vs // 4
+    qs, ks, vs = qs // isz, ks // isz, vs // isz
     if rot:
         half = cv.shape[1]
         if half == 0 or 2 * half > D or sv.shape[0] != cv.shape[0] or sv.shape[1] != half:
             return None
-    cdef size_t onb = <size_t>(B * S * Hq * D) * sizeof(float)
-    cdef const void *o = &ov[0, 0, 0]
-    if not (_disjoint(o, onb, &qv[0, 0, 0], <size_t>((B * S - 1) * qs + Hq * D) * 4)
-            and _disjoint(o, onb, &kv[0, 0, 0], <size_t>((B * S - 1) * ks + Hkv * D) * 4)
-            and _disjoint(o, onb, &vv[0, 0, 0], <size_t>((B * S - 1) * vs + Hkv * D) * 4)):
+    cdef size_t onb = <size_t>(B * S * Hq * D) * isz
+    if not (_disjoint(op, onb, tok[0], <size_t>((B * S - 1) * qs + Hq * D) * isz)
+            and _disjoint(op, onb, tok[1], <size_t>((B * S - 1) * ks + Hkv * D) * isz)
+            and _disjoint(op, onb, tok[2], <size_t>((B * S - 1) * vs + Hkv * D) * isz)):
         return None
     # every position, written page and read table entry checked before anything is written
     if not decode_paged_ok(&kp[0], &vp[0], P, &tv[0, 0], M, bs, &lv[0], B, S, cv.shape[0] if rot else -1, window):
@@ -111,12 +120,45 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
     cdef int64_t iwindow = window
     cdef int rc
     with nogil:
-        rc = decode_paged_ptr(&qv[0, 0, 0], qs, &kv[0, 0, 0], ks, &vv[0, 0, 0], vs, &cv[0, 0] if rot else NULL,
+        rc = decode_paged_ptr(tok[0], qs, tok[1], ks, tok[2], vs, &cv[0, 0] if rot else NULL,
                               &sv[0, 0] if rot else NULL, half, inter, &kp[0], &vp[0], &tv[0, 0], M, bs, &lv[0], B, S,
-                              Hq, Hkv, D, fscale, fsoftcap, iwindow, &ov[0, 0, 0], s, stats)
+                              Hq, Hkv, D, fscale, fsoftcap, iwindow, op, s, stats, io16, kv_type)
     if rc != 0:
         raise MemoryError("decode_token_paged: could not allocate the workspace")
     return {"dequantized_bytes": int(stats[0]), "workspace_peak_bytes": int(stats[1])}
+
+
+cdef bint _rows_view(x, int io16, bint writable, const void **ptr, Py_ssize_t *shape, Py_ssize_t *strides) except -1:
+    """The address, shape and byte strides of the 3-D float32 (float16 when ``io16``) array ``x`` through a
+    buffer view (rows may be strided; ``writable``: a C-contiguous writable one); False when it has none.
+    The address stays valid while ``x`` lives."""
+    cdef const float[:, :, :] f
+    cdef const uint16_t[:, :, :] h
+    cdef float[:, :, ::1] fw
+    cdef uint16_t[:, :, ::1] hw
+    cdef int i
+    if writable:
+        if io16:
+            hw = x.view(np.uint16)
+            ptr[0] = &hw[0, 0, 0]
+            for i in range(3):
+                shape[i], strides[i] = hw.shape[i], hw.strides[i]
+        else:
+            fw = x
+            ptr[0] = &fw[0, 0, 0]
+            for i in range(3):
+                shape[i], strides[i] = fw.shape[i], fw.strides[i]
+    elif io16:
+        h = x.view(np.uint16)
+        ptr[0] = &h[0, 0, 0]
+        for i in range(3):
+            shape[i], strides[i] = h.shape[i], h.strides[i]
+    else:
+        f = x
+        ptr[0] = &f[0, 0, 0]
+        for i in range(3):
+            shape[i], strides[i] = f.shape[i], f.strides[i]
+    return True
 
 
 cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
@@ -144,71 +186,123 @@ cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, con
     return True
 
 
-cdef int decode_paged_ptr(const float *q, int64_t qs, const float *k, int64_t ks, const float *v, int64_t vs,
+cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
                           const float *cos, const float *sin, int64_t half, int inter, const uint64_t *kp,
                           const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *last,
                           int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap,
-                          int64_t window, float *out, okv_settings s, int64_t *stats) noexcept nogil:
+                          int64_t window, void *out, okv_settings s, int64_t *stats, int io16,
+                          int kv_type) noexcept nogil:
     """``decode_token_paged`` on values :func:`decode_paged_ok` accepted (it calls this, and so does the
     compiled step's replay): S tokens per row at positions ``last[b] - S + 1 .. last[b]``;
-    q [B * S token rows of Hq*D, ``qs`` floats apart (row b's token t is row b * S + t)], k, v [B * S rows of
-    Hkv*D, ``ks`` / ``vs`` apart], out [B, S, Hq*D] contiguous and disjoint from the others and every page;
+    q [B * S token rows of Hq*D, ``qs`` elements apart (row b's token t is row b * S + t)], k, v [B * S rows
+    of Hkv*D, ``ks`` / ``vs`` apart], out [B, S, Hq*D] contiguous and disjoint from the others and every
+    page, all float32 or, ``io16``, float16; pages of ``kv_type`` (OKV_KV_F32 only with float32 tokens);
     cos, sin [> max position, half] or NULL; the pages the rows write held by the run alone.  ``stats``: the
     figures of ``paged_attention`` (dequantized bytes, workspace peak).  Returns 0, or -1 (nothing but page
     rows written) when memory runs out."""
-    cdef int64_t b, t, h, p, r, page, off, maxlen = 0
-    cdef float *dst
-    cdef float *rq = <float *>malloc(<size_t>(B * Hq * S * D) * sizeof(float))
+    cdef int64_t b, t, h, p, r, page, off, maxlen = 0, esz = 4 if kv_type == OKV_KV_F32 else 2
+    cdef char *dst
+    cdef const char *src
+    cdef float *rq = <float *>malloc(<size_t>(B * Hq * S * D + 2 * D) * sizeof(float))
     cdef int32_t *kl = <int32_t *>malloc(<size_t>B * sizeof(int32_t))
-    # S > 1: the queries' positions [B, S] and the output in the kernel's [B, Hq, S, D] layout
+    # S > 1: the queries' positions [B, S]; S > 1 or float16 tokens: the output in the kernel's [B, Hq, S, D]
     cdef int32_t *qp = <int32_t *>malloc(<size_t>(B * S) * sizeof(int32_t)) if S > 1 else NULL
-    cdef float *ho = <float *>malloc(<size_t>(B * Hq * S * D) * sizeof(float)) if S > 1 else NULL
+    cdef bint staged = S > 1 or io16
+    cdef float *ho = <float *>malloc(<size_t>(B * Hq * S * D) * sizeof(float)) if staged else NULL
+    cdef float *wide
+    cdef float *turned
     cdef okv_attn_args a
-    cdef int rot = cos != NULL, rc
-    if rq == NULL or kl == NULL or (S > 1 and (qp == NULL or ho == NULL)):
+    cdef int rot = cos != NULL, rc, i
+    if rq == NULL or kl == NULL or (S > 1 and qp == NULL) or (staged and ho == NULL):
         free(rq)
         free(kl)
         free(qp)
         free(ho)
         return -1
+    wide, turned = rq + B * Hq * S * D, rq + B * Hq * S * D + D
     for b in range(B):
         for t in range(S):
             r = b * S + t
             p = last[b] - S + 1 + t
             page, off = tables[b * M + p // bs], p % bs
             for h in range(Hkv):
-                dst = <float *><size_t>kp[page] + (h * bs + off) * D
-                if rot:
-                    okv_rope_row_f32(k + r * ks + h * D, cos + p * half, sin + p * half, dst, half, D, inter, s.simd)
-                else:
-                    memcpy(dst, k + r * ks + h * D, <size_t>D * sizeof(float))
-                memcpy(<float *><size_t>vp[page] + (h * bs + off) * D, v + r * vs + h * D, <size_t>D * sizeof(float))
+                for i in range(2):   # the key row, then the value row
+                    dst = <char *><size_t>(kp[page] if i == 0 else vp[page]) + (h * bs + off) * D * esz
+                    src = <const char *>(k if i == 0 else v) + ((r * ks if i == 0 else r * vs) + h * D) * (
+                        2 if io16 else 4)
+                    _paged_row(src, dst, i == 0 and rot, cos + p * half if rot else NULL,
+                               sin + p * half if rot else NULL, half, D, inter, io16, kv_type, wide, turned, s.simd)
             for h in range(Hq):
-                dst = rq + ((b * Hq + h) * S + t) * D
-                if rot:
-                    okv_rope_row_f32(q + r * qs + h * D, cos + p * half, sin + p * half, dst, half, D, inter, s.simd)
-                else:
-                    memcpy(dst, q + r * qs + h * D, <size_t>D * sizeof(float))
+                _query_row(<const char *>q + (r * qs + h * D) * (2 if io16 else 4), rq + ((b * Hq + h) * S + t) * D,
+                           rot, cos + p * half if rot else NULL, sin + p * half if rot else NULL, half, D, inter,
+                           io16, wide, s.simd)
             if S > 1:
                 qp[r] = <int32_t>p
         kl[b] = <int32_t>(last[b] + 1)
         if last[b] + 1 > maxlen:
             maxlen = last[b] + 1
-    _fill_args(&a, rq, ho if S > 1 else out, kl, qp if S > 1 else last, B, Hq, S, D, Hkv, M * bs, scale, softcap,
-               window, OKV_KV_F32)
+    _fill_args(&a, rq, ho if staged else <float *>out, kl, qp if S > 1 else last, B, Hq, S, D, Hkv, M * bs, scale,
+               softcap, window, kv_type)
     a.k_pages = kp
     a.v_pages = vp
     a.block_tables = tables
     a.M, a.bs = M, bs
     rc = _run_units(&a, maxlen, s, stats)
-    if rc == 0 and S > 1:   # [B, Hq, S, D] -> [B, S, Hq, D]
+    if rc == 0 and staged:   # [B, Hq, S, D] -> [B, S, Hq, D], rounded to float16 for float16 tokens
         for b in range(B):
             for h in range(Hq):
                 for t in range(S):
-                    memcpy(out + ((b * S + t) * Hq + h) * D, ho + ((b * Hq + h) * S + t) * D,
-                           <size_t>D * sizeof(float))
+                    if io16:
+                        okv_f2h_row(ho + ((b * Hq + h) * S + t) * D, <uint16_t *>out + ((b * S + t) * Hq + h) * D,
+                                    D, s.simd)
+                    else:
+                        memcpy(<float *>out + ((b * S + t) * Hq + h) * D, ho + ((b * Hq + h) * S + t) * D,
+                               <size_t>D * sizeof(float))
     free(rq)
     free(kl)
     free(qp)
     free(ho)
     return rc
+
+
+cdef inline void _paged_row(const char *src, char *dst, bint turn, const float *c, const float *sn, int64_t half,
+                            int64_t D, int inter, int io16, int kv_type, float *wide, float *turned,
+                            int simd) noexcept nogil:
+    """One new K (``turn``: rotated by c, sn) or V row of D elements at ``src`` (float32, or float16 when
+    ``io16``) into a page row at ``dst`` of ``kv_type``: rotated in float32, rounded to the page's type (a
+    float16 row into a float16 page unrotated: copied).  ``wide``, ``turned``: D floats of scratch each."""
+    cdef const float *row
+    if kv_type == OKV_KV_F32:     # float32 tokens (the caller's rule)
+        if turn:
+            okv_rope_row_f32(<const float *>src, c, sn, <float *>dst, half, D, inter, simd)
+        else:
+            memcpy(dst, src, <size_t>D * sizeof(float))
+        return
+    if io16 and kv_type == OKV_KV_F16 and not turn:
+        memcpy(dst, src, <size_t>D * 2)
+        return
+    row = <const float *>src
+    if io16:
+        okv_h2f_row(<const uint16_t *>src, wide, D, simd)
+        row = wide
+    if turn:
+        okv_rope_row_f32(row, c, sn, turned, half, D, inter, simd)
+        row = turned
+    if kv_type == OKV_KV_F16:
+        okv_f2h_row(row, <uint16_t *>dst, D, simd)
+    else:
+        okv_f2bf_row(row, <uint16_t *>dst, D, simd)
+
+
+cdef inline void _query_row(const char *src, float *dst, int rot, const float *c, const float *sn, int64_t half,
+                            int64_t D, int inter, int io16, float *wide, int simd) noexcept nogil:
+    """One query row of D elements at ``src`` (float32, or float16 when ``io16``: widened into ``wide``)
+    into the float32 row ``dst``, rotated by c, sn when ``rot``."""
+    cdef const float *row = <const float *>src
+    if io16:
+        okv_h2f_row(<const uint16_t *>src, wide, D, simd)
+        row = wide
+    if rot:
+        okv_rope_row_f32(row, c, sn, dst, half, D, inter, simd)
+    else:
+        memcpy(dst, row, <size_t>D * sizeof(float))

@@ -201,24 +201,32 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, s
 
 
 def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, tables, bs, kv_heads, pos, scale, softcap,
-                       window, out):  # fmt: skip
-    """Twin of the fused paged kernel: rotary on each row's q and k at ``pos[b] + t`` (q, k, v [B, S, W]), the
-    rows written into the pages (``k_pages`` / ``v_pages`` the page arrays, as :func:`paged_attention` takes
-    them), then paged attention of each row's token ``t`` over its positions [0, pos[b] + t]."""
+                       window, out, *, kv_dtype=None):  # fmt: skip
+    """Twin of the fused paged kernel: rotary on each row's q and k at ``pos[b] + t`` (q, k, v [B, S, W];
+    float16 widened first), the rows written into the pages (``k_pages`` / ``v_pages`` the page arrays, as
+    :func:`paged_attention` takes them; rounded to their type, bfloat16 bit patterns with
+    kv_dtype="bfloat16"), then paged attention of each row's token ``t`` over its positions [0, pos[b] + t],
+    its result rounded to out's type."""
     b, n, d = q.shape[0], q.shape[1], k.shape[2] // kv_heads
     hq = q.shape[2] // d
     p = np.asarray(pos, np.int64)[:, None] + np.arange(n)[None, :]  # [B, S]
-    q4, k4 = q.reshape(b, n, hq, d).copy(), k.reshape(b, n, kv_heads, d).copy()
+    q4, k4 = q.reshape(b, n, hq, d).astype(np.float32), k.reshape(b, n, kv_heads, d).astype(np.float32)
+    v4 = v.reshape(b, n, kv_heads, d).astype(np.float32)
     if cos is not None:
         for x in (q4, k4):
             rotary_embedding(x.copy(), cos, sin, p, interleaved, x)
+    if kv_dtype == "bfloat16":
+        k4, v4 = bf16_from_f32(k4), bf16_from_f32(v4)
     for r in range(b):
         for t in range(n):
             page, off = int(tables[r, p[r, t] // bs]), int(p[r, t] % bs)
-            k_pages[page][:, off], v_pages[page][:, off] = k4[r, t], v[r, t].reshape(kv_heads, d)
+            k_pages[page][:, off], v_pages[page][:, off] = k4[r, t], v4[r, t]
     qh, kl = np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), (p[:, -1] + 1).astype(np.int32)
     res = np.empty((b, hq, n, d), np.float32)
-    paged_attention(qh, k_pages, v_pages, tables, bs, kv_heads, kl, p.astype(np.int32), scale, softcap, window, res)
+    paged_attention(
+        qh, k_pages, v_pages, tables, bs, kv_heads, kl, p.astype(np.int32), scale, softcap, window, res,
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
     out.reshape(b, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
     return True
 

@@ -6,7 +6,7 @@ from onnxkv._kernels._runtime cimport okv_settings
 
 cdef enum:
     NP = 11          # array operands of a call at most
-    NI = 17          # int parameters at most
+    NI = 19          # int parameters at most
     NF = 2           # float parameters at most
     MAX_FORMAT = 8
     MAX_EXT = 64     # external arrays at most (a larger segment is not made: its nodes run in Python)

@@ -171,6 +171,11 @@ cdef class Program:
                     and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (0, 1, 2, 9))
                     and all(arrays[j].itemsize == (4 if ints[13] == 0 else 2) for j in (5, 6))):
                 raise ValueError(f"Program: decode call {c}: token and cache types {ints[12:14]} are not its arrays'")
+            if kind == KIND_DECODE_PAGED and not (
+                    len(ints) > 18 and ints[17] in (0, 1) and ints[18] in (0, 1, 2) and (ints[17] == 0 or ints[18] != 0)
+                    and all(arrays[j].itemsize == (2 if ints[17] else 4) for j in (0, 1, 2, 9))):
+                raise ValueError(f"Program: paged decode call {c}: token and page types {ints[17:19]} are not its "
+                                 "arrays' or the pool's")
             if kind == KIND_MASKED_DECODE and not (
                     len(ints) > 12 and ints[9] in (0, 1, 2) and ints[11] in (0, 1) and ints[12] in (0, 1)
                     and arrays[3].itemsize == (4, 1, 2)[ints[9]]
@@ -442,14 +447,13 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
         return _decode_token(c, s)
     cdef int64_t stats[2]     # a paged decode call's figures (a replay records no events)
     if c.kind == KIND_DECODE_PAGED:
-        return decode_paged_ptr(<const float *>c.p[0], c.i[11], <const float *>c.p[1], c.i[12],
-                                <const float *>c.p[2], c.i[13], <const float *>c.p[3], <const float *>c.p[4], c.i[4],
-                                <int>c.i[5], <const uint64_t *>c.p[5] + c.i[9] * c.i[RAGGED_P],
+        return decode_paged_ptr(c.p[0], c.i[11], c.p[1], c.i[12], c.p[2], c.i[13], <const float *>c.p[3],
+                                <const float *>c.p[4], c.i[4], <int>c.i[5], <const uint64_t *>c.p[5] + c.i[9] * c.i[RAGGED_P],
                                 <const uint64_t *>c.p[5] + c.i[10] * c.i[RAGGED_P], <const int32_t *>c.p[6],
                                 c.i[RAGGED_M],
                                 c.i[3], <const int32_t *>c.p[7], c.i[8], c.i[PAGED_S], c.i[0], c.i[1], c.i[2],
                                 c.f[0], c.f[1],
-                                c.i[6], <float *>c.p[9], s, stats)
+                                c.i[6], c.p[9], s, stats, <int>c.i[17], <int>c.i[18])
     if c.kind == KIND_MASKED_DECODE:
         return masked_decode_ptr(c.p[0], c.p[1], c.p[2], c.i[0], c.i[1], c.i[2], c.i[3], c.i[4], c.i[5], c.i[8],
                                  <const int32_t *>c.p[7], <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], c.f[1],

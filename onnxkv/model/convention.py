@@ -202,20 +202,29 @@ def recognize_cache(model: onnx.ModelProto) -> CacheConvention:
     first = inputs[layers[0].past_key]
     head_size = _static_dim(first, 3)
     if head_size is None and kind == "group_query_attention":
-        head_size = _gqa_head_size(g, layers[0].past_key, num_heads, kv_heads)
+        head_size = _gqa_head_size(g, layers[0].past_key, num_heads, kv_heads, from_input)
     kv = _static_dim(first, 1) or kv_heads
     capacity = _static_dim(first, 2) if kind == "tensor_scatter" else None
     return CacheConvention(kind, layers, num_heads, kv, head_size, capacity, attrs)
 
 
-def _gqa_head_size(g: onnx.GraphProto, past_key: str, num_heads: int | None, kv_heads: int | None) -> int | None:
-    """The head size of the GroupQueryAttention node reading ``past_key``, read from the weight of the product making
-    its query (the builder's past inputs leave it symbolic, ``kv_cache_dim``, and state it only in
-    ``genai_config.json``): the last dim of a MatMul's constant weight or MatMulNBits' ``N``, past an
-    ``Add`` of a constant bias, divided by the heads that query carries (``num_heads``, plus twice
-    ``kv_heads`` when it packs q, k and v).  None when no such product makes it or the width does not
-    divide into those heads."""
-    node = next((n for n in g.node if n.op_type == "GroupQueryAttention" and past_key in n.input[3:4]), None)
+def _gqa_head_size(
+    g: onnx.GraphProto, past_key: str, num_heads: int | None, kv_heads: int | None, from_input: dict
+) -> int | None:
+    """The head size of the GroupQueryAttention node reading ``past_key`` (or a Cast of it: ``from_input``),
+    read from the weight of the product making its query (the builder's past inputs leave it symbolic,
+    ``kv_cache_dim``, and state it only in ``genai_config.json``): the last dim of a MatMul's constant weight
+    or MatMulNBits' ``N``, past an ``Add`` of a constant bias, divided by the heads that query carries
+    (``num_heads``, plus twice ``kv_heads`` when it packs q, k and v).  None when no such product makes it or
+    the width does not divide into those heads."""
+    node = next(
+        (
+            n
+            for n in g.node
+            if n.op_type == "GroupQueryAttention" and [from_input.get(x, x) for x in n.input[3:4]] == [past_key]
+        ),
+        None,
+    )
     if node is None or not num_heads or not kv_heads:
         return None
     producers = {o: n for n in g.node for o in n.output if o}

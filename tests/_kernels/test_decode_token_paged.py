@@ -20,21 +20,27 @@ from .test_paged_attention import Paged
 BS, CAP = 16, 64
 
 
-def _case(rng, hq, hkv, d, pos, rot_half, packed=False, cap=CAP, n=1):
-    """Pages holding random caches of len(pos) rows (every block allocated, ids shuffled), the ``n`` new
-    tokens' q, k, v per row (slices of packed rows if ``packed``), rotary tables or None."""
+def _case(rng, hq, hkv, d, pos, rot_half, packed=False, cap=CAP, n=1, tokens=np.float32, kv_dtype=None):
+    """Pages holding random caches of len(pos) rows (every block allocated, ids shuffled; float32, or
+    ``kv_dtype`` "float16" / "bfloat16" bit patterns), the ``n`` new tokens' q, k, v per row of ``tokens``
+    (slices of packed rows if ``packed``), rotary tables or None."""
     b = len(pos)
-    kc, vc = rand(rng, (b, hkv, cap, d)), rand(rng, (b, hkv, cap, d))
+    kc, vc = (_pages_of(rand(rng, (b, hkv, cap, d)), kv_dtype) for _ in range(2))
     if packed:
-        qkv = rand(rng, (b, n, (hq + 2 * hkv) * d))
+        qkv = rand(rng, (b, n, (hq + 2 * hkv) * d)).astype(tokens)
         q, k, v = qkv[..., : hq * d], qkv[..., hq * d : (hq + hkv) * d], qkv[..., (hq + hkv) * d :]
     else:
-        q, k, v = rand(rng, (b, n, hq * d)), rand(rng, (b, n, hkv * d)), rand(rng, (b, n, hkv * d))
+        q, k, v = (rand(rng, (b, n, w)).astype(tokens) for w in (hq * d, hkv * d, hkv * d))
     cos = sin = None
     if rot_half:
         ang = rng.uniform(-3, 3, (cap, rot_half))
         cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     return Paged(rng, kc, vc, BS), q, k, v, cos, sin
+
+
+def _pages_of(x: np.ndarray, kv_dtype) -> np.ndarray:
+    """float32 cache values as pages of ``kv_dtype`` hold them (None: float32; bfloat16: uint16 bits)."""
+    return R.bf16_from_f32(x) if kv_dtype == "bfloat16" else x.astype(np.float16) if kv_dtype == "float16" else x
 
 
 def _snapshot(pg: Paged) -> list:
@@ -105,6 +111,87 @@ def test_equals_unfused_calls_and_twin(hq, hkv, d, rot, interleaved, softcap, wi
     pos = np.array([0, 17, 37, 15, 63], np.int32)  # first position, mid page, page ends, the last position
     pg, q, k, v, cos, sin = _case(rng, hq, hkv, d, pos, half, packed=rot == "full")
     _check(pg, q, k, v, cos, sin, interleaved, hkv, pos, float(d**-0.5), softcap, window)
+
+
+def _narrow_unfused(pg, q, k, v, cos, sin, hkv, pos, kv_dtype, out):
+    """The unfused calls of a narrow fused call: float16 tokens widened, rotary, the rows rounded to the pages'
+    type as a paged plane's write rounds them, page_write, paged_attention, its result rounded to out's type."""
+    b, n, d = q.shape[0], q.shape[1], k.shape[2] // hkv
+    hq = q.shape[2] // d
+    p = pos.astype(np.int64)[:, None] + np.arange(n)[None, :]
+    q4, k4 = (np.ascontiguousarray(x).astype(np.float32).reshape(b, n, -1, d) for x in (q, k))
+    if cos is not None:
+        qr, kr = np.empty_like(q4), np.empty_like(k4)
+        K.rotary_embedding(q4, cos, sin, p, False, qr)
+        K.rotary_embedding(k4, cos, sin, p, False, kr)
+        q4, k4 = qr, kr
+    v4 = np.ascontiguousarray(v).reshape(b, n, hkv, d)
+    for new, addr in ((k4, pg.k_addr), (v4, pg.v_addr)):
+        rows = np.ascontiguousarray(new.transpose(0, 2, 1, 3))
+        if kv_dtype == "bfloat16":
+            bits = np.empty(rows.shape, np.uint16)
+            K.f32_to_bf16(np.ascontiguousarray(rows, dtype=np.float32), bits)
+            rows = bits
+        else:
+            rows = rows.astype(np.float16)
+        K.page_write(rows, addr, pg.table, pos.astype(np.int64), BS)
+    res = np.empty((b, hq, n, d), np.float32)
+    K.paged_attention(
+        np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), pg.k_addr, pg.v_addr, pg.table, BS, hkv,
+        (pos + n).astype(np.int32), p.astype(np.int32), 0.25, 0.0, -1, res, kv_dtype=kv_dtype,
+    )  # fmt: skip
+    out.reshape(b, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("rot", [True, False], ids=["rotary", "plain"])
+@pytest.mark.parametrize(
+    "tokens, kv_dtype",
+    [(np.float32, "float16"), (np.float32, "bfloat16"), (np.float16, "float16"), (np.float16, "bfloat16")],
+    ids=["f32-f16pages", "f32-bf16pages", "f16", "f16-bf16pages"],
+)
+def test_narrow_tokens_and_pages_equal_unfused_calls_and_twin(n, rot, tokens, kv_dtype, threads, simd):
+    """Float16 tokens (a float16 file) and float16 / bfloat16 pages (its pool, or kv_format fp16 / bf16 of a
+    float32 model): the rows rounded into the pages, float16 tokens widened first and their output rounded."""
+    rng = np.random.default_rng([n, rot, len(kv_dtype), tokens == np.float16])
+    pos = np.array([0, 17, 30, 15], np.int32) if n == 1 else np.array([5, 29, 12], np.int32)
+    kc, vc = rand(rng, (len(pos), 2, CAP, 32)), rand(rng, (len(pos), 2, CAP, 32))
+    pages = [R.bf16_from_f32(x) if kv_dtype == "bfloat16" else x.astype(np.float16) for x in (kc, vc)]
+    pg = Paged(rng, *pages, BS)
+    qkv = rand(rng, (len(pos), n, 8 * 32)).astype(tokens)  # packed rows: q of 4 heads, k and v of 2
+    q, k, v = qkv[..., :128], qkv[..., 128:192], qkv[..., 192:]
+    cos = sin = None
+    if rot:
+        ang = rng.uniform(-3, 3, (CAP, 8))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    before = _snapshot(pg)
+    got = np.full((len(pos), n, 128), np.nan, tokens)
+    stats = K.decode_token_paged(q, k, v, cos, sin, False, pg.k_addr, pg.v_addr, pg.table, BS, 2, pos, 0.25, 0.0,
+                                 -1, got, kv_dtype=kv_dtype)  # fmt: skip
+    assert stats is not None
+    fused = _snapshot(pg)
+    _restore(pg, before)
+    want = np.full_like(got, np.nan)
+    _narrow_unfused(pg, q, k, v, cos, sin, 2, pos, kv_dtype, want)
+    np.testing.assert_array_equal(got, want)
+    for a, w in zip(fused, _snapshot(pg), strict=True):
+        np.testing.assert_array_equal(a, w)
+    _restore(pg, before)
+    twin = np.empty_like(got)
+    R.decode_token_paged(q, k, v, cos, sin, False, pg.k_pages, pg.v_pages, pg.table, BS, 2, pos, 0.25, 0.0, -1,
+                         twin, kv_dtype=kv_dtype)  # fmt: skip
+    tol = 2e-3 if tokens == np.float16 else 1e-5
+    np.testing.assert_allclose(got.astype(np.float32), twin.astype(np.float32), rtol=tol, atol=tol)
+    # declined with nothing written: a page type that is not one, float16 tokens into float32 pages (the
+    # addresses cannot tell a page's type: the caller names it)
+    _restore(pg, before)
+    for page_type in ("int8", 5) + ((None, "float32") if tokens == np.float16 else ()):
+        out = np.zeros_like(got)
+        r = K.decode_token_paged(q, k, v, cos, sin, False, pg.k_addr, pg.v_addr, pg.table, BS, 2, pos, 0.25, 0.0,
+                                 -1, out, kv_dtype=page_type)  # fmt: skip
+        assert r is None and not out.any()
+        for a, w in zip(_snapshot(pg), before, strict=True):
+            np.testing.assert_array_equal(a, w)
 
 
 def _declined(pg, args: dict, case: str) -> None:

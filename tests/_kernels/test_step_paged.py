@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fuzzing import examples
-from onnxkv._kernels._record import DECODE_PAGED, MASK_LENGTHS
+from onnxkv._kernels._record import DECODE_CACHE_TYPES, DECODE_PAGED, MASK_LENGTHS
 from onnxkv._kernels.step import Program
 from onnxkv._kernels.token_loop import DONE, REFUSED, decode_steps
 
@@ -24,11 +24,11 @@ class PagedCall:
     """One recorded paged decode call over :class:`Paged` caches of ``len(pos)`` rows: the operands in the
     order of ``_record.pxd``; the address table stacks K (plane 0) and V (plane 1) addresses."""
 
-    def __init__(self, rng, pos, rot=True, packed=False, n=1):
+    def __init__(self, rng, pos, rot=True, packed=False, n=1, tokens=np.float32, kv_dtype=None):
         pos = np.asarray(pos, np.int32)
-        self.pos, self.n = pos, n
+        self.pos, self.n, self.kv_dtype = pos, n, kv_dtype
         self.pg, self.q, self.k, self.v, self.cos, self.sin = _case(
-            rng, HQ, HKV, D, pos, D // 2 if rot else 0, packed, n=n
+            rng, HQ, HKV, D, pos, D // 2 if rot else 0, packed, n=n, tokens=tokens, kv_dtype=kv_dtype
         )
         if rot:
             self.cos, self.sin = self.cos[:ROWS].copy(), self.sin[:ROWS].copy()
@@ -36,27 +36,29 @@ class PagedCall:
         # seqlens_k: each row's last new position; total: past every row's
         self.seq, self.total = pos + np.int32(n - 1), np.array([pos.max() + n], np.int32)
         self.lengths = np.stack([pos, pos + n]).astype(np.int64)  # committed, staged end
-        self.out = np.full((b, n, HQ * D), np.nan, np.float32)
-        strides = [x.strides[1 if n > 1 else 0] // 4 for x in (self.q, self.k, self.v)]
+        self.out = np.full((b, n, HQ * D), np.nan, tokens)
+        strides = [x.strides[1 if n > 1 else 0] // x.itemsize for x in (self.q, self.k, self.v)]
         spans = [x if x.flags.c_contiguous else self._span(x) for x in (self.q, self.k, self.v)]
         half, rows = (D // 2, ROWS) if rot else (0, 0)
         self.addresses = np.stack([self.pg.k_addr, self.pg.v_addr])
         arrays = (*spans, self.cos, self.sin, self.addresses, self.pg.table, self.seq, self.total, self.out,
                   self.lengths)  # fmt: skip
-        ints = (HQ, HKV, D, BS, half, 0, -1, rows, b, 0, 1, *strides, 0, 0, n)
+        ints = (HQ, HKV, D, BS, half, 0, -1, rows, b, 0, 1, *strides, 0, 0, n, int(tokens == np.float16))
+        ints += (DECODE_CACHE_TYPES[kv_dtype or "float32"],)
         self.call = (DECODE_PAGED, arrays, ints, (D**-0.5, 0.0))
         self.program = Program([self.call], [self.addresses, self.pg.table], (), [0, 1])
 
     @staticmethod
     def _span(x):
-        span = sum((x.shape[i] - 1) * (x.strides[i] // 4) for i in (0, 1)) + x.shape[2]
-        return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(4,))
+        span = sum((x.shape[i] - 1) * (x.strides[i] // x.itemsize) for i in (0, 1)) + x.shape[2]
+        return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(x.itemsize,))
 
     def kernel(self, out):
         """decode_token_paged on the same values (its figures, or None when it declines)."""
         first = self.seq - np.int32(self.n - 1)
         return K.decode_token_paged(self.q, self.k, self.v, self.cos, self.sin, False, self.pg.k_addr,
-                                    self.pg.v_addr, self.pg.table, BS, HKV, first, D**-0.5, 0.0, -1, out)  # fmt: skip
+                                    self.pg.v_addr, self.pg.table, BS, HKV, first, D**-0.5, 0.0, -1, out,
+                                    kv_dtype=self.kv_dtype)  # fmt: skip
 
 
 def _assert_replay_is_the_kernel(c):
@@ -78,6 +80,27 @@ def test_a_paged_replay_equals_decode_token_paged_bit_for_bit(simd, threads, rot
     rng = np.random.default_rng([3, rot, packed])
     c = PagedCall(rng, [0, 17, 31, 15, 59], rot, packed)
     _assert_replay_is_the_kernel(c)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize(
+    "tokens, kv_dtype",
+    [(np.float32, "float16"), (np.float32, "bfloat16"), (np.float16, "float16"), (np.float16, "bfloat16")],
+    ids=["f32-f16pages", "f32-bf16pages", "f16", "f16-bf16pages"],
+)
+def test_a_narrow_paged_replay_equals_decode_token_paged_bit_for_bit(simd, threads, n, tokens, kv_dtype):
+    """Float16 tokens (a float16 file) and 2-byte pages replay as the fused call they recorded."""
+    c = PagedCall(np.random.default_rng([n, len(kv_dtype)]), [0, 17, 31, 15] if n == 1 else [13, 13],
+                  packed=True, n=n, tokens=tokens, kv_dtype=kv_dtype)  # fmt: skip
+    _assert_replay_is_the_kernel(c)
+
+
+def test_a_paged_decode_call_whose_types_are_not_its_arrays_is_refused():
+    c = PagedCall(np.random.default_rng(4), [3, 9], tokens=np.float16, kv_dtype="float16")
+    kind, arrays, ints, floats = c.call
+    for tail in ((0, 1), (1, 0), (1, 3), ()):
+        with pytest.raises(ValueError, match=r"paged decode call 0: token and page types"):
+            Program([(kind, arrays, ints[:17] + tail, floats)], [c.addresses, c.pg.table], (), [0, 1])
 
 
 @pytest.mark.parametrize("n, pos", [(4, [13, 13]), (3, [46]), (2, [1, 1, 1])], ids=["tree", "one-row", "first-page"])

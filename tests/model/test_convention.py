@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 
 import onnxkv
@@ -74,4 +75,15 @@ def test_a_stated_head_size_dim_wins_over_the_product(tmp_path):
     for vi in proto.graph.input:
         if vi.name.startswith("past_key_values"):
             vi.type.tensor_type.shape.dim[3].dim_value = 16
+    assert recognize_cache(proto).head_size == 16
+
+
+def test_a_float16_conversion_of_the_builder_file_keeps_its_head_size(tmp_path):
+    """ONNX Runtime's float16 converter (float32 inputs) casts each past before the attention reads it."""
+    pytest.importorskip("onnxruntime")
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    proto = convert_float_to_float16(onnx.load(_bare_builder_file(tmp_path)), keep_io_types=True)
+    gqa = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
+    assert gqa.input[3] != "past_key_values.0.key"  # a Cast of it
     assert recognize_cache(proto).head_size == 16

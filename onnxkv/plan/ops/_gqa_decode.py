@@ -21,10 +21,10 @@ from onnxkv.plan.ops._gqa_record import note_decode
 if TYPE_CHECKING:
     from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
 
-__all__ = ["FUSED_TOKENS", "constant_rotary", "fused_decode"]
+__all__ = ["FUSED_TOKENS", "TOKEN_TYPES", "constant_rotary", "fused_decode"]
 
 #: Element types of the tokens (q, k, v, output) the fused call takes.
-_TOKEN_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
+TOKEN_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 #: New tokens of one sequence the fused call takes at most (a decode step, a speculative verification, a
 #: short first prompt); a longer run (a prompt chunk) takes the general path, whose attention splits its
@@ -113,7 +113,7 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         # growth, as the general path's cache writes grow: only for arguments it accepts up to there
         shape = (1, n, hkv * past_key.shape[3])
         if (
-            query.dtype not in _TOKEN_TYPES
+            query.dtype not in TOKEN_TYPES
             or key is None
             or value is None
             or key.dtype != query.dtype
@@ -122,7 +122,7 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
             or value.shape != shape
         ):
             return None
-    if query.dtype not in _TOKEN_TYPES or (query.dtype == np.float16 and ck.storage == "float32"):
+    if query.dtype not in TOKEN_TYPES or (query.dtype == np.float16 and ck.storage == "float32"):
         return None  # float32 tokens into float32, float16 or bfloat16 caches; float16 tokens into 2-byte ones
     grown = ck.reserve(present_len), cv.reserve(present_len)
     output = rt.empty(0, (1, n, query.shape[2]), query.dtype)

@@ -1,7 +1,7 @@
 """The fused batched decode call of :class:`~onnxkv.plan.ops.attention_gqa.GroupQueryAttention` on pages.
 
-:func:`paged_decode` serves the node's call for S new tokens of each row of a state's paged float32
-cache (an engine's batched decode step, ``generate`` on paged caches, the verification of a speculative
+:func:`paged_decode` serves the node's call for S new tokens of each row of a state's paged cache
+(float32, float16 or bfloat16 pages; an engine's batched decode step, ``generate`` on paged caches, the verification of a speculative
 tree or of a draft's tokens) with one kernel call, :func:`onnxkv._kernels.decode_token_paged` (rotary,
 each row's new K/V rows written into their pages, paged attention), after the cache has staged the pages
 the rows write (:meth:`PagedCache.prepare`: fresh and copy-on-write pages, as the general path's first
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv._kernels import decode_token_paged as _paged_kernel
-from onnxkv._kernels._record import DECODE_PAGED
+from onnxkv._kernels._record import DECODE_CACHE_TYPES, DECODE_PAGED
 from onnxkv._kernels._record import current as _recorder
 from onnxkv.plan.context import RunContext
-from onnxkv.plan.ops._gqa_decode import FUSED_TOKENS, constant_rotary
+from onnxkv.plan.ops._gqa_decode import FUSED_TOKENS, TOKEN_TYPES, constant_rotary
 from onnxkv.plan.ops._gqa_record import rows_span
 
 if TYPE_CHECKING:
@@ -35,13 +35,14 @@ _I32 = np.dtype(np.int32)
 
 
 def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple | None:
-    """The outputs of node ``op`` for S new tokens per row into a state's paged float32 cache, or None.
+    """The outputs of node ``op`` for S new tokens per row into a state's paged cache, or None.
 
     Taken when: 1 <= S <= ``FUSED_TOKENS`` tokens per row after a past (not a first prompt; with S > 1
-    every row of one length, the general path's rule), float32 Q/K/V (separate, or packed as the GenAI
-    builder's fused projection), int32 ``seqlens_k`` [B] whose row totals minus S are exactly the rows'
+    every row of one length, the general path's rule), float32 or float16 Q/K/V (separate, or packed as the
+    GenAI builder's fused projection), int32 ``seqlens_k`` [B] whose row totals minus S are exactly the rows'
     committed lengths (an append; ``total_sequence_length`` int32, at least every row's total and at most
-    the past plus S), the state's paged float32 caches bound in place with every page native and no format
+    the past plus S), the state's paged caches bound in place (float32, float16 or bfloat16 pages; float16
+    tokens: 2-byte ones) with every page native and no format
     selector reading the run's writes, no position_ids / attention_bias / head_sink / smooth_softmax /
     window-sized caches, rotary (if any) from the node's constant tables.  The result, the pages written
     and the event-log figures are the general path's.
@@ -63,7 +64,8 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         not isinstance(query, np.ndarray)
         or query.ndim != 3
         or not 1 <= query.shape[1] <= FUSED_TOKENS  # a longer run (a prompt chunk): the general path's tiles
-        or query.dtype != np.float32
+        or query.dtype not in TOKEN_TYPES
+        or (query.dtype == np.float16 and ck.storage == "float32")  # float16 tokens: into 2-byte pages
     ):
         return None
     b, n = query.shape[:2]
@@ -100,8 +102,8 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     if (
         not isinstance(key, np.ndarray)
         or not isinstance(value, np.ndarray)
-        or key.dtype != np.float32
-        or value.dtype != np.float32
+        or key.dtype != query.dtype
+        or value.dtype != query.dtype
         or query.shape[2] != hq * d
         or key.shape != (b, n, hkv * d)
         or value.shape != (b, n, hkv * d)
@@ -109,10 +111,10 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     ):
         return None
     prep = cache.prepare(starts, n)  # the pages the rows write, held by this run alone (may raise as a write)
-    output = rt.empty(0, (b, n, hq * d), np.float32)
+    output = rt.empty(0, (b, n, hq * d), query.dtype)
     stats = _paged_kernel(
         query, key, value, cos, sin, op.interleaved, ck.ptrs, cv.ptrs, cache.tables, ck.block_size, hkv,
-        starts.astype(np.int32), float(op._softmax_scale(d)), op.softcap, op.window, output,
+        starts.astype(np.int32), float(op._softmax_scale(d)), op.softcap, op.window, output, kv_dtype=ck.storage,
     )  # fmt: skip
     if stats is None:  # declined: the general path writes the rows (its first write's cost is the pages')
         return None
@@ -134,13 +136,14 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
 
 
 def _fused_cache(planes) -> object | None:
-    """The one paged cache every plane of ``planes`` is a float32 plane of, when the fused call may write it
-    (every page native, no format selector reading the run's writes); else None."""
+    """The one paged cache every plane of ``planes`` is a plane of, all of one storage (float32, float16 or
+    bfloat16), when the fused call may write it (every page native, no format selector reading the run's
+    writes); else None."""
     cache = getattr(planes[0], "cache", None) if getattr(planes[0], "paged", False) else None
     if cache is None or cache.keep_written or any(cache.payloads.converted):
         return None
     for plane in planes:
-        if not getattr(plane, "paged", False) or plane.cache is not cache or plane.storage != "float32":
+        if not getattr(plane, "paged", False) or plane.cache is not cache or plane.storage != planes[0].storage:
             return None
     return cache
 
@@ -163,7 +166,8 @@ def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.nd
     arrays = (*(rows_span(x) for x in (q, k, v)), cos, sin, addresses, tables, seqlens_k, total.reshape(1), output,
               lengths)  # fmt: skip
     ints = (op.num_heads, op.kv_num_heads, ck.head_size, ck.block_size, half, int(bool(op.interleaved)), op.window,
-            rows, b, ck.index, cv.index, *strides, 0, 0, n)  # fmt: skip
+            rows, b, ck.index, cv.index, *strides, 0, 0, n, int(q.dtype == np.float16),
+            DECODE_CACHE_TYPES[ck.storage])  # fmt: skip
     rec.note(DECODE_PAGED, arrays, ints, (float(op._softmax_scale(ck.head_size)), float(op.softcap)))
     rec.cache((first, "page_addresses"), addresses)
     rec.cache((first, "tables"), tables)

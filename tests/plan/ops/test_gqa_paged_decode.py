@@ -175,13 +175,43 @@ def test_a_failed_run_leaves_the_state_as_it_was(session, monkeypatch):
     batch.pool.audit()
 
 
-@pytest.mark.parametrize(
-    "cache",
-    [onnxkv.CacheConfig("paged", block_size=16, kv_format="int8"), onnxkv.CacheConfig("paged", kv_format="bf16")],
-    ids=["int8-pages", "bf16-storage"],
-)
-def test_quantized_or_narrow_caches_take_the_general_path(session, taken, cache):
-    batch, builder = _batch(session, PROMPTS, cache)
+def test_quantized_pages_take_the_general_path(session, taken):
+    batch, builder = _batch(session, PROMPTS, onnxkv.CacheConfig("paged", block_size=16, kv_format="int8"))
     _decode(session, batch, builder, 18)
     assert taken["n"] == 0
+    batch.pool.audit()
+
+
+@pytest.fixture(scope="module")
+def session_f16():
+    """The embedded model as ONNX Runtime's float16 converter writes it (float32 inputs and outputs)."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = onnx.load(str(embedded.embedded_model_dir() / "model.onnx"))
+    return onnxkv.Session(convert_float_to_float16(model, keep_io_types=True), threads=2, events=True)
+
+
+@pytest.mark.parametrize(
+    "model, kv_format", [("float32", "fp16"), ("float32", "bf16"), ("float16", None), ("float16", "bf16")],
+    ids=["f32-fp16-pages", "f32-bf16-pages", "f16", "f16-bf16-pages"],
+)  # fmt: skip
+def test_narrow_pages_and_float16_files_equal_the_general_path(request, model, kv_format, taken, monkeypatch):
+    """float16 or bfloat16 pages (kv_format stores every page so) and a float16 file's tokens take the fused
+    call: logits, every page and the cache counters as the general path's, rows of different lengths."""
+    session = request.getfixturevalue("session" if model == "float32" else "session_f16")
+    cache = onnxkv.CacheConfig("paged", block_size=16, kv_format=kv_format)
+    batch, builder = _batch(session, PROMPTS, cache)
+    got, got_counts = _decode(session, batch, builder, 18)
+    values = batch.values
+    assert taken["n"] == 18 * len(session.model.convention.layers)
+    _general(monkeypatch)
+    ref_batch, ref_builder = _batch(session, PROMPTS, cache)
+    ref, ref_counts = _decode(session, ref_batch, ref_builder, 18)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got_counts == ref_counts
+    for key, arr in values.items():
+        np.testing.assert_array_equal(arr, ref_batch.values[key])
     batch.pool.audit()
