@@ -20,6 +20,8 @@ minute of a shared machine falls on all of them):
                         GroupQueryAttention models, opt-in: not in the default set);
 * ``onnxkv-paged``   -- the same loop as ``onnxkv`` on a paged cache (``CacheConfig("paged")``, 16-token
                         pages: the cache of beam search and of the engine; opt-in);
+* ``onnxkv-paged-f16`` -- ``onnxkv-paged`` with every page stored as float16 (``kv_format="fp16"``, as
+                        ``--kv-format fp16`` gives; GroupQueryAttention models, opt-in);
 * ``onnxkv-generate-paged`` -- ``onnxkv-generate`` on that paged cache (its steps run in C a page's worth
                         and more per call; opt-in);
 * ``onnxkv-tensor``  -- onnxkv with the cache threaded as tensors (past -> present);
@@ -116,6 +118,8 @@ DEFAULT_CASES = (
 DEFAULT_ENGINES = "onnxkv,onnxkv-tensor,ort,ort-genai"
 #: onnxkv's in-place engine feeds long prompts in chunks, as onnxkv.generate does by default.
 PREFILL_CHUNK = 512
+#: The engines whose loop runs a state (warm-up on a state of their own, the prompt in chunks).
+STATE_ENGINES = ("onnxkv", "onnxkv-f16", "onnxkv-paged", "onnxkv-paged-f16")
 
 
 # -- worker side ---------------------------------------------------------------------------------
@@ -200,8 +204,8 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
         result["decode_wall_per_token_s"] = (wall - prefill) / len(samples)
     else:
         sess = onnxkv.Session(path, threads=threads)
-        if engine == "onnxkv-paged":
-            state = sess.new_state(cache=onnxkv.CacheConfig("paged"))
+        if engine in ("onnxkv-paged", "onnxkv-paged-f16"):
+            state = sess.new_state(cache=onnxkv.CacheConfig("paged", kv_format="fp16" if "f16" in engine else None))
             run, thread_cache = state.run, False
         elif engine in ("onnxkv", "onnxkv-f16"):
             state = sess.new_state(
@@ -231,10 +235,10 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             sess,
             prompt[:, :8],
             2,
-            sess.new_state().run if engine in ("onnxkv", "onnxkv-f16", "onnxkv-paged") else run,
+            sess.new_state().run if engine in STATE_ENGINES else run,
             thread_cache,
         )
-        chunk = PREFILL_CHUNK if engine in ("onnxkv", "onnxkv-f16", "onnxkv-paged") else None
+        chunk = PREFILL_CHUNK if engine in STATE_ENGINES else None
         prefill, samples, tokens, gaps = _feed_loop(sess, prompt, new_tokens, run, thread_cache, chunk)
         result["gap_over_std"] = gaps
         result["peak_rss_bytes"] = peak_rss()  # before the event-log session below maps the weights again
@@ -649,7 +653,8 @@ def main() -> None:
                 e
                 for e in engines
                 if not (
-                    (e == "ort-genai" and genai_version is None) or (e in ("ort-genai", "onnxkv-f16") and not genai_ok)
+                    (e == "ort-genai" and genai_version is None)
+                    or (e in ("ort-genai", "onnxkv-f16", "onnxkv-paged-f16") and not genai_ok)
                 )
             ]
             runs: dict[str, list[dict]] = {e: [] for e in todo}
@@ -684,7 +689,7 @@ def main() -> None:
                             f"({loaded['p90_over_quiet_median']:.2f}x the quiet median)",
                             file=sys.stderr,
                         )
-            for ours in ("onnxkv", "onnxkv-generate", "onnxkv-paged", "onnxkv-generate-paged"):
+            for ours in ("onnxkv", "onnxkv-generate", "onnxkv-paged", "onnxkv-paged-f16", "onnxkv-generate-paged"):
                 kv = entry["engines"].get(ours, {})
                 for peer in ("ort", "ort-genai", "onnxkv", "onnxkv-tensor", "onnxkv-f16"):
                     p = entry["engines"].get(peer, {})

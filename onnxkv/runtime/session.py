@@ -122,6 +122,9 @@ class Session:
             bindings = inplace_bindings(lifted[0], conv) if lifted is not None else []
             if bindings:
                 (graph, self.cast_boundary), self.bindings = lifted, bindings
+        #: The model the plan runs: the file's graph (``model.proto``), or its copy whose cache Casts moved to
+        #: the boundary (:attr:`cast_boundary`).  Read only.
+        self.planned = graph
         # With its own allocator the plan keeps a run's temporaries for the next run (a decode step then
         # allocates nothing); a caller's allocator gets every temporary back at the end of each run.
         self.plan = Plan(

@@ -565,3 +565,33 @@ def test_sliding_window_state_round_trips():
         np.testing.assert_array_equal(
             back.run(feeds, [d.logits_name])[d.logits_name], st.run(feeds, [d.logits_name])[d.logits_name]
         )
+
+
+@pytest.mark.parametrize("family", ["gqa", "concat"])
+def test_a_float16_files_paged_state_gathers_its_pasts_as_the_float32_files_does(family, monkeypatch):
+    """The float16 converter casts each past before the attention (or the Concat) reads it; the session moves
+    those Casts to its boundary, so a paged state feeds placeholders where the float32 file's does: no copy of
+    a GroupQueryAttention model's planes (its attention reads the pages); a Concat export's attention reads
+    gathered caches in both."""
+    pytest.importorskip("onnxruntime")
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from onnxkv.cache.paged import PagedPlane
+
+    gathered = []
+    real = PagedPlane.gather
+    monkeypatch.setattr(PagedPlane, "gather", lambda self, *a: gathered.append(self.name) or real(self, *a))
+    prompt = np.random.default_rng(2).integers(1, MICRO.vocab_size, (1, 9))
+    counts = []
+    for half in (False, True):
+        proto = build_model(family, MICRO, seed=3)
+        session = onnxkv.Session(convert_float_to_float16(proto, keep_io_types=True) if half else proto, threads=1)
+        assert (session.planned is not session.model.proto) == half
+        gathered.clear()
+        with session.new_state(cache=CacheConfig("paged", block_size=4)) as st:
+            b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([9]), 0, thread_cache=False)
+            out = st.run(b.first()[0], ["logits"])
+            for _ in range(5):
+                out = st.run(b.next(out["logits"][:, -1].argmax(-1)[:, None], out), ["logits"])
+        counts.append(len(gathered))
+    assert counts[0] == counts[1] and (counts[0] == 0) == (family == "gqa")

@@ -113,10 +113,11 @@ class PagedStore:
         return windows.pop() if len(windows) == 1 else None
 
     def _pasts_read_elsewhere(self) -> set[str]:
-        """Bound pasts whose data a node other than the joining node reads (they are fed gathered copies)."""
+        """Bound pasts whose data a node of the planned graph other than the joining node reads (they are fed
+        gathered copies); a float16 file's cache Casts, moved to the session's boundary, read none."""
         joiner = {b.past: b.node for b in self.ctx.bindings}
         out = set()
-        for node in self.ctx.session.model.proto.graph.node:
+        for node in self.ctx.session.planned.graph.node:
             if node.op_type == "Shape":
                 continue
             for x in node.input:
