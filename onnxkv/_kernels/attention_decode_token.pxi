@@ -25,7 +25,7 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
                      ``rotary_embedding``), or both None: no rotary
     k_cache, v_cache [1, Hkv, Cap, D], C-contiguous, writable, 0 <= pos, pos + S <= Cap: float32
                      (float32 tokens only), float16, or bfloat16 bit patterns (uint16, with the
-                     keyword kv_dtype="bfloat16")
+                     keyword kv_dtype="bfloat16"; kv_dtype None or the caches' own type name otherwise)
     scale, softcap, window as ``attention``; the last dim of every array contiguous.
 
     Writes k_cache[0, :, pos:pos + S], v_cache[0, :, pos:pos + S] and out only;
@@ -46,7 +46,7 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
             and (sin is None) == (cos is None) and _scalars_ok(scale, softcap, window) and k_cache.flags.c_contiguous
             and v_cache.flags.c_contiguous and out.flags.c_contiguous):
         return False
-    if kv_dtype is None and q.dtype == _F32 and k_cache.dtype == _F32:
+    if (kv_dtype is None or kv_dtype == "float32") and q.dtype == _F32 and k_cache.dtype == _F32:
         return _decode_f32(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out)
     return _decode_narrow(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out,
                           kv_dtype)
@@ -115,7 +115,7 @@ cdef bint _decode_narrow(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64
     cdef const void *kp
     cdef const void *vp
     cdef void *op
-    if kv_dtype is None and k_cache.dtype == _F16 and v_cache.dtype == _F16:
+    if (kv_dtype is None or kv_dtype == "float16") and k_cache.dtype == _F16 and v_cache.dtype == _F16:
         kv_type = OKV_KV_F16
     elif kv_dtype == "bfloat16" and k_cache.dtype == _U16 and v_cache.dtype == _U16:
         kv_type = OKV_KV_BF16

@@ -141,6 +141,7 @@ def test_narrow_calls_decline_mismatched_types_and_write_nothing():
         (dict(v_cache=vc), None),  # cache types differ
         (dict(k_cache=kcb, v_cache=vcb), None),  # uint16 caches without kv_dtype="bfloat16"
         ({}, "bfloat16"),  # float16 caches named bfloat16
+        ({}, "float32"),
         (dict(k_cache=kcb, v_cache=vcb), "int8"),
         (
             dict(
@@ -157,6 +158,7 @@ def test_narrow_calls_decline_mismatched_types_and_write_nothing():
         assert K.decode_token(*a.values(), kv_dtype=kv_dtype) is False, change
         assert all(np.array_equal(x, y) for x, y in zip((a["k_cache"], a["v_cache"], a["out"]), before))
     assert K.decode_token(*base.values())
+    assert K.decode_token(*base.values(), kv_dtype="float16")
 
 
 def test_long_cache_splits_like_attention(threads):
