@@ -37,8 +37,7 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
     not fit that description -- the caller then takes the unfused calls, whose checks name the bad
     argument.  (One call per layer per batched decode step.)
     """
-    cdef const void *tok[3]     # q, k, v: rows may be strided (checked below: each row contiguous)
-    cdef void *op = NULL
+    cdef const void *tok[4]     # q, k, v (rows may be strided: checked below, each row contiguous), out
     cdef Py_ssize_t sh[4][3]    # shapes of q, k, v, out
     cdef Py_ssize_t st[4][3]    # their strides in bytes
     cdef const float[:, ::1] cv
@@ -72,8 +71,7 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
     arrays = (q, k, v, out)
     try:
         for j in range(4):
-            if not _rows_view(arrays[j], io16, j == 3, &tok[j] if j < 3 else <const void **>&op, sh[j], st[j]):
-                return None
+            _rows_view(arrays[j], io16, j == 3, &tok[j], sh[j], st[j])
         kp = k_pages
         vp = v_pages
         tv = block_tables
@@ -108,6 +106,7 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
         if half == 0 or 2 * half > D or sv.shape[0] != cv.shape[0] or sv.shape[1] != half:
             return None
     cdef size_t onb = <size_t>(B * S * Hq * D) * isz
+    cdef const void *op = tok[3]
     if not (_disjoint(op, onb, tok[0], <size_t>((B * S - 1) * qs + Hq * D) * isz)
             and _disjoint(op, onb, tok[1], <size_t>((B * S - 1) * ks + Hkv * D) * isz)
             and _disjoint(op, onb, tok[2], <size_t>((B * S - 1) * vs + Hkv * D) * isz)):
@@ -122,43 +121,10 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
     with nogil:
         rc = decode_paged_ptr(tok[0], qs, tok[1], ks, tok[2], vs, &cv[0, 0] if rot else NULL,
                               &sv[0, 0] if rot else NULL, half, inter, &kp[0], &vp[0], &tv[0, 0], M, bs, &lv[0], B, S,
-                              Hq, Hkv, D, fscale, fsoftcap, iwindow, op, s, stats, io16, kv_type)
+                              Hq, Hkv, D, fscale, fsoftcap, iwindow, <void *>op, s, stats, io16, kv_type)
     if rc != 0:
         raise MemoryError("decode_token_paged: could not allocate the workspace")
     return {"dequantized_bytes": int(stats[0]), "workspace_peak_bytes": int(stats[1])}
-
-
-cdef bint _rows_view(x, int io16, bint writable, const void **ptr, Py_ssize_t *shape, Py_ssize_t *strides) except -1:
-    """The address, shape and byte strides of the 3-D float32 (float16 when ``io16``) array ``x`` through a
-    buffer view (rows may be strided; ``writable``: a C-contiguous writable one); False when it has none.
-    The address stays valid while ``x`` lives."""
-    cdef const float[:, :, :] f
-    cdef const uint16_t[:, :, :] h
-    cdef float[:, :, ::1] fw
-    cdef uint16_t[:, :, ::1] hw
-    cdef int i
-    if writable:
-        if io16:
-            hw = x.view(np.uint16)
-            ptr[0] = &hw[0, 0, 0]
-            for i in range(3):
-                shape[i], strides[i] = hw.shape[i], hw.strides[i]
-        else:
-            fw = x
-            ptr[0] = &fw[0, 0, 0]
-            for i in range(3):
-                shape[i], strides[i] = fw.shape[i], fw.strides[i]
-    elif io16:
-        h = x.view(np.uint16)
-        ptr[0] = &h[0, 0, 0]
-        for i in range(3):
-            shape[i], strides[i] = h.shape[i], h.strides[i]
-    else:
-        f = x
-        ptr[0] = &f[0, 0, 0]
-        for i in range(3):
-            shape[i], strides[i] = f.shape[i], f.strides[i]
-    return True
 
 
 cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
@@ -230,7 +196,7 @@ cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
                     dst = <char *><size_t>(kp[page] if i == 0 else vp[page]) + (h * bs + off) * D * esz
                     src = <const char *>(k if i == 0 else v) + ((r * ks if i == 0 else r * vs) + h * D) * (
                         2 if io16 else 4)
-                    _paged_row(src, dst, i == 0 and rot, cos + p * half if rot else NULL,
+                    _new_row(src, dst, i == 0 and rot, cos + p * half if rot else NULL,
                                sin + p * half if rot else NULL, half, D, inter, io16, kv_type, wide, turned, s.simd)
             for h in range(Hq):
                 _query_row(<const char *>q + (r * qs + h * D) * (2 if io16 else 4), rq + ((b * Hq + h) * S + t) * D,
@@ -263,46 +229,3 @@ cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
     free(qp)
     free(ho)
     return rc
-
-
-cdef inline void _paged_row(const char *src, char *dst, bint turn, const float *c, const float *sn, int64_t half,
-                            int64_t D, int inter, int io16, int kv_type, float *wide, float *turned,
-                            int simd) noexcept nogil:
-    """One new K (``turn``: rotated by c, sn) or V row of D elements at ``src`` (float32, or float16 when
-    ``io16``) into a page row at ``dst`` of ``kv_type``: rotated in float32, rounded to the page's type (a
-    float16 row into a float16 page unrotated: copied).  ``wide``, ``turned``: D floats of scratch each."""
-    cdef const float *row
-    if kv_type == OKV_KV_F32:     # float32 tokens (the caller's rule)
-        if turn:
-            okv_rope_row_f32(<const float *>src, c, sn, <float *>dst, half, D, inter, simd)
-        else:
-            memcpy(dst, src, <size_t>D * sizeof(float))
-        return
-    if io16 and kv_type == OKV_KV_F16 and not turn:
-        memcpy(dst, src, <size_t>D * 2)
-        return
-    row = <const float *>src
-    if io16:
-        okv_h2f_row(<const uint16_t *>src, wide, D, simd)
-        row = wide
-    if turn:
-        okv_rope_row_f32(row, c, sn, turned, half, D, inter, simd)
-        row = turned
-    if kv_type == OKV_KV_F16:
-        okv_f2h_row(row, <uint16_t *>dst, D, simd)
-    else:
-        okv_f2bf_row(row, <uint16_t *>dst, D, simd)
-
-
-cdef inline void _query_row(const char *src, float *dst, int rot, const float *c, const float *sn, int64_t half,
-                            int64_t D, int inter, int io16, float *wide, int simd) noexcept nogil:
-    """One query row of D elements at ``src`` (float32, or float16 when ``io16``: widened into ``wide``)
-    into the float32 row ``dst``, rotated by c, sn when ``rot``."""
-    cdef const float *row = <const float *>src
-    if io16:
-        okv_h2f_row(<const uint16_t *>src, wide, D, simd)
-        row = wide
-    if rot:
-        okv_rope_row_f32(row, c, sn, dst, half, D, inter, simd)
-    else:
-        memcpy(dst, row, <size_t>D * sizeof(float))

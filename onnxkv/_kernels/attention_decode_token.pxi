@@ -96,25 +96,16 @@ cdef bint _decode_f32(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t 
 cdef bint _decode_narrow(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, scale, softcap, window,
                          out, kv_dtype) except -1:
     """``decode_token`` into 2-byte caches (float16, or bfloat16 bit patterns), of float32 or float16 tokens."""
-    cdef const uint16_t[:, :, :] qh
-    cdef const uint16_t[:, :, :] kh
-    cdef const uint16_t[:, :, :] vh
-    cdef uint16_t[:, :, ::1] oh
-    cdef const float[:, :, :] qf
-    cdef const float[:, :, :] kf
-    cdef const float[:, :, :] vf
-    cdef float[:, :, ::1] of
+    cdef const void *tok[4]     # q, k, v, out
+    cdef Py_ssize_t sh[4][3]
+    cdef Py_ssize_t st[4][3]
     cdef uint16_t[:, :, :, ::1] kc
     cdef uint16_t[:, :, :, ::1] vc
     cdef const float[:, ::1] cv
     cdef const float[:, ::1] sv
-    cdef int rot = cos is not None, kv_type, io16 = q.dtype == _F16
+    cdef int rot = cos is not None, kv_type, io16 = q.dtype == _F16, j
     cdef int64_t g[9]
     cdef int64_t rd[4]
-    cdef const void *qp
-    cdef const void *kp
-    cdef const void *vp
-    cdef void *op
     if (kv_dtype is None or kv_dtype == "float16") and k_cache.dtype == _F16 and v_cache.dtype == _F16:
         kv_type = OKV_KV_F16
     elif kv_dtype == "bfloat16" and k_cache.dtype == _U16 and v_cache.dtype == _U16:
@@ -124,19 +115,12 @@ cdef bint _decode_narrow(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64
     want = _F16 if io16 else _F32
     if q.dtype != want or k.dtype != want or v.dtype != want or out.dtype != want:
         return False
+    arrays = (q, k, v, out)
     try:
+        for j in range(4):
+            _rows_view(arrays[j], io16, j == 3, &tok[j], sh[j], st[j])
         kc = k_cache.view(np.uint16)
         vc = v_cache.view(np.uint16)
-        if io16:
-            qh = q.view(np.uint16)
-            kh = k.view(np.uint16)
-            vh = v.view(np.uint16)
-            oh = out.view(np.uint16)
-        else:
-            qf = q
-            kf = k
-            vf = v
-            of = out
         if rot:
             cv = cos
             sv = sin
@@ -144,23 +128,50 @@ cdef bint _decode_narrow(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64
         return False
     if rot:
         rd[0], rd[1], rd[2], rd[3] = cv.shape[0], cv.shape[1], sv.shape[0], sv.shape[1]
-    if io16:
-        if not _token_geometry(qh.shape, qh.strides, kh.shape, kh.strides, vh.shape, vh.strides, kc.shape,
-                               vc.shape, oh.shape, rd, rot, 2, pos, g):
-            return False
-        qp, kp, vp, op = &qh[0, 0, 0], &kh[0, 0, 0], &vh[0, 0, 0], &oh[0, 0, 0]
-    else:
-        if not _token_geometry(qf.shape, qf.strides, kf.shape, kf.strides, vf.shape, vf.strides, kc.shape,
-                               vc.shape, of.shape, rd, rot, 4, pos, g):
-            return False
-        qp, kp, vp, op = &qf[0, 0, 0], &kf[0, 0, 0], &vf[0, 0, 0], &of[0, 0, 0]
-    if not _token_disjoint(qp, kp, vp, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], op, g, 2 if io16 else 4, 2):
+    if not _token_geometry(sh[0], st[0], sh[1], st[1], sh[2], st[2], kc.shape, vc.shape, sh[3], rd, rot,
+                           2 if io16 else 4, pos, g) \
+            or not _token_disjoint(tok[0], tok[1], tok[2], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], tok[3], g,
+                                   2 if io16 else 4, 2):
         return False
-    if decode_token_ptr(qp, g[6], kp, g[7], vp, g[8], &cv[0, 0] if rot else NULL, &sv[0, 0] if rot else NULL,
-                        g[5], 1 if interleaved else 0, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], g[0], g[1], g[2], g[3],
-                        g[4], pos, scale, softcap, window, op, okv_settings_get(), io16, kv_type) != 0:
+    if decode_token_ptr(tok[0], g[6], tok[1], g[7], tok[2], g[8], &cv[0, 0] if rot else NULL,
+                        &sv[0, 0] if rot else NULL, g[5], 1 if interleaved else 0, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0],
+                        g[0], g[1], g[2], g[3], g[4], pos, scale, softcap, window, <void *>tok[3],
+                        okv_settings_get(), io16, kv_type) != 0:
         raise MemoryError("decode_token: could not allocate the rotated queries or the workspace")
     return True
+
+
+cdef int _rows_view(x, int io16, bint writable, const void **ptr, Py_ssize_t *shape, Py_ssize_t *strides) except -1:
+    """Set the address, shape and byte strides of the 3-D float32 (float16 when ``io16``) array ``x`` through a
+    buffer view (rows may be strided; ``writable``: a C-contiguous writable one); raises ValueError, TypeError
+    or BufferError when it has none (the callers then decline).  The address stays valid while ``x`` lives."""
+    cdef const float[:, :, :] f
+    cdef const uint16_t[:, :, :] h
+    cdef float[:, :, ::1] fw
+    cdef uint16_t[:, :, ::1] hw
+    cdef int i
+    if writable:
+        if io16:
+            hw = x.view(np.uint16)
+            ptr[0] = &hw[0, 0, 0]
+            for i in range(3):
+                shape[i], strides[i] = hw.shape[i], hw.strides[i]
+        else:
+            fw = x
+            ptr[0] = &fw[0, 0, 0]
+            for i in range(3):
+                shape[i], strides[i] = fw.shape[i], fw.strides[i]
+    elif io16:
+        h = x.view(np.uint16)
+        ptr[0] = &h[0, 0, 0]
+        for i in range(3):
+            shape[i], strides[i] = h.shape[i], h.strides[i]
+    else:
+        f = x
+        ptr[0] = &f[0, 0, 0]
+        for i in range(3):
+            shape[i], strides[i] = f.shape[i], f.strides[i]
+    return 0
 
 
 cdef bint _token_geometry(const Py_ssize_t *qd, const Py_ssize_t *qst, const Py_ssize_t *kd,
@@ -221,100 +232,78 @@ cdef int decode_token_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
     elements apart], k, v [S rows of Hkv*D, ``ks`` / ``vs`` apart], out [S, Hq*D] contiguous, all float32, or
     float16 when ``io16``; caches [Hkv, Cap, D] of ``kv_type`` (OKV_KV_F32 only with float32 tokens); cos, sin
     [>= pos + S, half] float32 tables or NULL (no rotary); 0 <= pos, pos + S <= Cap, Hq % Hkv == 0, 2*half <= D,
-    out disjoint from the others and the caches from each other and from k, v.  Returns 0, or -1 (nothing but
-    cache rows written) when memory cannot be allocated."""
-    if io16 or kv_type != OKV_KV_F32:
-        return _decode_narrow_ptr(q, qs, k, ks, v, vs, cos, sin, half, inter, k_cache, v_cache, Hq, Hkv, Cap, D,
-                                  S, pos, scale, softcap, window, out, s, io16, kv_type)
-    cdef int64_t h, t, p
-    cdef float *kc = <float *>k_cache
-    cdef float *vc = <float *>v_cache
-    cdef const float *qf = <const float *>q
-    cdef const float *kf = <const float *>k
-    cdef const float *vf = <const float *>v
+    out disjoint from the others and the caches from each other and from k, v.  Returns 0, or -1 (nothing
+    written) when memory cannot be allocated."""
+    cdef int64_t h, t, p, isz = 2 if io16 else 4, esz = 4 if kv_type == OKV_KV_F32 else 2
+    cdef int rot = cos != NULL, i
+    cdef bint narrow = io16 or kv_type != OKV_KV_F32
+    # queries head-major [Hq, S, D] (float32 tokens, one, no rotary: the row itself), then two rows of scratch
     cdef float *qr = NULL
-    cdef const float *src
-    cdef int rot = cos != NULL
-    for t in range(S):
-        p = pos + t
-        for h in range(Hkv):
-            if rot:
-                okv_rope_row_f32(kf + t * ks + h * D, cos + p * half, sin + p * half, kc + (h * Cap + p) * D,
-                                 half, D, inter, s.simd)
-            else:
-                memcpy(kc + (h * Cap + p) * D, kf + t * ks + h * D, <size_t>D * sizeof(float))
-            memcpy(vc + (h * Cap + p) * D, vf + t * vs + h * D, <size_t>D * sizeof(float))
-    # queries head-major [Hq, S, D] (one token: the row itself, rotated or not), and so the output
-    if rot or S > 1:
-        qr = <float *>malloc(<size_t>(Hq * S * D) * sizeof(float))
+    cdef float *wide = NULL
+    if rot or S > 1 or narrow:
+        qr = <float *>malloc(<size_t>(Hq * S * D + (2 * D if narrow else 0)) * sizeof(float))
         if qr == NULL:
             return -1
-        for t in range(S):
-            for h in range(Hq):
-                src = qf + t * qs + h * D
-                if rot:
-                    okv_rope_row_f32(src, cos + (pos + t) * half, sin + (pos + t) * half, qr + (h * S + t) * D,
-                                     half, D, inter, s.simd)
-                else:
-                    memcpy(qr + (h * S + t) * D, src, <size_t>D * sizeof(float))
-    return _token_attend(qf if qr == NULL else qr, qr, k_cache, v_cache, Hq, Hkv, Cap, D, S, pos, scale, softcap,
-                         window, out, 0, OKV_KV_F32, s)
-
-
-cdef int _decode_narrow_ptr(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
-                            const float *cos, const float *sin, int64_t half, int inter, void *k_cache,
-                            void *v_cache, int64_t Hq, int64_t Hkv, int64_t Cap, int64_t D, int64_t S, int64_t pos,
-                            float scale, float softcap, int64_t window, void *out, okv_settings s, int io16,
-                            int kv_type) noexcept nogil:
-    """``decode_token_ptr`` into 2-byte caches, or of float16 tokens: each k and v row widened to float32
-    (float16 tokens), rotated (k), rounded to the cache's type (a float16 row into a float16 cache without
-    rotary: copied); the queries widened and rotated into float32 rows."""
-    cdef int64_t h, t, p, r
-    cdef uint16_t *kc = <uint16_t *>k_cache
-    cdef uint16_t *vc = <uint16_t *>v_cache
-    cdef int rot = cos != NULL, as_is = io16 and kv_type == OKV_KV_F16
-    cdef int64_t n = Hq * S * D
-    # the queries head-major [Hq, S, D] (rotated), then two rows of scratch
-    cdef float *qr = <float *>malloc(<size_t>(n + 2 * D) * sizeof(float))
-    cdef float *wide
-    cdef float *turned
-    cdef const uint16_t *row16
-    cdef const float *row
-    if qr == NULL:
-        return -1
-    wide, turned = qr + n, qr + n + D
+        wide = qr + Hq * S * D
     for t in range(S):
         p = pos + t
         for h in range(Hkv):
-            for r in range(2):   # the key row, then the value row
-                if io16:
-                    row16 = (<const uint16_t *>k + t * ks if r == 0 else <const uint16_t *>v + t * vs) + h * D
-                    if as_is and not (rot and r == 0):
-                        memcpy((kc if r == 0 else vc) + (h * Cap + p) * D, row16, <size_t>D * 2)
-                        continue
-                    okv_h2f_row(row16, wide, D, s.simd)
-                    row = wide
-                else:
-                    row = (<const float *>k + t * ks if r == 0 else <const float *>v + t * vs) + h * D
-                if rot and r == 0:
-                    okv_rope_row_f32(row, cos + p * half, sin + p * half, turned, half, D, inter, s.simd)
-                    row = turned
-                if kv_type == OKV_KV_F16:
-                    okv_f2h_row(row, (kc if r == 0 else vc) + (h * Cap + p) * D, D, s.simd)
-                else:
-                    okv_f2bf_row(row, (kc if r == 0 else vc) + (h * Cap + p) * D, D, s.simd)
-        for h in range(Hq):
-            if io16:
-                okv_h2f_row(<const uint16_t *>q + t * qs + h * D, wide, D, s.simd)
-                row = wide
-            else:
-                row = <const float *>q + t * qs + h * D
-            if rot:
-                okv_rope_row_f32(row, cos + p * half, sin + p * half, qr + (h * S + t) * D, half, D, inter, s.simd)
-            else:
-                memcpy(qr + (h * S + t) * D, row, <size_t>D * sizeof(float))
-    return _token_attend(qr, qr, k_cache, v_cache, Hq, Hkv, Cap, D, S, pos, scale, softcap, window, out, io16,
-                         kv_type, s)
+            for i in range(2):   # the key row, then the value row
+                _new_row(<const char *>(k if i == 0 else v) + ((t * ks if i == 0 else t * vs) + h * D) * isz,
+                         <char *>(k_cache if i == 0 else v_cache) + (h * Cap + p) * D * esz, i == 0 and rot,
+                         cos + p * half if rot else NULL, sin + p * half if rot else NULL, half, D, inter, io16,
+                         kv_type, wide, wide + D if narrow else NULL, s.simd)
+        if qr != NULL:
+            for h in range(Hq):
+                _query_row(<const char *>q + (t * qs + h * D) * isz, qr + (h * S + t) * D, rot,
+                           cos + p * half if rot else NULL, sin + p * half if rot else NULL, half, D, inter, io16,
+                           wide, s.simd)
+    return _token_attend(<const float *>q if qr == NULL else qr, qr, k_cache, v_cache, Hq, Hkv, Cap, D, S, pos,
+                         scale, softcap, window, out, io16, kv_type, s)
+
+
+cdef inline void _new_row(const char *src, char *dst, bint turn, const float *c, const float *sn, int64_t half,
+                          int64_t D, int inter, int io16, int kv_type, float *wide, float *turned,
+                          int simd) noexcept nogil:
+    """One new K (``turn``: rotated by c, sn) or V row of D elements at ``src`` (float32, or float16 when
+    ``io16``) into a cache or page row at ``dst`` of ``kv_type``: rotated in float32, rounded to the row's type
+    (a float32 row into a float32 cache, or a float16 row into a float16 one, unrotated: copied).  ``wide``,
+    ``turned``: D floats of scratch each (unused for float32 tokens into a float32 cache)."""
+    cdef const float *row
+    if kv_type == OKV_KV_F32:     # float32 tokens (the callers' rule)
+        if turn:
+            okv_rope_row_f32(<const float *>src, c, sn, <float *>dst, half, D, inter, simd)
+        else:
+            memcpy(dst, src, <size_t>D * sizeof(float))
+        return
+    if io16 and kv_type == OKV_KV_F16 and not turn:
+        memcpy(dst, src, <size_t>D * 2)
+        return
+    row = <const float *>src
+    if io16:
+        okv_h2f_row(<const uint16_t *>src, wide, D, simd)
+        row = wide
+    if turn:
+        okv_rope_row_f32(row, c, sn, turned, half, D, inter, simd)
+        row = turned
+    if kv_type == OKV_KV_F16:
+        okv_f2h_row(row, <uint16_t *>dst, D, simd)
+    else:
+        okv_f2bf_row(row, <uint16_t *>dst, D, simd)
+
+
+cdef inline void _query_row(const char *src, float *dst, int rot, const float *c, const float *sn, int64_t half,
+                            int64_t D, int inter, int io16, float *wide, int simd) noexcept nogil:
+    """One query row of D elements at ``src`` (float32, or float16 when ``io16``: widened into ``wide``)
+    into the float32 row ``dst``, rotated by c, sn when ``rot``."""
+    cdef const float *row = <const float *>src
+    if io16:
+        okv_h2f_row(<const uint16_t *>src, wide, D, simd)
+        row = wide
+    if rot:
+        okv_rope_row_f32(row, c, sn, dst, half, D, inter, simd)
+    else:
+        memcpy(dst, row, <size_t>D * sizeof(float))
 
 
 cdef int _token_attend(const float *q, float *owned, const void *k_cache, const void *v_cache, int64_t Hq,

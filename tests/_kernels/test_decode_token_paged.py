@@ -52,12 +52,14 @@ def _restore(pg: Paged, snap: list) -> None:
         page[...] = saved
 
 
-def _unfused(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, window, out):
-    """The compiled calls the fused kernel stands for: rotary, page_write of the rows, paged_attention."""
+def _unfused(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, window, out, kv_dtype=None):
+    """The compiled calls the fused kernel stands for: rotary (float16 tokens widened first), page_write of the
+    rows (rounded to the pages' type, ``kv_dtype`` "float16" or "bfloat16", as a paged plane's write rounds
+    them), paged_attention, its result in out's type."""
     b, n, d = q.shape[0], q.shape[1], k.shape[2] // hkv
     hq = q.shape[2] // d
     p = pos.astype(np.int64)[:, None] + np.arange(n)[None, :]
-    q4, k4 = np.ascontiguousarray(q).reshape(b, n, hq, d), np.ascontiguousarray(k).reshape(b, n, hkv, d)
+    q4, k4 = (np.ascontiguousarray(x).astype(np.float32).reshape(b, n, -1, d) for x in (q, k))
     if cos is not None:
         qr, kr = np.empty_like(q4), np.empty_like(k4)
         K.rotary_embedding(q4, cos, sin, p, interleaved, qr)
@@ -65,11 +67,18 @@ def _unfused(pg, q, k, v, cos, sin, interleaved, hkv, pos, scale, softcap, windo
         q4, k4 = qr, kr
     v4 = np.ascontiguousarray(v).reshape(b, n, hkv, d)
     for new, addr in ((k4, pg.k_addr), (v4, pg.v_addr)):
-        K.page_write(np.ascontiguousarray(new.transpose(0, 2, 1, 3)), addr, pg.table, pos.astype(np.int64), BS)
+        rows = np.ascontiguousarray(new.transpose(0, 2, 1, 3))
+        if kv_dtype == "bfloat16":
+            bits = np.empty(rows.shape, np.uint16)
+            K.f32_to_bf16(np.ascontiguousarray(rows, dtype=np.float32), bits)
+            rows = bits
+        elif kv_dtype == "float16":
+            rows = rows.astype(np.float16)
+        K.page_write(rows, addr, pg.table, pos.astype(np.int64), BS)
     res = np.empty((b, hq, n, d), np.float32)
     K.paged_attention(
         np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), pg.k_addr, pg.v_addr, pg.table, BS, hkv,
-        (pos + n).astype(np.int32), p.astype(np.int32), scale, softcap, window, res,
+        (pos + n).astype(np.int32), p.astype(np.int32), scale, softcap, window, res, kv_dtype=kv_dtype,
     )  # fmt: skip
     out.reshape(b, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
 
@@ -113,36 +122,6 @@ def test_equals_unfused_calls_and_twin(hq, hkv, d, rot, interleaved, softcap, wi
     _check(pg, q, k, v, cos, sin, interleaved, hkv, pos, float(d**-0.5), softcap, window)
 
 
-def _narrow_unfused(pg, q, k, v, cos, sin, hkv, pos, kv_dtype, out):
-    """The unfused calls of a narrow fused call: float16 tokens widened, rotary, the rows rounded to the pages'
-    type as a paged plane's write rounds them, page_write, paged_attention, its result rounded to out's type."""
-    b, n, d = q.shape[0], q.shape[1], k.shape[2] // hkv
-    hq = q.shape[2] // d
-    p = pos.astype(np.int64)[:, None] + np.arange(n)[None, :]
-    q4, k4 = (np.ascontiguousarray(x).astype(np.float32).reshape(b, n, -1, d) for x in (q, k))
-    if cos is not None:
-        qr, kr = np.empty_like(q4), np.empty_like(k4)
-        K.rotary_embedding(q4, cos, sin, p, False, qr)
-        K.rotary_embedding(k4, cos, sin, p, False, kr)
-        q4, k4 = qr, kr
-    v4 = np.ascontiguousarray(v).reshape(b, n, hkv, d)
-    for new, addr in ((k4, pg.k_addr), (v4, pg.v_addr)):
-        rows = np.ascontiguousarray(new.transpose(0, 2, 1, 3))
-        if kv_dtype == "bfloat16":
-            bits = np.empty(rows.shape, np.uint16)
-            K.f32_to_bf16(np.ascontiguousarray(rows, dtype=np.float32), bits)
-            rows = bits
-        else:
-            rows = rows.astype(np.float16)
-        K.page_write(rows, addr, pg.table, pos.astype(np.int64), BS)
-    res = np.empty((b, hq, n, d), np.float32)
-    K.paged_attention(
-        np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), pg.k_addr, pg.v_addr, pg.table, BS, hkv,
-        (pos + n).astype(np.int32), p.astype(np.int32), 0.25, 0.0, -1, res, kv_dtype=kv_dtype,
-    )  # fmt: skip
-    out.reshape(b, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
-
-
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("rot", [True, False], ids=["rotary", "plain"])
 @pytest.mark.parametrize(
@@ -172,7 +151,7 @@ def test_narrow_tokens_and_pages_equal_unfused_calls_and_twin(n, rot, tokens, kv
     fused = _snapshot(pg)
     _restore(pg, before)
     want = np.full_like(got, np.nan)
-    _narrow_unfused(pg, q, k, v, cos, sin, 2, pos, kv_dtype, want)
+    _unfused(pg, q, k, v, cos, sin, False, 2, pos, 0.25, 0.0, -1, want, kv_dtype)
     np.testing.assert_array_equal(got, want)
     for a, w in zip(fused, _snapshot(pg), strict=True):
         np.testing.assert_array_equal(a, w)
