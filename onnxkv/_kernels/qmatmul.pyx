@@ -220,6 +220,24 @@ def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t b
     return w
 
 
+def nbits_columns(PackedNBits w, int64_t n0, int64_t n1) -> PackedNBits:
+    """Columns [n0, n1) of ``w`` as a PackedNBits over the same arrays (read-only views, no copy; they keep
+    ``w``'s memory alive).  n0 must start a panel (a multiple of 16) and 0 <= n0 < n1 <= w.N.  A product with
+    the result computes each column as the product with ``w`` computes it (panels are independent), so its
+    values are those columns of ``w``'s product bit for bit.  Raises ValueError naming the bad bound."""
+    if not (0 <= n0 < n1 <= w.N) or n0 % 16:
+        raise ValueError(f"nbits_columns: columns [{n0}, {n1}) of a weight of N={w.N}: expected "
+                         f"0 <= n0 < n1 <= N with n0 a multiple of 16")
+    cdef int64_t p0 = n0 // 16, p1 = (n1 + 15) // 16
+    cdef PackedNBits v = PackedNBits.__new__(PackedNBits)
+    v.K, v.N, v.bits, v.block_size, v.nblk, v.P = w.K, n1 - n0, w.bits, w.block_size, w.nblk, p1 - p0
+    v.qw, v.sc = w.qw[p0:p1], w.sc[p0:p1]
+    v.zp = None if w.zp is None else w.zp[p0:p1]
+    v.lut, v.zconst = w.lut, w.zconst
+    _set_base(v)
+    return v
+
+
 cdef void _set_base(PackedNBits w):
     cdef const uint8_t[:, :, ::1] qv = w.qw
     cdef const float[:, :, ::1] sv = w.sc

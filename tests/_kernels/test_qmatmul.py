@@ -12,6 +12,7 @@ from onnxkv._kernels.qmatmul import (
     dequantize_nbits,
     int8_path,
     matmul_nbits,
+    nbits_columns,
     pack_nbits,
     quantize_rows,
 )
@@ -141,6 +142,38 @@ def test_prefill_rows(path, threads, M, bits):
     matmul_nbits(x, w, got, bias, int8=False)
     R.matmul_nbits_f32(x, w, want, bias)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("M", [1, 3, DECODE_M + 1, 40])
+@pytest.mark.parametrize("bits,zp_kind,lut", [(4, "uint8", False), (8, "float", False), (4, "none", True)])
+def test_column_views_compute_their_columns_bit_for_bit(path, threads, M, bits, zp_kind, lut):
+    """``nbits_columns`` (the weight of one output of a sibling product): its product equals those columns of
+    the whole weight's product, int8 and float activations, decode and prefill row counts, last panel
+    partial; its arrays are views of the weight's."""
+    rng = np.random.default_rng(M * bits)
+    K_, N, bs = 100, 75, 32
+    B, s, z = make_weight(rng, K_, N, bits, bs, zp_kind)
+    w = pack_nbits(B, s, z, K_, N, bits, bs, lut=_codebook(rng) if lut else None)
+    x = rng.standard_normal((M, K_)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    for int8 in (False,) if lut else (True, False):
+        whole = np.empty((M, N), np.float32)
+        matmul_nbits(x, w, whole, bias, int8=int8)
+        for n0, n1 in ((0, 16), (16, 50), (48, 75), (64, 70), (0, 75)):
+            v = nbits_columns(w, n0, n1)
+            assert (v.N, v.P) == (n1 - n0, -(-n1 // 16) - n0 // 16) and np.shares_memory(v.qw, w.qw)
+            got = np.empty((M, n1 - n0), np.float32)
+            matmul_nbits(x, v, got, bias[n0:n1], int8=int8)
+            np.testing.assert_array_equal(got, whole[:, n0:n1])
+
+
+def test_column_views_refuse_bounds_off_a_panel_or_outside_the_weight():
+    rng = np.random.default_rng(0)
+    B, s, z = make_weight(rng, 64, 40, 4, 32, "none")
+    w = pack_nbits(B, s, z, 64, 40, 4, 32)
+    for n0, n1 in ((8, 24), (0, 41), (16, 16), (-16, 8), (32, 20)):
+        with pytest.raises(ValueError, match=rf"nbits_columns: columns \[{n0}, {n1}\) of a weight of N=40"):
+            nbits_columns(w, n0, n1)
 
 
 def _extreme_8bit(rng, K_, N, bs):

@@ -346,22 +346,31 @@ def test_a_paged_replay_refuses_a_bad_page_address_before_anything_runs():
 
 
 @pytest.mark.parametrize("accuracy_level", [4, 0], ids=["int8-activations", "float-activations"])
-def test_block_quantized_products_replay_with_the_node_by_node_results(tmp_path, accuracy_level):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_block_quantized_products_replay_with_the_node_by_node_results(tmp_path, accuracy_level, batch):
+    """Every node of the decode step replays, at one row and at several rows of a paged state (sibling products
+    then one kernel call per output)."""
     path = tmp_path / "int4.onnx"
     onnxkv.quantize_weights(build_model("gqa", MICRO, seed=15), path, bits=4, accuracy_level=accuracy_level)
-    kinds = _replays_equal_node_by_node(path, seed=6)
+    cache = CacheConfig("contiguous") if batch == 1 else CacheConfig("paged", block_size=4)
+    kinds = _replays_equal_node_by_node(path, seed=6, batch=batch, cache=cache)
     assert {"MatMulNBits", "SiblingMatMulNBits"} & kinds and "GroupQueryAttention" in kinds
+    session = onnxkv.Session(path, threads=1)
+    with session.new_state(cache=cache) as state:
+        _steps(session, state, np.ones((batch, 5), np.int64), np.ones((2, batch), np.int64))
+    (step,) = session.plan.steps.idle
+    assert step.compiled_nodes == len(session.plan._steps)
 
 
-def _replays_equal_node_by_node(path, seed: int) -> set[str]:
-    """A prompt and 6 tokens through a state of the model at ``path``, node by node and replayed: equal bit for
-    bit.  Returns the operators the compiled step recorded."""
+def _replays_equal_node_by_node(path, seed: int, batch: int = 1, cache: CacheConfig | None = None) -> set[str]:
+    """A prompt and 6 tokens of ``batch`` rows through a state (``cache``) of the model at ``path``, node by
+    node and replayed: equal bit for bit.  Returns the operators the compiled step recorded."""
     rng = np.random.default_rng(seed)
-    prompt, tokens = rng.integers(1, MICRO.vocab_size, (1, 5)), rng.integers(1, MICRO.vocab_size, (6, 1))
+    prompt, tokens = rng.integers(1, MICRO.vocab_size, (batch, 5)), rng.integers(1, MICRO.vocab_size, (6, batch))
     runs = {}
     for compiled in (False, True):
         session = onnxkv.Session(path, threads=1, compiled_steps=compiled)
-        with session.new_state() as state:
+        with session.new_state(cache=cache) as state:
             runs[compiled] = _steps(session, state, prompt, tokens)
     _assert_equal_runs(runs)
     return _compiled_kinds(session)

@@ -27,8 +27,7 @@ PYTHON = {
     "gqa": {"GroupQueryAttention"},
     "concat": {"MaskedAttention", "ViewChain"},
     "attention": {"Attention23", "RotaryEmbedding23"},
-    # the norms whose products are sibling MatMulNBits: those replay one row only (float32 as well)
-    "q4f16": {"GroupQueryAttention", "PrologueMatMul"},
+    "q4f16": {"GroupQueryAttention"},
 }
 MASK_NODES = {"ShapeOf", "Range", "Sub", "LessOrEqual", "Cast", "And", "Where", "Unsqueeze", "Equal", "Expand"}
 
@@ -85,7 +84,7 @@ def test_float16_decode_steps_replay_bit_for_bit(model, threads):
 
 #: Per graph form, the operators a one-row decode step keeps in Python: the attention of the Concat and
 #: GroupQueryAttention forms replays too (the fused decode call; the masked kernel, its mask all zeros).
-PYTHON_ONE_ROW = {"gqa": set(), "concat": set(), "attention": PYTHON["attention"], "q4f16": {"PrologueMatMul"}}
+PYTHON_ONE_ROW = {"gqa": set(), "concat": set(), "attention": PYTHON["attention"], "q4f16": set()}
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -20,9 +20,15 @@ from onnxkv.plan.plan import Plan
 ort = pytest.importorskip("onnxruntime")
 
 
-def sibling_model(level=4, norm=False):
+MEMBERS = ((64, 32, False), (24, 32, True), (24, 32, False), (40, 64, False))
+#: The second member 32 wide: every fused output starts on a panel (16 columns), the last ends inside one.
+ALIGNED = ((64, 32, False), (32, 32, True), (24, 32, False), (40, 64, False))
+
+
+def sibling_model(level=4, norm=False, members=MEMBERS):
     """Four MatMulNBits reading x (or, with ``norm``, an RMS norm of x): three of one layout (q/k/v-like:
-    different N, one with a bias, uint8 zero points) that fuse, and one of another block size that does not."""
+    different N, one with a bias, uint8 zero points) that fuse, and one of another block size that does not
+    (``members``: N, block size and bias of each)."""
     rng = np.random.default_rng(11)
     K, nodes, inits, outs = 128, [], [], []
     a = "x"
@@ -32,7 +38,7 @@ def sibling_model(level=4, norm=False):
         nodes.append(
             helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["h"], name="norm", epsilon=1e-5, axis=-1)
         )
-    for i, (N, bs, bias) in enumerate(((64, 32, False), (24, 32, True), (24, 32, False), (40, 64, False))):
+    for i, (N, bs, bias) in enumerate(members):
         B, s, z = make_weight(rng, K, N, 4, bs, "uint8")
         names = [f"B{i}", f"s{i}", f"z{i}"] + ([f"b{i}"] if bias else [])
         inits += [
@@ -77,18 +83,23 @@ def _products(plan):
 
 @pytest.mark.parametrize("level", [0, 4])
 @pytest.mark.parametrize("norm", [False, True])
-def test_siblings_fuse_into_one_product(level, norm):
-    model = sibling_model(level, norm)
+@pytest.mark.parametrize("members", [MEMBERS, ALIGNED], ids=["copies", "per-output"])
+def test_siblings_fuse_into_one_product(level, norm, members):
+    """Outputs equal the separate nodes' bit for bit at 1 row (views of one product) and at several: copies
+    of the one product's columns, or with every output on a panel boundary one product per output."""
+    model = sibling_model(level, norm, members)
     s = Session(model, threads=2)
     fused = [k for k in _products(s.plan) if isinstance(k, SiblingMatMulNBits)]
-    assert len(fused) == 1 and fused[0].bounds == [(0, 64), (64, 88), (88, 112)]
+    n0, n1 = members[0][0], members[0][0] + members[1][0]
+    assert len(fused) == 1 and fused[0].bounds == [(0, n0), (n0, n1), (n1, n1 + 24)]
+    assert (fused[0].members is not None) == (members is ALIGNED)
     assert sum(type(k) is MatMulNBits for k in _products(s.plan)) == 1
     # with a norm before them, the norm joins the sibling product (the other reader keeps the norm's output)
     assert sum(isinstance(k, PrologueMatMul) for k in s.plan.kernels) == 0
     unfused = Plan(model, SystemAllocator(), fuse=False)
     assert not any(isinstance(k, SiblingMatMulNBits) for k in unfused.kernels)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    for rows in (1, 4, 20):
+    for rows in (1, 4, 20, 70):
         x = np.random.default_rng(rows).standard_normal((1, rows, 128)).astype(np.float32)
         got = s.run({"x": x})
         h = x

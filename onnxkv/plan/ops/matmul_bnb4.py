@@ -144,7 +144,7 @@ class SiblingMatMulBnb4(SiblingMatMulNBits, MatMulBnb4):
     per member; outputs Y_i = A @ W_i, as the MatMulBnb4 nodes it replaces, from one kernel call on the
     members' weights packed side by side (run as SiblingMatMulNBits runs, which comes first in its bases).
 
-    Attributes: weight (the packed concatenation), bounds ((start, end) columns of each output).
+    Attributes: weight (the packed concatenation), bounds and members (as SiblingMatMulNBits has them).
     """
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
@@ -169,6 +169,5 @@ class SiblingMatMulBnb4(SiblingMatMulNBits, MatMulBnb4):
             raise self.error("every member needs B and absmax")
         self._pack_members(members, ns)
         self._bias = None
-        ends = np.cumsum(ns).tolist()
-        self.bounds = list(zip([0, *ends[:-1]], ends))
+        self._outputs(ns)
         self.absorbed_inputs = tuple(range(1, len(node.input)))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from onnxkv._kernels.qmatmul import DECODE_M, matmul_nbits, pack_nbits
+from onnxkv._kernels.qmatmul import DECODE_M, matmul_nbits, nbits_columns, pack_nbits
 from onnxkv.plan.constant_data import release_pages
 from onnxkv.plan.ops._util import round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -215,9 +215,14 @@ class SiblingMatMulNBits(MatMulNBits):
     attributes those of MatMulNBits with ``N`` one int per member; outputs Y_i = A @ W_i (+ bias_i), as the
     MatMulNBits nodes it replaces.  The members' weights are concatenated along N and packed once, so A is
     quantized once and one kernel call covers them all.  A single row returns the outputs as views of
-    the one product; several rows get contiguous copies.
+    the one product.  Several rows (a beam search step, a speculative verification, a prompt chunk) take one
+    product per output when every output starts on a panel boundary (``members``: each output's columns of
+    the packed weight, views of it; A is quantized once per product, and each column is computed as the one
+    product computes it, which is what the separate nodes compute), otherwise contiguous copies of the column
+    blocks of the one product.
 
-    Attributes: weight (the packed concatenation), bounds ((start, end) columns of each output).
+    Attributes: weight (the packed concatenation), bounds ((start, end) columns of each output), members
+    (per output: its PackedNBits columns and bias, or None when an output starts inside a panel).
     """
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
@@ -257,16 +262,35 @@ class SiblingMatMulNBits(MatMulNBits):
                 [np.zeros(n, np.float32) if m[3] is None else m[3].astype(np.float32) for m, n in zip(members, ns)]
             )
         )
-        ends = np.cumsum(ns).tolist()
-        self.bounds = list(zip([0, *ends[:-1]], ends))
+        self._outputs(ns)
         self.absorbed_inputs = tuple(i for i in range(1, len(node.input)) if node.input[i])
 
+    def _outputs(self, ns: list[int]) -> None:
+        """``bounds`` and ``members`` of outputs ``ns`` columns wide (``weight`` and ``_bias`` set)."""
+        ends = np.cumsum(ns).tolist()
+        self.bounds = list(zip([0, *ends[:-1]], ends))
+        self.members = (
+            [
+                (nbits_columns(self.weight, n0, n1), None if self._bias is None else self._bias[n0:n1])
+                for n0, n1 in self.bounds
+            ]
+            if all(n0 % 16 == 0 for n0, _ in self.bounds)
+            else None
+        )
+
     def compilable(self, inputs: list) -> bool:
-        """One kernel call and one row (the outputs are views of the product, no copies)."""
-        return self._one_call(inputs[0]) and inputs[0].size == self.k
+        """One row (one kernel call; float32 outputs are views of its product, float16 ones rounded from its
+        columns), or several with ``members`` (one call per output into the output, and a float16 A's
+        widening and each output's rounding)."""
+        return self._one_call(inputs[0]) and (inputs[0].size == self.k or self.members is not None)
 
     def run(self, inputs: list, rt) -> tuple:
         a = inputs[0]
+        if a.dtype in _FLOATS and a.ndim and a.shape[-1] == self.k and a.size:
+            if a.size > self.k and self.members is not None:
+                return self._per_member(a, rt)
+            if a.size == self.k and a.dtype == np.float16:
+                return self._one_row_rounded(a, rt)
         full = self._product(a, self._bias, None, rt)
         lead, rows = a.shape[:-1], full.shape[0]
         if rows == 1:
@@ -280,3 +304,34 @@ class SiblingMatMulNBits(MatMulNBits):
         if a.dtype == np.float32:
             return tuple(outs)
         return tuple(round_into(np.empty(y.shape, np.float16), np.ascontiguousarray(y)) for y in outs)
+
+    def _one_row_rounded(self, a: np.ndarray, rt) -> tuple:
+        """One float16 row: one product into a scratch row, each output rounded from its columns."""
+        wide, lead = rt.scratch((1, self.n), np.float32), a.shape[:-1]
+        self._product(a, self._bias, wide, rt)
+        outs = tuple(
+            round_into(rt.empty(i, lead + (n1 - n0,), np.float16), wide[:, n0:n1].reshape(lead + (n1 - n0,)))
+            for i, (n0, n1) in enumerate(self.bounds)
+        )
+        rt.unscratch(wide)
+        return outs
+
+    def _per_member(self, a: np.ndarray, rt) -> tuple:
+        """Several rows: one product per output, into the output (float32 A) or into a scratch product
+        rounded into it (float16 A, widened once)."""
+        half = a.dtype == np.float16
+        x = widened(a, rt) if half else np.ascontiguousarray(a)
+        x = x.reshape(-1, self.k)
+        lead, outs = a.shape[:-1], []
+        for i, ((n0, n1), (weight, bias)) in enumerate(zip(self.bounds, self.members, strict=True)):
+            shape = lead + (n1 - n0,)
+            o = rt.scratch(shape, np.float32) if half else rt.empty(i, shape, np.float32)
+            matmul_nbits(x, weight, o.reshape(x.shape[0], n1 - n0), bias, int8=self.int8)
+            if half:
+                outs.append(round_into(rt.empty(i, shape, np.float16), o))
+                rt.unscratch(o)
+            else:
+                outs.append(o)
+        if half:
+            rt.unscratch(x)
+        return tuple(outs)
