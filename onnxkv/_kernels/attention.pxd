@@ -9,7 +9,8 @@ cdef int decode_token_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
                           int kv_type) noexcept nogil
 cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
                           int64_t bs, const int32_t *last, int64_t B, int64_t S, int64_t rows,
-                          int64_t window) noexcept nogil
+                          int64_t window, const void *const *spans, const size_t *span_bytes, int nspans,
+                          size_t page_bytes) noexcept nogil
 cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
                           const float *cos, const float *sin, int64_t half, int inter, const uint64_t *kp,
                           const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *last,

@@ -26,7 +26,8 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
                  row's table names them
     pos          int32 [B]: each row's first new position (its length before the tokens), 0 <= pos[b] and
                  pos[b] + S <= M * block_size
-    out          [B, S, Hq * D] of q's type, C-contiguous, disjoint from q, k, v and every page
+    out          [B, S, Hq * D] of q's type, C-contiguous, disjoint from q, k, v and every page (q, k and v
+                 disjoint from every page the call touches too)
     kv_heads, block_size: ints >= 1; scale, softcap, window as ``attention``.
 
     Writes the pages' rows at those positions and ``out`` only; the result is bit for bit that of
@@ -111,8 +112,17 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
             and _disjoint(op, onb, tok[1], <size_t>((B * S - 1) * ks + Hkv * D) * isz)
             and _disjoint(op, onb, tok[2], <size_t>((B * S - 1) * vs + Hkv * D) * isz)):
         return None
-    # every position, written page and read table entry checked before anything is written
-    if not decode_paged_ok(&kp[0], &vp[0], P, &tv[0, 0], M, bs, &lv[0], B, S, cv.shape[0] if rot else -1, window):
+    # every position, written page and read table entry checked before anything is written, and every page
+    # the call touches disjoint from the tokens and out
+    cdef const void *spans[4]
+    cdef size_t span_bytes[4]
+    spans[0], spans[1], spans[2], spans[3] = tok[0], tok[1], tok[2], op
+    span_bytes[0] = <size_t>((B * S - 1) * qs + Hq * D) * isz
+    span_bytes[1] = <size_t>((B * S - 1) * ks + Hkv * D) * isz
+    span_bytes[2] = <size_t>((B * S - 1) * vs + Hkv * D) * isz
+    span_bytes[3] = onb
+    if not decode_paged_ok(&kp[0], &vp[0], P, &tv[0, 0], M, bs, &lv[0], B, S, cv.shape[0] if rot else -1, window,
+                           spans, span_bytes, 4, <size_t>(Hkv * bs * D) * (4 if kv_type == OKV_KV_F32 else 2)):
         return None
     cdef int64_t stats[2]
     cdef float fscale = scale, fsoftcap = softcap
@@ -129,13 +139,17 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
 
 cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
                           int64_t bs, const int32_t *last, int64_t B, int64_t S, int64_t rows,
-                          int64_t window) noexcept nogil:
+                          int64_t window, const void *const *spans, const size_t *span_bytes, int nspans,
+                          size_t page_bytes) noexcept nogil:
     """Whether :func:`decode_paged_ptr` may run on these values of a replay: ``S >= 1``; for every row, its
     positions ``last[b] - S + 1 .. last[b]`` in ``[0, M * bs)`` and below ``rows`` (the rotary table's rows;
     ``rows`` < 0: no rotary), and every table entry the call writes or reads (row ``b``'s blocks from its
     first query's window start to ``last[b]``) a page in ``[0, P)`` with nonzero, 64-byte aligned K and V
-    addresses -- what ``decode_token_paged`` checks."""
-    cdef int64_t b, p, first, lo, i
+    addresses, whose ``page_bytes`` at each address are disjoint from the ``nspans`` memory ranges ``spans``
+    / ``span_bytes`` (the tokens and out of a call from Python; a replay's are step memory, which no page
+    is) -- what ``decode_token_paged`` checks."""
+    cdef int64_t b, p, first, lo, i, page
+    cdef int j
     if S < 1:
         return False
     for b in range(B):
@@ -147,8 +161,13 @@ cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, con
         if lo < 0:
             lo = 0
         for i in range(lo // bs, p // bs + 1):
-            if not _page_at(tables[b * M + i], kp, vp, P):
+            page = tables[b * M + i]
+            if not _page_at(page, kp, vp, P):
                 return False
+            for j in range(nspans):
+                if not (_disjoint(<const void *>kp[page], page_bytes, spans[j], span_bytes[j])
+                        and _disjoint(<const void *>vp[page], page_bytes, spans[j], span_bytes[j])):
+                    return False
     return True
 
 

@@ -36,8 +36,9 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t pos, 
     kv_len = [pos + S] and q_pos = [[pos, .., pos + S - 1]] (the same kernels,
     row functions and thread split), its float32 result rounded to float16 for
     float16 tokens (NaN payloads aside).  Returns True when done; False, with
-    nothing written, when an argument does not fit that description or out
-    overlaps another argument (or k, v a cache) -- the caller then takes the
+    nothing written, when an argument does not fit that description, out
+    overlaps another argument or a cache overlaps the other or q, k, v, cos,
+    sin -- the caller then takes the
     unfused calls, whose checks name the bad argument.  (One call per layer per
     decode step: every check is at C speed.)
     """
@@ -83,7 +84,8 @@ cdef bint _decode_f32(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64_t 
     if not _token_geometry(qv.shape, qv.strides, kv.shape, kv.strides, vv.shape, vv.strides, kc.shape, vc.shape,
                            ov.shape, rd, rot, 4, pos, g) \
             or not _token_disjoint(&qv[0, 0, 0], &kv[0, 0, 0], &vv[0, 0, 0], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0],
-                                   &ov[0, 0, 0], g, 4, 4):
+                                   &ov[0, 0, 0], &cv[0, 0] if rot else NULL, &sv[0, 0] if rot else NULL,
+                                   <size_t>(rd[0] * rd[1]) * 4 if rot else 0, g, 4, 4):
         return False
     if decode_token_ptr(&qv[0, 0, 0], g[6], &kv[0, 0, 0], g[7], &vv[0, 0, 0], g[8], &cv[0, 0] if rot else NULL,
                         &sv[0, 0] if rot else NULL, g[5], 1 if interleaved else 0, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0],
@@ -130,8 +132,9 @@ cdef bint _decode_narrow(q, k, v, cos, sin, interleaved, k_cache, v_cache, int64
         rd[0], rd[1], rd[2], rd[3] = cv.shape[0], cv.shape[1], sv.shape[0], sv.shape[1]
     if not _token_geometry(sh[0], st[0], sh[1], st[1], sh[2], st[2], kc.shape, vc.shape, sh[3], rd, rot,
                            2 if io16 else 4, pos, g) \
-            or not _token_disjoint(tok[0], tok[1], tok[2], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], tok[3], g,
-                                   2 if io16 else 4, 2):
+            or not _token_disjoint(tok[0], tok[1], tok[2], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], tok[3],
+                                   &cv[0, 0] if rot else NULL, &sv[0, 0] if rot else NULL,
+                                   <size_t>(rd[0] * rd[1]) * 4 if rot else 0, g, 2 if io16 else 4, 2):
         return False
     if decode_token_ptr(tok[0], g[6], tok[1], g[7], tok[2], g[8], &cv[0, 0] if rot else NULL,
                         &sv[0, 0] if rot else NULL, g[5], 1 if interleaved else 0, &kc[0, 0, 0, 0], &vc[0, 0, 0, 0],
@@ -210,17 +213,28 @@ cdef bint _token_geometry(const Py_ssize_t *qd, const Py_ssize_t *qst, const Py_
 
 
 cdef bint _token_disjoint(const void *q, const void *k, const void *v, const void *kc, const void *vc,
-                          const void *o, const int64_t *g, int64_t isz, int64_t csz) noexcept nogil:
-    """Whether out is disjoint from q and the caches, the caches from each other and from k and v (g as
+                          const void *o, const void *cs, const void *sn, size_t tnb, const int64_t *g, int64_t isz,
+                          int64_t csz) noexcept nogil:
+    """Whether the caches (written) are disjoint from each other and from every operand the call reads (q, k,
+    v, the rotary tables cs and sn of ``tnb`` bytes each, or NULL), and out (written) from all of those (g as
     ``_token_geometry`` fills it; isz, csz: the bytes of a token's and of a cache's element)."""
     cdef int64_t Hq = g[0], Hkv = g[1], Cap = g[2], D = g[3], S = g[4]
     cdef size_t qnb = <size_t>((S - 1) * g[6] + Hq * D) * isz, onb = <size_t>(S * Hq * D) * isz
     cdef size_t knb = <size_t>((S - 1) * g[7] + Hkv * D) * isz
     cdef size_t vnb = <size_t>((S - 1) * g[8] + Hkv * D) * isz
     cdef size_t cnb = <size_t>(Hkv * Cap * D) * csz
-    return (_disjoint(o, onb, q, qnb) and _disjoint(o, onb, kc, cnb) and _disjoint(o, onb, vc, cnb)
-            and _disjoint(kc, cnb, vc, cnb) and _disjoint(k, knb, kc, cnb) and _disjoint(v, vnb, vc, cnb)
-            and _disjoint(k, knb, vc, cnb) and _disjoint(v, vnb, kc, cnb))
+    cdef const void *read[5]
+    cdef size_t nb[5]
+    cdef int j, n = 5 if cs != NULL else 3
+    read[0], read[1], read[2], read[3], read[4] = q, k, v, cs, sn
+    nb[0], nb[1], nb[2], nb[3], nb[4] = qnb, knb, vnb, tnb, tnb
+    if not (_disjoint(kc, cnb, vc, cnb) and _disjoint(o, onb, kc, cnb) and _disjoint(o, onb, vc, cnb)):
+        return False
+    for j in range(n):
+        if not (_disjoint(read[j], nb[j], kc, cnb) and _disjoint(read[j], nb[j], vc, cnb)
+                and _disjoint(read[j], nb[j], o, onb)):
+            return False
+    return True
 
 
 cdef int decode_token_ptr(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
@@ -232,7 +246,7 @@ cdef int decode_token_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
     elements apart], k, v [S rows of Hkv*D, ``ks`` / ``vs`` apart], out [S, Hq*D] contiguous, all float32, or
     float16 when ``io16``; caches [Hkv, Cap, D] of ``kv_type`` (OKV_KV_F32 only with float32 tokens); cos, sin
     [>= pos + S, half] float32 tables or NULL (no rotary); 0 <= pos, pos + S <= Cap, Hq % Hkv == 0, 2*half <= D,
-    out disjoint from the others and the caches from each other and from k, v.  Returns 0, or -1 (nothing
+    out disjoint from the others, the caches from each other and from q, k, v, cos and sin.  Returns 0, or -1 (nothing
     written) when memory cannot be allocated."""
     cdef int64_t h, t, p, isz = 2 if io16 else 4, esz = 4 if kv_type == OKV_KV_F32 else 2
     cdef int rot = cos != NULL, i

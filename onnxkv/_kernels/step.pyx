@@ -438,7 +438,7 @@ cdef inline bint _paged_admitted(const call_t *c) noexcept nogil:
         return False
     return decode_paged_ok(<const uint64_t *>c.p[5] + c.i[9] * P, <const uint64_t *>c.p[5] + c.i[10] * P, P,
                            <const int32_t *>c.p[6], c.i[RAGGED_M], c.i[3], seqlens, B, S,
-                           c.i[7] if c.p[3] != NULL else -1, c.i[6])
+                           c.i[7] if c.p[3] != NULL else -1, c.i[6], NULL, NULL, 0, 0)
 
 
 cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:

@@ -184,6 +184,7 @@ def test_declines_what_it_does_not_take_and_writes_nothing():
     rng = np.random.default_rng(12)
     q, k, v, cos, sin, kc, vc = _case(rng, 8, 2, 64, 16, 32)
     out = rand(rng, (1, 1, 8 * 64))
+    shared = rand(rng, (1, 1, 8 * 64))
 
     def call(**change):
         a = dict(
@@ -220,6 +221,9 @@ def test_declines_what_it_does_not_take_and_writes_nothing():
         dict(k_cache=np.asfortranarray(kc)),  # not C-contiguous
         dict(out=out.astype(np.float64)),
         dict(out=kc.reshape(-1)[: 8 * 64].reshape(1, 1, -1)),  # out in the cache
+        dict(q=kc.reshape(-1)[3 * 64 : 11 * 64].reshape(1, 1, -1)),  # q in the cache (the row written first)
+        dict(cos=vc.reshape(-1)[: cos.size].reshape(cos.shape)),  # a rotary table in a cache
+        dict(k=shared[..., : 2 * 64], out=shared),  # out over k
         dict(scale=np.float32(0.125)),
         dict(softcap=-1.0),
         dict(window=-2),

@@ -233,6 +233,26 @@ def test_declines_what_it_does_not_take():
         _declined(pg, {**base, **change}, case)
     alias = base["out"]
     _declined(pg, {**base, "q": alias, "out": alias}, "out is q")
+    # a page the call reads (row 0's first block) or writes (row 1's block of position 20) inside out or q
+    page_bytes = pg.k_pages[0].nbytes
+    for case, plane, block, arg in (
+        ("out over a value page read", "v", (0, 0), "out"),
+        ("out over a key page written", "k", (1, 20 // BS), "out"),
+        ("q over a key page written", "k", (1, 20 // BS), "q"),
+    ):
+        buf = _aligned(max(page_bytes, base[arg].nbytes))
+        buf[...] = 7.0
+        view = buf[: base[arg].size].reshape(base[arg].shape)
+        addr = (pg.k_addr if plane == "k" else pg.v_addr).copy()
+        addr[pg.table[block]] = buf.ctypes.data
+        _declined(pg, {**base, arg: view, f"{plane}_pages": addr}, case)
+        np.testing.assert_array_equal(buf, 7.0)
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """float32 zeros of at least ``nbytes`` on a 64-byte boundary (where a page may start)."""
+    raw = np.zeros(nbytes + 64, np.uint8)
+    return raw[(-raw.ctypes.data) % 64 :][: nbytes // 4 * 4].view(np.float32)
 
 
 def test_long_rows_split_like_paged_attention(threads):
