@@ -143,6 +143,12 @@ cdef class PackedNBits:
     def nbytes(self) -> int:
         return self.qw.nbytes + self.sc.nbytes + sum(0 if a is None else a.nbytes for a in (self.zp, self.lut))
 
+    @property
+    def arrays(self) -> tuple:
+        """The arrays it reads (qw, sc, and zp and lut when present): views of another weight's arrays for a
+        weight ``nbits_columns`` made, so memory counts that follow array bases count them once."""
+        return tuple(a for a in (self.qw, self.sc, self.zp, self.lut) if a is not None)
+
 
 def _panels(a, P, N, fill):
     """[N, nblk] -> [P, nblk, 16] float32, columns past N set to ``fill``."""

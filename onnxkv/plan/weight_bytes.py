@@ -86,7 +86,10 @@ class _Tally:
             return
         nbytes = getattr(type(obj), "nbytes", None)
         if nbytes is not None and not hasattr(obj, "__dict__"):  # a compiled packed weight (its own arrays)
-            if id(obj) not in self.seen:
+            if hasattr(type(obj), "arrays"):  # arrays it may share with another weight: counted by their roots
+                for a in obj.arrays:
+                    self.array(a, "kernels")
+            elif id(obj) not in self.seen:
                 self.seen.add(id(obj))
                 self.bytes["kernels"] += int(obj.nbytes)
             return
