@@ -146,6 +146,8 @@ class CompiledStep:
         self, items: list, buffers: RunBuffers, output_slots: set[int], signature: tuple = (), caches: tuple = ()
     ) -> None:
         self.items = items
+        #: ``items`` with each run of consecutive Python nodes as one ``(first, end)`` range (one loop call).
+        self._runs = _python_ranges(items)
         self.buffers = buffers
         self.stale = False
         self._compiled_nodes = sum(item.end - item.first for item in items if isinstance(item, Segment))
@@ -184,9 +186,9 @@ class CompiledStep:
         through the plain loop too (with ``bufs``); the first marks the step
         stale, the second does not (the next run may replay it).
         """
-        for item in self.items:
-            if type(item) is int:
-                run_nodes(plan, item, item + 1, slots, bufs, rt, cancel)
+        for item in self._runs:
+            if type(item) is tuple:
+                run_nodes(plan, item[0], item[1], slots, bufs, rt, cancel)
                 continue
             if cancel is not None and cancel.cancelled:
                 node = plan.nodes[item.first]
@@ -200,6 +202,21 @@ class CompiledStep:
     def close(self) -> None:
         """Return the step's buffers to the allocator."""
         self.buffers.close()
+
+
+def _python_ranges(items: list) -> list:
+    """``items`` (Python node indices and segments, in order) with each run of consecutive node indices as
+    one ``(first, end)`` tuple."""
+    out: list = []
+    for item in items:
+        if type(item) is int:
+            if out and type(out[-1]) is tuple and out[-1][1] == item:
+                out[-1] = (out[-1][0], item + 1)
+            else:
+                out.append((item, item + 1))
+        else:
+            out.append(item)
+    return out
 
 
 def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBuffers, cancel=None) -> CompiledStep:

@@ -25,9 +25,14 @@ _UNKNOWN = object()
 
 def broadcast_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, ...]:
     """NumPy/ONNX multidirectional broadcast of two shapes (fast when equal)."""
-    if a.shape == b.shape:
-        return a.shape
-    return np.broadcast_shapes(a.shape, b.shape)
+    sa, sb = a.shape, b.shape
+    if sa == sb:
+        return sa
+    if b.size == 1 and len(sb) <= len(sa):  # a scalar operand (a constant, a shape value): a's shape
+        return sa
+    if a.size == 1 and len(sa) <= len(sb):
+        return sb
+    return np.broadcast_shapes(sa, sb)
 
 
 def widened(a: np.ndarray, rt=None) -> np.ndarray:
