@@ -1,7 +1,8 @@
 """Beam-search decode speed and storage: onnxkv (paged) vs copy-per-beam caches (onnxkv-tensor, ONNX Runtime GenAI).
 
 The small GroupQueryAttention model of ``bench_generate.py`` (random weights,
-built into a temporary folder by the same ``build``), one prompt row, k beams
+built into a temporary folder by the same ``build``; ``--weights int4|int8``: its
+MatMuls rewritten to MatMulNBits by ``onnxkv.quantize_weights``), one prompt row, k beams
 (default 4), a fixed number of new tokens (EOS disabled: every engine runs the
 same number of steps).  Engines, each in its own subprocess (peak RSS is its
 own VmHWM), one after the other, with the same thread count:
@@ -25,7 +26,8 @@ bytes, next to the copy-per-beam baseline (``k * cached tokens * bytes per
 token`` gathered every step).
 
 Usage: python benchmarks/bench_beam.py [--threads 2] [--new-tokens 16] [--beams 4]
-       [--prompts 128,1024] [--model small] [--engines onnxkv,onnxkv-tensor,ort-genai] [--out FILE]
+       [--prompts 128,1024] [--model small] [--engines onnxkv,onnxkv-tensor,ort-genai] [--weights fp32|int4|int8]
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, machine, median, run_worker, versions  # noqa: E402
-from bench_generate import build, peak_rss  # noqa: E402
+from bench_generate import build, peak_rss, quantized_copy  # noqa: E402
 
 DEFAULT_ENGINES = "onnxkv,onnxkv-tensor,ort-genai"
 
@@ -139,6 +141,13 @@ def main() -> None:
     ap.add_argument("--prompts", default="128,1024")
     ap.add_argument("--model", default="small", choices=("tiny", "small"))
     ap.add_argument("--engines", default=DEFAULT_ENGINES)
+    ap.add_argument(
+        "--weights",
+        default="fp32",
+        choices=("fp32", "int4", "int8"),
+        help="the model's float32 MatMuls, or rewritten by onnxkv.quantize_weights (MatMulNBits, block 32, "
+        "accuracy_level 4), the file every engine runs",
+    )
     ap.add_argument("--out")
     ap.add_argument(
         "--worker",
@@ -158,9 +167,12 @@ def main() -> None:
         for plen in map(int, args.prompts.split(",")):
             max_length = 2048 if plen + args.new_tokens + 64 <= 2048 else 8192
             folder, vocab = build(Path(tmp), args.model, "gqa", max_length, args.threads)
+            if args.weights != "fp32":
+                folder, _ = quantized_copy(Path(tmp), folder, int(args.weights[3:]))
             entry = {
                 "model": args.model,
                 "graph": "gqa",
+                "weights": args.weights,
                 "prompt": plen,
                 "new_tokens": args.new_tokens,
                 "num_beams": args.beams,
