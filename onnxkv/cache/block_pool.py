@@ -59,6 +59,10 @@ def live_pools() -> list[BlockPool]:
     return list(_pools)
 
 
+#: Native payloads of freed pages each plane of a BlockPool keeps for its next pages by default.
+SPARE_PAGES = 4
+
+
 class BlockPool:
     """Page ids of ``block_size`` tokens for every plane, reference counted.
 
@@ -71,6 +75,11 @@ class BlockPool:
             (``allocators[i]`` is ``allocator.lane(i)``); any other
             allocator serves every plane itself.
         max_pages: at most this many page ids live at once (None: unbounded).
+        spare_pages: native payloads of freed pages each plane keeps for its next pages (default
+            :data:`SPARE_PAGES`; 0: every freed payload goes back to the
+            allocator at once).  A decode step that copies a page on write and frees another (a beam
+            search's) then leases nothing; ``spare_bytes`` counts them, and they go back when the pool
+            holds no page.
 
     ``allocator`` is the pool's allocator (its ``stats`` cover every
     plane).  ``payloads`` owns every page's payloads; the pool answers for
@@ -87,7 +96,12 @@ class BlockPool:
     """
 
     def __init__(
-        self, planes: list[PlaneSpec], block_size: int = 16, allocator=None, max_pages: int | None = None
+        self,
+        planes: list[PlaneSpec],
+        block_size: int = 16,
+        allocator=None,
+        max_pages: int | None = None,
+        spare_pages: int = SPARE_PAGES,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
             raise InputError(f"BlockPool: block_size must be a positive int, got {block_size!r}")
@@ -97,10 +111,12 @@ class BlockPool:
             raise InputError(f"BlockPool: max_pages must be None or a positive int, got {max_pages!r}")
         if not planes:
             raise InputError("BlockPool: at least one plane is needed")
+        if isinstance(spare_pages, bool) or not isinstance(spare_pages, (int, np.integer)) or spare_pages < 0:
+            raise InputError(f"BlockPool: spare_pages must be an int >= 0, got {spare_pages!r}")
         self._lock = threading.RLock()
         self.block_size = int(block_size)
         self.allocator = SlabAllocator() if allocator is None else as_allocator(allocator)
-        self.payloads = PlanePayloads(planes, self.block_size, self.allocator, self._lock)
+        self.payloads = PlanePayloads(planes, self.block_size, self.allocator, self._lock, spare_pages=int(spare_pages))
         self.planes = self.payloads.planes
         self.plane_index = {p.name: i for i, p in enumerate(self.planes)}
         self.max_pages = None if max_pages is None else int(max_pages)
@@ -122,6 +138,12 @@ class BlockPool:
     @property
     def live_pages(self) -> int:
         return self.core.live_pages
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the spare payloads the planes keep (leased from the allocator, held by no page)."""
+        with self._lock:
+            return self.payloads.spares.nbytes
 
     @property
     def free_pages(self) -> int:
@@ -153,8 +175,9 @@ class BlockPool:
     def allocate(self, n: int) -> np.ndarray:
         """Hand out ``n`` fresh page ids (one reference each), native payloads allocated.
 
-        Every payload is leased through :func:`onnxkv.alloc.checked.lease`
-        (checked before anything writes to it).  Raises
+        Every payload is a spare of a freed page (:class:`PlanePayloads`) or
+        leased through :func:`onnxkv.alloc.checked.lease` (checked before
+        anything writes to it); its bytes are not cleared.  Raises
         :class:`~onnxkv.errors.OutOfMemory` (too few free ids, the allocator
         failed) or :class:`~onnxkv.errors.InputError` (the allocator returned
         a buffer that breaks its contract) with nothing changed.
@@ -184,7 +207,8 @@ class BlockPool:
             self.core.incref(ids)
 
     def decref(self, ids: np.ndarray) -> int:
-        """Drop one reference per id >= 0; free payloads reaching 0; return pages freed.
+        """Drop one reference per id >= 0; free payloads reaching 0 (a few native ones stay spares for the
+        next pages, until the pool holds no page); return pages freed.
 
         The pool forgets the freed pages first, then frees their payloads: a
         ``free`` that raises is logged and the rest are still freed (the
@@ -195,6 +219,8 @@ class BlockPool:
             self.payloads.end_batch()
             freed = self.core.decref(ids)
             bufs = self.payloads.forget_pages(freed)
+            if not self.core.live_pages:  # nothing left: the spare payloads go back too
+                bufs += self.payloads.spares.drop()
         release(self.allocator, bufs, "BlockPool")
         return len(freed)
 

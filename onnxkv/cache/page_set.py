@@ -137,7 +137,7 @@ def _release_payloads(key: int, payloads: PlanePayloads) -> None:
     with _lock:
         _handles.pop(key, None)
     pages = np.arange(payloads.ptrs.shape[1])
-    release(payloads.allocator, payloads.forget_pages(pages), "PageSet")
+    release(payloads.allocator, payloads.forget_pages(pages, keep=False), "PageSet")
 
 
 class PageSet:

@@ -43,6 +43,7 @@ from onnxkv.alloc import SlabAllocator
 from onnxkv.alloc.checked import forget, lease, release
 from onnxkv.cache import formats
 from onnxkv.cache.contiguous import stored_to_float32
+from onnxkv.cache.spare_payloads import SparePayloads
 from onnxkv.errors import InputError, StateError
 
 __all__ = ["PlaneSpec", "PageParams", "PlanePayloads", "STORAGE", "NATIVE_CODE", "float_view", "payload_values"]
@@ -171,8 +172,8 @@ class PlanePayloads:
             payload.
         lock: the owner's lock (re-entrant), taken around every record change.
         owner: the owner's name, leading error messages.
-        labels: per plane, what an allocation error names (default
-            ``"{owner}: plane '{name}'"``).
+        labels: per plane, what an allocation error names (default ``"{owner}: plane '{name}'"``).
+        spare_pages: native payloads of freed pages each plane keeps (:mod:`~onnxkv.cache.spare_payloads`).
 
     Records, by plane ``i`` and page id (grown by :meth:`grow`):
     ``pages[i][p]`` the payload array (None: free or lent), ``ptrs[i, p]``
@@ -192,6 +193,7 @@ class PlanePayloads:
         lock: threading.RLock,
         owner: str = "BlockPool",
         labels: list[str] | None = None,
+        spare_pages: int = 0,
     ) -> None:
         for p in planes:
             p.check(owner)
@@ -215,6 +217,8 @@ class PlanePayloads:
         self.sizes = np.zeros((n, 0), np.int64)
         #: id(buffer) -> buffer of each payload build_payload handed out and nobody installed or discarded yet.
         self._built: dict[int, object] = {}
+        #: Native payloads of freed pages kept for the next pages (``spare_pages`` per plane).
+        self.spares = SparePayloads([(p.dtype, (p.heads, self.block_size, p.head_size)) for p in planes], spare_pages)
 
     # -- records ---------------------------------------------------------------
     def grow(self, capacity: int) -> None:
@@ -254,7 +258,7 @@ class PlanePayloads:
         return int(self.sizes[:, u].sum())
 
     def lease_pages(self, ids: np.ndarray) -> None:
-        """Give each new page id of ``ids`` a native payload in every plane, leased and checked
+        """Give each new page id of ``ids`` a native payload in every plane, a spare or leased and checked
         (:func:`onnxkv.alloc.checked.lease`); on an error none is kept (they are freed) and it is raised.
 
         The undo allocates nothing in proportion to ``ids`` (it runs when memory has run out: each payload
@@ -273,15 +277,22 @@ class PlanePayloads:
                     release(self.allocator, (self._forget(i, int(ids[j])),), self.owner)
             raise
 
-    def forget_pages(self, ids: np.ndarray) -> list:
+    def forget_pages(self, ids: np.ndarray, keep: bool = True) -> list:
         """Clear the records of freed page ids ``ids`` in every plane; return their buffers (for the caller
-        to free, after its lock)."""
-        return [self._forget(i, p) for p in ids.tolist() for i in range(len(self.planes))]
+        to free, after its lock), but for the native payloads ``spares`` keeps (``keep``)."""
+        out = []
+        for p in ids.tolist():
+            for i, spec in enumerate(self.planes):
+                buf, arr, code, _ = self.swap(i, p, None, None, NATIVE_CODE[spec.storage])
+                if not (keep and code == NATIVE_CODE[spec.storage] and self.spares.keep(i, buf, arr)):
+                    out.append(buf)
+        return out
 
     def _lease_native(self, i: int):
-        """(buffer, array [H, bs, D] of the plane's dtype): a native payload of plane ``i``, checked."""
+        """(buffer, array [H, bs, D] of the plane's dtype): a native payload of plane ``i``, a spare (its bytes
+        those of the page it held) or leased and checked."""
         spec = self.planes[i]
-        return lease(
+        return self.spares.take(i) or lease(
             self.allocators[i],
             spec.page_bytes(self.block_size),
             64,
