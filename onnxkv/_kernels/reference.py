@@ -530,6 +530,19 @@ def page_write(new: np.ndarray, pages: list, tables: np.ndarray, starts: np.ndar
             pages[int(tables[b, pos // block_size])][:, pos % block_size] = new[b, :, t]
 
 
+def top_indices(x: np.ndarray, n: int) -> np.ndarray:
+    """Twin of ``sampling.top_indices``: indices of the ``n`` largest entries of every row of ``x`` [R, N]
+    (no NaN, n <= N), best first; ties go to the lower index.  A partition, then a sort of n entries."""
+    out = np.empty((x.shape[0], n), dtype=np.int64)
+    for r in range(x.shape[0]):
+        v = -x[r]
+        kth = np.partition(v, n - 1)[n - 1]
+        better = np.flatnonzero(v < kth)
+        idx = np.concatenate([better, np.flatnonzero(v == kth)[: n - better.size]])
+        out[r] = idx[np.lexsort((idx, v[idx]))]
+    return out
+
+
 def sample(logits, temperature, top_k, top_p, u, probs=None):
     """Twin of ``sampling.sample``: one token per row of ``logits`` [B, V], drawn with ``u`` [B] after
     temperature, top-k and top-p, in float64 NumPy (``probs`` [B, V] receives the filtered probabilities)."""

@@ -1,5 +1,6 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True
-"""Next-token draws: temperature, top-k and top-p (nucleus) sampling of a row of logits, in float64.
+"""Token choice: temperature, top-k and top-p (nucleus) sampling of a row of logits, in float64, and the
+indices of a row's largest entries (``top_indices``: beam search's candidates, at the end).
 
 ``sample(logits, temperature, top_k, top_p, u, probs=None)`` draws one token
 per row of ``logits`` [B, V] (float32 or float64) with the uniform numbers
@@ -35,10 +36,13 @@ import numpy as np
 
 from . import _validate as V
 
-__all__ = ["sample"]
+__all__ = ["sample", "top_indices"]
 
 cdef extern from "sampling_exp.h" nogil:
     void okv_exp_sub_f64(double *x, int64_t n, double m, int level)
+
+cdef extern from "top_indices.h" nogil:
+    void okv_top_row(const float *x, int64_t N, int64_t n, int64_t *idx, float *val, int simd)
 
 
 ctypedef fused real:
@@ -264,4 +268,33 @@ def sample(logits, double temperature, top_k, top_p, u, probs=None):
     finally:
         free(work)
         free(order)
+    return out
+
+
+def top_indices(x, n):
+    """Indices of the ``n`` largest entries of every row of ``x``, best first; equal values in ascending
+    index (of equal values at the boundary, the lower indices).  Returns int64 [R, n].
+
+    x: float32 [R, N], C-contiguous, no NaN; n: an int in [1, N].  One pass per row (top_indices.h), the
+    same indices at every SIMD level as the NumPy twin (``reference.top_indices``).  Raises ValueError naming
+    the argument before anything is computed.  (Beam search: the candidates of a step among beams x vocab.)
+    """
+    V.array("x", x, (V.F32,), ndim=2)
+    cdef int64_t R = x.shape[0], N = x.shape[1], r
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= N:
+        raise ValueError(f"n: expected an int in [1, {N}] (the row length), got {n!r}")
+    if np.isnan(x).any():
+        raise ValueError("x: expected no NaN")
+    cdef int64_t k = n
+    out = np.empty((R, k), np.int64)
+    cdef int64_t[:, ::1] ov = out
+    cdef const float[:, ::1] xv = x
+    cdef int simd = okv_settings_get().simd
+    cdef float *val = <float *>malloc(<size_t>k * sizeof(float))
+    if val == NULL:
+        raise MemoryError("top_indices: could not allocate the workspace")
+    with nogil:
+        for r in range(R):
+            okv_top_row(&xv[r, 0], N, k, &ov[r, 0], val, simd)
+    free(val)
     return out

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxkv._deprecation import renamed_argument
+from onnxkv._kernels.sampling import top_indices
 from onnxkv.errors import InputError
 from onnxkv.generate.arguments import (
     as_session,
@@ -61,16 +62,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def _top(x: np.ndarray, n: int) -> np.ndarray:
-    """Indices of the ``n`` largest entries of every row of ``x`` [R, N] (no NaN, n ≤ N), best first;
-    ties go to the lower index.  O(N) per row (a partition, then a sort of n entries)."""
-    out = np.empty((x.shape[0], n), dtype=np.int64)
-    for r in range(x.shape[0]):
-        v = -x[r]
-        kth = np.partition(v, n - 1)[n - 1]
-        better = np.flatnonzero(v < kth)
-        idx = np.concatenate([better, np.flatnonzero(v == kth)[: n - better.size]])
-        out[r] = idx[np.lexsort((idx, v[idx]))]
-    return out
+    """Indices of the ``n`` largest entries of every row of ``x`` [R, N] (float32, no NaN, n ≤ N), best
+    first; ties go to the lower index (:func:`onnxkv._kernels.sampling.top_indices`, one pass per row)."""
+    return top_indices(np.ascontiguousarray(x, dtype=np.float32), n)
 
 
 class BeamScorer:
