@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnxkv._deprecation import renamed_argument
+from onnxkv._kernels.sampling import top_indices
 from onnxkv.errors import InputError
 from onnxkv.generate.arguments import as_session, callback_arg, check_length, check_prompt, int_arg, token_ids
 from onnxkv.generate.lookup import MAX_INDEXED_NGRAM, PromptIndex, prompt_lookup
@@ -412,6 +413,14 @@ def _tree_arg(tree, draft, cfg: SamplingConfig, num_draft_tokens: int) -> tuple[
     return int(tree[0]), int(tree[1])
 
 
+def _most_likely(logits: np.ndarray, k: int) -> list[int]:
+    """The ``k`` most likely tokens of a row of logits, best first, ties to the lower id (a stable sort's
+    order, NaN last): the one-pass kernel for a float32 or float16 row without NaN, else the sort."""
+    if logits.dtype in (np.float32, np.float16) and not np.isnan(logits).any():
+        return top_indices(np.ascontiguousarray(logits, np.float32)[None], min(k, logits.size))[0].tolist()
+    return np.argsort(-logits, kind="stable")[:k].tolist()
+
+
 def _tree_step(
     tgt: Stepper, drf: Stepper, dsess, tsess, seq: list[int], k: int, depth: int, eos: set[int]
 ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -426,7 +435,7 @@ def _tree_step(
     first = logit_rows(drf.feed(np.array(seq[drf.length :], dtype=np.int64)), dsess, 1, "draft")[0]
     root = drf.length
     branches = []
-    for i, x in enumerate(np.argsort(-first, kind="stable")[:k].tolist()):
+    for i, x in enumerate(_most_likely(first, k)):
         if i:
             drf.truncate(root)
         branches.append([x] if depth == 1 or x in eos else [x, *drf.greedy(x, depth - 1, eos)])

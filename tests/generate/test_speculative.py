@@ -429,3 +429,22 @@ def test_keep_for_truncate_lets_a_windowed_state_take_back_what_it_keeps():
         state.close()
     with pytest.raises(onnxkv.StateError, match="needs a paged state"):
         sess.new_state().keep_for_truncate(2)
+
+
+def test_tree_branches_start_from_the_most_likely_tokens_in_a_stable_sorts_order():
+    """_most_likely (the kernel for float32/float16 rows without NaN, else the sort) equals a stable
+    descending sort's first k: ties to the lower id, NaN last, k past the vocabulary."""
+    from onnxkv.generate.speculative import _most_likely
+
+    rng = np.random.default_rng(0)
+    rows = [
+        rng.standard_normal(300).astype(np.float32),
+        rng.integers(-2, 2, 300).astype(np.float32),  # ties everywhere
+        rng.integers(-2, 2, 300).astype(np.float16),
+        np.where(rng.random(300) < 0.1, np.nan, rng.standard_normal(300)).astype(np.float32),
+        rng.standard_normal(300),  # float64
+        np.array([0.0, -0.0, 1.0, -np.inf], np.float32),
+    ]
+    for x in rows:
+        for k in (1, 3, 4, 500):
+            assert _most_likely(x, k) == np.argsort(-x, kind="stable")[:k].tolist(), (x.dtype, k)
