@@ -219,8 +219,9 @@ def probe_engine(session, prompts: list[np.ndarray], new_tokens: int, pool_fract
       (each row's positions in its pages' formats; :func:`_attended_bytes` before each decode run);
     - ``temp_peak_bytes``: the largest live bytes of the plan's temporaries after any node of any run
       (the event log's ``temp_live_max_bytes``);
-    - at the step of most live pages: payload bytes, the bytes the page allocator holds from the
-      system, page-table and pool-metadata bytes (page records and reference counts);
+    - at the step of most live pages: payload bytes, the spare payloads of freed pages the pool keeps,
+      the bytes the page allocator holds from the system, page-table and pool-metadata bytes (page
+      records and reference counts);
     - the relief events of a bounded pool (``pool_fraction``): pages' conversions and pauses.
     """
 
@@ -247,6 +248,7 @@ def probe_engine(session, prompts: list[np.ndarray], new_tokens: int, pool_fract
                 peak = {
                     "live_pages": pool.live_pages,
                     "payload_bytes": pool.committed_bytes,
+                    "spare_bytes": pool.spare_bytes,
                     "allocator_committed_bytes": pool.allocator.stats().committed,
                     "page_table_bytes": int(sum(t.nbytes for t in tables)),
                     "pool_metadata_bytes": int(
