@@ -1,8 +1,7 @@
 """Native page payloads a :class:`~onnxkv.cache.plane_payloads.PlanePayloads` keeps from freed pages.
 
 A beam search step copies a shared page on write for some beams and frees the pages other beams dropped:
-without spares, every such page costs a checked lease and a free per plane (about a third of a tiny
-model's beam step).  A freed page's native payload -- leased and checked when it was first leased, still
+without spares, every such page costs a checked lease and a free per plane.  A freed page's native payload -- leased and checked when it was first leased, still
 leased -- is kept instead, up to ``limit`` per plane, and handed to the next new page of that plane.
 
 Its bytes are those of the page it held: whoever hands out a new page clears or overwrites it before any
