@@ -226,13 +226,15 @@ def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t b
     return w
 
 
-def nbits_columns(PackedNBits w, int64_t n0, int64_t n1) -> PackedNBits:
+def nbits_columns(PackedNBits w not None, n0, n1) -> PackedNBits:
     """Columns [n0, n1) of ``w`` as a PackedNBits over the same arrays (read-only views, no copy; they keep
-    ``w``'s memory alive).  n0 must start a panel (a multiple of 16) and 0 <= n0 < n1 <= w.N.  A product with
-    the result computes each column as the product with ``w`` computes it (panels are independent), so its
-    values are those columns of ``w``'s product bit for bit.  Raises ValueError naming the bad bound."""
-    if not (0 <= n0 < n1 <= w.N) or n0 % 16:
-        raise ValueError(f"nbits_columns: columns [{n0}, {n1}) of a weight of N={w.N}: expected "
+    ``w``'s memory alive).  n0 and n1 are ints (not bool), n0 starts a panel (a multiple of 16) and
+    0 <= n0 < n1 <= w.N.  A product with the result computes each column as the product with ``w`` computes
+    it (panels are independent), so its values are those columns of ``w``'s product bit for bit.  Raises
+    ValueError naming the bad bound."""
+    if not all(isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)) for b in (n0, n1)) \
+            or not (0 <= n0 < n1 <= w.N) or n0 % 16:
+        raise ValueError(f"nbits_columns: columns [{n0!r}, {n1!r}) of a weight of N={w.N}: expected ints "
                          f"0 <= n0 < n1 <= N with n0 a multiple of 16")
     cdef int64_t p0 = n0 // 16, p1 = (n1 + 15) // 16
     cdef PackedNBits v = PackedNBits.__new__(PackedNBits)

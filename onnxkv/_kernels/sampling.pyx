@@ -42,7 +42,11 @@ cdef extern from "sampling_exp.h" nogil:
     void okv_exp_sub_f64(double *x, int64_t n, double m, int level)
 
 cdef extern from "top_indices.h" nogil:
+    ctypedef struct okv_top_pair:
+        pass
+    int OKV_TOP_PASS_MAX
     void okv_top_row(const float *x, int64_t N, int64_t n, int64_t *idx, float *val, int simd)
+    void okv_top_row_sorted(const float *x, int64_t N, int64_t n, int64_t *idx, okv_top_pair *pairs)
 
 
 ctypedef fused real:
@@ -275,9 +279,10 @@ def top_indices(x, n):
     """Indices of the ``n`` largest entries of every row of ``x``, best first; equal values in ascending
     index (of equal values at the boundary, the lower indices).  Returns int64 [R, n].
 
-    x: float32 [R, N], C-contiguous, no NaN; n: an int in [1, N].  One pass per row (top_indices.h), the
-    same indices at every SIMD level as the NumPy twin (``reference.top_indices``).  Raises ValueError naming
-    the argument before anything is computed.  (Beam search: the candidates of a step among beams x vocab.)
+    x: float32 [R, N], C-contiguous, no NaN; n: an int in [1, N].  One pass per row for n up to 64, a sort
+    of the row above (top_indices.h); the same indices at every SIMD level as the NumPy twin
+    (``reference.top_indices``).  Raises ValueError naming the argument before anything is computed.  (Beam
+    search: the candidates of a step among beams x vocab.)
     """
     V.array("x", x, (V.F32,), ndim=2)
     cdef int64_t R = x.shape[0], N = x.shape[1], r
@@ -290,11 +295,15 @@ def top_indices(x, n):
     cdef int64_t[:, ::1] ov = out
     cdef const float[:, ::1] xv = x
     cdef int simd = okv_settings_get().simd
-    cdef float *val = <float *>malloc(<size_t>k * sizeof(float))
-    if val == NULL:
+    cdef bint sort = k > OKV_TOP_PASS_MAX
+    cdef void *work = malloc(<size_t>N * sizeof(okv_top_pair) if sort else <size_t>k * sizeof(float))
+    if work == NULL:
         raise MemoryError("top_indices: could not allocate the workspace")
     with nogil:
         for r in range(R):
-            okv_top_row(&xv[r, 0], N, k, &ov[r, 0], val, simd)
-    free(val)
+            if sort:
+                okv_top_row_sorted(&xv[r, 0], N, k, &ov[r, 0], <okv_top_pair *>work)
+            else:
+                okv_top_row(&xv[r, 0], N, k, &ov[r, 0], <float *>work, simd)
+    free(work)
     return out

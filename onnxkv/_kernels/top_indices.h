@@ -7,12 +7,14 @@
  * the best so far are kept sorted; an entry enters only when it is strictly above the worst of n kept
  * (an equal one comes later, so its index is higher).  The AVX2 path tests 8 entries at a time against
  * that worst value and visits the lanes above it in index order, so it keeps what the scalar path keeps:
- * the same indices at every level.
+ * the same indices at every level.  An increasing row enters every entry, each shifting up to n kept:
+ * above OKV_TOP_PASS_MAX the caller sorts the row instead (okv_top_row_sorted).
  */
 #ifndef ONNXKV_TOP_INDICES_H
 #define ONNXKV_TOP_INDICES_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
@@ -57,6 +59,31 @@ OKV_AVX2 static inline void okv_top_row_avx2(const float *x, int64_t N, int64_t 
 
 static void okv_top_row(const float *x, int64_t N, int64_t n, int64_t *idx, float *val, int simd) {
     OKV_DISPATCH(simd, okv_top_row_avx2(x, N, n, idx, val), okv_top_row_scalar(x, N, n, idx, val));
+}
+
+/* Many of a row (n above OKV_TOP_PASS_MAX, where entering one entry may shift n kept): every entry sorted
+ * by value descending, then index ascending (pairs: N of scratch), the first n taken -- the same indices. */
+#define OKV_TOP_PASS_MAX 64
+
+typedef struct {
+    float v;
+    int64_t i;
+} okv_top_pair;
+
+static int okv_top_pair_cmp(const void *a, const void *b) {
+    const okv_top_pair *p = (const okv_top_pair *)a, *q = (const okv_top_pair *)b;
+    if (p->v != q->v) return p->v > q->v ? -1 : 1;
+    return p->i < q->i ? -1 : (p->i > q->i);
+}
+
+static void okv_top_row_sorted(const float *x, int64_t N, int64_t n, int64_t *idx, okv_top_pair *pairs) {
+    int64_t i;
+    for (i = 0; i < N; i++) {
+        pairs[i].v = x[i];
+        pairs[i].i = i;
+    }
+    qsort(pairs, (size_t)N, sizeof(okv_top_pair), okv_top_pair_cmp);
+    for (i = 0; i < n; i++) idx[i] = pairs[i].i;
 }
 
 #endif /* ONNXKV_TOP_INDICES_H */

@@ -292,7 +292,9 @@ class PlanePayloads:
         """(buffer, array [H, bs, D] of the plane's dtype): a native payload of plane ``i``, a spare (its bytes
         those of the page it held) or leased and checked."""
         spec = self.planes[i]
-        return self.spares.take(i) or lease(
+        with self._lock:  # a conversion back to native (encode_payload) comes here without the owner's lock
+            spare = self.spares.take(i)
+        return spare or lease(
             self.allocators[i],
             spec.page_bytes(self.block_size),
             64,

@@ -171,9 +171,11 @@ def test_column_views_refuse_bounds_off_a_panel_or_outside_the_weight():
     rng = np.random.default_rng(0)
     B, s, z = make_weight(rng, 64, 40, 4, 32, "none")
     w = pack_nbits(B, s, z, 64, 40, 4, 32)
-    for n0, n1 in ((8, 24), (0, 41), (16, 16), (-16, 8), (32, 20)):
-        with pytest.raises(ValueError, match=rf"nbits_columns: columns \[{n0}, {n1}\) of a weight of N=40"):
+    for n0, n1 in ((8, 24), (0, 41), (16, 16), (-16, 8), (32, 20), (0, 16.5), (16.0, 40), (0, True), (0, 2**64)):
+        with pytest.raises(ValueError, match=rf"nbits_columns: columns \[{n0!r}, {n1!r}\) of a weight of N=40"):
             nbits_columns(w, n0, n1)
+    with pytest.raises(TypeError):
+        nbits_columns(None, 0, 16)
 
 
 def _extreme_8bit(rng, K_, N, bs):

@@ -28,17 +28,20 @@ def _rows(rng, r, n, kind):
 def test_equals_the_numpy_twin(simd, length, kind):
     rng = np.random.default_rng([length, len(kind)])
     x = _rows(rng, 3, length, kind)
-    for n in sorted({1, min(2, length), min(8, length), min(12, length), length}):
+    for n in sorted({1, min(2, length), min(8, length), min(12, length), min(64, length), min(65, length), length}):
         got = top_indices(x, n)
         np.testing.assert_array_equal(got, R.top_indices(x, n), err_msg=f"n={n}")
         assert got.dtype == np.int64 and got.shape == (3, n)
 
 
-def test_a_decreasing_run_enters_every_entry_and_keeps_the_order():
-    """The worst case for the one pass: every entry beats the kept worst (an increasing row)."""
+def test_an_increasing_row_enters_every_entry_and_keeps_the_order():
+    """The worst case for the one pass: every entry beats the kept worst (an increasing row); above 64 the
+    row is sorted instead, with the same indices."""
     x = np.arange(200, dtype=np.float32)[None, :]
     np.testing.assert_array_equal(top_indices(x, 10), np.arange(199, 189, -1)[None, :])
     np.testing.assert_array_equal(top_indices(-x, 10), np.arange(10)[None, :])
+    x = np.arange(40000, dtype=np.float32)[None, :]
+    np.testing.assert_array_equal(top_indices(x, 40000), np.arange(39999, -1, -1)[None, :])
 
 
 def test_bad_arguments_are_refused():
