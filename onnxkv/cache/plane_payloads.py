@@ -218,7 +218,7 @@ class PlanePayloads:
         #: id(buffer) -> buffer of each payload build_payload handed out and nobody installed or discarded yet.
         self._built: dict[int, object] = {}
         #: Native payloads of freed pages kept for the next pages (``spare_pages`` per plane).
-        self.spares = SparePayloads([(p.dtype, (p.heads, self.block_size, p.head_size)) for p in planes], spare_pages)
+        self.spares = SparePayloads(self.planes, self.block_size, spare_pages, lock)
 
     # -- records ---------------------------------------------------------------
     def grow(self, capacity: int) -> None:
@@ -292,9 +292,7 @@ class PlanePayloads:
         """(buffer, array [H, bs, D] of the plane's dtype): a native payload of plane ``i``, a spare (its bytes
         those of the page it held) or leased and checked."""
         spec = self.planes[i]
-        with self._lock:  # a conversion back to native (encode_payload) comes here without the owner's lock
-            spare = self.spares.take(i)
-        return spare or lease(
+        return self.spares.take(i) or lease(
             self.allocators[i],
             spec.page_bytes(self.block_size),
             64,

@@ -17,36 +17,43 @@ __all__ = ["SparePayloads"]
 
 
 class SparePayloads:
-    """Per plane, up to ``limit`` native payloads ``(buffer, array)`` (``natives``: each plane's native
-    dtype and page shape); the owner's lock guards every call."""
+    """Per plane of ``planes`` (:class:`~onnxkv.cache.plane_payloads.PlaneSpec`, pages of ``block_size``
+    tokens), up to ``limit`` native payloads ``(buffer, array)``.  Every call takes ``lock`` (the owner's,
+    re-entrant): a conversion back to a native page takes a spare without holding it."""
 
-    def __init__(self, natives: list[tuple[np.dtype, tuple[int, ...]]], limit: int) -> None:
+    def __init__(self, planes: list, block_size: int, limit: int, lock) -> None:
         self.limit = limit
-        self._natives = natives  # per plane: the dtype and shape of a native page's array
-        self._kept: list[list] = [[] for _ in natives]
+        # per plane: the dtype and shape of a native page's array
+        self._natives = [(p.dtype, (p.heads, block_size, p.head_size)) for p in planes]
+        self._kept: list[list] = [[] for _ in planes]
+        self._lock = lock
 
     def keep(self, plane: int, buf, arr: np.ndarray | None) -> bool:
         """Keep a freed page's payload of ``plane`` when it is a native one (an array of the plane's native
         dtype and shape) and the plane holds fewer than ``limit``; False otherwise (the caller frees it)."""
         kept = self._kept[plane]
         dtype, shape = self._natives[plane]
-        if len(kept) >= self.limit or arr is None or arr.dtype != dtype or arr.shape != shape:
-            return False
-        kept.append((buf, arr))
-        return True
+        with self._lock:
+            if len(kept) >= self.limit or arr is None or arr.dtype != dtype or arr.shape != shape:
+                return False
+            kept.append((buf, arr))
+            return True
 
     def take(self, plane: int) -> tuple | None:
         """A kept payload ``(buffer, array)`` of ``plane``, or None."""
         kept = self._kept[plane]
-        return kept.pop() if kept else None
+        with self._lock:
+            return kept.pop() if kept else None
 
     @property
     def nbytes(self) -> int:
-        return sum(arr.nbytes for kept in self._kept for _, arr in kept)
+        with self._lock:
+            return sum(arr.nbytes for kept in self._kept for _, arr in kept)
 
     def drop(self) -> list:
         """Forget every kept payload; return their buffers (for the caller to free)."""
-        out = [buf for kept in self._kept for buf, _ in kept]
-        for kept in self._kept:
-            kept.clear()
-        return out
+        with self._lock:
+            out = [buf for kept in self._kept for buf, _ in kept]
+            for kept in self._kept:
+                kept.clear()
+            return out
