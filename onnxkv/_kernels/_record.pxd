@@ -60,3 +60,17 @@ cdef enum:
     # float16 <-> float32 conversion (convert.convert_ptr): arrays (x, out), n elements each, C order; ints (n,
     # mode): mode 0 widens float16 to float32, 1 rounds float32 to float16 (nearest even, overflow to inf).
     KIND_CONVERT = 14
+    # S new positions of every row written into a static contiguous cache [B, H, Cap, D] at the rows' own
+    # positions, read when replayed (TensorScatter in place, linear mode): arrays (new [B, H, S, D], cache,
+    # write_indices int64 [B], saved [B, H, S, D], starts int64 [B]: the last two the call's own scratch); ints
+    # (B, H, S, D, Cap, element bytes: 4 or 2).  The cache is a whole resizable external (its capacity read when
+    # replayed); refused unless every 0 <= write_indices[b] <= Cap - S.  Before writing a row, the call copies
+    # the bytes it replaces into saved[b] and its position into starts[b] (what the cache keeps to undo the run).
+    KIND_SCATTER_ROWS = 15
+    # KIND_MASKED_DECODE over a static cache's every position with each row's valid keys given (an ONNX
+    # Attention node's nonpad_kv_seqlen): arrays (q, k_cache, v_cache, mask [mb, 1, ms, T], out, ends int64 [B],
+    # kv_len, kv_start, q_pos: the last three the call's own scratch); ints and floats as KIND_MASKED_DECODE's.
+    # The mask is not ragged; the caches are whole resizable externals.  Refused unless T == Cap, every ends[b]
+    # is in [0, T] and the mask, with the causal bound ends[b] - S + s and the end ends[b], describes ranges
+    # (attention.masked_ranges); kv_len[b] = ends[b].
+    KIND_NONPAD_DECODE = 16

@@ -48,8 +48,8 @@ from libc.string cimport memcpy, memset, strcmp
 
 from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_CACHE_ROWS, KIND_CONVERT, KIND_DECODE_PAGED,
                                       KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MASK_LENGTHS, KIND_MASKED_DECODE,
-                                      KIND_MATMUL_DYNAMIC, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED, KIND_RMS_NORM,
-                                      KIND_ROTARY, KIND_SKIP_RMS_NORM)
+                                      KIND_MATMUL_DYNAMIC, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED, KIND_NONPAD_DECODE,
+                                      KIND_RMS_NORM, KIND_ROTARY, KIND_SCATTER_ROWS, KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
 from onnxkv._kernels.convert cimport convert_ptr
@@ -68,15 +68,18 @@ __all__ = ["Program", "WRITTEN"]
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
            KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,),
            KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,), KIND_MATMUL_DYNAMIC: (3,), KIND_CACHE_ROWS: (1,),
-           KIND_MASKED_DECODE: (4, 6, 7, 8), KIND_ROTARY: (4,), KIND_CONVERT: (1,)}
+           KIND_MASKED_DECODE: (4, 6, 7, 8), KIND_ROTARY: (4,), KIND_CONVERT: (1,), KIND_SCATTER_ROWS: (1, 3, 4),
+           KIND_NONPAD_DECODE: (4, 6, 7, 8)}
 #: Operands whose values decide whether a call accepts the run (read before any call but the prelude ones runs:
 #: never written by another call of the program).
 CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED: (5, 6, 7, 8, 10),
-           KIND_CACHE_ROWS: (2,), KIND_MASKED_DECODE: (3, 5), KIND_ROTARY: (3,)}
+           KIND_CACHE_ROWS: (2,), KIND_MASKED_DECODE: (3, 5), KIND_ROTARY: (3,), KIND_SCATTER_ROWS: (2,),
+           KIND_NONPAD_DECODE: (3, 5)}
 #: Operand count of each kind.
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
              KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11,
-             KIND_MATMUL_DYNAMIC: 4, KIND_CACHE_ROWS: 3, KIND_MASKED_DECODE: 9, KIND_ROTARY: 5, KIND_CONVERT: 2}
+             KIND_MATMUL_DYNAMIC: 4, KIND_CACHE_ROWS: 3, KIND_MASKED_DECODE: 9, KIND_ROTARY: 5, KIND_CONVERT: 2,
+             KIND_SCATTER_ROWS: 5, KIND_NONPAD_DECODE: 9}
 #: Kinds run before the others are admitted (they read externals only), and the operand each takes whole from a
 #: ragged external (its last dim read when replayed).
 PRELUDE = {KIND_MASK_LENGTHS: 0}
@@ -86,7 +89,7 @@ RAGGED_WHOLE = {(KIND_DECODE_PAGED, 5), (KIND_DECODE_PAGED, 6), (KIND_MASKED_DEC
 #: (kind, operand) a kind may take whole from a resizable external (a cache [B, H, Cap, D]), reading its capacity
 #: when replayed (``Program.execute`` sets the kind's capacity parameter).
 RESIZABLE_WHOLE = {(KIND_DECODE_TOKEN, 5), (KIND_DECODE_TOKEN, 6), (KIND_CACHE_ROWS, 1), (KIND_MASKED_DECODE, 1),
-                   (KIND_MASKED_DECODE, 2)}
+                   (KIND_MASKED_DECODE, 2), (KIND_SCATTER_ROWS, 1), (KIND_NONPAD_DECODE, 1), (KIND_NONPAD_DECODE, 2)}
 cdef enum:
     RAGGED_P = 14
     RAGGED_M = 15
@@ -176,15 +179,17 @@ cdef class Program:
                     and all(arrays[j].itemsize == (2 if ints[17] else 4) for j in (0, 1, 2, 9))):
                 raise ValueError(f"Program: paged decode call {c}: token and page types {ints[17:19]} are not its "
                                  "arrays' or the pool's")
-            if kind == KIND_MASKED_DECODE and not (
+            if kind in (KIND_MASKED_DECODE, KIND_NONPAD_DECODE) and not (
                     len(ints) > 12 and ints[9] in (0, 1, 2) and ints[11] in (0, 1) and ints[12] in (0, 1)
                     and arrays[3].itemsize == (4, 1, 2)[ints[9]]
                     and all(arrays[j].itemsize == (2 if ints[11] else 4) for j in (0, 4))
                     and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (1, 2))):
                 raise ValueError(f"Program: masked decode call {c}: mask, token and cache types {ints[9:13]} are not "
                                  "its arrays'")
-            if kind == KIND_CACHE_ROWS and not (
-                    len(ints) > 5 and ints[5] in (2, 4) and arrays[0].itemsize == arrays[1].itemsize == ints[5]):
+            if kind in (KIND_CACHE_ROWS, KIND_SCATTER_ROWS) and not (
+                    len(ints) > 5 and ints[5] in (2, 4) and arrays[0].itemsize == arrays[1].itemsize == ints[5]
+                    and (kind == KIND_CACHE_ROWS or (arrays[3].itemsize == ints[5] and arrays[3].shape == arrays[0].shape
+                                                     and arrays[2].shape == arrays[4].shape == (ints[0],)))):
                 raise ValueError(f"Program: cache-row call {c}: element bytes {ints[5:6]} are not its arrays' "
                                  "(2 or 4)")
             cl = &self.calls[c]
@@ -365,8 +370,13 @@ cdef class Program:
                 if cl.ext[6] < 0 or not self.exts[cl.ext[6]].resizable or lens[cl.ext[5]] != lens[cl.ext[6]]:
                     return 0
                 cl.i[2] = lens[cl.ext[5]]
-            elif cl.kind == KIND_CACHE_ROWS and cl.ext[1] >= 0 and self.exts[cl.ext[1]].resizable:
+            elif cl.kind in (KIND_CACHE_ROWS, KIND_SCATTER_ROWS) and cl.ext[1] >= 0 and self.exts[cl.ext[1]].resizable:
                 cl.i[4] = lens[cl.ext[1]]
+            elif cl.kind == KIND_NONPAD_DECODE:   # the whole of this run's static caches
+                if cl.ext[1] >= 0 and self.exts[cl.ext[1]].resizable:
+                    if cl.ext[2] < 0 or not self.exts[cl.ext[2]].resizable or lens[cl.ext[1]] != lens[cl.ext[2]]:
+                        return 0
+                    cl.i[5] = lens[cl.ext[1]]
             elif cl.kind == KIND_MASKED_DECODE:   # the mask: a whole ragged external (checked when built)
                 if cl.ext[1] >= 0 and self.exts[cl.ext[1]].resizable:
                     if cl.ext[2] < 0 or not self.exts[cl.ext[2]].resizable or lens[cl.ext[1]] != lens[cl.ext[2]]:
@@ -403,12 +413,22 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
     elif c.kind == KIND_CACHE_ROWS:    # rows at the committed length, within the capacity
         pos = (<const int64_t *>c.p[2])[0]
         return 0 <= pos <= c.i[4] - c.i[2]
+    elif c.kind == KIND_SCATTER_ROWS:  # every row's positions within the capacity (TensorScatter's linear mode)
+        idx = <const int64_t *>c.p[2]
+        for i in range(c.i[0]):
+            if idx[i] < 0 or idx[i] > c.i[4] - c.i[2]:
+                return False
+    elif c.kind == KIND_NONPAD_DECODE:  # every key of the caches, and the mask and the rows' ends describe ranges
+        if c.i[8] != c.i[5]:
+            return False
+        return masked_ranges(c.p[3], <int>c.i[9], <int>c.i[10], c.i[6], c.i[7], c.i[8], c.i[0], c.i[3],
+                             <int32_t *>c.p[7], <int32_t *>c.p[8], <const int64_t *>c.p[5])
     elif c.kind == KIND_MASKED_DECODE:  # the new rows end the keys, and the mask describes ranges (into scratch)
         total = c.i[8]
         if total != (<const int64_t *>c.p[5])[0] + c.i[3] or total > c.i[5]:
             return False
         return masked_ranges(c.p[3], <int>c.i[9], <int>c.i[10], c.i[6], c.i[7], total, c.i[0], c.i[3],
-                             <int32_t *>c.p[7], <int32_t *>c.p[8])
+                             <int32_t *>c.p[7], <int32_t *>c.p[8], NULL)
     elif c.kind == KIND_ROTARY:        # every position in [0, max_pos)
         idx = <const int64_t *>c.p[3]
         for i in range(c.i[0] * c.i[1]):
@@ -457,9 +477,15 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
     if c.kind == KIND_MASKED_DECODE:
         return masked_decode_ptr(c.p[0], c.p[1], c.p[2], c.i[0], c.i[1], c.i[2], c.i[3], c.i[4], c.i[5], c.i[8],
                                  <const int32_t *>c.p[7], <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], c.f[1],
-                                 c.p[4], s, <int>c.i[11], <int>c.i[12])
+                                 c.p[4], s, <int>c.i[11], <int>c.i[12], NULL)
+    if c.kind == KIND_NONPAD_DECODE:
+        return masked_decode_ptr(c.p[0], c.p[1], c.p[2], c.i[0], c.i[1], c.i[2], c.i[3], c.i[4], c.i[5], c.i[8],
+                                 <const int32_t *>c.p[7], <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], c.f[1],
+                                 c.p[4], s, <int>c.i[11], <int>c.i[12], <const int64_t *>c.p[5])
     if c.kind == KIND_CACHE_ROWS:
         _cache_rows(c)
+    elif c.kind == KIND_SCATTER_ROWS:
+        _scatter_rows(c)
     elif c.kind == KIND_ROTARY:
         rope_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[2], <const int64_t *>c.p[3], c.i[0],
                  c.i[1], c.i[2], c.i[3], c.i[5], <int>c.i[6], <float *>c.p[4], s)
@@ -493,6 +519,22 @@ cdef inline void _cache_rows(const call_t *c) noexcept nogil:
     cdef char *dst = <char *>c.p[1]
     for r in range(c.i[0] * c.i[1]):
         memcpy(dst + (r * Cap + pos) * D * e, src + r * S * D * e, <size_t>(S * D * e))
+
+
+cdef inline void _scatter_rows(const call_t *c) noexcept nogil:
+    """KIND_SCATTER_ROWS (_record.pxd), admitted: each (row, head)'s S positions from write_indices[row] saved
+    into saved[row, head], then the S new ones copied there; starts[row] = write_indices[row]."""
+    cdef int64_t b, h, B = c.i[0], H = c.i[1], S = c.i[2], D = c.i[3], Cap = c.i[4], e = c.i[5], pos
+    cdef const char *src = <const char *>c.p[0]
+    cdef char *dst = <char *>c.p[1]
+    cdef char *saved = <char *>c.p[3]
+    cdef size_t n = <size_t>(S * D * e)
+    for b in range(B):
+        pos = (<const int64_t *>c.p[2])[b]
+        (<int64_t *>c.p[4])[b] = pos
+        for h in range(H):
+            memcpy(saved + (b * H + h) * S * D * e, dst + ((b * H + h) * Cap + pos) * D * e, n)
+            memcpy(dst + ((b * H + h) * Cap + pos) * D * e, src + (b * H + h) * S * D * e, n)
 
 
 cdef inline void _mask_lengths(call_t *c) noexcept nogil:

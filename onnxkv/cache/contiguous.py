@@ -352,6 +352,17 @@ class CacheTensor:
                 f"has written only {short[2]} positions; a row may only continue from what it wrote"
             )
 
+    def scattered(self, starts: np.ndarray, s: int, saved: np.ndarray) -> WriteCost:
+        """Account for ``s`` positions of each row that a kernel wrote in place into this static cache at
+        ``starts`` (int64 [B], each in ``[0, capacity - s]``, checked by the caller) after copying the bytes
+        they replaced into ``saved`` [B, H, s, D] (kept, copied, to undo the run); stage the lengths as
+        :meth:`write` does for a static cache.  Returns the appended bytes."""
+        for row in range(self.batch):
+            self._saved.append((row, int(starts[row]), saved[row].copy()))
+        end = int(starts.max()) + s
+        length = max(self.length if self.staged is None else self.staged, end)
+        return self._staged_append(WriteCost(), s, length, starts)
+
     def appended(self, s: int, length: int, cost: WriteCost | None, starts: np.ndarray | int) -> WriteCost:
         """Account for ``s`` positions of every row that a kernel wrote in place
         at ``starts`` (within the capacity, each at most the row's written

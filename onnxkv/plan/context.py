@@ -204,6 +204,17 @@ class RunContext:
             cache.stage(s, length, starts)
         return cache.view(length)
 
+    def cache_scattered(self, past: str, s: int, starts: np.ndarray, saved: np.ndarray, length: int) -> np.ndarray:
+        """Record that a kernel wrote ``s`` new positions of each row of the static contiguous cache bound to
+        ``past`` in place at ``starts`` (int64 [B]), having saved the bytes it replaced in ``saved`` (see
+        :meth:`CacheTensor.scattered`); return the present view ``[:, :, :length]``.  Recorded like
+        :meth:`cache_write`."""
+        cache = self.caches[past]
+        cost = cache.scattered(starts, s, saved)
+        if self.recording:
+            self.cache_events.append((past, cost))
+        return cache.view(length)
+
     def defer(self, commit, rollback) -> None:
         """Call ``commit()`` when the run succeeds, ``rollback()`` when it fails (see the class docstring);
         either may be None (nothing to do then)."""

@@ -33,6 +33,7 @@ __all__ = [
     "appendable",
     "RowsAppend",
     "bound_cache_name",
+    "cache_at",
     "note_attention_decode",
     "note_cache_rows",
     "note_masked_decode",
@@ -63,20 +64,26 @@ def bound_cache_name(rt: RunContext, view: np.ndarray) -> str | None:
     """The name of the run's contiguous cache (not static) of ``view``'s dtype (float32, or a float16 file's
     float16) whose buffer ``view`` is the leading part of (its first ``view.shape[2]`` positions, every row and
     head), or None."""
+    return cache_at(rt, view, lambda cache: appendable(cache, view.dtype))
+
+
+def cache_at(rt: RunContext, view, accepts) -> str | None:
+    """The name of the first run's cache for which ``accepts(cache)`` holds whose buffer ``view`` (4-D) is the
+    leading part of -- the same address, rows, heads, head size and strides -- or None."""
     caches = rt.caches
-    if not caches or view.ndim != 4:
+    if not caches or not isinstance(view, np.ndarray) or view.ndim != 4:
         return None
     address = view.__array_interface__["data"][0]
     for name, cache in caches.items():
-        buf = getattr(cache, "buffer", None)
-        if (
-            appendable(cache, view.dtype)
-            and buf.__array_interface__["data"][0] == address
-            and buf.shape[:2] == view.shape[:2]
-            and buf.shape[3] == view.shape[3]
-            and view.strides == buf.strides
-        ):
-            return name
+        if accepts(cache):
+            buf = cache.buffer
+            if (
+                buf.__array_interface__["data"][0] == address
+                and buf.shape[:2] == view.shape[:2]
+                and buf.shape[3] == view.shape[3]
+                and view.strides == buf.strides
+            ):
+                return name
     return None
 
 

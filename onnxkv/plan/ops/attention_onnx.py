@@ -77,6 +77,7 @@ from onnxkv.plan.ops import _attention_segments as segment_run
 from onnxkv.plan.ops._attention_math import causal_attention, check_written, dense_attention, paged_causal_attention
 from onnxkv.plan.ops._export_record import note_attention_decode
 from onnxkv.plan.ops._segments import cache_segments
+from onnxkv.plan.ops._static_record import note_nonpad_decode
 from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges, visible_ranges
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -220,6 +221,8 @@ class Attention23(Op):
         if self.want[1] != self.want[2]:
             raise self.error("present_key and present_value must be requested together")
         self.bound = bool(ctx.bindings_for(node))
+        if not self.bound and self.has_nonpad:  # K and V may be static caches, which a recorded call takes by name
+            self.replay_unread = (1, 2)
 
     def _input_error(self, message: str) -> InputError:
         return InputError(f"{self.op_type} node '{self.name}': {message}")
@@ -232,9 +235,10 @@ class Attention23(Op):
     ragged_inputs = (3,)
 
     def compilable(self, inputs: list) -> bool:
-        """Bound to a state's caches, with no window and no score output: its decode call over contiguous
-        float32 caches is one a compiled step replays (``run`` notes it; any other run refuses the recording)."""
-        return self.bound and self.left < 0 and self.right < 0 and not self.want[3]
+        """Bound to a state's caches, or reading ``nonpad_kv_seqlen`` (a static cache form's), with no window
+        and no score output: its decode call over contiguous float32 caches (or over two whole static ones) is one
+        a compiled step replays (``run`` notes it; any other run refuses the recording)."""
+        return (self.bound or self.has_nonpad) and self.left < 0 and self.right < 0 and not self.want[3]
 
     @property
     def takes_segments(self) -> bool:
@@ -340,7 +344,9 @@ class Attention23(Op):
                 )
             else:
                 causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, window, y, kv_start=kv_start)
-            if rec is not None:
+            if rec is not None and nonpad is not None and not in_place and window < 0:
+                note_nonpad_decode(self, rec, rt, q, keys, values, mask, inputs[6], y, y_out, scale)
+            elif rec is not None:
                 decode = (q, k, v, mask, y, y_out) if in_place and not paged and window < 0 and nonpad is None else None
                 note_attention_decode(self, rec, rt, decode, starts, past_len, scale)
         else:

@@ -31,8 +31,10 @@ import numpy as np
 import onnx
 
 from onnxkv._kernels import _validate as V
+from onnxkv._kernels._record import current as _recorder
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._static_record import note_scatter_rows
 from onnxkv.plan.registry import BuildContext, Op, register
 
 __all__ = ["TensorScatter"]
@@ -51,6 +53,14 @@ class TensorScatter(Op):
         if self.axis == 0:
             raise self.error("axis must not be 0 (the batch axis)")
         self.bound_past = node.input[0] if ctx.bindings_for(node) else None
+
+    #: Inputs a recorded write does not read (the past view: it writes the cache buffer taken by name).
+    replay_unread = (0,)
+
+    def compilable(self, inputs: list) -> bool:
+        """Bound to a state's cache in linear mode: its in-place write into a static contiguous cache is one a
+        compiled step replays (``run`` notes it; any other run refuses the recording)."""
+        return self.bound_past is not None and self.mode == "linear"
 
     def _input_error(self, message: str) -> InputError:
         return InputError(f"{self.op_type} node '{self.name}': {message}")
@@ -103,9 +113,15 @@ class TensorScatter(Op):
         batch, max_len, seq = past.shape[0], past.shape[axis], update.shape[axis]
         starts = self._starts(indices, batch, max_len, seq)
 
+        rec = _recorder()
         if self.bound_past is not None and rt.in_place(self.bound_past):
             # In place: the update goes straight into the state's static cache.
-            return (rt.cache_write(self.bound_past, update, starts, max_len, materialize=True),)
+            present = rt.cache_write(self.bound_past, update, starts, max_len, materialize=True)
+            if rec is not None:
+                note_scatter_rows(self, rec, rt, update, indices if self.mode == "linear" else None, max_len)
+            return (present,)
+        if rec is not None:
+            rec.refused.append(f"{self.op_type} node '{self.name}': not a write into a state's cache")
         present = rt.empty(0, past.shape, past.dtype)
         present[...] = past
         steps = np.arange(seq, dtype=np.int64)
