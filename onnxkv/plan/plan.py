@@ -52,6 +52,7 @@ from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
 from onnxkv.plan.inputs import bind
 from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.logit_rows import LogitHead, find_head, rows_of_output
+from onnxkv.plan.ops.tensor_scatter import share_pages
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup, refuse_internal
 from onnxkv.plan.run_loops import needed_nodes, run_plain, run_recording, segmented
 from onnxkv.plan.shape_fold import ShapeFolder
@@ -249,6 +250,7 @@ class Plan:
         kernels = [kernels[k] for k in alive]
         self.nodes = kept_nodes
         self.kernels = kernels
+        share_pages(kept_nodes, kernels)
         #: Names of the nodes run by ``onnx.reference`` fallbacks.
         self.fallback_nodes = [n.name or n.output[0] for n, k in zip(kept_nodes, kernels) if isinstance(k, FallbackOp)]
         self.folded_nodes = len(nodes) - len(kept_nodes)

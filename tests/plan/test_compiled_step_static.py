@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from static_feeds import static_feeds
 
 import onnxkv
 from onnxkv.errors import InputError
@@ -16,20 +17,7 @@ C = MICRO.max_length
 
 
 def _feeds(tokens, write_indices, shown, positions=None):
-    """One run's feeds: ``tokens`` [B, S] at ``positions`` [B] (default: ``write_indices``), written at
-    ``write_indices`` [B]; row b's mask shows the cache slots ``[0, shown[b])`` (its earlier tokens and these)."""
-    tokens = np.asarray(tokens, np.int64)
-    b, s = tokens.shape
-    w = np.asarray(write_indices, np.int64)
-    mask = np.zeros((b, C), np.int64)
-    for r in range(b):
-        mask[r, : shown[r]] = 1
-    return {
-        "input_ids": tokens,
-        "attention_mask": mask,
-        "position_ids": (w if positions is None else np.asarray(positions, np.int64))[:, None] + np.arange(s)[None, :],
-        "write_indices": w,
-    }
+    return static_feeds(C, tokens, write_indices, shown, positions)
 
 
 #: Runs of two rows: the prompts, then single tokens at rows' own positions (row 1 rewrites its slot 2 at the

@@ -219,7 +219,14 @@ def test_static_slots_never_written_read_as_zeros(origin, length):
     want = reference.run(jump(session, to))
     assert state.length == to + 1
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
-    assert snapshot([state])[0]["storage"] == snapshot([reference])[0]["storage"]
+    # the paged attention kernel sums in its own order, so later layers' values match to rounding; every slot
+    # the reference holds as zero (never written) is exactly zero in the paged state too
+    paged, contiguous = snapshot([state])[0]["storage"], snapshot([reference])[0]["storage"]
+    assert paged.keys() == contiguous.keys()
+    for name in paged:
+        a, b = (np.frombuffer(x[name], np.float32) for x in (paged, contiguous))
+        np.testing.assert_array_equal(a == 0, b == 0)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     for st in (state, keeper, reference):
         if st is not None:
             st.close()

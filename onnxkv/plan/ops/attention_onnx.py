@@ -77,6 +77,7 @@ from onnxkv.plan.ops import _attention_segments as segment_run
 from onnxkv.plan.ops._attention_math import causal_attention, check_written, dense_attention, paged_causal_attention
 from onnxkv.plan.ops._export_record import note_attention_decode
 from onnxkv.plan.ops._segments import cache_segments
+from onnxkv.plan.ops._static_cache import static_pages, static_pasts
 from onnxkv.plan.ops._static_record import note_nonpad_decode
 from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges, visible_ranges
 from onnxkv.plan.registry import BuildContext, Op, register
@@ -223,6 +224,11 @@ class Attention23(Op):
         self.bound = bool(ctx.bindings_for(node))
         if not self.bound and self.has_nonpad:  # K and V may be static caches, which a recorded call takes by name
             self.replay_unread = (1, 2)
+        #: The pasts of the static caches whose TensorScatter presents are K and V, or None.
+        self.static_pasts = static_pasts(node, ctx) if self.has_nonpad and not self.bound else None
+        #: Set by the plan (tensor_scatter.share_pages): in a paged state K and V are placeholders, and the node
+        #: reads the pages of the caches ``static_pasts`` names.
+        self.pages_given = False
 
     def _input_error(self, message: str) -> InputError:
         return InputError(f"{self.op_type} node '{self.name}': {message}")
@@ -233,6 +239,13 @@ class Attention23(Op):
     replay_unread = (4, 5)
     #: Inputs a recorded decode call takes whole with their last dim read when replayed (the mask).
     ragged_inputs = (3,)
+
+    def page_input(self, index: int) -> str | None:
+        """The past whose pages this node reads itself in a paged state instead of input ``index`` (K: 1, V:
+        2, each a static cache's TensorScatter present), or None."""
+        if self.static_pasts is None or index not in (1, 2) or self.node.input[1] == self.node.input[2]:
+            return None
+        return self.static_pasts[index - 1]
 
     def compilable(self, inputs: list) -> bool:
         """Bound to a state's caches, or reading ``nonpad_kv_seqlen`` (a static cache form's), with no window
@@ -327,6 +340,14 @@ class Attention23(Op):
             present_k, present_v = k, v
         if keys is None:
             keys, values = present_k, present_v
+        if (
+            self.pages_given
+            and rt.in_place(self.static_pasts[0])
+            and getattr(rt.caches[self.static_pasts[0]], "paged", False)
+        ):
+            # K and V are placeholders: read the pages
+            keys, values, paged = static_pages(rt, self.static_pasts, seen, kv_len, total)
+            fast = fast and paged
         if k.dtype in _NARROW and isinstance(keys, np.ndarray) and not (fast and k.dtype == np.float16):
             # float32 copies, but for the kernel: it converts float16 arrays and narrow pages in its load step
             keys, values = keys[:, :, :total].astype(np.float32), values[:, :, :total].astype(np.float32)

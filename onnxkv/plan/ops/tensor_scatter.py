@@ -20,7 +20,9 @@ In a state whose static cache is bound to ``past_cache`` the update is
 written in place instead (:meth:`~onnxkv.plan.context.RunContext.cache_write`,
 linear mode): the cache saves the slots it overwrites and puts them back if
 the run fails or is cancelled, and its length becomes the high-water mark of
-the positions written (see :mod:`onnxkv.cache.contiguous`).
+the positions written (see :mod:`onnxkv.cache.contiguous`).  The present is then a view of the
+cache; in a paged state a gathered copy, or a placeholder when every node reading it reads the
+cache's pages itself (:func:`share_pages`: the form's ``Attention``, :mod:`._static_cache`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._static_record import note_scatter_rows
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["TensorScatter"]
+__all__ = ["TensorScatter", "share_pages"]
 
 
 @register("TensorScatter", since=24)
@@ -53,6 +55,9 @@ class TensorScatter(Op):
         if self.axis == 0:
             raise self.error("axis must not be 0 (the batch axis)")
         self.bound_past = node.input[0] if ctx.bindings_for(node) else None
+        #: Every reader of the present reads the pages of a paged state's cache itself (:func:`share_pages`):
+        #: in a paged state the node then returns a placeholder instead of a gathered copy.
+        self.pages_read = False
 
     #: Inputs a recorded write does not read (the past view: it writes the cache buffer taken by name).
     replay_unread = (0,)
@@ -116,7 +121,7 @@ class TensorScatter(Op):
         rec = _recorder()
         if self.bound_past is not None and rt.in_place(self.bound_past):
             # In place: the update goes straight into the state's static cache.
-            present = rt.cache_write(self.bound_past, update, starts, max_len, materialize=True)
+            present = rt.cache_write(self.bound_past, update, starts, max_len, materialize=not self.pages_read)
             if rec is not None:
                 note_scatter_rows(self, rec, rt, update, indices if self.mode == "linear" else None, max_len)
             return (present,)
@@ -135,3 +140,27 @@ class TensorScatter(Op):
             append_copied_bytes=update.nbytes,
         )
         return (present,)
+
+
+def share_pages(nodes: list, kernels: list) -> None:
+    """Let the in-place ``TensorScatter`` kernels of a built plan (``nodes`` and their ``kernels``) return a
+    placeholder in paged states where every node reading their present reads the pages itself: a kernel whose
+    ``page_input(index)`` names the past bound to that TensorScatter (an ONNX ``Attention`` over the static
+    caches, :class:`~onnxkv.plan.ops.attention_onnx.Attention24`).  Sets ``pages_read`` on those
+    TensorScatter kernels and ``pages_given`` on the readers whose K and V both come so."""
+    readers: dict[str, list] = {}
+    for node, kernel in zip(nodes, kernels):
+        for index, name in enumerate(node.input):
+            readers.setdefault(name, []).append((kernel, index))
+    deferred = set()
+    for node, kernel in zip(nodes, kernels):
+        if isinstance(kernel, TensorScatter) and kernel.bound_past is not None:
+            took = readers.get(node.output[0], [])
+            page_input = [getattr(r, "page_input", None) for r, _ in took]
+            if took and all(f is not None and f(i) == kernel.bound_past for f, (_, i) in zip(page_input, took)):
+                kernel.pages_read = True
+                deferred.add(kernel.bound_past)
+    for kernel in kernels:
+        pasts = getattr(kernel, "static_pasts", None)
+        if pasts is not None:
+            kernel.pages_given = all(p in deferred for p in pasts)
