@@ -188,8 +188,7 @@ cdef class Program:
                                  "its arrays'")
             if kind in (KIND_CACHE_ROWS, KIND_SCATTER_ROWS) and not (
                     len(ints) > 5 and ints[5] in (2, 4) and arrays[0].itemsize == arrays[1].itemsize == ints[5]
-                    and (kind == KIND_CACHE_ROWS or (arrays[3].itemsize == ints[5] and arrays[3].shape == arrays[0].shape
-                                                     and arrays[2].shape == arrays[4].shape == (ints[0],)))):
+                    and (kind == KIND_CACHE_ROWS or arrays[3].itemsize == ints[5])):
                 raise ValueError(f"Program: cache-row call {c}: element bytes {ints[5:6]} are not its arrays' "
                                  "(2 or 4)")
             cl = &self.calls[c]
@@ -233,6 +232,9 @@ cdef class Program:
                     self.keep.append(a)
                     if j in WRITTEN[kind]:
                         written.append((lo, hi))
+            if not _operands_fit(kind, arrays, ints):
+                raise ValueError(f"Program: call {c} (kind {kind}): its arrays' shapes or integer types are not the "
+                                 "ones its parameters give")
         self.n_written = len(written)
         self.written = <uintptr_t *>malloc(max(1, 2 * self.n_written) * sizeof(uintptr_t))
         if self.written == NULL:
@@ -390,6 +392,30 @@ cdef class Program:
             if self.calls[c].kind != KIND_MASK_LENGTHS and _dispatch(&self.calls[c], s) != 0:
                 return -1 - c
         return 1
+
+
+def _ints(a, itemsize: int, shape: tuple) -> bool:
+    """Whether ``a`` is a signed integer array of ``itemsize`` bytes and ``shape``."""
+    return a is not None and a.dtype.kind == "i" and a.itemsize == itemsize and a.shape == shape
+
+
+def _operands_fit(int kind, arrays, ints) -> bool:
+    """Whether the arrays of a cache-row, scatter or masked-decode call have the shapes its int parameters give
+    and their positions, lengths and scratch are the integer arrays the replay reads and writes (int64 positions
+    and ends, int32 scratch).  Other kinds: True (their kernels check their operands)."""
+    if kind == KIND_CACHE_ROWS:
+        return len(ints) > 4 and _ints(arrays[2], 8, (1,)) and arrays[0].shape == tuple(ints[:4])
+    if kind == KIND_SCATTER_ROWS:
+        b, h, s, d, cap = ints[:5]
+        return (arrays[0].shape == arrays[3].shape == (b, h, s, d) and arrays[1].shape == (b, h, cap, d)
+                and _ints(arrays[2], 8, (b,)) and _ints(arrays[4], 8, (b,)))
+    if kind in (KIND_MASKED_DECODE, KIND_NONPAD_DECODE):
+        b, hq, hkv, s, d, cap, mb, ms, t = ints[:9]
+        return (arrays[0].shape == arrays[4].shape == (b, hq, s, d)
+                and arrays[1].shape == arrays[2].shape == (b, hkv, cap, d) and arrays[3].shape == (mb, 1, ms, t)
+                and _ints(arrays[5], 8, (1,) if kind == KIND_MASKED_DECODE else (b,))
+                and _ints(arrays[6], 4, (b,)) and _ints(arrays[7], 4, (b,)) and _ints(arrays[8], 4, (b, s)))
+    return True
 
 
 cdef inline bint _admit(const call_t *c) noexcept nogil:

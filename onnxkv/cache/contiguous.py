@@ -331,8 +331,8 @@ class CacheTensor:
                     p = int(starts[row])
                     self._save(row, p, s)
                     self.buffer[row, :, p : p + s] = new[row]
-        if self.static:
-            length = max(self.length if self.staged is None else self.staged, end)
+        if self.static:  # one past the highest position written (none when nothing is)
+            length = max(self.length if self.staged is None else self.staged, end if s else 0)
         return self._staged_append(cost, s, length, starts)
 
     def _save(self, row: int | None, start: int, s: int) -> None:
@@ -359,7 +359,7 @@ class CacheTensor:
         :meth:`write` does for a static cache.  Returns the appended bytes."""
         for row in range(self.batch):
             self._saved.append((row, int(starts[row]), saved[row].copy()))
-        end = int(starts.max()) + s
+        end = int(starts.max()) + s if s else 0
         length = max(self.length if self.staged is None else self.staged, end)
         return self._staged_append(WriteCost(), s, length, starts)
 

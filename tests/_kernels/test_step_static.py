@@ -107,10 +107,31 @@ def test_positions_and_ends_the_operators_would_refuse_are_refused_with_nothing_
         np.testing.assert_array_equal(got, was)
 
 
-def test_a_scatter_call_whose_scratch_does_not_fit_its_rows_is_refused_when_built():
+def test_calls_whose_positions_ends_or_scratch_do_not_fit_their_rows_are_refused_when_built():
+    """A call reads and writes its int64 positions and ends and its scratch as [B] (or [B, S]) arrays of those
+    widths: one of another width or shape would be read or written past its end (found by fuzzing)."""
     rng = np.random.default_rng(4)
     new, kc = rand(rng, (B, HKV, 1, D)), rand(rng, (B, HKV, CAP, D))
-    w, starts = np.zeros(B, np.int64), np.zeros(B, np.int64)
-    for saved, ws in ((np.zeros((B, HKV, 2, D), np.float32), w), (np.zeros_like(new), np.zeros(B + 1, np.int64))):
-        with pytest.raises(ValueError, match="cache-row call 0"):
-            Program([(SCATTER_ROWS, (new, kc, ws, saved, starts), (B, HKV, 1, D, CAP, 4), ())], [new, kc, ws])
+    w, starts, saved = np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros_like(new)
+    bad = [
+        (np.zeros((B, HKV, 2, D), np.float32), w, starts),
+        (saved, np.zeros(B + 1, np.int64), starts),
+        (saved, np.zeros(B, np.int32), starts),
+        (saved, w, np.zeros(B, np.int32)),
+        (saved, w, np.zeros(B, np.uint64)),
+    ]
+    for sv, ws, st in bad:
+        with pytest.raises(ValueError, match="call 0"):
+            Program([(SCATTER_ROWS, (new, kc, ws, sv, st), (B, HKV, 1, D, CAP, 4), ())], [new, kc, ws])
+    q, vc, out = rand(rng, (B, HQ, 1, D)), rand(rng, (B, HKV, CAP, D)), np.empty((B, HQ, 1, D), np.float32)
+    mask = np.ones((B, 1, 1, CAP), np.bool_)
+    for ends, kv_len, q_pos in (
+        (np.zeros(1, np.int64), np.zeros(B, np.int32), np.zeros((B, 1), np.int32)),
+        (np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, 1), np.int32)),
+        (np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros((B, 1), np.int32)),
+        (np.zeros(B, np.int64), np.zeros(B, np.int32), np.zeros((B, 2), np.int32)),
+    ):
+        call = (NONPAD_DECODE, (q, kc, vc, mask, out, ends, kv_len, np.zeros(B, np.int32), q_pos),
+                (B, HQ, HKV, 1, D, CAP, B, 1, CAP, 1, 1, 0, 0), (0.25, 0.0))  # fmt: skip
+        with pytest.raises(ValueError, match="call 0"):
+            Program([call], [q, kc, vc, mask, ends], (), (), [1, 2])

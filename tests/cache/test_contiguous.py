@@ -119,3 +119,18 @@ def test_length_setter_truncates_rows_and_raising_it_fills_every_row():
     static.write(_new(1), np.array([6, 2]), 8)  # anywhere inside it
     static.commit()
     assert static.lengths.tolist() == [8, 8]
+
+
+@pytest.mark.parametrize("start", [0, 5, 8])
+def test_a_static_write_of_no_position_leaves_the_length(start):
+    """A static cache's length is one past the highest position written: a write of none moves nothing (as a
+    TensorScatter run of zero update steps at any index its linear mode allows)."""
+    static = CacheTensor("past", (B, H, D), np.float32, DirtyAllocator(), 8, False, static=True)
+    static.write(_new(2), 0, 8)
+    static.commit()
+    static.write(_new(0), start, 8)
+    static.commit()
+    assert static.length == 2
+    static.scattered(np.full(B, start, np.int64), 0, np.zeros((B, H, 0, D), np.float32))
+    static.commit()
+    assert static.length == 2
