@@ -153,15 +153,16 @@ class PagedCache:
         if key == self._prepared:  # the other planes of the same write: pages are in place
             return WriteCost()
         pool, bs = self.pool, self.pool.block_size
-        if not ragged and s == 1 and self.static_length is None and not any(self.payloads.converted):
-            # a decode step: usually every row appends into a page of its own (nothing to stage or keep)
+        if not ragged and s == 1 and not any(self.payloads.converted):
+            # a decode step: every row usually writes into a page of its own (a static cache keeps its bytes)
+            static = self.static_length is not None
             with pool._lock:  # forks in other threads must not change counts between the decision and the write
-                end = pool.core.appends_in_place(self.tables, starts, self.table.lengths, bs)
+                end = pool.core.appends_in_place(self.tables, starts, starts if static else self.table.lengths, bs)
             if end >= 0 and (self.max_tokens is None or end <= self.max_tokens):
                 if self._staged is None:
                     self._staged = self.table.tables.copy()
                     self._staged_lengths = self.table.lengths.copy()
-                self._prepared, self._kept = key, []
+                self._prepared, self._kept = key, self._kept_slots(starts, s) if static else []
                 return WriteCost()
         short = None if self.static_length is not None else self.short_row(starts)
         if short is not None:

@@ -116,3 +116,30 @@ def test_beam_search_on_paged_static_caches_equals_tensor_caches(model):
     prompt = np.random.default_rng(2).integers(1, MICRO.vocab_size, (2, 6))
     want = onnxkv.beam_search(session, prompt, 3, 10, cache="tensor").sequences
     np.testing.assert_array_equal(onnxkv.beam_search(session, prompt, 3, 10, cache="paged").sequences, want)
+
+
+def test_a_paged_static_decode_step_stages_no_page_and_a_failed_one_puts_back_what_it_rewrote(model, monkeypatch):
+    """Every row writes a position of a page it holds alone (a static state holds its whole capacity from its
+    first run): the write takes the decode fast path, keeping the committed bytes it replaces for the undo."""
+    import onnxkv.cache.paged as paged
+
+    staged = []
+    original = paged.PagedCache._stage_pages
+    monkeypatch.setattr(paged.PagedCache, "_stage_pages", lambda self, *a: staged.append(1) or original(self, *a))
+    session = onnxkv.Session(model, threads=1)
+    name = session.model.io.logits
+    with session.new_state(cache=CacheConfig("paged", block_size=4)) as state:
+        state.run(_feeds([[5, 6, 7, 8, 9]], [0], [5]), [name])
+        staged.clear()
+        state.run(_feeds([[10]], [5], [6]), [name])
+        assert not staged
+        before = {n: np.array(v) for n, v in state.values.items()}, state.length
+
+        def fail(outputs):
+            raise RuntimeError("refused by the caller")
+
+        with pytest.raises(RuntimeError, match="refused"):
+            state.run(_feeds([[11]], [2], [6]), [name], before_commit=fail)  # rewrites committed slot 2
+        assert not staged and state.length == before[1]
+        for n, v in state.values.items():
+            np.testing.assert_array_equal(v, before[0][n])
