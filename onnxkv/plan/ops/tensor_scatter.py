@@ -158,9 +158,17 @@ def share_pages(nodes: list, kernels: list) -> None:
             took = readers.get(node.output[0], [])
             page_input = [getattr(r, "page_input", None) for r, _ in took]
             if took and all(f is not None and f(i) == kernel.bound_past for f, (_, i) in zip(page_input, took)):
-                kernel.pages_read = True
                 deferred.add(kernel.bound_past)
+    readers_of_pages = [k for k in kernels if getattr(k, "static_pasts", None) is not None]
+    changed = True
+    while changed:  # a reader whose K or V still comes as a copy takes both as copies: its other one must too
+        changed = False
+        for kernel in readers_of_pages:
+            if not all(p in deferred for p in kernel.static_pasts) and any(p in deferred for p in kernel.static_pasts):
+                deferred.difference_update(kernel.static_pasts)
+                changed = True
     for kernel in kernels:
-        pasts = getattr(kernel, "static_pasts", None)
-        if pasts is not None:
-            kernel.pages_given = all(p in deferred for p in pasts)
+        if isinstance(kernel, TensorScatter):
+            kernel.pages_read = kernel.bound_past in deferred
+    for kernel in readers_of_pages:
+        kernel.pages_given = all(p in deferred for p in kernel.static_pasts)

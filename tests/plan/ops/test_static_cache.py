@@ -143,3 +143,26 @@ def test_a_paged_static_decode_step_stages_no_page_and_a_failed_one_puts_back_wh
         assert not staged and state.length == before[1]
         for n, v in state.values.items():
             np.testing.assert_array_equal(v, before[0][n])
+
+
+def test_a_layer_whose_present_has_another_reader_reads_gathered_copies_of_both(model):
+    """An Identity also reads layer 0's present key: that TensorScatter must hand over a copy, so layer 0's
+    Attention reads both K and V from copies (its value TensorScatter too), the other layers their pages."""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    m.graph.node.append(onnx.helper.make_node("Identity", ["present.0.key"], ["extra_key"], name="extra"))
+    m.graph.output.append(onnx.helper.make_tensor_value_info("extra_key", onnx.TensorProto.FLOAT, None))
+    session = onnxkv.Session(m, threads=1)
+    scatters = {k.bound_past: k.pages_read for k in session.plan.kernels if isinstance(k, TensorScatter)}
+    assert not scatters["past_key_values.0.key"] and not scatters["past_key_values.0.value"]
+    assert scatters["past_key_values.1.key"] and scatters["past_key_values.1.value"]
+    name = session.model.io.logits
+    runs = [([[5, 6, 7, 8]], [0], [4]), ([[9]], [4], [5]), ([[10]], [5], [6])]
+    got = []
+    for cache in ("contiguous", CacheConfig("paged", block_size=4)):
+        with session.new_state(cache=cache) as state:
+            got.append([state.run(_feeds(*run), [name])[name].copy() for run in runs])
+    for a, b in zip(*got, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
