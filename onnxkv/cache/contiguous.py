@@ -331,9 +331,14 @@ class CacheTensor:
                     p = int(starts[row])
                     self._save(row, p, s)
                     self.buffer[row, :, p : p + s] = new[row]
-        if self.static:  # one past the highest position written (none when nothing is)
-            length = max(self.length if self.staged is None else self.staged, end if s else 0)
+        if self.static:
+            length = self._static_length(end if s else 0)
         return self._staged_append(cost, s, length, starts)
+
+    def _static_length(self, end: int) -> int:
+        """A static cache's length after a write ending at ``end`` (0: none): one past the highest position
+        written, by this run or committed."""
+        return max(self.length if self.staged is None else self.staged, end)
 
     def _save(self, row: int | None, start: int, s: int) -> None:
         """Keep the committed bytes that positions ``[start, start + s)`` of ``row`` (None: every row) hold."""
@@ -359,8 +364,7 @@ class CacheTensor:
         :meth:`write` does for a static cache.  Returns the appended bytes."""
         for row in range(self.batch):
             self._saved.append((row, int(starts[row]), saved[row].copy()))
-        end = int(starts.max()) + s if s else 0
-        length = max(self.length if self.staged is None else self.staged, end)
+        length = self._static_length(int(starts.max()) + s if s else 0)
         return self._staged_append(WriteCost(), s, length, starts)
 
     def appended(self, s: int, length: int, cost: WriteCost | None, starts: np.ndarray | int) -> WriteCost:

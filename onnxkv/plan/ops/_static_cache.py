@@ -15,12 +15,10 @@ import numpy as np
 import onnx
 
 from onnxkv.plan.context import RunContext
+from onnxkv.plan.ops._util import BF16
 from onnxkv.plan.registry import BuildContext
 
 __all__ = ["static_pages", "static_pasts"]
-
-#: bfloat16 as NumPy knows it (a state holds it as uint16 bit patterns).
-_BF16 = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16))
 
 
 def static_pasts(node: onnx.NodeProto, ctx: BuildContext) -> tuple[str, str] | None:
@@ -54,5 +52,5 @@ def static_pages(rt: RunContext, pasts: tuple[str, str], seen, kv_len: np.ndarra
     keys, values = ck.gather(total), cv.gather(total)
     rt.count(allocations=2, allocated_bytes=2 * keys.nbytes, prefix_copied_bytes=2 * keys.nbytes)
     if keys.dtype == np.uint16:  # bfloat16 held as its bit patterns
-        keys, values = keys.view(_BF16), values.view(_BF16)
+        keys, values = keys.view(BF16), values.view(BF16)
     return keys, values, False

@@ -6,10 +6,12 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
+from onnx import TensorProto, helper
 
 from onnxkv import _kernels as K
 
 __all__ = [
+    "BF16",
     "add_float16",
     "broadcast_shape",
     "float16_pair",
@@ -19,6 +21,9 @@ __all__ = [
     "int_list",
     "LayoutMemo",
 ]
+
+#: bfloat16 as NumPy knows it (onnx's type; a state holds bfloat16 as uint16 bit patterns).
+BF16 = np.dtype(helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16))
 
 _UNKNOWN = object()
 

@@ -67,7 +67,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from onnxkv._kernels import _validate as V
 from onnxkv._kernels._record import current as _recorder
@@ -79,6 +79,7 @@ from onnxkv.plan.ops._export_record import note_attention_decode
 from onnxkv.plan.ops._segments import cache_segments
 from onnxkv.plan.ops._static_cache import static_pages, static_pasts
 from onnxkv.plan.ops._static_record import note_nonpad_decode
+from onnxkv.plan.ops._util import BF16 as _BF16
 from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges, visible_ranges
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -87,7 +88,6 @@ __all__ = ["Attention23", "Attention24", "Attention25", "attn_mask_ranges"]
 _ATTRIBUTES = frozenset({
     "is_causal", "kv_num_heads", "q_num_heads", "qk_matmul_output_mode", "scale", "softcap", "softmax_precision",
 })  # fmt: skip
-_BF16 = np.dtype(helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16))
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), _BF16)
 #: Input types computed in float32 (Y is rounded to them once).
 _NARROW = (np.dtype(np.float16), _BF16)
