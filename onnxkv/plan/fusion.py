@@ -270,7 +270,8 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         scores = S(Q, K)                      # see below
         P      = Softmax(Add(scores, mask))   # mask: either Add operand
         P'     = Where(IsNaN(P), fill, P)     # optional NaN guard of fully masked rows
-        Y      = RepeatKvMatMul(P', V, ...)   # transpose_b=0, or MatMul(P', V)
+        P''    = Cast(...Cast(P'))            # optional Casts (transformers' softmax(dtype=float32).to(q.dtype))
+        Y      = RepeatKvMatMul(P'', V, ...)  # transpose_b=0, or MatMul(P'', V)
 
     where ``S`` is ``RepeatKvMatMul(Q, K, axes, expand, reshape, [k_scale],
     [post])`` with ``transpose_b=1``, or ``MatMul(Q, [Mul(., k_scale)]
@@ -390,6 +391,10 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
                 continue
             chain += [isnan, where]
             probs = w.output[0]
+            after = readers.get(probs, []) if probs not in protected else []
+        while len(after) == 1 and is_op(after[0], "Cast"):  # softmax(..., dtype=float32).to(query.dtype)
+            chain.append(after[0])
+            probs = nodes[after[0]].output[0]
             after = readers.get(probs, []) if probs not in protected else []
         if len(after) != 1:
             continue

@@ -36,7 +36,9 @@ copied) runs when, checked on every call:
   scores, the probabilities and the products);
 * both repeats describe the same head repeat ``n`` with ``Hq = n * Hkv`` (or
   neither is present and ``Hq == Hkv``); the scales are scalars;
-* the Softmax is over the last axis;
+* the Softmax is over the last axis, and every Cast of the probabilities
+  (transformers' ``softmax(..., dtype=float32).to(query.dtype)``) is to ``q``'s
+  type, an identity;
 * the mask is float32, one value per (batch, query, key) for all heads, every
   entry is 0 (visible) or ``<= -1e30`` (masked: float32 min, ``-inf``) --
   a float16 mask: 0 or ``<= -65504`` (float16's lowest, as the converter
@@ -251,6 +253,15 @@ def _scalar(x: np.ndarray | None) -> float | None:
     return float(x.reshape(()))
 
 
+def _cast_type(op: Op, node: onnx.NodeProto) -> np.dtype | None:
+    """The NumPy type a body ``Cast`` node converts to; None for a type NumPy has not (the body then runs)."""
+    to = next((a.i for a in node.attribute if a.name == "to"), 0)
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(to))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 @register("MaskedAttention", domain="ai.onnxkv", internal=True)
 class MaskedAttention(Op):
     """See the module docstring.  Built with one kernel object per body node (the literal path)."""
@@ -263,6 +274,10 @@ class MaskedAttention(Op):
         self.score_div = bool(self.attrs.get("score_div", 0))
         self._repeat = self._body.kernel("RepeatKvMatMul")
         axis = next((a.i for a in self._body.node("Softmax").attribute if a.name == "axis"), None)
+        #: The types the probabilities are cast to (the kernel path needs each to be q's: identities).
+        self._cast_types = tuple(
+            _cast_type(self, n) for n, _ in self._body.steps if n.op_type == "Cast" and n.domain in ("", "ai.onnx")
+        )
         self._last_axis_softmax = axis in (-1, 3) or (axis is None and ctx.opset("") >= 13)
         templates = self.attrs.get(RESHAPE_FROM_X, ())
         #: (reshape template position, position of the tensor it is over)
@@ -411,6 +426,7 @@ class MaskedAttention(Op):
         if (
             not self._last_axis_softmax
             or q.dtype not in (np.float32, np.float16)
+            or any(t != q.dtype for t in self._cast_types)
             or (q.dtype == np.float16 and k.dtype != np.float16)
             or q.ndim != 4
             or k.ndim != 4

@@ -26,7 +26,9 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
 
     ``repeat``: repeat_kv + Transpose + MatMul, then Mul by the scale (onnxkv.zoo.concat);
     ``torch``: Q and Kᵀ each scaled by sqrt(scale), NaN guard after the Softmax (torch.onnx.export);
-    ``mha``: no repeat, MatMul(Q, Transpose(K)) / sqrt(D).
+    ``mha``: no repeat, MatMul(Q, Transpose(K)) / sqrt(D);
+    ``casts``: ``repeat`` with transformers' ``softmax(..., dtype=float32).to(q.dtype)``, two Casts to float32;
+    ``rounding_casts``: ``repeat`` whose probabilities go through float16 and back (not identities).
     """
     inits = {
         "axes": np.array([2], np.int64),
@@ -54,7 +56,7 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
         kt = node("Transpose", ["k"], "kt", perm=[0, 1, 3, 2])
         scores = node("Div", [node("MatMul", ["q", kt], "qk"), "sqrt_d"], "scores")
         v = "v"
-    elif form == "repeat":
+    elif form in ("repeat", "casts", "rounding_casts"):
         kt = node("Transpose", [repeat("k")], "kt", perm=[0, 1, 3, 2])
         scores = node("Mul", [node("MatMul", ["q", kt], "qk"), "scale"], "scores")
         v = repeat("v")
@@ -65,6 +67,9 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
     probs = node("Softmax", [node("Add", ["mask", scores], "biased")], "probs", axis=-1)
     if form == "torch":
         probs = node("Where", [node("IsNaN", [probs], "nan"), "zero", probs], "guarded")
+    if form in ("casts", "rounding_casts"):
+        first = TensorProto.FLOAT if form == "casts" else TensorProto.FLOAT16
+        probs = node("Cast", [node("Cast", [probs], "probs_cast", to=first)], "probs_back", to=TensorProto.FLOAT)
     node("MatMul", [probs, v], "y")
     h = HQ if form == "mha" else HKV
     f = TensorProto.FLOAT
@@ -182,6 +187,22 @@ def test_masks_the_kernel_cannot_express_are_evaluated_literally(case, kernel_ca
         mask[1, 0, 0, 2] = FMIN
     _check("repeat", _feeds("repeat", s, t, mask, seed=12), threads=1)
     assert kernel_calls == []
+
+
+@pytest.mark.parametrize("s,t", [(1, 37), (6, 11)])
+def test_casts_of_the_probabilities_to_their_own_type_run_on_the_kernel(s, t, kernel_calls):
+    _check("casts", _feeds("casts", s, t, _causal_padded(s, t, [0, 3]), seed=s))
+    assert len(kernel_calls) == 1
+
+
+def test_casts_that_round_the_probabilities_are_evaluated_literally(kernel_calls):
+    s, t = 2, 9
+    feeds = _feeds("rounding_casts", s, t, _causal_padded(s, t, [0, 1]), seed=5)
+    got = _check("rounding_casts", feeds)
+    assert kernel_calls == []
+    # the literal path kept the float16 rounding of the probabilities (the kernel's result would not)
+    exact = Session(_block("casts", feeds["mask"].shape), threads=1).run(feeds)["y"]
+    assert np.abs(got - exact).max() > 1e-6
 
 
 def test_observable_intermediates_block_the_fusion():
