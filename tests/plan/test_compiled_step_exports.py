@@ -14,8 +14,8 @@ from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.compiled_step import Segment
 from onnxkv.zoo.builders import MICRO, build_model
 
-#: The nodes that build the graphs' masks from attention_mask: they stay Python nodes (their shapes grow).
-MASK_NODES = {"ShapeOf", "Range", "Sub", "LessOrEqual", "Cast", "And", "Where", "Unsqueeze"}
+#: The node that builds the graphs' masks from attention_mask (their fused chain): a Python node (its shapes grow).
+MASK_NODES = {"ExportMask"}
 #: Per graph form, operators its decode step now replays.
 COMPILED = {
     "concat": {"Concat", "MaskedAttention", "RotateHalf", "SkipRMSNormChain", "ViewChain"},

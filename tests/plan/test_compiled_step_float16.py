@@ -29,7 +29,7 @@ PYTHON = {
     "attention": {"Attention23", "RotaryEmbedding23"},
     "q4f16": {"GroupQueryAttention"},
 }
-MASK_NODES = {"ShapeOf", "Range", "Sub", "LessOrEqual", "Cast", "And", "Where", "Unsqueeze", "Equal", "Expand"}
+MASK_NODES = {"ExportMask"}
 
 
 @pytest.fixture(scope="module", params=sorted(PYTHON))

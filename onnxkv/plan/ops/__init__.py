@@ -8,6 +8,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     control_flow,
     dequantize_linear,
     elementwise,
+    export_mask,
     gather_block_quantized,
     mask_lengths,
     masked_attention,
