@@ -47,6 +47,7 @@ __all__ = [
     "fuse_masked_attention",
     "MASKED_ATTENTION_INPUTS",
     "FUSED_DOMAIN",
+    "kept_nodes",
     "fused_with_body",
     "graph_index",
     "default_op",
@@ -142,6 +143,28 @@ def graph_index(nodes: list[onnx.NodeProto], protected: set[str]):
         return producer.get(value)
 
     return readers, producer, single
+
+
+def kept_nodes(nodes: list[onnx.NodeProto], body: set[int], outputs: set[str], protected: set[str]) -> set[int]:
+    """The nodes of ``body`` (indices into ``nodes``) that stay in the graph beside a fused node making
+    ``outputs``: those whose value a node outside the body (or the graph: ``protected``) also reads, and the
+    body nodes they read from (a value in ``outputs`` is the fused node's)."""
+    readers = _readers(nodes)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    keep = {
+        i
+        for i in body
+        if nodes[i].output[0] not in outputs
+        and any(o in protected or set(readers.get(o, [])) - body for o in nodes[i].output)
+    }
+    stack = list(keep)
+    while stack:
+        for x in nodes[stack.pop()].input:
+            j = producer.get(x)
+            if j in body and j not in keep and x not in outputs:
+                keep.add(j)
+                stack.append(j)
+    return keep
 
 
 def fuse_repeat_kv_matmul(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx.NodeProto]:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
-from onnxkv.plan.fusion import fused_with_body, graph_index
+from onnxkv.plan.fusion import fused_with_body, graph_index, kept_nodes
 from onnxkv.plan.mask_formula import analyse, mask_formula
 
 __all__ = ["fuse_export_masks"]
@@ -62,22 +62,7 @@ def fuse_export_masks(
     inside = {o for i in body for o in nodes[i].output}
     external = {x for i in body for x in nodes[i].input if x and x not in inside}
     fused = fused_with_body("ExportMask", [nodes[i] for i in sorted(body)], [], outputs=outputs)
-    # a body node stays when a node outside the body (or the graph) reads what it makes, and so do the body
-    # nodes it reads from (the fused node makes the outputs)
-    fused_outputs = set(outputs)
-    keep = {
-        i
-        for i in body
-        if nodes[i].output[0] not in fused_outputs
-        and any(o in protected or set(readers.get(o, [])) - body for o in nodes[i].output)
-    }
-    stack = list(keep)
-    while stack:
-        for x in nodes[stack.pop()].input:
-            j = producer.get(x)
-            if j in body and j not in keep and x not in fused_outputs:
-                keep.add(j)
-                stack.append(j)
+    keep = kept_nodes(nodes, body, set(outputs), protected)
     at = max((producer[x] for x in external if x in producer), default=-1) + 1
     out: list[onnx.NodeProto] = []
     for i, n in enumerate(nodes):

@@ -20,6 +20,7 @@ from onnxkv.plan.fusion_export_mask import fuse_export_masks
 from onnxkv.plan.fusion_integer import fuse_dynamic_quant_matmuls
 from onnxkv.plan.fusion_mask import fuse_mask_lengths
 from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls, fuse_sibling_nbits
+from onnxkv.plan.fusion_position import fuse_position_tables
 from onnxkv.plan.fusion_view import fuse_view_chains
 
 __all__ = ["fuse_graph"]
@@ -38,4 +39,6 @@ def fuse_graph(
     nodes = fuse_dynamic_quant_matmuls(nodes, protected, constants)
     nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)
     nodes = fuse_prologue_matmuls(nodes, protected, constants)
+    # after fuse_rotate_half, which proves from the rotary nodes that their tables repeat their halves
+    nodes = fuse_position_tables(nodes, protected, constants)
     return fuse_mask_lengths(nodes, protected)

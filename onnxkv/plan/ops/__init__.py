@@ -18,6 +18,7 @@ from onnxkv.plan.ops import (  # noqa: F401
     matmul_nbits,
     norm,
     paged,
+    position_table,
     prologue_matmul,
     quantize_paged_cache,
     reduce,

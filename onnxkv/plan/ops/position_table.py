@@ -1,0 +1,111 @@
+"""``ai.onnxkv::PositionTable``: values computed entry by entry from positions, read from tables.
+
+Written by :func:`onnxkv.plan.fusion_position.fuse_position_tables` over the
+nodes that turn ``position_ids`` [B, S] into an export's rotary cosines and
+sines (its ``body``; :mod:`onnxkv.plan.position_cone` proves that each output
+entry ``[..., b, ..., s, ...]`` depends on ``position_ids[b, s]`` alone).
+Inputs: the positions, then the constants the body reads.  Outputs: the cone's
+outputs, each ``[B, S, features]`` in memory (unit axes anywhere).
+
+At build, the body is evaluated once on the positions ``0 .. rows - 1``
+(attribute ``rows``), with onnxkv's own kernels, into one float32 table per
+distinct output (``[rows, features]``); a spot check evaluates the body again
+on single positions, as a decode step does, and keeps the tables only when
+every row is bit for bit what the body gives there.  A run whose positions are
+a C-contiguous int64 [B, S] array within ``[0, rows)`` copies table rows (the
+``gather_rows`` kernel); any other run evaluates the body literally, with the
+same values and errors as the unfused graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxkv._kernels.gather import gather_rows
+from onnxkv.plan.context import RunContext
+from onnxkv.plan.fusion import FUSED_DOMAIN
+from onnxkv.plan.ops._body import Body
+from onnxkv.plan.registry import BuildContext, Op, register
+
+__all__ = ["PositionTable"]
+
+#: Positions the spot check evaluates one at a time (besides the first and last rows).
+_SPOT_CHECKS = 16
+
+
+def _numpy_context() -> RunContext:
+    """A run context whose allocations are plain NumPy arrays (the body's evaluation at build time)."""
+    return RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), False, 0)
+
+
+@register("PositionTable", domain=FUSED_DOMAIN, internal=True)
+class PositionTable(Op):
+    """Kernel of one PositionTable node (see the module docstring)."""
+
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self.body = Body.of(self, ctx, ("positions",))
+        self.rows = int(self.attrs.get("rows", 0))
+        if self.rows < 1:
+            raise self.error(f"attribute rows = {self.rows}; expected a positive count of positions")
+        axes = list(self.attrs.get("position_axes", []))
+        if len(axes) != 2 * len(node.output) or any(not 0 <= a < b for a, b in zip(axes[::2], axes[1::2])):
+            raise self.error(f"attribute position_axes = {axes}; expected two increasing axes per output")
+        self._axes = list(zip(axes[::2], axes[1::2]))
+        #: Per output, its shape with -1 and -2 where the positions' two dims go.
+        self._shapes: list[tuple] = []
+        #: Per output: its table [rows, features] (tables of equal values are one array), or None.
+        self._tables: list[np.ndarray] | None = self._build(ctx)
+
+    def _evaluate(self, positions: np.ndarray, ctx: BuildContext) -> list[np.ndarray] | None:
+        inputs = [positions] + [ctx.constant(n) if n else None for n in self.node.input[1:]]
+        if any(x is None for n, x in zip(self.node.input[1:], inputs[1:]) if n):
+            return None
+        try:
+            return self.body.evaluate(self.node.input, inputs, _numpy_context())
+        except Exception:  # a body that fails here runs literally, and fails there as the graph does
+            return None
+
+    def _build(self, ctx: BuildContext) -> list[np.ndarray] | None:
+        whole = self._evaluate(np.arange(self.rows, dtype=np.int64).reshape(1, self.rows), ctx)
+        if whole is None or any(
+            y.dtype != np.float32 or y.ndim <= a1 or y.shape[a0] != 1 or y.shape[a1] != self.rows
+            for y, (a0, a1) in zip(whole, self._axes)
+        ):
+            return None
+        for y, (a0, a1) in zip(whole, self._axes):
+            shape = list(y.shape)
+            shape[a0], shape[a1] = -1, -2
+            self._shapes.append(tuple(shape))
+        tables: list[np.ndarray] = []
+        for y in whole:
+            table = np.ascontiguousarray(y.reshape(self.rows, -1))
+            table = next((t for t in tables if t.shape == table.shape and np.array_equal(t, table)), table)
+            table.flags.writeable = False
+            tables.append(table)
+        spots = np.unique(np.r_[0, self.rows - 1, np.linspace(0, self.rows - 1, _SPOT_CHECKS).astype(np.int64)])
+        for p in spots:
+            one = self._evaluate(np.full((1, 1), p, np.int64), ctx)
+            if one is None or any(not np.array_equal(o.reshape(-1), t[p]) for o, t in zip(one, tables)):
+                return None
+        return tables
+
+    def _fast(self, positions) -> bool:
+        if self._tables is None or type(positions) is not np.ndarray:
+            return False
+        if positions.dtype != np.int64 or positions.ndim != 2 or positions.size == 0:
+            return False
+        return positions.flags.c_contiguous and 0 <= positions.min() and positions.max() < self.rows
+
+    def run(self, inputs: list, rt) -> tuple:
+        positions = inputs[0]
+        if not self._fast(positions):
+            return tuple(self.body.evaluate(self.node.input, inputs, rt))
+        b, s = positions.shape
+        flat = positions.reshape(-1)
+        outs = []
+        for j, (table, shape) in enumerate(zip(self._tables, self._shapes)):
+            out = rt.empty(j, tuple(b if d == -1 else s if d == -2 else d for d in shape), np.float32)
+            gather_rows(table, flat, out.reshape(b * s, table.shape[1]))
+            outs.append(out)
+        return tuple(outs)

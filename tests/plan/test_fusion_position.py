@@ -1,0 +1,115 @@
+"""Rotary tables of exports read from PositionTable (onnxkv.plan.fusion_position, position_cone, ops.position_table).
+
+Each torch.onnx.export fixture's rotary cone is fused into one PositionTable;
+its values must equal the unfused plan's bit for bit at positions inside the
+tables (read from them), past them and negative (the body evaluated).  Small
+graphs check the cone's rules: a constant that varies along the positions'
+axes, or a layout whose features come before the positions, is not fused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxkv
+import onnxkv.plan.fusion_passes as fusion_passes
+from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.plan.fusion_position import TABLE_ROWS
+from onnxkv.plan.ops import position_table
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+EXPORTS = {p.parts[-3]: p for p in sorted((DATA / "arch").glob("*/torch/model.onnx"))}
+EXPORTS["torch_tiny_llama"] = DATA / "torch_tiny_llama" / "model.onnx"
+
+
+@pytest.fixture
+def body_runs(monkeypatch):
+    """Counts the PositionTable runs that evaluated the body instead of reading the tables."""
+    runs = []
+    real = position_table.PositionTable._fast
+
+    def counting(self, positions):
+        fast = real(self, positions)
+        runs.extend([] if fast else [1])
+        return fast
+
+    monkeypatch.setattr(position_table.PositionTable, "_fast", counting)
+    return runs
+
+
+def _unfused(model, monkeypatch) -> onnxkv.Session:
+    with monkeypatch.context() as m:
+        m.setattr(fusion_passes, "fuse_position_tables", lambda nodes, protected, constants: nodes)
+        return onnxkv.Session(model, threads=1)
+
+
+def _logits(sess: onnxkv.Session, positions: np.ndarray) -> np.ndarray:
+    """Logits of a prefill of ``positions.shape[1]`` tokens at the given positions (one row per batch row)."""
+    b, s = positions.shape
+    ids = (np.arange(b * s).reshape(b, s) * 7 % 200).astype(np.int64)
+    fb = FeedBuilder(sess.plan.inputs, sess.model, ids, np.full(b, s), 0)
+    feeds, _ = fb.first()
+    feeds["position_ids"] = positions
+    return sess.run(feeds)["logits"]
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTS))
+def test_each_exports_rotary_cone_reads_its_tables_bit_for_bit(name, body_runs, monkeypatch):
+    fused = onnxkv.Session(EXPORTS[name], threads=1)
+    ops = [n.op_type for n in fused.plan.nodes]
+    assert ops.count("PositionTable") == 1 and not {"Cos", "Sin"} & set(ops)
+    unfused = _unfused(EXPORTS[name], monkeypatch)
+    rng = np.random.default_rng(len(name))
+    for positions in (rng.integers(0, TABLE_ROWS, (2, 3)), np.array([[0, 1, TABLE_ROWS - 1]])):
+        np.testing.assert_array_equal(_logits(fused, positions), _logits(unfused, positions))
+    assert body_runs == []
+    for positions in (np.array([[TABLE_ROWS, TABLE_ROWS + 5]]), np.array([[-3, 2]])):  # outside the tables
+        np.testing.assert_array_equal(_logits(fused, positions), _logits(unfused, positions))
+    assert len(body_runs) == 2
+
+
+def _cone_model(constant_shape: tuple, unsqueeze: int = 2) -> onnx.ModelProto:
+    """positions [B, S] -> Unsqueeze -> Cast -> Mul(constant) -> Cos -> y (a graph output)."""
+    freq = np.linspace(0.1, 1.0, int(np.prod(constant_shape))).astype(np.float32).reshape(constant_shape)
+    nodes = [
+        helper.make_node("Unsqueeze", ["positions", "axes"], ["u"]),
+        helper.make_node("Cast", ["u"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["f", "freq"], ["a"]),
+        helper.make_node("Cos", ["a"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cone",
+        [helper.make_tensor_value_info("positions", TensorProto.INT64, ["B", "S"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([unsqueeze], np.int64), "axes"), numpy_helper.from_array(freq, "freq")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    "constant_shape,unsqueeze,fused",
+    [
+        ((1, 1, 4), 2, True),  # features after the positions: a table
+        ((4,), 2, True),
+        ((1, 3, 1), 2, False),  # varies along S: not a function of each position alone
+        ((1, 4, 1), 1, False),  # features between B and S: not [B, S, features] in memory
+    ],
+)
+def test_the_cone_rules(constant_shape, unsqueeze, fused, body_runs):
+    model = _cone_model(constant_shape, unsqueeze)
+    sess = onnxkv.Session(model, threads=1)
+    assert ("PositionTable" in [n.op_type for n in sess.plan.nodes]) == fused
+    from onnx.reference import ReferenceEvaluator
+
+    positions = np.array([[0, 5, 9], [2, 7, 1000]], np.int64)
+    if not fused and constant_shape == (1, 3, 1):
+        positions = positions[:, :3]
+    want = ReferenceEvaluator(model).run(None, {"positions": positions})[0]
+    np.testing.assert_allclose(sess.run({"positions": positions})["y"], want, rtol=1e-6, atol=1e-6)
+    assert body_runs == []
