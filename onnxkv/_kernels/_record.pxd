@@ -9,7 +9,7 @@ cdef enum:
     KIND_RMS_NORM = 2        # arrays (x, gamma, out); ints (rows, n); floats (eps,)
     KIND_SKIP_RMS_NORM = 3   # arrays (x, skip, gamma, bias or None, out, sum_out or None); ints (rows, n); floats (eps,)
     KIND_ACTIVATION = 4      # arrays (x, up or None, out); ints (mode, n)
-    KIND_GATHER_ROWS = 5     # arrays (table, indices, out); ints (N, D, m); fails on an index out of range
+    KIND_GATHER_ROWS = 5     # arrays (table, indices, out); ints (N, D, m, wrap); fails on an index out of range
     # S decode tokens of one sequence into a state's contiguous caches (attention.decode_token_ptr), their position
     # read when replayed: arrays (q, k, v (each the memory its S rows span), cos or None, sin or None, k_cache,
     # v_cache, seqlens_k int32 [1], total int32 [1], out, pos_io int64 [2]); ints (Hq, Hkv, Cap, D, half,

@@ -1,9 +1,10 @@
 """Rows of a table picked by indices (ONNX Gather on axis 0 of a 2-D table, float32).
 
-``gather_rows(table, indices, out)``: ``out[i] = table[indices[i]]`` for table
-[N, D] float32, indices [m] int64 (negative counts from the end, as ONNX's
-Gather: -N <= index < N) and out [m, D] float32, all C-contiguous; ``out``
-must not overlap the others.  Every index is checked before the first row is
+``gather_rows(table, indices, out, wrap=True)``: ``out[i] = table[indices[i]]``
+for table [N, D] float32, indices [m] int64 (with ``wrap``, negative counts from
+the end, as ONNX's Gather: -N <= index < N; without, 0 <= index < N: a table
+of positions, whose negative rows do not exist) and out [m, D] float32, all
+C-contiguous; ``out`` must not overlap the others.  Every index is checked before the first row is
 written.  Noted for compiled steps (``_record.pyx``): a replay checks the
 indices of its run the same way and writes nothing when one is out of range.
 """
@@ -19,13 +20,13 @@ from . import _validate as V
 
 
 cdef int64_t gather_rows_ptr(const float *table, int64_t N, int64_t D, const int64_t *indices, int64_t m,
-                             float *out) noexcept nogil:
-    """The rows, after checking every index; returns -1 when all were in range, else the position of the
-    first index out of range (nothing written)."""
-    cdef int64_t i, v
+                             float *out, bint wrap) noexcept nogil:
+    """The rows, after checking every index (in [-N, N) with ``wrap``, else in [0, N)); returns -1 when all
+    were in range, else the position of the first index out of range (nothing written)."""
+    cdef int64_t i, v, low = -N if wrap else 0
     for i in range(m):
         v = indices[i]
-        if v < -N or v >= N:
+        if v < low or v >= N:
             return i
     for i in range(m):
         v = indices[i]
@@ -35,7 +36,7 @@ cdef int64_t gather_rows_ptr(const float *table, int64_t N, int64_t D, const int
     return -1
 
 
-cdef bint _gather_fast(table, indices, out) except -1:
+cdef bint _gather_fast(table, indices, out, bint wrap) except -1:
     """Run ``gather_rows`` when every argument is valid (typed buffers, shapes, disjoint ranges, every
     index in range: the conditions of the Python checks) and there is a row to write, all checked at C
     speed; return False, with nothing written, to send the call through those checks."""
@@ -59,16 +60,16 @@ cdef bint _gather_fast(table, indices, out) except -1:
         return False
     cdef int64_t bad
     with nogil:
-        bad = gather_rows_ptr(&tv[0, 0], N, D, &iv[0], m, &ov[0, 0])
+        bad = gather_rows_ptr(&tv[0, 0], N, D, &iv[0], m, &ov[0, 0], wrap)
     return bad < 0
 
 
-def gather_rows(table, indices, out):
+def gather_rows(table, indices, out, bint wrap=True):
     """out[i] = table[indices[i]] (see the module docstring); raises ValueError naming the argument,
     or the first index out of range, before writing anything.  (Called once per decode step, so valid
     arguments are checked in C; only a failing check takes the Python checks.)"""
-    if _gather_fast(table, indices, out):
-        _note(table, indices, out)
+    if _gather_fast(table, indices, out, wrap):
+        _note(table, indices, out, wrap)
         return
     V.array("table", table, (V.F32,), ndim=2)
     V.array("indices", indices, (np.dtype(np.int64),), ndim=1)
@@ -83,14 +84,15 @@ def gather_rows(table, indices, out):
     cdef const int64_t[::1] iv = indices
     cdef float[:, ::1] ov = out
     with nogil:
-        bad = gather_rows_ptr(&tv[0, 0], N, D, &iv[0], m, &ov[0, 0])
+        bad = gather_rows_ptr(&tv[0, 0], N, D, &iv[0], m, &ov[0, 0], wrap)
     if bad >= 0:
-        raise ValueError(f"indices: indices[{bad}] = {int(indices[bad])} is out of range [{-N}, {N})")
-    _note(table, indices, out)
+        raise ValueError(f"indices: indices[{bad}] = {int(indices[bad])} is out of range [{-N if wrap else 0}, {N})")
+    _note(table, indices, out, wrap)
 
 
-cdef void _note(table, indices, out):
+cdef void _note(table, indices, out, bint wrap):
     """Note a gather that ran (for a recording thread: _record.pyx)."""
     rec = recorder()
     if rec is not None:
-        rec.note(KIND_GATHER_ROWS, (table, indices, out), (table.shape[0], table.shape[1], indices.shape[0]), ())
+        rec.note(KIND_GATHER_ROWS, (table, indices, out),
+                 (table.shape[0], table.shape[1], indices.shape[0], int(wrap)), ())

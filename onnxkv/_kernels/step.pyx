@@ -186,6 +186,8 @@ cdef class Program:
                     and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (1, 2))):
                 raise ValueError(f"Program: masked decode call {c}: mask, token and cache types {ints[9:13]} are not "
                                  "its arrays'")
+            if kind == KIND_GATHER_ROWS and not (len(ints) == 4 and ints[3] in (0, 1)):
+                raise ValueError(f"Program: gather call {c}: ints {list(ints)} are not (N, D, m, wrap 0 or 1)")
             if kind in (KIND_CACHE_ROWS, KIND_SCATTER_ROWS) and not (
                     len(ints) > 5 and ints[5] in (2, 4) and arrays[0].itemsize == arrays[1].itemsize == ints[5]
                     and (kind == KIND_CACHE_ROWS or arrays[3].itemsize == ints[5])):
@@ -422,11 +424,11 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
     """Whether a call accepts the values of this run (read from operands no call writes: CHECKED)."""
     cdef int64_t i, v, pos, total, n
     cdef const int64_t *idx
-    if c.kind == KIND_GATHER_ROWS:     # every index in [-N, N)
+    if c.kind == KIND_GATHER_ROWS:     # every index in [-N, N) (wrap), else in [0, N)
         idx = <const int64_t *>c.p[1]
         for i in range(c.i[2]):
             v = idx[i]
-            if v < -c.i[0] or v >= c.i[0]:
+            if v < (-c.i[0] if c.i[3] else 0) or v >= c.i[0]:
                 return False
     elif c.kind == KIND_DECODE_TOKEN:  # the committed length, room in the cache and the rotary tables
         n = c.i[8]
@@ -516,7 +518,8 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
         rope_ptr(<const float *>c.p[0], <const float *>c.p[1], <const float *>c.p[2], <const int64_t *>c.p[3], c.i[0],
                  c.i[1], c.i[2], c.i[3], c.i[5], <int>c.i[6], <float *>c.p[4], s)
     elif c.kind == KIND_GATHER_ROWS:
-        gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2], <float *>c.p[2])
+        gather_rows_ptr(<const float *>c.p[0], c.i[0], c.i[1], <const int64_t *>c.p[1], c.i[2], <float *>c.p[2],
+                        c.i[3] != 0)
     elif c.kind == KIND_MATMUL_NBITS:
         return -1 if matmul_nbits_ptr(c.p[1], <const float *>c.p[0], c.i[0], <const float *>c.p[2],
                                       <float *>c.p[3], <int>c.i[1], s) != 0 else 0

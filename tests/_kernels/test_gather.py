@@ -49,3 +49,44 @@ def test_replay_reads_the_indices_of_the_run_and_refuses_bad_ones():
     out_before = out.copy()
     assert not program.run([np.array([10, 0], np.int64)])
     np.testing.assert_array_equal(out, out_before)
+
+
+def test_without_wrap_only_rows_from_zero_are_taken_and_a_negative_index_is_refused():
+    rng = np.random.default_rng(2)
+    table, out = rand(rng, (6, 4)), np.empty((3, 4), np.float32)
+    gather_rows(table, np.array([5, 0, 2], np.int64), out, wrap=False)
+    np.testing.assert_array_equal(out, table[[5, 0, 2]])
+    before = out.copy()
+    assert_refused(
+        lambda: gather_rows(table, np.array([1, -1, 2], np.int64), out, wrap=False),
+        "indices: indices[1] = -1 is out of range [0, 6)",
+        out,
+    )
+    np.testing.assert_array_equal(out, before)
+
+
+def test_a_replay_without_wrap_refuses_a_negative_index_the_wrapping_one_takes():
+    rng = np.random.default_rng(3)
+    table = rand(rng, (10, 8))
+    for wrap in (True, False):
+        idx, out = np.array([3, 4], np.int64), np.empty((2, 8), np.float32)
+        rec = Recorder()
+        with rec:
+            gather_rows(table, idx, out, wrap=wrap)
+        program = Program(rec.calls, [idx])
+        assert program.run([np.array([1, 9], np.int64)])
+        np.testing.assert_array_equal(out, table[[1, 9]])
+        assert bool(program.run([np.array([-1, 0], np.int64)])) == wrap
+        np.testing.assert_array_equal(out, table[[-1, 0]] if wrap else table[[1, 9]])
+
+
+def test_a_gather_call_with_a_wrap_flag_other_than_0_or_1_is_refused_when_built():
+    rng = np.random.default_rng(4)
+    table, idx, out = rand(rng, (4, 2)), np.array([1], np.int64), np.empty((1, 2), np.float32)
+    rec = Recorder()
+    with rec:
+        gather_rows(table, idx, out)
+    kind, arrays, ints, floats = rec.calls[0]
+    for bad in ((4, 2, 1), (4, 2, 1, 2)):
+        with pytest.raises(ValueError, match="gather call 0"):
+            Program([(kind, arrays, bad, floats)], [idx])

@@ -31,14 +31,14 @@ EXPORTS["torch_tiny_llama"] = DATA / "torch_tiny_llama" / "model.onnx"
 def body_runs(monkeypatch):
     """Counts the PositionTable runs that evaluated the body instead of reading the tables."""
     runs = []
-    real = position_table.PositionTable._fast
+    table = position_table.PositionTable
+    real_run, fast = table.run, table._fast
 
-    def counting(self, positions):
-        fast = real(self, positions)
-        runs.extend([] if fast else [1])
-        return fast
+    def counting(self, inputs, rt):
+        runs.extend([] if fast(self, inputs[0]) else [1])
+        return real_run(self, inputs, rt)
 
-    monkeypatch.setattr(position_table.PositionTable, "_fast", counting)
+    monkeypatch.setattr(table, "run", counting)
     return runs
 
 
@@ -113,3 +113,34 @@ def test_the_cone_rules(constant_shape, unsqueeze, fused, body_runs):
     want = ReferenceEvaluator(model).run(None, {"positions": positions})[0]
     np.testing.assert_allclose(sess.run({"positions": positions})["y"], want, rtol=1e-6, atol=1e-6)
     assert body_runs == []
+
+
+def test_decode_steps_replay_the_tables_and_run_the_body_past_them(monkeypatch):
+    import onnxkv.plan.fusion_position as fusion_position
+    from onnxkv.plan.compiled_step import Segment
+
+    monkeypatch.setattr(fusion_position, "TABLE_ROWS", 24)  # the decode below crosses the tables' end
+    path = EXPORTS["llama_tied"]
+    fused, unfused = onnxkv.Session(path, threads=2), _unfused(path, monkeypatch)
+    prompt = (np.arange(1, 17, dtype=np.int64) * 5 % 250)[None]
+    runs = []
+    for sess in (fused, unfused):
+        state = sess.new_state()
+        fb = FeedBuilder(sess.plan.inputs, sess.model, prompt, np.array([prompt.shape[1]]), 0, thread_cache=False)
+        feeds, _ = fb.first()
+        out = state.run(feeds)
+        logits = []
+        for i in range(16):  # positions 16 .. 31
+            feeds = fb.next(np.argmax(out["logits"][:, -1], axis=-1)[:, None], out)
+            out = state.run(feeds)
+            logits.append(out["logits"].copy())
+            if sess is fused and i == 4:  # inside the tables: the step replays their row copies
+                assert any(
+                    "PositionTable" in {type(sess.plan.kernels[k]).__name__ for k in range(item.first, item.end)}
+                    for step in sess.plan.steps.idle
+                    for item in step.items
+                    if isinstance(item, Segment)
+                )
+        runs.append(logits)
+    for got, want in zip(*runs):
+        np.testing.assert_array_equal(got, want)

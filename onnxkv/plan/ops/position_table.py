@@ -13,8 +13,10 @@ distinct output (``[rows, features]``); a spot check evaluates the body again
 on single positions, as a decode step does, and keeps the tables only when
 every row is bit for bit what the body gives there.  A run whose positions are
 a C-contiguous int64 [B, S] array within ``[0, rows)`` copies table rows (the
-``gather_rows`` kernel); any other run evaluates the body literally, with the
-same values and errors as the unfused graph.
+``gather_rows`` kernel, without wrapping: a negative position is not a row); any
+other run evaluates the body literally, with the same values and errors as the
+unfused graph.  A compiled step replays the row copies (a replay refuses
+positions outside the tables, and that run evaluates the body).
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ class PositionTable(Op):
             return False
         return positions.flags.c_contiguous and 0 <= positions.min() and positions.max() < self.rows
 
+    def compilable(self, inputs: list) -> bool:
+        """Positions the tables cover: one recorded row copy per output, whose replay refuses positions outside
+        ``[0, rows)`` (the run then evaluates the body)."""
+        return self._fast(inputs[0])
+
     def run(self, inputs: list, rt) -> tuple:
         positions = inputs[0]
         if not self._fast(positions):
@@ -106,6 +113,6 @@ class PositionTable(Op):
         outs = []
         for j, (table, shape) in enumerate(zip(self._tables, self._shapes)):
             out = rt.empty(j, tuple(b if d == -1 else s if d == -2 else d for d in shape), np.float32)
-            gather_rows(table, flat, out.reshape(b * s, table.shape[1]))
+            gather_rows(table, flat, out.reshape(b * s, table.shape[1]), wrap=False)
             outs.append(out)
         return tuple(outs)
