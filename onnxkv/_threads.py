@@ -16,11 +16,13 @@ Decode-sized runs (few tokens) do their heavy work in onnxkv's own OpenMP
 kernels; there BLAS gets one thread, because BLAS worker threads that wake
 for a small product and then busy-wait hold the cores the OpenMP kernels need
 next, stalling every kernel call.  Larger runs (prefill) give BLAS every
-thread.  A session's run takes that limit only when its first node runs in
-Python (``ThreadControl(..., lazy_blas=True)``, the ``on_python`` hook of
-:meth:`onnxkv.plan.plan.Plan.run`): a replayed compiled step calls onnxkv's
-kernels alone, never BLAS, so it leaves every library's thread count as it is
-and pays none of threadpoolctl's calls.
+thread.  A session's run takes that limit only when a node that may call BLAS
+runs in Python (``ThreadControl(..., lazy_blas=True)``, the ``on_python`` hook
+of :meth:`onnxkv.plan.plan.Plan.run`; ``Op.uses_blas``): a replayed compiled
+step calls onnxkv's kernels alone, and the Python nodes around it in a decode
+step (an export's mask, shape values, casts) never call BLAS, so such a run
+leaves every library's thread count as it is and pays none of threadpoolctl's
+calls.
 """
 
 from __future__ import annotations

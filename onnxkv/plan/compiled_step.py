@@ -48,8 +48,12 @@ buffers of the run by name, and carry an *effect* (see
 ``before`` prepares what the calls check, its ``after`` stages what they wrote
 as the operator would and sets the node outputs it names.
 
-A node whose operator declares ``view_inputs`` and whose viewed inputs the
-open segment made (its other inputs constants) joins the segment with no call
+A node whose operator reads only its inputs' shapes (``Op.shape_only``: a
+reshape target made by ``ShapeOf``) and whose inputs the open segment made
+joins it with no call: those shapes are the step's, so its value is kept as a
+constant of the step.  A node whose operator declares ``view_inputs`` and
+whose viewed inputs the open segment made (its other inputs constants or such
+kept values) joins the segment with no call
 when its outputs are C-contiguous views inside those inputs (a reshape of a
 product: step memory at a fixed address); a copy would be baked, so it stays
 a Python node.  A value that an effect sets (a present view) may be read by
@@ -244,6 +248,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     ragged_readers = _RaggedReaders(plan)
     unread_after = _UnreadAfter(plan)
     transient = False  # a node could not be recorded for this run's values only: the step serves this run
+    fixed: set[int] = set()  # slots of shape-only nodes' values kept for the step (constants of its replays)
 
     def close_segment() -> None:
         if not current:
@@ -274,9 +279,17 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     for k, (_, ins, outs) in enumerate(steps):
         args = [slots[i] for i in ins]
         op = plan.kernels[k]
+        if op is not None and op.shape_only and current and all(i in produced for i in ins):
+            # the shapes of values this segment makes are the step's: the node's value is too (no call)
+            run_nodes(plan, k, k + 1, slots, own, rt, cancel)
+            current.append(k)
+            produced.update((s, slots[s]) for s in outs)
+            fixed.update(outs)
+            continue
         # a view of a value this segment makes (a reshape of a product): no call, its memory is the step's
         segment_view = bool(op is not None and op.view_inputs and current) and all(
-            i in produced if j in op.view_inputs else constant[i] or slots[i] is None for j, i in enumerate(ins)
+            i in produced if j in op.view_inputs else constant[i] or i in fixed or slots[i] is None
+            for j, i in enumerate(ins)
         )
         if not (
             op is not None

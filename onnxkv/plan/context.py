@@ -88,8 +88,9 @@ class RunContext:
         self.cache_allocator = cache_allocator
         self.deferred: list[tuple] = []
         self.cancel = cancel
-        #: Called (then cleared) before the run's first node that runs in Python, or None: the session's BLAS
-        #: thread limit (:mod:`onnxkv._threads`), which a replayed compiled step does not need.
+        #: Called (then cleared) before the run's first node that runs in Python and may call BLAS
+        #: (``Op.uses_blas``), or None: the session's BLAS thread limit (:mod:`onnxkv._threads`), which a
+        #: replayed compiled step and BLAS-free Python nodes do not need.
         self.on_python = on_python
 
     def nested(self, plan_alloc) -> RunContext:

@@ -250,6 +250,8 @@ class Plan:
         kernels = [kernels[k] for k in alive]
         self.nodes = kept_nodes
         self.kernels = kernels
+        #: Per node, whether its kernel may call BLAS (run_loops calls the run's on_python hook before one).
+        self.uses_blas = [k is None or k.uses_blas for k in kernels]
         share_pages(kept_nodes, kernels)
         #: Names of the nodes run by ``onnx.reference`` fallbacks.
         self.fallback_nodes = [n.name or n.output[0] for n, k in zip(kept_nodes, kernels) if isinstance(k, FallbackOp)]
@@ -469,7 +471,8 @@ class Plan:
         in [0, S) and S, the tokens fed; checked by the caller): that output, when it is [B, S, V], is
         [B, 1, V], its rows at those positions, computed for them alone where the graph allows
         (:mod:`.logit_rows`).  ``on_python`` (a callable, or None) is called once, before the first node that
-        runs in Python (not at all when a compiled step replays every node: :attr:`RunContext.on_python`).
+        runs in Python and may call BLAS (not at all when a compiled step replays the others:
+        :attr:`RunContext.on_python`).
         """
         needed = None
         if output_names is None:

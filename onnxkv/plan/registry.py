@@ -156,6 +156,13 @@ class Op:
     #: Input positions a recorded call takes whole with their last dim read when replayed (a mask over the
     #: cache length): several nodes may take one such value when every reader declares it.
     ragged_inputs: tuple[int, ...] = ()
+    #: Whether the kernel may call BLAS (NumPy's matmul and the like): a run calls the session's BLAS thread
+    #: limit (``RunContext.on_python``) before the first such node that runs in Python; a kernel that never
+    #: does sets False.
+    uses_blas: bool = True
+    #: Whether the outputs depend on the inputs' shapes alone (Shape, ShapeOf): a compiled step keeps such a
+    #: node's value for its replays when it reads values of the step's own segments (their shapes are fixed).
+    shape_only: bool = False
     #: Names read from the enclosing scope by the node's subgraphs, passed after its inputs (see the module docstring).
     captures: tuple[str, ...] = ()
     #: Set by :func:`register`.

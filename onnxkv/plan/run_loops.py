@@ -73,8 +73,10 @@ def run_plain(plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=
 def run_nodes(
     plan: Plan, first: int, end: int, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None, needed=None
 ) -> None:
-    """``run_plain`` for the nodes ``[first, end)`` only (the others run elsewhere: a compiled step)."""
-    _python_starts(rt)
+    """``run_plain`` for the nodes ``[first, end)`` only (the others run elsewhere: a compiled step).  The run's
+    ``on_python`` hook is called before the first of them whose kernel may call BLAS (``Op.uses_blas``)."""
+    hook = rt.on_python is not None
+    blas = plan.uses_blas
     release = bufs.release
     get = slots.__getitem__
     steps, after = plan._steps, plan._after  # indexed, not sliced: no copy of the step lists per call
@@ -92,6 +94,9 @@ def run_nodes(
                 for s in free:
                     release(s)
                 continue
+            if hook and blas[k]:
+                _python_starts(rt)
+                hook = False
             args = list(map(get, ins))
             results = run(args, rt)
             if check:

@@ -396,3 +396,17 @@ def test_kernel_failing_on_its_attributes_is_a_model_error_naming_the_node():
     )
     with pytest.raises(ModelError, match=r"RotaryEmbedding node 'rope'"):
         Session(m)
+
+
+@pytest.mark.parametrize("blas", [False, True])
+def test_the_blas_limit_hook_runs_only_before_a_python_node_that_may_call_blas(blas):
+    # Cast and Shape never call BLAS; a MatMul run by NumPy may (here: an int32 product, not onnxkv's kernel)
+    nodes = [helper.make_node("Cast", ["x"], ["xi"], to=TensorProto.INT32), helper.make_node("Shape", ["xi"], ["s"])]
+    outputs = [_vi("s", [2], TensorProto.INT64)]
+    if blas:
+        nodes.append(helper.make_node("MatMul", ["xi", "xi"], ["p"]))
+        outputs.append(_vi("p", [2, 2], TensorProto.INT32))
+    sess = Session(_model(nodes, [_vi("x", [2, 2])], outputs), threads=1)
+    calls = []
+    sess.plan.run({"x": np.eye(2, dtype=np.float32)}, on_python=lambda: calls.append(1))
+    assert calls == ([1] if blas else [])

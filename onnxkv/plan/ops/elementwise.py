@@ -293,6 +293,8 @@ class _CastOp(Op):
         if self.round_mode not in _ROUND_MODES:
             raise self.error(f"attribute round_mode must be one of {list(_ROUND_MODES)}, got {self.round_mode!r}")
 
+    uses_blas = False
+
     def cast(self, x: np.ndarray, to: int, rt) -> np.ndarray:
         """``x`` converted to the ONNX element type ``to``, in a fresh array."""
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(to))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv.plan.fusion import FUSED_DOMAIN
-from onnxkv.plan.mask_formula import Lin, MaskFormula, analyse, mask_formula
+from onnxkv.plan.mask_formula import analyse, mask_formula
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -43,65 +43,76 @@ class ExportMask(Op):
         constants = {n: ctx.constant(n) for n in names if n and ctx.constant(n) is not None}
         values = analyse(list(graph.node), constants, {n for n in names if n and n not in constants})
         formulas = [mask_formula(values.get(o)) for o in self.body.outputs]
-        #: Per output, its formula, or None when the body must run (never for a node the fusion wrote).
-        self._formulas: list[MaskFormula | None] = formulas
-        atoms = {
-            atom
+        position = {n: i for i, n in enumerate(names)}
+        #: Per output: (formula, its batch / queries / keys / q0 as (constant, ((input, axis, coeff), ...)), the
+        #: mask's input position or -1), or None when the body must run (never for a node the fusion wrote).
+        self._plans = [
+            None
+            if f is None
+            else (
+                f,
+                tuple(
+                    (0, ()) if lin is None else (lin.const, tuple((position[v], axis, c) for (v, axis), c in lin.terms))
+                    for lin in (f.batch, f.queries, f.keys, f.q0)
+                ),
+                -1 if f.mask is None else position[f.mask],
+            )
             for f in formulas
-            if f is not None
-            for lin in (f.batch, f.queries, f.keys, f.q0)
-            if lin is not None
-            for atom, _ in lin.terms
-        }
-        #: (input name, input position, axis) of every dim the formulas read.
-        self._atoms = tuple(sorted((name, names.index(name), axis) for name, axis in atoms))
-        self._position = {n: i for i, n in enumerate(names)}
+        ]
 
-    def _dims(self, inputs: list) -> dict | None:
-        """Input name -> shape for the dims the formulas read; None when an input lacks the axis."""
-        shapes: dict = {}
-        for name, i, axis in self._atoms:
-            x = inputs[i]
-            if not isinstance(x, np.ndarray) or x.ndim <= axis:
-                return None
-            shapes[name] = x.shape
-        return shapes
+    #: Reads nothing through BLAS (a run whose Python nodes are such leaves the BLAS thread limit alone).
+    uses_blas = False
 
     def run(self, inputs: list, rt) -> tuple:
-        shapes = self._dims(inputs) if None not in self._formulas else None
-        outs = (
-            None if shapes is None else [self._formula(f, inputs, shapes, rt, i) for i, f in enumerate(self._formulas)]
-        )
-        if outs is None or any(o is None for o in outs):
-            return tuple(self.body.evaluate(self.node.input, inputs, rt))
+        outs = []
+        for index, plan in enumerate(self._plans):
+            out = None if plan is None else self._formula(plan, inputs, rt, index)
+            if out is None:
+                return tuple(self.body.evaluate(self.node.input, inputs, rt))
+            outs.append(out)
         return tuple(outs)
 
-    def _formula(self, f: MaskFormula, inputs: list, shapes: dict, rt, index: int) -> np.ndarray | None:
+    @staticmethod
+    def _value(lin: tuple, inputs: list) -> int | None:
+        """A Lin compiled as (constant, ((input, axis, coeff), ...)) for this run; None when an input lacks
+        the axis (the body then raises as the graph does)."""
+        total = lin[0]
+        for i, axis, c in lin[1]:
+            x = inputs[i]
+            if type(x) is not np.ndarray or x.ndim <= axis:
+                return None
+            total += c * x.shape[axis]
+        return total
+
+    def _formula(self, plan: tuple, inputs: list, rt, index: int) -> np.ndarray | None:
         """Output ``index`` from its formula, or None when this run is outside the formula's conditions."""
-        value = Lin.value
-        nq, nk, q0 = value(f.queries, shapes), value(f.keys, shapes), value(f.q0, shapes)
-        rows = 1 if f.batch is None else value(f.batch, shapes)
+        f, lins, at = plan
+        rows, nq, nk, q0 = (self._value(lin, inputs) for lin in lins)
+        if rows is None or nq is None or nk is None or q0 is None:
+            return None
+        rows = 1 if f.batch is None else rows
         if min(nq, nk, rows) < 0:
             return None
         mask = None
-        if f.mask is not None:
-            mask = inputs[self._position[f.mask]]
-            if not isinstance(mask, np.ndarray) or mask.ndim != 2 or nk > mask.shape[1] or rows > mask.shape[0]:
+        if at >= 0:
+            mask = inputs[at]
+            if type(mask) is not np.ndarray or mask.ndim != 2 or nk > mask.shape[1] or rows > mask.shape[0]:
                 return None
-        q = np.arange(q0, q0 + nq, dtype=np.int64)[:, None]
         k = np.arange(nk, dtype=np.int64)
+        q = np.arange(q0, q0 + nq, dtype=np.int64)[:, None]
         visible = k <= q
         if f.window:
             visible &= k > q - f.window
         if mask is not None:
-            visible = visible & mask[:rows, None, :nk].astype(bool)
+            visible = visible & (mask[:rows, None, :nk] != 0)
+        visible = visible.reshape((-1, 1, nq, nk))
         shape = (rows, 1, nq, nk)
         if f.values is None:
             out = rt.empty(index, shape, np.bool_)
-            out[...] = visible.reshape((-1, 1, nq, nk))
+            out[...] = visible
             return out
         a, b = f.values
         out = rt.empty(index, shape, a.dtype)
         out[...] = b
-        np.copyto(out, a, where=visible.reshape((-1, 1, nq, nk)))
+        np.copyto(out, a, where=visible)
         return out

@@ -99,6 +99,9 @@ class PositionTable(Op):
             return False
         return positions.flags.c_contiguous and 0 <= positions.min() and positions.max() < self.rows
 
+    #: Reads nothing through BLAS (table rows, or the body's element-wise operators).
+    uses_blas = False
+
     def compilable(self, inputs: list) -> bool:
         """Positions the tables cover: one recorded row copy per output, whose replay refuses positions outside
         ``[0, rows)`` (the run then evaluates the body)."""

@@ -72,6 +72,9 @@ def _check_indices(op: Op, idx: np.ndarray, dim: int, axis: int) -> None:
 
 @register("Shape")
 class Shape(Op):
+    shape_only = True
+    uses_blas = False
+
     def run(self, inputs: list, rt) -> tuple:
         shape = inputs[0].shape
         start = self.attrs.get("start", 0)
@@ -89,6 +92,9 @@ class ShapeOf(Op):
     itself when ``sources[i] == -1``; ``rank``: 1 (default) for a 1-D output,
     0 for a scalar (one element).  Only the inputs' shapes are read.
     """
+
+    shape_only = True
+    uses_blas = False
 
     def __init__(self, node, ctx: BuildContext) -> None:
         super().__init__(node, ctx)
