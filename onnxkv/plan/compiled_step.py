@@ -51,7 +51,8 @@ as the operator would and sets the node outputs it names.
 A node whose operator reads only its inputs' shapes (``Op.shape_only``: a
 reshape target made by ``ShapeOf``) and whose inputs the open segment made
 joins it with no call: those shapes are the step's, so its value is kept as a
-constant of the step.  A node whose operator declares ``view_inputs`` and
+constant of the step; so does a deterministic node whose inputs are constants
+and such kept values (a rotary width computed from a shape).  A node whose operator declares ``view_inputs`` and
 whose viewed inputs the open segment made (its other inputs constants or such
 kept values) joins the segment with no call
 when its outputs are C-contiguous views inside those inputs (a reshape of a
@@ -71,12 +72,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import onnx
 
 from onnxkv._kernels._record import Recorder
 from onnxkv._kernels.step import Program
 from onnxkv.errors import Cancelled
 from onnxkv.plan.buffers import RunBuffers, slot_allocator
 from onnxkv.plan.context import RunContext
+from onnxkv.plan.folding import NON_DETERMINISTIC
 from onnxkv.plan.ops._gqa_paged_decode import PagedAppend
 from onnxkv.plan.run_loops import run_nodes
 
@@ -279,8 +282,20 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     for k, (_, ins, outs) in enumerate(steps):
         args = [slots[i] for i in ins]
         op = plan.kernels[k]
-        if op is not None and op.shape_only and current and all(i in produced for i in ins):
-            # the shapes of values this segment makes are the step's: the node's value is too (no call)
+        if (
+            op is not None
+            and current
+            and (
+                (op.shape_only and all(i in produced for i in ins))
+                or (
+                    any(i in fixed for i in ins)
+                    and all(constant[i] or i in fixed or slots[i] is None for i in ins)
+                    and _pure(plan.nodes[k])
+                )
+            )
+        ):
+            # the shapes of values this segment makes are the step's, and so is a pure function of them and of
+            # constants: the node's value is kept for the step (no call)
             run_nodes(plan, k, k + 1, slots, own, rt, cancel)
             current.append(k)
             produced.update((s, slots[s]) for s in outs)
@@ -348,6 +363,13 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     step = CompiledStep(items, own, outputs, signature, cache_kinds(rt.caches))
     step.stale = transient
     return step
+
+
+def _pure(node) -> bool:
+    """Whether ``node``'s outputs are a function of its inputs alone (what constant folding may run)."""
+    return node.op_type not in NON_DETERMINISTIC and not any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
+    )
 
 
 def _views(results: list, args: list, view_inputs: tuple) -> bool:

@@ -168,12 +168,18 @@ class Flatten(Op):
 
 @register("Transpose")
 class Transpose(Op):
-    """Transpose materialised contiguously (kernels downstream want C order)."""
+    """Transpose materialised contiguously (kernels downstream want C order): a view when the transposed
+    array is C-contiguous already (only axes of extent 1 move, as a decode step's heads and tokens), else a
+    copy."""
+
+    view_inputs = (0,)
 
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
         perm = self.attrs.get("perm") or list(range(x.ndim))[::-1]
         src = x.transpose(perm)
+        if src.flags.c_contiguous:
+            return (src,)
         out = rt.empty(0, src.shape, x.dtype)
         np.copyto(out, src)
         return (out,)

@@ -147,3 +147,24 @@ def test_float16_embedding_rows_are_gathered_bit_for_bit(width, monkeypatch):
     got = _session("Gather", {"t": table, "i": idx}).run({"t": table, "i": idx})["y"]
     np.testing.assert_array_equal(got.view(np.uint16), np.take(table, idx, axis=0).view(np.uint16))
     assert calls == ([np.float32] if width % 2 == 0 else [])
+
+
+@pytest.mark.parametrize("shape,perm,view", [((1, 1, 4, 8), [0, 2, 1, 3], True), ((1, 3, 4, 8), [0, 2, 1, 3], False)])
+def test_a_transpose_of_unit_axes_is_a_view_and_any_other_a_contiguous_copy(shape, perm, view):
+    from onnxkv.plan.ops.shape import Transpose
+
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    session = _session("Transpose", {"x": x}, perm=perm)
+    op = session.plan.kernels[0]
+    assert isinstance(op, Transpose)
+    y = session.run({"x": x})["y"]
+    np.testing.assert_array_equal(y, x.transpose(perm))
+    assert y.flags.c_contiguous
+    (direct,) = op.run([x], _numpy_rt())
+    assert np.shares_memory(direct, x) == view
+
+
+def _numpy_rt():
+    from onnxkv.plan.context import RunContext
+
+    return RunContext(lambda _rt, _i, shape, dtype: np.empty(shape, dtype), False, 0)
