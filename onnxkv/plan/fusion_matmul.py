@@ -44,7 +44,7 @@ from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_
 from onnxkv.plan.ops import matmul_bnb4
 from onnxkv.plan.ops.matmul_nbits import layout_problem
 
-__all__ = ["fuse_sibling_matmuls", "fuse_sibling_nbits", "fuse_prologue_matmuls"]
+__all__ = ["absorb_sibling_biases", "fuse_sibling_matmuls", "fuse_sibling_nbits", "fuse_prologue_matmuls"]
 
 #: (op_type, domain) of the ops ``fuse_prologue_matmuls`` joins to the product that reads them.
 PROLOGUES = {
@@ -91,6 +91,48 @@ def fuse_sibling_matmuls(
             domain=FUSED_DOMAIN,
         )
         drop.update(members[1:])
+    return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
+
+
+def absorb_sibling_biases(
+    nodes: list[onnx.NodeProto], protected: set[str], constants: Mapping[str, np.ndarray | None]
+) -> list[onnx.NodeProto]:
+    """``nodes`` with the bias Adds after a float32 SiblingMatMul, or a MatMul of a float32 initializer, taken
+    into one SiblingMatMul (attribute ``biased=1``, the biases as inputs after the weights; its outputs are
+    the Adds'), as Qwen2's q/k/v projections: each output must be read by one Add alone whose other operand
+    is a float32 initializer of shape ``[N_i]`` (every output, or the node is left alone)."""
+    readers = graph_index(nodes, protected)[0]
+    replace: dict[int, onnx.NodeProto] = {}
+    drop: set[int] = set()
+    for i, n in enumerate(nodes):
+        single = default_op(n, "MatMul") and len(n.input) == 2 and len(n.output) == 1
+        if not single and (n.op_type != "SiblingMatMul" or n.domain != FUSED_DOMAIN or n.attribute):
+            continue
+        weights = [constants.get(w) for w in n.input[1:]]
+        if not all(_packable(w) and w.dtype == np.float32 for w in weights):
+            continue
+        adds, biases = [], []
+        for y, w in zip(n.output, weights):
+            r = readers.get(y, [])
+            add = nodes[r[0]] if len(r) == 1 else None
+            if add is None or not default_op(add, "Add") or y in protected or len(add.input) != 2:
+                break
+            b = add.input[1] if add.input[0] == y else add.input[0]
+            value = constants.get(b)
+            if not (isinstance(value, np.ndarray) and value.dtype == np.float32 and value.shape == (w.shape[1],)):
+                break
+            adds.append(r[0])
+            biases.append(b)
+        else:
+            replace[i] = helper.make_node(
+                "SiblingMatMul",
+                [*n.input, *biases],
+                [nodes[a].output[0] for a in adds],
+                name=n.name,
+                domain=FUSED_DOMAIN,
+                biased=1,
+            )
+            drop.update(adds)
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 

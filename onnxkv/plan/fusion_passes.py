@@ -19,7 +19,12 @@ from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip
 from onnxkv.plan.fusion_export_mask import fuse_export_masks
 from onnxkv.plan.fusion_integer import fuse_dynamic_quant_matmuls
 from onnxkv.plan.fusion_mask import fuse_mask_lengths
-from onnxkv.plan.fusion_matmul import fuse_prologue_matmuls, fuse_sibling_matmuls, fuse_sibling_nbits
+from onnxkv.plan.fusion_matmul import (
+    absorb_sibling_biases,
+    fuse_prologue_matmuls,
+    fuse_sibling_matmuls,
+    fuse_sibling_nbits,
+)
 from onnxkv.plan.fusion_position import fuse_position_tables
 from onnxkv.plan.fusion_view import fuse_view_chains
 
@@ -35,6 +40,7 @@ def fuse_graph(
     nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
     nodes = fuse_masked_attention(nodes, protected)
     nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)
+    nodes = absorb_sibling_biases(nodes, protected, constants)
     nodes = fuse_sibling_nbits(nodes, constants)
     nodes = fuse_dynamic_quant_matmuls(nodes, protected, constants)
     nodes = fuse_view_chains(fuse_skip_rms_norm(nodes, protected), protected)

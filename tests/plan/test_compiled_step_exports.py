@@ -147,7 +147,7 @@ def test_runs_without_a_state_keep_the_cache_joins_python_nodes_and_equal_node_b
     np.testing.assert_array_equal(got[False], got[True])
 
 
-@pytest.mark.parametrize("arch", ["llama_tied", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama_tied", "mistral", "qwen2", "qwen3"])
 def test_transformers_exports_replay_all_but_the_mask_equal_node_by_node(arch):
     """transformers 5 torch.onnx.export fixtures: their mask is one ExportMask, their rotary tables one
     PositionTable, their head merges reshape to ShapeOf values of the step's own tensors (kept for the step),

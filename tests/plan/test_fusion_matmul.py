@@ -158,3 +158,53 @@ def test_float16_siblings_are_one_product_of_float16_panels(rows, monkeypatch):
         np.testing.assert_array_equal(got[name], want[name])
     with pytest.raises(onnxkv.InputError, match="float16"):
         sess.run({"x": x.astype(np.float32)})
+
+
+def _biased_projections(widths=(48, 16, 20), bias_shapes=None, reader=False):
+    """y_i = x @ w_i + b_i for x [B, S, 32] (Qwen2's q/k/v projections); ``bias_shapes`` overrides a bias's
+    shape; ``reader``: the first product is a graph output too (read outside its Add)."""
+    rng = np.random.default_rng(8)
+    n = len(widths)
+    inits, nodes, outputs = [], [], []
+    for i, width in enumerate(widths):
+        shape = (bias_shapes or {}).get(i, (width,))
+        inits += [
+            numpy_helper.from_array(rng.standard_normal((32, width)).astype(np.float32), f"w{i}"),
+            numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), f"b{i}"),
+        ]
+        nodes += [
+            helper.make_node("MatMul", ["x", f"w{i}"], [f"p{i}"]),
+            helper.make_node("Add", [f"b{i}", f"p{i}"], [f"y{i}"]),
+        ]
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
+    if reader:
+        outputs.append(helper.make_tensor_value_info("p0", TensorProto.FLOAT, None))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 32])]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), n
+
+
+@pytest.mark.parametrize("widths", [(48, 16, 20), (64,)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bias_adds_after_the_products_are_taken_into_them(widths, rows):
+    from onnx.reference import ReferenceEvaluator
+
+    model, n = _biased_projections(widths)
+    sess = onnxkv.Session(model, threads=2)
+    (node,) = sess.plan.nodes
+    assert node.op_type == "SiblingMatMul" and len(node.input) == 1 + 2 * n
+    x = np.random.default_rng(rows).standard_normal((1, rows, 32)).astype(np.float32)
+    got = sess.run({"x": x})
+    for name, want in zip([f"y{i}" for i in range(n)], ReferenceEvaluator(model).run(None, {"x": x})):
+        np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["broadcast_bias", "product_read_elsewhere"])
+def test_biases_the_kernel_cannot_take_leave_the_adds(case):
+    model, n = (
+        _biased_projections(bias_shapes={1: (1, 1, 16)})
+        if case == "broadcast_bias"
+        else _biased_projections(reader=True)
+    )
+    ops = [node.op_type for node in onnxkv.Session(model, threads=1).plan.nodes]
+    assert ops.count("Add") == n

@@ -3,7 +3,13 @@
 Made by :func:`onnxkv.plan.fusion_matmul.fuse_sibling_matmuls`.  Inputs: ``x``
 ``[..., K]`` and weights ``W1 ... Wn`` (2-D initializers ``[K, N_i]``, all
 float32 or all float16, x of their dtype); outputs ``Y_i = x @ W_i``
-(``[..., N_i]``), as the n MatMuls it replaces.  float16 runs as
+(``[..., N_i]``), as the n MatMuls it replaces.  With ``biased=1``
+(:func:`~onnxkv.plan.fusion_matmul.absorb_sibling_biases`: float32 weights, the
+Adds of a bias after each product, as Qwen2's q/k/v projections; one weight
+is enough then: a biased MatMul) the inputs end
+with the biases ``b1 ... bn`` (float32 initializers ``[N_i]``) and ``Y_i = x @
+W_i + b_i``, each sum starting from its bias (the kernel's bias; not the
+rounding of a separate Add).  float16 runs as
 :class:`onnxkv.plan.ops.matmul.MatMul` runs it: float16 panels, x widened
 once, float32 sums, each Y rounded once to float16.
 
@@ -46,9 +52,12 @@ class SiblingMatMul(MatMul):
 
     def __init__(self, node: onnx.NodeProto, ctx: BuildContext) -> None:
         Op.__init__(self, node, ctx)
-        weights = [ctx.constant(w) for w in node.input[1:]]
+        biased = bool(self.attrs.get("biased", 0))
+        n = len(node.output)
+        weights = [ctx.constant(w) for w in node.input[1 : 1 + n if biased else None]]
+        biases = [ctx.constant(b) for b in node.input[1 + n :]] if biased else []
         if (
-            len(weights) < 2
+            len(weights) < (1 if biased else 2)
             or len(node.output) != len(weights)
             or any(
                 not isinstance(w, np.ndarray)
@@ -61,9 +70,23 @@ class SiblingMatMul(MatMul):
             )
         ):
             raise self.error(
-                "needs one input and at least two 2-D initializer weights of one dtype (float32 or float16) "
+                "needs one input and at least two 2-D initializer weights (one with biases) of one dtype "
+                "(float32 or float16) "
                 "and row count "
                 f"(one output each), got weights {[getattr(w, 'shape', None) for w in weights]}"
+            )
+        if biased and (
+            len(biases) != n
+            or len(node.input) != 1 + 2 * n
+            or weights[0].dtype != np.float32
+            or any(
+                not isinstance(b, np.ndarray) or b.dtype != np.float32 or b.shape != (w.shape[1],)
+                for b, w in zip(biases, weights)
+            )
+        ):
+            raise self.error(
+                "biased=1 needs float32 weights and one float32 initializer bias [N_i] per weight, got biases "
+                f"{[getattr(b, 'shape', None) for b in biases]}"
             )
         ends = np.cumsum([w.shape[1] for w in weights]).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
@@ -76,6 +99,9 @@ class SiblingMatMul(MatMul):
             if all(n0 % PANEL == 0 for n0, _ in self.bounds)
             else None
         )
+        #: The biases concatenated along N (float32 [N], read-only), each output's slice, or None.
+        self.bias = np.ascontiguousarray(np.concatenate(biases)) if biased else None
+        self.biases = [self.bias[n0:n1] for n0, n1 in self.bounds] if biased else [None] * n
         self.absorbed_inputs = tuple(range(1, len(node.input)))
         for w in weights:
             release_pages(w)
@@ -112,12 +138,12 @@ class SiblingMatMul(MatMul):
             outs = []
             for i, ((n0, n1), panels) in enumerate(zip(self.bounds, self.panels)):
                 out = rt.empty(i, lead + (n1 - n0,), np.float32)
-                matmul_packed(x, panels, out.reshape(rows, n1 - n0))
+                matmul_packed(x, panels, out.reshape(rows, n1 - n0), self.biases[i])
                 outs.append(out)
             return tuple(outs)
         else:
             full = np.empty((rows, self._n), np.float32)
-            matmul_packed(x, self.packed, full)
+            matmul_packed(x, self.packed, full, self.bias)
         if rows == 1:
             return tuple(full[:, n0:n1].reshape(lead + (n1 - n0,)) for n0, n1 in self.bounds)
         outs = []
