@@ -58,7 +58,8 @@ cdef enum:
     # S, H, D, max_pos, half, interleaved); refused unless every position is in [0, max_pos).
     KIND_ROTARY = 13
     # float16 <-> float32 conversion (convert.convert_ptr): arrays (x, out), n elements each, C order; ints (n,
-    # mode): mode 0 widens float16 to float32, 1 rounds float32 to float16 (nearest even, overflow to inf).
+    # mode): mode 0 widens float16 to float32, 1 rounds float32 to float16 (nearest even, overflow to inf),
+    # 2 copies float32 (a Cast to its input's type).
     KIND_CONVERT = 14
     # S new positions of every row written into a static contiguous cache [B, H, Cap, D] at the rows' own
     # positions, read when replayed (TensorScatter in place, linear mode): arrays (new [B, H, S, D], cache,

@@ -10,6 +10,7 @@ NaN -- identical on the AVX2 and scalar paths and to
 flat.  Used when loading/storing FLOAT16 / BFLOAT16 cache pages.
 """
 from libc.stdint cimport int64_t, uint16_t
+from libc.string cimport memcpy
 from cython.parallel cimport prange
 
 from onnxkv._kernels._record cimport KIND_CONVERT, recorder
@@ -63,11 +64,13 @@ cdef void _f2h_ptr(const float *x, uint16_t *out, Py_ssize_t n, okv_settings s) 
 
 cdef void convert_ptr(const void *x, void *out, int64_t n, int mode, okv_settings s) noexcept nogil:
     """KIND_CONVERT (_record.pxd) on checked pointers: mode 0 widens n float16 values at x into float32 at out,
-    mode 1 rounds n float32 values at x to float16 at out."""
+    mode 1 rounds n float32 values at x to float16 at out, mode 2 copies n float32 values."""
     if mode == 0:
         _h2f_ptr(<const uint16_t *>x, <float *>out, n, s)
-    else:
+    elif mode == 1:
         _f2h_ptr(<const float *>x, <uint16_t *>out, n, s)
+    else:
+        memcpy(out, x, <size_t>n * sizeof(float))
 
 
 cdef void _note(x, out, int mode):
@@ -122,6 +125,21 @@ def f32_to_f16(x, out):
         return
     _f2h(x.reshape(-1), out.reshape(-1).view(np.uint16), okv_settings_get())
     _note(x, out, 1)
+
+
+def copy_f32(x, out):
+    """out[...] = x, float32 arrays of one shape, C-contiguous, not overlapping (a Cast to the type its input
+    has: a copy a compiled step replays)."""
+    V.array("x", x, (V.F32,))
+    V.array("out", out, (V.F32,), shape=x.shape, writeable=True)
+    V.no_overlap("out", out, x, "x")
+    if x.size == 0:
+        return
+    cdef const float[::1] xv = x.reshape(-1)
+    cdef float[::1] ov = out.reshape(-1)
+    with nogil:
+        memcpy(&ov[0], &xv[0], <size_t>xv.shape[0] * sizeof(float))
+    _note(x, out, 2)
 
 
 def bf16_to_f32(x, out):

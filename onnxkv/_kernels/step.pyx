@@ -186,6 +186,10 @@ cdef class Program:
                     and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (1, 2))):
                 raise ValueError(f"Program: masked decode call {c}: mask, token and cache types {ints[9:13]} are not "
                                  "its arrays'")
+            if kind == KIND_CONVERT and not (
+                    len(ints) == 2 and ints[1] in (0, 1, 2) and arrays[0].size == arrays[1].size == ints[0]
+                    and (arrays[0].itemsize, arrays[1].itemsize) == ((2, 4), (4, 2), (4, 4))[ints[1]]):
+                raise ValueError(f"Program: conversion call {c}: ints {list(ints)} do not describe its arrays")
             if kind == KIND_GATHER_ROWS and not (len(ints) == 4 and ints[3] in (0, 1)):
                 raise ValueError(f"Program: gather call {c}: ints {list(ints)} are not (N, D, m, wrap 0 or 1)")
             if kind in (KIND_CACHE_ROWS, KIND_SCATTER_ROWS) and not (

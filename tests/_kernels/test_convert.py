@@ -136,3 +136,42 @@ def test_read_sum(n, threads, simd):
     assert K.read_sum(x) == float(x.astype(np.int64).sum())
     with pytest.raises(ValueError, match="x"):
         K.read_sum(x.astype(np.float64))
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (2, 1, 7, 9)])
+def test_copy_f32_copies_and_its_replay_copies_the_runs_values(shape):
+    from onnxkv._kernels._record import Recorder
+    from onnxkv._kernels.step import Program
+
+    rng = np.random.default_rng(len(shape))
+    x = rng.standard_normal(shape).astype(np.float32)
+    out = np.full(shape, np.nan, np.float32)
+    rec = Recorder()
+    with rec:
+        K.copy_f32(x, out)
+    np.testing.assert_array_equal(out, x)
+    assert not np.shares_memory(out, x)
+    program = Program(rec.calls, [x])
+    y = rng.standard_normal(shape).astype(np.float32)
+    assert program.run([y])
+    np.testing.assert_array_equal(out, y)
+
+
+def test_copy_f32_refuses_bad_arguments_and_a_program_a_call_its_ints_do_not_describe():
+    from onnxkv._kernels._record import Recorder
+    from onnxkv._kernels.step import Program
+
+    x = np.arange(6, dtype=np.float32)
+    with pytest.raises(ValueError, match="out"):
+        K.copy_f32(x, np.empty(5, np.float32))
+    with pytest.raises(ValueError, match="x"):
+        K.copy_f32(x.astype(np.float64), np.empty(6, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        K.copy_f32(x, x)
+    rec = Recorder()
+    with rec:
+        K.copy_f32(x, np.empty(6, np.float32))
+    kind, arrays, ints, floats = rec.calls[0]
+    for bad in ((6, 3), (7, 2), (6, 0)):  # no such mode; more values than the arrays; a float16 widening of them
+        with pytest.raises(ValueError, match="conversion call 0"):
+            Program([(kind, arrays, bad, floats)], [x])

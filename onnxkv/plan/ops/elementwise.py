@@ -299,6 +299,10 @@ class _CastOp(Op):
         """``x`` converted to the ONNX element type ``to``, in a fresh array."""
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(to))
         if x.dtype == dtype:
+            if _float32_copy(x, dtype):  # a copy a compiled step replays (an export's RMS norm input cast)
+                out = rt.empty(0, x.shape, dtype)
+                K.copy_f32(x, out)
+                return out
             return x.copy()
         if to in _SATURATING and self.saturate:
             return numpy_helper.saturate_cast(x, dtype)
@@ -316,6 +320,11 @@ class _CastOp(Op):
         return out
 
 
+def _float32_copy(x: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether casting ``x`` to ``dtype`` copies a non-empty C-contiguous float32 array (the ``copy_f32`` kernel)."""
+    return x.dtype == dtype == np.float32 and x.size > 0 and x.flags.c_contiguous
+
+
 def _float_halves(x: np.ndarray, dtype: np.dtype) -> bool:
     """Whether casting ``x`` to ``dtype`` is float16 -> float32 or float32 -> float16 of a C-contiguous array."""
     return {x.dtype, dtype} == {np.dtype(np.float16), np.dtype(np.float32)} and x.flags.c_contiguous
@@ -328,13 +337,13 @@ class Cast(_CastOp):
         self.to = int(self.attrs["to"])
 
     def compilable(self, inputs: list) -> bool:
-        """A float16 <-> float32 cast of a non-empty C-contiguous array: one conversion kernel call."""
+        """A float16 <-> float32 cast, or a float32 one to float32, of a non-empty C-contiguous array: one
+        conversion kernel call."""
         x = inputs[0]
-        return (
-            isinstance(x, np.ndarray)
-            and x.size > 0
-            and _float_halves(x, np.dtype(helper.tensor_dtype_to_np_dtype(self.to)))
-        )
+        if not isinstance(x, np.ndarray) or x.size == 0:
+            return False
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(self.to))
+        return _float_halves(x, dtype) or _float32_copy(x, dtype)
 
     def run(self, inputs: list, rt) -> tuple:
         return (self.cast(inputs[0], self.to, rt),)

@@ -97,3 +97,14 @@ def test_bad_cast_attributes_are_model_errors_naming_the_node(attrs, match):
     model, _ = _model("Cast", VALUES, to=TensorProto.FLOAT8E8M0, **attrs)
     with pytest.raises(ModelError, match=match):
         Session(model, threads=1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_a_cast_to_the_inputs_own_type_is_a_copy_compilable_for_float32(dtype):
+    x = (np.arange(12).reshape(3, 4) - 5).astype(dtype)
+    model, feeds = _model("Cast", x, to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+    sess = Session(model, threads=1)
+    y = sess.run(feeds)["y"]
+    np.testing.assert_array_equal(y, x)
+    assert y.dtype == x.dtype and not np.shares_memory(y, feeds["x"])
+    assert sess.plan.kernels[0].compilable([x]) == (dtype == np.float32)
