@@ -276,6 +276,8 @@ MASKED_ATTENTION_INPUTS = (
     "k_scale",
     "score_scale",
     "q_scale",
+    "softcap_div",
+    "softcap_mul",
 )
 
 
@@ -291,7 +293,8 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
     :mod:`onnxkv.zoo.concat`)::
 
         scores = S(Q, K)                      # see below
-        P      = Softmax(Add(scores, mask))   # mask: either Add operand
+        capped = Mul(Tanh(Div(scores, c)), c) # optional: Gemma 2's softcap (either Mul operand order)
+        P      = Softmax(Add(capped, mask))   # mask: either Add operand
         P'     = Where(IsNaN(P), fill, P)     # optional NaN guard of fully masked rows
         P''    = Cast(...Cast(P'))            # optional Casts (transformers' softmax(dtype=float32).to(q.dtype))
         Y      = RepeatKvMatMul(P'', V, ...)  # transpose_b=0, or MatMul(P'', V)
@@ -379,6 +382,18 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         roles.update(q=nodes[m].input[1 - scale], q_scale=nodes[m].input[scale])
         return [m]
 
+    def softcapped(i: int | None) -> tuple[list[int], dict[str, str], int | None] | None:
+        """(nodes, roles, the product's node) of Gemma 2's ``Mul(Tanh(Div(scores, c)), c')`` ending at ``i``."""
+        if not is_op(i, "Mul"):
+            return None
+        mul = nodes[i]
+        for t_in, c in ((mul.input[0], mul.input[1]), (mul.input[1], mul.input[0])):
+            t = single(t_in, i)
+            d = single(nodes[t].input[0], t) if is_op(t, "Tanh") else None
+            if is_op(d, "Div"):
+                return [i, t, d], {"softcap_div": nodes[d].input[1], "softcap_mul": c}, single(nodes[d].input[0], d)
+        return None
+
     drop: set[int] = set()
     replace: dict[int, onnx.NodeProto] = {}
     for s, sm in enumerate(nodes):
@@ -390,12 +405,16 @@ def fuse_masked_attention(nodes: list[onnx.NodeProto], protected: set[str]) -> l
         found = None
         a, b = nodes[add].input
         for x, mask in ((a, b), (b, a)):  # noqa: B007  (mask is read after the loop)
-            found = scores(single(x, add))
+            capped = softcapped(single(x, add))
+            found = scores(single(x, add) if capped is None else capped[2])
             if found is not None:
                 break
         if found is None:
             continue
         chain, roles, div = found
+        if capped is not None:
+            chain += capped[0]
+            roles.update(capped[1])
         roles["mask"] = mask
         chain += [add, s]
         probs = sm.output[0]

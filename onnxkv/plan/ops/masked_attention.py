@@ -16,7 +16,9 @@ an optional NaN guard after the softmax).  Inputs, by position
 10     ``k_scale``                  multiplies Kᵀ
 11     ``score_scale``              multiplies (``score_div=1``: divides) Q·Kᵀ
 12     ``q_scale``                  multiplies Q (absorbed query scaling)
-13...  anything else the block reads (e.g. the NaN guard's fill value)
+13, 14 ``softcap_div/mul``          Gemma 2's ``c * tanh(scores / c)`` (the kernel's softcap
+                                    when both are the same positive constant)
+15...  anything else the block reads (e.g. the NaN guard's fill value)
 =====  ===========================  ===============================================
 
 Output: Y [B, Hq, S, Dv], float32 on the kernel path (float16 for a float16 block).  The ``body`` attribute
@@ -98,8 +100,9 @@ _FLOORS = {np.dtype(np.float32): MASKED, np.dtype(np.float16): MASKED_F16}
 #: than 5504 below the row's largest, whose exponential is 0 in float32 and float16.
 _F16_SCORE_SPAN = 60000.0
 
-_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE, _Q_SCALE = (
-    MASKED_ATTENTION_INPUTS.index(r) for r in ("q", "k", "v", "mask", "k_scale", "score_scale", "q_scale")
+_Q, _K, _V, _MASK, _K_SCALE, _SCORE_SCALE, _Q_SCALE, _SOFTCAP_DIV, _SOFTCAP_MUL = (
+    MASKED_ATTENTION_INPUTS.index(r)
+    for r in ("q", "k", "v", "mask", "k_scale", "score_scale", "q_scale", "softcap_div", "softcap_mul")
 )
 _K_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("k_axes"), MASKED_ATTENTION_INPUTS.index("k_reshape") + 1)
 _V_REPEAT = slice(MASKED_ATTENTION_INPUTS.index("v_axes"), MASKED_ATTENTION_INPUTS.index("v_reshape") + 1)
@@ -292,6 +295,20 @@ class MaskedAttention(Op):
         )
         self._any_length = self._length_free(ctx, templates)
         self._memo = LayoutMemo()
+        #: The softcap the kernel applies (0: none), or None when the block caps its scores with operands the
+        #: kernel cannot take (not two equal positive constants: the body then always runs).
+        self._softcap: float | None = self._capped(ctx)
+
+    def _capped(self, ctx: BuildContext) -> float | None:
+        names = self.node.input
+        div, mul = (names[i] if i < len(names) else "" for i in (_SOFTCAP_DIV, _SOFTCAP_MUL))
+        if not div and not mul:
+            return 0.0
+        values = [ctx.constant(n) if n else None for n in (div, mul)]
+        if any(v is None for v in values):
+            return None
+        c, c2 = (_scalar(v) for v in values)
+        return c if c is not None and c == c2 and np.isfinite(c) and c > 0 else None
 
     def _length_free(self, ctx: BuildContext, templates) -> bool:
         """Whether :meth:`_scale` cannot depend on the key length T (for T >= 1): every repeat is absent or
@@ -369,7 +386,9 @@ class MaskedAttention(Op):
         kv_len = np.full(b, k.shape[2], np.int32)
         q = np.ascontiguousarray(q) if wq is None else wq
         k_rows, v_rows = _kv_rows(k), _kv_rows(v)
-        _attention_kernel(q, k_rows, v_rows, kv_len, q_pos, scale, 0.0, -1, wide, kv_start if kv_start.any() else None)
+        _attention_kernel(
+            q, k_rows, v_rows, kv_len, q_pos, scale, self._softcap, -1, wide, kv_start if kv_start.any() else None
+        )
         if half:
             round_into(out, wide)
             rt.unscratch(wq, wide)
@@ -415,7 +434,7 @@ class MaskedAttention(Op):
         if k_rows.shape != k_buffer.shape or v_rows.shape != v_buffer.shape:
             rec.refused.append(f"{self.op_type} node '{self.name}': K or V not a whole cache")
             return
-        note_masked_decode(rec, names, q, k_buffer, v_buffer, mask, out, scale)
+        note_masked_decode(rec, names, q, k_buffer, v_buffer, mask, out, scale, self._softcap)
 
     def _scale(self, inputs: list) -> float | None:
         """The kernel's score scale when the shapes and dtypes of q/k/v, the repeats and the scales fit the
@@ -424,7 +443,8 @@ class MaskedAttention(Op):
         inputs = self._templated(inputs)
         q, k, v = inputs[_Q], inputs[_K], inputs[_V]
         if (
-            not self._last_axis_softmax
+            self._softcap is None
+            or not self._last_axis_softmax
             or q.dtype not in (np.float32, np.float16)
             or any(t != q.dtype for t in self._cast_types)
             or (q.dtype == np.float16 and k.dtype != np.float16)

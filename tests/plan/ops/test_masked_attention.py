@@ -28,7 +28,9 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
     ``torch``: Q and Kᵀ each scaled by sqrt(scale), NaN guard after the Softmax (torch.onnx.export);
     ``mha``: no repeat, MatMul(Q, Transpose(K)) / sqrt(D);
     ``casts``: ``repeat`` with transformers' ``softmax(..., dtype=float32).to(q.dtype)``, two Casts to float32;
-    ``rounding_casts``: ``repeat`` whose probabilities go through float16 and back (not identities).
+    ``rounding_casts``: ``repeat`` whose probabilities go through float16 and back (not identities);
+    ``softcap``: ``repeat`` with Gemma 2's ``c * tanh(scores / c)`` (c = 2.5) before the mask;
+    ``uneven_softcap``: the same with ``d * tanh(scores / c)``, d != c (not the kernel's softcap).
     """
     inits = {
         "axes": np.array([2], np.int64),
@@ -38,6 +40,8 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
         "half": np.array(D**-0.25, np.float32),
         "sqrt_d": np.array(D**0.5, np.float32),
         "zero": np.array(0.0, np.float32),
+        "cap": np.array(2.5, np.float32),
+        "other_cap": np.array(3.0, np.float32),
     }
     nodes = []
 
@@ -56,7 +60,7 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
         kt = node("Transpose", ["k"], "kt", perm=[0, 1, 3, 2])
         scores = node("Div", [node("MatMul", ["q", kt], "qk"), "sqrt_d"], "scores")
         v = "v"
-    elif form in ("repeat", "casts", "rounding_casts"):
+    elif form in ("repeat", "casts", "rounding_casts", "softcap", "uneven_softcap"):
         kt = node("Transpose", [repeat("k")], "kt", perm=[0, 1, 3, 2])
         scores = node("Mul", [node("MatMul", ["q", kt], "qk"), "scale"], "scores")
         v = repeat("v")
@@ -64,6 +68,9 @@ def _block(form: str, mask_shape) -> onnx.ModelProto:
         kt = node("Mul", [node("Transpose", [repeat("k")], "kt", perm=[0, 1, 3, 2]), "half"], "kts")
         scores = node("MatMul", [node("Mul", ["q", "half"], "qs"), kt], "scores")
         v = repeat("v")
+    if form in ("softcap", "uneven_softcap"):
+        capped = node("Tanh", [node("Div", [scores, "cap"], "scaled_down")], "tanh")
+        scores = node("Mul", ["cap" if form == "softcap" else "other_cap", capped], "capped")
     probs = node("Softmax", [node("Add", ["mask", scores], "biased")], "probs", axis=-1)
     if form == "torch":
         probs = node("Where", [node("IsNaN", [probs], "nan"), "zero", probs], "guarded")
@@ -203,6 +210,17 @@ def test_casts_that_round_the_probabilities_are_evaluated_literally(kernel_calls
     # the literal path kept the float16 rounding of the probabilities (the kernel's result would not)
     exact = Session(_block("casts", feeds["mask"].shape), threads=1).run(feeds)["y"]
     assert np.abs(got - exact).max() > 1e-6
+
+
+@pytest.mark.parametrize("s,t", [(1, 37), (6, 11)])
+def test_softcapped_scores_run_on_the_kernels_softcap(s, t, kernel_calls):
+    _check("softcap", _feeds("softcap", s, t, _causal_padded(s, t, [0, 3]), seed=s + 1))
+    assert len(kernel_calls) == 1
+
+
+def test_a_cap_whose_two_constants_differ_is_evaluated_literally(kernel_calls):
+    _check("uneven_softcap", _feeds("uneven_softcap", 2, 9, _causal_padded(2, 9, [0, 1]), seed=4))
+    assert kernel_calls == []
 
 
 def test_observable_intermediates_block_the_fusion():
