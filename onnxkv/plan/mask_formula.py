@@ -121,7 +121,7 @@ class Flat(NamedTuple):
 
 
 class Select(NamedTuple):
-    """``Where(pred, a, b)`` with ``a`` and ``b`` scalar constants."""
+    """``Where(pred, a, b)`` with ``a`` and ``b`` one-element constants (of rank at most ``pred``'s)."""
 
     pred: Pred
     a: np.ndarray
@@ -364,7 +364,9 @@ def _expand(p, shape):
 
 
 def _where(cond, a, b):
-    if isinstance(cond, Pred) and all(isinstance(x, np.ndarray) and x.ndim == 0 for x in (a, b)):
+    if isinstance(cond, Pred) and all(
+        isinstance(x, np.ndarray) and x.size == 1 and x.ndim <= len(cond.shape) for x in (a, b)
+    ):  # one value each, broadcast over the mask's shape
         if a.dtype == b.dtype and a.dtype.kind == "f":
             return Select(cond, a, b)
     if type(cond) is tuple and isinstance(a, Vec) and isinstance(b, Vec):  # an element-wise choice of entries (Equal)

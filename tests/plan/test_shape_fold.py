@@ -34,7 +34,7 @@ def _session(model, fold: bool) -> onnxkv.Session:
 def test_torch_export_loses_most_shape_nodes():
     folded, plain = _session(TORCH, True), _session(TORCH, False)
     ops, plain_ops = [n.op_type for n in folded.plan.nodes], [n.op_type for n in plain.plan.nodes]
-    assert len(plain_ops) == 218 and len(ops) <= 40  # counts after the fusions of onnxkv.plan.fusion*
+    assert len(plain_ops) == 216 and len(ops) <= 39  # counts after the fusions of onnxkv.plan.fusion*
     assert ops.count("Shape") <= plain_ops.count("Shape") // 3
     assert folded.plan.shape_folded_nodes >= 90
     assert ops.count("MaskedAttention") == 2  # folding happens after fusion and keeps it
@@ -189,15 +189,23 @@ def test_repeated_compute_nodes_are_merged():
     np.testing.assert_array_equal(sess.run({"x": x})["y"], _session(model, False).run({"x": x})["y"])
 
 
-def test_torch_export_builds_the_mask_once():
+def test_torch_export_builds_the_mask_once(monkeypatch):
+    import onnxkv.plan.fusion_passes as fusion_passes
+
     def mask_wheres(sess):  # Where(causal & padding, 0, -inf), the additive mask of each layer
         return [n for n in sess.plan.nodes if n.op_type == "Where" and n.input[0] == "/m/model/Expand_output_0"]
 
-    assert len(mask_wheres(_session(TORCH, False))) == 2  # one per layer in the export
-    kept = mask_wheres(_session(TORCH, True))
-    assert len(kept) == 1
-    readers = [n for n in _session(TORCH, True).plan.nodes if n.op_type == "MaskedAttention"]
-    assert [n.input[3] for n in readers] == [kept[0].output[0]] * 2
+    with monkeypatch.context() as m:  # the mask chain as the export wrote it
+        m.setattr(fusion_passes, "fuse_export_masks", lambda nodes, protected, constants: nodes)
+        assert len(mask_wheres(_session(TORCH, False))) == 2  # one per layer in the export
+        kept = mask_wheres(_session(TORCH, True))
+        assert len(kept) == 1
+        readers = [n for n in _session(TORCH, True).plan.nodes if n.op_type == "MaskedAttention"]
+        assert [n.input[3] for n in readers] == [kept[0].output[0]] * 2
+    # fused: one ExportMask node makes every layer's mask
+    nodes = _session(TORCH, True).plan.nodes
+    (mask,) = [n for n in nodes if n.op_type == "ExportMask"]
+    assert {n.input[3] for n in nodes if n.op_type == "MaskedAttention"} <= set(mask.output)
 
 
 def test_graph_outputs_are_never_folded_away():
