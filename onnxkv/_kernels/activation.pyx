@@ -33,6 +33,7 @@ DEF CHUNK = 16384
 
 
 DEF ADD = 3   # the mode of ``add``: out = x + up, element by element (IEEE sums, as NumPy's)
+DEF GELU_TANH_MUL = 4   # the mode of ``gelu_tanh_mul``: out = gelu's tanh form of x, times up
 
 
 cdef inline void _add_run(const real *x, const real *up, real *out, Py_ssize_t n) noexcept nogil:
@@ -42,7 +43,7 @@ cdef inline void _add_run(const real *x, const real *up, real *out, Py_ssize_t n
 
 
 cdef inline void _chunk(int mode, const real *x, const real *up, real *out, Py_ssize_t n, int simd) noexcept nogil:
-    """One chunk of activation ``mode`` (``up`` read by modes 2 and 3 only)."""
+    """One chunk of activation ``mode`` (``up`` read by modes 2, 3 and 4 only)."""
     if mode == ADD:
         _add_run(x, up, out, n)
     elif real is float:
@@ -53,8 +54,8 @@ cdef inline void _chunk(int mode, const real *x, const real *up, real *out, Py_s
 
 cdef void act_f32_ptr(int mode, const float *x, const float *up, float *out, int64_t n,
                       okv_settings s) noexcept nogil:
-    """Activation ``mode`` (0 sigmoid, 1 silu, 2 silu_mul with ``up``, 3 add ``up``) of n float32 values on
-    checked, non-empty arguments (``up`` NULL unless mode 2 or 3)."""
+    """Activation ``mode`` (0 sigmoid, 1 silu, 2 silu_mul with ``up``, 3 add ``up``, 4 gelu_tanh_mul with
+    ``up``) of n float32 values on checked, non-empty arguments (``up`` NULL unless mode 2, 3 or 4)."""
     cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK, c, i0, m
     cdef int simd = s.simd
     cdef int nt = s.threads if nchunks > 1 else 1
@@ -127,8 +128,8 @@ def _run(int mode, x, up, out):
                 or x.dtype is V.F64 and _act_fast(<double>0, mode, x, up, out):
             _note_act(mode, x, up, out)
             return
-    V.array("gate" if mode == 2 else "x", x, (V.F32, V.F64))
-    xname = "gate" if mode == 2 else "x"
+    V.array("gate" if mode in (2, GELU_TANH_MUL) else "x", x, (V.F32, V.F64))
+    xname = "gate" if mode in (2, GELU_TANH_MUL) else "x"
     upname = "y" if mode == ADD else "up"
     if up is not None:
         V.array(upname, up, (x.dtype,), shape=x.shape)
@@ -162,6 +163,13 @@ def add(x, y, out):
     """out = x + y, element by element (each sum rounded once, as NumPy's ``add``).  x, y, out: same shape
     and dtype (float32 or float64), C-contiguous, processed flat; out may be x or y."""
     _run(ADD, x, y, out)
+
+
+def gelu_tanh_mul(gate, up, out):
+    """out = gelu_tanh(gate) * up (Gemma's GeGLU): gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715
+    g^3))), computed as g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3)).  gate, up, out: same shape and dtype
+    (float32 or float64), C-contiguous, processed flat; out may be gate or up."""
+    _run(GELU_TANH_MUL, gate, up, out)
 
 
 def silu_mul(gate, up, out):

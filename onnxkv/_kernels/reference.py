@@ -79,6 +79,13 @@ def silu_mul(gate, up, out):
     out[...] = (gate.astype(np.float64) * _sigmoid(gate) * up).astype(out.dtype)
 
 
+def gelu_tanh_mul(gate, up, out):
+    """NumPy twin of ``gelu_tanh_mul``: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) * up, in float64."""
+    g = gate.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out[...] = (0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3))) * up).astype(out.dtype)
+
+
 def erf(x, out):
     """erf in float64 (math.erf), rounded to out's dtype."""
     import math

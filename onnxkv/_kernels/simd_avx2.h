@@ -349,7 +349,15 @@ OKV_AVX2 static inline void okv_act_f32_avx2(int mode, const float *x, const flo
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 vx = _mm256_loadu_ps(x + i);
-        __m256 r = okv_sigmoid256(vx);
+        __m256 r;
+        if (mode == 4) {  /* gelu_tanh(x) * up = x sigmoid(2a (x + c x^3)) * up (okv_act_f32_scalar) */
+            __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(vx, vx), vx);
+            __m256 u = _mm256_add_ps(vx, _mm256_mul_ps(_mm256_set1_ps(OKV_GELU_C), x3));
+            r = _mm256_mul_ps(okv_sigmoid256(_mm256_mul_ps(_mm256_set1_ps(OKV_GELU_2A), u)), vx);
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(r, _mm256_loadu_ps(up + i)));
+            continue;
+        }
+        r = okv_sigmoid256(vx);
         if (mode == 0) r = _mm256_blendv_ps(r, vx, _mm256_cmp_ps(vx, vx, _CMP_UNORD_Q));  /* NaN stays NaN */
         if (mode >= 1) r = _mm256_mul_ps(r, vx);
         if (mode == 2) r = _mm256_mul_ps(r, _mm256_loadu_ps(up + i));

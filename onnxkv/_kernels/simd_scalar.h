@@ -75,11 +75,17 @@ static inline void okv_add3_f32_scalar(const float *x, const float *y, const flo
 
 static inline float okv_sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 
-/* mode 0: sigmoid(x); 1: x*sigmoid(x); 2: x*sigmoid(x)*up */
+/* gelu's tanh form as a sigmoid: 0.5 x (1 + tanh(a (x + c x^3))) = x sigmoid(2a (x + c x^3)), a = sqrt(2/pi). */
+#define OKV_GELU_2A 1.5957691216057308f
+#define OKV_GELU_C 0.044715f
+
+/* mode 0: sigmoid(x); 1: x*sigmoid(x); 2: x*sigmoid(x)*up; 4: gelu_tanh(x)*up */
 static inline void okv_act_f32_scalar(int mode, const float *x, const float *up, float *out, int64_t n) {
     int64_t i;
     if (mode == 0)      for (i = 0; i < n; i++) out[i] = okv_sigmoidf(x[i]);
     else if (mode == 1) for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoidf(x[i]);
+    else if (mode == 4) for (i = 0; i < n; i++)
+        out[i] = x[i] * okv_sigmoidf(OKV_GELU_2A * (x[i] + OKV_GELU_C * x[i] * x[i] * x[i])) * up[i];
     else                for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoidf(x[i]) * up[i];
 }
 
@@ -159,6 +165,8 @@ static inline void okv_act_f64(int mode, const double *x, const double *up, doub
     int64_t i;
     if (mode == 0)      for (i = 0; i < n; i++) out[i] = okv_sigmoid(x[i]);
     else if (mode == 1) for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoid(x[i]);
+    else if (mode == 4) for (i = 0; i < n; i++)
+        out[i] = x[i] * okv_sigmoid(1.5957691216057308 * (x[i] + 0.044715 * x[i] * x[i] * x[i])) * up[i];
     else                for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoid(x[i]) * up[i];
 }
 

@@ -17,6 +17,7 @@ import onnx
 from onnxkv.plan.fusion import fuse_masked_attention, fuse_repeat_kv_matmul, fuse_silu_gate
 from onnxkv.plan.fusion_export import fuse_rms_norm, fuse_rotate_half, fuse_skip_rms_norm
 from onnxkv.plan.fusion_export_mask import fuse_export_masks
+from onnxkv.plan.fusion_gelu import fuse_gelu_tanh_gate
 from onnxkv.plan.fusion_integer import fuse_dynamic_quant_matmuls
 from onnxkv.plan.fusion_mask import fuse_mask_lengths
 from onnxkv.plan.fusion_matmul import (
@@ -36,7 +37,7 @@ def fuse_graph(
 ) -> list[onnx.NodeProto]:
     """``nodes`` (topologically ordered) with every fusion applied; ``constants`` the graph's constant
     values (read, never changed: passes that pack weights check their operands are constants)."""
-    nodes = fuse_export_masks(list(nodes), protected, constants)
+    nodes = fuse_gelu_tanh_gate(fuse_export_masks(list(nodes), protected, constants), protected, constants)
     nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
     nodes = fuse_masked_attention(nodes, protected)
     nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)

@@ -41,12 +41,13 @@ def test_unary_at_the_edges_of_the_float_range(name, dtype, simd):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("scale", [1.0, 40.0])
-def test_silu_mul(n, dtype, scale, threads, simd):
+@pytest.mark.parametrize("name", ["silu_mul", "gelu_tanh_mul"])
+def test_gated(name, n, dtype, scale, threads, simd):
     rng = np.random.default_rng(n + 1)
     gate, up = rand(rng, (n,), dtype, scale), rand(rng, (n,), dtype)
     out, want = np.full_like(gate, np.nan), np.empty_like(gate)
-    K.silu_mul(gate, up, out)
-    R.silu_mul(gate, up, want)
+    getattr(K, name)(gate, up, out)
+    getattr(R, name)(gate, up, want)
     assert_close(out, want, scale=scale)
 
 
@@ -177,3 +178,33 @@ def test_add_equals_its_twin_bit_for_bit_in_place_or_not(n, dtype, threads, simd
     np.testing.assert_array_equal(out, want)  # one rounding per sum: exactly NumPy's
     K.add(x, y, y)  # out may be an addend
     np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_tanh_mul_at_the_edges_of_the_float_range(dtype, simd):
+    edges = np.array([np.nan, -np.inf, np.inf, -3e38, 3e38, -1e30, -100.0, -10.0, -0.0, 0.0, 1e-30, 6.0], dtype)
+    for shift in range(8):
+        gate = np.roll(np.concatenate([edges, np.linspace(-4, 4, 9).astype(dtype)]), shift)
+        up = np.linspace(0.5, 2.0, gate.size).astype(dtype)
+        out, want = np.full_like(gate, 7.0), np.empty_like(gate)
+        K.gelu_tanh_mul(gate, up, out)
+        R.gelu_tanh_mul(gate, up, want)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+        np.testing.assert_allclose(np.nan_to_num(out), np.nan_to_num(want), rtol=2e-6, atol=1e-30)
+
+
+def test_gelu_tanh_mul_is_replayed_by_a_compiled_step():
+    from onnxkv._kernels._record import Recorder
+    from onnxkv._kernels.step import Program
+
+    rng = np.random.default_rng(9)
+    gate, up, out = rand(rng, (37,)), rand(rng, (37,)), np.empty(37, np.float32)
+    rec = Recorder()
+    with rec:
+        K.gelu_tanh_mul(gate, up, out)
+    program = Program(rec.calls, [gate, up])
+    g2, u2 = rand(rng, (37,)), rand(rng, (37,))
+    assert program.run([g2, u2])
+    want = np.empty_like(out)
+    K.gelu_tanh_mul(g2, u2, want)
+    np.testing.assert_array_equal(out, want)

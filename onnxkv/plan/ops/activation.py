@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv import _kernels as K
+from onnxkv.plan.ops._body import Body
 from onnxkv.plan.ops._util import float16_pair, float32_pair, normalize_axis, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -193,3 +194,29 @@ class SiluMul(Op):
             rt.unscratch(wg, wu)
             return (out,)
         return ((gate / (1 + np.exp(-gate)) * up).astype(gate.dtype, copy=False),)
+
+
+@register("GeluTanhMul", domain="ai.onnxkv", internal=True)
+class GeluTanhMul(Op):
+    """Fused GeGLU gate: ``gelu_tanh(gate) * up`` (Gemma's MLP), made by
+    :func:`onnxkv.plan.fusion_gelu.fuse_gelu_tanh_gate` from the ten nodes of its export (the ``body``).
+
+    float32 gate and up of one shape, C-contiguous, take the ``gelu_tanh_mul`` kernel (a compiled step replays
+    it), whose tanh form is ``g * sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3))``: the export's value up to
+    float32 rounding; anything else evaluates the body literally.
+    """
+
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self._body = Body.of(self, ctx, ("gate", "up"))
+
+    def compilable(self, inputs: list) -> bool:
+        return float32_pair(*inputs[:2])
+
+    def run(self, inputs: list, rt) -> tuple:
+        gate, up = inputs[0], inputs[1]
+        if float32_pair(gate, up):
+            out = rt.empty(0, gate.shape, np.float32)
+            K.gelu_tanh_mul(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+            return (out,)
+        return tuple(self._body.evaluate(self.node.input, inputs, rt))
