@@ -49,6 +49,13 @@ e.g. the ``torch.onnx.export`` of the tiny model, ``scripts/export_torch_small.p
 builder's Concat graph: a real ``torch.onnx.export`` of the same model, made by
 ``scripts/export_torch_small.py`` (its vocabulary is read from the file).
 
+``export-NAME:N`` runs the ``torch.onnx.export`` fixture of transformers' NAME
+shipped under ``tests/data/arch/NAME/torch`` (``llama_tied``, ``mistral``,
+``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, ``granite``, ``gemma2``,
+``gemma3``; ``export-tiny_llama:N``: ``tests/data/torch_tiny_llama``, an
+export of an older transformers), 2-layer random-weight models whose decode
+step is mostly per-node work: the graphs users get from the exporter.
+
 ``--builder-folder DIR`` enables the cases ``builder-int4:N`` and
 ``builder-fp32:N``: the ONNX Runtime GenAI model builder's exports of the
 small model (``-p int4 -e cpu``: MatMulNBits, block 32, accuracy_level 4;
@@ -90,7 +97,7 @@ so a near tie (a gap of a few thousandths of the spread) may go either way;
 a large gap there would be a wrong result.
 
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
-       [--cases small-gqa:128,...,small-int8:128,builder-int4:128] [--engines onnxkv,ort,ort-genai]
+       [--cases small-gqa:128,...,small-int8:128,builder-int4:128,export-qwen2:64] [--engines onnxkv,ort,ort-genai]
        [--torch-model FILE] [--dispatch-model FILE] [--builder-folder DIR] [--rounds 1] [--background-load]
        [--out FILE]
 """
@@ -383,6 +390,17 @@ def build(tmp: Path, size: str, family: str, max_length: int, threads: int) -> t
     return folder, cfg.vocab_size
 
 
+#: The repository root (the export fixtures live under tests/data).
+REPO = Path(__file__).resolve().parents[1]
+
+
+def export_fixture(name: str) -> Path:
+    """The model file of the ``export-NAME`` case (see the module docstring)."""
+    if name == "tiny_llama":
+        return REPO / "tests" / "data" / "torch_tiny_llama" / "model.onnx"
+    return REPO / "tests" / "data" / "arch" / name / "torch" / "model.onnx"
+
+
 def _genai_options(folder: Path, threads: int) -> None:
     """Set the thread count and the shared past/present buffer in ``folder``'s genai_config.json."""
     cfg_path = folder / "genai_config.json"
@@ -609,6 +627,12 @@ def main() -> None:
             elif exported:
                 folder, vocab = args.torch_model, exported_vocab(args.torch_model)
                 source = f"torch.onnx.export ({folder})"
+            elif size == "export":
+                folder = export_fixture(family)
+                if not folder.is_file():
+                    ap.error(f"case {case}: no fixture {folder}")
+                vocab = exported_vocab(folder)
+                source = f"torch.onnx.export fixture ({folder.relative_to(REPO)})"
             elif family == "q4":
                 base, vocab = build(tmp, size, "gqa", max_length, args.threads)
                 folder, weight_bytes = quantized_copy(tmp, base, 4, level=0)
