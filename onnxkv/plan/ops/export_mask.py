@@ -105,8 +105,8 @@ class ExportMask(Op):
             visible &= k > q - f.window
         if mask is not None:
             visible = visible & (mask[:rows, None, :nk] != 0)
-        visible = visible.reshape((-1, 1, nq, nk))
         shape = (rows, 1, nq, nk)
+        visible = np.broadcast_to(visible, (rows, nq, nk)).reshape(shape)  # explicit: nq or nk may be 0
         if f.values is None:
             out = rt.empty(index, shape, np.bool_)
             out[...] = visible
