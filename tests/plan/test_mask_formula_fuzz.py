@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from _same_outcome import assert_same_outcome, mutants, outcome
 from fuzzing import examples
 from onnx import numpy_helper
 from test_fusion_export_mask import EXPORTS, _chain, _feeds
@@ -51,40 +52,20 @@ def _mutate(model: onnx.ModelProto, rng: np.random.Generator) -> str:
             return f"node {i}: {n.name} {v.tolist()} -> {w.tolist()}"
 
 
-def _outcome(session: onnxkv.Session, feeds: dict):
-    try:
-        return session.run(feeds)
-    except onnxkv.OnnxkvError as e:
-        return type(e)
-
-
 @pytest.mark.parametrize("name", ["llama_tied", "gemma2"])
 def test_a_mutated_chain_gives_the_same_outcome_fused_and_unfused(name, monkeypatch):
     base, _ = _chain(EXPORTS[name])
     rng = np.random.default_rng(17 if name == "llama_tied" else 23)
     fused_count = 0
-    for iteration in range(examples(40)):
-        model = onnx.ModelProto()
-        model.CopyFrom(base)
-        what = _mutate(model, rng)
-        try:
-            fused = onnxkv.Session(model, threads=1)
-        except onnxkv.OnnxkvError:
-            continue  # a graph onnxkv refuses when it builds the plan (e.g. shapes that cannot be)
-        with monkeypatch.context() as m:
-            m.setattr(fusion_passes, "fuse_export_masks", lambda nodes, protected, constants: nodes)
-            plain = onnxkv.Session(model, threads=1)
+    for iteration, what, model, fused, plain in mutants(
+        base, _mutate, rng, examples(40), monkeypatch, "fuse_export_masks"
+    ):
         fused_count += "ExportMask" in [n.op_type for n in fused.plan.nodes]
         for b, s, p, extra in [(1, 1, 9, 0), (2, 3, 4, 0), (2, 1, 6, 2)]:
             feeds = _feeds(model, rng, b, s, p, extra)
-            got, want = _outcome(fused, feeds), _outcome(plain, feeds)
+            got, want = outcome(fused, feeds), outcome(plain, feeds)
             context = f"iteration {iteration}, {what}, feeds b={b} s={s} p={p} extra={extra}"
-            if isinstance(want, dict):
-                assert isinstance(got, dict), context
-                for k in want:
-                    np.testing.assert_array_equal(got[k], want[k], err_msg=context)
-            else:
-                assert got is want, context
+            assert_same_outcome(got, want, context)
     assert fused_count > 0  # some mutations stay masks the formula computes (a moved offset, say)
 
 
@@ -101,7 +82,7 @@ def test_a_chain_proved_with_no_queries_gives_the_empty_mask_it_means(monkeypatc
         m.setattr(fusion_passes, "fuse_export_masks", lambda nodes, protected, constants: nodes)
         plain = onnxkv.Session(model, threads=1)
     feeds = _feeds(model, np.random.default_rng(1), 1, 1, 9)
-    got, want = _outcome(fused, feeds), _outcome(plain, feeds)
+    got, want = outcome(fused, feeds), outcome(plain, feeds)
     assert isinstance(got, dict) and isinstance(want, dict)
     for k in want:
         assert got[k].shape == want[k].shape and got[k].shape[2] == 0
