@@ -39,7 +39,7 @@ from collections import defaultdict
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 __all__ = [
     "fuse_silu_gate",
@@ -51,6 +51,8 @@ __all__ = [
     "fused_with_body",
     "graph_index",
     "default_op",
+    "constant_node_value",
+    "constant_node_values",
     "REPEAT_KV_INPUTS",
     "RESHAPE_FROM_X",
     "reshape_from_x",
@@ -279,6 +281,30 @@ MASKED_ATTENTION_INPUTS = (
     "softcap_div",
     "softcap_mul",
 )
+
+
+def constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
+    """The value of a ``Constant`` node given as a tensor or a float/int (list), in its ONNX type (float32,
+    int64), else None (a sparse, string or missing value)."""
+    for a in node.attribute:
+        if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+            return numpy_helper.to_array(a.t)
+        if a.name in ("value_float", "value_floats"):
+            return np.asarray(helper.get_attribute_value(a), np.float32)
+        if a.name in ("value_int", "value_ints"):
+            return np.asarray(helper.get_attribute_value(a), np.int64)
+    return None
+
+
+def constant_node_values(nodes: list[onnx.NodeProto]) -> dict[str, np.ndarray]:
+    """Output name -> value of every ``Constant`` node of ``nodes`` that :func:`constant_node_value` reads."""
+    out = {}
+    for n in nodes:
+        if default_op(n, "Constant") and len(n.output) == 1:
+            value = constant_node_value(n)
+            if value is not None:
+                out[n.output[0]] = value
+    return out
 
 
 def default_op(node: onnx.NodeProto, op_type: str) -> bool:

@@ -50,9 +50,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from onnxkv.plan.fusion import FUSED_DOMAIN, default_op, fused_with_body, graph_index
+from onnxkv.plan.fusion import FUSED_DOMAIN, constant_node_value, default_op, fused_with_body, graph_index
 
 __all__ = [
     "fuse_rms_norm",
@@ -185,16 +184,6 @@ def fuse_rms_norm(nodes: list[onnx.NodeProto], protected: set[str]) -> list[onnx
     return [replace.get(i, n) for i, n in enumerate(nodes) if i not in drop]
 
 
-def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
-    """The value of a ``Constant`` node given as a tensor or a float/int (list), else None."""
-    for a in node.attribute:
-        if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
-            return numpy_helper.to_array(a.t)
-        if a.name in ("value_float", "value_floats", "value_int", "value_ints"):
-            return np.asarray(onnx.helper.get_attribute_value(a))
-    return None
-
-
 def _periodic(value: np.ndarray) -> bool:
     """Whether ``value`` has the property of :func:`repeats_halves` (a scalar has it)."""
     if value.ndim == 0:
@@ -232,7 +221,7 @@ def repeats_halves(value: str, nodes: list[onnx.NodeProto], constants: Mapping[s
             return False
         n = nodes[i]
         if default_op(n, "Constant"):
-            c = _constant_value(n)
+            c = constant_node_value(n)
             return c is not None and _periodic(c)
         if n.domain not in ("", "ai.onnx") or len(n.output) != 1 or not n.input:
             return False
@@ -246,7 +235,7 @@ def repeats_halves(value: str, nodes: list[onnx.NodeProto], constants: Mapping[s
         if n.op_type == "Gather" and len(n.input) == 2:
             data = constants.get(n.input[0])
             if data is None and n.input[0] in producer and default_op(nodes[producer[n.input[0]]], "Constant"):
-                data = _constant_value(nodes[producer[n.input[0]]])
+                data = constant_node_value(nodes[producer[n.input[0]]])
             axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
             return (
                 data is not None

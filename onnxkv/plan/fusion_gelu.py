@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
-from onnxkv.plan.fusion import default_op, fused_with_body, graph_index
+from onnxkv.plan.fusion import constant_node_values, default_op, fused_with_body, graph_index
 
 __all__ = ["fuse_gelu_tanh_gate"]
 
@@ -37,12 +37,7 @@ def fuse_gelu_tanh_gate(
 ) -> list[onnx.NodeProto]:
     """``nodes`` with each GeGLU chain replaced by a GeluTanhMul node (see the module docstring)."""
     readers, producer, single = graph_index(nodes, protected)
-    values = dict(constants)
-    for n in nodes:  # Constant nodes' values
-        if default_op(n, "Constant") and len(n.output) == 1:
-            t = next((a.t for a in n.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
-            if t is not None:
-                values[n.output[0]] = onnx.numpy_helper.to_array(t)
+    values = {**constants, **constant_node_values(nodes)}
 
     def is_constant(name: str, role: str) -> bool:
         v = values.get(name)

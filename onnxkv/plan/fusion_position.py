@@ -36,7 +36,7 @@ def fuse_position_tables(
     """``nodes`` with each rotary cone replaced by a PositionTable node (see the module docstring)."""
     _, producer, _ = graph_index(nodes, protected)
     made = set(producer)
-    inputs = {x: onnx.TensorProto.INT64 for n in nodes for x in n.input if x and x not in made and x not in constants}
+    inputs = {x for n in nodes for x in n.input if x and x not in made and x not in constants}
     constant_nodes = {n.output[0]: i for i, n in enumerate(nodes) if n.op_type == "Constant" and len(n.output) == 1}
     at: dict[int, onnx.NodeProto] = {}
     drop: set[int] = set()

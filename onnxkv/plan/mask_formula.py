@@ -34,6 +34,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnxkv.plan.fusion import constant_node_value
+
 __all__ = ["Lin", "MaskFormula", "analyse", "mask_formula"]
 
 _INT64, _BOOL = onnx.TensorProto.INT64, onnx.TensorProto.BOOL
@@ -47,10 +49,6 @@ class Lin:
 
     terms: tuple = ()  # sorted ((value, axis), coeff) with coeff != 0
     const: int = 0
-
-    @staticmethod
-    def of(x: int | Lin) -> Lin:
-        return x if isinstance(x, Lin) else Lin((), int(x))
 
     def __add__(self, other: Lin) -> Lin:
         acc = dict(self.terms)
@@ -69,10 +67,6 @@ class Lin:
     def nonneg(self) -> bool:
         """Never negative (every dim is >= 0)."""
         return self.const >= 0 and all(c > 0 for _, c in self.terms)
-
-    def value(self, shapes: dict) -> int:
-        """The integer for ``shapes`` (value name -> shape)."""
-        return self.const + sum(c * int(shapes[v][axis]) for (v, axis), c in self.terms)
 
 
 _ONE, _ZERO = Lin((), 1), Lin((), 0)
@@ -145,17 +139,6 @@ class MaskFormula:
 
 def _attr(node: onnx.NodeProto, name: str, default=None):
     return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
-
-
-def _constant(node: onnx.NodeProto) -> np.ndarray | None:
-    for a in node.attribute:
-        if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
-            return numpy_helper.to_array(a.t)
-        if a.name in ("value_int", "value_float"):
-            return np.array(onnx.helper.get_attribute_value(a), np.int64 if a.name == "value_int" else np.float32)
-        if a.name == "value_ints":
-            return np.array(list(a.ints), np.int64)
-    return None
 
 
 def _as_value(x: np.ndarray):
@@ -407,7 +390,7 @@ def analyse(nodes: list[onnx.NodeProto], constants, inputs: set[str]) -> dict:
         op, ins = node.op_type, [get(x) for x in node.input]
         out = None
         if op == "Constant":
-            c = _constant(node)
+            c = constant_node_value(node)
             out = None if c is None else _as_value(c)
         elif op == "Shape" and _attr(node, "start") is None and _attr(node, "end") is None:
             v = ins[0]

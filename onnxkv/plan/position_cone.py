@@ -31,11 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from onnxkv.plan.fusion import constant_node_values
+
 __all__ = ["Cone", "Layout", "position_cones"]
 
 _UNARY = frozenset(("Cos", "Sin", "Neg", "Exp", "Sqrt", "Reciprocal", "Tanh", "Abs", "Log", "Floor", "Ceil"))
 _BINARY = frozenset(("Add", "Sub", "Mul", "Div", "Pow"))
-_INTEGER = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
 
 
 @dataclass(frozen=True)
@@ -134,20 +135,14 @@ def rows_layout(v: Layout) -> bool:
 
 
 def position_cones(
-    nodes: list[onnx.NodeProto], constants: Mapping, inputs: Mapping[str, int], protected: set[str]
+    nodes: list[onnx.NodeProto], constants: Mapping, inputs: set[str], protected: set[str]
 ) -> list[Cone]:
-    """The cones of ``nodes`` (topologically ordered) over the graph inputs ``inputs`` (name -> element type,
-    rank-2 integer ones taken), each with at least one output; ``constants``: initializer values."""
-    made: dict[str, np.ndarray] = {}  # Constant nodes' values
-    for n in nodes:
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.output) == 1:
-            value = next((a for a in n.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
-            if value is not None:
-                made[n.output[0]] = onnx.numpy_helper.to_array(value.t)
+    """The cones of ``nodes`` (topologically ordered) over each graph input of ``inputs`` taken as [B, S] (the
+    fused kernel reads its tables only for int64 [B, S] positions, and runs the nodes otherwise), each with at
+    least one output; ``constants``: initializer values."""
+    made = constant_node_values(nodes)
     cones = []
-    for source, elem in inputs.items():
-        if elem not in _INTEGER:
-            continue
+    for source in inputs:
         layouts: dict[str, Layout] = {source: Layout((None, None), 0, 1)}
         members: list[int] = []
         for i, n in enumerate(nodes):
