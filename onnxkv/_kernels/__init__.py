@@ -60,7 +60,7 @@ _MODULES = {
     ),
     "norm": ("rms_norm", "skip_rms_norm"),
     "softmax": ("softmax",),
-    "activation": ("sigmoid", "silu", "silu_mul", "gelu_tanh_mul", "add", "erf"),
+    "activation": ("sigmoid", "silu", "silu_mul", "gelu_tanh_mul", "add", "mul_scalar", "div_scalar", "softcap", "erf"),
     "rotary": ("rotary_embedding",),
     "attention": ("attention", "paged_attention", "decode_token", "decode_token_paged"),
     "convert": ("f16_to_f32", "f32_to_f16", "copy_f32", "bf16_to_f32", "f32_to_bf16", "read_sum"),

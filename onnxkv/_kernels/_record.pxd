@@ -8,7 +8,7 @@ cdef enum:
     KIND_MATMUL_PACKED = 1   # arrays (x, wp, bias or None, out); ints (M, K, P, N, float16 panels)
     KIND_RMS_NORM = 2        # arrays (x, gamma, out); ints (rows, n); floats (eps,)
     KIND_SKIP_RMS_NORM = 3   # arrays (x, skip, gamma, bias or None, out, sum_out or None); ints (rows, n); floats (eps,)
-    KIND_ACTIVATION = 4      # arrays (x, up or None, out); ints (mode, n)
+    KIND_ACTIVATION = 4      # arrays (x, up or None, out); ints (mode, n): up n values (modes 2-4), one (5-7)
     KIND_GATHER_ROWS = 5     # arrays (table, indices, out); ints (N, D, m, wrap); fails on an index out of range
     # S decode tokens of one sequence into a state's contiguous caches (attention.decode_token_ptr), their position
     # read when replayed: arrays (q, k, v (each the memory its S rows span), cos or None, sin or None, k_cache,

@@ -86,6 +86,25 @@ def gelu_tanh_mul(gate, up, out):
         out[...] = (0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3))) * up).astype(out.dtype)
 
 
+def mul_scalar(x, c, out):
+    """NumPy twin of ``mul_scalar``: out = x * c (c one value)."""
+    np.multiply(x, c.reshape(()), out=out)
+    return out
+
+
+def div_scalar(x, c, out):
+    """NumPy twin of ``div_scalar``: out = x / c (c one value)."""
+    np.divide(x, c.reshape(()), out=out)
+    return out
+
+
+def softcap(x, c, out):
+    """NumPy twin of ``softcap``: c * tanh(x / c) in float64, rounded to out's dtype."""
+    c64 = float(c.reshape(-1)[0])
+    out[...] = (c64 * np.tanh(x.astype(np.float64) / c64)).astype(out.dtype)
+    return out
+
+
 def erf(x, out):
     """erf in float64 (math.erf), rounded to out's dtype."""
     import math

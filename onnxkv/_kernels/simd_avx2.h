@@ -345,8 +345,41 @@ OKV_AVX2 static inline __m256 okv_sigmoid256(__m256 x) {
     return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(-88.3762626647949f), _CMP_GE_OQ));
 }
 
+/* tanh of 8 floats.  |y| < 0.5: y + y^3 P(y^2), P the Taylor polynomial of (tanh(y) - y) / y^3 through y^12
+ * (truncation below 1e-8 of the value); else sign(y) (1 - 2 / (exp(2|y|) + 1)), 1 where okv_exp256
+ * saturates (|y| > 44).  NaN stays NaN (it takes the polynomial's side). */
+OKV_AVX2 static inline __m256 okv_tanh256(__m256 y) {
+    const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+    __m256 a = _mm256_andnot_ps(sign, y), z = _mm256_mul_ps(a, a);
+    __m256 p = _mm256_set1_ps(-929569.f / 638512875.f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(21844.f / 6081075.f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-1382.f / 155925.f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(62.f / 2835.f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-17.f / 315.f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.f / 15.f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-1.f / 3.f));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(a, z), p, a);
+    __m256 e = okv_exp256(_mm256_add_ps(a, a));
+    __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+    __m256 r = _mm256_blendv_ps(small, big, _mm256_cmp_ps(a, _mm256_set1_ps(0.5f), _CMP_GE_OQ));
+    return _mm256_or_ps(r, _mm256_and_ps(y, sign));
+}
+
 OKV_AVX2 static inline void okv_act_f32_avx2(int mode, const float *x, const float *up, float *out, int64_t n) {
     int64_t i = 0;
+    if (mode == 7) {  /* softcap: c tanh(x / c), c = up[0] */
+        const __m256 c = _mm256_set1_ps(up[0]);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(c, okv_tanh256(_mm256_div_ps(_mm256_loadu_ps(x + i), c))));
+        if (i < n) {  /* the same arithmetic on a zero-padded tail: a value's result is not its position's */
+            float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, r[8];
+            int64_t j, m = n - i;
+            for (j = 0; j < m; j++) t[j] = x[i + j];
+            _mm256_storeu_ps(r, _mm256_mul_ps(c, okv_tanh256(_mm256_div_ps(_mm256_loadu_ps(t), c))));
+            for (j = 0; j < m; j++) out[i + j] = r[j];
+        }
+        return;
+    }
     for (; i + 8 <= n; i += 8) {
         __m256 vx = _mm256_loadu_ps(x + i);
         __m256 r;

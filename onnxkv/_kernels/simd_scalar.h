@@ -79,10 +79,12 @@ static inline float okv_sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 #define OKV_GELU_2A 1.5957691216057308f
 #define OKV_GELU_C 0.044715f
 
-/* mode 0: sigmoid(x); 1: x*sigmoid(x); 2: x*sigmoid(x)*up; 4: gelu_tanh(x)*up */
+/* mode 0: sigmoid(x); 1: x*sigmoid(x); 2: x*sigmoid(x)*up; 4: gelu_tanh(x)*up; 7: up[0]*tanh(x/up[0]) (a
+ * softcap: the C library's tanhf) */
 static inline void okv_act_f32_scalar(int mode, const float *x, const float *up, float *out, int64_t n) {
     int64_t i;
     if (mode == 0)      for (i = 0; i < n; i++) out[i] = okv_sigmoidf(x[i]);
+    else if (mode == 7) { const float c = up[0]; for (i = 0; i < n; i++) out[i] = c * tanhf(x[i] / c); }
     else if (mode == 1) for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoidf(x[i]);
     else if (mode == 4) for (i = 0; i < n; i++)
         out[i] = x[i] * okv_sigmoidf(OKV_GELU_2A * (x[i] + OKV_GELU_C * x[i] * x[i] * x[i])) * up[i];
@@ -167,6 +169,7 @@ static inline void okv_act_f64(int mode, const double *x, const double *up, doub
     else if (mode == 1) for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoid(x[i]);
     else if (mode == 4) for (i = 0; i < n; i++)
         out[i] = x[i] * okv_sigmoid(1.5957691216057308 * (x[i] + 0.044715 * x[i] * x[i] * x[i])) * up[i];
+    else if (mode == 7) { const double c = up[0]; for (i = 0; i < n; i++) out[i] = c * tanh(x[i] / c); }
     else                for (i = 0; i < n; i++) out[i] = x[i] * okv_sigmoid(x[i]) * up[i];
 }
 

@@ -97,6 +97,9 @@ cdef enum:
 _OPAQUE = {(KIND_MATMUL_NBITS, 1), (KIND_MATMUL_DYNAMIC, 1)}
 
 
+include "step_checks.pxi"
+
+
 cdef inline uintptr_t _addr(a):
     return <uintptr_t>a.__array_interface__["data"][0]
 
@@ -159,44 +162,7 @@ cdef class Program:
             self.exts[e].resizable = e in resizable and x.ndim == 4 and not self.exts[e].ragged
         prelude_written = []
         for c, (kind, arrays, ints, floats) in enumerate(calls):
-            if kind not in _OPERANDS or len(arrays) != _OPERANDS[kind] or len(ints) > NI or len(floats) > NF:
-                raise ValueError(f"Program: call {c} has an unknown kind or arity ({kind}, {len(arrays)} arrays)")
-            if kind == KIND_DECODE_PAGED and not (
-                    arrays[5] is not None and arrays[6] is not None and arrays[5].ndim == 2 and arrays[6].ndim == 2
-                    and 0 <= ints[9] < arrays[5].shape[0] and 0 <= ints[10] < arrays[5].shape[0]
-                    and ints[8] == arrays[6].shape[0] >= 1 and ints[3] >= 1 and len(ints) > PAGED_S
-                    and ints[PAGED_S] >= 1
-                    and arrays[10] is not None and arrays[10].shape == (2, ints[8])):
-                raise ValueError(f"Program: paged decode call {c}: planes {ints[9]}, {ints[10]} or {ints[8]} rows "
-                                 "do not fit its page and block tables")
-            if kind == KIND_DECODE_TOKEN and not (
-                    len(ints) > 13 and ints[12] in (0, 1) and ints[13] in (0, 1, 2) and (ints[12] == 0 or ints[13] != 0)
-                    and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (0, 1, 2, 9))
-                    and all(arrays[j].itemsize == (4 if ints[13] == 0 else 2) for j in (5, 6))):
-                raise ValueError(f"Program: decode call {c}: token and cache types {ints[12:14]} are not its arrays'")
-            if kind == KIND_DECODE_PAGED and not (
-                    len(ints) > 18 and ints[17] in (0, 1) and ints[18] in (0, 1, 2) and (ints[17] == 0 or ints[18] != 0)
-                    and all(arrays[j].itemsize == (2 if ints[17] else 4) for j in (0, 1, 2, 9))):
-                raise ValueError(f"Program: paged decode call {c}: token and page types {ints[17:19]} are not its "
-                                 "arrays' or the pool's")
-            if kind in (KIND_MASKED_DECODE, KIND_NONPAD_DECODE) and not (
-                    len(ints) > 12 and ints[9] in (0, 1, 2) and ints[11] in (0, 1) and ints[12] in (0, 1)
-                    and arrays[3].itemsize == (4, 1, 2)[ints[9]]
-                    and all(arrays[j].itemsize == (2 if ints[11] else 4) for j in (0, 4))
-                    and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (1, 2))):
-                raise ValueError(f"Program: masked decode call {c}: mask, token and cache types {ints[9:13]} are not "
-                                 "its arrays'")
-            if kind == KIND_CONVERT and not (
-                    len(ints) == 2 and ints[1] in (0, 1, 2) and arrays[0].size == arrays[1].size == ints[0]
-                    and (arrays[0].itemsize, arrays[1].itemsize) == ((2, 4), (4, 2), (4, 4))[ints[1]]):
-                raise ValueError(f"Program: conversion call {c}: ints {list(ints)} do not describe its arrays")
-            if kind == KIND_GATHER_ROWS and not (len(ints) == 4 and ints[3] in (0, 1)):
-                raise ValueError(f"Program: gather call {c}: ints {list(ints)} are not (N, D, m, wrap 0 or 1)")
-            if kind in (KIND_CACHE_ROWS, KIND_SCATTER_ROWS) and not (
-                    len(ints) > 5 and ints[5] in (2, 4) and arrays[0].itemsize == arrays[1].itemsize == ints[5]
-                    and (kind == KIND_CACHE_ROWS or arrays[3].itemsize == ints[5])):
-                raise ValueError(f"Program: cache-row call {c}: element bytes {ints[5:6]} are not its arrays' "
-                                 "(2 or 4)")
+            _check_call(c, kind, arrays, ints, floats)
             cl = &self.calls[c]
             cl.kind = kind
             for j, v in enumerate(ints):

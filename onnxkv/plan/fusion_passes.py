@@ -27,6 +27,7 @@ from onnxkv.plan.fusion_matmul import (
     fuse_sibling_nbits,
 )
 from onnxkv.plan.fusion_position import fuse_position_tables
+from onnxkv.plan.fusion_softcap import fuse_softcaps
 from onnxkv.plan.fusion_view import fuse_view_chains
 
 __all__ = ["fuse_graph"]
@@ -39,7 +40,7 @@ def fuse_graph(
     values (read, never changed: passes that pack weights check their operands are constants)."""
     nodes = fuse_gelu_tanh_gate(fuse_export_masks(list(nodes), protected, constants), protected, constants)
     nodes = fuse_repeat_kv_matmul(fuse_silu_gate(nodes, protected), protected)
-    nodes = fuse_masked_attention(nodes, protected)
+    nodes = fuse_softcaps(fuse_masked_attention(nodes, protected), protected)  # attention's caps are its own
     nodes = fuse_sibling_matmuls(fuse_rotate_half(fuse_rms_norm(nodes, protected), protected, constants), constants)
     nodes = absorb_sibling_biases(nodes, protected, constants)
     nodes = fuse_sibling_nbits(nodes, constants)

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["LogitHead", "checked_positions", "find_head", "take_rows", "rows_of_output"]
 
 #: Nodes between the head MatMul and the logits output that act on each row alone (with constant operands
-#: that broadcast along the last axis only, see ``_row_wise``).
-_ELEMENTWISE = frozenset({"Cast", "Identity", "Tanh", "Div", "Mul", "Add", "Sub"})
+#: that broadcast along the last axis only, see ``_row_wise``; Softcap: the fused Div, Tanh and Mul).
+_ELEMENTWISE = frozenset({"Cast", "Identity", "Tanh", "Div", "Mul", "Add", "Sub", "Softcap"})
 
 
 @dataclass(frozen=True)

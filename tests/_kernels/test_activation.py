@@ -208,3 +208,80 @@ def test_gelu_tanh_mul_is_replayed_by_a_compiled_step():
     want = np.empty_like(out)
     K.gelu_tanh_mul(g2, u2, want)
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", ["mul_scalar", "div_scalar"])
+def test_scalar_products_equal_their_twins_bit_for_bit(name, n, dtype, threads, simd):
+    rng = np.random.default_rng(n + 11)
+    x, c = rand(rng, (n,), dtype, 30.0), np.array([-0.37], dtype)
+    out, want = np.full_like(x, np.nan), np.empty_like(x)
+    getattr(K, name)(x, c, out)
+    getattr(R, name)(x, c, want)
+    np.testing.assert_array_equal(out, want)  # one rounding per element: exactly NumPy's
+    getattr(K, name)(x, c.reshape(1, 1), x)  # out may be x; c of any shape holding one value
+    np.testing.assert_array_equal(x, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("cap", [0.7, 30.0])
+def test_softcap_is_close_to_its_float64_twin(n, dtype, cap, threads, simd):
+    rng = np.random.default_rng(n + 13)
+    x = rand(rng, (n,), dtype, 2 * cap)
+    c = np.array([cap], dtype)
+    out, want = np.full_like(x, np.nan), np.empty_like(x)
+    K.softcap(x, c, out)
+    R.softcap(x, c, want)
+    tol = 4e-7 if dtype == np.float32 else 1e-15  # a few float32 ulps of the value, relative
+    np.testing.assert_allclose(out, want, rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softcap_at_the_edges_of_the_float_range(dtype, simd):
+    """NaN stays NaN, +-inf caps to +-c, signed zeros and subnormal quotients keep their sign and value, and
+    the polynomial's side (|x / c| < 0.5) meets the exponential's at 0.5: at every lane position."""
+    c = np.array([30.0], dtype)
+    edges = np.array([np.nan, -np.inf, np.inf, -3e38, 3e38, -0.0, 0.0, 1e-30, -1e-30, 14.999, 15.0, -15.001], dtype)
+    for shift in range(8):
+        x = np.roll(np.concatenate([edges, np.linspace(-60, 60, 9).astype(dtype)]), shift)
+        out, want = np.full_like(x, 7.0), np.empty_like(x)
+        K.softcap(x, c, out)
+        with np.errstate(all="ignore"):
+            R.softcap(x, c, want)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+        np.testing.assert_array_equal(np.signbit(out), np.signbit(want))
+        np.testing.assert_allclose(np.nan_to_num(out), np.nan_to_num(want), rtol=4e-7, atol=0)
+
+
+def test_scalar_modes_name_a_bad_value():
+    x, out = np.ones(8, np.float32), np.empty(8, np.float32)
+    assert_refused(lambda: K.softcap(x, np.ones(2, np.float32), out), "c: must hold one value, got shape (2,)", out)
+    with pytest.raises(ValueError, match="c: must not overlap|out: must not overlap c"):
+        K.mul_scalar(x, out[3:4], out)  # the value inside the output: written while read
+    with pytest.raises((TypeError, ValueError), match="c"):
+        K.div_scalar(x, np.ones(1, np.float64), out)
+
+
+@pytest.mark.parametrize("name", ["mul_scalar", "div_scalar", "softcap"])
+def test_scalar_modes_are_replayed_by_a_compiled_step(name):
+    from onnxkv._kernels._record import Recorder
+    from onnxkv._kernels.step import Program
+
+    rng = np.random.default_rng(17)
+    x, c, out = rand(rng, (37,), np.float32, 20.0), np.array([3.5], np.float32), np.empty(37, np.float32)
+    rec = Recorder()
+    with rec:
+        getattr(K, name)(x, c, out)
+    program = Program(rec.calls, [x])
+    x2 = rand(rng, (37,), np.float32, 20.0)
+    assert program.run([x2])
+    want = np.empty_like(out)
+    getattr(K, name)(x2, c, want)
+    np.testing.assert_array_equal(out, want)
+    kind, arrays, ints, floats = rec.calls[0]
+    # a mode beyond the kernels'; a vector mode over a one-value operand; more values than the arrays
+    for bad in ((8, 37), (2, 37), (int(ints[0]), 38)):
+        with pytest.raises(ValueError, match="activation call 0"):
+            Program([(kind, arrays, bad, floats)], [x])

@@ -147,12 +147,13 @@ def test_runs_without_a_state_keep_the_cache_joins_python_nodes_and_equal_node_b
     np.testing.assert_array_equal(got[False], got[True])
 
 
-@pytest.mark.parametrize("arch", ["llama_tied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama_tied", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3"])
 def test_transformers_exports_replay_all_but_the_mask_equal_node_by_node(arch):
     """transformers 5 torch.onnx.export fixtures: their mask is one ExportMask, their rotary tables one
     PositionTable, their head merges reshape to ShapeOf values of the step's own tensors (kept for the step),
-    and Qwen3's per-head norms transpose unit axes (views): a decode step replays every node but the mask (the
-    norm's cast of the embedding to float32 is a recorded copy), bit for bit the node-by-node runs."""
+    Qwen3's per-head norms transpose unit axes (views), Gemma's and Granite's scales multiply or divide by one
+    value, and Gemma 2's logits are capped by one Softcap node: a decode step replays every node but the mask
+    (the norm's cast of the embedding to float32 is a recorded copy), bit for bit the node-by-node runs."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "data" / "arch" / arch / "torch" / "model.onnx"
@@ -167,5 +168,7 @@ def test_transformers_exports_replay_all_but_the_mask_equal_node_by_node(arch):
             (step,) = session.plan.steps.idle
             python = {type(session.plan.kernels[k]).__name__ for k in step.items if type(k) is int}
             assert python == {"ExportMask"} and {"PositionTable", "Cast"} <= _kinds(session, step)
+            assert ("Softcap" in _kinds(session, step)) == (arch == "gemma2")
+            assert ("Mul" in _kinds(session, step)) == (arch in ("granite", "gemma2", "gemma3"))
     for plain, replayed in zip(runs[False], runs[True], strict=True):
         np.testing.assert_array_equal(plain, replayed)

@@ -16,6 +16,7 @@ __all__ = [
     "broadcast_shape",
     "float16_pair",
     "float32_pair",
+    "float32_scalar",
     "normalize_axis",
     "normalize_axes",
     "int_list",
@@ -103,6 +104,22 @@ def float32_pair(a, b) -> bool:
     """Whether ``a`` and ``b`` are non-empty C-contiguous float32 arrays of one shape (the operands of an
     element-by-element kernel that a compiled step replays)."""
     return _pair(a, b, np.float32)
+
+
+def float32_scalar(a, c) -> bool:
+    """Whether ``a`` is a non-empty C-contiguous float32 array and ``c`` a one-element float32 array of no
+    higher rank (``a`` op ``c`` has ``a``'s shape: the operands of a one-value kernel a compiled step
+    replays)."""
+    return (
+        isinstance(a, np.ndarray)
+        and isinstance(c, np.ndarray)
+        and a.dtype == np.float32
+        and c.dtype == np.float32
+        and c.size == 1
+        and c.ndim <= a.ndim
+        and a.size > 0
+        and a.flags.c_contiguous
+    )
 
 
 def _pair(a, b, dtype) -> bool:

@@ -220,3 +220,53 @@ class GeluTanhMul(Op):
             K.gelu_tanh_mul(gate.reshape(-1), up.reshape(-1), out.reshape(-1))
             return (out,)
         return tuple(self._body.evaluate(self.node.input, inputs, rt))
+
+
+@register("Softcap", domain="ai.onnxkv", internal=True)
+class Softcap(Op):
+    """Fused tanh cap ``Mul(Tanh(Div(x, c)), c)`` (Gemma 2's final logits), made by
+    :func:`onnxkv.plan.fusion_softcap.fuse_softcaps` from its three nodes (the ``body``); inputs ``x``,
+    ``c_div``, ``c_mul``.
+
+    When both caps are build-time constants holding one float32 value each, the same finite non-zero value,
+    a float32 x (C-contiguous, non-empty, of no lower rank than either cap) takes the ``softcap`` kernel (a
+    compiled step replays it): the export's value up to the kernel's tanh (a few float32 ulps); anything
+    else evaluates the body literally.
+    """
+
+    uses_blas = False
+
+    def __init__(self, node, ctx: BuildContext) -> None:
+        super().__init__(node, ctx)
+        self._body = Body.of(self, ctx, ("x", "c_div", "c_mul"))
+        caps = [ctx.constant(n) if n else None for n in list(node.input[1:3])]
+        same = len(caps) == 2 and all(isinstance(c, np.ndarray) and c.dtype == np.float32 and c.size == 1 for c in caps)
+        value = float(caps[0].reshape(())) if same else 0.0
+        #: The cap as a one-element array the kernel reads (the step's constant), or None: the body runs.
+        self._cap = (
+            np.array([value], np.float32)
+            if same and value == float(caps[1].reshape(())) and np.isfinite(value) and value != 0.0
+            else None
+        )
+        self._rank = max(c.ndim for c in caps) if same else 0
+
+    def _kernel(self, x) -> bool:
+        return (
+            self._cap is not None
+            and isinstance(x, np.ndarray)
+            and x.dtype == np.float32
+            and x.size > 0
+            and x.ndim >= self._rank
+            and x.flags.c_contiguous
+        )
+
+    def compilable(self, inputs: list) -> bool:
+        return self._kernel(inputs[0])
+
+    def run(self, inputs: list, rt) -> tuple:
+        x = inputs[0]
+        if self._kernel(x):
+            out = rt.empty(0, x.shape, np.float32)
+            K.softcap(x.reshape(-1), self._cap, out.reshape(-1))
+            return (out,)
+        return tuple(self._body.evaluate(self.node.input, inputs, rt))

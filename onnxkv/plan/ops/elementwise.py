@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxkv import _kernels as K
 from onnxkv._kernels._record import current as _recorder
-from onnxkv.plan.ops._util import add_float16, broadcast_shape, float16_pair, float32_pair
+from onnxkv.plan.ops._util import add_float16, broadcast_shape, float16_pair, float32_pair, float32_scalar
 from onnxkv.plan.registry import BuildContext, Op, register
 
 _BINARY = {
@@ -51,6 +51,7 @@ _UNARY = {
 
 class _Binary(Op):
     ufunc = staticmethod(np.add)
+    uses_blas = False
 
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
@@ -84,6 +85,26 @@ class Add(_Binary):
         return super().run(inputs, rt)
 
 
+class Mul(_Binary):
+    """``Mul``: a float32 tensor (C-contiguous, non-empty) times one float32 value (a one-element tensor of no
+    higher rank, either operand) through the ``mul_scalar`` kernel, whose call a compiled step replays (an
+    embedding's or a residual's scale: NumPy's products, bit for bit); anything else as the other binary
+    operators."""
+
+    ufunc = staticmethod(np.multiply)
+
+    def compilable(self, inputs: list) -> bool:
+        return float32_scalar(*inputs) or float32_scalar(*inputs[::-1])
+
+    def run(self, inputs: list, rt) -> tuple:
+        a, c = inputs if float32_scalar(*inputs) else inputs[::-1]
+        if float32_scalar(a, c):
+            out = rt.empty(0, a.shape, np.float32)
+            K.mul_scalar(a.reshape(-1), c.reshape(-1), out.reshape(-1))
+            return (out,)
+        return super().run(inputs, rt)
+
+
 class _Variadic(Op):
     """Max/Min/Sum/Mean with one or more inputs."""
 
@@ -99,8 +120,8 @@ class _Variadic(Op):
 
 
 for _name, _f in _BINARY.items():
-    if _name == "Add":
-        register(_name)(Add)
+    if _name in ("Add", "Mul"):
+        register(_name)(Add if _name == "Add" else Mul)
         continue
     if _name in ("Max", "Min"):
         register(_name)(type(_name, (_Variadic,), {"ufunc": staticmethod(_f)}))
@@ -126,8 +147,21 @@ class Mean(_Variadic):
 
 @register("Div")
 class Div(Op):
+    """``Div``: integers truncated toward zero; a float32 tensor (C-contiguous, non-empty) divided by one
+    float32 value (a one-element tensor of no higher rank) through the ``div_scalar`` kernel, whose call a
+    compiled step replays (a logit scale: NumPy's quotients, bit for bit); other floats by NumPy."""
+
+    uses_blas = False
+
+    def compilable(self, inputs: list) -> bool:
+        return float32_scalar(*inputs)
+
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
+        if float32_scalar(a, b):
+            out = rt.empty(0, a.shape, np.float32)
+            K.div_scalar(a.reshape(-1), b.reshape(-1), out.reshape(-1))
+            return (out,)
         if a.dtype.kind in "iu":
             if np.any(b == 0):
                 raise ZeroDivisionError(f"Div node '{self.name}': integer division by zero")
@@ -136,7 +170,8 @@ class Div(Op):
             q += ((r != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
             return (q.astype(a.dtype, copy=False),)
         out = rt.empty(0, broadcast_shape(a, b), a.dtype)
-        np.divide(a, b, out=out)
+        with np.errstate(divide="ignore", invalid="ignore"):  # IEEE quotients (inf, NaN), as the kernel's
+            np.divide(a, b, out=out)
         return (out,)
 
 
@@ -167,6 +202,7 @@ class Pow(Op):
 
 class _Compare(Op):
     ufunc = staticmethod(np.equal)
+    uses_blas = False
 
     def run(self, inputs: list, rt) -> tuple:
         a, b = inputs
@@ -181,6 +217,7 @@ for _name, _f in _COMPARE.items():
 
 class _Unary(Op):
     ufunc = staticmethod(np.negative)
+    uses_blas = False
 
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]

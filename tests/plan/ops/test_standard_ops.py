@@ -54,6 +54,33 @@ def test_binary_broadcast(op, shapes):
     check(op, [a, b])
 
 
+@pytest.mark.parametrize("op", ["Mul", "Div"])
+@pytest.mark.parametrize("shapes", [((2, 3, 4), ()), ((2, 3, 4), (1,)), ((3, 4), (1, 1)), ((5,), (1, 1)), ((), (2, 3))])
+@pytest.mark.parametrize("order", ["value_second", "value_first"])
+def test_one_value_products_and_quotients_are_numpys_bit_for_bit(op, shapes, order, monkeypatch):
+    """A float32 tensor times (either order) or divided by one float32 value of no higher rank takes the
+    one-value kernel (a compiled step replays it), with NumPy's roundings; a value of higher rank broadcasts
+    the result to its rank through NumPy."""
+    from onnxkv.plan.ops import elementwise
+
+    calls = []
+    for name in ("mul_scalar", "div_scalar"):
+        real = getattr(elementwise.K, name)
+        monkeypatch.setattr(elementwise.K, name, lambda *a, _r=real: (calls.append(1), _r(*a)))
+    a, c = np.asarray(r(*shapes[0]) * 40, F), np.asarray(r(*shapes[1]) + 2.5, F)
+    if a.size > 3:
+        a.reshape(-1)[:3] = [np.nan, np.inf, -0.0]
+    ins = [c, a] if order == "value_first" else [a, c]
+    model, feeds = one_node(op, ins)
+    got = Session(model, threads=1).run(feeds)["y0"]
+    with np.errstate(all="ignore"):
+        want = np.multiply(*ins) if op == "Mul" else np.divide(*ins)
+    np.testing.assert_array_equal(got, want)
+    x, v = ins if op == "Div" or ins[1].size == 1 and ins[1].ndim <= ins[0].ndim else ins[::-1]
+    kernel = v.size == 1 and v.ndim <= x.ndim
+    assert calls == ([1] if kernel else [])
+
+
 @pytest.mark.parametrize("op", ["Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"])
 def test_compare(op):
     a = RNG.integers(-3, 3, (4, 5)).astype(np.int64)
