@@ -63,7 +63,7 @@ _MODULES = {
     "activation": ("sigmoid", "silu", "silu_mul", "gelu_tanh_mul", "add", "mul_scalar", "div_scalar", "softcap", "erf"),
     "rotary": ("rotary_embedding",),
     "attention": ("attention", "paged_attention", "decode_token", "decode_token_paged"),
-    "convert": ("f16_to_f32", "f32_to_f16", "copy_f32", "bf16_to_f32", "f32_to_bf16", "read_sum"),
+    "convert": ("f16_to_f32", "f32_to_f16", "copy_f32", "concat_pair", "bf16_to_f32", "f32_to_bf16", "read_sum"),
     "matmul": ("matmul_rows",),
     "qmatmul": ("pack_nbits", "matmul_nbits"),
     "imatmul": ("pack_int8_weight", "matmul_integer", "dynamic_quantize_linear", "matmul_dynamic"),

@@ -75,3 +75,7 @@ cdef enum:
     # is in [0, T] and the mask, with the causal bound ends[b] - S + s and the end ends[b], describes ranges
     # (attention.masked_ranges); kv_len[b] = ends[b].
     KIND_NONPAD_DECODE = 16
+    # Two C-contiguous arrays concatenated along one axis (convert.concat_ptr): arrays (a or None, b or None, out);
+    # ints (outer, a_bytes, b_bytes): out is outer rows of a_bytes of a's row then b_bytes of b's (an operand of
+    # no bytes is None).
+    KIND_CONCAT = 17

@@ -13,7 +13,7 @@ from libc.stdint cimport int64_t, uint16_t
 from libc.string cimport memcpy
 from cython.parallel cimport prange
 
-from onnxkv._kernels._record cimport KIND_CONVERT, recorder
+from onnxkv._kernels._record cimport KIND_CONCAT, KIND_CONVERT, recorder
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from . import _validate as V
 
@@ -140,6 +140,53 @@ def copy_f32(x, out):
     with nogil:
         memcpy(&ov[0], &xv[0], <size_t>xv.shape[0] * sizeof(float))
     _note(x, out, 2)
+
+
+cdef void concat_ptr(const char *a, const char *b, char *out, int64_t outer, int64_t na, int64_t nb) noexcept nogil:
+    """KIND_CONCAT (_record.pxd) on checked pointers: ``outer`` rows of out, each ``na`` bytes of a's row then
+    ``nb`` bytes of b's (an operand of no bytes is not read)."""
+    cdef int64_t r
+    for r in range(outer):
+        if na:
+            memcpy(out + r * (na + nb), a + r * na, <size_t>na)
+        if nb:
+            memcpy(out + r * (na + nb) + na, b + r * nb, <size_t>nb)
+
+
+def concat_pair(a, b, out, int axis):
+    """out[...] = concatenate((a, b), axis) (an ONNX Concat of two inputs: a copy a compiled step replays).
+    a, b: C-contiguous arrays of one dtype and rank, whose shapes differ at most at ``axis`` (in [0, rank));
+    out: C-contiguous, writeable, of their dtype and the concatenated shape, overlapping neither."""
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf":
+        raise ValueError(f"a: expected a numpy.ndarray of numbers or booleans, got {getattr(a, 'dtype', type(a))}")
+    V.array("a", a, (a.dtype,))
+    V.array("b", b, (a.dtype,))
+    if not 0 <= axis < a.ndim or b.ndim != a.ndim:
+        raise ValueError(f"concat_pair: axis {axis} out of range for ranks {a.ndim} and {b.ndim}")
+    shape = list(a.shape)
+    shape[axis] += b.shape[axis]
+    if [d for i, d in enumerate(b.shape) if i != axis] != [d for i, d in enumerate(a.shape) if i != axis]:
+        raise ValueError(f"b: shape {b.shape} differs from a's {a.shape} off axis {axis}")
+    V.array("out", out, (a.dtype,), shape=tuple(shape), writeable=True)
+    V.no_overlap("out", out, a, "a")
+    V.no_overlap("out", out, b, "b")
+    if out.size == 0:
+        return
+    cdef int64_t outer = 1, na = a.itemsize, nb = a.itemsize
+    for d in a.shape[:axis]:
+        outer *= d
+    for d in a.shape[axis:]:
+        na *= d
+    for d in b.shape[axis:]:
+        nb *= d
+    cdef const char *pa = <const char *><size_t>a.__array_interface__["data"][0]
+    cdef const char *pb = <const char *><size_t>b.__array_interface__["data"][0]
+    cdef char *po = <char *><size_t>out.__array_interface__["data"][0]
+    with nogil:
+        concat_ptr(pa, pb, po, outer, na, nb)
+    rec = recorder()
+    if rec is not None:
+        rec.note(KIND_CONCAT, (a if na else None, b if nb else None, out), (outer, na, nb), ())
 
 
 def bf16_to_f32(x, out):

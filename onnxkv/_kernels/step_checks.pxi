@@ -50,3 +50,9 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
             and (arrays[1] is None or arrays[1].size == (1 if ints[0] >= 5 else ints[1]))
             and all(a is None or a.itemsize == 4 for a in arrays)):
         raise ValueError(f"Program: activation call {c}: ints {list(ints)} do not describe its arrays")
+    if kind == KIND_CONCAT and not (
+            len(ints) == 3 and ints[0] >= 1 and ints[1] >= 0 and ints[2] >= 0
+            and all((arrays[j] is None) == (ints[j + 1] == 0) for j in (0, 1))
+            and all(arrays[j] is None or arrays[j].nbytes == ints[0] * ints[j + 1] for j in (0, 1))
+            and arrays[2].nbytes == ints[0] * (ints[1] + ints[2])):
+        raise ValueError(f"Program: concatenation call {c}: ints {list(ints)} do not describe its arrays")

@@ -52,7 +52,9 @@ A node whose operator reads only its inputs' shapes (``Op.shape_only``: a
 reshape target made by ``ShapeOf``) and whose inputs the open segment made
 joins it with no call: those shapes are the step's, so its value is kept as a
 constant of the step; so does a deterministic node whose inputs are constants
-and such kept values (a rotary width computed from a shape).  A node whose operator declares ``view_inputs`` and
+and such kept values (a rotary width computed from a shape); a compilable node whose recorded calls
+depend on the values of some inputs (``Op.replay_fixed``: a rotation's slice bounds) is recorded only when
+those are constants or such kept values.  A node whose operator declares ``view_inputs`` and
 whose viewed inputs the open segment made (its other inputs constants or such
 kept values) joins the segment with no call
 when its outputs are C-contiguous views inside those inputs (a reshape of a
@@ -310,6 +312,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
             op is not None
             and all(isinstance(a, np.ndarray) or a is None for a in args)
             and (segment_view or op.compilable(args))
+            and all(constant[ins[j]] or ins[j] in fixed for j in op.replay_fixed if j < len(ins))
         ):
             close_segment()
             run_nodes(plan, k, k + 1, slots, bufs, rt, cancel)

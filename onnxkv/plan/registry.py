@@ -153,6 +153,10 @@ class Op:
     #: Input positions a recorded call of a compilable node does not read (a cache view whose buffer the call
     #: takes by name): they are no external values of its segment (see :mod:`onnxkv.plan.compiled_step`).
     replay_unread: tuple[int, ...] = ()
+    #: Input positions whose values (not only their shapes) decide the calls a compilable node records (a
+    #: slice bound computed from a shape): a compiled step records the node only when each is a constant or a
+    #: value fixed for the step (see :mod:`onnxkv.plan.compiled_step`).
+    replay_fixed: tuple[int, ...] = ()
     #: Input positions a recorded call takes whole with their last dim read when replayed (a mask over the
     #: cache length): several nodes may take one such value when every reader declares it.
     ragged_inputs: tuple[int, ...] = ()

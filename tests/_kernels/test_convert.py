@@ -175,3 +175,56 @@ def test_copy_f32_refuses_bad_arguments_and_a_program_a_call_its_ints_do_not_des
     for bad in ((6, 3), (7, 2), (6, 0)):  # no such mode; more values than the arrays; a float16 widening of them
         with pytest.raises(ValueError, match="conversion call 0"):
             Program([(kind, arrays, bad, floats)], [x])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.bool_])
+@pytest.mark.parametrize(
+    "shapes, axis",
+    [(((2, 3, 1, 5), (2, 3, 1, 11)), 3), (((4, 2), (1, 2)), 0), (((2, 0, 3), (2, 4, 3)), 1), (((3, 4), (3, 0)), 1)],
+)
+def test_concat_pair_equals_numpy_and_is_replayed(dtype, shapes, axis):
+    """Rows of each operand copied in turn (an empty operand reads nothing), NumPy's concatenation bit for bit;
+    a program replays the call on new operands."""
+    from onnxkv._kernels._record import Recorder
+    from onnxkv._kernels.step import Program
+
+    rng = np.random.default_rng(sum(map(sum, shapes)))
+    a, b = ((rng.standard_normal(s) * 50).astype(dtype) for s in shapes)
+    want = np.concatenate((a, b), axis)
+    out = np.full_like(want, 7)
+    rec = Recorder()
+    with rec:
+        K.concat_pair(a, b, out, axis)
+    np.testing.assert_array_equal(out, want)
+    program = Program(rec.calls, [x for x in (a, b) if x.size])
+    a2, b2 = ((rng.standard_normal(s) * 50).astype(dtype) for s in shapes)
+    assert program.run([x for x in (a2, b2) if x.size])
+    np.testing.assert_array_equal(out, np.concatenate((a2, b2), axis))
+
+
+def test_concat_pair_names_bad_arguments_and_a_program_a_call_its_ints_do_not_describe():
+    from onnxkv._kernels._record import Recorder
+    from onnxkv._kernels.step import Program
+
+    a, b = np.ones((2, 3), np.float32), np.zeros((2, 4), np.float32)
+    out = np.empty((2, 7), np.float32)
+    with pytest.raises(ValueError, match="b: shape"):
+        K.concat_pair(a, np.zeros((3, 4), np.float32), np.empty((3, 7), np.float32), 1)
+    with pytest.raises(ValueError, match="b: dtype"):
+        K.concat_pair(a, b.astype(np.float64), out, 1)
+    with pytest.raises(ValueError, match="axis 2 out of range"):
+        K.concat_pair(a, b, out, 2)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        K.concat_pair(a, b, np.empty((2, 6), np.float32), 1)
+    with pytest.raises(ValueError, match="out: must not overlap a"):
+        big = np.empty(14, np.float32)
+        K.concat_pair(big[:6].reshape(2, 3), b, big.reshape(2, 7), 1)
+    with pytest.raises(ValueError, match="numbers or booleans"):
+        K.concat_pair(a.astype(object), b.astype(object), out.astype(object), 1)
+    rec = Recorder()
+    with rec:
+        K.concat_pair(a, b, out, 1)
+    kind, arrays, ints, floats = rec.calls[0]
+    for bad in ((2, 12, 20), (2, 12, 0), (0, 12, 16), (2, 12)):  # more bytes than b; b read as empty; no rows
+        with pytest.raises(ValueError, match="concatenation call 0"):
+            Program([(kind, arrays, bad, floats)], [a, b])

@@ -371,3 +371,23 @@ def test_a_proven_rotate_half_runs_the_kernel_and_still_checks_its_layout(mid, c
         assert (calls["rotary"], calls["literal"]) == (2, [])
         for g in got:
             np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_time_split_is_replayed_only_when_it_is_fixed_for_the_step():
+    """A RotateHalf whose slice bound is a graph input (its value may change while the shapes stay) stays a
+    Python node of compiled steps and follows each run's split; with a constant bound it is replayed."""
+    rng = np.random.default_rng(15)
+    feeds = {
+        "x": rng.standard_normal((2, 3, 4, 8)).astype(np.float32),
+        "f": rng.uniform(0, 6.0, (2, 1, 4, 4)).astype(np.float32),
+    }
+    for keyed in (True, False):
+        model = _proven_rotary_model(keyed)
+        sess = onnxkv.Session(model, threads=1)
+        plain = onnxkv.Session(model, threads=1, compiled_steps=False)
+        for mid in (4, 4, 3, 4, 3) if keyed else (None,) * 3:
+            run = dict(feeds, mid=np.array([mid], np.int64)) if keyed else feeds
+            np.testing.assert_array_equal(sess.run(run)["y"], plain.run(run)["y"])
+        (step,) = sess.plan.steps.idle
+        python = [sess.plan.nodes[k].op_type for k in step.items if type(k) is int]
+        assert ("RotateHalf" in python) is keyed  # the angles' Cos and Sin have no compiled kernel

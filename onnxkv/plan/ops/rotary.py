@@ -332,6 +332,7 @@ class RotateHalf(Op):
         params = [ctx.constant(x) if x else None for x in names]
         #: Slice parameter positions only known at run time (their values join the memo key).
         self._keyed = tuple(i for i in range(_LO.start, len(names)) if names[i] and params[i] is None)
+        self.replay_fixed = self._keyed  # a recorded call bakes the layout their values give
         #: The two slices' (start, end) pairs when constant (see _last_axis_slice).
         self._slices = None if self._keyed else (_last_axis_slice(params[_LO]), _last_axis_slice(params[_HI]))
         self._memo = LayoutMemo()
@@ -371,13 +372,12 @@ class RotateHalf(Op):
 
     def compilable(self, inputs: list) -> bool:
         """float32 (or float16: widened, then rounded) x, cos and sin of one dtype, C-contiguous (the kernel
-        reads them where they are), halves proven equal
-        when the plan was built and constant slices: one recorded rotary call whose operands depend on the
-        shapes only (``run`` refuses the recording when it evaluates the body literally)."""
+        reads them where they are) and halves proven equal when the plan was built: one recorded rotary call
+        whose operands depend on the shapes and the slice bounds only (run-time bounds: ``replay_fixed``;
+        ``run`` refuses the recording when it evaluates the body literally)."""
         x, cos, sin = inputs[0], inputs[1], inputs[2]
         return (
             self._halves_proven
-            and not self._keyed
             and all(isinstance(a, np.ndarray) and a.dtype in _DTYPES and a.flags.c_contiguous for a in (x, cos, sin))
             and x.dtype == cos.dtype == sin.dtype
         )

@@ -30,6 +30,7 @@ from math import prod
 import numpy as np
 
 from onnxkv._kernels._record import current as _recorder
+from onnxkv._kernels.convert import concat_pair
 from onnxkv._kernels.gather import gather_rows
 from onnxkv.errors import InputError, OperatorError
 from onnxkv.plan.ops._export_record import note_cache_rows, rows_appendable
@@ -238,8 +239,24 @@ class Concat(Op):
 
     def compilable(self, inputs: list) -> bool:
         """A cache Concat bound to a state's past: its in-place append to a contiguous float32 cache is a
-        call a compiled step replays (``run`` notes it; any other run refuses the recording)."""
-        return self.bound_past is not None
+        call a compiled step replays (``run`` notes it; any other run refuses the recording); any other
+        Concat that is not a cache's, of two C-contiguous arrays (:meth:`_pair_axis`): one ``concat_pair``
+        call."""
+        if self.bound_past is not None:
+            return True
+        return not self.is_cache and self._pair_axis(inputs) is not None
+
+    def _pair_axis(self, inputs: list) -> int | None:
+        """The axis (made non-negative) when ``inputs`` are two C-contiguous arrays of numbers of one dtype and
+        rank, whose shapes differ at most there, with a non-empty result; else None."""
+        if len(inputs) != 2 or not all(isinstance(x, np.ndarray) and x.flags.c_contiguous for x in inputs):
+            return None
+        a, b = inputs
+        if a.dtype != b.dtype or a.dtype.kind not in "biuf" or a.ndim != b.ndim or not -a.ndim <= self.axis < a.ndim:
+            return None
+        axis = self.axis % a.ndim
+        same = all(d == e for i, (d, e) in enumerate(zip(a.shape, b.shape)) if i != axis)
+        return axis if same and a.size + b.size > 0 else None
 
     def run(self, inputs: list, rt) -> tuple:
         if self.bound_past is not None and rt.in_place(self.bound_past):
@@ -255,6 +272,14 @@ class Concat(Op):
             rec = _recorder()
             if rec is not None:
                 rec.refused.append(f"Concat node '{self.name}': not bound to a state's cache in this run")
+        pair = None if self.is_cache else self._pair_axis(inputs)
+        if pair is not None:
+            a, b = inputs
+            shape = list(a.shape)
+            shape[pair] += b.shape[pair]
+            out = rt.empty(0, shape, a.dtype)
+            concat_pair(a, b, out, pair)
+            return (out,)
         xs = [x for x in inputs if x is not None]
         axis = normalize_axis(self.axis, xs[0].ndim, f"Concat '{self.name}'")
         shape = list(xs[0].shape)

@@ -81,6 +81,22 @@ def test_one_value_products_and_quotients_are_numpys_bit_for_bit(op, shapes, ord
     assert calls == ([1] if kernel else [])
 
 
+@pytest.mark.parametrize(
+    "shapes, axis",
+    [(((1, 4, 1, 16), (1, 4, 1, 0)), -1), (((1, 4, 1, 12), (1, 4, 1, 4)), 3), (((2, 3), (5, 3)), 0), (((3,), (3,)), 0)],
+)
+@pytest.mark.parametrize("dtype", [F, np.float16, np.int64])
+def test_a_concat_of_two_tensors_is_one_copy_call(shapes, axis, dtype, monkeypatch):
+    """Two C-contiguous inputs of one dtype (an empty one included: a full rotary's pass-through part) are
+    copied by ``concat_pair``, a call compiled steps replay; the values are onnx.reference's."""
+    from onnxkv.plan.ops import shape
+
+    calls = []
+    monkeypatch.setattr(shape, "concat_pair", lambda *a, _r=shape.concat_pair: (calls.append(1), _r(*a)))
+    check("Concat", [r(*s).astype(dtype) for s in shapes], axis=axis, atol=0)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("op", ["Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"])
 def test_compare(op):
     a = RNG.integers(-3, 3, (4, 5)).astype(np.int64)
