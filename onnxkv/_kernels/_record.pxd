@@ -79,3 +79,7 @@ cdef enum:
     # ints (outer, a_bytes, b_bytes): out is outer rows of a_bytes of a's row then b_bytes of b's (an operand of
     # no bytes is None).
     KIND_CONCAT = 17
+    # A strided view copied into a C-contiguous array (convert.copy_rows_ptr): arrays (span, out), span the bytes
+    # from the view's first element to its last (uint8); ints (rows, row_bytes, stride): out is the rows of
+    # row_bytes at span + r * stride.
+    KIND_COPY_ROWS = 18

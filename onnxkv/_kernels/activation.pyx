@@ -2,8 +2,9 @@
 tensor with one value: mul_scalar, div_scalar, softcap (float32 / float64).
 
 Arrays of any shape are accepted as long as they are C-contiguous and of equal
-shape (the one value: a one-element array of their dtype); they are processed as flat 1-D vectors.  The caller owns ``out``; it may
-be one of the inputs (exact aliasing), partial overlap is rejected.  Called
+shape (the one value: a one-element array of their dtype); they are processed
+as flat 1-D vectors.  The caller owns ``out``; it may be one of the inputs
+(exact aliasing; not the one value), partial overlap is rejected.  Called
 several times per layer per decode step with 1-D arrays, so valid 1-D
 arguments are checked at C speed (``_act_fast``); any other call takes the
 Python checks, which name the bad argument.

@@ -5,3 +5,4 @@ from onnxkv._kernels._runtime cimport okv_settings
 
 cdef void convert_ptr(const void *x, void *out, int64_t n, int mode, okv_settings s) noexcept nogil
 cdef void concat_ptr(const char *a, const char *b, char *out, int64_t outer, int64_t na, int64_t nb) noexcept nogil
+cdef void copy_rows_ptr(const char *x, char *out, int64_t rows, int64_t row_bytes, int64_t stride) noexcept nogil

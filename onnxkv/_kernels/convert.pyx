@@ -13,7 +13,7 @@ from libc.stdint cimport int64_t, uint16_t
 from libc.string cimport memcpy
 from cython.parallel cimport prange
 
-from onnxkv._kernels._record cimport KIND_CONCAT, KIND_CONVERT, recorder
+from onnxkv._kernels._record cimport KIND_CONCAT, KIND_CONVERT, KIND_COPY_ROWS, recorder
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from . import _validate as V
 
@@ -187,6 +187,67 @@ def concat_pair(a, b, out, int axis):
     rec = recorder()
     if rec is not None:
         rec.note(KIND_CONCAT, (a if na else None, b if nb else None, out), (outer, na, nb), ())
+
+
+cdef void copy_rows_ptr(const char *x, char *out, int64_t rows, int64_t row_bytes, int64_t stride) noexcept nogil:
+    """KIND_COPY_ROWS (_record.pxd) on checked pointers: ``rows`` rows of ``row_bytes`` bytes, row r at
+    ``x + r * stride``, packed into out."""
+    cdef int64_t r
+    for r in range(rows):
+        memcpy(out + r * row_bytes, x + r * stride, <size_t>row_bytes)
+
+
+def row_layout(x) -> tuple | None:
+    """(rows, row_bytes, stride) of an array view whose elements are ``rows`` runs of ``row_bytes`` contiguous
+    bytes, one every ``stride`` bytes (stride >= row_bytes > 0; C order), or None for any other layout (an empty
+    view, negative or interleaved strides, more than one outer stride)."""
+    if not isinstance(x, np.ndarray) or x.size == 0:
+        return None
+    # (no negative indices: this module is compiled without wraparound)
+    dims = [(n, st) for n, st in zip(x.shape, x.strides) if n != 1]
+    row = x.itemsize
+    while dims and dims[len(dims) - 1][1] == row:  # the contiguous tail
+        row *= dims.pop()[0]
+    if not dims:
+        return (1, row, row)
+    rows, stride = dims.pop()
+    while dims:  # outer dims collapse into one stride
+        n, st = dims.pop()
+        if st != stride * rows:
+            return None
+        rows *= n
+    return (rows, row, stride) if stride >= row else None
+
+
+def copy_rows(x, out):
+    """out[...] = x for a view ``x`` that :func:`row_layout` describes, inside the memory of its base array
+    (a Slice of a contiguous tensor: a copy a compiled step replays); out: C-contiguous, writeable, of x's
+    shape and dtype, overlapping neither x nor its base's span.  Returns False, with nothing written, for a
+    view no row layout describes."""
+    layout = row_layout(x)
+    V.array("out", out, (x.dtype,) if isinstance(x, np.ndarray) else (), shape=x.shape, writeable=True)
+    if layout is None:
+        return False
+    rows, row, stride = layout
+    root = x
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    lo = root.__array_interface__["data"][0]
+    start = x.__array_interface__["data"][0]
+    span_bytes = (rows - 1) * stride + row
+    if not (root.flags.c_contiguous and lo <= start and start + span_bytes <= lo + root.nbytes):
+        return False
+    span = np.ndarray((span_bytes,), np.uint8, root, start - lo)
+    V.no_overlap("out", out, span, "x")
+    cdef const char *px = <const char *><size_t>start
+    cdef char *po = <char *><size_t>out.__array_interface__["data"][0]
+    cdef int64_t n = rows, nb = row, step = stride
+    with nogil:
+        copy_rows_ptr(px, po, n, nb, step)
+    rec = recorder()
+    if rec is not None:
+        rec.note(KIND_COPY_ROWS, (span, out), (rows, row, stride), ())
+    return True
 
 
 def bf16_to_f32(x, out):

@@ -46,13 +46,14 @@ from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint32_t, uint64_t, uintpt
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset, strcmp
 
-from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_CACHE_ROWS, KIND_CONCAT, KIND_CONVERT, KIND_DECODE_PAGED,
-                                      KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MASK_LENGTHS, KIND_MASKED_DECODE,
-                                      KIND_MATMUL_DYNAMIC, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED, KIND_NONPAD_DECODE,
-                                      KIND_RMS_NORM, KIND_ROTARY, KIND_SCATTER_ROWS, KIND_SKIP_RMS_NORM)
+from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_CACHE_ROWS, KIND_CONCAT, KIND_CONVERT, KIND_COPY_ROWS,
+                                      KIND_DECODE_PAGED, KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MASK_LENGTHS,
+                                      KIND_MASKED_DECODE, KIND_MATMUL_DYNAMIC, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED,
+                                      KIND_NONPAD_DECODE, KIND_RMS_NORM, KIND_ROTARY, KIND_SCATTER_ROWS,
+                                      KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
-from onnxkv._kernels.convert cimport concat_ptr, convert_ptr
+from onnxkv._kernels.convert cimport concat_ptr, convert_ptr, copy_rows_ptr
 from onnxkv._kernels.attention cimport (decode_paged_ok, decode_paged_ptr, decode_token_ptr, masked_decode_ptr,
                                         masked_ranges)
 from onnxkv._kernels.gather cimport gather_rows_ptr
@@ -69,7 +70,7 @@ WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4
            KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,),
            KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,), KIND_MATMUL_DYNAMIC: (3,), KIND_CACHE_ROWS: (1,),
            KIND_MASKED_DECODE: (4, 6, 7, 8), KIND_ROTARY: (4,), KIND_CONVERT: (1,), KIND_SCATTER_ROWS: (1, 3, 4),
-           KIND_NONPAD_DECODE: (4, 6, 7, 8), KIND_CONCAT: (2,)}
+           KIND_NONPAD_DECODE: (4, 6, 7, 8), KIND_CONCAT: (2,), KIND_COPY_ROWS: (1,)}
 #: Operands whose values decide whether a call accepts the run (read before any call but the prelude ones runs:
 #: never written by another call of the program).
 CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED: (5, 6, 7, 8, 10),
@@ -79,7 +80,7 @@ CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED:
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
              KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11,
              KIND_MATMUL_DYNAMIC: 4, KIND_CACHE_ROWS: 3, KIND_MASKED_DECODE: 9, KIND_ROTARY: 5, KIND_CONVERT: 2,
-             KIND_SCATTER_ROWS: 5, KIND_NONPAD_DECODE: 9, KIND_CONCAT: 3}
+             KIND_SCATTER_ROWS: 5, KIND_NONPAD_DECODE: 9, KIND_CONCAT: 3, KIND_COPY_ROWS: 2}
 #: Kinds run before the others are admitted (they read externals only), and the operand each takes whole from a
 #: ragged external (its last dim read when replayed).
 PRELUDE = {KIND_MASK_LENGTHS: 0}
@@ -510,6 +511,8 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
         convert_ptr(c.p[0], c.p[1], c.i[0], <int>c.i[1], s)
     elif c.kind == KIND_CONCAT:
         concat_ptr(<const char *>c.p[0], <const char *>c.p[1], <char *>c.p[2], c.i[0], c.i[1], c.i[2])
+    elif c.kind == KIND_COPY_ROWS:
+        copy_rows_ptr(<const char *>c.p[0], <char *>c.p[1], c.i[0], c.i[1], c.i[2])
     return 0
 
 

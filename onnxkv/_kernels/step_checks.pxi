@@ -56,3 +56,7 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
             and all(arrays[j] is None or arrays[j].nbytes == ints[0] * ints[j + 1] for j in (0, 1))
             and arrays[2].nbytes == ints[0] * (ints[1] + ints[2])):
         raise ValueError(f"Program: concatenation call {c}: ints {list(ints)} do not describe its arrays")
+    if kind == KIND_COPY_ROWS and not (
+            len(ints) == 3 and ints[0] >= 1 and ints[2] >= ints[1] >= 1
+            and arrays[0].nbytes == (ints[0] - 1) * ints[2] + ints[1] and arrays[1].nbytes == ints[0] * ints[1]):
+        raise ValueError(f"Program: row-copy call {c}: ints {list(ints)} do not describe its arrays")

@@ -58,8 +58,9 @@ those are constants or such kept values.  A node whose operator declares ``view_
 whose viewed inputs the open segment made (its other inputs constants or such
 kept values) joins the segment with no call
 when its outputs are C-contiguous views inside those inputs (a reshape of a
-product: step memory at a fixed address); a copy would be baked, so it stays
-a Python node.  A value that an effect sets (a present view) may be read by
+product: step memory at a fixed address), or with the calls of a copy its
+operator recorded (a strided Slice packed by rows); a copy that was not
+recorded would be baked, so it stays a Python node.  A value that an effect sets (a present view) may be read by
 later nodes only at inputs their recorded calls do not read
 (``Op.replay_unread``), and a value taken ragged by several nodes only when
 every reader declares it (``Op.ragged_inputs``: an export's mask, read by
@@ -339,7 +340,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
             recorder.refused
             # its shape read elsewhere
             or any(not ragged_readers(s) for s, v in reads.items() if id(v) in uneven and readers.get(s, 0) > 1)
-            or (op.view_inputs and not (segment_view and not recorder.calls and _views(results, args, op.view_inputs)))
+            or (op.view_inputs and not (segment_view and _views_or_copies(results, args, op.view_inputs, recorder)))
             or not all(r is None or isinstance(r, np.ndarray) for r in results)
             # a node reads a present the effect sets, other than as the cache its own recorded call reads
             or any(not unread_after(outs[j], k) for j in set_by_effects)
@@ -372,6 +373,20 @@ def _pure(node) -> bool:
     """Whether ``node``'s outputs are a function of its inputs alone (what constant folding may run)."""
     return node.op_type not in NON_DETERMINISTIC and not any(
         a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
+    )
+
+
+def _views_or_copies(results: list, args: list, view_inputs: tuple, recorder: Recorder) -> bool:
+    """Whether a view node's results are step memory at fixed addresses: views of its inputs (no call,
+    :func:`_views`), or copies its recorded calls made (a strided Slice packed: arrays of their own, sharing no
+    memory with the inputs)."""
+    if not recorder.calls:
+        return _views(results, args, view_inputs)
+    return all(
+        isinstance(r, np.ndarray)
+        and r.flags.c_contiguous
+        and not any(np.may_share_memory(r, a) for a in args if a is not None)
+        for r in results
     )
 
 

@@ -228,3 +228,54 @@ def test_concat_pair_names_bad_arguments_and_a_program_a_call_its_ints_do_not_de
     for bad in ((2, 12, 20), (2, 12, 0), (0, 12, 16), (2, 12)):  # more bytes than b; b read as empty; no rows
         with pytest.raises(ValueError, match="concatenation call 0"):
             Program([(kind, arrays, bad, floats)], [a, b])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
+@pytest.mark.parametrize(
+    "shape, index",
+    [
+        ((1, 3, 1, 8), (Ellipsis, slice(0, 6))),  # a rotation's part of each head
+        ((1, 3, 1, 8), (Ellipsis, slice(6, None))),  # the rest
+        ((2, 3, 4), (slice(None), slice(1, 3))),  # whole rows of an inner axis
+        ((4, 5), (slice(None, None, 2),)),  # every other row
+        ((6,), (slice(2, 5),)),  # contiguous: one row
+    ],
+)
+def test_copy_rows_packs_a_strided_view_and_is_replayed(dtype, shape, index):
+    from onnxkv._kernels._record import Recorder
+    from onnxkv._kernels.step import Program
+
+    rng = np.random.default_rng(len(shape))
+    base = (rng.standard_normal(shape) * 30).astype(dtype)
+    view = base[index]
+    out = np.full(view.shape, 7, dtype)
+    rec = Recorder()
+    with rec:
+        assert K.copy_rows(view, out)
+    np.testing.assert_array_equal(out, view)
+    program = Program(rec.calls, [base])
+    base2 = (rng.standard_normal(shape) * 30).astype(dtype)
+    assert program.run([base2])
+    np.testing.assert_array_equal(out, base2[index])
+
+
+def test_copy_rows_declines_other_layouts_and_a_program_a_call_its_ints_do_not_describe():
+    from onnxkv._kernels._record import Recorder
+    from onnxkv._kernels.step import Program
+
+    base = np.arange(16, dtype=np.float32).reshape(4, 4)
+    out = np.full((4, 4), 7, np.float32)
+    assert not K.copy_rows(base.T, out)  # interleaved: no row layout, nothing written
+    assert not K.copy_rows(base[:, ::-1], out)  # negative strides
+    np.testing.assert_array_equal(out, 7)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        K.copy_rows(base[:, :2], out)
+    with pytest.raises(ValueError, match="out: must not overlap x"):
+        K.copy_rows(base[:, 1:3], base.reshape(-1)[8:].reshape(4, 2))
+    rec = Recorder()
+    with rec:
+        K.copy_rows(base[:, 1:3], np.empty((4, 2), np.float32))
+    kind, arrays, ints, floats = rec.calls[0]
+    for bad in ((4, 8, 20), (5, 8, 16), (4, 16, 8), (4, 8)):  # a longer span; more rows; rows overlapping
+        with pytest.raises(ValueError, match="row-copy call 0"):
+            Program([(kind, arrays, bad, floats)], [base])

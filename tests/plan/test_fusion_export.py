@@ -184,6 +184,20 @@ def test_rms_chain_whose_intermediate_is_a_graph_output_is_not_fused():
     assert "RMSNormChain" not in ops and "Sqrt" in ops
 
 
+def _rotate_half(x: str) -> list[onnx.NodeProto]:
+    """y = x * cos + cat(-x[..., mid:], x[..., :mid]) * sin as an export writes it (constants zero, mid, end and
+    last, and cos and sin, made by the caller)."""
+    return [
+        helper.make_node("Mul", [x, "cos"], ["xc"]),
+        helper.make_node("Slice", [x, "zero", "mid", "last"], ["x1"]),
+        helper.make_node("Slice", [x, "mid", "end", "last"], ["x2"]),
+        helper.make_node("Neg", ["x2"], ["nx2"]),
+        helper.make_node("Concat", ["nx2", "x1"], ["turned"], axis=-1),
+        helper.make_node("Mul", ["turned", "sin"], ["rs"]),
+        helper.make_node("Add", ["xc", "rs"], ["y"]),
+    ]
+
+
 def _rotary_model(split: int) -> onnx.ModelProto:
     """y = x * cos + cat(-x[..., split:], x[..., :split]) * sin over x [2, 3, 4, 8], cos/sin [2, 1, 4, 8] inputs."""
     nodes = [
@@ -191,13 +205,7 @@ def _rotary_model(split: int) -> onnx.ModelProto:
         _const("mid", np.array([split], np.int64)),
         _const("end", np.array([np.iinfo(np.int64).max], np.int64)),
         _const("last", np.array([-1], np.int64)),
-        helper.make_node("Mul", ["x", "cos"], ["xc"]),
-        helper.make_node("Slice", ["x", "zero", "mid", "last"], ["x1"]),
-        helper.make_node("Slice", ["x", "mid", "end", "last"], ["x2"]),
-        helper.make_node("Neg", ["x2"], ["nx2"]),
-        helper.make_node("Concat", ["nx2", "x1"], ["rot"], axis=-1),
-        helper.make_node("Mul", ["rot", "sin"], ["rs"]),
-        helper.make_node("Add", ["xc", "rs"], ["y"]),
+        *_rotate_half("x"),
     ]
     inputs = [
         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 8]),
@@ -391,3 +399,58 @@ def test_a_run_time_split_is_replayed_only_when_it_is_fixed_for_the_step():
         (step,) = sess.plan.steps.idle
         python = [sess.plan.nodes[k].op_type for k in step.items if type(k) is int]
         assert ("RotateHalf" in python) is keyed  # the angles' Cos and Sin have no compiled kernel
+
+
+def _partial_rotary_model(rot: int, heads: int = 3, head: int = 8) -> onnx.ModelProto:
+    """A projection's heads [1, H, 1, D] (MatMul, Reshape, Transpose of one token) whose first ``rot`` dims are
+    rotated (Slice, rotate_half chain, cos/sin of an input ``f`` [1, 1, 1, rot / 2] with equal halves) and
+    concatenated with the rest (Slice): a partial-rotary export's q (rot = D: an empty rest)."""
+    w = np.random.default_rng(21).standard_normal((16, heads * head)).astype(np.float32)
+    nodes = [
+        _const("zero", np.array([0], np.int64)),
+        _const("rot", np.array([rot], np.int64)),
+        _const("mid", np.array([rot // 2], np.int64)),
+        _const("end", np.array([np.iinfo(np.int64).max], np.int64)),
+        _const("last", np.array([-1], np.int64)),
+        _const("heads", np.array([1, 1, heads, head], np.int64)),
+        helper.make_node("MatMul", ["inp", "w"], ["proj"]),
+        helper.make_node("Reshape", ["proj", "heads"], ["q4"]),
+        helper.make_node("Transpose", ["q4"], ["x"], perm=[0, 2, 1, 3]),
+        helper.make_node("Slice", ["x", "zero", "rot", "last"], ["xr"]),
+        helper.make_node("Slice", ["x", "rot", "end", "last"], ["xp"]),
+        helper.make_node("Concat", ["f", "f"], ["cat"], axis=-1),
+        helper.make_node("Cos", ["cat"], ["cos"]),
+        helper.make_node("Sin", ["cat"], ["sin"]),
+        *_rotate_half("xr"),
+        helper.make_node("Concat", ["y", "xp"], ["out"], axis=-1),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("inp", TensorProto.FLOAT, [1, 1, 16]),
+        helper.make_tensor_value_info("f", TensorProto.FLOAT, [1, 1, 1, rot // 2]),
+    ]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, heads, 1, head])]
+    graph = helper.make_graph(nodes, "partial", inputs, outputs, [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("rot", [8, 6, 4])
+def test_a_partial_rotation_of_heads_is_replayed_bit_for_bit(rot):
+    """The rotated part and the rest of each head are strided Slices of the heads: a compiled step packs them
+    by rows (``copy_rows``), rotates the first and concatenates the two (``concat_pair``), and its replays equal
+    the node-by-node runs bit for bit."""
+    model = _partial_rotary_model(rot)
+    sess = onnxkv.Session(model, threads=1)
+    plain = onnxkv.Session(model, threads=1, compiled_steps=False)
+    rng = np.random.default_rng(rot)
+    for _ in range(4):
+        feeds = {
+            "inp": rng.standard_normal((1, 1, 16)).astype(np.float32),
+            "f": rng.uniform(0, 6.0, (1, 1, 1, rot // 2)).astype(np.float32),
+        }
+        np.testing.assert_array_equal(sess.run(feeds)["out"], plain.run(feeds)["out"])
+    (step,) = sess.plan.steps.idle
+    python = {sess.plan.nodes[k].op_type for k in step.items if type(k) is int}
+    assert python == {"Cos", "Sin"}  # the angles: no compiled kernel
+    segment_ops = [sess.plan.nodes[k].op_type for it in step.items if not isinstance(it, int)
+                   for k in range(it.first, it.end)]  # fmt: skip
+    assert segment_ops.count("Slice") == 2 and "RotateHalf" in segment_ops and segment_ops.count("Concat") == 2

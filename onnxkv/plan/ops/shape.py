@@ -30,7 +30,7 @@ from math import prod
 import numpy as np
 
 from onnxkv._kernels._record import current as _recorder
-from onnxkv._kernels.convert import concat_pair
+from onnxkv._kernels.convert import concat_pair, copy_rows
 from onnxkv._kernels.gather import gather_rows
 from onnxkv.errors import InputError, OperatorError
 from onnxkv.plan.ops._export_record import note_cache_rows, rows_appendable
@@ -233,9 +233,9 @@ class Concat(Op):
         self.axis = int(self.attrs["axis"])
         self.is_cache = node.output[0] in ctx.present_outputs
         self.bound_past = node.input[0] if ctx.bindings_for(node) else None
-
-    #: Inputs a recorded cache append does not read (the past view: it writes the cache buffer directly).
-    replay_unread = (0,)
+        #: Inputs a recorded call does not read: a cache append's past view (it writes the cache buffer
+        #: directly); a ``concat_pair`` call reads both.
+        self.replay_unread = (0,) if self.bound_past is not None else ()
 
     def compilable(self, inputs: list) -> bool:
         """A cache Concat bound to a state's past: its in-place append to a contiguous float32 cache is a
@@ -328,6 +328,10 @@ class Split(Op):
 
 @register("Slice", since=10)
 class Slice(Op):
+    """``Slice`` as a view of its input.  In a compiled step's recording, a view that is not C-contiguous and
+    that :func:`~onnxkv._kernels.convert.row_layout` describes (rows of the input at one stride: a rotation's
+    part of each head) is packed by ``copy_rows`` instead, a call the step replays."""
+
     view_inputs = (0,)
 
     def run(self, inputs: list, rt) -> tuple:
@@ -350,7 +354,13 @@ class Slice(Op):
             else:
                 e = min(max(e, -1), dim - 1)
                 index[a] = slice(min(max(s, 0), dim - 1), None if e < 0 else e, st)
-        return (x[tuple(index)],)
+        y = x[tuple(index)]
+        if not y.flags.c_contiguous and _recorder() is not None:
+            # a recording: a strided view of step memory would not be one at a fixed address, a packed copy is
+            out = rt.empty(0, y.shape, y.dtype)
+            if copy_rows(y, out):
+                return (out,)
+        return (y,)
 
 
 @register("Gather")

@@ -97,6 +97,18 @@ def test_a_concat_of_two_tensors_is_one_copy_call(shapes, axis, dtype, monkeypat
     assert calls == [1]
 
 
+def test_a_compiled_concat_reads_both_inputs_of_every_run():
+    """A compiled step's concat_pair call takes each run's two inputs (neither is a cache's past view, which a
+    recorded cache append does not read): new arrays every run, the step's replays give their values."""
+    model, _ = one_node("Concat", [r(2, 3), r(2, 5)], axis=1)
+    sess = Session(model, threads=1)
+    for i in range(5):
+        a, b = r(2, 3) + i, r(2, 5) - i
+        np.testing.assert_array_equal(sess.run({"x0": a, "x1": b})["y0"], np.concatenate((a, b), 1))
+    (step,) = sess.plan.steps.idle
+    assert [type(item).__name__ for item in step.items] == ["Segment"]
+
+
 @pytest.mark.parametrize("op", ["Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"])
 def test_compare(op):
     a = RNG.integers(-3, 3, (4, 5)).astype(np.int64)
