@@ -72,6 +72,8 @@ class Recorder:
         transient: a call could not be noted for values of this run that later runs of the same shapes
             need not share (a prompt's attention, where a verification of as many tokens takes the fused
             decode call): a step recorded from it is used for this run only.
+        pack_views: set by the recording caller: the node may return a packed copy of a strided view
+            (``Slice``) because its readers compute the same values from either layout.
     """
 
     def __init__(self) -> None:
@@ -81,6 +83,7 @@ class Recorder:
         self.effects = []
         self.ragged = []
         self.transient = False
+        self.pack_views = False
 
     def note(self, int kind, tuple arrays, tuple ints, tuple floats) -> None:
         self.calls.append((kind, arrays, ints, floats))

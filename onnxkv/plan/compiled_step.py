@@ -80,10 +80,11 @@ import onnx
 from onnxkv._kernels._record import Recorder
 from onnxkv._kernels.step import Program
 from onnxkv.errors import Cancelled
-from onnxkv.plan.buffers import RunBuffers, slot_allocator
+from onnxkv.plan.buffers import RunBuffers
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.folding import NON_DETERMINISTIC
 from onnxkv.plan.ops._gqa_paged_decode import PagedAppend
+from onnxkv.plan.registry import baked_epoch
 from onnxkv.plan.run_loops import run_nodes
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ class CompiledStep:
         items: node indices and segments, covering every node once, in order.
         buffers: the recording run's buffers (the memory of every segment), owned by this step.
         stale: a segment's check failed on a run, or the recording run was transient (a node ran in Python
-            for values of that run only, see ``Recorder.transient``): the plan drops the step.
+            for values of that run only, see ``Recorder.transient``), or an operator changed data the
+            recorded calls bake (:func:`~onnxkv.plan.registry.bump_baked_epoch`): the plan drops the step.
     """
 
     def __init__(
@@ -160,12 +162,14 @@ class CompiledStep:
         self._runs = _python_ranges(items)
         self.buffers = buffers
         self.stale = False
+        #: :func:`~onnxkv.plan.registry.baked_epoch` when recorded: a later change of baked data drops the step.
+        self.epoch = baked_epoch()
         self._compiled_nodes = sum(item.end - item.first for item in items if isinstance(item, Segment))
         exported = {s for item in items if isinstance(item, Segment) for s, _ in item.exports}
         #: Graph output slots whose value is this step's memory (copied before they are returned).
         self.owned_outputs = exported & output_slots
         #: ``(slot, shape)`` of the graph inputs the segments take (a run whose inputs differ there would fail
-        #: their checks: :class:`StepPool` gives it another step); the shape of a ragged one lacks its last dim.
+        #: their checks: :class:`~onnxkv.plan.step_pool.StepPool` gives it another step); the shape of a ragged one lacks its last dim.
         self.signature = signature
         #: :func:`cache_kinds` of the recording run's caches: a run whose caches are stored otherwise (paged,
         #: or in another format) takes other operator paths, so it takes another step.
@@ -255,6 +259,8 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
     unread_after = _UnreadAfter(plan)
     transient = False  # a node could not be recorded for this run's values only: the step serves this run
     fixed: set[int] = set()  # slots of shape-only nodes' values kept for the step (constants of its replays)
+    packable = _layout_free_slices(plan)
+    epoch = baked_epoch()
 
     def close_segment() -> None:
         if not current:
@@ -326,6 +332,7 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
             if j not in unread and not constant[i] and i not in produced and slots[i] is not None
         }
         recorder = Recorder()
+        recorder.pack_views = k in packable
         rt._plan_alloc, rt._scratch = own.plan_alloc, own  # its outputs and temporaries: the step's memory
         try:
             with recorder:
@@ -365,8 +372,28 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         (s, slots[s].shape[:-1], True) if s in ragged_slots else (s, slots[s].shape, False) for s in sorted(taken)
     )
     step = CompiledStep(items, own, outputs, signature, cache_kinds(rt.caches))
-    step.stale = transient
+    step.stale = transient or epoch != step.epoch  # baked data changed while recording: record again
     return step
+
+
+#: Operators whose values do not depend on their inputs' memory layout (the same arithmetic on a strided view
+#: as on a packed copy of it) and whose outputs are arrays of their own.
+_LAYOUT_FREE = frozenset({"Concat", "RotateHalf", "Add", "Sub", "Mul", "Div", "Neg", "Softcap", "Shape", "ShapeOf"})
+
+
+def _layout_free_slices(plan: Plan) -> set[int]:
+    """The Slice nodes whose every reader is a ``_LAYOUT_FREE`` operator: recorded, they may return a packed
+    copy of a strided view (``Recorder.pack_views``), and the step's values stay the plain loop's bit for bit."""
+    readers: dict[int, list[int]] = {}
+    for k, (_, ins, _) in enumerate(plan._steps):
+        for i in ins:
+            readers.setdefault(i, []).append(k)
+    return {
+        k
+        for k, (_, _, outs) in enumerate(plan._steps)
+        if plan.nodes[k].op_type == "Slice"
+        and all(plan.nodes[r].op_type in _LAYOUT_FREE for s in outs for r in readers.get(s, ()))
+    }
 
 
 def _pure(node) -> bool:
@@ -501,76 +528,3 @@ def _last_reads(plan: Plan) -> dict[int, int]:
         for i in ins:
             last[i] = k
     return last
-
-
-class StepPool:
-    """A plan's idle compiled steps, and when to record one.
-
-    The first run of a plan runs plain (a prompt rarely repeats its shapes).
-    A later run takes the most recently used idle step whose graph-input
-    shapes and cache storage fit (:meth:`CompiledStep.fits`: a decode step and
-    a speculative verification of several tokens each keep their own, and so
-    do contiguous and paged caches), or records one when
-    none fits; at most :attr:`MAX_IDLE` steps are kept (the least recently
-    used is closed).  A step is taken for one run and given back after it
-    (stale steps are closed instead), so concurrent runs never share one.
-    """
-
-    #: Idle steps kept at most.
-    MAX_IDLE = 8
-
-    def __init__(self) -> None:
-        self.idle: list[CompiledStep] = []  # least recently used first
-        self.runs = 0
-
-    def run(self, plan: Plan, slots: list, bufs: RunBuffers, rt: RunContext, cancel=None) -> CompiledStep | None:
-        """Run ``plan`` on ``slots``: replay an idle step, record one, or run plain (the first run).
-
-        Returns the step used (give it back with :meth:`done`), or None.
-        """
-        self.runs += 1
-        step = self.take(slots, rt.caches)
-        if step is not None:
-            try:
-                step.run(plan, slots, bufs, rt, cancel)
-            except BaseException:
-                self.done(step)
-                raise
-            return step
-        if self.runs == 1:
-            run_nodes(plan, 0, len(plan._steps), slots, bufs, rt, cancel)
-            return None
-        own = RunBuffers(plan.allocator)
-        own.plan_alloc = slot_allocator(own, plan.persistent, plan.out_idx)
-        try:
-            return record(plan, slots, rt, bufs, own, cancel)
-        except BaseException:
-            own.close()
-            raise
-
-    def take(self, slots: list, caches: dict | None) -> CompiledStep | None:
-        """The most recently used idle step that fits ``slots`` and ``caches`` (the run's), taken out of the
-        pool (give it back with :meth:`done`), or None."""
-        idle = self.idle
-        kinds = cache_kinds(caches)
-        for i in range(len(idle) - 1, -1, -1):
-            if idle[i].fits(slots, kinds):
-                return idle.pop(i)
-        return None
-
-    def done(self, step: CompiledStep | None) -> None:
-        """Give back the step a run used: idle again (the most recent), or closed when stale or compiling
-        nothing; the least recently used idle step is closed past :attr:`MAX_IDLE`."""
-        if step is None:
-            return
-        if step.stale or not step.compiled_nodes:
-            step.close()
-            return
-        self.idle.append(step)
-        if len(self.idle) > self.MAX_IDLE:
-            self.idle.pop(0).close()
-
-    def close(self) -> None:
-        """Close every idle step."""
-        while self.idle:
-            self.idle.pop().close()

@@ -43,7 +43,6 @@ from onnxkv.model.contract import get_output_alias
 from onnxkv.model.tensors import check_attributes, tensor_array
 from onnxkv.plan import ops as _ops  # noqa: F401  (registers the kernels)
 from onnxkv.plan.buffers import RunBuffers, slot_allocator
-from onnxkv.plan.compiled_step import StepPool
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fallback import FallbackOp, has_fallback
 from onnxkv.plan.folding import NON_DETERMINISTIC, fold_node, foldable
@@ -57,6 +56,7 @@ from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup, refus
 from onnxkv.plan.run_loops import needed_nodes, run_plain, run_recording, segmented
 from onnxkv.plan.shape_fold import ShapeFolder
 from onnxkv.plan.static_dims import static_dims
+from onnxkv.plan.step_pool import StepPool
 from onnxkv.plan.subgraph import subgraph_model, type_kind
 
 __all__ = ["Plan", "GraphInput", "unsupported_nodes"]

@@ -142,6 +142,21 @@ class BuildContext:
         return copy
 
 
+_baked_epoch = 0
+
+
+def baked_epoch() -> int:
+    """The count of run-time changes to data that recorded kernel calls bake (:func:`bump_baked_epoch`)."""
+    return _baked_epoch
+
+
+def bump_baked_epoch() -> None:
+    """Say that an operator changed, at run time, data its recorded calls bake (a PositionTable's tables grown):
+    compiled steps recorded before are dropped (:mod:`onnxkv.plan.compiled_step`), in every plan."""
+    global _baked_epoch
+    _baked_epoch += 1
+
+
 class Op:
     """Base class of kernel objects (see the module docstring for the contract)."""
 

@@ -7,10 +7,10 @@ import pytest
 
 @pytest.fixture
 def recordings(monkeypatch) -> list:
-    """A list that gains an entry each time a compiled step is recorded (``compiled_step.record`` runs)."""
-    import onnxkv.plan.compiled_step as compiled_step
+    """A list that gains an entry each time a compiled step is recorded (the step pool calls ``record``)."""
+    import onnxkv.plan.step_pool as step_pool
 
     seen: list = []
-    real = compiled_step.record
-    monkeypatch.setattr(compiled_step, "record", lambda *a, **k: seen.append(1) or real(*a, **k))
+    real = step_pool.record
+    monkeypatch.setattr(step_pool, "record", lambda *a, **k: seen.append(1) or real(*a, **k))
     return seen

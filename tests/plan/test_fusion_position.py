@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxkv
 import onnxkv.plan.fusion_passes as fusion_passes
 from onnxkv.generate.feeds import FeedBuilder
+from onnxkv.plan import registry
 from onnxkv.plan.fusion_position import TABLE_ROWS
 from onnxkv.plan.ops import position_table
 
@@ -29,17 +30,24 @@ EXPORTS["torch_tiny_llama"] = DATA / "torch_tiny_llama" / "model.onnx"
 
 @pytest.fixture
 def body_runs(monkeypatch):
-    """Counts the PositionTable runs that evaluated the body instead of reading the tables."""
+    """Counts the PositionTable runs that evaluated the body instead of reading the tables (as they were, or
+    grown by the run)."""
     runs = []
     table = position_table.PositionTable
-    real_run, fast = table.run, table._fast
+    real_run = table.run
 
     def counting(self, inputs, rt):
-        runs.extend([] if fast(self, inputs[0]) else [1])
-        return real_run(self, inputs, rt)
+        out = real_run(self, inputs, rt)
+        runs.extend([] if self._covering(inputs[0]) else [1])
+        return out
 
     monkeypatch.setattr(table, "run", counting)
     return runs
+
+
+def _cover_rows(sess: onnxkv.Session) -> int:
+    (table,) = [k for k in sess.plan.kernels if isinstance(k, position_table.PositionTable)]
+    return table._cover[0]
 
 
 def _unfused(model, monkeypatch) -> onnxkv.Session:
@@ -68,9 +76,26 @@ def test_each_exports_rotary_cone_reads_its_tables_bit_for_bit(name, body_runs, 
     for positions in (rng.integers(0, TABLE_ROWS, (2, 3)), np.array([[0, 1, TABLE_ROWS - 1]])):
         np.testing.assert_array_equal(_logits(fused, positions), _logits(unfused, positions))
     assert body_runs == []
-    for positions in (np.array([[TABLE_ROWS, TABLE_ROWS + 5]]), np.array([[-3, 2]])):  # outside the tables
-        np.testing.assert_array_equal(_logits(fused, positions), _logits(unfused, positions))
-    assert len(body_runs) == 2
+    np.testing.assert_array_equal(_logits(fused, np.array([[-3, 2]])), _logits(unfused, np.array([[-3, 2]])))
+    assert len(body_runs) == 1  # a negative position: the body
+    positions = np.array([[TABLE_ROWS, 2 * TABLE_ROWS + 5]])  # past the tables: they grow to cover it
+    epoch = registry.baked_epoch()
+    np.testing.assert_array_equal(_logits(fused, positions), _logits(unfused, positions))
+    assert len(body_runs) == 1 and _cover_rows(fused) == 4 * TABLE_ROWS and registry.baked_epoch() == epoch + 1
+
+
+def test_tables_grow_only_within_their_byte_limit(body_runs, monkeypatch):
+    path = EXPORTS["llama_tied"]
+    fused, unfused = onnxkv.Session(path, threads=1), _unfused(path, monkeypatch)
+    bytes_now = sum(t.nbytes for t in {id(t): t for t in fused.plan.kernels[_table_index(fused)]._cover[1]}.values())
+    monkeypatch.setattr(position_table, "MAX_TABLE_BYTES", 2 * bytes_now - 1)  # not even doubled
+    positions = np.array([[TABLE_ROWS + 1, 3]])
+    np.testing.assert_array_equal(_logits(fused, positions), _logits(unfused, positions))
+    assert len(body_runs) == 1 and _cover_rows(fused) == TABLE_ROWS
+
+
+def _table_index(sess: onnxkv.Session) -> int:
+    return next(i for i, k in enumerate(sess.plan.kernels) if isinstance(k, position_table.PositionTable))
 
 
 def _cone_model(constant_shape: tuple, unsqueeze: int = 2) -> onnx.ModelProto:
@@ -115,7 +140,9 @@ def test_the_cone_rules(constant_shape, unsqueeze, fused, body_runs):
     assert body_runs == []
 
 
-def test_decode_steps_replay_the_tables_and_run_the_body_past_them(monkeypatch):
+def test_decode_steps_replay_the_tables_and_grow_them_past_their_end(monkeypatch):
+    """A decode crossing the tables' end (24 rows here) grows them to 48: the steps recorded with 24 are
+    dropped, and those recorded after replay the grown tables; logits equal the unfused plan's throughout."""
     import onnxkv.plan.fusion_position as fusion_position
     from onnxkv.plan.compiled_step import Segment
 
@@ -134,7 +161,8 @@ def test_decode_steps_replay_the_tables_and_run_the_body_past_them(monkeypatch):
             feeds = fb.next(np.argmax(out["logits"][:, -1], axis=-1)[:, None], out)
             out = state.run(feeds)
             logits.append(out["logits"].copy())
-            if sess is fused and i == 4:  # inside the tables: the step replays their row copies
+            if sess is fused and i in (4, 12):  # inside the tables (grown at i = 8): the steps replay them
+                assert _cover_rows(sess) == (24 if i == 4 else 48)
                 assert any(
                     "PositionTable" in {type(sess.plan.kernels[k]).__name__ for k in range(item.first, item.end)}
                     for step in sess.plan.steps.idle

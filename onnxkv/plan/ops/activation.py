@@ -229,9 +229,9 @@ class Softcap(Op):
     ``c_div``, ``c_mul``.
 
     When both caps are build-time constants holding one float32 value each, the same finite non-zero value,
-    a float32 x (C-contiguous, non-empty, of no lower rank than either cap) takes the ``softcap`` kernel (a
-    compiled step replays it): the export's value up to the kernel's tanh (a few float32 ulps); anything
-    else evaluates the body literally.
+    a float32 x (non-empty, of no lower rank than either cap; packed first when strided) takes the ``softcap``
+    kernel (a compiled step replays it for a C-contiguous x): the export's value up to the kernel's tanh (a
+    few float32 ulps); anything else evaluates the body literally.
     """
 
     uses_blas = False
@@ -251,22 +251,22 @@ class Softcap(Op):
         self._rank = max(c.ndim for c in caps) if same else 0
 
     def _kernel(self, x) -> bool:
+        """Whether ``x`` takes the kernel (whatever its layout: the arithmetic must not depend on it)."""
         return (
             self._cap is not None
             and isinstance(x, np.ndarray)
             and x.dtype == np.float32
             and x.size > 0
             and x.ndim >= self._rank
-            and x.flags.c_contiguous
         )
 
     def compilable(self, inputs: list) -> bool:
-        return self._kernel(inputs[0])
+        return self._kernel(inputs[0]) and inputs[0].flags.c_contiguous  # a packing copy would not be recorded
 
     def run(self, inputs: list, rt) -> tuple:
         x = inputs[0]
         if self._kernel(x):
             out = rt.empty(0, x.shape, np.float32)
-            K.softcap(x.reshape(-1), self._cap, out.reshape(-1))
+            K.softcap(np.ascontiguousarray(x).reshape(-1), self._cap, out.reshape(-1))
             return (out,)
         return tuple(self._body.evaluate(self.node.input, inputs, rt))

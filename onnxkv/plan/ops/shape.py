@@ -328,9 +328,10 @@ class Split(Op):
 
 @register("Slice", since=10)
 class Slice(Op):
-    """``Slice`` as a view of its input.  In a compiled step's recording, a view that is not C-contiguous and
-    that :func:`~onnxkv._kernels.convert.row_layout` describes (rows of the input at one stride: a rotation's
-    part of each head) is packed by ``copy_rows`` instead, a call the step replays."""
+    """``Slice`` as a view of its input.  In a compiled step's recording, when the recording allows it
+    (``Recorder.pack_views``: every reader computes the same values from either layout), a view that is not
+    C-contiguous and that :func:`~onnxkv._kernels.convert.row_layout` describes (rows of the input at one
+    stride: a rotation's part of each head) is packed by ``copy_rows`` instead, a call the step replays."""
 
     view_inputs = (0,)
 
@@ -355,7 +356,8 @@ class Slice(Op):
                 e = min(max(e, -1), dim - 1)
                 index[a] = slice(min(max(s, 0), dim - 1), None if e < 0 else e, st)
         y = x[tuple(index)]
-        if not y.flags.c_contiguous and _recorder() is not None:
+        rec = None if y.flags.c_contiguous else _recorder()
+        if rec is not None and rec.pack_views:
             # a recording: a strided view of step memory would not be one at a fixed address, a packed copy is
             out = rt.empty(0, y.shape, y.dtype)
             if copy_rows(y, out):
