@@ -107,6 +107,23 @@ ARCHS: dict[str, tuple[str, str, dict, str]] = {
         ),
         "Phi-3: fused qkv_proj and gate_up_proj",
     ),
+    "phi3_partial": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,  # ONNX Runtime's GroupQueryAttention needs a rotary width of a multiple of 16
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+        ),
+        "Phi-3 with partial_rotary_factor 0.5 (16 of 32 dims rotated) and tied embeddings: Phi-4-mini's form",
+    ),
     "mistral": (
         "MistralConfig",
         "MistralForCausalLM",

@@ -148,15 +148,16 @@ def test_runs_without_a_state_keep_the_cache_joins_python_nodes_and_equal_node_b
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama_tied", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3", "phi3"]
+    "arch",
+    ["llama_tied", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3", "phi3", "phi3_partial"],
 )
 def test_transformers_exports_replay_all_but_the_mask_equal_node_by_node(arch):
     """transformers 5 torch.onnx.export fixtures: their mask is one ExportMask, their rotary tables one
     PositionTable, their head merges reshape to ShapeOf values of the step's own tensors (kept for the step),
     Qwen3's per-head norms transpose unit axes (views), Gemma's and Granite's scales multiply or divide by one
     value, Gemma 2's logits are capped by one Softcap node, and Phi-3's rotation takes slice bounds computed
-    from the step's shapes and concatenates an empty pass-through part: a decode step replays every node but the
-    mask
+    from the step's shapes and concatenates the pass-through part (empty, or with partial rotary the rest of
+    each head, a strided Slice packed by rows): a decode step replays every node but the mask
     (the norm's cast of the embedding to float32 is a recorded copy), bit for bit the node-by-node runs."""
     from pathlib import Path
 

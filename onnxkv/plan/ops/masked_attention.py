@@ -246,6 +246,21 @@ def _kv_rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+def _leads(rows: np.ndarray, buffer: np.ndarray) -> bool:
+    """Whether the kernel's K or V operand ``rows`` (:func:`_kv_rows`) is the cache ``buffer`` [B, H, Cap, D]
+    or its leading positions: the whole buffer, or (one batch row and one head: a C-contiguous prefix, which
+    ``_kv_rows`` keeps as it is) its first T positions at its own address."""
+    if rows.shape == buffer.shape:
+        return True
+    return (
+        rows.shape[0] * rows.shape[1] == 1
+        and rows.shape[:2] == buffer.shape[:2]
+        and rows.shape[3] == buffer.shape[3]
+        and rows.shape[2] <= buffer.shape[2]
+        and rows.__array_interface__["data"][0] == buffer.__array_interface__["data"][0]
+    )
+
+
 def _scalar(x: np.ndarray | None) -> float | None:
     """A one-element float tensor of rank <= 4 (it broadcasts without adding a dim) as a float (absent:
     1.0); None for anything else."""
@@ -431,7 +446,7 @@ class MaskedAttention(Op):
             rec.refused.append(f"{self.op_type} node '{self.name}': not a decode over a state's contiguous caches")
             return
         k_buffer, v_buffer = (rt.caches[n].buffer for n in names)
-        if k_rows.shape != k_buffer.shape or v_rows.shape != v_buffer.shape:
+        if not (_leads(k_rows, k_buffer) and _leads(v_rows, v_buffer)):
             rec.refused.append(f"{self.op_type} node '{self.name}': K or V not a whole cache")
             return
         note_masked_decode(rec, names, q, k_buffer, v_buffer, mask, out, scale, self._softcap)
