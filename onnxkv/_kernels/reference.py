@@ -86,6 +86,21 @@ def gelu_tanh_mul(gate, up, out):
         out[...] = (0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3))) * up).astype(out.dtype)
 
 
+def causal_mask(mask, rows, nq, nk, q0, window, out, visible=0.0, hidden=0.0):
+    """NumPy twin of ``masks.causal_mask``."""
+    k = np.arange(nk)
+    q = np.arange(q0, q0 + nq)[:, None]
+    seen = (k <= q) & ((k > q - window) if window > 0 else True)
+    seen = np.broadcast_to(seen, (rows, nq, nk))
+    if mask is not None:
+        seen = seen & (mask[:rows, None, :nk] != 0)
+    if out.dtype == np.bool_:
+        out[...] = seen[:, None]
+    else:
+        out[...] = np.where(seen, np.float32(visible), np.float32(hidden))[:, None]
+    return out
+
+
 def mul_scalar(x, c, out):
     """NumPy twin of ``mul_scalar``: out = x * c (c one value)."""
     np.multiply(x, c.reshape(()), out=out)
