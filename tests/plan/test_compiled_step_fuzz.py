@@ -3,8 +3,10 @@
 Each graph starts from a product of its input (a recorded call, so that later
 nodes can join segments) and chains random nodes over heads [1, H, 1, D]:
 strided and contiguous Slices, two-input Concats, scales and quotients by
-one value (either operand order), sums, Gemma 2's tanh cap, transposes, and
-Neg (no compiled kernel: a Python node between segments).  A session with
+one value (either operand order), sums, Gemma 2's tanh cap, transposes,
+products and softmaxes (whose arithmetic depends on their input's layout: a
+recording must not pack a Slice they read), and Neg (no compiled kernel: a
+Python node between segments).  A session with
 compiled steps and one without run it on fresh arrays several times: the
 outputs must be equal bit for bit, or both runs raise the same onnxkv error.
 """
@@ -56,7 +58,9 @@ class _Graph:
 def _grow(g: _Graph) -> str:
     """Add one random node over the graph's values; returns what it added."""
     rng = g.rng
-    kind = str(rng.choice(["slice", "concat", "scale", "quotient", "add", "neg", "cap", "transpose"]))
+    kind = str(
+        rng.choice(["slice", "concat", "scale", "quotient", "add", "neg", "cap", "transpose", "matmul", "softmax"])
+    )
     v = g.pick(lambda s: len(s) == 4 and s[3] >= 2)
     if v is None:
         return "nothing"
@@ -85,6 +89,11 @@ def _grow(g: _Graph) -> str:
         g.node("Add", [v, w], s)
     elif kind == "neg":
         g.node("Neg", [v], s)
+    elif kind == "matmul":  # a product whose kernel (packed, C-contiguous A) and NumPy's path round differently
+        w = g.const((rng.standard_normal((s[3], s[3])) / np.sqrt(s[3])).astype(np.float32))
+        g.node("MatMul", [v, w], s)
+    elif kind == "softmax":  # the same: the kernel for a C-contiguous input, NumPy otherwise
+        g.node("Softmax", [v], s, axis=-1)
     elif kind == "cap":
         c = g.const(np.array([rng.uniform(1.0, 5.0)], np.float32))
         d = g.node("Div", [v, c], s)
