@@ -8,6 +8,17 @@ then cast to the output dtype.
 
 import numpy as np
 
+from onnxkv._kernels.reference_elementwise import (  # noqa: F401 - the twins of activation and masks
+    add,
+    causal_mask,
+    div_scalar,
+    erf,
+    gelu_tanh_mul,
+    mul_scalar,
+    sigmoid,
+    silu,
+    silu_mul,
+)
 from onnxkv._kernels.reference_integer import (  # noqa: F401 - the twins of imatmul
     dynamic_quantize_linear,
     matmul_dynamic,
@@ -55,76 +66,11 @@ def softmax(x, out, empty_row=0.0):
     out[...] = r.astype(out.dtype)
 
 
-def _sigmoid(x):
-    xd = x.astype(np.float64)
-    with np.errstate(over="ignore"):
-        return 1.0 / (1.0 + np.exp(-xd))
-
-
-def sigmoid(x, out):
-    out[...] = _sigmoid(x).astype(out.dtype)
-
-
-def silu(x, out):
-    out[...] = (x.astype(np.float64) * _sigmoid(x)).astype(out.dtype)
-
-
-def add(x, y, out):
-    """NumPy twin of ``add``: out = x + y."""
-    np.add(x, y, out=out)
-    return out
-
-
-def silu_mul(gate, up, out):
-    out[...] = (gate.astype(np.float64) * _sigmoid(gate) * up).astype(out.dtype)
-
-
-def gelu_tanh_mul(gate, up, out):
-    """NumPy twin of ``gelu_tanh_mul``: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) * up, in float64."""
-    g = gate.astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        out[...] = (0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3))) * up).astype(out.dtype)
-
-
-def causal_mask(mask, rows, nq, nk, q0, window, out, visible=0.0, hidden=0.0):
-    """NumPy twin of ``masks.causal_mask``."""
-    k = np.arange(nk)
-    q = np.arange(q0, q0 + nq)[:, None]
-    seen = (k <= q) & ((k > q - window) if window > 0 else True)
-    seen = np.broadcast_to(seen, (rows, nq, nk))
-    if mask is not None:
-        seen = seen & (mask[:rows, None, :nk] != 0)
-    if out.dtype == np.bool_:
-        out[...] = seen[:, None]
-    else:
-        out[...] = np.where(seen, np.float32(visible), np.float32(hidden))[:, None]
-    return out
-
-
-def mul_scalar(x, c, out):
-    """NumPy twin of ``mul_scalar``: out = x * c (c one value)."""
-    np.multiply(x, c.reshape(()), out=out)
-    return out
-
-
-def div_scalar(x, c, out):
-    """NumPy twin of ``div_scalar``: out = x / c (c one value)."""
-    np.divide(x, c.reshape(()), out=out)
-    return out
-
-
 def softcap(x, c, out):
     """NumPy twin of ``softcap``: c * tanh(x / c) in float64, rounded to out's dtype."""
     c64 = float(c.reshape(-1)[0])
     out[...] = (c64 * np.tanh(x.astype(np.float64) / c64)).astype(out.dtype)
     return out
-
-
-def erf(x, out):
-    """erf in float64 (math.erf), rounded to out's dtype."""
-    import math
-
-    out[...] = np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(out.dtype)
 
 
 def rotary_embedding(x, cos, sin, positions, interleaved, out):
