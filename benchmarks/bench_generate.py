@@ -51,8 +51,8 @@ builder's Concat graph: a real ``torch.onnx.export`` of the same model, made by
 
 ``export-NAME:N`` runs the ``torch.onnx.export`` fixture of transformers' NAME
 shipped under ``tests/data/arch/NAME/torch`` (``llama_tied``, ``mistral``,
-``qwen2``, ``qwen3``, ``phi3``, ``smollm3``, ``granite``, ``gemma2``,
-``gemma3``; ``export-tiny_llama:N``: ``tests/data/torch_tiny_llama``, an
+``qwen2``, ``qwen3``, ``phi3``, ``phi3_partial``, ``smollm3``, ``granite``,
+``gemma2``, ``gemma3``; ``export-tiny_llama:N``: ``tests/data/torch_tiny_llama``, an
 export of an older transformers), 2-layer random-weight models whose decode
 step is mostly per-node work: the graphs users get from the exporter.
 
