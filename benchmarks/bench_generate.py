@@ -89,6 +89,9 @@ MatMulInteger and a quantized embedding read through DequantizeLinear).
 (``keep_io_types``), as the ``model_fp16.onnx`` of Transformers.js repositories (``small-concatfp16:N``: the
 Concat-cache export, the form of those repositories' exports, converted the same way); ``small-q4f16:N`` after
 4-bit quantization as ``small-q4`` and then that converter, as their ``model_q4f16.onnx``.
+``--batch N`` decodes N prompt rows of the same length together in every engine (one run per step for all
+rows; GenAI: ``batch_size`` N, ``append_tokens`` of the [N, L] prompt): the batched decode of ``generate``
+and ``State.run`` on contiguous and paged caches; tokens and gaps are row 0's.
 ``same_tokens_as_PEER`` compares the first 8 greedy tokens; when they differ,
 ``first_difference_PEER`` gives the step and onnxkv's top-1 minus top-2 logit
 at that step over the standard deviation of its logits (``gap_over_std``).
@@ -99,7 +102,7 @@ a large gap there would be a wrong result.
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
        [--cases small-gqa:128,...,small-int8:128,builder-int4:128,export-qwen2:64] [--engines onnxkv,ort,ort-genai]
        [--torch-model FILE] [--dispatch-model FILE] [--builder-folder DIR] [--rounds 1] [--background-load]
-       [--out FILE]
+       [--batch 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -149,7 +152,8 @@ def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: 
     model = session.model
     fetch = [model.io.logits] + (model.convention.present_outputs if thread_cache else [])
     first = prompt.shape[1] if chunk is None else min(chunk, prompt.shape[1])
-    b = FeedBuilder(session.plan.inputs, model, prompt[:, :first], np.array([first]), 0, thread_cache=thread_cache)
+    lengths = np.full(prompt.shape[0], first)
+    b = FeedBuilder(session.plan.inputs, model, prompt[:, :first], lengths, 0, thread_cache=thread_cache)
     feeds, _ = b.first()
     t0 = time.perf_counter()
     out = run(feeds, fetch)
@@ -174,17 +178,17 @@ def _top2_gap(logits: np.ndarray) -> float:
     return float((top[1] - top[0]) / max(float(logits.std()), 1e-30))
 
 
-def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int, threads: int) -> dict:
+def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int, threads: int, batch: int = 1) -> dict:
     import onnxkv
 
-    prompt = np.random.default_rng(prompt_len).integers(0, vocab, (1, prompt_len))
+    prompt = np.random.default_rng(prompt_len).integers(0, vocab, (batch, prompt_len))
     result: dict = {}
     if engine == "ort-genai":
         import onnxruntime_genai as og
 
         model = og.Model(path)
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=prompt_len + new_tokens + 1, do_sample=False)
+        params.set_search_options(max_length=prompt_len + new_tokens + 1, do_sample=False, batch_size=batch)
         gen = og.Generator(model, params)
         t0 = time.perf_counter()
         gen.append_tokens(prompt)
@@ -561,16 +565,27 @@ def main() -> None:
         action="store_true",
         help="run each engine once more beside one busy process and report its per-token 90th percentile",
     )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="prompt rows decoded together (every engine: one run per step for all rows; default 1)",
+    )
     ap.add_argument("--out")
     ap.add_argument(
-        "--worker", nargs=6, metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS"), help=argparse.SUPPRESS
+        "--worker",
+        nargs=7,
+        metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS", "BATCH"),
+        help=argparse.SUPPRESS,
     )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds: expected a positive count, got {args.rounds}")
+    if args.batch < 1:
+        ap.error(f"--batch: expected a positive count, got {args.batch}")
     if args.worker:
-        e, p, n, v, new, t = args.worker
-        print(json.dumps(worker(e, p, int(n), int(v), int(new), int(t))))
+        e, p, n, v, new, t, b = args.worker
+        print(json.dumps(worker(e, p, int(n), int(v), int(new), int(t), int(b))))
         return
     import onnx
     import onnxruntime
@@ -666,7 +681,7 @@ def main() -> None:
                 "graph": family,
                 "prompt": plen,
                 "new_tokens": args.new_tokens,
-                "batch": 1,
+                "batch": args.batch,
                 "source": source,
                 "engines": {},
             }
@@ -685,7 +700,8 @@ def main() -> None:
             bandwidth = [read_rate(256 << 20, args.threads) / 1e9] if weight_bytes is not None else []
             for rnd in range(args.rounds):
                 for engine in todo if rnd % 2 == 0 else todo[::-1]:
-                    r = run_worker(__file__, [engine, folder, plen, vocab, args.new_tokens, args.threads], args.threads)
+                    worker_args = [engine, folder, plen, vocab, args.new_tokens, args.threads, args.batch]
+                    r = run_worker(__file__, worker_args, args.threads)
                     runs[engine].append(r)
                     if "error" in r:
                         print(f"# {case} {engine}: FAILED {r['error']}", file=sys.stderr)
@@ -703,7 +719,7 @@ def main() -> None:
                     if "error" in quiet:
                         continue
                     loaded = loaded_run(
-                        [engine, folder, plen, vocab, args.new_tokens, args.threads], args.threads, quiet
+                        [engine, folder, plen, vocab, args.new_tokens, args.threads, args.batch], args.threads, quiet
                     )
                     quiet["background_load"] = loaded
                     if "error" not in loaded:

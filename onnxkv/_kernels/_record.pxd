@@ -10,13 +10,14 @@ cdef enum:
     KIND_SKIP_RMS_NORM = 3   # arrays (x, skip, gamma, bias or None, out, sum_out or None); ints (rows, n); floats (eps,)
     KIND_ACTIVATION = 4      # arrays (x, up or None, out); ints (mode, n): up n values (modes 2-4), one (5-7)
     KIND_GATHER_ROWS = 5     # arrays (table, indices, out); ints (N, D, m, wrap); fails on an index out of range
-    # S decode tokens of one sequence into a state's contiguous caches (attention.decode_token_ptr), their position
-    # read when replayed: arrays (q, k, v (each the memory its S rows span), cos or None, sin or None, k_cache,
-    # v_cache, seqlens_k int32 [1], total int32 [1], out, pos_io int64 [2]); ints (Hq, Hkv, Cap, D, half,
-    # interleaved, window, cos rows, S, q / k / v row strides in elements, float16 tokens (0 or 1), the caches'
-    # type (_record.DECODE_CACHE_TYPES)); floats (scale, softcap).  pos = seqlens_k[0] + 1 - S;
-    # refused unless pos == pos_io[0] (the committed length, set before each replay), total == pos + S,
-    # 1 <= pos, pos + S <= Cap and pos + S <= cos rows; on success pos_io[1] = pos.
+    # S decode tokens of each of B rows into a state's contiguous caches (attention.decode_token_ptr), their
+    # positions read when replayed: arrays (q, k, v (each the memory its B * S token rows span), cos or None, sin
+    # or None, k_cache, v_cache [B, Hkv, Cap, D], seqlens_k int32 [B], total int32 [1], out, pos_io int64 [2, B]);
+    # ints (Hq, Hkv, Cap, D, half, interleaved, window, cos rows, S, q / k / v token-row strides in elements,
+    # float16 tokens (0 or 1), the caches' type (_record.DECODE_CACHE_TYPES), B); floats (scale, softcap).
+    # pos[b] = seqlens_k[b] + 1 - S; refused unless every pos[b] == pos_io[0, b] (the committed lengths, set
+    # before each replay), 0 <= pos[b], pos[b] + S <= Cap and <= cos rows, every pos[b] equal when S > 1, and
+    # total == max(pos) + S > S; on success pos_io[1] = pos.
     KIND_DECODE_TOKEN = 6
     KIND_MATMUL_NBITS = 7    # arrays (x, PackedNBits weight, bias or None, out); ints (M, int8)
     # GroupQueryAttention's lengths from the mask (plan/ops/mask_lengths.py): arrays (mask int64 [B, L], seqlens

@@ -4,9 +4,9 @@ from onnxkv._kernels._runtime cimport okv_settings
 
 cdef int decode_token_ptr(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
                           const float *cos, const float *sin, int64_t half, int inter, void *k_cache,
-                          void *v_cache, int64_t Hq, int64_t Hkv, int64_t Cap, int64_t D, int64_t S, int64_t pos,
-                          float scale, float softcap, int64_t window, void *out, okv_settings s, int io16,
-                          int kv_type) noexcept nogil
+                          void *v_cache, int64_t B, int64_t Hq, int64_t Hkv, int64_t Cap, int64_t D, int64_t S,
+                          const int64_t *pos, float scale, float softcap, int64_t window, void *out, okv_settings s,
+                          int io16, int kv_type) noexcept nogil
 cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, const int32_t *tables, int64_t M,
                           int64_t bs, const int32_t *last, int64_t B, int64_t S, int64_t rows,
                           int64_t window, const void *const *spans, const size_t *span_bytes, int nspans,

@@ -161,29 +161,28 @@ def _weighted_values(w, v, mask):
 
 
 def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, softcap, window, out, *, kv_dtype=None):
-    """Twin of the fused kernel: rotary on the S tokens' q and k (float16 tokens widened to float32 first),
-    rows written at ``pos .. pos + S - 1`` (rounded to the cache's type: float16, or bfloat16 bit patterns
-    with kv_dtype="bfloat16"), causal attention of each query over [0, its position], its result rounded
-    to out's type."""
+    """Twin of the fused kernel: rotary on each row's S tokens' q and k at ``pos[b] + t`` (``pos`` an int or
+    int [B]; float16 tokens widened to float32 first), rows written at ``pos[b] .. pos[b] + S - 1`` (rounded to
+    the cache's type: float16, or bfloat16 bit patterns with kv_dtype="bfloat16"), causal attention of each
+    query over [0, its position] of its row, its result rounded to out's type."""
+    b, n = q.shape[:2]
     hkv, d = k_cache.shape[1], k_cache.shape[3]
-    n = q.shape[1]
     hq = q.shape[2] // d
-    q4, k4 = q.reshape(1, n, hq, d).astype(np.float32), k.reshape(1, n, hkv, d).astype(np.float32)
-    positions = np.arange(pos, pos + n, dtype=np.int64)[None, :]
+    p = np.broadcast_to(np.asarray(pos, np.int64).reshape(-1), (b,))[:, None] + np.arange(n)[None, :]  # [B, S]
+    q4, k4 = q.reshape(b, n, hq, d).astype(np.float32), k.reshape(b, n, hkv, d).astype(np.float32)
     if cos is not None:
-        q_rot, k_rot = np.empty_like(q4), np.empty_like(k4)
-        rotary_embedding(np.ascontiguousarray(q4), cos, sin, positions, interleaved, q_rot)
-        rotary_embedding(np.ascontiguousarray(k4), cos, sin, positions, interleaved, k_rot)
-        q4, k4 = q_rot, k_rot
-    for cache, rows in ((k_cache, k4[0]), (v_cache, v.reshape(n, hkv, d).astype(np.float32))):
-        rows = rows.transpose(1, 0, 2)
-        cache[0, :, pos : pos + n] = bf16_from_f32(rows) if kv_dtype == "bfloat16" else rows
-    res, qh, kl = np.empty((1, hq, n, d), np.float32), np.ascontiguousarray(q4.transpose(0, 2, 1, 3)), [pos + n]
+        for x in (q4, k4):
+            rotary_embedding(np.ascontiguousarray(x), cos, sin, p, interleaved, x)
+    for cache, rows in ((k_cache, k4), (v_cache, v.reshape(b, n, hkv, d).astype(np.float32))):
+        for r in range(b):
+            row = rows[r].transpose(1, 0, 2)
+            cache[r, :, p[r, 0] : p[r, 0] + n] = bf16_from_f32(row) if kv_dtype == "bfloat16" else row
+    res, qh = np.empty((b, hq, n, d), np.float32), np.ascontiguousarray(q4.transpose(0, 2, 1, 3))
     attention(
-        qh, k_cache, v_cache, np.array(kl, np.int32), positions.astype(np.int32), scale, softcap, window, res,
+        qh, k_cache, v_cache, (p[:, -1] + 1).astype(np.int32), p.astype(np.int32), scale, softcap, window, res,
         kv_dtype=kv_dtype,
     )  # fmt: skip
-    out.reshape(1, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
+    out.reshape(b, n, hq, d)[...] = res.transpose(0, 2, 1, 3)
     return True
 
 

@@ -376,6 +376,14 @@ def _operands_fit(int kind, arrays, ints) -> bool:
     """Whether the arrays of a cache-row, scatter or masked-decode call have the shapes its int parameters give
     and their positions, lengths and scratch are the integer arrays the replay reads and writes (int64 positions
     and ends, int32 scratch).  Other kinds: True (their kernels check their operands)."""
+    if kind == KIND_DECODE_TOKEN:   # B rows of S tokens (q, k, v: the memory their token rows span)
+        hq, hkv, cap, d, n = ints[0], ints[1], ints[2], ints[3], ints[8]
+        qs, ks, vs, b = ints[9], ints[10], ints[11], ints[14]
+        return (b >= 1 and n >= 1 and min(qs - hq * d, ks - hkv * d, vs - hkv * d) >= 0
+                and arrays[5].shape == arrays[6].shape == (b, hkv, cap, d) and arrays[9].size == b * n * hq * d
+                and arrays[0].size >= (b * n - 1) * qs + hq * d and arrays[1].size >= (b * n - 1) * ks + hkv * d
+                and arrays[2].size >= (b * n - 1) * vs + hkv * d
+                and _ints(arrays[7], 4, (b,)) and _ints(arrays[8], 4, (1,)) and _ints(arrays[10], 8, (2, b)))
     if kind == KIND_CACHE_ROWS:
         return len(ints) > 4 and _ints(arrays[2], 8, (1,)) and arrays[0].shape == tuple(ints[:4])
     if kind == KIND_SCATTER_ROWS:
@@ -401,11 +409,15 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
             v = idx[i]
             if v < (-c.i[0] if c.i[3] else 0) or v >= c.i[0]:
                 return False
-    elif c.kind == KIND_DECODE_TOKEN:  # the committed length, room in the cache and the rotary tables
-        n = c.i[8]
-        pos, total = <int64_t>(<const int32_t *>c.p[7])[0] + 1 - n, (<const int32_t *>c.p[8])[0]
-        if pos != (<const int64_t *>c.p[10])[0] or total != pos + n or pos < 1 or pos > c.i[2] - n \
-                or (c.p[3] != NULL and pos > c.i[7] - n):
+    elif c.kind == KIND_DECODE_TOKEN:  # the committed lengths, room in the cache and the rotary tables
+        n, v, total = c.i[8], -1, (<const int32_t *>c.p[8])[0]
+        for i in range(c.i[14]):   # each row at its committed length; several tokens: rows of one length
+            pos = <int64_t>(<const int32_t *>c.p[7])[i] + 1 - n
+            if pos != (<const int64_t *>c.p[10])[i] or pos < 0 or pos > c.i[2] - n \
+                    or (c.p[3] != NULL and pos > c.i[7] - n) or (n > 1 and i > 0 and pos != v):
+                return False
+            v = pos if pos > v else v
+        if total != v + n or total <= n:
             return False
     elif c.kind == KIND_DECODE_PAGED:
         return _paged_admitted(c)
@@ -557,12 +569,12 @@ cdef inline void _mask_lengths(call_t *c) noexcept nogil:
 
 
 cdef inline int _decode_token(call_t *c, okv_settings s) noexcept nogil:
-    """KIND_DECODE_TOKEN (_record.pxd), admitted: the position read now; pos_io[1] = pos once done."""
-    cdef int64_t n = c.i[8]
-    cdef int64_t pos = <int64_t>(<const int32_t *>c.p[7])[0] + 1 - n
+    """KIND_DECODE_TOKEN (_record.pxd), admitted: each row at its position read now (its committed length,
+    pos_io[0]); pos_io[1] = those positions once done."""
+    cdef int64_t *pos = <int64_t *>c.p[10]
     if decode_token_ptr(c.p[0], c.i[9], c.p[1], c.i[10], c.p[2], c.i[11], <const float *>c.p[3],
-                        <const float *>c.p[4], c.i[4], <int>c.i[5], c.p[5], c.p[6], c.i[0], c.i[1], c.i[2], c.i[3], n,
-                        pos, c.f[0], c.f[1], c.i[6], c.p[9], s, <int>c.i[12], <int>c.i[13]) != 0:
+                        <const float *>c.p[4], c.i[4], <int>c.i[5], c.p[5], c.p[6], c.i[14], c.i[0], c.i[1], c.i[2],
+                        c.i[3], c.i[8], pos, c.f[0], c.f[1], c.i[6], c.p[9], s, <int>c.i[12], <int>c.i[13]) != 0:
         return -1
-    (<int64_t *>c.p[10])[1] = pos
+    memcpy(pos + c.i[14], pos, <size_t>c.i[14] * sizeof(int64_t))
     return 0

@@ -17,7 +17,7 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
         raise ValueError(f"Program: paged decode call {c}: planes {ints[9]}, {ints[10]} or {ints[8]} rows "
                          "do not fit its page and block tables")
     if kind == KIND_DECODE_TOKEN and not (
-            len(ints) > 13 and ints[12] in (0, 1) and ints[13] in (0, 1, 2) and (ints[12] == 0 or ints[13] != 0)
+            len(ints) > 14 and ints[12] in (0, 1) and ints[13] in (0, 1, 2) and (ints[12] == 0 or ints[13] != 0)
             and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (0, 1, 2, 9))
             and all(arrays[j].itemsize == (4 if ints[13] == 0 else 2) for j in (5, 6))):
         raise ValueError(f"Program: decode call {c}: token and cache types {ints[12:14]} are not its arrays'")

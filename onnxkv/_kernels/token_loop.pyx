@@ -158,8 +158,9 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
         for c in range(program.n):   # the row each decode call appended is committed for the next step
             cl = &program.calls[c]
             if cl.kind == KIND_DECODE_TOKEN:
-                pos_io = <int64_t *>cl.p[10]
-                pos_io[0] = pos_io[1] + cl.i[8]
+                pos_io = <int64_t *>cl.p[10]   # [2, B]: each row's written position, S more
+                for k in range(cl.i[14]):
+                    pos_io[k] = pos_io[cl.i[14] + k] + cl.i[8]
             elif cl.kind == KIND_DECODE_PAGED:
                 pos_io = <int64_t *>cl.p[10]   # row 0 of the lengths: the call's tokens per row more
                 for k in range(cl.i[8]):

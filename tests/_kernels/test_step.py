@@ -178,10 +178,10 @@ def _decode_call(rng, hq=4, hkv=2, d=16, cap=12, rows=20, rot=True, n=1, tokens=
     cos, sin = (rand(rng, (rows, d // 2)), rand(rng, (rows, d // 2))) if rot else (None, None)
     kc, vc = (_cache_values(rand(rng, (1, hkv, cap, d)), cache) for _ in range(2))
     seq, total = np.array([0], np.int32), np.array([0], np.int32)
-    out, io = np.empty((1, n, hq * d), tokens), np.zeros(2, np.int64)
+    out, io = np.empty((1, n, hq * d), tokens), np.zeros((2, 1), np.int64)
     half = 0 if cos is None else d // 2
     ints = (hq, hkv, cap, d, half, 0, -1, rows, n, hq * d, hkv * d, hkv * d, int(tokens == np.float16))
-    ints += (DECODE_CACHE_TYPES[cache],)
+    ints += (DECODE_CACHE_TYPES[cache], 1)
     call = (DECODE_TOKEN, (q, k, v, cos, sin, kc, vc, seq, total, out, io), ints, (d**-0.5, 0.0))
     return call, dict(q=q, k=k, v=v, cos=cos, sin=sin, kc=kc, vc=vc, seq=seq, total=total, out=out, io=io)
 
@@ -198,7 +198,7 @@ def test_decode_cache_type_codes_are_the_kernels():
                                                  (np.float16, "float16", (0, 1)), (np.float32, "float16", (0, 0))])  # fmt: skip
 def test_a_decode_call_whose_types_are_not_its_arrays_is_refused(tokens, cache, ints):
     call, a = _decode_call(np.random.default_rng(1), tokens=tokens, cache=cache)
-    bad = (call[0], call[1], call[2][:12] + ints, call[3])
+    bad = (call[0], call[1], call[2][:12] + ints + (1,), call[3])
     with pytest.raises(ValueError, match=r"decode call 0: token and cache types .* are not its arrays'"):
         Program([bad], [a["kc"], a["vc"]])
     with pytest.raises(ValueError, match=r"decode call 0: token and cache types \(\) are not its arrays'"):
@@ -263,7 +263,7 @@ def test_a_decode_replay_of_several_tokens_refuses_positions_it_cannot_take(n):
 def _assert_refused(program, a, seq, total, committed):
     """The decode call of ``_decode_call`` arrays ``a`` refuses seqlens_k ``seq``, total ``total`` at committed
     length ``committed``: the run returns False and writes no cache byte, no output and no position."""
-    a["seq"][0], a["total"][0], a["io"][:] = seq, total, (committed, -7)
+    a["seq"][0], a["total"][0], a["io"][:, 0] = seq, total, (committed, -7)
     kc, vc, out = a["kc"].copy(), a["vc"].copy(), a["out"].copy()
     assert not program.run([a["kc"], a["vc"]])
     np.testing.assert_array_equal(a["kc"], kc)

@@ -31,7 +31,7 @@ class Chain:
         self.q, self.k, self.v = rand(rng, (1, 1, HQ * D)), rand(rng, (1, 1, HKV * D)), rand(rng, (1, 1, HKV * D))
         self.seqlens, self.total = np.zeros(1, np.int32), np.zeros(1, np.int32)
         self.att = np.empty((1, 1, HQ * D), np.float32)
-        self.io = np.zeros(2, np.int64)
+        self.io = np.zeros((2, 1), np.int64)
         self.logits = np.empty((1, table.shape[1]), np.float32)
         self.at_pos = np.empty((1, 3), np.float32)
         self.token, self.position = np.array([1], np.int64), np.array([length], np.int64)
@@ -42,7 +42,7 @@ class Chain:
             (
                 DECODE_TOKEN,
                 (self.q, self.k, self.v, None, None, self.kc, self.vc, self.seqlens, self.total, self.att, self.io),
-                (HQ, HKV, CAP, D, 0, 0, -1, 0, 1, HQ * D, HKV * D, HKV * D, 0, 0),
+                (HQ, HKV, CAP, D, 0, 0, -1, 0, 1, HQ * D, HKV * D, HKV * D, 0, 0, 1),
                 (D**-0.5, 0.0),
             ),
         ]
@@ -92,7 +92,7 @@ def test_decode_steps_equal_the_steps_one_by_one(simd, threads, kind):
     np.testing.assert_array_equal(chain.kc, kc)
     np.testing.assert_array_equal(chain.vc, vc)
     np.testing.assert_array_equal(chain.att, att)
-    assert chain.io.tolist() == [length + count, length + count - 1]
+    assert chain.io.tolist() == [[length + count], [length + count - 1]]
     assert chain.position[0] == length + count - 1  # advanced after each step but the last
     np.testing.assert_array_equal(chain.at_pos[0], chain.pos_table[length + count - 1])
 

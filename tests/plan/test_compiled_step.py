@@ -556,3 +556,25 @@ def test_a_node_recorded_then_kept_in_python_leaves_no_memory_a_later_segment_mi
     assert compiled.plan.steps.idle and any(
         isinstance(item, Segment) for step in compiled.plan.steps.idle for item in step.items
     )
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_batched_contiguous_decode_attention_replays_through_cache_growth(batch, recordings):
+    """A batch's decode steps on a contiguous cache replay their attention too (one fused call per layer for
+    every row), through the cache's growth (4 -> 8 -> 16) and a new state, bit for bit the node-by-node run."""
+    model = build_model("gqa", MICRO, seed=13)
+    rng = np.random.default_rng(batch)
+    prompt, tokens = rng.integers(1, MICRO.vocab_size, (batch, 3)), rng.integers(1, MICRO.vocab_size, (12, batch))
+    runs = {}
+    for compiled in (False, True):
+        session = onnxkv.Session(model, threads=2, compiled_steps=compiled)
+        for capacity in (4, 30):
+            with session.new_state(cache=CacheConfig("contiguous", initial_capacity=capacity)) as state:
+                runs[compiled, capacity] = _steps(session, state, prompt, tokens)
+                assert state.length == 15
+        if compiled:
+            assert "GroupQueryAttention" in _compiled_kinds(session)
+            (step,) = [s for s in session.plan.steps.idle if s.compiled_nodes == len(session.plan.kernels)]
+            assert not step.stale
+    for capacity in (4, 30):
+        _assert_equal_runs({c: runs[c, capacity] for c in (False, True)})

@@ -1,7 +1,7 @@
 """The fused decode call of :class:`~onnxkv.plan.ops.attention_gqa.GroupQueryAttention`.
 
 :func:`fused_decode` serves the node's common decode call (a few new tokens of
-one sequence into a state's contiguous caches) with one kernel call,
+one sequence, or a token of each row of a batch, into a state's contiguous caches) with one kernel call,
 :func:`onnxkv._kernels.decode_token`, or declines it (None, nothing written)
 so that the node's general path runs.  It reads the node's attributes and
 tables only; the node owns the caches' bindings through ``rt``.
@@ -44,11 +44,13 @@ def constant_rotary(op: GroupQueryAttention, inputs: list, end: int) -> tuple | 
 
 
 def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple | None:
-    """The outputs of node ``op`` for a few tokens of one sequence into a state's contiguous cache, or None.
+    """The outputs of node ``op`` for a few tokens of each row into a state's contiguous cache, or None.
 
-    The general path's result for the common decode call -- batch 1, S new
-    tokens (1 <= S <= ``FUSED_TOKENS``: a decode step, a speculative
-    verification, or a first prompt into an empty cache) after a past, float32 or float16 Q/K/V (separate
+    The general path's result for the common decode call -- S new tokens of
+    one sequence (1 <= S <= ``FUSED_TOKENS``: a decode step, a speculative
+    verification, or a first prompt into an empty cache) after a past, or
+    of each of B rows (one token each, or rows of one length) appended at
+    each row's committed length after a past (a batched decode step), float32 or float16 Q/K/V (separate
     or packed), the state's contiguous caches (float32, float16 or bfloat16; float16 tokens: not float32)
     bound in place with room for the tokens, no position_ids / attention_bias / head_sink / smooth_softmax,
     rotary (if any) from the node's constant tables -- computed by the
@@ -75,27 +77,39 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         or past_key.ndim != 4
         or not isinstance(query, np.ndarray)
         or query.ndim != 3
-        or query.shape[0] != 1
         or not 1 <= query.shape[1] <= FUSED_TOKENS
     ):
         return None
+    b, n = query.shape[:2]
     if (
         not isinstance(seqlens_k, np.ndarray)
-        or seqlens_k.shape != (1,)
+        or seqlens_k.shape != (b,)
         or seqlens_k.dtype.kind not in "iu"
         or not isinstance(total_seqlen, np.ndarray)
         or total_seqlen.size != 1
         or total_seqlen.dtype.kind not in "iu"
     ):
         return None
-    n = query.shape[1]
     past_len = past_key.shape[2]
-    total, total_b = int(total_seqlen.reshape(-1)[0]), int(seqlens_k[0]) + 1
-    # The general path's total_sequence_length and seqlens_k ranges, and an append exactly at the committed
-    # length: a past the row never wrote is refused there, and a rewrite of committed positions is saved
-    # there first so that a failed run can restore it.  A first prompt (S == total) therefore only on an
-    # empty cache: its queries attend causally to its own keys, as a verification's do after a past.
-    if not n <= total <= past_len + n or not n <= total_b <= total or total_b - n != ck.length:
+    total = int(total_seqlen.reshape(-1)[0])
+    # The general path's total_sequence_length and seqlens_k ranges, and an append exactly at each row's
+    # committed length: a past the row never wrote is refused there, and a rewrite of committed positions is
+    # saved there first so that a failed run can restore it.  A first prompt (S == total) therefore only on
+    # an empty cache of one row: its queries attend causally to its own keys, as a verification's do after a
+    # past.  Several rows: one token each, or rows of one length (the general path's rule), after a past.
+    starts = seqlens_k.astype(np.int64) + (1 - n)
+    total_b = int(starts.max()) + n
+    if not n <= total <= past_len + n or not n <= int(starts.min()) + n or total_b > total:
+        return None
+    if b == 1:
+        if int(starts[0]) != ck.length:
+            return None
+    elif (
+        total <= n
+        or (n > 1 and (starts != starts[0]).any())
+        or starts.tobytes() != ck.lengths.tobytes()  # int64 both: an append at each row's length
+        or starts.tobytes() != cv.lengths.tobytes()
+    ):
         return None
     rotary = constant_rotary(op, inputs, total_b)
     if rotary is None:
@@ -106,12 +120,12 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         # packed QKV (the GenAI builder's fused projection): each token's q, k, v are contiguous slices
         d = past_key.shape[3]
         query, key, value = query[..., : hq * d], query[..., hq * d : (hq + hkv) * d], query[..., (hq + hkv) * d :]
-    if past_key.shape[:2] != (1, hkv) or past_key.shape[3] * hq != query.shape[2]:
+    if past_key.shape[:2] != (b, hkv) or past_key.shape[3] * hq != query.shape[2]:
         return None
     present_len = max(total, past_len)
     if present_len > ck.capacity or present_len > cv.capacity:
         # growth, as the general path's cache writes grow: only for arguments it accepts up to there
-        shape = (1, n, hkv * past_key.shape[3])
+        shape = (b, n, hkv * past_key.shape[3])
         if (
             query.dtype not in TOKEN_TYPES
             or key is None
@@ -125,7 +139,7 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     if query.dtype not in TOKEN_TYPES or (query.dtype == np.float16 and ck.storage == "float32"):
         return None  # float32 tokens into float32, float16 or bfloat16 caches; float16 tokens into 2-byte ones
     grown = ck.reserve(present_len), cv.reserve(present_len)
-    output = rt.empty(0, (1, n, query.shape[2]), query.dtype)
+    output = rt.empty(0, (b, n, query.shape[2]), query.dtype)
     done = _decode_kernel(
         query,
         key,
@@ -135,7 +149,7 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         op.interleaved,
         ck.buffer,
         cv.buffer,
-        total_b - n,
+        int(starts[0]) if b == 1 else starts,
         float(op._softmax_scale(query.shape[2] // hq)),
         op.softcap,
         op.window,
@@ -143,9 +157,9 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         kv_dtype="bfloat16" if ck.storage == "bfloat16" else None,
     )
     # Record growth even when the kernel declined (the general path then finds the room made).
-    written = n if done else 0
-    present_k = rt.cache_appended(past_k_name, written, present_len, grown[0], total_b - n)
-    present_v = rt.cache_appended(past_v_name, written, present_len, grown[1], total_b - n)
+    written, at = (n if done else 0), (int(starts[0]) if b == 1 else starts)
+    present_k = rt.cache_appended(past_k_name, written, present_len, grown[0], at)
+    present_v = rt.cache_appended(past_v_name, written, present_len, grown[1], at)
     if not done:
         return None
     outs = (output, present_k if op.has_present[0] else None, present_v if op.has_present[1] else None)

@@ -18,24 +18,25 @@ __all__ = ["CacheAppend", "committed_pair", "note_decode", "rows_span"]
 
 def note_decode(op, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.ndarray, total_seqlen: np.ndarray, output) -> None:
     """Note the fused call of ``op`` (a GroupQueryAttention) that just ran into the contiguous caches
-    ``ck`` / ``cv``: ``qkv_rot`` its (q, k, v, cos or None, sin or None) arrays (q, k, v [1, S, H*D], float32
-    or float16, rows possibly strided), ``output`` its result.  A replay reads the position from ``seqlens_k``, takes
-    the caches the run has then, and its effect stages the appended rows and the presents as the fused path
-    does.  Refuses the recording when a replay could not read the position as this run did (seqlens_k or
-    total_sequence_length not int32)."""
+    ``ck`` / ``cv``: ``qkv_rot`` its (q, k, v, cos or None, sin or None) arrays (q, k, v [B, S, H*D], float32
+    or float16, rows possibly strided), ``output`` its result.  A replay reads the rows' positions from
+    ``seqlens_k``, takes the caches the run has then, and its effect stages the appended rows and the presents
+    as the fused path does.  Refuses the recording when a replay could not read the positions as this run did
+    (seqlens_k or total_sequence_length not int32)."""
     if seqlens_k.dtype != np.int32 or total_seqlen.dtype != np.int32 or total_seqlen.shape not in ((), (1,)):
         rec.refused.append(f"{op.op_type} node '{op.name}': positions not int32")
         return
     q, k, v, cos, sin = qkv_rot
-    n = q.shape[1]
+    b, n = q.shape[:2]
     d = ck.buffer.shape[3]
-    pos_io = np.zeros(2, dtype=np.int64)
+    pos_io = np.zeros((2, b), dtype=np.int64)  # the rows' committed lengths, then the positions written
     half, rows = (0, 0) if cos is None else (cos.shape[1], cos.shape[0])
-    strides = [x.shape[2] if n == 1 else x.strides[1] // x.itemsize for x in (q, k, v)]
+    # between consecutive token rows (the kernel took them: one stride, row b's tokens after row b - 1's)
+    strides = [x.shape[2] if b * n == 1 else x.strides[1 if n > 1 else 0] // x.itemsize for x in (q, k, v)]
     q, k, v = (rows_span(x) for x in (q, k, v))
     arrays = (q, k, v, cos, sin, ck.buffer, cv.buffer, seqlens_k, total_seqlen.reshape(1), output, pos_io)
     ints = (op.num_heads, op.kv_num_heads, ck.buffer.shape[2], d, half, int(bool(op.interleaved)), op.window, rows,
-            n, *strides, int(q.dtype == np.float16), DECODE_CACHE_TYPES[ck.storage])  # fmt: skip
+            n, *strides, int(q.dtype == np.float16), DECODE_CACHE_TYPES[ck.storage], b)  # fmt: skip
     rec.note(DECODE_TOKEN, arrays, ints, (float(op._softmax_scale(d)), float(op.softcap)))
     rec.cache(op._past_names[0], ck.buffer)
     rec.cache(op._past_names[1], cv.buffer)
@@ -64,11 +65,12 @@ def committed_pair(caches: dict, names: tuple[str, str], pos_io: np.ndarray) -> 
 class CacheAppend:
     """The effect of a recorded decode-token call (``_record.KIND_DECODE_TOKEN``) on the run's caches.
 
-    ``before(caches)`` sets ``pos_io[0]`` to the committed length of the two caches (False when they
-    differ or are missing: no replay); the replayed call appends ``tokens`` rows at ``pos_io[1]`` when that
-    is the position it read; ``after(rt)`` then stages those rows in both caches as the operator's own path
-    does (:meth:`RunContext.cache_appended`) and returns ``(output index, present view)`` for the node's
-    present outputs.
+    ``before(caches)`` sets ``pos_io[0]`` (int64 [B]) to the committed lengths of the rows of the two caches
+    (False when they differ or are missing, or the caches have another number of rows: no replay); the
+    replayed call appends ``tokens`` rows to each row at ``pos_io[1]`` when those are the positions it read;
+    ``after(rt)`` then stages those rows in both caches as the operator's own path does
+    (:meth:`RunContext.cache_appended`) and returns ``(output index, present view)`` for the node's present
+    outputs.
     """
 
     __slots__ = ("names", "pos_io", "outputs", "tokens")
@@ -82,9 +84,22 @@ class CacheAppend:
         self.tokens = tokens
 
     def before(self, caches: dict) -> bool:
-        return committed_pair(caches, self.names, self.pos_io)
+        if self.pos_io.shape[1] == 1:
+            return caches[self.names[0]].batch == 1 and committed_pair(caches, self.names, self.pos_io)
+        k, v = caches[self.names[0]], caches[self.names[1]]
+        lengths = k.lengths
+        if lengths.shape != self.pos_io.shape[1:] or not np.array_equal(lengths, v.lengths):
+            return False
+        self.pos_io[0] = lengths
+        return True
 
     def after(self, rt: RunContext) -> list:
-        pos, n = int(self.pos_io[1]), self.tokens
-        presents = [rt.cache_appended(name, n, pos + n, None, pos) for name in self.names]
+        n = self.tokens
+        if self.pos_io.shape[1] == 1:
+            at = int(self.pos_io[1, 0])
+            end = at + n
+        else:
+            at = self.pos_io[1].copy()
+            end = int(at.max()) + n
+        presents = [rt.cache_appended(name, n, end, None, at) for name in self.names]
         return [(i, presents[i - 1]) for i in self.outputs]

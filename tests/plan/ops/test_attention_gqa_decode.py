@@ -65,13 +65,14 @@ def spy(monkeypatch):
 
 
 def _decode(
-    session, state, steps: int, batch: int = 1, length: int = PROMPT
+    session, state, steps: int, batch: int = 1, length: int = PROMPT, lengths=None
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Prefill ``length`` random tokens per row, then ``steps`` greedy-free decode steps of fixed tokens.
-    Returns the prompt's logits and each decode step's last-token logits, and the state's final values
-    (caches)."""
+    """Prefill ``length`` random tokens per row (``lengths``: each row's, left-padded to ``length``), then
+    ``steps`` greedy-free decode steps of fixed tokens.  Returns the prompt's logits and each decode step's
+    last-token logits, and the state's final values (caches)."""
     prompt = np.random.default_rng(7).integers(0, MICRO.vocab_size, (batch, length))
-    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.full(batch, length), 0, thread_cache=False)
+    lengths = np.full(batch, length) if lengths is None else np.asarray(lengths)
+    b = FeedBuilder(session.plan.inputs, session.model, prompt, lengths, 0, thread_cache=False)
     feeds, _ = b.first()
     out = state.run(feeds, ["logits"])
     logits = [out["logits"].copy()]
@@ -134,15 +135,39 @@ def test_narrow_decode_token_equals_general_path(dtype, kv_format, threads, spy,
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "attrs",
+    [{}, {"softcap": 2.5}, {"local_window_size": 6}, "packed"],
+    ids=["plain", "softcap", "window", "packed-qkv"],
+)
+@pytest.mark.parametrize("batch", [2, 3])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_decode_equals_general_path(attrs, batch, threads, spy, monkeypatch):
+    """The decode steps of a batch take the path, one token per row appended at each row's length, with
+    results bitwise equal to the general path's; the batch's first prompt takes the general path."""
+    model = _packed_model() if attrs == "packed" else _model(**attrs)
+    session = onnxkv.Session(model, threads=threads, compiled_steps=False)
+    with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:  # grows during decode
+        got_logits, got_values = _decode(session, st, steps=9, batch=batch)
+    assert spy == [False] * MICRO.num_layers + [True] * 9 * MICRO.num_layers
+    monkeypatch.setattr(GroupQueryAttention, "_decode_token", lambda self, inputs, rt: None)
+    with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:
+        want_logits, want_values = _decode(session, st, steps=9, batch=batch)
+    for got, want in zip(got_logits + got_values, want_logits + want_values, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_calls_it_does_not_serve_take_the_general_path(spy):
-    """A prompt longer than FUSED_TOKENS, a batch of two and the tensor path (no state) are declined."""
+    """A prompt longer than FUSED_TOKENS, the decode steps of a left-padded batch (a padded row writes its
+    token over a committed position of its own, which the general path saves first) and the tensor path
+    (no state) are declined."""
     session = onnxkv.Session(_model(), threads=2)
     with session.new_state() as st:
         _decode(session, st, steps=0, length=FUSED_TOKENS + 1)
     assert spy and not any(spy)
     spy.clear()
     with session.new_state() as st:
-        logits, _ = _decode(session, st, steps=2, batch=2)
+        logits, _ = _decode(session, st, steps=2, batch=3, lengths=[PROMPT, 9, 11])
     assert spy and not any(spy)
     assert all(np.isfinite(x).all() for x in logits)
     spy.clear()
