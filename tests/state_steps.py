@@ -38,3 +38,16 @@ def assert_same_values(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def compiled_kinds(session) -> set[str]:
+    """The operator names of the plan nodes that ``session``'s idle compiled steps replay (their segments)."""
+    from onnxkv.plan.compiled_step import Segment
+
+    return {
+        type(session.plan.kernels[k]).__name__
+        for step in session.plan.steps.idle
+        for item in step.items
+        if isinstance(item, Segment)
+        for k in range(item.first, item.end)
+    }

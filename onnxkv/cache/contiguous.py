@@ -347,6 +347,13 @@ class CacheTensor:
             rows = slice(None) if row is None else row
             self._saved.append((row, start, self.buffer[rows, :, start:stop].copy()))
 
+    def save_rows(self, starts: np.ndarray, s: int) -> None:
+        """Keep the committed bytes that positions ``[starts[b], starts[b] + s)`` of each row hold (int64 [B];
+        below :attr:`length`), as :meth:`write` does before writing there: for a kernel about to write those
+        positions in place (:meth:`appended` then stages them), so that :meth:`discard` restores them."""
+        for row in np.flatnonzero(starts < self.length).tolist():
+            self._save(row, int(starts[row]), s)
+
     def check_starts(self, starts: np.ndarray | int) -> None:
         """Raise :class:`~onnxkv.errors.InputError` when a write at ``starts`` (one int or int [B]) would
         leave positions a row never wrote before its new values: ``starts[b]`` past ``lengths[b]``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from state_steps import compiled_kinds
 
 import onnxkv
 from onnxkv import CacheConfig
@@ -133,11 +134,6 @@ def test_every_packed_product_the_embedding_the_mask_lengths_and_the_attention_o
     assert not step.stale
 
 
-def _compiled_kinds(session):
-    return {type(session.plan.kernels[k]).__name__ for step in session.plan.steps.idle for it in step.items
-            if isinstance(it, Segment) for k in range(it.first, it.end)}  # fmt: skip
-
-
 def test_decode_attention_replays_through_cache_growth_and_new_states_without_a_new_recording(recordings):
     """The caches are resizable externals: a replay reads their capacity, so one recorded step serves a cache
     that grew (4 -> 8 -> 16) and new states of other capacities."""
@@ -152,7 +148,7 @@ def test_decode_attention_replays_through_cache_growth_and_new_states_without_a_
                 runs[compiled, capacity] = _steps(session, state, prompt, tokens)
                 assert state.length == 15  # grown 4 -> 8 -> 16, 7 -> 14 -> 28 while replaying
         if compiled:
-            assert "GroupQueryAttention" in _compiled_kinds(session)
+            assert "GroupQueryAttention" in compiled_kinds(session)
             # the decode step is recorded once; so is the prompt (a first prompt into an empty cache is one
             # fused call): by the second state, and the third state's prompt replays it
             assert len(recordings) == 2
@@ -230,7 +226,7 @@ def test_paged_decode_attention_is_compiled_and_one_step_serves_every_token():
     session = onnxkv.Session(build_model("gqa", MICRO, seed=14), threads=1)
     onnxkv.generate(session, np.array([[3, 4, 5]]), max_new_tokens=12, cache=CacheConfig("paged", block_size=4))
     (step,) = session.plan.steps.idle
-    assert "GroupQueryAttention" in _compiled_kinds(session)
+    assert "GroupQueryAttention" in compiled_kinds(session)
     assert [type(item) for item in step.items] == [Segment] and not step.stale
     effects = [effect for effect, _ in step.items[0].effects]  # one per layer: the first stages for all
     assert [e.leads for e in effects] == [True] + [False] * (len(effects) - 1) and len(effects) > 1
@@ -257,7 +253,7 @@ def test_paged_replays_equal_node_by_node_through_pool_growth(block_size):
     plain, _ = _paged_runs(model, False, run)
     replayed, session = _paged_runs(model, True, run)
     np.testing.assert_array_equal(plain, replayed)
-    assert "GroupQueryAttention" in _compiled_kinds(session)
+    assert "GroupQueryAttention" in compiled_kinds(session)
 
 
 def test_paged_replays_serve_engine_rows_of_different_lengths_and_forked_tables():
@@ -285,7 +281,7 @@ def test_paged_replays_serve_engine_rows_of_different_lengths_and_forked_tables(
         assert len(plain) == len(replayed)
         for a, b in zip(plain, replayed, strict=True):
             np.testing.assert_array_equal(a, b)
-        assert "GroupQueryAttention" in _compiled_kinds(session), run.__name__
+        assert "GroupQueryAttention" in compiled_kinds(session), run.__name__
 
 
 def test_states_of_other_block_sizes_on_one_session_replay_their_own_steps():
@@ -373,7 +369,7 @@ def _replays_equal_node_by_node(path, seed: int, batch: int = 1, cache: CacheCon
         with session.new_state(cache=cache) as state:
             runs[compiled] = _steps(session, state, prompt, tokens)
     _assert_equal_runs(runs)
-    return _compiled_kinds(session)
+    return compiled_kinds(session)
 
 
 @pytest.mark.parametrize("family", ["gqa", "concat"])
@@ -478,7 +474,7 @@ def test_a_speculative_tree_verification_replays_whole_on_forked_page_tables():
         np.testing.assert_array_equal(got.sequences, want)
     trees = [s for s in target.plan.steps.idle if s.signature and s.signature[0][1] == (2, 4)]
     assert trees and all([type(i) for i in s.items] == [Segment] for s in trees)
-    assert "GroupQueryAttention" in _compiled_kinds(target)
+    assert "GroupQueryAttention" in compiled_kinds(target)
 
 
 def test_steps_recorded_with_paged_caches_are_not_taken_by_contiguous_runs():
@@ -573,7 +569,7 @@ def test_batched_contiguous_decode_attention_replays_through_cache_growth(batch,
                 runs[compiled, capacity] = _steps(session, state, prompt, tokens)
                 assert state.length == 15
         if compiled:
-            assert "GroupQueryAttention" in _compiled_kinds(session)
+            assert "GroupQueryAttention" in compiled_kinds(session)
             (step,) = [s for s in session.plan.steps.idle if s.compiled_nodes == len(session.plan.kernels)]
             assert not step.stale
     for capacity in (4, 30):

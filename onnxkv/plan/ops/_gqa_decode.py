@@ -49,8 +49,9 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     The general path's result for the common decode call -- S new tokens of
     one sequence (1 <= S <= ``FUSED_TOKENS``: a decode step, a speculative
     verification, or a first prompt into an empty cache) after a past, or
-    of each of B rows (one token each, or rows of one length) appended at
-    each row's committed length after a past (a batched decode step), float32 or float16 Q/K/V (separate
+    of each of B rows (one token each, or rows of one length) written from
+    at most each row's committed length after a past (a batched decode step; right-padded rows write over
+    their padding, whose committed bytes are kept first as the general path keeps them), float32 or float16 Q/K/V (separate
     or packed), the state's contiguous caches (float32, float16 or bfloat16; float16 tokens: not float32)
     bound in place with room for the tokens, no position_ids / attention_bias / head_sink / smooth_softmax,
     rotary (if any) from the node's constant tables -- computed by the
@@ -107,8 +108,8 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     elif (
         total <= n
         or (n > 1 and (starts != starts[0]).any())
-        or starts.tobytes() != ck.lengths.tobytes()  # int64 both: an append at each row's length
-        or starts.tobytes() != cv.lengths.tobytes()
+        or ck.lengths.tobytes() != cv.lengths.tobytes()  # int64 both
+        or (starts > ck.lengths).any()  # a row continues from what it wrote (right-padded rows rewrite)
     ):
         return None
     rotary = constant_rotary(op, inputs, total_b)
@@ -139,6 +140,9 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     if query.dtype not in TOKEN_TYPES or (query.dtype == np.float16 and ck.storage == "float32"):
         return None  # float32 tokens into float32, float16 or bfloat16 caches; float16 tokens into 2-byte ones
     grown = ck.reserve(present_len), cv.reserve(present_len)
+    if b > 1:  # the committed bytes a row writes over (below the longest row), as the general path's write
+        ck.save_rows(starts, n)
+        cv.save_rows(starts, n)
     output = rt.empty(0, (b, n, query.shape[2]), query.dtype)
     done = _decode_kernel(
         query,
@@ -164,6 +168,8 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         return None
     outs = (output, present_k if op.has_present[0] else None, present_v if op.has_present[1] else None)
     rec = _recorder()
-    if rec is not None:
+    if rec is not None and b > 1 and starts.tobytes() != ck.lengths.tobytes():
+        rec.refused.append(f"{op.op_type} node '{op.name}': a row writes over positions it holds")
+    elif rec is not None:
         note_decode(op, rec, (query, key, value, cos, sin), ck, cv, seqlens_k, total_seqlen, output)
     return outs[: len(op.node.output)]

@@ -91,6 +91,9 @@ class CacheAppend:
         if lengths.shape != self.pos_io.shape[1:] or not np.array_equal(lengths, v.lengths):
             return False
         self.pos_io[0] = lengths
+        # the committed bytes the rows write over (rows shorter than the longest), as the fused path keeps them
+        k.save_rows(lengths, self.tokens)
+        v.save_rows(lengths, self.tokens)
         return True
 
     def after(self, rt: RunContext) -> list:

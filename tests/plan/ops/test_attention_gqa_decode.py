@@ -12,12 +12,14 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from state_steps import compiled_kinds
 
 import onnxkv
 from onnxkv.errors import InputError, OperatorError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.ops._gqa_decode import FUSED_TOKENS
 from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
+from onnxkv.plan.registry import bump_baked_epoch
 from onnxkv.zoo.builders import MICRO, build_model
 
 PROMPT = 13
@@ -140,36 +142,31 @@ def test_narrow_decode_token_equals_general_path(dtype, kv_format, threads, spy,
     [{}, {"softcap": 2.5}, {"local_window_size": 6}, "packed"],
     ids=["plain", "softcap", "window", "packed-qkv"],
 )
-@pytest.mark.parametrize("batch", [2, 3])
+@pytest.mark.parametrize("lengths", [[PROMPT] * 2, [PROMPT] * 3, [PROMPT, 9, 11]], ids=["two", "three", "padded"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_batched_decode_equals_general_path(attrs, batch, threads, spy, monkeypatch):
-    """The decode steps of a batch take the path, one token per row appended at each row's length, with
-    results bitwise equal to the general path's; the batch's first prompt takes the general path."""
+def test_batched_decode_equals_general_path(attrs, lengths, threads, spy, monkeypatch):
+    """The decode steps of a batch take the path, one token per row written at each row's length (the rows of
+    a padded prompt first over their padding), with results bitwise equal to the general path's; the
+    batch's first prompt takes the general path."""
     model = _packed_model() if attrs == "packed" else _model(**attrs)
     session = onnxkv.Session(model, threads=threads, compiled_steps=False)
+    batch = len(lengths)
     with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:  # grows during decode
-        got_logits, got_values = _decode(session, st, steps=9, batch=batch)
+        got_logits, got_values = _decode(session, st, steps=9, batch=batch, lengths=lengths)
     assert spy == [False] * MICRO.num_layers + [True] * 9 * MICRO.num_layers
     monkeypatch.setattr(GroupQueryAttention, "_decode_token", lambda self, inputs, rt: None)
     with session.new_state(cache=onnxkv.CacheConfig(initial_capacity=4)) as st:
-        want_logits, want_values = _decode(session, st, steps=9, batch=batch)
+        want_logits, want_values = _decode(session, st, steps=9, batch=batch, lengths=lengths)
     for got, want in zip(got_logits + got_values, want_logits + want_values, strict=True):
         np.testing.assert_array_equal(got, want)
 
 
 def test_calls_it_does_not_serve_take_the_general_path(spy):
-    """A prompt longer than FUSED_TOKENS, the decode steps of a left-padded batch (a padded row writes its
-    token over a committed position of its own, which the general path saves first) and the tensor path
-    (no state) are declined."""
+    """A prompt longer than FUSED_TOKENS and the tensor path (no state) are declined."""
     session = onnxkv.Session(_model(), threads=2)
     with session.new_state() as st:
         _decode(session, st, steps=0, length=FUSED_TOKENS + 1)
     assert spy and not any(spy)
-    spy.clear()
-    with session.new_state() as st:
-        logits, _ = _decode(session, st, steps=2, batch=3, lengths=[PROMPT, 9, 11])
-    assert spy and not any(spy)
-    assert all(np.isfinite(x).all() for x in logits)
     spy.clear()
     prompt = np.random.default_rng(8).integers(0, MICRO.vocab_size, (1, PROMPT))
     b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([PROMPT]), 0, thread_cache=True)
@@ -201,3 +198,35 @@ def test_refused_seqlens_k_keeps_the_general_error_and_the_state(spy):
         assert spy == [False]
         for name, value in st.values.items():
             np.testing.assert_array_equal(value, before[name])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["node-by-node", "compiled"])
+def test_a_failed_batched_step_leaves_every_cache_byte_as_it_was(compiled, spy):
+    """Rows of a padded batch write over their padding and rows shorter than the longest write past their
+    length: a run that fails after the writes (here in ``before_commit``) restores every byte, as the
+    general path does."""
+    session = onnxkv.Session(_model(), threads=2, compiled_steps=compiled)
+    prompt = np.random.default_rng(9).integers(0, MICRO.vocab_size, (3, PROMPT))
+    with session.new_state() as st:
+        b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([PROMPT, 9, 11]), 0, thread_cache=False)
+        feeds, _ = b.first()
+        out = st.run(feeds, ["logits"])
+        for step in range(9):  # the padded rows pass their padding (4 steps): then rows of three lengths
+            if step == 5:  # a new recording, of steps whose rows append at their own lengths
+                bump_baked_epoch()
+            feeds = b.next(np.array([4, 5, 6]), out)
+            before = {k: np.array(v) for k, v in st.values.items()}
+            lengths = st.length
+
+            def fail(_):
+                raise MemoryError("before_commit")
+
+            with pytest.raises(MemoryError, match="before_commit"):
+                st.run(feeds, ["logits"], before_commit=fail)
+            assert st.length == lengths
+            for name, value in st.values.items():
+                np.testing.assert_array_equal(value, before[name], err_msg=f"step {step}: {name}")
+            out = st.run(feeds, ["logits"])
+    assert any(spy)
+    if compiled:  # the last steps replayed the attention (the rows' saves made by the effect)
+        assert "GroupQueryAttention" in compiled_kinds(session)
