@@ -2,19 +2,22 @@
 """Decode steps back to back: a compiled step's program replayed once per token.
 
 :func:`decode_steps` runs a :class:`~onnxkv._kernels.step.Program` that holds a
-whole decode step of a batch-1 sequence (every node of the plan recorded) up
-to ``count`` times with no Python between the steps: after each step it
-chooses the next token from the logits the program wrote (their argmax, or a
-draw of :mod:`onnxkv._kernels.sampling` with the step's uniform number),
-writes that id into the token external, lengthens the attention mask by one
-column, advances the position and the committed length each decode-token
-call checks, and stops after an end-of-sequence id.  The results are those of
-the steps run one by one (:meth:`Program.run`, then ``np.argmax`` or
-``sampling.sample``), bit for bit.
+whole decode step of B sequences (a batch of rows of one length; every node of
+the plan recorded) up to ``count`` times with no Python between the steps:
+after each step it chooses each row's next token from the logits the program
+wrote (their argmax, or a draw of :mod:`onnxkv._kernels.sampling` with the
+step's uniform number for that row), writes the ids into the token external
+(a row that has ended takes the pad id), lengthens the attention mask by one
+column, advances the positions and the committed lengths each decode call
+checks, and stops once every row has chosen an end-of-sequence id.  The
+results are those of the steps run one by one (:meth:`Program.run`, then
+``np.argmax`` or ``sampling.sample`` per row, ended rows padded), bit for bit.
 """
 from libc.math cimport INFINITY, isnan
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint8_t
 from libc.stdlib cimport free, malloc
+
+import numpy as np
 
 from onnxkv._kernels._record cimport KIND_DECODE_PAGED, KIND_DECODE_TOKEN
 from onnxkv._kernels._runtime cimport okv_now_ns, okv_settings, okv_settings_get
@@ -45,28 +48,31 @@ cdef inline int64_t _argmax(const float *x, int64_t n) noexcept nogil:
 
 
 def decode_steps(Program program, list externals, int token_ext, int mask_ext, int position_ext,
-                 int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[::1] tokens,
+                 int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[:, ::1] tokens,
                  double[::1] seconds, double temperature=0.0, int64_t top_k=0, double top_p=1.0,
-                 const double[::1] uniforms=None):
-    """Run up to ``count = len(tokens)`` decode steps of ``program``; return ``(steps, why)``.
+                 const double[::1] uniforms=None, uint8_t[::1] finished=None, int64_t pad=0):
+    """Run up to ``count = len(tokens)`` decode steps of ``program`` for its B rows; return ``(steps, why)``.
 
     ``externals`` are the program's external arrays (checked as :meth:`Program.run` checks them), bound
-    once for every step: ``externals[token_ext]`` is the step's token id (int64, one element), which the
-    caller sets for the first step; ``externals[mask_ext]`` the ragged attention mask (int64 [1, M]), of
-    which step ``t`` reads the first ``mask_len + t`` columns (all ones, ``mask_len + count - 1 <= M``);
-    ``externals[position_ext]`` (or -1: none) the token's position (int64, one element), one more each
-    step.  The caller has set the committed length of every decode-token call (its effect's ``before``),
-    and for a paged decode call staged the pages of every position the steps may write (a step whose
+    once for every step: ``externals[token_ext]`` holds the step's token ids (int64, one per row), which the
+    caller sets for the first step; ``externals[mask_ext]`` the ragged attention mask (int64 [B, M], all
+    ones), of which step ``t`` reads ``mask_len + t`` columns per row (``mask_len + count - 1 <= M``);
+    ``externals[position_ext]`` (or -1: none) the tokens' positions (int64, one per row), one more each
+    step.  The caller has set the committed lengths of every decode call (its effect's ``before``), and
+    for a paged decode call staged the pages of every position the steps may write (a step whose
     position is past them is refused).
-    ``logits`` is the program memory holding the step's logits (float32 [V]).
+    ``logits`` is the program memory holding the step's logits (float32 [B * V], row-major).
+    ``tokens`` is int64 [count, B]; ``finished`` (uint8 [B], or None: no row has ended) the rows that
+    have ended, updated in place; ``pad`` the id an ended row takes.
 
-    Step ``t`` chooses the argmax of the logits (``temperature`` 0), or draws with ``uniforms[t]`` after
-    ``temperature``, ``top_k`` (0: none) and ``top_p`` (1: none) as ``sampling.sample`` does.  It writes
-    its id to ``tokens[t]`` and its time (seconds) to ``seconds[t]``; ``steps`` counts the steps that ran,
-    ``why`` is :data:`DONE`, :data:`EOS` (``tokens[steps - 1]`` is in ``eos``),
+    Step ``t`` chooses each row's argmax (``temperature`` 0), or draws row ``b`` with ``uniforms[t * B +
+    b]`` after ``temperature``, ``top_k`` (0: none) and ``top_p`` (1: none) as ``sampling.sample`` does;
+    a row that has ended takes ``pad`` instead, and a row whose id is in ``eos`` has ended after it.  It
+    writes the ids to ``tokens[t]`` and its time (seconds) to ``seconds[t]``; ``steps`` counts the steps
+    that ran, ``why`` is :data:`DONE`, :data:`EOS` (every row has ended after step ``steps - 1``),
     :data:`REFUSED` (step ``steps`` refused its values: nothing of it ran) or :data:`MISMATCH` (the
     externals differ from the recording, as :meth:`Program.run` checks them: nothing ran).  Each step's
-    decode-token calls appended rows at their committed length, which the next step takes as committed.
+    decode calls appended rows at their committed lengths, which the next step takes as committed.
 
     Raises:
         ValueError: an argument out of the ranges above.
@@ -75,36 +81,41 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     """
     cdef void *bases[MAX_EXT]
     cdef int64_t lens[MAX_EXT]
-    cdef int64_t count = tokens.shape[0], t
+    cdef int64_t count = tokens.shape[0], B = tokens.shape[1], t
     cdef int c
     cdef int64_t *token
     cdef int64_t *position = NULL
     cdef okv_settings s = okv_settings_get()
     cdef int n_ext = program.n_ext
-    cdef int64_t V = logits.shape[0]
+    cdef int64_t V = logits.shape[0] // B if B > 0 else 0
     cdef double *p = NULL
     cdef double *work = NULL
     cdef int64_t *order = NULL
-    if seconds.shape[0] != count or V < 1:
-        raise ValueError("decode_steps: tokens and seconds must have one element per step, logits at least one")
+    if seconds.shape[0] != count or B < 1 or V < 1 or V * B != logits.shape[0]:
+        raise ValueError("decode_steps: tokens [count, B >= 1] and seconds [count] must have one row per step, "
+                         "logits B rows of at least one")
+    if finished is None:
+        finished = np.zeros(B, np.uint8)
+    if finished.shape[0] != B:
+        raise ValueError(f"decode_steps: finished must have one flag per row ({B}), got {finished.shape[0]}")
     if temperature != 0.0:
         if not (0.0 < temperature < INFINITY) or top_k < 0 or not (0.0 < top_p <= 1.0):
             raise ValueError(f"decode_steps: temperature {temperature}, top_k {top_k}, top_p {top_p} out of range "
                              "(temperature > 0 and finite, top_k >= 0, top_p in (0, 1])")
-        if uniforms is None or uniforms.shape[0] != count:
-            raise ValueError("decode_steps: sampling needs one uniform number per step")
-        for t in range(count):
+        if uniforms is None or uniforms.shape[0] != count * B:
+            raise ValueError("decode_steps: sampling needs one uniform number per step and row")
+        for t in range(count * B):
             if not (0.0 <= uniforms[t] < 1.0):
                 raise ValueError(f"decode_steps: uniforms[{t}] = {uniforms[t]} is not in [0, 1)")
     for c, name in ((token_ext, "token"), (mask_ext, "mask"), (position_ext, "position")):
         if not (0 <= c < n_ext or (c == -1 and name == "position")):
             raise ValueError(f"decode_steps: {name} external {c} out of [0, {n_ext})")
-    if not program.exts[mask_ext].ragged or program.exts[mask_ext].ndim != 2 or program.exts[mask_ext].shape[0] != 1:
-        raise ValueError(f"decode_steps: external {mask_ext} is not the ragged [1, L] mask of a batch-1 step")
+    if not program.exts[mask_ext].ragged or program.exts[mask_ext].ndim != 2 or program.exts[mask_ext].shape[0] != B:
+        raise ValueError(f"decode_steps: external {mask_ext} is not the ragged [{B}, L] mask of the rows' step")
     for c in (token_ext, position_ext):
-        if c >= 0 and (program.exts[c].nbytes != 8 or program.exts[c].itemsize != 8
+        if c >= 0 and (program.exts[c].nbytes != 8 * B or program.exts[c].itemsize != 8
                        or (program.exts[c].format[0] != c'l' and program.exts[c].format[0] != c'q')):
-            raise ValueError(f"decode_steps: external {c} must be one int64 (a token id or a position)")
+            raise ValueError(f"decode_steps: external {c} must be int64, one per row (token ids or positions)")
     if not program.bind(externals, bases, lens):
         return 0, MISMATCH
     if mask_len < 1 or mask_len + count - 1 > lens[mask_ext]:
@@ -123,19 +134,22 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         work = p + V
     try:
         return _steps(program, bases, lens, token, position, mask_ext, mask_len, logits, eos, tokens, seconds,
-                      temperature, top_k, top_p, uniforms, p, work, order, s)
+                      temperature, top_k, top_p, uniforms, p, work, order, s, finished, pad)
     finally:
         free(p)
         free(order)
 
 
 cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, int64_t *position, int mask_ext,
-                  int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[::1] tokens,
+                  int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[:, ::1] tokens,
                   double[::1] seconds, double temperature, int64_t top_k, double top_p,
-                  const double[::1] uniforms, double *p, double *work, int64_t *order, okv_settings s):
+                  const double[::1] uniforms, double *p, double *work, int64_t *order, okv_settings s,
+                  uint8_t[::1] finished, int64_t pad):
     """The steps of :func:`decode_steps` on bound externals (``bases``, ``lens``)."""
-    cdef int64_t count = tokens.shape[0], V = logits.shape[0], t = 0, tok, k, t0
+    cdef int64_t count = tokens.shape[0], B = tokens.shape[1], V = logits.shape[0] // tokens.shape[1]
+    cdef int64_t t = 0, tok, k, t0, b
     cdef int c, r
+    cdef bint ended
     cdef int64_t *pos_io
     cdef call_t *cl
     why = DONE
@@ -148,14 +162,23 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
             break
         if r < 0:
             raise MemoryError(f"decode_steps: call {-1 - r} of step {t} could not allocate its workspace")
-        if temperature == 0.0:
-            tok = _argmax(&logits[0], V)
-        else:
-            tok = sample_row_f32(&logits[0], V, temperature, top_k, top_p, uniforms[t], p, work, order)
-        tokens[t] = tok
+        ended = True
+        for b in range(B):
+            if finished[b]:
+                tok = pad
+            elif temperature == 0.0:
+                tok = _argmax(&logits[b * V], V)
+            else:
+                tok = sample_row_f32(&logits[b * V], V, temperature, top_k, top_p, uniforms[t * B + b], p, work,
+                                     order)
+            tokens[t, b] = tok
+            for k in range(eos.shape[0]):
+                if eos[k] == tok:
+                    finished[b] = 1
+            ended = ended and finished[b]
         seconds[t] = (okv_now_ns() - t0) * 1e-9
         t += 1
-        for c in range(program.n):   # the row each decode call appended is committed for the next step
+        for c in range(program.n):   # the rows each decode call appended are committed for the next step
             cl = &program.calls[c]
             if cl.kind == KIND_DECODE_TOKEN:
                 pos_io = <int64_t *>cl.p[10]   # [2, B]: each row's written position, S more
@@ -165,12 +188,13 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                 pos_io = <int64_t *>cl.p[10]   # row 0 of the lengths: the call's tokens per row more
                 for k in range(cl.i[8]):
                     pos_io[k] += cl.i[PAGED_S]
-        for k in range(eos.shape[0]):
-            if eos[k] == tok:
-                why = EOS
-        if why == EOS or t == count:
+        if ended:
+            why = EOS
             break
-        token[0] = tok
-        if position != NULL:
-            position[0] += 1
+        if t == count:
+            break
+        for b in range(B):
+            token[b] = tokens[t - 1, b]
+            if position != NULL:
+                position[b] += 1
     return t, why

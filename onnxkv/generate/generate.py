@@ -116,7 +116,7 @@ def generate(
             (default: the model's pad id, else the first EOS, else 0).
         attention_mask: 0/1 [B, L]; zeros mark left padding.
         callback: called once per new token, in order, as ``callback(step, tokens[B])``.  The decode
-            steps of one sequence on a state run in C several at a time
+            steps of rows of one length on a state run in C several at a time
             (:meth:`State.decode_steps <onnxkv.runtime.state.State.decode_steps>`); the callback is then
             called for each of them after they ran, at most ``CALLBACK_EVERY`` (16) steps late.
         cache: a :class:`~onnxkv.CacheConfig` or a kind (see
@@ -226,9 +226,9 @@ def generate(
                 read = np.array([chunk.shape[1] - 1])
                 out = run(builder.next(chunk, out), fetch if last else [], logits_at=read if last else None)
         prefill = time.perf_counter() - t0
-        # The steps of one sequence may run as one call (State.decode_steps: contiguous or paged float32).
+        # The steps of rows of one length may run as one call (State.decode_steps: contiguous or paged float32).
         names = builder.decode_names
-        loop = state is not None and B == 1 and names is not None
+        loop = state is not None and names is not None and bool((lengths == lengths[0]).all())
         logits = out[model.io.logits]
         if logits.ndim == 3:  # [B, 1, V] (logits_at), or the graph's own shape
             logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]
@@ -249,19 +249,22 @@ def generate(
                 if loop:
                     left = max_new_tokens - 1 - step
                     fast = _compiled_steps(state, feeds, left if callback is None else min(CALLBACK_EVERY, left),
-                                           names, eos, sampling)  # fmt: skip
+                                           names, eos, sampling, finished.copy(), pad_token_id)  # fmt: skip
                 if fast is not None and fast.steps:
-                    # Its steps fed tok, then each id it chose but the last, which the next turn feeds.
+                    # Its steps fed tok, then each row's id it chose but the last, which the next turn feeds.
+                    chosen = fast.tokens.reshape(fast.steps, B)
                     if fast.steps > 1:
-                        builder.next(fast.tokens[None, :-1], None)
+                        builder.next(chosen[:-1].T, None)
                     step_seconds.extend(fast.seconds.tolist())
-                    for t in fast.tokens[:-1].tolist():  # neither an EOS nor the last token: the loop stops there
+                    for row in chosen[:-1]:  # not every row ended, not the last step: the loop stops there
                         step += 1
-                        new_tokens.append(np.array([t], dtype=np.int64))
+                        new_tokens.append(row.copy())
+                        if eos_arr.size:
+                            finished |= (row[:, None] == eos_arr).any(axis=1)
                         if callback is not None:
                             callback(step, new_tokens[-1])
                     step += 1
-                    tok = fast.tokens[-1:].copy()
+                    tok = chosen[-1].copy()  # padded where a row ended before it, as the loop's top pads it
                     continue
                 t0 = time.perf_counter()
                 out = run(feeds, fetch)
@@ -285,21 +288,24 @@ def generate(
     )
 
 
-def _compiled_steps(state: State, feeds: dict, count: int, names, eos: list[int], sampling: SamplingConfig):
-    """Up to ``count`` steps in one call (:meth:`State.decode_steps`), drawing as :func:`select_next` does
-    when sampling; the sampling generator then stands where ``select_next`` one step at a time would have
-    left it (one number per step that ran).  None when the state cannot run them so."""
+def _compiled_steps(
+    state: State, feeds: dict, count: int, names, eos: list[int], sampling: SamplingConfig, finished, pad: int
+):
+    """Up to ``count`` steps of the B rows in one call (:meth:`State.decode_steps`; ``finished``: the rows that
+    have ended, which take ``pad``), drawing as :func:`select_next` does when sampling; the sampling
+    generator then stands where ``select_next`` one step at a time would have left it (one number per row
+    of each step that ran).  None when the state cannot run them so."""
     if sampling.greedy:
-        return state.decode_steps(feeds, count, names, eos)
-    rng = sampling.rng
+        return state.decode_steps(feeds, count, names, eos, finished=finished, pad=pad)
+    rng, rows = sampling.rng, finished.shape[0]
     before = rng.bit_generator.state
-    uniforms = rng.random(count)
+    uniforms = rng.random(count * rows)
     draws = Draws(
         sampling.temperature, sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p, uniforms
     )
     try:
-        run = state.decode_steps(feeds, count, names, eos, draws)
+        run = state.decode_steps(feeds, count, names, eos, draws, finished=finished, pad=pad)
     finally:
         rng.bit_generator.state = before
-    rng.random(0 if run is None else run.steps)  # exactly the numbers the steps drew with
+    rng.random(0 if run is None else run.steps * rows)  # exactly the numbers the steps drew with
     return run

@@ -1,12 +1,12 @@
-"""Decode steps of a batch-1 sequence as one call: the compiled generation loop.
+"""Decode steps of a batch of rows of one length as one call: the compiled generation loop.
 
 When a decode step's compiled step (:mod:`onnxkv.plan.compiled_step`) is one
 segment covering every node of the plan, the whole step is one
 :class:`~onnxkv._kernels.step.Program`, and the steps of a greedy generation
-differ only in values the loop itself can make: the token id (the argmax of
-the previous step's logits, or a draw from them: :class:`Draws`), the attention
-mask (one more column of ones),
-the position (one more) and the committed cache length (one more).
+differ only in values the loop itself can make: each row's token id (the argmax of
+the previous step's logits, or a draw from them: :class:`Draws`; the pad id once
+the row has ended), the attention mask (one more column of ones),
+the positions (one more) and the committed cache lengths (one more).
 :func:`run_steps` replays that program token after token in C
 (:func:`onnxkv._kernels.token_loop.decode_steps`), with no Python between the
 tokens, and stages the rows the steps appended in the caches; the caller (a
@@ -44,10 +44,10 @@ class DecodeNames:
     """The graph values a greedy decode loop makes and reads.
 
     Attributes:
-        token: the input of the step's token id (int64, one element).
-        mask: the attention mask input (int64 [1, L], all ones; a column longer each step).
-        logits: the output whose argmax is the next token (float32, one row of V).
-        position: the position input (int64, one element; one more each step), or None: the model has none.
+        token: the input of the step's token ids (int64, one per row).
+        mask: the attention mask input (int64 [B, L], all ones; a column longer each step).
+        logits: the output whose argmax is each row's next token (float32, one row of V per row).
+        position: the position input (int64, one per row; one more each step), or None: the model has none.
     """
 
     token: str
@@ -64,7 +64,8 @@ class Draws:
         temperature: > 0 and finite.
         top_k: keep the ``top_k`` highest logits (0: all).
         top_p: then the nucleus of probability ``top_p`` (1.0: all).
-        uniforms: float64 [>= count] in [0, 1): step ``t`` draws with ``uniforms[t]``.
+        uniforms: float64 [>= count * B] in [0, 1): step ``t`` draws row ``b`` with ``uniforms[t * B + b]``
+            (one number per row and step, as :func:`onnxkv.generate.sampling.select_next` draws them).
     """
 
     temperature: float
@@ -78,8 +79,8 @@ class StepsRun:
     """What :func:`run_steps` ran.
 
     Attributes:
-        tokens: int64 [steps]: the id each step chose (step ``t`` fed the id before it, the first the
-            caller's token).
+        tokens: int64 [steps] for one row, [steps, B] for B rows: the ids each step chose (step ``t`` fed
+            the ids before it, the first the caller's tokens; a row that has ended takes the pad id).
         seconds: float64 [steps]: each step's time.
         refused: the step after the last one refused its values (a position or id its calls do not take);
             run it through :meth:`Plan.run`, which raises or takes the general path.
@@ -101,11 +102,23 @@ def check_steps(
     names: DecodeNames | None = None,
     eos=(),
     known: Mapping[str, int] | None = None,
+    finished: np.ndarray | None = None,
+    pad: int = 0,
 ) -> None:
     """Raise InputError (naming ``api``) unless ``count`` is an int >= 1; ``draws`` is None or holds a finite
     temperature > 0, an int ``top_k`` >= 0, ``top_p`` in (0, 1] and float64 ``uniforms`` with a number per
-    step; ``names`` (when given) is a :class:`DecodeNames` whose values are in ``known`` (the plan's value
-    names); and ``eos`` is a sequence of ints in [0, 2**63)."""
+    step (and row: checked against the rows when they run); ``names`` (when given) is a :class:`DecodeNames`
+    whose values are in ``known`` (the plan's value names); ``eos`` is a sequence of ints in [0, 2**63);
+    ``finished`` None or a writable bool [B]; and ``pad`` an int in [0, 2**63)."""
+    if finished is not None and not (
+        isinstance(finished, np.ndarray)
+        and finished.dtype == np.bool_
+        and finished.ndim == 1
+        and finished.flags.writeable
+    ):
+        raise InputError(f"{api}: finished must be a writable bool array [B] or None, got {finished!r}")
+    if isinstance(pad, (bool, np.bool_)) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < 2**63:
+        raise InputError(f"{api}: the pad id must be an int in [0, 2**63), got {pad!r}")
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         raise InputError(f"{api}: count must be an int >= 1, got {count!r}")
     u = None if draws is None else draws.uniforms
@@ -154,22 +167,24 @@ def run_steps(
     names: DecodeNames,
     eos: Sequence[int] = (),
     draws: Draws | None = None,
+    finished: np.ndarray | None = None,
+    pad: int = 0,
 ) -> StepsRun | None:
     """Run up to ``count`` decode steps of ``plan`` from ``feeds`` in one call: greedy, or drawing with
     ``draws``.
 
-    ``feeds`` are the first step's full feeds (a state's cache views included) of a batch-1 sequence, the
-    values ``names`` (:class:`DecodeNames`) describes.  ``caches`` (past input name -> contiguous
+    ``feeds`` are the first step's full feeds (a state's cache views included) of B rows of one length
+    (no padding), the values ``names`` (:class:`DecodeNames`) describes.  ``caches`` (past input name -> contiguous
     :class:`~onnxkv.cache.contiguous.CacheTensor`) are written in place; the steps' rows are staged (the
-    caller commits or discards them).  Later steps feed the previous step's argmax of ``names.logits`` (or
-    its draw),
-    a mask one column longer and the next position.  Stops after ``count`` steps, after an id in ``eos``,
-    when the caches are full (the next step grows them through :meth:`Plan.run`) or before a step whose
-    calls refuse their values.
+    caller commits or discards them).  Later steps feed each row's argmax of ``names.logits`` (or its
+    draw; ``pad`` for a row that has ended: ``finished``, bool [B] or None, updated in place),
+    a mask one column longer and the next positions.  Stops after ``count`` steps, once every row has
+    chosen an id in ``eos``, when the caches are full (the next step grows them through :meth:`Plan.run`)
+    or before a step whose calls refuse their values.
 
     Returns None, with nothing run or staged, unless the plan holds an idle compiled step fitting these
-    feeds that is one segment of every node whose only effects are decode-token cache appends, whose
-    logits it exports as float32 [V], and whose external values are those inputs and the caches.
+    feeds that is one segment of every node whose only effects are decode cache appends, whose
+    logits it exports as float32 [B, V], and whose external values are those inputs and the caches.
 
     Raises:
         InputError: ``feeds`` do not fit the graph inputs (as :meth:`Plan.run`).
@@ -182,12 +197,14 @@ def run_steps(
     if step is None:
         return None
     try:
-        return _replay(plan, step, slots, caches, count, names, eos, draws)
+        return _replay(plan, step, slots, caches, count, names, eos, draws, finished, pad)
     finally:
         plan.steps.done(step)
 
 
-def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draws: Draws | None) -> StepsRun | None:
+def _replay(
+    plan, step, slots, caches, count: int, names: DecodeNames, eos, draws: Draws | None, finished, pad: int
+) -> StepsRun | None:
     items = step.items
     if len(items) != 1 or type(items[0]) is not Segment:
         return None
@@ -195,12 +212,16 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
     slot_of = plan.slot_of
     logits = next((v for s, v in seg.exports if s == slot_of[names.logits]), None)
     kinds = {type(effect) for effect, _ in seg.effects}
+    mask = slots[slot_of[names.mask]]
+    rows = mask.shape[0] if isinstance(mask, np.ndarray) and mask.ndim == 2 else 0
     if (
         logits is None
         or logits.dtype != np.float32
-        or logits.size != logits.shape[-1]
+        or rows < 1
+        or logits.size != rows * logits.shape[-1]
         or not logits.flags.c_contiguous
         or kinds not in ({CacheAppend}, {PagedAppend})
+        or (finished is not None and finished.shape != (rows,))
     ):
         return None
     paged = kinds == {PagedAppend}
@@ -210,6 +231,8 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
         named = [caches[n] for effect, _ in seg.effects for n in effect.names]
     except KeyError:
         return None
+    if any(c.batch != rows or (rows > 1 and (c.lengths != c.length).any()) for c in named):
+        return None  # rows of one length: each writes at the cache's length, over nothing it holds
     count = min(count, _room(named, paged))
     if count < 1:
         return None
@@ -235,10 +258,10 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
         if role is None or value is None or value.dtype != np.int64:
             return None
         if role == "mask":
-            if value.ndim != 2 or value.shape[0] != 1 or not (value == 1).all():
+            if value.ndim != 2 or value.shape[0] != rows or not (value == 1).all():
                 return None
-            value = np.ones((1, value.shape[1] + count - 1), dtype=np.int64)
-        elif value.size != 1:
+            value = np.ones((rows, value.shape[1] + count - 1), dtype=np.int64)
+        elif value.size != rows:
             return None
         else:
             value = value.copy()  # the loop writes the next id / position into it
@@ -247,8 +270,14 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
     if "token" not in where or "mask" not in where:
         return None
     starts = [effect.lengths[0].copy() for effect, _ in seg.effects] if paged else []
-    tokens = np.empty(count, dtype=np.int64)
+    if draws is not None and draws.uniforms.shape[0] < count * rows:
+        raise InputError(
+            f"decode_steps: draws.uniforms has {draws.uniforms.shape[0]} numbers, {count} steps of {rows} rows "
+            f"need {count * rows}"
+        )
+    tokens = np.empty((count, rows), dtype=np.int64)
     seconds = np.empty(count, dtype=np.float64)
+    ended = np.zeros(rows, np.uint8) if finished is None else finished.astype(np.uint8)
     done, why = decode_steps(
         seg.program,
         externals,
@@ -267,9 +296,11 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
                 draws.temperature,
                 min(int(draws.top_k), logits.size),
                 draws.top_p,
-                np.ascontiguousarray(draws.uniforms[:count]),  # a strided view is the caller's to give
+                np.ascontiguousarray(draws.uniforms[: count * rows]),  # a strided view is the caller's to give
             )
         ),
+        finished=ended,
+        pad=int(pad),
     )
     if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one
         step.stale = True
@@ -282,7 +313,9 @@ def _replay(plan, step, slots, caches, count: int, names: DecodeNames, eos, draw
     elif done:
         for c in named:
             c.stage(done, start[id(c)] + done, start[id(c)])
-    return StepsRun(tokens[:done], seconds[:done], why == REFUSED)
+    if finished is not None:
+        finished[...] = ended.astype(bool)
+    return StepsRun(tokens[:done, 0] if rows == 1 else tokens[:done], seconds[:done], why == REFUSED)
 
 
 #: Positions a compiled loop over a paged cache stages pages for at most, rounded up to the end of a page:
@@ -291,14 +324,12 @@ PAGED_LOOP_POSITIONS = 64
 
 
 def _room(named: list, paged: bool) -> int:
-    """Steps the caches ``named`` take at most: a contiguous cache's free capacity; for paged caches (one
-    row) the positions up to the end of the page holding the next ``PAGED_LOOP_POSITIONS``-th, and below a
-    fixed capacity."""
+    """Steps the caches ``named`` take at most: a contiguous cache's free capacity; for paged caches (rows
+    of one length) the positions up to the end of the page holding the next ``PAGED_LOOP_POSITIONS``-th,
+    and below a fixed capacity."""
     if not paged:
         return min(c.capacity - c.length for c in named)
     cache = named[0].cache
-    if cache.table.batch != 1:
-        return 0
     length, bs = named[0].length, named[0].block_size
     room = ((length + PAGED_LOOP_POSITIONS - 1) // bs + 1) * bs - length
     return room if cache.max_tokens is None else min(room, cache.max_tokens - length)

@@ -267,36 +267,36 @@ class State(PagedAPI):
         names: DecodeNames,
         eos: Sequence[int] = (),
         draws: Draws | None = None,
+        finished: np.ndarray | None = None,
+        pad: int = 0,
     ) -> StepsRun | None:
-        """Run up to ``count`` decode steps of a batch-1 sequence in one call (a compiled generation loop).
+        """Run up to ``count`` decode steps of B rows of one length in one call (a compiled generation loop).
 
-        ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` say which are the token id, the
-        attention mask and the position, and which output holds the logits.  Each later step feeds the
-        argmax of the previous step's logits (ties: the lowest id), or the token ``draws`` draws from them,
-        a mask one column longer and the next position (:func:`onnxkv.plan.step_loop.run_steps`).  The
-        steps stop after ``count``, after an id in ``eos``, when a cache is full, or before a step that
+        ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` say which are the token ids, the
+        attention mask (all ones) and the positions, and which output holds the logits.  Each later step
+        feeds each row's argmax of the previous step's logits (ties: the lowest id), or the token ``draws``
+        draws from them (row ``b`` of step ``t``: ``uniforms[t * B + b]``), or the id ``pad`` for a row that
+        has ended (``finished``: bool [B] or None, updated in place; a row ends after an id in ``eos``), a
+        mask one column longer and the next positions (:func:`onnxkv.plan.step_loop.run_steps`).  The steps
+        stop after ``count``, once every row has ended, when a cache is full, or before a step that
         :meth:`run` must take; they run in C and leave exactly what the same steps through :meth:`run` leave.
-
         Returns the chosen ids and per-step times (a :class:`~onnxkv.plan.step_loop.StepsRun`), or None
         with nothing run: a declared or static cache, a paged cache with a format selector or quantized
-        pages, the event log on, or no recorded step of these shapes
-        covering the whole plan (after one or two :meth:`run` calls of decode shape there usually is one).
+        pages, the event log on, or no recorded step of these shapes covering the whole plan.
 
         Raises:
             StateError: closed, busy, or a bound input fed.
-            InputError: ``feeds`` do not fit the model's inputs, ``count`` is not an int >= 1, ``names``
-                is not a DecodeNames of the graph's values, ``eos`` not token ids, or ``draws`` holds a bad
-                temperature, top_k or top_p, or ``uniforms`` not float64 with a number per step (the kernel
-                names a number outside [0, 1) with a ValueError).
+            InputError: ``feeds`` do not fit the model's inputs, or ``count``, ``names``, ``eos``, ``draws``,
+                ``finished`` or ``pad`` are not what :func:`~onnxkv.plan.step_loop.check_steps` takes.
             MemoryError: a kernel could not allocate its workspace; the state is unchanged.
         """
         feeds = self._check_feeds("decode_steps", feeds)
-        check_steps("State.decode_steps", count, draws, names, eos, self.session.plan.slot_of)
+        check_steps("State.decode_steps", count, draws, names, eos, self.session.plan.slot_of, finished, pad)
         with self._exclusive("decode_steps"):
             if self.session.events.enabled:
                 return None
             with self.session._threads(1, lazy_blas=True):  # kernels only, in C: BLAS is never called
-                run = self._store.decode_steps(self.session.plan, feeds, count, names, eos, draws)
+                run = self._store.decode_steps(self.session.plan, feeds, count, names, eos, draws, finished, pad)
             self.steps += run.steps if run is not None else 0
             return run
 

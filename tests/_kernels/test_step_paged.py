@@ -274,7 +274,7 @@ def test_the_compiled_generation_loop_runs_paged_steps_up_to_the_staged_end(stag
         assert c.kernel(want[-1]) is not None
     pages = _snapshot(c.pg)
     _restore(c.pg, before)
-    tokens, seconds = np.empty(4, np.int64), np.empty(4)
+    tokens, seconds = np.empty((4, 1), np.int64), np.empty(4)
     steps, why = decode_steps(program, [token, np.ones((1, 13), np.int64), c.addresses, c.pg.table], 0, 1, -1, 10,
                               c.out.reshape(-1), np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
     assert (steps, why) == ((3, REFUSED) if staged == 3 else (4, DONE))

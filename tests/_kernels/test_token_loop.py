@@ -82,12 +82,12 @@ def test_decode_steps_equal_the_steps_one_by_one(simd, threads, kind):
     chain = Chain(rng, table, length)
     kc, vc = chain.kc.copy(), chain.vc.copy()
     chain.io[0] = length
-    tokens, seconds = np.empty(count, np.int64), np.empty(count)
+    tokens, seconds = np.empty((count, 1), np.int64), np.empty(count)
     steps, why = decode_steps(chain.program, chain.externals(length + count), 0, 1, 2, length + 1,
                               chain.logits.reshape(-1), np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
     want, att = _twin(chain, kc, vc, 1, length, count)
     assert (steps, why) == (count, DONE)
-    assert tokens.tolist() == want
+    assert tokens[:, 0].tolist() == want
     assert (seconds > 0).all()
     np.testing.assert_array_equal(chain.kc, kc)
     np.testing.assert_array_equal(chain.vc, vc)
@@ -104,10 +104,10 @@ def test_decode_steps_stop_after_an_end_of_sequence_id():
     free, _ = _twin(chain, chain.kc.copy(), chain.vc.copy(), 1, 4, 10)
     eos = np.array([free[3], 10**9], np.int64)
     stop = free.index(free[3]) + 1
-    tokens, seconds = np.empty(10, np.int64), np.empty(10)
+    tokens, seconds = np.empty((10, 1), np.int64), np.empty(10)
     steps, why = decode_steps(chain.program, chain.externals(14), 0, 1, 2, 5, chain.logits.reshape(-1), eos,
                               tokens, seconds)  # fmt: skip
-    assert (steps, why) == (stop, EOS) and tokens[:steps].tolist() == free[:stop]
+    assert (steps, why) == (stop, EOS) and tokens[:steps, 0].tolist() == free[:stop]
 
 
 def test_a_refused_step_runs_nothing_and_the_steps_before_it_stand():
@@ -118,10 +118,10 @@ def test_a_refused_step_runs_nothing_and_the_steps_before_it_stand():
     small = Chain(rng, table[:30].copy(), 3)  # 30 rows: id 30 is out of range
     small.io[0] = 3
     kc = small.kc.copy()
-    tokens, seconds = np.empty(5, np.int64), np.empty(5)
+    tokens, seconds = np.empty((5, 1), np.int64), np.empty(5)
     steps, why = decode_steps(small.program, small.externals(8), 0, 1, 2, 4, small.logits.reshape(-1),
                               np.zeros(0, np.int64), tokens, seconds)  # fmt: skip
-    assert (steps, why) == (1, REFUSED) and tokens[0] == 30
+    assert (steps, why) == (1, REFUSED) and tokens[0, 0] == 30
     # the refused step wrote no cache row: only position 3 (the first step's) changed
     changed = np.flatnonzero((small.kc != kc).any(axis=(0, 1, 3)))
     assert changed.tolist() == [3]
@@ -131,18 +131,18 @@ def test_externals_unlike_the_recording_run_nothing_and_bad_arguments_raise():
     rng = np.random.default_rng(8)
     chain = Chain(rng, rand(rng, (9, 9)), 2)
     chain.io[0] = 2
-    tokens, seconds = np.empty(4, np.int64), np.empty(4)
+    tokens, seconds = np.empty((4, 1), np.int64), np.empty(4)
     logits, none = chain.logits.reshape(-1), np.zeros(0, np.int64)
     other = chain.externals(6)
     other[3] = np.zeros((1, HKV, CAP + 1, D), np.float32)  # a cache of another capacity
     assert decode_steps(chain.program, other, 0, 1, 2, 3, logits, none, tokens, seconds) == (0, MISMATCH)
     with pytest.raises(ValueError, match="need 6 columns, the mask has 5"):
         decode_steps(chain.program, chain.externals(5), 0, 1, 2, 3, logits, none, tokens, seconds)
-    with pytest.raises(ValueError, match="external 3 must be one int64"):
+    with pytest.raises(ValueError, match="external 3 must be int64, one per row"):
         decode_steps(chain.program, chain.externals(6), 3, 1, 2, 3, logits, none, tokens, seconds)
     with pytest.raises(ValueError, match="external 0 is not the ragged"):
         decode_steps(chain.program, chain.externals(6), 2, 0, -1, 3, logits, none, tokens, seconds)
-    with pytest.raises(ValueError, match="one element per step"):
+    with pytest.raises(ValueError, match="one row per step"):
         decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds[:2])
     with pytest.raises(ValueError, match="token external 7 out of"):
         decode_steps(chain.program, chain.externals(6), 7, 1, 2, 3, logits, none, tokens, seconds)
@@ -155,7 +155,7 @@ def test_sampled_steps_draw_as_the_sampling_kernel_one_by_one(temperature, top_k
     chain = Chain(rng, rand(rng, (v, v), scale=2.0), length)
     chain.io[0] = length
     uniforms = rng.random(count)
-    tokens, seconds = np.empty(count, np.int64), np.empty(count)
+    tokens, seconds = np.empty((count, 1), np.int64), np.empty(count)
     steps, why = decode_steps(chain.program, chain.externals(length + count), 0, 1, 2, length + 1,
                               chain.logits.reshape(-1), np.zeros(0, np.int64), tokens, seconds, temperature, top_k,
                               top_p, uniforms)  # fmt: skip
@@ -163,19 +163,19 @@ def test_sampled_steps_draw_as_the_sampling_kernel_one_by_one(temperature, top_k
     for t in range(count):
         tok = int(sample(chain.table[tok][None], temperature, top_k or None, top_p, uniforms[t : t + 1])[0])
         want.append(tok)
-    assert (steps, why) == (count, DONE) and tokens.tolist() == want
+    assert (steps, why) == (count, DONE) and tokens[:, 0].tolist() == want
     assert len(set(want)) > 3  # draws, not an argmax chain
 
 
 def test_sampled_steps_check_their_arguments():
     rng = np.random.default_rng(12)
     chain = Chain(rng, rand(rng, (9, 9)), 2)
-    tokens, seconds = np.empty(3, np.int64), np.empty(3)
+    tokens, seconds = np.empty((3, 1), np.int64), np.empty(3)
     args = (chain.program, chain.externals(5), 0, 1, 2, 3, chain.logits.reshape(-1), np.zeros(0, np.int64), tokens,
             seconds)  # fmt: skip
     for extra, match in (
-        ((1.0, 0, 1.0, None), "one uniform number per step"),
-        ((1.0, 0, 1.0, np.full(2, 0.5)), "one uniform number per step"),
+        ((1.0, 0, 1.0, None), "one uniform number per step and row"),
+        ((1.0, 0, 1.0, np.full(2, 0.5)), "one uniform number per step and row"),
         ((1.0, 0, 1.0, np.array([0.5, 1.0, 0.2])), r"uniforms\[1\] = 1.0 is not in \[0, 1\)"),
         ((-1.0, 0, 1.0, np.full(3, 0.5)), "temperature -1.0"),
         ((1.0, -2, 1.0, np.full(3, 0.5)), "top_k -2"),

@@ -217,8 +217,8 @@ def test_a_failed_loop_leaves_the_state_as_it_was(monkeypatch):
     sess = onnxkv.Session(model, threads=1)
     real = step_loop.decode_steps
 
-    def fails(*args):
-        real(*args)  # the steps write their cache rows, then a call runs out of memory
+    def fails(*args, **kwargs):
+        real(*args, **kwargs)  # the steps write their cache rows, then a call runs out of memory
         raise MemoryError("decode_steps: call 3 of step 4 could not allocate its workspace")
 
     with ref.new_state() as rs, sess.new_state() as st:

@@ -91,14 +91,14 @@ class ContiguousStore:
         if self._fresh:  # the first run made the caches: a failure leaves the store holding nothing, as before
             self.close()
 
-    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> StepsRun | None:
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws, finished=None, pad: int = 0) -> StepsRun | None:
         """Decode steps replayed in C (:func:`~onnxkv.plan.step_loop.run_steps`), committed; discarded if
         they raise (the caches stay: they were made by an earlier run)."""
         if self.caches is None:
             return None
         self._fresh = False
         try:
-            run = run_steps(plan, self.feeds(feeds), self.caches, int(count), names, eos, draws)
+            run = run_steps(plan, self.feeds(feeds), self.caches, int(count), names, eos, draws, finished, pad)
         except BaseException:
             self.discard()
             raise

@@ -91,7 +91,7 @@ class DeclaredStore:
             ):
                 self._store(name, value)
 
-    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> None:
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws, finished=None, pad: int = 0) -> None:
         """Whole decode steps are replayed over contiguous caches only: None, nothing run."""
         return None
 

@@ -306,7 +306,7 @@ class PagedStore:
             return None
         return self.pool.block_size, self._residual()
 
-    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> StepsRun | None:
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws, finished=None, pad: int = 0) -> StepsRun | None:
         """Decode steps replayed in C (:func:`~onnxkv.plan.step_loop.run_steps`: per call at most up to the
         end of the page holding the 64th next position), committed; None, nothing staged, for a static
         cache, a format selector or a step the loop cannot replay.  Discarded if they raise."""
@@ -315,7 +315,7 @@ class PagedStore:
         self._fresh = False
         self.cache.keep_written = False
         try:
-            run = run_steps(plan, self.feeds(feeds), self.cache.planes, int(count), names, eos, draws)
+            run = run_steps(plan, self.feeds(feeds), self.cache.planes, int(count), names, eos, draws, finished, pad)
         except BaseException:
             self.discard()
             raise

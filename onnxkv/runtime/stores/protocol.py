@@ -53,7 +53,7 @@ class Store(Protocol):
     def discard(self) -> None:
         """Forget the run: every value, length, page and byte count as before :meth:`prepare`."""
 
-    def decode_steps(self, plan, feeds, count: int, names, eos, draws) -> Any:
+    def decode_steps(self, plan, feeds, count: int, names, eos, draws, finished=None, pad: int = 0) -> Any:
         """Up to ``count`` decode steps of ``plan`` in one call, committed (:func:`onnxkv.plan.step_loop.run_steps`,
         its arguments and result), or None with nothing run: only contiguous caches replay whole steps."""
 

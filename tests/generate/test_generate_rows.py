@@ -1,0 +1,90 @@
+"""generate over B prompt rows of one length: the decode steps of the batch run back to back in C
+(State.decode_steps over B rows), with the tokens, the random stream, the ended rows' pad ids and the
+callback of the steps run one by one (a session without compiled steps), on contiguous and paged caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxkv
+from onnxkv import CacheConfig
+from onnxkv.runtime.state import State
+from onnxkv.zoo import embedded
+from onnxkv.zoo.builders import MICRO, build_model
+
+
+def _models():
+    return {"embedded": str(embedded.embedded_model_dir()), "gqa": build_model("gqa", MICRO, seed=23)}
+
+
+@pytest.fixture
+def loops(monkeypatch):
+    """The steps each State.decode_steps call ran (0 when it declined)."""
+    ran: list[int] = []
+    real = State.decode_steps
+
+    def counting(self, *args, **kwargs):
+        run = real(self, *args, **kwargs)
+        ran.append(0 if run is None else run.steps)
+        return run
+
+    monkeypatch.setattr(State, "decode_steps", counting)
+    return ran
+
+
+def _generate(model, compiled: bool, prompt, **kwargs):
+    calls = []
+    session = onnxkv.Session(model, threads=2, compiled_steps=compiled)
+    onnxkv.generate(session, prompt, **{**kwargs, "max_new_tokens": 3})  # records the decode step
+    res = onnxkv.generate(session, prompt, callback=lambda step, tok: calls.append((step, tok.tolist())), **kwargs)
+    return res, calls
+
+
+@pytest.mark.parametrize("which", ["embedded", "gqa"])
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.8, "top_k": 20, "seed": 5}],
+                         ids=["greedy", "sampled"])  # fmt: skip
+def test_rows_decoded_in_one_call_equal_the_steps_one_by_one(which, cache, sampling, loops):
+    model = _models()[which]
+    vocab = 200 if which == "embedded" else MICRO.vocab_size
+    prompt = np.random.default_rng(3).integers(1, vocab, (3, 6))
+    kwargs = dict(max_new_tokens=40, eos_token_id=[], cache=CacheConfig(cache), **sampling)
+    want, want_calls = _generate(model, False, prompt, **kwargs)
+    loops.clear()
+    got, got_calls = _generate(model, True, prompt, **kwargs)
+    np.testing.assert_array_equal(got.sequences, want.sequences)
+    assert got_calls == want_calls
+    assert sum(loops) >= 30  # the steps ran in C, a few calls of up to CALLBACK_EVERY steps
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_rows_that_end_take_the_pad_id_and_the_loop_stops_when_every_row_ended(cache, loops):
+    """Rows end at different steps (an end-of-sequence id each chooses at its own step); ended rows feed and
+    return the pad id, as the steps one by one do, and the generation stops once all have ended."""
+    model = _models()["embedded"]
+    prompt = np.random.default_rng(4).integers(1, 200, (3, 5))
+    free, _ = _generate(model, False, prompt, max_new_tokens=30, eos_token_id=[], cache=CacheConfig(cache))
+    # an id row 0 chooses early, another row 1 chooses later; row 2 may never end
+    eos = [int(free.tokens[0, 3]), int(free.tokens[1, 9])]
+    kwargs = dict(max_new_tokens=30, eos_token_id=eos, pad_token_id=7, cache=CacheConfig(cache))
+    want, want_calls = _generate(model, False, prompt, **kwargs)
+    loops.clear()
+    got, got_calls = _generate(model, True, prompt, **kwargs)
+    np.testing.assert_array_equal(got.sequences, want.sequences)
+    np.testing.assert_array_equal(got.finished, want.finished)
+    assert got_calls == want_calls
+    assert (got.tokens[0, 4:] == 7).all() or not got.finished[0]
+    assert sum(loops) > 0
+
+
+def test_rows_of_different_lengths_take_the_steps_one_by_one(loops):
+    """A padded batch's mask is not all ones: the loop declines (nothing run) and the steps run one by one."""
+    model = _models()["gqa"]
+    prompt = np.random.default_rng(5).integers(1, MICRO.vocab_size, (2, 6))
+    mask = np.array([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    want, _ = _generate(model, False, prompt, max_new_tokens=12, eos_token_id=[], attention_mask=mask)
+    loops.clear()
+    got, _ = _generate(model, True, prompt, max_new_tokens=12, eos_token_id=[], attention_mask=mask)
+    np.testing.assert_array_equal(got.sequences, want.sequences)
+    assert sum(loops) == 0
