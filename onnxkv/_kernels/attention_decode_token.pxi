@@ -56,10 +56,11 @@ def decode_token(q, k, v, cos, sin, interleaved, k_cache, v_cache, pos, scale, s
             and v_cache.flags.c_contiguous and out.flags.c_contiguous and q.ndim == 3):
         return False
     if isinstance(pos, np.ndarray):
-        if pos.dtype != _I64 or pos.ndim != 1 or pos.shape[0] != q.shape[0] or pos.shape[0] == 0:
+        if pos.dtype != _I64 or pos.ndim != 1 or pos.shape[0] != q.shape[0] or pos.shape[0] == 0 \
+                or not pos.flags.c_contiguous:
             return False
         try:
-            pv = pos
+            pv = pos.copy()   # the call's own: no write of the call may change a position it reads
         except (ValueError, TypeError, BufferError):
             return False
         pp, B = &pv[0], pv.shape[0]

@@ -413,7 +413,7 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
         n, v, total = c.i[8], -1, (<const int32_t *>c.p[8])[0]
         for i in range(c.i[14]):   # each row at its committed length; several tokens: rows of one length
             pos = <int64_t>(<const int32_t *>c.p[7])[i] + 1 - n
-            if pos != (<const int64_t *>c.p[10])[i] or pos < 0 or pos > c.i[2] - n \
+            if pos != (<const int64_t *>c.p[10])[i] or pos < 0 or pos > c.i[2] - n or pos > INT32_MAX - n \
                     or (c.p[3] != NULL and pos > c.i[7] - n) or (n > 1 and i > 0 and pos != v):
                 return False
             v = pos if pos > v else v
