@@ -5,7 +5,9 @@ callback of the steps run one by one (a session without compiled steps), on cont
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
+from fuzzing import examples
 
 import onnxkv
 from onnxkv import CacheConfig
@@ -88,3 +90,47 @@ def test_rows_of_different_lengths_take_the_steps_one_by_one(loops):
     got, _ = _generate(model, True, prompt, max_new_tokens=12, eos_token_id=[], attention_mask=mask)
     np.testing.assert_array_equal(got.sequences, want.sequences)
     assert sum(loops) == 0
+
+
+def test_random_batches_equal_the_steps_one_by_one():
+    """Random batches (1-5 rows, padded or not; contiguous caches of any initial capacity, pages of 1-16
+    tokens, or tensors; greedy or sampled; ending ids; a sliding window): generate with compiled steps and
+    its loop gives the sequences, ended rows and callbacks of a session without compiled steps."""
+    windowed = build_model("gqa", MICRO, seed=29)
+    for node in windowed.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            node.attribute.append(onnx.helper.make_attribute("local_window_size", 5))
+    models = {**_models(), "window": windowed}
+    sessions = {(k, c): onnxkv.Session(m, threads=2, compiled_steps=c) for k, m in models.items() for c in (0, 1)}
+    seed = 17
+    rng = np.random.default_rng(seed)
+    for case in range(examples(12)):
+        name = str(rng.choice(list(models)))
+        vocab = 200 if name == "embedded" else MICRO.vocab_size
+        rows, length = int(rng.integers(1, 6)), int(rng.integers(1, 14))
+        prompt = rng.integers(1, vocab, (rows, length))
+        mask = np.ones((rows, length), np.int64)
+        if rng.random() < 0.4:
+            for r in range(rows):
+                mask[r, : int(rng.integers(0, length))] = 0
+        kind = str(rng.choice(["contiguous", "paged", "tensor"]))
+        cache = {
+            "contiguous": CacheConfig("contiguous", initial_capacity=int(rng.integers(1, 40))),
+            "paged": CacheConfig("paged", block_size=int(rng.choice([1, 2, 4, 16]))),
+            "tensor": "tensor",
+        }[kind]
+        kwargs = dict(max_new_tokens=int(rng.integers(1, 40)), attention_mask=mask, cache=cache)
+        if rng.random() < 0.5:
+            kwargs.update(do_sample=True, temperature=float(rng.uniform(0.5, 1.5)), top_k=int(rng.integers(0, 30)),
+                          seed=int(rng.integers(0, 99)))  # fmt: skip
+        kwargs["eos_token_id"] = [int(x) for x in rng.integers(1, vocab, int(rng.integers(0, 3)))]
+        runs = []
+        for compiled in (0, 1):
+            calls: list = []
+            res = onnxkv.generate(sessions[name, compiled], prompt, callback=lambda s, t: calls.append((s, t.tolist())),
+                                  **kwargs)  # fmt: skip
+            runs.append((res.sequences, res.finished, calls))
+        where = f"seed {seed}, case {case}: {name}, {rows} rows of {length}, {kind}"
+        np.testing.assert_array_equal(runs[1][0], runs[0][0], err_msg=where)
+        np.testing.assert_array_equal(runs[1][1], runs[0][1], err_msg=where)
+        assert runs[1][2] == runs[0][2], where
