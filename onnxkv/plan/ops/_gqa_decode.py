@@ -50,8 +50,9 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     one sequence (1 <= S <= ``FUSED_TOKENS``: a decode step, a speculative
     verification, or a first prompt into an empty cache) after a past, or
     of each of B rows (one token each, or rows of one length) written from
-    at most each row's committed length after a past (a batched decode step; right-padded rows write over
-    their padding, whose committed bytes are kept first as the general path keeps them), float32 or float16 Q/K/V (separate
+    at most each row's committed length after a past (a batched decode
+    step; right-padded rows write over their padding, whose committed bytes
+    are kept first, as the general path keeps them), float32 or float16 Q/K/V (separate
     or packed), the state's contiguous caches (float32, float16 or bfloat16; float16 tokens: not float32)
     bound in place with room for the tokens, no position_ids / attention_bias / head_sink / smooth_softmax,
     rotary (if any) from the node's constant tables -- computed by the
@@ -93,11 +94,12 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         return None
     past_len = past_key.shape[2]
     total = int(total_seqlen.reshape(-1)[0])
-    # The general path's total_sequence_length and seqlens_k ranges, and an append exactly at each row's
-    # committed length: a past the row never wrote is refused there, and a rewrite of committed positions is
-    # saved there first so that a failed run can restore it.  A first prompt (S == total) therefore only on
-    # an empty cache of one row: its queries attend causally to its own keys, as a verification's do after a
-    # past.  Several rows: one token each, or rows of one length (the general path's rule), after a past.
+    # The general path's total_sequence_length and seqlens_k ranges.  One row: an append exactly at the
+    # committed length (a past the row never wrote is refused there, and a rewrite of committed positions is
+    # saved there first so that a failed run can restore it), so a first prompt (S == total) only on an
+    # empty cache: its queries attend causally to its own keys, as a verification's do after a past.
+    # Several rows: one token each, or rows of one length (the general path's rule), after a past, each
+    # from at most its committed length; the bytes a row writes over are kept first (save_rows below).
     starts = seqlens_k.astype(np.int64) + (1 - n)
     total_b = int(starts.max()) + n
     if not n <= total <= past_len + n or not n <= int(starts.min()) + n or total_b > total:
