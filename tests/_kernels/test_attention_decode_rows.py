@@ -14,15 +14,12 @@ import onnxkv._kernels as K
 from onnxkv._kernels import reference as R
 
 from .conftest import rand
-from .test_attention_decode_token import NARROW, NARROW_IDS, _narrow, _unfused
+from .test_attention_decode_token import NARROW, NARROW_IDS, _narrow, _tokens, _unfused
 
 
 def _rows(rng, b, n, hq, hkv, d, packed):
-    """q, k, v [B, n, W]: separate arrays, or strided slices of packed QKV rows (the builder's layout)."""
-    if packed:
-        qkv = rand(rng, (b, n, (hq + 2 * hkv) * d))
-        return qkv[..., : hq * d], qkv[..., hq * d : (hq + hkv) * d], qkv[..., (hq + hkv) * d :]
-    return rand(rng, (b, n, hq * d)), rand(rng, (b, n, hkv * d)), rand(rng, (b, n, hkv * d))
+    """q, k, v [B, n, W] (test_attention_decode_token's tokens, B rows of them)."""
+    return _tokens(rng, n, hq, hkv, d, packed, b)
 
 
 def _tables(rng, rows, half):

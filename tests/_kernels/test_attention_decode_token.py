@@ -234,12 +234,13 @@ def test_declines_what_it_does_not_take_and_writes_nothing():
     assert _declined_untouched(call(k_cache=ro), kc, vc, out)
 
 
-def _tokens(rng, n, hq, hkv, d, packed):
-    """q, k, v of ``n`` tokens: separate arrays, or strided slices of packed QKV rows (the builder's layout)."""
+def _tokens(rng, n, hq, hkv, d, packed, b=1):
+    """q, k, v [b, n, W] of ``n`` tokens per row: separate arrays, or strided slices of packed QKV rows (the
+    builder's layout)."""
     if packed:
-        qkv = rand(rng, (1, n, (hq + 2 * hkv) * d))
+        qkv = rand(rng, (b, n, (hq + 2 * hkv) * d))
         return qkv[..., : hq * d], qkv[..., hq * d : (hq + hkv) * d], qkv[..., (hq + hkv) * d :]
-    return rand(rng, (1, n, hq * d)), rand(rng, (1, n, hkv * d)), rand(rng, (1, n, hkv * d))
+    return rand(rng, (b, n, hq * d)), rand(rng, (b, n, hkv * d)), rand(rng, (b, n, hkv * d))
 
 
 @pytest.mark.parametrize("n", [2, 5, 16])

@@ -104,14 +104,15 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     total_b = int(starts.max()) + n
     if not n <= total <= past_len + n or not n <= int(starts.min()) + n or total_b > total:
         return None
+    held = ck.lengths if b > 1 else None  # int64 [B]: what each row has written
     if b == 1:
         if int(starts[0]) != ck.length:
             return None
     elif (
         total <= n
         or (n > 1 and (starts != starts[0]).any())
-        or ck.lengths.tobytes() != cv.lengths.tobytes()  # int64 both
-        or (starts > ck.lengths).any()  # a row continues from what it wrote (right-padded rows rewrite)
+        or held.tobytes() != cv.lengths.tobytes()  # int64 both
+        or (starts > held).any()  # a row continues from what it wrote (right-padded rows rewrite)
     ):
         return None
     rotary = constant_rotary(op, inputs, total_b)
@@ -146,6 +147,7 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         ck.save_rows(starts, n)
         cv.save_rows(starts, n)
     output = rt.empty(0, (b, n, query.shape[2]), query.dtype)
+    at = int(starts[0]) if b == 1 else starts  # the rows' first positions, as the kernel and the caches take them
     done = _decode_kernel(
         query,
         key,
@@ -155,7 +157,7 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         op.interleaved,
         ck.buffer,
         cv.buffer,
-        int(starts[0]) if b == 1 else starts,
+        at,
         float(op._softmax_scale(query.shape[2] // hq)),
         op.softcap,
         op.window,
@@ -163,14 +165,14 @@ def fused_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
         kv_dtype="bfloat16" if ck.storage == "bfloat16" else None,
     )
     # Record growth even when the kernel declined (the general path then finds the room made).
-    written, at = (n if done else 0), (int(starts[0]) if b == 1 else starts)
+    written = n if done else 0
     present_k = rt.cache_appended(past_k_name, written, present_len, grown[0], at)
     present_v = rt.cache_appended(past_v_name, written, present_len, grown[1], at)
     if not done:
         return None
     outs = (output, present_k if op.has_present[0] else None, present_v if op.has_present[1] else None)
     rec = _recorder()
-    if rec is not None and b > 1 and starts.tobytes() != ck.lengths.tobytes():
+    if rec is not None and b > 1 and starts.tobytes() != held.tobytes():
         rec.refused.append(f"{op.op_type} node '{op.name}': a row writes over positions it holds")
     elif rec is not None:
         note_decode(op, rec, (query, key, value, cos, sin), ck, cv, seqlens_k, total_seqlen, output)
