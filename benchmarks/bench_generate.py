@@ -91,7 +91,15 @@ Concat-cache export, the form of those repositories' exports, converted the same
 4-bit quantization as ``small-q4`` and then that converter, as their ``model_q4f16.onnx``.
 ``--batch N`` decodes N prompt rows of the same length together in every engine (one run per step for all
 rows; GenAI: ``batch_size`` N, ``append_tokens`` of the [N, L] prompt): the batched decode of ``generate``
-and ``State.run`` on contiguous and paged caches; tokens and gaps are row 0's.
+and ``State.run`` on contiguous and paged caches; tokens and gaps are row 0's.  With ``--padded`` the rows
+are prompts of different lengths: row ``b`` left-padded by ``b * L // (2 N)`` pad ids (ids of the prompt
+itself drawn from 1 up, so that no prompt id is the pad id 0), as a batch of real prompts comes;
+``onnxkv-generate`` takes it with an ``attention_mask`` whose zeros mark the padding, GenAI as the padded
+ids (its batch API takes no mask).  The tokens kept are then the most padded row's (the last), and each
+engine also decodes that row alone: ``padded_row_equals_alone`` says whether the batch gave it the row's
+own tokens.  (ONNX Runtime GenAI 0.18 does not: on these folders it reads the pad ids as tokens, so its
+timing is of the same work but its padded rows' tokens are not the prompt's.)  Only those engines (and
+``onnxkv-generate-paged``) run such a batch.
 ``same_tokens_as_PEER`` compares the first 8 greedy tokens; when they differ,
 ``first_difference_PEER`` gives the step and onnxkv's top-1 minus top-2 logit
 at that step over the standard deviation of its logits (``gap_over_std``).
@@ -102,7 +110,7 @@ a large gap there would be a wrong result.
 Usage: python benchmarks/bench_generate.py [--threads 2] [--new-tokens 32]
        [--cases small-gqa:128,...,small-int8:128,builder-int4:128,export-qwen2:64] [--engines onnxkv,ort,ort-genai]
        [--torch-model FILE] [--dispatch-model FILE] [--builder-folder DIR] [--rounds 1] [--background-load]
-       [--batch 1] [--out FILE]
+       [--batch 1] [--padded] [--out FILE]
 """
 
 from __future__ import annotations
@@ -178,10 +186,30 @@ def _top2_gap(logits: np.ndarray) -> float:
     return float((top[1] - top[0]) / max(float(logits.std()), 1e-30))
 
 
-def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int, threads: int, batch: int = 1) -> dict:
+#: Engines that decode a padded batch (``--padded``).
+PADDED_ENGINES = ("onnxkv-generate", "onnxkv-generate-paged", "ort-genai")
+
+
+def padded_prompt(prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``prompt`` [N, L] (ids >= 1) with row ``b`` left-padded by ``b * L // (2 N)`` pad ids (0): the prompt
+    and its attention mask (zeros on the padding)."""
+    n, length = prompt.shape
+    mask = np.ones_like(prompt)
+    for b in range(n):
+        mask[b, : b * length // (2 * n)] = 0
+    return np.where(mask == 1, prompt, 0), mask
+
+
+def worker(
+    engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int, threads: int, batch: int = 1, padded=False
+) -> dict:
     import onnxkv
 
-    prompt = np.random.default_rng(prompt_len).integers(0, vocab, (batch, prompt_len))
+    prompt = np.random.default_rng(prompt_len).integers(1 if padded else 0, vocab, (batch, prompt_len))
+    mask = None
+    if padded:
+        prompt, mask = padded_prompt(prompt)
+    row = batch - 1 if padded else 0  # the row whose tokens are compared
     result: dict = {}
     if engine == "ort-genai":
         import onnxruntime_genai as og
@@ -198,20 +226,35 @@ def worker(engine: str, path: str, prompt_len: int, vocab: int, new_tokens: int,
             t0 = time.perf_counter()
             gen.generate_next_token()
             samples.append(time.perf_counter() - t0)
-        seq = list(gen.get_sequence(0))
+        seq = list(gen.get_sequence(row))
         tokens = [int(t) for t in seq[prompt_len : prompt_len + new_tokens + 1]]
+        if padded:  # the most padded row alone
+            own = prompt[row : row + 1, mask[row] == 1]
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=own.shape[1] + new_tokens + 1, do_sample=False, batch_size=1)
+            gen = og.Generator(model, params)
+            gen.append_tokens(own)
+            for _ in range(new_tokens):
+                gen.generate_next_token()
+            alone = [int(t) for t in list(gen.get_sequence(0))[own.shape[1] :]]
+            result["padded_row_equals_alone"] = alone[:new_tokens] == tokens[:new_tokens]
     elif engine in ("onnxkv-generate", "onnxkv-generate-paged"):
         sess = onnxkv.Session(path, threads=threads)
         if engine == "onnxkv-generate":
             cache = onnxkv.CacheConfig(initial_capacity=prompt_len + new_tokens + 2)
         else:
             cache = onnxkv.CacheConfig("paged")
-        onnxkv.generate(sess, prompt[:, :8], 4, eos_token_id=[], cache=cache)
+        onnxkv.generate(sess, prompt[:, -8:], 4, eos_token_id=[], cache=cache)
         t0 = time.perf_counter()
-        res = onnxkv.generate(sess, prompt, new_tokens + 1, eos_token_id=[], cache=cache)
+        res = onnxkv.generate(sess, prompt, new_tokens + 1, eos_token_id=[], cache=cache, attention_mask=mask)
         wall = time.perf_counter() - t0
         prefill, samples = res.prefill_seconds, res.step_seconds
-        tokens = [int(t) for t in res.tokens[0][:new_tokens]]
+        tokens = [int(t) for t in res.tokens[row][:new_tokens]]
+        if padded:  # the most padded row alone
+            alone = onnxkv.generate(
+                sess, prompt[row : row + 1, mask[row] == 1], new_tokens, eos_token_id=[], cache=cache
+            )
+            result["padded_row_equals_alone"] = alone.tokens[0].tolist() == tokens
         result["decode_wall_per_token_s"] = (wall - prefill) / len(samples)
     else:
         sess = onnxkv.Session(path, threads=threads)
@@ -573,9 +616,15 @@ def main() -> None:
     )
     ap.add_argument("--out")
     ap.add_argument(
+        "--padded",
+        action="store_true",
+        help="rows of different lengths (left-padded; with --batch >= 2; engines onnxkv-generate, "
+        "onnxkv-generate-paged, ort-genai)",
+    )
+    ap.add_argument(
         "--worker",
-        nargs=7,
-        metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS", "BATCH"),
+        nargs=8,
+        metavar=("ENGINE", "PATH", "PROMPT", "VOCAB", "NEW", "THREADS", "BATCH", "PADDED"),
         help=argparse.SUPPRESS,
     )
     args = ap.parse_args()
@@ -583,9 +632,11 @@ def main() -> None:
         ap.error(f"--rounds: expected a positive count, got {args.rounds}")
     if args.batch < 1:
         ap.error(f"--batch: expected a positive count, got {args.batch}")
+    if args.padded and (args.batch < 2 or set(args.engines.split(",")) - set(PADDED_ENGINES)):
+        ap.error(f"--padded: needs --batch >= 2 and engines among {','.join(PADDED_ENGINES)}")
     if args.worker:
-        e, p, n, v, new, t, b = args.worker
-        print(json.dumps(worker(e, p, int(n), int(v), int(new), int(t), int(b))))
+        e, p, n, v, new, t, b, padded = args.worker
+        print(json.dumps(worker(e, p, int(n), int(v), int(new), int(t), int(b), padded == "1")))
         return
     import onnx
     import onnxruntime
@@ -682,6 +733,7 @@ def main() -> None:
                 "prompt": plen,
                 "new_tokens": args.new_tokens,
                 "batch": args.batch,
+                "padded": args.padded,
                 "source": source,
                 "engines": {},
             }
@@ -700,7 +752,8 @@ def main() -> None:
             bandwidth = [read_rate(256 << 20, args.threads) / 1e9] if weight_bytes is not None else []
             for rnd in range(args.rounds):
                 for engine in todo if rnd % 2 == 0 else todo[::-1]:
-                    worker_args = [engine, folder, plen, vocab, args.new_tokens, args.threads, args.batch]
+                    worker_args = [engine, folder, plen, vocab, args.new_tokens, args.threads, args.batch,
+                                   int(args.padded)]  # fmt: skip
                     r = run_worker(__file__, worker_args, args.threads)
                     runs[engine].append(r)
                     if "error" in r:
@@ -719,7 +772,9 @@ def main() -> None:
                     if "error" in quiet:
                         continue
                     loaded = loaded_run(
-                        [engine, folder, plen, vocab, args.new_tokens, args.threads, args.batch], args.threads, quiet
+                        [engine, folder, plen, vocab, args.new_tokens, args.threads, args.batch, int(args.padded)],
+                        args.threads,
+                        quiet,
                     )
                     quiet["background_load"] = loaded
                     if "error" not in loaded:

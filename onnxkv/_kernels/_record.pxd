@@ -12,12 +12,14 @@ cdef enum:
     KIND_GATHER_ROWS = 5     # arrays (table, indices, out); ints (N, D, m, wrap); fails on an index out of range
     # S decode tokens of each of B rows into a state's contiguous caches (attention.decode_token_ptr), their
     # positions read when replayed: arrays (q, k, v (each the memory its B * S token rows span), cos or None, sin
-    # or None, k_cache, v_cache [B, Hkv, Cap, D], seqlens_k int32 [B], total int32 [1], out, pos_io int64 [2, B]);
-    # ints (Hq, Hkv, Cap, D, half, interleaved, window, cos rows, S, q / k / v token-row strides in elements,
-    # float16 tokens (0 or 1), the caches' type (_record.DECODE_CACHE_TYPES), B); floats (scale, softcap).
-    # pos[b] = seqlens_k[b] + 1 - S; refused unless every pos[b] == pos_io[0, b] (the committed lengths, set
-    # before each replay), 0 <= pos[b], pos[b] + S <= Cap and <= cos rows, every pos[b] equal when S > 1, and
-    # total == max(pos) + S > S; on success pos_io[1] = pos.
+    # or None, k_cache, v_cache [B, Hkv, Cap, D], seqlens_k int32 [B], total int32 [1], out, pos_io int64 [2, B],
+    # undo [2, B, Hkv, S, D] of the caches' type); ints (Hq, Hkv, Cap, D, half, interleaved, window, cos rows, S,
+    # q / k / v token-row strides in elements, float16 tokens (0 or 1), the caches' type
+    # (_record.DECODE_CACHE_TYPES), B); floats (scale, softcap).  pos[b] = seqlens_k[b] + 1 - S; refused unless
+    # every pos[b] <= pos_io[0, b] (the committed lengths, set before each replay; == with one row), 0 <= pos[b],
+    # pos[b] + S <= Cap and <= cos rows, every pos[b] equal when S > 1, and total == max(pos) + S > S.  Runs with
+    # pos_io[1] = pos, set before the kernel, and the committed bytes each row writes over (below the largest
+    # pos_io[0]) copied into undo first (step_rewrites.pxi).
     KIND_DECODE_TOKEN = 6
     KIND_MATMUL_NBITS = 7    # arrays (x, PackedNBits weight, bias or None, out); ints (M, int8)
     # GroupQueryAttention's lengths from the mask (plan/ops/mask_lengths.py): arrays (mask int64 [B, L], seqlens

@@ -5,7 +5,7 @@ from libc.stdint cimport int64_t, uintptr_t
 from onnxkv._kernels._runtime cimport okv_settings
 
 cdef enum:
-    NP = 11          # array operands of a call at most
+    NP = 12          # array operands of a call at most
     NI = 19          # int parameters at most
     NF = 2           # float parameters at most
     MAX_FORMAT = 8

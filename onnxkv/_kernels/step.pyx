@@ -67,7 +67,7 @@ __all__ = ["Program", "WRITTEN"]
 
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
 WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4, 5), KIND_ACTIVATION: (2,),
-           KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10), KIND_MATMUL_NBITS: (3,),
+           KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10, 11), KIND_MATMUL_NBITS: (3,),
            KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,), KIND_MATMUL_DYNAMIC: (3,), KIND_CACHE_ROWS: (1,),
            KIND_MASKED_DECODE: (4, 6, 7, 8), KIND_ROTARY: (4,), KIND_CONVERT: (1,), KIND_SCATTER_ROWS: (1, 3, 4),
            KIND_NONPAD_DECODE: (4, 6, 7, 8), KIND_CONCAT: (2,), KIND_COPY_ROWS: (1,)}
@@ -78,7 +78,7 @@ CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED:
            KIND_NONPAD_DECODE: (3, 5)}
 #: Operand count of each kind.
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
-             KIND_DECODE_TOKEN: 11, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11,
+             KIND_DECODE_TOKEN: 12, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11,
              KIND_MATMUL_DYNAMIC: 4, KIND_CACHE_ROWS: 3, KIND_MASKED_DECODE: 9, KIND_ROTARY: 5, KIND_CONVERT: 2,
              KIND_SCATTER_ROWS: 5, KIND_NONPAD_DECODE: 9, KIND_CONCAT: 3, KIND_COPY_ROWS: 2}
 #: Kinds run before the others are admitted (they read externals only), and the operand each takes whole from a
@@ -99,6 +99,7 @@ _OPAQUE = {(KIND_MATMUL_NBITS, 1), (KIND_MATMUL_DYNAMIC, 1)}
 
 
 include "step_checks.pxi"
+include "step_rewrites.pxi"
 
 
 cdef inline uintptr_t _addr(a):
@@ -383,7 +384,8 @@ def _operands_fit(int kind, arrays, ints) -> bool:
                 and arrays[5].shape == arrays[6].shape == (b, hkv, cap, d) and arrays[9].size == b * n * hq * d
                 and arrays[0].size >= (b * n - 1) * qs + hq * d and arrays[1].size >= (b * n - 1) * ks + hkv * d
                 and arrays[2].size >= (b * n - 1) * vs + hkv * d
-                and _ints(arrays[7], 4, (b,)) and _ints(arrays[8], 4, (1,)) and _ints(arrays[10], 8, (2, b)))
+                and _ints(arrays[7], 4, (b,)) and _ints(arrays[8], 4, (1,)) and _ints(arrays[10], 8, (2, b))
+                and arrays[11].shape == (2, b, hkv, n, d) and arrays[11].flags.c_contiguous)
     if kind == KIND_CACHE_ROWS:
         return len(ints) > 4 and _ints(arrays[2], 8, (1,)) and arrays[0].shape == tuple(ints[:4])
     if kind == KIND_SCATTER_ROWS:
@@ -411,9 +413,10 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
                 return False
     elif c.kind == KIND_DECODE_TOKEN:  # the committed lengths, room in the cache and the rotary tables
         n, v, total = c.i[8], -1, (<const int32_t *>c.p[8])[0]
-        for i in range(c.i[14]):   # each row at its committed length; several tokens: rows of one length
-            pos = <int64_t>(<const int32_t *>c.p[7])[i] + 1 - n
-            if pos != (<const int64_t *>c.p[10])[i] or pos < 0 or pos > c.i[2] - n or pos > INT32_MAX - n \
+        for i in range(c.i[14]):   # each row at most at its committed length (one row: at it); several tokens:
+            pos = <int64_t>(<const int32_t *>c.p[7])[i] + 1 - n     # rows of one length
+            if (pos != (<const int64_t *>c.p[10])[i] if c.i[14] == 1 else pos > (<const int64_t *>c.p[10])[i]) \
+                    or pos < 0 or pos > c.i[2] - n or pos > INT32_MAX - n \
                     or (c.p[3] != NULL and pos > c.i[7] - n) or (n > 1 and i > 0 and pos != v):
                 return False
             v = pos if pos > v else v
@@ -569,12 +572,15 @@ cdef inline void _mask_lengths(call_t *c) noexcept nogil:
 
 
 cdef inline int _decode_token(call_t *c, okv_settings s) noexcept nogil:
-    """KIND_DECODE_TOKEN (_record.pxd), admitted: each row at its position read now (its committed length,
-    pos_io[0]); pos_io[1] = those positions once done."""
-    cdef int64_t *pos = <int64_t *>c.p[10]
+    """KIND_DECODE_TOKEN (_record.pxd), admitted: each row at the position it reads now (pos_io[1]), the committed
+    bytes it writes over kept in the undo operand first (rewrites: _keep_overwritten)."""
+    cdef int64_t *pos = <int64_t *>c.p[10] + c.i[14]
+    cdef int64_t b
+    for b in range(c.i[14]):
+        pos[b] = <int64_t>(<const int32_t *>c.p[7])[b] + 1 - c.i[8]
+    _keep_overwritten(c, pos)
     if decode_token_ptr(c.p[0], c.i[9], c.p[1], c.i[10], c.p[2], c.i[11], <const float *>c.p[3],
                         <const float *>c.p[4], c.i[4], <int>c.i[5], c.p[5], c.p[6], c.i[14], c.i[0], c.i[1], c.i[2],
                         c.i[3], c.i[8], pos, c.f[0], c.f[1], c.i[6], c.p[9], s, <int>c.i[12], <int>c.i[13]) != 0:
         return -1
-    memcpy(pos + c.i[14], pos, <size_t>c.i[14] * sizeof(int64_t))
     return 0

@@ -19,7 +19,7 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
     if kind == KIND_DECODE_TOKEN and not (
             len(ints) > 14 and ints[12] in (0, 1) and ints[13] in (0, 1, 2) and (ints[12] == 0 or ints[13] != 0)
             and all(arrays[j].itemsize == (2 if ints[12] else 4) for j in (0, 1, 2, 9))
-            and all(arrays[j].itemsize == (4 if ints[13] == 0 else 2) for j in (5, 6))):
+            and all(arrays[j].itemsize == (4 if ints[13] == 0 else 2) for j in (5, 6, 11))):
         raise ValueError(f"Program: decode call {c}: token and cache types {ints[12:14]} are not its arrays'")
     if kind == KIND_DECODE_PAGED and not (
             len(ints) > 18 and ints[17] in (0, 1) and ints[18] in (0, 1, 2) and (ints[17] == 0 or ints[18] != 0)

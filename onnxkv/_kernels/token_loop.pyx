@@ -8,8 +8,10 @@ after each step it chooses each row's next token from the logits the program
 wrote (their argmax, or a draw of :mod:`onnxkv._kernels.sampling` with the
 step's uniform number for that row), writes the ids into the token external
 (a row that has ended takes the pad id), lengthens the attention mask by one
-column, advances the positions and the committed lengths each decode call
-checks, and stops once every row has chosen an end-of-sequence id.  The
+column (all ones, or each row's ones first: one more each step, as a
+right-padded batch's mask grows), advances the positions and the committed
+lengths each decode call checks, and stops once every row has chosen an
+end-of-sequence id.  The
 results are those of the steps run one by one (:meth:`Program.run`, then
 ``np.argmax`` or ``sampling.sample`` per row, ended rows padded), bit for bit.
 """
@@ -50,13 +52,17 @@ cdef inline int64_t _argmax(const float *x, int64_t n) noexcept nogil:
 def decode_steps(Program program, list externals, int token_ext, int mask_ext, int position_ext,
                  int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[:, ::1] tokens,
                  double[::1] seconds, double temperature=0.0, int64_t top_k=0, double top_p=1.0,
-                 const double[::1] uniforms=None, uint8_t[::1] finished=None, int64_t pad=0):
+                 const double[::1] uniforms=None, uint8_t[::1] finished=None, int64_t pad=0,
+                 const int64_t[::1] mask_ones=None):
     """Run up to ``count = len(tokens)`` decode steps of ``program`` for its B rows; return ``(steps, why)``.
 
     ``externals`` are the program's external arrays (checked as :meth:`Program.run` checks them), bound
     once for every step: ``externals[token_ext]`` holds the step's token ids (int64, one per row), which the
-    caller sets for the first step; ``externals[mask_ext]`` the ragged attention mask (int64 [B, M], all
-    ones), of which step ``t`` reads ``mask_len + t`` columns per row (``mask_len + count - 1 <= M``);
+    caller sets for the first step; ``externals[mask_ext]`` the ragged attention mask (int64 [B, M]), of
+    which step ``t`` reads ``mask_len + t`` columns per row (``mask_len + count - 1 <= M``), C-contiguous
+    as the step reads it ([B, mask_len + t]): all ones (``mask_ones`` None: the caller fills M columns),
+    or, with ``mask_ones`` (int64 [B], each in [0, mask_len]), row ``b``'s first ``mask_ones[b] + t``
+    columns ones and the rest zeros (the loop writes it before each step);
     ``externals[position_ext]`` (or -1: none) the tokens' positions (int64, one per row), one more each
     step.  The caller has set the committed lengths of every decode call (its effect's ``before``), and
     for a paged decode call staged the pages of every position the steps may write (a step whose
@@ -81,7 +87,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     """
     cdef void *bases[MAX_EXT]
     cdef int64_t lens[MAX_EXT]
-    cdef int64_t count = tokens.shape[0], B = tokens.shape[1], t
+    cdef int64_t count = tokens.shape[0], B = tokens.shape[1], t, b
     cdef int c
     cdef int64_t *token
     cdef int64_t *position = NULL
@@ -121,6 +127,12 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     if mask_len < 1 or mask_len + count - 1 > lens[mask_ext]:
         raise ValueError(f"decode_steps: {count} steps from a mask of {mask_len} columns need "
                          f"{mask_len + count - 1} columns, the mask has {lens[mask_ext]}")
+    if mask_ones is not None:
+        if mask_ones.shape[0] != B:
+            raise ValueError(f"decode_steps: mask_ones must have one count per row ({B}), got {mask_ones.shape[0]}")
+        for b in range(B):
+            if not 0 <= mask_ones[b] <= mask_len:
+                raise ValueError(f"decode_steps: mask_ones[{b}] = {mask_ones[b]} is not in [0, {mask_len}]")
     token = <int64_t *>bases[token_ext]
     if position_ext >= 0:
         position = <int64_t *>bases[position_ext]
@@ -134,7 +146,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         work = p + V
     try:
         return _steps(program, bases, lens, token, position, mask_ext, mask_len, logits, eos, tokens, seconds,
-                      temperature, top_k, top_p, uniforms, p, work, order, s, finished, pad)
+                      temperature, top_k, top_p, uniforms, p, work, order, s, finished, pad, mask_ones)
     finally:
         free(p)
         free(order)
@@ -144,18 +156,24 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                   int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[:, ::1] tokens,
                   double[::1] seconds, double temperature, int64_t top_k, double top_p,
                   const double[::1] uniforms, double *p, double *work, int64_t *order, okv_settings s,
-                  uint8_t[::1] finished, int64_t pad):
+                  uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones):
     """The steps of :func:`decode_steps` on bound externals (``bases``, ``lens``)."""
     cdef int64_t count = tokens.shape[0], B = tokens.shape[1], V = logits.shape[0] // tokens.shape[1]
-    cdef int64_t t = 0, tok, k, t0, b
+    cdef int64_t t = 0, tok, k, t0, b, L
+    cdef int64_t *mask = <int64_t *>bases[mask_ext]
     cdef int c, r
     cdef bint ended
     cdef int64_t *pos_io
     cdef call_t *cl
     why = DONE
     while t < count:
-        lens[mask_ext] = mask_len + t
+        L = mask_len + t
+        lens[mask_ext] = L
         t0 = okv_now_ns()
+        if mask_ones is not None:   # [B, L] as the step reads it: each row's ones first
+            for b in range(B):
+                for k in range(L):
+                    mask[b * L + k] = 1 if k < mask_ones[b] + t else 0
         r = program.execute(bases, lens, s)
         if r == 0:
             why = REFUSED
@@ -181,9 +199,10 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
         for c in range(program.n):   # the rows each decode call appended are committed for the next step
             cl = &program.calls[c]
             if cl.kind == KIND_DECODE_TOKEN:
-                pos_io = <int64_t *>cl.p[10]   # [2, B]: each row's written position, S more
+                pos_io = <int64_t *>cl.p[10]   # [2, B]: each row's written position, S more (or as long)
                 for k in range(cl.i[14]):
-                    pos_io[k] = pos_io[cl.i[14] + k] + cl.i[8]
+                    if pos_io[cl.i[14] + k] + cl.i[8] > pos_io[k]:
+                        pos_io[k] = pos_io[cl.i[14] + k] + cl.i[8]
             elif cl.kind == KIND_DECODE_PAGED:
                 pos_io = <int64_t *>cl.p[10]   # row 0 of the lengths: the call's tokens per row more
                 for k in range(cl.i[8]):

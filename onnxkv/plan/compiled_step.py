@@ -133,7 +133,15 @@ class Segment:
             ]
         except (KeyError, TypeError, AttributeError):  # a cache this run does not have, or not a contiguous one
             return False
-        if not self.program.run(externals):
+        try:
+            ran = self.program.run(externals)
+        except BaseException:  # a call could not allocate: the bytes the calls before it wrote over go back
+            for effect, _ in self.effects:
+                kept = getattr(effect, "kept", None)
+                if kept is not None:
+                    kept(caches)
+            raise
+        if not ran:
             return None if self.program.refused else False
         for s, v in self.exports:
             slots[s] = v

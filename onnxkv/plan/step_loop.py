@@ -1,12 +1,13 @@
-"""Decode steps of a batch of rows of one length as one call: the compiled generation loop.
+"""Decode steps of a batch as one call: the compiled generation loop.
 
 When a decode step's compiled step (:mod:`onnxkv.plan.compiled_step`) is one
 segment covering every node of the plan, the whole step is one
 :class:`~onnxkv._kernels.step.Program`, and the steps of a greedy generation
 differ only in values the loop itself can make: each row's token id (the argmax of
 the previous step's logits, or a draw from them: :class:`Draws`; the pad id once
-the row has ended), the attention mask (one more column of ones),
-the positions (one more) and the committed cache lengths (one more).
+the row has ended), the attention mask (one more column of ones; or, for a
+right-padded batch on contiguous caches, one more one after each row's own),
+the positions (one more) and the committed cache lengths.
 :func:`run_steps` replays that program token after token in C
 (:func:`onnxkv._kernels.token_loop.decode_steps`), with no Python between the
 tokens, and stages the rows the steps appended in the caches; the caller (a
@@ -173,8 +174,11 @@ def run_steps(
     """Run up to ``count`` decode steps of ``plan`` from ``feeds`` in one call: greedy, or drawing with
     ``draws``.
 
-    ``feeds`` are the first step's full feeds (a state's cache views included) of B rows of one length
-    (no padding), the values ``names`` (:class:`DecodeNames`) describes.  ``caches`` (past input name -> contiguous
+    ``feeds`` are the first step's full feeds (a state's cache views included) of B rows, the values
+    ``names`` (:class:`DecodeNames`) describes: rows of one length (an all-ones mask), or on contiguous
+    caches a right-padded batch (each row's mask ones first: the rows of a GroupQueryAttention graph,
+    each written at its own length, over its padding until it passes the longest row; the committed bytes
+    the steps may write over are kept so that a discard restores them).  ``caches`` (past input name -> contiguous
     :class:`~onnxkv.cache.contiguous.CacheTensor`) are written in place; the steps' rows are staged (the
     caller commits or discards them).  Later steps feed each row's argmax of ``names.logits`` (or its
     draw; ``pad`` for a row that has ended: ``finished``, bool [B] or None, updated in place),
@@ -231,8 +235,8 @@ def _replay(
         named = [caches[n] for effect, _ in seg.effects for n in effect.names]
     except KeyError:
         return None
-    if any(c.batch != rows or (rows > 1 and (c.lengths != c.length).any()) for c in named):
-        return None  # rows of one length: each writes at the cache's length, over nothing it holds
+    if any(c.batch != rows or (paged and rows > 1 and (c.lengths != c.length).any()) for c in named):
+        return None  # paged: rows of one length, each writing at the cache's length
     count = min(count, _room(named, paged))
     if count < 1:
         return None
@@ -245,6 +249,7 @@ def _replay(
             return None
     externals: list = []
     where = {"position": -1}
+    mask_ones = at = None
     for e, s in enumerate(seg.external_slots):
         if type(s) is tuple:  # a paged cache's page addresses or block tables, as staged
             externals.append(getattr(caches[s[0]], s[1]))
@@ -257,9 +262,15 @@ def _replay(
         role, value = roles.get(s), slots[s]
         if role is None or value is None or value.dtype != np.int64:
             return None
-        if role == "mask":
-            if value.ndim != 2 or value.shape[0] != rows or not (value == 1).all():
+        if role == "mask":  # all ones, or (contiguous caches) each row's ones first: a right-padded batch's
+            if value.ndim != 2 or value.shape[0] != rows:
                 return None
+            ones = value.sum(axis=1)
+            uniform = bool((ones == value.shape[1]).all())
+            if not uniform and (paged or not (value == (np.arange(value.shape[1]) < ones[:, None])).all()):
+                return None
+            mask_ones = None if uniform else ones
+            at = None if paged else ones - 1  # each row's first position (a contiguous cache's rows may differ)
             value = np.ones((rows, value.shape[1] + count - 1), dtype=np.int64)
         elif value.size != rows:
             return None
@@ -270,6 +281,11 @@ def _replay(
     if "token" not in where or "mask" not in where:
         return None
     starts = [effect.lengths[0].copy() for effect, _ in seg.effects] if paged else []
+    if at is not None:  # the committed bytes the steps may write over (rows below the longest) kept
+        if (at < 0).any() or any((at > c.lengths).any() for c in named):
+            return None
+        for c in named:
+            c.save_rows(at, count)
     if draws is not None and draws.uniforms.shape[0] < count * rows:
         raise InputError(
             f"decode_steps: draws.uniforms has {draws.uniforms.shape[0]} numbers, {count} steps of {rows} rows "
@@ -301,7 +317,11 @@ def _replay(
         ),
         finished=ended,
         pad=int(pad),
+        mask_ones=mask_ones,
     )
+    if not done and at is not None:
+        for c in named:  # nothing ran: the kept bytes are what the caches hold
+            c.discard()
     if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one
         step.stale = True
         return None
@@ -312,7 +332,7 @@ def _replay(
             cache.drop_unwritten()
     elif done:
         for c in named:
-            c.stage(done, start[id(c)] + done, start[id(c)])
+            c.stage(done, max(start[id(c)], int(at.max()) + done), at)
     if finished is not None:
         finished[...] = ended.astype(bool)
     return StepsRun(tokens[:done, 0] if rows == 1 else tokens[:done], seconds[:done], why == REFUSED)

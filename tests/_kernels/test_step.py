@@ -179,11 +179,13 @@ def _decode_call(rng, hq=4, hkv=2, d=16, cap=12, rows=20, rot=True, n=1, tokens=
     kc, vc = (_cache_values(rand(rng, (1, hkv, cap, d)), cache) for _ in range(2))
     seq, total = np.array([0], np.int32), np.array([0], np.int32)
     out, io = np.empty((1, n, hq * d), tokens), np.zeros((2, 1), np.int64)
+    undo = np.empty((2, 1, hkv, n, d), kc.dtype)
     half = 0 if cos is None else d // 2
     ints = (hq, hkv, cap, d, half, 0, -1, rows, n, hq * d, hkv * d, hkv * d, int(tokens == np.float16))
     ints += (DECODE_CACHE_TYPES[cache], 1)
-    call = (DECODE_TOKEN, (q, k, v, cos, sin, kc, vc, seq, total, out, io), ints, (d**-0.5, 0.0))
-    return call, dict(q=q, k=k, v=v, cos=cos, sin=sin, kc=kc, vc=vc, seq=seq, total=total, out=out, io=io)
+    call = (DECODE_TOKEN, (q, k, v, cos, sin, kc, vc, seq, total, out, io, undo), ints, (d**-0.5, 0.0))
+    arrays = dict(q=q, k=k, v=v, cos=cos, sin=sin, kc=kc, vc=vc, seq=seq, total=total, out=out, io=io, undo=undo)
+    return call, arrays
 
 
 def test_decode_cache_type_codes_are_the_kernels():

@@ -41,7 +41,20 @@ class Chain:
             (MASK_LENGTHS, (self.mask, self.seqlens, self.total), self.mask.shape, ()),
             (
                 DECODE_TOKEN,
-                (self.q, self.k, self.v, None, None, self.kc, self.vc, self.seqlens, self.total, self.att, self.io),
+                (
+                    self.q,
+                    self.k,
+                    self.v,
+                    None,
+                    None,
+                    self.kc,
+                    self.vc,
+                    self.seqlens,
+                    self.total,
+                    self.att,
+                    self.io,
+                    np.empty((2, 1, HKV, 1, D), np.float32),
+                ),
                 (HQ, HKV, CAP, D, 0, 0, -1, 0, 1, HQ * D, HKV * D, HKV * D, 0, 0, 1),
                 (D**-0.5, 0.0),
             ),
@@ -146,6 +159,32 @@ def test_externals_unlike_the_recording_run_nothing_and_bad_arguments_raise():
         decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds[:2])
     with pytest.raises(ValueError, match="token external 7 out of"):
         decode_steps(chain.program, chain.externals(6), 7, 1, 2, 3, logits, none, tokens, seconds)
+
+
+def test_a_mask_of_each_rows_ones_first_is_written_by_the_loop():
+    """With ``mask_ones`` the loop writes the mask each step reads (row b's first mask_ones[b] + t columns
+    ones, as C-contiguous [B, mask_len + t]): from a zeroed buffer, the steps of an all-ones mask; counts
+    that do not fit raise before anything runs."""
+    rng = np.random.default_rng(12)
+    length, count = 3, 6
+    chain = Chain(rng, rand(rng, (9, 9)), length)
+    chain.io[0] = length
+    kc, vc = chain.kc.copy(), chain.vc.copy()
+    tokens, seconds = np.empty((count, 1), np.int64), np.empty(count)
+    logits, none = chain.logits.reshape(-1), np.zeros(0, np.int64)
+    want = decode_steps(chain.program, chain.externals(length + count), 0, 1, 2, length + 1, logits, none, tokens,
+                        seconds)  # fmt: skip
+    want_tokens = tokens.copy()
+    chain.kc[...], chain.vc[...] = kc, vc
+    chain.io[0], chain.token[0], chain.position[0] = length, 1, length
+    zeros = [chain.token, np.zeros((1, length + count), np.int64), chain.position, chain.kc, chain.vc]
+    got = decode_steps(chain.program, zeros, 0, 1, 2, length + 1, logits, none, tokens, seconds,
+                       mask_ones=np.array([length + 1]))  # fmt: skip
+    assert got == want and tokens.tolist() == want_tokens.tolist()
+    for bad, match in ((np.array([length + 2]), r"mask_ones\[0\] = 5 is not in \[0, 4\]"),
+                       (np.array([-1]), r"mask_ones\[0\] = -1"), (np.array([1, 1]), "one count per row")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            decode_steps(chain.program, zeros, 0, 1, 2, length + 1, logits, none, tokens, seconds, mask_ones=bad)
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.9, 8, 0.9)])

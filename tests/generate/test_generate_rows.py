@@ -80,16 +80,24 @@ def test_rows_that_end_take_the_pad_id_and_the_loop_stops_when_every_row_ended(c
     assert sum(loops) > 0
 
 
-def test_rows_of_different_lengths_take_the_steps_one_by_one(loops):
-    """A padded batch's mask is not all ones: the loop declines (nothing run) and the steps run one by one."""
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.9, "top_k": 30, "seed": 2}],
+                         ids=["greedy", "sampled"])  # fmt: skip
+def test_a_padded_batch_decodes_in_one_call_on_contiguous_caches(cache, sampling, loops):
+    """A padded batch of a GroupQueryAttention graph (rows right-padded, each row's mask ones first): on
+    contiguous caches the loop takes its steps (each row writes over its own padding until it passes the
+    longest row), with the tokens and callbacks of the steps one by one; on paged caches it declines
+    (nothing run) and the steps run one by one."""
     model = _models()["gqa"]
-    prompt = np.random.default_rng(5).integers(1, MICRO.vocab_size, (2, 6))
-    mask = np.array([[1] * 6, [0, 0, 1, 1, 1, 1]])
-    want, _ = _generate(model, False, prompt, max_new_tokens=12, eos_token_id=[], attention_mask=mask)
+    prompt = np.random.default_rng(5).integers(1, MICRO.vocab_size, (3, 6))
+    mask = np.array([[1] * 6, [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]])
+    kwargs = dict(max_new_tokens=24, eos_token_id=[], attention_mask=mask, cache=CacheConfig(cache), **sampling)
+    want, want_calls = _generate(model, False, prompt, **kwargs)
     loops.clear()
-    got, _ = _generate(model, True, prompt, max_new_tokens=12, eos_token_id=[], attention_mask=mask)
+    got, got_calls = _generate(model, True, prompt, **kwargs)
     np.testing.assert_array_equal(got.sequences, want.sequences)
-    assert sum(loops) == 0
+    assert got_calls == want_calls
+    assert sum(loops) >= (20 if cache == "contiguous" else 0) and (cache == "contiguous" or sum(loops) == 0)
 
 
 def test_random_batches_equal_the_steps_one_by_one():

@@ -240,6 +240,62 @@ def test_a_failed_loop_leaves_the_state_as_it_was(monkeypatch):
         assert got == want
 
 
+def _padded_start(session, state, prompt, lengths, warm):
+    """Prefill a right-padded batch (rows of ``lengths`` tokens) and feed ``warm`` greedy steps one by one;
+    return (builder, feeds of the next step)."""
+    name = session.model.io.logits
+    b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array(lengths), 0, thread_cache=False)
+    feeds, read = b.first()
+    out = state.run(feeds, [name], logits_at=read)
+    for step in range(warm + 1):
+        tok = np.argmax(out[name][:, -1], axis=-1).astype(np.int64)
+        feeds = b.next(tok, out)
+        if step < warm:
+            out = state.run(feeds, [name])
+    return b, feeds
+
+
+def test_a_padded_batch_loops_over_its_padding_and_a_failure_restores_every_byte(monkeypatch):
+    """Rows of a right-padded batch (GroupQueryAttention, contiguous caches) write over their padding, below
+    the caches' committed length, then past the longest row: the loop's tokens and caches equal the steps
+    one by one, and a loop that fails after its steps wrote leaves every cache byte and length as it was."""
+    model = _models()["gqa"]
+    prompt = np.random.default_rng(8).integers(1, MICRO.vocab_size, (3, 7))
+    lengths = [7, 3, 5]
+    ref = onnxkv.Session(model, threads=2, compiled_steps=False)
+    sess = onnxkv.Session(model, threads=2)
+    name = sess.model.io.logits
+    real = step_loop.decode_steps
+
+    def fails(*args, **kwargs):
+        real(*args, **kwargs)
+        raise MemoryError("decode_steps: call 3 of step 4 could not allocate its workspace")
+
+    with ref.new_state() as rs, sess.new_state() as st:
+        rb, rfeeds = _padded_start(ref, rs, prompt, lengths, 2)
+        want = []
+        for _ in range(8):
+            out = rs.run(rfeeds, [name])
+            want.append(np.argmax(out[name][:, -1], axis=-1).astype(np.int64))
+            rfeeds = rb.next(want[-1], out)
+        b, feeds = _padded_start(sess, st, prompt, lengths, 2)
+        before = {n: v.copy() for n, v in st.values.items()}
+        rows = st.lengths.copy()
+        monkeypatch.setattr(step_loop, "decode_steps", fails)
+        with pytest.raises(MemoryError, match="step 4"):
+            st.decode_steps(feeds, 8, **_io(sess))
+        np.testing.assert_array_equal(st.lengths, rows)
+        for n, v in before.items():
+            np.testing.assert_array_equal(st.values[n], v, err_msg=n)
+        monkeypatch.setattr(step_loop, "decode_steps", real)
+        run = st.decode_steps(feeds, 8, **_io(sess))
+        assert run is not None and run.steps == 8
+        np.testing.assert_array_equal(run.tokens, np.stack(want))
+        np.testing.assert_array_equal(st.lengths, rs.lengths)
+        for n, v in rs.values.items():
+            np.testing.assert_array_equal(st.values[n], v, err_msg=n)
+
+
 def test_bad_arguments_are_refused():
     sess = onnxkv.Session(_models()["embedded"], threads=1)
     with sess.new_state() as st:

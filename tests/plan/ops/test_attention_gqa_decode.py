@@ -230,3 +230,41 @@ def test_a_failed_batched_step_leaves_every_cache_byte_as_it_was(compiled, spy):
     assert any(spy)
     if compiled:  # the last steps replayed the attention (the rows' saves made by the effect)
         assert "GroupQueryAttention" in compiled_kinds(session)
+
+
+class _FailingProgram:
+    """A segment's program that runs every call, then raises as a call whose workspace could not be had."""
+
+    def __init__(self, program):
+        self.program = program
+        self.refused = False
+
+    def run(self, externals):
+        self.program.run(externals)
+        raise MemoryError("Program: call 9 could not allocate its workspace")
+
+
+def test_a_replay_that_raises_after_its_rows_wrote_over_their_padding_restores_them():
+    """A replayed step of a padded batch (rows writing over their padding) whose program raises after the
+    decode calls ran: the committed bytes those calls wrote over come back, as after a failed node."""
+    session = onnxkv.Session(_model(), threads=2)
+    prompt = np.random.default_rng(10).integers(0, MICRO.vocab_size, (3, PROMPT))
+    with session.new_state() as st:
+        b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([PROMPT, 4, 9]), 0, thread_cache=False)
+        feeds, _ = b.first()
+        out = st.run(feeds, ["logits"])
+        for _ in range(2):  # the second step replays the first's recording
+            feeds = b.next(np.array([4, 5, 6]), out)
+            out = st.run(feeds, ["logits"])
+        assert "GroupQueryAttention" in compiled_kinds(session)
+        (step,) = session.plan.steps.idle
+        (segment,) = step.items
+        segment.program = _FailingProgram(segment.program)
+        feeds = b.next(np.array([7, 8, 9]), out)
+        before = {k: np.array(v) for k, v in st.values.items()}
+        lengths = st.lengths.copy()
+        with pytest.raises(MemoryError, match="call 9"):
+            st.run(feeds, ["logits"])
+        np.testing.assert_array_equal(st.lengths, lengths)
+        for name, value in st.values.items():
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
