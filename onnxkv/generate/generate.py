@@ -227,13 +227,9 @@ def generate(
                 out = run(builder.next(chunk, out), fetch if last else [], logits_at=read if last else None)
         prefill = time.perf_counter() - t0
         # The steps of rows of one length may run as one call (State.decode_steps: contiguous or paged float32),
-        # and those of a right-padded batch (GroupQueryAttention graphs) on contiguous caches.
+        # and those of a right-padded batch (GroupQueryAttention graphs).
         names = builder.decode_names
-        loop = (
-            state is not None
-            and names is not None
-            and (bool((lengths == lengths[0]).all()) or (builder.right_padded and not state.paged))
-        )
+        loop = state is not None and names is not None and (bool((lengths == lengths[0]).all()) or builder.right_padded)
         logits = out[model.io.logits]
         if logits.ndim == 3:  # [B, 1, V] (logits_at), or the graph's own shape
             logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]

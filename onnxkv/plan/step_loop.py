@@ -6,7 +6,7 @@ segment covering every node of the plan, the whole step is one
 differ only in values the loop itself can make: each row's token id (the argmax of
 the previous step's logits, or a draw from them: :class:`Draws`; the pad id once
 the row has ended), the attention mask (one more column of ones; or, for a
-right-padded batch on contiguous caches, one more one after each row's own),
+right-padded batch, one more one after each row's own),
 the positions (one more) and the committed cache lengths.
 :func:`run_steps` replays that program token after token in C
 (:func:`onnxkv._kernels.token_loop.decode_steps`), with no Python between the
@@ -175,11 +175,12 @@ def run_steps(
     ``draws``.
 
     ``feeds`` are the first step's full feeds (a state's cache views included) of B rows, the values
-    ``names`` (:class:`DecodeNames`) describes: rows of one length (an all-ones mask), or on contiguous
-    caches a right-padded batch (each row's mask ones first: the rows of a GroupQueryAttention graph,
-    each written at its own length, over its padding until it passes the longest row; the committed bytes
-    the steps may write over are kept so that a discard restores them).  ``caches`` (past input name -> contiguous
-    :class:`~onnxkv.cache.contiguous.CacheTensor`) are written in place; the steps' rows are staged (the
+    ``names`` (:class:`DecodeNames`) describes: rows of one length (an all-ones mask), or a right-padded
+    batch (each row's mask ones first: the rows of a GroupQueryAttention graph, each written at its own
+    length; on contiguous caches over its padding until it passes the longest row, the committed bytes the
+    steps may write over kept so that a discard restores them; a paged cache holds each row's own tokens
+    only).  ``caches`` (past input name -> contiguous :class:`~onnxkv.cache.contiguous.CacheTensor`, or
+    the planes of one paged cache) are written in place; the steps' rows are staged (the
     caller commits or discards them).  Later steps feed each row's argmax of ``names.logits`` (or its
     draw; ``pad`` for a row that has ended: ``finished``, bool [B] or None, updated in place),
     a mask one column longer and the next positions.  Stops after ``count`` steps, once every row has
@@ -235,8 +236,8 @@ def _replay(
         named = [caches[n] for effect, _ in seg.effects for n in effect.names]
     except KeyError:
         return None
-    if any(c.batch != rows or (paged and rows > 1 and (c.lengths != c.length).any()) for c in named):
-        return None  # paged: rows of one length, each writing at the cache's length
+    if any(c.batch != rows for c in named):
+        return None
     count = min(count, _room(named, paged))
     if count < 1:
         return None
@@ -262,12 +263,12 @@ def _replay(
         role, value = roles.get(s), slots[s]
         if role is None or value is None or value.dtype != np.int64:
             return None
-        if role == "mask":  # all ones, or (contiguous caches) each row's ones first: a right-padded batch's
+        if role == "mask":  # all ones, or each row's ones first (a right-padded batch's, rows of their own lengths)
             if value.ndim != 2 or value.shape[0] != rows:
                 return None
             ones = value.sum(axis=1)
             uniform = bool((ones == value.shape[1]).all())
-            if not uniform and (paged or not (value == (np.arange(value.shape[1]) < ones[:, None])).all()):
+            if not uniform and not (value == (np.arange(value.shape[1]) < ones[:, None])).all():
                 return None
             mask_ones = None if uniform else ones
             at = None if paged else ones - 1  # each row's first position (a contiguous cache's rows may differ)
@@ -344,9 +345,9 @@ PAGED_LOOP_POSITIONS = 64
 
 
 def _room(named: list, paged: bool) -> int:
-    """Steps the caches ``named`` take at most: a contiguous cache's free capacity; for paged caches (rows
-    of one length) the positions up to the end of the page holding the next ``PAGED_LOOP_POSITIONS``-th,
-    and below a fixed capacity."""
+    """Steps the caches ``named`` take at most: a contiguous cache's free capacity; for paged caches the
+    positions up to the end of the page holding the longest row's next ``PAGED_LOOP_POSITIONS``-th, and
+    below a fixed capacity."""
     if not paged:
         return min(c.capacity - c.length for c in named)
     cache = named[0].cache

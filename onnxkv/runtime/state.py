@@ -273,7 +273,7 @@ class State(PagedAPI):
         """Run up to ``count`` decode steps of B rows in one call (a compiled generation loop).
 
         ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` say which are the token ids, the
-        mask (all ones; contiguous caches: also each row's ones first), the positions and the logits.  Each later step
+        mask (all ones, or each row's ones first: a right-padded batch), the positions and the logits.  Each later step
         feeds each row's argmax of the previous step's logits (ties: the lowest id), or the token ``draws``
         draws from them (row ``b`` of step ``t``: ``uniforms[t * B + b]``), or the id ``pad`` for a row that
         has ended (``finished``: bool [B] or None, updated in place; a row ends after an id in ``eos``), a

@@ -255,10 +255,12 @@ def _padded_start(session, state, prompt, lengths, warm):
     return b, feeds
 
 
-def test_a_padded_batch_loops_over_its_padding_and_a_failure_restores_every_byte(monkeypatch):
-    """Rows of a right-padded batch (GroupQueryAttention, contiguous caches) write over their padding, below
-    the caches' committed length, then past the longest row: the loop's tokens and caches equal the steps
-    one by one, and a loop that fails after its steps wrote leaves every cache byte and length as it was."""
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_a_padded_batch_loops_over_its_padding_and_a_failure_restores_every_byte(monkeypatch, cache):
+    """Rows of a right-padded batch (GroupQueryAttention) at their own lengths: on contiguous caches they
+    write over their padding, below the caches' committed length, then past the longest row; on pages
+    each row holds its own tokens only.  The loop's tokens and caches equal the steps one by one, and a
+    loop that fails after its steps wrote leaves every cache byte and length as it was."""
     model = _models()["gqa"]
     prompt = np.random.default_rng(8).integers(1, MICRO.vocab_size, (3, 7))
     lengths = [7, 3, 5]
@@ -271,7 +273,7 @@ def test_a_padded_batch_loops_over_its_padding_and_a_failure_restores_every_byte
         real(*args, **kwargs)
         raise MemoryError("decode_steps: call 3 of step 4 could not allocate its workspace")
 
-    with ref.new_state() as rs, sess.new_state() as st:
+    with ref.new_state(cache=CacheConfig(cache)) as rs, sess.new_state(cache=CacheConfig(cache)) as st:
         rb, rfeeds = _padded_start(ref, rs, prompt, lengths, 2)
         want = []
         for _ in range(8):
