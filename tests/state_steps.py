@@ -1,4 +1,5 @@
-"""Test helper: the feeds of a prompt and of fixed decode steps, and readers of a state's results."""
+"""Test helper: the feeds of a prompt and of fixed decode steps, readers of a state's results, and a failing
+replay."""
 
 from __future__ import annotations
 
@@ -51,3 +52,26 @@ def compiled_kinds(session) -> set[str]:
         if isinstance(item, Segment)
         for k in range(item.first, item.end)
     }
+
+
+class FailingProgram:
+    """A segment's program that runs every call, then raises as a call whose workspace could not be had: a
+    replay failing after its calls wrote."""
+
+    def __init__(self, program):
+        self.program = program
+        self.refused = False
+
+    def run(self, externals):
+        self.program.run(externals)
+        raise MemoryError("Program: call 9 could not allocate its workspace")
+
+
+def fail_replays(session) -> None:
+    """Make every segment of ``session``'s idle compiled steps a :class:`FailingProgram`."""
+    from onnxkv.plan.compiled_step import Segment
+
+    for step in session.plan.steps.idle:
+        for item in step.items:
+            if isinstance(item, Segment):
+                item.program = FailingProgram(item.program)

@@ -356,11 +356,12 @@ class CacheTensor:
 
     def saved_rows(self, starts: np.ndarray, s: int, old: np.ndarray) -> None:
         """:meth:`save_rows` for bytes a kernel copied itself before writing: ``old`` [B, H, s, D] holds, for
-        each row with ``starts[b]`` below :attr:`length`, what positions ``[starts[b], min(starts[b] + s,
-        length))`` held (copied here: the kernel's buffer is reused)."""
-        for row in np.flatnonzero(starts < self.length).tolist():
+        each row with ``starts[b]`` below :attr:`length` (a static cache: its capacity), what positions
+        ``[starts[b], min(starts[b] + s, length))`` held (copied here: the kernel's buffer is reused)."""
+        limit = self.capacity if self.static else self.length
+        for row in np.flatnonzero(starts < limit).tolist():
             start = int(starts[row])
-            self._saved.append((row, start, old[row, :, : min(s, self.length - start)].copy()))
+            self._saved.append((row, start, old[row, :, : min(s, limit - start)].copy()))
 
     def check_starts(self, starts: np.ndarray | int) -> None:
         """Raise :class:`~onnxkv.errors.InputError` when a write at ``starts`` (one int or int [B]) would

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from state_steps import compiled_kinds
+from state_steps import compiled_kinds, fail_replays
 from static_feeds import static_feeds
 
 import onnxkv
@@ -91,6 +91,21 @@ def test_a_failed_run_after_replayed_writes_puts_back_the_positions_they_replace
             np.testing.assert_array_equal(v, before[0][n])
         (step,) = session.plan.steps.idle
         assert any(isinstance(item, Segment) for item in step.items) and not step.stale
+
+
+def test_a_replay_that_raises_after_its_writes_puts_back_the_positions_they_replaced():
+    """The replayed scatter calls ran and a later call of the program raised: the slots they rewrote come
+    back (their saved bytes handed to the caches on the way out), as after a failed node."""
+    session = onnxkv.Session(build_model("tensorscatter", MICRO, seed=6), threads=1)
+    state, name = _state_after_prompt(session)
+    with state:
+        before = {n: np.array(v) for n, v in state.values.items()}, state.length
+        fail_replays(session)
+        with pytest.raises(MemoryError, match="call 9"):
+            state.run(_feeds([[30], [31]], [1, 3], [2, 4]), [name])
+        assert state.length == before[1]
+        for n, v in state.values.items():
+            np.testing.assert_array_equal(v, before[0][n], err_msg=n)
 
 
 @pytest.mark.parametrize("index", [-1, C, 2**62])

@@ -116,11 +116,12 @@ class ScatterRows:
     ``name``.
 
     ``before(caches)`` is False (no replay) unless the run's cache is a static
-    contiguous one; the call writes ``tokens`` positions of each row at its
-    ``write_indices`` and saves what they replaced in ``saved`` (their
-    positions in ``starts``); ``after(rt)`` hands those to the cache and
-    stages the lengths (:meth:`RunContext.cache_scattered`) and returns the
-    node's output 0, the present (``max_len`` positions: the whole cache).
+    contiguous one, and sets ``starts`` to -1 (not written yet); the call writes
+    ``tokens`` positions of each row at its ``write_indices`` and saves what they
+    replaced in ``saved`` (their positions in ``starts``); ``after(rt)`` hands
+    those to the cache and stages the lengths (:meth:`RunContext.cache_scattered`)
+    and returns the node's output 0, the present (``max_len`` positions: the whole
+    cache).  :meth:`kept` hands them over alone, after a replay that raised.
     """
 
     __slots__ = ("names", "saved", "starts", "tokens", "max_len")
@@ -135,7 +136,13 @@ class ScatterRows:
 
     def before(self, caches: dict) -> bool:
         cache = caches[self.names[0]]
+        self.starts[...] = -1
         return _static(cache, self.saved.dtype) and cache.capacity == self.max_len
+
+    def kept(self, caches: dict) -> None:
+        """Hand the cache the bytes the call saved (nothing when it did not run): a replay raised after it."""
+        if self.starts[0] >= 0:
+            caches[self.names[0]].saved_rows(self.starts, self.tokens, self.saved)
 
     def after(self, rt: RunContext) -> list:
         present = rt.cache_scattered(self.names[0], self.tokens, self.starts.copy(), self.saved, self.max_len)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from state_steps import compiled_kinds
+from state_steps import compiled_kinds, fail_replays
 
 import onnxkv
 from onnxkv.errors import InputError, OperatorError
@@ -232,18 +232,6 @@ def test_a_failed_batched_step_leaves_every_cache_byte_as_it_was(compiled, spy):
         assert "GroupQueryAttention" in compiled_kinds(session)
 
 
-class _FailingProgram:
-    """A segment's program that runs every call, then raises as a call whose workspace could not be had."""
-
-    def __init__(self, program):
-        self.program = program
-        self.refused = False
-
-    def run(self, externals):
-        self.program.run(externals)
-        raise MemoryError("Program: call 9 could not allocate its workspace")
-
-
 def test_a_replay_that_raises_after_its_rows_wrote_over_their_padding_restores_them():
     """A replayed step of a padded batch (rows writing over their padding) whose program raises after the
     decode calls ran: the committed bytes those calls wrote over come back, as after a failed node."""
@@ -258,8 +246,8 @@ def test_a_replay_that_raises_after_its_rows_wrote_over_their_padding_restores_t
             out = st.run(feeds, ["logits"])
         assert "GroupQueryAttention" in compiled_kinds(session)
         (step,) = session.plan.steps.idle
-        (segment,) = step.items
-        segment.program = _FailingProgram(segment.program)
+        assert len(step.items) == 1
+        fail_replays(session)
         feeds = b.next(np.array([7, 8, 9]), out)
         before = {k: np.array(v) for k, v in st.values.items()}
         lengths = st.lengths.copy()
