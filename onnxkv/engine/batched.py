@@ -36,7 +36,7 @@ import numpy as np
 from onnxkv.engine.prefix import PrefixCache
 from onnxkv.engine.request import Request, choose_tokens
 from onnxkv.errors import OutOfMemory
-from onnxkv.runtime.state import State
+from onnxkv.runtime.state import Draws, State
 
 if TYPE_CHECKING:
     from onnxkv.runtime.session import Session
@@ -56,6 +56,7 @@ class BatchedSteps:
     batched: bool
     _batch: State | None
     _rows: list[Request]
+    _loop_short: list[int]
     _prefix: PrefixCache | None
     preempt_formats: tuple[str, ...]
     _conversion_cycle: tuple[int, int] | None
@@ -286,6 +287,65 @@ class BatchedSteps:
         if done:
             self._drop_rows(done)
         return produced
+
+    def _decode_loop(self) -> int:
+        """Batched, from :meth:`Engine.run`: when every active request is a decode row and the rows share
+        their end ids, pad id and sampling (all greedy, or one temperature, ``top_k`` and ``top_p``), the
+        decode steps up to the fewest tokens a row has left run in C (:meth:`State.decode_steps`, one call),
+        each row drawing from its own random stream as :func:`choose_tokens` does one step at a time (the
+        streams then stand where those steps leave them).  A row that ends (an end id) is fed the pad id
+        until the others end or the steps are done, then leaves as after a step.  Returns the steps that
+        ran; 0 (nothing run or changed) when the rows do not qualify or the state cannot run them so (the
+        event log on, pages to convert, a full pool: :meth:`step` takes them)."""
+        rows = self._rows
+        if not self.batched or self._batch is None or len(rows) < 1 or len(rows) != len(self.active):
+            return 0
+        if self._loop_short == [r.id for r in rows]:  # these rows' pages did not fit ahead
+            return 0
+        first = rows[0]
+        names = first._builder.decode_names if first._builder is not None else None
+        shared = (first.sampling.greedy, first.sampling.temperature, first.sampling.top_k, first.sampling.top_p)
+        if names is None or any(
+            r.eos != first.eos
+            or r.pad_id != first.pad_id
+            or (r.sampling.greedy, r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) != shared
+            for r in rows
+        ):
+            return 0
+        count = min(r.max_new_tokens - len(r.tokens) for r in rows)
+        if count < 2:
+            return 0
+        feeds = first._builder.ragged(np.array([r.tokens[-1] for r in rows]), np.array([r._cached for r in rows]))
+        draws, streams = None, [r.sampling.rng.bit_generator.state for r in rows if not r.sampling.greedy]
+        if streams:  # row b of step t draws its own stream's t-th number: uniforms[t * B + b]
+            s = first.sampling
+            uniforms = np.stack([r.sampling.rng.random(count) for r in rows], axis=1).reshape(-1)
+            draws = Draws(s.temperature, s.top_k or 0, 1.0 if s.top_p is None else s.top_p, uniforms)
+        run = None
+        try:
+            self._runs += 1
+            run = self._batch.decode_steps(feeds, count, names, first.eos, draws, np.zeros(len(rows), bool),
+                                           first.pad_id)  # fmt: skip
+        except OutOfMemory:  # the pages of the steps do not fit: nothing changed, steps make room one by one
+            self._loop_short = [r.id for r in rows]  # not tried again until the rows change
+        finally:
+            for r, state in zip((r for r in rows if not r.sampling.greedy), streams, strict=True):
+                r.sampling.rng.bit_generator.state = state
+                r.sampling.rng.random(0 if run is None else run.steps)
+        if run is None or not run.steps:
+            return 0
+        tokens = run.tokens.reshape(run.steps, len(rows))
+        done = []
+        for r, column in zip(rows, tokens.T, strict=True):
+            for token in column.tolist():
+                r.finished = r._take(token)
+                if r.finished is not None:
+                    done.append(r)
+                    break
+            r._cached += run.steps
+        if done:
+            self._drop_rows(done)
+        return run.steps
 
     def _drop_rows(self, gone: list[Request]) -> None:
         """Batched: remove the rows of ``gone`` from the batched state (their pages go back unless shared)."""

@@ -201,6 +201,7 @@ class Engine(SegmentSteps, BatchedSteps):
         self._batch: State | None = None  # batched: the state of every decoding request's rows
         self._batch_slab = False  # batched: the pool's page allocator was made for it (close trims it)
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
+        self._loop_short: list[int] = []  # batched: the rows (ids) whose steps' pages did not fit ahead in run()
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)
         self._paused_now: set[Request] = set()  # batched: paused in this step (not run again in it)
         self._closed = False
@@ -439,9 +440,16 @@ class Engine(SegmentSteps, BatchedSteps):
             r._release(reason)
 
     def run(self) -> list[Request]:
-        """Step until every request has finished; returns every request in arrival order."""
+        """Step until every request has finished; returns every request in arrival order.  Once only
+        decode rows that share their sampling and end ids are left (batched), their steps run in C up to
+        the fewest tokens a row has left, each call (:meth:`_decode_loop`), with the tokens of the steps
+        one by one; each such call counts its steps in :attr:`steps`."""
         while self.active:
-            self.step()
+            ran = self._decode_loop()
+            if ran:
+                self.steps += ran
+            else:
+                self.step()
         return self.requests
 
     def _advance(self, r: Request) -> int | None:

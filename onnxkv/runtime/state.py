@@ -28,7 +28,7 @@ from onnxkv.runtime.state_paged import PagedAPI
 from onnxkv.runtime.stores import Checkpoint, ContiguousStore, DeclaredStore, PagedStore, StoreContext
 from onnxkv.runtime.stores.protocol import as_arrays
 
-__all__ = ["State", "Cancellation", "Checkpoint"]
+__all__ = ["State", "Cancellation", "Checkpoint", "DecodeNames", "Draws"]  # the last two: decode_steps' types
 
 _CACHES = ("contiguous", "paged")
 

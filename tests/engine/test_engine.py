@@ -598,3 +598,75 @@ def test_a_request_past_the_rotary_table_is_refused_when_it_is_added():
     assert fits.finished == "length" and len(fits.tokens) == 4
     with pytest.raises(InputError, match="exceeds the 24 positions"):
         onnxkv.generate(session, np.arange(20)[None] % MICRO.vocab_size, max_new_tokens=5)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        [{}, {}, {}],
+        [{"do_sample": True, "temperature": 0.8, "top_k": 20, "seed": s} for s in (1, 2, 3)],
+        [{}, {"do_sample": True, "temperature": 0.8, "seed": 2}, {}],  # shared once one kind is left
+    ],
+    ids=["greedy", "sampled", "mixed"],
+)
+def test_run_decodes_rows_that_share_their_sampling_in_c(sampling, monkeypatch):
+    """Engine.run: once only decode rows are left and they share their sampling and end ids, their steps
+    run in C (State.decode_steps over the batched rows of their own lengths), each row drawing from its
+    own stream; a row that reaches an end id stops there.  Every request's tokens are generate's alone."""
+    session = onnxkv.Session(MODEL, threads=2)
+    cache = onnxkv.CacheConfig("paged", block_size=16)
+    probe = onnxkv.Engine(session, cache=cache)
+    free = probe.add_request(_ids(PROMPTS[1]), 30, eos_token_id=[], **sampling[1])
+    probe.run()
+    eos = [free.tokens[9]]  # request 1 ends at its tenth token, inside a loop
+    ran: list[tuple[int, int]] = []  # steps run in C, and how many sampling kinds the active requests had
+    real = State.decode_steps
+    requests: list = []
+
+    def counting(self, *args, **kwargs):
+        kinds = len({r.sampling.greedy for r in requests if r.finished is None})
+        run = real(self, *args, **kwargs)
+        ran.append((0 if run is None else run.steps, kinds))
+        return run
+
+    monkeypatch.setattr(State, "decode_steps", counting)
+    engine = onnxkv.Engine(session, cache=cache)
+    requests += [
+        engine.add_request(_ids(p), n, eos_token_id=eos, **kw)
+        for p, n, kw in zip(PROMPTS[:3], (24, 30, 40), sampling, strict=True)
+    ]
+    engine.run()
+    monkeypatch.undo()
+    for r, kw in zip(requests, sampling, strict=True):
+        assert r.tokens == _alone(session, r, cache, **kw), r
+    assert requests[1].finished == "eos" and requests[1].tokens == free.tokens[: free.tokens.index(eos[0]) + 1]
+    steps = sum(n for n, _ in ran)
+    assert steps >= 3 and engine.steps < sum(len(r.tokens) for r in requests)
+    assert all(kinds == 1 for n, kinds in ran if n)  # greedy and sampled rows never loop together
+
+
+def test_run_steps_one_by_one_where_the_loops_pages_do_not_fit(monkeypatch):
+    """The loop stages the pages of its steps before it runs: in a pool too small for the rows' last steps
+    that fails with nothing changed, and run() takes the steps one by one (which pause a request to make
+    room; the loop is tried again only once the rows change), every request's tokens still generate's
+    alone."""
+    failed: list[list[int]] = []
+    real = State.decode_steps
+
+    def spying(self, *args, **kwargs):
+        try:
+            return real(self, *args, **kwargs)
+        except onnxkv.errors.OutOfMemory:
+            failed.append([r.id for r in engine._rows])
+            raise
+
+    monkeypatch.setattr(State, "decode_steps", spying)
+    session = onnxkv.Session(MODEL, threads=2)
+    engine = onnxkv.Engine(session, cache=onnxkv.CacheConfig("paged", block_size=16, max_pages=7))
+    requests = [engine.add_request(_ids(p)[:20], 44, eos_token_id=[]) for p in PROMPTS[:2]]
+    engine.run()
+    monkeypatch.undo()
+    assert failed and failed[0] == [0, 1] and len(failed) == len({tuple(f) for f in failed})
+    assert sum(r.preemptions for r in requests) > 0
+    for r in requests:
+        assert len(r.tokens) == 44 and r.tokens == _alone(session, r, onnxkv.CacheConfig("paged", block_size=16))
