@@ -12,7 +12,12 @@ bytes of the tokens they hold, internal fragmentation (the unfilled part of
 the last page of each request), page-table bytes.  Once per N, untimed
 (``probe_engine``): K/V bytes attention reads per decode token, the peak of
 the plan's temporaries, and at the most pages held: payload bytes, the page
-allocator's committed bytes, page-table and pool-metadata bytes.
+allocator's committed bytes, page-table and pool-metadata bytes.  The
+timed runs call ``Engine.step()`` once per step (to time each token); with
+requests arriving together (``--rate 0``, no shared prefix, no bounded pool)
+each round also runs the same requests through ``Engine.run()``, whose decode
+steps run in C once only decode rows sharing their sampling are left
+(``onnxkv_engine_run``: new tokens per second from the first ``add_request``).
 
 The peer, side by side in the same process and run: ONNX Runtime GenAI
 decoding the same N prompts as one batch (``append_tokens`` of an [N, L]
@@ -194,6 +199,20 @@ def run_engine(
         "cache_at_peak": peak,
         "tokens": {i: list(requests[i].tokens) for i in requests},
     }
+
+
+def run_whole(session, prompts: list[np.ndarray], new_tokens: int) -> dict:
+    """The requests added together and run by ``Engine.run()`` (whose decode steps run in C once only decode
+    rows sharing their sampling are left): wall time from the first ``add_request`` to the end, and new
+    tokens per second."""
+    engine = _engine(session, prompts, new_tokens, None)
+    t0 = time.perf_counter()
+    requests = [engine.add_request(p, new_tokens, eos_token_id=[]) for p in prompts]
+    engine.run()
+    wall = time.perf_counter() - t0
+    total = sum(len(r.tokens) for r in requests)
+    engine.close()
+    return {"wall_s": wall, "new_tokens": total, "tokens_per_s": total / wall, "steps": engine.steps}
 
 
 def _attended_bytes(pool, tables: np.ndarray, lengths: np.ndarray) -> float:
@@ -440,6 +459,8 @@ def main() -> None:
                 )
                 res.pop("tokens")
                 one = {"onnxkv_engine": res}
+                if args.rate == 0 and not args.shared_prefix and not args.pool_fraction:
+                    one["onnxkv_engine_run"] = run_whole(session, prompts, args.new_tokens)
                 if args.shared_prefix and n > 1:
                     ttft, peak = res["ttft_each_s"], res["cache_at_peak"]
                     own = sum(-(-(p.size + args.new_tokens) // 16) - args.shared_prefix // 16 for p in prompts)
@@ -492,6 +513,14 @@ def main() -> None:
                 sp = rounds[0]["shared_prefix"]
                 line += f", TTFT others/first max {', '.join(f'{x:.3f}' for x in worst)}"
                 line += f", pages at peak {sp['committed_pages_at_peak']} (prefix once + own {sp['prefix_once_plus_own_pages']})"
+            if rounds[0].get("onnxkv_engine_run"):
+                whole = [r["onnxkv_engine_run"]["tokens_per_s"] for r in rounds]
+                case["onnxkv_engine_run_tokens_per_s_median"] = median(whole)
+                line += f", Engine.run() {median(whole):.1f} tok/s (rounds {', '.join(f'{x:.1f}' for x in whole)})"
+                if levels[0] == 1 and cases[0]["rounds"][0].get("onnxkv_engine_run"):
+                    alone = [r1["onnxkv_engine_run"]["tokens_per_s"] for r1 in cases[0]["rounds"]]
+                    case["run_speedup_vs_one_alone"] = [w / a for w, a in zip(whole, alone)]
+                    line += f" ({median([w / a for w, a in zip(whole, alone)]):.2f}x one alone)"
             for peer in ("ort_genai_batch", "ort_genai_one_by_one"):
                 if rounds[0].get(peer):
                     v = median([r[peer]["tokens_per_s"] for r in rounds])
