@@ -75,3 +75,20 @@ def fail_replays(session) -> None:
         for item in step.items:
             if isinstance(item, Segment):
                 item.program = FailingProgram(item.program)
+
+
+def count_decode_steps(monkeypatch) -> list[int]:
+    """From now on (until monkeypatch undoes it), the steps each State.decode_steps call runs (0 when it
+    declined), in call order."""
+    from onnxkv.runtime.state import State
+
+    ran: list[int] = []
+    real = State.decode_steps
+
+    def counting(self, *args, **kwargs):
+        run = real(self, *args, **kwargs)
+        ran.append(0 if run is None else run.steps)
+        return run
+
+    monkeypatch.setattr(State, "decode_steps", counting)
+    return ran

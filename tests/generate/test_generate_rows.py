@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 import pytest
 from fuzzing import examples
+from state_steps import count_decode_steps
 
 import onnxkv
 from onnxkv import CacheConfig
-from onnxkv.runtime.state import State
 from onnxkv.zoo import embedded
 from onnxkv.zoo.builders import MICRO, build_model
 
@@ -23,16 +23,7 @@ def _models():
 @pytest.fixture
 def loops(monkeypatch):
     """The steps each State.decode_steps call ran (0 when it declined)."""
-    ran: list[int] = []
-    real = State.decode_steps
-
-    def counting(self, *args, **kwargs):
-        run = real(self, *args, **kwargs)
-        ran.append(0 if run is None else run.steps)
-        return run
-
-    monkeypatch.setattr(State, "decode_steps", counting)
-    return ran
+    return count_decode_steps(monkeypatch)
 
 
 def _generate(model, compiled: bool, prompt, **kwargs):

@@ -1,0 +1,56 @@
+"""Engine.run over random requests (lengths, limits, end ids, sampling shared or not, some added after a
+few steps, a pool small enough to pause some): every request's tokens are what ``generate`` makes for it
+alone, whether its decode steps ran one by one or in the compiled loop (Engine.run's shortcut)."""
+
+from __future__ import annotations
+
+import numpy as np
+from fuzzing import examples
+from state_steps import count_decode_steps
+
+import onnxkv
+from onnxkv.zoo import embedded
+
+MODEL = str(embedded.embedded_model_dir())
+
+
+def _alone(session, request, sampling: dict) -> list[int]:
+    out = onnxkv.generate(
+        session, request.prompt[None], request.max_new_tokens, cache=onnxkv.CacheConfig("paged", block_size=16),
+        prefill_chunk=request.chunk, eos_token_id=request.eos, **sampling,
+    )  # fmt: skip
+    return out.tokens[0].tolist()
+
+
+def test_random_requests_run_equal_generate_alone(monkeypatch):
+    ran = count_decode_steps(monkeypatch)
+    session = onnxkv.Session(MODEL, threads=2)
+    seed = 62
+    rng = np.random.default_rng(seed)
+    for case in range(examples(6)):
+        pages = int(rng.choice([0, 12, 24]))
+        cache = onnxkv.CacheConfig("paged", block_size=16, **({"max_pages": pages} if pages else {}))
+        engine = onnxkv.Engine(session, cache=cache)
+        shared = {"do_sample": True, "temperature": float(rng.uniform(0.6, 1.2)), "top_k": int(rng.integers(0, 40))}
+        mode = str(rng.choice(["greedy", "sampled", "mixed"]))
+        eos = [int(x) for x in rng.integers(3, 256, int(rng.integers(0, 3)))]
+        requests, sampling = [], {}
+        for i in range(int(rng.integers(1, 6))):
+            if i and rng.random() < 0.3:
+                for _ in range(int(rng.integers(1, 4))):
+                    engine.step()
+            kw = {} if mode == "greedy" or (mode == "mixed" and rng.random() < 0.5) else dict(shared)
+            if kw:
+                kw["seed"] = int(rng.integers(1 << 30))
+            ids = rng.integers(3, 256, int(rng.integers(1, 40)))
+            own = eos if rng.random() < 0.8 else [int(rng.integers(3, 256))]
+            r = engine.add_request(ids, int(rng.integers(1, 40)), eos_token_id=own, **kw)
+            sampling[r.id] = kw
+            requests.append(r)
+        engine.run()
+        where = f"seed {seed}, case {case}: {mode}, {len(requests)} requests, max_pages {pages or None}"
+        for r in requests:
+            assert r.finished in ("eos", "length"), where
+            assert r.tokens == _alone(session, r, sampling[r.id]), f"{where}: request {r.id}"
+        engine.close()
+    assert sum(ran) > 0  # some cases took the loop
