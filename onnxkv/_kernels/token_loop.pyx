@@ -2,8 +2,8 @@
 """Decode steps back to back: a compiled step's program replayed once per token.
 
 :func:`decode_steps` runs a :class:`~onnxkv._kernels.step.Program` that holds a
-whole decode step of B sequences (a batch of rows of one length; every node of
-the plan recorded) up to ``count`` times with no Python between the steps:
+whole decode step of B sequences (rows of one length, or of their own lengths
+with each row's mask ones first; every node of the plan recorded) up to ``count`` times with no Python between the steps:
 after each step it chooses each row's next token from the logits the program
 wrote (their argmax, or a draw of :mod:`onnxkv._kernels.sampling` with the
 step's uniform number for that row), writes the ids into the token external

@@ -116,7 +116,8 @@ def generate(
             (default: the model's pad id, else the first EOS, else 0).
         attention_mask: 0/1 [B, L]; zeros mark left padding.
         callback: called once per new token, in order, as ``callback(step, tokens[B])``.  The decode
-            steps of rows of one length on a state run in C several at a time
+            steps of rows of one length (or of a GroupQueryAttention graph's padded batch) on a state run in
+            C several at a time
             (:meth:`State.decode_steps <onnxkv.runtime.state.State.decode_steps>`); the callback is then
             called for each of them after they ran, at most ``CALLBACK_EVERY`` (16) steps late.
         cache: a :class:`~onnxkv.CacheConfig` or a kind (see

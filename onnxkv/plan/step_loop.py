@@ -46,7 +46,8 @@ class DecodeNames:
 
     Attributes:
         token: the input of the step's token ids (int64, one per row).
-        mask: the attention mask input (int64 [B, L], all ones; a column longer each step).
+        mask: the attention mask input (int64 [B, L], all ones or each row's ones first; a column longer
+            each step).
         logits: the output whose argmax is each row's next token (float32, one row of V per row).
         position: the position input (int64, one per row; one more each step), or None: the model has none.
     """
