@@ -323,7 +323,6 @@ class BatchedSteps:
             draws = Draws(s.temperature, s.top_k or 0, 1.0 if s.top_p is None else s.top_p, uniforms)
         run = None
         try:
-            self._runs += 1
             run = self._batch.decode_steps(feeds, count, names, first.eos, draws, np.zeros(len(rows), bool),
                                            first.pad_id)  # fmt: skip
         except OutOfMemory:  # the pages of the steps do not fit: nothing changed, steps make room one by one
