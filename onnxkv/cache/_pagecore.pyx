@@ -19,7 +19,7 @@ modules):
 :class:`PageCore` owns the arrays.  It is not thread-safe: its owner (a
 ``BlockPool``) serialises calls.
 """
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t
 
 import numpy as np
 
@@ -27,6 +27,10 @@ import numpy as np
 KEEP = 0
 FRESH = 1
 COPY = 2
+cdef enum:
+    _KEEP = 0
+    _FRESH = 1
+    _COPY = 2
 
 
 cdef int64_t okv_pages_needed(const int32_t *refs, const int32_t *row, int64_t first_block,
@@ -209,23 +213,130 @@ cdef class PageCore:
                 n = okv_pages_needed(&self._refs[0], &r[0], first_block, last_block, &act[0])
         return action, n
 
+    def write_plan(self, const int32_t[:, :] tables, const int64_t[:] starts, const int64_t[:] counts,
+                   int64_t block_size, const int64_t[:] committed, const uint8_t[:] nonnative, bint keep_one):
+        """The blocks a write of ``counts[b]`` positions from ``starts[b]`` (int64 [B]) into each row of
+        ``tables`` (int32 [B, M], wide enough) needs a page for: ``(rows, blocks, actions)``, int64 / int64 /
+        int32 [n] in row then block order, each FRESH (no page) or COPY (a shared page; with ``nonnative``,
+        uint8 [capacity] or empty, also a page it marks); the blocks to KEEP are left out.
+
+        ``keep_one`` (a write of appending rows, native pages): a page shared only by rows of this write,
+        every one of which copies it, is kept by one of them instead -- the first of those writing
+        furthest, when no holder has committed positions (``committed``, int64 [B]) past its start (every
+        other holder copies the valid tokens first, and the keeper writes past them all).  ValueError for a
+        block past a row, an id past the capacity, or arguments of other shapes; nothing changes here.
+        """
+        cdef int64_t B = tables.shape[0], M = tables.shape[1], b, blk, lo, hi, i, j, n = 0, keeper, holders
+        cdef int32_t p
+        cdef int64_t *rows_p
+        cdef int64_t *blocks_p
+        cdef int32_t *act_p
+        cdef bint ok, first
+        if starts.shape[0] != B or counts.shape[0] != B or committed.shape[0] != B or block_size < 1:
+            raise ValueError(f"PageCore.write_plan: {B} rows, starts {starts.shape[0]}, counts {counts.shape[0]}, "
+                             f"committed {committed.shape[0]}, block size {block_size}")
+        if nonnative.shape[0] not in (0, self.capacity):
+            raise ValueError(f"PageCore.write_plan: nonnative holds {nonnative.shape[0]} ids, the pool {self.capacity}")
+        for b in range(B):  # bounds first, and how many entries at most
+            if counts[b] <= 0:
+                continue
+            if starts[b] < 0:
+                raise ValueError(f"PageCore.write_plan: row {b} starts at {starts[b]}")
+            lo, hi = starts[b] // block_size, (starts[b] + counts[b] + block_size - 1) // block_size
+            if hi > M:
+                raise ValueError(f"PageCore.write_plan: row {b} writes block {hi - 1}, past its {M}")
+            for blk in range(lo, hi):
+                if tables[b, blk] >= self.capacity:
+                    raise ValueError(f"PageCore.write_plan: page id {tables[b, blk]} out of range [0, {self.capacity})")
+            n += hi - lo
+        rows, blocks, actions = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int32)
+        if n == 0:
+            return rows, blocks, actions
+        cdef int64_t[::1] rv = rows, bv = blocks
+        cdef int32_t[::1] av = actions
+        n = 0
+        for b in range(B):
+            if counts[b] <= 0:
+                continue
+            lo, hi = starts[b] // block_size, (starts[b] + counts[b] + block_size - 1) // block_size
+            for blk in range(lo, hi):
+                p = tables[b, blk]
+                if p < 0:
+                    av[n] = _FRESH
+                elif self._refs[p] > 1 or (nonnative.shape[0] and nonnative[p]):
+                    av[n] = _COPY
+                else:
+                    continue
+                rv[n], bv[n] = b, blk
+                n += 1
+        if keep_one:
+            for i in range(n):
+                p = tables[rv[i], bv[i]]
+                if av[i] != _COPY:
+                    continue
+                first = True
+                for j in range(i):  # decided at the page's first entry
+                    if av[j] != _FRESH and tables[rv[j], bv[j]] == p:
+                        first = False
+                        break
+                if not first:
+                    continue
+                holders, keeper = 0, i
+                for j in range(i, n):  # the entries copying p: do they hold all of its references?
+                    if av[j] == _COPY and tables[rv[j], bv[j]] == p:
+                        holders += 1
+                        if starts[rv[j]] > starts[rv[keeper]]:
+                            keeper = j
+                if holders != self._refs[p]:
+                    continue
+                ok = True
+                for j in range(i, n):
+                    if av[j] == _COPY and tables[rv[j], bv[j]] == p and committed[rv[j]] > starts[rv[keeper]]:
+                        ok = False
+                        break
+                if ok:
+                    av[keeper] = _KEEP
+        j = 0
+        for i in range(n):  # drop the entries kept
+            if av[i] != _KEEP:
+                rv[j], bv[j], av[j] = rv[i], bv[i], av[i]
+                j += 1
+        return rows[:j], blocks[:j], actions[:j]
+
     cdef int32_t[::1] _checked(self, ids, str api):
-        a = np.ascontiguousarray(ids, np.int32).reshape(-1)
-        if a.size:
-            hi = int(a.max())
-            if hi >= self.capacity:
-                raise ValueError(f"PageCore.{api}: page id {hi} out of range [0, {self.capacity})")
-            live = a[a >= 0]
-            if api != "incref" and api != "pages_needed" and live.size:
-                # per distinct id (memory in the ids' size, not the pool's: a failed allocation's undo runs
-                # when memory has run out)
-                pages, need = np.unique(live, return_counts=True)
-                counts = np.asarray(self._refs)[pages]
-                if (counts < need).any():
-                    first = np.flatnonzero(counts < need)[0]
-                    raise ValueError(f"PageCore.{api}: page {int(pages[first])} has {int(counts[first])} "
-                                     f"reference(s), fewer than the {int(need[first])} dropped")
-            if api == "incref" and live.size and (np.asarray(self._refs)[live] <= 0).any():
-                bad = int(live[np.flatnonzero(np.asarray(self._refs)[live] <= 0)[0]])
-                raise ValueError(f"PageCore.incref: page {bad} is free")
+        """``ids`` as flat int32, refused (ValueError, counts unchanged) when an id is past the capacity, when
+        incref names a free page, or when decref drops more references to a page than it holds (counted in
+        place and restored: no memory in proportion to the pool or the ids, as a failed allocation's undo
+        runs when memory has run out)."""
+        cdef int32_t[::1] a = np.ascontiguousarray(ids, np.int32).reshape(-1)
+        cdef int32_t[::1] refs = self._refs
+        cdef int64_t i, j, n = a.shape[0], bad = -1, need = 0
+        cdef int32_t p, hi = -1
+        for i in range(n):
+            if a[i] > hi:
+                hi = a[i]
+        if hi >= self.capacity:
+            raise ValueError(f"PageCore.{api}: page id {hi} out of range [0, {self.capacity})")
+        if api == "incref":
+            for i in range(n):
+                p = a[i]
+                if p >= 0 and refs[p] <= 0:
+                    raise ValueError(f"PageCore.incref: page {p} is free")
+        elif api != "pages_needed":
+            for i in range(n):  # drop them, up to the first that a page does not hold
+                p = a[i]
+                if p >= 0:
+                    if refs[p] <= 0:
+                        bad = i
+                        break
+                    refs[p] -= 1
+            for j in range(bad if bad >= 0 else n):  # and give them back
+                if a[j] >= 0:
+                    refs[a[j]] += 1
+            if bad >= 0:
+                p = a[bad]
+                for i in range(n):
+                    need += a[i] == p
+                raise ValueError(f"PageCore.{api}: page {p} has {refs[p]} reference(s), fewer than the "
+                                 f"{need} dropped")
         return a

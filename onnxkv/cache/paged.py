@@ -55,14 +55,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from onnxkv import _kernels
+from onnxkv.cache._pagecore import COPY
 from onnxkv.cache.block_pool import BlockPool, PlaneSpec, live_pools
 from onnxkv.cache.contiguous import WriteCost, rows_past, stored_to_float32
 from onnxkv.cache.page_convert import Conversion, full_pages_conversion
 from onnxkv.cache.page_table import PageTable
-from onnxkv.cache.plane_payloads import NATIVE_CODE
 from onnxkv.errors import CacheCapacityError, InputError
 
 __all__ = ["PlaneSpec", "BlockPool", "PageTable", "PagedCache", "PagedPlane", "live_pools"]
+
+#: No page marked non-native (:meth:`PageCore.write_plan`).
+_NONE = np.zeros(0, np.uint8)
 
 
 def _stored(spec: PlaneSpec, new: np.ndarray) -> np.ndarray:
@@ -189,94 +192,49 @@ class PagedCache:
         self._kept = self._kept_slots(starts, s)
         return cost
 
-    def _stage_pages(self, tables: np.ndarray, starts: np.ndarray, s: int, key: tuple) -> WriteCost:
-        pool, bs = self.pool, self.pool.block_size
-        plan = []
-        total = 0
-        counts = np.broadcast_to(np.asarray(s, np.int64), starts.shape)
-        for b in range(tables.shape[0]):
-            if not counts[b]:
-                continue
-            lo_blk, hi_blk = int(starts[b]) // bs, -(-(int(starts[b]) + int(counts[b])) // bs)
-            action, n = pool.core.pages_needed(tables[b], lo_blk, hi_blk)
-            converted = self._converted(tables[b, lo_blk:hi_blk], action)
-            if converted.any():  # a page no longer native is written: back to a native copy first
-                action[converted] = 2
-                n = int(np.count_nonzero(action))
-            if n:
-                plan.append((b, lo_blk, action))
-                total += n
-        if total and self.static_length is None and not any(self.payloads.converted):
-            total -= self._keep_one_holder(tables, starts, plan)
+    def _stage_pages(self, tables: np.ndarray, starts: np.ndarray, s, key: tuple) -> WriteCost:
+        """Give the blocks rows write (``s``: an int for every row, or int64 [B]) pages they alone hold in
+        ``tables`` (the staged table, wide enough): fresh pages, zero-filled, and copies on write of shared
+        or converted pages (:meth:`PageCore.write_plan`).  A page shared only by rows of this write, all of
+        which append into it, is kept by one of them (the first writing furthest: every other holder copies
+        its valid tokens first and the keeper writes past every holder's committed positions, so no
+        holder's committed token changes even if the run is discarded); not in static caches, nor while
+        any page is converted."""
+        pool, bs, payloads = self.pool, self.pool.block_size, self.payloads
+        starts = starts.astype(np.int64, copy=False)
+        counts = s.astype(np.int64, copy=False) if isinstance(s, np.ndarray) else np.full(starts.shape, s, np.int64)
+        converted = any(payloads.converted)
+        if converted:  # a page no longer native is written: back to a native copy first
+            formats = payloads.formats[:, : pool.core.capacity]
+            nonnative = (formats != payloads._native_codes[:, None]).any(axis=0).astype(np.uint8)
+        else:
+            nonnative = _NONE
+        rows, blocks, actions = pool.core.write_plan(
+            tables, starts, counts, bs, self.table.lengths, nonnative, self.static_length is None and not converted
+        )
         cost = WriteCost()
+        total = int(rows.size)
         if not total:
             self._prepared = key
             return cost
         ids = pool.allocate(total)  # the only step that can fail: nothing changed before it
         self._new.append(ids)
         fresh = ids.tolist()
-        for pages in self.payloads.pages:  # no byte of the memory's earlier owner stays readable
+        for pages in payloads.pages:  # no byte of the memory's earlier owner stays readable
             for p in fresh:
                 pages[p].fill(0)
         committed = self.table.lengths
-        k = 0
-        for b, lo_blk, action in plan:
-            for j in np.flatnonzero(action).tolist():
-                blk = lo_blk + j
-                new = int(ids[k])
-                k += 1
+        for b, blk, action, new in zip(rows.tolist(), blocks.tolist(), actions.tolist(), fresh):
+            if action == COPY:  # this page only, its valid tokens only (a static page: whole)
                 old = int(tables[b, blk])
-                if action[j] == 2:  # copy on write: this page only, its valid tokens only (a static page: whole)
-                    valid = bs if self.static_length is not None else min(bs, max(0, int(committed[b]) - blk * bs))
-                    cost.cow_copied_bytes += self.payloads.copy_page(old, new, valid)
-                    self._replaced.append(old)  # only committed pages are shared: drop it at commit
-                elif self.static_length is not None:  # a static cache reads unwritten positions as zeros
-                    for i in range(len(pool.planes)):
-                        self.payloads.pages[i][new][...] = 0
-                tables[b, blk] = new
+                valid = bs if self.static_length is not None else min(bs, max(0, int(committed[b]) - blk * bs))
+                cost.cow_copied_bytes += payloads.copy_page(old, new, valid)
+                self._replaced.append(old)  # only committed pages are shared: drop it at commit
+            tables[b, blk] = new
         cost.allocations += total * len(pool.planes)
         cost.allocated_bytes += total * pool.page_bytes
         self._prepared = key
         return cost
-
-    def _keep_one_holder(self, tables: np.ndarray, starts: np.ndarray, plan: list) -> int:
-        """Turn one copy-on-write of each page that every one of its holders is about to copy in this
-        write into a KEEP (in ``plan``'s actions); return how many copies that saves.
-
-        A page shared only by rows of this table, all of which write its block now (the rows of a beam
-        or a tree forked from one row, appending), needs no copy for the last of them: every other row
-        copies its valid tokens first, and the keeper (the row writing furthest) writes past the
-        committed positions of every holder, so no holder's committed token changes, even if the run
-        is discarded.  A page with another holder (a checkpoint, another state, a row that already left
-        it in this run) is copied by every row as before.  Not for static caches or converted pages.
-        """
-        copies: dict[int, list] = {}
-        for b, lo_blk, action in plan:
-            for j in np.flatnonzero(action == 2).tolist():
-                copies.setdefault(int(tables[b, lo_blk + j]), []).append((b, action, j))
-        if not copies:
-            return 0
-        refs, committed = self.pool.core.refs(), self.table.lengths
-        saved = 0
-        for page, holders in copies.items():
-            if len(holders) != int(refs[page]):
-                continue
-            keeper, action, j = max(holders, key=lambda h: int(starts[h[0]]))  # the first furthest
-            if all(int(committed[b]) <= int(starts[keeper]) for b, _, _ in holders):
-                action[j] = 0
-                saved += 1
-        return saved
-
-    def _converted(self, ids: np.ndarray, action: np.ndarray) -> np.ndarray:
-        """Mask of the KEEP entries of ``ids`` whose page is not native in some plane."""
-        pool, payloads = self.pool, self.payloads
-        keep = (action == 0) & (ids >= 0)
-        if not any(payloads.converted) or not keep.any():
-            return np.zeros(len(ids), bool)
-        out = np.zeros(len(ids), bool)
-        for i, spec in enumerate(pool.planes):
-            out |= keep & (payloads.formats[i][np.where(keep, ids, 0)] != NATIVE_CODE[spec.storage])
-        return out
 
     def write(self, plane: int, new: np.ndarray, starts, length: int) -> WriteCost:
         """Write ``new`` [B, H, S, D] at positions ``starts[b]...`` of plane ``plane``; stage lengths."""
