@@ -221,7 +221,8 @@ class BlockPool:
             bufs = self.payloads.forget_pages(freed)
             if not self.core.live_pages:  # nothing left: the spare payloads go back too
                 bufs += self.payloads.spares.drop()
-        release(self.allocator, bufs, "BlockPool")
+        if bufs:
+            release(self.allocator, bufs, "BlockPool")
         return len(freed)
 
     # -- audit ---------------------------------------------------------------

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,15 +42,11 @@ from onnxkv.alloc import SlabAllocator
 from onnxkv.alloc.checked import forget, lease, release
 from onnxkv.cache import formats
 from onnxkv.cache.contiguous import stored_to_float32
+from onnxkv.cache.plane_spec import NATIVE_CODE, STORAGE, PageParams, PlaneSpec
 from onnxkv.cache.spare_payloads import SparePayloads
-from onnxkv.errors import InputError, StateError
+from onnxkv.errors import StateError
 
 __all__ = ["PlaneSpec", "PageParams", "PlanePayloads", "STORAGE", "NATIVE_CODE", "float_view", "payload_values"]
-
-#: Native stored element types of a plane: name -> NumPy dtype (bfloat16 as uint16 bit patterns).
-STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
-#: ONNX element type codes of the native (float) storages.
-NATIVE_CODE = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
 def float_view(payload: np.ndarray, fmt: formats.PageFormat, heads: int, block_size: int, head_size: int) -> np.ndarray:
@@ -79,85 +74,6 @@ def payload_values(
     out = np.empty((heads, tokens, head_size), np.float32)
     _kernels.dequantize_page(payload, fmt.code, heads, block_size, head_size, groups, tokens, out, header)
     return out
-
-
-@dataclass(frozen=True)
-class PlaneSpec:
-    """One plane of a paged cache: the past input it feeds and its page geometry.
-
-    ``storage`` is the native stored element type ("float32", "float16" or
-    "bfloat16"; bfloat16 is held as uint16 bit patterns) in which pages are
-    written; full pages may be converted to other formats later (see
-    :meth:`PlanePayloads.convert_page`).  ``model_dtype`` is the element type the
-    model feeds and reads.  ``groups`` and ``header`` give the layout of the
-    plane's quantized pages (:mod:`onnxkv.cache.formats`), one of: groups 1
-    with header "float32" (one scale per head); groups head_size with header
-    "compact" (a scale and zero point per channel, head_size <= 512: KIVI
-    keys); groups head_size with header "channel-zp" (one scale per head, a
-    zero point per channel).  :meth:`check` rejects other pairs.
-    """
-
-    name: str
-    heads: int
-    head_size: int
-    storage: str
-    model_dtype: str = "float32"
-    #: Scale groups of quantized pages: 1 (one scale per head) or head_size (per channel, for keys).
-    groups: int = 1
-    #: Header kind of the plane's quantized pages: "float32", "compact" or "channel-zp".
-    header: str = formats.HEADER_FLOAT32
-
-    @property
-    def dtype(self) -> np.dtype:
-        return STORAGE[self.storage]
-
-    def page_bytes(self, block_size: int) -> int:
-        return self.heads * block_size * self.head_size * self.dtype.itemsize
-
-    def check(self, api: str) -> None:
-        """Raise :class:`InputError` (starting with ``api``) unless storage, groups and header fit together."""
-        if self.storage not in STORAGE:
-            raise InputError(
-                f"{api}: plane '{self.name}' storage must be one of {sorted(STORAGE)}, got {self.storage!r}"
-            )
-        if self.groups not in (1, self.head_size):
-            raise InputError(
-                f"{api}: plane '{self.name}' groups must be 1 or its head_size {self.head_size}, got {self.groups!r}"
-            )
-        if self.header not in formats.HEADERS:
-            raise InputError(
-                f"{api}: plane '{self.name}' header must be one of {list(formats.HEADERS)}, got {self.header!r}"
-            )
-        want = 1 if self.header == formats.HEADER_FLOAT32 else self.head_size
-        if self.groups != want:
-            raise InputError(
-                f"{api}: plane '{self.name}' with header {self.header!r} needs groups {want} "
-                f"({'one scale per head' if want == 1 else 'one group per channel'}), got {self.groups}"
-            )
-        if self.header == formats.HEADER_COMPACT and self.groups > formats.COMPACT_MAX_GROUPS:
-            raise InputError(
-                f"{api}: plane '{self.name}' has per-channel scales over head_size {self.head_size}; "
-                f"their compact page headers hold at most {formats.COMPACT_MAX_GROUPS} channels "
-                "(key_channel_scales needs head_size <= 512)"
-            )
-
-
-@dataclass(frozen=True)
-class PageParams:
-    """Given quantization parameters of one new page (instead of parameters computed from its values).
-
-    ``scale`` and ``zero_point``: float32 ``[H * groups]`` (index ``h * groups + g``),
-    checked by the caller (:func:`onnxkv.cache.formats.check_params`);
-    ``groups``: 1 (per head) or head_size (per channel); ``header``: the header
-    kind, "float32" or "channel-zp" (then ``header_bytes`` holds the header
-    :func:`onnxkv.cache.formats.encode_header` made from them).
-    """
-
-    scale: np.ndarray
-    zero_point: np.ndarray
-    groups: int
-    header: str = formats.HEADER_FLOAT32
-    header_bytes: np.ndarray | None = None
 
 
 class PlanePayloads:
@@ -219,6 +135,9 @@ class PlanePayloads:
         self._built: dict[int, object] = {}
         #: Native payloads of freed pages kept for the next pages (``spare_pages`` per plane).
         self.spares = SparePayloads(self.planes, self.block_size, spare_pages, lock)
+        #: Per plane: the native format code and a native payload's bytes.
+        self._native_codes = np.array([NATIVE_CODE[p.storage] for p in self.planes], np.uint8)
+        self._native_bytes = np.array([p.page_bytes(self.block_size) for p in self.planes], np.int64)
 
     # -- records ---------------------------------------------------------------
     def grow(self, capacity: int) -> None:
@@ -258,19 +177,22 @@ class PlanePayloads:
         return int(self.sizes[:, u].sum())
 
     def lease_pages(self, ids: np.ndarray) -> None:
-        """Give each new page id of ``ids`` a native payload in every plane, a spare or leased and checked
-        (:func:`onnxkv.alloc.checked.lease`); on an error none is kept (they are freed) and it is raised.
+        """Give each new page id of ``ids`` (free ids: no payload, native format) a native payload in every
+        plane, a spare or leased and checked (:func:`onnxkv.alloc.checked.lease`); on an error none is kept
+        (they are freed) and it is raised.
 
         The undo allocates nothing in proportion to ``ids`` (it runs when memory has run out: each payload
         is freed as it is forgotten, the last leased first)."""
+        bufs, pages, addrs = self._bufs, self.pages, [0] * len(self.planes)
         k = plane = 0  # leased so far: pages ids[:k] in every plane, then page ids[k] in planes [0, plane)
         try:
             for k in range(ids.size):
                 p = int(ids[k])
                 for plane in range(len(self.planes)):
-                    buf, arr = self._lease_native(plane)
-                    self.swap(plane, p, buf, arr, NATIVE_CODE[self.planes[plane].storage])
+                    bufs[plane][p], pages[plane][p], addrs[plane] = self._lease_native(plane)
                 plane = 0
+                self.ptrs[:, p] = addrs  # the format of a free id is native already
+                self.sizes[:, p] = self._native_bytes
         except BaseException:
             for j in range(k, -1, -1):
                 for i in range(plane if j == k else len(self.planes))[::-1]:
@@ -278,21 +200,37 @@ class PlanePayloads:
             raise
 
     def forget_pages(self, ids: np.ndarray, keep: bool = True) -> list:
-        """Clear the records of freed page ids ``ids`` in every plane; return their buffers (for the caller
-        to free, after its lock), but for the native payloads ``spares`` keeps (``keep``)."""
-        out = []
-        for p in ids.tolist():
-            for i, spec in enumerate(self.planes):
-                buf, arr, code, _ = self.swap(i, p, None, None, NATIVE_CODE[spec.storage])
-                if not (keep and code == NATIVE_CODE[spec.storage] and self.spares.keep(i, buf, arr)):
+        """Clear the records of freed page ids ``ids`` (distinct) in every plane; return their buffers (for
+        the caller to free, after its lock), but for the native payloads ``spares`` keeps (``keep``)."""
+        out: list = []
+        if not ids.size:
+            return out
+        at = np.asarray(ids, np.intp)
+        codes, addresses = self.formats[:, at], self.ptrs[:, at].tolist()
+        native = codes == self._native_codes[:, None]
+        for i, n in enumerate((~native).sum(axis=1).tolist()):
+            self.converted[i] -= n
+        self.formats[:, at] = self._native_codes[:, None]
+        self.ptrs[:, at] = 0
+        self.sizes[:, at] = 0
+        native = native.tolist()
+        bufs, pages, spares = self._bufs, self.pages, self.spares
+        for j, p in enumerate(at.tolist()):
+            for i in range(len(self.planes)):
+                buf, arr = bufs[i][p], pages[i][p]
+                bufs[i][p] = pages[i][p] = None
+                if not (keep and native[i][j] and spares.keep(i, buf, arr, addresses[i][j])):
                     out.append(buf)
         return out
 
     def _lease_native(self, i: int):
-        """(buffer, array [H, bs, D] of the plane's dtype): a native payload of plane ``i``, a spare (its bytes
-        those of the page it held) or leased and checked."""
+        """(buffer, array [H, bs, D] of the plane's dtype, address): a native payload of plane ``i``, a spare
+        (its bytes those of the page it held) or leased and checked."""
+        spare = self.spares.take(i)
+        if spare is not None:
+            return spare
         spec = self.planes[i]
-        return self.spares.take(i) or lease(
+        buf, arr = lease(
             self.allocators[i],
             spec.page_bytes(self.block_size),
             64,
@@ -300,6 +238,7 @@ class PlanePayloads:
             (spec.heads, self.block_size, spec.head_size),
             f"{self.owner}: plane '{spec.name}'",
         )
+        return buf, arr, arr.__array_interface__["data"][0]
 
     def swap(self, plane: int, page: int, buf, arr: np.ndarray | None, code: int, address: int = 0) -> tuple:
         """Make ``buf`` / ``arr`` the payload of ``page`` in ``plane``, format ``code``; return the previous
@@ -447,7 +386,7 @@ class PlanePayloads:
         spec = self.planes[plane]
         fmt = formats.page_format(fmt_name)
         if fmt.name == spec.storage:
-            buf, arr = self._lease_native(plane)
+            buf, arr, _ = self._lease_native(plane)
         else:
             groups, header = (spec.groups, spec.header) if params is None else (params.groups, params.header)
             nbytes = formats.page_bytes(fmt, spec.heads, self.block_size, spec.head_size, groups, header)

@@ -17,8 +17,8 @@ __all__ = ["SparePayloads"]
 
 
 class SparePayloads:
-    """Per plane of ``planes`` (:class:`~onnxkv.cache.plane_payloads.PlaneSpec`, pages of ``block_size``
-    tokens), up to ``limit`` native payloads ``(buffer, array)``.  Every call takes ``lock`` (the owner's,
+    """Per plane of ``planes`` (:class:`~onnxkv.cache.plane_spec.PlaneSpec`, pages of ``block_size``
+    tokens), up to ``limit`` native payloads ``(buffer, array, address)``.  Every call takes ``lock`` (the owner's,
     re-entrant): a conversion back to a native page takes a spare without holding it."""
 
     def __init__(self, planes: list, block_size: int, limit: int, lock) -> None:
@@ -28,19 +28,20 @@ class SparePayloads:
         self._kept: list[list] = [[] for _ in planes]
         self._lock = lock
 
-    def keep(self, plane: int, buf, arr: np.ndarray | None) -> bool:
-        """Keep a freed page's payload of ``plane`` when it is a native one (an array of the plane's native
-        dtype and shape) and the plane holds fewer than ``limit``; False otherwise (the caller frees it)."""
+    def keep(self, plane: int, buf, arr: np.ndarray | None, address: int) -> bool:
+        """Keep a freed page's payload of ``plane`` (``address``: its array's first byte) when it is a native
+        one (an array of the plane's native dtype and shape) and the plane holds fewer than ``limit``; False
+        otherwise (the caller frees it)."""
         kept = self._kept[plane]
         dtype, shape = self._natives[plane]
         with self._lock:
             if len(kept) >= self.limit or arr is None or arr.dtype != dtype or arr.shape != shape:
                 return False
-            kept.append((buf, arr))
+            kept.append((buf, arr, address))
             return True
 
     def take(self, plane: int) -> tuple | None:
-        """A kept payload ``(buffer, array)`` of ``plane``, or None."""
+        """A kept payload ``(buffer, array, address)`` of ``plane``, or None."""
         kept = self._kept[plane]
         with self._lock:
             return kept.pop() if kept else None
@@ -48,12 +49,12 @@ class SparePayloads:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(arr.nbytes for kept in self._kept for _, arr in kept)
+            return sum(arr.nbytes for kept in self._kept for _, arr, _ in kept)
 
     def drop(self) -> list:
         """Forget every kept payload; return their buffers (for the caller to free)."""
         with self._lock:
-            out = [buf for kept in self._kept for buf, _ in kept]
+            out = [buf for kept in self._kept for buf, _, _ in kept]
             for kept in self._kept:
                 kept.clear()
             return out
