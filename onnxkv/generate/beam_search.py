@@ -123,6 +123,7 @@ class BeamScorer:
         self.is_finished = np.zeros((B, k), dtype=bool)
         self.improvable = np.ones(B, dtype=bool)  # transformers' is_early_stop_heuristic_unsatisfied
         self.done = False
+        self._rows = np.arange(B)[:, None]  # row indices for gathering per-row entries
 
     def process(self, log_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Advance one step.
@@ -153,32 +154,38 @@ class BeamScorer:
                 "beam search keeps per row (max(2, 1 + len(eos_token_id)) * num_beams)"
             )
         acc = (lp.reshape(B, k, V) + self.running_scores[:, :, None]).reshape(B, k * V)
+        rows = self._rows
         cand = _top(acc, self.keep)
-        cand_scores = np.take_along_axis(acc, cand, axis=1)
+        cand_scores = acc[rows, cand]
         src, tokens = cand // V, cand % V
-        cand_seqs = np.take_along_axis(self.running, src[:, :, None], axis=1)
+        cand_seqs = self.running[rows, src]
         cand_seqs[:, :, t] = tokens
-        hits = np.isin(tokens, self.eos) | (t + 1 >= self.max_new_tokens)
+        if t + 1 >= self.max_new_tokens:
+            hits = np.ones(tokens.shape, bool)
+        elif self.eos.size == 0:
+            hits = np.zeros(tokens.shape, bool)
+        elif self.eos.size == 1:
+            hits = tokens == self.eos[0]
+        else:
+            hits = np.isin(tokens, self.eos)
 
         # Running beams: the k best candidates that did not finish.
         run_scores = cand_scores + hits.astype(np.float32) * NEG
         nxt = _top(run_scores, k)
-        self.running = np.take_along_axis(cand_seqs, nxt[:, :, None], axis=1)
-        self.running_scores = np.take_along_axis(run_scores, nxt, axis=1)
-        beam_idx = (np.take_along_axis(src, nxt, axis=1) + np.arange(B)[:, None] * k).reshape(-1)
+        self.running = cand_seqs[rows, nxt]
+        self.running_scores = run_scores[rows, nxt]
+        beam_idx = (src[rows, nxt] + rows * k).reshape(-1)
 
-        # Finished hypotheses: merge the top-k candidates that just finished.
+        # Finished hypotheses: merge the top-k candidates that just finished.  With none to take, the merge
+        # would keep every slot where it is (the slots are sorted best first, ties by slot; the -inf a
+        # candidate that is not taken scores ranks after every slot), so it is skipped.
         just = hits & (np.arange(self.keep) < k)[None, :]
-        full = self.is_finished.all(axis=1) & (self.early_stopping is True)
-        takes = just & ~full[:, None] & self.improvable[:, None]
-        fin = np.where(takes, cand_scores / np.float32((t + 1) ** self.length_penalty), np.float32(-np.inf))
-        merged_scores = np.concatenate([self.finished_scores, fin], axis=1)
-        sel = _top(merged_scores, k)
-        self.finished_scores = np.take_along_axis(merged_scores, sel, axis=1)
-        self.finished = np.take_along_axis(np.concatenate([self.finished, cand_seqs], axis=1), sel[:, :, None], axis=1)
-        lengths = np.concatenate([self.finished_lengths, np.full((B, self.keep), t + 1, np.int64)], axis=1)
-        self.finished_lengths = np.take_along_axis(lengths, sel, axis=1)
-        self.is_finished = np.take_along_axis(np.concatenate([self.is_finished, just], axis=1), sel, axis=1)
+        takes = just
+        if just.any():
+            full = self.is_finished.all(axis=1) & (self.early_stopping is True)
+            takes = just & ~full[:, None] & self.improvable[:, None]
+        if takes.any():
+            self._merge(cand_scores, cand_seqs, just, takes, t)
 
         self.step = t + 1
         if self.early_stopping == "never" and self.length_penalty > 0.0:
@@ -193,6 +200,18 @@ class BeamScorer:
         all_full = bool(self.is_finished.all()) and self.early_stopping is True
         self.done = not (bool(self.improvable.any()) and not all_full and not bool(hits.all()))
         return self.running[:, :, t].reshape(-1).copy(), beam_idx
+
+    def _merge(self, cand_scores, cand_seqs, just: np.ndarray, takes: np.ndarray, t: int) -> None:
+        """Merge the candidates ``takes`` of step ``t`` (scored by length) into each row's k finished slots."""
+        B, k = self.batch, self.num_beams
+        fin = np.where(takes, cand_scores / np.float32((t + 1) ** self.length_penalty), np.float32(-np.inf))
+        merged_scores = np.concatenate([self.finished_scores, fin], axis=1)
+        rows, sel = self._rows, _top(merged_scores, k)
+        self.finished_scores = merged_scores[rows, sel]
+        self.finished = np.concatenate([self.finished, cand_seqs], axis=1)[rows, sel]
+        lengths = np.concatenate([self.finished_lengths, np.full((B, self.keep), t + 1, np.int64)], axis=1)
+        self.finished_lengths = lengths[rows, sel]
+        self.is_finished = np.concatenate([self.is_finished, just], axis=1)[rows, sel]
 
     def finalize(self, num_return_sequences: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The best ``num_return_sequences`` hypotheses of every row, best first.

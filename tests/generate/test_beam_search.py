@@ -423,3 +423,30 @@ def test_scorer_rejects_too_small_vocab_and_wrong_shapes():
     with pytest.raises(InputError, match="beam_search: .*NaN"):
         scorer.process(np.full((3, 9), np.nan))
     assert scorer.step == 0 and not scorer.done
+
+
+@pytest.mark.parametrize("eos", [(), (EOS,), (EOS, 2)])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_merge_that_takes_nothing_keeps_every_finished_slot(eos, seed):
+    """process skips the merge of finished hypotheses when no candidate is taken: the merge must then
+    leave every slot as it is, whatever the slots hold (empty, finished, tied scores)."""
+    rng = np.random.default_rng(seed)
+    B, k, V, n = 2, 3, 6, 7
+    scorer = BeamScorer(B, k, n, float(rng.uniform(-1, 2)), [False, True, "never"][seed % 3], list(eos), 0)
+    while not scorer.done:
+        probs = rng.dirichlet(np.ones(V) * 0.5, size=B * k)
+        probs[rng.random(B * k) < 0.3] = 1.0 / V  # rows of equal scores: ties between candidates and slots
+        before = {
+            f: getattr(scorer, f).copy() for f in ("finished", "finished_scores", "finished_lengths", "is_finished")
+        }
+        kept = scorer.keep
+        scorer._merge(
+            rng.normal(size=(B, kept)).astype(np.float32),
+            rng.integers(0, V, (B, kept, n)),
+            rng.random((B, kept)) < 0.5,
+            np.zeros((B, kept), bool),
+            scorer.step,
+        )
+        for f, v in before.items():
+            np.testing.assert_array_equal(getattr(scorer, f), v, err_msg=f)
+        scorer.process(np.log(probs))
