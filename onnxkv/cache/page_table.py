@@ -60,6 +60,16 @@ class PageTable:
         self.pool.incref(out.held_ids())
         return out
 
+    def permute(self, rows: np.ndarray) -> None:
+        """Make row ``i`` old row ``rows[i]`` (int [n], each in ``[0, batch)``; n may differ from the batch,
+        rows may repeat): the rows share their pages, references are adjusted, no payload is copied."""
+        sel = np.asarray(rows, np.int64)
+        tables = self.tables[sel]
+        old = self.held_ids()
+        self.pool.incref(tables[tables >= 0])  # first: a page both tables hold never reaches 0 in between
+        self.tables, self.lengths, self.first = tables, self.lengths[sel], self.first[sel]
+        self.pool.decref(old)
+
     def release(self) -> None:
         """Drop every reference (pages nobody else holds are freed)."""
         ids = self.held_ids()

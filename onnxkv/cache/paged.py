@@ -60,7 +60,7 @@ from onnxkv.cache.block_pool import BlockPool, PlaneSpec, live_pools
 from onnxkv.cache.contiguous import WriteCost, rows_past, stored_to_float32
 from onnxkv.cache.page_convert import Conversion, full_pages_conversion
 from onnxkv.cache.page_table import PageTable
-from onnxkv.errors import CacheCapacityError, InputError
+from onnxkv.errors import CacheCapacityError, InputError, OutOfMemory
 
 __all__ = ["PlaneSpec", "BlockPool", "PageTable", "PagedCache", "PagedPlane", "live_pools"]
 
@@ -209,9 +209,14 @@ class PagedCache:
             nonnative = (formats != payloads._native_codes[:, None]).any(axis=0).astype(np.uint8)
         else:
             nonnative = _NONE
-        rows, blocks, actions = pool.core.write_plan(
-            tables, starts, counts, bs, self.table.lengths, nonnative, self.static_length is None and not converted
-        )
+        try:
+            rows, blocks, actions = pool.core.write_plan(
+                tables, starts, counts, bs, self.table.lengths, nonnative, self.static_length is None and not converted
+            )
+        except MemoryError as e:  # NumPy's, for the plan's arrays: nothing staged yet
+            if isinstance(e, OutOfMemory):
+                raise
+            raise OutOfMemory(f"paged cache: no memory for the plan of a write into {tables.shape[0]} rows") from e
         cost = WriteCost()
         total = int(rows.size)
         if not total:

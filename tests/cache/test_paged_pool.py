@@ -315,6 +315,24 @@ def test_truncate_and_evict_release_pages():
     assert pool.live_pages == 0
 
 
+def test_permute_shares_rows_and_frees_the_pages_of_rows_dropped():
+    rng = np.random.default_rng(4)
+    pool = _pool(block_size=4)
+    cache = PagedCache(pool, PageTable(pool, 3))
+    cache.write(0, _rand(rng, 3, 6), 0, 6)
+    cache.commit()
+    t = cache.table
+    before = t.tables.copy()
+    t.permute(np.array([2, 2, 0, 0]))  # row 1 dropped, rows 2 and 0 doubled, one row more
+    np.testing.assert_array_equal(t.tables, before[[2, 2, 0, 0]])
+    assert t.batch == 4 and t.lengths.tolist() == [6] * 4
+    assert pool.live_pages == 4  # row 1's two pages freed
+    assert sorted(pool.core.refs()[t.held_ids()].tolist()) == [2] * 8
+    pool.audit()
+    t.release()
+    assert pool.live_pages == 0
+
+
 def test_audit_detects_leaked_references():
     pool = _pool()
     ids = pool.allocate(2)  # held by nobody

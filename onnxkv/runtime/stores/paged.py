@@ -416,7 +416,7 @@ class PagedStore:
         b = cache.table.batch
         if idx.min() < 0 or idx.max() >= b:
             raise InputError(f"{api}: indices must be in [0, {b}), got {idx.tolist()}")
-        cache.replace_table(cache.table.share(idx))
+        cache.table.permute(idx)
         self.ctx.log("reorder", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
 
     def start_on_pages(self, pages, length: int) -> None:
