@@ -51,7 +51,7 @@ cdef inline int64_t _argmax(const float *x, int64_t n) noexcept nogil:
 
 def decode_steps(Program program, list externals, int token_ext, int mask_ext, int position_ext,
                  int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[:, ::1] tokens,
-                 double[::1] seconds, double temperature=0.0, int64_t top_k=0, double top_p=1.0,
+                 double[::1] seconds, temperature=0.0, top_k=0, top_p=1.0,
                  const double[::1] uniforms=None, uint8_t[::1] finished=None, int64_t pad=0,
                  const int64_t[::1] mask_ones=None):
     """Run up to ``count = len(tokens)`` decode steps of ``program`` for its B rows; return ``(steps, why)``.
@@ -72,7 +72,9 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     have ended, updated in place; ``pad`` the id an ended row takes.
 
     Step ``t`` chooses each row's argmax (``temperature`` 0), or draws row ``b`` with ``uniforms[t * B +
-    b]`` after ``temperature``, ``top_k`` (0: none) and ``top_p`` (1: none) as ``sampling.sample`` does;
+    b]`` after ``temperature``, ``top_k`` (0: none) and ``top_p`` (1: none) as ``sampling.sample`` does
+    (each a number for every row, or one per row: float64 / int64 / float64 [B], a row of temperature 0
+    taking its argmax);
     a row that has ended takes ``pad`` instead, and a row whose id is in ``eos`` has ended after it.  It
     writes the ids to ``tokens[t]`` and its time (seconds) to ``seconds[t]``; ``steps`` counts the steps
     that ran, ``why`` is :data:`DONE`, :data:`EOS` (every row has ended after step ``steps - 1``),
@@ -97,6 +99,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     cdef double *p = NULL
     cdef double *work = NULL
     cdef int64_t *order = NULL
+    cdef bint sampled = False
     if seconds.shape[0] != count or B < 1 or V < 1 or V * B != logits.shape[0]:
         raise ValueError("decode_steps: tokens [count, B >= 1] and seconds [count] must have one row per step, "
                          "logits B rows of at least one")
@@ -104,10 +107,16 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         finished = np.zeros(B, np.uint8)
     if finished.shape[0] != B:
         raise ValueError(f"decode_steps: finished must have one flag per row ({B}), got {finished.shape[0]}")
-    if temperature != 0.0:
-        if not (0.0 < temperature < INFINITY) or top_k < 0 or not (0.0 < top_p <= 1.0):
-            raise ValueError(f"decode_steps: temperature {temperature}, top_k {top_k}, top_p {top_p} out of range "
-                             "(temperature > 0 and finite, top_k >= 0, top_p in (0, 1])")
+    cdef const double[::1] temps = _per_row(temperature, np.float64, B, "temperature")
+    cdef const int64_t[::1] ks = _per_row(top_k, np.int64, B, "top_k")
+    cdef const double[::1] ps = _per_row(top_p, np.float64, B, "top_p")
+    for b in range(B):
+        if temps[b] != 0.0:
+            sampled = True
+            if not (0.0 < temps[b] < INFINITY) or ks[b] < 0 or not (0.0 < ps[b] <= 1.0):
+                raise ValueError(f"decode_steps: row {b}: temperature {temps[b]}, top_k {ks[b]}, top_p {ps[b]} out "
+                                 "of range (temperature > 0 and finite, or 0: the argmax; top_k >= 0, top_p in (0, 1])")
+    if sampled:
         if uniforms is None or uniforms.shape[0] != count * B:
             raise ValueError("decode_steps: sampling needs one uniform number per step and row")
         for t in range(count * B):
@@ -136,7 +145,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     token = <int64_t *>bases[token_ext]
     if position_ext >= 0:
         position = <int64_t *>bases[position_ext]
-    if temperature != 0.0:
+    if sampled:
         p = <double *>malloc(<size_t>(2 * V) * sizeof(double))
         order = <int64_t *>malloc(<size_t>(2 * V) * sizeof(int64_t))
         if p == NULL or order == NULL:
@@ -146,16 +155,26 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         work = p + V
     try:
         return _steps(program, bases, lens, token, position, mask_ext, mask_len, logits, eos, tokens, seconds,
-                      temperature, top_k, top_p, uniforms, p, work, order, s, finished, pad, mask_ones)
+                      temps, ks, ps, uniforms, p, work, order, s, finished, pad, mask_ones)
     finally:
         free(p)
         free(order)
 
 
+def _per_row(value, dtype, int64_t B, str name):
+    """``value`` (a number, or one per row) as a C-contiguous ``dtype`` [B]."""
+    a = np.asarray(value)
+    if a.ndim > 1 or (a.ndim == 1 and a.shape[0] != B):
+        raise ValueError(f"decode_steps: {name} must be a number or one per row ({B}), got shape {a.shape}")
+    if a.dtype.kind not in ("iu" if dtype == np.int64 else "iuf") or a.dtype == np.bool_:
+        raise ValueError(f"decode_steps: {name} must be {np.dtype(dtype).name}, got {a.dtype}")
+    return np.ascontiguousarray(np.broadcast_to(a.astype(dtype), (B,)))
+
+
 cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, int64_t *position, int mask_ext,
                   int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[:, ::1] tokens,
-                  double[::1] seconds, double temperature, int64_t top_k, double top_p,
-                  const double[::1] uniforms, double *p, double *work, int64_t *order, okv_settings s,
+                  double[::1] seconds, const double[::1] temperature, const int64_t[::1] top_k,
+                  const double[::1] top_p, const double[::1] uniforms, double *p, double *work, int64_t *order, okv_settings s,
                   uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones):
     """The steps of :func:`decode_steps` on bound externals (``bases``, ``lens``)."""
     cdef int64_t count = tokens.shape[0], B = tokens.shape[1], V = logits.shape[0] // tokens.shape[1]
@@ -184,11 +203,11 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
         for b in range(B):
             if finished[b]:
                 tok = pad
-            elif temperature == 0.0:
+            elif temperature[b] == 0.0:
                 tok = _argmax(&logits[b * V], V)
             else:
-                tok = sample_row_f32(&logits[b * V], V, temperature, top_k, top_p, uniforms[t * B + b], p, work,
-                                     order)
+                tok = sample_row_f32(&logits[b * V], V, temperature[b], top_k[b], top_p[b], uniforms[t * B + b], p,
+                                     work, order)
             tokens[t, b] = tok
             for k in range(eos.shape[0]):
                 if eos[k] == tok:

@@ -290,10 +290,10 @@ class BatchedSteps:
 
     def _decode_loop(self) -> int:
         """Batched, from :meth:`Engine.run`: when every active request is a decode row and the rows share
-        their end ids, pad id and sampling (all greedy, or one temperature, ``top_k`` and ``top_p``), the
-        decode steps up to the fewest tokens a row has left run in C (:meth:`State.decode_steps`, one call),
-        each row drawing from its own random stream as :func:`choose_tokens` does one step at a time (the
-        streams then stand where those steps leave them).  A row that ends (an end id) is fed the pad id
+        their end ids and pad id, the decode steps up to the fewest tokens a row has left run in C
+        (:meth:`State.decode_steps`, one call), a greedy row taking its argmax and a sampled row drawing
+        with its own temperature, ``top_k`` and ``top_p`` from its own random stream as :func:`choose_tokens`
+        does one step at a time (the streams then stand where those steps leave them).  A row that ends (an end id) is fed the pad id
         until the others end or the steps are done, then leaves as after a step.  Returns the steps that
         ran; 0 (nothing run or changed) when the rows do not qualify or the state cannot run them so (the
         event log on, pages to convert, a full pool: :meth:`step` takes them)."""
@@ -304,23 +304,22 @@ class BatchedSteps:
             return 0
         first = rows[0]
         names = first._builder.decode_names if first._builder is not None else None
-        shared = (first.sampling.greedy, first.sampling.temperature, first.sampling.top_k, first.sampling.top_p)
-        if names is None or any(
-            r.eos != first.eos
-            or r.pad_id != first.pad_id
-            or (r.sampling.greedy, r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) != shared
-            for r in rows
-        ):
+        if names is None or any(r.eos != first.eos or r.pad_id != first.pad_id for r in rows):
             return 0
         count = min(r.max_new_tokens - len(r.tokens) for r in rows)
         if count < 2:
             return 0
         feeds = first._builder.ragged(np.array([r.tokens[-1] for r in rows]), np.array([r._cached for r in rows]))
         draws, streams = None, [r.sampling.rng.bit_generator.state for r in rows if not r.sampling.greedy]
-        if streams:  # row b of step t draws its own stream's t-th number: uniforms[t * B + b]
-            s = first.sampling
-            uniforms = np.stack([r.sampling.rng.random(count) for r in rows], axis=1).reshape(-1)
-            draws = Draws(s.temperature, s.top_k or 0, 1.0 if s.top_p is None else s.top_p, uniforms)
+        if streams:  # row b of step t draws its own stream's t-th number: uniforms[t * B + b]; greedy rows argmax
+            cfgs = [r.sampling for r in rows]
+            uniforms = np.stack([np.zeros(count) if c.greedy else c.rng.random(count) for c in cfgs], axis=1)
+            draws = Draws(
+                np.array([0.0 if c.greedy else c.temperature for c in cfgs]),
+                np.array([0 if c.greedy else min(c.top_k or 0, 2**63 - 1) for c in cfgs], np.int64),
+                np.array([1.0 if c.greedy or c.top_p is None else c.top_p for c in cfgs]),
+                uniforms.reshape(-1),
+            )
         run = None
         try:
             run = self._batch.decode_steps(feeds, count, names, first.eos, draws, np.zeros(len(rows), bool),

@@ -63,16 +63,17 @@ class Draws:
     """How the steps draw their tokens instead of taking the argmax (:mod:`onnxkv._kernels.sampling`).
 
     Attributes:
-        temperature: > 0 and finite.
-        top_k: keep the ``top_k`` highest logits (0: all).
-        top_p: then the nucleus of probability ``top_p`` (1.0: all).
+        temperature: > 0 and finite; or float64 [B], one per row, 0 for a row that takes its argmax.
+        top_k: keep the ``top_k`` highest logits (0: all); or int64 [B], one per row.
+        top_p: then the nucleus of probability ``top_p`` (1.0: all); or float64 [B], one per row.
         uniforms: float64 [>= count * B] in [0, 1): step ``t`` draws row ``b`` with ``uniforms[t * B + b]``
-            (one number per row and step, as :func:`onnxkv.generate.sampling.select_next` draws them).
+            (one number per row and step, as :func:`onnxkv.generate.sampling.select_next` draws them; an
+            argmax row's are not read).
     """
 
-    temperature: float
-    top_k: int
-    top_p: float
+    temperature: float | np.ndarray
+    top_k: int | np.ndarray
+    top_p: float | np.ndarray
     uniforms: np.ndarray
 
 
@@ -95,6 +96,32 @@ class StepsRun:
     @property
     def steps(self) -> int:
         return int(self.tokens.shape[0])
+
+
+def _check_draws(api: str, draws: Draws) -> None:
+    """Raise InputError unless ``draws``' parameters are numbers, or per-row arrays of one length, in range
+    (a per-row temperature may be 0: that row takes its argmax)."""
+    per_row = [isinstance(v, np.ndarray) for v in (draws.temperature, draws.top_k, draws.top_p)]
+    rows = {v.shape for v in (draws.temperature, draws.top_k, draws.top_p) if isinstance(v, np.ndarray)}
+    if any(per_row) and (len(rows) != 1 or len(next(iter(rows))) != 1):
+        raise InputError(f"{api}: per-row draws parameters must be 1-D arrays of one length, got shapes {sorted(rows)}")
+    for name, value, kinds in (("temperature", draws.temperature, "iuf"), ("top_k", draws.top_k, "iu"),
+                               ("top_p", draws.top_p, "iuf")):  # fmt: skip
+        v = np.asarray(value)
+        if isinstance(value, (bool, np.bool_)) or v.dtype.kind not in kinds:
+            raise InputError(
+                f"{api}: draws.{name} must be {'an int' if kinds == 'iu' else 'a number'} or an array of them, got {value!r}"
+            )
+    t, k, p = (np.asarray(v, np.float64) for v in (draws.temperature, draws.top_k, draws.top_p))
+    greedy = (t == 0) & per_row[0]
+    if not np.all(greedy | ((0 < t) & (t < np.inf))):
+        raise InputError(
+            f"{api}: draws.temperature must be a finite number > 0, got {draws.temperature!r} (per row: 0 takes the argmax)"
+        )
+    if not np.all(k >= 0):
+        raise InputError(f"{api}: draws.top_k must be an int >= 0 (0: every id), got {draws.top_k!r}")
+    if not np.all((0 < p) & (p <= 1)):
+        raise InputError(f"{api}: draws.top_p must be a number in (0, 1], got {draws.top_p!r}")
 
 
 def check_steps(
@@ -132,21 +159,7 @@ def check_steps(
             f"{getattr(u, 'dtype', type(u).__name__)} {getattr(u, 'shape', '')}"
         )
     if draws is not None:
-        t, k, p = draws.temperature, draws.top_k, draws.top_p
-        if (
-            isinstance(t, (bool, np.bool_))
-            or not isinstance(t, (int, float, np.integer, np.floating))
-            or not (0 < t < np.inf)
-        ):
-            raise InputError(f"{api}: draws.temperature must be a finite number > 0, got {t!r}")
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 0:
-            raise InputError(f"{api}: draws.top_k must be an int >= 0 (0: every id), got {k!r}")
-        if (
-            isinstance(p, (bool, np.bool_))
-            or not isinstance(p, (int, float, np.integer, np.floating))
-            or not (0 < p <= 1)
-        ):
-            raise InputError(f"{api}: draws.top_p must be a number in (0, 1], got {p!r}")
+        _check_draws(api, draws)
     if names is not None or known is not None:
         if not isinstance(names, DecodeNames):
             raise InputError(f"{api}: names must be a DecodeNames, got {names!r}")
@@ -288,6 +301,10 @@ def _replay(
             return None
         for c in named:
             c.save_rows(at, count)
+    if draws is not None and any(
+        isinstance(v, np.ndarray) and v.shape != (rows,) for v in (draws.temperature, draws.top_k, draws.top_p)
+    ):
+        raise InputError(f"decode_steps: per-row draws parameters must have one entry per row ({rows})")
     if draws is not None and draws.uniforms.shape[0] < count * rows:
         raise InputError(
             f"decode_steps: draws.uniforms has {draws.uniforms.shape[0]} numbers, {count} steps of {rows} rows "
@@ -312,7 +329,7 @@ def _replay(
             if draws is None
             else (
                 draws.temperature,
-                min(int(draws.top_k), logits.size),
+                np.minimum(np.asarray(draws.top_k), logits.size),
                 draws.top_p,
                 np.ascontiguousarray(draws.uniforms[: count * rows]),  # a strided view is the caller's to give
             )

@@ -222,3 +222,47 @@ def test_sampled_steps_check_their_arguments():
     ):
         with pytest.raises(ValueError, match=match):
             decode_steps(*args, *extra)
+
+
+def test_rows_sample_with_their_own_parameters_or_take_their_argmax():
+    """Per-row temperature (0: the argmax), top_k and top_p: each row draws as the sampling kernel does with
+    its own parameters and its uniform of the step (an argmax row's uniforms are not read)."""
+    rng = np.random.default_rng(13)
+    B, v, length, count = 4, 29, 3, 10
+    table = rand(rng, (v, v), scale=2.0)
+    token, position = np.array([1, 5, 9, 2], np.int64), np.full(B, length, np.int64)
+    mask, seqlens, total = np.ones((B, length + count), np.int64), np.zeros(B, np.int32), np.zeros(1, np.int32)
+    logits = np.empty((B, v), np.float32)
+    rec = Recorder()
+    with rec:
+        gather_rows(table, token, logits)
+    recorded = np.ones((B, length + 1), np.int64)
+    calls = [(MASK_LENGTHS, (recorded, seqlens, total), recorded.shape, ())]
+    program = Program(calls + rec.calls, [token, recorded, position], (), [1])
+    temperature, top_k, top_p = np.array([0.8, 0.0, 1.4, 1.0]), np.array([0, 3, 6, 0]), np.array([1.0, 0.5, 0.9, 0.7])
+    uniforms = rng.random(count * B)
+    uniforms[1::B] = 2.0  # the argmax row's: out of range, never read
+    tokens, seconds = np.empty((count, B), np.int64), np.empty(count)
+    first = token.copy()
+    steps, why = decode_steps(program, [token, mask, position], 0, 1, 2, length + 1, logits.reshape(-1),
+                              np.zeros(0, np.int64), tokens, seconds, temperature, top_k, top_p,
+                              np.where(uniforms > 1, 0.5, uniforms))  # fmt: skip
+    assert (steps, why) == (count, DONE)
+    for b in range(B):
+        tok, want = int(first[b]), []
+        for t in range(count):
+            row = table[tok][None]
+            if temperature[b] == 0:
+                tok = int(np.argmax(row))
+            else:
+                tok = int(
+                    sample(row, temperature[b], int(top_k[b]) or None, top_p[b], uniforms[t * B + b : t * B + b + 1])[0]
+                )
+            want.append(tok)
+        assert tokens[:, b].tolist() == want, f"row {b}"
+    with pytest.raises(ValueError, match="row 2: temperature -1.0"):
+        decode_steps(program, [token, mask, position], 0, 1, 2, length + 1, logits.reshape(-1), np.zeros(0, np.int64),
+                     tokens, seconds, np.array([1.0, 0.0, -1.0, 1.0]), 0, 1.0, np.full(count * B, 0.5))  # fmt: skip
+    with pytest.raises(ValueError, match=r"one per row \(4\)"):
+        decode_steps(program, [token, mask, position], 0, 1, 2, length + 1, logits.reshape(-1), np.zeros(0, np.int64),
+                     tokens, seconds, np.ones(3), 0, 1.0, np.full(count * B, 0.5))  # fmt: skip
