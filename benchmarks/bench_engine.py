@@ -16,7 +16,7 @@ allocator's committed bytes, page-table and pool-metadata bytes.  The
 timed runs call ``Engine.step()`` once per step (to time each token); with
 requests arriving together (``--rate 0``, no shared prefix, no bounded pool)
 each round also runs the same requests through ``Engine.run()``, whose decode
-steps run in C once only decode rows sharing their end ids are left
+steps run in C once only decode rows are left
 (``onnxkv_engine_run``: new tokens per second from the first ``add_request``).
 
 The peer, side by side in the same process and run: ONNX Runtime GenAI
@@ -203,7 +203,7 @@ def run_engine(
 
 def run_whole(session, prompts: list[np.ndarray], new_tokens: int) -> dict:
     """The requests added together and run by ``Engine.run()`` (whose decode steps run in C once only decode
-    rows sharing their end ids are left): wall time from the first ``add_request`` to the end, and new
+    rows are left): wall time from the first ``add_request`` to the end, and new
     tokens per second."""
     engine = _engine(session, prompts, new_tokens, None)
     t0 = time.perf_counter()

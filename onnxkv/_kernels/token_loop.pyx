@@ -50,7 +50,7 @@ cdef inline int64_t _argmax(const float *x, int64_t n) noexcept nogil:
 
 
 def decode_steps(Program program, list externals, int token_ext, int mask_ext, int position_ext,
-                 int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[:, ::1] tokens,
+                 int64_t mask_len, float[::1] logits, eos, int64_t[:, ::1] tokens,
                  double[::1] seconds, temperature=0.0, top_k=0, top_p=1.0,
                  const double[::1] uniforms=None, uint8_t[::1] finished=None, int64_t pad=0,
                  const int64_t[::1] mask_ones=None):
@@ -68,6 +68,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     for a paged decode call staged the pages of every position the steps may write (a step whose
     position is past them is refused).
     ``logits`` is the program memory holding the step's logits (float32 [B * V], row-major).
+    ``eos`` is int64 [E] (every row's end ids) or [B, E] (each row's; a negative entry is no id).
     ``tokens`` is int64 [count, B]; ``finished`` (uint8 [B], or None: no row has ended) the rows that
     have ended, updated in place; ``pad`` the id an ended row takes.
 
@@ -100,6 +101,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     cdef double *work = NULL
     cdef int64_t *order = NULL
     cdef bint sampled = False
+    cdef const int64_t[:, ::1] ends
     if seconds.shape[0] != count or B < 1 or V < 1 or V * B != logits.shape[0]:
         raise ValueError("decode_steps: tokens [count, B >= 1] and seconds [count] must have one row per step, "
                          "logits B rows of at least one")
@@ -107,6 +109,10 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         finished = np.zeros(B, np.uint8)
     if finished.shape[0] != B:
         raise ValueError(f"decode_steps: finished must have one flag per row ({B}), got {finished.shape[0]}")
+    e = np.asarray(eos)
+    if e.dtype != np.int64 or e.ndim not in (1, 2) or (e.ndim == 2 and e.shape[0] not in (1, B)):
+        raise ValueError(f"decode_steps: eos must be int64 [E], [1, E] or [{B}, E], got {e.dtype} {e.shape}")
+    ends = np.ascontiguousarray(np.broadcast_to(e if e.ndim == 2 else e[None, :], (B, e.shape[e.ndim - 1])))
     cdef const double[::1] temps = _per_row(temperature, np.float64, B, "temperature")
     cdef const int64_t[::1] ks = _per_row(top_k, np.int64, B, "top_k")
     cdef const double[::1] ps = _per_row(top_p, np.float64, B, "top_p")
@@ -154,7 +160,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
             raise MemoryError("decode_steps: could not allocate the sampling workspace")
         work = p + V
     try:
-        return _steps(program, bases, lens, token, position, mask_ext, mask_len, logits, eos, tokens, seconds,
+        return _steps(program, bases, lens, token, position, mask_ext, mask_len, logits, ends, tokens, seconds,
                       temps, ks, ps, uniforms, p, work, order, s, finished, pad, mask_ones)
     finally:
         free(p)
@@ -172,7 +178,7 @@ def _per_row(value, dtype, int64_t B, str name):
 
 
 cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, int64_t *position, int mask_ext,
-                  int64_t mask_len, float[::1] logits, const int64_t[::1] eos, int64_t[:, ::1] tokens,
+                  int64_t mask_len, float[::1] logits, const int64_t[:, ::1] eos, int64_t[:, ::1] tokens,
                   double[::1] seconds, const double[::1] temperature, const int64_t[::1] top_k,
                   const double[::1] top_p, const double[::1] uniforms, double *p, double *work, int64_t *order, okv_settings s,
                   uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones):
@@ -209,8 +215,8 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                 tok = sample_row_f32(&logits[b * V], V, temperature[b], top_k[b], top_p[b], uniforms[t * B + b], p,
                                      work, order)
             tokens[t, b] = tok
-            for k in range(eos.shape[0]):
-                if eos[k] == tok:
+            for k in range(eos.shape[1]):
+                if eos[b, k] == tok:
                     finished[b] = 1
             ended = ended and finished[b]
         seconds[t] = (okv_now_ns() - t0) * 1e-9

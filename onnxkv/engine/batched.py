@@ -289,11 +289,11 @@ class BatchedSteps:
         return produced
 
     def _decode_loop(self) -> int:
-        """Batched, from :meth:`Engine.run`: when every active request is a decode row and the rows share
-        their end ids and pad id, the decode steps up to the fewest tokens a row has left run in C
-        (:meth:`State.decode_steps`, one call), a greedy row taking its argmax and a sampled row drawing
-        with its own temperature, ``top_k`` and ``top_p`` from its own random stream as :func:`choose_tokens`
-        does one step at a time (the streams then stand where those steps leave them).  A row that ends (an end id) is fed the pad id
+        """Batched, from :meth:`Engine.run`: when every active request is a decode row, the decode steps up
+        to the fewest tokens a row has left run in C (:meth:`State.decode_steps`, one call), each row ending
+        at its own end ids, a greedy row taking its argmax and a sampled row drawing with its own
+        temperature, ``top_k`` and ``top_p`` from its own random stream as :func:`choose_tokens` does one
+        step at a time (the streams then stand where those steps leave them).  A row that ends (an end id) is fed the pad id
         until the others end or the steps are done, then leaves as after a step.  Returns the steps that
         ran; 0 (nothing run or changed) when the rows do not qualify or the state cannot run them so (the
         event log on, pages to convert, a full pool: :meth:`step` takes them)."""
@@ -304,7 +304,7 @@ class BatchedSteps:
             return 0
         first = rows[0]
         names = first._builder.decode_names if first._builder is not None else None
-        if names is None or any(r.eos != first.eos or r.pad_id != first.pad_id for r in rows):
+        if names is None:
             return 0
         count = min(r.max_new_tokens - len(r.tokens) for r in rows)
         if count < 2:
@@ -322,7 +322,9 @@ class BatchedSteps:
             )
         run = None
         try:
-            run = self._batch.decode_steps(feeds, count, names, first.eos, draws, np.zeros(len(rows), bool),
+            eos = first.eos if all(r.eos == first.eos for r in rows) else [list(r.eos) for r in rows]
+            # a row fed the pad id has ended and leaves after the call: whose pad id it is does not matter
+            run = self._batch.decode_steps(feeds, count, names, eos, draws, np.zeros(len(rows), bool),
                                            first.pad_id)  # fmt: skip
         except OutOfMemory:  # the pages of the steps do not fit: nothing changed, steps make room one by one
             self._loop_short = [r.id for r in rows]  # not tried again until the rows change

@@ -441,9 +441,9 @@ class Engine(SegmentSteps, BatchedSteps):
 
     def run(self) -> list[Request]:
         """Step until every request has finished; returns every request in arrival order.  Once only
-        decode rows that share their end ids are left (batched), their steps run in C up to
-        the fewest tokens a row has left, each call (:meth:`_decode_loop`), with the tokens of the steps
-        one by one; each such call counts its steps in :attr:`steps`."""
+        decode rows are left (batched), their steps run in C up to the fewest tokens a row has left, each
+        call (:meth:`_decode_loop`), with the tokens of the steps one by one; each such call counts its
+        steps in :attr:`steps`."""
         while self.active:
             ran = self._decode_loop()
             if ran:

@@ -137,7 +137,8 @@ def check_steps(
     """Raise InputError (naming ``api``) unless ``count`` is an int >= 1; ``draws`` is None or holds a finite
     temperature > 0, an int ``top_k`` >= 0, ``top_p`` in (0, 1] and float64 ``uniforms`` with a number per
     step (and row: checked against the rows when they run); ``names`` (when given) is a :class:`DecodeNames`
-    whose values are in ``known`` (the plan's value names); ``eos`` is a sequence of ints in [0, 2**63);
+    whose values are in ``known`` (the plan's value names); ``eos`` is a sequence of ints in [0, 2**63), or
+    one such sequence per row;
     ``finished`` None or a writable bool [B]; and ``pad`` an int in [0, 2**63)."""
     if finished is not None and not (
         isinstance(finished, np.ndarray)
@@ -168,10 +169,49 @@ def check_steps(
             if (value is not None or field != "position") and (not isinstance(value, str) or value not in known):
                 raise InputError(f"{api}: names.{field} {value!r} is not a value of the model's graph")
     ids = [eos] if isinstance(eos, (int, np.integer)) else eos
+    per_row = not isinstance(ids, (str, bytes)) and _per_row_eos(ids)
+    rows = ids if per_row else [ids]
     if isinstance(ids, (str, bytes)) or not all(
-        isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_)) and 0 <= e < 2**63 for e in ids
+        (isinstance(row, (list, tuple, np.ndarray)) or not per_row)
+        and all(
+            isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_)) and 0 <= e < 2**63
+            for e in (row.tolist() if isinstance(row, np.ndarray) else row)
+        )
+        for row in rows
     ):
-        raise InputError(f"{api}: eos must be token ids (ints in [0, 2**63)), got {eos!r}")
+        raise InputError(
+            f"{api}: eos must be token ids (ints in [0, 2**63)), or one sequence of them per row, got {eos!r}"
+        )
+
+
+def _per_row_eos(eos) -> bool:
+    """Whether ``eos`` (checked by :func:`check_steps`) holds one sequence of end ids per row."""
+    return not isinstance(eos, (str, bytes)) and any(isinstance(e, (list, tuple, np.ndarray)) for e in eos)
+
+
+def eos_table(eos, rows: int) -> np.ndarray:
+    """int64 [rows or 1, E >= 1]: the end ids of every row (``eos`` a sequence of ints) or of each row (a
+    sequence of ``rows`` sequences), -1 past a row's own; InputError when a per-row ``eos`` has another
+    number of rows."""
+    if isinstance(eos, (int, np.integer)) or not _per_row_eos(eos):
+        return np.array(
+            [
+                [
+                    *np.asarray(eos if isinstance(eos, (int, np.integer)) else list(eos), np.int64)
+                    .reshape(-1)
+                    .tolist(),
+                    -1,
+                ]
+            ],
+            np.int64,
+        )
+    if len(eos) != rows:
+        raise InputError(f"decode_steps: eos has {len(eos)} rows of end ids, the steps run {rows} rows")
+    width = max(len(e) for e in eos) + 1
+    out = np.full((rows, width), -1, np.int64)
+    for b, e in enumerate(eos):
+        out[b, : len(e)] = np.asarray(e, np.int64).reshape(-1)
+    return out
 
 
 def run_steps(
@@ -198,7 +238,7 @@ def run_steps(
     caller commits or discards them).  Later steps feed each row's argmax of ``names.logits`` (or its
     draw; ``pad`` for a row that has ended: ``finished``, bool [B] or None, updated in place),
     a mask one column longer and the next positions.  Stops after ``count`` steps, once every row has
-    chosen an id in ``eos``, when the caches are full (the next step grows them through :meth:`Plan.run`)
+    chosen an id in ``eos`` (or in its own ``eos[b]``: one sequence per row), when the caches are full (the next step grows them through :meth:`Plan.run`)
     or before a step whose calls refuse their values.
 
     Returns None, with nothing run or staged, unless the plan holds an idle compiled step fitting these
@@ -321,7 +361,7 @@ def _replay(
         where["position"],
         slots[slot_of[names.mask]].shape[1],
         logits.reshape(-1),
-        np.asarray(eos, dtype=np.int64).reshape(-1),
+        eos_table(eos, rows),
         tokens,
         seconds,
         *(

@@ -265,7 +265,7 @@ class State(PagedAPI):
         feeds: Mapping[str, np.ndarray],
         count: int,
         names: DecodeNames,
-        eos: Sequence[int] = (),
+        eos: Sequence[int] | Sequence[Sequence[int]] = (),
         draws: Draws | None = None,
         finished: np.ndarray | None = None,
         pad: int = 0,
@@ -275,8 +275,8 @@ class State(PagedAPI):
         ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` say which are the token ids, the
         mask (all ones, or each row's ones first: a right-padded batch), the positions and the logits.  Each later step
         feeds each row's argmax of the previous step's logits (ties: the lowest id), or the token ``draws``
-        draws from them (row ``b`` of step ``t``: ``uniforms[t * B + b]``), or the id ``pad`` for a row that
-        has ended (``finished``: bool [B] or None, updated in place; a row ends after an id in ``eos``), a
+        draws from them (row ``b`` of step ``t``: ``uniforms[t * B + b]``), or ``pad`` for a row that has ended
+        (``finished``: bool [B] or None, updated in place; a row ends after an id in ``eos``, or ``eos[b]``), a
         mask one column longer and the next positions (:func:`onnxkv.plan.step_loop.run_steps`).  The steps
         stop after ``count``, once every row has ended, when a cache is full, or before a step that
         :meth:`run` must take; they run in C and leave exactly what the same steps through :meth:`run` leave.

@@ -224,13 +224,11 @@ def test_sampled_steps_check_their_arguments():
             decode_steps(*args, *extra)
 
 
-def test_rows_sample_with_their_own_parameters_or_take_their_argmax():
-    """Per-row temperature (0: the argmax), top_k and top_p: each row draws as the sampling kernel does with
-    its own parameters and its uniform of the step (an argmax row's uniforms are not read)."""
-    rng = np.random.default_rng(13)
-    B, v, length, count = 4, 29, 3, 10
+def _rows(rng, B, v, length, count):
+    """A B-row 'model': each row's logits are the table row of its token (the mask's lengths computed too).
+    Returns the table, the token, mask and position externals, the logits and the program."""
     table = rand(rng, (v, v), scale=2.0)
-    token, position = np.array([1, 5, 9, 2], np.int64), np.full(B, length, np.int64)
+    token, position = rng.integers(0, v, B).astype(np.int64), np.full(B, length, np.int64)
     mask, seqlens, total = np.ones((B, length + count), np.int64), np.zeros(B, np.int32), np.zeros(1, np.int32)
     logits = np.empty((B, v), np.float32)
     rec = Recorder()
@@ -238,7 +236,15 @@ def test_rows_sample_with_their_own_parameters_or_take_their_argmax():
         gather_rows(table, token, logits)
     recorded = np.ones((B, length + 1), np.int64)
     calls = [(MASK_LENGTHS, (recorded, seqlens, total), recorded.shape, ())]
-    program = Program(calls + rec.calls, [token, recorded, position], (), [1])
+    return table, token, mask, position, logits, Program(calls + rec.calls, [token, recorded, position], (), [1])
+
+
+def test_rows_sample_with_their_own_parameters_or_take_their_argmax():
+    """Per-row temperature (0: the argmax), top_k and top_p: each row draws as the sampling kernel does with
+    its own parameters and its uniform of the step (an argmax row's uniforms are not read)."""
+    rng = np.random.default_rng(13)
+    B, v, length, count = 4, 29, 3, 10
+    table, token, mask, position, logits, program = _rows(rng, B, v, length, count)
     temperature, top_k, top_p = np.array([0.8, 0.0, 1.4, 1.0]), np.array([0, 3, 6, 0]), np.array([1.0, 0.5, 0.9, 0.7])
     uniforms = rng.random(count * B)
     uniforms[1::B] = 2.0  # the argmax row's: out of range, never read
@@ -266,3 +272,31 @@ def test_rows_sample_with_their_own_parameters_or_take_their_argmax():
     with pytest.raises(ValueError, match=r"one per row \(4\)"):
         decode_steps(program, [token, mask, position], 0, 1, 2, length + 1, logits.reshape(-1), np.zeros(0, np.int64),
                      tokens, seconds, np.ones(3), 0, 1.0, np.full(count * B, 0.5))  # fmt: skip
+
+
+def test_rows_end_at_their_own_end_ids():
+    """eos [B, E] (-1: no id): each row ends after one of its own ids and is fed the pad id from then on; an
+    id another row ends at does not end it."""
+    rng = np.random.default_rng(14)
+    B, v, length, count = 3, 23, 2, 9
+    table, token, mask, position, logits, program = _rows(rng, B, v, length, count)
+    first, chains = token.copy(), []
+    for b in range(B):  # each row's argmax chain
+        tok, chain = int(first[b]), []
+        for _ in range(count):
+            tok = int(np.argmax(table[tok]))
+            chain.append(tok)
+        chains.append(chain)
+    ends = np.full((B, 2), -1, np.int64)
+    ends[0, 0], ends[2, 1] = chains[0][2], chains[2][5]  # row 1 has no end id
+    tokens, seconds, finished = np.empty((count, B), np.int64), np.empty(count), np.zeros(B, np.uint8)
+    steps, why = decode_steps(program, [token, mask, position], 0, 1, 2, length + 1, logits.reshape(-1), ends,
+                              tokens, seconds, finished=finished, pad=7)  # fmt: skip
+    assert (steps, why) == (count, DONE)
+    for b, end in ((0, 2), (1, count), (2, 5)):
+        want = chains[b][: end + 1] + [7] * (count - end - 1)
+        assert tokens[:, b].tolist() == want, f"row {b}"
+    assert finished.tolist() == [1, 0, 1]
+    with pytest.raises(ValueError, match=r"eos must be int64 \[E\], \[1, E\] or \[3, E\]"):
+        decode_steps(program, [token, mask, position], 0, 1, 2, length + 1, logits.reshape(-1),
+                     np.zeros((2, 1), np.int64), tokens, seconds)  # fmt: skip

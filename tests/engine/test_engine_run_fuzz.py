@@ -77,3 +77,25 @@ def test_rows_of_their_own_sampling_decode_in_the_loop(monkeypatch):
     for r, kw in zip(requests, kinds, strict=True):
         assert r.tokens == _alone(session, r, kw), f"request {r.id}"
     engine.close()
+
+
+def test_rows_of_their_own_end_ids_decode_in_the_loop(monkeypatch):
+    """Rows with different end ids run their decode steps in one compiled loop, each ending at its own."""
+    session = onnxkv.Session(MODEL, threads=2)
+    cache = onnxkv.CacheConfig("paged", block_size=16)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 256, 5 + 3 * i) for i in range(3)]
+    free = onnxkv.Engine(session, cache=cache)
+    unbounded = [free.add_request(p, 30, eos_token_id=[]) for p in prompts]
+    free.run()
+    ends = [[unbounded[0].tokens[8]], [], [unbounded[2].tokens[14], 1]]  # row 1 runs to its limit
+    ran = count_decode_steps(monkeypatch)
+    engine = onnxkv.Engine(session, cache=cache)
+    requests = [engine.add_request(p, 30, eos_token_id=e) for p, e in zip(prompts, ends, strict=True)]
+    engine.run()
+    assert max(ran) >= 8  # the three rows looped together until row 0 ended
+    for r, e, u in zip(requests, ends, unbounded, strict=True):
+        cut = next((i for i, t in enumerate(u.tokens) if t in e), len(u.tokens) - 1)
+        assert r.tokens == u.tokens[: cut + 1] and r.finished == ("eos" if e and cut < 29 else "length"), r.id
+    free.close()
+    engine.close()
