@@ -29,7 +29,7 @@ Usage:
       [--concurrency 1,2,4,8,16]
       [--prompt 128] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
       [--shared-prefix 0] [--prefix-arrivals after-first|together] [--no-peer] [--json FILE]
-      [--pool-fraction 0.5]
+      [--pool-fraction 0.5] [--mixed]
   python benchmarks/bench_engine.py --churn 1000 [--model embedded]
 
 The ratio to one request alone is taken within each round (N = 1 of the same
@@ -114,6 +114,17 @@ def _pool_bytes(session, prompts: list[np.ndarray], new_tokens: int, fraction: f
     return int(max(fraction * sum(pages), max(pages)) * page)
 
 
+def request_options(i: int, mixed: bool, vocab: int) -> dict:
+    """``add_request`` keywords of request ``i``: greedy with no end id; with ``mixed``, every other request
+    samples (its own temperature, ``top_k`` and seed) and each request has an end id of its own."""
+    if not mixed:
+        return {"eos_token_id": []}
+    own = {"eos_token_id": [vocab - 1 - i % (vocab // 2)]}
+    if i % 2:
+        own.update(do_sample=True, temperature=0.6 + 0.1 * (i % 7), top_k=20 + i, seed=i)
+    return own
+
+
 def _engine(session, prompts: list[np.ndarray], new_tokens: int, pool_fraction: float | None):
     import onnxkv
 
@@ -128,10 +139,13 @@ def run_engine(
     new_tokens: int,
     after_first: bool = False,
     pool_fraction: float | None = None,
+    options: list[dict] | None = None,
 ) -> dict:
     """The requests through one Engine, arriving at ``arrivals`` seconds from the start (``after_first``:
     every request but the first arrives once the first has its first token, its prompt cached;
-    ``pool_fraction``: the pool's payload bytes bounded to that fraction of what the requests need)."""
+    ``pool_fraction``: the pool's payload bytes bounded to that fraction of what the requests need;
+    ``options``: each request's ``add_request`` keywords, default greedy with no end id)."""
+    options = options or [{"eos_token_id": []} for _ in prompts]
     engine = _engine(session, prompts, new_tokens, pool_fraction)
     pending = list(range(len(prompts)))
     requests: dict[int, object] = {}
@@ -145,7 +159,7 @@ def run_engine(
             pending and arrivals[pending[0]] <= now and not (after_first and pending[0] > 0 and not requests[0].tokens)
         ):
             i = pending.pop(0)
-            requests[i] = engine.add_request(prompts[i], new_tokens, eos_token_id=[])
+            requests[i] = engine.add_request(prompts[i], new_tokens, **options[i])
             added[i] = time.perf_counter()
         if not engine.active:
             time.sleep(max(0.0, arrivals[pending[0]] - now))
@@ -201,13 +215,13 @@ def run_engine(
     }
 
 
-def run_whole(session, prompts: list[np.ndarray], new_tokens: int) -> dict:
-    """The requests added together and run by ``Engine.run()`` (whose decode steps run in C once only decode
-    rows are left): wall time from the first ``add_request`` to the end, and new
-    tokens per second."""
+def run_whole(session, prompts: list[np.ndarray], new_tokens: int, options: list[dict]) -> dict:
+    """The requests (``options``: their ``add_request`` keywords) added together and run by ``Engine.run()``
+    (whose decode steps run in C once only decode rows are left): wall time from the first ``add_request``
+    to the end, and new tokens per second."""
     engine = _engine(session, prompts, new_tokens, None)
     t0 = time.perf_counter()
-    requests = [engine.add_request(p, new_tokens, eos_token_id=[]) for p in prompts]
+    requests = [engine.add_request(p, new_tokens, **kw) for p, kw in zip(prompts, options, strict=True)]
     engine.run()
     wall = time.perf_counter() - t0
     total = sum(len(r.tokens) for r in requests)
@@ -338,18 +352,28 @@ def run_churn(session, vocab: int, count: int, seed: int) -> dict:
     }
 
 
-def run_genai(folder: Path, prompts: list[np.ndarray], new_tokens: int, batched: bool) -> dict | None:
+def run_genai(
+    folder: Path, prompts: list[np.ndarray], new_tokens: int, batched: bool, options: list[dict] | None = None
+) -> dict | None:
+    """ONNX Runtime GenAI on the prompts, as one batch (greedy) or one after the other (each with its
+    sampling of ``options``, onnxkv's ``add_request`` keywords; its end ids are not passed)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
         return None
     model = og.Model(str(folder))
     groups = [np.stack(prompts)] if batched else [p[None] for p in prompts]
+    options = [{}] if batched else (options or [{} for _ in prompts])
     t0 = time.perf_counter()
     total = 0
-    for ids in groups:
+    for ids, kw in zip(groups, options, strict=True):
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=ids.shape[1] + new_tokens, do_sample=False, batch_size=ids.shape[0])
+        sampling = (
+            {"do_sample": True, "temperature": kw["temperature"], "top_k": kw["top_k"], "random_seed": kw["seed"]}
+            if kw.get("do_sample")
+            else {"do_sample": False}
+        )
+        params.set_search_options(max_length=ids.shape[1] + new_tokens, batch_size=ids.shape[0], **sampling)
         gen = og.Generator(model, params)
         gen.append_tokens(ids)
         while not gen.is_done():
@@ -416,6 +440,12 @@ def main() -> None:
         help="the session's prefill_precision (bf16: prompt products on bfloat16 operands where the CPU "
         "has AVX-512-BF16; decode stays float32)",
     )
+    ap.add_argument(
+        "--mixed",
+        action="store_true",
+        help="every other request samples (its own temperature, top_k and seed) and each has an end id of its "
+        "own; the GenAI peer runs them one by one (its batch takes one sampling)",
+    )
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -445,6 +475,7 @@ def main() -> None:
             gaps = rng.exponential(1 / args.rate, n) if args.rate > 0 else np.zeros(n)
             work.append((n, prompts, np.cumsum(gaps) - gaps[0]))
         cases = [{"concurrency": n, "arrivals_s": arr.tolist(), "rounds": []} for n, _, arr in work]
+        options = {n: [request_options(i, args.mixed, vocab) for i in range(n)] for n in levels}
         for case, (_, prompts, _) in zip(cases, work):  # untimed, before the timed rounds
             case["memory"] = probe_engine(session, prompts, args.new_tokens, args.pool_fraction)
         for _ in range(args.rounds):  # every level once per round: a slow minute hits all levels alike
@@ -456,11 +487,12 @@ def main() -> None:
                     args.new_tokens,
                     args.shared_prefix > 0 and args.prefix_arrivals == "after-first",
                     args.pool_fraction,
+                    options[n],
                 )
                 res.pop("tokens")
                 one = {"onnxkv_engine": res}
                 if args.rate == 0 and not args.shared_prefix and not args.pool_fraction:
-                    one["onnxkv_engine_run"] = run_whole(session, prompts, args.new_tokens)
+                    one["onnxkv_engine_run"] = run_whole(session, prompts, args.new_tokens, options[n])
                 if args.shared_prefix and n > 1:
                     ttft, peak = res["ttft_each_s"], res["cache_at_peak"]
                     own = sum(-(-(p.size + args.new_tokens) // 16) - args.shared_prefix // 16 for p in prompts)
@@ -472,8 +504,9 @@ def main() -> None:
                         "prefix_once_plus_own_pages": args.shared_prefix // 16 + own,
                     }
                 if peers:
-                    one["ort_genai_batch"] = run_genai(folder, prompts, args.new_tokens, batched=True)
-                    one["ort_genai_one_by_one"] = run_genai(folder, prompts, args.new_tokens, batched=False)
+                    if not args.mixed:
+                        one["ort_genai_batch"] = run_genai(folder, prompts, args.new_tokens, batched=True)
+                    one["ort_genai_one_by_one"] = run_genai(folder, prompts, args.new_tokens, False, options[n])
                 case["rounds"].append(one)
         summary = []
         for case in cases:
@@ -540,6 +573,7 @@ def main() -> None:
             "pool_fraction": args.pool_fraction,
             "prefix_arrivals": args.prefix_arrivals if args.shared_prefix else None,
             "prefill_precision": args.prefill_precision or "float32",
+            "mixed_sampling": args.mixed,
             "seed": args.seed,
             "rounds": args.rounds,
             "cases": cases,
