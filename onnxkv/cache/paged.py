@@ -205,8 +205,7 @@ class PagedCache:
         counts = s.astype(np.int64, copy=False) if isinstance(s, np.ndarray) else np.full(starts.shape, s, np.int64)
         converted = any(payloads.converted)
         if converted:  # a page no longer native is written: back to a native copy first
-            formats = payloads.formats[:, : pool.core.capacity]
-            nonnative = (formats != payloads._native_codes[:, None]).any(axis=0).astype(np.uint8)
+            nonnative = (~payloads.native_pages(np.arange(pool.core.capacity))).astype(np.uint8)
         else:
             nonnative = _NONE
         try:
