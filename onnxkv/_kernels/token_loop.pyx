@@ -180,8 +180,8 @@ def _per_row(value, dtype, int64_t B, str name):
 cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, int64_t *position, int mask_ext,
                   int64_t mask_len, float[::1] logits, const int64_t[:, ::1] eos, int64_t[:, ::1] tokens,
                   double[::1] seconds, const double[::1] temperature, const int64_t[::1] top_k,
-                  const double[::1] top_p, const double[::1] uniforms, double *p, double *work, int64_t *order, okv_settings s,
-                  uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones):
+                  const double[::1] top_p, const double[::1] uniforms, double *p, double *work, int64_t *order,
+                  okv_settings s, uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones):
     """The steps of :func:`decode_steps` on bound externals (``bases``, ``lens``)."""
     cdef int64_t count = tokens.shape[0], B = tokens.shape[1], V = logits.shape[0] // tokens.shape[1]
     cdef int64_t t = 0, tok, k, t0, b, L

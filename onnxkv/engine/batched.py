@@ -293,10 +293,10 @@ class BatchedSteps:
         to the fewest tokens a row has left run in C (:meth:`State.decode_steps`, one call), each row ending
         at its own end ids, a greedy row taking its argmax and a sampled row drawing with its own
         temperature, ``top_k`` and ``top_p`` from its own random stream as :func:`choose_tokens` does one
-        step at a time (the streams then stand where those steps leave them).  A row that ends (an end id) is fed the pad id
-        until the others end or the steps are done, then leaves as after a step.  Returns the steps that
-        ran; 0 (nothing run or changed) when the rows do not qualify or the state cannot run them so (the
-        event log on, pages to convert, a full pool: :meth:`step` takes them)."""
+        step at a time (the streams then stand where those steps leave them).  A row that ends (an end id)
+        is fed the pad id until the others end or the steps are done, then leaves as after a step.  Returns
+        the steps that ran; 0 (nothing run or changed) when the rows do not qualify or the state cannot run
+        them so (the event log on, pages to convert, a full pool: :meth:`step` takes them)."""
         rows = self._rows
         if not self.batched or self._batch is None or len(rows) < 1 or len(rows) != len(self.active):
             return 0

@@ -104,19 +104,18 @@ def _check_draws(api: str, draws: Draws) -> None:
     per_row = [isinstance(v, np.ndarray) for v in (draws.temperature, draws.top_k, draws.top_p)]
     rows = {v.shape for v in (draws.temperature, draws.top_k, draws.top_p) if isinstance(v, np.ndarray)}
     if any(per_row) and (len(rows) != 1 or len(next(iter(rows))) != 1):
-        raise InputError(f"{api}: per-row draws parameters must be 1-D arrays of one length, got shapes {sorted(rows)}")
+        raise InputError(f"{api}: per-row draws parameters must be 1-D arrays of one length, got {sorted(rows)}")
     for name, value, kinds in (("temperature", draws.temperature, "iuf"), ("top_k", draws.top_k, "iu"),
                                ("top_p", draws.top_p, "iuf")):  # fmt: skip
-        v = np.asarray(value)
-        if isinstance(value, (bool, np.bool_)) or v.dtype.kind not in kinds:
-            raise InputError(
-                f"{api}: draws.{name} must be {'an int' if kinds == 'iu' else 'a number'} or an array of them, got {value!r}"
-            )
+        if isinstance(value, (bool, np.bool_)) or np.asarray(value).dtype.kind not in kinds:
+            what = "an int" if kinds == "iu" else "a number"
+            raise InputError(f"{api}: draws.{name} must be {what} or an array of them, got {value!r}")
     t, k, p = (np.asarray(v, np.float64) for v in (draws.temperature, draws.top_k, draws.top_p))
     greedy = (t == 0) & per_row[0]
     if not np.all(greedy | ((0 < t) & (t < np.inf))):
         raise InputError(
-            f"{api}: draws.temperature must be a finite number > 0, got {draws.temperature!r} (per row: 0 takes the argmax)"
+            f"{api}: draws.temperature must be a finite number > 0, got {draws.temperature!r} "
+            "(per row: 0 takes the argmax)"
         )
     if not np.all(k >= 0):
         raise InputError(f"{api}: draws.top_k must be an int >= 0 (0: every id), got {draws.top_k!r}")
@@ -194,17 +193,8 @@ def eos_table(eos, rows: int) -> np.ndarray:
     sequence of ``rows`` sequences), -1 past a row's own; InputError when a per-row ``eos`` has another
     number of rows."""
     if isinstance(eos, (int, np.integer)) or not _per_row_eos(eos):
-        return np.array(
-            [
-                [
-                    *np.asarray(eos if isinstance(eos, (int, np.integer)) else list(eos), np.int64)
-                    .reshape(-1)
-                    .tolist(),
-                    -1,
-                ]
-            ],
-            np.int64,
-        )
+        ids = [int(eos)] if isinstance(eos, (int, np.integer)) else [int(e) for e in eos]
+        return np.array([[*ids, -1]], np.int64)
     if len(eos) != rows:
         raise InputError(f"decode_steps: eos has {len(eos)} rows of end ids, the steps run {rows} rows")
     width = max(len(e) for e in eos) + 1
@@ -238,8 +228,8 @@ def run_steps(
     caller commits or discards them).  Later steps feed each row's argmax of ``names.logits`` (or its
     draw; ``pad`` for a row that has ended: ``finished``, bool [B] or None, updated in place),
     a mask one column longer and the next positions.  Stops after ``count`` steps, once every row has
-    chosen an id in ``eos`` (or in its own ``eos[b]``: one sequence per row), when the caches are full (the next step grows them through :meth:`Plan.run`)
-    or before a step whose calls refuse their values.
+    chosen an id in ``eos`` (or in its own ``eos[b]``: one sequence per row), when the caches are full
+    (the next step grows them through :meth:`Plan.run`) or before a step whose calls refuse their values.
 
     Returns None, with nothing run or staged, unless the plan holds an idle compiled step fitting these
     feeds that is one segment of every node whose only effects are decode cache appends, whose
