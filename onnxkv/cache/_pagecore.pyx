@@ -213,11 +213,12 @@ cdef class PageCore:
                 n = okv_pages_needed(&self._refs[0], &r[0], first_block, last_block, &act[0])
         return action, n
 
-    def write_plan(self, const int32_t[:, :] tables, const int64_t[:] starts, const int64_t[:] counts,
+    def write_plan(self, const int32_t[:, ::1] tables, const int64_t[:] starts, const int64_t[:] counts,
                    int64_t block_size, const int64_t[:] committed, const uint8_t[:] nonnative, bint keep_one):
         """The blocks a write of ``counts[b]`` positions from ``starts[b]`` (int64 [B]) into each row of
-        ``tables`` (int32 [B, M], wide enough) needs a page for: ``(rows, blocks, actions)``, int64 / int64 /
-        int32 [n] in row then block order, each FRESH (no page) or COPY (a shared page; with ``nonnative``,
+        ``tables`` (int32 [B, M], C-contiguous, wide enough) needs a page for, each row's decided as
+        :meth:`pages_needed` decides them: ``(rows, blocks, actions)``, int64 / int64 / int32 [n] in row then
+        block order, each FRESH (no page) or COPY (a shared page; with ``nonnative``,
         uint8 [capacity] or empty, also a page it marks); the blocks to KEEP are left out.
 
         ``keep_one`` (a write of appending rows, native pages): a page shared only by rows of this write,
@@ -227,10 +228,7 @@ cdef class PageCore:
         block past a row, an id past the capacity, or arguments of other shapes; nothing changes here.
         """
         cdef int64_t B = tables.shape[0], M = tables.shape[1], b, blk, lo, hi, i, j, n = 0, keeper, holders
-        cdef int32_t p
-        cdef int64_t *rows_p
-        cdef int64_t *blocks_p
-        cdef int32_t *act_p
+        cdef int32_t p, a
         cdef bint ok, first
         if starts.shape[0] != B or counts.shape[0] != B or committed.shape[0] != B or block_size < 1:
             raise ValueError(f"PageCore.write_plan: {B} rows, starts {starts.shape[0]}, counts {counts.shape[0]}, "
@@ -254,20 +252,20 @@ cdef class PageCore:
             return rows, blocks, actions
         cdef int64_t[::1] rv = rows, bv = blocks
         cdef int32_t[::1] av = actions
+        cdef int32_t[::1] row_actions = np.empty(M, np.int32)  # one row's, as pages_needed decides them
         n = 0
         for b in range(B):
             if counts[b] <= 0:
                 continue
             lo, hi = starts[b] // block_size, (starts[b] + counts[b] + block_size - 1) // block_size
+            okv_pages_needed(&self._refs[0], &tables[b, 0], lo, hi, &row_actions[0])
             for blk in range(lo, hi):
-                p = tables[b, blk]
-                if p < 0:
-                    av[n] = _FRESH
-                elif self._refs[p] > 1 or (nonnative.shape[0] and nonnative[p]):
-                    av[n] = _COPY
-                else:
+                a = row_actions[blk - lo]
+                if a == _KEEP and nonnative.shape[0] and nonnative[tables[b, blk]]:
+                    a = _COPY  # held alone but not native: back to a native copy first
+                if a == _KEEP:
                     continue
-                rv[n], bv[n] = b, blk
+                rv[n], bv[n], av[n] = b, blk, a
                 n += 1
         if keep_one:
             for i in range(n):

@@ -148,7 +148,7 @@ class PlanePayloads:
             return
         n = len(self.planes)
         ptrs, sizes = np.zeros((n, capacity), np.uint64), np.zeros((n, capacity), np.int64)
-        fmts = np.array([NATIVE_CODE[p.storage] for p in self.planes], np.uint8)[:, None].repeat(capacity, axis=1)
+        fmts = self._native_codes[:, None].repeat(capacity, axis=1)
         ptrs[:, :have], fmts[:, :have], sizes[:, :have] = self.ptrs, self.formats, self.sizes
         pad, lists = [None] * (capacity - have), [*self._bufs, *self.pages]
         try:  # the record lists grow in place (their holders see the new records)
@@ -168,8 +168,7 @@ class PlanePayloads:
 
     def native_pages(self, ids: np.ndarray) -> np.ndarray:
         """bool [len(ids)]: whether each of the live pages ``ids`` is in its native format in every plane."""
-        want = np.array([NATIVE_CODE[p.storage] for p in self.planes], np.uint8)[:, None]
-        return (self.formats[:, np.asarray(ids, np.int64)] == want).all(axis=0)
+        return (self.formats[:, np.asarray(ids, np.int64)] == self._native_codes[:, None]).all(axis=0)
 
     def pages_bytes(self, ids: np.ndarray) -> int:
         """Payload bytes of the distinct live pages ``ids`` over all planes."""

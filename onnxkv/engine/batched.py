@@ -322,8 +322,8 @@ class BatchedSteps:
             )
         run = None
         try:
-            eos = first.eos if all(r.eos == first.eos for r in rows) else [list(r.eos) for r in rows]
             # a row fed the pad id has ended and leaves after the call: whose pad id it is does not matter
+            eos = [list(r.eos) for r in rows]
             run = self._batch.decode_steps(feeds, count, names, eos, draws, np.zeros(len(rows), bool),
                                            first.pad_id)  # fmt: skip
         except OutOfMemory:  # the pages of the steps do not fit: nothing changed, steps make room one by one
