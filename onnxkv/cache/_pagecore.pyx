@@ -75,6 +75,16 @@ cdef int64_t okv_decref(int32_t *refs, int32_t *free_stack, int64_t *n_free, con
     return k
 
 
+# The largest block size PageCore.write_plan takes (its block arithmetic stays within int64).
+cdef int64_t _MAX_BLOCK = 2147483647
+
+
+cdef inline int64_t _blocks_spanned(int64_t offset, int64_t count, int64_t block_size) noexcept nogil:
+    """Blocks that ``count`` >= 1 positions starting ``offset`` in [0, block_size) into a block span
+    (block_size <= _MAX_BLOCK: no intermediate value wraps)."""
+    return count // block_size + (offset + count % block_size + block_size - 1) // block_size
+
+
 cdef class PageCore:
     """Reference counts and free list of up to ``max_pages`` pages (None: unbounded, grows).
 
@@ -200,7 +210,7 @@ cdef class PageCore:
 
     def pages_needed(self, row, int64_t first_block, int64_t last_block):
         """Action per logical block ``first_block .. last_block-1`` of ``row`` (KEEP/FRESH/COPY), and how many need a page."""
-        cdef int32_t[::1] r = np.ascontiguousarray(row, np.int32)
+        cdef int32_t[::1] r = self._as_ids(row, "pages_needed")
         if first_block < 0 or last_block > r.shape[0] or first_block > last_block:
             raise ValueError(f"PageCore.pages_needed: blocks [{first_block}, {last_block}) outside a row of "
                              f"{r.shape[0]}")
@@ -235,17 +245,23 @@ cdef class PageCore:
                              f"committed {committed.shape[0]}, block size {block_size}")
         if nonnative.shape[0] not in (0, self.capacity):
             raise ValueError(f"PageCore.write_plan: nonnative holds {nonnative.shape[0]} ids, the pool {self.capacity}")
-        for b in range(B):  # bounds first, and how many entries at most
+        if block_size > _MAX_BLOCK:
+            raise ValueError(f"PageCore.write_plan: block size {block_size} past {_MAX_BLOCK}")
+        for b in range(B):  # bounds first (no sum that can wrap), and how many entries at most
             if counts[b] <= 0:
                 continue
             if starts[b] < 0:
                 raise ValueError(f"PageCore.write_plan: row {b} starts at {starts[b]}")
-            lo, hi = starts[b] // block_size, (starts[b] + counts[b] + block_size - 1) // block_size
-            if hi > M:
-                raise ValueError(f"PageCore.write_plan: row {b} writes block {hi - 1}, past its {M}")
+            lo = starts[b] // block_size
+            if lo >= M or _blocks_spanned(starts[b] - lo * block_size, counts[b], block_size) > M - lo:
+                raise ValueError(f"PageCore.write_plan: row {b} writes {counts[b]} position(s) from {starts[b]}, "
+                                 f"past its {M} blocks of {block_size}")
+            hi = lo + _blocks_spanned(starts[b] - lo * block_size, counts[b], block_size)
             for blk in range(lo, hi):
-                if tables[b, blk] >= self.capacity:
-                    raise ValueError(f"PageCore.write_plan: page id {tables[b, blk]} out of range [0, {self.capacity})")
+                p = tables[b, blk]
+                if p < -1 or p >= self.capacity or (p >= 0 and self._refs[p] <= 0):
+                    raise ValueError(f"PageCore.write_plan: row {b}, block {blk} holds {p}, not a live page id "
+                                     f"in [0, {self.capacity}) or -1")
             n += hi - lo
         rows, blocks, actions = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int32)
         if n == 0:
@@ -257,7 +273,8 @@ cdef class PageCore:
         for b in range(B):
             if counts[b] <= 0:
                 continue
-            lo, hi = starts[b] // block_size, (starts[b] + counts[b] + block_size - 1) // block_size
+            lo = starts[b] // block_size
+            hi = lo + _blocks_spanned(starts[b] - lo * block_size, counts[b], block_size)
             okv_pages_needed(&self._refs[0], &tables[b, 0], lo, hi, &row_actions[0])
             for blk in range(lo, hi):
                 a = row_actions[blk - lo]
@@ -301,12 +318,24 @@ cdef class PageCore:
                 j += 1
         return rows[:j], blocks[:j], actions[:j]
 
+    cdef int32_t[::1] _as_ids(self, ids, str api):
+        """``ids`` (integers of any width, any shape; negative: no page) as flat int32, each checked in its own
+        width first: ValueError for other dtypes and for ids that are not below the capacity or int32."""
+        x = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+        if x.dtype != np.int32:
+            if x.size and x.dtype.kind not in "iu":
+                raise ValueError(f"PageCore.{api}: page ids must be integers, got dtype {x.dtype}")
+            if x.size and (int(x.max()) >= self.capacity or int(x.min()) < -2147483648):
+                raise ValueError(f"PageCore.{api}: page ids must be in [0, {self.capacity}) (negative: none), got "
+                                 f"{int(x.min())} .. {int(x.max())}")
+        return np.ascontiguousarray(x, np.int32).reshape(-1)
+
     cdef int32_t[::1] _checked(self, ids, str api):
         """``ids`` as flat int32, refused (ValueError, counts unchanged) when an id is past the capacity, when
         incref names a free page, or when decref drops more references to a page than it holds (counted in
         place and restored: no memory in proportion to the pool or the ids, as a failed allocation's undo
         runs when memory has run out)."""
-        cdef int32_t[::1] a = np.ascontiguousarray(ids, np.int32).reshape(-1)
+        cdef int32_t[::1] a = self._as_ids(ids, api)
         cdef int32_t[::1] refs = self._refs
         cdef int64_t i, j, n = a.shape[0], bad = -1, need = 0
         cdef int32_t p, hi = -1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxkv.cache.block_pool import BlockPool
+from onnxkv.errors import InputError
 
 __all__ = ["PageTable"]
 
@@ -60,10 +61,15 @@ class PageTable:
         self.pool.incref(out.held_ids())
         return out
 
-    def permute(self, rows: np.ndarray) -> None:
-        """Make row ``i`` old row ``rows[i]`` (int [n], each in ``[0, batch)``; n may differ from the batch,
-        rows may repeat): the rows share their pages, references are adjusted, no payload is copied."""
-        sel = np.asarray(rows, np.int64)
+    def permute(self, rows: np.ndarray, api: str = "PageTable.permute") -> None:
+        """Make row ``i`` old row ``rows[i]`` (int [n], each in ``[0, batch)``; n >= 1 may differ from the
+        batch, rows may repeat): the rows share their pages, references are adjusted, no payload is copied.
+        InputError naming ``api`` for other rows, with nothing changed."""
+        sel = np.asarray(rows)
+        if sel.ndim != 1 or not sel.size or sel.dtype.kind not in "iu":
+            raise InputError(f"{api}: indices must be a non-empty 1-D int array, got {rows!r}")
+        if int(sel.min()) < 0 or int(sel.max()) >= self.batch:
+            raise InputError(f"{api}: indices must be in [0, {self.batch}), got {sel.tolist()}")
         tables = self.tables[sel]
         old = self.held_ids()
         self.pool.incref(tables[tables >= 0])  # first: a page both tables hold never reaches 0 in between

@@ -336,10 +336,14 @@ class PagedCache:
         write appends); the loop runs over the rows and blocks that do overwrite.
         """
         table, bs = self.table, self.pool.block_size
-        extent = table.lengths if self.static_length is None else np.full(table.batch, self.static_length)
+        extent = table.lengths if self.static_length is None else self.static_length
+        over = starts < extent
+        if not over.any():
+            return []
         counts = np.broadcast_to(np.asarray(s, np.int64), starts.shape)
+        extent = np.broadcast_to(extent, starts.shape)
         out = []
-        for b in np.flatnonzero((starts < extent) & (counts > 0)).tolist():
+        for b in np.flatnonzero(over & (counts > 0)).tolist():
             lo, hi = int(starts[b]), min(int(starts[b]) + int(counts[b]), int(extent[b]))
             for blk in range(lo // bs, min(-(-hi // bs), table.tables.shape[1])):
                 page = int(self._staged[b, blk])

@@ -316,7 +316,7 @@ class BatchedSteps:
             uniforms = np.stack([np.zeros(count) if c.greedy else c.rng.random(count) for c in cfgs], axis=1)
             draws = Draws(
                 np.array([0.0 if c.greedy else c.temperature for c in cfgs]),
-                np.array([0 if c.greedy else min(c.top_k or 0, 2**63 - 1) for c in cfgs], np.int64),
+                np.array([0 if c.greedy else c.top_k or 0 for c in cfgs], np.int64),
                 np.array([1.0 if c.greedy or c.top_p is None else c.top_p for c in cfgs]),
                 uniforms.reshape(-1),
             )

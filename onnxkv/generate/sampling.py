@@ -18,6 +18,7 @@ class SamplingConfig:
     logits are divided by ``temperature``, restricted to the ``top_k`` highest
     and then to the smallest set whose probability reaches ``top_p``, and a
     token is drawn with a NumPy ``Generator`` seeded by ``seed`` (repeatable).
+    A ``top_k`` past every id keeps them all: it is held as at most ``2**63 - 1``.
     """
 
     def __init__(
@@ -33,7 +34,7 @@ class SamplingConfig:
         top_p = None if top_p is None else real_arg(api, "top_p", top_p, 0.0, 1.0, low_open=True)
         seed = optional_int(api, "seed", seed, 0)
         self.temperature = temperature
-        self.top_k = top_k
+        self.top_k = None if top_k is None else min(top_k, 2**63 - 1)
         self.top_p = top_p
         self.rng = np.random.default_rng(seed)
 

@@ -134,10 +134,10 @@ def check_steps(
     pad: int = 0,
 ) -> None:
     """Raise InputError (naming ``api``) unless ``count`` is an int >= 1; ``draws`` is None or holds a finite
-    temperature > 0, an int ``top_k`` >= 0, ``top_p`` in (0, 1] and float64 ``uniforms`` with a number per
+    temperature > 0, an int ``top_k`` >= 0, ``top_p`` in (0, 1] and float64 ``uniforms`` in [0, 1) with a number per
     step (and row: checked against the rows when they run); ``names`` (when given) is a :class:`DecodeNames`
-    whose values are in ``known`` (the plan's value names); ``eos`` is a sequence of ints in [0, 2**63), or
-    one such sequence per row;
+    whose values are in ``known`` (the plan's value names); ``eos`` is an int, a list, tuple or 1-D array of
+    ints in [0, 2**63), or one such sequence per row;
     ``finished`` None or a writable bool [B]; and ``pad`` an int in [0, 2**63)."""
     if finished is not None and not (
         isinstance(finished, np.ndarray)
@@ -150,6 +150,8 @@ def check_steps(
         raise InputError(f"{api}: the pad id must be an int in [0, 2**63), got {pad!r}")
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         raise InputError(f"{api}: count must be an int >= 1, got {count!r}")
+    if draws is not None and not isinstance(draws, Draws):
+        raise InputError(f"{api}: draws must be a Draws or None, got {type(draws).__name__}")
     u = None if draws is None else draws.uniforms
     if draws is not None and not (
         isinstance(u, np.ndarray) and u.dtype == np.float64 and u.ndim == 1 and u.shape[0] >= count
@@ -158,6 +160,9 @@ def check_steps(
             f"{api}: draws.uniforms must be float64 [>= count={count}], got "
             f"{getattr(u, 'dtype', type(u).__name__)} {getattr(u, 'shape', '')}"
         )
+    if draws is not None and not np.all((u >= 0.0) & (u < 1.0)):
+        bad = int(np.argmin((u >= 0.0) & (u < 1.0)))
+        raise InputError(f"{api}: draws.uniforms must be numbers in [0, 1), got uniforms[{bad}] = {u[bad]!r}")
     if draws is not None:
         _check_draws(api, draws)
     if names is not None or known is not None:
@@ -168,10 +173,11 @@ def check_steps(
             if (value is not None or field != "position") and (not isinstance(value, str) or value not in known):
                 raise InputError(f"{api}: names.{field} {value!r} is not a value of the model's graph")
     ids = [eos] if isinstance(eos, (int, np.integer)) else eos
-    per_row = not isinstance(ids, (str, bytes)) and _per_row_eos(ids)
+    sequence = isinstance(ids, (list, tuple)) or (isinstance(ids, np.ndarray) and ids.ndim in (1, 2))
+    per_row = sequence and _per_row_eos(ids)
     rows = ids if per_row else [ids]
-    if isinstance(ids, (str, bytes)) or not all(
-        (isinstance(row, (list, tuple, np.ndarray)) or not per_row)
+    if not sequence or not all(
+        (isinstance(row, (list, tuple)) or (isinstance(row, np.ndarray) and row.ndim == 1))
         and all(
             isinstance(e, (int, np.integer)) and not isinstance(e, (bool, np.bool_)) and 0 <= e < 2**63
             for e in (row.tolist() if isinstance(row, np.ndarray) else row)
@@ -179,13 +185,14 @@ def check_steps(
         for row in rows
     ):
         raise InputError(
-            f"{api}: eos must be token ids (ints in [0, 2**63)), or one sequence of them per row, got {eos!r}"
+            f"{api}: eos must be token ids (an int, or a list, tuple or 1-D array of ints in [0, 2**63)), or "
+            f"one such sequence per row, got {eos!r}"
         )
 
 
 def _per_row_eos(eos) -> bool:
     """Whether ``eos`` (checked by :func:`check_steps`) holds one sequence of end ids per row."""
-    return not isinstance(eos, (str, bytes)) and any(isinstance(e, (list, tuple, np.ndarray)) for e in eos)
+    return any(isinstance(e, (list, tuple, np.ndarray)) for e in eos)
 
 
 def eos_table(eos, rows: int) -> np.ndarray:

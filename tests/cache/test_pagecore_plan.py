@@ -85,9 +85,19 @@ def test_beams_appending_into_one_shared_page_copy_all_but_the_furthest():
     "tables, starts, counts, match",
     [
         (np.zeros((2, 1), np.int32), np.zeros(2, np.int64), np.full(2, 5, np.int64), "past its 1"),
-        (np.full((1, 2), 99, np.int32), np.zeros(1, np.int64), np.ones(1, np.int64), "out of range"),
+        (
+            np.full((1, 2), 99, np.int32),
+            np.zeros(1, np.int64),
+            np.ones(1, np.int64),
+            r"holds 99, not a live page id in \[0, 8\)",
+        ),
         (np.zeros((1, 2), np.int32), np.full(1, -1, np.int64), np.ones(1, np.int64), "starts at -1"),
         (np.zeros((2, 2), np.int32), np.zeros(1, np.int64), np.ones(1, np.int64), "2 rows, starts 1"),
+        # a start + count that wraps int64 (it used to shrink the plan's arrays, then write past them)
+        (np.zeros((2, 2), np.int32), np.array([0, 1], np.int64), np.array([1, 2**63 - 1], np.int64), "row 1 writes"),
+        (np.zeros((1, 2), np.int32), np.array([2**63 - 1], np.int64), np.ones(1, np.int64), "row 0 writes 1"),
+        (np.full((1, 2), 1, np.int32), np.zeros(1, np.int64), np.ones(1, np.int64), "holds 1, not a live page"),
+        (np.full((1, 2), -2, np.int32), np.zeros(1, np.int64), np.ones(1, np.int64), "holds -2, not a live page"),
     ],
 )
 def test_write_plan_refuses_what_does_not_fit(tables, starts, counts, match):
@@ -110,3 +120,37 @@ def test_decref_past_the_references_held_changes_no_count():
         core.incref(np.array([a, a + 2], np.int32))
     assert core.refs()[[a, b]].tolist() == [1, 2]
     assert core.decref(np.array([b, a, b], np.int32)).tolist() == [a, b]
+
+
+def test_write_plan_refuses_a_block_size_its_arithmetic_cannot_hold():
+    core = PageCore(8, None)
+    core.reserve(1)
+    with pytest.raises(ValueError, match="block size 4611686018427387904 past 2147483647"):
+        core.write_plan(np.zeros((1, 2), np.int32), np.array([3], np.int64), np.array([2**62], np.int64), 2**62,
+                        np.zeros(1, np.int64), np.zeros(0, np.uint8), True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        (np.array([2**32], np.int64), r"page ids must be in \[0, 8\) \(negative: none\), got 4294967296"),
+        (np.array([-(2**32) + 1], np.int64), r"page ids must be in \[0, 8\) \(negative: none\), got -4294967295"),
+        (
+            np.array([2**64 - 1], np.uint64),
+            r"page ids must be in \[0, 8\) \(negative: none\), got 18446744073709551615",
+        ),
+        (np.array([0.7]), "page ids must be integers, got dtype float64"),
+    ],
+)
+def test_ids_are_checked_in_their_own_width(ids, match):
+    """An int64 id 2**32 + p once narrowed to page p (and a float p + 0.7 to p) before the range check."""
+    core = PageCore(8, None)
+    core.reserve(2)
+    for api in ("incref", "decref"):
+        with pytest.raises(ValueError, match=f"PageCore.{api}: {match}"):
+            getattr(core, api)(ids)
+    with pytest.raises(ValueError, match=f"PageCore.pages_needed: {match}"):
+        core.pages_needed(ids, 0, 1)
+    assert core.refs()[:2].tolist() == [1, 1]
+    core.incref(np.array([1, -1], np.int64))  # other widths in range, negative: no page
+    assert core.refs()[:2].tolist() == [1, 2]

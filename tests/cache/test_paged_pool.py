@@ -329,6 +329,18 @@ def test_permute_shares_rows_and_frees_the_pages_of_rows_dropped():
     assert pool.live_pages == 4  # row 1's two pages freed
     assert sorted(pool.core.refs()[t.held_ids()].tolist()) == [2] * 8
     pool.audit()
+    for rows, match in (
+        (np.array([-1]), r"indices must be in \[0, 4\), got \[-1\]"),
+        (np.array([4]), r"indices must be in \[0, 4\), got \[4\]"),
+        (np.array([2**64 - 1], np.uint64), r"indices must be in \[0, 4\)"),
+        (np.array([1.7]), "indices must be a non-empty 1-D int array"),
+        (np.zeros((1, 1), np.int64), "indices must be a non-empty 1-D int array"),
+        (np.zeros(0, np.int64), "indices must be a non-empty 1-D int array"),
+    ):
+        with pytest.raises(InputError, match=f"PageTable.permute: {match}"):
+            t.permute(rows)
+    np.testing.assert_array_equal(t.tables, before[[2, 2, 0, 0]])
+    pool.audit()
     t.release()
     assert pool.live_pages == 0
 

@@ -199,3 +199,17 @@ def test_sampled_steps_run_in_c_draw_the_tokens_of_steps_run_one_by_one(kw, new)
     for plain in (True, False):
         np.testing.assert_array_equal(got[False, plain], got[True, plain])
     assert len(set(got[True, True][0].tolist())) > 1
+
+
+def test_a_top_k_past_int64_draws_on_every_cache_as_no_top_k():
+    """top_k=2**70 passed generate's check, then the compiled loop refused it naming State.decode_steps (a
+    fuzzing helper found it); any top_k past the vocabulary keeps every id, on every cache kind."""
+    from onnxkv.zoo import embedded
+
+    sess = onnxkv.Session(str(embedded.embedded_model_dir()), threads=1)
+    ids = np.array([embedded.encode("The ")])
+    want = onnxkv.generate(sess, ids, 12, do_sample=True, seed=3, eos_token_id=[], cache="tensor").tokens
+    for top_k in (2**63, 2**64, 2**70):
+        for cache in ("contiguous", "paged", "tensor"):
+            got = onnxkv.generate(sess, ids, 12, do_sample=True, top_k=top_k, seed=3, eos_token_id=[], cache=cache)
+            np.testing.assert_array_equal(got.tokens, want, err_msg=f"top_k={top_k} cache={cache}")

@@ -322,8 +322,12 @@ def test_draws_that_do_not_fit_are_refused():
         for uniforms in (np.full(2, 0.5), np.full(5, 0.5, np.float32), [0.5] * 5):
             with pytest.raises(InputError, match="draws.uniforms must be float64"):
                 st.decode_steps(feeds, 5, draws=Draws(1.0, 0, 1.0, uniforms), **_io(sess))
-        with pytest.raises(ValueError, match=r"uniforms\[0\] = 1.5"):
-            st.decode_steps(feeds, 5, draws=Draws(1.0, 0, 1.0, np.full(5, 1.5)), **_io(sess))
+        for bad, at in ((np.full(5, 1.5), 0), (np.array([0.5] * 4 + [1.0]), 4), (np.full(5, np.nan), 0),
+                        (np.array([0.5, -0.1, 0.5, 0.5, 0.5]), 1)):  # fmt: skip
+            with pytest.raises(InputError, match=rf"draws.uniforms must be numbers in \[0, 1\), got uniforms\[{at}\]"):
+                st.decode_steps(feeds, 5, draws=Draws(1.0, 0, 1.0, bad), **_io(sess))
+        with pytest.raises(InputError, match="draws must be a Draws or None, got tuple"):
+            st.decode_steps(feeds, 5, draws=(1.0, 0, 1.0, np.full(5, 0.5)), **_io(sess))
         u = np.full(5, 0.5)
         for draws, match in (
             (Draws(0.0, 0, 1.0, u), "draws.temperature must be a finite number > 0, got 0.0"),
@@ -379,7 +383,9 @@ def test_names_and_eos_that_do_not_fit_are_refused():
         ):
             with pytest.raises(InputError, match=match):
                 st.decode_steps(feeds, 3, names=names)
-        for eos in ([2**63], "ab", [1.0], [True], [-1]):
+        # a 0-d array, None, a row that is a 0-d array, a generator (a check would use it up), mixed rows
+        hostile = (np.array(5), None, [np.array(3)], (t for t in [3]), [1, [2]], np.zeros((1, 1, 1), np.int64))
+        for eos in ([2**63], "ab", [1.0], [True], [-1], *hostile):
             with pytest.raises(InputError, match="eos must be token ids"):
                 st.decode_steps(feeds, 3, eos=eos, **_io(sess))
         assert st.length == 6

@@ -407,16 +407,10 @@ class PagedStore:
     def reorder(self, indices, api: str = "State.reorder") -> None:
         """Row ``i`` becomes old row ``indices[i]``: tables permuted, counts adjusted, no payload copied
         (errors name ``api``)."""
-        cache = self.cache
         idx = np.asarray(indices)
-        if idx.ndim != 1 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
-            raise InputError(f"{api}: indices must be a non-empty 1-D int array, got {indices!r}")
         if idx.size > MAX_ROWS:
             raise InputError(f"{api}: indices make {idx.size} rows, more than the {MAX_ROWS} a state holds")
-        b = cache.table.batch
-        if idx.min() < 0 or idx.max() >= b:
-            raise InputError(f"{api}: indices must be in [0, {b}), got {idx.tolist()}")
-        cache.table.permute(idx)
+        self.cache.table.permute(idx, api)
         self.ctx.log("reorder", allocations=0, cow_copied_bytes=0, prefix_copied_bytes=0)
 
     def start_on_pages(self, pages, length: int) -> None:
