@@ -10,8 +10,9 @@ step's uniform number for that row), writes the ids into the token external
 (a row that has ended takes the pad id), lengthens the attention mask by one
 column (all ones, or each row's ones first: one more each step, as a
 right-padded batch's mask grows), advances the positions and the committed
-lengths each decode call checks, and stops once every row has chosen an
-end-of-sequence id.  The
+lengths each decode call checks, writes the attention masks an export derives
+from that mask (the outputs of an ``ExportMask`` node the loop stands in for),
+and stops once every row has chosen an end-of-sequence id.  The
 results are those of the steps run one by one (:meth:`Program.run`, then
 ``np.argmax`` or ``sampling.sample`` per row, ended rows padded), bit for bit.
 """
@@ -21,10 +22,10 @@ from libc.stdlib cimport free, malloc
 
 import numpy as np
 
-from onnxkv._kernels._record cimport KIND_DECODE_PAGED, KIND_DECODE_TOKEN
+from onnxkv._kernels._record cimport KIND_CACHE_ROWS, KIND_DECODE_PAGED, KIND_DECODE_TOKEN, KIND_MASKED_DECODE
 from onnxkv._kernels._runtime cimport okv_now_ns, okv_settings, okv_settings_get
 from onnxkv._kernels.sampling cimport sample_row_f32
-from onnxkv._kernels.step cimport MAX_EXT, PAGED_S, Program, call_t
+from onnxkv._kernels.step cimport MAX_EXT, PAGED_S, Program, call_t, ext_t
 
 __all__ = ["decode_steps", "DONE", "EOS", "REFUSED", "MISMATCH"]
 
@@ -53,7 +54,9 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
                  int64_t mask_len, float[::1] logits, eos, int64_t[:, ::1] tokens,
                  double[::1] seconds, temperature=0.0, top_k=0, top_p=1.0,
                  const double[::1] uniforms=None, uint8_t[::1] finished=None, int64_t pad=0,
-                 const int64_t[::1] mask_ones=None):
+                 const int64_t[::1] mask_ones=None, const int64_t[:, ::1] derived=None,
+                 const double[:, ::1] derived_values=None, Program head=None, list head_externals=None,
+                 int head_token_ext=-1, int head_position_ext=-1):
     """Run up to ``count = len(tokens)`` decode steps of ``program`` for its B rows; return ``(steps, why)``.
 
     ``externals`` are the program's external arrays (checked as :meth:`Program.run` checks them), bound
@@ -63,8 +66,20 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     as the step reads it ([B, mask_len + t]): all ones (``mask_ones`` None: the caller fills M columns),
     or, with ``mask_ones`` (int64 [B], each in [0, mask_len]), row ``b``'s first ``mask_ones[b] + t``
     columns ones and the rest zeros (the loop writes it before each step);
+    ``mask_ext`` may be -1 when ``derived`` is given: no node of the program reads the mask, the masks
+    derived from it (all ones, ``mask_len + t`` columns at step ``t``) stand for it.
+    ``derived`` (int64 [n, 4], with ``derived_values`` float64 [n, 2]; or None) describes, per row, an
+    external the loop writes before each step as the ``ExportMask`` formula gives it for one query at
+    position ``mask_len + t - 1`` over an all-ones mask (``mask_ones`` must be None): ``(external, kind,
+    window, rows)``, the external ragged ``[rows, 1, 1, M]`` (rows 1 or B; ``mask_len + count - 1 <= M``)
+    of float32 (kind 0: ``derived_values[d, 0]`` where key ``k`` is visible, ``[d, 1]`` where hidden) or
+    bool (kind 1), C-contiguous as step ``t`` reads it ([rows, 1, 1, T = mask_len + t]); key ``k`` is
+    visible when ``window`` is 0 or ``k > T - 1 - window``.
     ``externals[position_ext]`` (or -1: none) the tokens' positions (int64, one per row), one more each
-    step.  The caller has set the committed lengths of every decode call (its effect's ``before``), and
+    step.  ``head`` (or None) is a program run before ``program`` in every step, on ``head_externals``
+    (checked and bound as ``program``'s), which must write nothing but its own memory (no cache);
+    ``head_token_ext`` / ``head_position_ext`` (or -1) are its externals that hold the step's token ids /
+    positions, written as ``program``'s are (``token_ext`` may be -1 when the head's holds them).  The caller has set the committed lengths of every decode call (its effect's ``before``), and
     for a paged decode call staged the pages of every position the steps may write (a step whose
     position is past them is refused).
     ``logits`` is the program memory holding the step's logits (float32 [B * V], row-major).
@@ -90,6 +105,9 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     """
     cdef void *bases[MAX_EXT]
     cdef int64_t lens[MAX_EXT]
+    cdef void *hbases[MAX_EXT]
+    cdef int64_t hlens[MAX_EXT]
+    cdef int64_t *heads[2]
     cdef int64_t count = tokens.shape[0], B = tokens.shape[1], t, b
     cdef int c
     cdef int64_t *token
@@ -128,29 +146,41 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         for t in range(count * B):
             if not (0.0 <= uniforms[t] < 1.0):
                 raise ValueError(f"decode_steps: uniforms[{t}] = {uniforms[t]} is not in [0, 1)")
+    cdef int64_t n_derived = 0 if derived is None else derived.shape[0]
+    cdef int h_ext = 0 if head is None else head.n_ext
+    if head is None and (head_token_ext != -1 or head_position_ext != -1 or head_externals is not None):
+        raise ValueError("decode_steps: head externals given without a head program")
+    for c, name in ((head_token_ext, "head token"), (head_position_ext, "head position")):
+        if not (-1 <= c < h_ext):
+            raise ValueError(f"decode_steps: {name} external {c} out of [0, {h_ext})")
     for c, name in ((token_ext, "token"), (mask_ext, "mask"), (position_ext, "position")):
-        if not (0 <= c < n_ext or (c == -1 and name == "position")):
+        if not (0 <= c < n_ext or (c == -1 and (name == "position" or (name == "mask" and n_derived)
+                                                or (name == "token" and head_token_ext >= 0)))):
             raise ValueError(f"decode_steps: {name} external {c} out of [0, {n_ext})")
-    if not program.exts[mask_ext].ragged or program.exts[mask_ext].ndim != 2 or program.exts[mask_ext].shape[0] != B:
+    if mask_ext >= 0 and (not program.exts[mask_ext].ragged or program.exts[mask_ext].ndim != 2
+                          or program.exts[mask_ext].shape[0] != B):
         raise ValueError(f"decode_steps: external {mask_ext} is not the ragged [{B}, L] mask of the rows' step")
-    for c in (token_ext, position_ext):
-        if c >= 0 and (program.exts[c].nbytes != 8 * B or program.exts[c].itemsize != 8
-                       or (program.exts[c].format[0] != c'l' and program.exts[c].format[0] != c'q')):
+    _check_derived(program, derived, derived_values, n_derived, B, (token_ext, mask_ext, position_ext), mask_ones)
+    for prog, c in ((program, token_ext), (program, position_ext), (head, head_token_ext), (head, head_position_ext)):
+        if c >= 0 and not _one_int64_per_row(prog, c, B):
             raise ValueError(f"decode_steps: external {c} must be int64, one per row (token ids or positions)")
-    if not program.bind(externals, bases, lens):
+    if not program.bind(externals, bases, lens) or (head is not None and not head.bind(head_externals, hbases, hlens)):
         return 0, MISMATCH
-    if mask_len < 1 or mask_len + count - 1 > lens[mask_ext]:
-        raise ValueError(f"decode_steps: {count} steps from a mask of {mask_len} columns need "
-                         f"{mask_len + count - 1} columns, the mask has {lens[mask_ext]}")
+    for c in ([mask_ext] if mask_ext >= 0 else []) + [int(derived[d, 0]) for d in range(n_derived)]:
+        if mask_len < 1 or mask_len + count - 1 > lens[c]:
+            raise ValueError(f"decode_steps: {count} steps from a mask of {mask_len} columns need "
+                             f"{mask_len + count - 1} columns, external {c} has {lens[c]}")
     if mask_ones is not None:
         if mask_ones.shape[0] != B:
             raise ValueError(f"decode_steps: mask_ones must have one count per row ({B}), got {mask_ones.shape[0]}")
         for b in range(B):
             if not 0 <= mask_ones[b] <= mask_len:
                 raise ValueError(f"decode_steps: mask_ones[{b}] = {mask_ones[b]} is not in [0, {mask_len}]")
-    token = <int64_t *>bases[token_ext]
+    token = <int64_t *>bases[token_ext] if token_ext >= 0 else NULL
     if position_ext >= 0:
         position = <int64_t *>bases[position_ext]
+    heads[0] = <int64_t *>hbases[head_token_ext] if head_token_ext >= 0 else NULL
+    heads[1] = <int64_t *>hbases[head_position_ext] if head_position_ext >= 0 else NULL
     if sampled:
         p = <double *>malloc(<size_t>(2 * V) * sizeof(double))
         order = <int64_t *>malloc(<size_t>(2 * V) * sizeof(int64_t))
@@ -161,10 +191,59 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
         work = p + V
     try:
         return _steps(program, bases, lens, token, position, mask_ext, mask_len, logits, ends, tokens, seconds,
-                      temps, ks, ps, uniforms, p, work, order, s, finished, pad, mask_ones)
+                      temps, ks, ps, uniforms, p, work, order, s, finished, pad, mask_ones, derived, derived_values,
+                      head, hbases, hlens, heads)
     finally:
         free(p)
         free(order)
+
+
+cdef bint _one_int64_per_row(Program program, int c, int64_t B):
+    """Whether external ``c`` of ``program`` is int64 with one element per row."""
+    cdef ext_t *x = &program.exts[c]
+    return x.nbytes == 8 * B and x.itemsize == 8 and (x.format[0] == c'l' or x.format[0] == c'q')
+
+
+cdef _check_derived(Program program, const int64_t[:, ::1] derived, const double[:, ::1] values, int64_t n,
+                    int64_t B, tuple taken, const int64_t[::1] mask_ones):
+    """Raise ValueError unless every row of ``derived`` (see :func:`decode_steps`) names a distinct external,
+    none of ``taken``, that is a ragged [rows, 1, 1, M] float32 (kind 0) or bool (kind 1) array, with a
+    window >= 0, rows 1 or B, and ``values`` [n, 2] beside it; and ``mask_ones`` is None when n > 0."""
+    cdef int64_t d, e, kind, window, rows
+    cdef ext_t *x
+    if n == 0:
+        return
+    if values is None or values.shape[0] != n or values.shape[1] != 2 or derived.shape[1] != 4:
+        raise ValueError(f"decode_steps: derived must be int64 [n, 4] with derived_values float64 [n, 2], n = {n}")
+    if mask_ones is not None:
+        raise ValueError("decode_steps: derived masks stand for an all-ones mask (mask_ones must be None)")
+    seen = set(c for c in taken if c >= 0)
+    for d in range(n):
+        e, kind, window, rows = derived[d, 0], derived[d, 1], derived[d, 2], derived[d, 3]
+        if not 0 <= e < program.n_ext or e in seen:
+            raise ValueError(f"decode_steps: derived[{d}] names external {e}, out of [0, {program.n_ext}) or taken")
+        seen.add(e)
+        x = &program.exts[e]
+        if kind not in (0, 1) or window < 0 or rows not in (1, B) or not x.ragged or x.ndim != 4 \
+                or x.shape[0] != rows or x.shape[1] != 1 or x.shape[2] != 1 or x.itemsize != (4 if kind == 0 else 1) \
+                or x.format[0] != (c'f' if kind == 0 else c'?'):
+            raise ValueError(f"decode_steps: derived[{d}] = ({e}, {kind}, {window}, {rows}) is not a ragged "
+                             f"[rows, 1, 1, M] float32 (kind 0) or bool (kind 1) external, window >= 0, rows 1 "
+                             f"or {B}")
+
+
+cdef void _write_derived(void *base, int64_t kind, int64_t window, int64_t rows, double visible, double hidden,
+                         int64_t T) noexcept nogil:
+    """One derived mask [rows, 1, 1, T] (see :func:`decode_steps`) for the query at position T - 1."""
+    cdef int64_t r, k, lo = T - window if window > 0 else 0   # keys k > T - 1 - window
+    cdef float *f = <float *>base
+    cdef uint8_t *u = <uint8_t *>base
+    for r in range(rows):
+        for k in range(T):
+            if kind == 0:
+                f[r * T + k] = <float>visible if k >= lo else <float>hidden
+            else:
+                u[r * T + k] = 1 if k >= lo else 0
 
 
 def _per_row(value, dtype, int64_t B, str name):
@@ -181,11 +260,14 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                   int64_t mask_len, float[::1] logits, const int64_t[:, ::1] eos, int64_t[:, ::1] tokens,
                   double[::1] seconds, const double[::1] temperature, const int64_t[::1] top_k,
                   const double[::1] top_p, const double[::1] uniforms, double *p, double *work, int64_t *order,
-                  okv_settings s, uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones):
-    """The steps of :func:`decode_steps` on bound externals (``bases``, ``lens``)."""
+                  okv_settings s, uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones,
+                  const int64_t[:, ::1] derived, const double[:, ::1] derived_values, Program head,
+                  void **hbases, int64_t *hlens, int64_t **heads):
+    """The steps of :func:`decode_steps` on bound externals (``bases``, ``lens``; the head's ``hbases``,
+    ``hlens``, its token and position externals ``heads``)."""
     cdef int64_t count = tokens.shape[0], B = tokens.shape[1], V = logits.shape[0] // tokens.shape[1]
-    cdef int64_t t = 0, tok, k, t0, b, L
-    cdef int64_t *mask = <int64_t *>bases[mask_ext]
+    cdef int64_t t = 0, tok, k, t0, b, L, d, n_derived = 0 if derived is None else derived.shape[0]
+    cdef int64_t *mask = <int64_t *>bases[mask_ext] if mask_ext >= 0 else NULL
     cdef int c, r
     cdef bint ended
     cdef int64_t *pos_io
@@ -193,18 +275,25 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
     why = DONE
     while t < count:
         L = mask_len + t
-        lens[mask_ext] = L
+        if mask_ext >= 0:
+            lens[mask_ext] = L
         t0 = okv_now_ns()
+        for d in range(n_derived):
+            lens[derived[d, 0]] = L
+            _write_derived(bases[derived[d, 0]], derived[d, 1], derived[d, 2], derived[d, 3], derived_values[d, 0],
+                           derived_values[d, 1], L)
         if mask_ones is not None:   # [B, L] as the step reads it: each row's ones first
             for b in range(B):
                 for k in range(L):
                     mask[b * L + k] = 1 if k < mask_ones[b] + t else 0
-        r = program.execute(bases, lens, s)
+        r = 1 if head is None else head.execute(hbases, hlens, s)
+        if r > 0:
+            r = program.execute(bases, lens, s)
         if r == 0:
             why = REFUSED
             break
         if r < 0:
-            raise MemoryError(f"decode_steps: call {-1 - r} of step {t} could not allocate its workspace")
+            raise MemoryError(f"decode_steps: a call of step {t} could not allocate its workspace")
         ended = True
         for b in range(B):
             if finished[b]:
@@ -232,13 +321,22 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                 pos_io = <int64_t *>cl.p[10]   # row 0 of the lengths: the call's tokens per row more
                 for k in range(cl.i[8]):
                     pos_io[k] += cl.i[PAGED_S]
+            elif cl.kind == KIND_CACHE_ROWS:   # the committed length it copies at: its S positions more
+                (<int64_t *>cl.p[2])[0] += cl.i[2]
+            elif cl.kind == KIND_MASKED_DECODE:   # the committed length of its caches: its S queries more
+                (<int64_t *>cl.p[5])[0] += cl.i[3]
         if ended:
             why = EOS
             break
         if t == count:
             break
         for b in range(B):
-            token[b] = tokens[t - 1, b]
+            if token != NULL:
+                token[b] = tokens[t - 1, b]
+            if heads[0] != NULL:
+                heads[0][b] = tokens[t - 1, b]
             if position != NULL:
                 position[b] += 1
+            if heads[1] != NULL:
+                heads[1][b] += 1
     return t, why

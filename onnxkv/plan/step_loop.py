@@ -7,7 +7,13 @@ differ only in values the loop itself can make: each row's token id (the argmax 
 the previous step's logits, or a draw from them: :class:`Draws`; the pad id once
 the row has ended), the attention mask (one more column of ones; or, for a
 right-padded batch, one more one after each row's own),
-the positions (one more) and the committed cache lengths.
+the positions (one more) and the committed cache lengths.  The masks an
+export's ``ExportMask`` node computes from the attention mask are such values
+too: a step of that node and one segment, or of a head segment that writes no
+cache, the node and a segment (a torch export's token embedding comes before
+its masks), replays with the loop writing the node's masks before each step
+(:meth:`ExportMask.loop_masks <onnxkv.plan.ops.export_mask.ExportMask.loop_masks>`;
+all-ones attention masks only).
 :func:`run_steps` replays that program token after token in C
 (:func:`onnxkv._kernels.token_loop.decode_steps`), with no Python between the
 tokens, and stages the rows the steps appended in the caches; the caller (a
@@ -29,8 +35,10 @@ import numpy as np
 from onnxkv._kernels.token_loop import MISMATCH, REFUSED, decode_steps
 from onnxkv.errors import InputError
 from onnxkv.plan.compiled_step import Segment
+from onnxkv.plan.ops._export_record import CommittedLength, RowsAppend
 from onnxkv.plan.ops._gqa_paged_decode import PagedAppend
 from onnxkv.plan.ops._gqa_record import CacheAppend
+from onnxkv.plan.ops.export_mask import ExportMask
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -239,8 +247,9 @@ def run_steps(
     (the next step grows them through :meth:`Plan.run`) or before a step whose calls refuse their values.
 
     Returns None, with nothing run or staged, unless the plan holds an idle compiled step fitting these
-    feeds that is one segment of every node whose only effects are decode cache appends, whose
-    logits it exports as float32 [B, V], and whose external values are those inputs and the caches.
+    feeds that is one segment of every node (or the segments and ``ExportMask`` node of the module
+    docstring) whose only effects are decode cache appends, whose logits it exports as float32 [B, V],
+    and whose external values are those inputs, the caches and the masks the loop writes.
 
     Raises:
         InputError: ``feeds`` do not fit the graph inputs (as :meth:`Plan.run`).
@@ -261,22 +270,22 @@ def run_steps(
 def _replay(
     plan, step, slots, caches, count: int, names: DecodeNames, eos, draws: Draws | None, finished, pad: int
 ) -> StepsRun | None:
-    items = step.items
-    if len(items) != 1 or type(items[0]) is not Segment:
-        return None
-    seg = items[0]
     slot_of = plan.slot_of
-    logits = next((v for s, v in seg.exports if s == slot_of[names.logits]), None)
-    kinds = {type(effect) for effect, _ in seg.effects}
     mask = slots[slot_of[names.mask]]
     rows = mask.shape[0] if isinstance(mask, np.ndarray) and mask.ndim == 2 else 0
+    loop = _loop_items(plan, step.items, slots, names.mask) if rows else None
+    if loop is None:
+        return None
+    head, seg, derived = loop
+    logits = next((v for s, v in seg.exports if s == slot_of[names.logits]), None)
+    kinds = {type(effect) for effect, _ in seg.effects}
     if (
         logits is None
         or logits.dtype != np.float32
-        or rows < 1
         or logits.size != rows * logits.shape[-1]
         or not logits.flags.c_contiguous
-        or kinds not in ({CacheAppend}, {PagedAppend})
+        or kinds not in (({RowsAppend, CommittedLength},) if derived else ({CacheAppend}, {PagedAppend}))
+        or any(r not in (1, rows) for _, _, r, _, _ in derived.values())
         or (finished is not None and finished.shape != (rows,))
     ):
         return None
@@ -284,10 +293,12 @@ def _replay(
     if paged and any(effect.tokens != 1 for effect, _ in seg.effects):  # a step of one token per row only
         return None
     try:
-        named = [caches[n] for effect, _ in seg.effects for n in effect.names]
+        named = list({id(c): c for c in (caches[n] for effect, _ in seg.effects for n in effect.names)}.values())
     except KeyError:
         return None
     if any(c.batch != rows for c in named):
+        return None
+    if derived and any(c.length != mask.shape[1] - 1 for c in named):  # one query after each cache's past
         return None
     count = min(count, _room(named, paged))
     if count < 1:
@@ -299,10 +310,109 @@ def _replay(
     for effect, _ in seg.effects:  # a paged one stages the pages of the steps' positions
         if not (effect.before(caches, count) if paged else effect.before(caches)):
             return None
+    made = dict(head.exports) if head is not None else {}
+    head_bound = None if head is None else _externals(head, slots, caches, roles, {}, {}, rows, count, paged)
+    bound = _externals(seg, slots, caches, roles, derived, made, rows, count, paged)
+    if bound is None or (head is not None and (head_bound is None or "mask" in head_bound[1])):
+        return None
+    externals, where, spec, mask_ones, at = bound
+    if ("token" not in where and (head_bound is None or "token" not in head_bound[1])) or (
+        ("mask" in where) == bool(derived)
+    ):
+        return None
+    if derived:  # every row at the past the caches hold
+        at = np.full(rows, mask.shape[1] - 1, np.int64)
+    starts = [effect.lengths[0].copy() for effect, _ in seg.effects] if paged else []
+    if at is not None:  # the committed bytes the steps may write over (rows below the longest) kept
+        if (at < 0).any() or any((at > c.lengths).any() for c in named):
+            return None
+        for c in named:
+            c.save_rows(at, count)
+    if draws is not None and any(
+        isinstance(v, np.ndarray) and v.shape != (rows,) for v in (draws.temperature, draws.top_k, draws.top_p)
+    ):
+        raise InputError(f"decode_steps: per-row draws parameters must have one entry per row ({rows})")
+    if draws is not None and draws.uniforms.shape[0] < count * rows:
+        raise InputError(
+            f"decode_steps: draws.uniforms has {draws.uniforms.shape[0]} numbers, {count} steps of {rows} rows "
+            f"need {count * rows}"
+        )
+    tokens = np.empty((count, rows), dtype=np.int64)
+    seconds = np.empty(count, dtype=np.float64)
+    ended = np.zeros(rows, np.uint8) if finished is None else finished.astype(np.uint8)
+    head_where = {} if head_bound is None else head_bound[1]
+    done, why = decode_steps(
+        seg.program,
+        externals,
+        where.get("token", -1),
+        where.get("mask", -1),
+        where.get("position", -1),
+        slots[slot_of[names.mask]].shape[1],
+        logits.reshape(-1),
+        eos_table(eos, rows),
+        tokens,
+        seconds,
+        *(
+            ()
+            if draws is None
+            else (
+                draws.temperature,
+                np.minimum(np.asarray(draws.top_k), logits.size),
+                draws.top_p,
+                np.ascontiguousarray(draws.uniforms[: count * rows]),  # a strided view is the caller's to give
+            )
+        ),
+        finished=ended,
+        pad=int(pad),
+        mask_ones=mask_ones,
+        derived=np.array([d for d, _ in spec], np.int64) if spec else None,
+        derived_values=np.array([v for _, v in spec], np.float64) if spec else None,
+        head=None if head is None else head.program,
+        head_externals=None if head_bound is None else head_bound[0],
+        head_token_ext=head_where.get("token", -1),
+        head_position_ext=head_where.get("position", -1),
+    )
+    if not done and at is not None:
+        for c in named:  # nothing ran: the kept bytes are what the caches hold
+            c.discard()
+    if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one
+        step.stale = True
+        return None
+    if done and paged:
+        for (effect, _), first in zip(seg.effects, starts, strict=True):
+            effect.stage(caches, first, done)
+        for cache in {id(c.cache): c.cache for c in named}.values():
+            cache.drop_unwritten()
+    elif done:
+        for c in named:
+            c.stage(done, max(start[id(c)], int(at.max()) + done), at)
+    if finished is not None:
+        finished[...] = ended.astype(bool)
+    return StepsRun(tokens[:done, 0] if rows == 1 else tokens[:done], seconds[:done], why == REFUSED)
+
+
+def _externals(
+    seg: Segment, slots: list, caches: dict, roles: dict, derived: dict, made: dict, rows: int, count: int, paged: bool
+) -> tuple | None:
+    """The externals of ``seg`` for the loop: ``(externals, where, spec, mask_ones, at)`` -- the arrays, the
+    index of the token / mask / position one by role, the derived masks' ``decode_steps`` entries, and
+    the mask's per-row ones and each row's first position when the mask is each row's ones first -- or None
+    when one is not a value the loop makes or takes.  ``made``: slot -> the array an earlier segment of the
+    step writes it in (the loop's head)."""
     externals: list = []
-    where = {"position": -1}
+    where: dict = {}
+    spec: list = []
     mask_ones = at = None
     for e, s in enumerate(seg.external_slots):
+        if type(s) is int and s in derived:  # a mask the loop writes: [rows, 1, 1, T], T the step's mask width
+            kind, window, r, visible, hidden = derived[s]
+            spec.append(((e, int(kind == "bool"), window, r), (visible, hidden)))
+            width = slots[next(k for k, v in roles.items() if v == "mask")].shape[1]
+            externals.append(np.empty((r, 1, 1, width + count - 1), np.dtype(kind)))
+            continue
+        if type(s) is int and s in made:
+            externals.append(made[s])
+            continue
         if type(s) is tuple:  # a paged cache's page addresses or block tables, as staged
             externals.append(getattr(caches[s[0]], s[1]))
             continue
@@ -330,68 +440,35 @@ def _replay(
             value = value.copy()  # the loop writes the next id / position into it
         where[role] = e
         externals.append(value)
-    if "token" not in where or "mask" not in where:
+    if len(spec) != len(derived):
         return None
-    starts = [effect.lengths[0].copy() for effect, _ in seg.effects] if paged else []
-    if at is not None:  # the committed bytes the steps may write over (rows below the longest) kept
-        if (at < 0).any() or any((at > c.lengths).any() for c in named):
-            return None
-        for c in named:
-            c.save_rows(at, count)
-    if draws is not None and any(
-        isinstance(v, np.ndarray) and v.shape != (rows,) for v in (draws.temperature, draws.top_k, draws.top_p)
-    ):
-        raise InputError(f"decode_steps: per-row draws parameters must have one entry per row ({rows})")
-    if draws is not None and draws.uniforms.shape[0] < count * rows:
-        raise InputError(
-            f"decode_steps: draws.uniforms has {draws.uniforms.shape[0]} numbers, {count} steps of {rows} rows "
-            f"need {count * rows}"
-        )
-    tokens = np.empty((count, rows), dtype=np.int64)
-    seconds = np.empty(count, dtype=np.float64)
-    ended = np.zeros(rows, np.uint8) if finished is None else finished.astype(np.uint8)
-    done, why = decode_steps(
-        seg.program,
-        externals,
-        where["token"],
-        where["mask"],
-        where["position"],
-        slots[slot_of[names.mask]].shape[1],
-        logits.reshape(-1),
-        eos_table(eos, rows),
-        tokens,
-        seconds,
-        *(
-            ()
-            if draws is None
-            else (
-                draws.temperature,
-                np.minimum(np.asarray(draws.top_k), logits.size),
-                draws.top_p,
-                np.ascontiguousarray(draws.uniforms[: count * rows]),  # a strided view is the caller's to give
-            )
-        ),
-        finished=ended,
-        pad=int(pad),
-        mask_ones=mask_ones,
-    )
-    if not done and at is not None:
-        for c in named:  # nothing ran: the kept bytes are what the caches hold
-            c.discard()
-    if why == MISMATCH:  # as a replay whose check fails: the pool drops the step, a later run records one
-        step.stale = True
+    return externals, where, spec, mask_ones, at
+
+
+def _loop_items(plan, items: list, slots: list, mask: str) -> tuple[Segment | None, Segment, dict] | None:
+    """``(head, segment, masks)``: the segments a compiled step's ``items`` loop over, and the masks the loop
+    writes for the segment (slot -> :meth:`ExportMask.loop_masks` entry).  Either one segment of every node
+    (no head, no masks); or an ``ExportMask`` node whose masks only the segment after it reads, as externals,
+    when the node's formula makes them the masks of one query after an all-ones mask ``mask``, with every
+    other node in that segment, or in it and a head segment before the node that writes no cache (the token
+    embedding a torch export computes before its masks).  None otherwise."""
+    if len(items) == 1 and type(items[0]) is Segment:
+        return None, items[0], {}
+    head = items[0] if len(items) == 3 and type(items[0]) is Segment and not items[0].effects else None
+    rest = items[1:] if head is not None else items
+    if len(rest) != 2 or type(rest[0]) is not int or type(rest[1]) is not Segment:
         return None
-    if done and paged:
-        for (effect, _), first in zip(seg.effects, starts, strict=True):
-            effect.stage(caches, first, done)
-        for cache in {id(c.cache): c.cache for c in named}.values():
-            cache.drop_unwritten()
-    elif done:
-        for c in named:
-            c.stage(done, max(start[id(c)], int(at.max()) + done), at)
-    if finished is not None:
-        finished[...] = ended.astype(bool)
-    return StepsRun(tokens[:done, 0] if rows == 1 else tokens[:done], seconds[:done], why == REFUSED)
+    node, seg = rest
+    op, outs, value = plan.kernels[node], plan.out_idx[node], slots[plan.slot_of[mask]]
+    if type(op) is not ExportMask or not (isinstance(value, np.ndarray) and value.ndim == 2 and (value != 0).all()):
+        return None
+    taken = {s for s in seg.external_slots if type(s) is int}
+    if any(s not in taken or s in plan.output_slots for s in outs):
+        return None
+    made = dict(head.exports) if head is not None else {}  # the head's values, as its replay leaves them
+    inputs = [None if i < 0 else slots[i] if slots[i] is not None else made.get(i) for i in plan.in_idx[node]]
+    masks = op.loop_masks(inputs, mask, value.shape[1])
+    return None if masks is None else (head, seg, dict(zip(outs, masks)))
 
 
 #: Positions a compiled loop over a paged cache stages pages for at most, rounded up to the end of a page:

@@ -149,7 +149,7 @@ def test_externals_unlike_the_recording_run_nothing_and_bad_arguments_raise():
     other = chain.externals(6)
     other[3] = np.zeros((1, HKV, CAP + 1, D), np.float32)  # a cache of another capacity
     assert decode_steps(chain.program, other, 0, 1, 2, 3, logits, none, tokens, seconds) == (0, MISMATCH)
-    with pytest.raises(ValueError, match="need 6 columns, the mask has 5"):
+    with pytest.raises(ValueError, match="need 6 columns, external 1 has 5"):
         decode_steps(chain.program, chain.externals(5), 0, 1, 2, 3, logits, none, tokens, seconds)
     with pytest.raises(ValueError, match="external 3 must be int64, one per row"):
         decode_steps(chain.program, chain.externals(6), 3, 1, 2, 3, logits, none, tokens, seconds)
@@ -300,3 +300,41 @@ def test_rows_end_at_their_own_end_ids():
     with pytest.raises(ValueError, match=r"eos must be int64 \[E\], \[1, E\] or \[3, E\]"):
         decode_steps(program, [token, mask, position], 0, 1, 2, length + 1, logits.reshape(-1),
                      np.zeros((2, 1), np.int64), tokens, seconds)  # fmt: skip
+
+
+def test_derived_masks_and_a_head_program_are_checked_before_anything_runs():
+    """The masks the loop writes for an ExportMask node (``derived``) and a head program are refused, with
+    nothing run, unless they name what they must (the graph-level tests in tests/plan/test_step_loop.py run
+    them on Attention graphs and torch exports)."""
+    rng = np.random.default_rng(9)
+    chain = Chain(rng, rand(rng, (9, 9)), 2)
+    chain.io[0] = 2
+    kc = chain.kc.copy()
+    tokens, seconds = np.empty((4, 1), np.int64), np.empty(4)
+    logits, none = chain.logits.reshape(-1), np.zeros(0, np.int64)
+    values = np.zeros((1, 2))
+    for derived, dv, kw, match in (
+        (np.array([[1, 0, 0, 1]]), values, {}, r"derived\[0\] names external 1, out of \[0, 5\) or taken"),
+        (np.array([[3, 0, 0, 1]]), values, {}, r"derived\[0\] = \(3, 0, 0, 1\) is not a ragged"),
+        (np.array([[3, 2, 0, 1]]), values, {}, "is not a ragged"),
+        (np.array([[3, 0, -1, 1]]), values, {}, "is not a ragged"),
+        (np.array([[3, 0, 0, 1]]), np.zeros((2, 2)), {}, r"derived must be int64 \[n, 4\]"),
+        (np.array([[3, 0, 0, 1]]), values, {"mask_ones": np.array([3])}, "mask_ones must be None"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds,
+                         derived=derived, derived_values=dv, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="mask external -1 out of"):
+        decode_steps(chain.program, chain.externals(6), 0, -1, 2, 3, logits, none, tokens, seconds)
+    with pytest.raises(ValueError, match="token external -1 out of"):
+        decode_steps(chain.program, chain.externals(6), -1, 1, 2, 3, logits, none, tokens, seconds)
+    with pytest.raises(ValueError, match="head externals given without a head program"):
+        decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds, head_token_ext=0)
+    with pytest.raises(ValueError, match=r"head token external 5 out of \[0, 5\)"):
+        decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds,
+                     head=chain.program, head_externals=chain.externals(6), head_token_ext=5)  # fmt: skip
+    with pytest.raises(ValueError, match="external 3 must be int64, one per row"):
+        decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds,
+                     head=chain.program, head_externals=chain.externals(6), head_token_ext=3)  # fmt: skip
+    np.testing.assert_array_equal(chain.kc, kc)
+    assert chain.io[0, 0] == 2

@@ -3,6 +3,8 @@ leave the tokens, logits and caches of the same steps run one by one; anything e
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,10 @@ from onnxkv.errors import InputError, StateError
 from onnxkv.generate.feeds import FeedBuilder
 from onnxkv.plan.step_loop import DecodeNames
 from onnxkv.zoo import embedded
+from onnxkv.zoo.attention23 import build_attention_model
 from onnxkv.zoo.builders import MICRO, build_model
+
+DATA = Path(__file__).parents[1] / "data" / "arch"
 
 
 def _start(session, state, prompt, warm):
@@ -52,10 +57,22 @@ def _io(session):
 
 
 def _models():
-    return {"embedded": str(embedded.embedded_model_dir()), "gqa": build_model("gqa", MICRO, seed=21)}
+    return {
+        "embedded": str(embedded.embedded_model_dir()),
+        "gqa": build_model("gqa", MICRO, seed=21),
+        # opset-23 Attention graphs: the loop writes the masks of their ExportMask node (bool, or a float bias)
+        "attention": build_model("attention", MICRO, seed=22),
+        "attention_bias": build_attention_model(MICRO, None, 23, mask_bias=-1e4),
+        "concat": build_model("concat", MICRO, seed=22),  # past -> Concat -> present, masks from an ExportMask
+        # torch.onnx.export files: the token embedding, then the ExportMask node, then the rest; windows of 8
+        "mistral_torch": str(DATA / "mistral" / "torch"),
+        "gemma2_torch": str(DATA / "gemma2" / "torch"),  # two masks: full and windowed layers
+    }
 
 
-@pytest.mark.parametrize("which", ["embedded", "gqa"])
+@pytest.mark.parametrize(
+    "which", ["embedded", "gqa", "attention", "attention_bias", "concat", "mistral_torch", "gemma2_torch"]
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_steps_in_one_call_equal_the_steps_one_by_one(which, threads):
     model = _models()[which]
@@ -190,10 +207,10 @@ def test_nothing_runs_where_the_loop_cannot_replay_the_step():
     with logged.new_state() as st:
         _, feeds, _ = _start(logged, st, prompt, 3)
         assert st.decode_steps(feeds, 5, **_io(logged)) is None and st.length == 7
-    concat = onnxkv.Session(build_model("concat", MICRO, seed=22), threads=1)  # Python nodes in its step
-    with concat.new_state() as st:
-        _, feeds, _ = _start(concat, st, prompt, 3)
-        assert st.decode_steps(feeds, 5, **_io(concat)) is None and st.length == 7
+    static = onnxkv.Session(build_model("tensorscatter", MICRO, seed=22), threads=1)  # a static cache's writes
+    with static.new_state() as st:
+        _, feeds, _ = _start(static, st, prompt, 3)
+        assert st.decode_steps(feeds, 5, **_io(static)) is None
 
 
 def test_a_token_the_step_refuses_runs_nothing_and_state_run_then_raises():
@@ -389,3 +406,34 @@ def test_names_and_eos_that_do_not_fit_are_refused():
             with pytest.raises(InputError, match="eos must be token ids"):
                 st.decode_steps(feeds, 3, eos=eos, **_io(sess))
         assert st.length == 6
+
+
+@pytest.mark.parametrize("which", ["attention", "attention_bias", "concat", "mistral_torch", "gemma2_torch"])
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.9, "top_k": 20, "seed": 4}])
+def test_attention_graphs_generate_in_the_loop_the_tokens_of_steps_one_by_one(which, sampling, monkeypatch):
+    """The decode step of an opset-23 Attention graph, a Concat export or a torch export holds an ExportMask
+    node (Python) before the segment of the other nodes (a torch export: and the token embedding's segment
+    before it); the loop writes the node's masks itself, windows included, with the tokens of a session that
+    runs every node in Python, with and without a callback."""
+    import onnxkv.runtime.stores.contiguous as contiguous
+
+    model = _models()[which]
+    prompt = np.array([[1, 7, 9, 4, 12, 3]])
+    ran = []
+
+    def counted(*args, loop=contiguous.run_steps, **kwargs):
+        run = loop(*args, **kwargs)
+        ran.append(run is not None)
+        return run
+
+    monkeypatch.setattr(contiguous, "run_steps", counted)
+    got = {}
+    for compiled in (False, True):
+        sess = onnxkv.Session(model, threads=1, compiled_steps=compiled)
+        for callback in (None, lambda step, tok: None):
+            got[compiled, callback is None] = onnxkv.generate(
+                sess, prompt, 100, eos_token_id=[], callback=callback, cache="contiguous", **sampling
+            ).tokens
+    assert any(ran)
+    for plain in (True, False):
+        np.testing.assert_array_equal(got[False, plain], got[True, plain])
