@@ -242,7 +242,10 @@ cdef bint _attention_fast(q, k, v, kv_len, q_pos, scale, softcap, window, out, k
     knb = <size_t>(B * Hkv * Cap * kv.shape[3]) * sizeof(uint16_t)
     if not (_disjoint(&ov[0, 0, 0, 0], onb, &qv[0, 0, 0, 0], onb)
             and _disjoint(&ov[0, 0, 0, 0], onb, &kv[0, 0, 0, 0], knb)
-            and _disjoint(&ov[0, 0, 0, 0], onb, &vv[0, 0, 0, 0], knb)):
+            and _disjoint(&ov[0, 0, 0, 0], onb, &vv[0, 0, 0, 0], knb)
+            and _disjoint(&ov[0, 0, 0, 0], onb, &lv[0], <size_t>B * 4)
+            and _disjoint(&ov[0, 0, 0, 0], onb, &pv[0, 0], <size_t>(B * Sq) * 4)
+            and (kv_start is None or _disjoint(&ov[0, 0, 0, 0], onb, &sv[0], <size_t>B * 4))):
         return False
     maxlen = _lengths_max(lv, Cap)
     if maxlen < 0 or (kv_start is not None and _lengths_max(sv, Cap) < 0):
@@ -309,6 +312,9 @@ def attention(q, k, v, kv_len, q_pos, scale, softcap, window, out, kv_start=None
     V.no_overlap("out", out, q, "q")
     V.no_overlap("out", out, k, "k")
     V.no_overlap("out", out, v, "v")
+    V.no_overlap("out", out, kv_len, "kv_len")  # read while out is written
+    V.no_overlap("out", out, q_pos, "q_pos")
+    V.no_overlap("out", out, kv_start, "kv_start")
     _check_values("kv_len", kv_len, 0, Cap)
     if kv_start is not None:
         _check_values("kv_start", kv_start, 0, Cap)

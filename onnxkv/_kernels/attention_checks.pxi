@@ -64,6 +64,7 @@ cdef bint _scalars_ok(scale, softcap, window) except -1:
     floats, scale finite, softcap finite and >= 0, a Python int window in
     [-1, 2**62] (anything else takes ``_scalars``)."""
     return (isinstance(scale, float) and isinstance(softcap, float) and isinstance(window, int)
+            and not isinstance(window, bool)
             and isfinite(<double>scale) and isfinite(<double>softcap) and <double>softcap >= 0.0
             and -1 <= window <= _MAX_WINDOW)
 

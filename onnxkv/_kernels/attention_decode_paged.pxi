@@ -26,8 +26,8 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
                  row's table names them
     pos          int32 [B]: each row's first new position (its length before the tokens), 0 <= pos[b] and
                  pos[b] + S <= M * block_size
-    out          [B, S, Hq * D] of q's type, C-contiguous, disjoint from q, k, v and every page (q, k and v
-                 disjoint from every page the call touches too)
+    out          [B, S, Hq * D] of q's type, C-contiguous, disjoint from every other argument and every page
+                 (q, k and v disjoint from every page the call touches too)
     kv_heads, block_size: ints >= 1; scale, softcap, window as ``attention``.
 
     Writes the pages' rows at those positions and ``out`` only; the result is bit for bit that of
@@ -110,7 +110,12 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
     cdef const void *op = tok[3]
     if not (_disjoint(op, onb, tok[0], <size_t>((B * S - 1) * qs + Hq * D) * isz)
             and _disjoint(op, onb, tok[1], <size_t>((B * S - 1) * ks + Hkv * D) * isz)
-            and _disjoint(op, onb, tok[2], <size_t>((B * S - 1) * vs + Hkv * D) * isz)):
+            and _disjoint(op, onb, tok[2], <size_t>((B * S - 1) * vs + Hkv * D) * isz)
+            # and from every table the call reads while it writes out
+            and _disjoint(op, onb, &kp[0], <size_t>P * 8) and _disjoint(op, onb, &vp[0], <size_t>P * 8)
+            and _disjoint(op, onb, &tv[0, 0], <size_t>(B * M) * 4) and _disjoint(op, onb, &lv[0], <size_t>B * 4)
+            and (not rot or (_disjoint(op, onb, &cv[0, 0], <size_t>(cv.shape[0] * half) * 4)
+                             and _disjoint(op, onb, &sv[0, 0], <size_t>(sv.shape[0] * half) * 4)))):
         return None
     # every position, written page and read table entry checked before anything is written, and every page
     # the call touches disjoint from the tokens and out

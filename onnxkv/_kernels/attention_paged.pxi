@@ -162,7 +162,13 @@ cdef object _paged_fast(q, k_pages, v_pages, block_tables, block_size, kv_heads,
                          and _quant_args_ok(k_group, v_group, k_header, D)):
         return None
     onb = <size_t>(B * Hq * Sq * D) * sizeof(float)
-    if not _disjoint(&ov[0, 0, 0, 0], onb, &qv[0, 0, 0, 0], onb):
+    cdef const void *o = &ov[0, 0, 0, 0]
+    if not (_disjoint(o, onb, &qv[0, 0, 0, 0], onb)  # and every argument read while out is written
+            and _disjoint(o, onb, &kp[0], <size_t>P * 8) and _disjoint(o, onb, &vp[0], <size_t>P * 8)
+            and _disjoint(o, onb, &tv[0, 0], <size_t>(B * M) * 4) and _disjoint(o, onb, &lv[0], <size_t>B * 4)
+            and _disjoint(o, onb, &pv[0, 0], <size_t>(B * Sq) * 4)
+            and (kv_start is None or _disjoint(o, onb, &sv[0], <size_t>B * 4))
+            and (not per_page or (_disjoint(o, onb, &kfv[0], <size_t>P) and _disjoint(o, onb, &vfv[0], <size_t>P)))):
         return None
     maxlen = _lengths_max(lv, M * bs)
     if kv_start is not None:
@@ -196,7 +202,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     On the AMX tiles a query row holding a NaN or an infinity scores NaN.
 
     q, out       [B, Hq, Sq, D] float32, C-contiguous; out is written fully and
-                 must not overlap q or any page (pages are not checked for that)
+                 must not overlap q, any other array argument or any page (pages
+                 are not checked for that)
     k_pages,     uint64 [P] each: addresses of the K (V) pages, e.g.
     v_pages      ``arr.__array_interface__['data'][0]``; 0 = no page.  Page p
                  holds [kv_heads, block_size, D] elements of the cache type,
@@ -277,7 +284,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, block_size, kv_heads, kv_
     q_pos32 = V.as_int32("q_pos", q_pos, -V.I32_MAX - 1, V.I32_MAX, (B, Sq))
     kv_start32 = None if kv_start is None else V.as_int32("kv_start", kv_start, 0, min(M * bs, V.I32_MAX), (B,))
     V.array("out", out, (V.F32,), shape=q.shape, writeable=True)
-    V.no_overlap("out", out, q, "q")
+    for other, name in ((q, "q"), (k_pages, "k_pages"), (v_pages, "v_pages"), (block_tables, "block_tables"),
+                        (kv_len, "kv_len"), (q_pos, "q_pos"), (kv_start, "kv_start"), (k_formats, "k_formats"),
+                        (v_formats, "v_formats")):  # what the call reads while it writes out
+        V.no_overlap("out", out, other if isinstance(other, np.ndarray) else None, name)
     scale, softcap, window = _scalars(scale, softcap, window)
     read = V.paged_blocks_read(kv_len32, q_pos32, window, bs, M, kv_start32)
     V.page_tables(block_tables, read, bs, {"k_pages": k_pages, "v_pages": v_pages})

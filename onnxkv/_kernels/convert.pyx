@@ -153,7 +153,7 @@ cdef void concat_ptr(const char *a, const char *b, char *out, int64_t outer, int
             memcpy(out + r * (na + nb) + na, b + r * nb, <size_t>nb)
 
 
-def concat_pair(a, b, out, int axis):
+def concat_pair(a, b, out, axis):
     """out[...] = concatenate((a, b), axis) (an ONNX Concat of two inputs: a copy a compiled step replays).
     a, b: C-contiguous arrays of one dtype and rank, whose shapes differ at most at ``axis`` (in [0, rank));
     out: C-contiguous, writeable, of their dtype and the concatenated shape, overlapping neither."""
@@ -161,6 +161,8 @@ def concat_pair(a, b, out, int axis):
         raise ValueError(f"a: expected a numpy.ndarray of numbers or booleans, got {getattr(a, 'dtype', type(a))}")
     V.array("a", a, (a.dtype,))
     V.array("b", b, (a.dtype,))
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise ValueError(f"concat_pair: axis must be an int, got {axis!r}")
     if not 0 <= axis < a.ndim or b.ndim != a.ndim:
         raise ValueError(f"concat_pair: axis {axis} out of range for ranks {a.ndim} and {b.ndim}")
     shape = list(a.shape)
@@ -224,8 +226,10 @@ def copy_rows(x, out):
     (a Slice of a contiguous tensor: a copy a compiled step replays); out: C-contiguous, writeable, of x's
     shape and dtype, overlapping neither x nor its base's span.  Returns False, with nothing written, for a
     view no row layout describes."""
+    if not isinstance(x, np.ndarray) or x.dtype.kind not in "biuf":  # plain bytes: no object references
+        raise ValueError(f"x: expected a numpy.ndarray of numbers or booleans, got {getattr(x, 'dtype', type(x))}")
     layout = row_layout(x)
-    V.array("out", out, (x.dtype,) if isinstance(x, np.ndarray) else (), shape=x.shape, writeable=True)
+    V.array("out", out, (x.dtype,), shape=x.shape, writeable=True)
     if layout is None:
         return False
     rows, row, stride = layout

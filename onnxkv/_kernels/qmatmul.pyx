@@ -185,7 +185,7 @@ def pack_nbits(B, scales, zero_points, int64_t K, int64_t N, int bits, int64_t b
         if bits != 4 or zero_points is not None:
             raise ValueError(f"lut: a codebook takes 4-bit codes and no zero points, got bits={bits}"
                              f"{'' if zero_points is None else ' and zero points'}")
-    nblk = (K + block_size - 1) // block_size
+    nblk = (int(K) + block_size - 1) // block_size  # Python ints: no product below wraps
     blob = block_size * bits // 8
     P = (N + 15) // 16
     for name, a, dt in (("B", B, np.uint8), ("scales", scales, np.float32)):
@@ -465,18 +465,20 @@ def matmul_nbits(x, PackedNBits w, out, bias=None, bint int8=True):
         raise AssertionError("matmul_nbits: arguments passed the Python checks but not the C checks")
 
 
-def dequantize_nbits(PackedNBits w, int64_t p0, int64_t p1):
+def dequantize_nbits(PackedNBits w, p0, p1):
     """The float32 weight of panels [p0, p1) as [K, 16 (p1 - p0)] (columns past N are zero):
     w[k, n] = (q - zp) * scale, for products too large for ``matmul_nbits`` to
-    repeat the dequantization (callers use BLAS on it).  0 <= p0 < p1 <= P."""
-    if not 0 <= p0 < p1 <= w.P:
-        raise ValueError(f"p0, p1: expected 0 <= p0 < p1 <= {w.P}, got {p0}, {p1}")
+    repeat the dequantization (callers use BLAS on it).  p0, p1: ints, 0 <= p0 < p1 <= P."""
+    if not (all(isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_)) for p in (p0, p1))
+            and 0 <= p0 < p1 <= w.P):
+        raise ValueError(f"p0, p1: expected ints 0 <= p0 < p1 <= {w.P}, got {p0!r}, {p1!r}")
     cdef okv_settings s = okv_settings_get()
     cdef okv_qmm a = w.base
-    panels = np.empty((p1 - p0, w.K, 16), np.float32)
+    cdef int64_t lo = p0, hi = p1
+    panels = np.empty((hi - lo, w.K, 16), np.float32)
     cdef float[:, :, ::1] dv = panels
     with nogil:
-        okv_qmm_dequant_isa(&a, p0, p1, &dv[0, 0, 0], _float_isa(s))
+        okv_qmm_dequant_isa(&a, lo, hi, &dv[0, 0, 0], _float_isa(s))
     return panels.transpose(1, 0, 2).reshape(w.K, -1)
 
 

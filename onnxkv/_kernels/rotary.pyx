@@ -92,7 +92,8 @@ cdef bint _rope_fast(x, cos, sin, positions, interleaved, out) except -1:
     cdef const void *o = &ov[0, 0, 0, 0]
     cdef const void *xp = &xv[0, 0, 0, 0]
     if not ((o == xp or _disjoint(o, nb, xp, nb)) and _disjoint(o, nb, &cv[0, 0], tb)
-            and _disjoint(o, nb, &sv[0, 0], tb)):
+            and _disjoint(o, nb, &sv[0, 0], tb)
+            and _disjoint(o, nb, &pv[0, 0], <size_t>(pv.shape[0] * pv.shape[1]) * sizeof(int64_t))):
         return False
     _rope(xv, cv, sv, pv, 1 if interleaved else 0, ov, okv_settings_get())
     return True
@@ -119,6 +120,7 @@ def rotary_embedding(x, cos, sin, positions, interleaved, out):
     V.no_overlap("out", out, x, "x", allow_identical=True)
     V.no_overlap("out", out, cos, "cos")
     V.no_overlap("out", out, sin, "sin")
+    V.no_overlap("out", out, positions, "positions")  # read while out is written
     half = cos.shape[1]
     if 2 * half > x.shape[3]:
         raise ValueError(f"cos: rotary_dim 2*{half} exceeds head_size {x.shape[3]}")

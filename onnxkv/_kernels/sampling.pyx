@@ -222,7 +222,7 @@ cdef int64_t sample_row_f32(const float *logits, int64_t V, double temperature, 
     return _sample(logits, V, temperature, top_k, top_p, u, p, work, order)
 
 
-def sample(logits, double temperature, top_k, top_p, u, probs=None):
+def sample(logits, temperature, top_k, top_p, u, probs=None):
     """One token per row of ``logits`` (see the module docstring); returns int64 [B].
 
     logits [B, V] float32 or float64, C-contiguous, V >= 1; temperature > 0 and finite; top_k None or an
@@ -233,11 +233,14 @@ def sample(logits, double temperature, top_k, top_p, u, probs=None):
     cdef int64_t B = logits.shape[0], n = logits.shape[1], b
     if n < 1:
         raise ValueError(f"logits: expected at least one column, got shape {logits.shape}")
-    if not (temperature > 0 and temperature < INFINITY):
-        raise ValueError(f"temperature: expected a finite value > 0, got {temperature}")
-    if top_k is not None and int(top_k) < 1:
-        raise ValueError(f"top_k: expected None or an int >= 1, got {top_k}")
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer, np.floating)) \
+            or not (temperature > 0 and temperature < INFINITY):
+        raise ValueError(f"temperature: expected a finite number > 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer))
+                              or top_k < 1):
+        raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
     cdef int64_t k = 0 if top_k is None else min(int(top_k), n)   # a top_k of V or more keeps every id
+    cdef double temp = float(temperature)
     cdef double tp = 1.0 if top_p is None else float(top_p)
     if not (0.0 < tp <= 1.0):
         raise ValueError(f"top_p: expected None or a value in (0, 1], got {top_p}")
@@ -246,6 +249,8 @@ def sample(logits, double temperature, top_k, top_p, u, probs=None):
         raise ValueError(f"u: expected values in [0, 1), got {u}")
     if probs is not None:
         V.array("probs", probs, (np.dtype(np.float64),), shape=(B, n), writeable=True)
+        V.no_overlap("probs", probs, logits, "logits")
+        V.no_overlap("probs", probs, u, "u")
     out = np.empty(B, np.int64)
     cdef double[:, ::1] pv = probs if probs is not None else np.empty((B, n), np.float64)
     cdef double[::1] uv = u
@@ -263,12 +268,12 @@ def sample(logits, double temperature, top_k, top_p, u, probs=None):
             lf = logits
             with nogil:
                 for b in range(B):
-                    ov[b] = _sample(&lf[b, 0], n, temperature, k, tp, uv[b], &pv[b, 0], work, order)
+                    ov[b] = _sample(&lf[b, 0], n, temp, k, tp, uv[b], &pv[b, 0], work, order)
         else:
             ld = logits
             with nogil:
                 for b in range(B):
-                    ov[b] = _sample(&ld[b, 0], n, temperature, k, tp, uv[b], &pv[b, 0], work, order)
+                    ov[b] = _sample(&ld[b, 0], n, temp, k, tp, uv[b], &pv[b, 0], work, order)
     finally:
         free(work)
         free(order)
