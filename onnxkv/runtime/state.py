@@ -273,24 +273,24 @@ class State(PagedAPI):
         """Run up to ``count`` decode steps of B rows in one call (a compiled generation loop).
 
         ``feeds`` are the first step's feeds, as for :meth:`run`; ``names`` say which are the token ids, the
-        mask (all ones, or each row's ones first: a right-padded batch), the positions and the logits.  Each later step
-        feeds each row's argmax of the previous step's logits (ties: the lowest id), or the token ``draws``
-        draws from them (row ``b`` of step ``t``: ``uniforms[t * B + b]``), or ``pad`` for a row that has ended
-        (``finished``: bool [B] or None, updated in place; a row ends after an id in ``eos``, or ``eos[b]``), a
-        mask one column longer and the next positions (:func:`onnxkv.plan.step_loop.run_steps`).  The steps
-        stop after ``count``, once every row has ended, when a cache is full, or before a step that
-        :meth:`run` must take; they run in C and leave exactly what the same steps through :meth:`run` leave.
-        Returns the chosen ids and per-step times (a :class:`~onnxkv.plan.step_loop.StepsRun`), or None
-        with nothing run: a declared or static cache, a paged cache with a format selector or quantized
-        pages, the event log on, or no recorded step of these shapes covering the whole plan.
+        mask (all ones, or each row's ones first: a right-padded batch), the positions and the logits.  Each
+        later step feeds each row's argmax of the previous step's logits (ties: the lowest id), or the token
+        ``draws`` draws from them (row ``b`` of step ``t``: ``uniforms[t * B + b]``), or ``pad`` for a row
+        that has ended (``finished``: bool [B] or None, updated in place; a row ends after an id in ``eos``,
+        or ``eos[b]``), a mask one column longer and the next positions (:func:`.step_loop.run_steps`).  They
+        stop after ``count``, once every row has ended, when a cache is full, or before a step :meth:`run`
+        must take; run in C, they leave what the steps through :meth:`run` leave.  Returns the ids and times
+        (:class:`.step_loop.StepsRun`), or None with nothing run: a declared or static cache, a paged one
+        with a format selector or quantized pages, the event log on, or no step recorded for the plan.
 
         Raises:
             StateError: closed, busy, or a bound input fed.
-            InputError: ``feeds`` do not fit the model's inputs, or ``count``, ``names``, ``eos``, ``draws``,
-                ``finished`` or ``pad`` are not what :func:`~onnxkv.plan.step_loop.check_steps` takes.
+            InputError: ``feeds`` do not fit the model's inputs (a token id its vocabulary, as :meth:`run`), or
+                ``count``, ``names``, ``eos``, ``draws``, ``finished`` or ``pad`` are not what ``check_steps`` takes.
             MemoryError: a kernel could not allocate its workspace; the state is unchanged.
         """
         feeds = self._check_feeds("decode_steps", feeds)
+        self.session._check_token_ids(feeds.get(self.session.model.io.input_ids))  # its Gather would wrap -1
         check_steps("State.decode_steps", count, draws, names, eos, self.session.plan.slot_of, finished, pad)
         with self._exclusive("decode_steps"):
             if self.session.events.enabled:

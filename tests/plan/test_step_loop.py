@@ -213,18 +213,24 @@ def test_nothing_runs_where_the_loop_cannot_replay_the_step():
         assert st.decode_steps(feeds, 5, **_io(static)) is None
 
 
-def test_a_token_the_step_refuses_runs_nothing_and_state_run_then_raises():
-    sess = onnxkv.Session(_models()["embedded"], threads=1)
+@pytest.mark.parametrize("which", ["embedded", "mistral_torch"])
+def test_a_token_id_outside_the_vocabulary_is_refused_as_state_run_refuses_it(which):
+    """A first token id past the vocabulary, or negative (which the loop's embedding Gather would have taken
+    from the end of the table: a fuzzing helper found four steps committed for -1), raises as State.run does,
+    with nothing run."""
+    sess = onnxkv.Session(_models()[which], threads=1)
     with sess.new_state() as st:
         b, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4]]), 3)
         values = {n: v.copy() for n, v in st.values.items()}
-        feeds[sess.model.io.input_ids] = np.array([[sess.model.vocab_size + 5]], np.int64)
-        run = st.decode_steps(feeds, 5, **_io(sess))
-        assert run.steps == 0 and run.refused and st.length == 7
-        for n, v in values.items():
-            np.testing.assert_array_equal(st.values[n], v)
-        with pytest.raises(InputError, match="token ids"):
-            st.run(feeds)
+        for bad in (sess.token_limit + 5, -1, -sess.token_limit):
+            feeds[sess.model.io.input_ids] = np.array([[bad]], np.int64)
+            with pytest.raises(InputError, match="token ids"):
+                st.decode_steps(feeds, 5, **_io(sess))
+            with pytest.raises(InputError, match="token ids"):
+                st.run(feeds)
+            assert st.length == 7 and st.steps == 4
+            for n, v in values.items():
+                np.testing.assert_array_equal(st.values[n], v)
 
 
 def test_a_failed_loop_leaves_the_state_as_it_was(monkeypatch):
