@@ -227,8 +227,8 @@ class Session:
         out = self._run_plan(boundary.graph_feeds(feeds, "Session.run"), output_names, logits_at=logits_at)
         return boundary.model_outputs(out)
 
-    def _check_token_ids(self, ids) -> None:
-        """InputError unless every entry of the ``input_ids`` feed lies in ``[0, token_limit)``.
+    def _check_token_ids(self, ids, api: str = "Session.run") -> None:
+        """InputError (naming ``api``) unless every entry of the ``input_ids`` feed lies in ``[0, token_limit)``.
 
         O(ids): a decode step's few ids are compared as Python ints; a longer
         feed takes one reduction (a signed array viewed as unsigned, so a
@@ -248,7 +248,7 @@ class Session:
             bad = ids.view(ids.dtype.str.replace("i", "u")).max() >= limit
         if bad:
             raise InputError(
-                f"Session.run: input '{self.model.io.input_ids}' holds token ids from {ids.min()} to "
+                f"{api}: input '{self.model.io.input_ids}' holds token ids from {ids.min()} to "
                 f"{ids.max()}; expected ids in [0, {limit}) (the model's vocabulary)"
             )
 

@@ -290,7 +290,7 @@ class State(PagedAPI):
             MemoryError: a kernel could not allocate its workspace; the state is unchanged.
         """
         feeds = self._check_feeds("decode_steps", feeds)
-        self.session._check_token_ids(feeds.get(self.session.model.io.input_ids))  # its Gather would wrap -1
+        self.session._check_token_ids(feeds.get(self.session.model.io.input_ids), "State.decode_steps")
         check_steps("State.decode_steps", count, draws, names, eos, self.session.plan.slot_of, finished, pad)
         with self._exclusive("decode_steps"):
             if self.session.events.enabled:

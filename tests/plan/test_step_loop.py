@@ -224,7 +224,7 @@ def test_a_token_id_outside_the_vocabulary_is_refused_as_state_run_refuses_it(wh
         values = {n: v.copy() for n, v in st.values.items()}
         for bad in (sess.token_limit + 5, -1, -sess.token_limit):
             feeds[sess.model.io.input_ids] = np.array([[bad]], np.int64)
-            with pytest.raises(InputError, match="token ids"):
+            with pytest.raises(InputError, match=f"State.decode_steps: input 'input_ids' holds token ids from {bad}"):
                 st.decode_steps(feeds, 5, **_io(sess))
             with pytest.raises(InputError, match="token ids"):
                 st.run(feeds)
