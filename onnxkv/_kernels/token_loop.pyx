@@ -79,9 +79,10 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     step.  ``head`` (or None) is a program run before ``program`` in every step, on ``head_externals``
     (checked and bound as ``program``'s), which must write nothing but its own memory (no cache);
     ``head_token_ext`` / ``head_position_ext`` (or -1) are its externals that hold the step's token ids /
-    positions, written as ``program``'s are (``token_ext`` may be -1 when the head's holds them).  The caller has set the committed lengths of every decode call (its effect's ``before``), and
-    for a paged decode call staged the pages of every position the steps may write (a step whose
-    position is past them is refused).
+    positions, written as ``program``'s are (``token_ext`` may be -1 when the head's holds them).  The
+    caller has set the committed lengths of every decode call (its effect's ``before``), and for a paged
+    decode call staged the pages of every position the steps may write (a step whose position is past
+    them is refused).
     ``logits`` is the program memory holding the step's logits (float32 [B * V], row-major).
     ``eos`` is int64 [E] (every row's end ids) or [B, E] (each row's; a negative entry is no id).
     ``tokens`` is int64 [count, B]; ``finished`` (uint8 [B], or None: no row has ended) the rows that
