@@ -276,7 +276,7 @@ def _replay(
     loop = _loop_items(plan, step.items, slots, names.mask) if rows else None
     if loop is None:
         return None
-    head, seg, derived = loop
+    head, seg, derived, made = loop
     logits = next((v for s, v in seg.exports if s == slot_of[names.logits]), None)
     kinds = {type(effect) for effect, _ in seg.effects}
     if (
@@ -310,9 +310,9 @@ def _replay(
     for effect, _ in seg.effects:  # a paged one stages the pages of the steps' positions
         if not (effect.before(caches, count) if paged else effect.before(caches)):
             return None
-    made = dict(head.exports) if head is not None else {}
-    head_bound = None if head is None else _externals(head, slots, caches, roles, {}, {}, rows, count, paged)
-    bound = _externals(seg, slots, caches, roles, derived, made, rows, count, paged)
+    width = mask.shape[1]
+    head_bound = None if head is None else _externals(head, slots, caches, roles, {}, {}, rows, width, count, paged)
+    bound = _externals(seg, slots, caches, roles, derived, made, rows, width, count, paged)
     if bound is None or (head is not None and (head_bound is None or "mask" in head_bound[1])):
         return None
     externals, where, spec, mask_ones, at = bound
@@ -392,13 +392,22 @@ def _replay(
 
 
 def _externals(
-    seg: Segment, slots: list, caches: dict, roles: dict, derived: dict, made: dict, rows: int, count: int, paged: bool
+    seg: Segment,
+    slots: list,
+    caches: dict,
+    roles: dict,
+    derived: dict,
+    made: dict,
+    rows: int,
+    width: int,
+    count: int,
+    paged: bool,
 ) -> tuple | None:
     """The externals of ``seg`` for the loop: ``(externals, where, spec, mask_ones, at)`` -- the arrays, the
     index of the token / mask / position one by role, the derived masks' ``decode_steps`` entries, and
     the mask's per-row ones and each row's first position when the mask is each row's ones first -- or None
     when one is not a value the loop makes or takes.  ``made``: slot -> the array an earlier segment of the
-    step writes it in (the loop's head)."""
+    step writes it in (the loop's head); ``width``: the first step's mask width."""
     externals: list = []
     where: dict = {}
     spec: list = []
@@ -407,7 +416,6 @@ def _externals(
         if type(s) is int and s in derived:  # a mask the loop writes: [rows, 1, 1, T], T the step's mask width
             kind, window, r, visible, hidden = derived[s]
             spec.append(((e, int(kind == "bool"), window, r), (visible, hidden)))
-            width = slots[next(k for k, v in roles.items() if v == "mask")].shape[1]
             externals.append(np.empty((r, 1, 1, width + count - 1), np.dtype(kind)))
             continue
         if type(s) is int and s in made:
@@ -445,15 +453,16 @@ def _externals(
     return externals, where, spec, mask_ones, at
 
 
-def _loop_items(plan, items: list, slots: list, mask: str) -> tuple[Segment | None, Segment, dict] | None:
-    """``(head, segment, masks)``: the segments a compiled step's ``items`` loop over, and the masks the loop
+def _loop_items(plan, items: list, slots: list, mask: str) -> tuple[Segment | None, Segment, dict, dict] | None:
+    """``(head, segment, masks, made)``: the segments a compiled step's ``items`` loop over, and the masks the loop
     writes for the segment (slot -> :meth:`ExportMask.loop_masks` entry).  Either one segment of every node
     (no head, no masks); or an ``ExportMask`` node whose masks only the segment after it reads, as externals,
     when the node's formula makes them the masks of one query after an all-ones mask ``mask``, with every
     other node in that segment, or in it and a head segment before the node that writes no cache (the token
-    embedding a torch export computes before its masks).  None otherwise."""
+    embedding a torch export computes before its masks), whose exports (slot -> array) are ``made``.  None
+    otherwise."""
     if len(items) == 1 and type(items[0]) is Segment:
-        return None, items[0], {}
+        return None, items[0], {}, {}
     head = items[0] if len(items) == 3 and type(items[0]) is Segment and not items[0].effects else None
     rest = items[1:] if head is not None else items
     if len(rest) != 2 or type(rest[0]) is not int or type(rest[1]) is not Segment:
@@ -468,7 +477,7 @@ def _loop_items(plan, items: list, slots: list, mask: str) -> tuple[Segment | No
     made = dict(head.exports) if head is not None else {}  # the head's values, as its replay leaves them
     inputs = [None if i < 0 else slots[i] if slots[i] is not None else made.get(i) for i in plan.in_idx[node]]
     masks = op.loop_masks(inputs, mask, value.shape[1])
-    return None if masks is None else (head, seg, dict(zip(outs, masks)))
+    return None if masks is None else (head, seg, dict(zip(outs, masks)), made)
 
 
 #: Positions a compiled loop over a paged cache stages pages for at most, rounded up to the end of a page:
