@@ -10,8 +10,8 @@ whole greedy generation after the first steps runs in C.
 
 Per fixture, in interleaved rounds (the engines' order alternating):
 
-* ``onnxkv`` -- ``onnxkv.generate`` on a contiguous cache, greedy, EOS disabled;
-  the per-token figure is ``decode_seconds / (new_tokens - 1)``;
+* ``onnxkv`` -- ``onnxkv.generate`` on a contiguous cache (``--cache paged``: a paged one, 16-token pages),
+  greedy, EOS disabled; the per-token figure is ``decode_seconds / (new_tokens - 1)``;
 * ``ort`` -- an ONNX Runtime ``InferenceSession`` of the same ``model.onnx``
   fed its presents back as pasts, the argmax each step (what a user's loop
   does); the per-token figure is the steps after the first, timed together.
@@ -19,7 +19,8 @@ Per fixture, in interleaved rounds (the engines' order alternating):
 Both take the same prompt; ``same_tokens`` says whether their greedy tokens
 agree.  Samples are seconds per token.
 
-Usage: python benchmarks/bench_exports.py [--threads 1] [--new-tokens 100] [--prompt 8] [--rounds 3] [--out FILE]
+Usage: python benchmarks/bench_exports.py [--threads 1] [--new-tokens 100] [--prompt 8] [--rounds 3]
+       [--cache contiguous|paged] [--out FILE]
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def ort_greedy(sess, ids: np.ndarray, new: int) -> tuple[list[int], float]:
     return tokens, (time.perf_counter() - t0) / (new - 1)
 
 
-def onnxkv_greedy(sess, ids: np.ndarray, new: int) -> tuple[list[int], float]:
+def onnxkv_greedy(sess, ids: np.ndarray, new: int, cache: str = "contiguous") -> tuple[list[int], float]:
     import onnxkv
 
-    res = onnxkv.generate(sess, ids, new, eos_token_id=[], cache="contiguous")
+    res = onnxkv.generate(sess, ids, new, eos_token_id=[], cache=cache)
     return res.tokens[0].tolist(), res.decode_seconds / (new - 1)
 
 
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=100)
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cache", choices=("contiguous", "paged"), default="contiguous")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.new_tokens < 2 or args.prompt < 1 or args.rounds < 1 or args.threads < 1:
@@ -90,7 +92,10 @@ def main() -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
         engines = {
-            "onnxkv": (onnxkv.Session(str(folder), threads=args.threads), onnxkv_greedy),
+            "onnxkv": (
+                onnxkv.Session(str(folder), threads=args.threads),
+                lambda sess, ids, new: onnxkv_greedy(sess, ids, new, args.cache),
+            ),
             "ort": (ort.InferenceSession(str(folder / "model.onnx"), options), ort_greedy),
         }
         for sess, run in engines.values():  # warm-up: the first steps record onnxkv's compiled step
@@ -123,6 +128,7 @@ def main() -> None:
         "versions": versions("onnxruntime"),
         "threads": args.threads,
         "shapes": {"prompt": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds},
+        "cache": args.cache,
         "results": results,
     }
     emit(doc, args.out, summary, loadavg=True)

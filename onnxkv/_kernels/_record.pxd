@@ -86,3 +86,23 @@ cdef enum:
     # from the view's first element to its last (uint8); ints (rows, row_bytes, stride): out is the rows of
     # row_bytes at span + r * stride.
     KIND_COPY_ROWS = 18
+    # S new positions of every row of a paged cache's plane written at the rows' committed lengths (an export's
+    # cache Concat in a paged state; attention.page_rows_ptr): arrays (new [B, H, S, D] C order, float32 or
+    # float16, page addresses uint64 [planes, P] (the pool's whole table), block tables int32 [B, M], lengths
+    # int64 [2, B] (row 0: the committed lengths; row 1: the end of the positions whose pages the run staged;
+    # both set before each replay), last int32 [B]: the call's scratch); ints (B, H, S, D, block size, plane,
+    # float16 rows (0 or 1), the pages' type (_record.DECODE_CACHE_TYPES), 0 x 6, P, M: read when replayed).
+    # The two tables are whole ragged externals.  Refused unless every 0 <= lengths[0, b] and lengths[0, b] + S
+    # <= lengths[1, b], and every position and page of the row passes attention.decode_paged_ok.
+    KIND_PAGE_ROWS = 19
+    # Masked attention of one query per row over a paged cache (an export's MaskedAttention, an ONNX Attention
+    # node, in a paged state; attention.decode_paged_ptr): arrays (q [B, Hq, 1, D], k and v [B, Hkv, 1, D] (the
+    # rows written first, at the committed lengths) or both None (the rows are in the pages already), mask [mb,
+    # 1, 1, T], out [B, Hq, 1, D], page addresses, block tables, lengths as KIND_PAGE_ROWS's, last, kv_start,
+    # q_pos int32 [B]: the call's scratch); ints (B, Hq, Hkv, D, block size, K plane, V plane, mb, T, mask kind
+    # (KIND_MASKED_DECODE's), causal, float16 q, k, v and out (0 or 1), the pages' type, 0, P, M); floats
+    # (scale, softcap).  The mask and the two tables are whole ragged externals (T, P and M read when
+    # replayed).  Refused unless every lengths[0, b] + 1 == T <= lengths[1, b], the mask (with the causal
+    # bound) shows each row's query one range of keys ending at its own position T - 1
+    # (attention.masked_ranges), and every position and page read passes attention.decode_paged_ok.
+    KIND_MASKED_PAGED = 20

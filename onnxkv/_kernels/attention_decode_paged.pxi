@@ -136,7 +136,7 @@ def decode_token_paged(q, k, v, cos, sin, interleaved, k_pages, v_pages, block_t
     with nogil:
         rc = decode_paged_ptr(tok[0], qs, tok[1], ks, tok[2], vs, &cv[0, 0] if rot else NULL,
                               &sv[0, 0] if rot else NULL, half, inter, &kp[0], &vp[0], &tv[0, 0], M, bs, &lv[0], B, S,
-                              Hq, Hkv, D, fscale, fsoftcap, iwindow, <void *>op, s, stats, io16, kv_type)
+                              Hq, Hkv, D, fscale, fsoftcap, iwindow, <void *>op, s, stats, io16, kv_type, NULL)
     if rc != 0:
         raise MemoryError("decode_token_paged: could not allocate the workspace")
     return {"dequantized_bytes": int(stats[0]), "workspace_peak_bytes": int(stats[1])}
@@ -181,13 +181,15 @@ cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
                           const uint64_t *vp, const int32_t *tables, int64_t M, int64_t bs, const int32_t *last,
                           int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale, float softcap,
                           int64_t window, void *out, okv_settings s, int64_t *stats, int io16,
-                          int kv_type) noexcept nogil:
+                          int kv_type, const int32_t *kv_start) noexcept nogil:
     """``decode_token_paged`` on values :func:`decode_paged_ok` accepted (it calls this, and so does the
     compiled step's replay): S tokens per row at positions ``last[b] - S + 1 .. last[b]``;
     q [B * S token rows of Hq*D, ``qs`` elements apart (row b's token t is row b * S + t)], k, v [B * S rows
-    of Hkv*D, ``ks`` / ``vs`` apart], out [B, S, Hq*D] contiguous and disjoint from the others and every
+    of Hkv*D, ``ks`` / ``vs`` apart; both NULL: the rows are in their pages already, nothing is written],
+    out [B, S, Hq*D] contiguous and disjoint from the others and every
     page, all float32 or, ``io16``, float16; pages of ``kv_type`` (OKV_KV_F32 only with float32 tokens);
-    cos, sin [> max position, half] or NULL; the pages the rows write held by the run alone.  ``stats``: the
+    cos, sin [> max position, half] or NULL; the pages the rows write held by the run alone; ``kv_start``
+    [B] or NULL (0): the first key each row's queries see.  ``stats``: the
     figures of ``paged_attention`` (dequantized bytes, workspace peak).  Returns 0, or -1 (nothing but page
     rows written) when memory runs out."""
     cdef int64_t b, t, h, p, r, page, off, maxlen = 0, esz = 4 if kv_type == OKV_KV_F32 else 2
@@ -215,7 +217,7 @@ cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
             r = b * S + t
             p = last[b] - S + 1 + t
             page, off = tables[b * M + p // bs], p % bs
-            for h in range(Hkv):
+            for h in range(Hkv if k != NULL else 0):
                 for i in range(2):   # the key row, then the value row
                     dst = <char *><size_t>(kp[page] if i == 0 else vp[page]) + (h * bs + off) * D * esz
                     src = <const char *>(k if i == 0 else v) + ((r * ks if i == 0 else r * vs) + h * D) * (
@@ -236,6 +238,7 @@ cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
     a.k_pages = kp
     a.v_pages = vp
     a.block_tables = tables
+    a.kv_start = kv_start
     a.M, a.bs = M, bs
     rc = _run_units(&a, maxlen, s, stats)
     if rc == 0 and staged:   # [B, Hq, S, D] -> [B, S, Hq, D], rounded to float16 for float16 tokens
@@ -253,3 +256,27 @@ cdef int decode_paged_ptr(const void *q, int64_t qs, const void *k, int64_t ks, 
     free(qp)
     free(ho)
     return rc
+
+
+cdef int page_rows_ptr(const void *src, const uint64_t *pages, const int32_t *tables, int64_t M, int64_t bs,
+                       const int32_t *last, int64_t B, int64_t H, int64_t S, int64_t D, int io16, int kv_type,
+                       okv_settings s) noexcept nogil:
+    """The rows ``src`` [B, H, S, D] (C order; float32, or float16 when ``io16``) written into the pages of one
+    plane (``pages``: its page addresses, pages [H, bs, D] of ``kv_type``, OKV_KV_F32 only for float32 rows)
+    at positions ``last[b] - S + 1 .. last[b]`` of each row through ``tables`` [B, M], rounded to the pages'
+    type as ``decode_paged_ptr`` writes its rows, on values :func:`decode_paged_ok` accepted (the pages held
+    by the run alone).  Returns 0, or -1 (nothing written) when memory runs out."""
+    cdef int64_t b, t, h, p, page, esz = 4 if kv_type == OKV_KV_F32 else 2, isz = 2 if io16 else 4
+    cdef float *wide = <float *>malloc(<size_t>(2 * D) * sizeof(float))
+    if wide == NULL:
+        return -1
+    for b in range(B):
+        for t in range(S):
+            p = last[b] - S + 1 + t
+            page = tables[b * M + p // bs]
+            for h in range(H):
+                _new_row(<const char *>src + ((b * H + h) * S + t) * D * isz,
+                         <char *><size_t>pages[page] + (h * bs + p % bs) * D * esz, 0, NULL, NULL, 0, D, 0, io16,
+                         kv_type, wide, wide + D, s.simd)
+    free(wide)
+    return 0

@@ -21,7 +21,7 @@ another external) -- and returns False, with nothing run, when one differs.
 An external array may be *ragged*: its last dim may differ from the
 recording's (an attention mask that grows by a column per step, a pool's page
 addresses, a state's block tables); only a call of a kind that reads its length
-from it (``KIND_MASK_LENGTHS``, ``KIND_DECODE_PAGED``, ``KIND_MASKED_DECODE``'s mask:
+from it (``KIND_MASK_LENGTHS``, the paged calls' tables, the masked calls' masks:
 ``RAGGED_WHOLE``) may take it, whole.  ``KIND_MASK_LENGTHS`` calls are *prelude* calls: they read only
 externals and run first.  An external
 may be *resizable*: a cache [B, H, Cap, D] whose capacity (dim 2) may differ
@@ -48,14 +48,14 @@ from libc.string cimport memcpy, memset, strcmp
 
 from onnxkv._kernels._record cimport (KIND_ACTIVATION, KIND_CACHE_ROWS, KIND_CONCAT, KIND_CONVERT, KIND_COPY_ROWS,
                                       KIND_DECODE_PAGED, KIND_DECODE_TOKEN, KIND_GATHER_ROWS, KIND_MASK_LENGTHS,
-                                      KIND_MASKED_DECODE, KIND_MATMUL_DYNAMIC, KIND_MATMUL_NBITS, KIND_MATMUL_PACKED,
-                                      KIND_NONPAD_DECODE, KIND_RMS_NORM, KIND_ROTARY, KIND_SCATTER_ROWS,
-                                      KIND_SKIP_RMS_NORM)
+                                      KIND_MASKED_DECODE, KIND_MASKED_PAGED, KIND_MATMUL_DYNAMIC, KIND_MATMUL_NBITS,
+                                      KIND_MATMUL_PACKED, KIND_NONPAD_DECODE, KIND_PAGE_ROWS, KIND_RMS_NORM,
+                                      KIND_ROTARY, KIND_SCATTER_ROWS, KIND_SKIP_RMS_NORM)
 from onnxkv._kernels._runtime cimport okv_settings, okv_settings_get
 from onnxkv._kernels.activation cimport act_f32_ptr
 from onnxkv._kernels.convert cimport concat_ptr, convert_ptr, copy_rows_ptr
 from onnxkv._kernels.attention cimport (decode_paged_ok, decode_paged_ptr, decode_token_ptr, masked_decode_ptr,
-                                        masked_ranges)
+                                        masked_ranges, page_rows_ptr)
 from onnxkv._kernels.gather cimport gather_rows_ptr
 from onnxkv._kernels.imatmul cimport int8_weight_address, matmul_dynamic_ptr
 from onnxkv._kernels.matmul cimport matmul_packed_ptr
@@ -70,23 +70,26 @@ WRITTEN = {KIND_MATMUL_PACKED: (3,), KIND_RMS_NORM: (2,), KIND_SKIP_RMS_NORM: (4
            KIND_GATHER_ROWS: (2,), KIND_DECODE_TOKEN: (5, 6, 9, 10, 11), KIND_MATMUL_NBITS: (3,),
            KIND_MASK_LENGTHS: (1, 2), KIND_DECODE_PAGED: (9,), KIND_MATMUL_DYNAMIC: (3,), KIND_CACHE_ROWS: (1,),
            KIND_MASKED_DECODE: (4, 6, 7, 8), KIND_ROTARY: (4,), KIND_CONVERT: (1,), KIND_SCATTER_ROWS: (1, 3, 4),
-           KIND_NONPAD_DECODE: (4, 6, 7, 8), KIND_CONCAT: (2,), KIND_COPY_ROWS: (1,)}
+           KIND_NONPAD_DECODE: (4, 6, 7, 8), KIND_CONCAT: (2,), KIND_COPY_ROWS: (1,), KIND_PAGE_ROWS: (4,),
+           KIND_MASKED_PAGED: (4, 8, 9, 10)}
 #: Operands whose values decide whether a call accepts the run (read before any call but the prelude ones runs:
 #: never written by another call of the program).
 CHECKED = {KIND_GATHER_ROWS: (1,), KIND_DECODE_TOKEN: (7, 8), KIND_DECODE_PAGED: (5, 6, 7, 8, 10),
            KIND_CACHE_ROWS: (2,), KIND_MASKED_DECODE: (3, 5), KIND_ROTARY: (3,), KIND_SCATTER_ROWS: (2,),
-           KIND_NONPAD_DECODE: (3, 5)}
+           KIND_NONPAD_DECODE: (3, 5), KIND_PAGE_ROWS: (1, 2, 3), KIND_MASKED_PAGED: (3, 5, 6, 7)}
 #: Operand count of each kind.
 _OPERANDS = {KIND_MATMUL_PACKED: 4, KIND_RMS_NORM: 3, KIND_SKIP_RMS_NORM: 6, KIND_ACTIVATION: 3, KIND_GATHER_ROWS: 3,
              KIND_DECODE_TOKEN: 12, KIND_MATMUL_NBITS: 4, KIND_MASK_LENGTHS: 3, KIND_DECODE_PAGED: 11,
              KIND_MATMUL_DYNAMIC: 4, KIND_CACHE_ROWS: 3, KIND_MASKED_DECODE: 9, KIND_ROTARY: 5, KIND_CONVERT: 2,
-             KIND_SCATTER_ROWS: 5, KIND_NONPAD_DECODE: 9, KIND_CONCAT: 3, KIND_COPY_ROWS: 2}
+             KIND_SCATTER_ROWS: 5, KIND_NONPAD_DECODE: 9, KIND_CONCAT: 3, KIND_COPY_ROWS: 2, KIND_PAGE_ROWS: 5,
+             KIND_MASKED_PAGED: 11}
 #: Kinds run before the others are admitted (they read externals only), and the operand each takes whole from a
 #: ragged external (its last dim read when replayed).
 PRELUDE = {KIND_MASK_LENGTHS: 0}
-#: (kind, operand) a kind takes whole from a ragged external, reading its last dim when replayed: a paged decode
-#: call's page addresses (into ``ints[RAGGED_P]``) and block tables (``ints[RAGGED_M]``).
-RAGGED_WHOLE = {(KIND_DECODE_PAGED, 5), (KIND_DECODE_PAGED, 6), (KIND_MASKED_DECODE, 3)}
+#: (kind, operand) a kind takes whole from a ragged external, reading its last dim when replayed: a paged call's
+#: page addresses (into ``ints[RAGGED_P]``) and block tables (``ints[RAGGED_M]``), a masked call's mask.
+RAGGED_WHOLE = {(KIND_DECODE_PAGED, 5), (KIND_DECODE_PAGED, 6), (KIND_MASKED_DECODE, 3), (KIND_PAGE_ROWS, 1),
+                (KIND_PAGE_ROWS, 2), (KIND_MASKED_PAGED, 3), (KIND_MASKED_PAGED, 5), (KIND_MASKED_PAGED, 6)}
 #: (kind, operand) a kind may take whole from a resizable external (a cache [B, H, Cap, D]), reading its capacity
 #: when replayed (``Program.execute`` sets the kind's capacity parameter).
 RESIZABLE_WHOLE = {(KIND_DECODE_TOKEN, 5), (KIND_DECODE_TOKEN, 6), (KIND_CACHE_ROWS, 1), (KIND_MASKED_DECODE, 1),
@@ -100,6 +103,7 @@ _OPAQUE = {(KIND_MATMUL_NBITS, 1), (KIND_MATMUL_DYNAMIC, 1)}
 
 include "step_checks.pxi"
 include "step_rewrites.pxi"
+include "step_cache_writes.pxi"
 
 
 cdef inline uintptr_t _addr(a):
@@ -340,6 +344,10 @@ cdef class Program:
             cl = &self.calls[c]
             if cl.kind == KIND_DECODE_PAGED:   # both whole ragged externals (checked when built)
                 cl.i[RAGGED_P], cl.i[RAGGED_M] = lens[cl.ext[5]], lens[cl.ext[6]]
+            elif cl.kind == KIND_PAGE_ROWS:
+                cl.i[RAGGED_P], cl.i[RAGGED_M] = lens[cl.ext[1]], lens[cl.ext[2]]
+            elif cl.kind == KIND_MASKED_PAGED:   # and the mask's keys
+                cl.i[RAGGED_P], cl.i[RAGGED_M], cl.i[8] = lens[cl.ext[5]], lens[cl.ext[6]], lens[cl.ext[3]]
         for c in range(self.n):    # cache calls take the capacity of this run's caches
             cl = &self.calls[c]
             if cl.kind == KIND_DECODE_TOKEN and cl.ext[5] >= 0 and self.exts[cl.ext[5]].resizable:
@@ -424,6 +432,10 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
             return False
     elif c.kind == KIND_DECODE_PAGED:
         return _paged_admitted(c)
+    elif c.kind == KIND_PAGE_ROWS:
+        return _page_rows_admitted(c)
+    elif c.kind == KIND_MASKED_PAGED:
+        return _masked_paged_admitted(c)
     elif c.kind == KIND_CACHE_ROWS:    # rows at the committed length, within the capacity
         pos = (<const int64_t *>c.p[2])[0]
         return 0 <= pos <= c.i[4] - c.i[2]
@@ -487,7 +499,7 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
                                 c.i[RAGGED_M],
                                 c.i[3], <const int32_t *>c.p[7], c.i[8], c.i[PAGED_S], c.i[0], c.i[1], c.i[2],
                                 c.f[0], c.f[1],
-                                c.i[6], c.p[9], s, stats, <int>c.i[17], <int>c.i[18])
+                                c.i[6], c.p[9], s, stats, <int>c.i[17], <int>c.i[18], NULL)
     if c.kind == KIND_MASKED_DECODE:
         return masked_decode_ptr(c.p[0], c.p[1], c.p[2], c.i[0], c.i[1], c.i[2], c.i[3], c.i[4], c.i[5], c.i[8],
                                  <const int32_t *>c.p[7], <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], c.f[1],
@@ -496,6 +508,12 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
         return masked_decode_ptr(c.p[0], c.p[1], c.p[2], c.i[0], c.i[1], c.i[2], c.i[3], c.i[4], c.i[5], c.i[8],
                                  <const int32_t *>c.p[7], <const int32_t *>c.p[8], <int32_t *>c.p[6], c.f[0], c.f[1],
                                  c.p[4], s, <int>c.i[11], <int>c.i[12], <const int64_t *>c.p[5])
+    if c.kind == KIND_PAGE_ROWS:
+        return page_rows_ptr(c.p[0], <const uint64_t *>c.p[1] + c.i[5] * c.i[RAGGED_P], <const int32_t *>c.p[2],
+                             c.i[RAGGED_M], c.i[4], <const int32_t *>c.p[4], c.i[0], c.i[1], c.i[2], c.i[3],
+                             <int>c.i[6], <int>c.i[7], s)
+    if c.kind == KIND_MASKED_PAGED:
+        return _masked_paged(c, s, stats)
     if c.kind == KIND_CACHE_ROWS:
         _cache_rows(c)
     elif c.kind == KIND_SCATTER_ROWS:
@@ -529,31 +547,6 @@ cdef inline int _dispatch(call_t *c, okv_settings s) noexcept:
     elif c.kind == KIND_COPY_ROWS:
         copy_rows_ptr(<const char *>c.p[0], <char *>c.p[1], c.i[0], c.i[1], c.i[2])
     return 0
-
-
-cdef inline void _cache_rows(const call_t *c) noexcept nogil:
-    """KIND_CACHE_ROWS (_record.pxd), admitted: each (row, head)'s S new positions copied at pos_io[0]."""
-    cdef int64_t r, S = c.i[2], D = c.i[3], Cap = c.i[4], pos = (<const int64_t *>c.p[2])[0], e = c.i[5]
-    cdef const char *src = <const char *>c.p[0]
-    cdef char *dst = <char *>c.p[1]
-    for r in range(c.i[0] * c.i[1]):
-        memcpy(dst + (r * Cap + pos) * D * e, src + r * S * D * e, <size_t>(S * D * e))
-
-
-cdef inline void _scatter_rows(const call_t *c) noexcept nogil:
-    """KIND_SCATTER_ROWS (_record.pxd), admitted: each (row, head)'s S positions from write_indices[row] saved
-    into saved[row, head], then the S new ones copied there; starts[row] = write_indices[row]."""
-    cdef int64_t b, h, B = c.i[0], H = c.i[1], S = c.i[2], D = c.i[3], Cap = c.i[4], e = c.i[5], pos
-    cdef const char *src = <const char *>c.p[0]
-    cdef char *dst = <char *>c.p[1]
-    cdef char *saved = <char *>c.p[3]
-    cdef size_t n = <size_t>(S * D * e)
-    for b in range(B):
-        pos = (<const int64_t *>c.p[2])[b]
-        (<int64_t *>c.p[4])[b] = pos
-        for h in range(H):
-            memcpy(saved + (b * H + h) * S * D * e, dst + ((b * H + h) * Cap + pos) * D * e, n)
-            memcpy(dst + ((b * H + h) * Cap + pos) * D * e, src + (b * H + h) * S * D * e, n)
 
 
 cdef inline void _mask_lengths(call_t *c) noexcept nogil:

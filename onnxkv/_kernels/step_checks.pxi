@@ -60,3 +60,23 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
             len(ints) == 3 and ints[0] >= 1 and ints[2] >= ints[1] >= 1
             and arrays[0].nbytes == (ints[0] - 1) * ints[2] + ints[1] and arrays[1].nbytes == ints[0] * ints[1]):
         raise ValueError(f"Program: row-copy call {c}: ints {list(ints)} do not describe its arrays")
+    if kind == KIND_PAGE_ROWS and not (
+            len(ints) > 15 and ints[6] in (0, 1) and ints[7] in (0, 1, 2) and (ints[6] == 0 or ints[7] != 0)
+            and min(ints[0], ints[2], ints[4]) >= 1 and arrays[0].shape == tuple(ints[:4])
+            and arrays[0].itemsize == (2 if ints[6] else 4) and arrays[1].ndim == 2 and arrays[2].ndim == 2
+            and 0 <= ints[5] < arrays[1].shape[0] and arrays[2].shape[0] == ints[0]
+            and _ints(arrays[3], 8, (2, ints[0])) and _ints(arrays[4], 4, (ints[0],))):
+        raise ValueError(f"Program: page-row call {c}: ints {list(ints)} do not describe its arrays and tables")
+    if kind == KIND_MASKED_PAGED and not (
+            len(ints) > 15 and ints[9] in (0, 1, 2) and ints[11] in (0, 1) and ints[12] in (0, 1, 2)
+            and (ints[11] == 0 or ints[12] != 0) and min(ints[0], ints[2], ints[4]) >= 1 and ints[1] % ints[2] == 0
+            and arrays[0].shape == arrays[4].shape == (ints[0], ints[1], 1, ints[3])
+            and (arrays[1] is None) == (arrays[2] is None)
+            and (arrays[1] is None or arrays[1].shape == arrays[2].shape == (ints[0], ints[2], 1, ints[3]))
+            and all(a is None or a.itemsize == (2 if ints[11] else 4) for a in arrays[:3] + arrays[4:5])
+            and arrays[3].ndim == 4 and arrays[3].shape[:3] == (ints[7], 1, 1) and ints[7] in (1, ints[0])
+            and arrays[3].itemsize == (4, 1, 2)[ints[9]] and arrays[5].ndim == 2 and arrays[6].ndim == 2
+            and 0 <= ints[5] < arrays[5].shape[0] and 0 <= ints[6] < arrays[5].shape[0]
+            and arrays[6].shape[0] == ints[0] and _ints(arrays[7], 8, (2, ints[0]))
+            and all(_ints(arrays[j], 4, (ints[0],)) for j in (8, 9, 10))):
+        raise ValueError(f"Program: paged masked call {c}: ints {list(ints)} do not describe its arrays and tables")

@@ -22,7 +22,8 @@ from libc.stdlib cimport free, malloc
 
 import numpy as np
 
-from onnxkv._kernels._record cimport KIND_CACHE_ROWS, KIND_DECODE_PAGED, KIND_DECODE_TOKEN, KIND_MASKED_DECODE
+from onnxkv._kernels._record cimport (KIND_CACHE_ROWS, KIND_DECODE_PAGED, KIND_DECODE_TOKEN, KIND_MASKED_DECODE,
+                                      KIND_MASKED_PAGED, KIND_PAGE_ROWS)
 from onnxkv._kernels._runtime cimport okv_now_ns, okv_settings, okv_settings_get
 from onnxkv._kernels.sampling cimport sample_row_f32
 from onnxkv._kernels.step cimport MAX_EXT, PAGED_S, Program, call_t, ext_t
@@ -326,6 +327,10 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                 (<int64_t *>cl.p[2])[0] += cl.i[2]
             elif cl.kind == KIND_MASKED_DECODE:   # the committed length of its caches: its S queries more
                 (<int64_t *>cl.p[5])[0] += cl.i[3]
+            elif cl.kind == KIND_PAGE_ROWS or cl.kind == KIND_MASKED_PAGED:   # row 0 of the lengths: S (1) more
+                pos_io = <int64_t *>cl.p[3 if cl.kind == KIND_PAGE_ROWS else 7]
+                for k in range(cl.i[0]):
+                    pos_io[k] += cl.i[2] if cl.kind == KIND_PAGE_ROWS else 1
         if ended:
             why = EOS
             break

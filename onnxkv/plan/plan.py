@@ -51,7 +51,7 @@ from onnxkv.plan.graph_order import dims, node_label, node_reads, topological
 from onnxkv.plan.inputs import bind
 from onnxkv.plan.lifetimes import plan_lifetimes
 from onnxkv.plan.logit_rows import LogitHead, find_head, rows_of_output
-from onnxkv.plan.ops.tensor_scatter import share_pages
+from onnxkv.plan.ops._page_readers import share_pages
 from onnxkv.plan.registry import DOMAIN_ALIASES, BuildContext, Op, lookup, refuse_internal
 from onnxkv.plan.run_loops import needed_nodes, run_plain, run_recording, segmented
 from onnxkv.plan.shape_fold import ShapeFolder

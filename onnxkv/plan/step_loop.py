@@ -284,7 +284,7 @@ def _replay(
         or logits.dtype != np.float32
         or logits.size != rows * logits.shape[-1]
         or not logits.flags.c_contiguous
-        or kinds not in (({RowsAppend, CommittedLength},) if derived else ({CacheAppend}, {PagedAppend}))
+        or kinds not in (({RowsAppend, CommittedLength}, {PagedAppend}) if derived else ({CacheAppend}, {PagedAppend}))
         or any(r not in (1, rows) for _, _, r, _, _ in derived.values())
         or (finished is not None and finished.shape != (rows,))
     ):
@@ -320,7 +320,7 @@ def _replay(
         ("mask" in where) == bool(derived)
     ):
         return None
-    if derived:  # every row at the past the caches hold
+    if derived and not paged:  # every row at the past the caches hold
         at = np.full(rows, mask.shape[1] - 1, np.int64)
     starts = [effect.lengths[0].copy() for effect, _ in seg.effects] if paged else []
     if at is not None:  # the committed bytes the steps may write over (rows below the longest) kept

@@ -150,10 +150,12 @@ def test_a_paged_loop_stopped_by_an_end_of_sequence_id_holds_no_page_past_it(blo
         st._store.pool.audit()
 
 
-def test_paged_decode_steps_copy_a_shared_page_before_writing_it():
+@pytest.mark.parametrize("which", ["embedded", "concat", "mistral_torch"])
+def test_paged_decode_steps_copy_a_shared_page_before_writing_it(which):
     """A fork shares the pages: the loop's first write into the shared last page copies it for this state,
-    and the other state's pages keep their bytes."""
-    model = _models()["embedded"]
+    and the other state's pages keep their bytes (a GroupQueryAttention step's fused calls, or an export's
+    page-row and masked calls)."""
+    model = _models()[which]
     sess = onnxkv.Session(model, threads=1)
     with sess.new_state(cache=CacheConfig("paged", block_size=16)) as st:
         b, feeds, _ = _start(sess, st, np.array([[1, 7, 9, 4, 12]]), 2)

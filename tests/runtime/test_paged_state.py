@@ -570,9 +570,9 @@ def test_sliding_window_state_round_trips():
 @pytest.mark.parametrize("family", ["gqa", "concat"])
 def test_a_float16_files_paged_state_gathers_its_pasts_as_the_float32_files_does(family, monkeypatch):
     """The float16 converter casts each past before the attention (or the Concat) reads it; the session moves
-    those Casts to its boundary, so a paged state feeds placeholders where the float32 file's does: no copy of
-    a GroupQueryAttention model's planes (its attention reads the pages); a Concat export's attention reads
-    gathered caches in both."""
+    those Casts to its boundary, so a paged state feeds placeholders where the float32 file's does: no decode
+    step copies the planes in either (a GroupQueryAttention model's attention reads the pages, and so does a
+    Concat export's MaskedAttention, whose Concats hand it placeholders)."""
     pytest.importorskip("onnxruntime")
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
@@ -591,7 +591,8 @@ def test_a_float16_files_paged_state_gathers_its_pasts_as_the_float32_files_does
         with session.new_state(cache=CacheConfig("paged", block_size=4)) as st:
             b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([9]), 0, thread_cache=False)
             out = st.run(b.first()[0], ["logits"])
+            gathered.clear()  # (a float16 file's prompt hides its later keys with a finite bound: copies)
             for _ in range(5):
                 out = st.run(b.next(out["logits"][:, -1].argmax(-1)[:, None], out), ["logits"])
         counts.append(len(gathered))
-    assert counts[0] == counts[1] and (counts[0] == 0) == (family == "gqa")
+    assert counts == [0, 0]

@@ -29,7 +29,7 @@ from onnxkv.plan.ops._gqa_record import rows_span
 if TYPE_CHECKING:
     from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
 
-__all__ = ["PagedAppend", "paged_decode"]
+__all__ = ["PagedAppend", "fused_cache", "paged_decode"]
 
 _I32 = np.dtype(np.int32)
 
@@ -57,7 +57,7 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     if caches is None or past_k_name not in caches or past_v_name not in caches or past_key is None:
         return None
     ck, cv = caches[past_k_name], caches[past_v_name]
-    cache = _fused_cache((ck, cv))
+    cache = fused_cache((ck, cv))
     if cache is None:
         return None
     if (
@@ -135,7 +135,7 @@ def paged_decode(op: GroupQueryAttention, inputs: list, rt: RunContext) -> tuple
     return (output, *presents)[: len(op.node.output)]
 
 
-def _fused_cache(planes) -> object | None:
+def fused_cache(planes) -> object | None:
     """The one paged cache every plane of ``planes`` is a plane of, all of one storage (float32, float16 or
     bfloat16), when the fused call may write it (every page native, no format selector reading the run's
     writes); else None."""
@@ -173,50 +173,59 @@ def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.nd
     rec.cache((first, "tables"), tables)
     rec.ragged_last(addresses)
     rec.ragged_last(tables)
-    rec.effect(PagedAppend(op._past_names, lengths, op.has_present, ck.block_size, n))
+    presents = tuple((i + 1, op._past_names[i]) for i in (0, 1) if op.has_present[i])
+    rec.effect(PagedAppend(op._past_names, lengths, presents, ck.block_size, n))
 
 
 class PagedAppend:
-    """The effect of a recorded paged decode call (``_record.KIND_DECODE_PAGED``) on the run's paged cache.
+    """The effect of a recorded call that writes (or reads) a run's paged cache at the rows' committed lengths:
+    a paged decode call (``_record.KIND_DECODE_PAGED``), a cache Concat's rows (``KIND_PAGE_ROWS``), a masked
+    attention over the pages (``KIND_MASKED_PAGED``, which writes its own rows or reads rows an earlier call
+    wrote: ``writes`` False).
 
-    The paged decode calls of one segment (one per layer) write one state's cache: :meth:`group` makes the
+    The paged calls of one segment (one or three per layer) write one state's cache: :meth:`group` makes the
     first effect of a segment the *leader* of the others, which then do nothing but follow it.
 
     ``before(caches, steps)`` (the leader's) declines (False: the step is stale) unless every plane of the
-    group is a paged float32 plane of one cache whose pages are all native and whose writes no format
+    group is a paged plane of one cache whose pages are all native and whose writes no format
     selector reads, with the recorded batch and block size (the calls address pages by it); it sets
     ``lengths[0]`` of every effect of the group to the committed lengths (the positions the calls check)
     and stages the pages the rows write in the next ``steps`` runs (``tokens`` positions per row each;
     :meth:`PagedCache.prepare`, as :func:`paged_decode` does for one), whose end is ``lengths[1]`` (a call
-    refuses a position past it).  ``after(rt)`` stages the appended rows of every plane of the group (the
+    refuses a position past it).  ``after(rt)`` stages the appended rows of every plane the group writes (the
     leader) and returns ``(output index, placeholder)`` for the node's present outputs; :meth:`stage` stages
     the rows of several steps (the compiled generation loop, one token per step, which advances
     ``lengths[0]`` itself).
     """
 
-    __slots__ = ("names", "lengths", "outputs", "block_size", "tokens", "followers", "leads", "group_names",
-                 "present_len")  # fmt: skip
+    __slots__ = ("names", "lengths", "outputs", "presents", "block_size", "tokens", "writes", "followers", "leads",
+                 "group_names", "present_len")  # fmt: skip
 
     def __init__(
         self,
-        names: tuple[str, str],
+        names: tuple[str, ...],
         lengths: np.ndarray,
-        has_present: tuple[bool, bool],
+        presents: tuple[tuple[int, str], ...],
         block_size: int,
         tokens: int = 1,
+        writes: bool = True,
     ) -> None:
         self.names = names
         self.lengths = lengths
         self.block_size = block_size
         #: New tokens per row of the recorded call (its ``S``).
         self.tokens = tokens
-        #: The node outputs this effect sets (present key 1, present value 2).
-        self.outputs = tuple(i + 1 for i in (0, 1) if has_present[i])
+        #: Whether the call writes the rows of ``names`` (else it reads rows another call wrote).
+        self.writes = writes
+        #: (node output index, past name) of each present output this effect sets (a placeholder).
+        self.presents = presents
+        #: The node outputs this effect sets.
+        self.outputs = tuple(i for i, _ in presents)
         #: The effects this one leads (see :meth:`group`), and whether it leads (else another leads it).
         self.followers: list[PagedAppend] = []
         self.leads = True
-        #: The past names of the group (the leader's and its followers', in call order).
-        self.group_names: tuple[str, ...] = names
+        #: The past names the group writes (the leader's and its followers', in call order, once each).
+        self.group_names: tuple[str, ...] = names if writes else ()
         #: The length of the presents after the run (set by the leader's :meth:`before`).
         self.present_len = 0
 
@@ -225,17 +234,17 @@ class PagedAppend:
         """Make the first :class:`PagedAppend` of ``effects`` (a segment's, in call order) lead the others."""
         paged = [e for e in effects if type(e) is PagedAppend]
         for e in paged[1:]:
-            e.leads, e.followers, e.group_names = False, [], e.names
+            e.leads, e.followers, e.group_names = False, [], e.names if e.writes else ()
         if paged:
             lead = paged[0]
             lead.leads, lead.followers = True, paged[1:]
-            lead.group_names = tuple(n for e in paged for n in e.names)
+            lead.group_names = tuple(dict.fromkeys(n for e in paged if e.writes for n in e.names))
 
     def before(self, caches: dict, steps: int = 1) -> bool:
         if not self.leads:
             return True
-        planes = [caches[n] for n in self.group_names]
-        cache = _fused_cache(planes)
+        planes = [caches[n] for n in self.group_names or self.names]
+        cache = fused_cache(planes)
         if cache is None or planes[0].block_size != self.block_size:
             return False
         committed = cache.table.lengths
@@ -248,7 +257,8 @@ class PagedAppend:
         for e in self.followers:
             e.lengths[...] = self.lengths
             e.present_len = self.present_len
-        cache.prepare(self.lengths[0], n)
+        if self.group_names:  # (a group that only reads stages nothing: the nodes that wrote its rows did)
+            cache.prepare(self.lengths[0], n)
         return True
 
     def after(self, rt: RunContext) -> list:
@@ -258,11 +268,11 @@ class PagedAppend:
                 for name in self.group_names:
                     plane = rt.caches[name]
                     rt.cache_staged(name, plane.cache.append_cost(plane.index, self.lengths.shape[1], self.tokens))
-        return [(i, rt.caches[self.names[i - 1]].placeholder(self.present_len)) for i in self.outputs]
+        return [(i, rt.caches[name].placeholder(self.present_len)) for i, name in self.presents]
 
     def stage(self, caches: dict, starts: np.ndarray, steps: int) -> None:
         """Stage ``steps`` rows appended from ``starts`` (int64 [B]) in every plane of the group (the
         leader, whose :meth:`before` found them planes of one cache; a follower stages nothing)."""
-        if self.leads:
+        if self.leads and self.group_names:
             planes = [caches[name] for name in self.group_names]
             planes[0].cache.appended([p.index for p in planes], starts, steps)

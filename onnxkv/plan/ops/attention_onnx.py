@@ -76,8 +76,9 @@ from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops import _attention_segments as segment_run
 from onnxkv.plan.ops._attention_math import causal_attention, check_written, dense_attention, paged_causal_attention
 from onnxkv.plan.ops._export_record import note_attention_decode
+from onnxkv.plan.ops._page_readers import page_pasts, paged_state, read_pages
+from onnxkv.plan.ops._paged_record import note_attention_paged
 from onnxkv.plan.ops._segments import cache_segments
-from onnxkv.plan.ops._static_cache import static_pages, static_pasts
 from onnxkv.plan.ops._static_record import note_nonpad_decode
 from onnxkv.plan.ops._util import BF16 as _BF16
 from onnxkv.plan.ops.masked_attention import MASKED, cached_mask_ranges, visible_ranges
@@ -225,9 +226,9 @@ class Attention23(Op):
         if not self.bound and self.has_nonpad:  # K and V may be static caches, which a recorded call takes by name
             self.replay_unread = (1, 2)
         #: The pasts of the static caches whose TensorScatter presents are K and V, or None.
-        self.static_pasts = static_pasts(node, ctx) if self.has_nonpad and not self.bound else None
-        #: Set by the plan (tensor_scatter.share_pages): in a paged state K and V are placeholders, and the node
-        #: reads the pages of the caches ``static_pasts`` names.
+        self.page_pasts = page_pasts(node, ctx, "tensor_scatter") if self.has_nonpad and not self.bound else None
+        #: Set by the plan (_page_readers.share_pages): in a paged state K and V are placeholders, and the node
+        #: reads the pages of the caches ``page_pasts`` names.
         self.pages_given = False
 
     def _input_error(self, message: str) -> InputError:
@@ -243,9 +244,9 @@ class Attention23(Op):
     def page_input(self, index: int) -> str | None:
         """The past whose pages this node reads itself in a paged state instead of input ``index`` (K: 1, V:
         2, each a static cache's TensorScatter present), or None."""
-        if self.static_pasts is None or index not in (1, 2) or self.node.input[1] == self.node.input[2]:
+        if self.page_pasts is None or index not in (1, 2) or self.node.input[1] == self.node.input[2]:
             return None
-        return self.static_pasts[index - 1]
+        return self.page_pasts[index - 1]
 
     def compilable(self, inputs: list) -> bool:
         """Bound to a state's caches, or reading ``nonpad_kv_seqlen`` (a static cache form's), with no window
@@ -340,13 +341,8 @@ class Attention23(Op):
             present_k, present_v = k, v
         if keys is None:
             keys, values = present_k, present_v
-        if (
-            self.pages_given
-            and rt.in_place(self.static_pasts[0])
-            and getattr(rt.caches[self.static_pasts[0]], "paged", False)
-        ):
-            # K and V are placeholders: read the pages
-            keys, values, paged = static_pages(rt, self.static_pasts, seen, kv_len, total)
+        if paged_state(rt, self):  # K and V are placeholders: read the pages
+            keys, values, paged = read_pages(rt, self.page_pasts, seen, kv_len, total)
             fast = fast and paged
         if k.dtype in _NARROW and isinstance(keys, np.ndarray) and not (fast and k.dtype == np.float16):
             # float32 copies, but for the kernel: it converts float16 arrays and narrow pages in its load step
@@ -367,6 +363,8 @@ class Attention23(Op):
                 causal_attention(q, keys, values, kv_len, q_pos, scale, self.softcap, window, y, kv_start=kv_start)
             if rec is not None and nonpad is not None and not in_place and window < 0:
                 note_nonpad_decode(self, rec, rt, q, keys, values, mask, inputs[6], y, y_out, scale)
+            elif rec is not None and paged and in_place and window < 0 and nonpad is None and self.page_pasts is None:
+                note_attention_paged(self, rec, rt, (q, k, v, mask, y, y_out), starts, past_len, scale)
             elif rec is not None:
                 decode = (q, k, v, mask, y, y_out) if in_place and not paged and window < 0 and nonpad is None else None
                 note_attention_decode(self, rec, rt, decode, starts, past_len, scale)

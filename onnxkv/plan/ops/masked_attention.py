@@ -75,8 +75,11 @@ from onnxkv._kernels._record import current as _recorder
 from onnxkv.errors import InputError
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.fusion import MASKED_ATTENTION_INPUTS, REPEAT_KV_INPUTS, RESHAPE_FROM_X, reshape_from_x
+from onnxkv.plan.ops._attention_math import paged_causal_attention
 from onnxkv.plan.ops._body import Body
 from onnxkv.plan.ops._export_record import bound_cache_name, note_masked_decode, replayable_mask
+from onnxkv.plan.ops._page_readers import page_pasts, paged_state, read_pages
+from onnxkv.plan.ops._paged_record import note_masked_paged
 from onnxkv.plan.ops._util import LayoutMemo, int_list, round_into, widened
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -313,6 +316,18 @@ class MaskedAttention(Op):
         #: The softcap the kernel applies (0: none), or None when the block caps its scores with operands the
         #: kernel cannot take (not two equal positive constants: the body then always runs).
         self._softcap: float | None = self._capped(ctx)
+        #: The pasts of the export's cache Concats whose presents are K and V, or None.
+        self.page_pasts = page_pasts(node, ctx, "concat")
+        #: Set by the plan (``_page_readers.share_pages``): in a paged state K and V are placeholders, and the
+        #: node reads the pages of the caches ``page_pasts`` names.
+        self.pages_given = False
+
+    def page_input(self, index: int) -> str | None:
+        """The past whose pages this node reads itself in a paged state instead of input ``index`` (K: 1, V:
+        2, each the present of an export's cache Concat), or None."""
+        if self.page_pasts is None or index not in (_K, _V) or self.node.input[_K] == self.node.input[_V]:
+            return None
+        return self.page_pasts[index - _K]
 
     def _capped(self, ctx: BuildContext) -> float | None:
         names = self.node.input
@@ -375,6 +390,11 @@ class MaskedAttention(Op):
                 f"{self.op_type} node '{self.name}': the batch is empty (query shape {q.shape}); "
                 "expected at least one row"
             )
+        if paged_state(rt, self):  # K and V are placeholders
+            y, inputs = self._on_pages(inputs, rt)
+            if y is not None:
+                return (y,)
+            q, k, v = inputs[_Q], inputs[_K], inputs[_V]
         scale = self._memo.get(self._key(inputs), self._scale, inputs)
         b, _, s, _ = q.shape
         ranges = None if scale is None else cached_mask_ranges(inputs[_MASK], b, s, k.shape[2])
@@ -422,6 +442,46 @@ class MaskedAttention(Op):
                         sub[i] = x[..., rows, :]
             out[:, :, rows] = self._literal(sub, rt)
         return (out,)
+
+    def _on_pages(self, inputs: list, rt: RunContext) -> tuple[np.ndarray | None, list]:
+        """``(Y, inputs)`` with Y read by the paged streaming kernel from the pages of the caches
+        ``page_pasts`` names; ``(None, inputs with K and V gathered copies)`` when the kernel cannot take the
+        call (the conditions of the module docstring; a query that sees no key, or a float16 mask's finite
+        values, whose bound reads the keys), for the paths over arrays.  (Every row wrote every position the
+        mask may show: the Concats refuse to write a row past what it has written.)"""
+        q, k, mask = inputs[_Q], inputs[_K], inputs[_MASK]
+        scale = self._memo.get(self._key(inputs), self._scale, inputs)
+        b, _, s, _ = q.shape
+        t = k.shape[2]
+        ranges = None if scale is None else cached_mask_ranges(mask, b, s, t)
+        if ranges is not None:  # a finite float16 bound that hides keys: bounded by the keys' values (arrays)
+            hides = bool(ranges[0].any()) or int(ranges[1].min()) < t - 1
+            finite = mask.dtype == np.float16 and hides and np.isfinite(mask[mask != 0]).any()
+            ranges = None if finite or ranges[2].any() else ranges
+        kv_len = np.full(b, t, np.int32)
+        keys, values, paged = read_pages(rt, self.page_pasts, None if ranges is None else (*ranges[:2], -1), kv_len, t)
+        if not paged:
+            inputs = list(inputs)
+            inputs[_K], inputs[_V] = keys, values
+            return None, inputs
+        kv_start, q_pos, _ = ranges
+        out = rt.empty(0, q.shape, q.dtype)
+        half = q.dtype == np.float16
+        wq = widened(q, rt) if half else np.ascontiguousarray(q)
+        wide = rt.scratch(q.shape, np.float32) if half else out
+        stats = paged_causal_attention(
+            wq, keys, values, kv_len, q_pos, scale, self._softcap, -1, wide, kv_start if kv_start.any() else None
+        )
+        rt.count(**stats)
+        if half:
+            round_into(out, wide)
+            rt.unscratch(wq, wide)
+        rec = _recorder()  # a replay reads the node's own query (a float16 one widened by the call)
+        if rec is not None and not note_masked_paged(
+            self, rec, rt, self.page_pasts, q, None, mask, out, scale, self._softcap, False
+        ):
+            rec.refused.append(f"{self.op_type} node '{self.name}': not a decode over a paged state's native pages")
+        return out, inputs
 
     def _note(self, rec, rt: RunContext, inputs: list, q, k_rows, v_rows, out, scale: float, empty) -> None:
         """Note the kernel call just made (a recording thread), or refuse the recording when a replay could not

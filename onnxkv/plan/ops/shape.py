@@ -9,7 +9,9 @@ Operators that can return a view of their data input declare
 output (``present.*``) counts its copies: the bytes of the past input as
 ``prefix_copied_bytes`` and the new tokens as ``append_copied_bytes``.
 When a state binds that past to a persistent cache, the Concat becomes an
-in-place append and its output a zero-copy view of the valid cache.
+in-place append and its output a zero-copy view of the valid cache; in a
+paged state a gathered copy, or a placeholder when every reader reads the
+pages itself (:mod:`onnxkv.plan.ops._page_readers`).
 
 Operators whose output size comes from input *values* (ConstantOfShape,
 Expand, Tile, Range) check the size they are asked for before allocating:
@@ -34,6 +36,7 @@ from onnxkv._kernels.convert import concat_pair, copy_rows
 from onnxkv._kernels.gather import gather_rows
 from onnxkv.errors import InputError, OperatorError
 from onnxkv.plan.ops._export_record import note_cache_rows, rows_appendable
+from onnxkv.plan.ops._paged_record import note_page_rows
 from onnxkv.plan.ops._util import int_list, normalize_axes, normalize_axis
 from onnxkv.plan.registry import BuildContext, Op, register
 
@@ -236,6 +239,10 @@ class Concat(Op):
         #: Inputs a recorded call does not read: a cache append's past view (it writes the cache buffer
         #: directly); a ``concat_pair`` call reads both.
         self.replay_unread = (0,) if self.bound_past is not None else ()
+        #: Every reader of the present reads the pages of a paged state's cache itself (an export's
+        #: MaskedAttention; ``_page_readers.share_pages``): in a paged state the node then returns a placeholder
+        #: instead of a gathered copy of the past.
+        self.pages_read = False
 
     def compilable(self, inputs: list) -> bool:
         """A cache Concat bound to a state's past: its in-place append to a contiguous float32 cache is a
@@ -263,7 +270,9 @@ class Concat(Op):
             # In place: append the new positions to the state's cache; readers get a view.
             past, new = inputs
             length = past.shape[2]
-            present = rt.cache_write(self.bound_past, new, length, length + new.shape[2], materialize=True)
+            present = rt.cache_write(
+                self.bound_past, new, length, length + new.shape[2], materialize=not self.pages_read
+            )
             rec = _recorder()
             if rec is not None:
                 self._note(rec, rt, past, new)
@@ -292,8 +301,12 @@ class Concat(Op):
 
     def _note(self, rec, rt, past: np.ndarray, new: np.ndarray) -> None:
         """Note the append just made (a recording thread), or refuse the recording when a replay could not
-        make it: a copy other than :func:`rows_appendable`'s, or an append at other than the committed length."""
+        make it: a copy other than :func:`rows_appendable`'s, or an append at other than the committed length
+        (into a paged cache whose readers read the pages: :func:`note_page_rows`'s conditions)."""
         cache = rt.caches[self.bound_past]
+        if getattr(cache, "paged", False) and self.pages_read:
+            note_page_rows(self, rec, rt, self.bound_past, new, past.shape[2])
+            return
         if not rows_appendable(cache, new) or past.shape[2] != cache.length:
             rec.refused.append(f"Concat node '{self.name}': not a plain append to a contiguous cache")
             return

@@ -22,7 +22,7 @@ linear mode): the cache saves the slots it overwrites and puts them back if
 the run fails or is cancelled, and its length becomes the high-water mark of
 the positions written (see :mod:`onnxkv.cache.contiguous`).  The present is then a view of the
 cache; in a paged state a gathered copy, or a placeholder when every node reading it reads the
-cache's pages itself (:func:`share_pages`: the form's ``Attention``, :mod:`._static_cache`).
+cache's pages itself (:func:`._page_readers.share_pages`: the form's ``Attention``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._static_record import note_scatter_rows
 from onnxkv.plan.registry import BuildContext, Op, register
 
-__all__ = ["TensorScatter", "share_pages"]
+__all__ = ["TensorScatter"]
 
 
 @register("TensorScatter", since=24)
@@ -55,7 +55,7 @@ class TensorScatter(Op):
         if self.axis == 0:
             raise self.error("axis must not be 0 (the batch axis)")
         self.bound_past = node.input[0] if ctx.bindings_for(node) else None
-        #: Every reader of the present reads the pages of a paged state's cache itself (:func:`share_pages`):
+        #: Every reader of the present reads the pages of a paged state's cache itself (``_page_readers.share_pages``):
         #: in a paged state the node then returns a placeholder instead of a gathered copy.
         self.pages_read = False
 
@@ -140,35 +140,3 @@ class TensorScatter(Op):
             append_copied_bytes=update.nbytes,
         )
         return (present,)
-
-
-def share_pages(nodes: list, kernels: list) -> None:
-    """Let the in-place ``TensorScatter`` kernels of a built plan (``nodes`` and their ``kernels``) return a
-    placeholder in paged states where every node reading their present reads the pages itself: a kernel whose
-    ``page_input(index)`` names the past bound to that TensorScatter (an ONNX ``Attention`` over the static
-    caches, :class:`~onnxkv.plan.ops.attention_onnx.Attention24`).  Sets ``pages_read`` on those
-    TensorScatter kernels and ``pages_given`` on the readers whose K and V both come so."""
-    readers: dict[str, list] = {}
-    for node, kernel in zip(nodes, kernels):
-        for index, name in enumerate(node.input):
-            readers.setdefault(name, []).append((kernel, index))
-    deferred = set()
-    for node, kernel in zip(nodes, kernels):
-        if isinstance(kernel, TensorScatter) and kernel.bound_past is not None:
-            took = readers.get(node.output[0], [])
-            page_input = [getattr(r, "page_input", None) for r, _ in took]
-            if took and all(f is not None and f(i) == kernel.bound_past for f, (_, i) in zip(page_input, took)):
-                deferred.add(kernel.bound_past)
-    readers_of_pages = [k for k in kernels if getattr(k, "static_pasts", None) is not None]
-    changed = True
-    while changed:  # a reader whose K or V still comes as a copy takes both as copies: its other one must too
-        changed = False
-        for kernel in readers_of_pages:
-            if not all(p in deferred for p in kernel.static_pasts) and any(p in deferred for p in kernel.static_pasts):
-                deferred.difference_update(kernel.static_pasts)
-                changed = True
-    for kernel in kernels:
-        if isinstance(kernel, TensorScatter):
-            kernel.pages_read = kernel.bound_past in deferred
-    for kernel in readers_of_pages:
-        kernel.pages_given = all(p in deferred for p in kernel.static_pasts)

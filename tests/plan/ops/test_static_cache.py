@@ -1,4 +1,4 @@
-"""The static-cache form in paged states (onnxkv.plan.ops._static_cache): the TensorScatter nodes hand their
+"""The static-cache form in paged states (onnxkv.plan.ops._page_readers): the TensorScatter nodes hand their
 readers placeholders and each layer's Attention reads the caches' pages, so a decode step copies no past; the
 results equal a contiguous state's (to the paged kernel's summation order), and a row whose visible keys lie in
 blocks it never wrote falls back to gathered copies (zeros there)."""
@@ -11,7 +11,7 @@ from static_feeds import static_feeds
 
 import onnxkv
 from onnxkv import CacheConfig
-from onnxkv.plan.ops._static_cache import static_pages
+from onnxkv.plan.ops._page_readers import read_pages
 from onnxkv.plan.ops.attention_onnx import Attention24
 from onnxkv.plan.ops.tensor_scatter import TensorScatter
 from onnxkv.zoo.builders import MICRO, build_model
@@ -73,7 +73,7 @@ def test_rows_at_their_own_positions_on_pages_equal_a_contiguous_state(model):
 
 
 class _Plane:
-    """A paged plane as static_pages reads it: tables, block size, gather."""
+    """A paged plane as read_pages reads it: tables, block size, gather."""
 
     def __init__(self, tables, values):
         self.tables, self.block_size, self.values = np.asarray(tables, np.int32), 4, values
@@ -97,18 +97,18 @@ def test_blocks_without_a_page_are_read_from_gathered_copies():
     seen = (None, np.array([[8], [9]]), -1)
     kv_len = np.array([9, 10])
     run = _Run(whole)
-    keys, values_read, paged = static_pages(run, ("k", "v"), seen, kv_len, 12)
+    keys, values_read, paged = read_pages(run, ("k", "v"), seen, kv_len, 12)
     assert paged and keys is whole["k"] and values_read is whole["v"] and not run.counted
     run = _Run(holed)
-    keys, _, paged = static_pages(run, ("k", "v"), seen, kv_len, 12)
+    keys, _, paged = read_pages(run, ("k", "v"), seen, kv_len, 12)
     assert not paged and isinstance(keys, np.ndarray) and keys.shape == (2, 1, 12, 2)
     assert run.counted == [
         {"allocations": 2, "allocated_bytes": 2 * keys.nbytes, "prefix_copied_bytes": 2 * keys.nbytes}
     ]
     # a row starting past the hole (kv_start) reads the pages; no ranges (the dense path) gathers
-    assert static_pages(_Run(holed), ("k", "v"), (np.array([0, 8]), seen[1], -1), kv_len, 12)[2]
-    assert not static_pages(_Run(whole), ("k", "v"), None, kv_len, 12)[2]
-    assert not static_pages(_Run(whole), ("k", "v"), seen, np.array([9, 13]), 12)[2]  # past the tables
+    assert read_pages(_Run(holed), ("k", "v"), (np.array([0, 8]), seen[1], -1), kv_len, 12)[2]
+    assert not read_pages(_Run(whole), ("k", "v"), None, kv_len, 12)[2]
+    assert not read_pages(_Run(whole), ("k", "v"), seen, np.array([9, 13]), 12)[2]  # past the tables
 
 
 def test_beam_search_on_paged_static_caches_equals_tensor_caches(model):
