@@ -57,7 +57,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
                  const double[::1] uniforms=None, uint8_t[::1] finished=None, int64_t pad=0,
                  const int64_t[::1] mask_ones=None, const int64_t[:, ::1] derived=None,
                  const double[:, ::1] derived_values=None, Program head=None, list head_externals=None,
-                 int head_token_ext=-1, int head_position_ext=-1):
+                 int head_token_ext=-1, int head_position_ext=-1, const int64_t[::1] derived_starts=None):
     """Run up to ``count = len(tokens)`` decode steps of ``program`` for its B rows; return ``(steps, why)``.
 
     ``externals`` are the program's external arrays (checked as :meth:`Program.run` checks them), bound
@@ -69,13 +69,16 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     columns ones and the rest zeros (the loop writes it before each step);
     ``mask_ext`` may be -1 when ``derived`` is given: no node of the program reads the mask, the masks
     derived from it (all ones, ``mask_len + t`` columns at step ``t``) stand for it.
-    ``derived`` (int64 [n, 4], with ``derived_values`` float64 [n, 2]; or None) describes, per row, an
+    ``derived`` (int64 [n, 5], with ``derived_values`` float64 [n, 2]; or None) describes, per row, an
     external the loop writes before each step as the ``ExportMask`` formula gives it for one query at
-    position ``mask_len + t - 1`` over an all-ones mask (``mask_ones`` must be None): ``(external, kind,
-    window, rows)``, the external ragged ``[rows, 1, 1, M]`` (rows 1 or B; ``mask_len + count - 1 <= M``)
-    of float32 (kind 0: ``derived_values[d, 0]`` where key ``k`` is visible, ``[d, 1]`` where hidden) or
-    bool (kind 1), C-contiguous as step ``t`` reads it ([rows, 1, 1, T = mask_len + t]); key ``k`` is
-    visible when ``window`` is 0 or ``k > T - 1 - window``.
+    position ``mask_len + t - 1`` over an all-ones mask, or over a left-padded one (``derived_starts``,
+    int64 [B] or None: row ``b``'s first ``derived_starts[b]`` columns zeros, each in [0, mask_len);
+    ``mask_ones`` must be None): ``(external, kind, window, rows, padded)``, the external ragged ``[rows,
+    1, 1, M]`` (rows 1 or B; ``mask_len + count - 1 <= M``) of float32 (kind 0: ``derived_values[d, 0]``
+    where key ``k`` is visible, ``[d, 1]`` where hidden) or bool (kind 1), C-contiguous as step ``t`` reads
+    it ([rows, 1, 1, T = mask_len + t]); key ``k`` is visible when ``window`` is 0 or ``k > T - 1 -
+    window``, and, for a mask the formula reads (``padded`` 1, then rows B when ``derived_starts`` is
+    given), ``k >= derived_starts[r]``.
     ``externals[position_ext]`` (or -1: none) the tokens' positions (int64, one per row), one more each
     step.  ``head`` (or None) is a program run before ``program`` in every step, on ``head_externals``
     (checked and bound as ``program``'s), which must write nothing but its own memory (no cache);
@@ -162,7 +165,8 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     if mask_ext >= 0 and (not program.exts[mask_ext].ragged or program.exts[mask_ext].ndim != 2
                           or program.exts[mask_ext].shape[0] != B):
         raise ValueError(f"decode_steps: external {mask_ext} is not the ragged [{B}, L] mask of the rows' step")
-    _check_derived(program, derived, derived_values, n_derived, B, (token_ext, mask_ext, position_ext), mask_ones)
+    _check_derived(program, derived, derived_values, n_derived, B, (token_ext, mask_ext, position_ext), mask_ones,
+                   derived_starts, mask_len)
     for prog, c in ((program, token_ext), (program, position_ext), (head, head_token_ext), (head, head_position_ext)):
         if c >= 0 and not _one_int64_per_row(prog, c, B):
             raise ValueError(f"decode_steps: external {c} must be int64, one per row (token ids or positions)")
@@ -194,7 +198,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     try:
         return _steps(program, bases, lens, token, position, mask_ext, mask_len, logits, ends, tokens, seconds,
                       temps, ks, ps, uniforms, p, work, order, s, finished, pad, mask_ones, derived, derived_values,
-                      head, hbases, hlens, heads)
+                      head, hbases, hlens, heads, derived_starts)
     finally:
         free(p)
         free(order)
@@ -207,21 +211,34 @@ cdef bint _one_int64_per_row(Program program, int c, int64_t B):
 
 
 cdef _check_derived(Program program, const int64_t[:, ::1] derived, const double[:, ::1] values, int64_t n,
-                    int64_t B, tuple taken, const int64_t[::1] mask_ones):
+                    int64_t B, tuple taken, const int64_t[::1] mask_ones, const int64_t[::1] starts,
+                    int64_t mask_len):
     """Raise ValueError unless every row of ``derived`` (see :func:`decode_steps`) names a distinct external,
     none of ``taken``, that is a ragged [rows, 1, 1, M] float32 (kind 0) or bool (kind 1) array, with a
-    window >= 0, rows 1 or B, and ``values`` [n, 2] beside it; and ``mask_ones`` is None when n > 0."""
-    cdef int64_t d, e, kind, window, rows
+    window >= 0, rows 1 or B (B when it is padded and ``starts`` are given), padded 0 or 1, and ``values``
+    [n, 2] beside it; ``mask_ones`` is None when n > 0; ``starts`` (or None) [B] in [0, mask_len) and given
+    only with ``derived``."""
+    cdef int64_t d, e, kind, window, rows, padded
     cdef ext_t *x
+    if starts is not None:
+        if n == 0 or starts.shape[0] != B:
+            raise ValueError(f"decode_steps: derived_starts must come with derived masks, one per row ({B})")
+        for d in range(B):
+            if not 0 <= starts[d] < mask_len:
+                raise ValueError(f"decode_steps: derived_starts[{d}] = {starts[d]} is not in [0, {mask_len})")
     if n == 0:
         return
-    if values is None or values.shape[0] != n or values.shape[1] != 2 or derived.shape[1] != 4:
-        raise ValueError(f"decode_steps: derived must be int64 [n, 4] with derived_values float64 [n, 2], n = {n}")
+    if values is None or values.shape[0] != n or values.shape[1] != 2 or derived.shape[1] != 5:
+        raise ValueError(f"decode_steps: derived must be int64 [n, 5] with derived_values float64 [n, 2], n = {n}")
     if mask_ones is not None:
-        raise ValueError("decode_steps: derived masks stand for an all-ones mask (mask_ones must be None)")
+        raise ValueError("decode_steps: derived masks stand for an all-ones or left-padded mask (mask_ones must be "
+                         "None)")
     seen = set(c for c in taken if c >= 0)
     for d in range(n):
-        e, kind, window, rows = derived[d, 0], derived[d, 1], derived[d, 2], derived[d, 3]
+        e, kind, window, rows, padded = derived[d, 0], derived[d, 1], derived[d, 2], derived[d, 3], derived[d, 4]
+        if padded not in (0, 1) or (padded and starts is not None and rows != B):
+            raise ValueError(f"decode_steps: derived[{d}] padded = {padded} (0 or 1; 1 with derived_starts: {B} "
+                             f"rows, got {rows})")
         if not 0 <= e < program.n_ext or e in seen:
             raise ValueError(f"decode_steps: derived[{d}] names external {e}, out of [0, {program.n_ext}) or taken")
         seen.add(e)
@@ -235,12 +252,14 @@ cdef _check_derived(Program program, const int64_t[:, ::1] derived, const double
 
 
 cdef void _write_derived(void *base, int64_t kind, int64_t window, int64_t rows, double visible, double hidden,
-                         int64_t T) noexcept nogil:
-    """One derived mask [rows, 1, 1, T] (see :func:`decode_steps`) for the query at position T - 1."""
-    cdef int64_t r, k, lo = T - window if window > 0 else 0   # keys k > T - 1 - window
+                         int64_t T, const int64_t *starts) noexcept nogil:
+    """One derived mask [rows, 1, 1, T] (see :func:`decode_steps`) for the query at position T - 1; ``starts``
+    (or NULL): each row's keys hidden by its left padding."""
+    cdef int64_t r, k, lo, top = T - window if window > 0 else 0   # keys k > T - 1 - window
     cdef float *f = <float *>base
     cdef uint8_t *u = <uint8_t *>base
     for r in range(rows):
+        lo = starts[r] if starts != NULL and starts[r] > top else top
         for k in range(T):
             if kind == 0:
                 f[r * T + k] = <float>visible if k >= lo else <float>hidden
@@ -264,7 +283,7 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                   const double[::1] top_p, const double[::1] uniforms, double *p, double *work, int64_t *order,
                   okv_settings s, uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones,
                   const int64_t[:, ::1] derived, const double[:, ::1] derived_values, Program head,
-                  void **hbases, int64_t *hlens, int64_t **heads):
+                  void **hbases, int64_t *hlens, int64_t **heads, const int64_t[::1] derived_starts):
     """The steps of :func:`decode_steps` on bound externals (``bases``, ``lens``; the head's ``hbases``,
     ``hlens``, its token and position externals ``heads``)."""
     cdef int64_t count = tokens.shape[0], B = tokens.shape[1], V = logits.shape[0] // tokens.shape[1]
@@ -283,7 +302,8 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
         for d in range(n_derived):
             lens[derived[d, 0]] = L
             _write_derived(bases[derived[d, 0]], derived[d, 1], derived[d, 2], derived[d, 3], derived_values[d, 0],
-                           derived_values[d, 1], L)
+                           derived_values[d, 1], L,
+                           &derived_starts[0] if derived_starts is not None and derived[d, 4] else NULL)
         if mask_ones is not None:   # [B, L] as the step reads it: each row's ones first
             for b in range(B):
                 for k in range(L):

@@ -116,8 +116,8 @@ def generate(
             (default: the model's pad id, else the first EOS, else 0).
         attention_mask: 0/1 [B, L]; zeros mark left padding.
         callback: called once per new token, in order, as ``callback(step, tokens[B])``.  The decode
-            steps of rows of one length (or of a GroupQueryAttention graph's padded batch) on a state run in
-            C several at a time
+            steps of rows of one length (or of a padded batch: a GroupQueryAttention graph's, or one whose
+            masks an ``ExportMask`` node computes) on a state run in C several at a time
             (:meth:`State.decode_steps <onnxkv.runtime.state.State.decode_steps>`); the callback is then
             called for each of them after they ran, at most ``CALLBACK_EVERY`` (16) steps late.
         cache: a :class:`~onnxkv.CacheConfig` or a kind (see
@@ -228,9 +228,10 @@ def generate(
                 out = run(builder.next(chunk, out), fetch if last else [], logits_at=read if last else None)
         prefill = time.perf_counter() - t0
         # The steps of rows of one length may run as one call (State.decode_steps: contiguous or paged float32),
-        # and those of a right-padded batch (GroupQueryAttention graphs).
+        # and those of a right-padded batch (GroupQueryAttention graphs) or a left-padded one (graphs whose
+        # ExportMask node the loop writes).
         names = builder.decode_names
-        loop = state is not None and names is not None and (bool((lengths == lengths[0]).all()) or builder.right_padded)
+        loop = state is not None and names is not None
         logits = out[model.io.logits]
         if logits.ndim == 3:  # [B, 1, V] (logits_at), or the graph's own shape
             logits = logits[np.arange(B), read if logits.shape[1] > 1 else 0]

@@ -13,7 +13,7 @@ too: a step of that node and one segment, or of a head segment that writes no
 cache, the node and a segment (a torch export's token embedding comes before
 its masks), replays with the loop writing the node's masks before each step
 (:meth:`ExportMask.loop_masks <onnxkv.plan.ops.export_mask.ExportMask.loop_masks>`;
-all-ones attention masks only).
+all-ones attention masks, or left-padded ones: each row's padding hides its first keys).
 :func:`run_steps` replays that program token after token in C
 (:func:`onnxkv._kernels.token_loop.decode_steps`), with no Python between the
 tokens, and stages the rows the steps appended in the caches; the caller (a
@@ -276,7 +276,7 @@ def _replay(
     loop = _loop_items(plan, step.items, slots, names.mask) if rows else None
     if loop is None:
         return None
-    head, seg, derived, made = loop
+    head, seg, derived, made, pads = loop
     logits = next((v for s, v in seg.exports if s == slot_of[names.logits]), None)
     kinds = {type(effect) for effect, _ in seg.effects}
     if (
@@ -285,7 +285,7 @@ def _replay(
         or logits.size != rows * logits.shape[-1]
         or not logits.flags.c_contiguous
         or kinds not in (({RowsAppend, CommittedLength}, {PagedAppend}) if derived else ({CacheAppend}, {PagedAppend}))
-        or any(r not in (1, rows) for _, _, r, _, _ in derived.values())
+        or any(r not in (1, rows) for _, _, r, _, _, _ in derived.values())
         or (finished is not None and finished.shape != (rows,))
     ):
         return None
@@ -371,6 +371,7 @@ def _replay(
         head_externals=None if head_bound is None else head_bound[0],
         head_token_ext=head_where.get("token", -1),
         head_position_ext=head_where.get("position", -1),
+        derived_starts=pads,
     )
     if not done and at is not None:
         for c in named:  # nothing ran: the kept bytes are what the caches hold
@@ -414,8 +415,8 @@ def _externals(
     mask_ones = at = None
     for e, s in enumerate(seg.external_slots):
         if type(s) is int and s in derived:  # a mask the loop writes: [rows, 1, 1, T], T the step's mask width
-            kind, window, r, visible, hidden = derived[s]
-            spec.append(((e, int(kind == "bool"), window, r), (visible, hidden)))
+            kind, window, r, visible, hidden, padded = derived[s]
+            spec.append(((e, int(kind == "bool"), window, r, int(padded)), (visible, hidden)))
             externals.append(np.empty((r, 1, 1, width + count - 1), np.dtype(kind)))
             continue
         if type(s) is int and s in made:
@@ -453,31 +454,39 @@ def _externals(
     return externals, where, spec, mask_ones, at
 
 
-def _loop_items(plan, items: list, slots: list, mask: str) -> tuple[Segment | None, Segment, dict, dict] | None:
-    """``(head, segment, masks, made)``: the segments a compiled step's ``items`` loop over, and the masks the loop
-    writes for the segment (slot -> :meth:`ExportMask.loop_masks` entry).  Either one segment of every node
-    (no head, no masks); or an ``ExportMask`` node whose masks only the segment after it reads, as externals,
-    when the node's formula makes them the masks of one query after an all-ones mask ``mask``, with every
-    other node in that segment, or in it and a head segment before the node that writes no cache (the token
-    embedding a torch export computes before its masks), whose exports (slot -> array) are ``made``.  None
-    otherwise."""
+def _loop_items(plan, items: list, slots: list, mask: str) -> tuple | None:
+    """``(head, segment, masks, made, starts)``: the segments a compiled step's ``items`` loop over, and the
+    masks the loop writes for the segment (slot -> :meth:`ExportMask.loop_masks` entry).  Either one segment
+    of every node (no head, no masks); or an ``ExportMask`` node whose masks only the segment after it reads,
+    as externals, when the node's formula makes them the masks of one query after the mask ``mask`` -- all
+    ones, or left-padded: ``starts`` (int64 [B], or None for all ones) the zeros that come first in each row
+    --, with every other node in that segment, or in it and a head segment before the node that writes no
+    cache (the token embedding a torch export computes before its masks), whose exports (slot -> array) are
+    ``made``.  None otherwise."""
     if len(items) == 1 and type(items[0]) is Segment:
-        return None, items[0], {}, {}
+        return None, items[0], {}, {}, None
     head = items[0] if len(items) == 3 and type(items[0]) is Segment and not items[0].effects else None
     rest = items[1:] if head is not None else items
     if len(rest) != 2 or type(rest[0]) is not int or type(rest[1]) is not Segment:
         return None
     node, seg = rest
     op, outs, value = plan.kernels[node], plan.out_idx[node], slots[plan.slot_of[mask]]
-    if type(op) is not ExportMask or not (isinstance(value, np.ndarray) and value.ndim == 2 and (value != 0).all()):
+    if type(op) is not ExportMask or not (isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] > 0):
         return None
+    shown = value != 0
+    starts = np.argmax(shown, axis=1).astype(np.int64)  # each row's first non-zero
+    if not shown[:, -1].all() or (shown != (np.arange(value.shape[1]) >= starts[:, None])).any():
+        return None  # a row whose zeros are not all before its non-zeros
     taken = {s for s in seg.external_slots if type(s) is int}
     if any(s not in taken or s in plan.output_slots for s in outs):
         return None
     made = dict(head.exports) if head is not None else {}  # the head's values, as its replay leaves them
     inputs = [None if i < 0 else slots[i] if slots[i] is not None else made.get(i) for i in plan.in_idx[node]]
     masks = op.loop_masks(inputs, mask, value.shape[1])
-    return None if masks is None else (head, seg, dict(zip(outs, masks)), made)
+    padded = bool(starts.any())
+    if masks is None or (padded and any(m[5] and m[2] != value.shape[0] for m in masks)):
+        return None
+    return head, seg, dict(zip(outs, masks)), made, starts if padded else None
 
 
 #: Positions a compiled loop over a paged cache stages pages for at most, rounded up to the end of a page:

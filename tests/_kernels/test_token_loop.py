@@ -314,12 +314,19 @@ def test_derived_masks_and_a_head_program_are_checked_before_anything_runs():
     logits, none = chain.logits.reshape(-1), np.zeros(0, np.int64)
     values = np.zeros((1, 2))
     for derived, dv, kw, match in (
-        (np.array([[1, 0, 0, 1]]), values, {}, r"derived\[0\] names external 1, out of \[0, 5\) or taken"),
-        (np.array([[3, 0, 0, 1]]), values, {}, r"derived\[0\] = \(3, 0, 0, 1\) is not a ragged"),
-        (np.array([[3, 2, 0, 1]]), values, {}, "is not a ragged"),
-        (np.array([[3, 0, -1, 1]]), values, {}, "is not a ragged"),
-        (np.array([[3, 0, 0, 1]]), np.zeros((2, 2)), {}, r"derived must be int64 \[n, 4\]"),
-        (np.array([[3, 0, 0, 1]]), values, {"mask_ones": np.array([3])}, "mask_ones must be None"),
+        (np.array([[1, 0, 0, 1, 0]]), values, {}, r"derived\[0\] names external 1, out of \[0, 5\) or taken"),
+        (np.array([[3, 0, 0, 1, 0]]), values, {}, r"derived\[0\] = \(3, 0, 0, 1\) is not a ragged"),
+        (np.array([[3, 2, 0, 1, 0]]), values, {}, "is not a ragged"),
+        (np.array([[3, 0, -1, 1, 0]]), values, {}, "is not a ragged"),
+        (np.array([[3, 0, 0, 1, 0]]), np.zeros((2, 2)), {}, r"derived must be int64 \[n, 5\]"),
+        (np.array([[3, 0, 0, 1]]), values, {}, r"derived must be int64 \[n, 5\]"),
+        (np.array([[3, 0, 0, 1, 0]]), values, {"mask_ones": np.array([3])}, "mask_ones must be None"),
+        (np.array([[3, 0, 0, 1, 2]]), values, {}, r"derived\[0\] padded = 2"),
+        # left padding: each row's start before its last column, for masks of every row
+        (np.array([[3, 0, 0, 1, 0]]), values, {"derived_starts": np.array([3])}, r"derived_starts\[0\] = 3"),
+        (np.array([[3, 0, 0, 1, 0]]), values, {"derived_starts": np.array([-1])}, r"derived_starts\[0\] = -1"),
+        (np.array([[3, 0, 0, 1, 0]]), values, {"derived_starts": np.array([0, 0])}, "one per row"),
+        (None, None, {"derived_starts": np.array([0])}, "must come with derived masks"),
     ):
         with pytest.raises(ValueError, match=match):
             decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds,

@@ -418,15 +418,17 @@ def test_names_and_eos_that_do_not_fit_are_refused():
 
 @pytest.mark.parametrize("which", ["attention", "attention_bias", "concat", "mistral_torch", "gemma2_torch"])
 @pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.9, "top_k": 20, "seed": 4}])
-def test_attention_graphs_generate_in_the_loop_the_tokens_of_steps_one_by_one(which, sampling, monkeypatch):
+@pytest.mark.parametrize("padded", [False, True], ids=["one-row", "left-padded"])
+def test_attention_graphs_generate_in_the_loop_the_tokens_of_steps_one_by_one(which, sampling, padded, monkeypatch):
     """The decode step of an opset-23 Attention graph, a Concat export or a torch export holds an ExportMask
     node (Python) before the segment of the other nodes (a torch export: and the token embedding's segment
-    before it); the loop writes the node's masks itself, windows included, with the tokens of a session that
-    runs every node in Python, with and without a callback."""
+    before it); the loop writes the node's masks itself, windows and rows' left padding included, with the
+    tokens of a session that runs every node in Python, with and without a callback."""
     import onnxkv.runtime.stores.contiguous as contiguous
 
     model = _models()[which]
-    prompt = np.array([[1, 7, 9, 4, 12, 3]])
+    prompt = np.array([[1, 7, 9, 4, 12, 3], [0, 0, 0, 5, 8, 2]]) if padded else np.array([[1, 7, 9, 4, 12, 3]])
+    mask = {"attention_mask": (prompt != 0).astype(np.int64)} if padded else {}
     ran = []
 
     def counted(*args, loop=contiguous.run_steps, **kwargs):
@@ -440,8 +442,51 @@ def test_attention_graphs_generate_in_the_loop_the_tokens_of_steps_one_by_one(wh
         sess = onnxkv.Session(model, threads=1, compiled_steps=compiled)
         for callback in (None, lambda step, tok: None):
             got[compiled, callback is None] = onnxkv.generate(
-                sess, prompt, 100, eos_token_id=[], callback=callback, cache="contiguous", **sampling
+                sess, prompt, 100, eos_token_id=[], callback=callback, cache="contiguous", **sampling, **mask
             ).tokens
-    assert any(ran)
+    # a finite bias (-1e4) hiding the padding is no range the kernel takes: those steps run node by node
+    assert any(ran) != (padded and which == "attention_bias")
     for plain in (True, False):
         np.testing.assert_array_equal(got[False, plain], got[True, plain])
+
+
+@pytest.mark.parametrize("which", ["attention", "concat", "mistral_torch", "gemma2_torch"])
+@pytest.mark.parametrize("cache", ["contiguous", CacheConfig("paged", block_size=4)], ids=["contiguous", "paged"])
+def test_a_left_padded_batch_of_an_export_graph_loops_as_its_steps_one_by_one(which, cache):
+    """Rows of different lengths, left-padded (zeros first in each row's mask): the loop writes the masks of
+    the ExportMask node with each row's padding hidden (windows included), with the tokens, caches and next
+    logits of the steps run node by node."""
+    model = _models()[which]
+    prompt = np.array([[1, 7, 9, 4, 12, 3], [0, 0, 0, 5, 8, 2], [0, 0, 11, 6, 10, 13]])
+    lengths = np.array([6, 3, 4])
+    name, count = "logits", 30
+    got = {}
+    for compiled in (False, True):
+        sess = onnxkv.Session(model, threads=1, compiled_steps=compiled)
+        name = sess.model.io.logits
+        with sess.new_state(cache=cache) as st:
+            b = FeedBuilder(sess.plan.inputs, sess.model, prompt, lengths, 0, thread_cache=False)
+            out = st.run(b.first()[0], [name])
+            for _ in range(3):  # the steps that record the compiled step
+                out = st.run(b.next(out[name][:, -1].argmax(-1), out), [name])
+            feeds = b.next(out[name][:, -1].argmax(-1), out)
+            if compiled:
+                run = st.decode_steps(feeds, count, **_io(sess))
+                assert run is not None and run.steps >= 9 and not run.refused  # a paged call: up to its pages
+                tokens = run.tokens.T.tolist()
+                b.next(run.tokens[:-1].T, None)
+                feeds = b.next(run.tokens[-1], None)
+            else:
+                rows = []
+                for _ in range(count):
+                    out = st.run(feeds, [name])
+                    rows.append(out[name][:, -1].argmax(-1))
+                    feeds = b.next(rows[-1], out)
+                tokens = np.stack(rows, axis=1).tolist()
+            got[compiled] = (tokens, {n: v.copy() for n, v in st.values.items()}, st.run(feeds, [name])[name].copy())
+    steps = len(got[True][0][0])
+    assert [row[:steps] for row in got[False][0]] == got[True][0]
+    if steps == count:
+        for n, value in got[False][1].items():
+            np.testing.assert_array_equal(got[True][1][n], value)
+        np.testing.assert_array_equal(got[True][2], got[False][2])

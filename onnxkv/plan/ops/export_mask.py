@@ -74,13 +74,15 @@ class ExportMask(Op):
             outs.append(out)
         return tuple(outs)
 
-    def loop_masks(self, inputs: list, mask: str, width: int) -> list[tuple[str, int, int, float, float]] | None:
-        """For a decode step whose graph mask ``mask`` (an input name) is ``width`` columns of non-zeros (the
-        compiled generation loop's: :func:`onnxkv._kernels.token_loop.decode_steps` writes the outputs then):
-        per output ``(kind, window, rows, visible, hidden)`` -- ``"float32"`` or ``"bool"``, the window (0:
-        none), 1 or the batch rows, the values of a visible and a hidden key (float32) -- when this run's
-        ``inputs`` make it one query at position ``width - 1`` over ``width`` keys, each key visible within
-        the window; else None (the formula does not say so, or its output is of another type)."""
+    def loop_masks(self, inputs: list, mask: str, width: int) -> list[tuple[str, int, int, float, float, bool]] | None:
+        """For a decode step whose graph mask ``mask`` (an input name) is ``width`` columns, each row's
+        non-zeros after its zeros (all non-zeros, or a left-padded row's; the compiled generation loop's:
+        :func:`onnxkv._kernels.token_loop.decode_steps` writes the outputs then): per output ``(kind,
+        window, rows, visible, hidden, padded)`` -- ``"float32"`` or ``"bool"``, the window (0: none), 1 or
+        the batch rows, the values of a visible and a hidden key (float32), whether the formula reads
+        ``mask`` (a row's padding then hides its keys) -- when this run's ``inputs`` make it one query at
+        position ``width - 1`` over ``width`` keys, each key visible within the window and past the row's
+        padding; else None (the formula does not say so, or its output is of another type)."""
         out = []
         for plan in self._plans:
             if plan is None:
@@ -93,7 +95,7 @@ class ExportMask(Op):
             if nq != 1 or nk != width or q0 != width - 1 or f.window < 0 or kind not in ("bool", "float32"):
                 return None
             a, b = (1.0, 0.0) if f.values is None else (float(v.reshape(-1)[0]) for v in f.values)
-            out.append((kind, f.window, 1 if f.batch is None else rows, a, b))
+            out.append((kind, f.window, 1 if f.batch is None else rows, a, b, at >= 0))
         return out
 
     @staticmethod
