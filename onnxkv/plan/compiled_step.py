@@ -281,10 +281,21 @@ def record(plan: Plan, slots: list, rt: RunContext, bufs: RunBuffers, own: RunBu
         uneven = [e for e, v in enumerate(external.values()) if id(v) in ragged]
         try:
             caches = [e for e, s in enumerate(external) if type(s) is str]  # a new state's, or grown: any capacity
+            # A value this segment exports lies in the step's memory.  One that lies in a value made outside the
+            # segment (memory the recording handed out again once that value was dead: an earlier segment's
+            # export, or a view of one, which NumPy's collapsed bases do not tell) would be written into that
+            # value's memory of the replayed run while the segment exports its own stale array: such a
+            # segment's nodes run in Python.
+            if any(_overlaps(v, x) for _, v in exports for s, x in external.items() if type(s) is int):
+                raise ValueError("an exported value lies in a value made outside the segment")
             program = Program(list(calls), list(external.values()), pinned, uneven, caches)
         except ValueError:
             items.extend(current)
         else:
+            # the exports' memory is never handed out again in the step: a later segment that reads one (or a
+            # view of one) and writes a value of its own there would export a stale array whenever this
+            # segment runs in Python (a refused replay) and the export lies elsewhere
+            _retire(own, [s for s, _ in exports])
             PagedAppend.group([effect for effect, _ in effects])  # one state's cache: staged once per replay
             items.append(Segment(first, end, program, list(external), exports, list(effects)))
             step_memory.update(id(v) for _, v in exports)
@@ -506,6 +517,26 @@ def cache_kinds(caches: dict | None) -> tuple:
         (getattr(c, "paged", False), getattr(c, "storage", None), getattr(c, "block_size", None))
         for c in caches.values()
     )
+
+
+def _overlaps(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the memory spans of arrays ``a`` and ``b`` (from their first to their last byte, strides of
+    either sign) share a byte."""
+    if a.size == 0 or b.size == 0:
+        return False
+    (lo_a, hi_a), (lo_b, hi_b) = _span(a), _span(b)
+    return lo_a < hi_b and lo_b < hi_a
+
+
+def _span(a: np.ndarray) -> tuple[int, int]:
+    """``[first byte, last byte + 1)`` of a non-empty array's elements."""
+    lo = hi = a.__array_interface__["data"][0]
+    for n, st in zip(a.shape, a.strides):
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return lo, hi + a.itemsize
 
 
 def _derived(value: np.ndarray, arrays: set[int]) -> bool:

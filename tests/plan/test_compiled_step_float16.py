@@ -7,6 +7,8 @@ finite masked value needs the Python path's bound)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -21,6 +23,8 @@ from onnxkv.plan.compiled_step import Segment  # noqa: E402
 from onnxkv.plan.ops.attention_gqa import GroupQueryAttention  # noqa: E402
 from onnxkv.plan.ops.masked_attention import MaskedAttention  # noqa: E402
 from onnxkv.zoo.builders import MICRO, build_model  # noqa: E402
+
+DATA = Path(__file__).parents[1] / "data" / "arch"
 
 #: Per graph form, the operators a decode step keeps in Python (besides the nodes that build an export's mask).
 PYTHON = {
@@ -117,3 +121,29 @@ def test_float16_generate_gives_the_same_tokens_compiled_or_not(model):
         for c in (True, False)
     ]
     np.testing.assert_array_equal(*runs)
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_a_windowed_float16_export_replays_bit_for_bit_past_its_window(cache):
+    """A torch export of a windowed model (window 8), converted to float16: past the window its mask hides
+    keys with float16's lowest finite value, so each layer's attention segment refuses those runs and its
+    nodes run in Python, allocating their values anew.  The segment after it reads one of them, whose memory
+    the recording had handed to that segment's own output: such a segment runs in Python too, never writing
+    the run's value into the other's memory while it exports a stale array of its own (the logits were
+    several units off from the ninth token)."""
+    proto = convert_float_to_float16(onnx.load(str(DATA / "mistral" / "torch" / "model.onnx")), keep_io_types=True)
+    prompt = np.array([[1, 5, 7, 9, 11, 3, 4, 8]])
+    got = {}
+    for compiled in (True, False):
+        session = onnxkv.Session(proto, threads=1, compiled_steps=compiled)
+        name = session.model.io.logits
+        b = FeedBuilder(session.plan.inputs, session.model, prompt, np.array([8]), 0, thread_cache=False)
+        feeds, _ = b.first()
+        got[compiled] = []
+        with session.new_state(cache=cache) as state:
+            for _ in range(14):
+                out = state.run(feeds, [name])
+                got[compiled].append(out[name].copy())
+                feeds = b.next(out[name][:, -1].argmax(-1).astype(np.int64)[:, None], out)
+    for g, w in zip(got[True], got[False], strict=True):
+        np.testing.assert_array_equal(g, w)
