@@ -160,7 +160,7 @@ cdef bint decode_paged_ok(const uint64_t *kp, const uint64_t *vp, int64_t P, con
     for b in range(B):
         p = last[b]
         first = p - S + 1
-        if first < 0 or p >= M * bs or (rows >= 0 and p >= rows):
+        if first < 0 or p // bs >= M or (rows >= 0 and p >= rows):   # (M * bs may pass int64's range)
             return False
         lo = first - window if window >= 0 else 0
         if lo < 0:

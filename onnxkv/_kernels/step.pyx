@@ -63,6 +63,8 @@ from onnxkv._kernels.norm cimport rms_f32_ptr, skip_rms_f32_ptr
 from onnxkv._kernels.qmatmul cimport matmul_nbits_ptr, nbits_weight_address
 from onnxkv._kernels.rotary cimport rope_ptr
 
+import numpy as np
+
 __all__ = ["Program", "WRITTEN"]
 
 #: Operand positions each kind writes (the others it reads; ``None`` operands are absent).
@@ -183,6 +185,8 @@ cdef class Program:
                     cl.p[j] = <void *>(nbits_weight_address(a) if kind == KIND_MATMUL_NBITS else int8_weight_address(a))
                     self.keep.append(a)
                     continue
+                if not a.flags.c_contiguous:   # the calls read [address, + nbytes) in C order
+                    raise ValueError(f"Program: operand {j} of call {c} is not C-contiguous")
                 lo, hi = _addr(a), _addr(a) + a.nbytes
                 inside = [k for k, (b0, b1) in enumerate(bounds) if b0 <= lo and hi <= b1 and hi > lo]
                 crossing = [k for k, (b0, b1) in enumerate(bounds) if lo < b1 and b0 < hi and k not in inside]

@@ -8,6 +8,9 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
     its arrays (element types, modes, table shapes)."""
     if kind not in _OPERANDS or len(arrays) != _OPERANDS[kind] or len(ints) > NI or len(floats) > NF:
         raise ValueError(f"Program: call {c} has an unknown kind or arity ({kind}, {len(arrays)} arrays)")
+    if kind in _PAGE_TABLES and not _page_tables_ok(arrays, _PAGE_TABLES[kind], ints[_BLOCK[kind]]):
+        raise ValueError(f"Program: paged call {c}: page addresses must be uint64 [planes, P] and block tables "
+                         f"int32 [B, M] (operands {_PAGE_TABLES[kind]}), the block size in [1, 2**31 - 1]")
     if kind == KIND_DECODE_PAGED and not (
             arrays[5] is not None and arrays[6] is not None and arrays[5].ndim == 2 and arrays[6].ndim == 2
             and 0 <= ints[9] < arrays[5].shape[0] and 0 <= ints[10] < arrays[5].shape[0]
@@ -62,14 +65,14 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
         raise ValueError(f"Program: row-copy call {c}: ints {list(ints)} do not describe its arrays")
     if kind == KIND_PAGE_ROWS and not (
             len(ints) > 15 and ints[6] in (0, 1) and ints[7] in (0, 1, 2) and (ints[6] == 0 or ints[7] != 0)
-            and min(ints[0], ints[2], ints[4]) >= 1 and arrays[0].shape == tuple(ints[:4])
+            and min(ints[:5]) >= 1 and arrays[0].shape == tuple(ints[:4])
             and arrays[0].itemsize == (2 if ints[6] else 4) and arrays[1].ndim == 2 and arrays[2].ndim == 2
             and 0 <= ints[5] < arrays[1].shape[0] and arrays[2].shape[0] == ints[0]
             and _ints(arrays[3], 8, (2, ints[0])) and _ints(arrays[4], 4, (ints[0],))):
         raise ValueError(f"Program: page-row call {c}: ints {list(ints)} do not describe its arrays and tables")
     if kind == KIND_MASKED_PAGED and not (
             len(ints) > 15 and ints[9] in (0, 1, 2) and ints[11] in (0, 1) and ints[12] in (0, 1, 2)
-            and (ints[11] == 0 or ints[12] != 0) and min(ints[0], ints[2], ints[4]) >= 1 and ints[1] % ints[2] == 0
+            and (ints[11] == 0 or ints[12] != 0) and min(ints[:5]) >= 1 and ints[1] % ints[2] == 0
             and arrays[0].shape == arrays[4].shape == (ints[0], ints[1], 1, ints[3])
             and (arrays[1] is None) == (arrays[2] is None)
             and (arrays[1] is None or arrays[1].shape == arrays[2].shape == (ints[0], ints[2], 1, ints[3]))
@@ -80,3 +83,17 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
             and arrays[6].shape[0] == ints[0] and _ints(arrays[7], 8, (2, ints[0]))
             and all(_ints(arrays[j], 4, (ints[0],)) for j in (8, 9, 10))):
         raise ValueError(f"Program: paged masked call {c}: ints {list(ints)} do not describe its arrays and tables")
+
+
+#: (kind) -> the operand positions of its page addresses and block tables, and of its block size int.
+_PAGE_TABLES = {KIND_DECODE_PAGED: (5, 6), KIND_PAGE_ROWS: (1, 2), KIND_MASKED_PAGED: (5, 6)}
+_BLOCK = {KIND_DECODE_PAGED: 3, KIND_PAGE_ROWS: 4, KIND_MASKED_PAGED: 4}
+
+
+def _page_tables_ok(arrays, positions, block_size) -> bool:
+    """Whether a paged call's page addresses are uint64 [planes, P] and its block tables int32 [B, M] (as the
+    replay reads them), and its block size is in [1, 2**31 - 1] (page positions then stay far from int64's
+    range)."""
+    addresses, tables = arrays[positions[0]], arrays[positions[1]]
+    return (addresses is not None and tables is not None and addresses.dtype == np.uint64 and addresses.ndim == 2
+            and tables.dtype == np.int32 and tables.ndim == 2 and 1 <= block_size <= INT32_MAX)

@@ -404,7 +404,9 @@ def test_ragged_externals_and_prelude_calls_are_checked_at_build():
     with pytest.raises(ValueError, match="operand 0 of call 0 lies in ragged external array 0"):
         Program(rec.calls, [x], (), [0])  # only a prelude call may take a ragged external
     with pytest.raises(ValueError, match="operand 0 of call 0 lies in ragged external array 0"):
-        Program([_mask_lengths_call(mask[:, :4], seqlens, total)], [mask], (), [0])  # not whole
+        Program([_mask_lengths_call(mask[:1], seqlens, total)], [mask], (), [0])  # not whole
+    with pytest.raises(ValueError, match="operand 0 of call 0 is not C-contiguous"):
+        Program([_mask_lengths_call(mask[:, :4], seqlens, total)], [mask], (), [0])  # the calls read C order
     with pytest.raises(ValueError, match="operand 0 of prelude call 0 must be external"):
         Program([_mask_lengths_call(mask, seqlens, total)], [])  # baked: it would run before its producer
     with pytest.raises(ValueError, match="operand 1 of prelude call 0 must be external iff"):

@@ -229,3 +229,40 @@ def test_the_twin_agrees_within_float32_tolerance():
 def _gathered(pg, pages, row: int, t: int) -> np.ndarray:
     """Row ``row``'s first ``t`` positions [Hkv, t, D] read through the block table."""
     return np.concatenate([pages[pg.table[row, i]] for i in range(-(-t // BS))], axis=1)[:, :t]
+
+
+def test_tables_of_other_types_strided_operands_and_empty_heads_are_refused_at_build():
+    """The replay reads page addresses as uint64, block tables as int32 and every operand as [address, +
+    nbytes) in C order: anything else, an empty head count or head size, and a block size past 2**31 - 1 are
+    refused before a call is taken (a strided ``out`` was written past its view; no heads divided by zero)."""
+    layer = Layer(np.random.default_rng(10), [20, 20])
+    externals = [layer.mask, layer.addresses, layer.pg.table]
+
+    def build(call):
+        return Program([call], externals, (), [0, 1, 2])
+
+    rows, attention = layer.calls[0], layer.calls[-1]
+    for call, at in ((rows, (1, 2)), (attention, (5, 6))):
+        kind, arrays, ints, floats = call
+        for position, bad in ((at[0], layer.addresses.astype(np.uint32)), (at[0], layer.addresses.astype(np.float64)),
+                              (at[1], layer.pg.table.astype(np.int64)), (at[1], layer.pg.table.astype(np.int8))):  # fmt: skip
+            changed = list(arrays)
+            changed[position] = bad
+            with pytest.raises(ValueError, match="page addresses must be uint64"):  # before its operands are placed
+                build((kind, tuple(changed), ints, floats))
+        block = list(ints)
+        block[4] = 2**31
+        with pytest.raises(ValueError, match="block size in"):
+            build((kind, arrays, tuple(block), floats))
+    kind, arrays, ints, floats = attention
+    reversed_out = np.full((4, HQ, 1, D), 7.0, np.float32)[:2][::-1]
+    with pytest.raises(ValueError, match="operand 4 of call 0 is not C-contiguous"):
+        build((kind, (*arrays[:4], reversed_out, *arrays[5:]), ints, floats))
+    empty = np.zeros((2, 0, 1, D), np.float32)
+    no_heads = list(ints)
+    no_heads[1] = 0
+    with pytest.raises(ValueError, match="paged masked call"):
+        build((kind, (empty, None, None, arrays[3], empty.copy(), *arrays[5:]), tuple(no_heads), floats))
+    kind, arrays, ints, floats = rows
+    with pytest.raises(ValueError, match="page-row call"):
+        build((kind, (np.zeros((2, HKV, 1, 0), np.float32), *arrays[1:]), (*ints[:3], 0, *ints[4:]), floats))
