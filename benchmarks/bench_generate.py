@@ -94,8 +94,8 @@ rows; GenAI: ``batch_size`` N, ``append_tokens`` of the [N, L] prompt): the batc
 and ``State.run`` on contiguous and paged caches; tokens and gaps are row 0's.  With ``--padded`` the rows
 are prompts of different lengths: row ``b`` left-padded by ``b * L // (2 N)`` pad ids (ids of the prompt
 itself drawn from 1 up, so that no prompt id is the pad id 0), as a batch of real prompts comes;
-``onnxkv-generate`` takes it with an ``attention_mask`` whose zeros mark the padding, GenAI as the padded
-ids (its batch API takes no mask).  The tokens kept are then the most padded row's (the last), and each
+``onnxkv-generate`` and ``ort`` take it with an ``attention_mask`` whose zeros mark the padding, GenAI as
+the padded ids (its batch API takes no mask).  The tokens kept are then the most padded row's (the last), and each
 engine also decodes that row alone: ``padded_row_equals_alone`` says whether the batch gave it the row's
 own tokens.  (ONNX Runtime GenAI 0.18 does not: on these folders it reads the pad ids as tokens, so its
 timing is of the same work but its padded rows' tokens are not the prompt's.)  Only those engines (and
@@ -150,17 +150,22 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: bool, chunk: int | None = None):
-    """Prefill (in chunks of ``chunk`` tokens when given, as onnx.generate does) then greedy decode.
+def _feed_loop(
+    session, prompt: np.ndarray, new_tokens: int, run, thread_cache: bool, chunk: int | None = None, lengths=None,
+    row: int = 0,
+):  # fmt: skip
+    """Prefill (in chunks of ``chunk`` tokens when given, as onnx.generate does) then greedy decode; ``lengths``
+    (with no ``chunk``): each row's own length of a left-padded ``prompt``, fed with an attention mask whose
+    zeros mark the padding.
 
-    Returns (prefill seconds, per-token seconds, tokens, gaps): gaps[i] is row 0's top-1 minus top-2
-    logit over the standard deviation of its logits at step i, taken outside the timed part."""
+    Returns (prefill seconds, per-token seconds, tokens, gaps): row ``row``'s tokens; gaps[i] is its top-1
+    minus top-2 logit over the standard deviation of its logits at step i, taken outside the timed part."""
     from onnxkv.generate.feeds import FeedBuilder
 
     model = session.model
     fetch = [model.io.logits] + (model.convention.present_outputs if thread_cache else [])
     first = prompt.shape[1] if chunk is None else min(chunk, prompt.shape[1])
-    lengths = np.full(prompt.shape[0], first)
+    lengths = np.full(prompt.shape[0], first) if lengths is None else np.asarray(lengths)
     b = FeedBuilder(session.plan.inputs, model, prompt[:, :first], lengths, 0, thread_cache=thread_cache)
     feeds, _ = b.first()
     t0 = time.perf_counter()
@@ -170,13 +175,13 @@ def _feed_loop(session, prompt: np.ndarray, new_tokens: int, run, thread_cache: 
     prefill = time.perf_counter() - t0
     samples, tokens, gaps = [], [], []
     for _ in range(new_tokens):
-        gaps.append(_top2_gap(out[model.io.logits][0, -1]))
+        gaps.append(_top2_gap(out[model.io.logits][row, -1]))
         # timed as GenAI's generate_next_token: choose the token (greedy), build the feeds, run the step
         t0 = time.perf_counter()
         tok = np.argmax(out[model.io.logits][:, -1], axis=-1).astype(np.int64)
         out = run(b.next(tok, out), fetch)
         samples.append(time.perf_counter() - t0)
-        tokens.append(int(tok[0]))
+        tokens.append(int(tok[row]))
     return prefill, samples, tokens, gaps
 
 
@@ -187,7 +192,7 @@ def _top2_gap(logits: np.ndarray) -> float:
 
 
 #: Engines that decode a padded batch (``--padded``).
-PADDED_ENGINES = ("onnxkv-generate", "onnxkv-generate-paged", "ort-genai")
+PADDED_ENGINES = ("onnxkv-generate", "onnxkv-generate-paged", "ort", "ort-genai")
 
 
 def padded_prompt(prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -293,7 +298,14 @@ def worker(
             thread_cache,
         )
         chunk = PREFILL_CHUNK if engine in STATE_ENGINES else None
-        prefill, samples, tokens, gaps = _feed_loop(sess, prompt, new_tokens, run, thread_cache, chunk)
+        if padded:  # the ort peer: left-padded rows with their mask, as onnxkv-generate takes them
+            lengths = mask.sum(axis=1)
+            prefill, samples, tokens, gaps = _feed_loop(sess, prompt, new_tokens, run, thread_cache, None, lengths, row)
+            own = prompt[row : row + 1, mask[row] == 1]
+            alone = _feed_loop(sess, own, new_tokens, run, thread_cache)[2]
+            result["padded_row_equals_alone"] = alone == tokens
+        else:
+            prefill, samples, tokens, gaps = _feed_loop(sess, prompt, new_tokens, run, thread_cache, chunk)
         result["gap_over_std"] = gaps
         result["peak_rss_bytes"] = peak_rss()  # before the event-log session below maps the weights again
         if engine == "onnxkv":
