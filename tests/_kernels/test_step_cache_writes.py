@@ -244,8 +244,9 @@ def test_tables_of_other_types_strided_operands_and_empty_heads_are_refused_at_b
     rows, attention = layer.calls[0], layer.calls[-1]
     for call, at in ((rows, (1, 2)), (attention, (5, 6))):
         kind, arrays, ints, floats = call
-        for position, bad in ((at[0], layer.addresses.astype(np.uint32)), (at[0], layer.addresses.astype(np.float64)),
-                              (at[1], layer.pg.table.astype(np.int64)), (at[1], layer.pg.table.astype(np.int8))):  # fmt: skip
+        wrong = [(at[0], layer.addresses.astype(t)) for t in (np.uint32, np.float64)]
+        wrong += [(at[1], layer.pg.table.astype(t)) for t in (np.int64, np.int8)]
+        for position, bad in wrong:
             changed = list(arrays)
             changed[position] = bad
             with pytest.raises(ValueError, match="page addresses must be uint64"):  # before its operands are placed

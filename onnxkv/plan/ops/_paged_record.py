@@ -80,7 +80,6 @@ def note_page_rows(op, rec, rt: RunContext, name: str, new: np.ndarray, past_len
 
 
 def note_masked_paged(
-    op,
     rec,
     rt: RunContext,
     names: tuple[str, str],
@@ -93,7 +92,7 @@ def note_masked_paged(
     causal: bool,
     presents: tuple = (),
 ) -> bool:
-    """Note the attention node ``op`` just ran over the pages of the caches ``names``: q [B, Hq, 1, D] (float32,
+    """Note the attention call an operator just ran over the pages of the caches ``names``: q [B, Hq, 1, D] (float32,
     or float16 with out and 2-byte pages) and ``out`` as the kernel took them, ``rows`` the new (k, v) [B, Hkv,
     1, D] the node wrote itself (None: an earlier node wrote them), ``mask`` [mb, 1, 1, T] (C-contiguous, one
     column per key: additive float32 or float16, or bool) with ``causal`` bounding the query at key T - 1, and
@@ -150,6 +149,6 @@ def note_attention_paged(op, rec, rt: RunContext, decode: tuple, starts, past_le
         or q.dtype != np.float32
         or mask is None
         or mask.dtype == np.float16
-        or not note_masked_paged(op, rec, rt, names, q, (k, v), mask, y, scale, op.softcap, op.is_causal, presents)
+        or not note_masked_paged(rec, rt, names, q, (k, v), mask, y, scale, op.softcap, op.is_causal, presents)
     ):
         rec.refused.append(f"{op.op_type} node '{op.name}': not a decode over a paged state's native pages")

@@ -478,7 +478,7 @@ class MaskedAttention(Op):
             rt.unscratch(wq, wide)
         rec = _recorder()  # a replay reads the node's own query (a float16 one widened by the call)
         if rec is not None and not note_masked_paged(
-            self, rec, rt, self.page_pasts, q, None, mask, out, scale, self._softcap, False
+            rec, rt, self.page_pasts, q, None, mask, out, scale, self._softcap, False
         ):
             rec.refused.append(f"{self.op_type} node '{self.name}': not a decode over a paged state's native pages")
         return out, inputs
