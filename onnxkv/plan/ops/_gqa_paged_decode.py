@@ -29,7 +29,7 @@ from onnxkv.plan.ops._gqa_record import rows_span
 if TYPE_CHECKING:
     from onnxkv.plan.ops.attention_gqa import GroupQueryAttention
 
-__all__ = ["PagedAppend", "fused_cache", "paged_decode"]
+__all__ = ["PagedAppend", "fused_cache", "note_page_tables", "paged_decode"]
 
 _I32 = np.dtype(np.int32)
 
@@ -161,20 +161,28 @@ def _note(op: GroupQueryAttention, rec, qkv_rot: tuple, ck, cv, seqlens_k: np.nd
     # between consecutive token rows (the kernel took them: one stride, row b's tokens after row b - 1's)
     strides = [x.strides[1 if n > 1 else 0] // x.itemsize if b * n > 1 else x.shape[2] for x in (q, k, v)]
     half, rows = (0, 0) if cos is None else (cos.shape[1], cos.shape[0])
-    addresses, tables = cache.payloads.ptrs, cache.tables
-    first = next(iter(cache.planes))  # every plane of the cache names the same page and block tables
+    addresses, tables = note_page_tables(rec, cache)
     arrays = (*(rows_span(x) for x in (q, k, v)), cos, sin, addresses, tables, seqlens_k, total.reshape(1), output,
               lengths)  # fmt: skip
     ints = (op.num_heads, op.kv_num_heads, ck.head_size, ck.block_size, half, int(bool(op.interleaved)), op.window,
             rows, b, ck.index, cv.index, *strides, 0, 0, n, int(q.dtype == np.float16),
             DECODE_CACHE_TYPES[ck.storage])  # fmt: skip
     rec.note(DECODE_PAGED, arrays, ints, (float(op._softmax_scale(ck.head_size)), float(op.softcap)))
+    presents = tuple((i + 1, op._past_names[i]) for i in (0, 1) if op.has_present[i])
+    rec.effect(PagedAppend(op._past_names, lengths, presents, ck.block_size, n))
+
+
+def note_page_tables(rec, cache) -> tuple[np.ndarray, np.ndarray]:
+    """The run's page addresses [planes, P] and block tables [B, M] of the paged ``cache``, noted as the whole
+    ragged externals a replay takes from the cache (by its first plane's name: every plane names the same
+    tables)."""
+    addresses, tables = cache.payloads.ptrs, cache.tables
+    first = next(iter(cache.planes))
     rec.cache((first, "page_addresses"), addresses)
     rec.cache((first, "tables"), tables)
     rec.ragged_last(addresses)
     rec.ragged_last(tables)
-    presents = tuple((i + 1, op._past_names[i]) for i in (0, 1) if op.has_present[i])
-    rec.effect(PagedAppend(op._past_names, lengths, presents, ck.block_size, n))
+    return addresses, tables
 
 
 class PagedAppend:

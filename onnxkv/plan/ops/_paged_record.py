@@ -26,7 +26,7 @@ import numpy as np
 from onnxkv._kernels._record import DECODE_CACHE_TYPES, MASKED_PAGED, PAGE_ROWS
 from onnxkv.plan.context import RunContext
 from onnxkv.plan.ops._export_record import replayable_mask
-from onnxkv.plan.ops._gqa_paged_decode import PagedAppend, fused_cache
+from onnxkv.plan.ops._gqa_paged_decode import PagedAppend, fused_cache, note_page_tables
 
 __all__ = ["note_attention_paged", "note_masked_paged", "note_page_rows"]
 
@@ -36,19 +36,6 @@ _MASK_KINDS = {np.dtype(np.float32): 0, np.dtype(np.bool_): 1, np.dtype(np.float
 def _at_one_length(planes, length: int) -> bool:
     """Whether every row of the paged ``planes`` has committed exactly ``length`` positions."""
     return all(p.lengths.size and int(p.lengths.min()) == length == int(p.lengths.max()) for p in planes)
-
-
-def _tables(rec, plane) -> tuple[np.ndarray, np.ndarray]:
-    """The run's page addresses [planes, P] and block tables [B, M] of ``plane``'s cache, noted as the whole
-    ragged externals a replay takes from the cache (by its first plane's name)."""
-    cache = plane.cache
-    addresses, tables = cache.payloads.ptrs, cache.tables
-    first = next(iter(cache.planes))
-    rec.cache((first, "page_addresses"), addresses)
-    rec.cache((first, "tables"), tables)
-    rec.ragged_last(addresses)
-    rec.ragged_last(tables)
-    return addresses, tables
 
 
 def note_page_rows(op, rec, rt: RunContext, name: str, new: np.ndarray, past_len: int) -> None:
@@ -72,7 +59,7 @@ def note_page_rows(op, rec, rt: RunContext, name: str, new: np.ndarray, past_len
         return
     b, h, s, d = new.shape
     lengths, last = np.zeros((2, b), np.int64), np.zeros(b, np.int32)
-    addresses, tables = _tables(rec, plane)
+    addresses, tables = note_page_tables(rec, plane.cache)
     ints = (b, h, s, d, plane.block_size, plane.index, int(half), DECODE_CACHE_TYPES[plane.storage], 0, 0, 0, 0, 0, 0,
             addresses.shape[1], tables.shape[1])  # fmt: skip
     rec.note(PAGE_ROWS, (new, addresses, tables, lengths, last), ints, ())
@@ -125,7 +112,7 @@ def note_masked_paged(
     k, v = rows if rows is not None else (None, None)
     lengths = np.zeros((2, b), np.int64)
     scratch = tuple(np.zeros(b, np.int32) for _ in range(3))  # last, kv_start, q_pos
-    addresses, tables = _tables(rec, planes[0])
+    addresses, tables = note_page_tables(rec, planes[0].cache)
     ints = (b, hq, planes[0].heads, d, planes[0].block_size, planes[0].index, planes[1].index, mask.shape[0], t,
             _MASK_KINDS[mask.dtype], int(causal), int(half), DECODE_CACHE_TYPES[planes[0].storage], 0,
             addresses.shape[1], tables.shape[1])  # fmt: skip
