@@ -100,9 +100,12 @@ cdef enum:
     # rows written first, at the committed lengths) or both None (the rows are in the pages already), mask [mb,
     # 1, 1, T], out [B, Hq, 1, D], page addresses, block tables, lengths as KIND_PAGE_ROWS's, last, kv_start,
     # q_pos int32 [B]: the call's scratch); ints (B, Hq, Hkv, D, block size, K plane, V plane, mb, T, mask kind
-    # (KIND_MASKED_DECODE's), causal, float16 q, k, v and out (0 or 1), the pages' type, 0, P, M); floats
-    # (scale, softcap).  The mask and the two tables are whole ragged externals (T, P and M read when
-    # replayed).  Refused unless every lengths[0, b] + 1 == T <= lengths[1, b], the mask (with the causal
-    # bound) shows each row's query one range of keys ending at its own position T - 1
-    # (attention.masked_ranges), and every position and page read passes attention.decode_paged_ok.
+    # (KIND_MASKED_DECODE's), causal, float16 q, k, v and out (0 or 1), the pages' type, ragged (0 or 1), P,
+    # M); floats (scale, softcap).  The mask and the two tables are whole ragged externals (T, P and M read when
+    # replayed).  Refused unless every lengths[0, b] + 1 == T (ragged: <= T, the longest row's == T) and
+    # lengths[0, b] + 1 <= lengths[1, b], the mask (with the causal bound) shows each row's query one range of
+    # keys ending at its own position lengths[0, b] (attention.masked_ranges; a ragged call's row shorter than
+    # T - 1 has the keys lengths[0, b] .. T - 2, which it never wrote, hidden and dropped: ONNX Attention over
+    # the rows of requests of different lengths, attention_onnx.ragged_mask), and every position and page read
+    # passes attention.decode_paged_ok.
     KIND_MASKED_PAGED = 20

@@ -21,7 +21,8 @@ cdef int page_rows_ptr(const void *src, const uint64_t *pages, const int32_t *ta
                        const int32_t *last, int64_t B, int64_t H, int64_t S, int64_t D, int io16, int kv_type,
                        okv_settings s) noexcept nogil
 cdef bint masked_ranges(const void *mask, int kind, int causal, int64_t mb, int64_t ms, int64_t T, int64_t B,
-                        int64_t S, int32_t *kv_start, int32_t *q_pos, const int64_t *ends) noexcept nogil
+                        int64_t S, int32_t *kv_start, int32_t *q_pos, const int64_t *ends,
+                        const int64_t *gaps) noexcept nogil
 cdef int masked_decode_ptr(const void *q, const void *k_cache, const void *v_cache, int64_t B, int64_t Hq,
                            int64_t Hkv, int64_t S, int64_t D, int64_t Cap, int64_t T, const int32_t *kv_start,
                            const int32_t *q_pos, int32_t *kv_len, float scale, float softcap, void *out,

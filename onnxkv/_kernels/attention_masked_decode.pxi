@@ -7,7 +7,8 @@ DEF MASK_HIDES = -1e30   # an additive mask entry at or below this hides its key
 
 
 cdef bint masked_ranges(const void *mask, int kind, int causal, int64_t mb, int64_t ms, int64_t T, int64_t B,
-                        int64_t S, int32_t *kv_start, int32_t *q_pos, const int64_t *ends) noexcept nogil:
+                        int64_t S, int32_t *kv_start, int32_t *q_pos, const int64_t *ends,
+                        const int64_t *gaps) noexcept nogil:
     """Describe a mask [mb, 1, ms, T] (C order; mb 1 or B, ms 1 or S, broadcast over batch rows and queries) as
     the kernel's ranges: query (b, s) sees exactly the keys kv_start[b] <= key <= q_pos[b * S + s].  ``kind`` 0:
     an additive float32 mask, which shows a key at 0 and hides it at or below -1e30 (NaN is neither); 1: a bool
@@ -16,12 +17,16 @@ cdef bint masked_ranges(const void *mask, int kind, int causal, int64_t mb, int6
     are small: the operator's Python path checks a bound that a replay does not, so such a mask is refused).
     ``causal``: query s also sees no key past its position E - S + s, with E = T, or with ``ends`` (int64 [B],
     each in [0, T]: the valid keys of each row, an ONNX Attention's ``nonpad_kv_seqlen``) E = ends[b], and
-    no query sees a key at or past ``ends[b]``.  False (the outputs then undefined)
+    no query sees a key at or past ``ends[b]``.  ``gaps`` (int64 [B], or NULL; with ``ends`` NULL): row ``b``
+    wrote only its first ``gaps[b]`` keys before the S new ones, which follow them in its cache (a batch of
+    rows of different lengths, as ``attention_onnx.ragged_mask`` compacts it): its keys ``gaps[b] <= key < T -
+    S`` must be hidden from every query of the row, and the ranges count the keys after them from
+    ``gaps[b]`` (E = gaps[b] + S).  False (the outputs then undefined)
     unless every float entry is one of the two, every query's visible keys are one contiguous range, the ranges
     of one batch row's queries start at the same key (``visible_ranges``), and every query sees a key -- the
     conditions under which the operators' Python paths (``mask_ranges``, ``attn_mask_ranges``) call the same
     kernel with these ranges; they evaluate the rest otherwise."""
-    cdef int64_t b, s, t, lo, hi, mrow, cap, end
+    cdef int64_t b, s, t, lo, hi, mrow, cap, end, glo, ghi, key
     cdef const float *fm = <const float *>mask
     cdef const uint8_t *bm = <const uint8_t *>mask
     cdef const uint16_t *hm = <const uint16_t *>mask
@@ -30,8 +35,16 @@ cdef bint masked_ranges(const void *mask, int kind, int causal, int64_t mb, int6
     cdef bint seen
     if T < 1 or T > INT32_MAX or not (mb == 1 or mb == B) or not (ms == 1 or ms == S):
         return False
+    if gaps != NULL and (ends != NULL or T < S):
+        return False
     for b in range(B):
         end = T if ends == NULL else ends[b]
+        glo = ghi = T                     # no gap: keys keep their columns
+        if gaps != NULL:
+            glo, ghi = gaps[b], T - S
+            if glo < 0 or glo > ghi:
+                return False
+            end = glo + S
         if end < 0 or end > T:
             return False
         for s in range(S):
@@ -51,12 +64,17 @@ cdef bint masked_ranges(const void *mask, int kind, int causal, int64_t mb, int6
                     seen = m == 0
                     if not seen and not (m <= MASK_HIDES):
                         return False
+                if glo <= t < ghi:        # a key the row never wrote: hidden, and not one of its keys
+                    if seen:
+                        return False
+                    continue
+                key = t if t < glo else t - (ghi - glo)
                 if seen:
                     if lo < 0:
-                        lo = t
-                    elif hi != t - 1:
+                        lo = key
+                    elif hi != key - 1:
                         return False      # a hole inside the row
-                    hi = t
+                    hi = key
             if lo < 0:
                 return False              # no visible key: the operators' literal paths
             if s == 0:

@@ -452,13 +452,13 @@ cdef inline bint _admit(const call_t *c) noexcept nogil:
         if c.i[8] != c.i[5]:
             return False
         return masked_ranges(c.p[3], <int>c.i[9], <int>c.i[10], c.i[6], c.i[7], c.i[8], c.i[0], c.i[3],
-                             <int32_t *>c.p[7], <int32_t *>c.p[8], <const int64_t *>c.p[5])
+                             <int32_t *>c.p[7], <int32_t *>c.p[8], <const int64_t *>c.p[5], NULL)
     elif c.kind == KIND_MASKED_DECODE:  # the new rows end the keys, and the mask describes ranges (into scratch)
         total = c.i[8]
         if total != (<const int64_t *>c.p[5])[0] + c.i[3] or total > c.i[5]:
             return False
         return masked_ranges(c.p[3], <int>c.i[9], <int>c.i[10], c.i[6], c.i[7], total, c.i[0], c.i[3],
-                             <int32_t *>c.p[7], <int32_t *>c.p[8], NULL)
+                             <int32_t *>c.p[7], <int32_t *>c.p[8], NULL, NULL)
     elif c.kind == KIND_ROTARY:        # every position in [0, max_pos)
         idx = <const int64_t *>c.p[3]
         for i in range(c.i[0] * c.i[1]):

@@ -49,7 +49,8 @@ cdef inline bint _page_rows_admitted(const call_t *c) noexcept nogil:
 cdef inline bint _masked_paged_admitted(const call_t *c) noexcept nogil:
     """KIND_MASKED_PAGED (_record.pxd): every row's query is the position after its committed length, staged,
     the mask shows it one range of keys ending at that position (its start into the scratch ``kv_start``), and
-    every position and page it reads (or writes) passes ``decode_paged_ok``; sets ``last``."""
+    every position and page it reads (or writes) passes ``decode_paged_ok``; sets ``last``.  A row shorter
+    than T - 1 (a ragged call only) has the keys it never wrote hidden by the mask and dropped."""
     cdef const int64_t *lengths = <const int64_t *>c.p[7]
     cdef int32_t *last = <int32_t *>c.p[8]
     cdef const int32_t *kv_start = <const int32_t *>c.p[9]
@@ -58,20 +59,25 @@ cdef inline bint _masked_paged_admitted(const call_t *c) noexcept nogil:
     cdef const uint64_t *kp
     cdef const uint64_t *vp
     cdef int64_t b, B = c.i[0], T = c.i[8], P = c.i[RAGGED_P], M = c.i[RAGGED_M]
+    cdef bint ragged = c.i[13] != 0, longest = False
     if B < 1 or P < 1 or M < 1 or T < 1 or T > INT32_MAX:
         return False
     for b in range(B):
-        if lengths[b] != T - 1 or T > lengths[B + b]:
+        if lengths[b] < 0 or lengths[b] > T - 1 or (not ragged and lengths[b] != T - 1) \
+                or lengths[b] + 1 > lengths[B + b]:
             return False
-        last[b] = <int32_t>(T - 1)
+        longest = longest or lengths[b] == T - 1
+        last[b] = <int32_t>lengths[b]
+    if not longest:    # the keys are the longest row's past and the new one (a narrower mask is the node's)
+        return False
     if not masked_ranges(c.p[3], <int>c.i[9], <int>c.i[10], c.i[7], 1, T, B, 1, <int32_t *>c.p[9],
-                         <int32_t *>c.p[10], NULL):
+                         <int32_t *>c.p[10], NULL, lengths if ragged else NULL):
         return False
     kp = <const uint64_t *>c.p[5] + c.i[5] * P
     vp = <const uint64_t *>c.p[5] + c.i[6] * P
     for b in range(B):   # the keys the row's query sees, from its start: a window's evicted pages are not read
-        if q_pos[b] != T - 1 or not decode_paged_ok(kp, vp, P, tables + b * M, M, c.i[4], last + b, 1, 1, -1,
-                                                    T - 1 - kv_start[b], NULL, NULL, 0, 0):
+        if q_pos[b] != last[b] or not decode_paged_ok(kp, vp, P, tables + b * M, M, c.i[4], last + b, 1, 1, -1,
+                                                      last[b] - kv_start[b], NULL, NULL, 0, 0):
             return False
     return True
 

@@ -73,7 +73,7 @@ cdef _check_call(int c, int kind, arrays, ints, floats):
     if kind == KIND_MASKED_PAGED and not (
             len(ints) > 15 and ints[9] in (0, 1, 2) and ints[11] in (0, 1) and ints[12] in (0, 1, 2)
             and (ints[11] == 0 or ints[12] != 0) and min(ints[:5]) >= 1 and ints[1] % ints[2] == 0
-            and arrays[0].shape == arrays[4].shape == (ints[0], ints[1], 1, ints[3])
+            and ints[13] in (0, 1) and arrays[0].shape == arrays[4].shape == (ints[0], ints[1], 1, ints[3])
             and (arrays[1] is None) == (arrays[2] is None)
             and (arrays[1] is None or arrays[1].shape == arrays[2].shape == (ints[0], ints[2], 1, ints[3]))
             and all(a is None or a.itemsize == (2 if ints[11] else 4) for a in arrays[:3] + arrays[4:5])

@@ -57,7 +57,8 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
                  const double[::1] uniforms=None, uint8_t[::1] finished=None, int64_t pad=0,
                  const int64_t[::1] mask_ones=None, const int64_t[:, ::1] derived=None,
                  const double[:, ::1] derived_values=None, Program head=None, list head_externals=None,
-                 int head_token_ext=-1, int head_position_ext=-1, const int64_t[::1] derived_starts=None):
+                 int head_token_ext=-1, int head_position_ext=-1, const int64_t[::1] derived_starts=None,
+                 const int64_t[::1] derived_gaps=None):
     """Run up to ``count = len(tokens)`` decode steps of ``program`` for its B rows; return ``(steps, why)``.
 
     ``externals`` are the program's external arrays (checked as :meth:`Program.run` checks them), bound
@@ -77,8 +78,11 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     1, 1, M]`` (rows 1 or B; ``mask_len + count - 1 <= M``) of float32 (kind 0: ``derived_values[d, 0]``
     where key ``k`` is visible, ``[d, 1]`` where hidden) or bool (kind 1), C-contiguous as step ``t`` reads
     it ([rows, 1, 1, T = mask_len + t]); key ``k`` is visible when ``window`` is 0 or ``k > T - 1 -
-    window``, and, for a mask the formula reads (``padded`` 1, then rows B when ``derived_starts`` is
-    given), ``k >= derived_starts[r]``.
+    window``, and, for a mask the formula reads (``padded`` 1, then rows B when ``derived_starts`` or
+    ``derived_gaps`` is given), ``k >= derived_starts[r]``; or, with ``derived_gaps`` (int64 [B] or None,
+    each in [0, mask_len - 1]; ``derived_starts`` None), ``k`` outside ``[derived_gaps[r] + t, T - 1)``:
+    the mask of rows of different lengths, each row's ones first (one more each step), then zeros up to
+    the step's last column, which is one (the rows of requests of different lengths in one batch).
     ``externals[position_ext]`` (or -1: none) the tokens' positions (int64, one per row), one more each
     step.  ``head`` (or None) is a program run before ``program`` in every step, on ``head_externals``
     (checked and bound as ``program``'s), which must write nothing but its own memory (no cache);
@@ -165,8 +169,19 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     if mask_ext >= 0 and (not program.exts[mask_ext].ragged or program.exts[mask_ext].ndim != 2
                           or program.exts[mask_ext].shape[0] != B):
         raise ValueError(f"decode_steps: external {mask_ext} is not the ragged [{B}, L] mask of the rows' step")
+    if derived_gaps is not None:
+        if derived_starts is not None or n_derived == 0 or derived_gaps.shape[0] != B:
+            raise ValueError(f"decode_steps: derived_gaps must come with derived masks, one per row ({B}), and "
+                             f"without derived_starts")
+        for b in range(B):
+            if not 0 <= derived_gaps[b] <= mask_len - 1:
+                raise ValueError(f"decode_steps: derived_gaps[{b}] = {derived_gaps[b]} is not in [0, "
+                                 f"{mask_len - 1}]")
     _check_derived(program, derived, derived_values, n_derived, B, (token_ext, mask_ext, position_ext), mask_ones,
                    derived_starts, mask_len)
+    for d in range(n_derived if derived_gaps is not None else 0):
+        if derived[d, 4] and derived[d, 3] != B:
+            raise ValueError(f"decode_steps: derived[{d}] is padded: with derived_gaps it needs {B} rows")
     for prog, c in ((program, token_ext), (program, position_ext), (head, head_token_ext), (head, head_position_ext)):
         if c >= 0 and not _one_int64_per_row(prog, c, B):
             raise ValueError(f"decode_steps: external {c} must be int64, one per row (token ids or positions)")
@@ -198,7 +213,7 @@ def decode_steps(Program program, list externals, int token_ext, int mask_ext, i
     try:
         return _steps(program, bases, lens, token, position, mask_ext, mask_len, logits, ends, tokens, seconds,
                       temps, ks, ps, uniforms, p, work, order, s, finished, pad, mask_ones, derived, derived_values,
-                      head, hbases, hlens, heads, derived_starts)
+                      head, hbases, hlens, heads, derived_starts, derived_gaps)
     finally:
         free(p)
         free(order)
@@ -252,19 +267,23 @@ cdef _check_derived(Program program, const int64_t[:, ::1] derived, const double
 
 
 cdef void _write_derived(void *base, int64_t kind, int64_t window, int64_t rows, double visible, double hidden,
-                         int64_t T, const int64_t *starts) noexcept nogil:
-    """One derived mask [rows, 1, 1, T] (see :func:`decode_steps`) for the query at position T - 1; ``starts``
-    (or NULL): each row's keys hidden by its left padding."""
-    cdef int64_t r, k, lo, top = T - window if window > 0 else 0   # keys k > T - 1 - window
+                         int64_t T, const int64_t *starts, const int64_t *gaps, int64_t t) noexcept nogil:
+    """One derived mask [rows, 1, 1, T] (see :func:`decode_steps`) for the query at position T - 1 of step
+    ``t``; ``starts`` (or NULL): each row's keys hidden by its left padding; ``gaps`` (or NULL): each row's keys
+    ``gaps[r] + t <= k < T - 1`` hidden."""
+    cdef int64_t r, k, lo, glo, top = T - window if window > 0 else 0   # keys k > T - 1 - window
     cdef float *f = <float *>base
     cdef uint8_t *u = <uint8_t *>base
+    cdef bint shown
     for r in range(rows):
         lo = starts[r] if starts != NULL and starts[r] > top else top
+        glo = gaps[r] + t if gaps != NULL else T
         for k in range(T):
+            shown = k >= lo and not (glo <= k < T - 1)
             if kind == 0:
-                f[r * T + k] = <float>visible if k >= lo else <float>hidden
+                f[r * T + k] = <float>visible if shown else <float>hidden
             else:
-                u[r * T + k] = 1 if k >= lo else 0
+                u[r * T + k] = 1 if shown else 0
 
 
 def _per_row(value, dtype, int64_t B, str name):
@@ -283,7 +302,8 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
                   const double[::1] top_p, const double[::1] uniforms, double *p, double *work, int64_t *order,
                   okv_settings s, uint8_t[::1] finished, int64_t pad, const int64_t[::1] mask_ones,
                   const int64_t[:, ::1] derived, const double[:, ::1] derived_values, Program head,
-                  void **hbases, int64_t *hlens, int64_t **heads, const int64_t[::1] derived_starts):
+                  void **hbases, int64_t *hlens, int64_t **heads, const int64_t[::1] derived_starts,
+                  const int64_t[::1] derived_gaps):
     """The steps of :func:`decode_steps` on bound externals (``bases``, ``lens``; the head's ``hbases``,
     ``hlens``, its token and position externals ``heads``)."""
     cdef int64_t count = tokens.shape[0], B = tokens.shape[1], V = logits.shape[0] // tokens.shape[1]
@@ -303,7 +323,8 @@ cdef tuple _steps(Program program, void **bases, int64_t *lens, int64_t *token, 
             lens[derived[d, 0]] = L
             _write_derived(bases[derived[d, 0]], derived[d, 1], derived[d, 2], derived[d, 3], derived_values[d, 0],
                            derived_values[d, 1], L,
-                           &derived_starts[0] if derived_starts is not None and derived[d, 4] else NULL)
+                           &derived_starts[0] if derived_starts is not None and derived[d, 4] else NULL,
+                           &derived_gaps[0] if derived_gaps is not None and derived[d, 4] else NULL, t)
         if mask_ones is not None:   # [B, L] as the step reads it: each row's ones first
             for b in range(B):
                 for k in range(L):

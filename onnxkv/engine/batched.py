@@ -300,7 +300,7 @@ class BatchedSteps:
         rows = self._rows
         if not self.batched or self._batch is None or len(rows) < 1 or len(rows) != len(self.active):
             return 0
-        if self._loop_short == [r.id for r in rows]:  # these rows' pages did not fit ahead
+        if self._loop_short == [r.id for r in rows]:  # these rows' pages did not fit ahead, or a step refused them
             return 0
         first = rows[0]
         names = first._builder.decode_names if first._builder is not None else None
@@ -332,6 +332,8 @@ class BatchedSteps:
             for r, state in zip((r for r in rows if not r.sampling.greedy), streams, strict=True):
                 r.sampling.rng.bit_generator.state = state
                 r.sampling.rng.random(0 if run is None else run.steps)
+        if run is not None and not run.steps:  # its first step refused the rows' values: not tried again for them
+            self._loop_short = [r.id for r in rows]
         if run is None or not run.steps:
             return 0
         tokens = run.tokens.reshape(run.steps, len(rows))

@@ -201,7 +201,7 @@ class Engine(SegmentSteps, BatchedSteps):
         self._batch: State | None = None  # batched: the state of every decoding request's rows
         self._batch_slab = False  # batched: the pool's page allocator was made for it (close trims it)
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
-        self._loop_short: list[int] = []  # batched: the rows (ids) whose steps' pages did not fit ahead in run()
+        self._loop_short: list[int] = []  # batched: the rows (ids) run()'s loop did not fit or refused
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)
         self._paused_now: set[Request] = set()  # batched: paused in this step (not run again in it)
         self._closed = False

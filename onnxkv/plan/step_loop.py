@@ -276,7 +276,7 @@ def _replay(
     loop = _loop_items(plan, step.items, slots, names.mask) if rows else None
     if loop is None:
         return None
-    head, seg, derived, made, pads = loop
+    head, seg, derived, made, pads, gaps = loop
     logits = next((v for s, v in seg.exports if s == slot_of[names.logits]), None)
     kinds = {type(effect) for effect, _ in seg.effects}
     if (
@@ -291,6 +291,8 @@ def _replay(
         return None
     paged = kinds == {PagedAppend}
     if paged and any(effect.tokens != 1 for effect, _ in seg.effects):  # a step of one token per row only
+        return None
+    if gaps is not None and not paged:  # rows of different lengths: each row's own keys are a paged cache's
         return None
     try:
         named = list({id(c): c for c in (caches[n] for effect, _ in seg.effects for n in effect.names)}.values())
@@ -372,6 +374,7 @@ def _replay(
         head_token_ext=head_where.get("token", -1),
         head_position_ext=head_where.get("position", -1),
         derived_starts=pads,
+        derived_gaps=gaps,
     )
     if not done and at is not None:
         for c in named:  # nothing ran: the kept bytes are what the caches hold
@@ -455,16 +458,17 @@ def _externals(
 
 
 def _loop_items(plan, items: list, slots: list, mask: str) -> tuple | None:
-    """``(head, segment, masks, made, starts)``: the segments a compiled step's ``items`` loop over, and the
-    masks the loop writes for the segment (slot -> :meth:`ExportMask.loop_masks` entry).  Either one segment
-    of every node (no head, no masks); or an ``ExportMask`` node whose masks only the segment after it reads,
-    as externals, when the node's formula makes them the masks of one query after the mask ``mask`` -- all
-    ones, or left-padded: ``starts`` (int64 [B], or None for all ones) the zeros that come first in each row
-    --, with every other node in that segment, or in it and a head segment before the node that writes no
-    cache (the token embedding a torch export computes before its masks), whose exports (slot -> array) are
-    ``made``.  None otherwise."""
+    """``(head, segment, masks, made, starts, gaps)``: the segments a compiled step's ``items`` loop over, and
+    the masks the loop writes for the segment (slot -> :meth:`ExportMask.loop_masks` entry).  Either one
+    segment of every node (no head, no masks); or an ``ExportMask`` node whose masks only the segment after
+    it reads, as externals, when the node's formula makes them the masks of one query after the mask
+    ``mask`` -- all ones; left-padded: ``starts`` (int64 [B], else None) the zeros that come first in each
+    row; or each row's ones first, then zeros up to a last one (the rows of requests of different lengths):
+    ``gaps`` (int64 [B], else None) each row's ones before its zeros --, with every other node in that
+    segment, or in it and a head segment before the node that writes no cache (the token embedding a torch
+    export computes before its masks), whose exports (slot -> array) are ``made``.  None otherwise."""
     if len(items) == 1 and type(items[0]) is Segment:
-        return None, items[0], {}, {}, None
+        return None, items[0], {}, {}, None, None
     head = items[0] if len(items) == 3 and type(items[0]) is Segment and not items[0].effects else None
     rest = items[1:] if head is not None else items
     if len(rest) != 2 or type(rest[0]) is not int or type(rest[1]) is not Segment:
@@ -473,20 +477,25 @@ def _loop_items(plan, items: list, slots: list, mask: str) -> tuple | None:
     op, outs, value = plan.kernels[node], plan.out_idx[node], slots[plan.slot_of[mask]]
     if type(op) is not ExportMask or not (isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] > 0):
         return None
-    shown = value != 0
-    starts = np.argmax(shown, axis=1).astype(np.int64)  # each row's first non-zero
-    if not shown[:, -1].all() or (shown != (np.arange(value.shape[1]) >= starts[:, None])).any():
-        return None  # a row whose zeros are not all before its non-zeros
+    shown, cols, last = value != 0, np.arange(value.shape[1]), value.shape[1] - 1
+    if not shown[:, -1].all():
+        return None
+    starts, gaps = np.argmax(shown, axis=1).astype(np.int64), None  # each row's first non-zero
+    if (shown != (cols >= starts[:, None])).any():  # not left-padded: each row's ones, zeros, then a last one
+        gaps = np.where(shown[:, :-1].all(axis=1), last, np.argmin(shown[:, :-1], axis=1)).astype(np.int64)
+        if (shown != ((cols < gaps[:, None]) | (cols == last))).any():
+            return None
+        starts = np.zeros_like(starts)
     taken = {s for s in seg.external_slots if type(s) is int}
     if any(s not in taken or s in plan.output_slots for s in outs):
         return None
     made = dict(head.exports) if head is not None else {}  # the head's values, as its replay leaves them
     inputs = [None if i < 0 else slots[i] if slots[i] is not None else made.get(i) for i in plan.in_idx[node]]
     masks = op.loop_masks(inputs, mask, value.shape[1])
-    padded = bool(starts.any())
-    if masks is None or (padded and any(m[5] and m[2] != value.shape[0] for m in masks)):
+    padded, gapped = bool(starts.any()), gaps is not None
+    if masks is None or ((padded or gapped) and any(m[5] and m[2] != value.shape[0] for m in masks)):
         return None
-    return head, seg, dict(zip(outs, masks)), made, starts if padded else None
+    return head, seg, dict(zip(outs, masks)), made, starts if padded else None, gaps if gapped else None
 
 
 #: Positions a compiled loop over a paged cache stages pages for at most, rounded up to the end of a page:

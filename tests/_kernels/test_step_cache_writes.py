@@ -33,18 +33,21 @@ class Layer:
     """One layer's recorded decode calls over :class:`Paged` caches of ``len(pos)`` rows, each row's new
     position ``pos[b]`` (its committed length): K and V rows written by two KIND_PAGE_ROWS calls and read by
     a KIND_MASKED_PAGED call (``fused``: one KIND_MASKED_PAGED call that writes them itself).  The mask [B, 1,
-    1, T] hides the keys before ``start`` (per row) and, unless ``causal``, none after."""
+    1, T] hides the keys before ``start`` (per row) and, unless ``causal``, none after.  ``ragged`` (a fused
+    call's): rows of different committed lengths, T the longest's plus one, the mask hiding the keys
+    ``pos[b] .. T - 2`` each row never wrote (ONNX Attention over the rows of requests of different lengths)."""
 
-    def __init__(self, rng, pos, kv_dtype=None, mask_kind="float32", start=None, fused=False, causal=0):
+    def __init__(self, rng, pos, kv_dtype=None, mask_kind="float32", start=None, fused=False, causal=0, ragged=0):
         pos = np.asarray(pos, np.int64)
         b, self.kv_dtype, self.fused = len(pos), kv_dtype, fused
-        assert (pos == pos[0]).all()  # every row at one committed length
-        t = int(pos[0]) + 1
+        assert ragged or (pos == pos[0]).all()  # every row at one committed length
+        t = int(pos.max()) + 1
         self.pg, q, k, v, _, _ = _case(rng, HQ, HKV, D, pos.astype(np.int32), 0, kv_dtype=kv_dtype)
         self.q = np.ascontiguousarray(q.reshape(b, HQ, 1, D))
         self.k, self.v = (np.ascontiguousarray(x.reshape(b, HKV, 1, D)) for x in (k, v))
         self.start = np.zeros(b, np.int64) if start is None else np.asarray(start, np.int64)
-        seen = np.arange(t)[None, :] >= self.start[:, None]
+        cols = np.arange(t)[None, :]
+        seen = (cols >= self.start[:, None]) & ~((cols >= pos[:, None]) & (cols < t - 1))
         if mask_kind == "bool":
             mask = seen
         else:
@@ -65,7 +68,7 @@ class Layer:
         rows = (self.k, self.v) if fused else (None, None)
         scratch = tuple(np.zeros(b, np.int32) for _ in range(3))
         arrays = (self.q, *rows, self.mask, self.out, self.addresses, self.pg.table, self.lengths[2], *scratch)
-        ints = (b, HQ, HKV, D, BS, 0, 1, b, t, kind, causal, 0, kt, 0, p, m)
+        ints = (b, HQ, HKV, D, BS, 0, 1, b, t, kind, causal, 0, kt, ragged, p, m)
         calls.append((MASKED_PAGED, arrays, ints, (D**-0.5, 0.0)))
         self.calls = calls
         self.program = Program(calls, [self.mask, self.addresses, self.pg.table], (), [0, 1, 2])
@@ -79,11 +82,9 @@ class Layer:
         pos = self.lengths[0][0]
         for new, addr in ((self.k, self.pg.k_addr), (self.v, self.pg.v_addr)):
             K.page_write(_rows_of(new, self.kv_dtype), addr, self.pg.table, pos, BS)
-        t = int(pos[0]) + 1
-        b = len(pos)
         K.paged_attention(
-            self.q, self.pg.k_addr, self.pg.v_addr, self.pg.table, BS, HKV, np.full(b, t, np.int32),
-            np.full((b, 1), t - 1, np.int32), D**-0.5, 0.0, -1, out, kv_start=self.start.astype(np.int32),
+            self.q, self.pg.k_addr, self.pg.v_addr, self.pg.table, BS, HKV, (pos + 1).astype(np.int32),
+            pos.astype(np.int32)[:, None], D**-0.5, 0.0, -1, out, kv_start=self.start.astype(np.int32),
             kv_dtype=self.kv_dtype,
         )  # fmt: skip
 
@@ -121,6 +122,40 @@ def test_a_mask_with_a_start_per_row_reads_only_the_pages_it_shows(simd, threads
     assert layer.run()
     layer.pg.table[1, 1] = -1
     _refused(layer)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float16"])
+@pytest.mark.parametrize("mask_kind", ["float32", "bool"])
+def test_rows_of_different_lengths_attend_over_their_own_keys(simd, threads, kv_dtype, mask_kind):
+    """A ragged call (an Attention node over the rows of requests of different lengths): each row writes at its
+    own committed length and its query reads its own keys, the ones the mask hides between them and the
+    longest row's new position dropped -- bit for bit what the Python path's kernels make."""
+    rng = np.random.default_rng(8)
+    for pos, start in (([5, 19, 40], None), ([16, 3], [2, 0]), ([33, 33], None), ([7], None)):
+        _assert_replay_is_the_kernels(Layer(rng, pos, kv_dtype, mask_kind, start, fused=True, ragged=1))
+    _assert_replay_is_the_kernels(Layer(rng, [12, 30], fused=True, ragged=1, causal=1))
+
+
+def test_a_ragged_call_refuses_a_gap_its_mask_shows_and_rows_none_of_which_is_the_longest():
+    rng = np.random.default_rng(9)
+    assert Layer(rng, [9, 20], fused=True, ragged=1).run()
+    shown = Layer(rng, [9, 20], fused=True, ragged=1)
+    shown.mask[0, ..., 12] = 0.0  # a key row 0 never wrote, shown
+    _refused(shown)
+    shorter = Layer(rng, [9, 19], fused=True, ragged=1)
+    cols = np.arange(21)
+    wider = np.where((cols < np.array([[9], [19]])) | (cols == 20), 0.0, -np.inf).astype(np.float32)
+    before, out = _snapshot(shorter.pg), shorter.out.copy()
+    # each row's gap hidden, but no row is the longest (T - 1 = 20): the mask is not the past plus one
+    assert not shorter.program.run([wider[:, None, None, :], shorter.addresses, shorter.pg.table])
+    np.testing.assert_array_equal(shorter.out, out)
+    for got, w in zip(_snapshot(shorter.pg), before, strict=True):
+        np.testing.assert_array_equal(got, w)
+    unequal = Layer(rng, [9, 20], fused=True, ragged=1)
+    unequal.calls[-1] = (*unequal.calls[-1][:2], unequal.calls[-1][2][:13] + (0,) + unequal.calls[-1][2][14:],
+                         unequal.calls[-1][3])  # fmt: skip
+    unequal.program = Program(unequal.calls, [unequal.mask, unequal.addresses, unequal.pg.table], (), [0, 1, 2])
+    _refused(unequal)  # a call that is not ragged takes rows of one length only
 
 
 def test_a_float16_mask_hides_its_keys_with_minus_infinity():
@@ -200,6 +235,7 @@ def test_calls_whose_ints_do_not_describe_their_arrays_are_refused_at_build():
         (2, 3),  # 4 query heads over 3 KV heads
         (6, 2),  # no such plane
         (7, 3),  # the mask's rows are neither 1 nor the batch
+        (13, 2),  # ragged is 0 or 1
     ):
         ints = list(attention[2])
         ints[bad[0]] = bad[1]

@@ -327,6 +327,17 @@ def test_derived_masks_and_a_head_program_are_checked_before_anything_runs():
         (np.array([[3, 0, 0, 1, 0]]), values, {"derived_starts": np.array([-1])}, r"derived_starts\[0\] = -1"),
         (np.array([[3, 0, 0, 1, 0]]), values, {"derived_starts": np.array([0, 0])}, "one per row"),
         (None, None, {"derived_starts": np.array([0])}, "must come with derived masks"),
+        # rows of different lengths: each row's ones before the last column, not with left padding
+        (np.array([[3, 0, 0, 1, 1]]), values, {"derived_gaps": np.array([3])}, r"derived_gaps\[0\] = 3"),
+        (np.array([[3, 0, 0, 1, 1]]), values, {"derived_gaps": np.array([-1])}, r"derived_gaps\[0\] = -1"),
+        (np.array([[3, 0, 0, 1, 1]]), values, {"derived_gaps": np.array([0, 0])}, "derived_gaps must come with"),
+        (None, None, {"derived_gaps": np.array([0])}, "derived_gaps must come with derived masks"),
+        (
+            np.array([[3, 0, 0, 1, 1]]),
+            values,
+            {"derived_gaps": np.array([0]), "derived_starts": np.array([0])},
+            "without derived_starts",
+        ),
     ):
         with pytest.raises(ValueError, match=match):
             decode_steps(chain.program, chain.externals(6), 0, 1, 2, 3, logits, none, tokens, seconds,

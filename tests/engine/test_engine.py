@@ -609,31 +609,36 @@ def test_a_request_past_the_rotary_table_is_refused_when_it_is_added():
     ],
     ids=["greedy", "sampled", "mixed"],
 )
-def test_run_decodes_rows_in_c_each_with_its_sampling(sampling, monkeypatch):
+@pytest.mark.parametrize("graph", ["gqa", "attention"])
+def test_run_decodes_rows_in_c_each_with_its_sampling(sampling, graph, monkeypatch):
     """Engine.run: once only decode rows are left and they share their end ids, their steps run in C
     (State.decode_steps over the batched rows of their own lengths), greedy rows taking their argmax and
     sampled rows drawing from their own streams, together; a row that reaches an end id stops there.
-    Every request's tokens are generate's alone."""
-    session = onnxkv.Session(MODEL, threads=2)
+    Every request's tokens are generate's alone.  An opset-23 Attention graph's rows too: the loop writes
+    its ExportMask's masks with the keys each row never wrote hidden, and the Attention nodes read each
+    row's own pages."""
+    session = onnxkv.Session(MODEL if graph == "gqa" else build_model("attention", TINY, seed=11), threads=2)
+    vocab = session.model.vocab_size
     cache = onnxkv.CacheConfig("paged", block_size=16)
     probe = onnxkv.Engine(session, cache=cache)
-    free = probe.add_request(_ids(PROMPTS[1]), 30, eos_token_id=[], **sampling[1])
+    free = probe.add_request(_ids(PROMPTS[1]) % vocab, 30, eos_token_id=[], **sampling[1])
     probe.run()
     eos = [free.tokens[9]]  # request 1 ends at its tenth token, inside a loop
-    ran: list[tuple[int, int]] = []  # steps run in C, and how many sampling kinds the active requests had
+    ran: list[tuple[int, int, int]] = []  # steps run in C, the sampling kinds and the number of active requests
     real = State.decode_steps
     requests: list = []
 
     def counting(self, *args, **kwargs):
         kinds = len({r.sampling.greedy for r in requests if r.finished is None})
+        active = sum(r.finished is None for r in requests)
         run = real(self, *args, **kwargs)
-        ran.append((0 if run is None else run.steps, kinds))
+        ran.append((0 if run is None else run.steps, kinds, active))
         return run
 
     monkeypatch.setattr(State, "decode_steps", counting)
     engine = onnxkv.Engine(session, cache=cache)
     requests += [
-        engine.add_request(_ids(p), n, eos_token_id=eos, **kw)
+        engine.add_request(_ids(p) % vocab, n, eos_token_id=eos, **kw)
         for p, n, kw in zip(PROMPTS[:3], (24, 30, 40), sampling, strict=True)
     ]
     engine.run()
@@ -641,9 +646,36 @@ def test_run_decodes_rows_in_c_each_with_its_sampling(sampling, monkeypatch):
     for r, kw in zip(requests, sampling, strict=True):
         assert r.tokens == _alone(session, r, cache, **kw), r
     assert requests[1].finished == "eos" and requests[1].tokens == free.tokens[: free.tokens.index(eos[0]) + 1]
-    steps = sum(n for n, _ in ran)
+    steps = sum(n for n, _, _ in ran)
     assert steps >= 3 and engine.steps < sum(len(r.tokens) for r in requests)
-    assert max(kinds for n, kinds in ran if n) == len({not kw for kw in sampling})  # mixed rows loop together
+    assert max(kinds for n, kinds, _ in ran if n) == len({not kw for kw in sampling})  # mixed rows loop together
+    assert max(active for n, _, active in ran if n) == 3  # rows of three lengths in one loop
+
+
+def test_attention_rows_of_different_lengths_replay_their_attention_in_c(monkeypatch):
+    """An opset-23 Attention graph's decode rows of different lengths, stepped one by one (no loop): the
+    compiled step replays every Attention node over each row's own pages (no node but the ExportMask runs in
+    Python), and every request's tokens are generate's alone."""
+    from onnxkv.engine.batched import BatchedSteps
+    from onnxkv.plan.compiled_step import Segment
+
+    monkeypatch.setattr(BatchedSteps, "_decode_loop", lambda self: 0)
+    session = onnxkv.Session(build_model("attention", TINY, seed=11), threads=1)
+    cache = onnxkv.CacheConfig("paged", block_size=16)
+    engine = onnxkv.Engine(session, cache=cache)
+    vocab = session.model.vocab_size
+    requests = [engine.add_request(_ids(p) % vocab, 12, eos_token_id=[]) for p in PROMPTS]
+    engine.run()
+    python = {
+        session.plan.nodes[i].op_type
+        for step in session.plan.steps.idle
+        if step.signature[0][1][0] == len(PROMPTS)  # the decode steps of every row
+        for i in step.items
+        if not isinstance(i, Segment)
+    }
+    assert python == {"ExportMask"}
+    for r in requests:
+        assert r.tokens == _alone(session, r, cache)
 
 
 def test_run_steps_one_by_one_where_the_loops_pages_do_not_fit(monkeypatch):

@@ -364,7 +364,7 @@ class Attention23(Op):
             if rec is not None and nonpad is not None and not in_place and window < 0:
                 note_nonpad_decode(self, rec, rt, q, keys, values, mask, inputs[6], y, y_out, scale)
             elif rec is not None and paged and in_place and window < 0 and nonpad is None and self.page_pasts is None:
-                note_attention_paged(self, rec, rt, (q, k, v, mask, y, y_out), starts, past_len, scale)
+                note_attention_paged(self, rec, rt, (q, k, v, inputs[3], y, y_out), starts, past_len, scale)
             elif rec is not None:
                 decode = (q, k, v, mask, y, y_out) if in_place and not paged and window < 0 and nonpad is None else None
                 note_attention_decode(self, rec, rt, decode, starts, past_len, scale)
