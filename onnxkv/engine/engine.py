@@ -50,6 +50,7 @@ from dataclasses import replace
 import numpy as np
 
 from onnxkv.cache.formats import page_format
+from onnxkv.engine.alone import decode_alone
 from onnxkv.engine.batched import BatchedSteps, WaitForRoom
 from onnxkv.engine.occupancy import pool_occupancy
 from onnxkv.engine.prefix import PrefixCache
@@ -202,6 +203,7 @@ class Engine(SegmentSteps, BatchedSteps):
         self._batch_slab = False  # batched: the pool's page allocator was made for it (close trims it)
         self._rows: list[Request] = []  # batched: the request of each of its rows, in order
         self._loop_short: list[int] = []  # batched: the rows (ids) run()'s loop did not fit or refused
+        self._unlooped: set[int] = set()  # not batched: the requests (ids) whose state did not loop in run()
         self._decode_waited = False  # batched: the last step left the decode rows out (first in the next)
         self._paused_now: set[Request] = set()  # batched: paused in this step (not run again in it)
         self._closed = False
@@ -443,14 +445,31 @@ class Engine(SegmentSteps, BatchedSteps):
         """Step until every request has finished; returns every request in arrival order.  Once only
         decode rows are left (batched), their steps run in C up to the fewest tokens a row has left, each
         call (:meth:`_decode_loop`), with the tokens of the steps one by one; each such call counts its
-        steps in :attr:`steps`."""
+        steps in :attr:`steps`.  Not batched (one state per request), once every active request decodes,
+        each runs its remaining steps in C on its own state (:func:`~onnxkv.engine.alone.decode_alone`),
+        the most steps one ran counted in :attr:`steps`; a request whose state cannot loop steps one by one."""
         while self.active:
-            ran = self._decode_loop()
+            ran = self._decode_loop() if self.batched else self._decode_alone()
             if ran:
                 self.steps += ran
             else:
                 self.step()
         return self.requests
+
+    def _decode_alone(self) -> int:
+        """Not batched, every active request decoding: each one's remaining steps in C (those whose state
+        did not loop once are not tried again); returns the most steps one ran."""
+        active = self.active
+        if any(r.prompt_done < r._seq.size or r._state is None for r in active):
+            return 0
+        ran = 0
+        for r in active:
+            if r.id not in self._unlooped:
+                steps = decode_alone(r)
+                if not steps:
+                    self._unlooped.add(r.id)
+                ran = max(ran, steps)
+        return ran
 
     def _advance(self, r: Request) -> int | None:
         """Run ``r``'s next prompt chunk or decode step (as :func:`onnxkv.generate` runs them for one

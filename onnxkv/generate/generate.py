@@ -28,7 +28,7 @@ from onnxkv.runtime.prompt_chunk import prompt_chunk
 from onnxkv.runtime.session import check_precision
 from onnxkv.runtime.state import State
 
-__all__ = ["generate", "GenerationResult"]
+__all__ = ["compiled_steps", "generate", "GenerationResult"]
 
 
 @dataclass
@@ -251,8 +251,8 @@ def generate(
                 fast = None
                 if loop:
                     left = max_new_tokens - 1 - step
-                    fast = _compiled_steps(state, feeds, left if callback is None else min(CALLBACK_EVERY, left),
-                                           names, eos, sampling, finished.copy(), pad_token_id)  # fmt: skip
+                    fast = compiled_steps(state, feeds, left if callback is None else min(CALLBACK_EVERY, left),
+                                          names, eos, sampling, finished.copy(), pad_token_id)  # fmt: skip
                 if fast is not None and fast.steps:
                     # Its steps fed tok, then each row's id it chose but the last, which the next turn feeds.
                     chosen = fast.tokens.reshape(fast.steps, B)
@@ -291,7 +291,7 @@ def generate(
     )
 
 
-def _compiled_steps(
+def compiled_steps(
     state: State, feeds: dict, count: int, names, eos: list[int], sampling: SamplingConfig, finished, pad: int
 ):
     """Up to ``count`` steps of the B rows in one call (:meth:`State.decode_steps`; ``finished``: the rows that
