@@ -25,7 +25,7 @@ array; its static batching, all arriving at once) on the same builder-style
 folder, and the same N requests one after the other.
 
 Usage:
-  python benchmarks/bench_engine.py [--model small|tiny|embedded] [--family gqa|attention]
+  python benchmarks/bench_engine.py [--model small|tiny|embedded] [--family gqa|attention|concat]
       [--concurrency 1,2,4,8,16]
       [--prompt 128] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
       [--shared-prefix 0] [--prefix-arrivals after-first|together] [--no-peer] [--json FILE]
@@ -63,7 +63,8 @@ from _common import emit, machine, median, versions  # noqa: E402
 
 def _folder(tmp: Path, size: str, family: str = "gqa") -> tuple[Path, int]:
     """A model folder with genai_config.json: the embedded model's, or a built GroupQueryAttention
-    (``family`` "gqa", the GenAI builder's form) or opset-23 Attention ("attention") graph."""
+    (``family`` "gqa", the GenAI builder's form), opset-23 Attention ("attention") or Concat export
+    ("concat") graph."""
     from dataclasses import replace
 
     if size == "embedded":
@@ -399,9 +400,10 @@ def main() -> None:
     ap.add_argument(
         "--family",
         default="gqa",
-        choices=["gqa", "attention"],
-        help="graph form of a built model: GroupQueryAttention (GenAI's; the peers run it) or opset-23 "
-        "Attention (onnxkv only: GenAI does not run it)",
+        choices=["gqa", "attention", "concat"],
+        help="graph form of a built model: GroupQueryAttention (GenAI's; the peers run it), opset-23 "
+        "Attention or a past -> Concat -> present export (onnxkv only: GenAI does not run them; the engine "
+        "keeps one state per request of a Concat export)",
     )
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--prompt", type=int, default=128)
@@ -515,9 +517,10 @@ def main() -> None:
             case["onnxkv_tokens_per_s_median"] = median(tps)
             line = f"# N={case['concurrency']}: onnxkv engine {median(tps):.1f} tok/s"
             mem = case["memory"]
-            line += (
-                f" [attention reads {mem['attention_bytes_per_token'] / 2**20:.2f} MiB/token, temporaries peak "
-                f"{mem['temp_peak_bytes'] / 2**20:.1f} MiB, pool metadata "
+            read, temp = mem["attention_bytes_per_token"], mem["temp_peak_bytes"]
+            line += (  # (no pool figures for one state per request: a Concat export's contiguous caches)
+                f" [attention reads {'n/a' if read is None else f'{read / 2**20:.2f}'} MiB/token, temporaries "
+                f"peak {'n/a' if temp is None else f'{temp / 2**20:.1f}'} MiB, pool metadata "
                 f"{mem['cache_at_most_pages'].get('pool_metadata_bytes', 0) / 2**10:.1f} KiB]"
             )
             if args.pool_fraction:
