@@ -247,11 +247,15 @@ class Engine(SegmentSteps, BatchedSteps):
                 f"lengths and page tables); prompt chunks one run per request ({why})"
             )
         elif self.kind != "paged":
-            batching = "one run per request and step, not batched: contiguous caches are one state per request"
+            batching = (
+                "one run per request and step, not batched: contiguous caches are one state per request "
+                "(run() decodes each request's steps in C on its own state)"
+            )
         else:
             batching = (
                 f"one run per request and step: this graph form ('{self.session.model.convention.kind}') "
-                "takes one length per batch, so rows of different lengths are not batched"
+                "takes one length per batch, so rows of different lengths are not batched (run() decodes each "
+                "request's steps in C on its own state)"
             )
         prefix = self._prefix
         # operators that quantize a run's activations with one scale for all its rows (docs/engine.md)

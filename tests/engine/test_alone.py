@@ -40,7 +40,7 @@ def test_each_request_decodes_its_remaining_steps_in_one_call(concat_path, monke
     eos = [free.tokens[6]]  # ends request 0 at its seventh token, inside its call
     ran = count_decode_steps(monkeypatch)
     engine = onnxkv.Engine(session)
-    assert not engine.batched
+    assert not engine.batched and "in C on its own state" in engine.describe()["batching"]
     prompts = [np.arange(5, 21), np.arange(3, 40), np.arange(1, 4), np.arange(9, 30)]
     requests = [
         engine.add_request(p % MICRO.vocab_size, n, eos_token_id=e, **kw)
