@@ -27,7 +27,7 @@ folder, and the same N requests one after the other.
 Usage:
   python benchmarks/bench_engine.py [--model small|tiny|embedded] [--family gqa|attention|concat]
       [--concurrency 1,2,4,8,16]
-      [--prompt 128] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
+      [--prompt 128] [--prompt-spread 0] [--new-tokens 64] [--threads 2] [--rate 0] [--seed 0] [--rounds 3]
       [--shared-prefix 0] [--prefix-arrivals after-first|together] [--no-peer] [--json FILE]
       [--pool-fraction 0.5] [--mixed]
   python benchmarks/bench_engine.py --churn 1000 [--model embedded]
@@ -407,6 +407,14 @@ def main() -> None:
     )
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument(
+        "--prompt-spread",
+        type=float,
+        default=0.0,
+        help="each request's own prompt length drawn (seeded) from [prompt * (1 - spread), prompt]: rows of "
+        "different lengths in one batch (0: every prompt --prompt tokens; needs --no-peer, whose batch takes "
+        "one length)",
+    )
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
@@ -451,6 +459,10 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if not 0 <= args.prompt_spread < 1:
+        ap.error(f"--prompt-spread must be in [0, 1), got {args.prompt_spread}")
+    if args.prompt_spread and not args.no_peer and args.model != "embedded" and args.family == "gqa":
+        ap.error("--prompt-spread needs --no-peer (the GenAI peer's batch takes prompts of one length)")
 
     import onnxkv
 
@@ -473,7 +485,9 @@ def main() -> None:
         work = []
         for n in levels:
             shared = rng.integers(3, vocab, args.shared_prefix)
-            prompts = [np.concatenate([shared, rng.integers(3, vocab, args.prompt)]) for _ in range(n)]
+            low = max(1, round(args.prompt * (1 - args.prompt_spread)))
+            lengths = rng.integers(low, args.prompt + 1, n) if args.prompt_spread > 0 else [args.prompt] * n
+            prompts = [np.concatenate([shared, rng.integers(3, vocab, m)]) for m in lengths]
             gaps = rng.exponential(1 / args.rate, n) if args.rate > 0 else np.zeros(n)
             work.append((n, prompts, np.cumsum(gaps) - gaps[0]))
         cases = [{"concurrency": n, "arrivals_s": arr.tolist(), "rounds": []} for n, _, arr in work]
@@ -571,6 +585,7 @@ def main() -> None:
             "model": args.model,
             "family": args.family,
             "prompt": args.prompt,
+            "prompt_spread": args.prompt_spread,
             "new_tokens": args.new_tokens,
             "rate_per_s": args.rate,
             "pool_fraction": args.pool_fraction,
