@@ -13,7 +13,8 @@ too: a step of that node and one segment, or of a head segment that writes no
 cache, the node and a segment (a torch export's token embedding comes before
 its masks), replays with the loop writing the node's masks before each step
 (:meth:`ExportMask.loop_masks <onnxkv.plan.ops.export_mask.ExportMask.loop_masks>`;
-all-ones attention masks, or left-padded ones: each row's padding hides its first keys).
+all-ones attention masks, left-padded ones: each row's padding hides its first keys, or, on paged caches,
+the engine's rows of different lengths: each row's keys between its own and the last one hidden).
 :func:`run_steps` replays that program token after token in C
 (:func:`onnxkv._kernels.token_loop.decode_steps`), with no Python between the
 tokens, and stages the rows the steps appended in the caches; the caller (a
@@ -238,7 +239,9 @@ def run_steps(
     batch (each row's mask ones first: the rows of a GroupQueryAttention graph, each written at its own
     length; on contiguous caches over its padding until it passes the longest row, the committed bytes the
     steps may write over kept so that a discard restores them; a paged cache holds each row's own tokens
-    only).  ``caches`` (past input name -> contiguous :class:`~onnxkv.cache.contiguous.CacheTensor`, or
+    only), or, for a graph whose ``ExportMask`` node makes the masks, a left-padded batch or (paged) rows
+    each at its own length, the mask hiding the columns between a row's ones and the last one (the
+    engine's ``FeedBuilder.ragged``; the next mask keeps the gap after one more one).  ``caches`` (past input name -> contiguous :class:`~onnxkv.cache.contiguous.CacheTensor`, or
     the planes of one paged cache) are written in place; the steps' rows are staged (the
     caller commits or discards them).  Later steps feed each row's argmax of ``names.logits`` (or its
     draw; ``pad`` for a row that has ended: ``finished``, bool [B] or None, updated in place),

@@ -76,13 +76,14 @@ class ExportMask(Op):
 
     def loop_masks(self, inputs: list, mask: str, width: int) -> list[tuple[str, int, int, float, float, bool]] | None:
         """For a decode step whose graph mask ``mask`` (an input name) is ``width`` columns, each row's
-        non-zeros after its zeros (all non-zeros, or a left-padded row's; the compiled generation loop's:
+        non-zeros after its zeros (all non-zeros, or a left-padded row's), or each row's ones, zeros, then a
+        last one (the engine's rows of different lengths; the compiled generation loop's:
         :func:`onnxkv._kernels.token_loop.decode_steps` writes the outputs then): per output ``(kind,
         window, rows, visible, hidden, padded)`` -- ``"float32"`` or ``"bool"``, the window (0: none), 1 or
         the batch rows, the values of a visible and a hidden key (float32), whether the formula reads
         ``mask`` (a row's padding then hides its keys) -- when this run's ``inputs`` make it one query at
-        position ``width - 1`` over ``width`` keys, each key visible within the window and past the row's
-        padding; else None (the formula does not say so, or its output is of another type)."""
+        position ``width - 1`` over ``width`` keys, each key visible within the window and where the row's
+        mask shows it; else None (the formula does not say so, or its output is of another type)."""
         out = []
         for plan in self._plans:
             if plan is None:
