@@ -464,6 +464,7 @@ class Engine(SegmentSteps, BatchedSteps):
         """Not batched, every active request decoding: each one's remaining steps in C (those whose state
         did not loop once are not tried again); returns the most steps one ran."""
         active = self.active
+        self._unlooped.intersection_update(r.id for r in active)  # (finished requests' ids let go)
         if any(r.prompt_done < r._seq.size or r._state is None for r in active):
             return 0
         ran = 0

@@ -66,6 +66,9 @@ def test_a_state_that_cannot_loop_steps_one_by_one(concat_path, monkeypatch):
     engine.run()
     monkeypatch.undo()
     assert ran == [0, 0] and engine.steps == 9
+    later = engine.add_request(np.arange(3, 9) % MICRO.vocab_size, 4, eos_token_id=[])
+    engine.run()
+    assert engine._unlooped == {later.id}  # the ids of requests that finished before are let go
     plain = onnxkv.Session(concat_path, threads=1)
     for r in requests:
         assert r.tokens == _alone(plain, r)
